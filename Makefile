@@ -1,0 +1,57 @@
+# One set of commands for humans, hooks and CI.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Python 3.13: pyenv's 3.13 when present, else whatever python3.13 is on PATH.
+PYTHON313 ?= $(shell if [ -x "$$HOME/.pyenv/versions/3.13.0/bin/python3.13" ]; then echo "$$HOME/.pyenv/versions/3.13.0/bin/python3.13"; else command -v python3.13; fi)
+
+.PHONY: help venv run test test-unit test-integration test-e2e test-faults lint fmt typecheck bench clean
+
+help:
+	@echo "make run        the whole system on this machine (RabbitMQ + MongoDB or its stand-in + 4 services)"
+	@echo "make test       lint, type check and the whole test suite"
+	@echo "make bench      the benchmark (not part of make test)"
+
+$(VENV)/.installed: pyproject.toml
+	@test -n "$(PYTHON313)" || { echo "Python 3.13 not found (set PYTHON313=/path/to/python3.13)"; exit 1; }
+	test -x $(PY) || $(PYTHON313) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+run: venv
+	$(PY) -m devtools.stack run
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+fmt: venv
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+typecheck: venv
+	$(VENV)/bin/mypy
+
+test-unit: venv
+	$(PY) -m pytest tests/unit -q
+
+test-integration: venv
+	$(PY) -m pytest tests/integration -q
+
+test-e2e: venv
+	$(PY) -m pytest tests/e2e -q
+
+test-faults: venv
+	$(PY) -m pytest tests/faults -q
+
+test: lint typecheck
+	$(PY) -m pytest -q
+
+bench: venv
+	$(PY) -m bench.run $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .run

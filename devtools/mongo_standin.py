@@ -1,0 +1,110 @@
+"""A MongoDB wire-protocol stand-in (mongoeco) for machines without a MongoDB server.
+
+    python -m devtools.mongo_standin --host 127.0.0.1 --port 27017 [--engine memory|sqlite]
+                                     [--path FILE] [--exit-with-parent]
+
+Once listening it prints one JSON line, `{"url": "mongodb://HOST:PORT/?directConnection=true"}`,
+and serves until SIGINT or SIGTERM. `--port 0` picks a free port. It is NOT MongoDB: development
+and tests only (no change streams; the memory engine slows down as collections grow).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+PARENT_CHECK_INTERVAL_S = 1.0
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m devtools.mongo_standin",
+        description="MongoDB wire-protocol stand-in (mongoeco); NOT MongoDB, for dev and tests.",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=27017, help="0 picks a free port")
+    parser.add_argument("--engine", choices=("memory", "sqlite"), default="memory")
+    parser.add_argument("--path", help="database file of the sqlite engine")
+    parser.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="stop when the process that started this one goes away",
+    )
+    args = parser.parse_args(argv)
+    if args.engine == "sqlite" and not args.path:
+        parser.error("--engine sqlite needs --path FILE")
+    return args
+
+
+def make_engine(engine: str, path: str | None) -> Any:
+    """The mongoeco storage engine to serve (imported here: mongoeco is a dev-only extra)."""
+    if engine == "sqlite":
+        from mongoeco.engines.sqlite import SQLiteEngine  # noqa: PLC0415
+
+        return SQLiteEngine(path=str(path))
+    from mongoeco.engines.memory import MemoryEngine  # noqa: PLC0415
+
+    return MemoryEngine()
+
+
+def install_stop_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+
+
+async def watch_parent(stop: asyncio.Event, parent_pid: int) -> None:
+    """Set `stop` once this process is re-parented (its starter died without stopping us)."""
+    while not stop.is_set():
+        if os.getppid() != parent_pid:
+            stop.set()
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=PARENT_CHECK_INTERVAL_S)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from mongoeco.wire.proxy import AsyncMongoEcoProxyServer  # noqa: PLC0415
+
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    server = AsyncMongoEcoProxyServer(
+        engine=make_engine(args.engine, args.path), host=args.host, port=args.port
+    )
+    address = await server.start()
+    try:
+        print(json.dumps({"url": address.uri}), flush=True)
+        if args.exit_with_parent:
+            await watch_parent(stop, os.getppid())
+        await stop.wait()
+    finally:
+        await server.close()
+
+
+def event_loop_runner() -> Callable[[Awaitable[None]], None]:
+    try:
+        import uvloop  # noqa: PLC0415 - optional accelerator
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.run  # type: ignore[return-value]
+    return uvloop.run  # type: ignore[return-value]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        event_loop_runner()(serve(args))
+    except OSError as error:
+        print(f"mongo stand-in: cannot listen on {args.host}:{args.port}: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,527 @@
+"""Run the four services as local processes: `make run`, the e2e and fault tests, the benchmark.
+
+    python -m devtools.stack run [--scorers N] [--ready-timeout S] [--log-dir DIR]
+
+Each service runs as `python -m services.<name>` in its own process group (Ctrl-C handling is
+ours), logs to `<log_dir>/<service>[-<replica>].log`, and is ready when `GET /readyz` answers
+200. Services learn everything from the environment (the public contract): `RABBITMQ_URL`,
+`MONGO_URL`, `MONGO_DB_PREFIX`, `HTTP_HOST`, `<SERVICE>_PORT`, `STATUS_URL`, and whatever the
+caller adds (`LLM_*`, `SCORER_CONCURRENCY`, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from types import FrameType, TracebackType
+
+SERVICES: tuple[str, ...] = ("status", "scorer", "scheduler", "gateway")
+DEFAULT_PORTS: dict[str, int] = {"gateway": 8000, "status": 8001, "scorer": 8002, "scheduler": 8003}
+PORT_ENV: dict[str, str] = {service: f"{service.upper()}_PORT" for service in DEFAULT_PORTS}
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+
+READY_POLL_INTERVAL_S = 0.1
+READY_REQUEST_TIMEOUT_S = 2.0
+KILL_WAIT_S = 10.0
+LOG_TAIL_LINES = 40
+SUPERVISE_INTERVAL_S = 0.5
+
+
+class StackError(RuntimeError):
+    """A service could not be started, did not become ready, or died."""
+
+
+class PortInUseError(StackError):
+    """A fixed port is taken; the message names the environment variable to change."""
+
+
+@dataclass
+class StackConfig:
+    """What to run and where: infrastructure URLs, ports, replicas, extra environment.
+
+    `gateway_port=0` picks free ports for every service; otherwise the gateway listens on
+    `gateway_port`, the others on `ports` (default 8001 status, 8002 scorer, 8003 scheduler)
+    and scorer replicas beyond the first on free ports. `commands` replaces the command of a
+    service (tests run stand-ins that way); the default is `python -m services.<name>`.
+    """
+
+    rabbitmq_url: str
+    mongo_url: str
+    db_prefix: str = "scorebox"
+    host: str = "127.0.0.1"
+    gateway_port: int = 8000
+    scorer_replicas: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+    log_dir: Path = Path(".run/logs")
+    services: tuple[str, ...] = SERVICES
+    ports: dict[str, int] = field(default_factory=dict)
+    commands: dict[str, list[str]] | None = None
+    cwd: Path | None = None
+
+
+@dataclass
+class ServiceProcess:
+    """One running (or stopped) replica of a service."""
+
+    service: str
+    replica: int
+    port: int
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.log_path.stem
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+class Stack:
+    """The services as child processes: start, wait until ready, kill, restart, stop."""
+
+    def __init__(self, config: StackConfig) -> None:
+        unknown = set(config.services) - set(DEFAULT_PORTS)
+        if unknown:
+            raise StackError(f"unknown services {sorted(unknown)}; known: {list(DEFAULT_PORTS)}")
+        if config.scorer_replicas < 1:
+            raise StackError("scorer_replicas must be at least 1")
+        self.config = config
+        self._processes: list[ServiceProcess] = []
+
+    # ------------------------------------------------------------------ addresses
+
+    @property
+    def gateway_url(self) -> str:
+        return self.url("gateway")
+
+    def url(self, service: str, replica: int = 0) -> str:
+        return f"http://{self._connect_host}:{self._find(service, replica).port}"
+
+    @property
+    def _connect_host(self) -> str:
+        return "127.0.0.1" if self.config.host in WILDCARD_HOSTS else self.config.host
+
+    def log_path(self, service: str, replica: int = 0) -> Path:
+        return self._find(service, replica).log_path
+
+    def log_tail(self, service: str, replica: int = 0, lines: int = LOG_TAIL_LINES) -> str:
+        return read_tail(self.log_path(service, replica), lines)
+
+    def pids(self) -> dict[str, list[int]]:
+        """The pids of the running processes, by service (CPU/RSS accounting)."""
+        pids: dict[str, list[int]] = {}
+        for proc in self._processes:
+            if proc.running and proc.process is not None:
+                pids.setdefault(proc.service, []).append(proc.process.pid)
+        return pids
+
+    def dead(self) -> list[ServiceProcess]:
+        """Processes that were started and have exited since (none after a clean start)."""
+        return [p for p in self._processes if p.process is not None and not p.running]
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, *, ready_timeout_s: float = 60) -> None:
+        """Spawn every service and wait until all answer `/readyz` with 200.
+
+        On failure everything is stopped and `StackError` carries the failing service's log tail.
+        """
+        if self._processes:
+            raise StackError("the stack is already started")
+        self._processes = self._plan()
+        ensure_ports_free(self.config.host, self._fixed_ports())
+        try:
+            for proc in self._processes:
+                self._spawn(proc, append=False)
+            self._wait_ready(self._processes, ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, *, grace_s: float = 10) -> None:
+        """SIGTERM every process group, wait up to `grace_s` in total, SIGKILL the rest."""
+        running = [p for p in self._processes if p.running]
+        for proc in running:
+            signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in running:
+            wait_or_kill(proc, max(0.0, deadline - time.monotonic()))
+
+    def kill(self, service: str, replica: int = 0) -> None:
+        """SIGKILL one process (fault tests); it stays dead until `restart`."""
+        proc = self._find(service, replica)
+        if proc.running:
+            signal_group(proc, signal.SIGKILL)
+            wait_or_kill(proc, KILL_WAIT_S)
+
+    def restart(
+        self, service: str, replica: int = 0, *, ready_timeout_s: float = 60, grace_s: float = 10
+    ) -> None:
+        """Stop the process if it still runs, start it again on the same port, wait for ready."""
+        proc = self._find(service, replica)
+        if proc.running:
+            signal_group(proc, signal.SIGTERM)
+            wait_or_kill(proc, grace_s)
+        self._spawn(proc, append=True)
+        self._wait_ready([proc], ready_timeout_s)
+
+    def __enter__(self) -> Stack:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ internals
+
+    def _find(self, service: str, replica: int) -> ServiceProcess:
+        for proc in self._processes:
+            if proc.service == service and proc.replica == replica:
+                return proc
+        if not self._processes:
+            raise StackError("the stack is not started")
+        raise StackError(f"no {service} replica {replica} in this stack")
+
+    def replicas(self, service: str) -> int:
+        return self.config.scorer_replicas if service == "scorer" else 1
+
+    def _plan(self) -> list[ServiceProcess]:
+        slots = [(s, r) for s in self.config.services for r in range(self.replicas(s))]
+        fixed = self.config.gateway_port != 0
+        wanted = {slot: self._fixed_port(*slot) if fixed else 0 for slot in slots}
+        free = iter(free_ports(self.config.host, sum(1 for p in wanted.values() if p == 0)))
+        return [
+            ServiceProcess(
+                service=service,
+                replica=replica,
+                port=wanted[(service, replica)] or next(free),
+                log_path=self.config.log_dir / f"{self._instance_name(service, replica)}.log",
+            )
+            for service, replica in slots
+        ]
+
+    def _fixed_port(self, service: str, replica: int) -> int:
+        if replica > 0:
+            return 0
+        if service == "gateway":
+            return self.config.gateway_port
+        return self.config.ports.get(service, DEFAULT_PORTS[service])
+
+    def _fixed_ports(self) -> dict[str, int]:
+        if self.config.gateway_port == 0:
+            return {}
+        return {p.service: p.port for p in self._processes if p.replica == 0}
+
+    def _instance_name(self, service: str, replica: int) -> str:
+        return service if self.replicas(service) == 1 else f"{service}-{replica}"
+
+    def _command(self, service: str) -> list[str]:
+        if self.config.commands and service in self.config.commands:
+            return list(self.config.commands[service])
+        return [sys.executable, "-m", f"services.{service}"]
+
+    def _environment(self, proc: ServiceProcess) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            PYTHONUNBUFFERED="1",
+            RABBITMQ_URL=self.config.rabbitmq_url,
+            MONGO_URL=self.config.mongo_url,
+            MONGO_DB_PREFIX=self.config.db_prefix,
+            HTTP_HOST=self.config.host,
+        )
+        if "status" in self.config.services:
+            env["STATUS_URL"] = self.url("status")
+        env.update(self.config.env)
+        env[PORT_ENV[proc.service]] = str(proc.port)
+        env["SCOREBOX_SERVICE"] = proc.service
+        env["SCOREBOX_INSTANCE"] = proc.name
+        return env
+
+    def _spawn(self, proc: ServiceProcess, *, append: bool) -> None:
+        command = self._command(proc.service)
+        proc.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with proc.log_path.open("ab" if append else "wb") as log:
+            stamp = datetime.now(UTC).isoformat(timespec="seconds")
+            log.write(f"=== {stamp} starting {proc.name}: {shlex.join(command)}\n".encode())
+            log.flush()
+            proc.process = subprocess.Popen(
+                command,
+                env=self._environment(proc),
+                cwd=self.config.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def _wait_ready(self, procs: Sequence[ServiceProcess], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = list(procs)
+        last_answer: dict[str, str] = {}
+        while pending:
+            for proc in list(pending):
+                self._fail_if_exited(proc)
+                answer = probe(f"{self.url(proc.service, proc.replica)}/readyz")
+                if answer == "200":
+                    pending.remove(proc)
+                last_answer[proc.name] = answer
+            if pending and time.monotonic() >= deadline:
+                proc = pending[0]
+                raise StackError(
+                    f"{proc.name} did not become ready within {timeout_s:.0f}s "
+                    f"(last /readyz answer: {last_answer[proc.name]}); "
+                    f"last lines of {proc.log_path}:\n{read_tail(proc.log_path)}"
+                )
+            if pending:
+                time.sleep(READY_POLL_INTERVAL_S)
+
+    @staticmethod
+    def _fail_if_exited(proc: ServiceProcess) -> None:
+        if proc.process is not None and proc.process.poll() is not None:
+            raise StackError(
+                f"{proc.name} exited with code {proc.process.returncode} before it was ready; "
+                f"last lines of {proc.log_path}:\n{read_tail(proc.log_path)}"
+            )
+
+
+# ---------------------------------------------------------------------- process helpers
+
+
+def signal_group(proc: ServiceProcess, signum: signal.Signals) -> None:
+    """Send `signum` to the process group of `proc` (it leads its own session)."""
+    if proc.process is None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.process.pid, signum)
+
+
+def wait_or_kill(proc: ServiceProcess, timeout_s: float) -> None:
+    """Wait for `proc` to exit; SIGKILL its group when `timeout_s` passes."""
+    if proc.process is None:
+        return
+    try:
+        proc.process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        signal_group(proc, signal.SIGKILL)
+        proc.process.wait(timeout=KILL_WAIT_S)
+
+
+def probe(url: str, timeout_s: float = READY_REQUEST_TIMEOUT_S) -> str:
+    """The HTTP status of `GET url` as text, or a short description of why there was none."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return str(response.status)
+    except urllib.error.HTTPError as error:
+        return str(error.code)
+    except (OSError, ValueError) as error:
+        return type(error).__name__ if not str(error) else f"{type(error).__name__}: {error}"
+
+
+def read_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_bytes()[-64_000:].decode(errors="replace")
+    except OSError as error:
+        return f"(cannot read {path}: {error})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+# ---------------------------------------------------------------------- port helpers
+
+
+def free_ports(host: str, count: int) -> list[int]:
+    """`count` distinct ports that were free a moment ago (all held open while choosing)."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def ensure_ports_free(host: str, ports: dict[str, int]) -> None:
+    """Raise `PortInUseError` naming the variable to change for the first taken port."""
+    for service, port in ports.items():
+        if not port_is_free(host, port):
+            raise PortInUseError(
+                f"port {port} ({service}) is already in use on {host}; stop whatever listens "
+                f"there or choose another port with {PORT_ENV[service]}=<port>"
+            )
+
+
+def ports_from_env(environ: Mapping[str, str] = os.environ) -> dict[str, int]:
+    """`GATEWAY_PORT`, `STATUS_PORT`, `SCORER_PORT`, `SCHEDULER_PORT` (or their defaults)."""
+    ports: dict[str, int] = {}
+    for service, default in DEFAULT_PORTS.items():
+        raw = environ.get(PORT_ENV[service], str(default))
+        try:
+            ports[service] = int(raw)
+        except ValueError:
+            raise StackError(f"{PORT_ENV[service]}={raw!r} is not a port number") from None
+    return ports
+
+
+# ---------------------------------------------------------------------- `run` command
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m devtools.stack")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="RabbitMQ + MongoDB (or its stand-in) + the services")
+    run.add_argument(
+        "--scorers", type=int, default=int(os.environ.get("SCORER_REPLICAS", "1")), metavar="N"
+    )
+    run.add_argument("--ready-timeout", type=float, default=90.0, metavar="SECONDS")
+    run.add_argument("--log-dir", type=Path, default=Path(".run/logs"))
+    return parser.parse_args(argv)
+
+
+def curl_examples(gateway_url: str, api_key_set: bool) -> list[str]:
+    auth = ' -H "Authorization: Bearer $SCOREBOX_API_KEY"' if api_key_set else ""
+    return [
+        f"curl -s -X POST {gateway_url}/v1/scores -H 'Content-Type: application/json'{auth} "
+        """-d '{"text": "The quick brown fox jumps over the lazy dog."}'""",
+        f"curl -s{auth} {gateway_url}/v1/scores/<task_id>",
+    ]
+
+
+def banner(stack: Stack, services: Sequence[str]) -> str:
+    lines = ["", "Scorebox is up."]
+    for service in services:
+        for replica in range(stack.replicas(service)):
+            lines.append(f"  {service:<10} {stack.url(service, replica)}")
+    lines += [
+        "",
+        f"Gateway:  {stack.gateway_url}",
+        f"API docs: {stack.gateway_url}/docs",
+        f"Logs:     {stack.config.log_dir}/",
+        "",
+        "Try it:",
+        *(
+            f"  {line}"
+            for line in curl_examples(stack.gateway_url, "SCOREBOX_API_KEY" in os.environ)
+        ),
+        "",
+        "Ctrl-C stops everything.",
+    ]
+    return "\n".join(lines)
+
+
+def _raise_interrupt(signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def stop_signals_interrupt() -> Iterator[None]:
+    """SIGTERM behaves like Ctrl-C inside the block; both are ignored once it is left.
+
+    Leave it before cleaning up, so a second Ctrl-C cannot cut a shutdown short.
+    """
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def supervise(stack: Stack) -> int:
+    """Block until interrupted (0) or until a service dies (1, after printing its log)."""
+    while True:
+        dead = stack.dead()
+        if dead:
+            for proc in dead:
+                code = proc.process.returncode if proc.process else None
+                print(f"\n{proc.name} died (exit code {code}); last lines of {proc.log_path}:")
+                print(read_tail(proc.log_path))
+            print("\nStopping everything.", file=sys.stderr)
+            return 1
+        time.sleep(SUPERVISE_INTERVAL_S)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Resolve the infrastructure, start the stack, supervise it; stop all of it on the way out."""
+    host = os.environ.get("HTTP_HOST", "127.0.0.1")
+    ports = ports_from_env()
+    ensure_ports_free(host, ports)  # fail before starting anything
+    with contextlib.ExitStack() as resources:
+        try:
+            with stop_signals_interrupt():
+                return start_and_supervise(args, resources, host=host, ports=ports)
+        except KeyboardInterrupt:
+            print("\nStopping ...", flush=True)
+            return 0
+
+
+def start_and_supervise(
+    args: argparse.Namespace, resources: contextlib.ExitStack, *, host: str, ports: dict[str, int]
+) -> int:
+    from devtools.infra import InfraError, redact, resolve_mongo, resolve_rabbitmq  # noqa: PLC0415
+
+    try:
+        rabbitmq = resources.enter_context(resolve_rabbitmq())
+        print(f"RabbitMQ: {rabbitmq.kind}  {redact(rabbitmq.url)}", flush=True)
+        mongo = resources.enter_context(resolve_mongo(log_path=args.log_dir / "mongo.log"))
+        print(f"MongoDB:  {mongo.kind}  {redact(mongo.url)}", flush=True)
+    except InfraError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if mongo.is_standin:
+        print("          (in memory: its data is gone when this stops)")
+    config = StackConfig(
+        rabbitmq_url=rabbitmq.url,
+        mongo_url=mongo.url,
+        db_prefix=os.environ.get("MONGO_DB_PREFIX", "scorebox"),
+        host=host,
+        gateway_port=ports["gateway"],
+        ports=ports,
+        scorer_replicas=args.scorers,
+        log_dir=args.log_dir,
+    )
+    stack = Stack(config)
+    resources.callback(stack.stop)
+    print(f"Starting {', '.join(config.services)} (logs in {args.log_dir}/) ...", flush=True)
+    stack.start(ready_timeout_s=args.ready_timeout)
+    print(banner(stack, config.services), flush=True)
+    return supervise(stack)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except StackError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

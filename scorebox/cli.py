@@ -1,0 +1,100 @@
+"""`scorebox`: the command line client of a Scorebox gateway.
+
+    scorebox submit FILE [--rubric R] [--wait]     submit a text (FILE or - for stdin)
+    scorebox status TASK_ID                        show a task
+
+The gateway is `SCOREBOX_URL` (default http://127.0.0.1:8000); `SCOREBOX_API_KEY`, when set,
+is sent as a bearer token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import typer
+
+app = typer.Typer(help="Command line client of Scorebox.", no_args_is_help=True)
+
+TERMINAL = {"completed", "failed"}
+REQUEST_TIMEOUT_S = 30.0
+
+
+def _client() -> httpx.Client:
+    headers = {}
+    if key := os.environ.get("SCOREBOX_API_KEY"):
+        headers["Authorization"] = f"Bearer {key}"
+    base_url = os.environ.get("SCOREBOX_URL", "http://127.0.0.1:8000")
+    return httpx.Client(base_url=base_url, headers=headers, timeout=REQUEST_TIMEOUT_S)
+
+
+def _fail(response: httpx.Response) -> typer.Exit:
+    try:
+        detail = response.json().get("detail", response.text)
+    except ValueError:
+        detail = response.text
+    typer.echo(f"error {response.status_code}: {detail}", err=True)
+    return typer.Exit(code=1)
+
+
+def _show(body: dict[str, Any]) -> None:
+    typer.echo(json.dumps(body, indent=2, ensure_ascii=False))
+
+
+def _wait(client: httpx.Client, task_id: str, timeout_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    delay = 0.2
+    while True:
+        response = client.get(f"/v1/scores/{task_id}")
+        if response.status_code != 200:
+            raise _fail(response)
+        body: dict[str, Any] = response.json()
+        if body["status"] in TERMINAL or time.monotonic() > deadline:
+            return body
+        time.sleep(delay)
+        delay = min(delay * 1.5, 3.0)
+
+
+@app.command()
+def submit(
+    file: Annotated[Path, typer.Argument(help="The text to score; - reads stdin.")],
+    rubric: Annotated[str | None, typer.Option(help="What to judge the text on.")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Poll until the task finishes.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds --wait polls at most.")] = 300.0,
+    idempotency_key: Annotated[str | None, typer.Option(help="Idempotency-Key header.")] = None,
+) -> None:
+    """Submit a text for scoring and print the task (or, with --wait, its result)."""
+    text = sys.stdin.read() if str(file) == "-" else file.read_text(encoding="utf-8")
+    payload: dict[str, Any] = {"text": text}
+    if rubric:
+        payload["rubric"] = rubric
+    headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+    with _client() as client:
+        response = client.post("/v1/scores", json=payload, headers=headers)
+        if response.status_code not in (200, 202):
+            raise _fail(response)
+        body: dict[str, Any] = response.json()
+        if wait:
+            body = _wait(client, body["task_id"], timeout)
+        _show(body)
+        if body["status"] == "failed":
+            raise typer.Exit(code=2)
+
+
+@app.command()
+def status(task_id: str) -> None:
+    """Show a task's status and, once completed, its score."""
+    with _client() as client:
+        response = client.get(f"/v1/scores/{task_id}")
+        if response.status_code != 200:
+            raise _fail(response)
+        _show(response.json())
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,220 @@
+"""The public HTTP API: a thin adapter from HTTP to the gateway's handlers.
+
+Bodies are read by hand (not by FastAPI's validation) so that each kind of bad input gets its
+own clear answer: 415 wrong content type, 413 too large (checked before the body is read
+whole), 400 not JSON, 422 invalid fields.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from services.gateway.errors import (
+    IdempotencyConflict,
+    RequestInProgress,
+    Unavailable,
+)
+from services.gateway.schemas import ScoreSubmission, SubmissionAccepted
+from services.gateway.settings import GatewaySettings
+from services.gateway.submissions import Submissions
+from services.gateway.submit import (
+    Publisher,
+    StatusReader,
+    SubmitPolicy,
+    read_score,
+    submit_score,
+)
+from shared.contracts import DEFAULT_TENANT, TaskView
+from shared.http import PROBLEM_JSON, Problem
+
+IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
+TASK_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+_PROBLEM = {"content": {PROBLEM_JSON: {"schema": {"type": "object"}}}}
+
+
+@dataclass(frozen=True)
+class GatewayDeps:
+    settings: GatewaySettings
+    submissions: Submissions
+    publisher: Publisher
+    status: StatusReader
+    clock: Callable[[], datetime]
+
+
+def status_url(task_id: str) -> str:
+    return f"/v1/scores/{task_id}"
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise Problem(413, f"The body is {declared} bytes; the limit is {limit} bytes.")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise Problem(413, f"The body exceeds the limit of {limit} bytes.")
+    return bytes(body)
+
+
+async def parse_submission(request: Request, settings: GatewaySettings) -> ScoreSubmission:
+    if not _is_json(request.headers.get("content-type", "")):
+        raise Problem(415, "Send the submission as JSON with 'Content-Type: application/json'.")
+    body = await _read_body(request, settings.max_body_bytes)
+    try:
+        payload: Any = orjson.loads(body)
+    except orjson.JSONDecodeError as error:
+        raise Problem(400, f"The body is not valid JSON: {error}.") from error
+    if not isinstance(payload, dict):
+        raise Problem(422, "The body must be a JSON object.", kind="invalid-fields")
+    text = payload.get("text")
+    if isinstance(text, str) and len(text) > settings.max_text_chars:
+        raise Problem(
+            413,
+            f"The text has {len(text)} characters; the limit is {settings.max_text_chars}.",
+            kind="text-too-long",
+        )
+    try:
+        return ScoreSubmission.model_validate(payload)
+    except ValidationError as error:
+        errors = [
+            {"field": ".".join(map(str, e["loc"])) or "body", "message": e["msg"]}
+            for e in error.errors(include_url=False)
+        ]
+        detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
+        raise Problem(422, detail, kind="invalid-fields", errors=errors) from error
+
+
+def _check_idempotency_key(key: str | None) -> str | None:
+    if key is not None and not IDEMPOTENCY_KEY.match(key):
+        raise Problem(400, "Idempotency-Key must be 1 to 255 visible ASCII characters.")
+    return key
+
+
+def _unavailable(error: Unavailable) -> Problem:
+    return Problem(
+        503,
+        f"{type(error).__name__}: a dependency is unavailable and nothing was kept; retry shortly.",
+        kind="unavailable",
+        headers={"Retry-After": str(error.retry_after_s)},
+    )
+
+
+def _view_json(view: TaskView, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {**view.model_dump(mode="json"), "status_url": status_url(view.task_id)}
+    return JSONResponse(body, status_code=200, headers=headers)
+
+
+def score_routes(deps: GatewayDeps) -> APIRouter:
+    router = APIRouter(prefix="/v1", tags=["scores"])
+    policy = SubmitPolicy(
+        max_attempts=deps.settings.max_attempts,
+        retention=timedelta(seconds=deps.settings.idempotency_ttl_s),
+    )
+
+    @router.post(
+        "/scores",
+        status_code=202,
+        response_model=SubmissionAccepted,
+        summary="Submit a text for scoring",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": ScoreSubmission.model_json_schema()}},
+            }
+        },
+        responses={
+            200: {"description": "Same Idempotency-Key and body: the earlier task."},
+            **dict.fromkeys((400, 409, 413, 415, 422, 503), _PROBLEM),
+        },
+    )
+    async def submit(
+        request: Request,
+        idempotency_key: str | None = Header(default=None, alias="Idempotency-Key"),
+    ) -> JSONResponse:
+        submission = await parse_submission(request, deps.settings)
+        try:
+            submitted = await submit_score(
+                submission,
+                tenant_id=DEFAULT_TENANT,
+                idempotency_key=_check_idempotency_key(idempotency_key),
+                submissions=deps.submissions,
+                publisher=deps.publisher,
+                policy=policy,
+                clock=deps.clock,
+            )
+        except IdempotencyConflict as error:
+            raise Problem(
+                409,
+                "This Idempotency-Key was used with a different request body.",
+                kind="idempotency-key-reused",
+            ) from error
+        except RequestInProgress as error:
+            raise Problem(
+                409,
+                "A request with this Idempotency-Key is still being accepted; retry shortly.",
+                kind="request-in-progress",
+                headers={"Retry-After": "1"},
+            ) from error
+        except Unavailable as error:
+            raise _unavailable(error) from error
+        location = {"Location": status_url(submitted.task_id)}
+        if not submitted.created:
+            view = await _read(submitted.task_id, deps)
+            if view is not None:
+                return _view_json(view, headers=location)
+        accepted = SubmissionAccepted(
+            task_id=submitted.task_id,
+            status=submitted.status.value,
+            status_url=status_url(submitted.task_id),
+        )
+        return JSONResponse(
+            accepted.model_dump(), status_code=202 if submitted.created else 200, headers=location
+        )
+
+    @router.get(
+        "/scores/{task_id}",
+        response_model=TaskView,
+        summary="The task's status and, once completed, its score",
+        responses=dict.fromkeys((404, 503), _PROBLEM),
+    )
+    async def read(task_id: str) -> JSONResponse:
+        view = await _read(task_id, deps)
+        if view is None:
+            raise Problem(404, f"No task {task_id!r} is known (or it has expired).")
+        return _view_json(view)
+
+    return router
+
+
+async def _read(task_id: str, deps: GatewayDeps) -> TaskView | None:
+    if not TASK_ID.match(task_id):
+        return None
+    try:
+        return await read_score(
+            task_id,
+            tenant_id=DEFAULT_TENANT,
+            status=deps.status,
+            submissions=deps.submissions,
+            clock=deps.clock,
+            window=timedelta(seconds=deps.settings.read_your_writes_window_s),
+        )
+    except Unavailable as error:
+        raise _unavailable(error) from error

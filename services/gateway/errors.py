@@ -1,0 +1,42 @@
+"""Errors of the gateway, split by what the client must do.
+
+    GatewayError
+    ├── IdempotencyConflict     409: same key, different request body
+    ├── RequestInProgress       409: same key, first request still being accepted; retry
+    └── Unavailable             503: try again later; nothing was kept
+        ├── BrokerUnavailable
+        ├── DatabaseUnavailable
+        └── StatusUnavailable
+
+Only the HTTP adapter (`api.py`) turns these into problem+json answers.
+"""
+
+
+class GatewayError(Exception):
+    """Base of the gateway's errors."""
+
+
+class IdempotencyConflict(GatewayError):
+    """The Idempotency-Key was used before with a different request."""
+
+
+class RequestInProgress(GatewayError):
+    """The Idempotency-Key's first request has not finished being accepted."""
+
+
+class Unavailable(GatewayError):
+    """A dependency is down; the request changed nothing."""
+
+    retry_after_s = 5
+
+
+class BrokerUnavailable(Unavailable):
+    """RabbitMQ did not confirm the publish."""
+
+
+class DatabaseUnavailable(Unavailable):
+    """MongoDB did not answer."""
+
+
+class StatusUnavailable(Unavailable):
+    """The status service did not answer."""

@@ -1,0 +1,82 @@
+"""The public request and response bodies of the gateway's HTTP API."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+import orjson
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_METADATA_BYTES = 8_192
+MAX_DELAY_S = 7 * 24 * 3600
+
+
+def _check_metadata_keys(value: Any, path: str = "metadata") -> None:
+    """Refuse MongoDB operator-like keys anywhere in client metadata."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key.startswith("$") or "." in key or "\x00" in key:
+                raise ValueError(f"{path}: key {key!r} may not start with '$' or contain '.'")
+            _check_metadata_keys(item, f"{path}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_metadata_keys(item, f"{path}[{index}]")
+
+
+class ScoreSubmission(BaseModel):
+    """`POST /v1/scores`: a text to score."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "text": "Queues turn a slow synchronous call into a task the client polls.",
+                    "rubric": "clarity and argument",
+                    "metadata": {"source": "docs"},
+                }
+            ]
+        },
+    )
+
+    text: str = Field(description="The text to score (not empty; see MAX_TEXT_CHARS).")
+    rubric: str | None = Field(default=None, max_length=4_000)
+    model: str | None = Field(default=None, min_length=1, max_length=200)
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Kept with the task.")
+    delay_seconds: int | None = Field(default=None, ge=0, le=MAX_DELAY_S)
+    not_before: AwareDatetime | None = Field(default=None, description="Do not score before.")
+
+    @field_validator("text")
+    @classmethod
+    def _text_not_blank(cls, text: str) -> str:
+        if not text.strip():
+            raise ValueError("text must contain something other than whitespace")
+        return text
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_safe(cls, metadata: dict[str, Any]) -> dict[str, Any]:
+        _check_metadata_keys(metadata)
+        if len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
+            raise ValueError(f"metadata must serialise to at most {MAX_METADATA_BYTES} bytes")
+        return metadata
+
+    @model_validator(mode="after")
+    def _one_delay(self) -> ScoreSubmission:
+        if self.delay_seconds is not None and self.not_before is not None:
+            raise ValueError("give either delay_seconds or not_before, not both")
+        return self
+
+    def due_at(self, now: datetime) -> datetime | None:
+        if self.delay_seconds:
+            return now + timedelta(seconds=self.delay_seconds)
+        return self.not_before
+
+
+class SubmissionAccepted(BaseModel):
+    """`202 Accepted`: the task id and where to poll."""
+
+    task_id: str
+    status: str = Field(examples=["queued"])
+    status_url: str = Field(examples=["/v1/scores/6f1c0c0b3b0b4d8a9f7e1f3f0a9d2c11"])

@@ -1,0 +1,151 @@
+"""The gateway's own records: one submission per task, its idempotency key, its outbox state.
+
+A submission is inserted as `accepting` with the command it will publish, and turns
+`accepted` once the broker confirmed the command. One still `accepting` after a grace
+period was interrupted (process died between insert and publish); the outbox sweep sends
+it then. Publishing twice is harmless: the scorer claims each task once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+import orjson
+from pymongo import ASCENDING, AsyncMongoClient
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import DuplicateKeyError, PyMongoError
+
+from services.gateway.errors import DatabaseUnavailable
+from shared.contracts import ScoreText
+
+Document = dict[str, Any]
+
+
+class SubmissionState(StrEnum):
+    ACCEPTING = "accepting"
+    ACCEPTED = "accepted"
+
+
+@dataclass(frozen=True)
+class Submission:
+    task_id: str
+    tenant_id: str
+    state: SubmissionState
+    request_hash: str
+    created_at: datetime
+    not_before: datetime | None
+    command: ScoreText | None
+
+
+def request_hash(payload: Document) -> str:
+    """A stable hash of a validated request (key order does not matter)."""
+    return hashlib.sha256(orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+class KeyTaken(Exception):
+    """The tenant's idempotency key already names a submission."""
+
+
+class Submissions:
+    """Repository of submissions; every database failure surfaces as `DatabaseUnavailable`."""
+
+    def __init__(self, client: AsyncMongoClient[Document], database: str) -> None:
+        self._collection: AsyncCollection[Document] = client[database]["submissions"]
+
+    async def ensure_indexes(self) -> None:
+        await self._collection.create_index(
+            [("tenant_id", ASCENDING), ("idempotency_key", ASCENDING)],
+            unique=True,
+            partialFilterExpression={"idempotency_key": {"$type": "string"}},
+            name="idempotency_key_per_tenant",
+        )
+        await self._collection.create_index([("state", ASCENDING), ("created_at", ASCENDING)])
+        await self._collection.create_index([("expires_at", ASCENDING)], expireAfterSeconds=0)
+
+    async def insert(
+        self,
+        command: ScoreText,
+        *,
+        request_hash: str,
+        idempotency_key: str | None,
+        retention: timedelta,
+    ) -> None:
+        """Record a new submission as `accepting`; raises `KeyTaken` for a used key."""
+        document: Document = {
+            "_id": command.task_id,
+            "tenant_id": command.tenant_id,
+            "state": SubmissionState.ACCEPTING.value,
+            "request_hash": request_hash,
+            "created_at": command.submitted_at,
+            "not_before": command.not_before,
+            "expires_at": command.submitted_at + retention,
+            "command": command.model_dump(mode="json"),
+        }
+        if idempotency_key is not None:
+            document["idempotency_key"] = idempotency_key
+        try:
+            await self._collection.insert_one(document)
+        except DuplicateKeyError as error:
+            raise KeyTaken(idempotency_key) from error
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
+    async def mark_accepted(self, task_id: str) -> None:
+        await self._update(
+            {"_id": task_id},
+            {"$set": {"state": SubmissionState.ACCEPTED.value}, "$unset": {"command": ""}},
+        )
+
+    async def discard(self, task_id: str) -> None:
+        """Forget a submission whose command never reached the broker."""
+        try:
+            await self._collection.delete_one(
+                {"_id": task_id, "state": SubmissionState.ACCEPTING.value}
+            )
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
+    async def find(self, task_id: str, *, tenant_id: str) -> Submission | None:
+        return await self._find_one({"_id": task_id, "tenant_id": tenant_id})
+
+    async def find_by_key(self, idempotency_key: str, *, tenant_id: str) -> Submission | None:
+        return await self._find_one({"tenant_id": tenant_id, "idempotency_key": idempotency_key})
+
+    async def interrupted(self, *, older_than: datetime, limit: int = 500) -> list[Submission]:
+        """Submissions left `accepting` before `older_than`: the outbox to send."""
+        query = {"state": SubmissionState.ACCEPTING.value, "created_at": {"$lt": older_than}}
+        try:
+            cursor = self._collection.find(query).sort("created_at", ASCENDING).limit(limit)
+            return [_submission_of(document) async for document in cursor]
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
+    async def _find_one(self, query: Document) -> Submission | None:
+        try:
+            document = await self._collection.find_one(query)
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+        return None if document is None else _submission_of(document)
+
+    async def _update(self, query: Document, update: Document) -> None:
+        try:
+            await self._collection.update_one(query, update)
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
+
+def _submission_of(document: Document) -> Submission:
+    command = document.get("command")
+    return Submission(
+        task_id=document["_id"],
+        tenant_id=document["tenant_id"],
+        state=SubmissionState(document["state"]),
+        request_hash=document["request_hash"],
+        created_at=document["created_at"],
+        not_before=document.get("not_before"),
+        command=ScoreText.model_validate(command) if command else None,
+    )

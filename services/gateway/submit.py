@@ -1,0 +1,186 @@
+"""Accepting submissions and answering polls: the gateway's handlers (no HTTP, no broker)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Protocol
+
+from services.gateway.errors import (
+    BrokerUnavailable,
+    DatabaseUnavailable,
+    IdempotencyConflict,
+    RequestInProgress,
+)
+from services.gateway.schemas import ScoreSubmission
+from services.gateway.submissions import (
+    KeyTaken,
+    Submission,
+    Submissions,
+    SubmissionState,
+    request_hash,
+)
+from shared.contracts import ScoreText, TaskStatus, TaskView, new_id
+
+log = logging.getLogger("scorebox.gateway")
+Clock = Callable[[], datetime]
+
+
+class Publisher(Protocol):
+    async def send(self, command: ScoreText) -> None: ...
+    async def announce_accepted(self, command: ScoreText) -> None: ...
+
+
+class StatusReader(Protocol):
+    async def find(self, task_id: str, *, tenant_id: str) -> TaskView | None: ...
+
+
+@dataclass(frozen=True)
+class SubmitPolicy:
+    max_attempts: int
+    retention: timedelta
+
+
+@dataclass(frozen=True)
+class Submitted:
+    task_id: str
+    status: TaskStatus
+    created: bool  # False: an earlier request with the same Idempotency-Key
+
+
+async def submit_score(
+    submission: ScoreSubmission,
+    *,
+    tenant_id: str,
+    idempotency_key: str | None,
+    submissions: Submissions,
+    publisher: Publisher,
+    policy: SubmitPolicy,
+    clock: Clock,
+) -> Submitted:
+    """Record the submission, then publish it; answer only once the broker confirmed.
+
+    If the broker does not confirm, the record is discarded and `BrokerUnavailable` raised:
+    the client sees 503 and nothing was kept.
+    """
+    now = clock()
+    digest = request_hash(submission.model_dump(mode="json"))
+    command = ScoreText(
+        task_id=new_id(),
+        tenant_id=tenant_id,
+        text=submission.text,
+        rubric=submission.rubric,
+        model=submission.model,
+        metadata=submission.metadata,
+        max_attempts=policy.max_attempts,
+        not_before=submission.due_at(now),
+        submitted_at=now,
+    )
+    try:
+        await submissions.insert(
+            command,
+            request_hash=digest,
+            idempotency_key=idempotency_key,
+            retention=policy.retention,
+        )
+    except KeyTaken:
+        assert idempotency_key is not None
+        return await _earlier_submission(idempotency_key, digest, tenant_id, submissions)
+    await _publish_or_discard(command, submissions=submissions, publisher=publisher)
+    return Submitted(command.task_id, _initial_status(command, now), created=True)
+
+
+async def _publish_or_discard(
+    command: ScoreText, *, submissions: Submissions, publisher: Publisher
+) -> None:
+    try:
+        await publisher.send(command)
+    except BrokerUnavailable:
+        with contextlib.suppress(DatabaseUnavailable):
+            # If this fails too, the outbox sweep sends the command later: accepted late,
+            # never lost, scored once (the scorer claims each task id once).
+            await submissions.discard(command.task_id)
+        raise
+    try:
+        await publisher.announce_accepted(command)
+    except BrokerUnavailable:
+        # The command is queued; the projection learns the task from its next event and
+        # polls meanwhile answer from our own record (read-your-writes).
+        log.warning("task %s accepted without its task.accepted event", command.task_id)
+    try:
+        await submissions.mark_accepted(command.task_id)
+    except DatabaseUnavailable:
+        log.warning("task %s left `accepting`; the outbox sweep re-sends it", command.task_id)
+
+
+async def _earlier_submission(
+    idempotency_key: str, digest: str, tenant_id: str, submissions: Submissions
+) -> Submitted:
+    earlier = await submissions.find_by_key(idempotency_key, tenant_id=tenant_id)
+    if earlier is None or earlier.state is SubmissionState.ACCEPTING:
+        raise RequestInProgress(idempotency_key)
+    if earlier.request_hash != digest:
+        raise IdempotencyConflict(idempotency_key)
+    return Submitted(earlier.task_id, TaskStatus.QUEUED, created=False)
+
+
+def _initial_status(command: ScoreText, now: datetime) -> TaskStatus:
+    if command.not_before is not None and command.not_before > now:
+        return TaskStatus.SCHEDULED
+    return TaskStatus.QUEUED
+
+
+async def read_score(
+    task_id: str,
+    *,
+    tenant_id: str,
+    status: StatusReader,
+    submissions: Submissions,
+    clock: Clock,
+    window: timedelta,
+) -> TaskView | None:
+    """The task as the status service sees it, or as we recorded it if it has not yet heard.
+
+    The fallback gives read-your-writes: a poll right after the 202 never answers 404. It is
+    limited to young submissions, so a finished task that expired from the projection reads
+    as 404 rather than as queued again.
+    """
+    view = await status.find(task_id, tenant_id=tenant_id)
+    if view is not None:
+        return view
+    submission = await submissions.find(task_id, tenant_id=tenant_id)
+    now = clock()
+    if submission is None or submission.created_at < now - window:
+        return None
+    return _view_of_submission(submission, now)
+
+
+def _view_of_submission(submission: Submission, now: datetime) -> TaskView:
+    scheduled = submission.not_before is not None and submission.not_before > now
+    return TaskView(
+        task_id=submission.task_id,
+        status=TaskStatus.SCHEDULED if scheduled else TaskStatus.QUEUED,
+        attempts=0,
+        created_at=submission.created_at,
+        updated_at=submission.created_at,
+        not_before=submission.not_before,
+    )
+
+
+async def sweep_outbox(
+    *, submissions: Submissions, publisher: Publisher, clock: Clock, grace: timedelta
+) -> int:
+    """Send submissions left `accepting` by an interrupted request; returns how many."""
+    sent = 0
+    for submission in await submissions.interrupted(older_than=clock() - grace):
+        if submission.command is None:
+            continue
+        await publisher.send(submission.command)
+        with contextlib.suppress(BrokerUnavailable):
+            await publisher.announce_accepted(submission.command)
+        await submissions.mark_accepted(submission.task_id)
+        sent += 1
+    return sent

@@ -1,0 +1,94 @@
+"""Composition root of the scorer: the `score.requested` consumer and its model."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from datetime import datetime, timedelta
+
+import httpx
+from fastapi import FastAPI
+from faststream.rabbit import RabbitBroker
+
+from services.scorer.attempts import Attempts
+from services.scorer.consumer import BrokerActions, subscribe_scorer
+from services.scorer.model import ScoreModel, build_model, make_http_client
+from services.scorer.model.settings import ModelSettings
+from services.scorer.scoring import RetryPolicy, ScorerDeps
+from services.scorer.settings import ScorerSettings
+from shared.bus import publish_event
+from shared.contracts import TaskEvent, utcnow
+from shared.http import health_router, install_problem_handlers
+from shared.runtime import (
+    MongoClient,
+    broker_ready,
+    make_broker,
+    make_mongo,
+    mongo_ready,
+    retry_until,
+    start_broker,
+)
+
+
+def create_app(
+    settings: ScorerSettings,
+    model_settings: ModelSettings,
+    *,
+    broker: RabbitBroker | None = None,
+    mongo: MongoClient | None = None,
+    model: ScoreModel | None = None,
+    clock: Callable[[], datetime] = utcnow,
+    rng: random.Random | None = None,
+) -> FastAPI:
+    """Wire the scorer: broker (prefetch = concurrency) + database + model + HTTP health."""
+    broker = broker or make_broker(settings, prefetch=settings.concurrency)
+    mongo = mongo or make_mongo(settings)
+    http: httpx.AsyncClient | None = None
+    if model is None:
+        if model_settings.llm_provider == "openai":
+            http = make_http_client(model_settings, concurrency=settings.concurrency)
+        model = build_model(model_settings, http)
+    attempts = Attempts(mongo, settings.database_name("scorer"))
+
+    async def announce(event: TaskEvent) -> None:
+        await publish_event(broker, event, timeout=settings.broker_timeout_s)
+
+    deps = ScorerDeps(
+        attempts=attempts,
+        model=model,
+        announce=announce,
+        clock=clock,
+        lease=timedelta(seconds=model_settings.llm_timeout_s * 2 + settings.lease_margin_s),
+        retry_policy=RetryPolicy(base_s=settings.retry_base_s, cap_s=settings.retry_cap_s),
+        rng=rng or random.Random(),  # noqa: S311 - jitter, not cryptography
+        owner=f"{socket.gethostname()}:{os.getpid()}",
+    )
+    actions = BrokerActions(broker=broker, timeout_s=settings.broker_timeout_s, clock=clock)
+    subscribe_scorer(broker, deps, actions, crash_limit=settings.crash_limit)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await retry_until(
+            attempts.ensure_indexes, what="MongoDB", deadline_s=settings.startup_timeout_s
+        )
+        await start_broker(broker, settings)
+        yield
+        await broker.stop()
+        if http is not None:
+            await http.aclose()
+        await mongo.close()
+
+    app = FastAPI(title="Scorebox scorer", lifespan=lifespan)
+    install_problem_handlers(app)
+    app.include_router(
+        health_router(
+            {
+                "rabbitmq": broker_ready(broker, settings.broker_timeout_s),
+                "mongodb": mongo_ready(mongo, settings.mongo_timeout_s),
+            }
+        )
+    )
+    return app

@@ -1,0 +1,132 @@
+"""Claims on tasks, in the scorer's own database: one document per task.
+
+    {_id: task_id, generation, attempt, state: "running" | "decided",
+     lease_until, owner, decision, raw_output, updated_at}
+
+A claim is one atomic conditional upsert. It succeeds for a task never seen, a newer
+generation (a DLQ replay), the attempt after a decided retry, or a running attempt whose
+lease expired (its worker died). Anything else collides on `_id` and is classified:
+the same attempt running elsewhere (busy), already decided (replay the decision), or
+older than what is stored (superseded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from pymongo import AsyncMongoClient
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import DuplicateKeyError
+
+from services.scorer import decisions
+from services.scorer.decisions import Finish, Retry
+from shared.contracts import ScoreText
+
+Document = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Claimed:
+    pass
+
+
+@dataclass(frozen=True)
+class Busy:
+    until: datetime
+
+
+@dataclass(frozen=True)
+class Decided:
+    decision: Finish | Retry
+
+
+@dataclass(frozen=True)
+class Superseded:
+    pass
+
+
+ClaimResult = Claimed | Busy | Decided | Superseded
+
+
+class Attempts:
+    def __init__(self, client: AsyncMongoClient[Document], database: str) -> None:
+        self._collection: AsyncCollection[Document] = client[database]["attempts"]
+
+    async def ensure_indexes(self) -> None:
+        await self._collection.create_index("lease_until")
+
+    async def claim(
+        self, command: ScoreText, *, now: datetime, lease: timedelta, owner: str
+    ) -> ClaimResult:
+        generation, attempt = command.generation, command.attempt
+        claimable = {
+            "_id": command.task_id,
+            "$or": [
+                {"generation": {"$lt": generation}},
+                {
+                    "generation": generation,
+                    "attempt": {"$lt": attempt},
+                    "state": "decided",
+                    "decision.kind": "retry",
+                },
+                {
+                    "generation": generation,
+                    "attempt": attempt,
+                    "state": "running",
+                    "lease_until": {"$lt": now},
+                },
+            ],
+        }
+        claim = {
+            "$set": {
+                "tenant_id": command.tenant_id,
+                "generation": generation,
+                "attempt": attempt,
+                "state": "running",
+                "lease_until": now + lease,
+                "owner": owner,
+                "updated_at": now,
+            },
+            "$unset": {"decision": "", "raw_output": ""},
+        }
+        try:
+            await self._collection.update_one(claimable, claim, upsert=True)
+        except DuplicateKeyError:
+            return await self._why_not_claimable(command)
+        return Claimed()
+
+    async def _why_not_claimable(self, command: ScoreText) -> ClaimResult:
+        held = await self._collection.find_one({"_id": command.task_id})
+        if held is None:  # removed in between; the redelivery will claim it
+            return Busy(until=command.submitted_at)
+        ahead = (held["generation"], held["attempt"]) > (command.generation, command.attempt)
+        if held["generation"] > command.generation:
+            return Superseded()
+        if held["state"] == "running":
+            return Superseded() if ahead else Busy(until=held["lease_until"])
+        decision = decisions.load(held["decision"])
+        if ahead and isinstance(decision, Retry):
+            return Superseded()
+        return Decided(decision)
+
+    async def decide(
+        self, command: ScoreText, decision: Finish | Retry, *, now: datetime, raw_output: str | None
+    ) -> None:
+        """Record the decision of the attempt we hold."""
+        await self._collection.update_one(
+            {"_id": command.task_id, "generation": command.generation, "attempt": command.attempt},
+            {
+                "$set": {
+                    "state": "decided",
+                    "decision": decisions.store(decision),
+                    "raw_output": raw_output,
+                    "updated_at": now,
+                },
+                "$unset": {"lease_until": ""},
+            },
+        )
+
+    async def find(self, task_id: str) -> Document | None:
+        return await self._collection.find_one({"_id": task_id})

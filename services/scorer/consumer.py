@@ -1,0 +1,151 @@
+"""The scorer's broker adapter: decode → `score_text` → carry out the decision → ack.
+
+What each outcome means on the broker:
+- completed / failed: terminal event published (confirmed); a give-up is first copied to
+  the DLQ with the reason in a header; then ack.
+- retry: next attempt sent down the wait ladder, `task.retrying` published, then ack.
+- not due / claimed elsewhere: sent down the wait ladder again, then ack.
+- unreadable body (poison): copied to the DLQ with the validation error, then ack.
+- the handler itself crashed: re-sent after a delay with a crash counter; at the limit,
+  dead-lettered and failed. A process that dies mid-message is covered by the quorum
+  queue's delivery limit instead.
+- MongoDB unavailable: re-sent after a delay without counting it as a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from faststream import AckPolicy
+from faststream.rabbit import RabbitBroker
+from faststream.rabbit.annotations import RabbitMessage
+from pydantic import ValidationError
+from pymongo.errors import PyMongoError
+
+from services.scorer.decisions import Decision, Defer, Drop, Finish, Retry
+from services.scorer.scoring import Clock, ScorerDeps, score_text
+from shared.bus import publish_command, publish_dead_letter, publish_event
+from shared.contracts import (
+    Phase,
+    ScoreText,
+    TaskError,
+    TaskFailed,
+    event_sequence,
+    new_id,
+)
+from shared.topology import ATTEMPTS_HEADER, SCORE_REQUESTS
+
+log = logging.getLogger("scorebox.scorer")
+CRASHES_HEADER = "x-scorebox-crashes"
+CRASH_RETRY_DELAY = timedelta(seconds=5)
+
+
+@dataclass(frozen=True)
+class BrokerActions:
+    """Carries out decisions on the broker; every publish awaits its confirm."""
+
+    broker: RabbitBroker
+    timeout_s: float
+    clock: Clock
+
+    async def carry_out(self, decision: Decision, message: RabbitMessage) -> None:
+        match decision:
+            case Finish(event=event, dead_letter_error=error):
+                if error is not None:
+                    await self.dead_letter(message, error)
+                await publish_event(self.broker, event, timeout=self.timeout_s)
+            case Retry(event=event, next_command=next_command):
+                await publish_command(self.broker, next_command, timeout=self.timeout_s)
+                await publish_event(self.broker, event, timeout=self.timeout_s)
+            case Defer(command=command):
+                await self.resend(command, headers=_carried_headers(message))
+            case Drop(reason=reason):
+                log.debug("dropping a delivery: %s", reason)
+
+    async def resend(self, command: ScoreText, *, headers: dict[str, Any]) -> None:
+        await publish_command(self.broker, command, timeout=self.timeout_s, headers=headers)
+
+    async def dead_letter(self, message: RabbitMessage, error: str) -> None:
+        await publish_dead_letter(
+            self.broker,
+            SCORE_REQUESTS,
+            body=message.body,
+            headers={**_carried_headers(message)},
+            error=error,
+            timeout=self.timeout_s,
+            message_id=message.message_id,
+            correlation_id=message.correlation_id,
+        )
+
+    async def fail_task(self, command: ScoreText, error: TaskError, *, dead_lettered: bool) -> None:
+        event = TaskFailed(
+            task_id=command.task_id,
+            tenant_id=command.tenant_id,
+            sequence=event_sequence(
+                generation=command.generation, attempt=command.attempt, phase=Phase.TERMINAL
+            ),
+            attempt=command.attempt,
+            generation=command.generation,
+            submitted_at=command.submitted_at,
+            error=error,
+            dead_lettered=dead_lettered,
+        )
+        await publish_event(self.broker, event, timeout=self.timeout_s)
+
+
+def _carried_headers(message: RabbitMessage) -> dict[str, Any]:
+    keep = (CRASHES_HEADER, ATTEMPTS_HEADER)
+    return {key: value for key, value in message.headers.items() if key in keep}
+
+
+def subscribe_scorer(
+    broker: RabbitBroker, deps: ScorerDeps, actions: BrokerActions, *, crash_limit: int
+) -> None:
+    @broker.subscriber(SCORE_REQUESTS.queue, ack_policy=AckPolicy.MANUAL)
+    async def on_score_requested(message: RabbitMessage) -> None:
+        try:
+            command = ScoreText.model_validate_json(message.body)
+        except ValidationError as error:
+            log.warning("dead-lettering an unreadable score.requested: %s", error)
+            await actions.dead_letter(message, f"unreadable score.requested: {error}")
+            await message.ack()
+            return
+        try:
+            decision = await score_text(command, deps=deps)
+        except PyMongoError as error:
+            log.warning("MongoDB unavailable while scoring %s: %r", command.task_id, error)
+            await _retry_later(command, message, actions, count_crash=False)
+        except Exception:
+            log.exception("scoring %s crashed", command.task_id)
+            await _after_crash(command, message, actions, crash_limit=crash_limit)
+        else:
+            await actions.carry_out(decision, message)
+        await message.ack()
+
+
+async def _retry_later(
+    command: ScoreText, message: RabbitMessage, actions: BrokerActions, *, count_crash: bool
+) -> None:
+    headers = _carried_headers(message)
+    if count_crash:
+        headers[CRASHES_HEADER] = int(headers.get(CRASHES_HEADER, 0)) + 1
+    due = command.model_copy(
+        update={"not_before": actions.clock() + CRASH_RETRY_DELAY, "message_id": new_id()}
+    )
+    await actions.resend(due, headers=headers)
+
+
+async def _after_crash(
+    command: ScoreText, message: RabbitMessage, actions: BrokerActions, *, crash_limit: int
+) -> None:
+    crashes = int(message.headers.get(CRASHES_HEADER, 0)) + 1
+    if crashes < crash_limit:
+        await _retry_later(command, message, actions, count_crash=True)
+        return
+    reason = f"the scorer crashed {crashes} times on this message"
+    await actions.dead_letter(message, reason)
+    error = TaskError(code="internal_error", message=reason, retryable=False)
+    await actions.fail_task(command, error, dead_lettered=True)

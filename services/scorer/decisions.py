@@ -1,0 +1,76 @@
+"""What the scorer decided about one delivery, and how a decision is stored for replay.
+
+A decision is recorded in the scorer's database before it is carried out on the broker;
+a redelivered message whose attempt was already decided carries out the same decision
+again instead of calling the model again (exactly-once effect on at-least-once delivery).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shared.contracts import ScoreText, TaskEvent, TaskRetrying, parse_task_event
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The task ended: publish its terminal event (after dead-lettering, when asked)."""
+
+    event: TaskEvent
+    dead_letter_error: str | None = None
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Another attempt later: send `next_command` down the wait ladder, announce it."""
+
+    event: TaskRetrying
+    next_command: ScoreText
+
+
+@dataclass(frozen=True)
+class Defer:
+    """Not now: send this command down the wait ladder (not yet due, or claimed elsewhere)."""
+
+    command: ScoreText
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Nothing to do: a newer attempt or generation of the task exists."""
+
+    reason: str
+
+
+Decision = Finish | Retry | Defer | Drop
+
+
+def _stored_event(event: TaskEvent) -> dict[str, str]:
+    return {"routing_key": event.routing_key, "body": event.model_dump_json()}
+
+
+def _loaded_event(stored: dict[str, str]) -> TaskEvent:
+    return parse_task_event(stored["routing_key"], stored["body"].encode())
+
+
+def store(decision: Finish | Retry) -> dict[str, Any]:
+    if isinstance(decision, Finish):
+        return {
+            "kind": "finish",
+            "event": _stored_event(decision.event),
+            "dead_letter_error": decision.dead_letter_error,
+        }
+    return {
+        "kind": "retry",
+        "event": _stored_event(decision.event),
+        "next_command": decision.next_command.model_dump_json(),
+    }
+
+
+def load(stored: dict[str, Any]) -> Finish | Retry:
+    event = _loaded_event(stored["event"])
+    if stored["kind"] == "finish":
+        return Finish(event=event, dead_letter_error=stored.get("dead_letter_error"))
+    assert isinstance(event, TaskRetrying)
+    return Retry(event=event, next_command=ScoreText.model_validate_json(stored["next_command"]))

@@ -1,0 +1,95 @@
+"""Why scoring a text failed, split by what the caller must do.
+
+    ScoringError                    .code, .message, .retryable, .to_task_error()
+    ├── PermanentError              fail the task now; a retry would fail the same way
+    │   ├── InputRejected           the model or provider refuses this input
+    │   │                           (content policy, context too long, empty text)
+    │   ├── UnusableOutput          the output is malformed or out of range, even after
+    │   │                           one repair attempt
+    │   └── ModelMisconfigured      the provider rejects our configuration
+    │                               (401, 403, 404, unknown model, no quota)
+    └── TransientError              retry later; .retry_after_s from Retry-After when known
+        ├── ModelTimeout            LLM_TIMEOUT_S elapsed before an answer
+        ├── ModelRateLimited        429
+        └── ModelUnavailable        5xx, connection refused or reset, other 4xx
+
+Configuration errors are permanent on purpose: retrying a wrong API key only hides it.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from shared.contracts import TaskError
+
+
+class ScoringError(Exception):
+    """Base of every failure of the scorer's model layer."""
+
+    code: ClassVar[str] = "scoring_error"
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def to_task_error(self) -> TaskError:
+        """The failure as the contract the scorer publishes."""
+        return TaskError(code=self.code, message=self.message, retryable=self.retryable)
+
+
+class PermanentError(ScoringError):
+    """Fail the task now: retrying cannot succeed."""
+
+    code: ClassVar[str] = "permanent_error"
+
+
+class InputRejected(PermanentError):
+    """The model or provider refuses this input (content policy, too long, empty)."""
+
+    code: ClassVar[str] = "input_rejected"
+
+
+class UnusableOutput(PermanentError):
+    """The model's output is malformed or out of range, even after one repair attempt."""
+
+    code: ClassVar[str] = "unusable_output"
+
+    def __init__(self, message: str, *, raw_output: str | None = None) -> None:
+        super().__init__(message)
+        self.raw_output = raw_output
+
+
+class ModelMisconfigured(PermanentError):
+    """The provider rejects our configuration: key, permissions, model name, quota."""
+
+    code: ClassVar[str] = "model_misconfigured"
+
+
+class TransientError(ScoringError):
+    """Retry later; `retry_after_s` is the provider's hint (Retry-After) when it gave one."""
+
+    code: ClassVar[str] = "transient_error"
+    retryable: ClassVar[bool] = True
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ModelTimeout(TransientError):
+    """No answer within LLM_TIMEOUT_S."""
+
+    code: ClassVar[str] = "model_timeout"
+
+
+class ModelRateLimited(TransientError):
+    """The provider throttles us (429)."""
+
+    code: ClassVar[str] = "model_rate_limited"
+
+
+class ModelUnavailable(TransientError):
+    """The provider cannot answer now: 5xx, connection refused or reset, other 4xx."""
+
+    code: ClassVar[str] = "model_unavailable"

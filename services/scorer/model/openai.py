@@ -1,0 +1,326 @@
+"""A judge behind an OpenAI-compatible `POST /chat/completions` (OpenAI, vLLM, llama.cpp...).
+
+One `score` call makes one request, plus one repair request when the first answer is
+unusable, all within a single hard deadline of LLM_TIMEOUT_S. It never retries on its own:
+it raises a typed error and the scorer decides, through the broker, whether to try again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from typing import Any, Final
+
+import aiohttp
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from services.scorer.errors import (
+    InputRejected,
+    ModelMisconfigured,
+    ModelRateLimited,
+    ModelTimeout,
+    ModelUnavailable,
+    ScoringError,
+    UnusableOutput,
+)
+from services.scorer.model.base import FLAG_REPAIRED, ModelVerdict, ScoringRequest
+from services.scorer.model.parsing import Verdict, parse_verdict
+from services.scorer.model.preparation import prepare_text
+from services.scorer.model.prompt import (
+    VERDICT_JSON_SCHEMA,
+    build_messages,
+    build_repair_messages,
+)
+from services.scorer.model.settings import ModelSettings
+from shared.contracts import ScoreResult, Usage
+
+Messages = list[dict[str, str]]
+
+_MAX_DETAIL_CHARS: Final = 300
+# Phrases providers use when a request fails because of the text itself.
+_INPUT_PROBLEMS: Final = (
+    "context_length",
+    "context length",
+    "context size",
+    "context window",
+    "maximum context",
+    "too many tokens",
+    "too long",
+    "string_above_max_length",
+    "content_policy",
+    "content policy",
+    "content management policy",
+    "content_filter",
+    "safety",
+    "flagged",
+    "invalid_prompt",
+)
+_CONFIG_PROBLEMS_429: Final = ("insufficient_quota", "billing")
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    content: str | None = None
+    refusal: str | None = None
+
+
+class _Choice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    message: _Message
+    finish_reason: str | None = None
+
+
+class _Usage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    prompt_tokens: int = Field(default=0, ge=0)
+    completion_tokens: int = Field(default=0, ge=0)
+
+
+class _ChatCompletion(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    choices: list[_Choice] = Field(min_length=1)
+    usage: _Usage | None = None
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """One chat completion, reduced to what scoring needs."""
+
+    content: str
+    model: str
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class _Judgement:
+    verdict: Verdict
+    final: _Answer
+    usage: Usage
+    repaired: bool
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class OpenAIChatModel:
+    """A `ScoreModel` that asks a chat-completions endpoint to judge the text.
+
+    `request.model` overrides LLM_MODEL. `clock` (UTC) dates `Retry-After` HTTP-dates.
+    """
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        settings: ModelSettings,
+        *,
+        clock: Callable[[], datetime] = _utcnow,
+    ) -> None:
+        self.name: str = settings.llm_model
+        self._http = http
+        self._settings = settings
+        self._clock = clock
+        self._url = settings.llm_base_url.rstrip("/") + "/chat/completions"
+
+    async def score(self, request: ScoringRequest) -> ModelVerdict:
+        prepared = prepare_text(request.text, max_chars=self._settings.llm_max_input_chars)
+        messages = build_messages(prepared.text, request.rubric, truncated=prepared.truncated)
+        model = request.model or self._settings.llm_model
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self._settings.llm_timeout_s):
+                judgement = await self._judge(messages, model)
+        except TimeoutError as exc:
+            raise ModelTimeout(
+                f"no usable answer from {model} within {self._settings.llm_timeout_s:g} s"
+            ) from exc
+        latency_ms = (time.perf_counter() - started) * 1000
+        flags = [*prepared.flags, *([FLAG_REPAIRED] if judgement.repaired else [])]
+        result = ScoreResult(
+            score=judgement.verdict.score,
+            comment=judgement.verdict.comment,
+            model=judgement.final.model,
+            usage=judgement.usage,
+            latency_ms=latency_ms,
+            flags=flags,
+        )
+        return ModelVerdict(result=result, raw_output=judgement.final.content)
+
+    async def _judge(self, messages: Messages, model: str) -> _Judgement:
+        first = await self._complete(messages, model)
+        try:
+            return _Judgement(parse_verdict(first.content), first, first.usage, repaired=False)
+        except UnusableOutput as problem:
+            repair = build_repair_messages(messages, first.content, problem.message)
+        second = await self._complete(repair, model)
+        usage = _add(first.usage, second.usage)
+        try:
+            return _Judgement(parse_verdict(second.content), second, usage, repaired=True)
+        except UnusableOutput as problem:
+            raise UnusableOutput(
+                f"still unusable after one repair attempt: {problem.message}",
+                raw_output=second.content,
+            ) from problem
+
+    async def _complete(self, messages: Messages, model: str) -> _Answer:
+        try:
+            response = await self._http.post(
+                self._url, json=self._body(messages, model), headers=self._headers()
+            )
+        except (httpx.RequestError, aiohttp.ClientError, OSError) as exc:
+            raise _transport_error(exc, self._url) from exc
+        if not response.is_success:
+            raise error_for_response(response, now=self._clock())
+        return _read_answer(response, model)
+
+    def _body(self, messages: Messages, model: str) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "temperature": 0,
+            "max_tokens": self._settings.llm_max_output_tokens,
+        }
+        match self._settings.llm_json_mode:
+            case "json_schema":
+                body["response_format"] = {
+                    "type": "json_schema",
+                    "json_schema": VERDICT_JSON_SCHEMA,
+                }
+            case "json_object":
+                body["response_format"] = {"type": "json_object"}
+            case "none":
+                pass
+        return body
+
+    def _headers(self) -> dict[str, str]:
+        key = self._settings.llm_api_key.get_secret_value()
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _add(first: Usage, second: Usage) -> Usage:
+    return Usage(
+        prompt_tokens=first.prompt_tokens + second.prompt_tokens,
+        completion_tokens=first.completion_tokens + second.completion_tokens,
+    )
+
+
+def _transport_error(exc: Exception, url: str) -> ScoringError:
+    # The aiohttp transport reports refused and reset connections as httpx.ConnectTimeout,
+    # so only read, write and pool timeouts count as the model being slow.
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+        return ModelTimeout(f"{url} timed out: {type(exc).__name__}")
+    reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return ModelUnavailable(f"cannot reach {url}: {reason}")
+
+
+def _read_answer(response: httpx.Response, requested_model: str) -> _Answer:
+    try:
+        completion = _ChatCompletion.model_validate_json(response.content)
+    except ValidationError as exc:
+        raise ModelUnavailable(
+            f"the provider answered {response.status_code} without a chat completion"
+        ) from exc
+    choice = completion.choices[0]
+    if choice.message.refusal:
+        raise InputRejected(f"the model refused the text: {_trim(choice.message.refusal)}")
+    if choice.finish_reason == "content_filter":
+        raise InputRejected("the provider's content filter stopped the answer")
+    usage = completion.usage or _Usage()
+    return _Answer(
+        content=choice.message.content or "",
+        model=completion.model or requested_model,
+        usage=Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens),
+    )
+
+
+def error_for_response(response: httpx.Response, *, now: datetime) -> ScoringError:
+    """The typed error for an unsuccessful chat-completions response."""
+    status = response.status_code
+    provider_says = _provider_detail(response)
+    detail = f"{status} from the provider: {provider_says}"
+    blames = f"{provider_says} {_error_code(response)}".lower()
+    if status == 429:
+        if any(problem in blames for problem in _CONFIG_PROBLEMS_429):
+            return ModelMisconfigured(detail)
+        return ModelRateLimited(detail, retry_after_s=retry_after_s(response.headers, now=now))
+    if status in (401, 403, 404) or 300 <= status < 400:
+        return ModelMisconfigured(detail)
+    if status == 413 or (
+        status in (400, 422) and any(problem in blames for problem in _INPUT_PROBLEMS)
+    ):
+        return InputRejected(detail)
+    if status in (400, 422):
+        # Our request is malformed for this server (e.g. an unsupported LLM_JSON_MODE).
+        return ModelMisconfigured(detail)
+    return ModelUnavailable(detail, retry_after_s=retry_after_s(response.headers, now=now))
+
+
+def _provider_detail(response: httpx.Response) -> str:
+    error = _error_object(response)
+    message = error.get("message") if error else None
+    if isinstance(message, str) and message:
+        return _trim(message)
+    return _trim(response.text) or response.reason_phrase or "no detail"
+
+
+def _error_code(response: httpx.Response) -> str:
+    error = _error_object(response)
+    parts = [error.get(key) for key in ("code", "type")] if error else []
+    return " ".join(part for part in parts if isinstance(part, str))
+
+
+def _error_object(response: httpx.Response) -> dict[str, Any] | None:
+    """The `error` object of an OpenAI-style error body, when there is one."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, str):
+        return {"message": error}
+    return error if isinstance(error, dict) else None
+
+
+def retry_after_s(headers: httpx.Headers, *, now: datetime) -> float | None:
+    """Seconds to wait according to `retry-after-ms` or `Retry-After` (seconds or HTTP-date)."""
+    milliseconds = _as_float(headers.get("retry-after-ms"))
+    if milliseconds is not None:
+        return milliseconds / 1000
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    seconds = _as_float(value)
+    if seconds is not None:
+        return seconds
+    try:
+        moment = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if moment.tzinfo is None:  # an HTTP-date is always GMT
+        moment = moment.replace(tzinfo=UTC)
+    return max(0.0, (moment - now).total_seconds())
+
+
+def _as_float(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        number = float(value.strip())
+    except ValueError:
+        return None
+    return number if number >= 0 and number != float("inf") else None
+
+
+def _trim(text: str) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= _MAX_DETAIL_CHARS else flat[: _MAX_DETAIL_CHARS - 1] + "…"

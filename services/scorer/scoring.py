@@ -1,0 +1,145 @@
+"""`score_text`: the scorer's handler — claim, announce, call the model, decide.
+
+Plain async code: it knows nothing of FastStream or HTTP. The consumer adapter carries out
+the returned decision on the broker and acks.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from services.scorer.attempts import Attempts, Busy, Claimed, Decided, Superseded
+from services.scorer.decisions import Decision, Defer, Drop, Finish, Retry
+from services.scorer.errors import PermanentError, ScoringError, TransientError
+from services.scorer.model import ModelVerdict, ScoreModel, ScoringRequest
+from shared.contracts import (
+    Phase,
+    ScoreText,
+    TaskCompleted,
+    TaskEvent,
+    TaskFailed,
+    TaskRetrying,
+    TaskStarted,
+    event_sequence,
+    new_id,
+)
+
+Announce = Callable[[TaskEvent], Awaitable[None]]
+Clock = Callable[[], datetime]
+DUE_SLACK = timedelta(milliseconds=500)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential back-off with jitter; a `Retry-After` from the model is a floor."""
+
+    base_s: float
+    cap_s: float
+
+    def delay_s(self, attempt: int, retry_after_s: float | None, rng: random.Random) -> float:
+        exponential: float = min(self.cap_s, self.base_s * 2.0 ** (attempt - 1))
+        jittered = exponential * rng.uniform(0.5, 1.0)
+        return max(jittered, retry_after_s or 0.0)
+
+
+@dataclass(frozen=True)
+class ScorerDeps:
+    attempts: Attempts
+    model: ScoreModel
+    announce: Announce
+    clock: Clock
+    lease: timedelta
+    retry_policy: RetryPolicy
+    rng: random.Random
+    owner: str
+
+
+def _sequence(command: ScoreText, phase: Phase) -> int:
+    return event_sequence(generation=command.generation, attempt=command.attempt, phase=phase)
+
+
+def _event_fields(command: ScoreText, phase: Phase, now: datetime) -> dict[str, object]:
+    return {
+        "task_id": command.task_id,
+        "tenant_id": command.tenant_id,
+        "sequence": _sequence(command, phase),
+        "attempt": command.attempt,
+        "generation": command.generation,
+        "submitted_at": command.submitted_at,
+        "occurred_at": now,
+    }
+
+
+async def score_text(command: ScoreText, *, deps: ScorerDeps) -> Decision:
+    """Decide what one delivery of `score.requested` leads to, calling the model at most once
+    per attempt across redeliveries and replicas."""
+    now = deps.clock()
+    if command.not_before is not None and command.not_before > now + DUE_SLACK:
+        return Defer(command)
+    match await deps.attempts.claim(command, now=now, lease=deps.lease, owner=deps.owner):
+        case Superseded():
+            return Drop("a newer attempt of this task exists")
+        case Busy(until=until):
+            return Defer(command.model_copy(update={"not_before": until, "message_id": new_id()}))
+        case Decided(decision=decision):
+            return decision
+        case Claimed():
+            pass
+    await deps.announce(TaskStarted.model_validate(_event_fields(command, Phase.STARTED, now)))
+    decision, raw_output = await _call_model(command, deps)
+    await deps.attempts.decide(command, decision, now=deps.clock(), raw_output=raw_output)
+    return decision
+
+
+async def _call_model(command: ScoreText, deps: ScorerDeps) -> tuple[Finish | Retry, str | None]:
+    request = ScoringRequest(
+        task_id=command.task_id, text=command.text, rubric=command.rubric, model=command.model
+    )
+    try:
+        verdict = await deps.model.score(request)
+    except TransientError as error:
+        return _retry_or_give_up(command, error, deps), None
+    except PermanentError as error:
+        return _failed(command, error, deps.clock(), dead_letter=False), None
+    return _completed(command, verdict, deps.clock()), verdict.raw_output
+
+
+def _completed(command: ScoreText, verdict: ModelVerdict, now: datetime) -> Finish:
+    fields = _event_fields(command, Phase.TERMINAL, now)
+    return Finish(TaskCompleted.model_validate({**fields, "result": verdict.result}))
+
+
+def _failed(command: ScoreText, error: ScoringError, now: datetime, *, dead_letter: bool) -> Finish:
+    event = TaskFailed.model_validate(
+        {
+            **_event_fields(command, Phase.TERMINAL, now),
+            "error": error.to_task_error(),
+            "dead_lettered": dead_letter,
+        }
+    )
+    reason = f"{error.code}: {error}" if dead_letter else None
+    return Finish(event, dead_letter_error=reason)
+
+
+def _retry_or_give_up(
+    command: ScoreText, error: TransientError, deps: ScorerDeps
+) -> Finish | Retry:
+    now = deps.clock()
+    if command.attempt >= command.max_attempts:
+        return _failed(command, error, now, dead_letter=True)
+    delay = deps.retry_policy.delay_s(command.attempt, error.retry_after_s, deps.rng)
+    due = now + timedelta(seconds=delay)
+    next_command = command.model_copy(
+        update={"attempt": command.attempt + 1, "not_before": due, "message_id": new_id()}
+    )
+    event = TaskRetrying.model_validate(
+        {
+            **_event_fields(command, Phase.RETRYING, now),
+            "error": error.to_task_error(),
+            "next_attempt_at": due,
+        }
+    )
+    return Retry(event=event, next_command=next_command)

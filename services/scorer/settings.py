@@ -1,0 +1,20 @@
+"""Settings of the scorer (environment variables in README); model settings live in
+`services.scorer.model.settings`."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from shared.settings import ServiceSettings
+
+
+class ScorerSettings(ServiceSettings):
+    port: int = Field(default=8002, validation_alias="SCORER_PORT")
+    # Messages in flight per scorer process = model calls in flight (the seed's pool, §5.2).
+    concurrency: int = Field(default=16, ge=1, le=4096, validation_alias="SCORER_CONCURRENCY")
+    retry_base_s: float = Field(default=2.0, gt=0, validation_alias="RETRY_BASE_S")
+    retry_cap_s: float = Field(default=300.0, gt=0, validation_alias="RETRY_CAP_S")
+    # Redeliveries of a message whose handling crashed before it goes to the DLQ.
+    crash_limit: int = Field(default=3, ge=1, validation_alias="SCORER_CRASH_LIMIT")
+    # A claim outlives the model call by this margin before another worker may take it over.
+    lease_margin_s: float = Field(default=30.0, gt=0, validation_alias="LEASE_MARGIN_S")

@@ -1,0 +1,114 @@
+"""Composition root of the status service: the task projection and its reads."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from datetime import datetime, timedelta
+
+from fastapi import APIRouter, FastAPI
+from faststream import AckPolicy
+from faststream.rabbit import RabbitBroker
+from faststream.rabbit.annotations import RabbitMessage
+from pydantic import ValidationError
+
+from services.status.projection import (
+    Tasks,
+    apply_task_event,
+    ensure_indexes,
+    find_task,
+    tasks_collection,
+)
+from services.status.settings import StatusSettings
+from shared.bus import publish_dead_letter
+from shared.contracts import TaskView, parse_task_event, utcnow
+from shared.http import Problem, health_router, install_problem_handlers
+from shared.runtime import (
+    MongoClient,
+    broker_ready,
+    make_broker,
+    make_mongo,
+    mongo_ready,
+    retry_until,
+    start_broker,
+)
+from shared.topology import STATUS_PROJECTION
+
+log = logging.getLogger("scorebox.status")
+Clock = Callable[[], datetime]
+
+
+def create_app(
+    settings: StatusSettings,
+    *,
+    broker: RabbitBroker | None = None,
+    mongo: MongoClient | None = None,
+    clock: Clock = utcnow,
+) -> FastAPI:
+    """Wire the status service: broker + database + HTTP app, opened and closed in lifespan."""
+    broker = broker or make_broker(settings, prefetch=settings.projection_prefetch)
+    mongo = mongo or make_mongo(settings)
+    tasks = tasks_collection(mongo, settings.database_name("status"))
+    subscribe_projection(broker, tasks, settings)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await retry_until(
+            lambda: ensure_indexes(tasks), what="MongoDB", deadline_s=settings.startup_timeout_s
+        )
+        await start_broker(broker, settings)
+        yield
+        await broker.stop()
+        await mongo.close()
+
+    app = FastAPI(title="Scorebox status", lifespan=lifespan)
+    install_problem_handlers(app)
+    app.include_router(
+        health_router(
+            {
+                "rabbitmq": broker_ready(broker, settings.broker_timeout_s),
+                "mongodb": mongo_ready(mongo, settings.mongo_timeout_s),
+            }
+        )
+    )
+    app.include_router(task_routes(tasks, clock))
+    return app
+
+
+def subscribe_projection(broker: RabbitBroker, tasks: Tasks, settings: StatusSettings) -> None:
+    finished_ttl = timedelta(seconds=settings.finished_task_ttl_s)
+
+    @broker.subscriber(STATUS_PROJECTION.queue, ack_policy=AckPolicy.MANUAL)
+    async def record_task_event(message: RabbitMessage) -> None:
+        routing_key = message.raw_message.routing_key or ""
+        try:
+            event = parse_task_event(routing_key, message.body)
+        except (KeyError, ValidationError) as error:
+            log.warning("dead-lettering an unreadable %r event: %s", routing_key, error)
+            await publish_dead_letter(
+                broker,
+                STATUS_PROJECTION,
+                body=message.body,
+                headers=dict(message.headers),
+                error=f"unreadable event {routing_key!r}: {error}",
+                timeout=settings.broker_timeout_s,
+                message_id=message.message_id,
+            )
+            await message.ack()
+            return
+        await apply_task_event(event, tasks=tasks, finished_ttl=finished_ttl)
+        await message.ack()
+
+
+def task_routes(tasks: Tasks, clock: Clock) -> APIRouter:
+    router = APIRouter(prefix="/internal/v1", tags=["tasks"])
+
+    @router.get("/tasks/{task_id}", response_model=TaskView)
+    async def read_task(task_id: str, tenant_id: str) -> TaskView:
+        view = await find_task(task_id, tenant_id=tenant_id, tasks=tasks, now=clock())
+        if view is None:
+            raise Problem(404, f"No task {task_id!r} is known (or it has expired).")
+        return view
+
+    return router

@@ -1,0 +1,1 @@
+"""What the Scorebox services share: contracts, topology, settings base and runtime glue."""

@@ -1,0 +1,138 @@
+"""Putting contracts on the wire: the one place that knows exchanges, keys and properties.
+
+Every publish is persistent, mandatory (an unroutable message raises instead of vanishing)
+and awaits the broker's publisher confirm within `timeout`; a negative confirm (for example
+a full queue with `reject-publish`) raises as well. Callers decide what a failure means.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from shared.contracts import Contract, ScoreText, TaskEvent, utcnow
+from shared.topology import (
+    DEAD_LETTERED_FROM_HEADER,
+    DELAY,
+    DLX,
+    ERROR_HEADER,
+    EVENTS,
+    TASKS,
+    WorkQueue,
+    delay_routing_key,
+    wait_tier_for,
+)
+
+if TYPE_CHECKING:
+    from faststream.rabbit import RabbitBroker, RabbitExchange
+
+JSON = "application/json"
+
+
+def _headers(message: Contract, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "x-tenant-id": message.tenant_id,
+        "x-schema-version": message.schema_version,
+        "x-message-type": type(message).__name__,
+        **(extra or {}),
+    }
+
+
+async def _publish(
+    broker: RabbitBroker,
+    message: Contract,
+    *,
+    exchange: RabbitExchange,
+    routing_key: str,
+    timeout: float,
+    headers: Mapping[str, Any] | None = None,
+) -> None:
+    await broker.publish(
+        message.model_dump_json().encode(),
+        exchange=exchange,
+        routing_key=routing_key,
+        persist=True,
+        mandatory=True,
+        timeout=timeout,
+        message_id=message.message_id,
+        correlation_id=message.task_id,
+        content_type=JSON,
+        headers=_headers(message, headers),
+    )
+
+
+async def publish_event(broker: RabbitBroker, event: TaskEvent, *, timeout: float) -> None:
+    await _publish(broker, event, exchange=EVENTS, routing_key=event.routing_key, timeout=timeout)
+
+
+async def publish_events(
+    broker: RabbitBroker, events: Iterable[TaskEvent], *, timeout: float
+) -> None:
+    """Publish several events with their confirms in flight together (one round trip)."""
+    async with asyncio.timeout(timeout):
+        await asyncio.gather(*(publish_event(broker, e, timeout=timeout) for e in events))
+
+
+async def publish_command(
+    broker: RabbitBroker,
+    command: ScoreText,
+    *,
+    timeout: float,
+    now: datetime | None = None,
+    headers: Mapping[str, Any] | None = None,
+) -> None:
+    """Send a command now, or down the wait ladder when its `not_before` lies ahead."""
+    remaining = 0.0
+    if command.not_before is not None:
+        remaining = (command.not_before - (now or utcnow())).total_seconds()
+    tier = wait_tier_for(remaining)
+    if tier is None:
+        await _publish(
+            broker,
+            command,
+            exchange=TASKS,
+            routing_key=command.routing_key,
+            timeout=timeout,
+            headers=headers,
+        )
+        return
+    await _publish(
+        broker,
+        command,
+        exchange=DELAY,
+        routing_key=delay_routing_key(tier[0], command.routing_key),
+        timeout=timeout,
+        headers=headers,
+    )
+
+
+async def publish_dead_letter(
+    broker: RabbitBroker,
+    work_queue: WorkQueue,
+    *,
+    body: bytes,
+    headers: Mapping[str, Any],
+    error: str,
+    timeout: float,
+    message_id: str | None = None,
+    correlation_id: str | None = None,
+) -> None:
+    """Move a message to a work queue's DLQ ourselves, with the reason as a header."""
+    await broker.publish(
+        body,
+        exchange=DLX,
+        routing_key=work_queue.dead_letter_routing_key,
+        persist=True,
+        mandatory=True,
+        timeout=timeout,
+        message_id=message_id,
+        correlation_id=correlation_id,
+        content_type=JSON,
+        headers={
+            **headers,
+            ERROR_HEADER: error[:1000],
+            DEAD_LETTERED_FROM_HEADER: work_queue.name,
+        },
+    )

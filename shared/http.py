@@ -1,0 +1,128 @@
+"""HTTP conventions of every service: RFC 9457 problem+json errors and health endpoints."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shared.runtime import Check
+
+PROBLEM_JSON = "application/problem+json"
+PROBLEM_BASE = "https://scorebox.dev/problems/"
+
+log = logging.getLogger("scorebox.http")
+
+_TITLES = {
+    400: "Bad Request",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    409: "Conflict",
+    413: "Content Too Large",
+    415: "Unsupported Media Type",
+    422: "Unprocessable Content",
+    429: "Too Many Requests",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
+
+
+class Problem(Exception):
+    """An error answered as problem+json; raise it from routes and adapters."""
+
+    def __init__(
+        self,
+        status: int,
+        detail: str,
+        *,
+        kind: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        **extensions: Any,
+    ) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+        self.kind = kind or _TITLES.get(status, "error").lower().replace(" ", "-")
+        self.headers = dict(headers or {})
+        self.extensions = extensions
+
+
+def problem_response(problem: Problem, instance: str | None = None) -> JSONResponse:
+    body: dict[str, Any] = {
+        "type": PROBLEM_BASE + problem.kind,
+        "title": _TITLES.get(problem.status, "Error"),
+        "status": problem.status,
+        "detail": problem.detail,
+        **problem.extensions,
+    }
+    if instance:
+        body["instance"] = instance
+    return JSONResponse(
+        body, status_code=problem.status, media_type=PROBLEM_JSON, headers=problem.headers
+    )
+
+
+def _describe(errors: list[Any]) -> tuple[str, list[dict[str, Any]]]:
+    described = [
+        {
+            "field": ".".join(str(part) for part in error.get("loc", ()) if part != "body"),
+            "message": error.get("msg", "invalid"),
+        }
+        for error in errors
+    ]
+    detail = "; ".join(f"{e['field'] or 'body'}: {e['message']}" for e in described)
+    return detail, described
+
+
+def install_problem_handlers(app: FastAPI) -> None:
+    """Make every error of `app` a problem+json answer."""
+
+    async def on_problem(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, Problem)
+        return problem_response(exc, request.url.path)
+
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        detail, errors = _describe(list(exc.errors()))
+        problem = Problem(422, detail, kind="invalid-fields", errors=errors)
+        return problem_response(problem, request.url.path)
+
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        problem = Problem(exc.status_code, str(exc.detail), headers=exc.headers)
+        return problem_response(problem, request.url.path)
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        problem = Problem(500, "An unexpected error occurred; it has been logged.")
+        return problem_response(problem, request.url.path)
+
+    app.add_exception_handler(Problem, on_problem)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+def health_router(checks: Mapping[str, Check]) -> APIRouter:
+    """`/healthz` (the process answers) and `/readyz` (every dependency answers)."""
+    router = APIRouter(tags=["health"])
+
+    @router.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @router.get("/readyz", response_model=None)
+    async def readyz() -> JSONResponse:
+        results = {name: await check() for name, check in checks.items()}
+        ready = all(results.values())
+        body = {"status": "ready" if ready else "unavailable", "checks": results}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    return router

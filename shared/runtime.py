@@ -1,0 +1,137 @@
+"""Runtime glue every service uses: broker and database clients, start-up, HTTP serving.
+
+Nothing here runs at import time; each service's composition root calls these.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+from faststream.rabbit import RabbitBroker
+from faststream.rabbit.schemas import Channel
+from pymongo import AsyncMongoClient
+
+from shared.settings import ServiceSettings, redact_url
+from shared.topology import declare_topology
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+log = logging.getLogger("scorebox.runtime")
+
+Check = Callable[[], Awaitable[bool]]
+MongoClient = AsyncMongoClient[dict[str, Any]]
+
+
+def configure_logging(settings: ServiceSettings, service: str) -> None:
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s [{service}] %(name)s: %(message)s",
+    )
+
+
+def make_broker(settings: ServiceSettings, *, prefetch: int | None = None) -> RabbitBroker:
+    """A FastStream broker: confirms on, unroutable publishes raise, bounded prefetch."""
+    return RabbitBroker(
+        settings.rabbitmq_url,
+        timeout=settings.broker_timeout_s,
+        reconnect_interval=1.0,
+        default_channel=Channel(
+            prefetch_count=prefetch, publisher_confirms=True, on_return_raises=True
+        ),
+        graceful_timeout=settings.broker_timeout_s,
+        logger=logging.getLogger("scorebox.broker"),
+        log_level=logging.DEBUG,
+    )
+
+
+def make_mongo(settings: ServiceSettings) -> MongoClient:
+    """An async PyMongo client whose every operation is bounded by `MONGO_TIMEOUT_S`."""
+    timeout_ms = int(settings.mongo_timeout_s * 1000)
+    return AsyncMongoClient(
+        settings.mongo_url,
+        serverSelectionTimeoutMS=timeout_ms,
+        connectTimeoutMS=timeout_ms,
+        socketTimeoutMS=timeout_ms,
+        tz_aware=True,
+        uuidRepresentation="standard",
+    )
+
+
+async def retry_until(
+    action: Callable[[], Awaitable[Any]], *, what: str, deadline_s: float
+) -> None:
+    """Run `action` until it succeeds or `deadline_s` passes (start-up only)."""
+    delay = 0.2
+    async with asyncio.timeout(deadline_s):
+        while True:
+            try:
+                await action()
+            except Exception as error:  # noqa: BLE001 - any failure at start-up means "not yet"
+                log.warning("%s not reachable yet (%s); retrying in %.1fs", what, error, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            else:
+                return
+
+
+async def start_broker(broker: RabbitBroker, settings: ServiceSettings) -> None:
+    """Connect (waiting for RabbitMQ if it is still starting), declare topology, consume."""
+    await retry_until(
+        broker.connect,
+        what=f"RabbitMQ at {redact_url(settings.rabbitmq_url)}",
+        deadline_s=settings.startup_timeout_s,
+    )
+    await declare_topology(broker)
+    await broker.start()
+
+
+def broker_ready(broker: RabbitBroker, timeout: float) -> Check:
+    async def check() -> bool:
+        return await broker.ping(timeout=timeout)
+
+    return check
+
+
+def mongo_ready(client: MongoClient, timeout: float) -> Check:
+    async def check() -> bool:
+        try:
+            async with asyncio.timeout(timeout):
+                await client.admin.command("ping")
+        except Exception:  # noqa: BLE001 - readiness answers "no" on any failure
+            return False
+        return True
+
+    return check
+
+
+async def serve(app: FastAPI, *, host: str, port: int, log_level: str) -> None:
+    """Serve an app with uvicorn (uvloop where available) until SIGINT/SIGTERM."""
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level.lower(),
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=15,
+    )
+    await uvicorn.Server(config).serve()
+
+
+def run(main: Callable[[], Awaitable[None]]) -> None:
+    """Run a service's async main on uvloop when installed."""
+    try:
+        import uvloop  # noqa: PLC0415 - optional accelerator
+
+        runner: Callable[[Awaitable[None]], None] = uvloop.run  # type: ignore[assignment]
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        runner = asyncio.run  # type: ignore[assignment]
+    with contextlib.suppress(KeyboardInterrupt):
+        runner(main())

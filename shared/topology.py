@@ -1,0 +1,161 @@
+"""The whole RabbitMQ topology, declared in this one place.
+
+    scorebox.tasks  (direct) --score.requested------------------> scorebox.score-requests
+    scorebox.events (topic)  --task.*---------------------------> scorebox.status-projection
+                             --task.completed-------------------> scorebox.result-cache
+    scorebox.delay  (topic)  --<tier>.#--> scorebox.wait.<tier> --(TTL, dead-letter)-->
+    scorebox.due    (topic)  --*.score.requested----------------> scorebox.score-requests
+    scorebox.dlx    (direct) --<queue>.dlq----------------------> <queue>.dlq
+
+Every work queue is a quorum queue with a delivery limit (poison-message guard, explicit so
+RabbitMQ 3.x and 4.x behave alike), dead-lettering `at-least-once` to its own DLQ (which
+needs `x-overflow: reject-publish`; a full queue then refuses publishes, which publishers
+see as a negative confirm: back-pressure, not silent loss).
+
+Delays use no plugin: a ladder of wait queues with fixed TTLs. A message waits in the
+largest tier not longer than its remaining delay and dead-letters into `scorebox.due`
+keeping its routing key `<tier>.<target key>`, which the target queue is bound to. A
+consumer that receives a message not yet due sends it down the ladder again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from faststream.rabbit import ExchangeType, QueueType, RabbitExchange, RabbitQueue
+
+if TYPE_CHECKING:
+    from faststream.rabbit import RabbitBroker
+
+TASKS = RabbitExchange("scorebox.tasks", type=ExchangeType.DIRECT, durable=True)
+EVENTS = RabbitExchange("scorebox.events", type=ExchangeType.TOPIC, durable=True)
+DELAY = RabbitExchange("scorebox.delay", type=ExchangeType.TOPIC, durable=True)
+DUE = RabbitExchange("scorebox.due", type=ExchangeType.TOPIC, durable=True)
+DLX = RabbitExchange("scorebox.dlx", type=ExchangeType.DIRECT, durable=True)
+EXCHANGES = (TASKS, EVENTS, DELAY, DUE, DLX)
+
+DEFAULT_DELIVERY_LIMIT = 5
+SCORE_QUEUE_MAX_LENGTH = 500_000
+
+# (tier name, seconds): ordered from shortest to longest.
+WAIT_TIERS: tuple[tuple[str, int], ...] = (
+    ("1s", 1),
+    ("5s", 5),
+    ("30s", 30),
+    ("2m", 120),
+    ("10m", 600),
+    ("1h", 3600),
+)
+
+# The header that names the last error of a message we dead-letter ourselves
+# (RabbitMQ adds `x-death` on its own dead-lettering, but knows no reason beyond "rejected").
+ERROR_HEADER = "x-scorebox-error"
+ATTEMPTS_HEADER = "x-scorebox-attempts"
+DEAD_LETTERED_FROM_HEADER = "x-scorebox-queue"
+
+
+@dataclass(frozen=True)
+class Binding:
+    exchange: RabbitExchange
+    routing_key: str
+
+
+@dataclass(frozen=True)
+class WorkQueue:
+    """A quorum queue with its bindings and its own dead-letter queue."""
+
+    name: str
+    bindings: tuple[Binding, ...]
+    delivery_limit: int = DEFAULT_DELIVERY_LIMIT
+    max_length: int | None = None
+    extra_arguments: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dead_letter_routing_key(self) -> str:
+        return f"{self.name}.dlq"
+
+    @property
+    def queue(self) -> RabbitQueue:
+        arguments: dict[str, Any] = {
+            "x-delivery-limit": self.delivery_limit,
+            "x-dead-letter-exchange": DLX.name,
+            "x-dead-letter-routing-key": self.dead_letter_routing_key,
+            "x-dead-letter-strategy": "at-least-once",
+            "x-overflow": "reject-publish",
+            **self.extra_arguments,
+        }
+        if self.max_length is not None:
+            arguments["x-max-length"] = self.max_length
+        return RabbitQueue(self.name, queue_type=QueueType.QUORUM, arguments=arguments)  # type: ignore[call-overload, no-any-return]
+
+    @property
+    def dead_letter_queue(self) -> RabbitQueue:
+        return RabbitQueue(self.dead_letter_routing_key, queue_type=QueueType.QUORUM)
+
+
+def _command_queue(name: str, routing_key: str, max_length: int | None = None) -> WorkQueue:
+    """A queue fed directly by `scorebox.tasks` and, after a delay, by `scorebox.due`."""
+    return WorkQueue(
+        name=name,
+        bindings=(Binding(TASKS, routing_key), Binding(DUE, f"*.{routing_key}")),
+        max_length=max_length,
+    )
+
+
+SCORE_REQUESTS = _command_queue(
+    "scorebox.score-requests", "score.requested", max_length=SCORE_QUEUE_MAX_LENGTH
+)
+STATUS_PROJECTION = WorkQueue(
+    name="scorebox.status-projection",
+    bindings=(Binding(EVENTS, "task.*"),),
+)
+# The gateway remembers completed results for its result cache (event-carried state).
+RESULT_CACHE = WorkQueue(
+    name="scorebox.result-cache",
+    bindings=(Binding(EVENTS, "task.completed"),),
+)
+WORK_QUEUES: tuple[WorkQueue, ...] = (SCORE_REQUESTS, STATUS_PROJECTION, RESULT_CACHE)
+
+
+def wait_queue(tier: str, seconds: int) -> RabbitQueue:
+    return RabbitQueue(
+        f"scorebox.wait.{tier}",
+        queue_type=QueueType.QUORUM,
+        arguments={
+            "x-message-ttl": seconds * 1000,
+            "x-dead-letter-exchange": DUE.name,
+            "x-dead-letter-strategy": "at-least-once",
+            "x-overflow": "reject-publish",
+        },
+    )
+
+
+def wait_tier_for(delay_s: float) -> tuple[str, int] | None:
+    """The wait tier for a remaining delay, or None when the message is due now.
+
+    The largest tier not longer than the delay, so a message never waits past its due time by
+    more than the 1 s tier's granularity; a longer delay hops down the ladder.
+    """
+    if delay_s < 0.5:
+        return None
+    fitting = [tier for tier in WAIT_TIERS if tier[1] <= max(delay_s, 1.0)]
+    return fitting[-1]
+
+
+def delay_routing_key(tier: str, target_routing_key: str) -> str:
+    return f"{tier}.{target_routing_key}"
+
+
+async def declare_topology(broker: RabbitBroker) -> None:
+    """Declare every exchange, queue and binding; idempotent, run by each service at start."""
+    exchanges = {exchange.name: await broker.declare_exchange(exchange) for exchange in EXCHANGES}
+    for work_queue in WORK_QUEUES:
+        dlq = await broker.declare_queue(work_queue.dead_letter_queue)
+        await dlq.bind(exchanges[DLX.name], routing_key=work_queue.dead_letter_routing_key)
+        queue = await broker.declare_queue(work_queue.queue)
+        for binding in work_queue.bindings:
+            await queue.bind(exchanges[binding.exchange.name], routing_key=binding.routing_key)
+    for tier, seconds in WAIT_TIERS:
+        waiting = await broker.declare_queue(wait_queue(tier, seconds))
+        await waiting.bind(exchanges[DELAY.name], routing_key=f"{tier}.#")

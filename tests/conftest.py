@@ -1,0 +1,65 @@
+"""Fixtures: the real RabbitMQ and MongoDB (or the labelled stand-in), one vhost and one set
+of databases per test module, the fake model server, and in-process services."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
+from devtools.infra import Endpoint, create_vhost, delete_vhost, resolve_mongo, resolve_rabbitmq
+
+_MARKERS = {"integration": "integration", "e2e": "e2e", "faults": "faults"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        folder = Path(str(item.fspath)).parent.name
+        if folder in _MARKERS:
+            item.add_marker(getattr(pytest.mark, _MARKERS[folder]))
+
+
+def _announce(config: pytest.Config, line: str) -> None:
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def rabbitmq(pytestconfig: pytest.Config) -> Iterator[Endpoint]:
+    endpoint = resolve_rabbitmq()
+    _announce(pytestconfig, f"[infra] broker: {endpoint.kind}")
+    yield endpoint
+    endpoint.close()
+
+
+@pytest.fixture(scope="session")
+def mongo(pytestconfig: pytest.Config) -> Iterator[Endpoint]:
+    endpoint = resolve_mongo()
+    _announce(pytestconfig, f"[infra] database: {endpoint.kind}")
+    yield endpoint
+    endpoint.close()
+
+
+@pytest.fixture(scope="module")
+def amqp_url(rabbitmq: Endpoint) -> Iterator[str]:
+    """A vhost of this module's own, so tests never see each other's queues."""
+    vhost = f"scorebox-test-{uuid.uuid4().hex[:10]}"
+    url = create_vhost(rabbitmq.url, vhost, management_url=rabbitmq.management_url)
+    yield url
+    delete_vhost(rabbitmq.url, vhost, management_url=rabbitmq.management_url)
+
+
+@pytest.fixture(scope="module")
+def db_prefix() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+async def fake_llm() -> AsyncIterator[FakeLLM]:
+    server = await start_fake_llm(FakeLLMConfig())
+    yield server
+    await server.stop()

@@ -1,0 +1,250 @@
+"""Gateway and status in-process against the real broker and database (no scorer)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import aio_pika
+import httpx
+import pytest
+from pymongo import AsyncMongoClient
+
+from services.gateway.app import create_app as create_gateway
+from services.gateway.settings import GatewaySettings
+from services.status.app import create_app as create_status
+from services.status.settings import StatusSettings
+from shared.bus import publish_event
+from shared.contracts import (
+    Phase,
+    ScoreResult,
+    ScoreText,
+    TaskCompleted,
+    TaskStarted,
+    event_sequence,
+    utcnow,
+)
+from shared.runtime import make_broker
+from shared.topology import SCORE_REQUESTS
+from tests.support import eventually, running
+
+MAX_TEXT = 200
+
+
+class MovableClock:
+    def __init__(self) -> None:
+        self.offset = timedelta()
+
+    def __call__(self) -> datetime:
+        return utcnow() + self.offset
+
+
+@dataclass
+class Stack:
+    api: httpx.AsyncClient
+    amqp_url: str
+    mongo: AsyncMongoClient[dict[str, object]]
+    db_prefix: str
+    clock: MovableClock
+
+    @property
+    def submissions(self) -> object:
+        return self.mongo[f"{self.db_prefix}_gateway"]["submissions"]
+
+
+@pytest.fixture(scope="module")
+async def stack(amqp_url: str, mongo: object, db_prefix: str) -> AsyncIterator[Stack]:
+    mongo_url = mongo.url  # type: ignore[attr-defined]
+    env = {"RABBITMQ_URL": amqp_url, "MONGO_URL": mongo_url, "MONGO_DB_PREFIX": db_prefix}
+    status_settings = StatusSettings.model_validate(env)
+    gateway_settings = GatewaySettings.model_validate({**env, "MAX_TEXT_CHARS": MAX_TEXT})
+    clock = MovableClock()
+    status_app = create_status(status_settings, clock=clock)
+    async with running(status_app) as status_client:
+        gateway_app = create_gateway(gateway_settings, status_http=status_client, clock=clock)
+        async with running(gateway_app) as api:
+            client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(mongo_url, tz_aware=True)
+            yield Stack(api, amqp_url, client, db_prefix, clock)
+            await client.close()
+
+
+async def _queued_commands(amqp_url: str) -> list[ScoreText]:
+    """Drain the score-requests queue of this module's vhost."""
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.get_queue(SCORE_REQUESTS.name, ensure=True)
+        commands = []
+        while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
+            commands.append(ScoreText.model_validate_json(message.body))
+        return commands
+
+
+async def _submission_count(stack: Stack) -> int:
+    collection = stack.mongo[f"{stack.db_prefix}_gateway"]["submissions"]
+    return await collection.count_documents({})
+
+
+def _assert_problem(response: httpx.Response, status: int) -> dict[str, object]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    body: dict[str, object] = response.json()
+    assert body["status"] == status
+    assert isinstance(body["detail"], str)
+    assert body["detail"]
+    return body
+
+
+BAD_INPUTS = [
+    pytest.param(
+        {"content": b'{"text": "hi"}', "headers": {"content-type": "text/plain"}},
+        415,
+        id="wrong-content-type",
+    ),
+    pytest.param(
+        {"content": b'{"text": "hi"', "headers": {"content-type": "application/json"}},
+        400,
+        id="not-json",
+    ),
+    pytest.param({"json": {"text": "x" * (MAX_TEXT + 1)}}, 413, id="text-too-long"),
+    pytest.param(
+        {
+            "content": b"{" + b" " * 2_000_000 + b"}",
+            "headers": {"content-type": "application/json"},
+        },
+        413,
+        id="body-too-large",
+    ),
+    pytest.param({"json": {"text": ""}}, 422, id="empty-text"),
+    pytest.param({"json": {"text": " \n\t "}}, 422, id="blank-text"),
+    pytest.param({"json": {"text": "hi", "colour": "red"}}, 422, id="unknown-field"),
+    pytest.param({"json": {"text": 42}}, 422, id="wrong-type"),
+    pytest.param({"json": ["hi"]}, 422, id="not-an-object"),
+    pytest.param(
+        {"json": {"text": "hi", "metadata": {"$where": "1"}}}, 422, id="operator-in-metadata"
+    ),
+    pytest.param({"json": {"text": "hi", "metadata": {"a.b": 1}}}, 422, id="dot-in-metadata"),
+    pytest.param({"json": {"text": "hi", "delay_seconds": -1}}, 422, id="negative-delay"),
+]
+
+
+@pytest.mark.parametrize(("request_args", "status"), BAD_INPUTS)
+async def test_bad_input_is_a_problem_and_changes_nothing(
+    stack: Stack, request_args: dict[str, object], status: int
+) -> None:
+    before = await _submission_count(stack)
+    response = await stack.api.post("/v1/scores", **request_args)  # type: ignore[arg-type]
+    _assert_problem(response, status)
+    assert await _submission_count(stack) == before
+
+
+async def test_bad_idempotency_key_is_400(stack: Stack) -> None:
+    response = await stack.api.post(
+        "/v1/scores", json={"text": "hi"}, headers={"Idempotency-Key": "has space"}
+    )
+    _assert_problem(response, 400)
+
+
+async def test_unknown_task_is_404(stack: Stack) -> None:
+    _assert_problem(await stack.api.get(f"/v1/scores/{uuid.uuid4().hex}"), 404)
+    _assert_problem(await stack.api.get("/v1/scores/not%20an%20id"), 404)
+
+
+async def test_accepted_submission_is_queued_and_readable_at_once(stack: Stack) -> None:
+    await _queued_commands(stack.amqp_url)
+    response = await stack.api.post(
+        "/v1/scores", json={"text": "A text to score.", "metadata": {"ref": "a1"}}
+    )
+    assert response.status_code == 202, response.text
+    body = response.json()
+    assert body["status"] == "queued"
+    assert response.headers["location"] == body["status_url"] == f"/v1/scores/{body['task_id']}"
+
+    poll = await stack.api.get(body["status_url"])  # read-your-writes: never 404
+    assert poll.status_code == 200
+    assert poll.json()["status"] == "queued"
+
+    commands = await _queued_commands(stack.amqp_url)
+    assert [c.task_id for c in commands] == [body["task_id"]]
+    assert commands[0].text == "A text to score."
+    assert commands[0].tenant_id == "default"
+
+    async def projected() -> dict[str, object] | None:
+        view = (await stack.api.get(body["status_url"])).json()
+        return view if view["metadata"] == {"ref": "a1"} else None
+
+    await eventually(projected, what="task.accepted applied by the status projection")
+
+
+async def test_idempotency_key_returns_the_same_task_or_409(stack: Stack) -> None:
+    key = uuid.uuid4().hex
+    first = await stack.api.post(
+        "/v1/scores", json={"text": "same"}, headers={"Idempotency-Key": key}
+    )
+    again = await stack.api.post(
+        "/v1/scores", json={"text": "same"}, headers={"Idempotency-Key": key}
+    )
+    other = await stack.api.post(
+        "/v1/scores", json={"text": "other"}, headers={"Idempotency-Key": key}
+    )
+    assert first.status_code == 202
+    assert again.status_code == 200
+    assert again.json()["task_id"] == first.json()["task_id"]
+    _assert_problem(other, 409)
+
+
+async def test_concurrent_duplicates_create_one_task(stack: Stack) -> None:
+    await _queued_commands(stack.amqp_url)
+    key = uuid.uuid4().hex
+    responses = await asyncio.gather(
+        *(
+            stack.api.post("/v1/scores", json={"text": "race"}, headers={"Idempotency-Key": key})
+            for _ in range(8)
+        )
+    )
+    assert {r.status_code for r in responses} <= {200, 202, 409}
+    assert [r.status_code for r in responses].count(202) == 1
+    ids = {r.json()["task_id"] for r in responses if r.status_code in (200, 202)}
+    assert len(ids) == 1
+    assert [c.task_id for c in await _queued_commands(stack.amqp_url)] == list(ids)
+
+
+async def test_projection_never_moves_backwards_and_expires(stack: Stack) -> None:
+    submitted = await stack.api.post("/v1/scores", json={"text": "projected"})
+    task_id = submitted.json()["task_id"]
+    now = utcnow()
+    common = {"task_id": task_id, "attempt": 1, "submitted_at": now}
+    completed = TaskCompleted(
+        **common,
+        sequence=event_sequence(generation=0, attempt=1, phase=Phase.TERMINAL),
+        result=ScoreResult(score=7.5, comment="fine", model="m"),
+    )
+    started = TaskStarted(
+        **common, sequence=event_sequence(generation=0, attempt=1, phase=Phase.STARTED)
+    )
+    broker = make_broker(GatewaySettings.model_validate({"RABBITMQ_URL": stack.amqp_url}))
+    async with broker:
+        await broker.connect()
+        for event in (completed, started, completed, started):  # out of order, duplicated
+            await publish_event(broker, event, timeout=10)
+
+    async def completed_view() -> dict[str, object] | None:
+        view = (await stack.api.get(f"/v1/scores/{task_id}")).json()
+        return view if view["status"] == "completed" else None
+
+    view = await eventually(completed_view, what="completed")
+    assert view["result"]["score"] == 7.5  # type: ignore[index]
+    assert view["attempts"] == 1
+    # A later started event (the duplicates above) must not have moved it back.
+    assert (await stack.api.get(f"/v1/scores/{task_id}")).json()["status"] == "completed"
+
+    stack.clock.offset = timedelta(hours=2)  # past FINISHED_TASK_TTL_S (1 h)
+    try:
+        response = await stack.api.get(f"/v1/scores/{task_id}")
+    finally:
+        stack.clock.offset = timedelta()
+    # Expired: 404 like an unknown task, never `queued` again from the gateway's own record.
+    _assert_problem(response, 404)

@@ -1,0 +1,212 @@
+"""The whole task flow in-process — gateway, scorer, status — on the real broker and
+database, with the fake model server scripting each task's faults."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aio_pika
+import httpx
+import pytest
+
+from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
+from services.gateway.app import create_app as create_gateway
+from services.gateway.settings import GatewaySettings
+from services.scorer.app import create_app as create_scorer
+from services.scorer.model.settings import ModelSettings
+from services.scorer.settings import ScorerSettings
+from services.status.app import create_app as create_status
+from services.status.settings import StatusSettings
+from shared.bus import publish_command
+from shared.contracts import ScoreText, new_id
+from shared.runtime import make_broker
+from shared.topology import ERROR_HEADER, SCORE_REQUESTS, TASKS
+from tests.support import eventually, running
+
+
+@dataclass
+class Flow:
+    api: httpx.AsyncClient
+    llm: FakeLLM
+    amqp_url: str
+
+    async def submit(self, text: str) -> str:
+        response = await self.api.post("/v1/scores", json={"text": text})
+        assert response.status_code == 202, response.text
+        task_id: str = response.json()["task_id"]
+        return task_id
+
+    async def finished(self, task_id: str, timeout_s: float = 60) -> dict[str, Any]:
+        async def terminal() -> dict[str, Any] | None:
+            view: dict[str, Any] = (await self.api.get(f"/v1/scores/{task_id}")).json()
+            return view if view["status"] in ("completed", "failed") else None
+
+        return await eventually(terminal, timeout_s=timeout_s, what=f"task {task_id} finished")
+
+    def calls(self, marker: str) -> int:
+        return int(self.llm.stats()["by_id"].get(marker, 0))
+
+
+@pytest.fixture(scope="module")
+async def flow(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Flow]:
+    llm = await start_fake_llm(FakeLLMConfig())
+    env = {
+        "RABBITMQ_URL": amqp_url,
+        "MONGO_URL": mongo.url,
+        "MONGO_DB_PREFIX": db_prefix,
+        "RETRY_BASE_S": "0.5",
+        "RETRY_CAP_S": "2",
+        "LLM_PROVIDER": "openai",
+        "LLM_BASE_URL": llm.url,
+        "LLM_API_KEY": "test-key",
+        "LLM_MODEL": "fake-judge-1",
+        "LLM_TIMEOUT_S": "1",
+    }
+    scorer = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))
+    status = create_status(StatusSettings.model_validate(env))
+    async with running(status) as status_client, running(scorer):
+        gateway = create_gateway(GatewaySettings.model_validate(env), status_http=status_client)
+        async with running(gateway) as api:
+            yield Flow(api, llm, amqp_url)
+    await llm.stop()
+
+
+async def _dead_letters(amqp_url: str) -> list[aio_pika.abc.AbstractIncomingMessage]:
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.get_queue(SCORE_REQUESTS.dead_letter_routing_key, ensure=True)
+        found = []
+        while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
+            found.append(message)
+        return found
+
+
+def _marker() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+async def test_texts_are_scored_once_each(flow: Flow) -> None:
+    markers = [_marker() for _ in range(5)]
+    task_ids = [
+        await flow.submit(f"An essay number {i} [[id:{m}]].") for i, m in enumerate(markers)
+    ]
+    for task_id, marker in zip(task_ids, markers, strict=True):
+        view = await flow.finished(task_id)
+        assert view["status"] == "completed", view
+        assert 0 <= view["result"]["score"] <= 10
+        assert view["result"]["model"] == "fake-judge-1"
+        assert view["result"]["usage"]["total_tokens"] > 0
+        assert view["attempts"] == 1
+        assert flow.calls(marker) == 1
+
+
+async def test_rate_limited_call_is_retried_after_retry_after(flow: Flow) -> None:
+    marker = _marker()
+    task_id = await flow.submit(f"Busy model [[id:{marker}]] [[fake:429x2:retry=1]]")
+
+    async def retrying() -> dict[str, Any] | None:
+        view: dict[str, Any] = (await flow.api.get(f"/v1/scores/{task_id}")).json()
+        return view if view["status"] == "retrying" else None
+
+    seen = await eventually(retrying, what="retrying status")
+    assert seen["error"]["code"] == "model_rate_limited"
+    assert seen["next_attempt_at"] is not None
+    view = await flow.finished(task_id)
+    assert view["status"] == "completed"
+    assert view["attempts"] == 3
+    assert flow.calls(marker) == 3
+
+
+async def test_exhausted_retries_dead_letter_the_task(flow: Flow) -> None:
+    await _dead_letters(flow.amqp_url)
+    marker = _marker()
+    task_id = await flow.submit(f"Broken model [[id:{marker}]] [[fake:500]]")
+    view = await flow.finished(task_id)
+    assert view["status"] == "failed"
+    assert view["error"]["code"] == "model_unavailable"
+    assert view["error"]["dead_lettered"] is True
+    assert view["attempts"] == 4
+    assert flow.calls(marker) == 4
+    dead = await _dead_letters(flow.amqp_url)
+    assert [ScoreText.model_validate_json(m.body).task_id for m in dead] == [task_id]
+    assert "model_unavailable" in str(dead[0].headers[ERROR_HEADER])
+
+
+@pytest.mark.parametrize(
+    ("fault", "code", "calls"),
+    [
+        ("malformed", "unusable_output", 2),
+        ("range", "unusable_output", 2),
+        ("reject", "input_rejected", 1),
+    ],
+)
+async def test_permanent_failures_fail_at_once(
+    flow: Flow, fault: str, code: str, calls: int
+) -> None:
+    marker = _marker()
+    task_id = await flow.submit(f"Bad answer [[id:{marker}]] [[fake:{fault}]]")
+    view = await flow.finished(task_id)
+    assert view["status"] == "failed"
+    assert view["error"]["code"] == code
+    assert view["error"]["dead_lettered"] is False
+    assert view["attempts"] == 1
+    assert flow.calls(marker) == calls
+
+
+async def test_hanging_model_times_out_and_is_retried(flow: Flow) -> None:
+    marker = _marker()
+    task_id = await flow.submit(f"Slow model [[id:{marker}]] [[fake:hangx1]]")
+    view = await flow.finished(task_id)
+    assert view["status"] == "completed"
+    assert view["attempts"] == 2
+    assert flow.calls(marker) == 2
+
+
+async def test_duplicate_delivery_calls_the_model_once(flow: Flow) -> None:
+    marker = _marker()
+    command = ScoreText(task_id=new_id(), text=f"Twice [[id:{marker}]]")
+    broker = make_broker(ScorerSettings.model_validate({"RABBITMQ_URL": flow.amqp_url}))
+    async with broker:
+        await broker.connect()
+        for _ in range(3):
+            await publish_command(broker, command, timeout=10)
+    view = await flow.finished(command.task_id)
+    assert view["status"] == "completed"
+
+    async def all_three_handled() -> bool:
+        return await _queue_is_empty(flow.amqp_url)
+
+    await eventually(all_three_handled, what="duplicates consumed")
+    assert flow.calls(marker) == 1
+
+
+async def _queue_is_empty(amqp_url: str) -> bool:
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(SCORE_REQUESTS.name, passive=True)
+        return queue.declaration_result.message_count == 0
+
+
+async def test_poison_message_is_dead_lettered_and_the_consumer_lives(flow: Flow) -> None:
+    await _dead_letters(flow.amqp_url)
+    broker = make_broker(ScorerSettings.model_validate({"RABBITMQ_URL": flow.amqp_url}))
+    async with broker:
+        await broker.connect()
+        await broker.publish(
+            b'{"not": "a command"}', exchange=TASKS, routing_key="score.requested", timeout=10
+        )
+
+    async def dead_lettered() -> list[aio_pika.abc.AbstractIncomingMessage] | None:
+        return await _dead_letters(flow.amqp_url) or None
+
+    dead = await eventually(dead_lettered, what="poison message in the DLQ")
+    assert b"not" in dead[0].body
+    assert "unreadable" in str(dead[0].headers[ERROR_HEADER])
+    marker = _marker()
+    view = await flow.finished(await flow.submit(f"Still alive [[id:{marker}]]"))
+    assert view["status"] == "completed"

@@ -1,0 +1,40 @@
+"""Test helpers: poll with a deadline (never sleep to synchronise), run apps in-process."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+
+POLL_INTERVAL_S = 0.05
+
+
+async def eventually[T](
+    probe: Callable[[], Awaitable[T | None]], *, timeout_s: float = 30.0, what: str = "condition"
+) -> T:
+    """Call `probe` until it returns something other than None/False, or fail at the deadline."""
+    last: Any = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                last = await probe()
+                if last is not None and last is not False:
+                    return last
+                await asyncio.sleep(POLL_INTERVAL_S)
+    except TimeoutError:
+        raise AssertionError(f"{what} not reached within {timeout_s}s (last: {last!r})") from None
+
+
+@asynccontextmanager
+async def running(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    """Run `app`'s lifespan and give an HTTP client that talks to it in-process."""
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://scorebox.test", timeout=10
+        ) as client:
+            yield client

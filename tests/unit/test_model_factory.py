@@ -1,0 +1,139 @@
+import socket
+from typing import Any
+
+import httpx
+import pytest
+from httpx_aiohttp import AiohttpTransport
+
+from services.scorer.errors import ModelUnavailable
+from services.scorer.model import (
+    HeuristicModel,
+    ModelSettings,
+    OpenAIChatModel,
+    ScoringRequest,
+    build_model,
+    make_http_client,
+    provider_transport,
+)
+
+LLM_VARIABLES = [
+    "LLM_PROVIDER",
+    "LLM_BASE_URL",
+    "LLM_API_KEY",
+    "LLM_MODEL",
+    "LLM_TIMEOUT_S",
+    "LLM_MAX_INPUT_CHARS",
+    "LLM_MAX_OUTPUT_TOKENS",
+    "LLM_JSON_MODE",
+]
+
+
+@pytest.fixture
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in LLM_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_settings_defaults(clean_environment: pytest.MonkeyPatch) -> None:
+    settings = ModelSettings()
+    assert settings.llm_provider == "heuristic"
+    assert settings.llm_base_url == "https://api.openai.com/v1"
+    assert settings.llm_api_key.get_secret_value() == ""
+    assert settings.llm_model == "gpt-4o-mini"
+    assert settings.llm_timeout_s == 30
+    assert settings.llm_max_input_chars == 6000
+    assert settings.llm_max_output_tokens == 300
+    assert settings.llm_json_mode == "json_schema"
+
+
+def test_settings_read_the_llm_variables(clean_environment: pytest.MonkeyPatch) -> None:
+    clean_environment.setenv("LLM_PROVIDER", "openai")
+    clean_environment.setenv("LLM_API_KEY", "sk-secret")
+    clean_environment.setenv("LLM_TIMEOUT_S", "2.5")
+    clean_environment.setenv("LLM_JSON_MODE", "none")
+    settings = ModelSettings()
+    assert settings.llm_provider == "openai"
+    assert settings.llm_timeout_s == 2.5
+    assert settings.llm_json_mode == "none"
+    assert "sk-secret" not in repr(settings)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("LLM_PROVIDER", "anthropic"), ("LLM_JSON_MODE", "xml"), ("LLM_TIMEOUT_S", "0")],
+)
+def test_settings_refuse_unknown_values(
+    clean_environment: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    clean_environment.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        ModelSettings()
+
+
+def _settings(**values: Any) -> ModelSettings:
+    return ModelSettings(**{"LLM_TIMEOUT_S": 5, **values})
+
+
+def test_the_heuristic_provider_needs_no_http_client() -> None:
+    model = build_model(_settings(LLM_PROVIDER="heuristic"), None)
+    assert isinstance(model, HeuristicModel)
+    assert model.name == "heuristic-v1"
+
+
+async def test_the_openai_provider_uses_the_given_client() -> None:
+    async with httpx.AsyncClient() as http:
+        model = build_model(_settings(LLM_PROVIDER="openai", LLM_MODEL="m-1"), http)
+    assert isinstance(model, OpenAIChatModel)
+    assert model.name == "m-1"
+
+
+def test_the_openai_provider_without_a_client_is_a_configuration_error() -> None:
+    with pytest.raises(ValueError, match="HTTP client"):
+        build_model(_settings(LLM_PROVIDER="openai"), None)
+
+
+@pytest.mark.parametrize("concurrency", [1, 64, 256])
+async def test_the_pool_holds_one_connection_per_concurrent_score(concurrency: int) -> None:
+    transport = provider_transport(concurrency=concurrency)
+    assert isinstance(transport, AiohttpTransport)
+    assert transport.retries == 0
+    session = transport.get_client()  # what the transport builds on its first request
+    try:
+        assert session.connector is not None
+        assert session.connector.limit == concurrency
+        assert session.connector.limit_per_host == 0  # unbounded: the total limit applies
+    finally:
+        await session.close()
+
+
+def test_the_pool_needs_room_for_one_request() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        provider_transport(concurrency=0)
+
+
+async def test_the_client_has_explicit_timeouts() -> None:
+    async with make_http_client(_settings(LLM_TIMEOUT_S=30), concurrency=8) as http:
+        assert http.timeout == httpx.Timeout(30, connect=10)
+        assert not http.follow_redirects
+    async with make_http_client(_settings(LLM_TIMEOUT_S=2), concurrency=8) as http:
+        assert http.timeout == httpx.Timeout(2)
+
+
+def _closed_local_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+async def test_a_refused_connection_through_the_real_transport_is_unavailability() -> None:
+    settings = _settings(
+        LLM_PROVIDER="openai", LLM_BASE_URL=f"http://127.0.0.1:{_closed_local_port()}/v1"
+    )
+    async with make_http_client(settings, concurrency=2) as http:
+        model = OpenAIChatModel(http, settings)
+        with pytest.raises(ModelUnavailable, match="cannot reach"):
+            await model.score(
+                ScoringRequest(task_id="t", text="An essay.", rubric=None, model=None)
+            )

@@ -1,0 +1,61 @@
+import pytest
+
+from services.scorer.errors import UnusableOutput
+from services.scorer.model.parsing import MAX_COMMENT_CHARS, parse_verdict
+
+
+@pytest.mark.parametrize(
+    ("content", "score", "comment"),
+    [
+        ('{"score": 7, "comment": "Clear."}', 7.0, "Clear."),
+        ('  {"score": 7.5, "comment": "  Clear.  "}\n', 7.5, "Clear."),
+        ('{"score": 0, "comment": "Empty."}', 0.0, "Empty."),
+        ('{"score": 10, "comment": "Perfect."}', 10.0, "Perfect."),
+        ('```json\n{"score": 6, "comment": "Fenced."}\n```', 6.0, "Fenced."),
+        ('```\n{"score": 6, "comment": "Bare fence."}\n```', 6.0, "Bare fence."),
+        ('Here you go:\n```json\n{"score": 6, "comment": "Prose."}\n```\nBye', 6.0, "Prose."),
+        ('My verdict is {"score": 4, "comment": "Inline."} as asked.', 4.0, "Inline."),
+        ('Criteria {clarity}, {"a": 1} then {"score": 3, "comment": "Later."}', 3.0, "Later."),
+        ('{"score": "7.5", "comment": "String."}', 7.5, "String."),
+        ('{"score": "7/10", "comment": "Out of ten."}', 7.0, "Out of ten."),
+        ('{"score": " 8 / 10 ", "comment": "Spaced."}', 8.0, "Spaced."),
+        ('{"score": 5, "comment": "Extra keys.", "confidence": 0.9}', 5.0, "Extra keys."),
+    ],
+)
+def test_parse_verdict_accepts(content: str, score: float, comment: str) -> None:
+    verdict = parse_verdict(content)
+    assert (verdict.score, verdict.comment) == (score, comment)
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ("Sure! The score is high.", "no JSON object"),
+        ("", "no JSON object"),
+        ("[7, 8]", "no JSON object"),
+        ('{"score": 7, "comment": "cut', "no JSON object"),
+        ('{"score": 42, "comment": "Too high."}', "42 is outside 0..10"),
+        ('{"score": -1, "comment": "Too low."}', "-1 is outside 0..10"),
+        ('{"score": "11/10", "comment": "Over."}', "outside 0..10"),
+        ('{"score": NaN, "comment": "Not a number."}', "finite"),
+        ('{"score": true, "comment": "Boolean."}', "not a boolean"),
+        ('{"score": "7-8", "comment": "Range."}', "not a number from 0 to 10"),
+        ('{"score": "3/5", "comment": "Other scale."}', "not a number from 0 to 10"),
+        ('{"score": "seven", "comment": "Word."}', "not a number from 0 to 10"),
+        ('{"score": null, "comment": "Null."}', "score"),
+        ('{"comment": "No score."}', "score: missing"),
+        ('{"score": 5}', "comment: missing"),
+        ('{"score": 5, "comment": "   "}', "comment: is empty"),
+        ('{"score": 5, "comment": 12}', "comment"),
+    ],
+)
+def test_parse_verdict_rejects(content: str, problem: str) -> None:
+    with pytest.raises(UnusableOutput, match=problem) as caught:
+        parse_verdict(content)
+    assert caught.value.raw_output == content
+
+
+def test_a_long_comment_is_cut_not_rejected() -> None:
+    verdict = parse_verdict('{"score": 5, "comment": "' + "word " * 1000 + '"}')
+    assert len(verdict.comment) == MAX_COMMENT_CHARS
+    assert verdict.comment.endswith("\u2026")

@@ -1,0 +1,300 @@
+"""The process runner (`devtools.stack`) against a tiny fake service of our own.
+
+The fake reads the same environment a real service does (`<SERVICE>_PORT`, `HTTP_HOST`) and
+answers `/healthz`, `/readyz` and `/env`; `FAKE_MODE_<SERVICE>` makes it misbehave.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import textwrap
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from devtools.stack import (
+    DEFAULT_PORTS,
+    PortInUseError,
+    Stack,
+    StackConfig,
+    StackError,
+    curl_examples,
+    ports_from_env,
+    probe,
+)
+
+FAKE_SERVICE = textwrap.dedent(
+    """
+    import http.server, json, os, signal, sys
+
+    service = os.environ["SCOREBOX_SERVICE"]
+    port = int(os.environ[service.upper() + "_PORT"])
+    mode = os.environ.get("FAKE_MODE_" + service.upper(), "ready")
+    if mode == "crash":
+        print("boom: the fake", service, "gives up", flush=True)
+        sys.exit(3)
+    if mode == "ignore-term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    polls = {"n": 0}
+    SHOWN = ("RABBITMQ_URL", "MONGO_URL", "MONGO_DB_PREFIX", "HTTP_HOST", "STATUS_URL",
+             "SCOREBOX_INSTANCE", "EXTRA", service.upper() + "_PORT")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/readyz":
+                polls["n"] += 1
+                ready = mode != "never-ready" and (mode != "slow" or polls["n"] > 3)
+                self.answer(200 if ready else 503, {"ready": ready})
+            elif self.path == "/healthz":
+                self.answer(200, {"ok": True})
+            elif self.path == "/env":
+                self.answer(200, {name: os.environ.get(name) for name in SHOWN})
+            else:
+                self.answer(404, {})
+
+        def answer(self, code, body):
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    print("fake", service, "listening on", port, flush=True)
+    http.server.ThreadingHTTPServer((os.environ["HTTP_HOST"], port), Handler).serve_forever()
+    """
+)
+
+
+@pytest.fixture
+def fake_command(tmp_path: Path) -> list[str]:
+    script = tmp_path / "fake_service.py"
+    script.write_text(FAKE_SERVICE)
+    return [sys.executable, str(script)]
+
+
+def make_config(tmp_path: Path, fake_command: list[str], **overrides: object) -> StackConfig:
+    config = StackConfig(
+        rabbitmq_url="amqp://guest:guest@127.0.0.1:5672/some-vhost",
+        mongo_url="mongodb://127.0.0.1:1/?directConnection=true",
+        db_prefix="tprefix",
+        gateway_port=0,
+        log_dir=tmp_path / "logs",
+        commands=dict.fromkeys(DEFAULT_PORTS, fake_command),
+    )
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    return config
+
+
+@pytest.fixture
+def stacks() -> Iterator[list[Stack]]:
+    """Stacks a test creates; all stopped afterwards, whatever happened."""
+    created: list[Stack] = []
+    yield created
+    for stack in created:
+        stack.stop(grace_s=2)
+
+
+def get_json(url: str) -> dict[str, str | None]:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        data: dict[str, str | None] = json.load(response)
+    return data
+
+
+def all_pids(stack: Stack) -> list[int]:
+    return [pid for pids in stack.pids().values() for pid in pids]
+
+
+def test_start_waits_for_readiness_on_free_ports_and_stop_ends_everything(
+    tmp_path: Path, fake_command: list[str], stacks: list[Stack]
+) -> None:
+    config = make_config(
+        tmp_path, fake_command, scorer_replicas=2, env={"EXTRA": "yes", "FAKE_MODE_STATUS": "slow"}
+    )
+    stack = Stack(config)
+    stacks.append(stack)
+
+    stack.start(ready_timeout_s=30)
+
+    urls = [stack.url(s) for s in ("status", "scheduler", "gateway")]
+    urls += [stack.url("scorer", 0), stack.url("scorer", 1)]
+    assert len(set(urls)) == 5
+    assert all(probe(f"{url}/readyz") == "200" for url in urls)
+    assert {service: len(pids) for service, pids in stack.pids().items()} == {
+        "status": 1,
+        "scorer": 2,
+        "scheduler": 1,
+        "gateway": 1,
+    }
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
+        "gateway.log",
+        "scheduler.log",
+        "scorer-0.log",
+        "scorer-1.log",
+        "status.log",
+    ]
+
+    stack.stop(grace_s=5)
+
+    assert stack.pids() == {}
+    assert all(probe(f"{url}/healthz", timeout_s=1) != "200" for url in urls)
+
+
+def test_every_service_gets_the_environment_contract(
+    tmp_path: Path, fake_command: list[str], stacks: list[Stack]
+) -> None:
+    stack = Stack(make_config(tmp_path, fake_command, scorer_replicas=2, env={"EXTRA": "x"}))
+    stacks.append(stack)
+    stack.start(ready_timeout_s=30)
+
+    gateway = get_json(f"{stack.gateway_url}/env")
+    scorer = get_json(f"{stack.url('scorer', 1)}/env")
+
+    assert gateway["RABBITMQ_URL"] == "amqp://guest:guest@127.0.0.1:5672/some-vhost"
+    assert gateway["MONGO_URL"] == "mongodb://127.0.0.1:1/?directConnection=true"
+    assert gateway["MONGO_DB_PREFIX"] == "tprefix"
+    assert gateway["HTTP_HOST"] == "127.0.0.1"
+    assert gateway["STATUS_URL"] == stack.url("status")
+    assert gateway["EXTRA"] == "x"
+    assert stack.gateway_url.endswith(f":{gateway['GATEWAY_PORT']}")
+    assert stack.url("scorer", 1).endswith(f":{scorer['SCORER_PORT']}")
+    assert scorer["SCOREBOX_INSTANCE"] == "scorer-1"
+
+
+def test_kill_then_restart_one_replica_on_the_same_port(
+    tmp_path: Path, fake_command: list[str], stacks: list[Stack]
+) -> None:
+    stack = Stack(make_config(tmp_path, fake_command, scorer_replicas=2))
+    stacks.append(stack)
+    stack.start(ready_timeout_s=30)
+    before = stack.pids()
+    url = stack.url("scorer", 1)
+
+    stack.kill("scorer", 1)
+
+    assert stack.pids()["scorer"] == [before["scorer"][0]]
+    assert [p.name for p in stack.dead()] == ["scorer-1"]
+    assert probe(f"{url}/healthz", timeout_s=1) != "200"
+
+    stack.restart("scorer", 1, ready_timeout_s=30)
+
+    after = stack.pids()
+    assert after["scorer"][0] == before["scorer"][0]
+    assert after["scorer"][1] != before["scorer"][1]
+    assert stack.url("scorer", 1) == url
+    assert probe(f"{url}/readyz") == "200"
+    assert stack.dead() == []
+    assert stack.log_path("scorer", 1).read_text().count("starting scorer-1") == 2
+
+
+def test_restart_of_a_running_service_replaces_the_process(
+    tmp_path: Path, fake_command: list[str], stacks: list[Stack]
+) -> None:
+    stack = Stack(make_config(tmp_path, fake_command, services=("status", "gateway")))
+    stacks.append(stack)
+    stack.start(ready_timeout_s=30)
+    old_pid = stack.pids()["gateway"]
+
+    stack.restart("gateway", ready_timeout_s=30)
+
+    assert stack.pids()["gateway"] != old_pid
+    assert probe(f"{stack.gateway_url}/readyz") == "200"
+
+
+def test_a_service_that_never_gets_ready_is_a_clear_error_and_nothing_is_left_running(
+    tmp_path: Path, fake_command: list[str], stacks: list[Stack]
+) -> None:
+    stack = Stack(make_config(tmp_path, fake_command, env={"FAKE_MODE_SCHEDULER": "never-ready"}))
+    stacks.append(stack)
+
+    with pytest.raises(StackError, match="scheduler did not become ready") as failure:
+        stack.start(ready_timeout_s=2)
+
+    message = str(failure.value)
+    assert "last /readyz answer: 503" in message
+    assert "fake scheduler listening on" in message  # the tail of its log
+    assert stack.pids() == {}
+
+
+def test_a_service_that_exits_during_start_up_is_reported_with_its_log(
+    tmp_path: Path, fake_command: list[str], stacks: list[Stack]
+) -> None:
+    stack = Stack(make_config(tmp_path, fake_command, env={"FAKE_MODE_SCORER": "crash"}))
+    stacks.append(stack)
+
+    with pytest.raises(StackError, match="scorer exited with code 3") as failure:
+        stack.start(ready_timeout_s=30)
+
+    assert "boom: the fake scorer gives up" in str(failure.value)
+    assert stack.pids() == {}
+
+
+def test_stop_kills_a_process_that_ignores_sigterm(
+    tmp_path: Path, fake_command: list[str], stacks: list[Stack]
+) -> None:
+    config = make_config(
+        tmp_path, fake_command, services=("gateway",), env={"FAKE_MODE_GATEWAY": "ignore-term"}
+    )
+    stack = Stack(config)
+    stacks.append(stack)
+    stack.start(ready_timeout_s=30)
+
+    stack.stop(grace_s=0.5)
+
+    assert stack.pids() == {}
+    assert [p.process.returncode for p in stack.dead() if p.process] == [-9]
+
+
+def test_a_taken_fixed_port_names_the_variable_to_change(
+    tmp_path: Path, fake_command: list[str], stacks: list[Stack]
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        stack = Stack(make_config(tmp_path, fake_command, services=("gateway",), gateway_port=port))
+        stacks.append(stack)
+
+        with pytest.raises(PortInUseError, match="GATEWAY_PORT"):
+            stack.start(ready_timeout_s=5)
+
+
+def test_addresses_before_start_are_an_error(tmp_path: Path, fake_command: list[str]) -> None:
+    stack = Stack(make_config(tmp_path, fake_command))
+
+    with pytest.raises(StackError, match="not started"):
+        _ = stack.gateway_url
+
+
+def test_unknown_service_names_are_rejected(tmp_path: Path, fake_command: list[str]) -> None:
+    with pytest.raises(StackError, match="unknown services"):
+        Stack(make_config(tmp_path, fake_command, services=("gateway", "billing")))
+
+
+def test_ports_come_from_the_public_variables() -> None:
+    assert ports_from_env({}) == {
+        "gateway": 8000,
+        "status": 8001,
+        "scorer": 8002,
+        "scheduler": 8003,
+    }
+    assert ports_from_env({"GATEWAY_PORT": "9000"})["gateway"] == 9000
+    with pytest.raises(StackError, match="STATUS_PORT='x' is not a port number"):
+        ports_from_env({"STATUS_PORT": "x"})
+
+
+def test_curl_examples_add_the_bearer_token_only_when_an_api_key_is_set() -> None:
+    plain = curl_examples("http://127.0.0.1:8000", api_key_set=False)
+    with_key = curl_examples("http://127.0.0.1:8000", api_key_set=True)
+
+    assert plain[0].startswith("curl -s -X POST http://127.0.0.1:8000/v1/scores")
+    assert plain[1] == "curl -s http://127.0.0.1:8000/v1/scores/<task_id>"
+    assert all("Authorization" not in line for line in plain)
+    assert all('-H "Authorization: Bearer $SCOREBOX_API_KEY"' in line for line in with_key)

@@ -2,9 +2,10 @@
 
     scorebox submit FILE [--rubric R] [--wait]     submit a text (FILE or - for stdin)
     scorebox status TASK_ID                        show a task
+    scorebox dlq list | show ID | replay [ID...|--all] | purge
 
 The gateway is `SCOREBOX_URL` (default http://127.0.0.1:8000); `SCOREBOX_API_KEY`, when set,
-is sent as a bearer token.
+is sent as a bearer token; admin commands (`dlq`) send `SCOREBOX_ADMIN_KEY` instead.
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ import httpx
 import typer
 
 app = typer.Typer(help="Command line client of Scorebox.", no_args_is_help=True)
+dlq = typer.Typer(help="Operate the dead-letter queue (needs SCOREBOX_ADMIN_KEY).")
+app.add_typer(dlq, name="dlq")
 
 TERMINAL = {"completed", "failed"}
 REQUEST_TIMEOUT_S = 30.0
 
 
-def _client() -> httpx.Client:
+def _client(*, admin: bool = False) -> httpx.Client:
     headers = {}
-    if key := os.environ.get("SCOREBOX_API_KEY"):
+    if key := os.environ.get("SCOREBOX_ADMIN_KEY" if admin else "SCOREBOX_API_KEY"):
         headers["Authorization"] = f"Bearer {key}"
     base_url = os.environ.get("SCOREBOX_URL", "http://127.0.0.1:8000")
     return httpx.Client(base_url=base_url, headers=headers, timeout=REQUEST_TIMEOUT_S)
@@ -94,6 +97,47 @@ def status(task_id: str) -> None:
         if response.status_code != 200:
             raise _fail(response)
         _show(response.json())
+
+
+def _admin_call(method: str, path: str, **kwargs: Any) -> None:
+    with _client(admin=True) as client:
+        response = client.request(method, path, **kwargs)
+        if response.status_code != 200:
+            raise _fail(response)
+        _show(response.json())
+
+
+@dlq.command("list")
+def dlq_list() -> None:
+    """List dead letters with their reason, attempts and age."""
+    _admin_call("GET", "/admin/v1/dead-letters")
+
+
+@dlq.command("show")
+def dlq_show(letter_id: str) -> None:
+    """Show one dead letter by message id or task id."""
+    _admin_call("GET", f"/admin/v1/dead-letters/{letter_id}")
+
+
+@dlq.command("replay")
+def dlq_replay(
+    ids: Annotated[list[str] | None, typer.Argument(help="Message or task ids.")] = None,
+    replay_all: Annotated[bool, typer.Option("--all", help="Replay every dead letter.")] = False,
+) -> None:
+    """Send dead letters back to the work queue with a fresh attempt budget."""
+    if replay_all == bool(ids):
+        typer.echo("give ids or --all (not both)", err=True)
+        raise typer.Exit(code=2)
+    body = {"all": True} if replay_all else {"ids": ids}
+    _admin_call("POST", "/admin/v1/dead-letters/replay", json=body)
+
+
+@dlq.command("purge")
+def dlq_purge(yes: Annotated[bool, typer.Option("--yes", help="Do not ask.")] = False) -> None:
+    """Delete every dead letter."""
+    if not yes:
+        typer.confirm("Delete every dead letter?", abort=True)
+    _admin_call("DELETE", "/admin/v1/dead-letters")
 
 
 def main() -> None:

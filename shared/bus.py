@@ -130,6 +130,7 @@ async def publish_dead_letter(
         message_id=message_id,
         correlation_id=correlation_id,
         content_type=JSON,
+        timestamp=utcnow(),
         headers={
             **headers,
             ERROR_HEADER: error[:1000],

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from services.gateway.cache import ResultCache
 from services.gateway.errors import (
     IdempotencyConflict,
     RequestInProgress,
@@ -30,6 +31,7 @@ from services.gateway.submit import (
     Publisher,
     StatusReader,
     SubmitPolicy,
+    Submitted,
     read_score,
     submit_score,
 )
@@ -46,6 +48,7 @@ _PROBLEM = {"content": {PROBLEM_JSON: {"schema": {"type": "object"}}}}
 class GatewayDeps:
     settings: GatewaySettings
     submissions: Submissions
+    cache: ResultCache
     publisher: Publisher
     status: StatusReader
     clock: Callable[[], datetime]
@@ -122,6 +125,17 @@ def _view_json(view: TaskView, headers: dict[str, str] | None = None) -> JSONRes
     return JSONResponse(body, status_code=200, headers=headers)
 
 
+def _cached_view(submitted: Submitted, now: datetime) -> TaskView:
+    return TaskView(
+        task_id=submitted.task_id,
+        status=submitted.status,
+        attempts=0,
+        created_at=now,
+        updated_at=now,
+        result=submitted.cached_result,
+    )
+
+
 def score_routes(deps: GatewayDeps) -> APIRouter:
     router = APIRouter(prefix="/v1", tags=["scores"])
     policy = SubmitPolicy(
@@ -141,7 +155,10 @@ def score_routes(deps: GatewayDeps) -> APIRouter:
             }
         },
         responses={
-            200: {"description": "Same Idempotency-Key and body: the earlier task."},
+            200: {
+                "description": "The same Idempotency-Key and body: the earlier task; or a "
+                "result-cache hit: a task completed at once (`result.cached` is true)."
+            },
             **dict.fromkeys((400, 409, 413, 415, 422, 503), _PROBLEM),
         },
     )
@@ -157,6 +174,7 @@ def score_routes(deps: GatewayDeps) -> APIRouter:
                 idempotency_key=_check_idempotency_key(idempotency_key),
                 submissions=deps.submissions,
                 publisher=deps.publisher,
+                cache=deps.cache,
                 policy=policy,
                 clock=deps.clock,
             )
@@ -176,6 +194,8 @@ def score_routes(deps: GatewayDeps) -> APIRouter:
         except Unavailable as error:
             raise _unavailable(error) from error
         location = {"Location": status_url(submitted.task_id)}
+        if submitted.cached_result is not None:
+            return _view_json(_cached_view(submitted, deps.clock()), headers=location)
         if not submitted.created:
             view = await _read(submitted.task_id, deps)
             if view is not None:

@@ -11,17 +11,23 @@ from datetime import datetime, timedelta
 
 import httpx
 from fastapi import FastAPI
+from faststream import AckPolicy
 from faststream.rabbit import RabbitBroker
+from faststream.rabbit.annotations import RabbitMessage
 from httpx_aiohttp import AiohttpTransport
+from pydantic import ValidationError
 
+from services.gateway.admin_api import admin_routes
 from services.gateway.api import GatewayDeps, score_routes
+from services.gateway.cache import ResultCache
+from services.gateway.deadletters import DeadLetterQueue
 from services.gateway.errors import Unavailable
 from services.gateway.publisher import TaskPublisher
 from services.gateway.settings import GatewaySettings
 from services.gateway.status_client import StatusClient
 from services.gateway.submissions import Submissions
-from services.gateway.submit import Publisher, sweep_outbox
-from shared.contracts import utcnow
+from services.gateway.submit import Publisher, remember_result, sweep_outbox
+from shared.contracts import TaskCompleted, utcnow
 from shared.http import health_router, install_problem_handlers
 from shared.runtime import (
     MongoClient,
@@ -32,6 +38,7 @@ from shared.runtime import (
     retry_until,
     start_broker,
 )
+from shared.topology import RESULT_CACHE
 
 log = logging.getLogger("scorebox.gateway")
 
@@ -58,20 +65,28 @@ def create_app(
     mongo = mongo or make_mongo(settings)
     http = status_http or make_status_http(settings)
     submissions = Submissions(mongo, settings.database_name("gateway"))
+    cache = ResultCache(
+        mongo, settings.database_name("gateway"), timedelta(seconds=settings.result_cache_ttl_s)
+    )
     publisher = TaskPublisher(broker, timeout_s=settings.broker_timeout_s)
     deps = GatewayDeps(
         settings=settings,
         submissions=submissions,
+        cache=cache,
         publisher=publisher,
         status=StatusClient(http, base_url=settings.status_url),
         clock=clock,
     )
 
+    subscribe_result_cache(broker, deps)
+
+    async def ensure_indexes() -> None:
+        await submissions.ensure_indexes()
+        await cache.ensure_indexes()
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await retry_until(
-            submissions.ensure_indexes, what="MongoDB", deadline_s=settings.startup_timeout_s
-        )
+        await retry_until(ensure_indexes, what="MongoDB", deadline_s=settings.startup_timeout_s)
         await start_broker(broker, settings)
         sweeper = asyncio.create_task(keep_outbox_swept(deps, publisher))
         yield
@@ -98,7 +113,29 @@ def create_app(
         )
     )
     app.include_router(score_routes(deps))
+    app.include_router(
+        admin_routes(DeadLetterQueue(broker, publisher, clock), settings.admin_api_key)
+    )
     return app
+
+
+def subscribe_result_cache(broker: RabbitBroker, deps: GatewayDeps) -> None:
+    @broker.subscriber(RESULT_CACHE.queue, ack_policy=AckPolicy.MANUAL)
+    async def remember_completed_result(message: RabbitMessage) -> None:
+        try:
+            event = TaskCompleted.model_validate_json(message.body)
+        except ValidationError as error:
+            log.warning("dead-lettering an unreadable task.completed: %s", error)
+            await message.reject(requeue=False)
+            return
+        await remember_result(
+            event.task_id,
+            event.result,
+            submissions=deps.submissions,
+            cache=deps.cache,
+            now=deps.clock(),
+        )
+        await message.ack()
 
 
 async def keep_outbox_swept(deps: GatewayDeps, publisher: Publisher) -> None:

@@ -7,8 +7,15 @@ import logging
 from faststream.rabbit import RabbitBroker
 
 from services.gateway.errors import BrokerUnavailable
-from shared.bus import publish_command, publish_event
-from shared.contracts import Phase, ScoreText, TaskAccepted, event_sequence
+from shared.bus import publish_command, publish_event, publish_events
+from shared.contracts import (
+    Phase,
+    ScoreResult,
+    ScoreText,
+    TaskAccepted,
+    TaskCompleted,
+    event_sequence,
+)
 
 log = logging.getLogger("scorebox.gateway.publisher")
 
@@ -47,4 +54,22 @@ class TaskPublisher:
             await publish_event(self._broker, accepted_event(command), timeout=self._timeout_s)
         except Exception as error:
             log.warning("task.accepted for %s not confirmed: %r", command.task_id, error)
+            raise BrokerUnavailable(str(error) or type(error).__name__) from error
+
+    async def announce_cached(self, command: ScoreText, result: ScoreResult) -> None:
+        """A task answered from the result cache: accepted and completed at once."""
+        completed = TaskCompleted(
+            task_id=command.task_id,
+            tenant_id=command.tenant_id,
+            sequence=event_sequence(generation=0, attempt=0, phase=Phase.TERMINAL),
+            submitted_at=command.submitted_at,
+            occurred_at=command.submitted_at,
+            result=result,
+        )
+        try:
+            await publish_events(
+                self._broker, (accepted_event(command), completed), timeout=self._timeout_s
+            )
+        except Exception as error:
+            log.warning("cached result for %s not confirmed: %r", command.task_id, error)
             raise BrokerUnavailable(str(error) or type(error).__name__) from error

@@ -46,6 +46,11 @@ class ScoreSubmission(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict, description="Kept with the task.")
     delay_seconds: int | None = Field(default=None, ge=0, le=MAX_DELAY_S)
     not_before: AwareDatetime | None = Field(default=None, description="Do not score before.")
+    use_cache: bool = Field(
+        default=True,
+        description="Answer at once from an earlier identical result (same normalised text, "
+        "rubric and model) when there is one; false always scores anew.",
+    )
 
     @field_validator("text")
     @classmethod

@@ -73,12 +73,15 @@ class Submissions:
         request_hash: str,
         idempotency_key: str | None,
         retention: timedelta,
+        cache_key: str,
+        state: SubmissionState = SubmissionState.ACCEPTING,
     ) -> None:
-        """Record a new submission as `accepting`; raises `KeyTaken` for a used key."""
+        """Record a new submission (`accepting` unless told); `KeyTaken` for a used key."""
         document: Document = {
             "_id": command.task_id,
             "tenant_id": command.tenant_id,
-            "state": SubmissionState.ACCEPTING.value,
+            "state": state.value,
+            "cache_key": cache_key,
             "request_hash": request_hash,
             "created_at": command.submitted_at,
             "not_before": command.not_before,
@@ -108,6 +111,15 @@ class Submissions:
             )
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
+
+    async def cache_key_of(self, task_id: str) -> tuple[str, str] | None:
+        """(tenant_id, cache key) of a submission, for the result cache."""
+        document = await self._collection.find_one(
+            {"_id": task_id}, projection={"tenant_id": 1, "cache_key": 1}
+        )
+        if document is None or "cache_key" not in document:
+            return None
+        return document["tenant_id"], document["cache_key"]
 
     async def find(self, task_id: str, *, tenant_id: str) -> Submission | None:
         return await self._find_one({"_id": task_id, "tenant_id": tenant_id})

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Protocol
 
+from services.gateway.cache import ResultCache, cache_key, cacheable
 from services.gateway.errors import (
     BrokerUnavailable,
     DatabaseUnavailable,
@@ -23,7 +24,7 @@ from services.gateway.submissions import (
     SubmissionState,
     request_hash,
 )
-from shared.contracts import ScoreText, TaskStatus, TaskView, new_id
+from shared.contracts import ScoreResult, ScoreText, TaskStatus, TaskView, new_id
 
 log = logging.getLogger("scorebox.gateway")
 Clock = Callable[[], datetime]
@@ -32,6 +33,7 @@ Clock = Callable[[], datetime]
 class Publisher(Protocol):
     async def send(self, command: ScoreText) -> None: ...
     async def announce_accepted(self, command: ScoreText) -> None: ...
+    async def announce_cached(self, command: ScoreText, result: ScoreResult) -> None: ...
 
 
 class StatusReader(Protocol):
@@ -49,6 +51,7 @@ class Submitted:
     task_id: str
     status: TaskStatus
     created: bool  # False: an earlier request with the same Idempotency-Key
+    cached_result: ScoreResult | None = None
 
 
 async def submit_score(
@@ -58,13 +61,14 @@ async def submit_score(
     idempotency_key: str | None,
     submissions: Submissions,
     publisher: Publisher,
+    cache: ResultCache,
     policy: SubmitPolicy,
     clock: Clock,
 ) -> Submitted:
     """Record the submission, then publish it; answer only once the broker confirmed.
 
     If the broker does not confirm, the record is discarded and `BrokerUnavailable` raised:
-    the client sees 503 and nothing was kept.
+    the client sees 503 and nothing was kept. A result-cache hit completes the task at once.
     """
     now = clock()
     digest = request_hash(submission.model_dump(mode="json"))
@@ -79,18 +83,40 @@ async def submit_score(
         not_before=submission.due_at(now),
         submitted_at=now,
     )
+    key = cache_key(command.text, command.rubric, command.model)
+    cached = None
+    if submission.use_cache and command.not_before is None:
+        cached = await cache.find(tenant_id=tenant_id, key=key, now=now)
     try:
         await submissions.insert(
             command,
             request_hash=digest,
             idempotency_key=idempotency_key,
             retention=policy.retention,
+            cache_key=key,
         )
     except KeyTaken:
         assert idempotency_key is not None
         return await _earlier_submission(idempotency_key, digest, tenant_id, submissions)
+    if cached is not None:
+        result = cached.model_copy(update={"cached": True})
+        await _announce_cached_or_discard(command, result, submissions, publisher)
+        return Submitted(command.task_id, TaskStatus.COMPLETED, created=True, cached_result=result)
     await _publish_or_discard(command, submissions=submissions, publisher=publisher)
     return Submitted(command.task_id, _initial_status(command, now), created=True)
+
+
+async def _announce_cached_or_discard(
+    command: ScoreText, result: ScoreResult, submissions: Submissions, publisher: Publisher
+) -> None:
+    try:
+        await publisher.announce_cached(command, result)
+    except BrokerUnavailable:
+        with contextlib.suppress(DatabaseUnavailable):
+            await submissions.discard(command.task_id)
+        raise
+    with contextlib.suppress(DatabaseUnavailable):
+        await submissions.mark_accepted(command.task_id)
 
 
 async def _publish_or_discard(
@@ -184,3 +210,22 @@ async def sweep_outbox(
         await submissions.mark_accepted(submission.task_id)
         sent += 1
     return sent
+
+
+async def remember_result(
+    task_id: str,
+    result: ScoreResult,
+    *,
+    submissions: Submissions,
+    cache: ResultCache,
+    now: datetime,
+) -> bool:
+    """Put a completed result into the cache under its submission's key; True if cached."""
+    if not cacheable(result):
+        return False
+    owner = await submissions.cache_key_of(task_id)
+    if owner is None:
+        return False
+    tenant_id, key = owner
+    await cache.remember(tenant_id=tenant_id, key=key, result=result, task_id=task_id, now=now)
+    return True

@@ -11,6 +11,7 @@ from typing import Any
 import aio_pika
 import httpx
 import pytest
+from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
 from services.gateway.app import create_app as create_gateway
@@ -25,6 +26,10 @@ from shared.contracts import ScoreText, new_id
 from shared.runtime import make_broker
 from shared.topology import ERROR_HEADER, SCORE_REQUESTS, TASKS
 from tests.support import eventually, running
+
+
+ADMIN_KEY = "test-admin-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 @dataclass
@@ -46,6 +51,13 @@ class Flow:
 
         return await eventually(terminal, timeout_s=timeout_s, what=f"task {task_id} finished")
 
+    async def reaches(self, task_id: str, status: str, timeout_s: float = 60) -> dict[str, Any]:
+        async def there() -> dict[str, Any] | None:
+            view: dict[str, Any] = (await self.api.get(f"/v1/scores/{task_id}")).json()
+            return view if view["status"] == status else None
+
+        return await eventually(there, timeout_s=timeout_s, what=f"task {task_id} {status}")
+
     def calls(self, marker: str) -> int:
         return int(self.llm.stats()["by_id"].get(marker, 0))
 
@@ -64,6 +76,7 @@ async def flow(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Flow]
         "LLM_API_KEY": "test-key",
         "LLM_MODEL": "fake-judge-1",
         "LLM_TIMEOUT_S": "1",
+        "ADMIN_API_KEY": ADMIN_KEY,
     }
     scorer = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))
     status = create_status(StatusSettings.model_validate(env))
@@ -210,3 +223,73 @@ async def test_poison_message_is_dead_lettered_and_the_consumer_lives(flow: Flow
     marker = _marker()
     view = await flow.finished(await flow.submit(f"Still alive [[id:{marker}]]"))
     assert view["status"] == "completed"
+
+
+async def test_identical_text_is_answered_from_the_result_cache(
+    flow: Flow, mongo: Any, db_prefix: str
+) -> None:
+    marker = _marker()
+    text = f"Cache me  [[id:{marker}]]"
+    first = await flow.finished(await flow.submit(text))
+    assert first["status"] == "completed"
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url)
+    try:
+        cache = client[f"{db_prefix}_gateway"]["result_cache"]
+
+        async def cached() -> bool:
+            return await cache.count_documents({"task_id": first["task_id"]}) == 1
+
+        await eventually(cached, what="result cached")
+    finally:
+        await client.close()
+
+    again = await flow.api.post("/v1/scores", json={"text": f"  Cache me [[id:{marker}]] "})
+    assert again.status_code == 200, again.text
+    body = again.json()
+    assert body["task_id"] != first["task_id"]
+    assert body["status"] == "completed"
+    assert body["result"]["cached"] is True
+    assert body["result"]["score"] == first["result"]["score"]
+    polled = await flow.finished(body["task_id"])
+    assert polled["result"]["cached"] is True
+    assert flow.calls(marker) == 1
+
+    fresh = await flow.api.post("/v1/scores", json={"text": text, "use_cache": False})
+    assert fresh.status_code == 202
+    assert (await flow.finished(fresh.json()["task_id"]))["result"]["cached"] is False
+    assert flow.calls(marker) == 2
+
+
+async def test_dead_letters_are_listed_replayed_with_fresh_attempts_and_purged(flow: Flow) -> None:
+    await _dead_letters(flow.amqp_url)
+    assert (await flow.api.get("/admin/v1/dead-letters")).status_code == 401
+    marker = _marker()
+    task_id = await flow.submit(f"Flaky model [[id:{marker}]] [[fake:500x4]]")
+    failed = await flow.finished(task_id)
+    assert failed["error"]["dead_lettered"] is True
+
+    listing = (await flow.api.get("/admin/v1/dead-letters", headers=ADMIN)).json()
+    assert [item["task_id"] for item in listing["items"]] == [task_id]
+    item = listing["items"][0]
+    assert "model_unavailable" in item["reason"]
+    assert item["attempts"] == 4
+    assert item["age_s"] >= 0
+    shown = await flow.api.get(f"/admin/v1/dead-letters/{task_id}", headers=ADMIN)
+    assert shown.json()["task_id"] == task_id
+    # Looking does not consume: the letter is still there.
+    again = (await flow.api.get("/admin/v1/dead-letters", headers=ADMIN)).json()
+    assert again["count"] == 1
+
+    replay = await flow.api.post(
+        "/admin/v1/dead-letters/replay", json={"ids": [task_id]}, headers=ADMIN
+    )
+    assert replay.json() == {"replayed": [task_id], "skipped_unreadable": []}
+    view = await flow.reaches(task_id, "completed")
+    assert view["attempts"] == 1  # a fresh attempt budget
+    assert flow.calls(marker) == 5
+    assert (await flow.api.get("/admin/v1/dead-letters", headers=ADMIN)).json()["count"] == 0
+
+    await flow.finished(await flow.submit(f"Broken again [[id:{_marker()}]] [[fake:500]]"))
+    purged = await flow.api.delete("/admin/v1/dead-letters", headers=ADMIN)
+    assert purged.json() == {"purged": 1}
+    assert (await flow.api.get("/admin/v1/dead-letters", headers=ADMIN)).json()["count"] == 0

@@ -1,0 +1,70 @@
+"""The result cache (seed 1, §5.4): a completed result for the same normalised text, rubric
+and model, per tenant, answers a new submission at once without a model call.
+
+Filled from `task.completed` events (the gateway keeps each submission's cache key), read at
+submit time. Results that were themselves served from the cache, or flagged as suspicious,
+are not cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import unicodedata
+from datetime import datetime, timedelta
+from typing import Any
+
+import orjson
+from pymongo import ASCENDING, AsyncMongoClient
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import PyMongoError
+
+from services.gateway.errors import DatabaseUnavailable
+from shared.contracts import ScoreResult
+
+Document = dict[str, Any]
+_SPACE = re.compile(r"\s+")
+UNCACHEABLE_FLAGS = frozenset({"instruction_in_text"})
+
+
+def cache_key(text: str, rubric: str | None, model: str | None) -> str:
+    """Texts that differ only in Unicode form, case of whitespace runs or outer spaces match."""
+    normalised = _SPACE.sub(" ", unicodedata.normalize("NFC", text)).strip()
+    return hashlib.sha256(orjson.dumps([normalised, rubric or "", model or ""])).hexdigest()
+
+
+def cacheable(result: ScoreResult) -> bool:
+    return not result.cached and not UNCACHEABLE_FLAGS.intersection(result.flags)
+
+
+class ResultCache:
+    def __init__(self, client: AsyncMongoClient[Document], database: str, ttl: timedelta) -> None:
+        self._collection: AsyncCollection[Document] = client[database]["result_cache"]
+        self._ttl = ttl
+
+    async def ensure_indexes(self) -> None:
+        await self._collection.create_index([("expires_at", ASCENDING)], expireAfterSeconds=0)
+
+    async def find(self, *, tenant_id: str, key: str, now: datetime) -> ScoreResult | None:
+        try:
+            document = await self._collection.find_one(
+                {"_id": f"{tenant_id}:{key}", "expires_at": {"$gt": now}}
+            )
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+        return None if document is None else ScoreResult.model_validate(document["result"])
+
+    async def remember(
+        self, *, tenant_id: str, key: str, result: ScoreResult, task_id: str, now: datetime
+    ) -> None:
+        await self._collection.update_one(
+            {"_id": f"{tenant_id}:{key}"},
+            {
+                "$set": {
+                    "result": result.model_dump(mode="json"),
+                    "task_id": task_id,
+                    "expires_at": now + self._ttl,
+                }
+            },
+            upsert=True,
+        )

@@ -1,0 +1,156 @@
+"""Operating the score-requests dead-letter queue: list, show, replay, purge.
+
+Messages are read with `basic.get` and held unacknowledged while the queue is walked, then
+returned with `basic.nack(requeue=True)`, which RabbitMQ 4.x does not count as a delivery
+(3.x sets no delivery limit on our DLQs), so looking never loses a dead letter. Replay sends
+a fresh command — next generation, attempt 1, a fresh attempt budget — and announces the
+task as queued again, then acks the dead letter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Collection
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
+from faststream.rabbit import QueueType, RabbitBroker, RabbitQueue
+from pydantic import ValidationError
+
+from services.gateway.submit import Publisher
+from shared.contracts import ScoreText, new_id
+from shared.topology import DEAD_LETTERED_FROM_HEADER, ERROR_HEADER, SCORE_REQUESTS
+
+MAX_WALK = 10_000
+GET_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    message_id: str | None
+    task_id: str | None
+    tenant_id: str | None
+    reason: str
+    attempts: int | None
+    queue: str
+    dead_lettered_at: datetime | None
+    age_s: float | None
+    body_preview: str
+
+    def matches(self, ids: Collection[str]) -> bool:
+        return self.message_id in ids or self.task_id in ids
+
+
+def _reason(headers: dict[str, Any]) -> str:
+    if ERROR_HEADER in headers:
+        return str(headers[ERROR_HEADER])
+    deaths = headers.get("x-death") or []
+    if deaths:
+        death = deaths[0]
+        reason = death.get("reason", "dead-lettered")
+        return f"{reason} by RabbitMQ (x-death, from {death.get('queue')})"
+    return "unknown"
+
+
+def _dead_lettered_at(message: AbstractIncomingMessage) -> datetime | None:
+    deaths: Any = message.headers.get("x-death") or []
+    if deaths and isinstance(deaths[0], dict) and isinstance(deaths[0].get("time"), datetime):
+        time: datetime = deaths[0]["time"]
+        return time
+    return message.timestamp
+
+
+def describe(message: AbstractIncomingMessage, now: datetime) -> DeadLetter:
+    headers = dict(message.headers)
+    command: ScoreText | None = None
+    with contextlib.suppress(ValidationError):
+        command = ScoreText.model_validate_json(message.body)
+    when = _dead_lettered_at(message)
+    if when is not None and when.tzinfo is None:
+        when = when.replace(tzinfo=now.tzinfo)
+    return DeadLetter(
+        message_id=message.message_id,
+        task_id=command.task_id if command else message.correlation_id,
+        tenant_id=command.tenant_id if command else None,
+        reason=_reason(headers),
+        attempts=command.attempt if command else None,
+        queue=str(headers.get(DEAD_LETTERED_FROM_HEADER, SCORE_REQUESTS.name)),
+        dead_lettered_at=when,
+        age_s=(now - when).total_seconds() if when else None,
+        body_preview=message.body[:200].decode("utf-8", "replace"),
+    )
+
+
+class DeadLetterQueue:
+    def __init__(
+        self, broker: RabbitBroker, publisher: Publisher, clock: Callable[[], datetime]
+    ) -> None:
+        self._broker = broker
+        self._publisher = publisher
+        self._clock = clock
+
+    async def _queue(self) -> AbstractQueue:
+        return await self._broker.declare_queue(
+            RabbitQueue(SCORE_REQUESTS.dead_letter_routing_key, QueueType.QUORUM, declare=False)
+        )
+
+    @contextlib.asynccontextmanager
+    async def _walk(self) -> AsyncIterator[list[AbstractIncomingMessage]]:
+        """Hold every dead letter unacknowledged; return the ones not settled on exit."""
+        queue = await self._queue()
+        held: list[AbstractIncomingMessage] = []
+        try:
+            while len(held) < MAX_WALK:
+                message = await queue.get(no_ack=False, fail=False, timeout=GET_TIMEOUT_S)
+                if message is None:
+                    break
+                held.append(message)
+            yield held
+        finally:
+            for message in held:
+                if not message.processed:
+                    await message.nack(requeue=True)
+
+    async def letters(self) -> list[DeadLetter]:
+        now = self._clock()
+        async with self._walk() as held:
+            return [describe(message, now) for message in held]
+
+    async def replay(self, ids: Collection[str] | None) -> tuple[list[str], list[str]]:
+        """Replay the dead letters named by `ids` (all when None); (replayed, skipped)."""
+        replayed: list[str] = []
+        skipped: list[str] = []
+        now = self._clock()
+        async with self._walk() as held:
+            for message in held:
+                letter = describe(message, now)
+                if ids is not None and not letter.matches(ids):
+                    continue
+                try:
+                    command = ScoreText.model_validate_json(message.body)
+                except ValidationError:
+                    skipped.append(letter.message_id or "?")
+                    continue
+                await self._resubmit(command)
+                await message.ack()
+                replayed.append(command.task_id)
+        return replayed, skipped
+
+    async def _resubmit(self, command: ScoreText) -> None:
+        fresh = command.model_copy(
+            update={
+                "generation": command.generation + 1,
+                "attempt": 1,
+                "not_before": None,
+                "message_id": new_id(),
+            }
+        )
+        await self._publisher.send(fresh)
+        await self._publisher.announce_accepted(fresh)
+
+    async def purge(self) -> int:
+        queue = await self._queue()
+        result = await queue.purge()
+        return int(result.message_count or 0)

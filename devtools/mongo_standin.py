@@ -6,6 +6,9 @@
 Once listening it prints one JSON line, `{"url": "mongodb://HOST:PORT/?directConnection=true"}`,
 and serves until SIGINT or SIGTERM. `--port 0` picks a free port. It is NOT MongoDB: development
 and tests only (no change streams; the memory engine slows down as collections grow).
+
+It runs on the standard asyncio loop, not uvloop: mongoeco's shutdown calls
+`asyncio.Server.abort_clients()` (Python 3.13), which uvloop's server does not have.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 PARENT_CHECK_INTERVAL_S = 1.0
@@ -88,18 +91,10 @@ async def serve(args: argparse.Namespace) -> None:
         await server.close()
 
 
-def event_loop_runner() -> Callable[[Awaitable[None]], None]:
-    try:
-        import uvloop  # noqa: PLC0415 - optional accelerator
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        return asyncio.run  # type: ignore[return-value]
-    return uvloop.run  # type: ignore[return-value]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        event_loop_runner()(serve(args))
+        asyncio.run(serve(args))
     except OSError as error:
         print(f"mongo stand-in: cannot listen on {args.host}:{args.port}: {error}", file=sys.stderr)
         return 1

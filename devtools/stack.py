@@ -130,6 +130,10 @@ class Stack:
                 pids.setdefault(proc.service, []).append(proc.process.pid)
         return pids
 
+    def processes(self) -> list[ServiceProcess]:
+        """Every replica of every service, in start order."""
+        return list(self._processes)
+
     def dead(self) -> list[ServiceProcess]:
         """Processes that were started and have exited since (none after a clean start)."""
         return [p for p in self._processes if p.process is not None and not p.running]
@@ -413,11 +417,10 @@ def curl_examples(gateway_url: str, api_key_set: bool) -> list[str]:
     ]
 
 
-def banner(stack: Stack, services: Sequence[str]) -> str:
+def banner(stack: Stack) -> str:
     lines = ["", "Scorebox is up."]
-    for service in services:
-        for replica in range(stack.replicas(service)):
-            lines.append(f"  {service:<10} {stack.url(service, replica)}")
+    for proc in stack.processes():
+        lines.append(f"  {proc.name:<10} {stack.url(proc.service, proc.replica)}")
     lines += [
         "",
         f"Gateway:  {stack.gateway_url}",
@@ -510,7 +513,7 @@ def start_and_supervise(
     resources.callback(stack.stop)
     print(f"Starting {', '.join(config.services)} (logs in {args.log_dir}/) ...", flush=True)
     stack.start(ready_timeout_s=args.ready_timeout)
-    print(banner(stack, config.services), flush=True)
+    print(banner(stack), flush=True)
     return supervise(stack)
 
 

@@ -112,6 +112,9 @@ class ScoreResult(BaseModel):
         examples=[["instruction_in_text"]],
     )
     cached: bool = Field(default=False, description="Served from the result cache.")
+    prompt_version: str | None = Field(
+        default=None, description="Version of the judge prompt/rubric that produced the score."
+    )
 
 
 class TaskError(BaseModel):
@@ -138,6 +141,9 @@ class ScoreText(Contract):
     generation: int = Field(default=0, ge=0, description="Bumped by each DLQ replay.")
     not_before: datetime | None = Field(default=None, description="Do not start before.")
     submitted_at: datetime = Field(default_factory=utcnow)
+    api_key_id: str | None = Field(default=None, description="The API key that submitted it.")
+    batch_id: str | None = Field(default=None, description="The batch it belongs to, if any.")
+    callback_url: str | None = Field(default=None, description="Webhook for the outcome.")
 
 
 class TaskEvent(Contract):
@@ -150,6 +156,7 @@ class TaskEvent(Contract):
     attempt: int = Field(default=0, ge=0)
     generation: int = Field(default=0, ge=0)
     submitted_at: datetime
+    api_key_id: str | None = Field(default=None, description="The API key that submitted it.")
 
 
 class TaskAccepted(TaskEvent):
@@ -162,6 +169,8 @@ class TaskAccepted(TaskEvent):
     model: str | None = None
     not_before: datetime | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    batch_id: str | None = None
+    callback_url: str | None = None
 
 
 class TaskStarted(TaskEvent):

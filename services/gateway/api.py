@@ -18,6 +18,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from services.gateway.auth import Caller
 from services.gateway.cache import ResultCache
 from services.gateway.errors import (
     IdempotencyConflict,
@@ -35,7 +36,7 @@ from services.gateway.submit import (
     read_score,
     submit_score,
 )
-from shared.contracts import DEFAULT_TENANT, TaskView
+from shared.contracts import TaskView
 from shared.http import PROBLEM_JSON, Problem
 
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
@@ -136,7 +137,8 @@ def _cached_view(submitted: Submitted, now: datetime) -> TaskView:
     )
 
 
-def score_routes(deps: GatewayDeps) -> APIRouter:
+def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
+    """The public score routes; `authenticated` is the dependency that yields a `Caller`."""
     router = APIRouter(prefix="/v1", tags=["scores"])
     policy = SubmitPolicy(
         max_attempts=deps.settings.max_attempts,
@@ -165,12 +167,13 @@ def score_routes(deps: GatewayDeps) -> APIRouter:
     async def submit(
         request: Request,
         idempotency_key: str | None = Header(default=None, alias="Idempotency-Key"),
+        caller: Caller = authenticated,
     ) -> JSONResponse:
         submission = await parse_submission(request, deps.settings)
         try:
             submitted = await submit_score(
                 submission,
-                tenant_id=DEFAULT_TENANT,
+                tenant_id=caller.tenant_id,
                 idempotency_key=_check_idempotency_key(idempotency_key),
                 submissions=deps.submissions,
                 publisher=deps.publisher,
@@ -197,7 +200,7 @@ def score_routes(deps: GatewayDeps) -> APIRouter:
         if submitted.cached_result is not None:
             return _view_json(_cached_view(submitted, deps.clock()), headers=location)
         if not submitted.created:
-            view = await _read(submitted.task_id, deps)
+            view = await _read(submitted.task_id, caller, deps)
             if view is not None:
                 return _view_json(view, headers=location)
         accepted = SubmissionAccepted(
@@ -215,8 +218,8 @@ def score_routes(deps: GatewayDeps) -> APIRouter:
         summary="The task's status and, once completed, its score",
         responses=dict.fromkeys((404, 503), _PROBLEM),
     )
-    async def read(task_id: str) -> JSONResponse:
-        view = await _read(task_id, deps)
+    async def read(task_id: str, caller: Caller = authenticated) -> JSONResponse:
+        view = await _read(task_id, caller, deps)
         if view is None:
             raise Problem(404, f"No task {task_id!r} is known (or it has expired).")
         return _view_json(view)
@@ -224,13 +227,13 @@ def score_routes(deps: GatewayDeps) -> APIRouter:
     return router
 
 
-async def _read(task_id: str, deps: GatewayDeps) -> TaskView | None:
+async def _read(task_id: str, caller: Caller, deps: GatewayDeps) -> TaskView | None:
     if not TASK_ID.match(task_id):
         return None
     try:
         return await read_score(
             task_id,
-            tenant_id=DEFAULT_TENANT,
+            tenant_id=caller.tenant_id,
             status=deps.status,
             submissions=deps.submissions,
             clock=deps.clock,

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from services.gateway.admin_api import admin_routes
 from services.gateway.api import GatewayDeps, score_routes
+from services.gateway.auth import caller_dependency
 from services.gateway.cache import ResultCache
 from services.gateway.deadletters import DeadLetterQueue
 from services.gateway.errors import Unavailable
@@ -112,7 +113,7 @@ def create_app(
             }
         )
     )
-    app.include_router(score_routes(deps))
+    app.include_router(score_routes(deps, caller_dependency()))
     app.include_router(
         admin_routes(DeadLetterQueue(broker, publisher, clock), settings.admin_api_key)
     )

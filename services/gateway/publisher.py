@@ -32,6 +32,9 @@ def accepted_event(command: ScoreText) -> TaskAccepted:
         model=command.model,
         not_before=command.not_before,
         metadata=command.metadata,
+        api_key_id=command.api_key_id,
+        batch_id=command.batch_id,
+        callback_url=command.callback_url,
     )
 
 
@@ -64,6 +67,7 @@ class TaskPublisher:
             sequence=event_sequence(generation=0, attempt=0, phase=Phase.TERMINAL),
             submitted_at=command.submitted_at,
             occurred_at=command.submitted_at,
+            api_key_id=command.api_key_id,
             result=result,
         )
         try:

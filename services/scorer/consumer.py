@@ -90,6 +90,7 @@ class BrokerActions:
             attempt=command.attempt,
             generation=command.generation,
             submitted_at=command.submitted_at,
+            api_key_id=command.api_key_id,
             error=error,
             dead_lettered=dead_lettered,
         )

@@ -70,6 +70,7 @@ def _event_fields(command: ScoreText, phase: Phase, now: datetime) -> dict[str, 
         "generation": command.generation,
         "submitted_at": command.submitted_at,
         "occurred_at": now,
+        "api_key_id": command.api_key_id,
     }
 
 

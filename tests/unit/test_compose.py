@@ -20,7 +20,8 @@ DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 APP_SERVICES = ("gateway", "status", "scorer", "scheduler")
 INFRA_SERVICES = ("rabbitmq", "mongo")
 HOW_TO_INSTALL = (
-    "no Compose command: install Debian's `docker-compose` (apt-get install -y docker-compose) "
+    "no Compose command: install Debian's `docker-compose` "
+    "(apt-get install -y --no-install-recommends docker-compose) "
     "or the Docker Compose plugin (`docker compose`)"
 )
 

@@ -245,7 +245,7 @@ async def test_an_out_of_range_score_is_repaired() -> None:
 async def test_an_out_of_range_score_twice_is_unusable_output() -> None:
     out_of_range = completion('{"score": 42, "comment": "Wow."}')
     provider = ScriptedProvider(out_of_range, completion('{"score": 42, "comment": "Wow."}'))
-    with pytest.raises(UnusableOutput, match="42 is outside 0..10"):
+    with pytest.raises(UnusableOutput, match=r"42 is outside 0\.\.10"):
         await score_with(provider)
 
 
@@ -398,7 +398,7 @@ async def test_a_hung_provider_hits_the_hard_deadline() -> None:
         raise AssertionError("the event is never set")
 
     provider = ScriptedProvider(hang)
-    with pytest.raises(ModelTimeout, match="within 0.05 s") as caught:
+    with pytest.raises(ModelTimeout, match=r"within 0\.05 s") as caught:
         await score_with(provider, LLM_TIMEOUT_S=0.05)
     assert caught.value.to_task_error().code == "model_timeout"
 

@@ -232,6 +232,7 @@ class HeuristicModel:
             ),
             latency_ms=(time.perf_counter() - started) * 1000,
             flags=list(prepared.flags),
+            prompt_version=self.name,
         )
         raw_output = json.dumps({name: round(value, 3) for name, value in ratings.items()})
         return ModelVerdict(result=result, raw_output=raw_output)

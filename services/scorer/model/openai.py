@@ -32,6 +32,7 @@ from services.scorer.model.base import FLAG_REPAIRED, ModelVerdict, ScoringReque
 from services.scorer.model.parsing import Verdict, parse_verdict
 from services.scorer.model.preparation import prepare_text
 from services.scorer.model.prompt import (
+    PROMPT_VERSION,
     VERDICT_JSON_SCHEMA,
     build_messages,
     build_repair_messages,
@@ -153,6 +154,7 @@ class OpenAIChatModel:
             usage=judgement.usage,
             latency_ms=latency_ms,
             flags=flags,
+            prompt_version=PROMPT_VERSION,
         )
         return ModelVerdict(result=result, raw_output=judgement.final.content)
 

@@ -27,7 +27,6 @@ from shared.runtime import make_broker
 from shared.topology import ERROR_HEADER, SCORE_REQUESTS, TASKS
 from tests.support import eventually, running
 
-
 ADMIN_KEY = "test-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 

@@ -1,0 +1,72 @@
+"""The services as separate processes, as `make run` starts them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from devtools.stack import Stack, StackConfig
+from tests.support_sync import read_line_within
+
+FAKE_LLM_LATENCY_MS = "20"
+
+
+@pytest.fixture(scope="module")
+def fake_llm_url() -> Iterator[str]:
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "devtools.fake_llm",
+            "--port",
+            "0",
+            "--latency-ms",
+            FAKE_LLM_LATENCY_MS,
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        line = read_line_within(process, timeout_s=30)
+        yield str(json.loads(line)["url"])
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def stack(
+    amqp_url: str,
+    mongo: Any,
+    db_prefix: str,
+    fake_llm_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Stack]:
+    config = StackConfig(
+        rabbitmq_url=amqp_url,
+        mongo_url=mongo.url,
+        db_prefix=db_prefix,
+        gateway_port=0,
+        log_dir=Path(tmp_path_factory.mktemp("logs")),
+        env={
+            "LLM_PROVIDER": "openai",
+            "LLM_BASE_URL": fake_llm_url,
+            "LLM_API_KEY": "e2e-key",
+            "LLM_MODEL": "fake-judge-1",
+            "LLM_TIMEOUT_S": "5",
+            "RETRY_BASE_S": "0.5",
+        },
+    )
+    running = Stack(config)
+    running.start(ready_timeout_s=90)
+    try:
+        yield running
+    finally:
+        running.stop()

@@ -142,3 +142,7 @@ def dlq_purge(yes: Annotated[bool, typer.Option("--yes", help="Do not ask.")] = 
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

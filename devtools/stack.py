@@ -1,12 +1,12 @@
-"""Run the four services as local processes: `make run`, the e2e and fault tests, the benchmark.
+"""Run the services as local processes: `make run`, the e2e and fault tests, the benchmark.
 
     python -m devtools.stack run [--scorers N] [--ready-timeout S] [--log-dir DIR]
 
 Each service runs as `python -m services.<name>` in its own process group (Ctrl-C handling is
 ours), logs to `<log_dir>/<service>[-<replica>].log`, and is ready when `GET /readyz` answers
 200. Services learn everything from the environment (the public contract): `RABBITMQ_URL`,
-`MONGO_URL`, `MONGO_DB_PREFIX`, `HTTP_HOST`, `<SERVICE>_PORT`, `STATUS_URL`, and whatever the
-caller adds (`LLM_*`, `SCORER_CONCURRENCY`, ...).
+`MONGO_URL`, `MONGO_DB_PREFIX`, `HTTP_HOST`, `<SERVICE>_PORT`, `STATUS_URL`, `NOTIFIER_URL`,
+and whatever the caller adds (`LLM_*`, `SCORER_CONCURRENCY`, ...).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -28,8 +29,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType, TracebackType
 
-SERVICES: tuple[str, ...] = ("status", "scorer", "scheduler", "gateway")
-DEFAULT_PORTS: dict[str, int] = {"gateway": 8000, "status": 8001, "scorer": 8002, "scheduler": 8003}
+SERVICES: tuple[str, ...] = ("status", "scorer", "scheduler", "notifier", "gateway")
+DEFAULT_PORTS: dict[str, int] = {
+    "gateway": 8000,
+    "status": 8001,
+    "scorer": 8002,
+    "scheduler": 8003,
+    "notifier": 8004,
+}
 PORT_ENV: dict[str, str] = {service: f"{service.upper()}_PORT" for service in DEFAULT_PORTS}
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 
@@ -53,9 +60,10 @@ class StackConfig:
     """What to run and where: infrastructure URLs, ports, replicas, extra environment.
 
     `gateway_port=0` picks free ports for every service; otherwise the gateway listens on
-    `gateway_port`, the others on `ports` (default 8001 status, 8002 scorer, 8003 scheduler)
-    and scorer replicas beyond the first on free ports. `commands` replaces the command of a
-    service (tests run stand-ins that way); the default is `python -m services.<name>`.
+    `gateway_port`, the others on `ports` (default 8001 status, 8002 scorer, 8003 scheduler,
+    8004 notifier) and scorer replicas beyond the first on free ports. `commands` replaces the
+    command of a service (tests run stand-ins that way); the default is
+    `python -m services.<name>`.
     """
 
     rabbitmq_url: str
@@ -255,6 +263,8 @@ class Stack:
         )
         if "status" in self.config.services:
             env["STATUS_URL"] = self.url("status")
+        if "notifier" in self.config.services:
+            env["NOTIFIER_URL"] = self.url("notifier")
         env.update(self.config.env)
         env[PORT_ENV[proc.service]] = str(proc.port)
         env["SCOREBOX_SERVICE"] = proc.service
@@ -382,7 +392,8 @@ def ensure_ports_free(host: str, ports: dict[str, int]) -> None:
 
 
 def ports_from_env(environ: Mapping[str, str] = os.environ) -> dict[str, int]:
-    """`GATEWAY_PORT`, `STATUS_PORT`, `SCORER_PORT`, `SCHEDULER_PORT` (or their defaults)."""
+    """`GATEWAY_PORT`, `STATUS_PORT`, `SCORER_PORT`, `SCHEDULER_PORT`, `NOTIFIER_PORT` (or
+    their defaults)."""
     ports: dict[str, int] = {}
     for service, default in DEFAULT_PORTS.items():
         raw = environ.get(PORT_ENV[service], str(default))
@@ -408,8 +419,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def curl_examples(gateway_url: str, api_key_set: bool) -> list[str]:
-    auth = ' -H "Authorization: Bearer $SCOREBOX_API_KEY"' if api_key_set else ""
+def curl_examples(gateway_url: str, api_key: str) -> list[str]:
+    auth = f" -H 'Authorization: Bearer {api_key}'"
     return [
         f"curl -s -X POST {gateway_url}/v1/scores -H 'Content-Type: application/json'{auth} "
         """-d '{"text": "The quick brown fox jumps over the lazy dog."}'""",
@@ -417,7 +428,32 @@ def curl_examples(gateway_url: str, api_key_set: bool) -> list[str]:
     ]
 
 
-def banner(stack: Stack) -> str:
+@dataclass(frozen=True)
+class DevKeys:
+    """The API key registered for the default tenant and the admin key of a `make run`."""
+
+    api_key: str
+    admin_key: str
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> DevKeys:
+        """`SCOREBOX_API_KEY` / `SCOREBOX_ADMIN_KEY` when set (scripts rely on that), else new."""
+        from services.gateway.keys import generate_key, parse_key  # noqa: PLC0415
+
+        api_key = environ.get("SCOREBOX_API_KEY") or generate_key().token
+        if parse_key(api_key) is None:
+            raise StackError(
+                "SCOREBOX_API_KEY must look like sbx_<16 hex>_<43 url-safe chars>; "
+                "make one with: .venv/bin/python -m services.gateway.keys new"
+            )
+        admin_key = environ.get("SCOREBOX_ADMIN_KEY") or secrets.token_urlsafe(32)
+        return cls(api_key=api_key, admin_key=admin_key)
+
+    def service_env(self) -> dict[str, str]:
+        return {"BOOTSTRAP_API_KEY": self.api_key, "ADMIN_API_KEY": self.admin_key}
+
+
+def banner(stack: Stack, keys: DevKeys) -> str:
     lines = ["", "Scorebox is up."]
     for proc in stack.processes():
         lines.append(f"  {proc.name:<10} {stack.url(proc.service, proc.replica)}")
@@ -427,11 +463,14 @@ def banner(stack: Stack) -> str:
         f"API docs: {stack.gateway_url}/docs",
         f"Logs:     {stack.config.log_dir}/",
         "",
+        "Keys (the API key belongs to the default tenant):",
+        f"  export SCOREBOX_URL={stack.gateway_url}",
+        f"  export SCOREBOX_API_KEY={keys.api_key}",
+        f"  export SCOREBOX_ADMIN_KEY={keys.admin_key}",
+        "",
         "Try it:",
-        *(
-            f"  {line}"
-            for line in curl_examples(stack.gateway_url, "SCOREBOX_API_KEY" in os.environ)
-        ),
+        *(f"  {line}" for line in curl_examples(stack.gateway_url, keys.api_key)),
+        "  .venv/bin/scorebox submit README.md --wait",
         "",
         "Ctrl-C stops everything.",
     ]
@@ -499,6 +538,7 @@ def start_and_supervise(
         return 2
     if mongo.is_standin:
         print("          (in memory: its data is gone when this stops)")
+    keys = DevKeys.from_environment()
     config = StackConfig(
         rabbitmq_url=rabbitmq.url,
         mongo_url=mongo.url,
@@ -508,12 +548,13 @@ def start_and_supervise(
         ports=ports,
         scorer_replicas=args.scorers,
         log_dir=args.log_dir,
+        env=keys.service_env(),
     )
     stack = Stack(config)
     resources.callback(stack.stop)
     print(f"Starting {', '.join(config.services)} (logs in {args.log_dir}/) ...", flush=True)
     stack.start(ready_timeout_s=args.ready_timeout)
-    print(banner(stack), flush=True)
+    print(banner(stack, keys), flush=True)
     return supervise(stack)
 
 

@@ -3,9 +3,10 @@
     scorebox submit FILE [--rubric R] [--wait]     submit a text (FILE or - for stdin)
     scorebox status TASK_ID                        show a task
     scorebox dlq list | show ID | replay [ID...|--all] | purge
+    scorebox keys create --tenant T [--name N] | list [--tenant T] | revoke KEY_ID
 
 The gateway is `SCOREBOX_URL` (default http://127.0.0.1:8000); `SCOREBOX_API_KEY`, when set,
-is sent as a bearer token; admin commands (`dlq`) send `SCOREBOX_ADMIN_KEY` instead.
+is sent as a bearer token; admin commands (`dlq`, `keys`) send `SCOREBOX_ADMIN_KEY` instead.
 """
 
 from __future__ import annotations
@@ -138,6 +139,37 @@ def dlq_purge(yes: Annotated[bool, typer.Option("--yes", help="Do not ask.")] = 
     if not yes:
         typer.confirm("Delete every dead letter?", abort=True)
     _admin_call("DELETE", "/admin/v1/dead-letters")
+
+
+keys = typer.Typer(help="Manage API keys (needs SCOREBOX_ADMIN_KEY).")
+app.add_typer(keys, name="keys")
+
+
+@keys.command("create")
+def keys_create(
+    tenant: Annotated[str, typer.Option(help="The tenant the key acts for.")],
+    name: Annotated[str, typer.Option(help="What the key is for.")] = "",
+) -> None:
+    """Create a key and print it: the `key` field is shown this once, never again."""
+    with _client(admin=True) as client:
+        response = client.post("/admin/v1/keys", json={"tenant_id": tenant, "name": name})
+        if response.status_code != 201:
+            raise _fail(response)
+        _show(response.json())
+
+
+@keys.command("list")
+def keys_list(
+    tenant: Annotated[str | None, typer.Option(help="Only this tenant's keys.")] = None,
+) -> None:
+    """List keys (ids, tenants, names, dates; never a secret)."""
+    _admin_call("GET", "/admin/v1/keys", params={"tenant_id": tenant} if tenant else None)
+
+
+@keys.command("revoke")
+def keys_revoke(key_id: str) -> None:
+    """Revoke a key; every gateway refuses it within a few seconds (API_KEY_CACHE_TTL_S)."""
+    _admin_call("DELETE", f"/admin/v1/keys/{key_id}")
 
 
 def main() -> None:

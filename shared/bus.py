@@ -137,3 +137,45 @@ async def publish_dead_letter(
             DEAD_LETTERED_FROM_HEADER: work_queue.name,
         },
     )
+
+
+async def publish_delayed(
+    broker: RabbitBroker,
+    message: Contract,
+    *,
+    exchange: RabbitExchange,
+    routing_key: str,
+    not_before: datetime | None,
+    timeout: float,
+    now: datetime | None = None,
+    headers: Mapping[str, Any] | None = None,
+) -> None:
+    """Publish any contract to `exchange`/`routing_key` now, or down the wait ladder when
+    `not_before` lies ahead (the generalisation of `publish_command`).
+
+    The ladder dead-letters into `scorebox.due` keeping `<tier>.<routing_key>`, so the target
+    queue must also be bound to `scorebox.due` with `*.<routing_key>` (see `_command_queue`).
+    A consumer that receives the message before `not_before` sends it down the ladder again.
+    """
+    remaining = 0.0
+    if not_before is not None:
+        remaining = (not_before - (now or utcnow())).total_seconds()
+    tier = wait_tier_for(remaining)
+    if tier is None:
+        await _publish(
+            broker,
+            message,
+            exchange=exchange,
+            routing_key=routing_key,
+            timeout=timeout,
+            headers=headers,
+        )
+        return
+    await _publish(
+        broker,
+        message,
+        exchange=DELAY,
+        routing_key=delay_routing_key(tier[0], routing_key),
+        timeout=timeout,
+        headers=headers,
+    )

@@ -144,6 +144,9 @@ class ScoreText(Contract):
     api_key_id: str | None = Field(default=None, description="The API key that submitted it.")
     batch_id: str | None = Field(default=None, description="The batch it belongs to, if any.")
     callback_url: str | None = Field(default=None, description="Webhook for the outcome.")
+    batch_index: int | None = Field(
+        default=None, ge=0, description="Position in its batch (request order), if any."
+    )
 
 
 class TaskEvent(Contract):
@@ -171,6 +174,7 @@ class TaskAccepted(TaskEvent):
     metadata: dict[str, Any] = Field(default_factory=dict)
     batch_id: str | None = None
     callback_url: str | None = None
+    batch_index: int | None = Field(default=None, ge=0, description="Position in its batch.")
 
 
 class TaskStarted(TaskEvent):
@@ -237,3 +241,260 @@ class TaskView(BaseModel):
     rubric: str | None = None
     model: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    sequence: int | None = Field(
+        default=None,
+        description="Sequence of the latest state change applied (the id of its "
+        "Server-Sent Event); None until the status service has heard of the task.",
+    )
+
+
+# --- Scheduler: cron runs, re-score requests, operations events -------------------------------
+#
+# A cron run is the unit these messages correlate on: their `task_id` is the run id (or, for
+# `RescoreTask`, the task to re-score), so `correlation_id` keeps meaning "the thing this is
+# about" across every contract.
+
+
+class RunCronJob(Contract):
+    """Command: run one firing of a cron job (`scorebox.cron`, routing key `cron.run`).
+
+    Sent by the scheduler's dispatcher for a claimed firing (or a manual trigger), consumed by
+    the scheduler's job consumer. `task_id` is the run id (`run_id` on the wire as well). A
+    long job continues itself in a new message with the same run id and the next `slice`.
+    """
+
+    routing_key: ClassVar[str] = "cron.run"
+
+    job: str = Field(description="Name of the cron job.", examples=["usage-rollup"])
+    scheduled_for: datetime = Field(description="The fire time (UTC); trigger time if manual.")
+    fired_at: datetime = Field(description="When the scheduler claimed the firing.")
+    manual: bool = Field(default=False, description="Triggered by hand, not by the clock.")
+    attempt: int = Field(default=1, ge=1, description="1-based attempt of this slice.")
+    slice: int = Field(default=0, ge=0, description="Continuation number of a long run.")
+    not_before: datetime | None = Field(default=None, description="Do not start before.")
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def run_id(self) -> str:
+        """The firing this run belongs to: the task id of cron messages."""
+        return self.task_id
+
+
+class RescoreTask(Contract):
+    """Command: score this completed task again (`scorebox.tasks`, routing key `score.rescore`).
+
+    Sent by the scheduler's re-score fan-out; consumed by the gateway, which owns the texts.
+    `message_id` is derived from (task, rubric version), so a consumer can drop duplicates of
+    the same request across fan-out runs.
+    """
+
+    routing_key: ClassVar[str] = "score.rescore"
+
+    reason: str = Field(
+        default="rubric_version_outdated",
+        description="Why the task is scored again.",
+        examples=["rubric_version_outdated"],
+    )
+    rubric_version: str = Field(description="The rubric/prompt version to score with now.")
+    previous_rubric_version: str | None = Field(
+        default=None, description="The version the task was scored with (None: unknown)."
+    )
+    model: str | None = Field(default=None, description="The model of the last result.")
+    run_id: str = Field(description="The fan-out run that requested it.")
+    attempt: int = Field(default=1, ge=1)
+
+    @classmethod
+    def for_task(
+        cls,
+        *,
+        task_id: str,
+        tenant_id: str,
+        rubric_version: str,
+        previous_rubric_version: str | None,
+        model: str | None,
+        run_id: str,
+    ) -> RescoreTask:
+        key = f"rescore:{task_id}:{rubric_version}"
+        return cls(
+            message_id=uuid.uuid5(uuid.NAMESPACE_URL, key).hex,
+            task_id=task_id,
+            tenant_id=tenant_id,
+            rubric_version=rubric_version,
+            previous_rubric_version=previous_rubric_version,
+            model=model,
+            run_id=run_id,
+        )
+
+
+class HousekeepingRequested(Contract):
+    """Event: housekeeping ran; each service may now clean its own database
+    (`scorebox.events`, routing key `ops.housekeeping`). `task_id` is the cron run id.
+
+    The scheduler never touches another service's database: expired idempotency keys and
+    stale leases are removed by TTL indexes where they live; this event lets a service do any
+    clean-up a TTL index cannot express.
+    """
+
+    routing_key: ClassVar[str] = "ops.housekeeping"
+
+    scheduled_for: datetime
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def run_id(self) -> str:
+        return self.task_id
+
+
+class DeadLetterDepth(BaseModel):
+    """One dead-letter queue in a `DeadLetterAlert`."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    queue: str = Field(description="The work queue.", examples=["scorebox.score-requests"])
+    dead_letter_queue: str = Field(examples=["scorebox.score-requests.dlq"])
+    depth: int = Field(ge=0, description="Messages waiting in the dead-letter queue.")
+    threshold: int = Field(ge=0, description="Depth at which an alert is raised.")
+    oldest_age_s: float | None = Field(
+        default=None,
+        description="Age of the oldest dead letter; None when it cannot be read without "
+        "disturbing the queue (always, on quorum queues).",
+    )
+
+
+class DeadLetterAlert(Contract):
+    """Event: dead-letter queues crossed their threshold (`scorebox.events`, routing key
+    `ops.alert.dead-letters`). `task_id` is the housekeeping run id."""
+
+    routing_key: ClassVar[str] = "ops.alert.dead-letters"
+
+    queues: list[DeadLetterDepth] = Field(description="Only the queues over the threshold.")
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def run_id(self) -> str:
+        return self.task_id
+
+
+# --- Webhooks: callbacks and failure alerts ---------------------------------------------------
+#
+# The notifier turns terminal task events into webhook deliveries. One `DeliverWebhook` is one
+# delivery (one URL, one event); its `delivery_id` is the `webhook-id` header of the Standard
+# Webhooks format and stays the same across attempts, so receivers can drop duplicates.
+
+
+class WebhookPurpose(StrEnum):
+    """Why a webhook is sent: the submitter's `callback_url`, or the tenant's failure alert."""
+
+    CALLBACK = "callback"
+    FAILURE_ALERT = "failure_alert"
+
+
+class DeliverWebhook(Contract):
+    """Command: POST one signed webhook (`scorebox.tasks`, routing key `webhook.deliver`).
+
+    Sent and consumed by the notifier (`scorebox.webhook-deliveries`); a retry is the same
+    delivery with the next `attempt`, sent down the wait ladder until `not_before`.
+    """
+
+    routing_key: ClassVar[str] = "webhook.deliver"
+
+    delivery_id: str = Field(
+        description="The `webhook-id`: the same for every attempt of one delivery.",
+        examples=["msg_2f0c3b7e9d4a4c5f8e1a6b2d3c4e5f60"],
+    )
+    purpose: WebhookPurpose
+    url: str = Field(description="The https URL to POST to.", max_length=2048)
+    event_type: str = Field(examples=["task.completed", "task.failed"])
+    payload: dict[str, Any] = Field(description="The JSON body, exactly as signed and sent.")
+    attempt: int = Field(default=1, ge=1, description="1-based attempt this delivery is.")
+    max_attempts: int = Field(default=8, ge=1)
+    not_before: datetime | None = Field(default=None, description="Do not send before.")
+
+
+# --- Status reads: task history (live push) and batch progress ---------------------------------
+#
+# Answers of the status service's internal HTTP API, like `TaskView`: the gateway reads them
+# and never the status database.
+
+
+class StateChange(BaseModel):
+    """One state change of a task as the status service recorded it (its bounded history) and
+    as `GET /v1/scores/{task_id}/events` streams it; `sequence` is the Server-Sent Event id."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    sequence: int = Field(ge=0, description="Orders a task's changes; the SSE `id`.")
+    status: TaskStatus
+    occurred_at: datetime
+    attempt: int = Field(default=0, ge=0)
+    error: TaskFailure | None = Field(default=None, description="Retrying or failed: why.")
+    next_attempt_at: datetime | None = Field(default=None, description="Retrying: when next.")
+    result: ScoreResult | None = Field(default=None, description="Completed: the score.")
+
+    @classmethod
+    def of_event(cls, event: TaskEvent) -> StateChange:
+        """The state change a task event makes (an acceptance with a future start: scheduled)."""
+        status = event.status
+        if (
+            isinstance(event, TaskAccepted)
+            and event.not_before
+            and event.not_before > event.occurred_at
+        ):
+            status = TaskStatus.SCHEDULED
+        change: dict[str, Any] = {}
+        if isinstance(event, TaskRetrying):
+            change = {
+                "error": TaskFailure(**event.error.model_dump()),
+                "next_attempt_at": event.next_attempt_at,
+            }
+        elif isinstance(event, TaskFailed):
+            change = {
+                "error": TaskFailure(**event.error.model_dump(), dead_lettered=event.dead_lettered)
+            }
+        elif isinstance(event, TaskCompleted):
+            change = {"result": event.result}
+        return cls(
+            sequence=event.sequence,
+            status=status,
+            occurred_at=event.occurred_at,
+            attempt=event.attempt,
+            **change,
+        )
+
+
+class TaskHistory(BaseModel):
+    """A task's recorded state changes after a given sequence (oldest first)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    task_id: str
+    status: TaskStatus = Field(description="The task's current status.")
+    sequence: int = Field(ge=0, description="Sequence of the current status.")
+    changes: list[StateChange] = Field(default_factory=list)
+
+
+class BatchItemProgress(BaseModel):
+    """One task of a batch as the status projection holds it."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    task_id: str
+    batch_index: int = Field(ge=0, description="Position in the batch request.")
+    status: TaskStatus
+    attempts: int = Field(default=0, ge=0)
+    updated_at: datetime
+    result: ScoreResult | None = None
+    error: TaskFailure | None = None
+
+
+class BatchProgress(BaseModel):
+    """A batch's progress as the status projection holds it: tasks it has not heard of (or
+    that expired) are in neither `counts` nor `items`."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    batch_id: str
+    counts: dict[TaskStatus, int] = Field(default_factory=dict, description="Tasks per status.")
+    items: list[BatchItemProgress] = Field(
+        default_factory=list, description="A page of tasks ordered by `batch_index`."
+    )

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Header, Request
+from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
@@ -25,6 +25,8 @@ from services.gateway.errors import (
     RequestInProgress,
     Unavailable,
 )
+from services.gateway.limits import InFlight, LimitExceeded, limit_problem
+from services.gateway.push import LiveUpdates, WaiterLimitReached, read_when_changed
 from services.gateway.schemas import ScoreSubmission, SubmissionAccepted
 from services.gateway.settings import GatewaySettings
 from services.gateway.submissions import Submissions
@@ -36,11 +38,12 @@ from services.gateway.submit import (
     read_score,
     submit_score,
 )
-from shared.contracts import TaskView
+from shared.contracts import TaskStatus, TaskView
 from shared.http import PROBLEM_JSON, Problem
 
-IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
-TASK_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# `\Z`, not `$`: `$` also matches before a trailing newline.
+IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}\Z")
+TASK_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 
 _PROBLEM = {"content": {PROBLEM_JSON: {"schema": {"type": "object"}}}}
 
@@ -53,6 +56,8 @@ class GatewayDeps:
     publisher: Publisher
     status: StatusReader
     clock: Callable[[], datetime]
+    in_flight: InFlight
+    live: LiveUpdates = field(default_factory=LiveUpdates)
 
 
 def status_url(task_id: str) -> str:
@@ -121,6 +126,24 @@ def _unavailable(error: Unavailable) -> Problem:
     )
 
 
+def waiter_problem(error: WaiterLimitReached) -> Problem:
+    """Over the caller's share of long-polls and streams: 429; over the replica's: 503."""
+    headers = {"Retry-After": str(error.retry_after_s)}
+    if error.per_tenant:
+        return Problem(
+            429,
+            "Too many open event streams and long-polls for this tenant; close some first.",
+            kind="too-many-waiters",
+            headers=headers,
+        )
+    return Problem(
+        503,
+        "This server has too many open event streams and long-polls; retry shortly.",
+        kind="unavailable",
+        headers=headers,
+    )
+
+
 def _view_json(view: TaskView, headers: dict[str, str] | None = None) -> JSONResponse:
     body = {**view.model_dump(mode="json"), "status_url": status_url(view.task_id)}
     return JSONResponse(body, status_code=200, headers=headers)
@@ -161,7 +184,7 @@ def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
                 "description": "The same Idempotency-Key and body: the earlier task; or a "
                 "result-cache hit: a task completed at once (`result.cached` is true)."
             },
-            **dict.fromkeys((400, 409, 413, 415, 422, 503), _PROBLEM),
+            **dict.fromkeys((400, 401, 408, 409, 413, 415, 422, 429, 503), _PROBLEM),
         },
     )
     async def submit(
@@ -180,7 +203,11 @@ def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
                 cache=deps.cache,
                 policy=policy,
                 clock=deps.clock,
+                api_key_id=caller.key_id,
+                in_flight=deps.in_flight,
             )
+        except LimitExceeded as error:
+            raise limit_problem(error) from error
         except IdempotencyConflict as error:
             raise Problem(
                 409,
@@ -216,10 +243,32 @@ def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
         "/scores/{task_id}",
         response_model=TaskView,
         summary="The task's status and, once completed, its score",
-        responses=dict.fromkeys((404, 503), _PROBLEM),
+        description="With `wait=N` (long-poll, at most 60 s) an unfinished task is answered "
+        "after its next state change or after N seconds, whichever comes first; at once when it "
+        "is finished or its status differs from `status` (the one the client already has).",
+        responses=dict.fromkeys((401, 404, 429, 503), _PROBLEM),
     )
-    async def read(task_id: str, caller: Caller = authenticated) -> JSONResponse:
-        view = await _read(task_id, caller, deps)
+    async def read(
+        task_id: str,
+        caller: Caller = authenticated,
+        wait: Annotated[float, Query(ge=0, le=60, description="Long-poll up to N s.")] = 0,
+        status: Annotated[TaskStatus | None, Query(description="The status you have.")] = None,
+    ) -> JSONResponse:
+        if wait > 0 and TASK_ID.match(task_id):
+            try:
+                view = await read_when_changed(
+                    lambda: _read(task_id, caller, deps),
+                    live=deps.live,
+                    task_id=task_id,
+                    tenant_id=caller.tenant_id,
+                    wait_s=wait,
+                    known_status=status,
+                    settle_s=deps.settings.live_settle_s,
+                )
+            except WaiterLimitReached as error:
+                raise waiter_problem(error) from error
+        else:
+            view = await _read(task_id, caller, deps)
         if view is None:
             raise Problem(404, f"No task {task_id!r} is known (or it has expired).")
         return _view_json(view)

@@ -1,17 +1,39 @@
 """Who is calling: the tenant (and API key) behind a request.
 
-Every public route takes a `Caller` through `Depends(...)` on the dependency built by
-`caller_dependency`; handlers only ever see `caller.tenant_id`, never a raw key.
+Every public route takes a `Caller` through the dependency built by `caller_dependency`;
+handlers only ever see `caller.tenant_id` and `caller.key_id`, never a raw key. The dependency
+authenticates `Authorization: Bearer <key>` (401 problem+json with `WWW-Authenticate: Bearer`
+when the key is missing, malformed, unknown or revoked) and then counts the request against
+the key's rate limit (429). Health (`/healthz`, `/readyz`), `/docs` and `/openapi.json` do not
+take a `Caller` and stay open.
+
+Keys are looked up by id and cached in-process for `API_KEY_CACHE_TTL_S` seconds (default 5),
+unknown ids included: a revoked key keeps working on other gateway replicas for at most that
+long (at once on the replica that revoked it).
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from datetime import datetime
+from typing import Annotated, Any, Protocol
 
 from fastapi import Depends
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from shared.contracts import DEFAULT_TENANT
+from services.gateway.errors import DatabaseUnavailable
+from services.gateway.keys import ApiKey, parse_key, secret_matches
+from services.gateway.limits import LimitExceeded, RateLimiter, limit_problem
+from shared.contracts import utcnow
+from shared.http import Problem
+
+log = logging.getLogger("scorebox.gateway.auth")
+
+DEFAULT_CACHE_TTL_S = 5.0
+MAX_CACHED_KEYS = 10_000
 
 
 @dataclass(frozen=True)
@@ -20,10 +42,116 @@ class Caller:
     key_id: str | None = None
 
 
-def caller_dependency() -> Any:
-    """The FastAPI dependency that resolves the caller (single default tenant for now)."""
+class KeyStore(Protocol):
+    async def find(self, key_id: str) -> ApiKey | None: ...
+    async def touch(self, key_id: str, *, now: datetime) -> None: ...
 
-    async def resolve_caller() -> Caller:
-        return Caller(tenant_id=DEFAULT_TENANT)
+
+@dataclass(frozen=True)
+class _Cached:
+    key: ApiKey | None
+    until: float
+
+
+class Authenticator:
+    """Turns a bearer token into a `Caller`, or None when it opens nothing.
+
+    Lookups are cached for `cache_ttl_s` (0: no cache) on the `monotonic` clock; the cache is
+    bounded and simply emptied when full, so made-up key ids cannot grow it without limit.
+    """
+
+    def __init__(
+        self,
+        keys: KeyStore,
+        *,
+        cache_ttl_s: float = DEFAULT_CACHE_TTL_S,
+        monotonic: Callable[[], float] = time.monotonic,
+        clock: Callable[[], datetime] = utcnow,
+        max_cached: int = MAX_CACHED_KEYS,
+    ) -> None:
+        self._keys = keys
+        self._ttl = cache_ttl_s
+        self._monotonic = monotonic
+        self._clock = clock
+        self._max_cached = max_cached
+        self._cache: dict[str, _Cached] = {}
+
+    async def authenticate(self, token: str) -> Caller | None:
+        issued = parse_key(token)
+        if issued is None:
+            return None
+        key = await self._lookup(issued.key_id)
+        # Whether a key id exists is no secret (ids are listed and logged), so answering an
+        # unknown id faster than a wrong secret reveals nothing worth hiding.
+        if key is None or not key.active or not secret_matches(issued.secret, key.secret_sha256):
+            return None
+        return Caller(tenant_id=key.tenant_id, key_id=key.key_id)
+
+    def forget(self, key_id: str) -> None:
+        """Drop a key from this replica's cache (after revoking it here)."""
+        self._cache.pop(key_id, None)
+
+    async def _lookup(self, key_id: str) -> ApiKey | None:
+        now = self._monotonic()
+        cached = self._cache.get(key_id)
+        if cached is not None and cached.until > now:
+            return cached.key
+        key = await self._keys.find(key_id)
+        if self._ttl > 0:
+            if len(self._cache) >= self._max_cached:
+                self._cache.clear()
+            self._cache[key_id] = _Cached(key, now + self._ttl)
+        if key is not None and key.active:
+            try:
+                await self._keys.touch(key_id, now=self._clock())
+            except DatabaseUnavailable as error:  # `last_used_at` is best effort
+                log.warning("last_used_at of key %s not recorded: %r", key_id, error)
+        return key
+
+
+_bearer = HTTPBearer(
+    auto_error=False,
+    bearerFormat="sbx_<key_id>_<secret>",
+    description="An API key: `Authorization: Bearer sbx_<key_id>_<secret>`.",
+)
+
+
+def _unauthorized(detail: str, *, invalid: bool) -> Problem:
+    challenge = 'Bearer realm="scorebox"'
+    if invalid:
+        challenge += ', error="invalid_token"'
+    return Problem(401, detail, kind="unauthorized", headers={"WWW-Authenticate": challenge})
+
+
+def _unavailable(error: DatabaseUnavailable) -> Problem:
+    return Problem(
+        503,
+        "The key store is unavailable; retry shortly.",
+        kind="unavailable",
+        headers={"Retry-After": str(error.retry_after_s)},
+    )
+
+
+def caller_dependency(authenticator: Authenticator, rate_limiter: RateLimiter) -> Any:
+    """The FastAPI dependency that authenticates the caller and counts the request."""
+
+    async def resolve_caller(
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    ) -> Caller:
+        if credentials is None:
+            raise _unauthorized("Send an API key as 'Authorization: Bearer <key>'.", invalid=False)
+        try:
+            caller = await authenticator.authenticate(credentials.credentials)
+        except DatabaseUnavailable as error:
+            raise _unavailable(error) from error
+        if caller is None or caller.key_id is None:
+            raise _unauthorized("The API key is malformed, unknown or revoked.", invalid=True)
+        try:
+            await rate_limiter.hit(caller.key_id)
+        except LimitExceeded as error:
+            raise limit_problem(error) from error
+        except DatabaseUnavailable as error:
+            raise _unavailable(error) from error
+        return caller
 
     return Depends(resolve_caller)

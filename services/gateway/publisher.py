@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable, Sequence
 
 from faststream.rabbit import RabbitBroker
 
@@ -35,6 +37,7 @@ def accepted_event(command: ScoreText) -> TaskAccepted:
         api_key_id=command.api_key_id,
         batch_id=command.batch_id,
         callback_url=command.callback_url,
+        batch_index=command.batch_index,
     )
 
 
@@ -77,3 +80,39 @@ class TaskPublisher:
         except Exception as error:
             log.warning("cached result for %s not confirmed: %r", command.task_id, error)
             raise BrokerUnavailable(str(error) or type(error).__name__) from error
+
+    async def send_many(self, commands: Sequence[ScoreText]) -> None:
+        """Send a batch's commands with their confirms in flight together (one round)."""
+        await self._all_confirmed(
+            "score.requested",
+            [
+                publish_command(self._broker, command, timeout=self._timeout_s)
+                for command in commands
+            ],
+        )
+
+    async def announce_accepted_many(self, commands: Sequence[ScoreText]) -> None:
+        """Announce a batch's `task.accepted` events, confirms in flight together."""
+        await self._all_confirmed(
+            "task.accepted",
+            [
+                publish_event(self._broker, accepted_event(command), timeout=self._timeout_s)
+                for command in commands
+            ],
+        )
+
+    async def _all_confirmed(self, what: str, publishes: list[Awaitable[None]]) -> None:
+        # Every publish is awaited to its end (no stray publish outlives the request), then
+        # any failure fails the whole round.
+        try:
+            async with asyncio.timeout(self._timeout_s * 2):
+                outcomes = await asyncio.gather(*publishes, return_exceptions=True)
+        except TimeoutError as error:
+            log.warning("%d %s publishes not confirmed in time", len(publishes), what)
+            raise BrokerUnavailable(f"{what} not confirmed in time") from error
+        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if failures:
+            log.warning(
+                "%d of %d %s not confirmed: %r", len(failures), len(outcomes), what, failures[0]
+            )
+            raise BrokerUnavailable(str(failures[0]) or type(failures[0]).__name__)

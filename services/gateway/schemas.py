@@ -8,6 +8,8 @@ from typing import Any
 import orjson
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from services.gateway.webhooks import MAX_URL_LENGTH, validate_webhook_url
+
 MAX_METADATA_BYTES = 8_192
 MAX_DELAY_S = 7 * 24 * 3600
 
@@ -51,6 +53,19 @@ class ScoreSubmission(BaseModel):
         description="Answer at once from an earlier identical result (same normalised text, "
         "rubric and model) when there is one; false always scores anew.",
     )
+
+    callback_url: str | None = Field(
+        default=None,
+        max_length=MAX_URL_LENGTH,
+        description="An https URL that receives the outcome (`task.completed` or "
+        "`task.failed`) as a signed Standard Webhooks POST; private addresses are refused.",
+        examples=["https://example.com/hooks/scorebox"],
+    )
+
+    @field_validator("callback_url")
+    @classmethod
+    def _callback_url_safe(cls, url: str | None) -> str | None:
+        return None if url is None else validate_webhook_url(url)
 
     @field_validator("text")
     @classmethod

@@ -12,6 +12,9 @@ class GatewaySettings(ServiceSettings):
     admin_api_key: SecretStr | None = Field(default=None, validation_alias="ADMIN_API_KEY")
     status_url: str = Field(default="http://127.0.0.1:8001", validation_alias="STATUS_URL")
     status_timeout_s: float = Field(default=5.0, gt=0, validation_alias="STATUS_TIMEOUT_S")
+    # The notifier keeps each tenant's webhook secret and failure-alert URL (`/v1/webhooks`).
+    notifier_url: str = Field(default="http://127.0.0.1:8004", validation_alias="NOTIFIER_URL")
+    notifier_timeout_s: float = Field(default=5.0, gt=0, validation_alias="NOTIFIER_TIMEOUT_S")
     max_text_chars: int = Field(default=50_000, gt=0, validation_alias="MAX_TEXT_CHARS")
     max_body_bytes: int = Field(default=1_048_576, gt=0, validation_alias="MAX_BODY_BYTES")
     max_attempts: int = Field(default=4, ge=1, le=20, validation_alias="SCORE_MAX_ATTEMPTS")
@@ -25,3 +28,33 @@ class GatewaySettings(ServiceSettings):
     # A submission still `accepting` after this long was interrupted; the outbox sweep sends it.
     outbox_grace_s: float = Field(default=30.0, gt=0, validation_alias="OUTBOX_GRACE_S")
     outbox_interval_s: float = Field(default=10.0, gt=0, validation_alias="OUTBOX_INTERVAL_S")
+    # Batches (`POST /v1/batches`): items per batch and the body limit of a batch request.
+    max_batch_items: int = Field(default=1000, ge=1, le=1000, validation_alias="MAX_BATCH_ITEMS")
+    max_batch_body_bytes: int = Field(
+        default=16 * 1_048_576, gt=0, validation_alias="MAX_BATCH_BODY_BYTES"
+    )
+    # Live push (SSE and `?wait=`): open waiters per replica and per tenant, the SSE heartbeat,
+    # how long one stream may stay open (the client resumes with Last-Event-ID), and how long a
+    # read may be retried until the status projection reflects an event the replica has seen.
+    live_max_waiters: int = Field(default=10_000, gt=0, validation_alias="LIVE_MAX_WAITERS")
+    live_max_waiters_per_tenant: int = Field(
+        default=1_000, gt=0, validation_alias="LIVE_MAX_WAITERS_PER_TENANT"
+    )
+    sse_heartbeat_s: float = Field(default=15.0, gt=0, validation_alias="SSE_HEARTBEAT_S")
+    sse_max_stream_s: float = Field(default=1800.0, gt=0, validation_alias="SSE_MAX_STREAM_S")
+    sse_retry_ms: int = Field(default=3000, ge=0, validation_alias="SSE_RETRY_MS")
+    live_settle_s: float = Field(default=2.0, ge=0, validation_alias="LIVE_SETTLE_S")
+    # API keys (`services/gateway/keys.py`): a key registered for the default tenant at start-up
+    # (idempotent; `make run` sets it), and how long a key lookup is cached in-process, which
+    # is how long a revoked key may keep working on other replicas (0 = no cache).
+    bootstrap_api_key: SecretStr | None = Field(default=None, validation_alias="BOOTSTRAP_API_KEY")
+    api_key_cache_ttl_s: float = Field(default=5.0, ge=0, validation_alias="API_KEY_CACHE_TTL_S")
+    # Limits (`services/gateway/limits.py`), shared by every replica; 0 switches one off.
+    rate_limit_per_min: int = Field(default=600, ge=0, validation_alias="RATE_LIMIT_PER_MIN")
+    max_in_flight_per_tenant: int = Field(
+        default=10_000, ge=0, validation_alias="MAX_IN_FLIGHT_PER_TENANT"
+    )
+    # How long receiving one request's body may take before the gateway answers 408.
+    request_body_timeout_s: float = Field(
+        default=30.0, gt=0, validation_alias="REQUEST_BODY_TIMEOUT_S"
+    )

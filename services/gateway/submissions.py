@@ -23,6 +23,8 @@ from services.gateway.errors import DatabaseUnavailable
 from shared.contracts import ScoreText
 
 Document = dict[str, Any]
+# Documents per write of a batch's submissions.
+BATCH_WRITE_CHUNK = 200
 
 
 class SubmissionState(StrEnum):
@@ -65,6 +67,11 @@ class Submissions:
         )
         await self._collection.create_index([("state", ASCENDING), ("created_at", ASCENDING)])
         await self._collection.create_index([("expires_at", ASCENDING)], expireAfterSeconds=0)
+        await self._collection.create_index(
+            [("batch_id", ASCENDING), ("state", ASCENDING)],
+            partialFilterExpression={"batch_id": {"$type": "string"}},
+            name="batch_submissions",
+        )
 
     async def insert(
         self,
@@ -77,23 +84,56 @@ class Submissions:
         state: SubmissionState = SubmissionState.ACCEPTING,
     ) -> None:
         """Record a new submission (`accepting` unless told); `KeyTaken` for a used key."""
-        document: Document = {
-            "_id": command.task_id,
-            "tenant_id": command.tenant_id,
-            "state": state.value,
-            "cache_key": cache_key,
-            "request_hash": request_hash,
-            "created_at": command.submitted_at,
-            "not_before": command.not_before,
-            "expires_at": command.submitted_at + retention,
-            "command": command.model_dump(mode="json"),
-        }
+        document = _new_document(
+            command, request_hash=request_hash, retention=retention, cache_key=cache_key
+        )
+        document["state"] = state.value
         if idempotency_key is not None:
             document["idempotency_key"] = idempotency_key
         try:
             await self._collection.insert_one(document)
         except DuplicateKeyError as error:
             raise KeyTaken(idempotency_key) from error
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
+    async def insert_batch(
+        self, commands: list[tuple[ScoreText, str, str]], *, retention: timedelta
+    ) -> None:
+        """Record a batch's submissions, `accepting`, with `insert_many` in chunks (each
+        write stays well within `MONGO_TIMEOUT_S`; a failure part-way leaves some recorded,
+        which `discard_batch` removes).
+
+        `commands` holds (command, request hash, cache key); every command carries `batch_id`.
+        """
+        documents = [
+            _new_document(command, request_hash=digest, retention=retention, cache_key=key)
+            for command, digest, key in commands
+        ]
+        try:
+            for start in range(0, len(documents), BATCH_WRITE_CHUNK):
+                chunk = documents[start : start + BATCH_WRITE_CHUNK]
+                await self._collection.insert_many(chunk, ordered=False)
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
+    async def mark_batch_accepted(self, batch_id: str, task_ids: list[str]) -> None:
+        for start in range(0, len(task_ids), BATCH_WRITE_CHUNK):
+            await self._update_many(
+                {
+                    "_id": {"$in": task_ids[start : start + BATCH_WRITE_CHUNK]},
+                    "batch_id": batch_id,
+                    "state": SubmissionState.ACCEPTING.value,
+                },
+                {"$set": {"state": SubmissionState.ACCEPTED.value}, "$unset": {"command": ""}},
+            )
+
+    async def discard_batch(self, batch_id: str) -> None:
+        """Forget a batch's submissions whose commands never reached the broker."""
+        try:
+            await self._collection.delete_many(
+                {"batch_id": batch_id, "state": SubmissionState.ACCEPTING.value}
+            )
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 
@@ -148,6 +188,31 @@ class Submissions:
             await self._collection.update_one(query, update)
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
+
+    async def _update_many(self, query: Document, update: Document) -> None:
+        try:
+            await self._collection.update_many(query, update)
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
+
+def _new_document(
+    command: ScoreText, *, request_hash: str, retention: timedelta, cache_key: str
+) -> Document:
+    document: Document = {
+        "_id": command.task_id,
+        "tenant_id": command.tenant_id,
+        "state": SubmissionState.ACCEPTING.value,
+        "cache_key": cache_key,
+        "request_hash": request_hash,
+        "created_at": command.submitted_at,
+        "not_before": command.not_before,
+        "expires_at": command.submitted_at + retention,
+        "command": command.model_dump(mode="json"),
+    }
+    if command.batch_id is not None:
+        document["batch_id"] = command.batch_id
+    return document
 
 
 def _submission_of(document: Document) -> Submission:

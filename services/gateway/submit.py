@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Protocol
@@ -16,6 +16,7 @@ from services.gateway.errors import (
     IdempotencyConflict,
     RequestInProgress,
 )
+from services.gateway.limits import LimitExceeded
 from services.gateway.schemas import ScoreSubmission
 from services.gateway.submissions import (
     KeyTaken,
@@ -38,6 +39,13 @@ class Publisher(Protocol):
 
 class StatusReader(Protocol):
     async def find(self, task_id: str, *, tenant_id: str) -> TaskView | None: ...
+
+
+class InFlightGate(Protocol):
+    """The per-tenant in-flight limit (`services.gateway.limits.InFlight`)."""
+
+    async def acquire(self, tenant_id: str, task_ids: Sequence[str], *, now: datetime) -> None: ...
+    async def release(self, task_id: str) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -64,11 +72,15 @@ async def submit_score(
     cache: ResultCache,
     policy: SubmitPolicy,
     clock: Clock,
+    api_key_id: str | None = None,
+    in_flight: InFlightGate | None = None,
 ) -> Submitted:
     """Record the submission, then publish it; answer only once the broker confirmed.
 
     If the broker does not confirm, the record is discarded and `BrokerUnavailable` raised:
     the client sees 503 and nothing was kept. A result-cache hit completes the task at once.
+    A task to score counts against its tenant's `in_flight` limit (`LimitExceeded`: 429,
+    nothing kept) until its outcome reaches the gateway.
     """
     now = clock()
     digest = request_hash(submission.model_dump(mode="json"))
@@ -82,6 +94,8 @@ async def submit_score(
         max_attempts=policy.max_attempts,
         not_before=submission.due_at(now),
         submitted_at=now,
+        callback_url=submission.callback_url,
+        api_key_id=api_key_id,
     )
     key = cache_key(command.text, command.rubric, command.model)
     cached = None
@@ -102,7 +116,10 @@ async def submit_score(
         result = cached.model_copy(update={"cached": True})
         await _announce_cached_or_discard(command, result, submissions, publisher)
         return Submitted(command.task_id, TaskStatus.COMPLETED, created=True, cached_result=result)
-    await _publish_or_discard(command, submissions=submissions, publisher=publisher)
+    await _admit_or_discard(command, submissions=submissions, in_flight=in_flight, now=now)
+    await _publish_or_discard(
+        command, submissions=submissions, publisher=publisher, in_flight=in_flight
+    )
     return Submitted(command.task_id, _initial_status(command, now), created=True)
 
 
@@ -119,16 +136,57 @@ async def _announce_cached_or_discard(
         await submissions.mark_accepted(command.task_id)
 
 
+async def _admit_or_discard(
+    command: ScoreText,
+    *,
+    submissions: Submissions,
+    in_flight: InFlightGate | None,
+    now: datetime,
+) -> None:
+    if in_flight is None:
+        return
+    try:
+        await in_flight.acquire(command.tenant_id, [command.task_id], now=now)
+    except LimitExceeded:
+        with contextlib.suppress(DatabaseUnavailable):
+            await submissions.discard(command.task_id)
+        raise
+    except DatabaseUnavailable:
+        await _give_up(command, submissions=submissions, in_flight=in_flight)
+        raise
+
+
+async def _give_up(
+    command: ScoreText, *, submissions: Submissions, in_flight: InFlightGate | None
+) -> None:
+    """Undo an acceptance: release the task's in-flight slot, then forget the submission.
+
+    A slot that cannot be released keeps its submission: the outbox sweep sends the task
+    later and its end releases the slot (never an over-count for good; see `limits`).
+    """
+    if in_flight is not None:
+        try:
+            await in_flight.release(command.task_id)
+        except DatabaseUnavailable:
+            log.warning("task %s kept for the outbox: its slot is not released", command.task_id)
+            return
+    with contextlib.suppress(DatabaseUnavailable):
+        # If this fails too, the outbox sweep sends the command later: accepted late,
+        # never lost, scored once (the scorer claims each task id once).
+        await submissions.discard(command.task_id)
+
+
 async def _publish_or_discard(
-    command: ScoreText, *, submissions: Submissions, publisher: Publisher
+    command: ScoreText,
+    *,
+    submissions: Submissions,
+    publisher: Publisher,
+    in_flight: InFlightGate | None = None,
 ) -> None:
     try:
         await publisher.send(command)
     except BrokerUnavailable:
-        with contextlib.suppress(DatabaseUnavailable):
-            # If this fails too, the outbox sweep sends the command later: accepted late,
-            # never lost, scored once (the scorer claims each task id once).
-            await submissions.discard(command.task_id)
+        await _give_up(command, submissions=submissions, in_flight=in_flight)
         raise
     try:
         await publisher.announce_accepted(command)

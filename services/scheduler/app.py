@@ -1,14 +1,46 @@
-"""Composition root of the scheduler: its clock, broker and database."""
+"""Composition root of the scheduler: its clock loop, job consumer, usage meter and routes.
+
+    dispatcher (every SCHEDULER_TICK_S) --RunCronJob--> scorebox.cron-jobs --> job consumer
+        usage-rollup    raw usage records -> usage_daily
+        rescore-fanout  catalogue of completed tasks -> RescoreTask x N (scorebox.tasks)
+        housekeeping    own expired records; HousekeepingRequested; DLQ report
+    scorebox.usage-meter (task.completed) --> usage records + catalogue
+
+Everything the scheduler stores lives in its own database (`<prefix>_scheduler`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import contextlib
+import os
+import socket
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from datetime import timedelta
+from functools import partial
 
 from fastapi import FastAPI
 from faststream.rabbit import RabbitBroker
 
+from services.scheduler.api import cron_routes, usage_routes
+from services.scheduler.catalogue import Catalogue
+from services.scheduler.checkpoints import Checkpoints
+from services.scheduler.config import SchedulerConfig, load_config
+from services.scheduler.consumer import CronJobRunner, UsageMeter, subscribe_scheduler
+from services.scheduler.dispatcher import Dispatcher, fire_by_hand, keep_dispatching
+from services.scheduler.errors import ConfigurationError
+from services.scheduler.firings import Firing, Firings
+from services.scheduler.jobs import Clock, JobHandler
+from services.scheduler.jobs.fanout import fan_out_rescores
+from services.scheduler.jobs.housekeeping import keep_house
+from services.scheduler.jobs.usage import roll_up_usage
+from services.scheduler.messaging import SchedulerBus
+from services.scheduler.runs import RetryPolicy
+from services.scheduler.schedule import JobCatalog
 from services.scheduler.settings import SchedulerSettings
+from services.scheduler.usage_store import DailyUsageStore, UsageRecords
+from shared.contracts import new_id, utcnow
 from shared.http import health_router, install_problem_handlers
 from shared.runtime import (
     MongoClient,
@@ -16,28 +48,137 @@ from shared.runtime import (
     make_broker,
     make_mongo,
     mongo_ready,
+    retry_until,
     start_broker,
 )
+from shared.topology import WORK_QUEUES
+
+USAGE_ROLLUP = "usage-rollup"
+RESCORE_FANOUT = "rescore-fanout"
+HOUSEKEEPING = "housekeeping"
 
 
 def create_app(
     settings: SchedulerSettings,
     *,
+    config: SchedulerConfig | None = None,
     broker: RabbitBroker | None = None,
     mongo: MongoClient | None = None,
+    clock: Clock = utcnow,
+    handlers: Mapping[str, JobHandler] | None = None,
 ) -> FastAPI:
-    """Wire the scheduler: broker + database + HTTP health."""
+    """Wire the scheduler: broker + database + jobs + HTTP app, opened and closed in lifespan.
+
+    `config` defaults to the file at `SCHEDULER_CONFIG` with the process environment's
+    overrides; `handlers` adds or replaces job handlers by job name (tests).
+    """
+    config = config or load_config(settings.config_path, os.environ)
     broker = broker or make_broker(settings)
     mongo = mongo or make_mongo(settings)
+    database = settings.database_name("scheduler")
+    firings = Firings(mongo, database)
+    records = UsageRecords(mongo, database)
+    daily = DailyUsageStore(mongo, database)
+    catalogue = Catalogue(mongo, database)
+    checkpoints = Checkpoints(mongo, database)
+    bus = SchedulerBus(broker, timeout_s=settings.broker_timeout_s, clock=clock)
+    jobs = JobCatalog.from_config(config.jobs)
+    usage_retention = timedelta(days=config.usage.raw_retention_days)
+    owner = f"{socket.gethostname()}:{os.getpid()}:{new_id()[:6]}"
+
+    job_handlers: dict[str, JobHandler] = {
+        USAGE_ROLLUP: partial(
+            roll_up_usage, records=records, daily=daily, retention=usage_retention, clock=clock
+        ),
+        RESCORE_FANOUT: partial(
+            fan_out_rescores,
+            catalogue=catalogue,
+            checkpoints=checkpoints,
+            publish_page=bus.publish_rescore_page,
+            rubric_version=settings.rubric_version,
+            page_size=settings.fanout_page_size,
+            max_pages=settings.fanout_pages_per_delivery,
+            clock=clock,
+        ),
+        HOUSEKEEPING: partial(
+            keep_house,
+            firings=firings,
+            records=records,
+            catalogue=catalogue,
+            checkpoints=checkpoints,
+            job_names=jobs.names,
+            work_queues=WORK_QUEUES,
+            probe=bus.dead_letter_depth,
+            announce=bus.announce,
+            config=config.housekeeping,
+            usage_retention=usage_retention,
+            clock=clock,
+        ),
+        **(handlers or {}),
+    }
+    if missing := [name for name in jobs.names if name not in job_handlers]:
+        raise ConfigurationError(f"configured cron jobs without a handler: {missing}")
+
+    dispatcher = Dispatcher(
+        jobs,
+        firings=firings,
+        publish=bus.publish_run,
+        clock=clock,
+        grace=timedelta(seconds=settings.grace_s),
+        redispatch_after=timedelta(seconds=settings.redispatch_after_s),
+        owner=owner,
+    )
+    runner = CronJobRunner(
+        handlers=job_handlers,
+        firings=firings,
+        retry=RetryPolicy(
+            max_attempts=settings.job_max_attempts,
+            base=timedelta(seconds=settings.job_retry_base_s),
+            cap=timedelta(seconds=settings.job_retry_cap_s),
+        ),
+        bus=bus,
+        clock=clock,
+    )
+    meter = UsageMeter(
+        records=records,
+        catalogue=catalogue,
+        prices=config.prices,
+        bus=bus,
+        clock=clock,
+        max_attempts=settings.meter_max_attempts,
+        retry_after=timedelta(seconds=settings.meter_retry_s),
+    )
+    subscribe_scheduler(
+        broker,
+        runner=runner,
+        meter=meter,
+        job_concurrency=settings.job_concurrency,
+        meter_prefetch=settings.meter_prefetch,
+    )
+
+    async def trigger(name: str) -> Firing:
+        return await fire_by_hand(
+            name, jobs=jobs, firings=firings, publish=bus.publish_run, clock=clock, owner=owner
+        )
+
+    async def ensure_indexes() -> None:
+        for store in (firings, records, daily, catalogue, checkpoints):
+            await store.ensure_indexes()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await retry_until(ensure_indexes, what="MongoDB", deadline_s=settings.startup_timeout_s)
         await start_broker(broker, settings)
+        ticking = asyncio.create_task(keep_dispatching(dispatcher, interval_s=settings.tick_s))
         yield
+        ticking.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ticking
         await broker.stop()
         await mongo.close()
 
     app = FastAPI(title="Scorebox scheduler", lifespan=lifespan)
+    app.state.dispatcher = dispatcher
     install_problem_handlers(app)
     app.include_router(
         health_router(
@@ -47,4 +188,6 @@ def create_app(
             }
         )
     )
+    app.include_router(cron_routes(jobs=jobs, firings=firings, trigger=trigger, clock=clock))
+    app.include_router(usage_routes(daily=daily, currency=config.usage.currency))
     return app

@@ -1,11 +1,47 @@
-"""Settings of the scheduler (environment variables in README)."""
+"""Settings of the scheduler (environment variables in README).
+
+The jobs themselves (cron expressions, zones, prices) live in the TOML file named by
+`SCHEDULER_CONFIG`; see `services.scheduler.config`.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 
+from services.scheduler.config import DEFAULT_CONFIG_PATH
 from shared.settings import ServiceSettings
 
 
 class SchedulerSettings(ServiceSettings):
     port: int = Field(default=8003, validation_alias="SCHEDULER_PORT")
+    config_path: Path = Field(default=DEFAULT_CONFIG_PATH, validation_alias="SCHEDULER_CONFIG")
+    # How often the dispatcher looks for due firings.
+    tick_s: float = Field(default=1.0, gt=0, validation_alias="SCHEDULER_TICK_S")
+    # A fire time older than this when first seen counts as missed (policy `skip` drops it).
+    grace_s: float = Field(default=60.0, ge=0, validation_alias="SCHEDULER_GRACE_S")
+    # A firing claimed but not yet published after this long is published again (the claiming
+    # replica died or the broker refused the publish).
+    redispatch_after_s: float = Field(default=30.0, gt=0, validation_alias="SCHEDULER_REDISPATCH_S")
+    # Attempts of one run (one slice of it) before it is dead-lettered.
+    job_max_attempts: int = Field(default=4, ge=1, validation_alias="SCHEDULER_JOB_MAX_ATTEMPTS")
+    job_retry_base_s: float = Field(default=5.0, gt=0, validation_alias="SCHEDULER_RETRY_BASE_S")
+    job_retry_cap_s: float = Field(default=600.0, gt=0, validation_alias="SCHEDULER_RETRY_CAP_S")
+    # Job runs in flight per scheduler process (prefetch of the cron-jobs consumer).
+    job_concurrency: int = Field(default=4, ge=1, validation_alias="SCHEDULER_JOB_CONCURRENCY")
+    meter_prefetch: int = Field(default=256, ge=1, validation_alias="USAGE_METER_PREFETCH")
+    # Attempts to store one usage event (MongoDB unavailable) before it is dead-lettered.
+    meter_max_attempts: int = Field(default=5, ge=1, validation_alias="USAGE_METER_MAX_ATTEMPTS")
+    meter_retry_s: float = Field(default=5.0, gt=0, validation_alias="USAGE_METER_RETRY_S")
+    # The current rubric/prompt version; tasks scored with another (or an unknown) version are
+    # re-scored by the fan-out. Unset: the fan-out refuses to run.
+    rubric_version: str | None = Field(default=None, validation_alias="RUBRIC_VERSION")
+    fanout_page_size: int = Field(
+        default=1000, ge=1, le=10_000, validation_alias="FANOUT_PAGE_SIZE"
+    )
+    # Pages one delivery of a fan-out run walks before it continues in a new message, so no
+    # single delivery stays unacknowledged for long (RabbitMQ's consumer timeout).
+    fanout_pages_per_delivery: int = Field(
+        default=50, ge=1, validation_alias="FANOUT_PAGES_PER_DELIVERY"
+    )

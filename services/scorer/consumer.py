@@ -7,13 +7,18 @@ What each outcome means on the broker:
 - not due / claimed elsewhere: sent down the wait ladder again, then ack.
 - unreadable body (poison): copied to the DLQ with the validation error, then ack.
 - the handler itself crashed: re-sent after a delay with a crash counter; at the limit,
-  dead-lettered and failed. A process that dies mid-message is covered by the quorum
-  queue's delivery limit instead.
+  dead-lettered and failed.
+- a process died (or lost its connection) holding the message: RabbitMQ redelivers it with
+  `x-delivery-count`; while the dead holder's claim lasts, the redelivery is held, not
+  re-sent, so the count keeps growing. Once it reaches the queue's delivery limit the
+  scorer dead-letters the message and fails the task instead of risking another crash
+  (and should the scorer die before it can, RabbitMQ dead-letters it by the same limit).
 - MongoDB unavailable: re-sent after a delay without counting it as a crash.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,7 +30,7 @@ from faststream.rabbit.annotations import RabbitMessage
 from pydantic import ValidationError
 from pymongo.errors import PyMongoError
 
-from services.scorer.decisions import Decision, Defer, Drop, Finish, Retry
+from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Retry
 from services.scorer.scoring import Clock, ScorerDeps, score_text
 from shared.bus import publish_command, publish_dead_letter, publish_event
 from shared.contracts import (
@@ -41,6 +46,8 @@ from shared.topology import ATTEMPTS_HEADER, SCORE_REQUESTS
 log = logging.getLogger("scorebox.scorer")
 CRASHES_HEADER = "x-scorebox-crashes"
 CRASH_RETRY_DELAY = timedelta(seconds=5)
+DELIVERY_COUNT_HEADER = "x-delivery-count"  # set by quorum queues on every redelivery
+HOLD_POLL_S = 2.0  # how often a held redelivery looks whether its claim was decided or freed
 
 
 @dataclass(frozen=True)
@@ -114,8 +121,24 @@ def subscribe_scorer(
             await actions.dead_letter(message, f"unreadable score.requested: {error}")
             await message.ack()
             return
+        deliveries = int(message.headers.get(DELIVERY_COUNT_HEADER, 0))
+        if deliveries >= SCORE_REQUESTS.delivery_limit:
+            reason = (
+                f"delivered {deliveries + 1} times: its consumer died or lost its connection "
+                f"holding it {deliveries} times (delivery limit {SCORE_REQUESTS.delivery_limit})"
+            )
+            log.error("dead-lettering %s: %s", command.task_id, reason)
+            await _give_up(command, message, actions, reason)
+            await message.ack()
+            return
+        redelivered = deliveries > 0 or bool(message.raw_message.redelivered)
         try:
-            decision = await score_text(command, deps=deps)
+            # Losing the broker connection cancels this handler. The decision, with its model
+            # call, is shielded: it completes and is recorded, and the redelivery replays it
+            # instead of calling the model a second time once the claim's lease has expired.
+            decision = await asyncio.shield(
+                _decide(command, deps, actions.clock, redelivered=redelivered)
+            )
         except PyMongoError as error:
             log.warning("MongoDB unavailable while scoring %s: %r", command.task_id, error)
             await _retry_later(command, message, actions, count_crash=False)
@@ -125,6 +148,18 @@ def subscribe_scorer(
         else:
             await actions.carry_out(decision, message)
         await message.ack()
+
+
+async def _decide(
+    command: ScoreText, deps: ScorerDeps, clock: Clock, *, redelivered: bool
+) -> Decision:
+    """`score_text`, holding a redelivery (unacknowledged) while another claim lasts."""
+    decision = await score_text(command, deps=deps, redelivered=redelivered)
+    while isinstance(decision, Hold):
+        remaining = (decision.until - clock()).total_seconds()
+        await asyncio.sleep(min(max(remaining, 0.0) + 0.05, HOLD_POLL_S))
+        decision = await score_text(command, deps=deps, redelivered=True)
+    return decision
 
 
 async def _retry_later(
@@ -146,7 +181,12 @@ async def _after_crash(
     if crashes < crash_limit:
         await _retry_later(command, message, actions, count_crash=True)
         return
-    reason = f"the scorer crashed {crashes} times on this message"
+    await _give_up(command, message, actions, f"the scorer crashed {crashes} times on this message")
+
+
+async def _give_up(
+    command: ScoreText, message: RabbitMessage, actions: BrokerActions, reason: str
+) -> None:
     await actions.dead_letter(message, reason)
     error = TaskError(code="internal_error", message=reason, retryable=False)
     await actions.fail_task(command, error, dead_lettered=True)

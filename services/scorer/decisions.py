@@ -8,6 +8,7 @@ again instead of calling the model again (exactly-once effect on at-least-once d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from shared.contracts import ScoreText, TaskEvent, TaskRetrying, parse_task_event
@@ -37,13 +38,25 @@ class Defer:
 
 
 @dataclass(frozen=True)
+class Hold:
+    """Keep this redelivery unacknowledged and claim again at `until` (or sooner).
+
+    Its claim is held by a worker that may have died holding it. Deferring would ack it and
+    send a fresh copy, whose delivery count starts again at zero: a message that kills its
+    consumer would then loop forever instead of reaching the queue's delivery limit.
+    """
+
+    until: datetime
+
+
+@dataclass(frozen=True)
 class Drop:
     """Nothing to do: a newer attempt or generation of the task exists."""
 
     reason: str
 
 
-Decision = Finish | Retry | Defer | Drop
+Decision = Finish | Retry | Defer | Hold | Drop
 
 
 def _stored_event(event: TaskEvent) -> dict[str, str]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from services.scorer.attempts import Attempts, Busy, Claimed, Decided, Superseded
-from services.scorer.decisions import Decision, Defer, Drop, Finish, Retry
+from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Retry
 from services.scorer.errors import PermanentError, ScoringError, TransientError
 from services.scorer.model import ModelVerdict, ScoreModel, ScoringRequest
 from shared.contracts import (
@@ -74,9 +74,15 @@ def _event_fields(command: ScoreText, phase: Phase, now: datetime) -> dict[str, 
     }
 
 
-async def score_text(command: ScoreText, *, deps: ScorerDeps) -> Decision:
+async def score_text(
+    command: ScoreText, *, deps: ScorerDeps, redelivered: bool = False
+) -> Decision:
     """Decide what one delivery of `score.requested` leads to, calling the model at most once
-    per attempt across redeliveries and replicas."""
+    per attempt across redeliveries and replicas.
+
+    `redelivered`: the broker delivered this message before and it was never settled (its
+    consumer died or lost its connection); a busy claim then holds it rather than deferring.
+    """
     now = deps.clock()
     if command.not_before is not None and command.not_before > now + DUE_SLACK:
         return Defer(command)
@@ -84,6 +90,8 @@ async def score_text(command: ScoreText, *, deps: ScorerDeps) -> Decision:
         case Superseded():
             return Drop("a newer attempt of this task exists")
         case Busy(until=until):
+            if redelivered:
+                return Hold(until)
             return Defer(command.model_copy(update={"not_before": until, "message_id": new_id()}))
         case Decided(decision=decision):
             return decision

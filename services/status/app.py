@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Query
 from faststream import AckPolicy
 from faststream.rabbit import RabbitBroker
 from faststream.rabbit.annotations import RabbitMessage
@@ -17,12 +17,20 @@ from services.status.projection import (
     Tasks,
     apply_task_event,
     ensure_indexes,
+    find_batch,
+    find_history,
     find_task,
     tasks_collection,
 )
 from services.status.settings import StatusSettings
 from shared.bus import publish_dead_letter
-from shared.contracts import TaskView, parse_task_event, utcnow
+from shared.contracts import (
+    BatchProgress,
+    TaskHistory,
+    TaskView,
+    parse_task_event,
+    utcnow,
+)
 from shared.http import Problem, health_router, install_problem_handlers
 from shared.runtime import (
     MongoClient,
@@ -97,7 +105,9 @@ def subscribe_projection(broker: RabbitBroker, tasks: Tasks, settings: StatusSet
             )
             await message.ack()
             return
-        await apply_task_event(event, tasks=tasks, finished_ttl=finished_ttl)
+        await apply_task_event(
+            event, tasks=tasks, finished_ttl=finished_ttl, history_limit=settings.history_limit
+        )
         await message.ack()
 
 
@@ -110,5 +120,31 @@ def task_routes(tasks: Tasks, clock: Clock) -> APIRouter:
         if view is None:
             raise Problem(404, f"No task {task_id!r} is known (or it has expired).")
         return view
+
+    @router.get("/tasks/{task_id}/history", response_model=TaskHistory)
+    async def read_task_history(
+        task_id: str,
+        tenant_id: str,
+        after: int = Query(default=-1, ge=-1, description="Only changes after this sequence."),
+    ) -> TaskHistory:
+        history = await find_history(
+            task_id, tenant_id=tenant_id, after=after, tasks=tasks, now=clock()
+        )
+        if history is None:
+            raise Problem(404, f"No task {task_id!r} is known (or it has expired).")
+        return history
+
+    @router.get("/batches/{batch_id}", response_model=BatchProgress)
+    async def read_batch(
+        batch_id: str,
+        tenant_id: str,
+        after: int = Query(default=-1, ge=-1, description="Only items after this batch_index."),
+        limit: int = Query(default=100, ge=1, le=1000),
+    ) -> BatchProgress:
+        # A batch the projection has not heard of reads as empty, not 404: only the gateway
+        # knows which batches exist.
+        return await find_batch(
+            batch_id, tenant_id=tenant_id, after=after, limit=limit, tasks=tasks, now=clock()
+        )
 
     return router

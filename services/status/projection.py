@@ -3,6 +3,14 @@
 An event is applied only when its sequence is higher than the one stored (a conditional
 upsert: a stale event finds no matching document and its insert collides on `_id`), so
 duplicates and out-of-order deliveries never move a task backwards.
+
+Each document also keeps a bounded `history` of state changes (what an SSE stream replays).
+The change is pushed in the same conditional update that applies the event; a late event (one
+that lost the race to a newer one) still enters the history, in sequence order, by a second
+update guarded on its sequence not being there yet, so a duplicate never enters it twice.
+
+Batch progress: `task.accepted` carries `batch_id`/`batch_index`, kept on the document and
+indexed, so a batch's counts are one aggregation and its items one keyset-paginated query.
 """
 
 from __future__ import annotations
@@ -15,11 +23,15 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import DuplicateKeyError
 
 from shared.contracts import (
+    BatchItemProgress,
+    BatchProgress,
+    StateChange,
     TaskAccepted,
     TaskCompleted,
     TaskEvent,
     TaskFailed,
     TaskFailure,
+    TaskHistory,
     TaskRetrying,
     TaskStatus,
     TaskView,
@@ -27,6 +39,7 @@ from shared.contracts import (
 
 Document = dict[str, Any]
 Tasks = AsyncCollection[Document]
+DEFAULT_HISTORY_LIMIT = 64
 
 
 def tasks_collection(client: AsyncMongoClient[Document], database: str) -> Tasks:
@@ -37,16 +50,15 @@ async def ensure_indexes(tasks: Tasks) -> None:
     # Finished tasks carry `expires_at`; MongoDB's TTL monitor removes them after it.
     await tasks.create_index([("expires_at", ASCENDING)], expireAfterSeconds=0)
     await tasks.create_index([("tenant_id", ASCENDING), ("created_at", ASCENDING)])
+    await tasks.create_index(
+        [("tenant_id", ASCENDING), ("batch_id", ASCENDING), ("batch_index", ASCENDING)],
+        partialFilterExpression={"batch_id": {"$type": "string"}},
+        name="batch_items",
+    )
 
 
 def _status_of(event: TaskEvent) -> TaskStatus:
-    if (
-        isinstance(event, TaskAccepted)
-        and event.not_before
-        and event.not_before > event.occurred_at
-    ):
-        return TaskStatus.SCHEDULED
-    return event.status
+    return StateChange.of_event(event).status
 
 
 def _fields_of(event: TaskEvent, *, finished_ttl: timedelta) -> Document:
@@ -89,28 +101,58 @@ def _fields_of(event: TaskEvent, *, finished_ttl: timedelta) -> Document:
 
 
 def _descriptive_fields(event: TaskAccepted) -> Document:
-    return {"rubric": event.rubric, "model": event.model, "metadata": event.metadata}
+    return {
+        "rubric": event.rubric,
+        "model": event.model,
+        "metadata": event.metadata,
+        "batch_id": event.batch_id,
+        "batch_index": event.batch_index,
+    }
+
+
+def _history_push(event: TaskEvent, limit: int) -> Document:
+    change = StateChange.of_event(event)
+    entry = {**change.model_dump(exclude_none=True), "status": change.status.value}
+    # Sorted and sliced on every push: a late change lands in order, the oldest fall off.
+    return {"$each": [entry], "$sort": {"sequence": ASCENDING}, "$slice": -limit}
 
 
 def _failure(error: Document, *, dead_lettered: bool) -> Document:
     return {**error, "dead_lettered": dead_lettered}
 
 
-async def apply_task_event(event: TaskEvent, *, tasks: Tasks, finished_ttl: timedelta) -> bool:
+async def apply_task_event(
+    event: TaskEvent,
+    *,
+    tasks: Tasks,
+    finished_ttl: timedelta,
+    history_limit: int = DEFAULT_HISTORY_LIMIT,
+) -> bool:
     """Apply `event` if it is newer than what the projection holds; True when applied."""
     fields = _fields_of(event, finished_ttl=finished_ttl)
+    push = _history_push(event, history_limit)
     try:
         await tasks.update_one(
             {"_id": event.task_id, "sequence": {"$lt": event.sequence}},
-            {"$set": fields},
+            {"$set": fields, "$push": {"history": push}},
             upsert=True,
         )
     except DuplicateKeyError:
+        # Stale or duplicate: the state stays, but a change never recorded enters the history.
+        late: Document = {"$push": {"history": push}}
         if isinstance(event, TaskAccepted):
             # A later event overtook the acceptance; its descriptive fields still belong.
-            await tasks.update_one({"_id": event.task_id}, {"$set": _descriptive_fields(event)})
+            late["$set"] = _descriptive_fields(event)
+        await tasks.update_one(
+            {"_id": event.task_id, "history.sequence": {"$ne": event.sequence}}, late
+        )
         return False
     return True
+
+
+def _readable(now: datetime) -> Document:
+    """Not yet expired (the TTL monitor removes expired documents only eventually)."""
+    return {"$or": [{"expires_at": None}, {"expires_at": {"$gt": now}}]}
 
 
 async def find_task(
@@ -118,15 +160,68 @@ async def find_task(
 ) -> TaskView | None:
     """The task as its tenant sees it; None when unknown, another tenant's, or expired."""
     document = await tasks.find_one(
-        {
-            "_id": task_id,
-            "tenant_id": tenant_id,
-            "$or": [{"expires_at": None}, {"expires_at": {"$gt": now}}],
-        }
+        {"_id": task_id, "tenant_id": tenant_id, **_readable(now)}, projection={"history": 0}
     )
     if document is None:
         return None
     return _view_of(document)
+
+
+async def find_history(
+    task_id: str, *, tenant_id: str, after: int, tasks: Tasks, now: datetime
+) -> TaskHistory | None:
+    """The task's recorded state changes with a sequence above `after`, oldest first."""
+    document = await tasks.find_one(
+        {"_id": task_id, "tenant_id": tenant_id, **_readable(now)},
+        projection={"status": 1, "sequence": 1, "history": 1},
+    )
+    if document is None:
+        return None
+    changes = [
+        StateChange.model_validate(entry)
+        for entry in document.get("history") or []
+        if entry["sequence"] > after
+    ]
+    return TaskHistory(
+        task_id=task_id,
+        status=TaskStatus(document["status"]),
+        sequence=document.get("sequence", 0),
+        changes=sorted(changes, key=lambda change: change.sequence),
+    )
+
+
+async def find_batch(
+    batch_id: str, *, tenant_id: str, after: int, limit: int, tasks: Tasks, now: datetime
+) -> BatchProgress:
+    """Counts per status of a batch's known tasks, and a page of them by `batch_index`."""
+    members = {"tenant_id": tenant_id, "batch_id": batch_id, **_readable(now)}
+    grouped = await tasks.aggregate(
+        [{"$match": members}, {"$group": {"_id": "$status", "count": {"$sum": 1}}}]
+    )
+    counts = {TaskStatus(group["_id"]): group["count"] async for group in grouped}
+    page = (
+        tasks.find(
+            {**members, "batch_index": {"$gt": after}},
+            projection={"history": 0, "metadata": 0, "rubric": 0},
+        )
+        .sort("batch_index", ASCENDING)
+        .limit(limit)
+    )
+    items = [_batch_item_of(document) async for document in page]
+    return BatchProgress(batch_id=batch_id, counts=counts, items=items)
+
+
+def _batch_item_of(document: Document) -> BatchItemProgress:
+    error = document.get("error")
+    return BatchItemProgress(
+        task_id=document["_id"],
+        batch_index=document["batch_index"],
+        status=TaskStatus(document["status"]),
+        attempts=document.get("attempts", 0),
+        updated_at=document["updated_at"],
+        result=document.get("result"),
+        error=TaskFailure.model_validate(error) if error else None,
+    )
 
 
 def _view_of(document: Document) -> TaskView:
@@ -144,4 +239,5 @@ def _view_of(document: Document) -> TaskView:
         rubric=document.get("rubric"),
         model=document.get("model"),
         metadata=document.get("metadata") or {},
+        sequence=document.get("sequence"),
     )

@@ -12,9 +12,15 @@ from typing import Any
 import pytest
 
 from devtools.stack import Stack, StackConfig
+from services.gateway.keys import generate_key
 from tests.support_sync import read_line_within
 
 FAKE_LLM_LATENCY_MS = "20"
+
+
+@pytest.fixture(scope="module")
+def api_key() -> str:
+    return generate_key().token
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +53,7 @@ def stack(
     mongo: Any,
     db_prefix: str,
     fake_llm_url: str,
+    api_key: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Stack]:
     config = StackConfig(
@@ -62,6 +69,8 @@ def stack(
             "LLM_MODEL": "fake-judge-1",
             "LLM_TIMEOUT_S": "5",
             "RETRY_BASE_S": "0.5",
+            "BOOTSTRAP_API_KEY": api_key,
+            "RATE_LIMIT_PER_MIN": "0",
         },
     )
     running = Stack(config)

@@ -15,7 +15,7 @@ TASKS = 24
 
 
 def test_every_accepted_text_is_scored_once_with_monotonic_states(
-    stack: Stack, fake_llm_url: str
+    stack: Stack, fake_llm_url: str, api_key: str
 ) -> None:
     markers = [f"e{uuid.uuid4().hex[:10]}" for _ in range(TASKS)]
     texts = [
@@ -24,7 +24,8 @@ def test_every_accepted_text_is_scored_once_with_monotonic_states(
         for i, marker in enumerate(markers)
     ]
     seen: dict[str, list[str]] = {}
-    with httpx.Client(base_url=stack.gateway_url, timeout=10) as client:
+    auth = {"Authorization": f"Bearer {api_key}"}
+    with httpx.Client(base_url=stack.gateway_url, timeout=10, headers=auth) as client:
         task_ids = []
         for text in texts:
             response = client.post("/v1/scores", json={"text": text})

@@ -14,9 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
+from services.gateway.keys import generate_key
 from tests.support_sync import LineCollector, wait_for
 
-SERVICES = ("GATEWAY", "STATUS", "SCORER", "SCHEDULER")
+SERVICES = ("GATEWAY", "STATUS", "SCORER", "SCHEDULER", "NOTIFIER")
 
 
 def _free_port() -> int:
@@ -41,6 +42,7 @@ def make_run(amqp_url: str, mongo: Any, db_prefix: str, tmp_path: Path) -> Any:
         "MONGO_URL": mongo.url,
         "MONGO_DB_PREFIX": f"{db_prefix}run",
         "LLM_PROVIDER": "heuristic",
+        "SCOREBOX_API_KEY": generate_key().token,
     }
     process = subprocess.Popen(
         [sys.executable, "-m", "devtools.stack", "run", "--log-dir", str(tmp_path / "logs")],
@@ -51,7 +53,7 @@ def make_run(amqp_url: str, mongo: Any, db_prefix: str, tmp_path: Path) -> Any:
     output = LineCollector(process)
     try:
         banner = output.wait_for_text("Ctrl-C stops everything", timeout_s=120)
-        yield process, banner, ports
+        yield process, banner, ports, env["SCOREBOX_API_KEY"]
     finally:
         if process.poll() is None:
             process.kill()
@@ -63,21 +65,24 @@ def make_run(amqp_url: str, mongo: Any, db_prefix: str, tmp_path: Path) -> Any:
 def test_make_run_serves_the_readme_example_and_stops_on_sigterm(
     make_run: Any, tmp_path: Path
 ) -> None:
-    process, banner, ports = make_run
+    process, banner, ports, api_key = make_run
     gateway = f"http://127.0.0.1:{ports['GATEWAY_PORT']}"
+    auth = {"Authorization": f"Bearer {api_key}"}
     assert f"Gateway:  {gateway}" in banner
-    assert "curl -s -X POST" in banner
+    assert f"-H 'Authorization: Bearer {api_key}'" in banner  # the curl example is ready to paste
+    assert f"export SCOREBOX_API_KEY={api_key}" in banner
 
     submitted = httpx.post(
         f"{gateway}/v1/scores",
         json={"text": "The quick brown fox jumps over the lazy dog."},
+        headers=auth,
         timeout=10,
     )
     assert submitted.status_code == 202
     task_url = f"{gateway}/v1/scores/{submitted.json()['task_id']}"
 
     def completed() -> dict[str, Any] | None:
-        view: dict[str, Any] = httpx.get(task_url, timeout=10).json()
+        view: dict[str, Any] = httpx.get(task_url, headers=auth, timeout=10).json()
         return view if view["status"] == "completed" else None
 
     view = wait_for(completed, timeout_s=60, what="the README example completed")
@@ -90,7 +95,7 @@ def test_make_run_serves_the_readme_example_and_stops_on_sigterm(
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "SCOREBOX_URL": gateway},
+        env={**os.environ, "SCOREBOX_URL": gateway, "SCOREBOX_API_KEY": api_key},
         check=False,
     )
     assert cli.returncode == 0, cli.stderr

@@ -14,6 +14,7 @@ import pytest
 from pymongo import AsyncMongoClient
 
 from services.gateway.app import create_app as create_gateway
+from services.gateway.keys import generate_key
 from services.gateway.settings import GatewaySettings
 from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
@@ -32,6 +33,7 @@ from shared.topology import SCORE_REQUESTS
 from tests.support import eventually, running
 
 MAX_TEXT = 200
+API_KEY = generate_key().token  # registered for the default tenant by BOOTSTRAP_API_KEY
 
 
 class MovableClock:
@@ -60,12 +62,15 @@ async def stack(amqp_url: str, mongo: object, db_prefix: str) -> AsyncIterator[S
     mongo_url = mongo.url  # type: ignore[attr-defined]
     env = {"RABBITMQ_URL": amqp_url, "MONGO_URL": mongo_url, "MONGO_DB_PREFIX": db_prefix}
     status_settings = StatusSettings.model_validate(env)
-    gateway_settings = GatewaySettings.model_validate({**env, "MAX_TEXT_CHARS": MAX_TEXT})
+    gateway_settings = GatewaySettings.model_validate(
+        {**env, "MAX_TEXT_CHARS": MAX_TEXT, "BOOTSTRAP_API_KEY": API_KEY}
+    )
     clock = MovableClock()
     status_app = create_status(status_settings, clock=clock)
     async with running(status_app) as status_client:
         gateway_app = create_gateway(gateway_settings, status_http=status_client, clock=clock)
         async with running(gateway_app) as api:
+            api.headers["Authorization"] = f"Bearer {API_KEY}"
             client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(mongo_url, tz_aware=True)
             yield Stack(api, amqp_url, client, db_prefix, clock)
             await client.close()

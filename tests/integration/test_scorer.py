@@ -15,6 +15,7 @@ from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
 from services.gateway.app import create_app as create_gateway
+from services.gateway.keys import generate_key
 from services.gateway.settings import GatewaySettings
 from services.scorer.app import create_app as create_scorer
 from services.scorer.model.settings import ModelSettings
@@ -29,6 +30,7 @@ from tests.support import eventually, running
 
 ADMIN_KEY = "test-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+API_KEY = generate_key().token  # registered for the default tenant by BOOTSTRAP_API_KEY
 
 
 @dataclass
@@ -76,12 +78,15 @@ async def flow(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Flow]
         "LLM_MODEL": "fake-judge-1",
         "LLM_TIMEOUT_S": "1",
         "ADMIN_API_KEY": ADMIN_KEY,
+        "BOOTSTRAP_API_KEY": API_KEY,
+        "RATE_LIMIT_PER_MIN": "0",  # the polls below would exceed any sensible per-key rate
     }
     scorer = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))
     status = create_status(StatusSettings.model_validate(env))
     async with running(status) as status_client, running(scorer):
         gateway = create_gateway(GatewaySettings.model_validate(env), status_http=status_client)
         async with running(gateway) as api:
+            api.headers["Authorization"] = f"Bearer {API_KEY}"
             yield Flow(api, llm, amqp_url)
     await llm.stop()
 

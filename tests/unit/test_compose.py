@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "compose.yaml"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
-APP_SERVICES = ("gateway", "status", "scorer", "scheduler")
+APP_SERVICES = ("gateway", "status", "scorer", "scheduler", "notifier")
 INFRA_SERVICES = ("rabbitmq", "mongo")
 HOW_TO_INSTALL = (
     "no Compose command: install Debian's `docker-compose` "

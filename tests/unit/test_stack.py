@@ -18,6 +18,7 @@ import pytest
 
 from devtools.stack import (
     DEFAULT_PORTS,
+    DevKeys,
     PortInUseError,
     Stack,
     StackConfig,
@@ -26,6 +27,7 @@ from devtools.stack import (
     ports_from_env,
     probe,
 )
+from services.gateway.keys import generate_key, parse_key
 
 FAKE_SERVICE = textwrap.dedent(
     """
@@ -131,10 +133,12 @@ def test_start_waits_for_readiness_on_free_ports_and_stop_ends_everything(
         "status": 1,
         "scorer": 2,
         "scheduler": 1,
+        "notifier": 1,
         "gateway": 1,
     }
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
         "gateway.log",
+        "notifier.log",
         "scheduler.log",
         "scorer-0.log",
         "scorer-1.log",
@@ -284,17 +288,31 @@ def test_ports_come_from_the_public_variables() -> None:
         "status": 8001,
         "scorer": 8002,
         "scheduler": 8003,
+        "notifier": 8004,
     }
     assert ports_from_env({"GATEWAY_PORT": "9000"})["gateway"] == 9000
     with pytest.raises(StackError, match="STATUS_PORT='x' is not a port number"):
         ports_from_env({"STATUS_PORT": "x"})
 
 
-def test_curl_examples_add_the_bearer_token_only_when_an_api_key_is_set() -> None:
-    plain = curl_examples("http://127.0.0.1:8000", api_key_set=False)
-    with_key = curl_examples("http://127.0.0.1:8000", api_key_set=True)
+def test_curl_examples_are_ready_to_paste_with_the_api_key() -> None:
+    lines = curl_examples("http://127.0.0.1:8000", "sbx_key")
 
-    assert plain[0].startswith("curl -s -X POST http://127.0.0.1:8000/v1/scores")
-    assert plain[1] == "curl -s http://127.0.0.1:8000/v1/scores/<task_id>"
-    assert all("Authorization" not in line for line in plain)
-    assert all('-H "Authorization: Bearer $SCOREBOX_API_KEY"' in line for line in with_key)
+    assert lines[0].startswith("curl -s -X POST http://127.0.0.1:8000/v1/scores")
+    assert (
+        lines[1]
+        == "curl -s -H 'Authorization: Bearer sbx_key' http://127.0.0.1:8000/v1/scores/<task_id>"
+    )
+    assert all("-H 'Authorization: Bearer sbx_key'" in line for line in lines)
+
+
+def test_dev_keys_honour_the_environment_and_refuse_malformed_keys() -> None:
+    given = generate_key().token
+    keys = DevKeys.from_environment({"SCOREBOX_API_KEY": given, "SCOREBOX_ADMIN_KEY": "adm"})
+    assert keys == DevKeys(api_key=given, admin_key="adm")
+    assert keys.service_env() == {"BOOTSTRAP_API_KEY": given, "ADMIN_API_KEY": "adm"}
+    fresh = DevKeys.from_environment({})
+    assert parse_key(fresh.api_key) is not None
+    assert len(fresh.admin_key) >= 32
+    with pytest.raises(StackError, match="SCOREBOX_API_KEY must look like"):
+        DevKeys.from_environment({"SCOREBOX_API_KEY": "dev-secret"})

@@ -1,0 +1,484 @@
+"""Batches: many texts in one request, their progress in one read (no HTTP, no broker here).
+
+Accepting a batch (`submit_batch`), all or nothing:
+1. every item was validated before this runs (one invalid item fails the whole request);
+2. the batch record and one submission per item are recorded as `accepting` (one insert each);
+3. its tasks are admitted against the tenant's in-flight limit, all or none (`LimitExceeded`:
+   429, the batch is discarded);
+4. every `score.requested` is published with its confirm in flight together (one round),
+   then every `task.accepted` likewise;
+5. submissions and batch are marked `accepted` (one update each).
+If the broker does not confirm step 4's commands, the slots are released, the batch and its
+submissions discarded, and `BrokerUnavailable` raised: the client sees 503 and nothing was
+kept. An interruption between 2 and 5 leaves submissions `accepting`, which the outbox sweep
+sends later (so does a failure to release the slots: see `services.gateway.limits`).
+
+Batches do not consult the result cache (one lookup per item would dominate the request);
+their results still fill it.
+
+Reading a batch (`read_batch`): the gateway's record says which tasks belong to it and in
+which order (the request's); the status service owns their progress (counts per status and a
+page of items, by `batch_index`). Tasks the status service has not heard of yet read as
+`queued` while the batch is young (read-your-writes, like `read_score`) and as `expired` later
+(their results outlived `FINISHED_TASK_TTL_S`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Protocol
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pymongo import ASCENDING, AsyncMongoClient
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import DuplicateKeyError, PyMongoError
+
+from services.gateway.cache import cache_key
+from services.gateway.errors import (
+    BrokerUnavailable,
+    DatabaseUnavailable,
+    IdempotencyConflict,
+    RequestInProgress,
+)
+from services.gateway.limits import LimitExceeded
+from services.gateway.schemas import MAX_METADATA_BYTES, _check_metadata_keys
+from services.gateway.submissions import KeyTaken, Submissions, SubmissionState, request_hash
+from services.gateway.submit import InFlightGate
+from shared.contracts import (
+    BatchItemProgress,
+    BatchProgress,
+    ScoreResult,
+    ScoreText,
+    TaskFailure,
+    TaskStatus,
+    new_id,
+)
+
+log = logging.getLogger("scorebox.gateway.batches")
+Clock = Callable[[], datetime]
+Document = dict[str, Any]
+
+MAX_BATCH_ITEMS = 1000
+EXPIRED = "expired"
+MAX_TEXT_CHARS_CONTEXT = "max_text_chars"
+
+
+# --- Requests ------------------------------------------------------------------------------------
+
+
+class BatchItem(BaseModel):
+    """One text of a batch: like a single submission, with an optional `client_id`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str = Field(description="The text to score (not empty; see MAX_TEXT_CHARS).")
+    client_id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        description="Your own id for the item, unique within the batch; echoed in the results.",
+    )
+    rubric: str | None = Field(default=None, max_length=4_000, description="Batch's if unset.")
+    model: str | None = Field(
+        default=None, min_length=1, max_length=200, description="Batch's if unset."
+    )
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Kept with the task.")
+
+    @field_validator("text")
+    @classmethod
+    def _text_fits(cls, text: str, info: ValidationInfo) -> str:
+        if not text.strip():
+            raise ValueError("text must contain something other than whitespace")
+        limit = (info.context or {}).get(MAX_TEXT_CHARS_CONTEXT)
+        if limit is not None and len(text) > limit:
+            raise ValueError(f"text has {len(text)} characters; the limit is {limit}")
+        return text
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_safe(cls, metadata: dict[str, Any]) -> dict[str, Any]:
+        _check_metadata_keys(metadata)
+        if len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
+            raise ValueError(f"metadata must serialise to at most {MAX_METADATA_BYTES} bytes")
+        return metadata
+
+
+class BatchSubmission(BaseModel):
+    """`POST /v1/batches`: up to 1,000 texts, with a rubric and model for all of them."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "rubric": "clarity and argument",
+                    "items": [
+                        {"client_id": "doc-1", "text": "Queues decouple a slow call."},
+                        {"client_id": "doc-2", "text": "Polling is simple.", "metadata": {"p": 2}},
+                    ],
+                }
+            ]
+        },
+    )
+
+    items: list[BatchItem] = Field(min_length=1, max_length=MAX_BATCH_ITEMS)
+    rubric: str | None = Field(default=None, max_length=4_000, description="Default of items.")
+    model: str | None = Field(
+        default=None, min_length=1, max_length=200, description="Default of items."
+    )
+
+    def duplicate_client_id(self) -> tuple[int, str] | None:
+        """(index, client id) of the first item that repeats an earlier item's client id."""
+        seen: set[str] = set()
+        for index, item in enumerate(self.items):
+            if item.client_id is not None:
+                if item.client_id in seen:
+                    return index, item.client_id
+                seen.add(item.client_id)
+        return None
+
+
+# --- The gateway's record of a batch -------------------------------------------------------------
+
+
+class BatchState:
+    ACCEPTING = SubmissionState.ACCEPTING.value
+    ACCEPTED = SubmissionState.ACCEPTED.value
+
+
+@dataclass(frozen=True)
+class BatchMember:
+    task_id: str
+    client_id: str | None
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    batch_id: str
+    tenant_id: str
+    state: str
+    request_hash: str
+    created_at: datetime
+    members: tuple[BatchMember, ...]
+
+
+class Batches:
+    """Repository of batch records; every database failure surfaces as `DatabaseUnavailable`."""
+
+    def __init__(self, client: AsyncMongoClient[Document], database: str) -> None:
+        self._collection: AsyncCollection[Document] = client[database]["batches"]
+
+    async def ensure_indexes(self) -> None:
+        await self._collection.create_index(
+            [("tenant_id", ASCENDING), ("idempotency_key", ASCENDING)],
+            unique=True,
+            partialFilterExpression={"idempotency_key": {"$type": "string"}},
+            name="idempotency_key_per_tenant",
+        )
+        await self._collection.create_index([("expires_at", ASCENDING)], expireAfterSeconds=0)
+
+    async def insert(
+        self, record: BatchRecord, *, idempotency_key: str | None, retention: timedelta
+    ) -> None:
+        """Record a new batch as `accepting`; `KeyTaken` for a used idempotency key."""
+        document: Document = {
+            "_id": record.batch_id,
+            "tenant_id": record.tenant_id,
+            "state": record.state,
+            "request_hash": record.request_hash,
+            "created_at": record.created_at,
+            "expires_at": record.created_at + retention,
+            "members": [
+                {"task_id": member.task_id, "client_id": member.client_id}
+                for member in record.members
+            ],
+        }
+        if idempotency_key is not None:
+            document["idempotency_key"] = idempotency_key
+        try:
+            await self._collection.insert_one(document)
+        except DuplicateKeyError as error:
+            raise KeyTaken(idempotency_key) from error
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
+    async def mark_accepted(self, batch_id: str) -> None:
+        try:
+            await self._collection.update_one(
+                {"_id": batch_id}, {"$set": {"state": BatchState.ACCEPTED}}
+            )
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
+    async def discard(self, batch_id: str) -> None:
+        try:
+            await self._collection.delete_one({"_id": batch_id, "state": BatchState.ACCEPTING})
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
+    async def find(self, batch_id: str, *, tenant_id: str) -> BatchRecord | None:
+        return await self._find_one({"_id": batch_id, "tenant_id": tenant_id})
+
+    async def find_by_key(self, idempotency_key: str, *, tenant_id: str) -> BatchRecord | None:
+        return await self._find_one({"tenant_id": tenant_id, "idempotency_key": idempotency_key})
+
+    async def _find_one(self, query: Document) -> BatchRecord | None:
+        try:
+            document = await self._collection.find_one(query)
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+        if document is None:
+            return None
+        return BatchRecord(
+            batch_id=document["_id"],
+            tenant_id=document["tenant_id"],
+            state=document["state"],
+            request_hash=document["request_hash"],
+            created_at=document["created_at"],
+            members=tuple(
+                BatchMember(task_id=member["task_id"], client_id=member.get("client_id"))
+                for member in document["members"]
+            ),
+        )
+
+
+# --- Accepting a batch ---------------------------------------------------------------------------
+
+
+class BatchPublisher(Protocol):
+    async def send_many(self, commands: Sequence[ScoreText]) -> None: ...
+    async def announce_accepted_many(self, commands: Sequence[ScoreText]) -> None: ...
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    max_attempts: int
+    retention: timedelta
+    # A batch still `accepting` after this long was interrupted; the outbox sweep sends it.
+    in_progress_for: timedelta
+
+
+@dataclass(frozen=True)
+class BatchSubmitted:
+    record: BatchRecord
+    created: bool  # False: an earlier request with the same Idempotency-Key
+
+
+async def submit_batch(
+    submission: BatchSubmission,
+    *,
+    tenant_id: str,
+    api_key_id: str | None,
+    idempotency_key: str | None,
+    batches: Batches,
+    submissions: Submissions,
+    publisher: BatchPublisher,
+    policy: BatchPolicy,
+    clock: Clock,
+    in_flight: InFlightGate | None = None,
+) -> BatchSubmitted:
+    """Record the batch, publish all its commands in one confirm round, answer once confirmed."""
+    now = clock()
+    batch_id = new_id()
+    commands = [
+        ScoreText(
+            task_id=new_id(),
+            tenant_id=tenant_id,
+            text=item.text,
+            rubric=item.rubric if item.rubric is not None else submission.rubric,
+            model=item.model if item.model is not None else submission.model,
+            metadata=item.metadata,
+            max_attempts=policy.max_attempts,
+            submitted_at=now,
+            api_key_id=api_key_id,
+            batch_id=batch_id,
+            batch_index=index,
+        )
+        for index, item in enumerate(submission.items)
+    ]
+    record = BatchRecord(
+        batch_id=batch_id,
+        tenant_id=tenant_id,
+        state=BatchState.ACCEPTING,
+        request_hash=request_hash(submission.model_dump(mode="json")),
+        created_at=now,
+        members=tuple(
+            BatchMember(command.task_id, item.client_id)
+            for command, item in zip(commands, submission.items, strict=True)
+        ),
+    )
+    try:
+        await batches.insert(record, idempotency_key=idempotency_key, retention=policy.retention)
+    except KeyTaken:
+        assert idempotency_key is not None
+        return await _earlier_batch(idempotency_key, record, batches, policy, now)
+    counted = False  # from the first acquire on, slots may be counted: release them on failure
+    try:
+        await submissions.insert_batch(
+            [
+                (
+                    command,
+                    request_hash(item.model_dump(mode="json")),
+                    cache_key(command.text, command.rubric, command.model),
+                )
+                for command, item in zip(commands, submission.items, strict=True)
+            ],
+            retention=policy.retention,
+        )
+        if in_flight is not None:
+            counted = True
+            await in_flight.acquire(tenant_id, [c.task_id for c in commands], now=now)
+        await publisher.send_many(commands)
+    except LimitExceeded:
+        await _discard(batch_id, batches=batches, submissions=submissions)  # nothing counted
+        raise
+    except (BrokerUnavailable, DatabaseUnavailable):
+        await _give_up(
+            batch_id,
+            commands,
+            batches=batches,
+            submissions=submissions,
+            in_flight=in_flight if counted else None,
+        )
+        raise
+    try:
+        await publisher.announce_accepted_many(commands)
+    except BrokerUnavailable:
+        log.warning("batch %s accepted without (all) its task.accepted events", batch_id)
+    try:
+        await submissions.mark_batch_accepted(batch_id, [c.task_id for c in commands])
+        await batches.mark_accepted(batch_id)
+    except DatabaseUnavailable:
+        log.warning("batch %s left `accepting`; the outbox sweep re-sends it", batch_id)
+    return BatchSubmitted(record, created=True)
+
+
+async def _give_up(
+    batch_id: str,
+    commands: Sequence[ScoreText],
+    *,
+    batches: Batches,
+    submissions: Submissions,
+    in_flight: InFlightGate | None,
+) -> None:
+    """Undo a batch's acceptance: release its slots, then forget it. Slots that cannot be
+    released keep the submissions: the outbox sweep sends them and their ends release them."""
+    if in_flight is not None:
+        try:
+            for command in commands:
+                await in_flight.release(command.task_id)
+        except DatabaseUnavailable:
+            log.warning("batch %s kept for the outbox: its slots are not released", batch_id)
+            return
+    await _discard(batch_id, batches=batches, submissions=submissions)
+
+
+async def _discard(batch_id: str, *, batches: Batches, submissions: Submissions) -> None:
+    with contextlib.suppress(DatabaseUnavailable):
+        # If this fails too, the outbox sweep sends what was recorded later.
+        await submissions.discard_batch(batch_id)
+        await batches.discard(batch_id)
+
+
+async def _earlier_batch(
+    idempotency_key: str, attempt: BatchRecord, batches: Batches, policy: BatchPolicy, now: datetime
+) -> BatchSubmitted:
+    earlier = await batches.find_by_key(idempotency_key, tenant_id=attempt.tenant_id)
+    if earlier is None:
+        raise RequestInProgress(idempotency_key)  # discarded just now: the client may retry
+    in_progress = earlier.state == BatchState.ACCEPTING
+    if in_progress and earlier.created_at > now - policy.in_progress_for:
+        raise RequestInProgress(idempotency_key)
+    if earlier.request_hash != attempt.request_hash:
+        raise IdempotencyConflict(idempotency_key)
+    return BatchSubmitted(earlier, created=False)
+
+
+# --- Reading a batch -----------------------------------------------------------------------------
+
+
+class BatchStatusReader(Protocol):
+    async def batch(
+        self, batch_id: str, *, tenant_id: str, after: int, limit: int
+    ) -> BatchProgress: ...
+
+
+@dataclass(frozen=True)
+class BatchPageItem:
+    index: int
+    client_id: str | None
+    task_id: str
+    status: str
+    attempts: int = 0
+    result: ScoreResult | None = None
+    error: TaskFailure | None = None
+
+
+@dataclass(frozen=True)
+class BatchPage:
+    batch_id: str
+    total: int
+    created_at: datetime
+    counts: dict[str, int]
+    items: list[BatchPageItem]
+    next_cursor: int | None
+
+
+async def read_batch(
+    batch_id: str,
+    *,
+    tenant_id: str,
+    start: int,
+    limit: int,
+    batches: Batches,
+    status: BatchStatusReader,
+    clock: Clock,
+    window: timedelta,
+) -> BatchPage | None:
+    """Counts per status and the items `start`..`start+limit` of a tenant's batch."""
+    record = await batches.find(batch_id, tenant_id=tenant_id)
+    if record is None:
+        return None
+    total = len(record.members)
+    end = min(start + limit, total)
+    progress = await status.batch(batch_id, tenant_id=tenant_id, after=start - 1, limit=limit)
+    unheard = TaskStatus.QUEUED.value if record.created_at >= clock() - window else EXPIRED
+    known: dict[int, BatchItemProgress] = {
+        item.batch_index: item for item in progress.items if start <= item.batch_index < end
+    }
+    counts = {state.value: progress.counts.get(state, 0) for state in TaskStatus}
+    counts[EXPIRED] = 0
+    counts[unheard] += max(total - sum(progress.counts.values()), 0)
+    items = [
+        _page_item(index, record.members[index], known.get(index), unheard)
+        for index in range(start, end)
+    ]
+    return BatchPage(
+        batch_id=batch_id,
+        total=total,
+        created_at=record.created_at,
+        counts=counts,
+        items=items,
+        next_cursor=end if end < total else None,
+    )
+
+
+def _page_item(
+    index: int, member: BatchMember, progress: BatchItemProgress | None, unheard: str
+) -> BatchPageItem:
+    if progress is None or progress.task_id != member.task_id:
+        return BatchPageItem(index, member.client_id, member.task_id, unheard)
+    return BatchPageItem(
+        index=index,
+        client_id=member.client_id,
+        task_id=member.task_id,
+        status=progress.status.value,
+        attempts=progress.attempts,
+        result=progress.result,
+        error=progress.error,
+    )

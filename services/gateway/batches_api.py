@@ -1,0 +1,370 @@
+"""The batch routes (`POST /v1/batches`, `GET /v1/batches/{batch_id}`): thin adapters from HTTP
+to `services.gateway.batches`, with the same body checks as single submissions (415, 413, 400,
+422 — an invalid item names its index, and nothing of the batch is kept)."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timedelta
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from services.gateway.api import (
+    _PROBLEM,
+    GatewayDeps,
+    _check_idempotency_key,
+    _is_json,
+    _read_body,
+    _unavailable,
+    status_url,
+)
+from services.gateway.auth import Caller
+from services.gateway.batches import (
+    EXPIRED,
+    MAX_TEXT_CHARS_CONTEXT,
+    Batches,
+    BatchPage,
+    BatchPolicy,
+    BatchPublisher,
+    BatchStatusReader,
+    BatchSubmission,
+    read_batch,
+    submit_batch,
+)
+from services.gateway.errors import IdempotencyConflict, RequestInProgress, Unavailable
+from services.gateway.limits import LimitExceeded, limit_problem
+from services.gateway.settings import GatewaySettings
+from shared.contracts import ScoreResult, TaskFailure
+from shared.http import Problem
+
+BATCH_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+CURSOR = re.compile(r"^\d{1,7}$")
+DEFAULT_PAGE = 100
+
+
+def batch_url(batch_id: str) -> str:
+    return f"/v1/batches/{batch_id}"
+
+
+class AcceptedItem(BaseModel):
+    index: int = Field(description="Position in the request.")
+    client_id: str | None = None
+    task_id: str
+    status_url: str
+
+
+class BatchAccepted(BaseModel):
+    """`202 Accepted`: the batch id and one task id per item, in the request's order."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "batch_id": "0b7f3c1e9d2a4b6f8e1d3c5a7b9f0e2d",
+                    "status_url": "/v1/batches/0b7f3c1e9d2a4b6f8e1d3c5a7b9f0e2d",
+                    "total": 2,
+                    "items": [
+                        {
+                            "index": 0,
+                            "client_id": "doc-1",
+                            "task_id": "6f1c0c0b3b0b4d8a9f7e1f3f0a9d2c11",
+                            "status_url": "/v1/scores/6f1c0c0b3b0b4d8a9f7e1f3f0a9d2c11",
+                        },
+                        {
+                            "index": 1,
+                            "client_id": "doc-2",
+                            "task_id": "9a8b7c6d5e4f40312a1b0c9d8e7f6a5b",
+                            "status_url": "/v1/scores/9a8b7c6d5e4f40312a1b0c9d8e7f6a5b",
+                        },
+                    ],
+                }
+            ]
+        }
+    )
+
+    batch_id: str
+    status_url: str = Field(examples=["/v1/batches/0b7f3c1e9d2a4b6f8e1d3c5a7b9f0e2d"])
+    total: int
+    items: list[AcceptedItem]
+
+
+class BatchItemView(BaseModel):
+    index: int
+    client_id: str | None = None
+    task_id: str
+    status: str = Field(
+        description="A task status, or `expired` once its result is no longer kept.",
+        examples=["completed"],
+    )
+    attempts: int = 0
+    result: ScoreResult | None = None
+    error: TaskFailure | None = None
+    status_url: str
+
+
+class BatchView(BaseModel):
+    """A batch's progress: counts per status and one page of its items, in request order."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "batch_id": "0b7f3c1e9d2a4b6f8e1d3c5a7b9f0e2d",
+                    "total": 2,
+                    "created_at": "2030-05-17T12:00:00Z",
+                    "counts": {"queued": 0, "processing": 1, "completed": 1, EXPIRED: 0},
+                    "items": [
+                        {
+                            "index": 0,
+                            "client_id": "doc-1",
+                            "task_id": "6f1c0c0b3b0b4d8a9f7e1f3f0a9d2c11",
+                            "status": "completed",
+                            "attempts": 1,
+                            "result": {"score": 7.5, "comment": "Clear.", "model": "gpt-4o-mini"},
+                            "error": None,
+                            "status_url": "/v1/scores/6f1c0c0b3b0b4d8a9f7e1f3f0a9d2c11",
+                        }
+                    ],
+                    "next_cursor": "1",
+                }
+            ]
+        }
+    )
+
+    batch_id: str
+    total: int
+    created_at: datetime
+    counts: dict[str, int] = Field(
+        examples=[
+            {
+                "scheduled": 0,
+                "queued": 3,
+                "processing": 2,
+                "retrying": 1,
+                "completed": 93,
+                "failed": 1,
+                EXPIRED: 0,
+            }
+        ]
+    )
+    items: list[BatchItemView]
+    next_cursor: str | None = Field(
+        default=None, description="Pass as `cursor` for the next page; null on the last page."
+    )
+
+
+def _field(location: tuple[int | str, ...]) -> str:
+    field = ""
+    for part in location:
+        field += f"[{part}]" if isinstance(part, int) else f".{part}" if field else str(part)
+    return field or "body"
+
+
+async def parse_batch(request: Request, settings: GatewaySettings) -> BatchSubmission:
+    if not _is_json(request.headers.get("content-type", "")):
+        raise Problem(415, "Send the batch as JSON with 'Content-Type: application/json'.")
+    body = await _read_body(request, settings.max_batch_body_bytes)
+    try:
+        payload: Any = orjson.loads(body)
+    except orjson.JSONDecodeError as error:
+        raise Problem(400, f"The body is not valid JSON: {error}.") from error
+    if not isinstance(payload, dict):
+        raise Problem(422, "The body must be a JSON object.", kind="invalid-fields")
+    items = payload.get("items")
+    if isinstance(items, list) and len(items) > settings.max_batch_items:
+        raise Problem(
+            422,
+            f"items: a batch has at most {settings.max_batch_items} items, not {len(items)}.",
+            kind="invalid-fields",
+        )
+    try:
+        batch = BatchSubmission.model_validate(
+            payload, context={MAX_TEXT_CHARS_CONTEXT: settings.max_text_chars}
+        )
+    except ValidationError as error:
+        errors = [
+            {"field": _field(tuple(e["loc"])), "message": e["msg"]}
+            for e in error.errors(include_url=False)
+        ]
+        invalid = sorted(
+            {e["loc"][1] for e in error.errors() if len(e["loc"]) > 1 and e["loc"][0] == "items"}
+        )
+        detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
+        raise Problem(
+            422, detail, kind="invalid-fields", errors=errors, invalid_items=invalid
+        ) from error
+    duplicate = batch.duplicate_client_id()
+    if duplicate is not None:
+        index, client_id = duplicate
+        raise Problem(
+            422,
+            f"items[{index}].client_id: {client_id!r} is already used by an earlier item.",
+            kind="invalid-fields",
+            errors=[{"field": f"items[{index}].client_id", "message": "duplicate client_id"}],
+            invalid_items=[index],
+        )
+    return batch
+
+
+def _page_view(page: BatchPage) -> BatchView:
+    return BatchView(
+        batch_id=page.batch_id,
+        total=page.total,
+        created_at=page.created_at,
+        counts=page.counts,
+        items=[
+            BatchItemView(
+                index=item.index,
+                client_id=item.client_id,
+                task_id=item.task_id,
+                status=item.status,
+                attempts=item.attempts,
+                result=item.result,
+                error=item.error,
+                status_url=status_url(item.task_id),
+            )
+            for item in page.items
+        ],
+        next_cursor=None if page.next_cursor is None else str(page.next_cursor),
+    )
+
+
+def batch_routes(
+    deps: GatewayDeps,
+    *,
+    batches: Batches,
+    publisher: BatchPublisher,
+    status: BatchStatusReader,
+    authenticated: Any,
+) -> APIRouter:
+    """The batch routes; `status` reads batch progress from the status service."""
+    router = APIRouter(prefix="/v1", tags=["batches"])
+    settings = deps.settings
+    policy = BatchPolicy(
+        max_attempts=settings.max_attempts,
+        retention=timedelta(seconds=settings.idempotency_ttl_s),
+        in_progress_for=timedelta(seconds=settings.outbox_grace_s),
+    )
+    window = timedelta(seconds=settings.read_your_writes_window_s)
+
+    @router.post(
+        "/batches",
+        status_code=202,
+        response_model=BatchAccepted,
+        summary="Submit up to 1,000 texts for scoring in one request",
+        description="Every item is validated first: one invalid item answers 422 naming its "
+        "index (`invalid_items`) and nothing is kept. The answer lists one task id per item, in "
+        "the request's order; each task is also readable on its own at `status_url`.",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": BatchSubmission.model_json_schema()}},
+            }
+        },
+        responses={
+            200: {"description": "The same Idempotency-Key and body: the earlier batch."},
+            **dict.fromkeys((400, 401, 408, 409, 413, 415, 422, 429, 503), _PROBLEM),
+        },
+    )
+    async def submit(
+        request: Request,
+        idempotency_key: str | None = Header(default=None, alias="Idempotency-Key"),
+        caller: Caller = authenticated,
+    ) -> JSONResponse:
+        batch = await parse_batch(request, settings)
+        try:
+            submitted = await submit_batch(
+                batch,
+                tenant_id=caller.tenant_id,
+                api_key_id=caller.key_id,
+                idempotency_key=_check_idempotency_key(idempotency_key),
+                batches=batches,
+                submissions=deps.submissions,
+                publisher=publisher,
+                policy=policy,
+                clock=deps.clock,
+                in_flight=deps.in_flight,
+            )
+        except LimitExceeded as error:
+            raise limit_problem(error) from error
+        except IdempotencyConflict as error:
+            raise Problem(
+                409,
+                "This Idempotency-Key was used with a different batch.",
+                kind="idempotency-key-reused",
+            ) from error
+        except RequestInProgress as error:
+            raise Problem(
+                409,
+                "A batch with this Idempotency-Key is still being accepted; retry shortly.",
+                kind="request-in-progress",
+                headers={"Retry-After": "1"},
+            ) from error
+        except Unavailable as error:
+            raise _unavailable(error) from error
+        record = submitted.record
+        accepted = BatchAccepted(
+            batch_id=record.batch_id,
+            status_url=batch_url(record.batch_id),
+            total=len(record.members),
+            items=[
+                AcceptedItem(
+                    index=index,
+                    client_id=member.client_id,
+                    task_id=member.task_id,
+                    status_url=status_url(member.task_id),
+                )
+                for index, member in enumerate(record.members)
+            ],
+        )
+        return JSONResponse(
+            accepted.model_dump(),
+            status_code=202 if submitted.created else 200,
+            headers={"Location": batch_url(record.batch_id)},
+        )
+
+    @router.get(
+        "/batches/{batch_id}",
+        response_model=BatchView,
+        summary="A batch's progress: counts per status and a page of its items with results",
+        description="Items come in the request's order, `limit` per page; follow `next_cursor` "
+        "until it is null to see every item exactly once. Right after the 202 the counts may "
+        "lag: tasks not yet seen by the status service count as `queued`.",
+        responses=dict.fromkeys((400, 401, 404, 429, 503), _PROBLEM),
+    )
+    async def read(
+        batch_id: str,
+        cursor: str | None = Query(default=None, description="`next_cursor` of the last page."),
+        limit: int = Query(default=DEFAULT_PAGE, ge=1, le=1000, description="Items per page."),
+        caller: Caller = authenticated,
+    ) -> BatchView:
+        missing = Problem(404, f"No batch {batch_id!r} is known (or it has expired).")
+        if not BATCH_ID.match(batch_id):
+            raise missing
+        if cursor is not None and not CURSOR.match(cursor):
+            raise Problem(400, "cursor must be a `next_cursor` this batch returned.")
+        start = int(cursor or 0)
+        try:
+            page = await read_batch(
+                batch_id,
+                tenant_id=caller.tenant_id,
+                start=start,
+                limit=limit,
+                batches=batches,
+                status=status,
+                clock=deps.clock,
+                window=window,
+            )
+        except Unavailable as error:
+            raise _unavailable(error) from error
+        if page is None:
+            raise missing
+        if start and start >= page.total:
+            raise Problem(400, "cursor must be a `next_cursor` this batch returned.")
+        return _page_view(page)
+
+    return router

@@ -1,0 +1,222 @@
+"""`GET /v1/scores/{task_id}/events`: a task's state changes as Server-Sent Events.
+
+A stream first replays the changes the client has not seen (those after `Last-Event-ID`, from
+the status service's history of the task), then sends the live ones as this replica hears
+them, and ends after the terminal state. Each event's `id:` is the change's sequence, so a
+client that reconnects with `Last-Event-ID` gets exactly what it missed; one that reconnects
+after the terminal state gets `204 No Content`, which tells an `EventSource` to stop.
+
+Limits: a comment line every `SSE_HEARTBEAT_S` keeps proxies from closing an idle stream; a
+stream lasts at most `SSE_MAX_STREAM_S` (the client resumes with `Last-Event-ID`); the waiters
+of a replica and of a tenant are bounded (`LIVE_MAX_WAITERS*`). A client that disconnects
+ends its stream at once (the ASGI server reports the disconnect and the stream is cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Header, Response
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
+
+from services.gateway.api import _PROBLEM, TASK_ID, GatewayDeps, _unavailable, waiter_problem
+from services.gateway.auth import Caller
+from services.gateway.errors import Unavailable
+from services.gateway.push import (
+    HistoryPolicy,
+    HistoryReader,
+    HistorySource,
+    LiveUpdates,
+    Waiter,
+    WaiterLimitReached,
+    history_settled,
+    read_history,
+)
+from shared.contracts import StateChange, TaskEvent, TaskHistory
+from shared.http import Problem
+
+EVENT_STREAM = "text/event-stream"
+# A stream re-reads the history this often even without a live event (a lost live event
+# costs at most this much latency).
+RESYNC_S = 60.0
+LAST_EVENT_ID = re.compile(r"^\d{1,18}$")
+
+_EXAMPLE_STREAM = (
+    "retry: 3000\n\n"
+    'id: 0\ndata: {"task_id": "6f1c…", "sequence": 0, "status": "queued", '
+    '"occurred_at": "2025-01-01T12:00:00Z", "attempt": 0}\n\n'
+    'id: 110\ndata: {"task_id": "6f1c…", "sequence": 110, "status": "processing", '
+    '"occurred_at": "2025-01-01T12:00:01Z", "attempt": 1}\n\n'
+    ": keep-alive\n\n"
+    'id: 190\ndata: {"task_id": "6f1c…", "sequence": 190, "status": "completed", '
+    '"occurred_at": "2025-01-01T12:00:03Z", "attempt": 1, '
+    '"result": {"score": 7.5, "comment": "Clear.", "model": "gpt-4o-mini"}}\n\n'
+)
+
+
+def _after(last_event_id: str | None) -> int:
+    if last_event_id is None or not last_event_id.strip():
+        return -1
+    if not LAST_EVENT_ID.match(last_event_id.strip()):
+        raise Problem(400, "Last-Event-ID must be the id of an event of this stream (a number).")
+    return int(last_event_id)
+
+
+def _frame(task_id: str, change: StateChange) -> bytes:
+    data = orjson.dumps({"task_id": task_id, **change.model_dump(mode="json", exclude_none=True)})
+    return b"id: %d\ndata: %s\n\n" % (change.sequence, data)
+
+
+def event_routes(
+    deps: GatewayDeps, live: LiveUpdates, history: HistorySource, authenticated: Any
+) -> APIRouter:
+    """The SSE route; `history` is the status service's history reader."""
+    router = APIRouter(prefix="/v1", tags=["scores"])
+    settings = deps.settings
+    policy = HistoryPolicy(window=timedelta(seconds=settings.read_your_writes_window_s))
+
+    @router.get(
+        "/scores/{task_id}/events",
+        response_class=StreamingResponse,
+        summary="Stream the task's state changes (Server-Sent Events)",
+        description="Replays the changes after `Last-Event-ID` (all of them without it), then "
+        "streams each new one, and ends after `completed` or `failed`. Each event's `id` is its "
+        "sequence and its `data` a JSON object: `task_id`, `sequence`, `status`, "
+        "`occurred_at`, `attempt`, and `error`/`next_attempt_at` (retrying, failed) or "
+        "`result` (completed). Comment lines are heartbeats.",
+        responses={
+            200: {
+                "description": "The event stream.",
+                "content": {
+                    EVENT_STREAM: {"schema": {"type": "string"}, "example": _EXAMPLE_STREAM}
+                },
+            },
+            204: {"description": "The task finished and the client has seen every change."},
+            **dict.fromkeys((400, 401, 404, 429, 503), _PROBLEM),
+        },
+    )
+    async def stream_task_events(
+        task_id: str,
+        caller: Caller = authenticated,
+        last_event_id: str | None = Header(default=None, alias="Last-Event-ID"),
+    ) -> Response:
+        after = _after(last_event_id)
+        if not TASK_ID.match(task_id):
+            raise Problem(404, f"No task {task_id!r} is known (or it has expired).")
+
+        async def read(since: int) -> TaskHistory | None:
+            return await read_history(
+                task_id,
+                tenant_id=caller.tenant_id,
+                after=since,
+                status=history,
+                submissions=deps.submissions,
+                clock=deps.clock,
+                policy=policy,
+            )
+
+        try:
+            waiter = live.open(task_id, caller.tenant_id)  # before the read: no event slips by
+        except WaiterLimitReached as error:
+            raise waiter_problem(error) from error
+        try:
+            first = await read(after)
+        except Unavailable as error:
+            live.close(waiter)
+            raise _unavailable(error) from error
+        except BaseException:
+            live.close(waiter)
+            raise
+        if first is None:
+            live.close(waiter)
+            raise Problem(404, f"No task {task_id!r} is known (or it has expired).")
+        if first.status.is_terminal and not first.changes:
+            live.close(waiter)
+            return Response(status_code=204)
+        stream = _stream(
+            task_id,
+            first,
+            after=after,
+            waiter=waiter,
+            read=read,
+            live=live,
+            heartbeat_s=settings.sse_heartbeat_s,
+            max_stream_s=settings.sse_max_stream_s,
+            retry_ms=settings.sse_retry_ms,
+            settle_s=settings.live_settle_s,
+        )
+        return StreamingResponse(
+            stream,
+            media_type=EVENT_STREAM,
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            # Also closes the waiter of a stream that never started (client gone at once).
+            background=BackgroundTask(live.close, waiter),
+        )
+
+    return router
+
+
+async def _stream(
+    task_id: str,
+    first: TaskHistory,
+    *,
+    after: int,
+    waiter: Waiter,
+    read: HistoryReader,
+    live: LiveUpdates,
+    heartbeat_s: float,
+    max_stream_s: float,
+    retry_ms: int,
+    settle_s: float,
+) -> AsyncIterator[bytes]:
+    clock = asyncio.get_running_loop().time
+    last = after
+    try:
+        yield b"retry: %d\n\n" % retry_ms
+        for change in first.changes:
+            yield _frame(task_id, change)
+            last = change.sequence
+        if first.status.is_terminal:
+            return
+        ends_at, resync_at = clock() + max_stream_s, clock() + RESYNC_S
+        while (remaining := ends_at - clock()) > 0:
+            event = await waiter.next(min(heartbeat_s, remaining))
+            if event is None:
+                yield b": keep-alive\n\n"
+                if not waiter.missed and clock() < resync_at:
+                    continue
+                waiter.missed, resync_at = False, clock() + RESYNC_S
+            elif event.sequence <= last:
+                continue
+            changes = await _changes_after(last, event, read=read, settle_s=settle_s)
+            if changes is None:
+                return  # expired meanwhile: nothing more will come
+            for change in changes:
+                yield _frame(task_id, change)
+                last = change.sequence
+            if changes and changes[-1].status.is_terminal:
+                return
+    except Unavailable:
+        return  # the status service is down: end the stream; the client resumes from `last`
+    finally:
+        live.close(waiter)
+
+
+async def _changes_after(
+    last: int, event: TaskEvent | None, *, read: HistoryReader, settle_s: float
+) -> list[StateChange] | None:
+    """The changes after `last`: once they include `event`, or as they are (a resync)."""
+    if event is not None:
+        changes = await history_settled(read, after=last, event=event, settle_s=settle_s)
+    else:
+        history = await read(last)
+        if history is None:
+            return None
+        changes = history.changes
+    return [change for change in changes if change.sequence > last]

@@ -1,0 +1,264 @@
+"""API keys: issued once, stored only as hashes, looked up by their id.
+
+A key reads `sbx_<key_id>_<secret>`: `key_id` is 16 hex characters (8 random bytes) and names
+the key in listings, logs and usage records; `secret` is 43 URL-safe characters (32 random
+bytes). The gateway keeps `sha256(secret)` with the key's tenant, name and dates, and shows the
+whole key exactly once, when it is created. Keys of any other shape are refused, which is what
+makes a plain SHA-256 enough (see `hash_secret`).
+
+`python -m services.gateway.keys new` prints a fresh, well-formed key without touching any
+database (for a development key, as `make run` needs one); a gateway started with it as
+`BOOTSTRAP_API_KEY` registers it for the default tenant, idempotently (`bootstrap_key`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import re
+import secrets
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from pymongo import ASCENDING, AsyncMongoClient
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import DuplicateKeyError, PyMongoError
+
+from services.gateway.errors import DatabaseUnavailable
+
+log = logging.getLogger("scorebox.gateway.keys")
+
+Document = dict[str, Any]
+
+KEY_PREFIX = "sbx"
+KEY_ID_BYTES = 8
+SECRET_BYTES = 32
+KEY_ID = re.compile(r"^[0-9a-f]{16}$")
+TENANT_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_KEY = re.compile(r"^sbx_(?P<key_id>[0-9a-f]{16})_(?P<secret>[A-Za-z0-9_-]{43})$")
+TENANT_ID_PATTERN = TENANT_ID.pattern
+
+
+@dataclass(frozen=True)
+class IssuedKey:
+    """A key in clear: only ever in memory, on its way to the client who asked for it."""
+
+    key_id: str
+    secret: str
+
+    @property
+    def token(self) -> str:
+        """What the client sends as `Authorization: Bearer <token>`."""
+        return f"{KEY_PREFIX}_{self.key_id}_{self.secret}"
+
+    def __repr__(self) -> str:  # keep the secret out of logs and tracebacks
+        return f"IssuedKey(key_id={self.key_id!r}, secret='***')"
+
+
+def generate_key() -> IssuedKey:
+    return IssuedKey(
+        key_id=secrets.token_hex(KEY_ID_BYTES), secret=secrets.token_urlsafe(SECRET_BYTES)
+    )
+
+
+def parse_key(token: str) -> IssuedKey | None:
+    """The key in `token`, or None when it is not shaped like one of ours."""
+    match = _KEY.fullmatch(token)
+    if match is None:
+        return None
+    return IssuedKey(key_id=match["key_id"], secret=match["secret"])
+
+
+def hash_secret(secret: str) -> str:
+    """SHA-256 of a key's secret, hex.
+
+    No slow, salted password hash (bcrypt, scrypt, argon2) is needed: those protect secrets a
+    person chose, which are few enough to guess. A key secret is 256 random bits, so even with
+    the stored hash in hand, finding a matching secret means searching 2**256 candidates; a
+    fast hash keeps every request's check cheap without making that any easier.
+    """
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def secret_matches(secret: str, stored_hash: str) -> bool:
+    return hmac.compare_digest(hash_secret(secret), stored_hash)
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """A stored key: everything but the secret, which is only ever known as its hash."""
+
+    key_id: str
+    tenant_id: str
+    name: str
+    secret_sha256: str
+    created_at: datetime
+    revoked_at: datetime | None = None
+    last_used_at: datetime | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.revoked_at is None
+
+    def public(self) -> dict[str, Any]:
+        """What listings show: never the secret, never its hash."""
+        return {
+            "key_id": self.key_id,
+            "tenant_id": self.tenant_id,
+            "name": self.name,
+            "created_at": self.created_at.isoformat(),
+            "revoked_at": self.revoked_at.isoformat() if self.revoked_at else None,
+            "last_used_at": self.last_used_at.isoformat() if self.last_used_at else None,
+        }
+
+
+class KeyConflict(Exception):
+    """A key with this id exists already, for another secret or another tenant."""
+
+
+class ApiKeys:
+    """Repository of API keys (`api_keys` in the gateway's database).
+
+    Every database failure surfaces as `DatabaseUnavailable`. Callers validate ids before they
+    reach a query (`KEY_ID`, `TENANT_ID`); the repository never builds a query from anything
+    else.
+    """
+
+    def __init__(self, client: AsyncMongoClient[Document], database: str) -> None:
+        self._collection: AsyncCollection[Document] = client[database]["api_keys"]
+
+    async def ensure_indexes(self) -> None:
+        await self._collection.create_index(
+            [("tenant_id", ASCENDING), ("created_at", ASCENDING)], name="keys_per_tenant"
+        )
+
+    async def create(self, *, tenant_id: str, name: str, now: datetime) -> tuple[ApiKey, str]:
+        """A new key for `tenant_id`: (the stored key, the token to show once)."""
+        issued = generate_key()
+        key = await self._insert(issued, tenant_id=tenant_id, name=name, now=now)
+        return key, issued.token
+
+    async def register(
+        self, issued: IssuedKey, *, tenant_id: str, name: str, now: datetime
+    ) -> ApiKey:
+        """Store a key made elsewhere; registering the same key again changes nothing."""
+        try:
+            return await self._insert(issued, tenant_id=tenant_id, name=name, now=now)
+        except KeyConflict:
+            existing = await self.find(issued.key_id)
+            if (
+                existing is None
+                or existing.tenant_id != tenant_id
+                or not secret_matches(issued.secret, existing.secret_sha256)
+            ):
+                raise
+            return existing
+
+    async def find(self, key_id: str) -> ApiKey | None:
+        try:
+            document = await self._collection.find_one({"_id": key_id})
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+        return None if document is None else _key_of(document)
+
+    async def find_all(self, *, tenant_id: str | None = None, limit: int = 10_000) -> list[ApiKey]:
+        query: Document = {} if tenant_id is None else {"tenant_id": tenant_id}
+        try:
+            cursor = self._collection.find(query).sort("created_at", ASCENDING).limit(limit)
+            return [_key_of(document) async for document in cursor]
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
+    async def revoke(self, key_id: str, *, now: datetime) -> ApiKey | None:
+        """Revoke a key (revoking it again keeps the first date); None when unknown."""
+        try:
+            await self._collection.update_one(
+                {"_id": key_id, "revoked_at": None}, {"$set": {"revoked_at": now}}
+            )
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+        return await self.find(key_id)
+
+    async def touch(self, key_id: str, *, now: datetime) -> None:
+        """Record that the key was used (as often as the key cache reloads it)."""
+        try:
+            await self._collection.update_one({"_id": key_id}, {"$set": {"last_used_at": now}})
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
+    async def _insert(
+        self, issued: IssuedKey, *, tenant_id: str, name: str, now: datetime
+    ) -> ApiKey:
+        key = ApiKey(
+            key_id=issued.key_id,
+            tenant_id=tenant_id,
+            name=name,
+            secret_sha256=hash_secret(issued.secret),
+            created_at=now,
+        )
+        document: Document = {
+            "_id": key.key_id,
+            "tenant_id": key.tenant_id,
+            "name": key.name,
+            "secret_sha256": key.secret_sha256,
+            "created_at": key.created_at,
+            "revoked_at": None,
+            "last_used_at": None,
+        }
+        try:
+            await self._collection.insert_one(document)
+        except DuplicateKeyError as error:
+            raise KeyConflict(f"a key with id {issued.key_id} exists already") from error
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+        return key
+
+
+def _key_of(document: Document) -> ApiKey:
+    return ApiKey(
+        key_id=document["_id"],
+        tenant_id=document["tenant_id"],
+        name=document.get("name", ""),
+        secret_sha256=document["secret_sha256"],
+        created_at=document["created_at"],
+        revoked_at=document.get("revoked_at"),
+        last_used_at=document.get("last_used_at"),
+    )
+
+
+BOOTSTRAP_KEY_NAME = "bootstrap"
+
+
+async def bootstrap_key(keys: ApiKeys, token: str, *, tenant_id: str, now: datetime) -> ApiKey:
+    """Register `token` (BOOTSTRAP_API_KEY) for `tenant_id`; idempotent across restarts and
+    replicas. A key revoked since stays revoked: revocation is the operator's last word.
+
+    Raises `ValueError` for a token not shaped like a key and `KeyConflict` when its id is
+    taken by another key.
+    """
+    issued = parse_key(token)
+    if issued is None:
+        raise ValueError(
+            "BOOTSTRAP_API_KEY is not a Scorebox key (sbx_<16 hex>_<43 URL-safe characters>); "
+            "make one with `python -m services.gateway.keys new`"
+        )
+    key = await keys.register(issued, tenant_id=tenant_id, name=BOOTSTRAP_KEY_NAME, now=now)
+    if not key.active:
+        log.warning("BOOTSTRAP_API_KEY %s was revoked; it stays revoked", key.key_id)
+    return key
+
+
+def main(argv: list[str]) -> int:
+    """`python -m services.gateway.keys new`: print a fresh key (nothing is stored)."""
+    if argv != ["new"]:
+        print("usage: python -m services.gateway.keys new", file=sys.stderr)
+        return 2
+    print(generate_key().token)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

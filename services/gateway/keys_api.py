@@ -1,0 +1,85 @@
+"""Admin routes for API keys (`/admin/v1/keys`), guarded by `ADMIN_API_KEY`.
+
+POST   /admin/v1/keys             {"tenant_id", "name"} -> 201, the key (shown only here)
+GET    /admin/v1/keys?tenant_id=  the keys, never a secret or a hash
+DELETE /admin/v1/keys/{key_id}    revoke (other replicas see it within the key cache TTL)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from services.gateway.admin_api import admin_guard
+from services.gateway.errors import DatabaseUnavailable
+from services.gateway.keys import KEY_ID, TENANT_ID_PATTERN, ApiKeys
+from shared.http import Problem
+
+
+class KeyRequest(BaseModel):
+    """`POST /admin/v1/keys`: a new key for a tenant."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenant_id: str = Field(pattern=TENANT_ID_PATTERN, description="1-64 of A-Z a-z 0-9 _ -.")
+    name: str = Field(default="", max_length=200, description="What the key is for.")
+
+
+def _unavailable(error: DatabaseUnavailable) -> Problem:
+    return Problem(
+        503,
+        "The key store is unavailable; nothing was changed; retry shortly.",
+        kind="unavailable",
+        headers={"Retry-After": str(error.retry_after_s)},
+    )
+
+
+def key_admin_routes(
+    keys: ApiKeys,
+    admin_key: SecretStr | None,
+    *,
+    clock: Callable[[], datetime],
+    forget: Callable[[str], None],
+) -> APIRouter:
+    """`forget(key_id)` drops a revoked key from this replica's cache at once."""
+    router = APIRouter(prefix="/admin/v1", tags=["admin"], dependencies=[admin_guard(admin_key)])
+
+    @router.post("/keys", status_code=201, summary="Create an API key (shown only this once)")
+    async def create_key(request: KeyRequest) -> JSONResponse:
+        try:
+            key, token = await keys.create(
+                tenant_id=request.tenant_id, name=request.name, now=clock()
+            )
+        except DatabaseUnavailable as error:
+            raise _unavailable(error) from error
+        return JSONResponse({**key.public(), "key": token}, status_code=201)
+
+    @router.get("/keys", summary="List API keys, of one tenant or all")
+    async def list_keys(
+        tenant_id: Annotated[str | None, Query(pattern=TENANT_ID_PATTERN)] = None,
+    ) -> dict[str, Any]:
+        try:
+            found = await keys.find_all(tenant_id=tenant_id)
+        except DatabaseUnavailable as error:
+            raise _unavailable(error) from error
+        return {"count": len(found), "items": [key.public() for key in found]}
+
+    @router.delete("/keys/{key_id}", summary="Revoke an API key")
+    async def revoke_key(key_id: str) -> dict[str, Any]:
+        if not KEY_ID.fullmatch(key_id):
+            raise Problem(404, f"No API key {key_id!r}.")
+        try:
+            key = await keys.revoke(key_id, now=clock())
+        except DatabaseUnavailable as error:
+            raise _unavailable(error) from error
+        if key is None:
+            raise Problem(404, f"No API key {key_id!r}.")
+        forget(key_id)
+        return key.public()
+
+    return router

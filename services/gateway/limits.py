@@ -1,0 +1,392 @@
+"""Limits and back-pressure: per-key request rate, per-tenant tasks in flight, slow bodies.
+
+Both counting limits live in the gateway's MongoDB, so every gateway replica enforces the same
+numbers; over either one the client gets 429 problem+json with `Retry-After` and
+`"limit": "rate" | "in_flight"`.
+
+Request rate (`RATE_LIMIT_PER_MIN`, 0 = off): a fixed one-minute window per key, one counter
+document `{_id: "<key_id>:<window start>", count, expires_at}` bumped with `$inc` + upsert and
+removed by a TTL index once the window is over. Every authenticated request counts, refused
+ones included. A fixed window lets a key spend up to twice its rate across a window boundary;
+that is the price of one write per request.
+
+Tasks in flight (`MAX_IN_FLIGHT_PER_TENANT`, 0 = off): a task is in flight from its acceptance
+(queued or scheduled) until its `task.completed` or `task.failed` reaches the gateway. Two
+collections keep the count:
+
+- `in_flight_tasks`: one marker `{_id: task_id, tenant_id}` per counted task;
+- `in_flight_tenants`: one counter `{_id: tenant_id, count, recent_releases}` per tenant.
+
+Admitting tasks (one, or a batch's, all or none) writes their markers, then bumps the counter
+by their number only while it stays within the limit (`{count: {$lte: max - n}}` + upsert: when
+the counter is too full, the upsert collides on `_id`); that single conditional update is the
+check, so concurrent replicas never admit past the limit.
+Releasing it (`release`) finds the marker, decrements the counter and records the task id in
+`recent_releases` in one atomic update guarded by `recent_releases: {$ne: task_id}`, then
+deletes the marker. So a duplicate `task.completed`, a `task.failed` after it, or a redelivery
+after a crash between the two writes decrements at most once.
+
+Crashes and database failures between steps can only ever under-count, never over-count for
+good (an under-count lets a tenant briefly exceed its limit; an over-count would shrink it
+forever):
+
+- a crash after the marker but before the counter: the task is not counted, and its end will
+  decrement a count that never included it (the counter never goes below 0);
+- a failed or unknown counter update, a refused publish (503), a full queue: the submission
+  releases its slot (which may decrement once too often) and only then forgets the
+  submission; when even the release fails, the submission is kept for the outbox sweep, which
+  sends the task later, and its end releases the slot;
+- a crash after the counter but before the broker confirm: the submission stays `accepting`,
+  the outbox sweep sends it, its end releases the slot;
+- a redelivered outcome whose task id has left `recent_releases` (the last
+  `RECENT_RELEASES` releases of the tenant) while its marker survived: one decrement too many.
+
+Tasks answered from the result cache are never counted; a task replayed from the dead-letter
+queue is not counted again (its first end released it).
+
+Slow clients (`REQUEST_BODY_TIMEOUT_S`): `RequestBodyTimeout` is a pure ASGI middleware that
+bounds how long receiving a request's body may take and answers 408 problem+json when a client
+sends it too slowly; the size of a body is bounded where it is read (`api._read_body`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request, Response
+from faststream import AckPolicy
+from faststream.rabbit import RabbitBroker
+from faststream.rabbit.annotations import RabbitMessage
+from pydantic import ValidationError
+from pymongo import ASCENDING, AsyncMongoClient, ReturnDocument
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import DuplicateKeyError, PyMongoError
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.gateway.errors import DatabaseUnavailable, GatewayError
+from shared.contracts import parse_task_event
+from shared.http import Problem, problem_response
+from shared.topology import GATEWAY_TASK_OUTCOMES
+
+log = logging.getLogger("scorebox.gateway.limits")
+
+Document = dict[str, Any]
+Limit = Literal["rate", "in_flight"]
+
+RATE_WINDOW_S = 60
+# Counter documents outlive their window a little: the TTL monitor runs once a minute anyway.
+RATE_DOCUMENT_GRACE = timedelta(seconds=60)
+# Nobody knows when a tenant's tasks will finish; a short, fixed hint keeps clients polite.
+IN_FLIGHT_RETRY_AFTER_S = 5
+RECENT_RELEASES = 64
+OUTCOME_RETRY_DELAY_S = 1.0
+
+
+class LimitExceeded(GatewayError):
+    """429: a limit is reached; nothing was kept."""
+
+    def __init__(self, limit: Limit, detail: str, *, maximum: int, retry_after_s: int) -> None:
+        super().__init__(detail)
+        self.limit = limit
+        self.detail = detail
+        self.maximum = maximum
+        self.retry_after_s = retry_after_s
+
+
+def limit_problem(error: LimitExceeded) -> Problem:
+    return Problem(
+        429,
+        error.detail,
+        kind="rate-limited" if error.limit == "rate" else "too-many-tasks-in-flight",
+        headers={"Retry-After": str(error.retry_after_s)},
+        limit=error.limit,
+        maximum=error.maximum,
+    )
+
+
+# --------------------------------------------------------------------------- request rate
+
+
+@dataclass(frozen=True)
+class Window:
+    start: datetime
+    end: datetime
+
+
+def fixed_window(now: datetime, seconds: int) -> Window:
+    """The fixed window of `seconds` that holds `now` (windows start at multiples of it)."""
+    epoch = now.timestamp()
+    start = datetime.fromtimestamp(epoch - epoch % seconds, tz=UTC)
+    return Window(start=start, end=start + timedelta(seconds=seconds))
+
+
+def retry_after_s(now: datetime, until: datetime) -> int:
+    """Whole seconds from `now` until `until`, at least 1 (what `Retry-After` carries)."""
+    return max(1, math.ceil((until - now).total_seconds()))
+
+
+def rate_counter_id(key_id: str, window: Window) -> str:
+    return f"{key_id}:{int(window.start.timestamp())}"
+
+
+class RateLimiter:
+    """At most `per_minute` requests per key and fixed minute window, across replicas."""
+
+    def __init__(
+        self,
+        client: AsyncMongoClient[Document],
+        database: str,
+        *,
+        per_minute: int,
+        clock: Callable[[], datetime],
+    ) -> None:
+        self._collection: AsyncCollection[Document] = client[database]["rate_windows"]
+        self._per_minute = per_minute
+        self._clock = clock
+
+    async def ensure_indexes(self) -> None:
+        await self._collection.create_index([("expires_at", ASCENDING)], expireAfterSeconds=0)
+
+    async def hit(self, key_id: str) -> None:
+        """Count one request of `key_id`; `LimitExceeded` when it is one too many."""
+        if self._per_minute <= 0:
+            return
+        now = self._clock()
+        window = fixed_window(now, RATE_WINDOW_S)
+        count = await self._bump(rate_counter_id(key_id, window), window)
+        if count > self._per_minute:
+            wait = retry_after_s(now, window.end)
+            raise LimitExceeded(
+                "rate",
+                f"Rate limit reached: this API key may make {self._per_minute} requests per "
+                f"minute; retry in {wait} s.",
+                maximum=self._per_minute,
+                retry_after_s=wait,
+            )
+
+    async def _bump(self, counter_id: str, window: Window) -> int:
+        update = {
+            "$inc": {"count": 1},
+            "$setOnInsert": {"expires_at": window.end + RATE_DOCUMENT_GRACE},
+        }
+        for attempt in range(2):
+            try:
+                document = await self._collection.find_one_and_update(
+                    {"_id": counter_id}, update, upsert=True, return_document=ReturnDocument.AFTER
+                )
+            except DuplicateKeyError:
+                # Two first requests of a window raced to insert it; the other one won.
+                if attempt:
+                    raise DatabaseUnavailable("rate counter upsert kept colliding") from None
+                continue
+            except PyMongoError as error:
+                raise DatabaseUnavailable(str(error)) from error
+            return int(document["count"]) if document else 1
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+# --------------------------------------------------------------------------- tasks in flight
+
+
+class InFlight:
+    """Per-tenant count of tasks in flight, shared by every replica (module docstring)."""
+
+    def __init__(
+        self, client: AsyncMongoClient[Document], database: str, *, max_per_tenant: int
+    ) -> None:
+        self._markers: AsyncCollection[Document] = client[database]["in_flight_tasks"]
+        self._counters: AsyncCollection[Document] = client[database]["in_flight_tenants"]
+        self._max = max_per_tenant
+
+    async def ensure_indexes(self) -> None:
+        """Both collections are addressed by `_id` only; nothing to index."""
+
+    async def acquire(self, tenant_id: str, task_ids: Sequence[str], *, now: datetime) -> None:
+        """Count `task_ids` (one task, or a batch's) against their tenant, all or none:
+        `LimitExceeded` and nothing counted when they do not all fit.
+
+        On `DatabaseUnavailable` they may or may not be counted: `release` each of them.
+        """
+        if self._max <= 0 or not task_ids:
+            return
+        wanted = len(task_ids)
+        admitted = False
+        try:
+            if wanted <= self._max:
+                await self._markers.insert_many(
+                    [{"_id": task_id, "tenant_id": tenant_id, "at": now} for task_id in task_ids]
+                )
+                admitted = await self._count_more(tenant_id, wanted)
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+        if admitted:
+            return
+        try:
+            await self._markers.delete_many({"_id": {"$in": list(task_ids)}})
+        except PyMongoError as error:  # uncounted markers are harmless
+            log.warning("markers of %d refused task(s) left behind: %r", wanted, error)
+        raise LimitExceeded(
+            "in_flight",
+            f"This tenant may have at most {self._max} tasks in flight; "
+            f"{'this one does' if wanted == 1 else f'these {wanted} do'} not fit now. "
+            "Retry when some have finished.",
+            maximum=self._max,
+            retry_after_s=IN_FLIGHT_RETRY_AFTER_S,
+        )
+
+    async def _count_more(self, tenant_id: str, wanted: int) -> bool:
+        for _ in range(2):
+            try:
+                await self._counters.update_one(
+                    {"_id": tenant_id, "count": {"$lte": self._max - wanted}},
+                    {"$inc": {"count": wanted}},
+                    upsert=True,
+                )
+            except DuplicateKeyError:
+                # Full, or two first tasks of a tenant raced to create its counter: look again.
+                continue
+            return True
+        return False
+
+    async def release(self, task_id: str) -> bool:
+        """Stop counting `task_id`; True when this call decremented its tenant's count."""
+        try:
+            marker = await self._markers.find_one({"_id": task_id})
+            if marker is None:
+                return False
+            result = await self._counters.update_one(
+                {
+                    "_id": marker["tenant_id"],
+                    "count": {"$gt": 0},
+                    "recent_releases": {"$ne": task_id},
+                },
+                {
+                    "$inc": {"count": -1},
+                    "$push": {"recent_releases": {"$each": [task_id], "$slice": -RECENT_RELEASES}},
+                },
+            )
+            await self._markers.delete_one({"_id": task_id})
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+        return result.modified_count == 1
+
+    async def count(self, tenant_id: str) -> int:
+        try:
+            document = await self._counters.find_one({"_id": tenant_id})
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+        return int(document["count"]) if document else 0
+
+
+def subscribe_task_outcomes(
+    broker: RabbitBroker, in_flight: InFlight, *, retry_delay_s: float = OUTCOME_RETRY_DELAY_S
+) -> None:
+    """Release a task's in-flight slot when its `task.completed` or `task.failed` arrives."""
+
+    @broker.subscriber(GATEWAY_TASK_OUTCOMES.queue, ack_policy=AckPolicy.MANUAL)
+    async def release_finished_task(message: RabbitMessage) -> None:
+        routing_key = message.raw_message.routing_key or ""
+        try:
+            event = parse_task_event(routing_key, message.body)
+        except (KeyError, ValidationError) as error:
+            log.warning("dead-lettering an unreadable %r outcome: %s", routing_key, error)
+            await message.reject(requeue=False)
+            return
+        try:
+            await in_flight.release(event.task_id)
+        except DatabaseUnavailable as error:
+            # Back off before the redelivery; the queue's delivery limit bounds the attempts.
+            log.warning("in-flight slot of %s not released yet: %r", event.task_id, error)
+            await asyncio.sleep(retry_delay_s)
+            await message.nack(requeue=True)
+            return
+        await message.ack()
+
+
+# --------------------------------------------------------------------------- slow bodies
+
+
+class BodyTimeout(HTTPException):
+    """408: the client took too long to send its body. An HTTPException, so that FastAPI's own
+    body parsing lets it through and the problem+json handlers answer it."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            408,
+            f"The request body was not received within {timeout_s:g} s.",
+            headers={"Connection": "close"},
+        )
+
+
+def install_body_timeout(app: FastAPI, timeout_s: float) -> None:
+    """Bound how long receiving a request body may take (`RequestBodyTimeout`), and answer a
+    timeout raised inside a route the same way as one this middleware answers itself."""
+
+    async def on_body_timeout(request: Request, error: Exception) -> Response:
+        assert isinstance(error, BodyTimeout)
+        return problem_response(_timeout_problem(error), request.url.path)
+
+    app.add_middleware(RequestBodyTimeout, timeout_s=timeout_s)
+    app.add_exception_handler(BodyTimeout, on_body_timeout)
+
+
+def _timeout_problem(error: BodyTimeout) -> Problem:
+    return Problem(408, str(error.detail), kind="request-timeout", headers=error.headers)
+
+
+class RequestBodyTimeout:
+    """Pure ASGI middleware: receiving a request's body may take at most `timeout_s`.
+
+    The clock starts at the application's first `receive()`; once the body is complete,
+    `receive()` passes through untouched (streaming responses wait on it for a disconnect).
+    A timeout raises `BodyTimeout` inside the application's read, which answers 408; if the
+    exception escapes before a response started, this middleware answers the 408 itself.
+    """
+
+    def __init__(self, app: ASGIApp, *, timeout_s: float) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
+        body_done = False
+        started = False
+
+        async def bounded_receive() -> Message:
+            nonlocal deadline, body_done
+            if body_done:
+                return await receive()
+            if deadline is None:
+                deadline = loop.time() + self.timeout_s
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise BodyTimeout(self.timeout_s) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, bounded_receive, tracking_send)
+        except BodyTimeout as error:
+            if started:
+                raise
+            await problem_response(_timeout_problem(error))(scope, receive, send)

@@ -1,0 +1,299 @@
+"""Live updates: every gateway replica hears every task event and wakes the requests waiting
+on that task (`GET /v1/scores/{id}/events` streams and `?wait=` long-polls).
+
+    scorebox.events --task.*--> scorebox.live.<replica> --> LiveUpdates --> Waiter (per request)
+
+The broker queue is the replica's own (exclusive, auto-delete; see `shared.topology`), so a
+live event is a wake-up call, not the record: what a request answers still comes from the
+status service, which may lag the event by a few milliseconds; `read_settled` and
+`history_settled` retry a read (bounded) until it reflects the event. A lost live event (a
+broker reconnect, an overflowing waiter) therefore costs latency, never correctness: streams
+re-read the history periodically and whenever their waiter overflowed.
+
+The race the other way round — the replica hears an event just before a request starts
+waiting, and the status service has not applied it yet when the request reads — is closed by
+a small memory of recent events: a new waiter starts with its task's events of the last few
+seconds, and ignores those its first read already reflects.
+
+The registry is in memory, bounded per replica and per tenant, and does no I/O at import.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Protocol
+
+from faststream import AckPolicy
+from faststream.rabbit import RabbitBroker
+from faststream.rabbit.annotations import RabbitMessage
+from pydantic import ValidationError
+
+from services.gateway.errors import GatewayError
+from services.gateway.submissions import Submissions
+from shared.contracts import (
+    StateChange,
+    TaskEvent,
+    TaskHistory,
+    TaskStatus,
+    TaskView,
+    parse_task_event,
+)
+from shared.topology import EVENTS, live_events_queue
+
+log = logging.getLogger("scorebox.gateway.push")
+
+WAITER_QUEUE_SIZE = 32
+RECENT_TASKS = 4_096  # tasks whose latest events are remembered
+RECENT_EVENTS_PER_TASK = 8
+RECENT_S = 30.0
+SETTLE_INTERVAL_S = 0.02
+Clock = Callable[[], datetime]
+
+
+class WaiterLimitReached(GatewayError):
+    """Too many requests already wait for live updates (`per_tenant`: the caller's share)."""
+
+    retry_after_s = 1
+
+    def __init__(self, *, per_tenant: bool) -> None:
+        super().__init__("per tenant" if per_tenant else "on this replica")
+        self.per_tenant = per_tenant
+
+
+class Waiter:
+    """One waiting request's inbox of task events, bounded: on overflow it drops the newest
+    and remembers that it `missed` some, so its reader re-reads the history instead."""
+
+    def __init__(self, task_id: str, tenant_id: str, size: int = WAITER_QUEUE_SIZE) -> None:
+        self.task_id = task_id
+        self.tenant_id = tenant_id
+        self.missed = False
+        self._events: asyncio.Queue[TaskEvent] = asyncio.Queue(maxsize=size)
+
+    def offer(self, event: TaskEvent) -> None:
+        try:
+            self._events.put_nowait(event)
+        except asyncio.QueueFull:
+            self.missed = True
+
+    async def next(self, timeout: float) -> TaskEvent | None:
+        """The next event, or None when `timeout` seconds pass without one."""
+        if timeout <= 0:
+            return None
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._events.get()
+        except TimeoutError:
+            return None
+
+
+class LiveUpdates:
+    """Fans task events out to the waiters of their task, in-process."""
+
+    def __init__(
+        self,
+        *,
+        max_waiters: int = 10_000,
+        max_per_tenant: int = 1_000,
+        queue_size: int = WAITER_QUEUE_SIZE,
+        recent_s: float = RECENT_S,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._max_waiters = max_waiters
+        self._max_per_tenant = max_per_tenant
+        self._queue_size = queue_size
+        self._by_task: dict[str, set[Waiter]] = {}
+        self._per_tenant: dict[str, int] = {}
+        self._count = 0
+        self._recent: OrderedDict[str, list[tuple[float, TaskEvent]]] = OrderedDict()
+        self._recent_s = recent_s
+        self._monotonic = monotonic
+
+    def __len__(self) -> int:
+        return self._count
+
+    def open(self, task_id: str, tenant_id: str) -> Waiter:
+        """Register a waiter for `task_id`; `WaiterLimitReached` when over a limit."""
+        if self._count >= self._max_waiters:
+            raise WaiterLimitReached(per_tenant=False)
+        if self._per_tenant.get(tenant_id, 0) >= self._max_per_tenant:
+            raise WaiterLimitReached(per_tenant=True)
+        waiter = Waiter(task_id, tenant_id, self._queue_size)
+        self._by_task.setdefault(task_id, set()).add(waiter)
+        self._per_tenant[tenant_id] = self._per_tenant.get(tenant_id, 0) + 1
+        self._count += 1
+        since = self._monotonic() - self._recent_s
+        for heard_at, event in self._recent.get(task_id, ()):
+            if heard_at >= since and event.tenant_id == tenant_id:
+                waiter.offer(event)
+        return waiter
+
+    def close(self, waiter: Waiter) -> None:
+        """Unregister a waiter; closing one twice is harmless."""
+        waiters = self._by_task.get(waiter.task_id)
+        if waiters is None or waiter not in waiters:
+            return
+        waiters.discard(waiter)
+        if not waiters:
+            del self._by_task[waiter.task_id]
+        remaining = self._per_tenant[waiter.tenant_id] - 1
+        if remaining:
+            self._per_tenant[waiter.tenant_id] = remaining
+        else:
+            del self._per_tenant[waiter.tenant_id]
+        self._count -= 1
+
+    @contextlib.contextmanager
+    def waiting(self, task_id: str, tenant_id: str) -> Iterator[Waiter]:
+        waiter = self.open(task_id, tenant_id)
+        try:
+            yield waiter
+        finally:
+            self.close(waiter)
+
+    def deliver(self, event: TaskEvent) -> int:
+        """Hand `event` to every waiter of its task (and tenant); returns how many."""
+        self._remember(event)
+        delivered = 0
+        for waiter in self._by_task.get(event.task_id, ()):
+            if waiter.tenant_id == event.tenant_id:
+                waiter.offer(event)
+                delivered += 1
+        return delivered
+
+    def _remember(self, event: TaskEvent) -> None:
+        recent = self._recent.pop(event.task_id, [])
+        recent.append((self._monotonic(), event))
+        self._recent[event.task_id] = recent[-RECENT_EVENTS_PER_TASK:]
+        while len(self._recent) > RECENT_TASKS:
+            self._recent.popitem(last=False)
+
+
+def subscribe_live_updates(broker: RabbitBroker, live: LiveUpdates, *, replica_id: str) -> None:
+    """Consume this replica's live queue (auto-acknowledged: a lost event costs only latency)."""
+
+    @broker.subscriber(live_events_queue(replica_id), EVENTS, ack_policy=AckPolicy.ACK_FIRST)
+    async def wake_waiters(message: RabbitMessage) -> None:
+        routing_key = message.raw_message.routing_key or ""
+        try:
+            event = parse_task_event(routing_key, message.body)
+        except (KeyError, ValidationError) as error:
+            # The status projection dead-letters unreadable events; here they are only noise.
+            log.debug("ignoring an unreadable %r live event: %s", routing_key, error)
+            return
+        live.deliver(event)
+
+
+# --- Reads that wait for the status service to reflect a live event --------------------------
+
+ViewReader = Callable[[], Awaitable[TaskView | None]]
+HistoryReader = Callable[[int], Awaitable[TaskHistory | None]]
+
+
+class HistorySource(Protocol):
+    async def history(self, task_id: str, *, tenant_id: str, after: int) -> TaskHistory | None: ...
+
+
+async def read_settled(read: ViewReader, event: TaskEvent, *, settle_s: float) -> TaskView | None:
+    """Read the view until it reflects `event` (its sequence), for at most `settle_s`."""
+    deadline = asyncio.get_running_loop().time() + settle_s
+    while True:
+        view = await read()
+        if view is not None and view.sequence is not None and view.sequence >= event.sequence:
+            return view
+        if asyncio.get_running_loop().time() >= deadline:
+            return view
+        await asyncio.sleep(SETTLE_INTERVAL_S)
+
+
+async def read_when_changed(
+    read: ViewReader,
+    *,
+    live: LiveUpdates,
+    task_id: str,
+    tenant_id: str,
+    wait_s: float,
+    known_status: TaskStatus | None,
+    settle_s: float,
+) -> TaskView | None:
+    """Long-poll: the view at once when it is terminal (or differs from `known_status`), else
+    after the task's next state change, else after `wait_s` seconds (the view as it is)."""
+    with live.waiting(task_id, tenant_id) as waiter:  # before the read: no event slips by
+        view = await read()
+        if view is None or view.status.is_terminal or wait_s <= 0:
+            return view
+        if known_status is not None and view.status != known_status:
+            return view
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while True:
+            event = await waiter.next(deadline - asyncio.get_running_loop().time())
+            if event is None:
+                return await read()
+            if view.sequence is None or event.sequence > view.sequence:
+                return await read_settled(read, event, settle_s=settle_s)
+
+
+async def history_settled(
+    read: HistoryReader, *, after: int, event: TaskEvent, settle_s: float
+) -> list[StateChange]:
+    """The changes after `after` once the history holds `event` (at most `settle_s` later);
+    `event` itself is added when the status service has not caught up by then."""
+    deadline = asyncio.get_running_loop().time() + settle_s
+    while True:
+        history = await read(after)
+        changes = [] if history is None else history.changes
+        if any(change.sequence == event.sequence for change in changes):
+            return changes
+        if history is not None and history.sequence >= event.sequence:
+            return changes  # a newer event won and the history slice dropped this one
+        if asyncio.get_running_loop().time() >= deadline:
+            return sorted([*changes, StateChange.of_event(event)], key=lambda c: c.sequence)
+        await asyncio.sleep(SETTLE_INTERVAL_S)
+
+
+@dataclass(frozen=True)
+class HistoryPolicy:
+    """Read-your-writes for histories: how young an unknown submission may be."""
+
+    window: timedelta
+
+
+async def read_history(
+    task_id: str,
+    *,
+    tenant_id: str,
+    after: int,
+    status: HistorySource,
+    submissions: Submissions,
+    clock: Clock,
+    policy: HistoryPolicy,
+) -> TaskHistory | None:
+    """The task's state changes after `after`, or — while the status service has not heard of
+    a young submission — its acceptance as the gateway recorded it (sequence 0, like the
+    `task.accepted` event it published)."""
+    history = await status.history(task_id, tenant_id=tenant_id, after=after)
+    if history is not None:
+        return history
+    submission = await submissions.find(task_id, tenant_id=tenant_id)
+    now = clock()
+    if submission is None or submission.created_at < now - policy.window:
+        return None
+    scheduled = submission.not_before is not None and submission.not_before > now
+    accepted = StateChange(
+        sequence=0,
+        status=TaskStatus.SCHEDULED if scheduled else TaskStatus.QUEUED,
+        occurred_at=submission.created_at,
+    )
+    return TaskHistory(
+        task_id=task_id,
+        status=accepted.status,
+        sequence=0,
+        changes=[accepted] if after < 0 else [],
+    )

@@ -1,0 +1,194 @@
+"""Webhook settings of a tenant (`/v1/webhooks/...`), kept by the notifier.
+
+The gateway authenticates the caller and forwards to the notifier's internal API for the
+caller's tenant; it never reads the notifier's database.
+
+- `GET  /v1/webhooks/secret`          the signing secret (created on first use)
+- `POST /v1/webhooks/secret/rotate`   a new secret; the old one still signs for a grace period
+- `GET|PUT|DELETE /v1/webhooks/failure-alert`   the URL that receives every `task.failed`
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+from fastapi import APIRouter, Response
+from pydantic import BaseModel, Field, field_validator
+
+from services.gateway.auth import Caller
+from services.gateway.errors import Unavailable
+from services.gateway.settings import GatewaySettings
+from services.gateway.webhooks import MAX_URL_LENGTH, validate_webhook_url
+from shared.http import PROBLEM_JSON, Problem
+
+NO_STORE = {"Cache-Control": "no-store"}
+_PROBLEM = {"content": {PROBLEM_JSON: {"schema": {"type": "object"}}}}
+
+
+class NotifierUnavailable(Unavailable):
+    """The notifier did not answer (or answered something unexpected)."""
+
+
+class SigningSecret(BaseModel):
+    """The secret that signs your webhooks (Standard Webhooks: `whsec_` + base64)."""
+
+    secret: str = Field(examples=["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"])
+    created_at: datetime
+    previous_valid_until: datetime | None = Field(
+        default=None,
+        description="After a rotation, webhooks are signed with the old secret as well "
+        "(a second `v1,` signature) until then.",
+    )
+
+
+class FailureAlert(BaseModel):
+    """An https URL that receives every `task.failed` of your tenant as a signed webhook."""
+
+    url: str = Field(max_length=MAX_URL_LENGTH, examples=["https://example.com/hooks/failures"])
+
+    @field_validator("url")
+    @classmethod
+    def _url_safe(cls, url: str) -> str:
+        return validate_webhook_url(url)
+
+
+def make_notifier_http(settings: GatewaySettings) -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=httpx.Timeout(settings.notifier_timeout_s))
+
+
+class NotifierClient:
+    """The notifier's internal tenant API, over HTTP."""
+
+    def __init__(self, http: httpx.AsyncClient, *, base_url: str) -> None:
+        self._http = http
+        self._base_url = base_url.rstrip("/")
+
+    async def signing_secret(self, tenant_id: str) -> SigningSecret:
+        response = await self._call("GET", tenant_id, "webhook-secret")
+        return SigningSecret.model_validate_json(response.content)
+
+    async def rotate_signing_secret(self, tenant_id: str) -> SigningSecret:
+        response = await self._call("POST", tenant_id, "webhook-secret/rotate")
+        return SigningSecret.model_validate_json(response.content)
+
+    async def failure_alert(self, tenant_id: str) -> FailureAlert | None:
+        response = await self._call("GET", tenant_id, "failure-alert", missing_ok=True)
+        if response.status_code == 404:
+            return None
+        return FailureAlert.model_validate_json(response.content)
+
+    async def register_failure_alert(self, tenant_id: str, alert: FailureAlert) -> None:
+        await self._call("PUT", tenant_id, "failure-alert", json=alert.model_dump())
+
+    async def remove_failure_alert(self, tenant_id: str) -> None:
+        await self._call("DELETE", tenant_id, "failure-alert")
+
+    async def _call(
+        self,
+        method: str,
+        tenant_id: str,
+        path: str,
+        *,
+        json: dict[str, Any] | None = None,
+        missing_ok: bool = False,
+    ) -> httpx.Response:
+        url = f"{self._base_url}/internal/v1/tenants/{quote(tenant_id, safe='')}/{path}"
+        try:
+            response = await self._http.request(method, url, json=json)
+        except httpx.HTTPError as error:
+            raise NotifierUnavailable(f"notifier unreachable: {error!r}") from error
+        if response.is_success or (missing_ok and response.status_code == 404):
+            return response
+        raise NotifierUnavailable(f"notifier answered {response.status_code}")
+
+
+def _unavailable(error: Unavailable) -> Problem:
+    return Problem(
+        503,
+        "The webhook settings are unavailable right now; nothing was changed. Retry shortly.",
+        kind="unavailable",
+        headers={"Retry-After": str(error.retry_after_s)},
+    )
+
+
+def webhook_routes(notifier: NotifierClient, authenticated: Any) -> APIRouter:
+    """The tenant's webhook routes; `authenticated` is the dependency that yields a `Caller`."""
+    router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
+
+    @router.get(
+        "/secret",
+        response_model=SigningSecret,
+        summary="The secret your webhooks are signed with",
+        responses=dict.fromkeys((503,), _PROBLEM),
+    )
+    async def read_signing_secret(
+        response: Response, caller: Caller = authenticated
+    ) -> SigningSecret:
+        response.headers.update(NO_STORE)
+        try:
+            return await notifier.signing_secret(caller.tenant_id)
+        except NotifierUnavailable as error:
+            raise _unavailable(error) from error
+
+    @router.post(
+        "/secret/rotate",
+        response_model=SigningSecret,
+        summary="Replace the signing secret (the old one keeps signing for a grace period)",
+        responses=dict.fromkeys((503,), _PROBLEM),
+    )
+    async def rotate_signing_secret(
+        response: Response, caller: Caller = authenticated
+    ) -> SigningSecret:
+        response.headers.update(NO_STORE)
+        try:
+            return await notifier.rotate_signing_secret(caller.tenant_id)
+        except NotifierUnavailable as error:
+            raise _unavailable(error) from error
+
+    @router.get(
+        "/failure-alert",
+        response_model=FailureAlert,
+        summary="The URL that receives every failed task",
+        responses=dict.fromkeys((404, 503), _PROBLEM),
+    )
+    async def read_failure_alert(caller: Caller = authenticated) -> FailureAlert:
+        try:
+            alert = await notifier.failure_alert(caller.tenant_id)
+        except NotifierUnavailable as error:
+            raise _unavailable(error) from error
+        if alert is None:
+            raise Problem(404, "No failure-alert URL is registered.")
+        return alert
+
+    @router.put(
+        "/failure-alert",
+        response_model=FailureAlert,
+        summary="Send every failed task (`task.failed`) to this URL",
+        responses=dict.fromkeys((422, 503), _PROBLEM),
+    )
+    async def register_failure_alert(
+        alert: FailureAlert, caller: Caller = authenticated
+    ) -> FailureAlert:
+        try:
+            await notifier.register_failure_alert(caller.tenant_id, alert)
+        except NotifierUnavailable as error:
+            raise _unavailable(error) from error
+        return alert
+
+    @router.delete(
+        "/failure-alert",
+        status_code=204,
+        summary="Stop sending failure alerts",
+        responses=dict.fromkeys((503,), _PROBLEM),
+    )
+    async def remove_failure_alert(caller: Caller = authenticated) -> Response:
+        try:
+            await notifier.remove_failure_alert(caller.tenant_id)
+        except NotifierUnavailable as error:
+            raise _unavailable(error) from error
+        return Response(status_code=204)
+
+    return router

@@ -1,0 +1,1 @@
+"""The notifier: signed webhooks for task outcomes (callbacks) and failure alerts."""

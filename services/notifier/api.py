@@ -1,0 +1,88 @@
+"""The notifier's internal HTTP API, called by the gateway on behalf of an authenticated
+tenant (the gateway owns authentication; these routes are not published)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timedelta
+
+from fastapi import APIRouter, Path, Response
+from pydantic import BaseModel, Field
+
+from services.notifier.errors import UnsafeDestination
+from services.notifier.keyring import Keyring, TenantSecret
+from services.notifier.registry import FailureAlerts
+from services.notifier.ssrf import MAX_URL_LENGTH, WebhookGuard
+from shared.http import Problem
+
+NO_STORE = {"Cache-Control": "no-store"}
+TenantId = Path(pattern=r"^[A-Za-z0-9_.:@-]{1,128}$")
+
+
+class SigningSecret(BaseModel):
+    """A tenant's webhook signing secret (Standard Webhooks `whsec_...`)."""
+
+    secret: str
+    created_at: datetime
+    previous_valid_until: datetime | None = Field(
+        default=None, description="Until when deliveries are also signed with the old secret."
+    )
+
+
+class AlertUrl(BaseModel):
+    url: str = Field(max_length=MAX_URL_LENGTH)
+
+
+def _answer(secret: TenantSecret) -> SigningSecret:
+    return SigningSecret(
+        secret=secret.secret,
+        created_at=secret.created_at,
+        previous_valid_until=secret.previous_valid_until,
+    )
+
+
+def tenant_routes(
+    *,
+    keyring: Keyring,
+    alerts: FailureAlerts,
+    guard: WebhookGuard,
+    clock: Callable[[], datetime],
+    rotation_grace: timedelta,
+) -> APIRouter:
+    router = APIRouter(prefix="/internal/v1/tenants/{tenant_id}", tags=["webhooks"])
+
+    @router.get("/webhook-secret", response_model=SigningSecret)
+    async def read_signing_secret(response: Response, tenant_id: str = TenantId) -> SigningSecret:
+        response.headers.update(NO_STORE)
+        return _answer(await keyring.current(tenant_id, now=clock()))
+
+    @router.post("/webhook-secret/rotate", response_model=SigningSecret)
+    async def rotate_signing_secret(response: Response, tenant_id: str = TenantId) -> SigningSecret:
+        response.headers.update(NO_STORE)
+        return _answer(await keyring.rotate(tenant_id, now=clock(), grace=rotation_grace))
+
+    @router.get("/failure-alert", response_model=AlertUrl)
+    async def read_failure_alert(tenant_id: str = TenantId) -> AlertUrl:
+        url = await alerts.url_of(tenant_id)
+        if url is None:
+            raise Problem(404, "No failure-alert URL is registered.")
+        return AlertUrl(url=url)
+
+    @router.put("/failure-alert", response_model=AlertUrl)
+    async def register_failure_alert(request: AlertUrl, tenant_id: str = TenantId) -> AlertUrl:
+        try:
+            guard.check(request.url)
+        except UnsafeDestination as error:
+            errors = [{"field": "url", "message": error.reason}]
+            raise Problem(
+                422, f"url: {error.reason}", kind="invalid-fields", errors=errors
+            ) from error
+        await alerts.register(tenant_id, request.url, now=clock())
+        return request
+
+    @router.delete("/failure-alert", status_code=204)
+    async def remove_failure_alert(tenant_id: str = TenantId) -> Response:
+        await alerts.remove(tenant_id)
+        return Response(status_code=204)
+
+    return router

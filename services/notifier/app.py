@@ -1,0 +1,144 @@
+"""Composition root of the notifier: webhooks for task outcomes and failure alerts."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from datetime import datetime, timedelta
+
+from fastapi import FastAPI
+from faststream.rabbit import RabbitBroker
+
+from services.notifier.api import tenant_routes
+from services.notifier.consumer import send_delivery, subscribe_deliveries, subscribe_notifications
+from services.notifier.deliveries import DeliveryDeps, RetryPolicy, Sender
+from services.notifier.keyring import Keyring
+from services.notifier.ledger import Ledger
+from services.notifier.notifications import NotificationDeps
+from services.notifier.registry import Callbacks, FailureAlerts
+from services.notifier.sender import WebhookSender, make_ssl_context
+from services.notifier.settings import NotifierSettings
+from services.notifier.ssrf import Resolver, SystemResolver, WebhookGuard
+from shared.contracts import DeliverWebhook, utcnow
+from shared.http import health_router, install_problem_handlers
+from shared.runtime import (
+    MongoClient,
+    broker_ready,
+    make_broker,
+    make_mongo,
+    mongo_ready,
+    retry_until,
+    start_broker,
+)
+
+log = logging.getLogger("scorebox.notifier")
+
+
+def create_app(
+    settings: NotifierSettings,
+    *,
+    broker: RabbitBroker | None = None,
+    mongo: MongoClient | None = None,
+    resolver: Resolver | None = None,
+    sender: Sender | None = None,
+    clock: Callable[[], datetime] = utcnow,
+    rng: random.Random | None = None,
+) -> FastAPI:
+    """Wire the notifier: broker (both consumers) + database + webhook sender + internal API.
+
+    `resolver` and `sender` replace DNS and the HTTP client (tests); the SSRF guard stays.
+    """
+    broker = broker or make_broker(settings, prefetch=settings.concurrency)
+    mongo = mongo or make_mongo(settings)
+    database = settings.database_name("notifier")
+    callbacks = Callbacks(mongo, database)
+    alerts = FailureAlerts(mongo, database)
+    keyring = Keyring(mongo, database)
+    ledger = Ledger(mongo, database, retention=timedelta(seconds=settings.delivery_retention_s))
+    guard = WebhookGuard(
+        resolver or SystemResolver(timeout_s=settings.dns_timeout_s),
+        allowed_test_hosts=settings.test_hosts,
+    )
+
+    async def enqueue(delivery: DeliverWebhook) -> None:
+        await send_delivery(broker, delivery, timeout=settings.broker_timeout_s)
+
+    subscribe_notifications(
+        broker,
+        NotificationDeps(
+            callbacks=callbacks,
+            alerts=alerts,
+            ledger=ledger,
+            enqueue=enqueue,
+            clock=clock,
+            max_attempts=settings.max_attempts,
+            callback_retention=timedelta(seconds=settings.callback_retention_s),
+            unclaimed_outcome_ttl=timedelta(seconds=settings.unclaimed_outcome_ttl_s),
+        ),
+        timeout_s=settings.broker_timeout_s,
+        clock=clock,
+    )
+    subscribe_deliveries(
+        broker,
+        DeliveryDeps(
+            ledger=ledger,
+            keyring=keyring,
+            guard=guard,
+            sender=sender
+            or WebhookSender(
+                ssl_context=make_ssl_context(settings.ca_file),
+                connect_timeout_s=settings.connect_timeout_s,
+                timeout_s=settings.timeout_s,
+                max_response_bytes=settings.max_response_bytes,
+            ),
+            policy=RetryPolicy(base_s=settings.retry_base_s, cap_s=settings.retry_cap_s),
+            clock=clock,
+            rng=rng or random.Random(),  # noqa: S311 - jitter, not cryptography
+            owner=f"{socket.gethostname()}:{os.getpid()}",
+            lease=timedelta(seconds=settings.lease_s),
+        ),
+        timeout_s=settings.broker_timeout_s,
+    )
+
+    async def ensure_indexes() -> None:
+        await callbacks.ensure_indexes()
+        await ledger.ensure_indexes()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if settings.test_hosts:
+            log.warning(
+                "WEBHOOK_ALLOWED_TEST_HOSTS=%s: webhooks may reach these NON-PUBLIC hosts. "
+                "This is for tests only; unset it in any real deployment.",
+                ",".join(sorted(settings.test_hosts)),
+            )
+        await retry_until(ensure_indexes, what="MongoDB", deadline_s=settings.startup_timeout_s)
+        await start_broker(broker, settings)
+        yield
+        await broker.stop()
+        await mongo.close()
+
+    app = FastAPI(title="Scorebox notifier", lifespan=lifespan)
+    install_problem_handlers(app)
+    app.include_router(
+        health_router(
+            {
+                "rabbitmq": broker_ready(broker, settings.broker_timeout_s),
+                "mongodb": mongo_ready(mongo, settings.mongo_timeout_s),
+            }
+        )
+    )
+    app.include_router(
+        tenant_routes(
+            keyring=keyring,
+            alerts=alerts,
+            guard=guard,
+            clock=clock,
+            rotation_grace=timedelta(seconds=settings.secret_rotation_grace_s),
+        )
+    )
+    return app

@@ -1,0 +1,171 @@
+"""The notifier's broker adapters: decode → handler → carry out the decision → ack.
+
+`scorebox.notifications` (task events):
+- recorded, deliveries enqueued (each confirmed by the broker): ack.
+- unreadable (poison): copied to the DLQ with the validation error, then ack.
+- MongoDB unavailable: the event is sent through the wait ladder to come back in a few
+  seconds (only to this queue, through `scorebox.due`), then ack.
+- the handler crashed: nack with requeue; the queue's delivery limit dead-letters a message
+  that keeps crashing.
+
+`scorebox.webhook-deliveries` (`DeliverWebhook`): see `deliveries.py` for the decisions;
+`Send` is published down the wait ladder when not yet due, `GiveUp` is copied to the DLQ with
+the reason in `x-scorebox-error`; MongoDB unavailable re-sends the command a little later.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import datetime, timedelta
+
+from faststream import AckPolicy
+from faststream.rabbit import RabbitBroker
+from faststream.rabbit.annotations import RabbitMessage
+from pydantic import ValidationError
+from pymongo.errors import PyMongoError
+
+from services.notifier.deliveries import (
+    DeliveryDecision,
+    DeliveryDeps,
+    Done,
+    GiveUp,
+    Send,
+    deliver_webhook,
+)
+from services.notifier.notifications import NotificationDeps, notify_about_task_event
+from shared.bus import publish_dead_letter, publish_delayed
+from shared.contracts import Contract, DeliverWebhook, new_id, parse_task_event
+from shared.topology import (
+    EVENTS,
+    NOTIFICATIONS,
+    TASKS,
+    WAIT_TIERS,
+    WEBHOOK_DELIVERIES,
+    WorkQueue,
+)
+
+log = logging.getLogger("scorebox.notifier")
+Clock = Callable[[], datetime]
+DATABASE_RETRY_DELAY = timedelta(seconds=5)
+_TIERS = frozenset(tier for tier, _ in WAIT_TIERS)
+
+
+def event_key(routing_key: str) -> str:
+    """The event's routing key, without the wait tier it carries after a trip down the ladder."""
+    head, _, rest = routing_key.partition(".")
+    return rest if head in _TIERS and rest else routing_key
+
+
+async def send_delivery(broker: RabbitBroker, delivery: DeliverWebhook, *, timeout: float) -> None:
+    """Publish a delivery command now, or down the wait ladder until its `not_before`."""
+    await publish_delayed(
+        broker,
+        delivery,
+        exchange=TASKS,
+        routing_key=DeliverWebhook.routing_key,
+        not_before=delivery.not_before,
+        timeout=timeout,
+    )
+
+
+async def _dead_letter(
+    broker: RabbitBroker, queue: WorkQueue, message: RabbitMessage, reason: str, timeout: float
+) -> None:
+    await publish_dead_letter(
+        broker,
+        queue,
+        body=message.body,
+        headers=dict(message.headers),
+        error=reason,
+        timeout=timeout,
+        message_id=message.message_id,
+        correlation_id=message.correlation_id,
+    )
+
+
+def subscribe_notifications(
+    broker: RabbitBroker, deps: NotificationDeps, *, timeout_s: float, clock: Clock
+) -> None:
+    @broker.subscriber(NOTIFICATIONS.queue, ack_policy=AckPolicy.MANUAL)
+    async def when_task_event_notify(message: RabbitMessage) -> None:
+        routing_key = event_key(message.raw_message.routing_key or "")
+        try:
+            event = parse_task_event(routing_key, message.body)
+        except (KeyError, ValidationError) as error:
+            log.warning("dead-lettering an unreadable %r event: %s", routing_key, error)
+            reason = f"unreadable event {routing_key!r}: {error}"
+            await _dead_letter(broker, NOTIFICATIONS, message, reason, timeout_s)
+            await message.ack()
+            return
+        try:
+            await notify_about_task_event(event, deps=deps)
+        except PyMongoError as error:
+            log.warning("MongoDB unavailable for %s of %s: %r", routing_key, event.task_id, error)
+            await _come_back_later(broker, event, routing_key, clock=clock, timeout_s=timeout_s)
+        except Exception:
+            log.exception("notifying about %s of %s crashed", routing_key, event.task_id)
+            await message.nack(requeue=True)
+            return
+        await message.ack()
+
+
+async def _come_back_later(
+    broker: RabbitBroker, event: Contract, routing_key: str, *, clock: Clock, timeout_s: float
+) -> None:
+    # Through the ladder into `scorebox.due`, where only the notifications queue is bound to
+    # task event keys: the other consumers of `scorebox.events` do not see the event again.
+    await publish_delayed(
+        broker,
+        event,
+        exchange=EVENTS,
+        routing_key=routing_key,
+        not_before=clock() + DATABASE_RETRY_DELAY,
+        timeout=timeout_s,
+    )
+
+
+def subscribe_deliveries(broker: RabbitBroker, deps: DeliveryDeps, *, timeout_s: float) -> None:
+    @broker.subscriber(WEBHOOK_DELIVERIES.queue, ack_policy=AckPolicy.MANUAL)
+    async def when_webhook_due_deliver(message: RabbitMessage) -> None:
+        try:
+            delivery = DeliverWebhook.model_validate_json(message.body)
+        except ValidationError as error:
+            log.warning("dead-lettering an unreadable webhook.deliver: %s", error)
+            reason = f"unreadable webhook.deliver: {error}"
+            await _dead_letter(broker, WEBHOOK_DELIVERIES, message, reason, timeout_s)
+            await message.ack()
+            return
+        decision: DeliveryDecision
+        try:
+            decision = await deliver_webhook(delivery, deps=deps)
+        except PyMongoError as error:
+            log.warning("MongoDB unavailable for delivery %s: %r", delivery.delivery_id, error)
+            later = deps.clock() + DATABASE_RETRY_DELAY
+            update = {"not_before": later, "message_id": new_id()}
+            decision = Send(delivery.model_copy(update=update), "database unavailable")
+        except Exception:
+            log.exception("delivering %s crashed", delivery.delivery_id)
+            await message.nack(requeue=True)
+            return
+        await _carry_out(broker, decision, delivery, message, timeout_s=timeout_s)
+        await message.ack()
+
+
+async def _carry_out(
+    broker: RabbitBroker,
+    decision: DeliveryDecision,
+    delivery: DeliverWebhook,
+    message: RabbitMessage,
+    *,
+    timeout_s: float,
+) -> None:
+    match decision:
+        case Done(reason=reason):
+            log.info("webhook %s (%s): %s", delivery.delivery_id, delivery.event_type, reason)
+        case Send(command=command, reason=reason):
+            log.info("webhook %s attempt %d: %s", delivery.delivery_id, delivery.attempt, reason)
+            await send_delivery(broker, command, timeout=timeout_s)
+        case GiveUp(reason=reason):
+            log.warning("webhook %s dead-lettered: %s", delivery.delivery_id, reason)
+            await _dead_letter(broker, WEBHOOK_DELIVERIES, message, reason, timeout_s)

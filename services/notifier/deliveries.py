@@ -1,0 +1,220 @@
+"""Delivering one webhook: the delivery consumer's handler (no broker, no HTTP framework).
+
+`deliver_webhook` claims the delivery in the ledger, checks the destination (SSRF guard),
+signs the body for this attempt and POSTs it, then records and returns what the broker
+adapter must do:
+
+- `Done`: nothing more (delivered, or already delivered/decided elsewhere).
+- `Send`: publish this command (the next attempt after a back-off, or the same one later
+  when it is not yet due or another consumer holds it), then ack.
+- `GiveUp`: copy the message to the dead-letter queue with the reason, then ack.
+
+2xx is delivered. 3xx (redirects are not followed) and 4xx other than 408/429 are permanent,
+and so is an unsafe destination. 5xx, 408, 429, timeouts and connection failures are retried
+with exponential back-off and jitter (Retry-After wins, up to the cap) until `max_attempts`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from email.utils import parsedate_to_datetime
+from typing import Any, Protocol
+
+import orjson
+
+from services.notifier.errors import (
+    DeliveryRejected,
+    PermanentDeliveryError,
+    ReceiverUnavailable,
+    TransientDeliveryError,
+)
+from services.notifier.keyring import Keyring
+from services.notifier.ledger import DeliveryRecord, DeliveryState, Ledger
+from services.notifier.sender import ReceiverAnswer
+from services.notifier.signing import signed_headers
+from services.notifier.ssrf import Destination, WebhookGuard
+from shared.contracts import DeliverWebhook, new_id
+from shared.topology import wait_tier_for
+
+Clock = Callable[[], datetime]
+
+
+class Sender(Protocol):
+    async def post(
+        self, destination: Destination, *, body: bytes, headers: Mapping[str, str]
+    ) -> ReceiverAnswer: ...
+
+
+@dataclass(frozen=True)
+class Done:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Send:
+    command: DeliverWebhook
+    reason: str
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    reason: str
+
+
+DeliveryDecision = Done | Send | GiveUp
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """base * 2^(attempt-1) capped, scaled by a random factor in [0.5, 1); Retry-After wins."""
+
+    base_s: float
+    cap_s: float
+
+    def delay(self, attempt: int, *, retry_after_s: float | None, rng: random.Random) -> timedelta:
+        if retry_after_s is not None:
+            return timedelta(seconds=min(max(retry_after_s, 0.0), self.cap_s))
+        ceiling = min(self.cap_s, self.base_s * 2 ** (attempt - 1))
+        return timedelta(seconds=ceiling * (0.5 + rng.random() / 2))
+
+
+@dataclass(frozen=True)
+class DeliveryDeps:
+    ledger: Ledger
+    keyring: Keyring
+    guard: WebhookGuard
+    sender: Sender
+    policy: RetryPolicy
+    clock: Clock
+    rng: random.Random
+    owner: str
+    lease: timedelta
+
+
+def encode_payload(payload: Mapping[str, Any]) -> bytes:
+    """The body exactly as signed and sent."""
+    return orjson.dumps(payload)
+
+
+def parse_retry_after(value: str | None, *, now: datetime) -> float | None:
+    """Retry-After as seconds from now (delta-seconds or an HTTP date); None if absent/bad."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        moment = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if moment.tzinfo is None:
+        return None
+    return max(0.0, (moment - now).total_seconds())
+
+
+def judge_answer(answer: ReceiverAnswer, *, now: datetime) -> None:
+    """Return for 2xx; raise the error the status means otherwise."""
+    status = answer.status
+    if 200 <= status < 300:
+        return
+    if status in (408, 429) or status >= 500:
+        raise ReceiverUnavailable(
+            f"the receiver answered {status}",
+            retry_after_s=parse_retry_after(answer.retry_after, now=now),
+        )
+    if 300 <= status < 400:
+        raise DeliveryRejected(f"the receiver answered {status}; redirects are not followed")
+    excerpt = " ".join(answer.excerpt.split())[:200]
+    raise DeliveryRejected(f"the receiver answered {status}" + (f": {excerpt}" if excerpt else ""))
+
+
+async def deliver_webhook(delivery: DeliverWebhook, *, deps: DeliveryDeps) -> DeliveryDecision:
+    """Send one attempt of a webhook, at most once per attempt and never after delivery."""
+    now = deps.clock()
+    if delivery.not_before is not None and wait_tier_for(
+        (delivery.not_before - now).total_seconds()
+    ):
+        return Send(delivery, "not yet due")
+    owner = f"{deps.owner}/{new_id()[:12]}"
+    claim = await deps.ledger.claim(delivery, owner=owner, now=now, lease=deps.lease)
+    if not claim.won:
+        return _without_claim(delivery, claim.record, now=now)
+    status: int | None = None
+    try:
+        destination = await deps.guard.vet(delivery.url)
+        secrets = await deps.keyring.in_force(delivery.tenant_id, now=now)
+        body = encode_payload(delivery.payload)
+        headers = signed_headers(
+            secrets, webhook_id=delivery.delivery_id, timestamp=int(now.timestamp()), body=body
+        )
+        answer = await deps.sender.post(destination, body=body, headers=headers)
+        status = answer.status
+        judge_answer(answer, now=deps.clock())
+    except PermanentDeliveryError as error:
+        return await _give_up(delivery, error.reason, status, owner=owner, deps=deps)
+    except TransientDeliveryError as error:
+        return await _retry_or_give_up(delivery, error, status, owner=owner, deps=deps)
+    await deps.ledger.mark_delivered(delivery, now=deps.clock(), status=answer.status)
+    return Done(f"delivered ({answer.status})")
+
+
+def _without_claim(
+    delivery: DeliverWebhook, record: DeliveryRecord, *, now: datetime
+) -> DeliveryDecision:
+    """Another copy or attempt owns the delivery: drop, defer, or replay its decision."""
+    if record.state is DeliveryState.DELIVERED:
+        return Done("already delivered")
+    if record.state is DeliveryState.FAILED:
+        if record.attempt == delivery.attempt:  # our attempt was decided; dead-letter again
+            return GiveUp(record.last_error or "failed")
+        return Done("already given up")
+    if record.attempt > delivery.attempt:
+        following = record.next_delivery
+        if (
+            record.state is DeliveryState.RETRYING
+            and following is not None
+            and following.attempt == delivery.attempt + 1
+        ):
+            return Send(following, "replaying the recorded retry")
+        return Done(f"superseded by attempt {record.attempt}")
+    later = max(record.lease_until or now, now + timedelta(seconds=1))
+    return Send(
+        delivery.model_copy(update={"not_before": later, "message_id": new_id()}),
+        "claimed by another consumer",
+    )
+
+
+async def _give_up(
+    delivery: DeliverWebhook, reason: str, status: int | None, *, owner: str, deps: DeliveryDeps
+) -> DeliveryDecision:
+    decided = await deps.ledger.mark_failed(
+        delivery, owner=owner, now=deps.clock(), error=reason, status=status
+    )
+    return GiveUp(reason) if decided else Done("claim lost before giving up")
+
+
+async def _retry_or_give_up(
+    delivery: DeliverWebhook,
+    error: TransientDeliveryError,
+    status: int | None,
+    *,
+    owner: str,
+    deps: DeliveryDeps,
+) -> DeliveryDecision:
+    if delivery.attempt >= delivery.max_attempts:
+        reason = f"gave up after {delivery.attempt} attempt(s); last: {error.reason}"
+        return await _give_up(delivery, reason, status, owner=owner, deps=deps)
+    now = deps.clock()
+    delay = deps.policy.delay(delivery.attempt, retry_after_s=error.retry_after_s, rng=deps.rng)
+    following = delivery.model_copy(
+        update={"attempt": delivery.attempt + 1, "not_before": now + delay, "message_id": new_id()}
+    )
+    decided = await deps.ledger.mark_retrying(
+        delivery, owner=owner, now=now, next_delivery=following, error=error.reason, status=status
+    )
+    if not decided:
+        return Done("claim lost before retrying")
+    return Send(following, f"attempt {delivery.attempt} failed: {error.reason}")

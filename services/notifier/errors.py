@@ -1,0 +1,57 @@
+"""Why a webhook delivery failed, split by what the delivery consumer must do.
+
+    DeliveryError                   .reason
+    ├── PermanentDeliveryError      dead-letter now; another attempt would fail the same way
+    │   ├── UnsafeDestination       the URL, or an address its host resolves to, is not
+    │   │                           public (SSRF guard)
+    │   └── DeliveryRejected        the receiver answered 4xx (not 408/429), or 3xx
+    │                               (redirects are never followed)
+    └── TransientDeliveryError      retry later; .retry_after_s when the receiver sent one
+        ├── ResolutionFailed        no DNS answer in time, or no address
+        ├── ReceiverUnreachable     connect or TLS failure, timeout, connection lost
+        └── ReceiverUnavailable     5xx, 408 or 429
+
+Only the broker adapter (`consumer.py`) turns these into broker outcomes.
+"""
+
+from __future__ import annotations
+
+
+class DeliveryError(Exception):
+    """Base of every failure of one delivery attempt."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class PermanentDeliveryError(DeliveryError):
+    """Dead-letter the delivery now."""
+
+
+class UnsafeDestination(PermanentDeliveryError):
+    """The URL or one of its host's addresses is not public."""
+
+
+class DeliveryRejected(PermanentDeliveryError):
+    """The receiver refused the webhook for good (4xx other than 408/429, or a redirect)."""
+
+
+class TransientDeliveryError(DeliveryError):
+    """Retry later; `retry_after_s` is the receiver's Retry-After when it sent one."""
+
+    def __init__(self, reason: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
+
+
+class ResolutionFailed(TransientDeliveryError):
+    """The host name did not resolve in time, or to no address."""
+
+
+class ReceiverUnreachable(TransientDeliveryError):
+    """Connecting, the TLS handshake or the exchange failed or timed out."""
+
+
+class ReceiverUnavailable(TransientDeliveryError):
+    """The receiver answered 5xx, 408 or 429."""

@@ -1,0 +1,227 @@
+"""The delivery ledger: one record per delivery id, the notifier's idempotency key.
+
+    pending --published--> queued --claimed--> sending --2xx---------------> delivered
+                                                 |  \\--permanent/last attempt-> failed
+                                                 \\--transient--> retrying --claimed--> sending
+
+A consumer claims a delivery (state, attempt and a lease in one conditional update) before it
+sends, so two copies of one message never POST at once and a delivered id is never sent
+again. Each decision (retry with the next command, or failure with the reason) is recorded
+before it is carried out on the broker; a redelivered message whose attempt was already
+decided carries out the same decision again instead of sending again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+from pymongo import ASCENDING, AsyncMongoClient, ReturnDocument
+
+from shared.contracts import DeliverWebhook
+
+Document = dict[str, Any]
+
+
+class DeliveryState(StrEnum):
+    PENDING = "pending"
+    QUEUED = "queued"
+    SENDING = "sending"
+    RETRYING = "retrying"
+    DELIVERED = "delivered"
+    FAILED = "failed"
+
+
+_CLAIMABLE = [DeliveryState.PENDING, DeliveryState.QUEUED, DeliveryState.RETRYING]
+
+
+@dataclass(frozen=True)
+class DeliveryRecord:
+    delivery_id: str
+    state: DeliveryState
+    attempt: int
+    lease_until: datetime | None = None
+    last_error: str | None = None
+    last_status: int | None = None
+    next_delivery: DeliverWebhook | None = None
+    triggers: int = 0
+
+
+@dataclass(frozen=True)
+class Claim:
+    """`won`: this consumer may send now; `record`: the delivery as the ledger holds it."""
+
+    won: bool
+    record: DeliveryRecord
+
+
+def _record_of(document: Document) -> DeliveryRecord:
+    next_json = document.get("next_delivery")
+    return DeliveryRecord(
+        delivery_id=document["_id"],
+        state=DeliveryState(document["state"]),
+        attempt=document["attempt"],
+        lease_until=document.get("lease_until"),
+        last_error=document.get("last_error"),
+        last_status=document.get("last_status"),
+        next_delivery=DeliverWebhook.model_validate_json(next_json) if next_json else None,
+        triggers=document.get("triggers", 0),
+    )
+
+
+class Ledger:
+    def __init__(
+        self, client: AsyncMongoClient[Document], database: str, *, retention: timedelta
+    ) -> None:
+        self._deliveries = client[database]["deliveries"]
+        self._retention = retention
+
+    async def ensure_indexes(self) -> None:
+        await self._deliveries.create_index([("expires_at", ASCENDING)], expireAfterSeconds=0)
+        await self._deliveries.create_index([("task_id", ASCENDING)])
+
+    async def register(self, delivery: DeliverWebhook, *, now: datetime) -> DeliveryRecord:
+        """The delivery's record, created `pending` the first time its id is seen."""
+        document = await self._deliveries.find_one_and_update(
+            {"_id": delivery.delivery_id},
+            {
+                "$setOnInsert": {
+                    "tenant_id": delivery.tenant_id,
+                    "task_id": delivery.task_id,
+                    "purpose": delivery.purpose.value,
+                    "url": delivery.url,
+                    "event_type": delivery.event_type,
+                    "state": DeliveryState.PENDING.value,
+                    "attempt": delivery.attempt,
+                    "created_at": now,
+                    "expires_at": now + self._retention,
+                },
+                "$inc": {"triggers": 1},
+            },
+            upsert=True,
+            return_document=ReturnDocument.AFTER,
+        )
+        assert document is not None
+        return _record_of(document)
+
+    async def mark_queued(self, delivery_id: str, *, now: datetime) -> None:
+        await self._deliveries.update_one(
+            {"_id": delivery_id, "state": DeliveryState.PENDING.value},
+            {"$set": {"state": DeliveryState.QUEUED.value, "updated_at": now}},
+        )
+
+    async def claim(
+        self, delivery: DeliverWebhook, *, owner: str, now: datetime, lease: timedelta
+    ) -> Claim:
+        """Take the delivery for this attempt, unless it is finished, newer, or leased."""
+        for _ in range(2):
+            document = await self._deliveries.find_one_and_update(
+                {
+                    "_id": delivery.delivery_id,
+                    "attempt": {"$lte": delivery.attempt},
+                    "$or": [
+                        {"state": {"$in": [state.value for state in _CLAIMABLE]}},
+                        {"state": DeliveryState.SENDING.value, "lease_until": {"$lte": now}},
+                    ],
+                },
+                {
+                    "$set": {
+                        "state": DeliveryState.SENDING.value,
+                        "attempt": delivery.attempt,
+                        "owner": owner,
+                        "lease_until": now + lease,
+                        "updated_at": now,
+                    }
+                },
+                return_document=ReturnDocument.AFTER,
+            )
+            if document is not None:
+                return Claim(won=True, record=_record_of(document))
+            current = await self._deliveries.find_one({"_id": delivery.delivery_id})
+            if current is not None:
+                return Claim(won=False, record=_record_of(current))
+            # A delivery the ledger never saw (or has forgotten): record it, then claim it.
+            await self.register(delivery, now=now)
+        raise AssertionError("unreachable: a registered delivery is either claimed or found")
+
+    async def mark_delivered(self, delivery: DeliverWebhook, *, now: datetime, status: int) -> None:
+        await self._deliveries.update_one(
+            {"_id": delivery.delivery_id},
+            {
+                "$set": {
+                    "state": DeliveryState.DELIVERED.value,
+                    "last_status": status,
+                    "last_error": None,
+                    "lease_until": None,
+                    "delivered_at": now,
+                    "updated_at": now,
+                }
+            },
+        )
+
+    async def mark_retrying(
+        self,
+        delivery: DeliverWebhook,
+        *,
+        owner: str,
+        now: datetime,
+        next_delivery: DeliverWebhook,
+        error: str,
+        status: int | None,
+    ) -> bool:
+        """Record the retry (and the command that carries it); False if the claim was lost."""
+        return await self._decide(
+            delivery,
+            owner=owner,
+            fields={
+                "state": DeliveryState.RETRYING.value,
+                "attempt": next_delivery.attempt,
+                "next_delivery": next_delivery.model_dump_json(),
+                "next_attempt_at": next_delivery.not_before,
+                "last_error": error,
+                "last_status": status,
+                "lease_until": None,
+                "updated_at": now,
+            },
+        )
+
+    async def mark_failed(
+        self,
+        delivery: DeliverWebhook,
+        *,
+        owner: str,
+        now: datetime,
+        error: str,
+        status: int | None,
+    ) -> bool:
+        """Record that the delivery is given up; False if the claim was lost meanwhile."""
+        return await self._decide(
+            delivery,
+            owner=owner,
+            fields={
+                "state": DeliveryState.FAILED.value,
+                "last_error": error,
+                "last_status": status,
+                "lease_until": None,
+                "failed_at": now,
+                "updated_at": now,
+            },
+        )
+
+    async def _decide(self, delivery: DeliverWebhook, *, owner: str, fields: Document) -> bool:
+        result = await self._deliveries.update_one(
+            {
+                "_id": delivery.delivery_id,
+                "state": DeliveryState.SENDING.value,
+                "attempt": delivery.attempt,
+                "owner": owner,
+            },
+            {"$set": fields},
+        )
+        return result.matched_count == 1
+
+    async def find(self, delivery_id: str) -> DeliveryRecord | None:
+        document = await self._deliveries.find_one({"_id": delivery_id})
+        return None if document is None else _record_of(document)

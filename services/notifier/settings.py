@@ -1,0 +1,66 @@
+"""Settings of the notifier (environment variables in README)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from shared.settings import ServiceSettings
+
+
+class NotifierSettings(ServiceSettings):
+    port: int = Field(default=8004, validation_alias="NOTIFIER_PORT")
+    # Notification events and deliveries in flight per notifier process.
+    concurrency: int = Field(default=32, ge=1, le=1024, validation_alias="WEBHOOK_CONCURRENCY")
+    max_attempts: int = Field(default=8, ge=1, le=50, validation_alias="WEBHOOK_MAX_ATTEMPTS")
+    # Back-off between attempts: base * 2^(attempt-1), capped, with jitter; Retry-After wins
+    # when the receiver sends one (up to the cap).
+    retry_base_s: float = Field(default=30.0, gt=0, validation_alias="WEBHOOK_RETRY_BASE_S")
+    retry_cap_s: float = Field(default=14_400.0, gt=0, validation_alias="WEBHOOK_RETRY_CAP_S")
+    # Timeouts of one delivery: DNS, TCP+TLS connect, the whole request.
+    dns_timeout_s: float = Field(default=5.0, gt=0, validation_alias="WEBHOOK_DNS_TIMEOUT_S")
+    connect_timeout_s: float = Field(
+        default=5.0, gt=0, validation_alias="WEBHOOK_CONNECT_TIMEOUT_S"
+    )
+    timeout_s: float = Field(default=10.0, gt=0, validation_alias="WEBHOOK_TIMEOUT_S")
+    # How much of a receiver's answer is read (kept as an excerpt for the delivery record).
+    max_response_bytes: int = Field(
+        default=4_096, ge=0, validation_alias="WEBHOOK_MAX_RESPONSE_BYTES"
+    )
+    # After a rotation, deliveries are also signed with the previous secret for this long.
+    secret_rotation_grace_s: float = Field(
+        default=86_400.0, ge=0, validation_alias="WEBHOOK_SECRET_ROTATION_GRACE_S"
+    )
+    # How long a callback URL is remembered for its task (covers the longest submit delay).
+    callback_retention_s: float = Field(
+        default=8 * 86_400.0, gt=0, validation_alias="WEBHOOK_CALLBACK_RETENTION_S"
+    )
+    # How long a task outcome waits for a late `task.accepted` that may carry a callback URL.
+    unclaimed_outcome_ttl_s: float = Field(
+        default=3_600.0, gt=0, validation_alias="WEBHOOK_UNCLAIMED_OUTCOME_TTL_S"
+    )
+    # How long a delivery record (its idempotency key) is kept.
+    delivery_retention_s: float = Field(
+        default=7 * 86_400.0, gt=0, validation_alias="WEBHOOK_DELIVERY_RETENTION_S"
+    )
+    # TEST ONLY. Comma-separated host names or IP addresses that webhooks may target although
+    # they are not public (a local test receiver on 127.0.0.1). Empty in any real deployment;
+    # the notifier logs a warning at start-up when it is set.
+    allowed_test_hosts: str = Field(default="", validation_alias="WEBHOOK_ALLOWED_TEST_HOSTS")
+    # A PEM file of CA certificates to trust instead of the system store (a test receiver's
+    # self-signed CA). Unset: the system trust store.
+    ca_file: Path | None = Field(default=None, validation_alias="WEBHOOK_CA_FILE")
+
+    @property
+    def test_hosts(self) -> frozenset[str]:
+        return frozenset(
+            host.strip().lower().strip("[]")
+            for host in self.allowed_test_hosts.split(",")
+            if host.strip()
+        )
+
+    @property
+    def lease_s(self) -> float:
+        """How long a claimed delivery is ours before another consumer may take it over."""
+        return self.dns_timeout_s + self.timeout_s + 30.0

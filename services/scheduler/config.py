@@ -1,0 +1,132 @@
+"""The scheduler's job configuration: `config/scheduler.toml` plus environment overrides.
+
+The file names each job's cron expression, time zone, missed-firing policy and whether it is
+enabled, the model prices of the usage rollup, and retention and alert thresholds. For a
+job `usage-rollup` the environment may override `CRON_USAGE_ROLLUP` (the expression),
+`CRON_USAGE_ROLLUP_TZ` and `CRON_USAGE_ROLLUP_ENABLED`. Everything is validated at start-up:
+a bad expression, zone, policy or price refuses to start (`ConfigurationError`).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from decimal import Decimal
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from services.scheduler.cron import validate_spec, zone
+from services.scheduler.errors import ConfigurationError
+
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "config" / "scheduler.toml"
+
+_ENABLED_WORDS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+class MissedFirings(StrEnum):
+    """What a job does about fire times that passed while no scheduler ran."""
+
+    COALESCE = "coalesce"  # run once, for the latest of them
+    SKIP = "skip"  # run none of them (record the latest as skipped)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class JobConfig(_Strict):
+    cron: str
+    tz: str = "UTC"
+    missed: MissedFirings = MissedFirings.COALESCE
+    enabled: bool = True
+    description: str = ""
+
+    @field_validator("cron")
+    @classmethod
+    def _valid_cron(cls, value: str) -> str:
+        try:
+            return validate_spec(value)
+        except ConfigurationError as error:
+            raise ValueError(str(error)) from error
+
+    @field_validator("tz")
+    @classmethod
+    def _valid_zone(cls, value: str) -> str:
+        try:
+            zone(value)
+        except ConfigurationError as error:
+            raise ValueError(str(error)) from error
+        return value
+
+
+class Price(_Strict):
+    """A model's price in the configured currency per 1,000 tokens."""
+
+    prompt_per_1k: Decimal = Field(ge=0)
+    completion_per_1k: Decimal = Field(ge=0)
+
+
+class UsageConfig(_Strict):
+    currency: str = "USD"
+    # Raw usage records older than this (and already rolled up) are deleted by housekeeping;
+    # a late record for a day older than this is not rolled up (its day can no longer be
+    # recomputed in full).
+    raw_retention_days: int = Field(default=90, ge=2)
+
+
+class HousekeepingConfig(_Strict):
+    firing_retention_days: int = Field(default=30, ge=1)
+    catalogue_retention_days: int = Field(default=365, ge=1)
+    dead_letter_threshold: int = Field(default=1, ge=1)
+
+
+class SchedulerConfig(_Strict):
+    jobs: dict[str, JobConfig] = Field(default_factory=dict)
+    prices: dict[str, Price] = Field(default_factory=dict)
+    usage: UsageConfig = Field(default_factory=UsageConfig)
+    housekeeping: HousekeepingConfig = Field(default_factory=HousekeepingConfig)
+
+
+def env_name(job: str) -> str:
+    """`usage-rollup` -> `CRON_USAGE_ROLLUP`."""
+    return "CRON_" + job.upper().replace("-", "_").replace(".", "_")
+
+
+def _with_overrides(data: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    jobs = {name: dict(job) for name, job in dict(data.get("jobs", {})).items()}
+    for name, job in jobs.items():
+        prefix = env_name(name)
+        if spec := environ.get(prefix):
+            job["cron"] = spec
+        if tz := environ.get(f"{prefix}_TZ"):
+            job["tz"] = tz
+        if (enabled := environ.get(f"{prefix}_ENABLED")) is not None:
+            if enabled.strip().lower() not in _ENABLED_WORDS:
+                raise ConfigurationError(f"{prefix}_ENABLED must be true or false")
+            job["enabled"] = _ENABLED_WORDS[enabled.strip().lower()]
+    return {**data, "jobs": jobs}
+
+
+def parse_config(data: Mapping[str, Any], environ: Mapping[str, str]) -> SchedulerConfig:
+    """Validate a parsed TOML document after applying the environment overrides."""
+    try:
+        return SchedulerConfig.model_validate(_with_overrides(data, environ))
+    except ValidationError as error:
+        raise ConfigurationError(f"invalid scheduler configuration: {error}") from error
+
+
+def load_config(path: Path, environ: Mapping[str, str]) -> SchedulerConfig:
+    """Read and validate the TOML file at `path` with the environment overrides."""
+    try:
+        with path.open("rb") as file:
+            data = tomllib.load(file)
+    except FileNotFoundError as error:
+        raise ConfigurationError(
+            f"scheduler configuration {path} not found (set SCHEDULER_CONFIG)"
+        ) from error
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigurationError(f"{path} is not valid TOML: {error}") from error
+    return parse_config(data, environ)

@@ -1,0 +1,206 @@
+"""The scheduler's broker adapters: decode -> handler -> carry out the decision -> ack.
+
+`scorebox.cron-jobs` (`RunCronJob`):
+- unreadable body: copied to the DLQ with the validation error, then ack.
+- Finished / Drop: ack.  Continue: next slice published, then ack.
+- Retry / Defer: published down the wait ladder, then ack.
+- GiveUp: copied to the DLQ with the reason (`x-scorebox-error`), then ack.
+- MongoDB unavailable around the job (recording its start or outcome): the same command is
+  re-sent after the retry base delay without counting an attempt, then ack.
+
+`scorebox.usage-meter` (`task.completed`, and its own `usage.retry`):
+- unreadable body: DLQ, ack.  Recorded: ack.
+- storing failed: re-sent to the meter after a delay with an attempt counter
+  (`x-scorebox-attempts`); at the limit copied to the DLQ with the error; then ack.
+
+Whatever the outcome, a delivery is settled: if even the re-send fails (broker trouble) it is
+nacked back to its quorum queue, whose delivery limit dead-letters it in the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from faststream import AckPolicy
+from faststream.rabbit import RabbitBroker
+from faststream.rabbit.annotations import RabbitMessage
+from faststream.rabbit.schemas import Channel
+from pydantic import ValidationError
+from pymongo.errors import PyMongoError
+
+from services.scheduler.catalogue import Catalogue
+from services.scheduler.config import Price
+from services.scheduler.firings import FiringStore
+from services.scheduler.jobs import Clock, JobHandler
+from services.scheduler.messaging import SchedulerBus
+from services.scheduler.metering import Extras, record_task_completed
+from services.scheduler.runs import (
+    Continue,
+    Defer,
+    Drop,
+    Finished,
+    GiveUp,
+    Retry,
+    RetryPolicy,
+    RunDecision,
+    run_cron_job,
+)
+from services.scheduler.usage_store import UsageRecords
+from shared.bus import publish_dead_letter
+from shared.contracts import RunCronJob, TaskCompleted, new_id
+from shared.topology import ATTEMPTS_HEADER, CRON_JOBS, USAGE_METER, WorkQueue
+
+log = logging.getLogger("scorebox.scheduler.consumer")
+
+
+async def _dead_letter(
+    bus: SchedulerBus, work_queue: WorkQueue, message: RabbitMessage, error: str
+) -> None:
+    await publish_dead_letter(
+        bus.broker,
+        work_queue,
+        body=message.body,
+        headers=dict(message.headers),
+        error=error,
+        timeout=bus.timeout_s,
+        message_id=message.message_id,
+        correlation_id=message.correlation_id,
+    )
+
+
+@dataclass(frozen=True)
+class CronJobRunner:
+    handlers: Mapping[str, JobHandler]
+    firings: FiringStore
+    retry: RetryPolicy
+    bus: SchedulerBus
+    clock: Clock
+
+    async def on_message(self, message: RabbitMessage) -> None:
+        try:
+            command = RunCronJob.model_validate_json(message.body)
+        except ValidationError as error:
+            log.warning("dead-lettering an unreadable cron.run: %s", error)
+            await _dead_letter(self.bus, CRON_JOBS, message, f"unreadable cron.run: {error}")
+            return
+        try:
+            decision = await run_cron_job(
+                command,
+                handlers=self.handlers,
+                firings=self.firings,
+                retry=self.retry,
+                clock=self.clock,
+            )
+        except PyMongoError as error:
+            log.warning("MongoDB unavailable around run %s: %r", command.run_id, error)
+            later = self.clock() + self.retry.base
+            await self.bus.publish_run(
+                command.model_copy(update={"message_id": new_id(), "not_before": later})
+            )
+            return
+        await self.carry_out(decision, message)
+
+    async def carry_out(self, decision: RunDecision, message: RabbitMessage) -> None:
+        match decision:
+            case Continue(command=command) | Retry(command=command) | Defer(command=command):
+                await self.bus.publish_run(command)
+            case GiveUp(reason=reason):
+                log.error("dead-lettering a cron run: %s", reason)
+                await _dead_letter(self.bus, CRON_JOBS, message, reason)
+            case Drop(reason=reason):
+                log.info("dropping a cron.run delivery: %s", reason)
+            case Finished():
+                pass
+
+
+@dataclass(frozen=True)
+class UsageMeter:
+    records: UsageRecords
+    catalogue: Catalogue
+    prices: Mapping[str, Price]
+    bus: SchedulerBus
+    clock: Clock
+    max_attempts: int
+    retry_after: timedelta
+
+    async def on_message(self, message: RabbitMessage) -> None:
+        try:
+            event = TaskCompleted.model_validate_json(message.body)
+            raw: Any = json.loads(message.body)
+        except (ValidationError, ValueError) as error:
+            log.warning("dead-lettering an unreadable task.completed: %s", error)
+            await _dead_letter(
+                self.bus, USAGE_METER, message, f"unreadable task.completed: {error}"
+            )
+            return
+        try:
+            await record_task_completed(
+                event,
+                extras=Extras.of(raw if isinstance(raw, dict) else {}),
+                usage=self.records,
+                catalogue=self.catalogue,
+                prices=self.prices,
+                clock=self.clock,
+            )
+        except Exception as error:  # noqa: BLE001 - any failure to store is retried, then DLQ'd
+            await self._retry_or_dead_letter(event, message, error)
+
+    async def _retry_or_dead_letter(
+        self, event: TaskCompleted, message: RabbitMessage, error: Exception
+    ) -> None:
+        attempts = int(message.headers.get(ATTEMPTS_HEADER, 1))
+        if attempts >= self.max_attempts:
+            log.error(
+                "usage of task %s not stored after %d attempts: %r", event.task_id, attempts, error
+            )
+            reason = f"usage not stored after {attempts} attempts: {error!r}"
+            await _dead_letter(self.bus, USAGE_METER, message, reason)
+            return
+        log.warning("usage of task %s not stored (%r); retrying", event.task_id, error)
+        await self.bus.retry_usage_event(
+            event,
+            not_before=self.clock() + self.retry_after,
+            headers={ATTEMPTS_HEADER: attempts + 1},
+        )
+
+
+def subscribe_scheduler(
+    broker: RabbitBroker,
+    *,
+    runner: CronJobRunner,
+    meter: UsageMeter,
+    job_concurrency: int,
+    meter_prefetch: int,
+) -> None:
+    @broker.subscriber(
+        CRON_JOBS.queue,
+        channel=Channel(prefetch_count=job_concurrency),
+        ack_policy=AckPolicy.MANUAL,
+    )
+    async def run_cron_job_delivery(message: RabbitMessage) -> None:
+        try:
+            await runner.on_message(message)
+        except Exception:
+            log.exception("could not settle a cron.run delivery; returning it to its queue")
+            await message.nack(requeue=True)
+            return
+        await message.ack()
+
+    @broker.subscriber(
+        USAGE_METER.queue,
+        channel=Channel(prefetch_count=meter_prefetch),
+        ack_policy=AckPolicy.MANUAL,
+    )
+    async def record_usage_delivery(message: RabbitMessage) -> None:
+        try:
+            await meter.on_message(message)
+        except Exception:
+            log.exception("could not settle a usage delivery; returning it to its queue")
+            await message.nack(requeue=True)
+            return
+        await message.ack()

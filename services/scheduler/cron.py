@@ -1,0 +1,74 @@
+"""Cron schedule math: pure functions of (spec, time zone, instants), no I/O, no clock.
+
+Expressions are croniter's: five fields (minute hour day-of-month month day-of-week), an
+optional sixth field for seconds, and aliases such as `@hourly`. They are evaluated on the
+wall clock of the job's time zone (IANA name, default UTC) and every instant returned is UTC.
+
+Daylight-saving transitions follow croniter (checked against croniter 7):
+- Spring forward, a wall-clock time that does not exist is shifted to the first instant after
+  the gap: `30 2 * * *` in Europe/Berlin fires at 03:00 CEST on the last Sunday of March,
+  once (01:00 UTC); an hourly `0 * * * *` simply has no 02:00 that day.
+- Fall back, a wall-clock time that occurs twice fires twice, once per occurrence:
+  `30 2 * * *` in Europe/Berlin fires at 02:30 CEST and at 02:30 CET (00:30 and 01:30 UTC) on
+  the last Sunday of October; the jobs are idempotent, so a second run is harmless.
+- Zones without DST (Asia/Shanghai, UTC) are plain offsets: `0 3 * * *` in Asia/Shanghai is
+  19:00 UTC of the previous day, every day.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from croniter import croniter
+
+from services.scheduler.errors import ConfigurationError
+
+_JUST_AFTER = timedelta(microseconds=1)
+
+
+def zone(name: str) -> ZoneInfo:
+    """The IANA time zone `name`; raises `ConfigurationError` for an unknown one."""
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError) as error:
+        raise ConfigurationError(f"unknown time zone {name!r}") from error
+
+
+def validate_spec(spec: str) -> str:
+    """`spec` itself when croniter accepts it; raises `ConfigurationError` otherwise."""
+    if not croniter.is_valid(spec):
+        raise ConfigurationError(f"invalid cron expression {spec!r}")
+    return spec
+
+
+def _aware(instant: datetime) -> datetime:
+    if instant.tzinfo is None:
+        raise ValueError("cron instants must be timezone-aware")
+    return instant
+
+
+def next_fire_time(spec: str, tz: str, after: datetime) -> datetime:
+    """The first fire time strictly after `after`, in UTC."""
+    iterator = croniter(spec, _aware(after).astimezone(zone(tz)))
+    return iterator.get_next(datetime).astimezone(UTC)
+
+
+def next_fire_times(
+    spec: str, tz: str, after: datetime, until: datetime, *, limit: int | None = None
+) -> list[datetime]:
+    """Fire times `t` with `after < t <= until`, ascending, in UTC; at most `limit` of them."""
+    found: list[datetime] = []
+    iterator = croniter(spec, _aware(after).astimezone(zone(tz)))
+    while limit is None or len(found) < limit:
+        fire_time = iterator.get_next(datetime).astimezone(UTC)
+        if fire_time > _aware(until):
+            break
+        found.append(fire_time)
+    return found
+
+
+def latest_fire_time(spec: str, tz: str, at_or_before: datetime) -> datetime:
+    """The last fire time `t <= at_or_before`, in UTC."""
+    iterator = croniter(spec, (_aware(at_or_before) + _JUST_AFTER).astimezone(zone(tz)))
+    return iterator.get_prev(datetime).astimezone(UTC)

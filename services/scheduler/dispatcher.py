@@ -1,0 +1,177 @@
+"""The scheduler's clock loop: every tick, claim due firings and publish them as `RunCronJob`.
+
+The dispatcher only dispatches; jobs run in the job consumer (any replica), with retries and
+dead-lettering like every other queue. Per job it keeps the next fire time in memory and
+asks the database only once that time has come, so idle ticks cost nothing. Each tick also
+publishes again any firing left `claimed` for longer than `redispatch_after` (the claiming
+replica died between its claim and its publish, or the broker refused the publish).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
+
+from services.scheduler.errors import DispatchFailed
+from services.scheduler.firings import Firing, FiringStore, to_millis
+from services.scheduler.jobs import Clock
+from services.scheduler.schedule import JobCatalog, ScheduledJob, plan_firings
+from shared.contracts import RunCronJob
+
+log = logging.getLogger("scorebox.scheduler.dispatcher")
+
+Publish = Callable[[RunCronJob], Awaitable[None]]
+REDISPATCH_BATCH = 100
+# Two manual triggers of one job within the same millisecond collide on the unique index;
+# the later one moves by a millisecond.
+MANUAL_CLAIM_TRIES = 5
+
+
+def run_command_for(firing: Firing) -> RunCronJob:
+    return RunCronJob(
+        task_id=firing.run_id,
+        job=firing.job,
+        scheduled_for=firing.scheduled_for,
+        fired_at=firing.fired_at,
+        manual=firing.manual,
+    )
+
+
+async def dispatch(
+    firing: Firing, *, firings: FiringStore, publish: Publish, now: datetime
+) -> None:
+    """Publish a claimed firing, then record that it left (unless it has already started)."""
+    await publish(run_command_for(firing))
+    await firings.mark_dispatched(firing.run_id, now=now)
+
+
+async def fire_by_hand(
+    name: str,
+    *,
+    jobs: JobCatalog,
+    firings: FiringStore,
+    publish: Publish,
+    clock: Clock,
+    owner: str,
+) -> Firing:
+    """A manual firing of `name` (enabled or not), published now; the schedule is unaffected.
+
+    Raises `UnknownJob`, or `DispatchFailed` when the broker refused it (the firing is then
+    withdrawn: nothing half-done is left behind).
+    """
+    job = jobs.get(name)
+    now = clock()
+    firing = None
+    for offset in range(MANUAL_CLAIM_TRIES):
+        at = now + timedelta(milliseconds=offset)
+        firing = await firings.claim(job.name, at, now=now, owner=owner, manual=True)
+        if firing is not None:
+            break
+    if firing is None:
+        raise DispatchFailed(f"job {name!r} is being triggered too often; try again")
+    try:
+        await dispatch(firing, firings=firings, publish=publish, now=now)
+    except Exception as error:
+        await firings.forget(firing.run_id)
+        raise DispatchFailed(f"the broker did not accept the run of {name!r}: {error!r}") from error
+    log.info("job %s: fired by hand (run %s)", job.name, firing.run_id)
+    return firing
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        jobs: JobCatalog,
+        *,
+        firings: FiringStore,
+        publish: Publish,
+        clock: Clock,
+        grace: timedelta,
+        redispatch_after: timedelta,
+        owner: str,
+    ) -> None:
+        self._jobs = jobs
+        self._firings = firings
+        self._publish = publish
+        self._clock = clock
+        self._grace = grace
+        self._redispatch_after = redispatch_after
+        self._owner = owner
+        self._next_due: dict[str, datetime] = {}
+        self.ticks = 0
+
+    async def tick(self) -> list[Firing]:
+        """One pass over the enabled jobs; returns the firings this replica dispatched."""
+        now = self._clock()
+        dispatched = []
+        for job in self._jobs.enabled:
+            next_due = self._next_due.get(job.name)
+            if next_due is not None and now < next_due:
+                continue
+            try:
+                firing = await self._fire_if_due(job, now)
+            except Exception:  # one job's trouble must not stop the others
+                log.exception("job %s: could not fire; trying again next tick", job.name)
+                continue
+            self._next_due[job.name] = job.next_fire_time(now)
+            if firing is not None:
+                dispatched.append(firing)
+        dispatched.extend(await self._redispatch_stale(now))
+        self.ticks += 1
+        return dispatched
+
+    async def _fire_if_due(self, job: ScheduledJob, now: datetime) -> Firing | None:
+        last = await self._firings.last_scheduled(job.name)
+        plan = plan_firings(job, last=last, now=now, grace=self._grace)
+        if plan.skip is not None:
+            if await self._firings.record_skipped(
+                job.name, plan.skip, now=now, owner=self._owner, missed=plan.missed
+            ):
+                log.warning(
+                    "job %s: skipped %d missed firing(s) up to %s (policy skip)",
+                    job.name,
+                    plan.missed,
+                    plan.skip.isoformat(),
+                )
+            return None
+        if plan.run is None:
+            return None
+        firing = await self._firings.claim(
+            job.name, plan.run, now=now, owner=self._owner, missed=plan.missed
+        )
+        if firing is None:
+            return None  # another replica claimed it
+        if plan.missed:
+            log.info("job %s: %d missed firing(s) coalesced into this one", job.name, plan.missed)
+        await dispatch(firing, firings=self._firings, publish=self._publish, now=now)
+        log.info("job %s: fired for %s (run %s)", job.name, firing.scheduled_for, firing.run_id)
+        return firing
+
+    async def _redispatch_stale(self, now: datetime) -> list[Firing]:
+        claimed_before = to_millis(now - self._redispatch_after)
+        stale = await self._firings.stale_claims(
+            claimed_before=claimed_before, limit=REDISPATCH_BATCH
+        )
+        taken = []
+        for firing in stale:
+            if await self._firings.reclaim(firing, claimed_before=claimed_before, now=now):
+                log.warning(
+                    "job %s: run %s was never published; publishing it again",
+                    firing.job,
+                    firing.run_id,
+                )
+                await dispatch(firing, firings=self._firings, publish=self._publish, now=now)
+                taken.append(firing)
+        return taken
+
+
+async def keep_dispatching(dispatcher: Dispatcher, *, interval_s: float) -> None:
+    """Tick forever; a failed tick (database or broker unavailable) is logged and retried."""
+    while True:
+        try:
+            await dispatcher.tick()
+        except Exception:
+            log.exception("scheduler tick failed; retrying in %.1fs", interval_s)
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,49 @@
+"""What can go wrong in the scheduler, split by what the caller must do.
+
+    SchedulerError
+    ├── ConfigurationError      refuse to start: a bad cron expression, time zone, policy,
+    │                           price, or a configured job without a handler
+    ├── UnknownJob              404 on the admin routes; a `RunCronJob` naming it is
+    │                           dead-lettered (no retry can make the job exist)
+    ├── DispatchFailed          a manual run could not be published: 503, nothing kept
+    └── JobError                raised by a job handler
+        ├── PermanentJobError   dead-letter the run now: retrying fails the same way
+        └── TransientJobError   retry the run with back-off, then dead-letter
+
+Any other exception from a job counts as transient: a run is retried a bounded number of
+times (`SCHEDULER_JOB_MAX_ATTEMPTS`) before it is dead-lettered with the error as reason.
+"""
+
+from __future__ import annotations
+
+
+class SchedulerError(Exception):
+    """Base of the scheduler's own errors."""
+
+
+class ConfigurationError(SchedulerError):
+    """The schedule or the job configuration is unusable; the service must not start."""
+
+
+class UnknownJob(SchedulerError):
+    """No job of that name is configured."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"No cron job named {name!r} is configured.")
+        self.name = name
+
+
+class DispatchFailed(SchedulerError):
+    """A manual firing could not be published; it was withdrawn."""
+
+
+class JobError(SchedulerError):
+    """A job run failed."""
+
+
+class PermanentJobError(JobError):
+    """Retrying cannot help (missing configuration, impossible input): dead-letter now."""
+
+
+class TransientJobError(JobError):
+    """The run may succeed later (a dependency is unavailable): retry with back-off."""

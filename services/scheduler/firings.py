@@ -1,0 +1,345 @@
+"""Firings of cron jobs, in the scheduler's own database: the claims that make each fire
+time run once, whatever the number of scheduler replicas.
+
+    {_id: run_id, job, scheduled_for, manual, state, fired_at, claimed_by, claimed_at,
+     dispatched_at, started_at, finished_at, attempts, missed, result, error,
+     next_attempt_at}
+
+A fire time is claimed by inserting its document under a unique index on
+`(job, scheduled_for)`: the replica whose insert succeeds owns the firing, every other one
+gets `DuplicateKeyError` and moves on. A manual run is a firing of its own whose
+`scheduled_for` is the trigger time (`manual: true`); it never moves the schedule.
+
+    claimed --published--> dispatched --consumer--> running --> succeeded | failed
+       ^  (republished when       \\                  |  ^
+       |   still claimed after     `-------------->  retrying
+       |   SCHEDULER_REDISPATCH_S)
+    skipped: a missed fire time under the `skip` policy (terminal, never published)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Protocol
+
+from pymongo import ASCENDING, DESCENDING, AsyncMongoClient, ReturnDocument
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import DuplicateKeyError
+
+from shared.contracts import new_id
+
+Document = dict[str, Any]
+
+
+class FiringState(StrEnum):
+    CLAIMED = "claimed"
+    DISPATCHED = "dispatched"
+    RUNNING = "running"
+    RETRYING = "retrying"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+
+    @property
+    def is_final(self) -> bool:
+        return self in FINAL_STATES
+
+
+FINAL_STATES = frozenset({FiringState.SUCCEEDED, FiringState.FAILED, FiringState.SKIPPED})
+
+
+def to_millis(instant: datetime) -> datetime:
+    """`instant` in UTC at MongoDB's precision (milliseconds), so stored and sent times match."""
+    instant = instant.astimezone(UTC)
+    return instant.replace(microsecond=instant.microsecond // 1000 * 1000)
+
+
+@dataclass(frozen=True)
+class Firing:
+    run_id: str
+    job: str
+    scheduled_for: datetime
+    fired_at: datetime
+    manual: bool
+    state: FiringState
+    attempts: int = 0
+    missed: int = 0
+    finished_at: datetime | None = None
+    next_attempt_at: datetime | None = None
+    result: dict[str, Any] | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_document(cls, document: Document) -> Firing:
+        return cls(
+            run_id=document["_id"],
+            job=document["job"],
+            scheduled_for=document["scheduled_for"],
+            fired_at=document["fired_at"],
+            manual=document.get("manual", False),
+            state=FiringState(document["state"]),
+            attempts=document.get("attempts", 0),
+            missed=document.get("missed", 0),
+            finished_at=document.get("finished_at"),
+            next_attempt_at=document.get("next_attempt_at"),
+            result=document.get("result"),
+            error=document.get("error"),
+        )
+
+
+class FiringStore(Protocol):
+    """What the dispatcher, the run consumer and the routes need from the firings."""
+
+    async def last_scheduled(self, job: str) -> datetime | None: ...
+
+    async def claim(
+        self,
+        job: str,
+        scheduled_for: datetime,
+        *,
+        now: datetime,
+        owner: str,
+        manual: bool = False,
+        missed: int = 0,
+    ) -> Firing | None: ...
+
+    async def record_skipped(
+        self, job: str, scheduled_for: datetime, *, now: datetime, owner: str, missed: int
+    ) -> bool: ...
+
+    async def mark_dispatched(self, run_id: str, *, now: datetime) -> None: ...
+
+    async def stale_claims(self, *, claimed_before: datetime, limit: int) -> list[Firing]: ...
+
+    async def reclaim(self, firing: Firing, *, claimed_before: datetime, now: datetime) -> bool: ...
+
+    async def begin(self, run_id: str, *, attempt: int, now: datetime) -> Firing | None: ...
+
+    async def retrying(
+        self, run_id: str, *, error: str, next_attempt_at: datetime, now: datetime
+    ) -> None: ...
+
+    async def finish(
+        self,
+        run_id: str,
+        *,
+        state: FiringState,
+        now: datetime,
+        result: dict[str, Any] | None = None,
+        error: str | None = None,
+    ) -> None: ...
+
+    async def find(self, run_id: str) -> Firing | None: ...
+
+    async def latest(self, job: str) -> Firing | None: ...
+
+    async def forget(self, run_id: str) -> None: ...
+
+
+class Firings(FiringStore):
+    """The firings collection of the scheduler's database."""
+
+    def __init__(self, client: AsyncMongoClient[Document], database: str) -> None:
+        self._collection: AsyncCollection[Document] = client[database]["firings"]
+
+    async def ensure_indexes(self) -> None:
+        await self._collection.create_index(
+            [("job", ASCENDING), ("scheduled_for", ASCENDING)], unique=True
+        )
+        await self._collection.create_index([("state", ASCENDING), ("claimed_at", ASCENDING)])
+        await self._collection.create_index([("job", ASCENDING), ("fired_at", DESCENDING)])
+
+    async def last_scheduled(self, job: str) -> datetime | None:
+        document = await self._collection.find_one(
+            {"job": job, "manual": False},
+            projection={"scheduled_for": True},
+            sort=[("scheduled_for", DESCENDING)],
+        )
+        return None if document is None else document["scheduled_for"]
+
+    def _new(
+        self,
+        job: str,
+        scheduled_for: datetime,
+        *,
+        state: FiringState,
+        now: datetime,
+        owner: str,
+        manual: bool,
+        missed: int,
+    ) -> Document:
+        return {
+            "_id": new_id(),
+            "job": job,
+            "scheduled_for": to_millis(scheduled_for),
+            "manual": manual,
+            "state": state.value,
+            "fired_at": to_millis(now),
+            "claimed_by": owner,
+            "claimed_at": to_millis(now),
+            "attempts": 0,
+            "missed": missed,
+        }
+
+    async def claim(
+        self,
+        job: str,
+        scheduled_for: datetime,
+        *,
+        now: datetime,
+        owner: str,
+        manual: bool = False,
+        missed: int = 0,
+    ) -> Firing | None:
+        """Claim a fire time; None when another replica (or an earlier tick) holds it."""
+        document = self._new(
+            job,
+            scheduled_for,
+            state=FiringState.CLAIMED,
+            now=now,
+            owner=owner,
+            manual=manual,
+            missed=missed,
+        )
+        try:
+            await self._collection.insert_one(document)
+        except DuplicateKeyError:
+            return None
+        return Firing.from_document(document)
+
+    async def record_skipped(
+        self, job: str, scheduled_for: datetime, *, now: datetime, owner: str, missed: int
+    ) -> bool:
+        document = self._new(
+            job,
+            scheduled_for,
+            state=FiringState.SKIPPED,
+            now=now,
+            owner=owner,
+            manual=False,
+            missed=missed,
+        )
+        document["finished_at"] = document["fired_at"]
+        try:
+            await self._collection.insert_one(document)
+        except DuplicateKeyError:
+            return False
+        return True
+
+    async def mark_dispatched(self, run_id: str, *, now: datetime) -> None:
+        # Only a firing still `claimed`: the consumer may already have started it.
+        await self._collection.update_one(
+            {"_id": run_id, "state": FiringState.CLAIMED.value},
+            {"$set": {"state": FiringState.DISPATCHED.value, "dispatched_at": to_millis(now)}},
+        )
+
+    async def stale_claims(self, *, claimed_before: datetime, limit: int) -> list[Firing]:
+        cursor = self._collection.find(
+            {"state": FiringState.CLAIMED.value, "claimed_at": {"$lt": to_millis(claimed_before)}}
+        ).limit(limit)
+        return [Firing.from_document(document) async for document in cursor]
+
+    async def reclaim(self, firing: Firing, *, claimed_before: datetime, now: datetime) -> bool:
+        """Take over a stale claim (one replica wins); the winner publishes it again."""
+        result = await self._collection.update_one(
+            {
+                "_id": firing.run_id,
+                "state": FiringState.CLAIMED.value,
+                "claimed_at": {"$lt": to_millis(claimed_before)},
+            },
+            {"$set": {"claimed_at": to_millis(now)}},
+        )
+        return result.modified_count == 1
+
+    async def begin(self, run_id: str, *, attempt: int, now: datetime) -> Firing | None:
+        """Mark a run started; None when it is unknown or already finished."""
+        document = await self._collection.find_one_and_update(
+            {"_id": run_id, "state": {"$nin": [state.value for state in FINAL_STATES]}},
+            {
+                "$set": {
+                    "state": FiringState.RUNNING.value,
+                    "started_at": to_millis(now),
+                    "next_attempt_at": None,
+                },
+                "$max": {"attempts": attempt},
+            },
+            return_document=ReturnDocument.AFTER,
+        )
+        return None if document is None else Firing.from_document(document)
+
+    async def retrying(
+        self, run_id: str, *, error: str, next_attempt_at: datetime, now: datetime
+    ) -> None:
+        await self._collection.update_one(
+            {"_id": run_id},
+            {
+                "$set": {
+                    "state": FiringState.RETRYING.value,
+                    "error": error,
+                    "next_attempt_at": to_millis(next_attempt_at),
+                    "updated_at": to_millis(now),
+                }
+            },
+        )
+
+    async def finish(
+        self,
+        run_id: str,
+        *,
+        state: FiringState,
+        now: datetime,
+        result: dict[str, Any] | None = None,
+        error: str | None = None,
+    ) -> None:
+        await self._collection.update_one(
+            {"_id": run_id},
+            {
+                "$set": {
+                    "state": state.value,
+                    "finished_at": to_millis(now),
+                    "result": result,
+                    "error": error,
+                    "next_attempt_at": None,
+                }
+            },
+        )
+
+    async def find(self, run_id: str) -> Firing | None:
+        document = await self._collection.find_one({"_id": run_id})
+        return None if document is None else Firing.from_document(document)
+
+    async def latest(self, job: str) -> Firing | None:
+        document = await self._collection.find_one(
+            {"job": job}, sort=[("fired_at", DESCENDING), ("scheduled_for", DESCENDING)]
+        )
+        return None if document is None else Firing.from_document(document)
+
+    async def forget(self, run_id: str) -> None:
+        await self._collection.delete_one({"_id": run_id})
+
+    async def delete_finished_before(self, cutoff: datetime, *, keep: Sequence[str]) -> int:
+        """Delete final firings older than `cutoff`, except the run ids in `keep`."""
+        result = await self._collection.delete_many(
+            {
+                "state": {"$in": [state.value for state in FINAL_STATES]},
+                "scheduled_for": {"$lt": to_millis(cutoff)},
+                "_id": {"$nin": list(keep)},
+            }
+        )
+        return result.deleted_count
+
+    async def last_scheduled_ids(self, jobs: Sequence[str]) -> list[str]:
+        """Run ids of each job's latest scheduled firing (the schedule's cursor)."""
+        ids = []
+        for job in jobs:
+            document = await self._collection.find_one(
+                {"job": job, "manual": False},
+                projection={"_id": True},
+                sort=[("scheduled_for", DESCENDING)],
+            )
+            if document is not None:
+                ids.append(document["_id"])
+        return ids

@@ -1,0 +1,98 @@
+"""Housekeeping: expire the scheduler's own records, ask the other services to clean up
+theirs, and report dead letters.
+
+- Own records: final firings older than the retention (each job's latest scheduled firing is
+  kept: it is the schedule's cursor), raw usage records already rolled up and past their
+  retention, finished fan-out checkpoints, catalogue entries of long-completed tasks.
+- Other services' records (idempotency keys, leases) live in their databases and expire
+  there by TTL indexes; this job never touches another database. It publishes
+  `HousekeepingRequested` (`ops.housekeeping`) that a service may act on.
+- Dead letters: the depth of every work queue's DLQ (a passive declare: reading it changes
+  nothing). At or above the threshold: a warning in the log and a `DeadLetterAlert`
+  (`ops.alert.dead-letters`). The age of the oldest dead letter is not reported: on quorum
+  queues it cannot be read without taking the message (RabbitMQ exposes no head timestamp
+  for them, and a get + requeue would count as a delivery).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import timedelta
+
+from services.scheduler.catalogue import Catalogue
+from services.scheduler.checkpoints import Checkpoints
+from services.scheduler.config import HousekeepingConfig
+from services.scheduler.firings import Firings
+from services.scheduler.jobs import Clock, JobOutcome, JobRun
+from services.scheduler.metering import day_of
+from services.scheduler.usage_store import UsageRecords
+from shared.contracts import DeadLetterAlert, DeadLetterDepth, HousekeepingRequested
+from shared.topology import WorkQueue
+
+log = logging.getLogger("scorebox.scheduler.housekeeping")
+
+DepthProbe = Callable[[WorkQueue], Awaitable[int]]
+Announce = Callable[[HousekeepingRequested | DeadLetterAlert], Awaitable[None]]
+
+
+async def dead_letter_report(
+    work_queues: Sequence[WorkQueue], *, probe: DepthProbe, threshold: int
+) -> list[DeadLetterDepth]:
+    return [
+        DeadLetterDepth(
+            queue=work_queue.name,
+            dead_letter_queue=work_queue.dead_letter_routing_key,
+            depth=await probe(work_queue),
+            threshold=threshold,
+        )
+        for work_queue in work_queues
+    ]
+
+
+async def keep_house(
+    run: JobRun,
+    *,
+    firings: Firings,
+    records: UsageRecords,
+    catalogue: Catalogue,
+    checkpoints: Checkpoints,
+    job_names: Sequence[str],
+    work_queues: Sequence[WorkQueue],
+    probe: DepthProbe,
+    announce: Announce,
+    config: HousekeepingConfig,
+    usage_retention: timedelta,
+    clock: Clock,
+) -> JobOutcome:
+    now = clock()
+    firing_cutoff = now - timedelta(days=config.firing_retention_days)
+    cursors = await firings.last_scheduled_ids(job_names)
+    deleted = {
+        "firings": await firings.delete_finished_before(firing_cutoff, keep=cursors),
+        "fanout_checkpoints": await checkpoints.delete_finished_before(firing_cutoff),
+        "usage_records": await records.delete_rolled_up_before(day_of(now - usage_retention)),
+        "completed_tasks": await catalogue.delete_completed_before(
+            now - timedelta(days=config.catalogue_retention_days)
+        ),
+    }
+    await announce(HousekeepingRequested(task_id=run.run_id, scheduled_for=run.scheduled_for))
+    report = await dead_letter_report(
+        work_queues, probe=probe, threshold=config.dead_letter_threshold
+    )
+    over = [entry for entry in report if entry.depth >= entry.threshold]
+    if over:
+        log.warning(
+            "dead letters waiting: %s",
+            ", ".join(f"{entry.dead_letter_queue}={entry.depth}" for entry in over),
+        )
+        await announce(DeadLetterAlert(task_id=run.run_id, queues=over))
+    return JobOutcome(
+        summary={
+            "deleted": deleted,
+            "dead_letters": [
+                {"queue": entry.dead_letter_queue, "depth": entry.depth} for entry in report
+            ],
+            "alerted": [entry.dead_letter_queue for entry in over],
+        }
+    )

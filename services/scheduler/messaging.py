@@ -1,0 +1,101 @@
+"""The scheduler's outbound messages and broker probes; every call has its timeout.
+
+- `publish_run`: a `RunCronJob` to `scorebox.cron` (or down the wait ladder when it is a retry
+  not yet due).
+- `publish_rescore_page`: one `RescoreTask` per entry of a page, all confirms awaited together.
+- `announce`: an operations event on `scorebox.events` under the event's own routing key.
+- `dead_letter_depth`: a DLQ's depth by passive declare (no side effect on the queue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from faststream.rabbit import RabbitBroker, RabbitQueue
+
+from services.scheduler.jobs import Clock
+from shared.bus import publish_delayed
+from shared.contracts import (
+    Contract,
+    DeadLetterAlert,
+    HousekeepingRequested,
+    RescoreTask,
+    RunCronJob,
+)
+from shared.topology import CRON, EVENTS, TASKS, USAGE_RETRY_ROUTING_KEY, WorkQueue
+
+OpsEvent = HousekeepingRequested | DeadLetterAlert
+
+
+@dataclass(frozen=True)
+class SchedulerBus:
+    broker: RabbitBroker
+    timeout_s: float
+    clock: Clock
+
+    async def publish_run(
+        self, command: RunCronJob, *, headers: Mapping[str, Any] | None = None
+    ) -> None:
+        await publish_delayed(
+            self.broker,
+            command,
+            exchange=CRON,
+            routing_key=command.routing_key,
+            not_before=command.not_before,
+            timeout=self.timeout_s,
+            now=self.clock(),
+            headers=headers,
+        )
+
+    async def publish_rescore_page(self, page: Sequence[RescoreTask]) -> None:
+        """Publish a page with its confirms in flight together: one round trip per page."""
+        async with asyncio.timeout(self.timeout_s):
+            await asyncio.gather(
+                *(
+                    publish_delayed(
+                        self.broker,
+                        task,
+                        exchange=TASKS,
+                        routing_key=task.routing_key,
+                        not_before=None,
+                        timeout=self.timeout_s,
+                    )
+                    for task in page
+                )
+            )
+
+    async def announce(self, event: OpsEvent) -> None:
+        await publish_delayed(
+            self.broker,
+            event,
+            exchange=EVENTS,
+            routing_key=event.routing_key,
+            not_before=None,
+            timeout=self.timeout_s,
+        )
+
+    async def retry_usage_event(
+        self, event: Contract, *, not_before: datetime, headers: Mapping[str, Any]
+    ) -> None:
+        """Send a usage event the meter could not store back to the meter, after a delay."""
+        await publish_delayed(
+            self.broker,
+            event,
+            exchange=TASKS,
+            routing_key=USAGE_RETRY_ROUTING_KEY,
+            not_before=not_before,
+            timeout=self.timeout_s,
+            now=self.clock(),
+            headers=headers,
+        )
+
+    async def dead_letter_depth(self, work_queue: WorkQueue) -> int:
+        queue = await self.broker.declare_queue(
+            RabbitQueue(work_queue.dead_letter_routing_key, declare=False)
+        )
+        declared = await queue.declare(timeout=self.timeout_s)  # fresh counts on each call
+        return int(declared.message_count or 0)

@@ -1,0 +1,106 @@
+"""Usage metering: one raw record per completed task generation, from `task.completed`.
+
+The scorer reports token usage in its `task.completed` events; the scheduler keeps a raw
+record per (task, generation) in its own database (idempotent under redelivery: the record's
+id is that pair and an existing record is never changed) and, from the same event, the
+catalogue entry the re-score fan-out walks. Cost is computed when the record is made, with
+the price configured for the model at that moment, in integer nano-units of the currency
+(exact sums, no float drift); a model without a configured price has no cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from decimal import ROUND_HALF_EVEN, Decimal
+from typing import Any
+
+from services.scheduler.catalogue import Catalogue, CompletedTask
+from services.scheduler.config import Price
+from services.scheduler.jobs import Clock
+from services.scheduler.usage_store import UsageRecord, UsageRecords
+from shared.contracts import TaskCompleted, Usage
+
+NANOS_PER_UNIT = 10**9
+_NANOS_PER_1K_TOKENS_TO_PER_TOKEN = Decimal(NANOS_PER_UNIT) / 1000
+
+
+def cost_nanos(usage: Usage, price: Price | None) -> int | None:
+    """The cost of `usage` at `price` in nano-units of the currency; None without a price."""
+    if price is None:
+        return None
+    exact = (
+        usage.prompt_tokens * price.prompt_per_1k
+        + usage.completion_tokens * price.completion_per_1k
+    ) * _NANOS_PER_1K_TOKENS_TO_PER_TOKEN
+    return int(exact.to_integral_value(rounding=ROUND_HALF_EVEN))
+
+
+def day_of(instant: datetime) -> str:
+    """The UTC calendar day of `instant`, `YYYY-MM-DD` (usage days are UTC days)."""
+    return instant.astimezone(UTC).date().isoformat()
+
+
+@dataclass(frozen=True)
+class Extras:
+    """Fields a `task.completed` event may carry beyond today's contract (tolerant reader)."""
+
+    prompt_version: str | None = None
+    api_key_id: str | None = None
+
+    @classmethod
+    def of(cls, raw: Mapping[str, Any]) -> Extras:
+        result = raw.get("result")
+        result = result if isinstance(result, Mapping) else {}
+        version = result.get("prompt_version", raw.get("prompt_version"))
+        api_key = raw.get("api_key_id")
+        return cls(
+            prompt_version=None if version is None else str(version),
+            api_key_id=None if api_key is None else str(api_key),
+        )
+
+
+def usage_record_of(
+    event: TaskCompleted, *, extras: Extras, prices: Mapping[str, Price], recorded_at: datetime
+) -> UsageRecord:
+    result = event.result
+    return UsageRecord(
+        task_id=event.task_id,
+        generation=event.generation,
+        tenant_id=event.tenant_id,
+        api_key_id=extras.api_key_id,
+        model=result.model,
+        prompt_tokens=result.usage.prompt_tokens,
+        completion_tokens=result.usage.completion_tokens,
+        cost_nanos=cost_nanos(result.usage, prices.get(result.model)),
+        cached=result.cached,
+        day=day_of(event.occurred_at),
+        completed_at=event.occurred_at,
+        recorded_at=recorded_at,
+    )
+
+
+def completed_task_of(event: TaskCompleted, *, extras: Extras) -> CompletedTask:
+    return CompletedTask(
+        task_id=event.task_id,
+        tenant_id=event.tenant_id,
+        generation=event.generation,
+        completed_at=event.occurred_at,
+        model=event.result.model,
+        rubric_version=extras.prompt_version,
+    )
+
+
+async def record_task_completed(
+    event: TaskCompleted,
+    *,
+    extras: Extras,
+    usage: UsageRecords,
+    catalogue: Catalogue,
+    prices: Mapping[str, Price],
+    clock: Clock,
+) -> None:
+    """Keep the usage record and the catalogue entry of a completed task (idempotent)."""
+    await usage.record(usage_record_of(event, extras=extras, prices=prices, recorded_at=clock()))
+    await catalogue.record(completed_task_of(event, extras=extras))

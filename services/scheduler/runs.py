@@ -1,0 +1,164 @@
+"""Running one delivery of a `RunCronJob`: decide, never touch the broker.
+
+    not yet due                     -> Defer    (down the wait ladder again)
+    unknown job                     -> GiveUp   (dead-letter: no retry makes it exist)
+    run unknown or already final    -> Drop     (a duplicate delivery, or a firing forgotten)
+    job returned, more to do        -> Continue (same run, next slice, attempt 1)
+    job returned                    -> Finished
+    PermanentJobError               -> GiveUp
+    any other error, attempts left  -> Retry    (back-off through the wait ladder)
+    any other error, none left      -> GiveUp
+
+Jobs are idempotent (rollups recompute and `$set`, the fan-out resumes from its checkpoint,
+clean-ups delete what is expired), so the rare duplicate run is harmless.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from services.scheduler.errors import PermanentJobError
+from services.scheduler.firings import FiringState, FiringStore
+from services.scheduler.jobs import Clock, JobHandler, JobRun
+from shared.contracts import RunCronJob, new_id
+
+log = logging.getLogger("scorebox.scheduler.runs")
+# A run due within this much is run now: the wait ladder's finest step is 1 s, and a message
+# sent back for less would only bounce between the queue and this consumer.
+DUE_TOLERANCE = timedelta(milliseconds=500)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int
+    base: timedelta
+    cap: timedelta
+
+    def delay(self, attempt: int) -> timedelta:
+        """Back-off after the failed `attempt` (1-based): base, 2 x base, 4 x base... capped."""
+        return min(self.cap, self.base * (1 << (attempt - 1)))
+
+
+@dataclass(frozen=True)
+class Finished:
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Continue:
+    command: RunCronJob
+
+
+@dataclass(frozen=True)
+class Retry:
+    command: RunCronJob
+    error: str
+
+
+@dataclass(frozen=True)
+class Defer:
+    command: RunCronJob
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Drop:
+    reason: str
+
+
+RunDecision = Finished | Continue | Retry | Defer | GiveUp | Drop
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"[:1000]
+
+
+async def run_cron_job(
+    command: RunCronJob,
+    *,
+    handlers: Mapping[str, JobHandler],
+    firings: FiringStore,
+    retry: RetryPolicy,
+    clock: Clock,
+) -> RunDecision:
+    if command.not_before is not None and command.not_before - clock() > DUE_TOLERANCE:
+        return Defer(command)
+    handler = handlers.get(command.job)
+    if handler is None:
+        reason = f"no handler for cron job {command.job!r}"
+        return await _give_up(command, reason, firings=firings, clock=clock)
+    if await firings.begin(command.run_id, attempt=command.attempt, now=clock()) is None:
+        return Drop(f"run {command.run_id} is unknown or already finished")
+    return await _run_handler(handler, command, firings=firings, retry=retry, clock=clock)
+
+
+async def _run_handler(
+    handler: JobHandler,
+    command: RunCronJob,
+    *,
+    firings: FiringStore,
+    retry: RetryPolicy,
+    clock: Clock,
+) -> RunDecision:
+    run = JobRun(
+        run_id=command.run_id,
+        job=command.job,
+        scheduled_for=command.scheduled_for,
+        fired_at=command.fired_at,
+        manual=command.manual,
+        attempt=command.attempt,
+        slice=command.slice,
+    )
+    try:
+        outcome = await handler(run)
+    except PermanentJobError as error:
+        return await _give_up(command, _describe(error), firings=firings, clock=clock)
+    except Exception as error:
+        log.exception("cron job %s (run %s) failed", command.job, command.run_id)
+        return await _retry_or_give_up(
+            command, _describe(error), firings=firings, retry=retry, clock=clock
+        )
+    if outcome.more:
+        following = command.model_copy(
+            update={
+                "message_id": new_id(),
+                "slice": command.slice + 1,
+                "attempt": 1,
+                "not_before": None,
+            }
+        )
+        return Continue(following)
+    await firings.finish(
+        command.run_id, state=FiringState.SUCCEEDED, now=clock(), result=outcome.summary
+    )
+    return Finished(outcome.summary)
+
+
+async def _give_up(
+    command: RunCronJob, reason: str, *, firings: FiringStore, clock: Clock
+) -> GiveUp:
+    await firings.finish(command.run_id, state=FiringState.FAILED, now=clock(), error=reason)
+    return GiveUp(reason)
+
+
+async def _retry_or_give_up(
+    command: RunCronJob, error: str, *, firings: FiringStore, retry: RetryPolicy, clock: Clock
+) -> Retry | GiveUp:
+    if command.attempt >= retry.max_attempts:
+        reason = f"cron job {command.job!r} failed {command.attempt} times; last error: {error}"
+        return await _give_up(command, reason, firings=firings, clock=clock)
+    now = clock()
+    not_before = now + retry.delay(command.attempt)
+    await firings.retrying(command.run_id, error=error, next_attempt_at=not_before, now=now)
+    following = command.model_copy(
+        update={"message_id": new_id(), "attempt": command.attempt + 1, "not_before": not_before}
+    )
+    return Retry(following, error)

@@ -1,0 +1,197 @@
+"""Raw usage records and their daily rollup, in the scheduler's own database.
+
+    usage_records {_id: "<task_id>:<generation>", task_id, generation, tenant_id, api_key_id,
+                   model, prompt_tokens, completion_tokens, cost_nanos | null, cached,
+                   day: "YYYY-MM-DD" (UTC), completed_at, recorded_at,
+                   rolled_up: bool, rollup_run}
+    usage_daily   {_id: "<tenant_id>|<day>", tenant_id, day, requests, prompt_tokens,
+                   completion_tokens, cost_nanos, priced_requests, rolled_up_at}
+
+A daily row is always recomputed in full from the raw records of its (tenant, day) and
+written with `$set`, never incremented: recomputing it again gives the same row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any
+
+from pymongo import ASCENDING, AsyncMongoClient, UpdateOne
+from pymongo.asynchronous.collection import AsyncCollection
+
+Document = dict[str, Any]
+# (tenant, day) pairs recomputed per aggregation; keeps each `$or` small.
+TOTALS_CHUNK = 500
+
+
+@dataclass(frozen=True)
+class UsageRecord:
+    task_id: str
+    generation: int
+    tenant_id: str
+    api_key_id: str | None
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+    cost_nanos: int | None
+    cached: bool
+    day: str
+    completed_at: datetime
+    recorded_at: datetime
+
+    @property
+    def record_id(self) -> str:
+        return f"{self.task_id}:{self.generation}"
+
+
+@dataclass(frozen=True, order=True)
+class TenantDay:
+    tenant_id: str
+    day: str
+
+
+@dataclass(frozen=True)
+class DailyUsage:
+    tenant_id: str
+    day: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    cost_nanos: int
+    priced_requests: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def unpriced_requests(self) -> int:
+        return self.requests - self.priced_requests
+
+
+class UsageRecords:
+    def __init__(self, client: AsyncMongoClient[Document], database: str) -> None:
+        self._collection: AsyncCollection[Document] = client[database]["usage_records"]
+
+    async def ensure_indexes(self) -> None:
+        await self._collection.create_index([("rolled_up", ASCENDING), ("rollup_run", ASCENDING)])
+        await self._collection.create_index([("tenant_id", ASCENDING), ("day", ASCENDING)])
+        await self._collection.create_index([("day", ASCENDING)])
+
+    async def record(self, record: UsageRecord) -> bool:
+        """Store `record` unless it exists (a redelivery); True when it is new."""
+        fields = asdict(record)
+        result = await self._collection.update_one(
+            {"_id": record.record_id},
+            {"$setOnInsert": {**fields, "rolled_up": False, "rollup_run": None}},
+            upsert=True,
+        )
+        return result.upserted_id is not None
+
+    async def claim_pending(self, run_id: str) -> int:
+        """Tag every record not yet rolled up with `run_id` (takes over abandoned tags)."""
+        result = await self._collection.update_many(
+            {"rolled_up": False}, {"$set": {"rollup_run": run_id}}
+        )
+        return result.matched_count
+
+    async def claimed_days(self, run_id: str) -> list[TenantDay]:
+        cursor = await self._collection.aggregate(
+            [
+                {"$match": {"rollup_run": run_id, "rolled_up": False}},
+                {"$group": {"_id": {"tenant_id": "$tenant_id", "day": "$day"}}},
+            ]
+        )
+        return sorted([TenantDay(**group["_id"]) async for group in cursor])
+
+    async def totals(self, days: Sequence[TenantDay]) -> list[DailyUsage]:
+        """Each (tenant, day)'s totals over all of its raw records."""
+        found: list[DailyUsage] = []
+        for start in range(0, len(days), TOTALS_CHUNK):
+            chunk = days[start : start + TOTALS_CHUNK]
+            found.extend(await self._totals_of(chunk))
+        return sorted(found, key=lambda usage: (usage.tenant_id, usage.day))
+
+    async def _totals_of(self, days: Sequence[TenantDay]) -> list[DailyUsage]:
+        match = {"$or": [{"tenant_id": d.tenant_id, "day": d.day} for d in days]}
+        cursor = await self._collection.aggregate(
+            [
+                {"$match": match},
+                {
+                    "$group": {
+                        "_id": {"tenant_id": "$tenant_id", "day": "$day"},
+                        "requests": {"$sum": 1},
+                        "prompt_tokens": {"$sum": "$prompt_tokens"},
+                        "completion_tokens": {"$sum": "$completion_tokens"},
+                        "cost_nanos": {"$sum": "$cost_nanos"},
+                        "priced_requests": {
+                            "$sum": {
+                                "$cond": [
+                                    {"$eq": [{"$ifNull": ["$cost_nanos", None]}, None]},
+                                    0,
+                                    1,
+                                ]
+                            }
+                        },
+                    }
+                },
+            ]
+        )
+        return [
+            DailyUsage(
+                tenant_id=group["_id"]["tenant_id"],
+                day=group["_id"]["day"],
+                requests=int(group["requests"]),
+                prompt_tokens=int(group["prompt_tokens"]),
+                completion_tokens=int(group["completion_tokens"]),
+                cost_nanos=int(group["cost_nanos"]),
+                priced_requests=int(group["priced_requests"]),
+            )
+            async for group in cursor
+        ]
+
+    async def mark_rolled_up(self, run_id: str) -> int:
+        result = await self._collection.update_many(
+            {"rollup_run": run_id, "rolled_up": False}, {"$set": {"rolled_up": True}}
+        )
+        return result.modified_count
+
+    async def delete_rolled_up_before(self, day: str) -> int:
+        result = await self._collection.delete_many({"day": {"$lt": day}, "rolled_up": True})
+        return result.deleted_count
+
+
+def _daily_id(tenant_id: str, day: str) -> str:
+    return f"{tenant_id}|{day}"
+
+
+class DailyUsageStore:
+    def __init__(self, client: AsyncMongoClient[Document], database: str) -> None:
+        self._collection: AsyncCollection[Document] = client[database]["usage_daily"]
+
+    async def ensure_indexes(self) -> None:
+        await self._collection.create_index([("tenant_id", ASCENDING), ("day", ASCENDING)])
+
+    async def save(self, rows: Iterable[DailyUsage], *, now: datetime) -> int:
+        """Replace each row's totals (`$set`, upsert); idempotent."""
+        operations = [
+            UpdateOne(
+                {"_id": _daily_id(row.tenant_id, row.day)},
+                {"$set": {**asdict(row), "rolled_up_at": now}},
+                upsert=True,
+            )
+            for row in rows
+        ]
+        if not operations:
+            return 0
+        await self._collection.bulk_write(operations, ordered=False)
+        return len(operations)
+
+    async def read(self, tenant_id: str, *, first_day: str, last_day: str) -> list[DailyUsage]:
+        cursor = self._collection.find(
+            {"tenant_id": tenant_id, "day": {"$gte": first_day, "$lte": last_day}},
+            projection={"_id": False, "rolled_up_at": False},
+        ).sort("day", ASCENDING)
+        return [DailyUsage(**document) async for document in cursor]

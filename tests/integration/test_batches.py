@@ -1,0 +1,305 @@
+"""Batches end to end in-process — gateway, scorer, status — on the real broker and database,
+the fake model scoring each item."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aio_pika
+import httpx
+import pytest
+from pymongo import AsyncMongoClient
+
+from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
+from services.gateway.app import create_app as create_gateway
+from services.gateway.keys import generate_key
+from services.gateway.settings import GatewaySettings
+from services.scorer.app import create_app as create_scorer
+from services.scorer.model.settings import ModelSettings
+from services.scorer.settings import ScorerSettings
+from services.status.app import create_app as create_status
+from services.status.settings import StatusSettings
+from shared.contracts import new_id
+from tests.support import eventually, running
+
+ADMIN_KEY = "test-admin-key"
+MAX_ITEMS = 50
+MAX_TEXT = 2_000
+
+
+@dataclass
+class Batches:
+    api: httpx.AsyncClient
+    other: dict[str, str]  # headers of another tenant's key
+    llm: FakeLLM
+    mongo: AsyncMongoClient[dict[str, Any]]
+    db_prefix: str
+
+    async def submit(self, body: dict[str, Any], **kwargs: Any) -> httpx.Response:
+        return await self.api.post("/v1/batches", json=body, **kwargs)
+
+    async def read(self, batch_id: str, **params: Any) -> dict[str, Any]:
+        response = await self.api.get(f"/v1/batches/{batch_id}", params=params)
+        assert response.status_code == 200, response.text
+        body: dict[str, Any] = response.json()
+        return body
+
+    async def kept(self) -> tuple[int, int]:
+        """(batches, submissions) the gateway holds."""
+        database = self.mongo[f"{self.db_prefix}_gateway"]
+        return (
+            await database["batches"].count_documents({}),
+            await database["submissions"].count_documents({}),
+        )
+
+
+@pytest.fixture(scope="module")
+async def batches(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Batches]:
+    llm = await start_fake_llm(FakeLLMConfig())
+    key = generate_key().token
+    env = {
+        "RABBITMQ_URL": amqp_url,
+        "MONGO_URL": mongo.url,
+        "MONGO_DB_PREFIX": db_prefix,
+        "RETRY_BASE_S": "0.5",
+        "RETRY_CAP_S": "2",
+        "LLM_PROVIDER": "openai",
+        "LLM_BASE_URL": llm.url,
+        "LLM_API_KEY": "test-key",
+        "LLM_MODEL": "fake-judge-1",
+        "LLM_TIMEOUT_S": "1",
+        "ADMIN_API_KEY": ADMIN_KEY,
+        "BOOTSTRAP_API_KEY": key,
+        "RATE_LIMIT_PER_MIN": "0",
+        "MAX_BATCH_ITEMS": str(MAX_ITEMS),
+        "MAX_TEXT_CHARS": str(MAX_TEXT),
+    }
+    scorer = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))
+    status = create_status(StatusSettings.model_validate(env))
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
+    async with running(status) as status_client, running(scorer):
+        gateway = create_gateway(GatewaySettings.model_validate(env), status_http=status_client)
+        async with running(gateway) as api:
+            api.headers["Authorization"] = f"Bearer {key}"
+            created = await api.post(
+                "/admin/v1/keys",
+                json={"tenant_id": f"other-{uuid.uuid4().hex[:8]}"},
+                headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+            )
+            assert created.status_code == 201, created.text
+            other = {"Authorization": f"Bearer {created.json()['key']}"}
+            yield Batches(api, other, llm, client, db_prefix)
+    await client.close()
+    await llm.stop()
+
+
+def _items(count: int, *, prefix: str = "doc") -> list[dict[str, Any]]:
+    run = uuid.uuid4().hex[:8]
+    return [
+        {"client_id": f"{prefix}-{i}", "text": f"Essay {i} of a batch [[id:b{run}{i}]]"}
+        for i in range(count)
+    ]
+
+
+def _assert_problem(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    body: dict[str, Any] = response.json()
+    assert body["status"] == status
+    assert body["detail"]
+    return body
+
+
+async def _all_pages(batches: Batches, batch_id: str, limit: int) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    cursor: str | None = None
+    for _ in range(100):
+        params: dict[str, Any] = {"limit": limit}
+        if cursor is not None:
+            params["cursor"] = cursor
+        page = await batches.read(batch_id, **params)
+        assert len(page["items"]) <= limit
+        items.extend(page["items"])
+        cursor = page["next_cursor"]
+        if cursor is None:
+            return items
+    raise AssertionError("pagination did not end")
+
+
+async def test_a_batch_is_accepted_in_order_and_converges_to_completed(batches: Batches) -> None:
+    items = _items(20)
+    response = await batches.submit({"items": items, "rubric": "clarity"})
+    assert response.status_code == 202, response.text
+    accepted = response.json()
+    batch_id = accepted["batch_id"]
+    assert response.headers["location"] == accepted["status_url"] == f"/v1/batches/{batch_id}"
+    assert accepted["total"] == 20
+    assert [item["index"] for item in accepted["items"]] == list(range(20))
+    assert [item["client_id"] for item in accepted["items"]] == [i["client_id"] for i in items]
+    task_ids = [item["task_id"] for item in accepted["items"]]
+    assert len(set(task_ids)) == 20
+
+    # Read-your-writes: right after the 202 every item is accounted for.
+    first = await batches.read(batch_id)
+    assert first["total"] == 20
+    assert sum(first["counts"].values()) == 20
+    assert [item["task_id"] for item in first["items"]] == task_ids
+    # Each task is also a task of its own.
+    single = await batches.api.get(accepted["items"][3]["status_url"])
+    assert single.status_code == 200
+    assert single.json()["task_id"] == task_ids[3]
+
+    async def all_completed() -> dict[str, Any] | None:
+        view = await batches.read(batch_id)
+        return view if view["counts"]["completed"] == 20 else None
+
+    done = await eventually(all_completed, timeout_s=90, what="every item completed")
+    assert sum(done["counts"].values()) == 20
+
+    pages = await _all_pages(batches, batch_id, limit=7)
+    assert [item["index"] for item in pages] == list(range(20))  # each once, in order
+    assert [item["task_id"] for item in pages] == task_ids
+    assert [item["client_id"] for item in pages] == [i["client_id"] for i in items]
+    for item in pages:
+        assert item["status"] == "completed"
+        assert 0 <= item["result"]["score"] <= 10
+        assert item["result"]["model"] == "fake-judge-1"
+        assert item["error"] is None
+    view = (await batches.api.get(f"/v1/scores/{task_ids[0]}")).json()
+    assert view["rubric"] == "clarity"
+
+
+async def test_items_override_the_batch_rubric_and_the_failures_are_counted(
+    batches: Batches,
+) -> None:
+    run = uuid.uuid4().hex[:8]
+    response = await batches.submit(
+        {
+            "rubric": "batch rubric",
+            "items": [
+                {"text": f"Fine [[id:c{run}0]]"},
+                {"text": f"Own rubric [[id:c{run}1]]", "rubric": "item rubric"},
+                {"text": f"Refused [[id:c{run}2]] [[fake:reject]]"},
+            ],
+        }
+    )
+    assert response.status_code == 202, response.text
+    accepted = response.json()
+
+    async def finished() -> dict[str, Any] | None:
+        view = await batches.read(accepted["batch_id"])
+        counts = view["counts"]
+        return view if counts["completed"] + counts["failed"] == 3 else None
+
+    view = await eventually(finished, timeout_s=60, what="batch finished")
+    assert view["counts"]["failed"] == 1
+    assert [item["client_id"] for item in view["items"]] == [None, None, None]
+    assert view["items"][2]["status"] == "failed"
+    assert view["items"][2]["error"]["code"] == "input_rejected"
+    rubrics = [
+        (await batches.api.get(item["status_url"])).json()["rubric"] for item in accepted["items"]
+    ]
+    assert rubrics == ["batch rubric", "item rubric", "batch rubric"]
+
+
+@pytest.mark.parametrize(
+    ("bad_item", "field"),
+    [
+        pytest.param({"text": " "}, "items[5].text", id="blank-text"),
+        pytest.param({"text": "x" * (MAX_TEXT + 1)}, "items[5].text", id="text-too-long"),
+        pytest.param({"text": "hi", "colour": "red"}, "items[5].colour", id="unknown-field"),
+        pytest.param({"text": "hi", "metadata": {"$where": 1}}, "items[5].metadata", id="op"),
+        pytest.param({"text": "hi", "client_id": "doc-1"}, "items[5].client_id", id="dup-id"),
+    ],
+)
+async def test_one_bad_item_fails_the_batch_and_nothing_is_kept(
+    batches: Batches, bad_item: dict[str, Any], field: str
+) -> None:
+    items = _items(8)
+    items[5] = bad_item
+    before = await batches.kept()
+    problem = _assert_problem(await batches.submit({"items": items}), 422)
+    assert "items[5]" in problem["detail"]
+    assert problem["invalid_items"] == [5]
+    assert [error["field"] for error in problem["errors"]] == [field]
+    assert await batches.kept() == before
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        pytest.param({"items": []}, 422, id="no-items"),
+        pytest.param({"items": _items(MAX_ITEMS + 1)}, 422, id="too-many-items"),
+        pytest.param({"texts": ["a"]}, 422, id="unknown-field"),
+        pytest.param(["a"], 422, id="not-an-object"),
+    ],
+)
+async def test_bad_batches_are_problems(batches: Batches, body: Any, status: int) -> None:
+    before = await batches.kept()
+    _assert_problem(await batches.api.post("/v1/batches", json=body), status)
+    assert await batches.kept() == before
+
+
+async def test_wrong_content_type_and_bad_json(batches: Batches) -> None:
+    _assert_problem(
+        await batches.api.post(
+            "/v1/batches", content=b'{"items": []}', headers={"content-type": "text/plain"}
+        ),
+        415,
+    )
+    _assert_problem(
+        await batches.api.post(
+            "/v1/batches", content=b'{"items": [', headers={"content-type": "application/json"}
+        ),
+        400,
+    )
+
+
+async def test_idempotency_key_returns_the_same_batch_or_409(batches: Batches) -> None:
+    key = uuid.uuid4().hex
+    items = _items(3)
+    first = await batches.submit({"items": items}, headers={"Idempotency-Key": key})
+    again = await batches.submit({"items": items}, headers={"Idempotency-Key": key})
+    other = await batches.submit({"items": _items(3)}, headers={"Idempotency-Key": key})
+    assert first.status_code == 202
+    assert again.status_code == 200
+    assert again.json() == first.json()
+    _assert_problem(other, 409)
+
+
+async def test_another_tenants_batch_is_404(batches: Batches) -> None:
+    response = await batches.submit({"items": _items(2)})
+    batch_id = response.json()["batch_id"]
+    _assert_problem(await batches.api.get(f"/v1/batches/{batch_id}", headers=batches.other), 404)
+    _assert_problem(await batches.api.get(f"/v1/batches/{new_id()}"), 404)
+    _assert_problem(await batches.api.get(f"/v1/batches/{batch_id}?cursor=abc"), 400)
+    _assert_problem(await batches.api.get(f"/v1/batches/{batch_id}?cursor=2"), 400)
+
+
+async def test_each_item_is_announced_with_its_batch_and_position(
+    batches: Batches, amqp_url: str
+) -> None:
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        probe = await channel.declare_queue(exclusive=True, auto_delete=True)
+        await probe.bind("scorebox.events", routing_key="task.accepted")
+        response = await batches.submit({"items": _items(12)})
+        assert response.status_code == 202
+        batch_id = response.json()["batch_id"]
+        seen: dict[str, int] = {}
+
+        async def all_announced() -> bool:
+            while (message := await probe.get(no_ack=True, fail=False, timeout=5)) is not None:
+                event = json.loads(message.body)
+                if event.get("batch_id") == batch_id:
+                    seen[event["task_id"]] = event["batch_index"]
+            return len(seen) == 12
+
+        await eventually(all_announced, what="12 task.accepted events")
+    order = [item["task_id"] for item in response.json()["items"]]
+    assert [seen[task_id] for task_id in order] == list(range(12))

@@ -1,0 +1,234 @@
+"""Request rate per key across replicas, slow bodies and chunked bodies, on the real broker and
+database. The gateway's clock is frozen one second into a rate window, so windows roll over
+only when a test moves the clock."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from pymongo import AsyncMongoClient
+
+from services.gateway.app import create_app as create_gateway
+from services.gateway.limits import fixed_window
+from services.gateway.settings import GatewaySettings
+from services.status.app import create_app as create_status
+from services.status.settings import StatusSettings
+from shared.contracts import utcnow
+from tests.support import running
+
+ADMIN_KEY = "test-admin-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+RATE = 5
+MAX_BODY = 10_000
+BODY_TIMEOUT_S = 0.5
+
+Json = dict[str, Any]
+
+
+class FrozenClock:
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+@dataclass
+class Stack:
+    api: httpx.AsyncClient
+    status_app: FastAPI
+    settings: GatewaySettings
+    clock: FrozenClock
+    mongo: AsyncMongoClient[Json]
+    db_prefix: str
+
+    async def auth(self, tenant_id: str | None = None) -> dict[str, str]:
+        tenant_id = tenant_id or f"t-{uuid.uuid4().hex[:8]}"
+        response = await self.api.post(
+            "/admin/v1/keys", json={"tenant_id": tenant_id}, headers=ADMIN
+        )
+        assert response.status_code == 201, response.text
+        return {"Authorization": f"Bearer {response.json()['key']}"}
+
+    async def stored(self, query: Json | None = None) -> int:
+        collection = self.mongo[f"{self.db_prefix}_gateway"]["submissions"]
+        return await collection.count_documents(query or {})
+
+
+@pytest.fixture(scope="module")
+async def stack(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Stack]:
+    env = {
+        "RABBITMQ_URL": amqp_url,
+        "MONGO_URL": mongo.url,
+        "MONGO_DB_PREFIX": db_prefix,
+        "ADMIN_API_KEY": ADMIN_KEY,
+        "RATE_LIMIT_PER_MIN": str(RATE),
+        "MAX_BODY_BYTES": str(MAX_BODY),
+        "REQUEST_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
+    }
+    # A day ahead, so no TTL monitor removes the test's counters while it runs.
+    clock = FrozenClock(fixed_window(utcnow() + timedelta(days=1), 60).start)
+    clock.advance(1)
+    settings = GatewaySettings.model_validate(env)
+    status = create_status(StatusSettings.model_validate(env), clock=clock)
+    gateway = create_gateway(settings, status_http=_status_http(status), clock=clock)
+    async with running(status), running(gateway) as api:
+        client: AsyncMongoClient[Json] = AsyncMongoClient(mongo.url, tz_aware=True)
+        yield Stack(api, status, settings, clock, client, db_prefix)
+        await client.close()
+
+
+def _status_http(status: FastAPI) -> httpx.AsyncClient:
+    """A client of the in-process status app (each gateway closes its own)."""
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=status), base_url="http://status")
+
+
+def _assert_problem(response: httpx.Response, status: int) -> Json:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    body: Json = response.json()
+    assert body["status"] == status
+    assert body["detail"]
+    return body
+
+
+def _unknown() -> str:
+    return f"/v1/scores/{uuid.uuid4().hex}"
+
+
+# --------------------------------------------------------------------------- request rate
+
+
+async def test_a_key_over_its_rate_gets_429_until_the_window_ends(stack: Stack) -> None:
+    tenant = f"rate-{uuid.uuid4().hex[:8]}"
+    key, same_tenant = await stack.auth(tenant), await stack.auth(tenant)
+    for _ in range(RATE):
+        assert (await stack.api.get(_unknown(), headers=key)).status_code == 404
+
+    limited = await stack.api.get(_unknown(), headers=key)
+    body = _assert_problem(limited, 429)
+    assert body["limit"] == "rate"
+    assert body["maximum"] == RATE
+    assert limited.headers["retry-after"] == "59"  # the clock is 1 s into its window
+    before = await stack.stored()
+    refused = await stack.api.post("/v1/scores", json={"text": "too soon"}, headers=key)
+    assert _assert_problem(refused, 429)["limit"] == "rate"
+    assert await stack.stored() == before
+
+    # The limit is per key: the tenant's other key is not held back.
+    assert (await stack.api.get(_unknown(), headers=same_tenant)).status_code == 404
+
+    stack.clock.advance(60)
+    assert (await stack.api.get(_unknown(), headers=key)).status_code == 404
+
+
+async def test_replicas_share_one_rate(stack: Stack) -> None:
+    other = create_gateway(
+        stack.settings, status_http=_status_http(stack.status_app), clock=stack.clock
+    )
+    async with running(other) as second:
+        key = await stack.auth()
+        replicas = [stack.api, second, stack.api, second, stack.api]
+        for api in replicas:
+            assert (await api.get(_unknown(), headers=key)).status_code == 404
+        for api in (second, stack.api):
+            assert _assert_problem(await api.get(_unknown(), headers=key), 429)["limit"] == "rate"
+
+
+async def test_refused_keys_do_not_reach_the_rate_counters(stack: Stack) -> None:
+    counters = stack.mongo[f"{stack.db_prefix}_gateway"]["rate_windows"]
+    before = await counters.count_documents({})
+    for _ in range(RATE + 2):
+        response = await stack.api.get(_unknown(), headers={"Authorization": "Bearer nope"})
+        assert response.status_code == 401
+    assert await counters.count_documents({}) == before
+
+
+# --------------------------------------------------------------------------- request bodies
+
+
+async def test_a_body_that_stops_arriving_is_408_and_keeps_nothing(stack: Stack) -> None:
+    key = await stack.auth()
+    never = asyncio.Event()
+
+    async def stalled() -> AsyncIterator[bytes]:
+        yield b'{"text": "a client that stops sending'
+        await never.wait()
+
+    before = await stack.stored()
+    async with asyncio.timeout(30):
+        response = await stack.api.post(
+            "/v1/scores",
+            content=stalled(),
+            headers={**key, "Content-Type": "application/json"},
+        )
+    assert _assert_problem(response, 408)["type"].endswith("/request-timeout")
+    assert response.headers["connection"] == "close"
+    assert await stack.stored() == before
+
+
+async def test_a_stalled_body_is_408_on_framework_parsed_routes_too(stack: Stack) -> None:
+    never = asyncio.Event()
+
+    async def stalled() -> AsyncIterator[bytes]:
+        yield b'{"tenant_id": "slow'
+        await never.wait()
+
+    async with asyncio.timeout(30):
+        response = await stack.api.post(
+            "/admin/v1/keys",
+            content=stalled(),
+            headers={**ADMIN, "Content-Type": "application/json"},
+        )
+    assert _assert_problem(response, 408)["type"].endswith("/request-timeout")
+
+
+def _chunks(pulled: list[int], count: int, size: int = 1_000) -> AsyncIterator[bytes]:
+    async def body() -> AsyncIterator[bytes]:
+        yield b'{"text": "'
+        for _ in range(count):
+            pulled.append(size)
+            yield b"x" * size
+        yield b'"}'
+
+    return body()
+
+
+async def test_a_chunked_body_over_the_limit_is_413_before_it_is_read_whole(
+    stack: Stack,
+) -> None:
+    key = await stack.auth()
+    pulled: list[int] = []
+    before = await stack.stored()
+    response = await stack.api.post(
+        "/v1/scores",
+        content=_chunks(pulled, count=1_000),
+        headers={**key, "Content-Type": "application/json"},
+    )
+    assert "content-length" not in response.request.headers
+    assert response.request.headers["transfer-encoding"] == "chunked"
+    body = _assert_problem(response, 413)
+    assert str(MAX_BODY) in body["detail"]
+    assert sum(pulled) <= MAX_BODY + 1_000  # it stopped reading at the limit
+    assert await stack.stored() == before
+
+
+async def test_a_chunked_body_within_the_limit_is_accepted(stack: Stack) -> None:
+    key = await stack.auth()
+    response = await stack.api.post(
+        "/v1/scores",
+        content=_chunks([], count=5, size=10),
+        headers={**key, "Content-Type": "application/json"},
+    )
+    assert response.status_code == 202, response.text

@@ -1,0 +1,299 @@
+"""Tasks in flight per tenant, across replicas, released by outcomes, on the real broker and
+database (no scorer: outcomes are published by hand)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from pymongo import AsyncMongoClient
+
+from services.gateway.app import create_app as create_gateway
+from services.gateway.limits import InFlight
+from services.gateway.settings import GatewaySettings
+from services.status.app import create_app as create_status
+from services.status.settings import StatusSettings
+from shared.bus import publish_event
+from shared.contracts import (
+    Phase,
+    ScoreResult,
+    TaskCompleted,
+    TaskError,
+    TaskEvent,
+    TaskFailed,
+    event_sequence,
+    utcnow,
+)
+from shared.runtime import make_broker
+from tests.support import eventually, running
+
+ADMIN_KEY = "test-admin-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+MAX_IN_FLIGHT = 3
+
+Json = dict[str, Any]
+
+
+@dataclass
+class Stack:
+    api: httpx.AsyncClient
+    status_app: FastAPI
+    settings: GatewaySettings
+    amqp_url: str
+    mongo: AsyncMongoClient[Json]
+    db_prefix: str
+
+    @property
+    def db(self) -> Any:
+        return self.mongo[f"{self.db_prefix}_gateway"]
+
+    async def tenant(self) -> tuple[str, dict[str, str]]:
+        tenant_id = f"t-{uuid.uuid4().hex[:8]}"
+        response = await self.api.post(
+            "/admin/v1/keys", json={"tenant_id": tenant_id}, headers=ADMIN
+        )
+        assert response.status_code == 201, response.text
+        return tenant_id, {"Authorization": f"Bearer {response.json()['key']}"}
+
+    async def in_flight(self, tenant_id: str) -> int:
+        document = await self.db["in_flight_tenants"].find_one({"_id": tenant_id})
+        return 0 if document is None else int(document["count"])
+
+    async def markers(self, tenant_id: str) -> int:
+        return int(await self.db["in_flight_tasks"].count_documents({"tenant_id": tenant_id}))
+
+    async def stored(self, tenant_id: str) -> int:
+        return int(await self.db["submissions"].count_documents({"tenant_id": tenant_id}))
+
+    async def publish(self, *events: TaskEvent) -> None:
+        broker = make_broker(GatewaySettings.model_validate({"RABBITMQ_URL": self.amqp_url}))
+        async with broker:
+            await broker.connect()
+            for event in events:
+                await publish_event(broker, event, timeout=10)
+
+
+@pytest.fixture(scope="module")
+async def stack(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Stack]:
+    env = {
+        "RABBITMQ_URL": amqp_url,
+        "MONGO_URL": mongo.url,
+        "MONGO_DB_PREFIX": db_prefix,
+        "ADMIN_API_KEY": ADMIN_KEY,
+        "RATE_LIMIT_PER_MIN": "0",
+        "MAX_IN_FLIGHT_PER_TENANT": str(MAX_IN_FLIGHT),
+    }
+    settings = GatewaySettings.model_validate(env)
+    status = create_status(StatusSettings.model_validate(env))
+    gateway = create_gateway(settings, status_http=_status_http(status))
+    async with running(status), running(gateway) as api:
+        client: AsyncMongoClient[Json] = AsyncMongoClient(mongo.url, tz_aware=True)
+        yield Stack(api, status, settings, amqp_url, client, db_prefix)
+        await client.close()
+
+
+def _status_http(status: FastAPI) -> httpx.AsyncClient:
+    """A client of the in-process status app (each gateway closes its own)."""
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=status), base_url="http://status")
+
+
+def _assert_in_flight_problem(response: httpx.Response) -> None:
+    assert response.status_code == 429, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    assert response.headers["retry-after"] == "5"
+    body = response.json()
+    assert body["status"] == 429
+    assert body["limit"] == "in_flight"
+    assert body["maximum"] == MAX_IN_FLIGHT
+    assert str(MAX_IN_FLIGHT) in body["detail"]
+
+
+async def _submit(stack: Stack, headers: dict[str, str], **fields: Any) -> httpx.Response:
+    body = {"text": f"text {uuid.uuid4().hex}", "use_cache": False, **fields}
+    return await stack.api.post("/v1/scores", json=body, headers=headers)
+
+
+def _completed(task_id: str, tenant_id: str, score: float = 6.0) -> TaskCompleted:
+    return TaskCompleted(
+        task_id=task_id,
+        tenant_id=tenant_id,
+        attempt=1,
+        submitted_at=utcnow(),
+        sequence=event_sequence(generation=0, attempt=1, phase=Phase.TERMINAL),
+        result=ScoreResult(score=score, comment="ok", model="m"),
+    )
+
+
+def _failed(task_id: str, tenant_id: str) -> TaskFailed:
+    return TaskFailed(
+        task_id=task_id,
+        tenant_id=tenant_id,
+        attempt=1,
+        submitted_at=utcnow(),
+        sequence=event_sequence(generation=0, attempt=1, phase=Phase.TERMINAL),
+        error=TaskError(code="unusable_output", message="no", retryable=False),
+        dead_lettered=False,
+    )
+
+
+async def _released(stack: Stack, task_id: str) -> None:
+    async def gone() -> bool:
+        return int(await stack.db["in_flight_tasks"].count_documents({"_id": task_id})) == 0
+
+    await eventually(gone, what=f"in-flight slot of {task_id} released")
+
+
+async def test_a_tenant_at_its_limit_gets_429_until_a_task_ends(stack: Stack) -> None:
+    tenant, key = await stack.tenant()
+    tasks = []
+    for _ in range(MAX_IN_FLIGHT):
+        response = await _submit(stack, key)
+        assert response.status_code == 202, response.text
+        tasks.append(response.json()["task_id"])
+    assert await stack.in_flight(tenant) == MAX_IN_FLIGHT
+
+    _assert_in_flight_problem(await _submit(stack, key))
+    _assert_in_flight_problem(await _submit(stack, key, delay_seconds=60))  # scheduled counts
+    # Nothing half-written: no submission, no slot, no marker for the refused ones.
+    assert await stack.stored(tenant) == MAX_IN_FLIGHT
+    assert await stack.markers(tenant) == MAX_IN_FLIGHT
+    assert await stack.in_flight(tenant) == MAX_IN_FLIGHT
+
+    # The limit is the tenant's, not everyone's.
+    _, other = await stack.tenant()
+    assert (await _submit(stack, other)).status_code == 202
+
+    await stack.publish(_completed(tasks[0], tenant))
+    await _released(stack, tasks[0])
+    assert await stack.in_flight(tenant) == MAX_IN_FLIGHT - 1
+    fourth = await _submit(stack, key)
+    assert fourth.status_code == 202, fourth.text
+    _assert_in_flight_problem(await _submit(stack, key))
+
+    await stack.publish(_failed(tasks[1], tenant))
+    await _released(stack, tasks[1])
+    assert await stack.in_flight(tenant) == MAX_IN_FLIGHT - 1
+
+    # Duplicates and a completion after a failure release nothing more. The outcome queue has
+    # one consumer and RabbitMQ keeps order, so once the last event's slot is released, the
+    # duplicates before it have been handled.
+    await stack.publish(
+        _completed(tasks[0], tenant),
+        _failed(tasks[0], tenant),
+        _completed(tasks[1], tenant),
+        _completed(tasks[2], tenant),
+    )
+    await _released(stack, tasks[2])
+    assert await stack.in_flight(tenant) == 1  # the fourth task
+    assert await stack.markers(tenant) == 1
+
+
+async def test_replicas_share_one_in_flight_count(stack: Stack) -> None:
+    other = create_gateway(stack.settings, status_http=_status_http(stack.status_app))
+    async with running(other) as second:
+        tenant, key = await stack.tenant()
+        for api in (stack.api, second, stack.api):
+            body = {"text": uuid.uuid4().hex, "use_cache": False}
+            assert (await api.post("/v1/scores", json=body, headers=key)).status_code == 202
+        for api in (second, stack.api):
+            response = await api.post("/v1/scores", json={"text": "one more"}, headers=key)
+            _assert_in_flight_problem(response)
+        assert await stack.in_flight(tenant) == MAX_IN_FLIGHT
+
+
+async def test_an_idempotent_replay_takes_no_slot(stack: Stack) -> None:
+    tenant, key = await stack.tenant()
+    headers = {**key, "Idempotency-Key": uuid.uuid4().hex}
+    body = {"text": "once", "use_cache": False}
+    first = await stack.api.post("/v1/scores", json=body, headers=headers)
+    assert first.status_code == 202
+    for _ in range(MAX_IN_FLIGHT + 1):
+        again = await stack.api.post("/v1/scores", json=body, headers=headers)
+        assert again.status_code == 200
+        assert again.json()["task_id"] == first.json()["task_id"]
+    assert await stack.in_flight(tenant) == 1
+
+
+async def test_a_result_from_the_cache_takes_no_slot(stack: Stack) -> None:
+    tenant, key = await stack.tenant()
+    text = f"Cache me {uuid.uuid4().hex}"
+    first = await stack.api.post("/v1/scores", json={"text": text}, headers=key)
+    assert first.status_code == 202
+    task_id = first.json()["task_id"]
+    await stack.publish(_completed(task_id, tenant))
+    await _released(stack, task_id)
+
+    async def cached() -> bool:
+        return int(await stack.db["result_cache"].count_documents({"task_id": task_id})) == 1
+
+    await eventually(cached, what="result cached")
+    for _ in range(MAX_IN_FLIGHT + 1):
+        hit = await stack.api.post("/v1/scores", json={"text": text}, headers=key)
+        assert hit.status_code == 200, hit.text
+        assert hit.json()["result"]["cached"] is True
+    assert await stack.in_flight(tenant) == 0
+    assert await stack.markers(tenant) == 0
+
+
+async def test_a_batch_takes_its_slots_all_or_none(stack: Stack) -> None:
+    tenant, key = await stack.tenant()
+
+    async def batch(size: int) -> httpx.Response:
+        items = [{"text": uuid.uuid4().hex} for _ in range(size)]
+        return await stack.api.post("/v1/batches", json={"items": items}, headers=key)
+
+    assert (await batch(2)).status_code == 202
+    _assert_in_flight_problem(await batch(2))
+    assert await stack.stored(tenant) == 2
+    assert await stack.markers(tenant) == 2
+    _assert_in_flight_problem(await batch(MAX_IN_FLIGHT + 1))
+    assert (await batch(1)).status_code == 202
+    assert await stack.in_flight(tenant) == MAX_IN_FLIGHT
+
+
+async def test_a_release_decrements_once_even_when_repeated_midway(stack: Stack) -> None:
+    """The in-flight repository itself: a release that died between its two writes, or two
+    releases at once, still take the slot back exactly once."""
+    in_flight = InFlight(stack.mongo, f"{stack.db_prefix}_gateway", max_per_tenant=MAX_IN_FLIGHT)
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    first, second, third = (uuid.uuid4().hex for _ in range(3))
+    await in_flight.acquire(tenant, [first, second, third], now=utcnow())
+    assert await in_flight.count(tenant) == 3
+
+    # A release that decremented, then died before deleting the marker (as the counter update
+    # of `InFlight.release` leaves it); its redelivery must not decrement again.
+    await stack.db["in_flight_tenants"].update_one(
+        {"_id": tenant},
+        {"$inc": {"count": -1}, "$push": {"recent_releases": {"$each": [first], "$slice": -64}}},
+    )
+    assert await in_flight.release(first) is False
+    assert await stack.markers(tenant) == 2
+    assert await in_flight.count(tenant) == 2
+
+    # Two deliveries of the same outcome at once.
+    outcomes = await asyncio.gather(in_flight.release(second), in_flight.release(second))
+    assert sorted(outcomes) == [False, True]
+    assert await in_flight.count(tenant) == 1
+
+    # A task that was never counted (a cached result, another replica's refusal) is a no-op.
+    assert await in_flight.release(uuid.uuid4().hex) is False
+    assert await in_flight.release(third) is True
+    assert await in_flight.release(third) is False
+    assert await in_flight.count(tenant) == 0
+
+
+async def test_the_count_never_goes_below_zero(stack: Stack) -> None:
+    in_flight = InFlight(stack.mongo, f"{stack.db_prefix}_gateway", max_per_tenant=MAX_IN_FLIGHT)
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    task = uuid.uuid4().hex
+    await in_flight.acquire(tenant, [task], now=utcnow())
+    # An under-count (a crash between marker and counter): the slot was never taken.
+    await stack.db["in_flight_tenants"].update_one({"_id": tenant}, {"$set": {"count": 0}})
+    assert await in_flight.release(task) is False
+    assert await in_flight.count(tenant) == 0

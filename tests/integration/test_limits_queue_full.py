@@ -1,0 +1,163 @@
+"""A full work queue (`max-length` + `reject-publish`, applied as a policy to this module's
+vhost, no scorer running) answers 503 with Retry-After and keeps nothing half-written."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import subprocess
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, unquote, urlsplit
+
+import aio_pika
+import httpx
+import pytest
+from pymongo import AsyncMongoClient
+
+from devtools.infra import Endpoint
+from services.gateway.app import create_app as create_gateway
+from services.gateway.keys import generate_key
+from services.gateway.settings import GatewaySettings
+from services.status.app import create_app as create_status
+from services.status.settings import StatusSettings
+from shared.topology import SCORE_REQUESTS
+from tests.support import running
+
+API_KEY = generate_key().token
+QUEUE_LENGTH = 2
+POLICY = {"max-length": QUEUE_LENGTH, "overflow": "reject-publish"}
+MAX_TRIES = 20
+
+Json = dict[str, Any]
+
+
+def _apply_tiny_queue_policy(amqp_url: str, rabbitmq: Endpoint) -> None:
+    """`rabbitmqctl set_policy` on this machine's broker, else the management API."""
+    parts = urlsplit(amqp_url)
+    vhost = unquote(parts.path.lstrip("/"))
+    pattern = "^" + SCORE_REQUESTS.name.replace(".", r"\.") + "$"
+    if parts.hostname in {"127.0.0.1", "localhost"} and shutil.which("rabbitmqctl"):
+        subprocess.run(
+            [
+                "rabbitmqctl",
+                "set_policy",
+                "-p",
+                vhost,
+                "tiny-queue",
+                pattern,
+                json.dumps(POLICY),
+                "--apply-to",
+                "queues",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        return
+    base = rabbitmq.management_url or f"http://{parts.hostname}:15672"
+    request = urllib.request.Request(
+        f"{base.rstrip('/')}/api/policies/{quote(vhost, safe='')}/tiny-queue",
+        data=json.dumps({"pattern": pattern, "definition": POLICY, "apply-to": "queues"}).encode(),
+        method="PUT",
+    )
+    credentials = f"{unquote(parts.username or 'guest')}:{unquote(parts.password or 'guest')}"
+    request.add_header("Authorization", "Basic " + base64.b64encode(credentials.encode()).decode())
+    request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            response.read()
+    except OSError as error:
+        pytest.skip(f"cannot apply a queue policy (no rabbitmqctl, no management API): {error}")
+
+
+@dataclass
+class Stack:
+    api: httpx.AsyncClient
+    amqp_url: str
+    mongo: AsyncMongoClient[Json]
+    db_prefix: str
+
+    @property
+    def db(self) -> Any:
+        return self.mongo[f"{self.db_prefix}_gateway"]
+
+
+@pytest.fixture(scope="module")
+async def stack(
+    amqp_url: str, rabbitmq: Endpoint, mongo: Any, db_prefix: str
+) -> AsyncIterator[Stack]:
+    _apply_tiny_queue_policy(amqp_url, rabbitmq)
+    env = {
+        "RABBITMQ_URL": amqp_url,
+        "MONGO_URL": mongo.url,
+        "MONGO_DB_PREFIX": db_prefix,
+        "BOOTSTRAP_API_KEY": API_KEY,
+        "RATE_LIMIT_PER_MIN": "0",
+        "BROKER_TIMEOUT_S": "5",
+    }
+    status = create_status(StatusSettings.model_validate(env))
+    async with running(status) as status_client:
+        gateway = create_gateway(GatewaySettings.model_validate(env), status_http=status_client)
+        async with running(gateway) as api:
+            api.headers["Authorization"] = f"Bearer {API_KEY}"
+            client: AsyncMongoClient[Json] = AsyncMongoClient(mongo.url, tz_aware=True)
+            yield Stack(api, amqp_url, client, db_prefix)
+            await client.close()
+
+
+async def _purge_work_queue(amqp_url: str) -> None:
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.get_queue(SCORE_REQUESTS.name, ensure=True)
+        await queue.purge()
+
+
+async def test_a_full_queue_answers_503_and_keeps_nothing(stack: Stack) -> None:
+    accepted: list[str] = []
+    refused: httpx.Response | None = None
+    refused_request: tuple[Json, str] | None = None
+    for _ in range(MAX_TRIES):
+        body = {"text": f"text {uuid.uuid4().hex}", "use_cache": False}
+        key = uuid.uuid4().hex
+        response = await stack.api.post("/v1/scores", json=body, headers={"Idempotency-Key": key})
+        if response.status_code == 503:
+            refused, refused_request = response, (body, key)
+            break
+        assert response.status_code == 202, response.text
+        accepted.append(response.json()["task_id"])
+
+    assert refused is not None, f"no 503 within {MAX_TRIES} submissions"
+    assert refused_request is not None
+    assert len(accepted) >= QUEUE_LENGTH
+    assert refused.headers["content-type"].startswith("application/problem+json")
+    assert int(refused.headers["retry-after"]) > 0
+    problem = refused.json()
+    assert problem["status"] == 503
+    assert "nothing was kept" in problem["detail"]
+
+    # Exactly the accepted submissions are kept, each counted once in flight.
+    stored = [d["_id"] async for d in stack.db["submissions"].find({}, projection={"_id": 1})]
+    assert sorted(stored) == sorted(accepted)
+    markers = [d["_id"] async for d in stack.db["in_flight_tasks"].find({})]
+    assert sorted(markers) == sorted(accepted)
+    counter = await stack.db["in_flight_tenants"].find_one({"_id": "default"})
+    assert counter is not None
+    assert counter["count"] == len(accepted)
+
+    # Still full: still 503, never 500.
+    again = await stack.api.post("/v1/scores", json={"text": "still full", "use_cache": False})
+    assert again.status_code == 503, again.text
+
+    # Nothing was kept under the refused request's Idempotency-Key either: once there is room,
+    # the same request is a new task, not a 409 or an earlier task.
+    await _purge_work_queue(stack.amqp_url)
+    body, key = refused_request
+    retried = await stack.api.post("/v1/scores", json=body, headers={"Idempotency-Key": key})
+    assert retried.status_code == 202, retried.text
+    assert retried.json()["task_id"] not in accepted

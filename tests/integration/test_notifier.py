@@ -1,0 +1,495 @@
+"""Webhooks end to end, in-process on the real broker and database: gateway, scorer (fake
+model), status and notifier, delivering to an https receiver with a test CA.
+
+The receiver listens on 127.0.0.1 under the name `receiver.scorebox.test`: the gateway
+accepts the name (it resolves nothing), the notifier resolves it through a table (no DNS
+here) and, as `WEBHOOK_ALLOWED_TEST_HOSTS=127.0.0.1` allows, connects to 127.0.0.1 with that
+name for SNI and certificate checks (`WEBHOOK_CA_FILE` trusts the test CA).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import ssl
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import httpx
+import orjson
+import pytest
+import trustme
+from aiohttp import web
+from pymongo import AsyncMongoClient
+from standardwebhooks import Webhook
+
+from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
+from services.gateway.app import create_app as create_gateway
+from services.gateway.keys import generate_key
+from services.gateway.settings import GatewaySettings
+from services.notifier.app import create_app as create_notifier
+from services.notifier.settings import NotifierSettings
+from services.notifier.ssrf import IPAddress
+from services.scorer.app import create_app as create_scorer
+from services.scorer.model.settings import ModelSettings
+from services.scorer.settings import ScorerSettings
+from services.status.app import create_app as create_status
+from services.status.settings import StatusSettings
+from shared.bus import publish_event
+from shared.contracts import (
+    DeliverWebhook,
+    Phase,
+    ScoreResult,
+    TaskAccepted,
+    TaskCompleted,
+    TaskEvent,
+    TaskFailed,
+    event_sequence,
+    new_id,
+    utcnow,
+)
+from shared.runtime import make_broker
+from shared.topology import ERROR_HEADER, WEBHOOK_DELIVERIES
+from tests.support import eventually, running
+
+API_KEY = generate_key().token  # registered for the default tenant by BOOTSTRAP_API_KEY
+RECEIVER_HOST = "receiver.scorebox.test"
+INTRANET_HOST = "intranet.scorebox.test"  # resolves to a private address: always refused
+Document = dict[str, Any]
+Answer = tuple[int, dict[str, str]]
+
+
+@dataclass(frozen=True)
+class Received:
+    headers: dict[str, str]
+    body: bytes
+
+    @property
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
+
+@dataclass
+class Receiver:
+    """An https webhook receiver: answers each path from a script of statuses, records all."""
+
+    port: int = 0
+    scripts: dict[str, list[Answer]] = field(default_factory=dict)
+    received: dict[str, list[Received]] = field(default_factory=lambda: defaultdict(list))
+
+    def endpoint(self, *answers: int | Answer) -> str:
+        """A fresh URL giving `answers` (status, or status and headers) in turn; the last one
+        repeats."""
+        name = uuid.uuid4().hex[:12]
+        self.scripts[name] = [a if isinstance(a, tuple) else (a, {}) for a in answers]
+        return f"https://{RECEIVER_HOST}:{self.port}/hooks/{name}"
+
+    def requests(self, url: str) -> list[Received]:
+        return self.received[url.rsplit("/", 1)[1]]
+
+    async def handle(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        calls = self.received[name]
+        calls.append(
+            Received({k.lower(): v for k, v in request.headers.items()}, await request.read())
+        )
+        script = self.scripts.get(name) or [(404, {})]
+        status, headers = script[min(len(calls), len(script)) - 1]
+        return web.Response(status=status, text=f"scripted {status}", headers=headers)
+
+
+class TableResolver:
+    """DNS for the test: a fixed table (the SSRF guard still checks every answer)."""
+
+    def __init__(self, table: dict[str, list[str]]) -> None:
+        self._table = table
+
+    async def resolve(self, host: str, port: int) -> Sequence[IPAddress]:
+        return [ipaddress.ip_address(a) for a in self._table.get(host, [])]
+
+
+@dataclass
+class Flow:
+    api: httpx.AsyncClient
+    notifier: httpx.AsyncClient  # its internal API, as the gateway calls it
+    receiver: Receiver
+    amqp_url: str
+    notifier_db: Any
+    dead_letters: list[aio_pika.abc.AbstractIncomingMessage]
+
+    async def submit(self, text: str, callback_url: str | None = None) -> str:
+        body: Document = {"text": text, "use_cache": False}
+        if callback_url is not None:
+            body["callback_url"] = callback_url
+        response = await self.api.post("/v1/scores", json=body)
+        assert response.status_code == 202, response.text
+        task_id: str = response.json()["task_id"]
+        return task_id
+
+    async def secret(self) -> str:
+        response = await self.api.get("/v1/webhooks/secret")
+        assert response.status_code == 200, response.text
+        assert response.headers["cache-control"] == "no-store"
+        secret: str = response.json()["secret"]
+        return secret
+
+    async def publish(self, *events: TaskEvent) -> None:
+        broker = make_broker(NotifierSettings.model_validate({"RABBITMQ_URL": self.amqp_url}))
+        async with broker:
+            await broker.connect()
+            for event in events:
+                await publish_event(broker, event, timeout=10)
+
+    async def delivery(self, **query: Any) -> Document | None:
+        found: Document | None = await self.notifier_db["deliveries"].find_one(query)
+        return found
+
+    async def settled(self, task_id: str, state: str, **extra: Any) -> Document:
+        async def there() -> Document | None:
+            return await self.delivery(task_id=task_id, state=state, **extra)
+
+        return await eventually(there, what=f"a {state} delivery for {task_id}")
+
+    async def dead_letter_of(self, delivery_id: str) -> aio_pika.abc.AbstractIncomingMessage:
+        async def found() -> aio_pika.abc.AbstractIncomingMessage | None:
+            await self._drain_dead_letters()
+            for message in self.dead_letters:
+                if DeliverWebhook.model_validate_json(message.body).delivery_id == delivery_id:
+                    return message
+            return None
+
+        return await eventually(found, what=f"dead letter of {delivery_id}")
+
+    async def _drain_dead_letters(self) -> None:
+        connection = await aio_pika.connect(self.amqp_url, timeout=10)
+        async with connection:
+            channel = await connection.channel()
+            queue = await channel.get_queue(WEBHOOK_DELIVERIES.dead_letter_routing_key)
+            while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
+                self.dead_letters.append(message)
+
+
+async def _start_receiver(tls: ssl.SSLContext) -> tuple[Receiver, web.AppRunner]:
+    receiver = Receiver()
+    app = web.Application()
+    app.router.add_post("/hooks/{name}", receiver.handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls).start()
+    receiver.port = runner.addresses[0][1]
+    return receiver, runner
+
+
+def _tls(tmp_path: Path) -> tuple[ssl.SSLContext, Path]:
+    """A test CA, a server certificate for the receiver's name, and the CA as a PEM file."""
+    ca = trustme.CA()
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert(RECEIVER_HOST).configure_cert(server)
+    ca_file = tmp_path / "webhook-test-ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    return server, ca_file
+
+
+@pytest.fixture(scope="module")
+async def flow(
+    amqp_url: str, mongo: Any, db_prefix: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Flow]:
+    server_tls, ca_file = _tls(tmp_path_factory.mktemp("webhooks"))
+    receiver, receiver_runner = await _start_receiver(server_tls)
+    llm: FakeLLM = await start_fake_llm(FakeLLMConfig())
+    env = {
+        "RABBITMQ_URL": amqp_url,
+        "MONGO_URL": mongo.url,
+        "MONGO_DB_PREFIX": db_prefix,
+        "LLM_PROVIDER": "openai",
+        "LLM_BASE_URL": llm.url,
+        "LLM_API_KEY": "test-key",
+        "LLM_MODEL": "fake-judge-1",
+        "LLM_TIMEOUT_S": "1",
+        "RETRY_BASE_S": "0.5",
+        "RETRY_CAP_S": "2",
+        "BOOTSTRAP_API_KEY": API_KEY,
+        "RATE_LIMIT_PER_MIN": "0",
+        "WEBHOOK_ALLOWED_TEST_HOSTS": "127.0.0.1",
+        "WEBHOOK_CA_FILE": str(ca_file),
+        "WEBHOOK_RETRY_BASE_S": "0.01",  # retries go out at once (below the 1 s wait tier)
+        "WEBHOOK_MAX_ATTEMPTS": "4",
+    }
+    resolver = TableResolver({RECEIVER_HOST: ["127.0.0.1"], INTRANET_HOST: ["10.0.0.7"]})
+    notifier = create_notifier(NotifierSettings.model_validate(env), resolver=resolver)
+    scorer = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))
+    status = create_status(StatusSettings.model_validate(env))
+    database: AsyncMongoClient[Document] = AsyncMongoClient(mongo.url, tz_aware=True)
+    try:
+        async with (
+            running(status) as status_client,
+            running(notifier) as notifier_client,
+            running(scorer),
+        ):
+            gateway = create_gateway(
+                GatewaySettings.model_validate(env),
+                status_http=status_client,
+                notifier_http=notifier_client,
+            )
+            async with running(gateway) as api:
+                api.headers["Authorization"] = f"Bearer {API_KEY}"
+                yield Flow(
+                    api,
+                    notifier_client,
+                    receiver,
+                    amqp_url,
+                    database[f"{db_prefix}_notifier"],
+                    [],
+                )
+    finally:
+        await database.close()
+        await llm.stop()
+        await receiver_runner.cleanup()
+
+
+def _marker() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+def _accepted(task_id: str, callback_url: str | None, tenant_id: str = "default") -> TaskAccepted:
+    now = utcnow()
+    return TaskAccepted(
+        task_id=task_id,
+        tenant_id=tenant_id,
+        sequence=event_sequence(generation=0, attempt=0, phase=Phase.ACCEPTED),
+        submitted_at=now,
+        occurred_at=now,
+        callback_url=callback_url,
+    )
+
+
+def _completed(task_id: str) -> TaskCompleted:
+    return TaskCompleted(
+        task_id=task_id,
+        sequence=event_sequence(generation=0, attempt=1, phase=Phase.TERMINAL),
+        attempt=1,
+        submitted_at=utcnow(),
+        result=ScoreResult(score=6.5, comment="fine", model="fake-judge-1"),
+    )
+
+
+def _verified(request: Received, secret: str) -> Document:
+    payload: Document = Webhook(secret).verify(request.body, request.headers)
+    return payload
+
+
+async def test_a_callback_gets_one_signed_post_with_the_outcome(flow: Flow) -> None:
+    url = flow.receiver.endpoint(200)
+    task_id = await flow.submit(f"Call me back [[id:{_marker()}]]", callback_url=url)
+
+    record = await flow.settled(task_id, "delivered")
+
+    requests = flow.receiver.requests(url)
+    assert len(requests) == 1
+    request = requests[0]
+    assert request.headers["content-type"] == "application/json"
+    assert request.headers["webhook-id"] == record["_id"]
+    assert request.headers["webhook-signature"].startswith("v1,")
+    payload = _verified(request, await flow.secret())
+    assert payload["type"] == "task.completed"
+    assert payload["data"]["task_id"] == task_id
+    assert payload["data"]["status"] == "completed"
+    assert payload["data"]["purpose"] == "callback"
+    assert 0 <= payload["data"]["result"]["score"] <= 10
+    assert record["attempt"] == 1
+    assert record["last_status"] == 200
+
+
+async def test_server_errors_are_retried_and_delivered_once(flow: Flow) -> None:
+    url = flow.receiver.endpoint(500, 500, 200)
+    task_id = new_id()
+    await flow.publish(_accepted(task_id, url), _completed(task_id))
+
+    record = await flow.settled(task_id, "delivered")
+
+    requests = flow.receiver.requests(url)
+    assert len(requests) == 3
+    assert {r.headers["webhook-id"] for r in requests} == {record["_id"]}
+    secret = await flow.secret()
+    assert all(_verified(r, secret)["data"]["task_id"] == task_id for r in requests)
+    assert record["attempt"] == 3
+
+
+async def test_a_gone_receiver_is_dead_lettered_with_the_reason(flow: Flow) -> None:
+    url = flow.receiver.endpoint(410)
+    task_id = new_id()
+    await flow.publish(_accepted(task_id, url), _completed(task_id))
+
+    record = await flow.settled(task_id, "failed")
+    dead = await flow.dead_letter_of(record["_id"])
+
+    assert "410" in str(dead.headers[ERROR_HEADER])
+    assert "410" in record["last_error"]
+    assert len(flow.receiver.requests(url)) == 1
+
+
+async def test_a_receiver_that_keeps_failing_is_dead_lettered_after_the_last_attempt(
+    flow: Flow,
+) -> None:
+    url = flow.receiver.endpoint(503)
+    task_id = new_id()
+    await flow.publish(_accepted(task_id, url), _completed(task_id))
+
+    record = await flow.settled(task_id, "failed")
+    dead = await flow.dead_letter_of(record["_id"])
+
+    assert "gave up after 4 attempt(s)" in str(dead.headers[ERROR_HEADER])
+    assert len(flow.receiver.requests(url)) == 4
+
+
+async def test_a_name_resolving_to_a_private_address_is_never_contacted(flow: Flow) -> None:
+    url = f"https://{INTRANET_HOST}:{flow.receiver.port}/hooks/never"
+    task_id = await flow.submit(f"Sneaky [[id:{_marker()}]]", callback_url=url)
+
+    record = await flow.settled(task_id, "failed")
+    dead = await flow.dead_letter_of(record["_id"])
+
+    assert "non-public" in str(dead.headers[ERROR_HEADER])
+    assert "10.0.0.7" in record["last_error"]
+    assert flow.receiver.requests(url) == []
+
+
+async def test_the_failure_alert_receives_every_failed_task(flow: Flow) -> None:
+    alert_url = flow.receiver.endpoint(204)
+    registered = await flow.api.put("/v1/webhooks/failure-alert", json={"url": alert_url})
+    assert registered.status_code == 200, registered.text
+    assert (await flow.api.get("/v1/webhooks/failure-alert")).json() == {"url": alert_url}
+    other_url = flow.receiver.endpoint(204)
+    other_tenant = await flow.notifier.put(
+        "/internal/v1/tenants/someone-else/failure-alert", json={"url": other_url}
+    )
+    assert other_tenant.status_code == 200, other_tenant.text
+    try:
+        task_id = await flow.submit(f"Refused text [[id:{_marker()}]] [[fake:reject]]")
+        record = await flow.settled(task_id, "delivered", purpose="failure_alert")
+        # Another tenant's failure goes to that tenant's URL only.
+        other = TaskFailed.model_validate(
+            {
+                "task_id": new_id(),
+                "tenant_id": "someone-else",
+                "sequence": 190,
+                "attempt": 1,
+                "submitted_at": utcnow(),
+                "error": {"code": "input_rejected", "message": "no", "retryable": False},
+                "dead_lettered": False,
+            }
+        )
+        await flow.publish(other)
+        await flow.settled(other.task_id, "delivered", purpose="failure_alert")
+    finally:
+        removed = await flow.api.delete("/v1/webhooks/failure-alert")
+    assert removed.status_code == 204
+    assert (await flow.api.get("/v1/webhooks/failure-alert")).status_code == 404
+
+    requests = flow.receiver.requests(alert_url)
+    assert len(requests) == 1
+    payload = _verified(requests[0], await flow.secret())
+    assert requests[0].headers["webhook-id"] == record["_id"]
+    assert payload["type"] == "task.failed"
+    assert payload["data"]["task_id"] == task_id
+    assert payload["data"]["purpose"] == "failure_alert"
+    assert payload["data"]["error"]["code"] == "input_rejected"
+    assert len(flow.receiver.requests(other_url)) == 1
+
+
+async def test_retry_after_is_honoured_through_the_wait_ladder(flow: Flow) -> None:
+    url = flow.receiver.endpoint((429, {"Retry-After": "1"}), 200)
+    task_id = new_id()
+    await flow.publish(_accepted(task_id, url), _completed(task_id))
+
+    record = await flow.settled(task_id, "delivered")
+
+    assert len(flow.receiver.requests(url)) == 2
+    assert record["attempt"] == 2
+    assert record["next_attempt_at"] is not None
+
+
+async def test_a_duplicate_terminal_event_is_delivered_once(flow: Flow) -> None:
+    url = flow.receiver.endpoint(200)
+    task_id = new_id()
+    completed = _completed(task_id)
+    again = completed.model_copy(update={"message_id": new_id()})
+    await flow.publish(_accepted(task_id, url), completed, again)
+
+    record = await flow.settled(task_id, "delivered", triggers=2)
+
+    assert len(flow.receiver.requests(url)) == 1
+    assert record["attempt"] == 1
+
+
+async def test_an_outcome_that_overtakes_its_acceptance_is_delivered_once(flow: Flow) -> None:
+    url = flow.receiver.endpoint(200)
+    task_id = new_id()
+    await flow.publish(_completed(task_id))
+
+    async def outcome_kept() -> Document | None:
+        found: Document | None = await flow.notifier_db["task_callbacks"].find_one(
+            {"_id": task_id, "outcomes": {"$exists": True}}
+        )
+        return found
+
+    await eventually(outcome_kept, what="the early outcome kept")
+    assert await flow.delivery(task_id=task_id) is None
+    await flow.publish(_accepted(task_id, url))
+
+    await flow.settled(task_id, "delivered")
+    assert len(flow.receiver.requests(url)) == 1
+
+
+async def test_a_rotated_secret_signs_alongside_the_previous_one(flow: Flow) -> None:
+    before = await flow.secret()
+    rotated = await flow.api.post("/v1/webhooks/secret/rotate")
+    assert rotated.status_code == 200, rotated.text
+    after = rotated.json()["secret"]
+    assert after != before
+    assert after.startswith("whsec_")
+    assert rotated.json()["previous_valid_until"] is not None
+    assert await flow.secret() == after
+
+    url = flow.receiver.endpoint(200)
+    task_id = new_id()
+    await flow.publish(_accepted(task_id, url), _completed(task_id))
+    await flow.settled(task_id, "delivered")
+
+    request = flow.receiver.requests(url)[0]
+    assert len(request.headers["webhook-signature"].split(" ")) == 2
+    assert _verified(request, before)["data"]["task_id"] == task_id
+    assert _verified(request, after)["data"]["task_id"] == task_id
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://example.com/hook",
+        "https://127.0.0.1/hook",
+        "https://localhost/hook",
+        "https://[::ffff:169.254.169.254]/",
+        "https://2130706433/",
+        "https://user:secret@example.com/hook",
+    ],
+)
+async def test_an_unsafe_callback_url_is_refused_at_submit(flow: Flow, url: str) -> None:
+    response = await flow.api.post("/v1/scores", json={"text": "hello", "callback_url": url})
+
+    assert response.status_code == 422, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    assert [error["field"] for error in response.json()["errors"]] == ["callback_url"]
+
+
+async def test_an_unsafe_failure_alert_url_is_refused(flow: Flow) -> None:
+    response = await flow.api.put(
+        "/v1/webhooks/failure-alert", json={"url": "https://169.254.169.254/latest"}
+    )
+
+    assert response.status_code == 422, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    assert "url" in response.json()["detail"]

@@ -1,0 +1,368 @@
+"""Push instead of polling: Server-Sent Events and long-polls, with the gateway served by a real
+HTTP server (in-process ASGI transports buffer whole responses, which a stream never ends),
+the status service and the scorer in-process, the fake model scripting each task."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from devtools.fake_llm import FakeLLMConfig, start_fake_llm
+from services.gateway.app import create_app as create_gateway
+from services.gateway.keys import generate_key
+from services.gateway.settings import GatewaySettings
+from services.scorer.app import create_app as create_scorer
+from services.scorer.model.settings import ModelSettings
+from services.scorer.settings import ScorerSettings
+from services.status.app import create_app as create_status
+from services.status.settings import StatusSettings
+from shared.bus import publish_event
+from shared.contracts import (
+    Phase,
+    ScoreResult,
+    TaskAccepted,
+    TaskCompleted,
+    TaskStarted,
+    event_sequence,
+    new_id,
+    utcnow,
+)
+from shared.runtime import make_broker
+from tests.support import eventually, running
+
+ADMIN_KEY = "test-admin-key"
+MAX_WAITERS_PER_TENANT = 2
+
+
+@dataclass
+class Sse:
+    """One Server-Sent Event as a client sees it."""
+
+    id: int | None
+    data: dict[str, Any]
+
+
+@dataclass
+class Push:
+    api: httpx.AsyncClient  # the gateway over real HTTP, with the default tenant's key
+    other: dict[str, str]  # headers of another tenant's key
+    limited: dict[str, str]  # headers of a tenant used only by the waiter-limit test
+    amqp_url: str
+
+    async def submit(self, text: str, **extra: Any) -> str:
+        response = await self.api.post("/v1/scores", json={"text": text, **extra})
+        assert response.status_code == 202, response.text
+        task_id: str = response.json()["task_id"]
+        return task_id
+
+    async def events(
+        self, task_id: str, *, last_event_id: int | None = None
+    ) -> tuple[list[Sse], list[str]]:
+        """Read a whole stream: its events, and its other lines (retry hint, heartbeats)."""
+        headers = {} if last_event_id is None else {"Last-Event-ID": str(last_event_id)}
+        async with self.api.stream(
+            "GET", f"/v1/scores/{task_id}/events", headers=headers, timeout=60
+        ) as response:
+            assert response.status_code == 200, await response.aread()
+            assert response.headers["content-type"].startswith("text/event-stream")
+            return await read_events(response.aiter_lines())
+
+
+async def read_events(lines: AsyncIterator[str]) -> tuple[list[Sse], list[str]]:
+    events: list[Sse] = []
+    other: list[str] = []
+    current: dict[str, str] = {}
+    async for line in lines:
+        if not line:
+            if "data" in current:
+                event_id = current.get("id")
+                events.append(Sse(int(event_id) if event_id else None, json.loads(current["data"])))
+            current = {}
+        elif line.startswith(("id:", "data:")):
+            field, _, value = line.partition(":")
+            current[field] = value.strip()
+        else:
+            other.append(line)
+    return events, other
+
+
+@asynccontextmanager
+async def serving(app: FastAPI) -> AsyncIterator[str]:
+    """Serve `app` (lifespan included) on a free local port; yields its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app,
+        lifespan="on",
+        log_level="warning",
+        ws="none",
+        timeout_graceful_shutdown=2,
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+
+    async def started() -> bool:
+        if task.done():
+            task.result()  # start-up failed: raise it here
+        return server.started
+
+    try:
+        await eventually(started, what="gateway serving")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+async def _key(admin: httpx.AsyncClient, tenant_id: str) -> dict[str, str]:
+    response = await admin.post(
+        "/admin/v1/keys",
+        json={"tenant_id": tenant_id, "name": "test"},
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+    )
+    assert response.status_code == 201, response.text
+    return {"Authorization": f"Bearer {response.json()['key']}"}
+
+
+@pytest.fixture(scope="module")
+async def push(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Push]:
+    llm = await start_fake_llm(FakeLLMConfig())
+    key = generate_key().token
+    env = {
+        "RABBITMQ_URL": amqp_url,
+        "MONGO_URL": mongo.url,
+        "MONGO_DB_PREFIX": db_prefix,
+        "RETRY_BASE_S": "0.5",
+        "RETRY_CAP_S": "2",
+        "LLM_PROVIDER": "openai",
+        "LLM_BASE_URL": llm.url,
+        "LLM_API_KEY": "test-key",
+        "LLM_MODEL": "fake-judge-1",
+        "LLM_TIMEOUT_S": "1",
+        "ADMIN_API_KEY": ADMIN_KEY,
+        "BOOTSTRAP_API_KEY": key,
+        "RATE_LIMIT_PER_MIN": "0",
+        "SSE_HEARTBEAT_S": "0.2",
+        "LIVE_MAX_WAITERS_PER_TENANT": str(MAX_WAITERS_PER_TENANT),
+    }
+    scorer = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))
+    status = create_status(StatusSettings.model_validate(env))
+    async with running(status) as status_client, running(scorer):
+        gateway = create_gateway(GatewaySettings.model_validate(env), status_http=status_client)
+        async with (
+            serving(gateway) as base_url,
+            httpx.AsyncClient(
+                base_url=base_url, timeout=30, headers={"Authorization": f"Bearer {key}"}
+            ) as api,
+        ):
+            other = await _key(api, f"other-{uuid.uuid4().hex[:8]}")
+            limited = await _key(api, f"limited-{uuid.uuid4().hex[:8]}")
+            yield Push(api, other, limited, amqp_url)
+    await llm.stop()
+
+
+def _marker() -> str:
+    return f"p{uuid.uuid4().hex[:12]}"
+
+
+def _statuses(events: list[Sse]) -> list[str]:
+    return [event.data["status"] for event in events]
+
+
+async def test_stream_follows_a_task_to_its_end_with_increasing_ids(push: Push) -> None:
+    task_id = await push.submit(f"Busy model [[id:{_marker()}]] [[fake:429x1:retry=1]]")
+    events, other = await push.events(task_id)
+    assert _statuses(events) == ["queued", "processing", "retrying", "processing", "completed"]
+    ids = [event.id for event in events]
+    assert all(isinstance(i, int) for i in ids)
+    assert ids == sorted(ids)
+    assert len(set(ids)) == len(ids)
+    assert all(event.data["task_id"] == task_id for event in events)
+    assert all(event.data["sequence"] == event.id for event in events)
+    retrying = events[2].data
+    assert retrying["error"]["code"] == "model_rate_limited"
+    assert retrying["next_attempt_at"]
+    completed = events[-1].data
+    assert 0 <= completed["result"]["score"] <= 10
+    assert completed["attempt"] == 2
+    assert other[0].startswith("retry:")
+
+    view = (await push.api.get(f"/v1/scores/{task_id}")).json()
+    assert view["status"] == "completed"
+    assert view["sequence"] == events[-1].id
+
+
+async def test_reconnecting_with_last_event_id_gets_only_what_was_missed(push: Push) -> None:
+    task_id = await push.submit(f"Resume me [[id:{_marker()}]]")
+    everything, _ = await push.events(task_id)
+    assert _statuses(everything) == ["queued", "processing", "completed"]
+
+    rest, _ = await push.events(task_id, last_event_id=everything[0].id)
+    assert [event.id for event in rest] == [event.id for event in everything[1:]]
+    assert _statuses(rest) == ["processing", "completed"]
+
+    # Seen it all, and the task is finished: 204 tells an EventSource to stop reconnecting.
+    done = await push.api.get(
+        f"/v1/scores/{task_id}/events", headers={"Last-Event-ID": str(everything[-1].id)}
+    )
+    assert done.status_code == 204
+
+
+async def test_stream_of_a_waiting_task_sends_heartbeats(push: Push) -> None:
+    task_id = await push.submit(f"Later [[id:{_marker()}]]", delay_seconds=600)
+    async with push.api.stream("GET", f"/v1/scores/{task_id}/events") as response:
+        assert response.status_code == 200
+        lines = response.aiter_lines()
+        seen: list[str] = []
+        async for line in lines:
+            seen.append(line)
+            if line.startswith(":"):
+                break
+    assert seen[0].startswith("retry:")
+    first = next(line for line in seen if line.startswith("data:"))
+    assert json.loads(first.removeprefix("data:"))["status"] == "scheduled"
+
+
+async def test_closed_streams_free_their_place_and_the_limit_answers_429(push: Push) -> None:
+    headers = push.limited
+    tasks = []
+    for _ in range(MAX_WAITERS_PER_TENANT + 1):
+        response = await push.api.post(
+            "/v1/scores",
+            json={"text": f"Wait [[id:{_marker()}]]", "delay_seconds": 600},
+            headers=headers,
+        )
+        tasks.append(response.json()["task_id"])
+
+    async with contextlib.AsyncExitStack() as first, contextlib.AsyncExitStack() as second:
+        for stack, task_id in ((first, tasks[0]), (second, tasks[1])):
+            opened = await stack.enter_async_context(
+                push.api.stream("GET", f"/v1/scores/{task_id}/events", headers=headers)
+            )
+            assert opened.status_code == 200
+        refused = await push.api.get(f"/v1/scores/{tasks[2]}/events", headers=headers)
+        assert refused.status_code == 429
+        assert refused.headers["content-type"].startswith("application/problem+json")
+        assert refused.headers["retry-after"]
+        long_poll = await push.api.get(f"/v1/scores/{tasks[2]}?wait=5", headers=headers)
+        assert long_poll.status_code == 429
+        await first.aclose()  # the client goes away
+
+        async def place_freed() -> httpx.Response | None:
+            # The server notices the disconnect a moment later.
+            response = await push.api.get(f"/v1/scores/{tasks[2]}?wait=0.01", headers=headers)
+            return response if response.status_code == 200 else None
+
+        await eventually(place_freed, what="the closed stream's place freed")
+
+
+async def test_another_tenants_task_is_404_before_streaming(push: Push) -> None:
+    task_id = await push.submit(f"Mine [[id:{_marker()}]]")
+    stream = await push.api.get(f"/v1/scores/{task_id}/events", headers=push.other)
+    assert stream.status_code == 404
+    assert stream.headers["content-type"].startswith("application/problem+json")
+    poll = await push.api.get(f"/v1/scores/{task_id}?wait=1", headers=push.other)
+    assert poll.status_code == 404
+    unknown = await push.api.get(f"/v1/scores/{new_id()}/events")
+    assert unknown.status_code == 404
+    bad = await push.api.get(f"/v1/scores/{task_id}/events", headers={"Last-Event-ID": "x"})
+    assert bad.status_code == 400
+
+
+async def test_long_poll_answers_each_change_until_the_end(push: Push) -> None:
+    task_id = await push.submit(f"Long-poll me [[id:{_marker()}]] [[fake:429x1:retry=1]]")
+    seen = ["queued"]
+    for _ in range(10):
+        response = await push.api.get(
+            f"/v1/scores/{task_id}", params={"wait": 30, "status": seen[-1]}
+        )
+        assert response.status_code == 200
+        view = response.json()
+        if view["status"] != seen[-1]:
+            seen.append(view["status"])
+        if view["status"] in ("completed", "failed"):
+            break
+    assert seen[-1] == "completed"
+    assert "retrying" in seen
+    # Finished: answered at once, whatever the wait.
+    again = await push.api.get(f"/v1/scores/{task_id}", params={"wait": 30})
+    assert again.json()["status"] == "completed"
+
+
+async def test_long_poll_answers_the_current_view_when_nothing_happens(push: Push) -> None:
+    task_id = await push.submit(f"Not yet [[id:{_marker()}]]", delay_seconds=600)
+
+    async def projected() -> dict[str, Any] | None:
+        view: dict[str, Any] = (await push.api.get(f"/v1/scores/{task_id}")).json()
+        return view if view["sequence"] is not None else None
+
+    await eventually(projected, what="the task projected")
+    response = await push.api.get(f"/v1/scores/{task_id}", params={"wait": 1})
+    assert response.status_code == 200
+    assert response.json()["status"] == "scheduled"
+    bad = await push.api.get(f"/v1/scores/{task_id}", params={"wait": 61})
+    assert bad.status_code == 422
+
+
+async def test_history_keeps_each_change_once_and_in_order(push: Push) -> None:
+    """Duplicated and out-of-order deliveries: the state never moves backwards, the history
+    holds each change once, sorted by sequence, late ones included."""
+    task_id = new_id()
+    now = utcnow()
+    common = {"task_id": task_id, "submitted_at": now}
+    accepted = TaskAccepted(
+        **common,
+        sequence=event_sequence(generation=0, attempt=0, phase=Phase.ACCEPTED),
+        occurred_at=now,
+    )
+    started = TaskStarted(
+        **common,
+        attempt=1,
+        sequence=event_sequence(generation=0, attempt=1, phase=Phase.STARTED),
+        occurred_at=now + timedelta(seconds=1),
+    )
+    completed = TaskCompleted(
+        **common,
+        attempt=1,
+        sequence=event_sequence(generation=0, attempt=1, phase=Phase.TERMINAL),
+        occurred_at=now + timedelta(seconds=2),
+        result=ScoreResult(score=6, comment="ok", model="m"),
+    )
+    broker = make_broker(GatewaySettings.model_validate({"RABBITMQ_URL": push.amqp_url}))
+    async with broker:
+        await broker.connect()
+        for event in (started, completed, started, accepted, completed, accepted):
+            await publish_event(broker, event, timeout=10)
+
+    async def all_three() -> list[Sse] | None:
+        response = await push.api.get(f"/v1/scores/{task_id}/events")
+        if response.status_code != 200:
+            return None
+        events, _ = await read_events(_lines(response.text))
+        return events if len(events) == 3 else None
+
+    events = await eventually(all_three, what="three changes in the history")
+    assert _statuses(events) == ["queued", "processing", "completed"]
+    assert [event.id for event in events] == [0, started.sequence, completed.sequence]
+    view = (await push.api.get(f"/v1/scores/{task_id}")).json()
+    assert view["status"] == "completed"
+
+
+async def _lines(text: str) -> AsyncIterator[str]:
+    for line in text.split("\n"):
+        yield line

@@ -1,0 +1,241 @@
+"""API keys without a database: their format, parsing, hashing, and the cached lookup."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+
+import pytest
+
+from services.gateway.auth import Authenticator, Caller
+from services.gateway.keys import (
+    ApiKey,
+    generate_key,
+    hash_secret,
+    main,
+    parse_key,
+    secret_matches,
+)
+
+NOW = datetime(2030, 1, 1, tzinfo=UTC)
+TOKEN_SHAPE = re.compile(r"^sbx_[0-9a-f]{16}_[A-Za-z0-9_-]{43}$")
+
+
+def test_generated_keys_have_the_documented_shape_and_are_unique() -> None:
+    keys = [generate_key() for _ in range(200)]
+    for key in keys:
+        assert TOKEN_SHAPE.match(key.token), key.token
+        assert key.token == f"sbx_{key.key_id}_{key.secret}"
+    assert len({key.key_id for key in keys}) == len(keys)
+    assert len({key.secret for key in keys}) == len(keys)
+
+
+def test_a_token_parses_back_into_its_id_and_secret() -> None:
+    key = generate_key()
+    assert parse_key(key.token) == key
+
+
+def test_a_secret_may_contain_underscores() -> None:
+    token = "sbx_0123456789abcdef_" + "_" * 43
+    parsed = parse_key(token)
+    assert parsed is not None
+    assert parsed.key_id == "0123456789abcdef"
+    assert parsed.secret == "_" * 43
+
+
+GOOD = generate_key()
+
+
+@pytest.mark.parametrize(
+    "token",
+    [
+        "",
+        "sbx",
+        GOOD.token + "x",
+        GOOD.token[:-1],
+        GOOD.token.replace("sbx_", "sbk_"),
+        GOOD.token.upper(),
+        f"sbx_{GOOD.key_id.upper()}_{GOOD.secret}",
+        f"sbx_{GOOD.key_id[:-1]}_{GOOD.secret}x",
+        f" {GOOD.token}",
+        f"{GOOD.token}\n",
+        f"sbx_{GOOD.key_id}_{GOOD.secret[:-1]}=",
+        f"sbx_{GOOD.key_id}_{GOOD.secret[:-2]}.*",
+        '{"$ne": null}',
+        "dev-secret",
+    ],
+)
+def test_anything_else_is_not_a_key(token: str) -> None:
+    assert parse_key(token) is None
+
+
+def test_the_secret_is_stored_as_its_sha256() -> None:
+    key = generate_key()
+    stored = hash_secret(key.secret)
+    assert stored == hashlib.sha256(key.secret.encode()).hexdigest()
+    assert key.secret not in stored
+    assert secret_matches(key.secret, stored)
+    assert not secret_matches(generate_key().secret, stored)
+
+
+def test_the_secret_stays_out_of_repr() -> None:
+    key = generate_key()
+    assert key.secret not in repr(key)
+    assert key.key_id in repr(key)
+
+
+def test_listings_never_show_the_secret_or_its_hash() -> None:
+    issued = generate_key()
+    key = ApiKey(
+        key_id=issued.key_id,
+        tenant_id="acme",
+        name="ci",
+        secret_sha256=hash_secret(issued.secret),
+        created_at=NOW,
+    )
+    shown = key.public()
+    assert shown["key_id"] == issued.key_id
+    assert shown["tenant_id"] == "acme"
+    assert "secret_sha256" not in shown
+    assert issued.secret not in str(shown)
+    assert key.secret_sha256 not in str(shown)
+
+
+def test_the_module_prints_a_fresh_key(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["new"]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert parse_key(printed) is not None
+    assert main([]) == 2
+
+
+# --------------------------------------------------------------------------- Authenticator
+
+
+@dataclass
+class FakeKeys:
+    """The key store, in memory, counting its lookups."""
+
+    keys: dict[str, ApiKey] = field(default_factory=dict)
+    finds: int = 0
+    touched: list[str] = field(default_factory=list)
+
+    def add(self, tenant_id: str = "acme") -> str:
+        issued = generate_key()
+        self.keys[issued.key_id] = ApiKey(
+            key_id=issued.key_id,
+            tenant_id=tenant_id,
+            name="",
+            secret_sha256=hash_secret(issued.secret),
+            created_at=NOW,
+        )
+        return issued.token
+
+    def revoke(self, token: str) -> None:
+        parsed = parse_key(token)
+        assert parsed is not None
+        self.keys[parsed.key_id] = replace(self.keys[parsed.key_id], revoked_at=NOW)
+
+    async def find(self, key_id: str) -> ApiKey | None:
+        self.finds += 1
+        return self.keys.get(key_id)
+
+    async def touch(self, key_id: str, *, now: datetime) -> None:
+        self.touched.append(key_id)
+
+
+class Ticker:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _authenticator(store: FakeKeys, ticker: Ticker, ttl: float = 5.0) -> Authenticator:
+    return Authenticator(store, cache_ttl_s=ttl, monotonic=ticker, clock=lambda: NOW)
+
+
+async def test_a_valid_key_yields_its_tenant_and_key_id() -> None:
+    store = FakeKeys()
+    token = store.add("acme")
+    caller = await _authenticator(store, Ticker()).authenticate(token)
+    parsed = parse_key(token)
+    assert parsed is not None
+    assert caller == Caller(tenant_id="acme", key_id=parsed.key_id)
+    assert store.touched == [parsed.key_id]
+
+
+async def test_wrong_unknown_revoked_and_malformed_keys_yield_nothing() -> None:
+    store = FakeKeys()
+    token = store.add()
+    revoked = store.add()
+    store.revoke(revoked)
+    authenticator = _authenticator(store, Ticker())
+    parsed = parse_key(token)
+    assert parsed is not None
+    wrong_secret = f"sbx_{parsed.key_id}_{generate_key().secret}"
+    assert await authenticator.authenticate(wrong_secret) is None
+    assert await authenticator.authenticate(generate_key().token) is None
+    assert await authenticator.authenticate(revoked) is None
+    finds = store.finds
+    assert await authenticator.authenticate("Bearer " + token) is None
+    assert await authenticator.authenticate('{"$gt": ""}') is None
+    assert store.finds == finds  # malformed keys never reach the store
+
+
+async def test_lookups_are_cached_for_the_ttl_and_revocation_shows_after_it() -> None:
+    store = FakeKeys()
+    token = store.add()
+    ticker = Ticker()
+    authenticator = _authenticator(store, ticker, ttl=5.0)
+    assert await authenticator.authenticate(token) is not None
+    assert await authenticator.authenticate(token) is not None
+    assert store.finds == 1
+
+    store.revoke(token)
+    ticker.now += 4.9
+    assert await authenticator.authenticate(token) is not None  # still cached
+    ticker.now += 0.2
+    assert await authenticator.authenticate(token) is None
+    assert store.finds == 2
+
+
+async def test_unknown_ids_are_cached_too() -> None:
+    store = FakeKeys()
+    ticker = Ticker()
+    authenticator = _authenticator(store, ticker)
+    stranger = generate_key().token
+    assert await authenticator.authenticate(stranger) is None
+    assert await authenticator.authenticate(stranger) is None
+    assert store.finds == 1
+
+
+async def test_forget_makes_a_revocation_visible_at_once() -> None:
+    store = FakeKeys()
+    token = store.add()
+    authenticator = _authenticator(store, Ticker())
+    assert await authenticator.authenticate(token) is not None
+    store.revoke(token)
+    parsed = parse_key(token)
+    assert parsed is not None
+    authenticator.forget(parsed.key_id)
+    assert await authenticator.authenticate(token) is None
+
+
+async def test_a_zero_ttl_looks_up_every_time() -> None:
+    store = FakeKeys()
+    token = store.add()
+    authenticator = _authenticator(store, Ticker(), ttl=0)
+    for _ in range(3):
+        assert await authenticator.authenticate(token) is not None
+    assert store.finds == 3
+
+
+async def test_the_cache_stays_bounded() -> None:
+    store = FakeKeys()
+    authenticator = Authenticator(store, cache_ttl_s=60, monotonic=Ticker(), max_cached=10)
+    for _ in range(25):
+        await authenticator.authenticate(generate_key().token)
+    assert len(authenticator._cache) <= 10

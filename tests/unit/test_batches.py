@@ -1,0 +1,368 @@
+"""Batch validation, acceptance and progress with fakes (no broker, no database)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from services.gateway.batches import (
+    EXPIRED,
+    MAX_BATCH_ITEMS,
+    MAX_TEXT_CHARS_CONTEXT,
+    BatchMember,
+    BatchPolicy,
+    BatchRecord,
+    BatchSubmission,
+    read_batch,
+    submit_batch,
+)
+from services.gateway.batches_api import _field
+from services.gateway.errors import BrokerUnavailable
+from services.gateway.publisher import TaskPublisher
+from shared.contracts import (
+    BatchItemProgress,
+    BatchProgress,
+    ScoreResult,
+    ScoreText,
+    TaskStatus,
+)
+
+T0 = datetime(2030, 5, 17, 12, 0, 0, tzinfo=UTC)
+POLICY = BatchPolicy(
+    max_attempts=4, retention=timedelta(days=1), in_progress_for=timedelta(seconds=30)
+)
+
+
+def _batch(*texts: str, **extra: Any) -> BatchSubmission:
+    return BatchSubmission.model_validate({"items": [{"text": t} for t in texts], **extra})
+
+
+# --- Validation ----------------------------------------------------------------------------------
+
+
+def test_items_take_the_batch_defaults_unless_they_have_their_own() -> None:
+    batch = BatchSubmission.model_validate(
+        {"rubric": "r", "model": "m", "items": [{"text": "a"}, {"text": "b", "rubric": "own"}]}
+    )
+    assert batch.items[1].rubric == "own"
+    assert batch.items[0].rubric is None  # the default is applied when commands are made
+
+
+def test_the_text_limit_comes_from_the_validation_context() -> None:
+    payload = {"items": [{"text": "x" * 11}]}
+    BatchSubmission.model_validate(payload)
+    with pytest.raises(ValidationError) as error:
+        BatchSubmission.model_validate(payload, context={MAX_TEXT_CHARS_CONTEXT: 10})
+    assert error.value.errors()[0]["loc"] == ("items", 0, "text")
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"items": []},
+        {"items": [{"text": "a"}] * (MAX_BATCH_ITEMS + 1)},
+        {"items": [{"text": "  "}]},
+        {"items": [{"text": "a", "client_id": ""}]},
+        {"items": [{"text": "a", "metadata": {"a.b": 1}}]},
+        {"items": [{"text": "a", "delay_seconds": 5}]},
+    ],
+)
+def test_invalid_batches(payload: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        BatchSubmission.model_validate(payload)
+
+
+def test_a_repeated_client_id_is_found_at_its_second_use() -> None:
+    batch = BatchSubmission.model_validate(
+        {
+            "items": [
+                {"text": "a", "client_id": "x"},
+                {"text": "b"},
+                {"text": "c"},
+                {"text": "d", "client_id": "x"},
+            ]
+        }
+    )
+    assert batch.duplicate_client_id() == (3, "x")
+    assert _batch("a", "b").duplicate_client_id() is None
+
+
+@pytest.mark.parametrize(
+    ("location", "field"),
+    [
+        (("items", 3, "text"), "items[3].text"),
+        (("items",), "items"),
+        (("items", 0, "metadata", "a"), "items[0].metadata.a"),
+        ((), "body"),
+    ],
+)
+def test_error_fields_name_the_item_index(location: tuple[Any, ...], field: str) -> None:
+    assert _field(location) == field
+
+
+# --- Publishing: one confirm round ---------------------------------------------------------------
+
+
+class ConcurrentBroker:
+    """A broker whose publishes confirm only once `expected` of them are in flight together:
+    publishing one after another would never get there."""
+
+    def __init__(self, expected: int, fail_routing_key: str | None = None) -> None:
+        self.expected = expected
+        self.in_flight = 0
+        self.published: list[tuple[str, bytes]] = []
+        self.all_in_flight = asyncio.Event()
+        self.fail = fail_routing_key
+
+    async def publish(self, body: bytes, *, routing_key: str, **_: Any) -> None:
+        self.in_flight += 1
+        if self.in_flight == self.expected:
+            self.all_in_flight.set()
+        await self.all_in_flight.wait()
+        self.published.append((routing_key, body))
+        if routing_key == self.fail and len(self.published) == 1:
+            raise ConnectionError("nack")
+
+
+def _commands(count: int) -> list[ScoreText]:
+    return [
+        ScoreText(task_id=f"t{i}", text=f"text {i}", batch_id="b1", batch_index=i)
+        for i in range(count)
+    ]
+
+
+async def test_a_batch_is_published_with_all_confirms_in_flight_together() -> None:
+    broker = ConcurrentBroker(expected=25)
+    publisher = TaskPublisher(broker, timeout_s=5)  # type: ignore[arg-type]
+    await publisher.send_many(_commands(25))
+    assert len(broker.published) == 25
+    assert {key for key, _ in broker.published} == {"score.requested"}
+
+    announced = ConcurrentBroker(expected=25)
+    await TaskPublisher(announced, timeout_s=5).announce_accepted_many(_commands(25))  # type: ignore[arg-type]
+    assert {key for key, _ in announced.published} == {"task.accepted"}
+    assert all(b'"batch_index"' in body for _, body in announced.published)
+
+
+async def test_one_refused_publish_fails_the_round_after_all_of_them_ended() -> None:
+    broker = ConcurrentBroker(expected=10, fail_routing_key="score.requested")
+    with pytest.raises(BrokerUnavailable):
+        await TaskPublisher(broker, timeout_s=5).send_many(_commands(10))  # type: ignore[arg-type]
+    assert len(broker.published) == 10  # none left running behind the 503
+
+
+# --- Accepting -----------------------------------------------------------------------------------
+
+
+class FakeBatches:
+    def __init__(self) -> None:
+        self.records: dict[str, BatchRecord] = {}
+        self.accepted: list[str] = []
+
+    async def insert(self, record: BatchRecord, **_: Any) -> None:
+        self.records[record.batch_id] = record
+
+    async def mark_accepted(self, batch_id: str) -> None:
+        self.accepted.append(batch_id)
+
+    async def discard(self, batch_id: str) -> None:
+        self.records.pop(batch_id, None)
+
+    async def find(self, batch_id: str, *, tenant_id: str) -> BatchRecord | None:
+        record = self.records.get(batch_id)
+        return record if record is not None and record.tenant_id == tenant_id else None
+
+
+class FakeSubmissions:
+    def __init__(self) -> None:
+        self.commands: list[ScoreText] = []
+        self.accepted: list[str] = []
+
+    async def insert_batch(self, commands: list[tuple[ScoreText, str, str]], **_: Any) -> None:
+        self.commands.extend(command for command, _, _ in commands)
+
+    async def mark_batch_accepted(self, batch_id: str, task_ids: list[str]) -> None:
+        self.accepted.extend(task_ids)
+
+    async def discard_batch(self, batch_id: str) -> None:
+        self.commands = [c for c in self.commands if c.batch_id != batch_id]
+
+
+class FakePublisher:
+    def __init__(self, *, fail: bool = False) -> None:
+        self.fail = fail
+        self.sent: list[ScoreText] = []
+        self.announced: list[ScoreText] = []
+
+    async def send_many(self, commands: Sequence[ScoreText]) -> None:
+        if self.fail:
+            raise BrokerUnavailable("down")
+        self.sent.extend(commands)
+
+    async def announce_accepted_many(self, commands: Sequence[ScoreText]) -> None:
+        self.announced.extend(commands)
+
+
+async def _submit(
+    batch: BatchSubmission, batches: FakeBatches, submissions: FakeSubmissions, publisher: Any
+) -> Any:
+    return await submit_batch(
+        batch,
+        tenant_id="a",
+        api_key_id="k1",
+        idempotency_key=None,
+        batches=batches,  # type: ignore[arg-type]
+        submissions=submissions,  # type: ignore[arg-type]
+        publisher=publisher,
+        policy=POLICY,
+        clock=lambda: T0,
+    )
+
+
+async def test_an_accepted_batch_is_recorded_published_and_marked_in_order() -> None:
+    batches, submissions, publisher = FakeBatches(), FakeSubmissions(), FakePublisher()
+    batch = BatchSubmission.model_validate(
+        {
+            "rubric": "r",
+            "items": [{"text": "a", "client_id": "x"}, {"text": "b", "rubric": "own"}],
+        }
+    )
+    submitted = await _submit(batch, batches, submissions, publisher)
+    record = submitted.record
+    assert submitted.created
+    assert [m.client_id for m in record.members] == ["x", None]
+    sent = publisher.sent
+    assert [c.task_id for c in sent] == [m.task_id for m in record.members]
+    assert [(c.batch_id, c.batch_index) for c in sent] == [
+        (record.batch_id, 0),
+        (record.batch_id, 1),
+    ]
+    assert [c.rubric for c in sent] == ["r", "own"]
+    assert {c.api_key_id for c in sent} == {"k1"}
+    assert publisher.announced == sent
+    assert submissions.accepted == [c.task_id for c in sent]
+    assert batches.accepted == [record.batch_id]
+
+
+async def test_a_broker_failure_keeps_nothing() -> None:
+    batches, submissions = FakeBatches(), FakeSubmissions()
+    with pytest.raises(BrokerUnavailable):
+        await _submit(_batch("a", "b"), batches, submissions, FakePublisher(fail=True))
+    assert batches.records == {}
+    assert submissions.commands == []
+
+
+# --- Reading -------------------------------------------------------------------------------------
+
+
+class FakeStatus:
+    def __init__(self, progress: BatchProgress) -> None:
+        self.progress = progress
+        self.calls: list[tuple[int, int]] = []
+
+    async def batch(
+        self, batch_id: str, *, tenant_id: str, after: int, limit: int
+    ) -> BatchProgress:
+        self.calls.append((after, limit))
+        items = [i for i in self.progress.items if i.batch_index > after][:limit]
+        return self.progress.model_copy(update={"items": items})
+
+
+def _record(count: int, created_at: datetime = T0) -> BatchRecord:
+    return BatchRecord(
+        batch_id="b1",
+        tenant_id="a",
+        state="accepted",
+        request_hash="h",
+        created_at=created_at,
+        members=tuple(BatchMember(f"t{i}", f"c{i}") for i in range(count)),
+    )
+
+
+def _progress(*known: tuple[int, TaskStatus]) -> BatchProgress:
+    counts: dict[TaskStatus, int] = {}
+    for _, status in known:
+        counts[status] = counts.get(status, 0) + 1
+    return BatchProgress(
+        batch_id="b1",
+        counts=counts,
+        items=[
+            BatchItemProgress(
+                task_id=f"t{index}",
+                batch_index=index,
+                status=status,
+                updated_at=T0,
+                result=ScoreResult(score=5, comment="c", model="m")
+                if status is TaskStatus.COMPLETED
+                else None,
+            )
+            for index, status in known
+        ],
+    )
+
+
+async def _read(
+    record: BatchRecord, progress: BatchProgress, *, start: int, limit: int, now: datetime
+) -> Any:
+    batches = FakeBatches()
+    batches.records["b1"] = record
+    return await read_batch(
+        "b1",
+        tenant_id="a",
+        start=start,
+        limit=limit,
+        batches=batches,  # type: ignore[arg-type]
+        status=FakeStatus(progress),
+        clock=lambda: now,
+        window=timedelta(minutes=5),
+    )
+
+
+async def test_items_the_status_service_has_not_heard_of_read_as_queued_while_young() -> None:
+    progress = _progress((0, TaskStatus.COMPLETED), (2, TaskStatus.PROCESSING))
+    page = await _read(_record(5), progress, start=0, limit=3, now=T0 + timedelta(seconds=1))
+    assert [(i.index, i.client_id, i.status) for i in page.items] == [
+        (0, "c0", "completed"),
+        (1, "c1", "queued"),
+        (2, "c2", "processing"),
+    ]
+    assert page.items[0].result is not None
+    assert page.counts["completed"] == 1
+    assert page.counts["processing"] == 1
+    assert page.counts["queued"] == 3
+    assert page.counts[EXPIRED] == 0
+    assert sum(page.counts.values()) == page.total == 5
+    assert page.next_cursor == 3
+
+    last = await _read(_record(5), progress, start=3, limit=3, now=T0 + timedelta(seconds=1))
+    assert [i.index for i in last.items] == [3, 4]
+    assert last.next_cursor is None
+
+
+async def test_unknown_items_of_an_old_batch_read_as_expired() -> None:
+    progress = _progress((1, TaskStatus.COMPLETED))
+    page = await _read(_record(3), progress, start=0, limit=10, now=T0 + timedelta(hours=2))
+    assert [i.status for i in page.items] == [EXPIRED, "completed", EXPIRED]
+    assert page.counts[EXPIRED] == 2
+    assert page.counts["queued"] == 0
+
+
+async def test_another_tenants_batch_reads_as_none() -> None:
+    batches = FakeBatches()
+    batches.records["b1"] = _record(1)
+    page = await read_batch(
+        "b1",
+        tenant_id="someone-else",
+        start=0,
+        limit=10,
+        batches=batches,  # type: ignore[arg-type]
+        status=FakeStatus(_progress()),
+        clock=lambda: T0,
+        window=timedelta(minutes=5),
+    )
+    assert page is None

@@ -1,0 +1,357 @@
+"""The live-update registry and the reads that wait on it, with fakes (no broker, no HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from services.gateway.push import (
+    HistoryPolicy,
+    LiveUpdates,
+    WaiterLimitReached,
+    history_settled,
+    read_history,
+    read_settled,
+    read_when_changed,
+)
+from shared.contracts import (
+    Phase,
+    ScoreResult,
+    StateChange,
+    TaskAccepted,
+    TaskCompleted,
+    TaskEvent,
+    TaskHistory,
+    TaskStarted,
+    TaskStatus,
+    TaskView,
+    event_sequence,
+)
+from tests.support import eventually
+
+T0 = datetime(2030, 5, 17, 12, 0, 0, tzinfo=UTC)
+
+
+def _started(task_id: str = "t1", tenant_id: str = "a", attempt: int = 1) -> TaskStarted:
+    return TaskStarted(
+        task_id=task_id,
+        tenant_id=tenant_id,
+        attempt=attempt,
+        sequence=event_sequence(generation=0, attempt=attempt, phase=Phase.STARTED),
+        submitted_at=T0,
+        occurred_at=T0 + timedelta(seconds=1),
+    )
+
+
+def _completed(task_id: str = "t1", tenant_id: str = "a") -> TaskCompleted:
+    return TaskCompleted(
+        task_id=task_id,
+        tenant_id=tenant_id,
+        attempt=1,
+        sequence=event_sequence(generation=0, attempt=1, phase=Phase.TERMINAL),
+        submitted_at=T0,
+        occurred_at=T0 + timedelta(seconds=2),
+        result=ScoreResult(score=7, comment="ok", model="m"),
+    )
+
+
+def _view(status: TaskStatus, sequence: int | None, task_id: str = "t1") -> TaskView:
+    return TaskView(
+        task_id=task_id,
+        status=status,
+        attempts=0,
+        created_at=T0,
+        updated_at=T0,
+        sequence=sequence,
+    )
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# --- The registry --------------------------------------------------------------------------------
+
+
+async def test_events_reach_the_waiters_of_their_task_and_tenant_only() -> None:
+    live = LiveUpdates()
+    mine = live.open("t1", "a")
+    other_task = live.open("t2", "a")
+    other_tenant = live.open("t1", "b")
+    event = _started("t1", "a")
+    assert live.deliver(event) == 1
+    assert (await mine.next(1)) is event
+    assert await other_task.next(0) is None
+    assert await other_tenant.next(0) is None
+
+
+async def test_a_waiter_without_events_times_out_with_none() -> None:
+    live = LiveUpdates()
+    with live.waiting("t1", "a") as waiter:
+        assert await waiter.next(0.01) is None
+        assert await waiter.next(0) is None
+
+
+def test_waiters_are_bounded_per_replica_and_per_tenant() -> None:
+    live = LiveUpdates(max_waiters=3, max_per_tenant=2)
+    first = live.open("t1", "a")
+    live.open("t2", "a")
+    with pytest.raises(WaiterLimitReached) as tenant_full:
+        live.open("t3", "a")
+    assert tenant_full.value.per_tenant is True
+    live.open("t3", "b")
+    with pytest.raises(WaiterLimitReached) as replica_full:
+        live.open("t4", "c")
+    assert replica_full.value.per_tenant is False
+    live.close(first)
+    live.close(first)  # twice is harmless
+    assert len(live) == 2
+    live.open("t5", "a")  # the freed place is usable again
+    assert len(live) == 3
+
+
+def test_closing_the_last_waiter_forgets_the_task_and_tenant() -> None:
+    live = LiveUpdates(max_per_tenant=1)
+    with live.waiting("t1", "a"):
+        assert len(live) == 1
+    assert len(live) == 0
+    assert live.deliver(_started("t1", "a")) == 0
+    with live.waiting("t2", "a"):  # the tenant's one place is free again
+        pass
+
+
+async def test_an_overflowing_waiter_drops_events_and_says_so() -> None:
+    live = LiveUpdates(queue_size=2)
+    waiter = live.open("t1", "a")
+    for attempt in range(1, 4):
+        live.deliver(_started(attempt=attempt))
+    assert waiter.missed
+    assert [(await waiter.next(1)).attempt for _ in range(2)] == [1, 2]  # type: ignore[union-attr]
+
+
+async def test_a_new_waiter_starts_with_its_tasks_recent_events() -> None:
+    clock = FakeClock()
+    live = LiveUpdates(recent_s=30, monotonic=clock)
+    started, completed = _started("t1", "a"), _completed("t1", "a")
+    live.deliver(started)
+    live.deliver(_started("t2", "a"))
+    live.deliver(_started("t1", "b"))
+    clock.now += 10
+    live.deliver(completed)
+    waiter = live.open("t1", "a")
+    assert await waiter.next(1) is started
+    assert await waiter.next(1) is completed
+    assert await waiter.next(0) is None
+
+    clock.now += 25  # the start is now 35 s old, the completion 25 s
+    late = live.open("t1", "a")
+    assert await late.next(1) is completed
+    assert await late.next(0) is None
+
+
+# --- Reads that wait -----------------------------------------------------------------------------
+
+
+class Views:
+    """A status reader whose answer the test changes."""
+
+    def __init__(self, *views: TaskView | None) -> None:
+        self.views = list(views)
+        self.reads = 0
+
+    async def __call__(self) -> TaskView | None:
+        self.reads += 1
+        return self.views[0] if len(self.views) == 1 else self.views.pop(0)
+
+
+async def test_a_finished_task_is_answered_at_once() -> None:
+    live = LiveUpdates()
+    views = Views(_view(TaskStatus.COMPLETED, 190))
+    view = await read_when_changed(
+        views,
+        live=live,
+        task_id="t1",
+        tenant_id="a",
+        wait_s=60,
+        known_status=None,
+        settle_s=0,
+    )
+    assert view is not None
+    assert view.status is TaskStatus.COMPLETED
+    assert len(live) == 0
+
+
+async def test_a_status_other_than_the_clients_is_answered_at_once() -> None:
+    views = Views(_view(TaskStatus.PROCESSING, 110))
+    view = await read_when_changed(
+        views,
+        live=LiveUpdates(),
+        task_id="t1",
+        tenant_id="a",
+        wait_s=60,
+        known_status=TaskStatus.QUEUED,
+        settle_s=0,
+    )
+    assert view is not None
+    assert view.status is TaskStatus.PROCESSING
+    assert views.reads == 1
+
+
+async def test_the_next_change_answers_a_long_poll_with_the_settled_view() -> None:
+    live = LiveUpdates()
+    views = Views(_view(TaskStatus.QUEUED, 0))
+    waiting = asyncio.create_task(
+        read_when_changed(
+            views,
+            live=live,
+            task_id="t1",
+            tenant_id="a",
+            wait_s=60,
+            known_status=TaskStatus.QUEUED,
+            settle_s=5,
+        )
+    )
+
+    async def registered() -> bool:
+        return len(live) == 1
+
+    await eventually(registered, what="the long-poll waiting")
+    # The status service lags the event once, then reflects it.
+    views.views = [_view(TaskStatus.QUEUED, 0), _view(TaskStatus.PROCESSING, 110)]
+    live.deliver(_started())
+    view = await asyncio.wait_for(waiting, 5)
+    assert view is not None
+    assert view.status is TaskStatus.PROCESSING
+    assert len(live) == 0
+
+
+async def test_a_long_poll_ignores_events_its_view_already_reflects() -> None:
+    live = LiveUpdates()
+    live.deliver(_started())  # heard just before the request: remembered, but not news
+    views = Views(_view(TaskStatus.PROCESSING, 110))
+    view = await read_when_changed(
+        views,
+        live=live,
+        task_id="t1",
+        tenant_id="a",
+        wait_s=0.05,
+        known_status=None,
+        settle_s=0,
+    )
+    assert view is not None
+    assert view.status is TaskStatus.PROCESSING
+    assert views.reads == 2  # the first read, and the one after the wait ran out
+
+
+async def test_read_settled_gives_up_after_settle_s_with_what_it_has() -> None:
+    views = Views(_view(TaskStatus.QUEUED, 0))
+    view = await read_settled(views, _started(), settle_s=0)
+    assert view is not None
+    assert view.sequence == 0
+
+
+class Histories:
+    def __init__(self, *histories: TaskHistory | None) -> None:
+        self.histories = list(histories)
+        self.afters: list[int] = []
+
+    async def __call__(self, after: int) -> TaskHistory | None:
+        self.afters.append(after)
+        history = self.histories[0] if len(self.histories) == 1 else self.histories.pop(0)
+        if history is None:
+            return None
+        changes = [change for change in history.changes if change.sequence > after]
+        return history.model_copy(update={"changes": changes})
+
+
+def _history(*events: TaskEvent) -> TaskHistory:
+    changes = [StateChange.of_event(event) for event in events]
+    return TaskHistory(
+        task_id="t1", status=changes[-1].status, sequence=changes[-1].sequence, changes=changes
+    )
+
+
+def _accepted() -> TaskAccepted:
+    return TaskAccepted(task_id="t1", tenant_id="a", sequence=0, submitted_at=T0, occurred_at=T0)
+
+
+async def test_history_settled_waits_for_the_event_and_returns_what_was_missed() -> None:
+    histories = Histories(
+        _history(_accepted()),
+        _history(_accepted(), _started(), _completed()),
+    )
+    changes = await history_settled(histories, after=0, event=_completed(), settle_s=5)
+    assert [change.status for change in changes] == [TaskStatus.PROCESSING, TaskStatus.COMPLETED]
+    assert histories.afters == [0, 0]
+
+
+async def test_history_settled_adds_the_event_when_the_status_service_lags() -> None:
+    histories = Histories(_history(_accepted()))
+    changes = await history_settled(histories, after=0, event=_completed(), settle_s=0)
+    assert [change.sequence for change in changes] == [_completed().sequence]
+    assert changes[0].result is not None
+
+
+class FakeSubmissions:
+    def __init__(self, submission: Any) -> None:
+        self.submission = submission
+
+    async def find(self, task_id: str, *, tenant_id: str) -> Any:
+        return self.submission
+
+
+class NoHistory:
+    async def history(self, task_id: str, *, tenant_id: str, after: int) -> TaskHistory | None:
+        return None
+
+
+class Submission:
+    def __init__(self, created_at: datetime, not_before: datetime | None = None) -> None:
+        self.created_at = created_at
+        self.not_before = not_before
+
+
+@pytest.mark.parametrize(
+    ("after", "not_before", "status", "changes"),
+    [
+        (-1, None, TaskStatus.QUEUED, 1),
+        (0, None, TaskStatus.QUEUED, 0),
+        (-1, T0 + timedelta(hours=1), TaskStatus.SCHEDULED, 1),
+    ],
+)
+async def test_a_young_submission_reads_as_its_acceptance(
+    after: int, not_before: datetime | None, status: TaskStatus, changes: int
+) -> None:
+    history = await read_history(
+        "t1",
+        tenant_id="a",
+        after=after,
+        status=NoHistory(),
+        submissions=FakeSubmissions(Submission(T0, not_before)),  # type: ignore[arg-type]
+        clock=lambda: T0 + timedelta(seconds=1),
+        policy=HistoryPolicy(window=timedelta(minutes=5)),
+    )
+    assert history is not None
+    assert history.status is status
+    assert len(history.changes) == changes
+    assert all(change.sequence == 0 for change in history.changes)
+
+
+async def test_an_old_unknown_submission_reads_as_unknown() -> None:
+    history = await read_history(
+        "t1",
+        tenant_id="a",
+        after=-1,
+        status=NoHistory(),
+        submissions=FakeSubmissions(Submission(T0)),  # type: ignore[arg-type]
+        clock=lambda: T0 + timedelta(hours=1),
+        policy=HistoryPolicy(window=timedelta(minutes=5)),
+    )
+    assert history is None

@@ -1,0 +1,83 @@
+"""The scheduler's job configuration: the shipped file, environment overrides, bad input."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from services.scheduler.config import (
+    DEFAULT_CONFIG_PATH,
+    MissedFirings,
+    env_name,
+    load_config,
+    parse_config,
+)
+from services.scheduler.errors import ConfigurationError
+from services.scheduler.settings import SchedulerSettings
+
+
+def test_the_shipped_file_defines_the_three_jobs() -> None:
+    config = load_config(DEFAULT_CONFIG_PATH, {})
+    assert list(config.jobs) == ["usage-rollup", "rescore-fanout", "housekeeping"]
+    assert config.jobs["usage-rollup"].cron == "5 * * * *"
+    assert config.jobs["usage-rollup"].tz == "UTC"
+    assert config.jobs["usage-rollup"].missed is MissedFirings.COALESCE
+    fanout = config.jobs["rescore-fanout"]
+    assert (fanout.cron, fanout.tz, fanout.enabled) == ("0 3 * * *", "Asia/Shanghai", False)
+    assert config.jobs["housekeeping"].cron == "*/10 * * * *"
+    assert config.prices["gpt-4o-mini"].prompt_per_1k == Decimal("0.00015")
+
+
+def test_settings_point_at_the_shipped_file_by_default() -> None:
+    assert SchedulerSettings().config_path == DEFAULT_CONFIG_PATH
+    moved = SchedulerSettings.model_validate({"SCHEDULER_CONFIG": "/etc/scorebox/s.toml"})
+    assert moved.config_path == Path("/etc/scorebox/s.toml")
+
+
+def test_environment_overrides_spec_zone_and_enabled() -> None:
+    config = load_config(
+        DEFAULT_CONFIG_PATH,
+        {
+            "CRON_USAGE_ROLLUP": "7 * * * *",
+            "CRON_USAGE_ROLLUP_TZ": "Europe/Berlin",
+            "CRON_RESCORE_FANOUT_ENABLED": "true",
+        },
+    )
+    assert config.jobs["usage-rollup"].cron == "7 * * * *"
+    assert config.jobs["usage-rollup"].tz == "Europe/Berlin"
+    assert config.jobs["rescore-fanout"].enabled is True
+
+
+def test_env_names() -> None:
+    assert env_name("usage-rollup") == "CRON_USAGE_ROLLUP"
+    assert env_name("housekeeping") == "CRON_HOUSEKEEPING"
+
+
+@pytest.mark.parametrize(
+    ("document", "environ", "message"),
+    [
+        ({"jobs": {"j": {"cron": "61 * * * *"}}}, {}, "invalid cron expression"),
+        ({"jobs": {"j": {"cron": "5 * * * *"}}}, {"CRON_J": "nope"}, "invalid cron expression"),
+        ({"jobs": {"j": {"cron": "5 * * * *", "tz": "Nowhere/City"}}}, {}, "unknown time zone"),
+        ({"jobs": {"j": {"cron": "5 * * * *", "missed": "sometimes"}}}, {}, "missed"),
+        ({"jobs": {"j": {"cron": "5 * * * *", "colour": "red"}}}, {}, "colour"),
+        ({"jobs": {"j": {"cron": "5 * * * *"}}}, {"CRON_J_ENABLED": "maybe"}, "CRON_J_ENABLED"),
+        ({"prices": {"m": {"prompt_per_1k": -1, "completion_per_1k": 0}}}, {}, "prompt_per_1k"),
+    ],
+)
+def test_bad_configuration_refuses_to_start(
+    document: dict[str, object], environ: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        parse_config(document, environ)
+
+
+def test_missing_or_broken_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="not found"):
+        load_config(tmp_path / "absent.toml", {})
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[jobs.x\ncron = ")
+    with pytest.raises(ConfigurationError, match="not valid TOML"):
+        load_config(broken, {})

@@ -1,0 +1,393 @@
+"""The dispatcher and the run decisions with an in-memory firing store and an injected clock:
+replicas fire a job once, missed firings follow the policy, stale claims are published again,
+and a run's outcome maps to the right decision. No broker, no database, no sleeping."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from services.scheduler.config import MissedFirings
+from services.scheduler.dispatcher import Dispatcher, fire_by_hand
+from services.scheduler.errors import (
+    DispatchFailed,
+    PermanentJobError,
+    TransientJobError,
+    UnknownJob,
+)
+from services.scheduler.firings import Firing, FiringState, FiringStore, to_millis
+from services.scheduler.jobs import JobOutcome, JobRun
+from services.scheduler.runs import (
+    Continue,
+    Defer,
+    Drop,
+    Finished,
+    GiveUp,
+    Retry,
+    RetryPolicy,
+    run_cron_job,
+)
+from services.scheduler.schedule import JobCatalog, ScheduledJob
+from shared.contracts import RunCronJob, new_id
+
+GRACE = timedelta(seconds=60)
+START = datetime(2025, 1, 1, 10, 4, 50, tzinfo=UTC)
+
+
+class FakeFirings(FiringStore):
+    """The firings collection in memory, with its unique (job, scheduled_for) index."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, Firing] = {}
+        self.claimed_at: dict[str, datetime] = {}
+
+    def _taken(self, job: str, scheduled_for: datetime) -> bool:
+        return any(f.job == job and f.scheduled_for == scheduled_for for f in self.by_id.values())
+
+    async def last_scheduled(self, job: str) -> datetime | None:
+        times = [f.scheduled_for for f in self.by_id.values() if f.job == job and not f.manual]
+        return max(times, default=None)
+
+    async def claim(
+        self,
+        job: str,
+        scheduled_for: datetime,
+        *,
+        now: datetime,
+        owner: str,
+        manual: bool = False,
+        missed: int = 0,
+    ) -> Firing | None:
+        scheduled_for = to_millis(scheduled_for)
+        if self._taken(job, scheduled_for):
+            return None
+        firing = Firing(new_id(), job, scheduled_for, now, manual, FiringState.CLAIMED, 0, missed)
+        self.by_id[firing.run_id] = firing
+        self.claimed_at[firing.run_id] = now
+        return firing
+
+    async def record_skipped(
+        self, job: str, scheduled_for: datetime, *, now: datetime, owner: str, missed: int
+    ) -> bool:
+        if self._taken(job, scheduled_for):
+            return False
+        firing = Firing(new_id(), job, scheduled_for, now, False, FiringState.SKIPPED, 0, missed)
+        self.by_id[firing.run_id] = firing
+        return True
+
+    def _set(self, run_id: str, **changes: Any) -> None:
+        self.by_id[run_id] = dataclasses.replace(self.by_id[run_id], **changes)
+
+    async def mark_dispatched(self, run_id: str, *, now: datetime) -> None:
+        if self.by_id[run_id].state is FiringState.CLAIMED:
+            self._set(run_id, state=FiringState.DISPATCHED)
+
+    async def stale_claims(self, *, claimed_before: datetime, limit: int) -> list[Firing]:
+        return [
+            f
+            for f in self.by_id.values()
+            if f.state is FiringState.CLAIMED and self.claimed_at[f.run_id] < claimed_before
+        ][:limit]
+
+    async def reclaim(self, firing: Firing, *, claimed_before: datetime, now: datetime) -> bool:
+        current = self.by_id[firing.run_id]
+        if current.state is not FiringState.CLAIMED:
+            return False
+        if self.claimed_at[firing.run_id] >= claimed_before:
+            return False
+        self.claimed_at[firing.run_id] = now
+        return True
+
+    async def begin(self, run_id: str, *, attempt: int, now: datetime) -> Firing | None:
+        firing = self.by_id.get(run_id)
+        if firing is None or firing.state.is_final:
+            return None
+        self._set(run_id, state=FiringState.RUNNING, attempts=max(firing.attempts, attempt))
+        return self.by_id[run_id]
+
+    async def retrying(
+        self, run_id: str, *, error: str, next_attempt_at: datetime, now: datetime
+    ) -> None:
+        self._set(run_id, state=FiringState.RETRYING, error=error, next_attempt_at=next_attempt_at)
+
+    async def finish(
+        self,
+        run_id: str,
+        *,
+        state: FiringState,
+        now: datetime,
+        result: dict[str, Any] | None = None,
+        error: str | None = None,
+    ) -> None:
+        if run_id in self.by_id:
+            self._set(run_id, state=state, result=result, error=error, finished_at=now)
+
+    async def find(self, run_id: str) -> Firing | None:
+        return self.by_id.get(run_id)
+
+    async def latest(self, job: str) -> Firing | None:
+        mine = [f for f in self.by_id.values() if f.job == job]
+        return max(mine, key=lambda f: f.fired_at, default=None)
+
+    async def forget(self, run_id: str) -> None:
+        self.by_id.pop(run_id, None)
+
+    def of(self, job: str, state: FiringState | None = None) -> list[Firing]:
+        return [
+            f for f in self.by_id.values() if f.job == job and (state is None or f.state is state)
+        ]
+
+
+class Clock:
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+class Published:
+    def __init__(self, fail: bool = False) -> None:
+        self.commands: list[RunCronJob] = []
+        self.fail = fail
+
+    async def __call__(self, command: RunCronJob) -> None:
+        if self.fail:
+            raise ConnectionError("broker gone")
+        self.commands.append(command)
+
+
+async def _history(firings: FakeFirings, scheduled_for: datetime) -> None:
+    """A firing that ran and finished long ago."""
+    firing = await firings.claim("rollup", scheduled_for, now=scheduled_for, owner="x")
+    assert firing is not None
+    await firings.finish(firing.run_id, state=FiringState.SUCCEEDED, now=scheduled_for)
+
+
+def _jobs(missed: MissedFirings = MissedFirings.COALESCE, *, enabled: bool = True) -> JobCatalog:
+    return JobCatalog([ScheduledJob("rollup", "5 * * * *", "UTC", missed, enabled=enabled)])
+
+
+def _dispatcher(
+    firings: FakeFirings, published: Published, clock: Clock, jobs: JobCatalog, owner: str = "a"
+) -> Dispatcher:
+    return Dispatcher(
+        jobs,
+        firings=firings,
+        publish=published,
+        clock=clock,
+        grace=GRACE,
+        redispatch_after=timedelta(seconds=30),
+        owner=owner,
+    )
+
+
+async def test_two_replicas_fire_each_fire_time_once() -> None:
+    firings, published, clock = FakeFirings(), Published(), Clock(START)
+    replicas = [_dispatcher(firings, published, clock, _jobs(), owner) for owner in "ab"]
+    for _ in range(3):  # idle ticks before the fire time
+        for replica in replicas:
+            assert await replica.tick() == []
+    clock.now = datetime(2025, 1, 1, 10, 5, 0, 200_000, tzinfo=UTC)
+    fired = [await replica.tick() for replica in replicas] + [await r.tick() for r in replicas]
+    assert sum(len(batch) for batch in fired) == 1
+    assert [c.scheduled_for for c in published.commands] == [
+        datetime(2025, 1, 1, 10, 5, tzinfo=UTC)
+    ]
+    assert [f.state for f in firings.of("rollup")] == [FiringState.DISPATCHED]
+    clock.now += timedelta(hours=1)  # 11:05:00.2
+    for replica in reversed(replicas):
+        await replica.tick()
+    assert len(published.commands) == 2
+
+
+async def test_coalesce_runs_the_latest_missed_firing_once() -> None:
+    firings, published, clock = FakeFirings(), Published(), Clock(START)
+    await _history(firings, datetime(2025, 1, 1, 5, 5, tzinfo=UTC))
+    clock.now = datetime(2025, 1, 1, 10, 30, tzinfo=UTC)  # five firings missed
+    await _dispatcher(firings, published, clock, _jobs()).tick()
+    assert [c.scheduled_for.hour for c in published.commands] == [10]
+    newest = max(firings.of("rollup"), key=lambda f: f.scheduled_for)
+    assert newest.missed == 4
+    await _dispatcher(firings, published, clock, _jobs()).tick()  # a restarted replica
+    assert len(published.commands) == 1
+
+
+async def test_skip_records_the_missed_firings_and_runs_none() -> None:
+    firings, published, clock = FakeFirings(), Published(), Clock(START)
+    await _history(firings, datetime(2025, 1, 1, 5, 5, tzinfo=UTC))
+    clock.now = datetime(2025, 1, 1, 10, 30, tzinfo=UTC)
+    dispatcher = _dispatcher(firings, published, clock, _jobs(MissedFirings.SKIP))
+    await dispatcher.tick()
+    assert published.commands == []
+    (skipped,) = firings.of("rollup", FiringState.SKIPPED)
+    assert (skipped.scheduled_for.hour, skipped.missed) == (10, 5)
+    clock.now = datetime(2025, 1, 1, 11, 5, 1, tzinfo=UTC)  # the next one is on time
+    await dispatcher.tick()
+    assert [c.scheduled_for.hour for c in published.commands] == [11]
+
+
+async def test_disabled_jobs_are_not_fired_by_the_clock() -> None:
+    firings, published, clock = FakeFirings(), Published(), Clock(START)
+    dispatcher = _dispatcher(firings, published, clock, _jobs(enabled=False))
+    clock.now = datetime(2025, 1, 1, 10, 5, 1, tzinfo=UTC)
+    await dispatcher.tick()
+    assert published.commands == []
+
+
+async def test_a_claim_whose_publish_failed_is_published_again_later() -> None:
+    firings, clock = FakeFirings(), Clock(datetime(2025, 1, 1, 10, 5, 1, tzinfo=UTC))
+    broken = Published(fail=True)
+    assert await _dispatcher(firings, broken, clock, _jobs()).tick() == []
+    (stuck,) = firings.of("rollup", FiringState.CLAIMED)
+    healthy = Published()
+    other = _dispatcher(firings, healthy, clock, _jobs(), owner="b")
+    await other.tick()
+    assert healthy.commands == []  # not stale yet, and the fire time is taken
+    clock.now += timedelta(seconds=31)
+    await other.tick()
+    await other.tick()
+    assert [c.run_id for c in healthy.commands] == [stuck.run_id]
+    assert firings.by_id[stuck.run_id].state is FiringState.DISPATCHED
+
+
+async def test_manual_runs_do_not_move_the_schedule() -> None:
+    firings, published, clock = FakeFirings(), Published(), Clock(START)
+    jobs = _jobs(enabled=False)
+    first = await fire_by_hand(
+        "rollup", jobs=jobs, firings=firings, publish=published, clock=clock, owner="a"
+    )
+    second = await fire_by_hand(
+        "rollup", jobs=jobs, firings=firings, publish=published, clock=clock, owner="a"
+    )  # same millisecond: moved by 1 ms
+    assert first.run_id != second.run_id
+    assert [c.manual for c in published.commands] == [True, True]
+    assert await firings.last_scheduled("rollup") is None
+    with pytest.raises(UnknownJob):
+        await fire_by_hand(
+            "nope", jobs=jobs, firings=firings, publish=published, clock=clock, owner="a"
+        )
+    with pytest.raises(DispatchFailed):
+        await fire_by_hand(
+            "rollup",
+            jobs=jobs,
+            firings=firings,
+            publish=Published(fail=True),
+            clock=clock,
+            owner="a",
+        )
+    assert len(firings.of("rollup")) == 2  # the refused one was withdrawn
+
+
+# --- run decisions -------------------------------------------------------------------------
+
+POLICY = RetryPolicy(max_attempts=3, base=timedelta(seconds=5), cap=timedelta(seconds=60))
+
+
+async def _claimed_run(firings: FakeFirings, job: str = "rollup") -> RunCronJob:
+    firing = await firings.claim(job, START, now=START, owner="a")
+    assert firing is not None
+    return RunCronJob(task_id=firing.run_id, job=job, scheduled_for=START, fired_at=START)
+
+
+async def test_a_successful_run_is_finished_with_its_summary() -> None:
+    firings, clock = FakeFirings(), Clock(START)
+    command = await _claimed_run(firings)
+    seen: list[JobRun] = []
+
+    async def job(run: JobRun) -> JobOutcome:
+        seen.append(run)
+        return JobOutcome(summary={"days": 2})
+
+    decision = await run_cron_job(
+        command, handlers={"rollup": job}, firings=firings, retry=POLICY, clock=clock
+    )
+    assert decision == Finished({"days": 2})
+    assert seen[0].run_id == command.run_id
+    assert firings.by_id[command.run_id].state is FiringState.SUCCEEDED
+    again = await run_cron_job(
+        command, handlers={"rollup": job}, firings=firings, retry=POLICY, clock=clock
+    )
+    assert isinstance(again, Drop)  # a duplicate delivery of a finished run
+    assert len(seen) == 1
+
+
+async def test_failures_retry_with_back_off_then_give_up() -> None:
+    firings, clock = FakeFirings(), Clock(START)
+    command = await _claimed_run(firings)
+
+    async def flaky(run: JobRun) -> JobOutcome:
+        raise TransientJobError("database busy")
+
+    handlers = {"rollup": flaky}
+    first = await run_cron_job(
+        command, handlers=handlers, firings=firings, retry=POLICY, clock=clock
+    )
+    assert isinstance(first, Retry)
+    assert first.command.attempt == 2
+    assert first.command.not_before == START + timedelta(seconds=5)
+    assert firings.by_id[command.run_id].state is FiringState.RETRYING
+    early = await run_cron_job(
+        first.command, handlers=handlers, firings=firings, retry=POLICY, clock=clock
+    )
+    assert early == Defer(first.command)  # came back down the ladder too soon
+    clock.now += timedelta(seconds=5)
+    second = await run_cron_job(
+        first.command, handlers=handlers, firings=firings, retry=POLICY, clock=clock
+    )
+    assert isinstance(second, Retry)
+    assert second.command.not_before == clock.now + timedelta(seconds=10)
+    clock.now += timedelta(seconds=10)
+    last = await run_cron_job(
+        second.command, handlers=handlers, firings=firings, retry=POLICY, clock=clock
+    )
+    assert isinstance(last, GiveUp)
+    assert "failed 3 times" in last.reason
+    assert "database busy" in last.reason
+    assert firings.by_id[command.run_id].state is FiringState.FAILED
+
+
+async def test_permanent_errors_and_unknown_jobs_give_up_at_once() -> None:
+    firings, clock = FakeFirings(), Clock(START)
+
+    async def misconfigured(run: JobRun) -> JobOutcome:
+        raise PermanentJobError("RUBRIC_VERSION is not set")
+
+    command = await _claimed_run(firings)
+    decision = await run_cron_job(
+        command, handlers={"rollup": misconfigured}, firings=firings, retry=POLICY, clock=clock
+    )
+    assert isinstance(decision, GiveUp)
+    assert "RUBRIC_VERSION" in decision.reason
+    orphan = await _claimed_run(firings, job="retired")
+    decision = await run_cron_job(orphan, handlers={}, firings=firings, retry=POLICY, clock=clock)
+    assert isinstance(decision, GiveUp)
+    assert "no handler" in decision.reason
+
+
+async def test_a_long_job_continues_in_the_next_slice() -> None:
+    firings, clock = FakeFirings(), Clock(START)
+    command = await _claimed_run(firings)
+
+    async def long_job(run: JobRun) -> JobOutcome:
+        return JobOutcome(summary={}, more=run.slice < 2)
+
+    slices = []
+    decision = await run_cron_job(
+        command, handlers={"rollup": long_job}, firings=firings, retry=POLICY, clock=clock
+    )
+    while isinstance(decision, Continue):
+        slices.append(decision.command.slice)
+        assert decision.command.run_id == command.run_id
+        decision = await run_cron_job(
+            decision.command,
+            handlers={"rollup": long_job},
+            firings=firings,
+            retry=POLICY,
+            clock=clock,
+        )
+    assert slices == [1, 2]
+    assert isinstance(decision, Finished)

@@ -1,0 +1,263 @@
+"""The SSRF guard: one table of URLs for the gateway's submit-time check and the notifier's
+delivery-time check (the two must agree), and the notifier's address vetting."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from services.gateway import webhooks as gateway_rules
+from services.notifier import ssrf
+from services.notifier.errors import ResolutionFailed, UnsafeDestination
+from services.notifier.sender import PinnedResolver
+from services.notifier.ssrf import Destination, IPAddress, SystemResolver, WebhookGuard
+
+SAFE_URLS = [
+    "https://example.com/hook",
+    "https://hooks.example.com:8443/a/b?c=d",
+    "https://EXAMPLE.com/upper-case-host",
+    "https://example.com./trailing-dot",
+    "https://93.184.215.14/public-ipv4",
+    "https://[2606:4700:4700::1111]/public-ipv6",
+    "https://xn--bcher-kva.example/punycode",
+    "https://receiver.scorebox.test/test-tld",
+]
+
+UNSAFE_URLS = [
+    pytest.param("http://example.com/hook", id="plain-http"),
+    pytest.param("ftp://example.com/", id="other-scheme"),
+    pytest.param("//example.com/hook", id="scheme-relative"),
+    pytest.param("example.com/hook", id="no-scheme"),
+    pytest.param("https:///path-only", id="no-host"),
+    pytest.param("https://user:pw@example.com/", id="credentials"),
+    pytest.param("https://user@example.com/", id="user-only"),
+    pytest.param("https://example.com:0/", id="port-zero"),
+    pytest.param("https://example.com:99999/", id="port-out-of-range"),
+    pytest.param("https://example.com/ spaced", id="whitespace"),
+    pytest.param("https://example.com\\@evil.com/", id="backslash"),
+    pytest.param("https://example.com/" + "a" * 2048, id="too-long"),
+    pytest.param("https://127.0.0.1/", id="loopback-v4"),
+    pytest.param("https://127.8.9.10/", id="loopback-v4-range"),
+    pytest.param("https://10.0.0.1/", id="private-10"),
+    pytest.param("https://172.16.5.4/", id="private-172"),
+    pytest.param("https://192.168.1.1/", id="private-192"),
+    pytest.param("https://100.64.0.1/", id="shared-cgnat"),
+    pytest.param("https://169.254.169.254/latest/meta-data/", id="cloud-metadata"),
+    pytest.param("https://0.0.0.0/", id="unspecified-v4"),
+    pytest.param("https://224.0.0.1/", id="multicast-v4"),
+    pytest.param("https://240.0.0.1/", id="reserved-v4"),
+    pytest.param("https://255.255.255.255/", id="broadcast"),
+    pytest.param("https://[::1]/", id="loopback-v6"),
+    pytest.param("https://[::]/", id="unspecified-v6"),
+    pytest.param("https://[fe80::1]/", id="link-local-v6"),
+    pytest.param("https://[fe80::1%25eth0]/", id="zone-id"),
+    pytest.param("https://[fc00::1]/", id="unique-local-v6"),
+    pytest.param("https://[ff02::1]/", id="multicast-v6"),
+    pytest.param("https://[::ffff:127.0.0.1]/", id="mapped-loopback"),
+    pytest.param("https://[::ffff:169.254.169.254]/", id="mapped-metadata"),
+    pytest.param("https://[::ffff:a00:1]/", id="mapped-private-hex"),
+    pytest.param("https://[::127.0.0.1]/", id="ipv4-compatible"),
+    pytest.param("https://[64:ff9b::a00:1]/", id="nat64-private"),
+    pytest.param("https://[2002:a00:1::]/", id="6to4-private"),
+    pytest.param("https://2130706433/", id="decimal-ipv4"),
+    pytest.param("https://0x7f000001/", id="hex-ipv4"),
+    pytest.param("https://0177.0.0.1/", id="octal-ipv4"),
+    pytest.param("https://0x7f.0.0.1/", id="hex-dotted-ipv4"),
+    pytest.param("https://127.1/", id="short-ipv4"),
+    pytest.param("https://1.2.3.4./", id="dotted-ipv4-trailing-dot"),
+    pytest.param("https://localhost/", id="localhost"),
+    pytest.param("https://LOCALHOST./", id="localhost-fqdn"),
+    pytest.param("https://api.localhost/", id="localhost-subdomain"),
+    pytest.param("https://printer.local/", id="mdns"),
+    pytest.param("https://metadata.google.internal/", id="internal-suffix"),
+    pytest.param("https://metadata/", id="single-label"),
+    pytest.param("https://1.0.0.127.in-addr.arpa/", id="reverse-dns-name"),
+    pytest.param("https://bücher.example/", id="non-ascii-host"),
+    pytest.param("https://-bad-.example/", id="bad-label"),
+]
+
+
+def _gateway_check(url: str) -> None:
+    gateway_rules.validate_webhook_url(url)
+
+
+def _notifier_check(url: str) -> None:
+    WebhookGuard(FakeResolver({})).check(url)
+
+
+CHECKERS: list[tuple[Callable[[str], None], type[Exception]]] = [
+    (_gateway_check, gateway_rules.UnsafeWebhookUrl),
+    (_notifier_check, UnsafeDestination),
+]
+CHECKER_IDS = ["gateway", "notifier"]
+
+
+class FakeResolver:
+    """A resolver answering from a table; counts its lookups."""
+
+    def __init__(self, answers: dict[str, Sequence[str]]) -> None:
+        self.answers = answers
+        self.lookups: list[str] = []
+
+    async def resolve(self, host: str, port: int) -> Sequence[IPAddress]:
+        self.lookups.append(host)
+        if host not in self.answers:
+            raise ResolutionFailed(f"{host} did not resolve")
+        return [ipaddress.ip_address(a) for a in self.answers[host]]
+
+
+@pytest.mark.parametrize(("check", "error"), CHECKERS, ids=CHECKER_IDS)
+@pytest.mark.parametrize("url", SAFE_URLS)
+def test_public_https_urls_are_accepted(
+    check: Callable[[str], None], error: type[Exception], url: str
+) -> None:
+    check(url)
+
+
+@pytest.mark.parametrize(("check", "error"), CHECKERS, ids=CHECKER_IDS)
+@pytest.mark.parametrize("url", UNSAFE_URLS)
+def test_unsafe_urls_are_refused(
+    check: Callable[[str], None], error: type[Exception], url: str
+) -> None:
+    with pytest.raises(error):
+        check(url)
+
+
+ADDRESSES = [
+    ("8.8.8.8", True),
+    ("93.184.215.14", True),
+    ("2606:4700:4700::1111", True),
+    ("::ffff:8.8.8.8", True),
+    ("127.0.0.1", False),
+    ("10.1.2.3", False),
+    ("172.31.255.255", False),
+    ("192.168.0.1", False),
+    ("169.254.169.254", False),
+    ("100.100.100.200", False),
+    ("0.0.0.0", False),
+    ("192.0.2.1", False),
+    ("198.18.0.1", False),
+    ("224.0.0.251", False),
+    ("::1", False),
+    ("::", False),
+    ("fe80::1", False),
+    ("fd00:ec2::254", False),
+    ("ff02::1", False),
+    ("::ffff:10.0.0.1", False),
+    ("::ffff:169.254.169.254", False),
+    ("::10.0.0.1", False),
+    ("64:ff9b::7f00:1", False),
+    ("2002:7f00:1::", False),
+    ("2001:db8::1", False),
+]
+
+
+@pytest.mark.parametrize(
+    "is_public",
+    [gateway_rules.is_public_address, ssrf.is_public_address],
+    ids=CHECKER_IDS,
+)
+@pytest.mark.parametrize(("address", "public"), ADDRESSES)
+def test_address_classification(
+    is_public: Callable[[IPAddress], bool], address: str, public: bool
+) -> None:
+    assert is_public(ipaddress.ip_address(address)) is public
+
+
+async def test_a_name_resolving_only_to_public_addresses_is_pinned_to_them() -> None:
+    resolver = FakeResolver({"hooks.example.com": ["93.184.215.14", "2606:4700::1"]})
+    guard = WebhookGuard(resolver)
+
+    destination = await guard.vet("https://hooks.example.com:8443/x")
+
+    assert destination.host == "hooks.example.com"
+    assert destination.port == 8443
+    assert [str(a) for a in destination.addresses] == ["93.184.215.14", "2606:4700::1"]
+
+
+@pytest.mark.parametrize(
+    "answers",
+    [
+        ["10.0.0.5"],
+        ["93.184.215.14", "127.0.0.1"],
+        ["169.254.169.254"],
+        ["::ffff:192.168.1.1"],
+        ["2606:4700::1", "fe80::1"],
+    ],
+)
+async def test_a_name_with_any_non_public_address_is_refused(answers: list[str]) -> None:
+    guard = WebhookGuard(FakeResolver({"rebind.example.com": answers}))
+
+    with pytest.raises(UnsafeDestination, match="non-public"):
+        await guard.vet("https://rebind.example.com/hook")
+
+
+async def test_an_ip_literal_is_not_resolved() -> None:
+    resolver = FakeResolver({})
+
+    destination = await WebhookGuard(resolver).vet("https://93.184.215.14/hook")
+
+    assert [str(a) for a in destination.addresses] == ["93.184.215.14"]
+    assert resolver.lookups == []
+
+
+async def test_an_unsafe_url_is_refused_before_any_lookup() -> None:
+    resolver = FakeResolver({"localhost": ["127.0.0.1"]})
+
+    with pytest.raises(UnsafeDestination):
+        await WebhookGuard(resolver).vet("https://localhost/hook")
+    assert resolver.lookups == []
+
+
+async def test_resolution_failures_are_transient() -> None:
+    guard = WebhookGuard(FakeResolver({"empty.example.com": []}))
+
+    with pytest.raises(ResolutionFailed):
+        await guard.vet("https://nowhere.example.com/hook")
+    with pytest.raises(ResolutionFailed):
+        await guard.vet("https://empty.example.com/hook")
+
+
+async def test_allowed_test_hosts_exempt_only_what_they_name() -> None:
+    resolver = FakeResolver({"receiver.scorebox.test": ["127.0.0.1"], "other.test": ["10.0.0.1"]})
+    guard = WebhookGuard(resolver, allowed_test_hosts=frozenset({"127.0.0.1"}))
+
+    by_name = await guard.vet("https://receiver.scorebox.test:9443/hook")
+    literal = await guard.vet("https://127.0.0.1:9443/hook")
+
+    assert [str(a) for a in by_name.addresses] == ["127.0.0.1"]
+    assert [str(a) for a in literal.addresses] == ["127.0.0.1"]
+    with pytest.raises(UnsafeDestination):
+        await guard.vet("https://other.test/hook")
+    with pytest.raises(UnsafeDestination):
+        await guard.vet("http://127.0.0.1/hook")
+
+
+async def test_the_system_resolver_answers_localhost_offline() -> None:
+    addresses = await SystemResolver(timeout_s=5).resolve("localhost", 443)
+
+    assert addresses
+    assert all(address.is_loopback for address in addresses)
+
+
+async def test_the_pinned_resolver_answers_only_the_checked_addresses() -> None:
+    destination = Destination(
+        url="https://hooks.example.com/x",
+        host="hooks.example.com",
+        port=443,
+        addresses=(ipaddress.ip_address("93.184.215.14"), ipaddress.ip_address("2606:4700::1")),
+    )
+    resolver = PinnedResolver(destination)
+
+    answers = await resolver.resolve("hooks.example.com", 443)
+
+    assert [(a["host"], a["family"]) for a in answers] == [
+        ("93.184.215.14", socket.AF_INET),
+        ("2606:4700::1", socket.AF_INET6),
+    ]
+    assert all(a["hostname"] == "hooks.example.com" for a in answers)
+    with pytest.raises(OSError, match="not the checked destination"):
+        await resolver.resolve("evil.example.com", 443)

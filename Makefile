@@ -44,8 +44,10 @@ test-integration: venv
 test-e2e: venv
 	$(PY) -m pytest tests/e2e -q
 
+# The fault tests, slow ones included, then their figures into the README's reliability section.
 test-faults: venv
-	$(PY) -m pytest tests/faults -q
+	SCOREBOX_SLOW_TESTS=1 $(PY) -m pytest tests/faults -q
+	$(PY) -m devtools.reliability
 
 # Debian's docker-compose checks compose.yaml (no Docker engine needed); skipped with a reason
 # by the test when it cannot be installed.
@@ -55,7 +57,7 @@ system-deps:
 	  echo "note: docker-compose not installed; the compose check will be skipped"
 
 test: lint typecheck system-deps
-	$(PY) -m pytest -q
+	SCOREBOX_SLOW_TESTS=1 $(PY) -m pytest -q
 
 bench: venv
 	$(PY) -m bench.run $(BENCH_ARGS)

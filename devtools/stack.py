@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import secrets
 import shlex
@@ -40,6 +41,7 @@ DEFAULT_PORTS: dict[str, int] = {
 PORT_ENV: dict[str, str] = {service: f"{service.upper()}_PORT" for service in DEFAULT_PORTS}
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 
+PR_SET_PDEATHSIG = 1
 READY_POLL_INTERVAL_S = 0.1
 READY_REQUEST_TIMEOUT_S = 2.0
 KILL_WAIT_S = 10.0
@@ -265,6 +267,8 @@ class Stack:
             env["STATUS_URL"] = self.url("status")
         if "notifier" in self.config.services:
             env["NOTIFIER_URL"] = self.url("notifier")
+        if "scheduler" in self.config.services:
+            env["SCHEDULER_URL"] = self.url("scheduler")
         env.update(self.config.env)
         env[PORT_ENV[proc.service]] = str(proc.port)
         env["SCOREBOX_SERVICE"] = proc.service
@@ -286,6 +290,7 @@ class Stack:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=die_with_parent,  # noqa: PLW1509 - only async-signal-safe work
             )
 
     def _wait_ready(self, procs: Sequence[ServiceProcess], timeout_s: float) -> None:
@@ -319,6 +324,17 @@ class Stack:
 
 
 # ---------------------------------------------------------------------- process helpers
+
+
+def die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the runner dies, even by SIGKILL (Linux).
+
+    Without it, a runner killed hard (a CI timeout, a test's last resort) leaves its services
+    running and holding their ports.
+    """
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def signal_group(proc: ServiceProcess, signum: signal.Signals) -> None:

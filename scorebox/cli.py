@@ -4,19 +4,27 @@
     scorebox status TASK_ID                        show a task
     scorebox dlq list | show ID | replay [ID...|--all] | purge
     scorebox keys create --tenant T [--name N] | list [--tenant T] | revoke KEY_ID
+    scorebox usage [--from YYYY-MM-DD] [--to YYYY-MM-DD]     your tenant's daily usage
+    scorebox cron list | run JOB [--wait]                    the scheduler's cron jobs
 
 The gateway is `SCOREBOX_URL` (default http://127.0.0.1:8000); `SCOREBOX_API_KEY`, when set,
 is sent as a bearer token; admin commands (`dlq`, `keys`) send `SCOREBOX_ADMIN_KEY` instead.
+`cron` talks to the scheduler at `SCOREBOX_SCHEDULER_URL` (default http://127.0.0.1:8003),
+sending `SCOREBOX_ADMIN_KEY` when set (the scheduler's admin routes are for the internal
+network and check no key today).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import httpx
 import typer
@@ -27,14 +35,40 @@ app.add_typer(dlq, name="dlq")
 
 TERMINAL = {"completed", "failed"}
 REQUEST_TIMEOUT_S = 30.0
+DEFAULT_GATEWAY_URL = "http://127.0.0.1:8000"
+DEFAULT_SCHEDULER_URL = "http://127.0.0.1:8003"
+
+# The seam for tests: every client uses this transport when set (e.g. an httpx.MockTransport),
+# the network otherwise.
+transport: httpx.BaseTransport | None = None
+
+
+def _http(base_url: str, key: str | None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    # Passed only when injected, so that `httpx.Client` keeps choosing its own otherwise.
+    injected: dict[str, Any] = {"transport": transport} if transport is not None else {}
+    return httpx.Client(base_url=base_url, headers=headers, timeout=REQUEST_TIMEOUT_S, **injected)
 
 
 def _client(*, admin: bool = False) -> httpx.Client:
-    headers = {}
-    if key := os.environ.get("SCOREBOX_ADMIN_KEY" if admin else "SCOREBOX_API_KEY"):
-        headers["Authorization"] = f"Bearer {key}"
-    base_url = os.environ.get("SCOREBOX_URL", "http://127.0.0.1:8000")
-    return httpx.Client(base_url=base_url, headers=headers, timeout=REQUEST_TIMEOUT_S)
+    key = os.environ.get("SCOREBOX_ADMIN_KEY" if admin else "SCOREBOX_API_KEY")
+    return _http(os.environ.get("SCOREBOX_URL", DEFAULT_GATEWAY_URL), key)
+
+
+def _scheduler_client() -> httpx.Client:
+    base_url = os.environ.get("SCOREBOX_SCHEDULER_URL", DEFAULT_SCHEDULER_URL)
+    return _http(base_url, os.environ.get("SCOREBOX_ADMIN_KEY"))
+
+
+@contextlib.contextmanager
+def _reaching(client: httpx.Client) -> Iterator[httpx.Client]:
+    """Use `client`; a server that cannot be reached exits 1 with one line, not a traceback."""
+    try:
+        with client:
+            yield client
+    except httpx.HTTPError as error:
+        typer.echo(f"error: {client.base_url} unreachable: {error}", err=True)
+        raise typer.Exit(code=1) from error
 
 
 def _fail(response: httpx.Response) -> typer.Exit:
@@ -170,6 +204,107 @@ def keys_list(
 def keys_revoke(key_id: str) -> None:
     """Revoke a key; every gateway refuses it within a few seconds (API_KEY_CACHE_TTL_S)."""
     _admin_call("DELETE", f"/admin/v1/keys/{key_id}")
+
+
+@app.command()
+def usage(
+    first_day: Annotated[
+        str | None, typer.Option("--from", help="First UTC day (default: 30 days before --to).")
+    ] = None,
+    last_day: Annotated[
+        str | None, typer.Option("--to", help="Last UTC day (default: today).")
+    ] = None,
+) -> None:
+    """Show your tenant's daily usage (completed tasks, tokens, cost) and its totals."""
+    params = {name: day for name, day in (("from", first_day), ("to", last_day)) if day}
+    with _reaching(_client()) as client:
+        response = client.get("/v1/usage", params=params)
+        if response.status_code != 200:
+            raise _fail(response)
+        _show(response.json())
+
+
+cron = typer.Typer(help="The scheduler's cron jobs (SCOREBOX_SCHEDULER_URL).")
+app.add_typer(cron, name="cron")
+
+FINAL_RUN_STATES = {"succeeded", "failed", "skipped"}
+JOB_COLUMNS = ("NAME", "CRON", "TZ", "ENABLED", "NEXT FIRE (UTC)", "LAST STATE")
+
+
+def _job_row(job: dict[str, Any]) -> tuple[str, ...]:
+    last = job.get("last_firing") or {}
+    return (
+        job["name"],
+        job["cron"],
+        job["tz"],
+        "yes" if job["enabled"] else "no",
+        job.get("next_fire_at") or "-",
+        last.get("state") or "-",
+    )
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(line[i]) for line in (header, *rows)) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in (header, *rows)
+    )
+
+
+@cron.command("list")
+def cron_list() -> None:
+    """List the cron jobs: schedule, zone, next fire time and the last firing's state."""
+    with _reaching(_scheduler_client()) as client:
+        response = client.get("/admin/v1/cron/jobs")
+        if response.status_code != 200:
+            raise _fail(response)
+        jobs: list[dict[str, Any]] = response.json()["jobs"]
+    typer.echo(_table(JOB_COLUMNS, [_job_row(job) for job in jobs]))
+
+
+def _await_run(
+    client: httpx.Client, status_url: str, *, timeout_s: float, poll_s: float
+) -> dict[str, Any]:
+    """Poll a run until it is final; exits 1 when it cannot be read or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = client.get(status_url)
+        if response.status_code != 200:
+            raise _fail(response)
+        run: dict[str, Any] = response.json()
+        if run["state"] in FINAL_RUN_STATES:
+            return run
+        if time.monotonic() > deadline:
+            _show(run)
+            typer.echo(f"run {run['run_id']} still {run['state']} after {timeout_s:g}s", err=True)
+            raise typer.Exit(code=1)
+        time.sleep(poll_s)
+
+
+@cron.command("run")
+def cron_run(
+    job: Annotated[str, typer.Argument(help="The job's name (see `scorebox cron list`).")],
+    wait: Annotated[bool, typer.Option("--wait", help="Poll until the run finishes.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds --wait polls at most.")] = 600.0,
+    poll_s: Annotated[float, typer.Option(min=0, help="Seconds between polls.")] = 1.0,
+) -> None:
+    """Fire a job by hand and print the run; with --wait, the run once finished.
+
+    Exits 1 when the job is unknown (404), the scheduler unavailable (503) or the wait timed
+    out, and 2 when the run failed.
+    """
+    with _reaching(_scheduler_client()) as client:
+        response = client.post(f"/admin/v1/cron/jobs/{quote(job, safe='')}/run")
+        if response.status_code != 202:
+            raise _fail(response)
+        accepted: dict[str, Any] = response.json()
+        if not wait:
+            _show(accepted)
+            return
+        run = _await_run(client, accepted["status_url"], timeout_s=timeout, poll_s=poll_s)
+    _show(run)
+    if run["state"] == "failed":
+        raise typer.Exit(code=2)
 
 
 def main() -> None:

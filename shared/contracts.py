@@ -69,7 +69,9 @@ class Contract(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
     message_id: str = Field(default_factory=new_id, description="Unique per message.")
-    task_id: str = Field(description="The task this message is about.", examples=[new_id()])
+    task_id: str = Field(
+        description="The task this message is about.", examples=["9f0c2b6e4d1a4c8e8b7a6f5e4d3c2b1a"]
+    )
     tenant_id: str = Field(default=DEFAULT_TENANT, description="Owner of the task.")
     schema_version: int = Field(default=SCHEMA_VERSION, description="Contract version.")
     occurred_at: datetime = Field(default_factory=utcnow)

@@ -80,6 +80,31 @@ async def retry_until(
                 return
 
 
+async def keep_trying[T](
+    action: Callable[[], Awaitable[T]],
+    *,
+    what: str,
+    retry_on: tuple[type[BaseException], ...],
+    first_delay_s: float = 0.2,
+    max_delay_s: float = 5.0,
+) -> T:
+    """Repeat an idempotent write until the database takes it, backing off.
+
+    For consumers: the message stays unacknowledged meanwhile (back-pressure through the
+    prefetch), and is neither nacked with requeue (RabbitMQ 4.x does not count that, 3.x
+    counts it towards the delivery limit) nor lost. Cancellation (shutdown, a lost broker
+    connection) stops it; the broker then redelivers the message.
+    """
+    delay = first_delay_s
+    while True:
+        try:
+            return await action()
+        except retry_on as error:
+            log.warning("%s failed (%r); retrying in %.1fs", what, error, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_delay_s)
+
+
 async def start_broker(broker: RabbitBroker, settings: ServiceSettings) -> None:
     """Connect (waiting for RabbitMQ if it is still starting), declare topology, consume."""
     await retry_until(

@@ -1,22 +1,21 @@
 """The whole RabbitMQ topology, declared in this one place.
 
-    scorebox.tasks  (direct) --score.requested------------------> scorebox.score-requests
-    scorebox.events (topic)  --task.*---------------------------> scorebox.status-projection
-                             --task.completed-------------------> scorebox.result-cache
-                             --task.*---------------------------> scorebox.live.<replica>
-    scorebox.delay  (topic)  --<tier>.#--> scorebox.wait.<tier> --(TTL, dead-letter)-->
-    scorebox.due    (topic)  --*.score.requested----------------> scorebox.score-requests
-    scorebox.dlx    (direct) --<queue>.dlq----------------------> <queue>.dlq
-
-    scheduler:
-    scorebox.cron   (direct) --cron.run-------------------------> scorebox.cron-jobs
-    scorebox.due    (topic)  --*.cron.run-----------------------> scorebox.cron-jobs
-    scorebox.events (topic)  --task.completed-------------------> scorebox.usage-meter
-    scorebox.tasks  (direct) --usage.retry----------------------> scorebox.usage-meter
-    scorebox.due    (topic)  --*.usage.retry--------------------> scorebox.usage-meter
-    scorebox.tasks  (direct) --score.rescore--------------------> scorebox.rescore-requests
-    scorebox.due    (topic)  --*.score.rescore------------------> scorebox.rescore-requests
-    scorebox.events (topic)  --ops.#----------------------------> scorebox.ops-events
+    exchange          routing key                        queue (consumer)
+    scorebox.tasks    score.requested                  → scorebox.score-requests (scorer)
+                      score.rescore                    → scorebox.rescore-requests (gateway)
+                      webhook.deliver                  → scorebox.webhook-deliveries (notifier)
+                      usage.retry                      → scorebox.usage-meter (scheduler)
+    scorebox.cron     cron.run                         → scorebox.cron-jobs (scheduler)
+    scorebox.events   task.*                           → scorebox.status-projection (status)
+                      task.*                           → scorebox.live.<replica> (gateway, push)
+                      task.completed                   → scorebox.result-cache (gateway)
+                      task.completed, task.failed      → scorebox.gateway-task-outcomes (gateway)
+                      task.completed                   → scorebox.usage-meter (scheduler)
+                      task.accepted|completed|failed   → scorebox.notifications (notifier)
+                      ops.#                            → scorebox.ops-events (operators)
+    scorebox.delay    <tier>.#                         → scorebox.wait.<tier> (TTL, then ↓)
+    scorebox.due      *.<key of a delayed target>      → that target's queue
+    scorebox.dlx      <queue>.dlq                      → <queue>.dlq (operators)
 
 Every work queue is a quorum queue with a delivery limit (poison-message guard, explicit so
 RabbitMQ 3.x and 4.x behave alike), dead-lettering `at-least-once` to its own DLQ (which
@@ -44,7 +43,10 @@ EVENTS = RabbitExchange("scorebox.events", type=ExchangeType.TOPIC, durable=True
 DELAY = RabbitExchange("scorebox.delay", type=ExchangeType.TOPIC, durable=True)
 DUE = RabbitExchange("scorebox.due", type=ExchangeType.TOPIC, durable=True)
 DLX = RabbitExchange("scorebox.dlx", type=ExchangeType.DIRECT, durable=True)
-EXCHANGES = (TASKS, EVENTS, DELAY, DUE, DLX)
+# Cron runs have an exchange of their own, so a cron message never shares a routing table with
+# task commands; like every delayed target, `scorebox.cron-jobs` is also bound to `scorebox.due`.
+CRON = RabbitExchange("scorebox.cron", type=ExchangeType.DIRECT, durable=True)
+EXCHANGES: tuple[RabbitExchange, ...] = (TASKS, EVENTS, DELAY, DUE, DLX, CRON)
 
 DEFAULT_DELIVERY_LIMIT = 5
 SCORE_QUEUE_MAX_LENGTH = 500_000
@@ -126,7 +128,86 @@ RESULT_CACHE = WorkQueue(
     name="scorebox.result-cache",
     bindings=(Binding(EVENTS, "task.completed"),),
 )
-WORK_QUEUES: tuple[WorkQueue, ...] = (SCORE_REQUESTS, STATUS_PROJECTION, RESULT_CACHE)
+
+
+# --- Gateway: tasks in flight ----------------------------------------------------------------
+# The gateway's own copy of every task outcome, to release the task's in-flight slot of its
+# tenant (`services/gateway/limits.py`). A queue of its own rather than more bindings on
+# `scorebox.result-cache`: that queue means "completed results to cache" and rejects anything
+# else; this one must see `task.failed` as well, and a slow or failing cache must not hold up
+# the releases that let tenants submit again.
+GATEWAY_TASK_OUTCOMES = WorkQueue(
+    name="scorebox.gateway-task-outcomes",
+    bindings=(Binding(EVENTS, "task.completed"), Binding(EVENTS, "task.failed")),
+)
+
+
+# --- Scheduler -------------------------------------------------------------------------------
+OPS_EVENTS_MAX_LENGTH = 10_000
+
+CRON_JOBS = WorkQueue(
+    name="scorebox.cron-jobs",
+    bindings=(Binding(CRON, "cron.run"), Binding(DUE, "*.cron.run")),
+)
+# The scheduler's copy of `task.completed` (usage records, catalogue of completed tasks). A
+# record it could not store comes back through the wait ladder as `usage.retry`.
+USAGE_RETRY_ROUTING_KEY = "usage.retry"
+USAGE_METER = WorkQueue(
+    name="scorebox.usage-meter",
+    bindings=(
+        Binding(EVENTS, "task.completed"),
+        Binding(TASKS, USAGE_RETRY_ROUTING_KEY),
+        Binding(DUE, f"*.{USAGE_RETRY_ROUTING_KEY}"),
+    ),
+)
+# Re-score requests from the scheduler's fan-out; the gateway consumes them. Bounded like the
+# score queue: when full, the fan-out's publishes are refused (back-pressure) and it resumes
+# from its checkpoint on a later attempt.
+RESCORE_REQUESTS = _command_queue(
+    "scorebox.rescore-requests", "score.rescore", max_length=SCORE_QUEUE_MAX_LENGTH
+)
+# Operations events (`ops.housekeeping`, `ops.alert.*`) for an operator or a notifier to read.
+# Publishes are mandatory, so these events need a queue bound; it is bounded and refuses
+# publishes when nobody has read it for that long, which fails the publishing job loudly.
+OPS_EVENTS = WorkQueue(
+    name="scorebox.ops-events",
+    bindings=(Binding(EVENTS, "ops.#"),),
+    max_length=OPS_EVENTS_MAX_LENGTH,
+)
+
+
+# --- Notifier --------------------------------------------------------------------------------
+#   scorebox.events (topic)  --task.accepted|completed|failed---> scorebox.notifications
+#   scorebox.tasks  (direct) --webhook.deliver------------------> scorebox.webhook-deliveries
+#   scorebox.due    (topic)  --*.webhook.deliver----------------> scorebox.webhook-deliveries
+#   scorebox.due    (topic)  --*.task.accepted|completed|failed-> scorebox.notifications
+# The notifier remembers callback URLs from `task.accepted` and turns terminal events into
+# deliveries; a delivery that must wait (retry back-off, Retry-After) rides the wait ladder,
+# and so does an event the notifier could not record (its database was unavailable).
+# Neither queue has a length limit: with `reject-publish`, a full notifications queue would
+# refuse the task events themselves and tie every service's progress to the notifier.
+NOTIFIED_EVENT_KEYS = ("task.accepted", "task.completed", "task.failed")
+NOTIFICATIONS = WorkQueue(
+    name="scorebox.notifications",
+    bindings=(
+        *(Binding(EVENTS, key) for key in NOTIFIED_EVENT_KEYS),
+        *(Binding(DUE, f"*.{key}") for key in NOTIFIED_EVENT_KEYS),
+    ),
+)
+WEBHOOK_DELIVERIES = _command_queue("scorebox.webhook-deliveries", "webhook.deliver")
+
+WORK_QUEUES: tuple[WorkQueue, ...] = (
+    SCORE_REQUESTS,
+    STATUS_PROJECTION,
+    RESULT_CACHE,
+    GATEWAY_TASK_OUTCOMES,
+    CRON_JOBS,
+    USAGE_METER,
+    RESCORE_REQUESTS,
+    OPS_EVENTS,
+    NOTIFICATIONS,
+    WEBHOOK_DELIVERIES,
+)
 
 
 def wait_queue(tier: str, seconds: int) -> RabbitQueue:
@@ -172,69 +253,6 @@ async def declare_topology(broker: RabbitBroker) -> None:
         await waiting.bind(exchanges[DELAY.name], routing_key=f"{tier}.#")
 
 
-# --- Scheduler -------------------------------------------------------------------------------
-# Cron runs have an exchange of their own, so a cron message never shares a routing table with
-# task commands; like every delayed target, `scorebox.cron-jobs` is also bound to `scorebox.due`.
-CRON = RabbitExchange("scorebox.cron", type=ExchangeType.DIRECT, durable=True)
-# EXCHANGES was declared as a fixed-length tuple above; appending widens it.
-EXCHANGES = (*EXCHANGES, CRON)  # type: ignore[assignment]
-
-OPS_EVENTS_MAX_LENGTH = 10_000
-
-CRON_JOBS = WorkQueue(
-    name="scorebox.cron-jobs",
-    bindings=(Binding(CRON, "cron.run"), Binding(DUE, "*.cron.run")),
-)
-# The scheduler's copy of `task.completed` (usage records, catalogue of completed tasks). A
-# record it could not store comes back through the wait ladder as `usage.retry`.
-USAGE_RETRY_ROUTING_KEY = "usage.retry"
-USAGE_METER = WorkQueue(
-    name="scorebox.usage-meter",
-    bindings=(
-        Binding(EVENTS, "task.completed"),
-        Binding(TASKS, USAGE_RETRY_ROUTING_KEY),
-        Binding(DUE, f"*.{USAGE_RETRY_ROUTING_KEY}"),
-    ),
-)
-# Re-score requests from the scheduler's fan-out; the gateway consumes them. Bounded like the
-# score queue: when full, the fan-out's publishes are refused (back-pressure) and it resumes
-# from its checkpoint on a later attempt.
-RESCORE_REQUESTS = _command_queue(
-    "scorebox.rescore-requests", "score.rescore", max_length=SCORE_QUEUE_MAX_LENGTH
-)
-# Operations events (`ops.housekeeping`, `ops.alert.*`) for an operator or a notifier to read.
-# Publishes are mandatory, so these events need a queue bound; it is bounded and refuses
-# publishes when nobody has read it for that long, which fails the publishing job loudly.
-OPS_EVENTS = WorkQueue(
-    name="scorebox.ops-events",
-    bindings=(Binding(EVENTS, "ops.#"),),
-    max_length=OPS_EVENTS_MAX_LENGTH,
-)
-WORK_QUEUES = (*WORK_QUEUES, CRON_JOBS, USAGE_METER, RESCORE_REQUESTS, OPS_EVENTS)
-
-
-# --- Notifier --------------------------------------------------------------------------------
-#   scorebox.events (topic)  --task.accepted|completed|failed---> scorebox.notifications
-#   scorebox.tasks  (direct) --webhook.deliver------------------> scorebox.webhook-deliveries
-#   scorebox.due    (topic)  --*.webhook.deliver----------------> scorebox.webhook-deliveries
-#   scorebox.due    (topic)  --*.task.accepted|completed|failed-> scorebox.notifications
-# The notifier remembers callback URLs from `task.accepted` and turns terminal events into
-# deliveries; a delivery that must wait (retry back-off, Retry-After) rides the wait ladder,
-# and so does an event the notifier could not record (its database was unavailable).
-# Neither queue has a length limit: with `reject-publish`, a full notifications queue would
-# refuse the task events themselves and tie every service's progress to the notifier.
-NOTIFIED_EVENT_KEYS = ("task.accepted", "task.completed", "task.failed")
-NOTIFICATIONS = WorkQueue(
-    name="scorebox.notifications",
-    bindings=(
-        *(Binding(EVENTS, key) for key in NOTIFIED_EVENT_KEYS),
-        *(Binding(DUE, f"*.{key}") for key in NOTIFIED_EVENT_KEYS),
-    ),
-)
-WEBHOOK_DELIVERIES = _command_queue("scorebox.webhook-deliveries", "webhook.deliver")
-WORK_QUEUES = (*WORK_QUEUES, NOTIFICATIONS, WEBHOOK_DELIVERIES)
-
-
 # --- Live push -------------------------------------------------------------------------------
 # Every gateway replica receives every task event on a queue of its own, to wake its SSE streams
 # and long-polls. Not a `WorkQueue`: it is exclusive and auto-deleted (it lives and dies with
@@ -256,16 +274,3 @@ def live_events_queue(replica_id: str) -> RabbitQueue:
         routing_key=LIVE_EVENTS_BINDING,
         arguments={"x-max-length": LIVE_EVENTS_MAX_LENGTH, "x-overflow": "drop-head"},
     )
-
-
-# --- Gateway: tasks in flight ----------------------------------------------------------------
-# The gateway's own copy of every task outcome, to release the task's in-flight slot of its
-# tenant (`services/gateway/limits.py`). A queue of its own rather than more bindings on
-# `scorebox.result-cache`: that queue means "completed results to cache" and rejects anything
-# else; this one must see `task.failed` as well, and a slow or failing cache must not hold up
-# the releases that let tenants submit again.
-GATEWAY_TASK_OUTCOMES = WorkQueue(
-    name="scorebox.gateway-task-outcomes",
-    bindings=(Binding(EVENTS, "task.completed"), Binding(EVENTS, "task.failed")),
-)
-WORK_QUEUES = (*WORK_QUEUES, GATEWAY_TASK_OUTCOMES)

@@ -1,22 +1,24 @@
-"""Composition root of the gateway: the public HTTP API in front of the task flow."""
+"""Composition root of the gateway: the public HTTP API in front of the task flow.
+
+`build_gateway` makes every adapter once; `create_app` subscribes the consumers, opens and
+closes the clients in the lifespan, and mounts the routes. Tests pass their own broker,
+database client, HTTP clients or clock.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
 from fastapi import APIRouter, FastAPI
-from faststream import AckPolicy
 from faststream.rabbit import RabbitBroker
-from faststream.rabbit.annotations import RabbitMessage
 from httpx_aiohttp import AiohttpTransport
-from pydantic import ValidationError
 
 from services.gateway.admin_api import admin_routes
 from services.gateway.api import GatewayDeps, score_routes
@@ -24,8 +26,8 @@ from services.gateway.auth import Authenticator, caller_dependency
 from services.gateway.batches import Batches
 from services.gateway.batches_api import batch_routes
 from services.gateway.cache import ResultCache
+from services.gateway.consumers import keep_outbox_swept, subscribe_result_cache
 from services.gateway.deadletters import DeadLetterQueue
-from services.gateway.errors import Unavailable
 from services.gateway.events_api import event_routes
 from services.gateway.keys import ApiKeys, bootstrap_key
 from services.gateway.keys_api import key_admin_routes
@@ -37,12 +39,15 @@ from services.gateway.limits import (
 )
 from services.gateway.publisher import TaskPublisher
 from services.gateway.push import LiveUpdates, subscribe_live_updates
+from services.gateway.rescore import RescoreRequests, subscribe_rescore_requests
+from services.gateway.scheduler_client import SchedulerClient, make_scheduler_http
 from services.gateway.settings import GatewaySettings
 from services.gateway.status_client import StatusClient
 from services.gateway.submissions import Submissions
-from services.gateway.submit import Publisher, remember_result, sweep_outbox
+from services.gateway.usage_api import usage_routes
 from services.gateway.webhooks_api import NotifierClient, make_notifier_http, webhook_routes
-from shared.contracts import DEFAULT_TENANT, TaskCompleted, new_id, utcnow
+from shared.asyncapi import build_document
+from shared.contracts import DEFAULT_TENANT, new_id, utcnow
 from shared.http import health_router, install_problem_handlers
 from shared.runtime import (
     MongoClient,
@@ -53,9 +58,8 @@ from shared.runtime import (
     retry_until,
     start_broker,
 )
-from shared.topology import RESULT_CACHE
 
-log = logging.getLogger("scorebox.gateway")
+Clock = Callable[[], datetime]
 
 
 def make_status_http(settings: GatewaySettings) -> httpx.AsyncClient:
@@ -67,112 +71,181 @@ def make_status_http(settings: GatewaySettings) -> httpx.AsyncClient:
     )
 
 
-def create_app(
+@dataclass(frozen=True)
+class Gateway:
+    """Every adapter of the gateway, made once."""
+
+    settings: GatewaySettings
+    broker: RabbitBroker
+    mongo: MongoClient
+    status_http: httpx.AsyncClient
+    notifier_http: httpx.AsyncClient
+    scheduler_http: httpx.AsyncClient
+    keys: ApiKeys
+    authenticator: Authenticator
+    rate_limiter: RateLimiter
+    batches: Batches
+    publisher: TaskPublisher
+    status: StatusClient
+    deps: GatewayDeps
+
+    async def ensure_indexes(self) -> None:
+        for store in (
+            self.deps.submissions,
+            self.batches,
+            self.deps.cache,
+            self.keys,
+            self.rate_limiter,
+            self.deps.in_flight,
+        ):
+            await store.ensure_indexes()
+
+    async def close_clients(self) -> None:
+        await self.status_http.aclose()
+        await self.notifier_http.aclose()
+        await self.scheduler_http.aclose()
+        await self.mongo.close()
+
+
+def build_gateway(
     settings: GatewaySettings,
     *,
     broker: RabbitBroker | None = None,
     mongo: MongoClient | None = None,
     status_http: httpx.AsyncClient | None = None,
     notifier_http: httpx.AsyncClient | None = None,
-    clock: Callable[[], datetime] = utcnow,
-) -> FastAPI:
-    """Wire the gateway: broker + database + status client + HTTP app, closed in lifespan."""
+    scheduler_http: httpx.AsyncClient | None = None,
+    clock: Clock = utcnow,
+) -> Gateway:
     broker = broker or make_broker(settings)
     mongo = mongo or make_mongo(settings)
-    http = status_http or make_status_http(settings)
-    notifier = notifier_http or make_notifier_http(settings)
-    submissions = Submissions(mongo, settings.database_name("gateway"))
-    cache = ResultCache(
-        mongo, settings.database_name("gateway"), timedelta(seconds=settings.result_cache_ttl_s)
-    )
+    status_http = status_http or make_status_http(settings)
+    database = settings.database_name("gateway")
+    keys = ApiKeys(mongo, database)
     publisher = TaskPublisher(broker, timeout_s=settings.broker_timeout_s)
-    keys = ApiKeys(mongo, settings.database_name("gateway"))
-    authenticator = Authenticator(keys, cache_ttl_s=settings.api_key_cache_ttl_s, clock=clock)
-    rate_limiter = RateLimiter(
-        mongo,
-        settings.database_name("gateway"),
-        per_minute=settings.rate_limit_per_min,
-        clock=clock,
-    )
-    in_flight = InFlight(
-        mongo, settings.database_name("gateway"), max_per_tenant=settings.max_in_flight_per_tenant
-    )
-    # Every public route takes its `Caller` from this dependency (API key, then rate limit).
-    authenticated = caller_dependency(authenticator, rate_limiter)
-    status = StatusClient(http, base_url=settings.status_url)
-    batches = Batches(mongo, settings.database_name("gateway"))
-    live = live_updates(broker, settings)
+    status = StatusClient(status_http, base_url=settings.status_url)
     deps = GatewayDeps(
         settings=settings,
-        submissions=submissions,
-        cache=cache,
+        submissions=Submissions(mongo, database),
+        cache=ResultCache(mongo, database, timedelta(seconds=settings.result_cache_ttl_s)),
         publisher=publisher,
         status=status,
         clock=clock,
-        in_flight=in_flight,
-        live=live,
+        in_flight=InFlight(mongo, database, max_per_tenant=settings.max_in_flight_per_tenant),
+        live=live_updates(broker, settings),
+    )
+    return Gateway(
+        settings=settings,
+        broker=broker,
+        mongo=mongo,
+        status_http=status_http,
+        notifier_http=notifier_http or make_notifier_http(settings),
+        scheduler_http=scheduler_http or make_scheduler_http(settings),
+        keys=keys,
+        authenticator=Authenticator(keys, cache_ttl_s=settings.api_key_cache_ttl_s, clock=clock),
+        rate_limiter=RateLimiter(
+            mongo, database, per_minute=settings.rate_limit_per_min, clock=clock
+        ),
+        batches=Batches(mongo, database),
+        publisher=publisher,
+        status=status,
+        deps=deps,
     )
 
-    subscribe_result_cache(broker, deps)
-    subscribe_task_outcomes(broker, in_flight)
 
-    async def ensure_indexes() -> None:
-        await submissions.ensure_indexes()
-        await batches.ensure_indexes()
-        await cache.ensure_indexes()
-        await keys.ensure_indexes()
-        await rate_limiter.ensure_indexes()
-        await in_flight.ensure_indexes()
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await retry_until(ensure_indexes, what="MongoDB", deadline_s=settings.startup_timeout_s)
-        if settings.bootstrap_api_key is not None:
-            token = settings.bootstrap_api_key.get_secret_value()
-            await bootstrap_key(keys, token, tenant_id=DEFAULT_TENANT, now=clock())
-        await start_broker(broker, settings)
-        sweeper = asyncio.create_task(keep_outbox_swept(deps, publisher))
-        yield
-        sweeper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sweeper
-        await broker.stop()
-        await http.aclose()
-        await notifier.aclose()
-        await mongo.close()
-
+def create_app(settings: GatewaySettings, **overrides: Any) -> FastAPI:
+    """Wire the gateway (see `build_gateway` for what `overrides` may replace)."""
+    gateway = build_gateway(settings, **overrides)
+    subscribe_result_cache(gateway.broker, gateway.deps)
+    subscribe_task_outcomes(gateway.broker, gateway.deps.in_flight)
+    subscribe_rescore_requests(
+        gateway.broker, rescore_requests(gateway), prefetch=settings.rescore_prefetch
+    )
     app = FastAPI(
         title="Scorebox",
         summary="Asynchronous LLM text scoring: submit a text, poll for its score.",
         version="1",
-        lifespan=lifespan,
+        lifespan=gateway_lifespan(gateway),
     )
     install_problem_handlers(app)
     install_body_timeout(app, settings.request_body_timeout_s)
-    app.include_router(
-        health_router(
-            {
-                "rabbitmq": broker_ready(broker, settings.broker_timeout_s),
-                "mongodb": mongo_ready(mongo, settings.mongo_timeout_s),
-            }
-        )
-    )
-    app.include_router(score_routes(deps, authenticated))
-    app.include_router(
-        push_and_batch_routes(
-            deps, batches=batches, publisher=publisher, status=status, authenticated=authenticated
-        )
-    )
-    app.include_router(
-        webhook_routes(NotifierClient(notifier, base_url=settings.notifier_url), authenticated)
-    )
-    app.include_router(
-        key_admin_routes(keys, settings.admin_api_key, clock=clock, forget=authenticator.forget)
-    )
-    app.include_router(
-        admin_routes(DeadLetterQueue(broker, publisher, clock), settings.admin_api_key)
-    )
+    for router in gateway_routes(gateway):
+        app.include_router(router)
     return app
+
+
+def gateway_lifespan(gateway: Gateway) -> Callable[[FastAPI], Any]:
+    settings = gateway.settings
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await retry_until(
+            gateway.ensure_indexes, what="MongoDB", deadline_s=settings.startup_timeout_s
+        )
+        if settings.bootstrap_api_key is not None:
+            token = settings.bootstrap_api_key.get_secret_value()
+            now = gateway.deps.clock()
+            await bootstrap_key(gateway.keys, token, tenant_id=DEFAULT_TENANT, now=now)
+        await start_broker(gateway.broker, settings)
+        sweeper = asyncio.create_task(keep_outbox_swept(gateway.deps, gateway.publisher))
+        yield
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
+        await gateway.broker.stop()
+        await gateway.close_clients()
+
+    return lifespan
+
+
+def gateway_routes(gateway: Gateway) -> list[APIRouter]:
+    settings, deps = gateway.settings, gateway.deps
+    # Every public route takes its `Caller` from this dependency (API key, then rate limit).
+    authenticated = caller_dependency(gateway.authenticator, gateway.rate_limiter)
+    notifier = NotifierClient(gateway.notifier_http, base_url=settings.notifier_url)
+    health = {
+        "rabbitmq": broker_ready(gateway.broker, settings.broker_timeout_s),
+        "mongodb": mongo_ready(gateway.mongo, settings.mongo_timeout_s),
+    }
+    return [
+        health_router(health),
+        asyncapi_route(),
+        score_routes(deps, authenticated),
+        event_routes(deps, deps.live, gateway.status, authenticated),
+        batch_routes(
+            deps,
+            batches=gateway.batches,
+            publisher=gateway.publisher,
+            status=gateway.status,
+            authenticated=authenticated,
+        ),
+        webhook_routes(notifier, authenticated),
+        usage_routes(
+            SchedulerClient(gateway.scheduler_http, base_url=settings.scheduler_url),
+            authenticated,
+            clock=deps.clock,
+        ),
+        key_admin_routes(
+            gateway.keys,
+            settings.admin_api_key,
+            clock=deps.clock,
+            forget=gateway.authenticator.forget,
+        ),
+        admin_routes(
+            DeadLetterQueue(gateway.broker, gateway.publisher, deps.clock), settings.admin_api_key
+        ),
+    ]
+
+
+def rescore_requests(gateway: Gateway) -> RescoreRequests:
+    """The consumer of the scheduler's re-score requests (the gateway keeps the texts)."""
+    return RescoreRequests(
+        submissions=gateway.deps.submissions,
+        publisher=gateway.publisher,
+        broker=gateway.broker,
+        clock=gateway.deps.clock,
+        timeout_s=gateway.settings.broker_timeout_s,
+    )
 
 
 def live_updates(broker: RabbitBroker, settings: GatewaySettings) -> LiveUpdates:
@@ -185,54 +258,13 @@ def live_updates(broker: RabbitBroker, settings: GatewaySettings) -> LiveUpdates
     return live
 
 
-def push_and_batch_routes(
-    deps: GatewayDeps,
-    *,
-    batches: Batches,
-    publisher: TaskPublisher,
-    status: StatusClient,
-    authenticated: Any,
-) -> APIRouter:
-    """`/v1/scores/{id}/events` (SSE) and `/v1/batches`."""
-    router = APIRouter()
-    router.include_router(event_routes(deps, deps.live, status, authenticated))
-    router.include_router(
-        batch_routes(
-            deps, batches=batches, publisher=publisher, status=status, authenticated=authenticated
-        )
-    )
+def asyncapi_route() -> APIRouter:
+    """The AsyncAPI document of every message, next to the OpenAPI one."""
+    router = APIRouter(tags=["docs"])
+    document = build_document()
+
+    @router.get("/asyncapi.json", include_in_schema=False)
+    async def asyncapi() -> dict[str, object]:
+        return document
+
     return router
-
-
-def subscribe_result_cache(broker: RabbitBroker, deps: GatewayDeps) -> None:
-    @broker.subscriber(RESULT_CACHE.queue, ack_policy=AckPolicy.MANUAL)
-    async def remember_completed_result(message: RabbitMessage) -> None:
-        try:
-            event = TaskCompleted.model_validate_json(message.body)
-        except ValidationError as error:
-            log.warning("dead-lettering an unreadable task.completed: %s", error)
-            await message.reject(requeue=False)
-            return
-        await remember_result(
-            event.task_id,
-            event.result,
-            submissions=deps.submissions,
-            cache=deps.cache,
-            now=deps.clock(),
-        )
-        await message.ack()
-
-
-async def keep_outbox_swept(deps: GatewayDeps, publisher: Publisher) -> None:
-    """Send interrupted submissions at start-up and then periodically."""
-    grace = timedelta(seconds=deps.settings.outbox_grace_s)
-    while True:
-        try:
-            sent = await sweep_outbox(
-                submissions=deps.submissions, publisher=publisher, clock=deps.clock, grace=grace
-            )
-            if sent:
-                log.info("outbox sweep sent %d interrupted submission(s)", sent)
-        except Unavailable as error:
-            log.warning("outbox sweep postponed: %r", error)
-        await asyncio.sleep(deps.settings.outbox_interval_s)

@@ -73,6 +73,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.gateway.errors import DatabaseUnavailable, GatewayError
 from shared.contracts import parse_task_event
 from shared.http import Problem, problem_response
+from shared.runtime import keep_trying
 from shared.topology import GATEWAY_TASK_OUTCOMES
 
 log = logging.getLogger("scorebox.gateway.limits")
@@ -195,6 +196,9 @@ class RateLimiter:
 # --------------------------------------------------------------------------- tasks in flight
 
 
+MARKER_CHUNK = 200  # a batch's markers go in several writes, each well within MONGO_TIMEOUT_S
+
+
 class InFlight:
     """Per-tenant count of tasks in flight, shared by every replica (module docstring)."""
 
@@ -220,9 +224,11 @@ class InFlight:
         admitted = False
         try:
             if wanted <= self._max:
-                await self._markers.insert_many(
-                    [{"_id": task_id, "tenant_id": tenant_id, "at": now} for task_id in task_ids]
-                )
+                for start in range(0, wanted, MARKER_CHUNK):
+                    chunk = task_ids[start : start + MARKER_CHUNK]
+                    await self._markers.insert_many(
+                        [{"_id": task_id, "tenant_id": tenant_id, "at": now} for task_id in chunk]
+                    )
                 admitted = await self._count_more(tenant_id, wanted)
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
@@ -299,14 +305,12 @@ def subscribe_task_outcomes(
             log.warning("dead-lettering an unreadable %r outcome: %s", routing_key, error)
             await message.reject(requeue=False)
             return
-        try:
-            await in_flight.release(event.task_id)
-        except DatabaseUnavailable as error:
-            # Back off before the redelivery; the queue's delivery limit bounds the attempts.
-            log.warning("in-flight slot of %s not released yet: %r", event.task_id, error)
-            await asyncio.sleep(retry_delay_s)
-            await message.nack(requeue=True)
-            return
+        await keep_trying(
+            lambda: in_flight.release(event.task_id),
+            what=f"releasing the in-flight slot of {event.task_id}",
+            retry_on=(DatabaseUnavailable,),
+            first_delay_s=retry_delay_s,
+        )
         await message.ack()
 
 

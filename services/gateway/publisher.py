@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Sequence
+from datetime import datetime
 
 from faststream.rabbit import RabbitBroker
 
@@ -22,14 +23,16 @@ from shared.contracts import (
 log = logging.getLogger("scorebox.gateway.publisher")
 
 
-def accepted_event(command: ScoreText) -> TaskAccepted:
+def accepted_event(command: ScoreText, *, at: datetime | None = None) -> TaskAccepted:
+    """The `task.accepted` of a command; `at` defaults to its submission (a re-score passes
+    the time it was queued again)."""
     return TaskAccepted(
         task_id=command.task_id,
         tenant_id=command.tenant_id,
         sequence=event_sequence(generation=command.generation, attempt=0, phase=Phase.ACCEPTED),
         generation=command.generation,
         submitted_at=command.submitted_at,
-        occurred_at=command.submitted_at,
+        occurred_at=at or command.submitted_at,
         rubric=command.rubric,
         model=command.model,
         not_before=command.not_before,
@@ -55,9 +58,11 @@ class TaskPublisher:
             log.warning("score.requested for %s not confirmed: %r", command.task_id, error)
             raise BrokerUnavailable(str(error) or type(error).__name__) from error
 
-    async def announce_accepted(self, command: ScoreText) -> None:
+    async def announce_accepted(self, command: ScoreText, *, at: datetime | None = None) -> None:
         try:
-            await publish_event(self._broker, accepted_event(command), timeout=self._timeout_s)
+            await publish_event(
+                self._broker, accepted_event(command, at=at), timeout=self._timeout_s
+            )
         except Exception as error:
             log.warning("task.accepted for %s not confirmed: %r", command.task_id, error)
             raise BrokerUnavailable(str(error) or type(error).__name__) from error

@@ -15,6 +15,11 @@ class GatewaySettings(ServiceSettings):
     # The notifier keeps each tenant's webhook secret and failure-alert URL (`/v1/webhooks`).
     notifier_url: str = Field(default="http://127.0.0.1:8004", validation_alias="NOTIFIER_URL")
     notifier_timeout_s: float = Field(default=5.0, gt=0, validation_alias="NOTIFIER_TIMEOUT_S")
+    # The scheduler keeps each tenant's daily usage (`GET /v1/usage` reads it).
+    scheduler_url: str = Field(default="http://127.0.0.1:8003", validation_alias="SCHEDULER_URL")
+    scheduler_timeout_s: float = Field(default=5.0, gt=0, validation_alias="SCHEDULER_TIMEOUT_S")
+    # Re-score requests (`scorebox.rescore-requests`) handled at once by one gateway replica.
+    rescore_prefetch: int = Field(default=16, ge=1, le=1000, validation_alias="RESCORE_PREFETCH")
     max_text_chars: int = Field(default=50_000, gt=0, validation_alias="MAX_TEXT_CHARS")
     max_body_bytes: int = Field(default=1_048_576, gt=0, validation_alias="MAX_BODY_BYTES")
     max_attempts: int = Field(default=4, ge=1, le=20, validation_alias="SCORE_MAX_ATTEMPTS")

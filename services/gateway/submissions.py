@@ -3,7 +3,13 @@
 A submission is inserted as `accepting` with the command it will publish, and turns
 `accepted` once the broker confirmed the command. One still `accepting` after a grace
 period was interrupted (process died between insert and publish); the outbox sweep sends
-it then. Publishing twice is harmless: the scorer claims each task once.
+it then (the sweep reads `state` only). Publishing twice is harmless: the scorer claims
+each task once.
+
+The command (and so the text) is kept after acceptance, until the submission expires
+(`IDEMPOTENCY_TTL_S`), so that the task can be scored again (`services/gateway/rescore.py`).
+A re-score bumps the submission's `generation` (absent: 0) once per rubric version, recorded
+in `rescored_for`; `rescore` describes the latest one and whether its command was sent.
 """
 
 from __future__ import annotations
@@ -12,10 +18,10 @@ import hashlib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Any
+from typing import Any, Final
 
 import orjson
-from pymongo import ASCENDING, AsyncMongoClient
+from pymongo import ASCENDING, AsyncMongoClient, ReturnDocument
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
@@ -50,6 +56,27 @@ def request_hash(payload: Document) -> str:
 
 class KeyTaken(Exception):
     """The tenant's idempotency key already names a submission."""
+
+
+@dataclass(frozen=True)
+class RescoreClaim:
+    """A re-score to send: the command as submitted, and the generation to score it as."""
+
+    command: ScoreText
+    generation: int
+    resumed: bool  # True: claimed earlier, but its command may not have been sent
+
+
+class RescoreRefused(StrEnum):
+    """Why a re-score request changes nothing."""
+
+    UNKNOWN_TASK = "unknown_task"  # expired, never existed, or another tenant's
+    TEXT_NOT_KEPT = "text_not_kept"  # accepted before texts were kept
+    # This rubric version was requested before (or is being sent by another delivery now).
+    ALREADY_REQUESTED = "already_requested"
+
+
+NO_GENERATION: Final = 0
 
 
 class Submissions:
@@ -125,7 +152,7 @@ class Submissions:
                     "batch_id": batch_id,
                     "state": SubmissionState.ACCEPTING.value,
                 },
-                {"$set": {"state": SubmissionState.ACCEPTED.value}, "$unset": {"command": ""}},
+                {"$set": {"state": SubmissionState.ACCEPTED.value}},
             )
 
     async def discard_batch(self, batch_id: str) -> None:
@@ -138,9 +165,60 @@ class Submissions:
             raise DatabaseUnavailable(str(error)) from error
 
     async def mark_accepted(self, task_id: str) -> None:
+        """The command reached the broker; it stays recorded for re-scoring."""
+        await self._update({"_id": task_id}, {"$set": {"state": SubmissionState.ACCEPTED.value}})
+
+    async def claim_rescore(
+        self,
+        task_id: str,
+        *,
+        tenant_id: str,
+        rubric_version: str,
+        request_id: str,
+        now: datetime,
+        may_resume: bool = False,
+    ) -> RescoreClaim | RescoreRefused:
+        """Take the next generation of a submission for `rubric_version`, once per version.
+
+        With `may_resume` (a retried or redelivered request), a claim whose command was not
+        recorded as sent (`finish_rescore`) is handed out again with the same generation, so
+        the request resumes instead of being dropped; without it, that claim is a duplicate
+        in progress.
+        """
+        claimable = {
+            "_id": task_id,
+            "tenant_id": tenant_id,
+            "command": {"$type": "object"},
+            "rescored_for": {"$ne": rubric_version},
+        }
+        update = {
+            "$inc": {"generation": 1},
+            "$addToSet": {"rescored_for": rubric_version},
+            "$set": {
+                "rescore": {
+                    "rubric_version": rubric_version,
+                    "request_id": request_id,
+                    "requested_at": now,
+                    "sent": False,
+                }
+            },
+        }
+        try:
+            claimed = await self._collection.find_one_and_update(
+                claimable, update, return_document=ReturnDocument.AFTER
+            )
+            if claimed is not None:
+                return _rescore_claim(claimed, resumed=False)
+            current = await self._collection.find_one({"_id": task_id, "tenant_id": tenant_id})
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+        return _earlier_rescore(current, rubric_version, may_resume=may_resume)
+
+    async def finish_rescore(self, task_id: str, *, rubric_version: str, now: datetime) -> None:
+        """The re-score's command reached the broker: a duplicate request is now ignored."""
         await self._update(
-            {"_id": task_id},
-            {"$set": {"state": SubmissionState.ACCEPTED.value}, "$unset": {"command": ""}},
+            {"_id": task_id, "rescore.rubric_version": rubric_version},
+            {"$set": {"rescore.sent": True, "rescore.sent_at": now}},
         )
 
     async def discard(self, task_id: str) -> None:
@@ -213,6 +291,29 @@ def _new_document(
     if command.batch_id is not None:
         document["batch_id"] = command.batch_id
     return document
+
+
+def _rescore_claim(document: Document, *, resumed: bool) -> RescoreClaim:
+    return RescoreClaim(
+        command=ScoreText.model_validate(document["command"]),
+        generation=int(document.get("generation", NO_GENERATION)),
+        resumed=resumed,
+    )
+
+
+def _earlier_rescore(
+    document: Document | None, rubric_version: str, *, may_resume: bool
+) -> RescoreClaim | RescoreRefused:
+    """Why `claim_rescore` matched nothing, or the unsent claim to resume."""
+    if document is None:
+        return RescoreRefused.UNKNOWN_TASK
+    if not isinstance(document.get("command"), dict):
+        return RescoreRefused.TEXT_NOT_KEPT
+    latest = document.get("rescore") or {}
+    unsent = latest.get("rubric_version") == rubric_version and not latest.get("sent")
+    if unsent and may_resume:
+        return _rescore_claim(document, resumed=True)
+    return RescoreRefused.ALREADY_REQUESTED
 
 
 def _submission_of(document: Document) -> Submission:

@@ -10,12 +10,13 @@ replica died between its claim and its publish, or the broker refused the publis
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 
 from services.scheduler.errors import DispatchFailed
-from services.scheduler.firings import Firing, FiringStore, to_millis
+from services.scheduler.firings import Firing, FiringState, FiringStore, to_millis
 from services.scheduler.jobs import Clock
 from services.scheduler.schedule import JobCatalog, ScheduledJob, plan_firings
 from shared.contracts import RunCronJob
@@ -77,7 +78,7 @@ async def fire_by_hand(
         await firings.forget(firing.run_id)
         raise DispatchFailed(f"the broker did not accept the run of {name!r}: {error!r}") from error
     log.info("job %s: fired by hand (run %s)", job.name, firing.run_id)
-    return firing
+    return dataclasses.replace(firing, state=FiringState.DISPATCHED)
 
 
 class Dispatcher:

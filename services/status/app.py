@@ -12,6 +12,7 @@ from faststream import AckPolicy
 from faststream.rabbit import RabbitBroker
 from faststream.rabbit.annotations import RabbitMessage
 from pydantic import ValidationError
+from pymongo.errors import PyMongoError
 
 from services.status.projection import (
     Tasks,
@@ -35,6 +36,7 @@ from shared.http import Problem, health_router, install_problem_handlers
 from shared.runtime import (
     MongoClient,
     broker_ready,
+    keep_trying,
     make_broker,
     make_mongo,
     mongo_ready,
@@ -105,8 +107,12 @@ def subscribe_projection(broker: RabbitBroker, tasks: Tasks, settings: StatusSet
             )
             await message.ack()
             return
-        await apply_task_event(
-            event, tasks=tasks, finished_ttl=finished_ttl, history_limit=settings.history_limit
+        await keep_trying(
+            lambda: apply_task_event(
+                event, tasks=tasks, finished_ttl=finished_ttl, history_limit=settings.history_limit
+            ),
+            what=f"applying {routing_key} of {event.task_id}",
+            retry_on=(PyMongoError,),
         )
         await message.ack()
 

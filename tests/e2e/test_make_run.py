@@ -56,8 +56,12 @@ def make_run(amqp_url: str, mongo: Any, db_prefix: str, tmp_path: Path) -> Any:
         yield process, banner, ports, env["SCOREBOX_API_KEY"]
     finally:
         if process.poll() is None:
-            process.kill()
-            process.wait(timeout=30)
+            process.terminate()  # lets `make run` stop what it started
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=30)
         if process.stdout is not None:
             process.stdout.close()
 

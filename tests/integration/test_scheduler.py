@@ -252,6 +252,7 @@ async def test_manual_run_routes_and_a_permanent_failure_is_dead_lettered(env: E
         accepted = await api.post("/admin/v1/cron/jobs/usage-rollup/run")
         assert accepted.status_code == 202, accepted.text
         body = accepted.json()
+        assert body["state"] == "dispatched"
         assert accepted.headers["location"] == body["status_url"]
         done = await firing_state(api, body["run_id"], "succeeded")
         assert done["manual"] is True

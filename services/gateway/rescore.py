@@ -1,0 +1,246 @@
+"""Re-scoring: the gateway's side of the scheduler's re-score fan-out.
+
+The scheduler publishes a `RescoreTask` per stale task to `scorebox.rescore-requests`. The
+gateway owns the submissions and their texts, so it submits the task again: the same task
+id, the submission's next generation (the scorer claims a newer generation afresh and the
+status projection shows the task `queued` again, as after a DLQ replay), attempt 1 and a
+fresh message id; the command and a `task.accepted` event are published with confirms.
+
+A submission is re-scored at most once per rubric version (`Submissions.claim_rescore`), so
+duplicate requests (a fan-out run repeated, the same request twice) score nothing twice. A
+request that is retried (`attempt` > 1) or redelivered may resume a claim whose command was
+not recorded as sent, with the same generation (the scorer claims each generation once).
+
+Each delivery is acknowledged by hand:
+
+- unreadable body: rejected without requeue (the queue's DLQ keeps it);
+- unknown task (expired after `IDEMPOTENCY_TTL_S`, never existed, another tenant's), a text
+  not kept (accepted before texts were kept) or a version already re-scored: logged, acked;
+- MongoDB unavailable: retried in place (`keep_trying`); the delivery is held meanwhile;
+- the command not confirmed (a full score queue refusing publishes, broker trouble): the
+  request goes down the wait ladder with the next `attempt`, after 5 s, 30 s, 2 min and
+  10 min, and then to the DLQ with the error; acked either way. Its claim stays unsent, so
+  the retry resumes it with the same generation. If even that publish fails, the error is
+  logged and the delivery left unacknowledged: RabbitMQ redelivers it once the connection
+  is re-established.
+
+Why the wait ladder rather than leaving the delivery unacknowledged: a full score queue is
+back-pressure that lasts minutes; an unacknowledged delivery would hold a prefetch slot until
+the connection drops, and a nack with requeue would spin through the delivery limit at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Final, Protocol
+
+from faststream import AckPolicy
+from faststream.rabbit import RabbitBroker
+from faststream.rabbit.annotations import RabbitMessage
+from faststream.rabbit.schemas import Channel
+from pydantic import ValidationError
+
+from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
+from services.gateway.submissions import RescoreClaim, RescoreRefused, Submissions
+from shared.bus import publish_dead_letter, publish_delayed
+from shared.contracts import RescoreTask, ScoreText, new_id
+from shared.runtime import keep_trying
+from shared.topology import RESCORE_REQUESTS, TASKS
+
+log = logging.getLogger("scorebox.gateway.rescore")
+
+Clock = Callable[[], datetime]
+# Each delay is a wait tier's own TTL, so a retry arrives due after one hop (a `RescoreTask`
+# has no `not_before` to send it down the ladder again by).
+RETRY_DELAYS_S: Final = (5, 30, 120, 600)
+
+
+class Resubmitter(Protocol):
+    """Sends a command and announces it (`services.gateway.publisher.TaskPublisher`)."""
+
+    async def send(self, command: ScoreText) -> None: ...
+    async def announce_accepted(
+        self, command: ScoreText, *, at: datetime | None = None
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class Rescored:
+    command: ScoreText
+    resumed: bool
+
+
+RescoreOutcome = Rescored | RescoreRefused
+
+
+def rescore_command(claim: RescoreClaim) -> ScoreText:
+    """The submitted command as the claimed generation's first attempt, due now."""
+    return claim.command.model_copy(
+        update={
+            "generation": claim.generation,
+            "attempt": 1,
+            "not_before": None,
+            "message_id": new_id(),
+        }
+    )
+
+
+async def rescore_task(
+    request: RescoreTask,
+    *,
+    submissions: Submissions,
+    publisher: Resubmitter,
+    now: datetime,
+    may_resume: bool = False,
+) -> RescoreOutcome:
+    """Claim the task's next generation and send it; raises `BrokerUnavailable` when the
+    command is not confirmed (the claim then stays unsent and a retry resumes it)."""
+    claim = await keep_trying(
+        lambda: submissions.claim_rescore(
+            request.task_id,
+            tenant_id=request.tenant_id,
+            rubric_version=request.rubric_version,
+            request_id=request.message_id,
+            now=now,
+            may_resume=may_resume,
+        ),
+        what=f"claiming the re-score of {request.task_id}",
+        retry_on=(DatabaseUnavailable,),
+    )
+    if isinstance(claim, RescoreRefused):
+        return claim
+    command = rescore_command(claim)
+    await publisher.send(command)
+    try:
+        await publisher.announce_accepted(command, at=now)
+    except BrokerUnavailable:
+        # The command is queued; the projection learns of the new generation from the
+        # scorer's first event instead.
+        log.warning("re-score of %s queued without its task.accepted event", command.task_id)
+    await keep_trying(
+        lambda: submissions.finish_rescore(
+            request.task_id, rubric_version=request.rubric_version, now=now
+        ),
+        what=f"recording the re-score of {request.task_id} as sent",
+        retry_on=(DatabaseUnavailable,),
+    )
+    return Rescored(command, resumed=claim.resumed)
+
+
+def _log_outcome(request: RescoreTask, outcome: RescoreOutcome) -> None:
+    where = f"task {request.task_id} (tenant {request.tenant_id}, {request.rubric_version})"
+    match outcome:
+        case Rescored(command=command, resumed=resumed):
+            how = "resumed" if resumed else "queued"
+            log.info("re-score of %s %s as generation %d", where, how, command.generation)
+        case RescoreRefused.UNKNOWN_TASK:
+            log.info("re-score of %s ignored: no such submission (expired?)", where)
+        case RescoreRefused.TEXT_NOT_KEPT:
+            log.warning("re-score of %s ignored: its text was not kept", where)
+        case RescoreRefused.ALREADY_REQUESTED:
+            log.info("re-score of %s ignored: a duplicate request", where)
+
+
+def may_resume(request: RescoreTask, message: RabbitMessage) -> bool:
+    """Only a retry or a redelivery may resume an unsent claim: a first delivery meeting one
+    is a duplicate whose twin is being sent right now."""
+    return request.attempt > 1 or bool(message.raw_message.redelivered)
+
+
+@dataclass(frozen=True)
+class RescoreRequests:
+    """The consumer of `scorebox.rescore-requests` (see the module docstring)."""
+
+    submissions: Submissions
+    publisher: Resubmitter
+    broker: RabbitBroker
+    clock: Clock
+    timeout_s: float
+
+    async def on_message(self, message: RabbitMessage) -> None:
+        try:
+            request = RescoreTask.model_validate_json(message.body)
+        except ValidationError as error:
+            log.warning("dead-lettering an unreadable score.rescore: %s", error)
+            await message.reject(requeue=False)
+            return
+        try:
+            outcome = await rescore_task(
+                request,
+                submissions=self.submissions,
+                publisher=self.publisher,
+                now=self.clock(),
+                may_resume=may_resume(request, message),
+            )
+        except BrokerUnavailable as error:
+            await self._retry_later(request, message, error)
+        else:
+            _log_outcome(request, outcome)
+        await message.ack()
+
+    async def _retry_later(
+        self, request: RescoreTask, message: RabbitMessage, error: BrokerUnavailable
+    ) -> None:
+        """Send the request down the wait ladder, or to the DLQ after its last attempt;
+        raises (the delivery stays unacknowledged) when the broker refuses that too."""
+        try:
+            if request.attempt > len(RETRY_DELAYS_S):
+                await self._dead_letter(request, message, error)
+            else:
+                await self._send_again(request, error)
+        except Exception:
+            log.exception("re-score request for %s left unacknowledged", request.task_id)
+            raise
+
+    async def _send_again(self, request: RescoreTask, error: BrokerUnavailable) -> None:
+        delay = timedelta(seconds=RETRY_DELAYS_S[request.attempt - 1])
+        log.warning(
+            "re-score of %s not sent (%r); attempt %d in %s",
+            request.task_id,
+            error,
+            request.attempt + 1,
+            delay,
+        )
+        now = self.clock()
+        await publish_delayed(
+            self.broker,
+            request.model_copy(update={"attempt": request.attempt + 1}),
+            exchange=TASKS,
+            routing_key=request.routing_key,
+            not_before=now + delay,
+            now=now,
+            timeout=self.timeout_s,
+        )
+
+    async def _dead_letter(
+        self, request: RescoreTask, message: RabbitMessage, error: BrokerUnavailable
+    ) -> None:
+        reason = f"re-score not sent after {request.attempt} attempts: {error!r}"
+        log.error("dead-lettering the re-score of %s: %s", request.task_id, reason)
+        await publish_dead_letter(
+            self.broker,
+            RESCORE_REQUESTS,
+            body=message.body,
+            headers=dict(message.headers),
+            error=reason,
+            timeout=self.timeout_s,
+            message_id=request.message_id,
+            correlation_id=request.task_id,
+        )
+
+
+def subscribe_rescore_requests(
+    broker: RabbitBroker, requests: RescoreRequests, *, prefetch: int
+) -> None:
+    """Consume `scorebox.rescore-requests`, `prefetch` deliveries at a time."""
+
+    @broker.subscriber(
+        RESCORE_REQUESTS.queue,
+        channel=Channel(prefetch_count=prefetch),
+        ack_policy=AckPolicy.MANUAL,
+    )
+    async def rescore_requested(message: RabbitMessage) -> None:
+        await requests.on_message(message)

@@ -1,0 +1,111 @@
+"""Reads of the scheduler's usage read model, over HTTP (the gateway never reads its database).
+
+`GET /internal/v1/usage?tenant_id=&from=&to=` answers a tenant's daily usage; the models
+below are the gateway's own (tolerant) reading of it, and what `GET /v1/usage` answers.
+"""
+
+from __future__ import annotations
+
+import httpx
+from httpx_aiohttp import AiohttpTransport
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from services.gateway.errors import GatewayError, Unavailable
+from services.gateway.settings import GatewaySettings
+
+MAX_CONNECTIONS = 32
+
+
+class SchedulerUnavailable(Unavailable):
+    """The scheduler did not answer (or answered something unexpected)."""
+
+
+class UsageQueryRejected(GatewayError):
+    """The scheduler refused the query (422): a malformed date or an unusable range."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+
+class DailyUsage(_Model):
+    """One UTC day of a tenant's completed tasks."""
+
+    date: str = Field(description="The UTC day, YYYY-MM-DD.", examples=["2025-01-31"])
+    requests: int = Field(ge=0, description="Completed tasks (re-scores count again).")
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    total_tokens: int = Field(ge=0)
+    cost: float | None = Field(description="None when no request of the day had a price.")
+    unpriced_requests: int = Field(ge=0, description="Requests whose model has no price.")
+
+
+class UsageTotals(_Model):
+    """The sums over the period."""
+
+    requests: int = Field(ge=0)
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    total_tokens: int = Field(ge=0)
+    cost: float | None = Field(description="None when no request of the period had a price.")
+    unpriced_requests: int = Field(ge=0)
+
+
+class UsageReport(_Model):
+    """A tenant's usage per UTC day over a period (both ends included)."""
+
+    tenant_id: str
+    from_: str = Field(alias="from", description="First day, YYYY-MM-DD.")
+    to: str = Field(description="Last day, YYYY-MM-DD.")
+    currency: str = Field(examples=["USD"])
+    days: list[DailyUsage] = Field(description="Days with usage only, ascending.")
+    totals: UsageTotals
+
+
+def make_scheduler_http(settings: GatewaySettings) -> httpx.AsyncClient:
+    limits = httpx.Limits(
+        max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS
+    )
+    return httpx.AsyncClient(
+        transport=AiohttpTransport(limits=limits),
+        timeout=httpx.Timeout(settings.scheduler_timeout_s),
+        limits=limits,
+    )
+
+
+def _problem_detail(response: httpx.Response) -> str:
+    try:
+        detail = response.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = None
+    return detail if isinstance(detail, str) else "The usage query is not valid."
+
+
+class SchedulerClient:
+    def __init__(self, http: httpx.AsyncClient, *, base_url: str) -> None:
+        self._http = http
+        self._base_url = base_url.rstrip("/")
+
+    async def usage(self, tenant_id: str, *, first_day: str, last_day: str) -> UsageReport:
+        """The tenant's daily usage from `first_day` to `last_day` (YYYY-MM-DD, inclusive)."""
+        try:
+            response = await self._http.get(
+                f"{self._base_url}/internal/v1/usage",
+                params={"tenant_id": tenant_id, "from": first_day, "to": last_day},
+            )
+        except httpx.HTTPError as error:
+            raise SchedulerUnavailable(f"scheduler unreachable: {error!r}") from error
+        if response.status_code == 422:
+            raise UsageQueryRejected(_problem_detail(response))
+        if response.status_code != 200:
+            raise SchedulerUnavailable(f"scheduler answered {response.status_code}")
+        try:
+            return UsageReport.model_validate_json(response.content)
+        except ValidationError as error:
+            raise SchedulerUnavailable(
+                f"scheduler answered an unreadable report: {error}"
+            ) from error

@@ -1,0 +1,118 @@
+"""`GET /v1/usage`: the caller's tenant's daily usage, kept by the scheduler.
+
+The gateway authenticates the caller and forwards to the scheduler's internal usage route for
+the caller's tenant (`SchedulerClient`); a refused query (422) is answered with the
+scheduler's reason, an unreachable scheduler with 503 and Retry-After.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, date, datetime, timedelta
+from typing import Annotated, Any, Final
+
+from fastapi import APIRouter, Query
+
+from services.gateway.auth import Caller
+from services.gateway.scheduler_client import (
+    SchedulerClient,
+    SchedulerUnavailable,
+    UsageQueryRejected,
+    UsageReport,
+)
+from shared.http import PROBLEM_JSON, Problem
+
+Clock = Callable[[], datetime]
+DEFAULT_PERIOD_DAYS: Final = 30
+
+_PROBLEM = {"content": {PROBLEM_JSON: {"schema": {"type": "object"}}}}
+_EXAMPLE = {
+    "tenant_id": "acme",
+    "from": "2025-01-01",
+    "to": "2025-01-31",
+    "currency": "USD",
+    "days": [
+        {
+            "date": "2025-01-02",
+            "requests": 3,
+            "prompt_tokens": 3500,
+            "completion_tokens": 350,
+            "total_tokens": 3850,
+            "cost": 0.0042,
+            "unpriced_requests": 0,
+        }
+    ],
+    "totals": {
+        "requests": 3,
+        "prompt_tokens": 3500,
+        "completion_tokens": 350,
+        "total_tokens": 3850,
+        "cost": 0.0042,
+        "unpriced_requests": 0,
+    },
+}
+
+
+def _day(value: str, name: str) -> date:
+    try:
+        return date.fromisoformat(value)
+    except ValueError:
+        raise Problem(
+            422, f"`{name}` must be a date as YYYY-MM-DD, not {value!r}.", kind="invalid-fields"
+        ) from None
+
+
+def usage_period(first_day: str | None, last_day: str | None, *, today: date) -> tuple[str, str]:
+    """The period to ask for: `to` defaults to today (UTC), `from` to 30 days before `to`.
+
+    Given dates are passed on as they are (the scheduler validates them); `to` is read here
+    only to compute a missing `from`.
+    """
+    last = last_day if last_day is not None else today.isoformat()
+    if first_day is not None:
+        return first_day, last
+    return (_day(last, "to") - timedelta(days=DEFAULT_PERIOD_DAYS)).isoformat(), last
+
+
+def usage_routes(scheduler: SchedulerClient, authenticated: Any, *, clock: Clock) -> APIRouter:
+    """The tenant's usage route; `authenticated` is the dependency that yields a `Caller`."""
+    router = APIRouter(prefix="/v1", tags=["usage"])
+
+    @router.get(
+        "/usage",
+        response_model=UsageReport,
+        summary="Your daily usage: completed tasks, tokens and cost",
+        description="Per UTC day with usage, and in total, over `from`..`to` (both included; at "
+        "most 366 days). `to` defaults to today (UTC), `from` to 30 days before `to`. Usage is "
+        "rolled up periodically (hourly by default), so the latest tasks may not be counted "
+        "yet. A re-scored task counts again. `cost` is null when no request had a priced model.",
+        responses={
+            200: {"content": {"application/json": {"example": _EXAMPLE}}},
+            **dict.fromkeys((401, 422, 429, 503), _PROBLEM),
+        },
+    )
+    async def read_usage(
+        caller: Caller = authenticated,
+        first_day: Annotated[
+            str | None,
+            Query(alias="from", description="First UTC day, YYYY-MM-DD.", examples=["2025-01-01"]),
+        ] = None,
+        last_day: Annotated[
+            str | None,
+            Query(alias="to", description="Last UTC day, YYYY-MM-DD.", examples=["2025-01-31"]),
+        ] = None,
+    ) -> UsageReport:
+        first, last = usage_period(first_day, last_day, today=clock().astimezone(UTC).date())
+        try:
+            return await scheduler.usage(caller.tenant_id, first_day=first, last_day=last)
+        except UsageQueryRejected as error:
+            raise Problem(422, error.detail, kind="invalid-fields") from error
+        except SchedulerUnavailable as error:
+            raise Problem(
+                503,
+                "Usage is unavailable right now; retry shortly.",
+                kind="unavailable",
+                headers={"Retry-After": str(error.retry_after_s)},
+            ) from error
+
+    return router

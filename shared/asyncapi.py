@@ -1,0 +1,96 @@
+"""The AsyncAPI document of every message, built from the contracts and the topology.
+
+`python -m shared.asyncapi > docs/asyncapi.json` regenerates the committed copy; the gateway
+also serves it at `/asyncapi.json`. A contract appears on every exchange whose bindings
+route its routing key to a work queue, so the document cannot drift from the topology.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from faststream.rabbit import RabbitBroker, RabbitExchange
+from faststream.specification import AsyncAPI
+
+from shared import contracts, topology
+
+TITLE = "Scorebox messages"
+
+
+def topic_matches(pattern: str, routing_key: str) -> bool:
+    """AMQP topic matching: `*` is one word, `#` zero or more."""
+    return _match(pattern.split("."), routing_key.split("."))
+
+
+def _match(pattern: list[str], words: list[str]) -> bool:
+    if not pattern:
+        return not words
+    head, rest = pattern[0], pattern[1:]
+    if head == "#":
+        return any(_match(rest, words[i:]) for i in range(len(words) + 1))
+    if not words:
+        return False
+    return (head in ("*", words[0])) and _match(rest, words[1:])
+
+
+def message_contracts() -> list[type[contracts.Contract]]:
+    """Every concrete contract that is published under a routing key of its own."""
+    found = []
+    for value in vars(contracts).values():
+        if (
+            isinstance(value, type)
+            and issubclass(value, contracts.Contract)
+            and value is not contracts.Contract
+            and value is not contracts.TaskEvent
+            and isinstance(getattr(value, "routing_key", None), str)
+        ):
+            found.append(value)
+    return found
+
+
+def _routes(routing_key: str) -> list[tuple[RabbitExchange, str]]:
+    """(exchange, queue) pairs a message with this routing key reaches."""
+    routes = []
+    for work_queue in topology.WORK_QUEUES:
+        for binding in work_queue.bindings:
+            if binding.exchange.name in (topology.DUE.name, topology.DLX.name):
+                continue
+            if topic_matches(binding.routing_key, routing_key):
+                routes.append((binding.exchange, work_queue.name))
+    return routes
+
+
+def build_broker() -> RabbitBroker:
+    """A broker that is never connected: it only carries the specification."""
+    broker = RabbitBroker()
+    for contract in message_contracts():
+        routing_key: str = contract.routing_key  # type: ignore[attr-defined]
+        exchanges = {exchange.name: exchange for exchange, _ in _routes(routing_key)}
+        queues = ", ".join(sorted(queue for _, queue in _routes(routing_key)))
+        summary = (contract.__doc__ or "").strip()
+        for exchange in exchanges.values():
+            broker.publisher(
+                exchange=exchange,
+                routing_key=routing_key,
+                schema=contract,
+                title=f"{exchange.name}:{routing_key}",
+                description=f"{summary} Consumed from: {queues}.",
+            )
+    return broker
+
+
+def build_document() -> dict[str, Any]:
+    spec = AsyncAPI(build_broker(), title=TITLE, version=str(contracts.SCHEMA_VERSION))
+    document: dict[str, Any] = spec.to_specification().to_jsonable()
+    return document
+
+
+def main() -> None:
+    import json  # noqa: PLC0415
+
+    sys.stdout.write(json.dumps(build_document(), indent=2, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""RabbitMQ goes away while the gateway takes submissions, then comes back.
+
+By default the outage is simulated for the services' connections only: the test's own vhost
+gets `max-connections: 0` and all its connections are closed (`rabbitmqctl set_vhost_limits`,
+`close_all_connections`), so reconnects are refused until the limit is cleared. A real
+restart of the broker (`rabbitmqctl stop_app` / `start_app`) would break every other test on
+this machine's shared broker; it runs only with SCOREBOX_FAULTS_RESTART_BROKER=1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from devtools.fake_llm import FakeLLM
+from devtools.infra import Endpoint
+from shared.http import PROBLEM_JSON
+from tests.faults.harness import (
+    SERVICES,
+    Figures,
+    Outcome,
+    Scorebox,
+    essay,
+    new_marker,
+    rabbitmqctl,
+    rabbitmqctl_available,
+    running_scorebox,
+    vhost_of,
+)
+from tests.support import eventually
+
+RESTART_ENV = "SCOREBOX_FAULTS_RESTART_BROKER"
+# Paces the simulated client (about ten submissions a second); nothing waits on it.
+SUBMIT_INTERVAL_S = 0.1
+# Slow enough that the scorer is in the middle of model calls when its connection goes.
+LATENCY_MS = 500
+OUTAGE_TIMEOUT_S = 90.0
+
+
+@dataclass
+class Answer:
+    at: float
+    status: int
+    task_id: str | None
+    marker: str
+    problem: bool = False  # answered with application/problem+json
+
+
+@dataclass
+class Client:
+    """A client submitting steadily in the background, remembering every answer."""
+
+    box: Scorebox
+    answers: list[Answer] = field(default_factory=list)
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def run(self) -> None:
+        while not self.stopping.is_set():
+            marker = new_marker()
+            try:
+                response = await self.box.post(essay(marker))
+            except httpx.HTTPError:
+                self.answers.append(Answer(time.monotonic(), 0, None, marker))
+            else:
+                status = response.status_code
+                task_id = response.json()["task_id"] if status == 202 else None
+                problem = response.headers.get("content-type", "").startswith(PROBLEM_JSON)
+                self.answers.append(Answer(time.monotonic(), status, task_id, marker, problem))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), SUBMIT_INTERVAL_S)
+
+    def seen(self, status: int, *, since: float = 0.0) -> list[Answer]:
+        return [a for a in self.answers if a.status == status and a.at >= since]
+
+    def accepted(self) -> dict[str, str]:
+        return {a.task_id: a.marker for a in self.answers if a.task_id is not None}
+
+
+@dataclass(frozen=True)
+class Outage:
+    name: str
+    how: str
+    cut: Callable[[], Awaitable[None]]
+    lift: Callable[[], Awaitable[None]]
+
+
+def _vhost_cut(vhost: str) -> Outage:
+    async def cut() -> None:
+        await rabbitmqctl("set_vhost_limits", "-p", vhost, '{"max-connections": 0}')
+        await rabbitmqctl("close_all_connections", "-p", vhost, "scorebox fault test")
+
+    async def lift() -> None:
+        await rabbitmqctl("clear_vhost_limits", "-p", vhost)
+
+    return Outage(
+        "broker outage (vhost connections cut)",
+        "simulated for the services' connections: their vhost's connections closed and "
+        "refused (max-connections 0) until lifted; a real broker restart is opt-in "
+        f"({RESTART_ENV}=1)",
+        cut,
+        lift,
+    )
+
+
+def _broker_restart() -> Outage:
+    async def cut() -> None:
+        await rabbitmqctl("stop_app")
+
+    async def lift() -> None:
+        await rabbitmqctl("start_app")
+        await rabbitmqctl("await_startup")
+
+    return Outage(
+        "broker restart (stop_app/start_app)",
+        "the whole broker stopped and started with rabbitmqctl",
+        cut,
+        lift,
+    )
+
+
+@pytest.fixture(scope="module")
+async def box(
+    amqp_url: str, mongo: Endpoint, db_prefix: str, llm: FakeLLM, log_dir: Path
+) -> AsyncIterator[Scorebox]:
+    if not rabbitmqctl_available(amqp_url):
+        pytest.skip("needs rabbitmqctl for a broker on this machine")
+    async with running_scorebox(
+        amqp_url=amqp_url,
+        mongo_url=mongo.url,
+        db_prefix=db_prefix,
+        llm=llm,
+        log_dir=log_dir,
+        env={"BROKER_TIMEOUT_S": "3"},
+    ) as running:
+        yield running
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "vhost-cut",
+        pytest.param(
+            "broker-restart",
+            marks=pytest.mark.skipif(
+                os.environ.get(RESTART_ENV) != "1",
+                reason=f"restarts the machine's shared broker, which breaks every other test "
+                f"running on it; opt in with {RESTART_ENV}=1",
+            ),
+        ),
+    ],
+)
+async def test_every_accepted_submission_survives_a_broker_outage(
+    box: Scorebox, figures: Figures, labels: tuple[str, str], kind: str
+) -> None:
+    outage = _vhost_cut(vhost_of(box.amqp_url)) if kind == "vhost-cut" else _broker_restart()
+    box.answers.clear()
+    box.llm.config.latency_ms = LATENCY_MS
+    client = Client(box)
+    submitting = asyncio.create_task(client.run())
+    lifted = False
+    try:
+        await eventually(
+            lambda: _true(len(client.seen(202)) >= 5), timeout_s=60, what="202s before"
+        )
+        pids = box.stack.pids()
+        cut_at = time.monotonic()
+        await outage.cut()
+        await eventually(
+            lambda: _true(len(client.seen(503, since=cut_at)) >= 3),
+            timeout_s=OUTAGE_TIMEOUT_S,
+            what="503s while the broker is away",
+        )
+        await eventually(
+            lambda: _answers(box.ready("gateway"), 503),
+            timeout_s=OUTAGE_TIMEOUT_S,
+            what="gateway not ready",
+        )
+        lift_at = time.monotonic()
+        await outage.lift()
+        lifted = True
+        recovered = await eventually(
+            lambda: _true(client.seen(202, since=lift_at) or None),
+            timeout_s=OUTAGE_TIMEOUT_S,
+            what="a 202 after the broker came back",
+        )
+        time_to_recover = max(0.0, recovered[0].at - lift_at)
+        await eventually(
+            lambda: _true(len(client.seen(202, since=recovered[0].at)) >= 5),
+            timeout_s=OUTAGE_TIMEOUT_S,
+            what="202s after",
+        )
+    finally:
+        client.stopping.set()
+        await submitting
+        box.llm.config.latency_ms = 0
+        if not lifted:
+            await outage.lift()
+
+    # The services reconnected by themselves: the same processes, all ready again.
+    assert box.stack.pids() == pids
+    for service in SERVICES:
+        await eventually(
+            lambda s=service: _answers(box.ready(s), 200),
+            timeout_s=OUTAGE_TIMEOUT_S,
+            what=f"{service} ready",
+        )
+    accepted = client.accepted()
+    views = await box.finish(accepted)
+    statuses = [v["status"] for v in views.values()]
+    # Model calls beyond one per attempt (a timeout's retry is an attempt, not a duplicate).
+    extra = {m: box.calls(m) - views[t]["attempts"] for t, m in accepted.items()}
+    refused = [a.marker for a in client.answers if a.status != 202]
+    scored_anyway = sum(1 for m in refused if box.calls(m) > 0)
+    figures.record(
+        Outcome(
+            name=outage.name,
+            accepted=len(accepted),
+            completed=statuses.count("completed"),
+            failed=statuses.count("failed"),
+            duplicate_model_calls=sum(n for n in extra.values() if n > 0),
+            http_5xx_seen=box.http_5xx(),
+            time_to_recover_s=round(time_to_recover, 2),
+            broker=labels[0],
+            database=labels[1],
+            notes=f"{outage.how}; {len(client.answers)} submissions, {len(refused)} refused "
+            f"with 503 ({scored_anyway} of them scored anyway: published, confirm lost); "
+            "the services reconnected by themselves",
+        )
+    )
+    assert {a.status for a in client.answers} <= {202, 503}, box.answers
+    assert all(a.problem for a in client.answers if a.status == 503)
+    assert statuses == ["completed"] * len(accepted), views
+    assert all(n == 0 for n in extra.values()), extra
+    assert box.answers[500] == 0
+
+
+def _true[T](value: T) -> Awaitable[T]:
+    """`value` as an awaitable, for `eventually` probes that need no I/O."""
+    future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
+
+
+async def _answers(answer: Awaitable[int], expected: int) -> bool:
+    return await answer == expected

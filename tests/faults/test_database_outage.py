@@ -1,0 +1,160 @@
+"""MongoDB stops while tasks are in flight, then comes back on the same address.
+
+The database is a MongoDB stand-in of this test's own (mongoeco's wire-protocol server, NOT
+MongoDB), because the test must stop and start it. It runs on its sqlite engine with a file,
+so like a MongoDB server it keeps its data across the restart: on its memory engine everything
+would be gone afterwards, API keys and indexes included, and the test could check nothing but
+that the services answer again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from devtools.fake_llm import FakeLLM
+from devtools.infra import standin_label
+from devtools.stack import free_ports
+from shared.http import PROBLEM_JSON
+from tests.faults.harness import (
+    SERVICES,
+    Figures,
+    Outcome,
+    Scorebox,
+    StandIn,
+    essay,
+    new_marker,
+    running_scorebox,
+)
+from tests.support import eventually
+
+OUTAGE_TIMEOUT_S = 90.0
+IN_FLIGHT = 4
+LATENCY_MS = 1500
+
+
+@pytest.fixture(scope="module")
+async def standin(log_dir: Path) -> AsyncIterator[StandIn]:
+    (port,) = free_ports("127.0.0.1", 1)
+    server = StandIn(port, log_dir / "standin.sqlite", log_dir / "standin.log")
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture(scope="module")
+async def box(
+    amqp_url: str, standin: StandIn, db_prefix: str, llm: FakeLLM, log_dir: Path
+) -> AsyncIterator[Scorebox]:
+    async with running_scorebox(
+        amqp_url=amqp_url,
+        mongo_url=standin.url,
+        db_prefix=db_prefix,
+        llm=llm,
+        log_dir=log_dir,
+        env={"MONGO_TIMEOUT_S": "2"},
+    ) as running:
+        yield running
+
+
+async def test_database_outage_answers_503_and_recovers(
+    box: Scorebox, standin: StandIn, figures: Figures, labels: tuple[str, str]
+) -> None:
+    box.answers.clear()
+    before = [new_marker() for _ in range(3)]
+    accepted = {await box.submit(essay(m)): m for m in before}
+    await box.finish(accepted)
+
+    box.llm.config.latency_ms = LATENCY_MS
+    try:
+        in_flight = [new_marker() for _ in range(IN_FLIGHT)]
+        accepted |= {await box.submit(essay(m)): m for m in in_flight}
+        async with asyncio.timeout(OUTAGE_TIMEOUT_S):
+            await box.llm.wait_for_stats(lambda s: s["in_flight"] >= 1)
+        calls_in_flight = box.llm.stats()["in_flight"]
+        await standin.stop()
+    finally:
+        box.llm.config.latency_ms = 0
+
+    refused = await eventually(
+        lambda: _refused(box), timeout_s=OUTAGE_TIMEOUT_S, what="a 503 while MongoDB is down"
+    )
+    assert refused["status"] == 503
+    assert refused["type"].endswith("/unavailable"), refused
+    assert refused["detail"], refused
+    await eventually(
+        lambda: _answers(box, "gateway", 503), timeout_s=OUTAGE_TIMEOUT_S, what="not ready"
+    )
+
+    lifted_at = time.monotonic()
+    await standin.start()
+    after = [new_marker() for _ in range(3)]
+    first = await eventually(
+        lambda: _accepted(box, essay(after[0])),
+        timeout_s=OUTAGE_TIMEOUT_S,
+        what="a 202 after MongoDB came back",
+    )
+    time_to_recover = time.monotonic() - lifted_at
+    accepted[first] = after[0]
+    accepted |= {await box.submit(essay(m)): m for m in after[1:]}
+    for service in SERVICES:
+        await eventually(
+            lambda s=service: _answers(box, s, 200), timeout_s=OUTAGE_TIMEOUT_S, what=service
+        )
+
+    views = await box.finish(accepted)
+    statuses = [v["status"] for v in views.values()]
+    # Model calls beyond one per attempt (a timeout's retry is an attempt, not a duplicate).
+    extra = {m: box.calls(m) - views[t]["attempts"] for t, m in accepted.items()}
+    figures.record(
+        Outcome(
+            name="MongoDB stopped and restarted",
+            accepted=len(accepted),
+            completed=statuses.count("completed"),
+            failed=statuses.count("failed"),
+            duplicate_model_calls=sum(n for n in extra.values() if n > 0),
+            http_5xx_seen=box.http_5xx(),
+            time_to_recover_s=round(time_to_recover, 2),
+            broker=labels[0],
+            database=f"{standin_label()}, sqlite engine, a stand-in of the test's own",
+            notes=f"{IN_FLIGHT} tasks being scored (model slowed to {LATENCY_MS} ms, "
+            f"{calls_in_flight} calls in flight) when it stopped: a call whose result could "
+            "not be recorded is made again once the claim's lease has expired",
+        )
+    )
+    assert statuses == ["completed"] * len(accepted), views
+    assert all(extra[m] == 0 for m in before + after), extra
+    # A call that ended while MongoDB was down could not be recorded: it is made once more.
+    assert all(0 <= extra[m] <= 1 for m in in_flight), extra
+    assert box.answers[500] == 0, box.answers
+
+
+async def _refused(box: Scorebox) -> dict[str, object] | None:
+    response = await box.post(essay(new_marker()))
+    if response.status_code == 202:
+        return None
+    assert response.status_code == 503, response.text
+    assert response.headers["content-type"].startswith(PROBLEM_JSON), response.headers
+    assert response.headers.get("retry-after"), response.headers
+    with contextlib.suppress(ValueError):
+        problem: dict[str, object] = response.json()
+        return problem
+    raise AssertionError(f"503 without a JSON body: {response.text!r}")
+
+
+async def _accepted(box: Scorebox, text: str) -> str | None:
+    response = await box.post(text)
+    if response.status_code != 202:
+        assert response.status_code == 503, response.text
+        return None
+    task_id: str = response.json()["task_id"]
+    return task_id
+
+
+async def _answers(box: Scorebox, service: str, status: int) -> bool:
+    return await box.ready(service) == status

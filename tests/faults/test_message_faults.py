@@ -1,0 +1,253 @@
+"""Faults of the model API and of the messages themselves, against the services as processes.
+
+- The model: 429 with Retry-After, 500 bursts, a persistent 500, a hang past LLM_TIMEOUT_S,
+  malformed JSON, an out-of-range score; each ends as documented (retried and completed,
+  or failed, dead-lettered only when retries ran out).
+- The same `score.requested` delivered twice: one model call.
+- A body that is not a command (poison): dead-lettered with the reason, the consumer lives.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from devtools.fake_llm import FakeLLM
+from devtools.infra import Endpoint
+from services.scorer.settings import ScorerSettings
+from shared.bus import publish_command
+from shared.contracts import ScoreText, new_id
+from shared.runtime import make_broker
+from shared.topology import ERROR_HEADER, SCORE_REQUESTS, TASKS, WAIT_TIERS
+from tests.faults.harness import (
+    DeadLetter,
+    Figures,
+    Outcome,
+    Scorebox,
+    dead_letters,
+    essay,
+    new_marker,
+    queue_depths,
+    running_scorebox,
+)
+from tests.support import eventually
+
+LLM_TIMEOUT_S = 4  # above the fake's `slow` (2 s), which the duplicate test needs
+MAX_ATTEMPTS = 4  # the gateway's default SCORE_MAX_ATTEMPTS
+DRAIN_TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+async def box(
+    amqp_url: str, mongo: Endpoint, db_prefix: str, llm: FakeLLM, log_dir: Path
+) -> AsyncIterator[Scorebox]:
+    async with running_scorebox(
+        amqp_url=amqp_url,
+        mongo_url=mongo.url,
+        db_prefix=db_prefix,
+        llm=llm,
+        log_dir=log_dir,
+        env={"LLM_TIMEOUT_S": str(LLM_TIMEOUT_S)},
+    ) as running:
+        yield running
+
+
+@dataclass(frozen=True)
+class Expected:
+    """How a model fault ends: status, error code, dead-lettered, attempts, model calls."""
+
+    faults: str
+    status: str
+    code: str | None
+    dead_lettered: bool
+    attempts: int
+    calls: int
+
+
+MODEL_FAULTS: dict[str, Expected] = {
+    "429 with Retry-After, twice": Expected(
+        "[[fake:429x2:retry=1]]", "completed", None, False, attempts=3, calls=3
+    ),
+    "500 burst (two)": Expected("[[fake:500x2]]", "completed", None, False, attempts=3, calls=3),
+    "500 on every call": Expected(
+        "[[fake:500]]",
+        "failed",
+        "model_unavailable",
+        True,
+        attempts=MAX_ATTEMPTS,
+        calls=MAX_ATTEMPTS,
+    ),
+    "hang past the timeout, once": Expected(
+        "[[fake:hangx1]]", "completed", None, False, attempts=2, calls=2
+    ),
+    # One repair request follows an unusable answer within the same attempt.
+    "malformed JSON": Expected(
+        "[[fake:malformed]]", "failed", "unusable_output", False, attempts=1, calls=2
+    ),
+    "score out of range": Expected(
+        "[[fake:range]]", "failed", "unusable_output", False, attempts=1, calls=2
+    ),
+}
+
+
+async def test_model_api_faults_end_as_documented(
+    box: Scorebox, figures: Figures, labels: tuple[str, str]
+) -> None:
+    box.answers.clear()
+    markers = {kind: new_marker() for kind in MODEL_FAULTS}
+    tasks = {
+        kind: await box.submit(essay(markers[kind], expected.faults))
+        for kind, expected in MODEL_FAULTS.items()
+    }
+    views = await box.finish(tasks.values())
+    calls = {kind: box.calls(markers[kind]) for kind in MODEL_FAULTS}
+    statuses = [v["status"] for v in views.values()]
+    figures.record(
+        Outcome(
+            name="model API faults (429, 500s, hang, malformed, out of range)",
+            accepted=len(tasks),
+            completed=statuses.count("completed"),
+            failed=statuses.count("failed"),
+            duplicate_model_calls=sum(
+                max(0, calls[kind] - expected.calls) for kind, expected in MODEL_FAULTS.items()
+            ),
+            http_5xx_seen=box.http_5xx(),
+            time_to_recover_s=None,
+            broker=labels[0],
+            database=labels[1],
+            notes="; ".join(
+                f"{kind}: {views[tasks[kind]]['status']} after {calls[kind]} call(s)"
+                for kind in MODEL_FAULTS
+            ),
+        )
+    )
+    for kind, expected in MODEL_FAULTS.items():
+        view = views[tasks[kind]]
+        ended = {
+            "status": view["status"],
+            "code": (view["error"] or {}).get("code"),
+            "dead_lettered": bool((view["error"] or {}).get("dead_lettered")),
+            "attempts": view["attempts"],
+            "calls": calls[kind],
+        }
+        wanted = {
+            "status": expected.status,
+            "code": expected.code,
+            "dead_lettered": expected.dead_lettered,
+            "attempts": expected.attempts,
+            "calls": expected.calls,
+        }
+        assert ended == wanted, kind
+    exhausted = tasks["500 on every call"].encode()
+    dead = [d for d in await dead_letters(box.amqp_url) if exhausted in d.body]
+    assert len(dead) == 1
+    assert "model_unavailable" in str(dead[0].headers[ERROR_HEADER])
+    assert box.answers[500] == 0
+
+
+async def _drained(box: Scorebox) -> bool:
+    """No score request left anywhere: not in the queue, not held, not waiting on the ladder."""
+    depths = await queue_depths(box.amqp_url)
+    queues = [SCORE_REQUESTS.name, *(f"scorebox.wait.{tier}" for tier, _ in WAIT_TIERS)]
+    return all(depths.get(name, 0) == 0 for name in queues)
+
+
+async def _publish(box: Scorebox, command: ScoreText, times: int) -> None:
+    broker = make_broker(ScorerSettings.model_validate({"RABBITMQ_URL": box.amqp_url}))
+    async with broker:
+        await broker.connect()
+        for _ in range(times):
+            await publish_command(broker, command, timeout=30)
+
+
+async def test_a_message_delivered_twice_calls_the_model_once(
+    box: Scorebox, figures: Figures, labels: tuple[str, str]
+) -> None:
+    box.answers.clear()
+    # Both copies at once, the first still in its (slow) model call when the second comes...
+    busy = new_marker()
+    while_busy = ScoreText(task_id=new_id(), text=essay(busy, "[[fake:slow]]"))
+    await _publish(box, while_busy, times=2)
+    # ... and a copy that comes after the task was decided.
+    done = new_marker()
+    after_done = ScoreText(task_id=new_id(), text=essay(done))
+    await _publish(box, after_done, times=1)
+    await box.finish([after_done.task_id])
+    await _publish(box, after_done, times=1)
+
+    await box.finish([while_busy.task_id, after_done.task_id])
+    await eventually(lambda: _drained(box), timeout_s=DRAIN_TIMEOUT_S, what="every copy handled")
+    views = await box.finish([while_busy.task_id, after_done.task_id])  # as it ended
+    statuses = [v["status"] for v in views.values()]
+    calls = [box.calls(busy), box.calls(done)]
+    figures.record(
+        Outcome(
+            name="the same message delivered twice",
+            accepted=len(views),
+            completed=statuses.count("completed"),
+            failed=statuses.count("failed"),
+            duplicate_model_calls=sum(n - 1 for n in calls),
+            http_5xx_seen=box.http_5xx(),
+            time_to_recover_s=None,
+            broker=labels[0],
+            database=labels[1],
+            notes="published by hand: a copy during the model call, a copy after the decision",
+        )
+    )
+    assert statuses == ["completed", "completed"], views
+    assert calls == [1, 1]
+    assert all(v["attempts"] == 1 for v in views.values()), views
+
+
+async def test_poison_message_is_dead_lettered_and_the_consumer_stays_healthy(
+    box: Scorebox, figures: Figures, labels: tuple[str, str]
+) -> None:
+    box.answers.clear()
+    scorer_pids = box.stack.pids()["scorer"]
+    token = uuid.uuid4().hex
+    broker = make_broker(ScorerSettings.model_validate({"RABBITMQ_URL": box.amqp_url}))
+    async with broker:
+        await broker.connect()
+        await broker.publish(
+            f'{{"not": "a command", "token": "{token}"}}'.encode(),
+            exchange=TASKS,
+            routing_key=ScoreText.routing_key,
+            persist=True,
+            timeout=30,
+        )
+
+    async def dead_lettered() -> list[DeadLetter] | None:
+        found = [d for d in await dead_letters(box.amqp_url) if token.encode() in d.body]
+        return found or None
+
+    dead = await eventually(dead_lettered, timeout_s=DRAIN_TIMEOUT_S, what="poison in the DLQ")
+    assert len(dead) == 1
+    reason = str(dead[0].headers[ERROR_HEADER])
+    assert "unreadable score.requested" in reason, reason
+    assert "validation error" in reason, reason
+
+    alive = new_marker()
+    views = await box.finish([await box.submit(essay(alive))])
+    assert [v["status"] for v in views.values()] == ["completed"]
+    assert box.calls(alive) == 1
+    assert box.stack.pids()["scorer"] == scorer_pids, "the scorer was restarted"
+    assert await box.ready("scorer") == 200
+    figures.record(
+        Outcome(
+            name="poison message (fails validation)",
+            accepted=1,
+            completed=1,
+            failed=0,
+            duplicate_model_calls=box.calls(alive) - 1,
+            http_5xx_seen=box.http_5xx(),
+            time_to_recover_s=None,
+            broker=labels[0],
+            database=labels[1],
+            notes="dead-lettered with the validation error as reason; the same scorer "
+            "process then scored a new task",
+        )
+    )

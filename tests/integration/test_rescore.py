@@ -1,0 +1,286 @@
+"""Re-scoring in-process — gateway, scorer, status — on the real broker and database with the
+fake model: a `RescoreTask` (as the scheduler's fan-out sends it) queues a completed task
+again as its next generation, once per rubric version, and leaves unknown tasks alone."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import aio_pika
+import httpx
+import pytest
+from pymongo import AsyncMongoClient
+
+from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
+from services.gateway.app import create_app as create_gateway
+from services.gateway.keys import generate_key
+from services.gateway.settings import GatewaySettings
+from services.scorer.app import create_app as create_scorer
+from services.scorer.model.settings import ModelSettings
+from services.scorer.settings import ScorerSettings
+from services.status.app import create_app as create_status
+from services.status.settings import StatusSettings
+from shared.bus import publish_delayed
+from shared.contracts import DEFAULT_TENANT, RescoreTask, new_id
+from shared.runtime import make_broker
+from shared.topology import RESCORE_REQUESTS, TASKS
+from tests.support import eventually, running
+
+API_KEY = generate_key().token  # registered for the default tenant by BOOTSTRAP_API_KEY
+GENERATION_SPAN = 1_000_000  # `shared.contracts.event_sequence`: generation * span + ...
+RESCORE_LOGGER = "scorebox.gateway.rescore"
+
+Mongo = AsyncMongoClient[dict[str, Any]]
+
+
+@dataclass
+class Flow:
+    api: httpx.AsyncClient
+    status: httpx.AsyncClient
+    llm: FakeLLM
+    amqp_url: str
+    submissions: Any
+
+    async def submit(self, text: str) -> str:
+        response = await self.api.post("/v1/scores", json={"text": text})
+        assert response.status_code == 202, response.text
+        task_id: str = response.json()["task_id"]
+        return task_id
+
+    async def view(self, task_id: str) -> dict[str, Any]:
+        body: dict[str, Any] = (await self.api.get(f"/v1/scores/{task_id}")).json()
+        return body
+
+    async def completed_generation(self, task_id: str, generation: int) -> dict[str, Any]:
+        """The task's view once it completed as `generation` (or a later one)."""
+
+        async def completed() -> dict[str, Any] | None:
+            view = await self.view(task_id)
+            done = view.get("status") == "completed"
+            return view if done and view["sequence"] >= generation * GENERATION_SPAN else None
+
+        return await eventually(
+            completed, timeout_s=60, what=f"task {task_id} completed as generation {generation}"
+        )
+
+    async def history(self, task_id: str, after: int) -> list[tuple[int, str]]:
+        response = await self.status.get(
+            f"/internal/v1/tasks/{task_id}/history",
+            params={"tenant_id": DEFAULT_TENANT, "after": after},
+        )
+        assert response.status_code == 200, response.text
+        return [(change["sequence"], change["status"]) for change in response.json()["changes"]]
+
+    def calls(self, marker: str) -> int:
+        return int(self.llm.stats()["by_id"].get(marker, 0))
+
+    async def request_rescores(self, *requests: RescoreTask) -> None:
+        broker = make_broker(ScorerSettings.model_validate({"RABBITMQ_URL": self.amqp_url}))
+        async with broker:
+            await broker.connect()
+            for request in requests:
+                await publish_delayed(
+                    broker,
+                    request,
+                    exchange=TASKS,
+                    routing_key=request.routing_key,
+                    not_before=None,
+                    timeout=10,
+                )
+
+    async def publish_raw(self, body: bytes) -> None:
+        broker = make_broker(ScorerSettings.model_validate({"RABBITMQ_URL": self.amqp_url}))
+        async with broker:
+            await broker.connect()
+            await broker.publish(body, exchange=TASKS, routing_key="score.rescore", timeout=10)
+
+
+@pytest.fixture(scope="module")
+async def flow(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Flow]:
+    llm = await start_fake_llm(FakeLLMConfig())
+    env = {
+        "RABBITMQ_URL": amqp_url,
+        "MONGO_URL": mongo.url,
+        "MONGO_DB_PREFIX": db_prefix,
+        "LLM_PROVIDER": "openai",
+        "LLM_BASE_URL": llm.url,
+        "LLM_API_KEY": "test-key",
+        "LLM_MODEL": "fake-judge-1",
+        "LLM_TIMEOUT_S": "3",
+        "BOOTSTRAP_API_KEY": API_KEY,
+        "RATE_LIMIT_PER_MIN": "0",  # the polls below would exceed any sensible per-key rate
+    }
+    scorer = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))
+    status = create_status(StatusSettings.model_validate(env))
+    client: Mongo = AsyncMongoClient(mongo.url, tz_aware=True)
+    async with running(status) as status_client, running(scorer):
+        gateway = create_gateway(GatewaySettings.model_validate(env), status_http=status_client)
+        async with running(gateway) as api:
+            api.headers["Authorization"] = f"Bearer {API_KEY}"
+            yield Flow(
+                api, status_client, llm, amqp_url, client[f"{db_prefix}_gateway"]["submissions"]
+            )
+    await client.close()
+    await llm.stop()
+
+
+@pytest.fixture
+def rescore_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.INFO, logger=RESCORE_LOGGER)
+    return caplog
+
+
+def _marker() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+def _rescore(task_id: str, *, tenant_id: str = DEFAULT_TENANT, version: str = "v2") -> RescoreTask:
+    return RescoreTask.for_task(
+        task_id=task_id,
+        tenant_id=tenant_id,
+        rubric_version=version,
+        previous_rubric_version=None,
+        model="fake-judge-1",
+        run_id=new_id(),
+    )
+
+
+async def _handled(caplog: pytest.LogCaptureFixture, task_id: str, count: int) -> list[str]:
+    """The rescore log lines about `task_id`, once there are `count` of them."""
+
+    async def logged() -> list[str] | None:
+        lines = [
+            record.getMessage()
+            for record in caplog.records
+            if record.name == RESCORE_LOGGER and task_id in record.getMessage()
+        ]
+        return lines if len(lines) >= count else None
+
+    return await eventually(logged, what=f"{count} re-score request(s) for {task_id} handled")
+
+
+async def _dead_letters(amqp_url: str) -> list[aio_pika.abc.AbstractIncomingMessage]:
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.get_queue(RESCORE_REQUESTS.dead_letter_routing_key, ensure=True)
+        found = []
+        while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
+            found.append(message)
+        return found
+
+
+async def test_a_rescore_queues_the_task_again_once_and_shows_the_new_result(
+    flow: Flow, rescore_log: pytest.LogCaptureFixture
+) -> None:
+    marker = _marker()
+    task_id = await flow.submit(f"An essay to score again [[id:{marker}]].")
+    first = await flow.completed_generation(task_id, 0)
+    assert flow.calls(marker) == 1
+    stored = await flow.submissions.find_one({"_id": task_id})
+    assert stored["state"] == "accepted"
+    assert stored["command"]["text"].startswith("An essay to score again")  # the text is kept
+
+    request = _rescore(task_id)
+    await flow.request_rescores(request, request)  # the second one is a duplicate
+
+    again = await flow.completed_generation(task_id, 1)
+    assert again["result"] is not None
+    assert again["sequence"] > first["sequence"]
+    assert datetime.fromisoformat(again["updated_at"]) > datetime.fromisoformat(first["updated_at"])
+    # Queued again, then scored again, all as generation 1.
+    changes = await flow.history(task_id, after=first["sequence"])
+    assert [status for _, status in changes] == ["queued", "processing", "completed"]
+    assert all(sequence // GENERATION_SPAN == 1 for sequence, _ in changes)
+
+    lines = await _handled(rescore_log, task_id, 2)
+    assert sum("queued as generation 1" in line for line in lines) == 1
+    assert sum("ignored: a duplicate request" in line for line in lines) == 1
+    stored = await flow.submissions.find_one({"_id": task_id})
+    assert stored["generation"] == 1
+    assert stored["rescored_for"] == ["v2"]
+    assert stored["rescore"]["sent"] is True
+    assert stored["state"] == "accepted"
+    assert flow.calls(marker) == 2
+    assert (await flow.view(task_id))["sequence"] == again["sequence"]
+
+
+async def test_a_new_rubric_version_scores_the_task_again(
+    flow: Flow, rescore_log: pytest.LogCaptureFixture
+) -> None:
+    marker = _marker()
+    task_id = await flow.submit(f"Scored under three rubrics [[id:{marker}]].")
+    await flow.completed_generation(task_id, 0)
+    await flow.request_rescores(_rescore(task_id, version="v2"))
+    await flow.completed_generation(task_id, 1)
+    await flow.request_rescores(_rescore(task_id, version="v3"))
+    await flow.completed_generation(task_id, 2)
+    await flow.request_rescores(_rescore(task_id, version="v2"))  # a late request of v2
+    await _handled(rescore_log, task_id, 3)
+    stored = await flow.submissions.find_one({"_id": task_id})
+    assert stored["generation"] == 2
+    assert flow.calls(marker) == 3
+
+
+async def test_a_rescore_of_an_unknown_or_foreign_task_changes_nothing(
+    flow: Flow, rescore_log: pytest.LogCaptureFixture
+) -> None:
+    await _dead_letters(flow.amqp_url)
+    marker = _marker()
+    task_id = await flow.submit(f"Mine alone [[id:{marker}]].")
+    first = await flow.completed_generation(task_id, 0)
+    unknown = new_id()
+
+    await flow.request_rescores(_rescore(unknown), _rescore(task_id, tenant_id="someone-else"))
+
+    [unknown_line] = await _handled(rescore_log, unknown, 1)
+    assert "no such submission" in unknown_line
+    [foreign_line] = await _handled(rescore_log, task_id, 1)
+    assert "no such submission" in foreign_line
+    assert (await flow.api.get(f"/v1/scores/{unknown}")).status_code == 404
+    assert await flow.submissions.find_one({"_id": unknown}) is None
+    stored = await flow.submissions.find_one({"_id": task_id})
+    assert "generation" not in stored
+    assert "rescore" not in stored
+    assert (await flow.view(task_id))["sequence"] == first["sequence"]
+    assert flow.calls(marker) == 1
+    assert await _dead_letters(flow.amqp_url) == []  # acknowledged, not dead-lettered
+
+
+async def test_a_rescore_of_a_task_whose_text_is_gone_is_ignored(
+    flow: Flow, rescore_log: pytest.LogCaptureFixture
+) -> None:
+    marker = _marker()
+    task_id = await flow.submit(f"Accepted before texts were kept [[id:{marker}]].")
+    await flow.completed_generation(task_id, 0)
+    await flow.submissions.update_one({"_id": task_id}, {"$unset": {"command": ""}})
+
+    await flow.request_rescores(_rescore(task_id))
+
+    [line] = await _handled(rescore_log, task_id, 1)
+    assert "text was not kept" in line
+    assert "generation" not in await flow.submissions.find_one({"_id": task_id})
+    assert flow.calls(marker) == 1
+
+
+async def test_an_unreadable_rescore_request_is_dead_lettered(flow: Flow) -> None:
+    await _dead_letters(flow.amqp_url)
+    await flow.publish_raw(b'{"not": "a rescore request"}')
+
+    async def dead_lettered() -> list[aio_pika.abc.AbstractIncomingMessage] | None:
+        return await _dead_letters(flow.amqp_url) or None
+
+    [letter] = await eventually(dead_lettered, what="the unreadable request in the DLQ")
+    assert b"a rescore request" in letter.body
+    # The consumer lives on.
+    marker = _marker()
+    task_id = await flow.submit(f"Still rescored [[id:{marker}]].")
+    await flow.completed_generation(task_id, 0)
+    await flow.request_rescores(_rescore(task_id))
+    await flow.completed_generation(task_id, 1)
+    assert flow.calls(marker) == 2

@@ -1,0 +1,240 @@
+"""The re-score consumer when its dependencies fail, on the real broker and database: an
+unconfirmed command goes down the wait ladder and resumes its claim (same generation), the
+last attempt goes to the DLQ, a database outage is waited out, an unreadable body rejected.
+
+The consumer's `on_message` is called directly with a stand-in delivery; the publisher of
+commands is scripted to refuse, everything else is real."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import aio_pika
+import pytest
+from faststream.rabbit import RabbitBroker
+from pymongo import AsyncMongoClient
+
+from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
+from services.gateway.rescore import RescoreRequests
+from services.gateway.settings import GatewaySettings
+from services.gateway.submissions import RescoreClaim, RescoreRefused, Submissions
+from shared.contracts import RescoreTask, ScoreText, new_id, utcnow
+from shared.runtime import make_broker
+from shared.topology import ERROR_HEADER, RESCORE_REQUESTS, declare_topology
+from tests.support import eventually
+
+Mongo = AsyncMongoClient[dict[str, Any]]
+
+
+@dataclass
+class Delivery:
+    """Stands in for a FastStream `RabbitMessage`: what the consumer reads and settles."""
+
+    body: bytes
+    redelivered: bool = False
+    headers: dict[str, Any] = field(default_factory=dict)
+    settled: list[str] = field(default_factory=list)
+
+    @property
+    def raw_message(self) -> Delivery:
+        return self
+
+    async def ack(self) -> None:
+        self.settled.append("ack")
+
+    async def reject(self, requeue: bool = False) -> None:
+        self.settled.append(f"reject(requeue={requeue})")
+
+
+class ScriptedPublisher:
+    """Refuses the first `refusals` commands, then confirms; records what it sent."""
+
+    def __init__(self, refusals: int = 0) -> None:
+        self.refusals = refusals
+        self.sent: list[ScoreText] = []
+        self.announced: list[ScoreText] = []
+
+    async def send(self, command: ScoreText) -> None:
+        if self.refusals > 0:
+            self.refusals -= 1
+            raise BrokerUnavailable("negative confirm: the score queue is full")
+        self.sent.append(command)
+
+    async def announce_accepted(self, command: ScoreText, *, at: Any = None) -> None:
+        self.announced.append(command)
+
+
+class OutageOnce(Submissions):
+    """The database refuses the first claim."""
+
+    outages = 1
+
+    async def claim_rescore(self, *args: Any, **kwargs: Any) -> RescoreClaim | RescoreRefused:
+        if self.outages > 0:
+            self.outages -= 1
+            raise DatabaseUnavailable("no primary")
+        return await super().claim_rescore(*args, **kwargs)
+
+
+@dataclass
+class Env:
+    amqp_url: str
+    broker: RabbitBroker
+    mongo: Mongo
+    database: str
+
+    def submissions(self, kind: type[Submissions] = Submissions) -> Submissions:
+        return kind(self.mongo, self.database)
+
+    def consumer(self, publisher: ScriptedPublisher, submissions: Submissions) -> RescoreRequests:
+        return RescoreRequests(
+            submissions=submissions,
+            publisher=publisher,
+            broker=self.broker,
+            clock=utcnow,
+            timeout_s=10,
+        )
+
+    async def take(self, queue_name: str) -> list[aio_pika.abc.AbstractIncomingMessage]:
+        connection = await aio_pika.connect(self.amqp_url, timeout=10)
+        async with connection:
+            channel = await connection.channel()
+            queue = await channel.get_queue(queue_name, ensure=True)
+            found = []
+            while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
+                found.append(message)
+            return found
+
+
+@pytest.fixture(scope="module")
+async def env(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Env]:
+    broker = make_broker(GatewaySettings.model_validate({"RABBITMQ_URL": amqp_url}))
+    client: Mongo = AsyncMongoClient(mongo.url, tz_aware=True)
+    async with broker:
+        await broker.connect()
+        await declare_topology(broker)
+        yield Env(amqp_url, broker, client, f"{db_prefix}_gateway")
+    await client.close()
+
+
+async def _accepted_submission(env: Env) -> ScoreText:
+    command = ScoreText(task_id=new_id(), tenant_id="acme", text="An essay.")
+    submissions = env.submissions()
+    await submissions.insert(
+        command, request_hash="h", idempotency_key=None, retention=timedelta(hours=1), cache_key="k"
+    )
+    await submissions.mark_accepted(command.task_id)
+    return command
+
+
+def _request(command: ScoreText, *, attempt: int = 1) -> RescoreTask:
+    request = RescoreTask.for_task(
+        task_id=command.task_id,
+        tenant_id=command.tenant_id,
+        rubric_version=f"v{uuid.uuid4().hex[:6]}",
+        previous_rubric_version=None,
+        model=None,
+        run_id=new_id(),
+    )
+    return request.model_copy(update={"attempt": attempt})
+
+
+async def test_an_unconfirmed_rescore_is_retried_later_and_resumes_its_generation(
+    env: Env,
+) -> None:
+    await env.take(RESCORE_REQUESTS.name)
+    command = await _accepted_submission(env)
+    request = _request(command)
+    refusing = ScriptedPublisher(refusals=1)
+
+    delivery = Delivery(request.model_dump_json().encode())
+    await env.consumer(refusing, env.submissions()).on_message(delivery)
+
+    assert delivery.settled == ["ack"]
+    assert refusing.sent == []
+    stored = await env.mongo[env.database]["submissions"].find_one({"_id": command.task_id})
+    assert (stored["generation"], stored["rescore"]["sent"]) == (1, False)
+
+    async def came_back() -> list[aio_pika.abc.AbstractIncomingMessage] | None:
+        return await env.take(RESCORE_REQUESTS.name) or None
+
+    [retry] = await eventually(came_back, what="the request back from the 5 s wait queue")
+    again = RescoreTask.model_validate_json(retry.body)
+    assert (again.message_id, again.attempt) == (request.message_id, 2)
+
+    confirming = ScriptedPublisher()
+    consumer = env.consumer(confirming, env.submissions())
+    await consumer.on_message(Delivery(retry.body))
+    [sent] = confirming.sent
+    assert (sent.task_id, sent.generation, sent.attempt, sent.text) == (
+        command.task_id,
+        1,
+        1,
+        "An essay.",
+    )
+    assert sent.message_id != command.message_id
+    assert confirming.announced == [sent]
+    stored = await env.mongo[env.database]["submissions"].find_one({"_id": command.task_id})
+    assert (stored["generation"], stored["rescore"]["sent"]) == (1, True)
+
+    # The original request delivered once more: a duplicate, nothing sent.
+    await consumer.on_message(Delivery(request.model_dump_json().encode(), redelivered=True))
+    assert len(confirming.sent) == 1
+
+
+async def test_a_first_delivery_never_resumes_a_claim_being_sent(env: Env) -> None:
+    command = await _accepted_submission(env)
+    request = _request(command)
+    submissions = env.submissions()
+    claim = await submissions.claim_rescore(
+        command.task_id,
+        tenant_id=command.tenant_id,
+        rubric_version=request.rubric_version,
+        request_id=request.message_id,
+        now=utcnow(),
+    )
+    assert isinstance(claim, RescoreClaim)
+    publisher = ScriptedPublisher()
+    consumer = env.consumer(publisher, submissions)
+
+    await consumer.on_message(Delivery(request.model_dump_json().encode()))
+    assert publisher.sent == []
+    await consumer.on_message(Delivery(request.model_dump_json().encode(), redelivered=True))
+    assert [command.generation for command in publisher.sent] == [claim.generation]
+
+
+async def test_the_last_attempt_goes_to_the_dead_letter_queue(env: Env) -> None:
+    await env.take(RESCORE_REQUESTS.dead_letter_routing_key)
+    command = await _accepted_submission(env)
+    request = _request(command, attempt=5)
+    delivery = Delivery(request.model_dump_json().encode())
+
+    await env.consumer(ScriptedPublisher(refusals=1), env.submissions()).on_message(delivery)
+
+    assert delivery.settled == ["ack"]
+    [letter] = await env.take(RESCORE_REQUESTS.dead_letter_routing_key)
+    assert RescoreTask.model_validate_json(letter.body).task_id == command.task_id
+    assert "not sent after 5 attempts" in str(letter.headers[ERROR_HEADER])
+
+
+async def test_a_database_outage_is_waited_out(env: Env) -> None:
+    command = await _accepted_submission(env)
+    publisher = ScriptedPublisher()
+    delivery = Delivery(_request(command).model_dump_json().encode())
+
+    await env.consumer(publisher, env.submissions(OutageOnce)).on_message(delivery)
+
+    assert delivery.settled == ["ack"]
+    assert [sent.generation for sent in publisher.sent] == [1]
+
+
+async def test_an_unreadable_request_is_rejected_without_requeue(env: Env) -> None:
+    publisher = ScriptedPublisher()
+    delivery = Delivery(b"{not json")
+    await env.consumer(publisher, env.submissions()).on_message(delivery)
+    assert delivery.settled == ["reject(requeue=False)"]
+    assert publisher.sent == []

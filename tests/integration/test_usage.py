@@ -1,0 +1,242 @@
+"""`GET /v1/usage` in-process — gateway and scheduler — on the real broker and database:
+`task.completed` events are metered by the scheduler, rolled up by hand, and each tenant
+reads only its own days through the gateway; bad dates are 422, a missing scheduler 503.
+
+Both services read one frozen clock, so the default period is known and no job fires."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+import pytest
+from pymongo import AsyncMongoClient
+
+from services.gateway.app import create_app as create_gateway
+from services.gateway.keys import generate_key
+from services.gateway.settings import GatewaySettings
+from services.scheduler.app import create_app as create_scheduler
+from services.scheduler.config import parse_config
+from services.scheduler.settings import SchedulerSettings
+from shared.bus import publish_event
+from shared.contracts import DEFAULT_TENANT, ScoreResult, TaskCompleted, Usage
+from shared.http import PROBLEM_JSON
+from shared.runtime import make_broker
+from tests.support import eventually, running
+
+ADMIN_KEY = "test-admin-key"
+API_KEY = generate_key().token  # registered for the default tenant by BOOTSTRAP_API_KEY
+NOW = datetime(2030, 1, 10, 10, 31, 30, tzinfo=UTC)  # far from the rollup's fire time (:05)
+
+Mongo = AsyncMongoClient[dict[str, Any]]
+
+
+def _clock() -> datetime:
+    return NOW
+
+
+@dataclass
+class Stack:
+    gateway: httpx.AsyncClient
+    scheduler: httpx.AsyncClient
+    other_tenant: str
+    other_key: str
+    env: dict[str, str]
+
+    async def usage(self, key: str = API_KEY, **params: str) -> httpx.Response:
+        return await self.gateway.get(
+            "/v1/usage", params=params, headers={"Authorization": f"Bearer {key}"}
+        )
+
+
+def _completed(task_id: str, tenant: str, day: str, prompt: int, completion: int) -> TaskCompleted:
+    at = datetime.fromisoformat(f"{day}T12:00:00+00:00")
+    return TaskCompleted(
+        task_id=task_id,
+        tenant_id=tenant,
+        sequence=190,
+        attempt=1,
+        submitted_at=at,
+        occurred_at=at,
+        result=ScoreResult(
+            score=5,
+            comment="ok",
+            model="priced",
+            usage=Usage(prompt_tokens=prompt, completion_tokens=completion),
+        ),
+    )
+
+
+async def _publish(amqp_url: str, events: Sequence[TaskCompleted]) -> None:
+    broker = make_broker(SchedulerSettings.model_validate({"RABBITMQ_URL": amqp_url}))
+    async with broker:
+        await broker.connect()
+        for event in events:
+            await publish_event(broker, event, timeout=10)
+
+
+async def _roll_up(scheduler: httpx.AsyncClient) -> None:
+    accepted = await scheduler.post("/admin/v1/cron/jobs/usage-rollup/run")
+    assert accepted.status_code == 202, accepted.text
+    run_url = accepted.json()["status_url"]
+
+    async def succeeded() -> bool:
+        body = (await scheduler.get(run_url)).json()
+        return body.get("state") == "succeeded"
+
+    await eventually(succeeded, what="the usage rollup succeeded")
+
+
+async def _metered(mongo: Mongo, database: str, count: int) -> None:
+    async def stored() -> bool:
+        return await mongo[database]["usage_records"].count_documents({}) == count
+
+    await eventually(stored, what=f"{count} usage records stored")
+
+
+async def _other_key(gateway: httpx.AsyncClient, tenant: str) -> str:
+    created = await gateway.post(
+        "/admin/v1/keys",
+        json={"tenant_id": tenant, "name": "usage test"},
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+    )
+    assert created.status_code == 201, created.text
+    key: str = created.json()["key"]
+    return key
+
+
+@pytest.fixture(scope="module")
+async def stack(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Stack]:
+    env = {
+        "RABBITMQ_URL": amqp_url,
+        "MONGO_URL": mongo.url,
+        "MONGO_DB_PREFIX": db_prefix,
+        "ADMIN_API_KEY": ADMIN_KEY,
+        "BOOTSTRAP_API_KEY": API_KEY,
+        "RATE_LIMIT_PER_MIN": "0",
+        "SCHEDULER_TICK_S": "0.05",
+    }
+    config = parse_config(
+        {
+            "jobs": {"usage-rollup": {"cron": "5 * * * *"}},
+            "prices": {"priced": {"prompt_per_1k": 0.001, "completion_per_1k": 0.002}},
+        },
+        {},
+    )
+    other = f"other-{uuid.uuid4().hex[:6]}"
+    events = [
+        _completed("a1", DEFAULT_TENANT, "2030-01-02", 1000, 100),
+        _completed("a2", DEFAULT_TENANT, "2030-01-02", 2000, 200),
+        _completed("a3", DEFAULT_TENANT, "2030-01-08", 300, 30),
+        _completed("b1", other, "2030-01-02", 10, 1),
+    ]
+    scheduler = create_scheduler(SchedulerSettings.model_validate(env), config=config, clock=_clock)
+    mongo_client: Mongo = AsyncMongoClient(mongo.url, tz_aware=True)
+    async with running(scheduler) as scheduler_api:
+        gateway = create_gateway(
+            GatewaySettings.model_validate(env), scheduler_http=scheduler_api, clock=_clock
+        )
+        async with running(gateway) as gateway_api:
+            await _publish(amqp_url, events)
+            await _metered(mongo_client, f"{db_prefix}_scheduler", len(events))
+            await _roll_up(scheduler_api)
+            key = await _other_key(gateway_api, other)
+            yield Stack(gateway_api, scheduler_api, other, key, env)
+    await mongo_client.close()
+
+
+async def test_each_tenant_reads_only_its_own_usage(stack: Stack) -> None:
+    response = await stack.usage(**{"from": "2030-01-01", "to": "2030-01-31"})
+    assert response.status_code == 200, response.text
+    mine = response.json()
+    assert (mine["tenant_id"], mine["from"], mine["to"]) == (
+        DEFAULT_TENANT,
+        "2030-01-01",
+        "2030-01-31",
+    )
+    assert [(day["date"], day["requests"]) for day in mine["days"]] == [
+        ("2030-01-02", 2),
+        ("2030-01-08", 1),
+    ]
+    assert mine["totals"] == {
+        "requests": 3,
+        "prompt_tokens": 3300,
+        "completion_tokens": 330,
+        "total_tokens": 3630,
+        "cost": pytest.approx(0.00396),
+        "unpriced_requests": 0,
+    }
+
+    theirs = (
+        await stack.usage(stack.other_key, **{"from": "2030-01-01", "to": "2030-01-31"})
+    ).json()
+    assert theirs["tenant_id"] == stack.other_tenant
+    assert theirs["totals"]["requests"] == 1
+    assert theirs["totals"]["total_tokens"] == 11
+
+
+async def test_the_period_defaults_to_the_30_days_up_to_today(stack: Stack) -> None:
+    everything = (await stack.usage()).json()
+    assert (everything["from"], everything["to"]) == ("2029-12-11", "2030-01-10")
+    assert everything["totals"]["requests"] == 3
+
+    until = (await stack.usage(to="2030-01-05")).json()
+    assert (until["from"], until["to"]) == ("2029-12-06", "2030-01-05")
+    assert until["totals"]["requests"] == 2
+
+    since = (await stack.usage(**{"from": "2030-01-05"})).json()
+    assert (since["from"], since["to"]) == ("2030-01-05", "2030-01-10")
+    assert since["totals"]["requests"] == 1
+
+
+@pytest.mark.parametrize(
+    ("params", "detail"),
+    [
+        ({"from": "soon", "to": "2030-01-10"}, "`from` must be a date as YYYY-MM-DD"),
+        ({"from": "2030-01-10", "to": "2030-01-01"}, "`to` must not be before `from`"),
+        ({"from": "2029-01-01", "to": "2030-06-01"}, "at most 366 days"),
+        ({"to": "tomorrow"}, "`to` must be a date as YYYY-MM-DD"),
+    ],
+)
+async def test_bad_dates_are_422_with_the_reason(
+    stack: Stack, params: dict[str, str], detail: str
+) -> None:
+    response = await stack.usage(**params)
+    assert response.status_code == 422, response.text
+    assert response.headers["content-type"].startswith(PROBLEM_JSON)
+    assert detail in response.json()["detail"]
+
+
+async def test_usage_needs_an_api_key(stack: Stack) -> None:
+    response = await stack.gateway.get("/v1/usage")
+    assert response.status_code == 401
+
+
+async def test_usage_is_documented(stack: Stack) -> None:
+    operation = (await stack.gateway.get("/openapi.json")).json()["paths"]["/v1/usage"]["get"]
+    assert operation["summary"]
+    assert {parameter["name"] for parameter in operation["parameters"]} >= {"from", "to"}
+    example = operation["responses"]["200"]["content"]["application/json"]["example"]
+    assert example["totals"]["requests"] == example["days"][0]["requests"]
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+async def test_an_unreachable_scheduler_is_503_with_retry_after(stack: Stack) -> None:
+    env = {**stack.env, "SCHEDULER_URL": f"http://127.0.0.1:{_closed_port()}"}
+    gateway = create_gateway(GatewaySettings.model_validate(env))
+    async with running(gateway) as api:
+        response = await api.get("/v1/usage", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == 503, response.text
+    assert response.headers["content-type"].startswith(PROBLEM_JSON)
+    assert int(response.headers["retry-after"]) > 0

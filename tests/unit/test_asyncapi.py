@@ -1,0 +1,43 @@
+"""The AsyncAPI document covers every message and matches the committed copy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shared.asyncapi import build_document, message_contracts, topic_matches
+
+COMMITTED = Path(__file__).parents[2] / "docs" / "asyncapi.json"
+
+
+@pytest.mark.parametrize(
+    ("pattern", "key", "matches"),
+    [
+        ("task.*", "task.completed", True),
+        ("task.*", "task.completed.late", False),
+        ("*.score.requested", "5s.score.requested", True),
+        ("*.score.requested", "score.requested", False),
+        ("1s.#", "1s.score.requested", True),
+        ("#", "anything.at.all", True),
+        ("score.requested", "score.requested", True),
+    ],
+)
+def test_topic_matching(pattern: str, key: str, matches: bool) -> None:
+    assert topic_matches(pattern, key) is matches
+
+
+def test_every_message_contract_has_a_channel_and_a_schema() -> None:
+    document = build_document()
+    schemas = document["components"]["schemas"]
+    channel_keys = {name.split(":", 1)[1] for name in document["channels"]}
+    for contract in message_contracts():
+        assert contract.__name__ in schemas, contract
+        assert contract.routing_key in channel_keys, contract  # type: ignore[attr-defined]
+
+
+def test_committed_document_is_current() -> None:
+    committed = json.loads(COMMITTED.read_text(encoding="utf-8"))
+    regenerate = ".venv/bin/python -m shared.asyncapi > docs/asyncapi.json"
+    assert committed == json.loads(json.dumps(build_document())), f"stale: run `{regenerate}`"

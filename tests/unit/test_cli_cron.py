@@ -1,0 +1,247 @@
+"""`scorebox cron ...` and `scorebox usage` against fake servers (an httpx.MockTransport
+injected through `cli.transport`): what they send, what they show, their exit codes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner, Result
+
+from scorebox import cli
+
+Answer = Callable[[httpx.Request], httpx.Response]
+
+RUN_URL = "/admin/v1/cron/runs/r1"
+ACCEPTED = {
+    "run_id": "r1",
+    "job": "usage-rollup",
+    "state": "dispatched",
+    "scheduled_for": "2030-01-01T10:00:00Z",
+    "status_url": RUN_URL,
+}
+
+
+def _job(name: str, *, enabled: bool = True, last: str | None = None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "description": "",
+        "cron": "5 * * * *",
+        "tz": "Europe/Paris",
+        "missed": "coalesce",
+        "enabled": enabled,
+        "next_fire_at": "2030-01-01T11:05:00Z" if enabled else None,
+        "next_fire_local": None,
+        "last_firing": None if last is None else {"run_id": "r0", "state": last},
+    }
+
+
+def _run_state(state: str) -> dict[str, Any]:
+    return {"run_id": "r1", "job": "usage-rollup", "state": state, "result": None, "error": None}
+
+
+def _problem(status: int, detail: str) -> httpx.Response:
+    body = {"type": "about:blank", "title": "x", "status": status, "detail": detail}
+    return httpx.Response(status, json=body, headers={"content-type": "application/problem+json"})
+
+
+class FakeServer:
+    """Answers each request with the next scripted answer for its (method, path)."""
+
+    def __init__(self) -> None:
+        self.requests: list[httpx.Request] = []
+        self.answers: dict[tuple[str, str], list[httpx.Response]] = {}
+
+    def script(self, method: str, path: str, *answers: httpx.Response) -> None:
+        self.answers[(method, path)] = list(answers)
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        queue = self.answers.get((request.method, request.url.path))
+        if not queue:
+            return _problem(404, f"nothing scripted for {request.url.path}")
+        return queue.pop(0) if len(queue) > 1 else queue[0]
+
+
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch) -> FakeServer:
+    fake = FakeServer()
+    monkeypatch.setattr(cli, "transport", httpx.MockTransport(fake))
+    monkeypatch.setenv("SCOREBOX_URL", "http://gateway.test")
+    monkeypatch.setenv("SCOREBOX_SCHEDULER_URL", "http://scheduler.test")
+    monkeypatch.setenv("SCOREBOX_ADMIN_KEY", "the-admin-key")
+    monkeypatch.setenv("SCOREBOX_API_KEY", "an-api-key")
+    return fake
+
+
+def _run(*args: str) -> Result:
+    return CliRunner().invoke(cli.app, list(args))
+
+
+# --- cron list ---------------------------------------------------------------------------
+
+
+def test_cron_list_shows_a_table_of_the_jobs(server: FakeServer) -> None:
+    jobs = [_job("usage-rollup", last="succeeded"), _job("rescore-fanout", enabled=False)]
+    server.script("GET", "/admin/v1/cron/jobs", httpx.Response(200, json={"jobs": jobs}))
+
+    result = _run("cron", "list")
+
+    assert result.exit_code == 0, result.output
+    [request] = server.requests
+    assert request.url.host == "scheduler.test"
+    assert request.headers["authorization"] == "Bearer the-admin-key"
+    header, first, second = result.output.splitlines()
+    assert header.split() == [
+        "NAME",
+        "CRON",
+        "TZ",
+        "ENABLED",
+        "NEXT",
+        "FIRE",
+        "(UTC)",
+        "LAST",
+        "STATE",
+    ]
+    assert first.split() == [
+        "usage-rollup",
+        "5",
+        "*",
+        "*",
+        "*",
+        "*",
+        "Europe/Paris",
+        "yes",
+        "2030-01-01T11:05:00Z",
+        "succeeded",
+    ]
+    assert second.split()[-3:] == ["no", "-", "-"]
+    assert header.index("TZ") == first.index("Europe/Paris")  # the columns line up
+
+
+def test_cron_list_reports_an_unavailable_scheduler(server: FakeServer) -> None:
+    server.script("GET", "/admin/v1/cron/jobs", _problem(503, "database unavailable"))
+    result = _run("cron", "list")
+    assert result.exit_code == 1
+    assert "error 503: database unavailable" in result.output
+
+
+def test_cron_list_without_a_scheduler_fails_cleanly(
+    server: FakeServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    monkeypatch.setattr(cli, "transport", httpx.MockTransport(refuse))
+    result = _run("cron", "list")
+    assert result.exit_code == 1
+    assert "error: http://scheduler.test unreachable: connection refused" in result.output
+
+
+# --- cron run ----------------------------------------------------------------------------
+
+
+def test_cron_run_fires_the_job_and_prints_the_accepted_run(server: FakeServer) -> None:
+    server.script(
+        "POST", "/admin/v1/cron/jobs/usage-rollup/run", httpx.Response(202, json=ACCEPTED)
+    )
+
+    result = _run("cron", "run", "usage-rollup")
+
+    assert result.exit_code == 0, result.output
+    [request] = server.requests
+    assert (request.method, request.url.host) == ("POST", "scheduler.test")
+    assert json.loads(result.output)["run_id"] == "r1"
+
+
+@pytest.mark.parametrize(("final", "code"), [("succeeded", 0), ("skipped", 0), ("failed", 2)])
+def test_cron_run_wait_polls_the_run_until_it_ends(
+    server: FakeServer, final: str, code: int
+) -> None:
+    server.script(
+        "POST", "/admin/v1/cron/jobs/usage-rollup/run", httpx.Response(202, json=ACCEPTED)
+    )
+    server.script(
+        "GET",
+        RUN_URL,
+        httpx.Response(200, json=_run_state("dispatched")),
+        httpx.Response(200, json=_run_state("running")),
+        httpx.Response(200, json=_run_state(final)),
+    )
+
+    result = _run("cron", "run", "usage-rollup", "--wait", "--poll-s", "0")
+
+    assert result.exit_code == code, result.output
+    polls = [r for r in server.requests if r.method == "GET"]
+    assert [r.url.path for r in polls] == [RUN_URL] * 3
+    assert json.loads(result.output)["state"] == final
+
+
+@pytest.mark.parametrize("status", [404, 503])
+def test_cron_run_refused_exits_1(server: FakeServer, status: int) -> None:
+    server.script("POST", "/admin/v1/cron/jobs/nope/run", _problem(status, "no such job"))
+    result = _run("cron", "run", "nope", "--wait")
+    assert result.exit_code == 1
+    assert f"error {status}: no such job" in result.output
+
+
+def test_cron_run_wait_exits_1_when_the_run_is_gone(server: FakeServer) -> None:
+    server.script(
+        "POST", "/admin/v1/cron/jobs/usage-rollup/run", httpx.Response(202, json=ACCEPTED)
+    )
+    server.script("GET", RUN_URL, _problem(404, "No cron run 'r1' is known"))
+    result = _run("cron", "run", "usage-rollup", "--wait", "--poll-s", "0")
+    assert result.exit_code == 1
+    assert "error 404" in result.output
+
+
+def test_cron_run_wait_gives_up_at_its_timeout(server: FakeServer) -> None:
+    server.script(
+        "POST", "/admin/v1/cron/jobs/usage-rollup/run", httpx.Response(202, json=ACCEPTED)
+    )
+    server.script("GET", RUN_URL, httpx.Response(200, json=_run_state("running")))
+    result = _run("cron", "run", "usage-rollup", "--wait", "--timeout", "0", "--poll-s", "0")
+    assert result.exit_code == 1
+    assert "still running" in result.output
+
+
+def test_cron_sends_no_key_when_none_is_set(
+    server: FakeServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SCOREBOX_ADMIN_KEY")
+    server.script("GET", "/admin/v1/cron/jobs", httpx.Response(200, json={"jobs": []}))
+    assert _run("cron", "list").exit_code == 0
+    assert "authorization" not in server.requests[0].headers
+
+
+# --- usage -------------------------------------------------------------------------------
+
+
+def test_usage_asks_the_gateway_with_the_api_key(server: FakeServer) -> None:
+    report = {"tenant_id": "acme", "from": "2030-01-01", "to": "2030-01-31", "days": []}
+    server.script("GET", "/v1/usage", httpx.Response(200, json=report))
+
+    result = _run("usage", "--from", "2030-01-01", "--to", "2030-01-31")
+
+    assert result.exit_code == 0, result.output
+    [request] = server.requests
+    assert request.url.host == "gateway.test"
+    assert request.headers["authorization"] == "Bearer an-api-key"
+    assert dict(request.url.params) == {"from": "2030-01-01", "to": "2030-01-31"}
+    assert json.loads(result.output) == report
+
+
+def test_usage_leaves_the_period_to_the_gateway_when_not_given(server: FakeServer) -> None:
+    server.script("GET", "/v1/usage", httpx.Response(200, json={"days": []}))
+    assert _run("usage").exit_code == 0
+    assert dict(server.requests[0].url.params) == {}
+
+
+def test_usage_reports_a_refused_period(server: FakeServer) -> None:
+    server.script("GET", "/v1/usage", _problem(422, "`to` must not be before `from`."))
+    result = _run("usage", "--from", "2030-01-31", "--to", "2030-01-01")
+    assert result.exit_code == 1
+    assert "error 422: `to` must not be before `from`." in result.output

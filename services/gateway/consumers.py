@@ -23,7 +23,7 @@ log = logging.getLogger("scorebox.gateway")
 
 
 def subscribe_result_cache(broker: RabbitBroker, deps: GatewayDeps) -> None:
-    """Fill the result cache from `task.completed` events."""
+    """Fill the result cache from `task.completed` events, and note each task's generation."""
 
     @broker.subscriber(RESULT_CACHE.queue, ack_policy=AckPolicy.MANUAL)
     async def remember_completed_result(message: RabbitMessage) -> None:
@@ -33,6 +33,11 @@ def subscribe_result_cache(broker: RabbitBroker, deps: GatewayDeps) -> None:
             log.warning("dead-lettering an unreadable task.completed: %s", error)
             await message.reject(requeue=False)
             return
+        await keep_trying(
+            lambda: deps.submissions.note_generation(event.task_id, event.generation),
+            what=f"noting the generation of {event.task_id}",
+            retry_on=(PyMongoError, DatabaseUnavailable),
+        )
         await keep_trying(
             lambda: remember_result(
                 event.task_id,

@@ -230,6 +230,11 @@ class Submissions:
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 
+    async def note_generation(self, task_id: str, generation: int) -> None:
+        """Remember the highest generation the task reached (a DLQ replay bumps it too), so a
+        later re-score takes the one after it."""
+        await self._update({"_id": task_id}, {"$max": {"generation": generation}})
+
     async def cache_key_of(self, task_id: str) -> tuple[str, str] | None:
         """(tenant_id, cache key) of a submission, for the result cache."""
         document = await self._collection.find_one(

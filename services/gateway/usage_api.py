@@ -71,7 +71,11 @@ def usage_period(first_day: str | None, last_day: str | None, *, today: date) ->
     last = last_day if last_day is not None else today.isoformat()
     if first_day is not None:
         return first_day, last
-    return (_day(last, "to") - timedelta(days=DEFAULT_PERIOD_DAYS)).isoformat(), last
+    try:
+        first = _day(last, "to") - timedelta(days=DEFAULT_PERIOD_DAYS)
+    except OverflowError:
+        raise Problem(422, f"`to` is too early: {last!r}.", kind="invalid-fields") from None
+    return first.isoformat(), last
 
 
 def usage_routes(scheduler: SchedulerClient, authenticated: Any, *, clock: Clock) -> APIRouter:

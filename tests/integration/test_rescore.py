@@ -32,6 +32,7 @@ from shared.topology import RESCORE_REQUESTS, TASKS
 from tests.support import eventually, running
 
 API_KEY = generate_key().token  # registered for the default tenant by BOOTSTRAP_API_KEY
+ADMIN_KEY = "rescore-admin-key"
 GENERATION_SPAN = 1_000_000  # `shared.contracts.event_sequence`: generation * span + ...
 RESCORE_LOGGER = "scorebox.gateway.rescore"
 
@@ -114,6 +115,8 @@ async def flow(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Flow]
         "LLM_TIMEOUT_S": "3",
         "BOOTSTRAP_API_KEY": API_KEY,
         "RATE_LIMIT_PER_MIN": "0",  # the polls below would exceed any sensible per-key rate
+        "RETRY_BASE_S": "0.5",
+        "ADMIN_API_KEY": ADMIN_KEY,
     }
     scorer = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))
     status = create_status(StatusSettings.model_validate(env))
@@ -245,7 +248,7 @@ async def test_a_rescore_of_an_unknown_or_foreign_task_changes_nothing(
     assert (await flow.api.get(f"/v1/scores/{unknown}")).status_code == 404
     assert await flow.submissions.find_one({"_id": unknown}) is None
     stored = await flow.submissions.find_one({"_id": task_id})
-    assert "generation" not in stored
+    assert stored.get("generation", 0) == 0
     assert "rescore" not in stored
     assert (await flow.view(task_id))["sequence"] == first["sequence"]
     assert flow.calls(marker) == 1
@@ -264,7 +267,7 @@ async def test_a_rescore_of_a_task_whose_text_is_gone_is_ignored(
 
     [line] = await _handled(rescore_log, task_id, 1)
     assert "text was not kept" in line
-    assert "generation" not in await flow.submissions.find_one({"_id": task_id})
+    assert (await flow.submissions.find_one({"_id": task_id})).get("generation", 0) == 0
     assert flow.calls(marker) == 1
 
 
@@ -284,3 +287,29 @@ async def test_an_unreadable_rescore_request_is_dead_lettered(flow: Flow) -> Non
     await flow.request_rescores(_rescore(task_id))
     await flow.completed_generation(task_id, 1)
     assert flow.calls(marker) == 2
+
+
+async def test_a_rescore_after_a_dead_letter_replay_takes_the_next_generation(flow: Flow) -> None:
+    marker = _marker()
+    task_id = await flow.submit(f"Failed four times, then fine [[id:{marker}]] [[fake:500x4]]")
+
+    async def dead_lettered() -> bool:
+        view = await flow.view(task_id)
+        return view["status"] == "failed" and view["error"]["dead_lettered"]
+
+    await eventually(dead_lettered, timeout_s=60, what="dead-lettered")
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    replay = await flow.api.post(
+        "/admin/v1/dead-letters/replay", json={"ids": [task_id]}, headers=admin
+    )
+    assert replay.json()["replayed"] == [task_id]
+    await flow.completed_generation(task_id, 1)
+
+    async def generation_noted() -> bool:
+        stored = await flow.submissions.find_one({"_id": task_id})
+        return stored is not None and stored.get("generation") == 1
+
+    await eventually(generation_noted, what="the replay's generation noted on the submission")
+    await flow.request_rescores(_rescore(task_id, version="v2"))
+    await flow.completed_generation(task_id, 2)
+    assert flow.calls(marker) == 6  # 4 failures, the replay, the re-score

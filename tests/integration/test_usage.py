@@ -201,6 +201,7 @@ async def test_the_period_defaults_to_the_30_days_up_to_today(stack: Stack) -> N
         ({"from": "2030-01-10", "to": "2030-01-01"}, "`to` must not be before `from`"),
         ({"from": "2029-01-01", "to": "2030-06-01"}, "at most 366 days"),
         ({"to": "tomorrow"}, "`to` must be a date as YYYY-MM-DD"),
+        ({"to": "0001-01-02"}, "`to` is too early"),
     ],
 )
 async def test_bad_dates_are_422_with_the_reason(

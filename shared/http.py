@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import Mapping
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared.runtime import Check
@@ -127,3 +129,23 @@ def health_router(checks: Mapping[str, Check]) -> APIRouter:
         return JSONResponse(body, status_code=200 if ready else 503)
 
     return router
+
+
+def admin_guard(admin_key: SecretStr | None) -> Any:
+    """A dependency that admits only `Authorization: Bearer <ADMIN_API_KEY>`.
+
+    Without a configured key the admin routes are disabled (403), never open.
+    """
+
+    async def require_admin(authorization: str | None = Header(default=None)) -> None:
+        if admin_key is None or not admin_key.get_secret_value():
+            raise Problem(403, "The admin API is disabled: set ADMIN_API_KEY to enable it.")
+        expected = f"Bearer {admin_key.get_secret_value()}"
+        if authorization is None or not hmac.compare_digest(authorization, expected):
+            raise Problem(
+                401,
+                "Send the admin key as 'Authorization: Bearer <ADMIN_API_KEY>'.",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    return Depends(require_admin)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import asdict
 from typing import Any
 
-from fastapi import APIRouter, Depends, Header
+from fastapi import APIRouter
 from pydantic import BaseModel, Field, SecretStr, model_validator
 
 from services.gateway.deadletters import DeadLetterQueue
-from shared.http import Problem
+from shared.http import Problem, admin_guard
 
 
 class ReplayRequest(BaseModel):
@@ -24,21 +23,6 @@ class ReplayRequest(BaseModel):
         if self.all == bool(self.ids):
             raise ValueError("give either a non-empty `ids` or `all: true`")
         return self
-
-
-def admin_guard(admin_key: SecretStr | None) -> Any:
-    async def require_admin(authorization: str | None = Header(default=None)) -> None:
-        if admin_key is None or not admin_key.get_secret_value():
-            raise Problem(403, "The admin API is disabled: set ADMIN_API_KEY to enable it.")
-        expected = f"Bearer {admin_key.get_secret_value()}"
-        if authorization is None or not hmac.compare_digest(authorization, expected):
-            raise Problem(
-                401,
-                "Send the admin key as 'Authorization: Bearer <ADMIN_API_KEY>'.",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
-    return Depends(require_admin)
 
 
 def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> APIRouter:

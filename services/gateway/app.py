@@ -182,8 +182,8 @@ def gateway_lifespan(gateway: Gateway) -> Callable[[FastAPI], Any]:
         await retry_until(
             gateway.ensure_indexes, what="MongoDB", deadline_s=settings.startup_timeout_s
         )
-        if settings.bootstrap_api_key is not None:
-            token = settings.bootstrap_api_key.get_secret_value()
+        token = settings.bootstrap_api_key.get_secret_value() if settings.bootstrap_api_key else ""
+        if token:  # empty means unset (compose passes `${SCOREBOX_API_KEY:-}`)
             now = gateway.deps.clock()
             await bootstrap_key(gateway.keys, token, tenant_id=DEFAULT_TENANT, now=now)
         await start_broker(gateway.broker, settings)

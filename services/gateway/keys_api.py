@@ -15,10 +15,9 @@ from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from services.gateway.admin_api import admin_guard
 from services.gateway.errors import DatabaseUnavailable
 from services.gateway.keys import KEY_ID, TENANT_ID_PATTERN, ApiKeys
-from shared.http import Problem
+from shared.http import Problem, admin_guard
 
 
 class KeyRequest(BaseModel):

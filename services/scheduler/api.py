@@ -7,7 +7,7 @@
                                              daily usage rows of a tenant (UTC days, inclusive)
 
 Not for the public: the gateway answers `GET /v1/usage` from the internal route, and the
-admin routes are for operators (`scorebox cron ...`) on the internal network.
+admin routes are for operators (`scorebox cron ...`), with `Authorization: Bearer <ADMIN_API_KEY>`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from datetime import date, datetime, timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from services.scheduler.cron import zone
 from services.scheduler.errors import DispatchFailed, UnknownJob
@@ -27,7 +27,7 @@ from services.scheduler.jobs import Clock
 from services.scheduler.metering import NANOS_PER_UNIT
 from services.scheduler.schedule import JobCatalog, ScheduledJob
 from services.scheduler.usage_store import DailyUsage, DailyUsageStore
-from shared.http import Problem
+from shared.http import Problem, admin_guard
 
 log = logging.getLogger("scorebox.scheduler.api")
 
@@ -152,9 +152,16 @@ def _job_view(job: ScheduledJob, last: Firing | None, now: datetime) -> JobView:
 
 
 def cron_routes(
-    *, jobs: JobCatalog, firings: FiringStore, trigger: TriggerJob, clock: Clock
+    *,
+    jobs: JobCatalog,
+    firings: FiringStore,
+    trigger: TriggerJob,
+    clock: Clock,
+    admin_key: SecretStr | None,
 ) -> APIRouter:
-    router = APIRouter(prefix="/admin/v1/cron", tags=["cron"])
+    router = APIRouter(
+        prefix="/admin/v1/cron", tags=["cron"], dependencies=[admin_guard(admin_key)]
+    )
 
     @router.get("/jobs", response_model=JobList)
     async def list_jobs() -> JobList:

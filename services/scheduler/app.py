@@ -188,6 +188,14 @@ def create_app(
             }
         )
     )
-    app.include_router(cron_routes(jobs=jobs, firings=firings, trigger=trigger, clock=clock))
+    app.include_router(
+        cron_routes(
+            jobs=jobs,
+            firings=firings,
+            trigger=trigger,
+            clock=clock,
+            admin_key=settings.admin_api_key,
+        )
+    )
     app.include_router(usage_routes(daily=daily, currency=config.usage.currency))
     return app

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from services.scheduler.config import DEFAULT_CONFIG_PATH
 from shared.settings import ServiceSettings
@@ -16,6 +16,8 @@ from shared.settings import ServiceSettings
 
 class SchedulerSettings(ServiceSettings):
     port: int = Field(default=8003, validation_alias="SCHEDULER_PORT")
+    # Guards `/admin/v1/cron/*` like the gateway's admin routes (unset: they answer 403).
+    admin_api_key: SecretStr | None = Field(default=None, validation_alias="ADMIN_API_KEY")
     config_path: Path = Field(default=DEFAULT_CONFIG_PATH, validation_alias="SCHEDULER_CONFIG")
     # How often the dispatcher looks for due firings.
     tick_s: float = Field(default=1.0, gt=0, validation_alias="SCHEDULER_TICK_S")

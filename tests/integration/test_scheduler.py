@@ -62,6 +62,9 @@ class MovableClock:
         return self.now
 
 
+ADMIN_KEY = "scheduler-admin-key"
+
+
 @dataclass
 class Env:
     amqp_url: str
@@ -77,6 +80,7 @@ class Env:
                 "MONGO_URL": self.mongo_url,
                 "MONGO_DB_PREFIX": self.db_prefix,
                 "SCHEDULER_TICK_S": "0.05",
+                "ADMIN_API_KEY": ADMIN_KEY,
                 **{key: str(value) for key, value in extra.items()},
             }
         )
@@ -121,6 +125,7 @@ async def scheduler(
 ) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
     app = create_app(env.settings(**settings), config=config, clock=env.clock, handlers=handlers)
     async with running(app) as client:
+        client.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
         yield client, app.state.dispatcher
 
 
@@ -244,6 +249,8 @@ async def test_manual_run_routes_and_a_permanent_failure_is_dead_lettered(env: E
         assert listed[1]["enabled"] is False
         assert listed[1]["next_fire_at"] is None
 
+        anonymous = await api.get("/admin/v1/cron/jobs", headers={"Authorization": ""})
+        assert anonymous.status_code == 401
         unknown = await api.post("/admin/v1/cron/jobs/nope/run")
         assert unknown.status_code == 404
         assert unknown.headers["content-type"].startswith("application/problem+json")

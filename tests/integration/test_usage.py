@@ -81,12 +81,13 @@ async def _publish(amqp_url: str, events: Sequence[TaskCompleted]) -> None:
 
 
 async def _roll_up(scheduler: httpx.AsyncClient) -> None:
-    accepted = await scheduler.post("/admin/v1/cron/jobs/usage-rollup/run")
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    accepted = await scheduler.post("/admin/v1/cron/jobs/usage-rollup/run", headers=admin)
     assert accepted.status_code == 202, accepted.text
     run_url = accepted.json()["status_url"]
 
     async def succeeded() -> bool:
-        body = (await scheduler.get(run_url)).json()
+        body = (await scheduler.get(run_url, headers=admin)).json()
         return body.get("state") == "succeeded"
 
     await eventually(succeeded, what="the usage rollup succeeded")

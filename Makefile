@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # Python 3.13: pyenv's 3.13 when present, else whatever python3.13 is on PATH.
 PYTHON313 ?= $(shell if [ -x "$$HOME/.pyenv/versions/3.13.0/bin/python3.13" ]; then echo "$$HOME/.pyenv/versions/3.13.0/bin/python3.13"; else command -v python3.13; fi)
 
-.PHONY: help venv system-deps run test test-unit test-integration test-e2e test-faults lint fmt typecheck bench clean
+.PHONY: help venv system-deps run bench-report test test-unit test-integration test-e2e test-faults lint fmt typecheck bench clean
 
 help:
 	@echo "make run        the whole system on this machine (RabbitMQ + MongoDB or its stand-in + 4 services)"
@@ -59,8 +59,17 @@ system-deps:
 test: lint typecheck system-deps
 	SCOREBOX_SLOW_TESTS=1 $(PY) -m pytest -q
 
-bench: venv
+$(VENV)/.bench-installed: pyproject.toml $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	touch $@
+
+# The benchmark (not part of make test), then its figures into the README's performance section.
+bench: $(VENV)/.bench-installed
 	$(PY) -m bench.run $(BENCH_ARGS)
+	$(PY) -m bench.report
+
+bench-report: venv
+	$(PY) -m bench.report
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .run

@@ -576,6 +576,9 @@ def start_and_supervise(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    # `make run` stopped with SIGTERM does not pass the signal on to its recipe: have the
+    # kernel pass it, so the services are stopped in every case.
+    die_with_parent()
     try:
         return run(args)
     except StackError as error:

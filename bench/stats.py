@@ -1,0 +1,72 @@
+"""Percentiles and rates of a benchmark run (plain functions over lists of numbers)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The `q`-th percentile (0..100) by linear interpolation; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summary_ms(values_s: Sequence[float]) -> dict[str, float | None]:
+    """p50/p95/p99/max of durations given in seconds, in milliseconds."""
+    return {
+        name: None if (value := percentile(values_s, q)) is None else round(value * 1000, 1)
+        for name, q in (("p50", 50), ("p95", 95), ("p99", 99), ("max", 100))
+    }
+
+
+def steady_rate(times: Sequence[float], low: float = 0.1, high: float = 0.9) -> float | None:
+    """Completions per second between the `low` and `high` fractions of all completions.
+
+    Leaves out the ramp-up (connections opening, the first burst of claims) and the tail
+    (the last stragglers of the jitter), which a burst of N would otherwise charge to N.
+    """
+    ordered = sorted(times)
+    if len(ordered) < 10:
+        return overall_rate(ordered, ordered[0] if ordered else 0.0)
+    first = int(len(ordered) * low)
+    last = int(len(ordered) * high) - 1
+    span = ordered[last] - ordered[first]
+    return (last - first) / span if span > 0 else None
+
+
+def overall_rate(times: Sequence[float], started_at: float) -> float | None:
+    """Completions per second from `started_at` to the last completion."""
+    if not times:
+        return None
+    span = max(times) - started_at
+    return len(times) / span if span > 0 else None
+
+
+def quarter_rates(times: Sequence[float]) -> tuple[float | None, float | None]:
+    """Completions per second within the first and within the last quarter of completions."""
+    ordered = sorted(times)
+    quarter = len(ordered) // 4
+    if quarter < 2:
+        return None, None
+    first_span = ordered[quarter - 1] - ordered[0]
+    last_span = ordered[-1] - ordered[-quarter]
+    first = (quarter - 1) / first_span if first_span > 0 else None
+    last = (quarter - 1) / last_span if last_span > 0 else None
+    return first, last
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def rounded(value: float | None, digits: int = 1) -> float | None:
+    return None if value is None else round(value, digits)

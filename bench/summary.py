@@ -1,0 +1,333 @@
+"""From results (the JSON dict) to tables: printed by `bench.run`, put in README by
+`bench.report`. Markdown tables, readable in a terminal too."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+DASH = "\u2013"  # en dash: no value
+TIMES = "\u00d7"  # multiplication sign
+
+Row = Sequence[str]
+
+
+@dataclass
+class Table:
+    title: str
+    headers: Row
+    rows: list[Row]
+    notes: list[str] = field(default_factory=list)
+
+    def markdown(self) -> str:
+        lines = [f"**{self.title}**", ""]
+        lines.append("| " + " | ".join(self.headers) + " |")
+        lines.append("|" + "|".join("---" for _ in self.headers) + "|")
+        lines += ["| " + " | ".join(row) + " |" for row in self.rows]
+        if self.notes:
+            lines.append("")
+            lines += [f"- {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+def num(value: Any, digits: int = 1, suffix: str = "") -> str:
+    if value is None:
+        return DASH
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}{suffix}"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}{suffix}"
+    return str(value)
+
+
+def times(value: Any, digits: int = 2) -> str:
+    return DASH if value is None else f"{value:.{digits}f}{TIMES}"
+
+
+def trio(summary: dict[str, Any] | None) -> str:
+    if not summary:
+        return DASH
+    return " / ".join(num(summary.get(k), 0) for k in ("p50", "p95", "p99"))
+
+
+def div(a: Any, b: Any) -> float | None:
+    if a is None or not b:
+        return None
+    return float(a) / float(b)
+
+
+def _bounds(result: dict[str, Any]) -> str:
+    notes = list(result.get("bounds") or [])
+    if result.get("finished_in_time") is False:
+        notes.append("did NOT finish within the time limit")
+    if result.get("settled") is False:
+        notes.append("events still unconsumed at the end (a consumer stalled or fell behind)")
+    if result.get("missing"):
+        notes.append(f"{result['missing']} tasks never finished")
+    if result.get("errors"):
+        notes.append(f"submit errors {result['errors']}")
+    problems = result.get("log_problems") or {}
+    if problems:
+        logged = ", ".join(
+            f"{name}: " + " ".join(f"{n} {kind}" for kind, n in counts.items() if n)
+            for name, counts in problems.items()
+        )
+        notes.append(f"services logged problems ({logged})")
+    return "; ".join(notes) or DASH
+
+
+def _celery_all_cpu(result: dict[str, Any]) -> float | None:
+    worker = result.get("worker_cpu_ms_per_task")
+    producer = result.get("producer_cpu_ms_per_task")
+    return None if worker is None else worker + (producer or 0.0)
+
+
+BURST_NOTE = (
+    "Scorebox: submitted over HTTP as a burst, completions timed by `task.completed` events; "
+    "own processes = every Scorebox service process. Celery: published by a producer process, "
+    "completions counted at the fake model; own processes = worker + producer."
+)
+BACKLOG_NOTE = (
+    "Backlog mode: N queued first (Scorebox over HTTP), then the scorers (the Celery worker) "
+    "start; tasks/s is the drain, submission excluded."
+)
+
+
+def burst_table(title: str, scenario: dict[str, Any]) -> Table:
+    params = scenario["parameters"]
+    headers = (
+        "system",
+        "tasks/s",
+        "of C/L",
+        "end-to-end p50 / p95 / p99 ms",
+        "model call p50 / p99 ms",
+        "worker CPU ms/task",
+        "own processes CPU ms/task",
+        "limited by",
+    )
+    rows: list[Row] = []
+    sb = scenario.get("scorebox")
+    if sb:
+        cpu = sb["cpu_ms_per_task"]
+        model = sb["model_call_ms"]
+        rows.append(
+            (
+                sb["system"],
+                num(sb["tasks_per_s"]),
+                times(sb["ratio_to_limit"]),
+                trio(sb["end_to_end_ms"]),
+                f"{num(model['p50'], 0)} / {num(model['p99'], 0)}",
+                num(cpu["scorer"], 3),
+                num(cpu["scorebox_total"], 3),
+                _bounds(sb),
+            )
+        )
+    cel = scenario.get("celery")
+    if cel:
+        rows.append(
+            (
+                cel["system"],
+                num(cel["tasks_per_s"]),
+                times(div(cel["tasks_per_s"], cel["limit_per_s"])),
+                DASH,
+                DASH,
+                num(cel["worker_cpu_ms_per_task"], 3),
+                num(_celery_all_cpu(cel), 3),
+                _bounds(cel),
+            )
+        )
+    if sb and cel:
+        rows.append(
+            (
+                "Scorebox / Celery",
+                times(div(sb["tasks_per_s"], cel["tasks_per_s"])),
+                "",
+                "",
+                "",
+                times(div(sb["cpu_ms_per_task"]["scorer"], cel["worker_cpu_ms_per_task"])),
+                times(div(sb["cpu_ms_per_task"]["scorebox_total"], _celery_all_cpu(cel))),
+                "",
+            )
+        )
+    backlog = params.get("mode") == "backlog"
+    notes = [
+        f"N = {num(params['n'])}, C = {params['concurrency']}, L = {num(params['latency_ms'], 0)}"
+        f" ms ± {num(params['jitter_ms'], 0)} ms, limit C/L = {num(params['limit_per_s'])}"
+        " tasks/s; tasks/s is the steady rate between 10 % and 90 % of completions.",
+        BACKLOG_NOTE if backlog else BURST_NOTE,
+    ]
+    if params["n"] < 10 * params["concurrency"]:
+        notes.append(
+            f"N < 10 {TIMES} C: the run spans few waves of C tasks, so its rates are rough "
+            "(harness check sizes, not a measurement)."
+        )
+    if sb and sb.get("mongodb_ops_per_task"):
+        ops = sb["mongodb_ops_per_task"]
+        kinds = ", ".join(f"{k} {num(v, 2)}" for k, v in ops.items() if k != "total" and v)
+        notes.append(f"Scorebox MongoDB operations per task: {num(ops['total'], 1)} ({kinds}).")
+    if sb:
+        notes.append(
+            f"Scorebox submit: {num(sb['submit_per_s'])} accepted/s, POST p50 / p95 / p99 "
+            f"{trio(sb['submit_ms'])} ms; model calls per task "
+            f"{num(div(sb['model']['calls'], sb['tasks']), 3)}, peak in flight "
+            f"{sb['model']['max_in_flight']}; other load on the machine "
+            f"{num(sb['other_load_cores'], 2)} cores."
+        )
+    return Table(title, headers, rows, notes)
+
+
+def submit_table(scenario: dict[str, Any]) -> Table:
+    sb = scenario["scorebox"]
+    headers = (
+        "system",
+        f"arrivals/s {TIMES} s",
+        "requests",
+        "errors",
+        "POST p50 / p95 / p99 ms",
+        "max ms",
+        "gateway CPU ms/submit",
+        "limited by",
+    )
+    rows: list[Row] = [
+        (
+            sb["system"],
+            f"{num(sb['rate_per_s'], 0)} {TIMES} {num(sb['seconds'], 0)}",
+            num(sb["submitted"]),
+            num(sum(sb["errors"].values())),
+            trio(sb["post_ms"]),
+            num(sb["post_ms"].get("max"), 0),
+            num(sb["gateway_cpu_ms_per_submit"], 3),
+            _bounds({k: v for k, v in sb.items() if k != "errors"}),
+        )
+    ]
+    notes = [
+        "Open loop: each POST is sent at its due time whatever the earlier ones take; latency "
+        "counts from the due time. The scorers run meanwhile (the whole stack is loaded).",
+        f"Sent {num(sb.get('sent_per_s'))} requests/s; sender lag p99 "
+        f"{num(sb['sender_lag_ms']['p99'])} ms (the load generator's own delay).",
+    ]
+    return Table("Submit latency", headers, rows, notes)
+
+
+def cost_table(scenario: dict[str, Any]) -> Table:
+    headers = ("system", "process", "CPU ms/task", "busy cores mean / peak", "peak RSS MiB")
+    rows: list[Row] = []
+    for key in ("scorebox", "celery"):
+        result = scenario.get(key)
+        if not result:
+            continue
+        for name, usage in result["processes"].items():
+            rss = usage["peak_rss_mib"]
+            rows.append(
+                (
+                    result["system"],
+                    name,
+                    num(usage["cpu_ms_per_task"], 3),
+                    f"{num(usage['mean_cores'], 2)} / {num(usage['peak_cores'], 2)}",
+                    ", ".join(num(v) for v in rss.values()) or DASH,
+                )
+            )
+    notes = [
+        "CPU from /proc (utime + stime) over the measured window, divided by the tasks; "
+        "`machine` is every process on the machine, `bench` the load generator. The broker "
+        "is shared with whatever else runs on the machine.",
+        f"Workload: {scenario.get('source', 'the throughput run')}.",
+    ]
+    return Table("Cost per task", headers, rows, notes)
+
+
+def growth_table(scenario: dict[str, Any]) -> Table:
+    headers = (
+        "system",
+        "backlog",
+        "drain first quarter /s",
+        "last quarter /s",
+        "last / first",
+        "status read p50 / p95 / p99 ms",
+        "tasks in projection",
+        "limited by",
+    )
+    rows: list[Row] = []
+    sb = scenario.get("scorebox")
+    if sb:
+        drain, reads = sb["drain"], sb["status_reads"]
+        rows.append(
+            (
+                sb["system"],
+                num(sb["accepted"]),
+                num(drain["first_quarter_per_s"]),
+                num(drain["last_quarter_per_s"]),
+                times(drain["last_over_first"]),
+                trio(reads["latency_ms"]),
+                num(reads["projection_tasks"]),
+                _bounds(sb),
+            )
+        )
+    cel = scenario.get("celery")
+    if cel:
+        drain = cel["drain"]
+        rows.append(
+            (
+                cel["system"],
+                num(cel["tasks"]),
+                num(drain["first_quarter_per_s"]),
+                num(drain["last_quarter_per_s"]),
+                times(drain["last_over_first"]),
+                DASH,
+                DASH,
+                _bounds(cel),
+            )
+        )
+    notes = [
+        "The backlog is queued with no scorer (worker) running; they start late and drain it. "
+        "Rates are over the first and the last quarter of completions.",
+    ]
+    if sb:
+        notes.append(
+            f"Status reads: {sb['status_reads']['reads']} GET /v1/scores/{{id}} through the "
+            f"gateway, {sb['status_reads']['concurrency']} at a time, answers "
+            f"{sb['status_reads']['statuses']}."
+        )
+    return Table("Growth", headers, rows, notes)
+
+
+def tables(results: dict[str, Any]) -> list[Table]:
+    found: list[Table] = []
+    scenarios = results.get("scenarios", {})
+    if "throughput" in scenarios:
+        found.append(burst_table("Throughput", scenarios["throughput"]))
+    if "inflight" in scenarios:
+        found.append(burst_table("Many in flight", scenarios["inflight"]))
+    if "submit" in scenarios:
+        found.append(submit_table(scenarios["submit"]))
+    if "cost" in scenarios:
+        found.append(cost_table(scenarios["cost"]))
+    if "growth" in scenarios:
+        found.append(growth_table(scenarios["growth"]))
+    return found
+
+
+def targets_table(results: dict[str, Any]) -> Table:
+    rows: list[Row] = [
+        (t["target"], t["measured"], {True: "met", False: "NOT met"}.get(t["met"], DASH), t["note"])
+        for t in results.get("targets", [])
+    ]
+    return Table("Targets (issue #4)", ("target", "measured", "", "note"), rows)
+
+
+def setting_lines(results: dict[str, Any]) -> list[str]:
+    machine = results["machine"]
+    versions = results["versions"]
+    return [
+        f"Command: `{results['command']}`",
+        f"Run: {results['started_at']} to {results['finished_at']}, commit {results['git']}",
+        f"Machine: {machine['cpu_model']}, {machine['cores']} cores, {machine['memory_gib']} GiB, "
+        f"{machine['os']}, Python {machine['python']}; load average at start "
+        f"{machine['load_average_at_start']}",
+        f"Broker: {results['broker']['kind']}",
+        f"Database: {results['database']['kind']}",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
+    ]

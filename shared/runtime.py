@@ -150,6 +150,18 @@ async def serve(app: FastAPI, *, host: str, port: int, log_level: str) -> None:
     await uvicorn.Server(config).serve()
 
 
+def run_service(name: str, settings: ServiceSettings, make_app: Callable[[], FastAPI]) -> None:
+    """A service's entrypoint: log, build the app (no I/O until its lifespan), serve it."""
+    configure_logging(settings, name)
+
+    async def main() -> None:
+        await serve(
+            make_app(), host=settings.http_host, port=settings.port, log_level=settings.log_level
+        )
+
+    run(main)
+
+
 def run(main: Callable[[], Awaitable[None]]) -> None:
     """Run a service's async main on uvloop when installed."""
     try:

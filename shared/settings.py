@@ -21,6 +21,9 @@ class ServiceSettings(BaseSettings):
     mongo_url: str = Field(default="mongodb://127.0.0.1:27017", validation_alias="MONGO_URL")
     mongo_database_prefix: str = Field(default="scorebox", validation_alias="MONGO_DB_PREFIX")
     http_host: str = Field(default="127.0.0.1", validation_alias="HTTP_HOST")
+    port: int = Field(
+        default=0, description="Each service names its own variable (GATEWAY_PORT...)."
+    )
     log_level: str = Field(default="INFO", validation_alias="LOG_LEVEL")
     # Timeouts of the infrastructure calls (seconds).
     broker_timeout_s: float = Field(default=10.0, gt=0, validation_alias="BROKER_TIMEOUT_S")

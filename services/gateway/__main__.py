@@ -2,19 +2,8 @@
 
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
-from shared.runtime import configure_logging, run, serve
-
-
-async def main() -> None:
-    settings = GatewaySettings()
-    configure_logging(settings, "gateway")
-    await serve(
-        create_app(settings),
-        host=settings.http_host,
-        port=settings.port,
-        log_level=settings.log_level,
-    )
-
+from shared.runtime import run_service
 
 if __name__ == "__main__":
-    run(main)
+    settings = GatewaySettings()
+    run_service("gateway", settings, lambda: create_app(settings))

@@ -83,16 +83,23 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-async def parse_submission(request: Request, settings: GatewaySettings) -> ScoreSubmission:
+async def read_json_object(request: Request, *, what: str, limit: int) -> dict[str, Any]:
+    """The body as a JSON object: 415 not JSON content, 413 over `limit`, 400 not JSON, 422 not
+    an object."""
     if not _is_json(request.headers.get("content-type", "")):
-        raise Problem(415, "Send the submission as JSON with 'Content-Type: application/json'.")
-    body = await _read_body(request, settings.max_body_bytes)
+        raise Problem(415, f"Send the {what} as JSON with 'Content-Type: application/json'.")
+    body = await _read_body(request, limit)
     try:
         payload: Any = orjson.loads(body)
     except orjson.JSONDecodeError as error:
         raise Problem(400, f"The body is not valid JSON: {error}.") from error
     if not isinstance(payload, dict):
         raise Problem(422, "The body must be a JSON object.", kind="invalid-fields")
+    return payload
+
+
+async def parse_submission(request: Request, settings: GatewaySettings) -> ScoreSubmission:
+    payload = await read_json_object(request, what="submission", limit=settings.max_body_bytes)
     text = payload.get("text")
     if isinstance(text, str) and len(text) > settings.max_text_chars:
         raise Problem(

@@ -8,7 +8,6 @@ import re
 from datetime import datetime, timedelta
 from typing import Any
 
-import orjson
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -17,9 +16,8 @@ from services.gateway.api import (
     _PROBLEM,
     GatewayDeps,
     _check_idempotency_key,
-    _is_json,
-    _read_body,
     _unavailable,
+    read_json_object,
     status_url,
 )
 from services.gateway.auth import Caller
@@ -165,15 +163,7 @@ def _field(location: tuple[int | str, ...]) -> str:
 
 
 async def parse_batch(request: Request, settings: GatewaySettings) -> BatchSubmission:
-    if not _is_json(request.headers.get("content-type", "")):
-        raise Problem(415, "Send the batch as JSON with 'Content-Type: application/json'.")
-    body = await _read_body(request, settings.max_batch_body_bytes)
-    try:
-        payload: Any = orjson.loads(body)
-    except orjson.JSONDecodeError as error:
-        raise Problem(400, f"The body is not valid JSON: {error}.") from error
-    if not isinstance(payload, dict):
-        raise Problem(422, "The body must be a JSON object.", kind="invalid-fields")
+    payload = await read_json_object(request, what="batch", limit=settings.max_batch_body_bytes)
     items = payload.get("items")
     if isinstance(items, list) and len(items) > settings.max_batch_items:
         raise Problem(

@@ -2,19 +2,8 @@
 
 from services.scheduler.app import create_app
 from services.scheduler.settings import SchedulerSettings
-from shared.runtime import configure_logging, run, serve
-
-
-async def main() -> None:
-    settings = SchedulerSettings()
-    configure_logging(settings, "scheduler")
-    await serve(
-        create_app(settings),
-        host=settings.http_host,
-        port=settings.port,
-        log_level=settings.log_level,
-    )
-
+from shared.runtime import run_service
 
 if __name__ == "__main__":
-    run(main)
+    settings = SchedulerSettings()
+    run_service("scheduler", settings, lambda: create_app(settings))

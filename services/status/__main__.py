@@ -2,19 +2,8 @@
 
 from services.status.app import create_app
 from services.status.settings import StatusSettings
-from shared.runtime import configure_logging, run, serve
-
-
-async def main() -> None:
-    settings = StatusSettings()
-    configure_logging(settings, "status")
-    await serve(
-        create_app(settings),
-        host=settings.http_host,
-        port=settings.port,
-        log_level=settings.log_level,
-    )
-
+from shared.runtime import run_service
 
 if __name__ == "__main__":
-    run(main)
+    settings = StatusSettings()
+    run_service("status", settings, lambda: create_app(settings))

@@ -357,9 +357,7 @@ class DeadLetterDepth(BaseModel):
     depth: int = Field(ge=0, description="Messages waiting in the dead-letter queue.")
     threshold: int = Field(ge=0, description="Depth at which an alert is raised.")
     oldest_age_s: float | None = Field(
-        default=None,
-        description="Age of the oldest dead letter; None when it cannot be read without "
-        "disturbing the queue (always, on quorum queues).",
+        default=None, description="Age of the oldest dead letter; None when the queue is empty."
     )
 
 

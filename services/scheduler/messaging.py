@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
+from aio_pika.abc import AbstractIncomingMessage
 from faststream.rabbit import RabbitBroker, RabbitQueue
 
 from services.scheduler.jobs import Clock
@@ -93,9 +94,35 @@ class SchedulerBus:
             headers=headers,
         )
 
-    async def dead_letter_depth(self, work_queue: WorkQueue) -> int:
+    async def dead_letter_depth(self, work_queue: WorkQueue) -> tuple[int, float | None]:
+        """(depth, age in seconds of the oldest dead letter) of a work queue's DLQ.
+
+        The head is read with `basic.get` and returned with `nack(requeue=True)`: RabbitMQ 4.x
+        does not count that as a delivery, and our DLQs set no delivery limit on 3.x.
+        """
         queue = await self.broker.declare_queue(
             RabbitQueue(work_queue.dead_letter_routing_key, declare=False)
         )
         declared = await queue.declare(timeout=self.timeout_s)  # fresh counts on each call
-        return int(declared.message_count or 0)
+        depth = int(declared.message_count or 0)
+        if depth == 0:
+            return 0, None
+        head = await queue.get(no_ack=False, fail=False, timeout=self.timeout_s)
+        if head is None:
+            return depth, None
+        try:
+            return depth, _age_s(head, self.clock())
+        finally:
+            await head.nack(requeue=True)
+
+
+def _age_s(message: AbstractIncomingMessage, now: datetime) -> float | None:
+    """Since RabbitMQ dead-lettered it (`x-death`), else since it was published to the DLQ."""
+    deaths: Any = message.headers.get("x-death") or []
+    when = deaths[0].get("time") if deaths and isinstance(deaths[0], dict) else None
+    when = when if isinstance(when, datetime) else message.timestamp
+    if when is None:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (now - when).total_seconds())

@@ -560,5 +560,10 @@ async def test_housekeeping_expires_own_records_and_reports_dead_letters(env: En
     alert = DeadLetterAlert.model_validate_json(events[1].body)
     assert alert.run_id == run["run_id"]
     assert STATUS_PROJECTION.dead_letter_routing_key in {q.dead_letter_queue for q in alert.queues}
-    assert all(q.oldest_age_s is None for q in alert.queues)
+    (projection,) = [
+        q for q in alert.queues if q.dead_letter_queue == STATUS_PROJECTION.dead_letter_routing_key
+    ]
+    assert projection.oldest_age_s is not None
+    assert projection.oldest_age_s >= 0
+    assert all(q.oldest_age_s is None for q in alert.queues if q.depth == 0)
     await drain(env.amqp_url, STATUS_PROJECTION.dead_letter_routing_key)

@@ -7,11 +7,10 @@ theirs, and report dead letters.
 - Other services' records (idempotency keys, leases) live in their databases and expire
   there by TTL indexes; this job never touches another database. It publishes
   `HousekeepingRequested` (`ops.housekeeping`) that a service may act on.
-- Dead letters: the depth of every work queue's DLQ (a passive declare: reading it changes
-  nothing). At or above the threshold: a warning in the log and a `DeadLetterAlert`
-  (`ops.alert.dead-letters`). The age of the oldest dead letter is not reported: on quorum
-  queues it cannot be read without taking the message (RabbitMQ exposes no head timestamp
-  for them, and a get + requeue would count as a delivery).
+- Dead letters: the depth of every work queue's DLQ (a passive declare) and the age of its
+  oldest dead letter (the head, read and returned unacknowledged: see
+  `SchedulerBus.dead_letter_depth`). At or above the threshold: a warning in the log and a
+  `DeadLetterAlert` (`ops.alert.dead-letters`).
 """
 
 from __future__ import annotations
@@ -32,22 +31,26 @@ from shared.topology import WorkQueue
 
 log = logging.getLogger("scorebox.scheduler.housekeeping")
 
-DepthProbe = Callable[[WorkQueue], Awaitable[int]]
+DepthProbe = Callable[[WorkQueue], Awaitable[tuple[int, float | None]]]
 Announce = Callable[[HousekeepingRequested | DeadLetterAlert], Awaitable[None]]
 
 
 async def dead_letter_report(
     work_queues: Sequence[WorkQueue], *, probe: DepthProbe, threshold: int
 ) -> list[DeadLetterDepth]:
-    return [
-        DeadLetterDepth(
-            queue=work_queue.name,
-            dead_letter_queue=work_queue.dead_letter_routing_key,
-            depth=await probe(work_queue),
-            threshold=threshold,
+    report = []
+    for work_queue in work_queues:
+        depth, oldest_age_s = await probe(work_queue)
+        report.append(
+            DeadLetterDepth(
+                queue=work_queue.name,
+                dead_letter_queue=work_queue.dead_letter_routing_key,
+                depth=depth,
+                threshold=threshold,
+                oldest_age_s=oldest_age_s,
+            )
         )
-        for work_queue in work_queues
-    ]
+    return report
 
 
 async def keep_house(

@@ -51,7 +51,11 @@ def create_app(
         if model_settings.llm_provider == "openai":
             http = make_http_client(model_settings, concurrency=settings.concurrency)
         model = build_model(model_settings, http)
-    attempts = Attempts(mongo, settings.database_name("scorer"))
+    attempts = Attempts(
+        mongo,
+        settings.database_name("scorer"),
+        retention=timedelta(seconds=settings.attempts_retention_s),
+    )
 
     async def announce(event: TaskEvent) -> None:
         await publish_event(broker, event, timeout=settings.broker_timeout_s)

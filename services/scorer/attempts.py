@@ -51,11 +51,19 @@ ClaimResult = Claimed | Busy | Decided | Superseded
 
 
 class Attempts:
-    def __init__(self, client: AsyncMongoClient[Document], database: str) -> None:
+    def __init__(
+        self, client: AsyncMongoClient[Document], database: str, *, retention: timedelta
+    ) -> None:
         self._collection: AsyncCollection[Document] = client[database]["attempts"]
+        self._retention = retention
 
     async def ensure_indexes(self) -> None:
         await self._collection.create_index("lease_until")
+        # Housekeeping of claims: decided ones and stale leases (a worker died, the message went
+        # to the DLQ) leave after the retention; a later replay simply claims afresh.
+        await self._collection.create_index(
+            "updated_at", expireAfterSeconds=int(self._retention.total_seconds())
+        )
 
     async def claim(
         self, command: ScoreText, *, now: datetime, lease: timedelta, owner: str

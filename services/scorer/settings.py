@@ -18,3 +18,7 @@ class ScorerSettings(ServiceSettings):
     crash_limit: int = Field(default=3, ge=1, validation_alias="SCORER_CRASH_LIMIT")
     # A claim outlives the model call by this margin before another worker may take it over.
     lease_margin_s: float = Field(default=30.0, gt=0, validation_alias="LEASE_MARGIN_S")
+    # How long a task's claim (with its decision and the raw model output) is kept.
+    attempts_retention_s: int = Field(
+        default=7 * 86_400, gt=0, validation_alias="ATTEMPTS_RETENTION_S"
+    )

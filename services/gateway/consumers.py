@@ -6,9 +6,8 @@ import asyncio
 import logging
 from datetime import timedelta
 
-from faststream import AckPolicy
 from faststream.rabbit import RabbitBroker
-from faststream.rabbit.annotations import RabbitMessage
+from faststream.rabbit.message import RabbitMessage
 from pydantic import ValidationError
 from pymongo.errors import PyMongoError
 
@@ -16,7 +15,7 @@ from services.gateway.api import GatewayDeps
 from services.gateway.errors import DatabaseUnavailable, Unavailable
 from services.gateway.submit import Publisher, remember_result, sweep_outbox
 from shared.contracts import TaskCompleted
-from shared.runtime import keep_trying
+from shared.runtime import consume, keep_trying
 from shared.topology import RESULT_CACHE
 
 log = logging.getLogger("scorebox.gateway")
@@ -25,7 +24,7 @@ log = logging.getLogger("scorebox.gateway")
 def subscribe_result_cache(broker: RabbitBroker, deps: GatewayDeps) -> None:
     """Fill the result cache from `task.completed` events, and note each task's generation."""
 
-    @broker.subscriber(RESULT_CACHE.queue, ack_policy=AckPolicy.MANUAL)
+    @consume(broker, RESULT_CACHE.queue)
     async def remember_completed_result(message: RabbitMessage) -> None:
         try:
             event = TaskCompleted.model_validate_json(message.body)

@@ -60,9 +60,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request, Response
-from faststream import AckPolicy
 from faststream.rabbit import RabbitBroker
-from faststream.rabbit.annotations import RabbitMessage
+from faststream.rabbit.message import RabbitMessage
 from pydantic import ValidationError
 from pymongo import ASCENDING, AsyncMongoClient, ReturnDocument
 from pymongo.asynchronous.collection import AsyncCollection
@@ -73,7 +72,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.gateway.errors import DatabaseUnavailable, GatewayError
 from shared.contracts import parse_task_event
 from shared.http import Problem, problem_response
-from shared.runtime import keep_trying
+from shared.runtime import consume, keep_trying
 from shared.topology import GATEWAY_TASK_OUTCOMES
 
 log = logging.getLogger("scorebox.gateway.limits")
@@ -296,7 +295,7 @@ def subscribe_task_outcomes(
 ) -> None:
     """Release a task's in-flight slot when its `task.completed` or `task.failed` arrives."""
 
-    @broker.subscriber(GATEWAY_TASK_OUTCOMES.queue, ack_policy=AckPolicy.MANUAL)
+    @consume(broker, GATEWAY_TASK_OUTCOMES.queue)
     async def release_finished_task(message: RabbitMessage) -> None:
         routing_key = message.raw_message.routing_key or ""
         try:

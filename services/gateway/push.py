@@ -32,7 +32,7 @@ from typing import Protocol
 
 from faststream import AckPolicy
 from faststream.rabbit import RabbitBroker
-from faststream.rabbit.annotations import RabbitMessage
+from faststream.rabbit.message import RabbitMessage
 from pydantic import ValidationError
 
 from services.gateway.errors import GatewayError
@@ -45,6 +45,7 @@ from shared.contracts import (
     TaskView,
     parse_task_event,
 )
+from shared.runtime import consume
 from shared.topology import EVENTS, live_events_queue
 
 log = logging.getLogger("scorebox.gateway.push")
@@ -179,7 +180,7 @@ class LiveUpdates:
 def subscribe_live_updates(broker: RabbitBroker, live: LiveUpdates, *, replica_id: str) -> None:
     """Consume this replica's live queue (auto-acknowledged: a lost event costs only latency)."""
 
-    @broker.subscriber(live_events_queue(replica_id), EVENTS, ack_policy=AckPolicy.ACK_FIRST)
+    @consume(broker, live_events_queue(replica_id), EVENTS, ack_policy=AckPolicy.ACK_FIRST)
     async def wake_waiters(message: RabbitMessage) -> None:
         routing_key = message.raw_message.routing_key or ""
         try:

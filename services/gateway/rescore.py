@@ -37,9 +37,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Final, Protocol
 
-from faststream import AckPolicy
 from faststream.rabbit import RabbitBroker
-from faststream.rabbit.annotations import RabbitMessage
+from faststream.rabbit.message import RabbitMessage
 from faststream.rabbit.schemas import Channel
 from pydantic import ValidationError
 
@@ -47,7 +46,7 @@ from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
 from services.gateway.submissions import RescoreClaim, RescoreRefused, Submissions
 from shared.bus import publish_dead_letter, publish_delayed
 from shared.contracts import RescoreTask, ScoreText, new_id
-from shared.runtime import keep_trying
+from shared.runtime import consume, keep_trying
 from shared.topology import RESCORE_REQUESTS, TASKS
 
 log = logging.getLogger("scorebox.gateway.rescore")
@@ -237,10 +236,6 @@ def subscribe_rescore_requests(
 ) -> None:
     """Consume `scorebox.rescore-requests`, `prefetch` deliveries at a time."""
 
-    @broker.subscriber(
-        RESCORE_REQUESTS.queue,
-        channel=Channel(prefetch_count=prefetch),
-        ack_policy=AckPolicy.MANUAL,
-    )
+    @consume(broker, RESCORE_REQUESTS.queue, channel=Channel(prefetch_count=prefetch))
     async def rescore_requested(message: RabbitMessage) -> None:
         await requests.on_message(message)

@@ -19,9 +19,8 @@ import logging
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
-from faststream import AckPolicy
 from faststream.rabbit import RabbitBroker
-from faststream.rabbit.annotations import RabbitMessage
+from faststream.rabbit.message import RabbitMessage
 from pydantic import ValidationError
 from pymongo.errors import PyMongoError
 
@@ -36,6 +35,7 @@ from services.notifier.deliveries import (
 from services.notifier.notifications import NotificationDeps, notify_about_task_event
 from shared.bus import publish_dead_letter, publish_delayed
 from shared.contracts import Contract, DeliverWebhook, new_id, parse_task_event
+from shared.runtime import consume
 from shared.topology import (
     EVENTS,
     NOTIFICATIONS,
@@ -87,7 +87,7 @@ async def _dead_letter(
 def subscribe_notifications(
     broker: RabbitBroker, deps: NotificationDeps, *, timeout_s: float, clock: Clock
 ) -> None:
-    @broker.subscriber(NOTIFICATIONS.queue, ack_policy=AckPolicy.MANUAL)
+    @consume(broker, NOTIFICATIONS.queue)
     async def when_task_event_notify(message: RabbitMessage) -> None:
         routing_key = event_key(message.raw_message.routing_key or "")
         try:
@@ -126,7 +126,7 @@ async def _come_back_later(
 
 
 def subscribe_deliveries(broker: RabbitBroker, deps: DeliveryDeps, *, timeout_s: float) -> None:
-    @broker.subscriber(WEBHOOK_DELIVERIES.queue, ack_policy=AckPolicy.MANUAL)
+    @consume(broker, WEBHOOK_DELIVERIES.queue)
     async def when_webhook_due_deliver(message: RabbitMessage) -> None:
         try:
             delivery = DeliverWebhook.model_validate_json(message.body)

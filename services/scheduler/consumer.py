@@ -26,9 +26,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from faststream import AckPolicy
 from faststream.rabbit import RabbitBroker
-from faststream.rabbit.annotations import RabbitMessage
+from faststream.rabbit.message import RabbitMessage
 from faststream.rabbit.schemas import Channel
 from pydantic import ValidationError
 from pymongo.errors import PyMongoError
@@ -53,6 +52,7 @@ from services.scheduler.runs import (
 from services.scheduler.usage_store import UsageRecords
 from shared.bus import publish_dead_letter
 from shared.contracts import RunCronJob, TaskCompleted, new_id
+from shared.runtime import consume
 from shared.topology import ATTEMPTS_HEADER, CRON_JOBS, USAGE_METER, WorkQueue
 
 log = logging.getLogger("scorebox.scheduler.consumer")
@@ -177,11 +177,7 @@ def subscribe_scheduler(
     job_concurrency: int,
     meter_prefetch: int,
 ) -> None:
-    @broker.subscriber(
-        CRON_JOBS.queue,
-        channel=Channel(prefetch_count=job_concurrency),
-        ack_policy=AckPolicy.MANUAL,
-    )
+    @consume(broker, CRON_JOBS.queue, channel=Channel(prefetch_count=job_concurrency))
     async def run_cron_job_delivery(message: RabbitMessage) -> None:
         try:
             await runner.on_message(message)
@@ -191,11 +187,7 @@ def subscribe_scheduler(
             return
         await message.ack()
 
-    @broker.subscriber(
-        USAGE_METER.queue,
-        channel=Channel(prefetch_count=meter_prefetch),
-        ack_policy=AckPolicy.MANUAL,
-    )
+    @consume(broker, USAGE_METER.queue, channel=Channel(prefetch_count=meter_prefetch))
     async def record_usage_delivery(message: RabbitMessage) -> None:
         try:
             await meter.on_message(message)

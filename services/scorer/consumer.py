@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from faststream import AckPolicy
 from faststream.rabbit import RabbitBroker
-from faststream.rabbit.annotations import RabbitMessage
+from faststream.rabbit.message import RabbitMessage
 from pydantic import ValidationError
 from pymongo.errors import PyMongoError
 
@@ -41,6 +40,7 @@ from shared.contracts import (
     event_sequence,
     new_id,
 )
+from shared.runtime import consume
 from shared.topology import ATTEMPTS_HEADER, SCORE_REQUESTS
 
 log = logging.getLogger("scorebox.scorer")
@@ -112,7 +112,7 @@ def _carried_headers(message: RabbitMessage) -> dict[str, Any]:
 def subscribe_scorer(
     broker: RabbitBroker, deps: ScorerDeps, actions: BrokerActions, *, crash_limit: int
 ) -> None:
-    @broker.subscriber(SCORE_REQUESTS.queue, ack_policy=AckPolicy.MANUAL)
+    @consume(broker, SCORE_REQUESTS.queue)
     async def on_score_requested(message: RabbitMessage) -> None:
         try:
             command = ScoreText.model_validate_json(message.body)

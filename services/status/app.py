@@ -8,9 +8,8 @@ from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 
 from fastapi import APIRouter, FastAPI, Query
-from faststream import AckPolicy
 from faststream.rabbit import RabbitBroker
-from faststream.rabbit.annotations import RabbitMessage
+from faststream.rabbit.message import RabbitMessage
 from pydantic import ValidationError
 from pymongo.errors import PyMongoError
 
@@ -36,6 +35,7 @@ from shared.http import Problem, health_router, install_problem_handlers
 from shared.runtime import (
     MongoClient,
     broker_ready,
+    consume,
     keep_trying,
     make_broker,
     make_mongo,
@@ -89,7 +89,7 @@ def create_app(
 def subscribe_projection(broker: RabbitBroker, tasks: Tasks, settings: StatusSettings) -> None:
     finished_ttl = timedelta(seconds=settings.finished_task_ttl_s)
 
-    @broker.subscriber(STATUS_PROJECTION.queue, ack_policy=AckPolicy.MANUAL)
+    @consume(broker, STATUS_PROJECTION.queue)
     async def record_task_event(message: RabbitMessage) -> None:
         routing_key = message.raw_message.routing_key or ""
         try:

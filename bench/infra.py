@@ -16,11 +16,9 @@ import contextlib
 import json
 import os
 import platform
-import selectors
 import shutil
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +29,7 @@ from urllib.parse import urlsplit
 
 from bench.procstat import find_processes
 from devtools import infra as devinfra
+from devtools.infra import read_first_line
 
 START_TIMEOUT_S = 30.0
 STOP_GRACE_S = 10.0
@@ -102,30 +101,12 @@ def start_announcing(name: str, command: list[str], log_path: Path) -> ChildProc
     )
     child = ChildProcess(name, process, {}, log)
     try:
-        child.announced = json.loads(_first_line(process, START_TIMEOUT_S))
+        child.announced = json.loads(read_first_line(process, START_TIMEOUT_S))
     except BaseException as error:
         child.stop()
         tail = log_path.read_bytes()[-2000:].decode(errors="replace")
         raise BenchError(f"{name} did not start: {error}\n{tail}") from error
     return child
-
-
-def _first_line(process: subprocess.Popen[bytes], timeout_s: float) -> str:
-    assert process.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    buffer = b""
-    with selectors.DefaultSelector() as selector:
-        selector.register(process.stdout, selectors.EVENT_READ)
-        while b"\n" not in buffer:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"no announcement within {timeout_s:.0f}s")
-            if selector.select(remaining):
-                chunk = os.read(process.stdout.fileno(), 4096)
-                if not chunk:
-                    raise ConnectionError(f"exited with code {process.wait(timeout=5)}")
-                buffer += chunk
-    return buffer.split(b"\n", 1)[0].decode()
 
 
 @contextlib.contextmanager

@@ -512,7 +512,7 @@ def start_mongo_standin(
         start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop it in order
     )
     try:
-        line = _read_line(process, timeout)
+        line = read_first_line(process, timeout)
         url = str(json.loads(line)["url"])
     except BaseException as error:
         _terminate(process, STANDIN_STOP_GRACE_S)
@@ -546,7 +546,7 @@ def _log_text(log: IO[bytes]) -> str:
     return ""
 
 
-def _read_line(process: subprocess.Popen[bytes], timeout: float) -> str:
+def read_first_line(process: subprocess.Popen[bytes], timeout: float) -> str:
     """The first line of the process's stdout, or an error once `timeout` has passed."""
     assert process.stdout is not None
     deadline = time.monotonic() + timeout

@@ -39,8 +39,8 @@ from services.gateway.settings import GatewaySettings
 from shared.contracts import ScoreResult, TaskFailure
 from shared.http import Problem
 
-BATCH_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-CURSOR = re.compile(r"^\d{1,7}$")
+BATCH_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
+CURSOR = re.compile(r"^\d{1,7}\Z")
 DEFAULT_PAGE = 100
 
 

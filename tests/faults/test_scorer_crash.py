@@ -138,11 +138,14 @@ async def test_message_that_kills_the_scorer_every_time_stops_at_the_delivery_li
     """No production hook crashes the scorer on a message, so the test plays the crash: each
     time the poison task's model call starts (it hangs), the scorer process is killed."""
     box.answers.clear()
-    poison = new_marker()
-    poison_task = await box.submit(essay(poison, "[[fake:hang]]"))
-    others = {
+    # Tasks scored before the poison arrives, so none of them is in flight at a kill (a call in
+    # flight at a kill is legitimately made again once its lease expires: not what this tests).
+    before = {
         await box.submit(essay(m)): m for m in (new_marker() for _ in range(CRASH_LOOP_OTHERS))
     }
+    await box.finish(list(before))
+    poison = new_marker()
+    poison_task = await box.submit(essay(poison, "[[fake:hang]]"))
 
     async def poison_failed() -> bool:
         view = await box.view(poison_task)
@@ -161,6 +164,11 @@ async def test_message_that_kills_the_scorer_every_time_stops_at_the_delivery_li
         await box.restart("scorer")
         assert kills <= LIMIT, f"the poison message is looping: {kills} kills\n{box.logs()}"
 
+    # The scorer that survived the loop scores new work normally.
+    after = {
+        await box.submit(essay(m)): m for m in (new_marker() for _ in range(CRASH_LOOP_OTHERS))
+    }
+    others = {**before, **after}
     views = await box.finish([poison_task, *others])
     poisoned = views[poison_task]
     assert poisoned["error"]["dead_lettered"] is True, poisoned

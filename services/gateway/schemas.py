@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from services.gateway.webhooks import MAX_URL_LENGTH, validate_webhook_url
+from shared.webhook_urls import MAX_URL_LENGTH, validate_webhook_url
 
 MAX_METADATA_BYTES = 8_192
 MAX_DELAY_S = 7 * 24 * 3600

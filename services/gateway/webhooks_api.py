@@ -21,8 +21,8 @@ from pydantic import BaseModel, Field, field_validator
 from services.gateway.auth import Caller
 from services.gateway.errors import Unavailable
 from services.gateway.settings import GatewaySettings
-from services.gateway.webhooks import MAX_URL_LENGTH, validate_webhook_url
 from shared.http import PROBLEM_JSON, Problem
+from shared.webhook_urls import MAX_URL_LENGTH, validate_webhook_url
 
 NO_STORE = {"Cache-Control": "no-store"}
 _PROBLEM = {"content": {PROBLEM_JSON: {"schema": {"type": "object"}}}}

@@ -12,8 +12,9 @@ from pydantic import BaseModel, Field
 from services.notifier.errors import UnsafeDestination
 from services.notifier.keyring import Keyring, TenantSecret
 from services.notifier.registry import FailureAlerts
-from services.notifier.ssrf import MAX_URL_LENGTH, WebhookGuard
+from services.notifier.ssrf import WebhookGuard
 from shared.http import Problem
+from shared.webhook_urls import MAX_URL_LENGTH
 
 NO_STORE = {"Cache-Control": "no-store"}
 TenantId = Path(pattern=r"^[A-Za-z0-9_.:@-]{1,128}$")

@@ -8,9 +8,8 @@ reserved or unspecified, IPv4-mapped and other IPv4-embedding IPv6 forms unwrapp
 caller then connects only to the addresses checked here (`Destination.addresses`), so a DNS
 answer that changes between the check and the connection (rebinding) cannot redirect it.
 
-These rules repeat the gateway's submit-time check (`services.gateway.webhooks`), which has
-no DNS; the two services share no code beyond contracts, and `tests/unit/test_ssrf.py` runs
-one table against both.
+The URL and address rules are `shared.webhook_urls`, the same the gateway applies when it
+accepts a URL; this module adds the DNS step.
 
 `allowed_test_hosts` (WEBHOOK_ALLOWED_TEST_HOSTS) exempts named hosts or addresses, for a
 local test receiver only.
@@ -20,71 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import re
 import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
-from urllib.parse import urlsplit
 
 from services.notifier.errors import ResolutionFailed, UnsafeDestination
-
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-
-MAX_URL_LENGTH = 2_048
-_LABEL = re.compile(r"^(?!-)[a-z0-9_-]{1,63}(?<!-)$")
-_NUMERIC_LABEL = re.compile(r"^(0x[0-9a-f]*|[0-9]+)$")
-_LOCAL_SUFFIXES = ("localhost", "local", "internal", "localdomain", "home.arpa", "arpa")
-_IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
-_NAT64 = (ipaddress.IPv6Network("64:ff9b::/96"), ipaddress.IPv6Network("64:ff9b:1::/48"))
-
-
-def is_public_address(address: IPAddress) -> bool:
-    """True for a globally routable unicast address (IPv4-mapped/embedded forms unwrapped)."""
-    if isinstance(address, ipaddress.IPv6Address):
-        embedded = _embedded_ipv4(address)
-        if embedded is not None:
-            return is_public_address(embedded)
-        if address in _IPV4_COMPATIBLE:
-            return False
-    return address.is_global and not (
-        address.is_private
-        or address.is_loopback
-        or address.is_link_local
-        or address.is_multicast
-        or address.is_reserved
-        or address.is_unspecified
-    )
-
-
-def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
-    if address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    if address.sixtofour is not None:
-        return address.sixtofour
-    if any(address in network for network in _NAT64):
-        return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
-    return None
-
-
-def _parse_ip(host: str) -> IPAddress | None:
-    try:
-        return ipaddress.ip_address(host)
-    except ValueError:
-        return None
-
-
-def _check_host_name(host: str) -> None:
-    name = host.removesuffix(".")
-    labels = name.split(".")
-    if not name or len(name) > 253 or not all(_LABEL.match(label) for label in labels):
-        raise UnsafeDestination(f"{host!r} is not a valid host name")
-    if _NUMERIC_LABEL.match(labels[-1]):
-        raise UnsafeDestination(f"{host!r} is a numeric address form that is not allowed")
-    if len(labels) == 1:
-        raise UnsafeDestination(f"{host!r} is a single-label (local) host name")
-    if any(name == suffix or name.endswith(f".{suffix}") for suffix in _LOCAL_SUFFIXES):
-        raise UnsafeDestination(f"{host!r} is a local host name")
+from shared.webhook_urls import (
+    IPAddress,
+    UnsafeWebhookUrl,
+    is_public_address,
+    parse_ip_literal,
+    webhook_host_and_port,
+)
 
 
 class Resolver(Protocol):
@@ -135,38 +82,15 @@ class WebhookGuard:
 
     def check(self, url: str) -> tuple[str, int]:
         """The URL's host and port, when the URL itself may receive webhooks."""
-        if len(url) > MAX_URL_LENGTH:
-            raise UnsafeDestination(f"the URL is longer than {MAX_URL_LENGTH} characters")
-        if any(ord(char) <= 0x20 or ord(char) == 0x7F or char == "\\" for char in url):
-            raise UnsafeDestination("the URL contains whitespace, control characters or '\\'")
-        parts = urlsplit(url)
-        if parts.scheme.lower() != "https":
-            raise UnsafeDestination("the URL must start with https://")
-        if "@" in parts.netloc:
-            raise UnsafeDestination("the URL may not contain credentials")
         try:
-            port = parts.port
-        except ValueError as error:
-            raise UnsafeDestination("the URL has an invalid port") from error
-        host = parts.hostname or ""
-        if not host or port == 0:
-            raise UnsafeDestination("the URL needs a host (and a non-zero port, if any)")
-        if "%" in host:
-            raise UnsafeDestination("the URL's host may not carry a zone id or escapes")
-        port = port or 443
-        if host in self._allowed:
-            return host, port
-        address = _parse_ip(host)
-        if address is None:
-            _check_host_name(host)
-        elif not is_public_address(address):
-            raise UnsafeDestination(f"{host} is not a public address")
-        return host, port
+            return webhook_host_and_port(url, exempt_hosts=self._allowed)
+        except UnsafeWebhookUrl as error:
+            raise UnsafeDestination(str(error)) from error
 
     async def vet(self, url: str) -> Destination:
         """Check the URL, resolve its host, and refuse it when any address is not public."""
         host, port = self.check(url)
-        literal = _parse_ip(host)
+        literal = parse_ip_literal(host)
         addresses = [literal] if literal is not None else await self._resolver.resolve(host, port)
         if not addresses:
             raise ResolutionFailed(f"{host} resolved to no address")

@@ -9,11 +9,11 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from services.gateway import webhooks as gateway_rules
 from services.notifier import ssrf
 from services.notifier.errors import ResolutionFailed, UnsafeDestination
 from services.notifier.sender import PinnedResolver
 from services.notifier.ssrf import Destination, IPAddress, SystemResolver, WebhookGuard
+from shared import webhook_urls as gateway_rules
 
 SAFE_URLS = [
     "https://example.com/hook",

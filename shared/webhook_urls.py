@@ -1,15 +1,13 @@
-"""Which webhook URLs the gateway accepts (`callback_url` on submit, the failure-alert URL).
+"""Which URLs may receive webhooks: the rule the gateway applies when it accepts a URL and the
+notifier applies again before every delivery (one rule, so the two can never disagree).
 
-Checked without DNS, because an answer can change between now and the delivery: an absolute
-`https://` URL of at most 2,048 characters, without credentials, whose host is a public IP
-literal or a domain name that is neither local (`localhost`, `*.localhost`, `*.local`,
-`*.internal`, single-label names that local search domains would complete) nor a legacy
-numeric IPv4 spelling (`2130706433`, `0177.0.0.1`, `0x7f.1`, `127.1`) that a resolver would
-turn into an address. The notifier resolves the host at delivery time, refuses it when any
-address is not public, and connects only to the addresses it checked.
-
-The address rules here and in `services.notifier.ssrf` must agree (the services share no
-code beyond contracts); `tests/unit/test_ssrf.py` runs one table against both.
+Checked without DNS: an absolute `https://` URL of at most 2,048 characters, without
+credentials, whose host is a public IP literal or a domain name that is neither local
+(`localhost`, `*.localhost`, `*.local`, `*.internal`, single-label names that local search
+domains would complete) nor a legacy numeric IPv4 spelling (`2130706433`, `0177.0.0.1`,
+`0x7f.1`, `127.1`) that a resolver would turn into an address. The notifier also resolves the
+host at delivery time, refuses it when any address is not public (`is_public_address`), and
+connects only to the addresses it checked. Pure functions, no I/O.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from urllib.parse import urlsplit
 
 MAX_URL_LENGTH = 2_048
 
-_IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _LABEL = re.compile(r"^(?!-)[a-z0-9_-]{1,63}(?<!-)$")
 _NUMERIC_LABEL = re.compile(r"^(0x[0-9a-f]*|[0-9]+)$")
 _LOCAL_SUFFIXES = ("localhost", "local", "internal", "localdomain", "home.arpa", "arpa")
@@ -34,7 +32,7 @@ class UnsafeWebhookUrl(ValueError):
     """The URL may not receive webhooks; the message says why."""
 
 
-def is_public_address(address: _IPAddress) -> bool:
+def is_public_address(address: IPAddress) -> bool:
     """True for a globally routable unicast address (IPv4-mapped/embedded forms unwrapped)."""
     if isinstance(address, ipaddress.IPv6Address):
         embedded = _embedded_ipv4(address)
@@ -62,7 +60,7 @@ def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | No
     return None
 
 
-def parse_ip_literal(host: str) -> _IPAddress | None:
+def parse_ip_literal(host: str) -> IPAddress | None:
     """The address when `host` is a canonical IP literal; None for a name."""
     try:
         return ipaddress.ip_address(host)
@@ -86,6 +84,17 @@ def check_host_name(host: str) -> None:
 
 def validate_webhook_url(url: str) -> str:
     """Return `url` when it may receive webhooks; raise `UnsafeWebhookUrl` otherwise."""
+    webhook_host_and_port(url)
+    return url
+
+
+def webhook_host_and_port(
+    url: str, *, exempt_hosts: frozenset[str] = frozenset()
+) -> tuple[str, int]:
+    """The host and port of a URL that may receive webhooks; `UnsafeWebhookUrl` otherwise.
+
+    `exempt_hosts` skips the host rules for the named hosts (a local test receiver only).
+    """
     if len(url) > MAX_URL_LENGTH:
         raise UnsafeWebhookUrl(f"the URL is longer than {MAX_URL_LENGTH} characters")
     if any(ord(char) <= 0x20 or ord(char) == 0x7F or char == "\\" for char in url):
@@ -104,9 +113,11 @@ def validate_webhook_url(url: str) -> str:
         raise UnsafeWebhookUrl("the URL needs a host (and a non-zero port, if any)")
     if "%" in host:
         raise UnsafeWebhookUrl("the URL's host may not carry a zone id or escapes")
+    if host in exempt_hosts:
+        return host, port or 443
     address = parse_ip_literal(host)
     if address is None:
         check_host_name(host)
     elif not is_public_address(address):
         raise UnsafeWebhookUrl(f"{host} is not a public address")
-    return url
+    return host, port or 443

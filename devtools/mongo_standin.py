@@ -54,7 +54,34 @@ def make_engine(engine: str, path: str | None) -> Any:
         return SQLiteEngine(path=str(path))
     from mongoeco.engines.memory import MemoryEngine  # noqa: PLC0415
 
+    skip_scan_on_missing_string_id(MemoryEngine)
     return MemoryEngine()
+
+
+def skip_scan_on_missing_string_id(engine_class: Any) -> None:
+    """Make a filter on an `_id` string that is not stored match nothing at once.
+
+    mongoeco 4.11's memory engine looks such an `_id` up directly, but when the document is
+    absent (every upsert of a new document) it falls back to scanning the whole collection,
+    which made each insert-by-upsert cost time proportional to the collection's size. Without
+    a collation a string `_id` equals only the same string, so the scan cannot find anything.
+    """
+    original = getattr(engine_class, "_candidate_items_for_plan_locked", None)
+    if original is None or getattr(original, "_scorebox_patched", False):
+        return  # another mongoeco version: served as it is
+
+    def candidate_items(self: Any, coll: Any, query_plan: Any, **options: Any) -> Any:
+        wanted = self._direct_id_lookup_from_plan(query_plan)
+        if (
+            isinstance(wanted, str)
+            and options.get("collation") is None
+            and self._storage_key(wanted) not in coll
+        ):
+            return []
+        return original(self, coll, query_plan, **options)
+
+    candidate_items._scorebox_patched = True  # type: ignore[attr-defined]
+    engine_class._candidate_items_for_plan_locked = candidate_items
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:

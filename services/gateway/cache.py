@@ -21,6 +21,7 @@ from pymongo.errors import PyMongoError
 
 from services.gateway.errors import DatabaseUnavailable
 from shared.contracts import ScoreResult
+from shared.group_writes import GroupWriter
 
 Document = dict[str, Any]
 _SPACE = re.compile(r"\s+")
@@ -41,6 +42,7 @@ class ResultCache:
     def __init__(self, client: AsyncMongoClient[Document], database: str, ttl: timedelta) -> None:
         self._collection: AsyncCollection[Document] = client[database]["result_cache"]
         self._ttl = ttl
+        self._writes = GroupWriter(self._collection)
 
     async def ensure_indexes(self) -> None:
         await self._collection.create_index([("expires_at", ASCENDING)], expireAfterSeconds=0)
@@ -57,7 +59,7 @@ class ResultCache:
     async def remember(
         self, *, tenant_id: str, key: str, result: ScoreResult, task_id: str, now: datetime
     ) -> None:
-        await self._collection.update_one(
+        await self._writes.update_one(
             {"_id": f"{tenant_id}:{key}"},
             {
                 "$set": {

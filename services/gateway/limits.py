@@ -71,6 +71,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.errors import DatabaseUnavailable, GatewayError
 from shared.contracts import parse_task_event
+from shared.group_writes import GroupWriter
 from shared.http import Problem, problem_response
 from shared.runtime import consume, keep_trying
 from shared.topology import GATEWAY_TASK_OUTCOMES
@@ -207,6 +208,8 @@ class InFlight:
         self._markers: AsyncCollection[Document] = client[database]["in_flight_tasks"]
         self._counters: AsyncCollection[Document] = client[database]["in_flight_tenants"]
         self._max = max_per_tenant
+        self._marker_writes = GroupWriter(self._markers)
+        self._counter_writes = GroupWriter(self._counters)
 
     async def ensure_indexes(self) -> None:
         """Both collections are addressed by `_id` only; nothing to index."""
@@ -222,7 +225,11 @@ class InFlight:
         wanted = len(task_ids)
         admitted = False
         try:
-            if wanted <= self._max:
+            if wanted == 1:
+                marker = {"_id": task_ids[0], "tenant_id": tenant_id, "at": now}
+                await self._marker_writes.insert_one(marker)
+                admitted = await self._count_more(tenant_id, wanted)
+            elif wanted <= self._max:
                 for start in range(0, wanted, MARKER_CHUNK):
                     chunk = task_ids[start : start + MARKER_CHUNK]
                     await self._markers.insert_many(
@@ -249,7 +256,7 @@ class InFlight:
     async def _count_more(self, tenant_id: str, wanted: int) -> bool:
         for _ in range(2):
             try:
-                await self._counters.update_one(
+                await self._counter_writes.update_one(
                     {"_id": tenant_id, "count": {"$lte": self._max - wanted}},
                     {"$inc": {"count": wanted}},
                     upsert=True,
@@ -277,7 +284,7 @@ class InFlight:
                     "$push": {"recent_releases": {"$each": [task_id], "$slice": -RECENT_RELEASES}},
                 },
             )
-            await self._markers.delete_one({"_id": task_id})
+            await self._marker_writes.delete_one({"_id": task_id})
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
         return result.modified_count == 1

@@ -27,6 +27,7 @@ from pymongo.errors import DuplicateKeyError, PyMongoError
 
 from services.gateway.errors import DatabaseUnavailable
 from shared.contracts import ScoreText
+from shared.group_writes import GroupWriter
 
 Document = dict[str, Any]
 # Documents per write of a batch's submissions.
@@ -84,6 +85,8 @@ class Submissions:
 
     def __init__(self, client: AsyncMongoClient[Document], database: str) -> None:
         self._collection: AsyncCollection[Document] = client[database]["submissions"]
+        # Single-document writes of concurrent requests and events share round trips.
+        self._writes = GroupWriter(self._collection)
 
     async def ensure_indexes(self) -> None:
         await self._collection.create_index(
@@ -118,7 +121,7 @@ class Submissions:
         if idempotency_key is not None:
             document["idempotency_key"] = idempotency_key
         try:
-            await self._collection.insert_one(document)
+            await self._writes.insert_one(document)
         except DuplicateKeyError as error:
             raise KeyTaken(idempotency_key) from error
         except PyMongoError as error:
@@ -224,7 +227,7 @@ class Submissions:
     async def discard(self, task_id: str) -> None:
         """Forget a submission whose command never reached the broker."""
         try:
-            await self._collection.delete_one(
+            await self._writes.delete_one(
                 {"_id": task_id, "state": SubmissionState.ACCEPTING.value}
             )
         except PyMongoError as error:
@@ -268,7 +271,7 @@ class Submissions:
 
     async def _update(self, query: Document, update: Document) -> None:
         try:
-            await self._collection.update_one(query, update)
+            await self._writes.update_one(query, update)
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 

@@ -22,6 +22,8 @@ from pymongo import ASCENDING, AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import DuplicateKeyError
 
+from shared.group_writes import GroupWriter
+
 Document = dict[str, Any]
 MARK_CHUNK = 250
 
@@ -39,6 +41,7 @@ class CompletedTask:
 class Catalogue:
     def __init__(self, client: AsyncMongoClient[Document], database: str) -> None:
         self._collection: AsyncCollection[Document] = client[database]["completed_tasks"]
+        self._writes = GroupWriter(self._collection)
 
     async def ensure_indexes(self) -> None:
         await self._collection.create_index([("completed_at", ASCENDING)])
@@ -46,7 +49,7 @@ class Catalogue:
     async def record(self, task: CompletedTask) -> bool:
         """Keep the latest generation of a task; False for an older (or same) one."""
         try:
-            await self._collection.update_one(
+            await self._writes.update_one(
                 {"_id": task.task_id, "generation": {"$lte": task.generation}},
                 {
                     "$set": {

@@ -21,6 +21,8 @@ from typing import Any
 from pymongo import ASCENDING, AsyncMongoClient, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
 
+from shared.group_writes import GroupWriter
+
 Document = dict[str, Any]
 # (tenant, day) pairs recomputed per aggregation; keeps each `$or` small.
 TOTALS_CHUNK = 500
@@ -74,21 +76,21 @@ class DailyUsage:
 class UsageRecords:
     def __init__(self, client: AsyncMongoClient[Document], database: str) -> None:
         self._collection: AsyncCollection[Document] = client[database]["usage_records"]
+        self._writes = GroupWriter(self._collection)
 
     async def ensure_indexes(self) -> None:
         await self._collection.create_index([("rolled_up", ASCENDING), ("rollup_run", ASCENDING)])
         await self._collection.create_index([("tenant_id", ASCENDING), ("day", ASCENDING)])
         await self._collection.create_index([("day", ASCENDING)])
 
-    async def record(self, record: UsageRecord) -> bool:
-        """Store `record` unless it exists (a redelivery); True when it is new."""
+    async def record(self, record: UsageRecord) -> None:
+        """Store `record` unless it exists (a redelivery)."""
         fields = asdict(record)
-        result = await self._collection.update_one(
+        await self._writes.update_one(
             {"_id": record.record_id},
             {"$setOnInsert": {**fields, "rolled_up": False, "rollup_run": None}},
             upsert=True,
         )
-        return result.upserted_id is not None
 
     async def claim_pending(self, run_id: str) -> int:
         """Tag every record not yet rolled up with `run_id` (takes over abandoned tags)."""

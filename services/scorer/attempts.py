@@ -23,6 +23,7 @@ from pymongo.errors import DuplicateKeyError
 from services.scorer import decisions
 from services.scorer.decisions import Finish, Retry
 from shared.contracts import ScoreText
+from shared.group_writes import GroupWriter
 
 Document = dict[str, Any]
 
@@ -55,6 +56,8 @@ class Attempts:
         self, client: AsyncMongoClient[Document], database: str, *, retention: timedelta
     ) -> None:
         self._collection: AsyncCollection[Document] = client[database]["attempts"]
+        # Claims and decisions of concurrent deliveries share round trips.
+        self._writes = GroupWriter(self._collection)
         self._retention = retention
 
     async def ensure_indexes(self) -> None:
@@ -100,7 +103,7 @@ class Attempts:
             "$unset": {"decision": "", "raw_output": ""},
         }
         try:
-            await self._collection.update_one(claimable, claim, upsert=True)
+            await self._writes.update_one(claimable, claim, upsert=True)
         except DuplicateKeyError:
             return await self._why_not_claimable(command)
         return Claimed()
@@ -123,7 +126,7 @@ class Attempts:
         self, command: ScoreText, decision: Finish | Retry, *, now: datetime, raw_output: str | None
     ) -> None:
         """Record the decision of the attempt we hold."""
-        await self._collection.update_one(
+        await self._writes.update_one(
             {"_id": command.task_id, "generation": command.generation, "attempt": command.attempt},
             {
                 "$set": {

@@ -31,6 +31,7 @@ from shared.contracts import (
     parse_task_event,
     utcnow,
 )
+from shared.group_writes import GroupWriter
 from shared.http import Problem, health_router, install_problem_handlers
 from shared.runtime import (
     MongoClient,
@@ -60,7 +61,7 @@ def create_app(
     broker = broker or make_broker(settings, prefetch=settings.projection_prefetch)
     mongo = mongo or make_mongo(settings)
     tasks = tasks_collection(mongo, settings.database_name("status"))
-    subscribe_projection(broker, tasks, settings)
+    subscribe_projection(broker, GroupWriter(tasks), settings)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -86,7 +87,9 @@ def create_app(
     return app
 
 
-def subscribe_projection(broker: RabbitBroker, tasks: Tasks, settings: StatusSettings) -> None:
+def subscribe_projection(
+    broker: RabbitBroker, writes: GroupWriter, settings: StatusSettings
+) -> None:
     finished_ttl = timedelta(seconds=settings.finished_task_ttl_s)
 
     @consume(broker, STATUS_PROJECTION.queue)
@@ -109,7 +112,10 @@ def subscribe_projection(broker: RabbitBroker, tasks: Tasks, settings: StatusSet
             return
         await keep_trying(
             lambda: apply_task_event(
-                event, tasks=tasks, finished_ttl=finished_ttl, history_limit=settings.history_limit
+                event,
+                writes=writes,
+                finished_ttl=finished_ttl,
+                history_limit=settings.history_limit,
             ),
             what=f"applying {routing_key} of {event.task_id}",
             retry_on=(PyMongoError,),

@@ -36,6 +36,7 @@ from shared.contracts import (
     TaskStatus,
     TaskView,
 )
+from shared.group_writes import GroupWriter
 
 Document = dict[str, Any]
 Tasks = AsyncCollection[Document]
@@ -124,7 +125,7 @@ def _failure(error: Document, *, dead_lettered: bool) -> Document:
 async def apply_task_event(
     event: TaskEvent,
     *,
-    tasks: Tasks,
+    writes: GroupWriter,
     finished_ttl: timedelta,
     history_limit: int = DEFAULT_HISTORY_LIMIT,
 ) -> bool:
@@ -132,7 +133,7 @@ async def apply_task_event(
     fields = _fields_of(event, finished_ttl=finished_ttl)
     push = _history_push(event, history_limit)
     try:
-        await tasks.update_one(
+        await writes.update_one(
             {"_id": event.task_id, "sequence": {"$lt": event.sequence}},
             {"$set": fields, "$push": {"history": push}},
             upsert=True,
@@ -143,7 +144,7 @@ async def apply_task_event(
         if isinstance(event, TaskAccepted):
             # A later event overtook the acceptance; its descriptive fields still belong.
             late["$set"] = _descriptive_fields(event)
-        await tasks.update_one(
+        await writes.update_one(
             {"_id": event.task_id, "history.sequence": {"$ne": event.sequence}}, late
         )
         return False

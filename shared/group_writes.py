@@ -1,0 +1,118 @@
+"""Group commit for single-document writes: concurrent writes to one collection share one
+unordered `bulk_write` round trip.
+
+A write waits only while the previous round trip is in flight, so an idle service writes at
+once and a busy one sends everything that queued up meanwhile in one command. Each caller
+still gets its own outcome: the write's own error (a `DuplicateKeyError` for code 11000, a
+`WriteError` otherwise) or the batch's (the server unreachable, a timeout, a write-concern
+error). The writes of one batch may be applied in any order, so callers must not depend on
+the order of concurrent writes to one document — which concurrent callers never could.
+
+Measured against the stand-in with 64 writers: about 13 µs of client CPU per write in
+batches against 170 µs per `update_one` (docs/architecture.md, "Group commit").
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pymongo import DeleteOne, InsertOne, UpdateOne
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import BulkWriteError, DuplicateKeyError, WriteConcernError, WriteError
+
+Document = dict[str, Any]
+WriteOp = InsertOne[Document] | UpdateOne | DeleteOne
+DUPLICATE_KEY = 11000
+MAX_BATCH = 500
+
+
+@dataclass(frozen=True)
+class _Queued:
+    op: WriteOp
+    outcome: asyncio.Future[None]
+
+
+class GroupWriter:
+    """Single-document writes to `collection`, coalesced into `bulk_write`s."""
+
+    def __init__(self, collection: AsyncCollection[Document], *, max_batch: int = MAX_BATCH):
+        self.collection = collection
+        self._max_batch = max_batch
+        self._queued: list[_Queued] = []
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def update_one(
+        self, filter: Mapping[str, Any], update: Mapping[str, Any], *, upsert: bool = False
+    ) -> None:
+        await self.write(UpdateOne(filter, update, upsert=upsert))
+
+    async def insert_one(self, document: Document) -> None:
+        await self.write(InsertOne(document))
+
+    async def delete_one(self, filter: Mapping[str, Any]) -> None:
+        await self.write(DeleteOne(filter))
+
+    async def write(self, op: WriteOp) -> None:
+        outcome: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queued.append(_Queued(op, outcome))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush_queued())
+        await outcome
+
+    async def _flush_queued(self) -> None:
+        try:
+            while self._queued:
+                batch = self._queued[: self._max_batch]
+                del self._queued[: self._max_batch]
+                await self._flush(batch)
+        except asyncio.CancelledError:
+            for queued in self._queued:
+                queued.outcome.cancel()
+            self._queued.clear()
+            raise
+
+    async def _flush(self, batch: list[_Queued]) -> None:
+        try:
+            await self.collection.bulk_write([queued.op for queued in batch], ordered=False)
+        except BulkWriteError as error:
+            failures = _failures_by_index(error.details, size=len(batch))
+            for index, queued in enumerate(batch):
+                _settle(queued, failures.get(index))
+        except asyncio.CancelledError:
+            for queued in batch:
+                queued.outcome.cancel()
+            raise
+        except Exception as error:  # noqa: BLE001 - the batch's failure is each write's failure
+            for queued in batch:
+                _settle(queued, error)
+        else:
+            for queued in batch:
+                _settle(queued, None)
+
+
+def _failures_by_index(details: Mapping[str, Any], *, size: int) -> dict[int, Exception]:
+    failures: dict[int, Exception] = {}
+    for failure in details.get("writeErrors", []):
+        kind = DuplicateKeyError if failure.get("code") == DUPLICATE_KEY else WriteError
+        failures[failure["index"]] = kind(failure.get("errmsg", ""), failure.get("code"), failure)
+    concern = details.get("writeConcernErrors") or []
+    if concern:
+        # Not known to be durable: every write of the batch without an error of its own
+        # fails with it, and its caller (the owner of its retry) writes again.
+        first = concern[0]
+        shared = WriteConcernError(first.get("errmsg", ""), first.get("code"), first)
+        for index in range(size):
+            failures.setdefault(index, shared)
+    return failures
+
+
+def _settle(queued: _Queued, error: Exception | None) -> None:
+    if queued.outcome.done():  # its caller was cancelled; the write went ahead anyway
+        return
+    if error is None:
+        queued.outcome.set_result(None)
+    else:
+        queued.outcome.set_exception(error)

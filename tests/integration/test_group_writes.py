@@ -1,0 +1,142 @@
+"""`shared.group_writes.GroupWriter` against MongoDB (or the labelled stand-in): concurrent
+writes share round trips, and each caller still gets its own write's outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient, monitoring
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import DuplicateKeyError, ServerSelectionTimeoutError, WriteError
+
+from devtools.infra import Endpoint
+from shared.group_writes import GroupWriter
+
+pytestmark = pytest.mark.integration
+
+Document = dict[str, Any]
+
+
+class WriteCommands(monitoring.CommandListener):
+    """Counts the write commands (`update`, `insert`, `delete`) a client sends."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.command_name in {"update", "insert", "delete"}:
+            self.sent += 1
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+@pytest.fixture
+async def commands() -> WriteCommands:
+    return WriteCommands()
+
+
+@pytest.fixture
+async def collection(
+    mongo: Endpoint, commands: WriteCommands
+) -> AsyncIterator[AsyncCollection[Document]]:
+    client: AsyncMongoClient[Document] = AsyncMongoClient(
+        mongo.url, tz_aware=True, event_listeners=[commands], serverSelectionTimeoutMS=10_000
+    )
+    name = f"group_writes_{uuid.uuid4().hex[:8]}"
+    try:
+        yield client[name]["docs"]
+    finally:
+        await client.drop_database(name)
+        await client.close()
+
+
+async def test_concurrent_writes_share_round_trips_and_all_land(
+    collection: AsyncCollection[Document], commands: WriteCommands
+) -> None:
+    writer = GroupWriter(collection)
+    await asyncio.gather(
+        *(writer.update_one({"_id": f"t{i}"}, {"$set": {"n": i}}, upsert=True) for i in range(200))
+    )
+
+    stored = {doc["_id"]: doc["n"] async for doc in collection.find()}
+    assert stored == {f"t{i}": i for i in range(200)}
+    assert commands.sent < 200 / 4, f"{commands.sent} write commands for 200 concurrent writes"
+
+
+async def test_a_lone_write_is_sent_at_once(
+    collection: AsyncCollection[Document], commands: WriteCommands
+) -> None:
+    writer = GroupWriter(collection)
+
+    await writer.insert_one({"_id": "alone"})
+
+    assert commands.sent == 1
+    assert await collection.find_one({"_id": "alone"}) == {"_id": "alone"}
+
+
+async def test_each_caller_gets_its_own_writes_error(
+    collection: AsyncCollection[Document],
+) -> None:
+    await collection.insert_one({"_id": "taken", "sequence": 5})
+    writer = GroupWriter(collection)
+
+    outcomes = await asyncio.gather(
+        writer.update_one(
+            {"_id": "taken", "sequence": {"$lt": 3}}, {"$set": {"sequence": 3}}, upsert=True
+        ),
+        writer.update_one(
+            {"_id": "taken", "sequence": {"$lt": 7}}, {"$set": {"sequence": 7}}, upsert=True
+        ),
+        writer.insert_one({"_id": "fresh"}),
+        writer.update_one({"_id": "fresh-2"}, {"$inc": {"sequence": "not a number"}}, upsert=True),
+        return_exceptions=True,
+    )
+
+    stale, newer, fresh, invalid = outcomes
+    assert isinstance(stale, DuplicateKeyError)
+    assert newer is None
+    assert fresh is None
+    assert isinstance(invalid, WriteError)
+    assert not isinstance(invalid, DuplicateKeyError)
+    assert await collection.find_one({"_id": "taken"}) == {"_id": "taken", "sequence": 7}
+    assert await collection.find_one({"_id": "fresh-2"}) is None
+
+
+async def test_a_failed_round_trip_fails_every_write_of_it(mongo: Endpoint) -> None:
+    unreachable: AsyncMongoClient[Document] = AsyncMongoClient(
+        "mongodb://127.0.0.1:9/?directConnection=true", serverSelectionTimeoutMS=200
+    )
+    writer = GroupWriter(unreachable["nowhere"]["docs"])
+    try:
+        outcomes = await asyncio.gather(
+            *(writer.insert_one({"_id": i}) for i in range(5)), return_exceptions=True
+        )
+    finally:
+        await unreachable.close()
+
+    assert all(isinstance(outcome, ServerSelectionTimeoutError) for outcome in outcomes)
+
+
+async def test_a_cancelled_caller_does_not_stop_the_others(
+    collection: AsyncCollection[Document],
+) -> None:
+    writer = GroupWriter(collection)
+    first = asyncio.create_task(writer.insert_one({"_id": "first"}))
+    cancelled = asyncio.create_task(writer.insert_one({"_id": "cancelled"}))
+    others = [asyncio.create_task(writer.insert_one({"_id": f"other{i}"})) for i in range(3)]
+    # Runs after each task's first step: `cancelled` is queued and waiting when it is cancelled.
+    asyncio.get_running_loop().call_soon(cancelled.cancel)
+
+    await asyncio.gather(first, *others)
+
+    assert cancelled.cancelled()
+    ids = {doc["_id"] async for doc in collection.find()}
+    assert {"first", "other0", "other1", "other2"} <= ids

@@ -4,7 +4,7 @@
   its pid, for CPU accounting, when the broker runs on this machine.
 - MongoDB: `MONGO_URL` or Docker when present (the lead's quiet-machine run), else a fresh
   mongoeco stand-in per scenario, started here so that its pid is known and each scenario
-  starts from empty collections (the stand-in slows down as collections grow).
+  starts from empty collections.
 - The fake model: `python -m devtools.fake_llm` as a subprocess with latency and jitter.
 
 Every subprocess wait and network call is bounded.

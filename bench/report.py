@@ -51,9 +51,10 @@ def render(results: dict[str, Any], source: str) -> str:
     if database.get("is_standin"):
         lines += [
             "",
-            "> **The database was the mongoeco stand-in, NOT MongoDB.** Its writes cost time "
-            "proportional to a collection's size, so wherever a row says *bounded by the "
-            "MongoDB stand-in*, the number measures the stand-in rather than Scorebox; "
+            "> **The database was the mongoeco stand-in, NOT MongoDB.** It is one Python thread "
+            "that spends about half a millisecond of CPU on each write, so wherever a row says "
+            "*bounded by the MongoDB stand-in*, the number measures the stand-in rather than "
+            "Scorebox; "
             "Scorebox's own CPU per task does not depend on it. Set `MONGO_URL` (or run where "
             "Docker is available) for numbers against MongoDB.",
         ]

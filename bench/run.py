@@ -49,12 +49,12 @@ LOG_ROOT = Path(".run/bench")
 # name: (full size, on the stand-in, --quick)
 SIZES: dict[str, tuple[float, float, float]] = {
     "n": (2_000, 2_000, 200),
-    "inflight_n": (10_000, 3_000, 600),
-    "submit_seconds": (30, 10, 5),
+    "inflight_n": (10_000, 5_000, 600),
+    "submit_seconds": (30, 30, 5),
     "submit_rate": (200, 200, 50),
-    "backlog": (20_000, 2_000, 200),
-    "projection_size": (100_000, 0, 0),
-    "reads": (1_000, 500, 100),
+    "backlog": (20_000, 10_000, 200),
+    "projection_size": (100_000, 20_000, 0),
+    "reads": (1_000, 1_000, 100),
     "warmup": (32, 32, 16),
 }
 
@@ -260,12 +260,22 @@ class Bench:
         rate, seconds = self.sizes["submit_rate"], self.sizes["submit_seconds"]
         c, s = self.args.concurrency, self.args.scorers
         params = {**self.params(int(rate * seconds), c, s), "rate": rate, "seconds": seconds}
-        return await self.both(
+        scenario = await self.both(
             "submit",
             lambda: scorebox.open_loop(self.sb_run("submit", c, s), rate, seconds),
             None,
             params,
         )
+        print("== submit: Scorebox, scorers stopped (the submit path alone) ...", flush=True)
+        scenario["scorebox_submit_path"] = await _attempt(
+            lambda: scorebox.open_loop(
+                self.sb_run("submit-path", c, s), rate, seconds, scorers=False
+            ),
+            scenario,
+            "scorebox_submit_path_error",
+        )
+        self.save()
+        return scenario
 
     async def cost(self) -> dict[str, Any]:
         earlier = self.results["scenarios"].get("throughput")
@@ -448,15 +458,25 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     if (sb := get("submit", "scorebox")) is not None:
         found.append(
             _target(
-                "submit p99 ≤ 20 ms", sb["post_ms"].get("p99"), note_of(sb), " ms", at_most=20.0
+                "submit p99 ≤ 20 ms (whole stack running)",
+                sb["post_ms"].get("p99"),
+                note_of(sb),
+                " ms",
+                at_most=20.0,
+            )
+        )
+    if (sb := get("submit", "scorebox_submit_path")) is not None:
+        found.append(
+            _target(
+                "submit p99 ≤ 20 ms (scorers stopped)",
+                sb["post_ms"].get("p99"),
+                note_of(sb),
+                " ms",
+                at_most=20.0,
             )
         )
     if (sb := get("growth", "scorebox")) is not None:
-        extra = (
-            ("stand-in writes slow down as collections grow",)
-            if results["database"]["is_standin"]
-            else ()
-        )
+        extra = ("the stand-in is one Python thread",) if results["database"]["is_standin"] else ()
         found.append(
             _target(
                 f"drain: last quarter ≥ 0.9 {TIMES} first",

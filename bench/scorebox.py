@@ -537,10 +537,18 @@ async def burst(run: ScoreboxRun, n: int, *, warmup: int) -> dict[str, Any]:
         }
 
 
-async def open_loop(run: ScoreboxRun, rate: float, seconds: float) -> dict[str, Any]:
-    """Arrivals at `rate`/s for `seconds` (scorers running): POST latency and errors."""
-    async with scorebox(run) as system, CompletionListener(system.amqp_url) as listener:
-        await _warm_up(system, listener, min(32, run.concurrency))
+async def open_loop(
+    run: ScoreboxRun, rate: float, seconds: float, *, scorers: bool = True
+) -> dict[str, Any]:
+    """Arrivals at `rate`/s for `seconds`: POST latency and errors. With `scorers`, the
+    scorers run meanwhile (the whole stack is loaded); without, the tasks wait in the queue
+    and the figures are those of the submit path alone."""
+    async with (
+        scorebox(run, scorers_now=scorers) as system,
+        CompletionListener(system.amqp_url) as listener,
+    ):
+        if scorers:
+            await _warm_up(system, listener, min(32, run.concurrency))
         meter = CpuMeter(system.groups())
         await meter.idle(IDLE_S)
         # Enough connections that the open loop practically never waits for one (a wait would
@@ -559,7 +567,10 @@ async def open_loop(run: ScoreboxRun, rate: float, seconds: float) -> dict[str, 
         latencies = [p.latency_s for p in posted if p.status]
         late = [p.sent_at - p.due_at for p in posted]
         return {
-            "system": f"Scorebox ({run.scorers} scorer x {run.per_scorer})",
+            "system": f"Scorebox ({run.scorers} scorer x {run.per_scorer})"
+            if scorers
+            else "Scorebox (scorers stopped)",
+            "scorers_running": scorers,
             "rate_per_s": rate,
             "seconds": seconds,
             **_posted_summary(posted),

@@ -5,7 +5,7 @@
 
 Once listening it prints one JSON line, `{"url": "mongodb://HOST:PORT/?directConnection=true"}`,
 and serves until SIGINT or SIGTERM. `--port 0` picks a free port. It is NOT MongoDB: development
-and tests only (no change streams; the memory engine slows down as collections grow).
+and tests only (no change streams; single-threaded, so it bounds throughput measured on it).
 
 It runs on the standard asyncio loop, not uvloop: mongoeco's shutdown calls
 `asyncio.Server.abort_clients()` (Python 3.13), which uvloop's server does not have.
@@ -55,6 +55,7 @@ def make_engine(engine: str, path: str | None) -> Any:
     from mongoeco.engines.memory import MemoryEngine  # noqa: PLC0415
 
     skip_scan_on_missing_string_id(MemoryEngine)
+    skip_duplicate_scan_for_string_id(MemoryEngine)
     return MemoryEngine()
 
 
@@ -82,6 +83,29 @@ def skip_scan_on_missing_string_id(engine_class: Any) -> None:
 
     candidate_items._scorebox_patched = True  # type: ignore[attr-defined]
     engine_class._candidate_items_for_plan_locked = candidate_items
+
+
+def skip_duplicate_scan_for_string_id(engine_class: Any) -> None:
+    """Check a new document's string `_id` for duplicates by its key alone.
+
+    mongoeco 4.11 inserts one document by comparing its `_id` with every stored one (so that
+    `1` and `1.0` collide), on top of the direct key lookup: time proportional to the
+    collection's size per insert. A string `_id` equals only the same string, which the direct
+    lookup already finds.
+    """
+    original = getattr(engine_class, "_ensure_unique_indexes", None)
+    if original is None or getattr(original, "_scorebox_patched", False):
+        return  # another mongoeco version: served as it is
+
+    def ensure_unique_indexes(
+        self: Any, db_name: str, coll_name: str, candidate: Any, **options: Any
+    ) -> Any:
+        if options.get("scan_payload_id") and isinstance(candidate.get("_id"), str):
+            options["scan_payload_id"] = False
+        return original(self, db_name, coll_name, candidate, **options)
+
+    ensure_unique_indexes._scorebox_patched = True  # type: ignore[attr-defined]
+    engine_class._ensure_unique_indexes = ensure_unique_indexes
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:

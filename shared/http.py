@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from shared.runtime import Check
 
@@ -102,6 +103,13 @@ def install_problem_handlers(app: FastAPI) -> None:
         problem = Problem(exc.status_code, str(exc.detail), headers=exc.headers)
         return problem_response(problem, request.url.path)
 
+    async def on_client_gone(request: Request, exc: Exception) -> JSONResponse:
+        # The client hung up before its body was read (it timed out waiting): nothing was
+        # done, and nobody will read an answer.
+        log.info("client disconnected before %s %s was read", request.method, request.url.path)
+        problem = Problem(400, "The client disconnected before its request was read.")
+        return problem_response(problem, request.url.path)
+
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         problem = Problem(500, "An unexpected error occurred; it has been logged.")
@@ -110,6 +118,7 @@ def install_problem_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Problem, on_problem)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(ClientDisconnect, on_client_gone)
     app.add_exception_handler(Exception, on_unexpected)
 
 

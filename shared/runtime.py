@@ -49,6 +49,8 @@ def make_broker(settings: ServiceSettings, *, prefetch: int | None = None) -> Ra
         graceful_timeout=settings.broker_timeout_s,
         logger=logging.getLogger("scorebox.broker"),
         log_level=logging.DEBUG,
+        # Handlers take the message itself (`consume`); no dependency injection per delivery.
+        apply_types=False,
     )
 
 

@@ -8,7 +8,6 @@
     scorebox.cron     cron.run                         → scorebox.cron-jobs (scheduler)
     scorebox.events   task.*                           → scorebox.status-projection (status)
                       task.*                           → scorebox.live.<replica> (gateway, push)
-                      task.completed                   → scorebox.result-cache (gateway)
                       task.completed, task.failed      → scorebox.gateway-task-outcomes (gateway)
                       task.completed                   → scorebox.usage-meter (scheduler)
                       task.accepted|completed|failed   → scorebox.notifications (notifier)
@@ -123,23 +122,20 @@ STATUS_PROJECTION = WorkQueue(
     name="scorebox.status-projection",
     bindings=(Binding(EVENTS, "task.*"),),
 )
-# The gateway remembers completed results for its result cache (event-carried state).
-RESULT_CACHE = WorkQueue(
-    name="scorebox.result-cache",
-    bindings=(Binding(EVENTS, "task.completed"),),
-)
 
 
-# --- Gateway: tasks in flight ----------------------------------------------------------------
-# The gateway's own copy of every task outcome, to release the task's in-flight slot of its
-# tenant (`services/gateway/limits.py`). A queue of its own rather than more bindings on
-# `scorebox.result-cache`: that queue means "completed results to cache" and rejects anything
-# else; this one must see `task.failed` as well, and a slow or failing cache must not hold up
-# the releases that let tenants submit again.
+# --- Gateway: task outcomes ------------------------------------------------------------------
+# The gateway's copy of every task outcome: it releases the task's in-flight slot of its tenant
+# (`services/gateway/limits.py`) and, for `task.completed`, notes the task's generation and
+# fills the result cache (event-carried state). One queue for all three: each outcome costs
+# the broker and the gateway one delivery, not one per purpose.
 GATEWAY_TASK_OUTCOMES = WorkQueue(
     name="scorebox.gateway-task-outcomes",
     bindings=(Binding(EVENTS, "task.completed"), Binding(EVENTS, "task.failed")),
 )
+# Queues of earlier versions, deleted by `declare_topology`: nothing consumes them any more,
+# and a quorum queue without a consumer or a length limit would grow without end.
+RETIRED_QUEUES = ("scorebox.result-cache", "scorebox.result-cache.dlq")
 
 
 # --- Scheduler -------------------------------------------------------------------------------
@@ -199,7 +195,6 @@ WEBHOOK_DELIVERIES = _command_queue("scorebox.webhook-deliveries", "webhook.deli
 WORK_QUEUES: tuple[WorkQueue, ...] = (
     SCORE_REQUESTS,
     STATUS_PROJECTION,
-    RESULT_CACHE,
     GATEWAY_TASK_OUTCOMES,
     CRON_JOBS,
     USAGE_METER,
@@ -251,11 +246,22 @@ async def declare_topology(broker: RabbitBroker) -> None:
     for tier, seconds in WAIT_TIERS:
         waiting = await broker.declare_queue(wait_queue(tier, seconds))
         await waiting.bind(exchanges[DELAY.name], routing_key=f"{tier}.#")
+    await _delete_retired_queues(broker)
+
+
+async def _delete_retired_queues(broker: RabbitBroker) -> None:
+    """Delete queues an earlier version declared (deleting an absent queue is a no-op)."""
+    declared = await broker.declare_queue(WORK_QUEUES[0].queue)  # for its channel
+    channel = await declared.channel.get_underlay_channel()
+    for name in RETIRED_QUEUES:
+        await channel.queue_delete(name)
 
 
 # --- Live push -------------------------------------------------------------------------------
 # Every gateway replica receives every task event on a queue of its own, to wake its SSE streams
-# and long-polls. Not a `WorkQueue`: it is exclusive and auto-deleted (it lives and dies with
+# and long-polls, while any of them wait: the queue is bound to `scorebox.events` on demand
+# (`services/gateway/push.py`), so a replica nobody waits on costs the broker nothing per
+# event. Not a `WorkQueue`: it is exclusive and auto-deleted (it lives and dies with
 # the replica's connection), classic, bounded (dropping the oldest when the replica lags), and
 # without a DLX, because nothing is ever rejected from it and losing a live event costs only
 # latency: the status projection (with its history) remains the record that streams re-read.
@@ -265,8 +271,8 @@ LIVE_EVENTS_MAX_LENGTH = 10_000
 
 
 def live_events_queue(replica_id: str) -> RabbitQueue:
-    """The exclusive queue of one gateway replica, bound to `scorebox.events` with `task.*`
-    (FastStream declares and binds it when the replica subscribes with `EVENTS`)."""
+    """The exclusive queue of one gateway replica; the replica binds it to `scorebox.events`
+    with `LIVE_EVENTS_BINDING` while requests wait for live events."""
     return RabbitQueue(
         f"{LIVE_EVENTS_PREFIX}{replica_id}",
         exclusive=True,

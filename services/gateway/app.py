@@ -26,7 +26,7 @@ from services.gateway.auth import Authenticator, caller_dependency
 from services.gateway.batches import Batches
 from services.gateway.batches_api import batch_routes
 from services.gateway.cache import ResultCache
-from services.gateway.consumers import keep_outbox_swept, subscribe_result_cache
+from services.gateway.consumers import keep_outbox_swept, subscribe_task_outcomes
 from services.gateway.deadletters import DeadLetterQueue
 from services.gateway.events_api import event_routes
 from services.gateway.keys import ApiKeys, bootstrap_key
@@ -35,10 +35,9 @@ from services.gateway.limits import (
     InFlight,
     RateLimiter,
     install_body_timeout,
-    subscribe_task_outcomes,
 )
 from services.gateway.publisher import TaskPublisher
-from services.gateway.push import LiveUpdates, subscribe_live_updates
+from services.gateway.push import BrokerLiveBinding, LiveUpdates, subscribe_live_updates
 from services.gateway.rescore import RescoreRequests, subscribe_rescore_requests
 from services.gateway.scheduler_client import SchedulerClient, make_scheduler_http
 from services.gateway.settings import GatewaySettings
@@ -156,8 +155,7 @@ def build_gateway(
 def create_app(settings: GatewaySettings, **overrides: Any) -> FastAPI:
     """Wire the gateway (see `build_gateway` for what `overrides` may replace)."""
     gateway = build_gateway(settings, **overrides)
-    subscribe_result_cache(gateway.broker, gateway.deps)
-    subscribe_task_outcomes(gateway.broker, gateway.deps.in_flight)
+    subscribe_task_outcomes(gateway.broker, gateway.deps)
     subscribe_rescore_requests(
         gateway.broker, rescore_requests(gateway), prefetch=settings.rescore_prefetch
     )
@@ -250,11 +248,13 @@ def rescore_requests(gateway: Gateway) -> RescoreRequests:
 
 def live_updates(broker: RabbitBroker, settings: GatewaySettings) -> LiveUpdates:
     """This replica's waiters, woken by its own queue of task events (SSE and long-polls)."""
+    replica_id = new_id()[:16]
     live = LiveUpdates(
         max_waiters=settings.live_max_waiters,
         max_per_tenant=settings.live_max_waiters_per_tenant,
+        binding=BrokerLiveBinding(broker, replica_id, timeout_s=settings.broker_timeout_s),
     )
-    subscribe_live_updates(broker, live, replica_id=new_id()[:16])
+    subscribe_live_updates(broker, live, replica_id=replica_id)
     return live
 
 

@@ -13,41 +13,45 @@ from pymongo.errors import PyMongoError
 
 from services.gateway.api import GatewayDeps
 from services.gateway.errors import DatabaseUnavailable, Unavailable
+from services.gateway.limits import OUTCOME_RETRY_DELAY_S
 from services.gateway.submit import Publisher, remember_result, sweep_outbox
-from shared.contracts import TaskCompleted
+from shared.contracts import TaskCompleted, parse_task_event
 from shared.runtime import consume, keep_trying
-from shared.topology import RESULT_CACHE
+from shared.topology import GATEWAY_TASK_OUTCOMES
 
 log = logging.getLogger("scorebox.gateway")
 
 
-def subscribe_result_cache(broker: RabbitBroker, deps: GatewayDeps) -> None:
-    """Fill the result cache from `task.completed` events, and note each task's generation."""
+def subscribe_task_outcomes(
+    broker: RabbitBroker, deps: GatewayDeps, *, retry_delay_s: float = OUTCOME_RETRY_DELAY_S
+) -> None:
+    """On `task.completed` or `task.failed`: release the task's in-flight slot; for a
+    completion also note the task's generation and fill the result cache."""
 
-    @consume(broker, RESULT_CACHE.queue)
-    async def remember_completed_result(message: RabbitMessage) -> None:
+    @consume(broker, GATEWAY_TASK_OUTCOMES.queue)
+    async def take_task_outcome(message: RabbitMessage) -> None:
+        routing_key = message.raw_message.routing_key or ""
         try:
-            event = TaskCompleted.model_validate_json(message.body)
-        except ValidationError as error:
-            log.warning("dead-lettering an unreadable task.completed: %s", error)
+            event = parse_task_event(routing_key, message.body)
+        except (KeyError, ValidationError) as error:
+            log.warning("dead-lettering an unreadable %r outcome: %s", routing_key, error)
             await message.reject(requeue=False)
             return
         await keep_trying(
-            lambda: deps.submissions.note_generation(event.task_id, event.generation),
-            what=f"noting the generation of {event.task_id}",
-            retry_on=(PyMongoError, DatabaseUnavailable),
+            lambda: deps.in_flight.release(event.task_id),
+            what=f"releasing the in-flight slot of {event.task_id}",
+            retry_on=(DatabaseUnavailable,),
+            first_delay_s=retry_delay_s,
         )
-        await keep_trying(
-            lambda: remember_result(
-                event.task_id,
-                event.result,
-                submissions=deps.submissions,
-                cache=deps.cache,
-                now=deps.clock(),
-            ),
-            what=f"caching the result of {event.task_id}",
-            retry_on=(PyMongoError, DatabaseUnavailable),
-        )
+        if isinstance(event, TaskCompleted):
+            await keep_trying(
+                lambda: remember_result(
+                    event, submissions=deps.submissions, cache=deps.cache, now=deps.clock()
+                ),
+                what=f"caching the result of {event.task_id}",
+                retry_on=(PyMongoError, DatabaseUnavailable),
+                first_delay_s=retry_delay_s,
+            )
         await message.ack()
 
 

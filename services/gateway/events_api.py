@@ -126,6 +126,7 @@ def event_routes(
         except WaiterLimitReached as error:
             raise waiter_problem(error) from error
         try:
+            await live.listen()
             first = await read(after)
         except Unavailable as error:
             live.close(waiter)

@@ -60,9 +60,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request, Response
-from faststream.rabbit import RabbitBroker
-from faststream.rabbit.message import RabbitMessage
-from pydantic import ValidationError
 from pymongo import ASCENDING, AsyncMongoClient, ReturnDocument
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import DuplicateKeyError, PyMongoError
@@ -70,11 +67,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.errors import DatabaseUnavailable, GatewayError
-from shared.contracts import parse_task_event
 from shared.group_writes import GroupWriter
 from shared.http import Problem, problem_response
-from shared.runtime import consume, keep_trying
-from shared.topology import GATEWAY_TASK_OUTCOMES
 
 log = logging.getLogger("scorebox.gateway.limits")
 
@@ -295,29 +289,6 @@ class InFlight:
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
         return int(document["count"]) if document else 0
-
-
-def subscribe_task_outcomes(
-    broker: RabbitBroker, in_flight: InFlight, *, retry_delay_s: float = OUTCOME_RETRY_DELAY_S
-) -> None:
-    """Release a task's in-flight slot when its `task.completed` or `task.failed` arrives."""
-
-    @consume(broker, GATEWAY_TASK_OUTCOMES.queue)
-    async def release_finished_task(message: RabbitMessage) -> None:
-        routing_key = message.raw_message.routing_key or ""
-        try:
-            event = parse_task_event(routing_key, message.body)
-        except (KeyError, ValidationError) as error:
-            log.warning("dead-lettering an unreadable %r outcome: %s", routing_key, error)
-            await message.reject(requeue=False)
-            return
-        await keep_trying(
-            lambda: in_flight.release(event.task_id),
-            what=f"releasing the in-flight slot of {event.task_id}",
-            retry_on=(DatabaseUnavailable,),
-            first_delay_s=retry_delay_s,
-        )
-        await message.ack()
 
 
 # --------------------------------------------------------------------------- slow bodies

@@ -15,6 +15,12 @@ waiting, and the status service has not applied it yet when the request reads â€
 a small memory of recent events: a new waiter starts with its task's events of the last few
 seconds, and ignores those its first read already reflects.
 
+The queue is bound to `scorebox.events` only while requests wait (`LiveBinding`): the first
+waiter binds it before its first read, and it is unbound once no request has waited for
+`LIVE_LINGER_S`. A replica nobody waits on therefore costs no delivery per event. While it is
+being bound, an event the status service has not applied yet can slip by unheard; the request
+then answers at its deadline (long-poll) or next periodic re-read (stream), never wrongly.
+
 The registry is in memory, bounded per replica and per tenant, and does no I/O at import.
 """
 
@@ -28,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 from faststream import AckPolicy
 from faststream.rabbit import RabbitBroker
@@ -46,7 +52,7 @@ from shared.contracts import (
     parse_task_event,
 )
 from shared.runtime import consume
-from shared.topology import EVENTS, live_events_queue
+from shared.topology import EVENTS, LIVE_EVENTS_BINDING, live_events_queue
 
 log = logging.getLogger("scorebox.gateway.push")
 
@@ -55,6 +61,7 @@ RECENT_TASKS = 4_096  # tasks whose latest events are remembered
 RECENT_EVENTS_PER_TASK = 8
 RECENT_S = 30.0
 SETTLE_INTERVAL_S = 0.02
+LIVE_LINGER_S = 30.0  # how long the live queue stays bound after its last waiter
 Clock = Callable[[], datetime]
 
 
@@ -106,7 +113,10 @@ class LiveUpdates:
         queue_size: int = WAITER_QUEUE_SIZE,
         recent_s: float = RECENT_S,
         monotonic: Callable[[], float] = time.monotonic,
+        binding: Binding | None = None,
+        linger_s: float = LIVE_LINGER_S,
     ) -> None:
+        self._binding = OnDemandBinding(binding, linger_s, self, monotonic) if binding else None
         self._max_waiters = max_waiters
         self._max_per_tenant = max_per_tenant
         self._queue_size = queue_size
@@ -159,6 +169,15 @@ class LiveUpdates:
         finally:
             self.close(waiter)
 
+    async def listen(self) -> None:
+        """Make sure task events reach this replica; waiters call it before their first read."""
+        if self._binding is not None:
+            await self._binding.ensure()
+
+    @property
+    def listening(self) -> bool:
+        return self._binding is None or self._binding.bound
+
     def deliver(self, event: TaskEvent) -> int:
         """Hand `event` to every waiter of its task (and tenant); returns how many."""
         self._remember(event)
@@ -177,10 +196,102 @@ class LiveUpdates:
             self._recent.popitem(last=False)
 
 
-def subscribe_live_updates(broker: RabbitBroker, live: LiveUpdates, *, replica_id: str) -> None:
-    """Consume this replica's live queue (auto-acknowledged: a lost event costs only latency)."""
+class Binding(Protocol):
+    async def bind(self) -> None: ...
+    async def unbind(self) -> None: ...
 
-    @consume(broker, live_events_queue(replica_id), EVENTS, ack_policy=AckPolicy.ACK_FIRST)
+
+class OnDemandBinding:
+    """Keeps a `Binding` in place while `waiters` has waiters, and `linger_s` after the last.
+
+    While bound it re-asserts the binding every `linger_s` (idempotent on the broker), which
+    restores it after a reconnect re-declared the exclusive queue without it.
+    """
+
+    def __init__(
+        self,
+        binding: Binding,
+        linger_s: float,
+        waiters: LiveUpdates,
+        monotonic: Callable[[], float],
+    ) -> None:
+        self._binding = binding
+        self._linger_s = linger_s
+        self._waiters = waiters
+        self._monotonic = monotonic
+        self._lock = asyncio.Lock()
+        self._last_wanted = 0.0
+        self._keeper: asyncio.Task[None] | None = None
+        self.bound = False
+
+    async def ensure(self) -> None:
+        self._last_wanted = self._monotonic()
+        if self.bound:
+            return
+        async with self._lock:
+            if self.bound:
+                return
+            try:
+                await self._binding.bind()
+            except Exception as error:  # noqa: BLE001 - without live events waiters still answer
+                log.warning("live events unavailable (binding failed): %r", error)
+                return
+            self.bound = True
+            if self._keeper is None or self._keeper.done():
+                self._keeper = asyncio.create_task(self._keep_while_wanted())
+
+    async def _keep_while_wanted(self) -> None:
+        while True:
+            await asyncio.sleep(self._linger_s)
+            async with self._lock:
+                if len(self._waiters) or self._monotonic() - self._last_wanted < self._linger_s:
+                    await self._reassert()
+                    continue
+                await self._release()
+                return
+
+    async def _reassert(self) -> None:
+        try:
+            await self._binding.bind()
+        except Exception as error:  # noqa: BLE001 - retried at the next interval
+            log.warning("live events binding not re-asserted: %r", error)
+
+    async def _release(self) -> None:
+        self.bound = False
+        try:
+            await self._binding.unbind()
+        except Exception as error:  # noqa: BLE001 - a stale binding costs only deliveries
+            log.warning("live events binding not removed: %r", error)
+
+
+@dataclass(frozen=True)
+class BrokerLiveBinding:
+    """Binds this replica's live queue to `scorebox.events` for task events."""
+
+    broker: RabbitBroker
+    replica_id: str
+    timeout_s: float
+
+    async def bind(self) -> None:
+        queue, exchange = await self._declared()
+        await queue.bind(exchange, routing_key=LIVE_EVENTS_BINDING, timeout=self.timeout_s)
+
+    async def unbind(self) -> None:
+        queue, exchange = await self._declared()
+        await queue.unbind(exchange, routing_key=LIVE_EVENTS_BINDING, timeout=self.timeout_s)
+
+    async def _declared(self) -> tuple[Any, Any]:
+        async with asyncio.timeout(self.timeout_s):
+            queue = await self.broker.declare_queue(live_events_queue(self.replica_id))
+            exchange = await self.broker.declare_exchange(EVENTS)
+        return queue, exchange
+
+
+def subscribe_live_updates(broker: RabbitBroker, live: LiveUpdates, *, replica_id: str) -> None:
+    """Consume this replica's live queue (auto-acknowledged: a lost event costs only latency).
+    The queue receives events only while `live` binds it (`BrokerLiveBinding`)."""
+
+    @consume(broker, live_events_queue(replica_id), ack_policy=AckPolicy.ACK_FIRST)
     async def wake_waiters(message: RabbitMessage) -> None:
         routing_key = message.raw_message.routing_key or ""
         try:
@@ -227,6 +338,7 @@ async def read_when_changed(
     """Long-poll: the view at once when it is terminal (or differs from `known_status`), else
     after the task's next state change, else after `wait_s` seconds (the view as it is)."""
     with live.waiting(task_id, tenant_id) as waiter:  # before the read: no event slips by
+        await live.listen()
         view = await read()
         if view is None or view.status.is_terminal or wait_s <= 0:
             return view

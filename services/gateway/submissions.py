@@ -233,16 +233,18 @@ class Submissions:
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 
-    async def note_generation(self, task_id: str, generation: int) -> None:
+    async def note_completion(self, task_id: str, generation: int) -> tuple[str, str] | None:
         """Remember the highest generation the task reached (a DLQ replay bumps it too), so a
-        later re-score takes the one after it."""
-        await self._update({"_id": task_id}, {"$max": {"generation": generation}})
-
-    async def cache_key_of(self, task_id: str) -> tuple[str, str] | None:
-        """(tenant_id, cache key) of a submission, for the result cache."""
-        document = await self._collection.find_one(
-            {"_id": task_id}, projection={"tenant_id": 1, "cache_key": 1}
-        )
+        later re-score takes the one after it; returns the submission's (tenant_id, cache
+        key) for the result cache, None when there is none."""
+        try:
+            document = await self._collection.find_one_and_update(
+                {"_id": task_id},
+                {"$max": {"generation": generation}},
+                projection={"tenant_id": 1, "cache_key": 1},
+            )
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
         if document is None or "cache_key" not in document:
             return None
         return document["tenant_id"], document["cache_key"]

@@ -25,7 +25,14 @@ from services.gateway.submissions import (
     SubmissionState,
     request_hash,
 )
-from shared.contracts import ScoreResult, ScoreText, TaskStatus, TaskView, new_id
+from shared.contracts import (
+    ScoreResult,
+    ScoreText,
+    TaskCompleted,
+    TaskStatus,
+    TaskView,
+    new_id,
+)
 
 log = logging.getLogger("scorebox.gateway")
 Clock = Callable[[], datetime]
@@ -271,19 +278,19 @@ async def sweep_outbox(
 
 
 async def remember_result(
-    task_id: str,
-    result: ScoreResult,
+    event: TaskCompleted,
     *,
     submissions: Submissions,
     cache: ResultCache,
     now: datetime,
 ) -> bool:
-    """Put a completed result into the cache under its submission's key; True if cached."""
-    if not cacheable(result):
-        return False
-    owner = await submissions.cache_key_of(task_id)
-    if owner is None:
+    """Note the task's generation and put its result into the cache under its submission's
+    key; True if cached."""
+    owner = await submissions.note_completion(event.task_id, event.generation)
+    if owner is None or not cacheable(event.result):
         return False
     tenant_id, key = owner
-    await cache.remember(tenant_id=tenant_id, key=key, result=result, task_id=task_id, now=now)
+    await cache.remember(
+        tenant_id=tenant_id, key=key, result=event.result, task_id=event.task_id, now=now
+    )
     return True

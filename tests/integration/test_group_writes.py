@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pymongo import AsyncMongoClient, monitoring
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import DuplicateKeyError, ServerSelectionTimeoutError, WriteError
+from pymongo.errors import DuplicateKeyError, InvalidOperation, WriteError
 
 from devtools.infra import Endpoint
 from shared.group_writes import GroupWriter
@@ -111,18 +111,15 @@ async def test_each_caller_gets_its_own_writes_error(
 
 
 async def test_a_failed_round_trip_fails_every_write_of_it(mongo: Endpoint) -> None:
-    unreachable: AsyncMongoClient[Document] = AsyncMongoClient(
-        "mongodb://127.0.0.1:9/?directConnection=true", serverSelectionTimeoutMS=200
-    )
-    writer = GroupWriter(unreachable["nowhere"]["docs"])
-    try:
-        outcomes = await asyncio.gather(
-            *(writer.insert_one({"_id": i}) for i in range(5)), return_exceptions=True
-        )
-    finally:
-        await unreachable.close()
+    client: AsyncMongoClient[Document] = AsyncMongoClient(mongo.url, tz_aware=True)
+    writer = GroupWriter(client["closed"]["docs"])
+    await client.close()  # every command now fails before it is sent
 
-    assert all(isinstance(outcome, ServerSelectionTimeoutError) for outcome in outcomes)
+    outcomes = await asyncio.gather(
+        *(writer.insert_one({"_id": f"doc{i}"}) for i in range(5)), return_exceptions=True
+    )
+
+    assert all(isinstance(outcome, InvalidOperation) for outcome in outcomes), outcomes
 
 
 async def test_a_cancelled_caller_does_not_stop_the_others(

@@ -1,0 +1,90 @@
+"""The gateway's live queue on the real broker: bound to `scorebox.events` only while
+requests wait, so a replica nobody waits on receives no task events."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from faststream.rabbit import RabbitBroker
+
+from services.gateway.push import BrokerLiveBinding, LiveUpdates, subscribe_live_updates
+from shared.bus import publish_event
+from shared.contracts import Phase, TaskStarted, event_sequence, new_id, utcnow
+from shared.runtime import make_broker, start_broker
+from shared.settings import ServiceSettings
+from tests.support import eventually
+
+pytestmark = pytest.mark.integration
+
+LINGER_S = 0.3
+TIMEOUT_S = 10.0
+
+
+def started_event(task_id: str) -> TaskStarted:
+    now = utcnow()
+    return TaskStarted(
+        task_id=task_id,
+        tenant_id="tenant-a",
+        sequence=event_sequence(generation=0, attempt=1, phase=Phase.STARTED),
+        attempt=1,
+        generation=0,
+        submitted_at=now,
+        occurred_at=now,
+    )
+
+
+@pytest.fixture
+async def replica(amqp_url: str) -> AsyncIterator[tuple[LiveUpdates, RabbitBroker]]:
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url})
+    broker = make_broker(settings)
+    replica_id = new_id()[:16]
+    live = LiveUpdates(
+        binding=BrokerLiveBinding(broker, replica_id, timeout_s=TIMEOUT_S), linger_s=LINGER_S
+    )
+    subscribe_live_updates(broker, live, replica_id=replica_id)
+    await start_broker(broker, settings)
+    try:
+        yield live, broker
+    finally:
+        await broker.stop()
+
+
+async def heard(live: LiveUpdates, task_id: str) -> bool:
+    """Whether the replica heard an event of `task_id`: a new waiter starts with the task's
+    recent events. Asked after a later event was heard, which the queue delivers in order."""
+    with live.waiting(task_id, "tenant-a") as waiter:
+        return await waiter.next(0.01) is not None
+
+
+async def test_events_reach_the_replica_only_while_requests_wait(
+    replica: tuple[LiveUpdates, RabbitBroker],
+) -> None:
+    live, broker = replica
+    unheard = new_id()
+    await publish_event(broker, started_event(unheard), timeout=TIMEOUT_S)
+
+    awaited = new_id()
+    with live.waiting(awaited, "tenant-a") as waiter:
+        await live.listen()
+        assert live.listening
+        await publish_event(broker, started_event(awaited), timeout=TIMEOUT_S)
+        event = await waiter.next(TIMEOUT_S)
+        assert event is not None
+        assert event.task_id == awaited
+
+    assert not await heard(live, unheard)
+
+    await eventually(lambda: _unbound(live), what="live queue unbound after the last waiter")
+    after_unbind = new_id()
+    await publish_event(broker, started_event(after_unbind), timeout=TIMEOUT_S)
+    marker = new_id()
+    with live.waiting(marker, "tenant-a") as waiter:
+        await live.listen()
+        await publish_event(broker, started_event(marker), timeout=TIMEOUT_S)
+        assert await waiter.next(TIMEOUT_S) is not None
+    assert not await heard(live, after_unbind)
+
+
+async def _unbound(live: LiveUpdates) -> bool:
+    return not live.listening

@@ -1,0 +1,49 @@
+"""`shared.http.install_problem_handlers`: errors become problem+json, and a client that hung
+up before its request was read is not reported as a server error."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from starlette.requests import ClientDisconnect
+
+from shared.http import install_problem_handlers
+
+
+def app_raising(error: Exception) -> FastAPI:
+    app = FastAPI()
+    install_problem_handlers(app)
+
+    @app.post("/x")
+    async def fail() -> None:
+        raise error
+
+    return app
+
+
+async def post(app: FastAPI) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        return await client.post("/x")
+
+
+async def test_a_client_that_hung_up_is_not_a_server_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.INFO):
+        response = await post(app_raising(ClientDisconnect()))
+
+    assert response.status_code == 400
+    assert response.headers["content-type"] == "application/problem+json"
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
+
+
+async def test_an_unexpected_error_is_a_logged_500(caplog: pytest.LogCaptureFixture) -> None:
+    response = await post(app_raising(RuntimeError("boom")))
+
+    assert response.status_code == 500
+    assert response.headers["content-type"] == "application/problem+json"
+    assert any(record.levelno >= logging.ERROR for record in caplog.records)

@@ -192,11 +192,18 @@ class TaskRetrying(TaskEvent):
     next_attempt_at: datetime
 
 
+HAS_CALLBACK_DESCRIPTION = (
+    "Whether the task was submitted with a `callback_url`; null when the producer did not say "
+    "(the notifier then looks the task up)."
+)
+
+
 class TaskCompleted(TaskEvent):
     routing_key: ClassVar[str] = "task.completed"
     status: ClassVar[TaskStatus] = TaskStatus.COMPLETED
 
     result: ScoreResult
+    has_callback: bool | None = Field(default=None, description=HAS_CALLBACK_DESCRIPTION)
 
 
 class TaskFailed(TaskEvent):
@@ -205,6 +212,7 @@ class TaskFailed(TaskEvent):
 
     error: TaskError
     dead_lettered: bool = Field(description="The command was moved to the dead-letter queue.")
+    has_callback: bool | None = Field(default=None, description=HAS_CALLBACK_DESCRIPTION)
 
 
 TASK_EVENT_TYPES: dict[str, type[TaskEvent]] = {

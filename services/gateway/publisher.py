@@ -77,6 +77,7 @@ class TaskPublisher:
             occurred_at=command.submitted_at,
             api_key_id=command.api_key_id,
             result=result,
+            has_callback=command.callback_url is not None,
         )
         try:
             await publish_events(

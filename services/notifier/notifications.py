@@ -105,11 +105,13 @@ async def when_task_finished_notify(
     event: TaskOutcome, *, deps: NotificationDeps
 ) -> list[DeliverWebhook]:
     deliveries = []
-    callback = await deps.callbacks.record_outcome(
-        event, now=deps.clock(), unclaimed_ttl=deps.unclaimed_outcome_ttl
-    )
-    if callback is not None:
-        deliveries.append(_callback_delivery(callback, event, deps))
+    if event.has_callback is not False:
+        # Kept with the task, since its `task.accepted` (with the URL) may arrive later.
+        callback = await deps.callbacks.record_outcome(
+            event, now=deps.clock(), unclaimed_ttl=deps.unclaimed_outcome_ttl
+        )
+        if callback is not None:
+            deliveries.append(_callback_delivery(callback, event, deps))
     if isinstance(event, TaskFailed):
         alert_url = await deps.alerts.url_of(event.tenant_id)
         if alert_url is not None:

@@ -100,6 +100,7 @@ class BrokerActions:
             api_key_id=command.api_key_id,
             error=error,
             dead_lettered=dead_lettered,
+            has_callback=command.callback_url is not None,
         )
         await publish_event(self.broker, event, timeout=self.timeout_s)
 

@@ -116,15 +116,22 @@ async def _call_model(command: ScoreText, deps: ScorerDeps) -> tuple[Finish | Re
     return _completed(command, verdict, deps.clock()), verdict.raw_output
 
 
+def _outcome_fields(command: ScoreText, now: datetime) -> dict[str, object]:
+    return {
+        **_event_fields(command, Phase.TERMINAL, now),
+        "has_callback": command.callback_url is not None,
+    }
+
+
 def _completed(command: ScoreText, verdict: ModelVerdict, now: datetime) -> Finish:
-    fields = _event_fields(command, Phase.TERMINAL, now)
+    fields = _outcome_fields(command, now)
     return Finish(TaskCompleted.model_validate({**fields, "result": verdict.result}))
 
 
 def _failed(command: ScoreText, error: ScoringError, now: datetime, *, dead_letter: bool) -> Finish:
     event = TaskFailed.model_validate(
         {
-            **_event_fields(command, Phase.TERMINAL, now),
+            **_outcome_fields(command, now),
             "error": error.to_task_error(),
             "dead_lettered": dead_letter,
         }

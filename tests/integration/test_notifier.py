@@ -493,3 +493,34 @@ async def test_an_unsafe_failure_alert_url_is_refused(flow: Flow) -> None:
     assert response.status_code == 422, response.text
     assert response.headers["content-type"].startswith("application/problem+json")
     assert "url" in response.json()["detail"]
+
+
+async def test_an_outcome_without_a_callback_is_not_kept(flow: Flow) -> None:
+    """`has_callback: false` (the scorer knows the command): nothing to remember for a later
+    `task.accepted`. The failure alert the same handler sends marks when it is done."""
+    alert_url = flow.receiver.endpoint(204)
+    tenant_id = f"no-callback-{_marker()}"
+    registered = await flow.notifier.put(
+        f"/internal/v1/tenants/{tenant_id}/failure-alert", json={"url": alert_url}
+    )
+    assert registered.status_code == 200, registered.text
+    without, unsaid = new_id(), new_id()
+    for task_id, has_callback in ((without, False), (unsaid, None)):
+        failed = TaskFailed.model_validate(
+            {
+                "task_id": task_id,
+                "tenant_id": tenant_id,
+                "sequence": 190,
+                "attempt": 1,
+                "submitted_at": utcnow(),
+                "error": {"code": "input_rejected", "message": "no", "retryable": False},
+                "dead_lettered": False,
+                "has_callback": has_callback,
+            }
+        )
+        await flow.publish(failed)
+        await flow.settled(task_id, "delivered", purpose="failure_alert")
+
+    callbacks = flow.notifier_db["task_callbacks"]
+    assert await callbacks.find_one({"_id": without}) is None
+    assert await callbacks.find_one({"_id": unsaid}) is not None

@@ -158,6 +158,8 @@ class System:
     vhost: str
     db_prefix: str
     late: Stack | None = None
+    # Queues still holding messages when `settle` gave up (what "not settled" means).
+    unsettled: dict[str, int] = field(default_factory=dict)
 
     @property
     def gateway_url(self) -> str:
@@ -204,8 +206,10 @@ class System:
             if depths is None:
                 await asyncio.sleep(1.0)  # no rabbitmqctl: a short grace instead
                 return None
-            if not any(n for name, n in depths.items() if not UNSETTLED.search(name)):
+            waiting = {name: n for name, n in depths.items() if n and not UNSETTLED.search(name)}
+            if not waiting:
                 return True
+            self.unsettled = waiting
             await asyncio.sleep(0.25)
         return False
 
@@ -526,6 +530,7 @@ async def burst(run: ScoreboxRun, n: int, *, warmup: int) -> dict[str, Any]:
             **_completions(run, posted, listener, started),
             "finished_in_time": in_time,
             "settled": settled,
+            "unsettled_queues": system.unsettled if settled is False else {},
             "verified_reads": verified,
             "model": stats,
             "cpu_ms_per_task": _cpu_per_task(usage, n),
@@ -664,6 +669,7 @@ async def backlog(
             "missing": len(accepted) - len(finished),
             "finished_in_time": in_time,
             "settled": settled,
+            "unsettled_queues": system.unsettled if settled is False else {},
             # The drain as a throughput: what the scorers sustain, submission excluded.
             "tasks_per_s": rounded(tasks_per_s),
             "tasks_per_s_overall": rounded(steady_rate(times, 0.0, 1.0)),

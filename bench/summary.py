@@ -64,7 +64,13 @@ def _bounds(result: dict[str, Any]) -> str:
     if result.get("finished_in_time") is False:
         notes.append("did NOT finish within the time limit")
     if result.get("settled") is False:
-        notes.append("events still unconsumed at the end (a consumer stalled or fell behind)")
+        queues = ", ".join(
+            f"{name} {n}" for name, n in (result.get("unsettled_queues") or {}).items()
+        )
+        where = f": {queues}" if queues else ""
+        notes.append(
+            f"events still unconsumed at the end (a consumer stalled or fell behind){where}"
+        )
     if result.get("missing"):
         notes.append(f"{result['missing']} tasks never finished")
     if result.get("errors"):

@@ -9,7 +9,8 @@ import unicodedata
 
 from services.scorer.model.prompt import PROMPT_VERSION
 
-_KEPT_CONTROLS = frozenset("\n\t")
+# Unicode category Cc is exactly U+0000-U+001F and U+007F-U+009F; newline and tab are kept.
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _LINE_BREAKS = re.compile(r"\r\n?|[\u2028\u2029\x0b\x0c\x85]")
 _SPACE_RUNS = re.compile(r"[^\S\n\t]+")
 _TRAILING_SPACES = re.compile(r"[ \t]+\n")
@@ -28,15 +29,11 @@ def normalise_text(text: str) -> str:
     single spaces, no blank-line runs longer than one, trimmed."""
     text = unicodedata.normalize("NFC", text)
     text = _LINE_BREAKS.sub("\n", text)
-    text = "".join(ch for ch in text if ch in _KEPT_CONTROLS or not _is_control(ch))
+    text = _CONTROLS.sub("", text)
     text = _SPACE_RUNS.sub(" ", text)
     text = _TRAILING_SPACES.sub("\n", text)
     text = _BLANK_LINE_RUNS.sub("\n\n", text)
     return text.strip()
-
-
-def _is_control(ch: str) -> bool:
-    return unicodedata.category(ch) == "Cc"
 
 
 def fit_to_budget(text: str, max_chars: int) -> tuple[str, bool]:

@@ -193,9 +193,10 @@ class TaskRetrying(TaskEvent):
 
 
 HAS_CALLBACK_DESCRIPTION = (
-    "Whether the task was submitted with a `callback_url`; null when the producer did not say "
-    "(the notifier then looks the task up)."
+    "Whether the task was submitted with a `callback_url` (then carried in `callback_url`); "
+    "null when the producer did not say (the notifier then looks the task up)."
 )
+CALLBACK_URL_DESCRIPTION = "The task's webhook for its outcome, when it has one."
 
 
 class TaskCompleted(TaskEvent):
@@ -204,6 +205,7 @@ class TaskCompleted(TaskEvent):
 
     result: ScoreResult
     has_callback: bool | None = Field(default=None, description=HAS_CALLBACK_DESCRIPTION)
+    callback_url: str | None = Field(default=None, description=CALLBACK_URL_DESCRIPTION)
 
 
 class TaskFailed(TaskEvent):
@@ -213,6 +215,7 @@ class TaskFailed(TaskEvent):
     error: TaskError
     dead_lettered: bool = Field(description="The command was moved to the dead-letter queue.")
     has_callback: bool | None = Field(default=None, description=HAS_CALLBACK_DESCRIPTION)
+    callback_url: str | None = Field(default=None, description=CALLBACK_URL_DESCRIPTION)
 
 
 TASK_EVENT_TYPES: dict[str, type[TaskEvent]] = {

@@ -10,7 +10,7 @@
                       task.*                           → scorebox.live.<replica> (gateway, push)
                       task.completed, task.failed      → scorebox.gateway-task-outcomes (gateway)
                       task.completed                   → scorebox.usage-meter (scheduler)
-                      task.accepted|completed|failed   → scorebox.notifications (notifier)
+                      task.completed|failed            → scorebox.notifications (notifier)
                       ops.#                            → scorebox.ops-events (operators)
     scorebox.delay    <tier>.#                         → scorebox.wait.<tier> (TTL, then ↓)
     scorebox.due      *.<key of a delayed target>      → that target's queue
@@ -173,16 +173,18 @@ OPS_EVENTS = WorkQueue(
 
 
 # --- Notifier --------------------------------------------------------------------------------
-#   scorebox.events (topic)  --task.accepted|completed|failed---> scorebox.notifications
+#   scorebox.events (topic)  --task.completed|failed------------> scorebox.notifications
 #   scorebox.tasks  (direct) --webhook.deliver------------------> scorebox.webhook-deliveries
 #   scorebox.due    (topic)  --*.webhook.deliver----------------> scorebox.webhook-deliveries
-#   scorebox.due    (topic)  --*.task.accepted|completed|failed-> scorebox.notifications
-# The notifier remembers callback URLs from `task.accepted` and turns terminal events into
-# deliveries; a delivery that must wait (retry back-off, Retry-After) rides the wait ladder,
-# and so does an event the notifier could not record (its database was unavailable).
+#   scorebox.due    (topic)  --*.task.completed|failed----------> scorebox.notifications
+# The notifier turns terminal events into deliveries: an outcome carries its task's callback
+# URL. A delivery that must wait (retry back-off, Retry-After) rides the wait ladder, and so
+# does an event the notifier could not record (its database was unavailable).
 # Neither queue has a length limit: with `reject-publish`, a full notifications queue would
 # refuse the task events themselves and tie every service's progress to the notifier.
-NOTIFIED_EVENT_KEYS = ("task.accepted", "task.completed", "task.failed")
+# Earlier versions also bound `task.accepted` (outcomes did not carry the URL then); that
+# binding is left in place where it exists, for outcomes still in flight from older producers.
+NOTIFIED_EVENT_KEYS = ("task.completed", "task.failed")
 NOTIFICATIONS = WorkQueue(
     name="scorebox.notifications",
     bindings=(

@@ -78,6 +78,7 @@ class TaskPublisher:
             api_key_id=command.api_key_id,
             result=result,
             has_callback=command.callback_url is not None,
+            callback_url=command.callback_url,
         )
         try:
             await publish_events(

@@ -92,6 +92,9 @@ def _delivery(
 async def when_task_accepted_remember_callback(
     event: TaskAccepted, *, deps: NotificationDeps
 ) -> list[DeliverWebhook]:
+    """For outcomes of older producers, which do not carry the callback URL. New deployments
+    do not route `task.accepted` to the notifier; one upgraded from an earlier version keeps
+    that binding until an operator removes it, and is served here."""
     if not event.callback_url:
         return []
     callback = Callback(task_id=event.task_id, tenant_id=event.tenant_id, url=event.callback_url)
@@ -105,13 +108,9 @@ async def when_task_finished_notify(
     event: TaskOutcome, *, deps: NotificationDeps
 ) -> list[DeliverWebhook]:
     deliveries = []
-    if event.has_callback is not False:
-        # Kept with the task, since its `task.accepted` (with the URL) may arrive later.
-        callback = await deps.callbacks.record_outcome(
-            event, now=deps.clock(), unclaimed_ttl=deps.unclaimed_outcome_ttl
-        )
-        if callback is not None:
-            deliveries.append(_callback_delivery(callback, event, deps))
+    callback = await _callback_of(event, deps)
+    if callback is not None:
+        deliveries.append(_callback_delivery(callback, event, deps))
     if isinstance(event, TaskFailed):
         alert_url = await deps.alerts.url_of(event.tenant_id)
         if alert_url is not None:
@@ -125,6 +124,18 @@ async def when_task_finished_notify(
                 )
             )
     return deliveries
+
+
+async def _callback_of(event: TaskOutcome, deps: NotificationDeps) -> Callback | None:
+    if event.has_callback is None:
+        # An event of an older producer: the URL came with `task.accepted`, which may arrive
+        # after the outcome, so the outcome is kept with the task until it does.
+        return await deps.callbacks.record_outcome(
+            event, now=deps.clock(), unclaimed_ttl=deps.unclaimed_outcome_ttl
+        )
+    if event.has_callback and event.callback_url:
+        return Callback(task_id=event.task_id, tenant_id=event.tenant_id, url=event.callback_url)
+    return None
 
 
 def _callback_delivery(

@@ -101,6 +101,7 @@ class BrokerActions:
             error=error,
             dead_lettered=dead_lettered,
             has_callback=command.callback_url is not None,
+            callback_url=command.callback_url,
         )
         await publish_event(self.broker, event, timeout=self.timeout_s)
 

@@ -120,6 +120,7 @@ def _outcome_fields(command: ScoreText, now: datetime) -> dict[str, object]:
     return {
         **_event_fields(command, Phase.TERMINAL, now),
         "has_callback": command.callback_url is not None,
+        "callback_url": command.callback_url,
     }
 
 

@@ -9,6 +9,7 @@ name for SNI and certificate checks (`WEBHOOK_CA_FILE` trusts the test CA).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import ssl
 import uuid
@@ -53,7 +54,7 @@ from shared.contracts import (
     utcnow,
 )
 from shared.runtime import make_broker
-from shared.topology import ERROR_HEADER, WEBHOOK_DELIVERIES
+from shared.topology import ERROR_HEADER, EVENTS, NOTIFICATIONS, WEBHOOK_DELIVERIES
 from tests.support import eventually, running
 
 API_KEY = generate_key().token  # registered for the default tenant by BOOTSTRAP_API_KEY
@@ -136,6 +137,21 @@ class Flow:
         assert response.headers["cache-control"] == "no-store"
         secret: str = response.json()["secret"]
         return secret
+
+    @contextlib.asynccontextmanager
+    async def legacy_accepted_binding(self) -> AsyncIterator[None]:
+        """`task.accepted` routed to the notifier, as in a deployment from an earlier version."""
+        connection = await aio_pika.connect(self.amqp_url, timeout=10)
+        try:
+            channel = await connection.channel()
+            queue = await channel.get_queue(NOTIFICATIONS.name, ensure=False)
+            await queue.bind(EVENTS.name, routing_key="task.accepted", timeout=10)
+            try:
+                yield
+            finally:
+                await queue.unbind(EVENTS.name, routing_key="task.accepted", timeout=10)
+        finally:
+            await connection.close()
 
     async def publish(self, *events: TaskEvent) -> None:
         broker = make_broker(NotifierSettings.model_validate({"RABBITMQ_URL": self.amqp_url}))
@@ -267,13 +283,17 @@ def _accepted(task_id: str, callback_url: str | None, tenant_id: str = "default"
     )
 
 
-def _completed(task_id: str) -> TaskCompleted:
+def _completed(task_id: str, callback_url: str | None = None) -> TaskCompleted:
+    """An outcome as the scorer sends it (with its callback URL); without a URL, as an older
+    producer did (`has_callback` unsaid)."""
     return TaskCompleted(
         task_id=task_id,
         sequence=event_sequence(generation=0, attempt=1, phase=Phase.TERMINAL),
         attempt=1,
         submitted_at=utcnow(),
         result=ScoreResult(score=6.5, comment="fine", model="fake-judge-1"),
+        has_callback=True if callback_url else None,
+        callback_url=callback_url,
     )
 
 
@@ -307,7 +327,7 @@ async def test_a_callback_gets_one_signed_post_with_the_outcome(flow: Flow) -> N
 async def test_server_errors_are_retried_and_delivered_once(flow: Flow) -> None:
     url = flow.receiver.endpoint(500, 500, 200)
     task_id = new_id()
-    await flow.publish(_accepted(task_id, url), _completed(task_id))
+    await flow.publish(_completed(task_id, url))
 
     record = await flow.settled(task_id, "delivered")
 
@@ -322,7 +342,7 @@ async def test_server_errors_are_retried_and_delivered_once(flow: Flow) -> None:
 async def test_a_gone_receiver_is_dead_lettered_with_the_reason(flow: Flow) -> None:
     url = flow.receiver.endpoint(410)
     task_id = new_id()
-    await flow.publish(_accepted(task_id, url), _completed(task_id))
+    await flow.publish(_completed(task_id, url))
 
     record = await flow.settled(task_id, "failed")
     dead = await flow.dead_letter_of(record["_id"])
@@ -337,7 +357,7 @@ async def test_a_receiver_that_keeps_failing_is_dead_lettered_after_the_last_att
 ) -> None:
     url = flow.receiver.endpoint(503)
     task_id = new_id()
-    await flow.publish(_accepted(task_id, url), _completed(task_id))
+    await flow.publish(_completed(task_id, url))
 
     record = await flow.settled(task_id, "failed")
     dead = await flow.dead_letter_of(record["_id"])
@@ -404,7 +424,7 @@ async def test_the_failure_alert_receives_every_failed_task(flow: Flow) -> None:
 async def test_retry_after_is_honoured_through_the_wait_ladder(flow: Flow) -> None:
     url = flow.receiver.endpoint((429, {"Retry-After": "1"}), 200)
     task_id = new_id()
-    await flow.publish(_accepted(task_id, url), _completed(task_id))
+    await flow.publish(_completed(task_id, url))
 
     record = await flow.settled(task_id, "delivered")
 
@@ -416,9 +436,9 @@ async def test_retry_after_is_honoured_through_the_wait_ladder(flow: Flow) -> No
 async def test_a_duplicate_terminal_event_is_delivered_once(flow: Flow) -> None:
     url = flow.receiver.endpoint(200)
     task_id = new_id()
-    completed = _completed(task_id)
+    completed = _completed(task_id, url)
     again = completed.model_copy(update={"message_id": new_id()})
-    await flow.publish(_accepted(task_id, url), completed, again)
+    await flow.publish(completed, again)
 
     record = await flow.settled(task_id, "delivered", triggers=2)
 
@@ -426,23 +446,39 @@ async def test_a_duplicate_terminal_event_is_delivered_once(flow: Flow) -> None:
     assert record["attempt"] == 1
 
 
-async def test_an_outcome_that_overtakes_its_acceptance_is_delivered_once(flow: Flow) -> None:
+async def test_an_older_producers_outcome_waits_for_its_acceptance_and_is_delivered_once(
+    flow: Flow,
+) -> None:
+    """Outcomes without `has_callback` (older producers) take the URL from `task.accepted`,
+    routed to the notifier where a deployment kept that binding from an earlier version."""
     url = flow.receiver.endpoint(200)
     task_id = new_id()
-    await flow.publish(_completed(task_id))
+    async with flow.legacy_accepted_binding():
+        await flow.publish(_completed(task_id))
 
-    async def outcome_kept() -> Document | None:
-        found: Document | None = await flow.notifier_db["task_callbacks"].find_one(
-            {"_id": task_id, "outcomes": {"$exists": True}}
-        )
-        return found
+        async def outcome_kept() -> Document | None:
+            found: Document | None = await flow.notifier_db["task_callbacks"].find_one(
+                {"_id": task_id, "outcomes": {"$exists": True}}
+            )
+            return found
 
-    await eventually(outcome_kept, what="the early outcome kept")
-    assert await flow.delivery(task_id=task_id) is None
-    await flow.publish(_accepted(task_id, url))
+        await eventually(outcome_kept, what="the early outcome kept")
+        assert await flow.delivery(task_id=task_id) is None
+        await flow.publish(_accepted(task_id, url))
+
+        await flow.settled(task_id, "delivered")
+    assert len(flow.receiver.requests(url)) == 1
+
+
+async def test_an_outcome_carrying_its_callback_needs_no_acceptance(flow: Flow) -> None:
+    url = flow.receiver.endpoint(200)
+    task_id = new_id()
+    await flow.publish(_completed(task_id, url))
 
     await flow.settled(task_id, "delivered")
+
     assert len(flow.receiver.requests(url)) == 1
+    assert await flow.notifier_db["task_callbacks"].find_one({"_id": task_id}) is None
 
 
 async def test_a_rotated_secret_signs_alongside_the_previous_one(flow: Flow) -> None:
@@ -457,7 +493,7 @@ async def test_a_rotated_secret_signs_alongside_the_previous_one(flow: Flow) -> 
 
     url = flow.receiver.endpoint(200)
     task_id = new_id()
-    await flow.publish(_accepted(task_id, url), _completed(task_id))
+    await flow.publish(_completed(task_id, url))
     await flow.settled(task_id, "delivered")
 
     request = flow.receiver.requests(url)[0]

@@ -88,3 +88,16 @@ async def test_events_reach_the_replica_only_while_requests_wait(
 
 async def _unbound(live: LiveUpdates) -> bool:
     return not live.listening
+
+
+async def test_a_waiter_goes_on_without_live_events_when_the_broker_is_not_there() -> None:
+    """Binding fails (no broker connection): `listen` logs and returns, the request still
+    answers from its reads, and the next waiter tries to bind again."""
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": "amqp://guest:guest@127.0.0.1:9/"})
+    broker = make_broker(settings)  # never connected
+    live = LiveUpdates(binding=BrokerLiveBinding(broker, new_id()[:16], timeout_s=1.0))
+
+    for _ in range(2):
+        with live.waiting(new_id(), "tenant-a"):
+            await live.listen()
+            assert not live.listening

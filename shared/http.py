@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Mapping
+from datetime import date
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
@@ -158,3 +159,13 @@ def admin_guard(admin_key: SecretStr | None) -> Any:
             )
 
     return Depends(require_admin)
+
+
+def parse_day(value: str, name: str) -> date:
+    """A query parameter `name` as a YYYY-MM-DD date; a 422 problem otherwise."""
+    try:
+        return date.fromisoformat(value)
+    except ValueError:
+        raise Problem(
+            422, f"`{name}` must be a date as YYYY-MM-DD, not {value!r}.", kind="invalid-fields"
+        ) from None

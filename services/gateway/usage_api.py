@@ -20,7 +20,7 @@ from services.gateway.scheduler_client import (
     UsageQueryRejected,
     UsageReport,
 )
-from shared.http import PROBLEM_JSON, Problem
+from shared.http import PROBLEM_JSON, Problem, parse_day
 
 Clock = Callable[[], datetime]
 DEFAULT_PERIOD_DAYS: Final = 30
@@ -53,15 +53,6 @@ _EXAMPLE = {
 }
 
 
-def _day(value: str, name: str) -> date:
-    try:
-        return date.fromisoformat(value)
-    except ValueError:
-        raise Problem(
-            422, f"`{name}` must be a date as YYYY-MM-DD, not {value!r}.", kind="invalid-fields"
-        ) from None
-
-
 def usage_period(first_day: str | None, last_day: str | None, *, today: date) -> tuple[str, str]:
     """The period to ask for: `to` defaults to today (UTC), `from` to 30 days before `to`.
 
@@ -72,7 +63,7 @@ def usage_period(first_day: str | None, last_day: str | None, *, today: date) ->
     if first_day is not None:
         return first_day, last
     try:
-        first = _day(last, "to") - timedelta(days=DEFAULT_PERIOD_DAYS)
+        first = parse_day(last, "to") - timedelta(days=DEFAULT_PERIOD_DAYS)
     except OverflowError:
         raise Problem(422, f"`to` is too early: {last!r}.", kind="invalid-fields") from None
     return first.isoformat(), last

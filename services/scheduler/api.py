@@ -27,7 +27,7 @@ from services.scheduler.jobs import Clock
 from services.scheduler.metering import NANOS_PER_UNIT
 from services.scheduler.schedule import JobCatalog, ScheduledJob
 from services.scheduler.usage_store import DailyUsage, DailyUsageStore
-from shared.http import Problem, admin_guard
+from shared.http import Problem, admin_guard, parse_day
 
 log = logging.getLogger("scorebox.scheduler.api")
 
@@ -196,18 +196,9 @@ def cron_routes(
     return router
 
 
-def _parse_day(value: str, name: str) -> date:
-    try:
-        return date.fromisoformat(value)
-    except ValueError:
-        raise Problem(
-            422, f"`{name}` must be a date as YYYY-MM-DD, not {value!r}.", kind="invalid-fields"
-        ) from None
-
-
 def usage_range(first: str, last: str) -> tuple[date, date]:
     """The inclusive day range of a usage query; raises a 422 `Problem` when it is unusable."""
-    first_day, last_day = _parse_day(first, "from"), _parse_day(last, "to")
+    first_day, last_day = parse_day(first, "from"), parse_day(last, "to")
     if last_day < first_day:
         raise Problem(422, "`to` must not be before `from`.", kind="invalid-fields")
     if last_day - first_day >= timedelta(days=MAX_USAGE_RANGE_DAYS):

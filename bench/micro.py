@@ -1,0 +1,115 @@
+"""`python -m bench.micro`: the small measurements `docs/architecture.md` ("Performance") cites.
+
+1. Client CPU per write: 64 concurrent `update_one`s against the same writes through
+   `shared.group_writes.GroupWriter`.
+2. The MongoDB stand-in's cost per write as a collection grows (inserts and upserts of new
+   string `_id`s, 4,000 documents at a time).
+
+Against `MONGO_URL` when set, else a fresh stand-in (labelled). Prints the figures; no files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pymongo import AsyncMongoClient
+from pymongo.asynchronous.collection import AsyncCollection
+
+from devtools.infra import read_first_line
+from shared.group_writes import GroupWriter
+
+Document = dict[str, Any]
+WRITES = 4_000
+CONCURRENCY = 64
+GROWTH_BLOCKS = 5
+
+
+async def cpu_us_per_write(n: int, writes: Callable[[], Awaitable[None]]) -> float:
+    started = time.process_time()
+    await writes()
+    return (time.process_time() - started) / n * 1e6
+
+
+async def concurrently(n: int, write: Callable[[int], Awaitable[None]]) -> None:
+    gate = asyncio.Semaphore(CONCURRENCY)
+
+    async def one(i: int) -> None:
+        async with gate:
+            await write(i)
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def group_commit(collection: AsyncCollection[Document]) -> None:
+    async def direct(i: int) -> None:
+        await collection.update_one({"_id": f"d{i}"}, {"$set": {"n": i}}, upsert=True)
+
+    writer = GroupWriter(collection)
+
+    async def grouped(i: int) -> None:
+        await writer.update_one({"_id": f"g{i}"}, {"$set": {"n": i}}, upsert=True)
+
+    one_by_one = await cpu_us_per_write(WRITES, lambda: concurrently(WRITES, direct))
+    in_groups = await cpu_us_per_write(WRITES, lambda: concurrently(WRITES, grouped))
+    print(
+        f"client CPU per write, {CONCURRENCY} writers: update_one {one_by_one:.0f} µs, "
+        f"GroupWriter {in_groups:.0f} µs ({one_by_one / in_groups:.1f}x less)"
+    )
+
+
+async def growth(collection: AsyncCollection[Document]) -> None:
+    for block in range(GROWTH_BLOCKS):
+        started = time.perf_counter()
+        for i in range(WRITES // 2):
+            await collection.insert_one({"_id": f"i{block}-{i}", "n": i})
+        inserted = time.perf_counter()
+        for i in range(WRITES // 2):
+            await collection.update_one({"_id": f"u{block}-{i}"}, {"$set": {"n": i}}, upsert=True)
+        upserted = time.perf_counter()
+        per_insert = (inserted - started) / (WRITES // 2) * 1e6
+        per_upsert = (upserted - inserted) / (WRITES // 2) * 1e6
+        print(
+            f"after {(block + 1) * WRITES:,} documents: insert {per_insert:.0f} µs, "
+            f"upsert {per_upsert:.0f} µs (round trip, one at a time)"
+        )
+
+
+async def measure(url: str) -> None:
+    client: AsyncMongoClient[Document] = AsyncMongoClient(url, serverSelectionTimeoutMS=10_000)
+    try:
+        await group_commit(client["bench_micro"]["group_commit"])
+        await growth(client["bench_micro"]["growth"])
+    finally:
+        await client.drop_database("bench_micro")
+        await client.close()
+
+
+def main() -> int:
+    url = os.environ.get("MONGO_URL")
+    if url:
+        print(f"Database: MONGO_URL ({url.split('@')[-1]})")
+        asyncio.run(measure(url))
+        return 0
+    standin = subprocess.Popen(
+        [sys.executable, "-m", "devtools.mongo_standin", "--port", "0", "--exit-with-parent"],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        url = json.loads(read_first_line(standin, timeout=30.0))["url"]
+        print("Database: mongoeco wire-protocol stand-in (NOT MongoDB)")
+        asyncio.run(measure(url))
+    finally:
+        standin.terminate()
+        standin.wait(timeout=10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -190,6 +190,7 @@ def gateway_lifespan(gateway: Gateway) -> Callable[[FastAPI], Any]:
         sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper
+        await gateway.deps.live.stop_listening()
         await gateway.broker.stop()
         await gateway.close_clients()
 

@@ -178,6 +178,11 @@ class LiveUpdates:
     def listening(self) -> bool:
         return self._binding is None or self._binding.bound
 
+    async def stop_listening(self) -> None:
+        """Stop keeping the binding (at shutdown, before the broker stops)."""
+        if self._binding is not None:
+            await self._binding.close()
+
     def deliver(self, event: TaskEvent) -> int:
         """Hand `event` to every waiter of its task (and tenant); returns how many."""
         self._remember(event)
@@ -239,6 +244,13 @@ class OnDemandBinding:
             self.bound = True
             if self._keeper is None or self._keeper.done():
                 self._keeper = asyncio.create_task(self._keep_while_wanted())
+
+    async def close(self) -> None:
+        if self._keeper is not None:
+            self._keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keeper
+            self._keeper = None
 
     async def _keep_while_wanted(self) -> None:
         while True:

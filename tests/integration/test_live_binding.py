@@ -47,6 +47,7 @@ async def replica(amqp_url: str) -> AsyncIterator[tuple[LiveUpdates, RabbitBroke
     try:
         yield live, broker
     finally:
+        await live.stop_listening()
         await broker.stop()
 
 

@@ -2,11 +2,12 @@
 unordered `bulk_write` round trip.
 
 A write waits only while the previous round trip is in flight, so an idle service writes at
-once and a busy one sends everything that queued up meanwhile in one command. Each caller
-still gets its own outcome: the write's own error (a `DuplicateKeyError` for code 11000, a
-`WriteError` otherwise) or the batch's (the server unreachable, a timeout, a write-concern
-error). The writes of one batch may be applied in any order, so callers must not depend on
-the order of concurrent writes to one document — which concurrent callers never could.
+once and a busy one sends everything that queued up meanwhile in one command
+(`shared.coalescing`). Each caller still gets its own outcome: the write's own error (a
+`DuplicateKeyError` for code 11000, a `WriteError` otherwise) or the batch's (the server
+unreachable, a timeout, a write-concern error). The writes of one batch may be applied in
+any order, so callers must not depend on the order of concurrent writes to one document —
+which concurrent callers never could.
 
 `python -m bench.micro` measures the client CPU per write both ways (docs/architecture.md,
 "Performance").
@@ -14,14 +15,14 @@ the order of concurrent writes to one document — which concurrent callers neve
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from pymongo import DeleteOne, InsertOne, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError, WriteConcernError, WriteError
+
+from shared.coalescing import Coalescer, Queued, fail, settle
 
 Document = dict[str, Any]
 WriteOp = InsertOne[Document] | UpdateOne | DeleteOne
@@ -29,20 +30,12 @@ DUPLICATE_KEY = 11000
 MAX_BATCH = 500
 
 
-@dataclass(frozen=True)
-class _Queued:
-    op: WriteOp
-    outcome: asyncio.Future[None]
-
-
-class GroupWriter:
+class GroupWriter(Coalescer[WriteOp, None]):
     """Single-document writes to `collection`, coalesced into `bulk_write`s."""
 
     def __init__(self, collection: AsyncCollection[Document], *, max_batch: int = MAX_BATCH):
+        super().__init__(max_batch=max_batch)
         self.collection = collection
-        self._max_batch = max_batch
-        self._queued: list[_Queued] = []
-        self._flusher: asyncio.Task[None] | None = None
 
     async def update_one(
         self, filter: Mapping[str, Any], update: Mapping[str, Any], *, upsert: bool = False
@@ -56,41 +49,22 @@ class GroupWriter:
         await self.write(DeleteOne(filter))
 
     async def write(self, op: WriteOp) -> None:
-        outcome: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queued.append(_Queued(op, outcome))
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.create_task(self._flush_queued())
-        await outcome
+        await self.submit(op)
 
-    async def _flush_queued(self) -> None:
-        try:
-            while self._queued:
-                batch = self._queued[: self._max_batch]
-                del self._queued[: self._max_batch]
-                await self._flush(batch)
-        except asyncio.CancelledError:
-            for queued in self._queued:
-                queued.outcome.cancel()
-            self._queued.clear()
-            raise
-
-    async def _flush(self, batch: list[_Queued]) -> None:
+    async def _send(self, batch: list[Queued[WriteOp, None]]) -> None:
         try:
             await self.collection.bulk_write([queued.op for queued in batch], ordered=False)
         except BulkWriteError as error:
             failures = _failures_by_index(error.details, size=len(batch))
             for index, queued in enumerate(batch):
-                _settle(queued, failures.get(index))
-        except asyncio.CancelledError:
-            for queued in batch:
-                queued.outcome.cancel()
-            raise
-        except Exception as error:  # noqa: BLE001 - the batch's failure is each write's failure
-            for queued in batch:
-                _settle(queued, error)
+                failure = failures.get(index)
+                if failure is None:
+                    settle(queued, None)
+                else:
+                    fail(queued, failure)
         else:
             for queued in batch:
-                _settle(queued, None)
+                settle(queued, None)
 
 
 def _failures_by_index(details: Mapping[str, Any], *, size: int) -> dict[int, Exception]:
@@ -107,12 +81,3 @@ def _failures_by_index(details: Mapping[str, Any], *, size: int) -> dict[int, Ex
         for index in range(size):
             failures.setdefault(index, shared)
     return failures
-
-
-def _settle(queued: _Queued, error: Exception | None) -> None:
-    if queued.outcome.done():  # its caller was cancelled; the write went ahead anyway
-        return
-    if error is None:
-        queued.outcome.set_result(None)
-    else:
-        queued.outcome.set_exception(error)

@@ -21,6 +21,7 @@ from pymongo.errors import PyMongoError
 
 from services.gateway.errors import DatabaseUnavailable
 from shared.contracts import ScoreResult
+from shared.group_reads import GroupReader
 from shared.group_writes import GroupWriter
 
 Document = dict[str, Any]
@@ -43,18 +44,20 @@ class ResultCache:
         self._collection: AsyncCollection[Document] = client[database]["result_cache"]
         self._ttl = ttl
         self._writes = GroupWriter(self._collection)
+        self._reads = GroupReader(self._collection)
 
     async def ensure_indexes(self) -> None:
         await self._collection.create_index([("expires_at", ASCENDING)], expireAfterSeconds=0)
 
     async def find(self, *, tenant_id: str, key: str, now: datetime) -> ScoreResult | None:
         try:
-            document = await self._collection.find_one(
-                {"_id": f"{tenant_id}:{key}", "expires_at": {"$gt": now}}
-            )
+            document = await self._reads.find_by_id(f"{tenant_id}:{key}")
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
-        return None if document is None else ScoreResult.model_validate(document["result"])
+        # Expired entries linger until the TTL monitor's next pass (once a minute).
+        if document is None or document["expires_at"] <= now:
+            return None
+        return ScoreResult.model_validate(document["result"])
 
     async def remember(
         self, *, tenant_id: str, key: str, result: ScoreResult, task_id: str, now: datetime

@@ -5,10 +5,13 @@ numbers; over either one the client gets 429 problem+json with `Retry-After` and
 `"limit": "rate" | "in_flight"`.
 
 Request rate (`RATE_LIMIT_PER_MIN`, 0 = off): a fixed one-minute window per key, one counter
-document `{_id: "<key_id>:<window start>", count, expires_at}` bumped with `$inc` + upsert and
-removed by a TTL index once the window is over. Every authenticated request counts, refused
-ones included. A fixed window lets a key spend up to twice its rate across a window boundary;
-that is the price of one write per request.
+document `{_id: "<key_id>:<window start>", count, expires_at}` removed by a TTL index once the
+window is over. A request is let through by bumping the counter only while it is below the
+limit (`{count: {$lt: limit}}` + `$inc` + upsert: when the window is full, the upsert collides
+on `_id`), the same conditional update as the in-flight count; refused requests do not count.
+That write needs no answer but its own success or `DuplicateKeyError`, so concurrent requests
+share one round trip (`GroupWriter`). A fixed window lets a key spend up to twice its rate
+across a window boundary; that is the price of one write per request.
 
 Tasks in flight (`MAX_IN_FLIGHT_PER_TENANT`, 0 = off): a task is in flight from its acceptance
 (queued or scheduled) until its `task.completed` or `task.failed` reaches the gateway. Two
@@ -60,13 +63,14 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request, Response
-from pymongo import ASCENDING, AsyncMongoClient, ReturnDocument
+from pymongo import ASCENDING, AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import DuplicateKeyError, PyMongoError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.errors import DatabaseUnavailable, GatewayError
+from shared.group_reads import GroupReader
 from shared.group_writes import GroupWriter
 from shared.http import Problem, problem_response
 
@@ -143,6 +147,7 @@ class RateLimiter:
         clock: Callable[[], datetime],
     ) -> None:
         self._collection: AsyncCollection[Document] = client[database]["rate_windows"]
+        self._writes = GroupWriter(self._collection)
         self._per_minute = per_minute
         self._clock = clock
 
@@ -150,41 +155,41 @@ class RateLimiter:
         await self._collection.create_index([("expires_at", ASCENDING)], expireAfterSeconds=0)
 
     async def hit(self, key_id: str) -> None:
-        """Count one request of `key_id`; `LimitExceeded` when it is one too many."""
+        """Count one request of `key_id`; `LimitExceeded` (not counted) when it is one too many."""
         if self._per_minute <= 0:
             return
         now = self._clock()
         window = fixed_window(now, RATE_WINDOW_S)
-        count = await self._bump(rate_counter_id(key_id, window), window)
-        if count > self._per_minute:
-            wait = retry_after_s(now, window.end)
-            raise LimitExceeded(
-                "rate",
-                f"Rate limit reached: this API key may make {self._per_minute} requests per "
-                f"minute; retry in {wait} s.",
-                maximum=self._per_minute,
-                retry_after_s=wait,
-            )
+        if await self._count_one(rate_counter_id(key_id, window), window):
+            return
+        wait = retry_after_s(now, window.end)
+        raise LimitExceeded(
+            "rate",
+            f"Rate limit reached: this API key may make {self._per_minute} requests per "
+            f"minute; retry in {wait} s.",
+            maximum=self._per_minute,
+            retry_after_s=wait,
+        )
 
-    async def _bump(self, counter_id: str, window: Window) -> int:
-        update = {
-            "$inc": {"count": 1},
-            "$setOnInsert": {"expires_at": window.end + RATE_DOCUMENT_GRACE},
-        }
-        for attempt in range(2):
+    async def _count_one(self, counter_id: str, window: Window) -> bool:
+        """True when the request fits in its window (and is counted)."""
+        for _ in range(2):
             try:
-                document = await self._collection.find_one_and_update(
-                    {"_id": counter_id}, update, upsert=True, return_document=ReturnDocument.AFTER
+                await self._writes.update_one(
+                    {"_id": counter_id, "count": {"$lt": self._per_minute}},
+                    {
+                        "$inc": {"count": 1},
+                        "$setOnInsert": {"expires_at": window.end + RATE_DOCUMENT_GRACE},
+                    },
+                    upsert=True,
                 )
             except DuplicateKeyError:
-                # Two first requests of a window raced to insert it; the other one won.
-                if attempt:
-                    raise DatabaseUnavailable("rate counter upsert kept colliding") from None
+                # Full, or two first requests of the window raced to create it: look again.
                 continue
             except PyMongoError as error:
                 raise DatabaseUnavailable(str(error)) from error
-            return int(document["count"]) if document else 1
-        raise AssertionError("unreachable")  # pragma: no cover
+            return True
+        return False
 
 
 # --------------------------------------------------------------------------- tasks in flight
@@ -203,6 +208,7 @@ class InFlight:
         self._counters: AsyncCollection[Document] = client[database]["in_flight_tenants"]
         self._max = max_per_tenant
         self._marker_writes = GroupWriter(self._markers)
+        self._marker_reads = GroupReader(self._markers)
         self._counter_writes = GroupWriter(self._counters)
 
     async def ensure_indexes(self) -> None:
@@ -264,7 +270,7 @@ class InFlight:
     async def release(self, task_id: str) -> bool:
         """Stop counting `task_id`; True when this call decremented its tenant's count."""
         try:
-            marker = await self._markers.find_one({"_id": task_id})
+            marker = await self._marker_reads.find_by_id(task_id)
             if marker is None:
                 return False
             result = await self._counters.update_one(

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from pymongo import AsyncMongoClient
 
 from services.gateway.app import create_app as create_gateway
-from services.gateway.limits import fixed_window
+from services.gateway.limits import LimitExceeded, RateLimiter, fixed_window, rate_counter_id
 from services.gateway.settings import GatewaySettings
 from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
@@ -144,6 +144,27 @@ async def test_replicas_share_one_rate(stack: Stack) -> None:
             assert (await api.get(_unknown(), headers=key)).status_code == 404
         for api in (second, stack.api):
             assert _assert_problem(await api.get(_unknown(), headers=key), 429)["limit"] == "rate"
+
+
+async def test_concurrent_requests_count_exactly_and_refused_ones_do_not_count(
+    stack: Stack,
+) -> None:
+    """The repository itself: requests racing to open a window (grouped into one round trip)
+    let exactly the limit through, and refused requests leave the counter at the limit."""
+    limiter = RateLimiter(
+        stack.mongo, f"{stack.db_prefix}_gateway", per_minute=RATE, clock=stack.clock
+    )
+    key_id = uuid.uuid4().hex[:16]
+
+    outcomes = await asyncio.gather(
+        *(limiter.hit(key_id) for _ in range(RATE * 4)), return_exceptions=True
+    )
+
+    assert outcomes.count(None) == RATE
+    assert all(isinstance(o, LimitExceeded) for o in outcomes if o is not None), outcomes
+    counters = stack.mongo[f"{stack.db_prefix}_gateway"]["rate_windows"]
+    counter_id = rate_counter_id(key_id, fixed_window(stack.clock(), 60))
+    assert (await counters.find_one({"_id": counter_id}) or {}).get("count") == RATE
 
 
 async def test_refused_keys_do_not_reach_the_rate_counters(stack: Stack) -> None:

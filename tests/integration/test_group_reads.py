@@ -1,0 +1,106 @@
+"""`shared.group_reads.GroupReader` against MongoDB (or the labelled stand-in): concurrent
+point reads share round trips, and each caller gets its own document."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient, monitoring
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import InvalidOperation
+
+from devtools.infra import Endpoint
+from shared.group_reads import GroupReader
+
+pytestmark = pytest.mark.integration
+
+Document = dict[str, Any]
+
+
+class FindCommands(monitoring.CommandListener):
+    """Counts the `find` commands a client sends."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.command_name == "find":
+            self.sent += 1
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+@pytest.fixture
+async def commands() -> FindCommands:
+    return FindCommands()
+
+
+@pytest.fixture
+async def collection(
+    mongo: Endpoint, commands: FindCommands
+) -> AsyncIterator[AsyncCollection[Document]]:
+    client: AsyncMongoClient[Document] = AsyncMongoClient(
+        mongo.url, tz_aware=True, event_listeners=[commands], serverSelectionTimeoutMS=10_000
+    )
+    name = f"group_reads_{uuid.uuid4().hex[:8]}"
+    try:
+        yield client[name]["docs"]
+    finally:
+        await client.drop_database(name)
+        await client.close()
+
+
+async def test_concurrent_reads_share_round_trips_and_each_gets_its_document(
+    collection: AsyncCollection[Document], commands: FindCommands
+) -> None:
+    await collection.insert_many([{"_id": f"t{i}", "n": i} for i in range(200)])
+    reader = GroupReader(collection)
+    commands.sent = 0
+
+    found = await asyncio.gather(*(reader.find_by_id(f"t{i}") for i in range(200)))
+
+    assert found == [{"_id": f"t{i}", "n": i} for i in range(200)]
+    assert commands.sent < 200 / 4, f"{commands.sent} find commands for 200 concurrent reads"
+
+
+async def test_missing_and_repeated_ids(collection: AsyncCollection[Document]) -> None:
+    await collection.insert_one({"_id": "here"})
+    reader = GroupReader(collection)
+
+    found = await asyncio.gather(
+        reader.find_by_id("here"), reader.find_by_id("gone"), reader.find_by_id("here")
+    )
+
+    assert found == [{"_id": "here"}, None, {"_id": "here"}]
+
+
+async def test_a_lone_read_is_sent_at_once_and_sees_earlier_writes(
+    collection: AsyncCollection[Document], commands: FindCommands
+) -> None:
+    reader = GroupReader(collection)
+    assert await reader.find_by_id("later") is None
+
+    await collection.insert_one({"_id": "later", "v": 1})
+
+    assert await reader.find_by_id("later") == {"_id": "later", "v": 1}
+    assert commands.sent == 2
+
+
+async def test_a_failed_round_trip_fails_every_read_of_it(mongo: Endpoint) -> None:
+    client: AsyncMongoClient[Document] = AsyncMongoClient(mongo.url, tz_aware=True)
+    reader = GroupReader(client["closed"]["docs"])
+    await client.close()  # every command now fails before it is sent
+
+    outcomes = await asyncio.gather(
+        *(reader.find_by_id(f"doc{i}") for i in range(5)), return_exceptions=True
+    )
+
+    assert all(isinstance(outcome, InvalidOperation) for outcome in outcomes), outcomes

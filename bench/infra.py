@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import platform
 import shutil
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -288,7 +290,24 @@ def machine_facts() -> dict[str, Any]:
         "os": platform.platform(),
         "python": platform.python_version(),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "reference_workload_ms": reference_workload_ms(),
     }
+
+
+def reference_workload_ms(repeats: int = 5) -> float:
+    """CPU milliseconds of a fixed pure-Python workload (JSON, dicts, strings), best of
+    `repeats`: how fast this machine runs Python, so runs on different machines can be set
+    side by side (CPU per task scales with it)."""
+    document = {"task_id": "0" * 32, "score": 7.5, "flags": ["a", "b"], "text": "word " * 40}
+    best = math.inf
+    for _ in range(repeats):
+        started = time.process_time()
+        for i in range(20_000):
+            encoded = json.dumps({**document, "n": i})
+            decoded = json.loads(encoded)
+            _ = "-".join(sorted(decoded))
+        best = min(best, time.process_time() - started)
+    return round(best * 1000, 1)
 
 
 def package_versions() -> dict[str, str]:

@@ -337,7 +337,9 @@ def setting_lines(results: dict[str, Any]) -> list[str]:
         f"Run: {results['started_at']} to {results['finished_at']}, commit {results['git']}",
         f"Machine: {machine['cpu_model']}, {machine['cores']} cores, {machine['memory_gib']} GiB, "
         f"{machine['os']}, Python {machine['python']}; load average at start "
-        f"{machine['load_average_at_start']}",
+        f"{machine['load_average_at_start']}; reference workload "
+        f"{machine.get('reference_workload_ms', DASH)} ms of CPU (`bench.infra."
+        "reference_workload_ms`: CPU per task scales with it across machines)",
         f"Broker: {results['broker']['kind']}",
         f"Database: {results['database']['kind']}",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),

@@ -56,6 +56,14 @@ def _routes(routing_key: str) -> list[tuple[RabbitExchange, str]]:
         for binding in work_queue.bindings:
             if binding.exchange.name in (topology.DUE.name, topology.DLX.name):
                 continue
+            if binding.exchange.name == topology.CALLBACKS.name:
+                # Reached through `scorebox.events`, then by header, not by routing key.
+                if binding.arguments == topology.NOTIFY_WITH_CALLBACK and topic_matches(
+                    topology.CALLBACK_EVENT_KEY, routing_key
+                ):
+                    condition = f"{topology.CALLBACK_HEADER}: {topology.CALLBACK_HEADER_VALUE}"
+                    routes.append((topology.EVENTS, f"{work_queue.name} (with {condition})"))
+                continue
             if topic_matches(binding.routing_key, routing_key):
                 routes.append((binding.exchange, work_queue.name))
     return routes

@@ -12,8 +12,10 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from shared.contracts import Contract, ScoreText, TaskEvent, utcnow
+from shared.contracts import Contract, ScoreText, TaskCompleted, TaskEvent, TaskFailed, utcnow
 from shared.topology import (
+    CALLBACK_HEADER,
+    CALLBACK_HEADER_VALUE,
     DEAD_LETTERED_FROM_HEADER,
     DELAY,
     DLX,
@@ -32,12 +34,15 @@ JSON = "application/json"
 
 
 def _headers(message: Contract, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    return {
+    headers = {
         "x-tenant-id": message.tenant_id,
         "x-schema-version": message.schema_version,
         "x-message-type": type(message).__name__,
         **(extra or {}),
     }
+    if isinstance(message, TaskCompleted | TaskFailed) and message.has_callback:
+        headers[CALLBACK_HEADER] = CALLBACK_HEADER_VALUE  # routes it to the notifier
+    return headers
 
 
 async def _publish(

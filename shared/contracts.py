@@ -19,7 +19,9 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
-SCHEMA_VERSION = 1
+# 2: outcomes carry `has_callback` and `callback_url`, and their publishers mark those with a
+# callback for the notifier (`shared.topology.CALLBACK_HEADER`). Version 1 messages still parse.
+SCHEMA_VERSION = 2
 DEFAULT_TENANT = "default"
 
 

@@ -10,7 +10,9 @@
                       task.*                           → scorebox.live.<replica> (gateway, push)
                       task.completed, task.failed      → scorebox.gateway-task-outcomes (gateway)
                       task.completed                   → scorebox.usage-meter (scheduler)
-                      task.completed|failed            → scorebox.notifications (notifier)
+                      task.failed                      → scorebox.notifications (notifier)
+                      task.completed                   → scorebox.callbacks (exchange)
+    scorebox.callbacks x-scorebox-callback: yes        → scorebox.notifications (notifier)
                       ops.#                            → scorebox.ops-events (operators)
     scorebox.delay    <tier>.#                         → scorebox.wait.<tier> (TTL, then ↓)
     scorebox.due      *.<key of a delayed target>      → that target's queue
@@ -29,6 +31,7 @@ consumer that receives a message not yet due sends it down the ladder again.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +48,9 @@ DLX = RabbitExchange("scorebox.dlx", type=ExchangeType.DIRECT, durable=True)
 # Cron runs have an exchange of their own, so a cron message never shares a routing table with
 # task commands; like every delayed target, `scorebox.cron-jobs` is also bound to `scorebox.due`.
 CRON = RabbitExchange("scorebox.cron", type=ExchangeType.DIRECT, durable=True)
-EXCHANGES: tuple[RabbitExchange, ...] = (TASKS, EVENTS, DELAY, DUE, DLX, CRON)
+# Completions with a callback, picked out by a header (see the notifier's section below).
+CALLBACKS = RabbitExchange("scorebox.callbacks", type=ExchangeType.HEADERS, durable=True)
+EXCHANGES: tuple[RabbitExchange, ...] = (TASKS, EVENTS, DELAY, DUE, DLX, CRON, CALLBACKS)
 
 DEFAULT_DELIVERY_LIMIT = 5
 SCORE_QUEUE_MAX_LENGTH = 500_000
@@ -70,7 +75,8 @@ DEAD_LETTERED_FROM_HEADER = "x-scorebox-queue"
 @dataclass(frozen=True)
 class Binding:
     exchange: RabbitExchange
-    routing_key: str
+    routing_key: str = ""
+    arguments: Mapping[str, Any] | None = None  # a headers exchange's match
 
 
 @dataclass(frozen=True)
@@ -173,22 +179,41 @@ OPS_EVENTS = WorkQueue(
 
 
 # --- Notifier --------------------------------------------------------------------------------
-#   scorebox.events (topic)  --task.completed|failed------------> scorebox.notifications
+#   scorebox.events (topic)  --task.failed----------------------> scorebox.notifications
+#   scorebox.events (topic)  --task.completed-------------------> scorebox.callbacks (headers)
+#   scorebox.callbacks       --x-scorebox-callback: yes---------> scorebox.notifications
 #   scorebox.tasks  (direct) --webhook.deliver------------------> scorebox.webhook-deliveries
 #   scorebox.due    (topic)  --*.webhook.deliver----------------> scorebox.webhook-deliveries
 #   scorebox.due    (topic)  --*.task.completed|failed----------> scorebox.notifications
 # The notifier turns terminal events into deliveries: an outcome carries its task's callback
-# URL. A delivery that must wait (retry back-off, Retry-After) rides the wait ladder, and so
-# does an event the notifier could not record (its database was unavailable).
+# URL. Every failure may owe its tenant a failure alert, so the notifier takes every
+# `task.failed`; a completion only matters when it has a callback, so completions reach it
+# through `scorebox.callbacks`, which passes on those whose publisher set
+# `x-scorebox-callback: yes` (`shared.bus`). A completion without a callback, most of them,
+# costs the notifier nothing.
+# A delivery that must wait (retry back-off, Retry-After) rides the wait ladder, and so does an
+# event the notifier could not record (its database was unavailable).
 # Neither queue has a length limit: with `reject-publish`, a full notifications queue would
 # refuse the task events themselves and tie every service's progress to the notifier.
-# Earlier versions also bound `task.accepted` (outcomes did not carry the URL then); that
-# binding is left in place where it exists, for outcomes still in flight from older producers.
+# Compatibility with earlier versions:
+# - completions of producers before schema version 2 carry no `x-scorebox-callback` (and
+#   perhaps no callback URL); the second `scorebox.callbacks` binding lets them all through;
+# - those versions bound `task.completed` straight to `scorebox.notifications`; that binding is
+#   removed (`RETIRED_BINDINGS`), and `task.accepted`'s is left in place where it exists, for
+#   outcomes still in flight from producers that did not carry the URL.
+CALLBACK_HEADER = "x-scorebox-callback"
+CALLBACK_HEADER_VALUE = "yes"
 NOTIFIED_EVENT_KEYS = ("task.completed", "task.failed")
+CALLBACK_EVENT_KEY = "task.completed"
+# `all-with-x`: a headers exchange ignores `x-` headers under plain `all` (RabbitMQ >= 3.10).
+NOTIFY_WITH_CALLBACK = {"x-match": "all-with-x", CALLBACK_HEADER: CALLBACK_HEADER_VALUE}
+_OF_SCHEMA_1 = {"x-match": "all-with-x", "x-schema-version": 1, "x-message-type": "TaskCompleted"}
 NOTIFICATIONS = WorkQueue(
     name="scorebox.notifications",
     bindings=(
-        *(Binding(EVENTS, key) for key in NOTIFIED_EVENT_KEYS),
+        Binding(EVENTS, "task.failed"),
+        Binding(CALLBACKS, "with-callback", NOTIFY_WITH_CALLBACK),
+        Binding(CALLBACKS, "schema-1", _OF_SCHEMA_1),
         *(Binding(DUE, f"*.{key}") for key in NOTIFIED_EVENT_KEYS),
     ),
 )
@@ -205,6 +230,11 @@ WORK_QUEUES: tuple[WorkQueue, ...] = (
     NOTIFICATIONS,
     WEBHOOK_DELIVERIES,
 )
+
+# Bindings of earlier versions, removed by `declare_topology` (queue → (exchange, key)).
+RETIRED_BINDINGS: dict[str, tuple[tuple[RabbitExchange, str], ...]] = {
+    NOTIFICATIONS.name: ((EVENTS, "task.completed"),),
+}
 
 
 def wait_queue(tier: str, seconds: int) -> RabbitQueue:
@@ -239,12 +269,19 @@ def delay_routing_key(tier: str, target_routing_key: str) -> str:
 async def declare_topology(broker: RabbitBroker) -> None:
     """Declare every exchange, queue and binding; idempotent, run by each service at start."""
     exchanges = {exchange.name: await broker.declare_exchange(exchange) for exchange in EXCHANGES}
+    await exchanges[CALLBACKS.name].bind(exchanges[EVENTS.name], routing_key=CALLBACK_EVENT_KEY)
     for work_queue in WORK_QUEUES:
         dlq = await broker.declare_queue(work_queue.dead_letter_queue)
         await dlq.bind(exchanges[DLX.name], routing_key=work_queue.dead_letter_routing_key)
         queue = await broker.declare_queue(work_queue.queue)
         for binding in work_queue.bindings:
-            await queue.bind(exchanges[binding.exchange.name], routing_key=binding.routing_key)
+            await queue.bind(
+                exchanges[binding.exchange.name],
+                routing_key=binding.routing_key,
+                arguments=dict(binding.arguments) if binding.arguments else None,
+            )
+        for exchange, routing_key in RETIRED_BINDINGS.get(work_queue.name, ()):
+            await queue.unbind(exchanges[exchange.name], routing_key=routing_key)
     for tier, seconds in WAIT_TIERS:
         waiting = await broker.declare_queue(wait_queue(tier, seconds))
         await waiting.bind(exchanges[DELAY.name], routing_key=f"{tier}.#")

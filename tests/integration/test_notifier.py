@@ -454,7 +454,8 @@ async def test_an_older_producers_outcome_waits_for_its_acceptance_and_is_delive
     url = flow.receiver.endpoint(200)
     task_id = new_id()
     async with flow.legacy_accepted_binding():
-        await flow.publish(_completed(task_id))
+        # As a version-1 producer sent it: neither `has_callback` nor the callback header.
+        await flow.publish(_completed(task_id).model_copy(update={"schema_version": 1}))
 
         async def outcome_kept() -> Document | None:
             found: Document | None = await flow.notifier_db["task_callbacks"].find_one(

@@ -39,7 +39,7 @@ def test_correlation_id_is_the_task_id_on_the_wire() -> None:
     command = ScoreText(task_id="t1", text="hello")
     wire = command.model_dump(mode="json")
     assert wire["correlation_id"] == "t1"
-    assert wire["schema_version"] == 1
+    assert wire["schema_version"] == 2
     assert wire["tenant_id"] == "default"
     assert ScoreText.model_validate_json(command.model_dump_json()) == command
 

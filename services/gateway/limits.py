@@ -267,13 +267,15 @@ class InFlight:
             return True
         return False
 
-    async def release(self, task_id: str) -> bool:
-        """Stop counting `task_id`; True when this call decremented its tenant's count."""
+    async def release(self, task_id: str) -> None:
+        """Stop counting `task_id` (at most once, however often it is released)."""
         try:
             marker = await self._marker_reads.find_by_id(task_id)
             if marker is None:
-                return False
-            result = await self._counters.update_one(
+                return
+            # Grouped: two releases of one task in one batch are applied one after the other,
+            # so the second one's guard sees the first one's `recent_releases`.
+            await self._counter_writes.update_one(
                 {
                     "_id": marker["tenant_id"],
                     "count": {"$gt": 0},
@@ -287,7 +289,6 @@ class InFlight:
             await self._marker_writes.delete_one({"_id": task_id})
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
-        return result.modified_count == 1
 
     async def count(self, tenant_id: str) -> int:
         try:

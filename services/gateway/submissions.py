@@ -14,6 +14,7 @@ in `rescored_for`; `rescore` describes the latest one and whether its command wa
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -27,6 +28,7 @@ from pymongo.errors import DuplicateKeyError, PyMongoError
 
 from services.gateway.errors import DatabaseUnavailable
 from shared.contracts import ScoreText
+from shared.group_reads import GroupReader
 from shared.group_writes import GroupWriter
 
 Document = dict[str, Any]
@@ -87,6 +89,9 @@ class Submissions:
         self._collection: AsyncCollection[Document] = client[database]["submissions"]
         # Single-document writes of concurrent requests and events share round trips.
         self._writes = GroupWriter(self._collection)
+        self._cache_keys = GroupReader(
+            self._collection, projection={"tenant_id": 1, "cache_key": 1}
+        )
 
     async def ensure_indexes(self) -> None:
         await self._collection.create_index(
@@ -237,11 +242,12 @@ class Submissions:
         """Remember the highest generation the task reached (a DLQ replay bumps it too), so a
         later re-score takes the one after it; returns the submission's (tenant_id, cache
         key) for the result cache, None when there is none."""
+        # Two grouped commands instead of one `find_one_and_update` of its own: the fields read
+        # never change once the submission exists, so the read need not follow the write.
         try:
-            document = await self._collection.find_one_and_update(
-                {"_id": task_id},
-                {"$max": {"generation": generation}},
-                projection={"tenant_id": 1, "cache_key": 1},
+            _, document = await asyncio.gather(
+                self._writes.update_one({"_id": task_id}, {"$max": {"generation": generation}}),
+                self._cache_keys.find_by_id(task_id),
             )
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error

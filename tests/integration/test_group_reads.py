@@ -104,3 +104,10 @@ async def test_a_failed_round_trip_fails_every_read_of_it(mongo: Endpoint) -> No
     )
 
     assert all(isinstance(outcome, InvalidOperation) for outcome in outcomes), outcomes
+
+
+async def test_a_projection_limits_the_fields_read(collection: AsyncCollection[Document]) -> None:
+    await collection.insert_one({"_id": "big", "keep": 1, "text": "x" * 10_000})
+    reader = GroupReader(collection, projection={"keep": 1})
+
+    assert await reader.find_by_id("big") == {"_id": "big", "keep": 1}

@@ -17,6 +17,7 @@ from typing import Any, Final
 
 import aiohttp
 import httpx
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.scorer.errors import (
@@ -132,6 +133,7 @@ class OpenAIChatModel:
         self._settings = settings
         self._clock = clock
         self._url = settings.llm_base_url.rstrip("/") + "/chat/completions"
+        self._request_headers = _request_headers(settings)
 
     async def score(self, request: ScoringRequest) -> ModelVerdict:
         prepared = prepare_text(request.text, max_chars=self._settings.llm_max_input_chars)
@@ -177,7 +179,9 @@ class OpenAIChatModel:
     async def _complete(self, messages: Messages, model: str) -> _Answer:
         try:
             response = await self._http.post(
-                self._url, json=self._body(messages, model), headers=self._headers()
+                self._url,
+                content=orjson.dumps(self._body(messages, model)),
+                headers=self._request_headers,
             )
         except (httpx.RequestError, aiohttp.ClientError, OSError) as exc:
             raise _transport_error(exc, self._url) from exc
@@ -204,9 +208,13 @@ class OpenAIChatModel:
                 pass
         return body
 
-    def _headers(self) -> dict[str, str]:
-        key = self._settings.llm_api_key.get_secret_value()
-        return {"Authorization": f"Bearer {key}"} if key else {}
+
+def _request_headers(settings: ModelSettings) -> dict[str, str]:
+    headers = {"Content-Type": "application/json"}
+    key = settings.llm_api_key.get_secret_value()
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return headers
 
 
 def _add(first: Usage, second: Usage) -> Usage:

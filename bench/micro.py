@@ -1,9 +1,12 @@
 """`python -m bench.micro`: the small measurements `docs/architecture.md` ("Performance") cites.
 
 1. Client CPU per write: 64 concurrent `update_one`s against the same writes through
-   `shared.group_writes.GroupWriter`.
+   `shared.group_writes.GroupWriter`; and per point read: `find_one` by `_id` against
+   `shared.group_reads.GroupReader`.
 2. The MongoDB stand-in's cost per write as a collection grows (inserts and upserts of new
    string `_id`s, 4,000 documents at a time).
+3. Consumer CPU per delivery through FastStream's subscriber against bare aio-pika
+   (`bench.delivery_cost`), on `RABBITMQ_URL` (default: the local broker, guest/guest).
 
 Against `MONGO_URL` when set, else a fresh stand-in (labelled). Prints the figures; no files.
 """
@@ -22,18 +25,21 @@ from typing import Any
 from pymongo import AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 
+from bench.delivery_cost import delivery_cost
 from devtools.infra import read_first_line
+from shared.group_reads import GroupReader
 from shared.group_writes import GroupWriter
 
 Document = dict[str, Any]
 WRITES = 4_000
 CONCURRENCY = 64
 GROWTH_BLOCKS = 5
+DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 
 
-async def cpu_us_per_write(n: int, writes: Callable[[], Awaitable[None]]) -> float:
+async def cpu_us_per_op(n: int, ops: Callable[[], Awaitable[None]]) -> float:
     started = time.process_time()
-    await writes()
+    await ops()
     return (time.process_time() - started) / n * 1e6
 
 
@@ -56,11 +62,28 @@ async def group_commit(collection: AsyncCollection[Document]) -> None:
     async def grouped(i: int) -> None:
         await writer.update_one({"_id": f"g{i}"}, {"$set": {"n": i}}, upsert=True)
 
-    one_by_one = await cpu_us_per_write(WRITES, lambda: concurrently(WRITES, direct))
-    in_groups = await cpu_us_per_write(WRITES, lambda: concurrently(WRITES, grouped))
+    one_by_one = await cpu_us_per_op(WRITES, lambda: concurrently(WRITES, direct))
+    in_groups = await cpu_us_per_op(WRITES, lambda: concurrently(WRITES, grouped))
     print(
         f"client CPU per write, {CONCURRENCY} writers: update_one {one_by_one:.0f} µs, "
         f"GroupWriter {in_groups:.0f} µs ({one_by_one / in_groups:.1f}x less)"
+    )
+
+
+async def group_reads(collection: AsyncCollection[Document]) -> None:
+    async def direct(i: int) -> None:
+        await collection.find_one({"_id": f"g{i}"})
+
+    reader = GroupReader(collection)
+
+    async def grouped(i: int) -> None:
+        await reader.find_by_id(f"g{i}")
+
+    one_by_one = await cpu_us_per_op(WRITES, lambda: concurrently(WRITES, direct))
+    in_groups = await cpu_us_per_op(WRITES, lambda: concurrently(WRITES, grouped))
+    print(
+        f"client CPU per point read, {CONCURRENCY} readers: find_one {one_by_one:.0f} µs, "
+        f"GroupReader {in_groups:.0f} µs ({one_by_one / in_groups:.1f}x less)"
     )
 
 
@@ -85,6 +108,7 @@ async def measure(url: str) -> None:
     client: AsyncMongoClient[Document] = AsyncMongoClient(url, serverSelectionTimeoutMS=10_000)
     try:
         await group_commit(client["bench_micro"]["group_commit"])
+        await group_reads(client["bench_micro"]["group_commit"])
         await growth(client["bench_micro"]["growth"])
     finally:
         await client.drop_database("bench_micro")
@@ -92,6 +116,9 @@ async def measure(url: str) -> None:
 
 
 def main() -> int:
+    amqp_url = os.environ.get("RABBITMQ_URL", DEFAULT_AMQP_URL)
+    print(f"Broker: {amqp_url.split('@')[-1]}")
+    asyncio.run(delivery_cost(amqp_url))
     url = os.environ.get("MONGO_URL")
     if url:
         print(f"Database: MONGO_URL ({url.split('@')[-1]})")

@@ -58,14 +58,10 @@ async def ensure_indexes(tasks: Tasks) -> None:
     )
 
 
-def _status_of(event: TaskEvent) -> TaskStatus:
-    return StateChange.of_event(event).status
-
-
-def _fields_of(event: TaskEvent, *, finished_ttl: timedelta) -> Document:
+def _fields_of(event: TaskEvent, change: StateChange, *, finished_ttl: timedelta) -> Document:
     fields: Document = {
         "tenant_id": event.tenant_id,
-        "status": _status_of(event).value,
+        "status": change.status.value,
         "sequence": event.sequence,
         "generation": event.generation,
         "attempts": event.attempt,
@@ -111,8 +107,7 @@ def _descriptive_fields(event: TaskAccepted) -> Document:
     }
 
 
-def _history_push(event: TaskEvent, limit: int) -> Document:
-    change = StateChange.of_event(event)
+def _history_push(change: StateChange, limit: int) -> Document:
     entry = {**change.model_dump(exclude_none=True), "status": change.status.value}
     # Sorted and sliced on every push: a late change lands in order, the oldest fall off.
     return {"$each": [entry], "$sort": {"sequence": ASCENDING}, "$slice": -limit}
@@ -130,8 +125,9 @@ async def apply_task_event(
     history_limit: int = DEFAULT_HISTORY_LIMIT,
 ) -> bool:
     """Apply `event` if it is newer than what the projection holds; True when applied."""
-    fields = _fields_of(event, finished_ttl=finished_ttl)
-    push = _history_push(event, history_limit)
+    change = StateChange.of_event(event)
+    fields = _fields_of(event, change, finished_ttl=finished_ttl)
+    push = _history_push(change, history_limit)
     try:
         await writes.update_one(
             {"_id": event.task_id, "sequence": {"$lt": event.sequence}},

@@ -1,0 +1,122 @@
+"""Consumer CPU per delivery: FastStream's subscriber (through `shared.runtime.consume`, as
+every service consumes) against a bare aio-pika consumer, on the same queue and broker.
+
+Each way drains `DELIVERIES` waiting messages with prefetch 64 and a manual ack per message;
+the process's CPU time from the start of consuming to the last ack, per delivery. The ways
+alternate `ROUNDS` times and the median of each is reported (the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+import aio_pika
+from aio_pika.abc import AbstractIncomingMessage
+from faststream.rabbit import RabbitBroker, RabbitQueue
+from faststream.rabbit.message import RabbitMessage
+from faststream.rabbit.schemas import Channel
+
+from shared.runtime import consume
+
+DELIVERIES = 5_000
+PREFETCH = 64
+ROUNDS = 3
+BODY = b'{"task_id": "0123456789abcdef0123456789abcdef", "sequence": 1, "status": "completed"}'
+
+
+async def _fill(url: str, queue_name: str) -> None:
+    connection = await aio_pika.connect(url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        await channel.declare_queue(queue_name, auto_delete=True, durable=False)
+        for _ in range(DELIVERIES):
+            message = aio_pika.Message(BODY, headers={"x-tenant-id": "bench"})
+            await channel.default_exchange.publish(message, routing_key=queue_name)
+
+
+async def _cpu_us_per_delivery(start: Callable[[asyncio.Event], Awaitable[None]]) -> float:
+    drained = asyncio.Event()
+    started = time.process_time()
+    await start(drained)
+    await asyncio.wait_for(drained.wait(), timeout=120)
+    return (time.process_time() - started) / DELIVERIES * 1e6
+
+
+def _counter(drained: asyncio.Event) -> Callable[[], None]:
+    count = 0
+
+    def one_more() -> None:
+        nonlocal count
+        count += 1
+        if count == DELIVERIES:
+            drained.set()
+
+    return one_more
+
+
+async def through_faststream(url: str) -> float:
+    name = f"bench.delivery.{uuid.uuid4().hex[:8]}"
+    await _fill(url, name)
+    broker = RabbitBroker(
+        url,
+        default_channel=Channel(prefetch_count=PREFETCH),
+        logger=logging.getLogger("bench.broker"),
+        log_level=logging.DEBUG,
+        apply_types=False,
+    )
+
+    async def start(drained: asyncio.Event) -> None:
+        counted = _counter(drained)
+
+        @consume(broker, RabbitQueue(name, durable=False, auto_delete=True))
+        async def handle(message: RabbitMessage) -> None:
+            await message.ack()
+            counted()
+
+        await broker.start()
+
+    try:
+        return await _cpu_us_per_delivery(start)
+    finally:
+        await broker.stop()
+
+
+async def bare_aio_pika(url: str) -> float:
+    name = f"bench.delivery.{uuid.uuid4().hex[:8]}"
+    await _fill(url, name)
+    connection = await aio_pika.connect_robust(url, timeout=10)
+
+    async def start(drained: asyncio.Event) -> None:
+        counted = _counter(drained)
+        channel = await connection.channel()
+        await channel.set_qos(prefetch_count=PREFETCH)
+        queue = await channel.declare_queue(name, durable=False, auto_delete=True)
+
+        async def handle(message: AbstractIncomingMessage) -> None:
+            await message.ack()
+            counted()
+
+        await queue.consume(handle)
+
+    try:
+        return await _cpu_us_per_delivery(start)
+    finally:
+        await connection.close()
+
+
+async def delivery_cost(url: str) -> None:
+    faststream: list[float] = []
+    bare: list[float] = []
+    for _ in range(ROUNDS):
+        faststream.append(await through_faststream(url))
+        bare.append(await bare_aio_pika(url))
+    fs, ap = statistics.median(faststream), statistics.median(bare)
+    print(
+        f"consumer CPU per delivery (manual ack, prefetch {PREFETCH}, median of {ROUNDS}): "
+        f"FastStream subscriber {fs:.0f} µs, bare aio-pika {ap:.0f} µs ({fs / ap:.2f}x)"
+    )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -142,8 +143,10 @@ async def keep_trying[T](
         try:
             return await action()
         except retry_on as error:
-            log.warning("%s failed (%r); retrying in %.1fs", what, error, delay)
-            await asyncio.sleep(delay)
+            # Jittered: writes that failed together (one grouped round trip) retry apart.
+            wait = delay * random.uniform(0.5, 1.0)  # noqa: S311 - jitter, not cryptography
+            log.warning("%s failed (%r); retrying in %.1fs", what, error, wait)
+            await asyncio.sleep(wait)
             delay = min(delay * 2, max_delay_s)
 
 

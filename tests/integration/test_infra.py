@@ -90,6 +90,26 @@ def test_resolved_mongo_accepts_writes_and_reads(mongo: Endpoint) -> None:
         client.close()
 
 
+def test_lookups_of_listed_ids_apply_every_condition(mongo: Endpoint) -> None:
+    """`{_id: {$in: [...]}}` (the stand-in answers string ids by key, MongoDB by its index):
+    unstored ids are skipped, other conditions still apply, other id types still match."""
+    client: MongoClient[dict[str, Any]] = MongoClient(mongo.url, serverSelectionTimeoutMS=10_000)
+    database = f"infra_{uuid.uuid4().hex[:8]}"
+    try:
+        things = client[database].things
+        things.insert_many([{"_id": "a", "n": 1}, {"_id": "b", "n": 2}, {"_id": 3, "n": 3}])
+
+        def ids(query: dict[str, Any]) -> set[Any]:
+            return {doc["_id"] for doc in things.find(query)}
+
+        assert ids({"_id": {"$in": ["a", "b", "gone", "a"]}}) == {"a", "b"}
+        assert ids({"_id": {"$in": ["a", "b"]}, "n": 2}) == {"b"}
+        assert ids({"_id": {"$in": ["a", 3]}}) == {"a", 3}
+    finally:
+        client.drop_database(database)
+        client.close()
+
+
 def test_the_endpoint_says_what_it_is(mongo: Endpoint) -> None:
     if mongo.is_standin:
         assert "NOT MongoDB" in mongo.kind

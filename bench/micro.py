@@ -53,38 +53,42 @@ async def concurrently(n: int, write: Callable[[int], Awaitable[None]]) -> None:
     await asyncio.gather(*(one(i) for i in range(n)))
 
 
+Op = Callable[[int], Awaitable[None]]
+
+
+async def compare(what: str, direct: tuple[str, Op], grouped: tuple[str, Op]) -> None:
+    """Client CPU per operation, `CONCURRENCY` callers at a time, one by one and grouped."""
+    (direct_name, direct_op), (grouped_name, grouped_op) = direct, grouped
+    one_by_one = await cpu_us_per_op(WRITES, lambda: concurrently(WRITES, direct_op))
+    in_groups = await cpu_us_per_op(WRITES, lambda: concurrently(WRITES, grouped_op))
+    print(
+        f"client CPU per {what}, {CONCURRENCY} callers: {direct_name} {one_by_one:.0f} µs, "
+        f"{grouped_name} {in_groups:.0f} µs ({one_by_one / in_groups:.1f}x less)"
+    )
+
+
 async def group_commit(collection: AsyncCollection[Document]) -> None:
+    writer = GroupWriter(collection)
+
     async def direct(i: int) -> None:
         await collection.update_one({"_id": f"d{i}"}, {"$set": {"n": i}}, upsert=True)
-
-    writer = GroupWriter(collection)
 
     async def grouped(i: int) -> None:
         await writer.update_one({"_id": f"g{i}"}, {"$set": {"n": i}}, upsert=True)
 
-    one_by_one = await cpu_us_per_op(WRITES, lambda: concurrently(WRITES, direct))
-    in_groups = await cpu_us_per_op(WRITES, lambda: concurrently(WRITES, grouped))
-    print(
-        f"client CPU per write, {CONCURRENCY} writers: update_one {one_by_one:.0f} µs, "
-        f"GroupWriter {in_groups:.0f} µs ({one_by_one / in_groups:.1f}x less)"
-    )
+    await compare("write", ("update_one", direct), ("GroupWriter", grouped))
 
 
 async def group_reads(collection: AsyncCollection[Document]) -> None:
+    reader = GroupReader(collection)
+
     async def direct(i: int) -> None:
         await collection.find_one({"_id": f"g{i}"})
-
-    reader = GroupReader(collection)
 
     async def grouped(i: int) -> None:
         await reader.find_by_id(f"g{i}")
 
-    one_by_one = await cpu_us_per_op(WRITES, lambda: concurrently(WRITES, direct))
-    in_groups = await cpu_us_per_op(WRITES, lambda: concurrently(WRITES, grouped))
-    print(
-        f"client CPU per point read, {CONCURRENCY} readers: find_one {one_by_one:.0f} µs, "
-        f"GroupReader {in_groups:.0f} µs ({one_by_one / in_groups:.1f}x less)"
-    )
+    await compare("point read", ("find_one", direct), ("GroupReader", grouped))
 
 
 async def growth(collection: AsyncCollection[Document]) -> None:

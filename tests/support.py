@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI
+from pymongo import monitoring
 
 POLL_INTERVAL_S = 0.05
 
@@ -38,3 +39,21 @@ async def running(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
             transport=transport, base_url="http://scorebox.test", timeout=10
         ) as client:
             yield client
+
+
+class CommandCounter(monitoring.CommandListener):
+    """Counts the commands of the given names a PyMongo client sends (`sent`)."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = frozenset(names)
+        self.sent = 0
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.command_name in self.names:
+            self.sent += 1
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass

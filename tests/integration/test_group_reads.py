@@ -9,43 +9,27 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from pymongo import AsyncMongoClient, monitoring
+from pymongo import AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import InvalidOperation
 
 from devtools.infra import Endpoint
 from shared.group_reads import GroupReader
+from tests.support import CommandCounter
 
 pytestmark = pytest.mark.integration
 
 Document = dict[str, Any]
 
 
-class FindCommands(monitoring.CommandListener):
-    """Counts the `find` commands a client sends."""
-
-    def __init__(self) -> None:
-        self.sent = 0
-
-    def started(self, event: monitoring.CommandStartedEvent) -> None:
-        if event.command_name == "find":
-            self.sent += 1
-
-    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
-        pass
-
-    def failed(self, event: monitoring.CommandFailedEvent) -> None:
-        pass
-
-
 @pytest.fixture
-async def commands() -> FindCommands:
-    return FindCommands()
+async def commands() -> CommandCounter:
+    return CommandCounter("find")
 
 
 @pytest.fixture
 async def collection(
-    mongo: Endpoint, commands: FindCommands
+    mongo: Endpoint, commands: CommandCounter
 ) -> AsyncIterator[AsyncCollection[Document]]:
     client: AsyncMongoClient[Document] = AsyncMongoClient(
         mongo.url, tz_aware=True, event_listeners=[commands], serverSelectionTimeoutMS=10_000
@@ -59,7 +43,7 @@ async def collection(
 
 
 async def test_concurrent_reads_share_round_trips_and_each_gets_its_document(
-    collection: AsyncCollection[Document], commands: FindCommands
+    collection: AsyncCollection[Document], commands: CommandCounter
 ) -> None:
     await collection.insert_many([{"_id": f"t{i}", "n": i} for i in range(200)])
     reader = GroupReader(collection)
@@ -83,7 +67,7 @@ async def test_missing_and_repeated_ids(collection: AsyncCollection[Document]) -
 
 
 async def test_a_lone_read_is_sent_at_once_and_sees_earlier_writes(
-    collection: AsyncCollection[Document], commands: FindCommands
+    collection: AsyncCollection[Document], commands: CommandCounter
 ) -> None:
     reader = GroupReader(collection)
     assert await reader.find_by_id("later") is None

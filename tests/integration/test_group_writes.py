@@ -9,43 +9,27 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from pymongo import AsyncMongoClient, monitoring
+from pymongo import AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import DuplicateKeyError, InvalidOperation, WriteError
 
 from devtools.infra import Endpoint
 from shared.group_writes import GroupWriter
+from tests.support import CommandCounter
 
 pytestmark = pytest.mark.integration
 
 Document = dict[str, Any]
 
 
-class WriteCommands(monitoring.CommandListener):
-    """Counts the write commands (`update`, `insert`, `delete`) a client sends."""
-
-    def __init__(self) -> None:
-        self.sent = 0
-
-    def started(self, event: monitoring.CommandStartedEvent) -> None:
-        if event.command_name in {"update", "insert", "delete"}:
-            self.sent += 1
-
-    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
-        pass
-
-    def failed(self, event: monitoring.CommandFailedEvent) -> None:
-        pass
-
-
 @pytest.fixture
-async def commands() -> WriteCommands:
-    return WriteCommands()
+async def commands() -> CommandCounter:
+    return CommandCounter("update", "insert", "delete")
 
 
 @pytest.fixture
 async def collection(
-    mongo: Endpoint, commands: WriteCommands
+    mongo: Endpoint, commands: CommandCounter
 ) -> AsyncIterator[AsyncCollection[Document]]:
     client: AsyncMongoClient[Document] = AsyncMongoClient(
         mongo.url, tz_aware=True, event_listeners=[commands], serverSelectionTimeoutMS=10_000
@@ -59,7 +43,7 @@ async def collection(
 
 
 async def test_concurrent_writes_share_round_trips_and_all_land(
-    collection: AsyncCollection[Document], commands: WriteCommands
+    collection: AsyncCollection[Document], commands: CommandCounter
 ) -> None:
     writer = GroupWriter(collection)
     await asyncio.gather(
@@ -72,7 +56,7 @@ async def test_concurrent_writes_share_round_trips_and_all_land(
 
 
 async def test_a_lone_write_is_sent_at_once(
-    collection: AsyncCollection[Document], commands: WriteCommands
+    collection: AsyncCollection[Document], commands: CommandCounter
 ) -> None:
     writer = GroupWriter(collection)
 

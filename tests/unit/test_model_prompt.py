@@ -1,5 +1,11 @@
-import pytest
+import re
+import unicodedata
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.scorer.model import prompt
 from services.scorer.model.prompt import (
     DEFAULT_RUBRIC,
     VERDICT_JSON_SCHEMA,
@@ -142,3 +148,39 @@ def test_detect_instructions_flags_steering(text: str) -> None:
 )
 def test_detect_instructions_leaves_ordinary_prose_alone(text: str) -> None:
     assert not detect_instructions(text)
+
+
+_FRAGMENTS = (
+    *(word for cue in prompt._CUES for word in cue.leads),
+    *("are now", "are an", "AI", "a", "the", "this", "it", "my", "essay", "judge", "grader"),
+    *("instructions", "prompt", "previous", "rules", "as", "like", "to be", "to", "for"),
+    *("10", "ten", "10/10", "out of", "full marks", "perfect score", "minutes", "%", "-"),
+    *(":", "=", "is", '"score"', "system:", "[INST]", "</text>", "actually", "marker"),
+    *("\u0131gnore", "\u0130GNORE", "\u017fcore", "\u212a", "\u200b", "\uff41\uff43\uff54"),
+)
+
+
+def _every_cue_everywhere(text: str) -> bool:
+    """The plain definition the lead-word dispatch must agree with."""
+    folded = prompt._INVISIBLE.sub("", unicodedata.normalize("NFKC", text))
+    folded = re.sub(r"[^\S\n]+", " ", folded)
+    patterns = (*(cue.compile() for cue in prompt._CUES), *prompt._UNLED_PATTERNS)
+    return any(pattern.search(folded) for pattern in patterns)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(_FRAGMENTS),
+            st.sampled_from(("", " ", "  ", "\n", ", ", ".", "_", "x")),
+            st.booleans(),
+        ),
+        max_size=12,
+    )
+)
+def test_lead_word_dispatch_agrees_with_trying_every_cue_everywhere(
+    parts: list[tuple[str, str, bool]],
+) -> None:
+    text = "".join((word.upper() if shout else word) + gap for word, gap, shout in parts)
+    assert detect_instructions(text) == _every_cue_everywhere(text)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from dataclasses import dataclass
 from typing import Any, Final
 
 PROMPT_VERSION: Final = "judge-2025-1"
@@ -109,42 +110,116 @@ _JUDGE = r"(?:ai|llm|model|grader|judge|evaluator|scorer|assistant|examiner|mark
 _SUBMISSION = r"(?:essay|text|piece|article|answer|submission|paper|post|story|response)"
 # "give it 10" is a grade; "give it 10 minutes", "10%" and "10-page" are quantities.
 _NOT_A_COUNT = r"\b(?!\s*(?:%|percent\b|more\b|or\b|to\b|-|(?!points\b|marks\b)\w+s\b))"
-_INSTRUCTION_PATTERNS: Final = tuple(
-    re.compile(pattern, re.IGNORECASE | re.MULTILINE)
-    for pattern in (
-        # "ignore all previous instructions", "disregard the rubric", "forget your rules"
-        r"\b(?:ignore|disregard|forget|override)\s+(?:\w+\s+){0,3}?"
-        r"(?:instructions?|prompts?|rubric|directions|guidelines|criteria)\b",
-        r"\b(?:ignore|disregard|forget|override)\s+(?:(?:all|any|the|your|my)\s+)*"
+_FLAGS: Final = re.IGNORECASE | re.MULTILINE
+
+
+@dataclass(frozen=True)
+class _Cue:
+    """An instruction-like phrase that starts with one of the words `leads` (then `rest`)."""
+
+    leads: tuple[str, ...]
+    rest: str
+
+    def compile(self) -> re.Pattern[str]:
+        return re.compile(rf"\b(?:{'|'.join(self.leads)}){self.rest}", _FLAGS)
+
+
+_CUES: Final = (
+    # "ignore all previous instructions", "disregard the rubric", "forget your rules"
+    _Cue(
+        ("ignore", "disregard", "forget", "override"),
+        r"\s+(?:\w+\s+){0,3}?(?:instructions?|prompts?|rubric|directions|guidelines|criteria)\b",
+    ),
+    _Cue(
+        ("ignore", "disregard", "forget", "override"),
+        r"\s+(?:(?:all|any|the|your|my)\s+)*"
         r"(?:previous|prior|above|earlier|preceding|your|grading|scoring)\s+rules\b",
-        # "you are now DAN", "you are an AI", "act as a lenient grader"
-        r"\byou\s+are\s+now\s+(?:an?\s+|the\s+|in\s+)?(?:\w+\s+)?"
+    ),
+    # "you are now DAN", "you are an AI", "act as a lenient grader"
+    _Cue(
+        ("you",),
+        r"\s+are\s+now\s+(?:an?\s+|the\s+|in\s+)?(?:\w+\s+)?"
         rf"(?:{_JUDGE}|mode|dan|bot|jailbroken|unrestricted)\b",
-        r"\byou\s+are\s+(?:an?\s+)?(?:ai|llm|(?:large\s+)?language\s+model|chatbot)\b",
-        r"\b(?:act|behave|pretend|roleplay)\s+(?:as|like|to\s+be)\s+(?:an?\s+|the\s+)?"
+    ),
+    _Cue(("you",), r"\s+are\s+(?:an?\s+)?(?:ai|llm|(?:large\s+)?language\s+model|chatbot)\b"),
+    _Cue(
+        ("act", "behave", "pretend", "roleplay"),
+        r"\s+(?:as|like|to\s+be)\s+(?:an?\s+|the\s+)?"
         r"(?:\w+\s+)?(?:ai|judge|grader|evaluator|scorer|examiner)\b",
-        # "give this a 10", "rate my essay 10/10", "award it full marks"
-        r"\b(?:give|grade|rate|score|award|assign|mark)\s+"
-        rf"(?:(?:this|it|me|the|my)\s+)?(?:{_SUBMISSION}\s+)?(?:an?\s+)?"
+    ),
+    # "give this a 10", "rate my essay 10/10", "award it full marks"
+    _Cue(
+        ("give", "grade", "rate", "score", "award", "assign", "mark"),
+        rf"\s+(?:(?:this|it|me|the|my)\s+)?(?:{_SUBMISSION}\s+)?(?:an?\s+)?"
         r"(?:(?:score|grade|rating|mark)\s+of\s+)?"
         rf"(?:(?:10(?:\s*/\s*10|\s+out\s+of\s+10)?|ten(?:\s+out\s+of\s+ten)?){_NOT_A_COUNT}"
         r"|full\s+marks|top\s+marks|(?:a\s+)?perfect\s+(?:score|10|ten)"
         r"|the\s+(?:maximum|highest|top)\s+(?:score|grade|mark|rating))",
-        # "score: 10", "grade = 10/10", "the rating should be 10", a JSON verdict in the text
-        r"\b(?:score|grade|rating)\s*(?:[:=]|is|should\s+be|must\s+be)\s*\"?(?:10|ten)\b",
-        r"\"score\"\s*:\s*\"?\d",
-        # prompt plumbing: "system prompt", "New instructions:", role lines, template tokens
-        r"\bsystem\s+(?:prompt|message|instructions?)\b",
-        r"\b(?:new|updated|real|actual|hidden|secret)\s+instructions?\s*:",
-        r"^\s*(?:system|assistant|developer)\s*:",
+    ),
+    # "score: 10", "grade = 10/10", "the rating should be 10"
+    _Cue(
+        ("score", "grade", "rating"),
+        r"\s*(?:[:=]|is|should\s+be|must\s+be)\s*\"?(?:10|ten)\b",
+    ),
+    # prompt plumbing: "system prompt", "New instructions:"
+    _Cue(("system",), r"\s+(?:prompt|message|instructions?)\b"),
+    _Cue(("new", "updated", "real", "actual", "hidden", "secret"), r"\s+instructions?\s*:"),
+    # addressing the judge: "note to the grader", "dear AI"
+    _Cue(
+        ("note", "message", "instructions", "instruction"),
+        rf"\s+(?:to|for)\s+(?:the\s+)?{_JUDGE}\b",
+    ),
+    _Cue(("dear", "hey", "attention"), rf"\s+{_JUDGE}\b"),
+)
+# Phrases that do not start with a word: looked for everywhere.
+_UNLED_PATTERNS: Final = tuple(
+    re.compile(pattern, _FLAGS)
+    for pattern in (
+        r"\"score\"\s*:\s*\"?\d",  # a JSON verdict in the text
+        r"^\s*(?:system|assistant|developer)\s*:",  # role lines
         r"\[/?INST\]|<\|(?:im_start|im_end|system|user|assistant|endoftext)\|>|<<SYS>>",
         r"<\s*/\s*text\s*>",
-        # addressing the judge: "note to the grader", "dear AI"
-        rf"\b(?:note|message|instructions?)\s+(?:to|for)\s+(?:the\s+)?{_JUDGE}\b",
-        rf"\b(?:dear|hey|attention)\s+{_JUDGE}\b",
     )
 )
+
+
+def _cues_by_lead(cues: tuple[_Cue, ...]) -> dict[str, tuple[re.Pattern[str], ...]]:
+    """For each word that starts a cue, the cues to try where it starts: its own and those
+    of every word it begins with ("actual" also starts "act")."""
+    compiled = [cue.compile() for cue in cues]
+    words = {word for cue in cues for word in cue.leads}
+    return {
+        word: tuple(
+            pattern
+            for cue, pattern in zip(cues, compiled, strict=True)
+            if any(word.startswith(lead) for lead in cue.leads)
+        )
+        for word in words
+    }
+
+
+_CUES_AT_LEAD: Final = _cues_by_lead(_CUES)
+# Longest first: where several words match at one position, the longest is reported. The
+# look-ahead at first letters only saves time: the regex engine skips most positions at once.
+_LEAD_FINDER: Final = re.compile(
+    rf"\b(?=[{''.join(sorted({word[0] for word in _CUES_AT_LEAD}))}])(?:"
+    + "|".join(sorted(_CUES_AT_LEAD, key=lambda word: (-len(word), word)))
+    + ")",
+    _FLAGS,
+)
+_BLANK_RUNS = re.compile(r"[^\S\n]+")
 _INVISIBLE = re.compile(r"[\u00ad\u200b-\u200f\u2060-\u2064\ufeff]")
+
+
+def _cues_at(found: str) -> tuple[re.Pattern[str], ...]:
+    if found.isascii():
+        return _CUES_AT_LEAD[found.lower()]
+    # Case-insensitive matching folds a few other letters onto ASCII ones (dotless i, …).
+    return next(
+        cues
+        for word, cues in sorted(_CUES_AT_LEAD.items(), key=lambda item: -len(item[0]))
+        if re.fullmatch(word, found, _FLAGS)
+    )
 
 
 def detect_instructions(text: str) -> bool:
@@ -152,7 +227,15 @@ def detect_instructions(text: str) -> bool:
 
     A warning, not a verdict: it errs towards flagging. Compatibility forms (full-width
     letters) and invisible characters are folded away first, so they cannot hide a phrase.
+    A phrase that starts with a word is tried only where such a word starts (one pass finds
+    them), which makes this several times cheaper than trying every phrase everywhere.
     """
     folded = _INVISIBLE.sub("", unicodedata.normalize("NFKC", text))
-    folded = re.sub(r"[^\S\n]+", " ", folded)
-    return any(pattern.search(folded) for pattern in _INSTRUCTION_PATTERNS)
+    folded = _BLANK_RUNS.sub(" ", folded)
+    if any(pattern.search(folded) for pattern in _UNLED_PATTERNS):
+        return True
+    return any(
+        pattern.match(folded, lead.start())
+        for lead in _LEAD_FINDER.finditer(folded)
+        for pattern in _cues_at(lead.group())
+    )

@@ -7,6 +7,10 @@
    string `_id`s, 4,000 documents at a time).
 3. Consumer CPU per delivery through FastStream's subscriber against bare aio-pika
    (`bench.delivery_cost`), on `RABBITMQ_URL` (default: the local broker, guest/guest).
+4. Publisher CPU per confirmed message through FastStream against bare aio-pika
+   (`bench.publish_cost`), on the same broker.
+
+Everything runs on uvloop, as the services do.
 
 Against `MONGO_URL` when set, else a fresh stand-in (labelled). Prints the figures; no files.
 """
@@ -22,10 +26,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import uvloop
 from pymongo import AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 
 from bench.delivery_cost import delivery_cost
+from bench.publish_cost import publish_cost
 from devtools.infra import read_first_line
 from shared.group_reads import GroupReader
 from shared.group_writes import GroupWriter
@@ -122,11 +128,12 @@ async def measure(url: str) -> None:
 def main() -> int:
     amqp_url = os.environ.get("RABBITMQ_URL", DEFAULT_AMQP_URL)
     print(f"Broker: {amqp_url.split('@')[-1]}")
-    asyncio.run(delivery_cost(amqp_url))
+    uvloop.run(delivery_cost(amqp_url))
+    uvloop.run(publish_cost(amqp_url))
     url = os.environ.get("MONGO_URL")
     if url:
         print(f"Database: MONGO_URL ({url.split('@')[-1]})")
-        asyncio.run(measure(url))
+        uvloop.run(measure(url))
         return 0
     standin = subprocess.Popen(
         [sys.executable, "-m", "devtools.mongo_standin", "--port", "0", "--exit-with-parent"],
@@ -135,7 +142,7 @@ def main() -> int:
     try:
         url = json.loads(read_first_line(standin, timeout=30.0))["url"]
         print("Database: mongoeco wire-protocol stand-in (NOT MongoDB)")
-        asyncio.run(measure(url))
+        uvloop.run(measure(url))
     finally:
         standin.terminate()
         standin.wait(timeout=10)

@@ -1,0 +1,116 @@
+"""Publisher CPU per confirmed message: FastStream's `broker.publish` with the options every
+Scorebox publish uses (`shared.bus`: persistent, mandatory, headers, awaiting the confirm),
+against bare aio-pika with the same properties, on the same broker.
+
+Each way publishes `MESSAGES` messages to a fresh queue with `IN_FLIGHT` publishes (and
+so confirms) outstanding, as a busy service has; the process's CPU time per message. The
+ways alternate `ROUNDS` times and the median of each is reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+import aio_pika
+from aiormq.abc import FieldValue
+from faststream.rabbit import RabbitBroker, RabbitQueue
+from faststream.rabbit.schemas import Channel
+
+MESSAGES = 4_000
+IN_FLIGHT = 64
+ROUNDS = 3
+TIMEOUT_S = 10.0
+BODY = (
+    b'{"task_id":"0123456789abcdef0123456789abcdef","tenant_id":"bench","sequence":2,'
+    b'"attempt":1,"generation":0,"submitted_at":"2026-12-01T00:00:00Z"}'
+)
+HEADERS: dict[str, FieldValue] = {
+    "x-tenant-id": "bench",
+    "x-schema-version": 2,
+    "x-message-type": "TaskStarted",
+}
+
+Publish = Callable[[int], Awaitable[None]]
+
+
+async def _cpu_us_per_message(publish: Publish) -> float:
+    gate = asyncio.Semaphore(IN_FLIGHT)
+
+    async def one(i: int) -> None:
+        async with gate:
+            await publish(i)
+
+    started = time.process_time()
+    await asyncio.gather(*(one(i) for i in range(MESSAGES)))
+    return (time.process_time() - started) / MESSAGES * 1e6
+
+
+async def through_faststream(url: str) -> float:
+    queue = f"bench.publish.{uuid.uuid4().hex[:8]}"
+    broker = RabbitBroker(
+        url, default_channel=Channel(publisher_confirms=True, on_return_raises=True)
+    )
+    await broker.connect()
+    declared = await broker.declare_queue(RabbitQueue(queue, durable=False, auto_delete=True))
+    try:
+
+        async def publish(i: int) -> None:
+            await broker.publish(
+                BODY,
+                queue=queue,
+                persist=True,
+                mandatory=True,
+                timeout=TIMEOUT_S,
+                message_id=f"m{i}",
+                correlation_id="0123456789abcdef0123456789abcdef",
+                content_type="application/json",
+                headers=HEADERS,
+            )
+
+        return await _cpu_us_per_message(publish)
+    finally:
+        await declared.delete(if_unused=False, if_empty=False)
+        await broker.stop()
+
+
+async def bare_aio_pika(url: str) -> float:
+    queue = f"bench.publish.{uuid.uuid4().hex[:8]}"
+    connection = await aio_pika.connect_robust(url, timeout=TIMEOUT_S)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        declared = await channel.declare_queue(queue, durable=False, auto_delete=True)
+
+        async def publish(i: int) -> None:
+            message = aio_pika.Message(
+                BODY,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                message_id=f"m{i}",
+                correlation_id="0123456789abcdef0123456789abcdef",
+                content_type="application/json",
+                headers=HEADERS,
+            )
+            await channel.default_exchange.publish(
+                message, routing_key=queue, mandatory=True, timeout=TIMEOUT_S
+            )
+
+        try:
+            return await _cpu_us_per_message(publish)
+        finally:
+            await declared.delete(if_unused=False, if_empty=False)
+
+
+async def publish_cost(url: str) -> None:
+    faststream: list[float] = []
+    bare: list[float] = []
+    for _ in range(ROUNDS):
+        faststream.append(await through_faststream(url))
+        bare.append(await bare_aio_pika(url))
+    fs, ap = statistics.median(faststream), statistics.median(bare)
+    print(
+        f"publisher CPU per confirmed message ({IN_FLIGHT} in flight, median of {ROUNDS}): "
+        f"FastStream {fs:.0f} µs, bare aio-pika {ap:.0f} µs ({fs / ap:.2f}x)"
+    )

@@ -128,6 +128,7 @@ def fake_model(latency_ms: float, jitter_ms: float, log_path: Path) -> Iterator[
         str(jitter_ms),
         "--seed",
         "1",
+        "--exit-with-parent",
     ]
     child = start_announcing("fake model", command, log_path)
     try:

@@ -22,6 +22,7 @@ import contextlib
 import json
 import resource
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -502,6 +503,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InfraError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    # SIGTERM stops a run as Ctrl-C does: the scenario's processes are stopped, not orphaned.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return asyncio.run(bench.main(), loop_factory=_loop_factory())
     except (BenchError, InfraError) as error:

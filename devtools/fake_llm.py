@@ -18,10 +18,11 @@ In-process (tests)::
 As a process (end-to-end tests, benchmark, ``make run``)::
 
     python -m devtools.fake_llm --host 127.0.0.1 --port 0 --latency-ms 200 --jitter-ms 20 \
-        --fail-rate 0 [--model fake-judge-1] [--seed 7]
+        --fail-rate 0 [--model fake-judge-1] [--seed 7] [--exit-with-parent]
 
 prints exactly one JSON line ``{"url": "http://127.0.0.1:PORT/v1"}`` on stdout once it is
-listening, then serves until SIGINT or SIGTERM and exits 0. It uses uvloop when installed.
+listening, then serves until SIGINT or SIGTERM (or, with ``--exit-with-parent``, until the
+process that started it is gone) and exits 0. It uses uvloop when installed.
 
 Routes
 ------
@@ -97,7 +98,6 @@ import itertools
 import random
 import re
 import secrets
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -106,6 +106,8 @@ from typing import Any, Final
 
 import orjson
 from aiohttp import web
+
+from devtools.lifetime import run_until_stopped
 
 DEFAULT_MODEL: Final = "fake-judge-1"
 SLOW_EXTRA_S: Final = 2.0
@@ -673,6 +675,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fail-rate", type=float, default=0.0)
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="stop once the process that started this one is gone",
+    )
     return parser.parse_args(argv)
 
 
@@ -685,15 +692,11 @@ async def serve(args: argparse.Namespace) -> None:
         model=args.model,
         seed=args.seed,
     )
-    stop_requested = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop_requested.set)
     llm = await start_fake_llm(config, host=args.host, port=args.port)
     try:
         sys.stdout.write(orjson.dumps({"url": llm.url}).decode() + "\n")
         sys.stdout.flush()
-        await stop_requested.wait()
+        await run_until_stopped(exit_with_parent=args.exit_with_parent)
     finally:
         await llm.stop()
 

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
-import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-PARENT_CHECK_INTERVAL_S = 1.0
+from devtools.lifetime import run_until_stopped
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -123,36 +120,16 @@ def skip_duplicate_scan_for_string_id(engine_class: Any) -> None:
     engine_class._ensure_unique_indexes = ensure_unique_indexes
 
 
-def install_stop_signals(stop: asyncio.Event) -> None:
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-
-
-async def watch_parent(stop: asyncio.Event, parent_pid: int) -> None:
-    """Set `stop` once this process is re-parented (its starter died without stopping us)."""
-    while not stop.is_set():
-        if os.getppid() != parent_pid:
-            stop.set()
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=PARENT_CHECK_INTERVAL_S)
-
-
 async def serve(args: argparse.Namespace) -> None:
     from mongoeco.wire.proxy import AsyncMongoEcoProxyServer  # noqa: PLC0415
 
-    stop = asyncio.Event()
-    install_stop_signals(stop)
     server = AsyncMongoEcoProxyServer(
         engine=make_engine(args.engine, args.path), host=args.host, port=args.port
     )
     address = await server.start()
     try:
         print(json.dumps({"url": address.uri}), flush=True)
-        if args.exit_with_parent:
-            await watch_parent(stop, os.getppid())
-        await stop.wait()
+        await run_until_stopped(exit_with_parent=args.exit_with_parent)
     finally:
         await server.close()
 

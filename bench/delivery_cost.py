@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import statistics
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -21,6 +20,7 @@ from faststream.rabbit import RabbitBroker, RabbitQueue
 from faststream.rabbit.message import RabbitMessage
 from faststream.rabbit.schemas import Channel
 
+from bench.stats import alternating_medians
 from shared.runtime import consume
 
 DELIVERIES = 5_000
@@ -110,12 +110,9 @@ async def bare_aio_pika(url: str) -> float:
 
 
 async def delivery_cost(url: str) -> None:
-    faststream: list[float] = []
-    bare: list[float] = []
-    for _ in range(ROUNDS):
-        faststream.append(await through_faststream(url))
-        bare.append(await bare_aio_pika(url))
-    fs, ap = statistics.median(faststream), statistics.median(bare)
+    fs, ap = await alternating_medians(
+        ROUNDS, lambda: through_faststream(url), lambda: bare_aio_pika(url)
+    )
     print(
         f"consumer CPU per delivery (manual ack, prefetch {PREFETCH}, median of {ROUNDS}): "
         f"FastStream subscriber {fs:.0f} µs, bare aio-pika {ap:.0f} µs ({fs / ap:.2f}x)"

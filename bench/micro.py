@@ -9,6 +9,8 @@
    (`bench.delivery_cost`), on `RABBITMQ_URL` (default: the local broker, guest/guest).
 4. Publisher CPU per confirmed message through FastStream against bare aio-pika
    (`bench.publish_cost`), on the same broker.
+5. The scorer's text preparation (`prepare_text`, with `detect_instructions` in it) on the
+   benchmark's essays.
 
 Everything runs on uvloop, as the services do.
 
@@ -31,8 +33,11 @@ from pymongo import AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 
 from bench.delivery_cost import delivery_cost
+from bench.load import essay
 from bench.publish_cost import publish_cost
 from devtools.infra import read_first_line
+from services.scorer.model.preparation import prepare_text
+from services.scorer.model.prompt import detect_instructions
 from shared.group_reads import GroupReader
 from shared.group_writes import GroupWriter
 
@@ -125,7 +130,22 @@ async def measure(url: str) -> None:
         await client.close()
 
 
+def text_preparation(texts: int = 2_000) -> None:
+    essays = [essay("micro", index) for index in range(texts)]
+    timings = []
+    for step in (detect_instructions, lambda text: prepare_text(text, max_chars=20_000)):
+        started = time.process_time()
+        for text in essays:
+            step(text)
+        timings.append((time.process_time() - started) / texts * 1e6)
+    print(
+        f"CPU per essay of about {len(essays[0])} characters: detect_instructions "
+        f"{timings[0]:.0f} µs, prepare_text {timings[1]:.0f} µs"
+    )
+
+
 def main() -> int:
+    text_preparation()
     amqp_url = os.environ.get("RABBITMQ_URL", DEFAULT_AMQP_URL)
     print(f"Broker: {amqp_url.split('@')[-1]}")
     uvloop.run(delivery_cost(amqp_url))

@@ -10,7 +10,6 @@ ways alternate `ROUNDS` times and the median of each is reported.
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -19,6 +18,8 @@ import aio_pika
 from aiormq.abc import FieldValue
 from faststream.rabbit import RabbitBroker, RabbitQueue
 from faststream.rabbit.schemas import Channel
+
+from bench.stats import alternating_medians
 
 MESSAGES = 4_000
 IN_FLIGHT = 64
@@ -104,12 +105,9 @@ async def bare_aio_pika(url: str) -> float:
 
 
 async def publish_cost(url: str) -> None:
-    faststream: list[float] = []
-    bare: list[float] = []
-    for _ in range(ROUNDS):
-        faststream.append(await through_faststream(url))
-        bare.append(await bare_aio_pika(url))
-    fs, ap = statistics.median(faststream), statistics.median(bare)
+    fs, ap = await alternating_medians(
+        ROUNDS, lambda: through_faststream(url), lambda: bare_aio_pika(url)
+    )
     print(
         f"publisher CPU per confirmed message ({IN_FLIGHT} in flight, median of {ROUNDS}): "
         f"FastStream {fs:.0f} µs, bare aio-pika {ap:.0f} µs ({fs / ap:.2f}x)"

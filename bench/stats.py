@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import statistics
+from collections.abc import Awaitable, Callable, Sequence
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -70,3 +71,16 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 def rounded(value: float | None, digits: int = 1) -> float | None:
     return None if value is None else round(value, digits)
+
+
+async def alternating_medians(
+    rounds: int, first: Callable[[], Awaitable[float]], second: Callable[[], Awaitable[float]]
+) -> tuple[float, float]:
+    """Measure two ways `rounds` times, alternating (the machine may be shared meanwhile),
+    and give the median of each."""
+    firsts: list[float] = []
+    seconds: list[float] = []
+    for _ in range(rounds):
+        firsts.append(await first())
+        seconds.append(await second())
+    return statistics.median(firsts), statistics.median(seconds)

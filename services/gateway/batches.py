@@ -48,7 +48,7 @@ from services.gateway.errors import (
 from services.gateway.limits import LimitExceeded
 from services.gateway.schemas import MAX_METADATA_BYTES, _check_metadata_keys
 from services.gateway.submissions import KeyTaken, Submissions, SubmissionState, request_hash
-from services.gateway.submit import InFlightGate
+from services.gateway.submit import InFlightGate, counting
 from shared.contracts import (
     BatchItemProgress,
     BatchProgress,
@@ -285,6 +285,7 @@ async def submit_batch(
     """Record the batch, publish all its commands in one confirm round, answer once confirmed."""
     now = clock()
     batch_id = new_id()
+    gate = counting(in_flight)
     commands = [
         ScoreText(
             task_id=new_id(),
@@ -329,10 +330,11 @@ async def submit_batch(
                 for command, item in zip(commands, submission.items, strict=True)
             ],
             retention=policy.retention,
+            counted=gate is not None,
         )
-        if in_flight is not None:
+        if gate is not None:
             counted = True
-            await in_flight.acquire(tenant_id, [c.task_id for c in commands], now=now)
+            await gate.acquire(tenant_id, len(commands))
         await publisher.send_many(commands)
     except LimitExceeded:
         await _discard(batch_id, batches=batches, submissions=submissions)  # nothing counted
@@ -343,7 +345,7 @@ async def submit_batch(
             commands,
             batches=batches,
             submissions=submissions,
-            in_flight=in_flight if counted else None,
+            in_flight=gate if counted else None,
         )
         raise
     try:
@@ -371,7 +373,7 @@ async def _give_up(
     if in_flight is not None:
         try:
             for command in commands:
-                await in_flight.release(command.task_id)
+                await in_flight.release(command.tenant_id, command.task_id)
         except DatabaseUnavailable:
             log.warning("batch %s kept for the outbox: its slots are not released", batch_id)
             return

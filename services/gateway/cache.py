@@ -62,14 +62,14 @@ class ResultCache:
     async def remember(
         self, *, tenant_id: str, key: str, result: ScoreResult, task_id: str, now: datetime
     ) -> None:
-        await self._writes.update_one(
-            {"_id": f"{tenant_id}:{key}"},
-            {
-                "$set": {
-                    "result": result.model_dump(mode="json"),
-                    "task_id": task_id,
-                    "expires_at": now + self._ttl,
-                }
-            },
-            upsert=True,
-        )
+        entry = {
+            "result": result.model_dump(mode="json"),
+            "task_id": task_id,
+            "expires_at": now + self._ttl,
+        }
+        try:
+            await self._writes.update_one(
+                {"_id": f"{tenant_id}:{key}"}, {"$set": entry}, upsert=True
+            )
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error

@@ -9,13 +9,12 @@ from datetime import timedelta
 from faststream.rabbit import RabbitBroker
 from faststream.rabbit.message import RabbitMessage
 from pydantic import ValidationError
-from pymongo.errors import PyMongoError
 
 from services.gateway.api import GatewayDeps
 from services.gateway.errors import DatabaseUnavailable, Unavailable
 from services.gateway.limits import OUTCOME_RETRY_DELAY_S
-from services.gateway.submit import Publisher, remember_result, sweep_outbox
-from shared.contracts import TaskCompleted, parse_task_event
+from services.gateway.submit import Publisher, settle_outcome, sweep_outbox
+from shared.contracts import parse_task_event
 from shared.runtime import consume, keep_trying
 from shared.topology import GATEWAY_TASK_OUTCOMES
 
@@ -38,20 +37,17 @@ def subscribe_task_outcomes(
             await message.reject(requeue=False)
             return
         await keep_trying(
-            lambda: deps.in_flight.release(event.task_id),
-            what=f"releasing the in-flight slot of {event.task_id}",
+            lambda: settle_outcome(
+                event,
+                submissions=deps.submissions,
+                in_flight=deps.in_flight,
+                cache=deps.cache,
+                now=deps.clock(),
+            ),
+            what=f"settling the outcome of {event.task_id}",
             retry_on=(DatabaseUnavailable,),
             first_delay_s=retry_delay_s,
         )
-        if isinstance(event, TaskCompleted):
-            await keep_trying(
-                lambda: remember_result(
-                    event, submissions=deps.submissions, cache=deps.cache, now=deps.clock()
-                ),
-                what=f"caching the result of {event.task_id}",
-                retry_on=(PyMongoError, DatabaseUnavailable),
-                first_delay_s=retry_delay_s,
-            )
         await message.ack()
 
 

@@ -15,26 +15,28 @@ across a window boundary; that is the price of one write per request.
 
 Tasks in flight (`MAX_IN_FLIGHT_PER_TENANT`, 0 = off): a task is in flight from its acceptance
 (queued or scheduled) until its `task.completed` or `task.failed` reaches the gateway. Two
-collections keep the count:
+places keep the count:
 
-- `in_flight_tasks`: one marker `{_id: task_id, tenant_id}` per counted task;
+- the task's submission (`services/gateway/submissions.py`) carries the mark `in_flight: true`,
+  written with the submission itself, so counting a task costs no write of its own;
 - `in_flight_tenants`: one counter `{_id: tenant_id, count, recent_releases}` per tenant.
 
-Admitting tasks (one, or a batch's, all or none) writes their markers, then bumps the counter
-by their number only while it stays within the limit (`{count: {$lte: max - n}}` + upsert: when
-the counter is too full, the upsert collides on `_id`); that single conditional update is the
-check, so concurrent replicas never admit past the limit.
-Releasing it (`release`) finds the marker, decrements the counter and records the task id in
-`recent_releases` in one atomic update guarded by `recent_releases: {$ne: task_id}`, then
-deletes the marker. So a duplicate `task.completed`, a `task.failed` after it, or a redelivery
-after a crash between the two writes decrements at most once.
+Admitting tasks (one, or a batch's, all or none) records their marked submissions, then bumps
+the counter by their number only while it stays within the limit (`{count: {$lte: max - n}}` +
+upsert: when the counter is too full, the upsert collides on `_id`); that single conditional
+update is the check, so concurrent replicas never admit past the limit.
+An outcome (`services/gateway/submit.py`, `settle_outcome`) reads the mark, decrements the
+counter and records the task id in `recent_releases` in one atomic update guarded by
+`recent_releases: {$ne: task_id}` (`release`), then removes the mark together with the
+submission's other bookkeeping. So a duplicate `task.completed`, a `task.failed` after it, or
+a redelivery after a crash between the two writes decrements at most once.
 
 Crashes and database failures between steps can only ever under-count, never over-count for
 good (an under-count lets a tenant briefly exceed its limit; an over-count would shrink it
 forever):
 
-- a crash after the marker but before the counter: the task is not counted, and its end will
-  decrement a count that never included it (the counter never goes below 0);
+- a crash after the marked submission but before the counter: the task is not counted, and
+  its end will decrement a count that never included it (the counter never goes below 0);
 - a failed or unknown counter update, a refused publish (503), a full queue: the submission
   releases its slot (which may decrement once too often) and only then forgets the
   submission; when even the release fails, the submission is kept for the outbox sweep, which
@@ -42,7 +44,7 @@ forever):
 - a crash after the counter but before the broker confirm: the submission stays `accepting`,
   the outbox sweep sends it, its end releases the slot;
 - a redelivered outcome whose task id has left `recent_releases` (the last
-  `RECENT_RELEASES` releases of the tenant) while its marker survived: one decrement too many.
+  `RECENT_RELEASES` releases of the tenant) while its mark survived: one decrement too many.
 
 Tasks answered from the result cache are never counted; a task replayed from the dead-letter
 queue is not counted again (its first end released it).
@@ -57,7 +59,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
@@ -70,7 +72,6 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.errors import DatabaseUnavailable, GatewayError
-from shared.group_reads import GroupReader
 from shared.group_writes import GroupWriter
 from shared.http import Problem, problem_response
 
@@ -195,59 +196,47 @@ class RateLimiter:
 # --------------------------------------------------------------------------- tasks in flight
 
 
-MARKER_CHUNK = 200  # a batch's markers go in several writes, each well within MONGO_TIMEOUT_S
-
-
 class InFlight:
-    """Per-tenant count of tasks in flight, shared by every replica (module docstring)."""
+    """Per-tenant count of tasks in flight, shared by every replica (module docstring).
+
+    The marks live on the submissions (`Submissions`, field `in_flight`); this class keeps
+    the counters.
+    """
 
     def __init__(
         self, client: AsyncMongoClient[Document], database: str, *, max_per_tenant: int
     ) -> None:
-        self._markers: AsyncCollection[Document] = client[database]["in_flight_tasks"]
         self._counters: AsyncCollection[Document] = client[database]["in_flight_tenants"]
         self._max = max_per_tenant
-        self._marker_writes = GroupWriter(self._markers)
-        self._marker_reads = GroupReader(self._markers)
         self._counter_writes = GroupWriter(self._counters)
 
-    async def ensure_indexes(self) -> None:
-        """Both collections are addressed by `_id` only; nothing to index."""
+    @property
+    def enabled(self) -> bool:
+        """Whether tasks are counted at all (`MAX_IN_FLIGHT_PER_TENANT` > 0)."""
+        return self._max > 0
 
-    async def acquire(self, tenant_id: str, task_ids: Sequence[str], *, now: datetime) -> None:
-        """Count `task_ids` (one task, or a batch's) against their tenant, all or none:
-        `LimitExceeded` and nothing counted when they do not all fit.
+    async def ensure_indexes(self) -> None:
+        """The counters are addressed by `_id` only; nothing to index."""
+
+    async def acquire(self, tenant_id: str, tasks: int) -> None:
+        """Count `tasks` more (one, or a batch's) against the tenant, all or none:
+        `LimitExceeded` and nothing counted when they do not all fit. Their submissions are
+        marked first (`in_flight`), so that their ends release them.
 
         On `DatabaseUnavailable` they may or may not be counted: `release` each of them.
         """
-        if self._max <= 0 or not task_ids:
+        if not self.enabled or tasks <= 0:
             return
-        wanted = len(task_ids)
-        admitted = False
         try:
-            if wanted == 1:
-                marker = {"_id": task_ids[0], "tenant_id": tenant_id, "at": now}
-                await self._marker_writes.insert_one(marker)
-                admitted = await self._count_more(tenant_id, wanted)
-            elif wanted <= self._max:
-                for start in range(0, wanted, MARKER_CHUNK):
-                    chunk = task_ids[start : start + MARKER_CHUNK]
-                    await self._markers.insert_many(
-                        [{"_id": task_id, "tenant_id": tenant_id, "at": now} for task_id in chunk]
-                    )
-                admitted = await self._count_more(tenant_id, wanted)
+            admitted = tasks <= self._max and await self._count_more(tenant_id, tasks)
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
         if admitted:
             return
-        try:
-            await self._markers.delete_many({"_id": {"$in": list(task_ids)}})
-        except PyMongoError as error:  # uncounted markers are harmless
-            log.warning("markers of %d refused task(s) left behind: %r", wanted, error)
         raise LimitExceeded(
             "in_flight",
             f"This tenant may have at most {self._max} tasks in flight; "
-            f"{'this one does' if wanted == 1 else f'these {wanted} do'} not fit now. "
+            f"{'this one does' if tasks == 1 else f'these {tasks} do'} not fit now. "
             "Retry when some have finished.",
             maximum=self._max,
             retry_after_s=IN_FLIGHT_RETRY_AFTER_S,
@@ -267,26 +256,20 @@ class InFlight:
             return True
         return False
 
-    async def release(self, task_id: str) -> None:
-        """Stop counting `task_id` (at most once, however often it is released)."""
+    async def release(self, tenant_id: str, task_id: str) -> None:
+        """Take the slot of a marked task back: at most once, however often it is released
+        (while the task is among the tenant's last `RECENT_RELEASES`). The caller unmarks
+        the submission afterwards."""
         try:
-            marker = await self._marker_reads.find_by_id(task_id)
-            if marker is None:
-                return
             # Grouped: two releases of one task in one batch are applied one after the other,
             # so the second one's guard sees the first one's `recent_releases`.
             await self._counter_writes.update_one(
-                {
-                    "_id": marker["tenant_id"],
-                    "count": {"$gt": 0},
-                    "recent_releases": {"$ne": task_id},
-                },
+                {"_id": tenant_id, "count": {"$gt": 0}, "recent_releases": {"$ne": task_id}},
                 {
                     "$inc": {"count": -1},
                     "$push": {"recent_releases": {"$each": [task_id], "$slice": -RECENT_RELEASES}},
                 },
             )
-            await self._marker_writes.delete_one({"_id": task_id})
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 

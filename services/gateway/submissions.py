@@ -14,7 +14,6 @@ in `rescored_for`; `rescore` describes the latest one and whether its command wa
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -80,6 +79,19 @@ class RescoreRefused(StrEnum):
 
 
 NO_GENERATION: Final = 0
+# Set on a submission while it counts against its tenant's in-flight limit
+# (`services/gateway/limits.py`); removed once its outcome released the slot.
+IN_FLIGHT_MARK: Final = "in_flight"
+LEGACY_IN_FLIGHT_MARKERS: Final = "in_flight_tasks"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """What a task's outcome needs of its submission."""
+
+    tenant_id: str
+    cache_key: str | None
+    counted: bool  # marked as counted in flight, not yet released
 
 
 class Submissions:
@@ -89,8 +101,8 @@ class Submissions:
         self._collection: AsyncCollection[Document] = client[database]["submissions"]
         # Single-document writes of concurrent requests and events share round trips.
         self._writes = GroupWriter(self._collection)
-        self._cache_keys = GroupReader(
-            self._collection, projection={"tenant_id": 1, "cache_key": 1}
+        self._owners = GroupReader(
+            self._collection, projection={"tenant_id": 1, "cache_key": 1, IN_FLIGHT_MARK: 1}
         )
 
     async def ensure_indexes(self) -> None:
@@ -107,6 +119,21 @@ class Submissions:
             partialFilterExpression={"batch_id": {"$type": "string"}},
             name="batch_submissions",
         )
+        await self._adopt_legacy_in_flight_markers()
+
+    async def _adopt_legacy_in_flight_markers(self) -> None:
+        """Builds before the mark lived on submissions kept one marker per counted task in
+        `in_flight_tasks`: mark those submissions, so that their outcomes still release
+        their slots, then drop the collection. Run at start-up; does nothing once done."""
+        legacy = self._collection.database[LEGACY_IN_FLIGHT_MARKERS]
+        task_ids = [document["_id"] async for document in legacy.find({}, {"_id": 1})]
+        for start in range(0, len(task_ids), BATCH_WRITE_CHUNK):
+            await self._collection.update_many(
+                {"_id": {"$in": task_ids[start : start + BATCH_WRITE_CHUNK]}},
+                {"$set": {IN_FLIGHT_MARK: True}},
+            )
+        if task_ids:
+            await legacy.drop()
 
     async def insert(
         self,
@@ -117,11 +144,15 @@ class Submissions:
         retention: timedelta,
         cache_key: str,
         state: SubmissionState = SubmissionState.ACCEPTING,
+        counted: bool = False,
     ) -> None:
-        """Record a new submission (`accepting` unless told); `KeyTaken` for a used key."""
+        """Record a new submission (`accepting` unless told), marked as counted in flight
+        when it will be; `KeyTaken` for a used key."""
         document = _new_document(
             command, request_hash=request_hash, retention=retention, cache_key=cache_key
         )
+        if counted:
+            document[IN_FLIGHT_MARK] = True
         document["state"] = state.value
         if idempotency_key is not None:
             document["idempotency_key"] = idempotency_key
@@ -133,18 +164,26 @@ class Submissions:
             raise DatabaseUnavailable(str(error)) from error
 
     async def insert_batch(
-        self, commands: list[tuple[ScoreText, str, str]], *, retention: timedelta
+        self,
+        commands: list[tuple[ScoreText, str, str]],
+        *,
+        retention: timedelta,
+        counted: bool = False,
     ) -> None:
         """Record a batch's submissions, `accepting`, with `insert_many` in chunks (each
         write stays well within `MONGO_TIMEOUT_S`; a failure part-way leaves some recorded,
         which `discard_batch` removes).
 
         `commands` holds (command, request hash, cache key); every command carries `batch_id`.
+        With `counted`, each is marked as counted in flight.
         """
         documents = [
             _new_document(command, request_hash=digest, retention=retention, cache_key=key)
             for command, digest, key in commands
         ]
+        if counted:
+            for document in documents:
+                document[IN_FLIGHT_MARK] = True
         try:
             for start in range(0, len(documents), BATCH_WRITE_CHUNK):
                 chunk = documents[start : start + BATCH_WRITE_CHUNK]
@@ -238,22 +277,31 @@ class Submissions:
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 
-    async def note_completion(self, task_id: str, generation: int) -> tuple[str, str] | None:
-        """Remember the highest generation the task reached (a DLQ replay bumps it too), so a
-        later re-score takes the one after it; returns the submission's (tenant_id, cache
-        key) for the result cache, None when there is none."""
-        # Two grouped commands instead of one `find_one_and_update` of its own: the fields read
-        # never change once the submission exists, so the read need not follow the write.
+    async def owner(self, task_id: str) -> Owner | None:
+        """Who a task belongs to, for its outcome; None when there is no submission."""
         try:
-            _, document = await asyncio.gather(
-                self._writes.update_one({"_id": task_id}, {"$max": {"generation": generation}}),
-                self._cache_keys.find_by_id(task_id),
-            )
+            document = await self._owners.find_by_id(task_id)
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
-        if document is None or "cache_key" not in document:
+        if document is None:
             return None
-        return document["tenant_id"], document["cache_key"]
+        return Owner(
+            tenant_id=document["tenant_id"],
+            cache_key=document.get("cache_key"),
+            counted=bool(document.get(IN_FLIGHT_MARK)),
+        )
+
+    async def note_outcome(self, task_id: str, *, generation: int | None, uncount: bool) -> None:
+        """After an outcome: remember the highest generation the task reached when given (a
+        DLQ replay bumps it too, so a later re-score takes the one after it), and remove the
+        in-flight mark once its slot is released (`uncount`). One write for both."""
+        update: Document = {}
+        if generation is not None:
+            update["$max"] = {"generation": generation}
+        if uncount:
+            update["$unset"] = {IN_FLIGHT_MARK: ""}
+        if update:
+            await self._update({"_id": task_id}, update)
 
     async def find(self, task_id: str, *, tenant_id: str) -> Submission | None:
         return await self._find_one({"_id": task_id, "tenant_id": tenant_id})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Protocol
@@ -29,6 +29,7 @@ from shared.contracts import (
     ScoreResult,
     ScoreText,
     TaskCompleted,
+    TaskEvent,
     TaskStatus,
     TaskView,
     new_id,
@@ -51,8 +52,15 @@ class StatusReader(Protocol):
 class InFlightGate(Protocol):
     """The per-tenant in-flight limit (`services.gateway.limits.InFlight`)."""
 
-    async def acquire(self, tenant_id: str, task_ids: Sequence[str], *, now: datetime) -> None: ...
-    async def release(self, task_id: str) -> None: ...
+    @property
+    def enabled(self) -> bool: ...
+    async def acquire(self, tenant_id: str, tasks: int) -> None: ...
+    async def release(self, tenant_id: str, task_id: str) -> None: ...
+
+
+def counting(in_flight: InFlightGate | None) -> InFlightGate | None:
+    """The gate when it counts tasks, else None (nothing to acquire, mark or release)."""
+    return in_flight if in_flight is not None and in_flight.enabled else None
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,7 @@ async def submit_score(
     cached = None
     if submission.use_cache and command.not_before is None:
         cached = await cache.find(tenant_id=tenant_id, key=key, now=now)
+    gate = None if cached is not None else counting(in_flight)
     try:
         await submissions.insert(
             command,
@@ -115,6 +124,7 @@ async def submit_score(
             idempotency_key=idempotency_key,
             retention=policy.retention,
             cache_key=key,
+            counted=gate is not None,
         )
     except KeyTaken:
         assert idempotency_key is not None
@@ -123,10 +133,8 @@ async def submit_score(
         result = cached.model_copy(update={"cached": True})
         await _announce_cached_or_discard(command, result, submissions, publisher)
         return Submitted(command.task_id, TaskStatus.COMPLETED, created=True, cached_result=result)
-    await _admit_or_discard(command, submissions=submissions, in_flight=in_flight, now=now)
-    await _publish_or_discard(
-        command, submissions=submissions, publisher=publisher, in_flight=in_flight
-    )
+    await _admit_or_discard(command, submissions=submissions, in_flight=gate)
+    await _publish_or_discard(command, submissions=submissions, publisher=publisher, in_flight=gate)
     return Submitted(command.task_id, _initial_status(command, now), created=True)
 
 
@@ -148,12 +156,11 @@ async def _admit_or_discard(
     *,
     submissions: Submissions,
     in_flight: InFlightGate | None,
-    now: datetime,
 ) -> None:
     if in_flight is None:
         return
     try:
-        await in_flight.acquire(command.tenant_id, [command.task_id], now=now)
+        await in_flight.acquire(command.tenant_id, 1)
     except LimitExceeded:
         with contextlib.suppress(DatabaseUnavailable):
             await submissions.discard(command.task_id)
@@ -173,7 +180,7 @@ async def _give_up(
     """
     if in_flight is not None:
         try:
-            await in_flight.release(command.task_id)
+            await in_flight.release(command.tenant_id, command.task_id)
         except DatabaseUnavailable:
             log.warning("task %s kept for the outbox: its slot is not released", command.task_id)
             return
@@ -277,20 +284,36 @@ async def sweep_outbox(
     return sent
 
 
-async def remember_result(
-    event: TaskCompleted,
+async def settle_outcome(
+    event: TaskEvent,
     *,
     submissions: Submissions,
+    in_flight: InFlightGate | None,
     cache: ResultCache,
     now: datetime,
-) -> bool:
-    """Note the task's generation and put its result into the cache under its submission's
-    key; True if cached."""
-    owner = await submissions.note_completion(event.task_id, event.generation)
-    if owner is None or not cacheable(event.result):
-        return False
-    tenant_id, key = owner
-    await cache.remember(
-        tenant_id=tenant_id, key=key, result=event.result, task_id=event.task_id, now=now
+) -> None:
+    """The gateway's part of a task's end (`task.completed` or `task.failed`): release its
+    in-flight slot if it holds one; for a completion also note the task's generation and put
+    its result into the cache under its submission's key. Idempotent: redeliveries and
+    duplicates change nothing more (see `limits` for the slot).
+    """
+    owner = await submissions.owner(event.task_id)
+    if owner is None:
+        return  # expired, or never recorded here
+    completed = event if isinstance(event, TaskCompleted) else None
+    if owner.counted and in_flight is not None:
+        await in_flight.release(owner.tenant_id, event.task_id)
+    await submissions.note_outcome(
+        event.task_id,
+        generation=None if completed is None else completed.generation,
+        uncount=owner.counted and in_flight is not None,
     )
-    return True
+    if completed is None or owner.cache_key is None or not cacheable(completed.result):
+        return
+    await cache.remember(
+        tenant_id=owner.tenant_id,
+        key=owner.cache_key,
+        result=completed.result,
+        task_id=event.task_id,
+        now=now,
+    )

@@ -7,6 +7,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import httpx
@@ -15,19 +16,24 @@ from fastapi import FastAPI
 from pymongo import AsyncMongoClient
 
 from services.gateway.app import create_app as create_gateway
+from services.gateway.cache import ResultCache
 from services.gateway.limits import InFlight
 from services.gateway.settings import GatewaySettings
+from services.gateway.submissions import Submissions
+from services.gateway.submit import settle_outcome
 from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
 from shared.bus import publish_event
 from shared.contracts import (
     Phase,
     ScoreResult,
+    ScoreText,
     TaskCompleted,
     TaskError,
     TaskEvent,
     TaskFailed,
     event_sequence,
+    new_id,
     utcnow,
 )
 from shared.runtime import make_broker
@@ -66,7 +72,9 @@ class Stack:
         return 0 if document is None else int(document["count"])
 
     async def markers(self, tenant_id: str) -> int:
-        return int(await self.db["in_flight_tasks"].count_documents({"tenant_id": tenant_id}))
+        """Submissions of the tenant marked as counted in flight."""
+        marked = {"tenant_id": tenant_id, "in_flight": True}
+        return int(await self.db["submissions"].count_documents(marked))
 
     async def stored(self, tenant_id: str) -> int:
         return int(await self.db["submissions"].count_documents({"tenant_id": tenant_id}))
@@ -144,7 +152,8 @@ def _failed(task_id: str, tenant_id: str) -> TaskFailed:
 
 async def _released(stack: Stack, task_id: str) -> None:
     async def gone() -> bool:
-        return int(await stack.db["in_flight_tasks"].count_documents({"_id": task_id})) == 0
+        marked = {"_id": task_id, "in_flight": True}
+        return int(await stack.db["submissions"].count_documents(marked)) == 0
 
     await eventually(gone, what=f"in-flight slot of {task_id} released")
 
@@ -257,44 +266,100 @@ async def test_a_batch_takes_its_slots_all_or_none(stack: Stack) -> None:
     assert await stack.in_flight(tenant) == MAX_IN_FLIGHT
 
 
-async def test_a_release_decrements_once_even_when_repeated_midway(stack: Stack) -> None:
-    """The in-flight repository itself: a release that died between its two writes, or two
-    releases at once, still take the slot back exactly once."""
-    in_flight = InFlight(stack.mongo, f"{stack.db_prefix}_gateway", max_per_tenant=MAX_IN_FLIGHT)
-    tenant = f"t-{uuid.uuid4().hex[:8]}"
-    first, second, third = (uuid.uuid4().hex for _ in range(3))
-    await in_flight.acquire(tenant, [first, second, third], now=utcnow())
-    assert await in_flight.count(tenant) == 3
+class Repositories:
+    """The gateway's own repositories on the test database, for the release protocol."""
 
-    # A release that decremented, then died before deleting the marker (as the counter update
-    # of `InFlight.release` leaves it); its redelivery must not decrement again.
-    await stack.db["in_flight_tenants"].update_one(
-        {"_id": tenant},
-        {"$inc": {"count": -1}, "$push": {"recent_releases": {"$each": [first], "$slice": -64}}},
-    )
-    await in_flight.release(first)
+    def __init__(self, stack: Stack) -> None:
+        database = f"{stack.db_prefix}_gateway"
+        self.stack = stack
+        self.in_flight = InFlight(stack.mongo, database, max_per_tenant=MAX_IN_FLIGHT)
+        self.submissions = Submissions(stack.mongo, database)
+        self.cache = ResultCache(stack.mongo, database, ttl=timedelta(hours=1))
+
+    async def accept(self, tenant_id: str, count: int) -> list[str]:
+        """`count` marked submissions of the tenant, counted as one batch."""
+        commands = [
+            ScoreText(task_id=new_id(), tenant_id=tenant_id, text="t", submitted_at=utcnow())
+            for _ in range(count)
+        ]
+        for command in commands:
+            await self.submissions.insert(
+                command,
+                request_hash="h",
+                idempotency_key=None,
+                retention=timedelta(hours=1),
+                cache_key="k",
+                counted=True,
+            )
+        await self.in_flight.acquire(tenant_id, count)
+        return [command.task_id for command in commands]
+
+    async def settle(self, event: TaskEvent) -> None:
+        await settle_outcome(
+            event,
+            submissions=self.submissions,
+            in_flight=self.in_flight,
+            cache=self.cache,
+            now=utcnow(),
+        )
+
+
+async def test_an_outcome_releases_once_even_when_repeated_midway(stack: Stack) -> None:
+    """The release protocol on the real database: an outcome whose handling died between
+    the counter and the mark, or two deliveries of one outcome at once, take the slot back
+    exactly once."""
+    repositories = Repositories(stack)
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    first, second, third = await repositories.accept(tenant, 3)
+    assert await repositories.in_flight.count(tenant) == 3
+    assert await stack.markers(tenant) == 3
+
+    # A handling that decremented, then died before removing the mark (as `release` leaves
+    # it); its redelivery must not decrement again, but does remove the mark.
+    await repositories.in_flight.release(tenant, first)
+    assert await stack.markers(tenant) == 3
+    await repositories.settle(_failed(first, tenant))
     assert await stack.markers(tenant) == 2
-    assert await in_flight.count(tenant) == 2
+    assert await repositories.in_flight.count(tenant) == 2
 
     # Two deliveries of the same outcome at once (one grouped write after the other).
-    await asyncio.gather(in_flight.release(second), in_flight.release(second))
-    assert await in_flight.count(tenant) == 1
+    await asyncio.gather(
+        repositories.settle(_completed(second, tenant)),
+        repositories.settle(_completed(second, tenant)),
+    )
+    assert await repositories.in_flight.count(tenant) == 1
 
-    # A task that was never counted (a cached result, another replica's refusal) is a no-op.
-    await in_flight.release(uuid.uuid4().hex)
-    assert await in_flight.count(tenant) == 1
-    await in_flight.release(third)
-    assert await in_flight.count(tenant) == 0
-    await in_flight.release(third)
-    assert await in_flight.count(tenant) == 0
+    # A task with no submission here (expired, or another deployment's) changes nothing.
+    await repositories.settle(_failed(uuid.uuid4().hex, tenant))
+    assert await repositories.in_flight.count(tenant) == 1
+    await repositories.settle(_completed(third, tenant))
+    assert await repositories.in_flight.count(tenant) == 0
+    await repositories.settle(_failed(third, tenant))
+    assert await repositories.in_flight.count(tenant) == 0
+    assert await stack.markers(tenant) == 0
 
 
 async def test_the_count_never_goes_below_zero(stack: Stack) -> None:
-    in_flight = InFlight(stack.mongo, f"{stack.db_prefix}_gateway", max_per_tenant=MAX_IN_FLIGHT)
+    repositories = Repositories(stack)
     tenant = f"t-{uuid.uuid4().hex[:8]}"
-    task = uuid.uuid4().hex
-    await in_flight.acquire(tenant, [task], now=utcnow())
-    # An under-count (a crash between marker and counter): the slot was never taken.
+    [task] = await repositories.accept(tenant, 1)
+    # An under-count (a crash between the marked submission and the counter).
     await stack.db["in_flight_tenants"].update_one({"_id": tenant}, {"$set": {"count": 0}})
-    await in_flight.release(task)
-    assert await in_flight.count(tenant) == 0
+    await repositories.settle(_completed(task, tenant))
+    assert await repositories.in_flight.count(tenant) == 0
+
+
+async def test_markers_of_an_earlier_build_are_adopted_at_start_up(stack: Stack) -> None:
+    """Before the mark lived on submissions, `in_flight_tasks` held one marker per counted
+    task; after an upgrade their outcomes must still release their slots."""
+    repositories = Repositories(stack)
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    [task] = await repositories.accept(tenant, 1)
+    await stack.db["submissions"].update_one({"_id": task}, {"$unset": {"in_flight": ""}})
+    await stack.db["in_flight_tasks"].insert_one({"_id": task, "tenant_id": tenant})
+
+    await repositories.submissions.ensure_indexes()
+    assert await stack.markers(tenant) == 1
+    assert "in_flight_tasks" not in await stack.db.list_collection_names()
+    await repositories.settle(_failed(task, tenant))
+    assert await repositories.in_flight.count(tenant) == 0

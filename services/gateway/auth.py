@@ -14,6 +14,8 @@ long (at once on the replica that revoked it).
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -75,6 +77,7 @@ class Authenticator:
         self._clock = clock
         self._max_cached = max_cached
         self._cache: dict[str, _Cached] = {}
+        self._loading: dict[str, asyncio.Future[ApiKey | None]] = {}
 
     async def authenticate(self, token: str) -> Caller | None:
         issued = parse_key(token)
@@ -90,23 +93,43 @@ class Authenticator:
     def forget(self, key_id: str) -> None:
         """Drop a key from this replica's cache (after revoking it here)."""
         self._cache.pop(key_id, None)
+        self._loading.pop(key_id, None)  # a lookup under way may have read the key before
 
     async def _lookup(self, key_id: str) -> ApiKey | None:
+        """The key, from the cache or else from the store: requests that miss together share
+        one lookup (and one `touch`), so a popular key's expiry costs one read, not one per
+        request in flight."""
         now = self._monotonic()
         cached = self._cache.get(key_id)
         if cached is not None and cached.until > now:
             return cached.key
+        loading = self._loading.get(key_id)
+        if loading is None:
+            loading = asyncio.ensure_future(self._load(key_id))
+            self._loading[key_id] = loading
+            loading.add_done_callback(functools.partial(self._loaded, key_id, now + self._ttl))
+        # Shielded: a request that goes away does not cancel the lookup the others wait for.
+        return await asyncio.shield(loading)
+
+    async def _load(self, key_id: str) -> ApiKey | None:
         key = await self._keys.find(key_id)
-        if self._ttl > 0:
-            if len(self._cache) >= self._max_cached:
-                self._cache.clear()
-            self._cache[key_id] = _Cached(key, now + self._ttl)
         if key is not None and key.active:
             try:
                 await self._keys.touch(key_id, now=self._clock())
             except DatabaseUnavailable as error:  # `last_used_at` is best effort
                 log.warning("last_used_at of key %s not recorded: %r", key_id, error)
         return key
+
+    def _loaded(self, key_id: str, until: float, loading: asyncio.Future[ApiKey | None]) -> None:
+        failed = loading.cancelled() or loading.exception() is not None  # (retrieved)
+        if self._loading.get(key_id) is not loading:
+            return  # forgotten meanwhile: its result may predate a revocation
+        del self._loading[key_id]
+        if failed or self._ttl <= 0:
+            return
+        if len(self._cache) >= self._max_cached:
+            self._cache.clear()
+        self._cache[key_id] = _Cached(loading.result(), until)
 
 
 _bearer = HTTPBearer(

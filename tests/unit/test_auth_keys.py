@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 from dataclasses import dataclass, field, replace
@@ -10,6 +11,7 @@ from datetime import UTC, datetime
 import pytest
 
 from services.gateway.auth import Authenticator, Caller
+from services.gateway.errors import DatabaseUnavailable
 from services.gateway.keys import (
     ApiKey,
     generate_key,
@@ -239,3 +241,75 @@ async def test_the_cache_stays_bounded() -> None:
     for _ in range(25):
         await authenticator.authenticate(generate_key().token)
     assert len(authenticator._cache) <= 10
+
+
+class SlowKeys(FakeKeys):
+    """A store whose lookups wait until released, so that requests miss together."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.failure: Exception | None = None
+
+    async def find(self, key_id: str) -> ApiKey | None:
+        self.finds += 1
+        key = self.keys.get(key_id)  # read now, answered when released
+        await self.release.wait()
+        if self.failure is not None:
+            raise self.failure
+        return key
+
+
+async def _settled(tasks: list[asyncio.Task[Caller | None]]) -> list[Caller | None]:
+    async with asyncio.timeout(5):
+        return await asyncio.gather(*tasks)
+
+
+async def test_requests_that_miss_together_share_one_lookup_and_one_touch() -> None:
+    store = SlowKeys()
+    token = store.add()
+    authenticator = _authenticator(store, Ticker())
+    waiting = [asyncio.create_task(authenticator.authenticate(token)) for _ in range(20)]
+    gone = asyncio.create_task(authenticator.authenticate(token))
+    await asyncio.sleep(0)  # every request is now waiting on the store
+    gone.cancel()  # a client that went away does not cancel the others' lookup
+    store.release.set()
+    callers = await _settled(waiting)
+    assert all(caller is not None and caller.tenant_id == "acme" for caller in callers)
+    assert store.finds == 1
+    assert len(store.touched) == 1
+    assert await authenticator.authenticate(token) is not None
+    assert store.finds == 1  # cached
+
+
+async def test_a_failed_shared_lookup_fails_its_requests_and_is_not_cached() -> None:
+    store = SlowKeys()
+    token = store.add()
+    authenticator = _authenticator(store, Ticker())
+    store.failure = DatabaseUnavailable("down")
+    waiting = [asyncio.create_task(authenticator.authenticate(token)) for _ in range(3)]
+    await asyncio.sleep(0)
+    store.release.set()
+    async with asyncio.timeout(5):
+        outcomes = await asyncio.gather(*waiting, return_exceptions=True)
+    assert all(isinstance(outcome, DatabaseUnavailable) for outcome in outcomes)
+    assert store.finds == 1
+    store.failure = None
+    assert await authenticator.authenticate(token) is not None
+    assert store.finds == 2
+
+
+async def test_a_lookup_under_way_when_the_key_is_forgotten_is_not_cached() -> None:
+    store = SlowKeys()
+    token = store.add()
+    parsed = parse_key(token)
+    assert parsed is not None
+    authenticator = _authenticator(store, Ticker())
+    stale = asyncio.create_task(authenticator.authenticate(token))
+    await asyncio.sleep(0)
+    store.revoke(token)
+    authenticator.forget(parsed.key_id)
+    store.release.set()
+    await _settled([stale])  # it read the key before the revocation; no matter
+    assert await authenticator.authenticate(token) is None
+    assert store.finds == 2

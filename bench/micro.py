@@ -11,6 +11,8 @@
    (`bench.publish_cost`), on the same broker.
 5. The scorer's text preparation (`prepare_text`, with `detect_instructions` in it) on the
    benchmark's essays.
+6. Client CPU per model call against the fake model: the scorer's adapter, its HTTP client
+   alone (httpx over aiohttp), httpx's own pool and bare aiohttp (`bench.model_call_cost`).
 
 Everything runs on uvloop, as the services do.
 
@@ -20,12 +22,13 @@ Against `MONGO_URL` when set, else a fresh stand-in (labelled). Prints the figur
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import uvloop
@@ -34,6 +37,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 
 from bench.delivery_cost import delivery_cost
 from bench.load import essay
+from bench.model_call_cost import model_call_cost
 from bench.publish_cost import publish_cost
 from devtools.infra import read_first_line
 from services.scorer.model.preparation import prepare_text
@@ -144,8 +148,23 @@ def text_preparation(texts: int = 2_000) -> None:
     )
 
 
+@contextlib.contextmanager
+def announced_url(module: str, *args: str) -> Iterator[str]:
+    """Start one of our dev servers (`devtools.<module>`) and give the URL it announces."""
+    command = [sys.executable, "-m", module, "--port", "0", *args, "--exit-with-parent"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE)  # noqa: S603 - our own module
+    try:
+        yield str(json.loads(read_first_line(server, timeout=30.0))["url"])
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
 def main() -> int:
     text_preparation()
+    with announced_url("devtools.fake_llm", "--latency-ms", "20", "--jitter-ms", "0") as url:
+        print("Model: devtools.fake_llm, 20 ms per call")
+        uvloop.run(model_call_cost(url))
     amqp_url = os.environ.get("RABBITMQ_URL", DEFAULT_AMQP_URL)
     print(f"Broker: {amqp_url.split('@')[-1]}")
     uvloop.run(delivery_cost(amqp_url))
@@ -155,17 +174,9 @@ def main() -> int:
         print(f"Database: MONGO_URL ({url.split('@')[-1]})")
         uvloop.run(measure(url))
         return 0
-    standin = subprocess.Popen(
-        [sys.executable, "-m", "devtools.mongo_standin", "--port", "0", "--exit-with-parent"],
-        stdout=subprocess.PIPE,
-    )
-    try:
-        url = json.loads(read_first_line(standin, timeout=30.0))["url"]
+    with announced_url("devtools.mongo_standin") as url:
         print("Database: mongoeco wire-protocol stand-in (NOT MongoDB)")
         uvloop.run(measure(url))
-    finally:
-        standin.terminate()
-        standin.wait(timeout=10)
     return 0
 
 

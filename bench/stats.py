@@ -74,13 +74,12 @@ def rounded(value: float | None, digits: int = 1) -> float | None:
 
 
 async def alternating_medians(
-    rounds: int, first: Callable[[], Awaitable[float]], second: Callable[[], Awaitable[float]]
-) -> tuple[float, float]:
-    """Measure two ways `rounds` times, alternating (the machine may be shared meanwhile),
-    and give the median of each."""
-    firsts: list[float] = []
-    seconds: list[float] = []
+    rounds: int, *ways: Callable[[], Awaitable[float]]
+) -> tuple[float, ...]:
+    """Measure several ways `rounds` times, taking turns (the machine may be shared
+    meanwhile), and give the median of each."""
+    samples: list[list[float]] = [[] for _ in ways]
     for _ in range(rounds):
-        firsts.append(await first())
-        seconds.append(await second())
-    return statistics.median(firsts), statistics.median(seconds)
+        for way, taken in zip(ways, samples, strict=True):
+            taken.append(await way())
+    return tuple(statistics.median(taken) for taken in samples)

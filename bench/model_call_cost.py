@@ -1,0 +1,126 @@
+"""Client CPU per model call, against the fake OpenAI-compatible model (`devtools.fake_llm`).
+
+Four ways make the same `POST /chat/completions` (`CALLS` calls, `IN_FLIGHT` at once, as a
+scorer of concurrency 64 does), and the process's CPU time per call is reported:
+
+- the scorer's model adapter (`OpenAIChatModel.score`: prompt, request, parsing and
+  validation of the verdict) on its HTTP client (`make_http_client`: httpx's API over
+  aiohttp's pool), on the benchmark's essays;
+- the same HTTP client posting a fixed body (the transport alone);
+- httpx's own pool (`httpx.AsyncClient` with limits sized to the calls in flight);
+- bare aiohttp (`ClientSession`), the floor.
+
+The ways alternate `ROUNDS` times and the median of each is reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import httpx
+import orjson
+
+from bench.load import essay
+from bench.stats import alternating_medians
+from services.scorer.model import ScoringRequest, build_model, make_http_client
+from services.scorer.model.prompt import build_messages
+from services.scorer.model.settings import ModelSettings
+
+CALLS = 2_000
+IN_FLIGHT = 64
+ROUNDS = 3
+TIMEOUT_S = 30.0
+
+Call = Callable[[int], Awaitable[None]]
+
+
+async def _cpu_us_per_call(call: Call) -> float:
+    gate = asyncio.Semaphore(IN_FLIGHT)
+
+    async def one(i: int) -> None:
+        async with gate:
+            await call(i)
+
+    started = time.process_time()
+    await asyncio.gather(*(one(i) for i in range(CALLS)))
+    return (time.process_time() - started) / CALLS * 1e6
+
+
+def _settings(base_url: str) -> ModelSettings:
+    return ModelSettings.model_validate(
+        {"LLM_PROVIDER": "openai", "LLM_BASE_URL": base_url, "LLM_API_KEY": "bench"}
+    )
+
+
+def _body(settings: ModelSettings) -> bytes:
+    messages = build_messages(essay("model-call", 0), None, truncated=False)
+    return orjson.dumps({"model": settings.llm_model, "messages": messages, "temperature": 0})
+
+
+async def through_the_adapter(base_url: str) -> float:
+    settings = _settings(base_url)
+    essays = [essay("model-call", index) for index in range(CALLS)]
+    async with make_http_client(settings, concurrency=IN_FLIGHT) as http:
+        model = build_model(settings, http)
+
+        async def call(i: int) -> None:
+            await model.score(ScoringRequest(task_id=str(i), text=essays[i]))
+
+        return await _cpu_us_per_call(call)
+
+
+async def _httpx_posts(client: httpx.AsyncClient, url: str, body: bytes) -> float:
+    headers = {"Content-Type": "application/json", "Authorization": "Bearer bench"}
+
+    async def call(_: int) -> None:
+        response = await client.post(url, content=body, headers=headers)
+        response.raise_for_status()
+        orjson.loads(response.content)
+
+    return await _cpu_us_per_call(call)
+
+
+async def httpx_on_aiohttp(base_url: str) -> float:
+    settings = _settings(base_url)
+    async with make_http_client(settings, concurrency=IN_FLIGHT) as client:
+        return await _httpx_posts(client, f"{base_url}/chat/completions", _body(settings))
+
+
+async def httpx_own_pool(base_url: str) -> float:
+    limits = httpx.Limits(max_connections=IN_FLIGHT, max_keepalive_connections=IN_FLIGHT)
+    async with httpx.AsyncClient(limits=limits, timeout=TIMEOUT_S) as client:
+        body = _body(_settings(base_url))
+        return await _httpx_posts(client, f"{base_url}/chat/completions", body)
+
+
+async def bare_aiohttp(base_url: str) -> float:
+    body = _body(_settings(base_url))
+    headers = {"Content-Type": "application/json", "Authorization": "Bearer bench"}
+    connector = aiohttp.TCPConnector(limit=IN_FLIGHT)
+    timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def call(_: int) -> None:
+            url = f"{base_url}/chat/completions"
+            async with session.post(url, data=body, headers=headers) as response:
+                response.raise_for_status()
+                orjson.loads(await response.read())
+
+        return await _cpu_us_per_call(call)
+
+
+async def model_call_cost(base_url: str) -> dict[str, Any]:
+    ways = (through_the_adapter, httpx_on_aiohttp, httpx_own_pool, bare_aiohttp)
+    medians = await alternating_medians(ROUNDS, *(functools.partial(way, base_url) for way in ways))
+    adapter, transport, own_pool, floor = medians
+    print(
+        f"client CPU per model call ({IN_FLIGHT} in flight, median of {ROUNDS}): scorer's "
+        f"adapter {adapter:.0f} µs; httpx on aiohttp {transport:.0f} µs; httpx's own pool "
+        f"{own_pool:.0f} µs; bare aiohttp {floor:.0f} µs"
+    )
+    return {"adapter": adapter, "httpx_aiohttp": transport, "httpx": own_pool, "aiohttp": floor}

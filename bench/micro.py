@@ -162,21 +162,21 @@ def announced_url(module: str, *args: str) -> Iterator[str]:
 
 def main() -> int:
     text_preparation()
-    with announced_url("devtools.fake_llm", "--latency-ms", "20", "--jitter-ms", "0") as url:
+    with announced_url("devtools.fake_llm", "--latency-ms", "20", "--jitter-ms", "0") as model:
         print("Model: devtools.fake_llm, 20 ms per call")
-        uvloop.run(model_call_cost(url))
+        uvloop.run(model_call_cost(model))
     amqp_url = os.environ.get("RABBITMQ_URL", DEFAULT_AMQP_URL)
     print(f"Broker: {amqp_url.split('@')[-1]}")
     uvloop.run(delivery_cost(amqp_url))
     uvloop.run(publish_cost(amqp_url))
-    url = os.environ.get("MONGO_URL")
-    if url:
-        print(f"Database: MONGO_URL ({url.split('@')[-1]})")
-        uvloop.run(measure(url))
+    mongo_url = os.environ.get("MONGO_URL")
+    if mongo_url:
+        print(f"Database: MONGO_URL ({mongo_url.split('@')[-1]})")
+        uvloop.run(measure(mongo_url))
         return 0
-    with announced_url("devtools.mongo_standin") as url:
+    with announced_url("devtools.mongo_standin") as standin:
         print("Database: mongoeco wire-protocol stand-in (NOT MongoDB)")
-        uvloop.run(measure(url))
+        uvloop.run(measure(standin))
     return 0
 
 

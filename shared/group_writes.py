@@ -16,8 +16,11 @@ which concurrent callers never could.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import bson
+from bson.errors import InvalidDocument
 from pymongo import DeleteOne, InsertOne, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError, WriteConcernError, WriteError
@@ -28,9 +31,32 @@ Document = dict[str, Any]
 WriteOp = InsertOne[Document] | UpdateOne | DeleteOne
 DUPLICATE_KEY = 11000
 MAX_BATCH = 500
+# What pymongo raises while encoding a write, before sending it.
+ENCODING_ERRORS = (InvalidDocument, OverflowError, UnicodeEncodeError)
+# A batch this size goes out as one message (MongoDB's maxMessageSizeBytes is 48,000,000).
+MAX_ONE_MESSAGE_BYTES = 32_000_000
+MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
 
 
-class GroupWriter(Coalescer[WriteOp, None]):
+@dataclass(frozen=True)
+class Write:
+    """A write and the documents it sends (to tell, should encoding fail, which write did)."""
+
+    op: WriteOp
+    parts: tuple[Mapping[str, Any], ...]
+
+
+def _encoded_size(write: Write) -> int | None:
+    """The write's size in BSON, None when it cannot be encoded (or sent: a document over
+    MongoDB's 16 MiB)."""
+    try:
+        sizes = [len(bson.encode(part)) for part in write.parts]
+    except ENCODING_ERRORS:
+        return None
+    return None if max(sizes) > MAX_DOCUMENT_BYTES else sum(sizes)
+
+
+class GroupWriter(Coalescer[Write, None]):
     """Single-document writes to `collection`, coalesced into `bulk_write`s."""
 
     def __init__(self, collection: AsyncCollection[Document], *, max_batch: int = MAX_BATCH):
@@ -40,20 +66,43 @@ class GroupWriter(Coalescer[WriteOp, None]):
     async def update_one(
         self, filter: Mapping[str, Any], update: Mapping[str, Any], *, upsert: bool = False
     ) -> None:
-        await self.write(UpdateOne(filter, update, upsert=upsert))
+        await self.submit(Write(UpdateOne(filter, update, upsert=upsert), (filter, update)))
 
     async def insert_one(self, document: Document) -> None:
-        await self.write(InsertOne(document))
+        await self.submit(Write(InsertOne(document), (document,)))
 
     async def delete_one(self, filter: Mapping[str, Any]) -> None:
-        await self.write(DeleteOne(filter))
+        await self.submit(Write(DeleteOne(filter), (filter,)))
 
-    async def write(self, op: WriteOp) -> None:
-        await self.submit(op)
-
-    async def _send(self, batch: list[Queued[WriteOp, None]]) -> None:
+    async def _send(self, batch: list[Queued[Write, None]]) -> None:
         try:
-            await self.collection.bulk_write([queued.op for queued in batch], ordered=False)
+            await self._bulk_write(batch)
+        except ENCODING_ERRORS as error:
+            await self._send_encodable(batch, error)
+
+    async def _send_encodable(self, batch: list[Queued[Write, None]], error: Exception) -> None:
+        """A write the client cannot encode (an integer beyond 64 bits, an unknown type, a
+        document over 16 MB) failed its whole batch before any of it was sent: fail that
+        write alone and send the others again, so one bad write never fails its neighbours.
+
+        pymongo splits a batch over `MAX_ONE_MESSAGE_BYTES` into several messages and may
+        have sent the first ones; then the others fail too, as before (their callers own
+        the retry).
+        """
+        sizes = [_encoded_size(queued.op) for queued in batch]
+        encodable = [queued for queued, size in zip(batch, sizes, strict=True) if size]
+        for queued, size in zip(batch, sizes, strict=True):
+            if size is None:
+                fail(queued, InvalidDocument(f"cannot encode this write: {error}"))
+        if sum(size or 0 for size in sizes) > MAX_ONE_MESSAGE_BYTES:
+            for queued in encodable:
+                fail(queued, error)
+        elif encodable:
+            await self._bulk_write(encodable)
+
+    async def _bulk_write(self, batch: list[Queued[Write, None]]) -> None:
+        try:
+            await self.collection.bulk_write([queued.op.op for queued in batch], ordered=False)
         except BulkWriteError as error:
             failures = _failures_by_index(error.details, size=len(batch))
             for index, queued in enumerate(batch):

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
-import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pymongo import ASCENDING, AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
@@ -46,7 +45,7 @@ from services.gateway.errors import (
     RequestInProgress,
 )
 from services.gateway.limits import LimitExceeded
-from services.gateway.schemas import MAX_METADATA_BYTES, _check_metadata_keys
+from services.gateway.schemas import checked_metadata
 from services.gateway.submissions import KeyTaken, Submissions, SubmissionState, request_hash
 from services.gateway.submit import InFlightGate, counting
 from shared.contracts import (
@@ -102,10 +101,7 @@ class BatchItem(BaseModel):
     @field_validator("metadata")
     @classmethod
     def _metadata_safe(cls, metadata: dict[str, Any]) -> dict[str, Any]:
-        _check_metadata_keys(metadata)
-        if len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
-            raise ValueError(f"metadata must serialise to at most {MAX_METADATA_BYTES} bytes")
-        return metadata
+        return checked_metadata(metadata)
 
 
 class BatchSubmission(BaseModel):

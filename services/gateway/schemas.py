@@ -14,16 +14,35 @@ MAX_METADATA_BYTES = 8_192
 MAX_DELAY_S = 7 * 24 * 3600
 
 
-def _check_metadata_keys(value: Any, path: str = "metadata") -> None:
-    """Refuse MongoDB operator-like keys anywhere in client metadata."""
+MAX_METADATA_DEPTH = 16  # MongoDB refuses documents nested more than 100 levels deep
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def checked_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
+    """Client metadata as the database can keep it: no operator-like keys, integers within
+    64 bits (JSON allows more, BSON does not), nested at most `MAX_METADATA_DEPTH` levels,
+    at most `MAX_METADATA_BYTES` as JSON."""
+    _check_metadata_values(metadata)
+    if len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
+        raise ValueError(f"metadata must serialise to at most {MAX_METADATA_BYTES} bytes")
+    return metadata
+
+
+def _check_metadata_values(value: Any, path: str = "metadata", depth: int = 1) -> None:
+    if isinstance(value, dict | list) and depth > MAX_METADATA_DEPTH:
+        raise ValueError(f"{path}: metadata may nest at most {MAX_METADATA_DEPTH} levels deep")
     if isinstance(value, dict):
         for key, item in value.items():
             if key.startswith("$") or "." in key or "\x00" in key:
                 raise ValueError(f"{path}: key {key!r} may not start with '$' or contain '.'")
-            _check_metadata_keys(item, f"{path}.{key}")
+            _check_metadata_values(item, f"{path}.{key}", depth + 1)
     elif isinstance(value, list):
         for index, item in enumerate(value):
-            _check_metadata_keys(item, f"{path}[{index}]")
+            _check_metadata_values(item, f"{path}[{index}]", depth + 1)
+    elif isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(
+            f"{path}: integers must fit in 64 bits (signed); send a larger one as a string"
+        )
 
 
 class ScoreSubmission(BaseModel):
@@ -77,10 +96,7 @@ class ScoreSubmission(BaseModel):
     @field_validator("metadata")
     @classmethod
     def _metadata_safe(cls, metadata: dict[str, Any]) -> dict[str, Any]:
-        _check_metadata_keys(metadata)
-        if len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
-            raise ValueError(f"metadata must serialise to at most {MAX_METADATA_BYTES} bytes")
-        return metadata
+        return checked_metadata(metadata)
 
     @model_validator(mode="after")
     def _one_delay(self) -> ScoreSubmission:

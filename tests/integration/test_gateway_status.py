@@ -103,6 +103,13 @@ def _assert_problem(response: httpx.Response, status: int) -> dict[str, object]:
     return body
 
 
+def _nested(levels: int) -> dict[str, object]:
+    value: dict[str, object] = {}
+    for _ in range(levels):
+        value = {"a": value}
+    return value
+
+
 BAD_INPUTS = [
     pytest.param(
         {"content": b'{"text": "hi"}', "headers": {"content-type": "text/plain"}},
@@ -132,6 +139,18 @@ BAD_INPUTS = [
         {"json": {"text": "hi", "metadata": {"$where": "1"}}}, 422, id="operator-in-metadata"
     ),
     pytest.param({"json": {"text": "hi", "metadata": {"a.b": 1}}}, 422, id="dot-in-metadata"),
+    # JSON integers have no bound; BSON's stop at 64 bits, signed (the JSON parser already
+    # turns integers beyond 64 bits, unsigned, into floats).
+    pytest.param(
+        {"json": {"text": "hi", "metadata": {"n": 2**63}}}, 422, id="integer-beyond-int64"
+    ),
+    pytest.param(
+        {"json": {"text": "hi", "metadata": {"n": [2**64 - 1]}}}, 422, id="uint64-in-metadata"
+    ),
+    pytest.param({"json": {"text": "hi", "metadata": _nested(40)}}, 422, id="metadata-too-deep"),
+    pytest.param(
+        {"json": {"text": "hi", "metadata": _nested(400)}}, 422, id="metadata-far-too-deep"
+    ),
     pytest.param({"json": {"text": "hi", "delay_seconds": -1}}, 422, id="negative-delay"),
 ]
 

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from bson.errors import InvalidDocument
 from pymongo import AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import DuplicateKeyError, InvalidOperation, WriteError
@@ -92,6 +93,30 @@ async def test_each_caller_gets_its_own_writes_error(
     assert not isinstance(invalid, DuplicateKeyError)
     assert await collection.find_one({"_id": "taken"}) == {"_id": "taken", "sequence": 7}
     assert await collection.find_one({"_id": "fresh-2"}) is None
+
+
+async def test_a_write_the_client_cannot_encode_fails_alone(
+    collection: AsyncCollection[Document],
+) -> None:
+    """One write pymongo cannot encode (here an integer beyond 64 bits) used to fail every
+    write that shared its batch; it fails alone, and the others land."""
+    writer = GroupWriter(collection)
+    first = asyncio.create_task(writer.insert_one({"_id": "first"}))
+    await asyncio.sleep(0)  # `first` is in flight: the next writes queue up as one batch
+    queued = [
+        writer.insert_one({"_id": "too-big", "n": 2**63}),
+        writer.update_one({"_id": "set"}, {"$set": {"kind": {1, 2}}}, upsert=True),
+        *(writer.insert_one({"_id": f"fine{i}"}) for i in range(5)),
+        writer.update_one({"_id": "fine-update"}, {"$set": {"n": 2**63 - 1}}, upsert=True),
+    ]
+    outcomes = await asyncio.gather(first, *queued, return_exceptions=True)
+
+    too_big, unencodable_type, *fine = outcomes[1:]
+    assert isinstance(too_big, InvalidDocument), too_big
+    assert isinstance(unencodable_type, InvalidDocument), unencodable_type
+    assert fine == [None] * 6, fine
+    ids = {doc["_id"] async for doc in collection.find()}
+    assert ids == {"first", "fine-update", *(f"fine{i}" for i in range(5))}
 
 
 async def test_a_failed_round_trip_fails_every_write_of_it(mongo: Endpoint) -> None:

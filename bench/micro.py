@@ -21,7 +21,6 @@ Against `MONGO_URL` when set, else a fresh stand-in (labelled). Prints the figur
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -39,6 +38,7 @@ from bench.delivery_cost import delivery_cost
 from bench.load import essay
 from bench.model_call_cost import model_call_cost
 from bench.publish_cost import publish_cost
+from bench.stats import cpu_us_each
 from devtools.infra import read_first_line
 from services.scorer.model.preparation import prepare_text
 from services.scorer.model.prompt import detect_instructions
@@ -52,30 +52,14 @@ GROWTH_BLOCKS = 5
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 
 
-async def cpu_us_per_op(n: int, ops: Callable[[], Awaitable[None]]) -> float:
-    started = time.process_time()
-    await ops()
-    return (time.process_time() - started) / n * 1e6
-
-
-async def concurrently(n: int, write: Callable[[int], Awaitable[None]]) -> None:
-    gate = asyncio.Semaphore(CONCURRENCY)
-
-    async def one(i: int) -> None:
-        async with gate:
-            await write(i)
-
-    await asyncio.gather(*(one(i) for i in range(n)))
-
-
 Op = Callable[[int], Awaitable[None]]
 
 
 async def compare(what: str, direct: tuple[str, Op], grouped: tuple[str, Op]) -> None:
     """Client CPU per operation, `CONCURRENCY` callers at a time, one by one and grouped."""
     (direct_name, direct_op), (grouped_name, grouped_op) = direct, grouped
-    one_by_one = await cpu_us_per_op(WRITES, lambda: concurrently(WRITES, direct_op))
-    in_groups = await cpu_us_per_op(WRITES, lambda: concurrently(WRITES, grouped_op))
+    one_by_one = await cpu_us_each(WRITES, CONCURRENCY, direct_op)
+    in_groups = await cpu_us_each(WRITES, CONCURRENCY, grouped_op)
     print(
         f"client CPU per {what}, {CONCURRENCY} callers: {direct_name} {one_by_one:.0f} µs, "
         f"{grouped_name} {in_groups:.0f} µs ({one_by_one / in_groups:.1f}x less)"

@@ -15,9 +15,7 @@ The ways alternate `ROUNDS` times and the median of each is reported.
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -26,7 +24,7 @@ import httpx
 import orjson
 
 from bench.load import essay
-from bench.stats import alternating_medians
+from bench.stats import alternating_medians, cpu_us_each
 from services.scorer.model import ScoringRequest, build_model, make_http_client
 from services.scorer.model.prompt import build_messages
 from services.scorer.model.settings import ModelSettings
@@ -37,18 +35,6 @@ ROUNDS = 3
 TIMEOUT_S = 30.0
 
 Call = Callable[[int], Awaitable[None]]
-
-
-async def _cpu_us_per_call(call: Call) -> float:
-    gate = asyncio.Semaphore(IN_FLIGHT)
-
-    async def one(i: int) -> None:
-        async with gate:
-            await call(i)
-
-    started = time.process_time()
-    await asyncio.gather(*(one(i) for i in range(CALLS)))
-    return (time.process_time() - started) / CALLS * 1e6
 
 
 def _settings(base_url: str) -> ModelSettings:
@@ -71,7 +57,7 @@ async def through_the_adapter(base_url: str) -> float:
         async def call(i: int) -> None:
             await model.score(ScoringRequest(task_id=str(i), text=essays[i]))
 
-        return await _cpu_us_per_call(call)
+        return await cpu_us_each(CALLS, IN_FLIGHT, call)
 
 
 async def _httpx_posts(client: httpx.AsyncClient, url: str, body: bytes) -> float:
@@ -82,7 +68,7 @@ async def _httpx_posts(client: httpx.AsyncClient, url: str, body: bytes) -> floa
         response.raise_for_status()
         orjson.loads(response.content)
 
-    return await _cpu_us_per_call(call)
+    return await cpu_us_each(CALLS, IN_FLIGHT, call)
 
 
 async def httpx_on_aiohttp(base_url: str) -> float:
@@ -111,7 +97,7 @@ async def bare_aiohttp(base_url: str) -> float:
                 response.raise_for_status()
                 orjson.loads(await response.read())
 
-        return await _cpu_us_per_call(call)
+        return await cpu_us_each(CALLS, IN_FLIGHT, call)
 
 
 async def model_call_cost(base_url: str) -> dict[str, Any]:

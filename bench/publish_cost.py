@@ -9,8 +9,6 @@ ways alternate `ROUNDS` times and the median of each is reported.
 
 from __future__ import annotations
 
-import asyncio
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -19,7 +17,7 @@ from aiormq.abc import FieldValue
 from faststream.rabbit import RabbitBroker, RabbitQueue
 from faststream.rabbit.schemas import Channel
 
-from bench.stats import alternating_medians
+from bench.stats import alternating_medians, cpu_us_each
 
 MESSAGES = 4_000
 IN_FLIGHT = 64
@@ -36,18 +34,6 @@ HEADERS: dict[str, FieldValue] = {
 }
 
 Publish = Callable[[int], Awaitable[None]]
-
-
-async def _cpu_us_per_message(publish: Publish) -> float:
-    gate = asyncio.Semaphore(IN_FLIGHT)
-
-    async def one(i: int) -> None:
-        async with gate:
-            await publish(i)
-
-    started = time.process_time()
-    await asyncio.gather(*(one(i) for i in range(MESSAGES)))
-    return (time.process_time() - started) / MESSAGES * 1e6
 
 
 async def through_faststream(url: str) -> float:
@@ -72,7 +58,7 @@ async def through_faststream(url: str) -> float:
                 headers=HEADERS,
             )
 
-        return await _cpu_us_per_message(publish)
+        return await cpu_us_each(MESSAGES, IN_FLIGHT, publish)
     finally:
         await declared.delete(if_unused=False, if_empty=False)
         await broker.stop()
@@ -99,7 +85,7 @@ async def bare_aio_pika(url: str) -> float:
             )
 
         try:
-            return await _cpu_us_per_message(publish)
+            return await cpu_us_each(MESSAGES, IN_FLIGHT, publish)
         finally:
             await declared.delete(if_unused=False, if_empty=False)
 

@@ -1,9 +1,12 @@
-"""Percentiles and rates of a benchmark run (plain functions over lists of numbers)."""
+"""Percentiles and rates of a benchmark run, and the CPU-time helpers of its micro
+measurements."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import statistics
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 
@@ -83,3 +86,19 @@ async def alternating_medians(
         for way, taken in zip(ways, samples, strict=True):
             taken.append(await way())
     return tuple(statistics.median(taken) for taken in samples)
+
+
+async def cpu_us_each(
+    count: int, in_flight: int, operation: Callable[[int], Awaitable[None]]
+) -> float:
+    """The process's CPU time per operation in µs: `operation(0)` to `operation(count - 1)`,
+    at most `in_flight` of them at once."""
+    gate = asyncio.Semaphore(in_flight)
+
+    async def one(index: int) -> None:
+        async with gate:
+            await operation(index)
+
+    started = time.process_time()
+    await asyncio.gather(*(one(index) for index in range(count)))
+    return (time.process_time() - started) / count * 1e6

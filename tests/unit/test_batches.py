@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import aio_pika
 import pytest
 from pydantic import ValidationError
 
@@ -119,12 +120,15 @@ class ConcurrentBroker:
         self.all_in_flight = asyncio.Event()
         self.fail = fail_routing_key
 
-    async def publish(self, body: bytes, *, routing_key: str, **_: Any) -> None:
+    async def declare_exchange(self, exchange: Any) -> ConcurrentBroker:
+        return self  # publishes go to the exchange `shared.bus` gets from here
+
+    async def publish(self, message: aio_pika.Message, *, routing_key: str, **_: Any) -> None:
         self.in_flight += 1
         if self.in_flight == self.expected:
             self.all_in_flight.set()
         await self.all_in_flight.wait()
-        self.published.append((routing_key, body))
+        self.published.append((routing_key, message.body))
         if routing_key == self.fail and len(self.published) == 1:
             raise ConnectionError("nack")
 

@@ -20,7 +20,7 @@ from faststream.rabbit import RabbitBroker, RabbitQueue
 from faststream.rabbit.message import RabbitMessage
 from faststream.rabbit.schemas import Channel
 
-from bench.stats import alternating_medians
+from bench.stats import faststream_against_bare
 from shared.runtime import consume
 
 DELIVERIES = 5_000
@@ -110,10 +110,5 @@ async def bare_aio_pika(url: str) -> float:
 
 
 async def delivery_cost(url: str) -> None:
-    fs, ap = await alternating_medians(
-        ROUNDS, lambda: through_faststream(url), lambda: bare_aio_pika(url)
-    )
-    print(
-        f"consumer CPU per delivery (manual ack, prefetch {PREFETCH}, median of {ROUNDS}): "
-        f"FastStream subscriber {fs:.0f} µs, bare aio-pika {ap:.0f} µs ({fs / ap:.2f}x)"
-    )
+    what = f"consumer CPU per delivery (manual ack, prefetch {PREFETCH})"
+    await faststream_against_bare(what, url, (through_faststream, bare_aio_pika), rounds=ROUNDS)

@@ -16,8 +16,6 @@ The ways alternate `ROUNDS` times and the median of each is reported.
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 import aiohttp
 import httpx
@@ -34,13 +32,17 @@ IN_FLIGHT = 64
 ROUNDS = 3
 TIMEOUT_S = 30.0
 
-Call = Callable[[int], Awaitable[None]]
+HEADERS = {"Content-Type": "application/json", "Authorization": "Bearer bench"}
 
 
 def _settings(base_url: str) -> ModelSettings:
     return ModelSettings.model_validate(
         {"LLM_PROVIDER": "openai", "LLM_BASE_URL": base_url, "LLM_API_KEY": "bench"}
     )
+
+
+def _completions(base_url: str) -> str:
+    return f"{base_url}/chat/completions"
 
 
 def _body(settings: ModelSettings) -> bytes:
@@ -61,10 +63,8 @@ async def through_the_adapter(base_url: str) -> float:
 
 
 async def _httpx_posts(client: httpx.AsyncClient, url: str, body: bytes) -> float:
-    headers = {"Content-Type": "application/json", "Authorization": "Bearer bench"}
-
     async def call(_: int) -> None:
-        response = await client.post(url, content=body, headers=headers)
+        response = await client.post(url, content=body, headers=HEADERS)
         response.raise_for_status()
         orjson.loads(response.content)
 
@@ -74,33 +74,31 @@ async def _httpx_posts(client: httpx.AsyncClient, url: str, body: bytes) -> floa
 async def httpx_on_aiohttp(base_url: str) -> float:
     settings = _settings(base_url)
     async with make_http_client(settings, concurrency=IN_FLIGHT) as client:
-        return await _httpx_posts(client, f"{base_url}/chat/completions", _body(settings))
+        return await _httpx_posts(client, _completions(base_url), _body(settings))
 
 
 async def httpx_own_pool(base_url: str) -> float:
     limits = httpx.Limits(max_connections=IN_FLIGHT, max_keepalive_connections=IN_FLIGHT)
     async with httpx.AsyncClient(limits=limits, timeout=TIMEOUT_S) as client:
         body = _body(_settings(base_url))
-        return await _httpx_posts(client, f"{base_url}/chat/completions", body)
+        return await _httpx_posts(client, _completions(base_url), body)
 
 
 async def bare_aiohttp(base_url: str) -> float:
     body = _body(_settings(base_url))
-    headers = {"Content-Type": "application/json", "Authorization": "Bearer bench"}
     connector = aiohttp.TCPConnector(limit=IN_FLIGHT)
     timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
         async def call(_: int) -> None:
-            url = f"{base_url}/chat/completions"
-            async with session.post(url, data=body, headers=headers) as response:
+            async with session.post(_completions(base_url), data=body, headers=HEADERS) as response:
                 response.raise_for_status()
                 orjson.loads(await response.read())
 
         return await cpu_us_each(CALLS, IN_FLIGHT, call)
 
 
-async def model_call_cost(base_url: str) -> dict[str, Any]:
+async def model_call_cost(base_url: str) -> None:
     ways = (through_the_adapter, httpx_on_aiohttp, httpx_own_pool, bare_aiohttp)
     medians = await alternating_medians(ROUNDS, *(functools.partial(way, base_url) for way in ways))
     adapter, transport, own_pool, floor = medians
@@ -109,4 +107,3 @@ async def model_call_cost(base_url: str) -> dict[str, Any]:
         f"adapter {adapter:.0f} µs; httpx on aiohttp {transport:.0f} µs; httpx's own pool "
         f"{own_pool:.0f} µs; bare aiohttp {floor:.0f} µs"
     )
-    return {"adapter": adapter, "httpx_aiohttp": transport, "httpx": own_pool, "aiohttp": floor}

@@ -1,6 +1,6 @@
-"""Publisher CPU per confirmed message: FastStream's `broker.publish` with the options every
-Scorebox publish uses (`shared.bus`: persistent, mandatory, headers, awaiting the confirm),
-against bare aio-pika with the same properties, on the same broker.
+"""Publisher CPU per confirmed message: FastStream's `broker.publish` against bare aio-pika
+(which `shared.bus` uses), both with the options of every Scorebox publish (persistent,
+mandatory, headers, awaiting the confirm), on the same broker.
 
 Each way publishes `MESSAGES` messages to a fresh queue with `IN_FLIGHT` publishes (and
 so confirms) outstanding, as a busy service has; the process's CPU time per message. The
@@ -10,14 +10,13 @@ ways alternate `ROUNDS` times and the median of each is reported.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Callable
 
 import aio_pika
 from aiormq.abc import FieldValue
 from faststream.rabbit import RabbitBroker, RabbitQueue
 from faststream.rabbit.schemas import Channel
 
-from bench.stats import alternating_medians, cpu_us_each
+from bench.stats import cpu_us_each, faststream_against_bare
 
 MESSAGES = 4_000
 IN_FLIGHT = 64
@@ -32,8 +31,6 @@ HEADERS: dict[str, FieldValue] = {
     "x-schema-version": 2,
     "x-message-type": "TaskStarted",
 }
-
-Publish = Callable[[int], Awaitable[None]]
 
 
 async def through_faststream(url: str) -> float:
@@ -91,10 +88,5 @@ async def bare_aio_pika(url: str) -> float:
 
 
 async def publish_cost(url: str) -> None:
-    fs, ap = await alternating_medians(
-        ROUNDS, lambda: through_faststream(url), lambda: bare_aio_pika(url)
-    )
-    print(
-        f"publisher CPU per confirmed message ({IN_FLIGHT} in flight, median of {ROUNDS}): "
-        f"FastStream {fs:.0f} µs, bare aio-pika {ap:.0f} µs ({fs / ap:.2f}x)"
-    )
+    what = f"publisher CPU per confirmed message ({IN_FLIGHT} in flight)"
+    await faststream_against_bare(what, url, (through_faststream, bare_aio_pika), rounds=ROUNDS)

@@ -102,3 +102,22 @@ async def cpu_us_each(
     started = time.process_time()
     await asyncio.gather(*(one(index) for index in range(count)))
     return (time.process_time() - started) / count * 1e6
+
+
+async def faststream_against_bare(
+    what: str,
+    url: str,
+    ways: tuple[Callable[[str], Awaitable[float]], Callable[[str], Awaitable[float]]],
+    *,
+    rounds: int,
+) -> None:
+    """Print the CPU of one operation on the broker at `url` through FastStream and through
+    bare aio-pika (`ways`, in that order; µs each, the median of `rounds` alternating runs)."""
+    faststream, bare = ways
+    through_faststream, through_aio_pika = await alternating_medians(
+        rounds, lambda: faststream(url), lambda: bare(url)
+    )
+    print(
+        f"{what}, median of {rounds}: FastStream {through_faststream:.0f} µs, bare aio-pika "
+        f"{through_aio_pika:.0f} µs ({through_faststream / through_aio_pika:.2f}x)"
+    )

@@ -82,8 +82,8 @@ async def _send(
 ) -> None:
     """Publish on the broker's channel (confirms on, returns raise) straight through
     aio-pika: FastStream's `broker.publish` ends in the same `exchange.publish`, and its layer
-    above it costs about a fifth more CPU per message (`python -m bench.micro`) for nothing
-    these publishes use."""
+    above it costs more CPU per message (`python -m bench.micro` compares the two) for
+    nothing these publishes use."""
     target = await broker.declare_exchange(exchange)
     await target.publish(
         aio_pika.Message(

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import bson
+from bson.codec_options import CodecOptions
 from bson.errors import InvalidDocument
 from pymongo import DeleteOne, InsertOne, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
@@ -38,7 +39,7 @@ MAX_ONE_MESSAGE_BYTES = 32_000_000
 MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Write:
     """A write and the documents it sends (to tell, should encoding fail, which write did)."""
 
@@ -46,11 +47,11 @@ class Write:
     parts: tuple[Mapping[str, Any], ...]
 
 
-def _encoded_size(write: Write) -> int | None:
-    """The write's size in BSON, None when it cannot be encoded (or sent: a document over
-    MongoDB's 16 MiB)."""
+def _encoded_size(write: Write, options: CodecOptions[Any]) -> int | None:
+    """The write's size in BSON (encoded as its collection encodes), None when it cannot be
+    encoded or sent (a document over MongoDB's 16 MiB)."""
     try:
-        sizes = [len(bson.encode(part)) for part in write.parts]
+        sizes = [len(bson.encode(part, codec_options=options)) for part in write.parts]
     except ENCODING_ERRORS:
         return None
     return None if max(sizes) > MAX_DOCUMENT_BYTES else sum(sizes)
@@ -89,8 +90,9 @@ class GroupWriter(Coalescer[Write, None]):
         have sent the first ones; then the others fail too, as before (their callers own
         the retry).
         """
-        sizes = [_encoded_size(queued.op) for queued in batch]
-        encodable = [queued for queued, size in zip(batch, sizes, strict=True) if size]
+        options = self.collection.codec_options
+        sizes = [_encoded_size(queued.op, options) for queued in batch]
+        encodable = [queued for queued, size in zip(batch, sizes, strict=True) if size is not None]
         for queued, size in zip(batch, sizes, strict=True):
             if size is None:
                 fail(queued, InvalidDocument(f"cannot encode this write: {error}"))

@@ -77,7 +77,7 @@ class Authenticator:
         self._clock = clock
         self._max_cached = max_cached
         self._cache: dict[str, _Cached] = {}
-        self._loading: dict[str, asyncio.Future[ApiKey | None]] = {}
+        self._loading: dict[str, asyncio.Task[ApiKey | None]] = {}
 
     async def authenticate(self, token: str) -> Caller | None:
         issued = parse_key(token)
@@ -105,7 +105,7 @@ class Authenticator:
             return cached.key
         loading = self._loading.get(key_id)
         if loading is None:
-            loading = asyncio.ensure_future(self._load(key_id))
+            loading = asyncio.create_task(self._load(key_id))
             self._loading[key_id] = loading
             loading.add_done_callback(functools.partial(self._loaded, key_id, now + self._ttl))
         # Shielded: a request that goes away does not cancel the lookup the others wait for.
@@ -120,8 +120,9 @@ class Authenticator:
                 log.warning("last_used_at of key %s not recorded: %r", key_id, error)
         return key
 
-    def _loaded(self, key_id: str, until: float, loading: asyncio.Future[ApiKey | None]) -> None:
-        failed = loading.cancelled() or loading.exception() is not None  # (retrieved)
+    def _loaded(self, key_id: str, until: float, loading: asyncio.Task[ApiKey | None]) -> None:
+        # Reading the outcome here marks an error retrieved even when every waiter has gone.
+        failed = loading.cancelled() or loading.exception() is not None
         if self._loading.get(key_id) is not loading:
             return  # forgotten meanwhile: its result may predate a revocation
         del self._loading[key_id]

@@ -11,11 +11,9 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validato
 from shared.webhook_urls import MAX_URL_LENGTH, validate_webhook_url
 
 MAX_METADATA_BYTES = 8_192
-MAX_DELAY_S = 7 * 24 * 3600
-
-
 MAX_METADATA_DEPTH = 16  # MongoDB refuses documents nested more than 100 levels deep
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_DELAY_S = 7 * 24 * 3600
 
 
 def checked_metadata(metadata: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import pytest
 from bench.stats import (
     alternating_medians,
     cpu_us_each,
+    faststream_against_bare,
     percentile,
     quarter_rates,
     steady_rate,
@@ -78,3 +79,19 @@ async def test_cpu_per_operation_runs_each_once_with_bounded_concurrency() -> No
     assert sorted(done) == list(range(50))
     assert most == 4
     assert cpu_us >= 0
+
+
+async def test_faststream_against_bare_prints_both_medians_and_their_ratio(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    async def faststream(url: str) -> float:
+        assert url == "amqp://broker"
+        return 150.0
+
+    async def bare(url: str) -> float:
+        return 100.0
+
+    await faststream_against_bare("CPU per thing", "amqp://broker", (faststream, bare), rounds=3)
+    assert capsys.readouterr().out == (
+        "CPU per thing, median of 3: FastStream 150 µs, bare aio-pika 100 µs (1.50x)\n"
+    )

@@ -1,5 +1,5 @@
-"""Consumer CPU per delivery: FastStream's subscriber (through `shared.runtime.consume`, as
-every service consumes) against a bare aio-pika consumer, on the same queue and broker.
+"""Consumer CPU per delivery: FastStream's subscriber, `shared.consumers` (as every service
+consumes) and a bare aio-pika consumer, on the same queue and broker.
 
 Each way drains `DELIVERIES` waiting messages with prefetch 64 and a manual ack per message;
 the process's CPU time from the start of consuming to the last ack, per delivery. The ways
@@ -13,19 +13,26 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
+from faststream import AckPolicy
 from faststream.rabbit import RabbitBroker, RabbitQueue
 from faststream.rabbit.message import RabbitMessage
 from faststream.rabbit.schemas import Channel
 
-from bench.stats import faststream_against_bare
-from shared.runtime import consume
+from bench.stats import alternating_medians
+from shared.consumers import Delivery, ScoreboxBroker, consume
 
 DELIVERIES = 5_000
 PREFETCH = 64
 ROUNDS = 3
+_QUIET: dict[str, Any] = {
+    "logger": logging.getLogger("bench.broker"),
+    "log_level": logging.DEBUG,
+    "apply_types": False,
+}
 BODY = b'{"task_id": "0123456789abcdef0123456789abcdef", "sequence": 1, "status": "completed"}'
 
 
@@ -59,23 +66,50 @@ def _counter(drained: asyncio.Event) -> Callable[[], None]:
     return one_more
 
 
+def _fresh_queue() -> RabbitQueue:
+    return RabbitQueue(f"bench.delivery.{uuid.uuid4().hex[:8]}", durable=False, auto_delete=True)
+
+
 async def through_faststream(url: str) -> float:
-    name = f"bench.delivery.{uuid.uuid4().hex[:8]}"
-    await _fill(url, name)
-    broker = RabbitBroker(
-        url,
-        default_channel=Channel(prefetch_count=PREFETCH),
-        logger=logging.getLogger("bench.broker"),
-        log_level=logging.DEBUG,
-        apply_types=False,
+    """FastStream's own subscriber, as the services consumed until `shared.consumers`: the
+    body passed through undecoded, the message read from the broker's context."""
+    queue = _fresh_queue()
+    await _fill(url, queue.name)
+    broker = RabbitBroker(url, default_channel=Channel(prefetch_count=PREFETCH), **_QUIET)
+
+    async def body_as_is(message: RabbitMessage) -> bytes:
+        return message.body
+
+    async def start(drained: asyncio.Event) -> None:
+        counted = _counter(drained)
+
+        async def handle(body: bytes) -> None:
+            await broker.context.get_local("message").ack()
+            counted()
+
+        broker.subscriber(queue, ack_policy=AckPolicy.MANUAL, decoder=body_as_is)(handle)
+        await broker.start()
+
+    try:
+        return await _cpu_us_per_delivery(start)
+    finally:
+        await broker.stop()
+
+
+async def through_scorebox(url: str) -> float:
+    """`shared.consumers.consume`, as every service consumes."""
+    queue = _fresh_queue()
+    await _fill(url, queue.name)
+    broker = ScoreboxBroker(
+        url, default_channel=Channel(prefetch_count=PREFETCH), graceful_timeout=10, **_QUIET
     )
 
     async def start(drained: asyncio.Event) -> None:
         counted = _counter(drained)
 
-        @consume(broker, RabbitQueue(name, durable=False, auto_delete=True))
-        async def handle(message: RabbitMessage) -> None:
-            await message.ack()
+        @consume(broker, queue)
+        async def handle(delivery: Delivery) -> None:
+            await delivery.ack()
             counted()
 
         await broker.start()
@@ -87,7 +121,7 @@ async def through_faststream(url: str) -> float:
 
 
 async def bare_aio_pika(url: str) -> float:
-    name = f"bench.delivery.{uuid.uuid4().hex[:8]}"
+    name = _fresh_queue().name
     await _fill(url, name)
     connection = await aio_pika.connect_robust(url, timeout=10)
 
@@ -110,5 +144,14 @@ async def bare_aio_pika(url: str) -> float:
 
 
 async def delivery_cost(url: str) -> None:
-    what = f"consumer CPU per delivery (manual ack, prefetch {PREFETCH})"
-    await faststream_against_bare(what, url, (through_faststream, bare_aio_pika), rounds=ROUNDS)
+    faststream, scorebox, bare = await alternating_medians(
+        ROUNDS,
+        lambda: through_faststream(url),
+        lambda: through_scorebox(url),
+        lambda: bare_aio_pika(url),
+    )
+    print(
+        f"consumer CPU per delivery (manual ack, prefetch {PREFETCH}), median of {ROUNDS}: "
+        f"FastStream's subscriber {faststream:.0f} µs, shared.consumers {scorebox:.0f} µs, "
+        f"bare aio-pika {bare:.0f} µs"
+    )

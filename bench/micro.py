@@ -5,8 +5,8 @@
    `shared.group_reads.GroupReader`.
 2. The MongoDB stand-in's cost per write as a collection grows (inserts and upserts of new
    string `_id`s, 4,000 documents at a time).
-3. Consumer CPU per delivery through FastStream's subscriber against bare aio-pika
-   (`bench.delivery_cost`), on `RABBITMQ_URL` (default: the local broker, guest/guest).
+3. Consumer CPU per delivery through FastStream's subscriber, `shared.consumers` and bare
+   aio-pika (`bench.delivery_cost`), on `RABBITMQ_URL` (default: the local broker, guest/guest).
 4. Publisher CPU per confirmed message through FastStream against bare aio-pika
    (`bench.publish_cost`), on the same broker.
 5. The scorer's text preparation (`prepare_text`, with `detect_instructions` in it) on the

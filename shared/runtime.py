@@ -13,12 +13,11 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
-from faststream import AckPolicy
-from faststream.rabbit import RabbitBroker, RabbitExchange, RabbitQueue
-from faststream.rabbit.message import RabbitMessage
+from faststream.rabbit import RabbitBroker
 from faststream.rabbit.schemas import Channel
 from pymongo import AsyncMongoClient
 
+from shared.consumers import ScoreboxBroker
 from shared.settings import ServiceSettings, redact_url
 from shared.topology import declare_topology
 
@@ -38,9 +37,9 @@ def configure_logging(settings: ServiceSettings, service: str) -> None:
     )
 
 
-def make_broker(settings: ServiceSettings, *, prefetch: int | None = None) -> RabbitBroker:
+def make_broker(settings: ServiceSettings, *, prefetch: int | None = None) -> ScoreboxBroker:
     """A FastStream broker: confirms on, unroutable publishes raise, bounded prefetch."""
-    return RabbitBroker(
+    return ScoreboxBroker(
         settings.rabbitmq_url,
         timeout=settings.broker_timeout_s,
         reconnect_interval=1.0,
@@ -50,47 +49,8 @@ def make_broker(settings: ServiceSettings, *, prefetch: int | None = None) -> Ra
         graceful_timeout=settings.broker_timeout_s,
         logger=logging.getLogger("scorebox.broker"),
         log_level=logging.DEBUG,
-        # Handlers take the message itself (`consume`); no dependency injection per delivery.
         apply_types=False,
     )
-
-
-MessageHandler = Callable[[RabbitMessage], Awaitable[None]]
-
-
-async def _body_as_is(message: RabbitMessage) -> bytes:
-    return message.body
-
-
-def consume(
-    broker: RabbitBroker,
-    queue: RabbitQueue,
-    exchange: RabbitExchange | None = None,
-    *,
-    channel: Channel | None = None,
-    ack_policy: AckPolicy = AckPolicy.MANUAL,
-) -> Callable[[MessageHandler], MessageHandler]:
-    """Subscribe `handler(message)`: a plain async function that receives the message itself.
-
-    A `message: RabbitMessage` parameter would have FastStream resolve it for every delivery
-    through a synchronous dependency run in a thread pool — measured at about twice the CPU
-    per delivery. Here the body passes through undecoded and the message is read from the
-    broker's context instead.
-    """
-
-    def register(handler: MessageHandler) -> MessageHandler:
-        async def deliver(body: bytes) -> None:
-            await handler(broker.context.get_local("message"))
-
-        deliver.__name__ = deliver.__qualname__ = handler.__name__
-        deliver.__doc__ = handler.__doc__
-        subscriber = broker.subscriber(
-            queue, exchange, channel=channel, ack_policy=ack_policy, decoder=_body_as_is
-        )
-        subscriber(deliver)
-        return handler
-
-    return register
 
 
 def make_mongo(settings: ServiceSettings) -> MongoClient:

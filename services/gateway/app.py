@@ -17,7 +17,6 @@ from typing import Any
 
 import httpx
 from fastapi import APIRouter, FastAPI
-from faststream.rabbit import RabbitBroker
 from httpx_aiohttp import AiohttpTransport
 
 from services.gateway.admin_api import admin_routes
@@ -46,6 +45,7 @@ from services.gateway.submissions import Submissions
 from services.gateway.usage_api import usage_routes
 from services.gateway.webhooks_api import NotifierClient, make_notifier_http, webhook_routes
 from shared.asyncapi import build_document
+from shared.consumers import ScoreboxBroker
 from shared.contracts import DEFAULT_TENANT, new_id, utcnow
 from shared.http import health_router, install_problem_handlers
 from shared.runtime import (
@@ -75,7 +75,7 @@ class Gateway:
     """Every adapter of the gateway, made once."""
 
     settings: GatewaySettings
-    broker: RabbitBroker
+    broker: ScoreboxBroker
     mongo: MongoClient
     status_http: httpx.AsyncClient
     notifier_http: httpx.AsyncClient
@@ -109,7 +109,7 @@ class Gateway:
 def build_gateway(
     settings: GatewaySettings,
     *,
-    broker: RabbitBroker | None = None,
+    broker: ScoreboxBroker | None = None,
     mongo: MongoClient | None = None,
     status_http: httpx.AsyncClient | None = None,
     notifier_http: httpx.AsyncClient | None = None,
@@ -247,7 +247,7 @@ def rescore_requests(gateway: Gateway) -> RescoreRequests:
     )
 
 
-def live_updates(broker: RabbitBroker, settings: GatewaySettings) -> LiveUpdates:
+def live_updates(broker: ScoreboxBroker, settings: GatewaySettings) -> LiveUpdates:
     """This replica's waiters, woken by its own queue of task events (SSE and long-polls)."""
     replica_id = new_id()[:16]
     live = LiveUpdates(

@@ -6,30 +6,29 @@ import asyncio
 import logging
 from datetime import timedelta
 
-from faststream.rabbit import RabbitBroker
-from faststream.rabbit.message import RabbitMessage
 from pydantic import ValidationError
 
 from services.gateway.api import GatewayDeps
 from services.gateway.errors import DatabaseUnavailable, Unavailable
 from services.gateway.limits import OUTCOME_RETRY_DELAY_S
 from services.gateway.submit import Publisher, settle_outcome, sweep_outbox
+from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import parse_task_event
-from shared.runtime import consume, keep_trying
+from shared.runtime import keep_trying
 from shared.topology import GATEWAY_TASK_OUTCOMES
 
 log = logging.getLogger("scorebox.gateway")
 
 
 def subscribe_task_outcomes(
-    broker: RabbitBroker, deps: GatewayDeps, *, retry_delay_s: float = OUTCOME_RETRY_DELAY_S
+    broker: ScoreboxBroker, deps: GatewayDeps, *, retry_delay_s: float = OUTCOME_RETRY_DELAY_S
 ) -> None:
     """On `task.completed` or `task.failed`: release the task's in-flight slot; for a
     completion also note the task's generation and fill the result cache."""
 
     @consume(broker, GATEWAY_TASK_OUTCOMES.queue)
-    async def take_task_outcome(message: RabbitMessage) -> None:
-        routing_key = message.raw_message.routing_key or ""
+    async def take_task_outcome(message: Delivery) -> None:
+        routing_key = message.routing_key
         try:
             event = parse_task_event(routing_key, message.body)
         except (KeyError, ValidationError) as error:

@@ -36,13 +36,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
-from faststream import AckPolicy
 from faststream.rabbit import RabbitBroker
-from faststream.rabbit.message import RabbitMessage
 from pydantic import ValidationError
 
 from services.gateway.errors import GatewayError
 from services.gateway.submissions import Submissions
+from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import (
     StateChange,
     TaskEvent,
@@ -51,7 +50,6 @@ from shared.contracts import (
     TaskView,
     parse_task_event,
 )
-from shared.runtime import consume
 from shared.topology import EVENTS, LIVE_EVENTS_BINDING, live_events_queue
 
 log = logging.getLogger("scorebox.gateway.push")
@@ -299,13 +297,13 @@ class BrokerLiveBinding:
         return queue, exchange
 
 
-def subscribe_live_updates(broker: RabbitBroker, live: LiveUpdates, *, replica_id: str) -> None:
+def subscribe_live_updates(broker: ScoreboxBroker, live: LiveUpdates, *, replica_id: str) -> None:
     """Consume this replica's live queue (auto-acknowledged: a lost event costs only latency).
     The queue receives events only while `live` binds it (`BrokerLiveBinding`)."""
 
-    @consume(broker, live_events_queue(replica_id), ack_policy=AckPolicy.ACK_FIRST)
-    async def wake_waiters(message: RabbitMessage) -> None:
-        routing_key = message.raw_message.routing_key or ""
+    @consume(broker, live_events_queue(replica_id), ack_first=True)
+    async def wake_waiters(message: Delivery) -> None:
+        routing_key = message.routing_key
         try:
             event = parse_task_event(routing_key, message.body)
         except (KeyError, ValidationError) as error:

@@ -38,15 +38,14 @@ from datetime import datetime, timedelta
 from typing import Final, Protocol
 
 from faststream.rabbit import RabbitBroker
-from faststream.rabbit.message import RabbitMessage
-from faststream.rabbit.schemas import Channel
 from pydantic import ValidationError
 
 from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
 from services.gateway.submissions import RescoreClaim, RescoreRefused, Submissions
 from shared.bus import publish_dead_letter, publish_delayed
+from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import RescoreTask, ScoreText, new_id
-from shared.runtime import consume, keep_trying
+from shared.runtime import keep_trying
 from shared.topology import RESCORE_REQUESTS, TASKS
 
 log = logging.getLogger("scorebox.gateway.rescore")
@@ -143,10 +142,10 @@ def _log_outcome(request: RescoreTask, outcome: RescoreOutcome) -> None:
             log.info("re-score of %s ignored: a duplicate request", where)
 
 
-def may_resume(request: RescoreTask, message: RabbitMessage) -> bool:
+def may_resume(request: RescoreTask, message: Delivery) -> bool:
     """Only a retry or a redelivery may resume an unsent claim: a first delivery meeting one
     is a duplicate whose twin is being sent right now."""
-    return request.attempt > 1 or bool(message.raw_message.redelivered)
+    return request.attempt > 1 or bool(message.redelivered)
 
 
 @dataclass(frozen=True)
@@ -159,7 +158,7 @@ class RescoreRequests:
     clock: Clock
     timeout_s: float
 
-    async def on_message(self, message: RabbitMessage) -> None:
+    async def on_message(self, message: Delivery) -> None:
         try:
             request = RescoreTask.model_validate_json(message.body)
         except ValidationError as error:
@@ -181,7 +180,7 @@ class RescoreRequests:
         await message.ack()
 
     async def _retry_later(
-        self, request: RescoreTask, message: RabbitMessage, error: BrokerUnavailable
+        self, request: RescoreTask, message: Delivery, error: BrokerUnavailable
     ) -> None:
         """Send the request down the wait ladder, or to the DLQ after its last attempt;
         raises (the delivery stays unacknowledged) when the broker refuses that too."""
@@ -215,7 +214,7 @@ class RescoreRequests:
         )
 
     async def _dead_letter(
-        self, request: RescoreTask, message: RabbitMessage, error: BrokerUnavailable
+        self, request: RescoreTask, message: Delivery, error: BrokerUnavailable
     ) -> None:
         reason = f"re-score not sent after {request.attempt} attempts: {error!r}"
         log.error("dead-lettering the re-score of %s: %s", request.task_id, reason)
@@ -232,10 +231,10 @@ class RescoreRequests:
 
 
 def subscribe_rescore_requests(
-    broker: RabbitBroker, requests: RescoreRequests, *, prefetch: int
+    broker: ScoreboxBroker, requests: RescoreRequests, *, prefetch: int
 ) -> None:
     """Consume `scorebox.rescore-requests`, `prefetch` deliveries at a time."""
 
-    @consume(broker, RESCORE_REQUESTS.queue, channel=Channel(prefetch_count=prefetch))
-    async def rescore_requested(message: RabbitMessage) -> None:
+    @consume(broker, RESCORE_REQUESTS.queue, prefetch=prefetch)
+    async def rescore_requested(message: Delivery) -> None:
         await requests.on_message(message)

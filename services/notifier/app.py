@@ -11,7 +11,6 @@ from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 
 from fastapi import FastAPI
-from faststream.rabbit import RabbitBroker
 
 from services.notifier.api import tenant_routes
 from services.notifier.consumer import send_delivery, subscribe_deliveries, subscribe_notifications
@@ -23,6 +22,7 @@ from services.notifier.registry import Callbacks, FailureAlerts
 from services.notifier.sender import WebhookSender, make_ssl_context
 from services.notifier.settings import NotifierSettings
 from services.notifier.ssrf import Resolver, SystemResolver, WebhookGuard
+from shared.consumers import ScoreboxBroker
 from shared.contracts import DeliverWebhook, utcnow
 from shared.http import health_router, install_problem_handlers
 from shared.runtime import (
@@ -41,7 +41,7 @@ log = logging.getLogger("scorebox.notifier")
 def create_app(
     settings: NotifierSettings,
     *,
-    broker: RabbitBroker | None = None,
+    broker: ScoreboxBroker | None = None,
     mongo: MongoClient | None = None,
     resolver: Resolver | None = None,
     sender: Sender | None = None,

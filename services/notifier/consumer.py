@@ -20,7 +20,6 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from faststream.rabbit import RabbitBroker
-from faststream.rabbit.message import RabbitMessage
 from pydantic import ValidationError
 from pymongo.errors import PyMongoError
 
@@ -34,8 +33,8 @@ from services.notifier.deliveries import (
 )
 from services.notifier.notifications import NotificationDeps, notify_about_task_event
 from shared.bus import publish_dead_letter, publish_delayed
+from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import Contract, DeliverWebhook, new_id, parse_task_event
-from shared.runtime import consume
 from shared.topology import (
     EVENTS,
     NOTIFICATIONS,
@@ -70,7 +69,7 @@ async def send_delivery(broker: RabbitBroker, delivery: DeliverWebhook, *, timeo
 
 
 async def _dead_letter(
-    broker: RabbitBroker, queue: WorkQueue, message: RabbitMessage, reason: str, timeout: float
+    broker: RabbitBroker, queue: WorkQueue, message: Delivery, reason: str, timeout: float
 ) -> None:
     await publish_dead_letter(
         broker,
@@ -85,11 +84,11 @@ async def _dead_letter(
 
 
 def subscribe_notifications(
-    broker: RabbitBroker, deps: NotificationDeps, *, timeout_s: float, clock: Clock
+    broker: ScoreboxBroker, deps: NotificationDeps, *, timeout_s: float, clock: Clock
 ) -> None:
     @consume(broker, NOTIFICATIONS.queue)
-    async def when_task_event_notify(message: RabbitMessage) -> None:
-        routing_key = event_key(message.raw_message.routing_key or "")
+    async def when_task_event_notify(message: Delivery) -> None:
+        routing_key = event_key(message.routing_key)
         try:
             event = parse_task_event(routing_key, message.body)
         except (KeyError, ValidationError) as error:
@@ -125,9 +124,9 @@ async def _come_back_later(
     )
 
 
-def subscribe_deliveries(broker: RabbitBroker, deps: DeliveryDeps, *, timeout_s: float) -> None:
+def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_s: float) -> None:
     @consume(broker, WEBHOOK_DELIVERIES.queue)
-    async def when_webhook_due_deliver(message: RabbitMessage) -> None:
+    async def when_webhook_due_deliver(message: Delivery) -> None:
         try:
             delivery = DeliverWebhook.model_validate_json(message.body)
         except ValidationError as error:
@@ -156,7 +155,7 @@ async def _carry_out(
     broker: RabbitBroker,
     decision: DeliveryDecision,
     delivery: DeliverWebhook,
-    message: RabbitMessage,
+    message: Delivery,
     *,
     timeout_s: float,
 ) -> None:

@@ -21,7 +21,6 @@ from datetime import timedelta
 from functools import partial
 
 from fastapi import FastAPI
-from faststream.rabbit import RabbitBroker
 
 from services.scheduler.api import cron_routes, usage_routes
 from services.scheduler.catalogue import Catalogue
@@ -40,6 +39,7 @@ from services.scheduler.runs import RetryPolicy
 from services.scheduler.schedule import JobCatalog
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.usage_store import DailyUsageStore, UsageRecords
+from shared.consumers import ScoreboxBroker
 from shared.contracts import new_id, utcnow
 from shared.http import health_router, install_problem_handlers
 from shared.runtime import (
@@ -62,7 +62,7 @@ def create_app(
     settings: SchedulerSettings,
     *,
     config: SchedulerConfig | None = None,
-    broker: RabbitBroker | None = None,
+    broker: ScoreboxBroker | None = None,
     mongo: MongoClient | None = None,
     clock: Clock = utcnow,
     handlers: Mapping[str, JobHandler] | None = None,

@@ -26,9 +26,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from faststream.rabbit import RabbitBroker
-from faststream.rabbit.message import RabbitMessage
-from faststream.rabbit.schemas import Channel
 from pydantic import ValidationError
 from pymongo.errors import PyMongoError
 
@@ -51,15 +48,15 @@ from services.scheduler.runs import (
 )
 from services.scheduler.usage_store import UsageRecords
 from shared.bus import publish_dead_letter
+from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import RunCronJob, TaskCompleted, new_id
-from shared.runtime import consume
 from shared.topology import ATTEMPTS_HEADER, CRON_JOBS, USAGE_METER, WorkQueue
 
 log = logging.getLogger("scorebox.scheduler.consumer")
 
 
 async def _dead_letter(
-    bus: SchedulerBus, work_queue: WorkQueue, message: RabbitMessage, error: str
+    bus: SchedulerBus, work_queue: WorkQueue, message: Delivery, error: str
 ) -> None:
     await publish_dead_letter(
         bus.broker,
@@ -81,7 +78,7 @@ class CronJobRunner:
     bus: SchedulerBus
     clock: Clock
 
-    async def on_message(self, message: RabbitMessage) -> None:
+    async def on_message(self, message: Delivery) -> None:
         try:
             command = RunCronJob.model_validate_json(message.body)
         except ValidationError as error:
@@ -105,7 +102,7 @@ class CronJobRunner:
             return
         await self.carry_out(decision, message)
 
-    async def carry_out(self, decision: RunDecision, message: RabbitMessage) -> None:
+    async def carry_out(self, decision: RunDecision, message: Delivery) -> None:
         match decision:
             case Continue(command=command) | Retry(command=command) | Defer(command=command):
                 await self.bus.publish_run(command)
@@ -128,7 +125,7 @@ class UsageMeter:
     max_attempts: int
     retry_after: timedelta
 
-    async def on_message(self, message: RabbitMessage) -> None:
+    async def on_message(self, message: Delivery) -> None:
         try:
             event = TaskCompleted.model_validate_json(message.body)
             raw: Any = json.loads(message.body)
@@ -151,7 +148,7 @@ class UsageMeter:
             await self._retry_or_dead_letter(event, message, error)
 
     async def _retry_or_dead_letter(
-        self, event: TaskCompleted, message: RabbitMessage, error: Exception
+        self, event: TaskCompleted, message: Delivery, error: Exception
     ) -> None:
         attempts = int(message.headers.get(ATTEMPTS_HEADER, 1))
         if attempts >= self.max_attempts:
@@ -170,15 +167,15 @@ class UsageMeter:
 
 
 def subscribe_scheduler(
-    broker: RabbitBroker,
+    broker: ScoreboxBroker,
     *,
     runner: CronJobRunner,
     meter: UsageMeter,
     job_concurrency: int,
     meter_prefetch: int,
 ) -> None:
-    @consume(broker, CRON_JOBS.queue, channel=Channel(prefetch_count=job_concurrency))
-    async def run_cron_job_delivery(message: RabbitMessage) -> None:
+    @consume(broker, CRON_JOBS.queue, prefetch=job_concurrency)
+    async def run_cron_job_delivery(message: Delivery) -> None:
         try:
             await runner.on_message(message)
         except Exception:
@@ -187,8 +184,8 @@ def subscribe_scheduler(
             return
         await message.ack()
 
-    @consume(broker, USAGE_METER.queue, channel=Channel(prefetch_count=meter_prefetch))
-    async def record_usage_delivery(message: RabbitMessage) -> None:
+    @consume(broker, USAGE_METER.queue, prefetch=meter_prefetch)
+    async def record_usage_delivery(message: Delivery) -> None:
         try:
             await meter.on_message(message)
         except Exception:

@@ -11,7 +11,6 @@ from datetime import datetime, timedelta
 
 import httpx
 from fastapi import FastAPI
-from faststream.rabbit import RabbitBroker
 
 from services.scorer.attempts import Attempts
 from services.scorer.consumer import BrokerActions, subscribe_scorer
@@ -20,6 +19,7 @@ from services.scorer.model.settings import ModelSettings
 from services.scorer.scoring import RetryPolicy, ScorerDeps
 from services.scorer.settings import ScorerSettings
 from shared.bus import publish_event
+from shared.consumers import ScoreboxBroker
 from shared.contracts import TaskEvent, utcnow
 from shared.http import health_router, install_problem_handlers
 from shared.runtime import (
@@ -37,7 +37,7 @@ def create_app(
     settings: ScorerSettings,
     model_settings: ModelSettings,
     *,
-    broker: RabbitBroker | None = None,
+    broker: ScoreboxBroker | None = None,
     mongo: MongoClient | None = None,
     model: ScoreModel | None = None,
     clock: Callable[[], datetime] = utcnow,

@@ -25,13 +25,13 @@ from datetime import timedelta
 from typing import Any
 
 from faststream.rabbit import RabbitBroker
-from faststream.rabbit.message import RabbitMessage
 from pydantic import ValidationError
 from pymongo.errors import PyMongoError
 
 from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Retry
 from services.scorer.scoring import Clock, ScorerDeps, score_text
 from shared.bus import publish_command, publish_dead_letter, publish_event
+from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import (
     Phase,
     ScoreText,
@@ -40,7 +40,6 @@ from shared.contracts import (
     event_sequence,
     new_id,
 )
-from shared.runtime import consume
 from shared.topology import ATTEMPTS_HEADER, SCORE_REQUESTS
 
 log = logging.getLogger("scorebox.scorer")
@@ -58,7 +57,7 @@ class BrokerActions:
     timeout_s: float
     clock: Clock
 
-    async def carry_out(self, decision: Decision, message: RabbitMessage) -> None:
+    async def carry_out(self, decision: Decision, message: Delivery) -> None:
         match decision:
             case Finish(event=event, dead_letter_error=error):
                 if error is not None:
@@ -75,7 +74,7 @@ class BrokerActions:
     async def resend(self, command: ScoreText, *, headers: dict[str, Any]) -> None:
         await publish_command(self.broker, command, timeout=self.timeout_s, headers=headers)
 
-    async def dead_letter(self, message: RabbitMessage, error: str) -> None:
+    async def dead_letter(self, message: Delivery, error: str) -> None:
         await publish_dead_letter(
             self.broker,
             SCORE_REQUESTS,
@@ -106,16 +105,16 @@ class BrokerActions:
         await publish_event(self.broker, event, timeout=self.timeout_s)
 
 
-def _carried_headers(message: RabbitMessage) -> dict[str, Any]:
+def _carried_headers(message: Delivery) -> dict[str, Any]:
     keep = (CRASHES_HEADER, ATTEMPTS_HEADER)
     return {key: value for key, value in message.headers.items() if key in keep}
 
 
 def subscribe_scorer(
-    broker: RabbitBroker, deps: ScorerDeps, actions: BrokerActions, *, crash_limit: int
+    broker: ScoreboxBroker, deps: ScorerDeps, actions: BrokerActions, *, crash_limit: int
 ) -> None:
     @consume(broker, SCORE_REQUESTS.queue)
-    async def on_score_requested(message: RabbitMessage) -> None:
+    async def on_score_requested(message: Delivery) -> None:
         try:
             command = ScoreText.model_validate_json(message.body)
         except ValidationError as error:
@@ -133,7 +132,7 @@ def subscribe_scorer(
             await _give_up(command, message, actions, reason)
             await message.ack()
             return
-        redelivered = deliveries > 0 or bool(message.raw_message.redelivered)
+        redelivered = deliveries > 0 or bool(message.redelivered)
         try:
             # Losing the broker connection cancels this handler. The decision, with its model
             # call, is shielded: it completes and is recorded, and the redelivery replays it
@@ -165,7 +164,7 @@ async def _decide(
 
 
 async def _retry_later(
-    command: ScoreText, message: RabbitMessage, actions: BrokerActions, *, count_crash: bool
+    command: ScoreText, message: Delivery, actions: BrokerActions, *, count_crash: bool
 ) -> None:
     headers = _carried_headers(message)
     if count_crash:
@@ -177,7 +176,7 @@ async def _retry_later(
 
 
 async def _after_crash(
-    command: ScoreText, message: RabbitMessage, actions: BrokerActions, *, crash_limit: int
+    command: ScoreText, message: Delivery, actions: BrokerActions, *, crash_limit: int
 ) -> None:
     crashes = int(message.headers.get(CRASHES_HEADER, 0)) + 1
     if crashes < crash_limit:
@@ -187,7 +186,7 @@ async def _after_crash(
 
 
 async def _give_up(
-    command: ScoreText, message: RabbitMessage, actions: BrokerActions, reason: str
+    command: ScoreText, message: Delivery, actions: BrokerActions, reason: str
 ) -> None:
     await actions.dead_letter(message, reason)
     error = TaskError(code="internal_error", message=reason, retryable=False)

@@ -8,8 +8,6 @@ from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 
 from fastapi import APIRouter, FastAPI, Query
-from faststream.rabbit import RabbitBroker
-from faststream.rabbit.message import RabbitMessage
 from pydantic import ValidationError
 from pymongo.errors import PyMongoError
 
@@ -24,6 +22,7 @@ from services.status.projection import (
 )
 from services.status.settings import StatusSettings
 from shared.bus import publish_dead_letter
+from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import (
     BatchProgress,
     TaskHistory,
@@ -36,7 +35,6 @@ from shared.http import Problem, health_router, install_problem_handlers
 from shared.runtime import (
     MongoClient,
     broker_ready,
-    consume,
     keep_trying,
     make_broker,
     make_mongo,
@@ -53,7 +51,7 @@ Clock = Callable[[], datetime]
 def create_app(
     settings: StatusSettings,
     *,
-    broker: RabbitBroker | None = None,
+    broker: ScoreboxBroker | None = None,
     mongo: MongoClient | None = None,
     clock: Clock = utcnow,
 ) -> FastAPI:
@@ -88,13 +86,13 @@ def create_app(
 
 
 def subscribe_projection(
-    broker: RabbitBroker, writes: GroupWriter, settings: StatusSettings
+    broker: ScoreboxBroker, writes: GroupWriter, settings: StatusSettings
 ) -> None:
     finished_ttl = timedelta(seconds=settings.finished_task_ttl_s)
 
     @consume(broker, STATUS_PROJECTION.queue)
-    async def record_task_event(message: RabbitMessage) -> None:
-        routing_key = message.raw_message.routing_key or ""
+    async def record_task_event(message: Delivery) -> None:
+        routing_key = message.routing_key
         try:
             event = parse_task_event(routing_key, message.body)
         except (KeyError, ValidationError) as error:

@@ -216,7 +216,7 @@ def submit_table(scenario: dict[str, Any]) -> Table:
         "counts from the due time. First row: the scorers run meanwhile (the whole stack is "
         "loaded); second row: no scorer runs, the tasks wait in their queue, so the row "
         "measures the submit path alone (gateway, its database writes, the broker's confirms, "
-        "and the projection taking `task.accepted`).",
+        "and the projection taking its copy of each command).",
         f"Sent {num(sb.get('sent_per_s'))} requests/s; sender lag p99 "
         f"{num(sb['sender_lag_ms']['p99'])} ms (the load generator's own delay).",
     ]

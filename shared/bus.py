@@ -120,8 +120,11 @@ async def publish_command(
     timeout: float,
     now: datetime | None = None,
     headers: Mapping[str, Any] | None = None,
-) -> None:
-    """Send a command now, or down the wait ladder when its `not_before` lies ahead."""
+) -> bool:
+    """Send a command now, or down the wait ladder when its `not_before` lies ahead.
+
+    True when it went straight to its work queue (through `scorebox.tasks`, where the status
+    projection also takes its copy), False when it waits on the ladder."""
     remaining = 0.0
     if command.not_before is not None:
         remaining = (command.not_before - (now or utcnow())).total_seconds()
@@ -135,7 +138,7 @@ async def publish_command(
             timeout=timeout,
             headers=headers,
         )
-        return
+        return True
     await _publish(
         broker,
         command,
@@ -144,6 +147,7 @@ async def publish_command(
         timeout=timeout,
         headers=headers,
     )
+    return False
 
 
 async def publish_dead_letter(

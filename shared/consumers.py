@@ -5,8 +5,9 @@ broker, on the channel FastStream would give it (the broker's default channel, o
 its own when the consumer asks for another prefetch), and consumed with aio-pika directly:
 each delivery reaches its handler as a `Delivery` without FastStream's per-delivery pipeline
 (message parsing, context scopes, logging and acknowledgement middlewares), measured in
-docs/architecture.md ("Performance"). What FastStream still does: the robust connection (aio-pika restores the
-channels, their prefetch and the consumers after a reconnection), declaring, publishing.
+docs/architecture.md ("Performance"). What FastStream still does: the robust connection
+(aio-pika restores the channels, their prefetch and the consumers after a reconnection),
+declaring, publishing.
 
 Settling is the handler's: it acks, nacks or rejects (settling twice is a no-op). A handler
 that raises leaves its delivery unsettled; the broker redelivers it when the channel closes

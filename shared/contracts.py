@@ -132,7 +132,8 @@ class TaskError(BaseModel):
 
 
 class ScoreText(Contract):
-    """Command: score this text. Routed as `score.requested` to the scorer."""
+    """Command: score this text. Routed as `score.requested` to the scorer (and, when sent
+    now, to the status projection, which learns the task from it)."""
 
     routing_key: ClassVar[str] = "score.requested"
 
@@ -167,7 +168,9 @@ class TaskEvent(Contract):
 
 
 class TaskAccepted(TaskEvent):
-    """The gateway accepted a submission (status `queued`, or `scheduled` when delayed)."""
+    """The gateway accepted a submission whose command waits on the ladder (status
+    `scheduled`). A command sent now is not announced: the status projection reads the same
+    acceptance (status `queued`) from its own copy of the command (`accepted_event`)."""
 
     routing_key: ClassVar[str] = "task.accepted"
     status: ClassVar[TaskStatus] = TaskStatus.QUEUED
@@ -229,6 +232,27 @@ TASK_EVENT_TYPES: dict[str, type[TaskEvent]] = {
 def parse_task_event(routing_key: str, body: bytes) -> TaskEvent:
     """Decode a task event by its routing key; raises `KeyError` or `ValidationError`."""
     return TASK_EVENT_TYPES[routing_key].model_validate_json(body)
+
+
+def accepted_event(command: ScoreText) -> TaskAccepted:
+    """What a command tells of its task's acceptance: queued (or scheduled, while its
+    `not_before` lies ahead) at the command's `occurred_at`."""
+    return TaskAccepted(
+        task_id=command.task_id,
+        tenant_id=command.tenant_id,
+        sequence=event_sequence(generation=command.generation, attempt=0, phase=Phase.ACCEPTED),
+        generation=command.generation,
+        submitted_at=command.submitted_at,
+        occurred_at=command.occurred_at,
+        rubric=command.rubric,
+        model=command.model,
+        not_before=command.not_before,
+        metadata=command.metadata,
+        api_key_id=command.api_key_id,
+        batch_id=command.batch_id,
+        callback_url=command.callback_url,
+        batch_index=command.batch_index,
+    )
 
 
 class TaskFailure(TaskError):

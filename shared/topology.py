@@ -124,9 +124,12 @@ def _command_queue(name: str, routing_key: str, max_length: int | None = None) -
 SCORE_REQUESTS = _command_queue(
     "scorebox.score-requests", "score.requested", max_length=SCORE_QUEUE_MAX_LENGTH
 )
+# The projection takes a copy of every command sent straight to the scorer: a task sent now is
+# known from its command (no `task.accepted` publish of its own); a task that waits on the
+# ladder is announced by `task.accepted` (status `scheduled`).
 STATUS_PROJECTION = WorkQueue(
     name="scorebox.status-projection",
-    bindings=(Binding(EVENTS, "task.*"),),
+    bindings=(Binding(EVENTS, "task.*"), Binding(TASKS, "score.requested")),
 )
 
 

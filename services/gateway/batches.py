@@ -248,7 +248,6 @@ class Batches:
 
 class BatchPublisher(Protocol):
     async def send_many(self, commands: Sequence[ScoreText]) -> None: ...
-    async def announce_accepted_many(self, commands: Sequence[ScoreText]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -292,6 +291,7 @@ async def submit_batch(
             metadata=item.metadata,
             max_attempts=policy.max_attempts,
             submitted_at=now,
+            occurred_at=now,
             api_key_id=api_key_id,
             batch_id=batch_id,
             batch_index=index,
@@ -344,10 +344,6 @@ async def submit_batch(
             in_flight=gate if counted else None,
         )
         raise
-    try:
-        await publisher.announce_accepted_many(commands)
-    except BrokerUnavailable:
-        log.warning("batch %s accepted without (all) its task.accepted events", batch_id)
     try:
         await submissions.mark_batch_accepted(batch_id, [c.task_id for c in commands])
         await batches.mark_accepted(batch_id)

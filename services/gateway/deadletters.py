@@ -145,10 +145,10 @@ class DeadLetterQueue:
                 "attempt": 1,
                 "not_before": None,
                 "message_id": new_id(),
+                "occurred_at": self._clock(),
             }
         )
         await self._publisher.send(fresh)
-        await self._publisher.announce_accepted(fresh)
 
     async def purge(self) -> int:
         queue = await self._queue()

@@ -57,12 +57,9 @@ RETRY_DELAYS_S: Final = (5, 30, 120, 600)
 
 
 class Resubmitter(Protocol):
-    """Sends a command and announces it (`services.gateway.publisher.TaskPublisher`)."""
+    """Sends a command (`services.gateway.publisher.TaskPublisher`)."""
 
     async def send(self, command: ScoreText) -> None: ...
-    async def announce_accepted(
-        self, command: ScoreText, *, at: datetime | None = None
-    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -74,14 +71,16 @@ class Rescored:
 RescoreOutcome = Rescored | RescoreRefused
 
 
-def rescore_command(claim: RescoreClaim) -> ScoreText:
-    """The submitted command as the claimed generation's first attempt, due now."""
+def rescore_command(claim: RescoreClaim, *, now: datetime) -> ScoreText:
+    """The submitted command as the claimed generation's first attempt, due now (and queued
+    now: the projection shows the new generation accepted at `now`)."""
     return claim.command.model_copy(
         update={
             "generation": claim.generation,
             "attempt": 1,
             "not_before": None,
             "message_id": new_id(),
+            "occurred_at": now,
         }
     )
 
@@ -110,14 +109,8 @@ async def rescore_task(
     )
     if isinstance(claim, RescoreRefused):
         return claim
-    command = rescore_command(claim)
+    command = rescore_command(claim, now=now)
     await publisher.send(command)
-    try:
-        await publisher.announce_accepted(command, at=now)
-    except BrokerUnavailable:
-        # The command is queued; the projection learns of the new generation from the
-        # scorer's first event instead.
-        log.warning("re-score of %s queued without its task.accepted event", command.task_id)
     await keep_trying(
         lambda: submissions.finish_rescore(
             request.task_id, rubric_version=request.rubric_version, now=now

@@ -41,7 +41,6 @@ Clock = Callable[[], datetime]
 
 class Publisher(Protocol):
     async def send(self, command: ScoreText) -> None: ...
-    async def announce_accepted(self, command: ScoreText) -> None: ...
     async def announce_cached(self, command: ScoreText, result: ScoreResult) -> None: ...
 
 
@@ -109,6 +108,7 @@ async def submit_score(
         max_attempts=policy.max_attempts,
         not_before=submission.due_at(now),
         submitted_at=now,
+        occurred_at=now,
         callback_url=submission.callback_url,
         api_key_id=api_key_id,
     )
@@ -203,12 +203,6 @@ async def _publish_or_discard(
         await _give_up(command, submissions=submissions, in_flight=in_flight)
         raise
     try:
-        await publisher.announce_accepted(command)
-    except BrokerUnavailable:
-        # The command is queued; the projection learns the task from its next event and
-        # polls meanwhile answer from our own record (read-your-writes).
-        log.warning("task %s accepted without its task.accepted event", command.task_id)
-    try:
         await submissions.mark_accepted(command.task_id)
     except DatabaseUnavailable:
         log.warning("task %s left `accepting`; the outbox sweep re-sends it", command.task_id)
@@ -277,8 +271,6 @@ async def sweep_outbox(
         if submission.command is None:
             continue
         await publisher.send(submission.command)
-        with contextlib.suppress(BrokerUnavailable):
-            await publisher.announce_accepted(submission.command)
         await submissions.mark_accepted(submission.task_id)
         sent += 1
     return sent

@@ -25,8 +25,11 @@ from shared.bus import publish_dead_letter
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import (
     BatchProgress,
+    ScoreText,
+    TaskEvent,
     TaskHistory,
     TaskView,
+    accepted_event,
     parse_task_event,
     utcnow,
 )
@@ -94,7 +97,7 @@ def subscribe_projection(
     async def record_task_event(message: Delivery) -> None:
         routing_key = message.routing_key
         try:
-            event = parse_task_event(routing_key, message.body)
+            event = projected_event(routing_key, message.body)
         except (KeyError, ValidationError) as error:
             log.warning("dead-lettering an unreadable %r event: %s", routing_key, error)
             await publish_dead_letter(
@@ -108,6 +111,9 @@ def subscribe_projection(
             )
             await message.ack()
             return
+        if event is None:
+            await message.ack()
+            return
         await keep_trying(
             lambda: apply_task_event(
                 event,
@@ -119,6 +125,16 @@ def subscribe_projection(
             retry_on=(PyMongoError,),
         )
         await message.ack()
+
+
+def projected_event(routing_key: str, body: bytes) -> TaskEvent | None:
+    """The event a delivery of the projection's queue tells: a task event as it is, a command
+    sent now as its task's acceptance (`accepted_event`), nothing for a later attempt's command
+    (a retry, which `task.retrying` already told). Raises `KeyError` or `ValidationError`."""
+    if routing_key == ScoreText.routing_key:
+        command = ScoreText.model_validate_json(body)
+        return accepted_event(command) if command.attempt == 1 else None
+    return parse_task_event(routing_key, body)
 
 
 def task_routes(tasks: Tasks, clock: Clock) -> APIRouter:

@@ -9,8 +9,9 @@ The change is pushed in the same conditional update that applies the event; a la
 that lost the race to a newer one) still enters the history, in sequence order, by a second
 update guarded on its sequence not being there yet, so a duplicate never enters it twice.
 
-Batch progress: `task.accepted` carries `batch_id`/`batch_index`, kept on the document and
-indexed, so a batch's counts are one aggregation and its items one keyset-paginated query.
+Batch progress: `task.accepted` (for a task sent now: read from its command) carries
+`batch_id`/`batch_index`, kept on the document and indexed, so a batch's counts are one
+aggregation and its items one keyset-paginated query.
 """
 
 from __future__ import annotations

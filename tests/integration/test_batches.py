@@ -3,13 +3,11 @@ the fake model scoring each item."""
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import aio_pika
 import httpx
 import pytest
 from pymongo import AsyncMongoClient
@@ -281,26 +279,21 @@ async def test_another_tenants_batch_is_404(batches: Batches) -> None:
     _assert_problem(await batches.api.get(f"/v1/batches/{batch_id}?cursor=2"), 400)
 
 
-async def test_each_item_is_announced_with_its_batch_and_position(
-    batches: Batches, amqp_url: str
+async def test_each_item_reaches_the_projection_with_its_batch_and_position(
+    batches: Batches,
 ) -> None:
-    connection = await aio_pika.connect(amqp_url, timeout=10)
-    async with connection:
-        channel = await connection.channel()
-        probe = await channel.declare_queue(exclusive=True, auto_delete=True)
-        await probe.bind("scorebox.events", routing_key="task.accepted")
-        response = await batches.submit({"items": _items(12)})
-        assert response.status_code == 202
-        batch_id = response.json()["batch_id"]
-        seen: dict[str, int] = {}
+    """The status projection learns each item from its command (no `task.accepted` is
+    published for a task sent now), with the batch and the item's position."""
+    response = await batches.submit({"items": _items(12)})
+    assert response.status_code == 202
+    batch_id = response.json()["batch_id"]
+    projected = batches.mongo[f"{batches.db_prefix}_status"]["tasks"]
 
-        async def all_announced() -> bool:
-            while (message := await probe.get(no_ack=True, fail=False, timeout=5)) is not None:
-                event = json.loads(message.body)
-                if event.get("batch_id") == batch_id:
-                    seen[event["task_id"]] = event["batch_index"]
-            return len(seen) == 12
+    async def all_projected() -> dict[str, int] | None:
+        documents = await projected.find({"batch_id": batch_id}).to_list()
+        positions = {d["_id"]: d["batch_index"] for d in documents}
+        return positions if len(positions) == 12 else None
 
-        await eventually(all_announced, what="12 task.accepted events")
+    seen = await eventually(all_projected, what="12 items in the projection")
     order = [item["task_id"] for item in response.json()["items"]]
     assert [seen[task_id] for task_id in order] == list(range(12))

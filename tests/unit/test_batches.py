@@ -30,6 +30,7 @@ from shared.contracts import (
     BatchProgress,
     ScoreResult,
     ScoreText,
+    TaskAccepted,
     TaskStatus,
 )
 
@@ -147,10 +148,33 @@ async def test_a_batch_is_published_with_all_confirms_in_flight_together() -> No
     assert len(broker.published) == 25
     assert {key for key, _ in broker.published} == {"score.requested"}
 
-    announced = ConcurrentBroker(expected=25)
-    await TaskPublisher(announced, timeout_s=5).announce_accepted_many(_commands(25))  # type: ignore[arg-type]
-    assert {key for key, _ in announced.published} == {"task.accepted"}
-    assert all(b'"batch_index"' in body for _, body in announced.published)
+
+async def test_only_commands_that_wait_are_announced_and_all_in_one_round() -> None:
+    """A command sent now reaches the projection itself; one sent down the wait ladder is
+    announced by `task.accepted` (status `scheduled`)."""
+    due = datetime.now(UTC) + timedelta(hours=1)
+    waiting = [c.model_copy(update={"not_before": due}) for c in _commands(25)]
+    broker = ConcurrentBroker(expected=25)
+    await TaskPublisher(broker, timeout_s=5).send_many(waiting)  # type: ignore[arg-type]
+    keys = [key for key, _ in broker.published]
+    assert all(key.endswith(".score.requested") for key in keys[:25])  # down the ladder
+    assert keys[25:] == ["task.accepted"] * 25
+    assert all(b'"batch_index"' in body for _, body in broker.published[25:])
+
+
+async def test_a_single_command_is_announced_only_when_it_waits() -> None:
+    now_broker, later_broker = ConcurrentBroker(expected=1), ConcurrentBroker(expected=1)
+    [command] = _commands(1)
+    await TaskPublisher(now_broker, timeout_s=5).send(command)  # type: ignore[arg-type]
+    assert [key for key, _ in now_broker.published] == ["score.requested"]
+
+    due = datetime.now(UTC) + timedelta(minutes=5)
+    waiting = command.model_copy(update={"not_before": due})
+    await TaskPublisher(later_broker, timeout_s=5).send(waiting)  # type: ignore[arg-type]
+    [(ladder_key, _), (announced_key, body)] = later_broker.published
+    assert ladder_key.endswith(".score.requested")
+    assert announced_key == "task.accepted"
+    assert TaskAccepted.model_validate_json(body).not_before == due
 
 
 async def test_one_refused_publish_fails_the_round_after_all_of_them_ended() -> None:
@@ -201,15 +225,11 @@ class FakePublisher:
     def __init__(self, *, fail: bool = False) -> None:
         self.fail = fail
         self.sent: list[ScoreText] = []
-        self.announced: list[ScoreText] = []
 
     async def send_many(self, commands: Sequence[ScoreText]) -> None:
         if self.fail:
             raise BrokerUnavailable("down")
         self.sent.extend(commands)
-
-    async def announce_accepted_many(self, commands: Sequence[ScoreText]) -> None:
-        self.announced.extend(commands)
 
 
 async def _submit(
@@ -248,7 +268,6 @@ async def test_an_accepted_batch_is_recorded_published_and_marked_in_order() -> 
     ]
     assert [c.rubric for c in sent] == ["r", "own"]
     assert {c.api_key_id for c in sent} == {"k1"}
-    assert publisher.announced == sent
     assert submissions.accepted == [c.task_id for c in sent]
     assert batches.accepted == [record.batch_id]
 

@@ -5,8 +5,8 @@ Accepting a batch (`submit_batch`), all or nothing:
 2. the batch record and one submission per item are recorded as `accepting` (one insert each);
 3. its tasks are admitted against the tenant's in-flight limit, all or none (`LimitExceeded`:
    429, the batch is discarded);
-4. every `score.requested` is published with its confirm in flight together (one round),
-   then every `task.accepted` likewise;
+4. every `score.requested` is published with its confirm in flight together (one round); the
+   status projection takes each item, batch and position included, from its command;
 5. submissions and batch are marked `accepted` (one update each).
 If the broker does not confirm step 4's commands, the slots are released, the batch and its
 submissions discarded, and `BrokerUnavailable` raised: the client sees 503 and nothing was

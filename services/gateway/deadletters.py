@@ -3,8 +3,8 @@
 Messages are read with `basic.get` and held unacknowledged while the queue is walked, then
 returned with `basic.nack(requeue=True)`, which RabbitMQ 4.x does not count as a delivery
 (3.x sets no delivery limit on our DLQs), so looking never loses a dead letter. Replay sends
-a fresh command — next generation, attempt 1, a fresh attempt budget — and announces the
-task as queued again, then acks the dead letter.
+a fresh command — next generation, attempt 1, a fresh attempt budget, queued now — from
+which the status projection shows the task queued again, then acks the dead letter.
 """
 
 from __future__ import annotations

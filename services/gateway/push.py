@@ -400,7 +400,7 @@ async def read_history(
 ) -> TaskHistory | None:
     """The task's state changes after `after`, or — while the status service has not heard of
     a young submission — its acceptance as the gateway recorded it (sequence 0, like the
-    `task.accepted` event it published)."""
+    acceptance the projection reads from the command)."""
     history = await status.history(task_id, tenant_id=tenant_id, after=after)
     if history is not None:
         return history

@@ -4,7 +4,8 @@ The scheduler publishes a `RescoreTask` per stale task to `scorebox.rescore-requ
 gateway owns the submissions and their texts, so it submits the task again: the same task
 id, the submission's next generation (the scorer claims a newer generation afresh and the
 status projection shows the task `queued` again, as after a DLQ replay), attempt 1 and a
-fresh message id; the command and a `task.accepted` event are published with confirms.
+fresh message id, queued now; the command is published with a confirm (the projection takes
+its own copy of it).
 
 A submission is re-scored at most once per rubric version (`Submissions.claim_rescore`), so
 duplicate requests (a fan-out run repeated, the same request twice) score nothing twice. A
@@ -138,7 +139,7 @@ def _log_outcome(request: RescoreTask, outcome: RescoreOutcome) -> None:
 def may_resume(request: RescoreTask, message: Delivery) -> bool:
     """Only a retry or a redelivery may resume an unsent claim: a first delivery meeting one
     is a duplicate whose twin is being sent right now."""
-    return request.attempt > 1 or bool(message.redelivered)
+    return request.attempt > 1 or message.redelivered
 
 
 @dataclass(frozen=True)

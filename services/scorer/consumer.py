@@ -132,7 +132,7 @@ def subscribe_scorer(
             await _give_up(command, message, actions, reason)
             await message.ack()
             return
-        redelivered = deliveries > 0 or bool(message.redelivered)
+        redelivered = deliveries > 0 or message.redelivered
         try:
             # Losing the broker connection cancels this handler. The decision, with its model
             # call, is shielded: it completes and is recorded, and the redelivery replays it

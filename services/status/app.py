@@ -18,6 +18,7 @@ from services.status.projection import (
     find_batch,
     find_history,
     find_task,
+    projected_event,
     tasks_collection,
 )
 from services.status.settings import StatusSettings
@@ -25,12 +26,8 @@ from shared.bus import publish_dead_letter
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import (
     BatchProgress,
-    ScoreText,
-    TaskEvent,
     TaskHistory,
     TaskView,
-    accepted_event,
-    parse_task_event,
     utcnow,
 )
 from shared.group_writes import GroupWriter
@@ -125,16 +122,6 @@ def subscribe_projection(
             retry_on=(PyMongoError,),
         )
         await message.ack()
-
-
-def projected_event(routing_key: str, body: bytes) -> TaskEvent | None:
-    """The event a delivery of the projection's queue tells: a task event as it is, a command
-    sent now as its task's acceptance (`accepted_event`), nothing for a later attempt's command
-    (a retry, which `task.retrying` already told). Raises `KeyError` or `ValidationError`."""
-    if routing_key == ScoreText.routing_key:
-        command = ScoreText.model_validate_json(body)
-        return accepted_event(command) if command.attempt == 1 else None
-    return parse_task_event(routing_key, body)
 
 
 def task_routes(tasks: Tasks, clock: Clock) -> APIRouter:

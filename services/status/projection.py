@@ -26,6 +26,7 @@ from pymongo.errors import DuplicateKeyError
 from shared.contracts import (
     BatchItemProgress,
     BatchProgress,
+    ScoreText,
     StateChange,
     TaskAccepted,
     TaskCompleted,
@@ -36,6 +37,8 @@ from shared.contracts import (
     TaskRetrying,
     TaskStatus,
     TaskView,
+    accepted_event,
+    parse_task_event,
 )
 from shared.group_writes import GroupWriter
 
@@ -239,3 +242,13 @@ def _view_of(document: Document) -> TaskView:
         metadata=document.get("metadata") or {},
         sequence=document.get("sequence"),
     )
+
+
+def projected_event(routing_key: str, body: bytes) -> TaskEvent | None:
+    """The event a delivery of the projection's queue tells: a task event as it is, a command
+    sent now as its task's acceptance (`accepted_event`), nothing for a later attempt's command
+    (a retry, which `task.retrying` already told). Raises `KeyError` or `ValidationError`."""
+    if routing_key == ScoreText.routing_key:
+        command = ScoreText.model_validate_json(body)
+        return accepted_event(command) if command.attempt == 1 else None
+    return parse_task_event(routing_key, body)

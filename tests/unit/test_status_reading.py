@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from pydantic import ValidationError
 
-from services.status.app import projected_event
+from services.status.projection import projected_event
 from shared.contracts import (
     Phase,
     ScoreText,

@@ -185,6 +185,10 @@ class TaskAccepted(TaskEvent):
 
 
 class TaskStarted(TaskEvent):
+    """An attempt has been running for the scorer's `SCORER_STARTED_AFTER_S` (status
+    `processing`). An attempt that ends sooner publishes only its outcome. Best effort: the
+    outcome supersedes it."""
+
     routing_key: ClassVar[str] = "task.started"
     status: ClassVar[TaskStatus] = TaskStatus.PROCESSING
 

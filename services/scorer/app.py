@@ -69,6 +69,7 @@ def create_app(
         retry_policy=RetryPolicy(base_s=settings.retry_base_s, cap_s=settings.retry_cap_s),
         rng=rng or random.Random(),  # noqa: S311 - jitter, not cryptography
         owner=f"{socket.gethostname()}:{os.getpid()}",
+        started_after=timedelta(seconds=settings.started_after_s),
     )
     actions = BrokerActions(broker=broker, timeout_s=settings.broker_timeout_s, clock=clock)
     subscribe_scorer(broker, deps, actions, crash_limit=settings.crash_limit)

@@ -1,4 +1,5 @@
-"""`score_text`: the scorer's handler — claim, announce, call the model, decide.
+"""`score_text`: the scorer's handler — claim, call the model (announcing a slow call),
+decide.
 
 Plain async code: it knows nothing of FastStream or HTTP. The consumer adapter carries out
 the returned decision on the broker and acks.
@@ -6,6 +7,8 @@ the returned decision on the broker and acks.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -26,6 +29,8 @@ from shared.contracts import (
     event_sequence,
     new_id,
 )
+
+log = logging.getLogger("scorebox.scorer")
 
 Announce = Callable[[TaskEvent], Awaitable[None]]
 Clock = Callable[[], datetime]
@@ -55,6 +60,8 @@ class ScorerDeps:
     retry_policy: RetryPolicy
     rng: random.Random
     owner: str
+    # `task.started` for an attempt still running after this long; zero announces at once.
+    started_after: timedelta = timedelta(0)
 
 
 def _sequence(command: ScoreText, phase: Phase) -> int:
@@ -97,10 +104,35 @@ async def score_text(
             return decision
         case Claimed():
             pass
-    await deps.announce(TaskStarted.model_validate(_event_fields(command, Phase.STARTED, now)))
-    decision, raw_output = await _call_model(command, deps)
+    started = TaskStarted.model_validate(_event_fields(command, Phase.STARTED, now))
+    decision, raw_output = await _call_model_announcing(command, started, deps)
     await deps.attempts.decide(command, decision, now=deps.clock(), raw_output=raw_output)
     return decision
+
+
+async def _call_model_announcing(
+    command: ScoreText, started: TaskStarted, deps: ScorerDeps
+) -> tuple[Finish | Retry, str | None]:
+    """Call the model; publish `started` once the call has run for `deps.started_after`.
+
+    A call that ends sooner needs no `task.started`: its outcome follows at once, and the
+    projection applies whatever is newest. Publishing it is best effort: the outcome supersedes
+    it, so a failed publish is logged and the call goes on (a broker that is down fails the
+    outcome's publish next, which the consumer handles).
+    """
+    call = asyncio.ensure_future(_call_model(command, deps))
+    try:
+        if deps.started_after > timedelta(0):
+            done, _ = await asyncio.wait({call}, timeout=deps.started_after.total_seconds())
+            if done:
+                return call.result()
+        try:
+            await deps.announce(started)
+        except Exception as error:  # noqa: BLE001 - the outcome supersedes the event
+            log.warning("task.started of %s not published: %r", command.task_id, error)
+        return await call
+    finally:
+        call.cancel()  # only when this handler itself was cancelled; a no-op once done
 
 
 async def _call_model(command: ScoreText, deps: ScorerDeps) -> tuple[Finish | Retry, str | None]:

@@ -63,6 +63,7 @@ async def flow(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Flow]
         "RATE_LIMIT_PER_MIN": "0",
         "OUTBOX_GRACE_S": "1",
         "OUTBOX_INTERVAL_S": "0.2",
+        "SCORER_STARTED_AFTER_S": "0",  # every attempt announces `processing`
     }
     scorer = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))
     status = create_status(StatusSettings.model_validate(env))

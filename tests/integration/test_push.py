@@ -159,6 +159,7 @@ async def push(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Push]
         "RATE_LIMIT_PER_MIN": "0",
         "SSE_HEARTBEAT_S": "0.2",
         "LIVE_MAX_WAITERS_PER_TENANT": str(MAX_WAITERS_PER_TENANT),
+        "SCORER_STARTED_AFTER_S": "0",  # every attempt announces `processing`
     }
     scorer = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))
     status = create_status(StatusSettings.model_validate(env))

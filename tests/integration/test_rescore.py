@@ -117,6 +117,7 @@ async def flow(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Flow]
         "RATE_LIMIT_PER_MIN": "0",  # the polls below would exceed any sensible per-key rate
         "RETRY_BASE_S": "0.5",
         "ADMIN_API_KEY": ADMIN_KEY,
+        "SCORER_STARTED_AFTER_S": "0",  # every attempt announces `processing`
     }
     scorer = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))
     status = create_status(StatusSettings.model_validate(env))

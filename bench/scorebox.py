@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -430,6 +431,7 @@ def _posted_summary(posted: list[Posted]) -> dict[str, Any]:
         "submitted": len(posted),
         "accepted": sum(1 for p in posted if p.task_id is not None),
         "errors": errors,
+        "refused_then_retried": sum(p.refusals for p in posted),
     }
 
 
@@ -574,6 +576,8 @@ async def open_loop(
             )
             usage = await meter.stop()
         latencies = [p.latency_s for p in posted if p.status]
+        accepted = [p.latency_s for p in posted if p.task_id is not None]
+        refused = [p.latency_s for p in posted if p.status == HTTPStatus.SERVICE_UNAVAILABLE]
         late = [p.sent_at - p.due_at for p in posted]
         return {
             "system": f"Scorebox ({run.scorers} scorer x {run.per_scorer})"
@@ -585,6 +589,8 @@ async def open_loop(
             **_posted_summary(posted),
             "sent_per_s": rounded(_sent_rate(posted)),
             "post_ms": summary_ms(latencies),
+            "accepted_post_ms": summary_ms(accepted),
+            "refused_post_ms": summary_ms(refused),
             "sender_lag_ms": summary_ms(late),
             "gateway_cpu_ms_per_submit": rounded(usage["gateway"].cpu_s * 1000 / len(posted), 3)
             if posted

@@ -47,10 +47,10 @@ def times(value: Any, digits: int = 2) -> str:
     return DASH if value is None else f"{value:.{digits}f}{TIMES}"
 
 
-def trio(summary: dict[str, Any] | None) -> str:
+def trio(summary: dict[str, Any] | None, keys: tuple[str, ...] = ("p50", "p95", "p99")) -> str:
     if not summary:
         return DASH
-    return " / ".join(num(summary.get(k), 0) for k in ("p50", "p95", "p99"))
+    return " / ".join(num(summary.get(k), 0) for k in keys)
 
 
 def div(a: Any, b: Any) -> float | None:
@@ -75,6 +75,11 @@ def _bounds(result: dict[str, Any]) -> str:
         notes.append(f"{result['missing']} tasks never finished")
     if result.get("errors"):
         notes.append(f"submit errors {result['errors']}")
+    if result.get("refused_then_retried"):
+        notes.append(
+            f"{result['refused_then_retried']} submissions shed (503, admission) and retried "
+            "after Retry-After"
+        )
     problems = result.get("log_problems") or {}
     if problems:
         logged = ", ".join(
@@ -185,6 +190,29 @@ def burst_table(title: str, scenario: dict[str, Any]) -> Table:
     return Table(title, headers, rows, notes)
 
 
+def _accepted_ms(run: dict[str, Any]) -> dict[str, Any]:
+    """POST latency of the accepted submissions (results before admission control: all)."""
+    accepted: dict[str, Any] = run.get("accepted_post_ms") or run["post_ms"]
+    return accepted
+
+
+def _refusals_note(runs: list[dict[str, Any]]) -> str | None:
+    refused = [
+        f"{run['system']}: {num(run['errors'].get('503', 0))}, answered in p50 / p99 "
+        f"{trio(run['refused_post_ms'], ('p50', 'p99'))} ms"
+        for run in runs
+        if run.get("refused_post_ms")
+    ]
+    if not refused:
+        return None
+    return (
+        "503s (in errors: submissions the gateway shed because it was taking on as many as it "
+        "could finish in its latency target, or a dependency was down; nothing kept): "
+        + "; ".join(refused)
+        + "."
+    )
+
+
 def submit_table(scenario: dict[str, Any]) -> Table:
     runs = [scenario[key] for key in ("scorebox", "scorebox_submit_path") if scenario.get(key)]
     sb = runs[0]
@@ -193,7 +221,7 @@ def submit_table(scenario: dict[str, Any]) -> Table:
         f"arrivals/s {TIMES} s",
         "requests",
         "errors",
-        "POST p50 / p95 / p99 ms",
+        "accepted POST p50 / p95 / p99 ms",
         "max ms",
         "gateway CPU ms/submit",
         "limited by",
@@ -204,8 +232,8 @@ def submit_table(scenario: dict[str, Any]) -> Table:
             f"{num(run['rate_per_s'], 0)} {TIMES} {num(run['seconds'], 0)}",
             num(run["submitted"]),
             num(sum(run["errors"].values())),
-            trio(run["post_ms"]),
-            num(run["post_ms"].get("max"), 0),
+            trio(_accepted_ms(run)),
+            num(_accepted_ms(run).get("max"), 0),
             num(run["gateway_cpu_ms_per_submit"], 3),
             _bounds({k: v for k, v in run.items() if k != "errors"}),
         )
@@ -220,6 +248,8 @@ def submit_table(scenario: dict[str, Any]) -> Table:
         f"Sent {num(sb.get('sent_per_s'))} requests/s; sender lag p99 "
         f"{num(sb['sender_lag_ms']['p99'])} ms (the load generator's own delay).",
     ]
+    if (refusals := _refusals_note(runs)) is not None:
+        notes.append(refusals)
     return Table("Submit latency", headers, rows, notes)
 
 

@@ -20,6 +20,7 @@ from fastapi import APIRouter, FastAPI
 from httpx_aiohttp import AiohttpTransport
 
 from services.gateway.admin_api import admin_routes
+from services.gateway.admission import install_admission
 from services.gateway.api import GatewayDeps, score_routes
 from services.gateway.auth import Authenticator, caller_dependency
 from services.gateway.batches import Batches
@@ -167,6 +168,11 @@ def create_app(settings: GatewaySettings, **overrides: Any) -> FastAPI:
     )
     install_problem_handlers(app)
     install_body_timeout(app, settings.request_body_timeout_s)
+    app.state.submission_admission = install_admission(
+        app,
+        target_ms=settings.submit_latency_target_ms,
+        max_limit=settings.submit_max_concurrency,
+    )
     for router in gateway_routes(gateway):
         app.include_router(router)
     return app

@@ -59,6 +59,15 @@ class GatewaySettings(ServiceSettings):
     max_in_flight_per_tenant: int = Field(
         default=10_000, ge=0, validation_alias="MAX_IN_FLIGHT_PER_TENANT"
     )
+    # Admission control of submissions (`services/gateway/admission.py`): the latency each
+    # gateway process steers its limit of submissions at once by (0 = no admission control),
+    # and that limit's ceiling.
+    submit_latency_target_ms: float = Field(
+        default=1000.0, ge=0, validation_alias="SUBMIT_LATENCY_TARGET_MS"
+    )
+    submit_max_concurrency: int = Field(
+        default=512, ge=1, validation_alias="SUBMIT_MAX_CONCURRENCY"
+    )
     # How long receiving one request's body may take before the gateway answers 408.
     request_body_timeout_s: float = Field(
         default=30.0, gt=0, validation_alias="REQUEST_BODY_TIMEOUT_S"

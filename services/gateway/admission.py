@@ -1,0 +1,139 @@
+"""Admission control for submissions: answer what the system cannot absorb at once, with 503.
+
+Without it, an overloaded gateway (a database slower than the arrivals, say) keeps accepting
+connections and every submission waits longer and longer: clients time out after many
+seconds, retry, and add to the load. Instead each gateway process admits at most `limit`
+submissions at a time and answers the others at once with 503 problem+json and
+`Retry-After`, before reading their bodies, so they change nothing.
+
+The limit adapts to what the submissions take (AIMD, as Netflix's concurrency-limits and TCP
+do): a submission that took longer than `SUBMIT_LATENCY_TARGET_MS` shrinks the limit by a
+fifth, at most once per target interval, so one slow moment does not collapse it; a quick
+one grows it by one while at least half of it is in use, so an idle gateway does not grow a
+limit it never tested. It stays between `min_limit` and `max_limit`. A database that is merely
+slow therefore settles the gateway where submissions take about the target, and the excess
+gets a fast, explicit answer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from shared.http import Problem, problem_response
+
+BACKOFF = 0.8
+RETRY_AFTER_S = 1
+MIN_LIMIT = 8  # whatever the latency, a gateway process takes on this many at a time
+INITIAL_LIMIT = 64
+GUARDED = (("POST", "/v1/scores"), ("POST", "/v1/batches"))
+
+
+@dataclass
+class AdaptiveLimit:
+    """How many submissions a gateway process takes on at once (see the module's docstring)."""
+
+    target_s: float
+    min_limit: int
+    max_limit: int
+    initial_limit: int
+    clock: Callable[[], float] = time.monotonic
+    in_flight: int = 0
+    limit: float = field(init=False)
+    _last_decrease: float = field(init=False, default=-math.inf)
+
+    def __post_init__(self) -> None:
+        self.limit = float(min(max(self.initial_limit, self.min_limit), self.max_limit))
+
+    def try_acquire(self) -> bool:
+        if self.in_flight >= int(self.limit):
+            return False
+        self.in_flight += 1
+        return True
+
+    def release(self, took_s: float | None) -> None:
+        """Free a place; `took_s` is how long the submission took, None when it says nothing
+        of the load (its body never arrived in full)."""
+        self.in_flight -= 1
+        if took_s is None:
+            return
+        if took_s > self.target_s:
+            now = self.clock()
+            if now - self._last_decrease >= self.target_s:
+                self.limit = max(float(self.min_limit), self.limit * BACKOFF)
+                self._last_decrease = now
+        elif (self.in_flight + 1) * 2 >= self.limit:
+            self.limit = min(float(self.max_limit), self.limit + 1)
+
+
+class SubmissionAdmission:
+    """Pure ASGI middleware: `AdaptiveLimit` over the requests `guarded` names
+    (method, path); everything else passes untouched."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        limit: AdaptiveLimit,
+        guarded: Collection[tuple[str, str]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.app = app
+        self.limit = limit
+        self.guarded = frozenset(guarded)
+        self.clock = clock
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or (scope["method"], scope["path"]) not in self.guarded:
+            await self.app(scope, receive, send)
+            return
+        if not self.limit.try_acquire():
+            await problem_response(overloaded(self.limit), scope["path"])(scope, receive, send)
+            return
+        # Timed from the end of the body: a client that uploads slowly is not an overload
+        # (REQUEST_BODY_TIMEOUT_S bounds how long it may hold its place), and a request
+        # answered before its body was read (401, 415, a timeout) measured nothing.
+        began: float | None = None
+
+        async def timed_receive() -> Message:
+            nonlocal began
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                began = self.clock()
+            return message
+
+        try:
+            await self.app(scope, timed_receive, send)
+        finally:
+            self.limit.release(None if began is None else self.clock() - began)
+
+
+def install_admission(app: FastAPI, *, target_ms: float, max_limit: int) -> AdaptiveLimit | None:
+    """Guard the submission routes with an `AdaptiveLimit`; none when `target_ms` is 0."""
+    if target_ms <= 0:
+        return None
+    limit = AdaptiveLimit(
+        target_s=target_ms / 1000,
+        min_limit=min(MIN_LIMIT, max_limit),
+        max_limit=max_limit,
+        initial_limit=INITIAL_LIMIT,
+    )
+    app.add_middleware(SubmissionAdmission, limit=limit, guarded=GUARDED)
+    return limit
+
+
+def overloaded(limit: AdaptiveLimit) -> Problem:
+    return Problem(
+        503,
+        f"This gateway is taking on as many submissions as it can finish in about "
+        f"{limit.target_s:g} s ({int(limit.limit)} at a time); nothing was kept. "
+        f"Retry after {RETRY_AFTER_S} s.",
+        kind="overloaded",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+        limit="admission",
+    )

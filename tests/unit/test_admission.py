@@ -1,0 +1,97 @@
+"""The adaptive limit of submissions at once (`services/gateway/admission.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.gateway.admission import BACKOFF, AdaptiveLimit
+
+TARGET_S = 1.0
+
+
+@dataclass
+class Clock:
+    now: float = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def limit(*, initial: int = 10, clock: Clock | None = None) -> AdaptiveLimit:
+    return AdaptiveLimit(
+        target_s=TARGET_S,
+        min_limit=4,
+        max_limit=20,
+        initial_limit=initial,
+        clock=clock or Clock(),
+    )
+
+
+def fill(adaptive: AdaptiveLimit) -> int:
+    taken = 0
+    while adaptive.try_acquire():
+        taken += 1
+    return taken
+
+
+def test_it_admits_up_to_its_limit_and_takes_back_what_is_released() -> None:
+    adaptive = limit(initial=10)
+    assert fill(adaptive) == 10
+    assert not adaptive.try_acquire()
+    adaptive.release(took_s=0.01)
+    assert adaptive.try_acquire()
+
+
+def test_a_slow_submission_shrinks_the_limit_once_per_target_interval() -> None:
+    clock = Clock()
+    adaptive = limit(initial=10, clock=clock)
+    fill(adaptive)
+    adaptive.release(took_s=2.0)
+    assert adaptive.limit == 10 * BACKOFF
+    adaptive.release(took_s=2.0)  # the same moment of slowness: no second cut
+    assert adaptive.limit == 10 * BACKOFF
+    clock.now += TARGET_S
+    adaptive.release(took_s=2.0)
+    assert adaptive.limit == 10 * BACKOFF * BACKOFF
+
+
+def test_the_limit_never_falls_below_its_floor_nor_grows_past_its_ceiling() -> None:
+    clock = Clock()
+    adaptive = limit(initial=10, clock=clock)
+    for _ in range(50):
+        assert adaptive.try_acquire()
+        adaptive.release(took_s=5.0)
+        clock.now += TARGET_S
+    assert adaptive.limit == 4
+    for _ in range(100):
+        fill(adaptive)
+        adaptive.release(took_s=0.01)
+        while adaptive.in_flight:
+            adaptive.release(took_s=0.01)
+    assert adaptive.limit == 20
+
+
+def test_quick_submissions_grow_a_limit_in_use_but_not_an_idle_one() -> None:
+    idle = limit(initial=10)
+    for _ in range(20):
+        assert idle.try_acquire()
+        idle.release(took_s=0.01)  # one at a time: half of the limit is never in use
+    assert idle.limit == 10
+
+    busy = limit(initial=10)
+    fill(busy)
+    busy.release(took_s=0.01)
+    assert busy.limit == 11
+
+
+def test_a_submission_that_measured_nothing_only_frees_its_place() -> None:
+    adaptive = limit(initial=10)
+    fill(adaptive)
+    adaptive.release(took_s=None)
+    assert adaptive.limit == 10
+    assert adaptive.in_flight == 9
+
+
+def test_the_initial_limit_is_kept_within_its_bounds() -> None:
+    assert limit(initial=1).limit == 4
+    assert limit(initial=64).limit == 20

@@ -6,13 +6,13 @@ seconds, retry, and add to the load. Instead each gateway process admits at most
 submissions at a time and answers the others at once with 503 problem+json and
 `Retry-After`, before reading their bodies, so they change nothing.
 
-The limit adapts to what the submissions take (AIMD, as Netflix's concurrency-limits and TCP
-do): a submission that took longer than `SUBMIT_LATENCY_TARGET_MS` shrinks the limit by a
-fifth, at most once per target interval, so one slow moment does not collapse it; a quick
-one grows it by one while at least half of it is in use, so an idle gateway does not grow a
-limit it never tested. It stays between `min_limit` and `max_limit`. A database that is merely
-slow therefore settles the gateway where submissions take about the target, and the excess
-gets a fast, explicit answer.
+The limit adapts to what the submissions take, as TCP's congestion window does (AIMD): a
+submission that took longer than `SUBMIT_LATENCY_TARGET_MS` cuts the limit by a fifth, at most
+once per target interval, so one slow moment does not collapse it; a limit's worth of quick
+ones adds one, so the limit settles where submissions take about the target instead of
+overshooting it (growing by one per quick submission, or TCP's slow start, did: measured in
+docs/architecture.md). Only a limit at least half in use grows, so an idle gateway does not
+grow a limit it never tested. It stays between `min_limit` and `max_limit`.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class AdaptiveLimit:
                 self.limit = max(float(self.min_limit), self.limit * BACKOFF)
                 self._last_decrease = now
         elif (self.in_flight + 1) * 2 >= self.limit:
-            self.limit = min(float(self.max_limit), self.limit + 1)
+            self.limit = min(float(self.max_limit), self.limit + 1 / self.limit)
 
 
 class SubmissionAdmission:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -116,8 +117,9 @@ def _retry_after_s(value: str | None) -> float | None:
 async def post_until_admitted(
     session: aiohttp.ClientSession, gateway_url: str, text: str, index: int
 ) -> Posted:
-    """`post_score`, again after `Retry-After` while the answer is a 503 that gives one (the
-    gateway sheds what it cannot take on: nothing was kept), as a well-behaved client does.
+    """`post_score`, again after `Retry-After` (plus up to as much again of jitter) while the
+    answer is a 503 that gives one (the gateway sheds what it cannot take on: nothing was
+    kept), as a well-behaved client does.
     Its latency runs from the first try."""
     posted = Posted(index, 0.0)
     while True:
@@ -130,7 +132,8 @@ async def post_until_admitted(
             return posted
         posted.refusals += 1
         posted.error = None
-        await asyncio.sleep(posted.retry_after_s)
+        # Jittered, so refused clients do not all come back in the same instant.
+        await asyncio.sleep(posted.retry_after_s * (1 + random.random()))  # noqa: S311
 
 
 async def submit_burst(

@@ -63,7 +63,7 @@ class GatewaySettings(ServiceSettings):
     # gateway process steers its limit of submissions at once by (0 = no admission control),
     # and that limit's ceiling.
     submit_latency_target_ms: float = Field(
-        default=1000.0, ge=0, validation_alias="SUBMIT_LATENCY_TARGET_MS"
+        default=2000.0, ge=0, validation_alias="SUBMIT_LATENCY_TARGET_MS"
     )
     submit_max_concurrency: int = Field(
         default=512, ge=1, validation_alias="SUBMIT_MAX_CONCURRENCY"

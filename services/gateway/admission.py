@@ -17,6 +17,7 @@ grow a limit it never tested. It stays between `min_limit` and `max_limit`.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Collection
@@ -32,6 +33,9 @@ RETRY_AFTER_S = 1
 MIN_LIMIT = 8  # whatever the latency, a gateway process takes on this many at a time
 INITIAL_LIMIT = 64
 GUARDED = (("POST", "/v1/scores"), ("POST", "/v1/batches"))
+REPORT_INTERVAL_S = 10.0  # how often shedding is logged while it lasts
+
+log = logging.getLogger("scorebox.gateway.admission")
 
 
 @dataclass
@@ -87,12 +91,15 @@ class SubmissionAdmission:
         self.limit = limit
         self.guarded = frozenset(guarded)
         self.clock = clock
+        self._refused = 0
+        self._reported_at = -math.inf
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or (scope["method"], scope["path"]) not in self.guarded:
             await self.app(scope, receive, send)
             return
         if not self.limit.try_acquire():
+            self._report_refusal()
             await problem_response(overloaded(self.limit), scope["path"])(scope, receive, send)
             return
         # Timed from the end of the body: a client that uploads slowly is not an overload
@@ -111,6 +118,22 @@ class SubmissionAdmission:
             await self.app(scope, timed_receive, send)
         finally:
             self.limit.release(None if began is None else self.clock() - began)
+
+    def _report_refusal(self) -> None:
+        """Tell the operator that submissions are being shed, at most once per interval."""
+        self._refused += 1
+        now = self.clock()
+        if now - self._reported_at < REPORT_INTERVAL_S:
+            return
+        log.warning(
+            "shedding submissions: %d refused with 503 since the last report; taking on %d at "
+            "a time to finish them in %g s",
+            self._refused,
+            int(self.limit.limit),
+            self.limit.target_s,
+        )
+        self._refused = 0
+        self._reported_at = now
 
 
 def install_admission(app: FastAPI, *, target_ms: float, max_limit: int) -> AdaptiveLimit | None:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import pytest
+from starlette.types import Message, Receive, Scope, Send
 
-from services.gateway.admission import BACKOFF, AdaptiveLimit
+from services.gateway.admission import (
+    BACKOFF,
+    REPORT_INTERVAL_S,
+    AdaptiveLimit,
+    SubmissionAdmission,
+)
 
 TARGET_S = 1.0
 
@@ -98,3 +105,39 @@ def test_a_submission_that_measured_nothing_only_frees_its_place() -> None:
 def test_the_initial_limit_is_kept_within_its_bounds() -> None:
     assert limit(initial=1).limit == 4
     assert limit(initial=64).limit == 20
+
+
+async def test_shedding_is_logged_once_per_interval_with_the_refusals_since(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    adaptive = AdaptiveLimit(
+        target_s=TARGET_S, min_limit=1, max_limit=1, initial_limit=1, clock=clock
+    )
+    sent: list[int] = []
+
+    async def inner(scope: Scope, receive: Receive, send: Send) -> None:
+        raise AssertionError("a refused request must not reach the application")
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            sent.append(message["status"])
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    middleware = SubmissionAdmission(
+        inner, limit=adaptive, guarded=[("POST", "/v1/scores")], clock=clock
+    )
+    scope: Scope = {"type": "http", "method": "POST", "path": "/v1/scores", "headers": []}
+    assert adaptive.try_acquire()  # the one place is taken
+    with caplog.at_level(logging.WARNING, logger="scorebox.gateway.admission"):
+        for _ in range(3):
+            await middleware(scope, receive, send)
+        clock.now += REPORT_INTERVAL_S
+        await middleware(scope, receive, send)
+    assert sent == [503] * 4
+    reports = [r.getMessage() for r in caplog.records]
+    assert len(reports) == 2
+    assert reports[0].startswith("shedding submissions: 1 refused")
+    assert reports[1].startswith("shedding submissions: 3 refused")

@@ -6,13 +6,14 @@ seconds, retry, and add to the load. Instead each gateway process admits at most
 submissions at a time and answers the others at once with 503 problem+json and
 `Retry-After`, before reading their bodies, so they change nothing.
 
-The limit adapts to what the submissions take, as TCP's congestion window does (AIMD): a
+The limit adapts to what the submissions take (AIMD, as TCP's congestion window): a
 submission that took longer than `SUBMIT_LATENCY_TARGET_MS` cuts the limit by a fifth, at most
-once per target interval, so one slow moment does not collapse it; a limit's worth of quick
-ones adds one, so the limit settles where submissions take about the target instead of
-overshooting it (growing by one per quick submission, or TCP's slow start, did: measured in
-docs/architecture.md). Only a limit at least half in use grows, so an idle gateway does not
-grow a limit it never tested. It stays between `min_limit` and `max_limit`.
+once per target interval, so one slow moment does not collapse it; one that took at most half
+the target adds a place, while at least half of the limit is in use (an idle gateway does not
+grow a limit it never tested); in between the limit holds. So a gateway finds its level fast
+and settles where submissions take between half the target and the target. It stays between
+`min_limit` and `max_limit`. The variants measured before this rule are in
+docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ class AdaptiveLimit:
             if now - self._last_decrease >= self.target_s:
                 self.limit = max(float(self.min_limit), self.limit * BACKOFF)
                 self._last_decrease = now
-        elif (self.in_flight + 1) * 2 >= self.limit:
-            self.limit = min(float(self.max_limit), self.limit + 1 / self.limit)
+        elif took_s <= self.target_s / 2 and (self.in_flight + 1) * 2 >= self.limit:
+            self.limit = min(float(self.max_limit), self.limit + 1)
 
 
 class SubmissionAdmission:

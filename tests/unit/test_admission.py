@@ -88,10 +88,18 @@ def test_quick_submissions_grow_a_limit_in_use_but_not_an_idle_one() -> None:
 
     busy = limit(initial=10)
     fill(busy)
-    for _ in range(10):  # a limit's worth of quick submissions adds one
-        busy.release(took_s=0.01)
-        assert busy.try_acquire()
-    assert busy.limit == pytest.approx(11, abs=0.05)
+    busy.release(took_s=TARGET_S / 2)  # within half the target: one more place
+    assert busy.limit == 11
+
+
+def test_submissions_between_half_the_target_and_the_target_hold_the_limit() -> None:
+    adaptive = limit(initial=10)
+    fill(adaptive)
+    for _ in range(5):
+        adaptive.release(took_s=TARGET_S * 0.75)
+        assert adaptive.try_acquire()
+    adaptive.release(took_s=TARGET_S)
+    assert adaptive.limit == 10
 
 
 def test_a_submission_that_measured_nothing_only_frees_its_place() -> None:

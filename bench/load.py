@@ -15,6 +15,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
 
@@ -26,6 +27,8 @@ from aio_pika.abc import (
     AbstractIncomingMessage,
     AbstractRobustConnection,
 )
+
+from shared.http import parse_retry_after
 
 EVENTS_EXCHANGE = "scorebox.events"
 REQUEST_TIMEOUT_S = 30.0
@@ -96,7 +99,9 @@ async def post_score(
         ) as response:
             payload = await response.read()
             posted.status = response.status
-            posted.retry_after_s = _retry_after_s(response.headers.get("Retry-After"))
+            posted.retry_after_s = parse_retry_after(
+                response.headers.get("Retry-After"), now=datetime.now(UTC)
+            )
             if response.status in (200, 202):
                 posted.task_id = str(orjson.loads(payload)["task_id"])
             else:
@@ -105,13 +110,6 @@ async def post_score(
         posted.error = f"{type(error).__name__}: {error}"[:300]
     posted.answered_at = time.monotonic()
     return posted
-
-
-def _retry_after_s(value: str | None) -> float | None:
-    try:
-        return None if value is None else max(0.0, float(value))
-    except ValueError:
-        return None
 
 
 async def post_until_admitted(

@@ -1,11 +1,14 @@
-"""HTTP conventions of every service: RFC 9457 problem+json errors and health endpoints."""
+"""HTTP conventions of every service: RFC 9457 problem+json errors, health endpoints and
+reading `Retry-After`."""
 
 from __future__ import annotations
 
 import hmac
 import logging
+import math
 from collections.abc import Mapping
-from datetime import date
+from datetime import UTC, date, datetime
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
@@ -169,3 +172,29 @@ def parse_day(value: str, name: str) -> date:
         raise Problem(
             422, f"`{name}` must be a date as YYYY-MM-DD, not {value!r}.", kind="invalid-fields"
         ) from None
+
+
+def parse_seconds(value: str | None) -> float | None:
+    """A header's number of seconds (fractions tolerated); None if absent, negative or not one."""
+    if value is None:
+        return None
+    try:
+        number = float(value.strip())
+    except ValueError:
+        return None
+    return number if number >= 0 and math.isfinite(number) else None
+
+
+def parse_retry_after(value: str | None, *, now: datetime) -> float | None:
+    """`Retry-After` as seconds from `now`: delta-seconds or an HTTP-date (always GMT, so a
+    date without a zone is read as UTC); None if absent or unreadable."""
+    seconds = parse_seconds(value)
+    if seconds is not None or value is None:
+        return seconds
+    try:
+        moment = parsedate_to_datetime(value.strip())
+    except (TypeError, ValueError, IndexError):
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return max(0.0, (moment - now).total_seconds())

@@ -20,7 +20,6 @@ import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from email.utils import parsedate_to_datetime
 from typing import Any, Protocol
 
 import orjson
@@ -37,6 +36,7 @@ from services.notifier.sender import ReceiverAnswer
 from services.notifier.signing import signed_headers
 from services.notifier.ssrf import Destination, WebhookGuard
 from shared.contracts import DeliverWebhook, new_id
+from shared.http import parse_retry_after
 from shared.topology import wait_tier_for
 
 Clock = Callable[[], datetime]
@@ -97,22 +97,6 @@ class DeliveryDeps:
 def encode_payload(payload: Mapping[str, Any]) -> bytes:
     """The body exactly as signed and sent."""
     return orjson.dumps(payload)
-
-
-def parse_retry_after(value: str | None, *, now: datetime) -> float | None:
-    """Retry-After as seconds from now (delta-seconds or an HTTP date); None if absent/bad."""
-    if value is None:
-        return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value)
-    try:
-        moment = parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
-        return None
-    if moment.tzinfo is None:
-        return None
-    return max(0.0, (moment - now).total_seconds())
 
 
 def judge_answer(answer: ReceiverAnswer, *, now: datetime) -> None:

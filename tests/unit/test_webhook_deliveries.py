@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from services.gateway.schemas import ScoreSubmission
 from services.gateway.webhooks_api import FailureAlert
 from services.notifier.consumer import event_key
-from services.notifier.deliveries import RetryPolicy, judge_answer, parse_retry_after
+from services.notifier.deliveries import RetryPolicy, judge_answer
 from services.notifier.errors import DeliveryRejected, ReceiverUnavailable
 from services.notifier.notifications import delivery_id, webhook_payload
 from services.notifier.sender import ReceiverAnswer
@@ -22,6 +22,7 @@ from shared.contracts import (
     TaskFailed,
     WebhookPurpose,
 )
+from shared.http import parse_retry_after
 
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 
@@ -51,8 +52,11 @@ def test_408_429_and_5xx_are_retried(status: int) -> None:
         (" 0 ", 0.0),
         ("Sun, 01 Mar 2026 12:01:30 GMT", 90.0),
         ("Sun, 01 Mar 2026 11:00:00 GMT", 0.0),
+        ("Sun, 01 Mar 2026 12:01:30 -0000", 90.0),  # no zone: an HTTP-date is GMT
+        ("1.5", 1.5),
         ("soon", None),
         ("-5", None),
+        ("inf", None),
         (None, None),
     ],
 )

@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from typing import Any, Final
 
 import aiohttp
@@ -40,6 +39,7 @@ from services.scorer.model.prompt import (
 )
 from services.scorer.model.settings import ModelSettings
 from shared.contracts import ScoreResult, Usage
+from shared.http import parse_retry_after, parse_seconds
 
 Messages = list[dict[str, str]]
 
@@ -303,32 +303,10 @@ def _error_object(response: httpx.Response) -> dict[str, Any] | None:
 
 def retry_after_s(headers: httpx.Headers, *, now: datetime) -> float | None:
     """Seconds to wait according to `retry-after-ms` or `Retry-After` (seconds or HTTP-date)."""
-    milliseconds = _as_float(headers.get("retry-after-ms"))
+    milliseconds = parse_seconds(headers.get("retry-after-ms"))
     if milliseconds is not None:
         return milliseconds / 1000
-    value = headers.get("retry-after")
-    if value is None:
-        return None
-    seconds = _as_float(value)
-    if seconds is not None:
-        return seconds
-    try:
-        moment = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    if moment.tzinfo is None:  # an HTTP-date is always GMT
-        moment = moment.replace(tzinfo=UTC)
-    return max(0.0, (moment - now).total_seconds())
-
-
-def _as_float(value: str | None) -> float | None:
-    if value is None:
-        return None
-    try:
-        number = float(value.strip())
-    except ValueError:
-        return None
-    return number if number >= 0 and number != float("inf") else None
+    return parse_retry_after(headers.get("retry-after"), now=now)
 
 
 def _trim(text: str) -> str:

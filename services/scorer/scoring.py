@@ -116,23 +116,33 @@ async def _call_model_announcing(
     """Call the model; publish `started` once the call has run for `deps.started_after`.
 
     A call that ends sooner needs no `task.started`: its outcome follows at once, and the
-    projection applies whatever is newest. Publishing it is best effort: the outcome supersedes
-    it, so a failed publish is logged and the call goes on (a broker that is down fails the
-    outcome's publish next, which the consumer handles).
+    projection applies whatever is newest. An announcement that was due is confirmed before
+    this returns, so it never reaches the broker after the outcome.
     """
-    call = asyncio.ensure_future(_call_model(command, deps))
+    if deps.started_after <= timedelta(0):
+        await _announce_best_effort(started, deps)
+        return await _call_model(command, deps)
+    due: list[asyncio.Task[None]] = []
+    timer = asyncio.get_running_loop().call_later(
+        deps.started_after.total_seconds(),
+        lambda: due.append(asyncio.create_task(_announce_best_effort(started, deps))),
+    )
     try:
-        if deps.started_after > timedelta(0):
-            done, _ = await asyncio.wait({call}, timeout=deps.started_after.total_seconds())
-            if done:
-                return call.result()
-        try:
-            await deps.announce(started)
-        except Exception as error:  # noqa: BLE001 - the outcome supersedes the event
-            log.warning("task.started of %s not published: %r", command.task_id, error)
-        return await call
+        return await _call_model(command, deps)
     finally:
-        call.cancel()  # only when this handler itself was cancelled; a no-op once done
+        timer.cancel()
+        for announcement in due:
+            await announcement
+
+
+async def _announce_best_effort(started: TaskStarted, deps: ScorerDeps) -> None:
+    """The outcome supersedes `task.started`, so a failed publish is logged and the attempt
+    goes on (a broker that is down fails the outcome's publish next, which the consumer
+    handles)."""
+    try:
+        await deps.announce(started)
+    except Exception as error:  # noqa: BLE001 - the outcome supersedes the event
+        log.warning("task.started of %s not published: %r", started.task_id, error)
 
 
 async def _call_model(command: ScoreText, deps: ScorerDeps) -> tuple[Finish | Retry, str | None]:

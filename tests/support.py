@@ -42,15 +42,19 @@ async def running(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
 
 
 class CommandCounter(monitoring.CommandListener):
-    """Counts the commands of the given names a PyMongo client sends (`sent`)."""
+    """Counts the commands of the given names a PyMongo client sends (`sent`), and the
+    statements they carry (`statements`: the updates, documents or deletes of a write)."""
 
     def __init__(self, *names: str) -> None:
         self.names = frozenset(names)
         self.sent = 0
+        self.statements = 0
 
     def started(self, event: monitoring.CommandStartedEvent) -> None:
         if event.command_name in self.names:
             self.sent += 1
+            listed = [event.command.get(field) for field in ("updates", "documents", "deletes")]
+            self.statements += next((len(items) for items in listed if items is not None), 1)
 
     def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
         pass

@@ -10,8 +10,9 @@ window is over. A request is let through by bumping the counter only while it is
 limit (`{count: {$lt: limit}}` + `$inc` + upsert: when the window is full, the upsert collides
 on `_id`), the same conditional update as the in-flight count; refused requests do not count.
 That write needs no answer but its own success or `DuplicateKeyError`, so concurrent requests
-share one round trip (`GroupWriter`). A fixed window lets a key spend up to twice its rate
-across a window boundary; that is the price of one write per request.
+of one key become one conditional `$inc` of their number (`services/gateway/counters.py`),
+each tried on its own when they do not all fit. A fixed window lets a key spend up to twice
+its rate across a window boundary; that is the price of at most one write per request.
 
 Tasks in flight (`MAX_IN_FLIGHT_PER_TENANT`, 0 = off): a task is in flight from its acceptance
 (queued or scheduled) until its `task.completed` or `task.failed` reaches the gateway. Two
@@ -30,6 +31,8 @@ counter and records the task id in `recent_releases` in one atomic update guarde
 `recent_releases: {$ne: task_id}` (`release`), then removes the mark together with the
 submission's other bookkeeping. So a duplicate `task.completed`, a `task.failed` after it, or
 a redelivery after a crash between the two writes decrements at most once.
+Concurrent admissions of one tenant, and concurrent releases, are merged into one update each
+(`services/gateway/counters.py`) under the same guards.
 
 Crashes and database failures between steps can only ever under-count, never over-count for
 good (an under-count lets a tenant briefly exceed its limit; an over-count would shrink it
@@ -67,12 +70,12 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request, Response
 from pymongo import ASCENDING, AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import DuplicateKeyError, PyMongoError
+from pymongo.errors import PyMongoError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.gateway.counters import BoundedCounters, GuardedReleases
 from services.gateway.errors import DatabaseUnavailable, GatewayError
-from shared.group_writes import GroupWriter
 from shared.http import Problem, problem_response
 
 log = logging.getLogger("scorebox.gateway.limits")
@@ -148,7 +151,7 @@ class RateLimiter:
         clock: Callable[[], datetime],
     ) -> None:
         self._collection: AsyncCollection[Document] = client[database]["rate_windows"]
-        self._writes = GroupWriter(self._collection)
+        self._counters = BoundedCounters(self._collection)
         self._per_minute = per_minute
         self._clock = clock
 
@@ -174,23 +177,15 @@ class RateLimiter:
 
     async def _count_one(self, counter_id: str, window: Window) -> bool:
         """True when the request fits in its window (and is counted)."""
-        for _ in range(2):
-            try:
-                await self._writes.update_one(
-                    {"_id": counter_id, "count": {"$lt": self._per_minute}},
-                    {
-                        "$inc": {"count": 1},
-                        "$setOnInsert": {"expires_at": window.end + RATE_DOCUMENT_GRACE},
-                    },
-                    upsert=True,
-                )
-            except DuplicateKeyError:
-                # Full, or two first requests of the window raced to create it: look again.
-                continue
-            except PyMongoError as error:
-                raise DatabaseUnavailable(str(error)) from error
-            return True
-        return False
+        try:
+            return await self._counters.add(
+                counter_id,
+                1,
+                ceiling=self._per_minute,
+                on_insert={"expires_at": window.end + RATE_DOCUMENT_GRACE},
+            )
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
 
 
 # --------------------------------------------------------------------------- tasks in flight
@@ -208,7 +203,8 @@ class InFlight:
     ) -> None:
         self._counters: AsyncCollection[Document] = client[database]["in_flight_tenants"]
         self._max = max_per_tenant
-        self._counter_writes = GroupWriter(self._counters)
+        self._counts = BoundedCounters(self._counters)
+        self._releases = GuardedReleases(self._counters, remembered=RECENT_RELEASES)
 
     @property
     def enabled(self) -> bool:
@@ -228,7 +224,7 @@ class InFlight:
         if not self.enabled or tasks <= 0:
             return
         try:
-            admitted = tasks <= self._max and await self._count_more(tenant_id, tasks)
+            admitted = await self._counts.add(tenant_id, tasks, ceiling=self._max)
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
         if admitted:
@@ -242,34 +238,12 @@ class InFlight:
             retry_after_s=IN_FLIGHT_RETRY_AFTER_S,
         )
 
-    async def _count_more(self, tenant_id: str, wanted: int) -> bool:
-        for _ in range(2):
-            try:
-                await self._counter_writes.update_one(
-                    {"_id": tenant_id, "count": {"$lte": self._max - wanted}},
-                    {"$inc": {"count": wanted}},
-                    upsert=True,
-                )
-            except DuplicateKeyError:
-                # Full, or two first tasks of a tenant raced to create its counter: look again.
-                continue
-            return True
-        return False
-
     async def release(self, tenant_id: str, task_id: str) -> None:
         """Take the slot of a marked task back: at most once, however often it is released
         (while the task is among the tenant's last `RECENT_RELEASES`). The caller unmarks
         the submission afterwards."""
         try:
-            # Grouped: two releases of one task in one batch are applied one after the other,
-            # so the second one's guard sees the first one's `recent_releases`.
-            await self._counter_writes.update_one(
-                {"_id": tenant_id, "count": {"$gt": 0}, "recent_releases": {"$ne": task_id}},
-                {
-                    "$inc": {"count": -1},
-                    "$push": {"recent_releases": {"$each": [task_id], "$slice": -RECENT_RELEASES}},
-                },
-            )
+            await self._releases.release(tenant_id, task_id)
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 

@@ -146,3 +146,49 @@ async def test_a_cancelled_caller_does_not_stop_the_others(
     assert cancelled.cancelled()
     ids = {doc["_id"] async for doc in collection.find()}
     assert {"first", "other0", "other1", "other2"} <= ids
+
+
+async def test_equal_idempotent_writes_to_distinct_ids_are_one_statement(
+    collection: AsyncCollection[Document], commands: CommandCounter
+) -> None:
+    """An outbox mark or a cleared flag, written for many documents at once, goes out as one
+    `update_many`; other writes of the same round trip are unaffected."""
+    await collection.insert_many([{"_id": f"t{i}", "state": "accepting"} for i in range(30)])
+    writer = GroupWriter(collection)
+    first = asyncio.create_task(writer.update_one({"_id": "t0"}, {"$set": {"state": "accepted"}}))
+    await asyncio.sleep(0)  # `first` is in flight: the next writes queue up as one batch
+    commands.statements = 0
+
+    await asyncio.gather(
+        first,
+        *(writer.update_one({"_id": f"t{i}"}, {"$set": {"state": "accepted"}}) for i in range(30)),
+        writer.update_one({"_id": "t5"}, {"$set": {"state": "accepted", "note": 1}}),
+    )
+
+    states = {doc["_id"]: doc["state"] async for doc in collection.find()}
+    assert states == {f"t{i}": "accepted" for i in range(30)}
+    assert await collection.count_documents({"note": 1}) == 1
+    # t0 alone, then one merged update of t0..t29 (t0 again: its second write) and t5's own.
+    assert commands.statements <= 4, f"{commands.statements} statements"
+
+
+async def test_writes_that_are_not_idempotent_or_upsert_are_not_merged(
+    collection: AsyncCollection[Document], commands: CommandCounter
+) -> None:
+    await collection.insert_many([{"_id": f"t{i}", "n": 0} for i in range(10)])
+    writer = GroupWriter(collection)
+    commands.statements = 0
+
+    await asyncio.gather(
+        *(writer.update_one({"_id": f"t{i}"}, {"$inc": {"n": 1}}) for i in range(10)),
+        *(writer.update_one({"_id": f"u{i}"}, {"$set": {"n": 1}}, upsert=True) for i in range(5)),
+        *(writer.update_one({"_id": "t0"}, {"$max": {"n": 5}}) for _ in range(3)),
+    )
+
+    stored = {doc["_id"]: doc["n"] async for doc in collection.find()}
+    assert stored == {
+        "t0": 5,
+        **{f"t{i}": 1 for i in range(1, 10)},
+        **{f"u{i}": 1 for i in range(5)},
+    }
+    assert commands.statements == 18

@@ -9,12 +9,6 @@ unreachable, a timeout, a write-concern error). The writes of one batch may be a
 any order, so callers must not depend on the order of concurrent writes to one document —
 which concurrent callers never could.
 
-Writes that set the same fields to the same values on different documents by `_id` (an outbox
-mark, a cleared flag) go out as one `update_many` over those ids: one statement instead of
-one each. Only idempotent updates without upsert merge (`MERGEABLE_OPERATORS`), so that a
-caller whose merged write failed part-way, and who writes again, changes nothing twice; a
-write error of a merged update is the error of each of its callers.
-
 `python -m bench.micro` measures the client CPU per write both ways (docs/architecture.md,
 "Performance").
 """
@@ -28,7 +22,7 @@ from typing import Any
 import bson
 from bson.codec_options import CodecOptions
 from bson.errors import InvalidDocument
-from pymongo import DeleteOne, InsertOne, UpdateMany, UpdateOne
+from pymongo import DeleteOne, InsertOne, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError, WriteConcernError, WriteError
 
@@ -36,9 +30,6 @@ from shared.coalescing import Coalescer, Queued, fail, settle
 
 Document = dict[str, Any]
 WriteOp = InsertOne[Document] | UpdateOne | DeleteOne
-BatchOp = WriteOp | UpdateMany
-# Applying one of these twice leaves a document as applying it once does.
-MERGEABLE_OPERATORS = frozenset({"$set", "$unset", "$max", "$min"})
 DUPLICATE_KEY = 11000
 MAX_BATCH = 500
 # What pymongo raises while encoding a write, before sending it.
@@ -54,8 +45,6 @@ class Write:
 
     op: WriteOp
     parts: tuple[Mapping[str, Any], ...]
-    # Set when this write may share one `update_many` with equal writes to other documents.
-    merge_key: str | None = None
 
 
 def _encoded_size(write: Write, options: CodecOptions[Any]) -> int | None:
@@ -78,10 +67,7 @@ class GroupWriter(Coalescer[Write, None]):
     async def update_one(
         self, filter: Mapping[str, Any], update: Mapping[str, Any], *, upsert: bool = False
     ) -> None:
-        merge_key = None if upsert else _merge_key(filter, update)
-        await self.submit(
-            Write(UpdateOne(filter, update, upsert=upsert), (filter, update), merge_key)
-        )
+        await self.submit(Write(UpdateOne(filter, update, upsert=upsert), (filter, update)))
 
     async def insert_one(self, document: Document) -> None:
         await self.submit(Write(InsertOne(document), (document,)))
@@ -117,68 +103,19 @@ class GroupWriter(Coalescer[Write, None]):
             await self._bulk_write(encodable)
 
     async def _bulk_write(self, batch: list[Queued[Write, None]]) -> None:
-        operations = _merged(batch)
         try:
-            await self.collection.bulk_write([group.op() for group in operations], ordered=False)
+            await self.collection.bulk_write([queued.op.op for queued in batch], ordered=False)
         except BulkWriteError as error:
-            failures = _failures_by_index(error.details, size=len(operations))
-            for index, group in enumerate(operations):
+            failures = _failures_by_index(error.details, size=len(batch))
+            for index, queued in enumerate(batch):
                 failure = failures.get(index)
-                for queued in group.callers:
-                    if failure is None:
-                        settle(queued, None)
-                    else:
-                        fail(queued, failure)
+                if failure is None:
+                    settle(queued, None)
+                else:
+                    fail(queued, failure)
         else:
             for queued in batch:
                 settle(queued, None)
-
-
-def _merge_key(filter: Mapping[str, Any], update: Mapping[str, Any]) -> str | None:
-    """What equal writes share, for a write by string `_id` alone whose operators are all
-    idempotent; None for any other write."""
-    if filter.keys() != {"_id"} or not isinstance(filter["_id"], str):
-        return None
-    if not update or not update.keys() <= MERGEABLE_OPERATORS:
-        return None
-    return repr(update)
-
-
-@dataclass
-class _Owners:
-    """The callers of one operation of a batch; several when equal writes merged."""
-
-    callers: list[Queued[Write, None]]
-    ids: set[str]
-
-    def takes(self, write: Write) -> bool:
-        filter, update = write.parts
-        return self.callers[0].op.parts[1] == update and filter["_id"] not in self.ids
-
-    def op(self) -> BatchOp:
-        first = self.callers[0].op
-        if len(self.callers) == 1:
-            return first.op
-        ids = [queued.op.parts[0]["_id"] for queued in self.callers]
-        return UpdateMany({"_id": {"$in": ids}}, first.parts[1])
-
-
-def _merged(batch: list[Queued[Write, None]]) -> list[_Owners]:
-    """The batch as operations: equal writes to distinct ids merged into one `UpdateMany`."""
-    operations: list[_Owners] = []
-    mergeable: dict[str, _Owners] = {}
-    for queued in batch:
-        key = queued.op.merge_key
-        group = None if key is None else mergeable.get(key)
-        if group is not None and group.takes(queued.op):
-            group.callers.append(queued)
-            group.ids.add(queued.op.parts[0]["_id"])
-            continue
-        operations.append(_Owners([queued], set()))
-        if key is not None:
-            operations[-1].ids.add(queued.op.parts[0]["_id"])
-            mergeable[key] = operations[-1]
-    return operations
 
 
 def _failures_by_index(details: Mapping[str, Any], *, size: int) -> dict[int, Exception]:

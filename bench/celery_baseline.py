@@ -34,7 +34,7 @@ import orjson
 from bench.infra import BenchError, Broker, ChildProcess, fake_model, fake_root, vhost
 from bench.load import essay, wait_for_queue
 from bench.procstat import CpuMeter, GroupUsage
-from bench.stats import quarter_rates, ratio, rounded
+from bench.stats import quarter_rates, ratio, rounded, tenth_rates
 
 QUEUE = "bench.score"
 WORKER_READY_TIMEOUT_S = 60.0
@@ -362,6 +362,7 @@ async def celery_backlog(run: CeleryRun, n: int) -> dict[str, Any]:
             "first_quarter_per_s": rounded(first),
             "last_quarter_per_s": rounded(last),
             "last_over_first": rounded(ratio(last, first), 3),
+            "tenths_per_s": [rounded(rate) for rate in tenth_rates(times)],
         }
         return result
 

@@ -57,6 +57,7 @@ from bench.stats import (
     rounded,
     steady_rate,
     summary_ms,
+    tenth_rates,
 )
 from devtools.stack import SERVICES, Stack, StackConfig
 
@@ -694,6 +695,7 @@ async def backlog(
                 "last_quarter_per_s": rounded(last),
                 "last_over_first": rounded(ratio(last, first), 3),
                 "overall_per_s": rounded(steady_rate(times, 0.0, 1.0)),
+                "tenths_per_s": [rounded(rate) for rate in tenth_rates(times)],
                 "limit_per_s": round(run.limit_per_s, 1),
             },
             "status_reads": {

@@ -66,6 +66,20 @@ def quarter_rates(times: Sequence[float]) -> tuple[float | None, float | None]:
     return first, last
 
 
+def tenth_rates(times: Sequence[float]) -> list[float | None]:
+    """Completions per second within each tenth of completions, first to last: the shape of
+    a drain, where `quarter_rates` gives its two ends."""
+    ordered = sorted(times)
+    tenth = len(ordered) // 10
+    if tenth < 2:
+        return []
+    rates: list[float | None] = []
+    for start in range(0, tenth * 10, tenth):
+        span = ordered[start + tenth - 1] - ordered[start]
+        rates.append((tenth - 1) / span if span > 0 else None)
+    return rates
+
+
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or not denominator:
         return None

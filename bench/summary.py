@@ -326,6 +326,15 @@ def growth_table(scenario: dict[str, Any]) -> Table:
         "The backlog is queued with no scorer (worker) running; they start late and drain it. "
         "Rates are over the first and the last quarter of completions.",
     ]
+    shapes = [
+        f"{run['system']}: {', '.join(num(rate) for rate in run['drain']['tenths_per_s'])}"
+        for run in (sb, cel)
+        if run and run["drain"].get("tenths_per_s")
+    ]
+    if shapes:
+        notes.append(
+            "Drain rate /s in each tenth of completions, first to last: " + "; ".join(shapes) + "."
+        )
     if sb:
         notes.append(
             f"Status reads: {sb['status_reads']['reads']} GET /v1/scores/{{id}} through the "

@@ -15,6 +15,7 @@ from bench.stats import (
     quarter_rates,
     steady_rate,
     summary_ms,
+    tenth_rates,
 )
 
 
@@ -44,6 +45,14 @@ def test_quarter_rates_tell_a_slowing_drain() -> None:
     assert first == pytest.approx(100.0)
     assert last == pytest.approx(10.0)
     assert quarter_rates([1.0, 2.0, 3.0]) == (None, None)
+
+
+def test_tenth_rates_give_the_shape_of_a_drain() -> None:
+    slowing = [i * 0.01 for i in range(50)] + [1.0 + i * 0.1 for i in range(50)]
+    rates = tenth_rates(slowing)
+    assert rates[:5] == pytest.approx([100.0] * 5)
+    assert rates[5:] == pytest.approx([10.0] * 5)
+    assert tenth_rates([float(i) for i in range(19)]) == []
 
 
 async def test_ways_take_turns_and_each_gets_its_median() -> None:

@@ -24,8 +24,10 @@ from services.scorer import decisions
 from services.scorer.decisions import Finish, Retry
 from shared.contracts import ScoreText
 from shared.group_writes import GroupWriter
+from shared.indexes import drop_retired_indexes
 
 Document = dict[str, Any]
+RETIRED_LEASE_INDEX = "lease_until_1"
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,9 @@ class Attempts:
         self._retention = retention
 
     async def ensure_indexes(self) -> None:
-        await self._collection.create_index("lease_until")
+        # No query looks leases up by time (a claim finds its task by `_id`); the index only
+        # cost every claim and decision.
+        await drop_retired_indexes(self._collection, RETIRED_LEASE_INDEX)
         # Housekeeping of claims: decided ones and stale leases (a worker died, the message went
         # to the DLQ) leave after the retention; a later replay simply claims afresh.
         await self._collection.create_index(

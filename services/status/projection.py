@@ -41,10 +41,12 @@ from shared.contracts import (
     parse_task_event,
 )
 from shared.group_writes import GroupWriter
+from shared.indexes import drop_retired_indexes
 
 Document = dict[str, Any]
 Tasks = AsyncCollection[Document]
 DEFAULT_HISTORY_LIMIT = 64
+RETIRED_TASKS_INDEX = "tenant_id_1_created_at_1"
 
 
 def tasks_collection(client: AsyncMongoClient[Document], database: str) -> Tasks:
@@ -54,12 +56,13 @@ def tasks_collection(client: AsyncMongoClient[Document], database: str) -> Tasks
 async def ensure_indexes(tasks: Tasks) -> None:
     # Finished tasks carry `expires_at`; MongoDB's TTL monitor removes them after it.
     await tasks.create_index([("expires_at", ASCENDING)], expireAfterSeconds=0)
-    await tasks.create_index([("tenant_id", ASCENDING), ("created_at", ASCENDING)])
     await tasks.create_index(
         [("tenant_id", ASCENDING), ("batch_id", ASCENDING), ("batch_index", ASCENDING)],
         partialFilterExpression={"batch_id": {"$type": "string"}},
         name="batch_items",
     )
+    # No query lists a tenant's tasks by creation time; the index only cost every insert.
+    await drop_retired_indexes(tasks, RETIRED_TASKS_INDEX)
 
 
 def _fields_of(event: TaskEvent, change: StateChange, *, finished_ttl: timedelta) -> Document:

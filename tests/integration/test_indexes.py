@@ -1,0 +1,79 @@
+"""Indexes no query uses are dropped from deployments that created them (`shared.indexes`),
+against MongoDB or the labelled stand-in."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from pymongo import ASCENDING, AsyncMongoClient
+from pymongo.asynchronous.database import AsyncDatabase
+
+from devtools.infra import Endpoint
+from services.scorer.attempts import Attempts
+from services.status.projection import ensure_indexes as ensure_projection_indexes
+from shared.indexes import drop_retired_indexes
+
+pytestmark = pytest.mark.integration
+
+Document = dict[str, Any]
+
+
+@pytest.fixture
+async def client(mongo: Endpoint) -> AsyncIterator[AsyncMongoClient[Document]]:
+    client: AsyncMongoClient[Document] = AsyncMongoClient(
+        mongo.url, tz_aware=True, serverSelectionTimeoutMS=10_000
+    )
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def database(client: AsyncMongoClient[Document]) -> AsyncIterator[AsyncDatabase[Document]]:
+    name = f"indexes_{uuid.uuid4().hex[:8]}"
+    yield client[name]
+    await client.drop_database(name)
+
+
+async def _names(database: AsyncDatabase[Document], collection: str) -> set[str]:
+    return {index["name"] async for index in await database[collection].list_indexes()}
+
+
+async def test_a_retired_index_is_dropped_and_a_missing_one_is_fine(
+    database: AsyncDatabase[Document],
+) -> None:
+    collection = database["things"]
+    await collection.create_index([("a", ASCENDING)])
+    await collection.create_index([("b", ASCENDING)])
+
+    await drop_retired_indexes(collection, "a_1", "never_was_1")
+    await drop_retired_indexes(database["no_such_collection"], "a_1")
+
+    assert await _names(database, "things") == {"_id_", "b_1"}
+
+
+async def test_the_projection_drops_its_unused_creation_time_index(
+    database: AsyncDatabase[Document],
+) -> None:
+    tasks = database["tasks"]
+    await tasks.create_index([("tenant_id", ASCENDING), ("created_at", ASCENDING)])
+
+    await ensure_projection_indexes(tasks)
+    await ensure_projection_indexes(tasks)  # start-up runs it every time
+
+    assert await _names(database, "tasks") == {"_id_", "expires_at_1", "batch_items"}
+
+
+async def test_the_scorer_drops_its_unused_lease_index(
+    client: AsyncMongoClient[Document], database: AsyncDatabase[Document]
+) -> None:
+    await database["attempts"].create_index([("lease_until", ASCENDING)])
+    attempts = Attempts(client, database.name, retention=timedelta(days=1))
+
+    await attempts.ensure_indexes()
+    await attempts.ensure_indexes()
+
+    assert await _names(database, "attempts") == {"_id_", "updated_at_1"}

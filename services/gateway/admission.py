@@ -96,7 +96,7 @@ class SubmissionAdmission:
         self._reported_at = -math.inf
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or (scope["method"], scope["path"]) not in self.guarded:
+        if scope["type"] != "http" or (scope["method"], route_path(scope)) not in self.guarded:
             await self.app(scope, receive, send)
             return
         if not self.limit.try_acquire():
@@ -135,6 +135,16 @@ class SubmissionAdmission:
         )
         self._refused = 0
         self._reported_at = now
+
+
+def route_path(scope: Scope) -> str:
+    """The path the application routes on: behind a proxy that mounts the gateway under a
+    prefix (`root_path`, uvicorn's `--root-path`), ASGI's `path` carries that prefix too."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] == "/":
+        return path[len(root) :]
+    return path
 
 
 def install_admission(app: FastAPI, *, target_ms: float, max_limit: int) -> AdaptiveLimit | None:

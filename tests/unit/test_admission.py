@@ -13,6 +13,7 @@ from services.gateway.admission import (
     REPORT_INTERVAL_S,
     AdaptiveLimit,
     SubmissionAdmission,
+    route_path,
 )
 
 TARGET_S = 1.0
@@ -149,3 +150,46 @@ async def test_shedding_is_logged_once_per_interval_with_the_refusals_since(
     assert len(reports) == 2
     assert reports[0].startswith("shedding submissions: 1 refused")
     assert reports[1].startswith("shedding submissions: 3 refused")
+
+
+@pytest.mark.parametrize(
+    ("root_path", "path", "routed"),
+    [
+        ("", "/v1/scores", "/v1/scores"),
+        ("/api", "/api/v1/scores", "/v1/scores"),
+        ("/api", "/apiv1/scores", "/apiv1/scores"),
+        ("/api", "/v1/scores", "/v1/scores"),
+    ],
+)
+def test_guarded_paths_are_matched_below_a_mount_prefix(
+    root_path: str, path: str, routed: str
+) -> None:
+    scope: Scope = {"type": "http", "method": "POST", "path": path, "root_path": root_path}
+    assert route_path(scope) == routed
+
+
+async def test_a_submission_under_a_mount_prefix_is_guarded() -> None:
+    adaptive = limit(initial=4)
+    sent: list[int] = []
+
+    async def inner(scope: Scope, receive: Receive, send: Send) -> None:
+        raise AssertionError("a refused request must not reach the application")
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            sent.append(message["status"])
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    middleware = SubmissionAdmission(inner, limit=adaptive, guarded=[("POST", "/v1/scores")])
+    fill(adaptive)
+    scope: Scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/api/v1/scores",
+        "root_path": "/api",
+        "headers": [],
+    }
+    await middleware(scope, receive, send)
+    assert sent == [503]

@@ -1,13 +1,20 @@
-"""Consuming: plain async handlers on aio-pika consumers, on the FastStream broker's connection.
+"""Consuming: plain async handlers on aio-pika consumers, on a connection of their own.
 
-Every service consumes through `consume(broker, queue)`. The queue is declared through the
-broker, on the channel FastStream would give it (the broker's default channel, or one of
-its own when the consumer asks for another prefetch), and consumed with aio-pika directly:
-each delivery reaches its handler as a `Delivery` without FastStream's per-delivery pipeline
-(message parsing, context scopes, logging and acknowledgement middlewares), measured in
-docs/architecture.md ("Performance"). What FastStream still does: the robust connection
-(aio-pika restores the channels, their prefetch and the consumers after a reconnection),
-declaring, publishing.
+Every service consumes through `consume(broker, queue)`. Consumers use a robust aio-pika
+connection separate from the one FastStream publishes on: RabbitMQ blocks a connection that
+publishes while a memory or disk alarm lasts (and slows one that publishes faster than its
+queues take), and a blocked connection is not read at all, so acknowledgements sent on it
+would wait too (RabbitMQ's "Flow Control" guide advises a connection for publishing and
+another for consuming). On its own connection a consumer goes on settling what it has
+handled. aio-pika restores the connection's channels, their prefetch, the queues and the
+consumers after a reconnection.
+
+Each queue is declared on the consuming channel as FastStream's declarer would declare it
+(an exclusive queue belongs to the connection that declared it, so it must be this one), on
+a shared channel with the broker's default prefetch, or on one of its own when the consumer
+asks for another prefetch. Each delivery reaches its handler as a `Delivery` without
+FastStream's per-delivery pipeline (message parsing, context scopes, logging and
+acknowledgement middlewares), measured in docs/architecture.md ("Performance").
 
 Settling is the handler's: it acks, nacks or rejects (settling twice is a no-op). A handler
 that raises leaves its delivery unsettled; the broker redelivers it when the channel closes
@@ -24,13 +31,18 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast, override
 
+import aio_pika
 from faststream.rabbit import RabbitBroker, RabbitQueue
-from faststream.rabbit.schemas import Channel
 
 if TYPE_CHECKING:
     from types import TracebackType
 
-    from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
+    from aio_pika.abc import (
+        AbstractChannel,
+        AbstractIncomingMessage,
+        AbstractQueue,
+        AbstractRobustConnection,
+    )
 
 log = logging.getLogger("scorebox.consumers")
 
@@ -87,7 +99,7 @@ Handler = Callable[[Delivery], Awaitable[None]]
 class _Subscription:
     queue: RabbitQueue
     handler: Handler
-    channel: Channel | None  # None: the broker's default channel (and its prefetch)
+    prefetch: int | None  # None: the shared consuming channel, with the broker's prefetch
     ack_first: bool
 
 
@@ -124,32 +136,86 @@ class _Consuming:
 
 
 class ScoreboxBroker(RabbitBroker):
-    """A FastStream broker whose consumers (`consume`) run without FastStream's pipeline.
+    """A FastStream broker that publishes on its connection and consumes (`consume`) on a
+    second one, without FastStream's pipeline.
 
-    `start()` connects and then starts them; `stop()` cancels them, lets the deliveries in
-    hand finish (up to the graceful timeout), then closes the connection.
+    `start()` connects both and then starts the consumers; `stop()` cancels them, lets the
+    deliveries in hand finish (up to the graceful timeout), then closes both connections.
     """
 
-    def __init__(self, *args: Any, graceful_timeout: float, **kwargs: Any) -> None:
-        super().__init__(*args, graceful_timeout=graceful_timeout, **kwargs)
+    def __init__(
+        self,
+        url: str,
+        *,
+        graceful_timeout: float,
+        timeout: float,
+        prefetch: int | None = None,
+        name: str = "scorebox",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(url, graceful_timeout=graceful_timeout, timeout=timeout, **kwargs)
+        self._url = url
+        self._timeout = timeout
         self._graceful_timeout = graceful_timeout
+        self._prefetch = prefetch
+        self._name = name
         self._subscriptions: list[_Subscription] = []
         self._consuming: list[_Consuming] = []
+        self._consumer_connection: AbstractRobustConnection | None = None
+        self._shared_channel: AbstractChannel | None = None
 
     def add_consumer(self, subscription: _Subscription) -> None:
         self._subscriptions.append(subscription)
 
+    def consumed_queue(self, name: str) -> AbstractQueue | None:
+        """The queue a consumer of this broker consumes, as declared on the consuming
+        connection (None before `start()`, or when nothing consumes it)."""
+        return next((c.queue for c in self._consuming if c.queue and c.queue.name == name), None)
+
     @override
     async def start(self) -> None:
         await super().start()
+        if not self._subscriptions:
+            return
+        self._consumer_connection = await aio_pika.connect_robust(
+            self._url,
+            timeout=self._timeout,
+            reconnect_interval=1.0,
+            client_properties={"connection_name": f"{self._name} consumers"},
+        )
         for subscription in self._subscriptions:
             consuming = _Consuming(subscription)
-            declarer = self.config.declarer
-            consuming.queue = await declarer.declare_queue(
-                subscription.queue, channel=subscription.channel
+            channel = await self._channel_for(subscription.prefetch)
+            queue = subscription.queue
+            consuming.queue = await channel.declare_queue(
+                name=queue.name,
+                durable=queue.durable,
+                exclusive=queue.exclusive,
+                passive=not queue.declare,
+                auto_delete=queue.auto_delete,
+                arguments=queue.arguments,
+                timeout=queue.timeout or self._timeout,
             )
             consuming.tag = await consuming.queue.consume(consuming.on_delivery, no_ack=False)
             self._consuming.append(consuming)
+
+    async def _channel_for(self, prefetch: int | None) -> AbstractChannel:
+        assert self._consumer_connection is not None
+        if prefetch is None and self._shared_channel is not None:
+            return self._shared_channel
+        channel = await self._consumer_connection.channel(publisher_confirms=False)
+        await channel.set_qos(prefetch_count=(prefetch or self._prefetch) or 0)
+        if prefetch is None:
+            self._shared_channel = channel
+        return channel
+
+    @override
+    async def ping(self, timeout: float | None) -> bool:
+        """Both connections up (the consuming one only when something consumes)."""
+        if not await super().ping(timeout):
+            return False
+        connection = self._consumer_connection
+        return not self._subscriptions or (connection is not None and connection.connected.is_set())
 
     @override
     async def stop(
@@ -166,6 +232,10 @@ class ScoreboxBroker(RabbitBroker):
             _, pending = await asyncio.wait(idle, timeout=self._graceful_timeout)
             for waiting in pending:
                 waiting.cancel()
+        connection, self._consumer_connection = self._consumer_connection, None
+        self._shared_channel = None
+        if connection is not None:
+            await connection.close()
         await super().stop(exc_type, exc_val, exc_tb)
 
 
@@ -189,13 +259,12 @@ def consume(
     """Subscribe `handler(delivery)`, a plain async function, to `queue` once `broker` starts.
 
     `prefetch` gives the consumer a channel of its own with that prefetch; without it, it
-    shares the broker's default channel. `ack_first` acks each delivery before its handler
-    runs (for notifications that may be lost).
+    shares one consuming channel with the broker's prefetch. `ack_first` acks each delivery
+    before its handler runs (for notifications that may be lost).
     """
 
     def register(handler: Handler) -> Handler:
-        channel = None if prefetch is None else Channel(prefetch_count=prefetch)
-        broker.add_consumer(_Subscription(queue, handler, channel, ack_first))
+        broker.add_consumer(_Subscription(queue, handler, prefetch, ack_first))
         return handler
 
     return register

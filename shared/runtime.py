@@ -37,11 +37,18 @@ def configure_logging(settings: ServiceSettings, service: str) -> None:
     )
 
 
-def make_broker(settings: ServiceSettings, *, prefetch: int | None = None) -> ScoreboxBroker:
-    """A FastStream broker: confirms on, unroutable publishes raise, bounded prefetch."""
+def make_broker(
+    settings: ServiceSettings, *, prefetch: int | None = None, name: str = "scorebox"
+) -> ScoreboxBroker:
+    """A FastStream broker: confirms on, unroutable publishes raise; its consumers on a
+    connection of their own (named `name` for the broker's connection list), with `prefetch`
+    unless they ask for another."""
     return ScoreboxBroker(
         settings.rabbitmq_url,
         timeout=settings.broker_timeout_s,
+        prefetch=prefetch,
+        name=name,
+        client_properties={"connection_name": f"{name} publishers"},
         reconnect_interval=1.0,
         default_channel=Channel(
             prefetch_count=prefetch, publisher_confirms=True, on_return_raises=True

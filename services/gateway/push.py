@@ -34,9 +34,8 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from faststream.rabbit import RabbitBroker
 from pydantic import ValidationError
 
 from services.gateway.errors import GatewayError
@@ -51,6 +50,9 @@ from shared.contracts import (
     parse_task_event,
 )
 from shared.topology import EVENTS, LIVE_EVENTS_BINDING, live_events_queue
+
+if TYPE_CHECKING:
+    from aio_pika.abc import AbstractQueue
 
 log = logging.getLogger("scorebox.gateway.push")
 
@@ -276,25 +278,33 @@ class OnDemandBinding:
 
 @dataclass(frozen=True)
 class BrokerLiveBinding:
-    """Binds this replica's live queue to `scorebox.events` for task events."""
+    """Binds this replica's live queue to `scorebox.events` for task events, on the
+    connection that consumes it (the queue is exclusive to that connection)."""
 
-    broker: RabbitBroker
+    broker: ScoreboxBroker
     replica_id: str
     timeout_s: float
 
     async def bind(self) -> None:
-        queue, exchange = await self._declared()
-        await queue.bind(exchange, routing_key=LIVE_EVENTS_BINDING, timeout=self.timeout_s)
+        await self._queue().bind(
+            EVENTS.name, routing_key=LIVE_EVENTS_BINDING, timeout=self.timeout_s
+        )
 
     async def unbind(self) -> None:
-        queue, exchange = await self._declared()
-        await queue.unbind(exchange, routing_key=LIVE_EVENTS_BINDING, timeout=self.timeout_s)
+        await self._queue().unbind(
+            EVENTS.name, routing_key=LIVE_EVENTS_BINDING, timeout=self.timeout_s
+        )
 
-    async def _declared(self) -> tuple[Any, Any]:
-        async with asyncio.timeout(self.timeout_s):
-            queue = await self.broker.declare_queue(live_events_queue(self.replica_id))
-            exchange = await self.broker.declare_exchange(EVENTS)
-        return queue, exchange
+    def _queue(self) -> AbstractQueue:
+        name = live_events_queue(self.replica_id).name
+        queue = self.broker.consumed_queue(name)
+        if queue is None:
+            raise LiveQueueUnavailable(f"{name} is not being consumed (the broker is not started)")
+        return queue
+
+
+class LiveQueueUnavailable(Exception):
+    """The live queue is not there to bind: its consumer has not started."""
 
 
 def subscribe_live_updates(broker: ScoreboxBroker, live: LiveUpdates, *, replica_id: str) -> None:

@@ -52,7 +52,7 @@ def create_app(
 
     `resolver` and `sender` replace DNS and the HTTP client (tests); the SSRF guard stays.
     """
-    broker = broker or make_broker(settings, prefetch=settings.concurrency)
+    broker = broker or make_broker(settings, prefetch=settings.concurrency, name="notifier")
     mongo = mongo or make_mongo(settings)
     database = settings.database_name("notifier")
     callbacks = Callbacks(mongo, database)

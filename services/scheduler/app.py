@@ -73,7 +73,7 @@ def create_app(
     overrides; `handlers` adds or replaces job handlers by job name (tests).
     """
     config = config or load_config(settings.config_path, os.environ)
-    broker = broker or make_broker(settings)
+    broker = broker or make_broker(settings, name="scheduler")
     mongo = mongo or make_mongo(settings)
     database = settings.database_name("scheduler")
     firings = Firings(mongo, database)

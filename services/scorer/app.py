@@ -44,7 +44,7 @@ def create_app(
     rng: random.Random | None = None,
 ) -> FastAPI:
     """Wire the scorer: broker (prefetch = concurrency) + database + model + HTTP health."""
-    broker = broker or make_broker(settings, prefetch=settings.concurrency)
+    broker = broker or make_broker(settings, prefetch=settings.concurrency, name="scorer")
     mongo = mongo or make_mongo(settings)
     http: httpx.AsyncClient | None = None
     if model is None:

@@ -56,7 +56,7 @@ def create_app(
     clock: Clock = utcnow,
 ) -> FastAPI:
     """Wire the status service: broker + database + HTTP app, opened and closed in lifespan."""
-    broker = broker or make_broker(settings, prefetch=settings.projection_prefetch)
+    broker = broker or make_broker(settings, prefetch=settings.projection_prefetch, name="status")
     mongo = mongo or make_mongo(settings)
     tasks = tasks_collection(mongo, settings.database_name("status"))
     subscribe_projection(broker, GroupWriter(tasks), settings)

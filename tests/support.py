@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 from fastapi import FastAPI
-from pymongo import monitoring
+from pymongo import AsyncMongoClient, monitoring
+from pymongo.asynchronous.collection import AsyncCollection
 
 POLL_INTERVAL_S = 0.05
 
@@ -61,3 +63,20 @@ class CommandCounter(monitoring.CommandListener):
 
     def failed(self, event: monitoring.CommandFailedEvent) -> None:
         pass
+
+
+@asynccontextmanager
+async def scratch_collection(
+    mongo_url: str, commands: CommandCounter, *, prefix: str
+) -> AsyncIterator[AsyncCollection[dict[str, Any]]]:
+    """A collection in a database of its own, whose client reports its commands to
+    `commands`; the database is dropped afterwards."""
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+        mongo_url, tz_aware=True, event_listeners=[commands], serverSelectionTimeoutMS=10_000
+    )
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    try:
+        yield client[name]["docs"]
+    finally:
+        await client.drop_database(name)
+        await client.close()

@@ -21,7 +21,8 @@ Neither ever retries a failed round trip: the caller owns that retry.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from abc import abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,11 +36,41 @@ Document = dict[str, Any]
 MAX_BATCH = 500
 
 
-def _by_counter[Op](batch: Sequence[Queued[Op, Any]], key: str) -> list[list[Queued[Op, Any]]]:
-    groups: dict[str, list[Queued[Op, Any]]] = {}
-    for queued in batch:
-        groups.setdefault(getattr(queued.op, key), []).append(queued)
-    return list(groups.values())
+class _PerCounter[Op: (Increment, Release), Result](Coalescer[Op, Result]):
+    """The changes of one round trip, grouped by counter: each group as one merged update
+    when `_merge` can apply it, else each change on its own (`_alone`)."""
+
+    def __init__(self, *, max_batch: int, merged_result: Result) -> None:
+        super().__init__(max_batch=max_batch)
+        self._merged_result = merged_result
+
+    async def _send(self, batch: list[Queued[Op, Result]]) -> None:
+        groups: dict[str, list[Queued[Op, Result]]] = {}
+        for queued in batch:
+            groups.setdefault(queued.op.counter_id, []).append(queued)
+        await asyncio.gather(*(self._send_group(group) for group in groups.values()))
+
+    async def _send_group(self, group: list[Queued[Op, Result]]) -> None:
+        try:
+            merged = len(group) > 1 and await self._merge(group)
+        except Exception as error:  # noqa: BLE001 - the round trip's failure is each caller's
+            for queued in group:
+                fail(queued, error)
+            return
+        if merged:
+            for queued in group:
+                settle(queued, self._merged_result)
+        else:
+            await asyncio.gather(*(self._alone(queued) for queued in group))
+
+    @abstractmethod
+    async def _merge(self, group: list[Queued[Op, Result]]) -> bool:
+        """Apply the whole group as one update: True if it did, False (nothing changed) if
+        it cannot."""
+
+    @abstractmethod
+    async def _alone(self, queued: Queued[Op, Result]) -> None:
+        """Apply one change by itself, settling or failing its caller."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,11 +81,11 @@ class Increment:
     on_insert: Mapping[str, Any] = field(default_factory=dict)
 
 
-class BoundedCounters(Coalescer[Increment, bool]):
+class BoundedCounters(_PerCounter[Increment, bool]):
     """Counters `{_id, count}` in `collection` that never pass their ceiling."""
 
     def __init__(self, collection: AsyncCollection[Document], *, max_batch: int = MAX_BATCH):
-        super().__init__(max_batch=max_batch)
+        super().__init__(max_batch=max_batch, merged_result=True)
         self._writes = GroupWriter(collection, max_batch=max_batch)
 
     async def add(
@@ -72,24 +103,7 @@ class BoundedCounters(Coalescer[Increment, bool]):
             return False
         return await self.submit(Increment(counter_id, amount, ceiling, on_insert or {}))
 
-    async def _send(self, batch: list[Queued[Increment, bool]]) -> None:
-        groups = _by_counter(batch, "counter_id")
-        await asyncio.gather(*(self._add_group(group) for group in groups))
-
-    async def _add_group(self, group: list[Queued[Increment, bool]]) -> None:
-        try:
-            merged = len(group) > 1 and await self._add_merged(group)
-        except Exception as error:  # noqa: BLE001 - the round trip's failure is each caller's
-            for queued in group:
-                fail(queued, error)
-            return
-        if merged:
-            for queued in group:
-                settle(queued, True)
-        else:
-            await asyncio.gather(*(self._add_alone(queued) for queued in group))
-
-    async def _add_merged(self, group: list[Queued[Increment, bool]]) -> bool:
+    async def _merge(self, group: list[Queued[Increment, bool]]) -> bool:
         first = group[0].op
         total = sum(queued.op.amount for queued in group)
         ceiling = min(queued.op.ceiling for queued in group)
@@ -97,7 +111,7 @@ class BoundedCounters(Coalescer[Increment, bool]):
             first.counter_id, total, ceiling, first.on_insert
         )
 
-    async def _add_alone(self, queued: Queued[Increment, bool]) -> None:
+    async def _alone(self, queued: Queued[Increment, bool]) -> None:
         op = queued.op
         try:
             # A collision means full, or two first increments raced to create the counter
@@ -131,14 +145,14 @@ class Release:
     release_id: str
 
 
-class GuardedReleases(Coalescer[Release, None]):
+class GuardedReleases(_PerCounter[Release, None]):
     """Decrements of counters `{_id, count, recent_releases}` in `collection`, each at most
     once per release id while that id is among the counter's last `remembered` releases, and
     never below 0."""
 
     def __init__(self, collection: AsyncCollection[Document], *, remembered: int) -> None:
         # A merged update records at most `remembered` ids, so a batch holds at most that many.
-        super().__init__(max_batch=remembered)
+        super().__init__(max_batch=remembered, merged_result=None)
         self._collection = collection
         self._writes = GroupWriter(collection, max_batch=remembered)
         self._remembered = remembered
@@ -147,24 +161,7 @@ class GuardedReleases(Coalescer[Release, None]):
         """Decrement `counter_id` once for `release_id` (nothing if it was already)."""
         await self.submit(Release(counter_id, release_id))
 
-    async def _send(self, batch: list[Queued[Release, None]]) -> None:
-        groups = _by_counter(batch, "counter_id")
-        await asyncio.gather(*(self._release_group(group) for group in groups))
-
-    async def _release_group(self, group: list[Queued[Release, None]]) -> None:
-        try:
-            merged = len(group) > 1 and await self._release_merged(group)
-        except Exception as error:  # noqa: BLE001 - the round trip's failure is each caller's
-            for queued in group:
-                fail(queued, error)
-            return
-        if merged:
-            for queued in group:
-                settle(queued, None)
-        else:
-            await asyncio.gather(*(self._release_alone(queued) for queued in group))
-
-    async def _release_merged(self, group: list[Queued[Release, None]]) -> bool:
+    async def _merge(self, group: list[Queued[Release, None]]) -> bool:
         """One update for the whole group when none of its ids was released before and the
         count covers them all; False (nothing changed) otherwise."""
         ids = [queued.op.release_id for queued in group]
@@ -178,7 +175,7 @@ class GuardedReleases(Coalescer[Release, None]):
         result = await self._collection.update_one(guard, self._decrement(ids))
         return result.matched_count == 1
 
-    async def _release_alone(self, queued: Queued[Release, None]) -> None:
+    async def _alone(self, queued: Queued[Release, None]) -> None:
         op = queued.op
         try:
             # Grouped: two releases of one id in one round trip are applied one after the

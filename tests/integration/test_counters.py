@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,7 +16,7 @@ from pymongo.errors import InvalidOperation
 
 from devtools.infra import Endpoint
 from services.gateway.counters import BoundedCounters, GuardedReleases
-from tests.support import CommandCounter
+from tests.support import CommandCounter, scratch_collection
 
 pytestmark = pytest.mark.integration
 
@@ -34,15 +33,8 @@ async def commands() -> CommandCounter:
 async def collection(
     mongo: Endpoint, commands: CommandCounter
 ) -> AsyncIterator[AsyncCollection[Document]]:
-    client: AsyncMongoClient[Document] = AsyncMongoClient(
-        mongo.url, tz_aware=True, event_listeners=[commands], serverSelectionTimeoutMS=10_000
-    )
-    name = f"counters_{uuid.uuid4().hex[:8]}"
-    try:
-        yield client[name]["counters"]
-    finally:
-        await client.drop_database(name)
-        await client.close()
+    async with scratch_collection(mongo.url, commands, prefix="counters") as collection:
+        yield collection
 
 
 async def _count(collection: AsyncCollection[Document], counter_id: str) -> int:

@@ -4,7 +4,6 @@ point reads share round trips, and each caller gets its own document."""
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,7 +14,7 @@ from pymongo.errors import InvalidOperation
 
 from devtools.infra import Endpoint
 from shared.group_reads import GroupReader
-from tests.support import CommandCounter
+from tests.support import CommandCounter, scratch_collection
 
 pytestmark = pytest.mark.integration
 
@@ -31,15 +30,8 @@ async def commands() -> CommandCounter:
 async def collection(
     mongo: Endpoint, commands: CommandCounter
 ) -> AsyncIterator[AsyncCollection[Document]]:
-    client: AsyncMongoClient[Document] = AsyncMongoClient(
-        mongo.url, tz_aware=True, event_listeners=[commands], serverSelectionTimeoutMS=10_000
-    )
-    name = f"group_reads_{uuid.uuid4().hex[:8]}"
-    try:
-        yield client[name]["docs"]
-    finally:
-        await client.drop_database(name)
-        await client.close()
+    async with scratch_collection(mongo.url, commands, prefix="group_reads") as collection:
+        yield collection
 
 
 async def test_concurrent_reads_share_round_trips_and_each_gets_its_document(

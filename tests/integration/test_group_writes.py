@@ -4,7 +4,6 @@ writes share round trips, and each caller still gets its own write's outcome."""
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +15,7 @@ from pymongo.errors import DuplicateKeyError, InvalidOperation, WriteError
 
 from devtools.infra import Endpoint
 from shared.group_writes import GroupWriter
-from tests.support import CommandCounter
+from tests.support import CommandCounter, scratch_collection
 
 pytestmark = pytest.mark.integration
 
@@ -32,15 +31,8 @@ async def commands() -> CommandCounter:
 async def collection(
     mongo: Endpoint, commands: CommandCounter
 ) -> AsyncIterator[AsyncCollection[Document]]:
-    client: AsyncMongoClient[Document] = AsyncMongoClient(
-        mongo.url, tz_aware=True, event_listeners=[commands], serverSelectionTimeoutMS=10_000
-    )
-    name = f"group_writes_{uuid.uuid4().hex[:8]}"
-    try:
-        yield client[name]["docs"]
-    finally:
-        await client.drop_database(name)
-        await client.close()
+    async with scratch_collection(mongo.url, commands, prefix="group_writes") as collection:
+        yield collection
 
 
 async def test_concurrent_writes_share_round_trips_and_all_land(

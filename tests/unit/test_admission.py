@@ -37,6 +37,22 @@ def limit(*, initial: int = 10, clock: Clock | None = None) -> AdaptiveLimit:
     )
 
 
+async def refused_only(scope: Scope, receive: Receive, send: Send) -> None:
+    raise AssertionError("a refused request must not reach the application")
+
+
+def statuses_into(sent: list[int]) -> Send:
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            sent.append(message["status"])
+
+    return send
+
+
+async def receive() -> Message:
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
 def fill(adaptive: AdaptiveLimit) -> int:
     taken = 0
     while adaptive.try_acquire():
@@ -124,19 +140,10 @@ async def test_shedding_is_logged_once_per_interval_with_the_refusals_since(
         target_s=TARGET_S, min_limit=1, max_limit=1, initial_limit=1, clock=clock
     )
     sent: list[int] = []
-
-    async def inner(scope: Scope, receive: Receive, send: Send) -> None:
-        raise AssertionError("a refused request must not reach the application")
-
-    async def send(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            sent.append(message["status"])
-
-    async def receive() -> Message:
-        return {"type": "http.request", "body": b"", "more_body": False}
+    send = statuses_into(sent)
 
     middleware = SubmissionAdmission(
-        inner, limit=adaptive, guarded=[("POST", "/v1/scores")], clock=clock
+        refused_only, limit=adaptive, guarded=[("POST", "/v1/scores")], clock=clock
     )
     scope: Scope = {"type": "http", "method": "POST", "path": "/v1/scores", "headers": []}
     assert adaptive.try_acquire()  # the one place is taken
@@ -171,18 +178,9 @@ def test_guarded_paths_are_matched_below_a_mount_prefix(
 async def test_a_submission_under_a_mount_prefix_is_guarded() -> None:
     adaptive = limit(initial=4)
     sent: list[int] = []
+    send = statuses_into(sent)
 
-    async def inner(scope: Scope, receive: Receive, send: Send) -> None:
-        raise AssertionError("a refused request must not reach the application")
-
-    async def send(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            sent.append(message["status"])
-
-    async def receive() -> Message:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    middleware = SubmissionAdmission(inner, limit=adaptive, guarded=[("POST", "/v1/scores")])
+    middleware = SubmissionAdmission(refused_only, limit=adaptive, guarded=[("POST", "/v1/scores")])
     fill(adaptive)
     scope: Scope = {
         "type": "http",

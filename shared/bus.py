@@ -2,7 +2,8 @@
 
 Every publish is persistent, mandatory (an unroutable message raises instead of vanishing)
 and awaits the broker's publisher confirm within `timeout`; a negative confirm (for example
-a full queue with `reject-publish`) raises as well. Callers decide what a failure means.
+a full queue with `reject-publish`) raises as well. Callers decide what a failure means,
+and `PublishUnconfirmed` tells them the one failure that may still have reached a queue.
 Publishes go through aio-pika on the FastStream broker's own channel (`_send`).
 """
 
@@ -14,6 +15,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import aio_pika
+import aiormq
 
 from shared.contracts import Contract, ScoreText, TaskCompleted, TaskEvent, TaskFailed, utcnow
 from shared.topology import (
@@ -34,6 +36,15 @@ if TYPE_CHECKING:
     from faststream.rabbit import RabbitBroker, RabbitExchange
 
 JSON = "application/json"
+# The broker answered that it did not take the message (a nack, an unroutable return), or the
+# channel was closed before anything was written: it reached no queue.
+NOT_SENT = (aiormq.exceptions.DeliveryError, aiormq.exceptions.ChannelInvalidStateError)
+
+
+class PublishUnconfirmed(Exception):
+    """Written to the broker, but no confirm came: a timeout, the connection lost meanwhile,
+    or a connection the broker blocks (a memory or disk alarm: it reads the message once the
+    alarm ends). The message may be queued, now or later; retrying may send it twice."""
 
 
 def _headers(message: Contract, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -85,20 +96,25 @@ async def _send(
     above it costs more CPU per message (`python -m bench.micro` compares the two) for
     nothing these publishes use."""
     target = await broker.declare_exchange(exchange)
-    await target.publish(
-        aio_pika.Message(
-            body,
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            content_type=JSON,
-            message_id=message_id,
-            correlation_id=correlation_id,
-            timestamp=utcnow(),
-            headers=headers,
-        ),
-        routing_key=routing_key,
-        mandatory=True,
-        timeout=timeout,
-    )
+    try:
+        await target.publish(
+            aio_pika.Message(
+                body,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                content_type=JSON,
+                message_id=message_id,
+                correlation_id=correlation_id,
+                timestamp=utcnow(),
+                headers=headers,
+            ),
+            routing_key=routing_key,
+            mandatory=True,
+            timeout=timeout,
+        )
+    except NOT_SENT:
+        raise
+    except Exception as error:
+        raise PublishUnconfirmed(repr(error)) from error
 
 
 async def publish_event(broker: RabbitBroker, event: TaskEvent, *, timeout: float) -> None:

@@ -8,9 +8,11 @@ Accepting a batch (`submit_batch`), all or nothing:
 4. every `score.requested` is published with its confirm in flight together (one round); the
    status projection takes each item, batch and position included, from its command;
 5. submissions and batch are marked `accepted` (one update each).
-If the broker does not confirm step 4's commands, the slots are released, the batch and its
+If the broker took none of step 4's commands, the slots are released, the batch and its
 submissions discarded, and `BrokerUnavailable` raised: the client sees 503 and nothing was
-kept. An interruption between 2 and 5 leaves submissions `accepting`, which the outbox sweep
+kept. If some may have reached their queue but not all were confirmed, the batch is
+accepted and left `accepting` for the outbox sweep, which sends each command again. An
+interruption between 2 and 5 leaves submissions `accepting`, which the outbox sweep
 sends later (so does a failure to release the slots: see `services.gateway.limits`).
 
 Batches do not consult the result cache (one lookup per item would dominate the request);
@@ -247,7 +249,7 @@ class Batches:
 
 
 class BatchPublisher(Protocol):
-    async def send_many(self, commands: Sequence[ScoreText]) -> None: ...
+    async def send_many(self, commands: Sequence[ScoreText]) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -331,7 +333,7 @@ async def submit_batch(
         if gate is not None:
             counted = True
             await gate.acquire(tenant_id, len(commands))
-        await publisher.send_many(commands)
+        confirmed = await publisher.send_many(commands)
     except LimitExceeded:
         await _discard(batch_id, batches=batches, submissions=submissions)  # nothing counted
         raise
@@ -344,6 +346,11 @@ async def submit_batch(
             in_flight=gate if counted else None,
         )
         raise
+    if not confirmed:
+        # Some commands may be queued, not all are known to be: keep everything `accepting`
+        # for the outbox sweep, which sends each again (the scorer claims each task once).
+        log.warning("batch %s partly unconfirmed; the outbox sweep re-sends it", batch_id)
+        return BatchSubmitted(record, created=True)
     try:
         await submissions.mark_batch_accepted(batch_id, [c.task_id for c in commands])
         await batches.mark_accepted(batch_id)

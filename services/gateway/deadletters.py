@@ -19,7 +19,7 @@ from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 from faststream.rabbit import QueueType, RabbitBroker, RabbitQueue
 from pydantic import ValidationError
 
-from services.gateway.submit import Publisher
+from services.gateway.rescore import Resubmitter
 from shared.contracts import ScoreText, new_id
 from shared.topology import DEAD_LETTERED_FROM_HEADER, ERROR_HEADER, SCORE_REQUESTS
 
@@ -85,7 +85,7 @@ def describe(message: AbstractIncomingMessage, now: datetime) -> DeadLetter:
 
 class DeadLetterQueue:
     def __init__(
-        self, broker: RabbitBroker, publisher: Publisher, clock: Callable[[], datetime]
+        self, broker: RabbitBroker, publisher: Resubmitter, clock: Callable[[], datetime]
     ) -> None:
         self._broker = broker
         self._publisher = publisher
@@ -148,7 +148,7 @@ class DeadLetterQueue:
                 "occurred_at": self._clock(),
             }
         )
-        await self._publisher.send(fresh)
+        await self._publisher.send_confirmed(fresh)
 
     async def purge(self) -> int:
         queue = await self._queue()

@@ -1,15 +1,23 @@
-"""The gateway's outbound messages; any broker failure surfaces as `BrokerUnavailable`."""
+"""The gateway's outbound messages.
+
+A command the broker did not take (a nack, unroutable, the channel closed before it was
+written) surfaces as `BrokerUnavailable`: it reached no queue. One written but not confirmed
+(`shared.bus.PublishUnconfirmed`: a timeout, a connection lost or blocked meanwhile) may
+still reach its queue, so `send` and `send_many` report it instead of raising: the caller
+keeps the submission for the outbox sweep, which sends it again (the scorer claims each task
+once), rather than refusing a task that would be scored anyway.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 
 from faststream.rabbit import RabbitBroker
 
 from services.gateway.errors import BrokerUnavailable
-from shared.bus import publish_command, publish_events
+from shared.bus import PublishUnconfirmed, publish_command, publish_events
 from shared.contracts import (
     Phase,
     ScoreResult,
@@ -34,14 +42,26 @@ class TaskPublisher:
         self._broker = broker
         self._timeout_s = timeout_s
 
-    async def send(self, command: ScoreText) -> None:
+    async def send(self, command: ScoreText) -> bool:
+        """True when the broker confirmed the command; False when it was written but not
+        confirmed (it may be queued: keep its submission for the outbox)."""
         try:
             sent_now = await publish_command(self._broker, command, timeout=self._timeout_s)
+        except PublishUnconfirmed as error:
+            log.warning("score.requested for %s unconfirmed: %s", command.task_id, error)
+            return False
         except Exception as error:
-            log.warning("score.requested for %s not confirmed: %r", command.task_id, error)
+            log.warning("score.requested for %s not taken: %r", command.task_id, error)
             raise BrokerUnavailable(str(error) or type(error).__name__) from error
         if not sent_now:
             await self._announce_waiting([command])
+        return True
+
+    async def send_confirmed(self, command: ScoreText) -> None:
+        """`send`, for callers that settle only what the broker confirmed (they send again
+        on failure): an unconfirmed command is `BrokerUnavailable` too."""
+        if not await self.send(command):
+            raise BrokerUnavailable(f"score.requested for {command.task_id} unconfirmed")
 
     async def announce_cached(self, command: ScoreText, result: ScoreResult) -> None:
         """A task answered from the result cache: accepted and completed at once."""
@@ -64,18 +84,39 @@ class TaskPublisher:
             log.warning("cached result for %s not confirmed: %r", command.task_id, error)
             raise BrokerUnavailable(str(error) or type(error).__name__) from error
 
-    async def send_many(self, commands: Sequence[ScoreText]) -> None:
-        """Send a batch's commands with their confirms in flight together (one round)."""
-        sent_now = await self._all_confirmed(
-            "score.requested",
-            [
-                publish_command(self._broker, command, timeout=self._timeout_s)
-                for command in commands
-            ],
+    async def send_many(self, commands: Sequence[ScoreText]) -> bool:
+        """Send a batch's commands with their confirms in flight together (one round): True
+        when every one was confirmed; False when some may be queued but not all are known
+        to be (keep the submissions for the outbox); `BrokerUnavailable` when none was
+        taken."""
+        publishes = [
+            publish_command(self._broker, command, timeout=self._timeout_s) for command in commands
+        ]
+        try:
+            async with asyncio.timeout(self._timeout_s * 2):
+                outcomes = await asyncio.gather(*publishes, return_exceptions=True)
+        except TimeoutError:
+            log.warning("%d score.requested unconfirmed in time", len(commands))
+            return False
+        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        none_taken = len(failures) == len(outcomes) and not any(
+            isinstance(failure, PublishUnconfirmed) for failure in failures
         )
+        if none_taken:
+            log.warning("none of %d score.requested taken: %r", len(commands), failures[0])
+            raise BrokerUnavailable(str(failures[0]) or type(failures[0]).__name__)
+        if failures:
+            log.warning(
+                "%d of %d score.requested not confirmed: %r",
+                len(failures),
+                len(commands),
+                failures[0],
+            )
+            return False
         await self._announce_waiting(
-            [command for command, now in zip(commands, sent_now, strict=True) if not now]
+            [command for command, now in zip(commands, outcomes, strict=True) if now is False]
         )
+        return True
 
     async def _announce_waiting(self, commands: Sequence[ScoreText]) -> None:
         if not commands:
@@ -88,20 +129,3 @@ class TaskPublisher:
             log.warning(
                 "task.accepted of %d waiting task(s) not confirmed: %r", len(commands), error
             )
-
-    async def _all_confirmed[T](self, what: str, publishes: list[Awaitable[T]]) -> list[T]:
-        # Every publish is awaited to its end (no stray publish outlives the request), then
-        # any failure fails the whole round.
-        try:
-            async with asyncio.timeout(self._timeout_s * 2):
-                outcomes = await asyncio.gather(*publishes, return_exceptions=True)
-        except TimeoutError as error:
-            log.warning("%d %s publishes not confirmed in time", len(publishes), what)
-            raise BrokerUnavailable(f"{what} not confirmed in time") from error
-        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
-        if failures:
-            log.warning(
-                "%d of %d %s not confirmed: %r", len(failures), len(outcomes), what, failures[0]
-            )
-            raise BrokerUnavailable(str(failures[0]) or type(failures[0]).__name__)
-        return [outcome for outcome in outcomes if not isinstance(outcome, BaseException)]

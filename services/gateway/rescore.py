@@ -58,9 +58,9 @@ RETRY_DELAYS_S: Final = (5, 30, 120, 600)
 
 
 class Resubmitter(Protocol):
-    """Sends a command (`services.gateway.publisher.TaskPublisher`)."""
+    """Sends a command, confirmed (`services.gateway.publisher.TaskPublisher`)."""
 
-    async def send(self, command: ScoreText) -> None: ...
+    async def send_confirmed(self, command: ScoreText) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ async def rescore_task(
     if isinstance(claim, RescoreRefused):
         return claim
     command = rescore_command(claim, now=now)
-    await publisher.send(command)
+    await publisher.send_confirmed(command)
     await keep_trying(
         lambda: submissions.finish_rescore(
             request.task_id, rubric_version=request.rubric_version, now=now

@@ -40,7 +40,7 @@ Clock = Callable[[], datetime]
 
 
 class Publisher(Protocol):
-    async def send(self, command: ScoreText) -> None: ...
+    async def send(self, command: ScoreText) -> bool: ...
     async def announce_cached(self, command: ScoreText, result: ScoreResult) -> None: ...
 
 
@@ -91,8 +91,10 @@ async def submit_score(
 ) -> Submitted:
     """Record the submission, then publish it; answer only once the broker confirmed.
 
-    If the broker does not confirm, the record is discarded and `BrokerUnavailable` raised:
-    the client sees 503 and nothing was kept. A result-cache hit completes the task at once.
+    If the broker did not take the command, the record is discarded and `BrokerUnavailable`
+    raised: the client sees 503 and nothing was kept. A command written but not confirmed may
+    still be queued: the submission is kept for the outbox sweep and the task accepted.
+    A result-cache hit completes the task at once.
     A task to score counts against its tenant's `in_flight` limit (`LimitExceeded`: 429,
     nothing kept) until its outcome reaches the gateway.
     """
@@ -198,10 +200,16 @@ async def _publish_or_discard(
     in_flight: InFlightGate | None = None,
 ) -> None:
     try:
-        await publisher.send(command)
+        confirmed = await publisher.send(command)
     except BrokerUnavailable:
         await _give_up(command, submissions=submissions, in_flight=in_flight)
         raise
+    if not confirmed:
+        # Written, not confirmed: it may reach its queue yet (a blocked connection delivers
+        # it once unblocked), so refusing it would be a lie. The submission stays
+        # `accepting`; the outbox sweep sends it again and the scorer claims it once.
+        log.warning("task %s unconfirmed; accepted, the outbox sweep re-sends it", command.task_id)
+        return
     try:
         await submissions.mark_accepted(command.task_id)
     except DatabaseUnavailable:
@@ -270,8 +278,8 @@ async def sweep_outbox(
     for submission in await submissions.interrupted(older_than=clock() - grace):
         if submission.command is None:
             continue
-        await publisher.send(submission.command)
-        await submissions.mark_accepted(submission.task_id)
+        if await publisher.send(submission.command):
+            await submissions.mark_accepted(submission.task_id)
         sent += 1
     return sent
 

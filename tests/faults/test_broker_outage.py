@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -43,6 +44,7 @@ SUBMIT_INTERVAL_S = 0.1
 # Slow enough that the scorer is in the middle of model calls when its connection goes.
 LATENCY_MS = 500
 OUTAGE_TIMEOUT_S = 90.0
+ALARMING_WATERMARK = "0.0001"  # a fraction of the machine's memory far below what it uses
 
 
 @dataclass
@@ -240,6 +242,105 @@ async def test_every_accepted_submission_survives_a_broker_outage(
     assert statuses == ["completed"] * len(accepted), views
     assert all(n == 0 for n in extra.values()), extra
     assert box.answers[500] == 0
+
+
+async def test_a_memory_alarm_holds_submissions_back_and_scores_none_it_refused(
+    box: Scorebox, figures: Figures, labels: tuple[str, str]
+) -> None:
+    """A memory alarm blocks every publishing connection without closing it: a command the
+    gateway wrote stays unconfirmed, then reaches its queue once the alarm ends. A
+    submission whose publish was written is therefore never refused (503 would be a lie):
+    it is answered 202 and kept for the outbox, which sends it again (the scorer claims each
+    task once). Nothing the client was refused may be scored, and nothing scored twice."""
+    restore = await _watermark_args()
+    box.answers.clear()
+    box.llm.config.latency_ms = LATENCY_MS
+    client = Client(box)
+    submitting = asyncio.create_task(client.run())
+    lifted = False
+    try:
+        await eventually(
+            lambda: _true(len(client.seen(202)) >= 5), timeout_s=60, what="202s before"
+        )
+        await rabbitmqctl("set_vm_memory_high_watermark", ALARMING_WATERMARK)
+        await eventually(_memory_alarm, timeout_s=OUTAGE_TIMEOUT_S, what="a memory alarm")
+        cut_at = time.monotonic()
+        batch_markers = [new_marker() for _ in range(3)]
+        batch = await box.api.post(
+            "/v1/batches", json={"items": [{"text": essay(m)} for m in batch_markers]}
+        )
+        await eventually(
+            lambda: _true(len([a for a in client.answers if a.at >= cut_at]) >= 3),
+            timeout_s=OUTAGE_TIMEOUT_S,
+            what="answers while the alarm lasts",
+        )
+        lift_at = time.monotonic()
+        await rabbitmqctl("set_vm_memory_high_watermark", *restore)
+        lifted = True
+        recovered = await eventually(
+            lambda: _true(client.seen(202, since=lift_at) or None),
+            timeout_s=OUTAGE_TIMEOUT_S,
+            what="a 202 after the alarm",
+        )
+        time_to_recover = max(0.0, recovered[0].at - lift_at)
+        await eventually(
+            lambda: _true(len(client.seen(202, since=recovered[0].at)) >= 5),
+            timeout_s=OUTAGE_TIMEOUT_S,
+            what="202s after",
+        )
+    finally:
+        client.stopping.set()
+        await submitting
+        box.llm.config.latency_ms = 0
+        if not lifted:
+            await rabbitmqctl("set_vm_memory_high_watermark", *restore)
+
+    # The batch sent during the alarm: accepted, and each of its tasks scored once.
+    assert batch.status_code == 202, batch.text
+    batch_tasks = [item["task_id"] for item in batch.json()["items"]]
+    accepted = client.accepted() | dict(zip(batch_tasks, batch_markers, strict=True))
+    views = await box.finish(accepted)
+    statuses = [v["status"] for v in views.values()]
+    extra = {m: box.calls(m) - views[t]["attempts"] for t, m in accepted.items()}
+    refused = [a.marker for a in client.answers if a.status != 202]
+    scored_anyway = sum(1 for m in refused if box.calls(m) > 0)
+    during = [a for a in client.answers if cut_at <= a.at < lift_at]
+    figures.record(
+        Outcome(
+            name="broker memory alarm (publishes blocked)",
+            accepted=len(accepted),
+            completed=statuses.count("completed"),
+            failed=statuses.count("failed"),
+            duplicate_model_calls=sum(n for n in extra.values() if n > 0),
+            http_5xx_seen=box.http_5xx(),
+            time_to_recover_s=round(time_to_recover, 2),
+            broker=labels[0],
+            database=labels[1],
+            notes="the broker's memory watermark set below its use, then restored; "
+            f"{len(client.answers)} submissions and a batch of {len(batch_tasks)}, "
+            f"{len(during)} answered during the alarm ({sum(1 for a in during if a.status == 202)}"
+            f" with 202, the batch too), {len(refused)} refused with 503 ({scored_anyway} of "
+            "them scored anyway); unconfirmed commands are kept for the outbox sweep",
+        )
+    )
+    assert {a.status for a in client.answers} <= {202, 503}, box.answers
+    assert scored_anyway == 0, f"{scored_anyway} refused submissions were scored anyway"
+    assert statuses == ["completed"] * len(accepted), views
+    assert all(n == 0 for n in extra.values()), extra
+
+
+async def _memory_alarm() -> bool:
+    status = json.loads(await rabbitmqctl("status", "--formatter", "json"))
+    return any(alarm.get("resource") == "memory" for alarm in status["alarms"])
+
+
+async def _watermark_args() -> list[str]:
+    """The `set_vm_memory_high_watermark` arguments that restore the current setting."""
+    status = json.loads(await rabbitmqctl("status", "--formatter", "json"))
+    setting = status["vm_memory_high_watermark_setting"]
+    if "relative" in setting:
+        return [str(setting["relative"])]
+    return ["absolute", str(setting["absolute"])]
 
 
 def _true[T](value: T) -> Awaitable[T]:

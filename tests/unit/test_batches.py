@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import aio_pika
 import pytest
+from aiormq.exceptions import DeliveryError
+from pamqp.commands import Basic
 from pydantic import ValidationError
 
 from services.gateway.batches import (
@@ -110,16 +112,29 @@ def test_error_fields_name_the_item_index(location: tuple[Any, ...], field: str)
 # --- Publishing: one confirm round ---------------------------------------------------------------
 
 
+def _nack() -> DeliveryError:
+    """What aiormq raises for a negative confirm."""
+    return DeliveryError(None, Basic.Nack(delivery_tag=1))
+
+
 class ConcurrentBroker:
     """A broker whose publishes confirm only once `expected` of them are in flight together:
     publishing one after another would never get there."""
 
-    def __init__(self, expected: int, fail_routing_key: str | None = None) -> None:
+    def __init__(
+        self,
+        expected: int,
+        fail_routing_key: str | None = None,
+        failure: Callable[[], Exception] = _nack,
+        failures: int = 1,
+    ) -> None:
         self.expected = expected
         self.in_flight = 0
         self.published: list[tuple[str, bytes]] = []
         self.all_in_flight = asyncio.Event()
         self.fail = fail_routing_key
+        self.failure = failure
+        self.failures = failures
 
     async def declare_exchange(self, exchange: Any) -> ConcurrentBroker:
         return self  # publishes go to the exchange `shared.bus` gets from here
@@ -130,8 +145,8 @@ class ConcurrentBroker:
             self.all_in_flight.set()
         await self.all_in_flight.wait()
         self.published.append((routing_key, message.body))
-        if routing_key == self.fail and len(self.published) == 1:
-            raise ConnectionError("nack")
+        if routing_key == self.fail and len(self.published) <= self.failures:
+            raise self.failure()
 
 
 def _commands(count: int) -> list[ScoreText]:
@@ -177,11 +192,38 @@ async def test_a_single_command_is_announced_only_when_it_waits() -> None:
     assert TaskAccepted.model_validate_json(body).not_before == due
 
 
-async def test_one_refused_publish_fails_the_round_after_all_of_them_ended() -> None:
-    broker = ConcurrentBroker(expected=10, fail_routing_key="score.requested")
+async def test_a_batch_the_broker_took_none_of_is_refused_after_every_publish_ended() -> None:
+    broker = ConcurrentBroker(expected=10, fail_routing_key="score.requested", failures=10)
     with pytest.raises(BrokerUnavailable):
         await TaskPublisher(broker, timeout_s=5).send_many(_commands(10))  # type: ignore[arg-type]
     assert len(broker.published) == 10  # none left running behind the 503
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        pytest.param(_nack, id="one refused (nack)"),
+        pytest.param(lambda: ConnectionError("lost"), id="one unconfirmed (connection lost)"),
+    ],
+)
+async def test_a_batch_partly_taken_is_reported_unconfirmed_not_refused(
+    failure: Callable[[], Exception],
+) -> None:
+    """Some commands may be queued: refusing the batch would leave them to be scored for a
+    batch the client was told was not kept. The caller keeps it for the outbox instead."""
+    broker = ConcurrentBroker(expected=10, fail_routing_key="score.requested", failure=failure)
+    confirmed = await TaskPublisher(broker, timeout_s=5).send_many(_commands(10))  # type: ignore[arg-type]
+    assert confirmed is False
+    assert len(broker.published) == 10
+
+
+async def test_a_single_command_written_but_unconfirmed_is_reported_not_refused() -> None:
+    broker = ConcurrentBroker(expected=1, fail_routing_key="score.requested", failure=TimeoutError)
+    [command] = _commands(1)
+    assert await TaskPublisher(broker, timeout_s=5).send(command) is False  # type: ignore[arg-type]
+    refused = ConcurrentBroker(expected=1, fail_routing_key="score.requested")
+    with pytest.raises(BrokerUnavailable):
+        await TaskPublisher(refused, timeout_s=5).send(command)  # type: ignore[arg-type]
 
 
 # --- Accepting -----------------------------------------------------------------------------------
@@ -226,10 +268,11 @@ class FakePublisher:
         self.fail = fail
         self.sent: list[ScoreText] = []
 
-    async def send_many(self, commands: Sequence[ScoreText]) -> None:
+    async def send_many(self, commands: Sequence[ScoreText]) -> bool:
         if self.fail:
             raise BrokerUnavailable("down")
         self.sent.extend(commands)
+        return True
 
 
 async def _submit(

@@ -25,6 +25,7 @@ from typing import Any
 
 import aio_pika
 import aiohttp
+from pymongo import AsyncMongoClient
 
 from bench.infra import (
     BenchError,
@@ -218,6 +219,25 @@ class System:
             self.unsettled = waiting
             await asyncio.sleep(0.25)
         return False
+
+    async def projected(self, tasks: int, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
+        """Wait until the status projection holds `tasks` tasks. The broker's queue depths
+        (`settle`) are statistics refreshed every few seconds: right after a burst of
+        publishes they can still read 0, and reads timed then met a projection still
+        catching up (404s, slow answers)."""
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+            self.db.url, serverSelectionTimeoutMS=10_000, socketTimeoutMS=30_000
+        )
+        try:
+            collection = client[f"{self.db_prefix}_status"]["tasks"]
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                if await collection.count_documents({}) >= tasks:
+                    return True
+                await asyncio.sleep(0.25)
+            return False
+        finally:
+            await client.close()
 
 
 @contextlib.asynccontextmanager
@@ -656,8 +676,12 @@ async def backlog(
             if extra
             else []
         )
-        fill_settled = await system.settle(run.timeout_s) if filled else True
         population = [*accepted, *filled]
+        fill_settled: bool | None = True
+        if filled:
+            fill_settled = await system.settle(run.timeout_s)
+            if not await system.projected(len(population), run.timeout_s):
+                fill_settled = False
         sample = random.Random(2).sample(  # noqa: S311 - a sample, not a secret
             population, min(reads, len(population))
         )

@@ -48,7 +48,7 @@ def make_broker(
         timeout=settings.broker_timeout_s,
         prefetch=prefetch,
         name=name,
-        client_properties={"connection_name": f"{name} publishers"},
+        client_properties={"name": f"{name} publishers"},
         reconnect_interval=1.0,
         default_channel=Channel(
             prefetch_count=prefetch, publisher_confirms=True, on_return_raises=True

@@ -123,3 +123,31 @@ async def _a_connection_blocked(amqp_url: str) -> bool:
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_a_service_publishes_and_consumes_on_two_named_connections(
+    amqp_url: str, queue: tuple[aio_pika.abc.AbstractChannel, str]
+) -> None:
+    _, name = queue
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url})
+    broker = make_broker(settings, name="naming-test")
+
+    @consume(broker, RabbitQueue(name, durable=True))
+    async def handle(delivery: Delivery) -> None:
+        await delivery.ack()
+
+    await broker.start()
+    try:
+        listed = json.loads(
+            await rabbitmqctl(
+                "list_connections", "-q", "vhost", "client_properties", "--formatter", "json"
+            )
+        )
+        names = {
+            {key: value for key, _, value in c["client_properties"]}.get("connection_name")
+            for c in listed
+            if c["vhost"] == vhost_of(amqp_url)
+        }
+        assert {"naming-test publishers", "naming-test consumers"} <= names, names
+    finally:
+        await broker.stop()

@@ -47,6 +47,17 @@ class PublishUnconfirmed(Exception):
     alarm ends). The message may be queued, now or later; retrying may send it twice."""
 
 
+# What a publish raises while the broker is away, blocked, or refusing (a full queue): worth
+# trying again later. Anything else is a bug or a message that can never be sent.
+BROKER_ERRORS = (
+    PublishUnconfirmed,
+    aiormq.exceptions.AMQPError,
+    aiormq.exceptions.ChannelInvalidStateError,
+    ConnectionError,
+    TimeoutError,
+)
+
+
 def _headers(message: Contract, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     headers = {
         "x-tenant-id": message.tenant_id,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -30,16 +31,18 @@ from pymongo.errors import PyMongoError
 
 from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Retry
 from services.scorer.scoring import Clock, ScorerDeps, score_text
-from shared.bus import publish_command, publish_dead_letter, publish_event
+from shared.bus import BROKER_ERRORS, publish_command, publish_dead_letter, publish_event
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import (
     Phase,
     ScoreText,
     TaskError,
+    TaskEvent,
     TaskFailed,
     event_sequence,
     new_id,
 )
+from shared.runtime import keep_trying
 from shared.topology import ATTEMPTS_HEADER, SCORE_REQUESTS
 
 log = logging.getLogger("scorebox.scorer")
@@ -51,39 +54,63 @@ HOLD_POLL_S = 2.0  # how often a held redelivery looks whether its claim was dec
 
 @dataclass(frozen=True)
 class BrokerActions:
-    """Carries out decisions on the broker; every publish awaits its confirm."""
+    """Carries out decisions on the broker; every publish awaits its confirm.
+
+    A publish the broker does not confirm (away, blocked by an alarm, a full queue) is tried
+    again, backing off, while the delivery is held: the handler owns that retry, and a
+    delivery it gave up on would stay unacknowledged, holding a prefetch slot, until the
+    channel closed. A retried publish may arrive twice (the first may still be delivered);
+    every consumer of these messages takes a repeat as a no-op.
+    """
 
     broker: RabbitBroker
     timeout_s: float
     clock: Clock
+
+    async def _confirmed(self, what: str, publish: Callable[[], Awaitable[object]]) -> None:
+        await keep_trying(publish, what=f"publishing {what}", retry_on=BROKER_ERRORS)
 
     async def carry_out(self, decision: Decision, message: Delivery) -> None:
         match decision:
             case Finish(event=event, dead_letter_error=error):
                 if error is not None:
                     await self.dead_letter(message, error)
-                await publish_event(self.broker, event, timeout=self.timeout_s)
+                await self._event(event)
             case Retry(event=event, next_command=next_command):
-                await publish_command(self.broker, next_command, timeout=self.timeout_s)
-                await publish_event(self.broker, event, timeout=self.timeout_s)
+                await self._confirmed(
+                    "the next attempt",
+                    lambda: publish_command(self.broker, next_command, timeout=self.timeout_s),
+                )
+                await self._event(event)
             case Defer(command=command):
                 await self.resend(command, headers=_carried_headers(message))
             case Drop(reason=reason):
                 log.debug("dropping a delivery: %s", reason)
 
+    async def _event(self, event: TaskEvent) -> None:
+        await self._confirmed(
+            event.routing_key, lambda: publish_event(self.broker, event, timeout=self.timeout_s)
+        )
+
     async def resend(self, command: ScoreText, *, headers: dict[str, Any]) -> None:
-        await publish_command(self.broker, command, timeout=self.timeout_s, headers=headers)
+        await self._confirmed(
+            "a command",
+            lambda: publish_command(self.broker, command, timeout=self.timeout_s, headers=headers),
+        )
 
     async def dead_letter(self, message: Delivery, error: str) -> None:
-        await publish_dead_letter(
-            self.broker,
-            SCORE_REQUESTS,
-            body=message.body,
-            headers={**_carried_headers(message)},
-            error=error,
-            timeout=self.timeout_s,
-            message_id=message.message_id,
-            correlation_id=message.correlation_id,
+        await self._confirmed(
+            "a dead letter",
+            lambda: publish_dead_letter(
+                self.broker,
+                SCORE_REQUESTS,
+                body=message.body,
+                headers={**_carried_headers(message)},
+                error=error,
+                timeout=self.timeout_s,
+                message_id=message.message_id,
+                correlation_id=message.correlation_id,
+            ),
         )
 
     async def fail_task(self, command: ScoreText, error: TaskError, *, dead_lettered: bool) -> None:
@@ -102,7 +129,7 @@ class BrokerActions:
             has_callback=command.callback_url is not None,
             callback_url=command.callback_url,
         )
-        await publish_event(self.broker, event, timeout=self.timeout_s)
+        await self._event(event)
 
 
 def _carried_headers(message: Delivery) -> dict[str, Any]:

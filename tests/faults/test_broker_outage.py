@@ -325,8 +325,29 @@ async def test_a_memory_alarm_holds_submissions_back_and_scores_none_it_refused(
     )
     assert {a.status for a in client.answers} <= {202, 503}, box.answers
     assert scored_anyway == 0, f"{scored_anyway} refused submissions were scored anyway"
+    # No delivery is left held: a handler whose publish the alarm held back retries it and
+    # settles, rather than keeping its delivery (and a prefetch slot) until a restart.
+    await eventually(
+        lambda: _nothing_unacknowledged(box.amqp_url),
+        timeout_s=OUTAGE_TIMEOUT_S,
+        what="every delivery settled after the alarm",
+    )
     assert statuses == ["completed"] * len(accepted), views
     assert all(n == 0 for n in extra.values()), extra
+
+
+async def _nothing_unacknowledged(amqp_url: str) -> bool:
+    listed = await rabbitmqctl(
+        "list_queues",
+        "-q",
+        "-p",
+        vhost_of(amqp_url),
+        "name",
+        "messages_unacknowledged",
+        "--formatter",
+        "json",
+    )
+    return all(queue["messages_unacknowledged"] == 0 for queue in json.loads(listed))
 
 
 async def _memory_alarm() -> bool:

@@ -47,8 +47,9 @@ class PublishUnconfirmed(Exception):
     alarm ends). The message may be queued, now or later; retrying may send it twice."""
 
 
-# What a publish raises while the broker is away, blocked, or refusing (a full queue): worth
-# trying again later. Anything else is a bug or a message that can never be sent.
+# What a publish raises while the broker is away, blocked, or refusing (a full queue; also
+# an unroutable return, which lasts until the topology is declared again): worth trying
+# again later. Anything else is a bug in building the message.
 BROKER_ERRORS = (
     PublishUnconfirmed,
     aiormq.exceptions.AMQPError,

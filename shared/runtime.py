@@ -50,9 +50,8 @@ def make_broker(
         name=name,
         client_properties={"name": f"{name} publishers"},
         reconnect_interval=1.0,
-        default_channel=Channel(
-            prefetch_count=prefetch, publisher_confirms=True, on_return_raises=True
-        ),
+        # Publishing only: the consumers' channels carry the prefetch.
+        default_channel=Channel(publisher_confirms=True, on_return_raises=True),
         graceful_timeout=settings.broker_timeout_s,
         logger=logging.getLogger("scorebox.broker"),
         log_level=logging.DEBUG,

@@ -273,14 +273,15 @@ def _view_of_submission(submission: Submission, now: datetime) -> TaskView:
 async def sweep_outbox(
     *, submissions: Submissions, publisher: Publisher, clock: Clock, grace: timedelta
 ) -> int:
-    """Send submissions left `accepting` by an interrupted request; returns how many."""
+    """Send submissions left `accepting` by an interrupted request or an unconfirmed
+    publish; returns how many the broker confirmed (the others stay for the next sweep)."""
     sent = 0
     for submission in await submissions.interrupted(older_than=clock() - grace):
         if submission.command is None:
             continue
         if await publisher.send(submission.command):
             await submissions.mark_accepted(submission.task_id)
-        sent += 1
+            sent += 1
     return sent
 
 

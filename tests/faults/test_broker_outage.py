@@ -163,46 +163,30 @@ async def test_every_accepted_submission_survives_a_broker_outage(
     box: Scorebox, figures: Figures, labels: tuple[str, str], kind: str
 ) -> None:
     outage = _vhost_cut(vhost_of(box.amqp_url)) if kind == "vhost-cut" else _broker_restart()
-    box.answers.clear()
-    box.llm.config.latency_ms = LATENCY_MS
-    client = Client(box)
-    submitting = asyncio.create_task(client.run())
     lifted = False
     try:
-        await eventually(
-            lambda: _true(len(client.seen(202)) >= 5), timeout_s=60, what="202s before"
-        )
-        pids = box.stack.pids()
-        cut_at = time.monotonic()
-        await outage.cut()
-        await eventually(
-            lambda: _true(len(client.seen(503, since=cut_at)) >= 3),
-            timeout_s=OUTAGE_TIMEOUT_S,
-            what="503s while the broker is away",
-        )
-        await eventually(
-            lambda: _answers(box.ready("gateway"), 503),
-            timeout_s=OUTAGE_TIMEOUT_S,
-            what="gateway not ready",
-        )
-        lift_at = time.monotonic()
-        await outage.lift()
-        lifted = True
-        recovered = await eventually(
-            lambda: _true(client.seen(202, since=lift_at) or None),
-            timeout_s=OUTAGE_TIMEOUT_S,
-            what="a 202 after the broker came back",
-        )
-        time_to_recover = max(0.0, recovered[0].at - lift_at)
-        await eventually(
-            lambda: _true(len(client.seen(202, since=recovered[0].at)) >= 5),
-            timeout_s=OUTAGE_TIMEOUT_S,
-            what="202s after",
-        )
+        async with _submitting(box) as client:
+            await eventually(
+                lambda: _true(len(client.seen(202)) >= 5), timeout_s=60, what="202s before"
+            )
+            pids = box.stack.pids()
+            cut_at = time.monotonic()
+            await outage.cut()
+            await eventually(
+                lambda: _true(len(client.seen(503, since=cut_at)) >= 3),
+                timeout_s=OUTAGE_TIMEOUT_S,
+                what="503s while the broker is away",
+            )
+            await eventually(
+                lambda: _answers(box.ready("gateway"), 503),
+                timeout_s=OUTAGE_TIMEOUT_S,
+                what="gateway not ready",
+            )
+            lift_at = time.monotonic()
+            await outage.lift()
+            lifted = True
+            time_to_recover = await _recovered(client, lift_at)
     finally:
-        client.stopping.set()
-        await submitting
-        box.llm.config.latency_ms = 0
         if not lifted:
             await outage.lift()
 
@@ -215,32 +199,27 @@ async def test_every_accepted_submission_survives_a_broker_outage(
             what=f"{service} ready",
         )
     accepted = client.accepted()
-    views = await box.finish(accepted)
-    statuses = [v["status"] for v in views.values()]
-    # Model calls beyond one per attempt (a timeout's retry is an attempt, not a duplicate).
-    extra = {m: box.calls(m) - views[t]["attempts"] for t, m in accepted.items()}
-    refused = [a.marker for a in client.answers if a.status != 202]
-    scored_anyway = sum(1 for m in refused if box.calls(m) > 0)
+    tally = await _tally(box, client, accepted)
     figures.record(
         Outcome(
             name=outage.name,
             accepted=len(accepted),
-            completed=statuses.count("completed"),
-            failed=statuses.count("failed"),
-            duplicate_model_calls=sum(n for n in extra.values() if n > 0),
+            completed=tally.statuses.count("completed"),
+            failed=tally.statuses.count("failed"),
+            duplicate_model_calls=tally.duplicate_model_calls,
             http_5xx_seen=box.http_5xx(),
             time_to_recover_s=round(time_to_recover, 2),
             broker=labels[0],
             database=labels[1],
-            notes=f"{outage.how}; {len(client.answers)} submissions, {len(refused)} refused "
-            f"with 503 ({scored_anyway} of them scored anyway: published, confirm lost); "
-            "the services reconnected by themselves",
+            notes=f"{outage.how}; {len(client.answers)} submissions, {len(tally.refused)} "
+            f"refused with 503 ({tally.scored_anyway} of them scored anyway: published, "
+            "confirm lost); the services reconnected by themselves",
         )
     )
     assert {a.status for a in client.answers} <= {202, 503}, box.answers
     assert all(a.problem for a in client.answers if a.status == 503)
-    assert statuses == ["completed"] * len(accepted), views
-    assert all(n == 0 for n in extra.values()), extra
+    assert tally.statuses == ["completed"] * len(accepted), tally.statuses
+    assert tally.duplicate_model_calls == 0, tally.extra
     assert box.answers[500] == 0
 
 
@@ -252,79 +231,58 @@ async def test_a_memory_alarm_holds_submissions_back_and_scores_none_it_refused(
     submission whose publish was written is therefore never refused (503 would be a lie):
     it is answered 202 and kept for the outbox, which sends it again (the scorer claims each
     task once). Nothing the client was refused may be scored, and nothing scored twice."""
-    restore = await _watermark_args()
-    box.answers.clear()
-    box.llm.config.latency_ms = LATENCY_MS
-    client = Client(box)
-    submitting = asyncio.create_task(client.run())
+    outage = _memory_alarm(await _watermark_args())
     lifted = False
     try:
-        await eventually(
-            lambda: _true(len(client.seen(202)) >= 5), timeout_s=60, what="202s before"
-        )
-        await rabbitmqctl("set_vm_memory_high_watermark", ALARMING_WATERMARK)
-        await eventually(_memory_alarm, timeout_s=OUTAGE_TIMEOUT_S, what="a memory alarm")
-        cut_at = time.monotonic()
-        batch_markers = [new_marker() for _ in range(3)]
-        batch = await box.api.post(
-            "/v1/batches", json={"items": [{"text": essay(m)} for m in batch_markers]}
-        )
-        await eventually(
-            lambda: _true(len([a for a in client.answers if a.at >= cut_at]) >= 3),
-            timeout_s=OUTAGE_TIMEOUT_S,
-            what="answers while the alarm lasts",
-        )
-        lift_at = time.monotonic()
-        await rabbitmqctl("set_vm_memory_high_watermark", *restore)
-        lifted = True
-        recovered = await eventually(
-            lambda: _true(client.seen(202, since=lift_at) or None),
-            timeout_s=OUTAGE_TIMEOUT_S,
-            what="a 202 after the alarm",
-        )
-        time_to_recover = max(0.0, recovered[0].at - lift_at)
-        await eventually(
-            lambda: _true(len(client.seen(202, since=recovered[0].at)) >= 5),
-            timeout_s=OUTAGE_TIMEOUT_S,
-            what="202s after",
-        )
+        async with _submitting(box) as client:
+            await eventually(
+                lambda: _true(len(client.seen(202)) >= 5), timeout_s=60, what="202s before"
+            )
+            await outage.cut()
+            cut_at = time.monotonic()
+            batch_markers = [new_marker() for _ in range(3)]
+            batch = await box.api.post(
+                "/v1/batches", json={"items": [{"text": essay(m)} for m in batch_markers]}
+            )
+            await eventually(
+                lambda: _true(len([a for a in client.answers if a.at >= cut_at]) >= 3),
+                timeout_s=OUTAGE_TIMEOUT_S,
+                what="answers while the alarm lasts",
+            )
+            lift_at = time.monotonic()
+            await outage.lift()
+            lifted = True
+            time_to_recover = await _recovered(client, lift_at)
     finally:
-        client.stopping.set()
-        await submitting
-        box.llm.config.latency_ms = 0
         if not lifted:
-            await rabbitmqctl("set_vm_memory_high_watermark", *restore)
+            await outage.lift()
 
     # The batch sent during the alarm: accepted, and each of its tasks scored once.
     assert batch.status_code == 202, batch.text
     batch_tasks = [item["task_id"] for item in batch.json()["items"]]
     accepted = client.accepted() | dict(zip(batch_tasks, batch_markers, strict=True))
-    views = await box.finish(accepted)
-    statuses = [v["status"] for v in views.values()]
-    extra = {m: box.calls(m) - views[t]["attempts"] for t, m in accepted.items()}
-    refused = [a.marker for a in client.answers if a.status != 202]
-    scored_anyway = sum(1 for m in refused if box.calls(m) > 0)
+    tally = await _tally(box, client, accepted)
     during = [a for a in client.answers if cut_at <= a.at < lift_at]
     figures.record(
         Outcome(
-            name="broker memory alarm (publishes blocked)",
+            name=outage.name,
             accepted=len(accepted),
-            completed=statuses.count("completed"),
-            failed=statuses.count("failed"),
-            duplicate_model_calls=sum(n for n in extra.values() if n > 0),
+            completed=tally.statuses.count("completed"),
+            failed=tally.statuses.count("failed"),
+            duplicate_model_calls=tally.duplicate_model_calls,
             http_5xx_seen=box.http_5xx(),
             time_to_recover_s=round(time_to_recover, 2),
             broker=labels[0],
             database=labels[1],
-            notes="the broker's memory watermark set below its use, then restored; "
-            f"{len(client.answers)} submissions and a batch of {len(batch_tasks)}, "
-            f"{len(during)} answered during the alarm ({sum(1 for a in during if a.status == 202)}"
-            f" with 202, the batch too), {len(refused)} refused with 503 ({scored_anyway} of "
-            "them scored anyway); unconfirmed commands are kept for the outbox sweep",
+            notes=f"{outage.how}; {len(client.answers)} submissions and a batch of "
+            f"{len(batch_tasks)}, {len(during)} answered during the alarm "
+            f"({sum(1 for a in during if a.status == 202)} with 202, the batch too), "
+            f"{len(tally.refused)} refused with 503 ({tally.scored_anyway} of them scored "
+            "anyway); unconfirmed commands are kept for the outbox sweep",
         )
     )
     assert {a.status for a in client.answers} <= {202, 503}, box.answers
-    assert scored_anyway == 0, f"{scored_anyway} refused submissions were scored anyway"
+    assert tally.scored_anyway == 0, f"{tally.scored_anyway} refused submissions were scored"
     # No delivery is left held: a handler whose publish the alarm held back retries it and
     # settles, rather than keeping its delivery (and a prefetch slot) until a restart.
     await eventually(
@@ -332,8 +290,8 @@ async def test_a_memory_alarm_holds_submissions_back_and_scores_none_it_refused(
         timeout_s=OUTAGE_TIMEOUT_S,
         what="every delivery settled after the alarm",
     )
-    assert statuses == ["completed"] * len(accepted), views
-    assert all(n == 0 for n in extra.values()), extra
+    assert tally.statuses == ["completed"] * len(accepted), tally.statuses
+    assert tally.duplicate_model_calls == 0, tally.extra
 
 
 async def _nothing_unacknowledged(amqp_url: str) -> bool:
@@ -350,9 +308,82 @@ async def _nothing_unacknowledged(amqp_url: str) -> bool:
     return all(queue["messages_unacknowledged"] == 0 for queue in json.loads(listed))
 
 
-async def _memory_alarm() -> bool:
+@contextlib.asynccontextmanager
+async def _submitting(box: Scorebox) -> AsyncIterator[Client]:
+    """A client submitting in the background, against a model slow enough that calls are in
+    flight at any moment; stopped, and the model quick again, on the way out."""
+    box.answers.clear()
+    box.llm.config.latency_ms = LATENCY_MS
+    client = Client(box)
+    submitting = asyncio.create_task(client.run())
+    try:
+        yield client
+    finally:
+        client.stopping.set()
+        await submitting
+        box.llm.config.latency_ms = 0
+
+
+def _memory_alarm(restore: list[str]) -> Outage:
+    async def cut() -> None:
+        await rabbitmqctl("set_vm_memory_high_watermark", ALARMING_WATERMARK)
+        await eventually(_alarm_raised, timeout_s=OUTAGE_TIMEOUT_S, what="a memory alarm")
+
+    async def lift() -> None:
+        await rabbitmqctl("set_vm_memory_high_watermark", *restore)
+
+    return Outage(
+        "broker memory alarm (publishes blocked)",
+        "the broker's memory watermark set below its use, then restored",
+        cut,
+        lift,
+    )
+
+
+async def _alarm_raised() -> bool:
     status = json.loads(await rabbitmqctl("status", "--formatter", "json"))
     return any(alarm.get("resource") == "memory" for alarm in status["alarms"])
+
+
+async def _recovered(client: Client, lift_at: float) -> float:
+    """Seconds from the lift to the first 202, once five more have followed it."""
+    recovered = await eventually(
+        lambda: _true(client.seen(202, since=lift_at) or None),
+        timeout_s=OUTAGE_TIMEOUT_S,
+        what="a 202 after the outage",
+    )
+    await eventually(
+        lambda: _true(len(client.seen(202, since=recovered[0].at)) >= 5),
+        timeout_s=OUTAGE_TIMEOUT_S,
+        what="202s after",
+    )
+    return max(0.0, recovered[0].at - lift_at)
+
+
+@dataclass(frozen=True)
+class Tally:
+    """What became of the client's submissions once every accepted task finished."""
+
+    statuses: list[str]
+    extra: dict[str, int]  # model calls beyond one per attempt, by marker
+    refused: list[str]  # markers answered other than 202
+    scored_anyway: int  # refused, yet the model was called for them
+
+    @property
+    def duplicate_model_calls(self) -> int:
+        return sum(n for n in self.extra.values() if n > 0)
+
+
+async def _tally(box: Scorebox, client: Client, accepted: dict[str, str]) -> Tally:
+    views = await box.finish(accepted)
+    refused = [a.marker for a in client.answers if a.status != 202]
+    return Tally(
+        statuses=[v["status"] for v in views.values()],
+        # A timeout's retry is an attempt, not a duplicate.
+        extra={m: box.calls(m) - views[t]["attempts"] for t, m in accepted.items()},
+        refused=refused,
+        scored_anyway=sum(1 for m in refused if box.calls(m) > 0),
+    )
 
 
 async def _watermark_args() -> list[str]:

@@ -11,7 +11,8 @@ Accepting a batch (`submit_batch`), all or nothing:
 If the broker took none of step 4's commands, the slots are released, the batch and its
 submissions discarded, and `BrokerUnavailable` raised: the client sees 503 and nothing was
 kept. If some may have reached their queue but not all were confirmed, the batch is
-accepted and left `accepting` for the outbox sweep, which sends each command again. An
+accepted (a replay of the request answers it) and its submissions marked `unconfirmed` for
+the outbox sweep, which sends each command again. An
 interruption between 2 and 5 leaves submissions `accepting`, which the outbox sweep
 sends later (so does a failure to release the slots: see `services.gateway.limits`).
 
@@ -346,13 +347,14 @@ async def submit_batch(
             in_flight=gate if counted else None,
         )
         raise
-    if not confirmed:
-        # Some commands may be queued, not all are known to be: keep everything `accepting`
-        # for the outbox sweep, which sends each again (the scorer claims each task once).
-        log.warning("batch %s partly unconfirmed; the outbox sweep re-sends it", batch_id)
-        return BatchSubmitted(record, created=True)
     try:
-        await submissions.mark_batch_accepted(batch_id, [c.task_id for c in commands])
+        if confirmed:
+            await submissions.mark_batch_accepted(batch_id, [c.task_id for c in commands])
+        else:
+            # Some commands may be queued, not all are known to be: the outbox sweep sends
+            # each again (the scorer claims each task once).
+            log.warning("batch %s partly unconfirmed; the outbox sweep re-sends it", batch_id)
+            await submissions.mark_batch_unconfirmed(batch_id)
         await batches.mark_accepted(batch_id)
     except DatabaseUnavailable:
         log.warning("batch %s left `accepting`; the outbox sweep re-sends it", batch_id)

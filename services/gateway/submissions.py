@@ -1,10 +1,11 @@
 """The gateway's own records: one submission per task, its idempotency key, its outbox state.
 
 A submission is inserted as `accepting` with the command it will publish, and turns
-`accepted` once the broker confirmed the command. One still `accepting` after a grace
-period was interrupted (process died between insert and publish); the outbox sweep sends
-it then (the sweep reads `state` only). Publishing twice is harmless: the scorer claims
-each task once.
+`accepted` once the broker confirmed the command, or `unconfirmed` when the command was
+written but not confirmed (the client is answered 202 all the same: it may be queued). One
+still `accepting` after a grace period was interrupted (process died between insert and
+publish); the outbox sweep sends it then, and every `unconfirmed` one too (the sweep reads
+`state` only). Publishing twice is harmless: the scorer claims each task once.
 
 The command (and so the text) is kept after acceptance, until the submission expires
 (`IDEMPOTENCY_TTL_S`), so that the task can be scored again (`services/gateway/rescore.py`).
@@ -36,8 +37,13 @@ BATCH_WRITE_CHUNK = 200
 
 
 class SubmissionState(StrEnum):
-    ACCEPTING = "accepting"
+    ACCEPTING = "accepting"  # recorded; the request has not been answered (or was cut short)
+    UNCONFIRMED = "unconfirmed"  # answered 202; its command is not known to be queued
     ACCEPTED = "accepted"
+
+
+# What the outbox sweep sends again.
+_UNSENT: Final = [SubmissionState.ACCEPTING.value, SubmissionState.UNCONFIRMED.value]
 
 
 @dataclass(frozen=True)
@@ -202,6 +208,13 @@ class Submissions:
                 {"$set": {"state": SubmissionState.ACCEPTED.value}},
             )
 
+    async def mark_batch_unconfirmed(self, batch_id: str) -> None:
+        """The batch was answered 202 though not every command was confirmed."""
+        await self._update_many(
+            {"batch_id": batch_id, "state": SubmissionState.ACCEPTING.value},
+            {"$set": {"state": SubmissionState.UNCONFIRMED.value}},
+        )
+
     async def discard_batch(self, batch_id: str) -> None:
         """Forget a batch's submissions whose commands never reached the broker."""
         try:
@@ -214,6 +227,14 @@ class Submissions:
     async def mark_accepted(self, task_id: str) -> None:
         """The command reached the broker; it stays recorded for re-scoring."""
         await self._update({"_id": task_id}, {"$set": {"state": SubmissionState.ACCEPTED.value}})
+
+    async def mark_unconfirmed(self, task_id: str) -> None:
+        """The command was written but not confirmed, and the client answered 202: a replay
+        of its request is answered as accepted, and the outbox sweep sends it again."""
+        await self._update(
+            {"_id": task_id, "state": SubmissionState.ACCEPTING.value},
+            {"$set": {"state": SubmissionState.UNCONFIRMED.value}},
+        )
 
     async def claim_rescore(
         self,
@@ -310,8 +331,9 @@ class Submissions:
         return await self._find_one({"tenant_id": tenant_id, "idempotency_key": idempotency_key})
 
     async def interrupted(self, *, older_than: datetime, limit: int = 500) -> list[Submission]:
-        """Submissions left `accepting` before `older_than`: the outbox to send."""
-        query = {"state": SubmissionState.ACCEPTING.value, "created_at": {"$lt": older_than}}
+        """Submissions left `accepting` or `unconfirmed` before `older_than`: the outbox to
+        send."""
+        query = {"state": {"$in": _UNSENT}, "created_at": {"$lt": older_than}}
         try:
             cursor = self._collection.find(query).sort("created_at", ASCENDING).limit(limit)
             return [_submission_of(document) async for document in cursor]

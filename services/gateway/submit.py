@@ -204,14 +204,15 @@ async def _publish_or_discard(
     except BrokerUnavailable:
         await _give_up(command, submissions=submissions, in_flight=in_flight)
         raise
-    if not confirmed:
-        # Written, not confirmed: it may reach its queue yet (a blocked connection delivers
-        # it once unblocked), so refusing it would be a lie. The submission stays
-        # `accepting`; the outbox sweep sends it again and the scorer claims it once.
-        log.warning("task %s unconfirmed; accepted, the outbox sweep re-sends it", command.task_id)
-        return
     try:
-        await submissions.mark_accepted(command.task_id)
+        if confirmed:
+            await submissions.mark_accepted(command.task_id)
+        else:
+            # Written, not confirmed: it may reach its queue yet (a blocked connection
+            # delivers it once unblocked), so refusing it would be a lie. The outbox sweep
+            # sends it again and the scorer claims it once.
+            log.warning("task %s unconfirmed; the outbox sweep re-sends it", command.task_id)
+            await submissions.mark_unconfirmed(command.task_id)
     except DatabaseUnavailable:
         log.warning("task %s left `accepting`; the outbox sweep re-sends it", command.task_id)
 

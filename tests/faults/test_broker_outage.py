@@ -230,7 +230,8 @@ async def test_a_memory_alarm_holds_submissions_back_and_scores_none_it_refused(
     gateway wrote stays unconfirmed, then reaches its queue once the alarm ends. A
     submission whose publish was written is therefore never refused (503 would be a lie):
     it is answered 202 and kept for the outbox, which sends it again (the scorer claims each
-    task once). Nothing the client was refused may be scored, and nothing scored twice."""
+    task once); a replay of its request is answered as accepted, not as still in progress.
+    Nothing the client was refused may be scored, and nothing scored twice."""
     outage = _memory_alarm(await _watermark_args())
     lifted = False
     try:
@@ -241,8 +242,11 @@ async def test_a_memory_alarm_holds_submissions_back_and_scores_none_it_refused(
             await outage.cut()
             cut_at = time.monotonic()
             batch_markers = [new_marker() for _ in range(3)]
-            batch = await box.api.post(
-                "/v1/batches", json={"items": [{"text": essay(m)} for m in batch_markers]}
+            batch_request = {"items": [{"text": essay(m)} for m in batch_markers]}
+            batch, batch_again = await _sent_twice(box, "/v1/batches", batch_request)
+            single_marker = new_marker()
+            single, single_again = await _sent_twice(
+                box, "/v1/scores", {"text": essay(single_marker)}
             )
             await eventually(
                 lambda: _true(len([a for a in client.answers if a.at >= cut_at]) >= 3),
@@ -257,10 +261,22 @@ async def test_a_memory_alarm_holds_submissions_back_and_scores_none_it_refused(
         if not lifted:
             await outage.lift()
 
-    # The batch sent during the alarm: accepted, and each of its tasks scored once.
-    assert batch.status_code == 202, batch.text
+    # The batch and the single submission sent during the alarm: accepted, and answered
+    # as accepted when their requests are replayed (not 409 "in progress").
+    assert (batch.status_code, single.status_code) == (202, 202), (batch.text, single.text)
+    assert (batch_again.status_code, single_again.status_code) == (200, 200), (
+        batch_again.text,
+        single_again.text,
+    )
+    assert batch_again.json()["batch_id"] == batch.json()["batch_id"]
+    assert single_again.json()["task_id"] == single.json()["task_id"]
+    # Each of their tasks is scored once.
     batch_tasks = [item["task_id"] for item in batch.json()["items"]]
-    accepted = client.accepted() | dict(zip(batch_tasks, batch_markers, strict=True))
+    accepted = (
+        client.accepted()
+        | dict(zip(batch_tasks, batch_markers, strict=True))
+        | {single.json()["task_id"]: single_marker}
+    )
     tally = await _tally(box, client, accepted)
     during = [a for a in client.answers if cut_at <= a.at < lift_at]
     figures.record(
@@ -292,6 +308,15 @@ async def test_a_memory_alarm_holds_submissions_back_and_scores_none_it_refused(
     )
     assert tally.statuses == ["completed"] * len(accepted), tally.statuses
     assert tally.duplicate_model_calls == 0, tally.extra
+
+
+async def _sent_twice(
+    box: Scorebox, path: str, body: dict[str, object]
+) -> tuple[httpx.Response, httpx.Response]:
+    """A request, then its replay with the same Idempotency-Key."""
+    headers = {"Idempotency-Key": new_marker()}
+    first = await box.api.post(path, json=body, headers=headers)
+    return first, await box.api.post(path, json=body, headers=headers)
 
 
 async def _nothing_unacknowledged(amqp_url: str) -> bool:

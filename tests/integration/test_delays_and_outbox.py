@@ -101,17 +101,25 @@ async def test_not_before_in_the_past_is_queued_at_once(flow: Flow) -> None:
     await flow.completed(response.json()["task_id"])
 
 
-async def test_a_submission_interrupted_before_its_publish_is_sent_by_the_outbox(
-    flow: Flow,
+@pytest.mark.parametrize(
+    "state",
+    [
+        pytest.param("accepting", id="interrupted before its publish"),
+        pytest.param("unconfirmed", id="published, confirm never came"),
+    ],
+)
+async def test_a_submission_whose_command_may_be_unsent_is_sent_by_the_outbox(
+    flow: Flow, state: str
 ) -> None:
-    # What a gateway that died between recording a submission and publishing it leaves behind.
+    # What a gateway that died between recording a submission and publishing it leaves
+    # behind, or one whose publish the broker did not confirm (a memory alarm).
     submitted_at = utcnow() - timedelta(minutes=1)
     command = ScoreText(task_id=new_id(), text="Left behind by a crash.", submitted_at=submitted_at)
     await flow.submissions.insert_one(
         {
             "_id": command.task_id,
             "tenant_id": command.tenant_id,
-            "state": "accepting",
+            "state": state,
             "request_hash": "x",
             "cache_key": "x",
             "created_at": submitted_at,

@@ -17,6 +17,7 @@ from faststream.rabbit import RabbitBroker
 from faststream.rabbit.schemas import Channel
 from pymongo import AsyncMongoClient
 
+from shared.bus import BROKER_ERRORS
 from shared.consumers import ScoreboxBroker
 from shared.settings import ServiceSettings, redact_url
 from shared.topology import declare_topology
@@ -114,6 +115,19 @@ async def keep_trying[T](
             log.warning("%s failed (%r); retrying in %.1fs", what, error, wait)
             await asyncio.sleep(wait)
             delay = min(delay * 2, max_delay_s)
+
+
+async def keep_publishing(publish: Callable[[], Awaitable[object]], *, what: str) -> None:
+    """Repeat a confirmed publish until the broker confirms it (`keep_trying` on
+    `BROKER_ERRORS`: away, blocked by an alarm, a full queue), for a consumer's handler.
+
+    The handler holds its delivery meanwhile and settles it afterwards: a handler that gave
+    up would leave the delivery unacknowledged, holding a prefetch slot, until its channel
+    closed; one that nacked it with requeue would spin through the delivery limit on
+    RabbitMQ 3.x and without end on 4.x. A repeated publish may arrive twice (the first may
+    still be delivered); every consumer of our messages takes a repeat as a no-op.
+    """
+    await keep_trying(publish, what=f"publishing {what}", retry_on=BROKER_ERRORS)
 
 
 async def start_broker(broker: RabbitBroker, settings: ServiceSettings) -> None:

@@ -21,9 +21,8 @@ Each delivery is acknowledged by hand:
 - the command not confirmed (a full score queue refusing publishes, broker trouble): the
   request goes down the wait ladder with the next `attempt`, after 5 s, 30 s, 2 min and
   10 min, and then to the DLQ with the error; acked either way. Its claim stays unsent, so
-  the retry resumes it with the same generation. If even that publish fails, the error is
-  logged and the delivery left unacknowledged: RabbitMQ redelivers it once the connection
-  is re-established.
+  the retry resumes it with the same generation. That publish is tried until the broker
+  confirms it, the delivery held meanwhile (`keep_publishing`).
 
 Why the wait ladder rather than leaving the delivery unacknowledged: a full score queue is
 back-pressure that lasts minutes; an unacknowledged delivery would hold a prefetch slot until
@@ -46,7 +45,7 @@ from services.gateway.submissions import RescoreClaim, RescoreRefused, Submissio
 from shared.bus import publish_dead_letter, publish_delayed
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import RescoreTask, ScoreText, new_id
-from shared.runtime import keep_trying
+from shared.runtime import keep_publishing, keep_trying
 from shared.topology import RESCORE_REQUESTS, TASKS
 
 log = logging.getLogger("scorebox.gateway.rescore")
@@ -176,16 +175,11 @@ class RescoreRequests:
     async def _retry_later(
         self, request: RescoreTask, message: Delivery, error: BrokerUnavailable
     ) -> None:
-        """Send the request down the wait ladder, or to the DLQ after its last attempt;
-        raises (the delivery stays unacknowledged) when the broker refuses that too."""
-        try:
-            if request.attempt > len(RETRY_DELAYS_S):
-                await self._dead_letter(request, message, error)
-            else:
-                await self._send_again(request, error)
-        except Exception:
-            log.exception("re-score request for %s left unacknowledged", request.task_id)
-            raise
+        """Send the request down the wait ladder, or to the DLQ after its last attempt."""
+        if request.attempt > len(RETRY_DELAYS_S):
+            await self._dead_letter(request, message, error)
+        else:
+            await self._send_again(request, error)
 
     async def _send_again(self, request: RescoreTask, error: BrokerUnavailable) -> None:
         delay = timedelta(seconds=RETRY_DELAYS_S[request.attempt - 1])
@@ -197,14 +191,17 @@ class RescoreRequests:
             delay,
         )
         now = self.clock()
-        await publish_delayed(
-            self.broker,
-            request.model_copy(update={"attempt": request.attempt + 1}),
-            exchange=TASKS,
-            routing_key=request.routing_key,
-            not_before=now + delay,
-            now=now,
-            timeout=self.timeout_s,
+        await keep_publishing(
+            lambda: publish_delayed(
+                self.broker,
+                request.model_copy(update={"attempt": request.attempt + 1}),
+                exchange=TASKS,
+                routing_key=request.routing_key,
+                not_before=now + delay,
+                now=now,
+                timeout=self.timeout_s,
+            ),
+            what=f"the re-score retry of {request.task_id}",
         )
 
     async def _dead_letter(
@@ -212,15 +209,18 @@ class RescoreRequests:
     ) -> None:
         reason = f"re-score not sent after {request.attempt} attempts: {error!r}"
         log.error("dead-lettering the re-score of %s: %s", request.task_id, reason)
-        await publish_dead_letter(
-            self.broker,
-            RESCORE_REQUESTS,
-            body=message.body,
-            headers=dict(message.headers),
-            error=reason,
-            timeout=self.timeout_s,
-            message_id=request.message_id,
-            correlation_id=request.task_id,
+        await keep_publishing(
+            lambda: publish_dead_letter(
+                self.broker,
+                RESCORE_REQUESTS,
+                body=message.body,
+                headers=dict(message.headers),
+                error=reason,
+                timeout=self.timeout_s,
+                message_id=request.message_id,
+                correlation_id=request.task_id,
+            ),
+            what=f"the re-score dead letter of {request.task_id}",
         )
 
 

@@ -11,6 +11,10 @@
 `scorebox.webhook-deliveries` (`DeliverWebhook`): see `deliveries.py` for the decisions;
 `Send` is published down the wait ladder when not yet due, `GiveUp` is copied to the DLQ with
 the reason in `x-scorebox-error`; MongoDB unavailable re-sends the command a little later.
+
+Every publish awaits its confirm; one the broker does not confirm (away, blocked by an alarm,
+a full queue) is tried again while the delivery is held (`keep_publishing`), then the
+delivery is acked.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from services.notifier.notifications import NotificationDeps, notify_about_task_
 from shared.bus import publish_dead_letter, publish_delayed
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import Contract, DeliverWebhook, new_id, parse_task_event
+from shared.runtime import keep_publishing
 from shared.topology import (
     EVENTS,
     NOTIFICATIONS,
@@ -57,29 +62,36 @@ def event_key(routing_key: str) -> str:
 
 
 async def send_delivery(broker: RabbitBroker, delivery: DeliverWebhook, *, timeout: float) -> None:
-    """Publish a delivery command now, or down the wait ladder until its `not_before`."""
-    await publish_delayed(
-        broker,
-        delivery,
-        exchange=TASKS,
-        routing_key=DeliverWebhook.routing_key,
-        not_before=delivery.not_before,
-        timeout=timeout,
+    """Publish a delivery command now, or down the wait ladder until its `not_before`,
+    trying again until the broker confirms it."""
+    await keep_publishing(
+        lambda: publish_delayed(
+            broker,
+            delivery,
+            exchange=TASKS,
+            routing_key=DeliverWebhook.routing_key,
+            not_before=delivery.not_before,
+            timeout=timeout,
+        ),
+        what=f"webhook delivery {delivery.delivery_id}",
     )
 
 
 async def _dead_letter(
     broker: RabbitBroker, queue: WorkQueue, message: Delivery, reason: str, timeout: float
 ) -> None:
-    await publish_dead_letter(
-        broker,
-        queue,
-        body=message.body,
-        headers=dict(message.headers),
-        error=reason,
-        timeout=timeout,
-        message_id=message.message_id,
-        correlation_id=message.correlation_id,
+    await keep_publishing(
+        lambda: publish_dead_letter(
+            broker,
+            queue,
+            body=message.body,
+            headers=dict(message.headers),
+            error=reason,
+            timeout=timeout,
+            message_id=message.message_id,
+            correlation_id=message.correlation_id,
+        ),
+        what=f"a dead letter of {queue.name}",
     )
 
 
@@ -114,13 +126,17 @@ async def _come_back_later(
 ) -> None:
     # Through the ladder into `scorebox.due`, where only the notifications queue is bound to
     # task event keys: the other consumers of `scorebox.events` do not see the event again.
-    await publish_delayed(
-        broker,
-        event,
-        exchange=EVENTS,
-        routing_key=routing_key,
-        not_before=clock() + DATABASE_RETRY_DELAY,
-        timeout=timeout_s,
+    later = clock() + DATABASE_RETRY_DELAY
+    await keep_publishing(
+        lambda: publish_delayed(
+            broker,
+            event,
+            exchange=EVENTS,
+            routing_key=routing_key,
+            not_before=later,
+            timeout=timeout_s,
+        ),
+        what=f"{routing_key} for a later try",
     )
 
 

@@ -13,8 +13,10 @@
 - storing failed: re-sent to the meter after a delay with an attempt counter
   (`x-scorebox-attempts`); at the limit copied to the DLQ with the error; then ack.
 
-Whatever the outcome, a delivery is settled: if even the re-send fails (broker trouble) it is
-nacked back to its quorum queue, whose delivery limit dead-letters it in the end.
+Every publish awaits its confirm; one the broker does not confirm (away, blocked by an alarm,
+a full queue) is tried again while the delivery is held (`keep_publishing`), then the
+delivery is acked. Anything else that fails the handler nacks the delivery back to its
+quorum queue, whose delivery limit dead-letters it in the end.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from services.scheduler.usage_store import UsageRecords
 from shared.bus import publish_dead_letter
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import RunCronJob, TaskCompleted, new_id
+from shared.runtime import keep_publishing
 from shared.topology import ATTEMPTS_HEADER, CRON_JOBS, USAGE_METER, WorkQueue
 
 log = logging.getLogger("scorebox.scheduler.consumer")
@@ -58,15 +61,18 @@ log = logging.getLogger("scorebox.scheduler.consumer")
 async def _dead_letter(
     bus: SchedulerBus, work_queue: WorkQueue, message: Delivery, error: str
 ) -> None:
-    await publish_dead_letter(
-        bus.broker,
-        work_queue,
-        body=message.body,
-        headers=dict(message.headers),
-        error=error,
-        timeout=bus.timeout_s,
-        message_id=message.message_id,
-        correlation_id=message.correlation_id,
+    await keep_publishing(
+        lambda: publish_dead_letter(
+            bus.broker,
+            work_queue,
+            body=message.body,
+            headers=dict(message.headers),
+            error=error,
+            timeout=bus.timeout_s,
+            message_id=message.message_id,
+            correlation_id=message.correlation_id,
+        ),
+        what=f"a dead letter of {work_queue.name}",
     )
 
 
@@ -96,16 +102,15 @@ class CronJobRunner:
         except PyMongoError as error:
             log.warning("MongoDB unavailable around run %s: %r", command.run_id, error)
             later = self.clock() + self.retry.base
-            await self.bus.publish_run(
-                command.model_copy(update={"message_id": new_id(), "not_before": later})
-            )
+            again = command.model_copy(update={"message_id": new_id(), "not_before": later})
+            await self._publish_run(again)
             return
         await self.carry_out(decision, message)
 
     async def carry_out(self, decision: RunDecision, message: Delivery) -> None:
         match decision:
             case Continue(command=command) | Retry(command=command) | Defer(command=command):
-                await self.bus.publish_run(command)
+                await self._publish_run(command)
             case GiveUp(reason=reason):
                 log.error("dead-lettering a cron run: %s", reason)
                 await _dead_letter(self.bus, CRON_JOBS, message, reason)
@@ -113,6 +118,11 @@ class CronJobRunner:
                 log.info("dropping a cron.run delivery: %s", reason)
             case Finished():
                 pass
+
+    async def _publish_run(self, command: RunCronJob) -> None:
+        await keep_publishing(
+            lambda: self.bus.publish_run(command), what=f"cron run {command.run_id}"
+        )
 
 
 @dataclass(frozen=True)
@@ -159,10 +169,13 @@ class UsageMeter:
             await _dead_letter(self.bus, USAGE_METER, message, reason)
             return
         log.warning("usage of task %s not stored (%r); retrying", event.task_id, error)
-        await self.bus.retry_usage_event(
-            event,
-            not_before=self.clock() + self.retry_after,
-            headers={ATTEMPTS_HEADER: attempts + 1},
+        await keep_publishing(
+            lambda: self.bus.retry_usage_event(
+                event,
+                not_before=self.clock() + self.retry_after,
+                headers={ATTEMPTS_HEADER: attempts + 1},
+            ),
+            what=f"the usage retry of {event.task_id}",
         )
 
 

@@ -31,7 +31,7 @@ from pymongo.errors import PyMongoError
 
 from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Retry
 from services.scorer.scoring import Clock, ScorerDeps, score_text
-from shared.bus import BROKER_ERRORS, publish_command, publish_dead_letter, publish_event
+from shared.bus import publish_command, publish_dead_letter, publish_event
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import (
     Phase,
@@ -42,7 +42,7 @@ from shared.contracts import (
     event_sequence,
     new_id,
 )
-from shared.runtime import keep_trying
+from shared.runtime import keep_publishing
 from shared.topology import ATTEMPTS_HEADER, SCORE_REQUESTS
 
 log = logging.getLogger("scorebox.scorer")
@@ -54,21 +54,15 @@ HOLD_POLL_S = 2.0  # how often a held redelivery looks whether its claim was dec
 
 @dataclass(frozen=True)
 class BrokerActions:
-    """Carries out decisions on the broker; every publish awaits its confirm.
-
-    A publish the broker does not confirm (away, blocked by an alarm, a full queue) is tried
-    again, backing off, while the delivery is held: the handler owns that retry, and a
-    delivery it gave up on would stay unacknowledged, holding a prefetch slot, until the
-    channel closed. A retried publish may arrive twice (the first may still be delivered);
-    every consumer of these messages takes a repeat as a no-op.
-    """
+    """Carries out decisions on the broker; every publish awaits its confirm, and one the
+    broker does not confirm is tried again while the delivery is held (`keep_publishing`)."""
 
     broker: RabbitBroker
     timeout_s: float
     clock: Clock
 
     async def _confirmed(self, what: str, publish: Callable[[], Awaitable[object]]) -> None:
-        await keep_trying(publish, what=f"publishing {what}", retry_on=BROKER_ERRORS)
+        await keep_publishing(publish, what=what)
 
     async def carry_out(self, decision: Decision, message: Delivery) -> None:
         match decision:
@@ -100,7 +94,7 @@ class BrokerActions:
 
     async def dead_letter(self, message: Delivery, error: str) -> None:
         await self._confirmed(
-            "a dead letter",
+            f"a dead letter of {SCORE_REQUESTS.name}",
             lambda: publish_dead_letter(
                 self.broker,
                 SCORE_REQUESTS,

@@ -35,6 +35,7 @@ from shared.http import Problem, health_router, install_problem_handlers
 from shared.runtime import (
     MongoClient,
     broker_ready,
+    keep_publishing,
     keep_trying,
     make_broker,
     make_mongo,
@@ -97,14 +98,18 @@ def subscribe_projection(
             event = projected_event(routing_key, message.body)
         except (KeyError, ValidationError) as error:
             log.warning("dead-lettering an unreadable %r event: %s", routing_key, error)
-            await publish_dead_letter(
-                broker,
-                STATUS_PROJECTION,
-                body=message.body,
-                headers=dict(message.headers),
-                error=f"unreadable event {routing_key!r}: {error}",
-                timeout=settings.broker_timeout_s,
-                message_id=message.message_id,
+            reason = f"unreadable event {routing_key!r}: {error}"
+            await keep_publishing(
+                lambda: publish_dead_letter(
+                    broker,
+                    STATUS_PROJECTION,
+                    body=message.body,
+                    headers=dict(message.headers),
+                    error=reason,
+                    timeout=settings.broker_timeout_s,
+                    message_id=message.message_id,
+                ),
+                what=f"a dead letter of {STATUS_PROJECTION.name}",
             )
             await message.ack()
             return

@@ -6,24 +6,59 @@ included. A service's consumers therefore use a connection of their own
 handles, so its queues keep draining. The alarm is real: the broker's memory watermark is set
 below what it uses (`rabbitmqctl set_vm_memory_high_watermark`) for the few seconds the test
 takes, then restored to what it was.
+
+A handler whose own publish the alarm holds back keeps trying while it holds its delivery
+(`shared.runtime.keep_publishing`) and settles it once the alarm ends: each service is
+started in-process under the alarm with a message whose handling must publish.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
+from typing import Any
 
 import aio_pika
 import pytest
+from fastapi import FastAPI
 from faststream.rabbit import RabbitQueue
+from pymongo import AsyncMongoClient
 
+from devtools.infra import Endpoint
+from services.gateway.app import create_app as create_gateway
+from services.gateway.settings import GatewaySettings
+from services.gateway.submissions import Submissions
+from services.notifier.app import create_app as create_notifier
+from services.notifier.settings import NotifierSettings
+from services.scheduler.app import create_app as create_scheduler
+from services.scheduler.config import parse_config
+from services.scheduler.settings import SchedulerSettings
+from services.scorer.app import create_app as create_scorer
+from services.scorer.model.settings import ModelSettings
+from services.scorer.settings import ScorerSettings
+from services.status.app import create_app as create_status
+from services.status.settings import StatusSettings
 from shared.consumers import Delivery, consume
+from shared.contracts import RescoreTask, ScoreText, new_id
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
+from shared.topology import (
+    CRON_JOBS,
+    NOTIFICATIONS,
+    RESCORE_REQUESTS,
+    SCORE_REQUESTS,
+    STATUS_PROJECTION,
+    USAGE_METER,
+    WEBHOOK_DELIVERIES,
+    WorkQueue,
+    declare_topology,
+)
 from tests.faults.harness import rabbitmqctl, rabbitmqctl_available, vhost_of
-from tests.support import eventually
+from tests.support import eventually, running
 
 TIMEOUT_S = 10.0
 MESSAGES = 10
@@ -151,3 +186,217 @@ async def test_a_service_publishes_and_consumes_on_two_named_connections(
         assert {"naming-test publishers", "naming-test consumers"} <= names, names
     finally:
         await broker.stop()
+
+
+# --- Handlers whose publish the alarm holds back -------------------------------------------------
+
+
+def _service_app(service: str, env: dict[str, str]) -> FastAPI:
+    """One service, wired as in production, with its consumers on the module's vhost."""
+    match service:
+        case "scorer":
+            return create_scorer(
+                ScorerSettings.model_validate(env), ModelSettings.model_validate(env)
+            )
+        case "status":
+            return create_status(StatusSettings.model_validate(env))
+        case "notifier":
+            return create_notifier(NotifierSettings.model_validate(env))
+        case "scheduler":
+            return create_scheduler(
+                SchedulerSettings.model_validate(env), config=parse_config({"jobs": {}}, {})
+            )
+    raise ValueError(service)
+
+
+@pytest.mark.parametrize(
+    ("service", "work_queue"),
+    [
+        ("scorer", SCORE_REQUESTS),
+        ("status", STATUS_PROJECTION),
+        ("notifier", NOTIFICATIONS),
+        ("notifier", WEBHOOK_DELIVERIES),
+        ("scheduler", CRON_JOBS),
+        ("scheduler", USAGE_METER),
+    ],
+    ids=lambda value: value if isinstance(value, str) else value.name,
+)
+async def test_a_handler_whose_publish_an_alarm_holds_back_settles_once_it_ends(
+    amqp_url: str,
+    mongo: Endpoint,
+    db_prefix: str,
+    caplog: pytest.LogCaptureFixture,
+    service: str,
+    work_queue: WorkQueue,
+) -> None:
+    """An unreadable message is copied to its queue's DLQ, a publish the alarm blocks. The
+    handler keeps trying while it holds the delivery, and settles it once the alarm ends:
+    not left unacknowledged (holding a prefetch slot until its channel closes) and not
+    requeued (which spins through the delivery limit on RabbitMQ 3.x, and without end on
+    4.x, where a requeue is not counted)."""
+    if not rabbitmqctl_available(amqp_url):
+        pytest.skip("needs rabbitmqctl for a broker on this machine")
+    env = {
+        "RABBITMQ_URL": amqp_url,
+        "MONGO_URL": mongo.url,
+        "MONGO_DB_PREFIX": db_prefix,
+        "LLM_PROVIDER": "heuristic",
+        "BROKER_TIMEOUT_S": "2",
+    }
+    dlq = work_queue.dead_letter_routing_key
+    await _purged(amqp_url, work_queue)
+    await _put(amqp_url, work_queue, b"not json")
+    caplog.set_level(logging.WARNING, logger="scorebox")
+    restore = await _watermark_args()
+    try:
+        await rabbitmqctl("set_vm_memory_high_watermark", ALARMING_WATERMARK)
+        await eventually(_memory_alarm, timeout_s=TIMEOUT_S, what="a memory alarm")
+        async with running(_service_app(service, env)):
+            await eventually(
+                lambda: _true(_logged_failing(f"a dead letter of {work_queue.name}", caplog)),
+                timeout_s=TIMEOUT_S * 3,
+                what=f"the {service}'s dead letter of {work_queue.name} failing in the alarm",
+            )
+            await rabbitmqctl("set_vm_memory_high_watermark", *restore)
+            await eventually(_no_memory_alarm, timeout_s=TIMEOUT_S, what="the alarm cleared")
+            await eventually(
+                # Two copies when the publish the alarm held back went through as well.
+                lambda: _depths(amqp_url, lambda d: d[work_queue.name] == 0 and d[dlq] >= 1),
+                timeout_s=TIMEOUT_S * 3,
+                what=f"{work_queue.name} settled and its message in the DLQ",
+            )
+    finally:
+        await rabbitmqctl("set_vm_memory_high_watermark", *restore)
+        await eventually(_no_memory_alarm, timeout_s=TIMEOUT_S, what="the alarm cleared")
+    headers = await _dead_letter_headers(amqp_url, work_queue)
+    assert "x-scorebox-error" in headers, headers
+    assert headers.get("x-delivery-count", 0) == 0, f"requeued before it was settled: {headers}"
+
+
+async def _purged(amqp_url: str, work_queue: WorkQueue) -> None:
+    """The topology declared, and the queue and its DLQ emptied."""
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url})
+    broker = make_broker(settings, name="alarm-test")
+    async with broker:
+        await broker.connect()
+        await declare_topology(broker)
+    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
+    async with connection:
+        channel = await connection.channel()
+        for name in (work_queue.name, work_queue.dead_letter_routing_key):
+            queue = await channel.get_queue(name, ensure=False)
+            await queue.purge(timeout=TIMEOUT_S)
+
+
+async def _put(amqp_url: str, work_queue: WorkQueue, body: bytes) -> None:
+    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
+    async with connection:
+        channel = await connection.channel()
+        await channel.default_exchange.publish(
+            aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+            routing_key=work_queue.name,
+            timeout=TIMEOUT_S,
+        )
+
+
+def _logged_failing(what: str, caplog: pytest.LogCaptureFixture) -> bool:
+    """`keep_publishing` warned that publishing `what` did not go through and that it tries
+    again (a handler that gave up instead never logs this)."""
+    return any(
+        record.name == "scorebox.runtime"
+        and record.levelno == logging.WARNING
+        and f"publishing {what} failed" in record.getMessage()
+        for record in caplog.records
+    )
+
+
+async def _depths(amqp_url: str, holds: Callable[[dict[str, int]], bool]) -> bool:
+    """Whether the queues' depths (ready and unacknowledged messages) satisfy `holds`."""
+    listed = await rabbitmqctl(
+        "list_queues", "-q", "-p", vhost_of(amqp_url), "name", "messages", "--formatter", "json"
+    )
+    return holds({queue["name"]: queue["messages"] for queue in json.loads(listed)})
+
+
+async def _dead_letter_headers(amqp_url: str, work_queue: WorkQueue) -> dict[str, object]:
+    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.get_queue(work_queue.dead_letter_routing_key, ensure=False)
+        message = await queue.get(timeout=TIMEOUT_S, fail=True)
+        assert message is not None
+        await message.ack()
+        return dict(message.headers)
+
+
+async def test_a_rescore_the_alarm_holds_back_goes_down_the_ladder_once_it_ends(
+    amqp_url: str, mongo: Endpoint, db_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The gateway's re-score consumer owns its retry: a command the broker does not confirm
+    sends the request down the wait ladder. When the alarm holds that publish back too, the
+    consumer keeps trying while it holds the delivery; once the alarm ends the request comes
+    back up the ladder and its command is queued."""
+    if not rabbitmqctl_available(amqp_url):
+        pytest.skip("needs rabbitmqctl for a broker on this machine")
+    env = {
+        "RABBITMQ_URL": amqp_url,
+        "MONGO_URL": mongo.url,
+        "MONGO_DB_PREFIX": db_prefix,
+        "BROKER_TIMEOUT_S": "2",
+    }
+    settings = GatewaySettings.model_validate(env)
+    for work_queue in (SCORE_REQUESTS, RESCORE_REQUESTS):
+        await _purged(amqp_url, work_queue)
+    command = await _accepted_submission(mongo, settings.database_name("gateway"))
+    request = RescoreTask.for_task(
+        task_id=command.task_id,
+        tenant_id=command.tenant_id,
+        rubric_version=f"v{uuid.uuid4().hex[:6]}",
+        previous_rubric_version=None,
+        model=None,
+        run_id=new_id(),
+    )
+    await _put(amqp_url, RESCORE_REQUESTS, request.model_dump_json().encode())
+    caplog.set_level(logging.WARNING, logger="scorebox")
+    restore = await _watermark_args()
+    try:
+        await rabbitmqctl("set_vm_memory_high_watermark", ALARMING_WATERMARK)
+        await eventually(_memory_alarm, timeout_s=TIMEOUT_S, what="a memory alarm")
+        async with running(create_gateway(settings)):
+            await eventually(
+                lambda: _true(_logged_failing(f"the re-score retry of {command.task_id}", caplog)),
+                timeout_s=TIMEOUT_S * 3,
+                what="the re-score's retry failing in the alarm",
+            )
+            await rabbitmqctl("set_vm_memory_high_watermark", *restore)
+            await eventually(_no_memory_alarm, timeout_s=TIMEOUT_S, what="the alarm cleared")
+            await eventually(
+                lambda: _depths(
+                    amqp_url,
+                    lambda d: d[SCORE_REQUESTS.name] >= 1 and d[RESCORE_REQUESTS.name] == 0,
+                ),
+                timeout_s=TIMEOUT_S * 3,
+                what="the re-score request settled and its command queued",
+            )
+    finally:
+        await rabbitmqctl("set_vm_memory_high_watermark", *restore)
+        await eventually(_no_memory_alarm, timeout_s=TIMEOUT_S, what="the alarm cleared")
+    assert await _depths(amqp_url, lambda d: d[RESCORE_REQUESTS.dead_letter_routing_key] == 0)
+
+
+async def _accepted_submission(mongo: Endpoint, database: str) -> ScoreText:
+    command = ScoreText(task_id=new_id(), tenant_id="acme", text="An essay.")
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
+    try:
+        submissions = Submissions(client, database)
+        await submissions.insert(
+            command,
+            request_hash="h",
+            idempotency_key=None,
+            retention=timedelta(hours=1),
+            cache_key="k",
+        )
+        await submissions.mark_accepted(command.task_id)
+    finally:
+        await client.close()
+    return command

@@ -10,6 +10,8 @@ takes, then restored to what it was.
 A handler whose own publish the alarm holds back keeps trying while it holds its delivery
 (`shared.runtime.keep_publishing`) and settles it once the alarm ends: each service is
 started in-process under the alarm with a message whose handling must publish.
+
+Readiness needs both connections: with only the consuming one down, a service is not ready.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
@@ -400,3 +402,77 @@ async def _accepted_submission(mongo: Endpoint, database: str) -> ScoreText:
     finally:
         await client.close()
     return command
+
+
+async def test_readiness_fails_while_only_the_consuming_connection_is_down(
+    amqp_url: str, queue: tuple[aio_pika.abc.AbstractChannel, str]
+) -> None:
+    """The publishing connection alone does not make a service ready: with its consuming
+    connection closed and refused (the vhost held at the connections it has left), `ping`
+    fails; once connections are allowed again the consumer is restored and `ping` passes."""
+    channel, name = queue
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url})
+    broker = make_broker(settings, name="readiness-test")
+    handled: list[bytes] = []
+
+    @consume(broker, RabbitQueue(name, durable=True))
+    async def handle(delivery: Delivery) -> None:
+        handled.append(delivery.body)
+        await delivery.ack()
+
+    vhost = vhost_of(amqp_url)
+    await broker.start()
+    try:
+        assert await broker.ping(timeout=TIMEOUT_S)
+        connections = await _connections(vhost)
+        try:
+            # The test's own connection and the publishing one stay; none may connect.
+            limit = json.dumps({"max-connections": len(connections) - 1})
+            await rabbitmqctl("set_vhost_limits", "-p", vhost, limit)
+            await rabbitmqctl(
+                "close_connection", connections["readiness-test consumers"], "readiness test"
+            )
+            await eventually(
+                lambda: _not(broker.ping(timeout=TIMEOUT_S)),
+                timeout_s=TIMEOUT_S,
+                what="not ready without the consuming connection",
+            )
+            assert "readiness-test publishers" in await _connections(vhost)
+        finally:
+            await rabbitmqctl("clear_vhost_limits", "-p", vhost)
+        await eventually(
+            lambda: broker.ping(timeout=TIMEOUT_S), timeout_s=TIMEOUT_S * 3, what="ready again"
+        )
+        await channel.default_exchange.publish(
+            aio_pika.Message(b"after"), routing_key=name, timeout=TIMEOUT_S
+        )
+        await eventually(
+            lambda: _true(handled == [b"after"]), timeout_s=TIMEOUT_S, what="consuming again"
+        )
+    finally:
+        await broker.stop()
+
+
+async def _connections(vhost: str) -> dict[str, str]:
+    """The connections of `vhost` by their `connection_name`: their pids, for
+    `close_connection` (which takes the pid as the table lists it, not as JSON does)."""
+    listed = await rabbitmqctl(
+        "list_connections", "-q", "name", "vhost", "client_properties", "--formatter", "json"
+    )
+    names = {
+        connection["name"]: {key: value for key, _, value in connection["client_properties"]}.get(
+            "connection_name", connection["name"]
+        )
+        for connection in json.loads(listed)
+        if connection["vhost"] == vhost
+    }
+    table = await rabbitmqctl("list_connections", "-q", "--no-table-headers", "pid", "name")
+    pids: dict[str, str] = {}
+    for line in table.splitlines():
+        pid, _, name = line.partition("\t")
+        pids[name] = pid
+    return {str(names[name]): pids[name] for name in names if name in pids}
+
+
+async def _not(check: Awaitable[bool]) -> bool:
+    return not await check

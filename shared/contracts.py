@@ -51,6 +51,7 @@ class Phase(IntEnum):
     """Where in one attempt an event happened; orders events within an attempt."""
 
     ACCEPTED = 0
+    WITHDRAWN = 5  # the command was refused (`ScoreWithdrawn`): above its acceptance only
     STARTED = 10
     RETRYING = 20
     TERMINAL = 90
@@ -321,6 +322,20 @@ class RunCronJob(Contract):
     def run_id(self) -> str:
         """The firing this run belongs to: the task id of cron messages."""
         return self.task_id
+
+
+class ScoreWithdrawn(Contract):
+    """Command: forget this task, whose `score.requested` the broker refused (the client was
+    answered 503). Sent by the gateway to the status projection only, which may hold a copy
+    of the command all the same: the broker routes one publish to two queues and refuses it
+    when one of them (a full score queue) does not take it."""
+
+    routing_key: ClassVar[str] = "score.withdrawn"
+
+    @property
+    def sequence(self) -> int:
+        """Above the refused command's acceptance, below anything a scoring attempt sends."""
+        return event_sequence(generation=0, attempt=0, phase=Phase.WITHDRAWN)
 
 
 class RescoreTask(Contract):

@@ -2,6 +2,7 @@
 
     exchange          routing key                        queue (consumer)
     scorebox.tasks    score.requested                  → scorebox.score-requests (scorer)
+                      score.requested, score.withdrawn → scorebox.status-projection (status)
                       score.rescore                    → scorebox.rescore-requests (gateway)
                       webhook.deliver                  → scorebox.webhook-deliveries (notifier)
                       usage.retry                      → scorebox.usage-meter (scheduler)
@@ -126,10 +127,15 @@ SCORE_REQUESTS = _command_queue(
 )
 # The projection takes a copy of every command sent straight to the scorer: a task sent now is
 # known from its command (no `task.accepted` publish of its own); a task that waits on the
-# ladder is announced by `task.accepted` (status `scheduled`).
+# ladder is announced by `task.accepted` (status `scheduled`). The copy arrives even when the
+# broker refuses the command because the score queue is full: the gateway then withdraws it.
 STATUS_PROJECTION = WorkQueue(
     name="scorebox.status-projection",
-    bindings=(Binding(EVENTS, "task.*"), Binding(TASKS, "score.requested")),
+    bindings=(
+        Binding(EVENTS, "task.*"),
+        Binding(TASKS, "score.requested"),
+        Binding(TASKS, "score.withdrawn"),
+    ),
 )
 
 

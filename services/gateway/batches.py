@@ -251,6 +251,7 @@ class Batches:
 
 class BatchPublisher(Protocol):
     async def send_many(self, commands: Sequence[ScoreText]) -> bool: ...
+    async def withdraw(self, commands: Sequence[ScoreText]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -334,7 +335,7 @@ async def submit_batch(
         if gate is not None:
             counted = True
             await gate.acquire(tenant_id, len(commands))
-        confirmed = await publisher.send_many(commands)
+        confirmed = await _send_or_withdraw(publisher, commands)
     except LimitExceeded:
         await _discard(batch_id, batches=batches, submissions=submissions)  # nothing counted
         raise
@@ -359,6 +360,14 @@ async def submit_batch(
     except DatabaseUnavailable:
         log.warning("batch %s left `accepting`; the outbox sweep re-sends it", batch_id)
     return BatchSubmitted(record, created=True)
+
+
+async def _send_or_withdraw(publisher: BatchPublisher, commands: Sequence[ScoreText]) -> bool:
+    try:
+        return await publisher.send_many(commands)
+    except BrokerUnavailable:
+        await publisher.withdraw(commands)
+        raise
 
 
 async def _give_up(

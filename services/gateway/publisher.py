@@ -6,6 +6,10 @@ written) surfaces as `BrokerUnavailable`: it reached no queue. One written but n
 still reach its queue, so `send` and `send_many` report it instead of raising: the caller
 keeps the submission for the outbox sweep, which sends it again (the scorer claims each task
 once), rather than refusing a task that would be scored anyway.
+
+A refused command may still have reached the status projection's queue (the broker routes one
+publish to both queues, and a full score queue refuses it): the caller that answers 503
+`withdraw`s it, so the projection never shows a task nobody was told of.
 """
 
 from __future__ import annotations
@@ -17,15 +21,17 @@ from collections.abc import Sequence
 from faststream.rabbit import RabbitBroker
 
 from services.gateway.errors import BrokerUnavailable
-from shared.bus import PublishUnconfirmed, publish_command, publish_events
+from shared.bus import PublishUnconfirmed, publish_command, publish_delayed, publish_events
 from shared.contracts import (
     Phase,
     ScoreResult,
     ScoreText,
+    ScoreWithdrawn,
     TaskCompleted,
     accepted_event,
     event_sequence,
 )
+from shared.topology import TASKS
 
 log = logging.getLogger("scorebox.gateway.publisher")
 
@@ -117,6 +123,27 @@ class TaskPublisher:
             [command for command, now in zip(commands, outcomes, strict=True) if now is False]
         )
         return True
+
+    async def withdraw(self, commands: Sequence[ScoreText]) -> None:
+        """Tell the projection to forget refused commands, all confirms in flight together;
+        best effort: a withdrawal lost leaves the task `queued` there, as before."""
+        withdrawals = [
+            publish_delayed(
+                self._broker,
+                ScoreWithdrawn(task_id=command.task_id, tenant_id=command.tenant_id),
+                exchange=TASKS,
+                routing_key=ScoreWithdrawn.routing_key,
+                not_before=None,
+                timeout=self._timeout_s,
+            )
+            for command in commands
+        ]
+        outcomes = await asyncio.gather(*withdrawals, return_exceptions=True)
+        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if failures:
+            log.warning(
+                "%d of %d withdrawals not confirmed: %r", len(failures), len(commands), failures[0]
+            )
 
     async def _announce_waiting(self, commands: Sequence[ScoreText]) -> None:
         if not commands:

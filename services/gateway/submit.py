@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Protocol
@@ -41,6 +41,7 @@ Clock = Callable[[], datetime]
 
 class Publisher(Protocol):
     async def send(self, command: ScoreText) -> bool: ...
+    async def withdraw(self, commands: Sequence[ScoreText]) -> None: ...
     async def announce_cached(self, command: ScoreText, result: ScoreResult) -> None: ...
 
 
@@ -202,6 +203,7 @@ async def _publish_or_discard(
     try:
         confirmed = await publisher.send(command)
     except BrokerUnavailable:
+        await publisher.withdraw([command])
         await _give_up(command, submissions=submissions, in_flight=in_flight)
         raise
     try:

@@ -13,7 +13,7 @@ from pymongo.errors import PyMongoError
 
 from services.status.projection import (
     Tasks,
-    apply_task_event,
+    apply_projected,
     ensure_indexes,
     find_batch,
     find_history,
@@ -117,7 +117,7 @@ def subscribe_projection(
             await message.ack()
             return
         await keep_trying(
-            lambda: apply_task_event(
+            lambda: apply_projected(
                 event,
                 writes=writes,
                 finished_ttl=finished_ttl,

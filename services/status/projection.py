@@ -9,6 +9,10 @@ The change is pushed in the same conditional update that applies the event; a la
 that lost the race to a newer one) still enters the history, in sequence order, by a second
 update guarded on its sequence not being there yet, so a duplicate never enters it twice.
 
+A task whose command the broker refused (the client was answered 503) may have reached the
+projection all the same, from its copy of the command; the gateway's `score.withdrawn` hides
+it again (`apply_withdrawal`).
+
 Batch progress: `task.accepted` (for a task sent now: read from its command) carries
 `batch_id`/`batch_index`, kept on the document and indexed, so a batch's counts are one
 aggregation and its items one keyset-paginated query.
@@ -16,8 +20,8 @@ aggregation and its items one keyset-paginated query.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
-from typing import Any
+from datetime import UTC, datetime, timedelta
+from typing import Any, Final
 
 from pymongo import ASCENDING, AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
@@ -27,6 +31,7 @@ from shared.contracts import (
     BatchItemProgress,
     BatchProgress,
     ScoreText,
+    ScoreWithdrawn,
     StateChange,
     TaskAccepted,
     TaskCompleted,
@@ -47,6 +52,9 @@ Document = dict[str, Any]
 Tasks = AsyncCollection[Document]
 DEFAULT_HISTORY_LIMIT = 64
 RETIRED_TASKS_INDEX = "tenant_id_1_created_at_1"
+# A withdrawn task's `expires_at`: already past, so reads skip it and the TTL monitor removes it.
+WITHDRAWN_EXPIRY: Final = datetime(1970, 1, 1, tzinfo=UTC)
+Projected = TaskEvent | ScoreWithdrawn
 
 
 def tasks_collection(client: AsyncMongoClient[Document], database: str) -> Tasks:
@@ -154,6 +162,47 @@ async def apply_task_event(
     return True
 
 
+async def apply_withdrawal(withdrawal: ScoreWithdrawn, *, writes: GroupWriter) -> bool:
+    """Hide a task whose command the broker refused; True when hidden.
+
+    A tombstone, sequenced above the command's acceptance and already expired, takes the
+    task's place: a copy of the command that arrives later is older and changes nothing.
+    A task some attempt moved on (refused by another queue, scored all the same) is newer
+    and stays.
+    """
+    try:
+        await writes.update_one(
+            {"_id": withdrawal.task_id, "sequence": {"$lt": withdrawal.sequence}},
+            {
+                "$set": {
+                    "tenant_id": withdrawal.tenant_id,
+                    "sequence": withdrawal.sequence,
+                    "updated_at": withdrawal.occurred_at,
+                    "expires_at": WITHDRAWN_EXPIRY,
+                }
+            },
+            upsert=True,
+        )
+    except DuplicateKeyError:
+        return False
+    return True
+
+
+async def apply_projected(
+    message: Projected,
+    *,
+    writes: GroupWriter,
+    finished_ttl: timedelta,
+    history_limit: int = DEFAULT_HISTORY_LIMIT,
+) -> bool:
+    """Apply a task event or a withdrawal; True when it changed the task."""
+    if isinstance(message, ScoreWithdrawn):
+        return await apply_withdrawal(message, writes=writes)
+    return await apply_task_event(
+        message, writes=writes, finished_ttl=finished_ttl, history_limit=history_limit
+    )
+
+
 def _readable(now: datetime) -> Document:
     """Not yet expired (the TTL monitor removes expired documents only eventually)."""
     return {"$or": [{"expires_at": None}, {"expires_at": {"$gt": now}}]}
@@ -247,10 +296,13 @@ def _view_of(document: Document) -> TaskView:
     )
 
 
-def projected_event(routing_key: str, body: bytes) -> TaskEvent | None:
+def projected_event(routing_key: str, body: bytes) -> Projected | None:
     """The event a delivery of the projection's queue tells: a task event as it is, a command
     sent now as its task's acceptance (`accepted_event`), nothing for a later attempt's command
-    (a retry, which `task.retrying` already told). Raises `KeyError` or `ValidationError`."""
+    (a retry, which `task.retrying` already told), a withdrawal as it is. Raises `KeyError` or
+    `ValidationError`."""
+    if routing_key == ScoreWithdrawn.routing_key:
+        return ScoreWithdrawn.model_validate_json(body)
     if routing_key == ScoreText.routing_key:
         command = ScoreText.model_validate_json(body)
         return accepted_event(command) if command.attempt == 1 else None

@@ -267,12 +267,16 @@ class FakePublisher:
     def __init__(self, *, fail: bool = False) -> None:
         self.fail = fail
         self.sent: list[ScoreText] = []
+        self.withdrawn: list[ScoreText] = []
 
     async def send_many(self, commands: Sequence[ScoreText]) -> bool:
         if self.fail:
             raise BrokerUnavailable("down")
         self.sent.extend(commands)
         return True
+
+    async def withdraw(self, commands: Sequence[ScoreText]) -> None:
+        self.withdrawn.extend(commands)
 
 
 async def _submit(

@@ -1,0 +1,146 @@
+"""A full score queue refuses commands; the status projection may take its copy all the same.
+
+`scorebox.tasks` routes a command to the scorer's queue and to the projection's. When the
+score queue is full (`x-overflow: reject-publish`) the broker refuses the publish, and the
+gateway answers 503 and keeps nothing, but the projection's queue has taken its copy. The
+gateway then withdraws the task, so the projection never shows a task nobody was told of.
+
+The score queue is made full with a policy (`max-length` 0, the lower of policy and argument
+applies) and one message over it in this module's vhost, then emptied and the policy
+removed. Gateway and status service run in-process on the real broker and database; nothing
+scores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aio_pika
+import httpx
+import pytest
+from pymongo import AsyncMongoClient
+
+from devtools.infra import Endpoint
+from services.gateway.app import create_app as create_gateway
+from services.gateway.keys import generate_key
+from services.gateway.settings import GatewaySettings
+from services.status.app import create_app as create_status
+from services.status.settings import StatusSettings
+from shared.contracts import utcnow
+from shared.http import PROBLEM_JSON
+from shared.topology import SCORE_REQUESTS, STATUS_PROJECTION
+from tests.faults.harness import rabbitmqctl, rabbitmqctl_available, vhost_of
+from tests.support import eventually, running
+
+API_KEY = generate_key().token
+POLICY = "scorebox-test-score-queue-full"
+TIMEOUT_S = 30.0
+
+Mongo = AsyncMongoClient[dict[str, Any]]
+
+
+@dataclass
+class Stack:
+    api: httpx.AsyncClient
+    tasks: Any  # the status projection's collection
+    amqp_url: str
+
+    async def visible_tasks(self) -> list[dict[str, Any]]:
+        """The projection's documents a read can see (not expired)."""
+        readable = {"$or": [{"expires_at": None}, {"expires_at": {"$gt": utcnow()}}]}
+        return [document async for document in self.tasks.find(readable)]
+
+    async def projection_settled(self) -> bool:
+        """Every message of the projection's queue handled and acknowledged."""
+        listed = await rabbitmqctl(
+            "list_queues", "-q", "-p", vhost_of(self.amqp_url), "name", "messages",
+            "--formatter", "json",
+        )  # fmt: skip
+        depths = {queue["name"]: queue["messages"] for queue in json.loads(listed)}
+        return depths.get(STATUS_PROJECTION.name) == 0
+
+
+@pytest.fixture(scope="module")
+async def stack(amqp_url: str, mongo: Endpoint, db_prefix: str) -> AsyncIterator[Stack]:
+    if not rabbitmqctl_available(amqp_url):
+        pytest.skip("needs rabbitmqctl for a broker on this machine")
+    env = {
+        "RABBITMQ_URL": amqp_url,
+        "MONGO_URL": mongo.url,
+        "MONGO_DB_PREFIX": db_prefix,
+        "BOOTSTRAP_API_KEY": API_KEY,
+        "RATE_LIMIT_PER_MIN": "0",
+    }
+    client: Mongo = AsyncMongoClient(mongo.url, tz_aware=True)
+    async with running(create_status(StatusSettings.model_validate(env))) as status_http:
+        gateway = create_gateway(GatewaySettings.model_validate(env), status_http=status_http)
+        async with running(gateway) as api:
+            api.headers["Authorization"] = f"Bearer {API_KEY}"
+            yield Stack(api, client[f"{db_prefix}_status"]["tasks"], amqp_url)
+    await client.close()
+
+
+@contextlib.asynccontextmanager
+async def _score_queue_full(amqp_url: str) -> AsyncIterator[None]:
+    vhost = vhost_of(amqp_url)
+    pattern = f"^{SCORE_REQUESTS.name.replace('.', '[.]')}$"
+    await rabbitmqctl(
+        "set_policy", "-p", vhost, "--apply-to", "queues", POLICY, pattern,
+        json.dumps({"max-length": 0}),
+    )  # fmt: skip
+    try:
+        await eventually(
+            lambda: _policy_applied(vhost), timeout_s=TIMEOUT_S, what="the policy applied"
+        )
+        # A quorum queue refuses publishes once it is over its limit, not at it.
+        await _publish_to_queue(amqp_url, SCORE_REQUESTS.name, b"filler")
+        yield
+    finally:
+        await rabbitmqctl("clear_policy", "-p", vhost, POLICY)
+        await rabbitmqctl("purge_queue", "-p", vhost, SCORE_REQUESTS.name)
+
+
+async def _publish_to_queue(amqp_url: str, queue: str, body: bytes) -> None:
+    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
+    async with connection:
+        channel = await connection.channel()
+        await channel.default_exchange.publish(
+            aio_pika.Message(body), routing_key=queue, timeout=TIMEOUT_S
+        )
+
+
+async def _policy_applied(vhost: str) -> bool:
+    listed = await rabbitmqctl(
+        "list_queues", "-q", "-p", vhost, "name", "policy", "--formatter", "json"
+    )
+    return any(
+        queue["name"] == SCORE_REQUESTS.name and queue["policy"] == POLICY
+        for queue in json.loads(listed)
+    )
+
+
+async def test_a_refused_submission_leaves_no_task_in_the_projection(stack: Stack) -> None:
+    async with _score_queue_full(stack.amqp_url):
+        single = await stack.api.post("/v1/scores", json={"text": "Refused, alone."})
+        batch = await stack.api.post(
+            "/v1/batches", json={"items": [{"text": "Refused, first."}, {"text": "Second."}]}
+        )
+        assert (single.status_code, batch.status_code) == (503, 503), (single.text, batch.text)
+        for refused in (single, batch):
+            assert refused.headers["content-type"].startswith(PROBLEM_JSON)
+        await eventually(
+            stack.projection_settled, timeout_s=TIMEOUT_S, what="the projection's queue handled"
+        )
+        assert await stack.visible_tasks() == []
+
+    accepted = await stack.api.post("/v1/scores", json={"text": "Taken, once there is room."})
+    assert accepted.status_code == 202, accepted.text
+    await eventually(
+        stack.projection_settled, timeout_s=TIMEOUT_S, what="the projection's queue handled"
+    )
+    [task] = await stack.visible_tasks()
+    assert (task["_id"], task["status"]) == (accepted.json()["task_id"], "queued")

@@ -1,0 +1,104 @@
+"""The status projection forgets a task whose command the broker refused (`score.withdrawn`),
+whichever of the command's copy and the withdrawal it applies first, and never a task some
+attempt moved on. On the real database (MongoDB or the stand-in), through the projection's
+own write path."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from pymongo.asynchronous.collection import AsyncCollection
+
+from devtools.infra import Endpoint
+from services.status.projection import apply_projected, find_task, projected_event
+from shared.contracts import (
+    Phase,
+    ScoreResult,
+    ScoreText,
+    ScoreWithdrawn,
+    TaskCompleted,
+    event_sequence,
+    new_id,
+    utcnow,
+)
+from shared.group_writes import GroupWriter
+from tests.support import CommandCounter, scratch_collection
+
+Document = dict[str, Any]
+TTL = timedelta(hours=1)
+
+
+@pytest.fixture
+async def tasks(mongo: Endpoint) -> AsyncIterator[AsyncCollection[Document]]:
+    async with scratch_collection(mongo.url, CommandCounter(), prefix="withdrawals") as docs:
+        yield docs
+
+
+async def _apply(tasks: AsyncCollection[Document], routing_key: str, body: bytes) -> None:
+    message = projected_event(routing_key, body)
+    assert message is not None
+    await apply_projected(message, writes=GroupWriter(tasks), finished_ttl=TTL)
+
+
+async def _command(tasks: AsyncCollection[Document], command: ScoreText) -> None:
+    await _apply(tasks, ScoreText.routing_key, command.model_dump_json().encode())
+
+
+async def _withdrawal(tasks: AsyncCollection[Document], command: ScoreText) -> None:
+    withdrawal = ScoreWithdrawn(task_id=command.task_id, tenant_id=command.tenant_id)
+    await _apply(tasks, ScoreWithdrawn.routing_key, withdrawal.model_dump_json().encode())
+
+
+async def _readable(tasks: AsyncCollection[Document], command: ScoreText) -> bool:
+    view = await find_task(command.task_id, tenant_id=command.tenant_id, tasks=tasks, now=utcnow())
+    return view is not None
+
+
+def _refused() -> ScoreText:
+    return ScoreText(task_id=new_id(), tenant_id="acme", text="Refused by a full queue.")
+
+
+async def test_a_withdrawal_after_the_commands_copy_hides_the_task(
+    tasks: AsyncCollection[Document],
+) -> None:
+    command = _refused()
+    await _command(tasks, command)
+    assert await _readable(tasks, command)
+    await _withdrawal(tasks, command)
+    assert not await _readable(tasks, command)
+
+
+async def test_a_copy_after_the_withdrawal_does_not_bring_the_task_back(
+    tasks: AsyncCollection[Document],
+) -> None:
+    command = _refused()
+    await _withdrawal(tasks, command)
+    await _command(tasks, command)
+    assert not await _readable(tasks, command)
+
+
+async def test_a_task_scored_after_all_is_not_hidden(tasks: AsyncCollection[Document]) -> None:
+    """Refused by one queue yet taken by the scorer's: its outcome outranks the withdrawal,
+    whichever arrives first."""
+    command = _refused()
+    completed = TaskCompleted(
+        task_id=command.task_id,
+        tenant_id=command.tenant_id,
+        sequence=event_sequence(generation=0, attempt=1, phase=Phase.TERMINAL),
+        submitted_at=command.submitted_at,
+        result=ScoreResult(score=7, comment="Fine.", model="m"),
+    )
+    body = completed.model_dump_json().encode()
+
+    await _withdrawal(tasks, command)
+    await _apply(tasks, TaskCompleted.routing_key, body)
+    assert await _readable(tasks, command)
+
+    other = _refused()
+    of_other = completed.model_copy(update={"task_id": other.task_id})
+    await _apply(tasks, TaskCompleted.routing_key, of_other.model_dump_json().encode())
+    await _withdrawal(tasks, other)
+    assert await _readable(tasks, other)

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -17,10 +17,10 @@ from faststream.rabbit import RabbitBroker
 from faststream.rabbit.schemas import Channel
 from pymongo import AsyncMongoClient
 
-from shared.bus import BROKER_ERRORS
-from shared.consumers import ScoreboxBroker
+from shared.bus import BROKER_ERRORS, publish_dead_letter
+from shared.consumers import Delivery, ScoreboxBroker
 from shared.settings import ServiceSettings, redact_url
-from shared.topology import declare_topology
+from shared.topology import WorkQueue, declare_topology
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -128,6 +128,32 @@ async def keep_publishing(publish: Callable[[], Awaitable[object]], *, what: str
     still be delivered); every consumer of our messages takes a repeat as a no-op.
     """
     await keep_trying(publish, what=f"publishing {what}", retry_on=BROKER_ERRORS)
+
+
+async def keep_dead_lettering(
+    broker: RabbitBroker,
+    work_queue: WorkQueue,
+    message: Delivery,
+    *,
+    error: str,
+    timeout: float,
+    headers: Mapping[str, Any] | None = None,
+) -> None:
+    """Copy a delivery to its queue's DLQ with `error` (`publish_dead_letter`), trying until
+    the broker confirms it (`keep_publishing`); `headers` replace the delivery's own."""
+    await keep_publishing(
+        lambda: publish_dead_letter(
+            broker,
+            work_queue,
+            body=message.body,
+            headers=dict(message.headers) if headers is None else headers,
+            error=error,
+            timeout=timeout,
+            message_id=message.message_id,
+            correlation_id=message.correlation_id,
+        ),
+        what=f"a dead letter of {work_queue.name}",
+    )
 
 
 async def start_broker(broker: RabbitBroker, settings: ServiceSettings) -> None:

@@ -42,10 +42,10 @@ from pydantic import ValidationError
 
 from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
 from services.gateway.submissions import RescoreClaim, RescoreRefused, Submissions
-from shared.bus import publish_dead_letter, publish_delayed
+from shared.bus import publish_delayed
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import RescoreTask, ScoreText, new_id
-from shared.runtime import keep_publishing, keep_trying
+from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying
 from shared.topology import RESCORE_REQUESTS, TASKS
 
 log = logging.getLogger("scorebox.gateway.rescore")
@@ -209,18 +209,8 @@ class RescoreRequests:
     ) -> None:
         reason = f"re-score not sent after {request.attempt} attempts: {error!r}"
         log.error("dead-lettering the re-score of %s: %s", request.task_id, reason)
-        await keep_publishing(
-            lambda: publish_dead_letter(
-                self.broker,
-                RESCORE_REQUESTS,
-                body=message.body,
-                headers=dict(message.headers),
-                error=reason,
-                timeout=self.timeout_s,
-                message_id=request.message_id,
-                correlation_id=request.task_id,
-            ),
-            what=f"the re-score dead letter of {request.task_id}",
+        await keep_dead_lettering(
+            self.broker, RESCORE_REQUESTS, message, error=reason, timeout=self.timeout_s
         )
 
 

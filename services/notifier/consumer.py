@@ -36,10 +36,10 @@ from services.notifier.deliveries import (
     deliver_webhook,
 )
 from services.notifier.notifications import NotificationDeps, notify_about_task_event
-from shared.bus import publish_dead_letter, publish_delayed
+from shared.bus import publish_delayed
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import Contract, DeliverWebhook, new_id, parse_task_event
-from shared.runtime import keep_publishing
+from shared.runtime import keep_dead_lettering, keep_publishing
 from shared.topology import (
     EVENTS,
     NOTIFICATIONS,
@@ -80,19 +80,7 @@ async def send_delivery(broker: RabbitBroker, delivery: DeliverWebhook, *, timeo
 async def _dead_letter(
     broker: RabbitBroker, queue: WorkQueue, message: Delivery, reason: str, timeout: float
 ) -> None:
-    await keep_publishing(
-        lambda: publish_dead_letter(
-            broker,
-            queue,
-            body=message.body,
-            headers=dict(message.headers),
-            error=reason,
-            timeout=timeout,
-            message_id=message.message_id,
-            correlation_id=message.correlation_id,
-        ),
-        what=f"a dead letter of {queue.name}",
-    )
+    await keep_dead_lettering(broker, queue, message, error=reason, timeout=timeout)
 
 
 def subscribe_notifications(

@@ -49,10 +49,9 @@ from services.scheduler.runs import (
     run_cron_job,
 )
 from services.scheduler.usage_store import UsageRecords
-from shared.bus import publish_dead_letter
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import RunCronJob, TaskCompleted, new_id
-from shared.runtime import keep_publishing
+from shared.runtime import keep_dead_lettering, keep_publishing
 from shared.topology import ATTEMPTS_HEADER, CRON_JOBS, USAGE_METER, WorkQueue
 
 log = logging.getLogger("scorebox.scheduler.consumer")
@@ -61,19 +60,7 @@ log = logging.getLogger("scorebox.scheduler.consumer")
 async def _dead_letter(
     bus: SchedulerBus, work_queue: WorkQueue, message: Delivery, error: str
 ) -> None:
-    await keep_publishing(
-        lambda: publish_dead_letter(
-            bus.broker,
-            work_queue,
-            body=message.body,
-            headers=dict(message.headers),
-            error=error,
-            timeout=bus.timeout_s,
-            message_id=message.message_id,
-            correlation_id=message.correlation_id,
-        ),
-        what=f"a dead letter of {work_queue.name}",
-    )
+    await keep_dead_lettering(bus.broker, work_queue, message, error=error, timeout=bus.timeout_s)
 
 
 @dataclass(frozen=True)

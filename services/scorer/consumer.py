@@ -31,7 +31,7 @@ from pymongo.errors import PyMongoError
 
 from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Retry
 from services.scorer.scoring import Clock, ScorerDeps, score_text
-from shared.bus import publish_command, publish_dead_letter, publish_event
+from shared.bus import publish_command, publish_event
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import (
     Phase,
@@ -42,7 +42,7 @@ from shared.contracts import (
     event_sequence,
     new_id,
 )
-from shared.runtime import keep_publishing
+from shared.runtime import keep_dead_lettering, keep_publishing
 from shared.topology import ATTEMPTS_HEADER, SCORE_REQUESTS
 
 log = logging.getLogger("scorebox.scorer")
@@ -93,18 +93,13 @@ class BrokerActions:
         )
 
     async def dead_letter(self, message: Delivery, error: str) -> None:
-        await self._confirmed(
-            f"a dead letter of {SCORE_REQUESTS.name}",
-            lambda: publish_dead_letter(
-                self.broker,
-                SCORE_REQUESTS,
-                body=message.body,
-                headers={**_carried_headers(message)},
-                error=error,
-                timeout=self.timeout_s,
-                message_id=message.message_id,
-                correlation_id=message.correlation_id,
-            ),
+        await keep_dead_lettering(
+            self.broker,
+            SCORE_REQUESTS,
+            message,
+            error=error,
+            timeout=self.timeout_s,
+            headers=_carried_headers(message),
         )
 
     async def fail_task(self, command: ScoreText, error: TaskError, *, dead_lettered: bool) -> None:

@@ -22,7 +22,6 @@ from services.status.projection import (
     tasks_collection,
 )
 from services.status.settings import StatusSettings
-from shared.bus import publish_dead_letter
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import (
     BatchProgress,
@@ -35,7 +34,7 @@ from shared.http import Problem, health_router, install_problem_handlers
 from shared.runtime import (
     MongoClient,
     broker_ready,
-    keep_publishing,
+    keep_dead_lettering,
     keep_trying,
     make_broker,
     make_mongo,
@@ -98,18 +97,12 @@ def subscribe_projection(
             event = projected_event(routing_key, message.body)
         except (KeyError, ValidationError) as error:
             log.warning("dead-lettering an unreadable %r event: %s", routing_key, error)
-            reason = f"unreadable event {routing_key!r}: {error}"
-            await keep_publishing(
-                lambda: publish_dead_letter(
-                    broker,
-                    STATUS_PROJECTION,
-                    body=message.body,
-                    headers=dict(message.headers),
-                    error=reason,
-                    timeout=settings.broker_timeout_s,
-                    message_id=message.message_id,
-                ),
-                what=f"a dead letter of {STATUS_PROJECTION.name}",
+            await keep_dead_lettering(
+                broker,
+                STATUS_PROJECTION,
+                message,
+                error=f"unreadable event {routing_key!r}: {error}",
+                timeout=settings.broker_timeout_s,
             )
             await message.ack()
             return

@@ -193,6 +193,20 @@ async def test_a_service_publishes_and_consumes_on_two_named_connections(
 # --- Handlers whose publish the alarm holds back -------------------------------------------------
 
 
+@pytest.fixture
+def env(amqp_url: str, mongo: Endpoint, db_prefix: str) -> dict[str, str]:
+    """The settings of a service started in-process on this module's vhost."""
+    if not rabbitmqctl_available(amqp_url):
+        pytest.skip("needs rabbitmqctl for a broker on this machine")
+    return {
+        "RABBITMQ_URL": amqp_url,
+        "MONGO_URL": mongo.url,
+        "MONGO_DB_PREFIX": db_prefix,
+        "LLM_PROVIDER": "heuristic",
+        "BROKER_TIMEOUT_S": "2",
+    }
+
+
 def _service_app(service: str, env: dict[str, str]) -> FastAPI:
     """One service, wired as in production, with its consumers on the module's vhost."""
     match service:
@@ -225,8 +239,7 @@ def _service_app(service: str, env: dict[str, str]) -> FastAPI:
 )
 async def test_a_handler_whose_publish_an_alarm_holds_back_settles_once_it_ends(
     amqp_url: str,
-    mongo: Endpoint,
-    db_prefix: str,
+    env: dict[str, str],
     caplog: pytest.LogCaptureFixture,
     service: str,
     work_queue: WorkQueue,
@@ -236,15 +249,6 @@ async def test_a_handler_whose_publish_an_alarm_holds_back_settles_once_it_ends(
     not left unacknowledged (holding a prefetch slot until its channel closes) and not
     requeued (which spins through the delivery limit on RabbitMQ 3.x, and without end on
     4.x, where a requeue is not counted)."""
-    if not rabbitmqctl_available(amqp_url):
-        pytest.skip("needs rabbitmqctl for a broker on this machine")
-    env = {
-        "RABBITMQ_URL": amqp_url,
-        "MONGO_URL": mongo.url,
-        "MONGO_DB_PREFIX": db_prefix,
-        "LLM_PROVIDER": "heuristic",
-        "BROKER_TIMEOUT_S": "2",
-    }
     dlq = work_queue.dead_letter_routing_key
     await _purged(amqp_url, work_queue)
     await _put(amqp_url, work_queue, b"not json")
@@ -332,24 +336,16 @@ async def _dead_letter_headers(amqp_url: str, work_queue: WorkQueue) -> dict[str
 
 
 async def test_a_rescore_the_alarm_holds_back_goes_down_the_ladder_once_it_ends(
-    amqp_url: str, mongo: Endpoint, db_prefix: str, caplog: pytest.LogCaptureFixture
+    amqp_url: str, env: dict[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
     """The gateway's re-score consumer owns its retry: a command the broker does not confirm
     sends the request down the wait ladder. When the alarm holds that publish back too, the
     consumer keeps trying while it holds the delivery; once the alarm ends the request comes
     back up the ladder and its command is queued."""
-    if not rabbitmqctl_available(amqp_url):
-        pytest.skip("needs rabbitmqctl for a broker on this machine")
-    env = {
-        "RABBITMQ_URL": amqp_url,
-        "MONGO_URL": mongo.url,
-        "MONGO_DB_PREFIX": db_prefix,
-        "BROKER_TIMEOUT_S": "2",
-    }
     settings = GatewaySettings.model_validate(env)
     for work_queue in (SCORE_REQUESTS, RESCORE_REQUESTS):
         await _purged(amqp_url, work_queue)
-    command = await _accepted_submission(mongo, settings.database_name("gateway"))
+    command = await _accepted_submission(env["MONGO_URL"], settings.database_name("gateway"))
     request = RescoreTask.for_task(
         task_id=command.task_id,
         tenant_id=command.tenant_id,
@@ -386,9 +382,9 @@ async def test_a_rescore_the_alarm_holds_back_goes_down_the_ladder_once_it_ends(
     assert await _depths(amqp_url, lambda d: d[RESCORE_REQUESTS.dead_letter_routing_key] == 0)
 
 
-async def _accepted_submission(mongo: Endpoint, database: str) -> ScoreText:
+async def _accepted_submission(mongo_url: str, database: str) -> ScoreText:
     command = ScoreText(task_id=new_id(), tenant_id="acme", text="An essay.")
-    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_url, tz_aware=True)
     try:
         submissions = Submissions(client, database)
         await submissions.insert(

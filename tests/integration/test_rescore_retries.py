@@ -37,6 +37,8 @@ class Delivery:
     body: bytes
     redelivered: bool = False
     headers: dict[str, Any] = field(default_factory=dict)
+    message_id: str | None = None
+    correlation_id: str | None = None
     settled: list[str] = field(default_factory=list)
 
     @property
@@ -206,13 +208,15 @@ async def test_the_last_attempt_goes_to_the_dead_letter_queue(env: Env) -> None:
     await env.take(RESCORE_REQUESTS.dead_letter_routing_key)
     command = await _accepted_submission(env)
     request = _request(command, attempt=5)
-    delivery = Delivery(request.model_dump_json().encode())
+    body = request.model_dump_json().encode()
+    delivery = Delivery(body, message_id=request.message_id, correlation_id=request.task_id)
 
     await env.consumer(ScriptedPublisher(refusals=1), env.submissions()).on_message(delivery)
 
     assert delivery.settled == ["ack"]
     [letter] = await env.take(RESCORE_REQUESTS.dead_letter_routing_key)
     assert RescoreTask.model_validate_json(letter.body).task_id == command.task_id
+    assert (letter.message_id, letter.correlation_id) == (request.message_id, command.task_id)
     assert "not sent after 5 attempts" in str(letter.headers[ERROR_HEADER])
 
 

@@ -294,7 +294,9 @@ async def test_a_memory_alarm_holds_submissions_back_and_scores_none_it_refused(
             f"{len(batch_tasks)}, {len(during)} answered during the alarm "
             f"({sum(1 for a in during if a.status == 202)} with 202, the batch too), "
             f"{len(tally.refused)} refused with 503 ({tally.scored_anyway} of them scored "
-            "anyway); unconfirmed commands are kept for the outbox sweep",
+            "anyway); unconfirmed commands are kept for the outbox sweep; a submission and "
+            "the batch replayed with their Idempotency-Key during the alarm: answered 200 "
+            "with the same task and batch",
         )
     )
     assert {a.status for a in client.answers} <= {202, 503}, box.answers

@@ -6,12 +6,16 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from datetime import timedelta
 from typing import Any
 
 import httpx
 from fastapi import FastAPI
 from pymongo import AsyncMongoClient, monitoring
 from pymongo.asynchronous.collection import AsyncCollection
+
+from services.gateway.submissions import Submissions
+from shared.contracts import RescoreTask, ScoreText, new_id
 
 POLL_INTERVAL_S = 0.05
 
@@ -80,3 +84,26 @@ async def scratch_collection(
     finally:
         await client.drop_database(name)
         await client.close()
+
+
+async def accepted_submission(submissions: Submissions) -> ScoreText:
+    """A submission the gateway accepted (its command confirmed), as a re-score finds it."""
+    command = ScoreText(task_id=new_id(), tenant_id="acme", text="An essay.")
+    await submissions.insert(
+        command, request_hash="h", idempotency_key=None, retention=timedelta(hours=1), cache_key="k"
+    )
+    await submissions.mark_accepted(command.task_id)
+    return command
+
+
+def rescore_request(command: ScoreText, *, attempt: int = 1) -> RescoreTask:
+    """A re-score of the task under a rubric version of its own, as the fan-out sends it."""
+    request = RescoreTask.for_task(
+        task_id=command.task_id,
+        tenant_id=command.tenant_id,
+        rubric_version=f"v{uuid.uuid4().hex[:6]}",
+        previous_rubric_version=None,
+        model=None,
+        run_id=new_id(),
+    )
+    return request.model_copy(update={"attempt": attempt})

@@ -20,8 +20,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from datetime import timedelta
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aio_pika
@@ -45,7 +44,6 @@ from services.scorer.settings import ScorerSettings
 from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
 from shared.consumers import Delivery, consume
-from shared.contracts import RescoreTask, ScoreText, new_id
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
 from shared.topology import (
@@ -60,7 +58,7 @@ from shared.topology import (
     declare_topology,
 )
 from tests.faults.harness import rabbitmqctl, rabbitmqctl_available, vhost_of
-from tests.support import eventually, running
+from tests.support import accepted_submission, eventually, rescore_request, running
 
 TIMEOUT_S = 10.0
 MESSAGES = 10
@@ -345,15 +343,12 @@ async def test_a_rescore_the_alarm_holds_back_goes_down_the_ladder_once_it_ends(
     settings = GatewaySettings.model_validate(env)
     for work_queue in (SCORE_REQUESTS, RESCORE_REQUESTS):
         await _purged(amqp_url, work_queue)
-    command = await _accepted_submission(env["MONGO_URL"], settings.database_name("gateway"))
-    request = RescoreTask.for_task(
-        task_id=command.task_id,
-        tenant_id=command.tenant_id,
-        rubric_version=f"v{uuid.uuid4().hex[:6]}",
-        previous_rubric_version=None,
-        model=None,
-        run_id=new_id(),
-    )
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(env["MONGO_URL"], tz_aware=True)
+    try:
+        command = await accepted_submission(Submissions(client, settings.database_name("gateway")))
+    finally:
+        await client.close()
+    request = rescore_request(command)
     await _put(amqp_url, RESCORE_REQUESTS, request.model_dump_json().encode())
     caplog.set_level(logging.WARNING, logger="scorebox")
     restore = await _watermark_args()
@@ -380,95 +375,3 @@ async def test_a_rescore_the_alarm_holds_back_goes_down_the_ladder_once_it_ends(
         await rabbitmqctl("set_vm_memory_high_watermark", *restore)
         await eventually(_no_memory_alarm, timeout_s=TIMEOUT_S, what="the alarm cleared")
     assert await _depths(amqp_url, lambda d: d[RESCORE_REQUESTS.dead_letter_routing_key] == 0)
-
-
-async def _accepted_submission(mongo_url: str, database: str) -> ScoreText:
-    command = ScoreText(task_id=new_id(), tenant_id="acme", text="An essay.")
-    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_url, tz_aware=True)
-    try:
-        submissions = Submissions(client, database)
-        await submissions.insert(
-            command,
-            request_hash="h",
-            idempotency_key=None,
-            retention=timedelta(hours=1),
-            cache_key="k",
-        )
-        await submissions.mark_accepted(command.task_id)
-    finally:
-        await client.close()
-    return command
-
-
-async def test_readiness_fails_while_only_the_consuming_connection_is_down(
-    amqp_url: str, queue: tuple[aio_pika.abc.AbstractChannel, str]
-) -> None:
-    """The publishing connection alone does not make a service ready: with its consuming
-    connection closed and refused (the vhost held at the connections it has left), `ping`
-    fails; once connections are allowed again the consumer is restored and `ping` passes."""
-    channel, name = queue
-    settings = ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url})
-    broker = make_broker(settings, name="readiness-test")
-    handled: list[bytes] = []
-
-    @consume(broker, RabbitQueue(name, durable=True))
-    async def handle(delivery: Delivery) -> None:
-        handled.append(delivery.body)
-        await delivery.ack()
-
-    vhost = vhost_of(amqp_url)
-    await broker.start()
-    try:
-        assert await broker.ping(timeout=TIMEOUT_S)
-        connections = await _connections(vhost)
-        try:
-            # The test's own connection and the publishing one stay; none may connect.
-            limit = json.dumps({"max-connections": len(connections) - 1})
-            await rabbitmqctl("set_vhost_limits", "-p", vhost, limit)
-            await rabbitmqctl(
-                "close_connection", connections["readiness-test consumers"], "readiness test"
-            )
-            await eventually(
-                lambda: _not(broker.ping(timeout=TIMEOUT_S)),
-                timeout_s=TIMEOUT_S,
-                what="not ready without the consuming connection",
-            )
-            assert "readiness-test publishers" in await _connections(vhost)
-        finally:
-            await rabbitmqctl("clear_vhost_limits", "-p", vhost)
-        await eventually(
-            lambda: broker.ping(timeout=TIMEOUT_S), timeout_s=TIMEOUT_S * 3, what="ready again"
-        )
-        await channel.default_exchange.publish(
-            aio_pika.Message(b"after"), routing_key=name, timeout=TIMEOUT_S
-        )
-        await eventually(
-            lambda: _true(handled == [b"after"]), timeout_s=TIMEOUT_S, what="consuming again"
-        )
-    finally:
-        await broker.stop()
-
-
-async def _connections(vhost: str) -> dict[str, str]:
-    """The connections of `vhost` by their `connection_name`: their pids, for
-    `close_connection` (which takes the pid as the table lists it, not as JSON does)."""
-    listed = await rabbitmqctl(
-        "list_connections", "-q", "name", "vhost", "client_properties", "--formatter", "json"
-    )
-    names = {
-        connection["name"]: {key: value for key, _, value in connection["client_properties"]}.get(
-            "connection_name", connection["name"]
-        )
-        for connection in json.loads(listed)
-        if connection["vhost"] == vhost
-    }
-    table = await rabbitmqctl("list_connections", "-q", "--no-table-headers", "pid", "name")
-    pids: dict[str, str] = {}
-    for line in table.splitlines():
-        pid, _, name = line.partition("\t")
-        pids[name] = pid
-    return {str(names[name]): pids[name] for name in names if name in pids}
-
-
-async def _not(check: Awaitable[bool]) -> bool:
-    return not await check

@@ -7,10 +7,8 @@ commands is scripted to refuse, everything else is real."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import aio_pika
@@ -22,10 +20,10 @@ from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
 from services.gateway.rescore import RescoreRequests
 from services.gateway.settings import GatewaySettings
 from services.gateway.submissions import RescoreClaim, RescoreRefused, Submissions
-from shared.contracts import RescoreTask, ScoreText, new_id, utcnow
+from shared.contracts import RescoreTask, ScoreText, utcnow
 from shared.runtime import make_broker
 from shared.topology import ERROR_HEADER, RESCORE_REQUESTS, declare_topology
-from tests.support import eventually
+from tests.support import accepted_submission, eventually, rescore_request
 
 Mongo = AsyncMongoClient[dict[str, Any]]
 
@@ -119,34 +117,12 @@ async def env(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Env]:
     await client.close()
 
 
-async def _accepted_submission(env: Env) -> ScoreText:
-    command = ScoreText(task_id=new_id(), tenant_id="acme", text="An essay.")
-    submissions = env.submissions()
-    await submissions.insert(
-        command, request_hash="h", idempotency_key=None, retention=timedelta(hours=1), cache_key="k"
-    )
-    await submissions.mark_accepted(command.task_id)
-    return command
-
-
-def _request(command: ScoreText, *, attempt: int = 1) -> RescoreTask:
-    request = RescoreTask.for_task(
-        task_id=command.task_id,
-        tenant_id=command.tenant_id,
-        rubric_version=f"v{uuid.uuid4().hex[:6]}",
-        previous_rubric_version=None,
-        model=None,
-        run_id=new_id(),
-    )
-    return request.model_copy(update={"attempt": attempt})
-
-
 async def test_an_unconfirmed_rescore_is_retried_later_and_resumes_its_generation(
     env: Env,
 ) -> None:
     await env.take(RESCORE_REQUESTS.name)
-    command = await _accepted_submission(env)
-    request = _request(command)
+    command = await accepted_submission(env.submissions())
+    request = rescore_request(command)
     refusing = ScriptedPublisher(refusals=1)
 
     delivery = Delivery(request.model_dump_json().encode())
@@ -184,8 +160,8 @@ async def test_an_unconfirmed_rescore_is_retried_later_and_resumes_its_generatio
 
 
 async def test_a_first_delivery_never_resumes_a_claim_being_sent(env: Env) -> None:
-    command = await _accepted_submission(env)
-    request = _request(command)
+    command = await accepted_submission(env.submissions())
+    request = rescore_request(command)
     submissions = env.submissions()
     claim = await submissions.claim_rescore(
         command.task_id,
@@ -206,8 +182,8 @@ async def test_a_first_delivery_never_resumes_a_claim_being_sent(env: Env) -> No
 
 async def test_the_last_attempt_goes_to_the_dead_letter_queue(env: Env) -> None:
     await env.take(RESCORE_REQUESTS.dead_letter_routing_key)
-    command = await _accepted_submission(env)
-    request = _request(command, attempt=5)
+    command = await accepted_submission(env.submissions())
+    request = rescore_request(command, attempt=5)
     body = request.model_dump_json().encode()
     delivery = Delivery(body, message_id=request.message_id, correlation_id=request.task_id)
 
@@ -221,9 +197,9 @@ async def test_the_last_attempt_goes_to_the_dead_letter_queue(env: Env) -> None:
 
 
 async def test_a_database_outage_is_waited_out(env: Env) -> None:
-    command = await _accepted_submission(env)
+    command = await accepted_submission(env.submissions())
     publisher = ScriptedPublisher()
-    delivery = Delivery(_request(command).model_dump_json().encode())
+    delivery = Delivery(rescore_request(command).model_dump_json().encode())
 
     await env.consumer(publisher, env.submissions(OutageOnce)).on_message(delivery)
 

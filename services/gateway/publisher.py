@@ -21,7 +21,13 @@ from collections.abc import Sequence
 from faststream.rabbit import RabbitBroker
 
 from services.gateway.errors import BrokerUnavailable
-from shared.bus import PublishUnconfirmed, publish_command, publish_delayed, publish_events
+from shared.bus import (
+    PublishUnconfirmed,
+    publish_command,
+    publish_delayed,
+    publish_event,
+    publish_events,
+)
 from shared.contracts import (
     Phase,
     ScoreResult,
@@ -69,8 +75,10 @@ class TaskPublisher:
         if not await self.send(command):
             raise BrokerUnavailable(f"score.requested for {command.task_id} unconfirmed")
 
-    async def announce_cached(self, command: ScoreText, result: ScoreResult) -> None:
-        """A task answered from the result cache: accepted and completed at once."""
+    async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool:
+        """A task answered from the result cache: accepted and completed at once. True when
+        both events were confirmed; False when some may have been written without a confirm
+        (keep the submission for the outbox); `BrokerUnavailable` when none was taken."""
         completed = TaskCompleted(
             task_id=command.task_id,
             tenant_id=command.tenant_id,
@@ -82,13 +90,20 @@ class TaskPublisher:
             has_callback=command.callback_url is not None,
             callback_url=command.callback_url,
         )
-        try:
-            await publish_events(
-                self._broker, (accepted_event(command), completed), timeout=self._timeout_s
-            )
-        except Exception as error:
-            log.warning("cached result for %s not confirmed: %r", command.task_id, error)
-            raise BrokerUnavailable(str(error) or type(error).__name__) from error
+        outcomes = await asyncio.gather(
+            *(
+                publish_event(self._broker, event, timeout=self._timeout_s)
+                for event in (accepted_event(command), completed)
+            ),
+            return_exceptions=True,
+        )
+        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if not failures:
+            return True
+        log.warning("cached result for %s not confirmed: %r", command.task_id, failures[0])
+        if len(failures) == len(outcomes) and not _any_unconfirmed(failures):
+            raise BrokerUnavailable(str(failures[0]) or type(failures[0]).__name__)
+        return False
 
     async def send_many(self, commands: Sequence[ScoreText]) -> bool:
         """Send a batch's commands with their confirms in flight together (one round): True
@@ -105,9 +120,7 @@ class TaskPublisher:
             log.warning("%d score.requested unconfirmed in time", len(commands))
             return False
         failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
-        none_taken = len(failures) == len(outcomes) and not any(
-            isinstance(failure, PublishUnconfirmed) for failure in failures
-        )
+        none_taken = len(failures) == len(outcomes) and not _any_unconfirmed(failures)
         if none_taken:
             log.warning("none of %d score.requested taken: %r", len(commands), failures[0])
             raise BrokerUnavailable(str(failures[0]) or type(failures[0]).__name__)
@@ -156,3 +169,8 @@ class TaskPublisher:
             log.warning(
                 "task.accepted of %d waiting task(s) not confirmed: %r", len(commands), error
             )
+
+
+def _any_unconfirmed(failures: Sequence[BaseException]) -> bool:
+    """Whether some failed publish may have been written all the same."""
+    return any(isinstance(failure, PublishUnconfirmed) for failure in failures)

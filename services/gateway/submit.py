@@ -42,7 +42,7 @@ Clock = Callable[[], datetime]
 class Publisher(Protocol):
     async def send(self, command: ScoreText) -> bool: ...
     async def withdraw(self, commands: Sequence[ScoreText]) -> None: ...
-    async def announce_cached(self, command: ScoreText, result: ScoreResult) -> None: ...
+    async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool: ...
 
 
 class StatusReader(Protocol):
@@ -95,7 +95,8 @@ async def submit_score(
     If the broker did not take the command, the record is discarded and `BrokerUnavailable`
     raised: the client sees 503 and nothing was kept. A command written but not confirmed may
     still be queued: the submission is kept for the outbox sweep and the task accepted.
-    A result-cache hit completes the task at once.
+    A result-cache hit completes the task at once (its announcement unconfirmed: answered all
+    the same, and kept for the outbox sweep, which has the task scored).
     A task to score counts against its tenant's `in_flight` limit (`LimitExceeded`: 429,
     nothing kept) until its outcome reaches the gateway.
     """
@@ -145,13 +146,18 @@ async def _announce_cached_or_discard(
     command: ScoreText, result: ScoreResult, submissions: Submissions, publisher: Publisher
 ) -> None:
     try:
-        await publisher.announce_cached(command, result)
+        confirmed = await publisher.announce_cached(command, result)
     except BrokerUnavailable:
         with contextlib.suppress(DatabaseUnavailable):
             await submissions.discard(command.task_id)
         raise
     with contextlib.suppress(DatabaseUnavailable):
-        await submissions.mark_accepted(command.task_id)
+        if confirmed:
+            await submissions.mark_accepted(command.task_id)
+        else:
+            # Its events may arrive yet, or never: the outbox sweep sends the command, which
+            # is scored once and supersedes them (a later sequence, the same usage record).
+            await submissions.mark_unconfirmed(command.task_id)
 
 
 async def _admit_or_discard(

@@ -230,7 +230,8 @@ async def test_a_memory_alarm_holds_submissions_back_and_scores_none_it_refused(
     gateway wrote stays unconfirmed, then reaches its queue once the alarm ends. A
     submission whose publish was written is therefore never refused (503 would be a lie):
     it is answered 202 and kept for the outbox, which sends it again (the scorer claims each
-    task once); a replay of its request is answered as accepted, not as still in progress.
+    task once); a replay of its request is answered as accepted, not as still in progress,
+    and a result-cache hit is answered with its result.
     Nothing the client was refused may be scored, and nothing scored twice."""
     outage = _memory_alarm(await _watermark_args())
     lifted = False
@@ -239,8 +240,11 @@ async def test_a_memory_alarm_holds_submissions_back_and_scores_none_it_refused(
             await eventually(
                 lambda: _true(len(client.seen(202)) >= 5), timeout_s=60, what="202s before"
             )
+            cached_text = essay(new_marker())
+            await _in_the_result_cache(box, cached_text)
             await outage.cut()
             cut_at = time.monotonic()
+            cached = await box.post(cached_text)
             batch_markers = [new_marker() for _ in range(3)]
             batch_request = {"items": [{"text": essay(m)} for m in batch_markers]}
             batch, batch_again = await _sent_twice(box, "/v1/batches", batch_request)
@@ -270,6 +274,11 @@ async def test_a_memory_alarm_holds_submissions_back_and_scores_none_it_refused(
     )
     assert batch_again.json()["batch_id"] == batch.json()["batch_id"]
     assert single_again.json()["task_id"] == single.json()["task_id"]
+    # A result-cache hit is answered with its result though its events are unconfirmed;
+    # the outbox sweep sends its command, so the task ends completed either way.
+    assert cached.status_code == 200, cached.text
+    assert cached.json()["result"]["cached"] is True
+    await box.finish([cached.json()["task_id"]])
     # Each of their tasks is scored once.
     batch_tasks = [item["task_id"] for item in batch.json()["items"]]
     accepted = (
@@ -296,7 +305,7 @@ async def test_a_memory_alarm_holds_submissions_back_and_scores_none_it_refused(
             f"{len(tally.refused)} refused with 503 ({tally.scored_anyway} of them scored "
             "anyway); unconfirmed commands are kept for the outbox sweep; a submission and "
             "the batch replayed with their Idempotency-Key during the alarm: answered 200 "
-            "with the same task and batch",
+            "with the same task and batch; a result-cache hit: answered 200 with its result",
         )
     )
     assert {a.status for a in client.answers} <= {202, 503}, box.answers
@@ -319,6 +328,17 @@ async def _sent_twice(
     headers = {"Idempotency-Key": new_marker()}
     first = await box.api.post(path, json=body, headers=headers)
     return first, await box.api.post(path, json=body, headers=headers)
+
+
+async def _in_the_result_cache(box: Scorebox, text: str) -> None:
+    """Score `text`, then wait until a submission of it is answered from the result cache
+    (the gateway fills the cache when the outcome reaches it)."""
+    await box.finish([await box.submit(text)])
+
+    async def answered_from_cache() -> bool:
+        return (await box.post(text)).status_code == 200
+
+    await eventually(answered_from_cache, timeout_s=OUTAGE_TIMEOUT_S, what="a result-cache hit")
 
 
 async def _nothing_unacknowledged(amqp_url: str) -> bool:

@@ -91,6 +91,13 @@ class Delivery:
         if not self._raw.processed:
             await self._raw.reject(requeue=requeue)
 
+    async def requeue_failed(self) -> None:
+        """Return a delivery whose handling failed to its queue, counted as a failed delivery:
+        `basic.reject` with requeue. RabbitMQ 4.3 and later count a reject towards a quorum
+        queue's delivery limit but not a `basic.nack` (3.x counts both), so a message that
+        fails every time is dead-lettered at the limit instead of coming back for ever."""
+        await self.reject(requeue=True)
+
 
 Handler = Callable[[Delivery], Awaitable[None]]
 

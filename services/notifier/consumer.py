@@ -5,8 +5,8 @@
 - unreadable (poison): copied to the DLQ with the validation error, then ack.
 - MongoDB unavailable: the event is sent through the wait ladder to come back in a few
   seconds (only to this queue, through `scorebox.due`), then ack.
-- the handler crashed: nack with requeue; the queue's delivery limit dead-letters a message
-  that keeps crashing.
+- the handler crashed: returned as failed (`Delivery.requeue_failed`); the queue's delivery
+  limit dead-letters a message that keeps crashing.
 
 `scorebox.webhook-deliveries` (`DeliverWebhook`): see `deliveries.py` for the decisions;
 `Send` is published down the wait ladder when not yet due, `GiveUp` is copied to the DLQ with
@@ -104,7 +104,7 @@ def subscribe_notifications(
             await _come_back_later(broker, event, routing_key, clock=clock, timeout_s=timeout_s)
         except Exception:
             log.exception("notifying about %s of %s crashed", routing_key, event.task_id)
-            await message.nack(requeue=True)
+            await message.requeue_failed()
             return
         await message.ack()
 
@@ -149,7 +149,7 @@ def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_
             decision = Send(delivery.model_copy(update=update), "database unavailable")
         except Exception:
             log.exception("delivering %s crashed", delivery.delivery_id)
-            await message.nack(requeue=True)
+            await message.requeue_failed()
             return
         await _carry_out(broker, decision, delivery, message, timeout_s=timeout_s)
         await message.ack()

@@ -15,8 +15,8 @@
 
 Every publish awaits its confirm; one the broker does not confirm (away, blocked by an alarm,
 a full queue) is tried again while the delivery is held (`keep_publishing`), then the
-delivery is acked. Anything else that fails the handler nacks the delivery back to its
-quorum queue, whose delivery limit dead-letters it in the end.
+delivery is acked. Anything else that fails the handler returns the delivery to its quorum
+queue as failed (`Delivery.requeue_failed`), whose delivery limit dead-letters it in the end.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def subscribe_scheduler(
             await runner.on_message(message)
         except Exception:
             log.exception("could not settle a cron.run delivery; returning it to its queue")
-            await message.nack(requeue=True)
+            await message.requeue_failed()
             return
         await message.ack()
 
@@ -190,6 +190,6 @@ def subscribe_scheduler(
             await meter.on_message(message)
         except Exception:
             log.exception("could not settle a usage delivery; returning it to its queue")
-            await message.nack(requeue=True)
+            await message.requeue_failed()
             return
         await message.ack()

@@ -1,6 +1,7 @@
 """`shared.consumers` on the real broker: deliveries reach plain handlers, the handler settles
-them, prefetch bounds what is in hand, a failed handler leaves its message for redelivery,
-and stopping lets the deliveries in hand finish."""
+them, prefetch bounds what is in hand, a failed handler leaves its message for redelivery, a
+message returned as failed is dead-lettered at the delivery limit, and stopping lets the
+deliveries in hand finish."""
 
 from __future__ import annotations
 
@@ -218,3 +219,50 @@ async def _true(condition: bool) -> bool:
 
 async def _true_async(count: Awaitable[int], expected: int) -> bool:
     return await count == expected
+
+
+async def test_a_message_returned_as_failed_every_time_is_dead_lettered_at_the_limit(
+    amqp_url: str,
+) -> None:
+    """`requeue_failed` counts towards a quorum queue's delivery limit (a reject: counted on
+    every RabbitMQ version, where a nack is not from 4.3 on), so a message that fails its
+    handler every time ends in the dead-letter queue after `limit` deliveries."""
+    limit = 3
+    name = f"test.consumers.failing.{uuid.uuid4().hex[:8]}"
+    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
+    async with connection:
+        channel = await connection.channel()
+        dead = await channel.declare_queue(f"{name}.dlq", durable=True, timeout=TIMEOUT_S)
+        arguments = {
+            "x-queue-type": "quorum",
+            "x-delivery-limit": limit,
+            "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": dead.name,
+        }
+        await channel.declare_queue(name, durable=True, arguments=arguments, timeout=TIMEOUT_S)
+        broker = new_broker(amqp_url)
+        deliveries = 0
+
+        @consume(broker, RabbitQueue(name, durable=True, arguments=arguments, declare=False))
+        async def fail(delivery: Delivery) -> None:
+            nonlocal deliveries
+            deliveries += 1
+            await delivery.requeue_failed()
+
+        await broker.start()
+        try:
+            await channel.default_exchange.publish(
+                aio_pika.Message(b"fails every time"), routing_key=name, timeout=TIMEOUT_S
+            )
+            dead_letter = await eventually(
+                lambda: dead.get(no_ack=True, fail=False, timeout=TIMEOUT_S),
+                timeout_s=TIMEOUT_S * 3,
+                what="the message dead-lettered",
+            )
+        finally:
+            await broker.stop()
+            await channel.queue_delete(name, timeout=TIMEOUT_S)
+            await channel.queue_delete(dead.name, timeout=TIMEOUT_S)
+    assert dead_letter.body == b"fails every time"
+    # Dead-lettered once its delivery count passes the limit, not requeued for ever.
+    assert limit <= deliveries <= limit + 1, deliveries

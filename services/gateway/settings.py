@@ -30,7 +30,8 @@ class GatewaySettings(ServiceSettings):
     read_your_writes_window_s: float = Field(
         default=300.0, gt=0, validation_alias="READ_YOUR_WRITES_WINDOW_S"
     )
-    # A submission still `accepting` after this long was interrupted; the outbox sweep sends it.
+    # A submission still `accepting` (interrupted) or `unconfirmed` after this long is sent by
+    # the outbox sweep.
     outbox_grace_s: float = Field(default=30.0, gt=0, validation_alias="OUTBOX_GRACE_S")
     outbox_interval_s: float = Field(default=10.0, gt=0, validation_alias="OUTBOX_INTERVAL_S")
     # Batches (`POST /v1/batches`): items per batch and the body limit of a batch request.

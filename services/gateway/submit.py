@@ -282,8 +282,9 @@ def _view_of_submission(submission: Submission, now: datetime) -> TaskView:
 async def sweep_outbox(
     *, submissions: Submissions, publisher: Publisher, clock: Clock, grace: timedelta
 ) -> int:
-    """Send submissions left `accepting` by an interrupted request or an unconfirmed
-    publish; returns how many the broker confirmed (the others stay for the next sweep)."""
+    """Send submissions left `accepting` by an interrupted request, or `unconfirmed` by a
+    publish the broker did not confirm; returns how many the broker confirmed (the others
+    stay for the next sweep)."""
     sent = 0
     for submission in await submissions.interrupted(older_than=clock() - grace):
         if submission.command is None:

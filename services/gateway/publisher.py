@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Iterable, Sequence
+from dataclasses import dataclass
 
 from faststream.rabbit import RabbitBroker
 
@@ -90,19 +91,15 @@ class TaskPublisher:
             has_callback=command.callback_url is not None,
             callback_url=command.callback_url,
         )
-        outcomes = await asyncio.gather(
-            *(
-                publish_event(self._broker, event, timeout=self._timeout_s)
-                for event in (accepted_event(command), completed)
-            ),
-            return_exceptions=True,
+        published = await _together(
+            publish_event(self._broker, event, timeout=self._timeout_s)
+            for event in (accepted_event(command), completed)
         )
-        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
-        if not failures:
+        if not published.failures:
             return True
-        log.warning("cached result for %s not confirmed: %r", command.task_id, failures[0])
-        if len(failures) == len(outcomes) and not _any_unconfirmed(failures):
-            raise BrokerUnavailable(str(failures[0]) or type(failures[0]).__name__)
+        log.warning("cached result for %s not confirmed: %r", command.task_id, published.first)
+        if published.none_taken:
+            raise published.refusal()
         return False
 
     async def send_many(self, commands: Sequence[ScoreText]) -> bool:
@@ -110,37 +107,39 @@ class TaskPublisher:
         when every one was confirmed; False when some may be queued but not all are known
         to be (keep the submissions for the outbox); `BrokerUnavailable` when none was
         taken."""
-        publishes = [
-            publish_command(self._broker, command, timeout=self._timeout_s) for command in commands
-        ]
         try:
             async with asyncio.timeout(self._timeout_s * 2):
-                outcomes = await asyncio.gather(*publishes, return_exceptions=True)
+                published = await _together(
+                    publish_command(self._broker, command, timeout=self._timeout_s)
+                    for command in commands
+                )
         except TimeoutError:
             log.warning("%d score.requested unconfirmed in time", len(commands))
             return False
-        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
-        none_taken = len(failures) == len(outcomes) and not _any_unconfirmed(failures)
-        if none_taken:
-            log.warning("none of %d score.requested taken: %r", len(commands), failures[0])
-            raise BrokerUnavailable(str(failures[0]) or type(failures[0]).__name__)
-        if failures:
+        if published.none_taken:
+            log.warning("none of %d score.requested taken: %r", len(commands), published.first)
+            raise published.refusal()
+        if published.failures:
             log.warning(
                 "%d of %d score.requested not confirmed: %r",
-                len(failures),
+                len(published.failures),
                 len(commands),
-                failures[0],
+                published.first,
             )
             return False
         await self._announce_waiting(
-            [command for command, now in zip(commands, outcomes, strict=True) if now is False]
+            [
+                command
+                for command, now in zip(commands, published.outcomes, strict=True)
+                if now is False
+            ]
         )
         return True
 
     async def withdraw(self, commands: Sequence[ScoreText]) -> None:
         """Tell the projection to forget refused commands, all confirms in flight together;
         best effort: a withdrawal lost leaves the task `queued` there, as before."""
-        withdrawals = [
+        published = await _together(
             publish_delayed(
                 self._broker,
                 ScoreWithdrawn(task_id=command.task_id, tenant_id=command.tenant_id),
@@ -150,12 +149,13 @@ class TaskPublisher:
                 timeout=self._timeout_s,
             )
             for command in commands
-        ]
-        outcomes = await asyncio.gather(*withdrawals, return_exceptions=True)
-        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
-        if failures:
+        )
+        if published.failures:
             log.warning(
-                "%d of %d withdrawals not confirmed: %r", len(failures), len(commands), failures[0]
+                "%d of %d withdrawals not confirmed: %r",
+                len(published.failures),
+                len(commands),
+                published.first,
             )
 
     async def _announce_waiting(self, commands: Sequence[ScoreText]) -> None:
@@ -171,6 +171,32 @@ class TaskPublisher:
             )
 
 
-def _any_unconfirmed(failures: Sequence[BaseException]) -> bool:
-    """Whether some failed publish may have been written all the same."""
-    return any(isinstance(failure, PublishUnconfirmed) for failure in failures)
+@dataclass(frozen=True)
+class _Round:
+    """What became of publishes whose confirms were in flight together."""
+
+    outcomes: list[object]  # each publish's result, or the exception it raised
+
+    @property
+    def failures(self) -> list[BaseException]:
+        return [outcome for outcome in self.outcomes if isinstance(outcome, BaseException)]
+
+    @property
+    def first(self) -> BaseException | None:
+        return next(iter(self.failures), None)
+
+    @property
+    def none_taken(self) -> bool:
+        """Every publish failed, and none of them may have been written all the same."""
+        failures = self.failures
+        return len(failures) == len(self.outcomes) and not any(
+            isinstance(failure, PublishUnconfirmed) for failure in failures
+        )
+
+    def refusal(self) -> BrokerUnavailable:
+        error = self.first
+        return BrokerUnavailable(str(error) or type(error).__name__)
+
+
+async def _together(publishes: Iterable[Awaitable[object]]) -> _Round:
+    return _Round(list(await asyncio.gather(*publishes, return_exceptions=True)))

@@ -380,3 +380,56 @@ def make_target(args: Iterable[str], cwd: Path) -> str:
     if paths and all(path == faults or faults in path.parents for path in paths):
         return "make test-faults"
     return "make test"
+
+
+# --- A real memory alarm -------------------------------------------------------------------------
+
+ALARMING_WATERMARK = "0.0001"  # a fraction of the machine's memory far below what it uses
+
+
+@dataclass(frozen=True)
+class MemoryAlarm:
+    """The broker's memory watermark set below what it uses (a real alarm: every connection
+    that publishes is blocked), and the setting that ends it."""
+
+    restore: list[str]  # the `set_vm_memory_high_watermark` arguments of the setting before
+    timeout_s: float
+
+    @classmethod
+    async def prepared(cls, *, timeout_s: float) -> MemoryAlarm:
+        setting = (await _broker_status())["vm_memory_high_watermark_setting"]
+        if "relative" in setting:
+            return cls([str(setting["relative"])], timeout_s)
+        return cls(["absolute", str(setting["absolute"])], timeout_s)
+
+    async def raise_(self) -> None:
+        await rabbitmqctl("set_vm_memory_high_watermark", ALARMING_WATERMARK)
+        await eventually(self._raised, timeout_s=self.timeout_s, what="a memory alarm")
+
+    async def lift(self) -> None:
+        await rabbitmqctl("set_vm_memory_high_watermark", *self.restore)
+        await eventually(self._cleared, timeout_s=self.timeout_s, what="the alarm cleared")
+
+    async def _raised(self) -> bool:
+        alarms = (await _broker_status())["alarms"]
+        return any(alarm.get("resource") == "memory" for alarm in alarms)
+
+    async def _cleared(self) -> bool:
+        return not await self._raised()
+
+
+@asynccontextmanager
+async def memory_alarm(*, timeout_s: float) -> AsyncIterator[MemoryAlarm]:
+    """A memory alarm for the block's duration, lifted on the way out (also when the block
+    lifted it already)."""
+    alarm = await MemoryAlarm.prepared(timeout_s=timeout_s)
+    try:
+        await alarm.raise_()
+        yield alarm
+    finally:
+        await alarm.lift()
+
+
+async def _broker_status() -> dict[str, Any]:
+    status: dict[str, Any] = json.loads(await rabbitmqctl("status", "--formatter", "json"))
+    return status

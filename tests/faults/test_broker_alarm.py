@@ -57,38 +57,12 @@ from shared.topology import (
     WorkQueue,
     declare_topology,
 )
-from tests.faults.harness import rabbitmqctl, rabbitmqctl_available, vhost_of
+from tests.faults.harness import memory_alarm, rabbitmqctl, rabbitmqctl_available, vhost_of
 from tests.support import accepted_submission, eventually, rescore_request, running
 
 TIMEOUT_S = 10.0
 MESSAGES = 10
 PREFETCH = 2
-ALARMING_WATERMARK = "0.0001"  # a fraction of the machine's memory far below what it uses
-
-
-async def _status() -> dict[str, object]:
-    status: dict[str, object] = json.loads(await rabbitmqctl("status", "--formatter", "json"))
-    return status
-
-
-async def _watermark_args() -> list[str]:
-    """The `set_vm_memory_high_watermark` arguments that restore the current setting."""
-    setting = await _status()
-    value = setting["vm_memory_high_watermark_setting"]
-    assert isinstance(value, dict)
-    if "relative" in value:
-        return [str(value["relative"])]
-    return ["absolute", str(value["absolute"])]
-
-
-async def _memory_alarm() -> bool:
-    alarms = (await _status())["alarms"]
-    assert isinstance(alarms, list)
-    return any(alarm.get("resource") == "memory" for alarm in alarms)
-
-
-async def _no_memory_alarm() -> bool:
-    return not await _memory_alarm()
 
 
 @pytest.fixture
@@ -124,27 +98,25 @@ async def test_consumers_settle_while_the_broker_blocks_the_services_publishes(
         await delivery.ack()
 
     await broker.start()
-    restore = await _watermark_args()
     publishing: asyncio.Task[object] | None = None
     try:
-        await rabbitmqctl("set_vm_memory_high_watermark", ALARMING_WATERMARK)
-        await eventually(_memory_alarm, timeout_s=TIMEOUT_S, what="a memory alarm")
-        publishing = asyncio.create_task(broker.publish(b"during the alarm", queue=name))
-        await eventually(
-            lambda: _a_connection_blocked(amqp_url), timeout_s=TIMEOUT_S, what="a blocked publish"
-        )
-        publishes_blocked.set()
+        async with memory_alarm(timeout_s=TIMEOUT_S):
+            publishing = asyncio.create_task(broker.publish(b"during the alarm", queue=name))
+            await eventually(
+                lambda: _a_connection_blocked(amqp_url),
+                timeout_s=TIMEOUT_S,
+                what="a blocked publish",
+            )
+            publishes_blocked.set()
 
-        await eventually(
-            lambda: _true(len(handled) == MESSAGES),
-            timeout_s=TIMEOUT_S,
-            what=f"all {MESSAGES} deliveries handled and acknowledged during the alarm "
-            f"(prefetch {PREFETCH}: without acknowledgements only {PREFETCH} arrive)",
-        )
-        assert not publishing.done()  # the publish is still held back by the alarm
+            await eventually(
+                lambda: _true(len(handled) == MESSAGES),
+                timeout_s=TIMEOUT_S,
+                what=f"all {MESSAGES} deliveries handled and acknowledged during the alarm "
+                f"(prefetch {PREFETCH}: without acknowledgements only {PREFETCH} arrive)",
+            )
+            assert not publishing.done()  # the publish is still held back by the alarm
     finally:
-        await rabbitmqctl("set_vm_memory_high_watermark", *restore)
-        await eventually(_no_memory_alarm, timeout_s=TIMEOUT_S, what="the alarm cleared")
         if publishing is not None:
             await asyncio.wait_for(publishing, TIMEOUT_S)  # goes through once unblocked
         await broker.stop()
@@ -251,27 +223,19 @@ async def test_a_handler_whose_publish_an_alarm_holds_back_settles_once_it_ends(
     await _purged(amqp_url, work_queue)
     await _put(amqp_url, work_queue, b"not json")
     caplog.set_level(logging.WARNING, logger="scorebox")
-    restore = await _watermark_args()
-    try:
-        await rabbitmqctl("set_vm_memory_high_watermark", ALARMING_WATERMARK)
-        await eventually(_memory_alarm, timeout_s=TIMEOUT_S, what="a memory alarm")
-        async with running(_service_app(service, env)):
-            await eventually(
-                lambda: _true(_logged_failing(f"a dead letter of {work_queue.name}", caplog)),
-                timeout_s=TIMEOUT_S * 3,
-                what=f"the {service}'s dead letter of {work_queue.name} failing in the alarm",
-            )
-            await rabbitmqctl("set_vm_memory_high_watermark", *restore)
-            await eventually(_no_memory_alarm, timeout_s=TIMEOUT_S, what="the alarm cleared")
-            await eventually(
-                # Two copies when the publish the alarm held back went through as well.
-                lambda: _depths(amqp_url, lambda d: d[work_queue.name] == 0 and d[dlq] >= 1),
-                timeout_s=TIMEOUT_S * 3,
-                what=f"{work_queue.name} settled and its message in the DLQ",
-            )
-    finally:
-        await rabbitmqctl("set_vm_memory_high_watermark", *restore)
-        await eventually(_no_memory_alarm, timeout_s=TIMEOUT_S, what="the alarm cleared")
+    async with memory_alarm(timeout_s=TIMEOUT_S) as alarm, running(_service_app(service, env)):
+        await eventually(
+            lambda: _true(_logged_failing(f"a dead letter of {work_queue.name}", caplog)),
+            timeout_s=TIMEOUT_S * 3,
+            what=f"the {service}'s dead letter of {work_queue.name} failing in the alarm",
+        )
+        await alarm.lift()
+        await eventually(
+            # Two copies when the publish the alarm held back went through as well.
+            lambda: _depths(amqp_url, lambda d: d[work_queue.name] == 0 and d[dlq] >= 1),
+            timeout_s=TIMEOUT_S * 3,
+            what=f"{work_queue.name} settled and its message in the DLQ",
+        )
     headers = await _dead_letter_headers(amqp_url, work_queue)
     assert "x-scorebox-error" in headers, headers
     assert headers.get("x-delivery-count", 0) == 0, f"requeued before it was settled: {headers}"
@@ -351,27 +315,19 @@ async def test_a_rescore_the_alarm_holds_back_goes_down_the_ladder_once_it_ends(
     request = rescore_request(command)
     await _put(amqp_url, RESCORE_REQUESTS, request.model_dump_json().encode())
     caplog.set_level(logging.WARNING, logger="scorebox")
-    restore = await _watermark_args()
-    try:
-        await rabbitmqctl("set_vm_memory_high_watermark", ALARMING_WATERMARK)
-        await eventually(_memory_alarm, timeout_s=TIMEOUT_S, what="a memory alarm")
-        async with running(create_gateway(settings)):
-            await eventually(
-                lambda: _true(_logged_failing(f"the re-score retry of {command.task_id}", caplog)),
-                timeout_s=TIMEOUT_S * 3,
-                what="the re-score's retry failing in the alarm",
-            )
-            await rabbitmqctl("set_vm_memory_high_watermark", *restore)
-            await eventually(_no_memory_alarm, timeout_s=TIMEOUT_S, what="the alarm cleared")
-            await eventually(
-                lambda: _depths(
-                    amqp_url,
-                    lambda d: d[SCORE_REQUESTS.name] >= 1 and d[RESCORE_REQUESTS.name] == 0,
-                ),
-                timeout_s=TIMEOUT_S * 3,
-                what="the re-score request settled and its command queued",
-            )
-    finally:
-        await rabbitmqctl("set_vm_memory_high_watermark", *restore)
-        await eventually(_no_memory_alarm, timeout_s=TIMEOUT_S, what="the alarm cleared")
+    async with memory_alarm(timeout_s=TIMEOUT_S) as alarm, running(create_gateway(settings)):
+        await eventually(
+            lambda: _true(_logged_failing(f"the re-score retry of {command.task_id}", caplog)),
+            timeout_s=TIMEOUT_S * 3,
+            what="the re-score's retry failing in the alarm",
+        )
+        await alarm.lift()
+        await eventually(
+            lambda: _depths(
+                amqp_url,
+                lambda d: d[SCORE_REQUESTS.name] >= 1 and d[RESCORE_REQUESTS.name] == 0,
+            ),
+            timeout_s=TIMEOUT_S * 3,
+            what="the re-score request settled and its command queued",
+        )
     assert await _depths(amqp_url, lambda d: d[RESCORE_REQUESTS.dead_letter_routing_key] == 0)

@@ -14,7 +14,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from shared.http import PROBLEM_JSON
 from tests.faults.harness import (
     SERVICES,
     Figures,
+    MemoryAlarm,
     Outcome,
     Scorebox,
     essay,
@@ -44,7 +45,6 @@ SUBMIT_INTERVAL_S = 0.1
 # Slow enough that the scorer is in the middle of model calls when its connection goes.
 LATENCY_MS = 500
 OUTAGE_TIMEOUT_S = 90.0
-ALARMING_WATERMARK = "0.0001"  # a fraction of the machine's memory far below what it uses
 
 
 @dataclass
@@ -163,15 +163,13 @@ async def test_every_accepted_submission_survives_a_broker_outage(
     box: Scorebox, figures: Figures, labels: tuple[str, str], kind: str
 ) -> None:
     outage = _vhost_cut(vhost_of(box.amqp_url)) if kind == "vhost-cut" else _broker_restart()
-    lifted = False
-    try:
-        async with _submitting(box) as client:
-            await eventually(
-                lambda: _true(len(client.seen(202)) >= 5), timeout_s=60, what="202s before"
-            )
-            pids = box.stack.pids()
-            cut_at = time.monotonic()
-            await outage.cut()
+    async with _submitting(box) as client:
+        await eventually(
+            lambda: _true(len(client.seen(202)) >= 5), timeout_s=60, what="202s before"
+        )
+        pids = box.stack.pids()
+        cut_at = time.monotonic()
+        async with _cut(outage) as cut:
             await eventually(
                 lambda: _true(len(client.seen(503, since=cut_at)) >= 3),
                 timeout_s=OUTAGE_TIMEOUT_S,
@@ -182,13 +180,7 @@ async def test_every_accepted_submission_survives_a_broker_outage(
                 timeout_s=OUTAGE_TIMEOUT_S,
                 what="gateway not ready",
             )
-            lift_at = time.monotonic()
-            await outage.lift()
-            lifted = True
-            time_to_recover = await _recovered(client, lift_at)
-    finally:
-        if not lifted:
-            await outage.lift()
+            time_to_recover = await cut.lift(client)
 
     # The services reconnected by themselves: the same processes, all ready again.
     assert box.stack.pids() == pids
@@ -201,16 +193,11 @@ async def test_every_accepted_submission_survives_a_broker_outage(
     accepted = client.accepted()
     tally = await _tally(box, client, accepted)
     figures.record(
-        Outcome(
-            name=outage.name,
-            accepted=len(accepted),
-            completed=tally.statuses.count("completed"),
-            failed=tally.statuses.count("failed"),
-            duplicate_model_calls=tally.duplicate_model_calls,
-            http_5xx_seen=box.http_5xx(),
-            time_to_recover_s=round(time_to_recover, 2),
-            broker=labels[0],
-            database=labels[1],
+        tally.outcome(
+            box,
+            outage,
+            time_to_recover=time_to_recover,
+            labels=labels,
             notes=f"{outage.how}; {len(client.answers)} submissions, {len(tally.refused)} "
             f"refused with 503 ({tally.scored_anyway} of them scored anyway: published, "
             "confirm lost); the services reconnected by themselves",
@@ -233,16 +220,14 @@ async def test_a_memory_alarm_holds_submissions_back_and_scores_none_it_refused(
     task once); a replay of its request is answered as accepted, not as still in progress,
     and a result-cache hit is answered with its result.
     Nothing the client was refused may be scored, and nothing scored twice."""
-    outage = _memory_alarm(await _watermark_args())
-    lifted = False
-    try:
-        async with _submitting(box) as client:
-            await eventually(
-                lambda: _true(len(client.seen(202)) >= 5), timeout_s=60, what="202s before"
-            )
-            cached_text = essay(new_marker())
-            await _in_the_result_cache(box, cached_text)
-            await outage.cut()
+    outage = _memory_alarm(await MemoryAlarm.prepared(timeout_s=OUTAGE_TIMEOUT_S))
+    async with _submitting(box) as client:
+        await eventually(
+            lambda: _true(len(client.seen(202)) >= 5), timeout_s=60, what="202s before"
+        )
+        cached_text = essay(new_marker())
+        await _in_the_result_cache(box, cached_text)
+        async with _cut(outage) as cut:
             cut_at = time.monotonic()
             cached = await box.post(cached_text)
             batch_markers = [new_marker() for _ in range(3)]
@@ -257,13 +242,7 @@ async def test_a_memory_alarm_holds_submissions_back_and_scores_none_it_refused(
                 timeout_s=OUTAGE_TIMEOUT_S,
                 what="answers while the alarm lasts",
             )
-            lift_at = time.monotonic()
-            await outage.lift()
-            lifted = True
-            time_to_recover = await _recovered(client, lift_at)
-    finally:
-        if not lifted:
-            await outage.lift()
+            time_to_recover = await cut.lift(client)
 
     # The batch and the single submission sent during the alarm: accepted, and answered
     # as accepted when their requests are replayed (not 409 "in progress").
@@ -287,18 +266,15 @@ async def test_a_memory_alarm_holds_submissions_back_and_scores_none_it_refused(
         | {single.json()["task_id"]: single_marker}
     )
     tally = await _tally(box, client, accepted)
+    lift_at = cut.lifted_at
+    assert lift_at is not None
     during = [a for a in client.answers if cut_at <= a.at < lift_at]
     figures.record(
-        Outcome(
-            name=outage.name,
-            accepted=len(accepted),
-            completed=tally.statuses.count("completed"),
-            failed=tally.statuses.count("failed"),
-            duplicate_model_calls=tally.duplicate_model_calls,
-            http_5xx_seen=box.http_5xx(),
-            time_to_recover_s=round(time_to_recover, 2),
-            broker=labels[0],
-            database=labels[1],
+        tally.outcome(
+            box,
+            outage,
+            time_to_recover=time_to_recover,
+            labels=labels,
             notes=f"{outage.how}; {len(client.answers)} submissions and a batch of "
             f"{len(batch_tasks)}, {len(during)} answered during the alarm "
             f"({sum(1 for a in during if a.status == 202)} with 202, the batch too), "
@@ -322,7 +298,7 @@ async def test_a_memory_alarm_holds_submissions_back_and_scores_none_it_refused(
 
 
 async def _sent_twice(
-    box: Scorebox, path: str, body: dict[str, object]
+    box: Scorebox, path: str, body: Mapping[str, object]
 ) -> tuple[httpx.Response, httpx.Response]:
     """A request, then its replay with the same Idempotency-Key."""
     headers = {"Idempotency-Key": new_marker()}
@@ -371,25 +347,39 @@ async def _submitting(box: Scorebox) -> AsyncIterator[Client]:
         box.llm.config.latency_ms = 0
 
 
-def _memory_alarm(restore: list[str]) -> Outage:
-    async def cut() -> None:
-        await rabbitmqctl("set_vm_memory_high_watermark", ALARMING_WATERMARK)
-        await eventually(_alarm_raised, timeout_s=OUTAGE_TIMEOUT_S, what="a memory alarm")
+class _Cut:
+    """An outage under way; `lift` ends it (see `_cut`)."""
 
-    async def lift() -> None:
-        await rabbitmqctl("set_vm_memory_high_watermark", *restore)
+    def __init__(self, outage: Outage) -> None:
+        self.outage = outage
+        self.lifted_at: float | None = None
 
+    async def lift(self, client: Client) -> float:
+        """End the outage; seconds from then to the client's recovery (`_recovered`)."""
+        self.lifted_at = time.monotonic()
+        await self.outage.lift()
+        return await _recovered(client, self.lifted_at)
+
+
+@contextlib.asynccontextmanager
+async def _cut(outage: Outage) -> AsyncIterator[_Cut]:
+    """The outage for the block's duration: lifted on the way out unless the block did."""
+    await outage.cut()
+    cut = _Cut(outage)
+    try:
+        yield cut
+    finally:
+        if cut.lifted_at is None:
+            await outage.lift()
+
+
+def _memory_alarm(alarm: MemoryAlarm) -> Outage:
     return Outage(
         "broker memory alarm (publishes blocked)",
         "the broker's memory watermark set below its use, then restored",
-        cut,
-        lift,
+        alarm.raise_,
+        alarm.lift,
     )
-
-
-async def _alarm_raised() -> bool:
-    status = json.loads(await rabbitmqctl("status", "--formatter", "json"))
-    return any(alarm.get("resource") == "memory" for alarm in status["alarms"])
 
 
 async def _recovered(client: Client, lift_at: float) -> float:
@@ -420,6 +410,29 @@ class Tally:
     def duplicate_model_calls(self) -> int:
         return sum(n for n in self.extra.values() if n > 0)
 
+    def outcome(
+        self,
+        box: Scorebox,
+        outage: Outage,
+        *,
+        time_to_recover: float,
+        labels: tuple[str, str],
+        notes: str,
+    ) -> Outcome:
+        """The row of the README's reliability table."""
+        return Outcome(
+            name=outage.name,
+            accepted=len(self.statuses),
+            completed=self.statuses.count("completed"),
+            failed=self.statuses.count("failed"),
+            duplicate_model_calls=self.duplicate_model_calls,
+            http_5xx_seen=box.http_5xx(),
+            time_to_recover_s=round(time_to_recover, 2),
+            broker=labels[0],
+            database=labels[1],
+            notes=notes,
+        )
+
 
 async def _tally(box: Scorebox, client: Client, accepted: dict[str, str]) -> Tally:
     views = await box.finish(accepted)
@@ -431,15 +444,6 @@ async def _tally(box: Scorebox, client: Client, accepted: dict[str, str]) -> Tal
         refused=refused,
         scored_anyway=sum(1 for m in refused if box.calls(m) > 0),
     )
-
-
-async def _watermark_args() -> list[str]:
-    """The `set_vm_memory_high_watermark` arguments that restore the current setting."""
-    status = json.loads(await rabbitmqctl("status", "--formatter", "json"))
-    setting = status["vm_memory_high_watermark_setting"]
-    if "relative" in setting:
-        return [str(setting["relative"])]
-    return ["absolute", str(setting["absolute"])]
 
 
 def _true[T](value: T) -> Awaitable[T]:

@@ -101,7 +101,11 @@ async def through_scorebox(url: str) -> float:
     queue = _fresh_queue()
     await _fill(url, queue.name)
     broker = ScoreboxBroker(
-        url, default_channel=Channel(prefetch_count=PREFETCH), graceful_timeout=10, **_QUIET
+        url,
+        default_channel=Channel(prefetch_count=PREFETCH),
+        graceful_timeout=10,
+        timeout=10,
+        **_QUIET,
     )
 
     async def start(drained: asyncio.Event) -> None:

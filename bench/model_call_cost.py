@@ -6,7 +6,7 @@ scorer of concurrency 64 does), and the process's CPU time per call is reported:
 - the scorer's model adapter (`OpenAIChatModel.score`: prompt, request, parsing and
   validation of the verdict) on its HTTP client (`make_http_client`: httpx's API over
   aiohttp's pool), on the benchmark's essays;
-- the same HTTP client posting a fixed body (the transport alone);
+- the same HTTP client posting a fixed body to the same parsed URL (the transport alone);
 - httpx's own pool (`httpx.AsyncClient` with limits sized to the calls in flight);
 - bare aiohttp (`ClientSession`), the floor.
 
@@ -41,8 +41,8 @@ def _settings(base_url: str) -> ModelSettings:
     )
 
 
-def _completions(base_url: str) -> str:
-    return f"{base_url}/chat/completions"
+def _completions(base_url: str) -> httpx.URL:
+    return httpx.URL(f"{base_url}/chat/completions")
 
 
 def _body(settings: ModelSettings) -> bytes:
@@ -62,7 +62,7 @@ async def through_the_adapter(base_url: str) -> float:
         return await cpu_us_each(CALLS, IN_FLIGHT, call)
 
 
-async def _httpx_posts(client: httpx.AsyncClient, url: str, body: bytes) -> float:
+async def _httpx_posts(client: httpx.AsyncClient, url: httpx.URL, body: bytes) -> float:
     async def call(_: int) -> None:
         response = await client.post(url, content=body, headers=HEADERS)
         response.raise_for_status()
@@ -86,12 +86,13 @@ async def httpx_own_pool(base_url: str) -> float:
 
 async def bare_aiohttp(base_url: str) -> float:
     body = _body(_settings(base_url))
+    url = str(_completions(base_url))
     connector = aiohttp.TCPConnector(limit=IN_FLIGHT)
     timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
         async def call(_: int) -> None:
-            async with session.post(_completions(base_url), data=body, headers=HEADERS) as response:
+            async with session.post(url, data=body, headers=HEADERS) as response:
                 response.raise_for_status()
                 orjson.loads(await response.read())
 

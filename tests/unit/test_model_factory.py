@@ -1,8 +1,10 @@
 import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
+from aiohttp import web
 from httpx_aiohttp import AiohttpTransport
 
 from services.scorer.errors import ModelUnavailable
@@ -137,3 +139,39 @@ async def test_a_refused_connection_through_the_real_transport_is_unavailability
             await model.score(
                 ScoringRequest(task_id="t", text="An essay.", rubric=None, model=None)
             )
+
+
+@pytest.fixture
+async def cookie_setting_server() -> AsyncIterator[tuple[str, list[str | None]]]:
+    """A real HTTP server that sets a cookie on every answer and notes the Cookie it got."""
+    received: list[str | None] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        received.append(request.headers.get("Cookie"))
+        response = web.json_response({"ok": True})
+        response.set_cookie("affinity", "node-7", path="/")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}/v1/chat/completions", received
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_client_keeps_no_cookie_between_requests(
+    cookie_setting_server: tuple[str, list[str | None]],
+) -> None:
+    url, received = cookie_setting_server
+    async with make_http_client(_settings(), concurrency=2) as http:
+        for _ in range(2):
+            response = await http.post(url, content=b"{}")
+            assert response.headers["set-cookie"].startswith("affinity=node-7")
+        assert len(http.cookies) == 0
+    assert received == [None, None]

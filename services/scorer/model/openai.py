@@ -132,7 +132,8 @@ class OpenAIChatModel:
         self._http = http
         self._settings = settings
         self._clock = clock
-        self._url = settings.llm_base_url.rstrip("/") + "/chat/completions"
+        # Parsed once: httpx parses a URL given as a string again on every request.
+        self._url = httpx.URL(settings.llm_base_url.rstrip("/") + "/chat/completions")
         self._request_headers = _request_headers(settings)
 
     async def score(self, request: ScoringRequest) -> ModelVerdict:
@@ -224,7 +225,7 @@ def _add(first: Usage, second: Usage) -> Usage:
     )
 
 
-def _transport_error(exc: Exception, url: str) -> ScoringError:
+def _transport_error(exc: Exception, url: httpx.URL) -> ScoringError:
     # The aiohttp transport reports refused and reset connections as httpx.ConnectTimeout,
     # so only read, write and pool timeouts count as the model being slow.
     if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):

@@ -20,7 +20,7 @@ aggregation and its items one keyset-paginated query.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, Final
 
 from pymongo import ASCENDING, AsyncMongoClient
@@ -52,8 +52,10 @@ Document = dict[str, Any]
 Tasks = AsyncCollection[Document]
 DEFAULT_HISTORY_LIMIT = 64
 RETIRED_TASKS_INDEX = "tenant_id_1_created_at_1"
-# A withdrawn task's `expires_at`: already past, so reads skip it and the TTL monitor removes it.
-WITHDRAWN_EXPIRY: Final = datetime(1970, 1, 1, tzinfo=UTC)
+# How long a withdrawn task's tombstone outlives it, hidden from reads: a copy of its command
+# redelivered within this time (the projection's queue held it while the service was down)
+# still finds the tombstone and changes nothing. Withdrawals are rare, so this costs little.
+WITHDRAWN_RETENTION: Final = timedelta(days=7)
 Projected = TaskEvent | ScoreWithdrawn
 
 
@@ -146,7 +148,7 @@ async def apply_task_event(
     try:
         await writes.update_one(
             {"_id": event.task_id, "sequence": {"$lt": event.sequence}},
-            {"$set": fields, "$push": {"history": push}},
+            {"$set": fields, "$push": {"history": push}, "$unset": {"withdrawn": ""}},
             upsert=True,
         )
     except DuplicateKeyError:
@@ -165,10 +167,10 @@ async def apply_task_event(
 async def apply_withdrawal(withdrawal: ScoreWithdrawn, *, writes: GroupWriter) -> bool:
     """Hide a task whose command the broker refused; True when hidden.
 
-    A tombstone, sequenced above the command's acceptance and already expired, takes the
-    task's place: a copy of the command that arrives later is older and changes nothing.
-    A task some attempt moved on (refused by another queue, scored all the same) is newer
-    and stays.
+    A tombstone, sequenced above the command's acceptance and marked `withdrawn` (reads skip
+    it), takes the task's place for `WITHDRAWN_RETENTION`: a copy of the command that arrives
+    later is older and changes nothing. A task some attempt moved on (refused by another
+    queue, scored all the same) is newer and stays; its events clear the mark.
     """
     try:
         await writes.update_one(
@@ -178,7 +180,8 @@ async def apply_withdrawal(withdrawal: ScoreWithdrawn, *, writes: GroupWriter) -
                     "tenant_id": withdrawal.tenant_id,
                     "sequence": withdrawal.sequence,
                     "updated_at": withdrawal.occurred_at,
-                    "expires_at": WITHDRAWN_EXPIRY,
+                    "expires_at": withdrawal.occurred_at + WITHDRAWN_RETENTION,
+                    "withdrawn": True,
                 }
             },
             upsert=True,
@@ -203,9 +206,13 @@ async def apply_projected(
     )
 
 
-def _readable(now: datetime) -> Document:
-    """Not yet expired (the TTL monitor removes expired documents only eventually)."""
-    return {"$or": [{"expires_at": None}, {"expires_at": {"$gt": now}}]}
+def readable(now: datetime) -> Document:
+    """Not withdrawn, not yet expired (the TTL monitor removes expired documents only
+    eventually)."""
+    return {
+        "withdrawn": {"$ne": True},
+        "$or": [{"expires_at": None}, {"expires_at": {"$gt": now}}],
+    }
 
 
 async def find_task(
@@ -213,7 +220,7 @@ async def find_task(
 ) -> TaskView | None:
     """The task as its tenant sees it; None when unknown, another tenant's, or expired."""
     document = await tasks.find_one(
-        {"_id": task_id, "tenant_id": tenant_id, **_readable(now)}, projection={"history": 0}
+        {"_id": task_id, "tenant_id": tenant_id, **readable(now)}, projection={"history": 0}
     )
     if document is None:
         return None
@@ -225,7 +232,7 @@ async def find_history(
 ) -> TaskHistory | None:
     """The task's recorded state changes with a sequence above `after`, oldest first."""
     document = await tasks.find_one(
-        {"_id": task_id, "tenant_id": tenant_id, **_readable(now)},
+        {"_id": task_id, "tenant_id": tenant_id, **readable(now)},
         projection={"status": 1, "sequence": 1, "history": 1},
     )
     if document is None:
@@ -247,7 +254,7 @@ async def find_batch(
     batch_id: str, *, tenant_id: str, after: int, limit: int, tasks: Tasks, now: datetime
 ) -> BatchProgress:
     """Counts per status of a batch's known tasks, and a page of them by `batch_index`."""
-    members = {"tenant_id": tenant_id, "batch_id": batch_id, **_readable(now)}
+    members = {"tenant_id": tenant_id, "batch_id": batch_id, **readable(now)}
     grouped = await tasks.aggregate(
         [{"$match": members}, {"$group": {"_id": "$status", "count": {"$sum": 1}}}]
     )

@@ -29,6 +29,7 @@ from services.gateway.app import create_app as create_gateway
 from services.gateway.keys import generate_key
 from services.gateway.settings import GatewaySettings
 from services.status.app import create_app as create_status
+from services.status.projection import readable
 from services.status.settings import StatusSettings
 from shared.contracts import utcnow
 from shared.http import PROBLEM_JSON
@@ -50,9 +51,8 @@ class Stack:
     amqp_url: str
 
     async def visible_tasks(self) -> list[dict[str, Any]]:
-        """The projection's documents a read can see (not expired)."""
-        readable = {"$or": [{"expires_at": None}, {"expires_at": {"$gt": utcnow()}}]}
-        return [document async for document in self.tasks.find(readable)]
+        """The projection's documents a read can see (not withdrawn, not expired)."""
+        return [document async for document in self.tasks.find(readable(utcnow()))]
 
     async def projection_settled(self) -> bool:
         """Every message of the projection's queue handled and acknowledged."""

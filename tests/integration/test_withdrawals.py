@@ -80,6 +80,24 @@ async def test_a_copy_after_the_withdrawal_does_not_bring_the_task_back(
     assert not await _readable(tasks, command)
 
 
+async def _ttl_monitor_pass(tasks: AsyncCollection[Document]) -> None:
+    """What MongoDB's TTL monitor does about once a minute: remove what has expired."""
+    await tasks.delete_many({"expires_at": {"$lt": utcnow()}})
+
+
+async def test_a_copy_redelivered_after_the_ttl_monitor_ran_stays_hidden(
+    tasks: AsyncCollection[Document],
+) -> None:
+    """The projection's queue may hold a copy of the command for hours (its service down);
+    the tombstone outlives the TTL monitor's passes meanwhile."""
+    command = _refused()
+    await _command(tasks, command)
+    await _withdrawal(tasks, command)
+    await _ttl_monitor_pass(tasks)
+    await _command(tasks, command)
+    assert not await _readable(tasks, command)
+
+
 async def test_a_task_scored_after_all_is_not_hidden(tasks: AsyncCollection[Document]) -> None:
     """Refused by one queue yet taken by the scorer's: its outcome outranks the withdrawal,
     whichever arrives first."""

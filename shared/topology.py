@@ -32,14 +32,20 @@ consumer that receives a message not yet due sends it down the ladder again.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
+import aiormq
 from faststream.rabbit import ExchangeType, QueueType, RabbitExchange, RabbitQueue
 
 if TYPE_CHECKING:
+    from aio_pika import RobustExchange
+    from aio_pika.abc import AbstractQueue
     from faststream.rabbit import RabbitBroker
+
+log = logging.getLogger("scorebox.topology")
 
 TASKS = RabbitExchange("scorebox.tasks", type=ExchangeType.DIRECT, durable=True)
 EVENTS = RabbitExchange("scorebox.events", type=ExchangeType.TOPIC, durable=True)
@@ -54,6 +60,10 @@ CALLBACKS = RabbitExchange("scorebox.callbacks", type=ExchangeType.HEADERS, dura
 EXCHANGES: tuple[RabbitExchange, ...] = (TASKS, EVENTS, DELAY, DUE, DLX, CRON, CALLBACKS)
 
 DEFAULT_DELIVERY_LIMIT = 5
+# A DLQ's own delivery limit, out of any operator's reach. Looking at a dead letter returns it
+# to its queue, and RabbitMQ 4.0 to 4.2 count every return against a quorum queue's limit
+# (default 20); a DLQ dead-letters nowhere, so at the limit the dead letter would be dropped.
+DLQ_DELIVERY_LIMIT: Final = 1_000_000
 SCORE_QUEUE_MAX_LENGTH = 500_000
 
 # (tier name, seconds): ordered from shortest to longest.
@@ -110,7 +120,11 @@ class WorkQueue:
 
     @property
     def dead_letter_queue(self) -> RabbitQueue:
-        return RabbitQueue(self.dead_letter_routing_key, queue_type=QueueType.QUORUM)
+        return RabbitQueue(
+            self.dead_letter_routing_key,
+            queue_type=QueueType.QUORUM,
+            arguments={"x-delivery-limit": DLQ_DELIVERY_LIMIT},
+        )
 
 
 def _command_queue(name: str, routing_key: str, max_length: int | None = None) -> WorkQueue:
@@ -280,7 +294,7 @@ async def declare_topology(broker: RabbitBroker) -> None:
     exchanges = {exchange.name: await broker.declare_exchange(exchange) for exchange in EXCHANGES}
     await exchanges[CALLBACKS.name].bind(exchanges[EVENTS.name], routing_key=CALLBACK_EVENT_KEY)
     for work_queue in WORK_QUEUES:
-        dlq = await broker.declare_queue(work_queue.dead_letter_queue)
+        dlq = await _declare_dead_letter_queue(broker, work_queue, exchanges[DLX.name])
         await dlq.bind(exchanges[DLX.name], routing_key=work_queue.dead_letter_routing_key)
         queue = await broker.declare_queue(work_queue.queue)
         for binding in work_queue.bindings:
@@ -295,6 +309,50 @@ async def declare_topology(broker: RabbitBroker) -> None:
         waiting = await broker.declare_queue(wait_queue(tier, seconds))
         await waiting.bind(exchanges[DELAY.name], routing_key=f"{tier}.#")
     await _delete_retired_queues(broker)
+
+
+async def _declare_dead_letter_queue(
+    broker: RabbitBroker, work_queue: WorkQueue, dlx: RobustExchange
+) -> AbstractQueue:
+    """The work queue's DLQ, with its delivery limit; an earlier version's DLQ as it is.
+
+    RabbitMQ refuses to declare an existing queue with other arguments, and closes the channel
+    that tried: the declaration is tried on a channel of its own first, and a DLQ declared
+    without the limit (before this version) is then taken as it is, with a warning naming the
+    policy that gives it one.
+    """
+    wanted = work_queue.dead_letter_queue
+    if await _declares_cleanly(dlx, wanted):
+        return await broker.declare_queue(wanted)
+    log.warning(
+        "%s was declared without a delivery limit by an earlier version; on RabbitMQ 4.0 to "
+        "4.2 a dead letter looked at 20 times is dropped. Give it one with a policy: "
+        "rabbitmqctl set_policy dlq-peeks '\\.dlq$' '{\"delivery-limit\": %d}' "
+        "--apply-to quorum_queues",
+        wanted.name,
+        DLQ_DELIVERY_LIMIT,
+    )
+    return await broker.declare_queue(
+        RabbitQueue(wanted.name, queue_type=QueueType.QUORUM, declare=False)
+    )
+
+
+async def _declares_cleanly(on: RobustExchange, queue: RabbitQueue) -> bool:
+    """Whether `queue` can be declared as it is (absent, or present with equal arguments)."""
+    connection = (await on.channel.get_underlay_channel()).connection
+    channel = await connection.channel()
+    try:
+        await channel.queue_declare(
+            queue.name,
+            durable=queue.durable,
+            exclusive=queue.exclusive,
+            auto_delete=queue.auto_delete,
+            arguments=queue.arguments,
+        )
+    except aiormq.exceptions.ChannelPreconditionFailed:
+        return False  # the broker closed that channel
+    await channel.close()
+    return True
 
 
 async def _delete_retired_queues(broker: RabbitBroker) -> None:

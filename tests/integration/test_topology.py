@@ -6,6 +6,7 @@ from __future__ import annotations
 import aio_pika
 import aiormq
 import pytest
+from pamqp.common import FieldTable
 
 from shared.bus import publish_event
 from shared.contracts import (
@@ -20,10 +21,13 @@ from shared.contracts import (
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
 from shared.topology import (
+    DLQ_DELIVERY_LIMIT,
+    DLX,
     EVENTS,
     GATEWAY_TASK_OUTCOMES,
     NOTIFICATIONS,
     RETIRED_QUEUES,
+    SCORE_REQUESTS,
     declare_topology,
 )
 
@@ -62,6 +66,61 @@ async def test_retired_queues_are_deleted_and_declaring_twice_is_harmless(amqp_u
     for name in RETIRED_QUEUES:
         assert not await queue_exists(amqp_url, name), name
     assert await queue_exists(amqp_url, GATEWAY_TASK_OUTCOMES.name)
+
+
+async def _declare_topology(amqp_url: str) -> None:
+    broker = make_broker(ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url}))
+    await broker.connect()
+    try:
+        await declare_topology(broker)
+    finally:
+        await broker.stop()
+
+
+async def _declare(amqp_url: str, name: str, arguments: FieldTable) -> None:
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    try:
+        channel = await connection.channel()
+        quorum: FieldTable = {"x-queue-type": "quorum", **arguments}
+        await channel.declare_queue(name, durable=True, arguments=quorum, timeout=10)
+    finally:
+        await connection.close()
+
+
+async def test_a_dlq_is_declared_with_a_delivery_limit_out_of_reach(amqp_url: str) -> None:
+    """On RabbitMQ 4.0 to 4.2 every look at a dead letter counts against the default limit
+    of 20; the DLQ carries its own. The broker refuses a declaration whose arguments differ
+    from the queue's, so it tells which limit the DLQ has."""
+    await _declare_topology(amqp_url)
+    dlq = SCORE_REQUESTS.dead_letter_routing_key
+    await _declare(amqp_url, dlq, {"x-delivery-limit": DLQ_DELIVERY_LIMIT})
+    with pytest.raises(aiormq.exceptions.ChannelPreconditionFailed):
+        await _declare(amqp_url, dlq, {})
+
+
+async def test_a_dlq_of_an_earlier_version_is_kept_as_it_is(
+    amqp_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    dlq = SCORE_REQUESTS.dead_letter_routing_key
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        await (await connection.channel()).queue_delete(dlq)  # this module's vhost is shared
+    await _declare(amqp_url, dlq, {})  # as versions before the limit declared it
+    await _declare_topology(amqp_url)  # no PRECONDITION_FAILED
+
+    assert f"{dlq} was declared without a delivery limit" in caplog.text
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    try:
+        channel = await connection.channel(publisher_confirms=True)
+        dlx = await channel.get_exchange(DLX.name)
+        await dlx.publish(aio_pika.Message(b"dead"), routing_key=dlq, mandatory=True)
+        queue = await channel.declare_queue(dlq, passive=True, timeout=10)
+        message = await queue.get(fail=False, timeout=10)
+        assert message is not None  # still bound to the DLX
+        assert message.body == b"dead"
+        await message.ack()
+    finally:
+        await connection.close()
 
 
 def _completed(task_id: str, *, callback_url: str | None) -> TaskCompleted:

@@ -24,7 +24,7 @@ async def eventually[T](
     probe: Callable[[], Awaitable[T | None]], *, timeout_s: float = 30.0, what: str = "condition"
 ) -> T:
     """Call `probe` until it returns something other than None/False, or fail at the deadline."""
-    last: Any = None
+    last: T | None = None
     try:
         async with asyncio.timeout(timeout_s):
             while True:

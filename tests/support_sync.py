@@ -14,11 +14,11 @@ POLL_INTERVAL_S = 0.05
 def wait_for[T](probe: Callable[[], T | None], *, timeout_s: float, what: str) -> T:
     """Call `probe` until it returns something other than None/False, or fail at the deadline."""
     deadline = time.monotonic() + timeout_s
-    last: object = None
+    last: T | None = None
     while time.monotonic() < deadline:
         last = probe()
         if last is not None and last is not False:
-            return last  # type: ignore[return-value]
+            return last
         time.sleep(POLL_INTERVAL_S)
     raise AssertionError(f"{what} not reached within {timeout_s}s (last: {last!r})")
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from schemathesis.core.result import Err
 
 from devtools.stack import Stack
 
@@ -18,6 +19,8 @@ def test_no_generated_request_causes_a_server_error(stack: Stack, api_key: str) 
     failures: list[str] = []
     operations = 0
     for result in schema.get_all_operations():
+        if isinstance(result, Err):
+            raise result.err()
         operation = result.ok()
         operations += 1
 

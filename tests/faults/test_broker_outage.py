@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import time
@@ -186,7 +187,7 @@ async def test_every_accepted_submission_survives_a_broker_outage(
     assert box.stack.pids() == pids
     for service in SERVICES:
         await eventually(
-            lambda s=service: _answers(box.ready(s), 200),
+            functools.partial(_answers_ready, box, service),
             timeout_s=OUTAGE_TIMEOUT_S,
             what=f"{service} ready",
         )
@@ -455,3 +456,7 @@ def _true[T](value: T) -> Awaitable[T]:
 
 async def _answers(answer: Awaitable[int], expected: int) -> bool:
     return await answer == expected
+
+
+async def _answers_ready(box: Scorebox, service: str) -> bool:
+    return await _answers(box.ready(service), 200)

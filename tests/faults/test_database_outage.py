@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -104,7 +106,9 @@ async def test_database_outage_answers_503_and_recovers(
     accepted |= {await box.submit(essay(m)): m for m in after[1:]}
     for service in SERVICES:
         await eventually(
-            lambda s=service: _answers(box, s, 200), timeout_s=OUTAGE_TIMEOUT_S, what=service
+            functools.partial(_answers, box, service, 200),
+            timeout_s=OUTAGE_TIMEOUT_S,
+            what=service,
         )
 
     views = await box.finish(accepted)
@@ -134,7 +138,7 @@ async def test_database_outage_answers_503_and_recovers(
     assert box.answers[500] == 0, box.answers
 
 
-async def _refused(box: Scorebox) -> dict[str, object] | None:
+async def _refused(box: Scorebox) -> dict[str, Any] | None:
     response = await box.post(essay(new_marker()))
     if response.status_code == 202:
         return None
@@ -142,7 +146,7 @@ async def _refused(box: Scorebox) -> dict[str, object] | None:
     assert response.headers["content-type"].startswith(PROBLEM_JSON), response.headers
     assert response.headers.get("retry-after"), response.headers
     with contextlib.suppress(ValueError):
-        problem: dict[str, object] = response.json()
+        problem: dict[str, Any] = response.json()
         return problem
     raise AssertionError(f"503 without a JSON body: {response.text!r}")
 

@@ -10,8 +10,10 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 
 import aio_pika
+import aiormq
 import pytest
-from faststream.rabbit import RabbitQueue
+from faststream.rabbit import QueueType, RabbitQueue
+from faststream.rabbit.schemas.queue import QuorumQueueArgs
 
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.runtime import make_broker
@@ -49,7 +51,7 @@ class Queue:
         assert count is not None
         return count
 
-    async def _declared(self) -> aio_pika.spec.Queue.DeclareOk:
+    async def _declared(self) -> aiormq.spec.Queue.DeclareOk:
         queue = await self.channel.declare_queue(self.name, passive=True, timeout=TIMEOUT_S)
         return queue.declaration_result
 
@@ -233,17 +235,19 @@ async def test_a_message_returned_as_failed_every_time_is_dead_lettered_at_the_l
     async with connection:
         channel = await connection.channel()
         dead = await channel.declare_queue(f"{name}.dlq", durable=True, timeout=TIMEOUT_S)
-        arguments = {
-            "x-queue-type": "quorum",
+        arguments: QuorumQueueArgs = {
             "x-delivery-limit": limit,
             "x-dead-letter-exchange": "",
             "x-dead-letter-routing-key": dead.name,
         }
-        await channel.declare_queue(name, durable=True, arguments=arguments, timeout=TIMEOUT_S)
+        failing = RabbitQueue(name, QueueType.QUORUM, arguments=arguments, declare=False)
+        await channel.declare_queue(
+            name, durable=True, arguments=failing.arguments, timeout=TIMEOUT_S
+        )
         broker = new_broker(amqp_url)
         deliveries = 0
 
-        @consume(broker, RabbitQueue(name, durable=True, arguments=arguments, declare=False))
+        @consume(broker, failing)
         async def fail(delivery: Delivery) -> None:
             nonlocal deliveries
             deliveries += 1

@@ -55,7 +55,7 @@ async def test_missing_and_repeated_ids(collection: AsyncCollection[Document]) -
         reader.find_by_id("here"), reader.find_by_id("gone"), reader.find_by_id("here")
     )
 
-    assert found == [{"_id": "here"}, None, {"_id": "here"}]
+    assert list(found) == [{"_id": "here"}, None, {"_id": "here"}]
 
 
 async def test_a_lone_read_is_sent_at_once_and_sees_earlier_writes(

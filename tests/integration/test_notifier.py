@@ -34,7 +34,6 @@ from services.gateway.keys import generate_key
 from services.gateway.settings import GatewaySettings
 from services.notifier.app import create_app as create_notifier
 from services.notifier.settings import NotifierSettings
-from services.notifier.ssrf import IPAddress
 from services.scorer.app import create_app as create_scorer
 from services.scorer.model.settings import ModelSettings
 from services.scorer.settings import ScorerSettings
@@ -55,6 +54,7 @@ from shared.contracts import (
 )
 from shared.runtime import make_broker
 from shared.topology import ERROR_HEADER, EVENTS, NOTIFICATIONS, WEBHOOK_DELIVERIES
+from shared.webhook_urls import IPAddress
 from tests.support import eventually, running
 
 API_KEY = generate_key().token  # registered for the default tenant by BOOTSTRAP_API_KEY

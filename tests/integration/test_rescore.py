@@ -296,7 +296,7 @@ async def test_a_rescore_after_a_dead_letter_replay_takes_the_next_generation(fl
 
     async def dead_lettered() -> bool:
         view = await flow.view(task_id)
-        return view["status"] == "failed" and view["error"]["dead_lettered"]
+        return view["status"] == "failed" and bool(view["error"]["dead_lettered"])
 
     await eventually(dead_lettered, timeout_s=60, what="dead-lettered")
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}

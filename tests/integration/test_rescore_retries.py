@@ -8,8 +8,8 @@ commands is scripted to refuse, everything else is real."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, override
 
 import aio_pika
 import pytest
@@ -20,6 +20,7 @@ from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
 from services.gateway.rescore import RescoreRequests
 from services.gateway.settings import GatewaySettings
 from services.gateway.submissions import RescoreClaim, RescoreRefused, Submissions
+from shared.consumers import Delivery
 from shared.contracts import RescoreTask, ScoreText, utcnow
 from shared.runtime import make_broker
 from shared.topology import ERROR_HEADER, RESCORE_REQUESTS, declare_topology
@@ -28,25 +29,57 @@ from tests.support import accepted_submission, eventually, rescore_request
 Mongo = AsyncMongoClient[dict[str, Any]]
 
 
-@dataclass
-class Delivery:
-    """Stands in for a FastStream `RabbitMessage`: what the consumer reads and settles."""
+class FakeDelivery(Delivery):
+    """Stands in for a delivery without a broker message: what the consumer reads, and how
+    it settled it."""
 
-    body: bytes
-    redelivered: bool = False
-    headers: dict[str, Any] = field(default_factory=dict)
-    message_id: str | None = None
-    correlation_id: str | None = None
-    settled: list[str] = field(default_factory=list)
+    def __init__(
+        self,
+        body: bytes,
+        redelivered: bool = False,
+        headers: dict[str, Any] | None = None,
+        message_id: str | None = None,
+        correlation_id: str | None = None,
+    ) -> None:
+        # No raw message to wrap: every member the consumer uses is answered here.
+        self._body = body
+        self._redelivered = redelivered
+        self._headers = headers or {}
+        self._message_id = message_id
+        self._correlation_id = correlation_id
+        self.settled: list[str] = []
 
     @property
-    def raw_message(self) -> Delivery:
-        return self
+    @override
+    def body(self) -> bytes:
+        return self._body
 
+    @property
+    @override
+    def headers(self) -> dict[str, Any]:
+        return self._headers
+
+    @property
+    @override
+    def redelivered(self) -> bool:
+        return self._redelivered
+
+    @property
+    @override
+    def message_id(self) -> str | None:
+        return self._message_id
+
+    @property
+    @override
+    def correlation_id(self) -> str | None:
+        return self._correlation_id
+
+    @override
     async def ack(self) -> None:
         self.settled.append("ack")
 
-    async def reject(self, requeue: bool = False) -> None:
+    @override
+    async def reject(self, *, requeue: bool = False) -> None:
         self.settled.append(f"reject(requeue={requeue})")
 
 
@@ -125,12 +158,13 @@ async def test_an_unconfirmed_rescore_is_retried_later_and_resumes_its_generatio
     request = rescore_request(command)
     refusing = ScriptedPublisher(refusals=1)
 
-    delivery = Delivery(request.model_dump_json().encode())
+    delivery = FakeDelivery(request.model_dump_json().encode())
     await env.consumer(refusing, env.submissions()).on_message(delivery)
 
     assert delivery.settled == ["ack"]
     assert refusing.sent == []
     stored = await env.mongo[env.database]["submissions"].find_one({"_id": command.task_id})
+    assert stored is not None
     assert (stored["generation"], stored["rescore"]["sent"]) == (1, False)
 
     async def came_back() -> list[aio_pika.abc.AbstractIncomingMessage] | None:
@@ -142,7 +176,7 @@ async def test_an_unconfirmed_rescore_is_retried_later_and_resumes_its_generatio
 
     confirming = ScriptedPublisher()
     consumer = env.consumer(confirming, env.submissions())
-    await consumer.on_message(Delivery(retry.body))
+    await consumer.on_message(FakeDelivery(retry.body))
     [sent] = confirming.sent
     assert (sent.task_id, sent.generation, sent.attempt, sent.text) == (
         command.task_id,
@@ -152,10 +186,11 @@ async def test_an_unconfirmed_rescore_is_retried_later_and_resumes_its_generatio
     )
     assert sent.message_id != command.message_id
     stored = await env.mongo[env.database]["submissions"].find_one({"_id": command.task_id})
+    assert stored is not None
     assert (stored["generation"], stored["rescore"]["sent"]) == (1, True)
 
     # The original request delivered once more: a duplicate, nothing sent.
-    await consumer.on_message(Delivery(request.model_dump_json().encode(), redelivered=True))
+    await consumer.on_message(FakeDelivery(request.model_dump_json().encode(), redelivered=True))
     assert len(confirming.sent) == 1
 
 
@@ -174,9 +209,9 @@ async def test_a_first_delivery_never_resumes_a_claim_being_sent(env: Env) -> No
     publisher = ScriptedPublisher()
     consumer = env.consumer(publisher, submissions)
 
-    await consumer.on_message(Delivery(request.model_dump_json().encode()))
+    await consumer.on_message(FakeDelivery(request.model_dump_json().encode()))
     assert publisher.sent == []
-    await consumer.on_message(Delivery(request.model_dump_json().encode(), redelivered=True))
+    await consumer.on_message(FakeDelivery(request.model_dump_json().encode(), redelivered=True))
     assert [command.generation for command in publisher.sent] == [claim.generation]
 
 
@@ -185,7 +220,7 @@ async def test_the_last_attempt_goes_to_the_dead_letter_queue(env: Env) -> None:
     command = await accepted_submission(env.submissions())
     request = rescore_request(command, attempt=5)
     body = request.model_dump_json().encode()
-    delivery = Delivery(body, message_id=request.message_id, correlation_id=request.task_id)
+    delivery = FakeDelivery(body, message_id=request.message_id, correlation_id=request.task_id)
 
     await env.consumer(ScriptedPublisher(refusals=1), env.submissions()).on_message(delivery)
 
@@ -199,7 +234,7 @@ async def test_the_last_attempt_goes_to_the_dead_letter_queue(env: Env) -> None:
 async def test_a_database_outage_is_waited_out(env: Env) -> None:
     command = await accepted_submission(env.submissions())
     publisher = ScriptedPublisher()
-    delivery = Delivery(rescore_request(command).model_dump_json().encode())
+    delivery = FakeDelivery(rescore_request(command).model_dump_json().encode())
 
     await env.consumer(publisher, env.submissions(OutageOnce)).on_message(delivery)
 
@@ -209,7 +244,7 @@ async def test_a_database_outage_is_waited_out(env: Env) -> None:
 
 async def test_an_unreadable_request_is_rejected_without_requeue(env: Env) -> None:
     publisher = ScriptedPublisher()
-    delivery = Delivery(b"{not json")
+    delivery = FakeDelivery(b"{not json")
     await env.consumer(publisher, env.submissions()).on_message(delivery)
     assert delivery.settled == ["reject(requeue=False)"]
     assert publisher.sent == []

@@ -87,8 +87,8 @@ async def _roll_up(scheduler: httpx.AsyncClient) -> None:
     run_url = accepted.json()["status_url"]
 
     async def succeeded() -> bool:
-        body = (await scheduler.get(run_url, headers=admin)).json()
-        return body.get("state") == "succeeded"
+        state: str | None = (await scheduler.get(run_url, headers=admin)).json().get("state")
+        return state == "succeeded"
 
     await eventually(succeeded, what="the usage rollup succeeded")
 

@@ -26,12 +26,7 @@ class FakeGateway:
 @pytest.fixture
 def gateway(monkeypatch: pytest.MonkeyPatch) -> FakeGateway:
     fake = FakeGateway()
-    real_client = httpx.Client
-
-    def client_with_fake_transport(**kwargs: Any) -> httpx.Client:
-        return real_client(transport=httpx.MockTransport(fake), **kwargs)
-
-    monkeypatch.setattr(cli.httpx, "Client", client_with_fake_transport)
+    monkeypatch.setattr(cli, "transport", httpx.MockTransport(fake))
     monkeypatch.setenv("SCOREBOX_URL", "http://gateway.test")
     monkeypatch.setenv("SCOREBOX_ADMIN_KEY", "the-admin-key")
     monkeypatch.setenv("SCOREBOX_API_KEY", "an-api-key")

@@ -4,9 +4,9 @@ Messages are read with `basic.get` and held unacknowledged while the queue is wa
 returned with `basic.nack(requeue=True)`. RabbitMQ 3.x and 4.3+ do not count that return
 against the DLQ's delivery limit, 4.0 to 4.2 do, and the DLQ's own limit
 (`shared.topology.DLQ_DELIVERY_LIMIT`) is out of any operator's reach, so looking never loses
-a dead letter. Replay sends
-a fresh command — next generation, attempt 1, a fresh attempt budget, queued now — from
-which the status projection shows the task queued again, then acks the dead letter.
+a dead letter. Replay sends a fresh command — next generation, attempt 1, a fresh attempt
+budget, queued now — from which the status projection shows the task queued again, then acks
+the dead letter.
 """
 
 from __future__ import annotations

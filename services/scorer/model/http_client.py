@@ -35,7 +35,8 @@ def make_http_client(settings: ModelSettings, *, concurrency: int) -> httpx.Asyn
 class IgnoredCookies(CookieJar):
     """A cookie jar that takes none: a model API is stateless, and a provider's cookies
     (a load balancer's affinity, a bot check's token) must not tie one task's request to
-    another's. Parsing `Set-Cookie` into a jar was a tenth of the client's CPU per call.
+    another's. It also saves a third of httpx's cookie handling per response (39 → 25 µs,
+    docs/architecture.md).
     """
 
     def extract_cookies(self, response: Any, request: Any) -> None:

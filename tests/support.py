@@ -10,6 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 import httpx
+from aiohttp import web
 from fastapi import FastAPI
 from pymongo import AsyncMongoClient, monitoring
 from pymongo.asynchronous.collection import AsyncCollection
@@ -45,6 +46,20 @@ async def running(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
             transport=transport, base_url="http://scorebox.test", timeout=10
         ) as client:
             yield client
+
+
+@asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """An aiohttp app on a free local port (a real HTTP peer); yields its base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
 
 
 class CommandCounter(monitoring.CommandListener):

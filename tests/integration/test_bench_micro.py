@@ -4,45 +4,48 @@ mean nothing, only that every way works (an API change once broke one unnoticed)
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from types import ModuleType
+
 import pytest
 
 from bench import delivery_cost, model_call_cost, publish_cost
 from devtools.fake_llm import FakeLLM
 
+Way = Callable[[str], Awaitable[float]]
+
+BROKER_WAYS: list[tuple[ModuleType, str, Way]] = [
+    (delivery_cost, "DELIVERIES", delivery_cost.through_faststream),
+    (delivery_cost, "DELIVERIES", delivery_cost.through_scorebox),
+    (delivery_cost, "DELIVERIES", delivery_cost.bare_aio_pika),
+    (publish_cost, "MESSAGES", publish_cost.through_faststream),
+    (publish_cost, "MESSAGES", publish_cost.bare_aio_pika),
+]
+MODEL_WAYS: list[Way] = [
+    model_call_cost.through_the_adapter,
+    model_call_cost.httpx_on_aiohttp,
+    model_call_cost.httpx_own_pool,
+    model_call_cost.bare_aiohttp,
+]
+
+
+def _name(way: Way) -> str:
+    return f"{way.__module__.rsplit('.', 1)[-1]}.{way.__name__}"
+
 
 @pytest.mark.parametrize(
-    "way",
-    [delivery_cost.through_faststream, delivery_cost.through_scorebox, delivery_cost.bare_aio_pika],
+    ("module", "size", "way"), BROKER_WAYS, ids=[_name(way) for _, _, way in BROKER_WAYS]
 )
-async def test_every_delivery_way_drains_its_queue(
-    amqp_url: str, way: object, monkeypatch: pytest.MonkeyPatch
+async def test_every_broker_way_measures(
+    amqp_url: str, module: ModuleType, size: str, way: Way, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(delivery_cost, "DELIVERIES", 100)
-    assert callable(way)
+    monkeypatch.setattr(module, size, 100)
     assert await way(amqp_url) > 0
 
 
-@pytest.mark.parametrize("way", [publish_cost.through_faststream, publish_cost.bare_aio_pika])
-async def test_every_publish_way_is_confirmed(
-    amqp_url: str, way: object, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(publish_cost, "MESSAGES", 100)
-    assert callable(way)
-    assert await way(amqp_url) > 0
-
-
-@pytest.mark.parametrize(
-    "way",
-    [
-        model_call_cost.through_the_adapter,
-        model_call_cost.httpx_on_aiohttp,
-        model_call_cost.httpx_own_pool,
-        model_call_cost.bare_aiohttp,
-    ],
-)
+@pytest.mark.parametrize("way", MODEL_WAYS, ids=[_name(way) for way in MODEL_WAYS])
 async def test_every_model_call_way_gets_answers(
-    fake_llm: FakeLLM, way: object, monkeypatch: pytest.MonkeyPatch
+    fake_llm: FakeLLM, way: Way, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(model_call_cost, "CALLS", 50)
-    assert callable(way)
     assert await way(fake_llm.url) > 0

@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from aiohttp import web
 
 from bench.load import http_session, post_until_admitted
+from tests.support import serving
 
 Answer = tuple[int, dict[str, str], bytes]
 
@@ -23,13 +24,8 @@ async def gateway(answers: list[Answer]) -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/v1/scores", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    yield f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    async with serving(app) as url:
+        yield url
 
 
 SHED: Answer = (503, {"Retry-After": "0"}, b'{"limit": "admission"}')

@@ -17,6 +17,7 @@ from services.scorer.model import (
     make_http_client,
     provider_transport,
 )
+from tests.support import serving
 
 LLM_VARIABLES = [
     "LLM_PROVIDER",
@@ -154,15 +155,8 @@ async def cookie_setting_server() -> AsyncIterator[tuple[str, list[str | None]]]
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{port}/v1/chat/completions", received
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield f"{url}/v1/chat/completions", received
 
 
 async def test_the_client_keeps_no_cookie_between_requests(

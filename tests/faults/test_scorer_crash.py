@@ -122,8 +122,9 @@ async def test_killed_scorer_tasks_are_redelivered_and_scored_once(
             time_to_recover_s=round(recovered_in, 2),
             broker=labels[0],
             database=labels[1],
-            notes=f"{killed_in_flight} model calls in flight at the kill; "
-            f"claim lease {LEASE_S} s; time to recover = restart until ready",
+            notes=f"{killed_in_flight} model calls in flight at the kill, "
+            f"{len(left_running)} tasks' results unrecorded (claims left running: the only "
+            f"ones called again); claim lease {LEASE_S} s; time to recover = restart until ready",
         )
     )
     assert killed_in_flight >= 1, "the kill hit no model call in flight"

@@ -97,14 +97,18 @@ async def keep_trying[T](
     retry_on: tuple[type[BaseException], ...],
     first_delay_s: float = 0.2,
     max_delay_s: float = 5.0,
+    give_up_after_s: float | None = None,
 ) -> T:
     """Repeat an idempotent write until the database takes it, backing off.
 
     For consumers: the message stays unacknowledged meanwhile (back-pressure through the
     prefetch), and is neither nacked with requeue (RabbitMQ 4.x does not count that, 3.x
     counts it towards the delivery limit) nor lost. Cancellation (shutdown, a lost broker
-    connection) stops it; the broker then redelivers the message.
+    connection) stops it; the broker then redelivers the message. With `give_up_after_s`,
+    the last error is raised instead of a wait that would end past that many seconds.
     """
+    loop = asyncio.get_running_loop()
+    deadline = None if give_up_after_s is None else loop.time() + give_up_after_s
     delay = first_delay_s
     while True:
         try:
@@ -112,6 +116,8 @@ async def keep_trying[T](
         except retry_on as error:
             # Jittered: writes that failed together (one grouped round trip) retry apart.
             wait = delay * random.uniform(0.5, 1.0)  # noqa: S311 - jitter, not cryptography
+            if deadline is not None and loop.time() + wait > deadline:
+                raise
             log.warning("%s failed (%r); retrying in %.1fs", what, error, wait)
             await asyncio.sleep(wait)
             delay = min(delay * 2, max_delay_s)

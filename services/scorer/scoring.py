@@ -14,6 +14,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from pymongo.errors import PyMongoError
+
 from services.scorer.attempts import Attempts, Busy, Claimed, Decided, Superseded
 from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Retry
 from services.scorer.errors import PermanentError, ScoringError, TransientError
@@ -29,6 +31,7 @@ from shared.contracts import (
     event_sequence,
     new_id,
 )
+from shared.runtime import keep_trying
 
 log = logging.getLogger("scorebox.scorer")
 
@@ -106,8 +109,31 @@ async def score_text(
             pass
     started = TaskStarted.model_validate(_event_fields(command, Phase.STARTED, now))
     decision, raw_output = await _call_model_announcing(command, started, deps)
-    await deps.attempts.decide(command, decision, now=deps.clock(), raw_output=raw_output)
+    await _record(command, decision, raw_output, deps, held_until=now + deps.lease)
     return decision
+
+
+async def _record(
+    command: ScoreText,
+    decision: Finish | Retry,
+    raw_output: str | None,
+    deps: ScorerDeps,
+    *,
+    held_until: datetime,
+) -> None:
+    """Record the decision, trying again while our claim holds.
+
+    The model has been called: a decision lost to a slow or absent database would cost a
+    second call once the claim's lease expired. Until then no other delivery claims the
+    attempt, so the write is repeated (it is idempotent); past it, the error goes to the
+    consumer, which sends the message again, as for any database failure.
+    """
+    await keep_trying(
+        lambda: deps.attempts.decide(command, decision, now=deps.clock(), raw_output=raw_output),
+        what=f"recording the decision of {command.task_id}",
+        retry_on=(PyMongoError,),
+        give_up_after_s=(held_until - deps.clock()).total_seconds(),
+    )
 
 
 async def _call_model_announcing(

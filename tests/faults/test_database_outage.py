@@ -128,12 +128,13 @@ async def test_database_outage_answers_503_and_recovers(
             database=f"{standin_label()}, sqlite engine, a stand-in of the test's own",
             notes=f"{IN_FLIGHT} tasks being scored (model slowed to {LATENCY_MS} ms, "
             f"{calls_in_flight} calls in flight) when it stopped: a call whose result could "
-            "not be recorded is made again once the claim's lease has expired",
+            "not be recorded within the claim's lease is made again once it has expired",
         )
     )
     assert statuses == ["completed"] * len(accepted), views
     assert all(extra[m] == 0 for m in before + after), extra
-    # A call that ended while MongoDB was down could not be recorded: it is made once more.
+    # A call that ended while MongoDB was down is recorded once it is back, unless the outage
+    # outlasted the claim's lease: then the call is made once more.
     assert all(0 <= extra[m] <= 1 for m in in_flight), extra
     assert box.answers[500] == 0, box.answers
 

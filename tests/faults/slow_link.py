@@ -1,0 +1,84 @@
+"""A TCP proxy that can hold every reply back: a slow database, as its clients see it.
+
+Requests go through at once, so the server applies a write whose reply then arrives after
+the client gave up on it, as with a MongoDB that is overloaded or a network that stalls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+CHUNK = 64 * 1024
+
+
+@dataclass
+class SlowLink:
+    """Listens on a free local port and forwards each connection to `upstream` (host, port).
+
+    While `reply_delay_s` is above zero every chunk the server sends is held back that long
+    before it is passed on (in order, per connection).
+    """
+
+    upstream: tuple[str, int]
+    reply_delay_s: float = 0.0
+    _server: asyncio.Server | None = field(default=None, init=False)
+    _pipes: set[asyncio.Task[None]] = field(default_factory=set, init=False)
+
+    @classmethod
+    def to_mongo(cls, url: str) -> SlowLink:
+        parts = urlsplit(url)
+        return cls((parts.hostname or "127.0.0.1", parts.port or 27017))
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None, "not started"
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    @property
+    def mongo_url(self) -> str:
+        return f"mongodb://127.0.0.1:{self.port}/?directConnection=true"
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._connect, "127.0.0.1", 0)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for pipe in list(self._pipes):
+            pipe.cancel()
+        await asyncio.gather(*self._pipes, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _connect(
+        self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter
+    ) -> None:
+        try:
+            server_in, server_out = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            client_out.close()
+            return
+        requests = asyncio.create_task(self._pipe(client_in, server_out, held=False))
+        replies = asyncio.create_task(self._pipe(server_in, client_out, held=True))
+        self._pipes |= {requests, replies}
+        await asyncio.wait({requests, replies}, return_when=asyncio.FIRST_COMPLETED)
+        for pipe in (requests, replies):
+            pipe.cancel()
+            self._pipes.discard(pipe)
+        await asyncio.gather(requests, replies, return_exceptions=True)
+        for writer in (server_out, client_out):
+            writer.close()
+
+    async def _pipe(
+        self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, *, held: bool
+    ) -> None:
+        with contextlib.suppress(ConnectionError):
+            while chunk := await source.read(CHUNK):
+                if held and self.reply_delay_s > 0:
+                    await asyncio.sleep(self.reply_delay_s)  # the injected fault itself
+                sink.write(chunk)
+                await sink.drain()

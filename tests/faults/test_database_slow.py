@@ -1,0 +1,214 @@
+"""MongoDB turns slow: every reply is held back past the services' timeout, then it recovers.
+
+The services reach the database through `SlowLink`, a TCP proxy of this test's own, so the
+server still applies each write it receives while its reply arrives too late. A submission
+answered 503 may therefore have been recorded after all; the outbox sweep then sends it and
+it is scored once (the reliability row counts those). Every 202 must end in a result, no
+request may fail with 500, and, the slowness being shorter than a claim's lease, no model
+call may be repeated: the scorer keeps trying to record a decision while its claim holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient
+
+from devtools.fake_llm import FakeLLM
+from devtools.infra import Endpoint
+from shared.http import PROBLEM_JSON
+from tests.faults.harness import (
+    SERVICES,
+    Figures,
+    Outcome,
+    Scorebox,
+    essay,
+    new_marker,
+    running_scorebox,
+)
+from tests.faults.slow_link import SlowLink
+from tests.support import eventually
+
+MONGO_TIMEOUT_S = 1
+LLM_TIMEOUT_S = 30
+REPLY_DELAY_S = 2.5  # past MONGO_TIMEOUT_S: every database call of the services times out
+SLOW_SUBMISSIONS = 8
+IN_FLIGHT = 4
+MODEL_LATENCY_MS = 1500
+OUTBOX_GRACE_S = 2
+WAIT_S = 120.0
+
+Document = dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+async def link(mongo: Endpoint) -> AsyncIterator[SlowLink]:
+    proxy = SlowLink.to_mongo(mongo.url)
+    await proxy.start()
+    yield proxy
+    await proxy.stop()
+
+
+@pytest.fixture(scope="module")
+async def box(
+    amqp_url: str, link: SlowLink, db_prefix: str, llm: FakeLLM, log_dir: Path
+) -> AsyncIterator[Scorebox]:
+    env = {
+        # A claim's lease (twice this, plus a margin) outlasts the slowness: the scorer keeps
+        # trying to record a decision while its claim holds, so no model call is repeated.
+        "LLM_TIMEOUT_S": str(LLM_TIMEOUT_S),
+        "MONGO_TIMEOUT_S": str(MONGO_TIMEOUT_S),
+        "OUTBOX_GRACE_S": str(OUTBOX_GRACE_S),
+        "OUTBOX_INTERVAL_S": "1",
+    }
+    async with running_scorebox(
+        amqp_url=amqp_url,
+        mongo_url=link.mongo_url,
+        db_prefix=db_prefix,
+        llm=llm,
+        log_dir=log_dir,
+        env=env,
+    ) as running:
+        yield running
+
+
+async def test_slow_database_answers_503_and_loses_nothing(
+    box: Scorebox,
+    link: SlowLink,
+    mongo: Endpoint,
+    db_prefix: str,
+    figures: Figures,
+    labels: tuple[str, str],
+) -> None:
+    box.answers.clear()
+    before = [new_marker() for _ in range(3)]
+    accepted = {await box.submit(essay(m)): m for m in before}
+    await box.finish(accepted)
+
+    # Tasks being scored when it turns slow: their decisions are written late.
+    box.llm.config.latency_ms = MODEL_LATENCY_MS
+    try:
+        in_flight = [new_marker() for _ in range(IN_FLIGHT)]
+        accepted |= {await box.submit(essay(m)): m for m in in_flight}
+        async with asyncio.timeout(WAIT_S):
+            await box.llm.wait_for_stats(lambda stats: stats["in_flight"] >= 1)
+        calls_in_flight = box.llm.stats()["in_flight"]
+        link.reply_delay_s = REPLY_DELAY_S
+        slow = [new_marker() for _ in range(SLOW_SUBMISSIONS)]
+        answered = {m: await _answer(box, m) for m in slow}
+    finally:
+        link.reply_delay_s = 0
+        box.llm.config.latency_ms = 0
+    lifted_at = time.monotonic()
+    refused = [m for m, (task_id, _) in answered.items() if task_id is None]
+    accepted |= {task_id: m for m, (task_id, _) in answered.items() if task_id is not None}
+    slowest_answer_s = max(seconds for _, seconds in answered.values())
+
+    after = [new_marker() for _ in range(3)]
+    first = await eventually(
+        functools.partial(_accepted, box, after[0]),
+        timeout_s=WAIT_S,
+        what="a 202 once MongoDB answers in time again",
+    )
+    time_to_recover = time.monotonic() - lifted_at
+    accepted[first] = after[0]
+    accepted |= {await box.submit(essay(m)): m for m in after[1:]}
+    for service in SERVICES:
+        await eventually(functools.partial(_ready, box, service), timeout_s=WAIT_S, what=service)
+
+    views = await box.finish(accepted)
+    # A refused submission whose record reached the database all the same is sent by the
+    # outbox sweep: once none is left unsent, find those and wait for their ends too.
+    gateway_db = f"{db_prefix}_gateway"
+    await eventually(
+        functools.partial(_outbox_empty, mongo.url, gateway_db), timeout_s=WAIT_S, what="outbox"
+    )
+    scored_anyway = await _tasks_of(mongo.url, gateway_db, refused)
+    views |= await box.finish(scored_anyway)
+    markers = accepted | scored_anyway
+    extra = {m: box.calls(m) - views[t]["attempts"] for t, m in markers.items()}
+    statuses = [views[t]["status"] for t in accepted]
+    figures.record(
+        Outcome(
+            name="MongoDB slow (replies held past the timeout)",
+            accepted=len(accepted),
+            completed=statuses.count("completed"),
+            failed=statuses.count("failed"),
+            duplicate_model_calls=sum(n for n in extra.values() if n > 0),
+            http_5xx_seen=box.http_5xx(),
+            time_to_recover_s=round(time_to_recover, 2),
+            broker=labels[0],
+            database=labels[1],
+            notes=f"every reply held {REPLY_DELAY_S} s by a TCP proxy (MONGO_TIMEOUT_S="
+            f"{MONGO_TIMEOUT_S}) while {IN_FLIGHT} tasks were being scored ({calls_in_flight} "
+            f"model calls in flight, model slowed to {MODEL_LATENCY_MS} ms) and during "
+            f"{SLOW_SUBMISSIONS} submissions: "
+            f"{SLOW_SUBMISSIONS - len(refused)} answered 202, {len(refused)} 503 problem+json, "
+            f"the slowest answer in {slowest_answer_s:.1f} s; {len(scored_anyway)} of the 503s "
+            "scored anyway (their record was written after the gateway gave up on it, and the "
+            "outbox sweep sent it)",
+        )
+    )
+    assert refused, "the slow database refused nothing: the fault did not bite"
+    assert statuses == ["completed"] * len(accepted), views
+    # Decisions the slowness kept from being written were written once it passed, within
+    # their claims' leases: no task was called again.
+    assert all(n == 0 for n in extra.values()), extra
+    assert box.answers[500] == 0, box.answers
+
+
+async def _answer(box: Scorebox, marker: str) -> tuple[str | None, float]:
+    """Submit during the slowness: the task id of a 202 or None for a 503, and how long the
+    answer took."""
+    started = time.monotonic()
+    response = await box.post(essay(marker))
+    seconds = time.monotonic() - started
+    if response.status_code == 202:
+        task_id: str = response.json()["task_id"]
+        return task_id, seconds
+    assert response.status_code == 503, response.text
+    assert response.headers["content-type"].startswith(PROBLEM_JSON), response.headers
+    assert response.headers.get("retry-after"), response.headers
+    return None, seconds
+
+
+async def _accepted(box: Scorebox, marker: str) -> str | None:
+    task_id, _ = await _answer(box, marker)
+    return task_id
+
+
+async def _ready(box: Scorebox, service: str) -> bool:
+    return await box.ready(service) == 200
+
+
+@contextlib.asynccontextmanager
+async def _submissions(url: str, database: str) -> AsyncIterator[Any]:
+    client: AsyncMongoClient[Document] = AsyncMongoClient(url, timeoutMS=10_000)
+    try:
+        yield client[database]["submissions"]
+    finally:
+        await client.close()
+
+
+async def _outbox_empty(url: str, database: str) -> bool:
+    async with _submissions(url, database) as submissions:
+        unsent = {"state": {"$in": ["accepting", "unconfirmed"]}}
+        left: int = await submissions.count_documents(unsent)
+        return left == 0
+
+
+async def _tasks_of(url: str, database: str, markers: list[str]) -> dict[str, str]:
+    """The tasks recorded for submissions that were answered 503: task id → marker."""
+    found: dict[str, str] = {}
+    async with _submissions(url, database) as submissions:
+        for marker in markers:
+            async for document in submissions.find({"command.text": {"$regex": marker}}):
+                found[str(document["_id"])] = marker
+    return found

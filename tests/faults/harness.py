@@ -13,6 +13,7 @@ into `.run/results/faults.json`, which `python -m devtools.reliability` renders.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import secrets
@@ -167,6 +168,35 @@ class Scorebox:
         """The status of the service's `/readyz` (which may take a dependency's timeout)."""
         async with httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as client:
             return (await client.get(f"{self.stack.url(service)}/readyz")).status_code
+
+    async def answers_ready(self, service: str, status: int = 200) -> bool:
+        return await self.ready(service) == status
+
+    async def all_ready(self, *, timeout_s: float) -> None:
+        """Wait until every service of the stack answers `/readyz` with 200."""
+        for service in SERVICES:
+            await eventually(
+                functools.partial(self.answers_ready, service),
+                timeout_s=timeout_s,
+                what=f"{service} ready",
+            )
+
+    @asynccontextmanager
+    async def calls_in_flight(
+        self, tasks: int, *, latency_ms: int, timeout_s: float
+    ) -> AsyncIterator[tuple[dict[str, str], int]]:
+        """Submit `tasks` tasks with the model slowed to `latency_ms`; inside, at least one of
+        their calls is in flight. Yields their task id → marker and the calls in flight then;
+        the model's latency is restored on the way out."""
+        self.llm.config.latency_ms = latency_ms
+        try:
+            markers = [new_marker() for _ in range(tasks)]
+            accepted = {await self.submit(essay(m)): m for m in markers}
+            async with asyncio.timeout(timeout_s):
+                await self.llm.wait_for_stats(lambda stats: stats["in_flight"] >= 1)
+            yield accepted, int(self.llm.stats()["in_flight"])
+        finally:
+            self.llm.config.latency_ms = 0
 
     def logs(self, lines: int = 25) -> str:
         tails = [

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import os
 import time
@@ -26,7 +25,6 @@ from devtools.fake_llm import FakeLLM
 from devtools.infra import Endpoint
 from shared.http import PROBLEM_JSON
 from tests.faults.harness import (
-    SERVICES,
     Figures,
     MemoryAlarm,
     Outcome,
@@ -177,7 +175,7 @@ async def test_every_accepted_submission_survives_a_broker_outage(
                 what="503s while the broker is away",
             )
             await eventually(
-                lambda: _answers(box.ready("gateway"), 503),
+                lambda: box.answers_ready("gateway", 503),
                 timeout_s=OUTAGE_TIMEOUT_S,
                 what="gateway not ready",
             )
@@ -185,12 +183,7 @@ async def test_every_accepted_submission_survives_a_broker_outage(
 
     # The services reconnected by themselves: the same processes, all ready again.
     assert box.stack.pids() == pids
-    for service in SERVICES:
-        await eventually(
-            functools.partial(_answers_ready, box, service),
-            timeout_s=OUTAGE_TIMEOUT_S,
-            what=f"{service} ready",
-        )
+    await box.all_ready(timeout_s=OUTAGE_TIMEOUT_S)
     accepted = client.accepted()
     tally = await _tally(box, client, accepted)
     figures.record(
@@ -452,11 +445,3 @@ def _true[T](value: T) -> Awaitable[T]:
     future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
     future.set_result(value)
     return future
-
-
-async def _answers(answer: Awaitable[int], expected: int) -> bool:
-    return await answer == expected
-
-
-async def _answers_ready(box: Scorebox, service: str) -> bool:
-    return await _answers(box.ready(service), 200)

@@ -9,9 +9,7 @@ that the services answer again.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import functools
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,7 +22,6 @@ from devtools.infra import standin_label
 from devtools.stack import free_ports
 from shared.http import PROBLEM_JSON
 from tests.faults.harness import (
-    SERVICES,
     Figures,
     Outcome,
     Scorebox,
@@ -72,16 +69,10 @@ async def test_database_outage_answers_503_and_recovers(
     accepted = {await box.submit(essay(m)): m for m in before}
     await box.finish(accepted)
 
-    box.llm.config.latency_ms = LATENCY_MS
-    try:
-        in_flight = [new_marker() for _ in range(IN_FLIGHT)]
-        accepted |= {await box.submit(essay(m)): m for m in in_flight}
-        async with asyncio.timeout(OUTAGE_TIMEOUT_S):
-            await box.llm.wait_for_stats(lambda s: s["in_flight"] >= 1)
-        calls_in_flight = box.llm.stats()["in_flight"]
+    calls = box.calls_in_flight(IN_FLIGHT, latency_ms=LATENCY_MS, timeout_s=OUTAGE_TIMEOUT_S)
+    async with calls as (in_flight, calls_in_flight):
         await standin.stop()
-    finally:
-        box.llm.config.latency_ms = 0
+    accepted |= in_flight
 
     refused = await eventually(
         lambda: _refused(box), timeout_s=OUTAGE_TIMEOUT_S, what="a 503 while MongoDB is down"
@@ -90,7 +81,7 @@ async def test_database_outage_answers_503_and_recovers(
     assert refused["type"].endswith("/unavailable"), refused
     assert refused["detail"], refused
     await eventually(
-        lambda: _answers(box, "gateway", 503), timeout_s=OUTAGE_TIMEOUT_S, what="not ready"
+        lambda: box.answers_ready("gateway", 503), timeout_s=OUTAGE_TIMEOUT_S, what="not ready"
     )
 
     lifted_at = time.monotonic()
@@ -104,12 +95,7 @@ async def test_database_outage_answers_503_and_recovers(
     time_to_recover = time.monotonic() - lifted_at
     accepted[first] = after[0]
     accepted |= {await box.submit(essay(m)): m for m in after[1:]}
-    for service in SERVICES:
-        await eventually(
-            functools.partial(_answers, box, service, 200),
-            timeout_s=OUTAGE_TIMEOUT_S,
-            what=service,
-        )
+    await box.all_ready(timeout_s=OUTAGE_TIMEOUT_S)
 
     views = await box.finish(accepted)
     statuses = [v["status"] for v in views.values()]
@@ -135,7 +121,7 @@ async def test_database_outage_answers_503_and_recovers(
     assert all(extra[m] == 0 for m in before + after), extra
     # A call that ended while MongoDB was down is recorded once it is back, unless the outage
     # outlasted the claim's lease: then the call is made once more.
-    assert all(0 <= extra[m] <= 1 for m in in_flight), extra
+    assert all(0 <= extra[m] <= 1 for m in in_flight.values()), extra
     assert box.answers[500] == 0, box.answers
 
 
@@ -159,7 +145,3 @@ async def _accepted(box: Scorebox, text: str) -> str | None:
         return None
     task_id: str = response.json()["task_id"]
     return task_id
-
-
-async def _answers(box: Scorebox, service: str, status: int) -> bool:
-    return await box.ready(service) == status

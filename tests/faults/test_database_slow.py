@@ -10,7 +10,6 @@ call may be repeated: the scorer keeps trying to record a decision while its cla
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import time
@@ -25,7 +24,6 @@ from devtools.fake_llm import FakeLLM
 from devtools.infra import Endpoint
 from shared.http import PROBLEM_JSON
 from tests.faults.harness import (
-    SERVICES,
     Figures,
     Outcome,
     Scorebox,
@@ -93,19 +91,15 @@ async def test_slow_database_answers_503_and_loses_nothing(
     await box.finish(accepted)
 
     # Tasks being scored when it turns slow: their decisions are written late.
-    box.llm.config.latency_ms = MODEL_LATENCY_MS
-    try:
-        in_flight = [new_marker() for _ in range(IN_FLIGHT)]
-        accepted |= {await box.submit(essay(m)): m for m in in_flight}
-        async with asyncio.timeout(WAIT_S):
-            await box.llm.wait_for_stats(lambda stats: stats["in_flight"] >= 1)
-        calls_in_flight = box.llm.stats()["in_flight"]
+    calls = box.calls_in_flight(IN_FLIGHT, latency_ms=MODEL_LATENCY_MS, timeout_s=WAIT_S)
+    async with calls as (in_flight, calls_in_flight):
         link.reply_delay_s = REPLY_DELAY_S
-        slow = [new_marker() for _ in range(SLOW_SUBMISSIONS)]
-        answered = {m: await _answer(box, m) for m in slow}
-    finally:
-        link.reply_delay_s = 0
-        box.llm.config.latency_ms = 0
+        try:
+            slow = [new_marker() for _ in range(SLOW_SUBMISSIONS)]
+            answered = {m: await _answer(box, m) for m in slow}
+        finally:
+            link.reply_delay_s = 0
+    accepted |= in_flight
     lifted_at = time.monotonic()
     refused = [m for m, (task_id, _) in answered.items() if task_id is None]
     accepted |= {task_id: m for m, (task_id, _) in answered.items() if task_id is not None}
@@ -120,8 +114,7 @@ async def test_slow_database_answers_503_and_loses_nothing(
     time_to_recover = time.monotonic() - lifted_at
     accepted[first] = after[0]
     accepted |= {await box.submit(essay(m)): m for m in after[1:]}
-    for service in SERVICES:
-        await eventually(functools.partial(_ready, box, service), timeout_s=WAIT_S, what=service)
+    await box.all_ready(timeout_s=WAIT_S)
 
     views = await box.finish(accepted)
     # A refused submission whose record reached the database all the same is sent by the
@@ -182,10 +175,6 @@ async def _answer(box: Scorebox, marker: str) -> tuple[str | None, float]:
 async def _accepted(box: Scorebox, marker: str) -> str | None:
     task_id, _ = await _answer(box, marker)
     return task_id
-
-
-async def _ready(box: Scorebox, service: str) -> bool:
-    return await box.ready(service) == 200
 
 
 @contextlib.asynccontextmanager

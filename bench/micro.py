@@ -12,7 +12,10 @@
 5. The scorer's text preparation (`prepare_text`, with `detect_instructions` in it) on the
    benchmark's essays.
 6. Client CPU per model call against the fake model: the scorer's adapter, its HTTP client
-   alone (httpx over aiohttp), httpx's own pool and bare aiohttp (`bench.model_call_cost`).
+   alone (httpx over aiohttp), httpx's own pool and bare aiohttp (`bench.model_call_cost`);
+   and two parts of a call in isolation: httpx building a request for a URL given as a
+   string or parsed once, and taking a response's cookies into a jar or `IgnoredCookies`.
+7. The stand-in's (or MongoDB's) cost per update on documents of three sizes.
 
 Everything runs on uvloop, as the services do.
 
@@ -31,12 +34,12 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import uvloop
-from pymongo import AsyncMongoClient
+from pymongo import AsyncMongoClient, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
 
 from bench.delivery_cost import delivery_cost
 from bench.load import essay
-from bench.model_call_cost import model_call_cost
+from bench.model_call_cost import model_call_cost, request_building
 from bench.publish_cost import publish_cost
 from bench.stats import cpu_us_each
 from devtools.infra import read_first_line
@@ -49,6 +52,8 @@ Document = dict[str, Any]
 WRITES = 4_000
 CONCURRENCY = 64
 GROWTH_BLOCKS = 5
+DOCUMENT_TEXT_SIZES = (0, 300, 3_000)
+SIZED_DOCUMENTS = 500
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 
 
@@ -107,12 +112,31 @@ async def growth(collection: AsyncCollection[Document]) -> None:
         )
 
 
+async def document_size(collection: AsyncCollection[Document]) -> None:
+    """Server round trip per `$set` of one field, in bulks of 50, on documents holding a text
+    of each size: whether a write's cost follows the size of the document it changes."""
+    for size in DOCUMENT_TEXT_SIZES:
+        await collection.drop()
+        ids = [f"s{i}" for i in range(SIZED_DOCUMENTS)]
+        text = "x" * size
+        await collection.insert_many(
+            [{"_id": i, "state": "accepting", "command": {"text": text}} for i in ids]
+        )
+        updates = [UpdateOne({"_id": i}, {"$set": {"state": "accepted"}}) for i in ids]
+        started = time.perf_counter()
+        for first in range(0, len(updates), 50):
+            await collection.bulk_write(updates[first : first + 50], ordered=False)
+        per_update = (time.perf_counter() - started) / len(updates) * 1e6
+        print(f"documents holding {size:,} characters: {per_update:.0f} µs per $set (bulks of 50)")
+
+
 async def measure(url: str) -> None:
     client: AsyncMongoClient[Document] = AsyncMongoClient(url, serverSelectionTimeoutMS=10_000)
     try:
         await group_commit(client["bench_micro"]["group_commit"])
         await group_reads(client["bench_micro"]["group_commit"])
         await growth(client["bench_micro"]["growth"])
+        await document_size(client["bench_micro"]["sized"])
     finally:
         await client.drop_database("bench_micro")
         await client.close()
@@ -146,6 +170,7 @@ def announced_url(module: str, *args: str) -> Iterator[str]:
 
 def main() -> int:
     text_preparation()
+    request_building()
     with announced_url("devtools.fake_llm", "--latency-ms", "20", "--jitter-ms", "0") as model:
         print("Model: devtools.fake_llm, 20 ms per call")
         uvloop.run(model_call_cost(model))

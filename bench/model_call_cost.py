@@ -16,6 +16,8 @@ The ways alternate `ROUNDS` times and the median of each is reported.
 from __future__ import annotations
 
 import functools
+import timeit
+from collections.abc import Callable
 
 import aiohttp
 import httpx
@@ -24,6 +26,7 @@ import orjson
 from bench.load import essay
 from bench.stats import alternating_medians, cpu_us_each
 from services.scorer.model import ScoringRequest, build_model, make_http_client
+from services.scorer.model.http_client import IgnoredCookies
 from services.scorer.model.prompt import build_messages
 from services.scorer.model.settings import ModelSettings
 
@@ -107,4 +110,30 @@ async def model_call_cost(base_url: str) -> None:
         f"client CPU per model call ({IN_FLIGHT} in flight, median of {ROUNDS}): scorer's "
         f"adapter {adapter:.0f} µs; httpx on aiohttp {transport:.0f} µs; httpx's own pool "
         f"{own_pool:.0f} µs; bare aiohttp {floor:.0f} µs"
+    )
+
+
+def _us_each(action: Callable[[], object], times: int = 20_000) -> float:
+    return timeit.timeit(action, number=times) / times * 1e6
+
+
+def request_building() -> None:
+    """httpx's `build_request` for the URL as a string and parsed once, and cookie handling
+    of one response with httpx's jar and with `IgnoredCookies` (CPU only, no network)."""
+    text_url = "http://127.0.0.1:8080/v1/chat/completions"
+    parsed_url = httpx.URL(text_url)
+    client = httpx.AsyncClient()
+    build = functools.partial(client.build_request, "POST", content=b"{}", headers=HEADERS)
+    response = httpx.Response(
+        200,
+        headers={"content-type": "application/json"},
+        content=b"{}",
+        request=httpx.Request("POST", parsed_url),
+    )
+    kept, ignored = httpx.Cookies(), httpx.Cookies(IgnoredCookies())
+    print(
+        f"httpx build_request: URL as a string {_us_each(lambda: build(text_url)):.0f} µs, "
+        f"parsed once {_us_each(lambda: build(parsed_url)):.0f} µs; cookies of a response: "
+        f"httpx's jar {_us_each(lambda: kept.extract_cookies(response)):.0f} µs, "
+        f"IgnoredCookies {_us_each(lambda: ignored.extract_cookies(response)):.0f} µs"
     )

@@ -9,8 +9,10 @@ from types import ModuleType
 
 import pytest
 
-from bench import delivery_cost, model_call_cost, publish_cost
+from bench import delivery_cost, micro, model_call_cost, publish_cost
 from devtools.fake_llm import FakeLLM
+from devtools.infra import Endpoint
+from tests.support import CommandCounter, scratch_collection
 
 Way = Callable[[str], Awaitable[float]]
 
@@ -49,3 +51,21 @@ async def test_every_model_call_way_gets_answers(
 ) -> None:
     monkeypatch.setattr(model_call_cost, "CALLS", 50)
     assert await way(fake_llm.url) > 0
+
+
+def test_request_building_measures_both_ways(capsys: pytest.CaptureFixture[str]) -> None:
+    model_call_cost.request_building()
+    printed = capsys.readouterr().out
+    assert "parsed once" in printed
+    assert "IgnoredCookies" in printed
+
+
+async def test_document_size_measures_every_size(
+    mongo: Endpoint, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(micro, "SIZED_DOCUMENTS", 20)
+    async with scratch_collection(mongo.url, CommandCounter(), prefix="micro") as collection:
+        await micro.document_size(collection)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(micro.DOCUMENT_TEXT_SIZES)
+    assert all("µs per $set" in line for line in lines)

@@ -351,7 +351,9 @@ async def _declares_cleanly(on: RobustExchange, queue: RabbitQueue) -> bool:
         )
     except aiormq.exceptions.ChannelPreconditionFailed:
         return False  # the broker closed that channel
-    await channel.close()
+    finally:
+        if not channel.is_closed:
+            await channel.close()
     return True
 
 

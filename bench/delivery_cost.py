@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -22,6 +23,7 @@ from faststream.rabbit import RabbitBroker, RabbitQueue
 from faststream.rabbit.message import RabbitMessage
 from faststream.rabbit.schemas import Channel
 
+from bench.procstat import cpu_seconds
 from bench.stats import alternating_medians
 from shared.consumers import Delivery, ScoreboxBroker, consume
 
@@ -46,12 +48,22 @@ async def _fill(url: str, queue_name: str) -> None:
             await channel.default_exchange.publish(message, routing_key=queue_name)
 
 
-async def _cpu_us_per_delivery(start: Callable[[asyncio.Event], Awaitable[None]]) -> float:
+BrokerMeter = tuple[int, list[float]]  # the broker's pid, and where its µs per delivery go
+
+
+async def _cpu_us_per_delivery(
+    start: Callable[[asyncio.Event], Awaitable[None]], broker: BrokerMeter | None = None
+) -> float:
     drained = asyncio.Event()
+    broker_started = cpu_seconds(broker[0]) if broker else None
     started = time.process_time()
     await start(drained)
     await asyncio.wait_for(drained.wait(), timeout=120)
-    return (time.process_time() - started) / DELIVERIES * 1e6
+    spent = time.process_time() - started
+    broker_spent = cpu_seconds(broker[0]) if broker else None
+    if broker and broker_started is not None and broker_spent is not None:
+        broker[1].append((broker_spent - broker_started) / DELIVERIES * 1e6)
+    return spent / DELIVERIES * 1e6
 
 
 def _counter(drained: asyncio.Event) -> Callable[[], None]:
@@ -96,8 +108,8 @@ async def through_faststream(url: str) -> float:
         await broker.stop()
 
 
-async def through_scorebox(url: str) -> float:
-    """`shared.consumers.consume`, as every service consumes."""
+async def through_scorebox(url: str, broker_meter: BrokerMeter | None = None) -> float:
+    """`shared.consumers.consume`, as every service consumes (acks coalesced per loop pass)."""
     queue = _fresh_queue()
     await _fill(url, queue.name)
     broker = ScoreboxBroker(
@@ -119,12 +131,13 @@ async def through_scorebox(url: str) -> float:
         await broker.start()
 
     try:
-        return await _cpu_us_per_delivery(start)
+        return await _cpu_us_per_delivery(start, broker_meter)
     finally:
         await broker.stop()
 
 
-async def bare_aio_pika(url: str) -> float:
+async def bare_aio_pika(url: str, broker_meter: BrokerMeter | None = None) -> float:
+    """A bare aio-pika consumer acking each delivery with a frame of its own."""
     name = _fresh_queue().name
     await _fill(url, name)
     connection = await aio_pika.connect_robust(url, timeout=10)
@@ -142,20 +155,30 @@ async def bare_aio_pika(url: str) -> float:
         await queue.consume(handle)
 
     try:
-        return await _cpu_us_per_delivery(start)
+        return await _cpu_us_per_delivery(start, broker_meter)
     finally:
         await connection.close()
 
 
-async def delivery_cost(url: str) -> None:
+async def delivery_cost(url: str, broker_pid: int | None = None) -> None:
+    """Print the consumer's CPU per delivery each way, and the broker's where `broker_pid`
+    names the local node (its acknowledgements differ: one per loop pass, or one each)."""
+    broker_scorebox: list[float] = []
+    broker_bare: list[float] = []
     faststream, scorebox, bare = await alternating_medians(
         ROUNDS,
         lambda: through_faststream(url),
-        lambda: through_scorebox(url),
-        lambda: bare_aio_pika(url),
+        lambda: through_scorebox(url, (broker_pid, broker_scorebox) if broker_pid else None),
+        lambda: bare_aio_pika(url, (broker_pid, broker_bare) if broker_pid else None),
     )
     print(
         f"consumer CPU per delivery (manual ack, prefetch {PREFETCH}), median of {ROUNDS}: "
         f"FastStream's subscriber {faststream:.0f} µs, shared.consumers {scorebox:.0f} µs, "
         f"bare aio-pika {bare:.0f} µs"
     )
+    if broker_scorebox and broker_bare:
+        print(
+            f"broker CPU per delivery, median of {ROUNDS}: shared.consumers "
+            f"{statistics.median(broker_scorebox):.0f} µs, bare aio-pika "
+            f"{statistics.median(broker_bare):.0f} µs"
+        )

@@ -32,12 +32,14 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import uvloop
 from pymongo import AsyncMongoClient, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
 
 from bench.delivery_cost import delivery_cost
+from bench.infra import local_broker_pid
 from bench.load import essay
 from bench.model_call_cost import model_call_cost, request_building
 from bench.publish_cost import publish_cost
@@ -176,7 +178,8 @@ def main() -> int:
         uvloop.run(model_call_cost(model))
     amqp_url = os.environ.get("RABBITMQ_URL", DEFAULT_AMQP_URL)
     print(f"Broker: {amqp_url.split('@')[-1]}")
-    uvloop.run(delivery_cost(amqp_url))
+    local = urlsplit(amqp_url).hostname in {"127.0.0.1", "localhost"}
+    uvloop.run(delivery_cost(amqp_url, local_broker_pid() if local else None))
     uvloop.run(publish_cost(amqp_url))
     mongo_url = os.environ.get("MONGO_URL")
     if mongo_url:

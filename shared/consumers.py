@@ -16,7 +16,9 @@ asks for another prefetch. Each delivery reaches its handler as a `Delivery` wit
 FastStream's per-delivery pipeline (message parsing, context scopes, logging and
 acknowledgement middlewares), measured in docs/architecture.md ("Performance").
 
-Settling is the handler's: it acks, nacks or rejects (settling twice is a no-op). A handler
+Settling is the handler's: it acks, nacks or rejects (settling twice is a no-op). Acks are
+sent at the end of the loop pass that asked for them, as few frames as is exact
+(`shared.acks`); nacks and rejects go at once. A handler
 that raises leaves its delivery unsettled; the broker redelivers it when the channel closes
 (a restart, a reconnection), which counts towards a quorum queue's delivery limit on RabbitMQ
 3.x and 4.x alike. It is never requeued at once: that would spin on a message that fails
@@ -34,9 +36,12 @@ from typing import TYPE_CHECKING, Any, cast, override
 import aio_pika
 from faststream.rabbit import RabbitBroker, RabbitQueue
 
+from shared.acks import ChannelAcks
+
 if TYPE_CHECKING:
     from types import TracebackType
 
+    import aiormq.abc
     from aio_pika.abc import (
         AbstractChannel,
         AbstractIncomingMessage,
@@ -50,10 +55,12 @@ log = logging.getLogger("scorebox.consumers")
 class Delivery:
     """One delivery as a handler sees it: what it carries, and how to settle it."""
 
-    __slots__ = ("_raw",)
+    __slots__ = ("_acks", "_raw", "_settled")
 
-    def __init__(self, raw: AbstractIncomingMessage) -> None:
+    def __init__(self, raw: AbstractIncomingMessage, acks: ChannelAcks) -> None:
         self._raw = raw
+        self._acks = acks
+        self._settled = False
 
     @property
     def body(self) -> bytes:
@@ -80,16 +87,19 @@ class Delivery:
         return self._raw.correlation_id
 
     async def ack(self) -> None:
-        if not self._raw.processed:
-            await self._raw.ack()
+        """Acknowledge at the end of this loop pass, with the channel's other acks."""
+        if self._settle():
+            self._acks.ack(self._tag)
 
     async def nack(self, *, requeue: bool = True) -> None:
-        if not self._raw.processed:
+        if self._settle():
             await self._raw.nack(requeue=requeue)
+            self._acks.settled(self._tag)
 
     async def reject(self, *, requeue: bool = False) -> None:
-        if not self._raw.processed:
+        if self._settle():
             await self._raw.reject(requeue=requeue)
+            self._acks.settled(self._tag)
 
     async def requeue_failed(self) -> None:
         """Return a delivery whose handling failed to its queue, counted as a failed delivery:
@@ -97,6 +107,17 @@ class Delivery:
         queue's delivery limit but not a `basic.nack` (3.x counts both), so a message that
         fails every time is dead-lettered at the limit instead of coming back for ever."""
         await self.reject(requeue=True)
+
+    @property
+    def _tag(self) -> int:
+        return cast("int", self._raw.delivery_tag)
+
+    def _settle(self) -> bool:
+        """Mark this delivery settled; False when it already was."""
+        if self._settled:
+            return False
+        self._settled = True
+        return True
 
 
 Handler = Callable[[Delivery], Awaitable[None]]
@@ -110,11 +131,34 @@ class _Subscription:
     ack_first: bool
 
 
+class _AcksByChannel:
+    """One `ChannelAcks` per channel deliveries arrive on (a reconnection brings new ones)."""
+
+    def __init__(self) -> None:
+        self._by_channel: dict[aiormq.abc.AbstractChannel, ChannelAcks] = {}
+
+    def of(self, channel: aiormq.abc.AbstractChannel) -> ChannelAcks:
+        acks = self._by_channel.get(channel)
+        if acks is None:
+            self._forget_closed()
+            acks = self._by_channel[channel] = ChannelAcks(channel)
+        return acks
+
+    def _forget_closed(self) -> None:
+        for channel in [each for each in self._by_channel if each.is_closed]:
+            del self._by_channel[channel]
+
+    async def drain(self) -> None:
+        for acks in list(self._by_channel.values()):
+            await acks.drain()
+
+
 class _Consuming:
     """The running consumers of one subscription, and the deliveries they are handling."""
 
-    def __init__(self, subscription: _Subscription) -> None:
+    def __init__(self, subscription: _Subscription, acks: _AcksByChannel) -> None:
         self.subscription = subscription
+        self._acks = acks
         self.queue: AbstractQueue | None = None
         self.tag: str | None = None
         self.handling = 0
@@ -122,10 +166,10 @@ class _Consuming:
         self.idle.set()
 
     async def on_delivery(self, raw: AbstractIncomingMessage) -> None:
-        delivery = Delivery(raw)
         self.handling += 1
         self.idle.clear()
         try:
+            delivery = Delivery(raw, self._acks.of(raw.channel))
             if self.subscription.ack_first:
                 await delivery.ack()
             await self.subscription.handler(delivery)
@@ -170,6 +214,7 @@ class ScoreboxBroker(RabbitBroker):
         self._consuming: list[_Consuming] = []
         self._consumer_connection: AbstractRobustConnection | None = None
         self._shared_channel: AbstractChannel | None = None
+        self._acks = _AcksByChannel()
 
     def add_consumer(self, subscription: _Subscription) -> None:
         self._subscriptions.append(subscription)
@@ -191,7 +236,7 @@ class ScoreboxBroker(RabbitBroker):
             client_properties={"connection_name": f"{self._name} consumers"},
         )
         for subscription in self._subscriptions:
-            consuming = _Consuming(subscription)
+            consuming = _Consuming(subscription, self._acks)
             channel = await self._channel_for(subscription.prefetch)
             queue = subscription.queue
             consuming.queue = await channel.declare_queue(
@@ -239,6 +284,7 @@ class ScoreboxBroker(RabbitBroker):
             _, pending = await asyncio.wait(idle, timeout=self._graceful_timeout)
             for waiting in pending:
                 waiting.cancel()
+        await self._acks.drain()
         connection, self._consumer_connection = self._consumer_connection, None
         self._shared_channel = None
         if connection is not None:

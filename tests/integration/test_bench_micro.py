@@ -10,6 +10,7 @@ from types import ModuleType
 import pytest
 
 from bench import delivery_cost, micro, model_call_cost, publish_cost
+from bench.infra import local_broker_pid
 from devtools.fake_llm import FakeLLM
 from devtools.infra import Endpoint
 from tests.support import CommandCounter, scratch_collection
@@ -69,3 +70,17 @@ async def test_document_size_measures_every_size(
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(micro.DOCUMENT_TEXT_SIZES)
     assert all("µs per $set" in line for line in lines)
+
+
+async def test_delivery_cost_prints_the_brokers_share_with_a_local_node(
+    amqp_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broker_pid = local_broker_pid()
+    if broker_pid is None:
+        pytest.skip("no local RabbitMQ node to read the CPU of")
+    monkeypatch.setattr(delivery_cost, "DELIVERIES", 100)
+    monkeypatch.setattr(delivery_cost, "ROUNDS", 1)
+    await delivery_cost.delivery_cost(amqp_url, broker_pid)
+    printed = capsys.readouterr().out
+    assert "consumer CPU per delivery" in printed
+    assert "broker CPU per delivery" in printed

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from random import Random
+from typing import cast
 
 import aio_pika
 import aiormq
@@ -15,6 +17,7 @@ import pytest
 from faststream.rabbit import QueueType, RabbitQueue
 from faststream.rabbit.schemas.queue import QuorumQueueArgs
 
+from shared.acks import ChannelAcks
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
@@ -270,3 +273,156 @@ async def test_a_message_returned_as_failed_every_time_is_dead_lettered_at_the_l
     assert dead_letter.body == b"fails every time"
     # Dead-lettered once its delivery count passes the limit, not requeued for ever.
     assert limit <= deliveries <= limit + 1, deliveries
+
+
+class CountedAcks:
+    """A real aiormq channel whose `basic_ack` frames are counted on their way out."""
+
+    def __init__(self, channel: aiormq.abc.AbstractChannel) -> None:
+        self.channel = channel
+        self.frames: list[tuple[int, bool]] = []
+
+    @property
+    def number(self) -> int:
+        return self.channel.number
+
+    async def basic_ack(self, delivery_tag: int, multiple: bool = False, wait: bool = True) -> None:
+        self.frames.append((delivery_tag, multiple))
+        await self.channel.basic_ack(delivery_tag, multiple=multiple, wait=wait)
+
+
+async def _hold(
+    channel: aio_pika.abc.AbstractChannel, queue: Queue, count: int
+) -> list[aio_pika.abc.AbstractIncomingMessage]:
+    """The first `count` deliveries of `queue`, held unsettled."""
+    await channel.set_qos(prefetch_count=count)
+    held: list[aio_pika.abc.AbstractIncomingMessage] = []
+
+    async def keep(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        held.append(message)
+
+    await (await channel.get_queue(queue.name)).consume(keep)
+    await eventually(lambda: _true(len(held) == count), timeout_s=TIMEOUT_S, what="all held")
+    return held
+
+
+async def test_acks_of_handlers_finishing_together_go_out_as_one_frame(
+    amqp_url: str, queue: Queue
+) -> None:
+    """Sixty-four handlers released in the same pass of the loop (as a group commit's round
+    trip releases them) ack with one `multiple` frame, and every delivery is acknowledged."""
+    count = 64
+    await queue.put(*(str(i).encode() for i in range(count)))
+    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
+    async with connection:
+        channel = await connection.channel()
+        held = await _hold(channel, queue, count)
+        counted = CountedAcks(held[0].channel)
+        acks = ChannelAcks(cast("aiormq.abc.AbstractChannel", counted))
+        release = asyncio.Event()
+
+        async def handle(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            await release.wait()
+            acks.ack(cast("int", message.delivery_tag))
+
+        handlers = [asyncio.create_task(handle(message)) for message in reversed(held)]
+        await asyncio.sleep(0)  # let every handler reach its wait (not synchronisation)
+        release.set()
+        await asyncio.wait_for(asyncio.gather(*handlers), TIMEOUT_S)
+        await asyncio.wait_for(acks.drain(), TIMEOUT_S)
+        assert counted.frames == [(count, True)]
+    # The connection is closed: whatever was not acknowledged would be ready again.
+    assert await queue.ready() == 0
+
+
+async def test_settling_out_of_order_acknowledges_exactly_what_was_acked(
+    amqp_url: str, queue: Queue
+) -> None:
+    """Handlers finishing in any order, some nacking (requeued once) or rejecting: the broker
+    never sees an ack it does not expect (that would close the channel and redeliver what
+    was in hand), and nothing acked comes back."""
+    count = 300
+    broker = new_broker(amqp_url)
+    deliveries: dict[bytes, int] = {}
+    rejected: set[bytes] = set()
+    random = Random(7)
+    pauses = {str(i).encode(): random.random() / 50 for i in range(count)}
+
+    @consume(broker, queue.declared, prefetch=50)
+    async def handle(delivery: Delivery) -> None:
+        body = delivery.body
+        deliveries[body] = deliveries.get(body, 0) + 1
+        await asyncio.sleep(pauses[body])  # work of uneven length, so handlers finish out of order
+        number = int(body)
+        if number % 11 == 0 and deliveries[body] == 1:
+            await delivery.nack(requeue=True)
+        elif number % 13 == 0:
+            rejected.add(body)
+            await delivery.reject()
+        else:
+            await delivery.ack()
+
+    await queue.put(*pauses)
+    await broker.start()
+    try:
+        await eventually(
+            lambda: _true(sum(deliveries.values()) == count + len(range(0, count, 11))),
+            timeout_s=TIMEOUT_S * 3,
+            what="every delivery handled",
+        )
+    finally:
+        await broker.stop()
+    nacked_once = {str(i).encode() for i in range(0, count, 11)}
+    assert {body for body, times in deliveries.items() if times == 2} == nacked_once
+    assert all(times == 1 for body, times in deliveries.items() if body not in nacked_once)
+    assert rejected == {str(i).encode() for i in range(0, count, 13)}
+    assert await queue.ready() == 0  # acked and rejected alike: nothing came back
+
+
+async def test_an_ack_above_a_delivery_in_hand_is_sent_at_once(amqp_url: str, queue: Queue) -> None:
+    """A delivery still in its handler does not hold back the acks of later ones: each frees
+    its place in the prefetch window, so the rest of the queue flows past the slow one."""
+    broker = new_broker(amqp_url)
+    release = asyncio.Event()
+    acked: list[bytes] = []
+
+    @consume(broker, queue.declared, prefetch=2)
+    async def handle(delivery: Delivery) -> None:
+        if delivery.body == b"slow":
+            await release.wait()
+        await delivery.ack()
+        acked.append(delivery.body)
+
+    await queue.put(b"slow", *(str(i).encode() for i in range(20)))
+    await broker.start()
+    try:
+        await eventually(lambda: _true(len(acked) == 20), timeout_s=TIMEOUT_S, what="the rest")
+        release.set()
+        await eventually(lambda: _true(len(acked) == 21), timeout_s=TIMEOUT_S, what="slow")
+    finally:
+        release.set()
+        await broker.stop()
+    assert await queue.ready() == 0
+
+
+async def test_a_delivery_never_settled_turns_coalescing_off_past_the_bound(
+    amqp_url: str, queue: Queue
+) -> None:
+    """A delivery left unsettled (its handler raised) stops `multiple` at its tag; once more
+    settled tags than the bound wait above it, the channel acks one by one and forgets them,
+    and every ack still reaches the broker."""
+    count = 10
+    await queue.put(*(str(i).encode() for i in range(count)))
+    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
+    async with connection:
+        channel = await connection.channel()
+        held = await _hold(channel, queue, count)
+        counted = CountedAcks(held[0].channel)
+        acks = ChannelAcks(cast("aiormq.abc.AbstractChannel", counted), max_tracked=3)
+        for message in held[1:]:  # one batch each
+            acks.ack(cast("int", message.delivery_tag))
+            await asyncio.wait_for(acks.drain(), TIMEOUT_S)
+        assert not acks.coalescing
+        assert all(not multiple for _, multiple in counted.frames)
+        assert sorted(tag for tag, _ in counted.frames) == list(range(2, count + 1))
+    assert await queue.ready() == 1  # only the delivery never settled came back

@@ -6,6 +6,7 @@ deliveries in hand finish."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from random import Random
@@ -17,7 +18,7 @@ import pytest
 from faststream.rabbit import QueueType, RabbitQueue
 from faststream.rabbit.schemas.queue import QuorumQueueArgs
 
-from shared.acks import ChannelAcks
+from shared.acks import MAX_TRACKED, ChannelAcks
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
@@ -291,19 +292,28 @@ class CountedAcks:
         await self.channel.basic_ack(delivery_tag, multiple=multiple, wait=wait)
 
 
-async def _hold(
-    channel: aio_pika.abc.AbstractChannel, queue: Queue, count: int
-) -> list[aio_pika.abc.AbstractIncomingMessage]:
-    """The first `count` deliveries of `queue`, held unsettled."""
-    await channel.set_qos(prefetch_count=count)
-    held: list[aio_pika.abc.AbstractIncomingMessage] = []
+@contextlib.asynccontextmanager
+async def _held_with_counted_acks(
+    amqp_url: str, queue: Queue, count: int, *, max_tracked: int = MAX_TRACKED
+) -> AsyncIterator[tuple[list[aio_pika.abc.AbstractIncomingMessage], CountedAcks, ChannelAcks]]:
+    """`count` messages put in `queue` and all delivered, held unsettled on a connection of
+    the test's own, with a `ChannelAcks` on their channel whose frames are counted. Whatever
+    is left unacknowledged returns to the queue when the block ends."""
+    await queue.put(*(str(i).encode() for i in range(count)))
+    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
+    async with connection:
+        channel = await connection.channel()
+        await channel.set_qos(prefetch_count=count)
+        held: list[aio_pika.abc.AbstractIncomingMessage] = []
 
-    async def keep(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-        held.append(message)
+        async def keep(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            held.append(message)
 
-    await (await channel.get_queue(queue.name)).consume(keep)
-    await eventually(lambda: _true(len(held) == count), timeout_s=TIMEOUT_S, what="all held")
-    return held
+        await (await channel.get_queue(queue.name)).consume(keep)
+        await eventually(lambda: _true(len(held) == count), timeout_s=TIMEOUT_S, what="all held")
+        counted = CountedAcks(held[0].channel)
+        channel_acks = cast("aiormq.abc.AbstractChannel", counted)
+        yield held, counted, ChannelAcks(channel_acks, max_tracked=max_tracked)
 
 
 async def test_acks_of_handlers_finishing_together_go_out_as_one_frame(
@@ -312,13 +322,7 @@ async def test_acks_of_handlers_finishing_together_go_out_as_one_frame(
     """Sixty-four handlers released in the same pass of the loop (as a group commit's round
     trip releases them) ack with one `multiple` frame, and every delivery is acknowledged."""
     count = 64
-    await queue.put(*(str(i).encode() for i in range(count)))
-    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
-    async with connection:
-        channel = await connection.channel()
-        held = await _hold(channel, queue, count)
-        counted = CountedAcks(held[0].channel)
-        acks = ChannelAcks(cast("aiormq.abc.AbstractChannel", counted))
+    async with _held_with_counted_acks(amqp_url, queue, count) as (held, counted, acks):
         release = asyncio.Event()
 
         async def handle(message: aio_pika.abc.AbstractIncomingMessage) -> None:
@@ -412,13 +416,11 @@ async def test_a_delivery_never_settled_turns_coalescing_off_past_the_bound(
     settled tags than the bound wait above it, the channel acks one by one and forgets them,
     and every ack still reaches the broker."""
     count = 10
-    await queue.put(*(str(i).encode() for i in range(count)))
-    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
-    async with connection:
-        channel = await connection.channel()
-        held = await _hold(channel, queue, count)
-        counted = CountedAcks(held[0].channel)
-        acks = ChannelAcks(cast("aiormq.abc.AbstractChannel", counted), max_tracked=3)
+    async with _held_with_counted_acks(amqp_url, queue, count, max_tracked=3) as (
+        held,
+        counted,
+        acks,
+    ):
         for message in held[1:]:  # one batch each
             acks.ack(cast("int", message.delivery_tag))
             await asyncio.wait_for(acks.drain(), TIMEOUT_S)

@@ -10,9 +10,10 @@ settle in its log). `python -m bench.micro` measures the difference.
 used only up to the highest tag below which everything is settled by us (acked, nacked or
 rejected, each frame queued before the coalesced one). An ack above a gap (a delivery still
 in a handler) goes on its own at once, as before: holding it back would keep the broker from
-sending the next delivery in the prefetch window. A tag never settled (a handler that raised
-leaves its delivery to the channel's close) stops the coalescing at that tag; past
-`MAX_TRACKED` settled tags above it, the channel stops tracking and acks one by one.
+sending the next delivery in the prefetch window. Settled tags above the gap are kept as
+runs, so what is remembered stays as small as the number of gaps (at most the deliveries in
+hand), even when a delivery is never settled (a handler that raised leaves it to the
+channel's close): the acks after it then go one by one.
 
 Frames are planned and queued one batch at a time, in order, so a coalesced ack never
 reaches the broker before a single ack of a tag it covers (which would then be unknown to the
@@ -22,6 +23,7 @@ broker and close the channel).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -32,8 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("scorebox.consumers")
 
-MAX_TRACKED = 4096
-
 
 @dataclass(frozen=True, slots=True)
 class AckFrame:
@@ -43,18 +43,27 @@ class AckFrame:
 
 @dataclass(slots=True)
 class SettledTags:
-    """Which delivery tags of a channel are settled: all up to `through`, and `above`."""
+    """Which delivery tags of a channel are settled: all up to `through`, and `runs` above it
+    (sorted, disjoint, not touching, inclusive; each starts past `through + 1`)."""
 
     through: int = 0
-    above: set[int] = field(default_factory=set)
+    runs: list[tuple[int, int]] = field(default_factory=list)
 
     def settle(self, tag: int) -> None:
         if tag <= self.through:
             return
-        self.above.add(tag)
-        while self.through + 1 in self.above:
-            self.through += 1
-            self.above.discard(self.through)
+        at = bisect.bisect_left(self.runs, (tag, tag))
+        first, last = tag, tag
+        if at > 0 and self.runs[at - 1][1] >= tag - 1:
+            at -= 1
+            first, last = self.runs[at][0], max(self.runs[at][1], tag)
+        end = at
+        while end < len(self.runs) and self.runs[end][0] <= last + 1:
+            last = max(last, self.runs[end][1])
+            end += 1
+        self.runs[at:end] = [(first, last)]
+        if self.runs[0][0] == self.through + 1:
+            self.through = self.runs.pop(0)[1]
 
     def plan(self, due: Iterable[int]) -> list[AckFrame]:
         """Settle `due` and return the frames that ack exactly those tags."""
@@ -70,19 +79,12 @@ class SettledTags:
 class ChannelAcks:
     """The acks of one (aiormq) channel: requested by handlers, sent once per loop pass."""
 
-    def __init__(self, channel: aiormq.abc.AbstractChannel, *, max_tracked: int = MAX_TRACKED):
+    def __init__(self, channel: aiormq.abc.AbstractChannel) -> None:
         self._channel = channel
         self._tags = SettledTags()
-        self._max_tracked = max_tracked
-        self._tracking = True
         self._due: list[int] = []
         self._sending = asyncio.Lock()
         self._flushes: set[asyncio.Task[None]] = set()
-
-    @property
-    def coalescing(self) -> bool:
-        """False once `MAX_TRACKED` settled tags waited above one never settled."""
-        return self._tracking
 
     def ack(self, tag: int) -> None:
         """Ack `tag` at the end of this pass of the loop, with the others asked for in it.
@@ -97,9 +99,7 @@ class ChannelAcks:
     def settled(self, tag: int) -> None:
         """`tag` was nacked or rejected: its frame is queued, so a later `multiple` may
         cover it."""
-        if self._tracking:
-            self._tags.settle(tag)
-            self._check_bound()
+        self._tags.settle(tag)
 
     async def drain(self) -> None:
         """Wait until the acks asked for so far are written (or failed)."""
@@ -118,7 +118,7 @@ class ChannelAcks:
     async def _send(self, due: list[int]) -> None:
         try:
             async with self._sending:
-                frames = self._plan(due)
+                frames = self._tags.plan(due)
                 for frame in frames[:-1]:
                     await self._channel.basic_ack(frame.tag, multiple=frame.multiple, wait=False)
                 await self._channel.basic_ack(frames[-1].tag, multiple=frames[-1].multiple)
@@ -129,20 +129,3 @@ class ChannelAcks:
                 len(due),
                 error,
             )
-
-    def _plan(self, due: list[int]) -> list[AckFrame]:
-        if not self._tracking:
-            return [AckFrame(tag, multiple=False) for tag in due]
-        frames = self._tags.plan(due)
-        self._check_bound()
-        return frames
-
-    def _check_bound(self) -> None:
-        if len(self._tags.above) > self._max_tracked:
-            log.info(
-                "channel %s: delivery %d is still unsettled; acking one by one from now on",
-                self._channel.number,
-                self._tags.through + 1,
-            )
-            self._tracking = False
-            self._tags = SettledTags()

@@ -18,7 +18,7 @@ import pytest
 from faststream.rabbit import QueueType, RabbitQueue
 from faststream.rabbit.schemas.queue import QuorumQueueArgs
 
-from shared.acks import MAX_TRACKED, ChannelAcks
+from shared.acks import ChannelAcks
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
@@ -294,7 +294,7 @@ class CountedAcks:
 
 @contextlib.asynccontextmanager
 async def _held_with_counted_acks(
-    amqp_url: str, queue: Queue, count: int, *, max_tracked: int = MAX_TRACKED
+    amqp_url: str, queue: Queue, count: int
 ) -> AsyncIterator[tuple[list[aio_pika.abc.AbstractIncomingMessage], CountedAcks, ChannelAcks]]:
     """`count` messages put in `queue` and all delivered, held unsettled on a connection of
     the test's own, with a `ChannelAcks` on their channel whose frames are counted. Whatever
@@ -313,7 +313,7 @@ async def _held_with_counted_acks(
         await eventually(lambda: _true(len(held) == count), timeout_s=TIMEOUT_S, what="all held")
         counted = CountedAcks(held[0].channel)
         channel_acks = cast("aiormq.abc.AbstractChannel", counted)
-        yield held, counted, ChannelAcks(channel_acks, max_tracked=max_tracked)
+        yield held, counted, ChannelAcks(channel_acks)
 
 
 async def test_acks_of_handlers_finishing_together_go_out_as_one_frame(
@@ -409,22 +409,22 @@ async def test_an_ack_above_a_delivery_in_hand_is_sent_at_once(amqp_url: str, qu
     assert await queue.ready() == 0
 
 
-async def test_a_delivery_never_settled_turns_coalescing_off_past_the_bound(
+async def test_acks_after_a_delivery_left_unsettled_still_reach_the_broker(
     amqp_url: str, queue: Queue
 ) -> None:
-    """A delivery left unsettled (its handler raised) stops `multiple` at its tag; once more
-    settled tags than the bound wait above it, the channel acks one by one and forgets them,
-    and every ack still reaches the broker."""
+    """A delivery left unsettled (its handler raised) stops `multiple` at its tag: the acks
+    after it go one by one and all reach the broker; once it settles, the next batch is one
+    frame again."""
     count = 10
-    async with _held_with_counted_acks(amqp_url, queue, count, max_tracked=3) as (
-        held,
-        counted,
-        acks,
-    ):
-        for message in held[1:]:  # one batch each
+    async with _held_with_counted_acks(amqp_url, queue, count) as (held, counted, acks):
+        for message in held[1:5]:  # one batch each
             acks.ack(cast("int", message.delivery_tag))
             await asyncio.wait_for(acks.drain(), TIMEOUT_S)
-        assert not acks.coalescing
-        assert all(not multiple for _, multiple in counted.frames)
-        assert sorted(tag for tag, _ in counted.frames) == list(range(2, count + 1))
-    assert await queue.ready() == 1  # only the delivery never settled came back
+        assert counted.frames == [(2, False), (3, False), (4, False), (5, False)]
+        acks.ack(cast("int", held[0].delivery_tag))
+        await asyncio.wait_for(acks.drain(), TIMEOUT_S)
+        for message in held[5:]:
+            acks.ack(cast("int", message.delivery_tag))
+        await asyncio.wait_for(acks.drain(), TIMEOUT_S)
+        assert counted.frames[4:] == [(1, False), (count, True)]
+    assert await queue.ready() == 0

@@ -4,6 +4,7 @@ deliveries whose acks were asked for, whatever the order handlers settle in."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -52,7 +53,7 @@ def test_a_delivery_nacked_or_rejected_closes_the_gap() -> None:
     tags.settle(1)
     assert tags.plan([2, 3]) == [AckFrame(3, multiple=True)]
     assert tags.through == 3
-    assert tags.above == set()
+    assert tags.runs == []
 
 
 def test_a_delivery_never_settled_stops_coalescing_at_its_tag() -> None:
@@ -61,7 +62,19 @@ def test_a_delivery_never_settled_stops_coalescing_at_its_tag() -> None:
     frames = tags.plan([3, 4, 5])
     assert all(not frame.multiple for frame in frames)
     assert tags.through == 1
-    assert tags.above == {3, 4, 5}
+    assert tags.runs == [(3, 5)]
+
+
+def test_what_is_remembered_above_a_gap_stays_one_run() -> None:
+    """Ten thousand deliveries settled after one that never is: one run, not ten thousand."""
+    tags = SettledTags()
+    for tag in range(10_001, 1, -1):  # in reverse, the worst order for merging
+        tags.settle(tag)
+    assert tags.through == 0
+    assert tags.runs == [(2, 10_001)]
+    tags.settle(1)
+    assert tags.through == 10_001
+    assert tags.runs == []
 
 
 @st.composite
@@ -105,3 +118,9 @@ def test_planned_frames_ack_exactly_what_was_asked(case: tuple[int, list[tuple[s
             due = []
     assert broker.acked == asked
     assert broker.unacked == set(range(1, n + 1)) - asked - settled_otherwise
+    settled = asked | settled_otherwise
+    assert all(tag in settled for tag in range(1, tags.through + 1))
+    assert {t for first, last in tags.runs for t in range(first, last + 1)} == {
+        tag for tag in settled if tag > tags.through
+    }
+    assert all(b[0] > a[1] + 1 for a, b in pairwise(tags.runs)), "runs touch or overlap"

@@ -284,7 +284,12 @@ class ScoreboxBroker(RabbitBroker):
             _, pending = await asyncio.wait(idle, timeout=self._graceful_timeout)
             for waiting in pending:
                 waiting.cancel()
-        await self._acks.drain()
+        try:
+            await asyncio.wait_for(self._acks.drain(), self._graceful_timeout)
+        except TimeoutError:
+            log.warning(
+                "acks not written within %.1fs; the broker redelivers them", self._graceful_timeout
+            )
         connection, self._consumer_connection = self._consumer_connection, None
         self._shared_channel = None
         if connection is not None:

@@ -444,6 +444,19 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 at_most=2.0,
             )
         )
+    if (sb := get("throughput", "scorebox")) is not None and (
+        cel := get("throughput", "celery")
+    ) is not None:
+        found.append(
+            _target(
+                f"scorer CPU ≤ 0.5 {TIMES} Celery's worker (the same run)",
+                div(sb["cpu_ms_per_task"].get("scorer"), cel.get("worker_cpu_ms_per_task")),
+                "the issue's \"under half of Celery's worker\", measured side by side: "
+                "unlike the ms figures, it does not move with the machine's speed",
+                TIMES,
+                at_most=0.5,
+            )
+        )
     sb, cel = get("inflight", "scorebox"), get("inflight", "celery")
     if sb is not None and cel is not None:
         found.append(

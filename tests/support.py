@@ -21,6 +21,39 @@ from shared.contracts import RescoreTask, ScoreText, new_id
 POLL_INTERVAL_S = 0.05
 
 
+def stack_env(
+    *,
+    amqp_url: str,
+    mongo_url: str,
+    db_prefix: str,
+    llm_url: str,
+    api_key: str,
+    admin_key: str | None = None,
+    llm_timeout_s: float = 1,
+    **overrides: str,
+) -> dict[str, str]:
+    """The settings of services run in-process against the fake model: quick retries, the
+    test's own databases, and no per-key rate limit (tests poll more often than any sensible
+    limit allows). `overrides` adds or replaces settings by name."""
+    env = {
+        "RABBITMQ_URL": amqp_url,
+        "MONGO_URL": mongo_url,
+        "MONGO_DB_PREFIX": db_prefix,
+        "RETRY_BASE_S": "0.5",
+        "RETRY_CAP_S": "2",
+        "LLM_PROVIDER": "openai",
+        "LLM_BASE_URL": llm_url,
+        "LLM_API_KEY": "test-key",
+        "LLM_MODEL": "fake-judge-1",
+        "LLM_TIMEOUT_S": str(llm_timeout_s),
+        "BOOTSTRAP_API_KEY": api_key,
+        "RATE_LIMIT_PER_MIN": "0",
+    }
+    if admin_key is not None:
+        env["ADMIN_API_KEY"] = admin_key
+    return env | overrides
+
+
 async def eventually[T](
     probe: Callable[[], Awaitable[T | None]], *, timeout_s: float = 30.0, what: str = "condition"
 ) -> T:

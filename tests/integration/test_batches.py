@@ -22,7 +22,7 @@ from services.scorer.settings import ScorerSettings
 from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
 from shared.contracts import new_id
-from tests.support import eventually, running
+from tests.support import eventually, running, stack_env
 
 ADMIN_KEY = "test-admin-key"
 MAX_ITEMS = 50
@@ -59,23 +59,16 @@ class Batches:
 async def batches(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Batches]:
     llm = await start_fake_llm(FakeLLMConfig())
     key = generate_key().token
-    env = {
-        "RABBITMQ_URL": amqp_url,
-        "MONGO_URL": mongo.url,
-        "MONGO_DB_PREFIX": db_prefix,
-        "RETRY_BASE_S": "0.5",
-        "RETRY_CAP_S": "2",
-        "LLM_PROVIDER": "openai",
-        "LLM_BASE_URL": llm.url,
-        "LLM_API_KEY": "test-key",
-        "LLM_MODEL": "fake-judge-1",
-        "LLM_TIMEOUT_S": "1",
-        "ADMIN_API_KEY": ADMIN_KEY,
-        "BOOTSTRAP_API_KEY": key,
-        "RATE_LIMIT_PER_MIN": "0",
-        "MAX_BATCH_ITEMS": str(MAX_ITEMS),
-        "MAX_TEXT_CHARS": str(MAX_TEXT),
-    }
+    env = stack_env(
+        amqp_url=amqp_url,
+        mongo_url=mongo.url,
+        db_prefix=db_prefix,
+        llm_url=llm.url,
+        api_key=key,
+        admin_key=ADMIN_KEY,
+        MAX_BATCH_ITEMS=str(MAX_ITEMS),
+        MAX_TEXT_CHARS=str(MAX_TEXT),
+    )
     scorer = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))
     status = create_status(StatusSettings.model_validate(env))
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)

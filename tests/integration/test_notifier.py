@@ -55,7 +55,7 @@ from shared.contracts import (
 from shared.runtime import make_broker
 from shared.topology import ERROR_HEADER, EVENTS, NOTIFICATIONS, WEBHOOK_DELIVERIES
 from shared.webhook_urls import IPAddress
-from tests.support import eventually, running
+from tests.support import eventually, running, stack_env
 
 API_KEY = generate_key().token  # registered for the default tenant by BOOTSTRAP_API_KEY
 RECEIVER_HOST = "receiver.scorebox.test"
@@ -217,24 +217,17 @@ async def flow(
     server_tls, ca_file = _tls(tmp_path_factory.mktemp("webhooks"))
     receiver, receiver_runner = await _start_receiver(server_tls)
     llm: FakeLLM = await start_fake_llm(FakeLLMConfig())
-    env = {
-        "RABBITMQ_URL": amqp_url,
-        "MONGO_URL": mongo.url,
-        "MONGO_DB_PREFIX": db_prefix,
-        "LLM_PROVIDER": "openai",
-        "LLM_BASE_URL": llm.url,
-        "LLM_API_KEY": "test-key",
-        "LLM_MODEL": "fake-judge-1",
-        "LLM_TIMEOUT_S": "1",
-        "RETRY_BASE_S": "0.5",
-        "RETRY_CAP_S": "2",
-        "BOOTSTRAP_API_KEY": API_KEY,
-        "RATE_LIMIT_PER_MIN": "0",
-        "WEBHOOK_ALLOWED_TEST_HOSTS": "127.0.0.1",
-        "WEBHOOK_CA_FILE": str(ca_file),
-        "WEBHOOK_RETRY_BASE_S": "0.01",  # retries go out at once (below the 1 s wait tier)
-        "WEBHOOK_MAX_ATTEMPTS": "4",
-    }
+    env = stack_env(
+        amqp_url=amqp_url,
+        mongo_url=mongo.url,
+        db_prefix=db_prefix,
+        llm_url=llm.url,
+        api_key=API_KEY,
+        WEBHOOK_ALLOWED_TEST_HOSTS="127.0.0.1",
+        WEBHOOK_CA_FILE=str(ca_file),
+        WEBHOOK_RETRY_BASE_S="0.01",  # retries go out at once (below the 1 s wait tier)
+        WEBHOOK_MAX_ATTEMPTS="4",
+    )
     resolver = TableResolver({RECEIVER_HOST: ["127.0.0.1"], INTRANET_HOST: ["10.0.0.7"]})
     notifier = create_notifier(NotifierSettings.model_validate(env), resolver=resolver)
     scorer = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))

@@ -41,7 +41,7 @@ from shared.contracts import (
     utcnow,
 )
 from shared.runtime import make_broker
-from tests.support import eventually, running
+from tests.support import eventually, running, stack_env
 
 ADMIN_KEY = "test-admin-key"
 MAX_WAITERS_PER_TENANT = 2
@@ -143,24 +143,17 @@ async def _key(admin: httpx.AsyncClient, tenant_id: str) -> dict[str, str]:
 async def push(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Push]:
     llm = await start_fake_llm(FakeLLMConfig())
     key = generate_key().token
-    env = {
-        "RABBITMQ_URL": amqp_url,
-        "MONGO_URL": mongo.url,
-        "MONGO_DB_PREFIX": db_prefix,
-        "RETRY_BASE_S": "0.5",
-        "RETRY_CAP_S": "2",
-        "LLM_PROVIDER": "openai",
-        "LLM_BASE_URL": llm.url,
-        "LLM_API_KEY": "test-key",
-        "LLM_MODEL": "fake-judge-1",
-        "LLM_TIMEOUT_S": "1",
-        "ADMIN_API_KEY": ADMIN_KEY,
-        "BOOTSTRAP_API_KEY": key,
-        "RATE_LIMIT_PER_MIN": "0",
-        "SSE_HEARTBEAT_S": "0.2",
-        "LIVE_MAX_WAITERS_PER_TENANT": str(MAX_WAITERS_PER_TENANT),
-        "SCORER_STARTED_AFTER_S": "0",  # every attempt announces `processing`
-    }
+    env = stack_env(
+        amqp_url=amqp_url,
+        mongo_url=mongo.url,
+        db_prefix=db_prefix,
+        llm_url=llm.url,
+        api_key=key,
+        admin_key=ADMIN_KEY,
+        SSE_HEARTBEAT_S="0.2",
+        LIVE_MAX_WAITERS_PER_TENANT=str(MAX_WAITERS_PER_TENANT),
+        SCORER_STARTED_AFTER_S="0",  # every attempt announces `processing`
+    )
     scorer = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))
     status = create_status(StatusSettings.model_validate(env))
     async with running(status) as status_client, running(scorer):

@@ -29,7 +29,7 @@ from shared.bus import publish_delayed
 from shared.contracts import DEFAULT_TENANT, RescoreTask, new_id
 from shared.runtime import make_broker
 from shared.topology import RESCORE_REQUESTS, TASKS
-from tests.support import eventually, running
+from tests.support import eventually, running, stack_env
 
 API_KEY = generate_key().token  # registered for the default tenant by BOOTSTRAP_API_KEY
 ADMIN_KEY = "rescore-admin-key"
@@ -104,21 +104,16 @@ class Flow:
 @pytest.fixture(scope="module")
 async def flow(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Flow]:
     llm = await start_fake_llm(FakeLLMConfig())
-    env = {
-        "RABBITMQ_URL": amqp_url,
-        "MONGO_URL": mongo.url,
-        "MONGO_DB_PREFIX": db_prefix,
-        "LLM_PROVIDER": "openai",
-        "LLM_BASE_URL": llm.url,
-        "LLM_API_KEY": "test-key",
-        "LLM_MODEL": "fake-judge-1",
-        "LLM_TIMEOUT_S": "3",
-        "BOOTSTRAP_API_KEY": API_KEY,
-        "RATE_LIMIT_PER_MIN": "0",  # the polls below would exceed any sensible per-key rate
-        "RETRY_BASE_S": "0.5",
-        "ADMIN_API_KEY": ADMIN_KEY,
-        "SCORER_STARTED_AFTER_S": "0",  # every attempt announces `processing`
-    }
+    env = stack_env(
+        amqp_url=amqp_url,
+        mongo_url=mongo.url,
+        db_prefix=db_prefix,
+        llm_url=llm.url,
+        api_key=API_KEY,
+        admin_key=ADMIN_KEY,
+        llm_timeout_s=3,
+        SCORER_STARTED_AFTER_S="0",  # every attempt announces `processing`
+    )
     scorer = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))
     status = create_status(StatusSettings.model_validate(env))
     client: Mongo = AsyncMongoClient(mongo.url, tz_aware=True)

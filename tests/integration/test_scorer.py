@@ -26,7 +26,7 @@ from shared.bus import publish_command
 from shared.contracts import ScoreText, new_id
 from shared.runtime import make_broker
 from shared.topology import ERROR_HEADER, SCORE_REQUESTS, TASKS
-from tests.support import eventually, running
+from tests.support import eventually, running, stack_env
 
 ADMIN_KEY = "test-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -66,21 +66,15 @@ class Flow:
 @pytest.fixture(scope="module")
 async def flow(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Flow]:
     llm = await start_fake_llm(FakeLLMConfig())
-    env = {
-        "RABBITMQ_URL": amqp_url,
-        "MONGO_URL": mongo.url,
-        "MONGO_DB_PREFIX": db_prefix,
-        "RETRY_BASE_S": "0.5",
-        "RETRY_CAP_S": "2",
-        "LLM_PROVIDER": "openai",
-        "LLM_BASE_URL": llm.url,
-        "LLM_API_KEY": "test-key",
-        "LLM_MODEL": "fake-judge-1",
-        "LLM_TIMEOUT_S": "3",
-        "ADMIN_API_KEY": ADMIN_KEY,
-        "BOOTSTRAP_API_KEY": API_KEY,
-        "RATE_LIMIT_PER_MIN": "0",  # the polls below would exceed any sensible per-key rate
-    }
+    env = stack_env(
+        amqp_url=amqp_url,
+        mongo_url=mongo.url,
+        db_prefix=db_prefix,
+        llm_url=llm.url,
+        api_key=API_KEY,
+        admin_key=ADMIN_KEY,
+        llm_timeout_s=3,
+    )
     scorer = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))
     status = create_status(StatusSettings.model_validate(env))
     async with running(status) as status_client, running(scorer):

@@ -163,13 +163,17 @@ async def keep_dead_lettering(
 
 
 async def start_broker(broker: RabbitBroker, settings: ServiceSettings) -> None:
-    """Connect (waiting for RabbitMQ if it is still starting), declare topology, consume."""
+    """Connect (waiting for RabbitMQ if it is still starting), declare topology, consume;
+    connecting and declaring each take at most `STARTUP_TIMEOUT_S`."""
     await retry_until(
         broker.connect,
         what=f"RabbitMQ at {redact_url(settings.rabbitmq_url)}",
         deadline_s=settings.startup_timeout_s,
     )
-    await declare_topology(broker)
+    # The declarations are round trips of their own (some on channels FastStream does not
+    # bound): a broker that stops answering must not hold the service's start for ever.
+    async with asyncio.timeout(settings.startup_timeout_s):
+        await declare_topology(broker)
     await broker.start()
 
 

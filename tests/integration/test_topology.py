@@ -3,6 +3,10 @@ and it routes to the notifier only the outcomes it acts on."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from urllib.parse import urlsplit, urlunsplit
+
 import aio_pika
 import aiormq
 import pytest
@@ -18,7 +22,7 @@ from shared.contracts import (
     event_sequence,
     utcnow,
 )
-from shared.runtime import make_broker
+from shared.runtime import make_broker, start_broker
 from shared.settings import ServiceSettings
 from shared.topology import (
     DLQ_DELIVERY_LIMIT,
@@ -30,6 +34,7 @@ from shared.topology import (
     SCORE_REQUESTS,
     declare_topology,
 )
+from tests.faults.slow_link import SlowLink
 
 pytestmark = pytest.mark.integration
 
@@ -203,3 +208,31 @@ def _failed(task_id: str) -> TaskFailed:
         dead_lettered=False,
         has_callback=False,
     )
+
+
+async def test_a_broker_that_stops_answering_fails_the_start_within_its_timeout(
+    amqp_url: str,
+) -> None:
+    """Connected, then every reply held back: declaring the topology gives up after
+    `STARTUP_TIMEOUT_S` (the service exits and its supervisor restarts it) instead of
+    waiting for ever."""
+    target = urlsplit(amqp_url)
+    link = SlowLink((target.hostname or "127.0.0.1", target.port or 5672))
+    await link.start()
+    through_link = target._replace(netloc=f"{target.netloc.rsplit(':', 1)[0]}:{link.port}")
+    settings = ServiceSettings.model_validate(
+        {"RABBITMQ_URL": urlunsplit(through_link), "STARTUP_TIMEOUT_S": "1"}
+    )
+    broker = make_broker(settings)
+    try:
+        await broker.connect()
+        link.reply_delay_s = 3600.0
+        starting = asyncio.create_task(start_broker(broker, settings))
+        done, _ = await asyncio.wait({starting}, timeout=30)
+        assert starting in done, "the start still waits on the broker"
+        assert isinstance(starting.exception(), TimeoutError)
+    finally:
+        link.reply_delay_s = 0.0
+        await link.stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(broker.stop(), 5)

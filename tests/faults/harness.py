@@ -82,6 +82,11 @@ def essay(marker: str, faults: str = "") -> str:
 # ------------------------------------------------------------------------------ the stack
 
 
+def repeated_calls(beyond_attempts: Mapping[str, int]) -> int:
+    """The repeated model calls in `Scorebox.calls_beyond_attempts`."""
+    return sum(n for n in beyond_attempts.values() if n > 0)
+
+
 @dataclass
 class Scorebox:
     """A running stack, the fake model it calls, and an HTTP client that counts answers."""
@@ -149,6 +154,13 @@ class Scorebox:
 
     def calls(self, marker: str) -> int:
         return int(self.llm.stats()["by_id"].get(marker, 0))
+
+    def calls_beyond_attempts(
+        self, markers: Mapping[str, str], views: Mapping[str, Mapping[str, Any]]
+    ) -> dict[str, int]:
+        """Model calls beyond one per attempt, by marker, of tasks (task id → marker) whose
+        last views are `views`: a timeout's retry is an attempt, not a repeat."""
+        return {m: self.calls(m) - views[t]["attempts"] for t, m in markers.items()}
 
     def http_5xx(self) -> dict[str, int]:
         seen = {"500": self.answers[500], "503": self.answers[503]}

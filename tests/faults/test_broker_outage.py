@@ -33,6 +33,7 @@ from tests.faults.harness import (
     new_marker,
     rabbitmqctl,
     rabbitmqctl_available,
+    repeated_calls,
     running_scorebox,
     vhost_of,
 )
@@ -402,7 +403,7 @@ class Tally:
 
     @property
     def duplicate_model_calls(self) -> int:
-        return sum(n for n in self.extra.values() if n > 0)
+        return repeated_calls(self.extra)
 
     def outcome(
         self,
@@ -433,8 +434,7 @@ async def _tally(box: Scorebox, client: Client, accepted: dict[str, str]) -> Tal
     refused = [a.marker for a in client.answers if a.status != 202]
     return Tally(
         statuses=[v["status"] for v in views.values()],
-        # A timeout's retry is an attempt, not a duplicate.
-        extra={m: box.calls(m) - views[t]["attempts"] for t, m in accepted.items()},
+        extra=box.calls_beyond_attempts(accepted, views),
         refused=refused,
         scored_anyway=sum(1 for m in refused if box.calls(m) > 0),
     )

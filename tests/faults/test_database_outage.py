@@ -28,6 +28,7 @@ from tests.faults.harness import (
     StandIn,
     essay,
     new_marker,
+    repeated_calls,
     running_scorebox,
 )
 from tests.support import eventually
@@ -100,14 +101,14 @@ async def test_database_outage_answers_503_and_recovers(
     views = await box.finish(accepted)
     statuses = [v["status"] for v in views.values()]
     # Model calls beyond one per attempt (a timeout's retry is an attempt, not a duplicate).
-    extra = {m: box.calls(m) - views[t]["attempts"] for t, m in accepted.items()}
+    extra = box.calls_beyond_attempts(accepted, views)
     figures.record(
         Outcome(
             name="MongoDB stopped and restarted",
             accepted=len(accepted),
             completed=statuses.count("completed"),
             failed=statuses.count("failed"),
-            duplicate_model_calls=sum(n for n in extra.values() if n > 0),
+            duplicate_model_calls=repeated_calls(extra),
             http_5xx_seen=box.http_5xx(),
             time_to_recover_s=round(time_to_recover, 2),
             broker=labels[0],

@@ -29,6 +29,7 @@ from tests.faults.harness import (
     Scorebox,
     essay,
     new_marker,
+    repeated_calls,
     running_scorebox,
 )
 from tests.faults.slow_link import SlowLink
@@ -126,7 +127,7 @@ async def test_slow_database_answers_503_and_loses_nothing(
     scored_anyway = await _tasks_of(mongo.url, gateway_db, refused)
     views |= await box.finish(scored_anyway)
     markers = accepted | scored_anyway
-    extra = {m: box.calls(m) - views[t]["attempts"] for t, m in markers.items()}
+    extra = box.calls_beyond_attempts(markers, views)
     statuses = [views[t]["status"] for t in accepted]
     figures.record(
         Outcome(
@@ -134,7 +135,7 @@ async def test_slow_database_answers_503_and_loses_nothing(
             accepted=len(accepted),
             completed=statuses.count("completed"),
             failed=statuses.count("failed"),
-            duplicate_model_calls=sum(n for n in extra.values() if n > 0),
+            duplicate_model_calls=repeated_calls(extra),
             http_5xx_seen=box.http_5xx(),
             time_to_recover_s=round(time_to_recover, 2),
             broker=labels[0],

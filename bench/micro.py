@@ -12,9 +12,8 @@
 5. The scorer's text preparation (`prepare_text`, with `detect_instructions` in it) on the
    benchmark's essays.
 6. Client CPU per model call against the fake model: the scorer's adapter, its HTTP client
-   alone (httpx over aiohttp), httpx's own pool and bare aiohttp (`bench.model_call_cost`);
-   and two parts of a call in isolation: httpx building a request for a URL given as a
-   string or parsed once, and taking a response's cookies into a jar or `IgnoredCookies`.
+   alone, httpx's API over aiohttp's pool, httpx's own pool and bare aiohttp
+   (`bench.model_call_cost`).
 7. The stand-in's (or MongoDB's) cost per update on documents of three sizes.
 
 Everything runs on uvloop, as the services do.
@@ -41,7 +40,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 from bench.delivery_cost import delivery_cost
 from bench.infra import local_broker_pid
 from bench.load import essay
-from bench.model_call_cost import model_call_cost, request_building
+from bench.model_call_cost import model_call_cost
 from bench.publish_cost import publish_cost
 from bench.stats import cpu_us_each
 from devtools.infra import read_first_line
@@ -172,7 +171,6 @@ def announced_url(module: str, *args: str) -> Iterator[str]:
 
 def main() -> int:
     text_preparation()
-    request_building()
     with announced_url("devtools.fake_llm", "--latency-ms", "20", "--jitter-ms", "0") as model:
         print("Model: devtools.fake_llm, 20 ms per call")
         uvloop.run(model_call_cost(model))

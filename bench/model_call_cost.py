@@ -1,12 +1,13 @@
 """Client CPU per model call, against the fake OpenAI-compatible model (`devtools.fake_llm`).
 
-Four ways make the same `POST /chat/completions` (`CALLS` calls, `IN_FLIGHT` at once, as a
+Five ways make the same `POST /chat/completions` (`CALLS` calls, `IN_FLIGHT` at once, as a
 scorer of concurrency 64 does), and the process's CPU time per call is reported:
 
 - the scorer's model adapter (`OpenAIChatModel.score`: prompt, request, parsing and
-  validation of the verdict) on its HTTP client (`make_http_client`: httpx's API over
-  aiohttp's pool), on the benchmark's essays;
-- the same HTTP client posting a fixed body to the same parsed URL (the transport alone);
+  validation of the verdict) on its HTTP client (`make_http_client`), on the benchmark's
+  essays;
+- the same HTTP client posting a fixed body to the same parsed URL (the client alone);
+- httpx's API over aiohttp's pool (`httpx-aiohttp`, what the scorer used before);
 - httpx's own pool (`httpx.AsyncClient` with limits sized to the calls in flight);
 - bare aiohttp (`ClientSession`), the floor.
 
@@ -16,17 +17,16 @@ The ways alternate `ROUNDS` times and the median of each is reported.
 from __future__ import annotations
 
 import functools
-import timeit
-from collections.abc import Callable
 
 import aiohttp
 import httpx
 import orjson
+from httpx_aiohttp import AiohttpTransport
+from yarl import URL
 
 from bench.load import essay
 from bench.stats import alternating_medians, cpu_us_each
 from services.scorer.model import ScoringRequest, build_model, make_http_client
-from services.scorer.model.http_client import IgnoredCookies
 from services.scorer.model.prompt import build_messages
 from services.scorer.model.settings import ModelSettings
 
@@ -74,15 +74,32 @@ async def _httpx_posts(client: httpx.AsyncClient, url: httpx.URL, body: bytes) -
     return await cpu_us_each(CALLS, IN_FLIGHT, call)
 
 
-async def httpx_on_aiohttp(base_url: str) -> float:
+async def the_client_alone(base_url: str) -> float:
     settings = _settings(base_url)
+    url, body = URL(f"{base_url}/chat/completions"), _body(settings)
     async with make_http_client(settings, concurrency=IN_FLIGHT) as client:
-        return await _httpx_posts(client, _completions(base_url), _body(settings))
+
+        async def call(_: int) -> None:
+            reply = await client.post(url, body=body, headers=HEADERS)
+            if not reply.is_success:
+                raise RuntimeError(f"the fake model answered {reply.status}")
+            orjson.loads(reply.body)
+
+        return await cpu_us_each(CALLS, IN_FLIGHT, call)
+
+
+def _limits() -> httpx.Limits:
+    return httpx.Limits(max_connections=IN_FLIGHT, max_keepalive_connections=IN_FLIGHT)
+
+
+async def httpx_on_aiohttp(base_url: str) -> float:
+    transport = AiohttpTransport(limits=_limits(), retries=0)
+    async with httpx.AsyncClient(transport=transport, timeout=TIMEOUT_S) as client:
+        return await _httpx_posts(client, _completions(base_url), _body(_settings(base_url)))
 
 
 async def httpx_own_pool(base_url: str) -> float:
-    limits = httpx.Limits(max_connections=IN_FLIGHT, max_keepalive_connections=IN_FLIGHT)
-    async with httpx.AsyncClient(limits=limits, timeout=TIMEOUT_S) as client:
+    async with httpx.AsyncClient(limits=_limits(), timeout=TIMEOUT_S) as client:
         body = _body(_settings(base_url))
         return await _httpx_posts(client, _completions(base_url), body)
 
@@ -103,37 +120,11 @@ async def bare_aiohttp(base_url: str) -> float:
 
 
 async def model_call_cost(base_url: str) -> None:
-    ways = (through_the_adapter, httpx_on_aiohttp, httpx_own_pool, bare_aiohttp)
+    ways = (through_the_adapter, the_client_alone, httpx_on_aiohttp, httpx_own_pool, bare_aiohttp)
     medians = await alternating_medians(ROUNDS, *(functools.partial(way, base_url) for way in ways))
-    adapter, transport, own_pool, floor = medians
+    adapter, client, httpx_aiohttp, own_pool, floor = medians
     print(
         f"client CPU per model call ({IN_FLIGHT} in flight, median of {ROUNDS}): scorer's "
-        f"adapter {adapter:.0f} µs; httpx on aiohttp {transport:.0f} µs; httpx's own pool "
-        f"{own_pool:.0f} µs; bare aiohttp {floor:.0f} µs"
-    )
-
-
-def _us_each(action: Callable[[], object], times: int = 20_000) -> float:
-    return timeit.timeit(action, number=times) / times * 1e6
-
-
-def request_building() -> None:
-    """httpx's `build_request` for the URL as a string and parsed once, and cookie handling
-    of one response with httpx's jar and with `IgnoredCookies` (CPU only, no network)."""
-    text_url = "http://127.0.0.1:8080/v1/chat/completions"
-    parsed_url = httpx.URL(text_url)
-    client = httpx.AsyncClient()
-    build = functools.partial(client.build_request, "POST", content=b"{}", headers=HEADERS)
-    response = httpx.Response(
-        200,
-        headers={"content-type": "application/json"},
-        content=b"{}",
-        request=httpx.Request("POST", parsed_url),
-    )
-    kept, ignored = httpx.Cookies(), httpx.Cookies(IgnoredCookies())
-    print(
-        f"httpx build_request: URL as a string {_us_each(lambda: build(text_url)):.0f} µs, "
-        f"parsed once {_us_each(lambda: build(parsed_url)):.0f} µs; cookies of a response: "
-        f"httpx's jar {_us_each(lambda: kept.extract_cookies(response)):.0f} µs, "
-        f"IgnoredCookies {_us_each(lambda: ignored.extract_cookies(response)):.0f} µs"
+        f"adapter {adapter:.0f} µs; its HTTP client {client:.0f} µs; httpx on aiohttp "
+        f"{httpx_aiohttp:.0f} µs; httpx's own pool {own_pool:.0f} µs; bare aiohttp {floor:.0f} µs"
     )

@@ -9,12 +9,11 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 
-import httpx
 from fastapi import FastAPI
 
 from services.scorer.attempts import Attempts
 from services.scorer.consumer import BrokerActions, subscribe_scorer
-from services.scorer.model import ScoreModel, build_model, make_http_client
+from services.scorer.model import ProviderClient, ScoreModel, build_model, make_http_client
 from services.scorer.model.settings import ModelSettings
 from services.scorer.scoring import RetryPolicy, ScorerDeps
 from services.scorer.settings import ScorerSettings
@@ -46,7 +45,7 @@ def create_app(
     """Wire the scorer: broker (prefetch = concurrency) + database + model + HTTP health."""
     broker = broker or make_broker(settings, prefetch=settings.concurrency, name="scorer")
     mongo = mongo or make_mongo(settings)
-    http: httpx.AsyncClient | None = None
+    http: ProviderClient | None = None
     if model is None:
         if model_settings.llm_provider == "openai":
             http = make_http_client(model_settings, concurrency=settings.concurrency)

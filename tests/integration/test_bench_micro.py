@@ -26,6 +26,7 @@ BROKER_WAYS: list[tuple[ModuleType, str, Way]] = [
 ]
 MODEL_WAYS: list[Way] = [
     model_call_cost.through_the_adapter,
+    model_call_cost.the_client_alone,
     model_call_cost.httpx_on_aiohttp,
     model_call_cost.httpx_own_pool,
     model_call_cost.bare_aiohttp,
@@ -52,13 +53,6 @@ async def test_every_model_call_way_gets_answers(
 ) -> None:
     monkeypatch.setattr(model_call_cost, "CALLS", 50)
     assert await way(fake_llm.url) > 0
-
-
-def test_request_building_measures_both_ways(capsys: pytest.CaptureFixture[str]) -> None:
-    model_call_cost.request_building()
-    printed = capsys.readouterr().out
-    assert "parsed once" in printed
-    assert "IgnoredCookies" in printed
 
 
 async def test_document_size_measures_every_size(

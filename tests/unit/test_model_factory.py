@@ -2,20 +2,21 @@ import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
+import aiohttp
 import pytest
 from aiohttp import web
-from httpx_aiohttp import AiohttpTransport
+from yarl import URL
 
 from services.scorer.errors import ModelUnavailable
 from services.scorer.model import (
     HeuristicModel,
     ModelSettings,
     OpenAIChatModel,
+    ProviderClient,
     ScoringRequest,
     build_model,
     make_http_client,
-    provider_transport,
+    provider_connector,
 )
 from tests.support import serving
 
@@ -85,7 +86,7 @@ def test_the_heuristic_provider_needs_no_http_client() -> None:
 
 
 async def test_the_openai_provider_uses_the_given_client() -> None:
-    async with httpx.AsyncClient() as http:
+    async with ProviderClient(concurrency=1, timeout_s=5) as http:
         model = build_model(_settings(LLM_PROVIDER="openai", LLM_MODEL="m-1"), http)
     assert isinstance(model, OpenAIChatModel)
     assert model.name == "m-1"
@@ -98,29 +99,24 @@ def test_the_openai_provider_without_a_client_is_a_configuration_error() -> None
 
 @pytest.mark.parametrize("concurrency", [1, 64, 256])
 async def test_the_pool_holds_one_connection_per_concurrent_score(concurrency: int) -> None:
-    transport = provider_transport(concurrency=concurrency)
-    assert isinstance(transport, AiohttpTransport)
-    assert transport.retries == 0
-    session = transport.get_client()  # what the transport builds on its first request
+    connector = provider_connector(concurrency=concurrency)
     try:
-        assert session.connector is not None
-        assert session.connector.limit == concurrency
-        assert session.connector.limit_per_host == 0  # unbounded: the total limit applies
+        assert connector.limit == concurrency
+        assert connector.limit_per_host == 0  # unbounded: the total limit applies
     finally:
-        await session.close()
+        await connector.close()
 
 
 def test_the_pool_needs_room_for_one_request() -> None:
     with pytest.raises(ValueError, match="at least 1"):
-        provider_transport(concurrency=0)
+        ProviderClient(concurrency=0, timeout_s=5)
 
 
-async def test_the_client_has_explicit_timeouts() -> None:
-    async with make_http_client(_settings(LLM_TIMEOUT_S=30), concurrency=8) as http:
-        assert http.timeout == httpx.Timeout(30, connect=10)
-        assert not http.follow_redirects
-    async with make_http_client(_settings(LLM_TIMEOUT_S=2), concurrency=8) as http:
-        assert http.timeout == httpx.Timeout(2)
+def test_the_client_has_explicit_timeouts_behind_the_models_deadline() -> None:
+    client = make_http_client(_settings(LLM_TIMEOUT_S=30), concurrency=8)
+    assert client.timeout == aiohttp.ClientTimeout(total=31, connect=10)
+    client = make_http_client(_settings(LLM_TIMEOUT_S=2), concurrency=8)
+    assert client.timeout == aiohttp.ClientTimeout(total=3, connect=2)
 
 
 def _closed_local_port() -> int:
@@ -156,7 +152,9 @@ async def cookie_setting_server() -> AsyncIterator[tuple[str, list[str | None]]]
     app = web.Application()
     app.router.add_post("/v1/chat/completions", answer)
     async with serving(app) as url:
-        yield f"{url}/v1/chat/completions", received
+        # By a name: aiohttp's default jar takes no cookies from a bare IP address.
+        by_name = url.replace("127.0.0.1", "localhost")
+        yield f"{by_name}/v1/chat/completions", received
 
 
 async def test_the_client_keeps_no_cookie_between_requests(
@@ -165,7 +163,6 @@ async def test_the_client_keeps_no_cookie_between_requests(
     url, received = cookie_setting_server
     async with make_http_client(_settings(), concurrency=2) as http:
         for _ in range(2):
-            response = await http.post(url, content=b"{}")
-            assert response.headers["set-cookie"].startswith("affinity=node-7")
-        assert len(http.cookies) == 0
+            reply = await http.post(URL(url), body=b"{}", headers={})
+            assert reply.headers["set-cookie"].startswith("affinity=node-7")
     assert received == [None, None]

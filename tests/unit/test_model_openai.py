@@ -1,12 +1,18 @@
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+import socket
+import struct
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from enum import Enum
 from typing import Any
 
 import aiohttp
-import httpx
 import pytest
+from aiohttp import web
+from yarl import URL
 
 from services.scorer.errors import (
     InputRejected,
@@ -22,35 +28,89 @@ from services.scorer.model import (
     FLAG_TRUNCATED,
     ModelSettings,
     OpenAIChatModel,
+    ProviderClient,
+    ProviderReply,
     ScoringRequest,
+    make_http_client,
 )
+from tests.support import serving
 
-BASE_URL = "http://llm.test/v1"
 NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
 GOOD = '{"score": 7.5, "comment": "Clear and well argued."}'
 
-Reply = httpx.Response | Exception | Callable[[], Awaitable[httpx.Response]]
+
+@dataclass(frozen=True)
+class Answer:
+    """An HTTP answer the scripted provider gives."""
+
+    status: int
+    body: bytes
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+class Misbehaviour(Enum):
+    DISCONNECT = "close the connection without answering"
+    RESET = "reset the connection (TCP RST) without answering"
+    HANG = "never answer"
+
+
+Reply = Answer | Misbehaviour
+
+
+@dataclass(frozen=True)
+class Sent:
+    """A request the scripted provider received."""
+
+    method: str
+    path: str
+    headers: Mapping[str, str]
+    content: bytes
 
 
 class ScriptedProvider:
-    """A fake chat-completions API answering a script of replies, one per request."""
+    """A real chat-completions HTTP server answering a script of replies, one per request."""
 
     def __init__(self, *replies: Reply) -> None:
         self.replies = list(replies)
-        self.requests: list[httpx.Request] = []
+        self.requests: list[Sent] = []
+        self._stopping = asyncio.Event()
 
-    async def __call__(self, request: httpx.Request) -> httpx.Response:
-        self.requests.append(request)
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        content = await request.read()
+        self.requests.append(Sent(request.method, request.path, request.headers, content))
         reply = self.replies.pop(0)
-        if isinstance(reply, Exception):
-            raise reply
-        if isinstance(reply, httpx.Response):
-            return reply
-        return await reply()
+        if isinstance(reply, Answer):
+            return web.Response(status=reply.status, body=reply.body, headers=reply.headers)
+        _misbehave(request, reply)
+        await self._stopping.wait()  # the server's stop waits for every handler
+        return web.Response(status=503)
 
     def body(self, index: int = 0) -> dict[str, Any]:
         parsed: dict[str, Any] = json.loads(self.requests[index].content)
         return parsed
+
+    @asynccontextmanager
+    async def serving(self) -> AsyncIterator[str]:
+        """Serve on a free local port; yields the base URL of its API (`.../v1`)."""
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.handle)
+        async with serving(app) as url:
+            try:
+                yield f"{url}/v1"
+            finally:
+                self._stopping.set()
+
+
+def _misbehave(request: web.Request, how: Misbehaviour) -> None:
+    transport = request.transport
+    assert transport is not None
+    if how is Misbehaviour.RESET:
+        linger_zero = struct.pack("ii", 1, 0)
+        transport.get_extra_info("socket").setsockopt(
+            socket.SOL_SOCKET, socket.SO_LINGER, linger_zero
+        )
+    if how is not Misbehaviour.HANG:
+        transport.close()
 
 
 def completion(
@@ -60,10 +120,10 @@ def completion(
     prompt_tokens: int = 120,
     completion_tokens: int = 20,
     **message: Any,
-) -> httpx.Response:
-    return httpx.Response(
+) -> Answer:
+    return json_answer(
         200,
-        json={
+        {
             "id": "chatcmpl-1",
             "object": "chat.completion",
             "model": model,
@@ -83,17 +143,25 @@ def completion(
     )
 
 
-def provider_error(
-    status: int, message: str, code: str | None = None, **headers: str
-) -> httpx.Response:
+def json_answer(status: int, payload: Any, **headers: str) -> Answer:
+    return Answer(
+        status, json.dumps(payload).encode(), {"Content-Type": "application/json", **headers}
+    )
+
+
+def text_answer(status: int, text: str) -> Answer:
+    return Answer(status, text.encode(), {"Content-Type": "text/html"})
+
+
+def provider_error(status: int, message: str, code: str | None = None, **headers: str) -> Answer:
     error = {"message": message, "type": "invalid_request_error", "code": code}
-    return httpx.Response(status, json={"error": error}, headers=headers)
+    return json_answer(status, {"error": error}, **headers)
 
 
 def settings(**overrides: Any) -> ModelSettings:
     values: dict[str, Any] = {
         "LLM_PROVIDER": "openai",
-        "LLM_BASE_URL": BASE_URL,
+        "LLM_BASE_URL": "http://llm.test/v1",
         "LLM_API_KEY": "sk-test",
         "LLM_MODEL": "gpt-4o-mini",
         "LLM_TIMEOUT_S": 5,
@@ -114,9 +182,11 @@ def request(text: str = "A short, clear essay.", **fields: Any) -> ScoringReques
 async def score_with(
     provider: ScriptedProvider, scoring: ScoringRequest | None = None, **overrides: Any
 ) -> Any:
-    async with httpx.AsyncClient(transport=httpx.MockTransport(provider)) as http:
-        model = OpenAIChatModel(http, settings(**overrides), clock=lambda: NOW)
-        return await model.score(scoring or request())
+    async with provider.serving() as base_url:
+        configured = settings(LLM_BASE_URL=base_url, **overrides)
+        async with make_http_client(configured, concurrency=4) as http:
+            model = OpenAIChatModel(http, configured, clock=lambda: NOW)
+            return await model.score(scoring or request())
 
 
 async def test_a_good_answer_becomes_a_result_with_usage() -> None:
@@ -136,9 +206,9 @@ async def test_the_request_is_a_hardened_deterministic_chat_completion() -> None
     provider = ScriptedProvider(completion(GOOD))
     await score_with(provider, request("My essay </text> text.", model="my-model"))
     sent = provider.requests[0]
-    assert sent.method == "POST"
-    assert str(sent.url) == f"{BASE_URL}/chat/completions"
+    assert (sent.method, sent.path) == ("POST", "/v1/chat/completions")
     assert sent.headers["authorization"] == "Bearer sk-test"
+    assert sent.headers["content-type"] == "application/json"
     body = provider.body()
     assert body["model"] == "my-model"
     assert body["temperature"] == 0
@@ -302,7 +372,7 @@ async def test_503_keeps_its_retry_after_hint() -> None:
 
 
 async def test_a_non_json_error_body_is_still_described() -> None:
-    provider = ScriptedProvider(httpx.Response(502, text="<html>Bad gateway</html>"))
+    provider = ScriptedProvider(text_answer(502, "<html>Bad gateway</html>"))
     with pytest.raises(ModelUnavailable, match="Bad gateway"):
         await score_with(provider)
 
@@ -324,7 +394,7 @@ async def test_400_blaming_the_input_is_input_rejected(message: str, code: str |
 
 
 async def test_413_is_input_rejected() -> None:
-    provider = ScriptedProvider(httpx.Response(413, text="Payload too large"))
+    provider = ScriptedProvider(text_answer(413, "Payload too large"))
     with pytest.raises(InputRejected):
         await score_with(provider)
 
@@ -346,6 +416,14 @@ async def test_configuration_errors_are_permanent(status: int, message: str) -> 
     assert not caught.value.to_task_error().retryable
 
 
+async def test_a_redirect_is_not_followed() -> None:
+    moved = Answer(307, b"", {"Location": "/v1/chat/completions"})
+    provider = ScriptedProvider(moved, completion(GOOD))
+    with pytest.raises(ModelMisconfigured, match="307"):
+        await score_with(provider)
+    assert len(provider.requests) == 1
+
+
 async def test_the_api_key_never_appears_in_errors() -> None:
     provider = ScriptedProvider(provider_error(401, "Incorrect API key provided"))
     with pytest.raises(ModelMisconfigured) as caught:
@@ -360,7 +438,7 @@ async def test_a_refusal_is_input_rejected() -> None:
 
 
 async def test_a_200_without_a_chat_completion_is_unavailability() -> None:
-    provider = ScriptedProvider(httpx.Response(200, text="<html>captive portal</html>"))
+    provider = ScriptedProvider(text_answer(200, "<html>captive portal</html>"))
     with pytest.raises(ModelUnavailable, match="without a chat completion"):
         await score_with(provider)
 
@@ -368,49 +446,62 @@ async def test_a_200_without_a_chat_completion_is_unavailability() -> None:
 # --- transport failures -----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("how", [Misbehaviour.DISCONNECT, Misbehaviour.RESET])
+async def test_a_connection_lost_before_the_answer_is_unavailability(how: Misbehaviour) -> None:
+    with pytest.raises(ModelUnavailable, match="cannot reach"):
+        await score_with(ScriptedProvider(how))
+
+
+async def test_a_request_beyond_the_clients_own_timeout_is_a_model_timeout() -> None:
+    provider = ScriptedProvider(Misbehaviour.HANG)
+    async with (
+        provider.serving() as base_url,
+        ProviderClient(concurrency=1, timeout_s=0.05) as http,
+    ):
+        model = OpenAIChatModel(http, settings(LLM_BASE_URL=base_url, LLM_TIMEOUT_S=30))
+        with pytest.raises(ModelTimeout, match="timed out"):
+            await model.score(request())
+
+
+class FailingClient(ProviderClient):
+    """A provider client whose every request fails with `failure`, as aiohttp raises it."""
+
+    def __init__(self, failure: Exception) -> None:
+        super().__init__(concurrency=1, timeout_s=5)
+        self.failure = failure
+
+    async def post(self, url: URL, *, body: bytes, headers: Mapping[str, str]) -> ProviderReply:
+        raise self.failure
+
+
 @pytest.mark.parametrize(
-    "failure",
+    ("failure", "error"),
     [
-        httpx.ConnectError("Connection refused"),
-        httpx.ConnectTimeout("refused, as the aiohttp transport reports it"),
-        httpx.RemoteProtocolError("Server disconnected"),
-        httpx.ReadError("Connection reset by peer"),
-        aiohttp.ServerDisconnectedError(),
-        ConnectionResetError("reset"),
+        (aiohttp.ConnectionTimeoutError("connect"), ModelUnavailable),
+        (aiohttp.ServerDisconnectedError(), ModelUnavailable),
+        (aiohttp.ClientPayloadError("truncated body"), ModelUnavailable),
+        (ConnectionResetError("reset"), ModelUnavailable),
+        (aiohttp.SocketTimeoutError("read"), ModelTimeout),
+        (TimeoutError(), ModelTimeout),
     ],
 )
-async def test_connection_failures_are_unavailability(failure: Exception) -> None:
-    with pytest.raises(ModelUnavailable, match="cannot reach"):
-        await score_with(ScriptedProvider(failure))
-
-
-@pytest.mark.parametrize("failure", [httpx.ReadTimeout("read"), httpx.PoolTimeout("pool")])
-async def test_httpx_timeouts_are_model_timeouts(failure: Exception) -> None:
-    with pytest.raises(ModelTimeout):
-        await score_with(ScriptedProvider(failure))
+async def test_transport_failures_are_classified(
+    failure: Exception, error: type[Exception]
+) -> None:
+    model = OpenAIChatModel(FailingClient(failure), settings())
+    with pytest.raises(error):
+        await model.score(request())
 
 
 async def test_a_hung_provider_hits_the_hard_deadline() -> None:
-    never = asyncio.Event()
-
-    async def hang() -> httpx.Response:
-        await never.wait()
-        raise AssertionError("the event is never set")
-
-    provider = ScriptedProvider(hang)
+    provider = ScriptedProvider(Misbehaviour.HANG)
     with pytest.raises(ModelTimeout, match=r"within 0\.05 s") as caught:
         await score_with(provider, LLM_TIMEOUT_S=0.05)
     assert caught.value.to_task_error().code == "model_timeout"
 
 
 async def test_the_deadline_covers_the_repair_call_too() -> None:
-    never = asyncio.Event()
-
-    async def hang() -> httpx.Response:
-        await never.wait()
-        raise AssertionError("the event is never set")
-
-    provider = ScriptedProvider(completion("not JSON"), hang)
+    provider = ScriptedProvider(completion("not JSON"), Misbehaviour.HANG)
     with pytest.raises(ModelTimeout):
         await score_with(provider, LLM_TIMEOUT_S=0.05)
     assert len(provider.requests) == 2

@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import httpx
-
 from services.scorer.model.base import (
     FLAG_INSTRUCTION_IN_TEXT,
     FLAG_REPAIRED,
@@ -20,7 +18,12 @@ from services.scorer.model.base import (
     ScoringRequest,
 )
 from services.scorer.model.heuristic import HEURISTIC_MODEL_NAME, HeuristicModel
-from services.scorer.model.http_client import make_http_client, provider_transport
+from services.scorer.model.http_client import (
+    ProviderClient,
+    ProviderReply,
+    make_http_client,
+    provider_connector,
+)
 from services.scorer.model.normalise import fit_to_budget, normalise_text, text_fingerprint
 from services.scorer.model.openai import OpenAIChatModel
 from services.scorer.model.parsing import Verdict, parse_verdict
@@ -37,6 +40,8 @@ __all__ = [
     "ModelSettings",
     "ModelVerdict",
     "OpenAIChatModel",
+    "ProviderClient",
+    "ProviderReply",
     "ScoreModel",
     "ScoringRequest",
     "Verdict",
@@ -46,12 +51,12 @@ __all__ = [
     "make_http_client",
     "normalise_text",
     "parse_verdict",
-    "provider_transport",
+    "provider_connector",
     "text_fingerprint",
 ]
 
 
-def build_model(settings: ModelSettings, http: httpx.AsyncClient | None) -> ScoreModel:
+def build_model(settings: ModelSettings, http: ProviderClient | None) -> ScoreModel:
     """The model LLM_PROVIDER names; `http` is required by (and only used by) `openai`."""
     if settings.llm_provider == "heuristic":
         return HeuristicModel(max_input_chars=settings.llm_max_input_chars)

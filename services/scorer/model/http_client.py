@@ -1,56 +1,105 @@
-"""The HTTP client of model providers, on aiohttp's connection pool."""
+"""The HTTP client of model providers: aiohttp's connection pool, sized to the concurrency."""
 
 from __future__ import annotations
 
-from http.cookiejar import CookieJar
-from typing import Any, Final
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Final, Self
 
-import httpx
-from httpx_aiohttp import AiohttpTransport
+import aiohttp
+from yarl import URL
 
 from services.scorer.model.settings import ModelSettings
 
 _CONNECT_TIMEOUT_S: Final = 10.0
+# The request's own bound comes this long after the caller's deadline of the same length, so
+# that a caller's deadline is the one that fires and names itself.
+_BACKSTOP_MARGIN_S: Final = 1.0
 
 
-def make_http_client(settings: ModelSettings, *, concurrency: int) -> httpx.AsyncClient:
-    """An `httpx.AsyncClient` able to hold `concurrency` requests to the provider at once.
+@dataclass(frozen=True, slots=True)
+class ProviderReply:
+    """One HTTP response of a provider, read in full. `headers` ignore case."""
 
-    It runs on `httpx_aiohttp.AiohttpTransport` because at 64+ requests in flight httpx's own
-    pool costs about six times the CPU. Its timeouts back up the hard deadline that
-    `OpenAIChatModel` sets around each score. Nothing connects before the first request;
-    the owner closes the client with `aclose()`. It keeps no cookies (`IgnoredCookies`).
+    status: int
+    reason: str
+    headers: Mapping[str, str]
+    body: bytes
+
+    @property
+    def is_success(self) -> bool:
+        return 200 <= self.status < 300
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", errors="replace")
+
+
+class ProviderClient:
+    """Posts JSON bodies to a provider, with up to `concurrency` requests at once.
+
+    It is aiohttp with nothing on top: httpx's API over the same pool cost more CPU per call
+    than the whole aiohttp request (docs/architecture.md, "The model call"). Each request must
+    end within `timeout_s` and a second, and connect within 10 s: a backstop behind the hard
+    deadline of `timeout_s` that `OpenAIChatModel` sets around each score, which fires first
+    and names itself. It follows no redirects, keeps no cookies (a model API is stateless,
+    and a provider's affinity cookie must not tie one task's request to another's) and never
+    retries: the scorer owns retries, through the broker. Nothing connects before the first
+    request, so it may be built outside the event loop; the owner closes it with `aclose()`.
     """
-    timeout = httpx.Timeout(
-        settings.llm_timeout_s, connect=min(settings.llm_timeout_s, _CONNECT_TIMEOUT_S)
-    )
-    return httpx.AsyncClient(
-        transport=provider_transport(concurrency=concurrency),
-        timeout=timeout,
-        follow_redirects=False,
-        cookies=IgnoredCookies(),
-    )
+
+    def __init__(self, *, concurrency: int, timeout_s: float) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        self.concurrency = concurrency
+        self.timeout = aiohttp.ClientTimeout(
+            total=timeout_s + _BACKSTOP_MARGIN_S, connect=min(timeout_s, _CONNECT_TIMEOUT_S)
+        )
+        self._session: aiohttp.ClientSession | None = None
+
+    async def post(self, url: URL, *, body: bytes, headers: Mapping[str, str]) -> ProviderReply:
+        """POST `body`; raises aiohttp's errors (`aiohttp.ClientError`, `TimeoutError`)."""
+        async with self._opened().post(
+            url, data=body, headers=headers, allow_redirects=False
+        ) as response:
+            content = await response.read()
+            return ProviderReply(response.status, response.reason or "", response.headers, content)
+
+    def _opened(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=provider_connector(concurrency=self.concurrency),
+                timeout=self.timeout,
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
+        return self._session
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
 
 
-class IgnoredCookies(CookieJar):
-    """A cookie jar that takes none: a model API is stateless, and a provider's cookies
-    (a load balancer's affinity, a bot check's token) must not tie one task's request to
-    another's. It also saves a third of httpx's cookie handling per response (39 → 25 µs,
-    docs/architecture.md).
+def provider_connector(*, concurrency: int) -> aiohttp.TCPConnector:
+    """A pool of `concurrency` connections; left unset, aiohttp would cap it at 100.
+
+    `limit_per_host` stays unbounded so that the total limit is the one that applies.
+    Call it inside the event loop.
     """
-
-    def extract_cookies(self, response: Any, request: Any) -> None:
-        return None
+    return aiohttp.TCPConnector(limit=concurrency, limit_per_host=0)
 
 
-def provider_transport(*, concurrency: int) -> AiohttpTransport:
-    """An aiohttp transport whose pool holds `concurrency` connections, without retries.
-
-    The transport hands only `Limits.max_connections` to aiohttp, as `TCPConnector(limit=)`,
-    and leaves `limit_per_host` unbounded; left unset, aiohttp would cap the pool at 100.
-    `retries=0` because the scorer owns retries, through the broker.
-    """
-    if concurrency < 1:
-        raise ValueError(f"concurrency must be at least 1, got {concurrency}")
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    return AiohttpTransport(limits=limits, retries=0)
+def make_http_client(settings: ModelSettings, *, concurrency: int) -> ProviderClient:
+    """The client for `settings`' provider, able to hold `concurrency` requests at once."""
+    return ProviderClient(concurrency=concurrency, timeout_s=settings.llm_timeout_s)

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
 
 import aiohttp
-import httpx
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from yarl import URL
 
 from services.scorer.errors import (
     InputRejected,
@@ -29,6 +29,7 @@ from services.scorer.errors import (
     UnusableOutput,
 )
 from services.scorer.model.base import FLAG_REPAIRED, ModelVerdict, ScoringRequest
+from services.scorer.model.http_client import ProviderClient, ProviderReply
 from services.scorer.model.parsing import Verdict, parse_verdict
 from services.scorer.model.preparation import prepare_text
 from services.scorer.model.prompt import (
@@ -123,7 +124,7 @@ class OpenAIChatModel:
 
     def __init__(
         self,
-        http: httpx.AsyncClient,
+        http: ProviderClient,
         settings: ModelSettings,
         *,
         clock: Callable[[], datetime] = _utcnow,
@@ -132,8 +133,8 @@ class OpenAIChatModel:
         self._http = http
         self._settings = settings
         self._clock = clock
-        # Parsed once: httpx parses a URL given as a string again on every request.
-        self._url = httpx.URL(settings.llm_base_url.rstrip("/") + "/chat/completions")
+        # Parsed once: a URL given as a string is parsed again on every request.
+        self._url = URL(settings.llm_base_url.rstrip("/") + "/chat/completions")
         self._request_headers = _request_headers(settings)
 
     async def score(self, request: ScoringRequest) -> ModelVerdict:
@@ -181,10 +182,10 @@ class OpenAIChatModel:
         try:
             response = await self._http.post(
                 self._url,
-                content=orjson.dumps(self._body(messages, model)),
+                body=orjson.dumps(self._body(messages, model)),
                 headers=self._request_headers,
             )
-        except (httpx.RequestError, aiohttp.ClientError, OSError) as exc:
+        except (aiohttp.ClientError, OSError) as exc:
             raise _transport_error(exc, self._url) from exc
         if not response.is_success:
             raise error_for_response(response, now=self._clock())
@@ -225,21 +226,21 @@ def _add(first: Usage, second: Usage) -> Usage:
     )
 
 
-def _transport_error(exc: Exception, url: httpx.URL) -> ScoringError:
-    # The aiohttp transport reports refused and reset connections as httpx.ConnectTimeout,
-    # so only read, write and pool timeouts count as the model being slow.
-    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+def _transport_error(exc: Exception, url: URL) -> ScoringError:
+    # A provider that cannot be connected to is unavailable, not slow: only a request that
+    # got through and then took too long counts as the model being slow.
+    if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError):
         return ModelTimeout(f"{url} timed out: {type(exc).__name__}")
     reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return ModelUnavailable(f"cannot reach {url}: {reason}")
 
 
-def _read_answer(response: httpx.Response, requested_model: str) -> _Answer:
+def _read_answer(response: ProviderReply, requested_model: str) -> _Answer:
     try:
-        completion = _ChatCompletion.model_validate_json(response.content)
+        completion = _ChatCompletion.model_validate_json(response.body)
     except ValidationError as exc:
         raise ModelUnavailable(
-            f"the provider answered {response.status_code} without a chat completion"
+            f"the provider answered {response.status} without a chat completion"
         ) from exc
     choice = completion.choices[0]
     if choice.message.refusal:
@@ -254,9 +255,9 @@ def _read_answer(response: httpx.Response, requested_model: str) -> _Answer:
     )
 
 
-def error_for_response(response: httpx.Response, *, now: datetime) -> ScoringError:
+def error_for_response(response: ProviderReply, *, now: datetime) -> ScoringError:
     """The typed error for an unsuccessful chat-completions response."""
-    status = response.status_code
+    status = response.status
     provider_says = _provider_detail(response)
     detail = f"{status} from the provider: {provider_says}"
     blames = f"{provider_says} {_error_code(response)}".lower()
@@ -276,25 +277,25 @@ def error_for_response(response: httpx.Response, *, now: datetime) -> ScoringErr
     return ModelUnavailable(detail, retry_after_s=retry_after_s(response.headers, now=now))
 
 
-def _provider_detail(response: httpx.Response) -> str:
+def _provider_detail(response: ProviderReply) -> str:
     error = _error_object(response)
     message = error.get("message") if error else None
     if isinstance(message, str) and message:
         return _trim(message)
-    return _trim(response.text) or response.reason_phrase or "no detail"
+    return _trim(response.text) or response.reason or "no detail"
 
 
-def _error_code(response: httpx.Response) -> str:
+def _error_code(response: ProviderReply) -> str:
     error = _error_object(response)
     parts = [error.get(key) for key in ("code", "type")] if error else []
     return " ".join(part for part in parts if isinstance(part, str))
 
 
-def _error_object(response: httpx.Response) -> dict[str, Any] | None:
+def _error_object(response: ProviderReply) -> dict[str, Any] | None:
     """The `error` object of an OpenAI-style error body, when there is one."""
     try:
-        body = response.json()
-    except ValueError:
+        body = orjson.loads(response.body)
+    except orjson.JSONDecodeError:
         return None
     error = body.get("error") if isinstance(body, dict) else None
     if isinstance(error, str):
@@ -302,7 +303,7 @@ def _error_object(response: httpx.Response) -> dict[str, Any] | None:
     return error if isinstance(error, dict) else None
 
 
-def retry_after_s(headers: httpx.Headers, *, now: datetime) -> float | None:
+def retry_after_s(headers: Mapping[str, str], *, now: datetime) -> float | None:
     """Seconds to wait according to `retry-after-ms` or `Retry-After` (seconds or HTTP-date)."""
     milliseconds = parse_seconds(headers.get("retry-after-ms"))
     if milliseconds is not None:

@@ -18,6 +18,7 @@ from services.scorer.model import (
     make_http_client,
     provider_connector,
 )
+from services.scorer.model.http_client import MAX_REPLY_BYTES, ReplyTooLarge
 from tests.support import serving
 
 LLM_VARIABLES = [
@@ -166,3 +167,48 @@ async def test_the_client_keeps_no_cookie_between_requests(
             reply = await http.post(URL(url), body=b"{}", headers={})
             assert reply.headers["set-cookie"].startswith("affinity=node-7")
     assert received == [None, None]
+
+
+@pytest.fixture
+async def streaming_server() -> AsyncIterator[str]:
+    """A real HTTP server answering in chunks, without a Content-Length: `?size=` bytes."""
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        size = int(request.query["size"])
+        if "gzip" in request.query:
+            compressed = web.Response(body=b"x" * size)
+            compressed.enable_compression(web.ContentCoding.gzip)
+            return compressed
+        response = web.StreamResponse()
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        for start in range(0, size, 64 * 1024):
+            await response.write(b"x" * min(64 * 1024, size - start))
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/answer", answer)
+    async with serving(app) as url:
+        yield f"{url}/answer"
+
+
+async def test_a_streamed_answer_is_read_up_to_the_limit(streaming_server: str) -> None:
+    async with make_http_client(_settings(), concurrency=1) as http:
+        at_limit = await http.post(
+            URL(streaming_server).with_query(size=MAX_REPLY_BYTES), body=b"{}", headers={}
+        )
+        assert len(at_limit.body) == MAX_REPLY_BYTES
+        with pytest.raises(ReplyTooLarge):
+            await http.post(
+                URL(streaming_server).with_query(size=MAX_REPLY_BYTES + 1), body=b"{}", headers={}
+            )
+
+
+async def test_a_compressed_answer_is_counted_as_it_inflates(streaming_server: str) -> None:
+    bomb = URL(streaming_server).with_query(size=MAX_REPLY_BYTES + 1, gzip="")
+    async with make_http_client(_settings(), concurrency=1) as http:
+        with pytest.raises(ReplyTooLarge):
+            await http.post(bomb, body=b"{}", headers={})
+        fits = await http.post(bomb.update_query(size=1000), body=b"{}", headers={})
+        assert fits.body == b"x" * 1000

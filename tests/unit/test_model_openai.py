@@ -33,6 +33,7 @@ from services.scorer.model import (
     ScoringRequest,
     make_http_client,
 )
+from services.scorer.model.http_client import MAX_REPLY_BYTES
 from tests.support import serving
 
 NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
@@ -422,6 +423,18 @@ async def test_a_redirect_is_not_followed() -> None:
     with pytest.raises(ModelMisconfigured, match="307"):
         await score_with(provider)
     assert len(provider.requests) == 1
+
+
+async def test_an_oversized_answer_is_unavailability_and_the_client_goes_on() -> None:
+    huge = completion("x" * MAX_REPLY_BYTES)
+    provider = ScriptedProvider(huge, completion(GOOD))
+    async with provider.serving() as base_url:
+        configured = settings(LLM_BASE_URL=base_url)
+        async with make_http_client(configured, concurrency=1) as http:
+            model = OpenAIChatModel(http, configured, clock=lambda: NOW)
+            with pytest.raises(ModelUnavailable, match="answered too much"):
+                await model.score(request())
+            assert (await model.score(request())).result.score == 7.5
 
 
 async def test_the_api_key_never_appears_in_errors() -> None:

@@ -13,9 +13,16 @@ from yarl import URL
 from services.scorer.model.settings import ModelSettings
 
 _CONNECT_TIMEOUT_S: Final = 10.0
+# A verdict is a few hundred tokens; an answer this large is a provider gone wrong, and
+# reading it whole would let one reply take the scorer's memory.
+MAX_REPLY_BYTES: Final = 1 << 20
 # The request's own bound comes this long after the caller's deadline of the same length, so
 # that a caller's deadline is the one that fires and names itself.
 _BACKSTOP_MARGIN_S: Final = 1.0
+
+
+class ReplyTooLarge(Exception):
+    """The provider's answer went beyond `MAX_REPLY_BYTES`; the rest of it was not read."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,11 +66,12 @@ class ProviderClient:
         self._session: aiohttp.ClientSession | None = None
 
     async def post(self, url: URL, *, body: bytes, headers: Mapping[str, str]) -> ProviderReply:
-        """POST `body`; raises aiohttp's errors (`aiohttp.ClientError`, `TimeoutError`)."""
+        """POST `body`; raises aiohttp's errors (`aiohttp.ClientError`, `TimeoutError`) and
+        `ReplyTooLarge`."""
         async with self._opened().post(
             url, data=body, headers=headers, allow_redirects=False
         ) as response:
-            content = await response.read()
+            content = await _read_bounded(response)
             return ProviderReply(response.status, response.reason or "", response.headers, content)
 
     def _opened(self) -> aiohttp.ClientSession:
@@ -89,6 +97,22 @@ class ProviderClient:
         traceback: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+
+async def _read_bounded(response: aiohttp.ClientResponse) -> bytes:
+    announced = response.content_length
+    if announced is not None and announced > MAX_REPLY_BYTES:
+        raise ReplyTooLarge(f"the provider announced {announced} bytes")
+    if announced is not None and "Content-Encoding" not in response.headers:
+        # The parser reads no more than the Content-Length announces; a compressed body is
+        # counted as it inflates instead, below.
+        return await response.read()
+    content = bytearray()
+    async for chunk in response.content.iter_any():
+        content += chunk
+        if len(content) > MAX_REPLY_BYTES:
+            raise ReplyTooLarge(f"the provider sent more than {MAX_REPLY_BYTES} bytes")
+    return bytes(content)
 
 
 def provider_connector(*, concurrency: int) -> aiohttp.TCPConnector:

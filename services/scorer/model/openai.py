@@ -29,7 +29,7 @@ from services.scorer.errors import (
     UnusableOutput,
 )
 from services.scorer.model.base import FLAG_REPAIRED, ModelVerdict, ScoringRequest
-from services.scorer.model.http_client import ProviderClient, ProviderReply
+from services.scorer.model.http_client import ProviderClient, ProviderReply, ReplyTooLarge
 from services.scorer.model.parsing import Verdict, parse_verdict
 from services.scorer.model.preparation import prepare_text
 from services.scorer.model.prompt import (
@@ -187,6 +187,8 @@ class OpenAIChatModel:
             )
         except (aiohttp.ClientError, OSError) as exc:
             raise _transport_error(exc, self._url) from exc
+        except ReplyTooLarge as exc:
+            raise ModelUnavailable(f"{self._url} answered too much: {exc}") from exc
         if not response.is_success:
             raise error_for_response(response, now=self._clock())
         return _read_answer(response, model)

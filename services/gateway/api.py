@@ -27,6 +27,7 @@ from services.gateway.errors import (
 )
 from services.gateway.limits import InFlight, LimitExceeded, limit_problem
 from services.gateway.push import LiveUpdates, WaiterLimitReached, read_when_changed
+from services.gateway.refusals import Refusals
 from services.gateway.schemas import ScoreSubmission, SubmissionAccepted
 from services.gateway.settings import GatewaySettings
 from services.gateway.submissions import Submissions
@@ -58,6 +59,7 @@ class GatewayDeps:
     clock: Callable[[], datetime]
     in_flight: InFlight
     live: LiveUpdates = field(default_factory=LiveUpdates)
+    refusals: Refusals = field(default_factory=Refusals)
 
 
 def status_url(task_id: str) -> str:
@@ -210,6 +212,7 @@ def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
                 cache=deps.cache,
                 policy=policy,
                 clock=deps.clock,
+                refusals=deps.refusals,
                 api_key_id=caller.key_id,
                 in_flight=deps.in_flight,
             )

@@ -191,7 +191,9 @@ def gateway_lifespan(gateway: Gateway) -> Callable[[FastAPI], Any]:
             now = gateway.deps.clock()
             await bootstrap_key(gateway.keys, token, tenant_id=DEFAULT_TENANT, now=now)
         await start_broker(gateway.broker, settings)
-        sweeper = asyncio.create_task(keep_outbox_swept(gateway.deps, gateway.publisher))
+        sweeper = asyncio.create_task(
+            keep_outbox_swept(gateway.deps, gateway.publisher, gateway.batches)
+        )
         yield
         sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -10,11 +10,13 @@ Accepting a batch (`submit_batch`), all or nothing:
 5. submissions and batch are marked `accepted` (one update each).
 If the broker took none of step 4's commands, the slots are released, the batch and its
 submissions discarded, and `BrokerUnavailable` raised: the client sees 503 and nothing was
-kept. If some may have reached their queue but not all were confirmed, the batch is
-accepted (a replay of the request answers it) and its submissions marked `unconfirmed` for
-the outbox sweep, which sends each command again. An
-interruption between 2 and 5 leaves submissions `accepting`, which the outbox sweep
-sends later (so does a failure to release the slots: see `services.gateway.limits`).
+kept. Records that cannot be removed then (the database failing too), and those of a batch
+whose insert failed without an answer (it may land yet), are written off in the background
+(`services/gateway/refusals.py`), so the outbox sweep never sends a refused batch. If some
+commands may have reached their queue but not all were confirmed, the batch is accepted (a
+replay of the request answers it) and its submissions marked `unconfirmed` for the outbox
+sweep, which sends each command again. A process that dies between 2 and 5 leaves submissions
+`accepting`, which the outbox sweep sends later.
 
 Batches do not consult the result cache (one lookup per item would dominate the request);
 their results still fill it.
@@ -28,10 +30,9 @@ page of items, by `batch_index`). Tasks the status service has not heard of yet 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
@@ -48,8 +49,15 @@ from services.gateway.errors import (
     RequestInProgress,
 )
 from services.gateway.limits import LimitExceeded
+from services.gateway.refusals import Refusal, Refusals
 from services.gateway.schemas import checked_metadata
-from services.gateway.submissions import KeyTaken, Submissions, SubmissionState, request_hash
+from services.gateway.submissions import (
+    TOMBSTONE_TTL,
+    KeyTaken,
+    Submissions,
+    SubmissionState,
+    request_hash,
+)
 from services.gateway.submit import InFlightGate, counting
 from shared.contracts import (
     BatchItemProgress,
@@ -148,6 +156,7 @@ class BatchSubmission(BaseModel):
 class BatchState:
     ACCEPTING = SubmissionState.ACCEPTING.value
     ACCEPTED = SubmissionState.ACCEPTED.value
+    ABANDONED = SubmissionState.ABANDONED.value  # refused after all: a tombstone
 
 
 @dataclass(frozen=True)
@@ -220,6 +229,24 @@ class Batches:
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 
+    async def abandon(self, batch_id: str, *, now: datetime) -> None:
+        """Turn a refused batch's record into a tombstone, whether or not its insert landed
+        yet (`services/gateway/refusals.py`): the idempotency key is freed."""
+        try:
+            await self._collection.update_one(
+                {"_id": batch_id, "state": {"$in": [BatchState.ACCEPTING, BatchState.ABANDONED]}},
+                {
+                    "$set": {"state": BatchState.ABANDONED},
+                    "$unset": {"idempotency_key": "", "members": ""},
+                    "$setOnInsert": {"created_at": now, "expires_at": now + TOMBSTONE_TTL},
+                },
+                upsert=True,
+            )
+        except DuplicateKeyError:
+            return  # the batch was accepted after all: it stays
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
     async def find(self, batch_id: str, *, tenant_id: str) -> BatchRecord | None:
         return await self._find_one({"_id": batch_id, "tenant_id": tenant_id})
 
@@ -228,7 +255,9 @@ class Batches:
 
     async def _find_one(self, query: Document) -> BatchRecord | None:
         try:
-            document = await self._collection.find_one(query)
+            document = await self._collection.find_one(
+                {**query, "state": {"$ne": BatchState.ABANDONED}}
+            )
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
         if document is None:
@@ -279,9 +308,13 @@ async def submit_batch(
     publisher: BatchPublisher,
     policy: BatchPolicy,
     clock: Clock,
+    refusals: Refusals,
     in_flight: InFlightGate | None = None,
 ) -> BatchSubmitted:
-    """Record the batch, publish all its commands in one confirm round, answer once confirmed."""
+    """Record the batch, publish all its commands in one confirm round, answer once confirmed.
+
+    A refused batch (429, 503) keeps nothing; what cannot be removed at once is written off
+    later (`refusals`)."""
     now = clock()
     batch_id = new_id()
     gate = counting(in_flight)
@@ -313,12 +346,15 @@ async def submit_batch(
             for command, item in zip(commands, submission.items, strict=True)
         ),
     )
+    refusal = Refusal(tenant_id, tuple(c.task_id for c in commands), batch_id=batch_id)
     try:
         await batches.insert(record, idempotency_key=idempotency_key, retention=policy.retention)
     except KeyTaken:
         assert idempotency_key is not None
         return await _earlier_batch(idempotency_key, record, batches, policy, now)
-    counted = False  # from the first acquire on, slots may be counted: release them on failure
+    except DatabaseUnavailable:
+        refusals.note(replace(refusal, task_ids=()))  # its insert may land yet
+        raise
     try:
         await submissions.insert_batch(
             [
@@ -332,20 +368,25 @@ async def submit_batch(
             retention=policy.retention,
             counted=gate is not None,
         )
+    except DatabaseUnavailable:
+        refusals.note(refusal)  # some of its submissions may be recorded, now or later
+        raise
+    counted = False  # from the first acquire on, slots may be counted: release them on failure
+    try:
         if gate is not None:
             counted = True
             await gate.acquire(tenant_id, len(commands))
         confirmed = await _send_or_withdraw(publisher, commands)
     except LimitExceeded:
-        await _discard(batch_id, batches=batches, submissions=submissions)  # nothing counted
+        await _discard(refusal, batches=batches, submissions=submissions, refusals=refusals)
         raise
     except (BrokerUnavailable, DatabaseUnavailable):
         await _give_up(
-            batch_id,
-            commands,
+            replace(refusal, counted=counted),
             batches=batches,
             submissions=submissions,
-            in_flight=gate if counted else None,
+            in_flight=gate,
+            refusals=refusals,
         )
         raise
     try:
@@ -371,30 +412,37 @@ async def _send_or_withdraw(publisher: BatchPublisher, commands: Sequence[ScoreT
 
 
 async def _give_up(
-    batch_id: str,
-    commands: Sequence[ScoreText],
+    refusal: Refusal,
     *,
     batches: Batches,
     submissions: Submissions,
     in_flight: InFlightGate | None,
+    refusals: Refusals,
 ) -> None:
-    """Undo a batch's acceptance: release its slots, then forget it. Slots that cannot be
-    released keep the submissions: the outbox sweep sends them and their ends release them."""
-    if in_flight is not None:
+    """Undo a batch's acceptance: release its slots, then forget it. What the database does
+    not take now is written off later (`services/gateway/refusals.py`)."""
+    if refusal.counted and in_flight is not None:
         try:
-            for command in commands:
-                await in_flight.release(command.tenant_id, command.task_id)
+            for task_id in refusal.task_ids:
+                await in_flight.release(refusal.tenant_id, task_id)
         except DatabaseUnavailable:
-            log.warning("batch %s kept for the outbox: its slots are not released", batch_id)
+            log.warning("batch %s: slots not released; written off later", refusal.batch_id)
+            refusals.note(refusal)
             return
-    await _discard(batch_id, batches=batches, submissions=submissions)
+    await _discard(refusal, batches=batches, submissions=submissions, refusals=refusals)
 
 
-async def _discard(batch_id: str, *, batches: Batches, submissions: Submissions) -> None:
-    with contextlib.suppress(DatabaseUnavailable):
-        # If this fails too, the outbox sweep sends what was recorded later.
-        await submissions.discard_batch(batch_id)
-        await batches.discard(batch_id)
+async def _discard(
+    refusal: Refusal, *, batches: Batches, submissions: Submissions, refusals: Refusals
+) -> None:
+    """Forget a refused batch whose records are all written (nothing counted any more)."""
+    assert refusal.batch_id is not None
+    try:
+        await submissions.discard_batch(refusal.batch_id)
+        await batches.discard(refusal.batch_id)
+    except DatabaseUnavailable:
+        log.warning("batch %s not discarded; written off later", refusal.batch_id)
+        refusals.note(replace(refusal, counted=False))
 
 
 async def _earlier_batch(

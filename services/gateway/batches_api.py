@@ -277,6 +277,7 @@ def batch_routes(
                 publisher=publisher,
                 policy=policy,
                 clock=deps.clock,
+                refusals=deps.refusals,
                 in_flight=deps.in_flight,
             )
         except LimitExceeded as error:

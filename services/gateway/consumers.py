@@ -9,9 +9,11 @@ from datetime import timedelta
 from pydantic import ValidationError
 
 from services.gateway.api import GatewayDeps
+from services.gateway.batches import Batches
 from services.gateway.errors import DatabaseUnavailable, Unavailable
 from services.gateway.limits import OUTCOME_RETRY_DELAY_S
-from services.gateway.submit import Publisher, settle_outcome, sweep_outbox
+from services.gateway.refusals import write_off
+from services.gateway.submit import Publisher, counting, settle_outcome, sweep_outbox
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import parse_task_event
 from shared.runtime import keep_trying
@@ -50,13 +52,30 @@ def subscribe_task_outcomes(
         await message.ack()
 
 
-async def keep_outbox_swept(deps: GatewayDeps, publisher: Publisher) -> None:
-    """Send interrupted submissions at start-up and then periodically."""
+async def keep_outbox_swept(deps: GatewayDeps, publisher: Publisher, batches: Batches) -> None:
+    """Write off refused requests, then send interrupted submissions; at start-up and then
+    periodically."""
     grace = timedelta(seconds=deps.settings.outbox_grace_s)
     while True:
         try:
+            written = await write_off(
+                deps.refusals,
+                submissions=deps.submissions,
+                batches=batches,
+                in_flight=counting(deps.in_flight),
+                now=deps.clock(),
+            )
+            if written:
+                log.info("wrote off %d refused request(s)", written)
+        except Unavailable as error:
+            log.warning("writing off refused requests postponed: %r", error)
+        try:
             sent = await sweep_outbox(
-                submissions=deps.submissions, publisher=publisher, clock=deps.clock, grace=grace
+                submissions=deps.submissions,
+                publisher=publisher,
+                clock=deps.clock,
+                grace=grace,
+                refusals=deps.refusals,
             )
             if sent:
                 log.info("outbox sweep sent %d interrupted submission(s)", sent)

@@ -42,8 +42,9 @@ forever):
   its end will decrement a count that never included it (the counter never goes below 0);
 - a failed or unknown counter update, a refused publish (503), a full queue: the submission
   releases its slot (which may decrement once too often) and only then forgets the
-  submission; when even the release fails, the submission is kept for the outbox sweep, which
-  sends the task later, and its end releases the slot;
+  submission; when even the release fails, the request is written off later
+  (`services/gateway/refusals.py`: the slot released, then the submission abandoned), or, if
+  the gateway dies first, the outbox sweep sends the task and its end releases the slot;
 - a crash after the counter but before the broker confirm: the submission stays `accepting`,
   the outbox sweep sends it, its end releases the slot;
 - a redelivered outcome whose task id has left `recent_releases` (the last

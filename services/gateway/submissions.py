@@ -5,7 +5,8 @@ A submission is inserted as `accepting` with the command it will publish, and tu
 written but not confirmed (the client is answered 202 all the same: it may be queued). One
 still `accepting` after a grace period was interrupted (process died between insert and
 publish); the outbox sweep sends it then, and every `unconfirmed` one too (the sweep reads
-`state` only). Publishing twice is harmless: the scorer claims each task once.
+`state` only). Publishing twice is harmless: the scorer claims each task once. A submission
+refused after all turns `abandoned`, a tombstone (`abandon`, `services/gateway/refusals.py`).
 
 The command (and so the text) is kept after acceptance, until the submission expires
 (`IDEMPOTENCY_TTL_S`), so that the task can be scored again (`services/gateway/rescore.py`).
@@ -22,28 +23,36 @@ from enum import StrEnum
 from typing import Any, Final
 
 import orjson
-from pymongo import ASCENDING, AsyncMongoClient, ReturnDocument
+from pymongo import ASCENDING, AsyncMongoClient, ReturnDocument, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import DuplicateKeyError, PyMongoError
+from pymongo.errors import BulkWriteError, DuplicateKeyError, PyMongoError
 
 from services.gateway.errors import DatabaseUnavailable
 from shared.contracts import ScoreText
 from shared.group_reads import GroupReader
-from shared.group_writes import GroupWriter
+from shared.group_writes import DUPLICATE_KEY, GroupWriter
 
 Document = dict[str, Any]
 # Documents per write of a batch's submissions.
 BATCH_WRITE_CHUNK = 200
+# How long a tombstone of a refused submission outlives a late insert it must block.
+TOMBSTONE_TTL = timedelta(days=1)
 
 
 class SubmissionState(StrEnum):
     ACCEPTING = "accepting"  # recorded; the request has not been answered (or was cut short)
     UNCONFIRMED = "unconfirmed"  # answered 202; its command is not known to be queued
     ACCEPTED = "accepted"
+    # Refused after all (`services/gateway/refusals.py`): never sent; kept only so that a late
+    # insert of the same task fails on its `_id`.
+    ABANDONED = "abandoned"
 
 
 # What the outbox sweep sends again.
 _UNSENT: Final = [SubmissionState.ACCEPTING.value, SubmissionState.UNCONFIRMED.value]
+_ABANDONED: Final = SubmissionState.ABANDONED.value
+# A tombstone replaces a record that is still (or not yet) `accepting`.
+_ABANDONABLE: Final = [SubmissionState.ACCEPTING.value, _ABANDONED]
 
 
 @dataclass(frozen=True)
@@ -224,6 +233,21 @@ class Submissions:
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 
+    async def abandon(self, task_ids: tuple[str, ...], *, now: datetime) -> None:
+        """Turn refused submissions into tombstones, whether or not their inserts landed yet
+        (`services/gateway/refusals.py`): never sent, idempotency key freed, text dropped."""
+        writes = [_tombstone(task_id, now) for task_id in task_ids]
+        try:
+            for start in range(0, len(writes), BATCH_WRITE_CHUNK):
+                await self._collection.bulk_write(
+                    writes[start : start + BATCH_WRITE_CHUNK], ordered=False
+                )
+        except BulkWriteError as error:
+            if not only_duplicate_keys(error):
+                raise DatabaseUnavailable(str(error)) from error
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
     async def mark_accepted(self, task_id: str) -> None:
         """The command reached the broker; it stays recorded for re-scoring."""
         await self._update({"_id": task_id}, {"$set": {"state": SubmissionState.ACCEPTED.value}})
@@ -325,7 +349,9 @@ class Submissions:
             await self._update({"_id": task_id}, update)
 
     async def find(self, task_id: str, *, tenant_id: str) -> Submission | None:
-        return await self._find_one({"_id": task_id, "tenant_id": tenant_id})
+        return await self._find_one(
+            {"_id": task_id, "tenant_id": tenant_id, "state": {"$ne": _ABANDONED}}
+        )
 
     async def find_by_key(self, idempotency_key: str, *, tenant_id: str) -> Submission | None:
         return await self._find_one({"tenant_id": tenant_id, "idempotency_key": idempotency_key})
@@ -377,6 +403,28 @@ def _new_document(
     if command.batch_id is not None:
         document["batch_id"] = command.batch_id
     return document
+
+
+def _tombstone(task_id: str, now: datetime) -> UpdateOne:
+    """A submission refused after all: upserted so that it holds before or after its insert;
+    a record already sent (another state) makes it collide on `_id`, which is left alone."""
+    return UpdateOne(
+        {"_id": task_id, "state": {"$in": _ABANDONABLE}},
+        {
+            "$set": {"state": _ABANDONED},
+            "$unset": {"command": "", "idempotency_key": "", IN_FLIGHT_MARK: ""},
+            "$setOnInsert": {"created_at": now, "expires_at": now + TOMBSTONE_TTL},
+        },
+        upsert=True,
+    )
+
+
+def only_duplicate_keys(error: BulkWriteError) -> bool:
+    """Whether every write the bulk refused collided on a unique key (and nothing else)."""
+    details = error.details
+    return not details.get("writeConcernErrors") and all(
+        failure.get("code") == DUPLICATE_KEY for failure in details.get("writeErrors", [])
+    )
 
 
 def _rescore_claim(document: Document, *, resumed: bool) -> RescoreClaim:

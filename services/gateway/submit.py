@@ -17,6 +17,7 @@ from services.gateway.errors import (
     RequestInProgress,
 )
 from services.gateway.limits import LimitExceeded
+from services.gateway.refusals import Refusal, Refusals
 from services.gateway.schemas import ScoreSubmission
 from services.gateway.submissions import (
     KeyTaken,
@@ -87,14 +88,17 @@ async def submit_score(
     cache: ResultCache,
     policy: SubmitPolicy,
     clock: Clock,
+    refusals: Refusals,
     api_key_id: str | None = None,
     in_flight: InFlightGate | None = None,
 ) -> Submitted:
     """Record the submission, then publish it; answer only once the broker confirmed.
 
     If the broker did not take the command, the record is discarded and `BrokerUnavailable`
-    raised: the client sees 503 and nothing was kept. A command written but not confirmed may
-    still be queued: the submission is kept for the outbox sweep and the task accepted.
+    raised: the client sees 503 and nothing was kept (what the database does not remove at
+    once, or an insert that failed without an answer, is written off later: `refusals`).
+    A command written but not confirmed may still be queued: the submission is kept for the
+    outbox sweep and the task accepted.
     A result-cache hit completes the task at once (its announcement unconfirmed: answered all
     the same, and kept for the outbox sweep, which has the task scored).
     A task to score counts against its tenant's `in_flight` limit (`LimitExceeded`: 429,
@@ -133,94 +137,100 @@ async def submit_score(
     except KeyTaken:
         assert idempotency_key is not None
         return await _earlier_submission(idempotency_key, digest, tenant_id, submissions)
+    except DatabaseUnavailable:
+        refusals.note(_refusal_of(command))  # its insert may land yet
+        raise
+    undo = _Undo(command, submissions, refusals)
     if cached is not None:
         result = cached.model_copy(update={"cached": True})
-        await _announce_cached_or_discard(command, result, submissions, publisher)
+        await _announce_cached_or_discard(command, result, publisher, undo)
         return Submitted(command.task_id, TaskStatus.COMPLETED, created=True, cached_result=result)
-    await _admit_or_discard(command, submissions=submissions, in_flight=gate)
-    await _publish_or_discard(command, submissions=submissions, publisher=publisher, in_flight=gate)
+    await _admit_or_discard(command, in_flight=gate, undo=undo)
+    await _publish_or_discard(command, publisher=publisher, in_flight=gate, undo=undo)
     return Submitted(command.task_id, _initial_status(command, now), created=True)
 
 
+def _refusal_of(command: ScoreText, *, counted: bool = False) -> Refusal:
+    return Refusal(command.tenant_id, (command.task_id,), counted=counted)
+
+
+@dataclass(frozen=True)
+class _Undo:
+    """Undoing an acceptance: the record goes, or is written off later when it cannot."""
+
+    command: ScoreText
+    submissions: Submissions
+    refusals: Refusals
+
+    async def discard(self) -> None:
+        try:
+            await self.submissions.discard(self.command.task_id)
+        except DatabaseUnavailable:
+            log.warning("task %s refused, not discarded: written off later", self.command.task_id)
+            self.refusals.note(_refusal_of(self.command))
+
+    async def give_up(self, in_flight: InFlightGate | None) -> None:
+        """Release the task's in-flight slot, then forget the submission."""
+        if in_flight is not None:
+            try:
+                await in_flight.release(self.command.tenant_id, self.command.task_id)
+            except DatabaseUnavailable:
+                log.warning("task %s: slot not released, written off later", self.command.task_id)
+                self.refusals.note(_refusal_of(self.command, counted=True))
+                return
+        await self.discard()
+
+
 async def _announce_cached_or_discard(
-    command: ScoreText, result: ScoreResult, submissions: Submissions, publisher: Publisher
+    command: ScoreText, result: ScoreResult, publisher: Publisher, undo: _Undo
 ) -> None:
     try:
         confirmed = await publisher.announce_cached(command, result)
     except BrokerUnavailable:
-        with contextlib.suppress(DatabaseUnavailable):
-            await submissions.discard(command.task_id)
+        await undo.discard()
         raise
     with contextlib.suppress(DatabaseUnavailable):
         if confirmed:
-            await submissions.mark_accepted(command.task_id)
+            await undo.submissions.mark_accepted(command.task_id)
         else:
             # Its events may arrive yet, or never: the outbox sweep sends the command, which
             # is scored once and supersedes them (a later sequence, the same usage record).
-            await submissions.mark_unconfirmed(command.task_id)
+            await undo.submissions.mark_unconfirmed(command.task_id)
 
 
 async def _admit_or_discard(
-    command: ScoreText,
-    *,
-    submissions: Submissions,
-    in_flight: InFlightGate | None,
+    command: ScoreText, *, in_flight: InFlightGate | None, undo: _Undo
 ) -> None:
     if in_flight is None:
         return
     try:
         await in_flight.acquire(command.tenant_id, 1)
     except LimitExceeded:
-        with contextlib.suppress(DatabaseUnavailable):
-            await submissions.discard(command.task_id)
+        await undo.discard()
         raise
     except DatabaseUnavailable:
-        await _give_up(command, submissions=submissions, in_flight=in_flight)
+        await undo.give_up(in_flight)
         raise
-
-
-async def _give_up(
-    command: ScoreText, *, submissions: Submissions, in_flight: InFlightGate | None
-) -> None:
-    """Undo an acceptance: release the task's in-flight slot, then forget the submission.
-
-    A slot that cannot be released keeps its submission: the outbox sweep sends the task
-    later and its end releases the slot (never an over-count for good; see `limits`).
-    """
-    if in_flight is not None:
-        try:
-            await in_flight.release(command.tenant_id, command.task_id)
-        except DatabaseUnavailable:
-            log.warning("task %s kept for the outbox: its slot is not released", command.task_id)
-            return
-    with contextlib.suppress(DatabaseUnavailable):
-        # If this fails too, the outbox sweep sends the command later: accepted late,
-        # never lost, scored once (the scorer claims each task id once).
-        await submissions.discard(command.task_id)
 
 
 async def _publish_or_discard(
-    command: ScoreText,
-    *,
-    submissions: Submissions,
-    publisher: Publisher,
-    in_flight: InFlightGate | None = None,
+    command: ScoreText, *, publisher: Publisher, in_flight: InFlightGate | None, undo: _Undo
 ) -> None:
     try:
         confirmed = await publisher.send(command)
     except BrokerUnavailable:
         await publisher.withdraw([command])
-        await _give_up(command, submissions=submissions, in_flight=in_flight)
+        await undo.give_up(in_flight)
         raise
     try:
         if confirmed:
-            await submissions.mark_accepted(command.task_id)
+            await undo.submissions.mark_accepted(command.task_id)
         else:
             # Written, not confirmed: it may reach its queue yet (a blocked connection
             # delivers it once unblocked), so refusing it would be a lie. The outbox sweep
             # sends it again and the scorer claims it once.
             log.warning("task %s unconfirmed; the outbox sweep re-sends it", command.task_id)
-            await submissions.mark_unconfirmed(command.task_id)
+            await undo.submissions.mark_unconfirmed(command.task_id)
     except DatabaseUnavailable:
         log.warning("task %s left `accepting`; the outbox sweep re-sends it", command.task_id)
 
@@ -280,14 +290,19 @@ def _view_of_submission(submission: Submission, now: datetime) -> TaskView:
 
 
 async def sweep_outbox(
-    *, submissions: Submissions, publisher: Publisher, clock: Clock, grace: timedelta
+    *,
+    submissions: Submissions,
+    publisher: Publisher,
+    clock: Clock,
+    grace: timedelta,
+    refusals: Refusals,
 ) -> int:
     """Send submissions left `accepting` by an interrupted request, or `unconfirmed` by a
     publish the broker did not confirm; returns how many the broker confirmed (the others
-    stay for the next sweep)."""
+    stay for the next sweep). Refused ones not yet written off are not sent."""
     sent = 0
     for submission in await submissions.interrupted(older_than=clock() - grace):
-        if submission.command is None:
+        if submission.command is None or refusals.holds(submission.task_id):
             continue
         if await publisher.send(submission.command):
             await submissions.mark_accepted(submission.task_id)

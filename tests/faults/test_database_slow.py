@@ -1,11 +1,12 @@
 """MongoDB turns slow: every reply is held back past the services' timeout, then it recovers.
 
 The services reach the database through `SlowLink`, a TCP proxy of this test's own, so the
-server still applies each write it receives while its reply arrives too late. A submission
-answered 503 may therefore have been recorded after all; the outbox sweep then sends it and
-it is scored once (the reliability row counts those). Every 202 must end in a result, no
-request may fail with 500, and, the slowness being shorter than a claim's lease, no model
-call may be repeated: the scorer keeps trying to record a decision while its claim holds.
+server still applies each write it receives while its reply arrives too late. The slow
+submissions skip the result cache, so their first statement is their insert: a submission
+answered 503 is recorded after all, and must be written off by the gateway, never sent by the
+outbox sweep (`services/gateway/refusals.py`). Every 202 must end in a result, no request may
+fail with 500, and, the slowness being shorter than a claim's lease, no model call may be
+repeated: the scorer keeps trying to record a decision while its claim holds.
 """
 
 from __future__ import annotations
@@ -118,16 +119,15 @@ async def test_slow_database_answers_503_and_loses_nothing(
     await box.all_ready(timeout_s=WAIT_S)
 
     views = await box.finish(accepted)
-    # A refused submission whose record reached the database all the same is sent by the
-    # outbox sweep: once none is left unsent, find those and wait for their ends too.
+    # A refused submission whose record reached the database all the same is written off:
+    # once none is left unsent, none of them may have been sent (and kept its text).
     gateway_db = f"{db_prefix}_gateway"
     await eventually(
         functools.partial(_outbox_empty, mongo.url, gateway_db), timeout_s=WAIT_S, what="outbox"
     )
     scored_anyway = await _tasks_of(mongo.url, gateway_db, refused)
-    views |= await box.finish(scored_anyway)
-    markers = accepted | scored_anyway
-    extra = box.calls_beyond_attempts(markers, views)
+    written_off = await _abandoned(mongo.url, gateway_db)
+    extra = box.calls_beyond_attempts(accepted, views)
     statuses = [views[t]["status"] for t in accepted]
     figures.record(
         Outcome(
@@ -145,12 +145,15 @@ async def test_slow_database_answers_503_and_loses_nothing(
             f"model calls in flight, model slowed to {MODEL_LATENCY_MS} ms) and during "
             f"{SLOW_SUBMISSIONS} submissions: "
             f"{SLOW_SUBMISSIONS - len(refused)} answered 202, {len(refused)} 503 problem+json, "
-            f"the slowest answer in {slowest_answer_s:.1f} s; {len(scored_anyway)} of the 503s "
-            "scored anyway (their record was written after the gateway gave up on it, and the "
-            "outbox sweep sent it)",
+            f"the slowest answer in {slowest_answer_s:.1f} s; {written_off} of the 503s were "
+            "recorded after the gateway gave up on them and written off once the database "
+            f"answered in time again; {len(scored_anyway)} of them sent by the outbox sweep",
         )
     )
     assert refused, "the slow database refused nothing: the fault did not bite"
+    assert written_off, "no refused submission was recorded late: the insert was not held"
+    assert scored_anyway == {}, scored_anyway
+    assert [box.calls(marker) for marker in refused] == [0] * len(refused)
     assert statuses == ["completed"] * len(accepted), views
     # Decisions the slowness kept from being written were written once it passed, within
     # their claims' leases: no task was called again.
@@ -162,7 +165,7 @@ async def _answer(box: Scorebox, marker: str) -> tuple[str | None, float]:
     """Submit during the slowness: the task id of a 202 or None for a 503, and how long the
     answer took."""
     started = time.monotonic()
-    response = await box.post(essay(marker))
+    response = await box.post(essay(marker), use_cache=False)
     seconds = time.monotonic() - started
     if response.status_code == 202:
         task_id: str = response.json()["task_id"]
@@ -192,6 +195,12 @@ async def _outbox_empty(url: str, database: str) -> bool:
         unsent = {"state": {"$in": ["accepting", "unconfirmed"]}}
         left: int = await submissions.count_documents(unsent)
         return left == 0
+
+
+async def _abandoned(url: str, database: str) -> int:
+    async with _submissions(url, database) as submissions:
+        count: int = await submissions.count_documents({"state": "abandoned"})
+        return count
 
 
 async def _tasks_of(url: str, database: str, markers: list[str]) -> dict[str, str]:

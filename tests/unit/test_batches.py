@@ -25,8 +25,9 @@ from services.gateway.batches import (
     submit_batch,
 )
 from services.gateway.batches_api import _field
-from services.gateway.errors import BrokerUnavailable
+from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
 from services.gateway.publisher import TaskPublisher
+from services.gateway.refusals import Refusals
 from shared.contracts import (
     BatchItemProgress,
     BatchProgress,
@@ -230,17 +231,22 @@ async def test_a_single_command_written_but_unconfirmed_is_reported_not_refused(
 
 
 class FakeBatches:
-    def __init__(self) -> None:
+    def __init__(self, *, fail: set[str] | None = None) -> None:
         self.records: dict[str, BatchRecord] = {}
         self.accepted: list[str] = []
+        self.fail = fail or set()  # the methods that answer DatabaseUnavailable
 
     async def insert(self, record: BatchRecord, **_: Any) -> None:
+        if "insert" in self.fail:
+            raise DatabaseUnavailable("no answer")
         self.records[record.batch_id] = record
 
     async def mark_accepted(self, batch_id: str) -> None:
         self.accepted.append(batch_id)
 
     async def discard(self, batch_id: str) -> None:
+        if "discard" in self.fail:
+            raise DatabaseUnavailable("no answer")
         self.records.pop(batch_id, None)
 
     async def find(self, batch_id: str, *, tenant_id: str) -> BatchRecord | None:
@@ -249,17 +255,22 @@ class FakeBatches:
 
 
 class FakeSubmissions:
-    def __init__(self) -> None:
+    def __init__(self, *, fail: set[str] | None = None) -> None:
         self.commands: list[ScoreText] = []
         self.accepted: list[str] = []
+        self.fail = fail or set()
 
     async def insert_batch(self, commands: list[tuple[ScoreText, str, str]], **_: Any) -> None:
+        if "insert_batch" in self.fail:
+            raise DatabaseUnavailable("no answer")
         self.commands.extend(command for command, _, _ in commands)
 
     async def mark_batch_accepted(self, batch_id: str, task_ids: list[str]) -> None:
         self.accepted.extend(task_ids)
 
     async def discard_batch(self, batch_id: str) -> None:
+        if "discard_batch" in self.fail:
+            raise DatabaseUnavailable("no answer")
         self.commands = [c for c in self.commands if c.batch_id != batch_id]
 
 
@@ -280,7 +291,11 @@ class FakePublisher:
 
 
 async def _submit(
-    batch: BatchSubmission, batches: FakeBatches, submissions: FakeSubmissions, publisher: Any
+    batch: BatchSubmission,
+    batches: FakeBatches,
+    submissions: FakeSubmissions,
+    publisher: Any,
+    refusals: Refusals | None = None,
 ) -> Any:
     return await submit_batch(
         batch,
@@ -292,6 +307,7 @@ async def _submit(
         publisher=publisher,
         policy=POLICY,
         clock=lambda: T0,
+        refusals=refusals or Refusals(),
     )
 
 
@@ -320,11 +336,35 @@ async def test_an_accepted_batch_is_recorded_published_and_marked_in_order() -> 
 
 
 async def test_a_broker_failure_keeps_nothing() -> None:
-    batches, submissions = FakeBatches(), FakeSubmissions()
+    batches, submissions, refusals = FakeBatches(), FakeSubmissions(), Refusals()
     with pytest.raises(BrokerUnavailable):
-        await _submit(_batch("a", "b"), batches, submissions, FakePublisher(fail=True))
+        await _submit(_batch("a", "b"), batches, submissions, FakePublisher(fail=True), refusals)
     assert batches.records == {}
     assert submissions.commands == []
+    assert refusals.pending() == []
+
+
+@pytest.mark.parametrize(
+    ("failing", "error", "whole"),
+    [
+        pytest.param({"discard_batch"}, BrokerUnavailable, True, id="records not removed"),
+        pytest.param({"discard"}, BrokerUnavailable, True, id="batch record not removed"),
+        pytest.param({"insert_batch"}, DatabaseUnavailable, True, id="submissions' insert"),
+        pytest.param({"insert"}, DatabaseUnavailable, False, id="batch record's insert"),
+    ],
+)
+async def test_records_a_refused_batch_may_leave_are_noted_for_writing_off(
+    failing: set[str], error: type[Exception], whole: bool
+) -> None:
+    batches, submissions = FakeBatches(fail=failing), FakeSubmissions(fail=failing)
+    refusals = Refusals()
+    with pytest.raises(error):
+        await _submit(_batch("a", "b"), batches, submissions, FakePublisher(fail=True), refusals)
+    [refusal] = refusals.pending()
+    assert refusal.batch_id is not None
+    assert not refusal.counted
+    assert len(refusal.task_ids) == (2 if whole else 0)
+    assert all(refusals.holds(task_id) for task_id in refusal.task_ids)
 
 
 # --- Reading -------------------------------------------------------------------------------------

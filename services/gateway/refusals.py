@@ -1,0 +1,126 @@
+"""Refused requests whose records may still be in the database, written off in the background.
+
+A submission or batch answered with an error (429, 503) keeps nothing: its records are removed
+on the spot. When that removal fails (the database is slow or down), or when a record's insert
+itself failed without an answer (a timeout, a lost connection: the server may have applied it,
+or may apply it later), those records would be left `accepting`, and the outbox sweep would
+send them: a request answered 503 would be scored after all, and a client retrying without an
+Idempotency-Key would have its text scored twice. So the request is noted here instead, and
+`write_off` settles it once the database takes writes again:
+
+1. the in-flight slots it may hold are released (idempotent per task, `limits.InFlight`);
+2. each of its submissions becomes an `abandoned` tombstone (`Submissions.abandon`), an upsert
+   by task id: it holds whether it lands before or after a late insert (which then fails on
+   its `_id`); it frees the idempotency key and keeps no text;
+3. its batch record becomes one as well (`Batches.abandon`).
+
+The outbox sweep of this process skips every task noted here and not yet written off.
+
+Limits (the fallback in each case is the behaviour without this module: the sweep sends the
+records, each is scored once, and its end releases its slot):
+- pending write-offs live in this process's memory; a gateway that dies first loses them;
+- another gateway replica's sweep may send them if this replica cannot write for longer than
+  the outbox grace period (`OUTBOX_GRACE_S`) while that one can;
+- at most `MAX_PENDING_TASKS` task ids wait; beyond that the oldest refusals are dropped, with
+  a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Final, Protocol
+
+log = logging.getLogger("scorebox.gateway")
+
+MAX_PENDING_TASKS: Final = 100_000
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A refused request's records: its submissions' task ids and its batch, if any."""
+
+    tenant_id: str
+    task_ids: tuple[str, ...]
+    counted: bool = False  # its in-flight slots may be counted: release them first
+    batch_id: str | None = None
+
+
+class Refusals:
+    """Refusals waiting to be written off, oldest first."""
+
+    def __init__(self, *, max_pending_tasks: int = MAX_PENDING_TASKS) -> None:
+        self._max_pending_tasks = max_pending_tasks
+        self._pending: deque[Refusal] = deque()
+        self._held: dict[str, int] = {}  # task id → how many pending refusals name it
+
+    def note(self, refusal: Refusal) -> None:
+        self._pending.append(refusal)
+        for task_id in refusal.task_ids:
+            self._held[task_id] = self._held.get(task_id, 0) + 1
+        while len(self._held) > self._max_pending_tasks and len(self._pending) > 1:
+            dropped = self._pending[0]
+            self._forget(dropped)
+            log.warning(
+                "too many refusals to write off: %d task(s) of tenant %s left to the outbox",
+                len(dropped.task_ids),
+                dropped.tenant_id,
+            )
+
+    def holds(self, task_id: str) -> bool:
+        """Whether the task belongs to a refusal not yet written off (not to be sent)."""
+        return task_id in self._held
+
+    def pending(self) -> list[Refusal]:
+        return list(self._pending)
+
+    def written_off(self, refusal: Refusal) -> None:
+        self._forget(refusal)
+
+    def _forget(self, refusal: Refusal) -> None:
+        try:
+            self._pending.remove(refusal)
+        except ValueError:
+            return
+        for task_id in refusal.task_ids:
+            left = self._held.pop(task_id) - 1
+            if left:
+                self._held[task_id] = left
+
+
+class SlotReleaser(Protocol):
+    async def release(self, tenant_id: str, task_id: str) -> None: ...
+
+
+class SubmissionTombstones(Protocol):
+    async def abandon(self, task_ids: tuple[str, ...], *, now: datetime) -> None: ...
+
+
+class BatchTombstones(Protocol):
+    async def abandon(self, batch_id: str, *, now: datetime) -> None: ...
+
+
+async def write_off(
+    refusals: Refusals,
+    *,
+    submissions: SubmissionTombstones,
+    batches: BatchTombstones,
+    in_flight: SlotReleaser | None,
+    now: datetime,
+) -> int:
+    """Settle every pending refusal in order; returns how many were written off. Stops at
+    the first `DatabaseUnavailable`, which it raises: what is left waits for the next call."""
+    written = 0
+    for refusal in refusals.pending():
+        if refusal.counted and in_flight is not None:
+            for task_id in refusal.task_ids:
+                await in_flight.release(refusal.tenant_id, task_id)
+        if refusal.task_ids:
+            await submissions.abandon(refusal.task_ids, now=now)
+        if refusal.batch_id is not None:
+            await batches.abandon(refusal.batch_id, now=now)
+        refusals.written_off(refusal)
+        written += 1
+    return written

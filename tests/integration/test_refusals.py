@@ -1,0 +1,303 @@
+"""Refused requests are written off, not sent: tombstones on the real database, and a submission
+whose insert landed after the gateway answered 503 (its reply held back by a slow link)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient
+from pymongo.errors import DuplicateKeyError
+
+from devtools.infra import Endpoint
+from services.gateway.batches import Batches, BatchMember, BatchRecord, BatchState
+from services.gateway.cache import ResultCache
+from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
+from services.gateway.limits import InFlight
+from services.gateway.refusals import Refusal, Refusals, write_off
+from services.gateway.schemas import ScoreSubmission
+from services.gateway.submissions import Submissions, SubmissionState
+from services.gateway.submit import SubmitPolicy, submit_score, sweep_outbox
+from shared.contracts import ScoreResult, ScoreText, new_id
+from tests.faults.slow_link import SlowLink
+from tests.support import eventually
+
+Document = dict[str, Any]
+NOW = datetime(2030, 5, 17, 12, 0, tzinfo=UTC)
+RETENTION = timedelta(days=1)
+TIMEOUT_MS = 500
+HELD_S = 1.5  # past TIMEOUT_MS: the gateway gives up on every reply
+
+
+@dataclass
+class Recorded:
+    """A publisher that confirms everything and remembers what it was given to send."""
+
+    sent: list[str] = field(default_factory=list)
+
+    async def send(self, command: ScoreText) -> bool:
+        self.sent.append(command.task_id)
+        return True
+
+    async def withdraw(self, commands: Sequence[ScoreText]) -> None:
+        raise AssertionError("nothing is withdrawn here")
+
+    async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool:
+        raise AssertionError("nothing is cached here")
+
+
+@dataclass
+class Refusing:
+    """A broker that refuses every command, and the database turning slow as it does."""
+
+    link: SlowLink
+
+    async def send(self, command: ScoreText) -> bool:
+        self.link.reply_delay_s = HELD_S
+        raise BrokerUnavailable("refused")
+
+    async def withdraw(self, commands: Sequence[ScoreText]) -> None:
+        return None
+
+    async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool:
+        raise AssertionError("nothing is cached here")
+
+
+@dataclass
+class Gateway:
+    name: str
+    raw: Any  # the database, reached directly
+    submissions: Submissions
+    batches: Batches
+
+
+@pytest.fixture
+async def gateway(mongo: Endpoint, db_prefix: str) -> AsyncIterator[Gateway]:
+    client: AsyncMongoClient[Document] = AsyncMongoClient(mongo.url, tz_aware=True)
+    database = f"{db_prefix}_{new_id()[:8]}_gateway"  # one per test
+    submissions, batches = Submissions(client, database), Batches(client, database)
+    await submissions.ensure_indexes()
+    await batches.ensure_indexes()
+    yield Gateway(database, client[database], submissions, batches)
+    await client.close()
+
+
+def _command(created: datetime = NOW) -> ScoreText:
+    return ScoreText(task_id=new_id(), text="An essay.", submitted_at=created, occurred_at=created)
+
+
+async def _record(submissions: Submissions, command: ScoreText, key: str | None = None) -> None:
+    await submissions.insert(
+        command, request_hash="h", idempotency_key=key, retention=RETENTION, cache_key="c"
+    )
+
+
+async def test_a_tombstone_written_before_its_insert_makes_the_insert_fail(
+    gateway: Gateway,
+) -> None:
+    command = _command()
+    await gateway.submissions.abandon((command.task_id,), now=NOW)
+    with pytest.raises(DuplicateKeyError):
+        await gateway.raw["submissions"].insert_one({"_id": command.task_id, "state": "accepting"})
+    stored = await gateway.raw["submissions"].find_one({"_id": command.task_id})
+    assert stored["state"] == SubmissionState.ABANDONED
+    assert stored["expires_at"] > NOW
+    assert await gateway.submissions.interrupted(older_than=NOW + timedelta(days=2)) == []
+
+
+async def test_a_tombstone_after_its_insert_frees_the_key_and_hides_the_task(
+    gateway: Gateway,
+) -> None:
+    command = _command()
+    await _record(gateway.submissions, command, key="k-1")
+    await gateway.submissions.abandon((command.task_id,), now=NOW)
+    await gateway.submissions.abandon((command.task_id,), now=NOW)  # a repeat changes nothing
+    stored = await gateway.raw["submissions"].find_one({"_id": command.task_id})
+    assert stored["state"] == SubmissionState.ABANDONED
+    assert "command" not in stored
+    assert "idempotency_key" not in stored
+    assert await gateway.submissions.interrupted(older_than=NOW + timedelta(days=2)) == []
+    assert await gateway.submissions.find(command.task_id, tenant_id=command.tenant_id) is None
+    assert await gateway.submissions.find_by_key("k-1", tenant_id=command.tenant_id) is None
+    await _record(gateway.submissions, _command(), key="k-1")  # the key is free again
+
+
+async def test_a_submission_already_sent_is_not_abandoned(gateway: Gateway) -> None:
+    command = _command()
+    await _record(gateway.submissions, command)
+    await gateway.submissions.mark_accepted(command.task_id)
+    await gateway.submissions.abandon((command.task_id,), now=NOW)
+    stored = await gateway.raw["submissions"].find_one({"_id": command.task_id})
+    assert stored["state"] == SubmissionState.ACCEPTED
+    assert stored["command"]["text"] == command.text
+
+
+def _batch(state: str = BatchState.ACCEPTING) -> BatchRecord:
+    return BatchRecord(
+        batch_id=new_id(),
+        tenant_id="default",
+        state=state,
+        request_hash="h",
+        created_at=NOW,
+        members=(BatchMember(new_id(), None),),
+    )
+
+
+async def test_a_batch_tombstone_holds_before_and_after_its_insert(gateway: Gateway) -> None:
+    early, late = _batch(), _batch()
+    await gateway.batches.abandon(early.batch_id, now=NOW)
+    with pytest.raises(DuplicateKeyError):
+        await gateway.raw["batches"].insert_one({"_id": early.batch_id, "state": "accepting"})
+    await gateway.batches.insert(late, idempotency_key="b-1", retention=RETENTION)
+    await gateway.batches.abandon(late.batch_id, now=NOW)
+    assert await gateway.batches.find(late.batch_id, tenant_id=late.tenant_id) is None
+    assert await gateway.batches.find_by_key("b-1", tenant_id=late.tenant_id) is None
+    await gateway.batches.insert(_batch(), idempotency_key="b-1", retention=RETENTION)
+
+
+async def test_an_accepted_batch_is_not_abandoned(gateway: Gateway) -> None:
+    record = _batch()
+    await gateway.batches.insert(record, idempotency_key=None, retention=RETENTION)
+    await gateway.batches.mark_accepted(record.batch_id)
+    await gateway.batches.abandon(record.batch_id, now=NOW)
+    assert await gateway.batches.find(record.batch_id, tenant_id=record.tenant_id) is not None
+
+
+async def test_the_sweep_does_not_send_a_refusal_until_it_is_written_off(
+    gateway: Gateway,
+) -> None:
+    kept, refused = _command(), _command()
+    for command in (kept, refused):
+        await _record(gateway.submissions, command)
+    refusals = Refusals()
+    refusals.note(Refusal(refused.tenant_id, (refused.task_id,)))
+    publisher = Recorded()
+
+    async def sweep() -> int:
+        return await sweep_outbox(
+            submissions=gateway.submissions,
+            publisher=publisher,
+            clock=lambda: NOW + timedelta(minutes=1),
+            grace=timedelta(seconds=30),
+            refusals=refusals,
+        )
+
+    assert await sweep() == 1
+    assert publisher.sent == [kept.task_id]
+    written = await write_off(
+        refusals, submissions=gateway.submissions, batches=gateway.batches, in_flight=None, now=NOW
+    )
+    assert written == 1
+    assert refusals.pending() == []
+    assert await sweep() == 0
+    assert publisher.sent == [kept.task_id]
+
+
+@contextlib.asynccontextmanager
+async def _slow_client(mongo: Endpoint) -> AsyncIterator[tuple[SlowLink, Any]]:
+    """A client through a slow link, connected while the link is still quick."""
+    link = SlowLink.to_mongo(mongo.url)
+    await link.start()
+    client: AsyncMongoClient[Document] = AsyncMongoClient(
+        link.mongo_url, tz_aware=True, socketTimeoutMS=TIMEOUT_MS, connectTimeoutMS=TIMEOUT_MS
+    )
+    try:
+        await client.admin.command("ping")
+        yield link, client
+    finally:
+        await client.close()
+        await link.stop()
+
+
+async def _written_off(refusals: Refusals, gateway: Gateway, in_flight: InFlight | None) -> None:
+    async def done() -> bool:
+        try:
+            await write_off(
+                refusals,
+                submissions=gateway.submissions,
+                batches=gateway.batches,
+                in_flight=in_flight,
+                now=NOW,
+            )
+        except DatabaseUnavailable:
+            return False
+        return True
+
+    await eventually(done, timeout_s=30, what="the refusals written off")
+
+
+@pytest.mark.parametrize("counted", [False, True], ids=["not counted", "counted in flight"])
+async def test_a_refusal_the_database_cannot_undo_at_once_is_written_off_later(
+    mongo: Endpoint, gateway: Gateway, counted: bool
+) -> None:
+    async with _slow_client(mongo) as (link, client):
+        refusals = Refusals()
+        in_flight = InFlight(client, gateway.name, max_per_tenant=10 if counted else 0)
+        with pytest.raises(BrokerUnavailable):
+            await submit_score(
+                ScoreSubmission(text="Refused by the broker.", use_cache=False),
+                tenant_id="default",
+                idempotency_key=None,
+                submissions=Submissions(client, gateway.name),
+                publisher=Refusing(link),
+                cache=ResultCache(client, gateway.name, timedelta(hours=1)),
+                policy=SubmitPolicy(max_attempts=3, retention=RETENTION),
+                clock=lambda: NOW,
+                refusals=refusals,
+                in_flight=in_flight,
+            )
+        [refusal] = refusals.pending()
+        assert refusal.counted is counted
+        [task_id] = refusal.task_ids
+        link.reply_delay_s = 0
+        counter = InFlight(gateway.raw.client, gateway.name, max_per_tenant=10)
+        await _written_off(refusals, gateway, counter)
+        stored = await gateway.raw["submissions"].find_one({"_id": task_id})
+        assert stored["state"] == SubmissionState.ABANDONED
+        assert await counter.count("default") == 0
+
+
+async def test_a_submission_recorded_after_its_503_is_written_off_not_scored(
+    mongo: Endpoint, gateway: Gateway
+) -> None:
+    async with _slow_client(mongo) as (link, client):
+        submissions, refusals, publisher = Submissions(client, gateway.name), Refusals(), Recorded()
+        link.reply_delay_s = HELD_S
+        with pytest.raises(DatabaseUnavailable):
+            await submit_score(
+                ScoreSubmission(text="Recorded too late.", use_cache=False),
+                tenant_id="default",
+                idempotency_key="late-1",
+                submissions=submissions,
+                publisher=publisher,
+                cache=ResultCache(client, gateway.name, timedelta(hours=1)),
+                policy=SubmitPolicy(max_attempts=3, retention=RETENTION),
+                clock=lambda: NOW,
+                refusals=refusals,
+            )
+        [refusal] = refusals.pending()
+        [task_id] = refusal.task_ids
+
+        async def recorded() -> Document | None:
+            found: Document | None = await gateway.raw["submissions"].find_one({"_id": task_id})
+            return found
+
+        landed = await eventually(recorded, timeout_s=30, what="the insert applied late")
+        assert landed["state"] == SubmissionState.ACCEPTING  # what the outbox would send
+        link.reply_delay_s = 0
+        await _written_off(refusals, gateway, None)
+        await sweep_outbox(
+            submissions=submissions,
+            publisher=publisher,
+            clock=lambda: NOW + timedelta(hours=1),
+            grace=timedelta(seconds=30),
+            refusals=refusals,
+        )
+        assert publisher.sent == []
+        stored = await gateway.raw["submissions"].find_one({"_id": task_id})
+        assert stored["state"] == SubmissionState.ABANDONED
+        assert await gateway.submissions.find_by_key("late-1", tenant_id="default") is None

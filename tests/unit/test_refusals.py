@@ -1,0 +1,113 @@
+"""Refusals waiting to be written off: what they hold, their bound, and the order of a write-off
+(its writes are checked on the real database in `tests/integration/test_refusals.py`)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from services.gateway.errors import DatabaseUnavailable
+from services.gateway.refusals import Refusal, Refusals, write_off
+
+NOW = datetime(2030, 5, 17, 12, 0, tzinfo=UTC)
+
+
+class Database:
+    """Records the write-off's writes in order; fails every write once `down` is set."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, object]] = []
+        self.down = False
+
+    def _write(self, what: str, subject: object) -> None:
+        if self.down:
+            raise DatabaseUnavailable("down")
+        self.writes.append((what, subject))
+
+    async def release(self, tenant_id: str, task_id: str) -> None:
+        self._write("release", task_id)
+
+
+class SubmissionTombstones:
+    def __init__(self, database: Database) -> None:
+        self.database = database
+
+    async def abandon(self, task_ids: tuple[str, ...], *, now: datetime) -> None:
+        self.database._write("abandon", task_ids)
+
+
+class BatchTombstones:
+    def __init__(self, database: Database) -> None:
+        self.database = database
+
+    async def abandon(self, batch_id: str, *, now: datetime) -> None:
+        self.database._write("abandon batch", batch_id)
+
+
+async def _write_off(refusals: Refusals, database: Database) -> int:
+    return await write_off(
+        refusals,
+        submissions=SubmissionTombstones(database),
+        batches=BatchTombstones(database),
+        in_flight=database,
+        now=NOW,
+    )
+
+
+def test_a_task_is_held_until_every_refusal_naming_it_is_written_off() -> None:
+    refusals = Refusals()
+    first, second = Refusal("a", ("t1", "t2")), Refusal("a", ("t2",), batch_id="b")
+    refusals.note(first)
+    refusals.note(second)
+    refusals.written_off(first)
+    assert not refusals.holds("t1")
+    assert refusals.holds("t2")
+    refusals.written_off(second)
+    assert not refusals.holds("t2")
+    assert refusals.pending() == []
+
+
+def test_beyond_the_bound_the_oldest_refusals_are_dropped() -> None:
+    refusals = Refusals(max_pending_tasks=3)
+    refusals.note(Refusal("a", ("t1", "t2")))
+    refusals.note(Refusal("a", ("t3",)))
+    refusals.note(Refusal("a", ("t4",)))
+    assert [r.task_ids for r in refusals.pending()] == [("t3",), ("t4",)]
+    assert not refusals.holds("t1")
+    assert refusals.holds("t4")
+
+
+def test_a_single_refusal_over_the_bound_is_kept() -> None:
+    refusals = Refusals(max_pending_tasks=1)
+    refusals.note(Refusal("a", ("t1", "t2")))
+    assert refusals.holds("t2")
+
+
+async def test_slots_are_released_before_the_tombstones_and_only_when_counted() -> None:
+    refusals, database = Refusals(), Database()
+    refusals.note(Refusal("a", ("t1", "t2"), counted=True, batch_id="b"))
+    refusals.note(Refusal("a", ("t3",)))
+    refusals.note(Refusal("a", (), batch_id="c"))
+    assert await _write_off(refusals, database) == 3
+    assert database.writes == [
+        ("release", "t1"),
+        ("release", "t2"),
+        ("abandon", ("t1", "t2")),
+        ("abandon batch", "b"),
+        ("abandon", ("t3",)),
+        ("abandon batch", "c"),
+    ]
+    assert refusals.pending() == []
+
+
+async def test_a_write_off_the_database_refuses_stays_for_the_next() -> None:
+    refusals, database = Refusals(), Database()
+    refusals.note(Refusal("a", ("t1",)))
+    database.down = True
+    with pytest.raises(DatabaseUnavailable):
+        await _write_off(refusals, database)
+    assert refusals.holds("t1")
+    database.down = False
+    assert await _write_off(refusals, database) == 1
+    assert not refusals.holds("t1")

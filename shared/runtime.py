@@ -65,10 +65,17 @@ def make_broker(
 
 
 def make_mongo(settings: ServiceSettings) -> MongoClient:
-    """An async PyMongo client whose every operation is bounded by `MONGO_TIMEOUT_S`."""
+    """An async PyMongo client whose every operation is bounded by `MONGO_TIMEOUT_S`.
+
+    `timeoutMS` (client-side operation timeout) bounds an operation as a whole: server
+    selection, a new connection, the driver's own retry and the reply. The socket and connect
+    timeouts alone bound each step, so one operation on a stalled server could take several
+    of them (a timed-out reply, then a reconnect whose handshake times out too).
+    """
     timeout_ms = int(settings.mongo_timeout_s * 1000)
     return AsyncMongoClient(
         settings.mongo_url,
+        timeoutMS=timeout_ms,
         serverSelectionTimeoutMS=timeout_ms,
         connectTimeoutMS=timeout_ms,
         socketTimeoutMS=timeout_ms,

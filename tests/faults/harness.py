@@ -34,6 +34,7 @@ from urllib.parse import unquote, urlsplit
 import aio_pika
 import httpx
 
+from bench.infra import reference_workload_ms
 from devtools.fake_llm import FakeLLM
 from devtools.stack import Stack, StackConfig
 from shared.topology import SCORE_REQUESTS
@@ -407,7 +408,9 @@ class Figures:
             "command": self.command,
             "invocation": self.invocation,
             "python": sys.version.split()[0],
-            "host": f"{os.cpu_count()} CPU(s)",
+            # Recovery times scale with how fast the machine runs Python at the time.
+            "host": f"{os.cpu_count()} CPU(s), reference workload {reference_workload_ms()} ms "
+            "of CPU (`bench.infra.reference_workload_ms`)",
             "results": [asdict(o) for o in self.outcomes],
         }
         temporary = self.path.with_suffix(".json.tmp")

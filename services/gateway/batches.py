@@ -49,7 +49,7 @@ from services.gateway.errors import (
     RequestInProgress,
 )
 from services.gateway.limits import LimitExceeded
-from services.gateway.refusals import Refusal, Refusals
+from services.gateway.refusals import Refusal, Refusals, may_have_been_written
 from services.gateway.schemas import checked_metadata
 from services.gateway.submissions import (
     TOMBSTONE_TTL,
@@ -352,8 +352,9 @@ async def submit_batch(
     except KeyTaken:
         assert idempotency_key is not None
         return await _earlier_batch(idempotency_key, record, batches, policy, now)
-    except DatabaseUnavailable:
-        refusals.note(replace(refusal, task_ids=()))  # its insert may land yet
+    except DatabaseUnavailable as error:
+        if may_have_been_written(error):
+            refusals.note(replace(refusal, task_ids=()))  # its insert may land yet
         raise
     try:
         await submissions.insert_batch(
@@ -369,7 +370,8 @@ async def submit_batch(
             counted=gate is not None,
         )
     except DatabaseUnavailable:
-        refusals.note(refusal)  # some of its submissions may be recorded, now or later
+        # Some of its submissions may be recorded (earlier chunks), now or later.
+        refusals.note(refusal)
         raise
     counted = False  # from the first acquire on, slots may be counted: release them on failure
     try:

@@ -5,13 +5,16 @@ on the spot. When that removal fails (the database is slow or down), or when a r
 itself failed without an answer (a timeout, a lost connection: the server may have applied it,
 or may apply it later), those records would be left `accepting`, and the outbox sweep would
 send them: a request answered 503 would be scored after all, and a client retrying without an
-Idempotency-Key would have its text scored twice. So the request is noted here instead, and
-`write_off` settles it once the database takes writes again:
+Idempotency-Key would have its text scored twice. So the request is noted here instead (an
+insert that never left, no server having been selected, is not: a database that was down
+would otherwise get a tombstone for every request refused meanwhile), and `write_off`
+settles all that is noted once the database takes writes again:
 
 1. the in-flight slots it may hold are released (idempotent per task, `limits.InFlight`);
-2. each of its submissions becomes an `abandoned` tombstone (`Submissions.abandon`), an upsert
-   by task id: it holds whether it lands before or after a late insert (which then fails on
-   its `_id`); it frees the idempotency key and keeps no text;
+2. each of its submissions becomes an `abandoned` tombstone (`Submissions.abandon`, those of
+   every pending refusal in one bulk write per chunk), an upsert by task id: it holds whether
+   it lands before or after a late insert (which then fails on its `_id`); it frees the
+   idempotency key and keeps no text;
 3. its batch record becomes one as well (`Batches.abandon`).
 
 The outbox sweep of this process skips every task noted here and not yet written off.
@@ -32,6 +35,8 @@ from collections import deque
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Final, Protocol
+
+from pymongo.errors import ServerSelectionTimeoutError
 
 log = logging.getLogger("scorebox.gateway")
 
@@ -90,6 +95,14 @@ class Refusals:
                 self._held[task_id] = left
 
 
+def may_have_been_written(error: BaseException) -> bool:
+    """Whether a failed write may reach the database all the same: anything but a server never
+    selected, so never sent (a retried write that fails to select one raises its first error).
+    Refusals of writes never sent need no writing off: a database that was down would
+    otherwise get a tombstone for every request refused meanwhile."""
+    return not isinstance(error.__cause__, ServerSelectionTimeoutError)
+
+
 class SlotReleaser(Protocol):
     async def release(self, tenant_id: str, task_id: str) -> None: ...
 
@@ -110,17 +123,22 @@ async def write_off(
     in_flight: SlotReleaser | None,
     now: datetime,
 ) -> int:
-    """Settle every pending refusal in order; returns how many were written off. Stops at
-    the first `DatabaseUnavailable`, which it raises: what is left waits for the next call."""
-    written = 0
-    for refusal in refusals.pending():
-        if refusal.counted and in_flight is not None:
-            for task_id in refusal.task_ids:
-                await in_flight.release(refusal.tenant_id, task_id)
-        if refusal.task_ids:
-            await submissions.abandon(refusal.task_ids, now=now)
+    """Settle every pending refusal: release the slots, then write the tombstones of all their
+    submissions together (in chunks), then their batches'; returns how many were written off.
+    A `DatabaseUnavailable` leaves them all pending for the next call (each step may be
+    repeated: releases and tombstones are idempotent)."""
+    pending = refusals.pending()
+    if in_flight is not None:
+        for refusal in pending:
+            if refusal.counted:
+                for task_id in refusal.task_ids:
+                    await in_flight.release(refusal.tenant_id, task_id)
+    task_ids = tuple(task_id for refusal in pending for task_id in refusal.task_ids)
+    if task_ids:
+        await submissions.abandon(task_ids, now=now)
+    for refusal in pending:
         if refusal.batch_id is not None:
             await batches.abandon(refusal.batch_id, now=now)
+    for refusal in pending:
         refusals.written_off(refusal)
-        written += 1
-    return written
+    return len(pending)

@@ -17,7 +17,7 @@ from services.gateway.errors import (
     RequestInProgress,
 )
 from services.gateway.limits import LimitExceeded
-from services.gateway.refusals import Refusal, Refusals
+from services.gateway.refusals import Refusal, Refusals, may_have_been_written
 from services.gateway.schemas import ScoreSubmission
 from services.gateway.submissions import (
     KeyTaken,
@@ -137,8 +137,9 @@ async def submit_score(
     except KeyTaken:
         assert idempotency_key is not None
         return await _earlier_submission(idempotency_key, digest, tenant_id, submissions)
-    except DatabaseUnavailable:
-        refusals.note(_refusal_of(command))  # its insert may land yet
+    except DatabaseUnavailable as error:
+        if may_have_been_written(error):
+            refusals.note(_refusal_of(command))  # its insert may land yet
         raise
     undo = _Undo(command, submissions, refusals)
     if cached is not None:

@@ -4,6 +4,7 @@ whose insert landed after the gateway answered 503 (its reply held back by a slo
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -301,3 +302,30 @@ async def test_a_submission_recorded_after_its_503_is_written_off_not_scored(
         stored = await gateway.raw["submissions"].find_one({"_id": task_id})
         assert stored["state"] == SubmissionState.ABANDONED
         assert await gateway.submissions.find_by_key("late-1", tenant_id="default") is None
+
+
+async def test_a_submission_never_sent_to_the_database_needs_no_writing_off() -> None:
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # a port nothing listens on
+    port = closed.getsockname()[1]
+    client: AsyncMongoClient[Document] = AsyncMongoClient(
+        f"mongodb://127.0.0.1:{port}/?directConnection=true", timeoutMS=TIMEOUT_MS
+    )
+    refusals = Refusals()
+    try:
+        with pytest.raises(DatabaseUnavailable):
+            await submit_score(
+                ScoreSubmission(text="The database is down.", use_cache=False),
+                tenant_id="default",
+                idempotency_key=None,
+                submissions=Submissions(client, "down_gateway"),
+                publisher=Recorded(),
+                cache=ResultCache(client, "down_gateway", timedelta(hours=1)),
+                policy=SubmitPolicy(max_attempts=3, retention=RETENTION),
+                clock=lambda: NOW,
+                refusals=refusals,
+            )
+        assert refusals.pending() == []
+    finally:
+        await client.close()
+        closed.close()

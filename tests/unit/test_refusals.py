@@ -6,9 +6,10 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import pytest
+from pymongo.errors import AutoReconnect, NetworkTimeout, ServerSelectionTimeoutError
 
 from services.gateway.errors import DatabaseUnavailable
-from services.gateway.refusals import Refusal, Refusals, write_off
+from services.gateway.refusals import Refusal, Refusals, may_have_been_written, write_off
 
 NOW = datetime(2030, 5, 17, 12, 0, tzinfo=UTC)
 
@@ -84,7 +85,7 @@ def test_a_single_refusal_over_the_bound_is_kept() -> None:
     assert refusals.holds("t2")
 
 
-async def test_slots_are_released_before_the_tombstones_and_only_when_counted() -> None:
+async def test_slots_are_released_first_then_every_tombstone_goes_in_one_write() -> None:
     refusals, database = Refusals(), Database()
     refusals.note(Refusal("a", ("t1", "t2"), counted=True, batch_id="b"))
     refusals.note(Refusal("a", ("t3",)))
@@ -93,9 +94,8 @@ async def test_slots_are_released_before_the_tombstones_and_only_when_counted() 
     assert database.writes == [
         ("release", "t1"),
         ("release", "t2"),
-        ("abandon", ("t1", "t2")),
+        ("abandon", ("t1", "t2", "t3")),
         ("abandon batch", "b"),
-        ("abandon", ("t3",)),
         ("abandon batch", "c"),
     ]
     assert refusals.pending() == []
@@ -111,3 +111,14 @@ async def test_a_write_off_the_database_refuses_stays_for_the_next() -> None:
     database.down = False
     assert await _write_off(refusals, database) == 1
     assert not refusals.holds("t1")
+
+
+def test_only_a_write_never_sent_needs_no_writing_off() -> None:
+    def failed(cause: Exception) -> DatabaseUnavailable:
+        error = DatabaseUnavailable(str(cause))
+        error.__cause__ = cause  # as `raise ... from cause` sets it
+        return error
+
+    assert not may_have_been_written(failed(ServerSelectionTimeoutError("no server")))
+    assert may_have_been_written(failed(NetworkTimeout("reply late")))
+    assert may_have_been_written(failed(AutoReconnect("connection lost")))

@@ -85,7 +85,9 @@ class UsageRecords:
 
     async def record(self, record: UsageRecord) -> None:
         """Store `record` unless it exists (a redelivery)."""
-        fields = asdict(record)
+        # Its fields, shallow: `asdict` deep-copies every value, none of which is mutable
+        # (docs/architecture.md, "Performance").
+        fields = dict(vars(record))
         await self._writes.update_one(
             {"_id": record.record_id},
             {"$setOnInsert": {**fields, "rolled_up": False, "rollup_run": None}},

@@ -13,6 +13,7 @@ import random
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import pymongo
 import uvicorn
 from faststream.rabbit import RabbitBroker
 from faststream.rabbit.schemas import Channel
@@ -64,7 +65,7 @@ def make_broker(
     )
 
 
-def make_mongo(settings: ServiceSettings) -> MongoClient:
+def make_mongo(settings: ServiceSettings, **options: Any) -> MongoClient:
     """An async PyMongo client whose every operation is bounded by `MONGO_TIMEOUT_S`.
 
     `timeoutMS` (client-side operation timeout) bounds an operation as a whole: server
@@ -81,6 +82,7 @@ def make_mongo(settings: ServiceSettings) -> MongoClient:
         socketTimeoutMS=timeout_ms,
         tz_aware=True,
         uuidRepresentation="standard",
+        **options,  # more client options (`event_listeners`, for one)
     )
 
 
@@ -99,6 +101,20 @@ async def retry_until(
                 delay = min(delay * 2, 5.0)
             else:
                 return
+
+
+async def prepare_database(action: Callable[[], Awaitable[Any]], *, deadline_s: float) -> None:
+    """Run a service's start-up database work (indexes, migrations) until it succeeds or
+    `deadline_s` passes, without the per-operation deadline of `make_mongo`.
+
+    That deadline reaches the server as `maxTimeMS`, and MongoDB aborts an index build whose
+    `createIndexes` is interrupted: a new index on a collection too large to build within
+    `MONGO_TIMEOUT_S` would be started and aborted at every start-up, and never exist. Here
+    each step keeps only the socket and server-selection timeouts, as before `timeoutMS`:
+    the build goes on on the server while the start-up retries (and then finds it).
+    """
+    with pymongo.timeout(0):  # 0: no deadline, so no `maxTimeMS`
+        await retry_until(action, what="MongoDB", deadline_s=deadline_s)
 
 
 async def keep_trying[T](

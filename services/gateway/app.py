@@ -55,7 +55,7 @@ from shared.runtime import (
     make_broker,
     make_mongo,
     mongo_ready,
-    retry_until,
+    prepare_database,
     start_broker,
 )
 
@@ -183,9 +183,7 @@ def gateway_lifespan(gateway: Gateway) -> Callable[[FastAPI], Any]:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await retry_until(
-            gateway.ensure_indexes, what="MongoDB", deadline_s=settings.startup_timeout_s
-        )
+        await prepare_database(gateway.ensure_indexes, deadline_s=settings.startup_timeout_s)
         token = settings.bootstrap_api_key.get_secret_value() if settings.bootstrap_api_key else ""
         if token:  # empty means unset (compose passes `${SCOREBOX_API_KEY:-}`)
             now = gateway.deps.clock()

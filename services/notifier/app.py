@@ -31,7 +31,7 @@ from shared.runtime import (
     make_broker,
     make_mongo,
     mongo_ready,
-    retry_until,
+    prepare_database,
     start_broker,
 )
 
@@ -116,7 +116,7 @@ def create_app(
                 "This is for tests only; unset it in any real deployment.",
                 ",".join(sorted(settings.test_hosts)),
             )
-        await retry_until(ensure_indexes, what="MongoDB", deadline_s=settings.startup_timeout_s)
+        await prepare_database(ensure_indexes, deadline_s=settings.startup_timeout_s)
         await start_broker(broker, settings)
         yield
         await broker.stop()

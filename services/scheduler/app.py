@@ -48,7 +48,7 @@ from shared.runtime import (
     make_broker,
     make_mongo,
     mongo_ready,
-    retry_until,
+    prepare_database,
     start_broker,
 )
 from shared.topology import WORK_QUEUES
@@ -167,7 +167,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await retry_until(ensure_indexes, what="MongoDB", deadline_s=settings.startup_timeout_s)
+        await prepare_database(ensure_indexes, deadline_s=settings.startup_timeout_s)
         await start_broker(broker, settings)
         ticking = asyncio.create_task(keep_dispatching(dispatcher, interval_s=settings.tick_s))
         yield

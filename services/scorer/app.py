@@ -27,7 +27,7 @@ from shared.runtime import (
     make_broker,
     make_mongo,
     mongo_ready,
-    retry_until,
+    prepare_database,
     start_broker,
 )
 
@@ -75,9 +75,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await retry_until(
-            attempts.ensure_indexes, what="MongoDB", deadline_s=settings.startup_timeout_s
-        )
+        await prepare_database(attempts.ensure_indexes, deadline_s=settings.startup_timeout_s)
         await start_broker(broker, settings)
         yield
         await broker.stop()

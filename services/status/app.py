@@ -39,7 +39,7 @@ from shared.runtime import (
     make_broker,
     make_mongo,
     mongo_ready,
-    retry_until,
+    prepare_database,
     start_broker,
 )
 from shared.topology import STATUS_PROJECTION
@@ -63,9 +63,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await retry_until(
-            lambda: ensure_indexes(tasks), what="MongoDB", deadline_s=settings.startup_timeout_s
-        )
+        await prepare_database(lambda: ensure_indexes(tasks), deadline_s=settings.startup_timeout_s)
         await start_broker(broker, settings)
         yield
         await broker.stop()

@@ -102,10 +102,17 @@ class ChannelAcks:
         self._tags.settle(tag)
 
     async def drain(self) -> None:
-        """Wait until the acks asked for so far are written (or failed)."""
-        while self._due or self._flushes:
+        """Wait until the acks asked for so far are written (or failed).
+
+        Only sends still running are waited for: a finished one stays in `_flushes` until its
+        done-callback runs, and waiting on finished tasks (`gather` completes at once, without
+        yielding) would spin without ever letting that callback run."""
+        while True:
             self._flush()
-            await asyncio.gather(*self._flushes, return_exceptions=True)
+            running = [task for task in self._flushes if not task.done()]
+            if not running:
+                return
+            await asyncio.wait(running)
 
     def _flush(self) -> None:
         if not self._due:

@@ -12,7 +12,7 @@ settles all that is noted once the database takes writes again:
 
 1. the in-flight slots it may hold are released (idempotent per task, `limits.InFlight`);
 2. each of its submissions becomes an `abandoned` tombstone (`Submissions.abandon`, those of
-   every pending refusal in one bulk write per chunk), an upsert by task id: it holds whether
+   every pending refusal together, through the group writer), an upsert by task id: it holds whether
    it lands before or after a late insert (which then fails on its `_id`); it frees the
    idempotency key and keeps no text;
 3. its batch record becomes one as well (`Batches.abandon`).
@@ -124,7 +124,7 @@ async def write_off(
     now: datetime,
 ) -> int:
     """Settle every pending refusal: release the slots, then write the tombstones of all their
-    submissions together (in chunks), then their batches'; returns how many were written off.
+    submissions together (group-committed), then their batches'; returns how many were written off.
     A `DatabaseUnavailable` leaves them all pending for the next call (each step may be
     repeated: releases and tombstones are idempotent)."""
     pending = refusals.pending()

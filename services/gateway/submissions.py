@@ -16,6 +16,7 @@ in `rescored_for`; `rescore` describes the latest one and whether its command wa
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -23,14 +24,14 @@ from enum import StrEnum
 from typing import Any, Final
 
 import orjson
-from pymongo import ASCENDING, AsyncMongoClient, ReturnDocument, UpdateOne
+from pymongo import ASCENDING, AsyncMongoClient, ReturnDocument
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import BulkWriteError, DuplicateKeyError, PyMongoError
+from pymongo.errors import DuplicateKeyError, PyMongoError
 
 from services.gateway.errors import DatabaseUnavailable
 from shared.contracts import ScoreText
 from shared.group_reads import GroupReader
-from shared.group_writes import DUPLICATE_KEY, GroupWriter
+from shared.group_writes import GroupWriter
 
 Document = dict[str, Any]
 # Documents per write of a batch's submissions.
@@ -235,18 +236,22 @@ class Submissions:
 
     async def abandon(self, task_ids: tuple[str, ...], *, now: datetime) -> None:
         """Turn refused submissions into tombstones, whether or not their inserts landed yet
-        (`services/gateway/refusals.py`): never sent, idempotency key freed, text dropped."""
-        writes = [_tombstone(task_id, now) for task_id in task_ids]
+        (`services/gateway/refusals.py`): never sent, idempotency key freed, text dropped.
+        One upsert each, through the group writer (its round trips carry up to 500)."""
+        outcomes = await asyncio.gather(
+            *(self._abandon(task_id, now) for task_id in task_ids), return_exceptions=True
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, PyMongoError):
+                raise DatabaseUnavailable(str(outcome)) from outcome
+            if isinstance(outcome, BaseException):
+                raise outcome
+
+    async def _abandon(self, task_id: str, now: datetime) -> None:
         try:
-            for start in range(0, len(writes), BATCH_WRITE_CHUNK):
-                await self._collection.bulk_write(
-                    writes[start : start + BATCH_WRITE_CHUNK], ordered=False
-                )
-        except BulkWriteError as error:
-            if not only_duplicate_keys(error):
-                raise DatabaseUnavailable(str(error)) from error
-        except PyMongoError as error:
-            raise DatabaseUnavailable(str(error)) from error
+            await self._writes.update_one(*_tombstone(task_id, now), upsert=True)
+        except DuplicateKeyError:
+            return  # a record in another state: it was sent after all, and stays
 
     async def mark_accepted(self, task_id: str) -> None:
         """The command reached the broker; it stays recorded for re-scoring."""
@@ -405,25 +410,17 @@ def _new_document(
     return document
 
 
-def _tombstone(task_id: str, now: datetime) -> UpdateOne:
-    """A submission refused after all: upserted so that it holds before or after its insert;
-    a record already sent (another state) makes it collide on `_id`, which is left alone."""
-    return UpdateOne(
+def _tombstone(task_id: str, now: datetime) -> tuple[Document, Document]:
+    """The filter and update of a submission refused after all: upserted, so that it holds
+    before or after its insert; a record already sent (another state) makes the upsert
+    collide on `_id`."""
+    return (
         {"_id": task_id, "state": {"$in": _ABANDONABLE}},
         {
             "$set": {"state": _ABANDONED},
             "$unset": {"command": "", "idempotency_key": "", IN_FLIGHT_MARK: ""},
             "$setOnInsert": {"created_at": now, "expires_at": now + TOMBSTONE_TTL},
         },
-        upsert=True,
-    )
-
-
-def only_duplicate_keys(error: BulkWriteError) -> bool:
-    """Whether every write the bulk refused collided on a unique key (and nothing else)."""
-    details = error.details
-    return not details.get("writeConcernErrors") and all(
-        failure.get("code") == DUPLICATE_KEY for failure in details.get("writeErrors", [])
     )
 
 

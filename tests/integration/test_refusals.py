@@ -137,6 +137,23 @@ async def test_a_submission_already_sent_is_not_abandoned(gateway: Gateway) -> N
     assert stored["command"]["text"] == command.text
 
 
+async def test_every_refusal_is_abandoned_though_one_was_sent_after_all(
+    gateway: Gateway,
+) -> None:
+    sent, *refused = [_command() for _ in range(250)]  # more than one write's worth
+    for command in (sent, *refused):
+        await _record(gateway.submissions, command)
+    await gateway.submissions.mark_accepted(sent.task_id)
+    await gateway.submissions.abandon(tuple(c.task_id for c in (sent, *refused)), now=NOW)
+    states = {
+        document["_id"]: document["state"]
+        async for document in gateway.raw["submissions"].find({}, {"state": 1})
+    }
+    assert states.pop(sent.task_id) == SubmissionState.ACCEPTED
+    assert set(states.values()) == {SubmissionState.ABANDONED}
+    assert len(states) == len(refused)
+
+
 def _batch(state: str = BatchState.ACCEPTING) -> BatchRecord:
     return BatchRecord(
         batch_id=new_id(),

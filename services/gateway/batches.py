@@ -16,7 +16,9 @@ whose insert failed without an answer (it may land yet), are written off in the 
 commands may have reached their queue but not all were confirmed, the batch is accepted (a
 replay of the request answers it) and its submissions marked `unconfirmed` for the outbox
 sweep, which sends each command again. A process that dies between 2 and 5 leaves submissions
-`accepting`, which the outbox sweep sends later.
+`accepting`, which the outbox sweep sends later. If it died before recording them all, a
+replay of the request (same `Idempotency-Key`) after the grace period records the missing ones
+from its own items before it answers the batch as accepted (`_complete_interrupted`).
 
 Batches do not consult the result cache (one lookup per item would dominate the request);
 their results still fill it.
@@ -218,7 +220,8 @@ class Batches:
     async def mark_accepted(self, batch_id: str) -> None:
         try:
             await self._collection.update_one(
-                {"_id": batch_id}, {"$set": {"state": BatchState.ACCEPTED}}
+                {"_id": batch_id, "state": BatchState.ACCEPTING},
+                {"$set": {"state": BatchState.ACCEPTED}},
             )
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
@@ -318,23 +321,15 @@ async def submit_batch(
     now = clock()
     batch_id = new_id()
     gate = counting(in_flight)
-    commands = [
-        ScoreText(
-            task_id=new_id(),
-            tenant_id=tenant_id,
-            text=item.text,
-            rubric=item.rubric if item.rubric is not None else submission.rubric,
-            model=item.model if item.model is not None else submission.model,
-            metadata=item.metadata,
-            max_attempts=policy.max_attempts,
-            submitted_at=now,
-            occurred_at=now,
-            api_key_id=api_key_id,
-            batch_id=batch_id,
-            batch_index=index,
-        )
-        for index, item in enumerate(submission.items)
-    ]
+    commands = _commands(
+        submission,
+        tenant_id=tenant_id,
+        api_key_id=api_key_id,
+        batch_id=batch_id,
+        task_ids=[new_id() for _ in submission.items],
+        submitted_at=now,
+        max_attempts=policy.max_attempts,
+    )
     record = BatchRecord(
         batch_id=batch_id,
         tenant_id=tenant_id,
@@ -351,23 +346,24 @@ async def submit_batch(
         await batches.insert(record, idempotency_key=idempotency_key, retention=policy.retention)
     except KeyTaken:
         assert idempotency_key is not None
-        return await _earlier_batch(idempotency_key, record, batches, policy, now)
+        earlier = await _earlier_batch(idempotency_key, record, batches, policy, now)
+        if earlier.state == BatchState.ACCEPTING:
+            await _complete_interrupted(
+                earlier,
+                submission,
+                api_key_id,
+                batches=batches,
+                submissions=submissions,
+                policy=policy,
+            )
+        return BatchSubmitted(earlier, created=False)
     except DatabaseUnavailable as error:
         if may_have_been_written(error):
             refusals.note(replace(refusal, task_ids=()))  # its insert may land yet
         raise
     try:
         await submissions.insert_batch(
-            [
-                (
-                    command,
-                    request_hash(item.model_dump(mode="json")),
-                    cache_key(command.text, command.rubric, command.model),
-                )
-                for command, item in zip(commands, submission.items, strict=True)
-            ],
-            retention=policy.retention,
-            counted=gate is not None,
+            _rows(commands, submission), retention=policy.retention, counted=gate is not None
         )
     except DatabaseUnavailable:
         # Some of its submissions may be recorded (earlier chunks), now or later.
@@ -447,9 +443,53 @@ async def _discard(
         refusals.note(replace(refusal, counted=False))
 
 
+def _commands(
+    submission: BatchSubmission,
+    *,
+    tenant_id: str,
+    api_key_id: str | None,
+    batch_id: str,
+    task_ids: Sequence[str],
+    submitted_at: datetime,
+    max_attempts: int,
+) -> list[ScoreText]:
+    """One command per item, in the request's order, the batch's defaults applied."""
+    return [
+        ScoreText(
+            task_id=task_id,
+            tenant_id=tenant_id,
+            text=item.text,
+            rubric=item.rubric if item.rubric is not None else submission.rubric,
+            model=item.model if item.model is not None else submission.model,
+            metadata=item.metadata,
+            max_attempts=max_attempts,
+            submitted_at=submitted_at,
+            occurred_at=submitted_at,
+            api_key_id=api_key_id,
+            batch_id=batch_id,
+            batch_index=index,
+        )
+        for index, (task_id, item) in enumerate(zip(task_ids, submission.items, strict=True))
+    ]
+
+
+def _rows(
+    commands: Sequence[ScoreText], submission: BatchSubmission
+) -> list[tuple[ScoreText, str, str]]:
+    """What `Submissions.insert_batch` records of each command."""
+    return [
+        (
+            command,
+            request_hash(item.model_dump(mode="json")),
+            cache_key(command.text, command.rubric, command.model),
+        )
+        for command, item in zip(commands, submission.items, strict=True)
+    ]
+
+
 async def _earlier_batch(
     idempotency_key: str, attempt: BatchRecord, batches: Batches, policy: BatchPolicy, now: datetime
-) -> BatchSubmitted:
+) -> BatchRecord:
     earlier = await batches.find_by_key(idempotency_key, tenant_id=attempt.tenant_id)
     if earlier is None:
         raise RequestInProgress(idempotency_key)  # discarded just now: the client may retry
@@ -458,7 +498,37 @@ async def _earlier_batch(
         raise RequestInProgress(idempotency_key)
     if earlier.request_hash != attempt.request_hash:
         raise IdempotencyConflict(idempotency_key)
-    return BatchSubmitted(earlier, created=False)
+    return earlier
+
+
+async def _complete_interrupted(
+    earlier: BatchRecord,
+    submission: BatchSubmission,
+    api_key_id: str | None,
+    *,
+    batches: Batches,
+    submissions: Submissions,
+    policy: BatchPolicy,
+) -> None:
+    """Finish recording a batch whose request stopped part-way (its process died) before a
+    replay answers it as accepted: the process may have died before it recorded every
+    submission, and a task without one would never be sent. The replay carries the same
+    items (its request hash is the batch's), so the missing submissions are recorded from it
+    under the batch's task ids, dated as the batch so that the next outbox sweep sends them
+    with those already recorded. They are not counted in flight: no slot was taken for them.
+    """
+    commands = _commands(
+        submission,
+        tenant_id=earlier.tenant_id,
+        api_key_id=api_key_id,
+        batch_id=earlier.batch_id,
+        task_ids=[member.task_id for member in earlier.members],
+        submitted_at=earlier.created_at,
+        max_attempts=policy.max_attempts,
+    )
+    await submissions.insert_batch(_rows(commands, submission), retention=policy.retention)
+    await batches.mark_accepted(earlier.batch_id)
+    log.warning("batch %s was interrupted; its replay completed its records", earlier.batch_id)
 
 
 # --- Reading a batch -----------------------------------------------------------------------------

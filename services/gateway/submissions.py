@@ -26,12 +26,12 @@ from typing import Any, Final
 import orjson
 from pymongo import ASCENDING, AsyncMongoClient, ReturnDocument
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import DuplicateKeyError, PyMongoError
+from pymongo.errors import BulkWriteError, DuplicateKeyError, PyMongoError
 
 from services.gateway.errors import DatabaseUnavailable
 from shared.contracts import ScoreText
 from shared.group_reads import GroupReader
-from shared.group_writes import GroupWriter
+from shared.group_writes import DUPLICATE_KEY, GroupWriter
 
 Document = dict[str, Any]
 # Documents per write of a batch's submissions.
@@ -188,7 +188,8 @@ class Submissions:
     ) -> None:
         """Record a batch's submissions, `accepting`, with `insert_many` in chunks (each
         write stays well within `MONGO_TIMEOUT_S`; a failure part-way leaves some recorded,
-        which `discard_batch` removes).
+        which `discard_batch` removes). A task already recorded is left as it is: its id is
+        the batch's own, so only a replay completing the interrupted batch wrote it.
 
         `commands` holds (command, request hash, cache key); every command carries `batch_id`.
         With `counted`, each is marked as counted in flight.
@@ -200,10 +201,15 @@ class Submissions:
         if counted:
             for document in documents:
                 document[IN_FLIGHT_MARK] = True
+        for start in range(0, len(documents), BATCH_WRITE_CHUNK):
+            await self._insert_new(documents[start : start + BATCH_WRITE_CHUNK])
+
+    async def _insert_new(self, documents: list[Document]) -> None:
         try:
-            for start in range(0, len(documents), BATCH_WRITE_CHUNK):
-                chunk = documents[start : start + BATCH_WRITE_CHUNK]
-                await self._collection.insert_many(chunk, ordered=False)
+            await self._collection.insert_many(documents, ordered=False)
+        except BulkWriteError as error:
+            if not _only_duplicate_ids(error):
+                raise DatabaseUnavailable(str(error)) from error
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 
@@ -408,6 +414,14 @@ def _new_document(
     if command.batch_id is not None:
         document["batch_id"] = command.batch_id
     return document
+
+
+def _only_duplicate_ids(error: BulkWriteError) -> bool:
+    """Whether an unordered insert failed only on documents already there (the rest landed)."""
+    details = error.details
+    return not details.get("writeConcernErrors") and all(
+        failure.get("code") == DUPLICATE_KEY for failure in details.get("writeErrors", ())
+    )
 
 
 def _tombstone(task_id: str, now: datetime) -> tuple[Document, Document]:

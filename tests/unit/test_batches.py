@@ -12,6 +12,7 @@ import pytest
 from aiormq.exceptions import DeliveryError
 from pamqp.commands import Basic
 from pydantic import ValidationError
+from pymongo.errors import BulkWriteError
 
 from services.gateway.batches import (
     EXPIRED,
@@ -28,6 +29,7 @@ from services.gateway.batches_api import _field
 from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
 from services.gateway.publisher import TaskPublisher
 from services.gateway.refusals import Refusals
+from services.gateway.submissions import _only_duplicate_ids
 from shared.contracts import (
     BatchItemProgress,
     BatchProgress,
@@ -476,3 +478,20 @@ async def test_another_tenants_batch_reads_as_none() -> None:
         window=timedelta(minutes=5),
     )
     assert page is None
+
+
+# --- Recording a batch's submissions -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("details", "already_there"),
+    [
+        ({"writeErrors": [{"code": 11000}, {"code": 11000}]}, True),
+        ({"writeErrors": [{"code": 11000}, {"code": 121}]}, False),  # a validation failure
+        ({"writeErrors": [{"code": 11000}], "writeConcernErrors": [{"code": 64}]}, False),
+    ],
+)
+def test_only_documents_already_there_let_a_batch_insert_pass(
+    details: dict[str, Any], already_there: bool
+) -> None:
+    assert _only_duplicate_ids(BulkWriteError(details)) is already_there

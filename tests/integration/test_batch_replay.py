@@ -1,0 +1,193 @@
+"""A batch whose request stopped part-way (its process died) is completed by a replay of the
+request: every item ends up recorded and sent once, none is lost. On the real database."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient
+
+from devtools.infra import Endpoint
+from services.gateway.batches import (
+    Batches,
+    BatchPolicy,
+    BatchState,
+    BatchSubmission,
+    BatchSubmitted,
+    submit_batch,
+)
+from services.gateway.errors import RequestInProgress
+from services.gateway.refusals import Refusals
+from services.gateway.submissions import BATCH_WRITE_CHUNK, Submissions, SubmissionState
+from services.gateway.submit import sweep_outbox
+from shared.contracts import ScoreResult, ScoreText, new_id
+
+Document = dict[str, Any]
+T0 = datetime(2030, 5, 17, 12, 0, tzinfo=UTC)
+GRACE = timedelta(seconds=30)
+POLICY = BatchPolicy(max_attempts=4, retention=timedelta(days=1), in_progress_for=GRACE)
+TENANT = "tenant-a"
+KEY = "batch-key-1"
+
+
+class ProcessDied(BaseException):
+    """Stands for the gateway process ending where it is raised: nothing after it runs."""
+
+
+@dataclass
+class Broker:
+    """Confirms every command it is given and remembers them; `dying` ends the process at the
+    batch's publish instead."""
+
+    dying: bool = False
+    sent: list[str] = field(default_factory=list)
+
+    async def send(self, command: ScoreText) -> bool:
+        self.sent.append(command.task_id)
+        return True
+
+    async def send_many(self, commands: Sequence[ScoreText]) -> bool:
+        if self.dying:
+            raise ProcessDied
+        self.sent.extend(command.task_id for command in commands)
+        return True
+
+    async def withdraw(self, commands: Sequence[ScoreText]) -> None:
+        raise AssertionError("nothing is withdrawn here")
+
+    async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool:
+        raise AssertionError("nothing is cached here")
+
+
+@dataclass
+class Gateway:
+    raw: Any  # the database, reached directly
+    submissions: Submissions
+    batches: Batches
+
+
+@pytest.fixture
+async def gateway(mongo: Endpoint, db_prefix: str) -> AsyncIterator[Gateway]:
+    client: AsyncMongoClient[Document] = AsyncMongoClient(mongo.url, tz_aware=True)
+    database = f"{db_prefix}_{new_id()[:8]}_gateway"  # one per test
+    submissions, batches = Submissions(client, database), Batches(client, database)
+    await submissions.ensure_indexes()
+    await batches.ensure_indexes()
+    yield Gateway(client[database], submissions, batches)
+    await client.close()
+
+
+def _request(count: int) -> BatchSubmission:
+    return BatchSubmission.model_validate(
+        {"rubric": "clarity", "items": [{"text": f"Essay number {i}."} for i in range(count)]}
+    )
+
+
+async def _submit(
+    gateway: Gateway, request: BatchSubmission, broker: Broker, at: datetime
+) -> BatchSubmitted:
+    return await submit_batch(
+        request,
+        tenant_id=TENANT,
+        api_key_id=None,
+        idempotency_key=KEY,
+        batches=gateway.batches,
+        submissions=gateway.submissions,
+        publisher=broker,
+        policy=POLICY,
+        clock=lambda: at,
+        refusals=Refusals(),
+    )
+
+
+async def _interrupted(gateway: Gateway, request: BatchSubmission, recorded: int) -> str:
+    """The records of a request whose process died after recording the batch and only its
+    first `recorded` submissions; returns the batch's id."""
+    with pytest.raises(ProcessDied):
+        await _submit(gateway, request, Broker(dying=True), T0)
+    batch = await gateway.raw["batches"].find_one({"idempotency_key": KEY})
+    await gateway.raw["submissions"].delete_many(
+        {"batch_id": batch["_id"], "command.batch_index": {"$gte": recorded}}
+    )
+    return str(batch["_id"])
+
+
+async def _stored(gateway: Gateway, batch_id: str) -> dict[int, Document]:
+    cursor = gateway.raw["submissions"].find({"batch_id": batch_id})
+    return {document["command"]["batch_index"]: document async for document in cursor}
+
+
+async def test_a_replay_records_what_the_interrupted_batch_had_not_and_all_is_sent_once(
+    gateway: Gateway,
+) -> None:
+    count = BATCH_WRITE_CHUNK + 50  # it died between two chunks of its submissions
+    request = _request(count)
+    batch_id = await _interrupted(gateway, request, recorded=BATCH_WRITE_CHUNK)
+    swept_before = Broker()  # a sweep during the grace period already sent one of them
+    first = (await _stored(gateway, batch_id))[0]
+    await gateway.submissions.mark_accepted(first["_id"])
+    swept_before.sent.append(first["_id"])
+
+    replay = await _submit(gateway, request, Broker(), T0 + GRACE + timedelta(seconds=1))
+
+    assert not replay.created
+    assert replay.record.batch_id == batch_id
+    stored = await _stored(gateway, batch_id)
+    members = [member.task_id for member in replay.record.members]
+    assert sorted(stored) == list(range(count))
+    assert [stored[index]["_id"] for index in range(count)] == members
+    assert stored[0]["state"] == SubmissionState.ACCEPTED  # what was there is left as it is
+    for index in range(1, count):
+        command = ScoreText.model_validate(stored[index]["command"])
+        assert stored[index]["state"] == SubmissionState.ACCEPTING
+        assert stored[index]["created_at"] == T0
+        assert (command.text, command.rubric, command.batch_index) == (
+            f"Essay number {index}.",
+            "clarity",
+            index,
+        )
+    batch = await gateway.raw["batches"].find_one({"_id": batch_id})
+    assert batch["state"] == BatchState.ACCEPTED
+
+    sweep = Broker()
+    while await sweep_outbox(
+        submissions=gateway.submissions,
+        publisher=sweep,
+        clock=lambda: T0 + GRACE + timedelta(seconds=2),
+        grace=GRACE,
+        refusals=Refusals(),
+    ):
+        pass
+    assert sorted(swept_before.sent + sweep.sent) == sorted(members)  # each sent exactly once
+
+
+async def test_a_second_replay_changes_nothing(gateway: Gateway) -> None:
+    request = _request(3)
+    batch_id = await _interrupted(gateway, request, recorded=1)
+    later = T0 + GRACE + timedelta(seconds=1)
+    await _submit(gateway, request, Broker(), later)
+    before = await _stored(gateway, batch_id)
+
+    again = await _submit(gateway, request, Broker(), later + timedelta(seconds=5))
+
+    assert again.record.batch_id == batch_id
+    assert not again.created
+    assert await _stored(gateway, batch_id) == before
+
+
+async def test_a_replay_within_the_grace_period_is_told_to_wait_and_records_nothing(
+    gateway: Gateway,
+) -> None:
+    request = _request(3)
+    batch_id = await _interrupted(gateway, request, recorded=1)
+
+    with pytest.raises(RequestInProgress):
+        await _submit(gateway, request, Broker(), T0 + GRACE - timedelta(seconds=1))
+
+    assert sorted(await _stored(gateway, batch_id)) == [0]
+    batch = await gateway.raw["batches"].find_one({"_id": batch_id})
+    assert batch["state"] == BatchState.ACCEPTING

@@ -1,0 +1,175 @@
+"""The gateway dies with `kill -9` while it records a batch.
+
+The services reach the database through `SlowLink`, which holds its replies back for a while:
+the batch's writes reach the server, but the gateway waits for their answers, so the test can
+kill it between two of them (its batch record and the first chunk of its submissions written,
+the rest not). The client's request ends without an answer; it replays the batch with the same
+`Idempotency-Key` once the restarted gateway is up. That replay must answer the same batch, and
+every item of it must be scored exactly once: those the dead gateway recorded (the outbox sweep
+sends them) and those it never recorded (the replay records them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from pymongo import AsyncMongoClient
+
+from devtools.fake_llm import FakeLLM
+from devtools.infra import Endpoint
+from services.gateway.submissions import BATCH_WRITE_CHUNK
+from tests.faults.harness import Figures, Outcome, Scorebox, essay, new_marker, running_scorebox
+from tests.faults.slow_link import SlowLink
+from tests.support import eventually
+
+ITEMS = BATCH_WRITE_CHUNK + 50  # two chunks of submissions: the kill falls between them
+REPLY_DELAY_S = 3.0  # how long the link holds each reply while the batch is recorded
+MONGO_TIMEOUT_S = 60  # the gateway waits for the held replies instead of giving up
+OUTBOX_GRACE_S = 2
+WAIT_S = 180.0
+
+Document = dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+async def link(mongo: Endpoint) -> AsyncIterator[SlowLink]:
+    proxy = SlowLink.to_mongo(mongo.url)
+    await proxy.start()
+    yield proxy
+    await proxy.stop()
+
+
+@pytest.fixture(scope="module")
+async def box(
+    amqp_url: str, link: SlowLink, db_prefix: str, llm: FakeLLM, log_dir: Path
+) -> AsyncIterator[Scorebox]:
+    env = {
+        "MONGO_TIMEOUT_S": str(MONGO_TIMEOUT_S),
+        "OUTBOX_GRACE_S": str(OUTBOX_GRACE_S),
+        "OUTBOX_INTERVAL_S": "1",
+    }
+    async with running_scorebox(
+        amqp_url=amqp_url,
+        mongo_url=link.mongo_url,
+        db_prefix=db_prefix,
+        llm=llm,
+        log_dir=log_dir,
+        env=env,
+    ) as running:
+        yield running
+
+
+@contextlib.asynccontextmanager
+async def _gateway_database(box: Scorebox, mongo: Endpoint) -> AsyncIterator[Any]:
+    """The gateway's database, reached directly (not through the slow link)."""
+    client: AsyncMongoClient[Document] = AsyncMongoClient(mongo.url, timeoutMS=10_000)
+    try:
+        yield client[f"{box.stack.config.db_prefix}_gateway"]
+    finally:
+        await client.close()
+
+
+async def _recorded(mongo: Endpoint, box: Scorebox, key: str) -> tuple[str, int] | None:
+    """The batch recorded under `key` and how many of its submissions are, once at least one
+    is (None before)."""
+    async with _gateway_database(box, mongo) as database:
+        batch = await database["batches"].find_one({"idempotency_key": key})
+        if batch is None:
+            return None
+        count: int = await database["submissions"].count_documents({"batch_id": batch["_id"]})
+        return (str(batch["_id"]), count) if count else None
+
+
+async def _replayed(box: Scorebox, body: dict[str, Any], key: str) -> httpx.Response | None:
+    """The replay's answer once it is not "still being accepted" (409 until the grace period
+    has passed)."""
+    response = await box.api.post("/v1/batches", json=body, headers={"Idempotency-Key": key})
+    box.answers[response.status_code] += 1
+    return None if response.status_code == 409 else response
+
+
+async def _batch_done(box: Scorebox, batch_id: str) -> dict[str, Any] | None:
+    response = await box.api.get(f"/v1/batches/{batch_id}", params={"limit": 1})
+    if response.status_code != 200:
+        return None
+    page: dict[str, Any] = response.json()
+    counts = page["counts"]
+    return page if counts["completed"] + counts["failed"] == ITEMS else None
+
+
+async def test_a_batch_cut_off_by_a_gateway_kill_is_completed_by_its_replay(
+    box: Scorebox, link: SlowLink, mongo: Endpoint, figures: Figures, labels: tuple[str, str]
+) -> None:
+    box.answers.clear()
+    warm = new_marker()
+    await box.finish([await box.submit(essay(warm))])  # the key is cached, the stack warm
+
+    markers = [new_marker() for _ in range(ITEMS)]
+    body = {"items": [{"text": essay(m)} for m in markers]}
+    key = f"crash-{uuid.uuid4().hex[:8]}"
+    link.reply_delay_s = REPLY_DELAY_S
+    try:
+        request = asyncio.create_task(
+            box.api.post("/v1/batches", json=body, headers={"Idempotency-Key": key})
+        )
+        batch_id, recorded = await eventually(
+            functools.partial(_recorded, mongo, box, key),
+            timeout_s=WAIT_S,
+            what="the batch and its first submissions written",
+        )
+        await box.kill("gateway")
+    finally:
+        link.reply_delay_s = 0
+    try:
+        answered: httpx.Response | None = await request
+    except httpx.HTTPError:
+        answered = None  # cut off by the kill: the client got no answer
+    assert answered is None, f"answered before the kill: {answered.status_code}"
+    async with _gateway_database(box, mongo) as database:
+        recorded = await database["submissions"].count_documents({"batch_id": batch_id})
+
+    killed_at = time.monotonic()
+    await box.restart("gateway")
+    replay = await eventually(
+        functools.partial(_replayed, box, body, key), timeout_s=WAIT_S, what="the replay"
+    )
+    recovered_in = time.monotonic() - killed_at
+    page = await eventually(
+        functools.partial(_batch_done, box, batch_id), timeout_s=WAIT_S, what="every item done"
+    )
+
+    calls = [box.calls(m) for m in markers]
+    figures.record(
+        Outcome(
+            name="gateway killed (kill -9) while recording a batch",
+            accepted=ITEMS,
+            completed=page["counts"]["completed"],
+            failed=page["counts"]["failed"],
+            duplicate_model_calls=sum(n - 1 for n in calls if n > 1),
+            http_5xx_seen=box.http_5xx(),
+            time_to_recover_s=round(recovered_in, 2),
+            broker=labels[0],
+            database=labels[1],
+            notes=f"a batch of {ITEMS} with an Idempotency-Key; the gateway killed after "
+            f"recording the batch and {recorded} of its submissions (database replies held "
+            f"{REPLY_DELAY_S} s by a TCP proxy to make the window); the client replayed it "
+            f"after the restart: answered {replay.status_code} with the same batch, whose "
+            f"missing {ITEMS - recorded} submissions the replay recorded; every item scored "
+            "once; time to recover = kill until the replay's answer",
+        )
+    )
+    assert 0 < recorded < ITEMS, f"the kill did not fall inside the batch: {recorded} recorded"
+    assert replay.status_code == 200, replay.text
+    assert replay.json()["batch_id"] == batch_id
+    assert page["counts"]["completed"] == ITEMS, page["counts"]
+    assert calls == [1] * ITEMS, [(m, n) for m, n in zip(markers, calls, strict=True) if n != 1]
+    assert box.answers[500] == 0, box.answers

@@ -3,32 +3,58 @@
 An operation waits only while the previous round trip is in flight, so an idle service sends
 at once and a busy one sends everything that queued up meanwhile together. `GroupWriter`
 (`shared.group_writes`) and `GroupReader` (`shared.group_reads`) build on it.
+
+With a deadline (the client's `timeoutMS`), the wait in the queue counts against it: a round
+trip is sent with what is left of its earliest deadline (`pymongo.timeout`), and an operation
+whose deadline passed while it waited is not sent at all (`QueuedPastDeadline`). Without this,
+an operation queued behind a stalled round trip waited for that one's timeout and then for its
+own, twice the deadline or more.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import pymongo
+from pymongo.errors import ServerSelectionTimeoutError
 
-@dataclass(frozen=True)
+
+class QueuedPastDeadline(ServerSelectionTimeoutError):
+    """The operation was never sent: it waited behind earlier round trips until its deadline
+    had passed. To its caller it is a server not selected in time: nothing reached the
+    database."""
+
+
+@dataclass(frozen=True, slots=True)
 class Queued[Op, Result]:
     op: Op
     outcome: asyncio.Future[Result]
+    deadline: float | None = None  # event-loop time
 
 
 class Coalescer[Op, Result](ABC):
-    """Queues operations and sends them `max_batch` at a time, one batch after another."""
+    """Queues operations and sends them `max_batch` at a time, one batch after another; each
+    within `deadline_s` of its submission, queueing included, when one is given."""
 
-    def __init__(self, *, max_batch: int) -> None:
+    def __init__(self, *, max_batch: int, deadline_s: float | None = None) -> None:
         self._max_batch = max_batch
+        self._deadline_s = deadline_s
         self._queued: list[Queued[Op, Result]] = []
         self._flusher: asyncio.Task[None] | None = None
 
+    @property
+    def deadline_s(self) -> float | None:
+        return self._deadline_s
+
     async def submit(self, op: Op) -> Result:
-        outcome: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-        self._queued.append(Queued(op, outcome))
+        loop = asyncio.get_running_loop()
+        outcome: asyncio.Future[Result] = loop.create_future()
+        deadline = None if self._deadline_s is None else loop.time() + self._deadline_s
+        self._queued.append(Queued(op, outcome, deadline))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush_queued())
         return await outcome
@@ -51,8 +77,12 @@ class Coalescer[Op, Result](ABC):
             raise
 
     async def _flush(self, batch: list[Queued[Op, Result]]) -> None:
+        batch = _unexpired(batch)
+        if not batch:
+            return
         try:
-            await self._send(batch)
+            with _within_deadlines(batch):
+                await self._send(batch)
         except asyncio.CancelledError:
             for queued in batch:
                 queued.outcome.cancel()
@@ -70,3 +100,25 @@ def settle[Op, Result](queued: Queued[Op, Result], result: Result) -> None:
 def fail[Op, Result](queued: Queued[Op, Result], error: Exception) -> None:
     if not queued.outcome.done():
         queued.outcome.set_exception(error)
+
+
+def _unexpired[Op, Result](batch: list[Queued[Op, Result]]) -> list[Queued[Op, Result]]:
+    """The operations of `batch` still within their deadlines; the others fail unsent."""
+    now = asyncio.get_running_loop().time()
+    kept = []
+    for queued in batch:
+        if queued.deadline is not None and queued.deadline <= now:
+            fail(queued, QueuedPastDeadline("waited past its deadline for earlier round trips"))
+        else:
+            kept.append(queued)
+    return kept
+
+
+def _within_deadlines[Op, Result](
+    batch: Sequence[Queued[Op, Result]],
+) -> contextlib.AbstractContextManager[None]:
+    """The round trip's time limit: what is left of the earliest deadline in `batch`."""
+    deadlines = [queued.deadline for queued in batch if queued.deadline is not None]
+    if not deadlines:
+        return contextlib.nullcontext()
+    return pymongo.timeout(max(min(deadlines) - asyncio.get_running_loop().time(), 0.001))

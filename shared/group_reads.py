@@ -30,7 +30,7 @@ class GroupReader(Coalescer[str, Document | None]):
         projection: Mapping[str, Any] | None = None,
         max_batch: int = MAX_BATCH,
     ):
-        super().__init__(max_batch=max_batch)
+        super().__init__(max_batch=max_batch, deadline_s=collection.database.client.options.timeout)
         self.collection = collection
         self._projection = projection
 

@@ -61,7 +61,7 @@ class GroupWriter(Coalescer[Write, None]):
     """Single-document writes to `collection`, coalesced into `bulk_write`s."""
 
     def __init__(self, collection: AsyncCollection[Document], *, max_batch: int = MAX_BATCH):
-        super().__init__(max_batch=max_batch)
+        super().__init__(max_batch=max_batch, deadline_s=collection.database.client.options.timeout)
         self.collection = collection
 
     async def update_one(

@@ -71,7 +71,8 @@ def make_mongo(settings: ServiceSettings, **options: Any) -> MongoClient:
     `timeoutMS` (client-side operation timeout) bounds an operation as a whole: server
     selection, a new connection, the driver's own retry and the reply. The socket and connect
     timeouts alone bound each step, so one operation on a stalled server could take several
-    of them (a timed-out reply, then a reconnect whose handshake times out too).
+    of them (a timed-out reply, then a reconnect whose handshake times out too). Group
+    commit (`shared.coalescing`) counts a write's wait in its queue against the same deadline.
     """
     timeout_ms = int(settings.mongo_timeout_s * 1000)
     return AsyncMongoClient(

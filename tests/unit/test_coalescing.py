@@ -1,0 +1,118 @@
+"""`shared.coalescing`: an operation's deadline counts its wait in the queue.
+
+The round trips here are the test's own (`_send` waits until the test lets it finish), so the
+test decides when an earlier round trip ends; what `_send` sees of the time limit is read from
+pymongo's operation-timeout context, which every pymongo call inside it obeys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient, _csot
+
+from services.gateway.errors import DatabaseUnavailable
+from services.gateway.refusals import may_have_been_written
+from shared.coalescing import Coalescer, Queued, QueuedPastDeadline, settle
+from shared.group_reads import GroupReader
+from shared.group_writes import GroupWriter
+from tests.support import eventually
+
+
+class HeldRoundTrips(Coalescer[str, str]):
+    """Each round trip records its operations and the time left to it, then waits for
+    `release` before answering every operation with its own name."""
+
+    def __init__(self, *, deadline_s: float | None) -> None:
+        super().__init__(max_batch=100, deadline_s=deadline_s)
+        self.sent: list[tuple[list[str], float | None]] = []
+        self.release = asyncio.Event()
+
+    async def _send(self, batch: list[Queued[str, str]]) -> None:
+        limit = _csot.remaining() if _csot.get_timeout() is not None else None
+        self.sent.append(([queued.op for queued in batch], limit))
+        await self.release.wait()
+        for queued in batch:
+            settle(queued, queued.op)
+
+
+async def _past(moment: float) -> None:
+    loop = asyncio.get_running_loop()
+    await eventually(lambda: _later_than(loop, moment), timeout_s=10, what="the deadline")
+
+
+async def _later_than(loop: asyncio.AbstractEventLoop, moment: float) -> bool:
+    return loop.time() > moment
+
+
+async def test_an_operation_that_waited_past_its_deadline_is_not_sent() -> None:
+    coalescer = HeldRoundTrips(deadline_s=0.2)
+    loop = asyncio.get_running_loop()
+    first = asyncio.create_task(coalescer.submit("first"))
+    await eventually(lambda: _started(coalescer, 1), what="the first round trip")
+    queued_at = loop.time()
+    second = asyncio.create_task(coalescer.submit("second"))
+    await _past(queued_at + 0.2)  # the first round trip outlasts the second's deadline
+
+    coalescer.release.set()
+
+    assert await first == "first"
+    with pytest.raises(QueuedPastDeadline):
+        await second
+    assert [ops for ops, _ in coalescer.sent] == [["first"]]  # never sent
+
+
+async def test_a_round_trip_gets_what_is_left_of_its_earliest_deadline() -> None:
+    coalescer = HeldRoundTrips(deadline_s=10.0)
+    loop = asyncio.get_running_loop()
+    first = asyncio.create_task(coalescer.submit("first"))
+    await eventually(lambda: _started(coalescer, 1), what="the first round trip")
+    queued_at = loop.time()
+    second = asyncio.create_task(coalescer.submit("second"))
+    await _past(queued_at + 1.0)
+
+    coalescer.release.set()
+    await eventually(lambda: _started(coalescer, 2), what="the second round trip")
+
+    assert [await first, await second] == ["first", "second"]
+    (_, first_limit), (ops, second_limit) = coalescer.sent
+    assert ops == ["second"]
+    assert first_limit is not None
+    assert 0 < first_limit <= 10.0
+    assert second_limit is not None
+    assert 0 < second_limit < 9.0  # its second in the queue counted
+
+
+async def test_without_a_deadline_nothing_is_bounded_here() -> None:
+    coalescer = HeldRoundTrips(deadline_s=None)
+    coalescer.release.set()
+    assert await coalescer.submit("only") == "only"
+    assert coalescer.sent == [(["only"], None)]
+
+
+@pytest.mark.parametrize("timeout_ms", [1500, None])
+async def test_group_writes_and_reads_take_the_clients_operation_timeout(
+    timeout_ms: int | None,
+) -> None:
+    options: dict[str, Any] = {} if timeout_ms is None else {"timeoutMS": timeout_ms}
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+        "mongodb://127.0.0.1:9/?directConnection=true", connect=False, **options
+    )
+    collection = client["scorebox_unit"]["anything"]
+    expected = None if timeout_ms is None else timeout_ms / 1000
+    assert GroupWriter(collection).deadline_s == expected
+    assert GroupReader(collection).deadline_s == expected
+    await client.close()
+
+
+def test_an_operation_not_sent_counts_as_never_written() -> None:
+    """The gateway need not write off a refusal whose insert never left (`refusals`)."""
+    error = DatabaseUnavailable("queued too long")
+    error.__cause__ = QueuedPastDeadline("waited past its deadline")
+    assert not may_have_been_written(error)
+
+
+async def _started(coalescer: HeldRoundTrips, round_trips: int) -> bool:
+    return len(coalescer.sent) >= round_trips

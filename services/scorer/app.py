@@ -19,7 +19,7 @@ from services.scorer.scoring import RetryPolicy, ScorerDeps
 from services.scorer.settings import ScorerSettings
 from shared.bus import publish_event
 from shared.consumers import ScoreboxBroker
-from shared.contracts import TaskEvent, utcnow
+from shared.contracts import TaskEvent, new_id, utcnow
 from shared.http import health_router, install_problem_handlers
 from shared.runtime import (
     MongoClient,
@@ -67,7 +67,7 @@ def create_app(
         lease=timedelta(seconds=model_settings.llm_timeout_s * 2 + settings.lease_margin_s),
         retry_policy=RetryPolicy(base_s=settings.retry_base_s, cap_s=settings.retry_cap_s),
         rng=rng or random.Random(),  # noqa: S311 - jitter, not cryptography
-        owner=f"{socket.gethostname()}:{os.getpid()}",
+        owner=f"{socket.gethostname()}:{os.getpid()}:{new_id()[:8]}",
         started_after=timedelta(seconds=settings.started_after_s),
     )
     actions = BrokerActions(broker=broker, timeout_s=settings.broker_timeout_s, clock=clock)

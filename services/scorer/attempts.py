@@ -4,10 +4,11 @@
      lease_until, owner, decision, raw_output, updated_at}
 
 A claim is one atomic conditional upsert. It succeeds for a task never seen, a newer
-generation (a DLQ replay), the attempt after a decided retry, or a running attempt whose
-lease expired (its worker died). Anything else collides on `_id` and is classified:
-the same attempt running elsewhere (busy), already decided (replay the decision), or
-older than what is stored (superseded).
+generation (a DLQ replay), the attempt after a decided retry, a running attempt whose
+lease expired (its worker died), or, when the caller says so, a running attempt it claimed
+itself and no longer works on (the claim's write landed but its answer was lost). Anything
+else collides on `_id` and is classified: the same attempt running elsewhere (busy),
+already decided (replay the decision), or older than what is stored (superseded).
 """
 
 from __future__ import annotations
@@ -73,12 +74,26 @@ class Attempts:
         )
 
     async def claim(
-        self, command: ScoreText, *, now: datetime, lease: timedelta, owner: str
+        self,
+        command: ScoreText,
+        *,
+        now: datetime,
+        lease: timedelta,
+        owner: str,
+        reclaim_own: bool = False,
     ) -> ClaimResult:
+        """Claim the command's attempt; with `reclaim_own`, also when `owner` holds it already
+        (the caller knows nothing of its own works on it: a claim whose answer was lost)."""
         generation, attempt = command.generation, command.attempt
+        reclaimable: list[Document] = []
+        if reclaim_own:
+            reclaimable.append(
+                {"generation": generation, "attempt": attempt, "state": "running", "owner": owner}
+            )
         claimable = {
             "_id": command.task_id,
             "$or": [
+                *reclaimable,
                 {"generation": {"$lt": generation}},
                 {
                     "generation": generation,

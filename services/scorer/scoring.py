@@ -11,7 +11,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from pymongo.errors import PyMongoError
@@ -62,9 +62,13 @@ class ScorerDeps:
     lease: timedelta
     retry_policy: RetryPolicy
     rng: random.Random
-    owner: str
+    owner: str  # this process, as its claims name it (unique per process)
     # `task.started` for an attempt still running after this long; zero announces at once.
     started_after: timedelta = timedelta(0)
+    # The attempts a delivery in this process is claiming, calling the model for or
+    # recording: a claim of ours on any other attempt was left by a write whose answer was
+    # lost (it reached the database, we took it for failed), and nothing here works on it.
+    in_hand: set[tuple[str, int, int]] = field(default_factory=set)
 
 
 def _sequence(command: ScoreText, phase: Phase) -> int:
@@ -96,7 +100,23 @@ async def score_text(
     now = deps.clock()
     if command.not_before is not None and command.not_before > now + DUE_SLACK:
         return Defer(command)
-    match await deps.attempts.claim(command, now=now, lease=deps.lease, owner=deps.owner):
+    attempt = (command.task_id, command.generation, command.attempt)
+    if attempt in deps.in_hand:  # another delivery here holds it: no claim of ours is stale
+        return await _claim_and_decide(command, deps, now, redelivered, reclaim_own=False)
+    deps.in_hand.add(attempt)
+    try:
+        return await _claim_and_decide(command, deps, now, redelivered, reclaim_own=True)
+    finally:
+        deps.in_hand.discard(attempt)
+
+
+async def _claim_and_decide(
+    command: ScoreText, deps: ScorerDeps, now: datetime, redelivered: bool, *, reclaim_own: bool
+) -> Decision:
+    claim = await deps.attempts.claim(
+        command, now=now, lease=deps.lease, owner=deps.owner, reclaim_own=reclaim_own
+    )
+    match claim:
         case Superseded():
             return Drop("a newer attempt of this task exists")
         case Busy(until=until):

@@ -1,0 +1,128 @@
+"""A claim whose answer was lost is the scorer's own to take over at once, not after its lease.
+
+When the database answers slowly, a claim's write can reach it after the scorer gave up on
+the answer; the scorer sends the message again, and its next delivery finds the attempt
+claimed by this very process, which works on nothing of it. It used to wait for the claim's
+lease to expire (`LLM_TIMEOUT_S` * 2 + `LEASE_MARGIN_S`: 90 s by default) before scoring the
+task. `score_text` runs here on the real database and calls the fake model over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient
+
+from devtools.fake_llm import FakeLLM
+from services.scorer.attempts import Attempts
+from services.scorer.decisions import Defer, Finish
+from services.scorer.model import build_model
+from services.scorer.model.http_client import make_http_client
+from services.scorer.model.settings import ModelSettings
+from services.scorer.scoring import RetryPolicy, ScorerDeps, score_text
+from shared.contracts import ScoreText, TaskCompleted, TaskEvent, new_id, utcnow
+
+LEASE = timedelta(seconds=60)
+Deps = Callable[[str], ScorerDeps]
+
+
+@pytest.fixture
+async def attempts(mongo: Any, db_prefix: str) -> AsyncIterator[Attempts]:
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
+    store = Attempts(client, f"{db_prefix}_scorer", retention=timedelta(hours=1))
+    await store.ensure_indexes()
+    yield store
+    await client.close()
+
+
+@pytest.fixture
+async def make_deps(fake_llm: FakeLLM, attempts: Attempts) -> AsyncIterator[Deps]:
+    settings = ModelSettings.model_validate(
+        {
+            "LLM_PROVIDER": "openai",
+            "LLM_BASE_URL": fake_llm.url,
+            "LLM_API_KEY": "test-key",
+            "LLM_MODEL": "fake-judge-1",
+            "LLM_TIMEOUT_S": "10",
+        }
+    )
+    http = make_http_client(settings, concurrency=4)
+
+    async def announce(_: TaskEvent) -> None:
+        return None
+
+    def deps(owner: str) -> ScorerDeps:
+        return ScorerDeps(
+            attempts=attempts,
+            model=build_model(settings, http),
+            announce=announce,
+            clock=utcnow,
+            lease=LEASE,
+            retry_policy=RetryPolicy(base_s=1, cap_s=2),
+            rng=random.Random(0),
+            owner=owner,
+            started_after=timedelta(seconds=30),
+        )
+
+    yield deps
+    await http.aclose()
+
+
+def _command(text: str) -> tuple[ScoreText, str]:
+    marker = f"o{uuid.uuid4().hex[:12]}"
+    return ScoreText(task_id=new_id(), text=f"{text} [[id:{marker}]]"), marker
+
+
+def _calls(fake_llm: FakeLLM, marker: str) -> int:
+    return int(fake_llm.stats()["by_id"].get(marker, 0))
+
+
+async def test_a_claim_of_ours_whose_answer_was_lost_is_taken_over_at_once(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
+) -> None:
+    command, marker = _command("An essay whose claim landed unanswered.")
+    await attempts.claim(command, now=utcnow(), lease=LEASE, owner="scorer-a")  # it landed
+
+    decision = await score_text(command, deps=make_deps("scorer-a"))
+
+    assert isinstance(decision, Finish)
+    assert isinstance(decision.event, TaskCompleted)
+    assert _calls(fake_llm, marker) == 1
+
+
+async def test_another_processs_claim_still_holds_until_its_lease_ends(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
+) -> None:
+    command, marker = _command("An essay another scorer is working on.")
+    now = utcnow()
+    await attempts.claim(command, now=now, lease=LEASE, owner="scorer-b")
+
+    decision = await score_text(command, deps=make_deps("scorer-a"))
+
+    assert isinstance(decision, Defer)
+    assert decision.command.not_before is not None
+    assert decision.command.not_before >= now + LEASE - timedelta(seconds=1)
+    assert _calls(fake_llm, marker) == 0
+
+
+async def test_two_deliveries_of_one_attempt_in_one_process_call_the_model_once(
+    make_deps: Deps, fake_llm: FakeLLM
+) -> None:
+    deps = make_deps("scorer-a")
+    command, marker = _command("An essay delivered twice [[fake:slow]].")  # answered 2 s late
+    first = asyncio.create_task(score_text(command, deps=deps))
+    async with asyncio.timeout(30):
+        await fake_llm.wait_for_stats(lambda stats: stats["by_id"].get(marker, 0) >= 1)
+
+    second = await score_text(command, deps=deps)  # while the first one's call is in flight
+
+    assert isinstance(second, Defer)
+    assert isinstance(await first, Finish)
+    assert _calls(fake_llm, marker) == 1
+    assert deps.in_hand == set()

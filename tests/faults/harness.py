@@ -98,10 +98,14 @@ class Scorebox:
     api: httpx.AsyncClient
     answers: Counter[int] = field(default_factory=Counter)
 
-    async def post(self, text: str, **fields: Any) -> httpx.Response:
+    async def post(
+        self, text: str, *, headers: Mapping[str, str] | None = None, **fields: Any
+    ) -> httpx.Response:
         """`POST /v1/scores`, counted; a transport error is counted as 0 and re-raised."""
         try:
-            response = await self.api.post("/v1/scores", json={"text": text, **fields})
+            response = await self.api.post(
+                "/v1/scores", json={"text": text, **fields}, headers=headers
+            )
         except httpx.HTTPError:
             self.answers[0] += 1
             raise

@@ -1,4 +1,4 @@
-"""The gateway dies with `kill -9` while it records a batch.
+"""The gateway dies with `kill -9` while it records a batch, or accepts submissions.
 
 The services reach the database through `SlowLink`, which holds its replies back for a while:
 the batch's writes reach the server, but the gateway waits for their answers, so the test can
@@ -7,6 +7,9 @@ the rest not). The client's request ends without an answer; it replays the batch
 `Idempotency-Key` once the restarted gateway is up. That replay must answer the same batch, and
 every item of it must be scored exactly once: those the dead gateway recorded (the outbox sweep
 sends them) and those it never recorded (the replay records them).
+
+The same for single submissions: many in flight with their keys when the gateway dies, each
+replayed after the restart until answered; one task per key, each scored once.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import contextlib
 import functools
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -172,4 +176,105 @@ async def test_a_batch_cut_off_by_a_gateway_kill_is_completed_by_its_replay(
     assert replay.json()["batch_id"] == batch_id
     assert page["counts"]["completed"] == ITEMS, page["counts"]
     assert calls == [1] * ITEMS, [(m, n) for m, n in zip(markers, calls, strict=True) if n != 1]
+    assert box.answers[500] == 0, box.answers
+
+
+SUBMISSIONS = 24
+
+
+def _counted(statuses: Counter[int]) -> str:
+    return ", ".join(f"{status}: {n}" for status, n in sorted(statuses.items()))
+
+
+async def _recorded_submissions(mongo: Endpoint, box: Scorebox, markers: list[str]) -> int | None:
+    """How many of the submissions carrying `markers` are recorded, once half of them are."""
+    async with _gateway_database(box, mongo) as database:
+        pattern = "|".join(markers)
+        count: int = await database["submissions"].count_documents(
+            {"command.text": {"$regex": pattern}}
+        )
+    return count if count >= len(markers) // 2 else None
+
+
+async def _settled(box: Scorebox, marker: str, key: str, replies: Counter[int]) -> str | None:
+    """Submit (or replay) one request until it is answered 202 or 200; its task id."""
+    response = await box.post(essay(marker), use_cache=False, headers={"Idempotency-Key": key})
+    replies[response.status_code] += 1
+    if response.status_code in (202, 200):
+        task_id: str = response.json()["task_id"]
+        return task_id
+    assert response.status_code in (409, 503), response.text  # in progress, or not yet up
+    return None
+
+
+async def test_submissions_cut_off_by_a_gateway_kill_are_scored_once_when_replayed(
+    box: Scorebox, link: SlowLink, mongo: Endpoint, figures: Figures, labels: tuple[str, str]
+) -> None:
+    box.answers.clear()
+    markers = [new_marker() for _ in range(SUBMISSIONS)]
+    keys = {m: f"crash-{m}" for m in markers}
+    link.reply_delay_s = REPLY_DELAY_S
+    try:
+        requests = {
+            m: asyncio.create_task(
+                box.post(essay(m), use_cache=False, headers={"Idempotency-Key": keys[m]})
+            )
+            for m in markers
+        }
+        recorded = await eventually(
+            functools.partial(_recorded_submissions, mongo, box, markers),
+            timeout_s=WAIT_S,
+            what="half of the submissions written",
+        )
+        await box.kill("gateway")
+    finally:
+        link.reply_delay_s = 0
+    answered: dict[str, str] = {}
+    for marker, request in requests.items():
+        with contextlib.suppress(httpx.HTTPError):
+            response = await request
+            if response.status_code == 202:
+                answered[marker] = response.json()["task_id"]
+
+    killed_at = time.monotonic()
+    await box.restart("gateway")
+    replies: Counter[int] = Counter()
+    settled = {
+        m: await eventually(
+            functools.partial(_settled, box, m, keys[m], replies),
+            timeout_s=WAIT_S,
+            what=f"replay {m}",
+        )
+        for m in markers
+    }
+    recovered_in = time.monotonic() - killed_at
+    views = await box.finish(settled.values())
+
+    calls = [box.calls(m) for m in markers]
+    statuses = [views[t]["status"] for t in settled.values()]
+    figures.record(
+        Outcome(
+            name="gateway killed (kill -9) while accepting submissions",
+            accepted=len(settled),
+            completed=statuses.count("completed"),
+            failed=statuses.count("failed"),
+            duplicate_model_calls=sum(n - 1 for n in calls if n > 1),
+            http_5xx_seen=box.http_5xx(),
+            time_to_recover_s=round(recovered_in, 2),
+            broker=labels[0],
+            database=labels[1],
+            notes=f"{SUBMISSIONS} submissions with Idempotency-Keys in flight (database replies "
+            f"held {REPLY_DELAY_S} s by a TCP proxy), the gateway killed once {recorded} were "
+            f"recorded; {len(answered)} answered before the kill; every request replayed after "
+            "the restart with its key until answered 202 (not recorded) or 200 (recorded "
+            "before the kill; 409 while its record waits for the outbox sweep), answered "
+            f"{_counted(replies)}: one task per key, each scored once; time to recover = kill "
+            "until the last replay's answer",
+        )
+    )
+    assert recorded >= SUBMISSIONS // 2
+    assert all(settled[m] == task_id for m, task_id in answered.items()), (answered, settled)
+    assert len(set(settled.values())) == SUBMISSIONS
+    assert statuses == ["completed"] * SUBMISSIONS, views
+    assert calls == [1] * SUBMISSIONS, dict(zip(markers, calls, strict=True))
     assert box.answers[500] == 0, box.answers

@@ -83,7 +83,7 @@ class Attempts:
         reclaim_own: bool = False,
     ) -> ClaimResult:
         """Claim the command's attempt; with `reclaim_own`, also when `owner` holds it already
-        (the caller knows nothing of its own works on it: a claim whose answer was lost)."""
+        and none of the caller's deliveries works on it (a claim whose answer was lost)."""
         generation, attempt = command.generation, command.attempt
         reclaimable: list[Document] = []
         if reclaim_own:

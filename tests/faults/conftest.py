@@ -20,6 +20,7 @@ import pytest
 from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
 from devtools.infra import Endpoint
 from tests.faults.harness import REPO, RESULTS_PATH, Figures, make_target
+from tests.faults.slow_link import SlowLink
 
 SLOW_ENV = "SCOREBOX_SLOW_TESTS"
 LOG_ROOT = REPO / ".run" / "logs" / "faults"
@@ -89,3 +90,12 @@ def log_dir(request: pytest.FixtureRequest) -> Path:
 def labels(rabbitmq: Endpoint, mongo: Endpoint) -> tuple[str, str]:
     """(broker, database) as the figures name them."""
     return rabbitmq.kind, mongo.kind
+
+
+@pytest.fixture(scope="module")
+async def link(mongo: Endpoint) -> AsyncIterator[SlowLink]:
+    """A TCP proxy to the test database that can hold its replies back (`SlowLink`)."""
+    proxy = SlowLink.to_mongo(mongo.url)
+    await proxy.start()
+    yield proxy
+    await proxy.stop()

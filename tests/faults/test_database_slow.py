@@ -49,14 +49,6 @@ Document = dict[str, Any]
 
 
 @pytest.fixture(scope="module")
-async def link(mongo: Endpoint) -> AsyncIterator[SlowLink]:
-    proxy = SlowLink.to_mongo(mongo.url)
-    await proxy.start()
-    yield proxy
-    await proxy.stop()
-
-
-@pytest.fixture(scope="module")
 async def box(
     amqp_url: str, link: SlowLink, db_prefix: str, llm: FakeLLM, log_dir: Path
 ) -> AsyncIterator[Scorebox]:

@@ -9,11 +9,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from pymongo import AsyncMongoClient
 
 from devtools.infra import Endpoint
 from services.gateway.batches import (
-    Batches,
     BatchPolicy,
     BatchState,
     BatchSubmission,
@@ -22,9 +20,11 @@ from services.gateway.batches import (
 )
 from services.gateway.errors import RequestInProgress
 from services.gateway.refusals import Refusals
-from services.gateway.submissions import BATCH_WRITE_CHUNK, Submissions, SubmissionState
+from services.gateway.submissions import BATCH_WRITE_CHUNK, SubmissionState
 from services.gateway.submit import sweep_outbox
-from shared.contracts import ScoreResult, ScoreText, new_id
+from shared.contracts import ScoreResult, ScoreText
+from tests.integration.gateway_records import GatewayRecords as Gateway
+from tests.integration.gateway_records import gateway_records
 
 Document = dict[str, Any]
 T0 = datetime(2030, 5, 17, 12, 0, tzinfo=UTC)
@@ -63,22 +63,10 @@ class Broker:
         raise AssertionError("nothing is cached here")
 
 
-@dataclass
-class Gateway:
-    raw: Any  # the database, reached directly
-    submissions: Submissions
-    batches: Batches
-
-
 @pytest.fixture
 async def gateway(mongo: Endpoint, db_prefix: str) -> AsyncIterator[Gateway]:
-    client: AsyncMongoClient[Document] = AsyncMongoClient(mongo.url, tz_aware=True)
-    database = f"{db_prefix}_{new_id()[:8]}_gateway"  # one per test
-    submissions, batches = Submissions(client, database), Batches(client, database)
-    await submissions.ensure_indexes()
-    await batches.ensure_indexes()
-    yield Gateway(client[database], submissions, batches)
-    await client.close()
+    async with gateway_records(mongo.url, db_prefix) as records:
+        yield records
 
 
 def _request(count: int) -> BatchSubmission:

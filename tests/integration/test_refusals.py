@@ -15,7 +15,7 @@ from pymongo import AsyncMongoClient
 from pymongo.errors import DuplicateKeyError
 
 from devtools.infra import Endpoint
-from services.gateway.batches import Batches, BatchMember, BatchRecord, BatchState
+from services.gateway.batches import BatchMember, BatchRecord, BatchState
 from services.gateway.cache import ResultCache
 from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
 from services.gateway.limits import InFlight
@@ -25,6 +25,8 @@ from services.gateway.submissions import Submissions, SubmissionState
 from services.gateway.submit import SubmitPolicy, submit_score, sweep_outbox
 from shared.contracts import ScoreResult, ScoreText, new_id
 from tests.faults.slow_link import SlowLink
+from tests.integration.gateway_records import GatewayRecords as Gateway
+from tests.integration.gateway_records import gateway_records
 from tests.support import eventually
 
 Document = dict[str, Any]
@@ -68,23 +70,10 @@ class Refusing:
         raise AssertionError("nothing is cached here")
 
 
-@dataclass
-class Gateway:
-    name: str
-    raw: Any  # the database, reached directly
-    submissions: Submissions
-    batches: Batches
-
-
 @pytest.fixture
 async def gateway(mongo: Endpoint, db_prefix: str) -> AsyncIterator[Gateway]:
-    client: AsyncMongoClient[Document] = AsyncMongoClient(mongo.url, tz_aware=True)
-    database = f"{db_prefix}_{new_id()[:8]}_gateway"  # one per test
-    submissions, batches = Submissions(client, database), Batches(client, database)
-    await submissions.ensure_indexes()
-    await batches.ensure_indexes()
-    yield Gateway(database, client[database], submissions, batches)
-    await client.close()
+    async with gateway_records(mongo.url, db_prefix) as records:
+        yield records
 
 
 def _command(created: datetime = NOW) -> ScoreText:

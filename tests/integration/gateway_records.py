@@ -1,0 +1,36 @@
+"""The gateway's own records on the test database, without the gateway around them."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from pymongo import AsyncMongoClient
+
+from services.gateway.batches import Batches
+from services.gateway.submissions import Submissions
+from shared.contracts import new_id
+
+
+@dataclass
+class GatewayRecords:
+    name: str  # the database's
+    raw: Any  # the database, reached directly
+    submissions: Submissions
+    batches: Batches
+
+
+@asynccontextmanager
+async def gateway_records(mongo_url: str, db_prefix: str) -> AsyncIterator[GatewayRecords]:
+    """A database of its own, with the gateway's indexes, for one test."""
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_url, tz_aware=True)
+    database = f"{db_prefix}_{new_id()[:8]}_gateway"
+    submissions, batches = Submissions(client, database), Batches(client, database)
+    try:
+        await submissions.ensure_indexes()
+        await batches.ensure_indexes()
+        yield GatewayRecords(database, client[database], submissions, batches)
+    finally:
+        await client.close()

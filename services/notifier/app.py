@@ -23,7 +23,7 @@ from services.notifier.sender import WebhookSender, make_ssl_context
 from services.notifier.settings import NotifierSettings
 from services.notifier.ssrf import Resolver, SystemResolver, WebhookGuard
 from shared.consumers import ScoreboxBroker
-from shared.contracts import DeliverWebhook, utcnow
+from shared.contracts import DeliverWebhook, new_id, utcnow
 from shared.http import health_router, install_problem_handlers
 from shared.runtime import (
     MongoClient,
@@ -98,7 +98,7 @@ def create_app(
             policy=RetryPolicy(base_s=settings.retry_base_s, cap_s=settings.retry_cap_s),
             clock=clock,
             rng=rng or random.Random(),  # noqa: S311 - jitter, not cryptography
-            owner=f"{socket.gethostname()}:{os.getpid()}",
+            owner=f"{socket.gethostname()}:{os.getpid()}:{new_id()[:8]}",
             lease=timedelta(seconds=settings.lease_s),
         ),
         timeout_s=settings.broker_timeout_s,

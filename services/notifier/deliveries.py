@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
@@ -90,8 +90,11 @@ class DeliveryDeps:
     policy: RetryPolicy
     clock: Clock
     rng: random.Random
-    owner: str
+    owner: str  # this process, as its claims name it (unique per process)
     lease: timedelta
+    # The (delivery, attempt) pairs a delivery in this process is claiming or sending: a
+    # lease of ours on any other was left by a claim whose answer was lost.
+    in_hand: set[tuple[str, int]] = field(default_factory=set)
 
 
 def encode_payload(payload: Mapping[str, Any]) -> bytes:
@@ -122,8 +125,28 @@ async def deliver_webhook(delivery: DeliverWebhook, *, deps: DeliveryDeps) -> De
         (delivery.not_before - now).total_seconds()
     ):
         return Send(delivery, "not yet due")
+    attempt = (delivery.delivery_id, delivery.attempt)
+    if attempt in deps.in_hand:  # another copy here holds it: no lease of ours is stale
+        return await _claim_and_send(delivery, deps, now, reclaim_own=False)
+    deps.in_hand.add(attempt)
+    try:
+        return await _claim_and_send(delivery, deps, now, reclaim_own=True)
+    finally:
+        deps.in_hand.discard(attempt)
+
+
+async def _claim_and_send(
+    delivery: DeliverWebhook, deps: DeliveryDeps, now: datetime, *, reclaim_own: bool
+) -> DeliveryDecision:
     owner = f"{deps.owner}/{new_id()[:12]}"
-    claim = await deps.ledger.claim(delivery, owner=owner, now=now, lease=deps.lease)
+    claim = await deps.ledger.claim(
+        delivery,
+        process=deps.owner,
+        owner=owner,
+        now=now,
+        lease=deps.lease,
+        reclaim_own=reclaim_own,
+    )
     if not claim.won:
         return _without_claim(delivery, claim.record, now=now)
     status: int | None = None

@@ -113,9 +113,29 @@ class Ledger:
         )
 
     async def claim(
-        self, delivery: DeliverWebhook, *, owner: str, now: datetime, lease: timedelta
+        self,
+        delivery: DeliverWebhook,
+        *,
+        process: str,
+        owner: str,
+        now: datetime,
+        lease: timedelta,
+        reclaim_own: bool = False,
     ) -> Claim:
-        """Take the delivery for this attempt, unless it is finished, newer, or leased."""
+        """Take the delivery for this attempt, unless it is finished, newer, or leased.
+
+        `owner` names this claim, `process` the notifier process making it. With
+        `reclaim_own`, a lease of the same process on this attempt is taken over too: the
+        caller works on none of it (a claim whose answer was lost)."""
+        reclaimable: list[Document] = []
+        if reclaim_own:
+            reclaimable.append(
+                {
+                    "state": DeliveryState.SENDING.value,
+                    "attempt": delivery.attempt,
+                    "process": process,
+                }
+            )
         for _ in range(2):
             document = await self._deliveries.find_one_and_update(
                 {
@@ -124,6 +144,7 @@ class Ledger:
                     "$or": [
                         {"state": {"$in": [state.value for state in _CLAIMABLE]}},
                         {"state": DeliveryState.SENDING.value, "lease_until": {"$lte": now}},
+                        *reclaimable,
                     ],
                 },
                 {
@@ -131,6 +152,7 @@ class Ledger:
                         "state": DeliveryState.SENDING.value,
                         "attempt": delivery.attempt,
                         "owner": owner,
+                        "process": process,
                         "lease_until": now + lease,
                         "updated_at": now,
                     }

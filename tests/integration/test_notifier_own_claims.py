@@ -1,0 +1,142 @@
+"""A webhook's lease whose answer was lost is the notifier's own to take over at once.
+
+When the database answers slowly, a delivery's claim can reach it after the notifier gave up
+on the answer; the notifier sends the delivery again later, and that delivery found the
+attempt `sending` under a lease of this very process, which sends nothing of it. It used to
+wait for the lease (`WEBHOOK_DNS_TIMEOUT_S` + `WEBHOOK_TIMEOUT_S` + 30 s) before sending.
+`deliver_webhook` runs here on the real database and posts to an https receiver of the test.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient
+
+from services.notifier.deliveries import DeliveryDeps, Done, RetryPolicy, Send, deliver_webhook
+from services.notifier.keyring import Keyring
+from services.notifier.ledger import Ledger
+from services.notifier.sender import WebhookSender, make_ssl_context
+from services.notifier.ssrf import WebhookGuard
+from shared.contracts import DeliverWebhook, WebhookPurpose, new_id, utcnow
+from tests.integration.test_notifier import (
+    RECEIVER_HOST,
+    Receiver,
+    TableResolver,
+    _start_receiver,
+    _tls,
+)
+
+LEASE = timedelta(seconds=60)
+Deps = Callable[[str], DeliveryDeps]
+
+
+@pytest.fixture(scope="module")
+async def receiver(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[tuple[Receiver, Any]]:
+    server_tls, ca_file = _tls(tmp_path_factory.mktemp("own-claims"))
+    started, runner = await _start_receiver(server_tls)
+    yield started, ca_file
+    await runner.cleanup()
+
+
+@pytest.fixture
+async def ledger(mongo: Any, db_prefix: str) -> AsyncIterator[Ledger]:
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
+    store = Ledger(client, f"{db_prefix}_notifier", retention=timedelta(hours=1))
+    await store.ensure_indexes()
+    yield store
+    await client.close()
+
+
+@pytest.fixture
+async def make_deps(
+    receiver: tuple[Receiver, Any], ledger: Ledger, mongo: Any, db_prefix: str
+) -> AsyncIterator[Deps]:
+    _, ca_file = receiver
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
+    keyring = Keyring(client, f"{db_prefix}_notifier")
+    guard = WebhookGuard(
+        TableResolver({RECEIVER_HOST: ["127.0.0.1"]}), allowed_test_hosts=frozenset({"127.0.0.1"})
+    )
+    sender = WebhookSender(
+        ssl_context=make_ssl_context(ca_file),
+        connect_timeout_s=5,
+        timeout_s=10,
+        max_response_bytes=4096,
+    )
+
+    def deps(owner: str) -> DeliveryDeps:
+        return DeliveryDeps(
+            ledger=ledger,
+            keyring=keyring,
+            guard=guard,
+            sender=sender,
+            policy=RetryPolicy(base_s=0.01, cap_s=0.1),
+            clock=utcnow,
+            rng=random.Random(0),
+            owner=owner,
+            lease=LEASE,
+        )
+
+    yield deps
+    await client.close()
+
+
+def _delivery(receiver: Receiver) -> DeliverWebhook:
+    return DeliverWebhook(
+        task_id=new_id(),
+        delivery_id=f"msg_{uuid.uuid4().hex}",
+        purpose=WebhookPurpose.CALLBACK,
+        url=receiver.endpoint(200),
+        event_type="task.completed",
+        payload={"type": "task.completed"},
+    )
+
+
+async def test_a_lease_of_ours_whose_answer_was_lost_is_taken_over_at_once(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    delivery = _delivery(receiver[0])
+    await ledger.register(delivery, now=utcnow())
+    await ledger.claim(delivery, process="proc-a", owner="proc-a/lost", now=utcnow(), lease=LEASE)
+
+    decision = await deliver_webhook(delivery, deps=make_deps("proc-a"))
+
+    assert decision == Done("delivered (200)")
+    assert len(receiver[0].requests(delivery.url)) == 1
+
+
+async def test_another_processs_lease_still_holds(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    delivery = _delivery(receiver[0])
+    await ledger.register(delivery, now=utcnow())
+    await ledger.claim(delivery, process="proc-b", owner="proc-b/1", now=utcnow(), lease=LEASE)
+
+    decision = await deliver_webhook(delivery, deps=make_deps("proc-a"))
+
+    assert isinstance(decision, Send)
+    assert decision.reason == "claimed by another consumer"
+    assert receiver[0].requests(delivery.url) == []
+
+
+async def test_a_lease_held_by_a_copy_in_this_process_is_not_taken_over(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    delivery = _delivery(receiver[0])
+    await ledger.register(delivery, now=utcnow())
+    await ledger.claim(delivery, process="proc-a", owner="proc-a/1", now=utcnow(), lease=LEASE)
+    deps = make_deps("proc-a")
+    deps.in_hand.add((delivery.delivery_id, delivery.attempt))  # that copy is sending it
+
+    decision = await deliver_webhook(delivery, deps=deps)
+
+    assert isinstance(decision, Send)
+    assert receiver[0].requests(delivery.url) == []

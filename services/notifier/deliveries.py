@@ -37,6 +37,7 @@ from services.notifier.signing import signed_headers
 from services.notifier.ssrf import Destination, WebhookGuard
 from shared.contracts import DeliverWebhook, new_id
 from shared.http import parse_retry_after
+from shared.in_hand import InHand
 from shared.topology import wait_tier_for
 
 Clock = Callable[[], datetime]
@@ -92,9 +93,8 @@ class DeliveryDeps:
     rng: random.Random
     owner: str  # this process, as its claims name it (unique per process)
     lease: timedelta
-    # The (delivery, attempt) pairs a delivery in this process is claiming or sending: a
-    # lease of ours on any other was left by a claim whose answer was lost.
-    in_hand: set[tuple[str, int]] = field(default_factory=set)
+    # The (delivery id, attempt) pairs deliveries of this process are claiming or sending.
+    in_hand: InHand[tuple[str, int]] = field(default_factory=InHand)
 
 
 def encode_payload(payload: Mapping[str, Any]) -> bytes:
@@ -125,14 +125,9 @@ async def deliver_webhook(delivery: DeliverWebhook, *, deps: DeliveryDeps) -> De
         (delivery.not_before - now).total_seconds()
     ):
         return Send(delivery, "not yet due")
-    attempt = (delivery.delivery_id, delivery.attempt)
-    if attempt in deps.in_hand:  # another copy here holds it: no lease of ours is stale
-        return await _claim_and_send(delivery, deps, now, reclaim_own=False)
-    deps.in_hand.add(attempt)
-    try:
-        return await _claim_and_send(delivery, deps, now, reclaim_own=True)
-    finally:
-        deps.in_hand.discard(attempt)
+    with deps.in_hand.holding((delivery.delivery_id, delivery.attempt)) as only_here:
+        # Held by no other copy here: a lease of this process on it is stale.
+        return await _claim_and_send(delivery, deps, now, reclaim_own=only_here)
 
 
 async def _claim_and_send(

@@ -31,6 +31,7 @@ from shared.contracts import (
     event_sequence,
     new_id,
 )
+from shared.in_hand import InHand
 from shared.runtime import keep_trying
 
 log = logging.getLogger("scorebox.scorer")
@@ -65,10 +66,9 @@ class ScorerDeps:
     owner: str  # this process, as its claims name it (unique per process)
     # `task.started` for an attempt still running after this long; zero announces at once.
     started_after: timedelta = timedelta(0)
-    # The attempts a delivery in this process is claiming, calling the model for or
-    # recording: a claim of ours on any other attempt was left by a write whose answer was
-    # lost (it reached the database, we took it for failed), and nothing here works on it.
-    in_hand: set[tuple[str, int, int]] = field(default_factory=set)
+    # The attempts deliveries of this process are claiming, calling the model for or
+    # recording (task id, generation, attempt).
+    in_hand: InHand[tuple[str, int, int]] = field(default_factory=InHand)
 
 
 def _sequence(command: ScoreText, phase: Phase) -> int:
@@ -101,13 +101,9 @@ async def score_text(
     if command.not_before is not None and command.not_before > now + DUE_SLACK:
         return Defer(command)
     attempt = (command.task_id, command.generation, command.attempt)
-    if attempt in deps.in_hand:  # another delivery here holds it: no claim of ours is stale
-        return await _claim_and_decide(command, deps, now, redelivered, reclaim_own=False)
-    deps.in_hand.add(attempt)
-    try:
-        return await _claim_and_decide(command, deps, now, redelivered, reclaim_own=True)
-    finally:
-        deps.in_hand.discard(attempt)
+    with deps.in_hand.holding(attempt) as only_here:
+        # Held by no other delivery here: a claim of this process on it is stale.
+        return await _claim_and_decide(command, deps, now, redelivered, reclaim_own=only_here)
 
 
 async def _claim_and_decide(

@@ -134,9 +134,9 @@ async def test_a_lease_held_by_a_copy_in_this_process_is_not_taken_over(
     await ledger.register(delivery, now=utcnow())
     await ledger.claim(delivery, process="proc-a", owner="proc-a/1", now=utcnow(), lease=LEASE)
     deps = make_deps("proc-a")
-    deps.in_hand.add((delivery.delivery_id, delivery.attempt))  # that copy is sending it
 
-    decision = await deliver_webhook(delivery, deps=deps)
+    with deps.in_hand.holding((delivery.delivery_id, delivery.attempt)):  # that copy sends it
+        decision = await deliver_webhook(delivery, deps=deps)
 
     assert isinstance(decision, Send)
     assert receiver[0].requests(delivery.url) == []

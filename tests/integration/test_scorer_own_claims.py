@@ -125,4 +125,4 @@ async def test_two_deliveries_of_one_attempt_in_one_process_call_the_model_once(
     assert isinstance(second, Defer)
     assert isinstance(await first, Finish)
     assert _calls(fake_llm, marker) == 1
-    assert deps.in_hand == set()
+    assert len(deps.in_hand) == 0  # released

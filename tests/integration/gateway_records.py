@@ -1,17 +1,18 @@
-"""The gateway's own records on the test database, without the gateway around them."""
+"""The gateway's own records on the test database, without the gateway around them, and a
+publisher that confirms whatever it is given."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pymongo import AsyncMongoClient
 
 from services.gateway.batches import Batches
 from services.gateway.submissions import Submissions
-from shared.contracts import new_id
+from shared.contracts import ScoreResult, ScoreText, new_id
 
 
 @dataclass
@@ -34,3 +35,24 @@ async def gateway_records(mongo_url: str, db_prefix: str) -> AsyncIterator[Gatew
         yield GatewayRecords(database, client[database], submissions, batches)
     finally:
         await client.close()
+
+
+@dataclass
+class Recorded:
+    """A publisher that confirms every command and remembers the task ids it sent."""
+
+    sent: list[str] = field(default_factory=list)
+
+    async def send(self, command: ScoreText) -> bool:
+        self.sent.append(command.task_id)
+        return True
+
+    async def send_many(self, commands: Sequence[ScoreText]) -> bool:
+        self.sent.extend(command.task_id for command in commands)
+        return True
+
+    async def withdraw(self, commands: Sequence[ScoreText]) -> None:
+        raise AssertionError("nothing is withdrawn here")
+
+    async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool:
+        raise AssertionError("nothing is cached here")

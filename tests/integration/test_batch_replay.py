@@ -4,7 +4,6 @@ request: every item ends up recorded and sent once, none is lost. On the real da
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -22,9 +21,9 @@ from services.gateway.errors import RequestInProgress
 from services.gateway.refusals import Refusals
 from services.gateway.submissions import BATCH_WRITE_CHUNK, SubmissionState
 from services.gateway.submit import sweep_outbox
-from shared.contracts import ScoreResult, ScoreText
+from shared.contracts import ScoreText
 from tests.integration.gateway_records import GatewayRecords as Gateway
-from tests.integration.gateway_records import gateway_records
+from tests.integration.gateway_records import Recorded, gateway_records
 
 Document = dict[str, Any]
 T0 = datetime(2030, 5, 17, 12, 0, tzinfo=UTC)
@@ -38,29 +37,11 @@ class ProcessDied(BaseException):
     """Stands for the gateway process ending where it is raised: nothing after it runs."""
 
 
-@dataclass
-class Broker:
-    """Confirms every command it is given and remembers them; `dying` ends the process at the
-    batch's publish instead."""
-
-    dying: bool = False
-    sent: list[str] = field(default_factory=list)
-
-    async def send(self, command: ScoreText) -> bool:
-        self.sent.append(command.task_id)
-        return True
+class Dying(Recorded):
+    """A publisher whose process ends at the batch's publish."""
 
     async def send_many(self, commands: Sequence[ScoreText]) -> bool:
-        if self.dying:
-            raise ProcessDied
-        self.sent.extend(command.task_id for command in commands)
-        return True
-
-    async def withdraw(self, commands: Sequence[ScoreText]) -> None:
-        raise AssertionError("nothing is withdrawn here")
-
-    async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool:
-        raise AssertionError("nothing is cached here")
+        raise ProcessDied
 
 
 @pytest.fixture
@@ -76,7 +57,7 @@ def _request(count: int) -> BatchSubmission:
 
 
 async def _submit(
-    gateway: Gateway, request: BatchSubmission, broker: Broker, at: datetime
+    gateway: Gateway, request: BatchSubmission, broker: Recorded, at: datetime
 ) -> BatchSubmitted:
     return await submit_batch(
         request,
@@ -96,7 +77,7 @@ async def _interrupted(gateway: Gateway, request: BatchSubmission, recorded: int
     """The records of a request whose process died after recording the batch and only its
     first `recorded` submissions; returns the batch's id."""
     with pytest.raises(ProcessDied):
-        await _submit(gateway, request, Broker(dying=True), T0)
+        await _submit(gateway, request, Dying(), T0)
     batch = await gateway.raw["batches"].find_one({"idempotency_key": KEY})
     await gateway.raw["submissions"].delete_many(
         {"batch_id": batch["_id"], "command.batch_index": {"$gte": recorded}}
@@ -115,12 +96,12 @@ async def test_a_replay_records_what_the_interrupted_batch_had_not_and_all_is_se
     count = BATCH_WRITE_CHUNK + 50  # it died between two chunks of its submissions
     request = _request(count)
     batch_id = await _interrupted(gateway, request, recorded=BATCH_WRITE_CHUNK)
-    swept_before = Broker()  # a sweep during the grace period already sent one of them
+    swept_before = Recorded()  # a sweep during the grace period already sent one of them
     first = (await _stored(gateway, batch_id))[0]
     await gateway.submissions.mark_accepted(first["_id"])
     swept_before.sent.append(first["_id"])
 
-    replay = await _submit(gateway, request, Broker(), T0 + GRACE + timedelta(seconds=1))
+    replay = await _submit(gateway, request, Recorded(), T0 + GRACE + timedelta(seconds=1))
 
     assert not replay.created
     assert replay.record.batch_id == batch_id
@@ -141,7 +122,7 @@ async def test_a_replay_records_what_the_interrupted_batch_had_not_and_all_is_se
     batch = await gateway.raw["batches"].find_one({"_id": batch_id})
     assert batch["state"] == BatchState.ACCEPTED
 
-    sweep = Broker()
+    sweep = Recorded()
     while await sweep_outbox(
         submissions=gateway.submissions,
         publisher=sweep,
@@ -157,10 +138,10 @@ async def test_a_second_replay_changes_nothing(gateway: Gateway) -> None:
     request = _request(3)
     batch_id = await _interrupted(gateway, request, recorded=1)
     later = T0 + GRACE + timedelta(seconds=1)
-    await _submit(gateway, request, Broker(), later)
+    await _submit(gateway, request, Recorded(), later)
     before = await _stored(gateway, batch_id)
 
-    again = await _submit(gateway, request, Broker(), later + timedelta(seconds=5))
+    again = await _submit(gateway, request, Recorded(), later + timedelta(seconds=5))
 
     assert again.record.batch_id == batch_id
     assert not again.created
@@ -174,7 +155,7 @@ async def test_a_replay_within_the_grace_period_is_told_to_wait_and_records_noth
     batch_id = await _interrupted(gateway, request, recorded=1)
 
     with pytest.raises(RequestInProgress):
-        await _submit(gateway, request, Broker(), T0 + GRACE - timedelta(seconds=1))
+        await _submit(gateway, request, Recorded(), T0 + GRACE - timedelta(seconds=1))
 
     assert sorted(await _stored(gateway, batch_id)) == [0]
     batch = await gateway.raw["batches"].find_one({"_id": batch_id})

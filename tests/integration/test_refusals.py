@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -26,7 +26,7 @@ from services.gateway.submit import SubmitPolicy, submit_score, sweep_outbox
 from shared.contracts import ScoreResult, ScoreText, new_id
 from tests.faults.slow_link import SlowLink
 from tests.integration.gateway_records import GatewayRecords as Gateway
-from tests.integration.gateway_records import gateway_records
+from tests.integration.gateway_records import Recorded, gateway_records
 from tests.support import eventually
 
 Document = dict[str, Any]
@@ -34,23 +34,6 @@ NOW = datetime(2030, 5, 17, 12, 0, tzinfo=UTC)
 RETENTION = timedelta(days=1)
 TIMEOUT_MS = 500
 HELD_S = 1.5  # past TIMEOUT_MS: the gateway gives up on every reply
-
-
-@dataclass
-class Recorded:
-    """A publisher that confirms everything and remembers what it was given to send."""
-
-    sent: list[str] = field(default_factory=list)
-
-    async def send(self, command: ScoreText) -> bool:
-        self.sent.append(command.task_id)
-        return True
-
-    async def withdraw(self, commands: Sequence[ScoreText]) -> None:
-        raise AssertionError("nothing is withdrawn here")
-
-    async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool:
-        raise AssertionError("nothing is cached here")
 
 
 @dataclass
@@ -164,6 +147,18 @@ async def test_a_batch_tombstone_holds_before_and_after_its_insert(gateway: Gate
     assert await gateway.batches.find(late.batch_id, tenant_id=late.tenant_id) is None
     assert await gateway.batches.find_by_key("b-1", tenant_id=late.tenant_id) is None
     await gateway.batches.insert(_batch(), idempotency_key="b-1", retention=RETENTION)
+
+
+async def test_a_batch_tombstone_is_never_marked_accepted(gateway: Gateway) -> None:
+    """A replay completing an interrupted batch marks it accepted last; had the batch been
+    written off meanwhile, that mark must not bring back a record without its members."""
+    record = _batch()
+    await gateway.batches.insert(record, idempotency_key="b-2", retention=RETENTION)
+    await gateway.batches.abandon(record.batch_id, now=NOW)
+    await gateway.batches.mark_accepted(record.batch_id)
+    stored = await gateway.raw["batches"].find_one({"_id": record.batch_id})
+    assert stored["state"] == BatchState.ABANDONED
+    assert await gateway.batches.find(record.batch_id, tenant_id=record.tenant_id) is None
 
 
 async def test_an_accepted_batch_is_not_abandoned(gateway: Gateway) -> None:

@@ -69,6 +69,24 @@ class GroupWriter(Coalescer[Write, None]):
     ) -> None:
         await self.submit(Write(UpdateOne(filter, update, upsert=upsert), (filter, update)))
 
+    async def guarded_upsert(self, filter: Mapping[str, Any], update: Mapping[str, Any]) -> bool:
+        """Upsert `update` where `filter` (`_id` and a guard) matches; False when the document
+        exists and the guard refuses it.
+
+        A refused guard shows as the upsert's insert colliding on `_id`. So does a race with
+        another process's first insert of the document (both found nothing): MongoDB retries
+        such an upsert by itself only when the filter is all equalities, which a guard such
+        as `{sequence: {$lt: n}}` is not. A second try tells the two apart: the document
+        exists by then, so it matches unless the guard refuses it.
+        """
+        for _ in range(2):
+            try:
+                await self.update_one(filter, update, upsert=True)
+            except DuplicateKeyError:
+                continue
+            return True
+        return False
+
     async def insert_one(self, document: Document) -> None:
         await self.submit(Write(InsertOne(document), (document,)))
 

@@ -20,7 +20,6 @@ from typing import Any
 
 from pymongo import ASCENDING, AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import DuplicateKeyError
 
 from shared.group_writes import GroupWriter
 
@@ -48,23 +47,18 @@ class Catalogue:
 
     async def record(self, task: CompletedTask) -> bool:
         """Keep the latest generation of a task; False for an older (or same) one."""
-        try:
-            await self._writes.update_one(
-                {"_id": task.task_id, "generation": {"$lte": task.generation}},
-                {
-                    "$set": {
-                        "tenant_id": task.tenant_id,
-                        "generation": task.generation,
-                        "completed_at": task.completed_at,
-                        "model": task.model,
-                        "rubric_version": task.rubric_version,
-                    }
-                },
-                upsert=True,
-            )
-        except DuplicateKeyError:
-            return False  # a newer generation is stored
-        return True
+        return await self._writes.guarded_upsert(
+            {"_id": task.task_id, "generation": {"$lte": task.generation}},
+            {
+                "$set": {
+                    "tenant_id": task.tenant_id,
+                    "generation": task.generation,
+                    "completed_at": task.completed_at,
+                    "model": task.model,
+                    "rubric_version": task.rubric_version,
+                }
+            },
+        )
 
     async def stale_page(
         self, *, after: str | None, current_version: str, limit: int

@@ -1,7 +1,8 @@
 """The task projection: what a poll answers, built from `task.*` events.
 
 An event is applied only when its sequence is higher than the one stored (a conditional
-upsert: a stale event finds no matching document and its insert collides on `_id`), so
+upsert: a stale event finds no matching document and its insert collides on `_id`; a
+collision is tried once more, since racing another replica's first insert collides too), so
 duplicates and out-of-order deliveries never move a task backwards.
 
 Each document also keeps a bounded `history` of state changes (what an SSE stream replays).
@@ -25,7 +26,6 @@ from typing import Any, Final
 
 from pymongo import ASCENDING, AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import DuplicateKeyError
 
 from shared.contracts import (
     BatchItemProgress,
@@ -145,13 +145,13 @@ async def apply_task_event(
     change = StateChange.of_event(event)
     fields = _fields_of(event, change, finished_ttl=finished_ttl)
     push = _history_push(change, history_limit)
-    try:
-        await writes.update_one(
-            {"_id": event.task_id, "sequence": {"$lt": event.sequence}},
-            {"$set": fields, "$push": {"history": push}, "$unset": {"withdrawn": ""}},
-            upsert=True,
-        )
-    except DuplicateKeyError:
+    applied = await _upsert_if_newer(
+        writes,
+        event.task_id,
+        event.sequence,
+        {"$set": fields, "$push": {"history": push}, "$unset": {"withdrawn": ""}},
+    )
+    if not applied:
         # Stale or duplicate: the state stays, but a change never recorded enters the history.
         late: Document = {"$push": {"history": push}}
         if isinstance(event, TaskAccepted):
@@ -160,8 +160,14 @@ async def apply_task_event(
         await writes.update_one(
             {"_id": event.task_id, "history.sequence": {"$ne": event.sequence}}, late
         )
-        return False
-    return True
+    return applied
+
+
+async def _upsert_if_newer(
+    writes: GroupWriter, task_id: str, sequence: int, update: Document
+) -> bool:
+    """Apply `update` to the task unless it holds `sequence` or a later one; True if applied."""
+    return await writes.guarded_upsert({"_id": task_id, "sequence": {"$lt": sequence}}, update)
 
 
 async def apply_withdrawal(withdrawal: ScoreWithdrawn, *, writes: GroupWriter) -> bool:
@@ -172,23 +178,20 @@ async def apply_withdrawal(withdrawal: ScoreWithdrawn, *, writes: GroupWriter) -
     later is older and changes nothing. A task some attempt moved on (refused by another
     queue, scored all the same) is newer and stays; its events clear the mark.
     """
-    try:
-        await writes.update_one(
-            {"_id": withdrawal.task_id, "sequence": {"$lt": withdrawal.sequence}},
-            {
-                "$set": {
-                    "tenant_id": withdrawal.tenant_id,
-                    "sequence": withdrawal.sequence,
-                    "updated_at": withdrawal.occurred_at,
-                    "expires_at": withdrawal.occurred_at + WITHDRAWN_RETENTION,
-                    "withdrawn": True,
-                }
-            },
-            upsert=True,
-        )
-    except DuplicateKeyError:
-        return False
-    return True
+    return await _upsert_if_newer(
+        writes,
+        withdrawal.task_id,
+        withdrawal.sequence,
+        {
+            "$set": {
+                "tenant_id": withdrawal.tenant_id,
+                "sequence": withdrawal.sequence,
+                "updated_at": withdrawal.occurred_at,
+                "expires_at": withdrawal.occurred_at + WITHDRAWN_RETENTION,
+                "withdrawn": True,
+            }
+        },
+    )
 
 
 async def apply_projected(

@@ -59,6 +59,20 @@ async def test_a_lone_write_is_sent_at_once(
     assert await collection.find_one({"_id": "alone"}) == {"_id": "alone"}
 
 
+async def test_a_guarded_upsert_creates_applies_newer_and_refuses_stale(
+    collection: AsyncCollection[Document],
+) -> None:
+    writer = GroupWriter(collection)
+
+    async def stamp(n: int) -> bool:
+        return await writer.guarded_upsert({"_id": "guarded", "n": {"$lt": n}}, {"$set": {"n": n}})
+
+    assert await stamp(1)
+    assert await stamp(3)
+    assert not await stamp(2)
+    assert await collection.find_one({"_id": "guarded"}) == {"_id": "guarded", "n": 3}
+
+
 async def test_each_caller_gets_its_own_writes_error(
     collection: AsyncCollection[Document],
 ) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
@@ -83,6 +83,19 @@ class ScoreSubmission(BaseModel):
     @classmethod
     def _callback_url_safe(cls, url: str | None) -> str | None:
         return None if url is None else validate_webhook_url(url)
+
+    @field_validator("not_before")
+    @classmethod
+    def _not_before_in_range(cls, when: datetime | None) -> datetime | None:
+        if when is None:
+            return None
+        try:
+            in_utc = when.astimezone(UTC)
+        except OverflowError:
+            raise ValueError("not_before is outside the range of dates (in UTC)") from None
+        if in_utc > datetime.now(UTC) + timedelta(seconds=MAX_DELAY_S):
+            raise ValueError(f"not_before may lie at most {MAX_DELAY_S} seconds (7 days) ahead")
+        return in_utc
 
     @field_validator("text")
     @classmethod

@@ -408,12 +408,21 @@ def _new_document(
         "request_hash": request_hash,
         "created_at": command.submitted_at,
         "not_before": command.not_before,
-        "expires_at": command.submitted_at + retention,
+        "expires_at": _due(command) + retention,
         "command": command.model_dump(mode="json"),
     }
     if command.batch_id is not None:
         document["batch_id"] = command.batch_id
     return document
+
+
+def _due(command: ScoreText) -> datetime:
+    """When the task may run. Its record is kept for the retention from then, not from its
+    submission: a task delayed beyond the retention keeps its record, and with it the
+    in-flight mark its outcome releases, until it has run."""
+    if command.not_before is None:
+        return command.submitted_at
+    return max(command.submitted_at, command.not_before)
 
 
 def _only_duplicate_ids(error: BulkWriteError) -> bool:

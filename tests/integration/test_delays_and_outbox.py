@@ -101,6 +101,22 @@ async def test_not_before_in_the_past_is_queued_at_once(flow: Flow) -> None:
     await flow.completed(response.json()["task_id"])
 
 
+async def test_a_task_delayed_beyond_the_retention_keeps_its_record_until_it_ran(
+    flow: Flow,
+) -> None:
+    """Its record carries the in-flight mark its outcome releases: expiring it before the
+    task runs (a day after the submission, IDEMPOTENCY_TTL_S) would leak the slot."""
+    delay = timedelta(days=7)
+    response = await flow.api.post(
+        "/v1/scores",
+        json={"text": "Next week.", "delay_seconds": int(delay.total_seconds())},
+    )
+    assert response.status_code == 202, response.text
+    record = await flow.submissions.find_one({"_id": response.json()["task_id"]})
+    assert record is not None
+    assert record["expires_at"] >= record["not_before"] + timedelta(days=1)
+
+
 @pytest.mark.parametrize(
     "state",
     [

@@ -152,6 +152,22 @@ BAD_INPUTS = [
         {"json": {"text": "hi", "metadata": _nested(400)}}, 422, id="metadata-far-too-deep"
     ),
     pytest.param({"json": {"text": "hi", "delay_seconds": -1}}, 422, id="negative-delay"),
+    # Valid with their offsets, out of range in UTC (BSON could not encode them: was a 500).
+    pytest.param(
+        {"json": {"text": "hi", "not_before": "0001-01-01T00:00:00+01:00"}},
+        422,
+        id="not-before-before-year-1-in-utc",
+    ),
+    pytest.param(
+        {"json": {"text": "hi", "not_before": "9999-12-31T23:00:00-05:00"}},
+        422,
+        id="not-before-after-year-9999-in-utc",
+    ),
+    pytest.param(
+        {"json": {"text": "hi", "not_before": "2999-01-01T00:00:00Z"}},
+        422,
+        id="not-before-beyond-the-longest-delay",
+    ),
 ]
 
 

@@ -39,11 +39,15 @@ log = logging.getLogger("scorebox.scorer")
 Announce = Callable[[TaskEvent], Awaitable[None]]
 Clock = Callable[[], datetime]
 DUE_SLACK = timedelta(milliseconds=500)
+# The longest `Retry-After` honoured: a provider's hint beyond it (a quota gone for good, a
+# broken header such as 1e12, which would overflow the date) would park the task for ever.
+MAX_RETRY_AFTER_S = 24 * 3600.0
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Exponential back-off with jitter; a `Retry-After` from the model is a floor."""
+    """Exponential back-off with jitter; a `Retry-After` from the model is a floor, up to
+    `MAX_RETRY_AFTER_S`."""
 
     base_s: float
     cap_s: float
@@ -51,7 +55,7 @@ class RetryPolicy:
     def delay_s(self, attempt: int, retry_after_s: float | None, rng: random.Random) -> float:
         exponential: float = min(self.cap_s, self.base_s * 2.0 ** (attempt - 1))
         jittered = exponential * rng.uniform(0.5, 1.0)
-        return max(jittered, retry_after_s or 0.0)
+        return max(jittered, min(retry_after_s or 0.0, MAX_RETRY_AFTER_S))
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from services.scorer.decisions import Finish, Retry, load, store
-from services.scorer.scoring import RetryPolicy
+from services.scorer.scoring import MAX_RETRY_AFTER_S, RetryPolicy
 from shared.contracts import ScoreResult, ScoreText, TaskCompleted, TaskError, TaskRetrying, utcnow
 
 POLICY = RetryPolicy(base_s=2.0, cap_s=60.0)
@@ -20,6 +20,12 @@ def test_delay_grows_exponentially_within_the_jitter_band() -> None:
 
 def test_retry_after_is_a_floor() -> None:
     assert POLICY.delay_s(1, 30.0, random.Random(1)) == 30.0
+
+
+def test_retry_after_is_honoured_up_to_a_day() -> None:
+    """A broken or hopeless hint (1e12 s overflowed the due date) waits a day at most."""
+    for hint in (MAX_RETRY_AFTER_S + 1, 1e9, 1e12):
+        assert POLICY.delay_s(1, hint, random.Random(1)) == MAX_RETRY_AFTER_S
 
 
 def test_jitter_spreads_retries() -> None:

@@ -10,7 +10,10 @@
 
 `scorebox.usage-meter` (`task.completed`, and its own `usage.retry`):
 - unreadable body: DLQ, ack.  Recorded: ack.
-- storing failed: re-sent to the meter after a delay with an attempt counter
+- MongoDB unavailable: the write is repeated while the delivery is held (`keep_trying`), as
+  the status projection does: an outage of any length loses no usage (counted as attempts,
+  an outage of about 45 s sent every completion of it to a DLQ that nothing replays).
+- storing failed otherwise: re-sent to the meter after a delay with an attempt counter
   (`x-scorebox-attempts`); at the limit copied to the DLQ with the error; then ack.
 
 Every publish awaits its confirm; one the broker does not confirm (away, blocked by an alarm,
@@ -51,7 +54,7 @@ from services.scheduler.runs import (
 from services.scheduler.usage_store import UsageRecords
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import RunCronJob, TaskCompleted, new_id
-from shared.runtime import keep_dead_lettering, keep_publishing
+from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying
 from shared.topology import ATTEMPTS_HEADER, CRON_JOBS, USAGE_METER, WorkQueue
 
 log = logging.getLogger("scorebox.scheduler.consumer")
@@ -132,14 +135,19 @@ class UsageMeter:
                 self.bus, USAGE_METER, message, f"unreadable task.completed: {error}"
             )
             return
+        extras = Extras.of(raw if isinstance(raw, dict) else {})
         try:
-            await record_task_completed(
-                event,
-                extras=Extras.of(raw if isinstance(raw, dict) else {}),
-                usage=self.records,
-                catalogue=self.catalogue,
-                prices=self.prices,
-                clock=self.clock,
+            await keep_trying(
+                lambda: record_task_completed(
+                    event,
+                    extras=extras,
+                    usage=self.records,
+                    catalogue=self.catalogue,
+                    prices=self.prices,
+                    clock=self.clock,
+                ),
+                what=f"storing the usage of {event.task_id}",
+                retry_on=(PyMongoError,),
             )
         except Exception as error:  # noqa: BLE001 - any failure to store is retried, then DLQ'd
             await self._retry_or_dead_letter(event, message, error)

@@ -33,7 +33,8 @@ class SchedulerSettings(ServiceSettings):
     # Job runs in flight per scheduler process (prefetch of the cron-jobs consumer).
     job_concurrency: int = Field(default=4, ge=1, validation_alias="SCHEDULER_JOB_CONCURRENCY")
     meter_prefetch: int = Field(default=256, ge=1, validation_alias="USAGE_METER_PREFETCH")
-    # Attempts to store one usage event (MongoDB unavailable) before it is dead-lettered.
+    # Attempts to store one usage event before it is dead-lettered, when storing fails other
+    # than by MongoDB being unavailable (which is waited out, the delivery held).
     meter_max_attempts: int = Field(default=5, ge=1, validation_alias="USAGE_METER_MAX_ATTEMPTS")
     meter_retry_s: float = Field(default=5.0, gt=0, validation_alias="USAGE_METER_RETRY_S")
     # The current rubric/prompt version; tasks scored with another (or an unknown) version are

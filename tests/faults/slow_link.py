@@ -19,11 +19,13 @@ class SlowLink:
     """Listens on a free local port and forwards each connection to `upstream` (host, port).
 
     While `reply_delay_s` is above zero every chunk the server sends is held back that long
-    before it is passed on (in order, per connection).
+    before it is passed on (in order, per connection). While `down`, every connection is
+    closed at once: the server is unreachable (`cut` also ends the open ones).
     """
 
     upstream: tuple[str, int]
     reply_delay_s: float = 0.0
+    down: bool = False
     _server: asyncio.Server | None = field(default=None, init=False)
     _pipes: set[asyncio.Task[None]] = field(default_factory=set, init=False)
 
@@ -54,9 +56,18 @@ class SlowLink:
         if self._server is not None:
             await self._server.wait_closed()
 
+    async def cut(self) -> None:
+        """The server goes away: open connections end, new ones are closed at once."""
+        self.down = True
+        for pipe in list(self._pipes):
+            pipe.cancel()
+
     async def _connect(
         self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter
     ) -> None:
+        if self.down:
+            client_out.close()
+            return
         try:
             server_in, server_out = await asyncio.open_connection(*self.upstream)
         except OSError:

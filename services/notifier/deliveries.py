@@ -17,12 +17,13 @@ with exponential back-off and jitter (Retry-After wins, up to the cap) until `ma
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 import orjson
+from pymongo.errors import PyMongoError
 
 from services.notifier.errors import (
     DeliveryRejected,
@@ -38,6 +39,7 @@ from services.notifier.ssrf import Destination, WebhookGuard
 from shared.contracts import DeliverWebhook, new_id
 from shared.http import parse_retry_after
 from shared.in_hand import InHand
+from shared.runtime import keep_trying
 from shared.topology import wait_tier_for
 
 Clock = Callable[[], datetime]
@@ -156,11 +158,35 @@ async def _claim_and_send(
         status = answer.status
         judge_answer(answer, now=deps.clock())
     except PermanentDeliveryError as error:
-        return await _give_up(delivery, error.reason, status, owner=owner, deps=deps)
+        return await _give_up(
+            delivery, error.reason, status, owner=owner, claimed_at=now, deps=deps
+        )
     except TransientDeliveryError as error:
-        return await _retry_or_give_up(delivery, error, status, owner=owner, deps=deps)
-    await deps.ledger.mark_delivered(delivery, now=deps.clock(), status=answer.status)
+        return await _retry_or_give_up(
+            delivery, error, status, owner=owner, claimed_at=now, deps=deps
+        )
+    await _while_leased(
+        lambda: deps.ledger.mark_delivered(delivery, now=deps.clock(), status=answer.status),
+        deps=deps,
+        claimed_at=now,
+        what=f"recording delivery {delivery.delivery_id} as delivered",
+    )
     return Done(f"delivered ({answer.status})")
+
+
+async def _while_leased[T](
+    record: Callable[[], Awaitable[T]], *, deps: DeliveryDeps, claimed_at: datetime, what: str
+) -> T:
+    """Record an attempt's outcome, trying again while our claim's lease holds.
+
+    The POST has been made: an outcome lost to a slow or absent database would have the
+    attempt's message sent again, and its redelivery POST again (at once in this process,
+    which takes its own lease over). Until the lease ends no other delivery claims the
+    attempt, so the write is repeated (it is idempotent); past it, the error goes to the
+    consumer, as for any database failure.
+    """
+    held_for = (claimed_at + deps.lease - deps.clock()).total_seconds()
+    return await keep_trying(record, what=what, retry_on=(PyMongoError,), give_up_after_s=held_for)
 
 
 def _without_claim(
@@ -190,10 +216,21 @@ def _without_claim(
 
 
 async def _give_up(
-    delivery: DeliverWebhook, reason: str, status: int | None, *, owner: str, deps: DeliveryDeps
+    delivery: DeliverWebhook,
+    reason: str,
+    status: int | None,
+    *,
+    owner: str,
+    claimed_at: datetime,
+    deps: DeliveryDeps,
 ) -> DeliveryDecision:
-    decided = await deps.ledger.mark_failed(
-        delivery, owner=owner, now=deps.clock(), error=reason, status=status
+    decided = await _while_leased(
+        lambda: deps.ledger.mark_failed(
+            delivery, owner=owner, now=deps.clock(), error=reason, status=status
+        ),
+        deps=deps,
+        claimed_at=claimed_at,
+        what=f"recording delivery {delivery.delivery_id} as failed",
     )
     return GiveUp(reason) if decided else Done("claim lost before giving up")
 
@@ -204,18 +241,31 @@ async def _retry_or_give_up(
     status: int | None,
     *,
     owner: str,
+    claimed_at: datetime,
     deps: DeliveryDeps,
 ) -> DeliveryDecision:
     if delivery.attempt >= delivery.max_attempts:
         reason = f"gave up after {delivery.attempt} attempt(s); last: {error.reason}"
-        return await _give_up(delivery, reason, status, owner=owner, deps=deps)
+        return await _give_up(
+            delivery, reason, status, owner=owner, claimed_at=claimed_at, deps=deps
+        )
     now = deps.clock()
     delay = deps.policy.delay(delivery.attempt, retry_after_s=error.retry_after_s, rng=deps.rng)
     following = delivery.model_copy(
         update={"attempt": delivery.attempt + 1, "not_before": now + delay, "message_id": new_id()}
     )
-    decided = await deps.ledger.mark_retrying(
-        delivery, owner=owner, now=now, next_delivery=following, error=error.reason, status=status
+    decided = await _while_leased(
+        lambda: deps.ledger.mark_retrying(
+            delivery,
+            owner=owner,
+            now=now,
+            next_delivery=following,
+            error=error.reason,
+            status=status,
+        ),
+        deps=deps,
+        claimed_at=claimed_at,
+        what=f"recording the retry of delivery {delivery.delivery_id}",
     )
     if not decided:
         return Done("claim lost before retrying")

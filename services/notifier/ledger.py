@@ -233,12 +233,20 @@ class Ledger:
         )
 
     async def _decide(self, delivery: DeliverWebhook, *, owner: str, fields: Document) -> bool:
+        """Record the decision of the attempt `owner` claimed; False if the claim was lost.
+
+        Repeatable: a decision already recorded under this claim (the reply to an earlier try
+        was lost) matches again and changes nothing (`owner` names one claim, never reused).
+        """
+        decided = {"state": fields["state"], "attempt": fields.get("attempt", delivery.attempt)}
         result = await self._deliveries.update_one(
             {
                 "_id": delivery.delivery_id,
-                "state": DeliveryState.SENDING.value,
-                "attempt": delivery.attempt,
                 "owner": owner,
+                "$or": [
+                    {"state": DeliveryState.SENDING.value, "attempt": delivery.attempt},
+                    decided,
+                ],
             },
             {"$set": fields},
         )

@@ -124,10 +124,12 @@ class Attempts:
         try:
             await self._writes.update_one(claimable, claim, upsert=True)
         except DuplicateKeyError:
-            return await self._why_not_claimable(command)
+            return await self.standing(command)
         return Claimed()
 
-    async def _why_not_claimable(self, command: ScoreText) -> ClaimResult:
+    async def standing(self, command: ScoreText) -> ClaimResult:
+        """Where the command's attempt stands, without claiming it: decided (and how), behind
+        a newer attempt, or not decided yet (Busy, until its claim's lease ends)."""
         held = await self._collection.find_one({"_id": command.task_id})
         if held is None:  # removed in between; the redelivery will claim it
             return Busy(until=command.submitted_at)

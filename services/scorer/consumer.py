@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from pymongo.errors import PyMongoError
 
 from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Retry
-from services.scorer.scoring import Clock, ScorerDeps, score_text
+from services.scorer.scoring import Clock, ScorerDeps, recorded_decision, score_text
 from shared.bus import publish_command, publish_event
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import (
@@ -140,12 +140,7 @@ def subscribe_scorer(
             return
         deliveries = int(message.headers.get(DELIVERY_COUNT_HEADER, 0))
         if deliveries >= SCORE_REQUESTS.delivery_limit:
-            reason = (
-                f"delivered {deliveries + 1} times: its consumer died or lost its connection "
-                f"holding it {deliveries} times (delivery limit {SCORE_REQUESTS.delivery_limit})"
-            )
-            log.error("dead-lettering %s: %s", command.task_id, reason)
-            await _give_up(command, message, actions, reason)
+            await _at_delivery_limit(command, message, deps, actions, deliveries)
             await message.ack()
             return
         redelivered = deliveries > 0 or message.redelivered
@@ -165,6 +160,35 @@ def subscribe_scorer(
         else:
             await actions.carry_out(decision, message)
         await message.ack()
+
+
+async def _at_delivery_limit(
+    command: ScoreText,
+    message: Delivery,
+    deps: ScorerDeps,
+    actions: BrokerActions,
+    deliveries: int,
+) -> None:
+    """Carry the attempt's recorded decision out again, if it has one (the connection was lost
+    after recording it, before or while carrying it out); give the message up otherwise.
+
+    Giving up on a decided attempt published `task.failed` for a task whose result was
+    stored, or next to the retry it had scheduled."""
+    try:
+        recorded = await recorded_decision(command, deps=deps)
+    except PyMongoError as error:
+        log.warning("MongoDB unavailable at the delivery limit of %s: %r", command.task_id, error)
+        recorded = None
+    if recorded is not None:
+        log.warning("%s at its delivery limit: carrying its recorded decision out", command.task_id)
+        await actions.carry_out(recorded, message)
+        return
+    reason = (
+        f"delivered {deliveries + 1} times: its consumer died or lost its connection "
+        f"holding it {deliveries} times (delivery limit {SCORE_REQUESTS.delivery_limit})"
+    )
+    log.error("dead-lettering %s: %s", command.task_id, reason)
+    await _give_up(command, message, actions, reason)
 
 
 async def _decide(

@@ -110,6 +110,21 @@ async def score_text(
         return await _claim_and_decide(command, deps, now, redelivered, reclaim_own=only_here)
 
 
+async def recorded_decision(
+    command: ScoreText, *, deps: ScorerDeps
+) -> Finish | Retry | Drop | None:
+    """For a delivery past the queue's delivery limit: the attempt's recorded decision to
+    carry out again (its effects may not have been), Drop when a newer attempt exists, None
+    when nothing was decided (the caller gives up on the message)."""
+    match await deps.attempts.standing(command):
+        case Decided(decision=decision):
+            return decision
+        case Superseded():
+            return Drop("a newer attempt of this task exists")
+        case _:
+            return None
+
+
 async def _claim_and_decide(
     command: ScoreText, deps: ScorerDeps, now: datetime, redelivered: bool, *, reclaim_own: bool
 ) -> Decision:

@@ -36,10 +36,12 @@ from services.notifier.sender import ReceiverAnswer, WebhookSender, make_ssl_con
 from services.notifier.ssrf import Destination, WebhookGuard
 from shared.contracts import utcnow
 from tests.faults.slow_link import SlowLink
+from tests.integration import test_notifier_own_claims as own_claims
 from tests.integration.test_notifier import RECEIVER_HOST, Receiver, TableResolver
-from tests.integration.test_notifier_own_claims import _delivery, receiver  # noqa: F401
+from tests.integration.test_notifier_own_claims import _delivery
 from tests.support import eventually
 
+receiver = own_claims.receiver  # fixture
 LEASE = timedelta(seconds=60)
 TIMEOUT_S = 0.5  # the ledger's MONGO_TIMEOUT_S
 
@@ -135,7 +137,7 @@ async def test_an_outcome_the_database_did_not_take_at_first_is_recorded_and_not
     ledger: Ledger,
     keyring: Keyring,
     link: SlowLink,
-    receiver: tuple[Receiver, Any],  # noqa: F811
+    receiver: tuple[Receiver, Any],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING)

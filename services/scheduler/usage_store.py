@@ -8,17 +8,22 @@
                    completion_tokens, cost_nanos, priced_requests, rolled_up_at}
 
 A daily row is always recomputed in full from the raw records of its (tenant, day) and
-written with `$set`, never incremented: recomputing it again gives the same row.
+written with `$set`, never incremented: recomputing it again gives the same row. Raw records
+only accumulate (within the retention a row is recomputed in), so of two roll-ups running at
+once the one that counted more requests saw more records: a row is written only over one
+that counts no more requests than it, and a roll-up that read its totals before the other's
+records arrived cannot overwrite the other's row with them.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
-from pymongo import ASCENDING, AsyncMongoClient, UpdateOne
+from pymongo import ASCENDING, AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 
 from shared.group_writes import GroupWriter
@@ -94,17 +99,17 @@ class UsageRecords:
             upsert=True,
         )
 
-    async def claim_pending(self, run_id: str) -> int:
-        """Tag every record not yet rolled up with `run_id` (takes over abandoned tags)."""
+    async def claim_pending(self, tag: str) -> int:
+        """Tag every record not yet rolled up with `tag` (takes over abandoned tags)."""
         result = await self._collection.update_many(
-            {"rolled_up": False}, {"$set": {"rollup_run": run_id}}
+            {"rolled_up": False}, {"$set": {"rollup_run": tag}}
         )
         return result.matched_count
 
-    async def claimed_days(self, run_id: str) -> list[TenantDay]:
+    async def claimed_days(self, tag: str) -> list[TenantDay]:
         cursor = await self._collection.aggregate(
             [
-                {"$match": {"rollup_run": run_id, "rolled_up": False}},
+                {"$match": {"rollup_run": tag, "rolled_up": False}},
                 {"$group": {"_id": {"tenant_id": "$tenant_id", "day": "$day"}}},
             ]
         )
@@ -156,9 +161,9 @@ class UsageRecords:
             async for group in cursor
         ]
 
-    async def mark_rolled_up(self, run_id: str) -> int:
+    async def mark_rolled_up(self, tag: str) -> int:
         result = await self._collection.update_many(
-            {"rollup_run": run_id, "rolled_up": False}, {"$set": {"rolled_up": True}}
+            {"rollup_run": tag, "rolled_up": False}, {"$set": {"rolled_up": True}}
         )
         return result.modified_count
 
@@ -174,24 +179,24 @@ def _daily_id(tenant_id: str, day: str) -> str:
 class DailyUsageStore:
     def __init__(self, client: AsyncMongoClient[Document], database: str) -> None:
         self._collection: AsyncCollection[Document] = client[database]["usage_daily"]
+        self._writes = GroupWriter(self._collection)
 
     async def ensure_indexes(self) -> None:
         await self._collection.create_index([("tenant_id", ASCENDING), ("day", ASCENDING)])
 
     async def save(self, rows: Iterable[DailyUsage], *, now: datetime) -> int:
-        """Replace each row's totals (`$set`, upsert); idempotent."""
-        operations = [
-            UpdateOne(
-                {"_id": _daily_id(row.tenant_id, row.day)},
-                {"$set": {**asdict(row), "rolled_up_at": now}},
-                upsert=True,
+        """Replace each row's totals (`$set`, upsert) unless the stored row counts more
+        requests (recomputed from more records meanwhile); idempotent. Returns the rows set."""
+        saved = await asyncio.gather(
+            *(
+                self._writes.guarded_upsert(
+                    {"_id": _daily_id(row.tenant_id, row.day), "requests": {"$lte": row.requests}},
+                    {"$set": {**asdict(row), "rolled_up_at": now}},
+                )
+                for row in rows
             )
-            for row in rows
-        ]
-        if not operations:
-            return 0
-        await self._collection.bulk_write(operations, ordered=False)
-        return len(operations)
+        )
+        return sum(saved)
 
     async def read(self, tenant_id: str, *, first_day: str, last_day: str) -> list[DailyUsage]:
         cursor = self._collection.find(

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 
+from services.scheduler.config import MissedFirings
 from services.scheduler.errors import DispatchFailed
 from services.scheduler.firings import Firing, FiringState, FiringStore, to_millis
 from services.scheduler.jobs import Clock
@@ -157,15 +158,37 @@ class Dispatcher:
         )
         taken = []
         for firing in stale:
-            if await self._firings.reclaim(firing, claimed_before=claimed_before, now=now):
-                log.warning(
-                    "job %s: run %s was never published; publishing it again",
-                    firing.job,
-                    firing.run_id,
-                )
-                await dispatch(firing, firings=self._firings, publish=self._publish, now=now)
-                taken.append(firing)
+            if not await self._firings.reclaim(firing, claimed_before=claimed_before, now=now):
+                continue
+            if reason := await self._superseded(firing, now):
+                if await self._firings.supersede(firing.run_id, now=now, reason=reason):
+                    log.warning("job %s: run %s skipped: %s", firing.job, firing.run_id, reason)
+                continue
+            log.warning(
+                "job %s: run %s was never published; publishing it again",
+                firing.job,
+                firing.run_id,
+            )
+            await dispatch(firing, firings=self._firings, publish=self._publish, now=now)
+            taken.append(firing)
         return taken
+
+    async def _superseded(self, firing: Firing, now: datetime) -> str | None:
+        """Why a firing never published is not to run any more, by its job's policy for
+        missed firings; None when it is to be published again.
+
+        A broker away for hours leaves one such firing per fire time: published again, each
+        ran, where the policy runs the latest only (`coalesce`), or none that is late
+        (`skip`). A manual firing, or one of a job no longer configured, is published."""
+        if firing.manual or firing.job not in self._jobs:
+            return None
+        latest = await self._firings.last_scheduled(firing.job)
+        if latest is not None and latest > firing.scheduled_for:
+            return f"superseded by the firing for {latest.isoformat()} (never published)"
+        late = now - firing.scheduled_for > self._grace
+        if late and self._jobs.get(firing.job).missed is MissedFirings.SKIP:
+            return "late by more than the grace period, never published (policy skip)"
+        return None
 
 
 async def keep_dispatching(dispatcher: Dispatcher, *, interval_s: float) -> None:

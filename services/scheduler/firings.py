@@ -116,6 +116,8 @@ class FiringStore(Protocol):
 
     async def reclaim(self, firing: Firing, *, claimed_before: datetime, now: datetime) -> bool: ...
 
+    async def supersede(self, run_id: str, *, now: datetime, reason: str) -> bool: ...
+
     async def begin(self, run_id: str, *, attempt: int, now: datetime) -> Firing | None: ...
 
     async def retrying(
@@ -251,6 +253,21 @@ class Firings(FiringStore):
                 "claimed_at": {"$lt": to_millis(claimed_before)},
             },
             {"$set": {"claimed_at": to_millis(now)}},
+        )
+        return result.modified_count == 1
+
+    async def supersede(self, run_id: str, *, now: datetime, reason: str) -> bool:
+        """Record a firing still `claimed` as skipped (a later one runs in its place); False
+        when it has left that state (it was published after all and has started)."""
+        result = await self._collection.update_one(
+            {"_id": run_id, "state": FiringState.CLAIMED.value},
+            {
+                "$set": {
+                    "state": FiringState.SKIPPED.value,
+                    "finished_at": to_millis(now),
+                    "error": reason,
+                }
+            },
         )
         return result.modified_count == 1
 

@@ -203,6 +203,28 @@ async def _history(env: Env, job: str, scheduled_for: datetime) -> None:
     await firings.finish(firing.run_id, state=FiringState.SUCCEEDED, now=scheduled_for)
 
 
+async def test_only_a_firing_still_claimed_is_superseded(env: Env) -> None:
+    """A stale claim the dispatcher skips (a later firing runs in its place) may have been
+    published after all and started meanwhile: then it is left to run."""
+    firings = Firings(env.mongo, env.database)
+    await firings.ensure_indexes()
+    at = datetime(2030, 1, 1, 6, tzinfo=UTC)
+    never_published = await firings.claim("superseded", at, now=at, owner="a")
+    started = await firings.claim("superseded", at + timedelta(hours=1), now=at, owner="a")
+    assert never_published is not None
+    assert started is not None
+    await firings.begin(started.run_id, attempt=1, now=at)
+
+    assert await firings.supersede(never_published.run_id, now=at, reason="later one ran")
+    assert not await firings.supersede(started.run_id, now=at, reason="later one ran")
+    skipped = await firings.find(never_published.run_id)
+    running = await firings.find(started.run_id)
+    assert skipped is not None
+    assert skipped.state is FiringState.SKIPPED
+    assert running is not None
+    assert running.state is FiringState.RUNNING
+
+
 async def test_missed_firings_coalesce_or_skip(env: Env) -> None:
     hourly = {"cron": "0 * * * *"}
     config = parse_config(

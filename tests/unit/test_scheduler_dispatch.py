@@ -4,6 +4,7 @@ and a run's outcome maps to the right decision. No broker, no database, no sleep
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -99,6 +100,12 @@ class FakeFirings(FiringStore):
         if self.claimed_at[firing.run_id] >= claimed_before:
             return False
         self.claimed_at[firing.run_id] = now
+        return True
+
+    async def supersede(self, run_id: str, *, now: datetime, reason: str) -> bool:
+        if self.by_id[run_id].state is not FiringState.CLAIMED:
+            return False
+        self._set(run_id, state=FiringState.SKIPPED, error=reason, finished_at=now)
         return True
 
     async def begin(self, run_id: str, *, attempt: int, now: datetime) -> Firing | None:
@@ -228,6 +235,61 @@ async def test_skip_records_the_missed_firings_and_runs_none() -> None:
     clock.now = datetime(2025, 1, 1, 11, 5, 1, tzinfo=UTC)  # the next one is on time
     await dispatcher.tick()
     assert [c.scheduled_for.hour for c in published.commands] == [11]
+
+
+async def _broker_away(
+    dispatcher: Dispatcher, clock: Clock, published: Published, until: datetime
+) -> None:
+    """Ticks every ten minutes while every publish fails (a failed tick is tried again, as
+    `keep_dispatching` does)."""
+    published.fail = True
+    while clock.now < until:
+        with contextlib.suppress(ConnectionError):
+            await dispatcher.tick()
+        clock.now += timedelta(minutes=10)
+    published.fail = False
+
+
+ON_TIME = datetime(2025, 1, 1, 10, 5, 0, 200_000, tzinfo=UTC)
+
+
+async def test_after_a_broker_outage_coalesce_runs_only_the_latest_firing() -> None:
+    """Each fire time of the outage was claimed and never published; published again, each
+    ran (three hourly roll-ups at once after a three-hour outage)."""
+    firings, published, clock = FakeFirings(), Published(), Clock(ON_TIME)
+    dispatcher = _dispatcher(firings, published, clock, _jobs())
+    await _broker_away(dispatcher, clock, published, until=datetime(2025, 1, 1, 12, 30, tzinfo=UTC))
+    assert len(firings.of("rollup", FiringState.CLAIMED)) == 1  # the older ones superseded
+
+    await dispatcher.tick()  # 12:35: the broker is back
+
+    assert [c.scheduled_for.hour for c in published.commands] == [12]
+    assert [f.scheduled_for.hour for f in firings.of("rollup", FiringState.SKIPPED)] == [10, 11]
+
+
+async def test_after_a_broker_outage_skip_runs_no_late_firing() -> None:
+    firings, published, clock = FakeFirings(), Published(), Clock(ON_TIME)
+    dispatcher = _dispatcher(firings, published, clock, _jobs(MissedFirings.SKIP))
+    await _broker_away(dispatcher, clock, published, until=datetime(2025, 1, 1, 10, 30, tzinfo=UTC))
+
+    await dispatcher.tick()  # 10:35, half an hour late
+    assert published.commands == []
+    assert [f.scheduled_for.hour for f in firings.of("rollup", FiringState.SKIPPED)] == [10]
+
+    clock.now = datetime(2025, 1, 1, 11, 5, 1, tzinfo=UTC)  # the next one is on time
+    await dispatcher.tick()
+    assert [c.scheduled_for.hour for c in published.commands] == [11]
+
+
+async def test_a_firing_never_published_is_published_again_when_still_the_latest() -> None:
+    firings, published, clock = FakeFirings(), Published(), Clock(ON_TIME)
+    dispatcher = _dispatcher(firings, published, clock, _jobs(MissedFirings.SKIP))
+    await _broker_away(dispatcher, clock, published, until=ON_TIME + timedelta(seconds=1))
+    clock.now = ON_TIME + timedelta(seconds=40)  # within the grace period
+
+    await dispatcher.tick()
+
+    assert [c.scheduled_for.hour for c in published.commands] == [10]
 
 
 async def test_disabled_jobs_are_not_fired_by_the_clock() -> None:

@@ -217,14 +217,16 @@ class Batches:
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 
-    async def mark_accepted(self, batch_id: str) -> None:
+    async def mark_accepted(self, batch_id: str) -> bool:
+        """Accept the batch; False when it was written off (a tombstone is never accepted)."""
         try:
-            await self._collection.update_one(
-                {"_id": batch_id, "state": BatchState.ACCEPTING},
+            result = await self._collection.update_one(
+                {"_id": batch_id, "state": {"$in": [BatchState.ACCEPTING, BatchState.ACCEPTED]}},
                 {"$set": {"state": BatchState.ACCEPTED}},
             )
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
+        return result.matched_count == 1
 
     async def discard(self, batch_id: str) -> None:
         try:
@@ -232,9 +234,10 @@ class Batches:
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 
-    async def abandon(self, batch_id: str, *, now: datetime) -> None:
+    async def abandon(self, batch_id: str, *, now: datetime) -> bool:
         """Turn a refused batch's record into a tombstone, whether or not its insert landed
-        yet (`services/gateway/refusals.py`): the idempotency key is freed."""
+        yet (`services/gateway/refusals.py`): the idempotency key is freed. False when the
+        batch was accepted after all (a replay of its request completed it): it stays."""
         try:
             await self._collection.update_one(
                 {"_id": batch_id, "state": {"$in": [BatchState.ACCEPTING, BatchState.ABANDONED]}},
@@ -246,9 +249,10 @@ class Batches:
                 upsert=True,
             )
         except DuplicateKeyError:
-            return  # the batch was accepted after all: it stays
+            return False
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
+        return True
 
     async def find(self, batch_id: str, *, tenant_id: str) -> BatchRecord | None:
         return await self._find_one({"_id": batch_id, "tenant_id": tenant_id})
@@ -527,7 +531,9 @@ async def _complete_interrupted(
         max_attempts=policy.max_attempts,
     )
     await submissions.insert_batch(_rows(commands, submission), retention=policy.retention)
-    await batches.mark_accepted(earlier.batch_id)
+    if not await batches.mark_accepted(earlier.batch_id):
+        # Its refusal was written off meanwhile (it tombstones the submissions too).
+        raise DatabaseUnavailable(f"batch {earlier.batch_id} was refused; nothing was kept")
     log.warning("batch %s was interrupted; its replay completed its records", earlier.batch_id)
 
 

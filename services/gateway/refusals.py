@@ -112,7 +112,7 @@ class SubmissionTombstones(Protocol):
 
 
 class BatchTombstones(Protocol):
-    async def abandon(self, batch_id: str, *, now: datetime) -> None: ...
+    async def abandon(self, batch_id: str, *, now: datetime) -> bool: ...
 
 
 async def write_off(
@@ -123,22 +123,30 @@ async def write_off(
     in_flight: SlotReleaser | None,
     now: datetime,
 ) -> int:
-    """Settle every pending refusal: release the slots, then write the tombstones of all their
-    submissions together (group-committed), then their batches'; returns how many were written off.
+    """Settle every pending refusal: release the slots, write the tombstones of their batches,
+    then of their submissions together (group-committed); returns how many were written off.
     A `DatabaseUnavailable` leaves them all pending for the next call (each step may be
-    repeated: releases and tombstones are idempotent)."""
+    repeated: releases and tombstones are idempotent).
+
+    A batch goes first: a replay of its request (after `OUTBOX_GRACE_S`, perhaps on another
+    replica) may have completed and accepted it meanwhile, and then its submissions stay, to
+    be sent. The other way round, an accepted batch lost its submissions to tombstones, and a
+    replay answered 200 for items never scored."""
     pending = refusals.pending()
     if in_flight is not None:
         for refusal in pending:
             if refusal.counted:
                 for task_id in refusal.task_ids:
                     await in_flight.release(refusal.tenant_id, task_id)
-    task_ids = tuple(task_id for refusal in pending for task_id in refusal.task_ids)
+    refused = [refusal for refusal in pending if await _batch_refused(refusal, batches, now)]
+    task_ids = tuple(task_id for refusal in refused for task_id in refusal.task_ids)
     if task_ids:
         await submissions.abandon(task_ids, now=now)
     for refusal in pending:
-        if refusal.batch_id is not None:
-            await batches.abandon(refusal.batch_id, now=now)
-    for refusal in pending:
         refusals.written_off(refusal)
     return len(pending)
+
+
+async def _batch_refused(refusal: Refusal, batches: BatchTombstones, now: datetime) -> bool:
+    """Whether the refusal stands: not a batch, or one written off now (not accepted)."""
+    return refusal.batch_id is None or await batches.abandon(refusal.batch_id, now=now)

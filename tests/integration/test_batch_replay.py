@@ -17,9 +17,9 @@ from services.gateway.batches import (
     BatchSubmitted,
     submit_batch,
 )
-from services.gateway.errors import RequestInProgress
-from services.gateway.refusals import Refusals
-from services.gateway.submissions import BATCH_WRITE_CHUNK, SubmissionState
+from services.gateway.errors import DatabaseUnavailable, RequestInProgress
+from services.gateway.refusals import Refusal, Refusals, write_off
+from services.gateway.submissions import BATCH_WRITE_CHUNK, Submissions, SubmissionState
 from services.gateway.submit import sweep_outbox
 from shared.contracts import ScoreText
 from tests.integration.gateway_records import GatewayRecords as Gateway
@@ -57,7 +57,11 @@ def _request(count: int) -> BatchSubmission:
 
 
 async def _submit(
-    gateway: Gateway, request: BatchSubmission, broker: Recorded, at: datetime
+    gateway: Gateway,
+    request: BatchSubmission,
+    broker: Recorded,
+    at: datetime,
+    submissions: Submissions | None = None,
 ) -> BatchSubmitted:
     return await submit_batch(
         request,
@@ -65,7 +69,7 @@ async def _submit(
         api_key_id=None,
         idempotency_key=KEY,
         batches=gateway.batches,
-        submissions=gateway.submissions,
+        submissions=submissions or gateway.submissions,
         publisher=broker,
         policy=POLICY,
         clock=lambda: at,
@@ -160,3 +164,90 @@ async def test_a_replay_within_the_grace_period_is_told_to_wait_and_records_noth
     assert sorted(await _stored(gateway, batch_id)) == [0]
     batch = await gateway.raw["batches"].find_one({"_id": batch_id})
     assert batch["state"] == BatchState.ACCEPTING
+
+
+async def _sent_by_sweeps(gateway: Gateway, refusals: Refusals) -> list[str]:
+    sweep = Recorded()
+    while await sweep_outbox(
+        submissions=gateway.submissions,
+        publisher=sweep,
+        clock=lambda: T0 + GRACE + timedelta(seconds=2),
+        grace=GRACE,
+        refusals=refusals,
+    ):
+        pass
+    return sweep.sent
+
+
+async def _refused(gateway: Gateway, request: BatchSubmission) -> tuple[str, Refusals]:
+    """A batch refused part-way (503) whose write-off has not run yet (the database was away
+    for longer than the grace period): its records and its pending refusal."""
+    batch_id = await _interrupted(gateway, request, recorded=1)
+    batch = await gateway.raw["batches"].find_one({"_id": batch_id})
+    refusals = Refusals()
+    task_ids = tuple(member["task_id"] for member in batch["members"])
+    refusals.note(Refusal(TENANT, task_ids, batch_id=batch_id))
+    return batch_id, refusals
+
+
+async def _write_off(gateway: Gateway, refusals: Refusals) -> None:
+    await write_off(
+        refusals,
+        submissions=gateway.submissions,
+        batches=gateway.batches,
+        in_flight=None,
+        now=T0 + GRACE + timedelta(seconds=2),
+    )
+
+
+async def test_a_refused_batch_a_replay_accepted_before_its_write_off_is_sent(
+    gateway: Gateway,
+) -> None:
+    """The replay answered 200: its items must be scored, not turned into tombstones by the
+    write-off that comes after it."""
+    request = _request(3)
+    batch_id, refusals = await _refused(gateway, request)
+    replay = await _submit(gateway, request, Recorded(), T0 + GRACE + timedelta(seconds=1))
+
+    await _write_off(gateway, refusals)
+
+    members = sorted(member.task_id for member in replay.record.members)
+    assert sorted(await _sent_by_sweeps(gateway, refusals)) == members
+    batch = await gateway.raw["batches"].find_one({"_id": batch_id})
+    assert batch["state"] == BatchState.ACCEPTED
+
+
+class WrittenOffMeanwhile(Submissions):
+    """The replay's records land as the batch's write-off runs (on another replica, say)."""
+
+    def __init__(self, gateway: Gateway, refusals: Refusals) -> None:
+        super().__init__(gateway.raw.client, gateway.name)
+        self._meanwhile = (gateway, refusals)
+
+    async def insert_batch(
+        self,
+        commands: list[tuple[ScoreText, str, str]],
+        *,
+        retention: timedelta,
+        counted: bool = False,
+    ) -> None:
+        await super().insert_batch(commands, retention=retention, counted=counted)
+        await _write_off(*self._meanwhile)
+
+
+async def test_a_replay_of_a_batch_written_off_meanwhile_is_refused(gateway: Gateway) -> None:
+    request = _request(3)
+    batch_id, refusals = await _refused(gateway, request)
+
+    with pytest.raises(DatabaseUnavailable):
+        await _submit(
+            gateway,
+            request,
+            Recorded(),
+            T0 + GRACE + timedelta(seconds=1),
+            submissions=WrittenOffMeanwhile(gateway, refusals),
+        )
+
+    assert await _sent_by_sweeps(gateway, refusals) == []
+    batch = await gateway.raw["batches"].find_one({"_id": batch_id})
+    assert batch["state"] == BatchState.ABANDONED

@@ -39,18 +39,22 @@ class SubmissionTombstones:
 
 
 class BatchTombstones:
-    def __init__(self, database: Database) -> None:
+    def __init__(self, database: Database, accepted: frozenset[str] = frozenset()) -> None:
         self.database = database
+        self.accepted = accepted
 
-    async def abandon(self, batch_id: str, *, now: datetime) -> None:
+    async def abandon(self, batch_id: str, *, now: datetime) -> bool:
         self.database._write("abandon batch", batch_id)
+        return batch_id not in self.accepted
 
 
-async def _write_off(refusals: Refusals, database: Database) -> int:
+async def _write_off(
+    refusals: Refusals, database: Database, accepted: frozenset[str] = frozenset()
+) -> int:
     return await write_off(
         refusals,
         submissions=SubmissionTombstones(database),
-        batches=BatchTombstones(database),
+        batches=BatchTombstones(database, accepted),
         in_flight=database,
         now=NOW,
     )
@@ -85,7 +89,7 @@ def test_a_single_refusal_over_the_bound_is_kept() -> None:
     assert refusals.holds("t2")
 
 
-async def test_slots_are_released_first_then_every_tombstone_goes_in_one_write() -> None:
+async def test_slots_are_released_first_then_batches_then_submissions_in_one_write() -> None:
     refusals, database = Refusals(), Database()
     refusals.note(Refusal("a", ("t1", "t2"), counted=True, batch_id="b"))
     refusals.note(Refusal("a", ("t3",)))
@@ -94,10 +98,21 @@ async def test_slots_are_released_first_then_every_tombstone_goes_in_one_write()
     assert database.writes == [
         ("release", "t1"),
         ("release", "t2"),
-        ("abandon", ("t1", "t2", "t3")),
         ("abandon batch", "b"),
         ("abandon batch", "c"),
+        ("abandon", ("t1", "t2", "t3")),
     ]
+    assert refusals.pending() == []
+
+
+async def test_the_submissions_of_a_batch_accepted_after_all_are_not_written_off() -> None:
+    """A replay of the batch's request completed and accepted it before the write-off: its
+    submissions are to be sent, not turned into tombstones."""
+    refusals, database = Refusals(), Database()
+    refusals.note(Refusal("a", ("t1", "t2"), counted=True, batch_id="b"))
+    refusals.note(Refusal("a", ("t3",)))
+    assert await _write_off(refusals, database, accepted=frozenset({"b"})) == 2
+    assert [subject for what, subject in database.writes if what == "abandon"] == [("t3",)]
     assert refusals.pending() == []
 
 

@@ -44,11 +44,16 @@ def configure_logging(settings: ServiceSettings, service: str) -> None:
 
 
 def make_broker(
-    settings: ServiceSettings, *, prefetch: int | None = None, name: str = "scorebox"
+    settings: ServiceSettings,
+    *,
+    prefetch: int | None = None,
+    name: str = "scorebox",
+    graceful_timeout_s: float | None = None,
 ) -> ScoreboxBroker:
     """A FastStream broker: confirms on, unroutable publishes raise; its consumers on a
     connection of their own (named `name` for the broker's connection list), with `prefetch`
-    unless they ask for another."""
+    unless they ask for another. At stop, deliveries in hand get `graceful_timeout_s` to
+    finish (`BROKER_TIMEOUT_S` unless given)."""
     return ScoreboxBroker(
         settings.rabbitmq_url,
         timeout=settings.broker_timeout_s,
@@ -58,7 +63,7 @@ def make_broker(
         reconnect_interval=1.0,
         # Publishing only: the consumers' channels carry the prefetch.
         default_channel=Channel(publisher_confirms=True, on_return_raises=True),
-        graceful_timeout=settings.broker_timeout_s,
+        graceful_timeout=graceful_timeout_s or settings.broker_timeout_s,
         logger=logging.getLogger("scorebox.broker"),
         log_level=logging.DEBUG,
         apply_types=False,

@@ -43,7 +43,13 @@ def create_app(
     rng: random.Random | None = None,
 ) -> FastAPI:
     """Wire the scorer: broker (prefetch = concurrency) + database + model + HTTP health."""
-    broker = broker or make_broker(settings, prefetch=settings.concurrency, name="scorer")
+    # At stop, a model call in flight may take its whole timeout, then its decision is
+    # recorded and carried out: cut short, it was thrown away (and its task retried) with
+    # every deploy.
+    graceful_s = model_settings.llm_timeout_s + 2 * settings.broker_timeout_s
+    broker = broker or make_broker(
+        settings, prefetch=settings.concurrency, name="scorer", graceful_timeout_s=graceful_s
+    )
     mongo = mongo or make_mongo(settings)
     http: ProviderClient | None = None
     if model is None:

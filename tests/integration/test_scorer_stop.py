@@ -1,0 +1,62 @@
+"""A scorer stopped while a model call is in flight (a deploy, a scale-down) lets the call
+finish and records its decision before it lets go of the model client and the database.
+
+It waited `BROKER_TIMEOUT_S` for its deliveries in hand, less than a model call may take
+(`LLM_TIMEOUT_S`), then closed the model client under the call still running: the attempt was
+recorded as a retry of an unavailable model (a task failed for good on its last attempt), or
+not recorded at all, and the task scored again after its lease. In process, on the real
+broker and database, with the fake model answering after 1.5 s."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pymongo import AsyncMongoClient
+
+from devtools.fake_llm import FakeLLMConfig, start_fake_llm
+from services.scorer.app import create_app as create_scorer
+from services.scorer.model.settings import ModelSettings
+from services.scorer.settings import ScorerSettings
+from shared.bus import publish_command
+from shared.contracts import ScoreText, new_id
+from shared.runtime import make_broker
+from tests.support import running, stack_env
+
+
+async def test_a_model_call_in_flight_at_stop_finishes_and_is_recorded(
+    amqp_url: str, mongo: Any, db_prefix: str
+) -> None:
+    llm = await start_fake_llm(FakeLLMConfig(latency_ms=1500))
+    env = stack_env(
+        amqp_url=amqp_url,
+        mongo_url=mongo.url,
+        db_prefix=db_prefix,
+        llm_url=llm.url,
+        api_key="unused",
+        llm_timeout_s=5,
+        BROKER_TIMEOUT_S="0.5",
+    )
+    settings = ScorerSettings.model_validate(env)
+    marker = f"s{uuid.uuid4().hex[:12]}"
+    command = ScoreText(task_id=new_id(), text=f"Stopped mid-call [[id:{marker}]].")
+    scorer = create_scorer(settings, ModelSettings.model_validate(env))
+    async with running(scorer):
+        publisher = make_broker(settings)
+        async with publisher:
+            await publisher.connect()
+            await publish_command(publisher, command, timeout=10)
+        await llm.wait_for_stats(lambda stats: stats["by_id"].get(marker, 0) >= 1)
+    # Stopped: the call was in flight.
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url)
+    try:
+        attempt = await client[settings.database_name("scorer")]["attempts"].find_one(
+            {"_id": command.task_id}
+        )
+    finally:
+        await client.close()
+        await llm.stop()
+    assert attempt is not None
+    assert attempt["state"] == "decided", attempt
+    assert attempt["decision"]["kind"] == "finish", attempt["decision"]
+    assert attempt["decision"]["event"]["routing_key"] == "task.completed"

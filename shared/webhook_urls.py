@@ -25,7 +25,11 @@ _LOCAL_SUFFIXES = ("localhost", "local", "internal", "localdomain", "home.arpa",
 # IPv6 ranges that embed an IPv4 address a gateway may translate to (NAT64) or that
 # `is_global` does not flag (the deprecated IPv4-compatible ::a.b.c.d).
 _IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
-_NAT64 = (ipaddress.IPv6Network("64:ff9b::/96"), ipaddress.IPv6Network("64:ff9b:1::/48"))
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # well-known: the IPv4 address is the last 32 bits
+# Never public: the local-use NAT64 prefix (RFC 8215: where it embeds the IPv4 address depends
+# on the operator's prefix length, so `64:ff9b:1:a00:0:100:808:808` may be 10.0.0.1 and not
+# 8.8.8.8) and the deprecated site-local fec0::/10 (RFC 3879), which `is_global` takes as global.
+_NEVER_PUBLIC = (ipaddress.IPv6Network("64:ff9b:1::/48"), ipaddress.IPv6Network("fec0::/10"))
 
 
 class UnsafeWebhookUrl(ValueError):
@@ -35,6 +39,8 @@ class UnsafeWebhookUrl(ValueError):
 def is_public_address(address: IPAddress) -> bool:
     """True for a globally routable unicast address (IPv4-mapped/embedded forms unwrapped)."""
     if isinstance(address, ipaddress.IPv6Address):
+        if any(address in network for network in _NEVER_PUBLIC):
+            return False
         embedded = _embedded_ipv4(address)
         if embedded is not None:
             return is_public_address(embedded)
@@ -55,7 +61,7 @@ def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | No
         return address.ipv4_mapped
     if address.sixtofour is not None:
         return address.sixtofour
-    if any(address in network for network in _NAT64):
+    if address in _NAT64:
         return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
     return None
 

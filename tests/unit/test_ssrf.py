@@ -150,6 +150,10 @@ ADDRESSES = [
     ("::ffff:169.254.169.254", False),
     ("::10.0.0.1", False),
     ("64:ff9b::7f00:1", False),
+    ("64:ff9b::808:808", True),  # NAT64, well-known prefix: 8.8.8.8
+    ("64:ff9b:1:a00:0:100:808:808", False),  # local-use NAT64: 10.0.0.1 under a /48
+    ("64:ff9b:1::808:808", False),
+    ("fec0::1", False),  # site-local, deprecated: `is_global` says global
     ("2002:7f00:1::", False),
     ("2001:db8::1", False),
 ]

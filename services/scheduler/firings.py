@@ -49,6 +49,7 @@ class FiringState(StrEnum):
 
 
 FINAL_STATES = frozenset({FiringState.SUCCEEDED, FiringState.FAILED, FiringState.SKIPPED})
+_FINAL = [state.value for state in FINAL_STATES]
 
 
 def to_millis(instant: datetime) -> datetime:
@@ -274,7 +275,7 @@ class Firings(FiringStore):
     async def begin(self, run_id: str, *, attempt: int, now: datetime) -> Firing | None:
         """Mark a run started; None when it is unknown or already finished."""
         document = await self._collection.find_one_and_update(
-            {"_id": run_id, "state": {"$nin": [state.value for state in FINAL_STATES]}},
+            {"_id": run_id, "state": {"$nin": _FINAL}},
             {
                 "$set": {
                     "state": FiringState.RUNNING.value,
@@ -290,8 +291,10 @@ class Firings(FiringStore):
     async def retrying(
         self, run_id: str, *, error: str, next_attempt_at: datetime, now: datetime
     ) -> None:
+        """Record a failed attempt with another to come, unless the run has finished (a
+        duplicate delivery of it failed after another succeeded: the run stays succeeded)."""
         await self._collection.update_one(
-            {"_id": run_id},
+            {"_id": run_id, "state": {"$nin": _FINAL}},
             {
                 "$set": {
                     "state": FiringState.RETRYING.value,
@@ -311,8 +314,9 @@ class Firings(FiringStore):
         result: dict[str, Any] | None = None,
         error: str | None = None,
     ) -> None:
+        """Record the run's end, unless it has ended already (the first end stands)."""
         await self._collection.update_one(
-            {"_id": run_id},
+            {"_id": run_id, "state": {"$nin": _FINAL}},
             {
                 "$set": {
                     "state": state.value,

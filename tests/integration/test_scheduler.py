@@ -225,6 +225,27 @@ async def test_only_a_firing_still_claimed_is_superseded(env: Env) -> None:
     assert running.state is FiringState.RUNNING
 
 
+async def test_a_duplicate_run_failing_after_another_succeeded_leaves_it_succeeded(
+    env: Env,
+) -> None:
+    """Two deliveries of one firing may run at once (a publish the broker confirmed late was
+    sent again); the first end of the run stands."""
+    firings = Firings(env.mongo, env.database)
+    await firings.ensure_indexes()
+    at = datetime(2030, 1, 1, 7, tzinfo=UTC)
+    firing = await firings.claim("duplicated", at, now=at, owner="a")
+    assert firing is not None
+    await firings.begin(firing.run_id, attempt=1, now=at)
+    await firings.finish(firing.run_id, state=FiringState.SUCCEEDED, now=at, result={"n": 1})
+
+    await firings.retrying(firing.run_id, error="boom", next_attempt_at=at, now=at)
+    await firings.finish(firing.run_id, state=FiringState.FAILED, now=at, error="boom")
+
+    stored = await firings.find(firing.run_id)
+    assert stored is not None
+    assert stored.state is FiringState.SUCCEEDED
+
+
 async def test_missed_firings_coalesce_or_skip(env: Env) -> None:
     hourly = {"cron": "0 * * * *"}
     config = parse_config(

@@ -118,7 +118,10 @@ class FakeFirings(FiringStore):
     async def retrying(
         self, run_id: str, *, error: str, next_attempt_at: datetime, now: datetime
     ) -> None:
-        self._set(run_id, state=FiringState.RETRYING, error=error, next_attempt_at=next_attempt_at)
+        if not self.by_id[run_id].state.is_final:
+            self._set(
+                run_id, state=FiringState.RETRYING, error=error, next_attempt_at=next_attempt_at
+            )
 
     async def finish(
         self,
@@ -129,7 +132,7 @@ class FakeFirings(FiringStore):
         result: dict[str, Any] | None = None,
         error: str | None = None,
     ) -> None:
-        if run_id in self.by_id:
+        if run_id in self.by_id and not self.by_id[run_id].state.is_final:
             self._set(run_id, state=state, result=result, error=error, finished_at=now)
 
     async def find(self, run_id: str) -> Firing | None:

@@ -8,7 +8,8 @@
 - the handler crashed: returned as failed (`Delivery.requeue_failed`); the queue's delivery
   limit dead-letters a message that keeps crashing.
 
-`scorebox.webhook-deliveries` (`DeliverWebhook`): see `deliveries.py` for the decisions;
+`scorebox.webhook-deliveries` (`DeliverWebhook`): see `deliveries.py` for the decisions (a
+redelivery whose attempt another process holds is kept unacknowledged until its lease ends);
 `Send` is published down the wait ladder when not yet due, `GiveUp` is copied to the DLQ with
 the reason in `x-scorebox-error`; MongoDB unavailable re-sends the command a little later.
 
@@ -52,6 +53,7 @@ from shared.topology import (
 log = logging.getLogger("scorebox.notifier")
 Clock = Callable[[], datetime]
 DATABASE_RETRY_DELAY = timedelta(seconds=5)
+DELIVERY_COUNT = "x-delivery-count"  # set by quorum queues on every redelivery
 _TIERS = frozenset(tier for tier, _ in WAIT_TIERS)
 
 
@@ -140,8 +142,9 @@ def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_
             await message.ack()
             return
         decision: DeliveryDecision
+        redelivered = message.redelivered or int(message.headers.get(DELIVERY_COUNT, 0)) > 0
         try:
-            decision = await deliver_webhook(delivery, deps=deps)
+            decision = await deliver_webhook(delivery, deps=deps, redelivered=redelivered)
         except PyMongoError as error:
             log.warning("MongoDB unavailable for delivery %s: %r", delivery.delivery_id, error)
             later = deps.clock() + DATABASE_RETRY_DELAY

@@ -16,6 +16,7 @@ with exponential back-off and jitter (Retry-After wins, up to the cap) until `ma
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -67,7 +68,20 @@ class GiveUp:
     reason: str
 
 
+@dataclass(frozen=True)
+class Hold:
+    """Keep this redelivery unacknowledged and claim again at `until` (or sooner).
+
+    Another process's lease holds the attempt; the message came back because the consumer
+    holding it died or its handler crashed. Re-sending a fresh copy would reset the
+    delivery count, and a delivery that crashes its handler every time would loop for ever
+    between replicas instead of reaching the queue's delivery limit."""
+
+    until: datetime
+
+
 DeliveryDecision = Done | Send | GiveUp
+HOLD_POLL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -120,8 +134,23 @@ def judge_answer(answer: ReceiverAnswer, *, now: datetime) -> None:
     raise DeliveryRejected(f"the receiver answered {status}" + (f": {excerpt}" if excerpt else ""))
 
 
-async def deliver_webhook(delivery: DeliverWebhook, *, deps: DeliveryDeps) -> DeliveryDecision:
-    """Send one attempt of a webhook, at most once per attempt and never after delivery."""
+async def deliver_webhook(
+    delivery: DeliverWebhook, *, deps: DeliveryDeps, redelivered: bool = False
+) -> DeliveryDecision:
+    """Send one attempt of a webhook, at most once per attempt and never after delivery.
+
+    `redelivered`: the broker delivered this message before and it was never settled; an
+    attempt another process holds is then waited for (the message held) rather than
+    re-sent as a fresh copy."""
+    while isinstance(decision := await _deliver_once(delivery, deps, redelivered), Hold):
+        remaining = (decision.until - deps.clock()).total_seconds()
+        await asyncio.sleep(min(max(remaining, 0.0) + 0.05, HOLD_POLL_S))
+    return decision
+
+
+async def _deliver_once(
+    delivery: DeliverWebhook, deps: DeliveryDeps, redelivered: bool
+) -> DeliveryDecision | Hold:
     now = deps.clock()
     if delivery.not_before is not None and wait_tier_for(
         (delivery.not_before - now).total_seconds()
@@ -129,12 +158,19 @@ async def deliver_webhook(delivery: DeliverWebhook, *, deps: DeliveryDeps) -> De
         return Send(delivery, "not yet due")
     with deps.in_hand.holding((delivery.delivery_id, delivery.attempt)) as only_here:
         # Held by no other copy here: a lease of this process on it is stale.
-        return await _claim_and_send(delivery, deps, now, reclaim_own=only_here)
+        return await _claim_and_send(
+            delivery, deps, now, reclaim_own=only_here, redelivered=redelivered
+        )
 
 
 async def _claim_and_send(
-    delivery: DeliverWebhook, deps: DeliveryDeps, now: datetime, *, reclaim_own: bool
-) -> DeliveryDecision:
+    delivery: DeliverWebhook,
+    deps: DeliveryDeps,
+    now: datetime,
+    *,
+    reclaim_own: bool,
+    redelivered: bool,
+) -> DeliveryDecision | Hold:
     owner = f"{deps.owner}/{new_id()[:12]}"
     claim = await deps.ledger.claim(
         delivery,
@@ -145,7 +181,7 @@ async def _claim_and_send(
         reclaim_own=reclaim_own,
     )
     if not claim.won:
-        return _without_claim(delivery, claim.record, now=now)
+        return _without_claim(delivery, claim.record, now=now, redelivered=redelivered)
     status: int | None = None
     try:
         destination = await deps.guard.vet(delivery.url)
@@ -190,8 +226,8 @@ async def _while_leased[T](
 
 
 def _without_claim(
-    delivery: DeliverWebhook, record: DeliveryRecord, *, now: datetime
-) -> DeliveryDecision:
+    delivery: DeliverWebhook, record: DeliveryRecord, *, now: datetime, redelivered: bool
+) -> DeliveryDecision | Hold:
     """Another copy or attempt owns the delivery: drop, defer, or replay its decision."""
     if record.state is DeliveryState.DELIVERED:
         return Done("already delivered")
@@ -200,19 +236,26 @@ def _without_claim(
             return GiveUp(record.last_error or "failed")
         return Done("already given up")
     if record.attempt > delivery.attempt:
-        following = record.next_delivery
-        if (
-            record.state is DeliveryState.RETRYING
-            and following is not None
-            and following.attempt == delivery.attempt + 1
-        ):
-            return Send(following, "replaying the recorded retry")
-        return Done(f"superseded by attempt {record.attempt}")
+        return _after_our_attempt(delivery, record)
     later = max(record.lease_until or now, now + timedelta(seconds=1))
+    if redelivered:
+        return Hold(later)
     return Send(
         delivery.model_copy(update={"not_before": later, "message_id": new_id()}),
         "claimed by another consumer",
     )
+
+
+def _after_our_attempt(delivery: DeliverWebhook, record: DeliveryRecord) -> DeliveryDecision:
+    """A later attempt is recorded: replay the retry our attempt decided, or drop."""
+    following = record.next_delivery
+    if (
+        record.state is DeliveryState.RETRYING
+        and following is not None
+        and following.attempt == delivery.attempt + 1
+    ):
+        return Send(following, "replaying the recorded retry")
+    return Done(f"superseded by attempt {record.attempt}")
 
 
 async def _give_up(

@@ -140,3 +140,21 @@ async def test_a_lease_held_by_a_copy_in_this_process_is_not_taken_over(
 
     assert isinstance(decision, Send)
     assert receiver[0].requests(delivery.url) == []
+
+
+async def test_a_redelivery_waits_out_another_processs_lease_then_delivers(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    """The message came back unsettled (its handler crashed, or its consumer died) while
+    the other process's lease holds: it is held until the lease ends, not re-sent as a fresh
+    copy, whose delivery count would start again (a handler crashing on it every time then
+    looped between replicas instead of reaching the queue's delivery limit)."""
+    delivery = _delivery(receiver[0])
+    await ledger.register(delivery, now=utcnow())
+    short = timedelta(seconds=1)
+    await ledger.claim(delivery, process="proc-b", owner="proc-b/1", now=utcnow(), lease=short)
+
+    decision = await deliver_webhook(delivery, deps=make_deps("proc-a"), redelivered=True)
+
+    assert decision == Done("delivered (200)")
+    assert len(receiver[0].requests(delivery.url)) == 1

@@ -153,8 +153,11 @@ def admin_guard(admin_key: SecretStr | None) -> Any:
     async def require_admin(authorization: str | None = Header(default=None)) -> None:
         if admin_key is None or not admin_key.get_secret_value():
             raise Problem(403, "The admin API is disabled: set ADMIN_API_KEY to enable it.")
-        expected = f"Bearer {admin_key.get_secret_value()}"
-        if authorization is None or not hmac.compare_digest(authorization, expected):
+        expected = f"Bearer {admin_key.get_secret_value()}".encode()
+        # As bytes: the server decodes header bytes as Latin-1, and `compare_digest` refuses
+        # strings with other than ASCII in them (a TypeError: a 500 instead of a 401).
+        sent = None if authorization is None else authorization.encode("latin-1")
+        if sent is None or not hmac.compare_digest(sent, expected):
             raise Problem(
                 401,
                 "Send the admin key as 'Authorization: Bearer <ADMIN_API_KEY>'.",

@@ -263,9 +263,10 @@ async def test_admin_key_routes_need_the_admin_key(stack: Stack) -> None:
         _assert_unauthorized(await stack.api.delete(f"/admin/v1/keys/{'0' * 16}", headers=headers))
 
 
-async def test_an_admin_key_with_other_than_ascii_is_refused_not_a_500(stack: Stack) -> None:
+async def test_a_key_with_other_than_ascii_is_refused_not_a_500(stack: Stack) -> None:
     headers = {b"Authorization": "Bearer caf\xe9".encode("latin-1")}
     _assert_unauthorized(await stack.api.get("/admin/v1/keys", headers=headers))
+    _assert_unauthorized(await stack.api.get(f"/v1/scores/{'0' * 32}", headers=headers))
 
 
 @pytest.mark.parametrize(

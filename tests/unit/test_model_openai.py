@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from pydantic import ValidationError
 from yarl import URL
 
 from services.scorer.errors import (
@@ -115,7 +116,7 @@ def _misbehave(request: web.Request, how: Misbehaviour) -> None:
 
 
 def completion(
-    content: str | None,
+    content: str | list[Any] | None,
     *,
     model: str = "gpt-4o-mini-2024-07-18",
     prompt_tokens: int = 120,
@@ -404,7 +405,9 @@ async def test_413_is_input_rejected() -> None:
     ("status", "message"),
     [
         (401, "Incorrect API key provided"),
+        (402, "Insufficient credits"),
         (403, "Project does not have access"),
+        (405, "Method Not Allowed"),
         (404, "The model `nope` does not exist"),
         (400, "response_format json_schema is not supported"),
         (301, "Moved"),
@@ -450,10 +453,40 @@ async def test_a_refusal_is_input_rejected() -> None:
         await score_with(provider)
 
 
-async def test_a_200_without_a_chat_completion_is_unavailability() -> None:
-    provider = ScriptedProvider(text_answer(200, "<html>captive portal</html>"))
-    with pytest.raises(ModelUnavailable, match="without a chat completion"):
+@pytest.mark.parametrize(
+    "answer",
+    [
+        pytest.param(text_answer(200, "<html>a web page</html>"), id="html"),
+        pytest.param(json_answer(200, {"choices": []}), id="no-choices"),
+        pytest.param(json_answer(200, {"data": [{"embedding": [0.1]}]}), id="another-api"),
+    ],
+)
+async def test_a_200_without_a_chat_completion_is_misconfiguration(answer: Answer) -> None:
+    """The same endpoint answers the same way every time: retrying only bills more calls."""
+    provider = ScriptedProvider(answer)
+    with pytest.raises(ModelMisconfigured, match="without a chat completion"):
         await score_with(provider)
+    assert len(provider.requests) == 1
+
+
+async def test_content_given_as_parts_is_read() -> None:
+    parts = [
+        {"type": "thinking", "thinking": "Weighing the argument."},
+        {"type": "text", "text": GOOD},
+    ]
+    verdict = await score_with(ScriptedProvider(completion(parts)))
+    assert verdict.result.score == 7.5
+
+
+@pytest.mark.parametrize("usage", [{"prompt_tokens": None}, {"prompt_tokens": -1}, "n/a"])
+async def test_an_unreadable_usage_block_loses_no_verdict(usage: Any) -> None:
+    answer = json_answer(
+        200,
+        {"choices": [{"message": {"content": GOOD}, "finish_reason": "stop"}], "usage": usage},
+    )
+    verdict = await score_with(ScriptedProvider(answer))
+    assert verdict.result.score == 7.5
+    assert verdict.result.usage.prompt_tokens == 0
 
 
 # --- transport failures -----------------------------------------------------------------------
@@ -518,3 +551,19 @@ async def test_the_deadline_covers_the_repair_call_too() -> None:
     with pytest.raises(ModelTimeout):
         await score_with(provider, LLM_TIMEOUT_S=0.05)
     assert len(provider.requests) == 2
+
+
+@pytest.mark.parametrize(
+    "url", ["api.openai.com/v1", "", "ftp://llm.test/v1", "http://[::1/v1", "http://h:99999/v1"]
+)
+def test_a_base_url_that_is_no_http_url_is_refused_at_start_up(url: str) -> None:
+    """Found at every task, it was retried as an unreachable provider, or crashed it."""
+    with pytest.raises(ValidationError, match="LLM_BASE_URL"):
+        settings(LLM_BASE_URL=url)
+
+
+def test_an_api_key_loses_surrounding_whitespace_and_refuses_control_characters() -> None:
+    """A key read from a file often ends with a newline, which no header can carry."""
+    assert settings(LLM_API_KEY="sk-test\n").llm_api_key.get_secret_value() == "sk-test"
+    with pytest.raises(ValidationError, match="control character"):
+        settings(LLM_API_KEY="sk-\x01test")

@@ -59,3 +59,12 @@ def test_a_long_comment_is_cut_not_rejected() -> None:
     verdict = parse_verdict('{"score": 5, "comment": "' + "word " * 1000 + '"}')
     assert len(verdict.comment) == MAX_COMMENT_CHARS
     assert verdict.comment.endswith("\u2026")
+
+
+def test_an_answer_nested_past_the_parsers_recursion_is_unusable_output() -> None:
+    """Thousands of `[` raised RecursionError, outside the error taxonomy: the attempt
+    crashed instead of asking for a repair."""
+    with pytest.raises(UnusableOutput):
+        parse_verdict("[" * 10_000)
+    with pytest.raises(UnusableOutput):
+        parse_verdict('Here: {"score": ' + "[" * 10_000)

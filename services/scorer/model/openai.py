@@ -64,13 +64,29 @@ _INPUT_PROBLEMS: Final = (
     "invalid_prompt",
 )
 _CONFIG_PROBLEMS_429: Final = ("insufficient_quota", "billing")
+# Statuses no retry changes: the key (401, 403), credit (402: OpenRouter and others), or
+# LLM_BASE_URL and LLM_MODEL naming no chat-completions endpoint (404, 405, 410, 415).
+_MISCONFIGURED: Final = frozenset({401, 402, 403, 404, 405, 410, 415})
 
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    content: str | None = None
+    # A string, or (Mistral's reasoning models, among others) a list of typed parts.
+    content: str | list[Any] | None = None
     refusal: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(
+                part["text"]
+                for part in self.content
+                if isinstance(part, dict)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+            )
+        return self.content or ""
 
 
 class _Choice(BaseModel):
@@ -92,7 +108,7 @@ class _ChatCompletion(BaseModel):
 
     model: str | None = None
     choices: list[_Choice] = Field(min_length=1)
-    usage: _Usage | None = None
+    usage: Any = None  # read leniently (`_usage_of`): a bad usage block loses no verdict
 
 
 @dataclass(frozen=True)
@@ -241,20 +257,31 @@ def _read_answer(response: ProviderReply, requested_model: str) -> _Answer:
     try:
         completion = _ChatCompletion.model_validate_json(response.body)
     except ValidationError as exc:
-        raise ModelUnavailable(
-            f"the provider answered {response.status} without a chat completion"
+        # Deterministic for a given endpoint (a web page, another API): retrying it would
+        # only bill more calls.
+        raise ModelMisconfigured(
+            f"the provider answered {response.status} without a chat completion "
+            f"(is LLM_BASE_URL an OpenAI-compatible /v1 endpoint?): {_trim(response.text)}"
         ) from exc
     choice = completion.choices[0]
     if choice.message.refusal:
         raise InputRejected(f"the model refused the text: {_trim(choice.message.refusal)}")
     if choice.finish_reason == "content_filter":
         raise InputRejected("the provider's content filter stopped the answer")
-    usage = completion.usage or _Usage()
+    usage = _usage_of(completion.usage)
     return _Answer(
-        content=choice.message.content or "",
+        content=choice.message.text,
         model=completion.model or requested_model,
         usage=Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens),
     )
+
+
+def _usage_of(reported: Any) -> _Usage:
+    """The token counts the provider reported; none when they are missing or unreadable."""
+    try:
+        return _Usage.model_validate(reported or {})
+    except ValidationError:
+        return _Usage()
 
 
 def error_for_response(response: ProviderReply, *, now: datetime) -> ScoringError:
@@ -267,7 +294,7 @@ def error_for_response(response: ProviderReply, *, now: datetime) -> ScoringErro
         if any(problem in blames for problem in _CONFIG_PROBLEMS_429):
             return ModelMisconfigured(detail)
         return ModelRateLimited(detail, retry_after_s=retry_after_s(response.headers, now=now))
-    if status in (401, 403, 404) or 300 <= status < 400:
+    if status in _MISCONFIGURED or 300 <= status < 400:
         return ModelMisconfigured(detail)
     if status == 413 or (
         status in (400, 422) and any(problem in blames for problem in _INPUT_PROBLEMS)

@@ -83,10 +83,15 @@ def _find_json_object(content: str) -> dict[str, Any] | None:
     return _first_embedded_object(content)
 
 
+# What reading a candidate as JSON may raise: not JSON, or nested deeper than the parser's
+# recursion allows (an answer of thousands of `[`, which crashed the attempt).
+_NOT_JSON = (ValueError, RecursionError)
+
+
 def _loads_object(candidate: str) -> dict[str, Any] | None:
     try:
         value = json.loads(candidate)
-    except ValueError:
+    except _NOT_JSON:
         return None
     return value if isinstance(value, dict) else None
 
@@ -98,7 +103,7 @@ def _first_embedded_object(content: str) -> dict[str, Any] | None:
     while start != -1:
         try:
             value, _ = decoder.raw_decode(content, start)
-        except ValueError:
+        except _NOT_JSON:
             value = None
         if isinstance(value, dict):
             if "score" in value:

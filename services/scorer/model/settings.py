@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Provider = Literal["heuristic", "openai"]
@@ -29,3 +30,31 @@ class ModelSettings(BaseSettings):
     llm_max_input_chars: int = Field(default=6000, ge=100, validation_alias="LLM_MAX_INPUT_CHARS")
     llm_max_output_tokens: int = Field(default=300, ge=16, validation_alias="LLM_MAX_OUTPUT_TOKENS")
     llm_json_mode: JsonMode = Field(default="json_schema", validation_alias="LLM_JSON_MODE")
+
+    @model_validator(mode="after")
+    def _an_http_url_to_call(self) -> ModelSettings:
+        """For a provider called over HTTP, an http(s) URL with a host: found wrong at
+        start-up rather than at every task (one without a scheme was retried as an
+        unreachable provider; one that is no URL crashed the attempt)."""
+        if self.llm_provider != "openai":
+            return self
+        try:
+            parts = urlsplit(self.llm_base_url)
+            parts.port  # noqa: B018 - raises on a port out of range
+        except ValueError as error:
+            raise ValueError(f"LLM_BASE_URL is not a URL: {error}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                "LLM_BASE_URL must be an http(s) URL with a host, e.g. https://api.openai.com/v1"
+            )
+        return self
+
+    @field_validator("llm_api_key")
+    @classmethod
+    def _usable_in_a_header(cls, key: SecretStr) -> SecretStr:
+        """Without the surrounding whitespace a secret file often ends with (`echo key >`);
+        a key with a control character inside cannot be sent in a header at all."""
+        value = key.get_secret_value().strip()
+        if any(ord(character) < 0x20 or ord(character) == 0x7F for character in value):
+            raise ValueError("LLM_API_KEY contains a control character")
+        return SecretStr(value)

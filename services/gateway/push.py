@@ -285,15 +285,20 @@ class BrokerLiveBinding:
     replica_id: str
     timeout_s: float
 
+    # The whole call is bounded, not only its round trip (aio-pika's `timeout`): on a robust
+    # channel, `bind` first waits for the connection to be up, without end while the broker
+    # is away, and long-polls queued behind it past their deadlines.
     async def bind(self) -> None:
-        await self._queue().bind(
-            EVENTS.name, routing_key=LIVE_EVENTS_BINDING, timeout=self.timeout_s
-        )
+        async with asyncio.timeout(self.timeout_s):
+            await self._queue().bind(
+                EVENTS.name, routing_key=LIVE_EVENTS_BINDING, timeout=self.timeout_s
+            )
 
     async def unbind(self) -> None:
-        await self._queue().unbind(
-            EVENTS.name, routing_key=LIVE_EVENTS_BINDING, timeout=self.timeout_s
-        )
+        async with asyncio.timeout(self.timeout_s):
+            await self._queue().unbind(
+                EVENTS.name, routing_key=LIVE_EVENTS_BINDING, timeout=self.timeout_s
+            )
 
     def _queue(self) -> AbstractQueue:
         name = live_events_queue(self.replica_id).name

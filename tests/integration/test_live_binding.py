@@ -3,7 +3,9 @@ requests wait, so a replica nobody waits on receives no task events."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from faststream.rabbit import RabbitBroker
@@ -13,6 +15,7 @@ from shared.bus import publish_event
 from shared.contracts import Phase, TaskStarted, event_sequence, new_id, utcnow
 from shared.runtime import make_broker, start_broker
 from shared.settings import ServiceSettings
+from tests.faults.slow_link import SlowLink
 from tests.support import eventually
 
 pytestmark = pytest.mark.integration
@@ -102,3 +105,39 @@ async def test_a_waiter_goes_on_without_live_events_when_the_broker_is_not_there
         with live.waiting(new_id(), "tenant-a"):
             await live.listen()
             assert not live.listening
+
+
+async def test_a_waiter_goes_on_while_the_broker_connection_is_being_restored(
+    amqp_url: str,
+) -> None:
+    """The broker went away after the replica connected: aio-pika's robust channel waits
+    for the connection to come back before it binds, without end, and every long-poll of
+    the replica queued behind that bind past its own deadline. The bind is bounded as a
+    whole (its `timeout` covered only the round trip); 60 s here only stops a hang."""
+    parts = urlsplit(amqp_url)
+    link = SlowLink((parts.hostname or "127.0.0.1", parts.port or 5672))
+    await link.start()
+    proxied = parts._replace(netloc=f"{parts.username}:{parts.password}@127.0.0.1:{link.port}")
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": urlunsplit(proxied)})
+    broker = make_broker(settings)
+    replica_id = new_id()[:16]
+    live = LiveUpdates(binding=BrokerLiveBinding(broker, replica_id, timeout_s=1.0))
+    subscribe_live_updates(broker, live, replica_id=replica_id)
+    await start_broker(broker, settings)
+    try:
+        await link.cut()
+
+        async def reconnecting() -> bool:
+            return not await broker.ping(1.0)
+
+        await eventually(reconnecting, what="the broker connection lost")
+        with live.waiting(new_id(), "tenant-a"):
+            async with asyncio.timeout(60):
+                await live.listen()
+            assert not live.listening
+    finally:
+        link.down = False
+        await live.stop_listening()
+        async with asyncio.timeout(60):
+            await broker.stop()
+        await link.stop()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -9,6 +11,8 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Field, SecretStr, model_validator
 
 from services.gateway.deadletters import DeadLetterQueue
+from services.gateway.errors import Unavailable
+from shared.bus import BROKER_ERRORS
 from shared.http import Problem, admin_guard
 
 
@@ -30,23 +34,42 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
 
     @router.get("/dead-letters", summary="List the dead-letter queue")
     async def list_dead_letters() -> dict[str, Any]:
-        letters = await dead_letters.letters()
+        with _broker_away_is_503():
+            letters = await dead_letters.letters()
         return {"count": len(letters), "items": [asdict(letter) for letter in letters]}
 
     @router.get("/dead-letters/{letter_id}", summary="One dead letter by message or task id")
     async def show_dead_letter(letter_id: str) -> dict[str, Any]:
-        for letter in await dead_letters.letters():
+        with _broker_away_is_503():
+            letters = await dead_letters.letters()
+        for letter in letters:
             if letter.matches({letter_id}):
                 return asdict(letter)
         raise Problem(404, f"No dead letter with message or task id {letter_id!r}.")
 
     @router.post("/dead-letters/replay", summary="Send dead letters back with fresh attempts")
     async def replay_dead_letters(request: ReplayRequest) -> dict[str, list[str]]:
-        replayed, skipped = await dead_letters.replay(None if request.all else request.ids)
+        with _broker_away_is_503():
+            replayed, skipped = await dead_letters.replay(None if request.all else request.ids)
         return {"replayed": replayed, "skipped_unreadable": skipped}
 
     @router.delete("/dead-letters", summary="Purge the dead-letter queue")
     async def purge_dead_letters() -> dict[str, int]:
-        return {"purged": await dead_letters.purge()}
+        with _broker_away_is_503():
+            return {"purged": await dead_letters.purge()}
 
     return router
+
+
+@contextlib.contextmanager
+def _broker_away_is_503() -> Iterator[None]:
+    """The broker away, blocked or refusing: a 503 to retry, not a 500. A replay cut short
+    has sent some letters (each acked once its command was confirmed) and left the rest."""
+    try:
+        yield
+    except (*BROKER_ERRORS, Unavailable) as error:
+        raise Problem(
+            503,
+            f"The broker is unavailable ({type(error).__name__}); try again shortly.",
+            headers={"Retry-After": "5"},
+        ) from error

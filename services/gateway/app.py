@@ -237,7 +237,13 @@ def gateway_routes(gateway: Gateway) -> list[APIRouter]:
             forget=gateway.authenticator.forget,
         ),
         admin_routes(
-            DeadLetterQueue(gateway.broker, gateway.publisher, deps.clock), settings.admin_api_key
+            DeadLetterQueue(
+                gateway.broker,
+                gateway.publisher,
+                deps.clock,
+                timeout_s=settings.broker_timeout_s,
+            ),
+            settings.admin_api_key,
         ),
     ]
 

@@ -11,6 +11,7 @@ the dead letter.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from faststream.rabbit import QueueType, RabbitBroker, RabbitQueue
 from pydantic import ValidationError
 
 from services.gateway.rescore import Resubmitter
+from shared.bus import BROKER_ERRORS
 from shared.contracts import ScoreText, new_id
 from shared.topology import DEAD_LETTERED_FROM_HEADER, ERROR_HEADER, SCORE_REQUESTS
 
@@ -87,16 +89,25 @@ def describe(message: AbstractIncomingMessage, now: datetime) -> DeadLetter:
 
 class DeadLetterQueue:
     def __init__(
-        self, broker: RabbitBroker, publisher: Resubmitter, clock: Callable[[], datetime]
+        self,
+        broker: RabbitBroker,
+        publisher: Resubmitter,
+        clock: Callable[[], datetime],
+        *,
+        timeout_s: float,
     ) -> None:
         self._broker = broker
         self._publisher = publisher
         self._clock = clock
+        self._timeout_s = timeout_s
 
+    # Each step on the broker is bounded as a whole: aio-pika's own `timeout` covers only the
+    # round trip, after waiting without end for a lost connection to come back.
     async def _queue(self) -> AbstractQueue:
-        return await self._broker.declare_queue(
-            RabbitQueue(SCORE_REQUESTS.dead_letter_routing_key, QueueType.QUORUM, declare=False)
-        )
+        async with asyncio.timeout(self._timeout_s):
+            return await self._broker.declare_queue(
+                RabbitQueue(SCORE_REQUESTS.dead_letter_routing_key, QueueType.QUORUM, declare=False)
+            )
 
     @contextlib.asynccontextmanager
     async def _walk(self) -> AsyncIterator[list[AbstractIncomingMessage]]:
@@ -105,7 +116,8 @@ class DeadLetterQueue:
         held: list[AbstractIncomingMessage] = []
         try:
             while len(held) < MAX_WALK:
-                message = await queue.get(no_ack=False, fail=False, timeout=GET_TIMEOUT_S)
+                async with asyncio.timeout(GET_TIMEOUT_S + self._timeout_s):
+                    message = await queue.get(no_ack=False, fail=False, timeout=GET_TIMEOUT_S)
                 if message is None:
                     break
                 held.append(message)
@@ -113,7 +125,9 @@ class DeadLetterQueue:
         finally:
             for message in held:
                 if not message.processed:
-                    await message.nack(requeue=True)
+                    # On a channel gone, the broker returns what it held by itself.
+                    with contextlib.suppress(*BROKER_ERRORS):
+                        await message.nack(requeue=True)
 
     async def letters(self) -> list[DeadLetter]:
         now = self._clock()
@@ -154,5 +168,6 @@ class DeadLetterQueue:
 
     async def purge(self) -> int:
         queue = await self._queue()
-        result = await queue.purge()
+        async with asyncio.timeout(self._timeout_s):
+            result = await queue.purge(timeout=self._timeout_s)
         return int(result.message_count or 0)

@@ -216,7 +216,9 @@ def gateway_routes(gateway: Gateway) -> list[APIRouter]:
         health_router(health),
         asyncapi_route(),
         score_routes(deps, authenticated),
-        event_routes(deps, deps.live, gateway.status, authenticated),
+        event_routes(
+            deps, deps.live, gateway.status, authenticated, gateway.authenticator.still_valid
+        ),
         batch_routes(
             deps,
             batches=gateway.batches,

@@ -90,6 +90,18 @@ class Authenticator:
             return None
         return Caller(tenant_id=key.tenant_id, key_id=key.key_id)
 
+    async def still_valid(self, caller: Caller) -> bool:
+        """Whether `caller`'s key is still active (cached as `authenticate` is): an open
+        stream asks at every heartbeat, so a revocation ends it as it ends new requests. A
+        database away keeps the stream (it says nothing about the key)."""
+        if caller.key_id is None:
+            return True
+        try:
+            key = await self._lookup(caller.key_id)
+        except DatabaseUnavailable:
+            return True
+        return key is not None and key.active
+
     def forget(self, key_id: str) -> None:
         """Drop a key from this replica's cache (after revoking it here)."""
         self._cache.pop(key_id, None)

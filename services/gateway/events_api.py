@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
@@ -74,7 +74,11 @@ def _frame(task_id: str, change: StateChange) -> bytes:
 
 
 def event_routes(
-    deps: GatewayDeps, live: LiveUpdates, history: HistorySource, authenticated: Any
+    deps: GatewayDeps,
+    live: LiveUpdates,
+    history: HistorySource,
+    authenticated: Any,
+    still_valid: Callable[[Caller], Awaitable[bool]],
 ) -> APIRouter:
     """The SSE route; `history` is the status service's history reader."""
     router = APIRouter(prefix="/v1", tags=["scores"])
@@ -140,12 +144,17 @@ def event_routes(
         if first.status.is_terminal and not first.changes:
             live.close(waiter)
             return Response(status_code=204)
+
+        async def authorised() -> bool:
+            return await still_valid(caller)
+
         stream = _stream(
             task_id,
             first,
             after=after,
             waiter=waiter,
             read=read,
+            authorised=authorised,
             live=live,
             heartbeat_s=settings.sse_heartbeat_s,
             max_stream_s=settings.sse_max_stream_s,
@@ -170,6 +179,7 @@ async def _stream(
     after: int,
     waiter: Waiter,
     read: HistoryReader,
+    authorised: Callable[[], Awaitable[bool]],
     live: LiveUpdates,
     heartbeat_s: float,
     max_stream_s: float,
@@ -189,6 +199,8 @@ async def _stream(
         while (remaining := ends_at - clock()) > 0:
             event = await waiter.next(min(heartbeat_s, remaining))
             if event is None:
+                if not await authorised():
+                    return  # its key was revoked
                 yield b": keep-alive\n\n"
                 if not waiter.missed and clock() < resync_at:
                     continue

@@ -361,3 +361,33 @@ async def test_history_keeps_each_change_once_and_in_order(push: Push) -> None:
 async def _lines(text: str) -> AsyncIterator[str]:
     for line in text.split("\n"):
         yield line
+
+
+async def test_a_stream_ends_once_its_key_is_revoked(push: Push) -> None:
+    """Revocation takes effect within API_KEY_CACHE_TTL_S (at once on the replica that
+    revoked): an open stream, authenticated once when it opened, went on for up to
+    SSE_MAX_STREAM_S. It asks again at every heartbeat."""
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    created = await push.api.post(
+        "/admin/v1/keys", json={"tenant_id": f"revoked-{uuid.uuid4().hex[:8]}"}, headers=admin
+    )
+    assert created.status_code == 201, created.text
+    headers = {"Authorization": f"Bearer {created.json()['key']}"}
+    submitted = await push.api.post(
+        "/v1/scores",
+        json={"text": f"Later [[id:{_marker()}]]", "delay_seconds": 600},
+        headers=headers,
+    )
+    assert submitted.status_code == 202, submitted.text
+    task_id = submitted.json()["task_id"]
+    async with push.api.stream("GET", f"/v1/scores/{task_id}/events", headers=headers) as stream:
+        assert stream.status_code == 200
+        lines = stream.aiter_lines()
+        async for line in lines:
+            if line.startswith(":"):  # streaming: now revoke its key
+                break
+        revoked = await push.api.delete(f"/admin/v1/keys/{created.json()['key_id']}", headers=admin)
+        assert revoked.status_code in (200, 204), revoked.text
+        async with asyncio.timeout(60):  # a hang guard only: it ends at the next heartbeat
+            rest = [line async for line in lines]
+    assert not [line for line in rest if line.startswith("data:")]

@@ -125,6 +125,13 @@ async def _send(
         )
     except NOT_SENT:
         raise
+    except asyncio.CancelledError as error:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise  # this task is being cancelled
+        # The connection closed under the publish: aiormq rejects the pending confirms with
+        # the reason it closed, a CancelledError when its heartbeat found the link stalled.
+        raise PublishUnconfirmed(f"the connection closed: {error!r}") from error
     except Exception as error:
         raise PublishUnconfirmed(repr(error)) from error
 

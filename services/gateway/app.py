@@ -117,7 +117,7 @@ def build_gateway(
     scheduler_http: httpx.AsyncClient | None = None,
     clock: Clock = utcnow,
 ) -> Gateway:
-    broker = broker or make_broker(settings, name="gateway")
+    broker = broker or make_broker(settings, prefetch=settings.outcome_prefetch, name="gateway")
     mongo = mongo or make_mongo(settings)
     status_http = status_http or make_status_http(settings)
     database = settings.database_name("gateway")

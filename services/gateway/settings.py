@@ -18,6 +18,10 @@ class GatewaySettings(ServiceSettings):
     # The scheduler keeps each tenant's daily usage (`GET /v1/usage` reads it).
     scheduler_url: str = Field(default="http://127.0.0.1:8003", validation_alias="SCHEDULER_URL")
     scheduler_timeout_s: float = Field(default=5.0, gt=0, validation_alias="SCHEDULER_TIMEOUT_S")
+    # Task outcomes (and live events) one gateway replica holds at once: the back-pressure of
+    # its database writes. Unset, the channel's prefetch was unlimited (RabbitMQ caps that
+    # at 2,000 per quorum consumer), each held outcome retrying its write in a database outage.
+    outcome_prefetch: int = Field(default=256, ge=1, le=10_000, validation_alias="OUTCOME_PREFETCH")
     # Re-score requests (`scorebox.rescore-requests`) handled at once by one gateway replica.
     rescore_prefetch: int = Field(default=16, ge=1, le=1000, validation_alias="RESCORE_PREFETCH")
     max_text_chars: int = Field(default=50_000, gt=0, validation_alias="MAX_TEXT_CHARS")

@@ -1,0 +1,55 @@
+"""A publish whose connection stalls is reported unconfirmed, never as a cancellation.
+
+When the broker stops answering (a partition, a frozen node behind a load balancer),
+aiormq's heartbeat finds the link dead and closes the connection, rejecting every confirm
+still awaited with a `CancelledError` as the reason, though no task was cancelled. Passed
+through, it escaped every handler that catches `Exception`: a submission answered 500 and
+left to the outbox, a consumer's delivery left unsettled. On the real broker, reached
+through `SlowLink`, which holds the broker's frames back; heartbeats of 1 s find the stall
+within seconds, well before the publish's own timeout."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+from shared.bus import PublishUnconfirmed, publish_event
+from shared.contracts import Phase, TaskStarted, event_sequence, new_id, utcnow
+from shared.runtime import make_broker, start_broker
+from shared.settings import ServiceSettings
+from tests.faults.slow_link import SlowLink
+
+PUBLISH_TIMEOUT_S = 60.0  # longer than the heartbeat takes to find the stall
+
+
+def _event() -> TaskStarted:
+    now = utcnow()
+    return TaskStarted(
+        task_id=new_id(),
+        sequence=event_sequence(generation=0, attempt=1, phase=Phase.STARTED),
+        attempt=1,
+        submitted_at=now,
+        occurred_at=now,
+    )
+
+
+async def test_a_publish_on_a_stalled_connection_is_unconfirmed(amqp_url: str) -> None:
+    parts = urlsplit(amqp_url)
+    link = SlowLink((parts.hostname or "127.0.0.1", parts.port or 5672))
+    await link.start()
+    proxied = parts._replace(
+        netloc=f"{parts.username}:{parts.password}@127.0.0.1:{link.port}", query="heartbeat=1"
+    )
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": urlunsplit(proxied)})
+    broker = make_broker(settings)
+    await start_broker(broker, settings)
+    try:
+        await publish_event(broker, _event(), timeout=PUBLISH_TIMEOUT_S)  # a healthy link
+        link.reply_delay_s = 3600.0
+        with pytest.raises(PublishUnconfirmed):
+            await publish_event(broker, _event(), timeout=PUBLISH_TIMEOUT_S)
+    finally:
+        link.reply_delay_s = 0.0
+        await link.stop()
+        await broker.stop()

@@ -70,6 +70,7 @@ from shared.contracts import (
     TaskStatus,
     new_id,
 )
+from shared.indexes import string_key
 
 log = logging.getLogger("scorebox.gateway.batches")
 Clock = Callable[[], datetime]
@@ -258,7 +259,9 @@ class Batches:
         return await self._find_one({"_id": batch_id, "tenant_id": tenant_id})
 
     async def find_by_key(self, idempotency_key: str, *, tenant_id: str) -> BatchRecord | None:
-        return await self._find_one({"tenant_id": tenant_id, "idempotency_key": idempotency_key})
+        return await self._find_one(
+            {"tenant_id": tenant_id, "idempotency_key": string_key(idempotency_key)}
+        )
 
     async def _find_one(self, query: Document) -> BatchRecord | None:
         try:

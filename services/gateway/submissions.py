@@ -32,6 +32,7 @@ from services.gateway.errors import DatabaseUnavailable
 from shared.contracts import ScoreText
 from shared.group_reads import GroupReader
 from shared.group_writes import DUPLICATE_KEY, GroupWriter
+from shared.indexes import string_key
 
 Document = dict[str, Any]
 # Documents per write of a batch's submissions.
@@ -218,7 +219,7 @@ class Submissions:
             await self._update_many(
                 {
                     "_id": {"$in": task_ids[start : start + BATCH_WRITE_CHUNK]},
-                    "batch_id": batch_id,
+                    "batch_id": string_key(batch_id),
                     "state": SubmissionState.ACCEPTING.value,
                 },
                 {"$set": {"state": SubmissionState.ACCEPTED.value}},
@@ -227,7 +228,7 @@ class Submissions:
     async def mark_batch_unconfirmed(self, batch_id: str) -> None:
         """The batch was answered 202 though not every command was confirmed."""
         await self._update_many(
-            {"batch_id": batch_id, "state": SubmissionState.ACCEPTING.value},
+            {"batch_id": string_key(batch_id), "state": SubmissionState.ACCEPTING.value},
             {"$set": {"state": SubmissionState.UNCONFIRMED.value}},
         )
 
@@ -235,7 +236,7 @@ class Submissions:
         """Forget a batch's submissions whose commands never reached the broker."""
         try:
             await self._collection.delete_many(
-                {"batch_id": batch_id, "state": SubmissionState.ACCEPTING.value}
+                {"batch_id": string_key(batch_id), "state": SubmissionState.ACCEPTING.value}
             )
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
@@ -365,7 +366,9 @@ class Submissions:
         )
 
     async def find_by_key(self, idempotency_key: str, *, tenant_id: str) -> Submission | None:
-        return await self._find_one({"tenant_id": tenant_id, "idempotency_key": idempotency_key})
+        return await self._find_one(
+            {"tenant_id": tenant_id, "idempotency_key": string_key(idempotency_key)}
+        )
 
     async def interrupted(self, *, older_than: datetime, limit: int = 500) -> list[Submission]:
         """Submissions left `accepting` or `unconfirmed` before `older_than`: the outbox to

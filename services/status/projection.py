@@ -46,7 +46,7 @@ from shared.contracts import (
     parse_task_event,
 )
 from shared.group_writes import GroupWriter
-from shared.indexes import drop_retired_indexes
+from shared.indexes import drop_retired_indexes, string_key
 
 Document = dict[str, Any]
 Tasks = AsyncCollection[Document]
@@ -257,7 +257,7 @@ async def find_batch(
     batch_id: str, *, tenant_id: str, after: int, limit: int, tasks: Tasks, now: datetime
 ) -> BatchProgress:
     """Counts per status of a batch's known tasks, and a page of them by `batch_index`."""
-    members = {"tenant_id": tenant_id, "batch_id": batch_id, **readable(now)}
+    members = {"tenant_id": tenant_id, "batch_id": string_key(batch_id), **readable(now)}
     grouped = await tasks.aggregate(
         [{"$match": members}, {"$group": {"_id": "$status", "count": {"$sum": 1}}}]
     )

@@ -15,7 +15,7 @@ from pymongo.asynchronous.database import AsyncDatabase
 from devtools.infra import Endpoint
 from services.scorer.attempts import Attempts
 from services.status.projection import ensure_indexes as ensure_projection_indexes
-from shared.indexes import drop_retired_indexes
+from shared.indexes import drop_retired_indexes, string_key
 
 pytestmark = pytest.mark.integration
 
@@ -77,3 +77,20 @@ async def test_the_scorer_drops_its_unused_lease_index(
     await attempts.ensure_indexes()
 
     assert await _names(database, "attempts") == {"_id_", "updated_at_1"}
+
+
+async def test_batch_and_key_lookups_use_their_partial_indexes(
+    mongo: Endpoint, database: AsyncDatabase[Document]
+) -> None:
+    """An equality to a string does not imply the `$type: "string"` filter of a partial
+    index to MongoDB's planner; the lookups repeat it (`shared.indexes.string_key`), or a
+    batch's progress and every Idempotency-Key lookup scanned their collection. Only
+    MongoDB plans queries: the stand-in answers explain with nothing to check."""
+    if mongo.is_standin:
+        pytest.skip("the stand-in (mongoeco) does not plan queries; needs MONGO_URL=MongoDB")
+    tasks = database["tasks"]
+    await ensure_projection_indexes(tasks)
+    await tasks.insert_one({"_id": "t1", "tenant_id": "a", "batch_id": "b1", "batch_index": 0})
+    query = {"tenant_id": "a", "batch_id": string_key("b1")}
+    plan = await tasks.find(query).sort("batch_index", ASCENDING).explain()
+    assert "IXSCAN" in str(plan["queryPlanner"]["winningPlan"]), plan["queryPlanner"]

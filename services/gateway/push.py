@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Protocol
 from pydantic import ValidationError
 
 from services.gateway.errors import GatewayError
-from services.gateway.submissions import Submissions
+from services.gateway.submissions import Submissions, recently_due
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import (
     StateChange,
@@ -421,7 +421,7 @@ async def read_history(
         return history
     submission = await submissions.find(task_id, tenant_id=tenant_id)
     now = clock()
-    if submission is None or submission.created_at < now - policy.window:
+    if submission is None or not recently_due(submission, now=now, window=policy.window):
         return None
     scheduled = submission.not_before is not None and submission.not_before > now
     accepted = StateChange(

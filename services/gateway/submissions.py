@@ -419,6 +419,15 @@ def _new_document(
     return document
 
 
+def recently_due(submission: Submission, *, now: datetime, window: timedelta) -> bool:
+    """Whether the status service may not have heard of the task yet: submitted, or due (a
+    delayed task reaches the projection with its first attempt when its announcement was
+    lost), within `window`. From the submission alone, a task delayed past the window
+    answered 404 until it ran."""
+    due = max(submission.created_at, submission.not_before or submission.created_at)
+    return due >= now - window
+
+
 def _due(command: ScoreText) -> datetime:
     """When the task may run. Its record is kept for the retention from then, not from its
     submission: a task delayed beyond the retention keeps its record, and with it the

@@ -24,6 +24,7 @@ from services.gateway.submissions import (
     Submission,
     Submissions,
     SubmissionState,
+    recently_due,
     request_hash,
 )
 from shared.contracts import (
@@ -273,7 +274,7 @@ async def read_score(
         return view
     submission = await submissions.find(task_id, tenant_id=tenant_id)
     now = clock()
-    if submission is None or submission.created_at < now - window:
+    if submission is None or not recently_due(submission, now=now, window=window):
         return None
     return _view_of_submission(submission, now)
 

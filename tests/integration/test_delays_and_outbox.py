@@ -31,6 +31,7 @@ class Flow:
     api: httpx.AsyncClient
     status: httpx.AsyncClient
     submissions: Any
+    status_database: Any
 
     async def view(self, task_id: str) -> dict[str, Any]:
         response = await self.api.get(f"/v1/scores/{task_id}")
@@ -43,6 +44,12 @@ class Flow:
             return view if view.get("status") == "completed" else None
 
         return await eventually(done, timeout_s=60, what=f"{task_id} completed")
+
+    async def status_view(self, task_id: str) -> dict[str, Any] | None:
+        response = await self.status.get(
+            f"/internal/v1/tasks/{task_id}", params={"tenant_id": DEFAULT_TENANT}
+        )
+        return response.json() if response.status_code == 200 else None
 
     async def history(self, task_id: str) -> list[dict[str, Any]]:
         response = await self.status.get(
@@ -72,7 +79,12 @@ async def flow(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Flow]
         gateway = create_gateway(GatewaySettings.model_validate(env), status_http=status_client)
         async with running(gateway) as api:
             api.headers["Authorization"] = f"Bearer {API_KEY}"
-            yield Flow(api, status_client, client[f"{db_prefix}_gateway"]["submissions"])
+            yield Flow(
+                api,
+                status_client,
+                client[f"{db_prefix}_gateway"]["submissions"],
+                client[f"{db_prefix}_status"],
+            )
     await client.close()
 
 
@@ -115,6 +127,30 @@ async def test_a_task_delayed_beyond_the_retention_keeps_its_record_until_it_ran
     record = await flow.submissions.find_one({"_id": response.json()["task_id"]})
     assert record is not None
     assert record["expires_at"] >= record["not_before"] + timedelta(days=1)
+
+
+async def test_a_delayed_task_the_projection_never_heard_of_reads_scheduled_until_due(
+    flow: Flow,
+) -> None:
+    """Its announcement (`task.accepted`, best effort) was lost, so the status service hears
+    of it only when it runs: the gateway answers from its own record until then, not only
+    for READ_YOUR_WRITES_WINDOW_S after the submission (it answered 404 for up to 7 days)."""
+    response = await flow.api.post(
+        "/v1/scores", json={"text": "Tomorrow.", "delay_seconds": 86_400}
+    )
+    assert response.status_code == 202, response.text
+    task_id = response.json()["task_id"]
+
+    async def announced() -> bool:
+        return (await flow.status_view(task_id)) is not None
+
+    await eventually(announced, what="the projection heard of the task")
+    await flow.status_database["tasks"].delete_one({"_id": task_id})  # as if never announced
+    an_hour_ago = utcnow() - timedelta(hours=1)
+    await flow.submissions.update_one({"_id": task_id}, {"$set": {"created_at": an_hour_ago}})
+
+    view = await flow.view(task_id)
+    assert view["status"] == "scheduled", view
 
 
 @pytest.mark.parametrize(

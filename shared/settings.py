@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MAX_PORT = 65_535
 
 
 class ServiceSettings(BaseSettings):
@@ -30,6 +32,14 @@ class ServiceSettings(BaseSettings):
     mongo_timeout_s: float = Field(default=5.0, gt=0, validation_alias="MONGO_TIMEOUT_S")
     startup_timeout_s: float = Field(default=60.0, gt=0, validation_alias="STARTUP_TIMEOUT_S")
 
+    @field_validator("port")
+    @classmethod
+    def _a_port(cls, port: int) -> int:
+        """0 (any free port) or a TCP port, refused at start-up rather than at bind."""
+        if not 0 <= port <= MAX_PORT:
+            raise ValueError(f"a port is 0 (any free one) or 1 to {MAX_PORT}, not {port}")
+        return port
+
     def database_name(self, service: str) -> str:
         return f"{self.mongo_database_prefix}_{service}"
 
@@ -41,3 +51,18 @@ def redact_url(url: str) -> str:
         return url
     netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
     return urlunsplit(parts._replace(netloc=netloc))
+
+
+def http_url(url: str) -> str:
+    """`url` if it is an http(s) URL with a host (for a setting that names a service to call):
+    one without a scheme passed, and then every call failed (a 503 on every poll)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises on a port out of range
+    except ValueError as error:
+        raise ValueError(f"not a URL ({error}): {url!r}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(
+            f"an http(s) URL with a host is needed, e.g. http://status:8001, not {url!r}"
+        )
+    return url

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 
-from shared.settings import ServiceSettings
+from shared.settings import ServiceSettings, http_url
 
 
 class GatewaySettings(ServiceSettings):
@@ -77,3 +77,8 @@ class GatewaySettings(ServiceSettings):
     request_body_timeout_s: float = Field(
         default=30.0, gt=0, validation_alias="REQUEST_BODY_TIMEOUT_S"
     )
+
+    @field_validator("status_url", "notifier_url", "scheduler_url")
+    @classmethod
+    def _service_url(cls, url: str) -> str:
+        return http_url(url)

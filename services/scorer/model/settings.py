@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from typing import Literal
-from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.settings import http_url
 
 Provider = Literal["heuristic", "openai"]
 JsonMode = Literal["json_schema", "json_object", "none"]
@@ -39,14 +40,9 @@ class ModelSettings(BaseSettings):
         if self.llm_provider != "openai":
             return self
         try:
-            parts = urlsplit(self.llm_base_url)
-            parts.port  # noqa: B018 - raises on a port out of range
+            http_url(self.llm_base_url)
         except ValueError as error:
-            raise ValueError(f"LLM_BASE_URL is not a URL: {error}") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(
-                "LLM_BASE_URL must be an http(s) URL with a host, e.g. https://api.openai.com/v1"
-            )
+            raise ValueError(f"LLM_BASE_URL: {error}") from None
         return self
 
     @field_validator("llm_api_key")

@@ -45,6 +45,10 @@ PR_SET_PDEATHSIG = 1
 READY_POLL_INTERVAL_S = 0.1
 READY_REQUEST_TIMEOUT_S = 2.0
 KILL_WAIT_S = 10.0
+# How long `make run` lets its services finish on Ctrl-C: the scorer drains its model calls
+# in flight for LLM_TIMEOUT_S + 2 x BROKER_TIMEOUT_S (50 s by default) and uvicorn waits
+# 15 s for open connections (an SSE stream); each process that is done sooner ends sooner.
+RUN_STOP_GRACE_S = 60.0
 LOG_TAIL_LINES = 40
 SUPERVISE_INTERVAL_S = 0.5
 
@@ -567,7 +571,7 @@ def start_and_supervise(
         env=keys.service_env(),
     )
     stack = Stack(config)
-    resources.callback(stack.stop)
+    resources.callback(stack.stop, grace_s=RUN_STOP_GRACE_S)
     print(f"Starting {', '.join(config.services)} (logs in {args.log_dir}/) ...", flush=True)
     stack.start(ready_timeout_s=args.ready_timeout)
     print(banner(stack, keys), flush=True)

@@ -2,22 +2,28 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# Python 3.13: pyenv's 3.13 when present, else whatever python3.13 is on PATH.
-PYTHON313 ?= $(shell if [ -x "$$HOME/.pyenv/versions/3.13.0/bin/python3.13" ]; then echo "$$HOME/.pyenv/versions/3.13.0/bin/python3.13"; else command -v python3.13; fi)
+# Python 3.13: pyenv's newest 3.13.x when present, else python3.13 on PATH; each must answer -V
+# (pyenv's shim is on PATH even when it has no 3.13 to run).
+PYTHON313 ?= $(shell for p in $$(ls -d $$HOME/.pyenv/versions/3.13*/bin/python3.13 2>/dev/null | sort -V | tail -1) $$(command -v python3.13); do "$$p" -V >/dev/null 2>&1 && { echo "$$p"; break; }; done)
 
-.PHONY: help venv system-deps run bench-report test test-unit test-integration test-e2e test-faults lint fmt typecheck bench clean
+.PHONY: help venv constraints system-deps run bench-report test test-unit test-integration test-e2e test-faults lint fmt typecheck bench clean
 
 help:
 	@echo "make run        the whole system on this machine (RabbitMQ + MongoDB or its stand-in + 4 services)"
 	@echo "make test       lint, type check and the whole test suite"
 	@echo "make bench      the benchmark (not part of make test)"
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	@test -n "$(PYTHON313)" || { echo "Python 3.13 not found (set PYTHON313=/path/to/python3.13)"; exit 1; }
 	test -x $(PY) || $(PYTHON313) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $@
+
+# After changing dependencies: the versions installed now become every fresh install's.
+constraints: venv
+	{ sed -n '1,2p' constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v '^py-spy=='; } > constraints.tmp
+	mv constraints.tmp constraints.txt
 
 venv: $(VENV)/.installed
 
@@ -60,7 +66,7 @@ test: lint typecheck system-deps
 	SCOREBOX_SLOW_TESTS=1 $(PY) -m pytest -q
 
 $(VENV)/.bench-installed: pyproject.toml $(VENV)/.installed
-	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,bench]'
 	touch $@
 
 # The benchmark (not part of make test), then its figures into the README's performance section.

@@ -294,6 +294,7 @@ class Submissions:
             "tenant_id": tenant_id,
             "command": {"$type": "object"},
             "rescored_for": {"$ne": rubric_version},
+            "expires_at": {"$gt": now},
         }
         update = {
             "$inc": {"generation": 1},
@@ -316,6 +317,10 @@ class Submissions:
             current = await self._collection.find_one({"_id": task_id, "tenant_id": tenant_id})
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
+        if current is not None and _expired(current, now):
+            # Past its retention, not yet removed (the TTL monitor runs about once a minute,
+            # later under load): its text is no longer ours to send to the model.
+            return RescoreRefused.TEXT_NOT_KEPT
         return _earlier_rescore(current, rubric_version, may_resume=may_resume)
 
     async def finish_rescore(self, task_id: str, *, rubric_version: str, now: datetime) -> None:
@@ -465,6 +470,11 @@ def _rescore_claim(document: Document, *, resumed: bool) -> RescoreClaim:
         generation=int(document.get("generation", NO_GENERATION)),
         resumed=resumed,
     )
+
+
+def _expired(document: Document, now: datetime) -> bool:
+    expires_at = document.get("expires_at")
+    return expires_at is not None and expires_at <= now
 
 
 def _earlier_rescore(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, override
 
 import aio_pika
@@ -248,3 +249,21 @@ async def test_an_unreadable_request_is_rejected_without_requeue(env: Env) -> No
     await env.consumer(publisher, env.submissions()).on_message(delivery)
     assert delivery.settled == ["reject(requeue=False)"]
     assert publisher.sent == []
+
+
+async def test_a_submission_past_its_retention_is_not_rescored(env: Env) -> None:
+    """The TTL monitor removes it about once a minute, later under load; until then its
+    text is still readable, but no longer ours to send to the model."""
+    command = await accepted_submission(env.submissions())
+    request = rescore_request(command)
+    submissions = env.submissions()
+
+    claim = await submissions.claim_rescore(
+        command.task_id,
+        tenant_id=command.tenant_id,
+        rubric_version=request.rubric_version,
+        request_id=request.message_id,
+        now=utcnow() + timedelta(hours=2),  # retention: one hour
+    )
+
+    assert claim is RescoreRefused.TEXT_NOT_KEPT

@@ -28,7 +28,7 @@ from services.gateway.errors import (
 from services.gateway.limits import InFlight, LimitExceeded, limit_problem
 from services.gateway.push import LiveUpdates, WaiterLimitReached, read_when_changed
 from services.gateway.refusals import Refusals
-from services.gateway.schemas import ScoreSubmission, SubmissionAccepted
+from services.gateway.schemas import EXPIRED, ScoreSubmission, SubmissionAccepted
 from services.gateway.settings import GatewaySettings
 from services.gateway.submissions import Submissions
 from services.gateway.submit import (
@@ -236,14 +236,16 @@ def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
         location = {"Location": status_url(submitted.task_id)}
         if submitted.cached_result is not None:
             return _view_json(_cached_view(submitted, deps.clock()), headers=location)
+        status = submitted.status.value
         if not submitted.created:
             view = await _read(submitted.task_id, caller, deps)
             if view is not None:
                 return _view_json(view, headers=location)
+            # The key's task finished and expired from the status service (the key outlives
+            # it): not `queued`, which its status URL (a 404 now) would contradict.
+            status = EXPIRED
         accepted = SubmissionAccepted(
-            task_id=submitted.task_id,
-            status=submitted.status.value,
-            status_url=status_url(submitted.task_id),
+            task_id=submitted.task_id, status=status, status_url=status_url(submitted.task_id)
         )
         return JSONResponse(
             accepted.model_dump(), status_code=202 if submitted.created else 200, headers=location

@@ -52,7 +52,7 @@ from services.gateway.errors import (
 )
 from services.gateway.limits import LimitExceeded
 from services.gateway.refusals import Refusal, Refusals, may_have_been_written
-from services.gateway.schemas import checked_metadata
+from services.gateway.schemas import EXPIRED, checked_metadata
 from services.gateway.submissions import (
     TOMBSTONE_TTL,
     KeyTaken,
@@ -77,7 +77,6 @@ Clock = Callable[[], datetime]
 Document = dict[str, Any]
 
 MAX_BATCH_ITEMS = 1000
-EXPIRED = "expired"
 MAX_TEXT_CHARS_CONTEXT = "max_text_chars"
 
 

@@ -22,7 +22,6 @@ from services.gateway.api import (
 )
 from services.gateway.auth import Caller
 from services.gateway.batches import (
-    EXPIRED,
     MAX_TEXT_CHARS_CONTEXT,
     Batches,
     BatchPage,
@@ -35,6 +34,7 @@ from services.gateway.batches import (
 )
 from services.gateway.errors import IdempotencyConflict, RequestInProgress, Unavailable
 from services.gateway.limits import LimitExceeded, limit_problem
+from services.gateway.schemas import EXPIRED
 from services.gateway.settings import GatewaySettings
 from shared.contracts import ScoreResult, TaskFailure
 from shared.http import Problem

@@ -14,6 +14,8 @@ MAX_METADATA_BYTES = 8_192
 MAX_METADATA_DEPTH = 16  # MongoDB refuses documents nested more than 100 levels deep
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_DELAY_S = 7 * 24 * 3600
+# The status of a task the status service no longer holds (finished, then expired).
+EXPIRED = "expired"
 
 
 def checked_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
@@ -125,5 +127,9 @@ class SubmissionAccepted(BaseModel):
     """`202 Accepted`: the task id and where to poll."""
 
     task_id: str
-    status: str = Field(examples=["queued"])
+    status: str = Field(
+        examples=["queued"],
+        description="`queued` or `scheduled`; for a repeated Idempotency-Key, the task's status "
+        "now, or `expired` once the status service no longer holds the finished task.",
+    )
     status_url: str = Field(examples=["/v1/scores/6f1c0c0b3b0b4d8a9f7e1f3f0a9d2c11"])

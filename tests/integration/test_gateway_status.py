@@ -288,3 +288,37 @@ async def test_projection_never_moves_backwards_and_expires(stack: Stack) -> Non
         stack.clock.offset = timedelta()
     # Expired: 404 like an unknown task, never `queued` again from the gateway's own record.
     _assert_problem(response, 404)
+
+
+async def test_a_repeated_key_whose_task_expired_reads_expired_not_queued(stack: Stack) -> None:
+    """The key is kept for a day, a finished task's status for an hour: its repeat answered
+    200 `queued`, and its status URL 404."""
+    key = uuid.uuid4().hex
+    body = {"text": "Expired by the repeat."}
+    submitted = await stack.api.post("/v1/scores", json=body, headers={"Idempotency-Key": key})
+    task_id = submitted.json()["task_id"]
+    now = utcnow()
+    completed = TaskCompleted(
+        task_id=task_id,
+        attempt=1,
+        submitted_at=now,
+        sequence=event_sequence(generation=0, attempt=1, phase=Phase.TERMINAL),
+        result=ScoreResult(score=7.5, comment="fine", model="m"),
+    )
+    broker = make_broker(GatewaySettings.model_validate({"RABBITMQ_URL": stack.amqp_url}))
+    async with broker:
+        await broker.connect()
+        await publish_event(broker, completed, timeout=10)
+
+    async def finished() -> bool:
+        view = (await stack.api.get(f"/v1/scores/{task_id}")).json()
+        return bool(view["status"] == "completed")
+
+    await eventually(finished, what="completed")
+    stack.clock.offset = timedelta(hours=2)  # past FINISHED_TASK_TTL_S (1 h)
+    try:
+        again = await stack.api.post("/v1/scores", json=body, headers={"Idempotency-Key": key})
+    finally:
+        stack.clock.offset = timedelta()
+    assert again.status_code == 200, again.text
+    assert (again.json()["task_id"], again.json()["status"]) == (task_id, "expired")

@@ -15,7 +15,6 @@ from pydantic import ValidationError
 from pymongo.errors import BulkWriteError
 
 from services.gateway.batches import (
-    EXPIRED,
     MAX_BATCH_ITEMS,
     MAX_TEXT_CHARS_CONTEXT,
     BatchMember,
@@ -29,6 +28,7 @@ from services.gateway.batches_api import _field
 from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
 from services.gateway.publisher import TaskPublisher
 from services.gateway.refusals import Refusals
+from services.gateway.schemas import EXPIRED
 from services.gateway.submissions import _only_duplicate_ids
 from shared.contracts import (
     BatchItemProgress,

@@ -11,6 +11,7 @@ import gc
 import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import pymongo
@@ -154,6 +155,18 @@ async def keep_trying[T](
             log.warning("%s failed (%r); retrying in %.1fs", what, error, wait)
             await asyncio.sleep(wait)
             delay = min(delay * 2, max_delay_s)
+
+
+# How often a held redelivery (one kept unacknowledged while another claim on its work lasts)
+# looks again whether that claim was decided or freed.
+HOLD_POLL_S = 2.0
+
+
+async def wait_for_claim(until: datetime, clock: Callable[[], datetime]) -> None:
+    """Wait until just after `until`, when a claim's lease ends, or `HOLD_POLL_S` if sooner
+    (the claim may be decided or freed before its lease ends)."""
+    remaining = (until - clock()).total_seconds()
+    await asyncio.sleep(min(max(remaining, 0.0) + 0.05, HOLD_POLL_S))
 
 
 async def keep_publishing(publish: Callable[[], Awaitable[object]], *, what: str) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
 from devtools.infra import Endpoint, create_vhost, delete_vhost, resolve_mongo, resolve_rabbitmq
+from tests.faults.slow_link import SlowLink
 
 _MARKERS = {"integration": "integration", "e2e": "e2e", "faults": "faults"}
 
@@ -63,3 +64,17 @@ async def fake_llm() -> AsyncIterator[FakeLLM]:
     server = await start_fake_llm(FakeLLMConfig())
     yield server
     await server.stop()
+
+
+@pytest.fixture
+async def database_link(mongo: Endpoint) -> AsyncIterator[SlowLink]:
+    """A TCP proxy of this test's own to the test database, to slow or cut (`SlowLink`)."""
+    async with SlowLink.to(mongo.url).running() as link:
+        yield link
+
+
+@pytest.fixture
+async def broker_link(amqp_url: str) -> AsyncIterator[SlowLink]:
+    """A TCP proxy of this test's own to the test broker, to slow or cut (`SlowLink`)."""
+    async with SlowLink.to(amqp_url).running() as link:
+        yield link

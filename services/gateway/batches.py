@@ -70,6 +70,7 @@ from shared.contracts import (
     TaskStatus,
     new_id,
 )
+from shared.group_writes import GroupWriter
 from shared.indexes import string_key
 
 log = logging.getLogger("scorebox.gateway.batches")
@@ -182,6 +183,7 @@ class Batches:
 
     def __init__(self, client: AsyncMongoClient[Document], database: str) -> None:
         self._collection: AsyncCollection[Document] = client[database]["batches"]
+        self._writes = GroupWriter(self._collection)
 
     async def ensure_indexes(self) -> None:
         await self._collection.create_index(
@@ -239,20 +241,16 @@ class Batches:
         yet (`services/gateway/refusals.py`): the idempotency key is freed. False when the
         batch was accepted after all (a replay of its request completed it): it stays."""
         try:
-            await self._collection.update_one(
+            return await self._writes.guarded_upsert(
                 {"_id": batch_id, "state": {"$in": [BatchState.ACCEPTING, BatchState.ABANDONED]}},
                 {
                     "$set": {"state": BatchState.ABANDONED},
                     "$unset": {"idempotency_key": "", "members": ""},
                     "$setOnInsert": {"created_at": now, "expires_at": now + TOMBSTONE_TTL},
                 },
-                upsert=True,
             )
-        except DuplicateKeyError:
-            return False
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
-        return True
 
     async def find(self, batch_id: str, *, tenant_id: str) -> BatchRecord | None:
         return await self._find_one({"_id": batch_id, "tenant_id": tenant_id})

@@ -108,35 +108,35 @@ class BoundedCounters(_PerCounter[Increment, bool]):
         total = sum(queued.op.amount for queued in group)
         ceiling = min(queued.op.ceiling for queued in group)
         return total <= ceiling and await self._try_add(
-            first.counter_id, total, ceiling, first.on_insert
+            Increment(first.counter_id, total, ceiling, first.on_insert)
         )
 
     async def _alone(self, queued: Queued[Increment, bool]) -> None:
         op = queued.op
         try:
-            # A collision means full, or two first increments raced to create the counter
-            # (then the second attempt finds it): two attempts tell the two apart.
-            added = await self._try_add(op.counter_id, op.amount, op.ceiling, op.on_insert)
-            if not added:
-                added = await self._try_add(op.counter_id, op.amount, op.ceiling, op.on_insert)
+            # A collision means full, or two first increments raced to create the counter:
+            # the guarded upsert's second try tells the two apart.
+            added = await self._writes.guarded_upsert(*self._add(op))
         except Exception as error:  # noqa: BLE001
             fail(queued, error)
         else:
             settle(queued, added)
 
-    async def _try_add(
-        self, counter_id: str, amount: int, ceiling: int, on_insert: Mapping[str, Any]
-    ) -> bool:
-        update: Document = {"$inc": {"count": amount}}
-        if on_insert:
-            update["$setOnInsert"] = dict(on_insert)
+    async def _try_add(self, op: Increment) -> bool:
+        """One try (a merged group falls back to its increments alone when it collides)."""
         try:
-            await self._writes.update_one(
-                {"_id": counter_id, "count": {"$lte": ceiling - amount}}, update, upsert=True
-            )
+            await self._writes.update_one(*self._add(op), upsert=True)
         except DuplicateKeyError:
             return False
         return True
+
+    @staticmethod
+    def _add(op: Increment) -> tuple[Document, Document]:
+        """The increment as a guarded upsert: (filter, update)."""
+        update: Document = {"$inc": {"count": op.amount}}
+        if op.on_insert:
+            update["$setOnInsert"] = dict(op.on_insert)
+        return {"_id": op.counter_id, "count": {"$lte": op.ceiling - op.amount}}, update
 
 
 @dataclass(frozen=True, slots=True)

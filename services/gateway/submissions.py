@@ -255,10 +255,9 @@ class Submissions:
                 raise outcome
 
     async def _abandon(self, task_id: str, now: datetime) -> None:
-        try:
-            await self._writes.update_one(*_tombstone(task_id, now), upsert=True)
-        except DuplicateKeyError:
-            return  # a record in another state: it was sent after all, and stays
+        # False: a record in another state, sent after all, which stays. The guarded upsert
+        # tries twice: its insert also collides with the late insert landing at that moment.
+        await self._writes.guarded_upsert(*_tombstone(task_id, now))
 
     async def mark_accepted(self, task_id: str) -> None:
         """The command reached the broker; it stays recorded for re-scoring."""

@@ -16,7 +16,6 @@ with exponential back-off and jitter (Retry-After wins, up to the cap) until `ma
 
 from __future__ import annotations
 
-import asyncio
 import random
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from services.notifier.ssrf import Destination, WebhookGuard
 from shared.contracts import DeliverWebhook, new_id
 from shared.http import parse_retry_after
 from shared.in_hand import InHand
-from shared.runtime import keep_trying
+from shared.runtime import keep_trying, wait_for_claim
 from shared.topology import wait_tier_for
 
 Clock = Callable[[], datetime]
@@ -81,7 +80,6 @@ class Hold:
 
 
 DeliveryDecision = Done | Send | GiveUp
-HOLD_POLL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -143,8 +141,7 @@ async def deliver_webhook(
     attempt another process holds is then waited for (the message held) rather than
     re-sent as a fresh copy."""
     while isinstance(decision := await _deliver_once(delivery, deps, redelivered), Hold):
-        remaining = (decision.until - deps.clock()).total_seconds()
-        await asyncio.sleep(min(max(remaining, 0.0) + 0.05, HOLD_POLL_S))
+        await wait_for_claim(decision.until, deps.clock)
     return decision
 
 

@@ -42,14 +42,13 @@ from shared.contracts import (
     event_sequence,
     new_id,
 )
-from shared.runtime import keep_dead_lettering, keep_publishing
+from shared.runtime import keep_dead_lettering, keep_publishing, wait_for_claim
 from shared.topology import ATTEMPTS_HEADER, SCORE_REQUESTS
 
 log = logging.getLogger("scorebox.scorer")
 CRASHES_HEADER = "x-scorebox-crashes"
 CRASH_RETRY_DELAY = timedelta(seconds=5)
 DELIVERY_COUNT_HEADER = "x-delivery-count"  # set by quorum queues on every redelivery
-HOLD_POLL_S = 2.0  # how often a held redelivery looks whether its claim was decided or freed
 
 
 @dataclass(frozen=True)
@@ -197,8 +196,7 @@ async def _decide(
     """`score_text`, holding a redelivery (unacknowledged) while another claim lasts."""
     decision = await score_text(command, deps=deps, redelivered=redelivered)
     while isinstance(decision, Hold):
-        remaining = (decision.until - clock()).total_seconds()
-        await asyncio.sleep(min(max(remaining, 0.0) + 0.05, HOLD_POLL_S))
+        await wait_for_claim(decision.until, clock)
         decision = await score_text(command, deps=deps, redelivered=True)
     return decision
 

@@ -1,4 +1,5 @@
-"""A TCP proxy that can hold every reply back: a slow database, as its clients see it.
+"""A TCP proxy that can hold every reply back: a slow database or broker, as its clients
+see it; or cut them off.
 
 Requests go through at once, so the server applies a write whose reply then arrives after
 the client gave up on it, as with a MongoDB that is overloaded or a network that stalls.
@@ -8,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 CHUNK = 64 * 1024
+DEFAULT_PORTS = {"mongodb": 27017, "amqp": 5672}
 
 
 @dataclass
@@ -31,8 +34,21 @@ class SlowLink:
 
     @classmethod
     def to_mongo(cls, url: str) -> SlowLink:
+        return cls.to(url)
+
+    @classmethod
+    def to(cls, url: str) -> SlowLink:
+        """A link to the server of `url` (MongoDB or RabbitMQ)."""
         parts = urlsplit(url)
-        return cls((parts.hostname or "127.0.0.1", parts.port or 27017))
+        return cls((parts.hostname or "127.0.0.1", parts.port or DEFAULT_PORTS[parts.scheme]))
+
+    def url_through(self, url: str, *, query: str | None = None) -> str:
+        """`url` (credentials, path and all) reaching its server through this link."""
+        parts = urlsplit(url)
+        credentials = parts.netloc.rpartition("@")[0]
+        netloc = f"{credentials}@127.0.0.1:{self.port}" if credentials else f"127.0.0.1:{self.port}"
+        changed = parts._replace(netloc=netloc, query=parts.query if query is None else query)
+        return urlunsplit(changed)
 
     @property
     def port(self) -> int:
@@ -46,6 +62,16 @@ class SlowLink:
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._connect, "127.0.0.1", 0)
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[SlowLink]:
+        """Started for the block; healed (up, no delay) and stopped after it."""
+        await self.start()
+        try:
+            yield self
+        finally:
+            self.down, self.reply_delay_s = False, 0.0
+            await self.stop()
 
     async def stop(self) -> None:
         if self._server is not None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from services.gateway.app import create_app as create_gateway
 from services.gateway.keys import generate_key
@@ -22,14 +21,11 @@ ADMIN = {"Authorization": "Bearer test-admin-key"}
 
 
 async def test_dead_letter_routes_answer_503_while_the_broker_is_away(
-    amqp_url: str, mongo: Any, db_prefix: str
+    amqp_url: str, mongo: Any, db_prefix: str, broker_link: SlowLink
 ) -> None:
-    parts = urlsplit(amqp_url)
-    link = SlowLink((parts.hostname or "127.0.0.1", parts.port or 5672))
-    await link.start()
-    proxied = parts._replace(netloc=f"{parts.username}:{parts.password}@127.0.0.1:{link.port}")
+    link = broker_link
     env = {
-        "RABBITMQ_URL": urlunsplit(proxied),
+        "RABBITMQ_URL": link.url_through(amqp_url),
         "MONGO_URL": mongo.url,
         "MONGO_DB_PREFIX": db_prefix,
         "ADMIN_API_KEY": "test-admin-key",
@@ -37,26 +33,22 @@ async def test_dead_letter_routes_answer_503_while_the_broker_is_away(
         "BROKER_TIMEOUT_S": "1",
     }
     gateway = create_gateway(GatewaySettings.model_validate(env))
-    try:
-        async with running(gateway) as api:
-            assert (await api.get("/admin/v1/dead-letters", headers=ADMIN)).status_code == 200
-            await link.cut()
+    async with running(gateway) as api:
+        assert (await api.get("/admin/v1/dead-letters", headers=ADMIN)).status_code == 200
+        await link.cut()
 
-            async def broker_down() -> bool:
-                ready = await api.get("/readyz")
-                return ready.status_code == 503
+        async def broker_down() -> bool:
+            ready = await api.get("/readyz")
+            return ready.status_code == 503
 
-            await eventually(broker_down, what="the gateway saw the broker go")
-            for method, path in (
-                ("GET", "/admin/v1/dead-letters"),
-                ("DELETE", "/admin/v1/dead-letters"),
-            ):
-                async with asyncio.timeout(60):
-                    answer = await api.request(method, path, headers=ADMIN)
-                assert answer.status_code == 503, answer.text
-                assert answer.headers["content-type"].startswith(PROBLEM_JSON)
-                assert "Retry-After" in answer.headers
-            link.down = False
-    finally:
-        link.down = False
-        await link.stop()
+        await eventually(broker_down, what="the gateway saw the broker go")
+        for method, path in (
+            ("GET", "/admin/v1/dead-letters"),
+            ("DELETE", "/admin/v1/dead-letters"),
+        ):
+            async with asyncio.timeout(60):
+                answer = await api.request(method, path, headers=ADMIN)
+            assert answer.status_code == 503, answer.text
+            assert answer.headers["content-type"].startswith(PROBLEM_JSON)
+            assert "Retry-After" in answer.headers
+        link.down = False  # the gateway stops on a broker that is back

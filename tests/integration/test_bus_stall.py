@@ -10,8 +10,6 @@ within seconds, well before the publish's own timeout."""
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit, urlunsplit
-
 import pytest
 
 from shared.bus import PublishUnconfirmed, publish_event
@@ -34,14 +32,12 @@ def _event() -> TaskStarted:
     )
 
 
-async def test_a_publish_on_a_stalled_connection_is_unconfirmed(amqp_url: str) -> None:
-    parts = urlsplit(amqp_url)
-    link = SlowLink((parts.hostname or "127.0.0.1", parts.port or 5672))
-    await link.start()
-    proxied = parts._replace(
-        netloc=f"{parts.username}:{parts.password}@127.0.0.1:{link.port}", query="heartbeat=1"
-    )
-    settings = ServiceSettings.model_validate({"RABBITMQ_URL": urlunsplit(proxied)})
+async def test_a_publish_on_a_stalled_connection_is_unconfirmed(
+    amqp_url: str, broker_link: SlowLink
+) -> None:
+    link = broker_link
+    proxied = link.url_through(amqp_url, query="heartbeat=1")
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": proxied})
     broker = make_broker(settings)
     await start_broker(broker, settings)
     try:
@@ -51,5 +47,4 @@ async def test_a_publish_on_a_stalled_connection_is_unconfirmed(amqp_url: str) -
             await publish_event(broker, _event(), timeout=PUBLISH_TIMEOUT_S)
     finally:
         link.reply_delay_s = 0.0
-        await link.stop()
         await broker.stop()

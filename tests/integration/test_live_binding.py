@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from faststream.rabbit import RabbitBroker
@@ -108,17 +107,14 @@ async def test_a_waiter_goes_on_without_live_events_when_the_broker_is_not_there
 
 
 async def test_a_waiter_goes_on_while_the_broker_connection_is_being_restored(
-    amqp_url: str,
+    amqp_url: str, broker_link: SlowLink
 ) -> None:
     """The broker went away after the replica connected: aio-pika's robust channel waits
     for the connection to come back before it binds, without end, and every long-poll of
     the replica queued behind that bind past its own deadline. The bind is bounded as a
     whole (its `timeout` covered only the round trip); 60 s here only stops a hang."""
-    parts = urlsplit(amqp_url)
-    link = SlowLink((parts.hostname or "127.0.0.1", parts.port or 5672))
-    await link.start()
-    proxied = parts._replace(netloc=f"{parts.username}:{parts.password}@127.0.0.1:{link.port}")
-    settings = ServiceSettings.model_validate({"RABBITMQ_URL": urlunsplit(proxied)})
+    link = broker_link
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": link.url_through(amqp_url)})
     broker = make_broker(settings)
     replica_id = new_id()[:16]
     live = LiveUpdates(binding=BrokerLiveBinding(broker, replica_id, timeout_s=1.0))
@@ -140,4 +136,3 @@ async def test_a_waiter_goes_on_while_the_broker_connection_is_being_restored(
         await live.stop_listening()
         async with asyncio.timeout(60):
             await broker.stop()
-        await link.stop()

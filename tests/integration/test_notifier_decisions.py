@@ -13,35 +13,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from pymongo import AsyncMongoClient
 
-from devtools.infra import Endpoint
 from services.notifier.deliveries import (
-    DeliveryDeps,
     Done,
-    RetryPolicy,
     Send,
     Sender,
     deliver_webhook,
 )
-from services.notifier.keyring import Keyring
 from services.notifier.ledger import DeliveryState, Ledger
-from services.notifier.sender import ReceiverAnswer, WebhookSender, make_ssl_context
-from services.notifier.ssrf import Destination, WebhookGuard
+from services.notifier.sender import ReceiverAnswer
+from services.notifier.ssrf import Destination
 from shared.contracts import utcnow
 from tests.faults.slow_link import SlowLink
 from tests.integration import test_notifier_own_claims as own_claims
-from tests.integration.test_notifier import RECEIVER_HOST, Receiver, TableResolver
-from tests.integration.test_notifier_own_claims import _delivery
+from tests.integration.test_notifier import Receiver
+from tests.integration.test_notifier_own_claims import Deps, _delivery
 from tests.support import eventually
 
-receiver = own_claims.receiver  # fixture
+receiver = own_claims.receiver  # fixtures
+make_deps = own_claims.make_deps
 LEASE = timedelta(seconds=60)
 TIMEOUT_S = 0.5  # the ledger's MONGO_TIMEOUT_S
 
@@ -84,46 +81,15 @@ class FaultAfterPost:
 
 
 @pytest.fixture
-async def link(mongo: Endpoint) -> AsyncIterator[SlowLink]:
-    proxy = SlowLink.to_mongo(mongo.url)
-    await proxy.start()
-    yield proxy
-    await proxy.stop()
-
-
-@pytest.fixture
-async def ledger(link: SlowLink, db_prefix: str) -> AsyncIterator[Ledger]:
+async def ledger(database_link: SlowLink, db_prefix: str) -> AsyncIterator[Ledger]:
+    """The ledger `make_deps` takes, reaching the database through the link."""
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
-        link.mongo_url, tz_aware=True, timeoutMS=int(TIMEOUT_S * 1000)
+        database_link.mongo_url, tz_aware=True, timeoutMS=int(TIMEOUT_S * 1000)
     )
     store = Ledger(client, f"{db_prefix}_notifier", retention=timedelta(hours=1))
     await store.ensure_indexes()
     yield store
     await client.close()
-
-
-@pytest.fixture
-async def keyring(mongo: Endpoint, db_prefix: str) -> AsyncIterator[Keyring]:
-    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
-    yield Keyring(client, f"{db_prefix}_notifier")
-    await client.close()
-
-
-def _deps(ledger: Ledger, keyring: Keyring, sender: Sender) -> DeliveryDeps:
-    return DeliveryDeps(
-        ledger=ledger,
-        keyring=keyring,
-        guard=WebhookGuard(
-            TableResolver({RECEIVER_HOST: ["127.0.0.1"]}),
-            allowed_test_hosts=frozenset({"127.0.0.1"}),
-        ),
-        sender=sender,
-        policy=RetryPolicy(base_s=0.01, cap_s=0.1),
-        clock=utcnow,
-        rng=random.Random(0),
-        owner="proc-a",
-        lease=LEASE,
-    )
 
 
 @pytest.mark.parametrize("fault", ["cut", "answer lost"])
@@ -135,19 +101,14 @@ async def test_an_outcome_the_database_did_not_take_at_first_is_recorded_and_not
     status: int,
     state: DeliveryState,
     ledger: Ledger,
-    keyring: Keyring,
-    link: SlowLink,
+    make_deps: Deps,
+    database_link: SlowLink,
     receiver: tuple[Receiver, Any],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING)
-    endpoint, ca_file = receiver
-    real = WebhookSender(
-        ssl_context=make_ssl_context(ca_file),
-        connect_timeout_s=5,
-        timeout_s=10,
-        max_response_bytes=4096,
-    )
+    endpoint = receiver[0]
+    deps = make_deps("proc-a")
     delivery = _delivery(endpoint).model_copy(update={"url": endpoint.endpoint(status)})
 
     def failed_writes() -> list[logging.LogRecord]:
@@ -157,10 +118,10 @@ async def test_an_outcome_the_database_did_not_take_at_first_is_recorded_and_not
             if delivery.delivery_id in record.getMessage() and "failed" in record.getMessage()
         ]
 
-    sender = FaultAfterPost(real, link, fault, failed_writes)
+    sender = FaultAfterPost(deps.sender, database_link, fault, failed_writes)
     await ledger.register(delivery, now=utcnow())
 
-    decision = await deliver_webhook(delivery, deps=_deps(ledger, keyring, sender))
+    decision = await deliver_webhook(delivery, deps=replace(deps, sender=sender))
 
     assert sender.healed is not None
     assert sender.healed.done()

@@ -9,7 +9,6 @@ the database through `SlowLink`, which this test cuts and restores."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -28,14 +27,6 @@ from tests.support import eventually, running
 
 NOW = datetime(2030, 1, 10, 10, 31, 30, tzinfo=UTC)  # far from the rollup's fire time (:05)
 FAILED_WRITES = 3  # more than USAGE_METER_MAX_ATTEMPTS below
-
-
-@pytest.fixture
-async def link(mongo: Endpoint) -> AsyncIterator[SlowLink]:
-    proxy = SlowLink.to_mongo(mongo.url)
-    await proxy.start()
-    yield proxy
-    await proxy.stop()
 
 
 def _completed(task_id: str) -> TaskCompleted:
@@ -59,14 +50,14 @@ async def test_a_completion_during_a_database_outage_is_metered_once_it_is_back(
     amqp_url: str,
     mongo: Endpoint,
     db_prefix: str,
-    link: SlowLink,
+    database_link: SlowLink,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING)
     settings = SchedulerSettings.model_validate(
         {
             "RABBITMQ_URL": amqp_url,
-            "MONGO_URL": link.mongo_url,
+            "MONGO_URL": database_link.mongo_url,
             "MONGO_DB_PREFIX": db_prefix,
             "MONGO_TIMEOUT_S": "0.5",
             "USAGE_METER_MAX_ATTEMPTS": "2",
@@ -82,7 +73,7 @@ async def test_a_completion_during_a_database_outage_is_metered_once_it_is_back(
     records: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url)
     scheduler = create_scheduler(settings, config=config, clock=lambda: NOW)
     async with running(scheduler):
-        await link.cut()
+        await database_link.cut()
         publisher = make_broker(settings)
         async with publisher:
             await publisher.connect()
@@ -92,7 +83,7 @@ async def test_a_completion_during_a_database_outage_is_metered_once_it_is_back(
             return len(about_it()) >= FAILED_WRITES
 
         await eventually(failed_often, what=f"{FAILED_WRITES} failed writes of the usage")
-        link.down = False
+        database_link.down = False
 
         async def stored() -> bool:
             usage = records[f"{db_prefix}_scheduler"]["usage_records"]

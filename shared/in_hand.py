@@ -3,7 +3,8 @@
 A claim whose write reached the database but whose answer was lost stays in the database
 under this process's name while nothing here works on it; the next try may take it over at
 once instead of waiting for its lease. A claim held by another delivery of this process
-(two copies of one message) is live, and must not be taken over.
+(two copies of one message) is live, and must not be taken over: the second copy makes no
+claim at all, since its claim could land before the holder's, which would then take it over.
 """
 
 from __future__ import annotations

@@ -154,10 +154,13 @@ async def _deliver_once(
     ):
         return Send(delivery, "not yet due")
     with deps.in_hand.holding((delivery.delivery_id, delivery.attempt)) as only_here:
+        if not only_here:
+            # That copy carries the attempt through, or its message comes back. A claim of
+            # this copy could land before the holder's, and the holder's would then take it
+            # over as a stale lease of this process: two POSTs.
+            return Done("another copy in this process is working on this attempt")
         # Held by no other copy here: a lease of this process on it is stale.
-        return await _claim_and_send(
-            delivery, deps, now, reclaim_own=only_here, redelivered=redelivered
-        )
+        return await _claim_and_send(delivery, deps, now, redelivered=redelivered)
 
 
 async def _claim_and_send(
@@ -165,7 +168,6 @@ async def _claim_and_send(
     deps: DeliveryDeps,
     now: datetime,
     *,
-    reclaim_own: bool,
     redelivered: bool,
 ) -> DeliveryDecision | Hold:
     owner = f"{deps.owner}/{new_id()[:12]}"
@@ -175,7 +177,7 @@ async def _claim_and_send(
         owner=owner,
         now=now,
         lease=deps.lease,
-        reclaim_own=reclaim_own,
+        reclaim_own=True,
     )
     if not claim.won:
         return _without_claim(delivery, claim.record, now=now, redelivered=redelivered)

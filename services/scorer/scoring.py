@@ -106,8 +106,13 @@ async def score_text(
         return Defer(command)
     attempt = (command.task_id, command.generation, command.attempt)
     with deps.in_hand.holding(attempt) as only_here:
+        if not only_here:
+            # That delivery carries the attempt through, or its message comes back. A claim
+            # of this copy could land before the holder's, and the holder's would then take
+            # it over as a stale claim of this process: two model calls.
+            return Drop("another delivery in this process is working on this attempt")
         # Held by no other delivery here: a claim of this process on it is stale.
-        return await _claim_and_decide(command, deps, now, redelivered, reclaim_own=only_here)
+        return await _claim_and_decide(command, deps, now, redelivered)
 
 
 async def recorded_decision(
@@ -126,10 +131,10 @@ async def recorded_decision(
 
 
 async def _claim_and_decide(
-    command: ScoreText, deps: ScorerDeps, now: datetime, redelivered: bool, *, reclaim_own: bool
+    command: ScoreText, deps: ScorerDeps, now: datetime, redelivered: bool
 ) -> Decision:
     claim = await deps.attempts.claim(
-        command, now=now, lease=deps.lease, owner=deps.owner, reclaim_own=reclaim_own
+        command, now=now, lease=deps.lease, owner=deps.owner, reclaim_own=True
     )
     match claim:
         case Superseded():

@@ -9,6 +9,7 @@ name for SNI and certificate checks (`WEBHOOK_CA_FILE` trusts the test CA).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import ssl
@@ -80,13 +81,15 @@ class Receiver:
 
     port: int = 0
     scripts: dict[str, list[Answer]] = field(default_factory=dict)
+    latencies: dict[str, float] = field(default_factory=dict)
     received: dict[str, list[Received]] = field(default_factory=lambda: defaultdict(list))
 
-    def endpoint(self, *answers: int | Answer) -> str:
-        """A fresh URL giving `answers` (status, or status and headers) in turn; the last one
-        repeats."""
+    def endpoint(self, *answers: int | Answer, latency_s: float = 0.0) -> str:
+        """A fresh URL giving `answers` (status, or status and headers) in turn, each
+        `latency_s` after the request is recorded; the last one repeats."""
         name = uuid.uuid4().hex[:12]
         self.scripts[name] = [a if isinstance(a, tuple) else (a, {}) for a in answers]
+        self.latencies[name] = latency_s
         return f"https://{RECEIVER_HOST}:{self.port}/hooks/{name}"
 
     def requests(self, url: str) -> list[Received]:
@@ -100,6 +103,7 @@ class Receiver:
         )
         script = self.scripts.get(name) or [(404, {})]
         status, headers = script[min(len(calls), len(script)) - 1]
+        await asyncio.sleep(self.latencies.get(name, 0.0))  # a receiver slow to answer
         return web.Response(status=status, text=f"scripted {status}", headers=headers)
 
 

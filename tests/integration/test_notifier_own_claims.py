@@ -9,10 +9,12 @@ wait for the lease (`WEBHOOK_DNS_TIMEOUT_S` + `WEBHOOK_TIMEOUT_S` + 30 s) before
 
 from __future__ import annotations
 
+import asyncio
 import random
 import uuid
 from collections.abc import AsyncIterator, Callable
-from datetime import timedelta
+from dataclasses import replace
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -20,7 +22,7 @@ from pymongo import AsyncMongoClient
 
 from services.notifier.deliveries import DeliveryDeps, Done, RetryPolicy, Send, deliver_webhook
 from services.notifier.keyring import Keyring
-from services.notifier.ledger import Ledger
+from services.notifier.ledger import Claim, DeliveryState, Ledger
 from services.notifier.sender import WebhookSender, make_ssl_context
 from services.notifier.ssrf import WebhookGuard
 from shared.contracts import DeliverWebhook, WebhookPurpose, new_id, utcnow
@@ -31,6 +33,7 @@ from tests.integration.test_notifier import (
     _start_receiver,
     _tls,
 )
+from tests.support import eventually
 
 LEASE = timedelta(seconds=60)
 Deps = Callable[[str], DeliveryDeps]
@@ -138,8 +141,71 @@ async def test_a_lease_held_by_a_copy_in_this_process_is_not_taken_over(
     with deps.in_hand.holding((delivery.delivery_id, delivery.attempt)):  # that copy sends it
         decision = await deliver_webhook(delivery, deps=deps)
 
-    assert isinstance(decision, Send)
+    assert decision == Done("another copy in this process is working on this attempt")
     assert receiver[0].requests(delivery.url) == []
+
+
+class FirstClaimHeldBack(Ledger):
+    """The ledger, with its first claim held back until `release` is set."""
+
+    def __init__(self, client: AsyncMongoClient[dict[str, Any]], database: str) -> None:
+        super().__init__(client, database, retention=timedelta(hours=1))
+        self.holding_back = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def claim(
+        self,
+        delivery: DeliverWebhook,
+        *,
+        process: str,
+        owner: str,
+        now: datetime,
+        lease: timedelta,
+        reclaim_own: bool = False,
+    ) -> Claim:
+        if not self.holding_back.is_set():
+            self.holding_back.set()
+            await self.release.wait()
+        return await super().claim(
+            delivery, process=process, owner=owner, now=now, lease=lease, reclaim_own=reclaim_own
+        )
+
+
+async def test_a_copy_arriving_while_the_first_one_claims_leaves_the_attempt_to_it(
+    make_deps: Deps,
+    ledger: Ledger,
+    receiver: tuple[Receiver, Any],
+    mongo: Any,
+    db_prefix: str,
+) -> None:
+    """Two copies of one delivery in one process, the second while the first one's claim is
+    on its way. The second's claim used to land first, and the first one's then took it over
+    as a stale lease of this process: two POSTs (a CI run of the duplicate-event test)."""
+    delivery = _delivery(receiver[0])
+    delivery = delivery.model_copy(update={"url": receiver[0].endpoint(200, latency_s=2)})
+    await ledger.register(delivery, now=utcnow())
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
+    held_back = FirstClaimHeldBack(client, f"{db_prefix}_notifier")
+    deps = replace(make_deps("proc-a"), ledger=held_back)
+    try:
+        first = asyncio.create_task(deliver_webhook(delivery, deps=deps))
+        await asyncio.wait_for(held_back.holding_back.wait(), timeout=10)
+        copy = delivery.model_copy(update={"message_id": new_id()})
+        second = asyncio.create_task(deliver_webhook(copy, deps=deps))
+
+        async def second_done_or_sending() -> bool:
+            record = await ledger.find(delivery.delivery_id)
+            return second.done() or (record is not None and record.state is DeliveryState.SENDING)
+
+        await eventually(second_done_or_sending, what="the second copy's turn")
+        held_back.release.set()
+        decisions = await asyncio.wait_for(asyncio.gather(first, second), timeout=30)
+    finally:
+        await client.close()
+
+    assert decisions[0] == Done("delivered (200)")
+    assert decisions[1] == Done("another copy in this process is working on this attempt")
+    assert len(receiver[0].requests(delivery.url)) == 1
 
 
 async def test_a_redelivery_waits_out_another_processs_lease_then_delivers(

@@ -13,20 +13,22 @@ import asyncio
 import random
 import uuid
 from collections.abc import AsyncIterator, Callable
-from datetime import timedelta
+from dataclasses import replace
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
 from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import FakeLLM
-from services.scorer.attempts import Attempts
-from services.scorer.decisions import Defer, Finish
+from services.scorer.attempts import Attempts, ClaimResult
+from services.scorer.decisions import Defer, Drop, Finish
 from services.scorer.model import build_model
 from services.scorer.model.http_client import make_http_client
 from services.scorer.model.settings import ModelSettings
 from services.scorer.scoring import RetryPolicy, ScorerDeps, score_text
 from shared.contracts import ScoreText, TaskCompleted, TaskEvent, new_id, utcnow
+from tests.support import eventually
 
 LEASE = timedelta(seconds=60)
 Deps = Callable[[str], ScorerDeps]
@@ -122,7 +124,62 @@ async def test_two_deliveries_of_one_attempt_in_one_process_call_the_model_once(
 
     second = await score_text(command, deps=deps)  # while the first one's call is in flight
 
-    assert isinstance(second, Defer)
+    assert second == Drop("another delivery in this process is working on this attempt")
     assert isinstance(await first, Finish)
     assert _calls(fake_llm, marker) == 1
     assert len(deps.in_hand) == 0  # released
+
+
+class FirstClaimHeldBack(Attempts):
+    """The attempts store, with its first claim held back until `release` is set."""
+
+    def __init__(self, client: AsyncMongoClient[dict[str, Any]], database: str) -> None:
+        super().__init__(client, database, retention=timedelta(hours=1))
+        self.holding_back = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def claim(
+        self,
+        command: ScoreText,
+        *,
+        now: datetime,
+        lease: timedelta,
+        owner: str,
+        reclaim_own: bool = False,
+    ) -> ClaimResult:
+        if not self.holding_back.is_set():
+            self.holding_back.set()
+            await self.release.wait()
+        return await super().claim(
+            command, now=now, lease=lease, owner=owner, reclaim_own=reclaim_own
+        )
+
+
+async def test_a_delivery_arriving_while_the_first_one_claims_leaves_the_attempt_to_it(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM, mongo: Any, db_prefix: str
+) -> None:
+    """Two deliveries of one attempt in one process, the second while the first one's claim
+    is on its way. The second's claim used to land first, and the first one's then took it
+    over as a stale claim of this process: two model calls."""
+    command, marker = _command("An essay delivered twice at once [[fake:slow]].")
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
+    held_back = FirstClaimHeldBack(client, f"{db_prefix}_scorer")
+    deps = replace(make_deps("scorer-a"), attempts=held_back)
+    try:
+        first = asyncio.create_task(score_text(command, deps=deps))
+        await asyncio.wait_for(held_back.holding_back.wait(), timeout=10)
+        copy = command.model_copy(update={"message_id": new_id()})
+        second = asyncio.create_task(score_text(copy, deps=deps))
+
+        async def second_done_or_calling() -> bool:
+            return second.done() or _calls(fake_llm, marker) > 0
+
+        await eventually(second_done_or_calling, what="the second delivery's turn")
+        held_back.release.set()
+        decisions = await asyncio.wait_for(asyncio.gather(first, second), timeout=30)
+    finally:
+        await client.close()
+
+    assert isinstance(decisions[0], Finish)
+    assert decisions[1] == Drop("another delivery in this process is working on this attempt")
+    assert _calls(fake_llm, marker) == 1

@@ -137,6 +137,8 @@ class ScoreText(Contract):
     now, to the status projection, which learns the task from it)."""
 
     routing_key: ClassVar[str] = "score.requested"
+    # A task sent again (re-score, DLQ replay): to the scorer, not the status projection.
+    resubmission_routing_key: ClassVar[str] = "score.resubmitted"
 
     text: str = Field(min_length=1)
     rubric: str | None = None

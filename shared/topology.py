@@ -2,6 +2,7 @@
 
     exchange          routing key                        queue (consumer)
     scorebox.tasks    score.requested                  → scorebox.score-requests (scorer)
+                      score.resubmitted                → scorebox.score-requests (scorer)
                       score.requested, score.withdrawn → scorebox.status-projection (status)
                       score.rescore                    → scorebox.rescore-requests (gateway)
                       webhook.deliver                  → scorebox.webhook-deliveries (notifier)
@@ -127,19 +128,37 @@ class WorkQueue:
         )
 
 
-def _command_queue(name: str, routing_key: str, max_length: int | None = None) -> WorkQueue:
-    """A queue fed directly by `scorebox.tasks` and, after a delay, by `scorebox.due`."""
+def _command_queue(
+    name: str,
+    routing_key: str,
+    max_length: int | None = None,
+    *,
+    sent_now_only: tuple[str, ...] = (),
+) -> WorkQueue:
+    """A queue fed directly by `scorebox.tasks` and, after a delay, by `scorebox.due`; the
+    `sent_now_only` keys come through `scorebox.tasks` alone."""
     return WorkQueue(
         name=name,
-        bindings=(Binding(TASKS, routing_key), Binding(DUE, f"*.{routing_key}")),
+        bindings=(
+            Binding(TASKS, routing_key),
+            Binding(DUE, f"*.{routing_key}"),
+            *(Binding(TASKS, key) for key in sent_now_only),
+        ),
         max_length=max_length,
     )
 
 
+# A task sent again (re-score, DLQ replay) goes to the scorer only, as `score.resubmitted`: the
+# projection holds the task's earlier outcome, which its copy of a command the full score
+# queue refused would replace with `queued` for a generation that never runs. The gateway
+# announces a resubmission once the broker confirmed it (`task.accepted` of its generation).
 SCORE_REQUESTS = _command_queue(
-    "scorebox.score-requests", "score.requested", max_length=SCORE_QUEUE_MAX_LENGTH
+    "scorebox.score-requests",
+    "score.requested",
+    max_length=SCORE_QUEUE_MAX_LENGTH,
+    sent_now_only=("score.resubmitted",),
 )
-# The projection takes a copy of every command sent straight to the scorer: a task sent now is
+# The projection takes a copy of every submission sent straight to the scorer: a task sent now is
 # known from its command (no `task.accepted` publish of its own); a task that waits on the
 # ladder is announced by `task.accepted` (status `scheduled`). The copy arrives even when the
 # broker refuses the command because the score queue is full: the gateway then withdraws it.

@@ -5,8 +5,9 @@ returned with `basic.nack(requeue=True)`. RabbitMQ 3.x and 4.3+ do not count tha
 against the DLQ's delivery limit, 4.0 to 4.2 do, and the DLQ's own limit
 (`shared.topology.DLQ_DELIVERY_LIMIT`) is out of any operator's reach, so looking never loses
 a dead letter. Replay sends a fresh command — next generation, attempt 1, a fresh attempt
-budget, queued now — from which the status projection shows the task queued again, then acks
-the dead letter.
+budget, queued now, to the scorer alone — and once the broker confirmed it, the status
+projection is told the task is queued again (`TaskPublisher.resubmit`); then the dead letter
+is acked.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ class DeadLetterQueue:
                 "occurred_at": self._clock(),
             }
         )
-        await self._publisher.send_confirmed(fresh)
+        await self._publisher.resubmit(fresh)
 
     async def purge(self) -> int:
         queue = await self._queue()

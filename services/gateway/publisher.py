@@ -47,9 +47,10 @@ class TaskPublisher:
     """Sends `score.requested`, confirmed by the broker.
 
     A command sent now needs no announcement: the status projection takes its own copy of it
-    from `scorebox.tasks`. One that waits on the ladder is announced by `task.accepted`
-    (status `scheduled`), best effort: without it the projection learns of the task when it
-    starts, and polls meanwhile answer from the gateway's own record."""
+    from `scorebox.tasks`. One that waits on the ladder, and a resubmission, are announced by
+    `task.accepted` (status `scheduled` or `queued`), best effort: without it the projection
+    learns of the task's generation when it starts, and polls of a new task meanwhile answer
+    from the gateway's own record."""
 
     def __init__(self, broker: RabbitBroker, *, timeout_s: float) -> None:
         self._broker = broker
@@ -67,14 +68,32 @@ class TaskPublisher:
             log.warning("score.requested for %s not taken: %r", command.task_id, error)
             raise BrokerUnavailable(str(error) or type(error).__name__) from error
         if not sent_now:
-            await self._announce_waiting([command])
+            await self._announce_accepted([command])
         return True
 
-    async def send_confirmed(self, command: ScoreText) -> None:
-        """`send`, for callers that settle only what the broker confirmed (they send again
-        on failure): an unconfirmed command is `BrokerUnavailable` too."""
-        if not await self.send(command):
-            raise BrokerUnavailable(f"score.requested for {command.task_id} unconfirmed")
+    async def resubmit(self, command: ScoreText) -> None:
+        """Send a task again (re-score, DLQ replay), due now, for callers that settle only
+        what the broker confirmed (they send again on failure): anything else is
+        `BrokerUnavailable`.
+
+        It goes to the scorer alone (`score.resubmitted`): the status projection holds the
+        task's earlier outcome, and its copy of a command the full score queue refused would
+        show the task queued for a generation that never runs. The confirmed command is
+        announced to it instead (`task.accepted` of the new generation, best effort: without
+        it the projection shows the earlier outcome until the attempt starts)."""
+        try:
+            await publish_delayed(
+                self._broker,
+                command,
+                exchange=TASKS,
+                routing_key=command.resubmission_routing_key,
+                not_before=None,
+                timeout=self._timeout_s,
+            )
+        except Exception as error:
+            log.warning("score.resubmitted for %s not confirmed: %r", command.task_id, error)
+            raise BrokerUnavailable(str(error) or type(error).__name__) from error
+        await self._announce_accepted([command])
 
     async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool:
         """A task answered from the result cache: accepted and completed at once. True when
@@ -127,7 +146,7 @@ class TaskPublisher:
                 published.first,
             )
             return False
-        await self._announce_waiting(
+        await self._announce_accepted(
             [
                 command
                 for command, now in zip(commands, published.outcomes, strict=True)
@@ -158,7 +177,7 @@ class TaskPublisher:
                 published.first,
             )
 
-    async def _announce_waiting(self, commands: Sequence[ScoreText]) -> None:
+    async def _announce_accepted(self, commands: Sequence[ScoreText]) -> None:
         if not commands:
             return
         try:

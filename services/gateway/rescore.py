@@ -4,8 +4,9 @@ The scheduler publishes a `RescoreTask` per stale task to `scorebox.rescore-requ
 gateway owns the submissions and their texts, so it submits the task again: the same task
 id, the submission's next generation (the scorer claims a newer generation afresh and the
 status projection shows the task `queued` again, as after a DLQ replay), attempt 1 and a
-fresh message id, queued now; the command is published with a confirm (the projection takes
-its own copy of it).
+fresh message id, queued now; the command is published with a confirm, to the scorer alone,
+and announced to the projection once confirmed (`TaskPublisher.resubmit`): a re-score the full
+score queue refuses leaves the task's earlier outcome in view.
 
 A submission is re-scored at most once per rubric version (`Submissions.claim_rescore`), so
 duplicate requests (a fan-out run repeated, the same request twice) score nothing twice. A
@@ -57,9 +58,9 @@ RETRY_DELAYS_S: Final = (5, 30, 120, 600)
 
 
 class Resubmitter(Protocol):
-    """Sends a command, confirmed (`services.gateway.publisher.TaskPublisher`)."""
+    """Sends a task again, confirmed (`services.gateway.publisher.TaskPublisher.resubmit`)."""
 
-    async def send_confirmed(self, command: ScoreText) -> None: ...
+    async def resubmit(self, command: ScoreText) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ async def rescore_task(
     if isinstance(claim, RescoreRefused):
         return claim
     command = rescore_command(claim, now=now)
-    await publisher.send_confirmed(command)
+    await publisher.resubmit(command)
     await keep_trying(
         lambda: submissions.finish_rescore(
             request.task_id, rubric_version=request.rubric_version, now=now

@@ -91,7 +91,7 @@ class ScriptedPublisher:
         self.refusals = refusals
         self.sent: list[ScoreText] = []
 
-    async def send_confirmed(self, command: ScoreText) -> None:
+    async def resubmit(self, command: ScoreText) -> None:
         if self.refusals > 0:
             self.refusals -= 1
             raise BrokerUnavailable("negative confirm: the score queue is full")

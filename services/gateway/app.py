@@ -127,7 +127,12 @@ def build_gateway(
     deps = GatewayDeps(
         settings=settings,
         submissions=Submissions(mongo, database),
-        cache=ResultCache(mongo, database, timedelta(seconds=settings.result_cache_ttl_s)),
+        cache=ResultCache(
+            mongo,
+            database,
+            timedelta(seconds=settings.result_cache_ttl_s),
+            rubric_version=settings.rubric_version,
+        ),
         publisher=publisher,
         status=status,
         clock=clock,

@@ -3,7 +3,8 @@ and model, per tenant, answers a new submission at once without a model call.
 
 Filled from `task.completed` events (the gateway keeps each submission's cache key), read at
 submit time. Results that were themselves served from the cache, or flagged as suspicious,
-are not cached.
+are not cached. With `RUBRIC_VERSION` set, only results scored under that version are kept
+and served: after a rubric change, a submission is scored under the new one.
 """
 
 from __future__ import annotations
@@ -40,9 +41,17 @@ def cacheable(result: ScoreResult) -> bool:
 
 
 class ResultCache:
-    def __init__(self, client: AsyncMongoClient[Document], database: str, ttl: timedelta) -> None:
+    def __init__(
+        self,
+        client: AsyncMongoClient[Document],
+        database: str,
+        ttl: timedelta,
+        *,
+        rubric_version: str | None = None,
+    ) -> None:
         self._collection: AsyncCollection[Document] = client[database]["result_cache"]
         self._ttl = ttl
+        self._rubric_version = rubric_version
         self._writes = GroupWriter(self._collection)
         self._reads = GroupReader(self._collection)
 
@@ -57,11 +66,18 @@ class ResultCache:
         # Expired entries linger until the TTL monitor's next pass (once a minute).
         if document is None or document["expires_at"] <= now:
             return None
-        return ScoreResult.model_validate(document["result"])
+        result = ScoreResult.model_validate(document["result"])
+        return result if self._current(result) else None
+
+    def _current(self, result: ScoreResult) -> bool:
+        """Scored under the current rubric version (any, when none is configured)."""
+        return self._rubric_version is None or result.prompt_version == self._rubric_version
 
     async def remember(
         self, *, tenant_id: str, key: str, result: ScoreResult, task_id: str, now: datetime
     ) -> None:
+        if not self._current(result):
+            return  # a re-score or a late outcome of an earlier rubric: never served
         entry = {
             "result": result.model_dump(mode="json"),
             "task_id": task_id,

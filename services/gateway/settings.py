@@ -28,6 +28,10 @@ class GatewaySettings(ServiceSettings):
     max_body_bytes: int = Field(default=1_048_576, gt=0, validation_alias="MAX_BODY_BYTES")
     max_attempts: int = Field(default=4, ge=1, le=20, validation_alias="SCORE_MAX_ATTEMPTS")
     result_cache_ttl_s: int = Field(default=86_400, gt=0, validation_alias="RESULT_CACHE_TTL_S")
+    # The current rubric/prompt version (the scheduler's setting too): when set, the result
+    # cache answers only with results scored under it, so a new rubric is not bypassed by
+    # the cache for `RESULT_CACHE_TTL_S`.
+    rubric_version: str | None = Field(default=None, validation_alias="RUBRIC_VERSION")
     idempotency_ttl_s: int = Field(default=86_400, gt=0, validation_alias="IDEMPOTENCY_TTL_S")
     # Polls answer from the gateway's own record while the status projection has not yet heard
     # of a task this young (read-your-writes); an older unknown task is expired or never was.

@@ -1,5 +1,6 @@
 """`services.gateway.cache.ResultCache` against MongoDB (or the labelled stand-in): entries
-answer until they expire, whether or not the TTL monitor has removed them yet."""
+answer until they expire, whether or not the TTL monitor has removed them yet, and with a
+rubric version configured only results scored under it answer."""
 
 from __future__ import annotations
 
@@ -24,16 +25,21 @@ RESULT = ScoreResult(score=7.5, comment="fine", model="m")
 
 
 @pytest.fixture
-async def cache(mongo: Endpoint) -> AsyncIterator[ResultCache]:
+async def database(mongo: Endpoint) -> AsyncIterator[tuple[AsyncMongoClient[dict[str, Any]], str]]:
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
         mongo.url, tz_aware=True, serverSelectionTimeoutMS=10_000
     )
     name = f"result_cache_{uuid.uuid4().hex[:8]}"
     try:
-        yield ResultCache(client, name, TTL)
+        yield client, name
     finally:
         await client.drop_database(name)
         await client.close()
+
+
+@pytest.fixture
+def cache(database: tuple[AsyncMongoClient[dict[str, Any]], str]) -> ResultCache:
+    return ResultCache(*database, TTL)
 
 
 async def test_an_entry_answers_until_it_expires(cache: ResultCache) -> None:
@@ -54,3 +60,21 @@ async def test_concurrent_lookups_each_get_their_own_entry(cache: ResultCache) -
     )
 
     assert found == [*results, None]
+
+
+async def test_with_a_rubric_version_only_its_results_answer(
+    database: tuple[AsyncMongoClient[dict[str, Any]], str],
+) -> None:
+    earlier = RESULT.model_copy(update={"prompt_version": "rubric-1"})
+    current = RESULT.model_copy(update={"score": 3.0, "prompt_version": "rubric-2"})
+    unversioned = ResultCache(*database, TTL)  # as a gateway without RUBRIC_VERSION keeps it
+    versioned = ResultCache(*database, TTL, rubric_version="rubric-2")
+    await unversioned.remember(tenant_id="t", key="old", result=earlier, task_id="1", now=NOW)
+
+    assert await versioned.find(tenant_id="t", key="old", now=NOW) is None
+
+    await versioned.remember(tenant_id="t", key="late", result=earlier, task_id="2", now=NOW)
+    await versioned.remember(tenant_id="t", key="new", result=current, task_id="3", now=NOW)
+
+    assert await unversioned.find(tenant_id="t", key="late", now=NOW) is None  # not kept
+    assert await versioned.find(tenant_id="t", key="new", now=NOW) == current

@@ -11,7 +11,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Field, SecretStr, model_validator
 
 from services.gateway.deadletters import DeadLetterQueue
-from services.gateway.errors import Unavailable
+from services.gateway.errors import DatabaseUnavailable, Unavailable
 from shared.bus import BROKER_ERRORS
 from shared.http import Problem, admin_guard
 
@@ -63,13 +63,15 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
 
 @contextlib.contextmanager
 def _broker_away_is_503() -> Iterator[None]:
-    """The broker away, blocked or refusing: a 503 to retry, not a 500. A replay cut short
-    has sent some letters (each acked once its command was confirmed) and left the rest."""
+    """The broker (or, for a replay, the database) away, blocked or refusing: a 503 to retry,
+    not a 500. A replay cut short has sent some letters (each acked once its command was
+    confirmed) and left the rest."""
     try:
         yield
     except (*BROKER_ERRORS, Unavailable) as error:
+        away = "The database" if isinstance(error, DatabaseUnavailable) else "The broker"
         raise Problem(
             503,
-            f"The broker is unavailable ({type(error).__name__}); try again shortly.",
+            f"{away} is unavailable ({type(error).__name__}); try again shortly.",
             headers={"Retry-After": "5"},
         ) from error

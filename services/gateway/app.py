@@ -247,6 +247,7 @@ def gateway_routes(gateway: Gateway) -> list[APIRouter]:
             DeadLetterQueue(
                 gateway.broker,
                 gateway.publisher,
+                deps.submissions,
                 deps.clock,
                 timeout_s=settings.broker_timeout_s,
             ),

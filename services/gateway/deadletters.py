@@ -24,6 +24,7 @@ from faststream.rabbit import QueueType, RabbitBroker, RabbitQueue
 from pydantic import ValidationError
 
 from services.gateway.rescore import Resubmitter
+from services.gateway.submissions import Submissions
 from shared.bus import BROKER_ERRORS
 from shared.contracts import ScoreText, new_id
 from shared.topology import DEAD_LETTERED_FROM_HEADER, ERROR_HEADER, SCORE_REQUESTS
@@ -93,12 +94,14 @@ class DeadLetterQueue:
         self,
         broker: RabbitBroker,
         publisher: Resubmitter,
+        submissions: Submissions,
         clock: Callable[[], datetime],
         *,
         timeout_s: float,
     ) -> None:
         self._broker = broker
         self._publisher = publisher
+        self._submissions = submissions
         self._clock = clock
         self._timeout_s = timeout_s
 
@@ -156,9 +159,12 @@ class DeadLetterQueue:
         return replayed, skipped
 
     async def _resubmit(self, command: ScoreText) -> None:
+        # Taken from the submission, as a re-score takes its generation, so a re-score
+        # requested before the replay's outcome arrives does not reuse the replay's.
+        taken = await self._submissions.take_generation(command.task_id, above=command.generation)
         fresh = command.model_copy(
             update={
-                "generation": command.generation + 1,
+                "generation": command.generation + 1 if taken is None else taken,
                 "attempt": 1,
                 "not_before": None,
                 "message_id": new_id(),

@@ -322,6 +322,22 @@ class Submissions:
             return RescoreRefused.TEXT_NOT_KEPT
         return _earlier_rescore(current, rubric_version, may_resume=may_resume)
 
+    async def take_generation(self, task_id: str, *, above: int) -> int | None:
+        """A generation of the task above `above` and above every one handed out before, for
+        a DLQ replay (a re-score racing it takes another); None when the submission is
+        gone (past its retention), whose generations nothing else hands out any more."""
+        try:
+            await self._collection.update_one({"_id": task_id}, {"$max": {"generation": above}})
+            taken = await self._collection.find_one_and_update(
+                {"_id": task_id},
+                {"$inc": {"generation": 1}},
+                projection={"generation": True},
+                return_document=ReturnDocument.AFTER,
+            )
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+        return None if taken is None else int(taken["generation"])
+
     async def finish_rescore(self, task_id: str, *, rubric_version: str, now: datetime) -> None:
         """The re-score's command reached the broker: a duplicate request is now ignored."""
         await self._update(

@@ -309,3 +309,34 @@ async def test_a_rescore_after_a_dead_letter_replay_takes_the_next_generation(fl
     await flow.request_rescores(_rescore(task_id, version="v2"))
     await flow.completed_generation(task_id, 2)
     assert flow.calls(marker) == 6  # 4 failures, the replay, the re-score
+
+
+async def test_a_rescore_racing_a_dead_letter_replay_takes_a_generation_of_its_own(
+    flow: Flow,
+) -> None:
+    """The replay takes its generation from the submission, as a re-score does. It used to
+    send the dead letter's generation + 1 and leave the submission behind until the replay's
+    outcome arrived: a re-score requested meanwhile took the same generation, which the
+    scorer treated as the replay's (the re-score never ran)."""
+    marker = _marker()
+    task_id = await flow.submit(
+        f"Failed four times, then slow [[id:{marker}]] [[fake:500x4]][[fake:slow]]"
+    )
+
+    async def dead_lettered() -> bool:
+        view = await flow.view(task_id)
+        return view["status"] == "failed" and bool(view["error"]["dead_lettered"])
+
+    await eventually(dead_lettered, timeout_s=60, what="dead-lettered")
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    replay = await flow.api.post(
+        "/admin/v1/dead-letters/replay", json={"ids": [task_id]}, headers=admin
+    )
+    assert replay.json()["replayed"] == [task_id]
+    stored = await flow.submissions.find_one({"_id": task_id})
+    assert stored is not None
+    assert stored.get("generation") == 1  # taken by the replay, its (slow) outcome still to come
+
+    await flow.request_rescores(_rescore(task_id, version="v2"))
+    await flow.completed_generation(task_id, 2)
+    assert flow.calls(marker) == 6  # 4 failures, the replay, the re-score

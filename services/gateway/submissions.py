@@ -29,7 +29,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError, PyMongoError
 
 from services.gateway.errors import DatabaseUnavailable
-from shared.contracts import ScoreText
+from shared.contracts import ScoreResult, ScoreText
 from shared.group_reads import GroupReader
 from shared.group_writes import DUPLICATE_KEY, GroupWriter
 from shared.indexes import string_key
@@ -66,6 +66,9 @@ class Submission:
     created_at: datetime
     not_before: datetime | None
     command: ScoreText | None
+    # The result a result-cache hit answered with: a poll the status service cannot answer
+    # yet shows it too (read-your-writes), not `queued`.
+    cached_result: ScoreResult | None = None
 
 
 def request_hash(payload: Document) -> str:
@@ -162,14 +165,18 @@ class Submissions:
         cache_key: str,
         state: SubmissionState = SubmissionState.ACCEPTING,
         counted: bool = False,
+        cached_result: ScoreResult | None = None,
     ) -> None:
         """Record a new submission (`accepting` unless told), marked as counted in flight
-        when it will be; `KeyTaken` for a used key."""
+        when it will be, with the result it is answered with from the result cache;
+        `KeyTaken` for a used key."""
         document = _new_document(
             command, request_hash=request_hash, retention=retention, cache_key=cache_key
         )
         if counted:
             document[IN_FLIGHT_MARK] = True
+        if cached_result is not None:
+            document["cached_result"] = cached_result.model_dump(mode="json")
         document["state"] = state.value
         if idempotency_key is not None:
             document["idempotency_key"] = idempotency_key
@@ -517,4 +524,7 @@ def _submission_of(document: Document) -> Submission:
         created_at=document["created_at"],
         not_before=document.get("not_before"),
         command=ScoreText.model_validate(command) if command else None,
+        cached_result=ScoreResult.model_validate(cached)
+        if (cached := document.get("cached_result"))
+        else None,
     )

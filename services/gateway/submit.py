@@ -124,7 +124,8 @@ async def submit_score(
     key = cache_key(command.text, command.rubric, command.model)
     cached = None
     if submission.use_cache and command.not_before is None:
-        cached = await cache.find(tenant_id=tenant_id, key=key, now=now)
+        found = await cache.find(tenant_id=tenant_id, key=key, now=now)
+        cached = None if found is None else found.model_copy(update={"cached": True})
     gate = None if cached is not None else counting(in_flight)
     try:
         await submissions.insert(
@@ -134,6 +135,7 @@ async def submit_score(
             retention=policy.retention,
             cache_key=key,
             counted=gate is not None,
+            cached_result=cached,
         )
     except KeyTaken:
         assert idempotency_key is not None
@@ -144,9 +146,8 @@ async def submit_score(
         raise
     undo = _Undo(command, submissions, refusals)
     if cached is not None:
-        result = cached.model_copy(update={"cached": True})
-        await _announce_cached_or_discard(command, result, publisher, undo)
-        return Submitted(command.task_id, TaskStatus.COMPLETED, created=True, cached_result=result)
+        await _announce_cached_or_discard(command, cached, publisher, undo)
+        return Submitted(command.task_id, TaskStatus.COMPLETED, created=True, cached_result=cached)
     await _admit_or_discard(command, in_flight=gate, undo=undo)
     await _publish_or_discard(command, publisher=publisher, in_flight=gate, undo=undo)
     return Submitted(command.task_id, _initial_status(command, now), created=True)
@@ -280,13 +281,19 @@ async def read_score(
 
 
 def _view_of_submission(submission: Submission, now: datetime) -> TaskView:
-    scheduled = submission.not_before is not None and submission.not_before > now
+    if submission.cached_result is not None:  # as the submission's own answer showed it
+        status = TaskStatus.COMPLETED
+    elif submission.not_before is not None and submission.not_before > now:
+        status = TaskStatus.SCHEDULED
+    else:
+        status = TaskStatus.QUEUED
     return TaskView(
         task_id=submission.task_id,
-        status=TaskStatus.SCHEDULED if scheduled else TaskStatus.QUEUED,
+        status=status,
         attempts=0,
         created_at=submission.created_at,
         updated_at=submission.created_at,
+        result=submission.cached_result,
         not_before=submission.not_before,
     )
 

@@ -241,7 +241,9 @@ async def test_identical_text_is_answered_from_the_result_cache(
     finally:
         await client.close()
 
-    again = await flow.api.post("/v1/scores", json={"text": f"  Cache me [[id:{marker}]] "})
+    same_text = {"text": f"  Cache me [[id:{marker}]] "}
+    key = {"Idempotency-Key": marker}
+    again = await flow.api.post("/v1/scores", json=same_text, headers=key)
     assert again.status_code == 200, again.text
     body = again.json()
     assert body["task_id"] != first["task_id"]
@@ -251,6 +253,26 @@ async def test_identical_text_is_answered_from_the_result_cache(
     polled = await flow.finished(body["task_id"])
     assert polled["result"]["cached"] is True
     assert flow.calls(marker) == 1
+
+    # The request repeated is answered as it was the first time.
+    repeated = await flow.api.post("/v1/scores", json=same_text, headers=key)
+    assert repeated.status_code == 200, repeated.text
+    assert {k: repeated.json()[k] for k in ("task_id", "status", "result")} == {
+        k: body[k] for k in ("task_id", "status", "result")
+    }
+    # A poll the status service cannot answer (the task not in its projection, as before
+    # the cached events reach it) answers from the gateway's record: completed, not queued.
+    status_client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url)
+    try:
+        await status_client[f"{db_prefix}_status"]["tasks"].delete_one({"_id": body["task_id"]})
+    finally:
+        await status_client.close()
+    unprojected = await flow.api.get(f"/v1/scores/{body['task_id']}")
+    assert unprojected.status_code == 200, unprojected.text
+    assert (unprojected.json()["status"], unprojected.json()["result"]) == (
+        "completed",
+        body["result"],
+    )
 
     fresh = await flow.api.post("/v1/scores", json={"text": text, "use_cache": False})
     assert fresh.status_code == 202

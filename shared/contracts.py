@@ -226,6 +226,10 @@ class TaskFailed(TaskEvent):
 
     error: TaskError
     dead_lettered: bool = Field(description="The command was moved to the dead-letter queue.")
+    # What the failed attempt's model calls used when answers came back (an answer still
+    # unusable after its repair): metered like a completion's. Zero when none did.
+    usage: Usage = Field(default_factory=Usage)
+    model: str | None = Field(default=None, description="The model that answered, if any.")
     has_callback: bool | None = Field(default=None, description=HAS_CALLBACK_DESCRIPTION)
     callback_url: str | None = Field(default=None, description=CALLBACK_URL_DESCRIPTION)
 

@@ -11,7 +11,7 @@
     scorebox.events   task.*                           → scorebox.status-projection (status)
                       task.*                           → scorebox.live.<replica> (gateway, push)
                       task.completed, task.failed      → scorebox.gateway-task-outcomes (gateway)
-                      task.completed                   → scorebox.usage-meter (scheduler)
+                      task.completed, task.failed      → scorebox.usage-meter (scheduler)
                       task.failed                      → scorebox.notifications (notifier)
                       task.completed                   → scorebox.callbacks (exchange)
     scorebox.callbacks x-scorebox-callback: yes        → scorebox.notifications (notifier)
@@ -81,6 +81,9 @@ WAIT_TIERS: tuple[tuple[str, int], ...] = (
 # (RabbitMQ adds `x-death` on its own dead-lettering, but knows no reason beyond "rejected").
 ERROR_HEADER = "x-scorebox-error"
 ATTEMPTS_HEADER = "x-scorebox-attempts"
+# The routing key a task event had before it was sent on under another one (the usage meter's
+# retries): tells its contract.
+EVENT_KEY_HEADER = "x-scorebox-event"
 DEAD_LETTERED_FROM_HEADER = "x-scorebox-queue"
 
 
@@ -200,6 +203,7 @@ USAGE_METER = WorkQueue(
     name="scorebox.usage-meter",
     bindings=(
         Binding(EVENTS, "task.completed"),
+        Binding(EVENTS, "task.failed"),  # an unusable answer's tokens are billed too
         Binding(TASKS, USAGE_RETRY_ROUTING_KEY),
         Binding(DUE, f"*.{USAGE_RETRY_ROUTING_KEY}"),
     ),

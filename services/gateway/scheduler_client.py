@@ -36,7 +36,11 @@ class DailyUsage(_Model):
     """One UTC day of a tenant's completed tasks."""
 
     date: str = Field(description="The UTC day, YYYY-MM-DD.", examples=["2025-01-31"])
-    requests: int = Field(ge=0, description="Completed tasks (re-scores count again).")
+    requests: int = Field(
+        ge=0,
+        description="Completed tasks (re-scores count again), and failed ones whose unusable "
+        "answers used tokens.",
+    )
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
     total_tokens: int = Field(ge=0)

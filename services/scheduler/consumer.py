@@ -8,7 +8,7 @@
 - MongoDB unavailable around the job (recording its start or outcome): the same command is
   re-sent after the retry base delay without counting an attempt, then ack.
 
-`scorebox.usage-meter` (`task.completed`, and its own `usage.retry`):
+`scorebox.usage-meter` (`task.completed`, `task.failed`, and its own `usage.retry`):
 - unreadable body: DLQ, ack.  Recorded: ack.
 - MongoDB unavailable: the write is repeated while the delivery is held (`keep_trying`), as
   the status projection does: an outage of any length loses no usage (counted as attempts,
@@ -39,7 +39,7 @@ from services.scheduler.config import Price
 from services.scheduler.firings import FiringStore
 from services.scheduler.jobs import Clock, JobHandler
 from services.scheduler.messaging import SchedulerBus
-from services.scheduler.metering import Extras, record_task_completed
+from services.scheduler.metering import Extras, record_task_finished
 from services.scheduler.runs import (
     Continue,
     Defer,
@@ -53,9 +53,9 @@ from services.scheduler.runs import (
 )
 from services.scheduler.usage_store import UsageRecords
 from shared.consumers import Delivery, ScoreboxBroker, consume
-from shared.contracts import RunCronJob, TaskCompleted, new_id
+from shared.contracts import RunCronJob, TaskCompleted, TaskFailed, new_id
 from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying
-from shared.topology import ATTEMPTS_HEADER, CRON_JOBS, USAGE_METER, WorkQueue
+from shared.topology import ATTEMPTS_HEADER, CRON_JOBS, EVENT_KEY_HEADER, USAGE_METER, WorkQueue
 
 log = logging.getLogger("scorebox.scheduler.consumer")
 
@@ -115,6 +115,21 @@ class CronJobRunner:
         )
 
 
+_USAGE_EVENTS: dict[str, type[TaskCompleted | TaskFailed]] = {
+    TaskCompleted.routing_key: TaskCompleted,
+    TaskFailed.routing_key: TaskFailed,
+}
+
+
+def usage_event_key(message: Delivery) -> str:
+    """The task event a meter delivery holds: its routing key, or for one of the meter's own
+    retries the key it had (retries sent before failures were metered name none: those
+    were all `task.completed`)."""
+    if message.routing_key in _USAGE_EVENTS:
+        return message.routing_key
+    return str(message.headers.get(EVENT_KEY_HEADER, TaskCompleted.routing_key))
+
+
 @dataclass(frozen=True)
 class UsageMeter:
     records: UsageRecords
@@ -126,19 +141,18 @@ class UsageMeter:
     retry_after: timedelta
 
     async def on_message(self, message: Delivery) -> None:
+        key = usage_event_key(message)
         try:
-            event = TaskCompleted.model_validate_json(message.body)
+            event = _USAGE_EVENTS[key].model_validate_json(message.body)
             raw: Any = json.loads(message.body)
-        except (ValidationError, ValueError) as error:
-            log.warning("dead-lettering an unreadable task.completed: %s", error)
-            await _dead_letter(
-                self.bus, USAGE_METER, message, f"unreadable task.completed: {error}"
-            )
+        except (KeyError, ValidationError, ValueError) as error:
+            log.warning("dead-lettering an unreadable %s: %s", key, error)
+            await _dead_letter(self.bus, USAGE_METER, message, f"unreadable {key}: {error}")
             return
         extras = Extras.of(raw if isinstance(raw, dict) else {})
         try:
             await keep_trying(
-                lambda: record_task_completed(
+                lambda: record_task_finished(
                     event,
                     extras=extras,
                     usage=self.records,
@@ -153,7 +167,7 @@ class UsageMeter:
             await self._retry_or_dead_letter(event, message, error)
 
     async def _retry_or_dead_letter(
-        self, event: TaskCompleted, message: Delivery, error: Exception
+        self, event: TaskCompleted | TaskFailed, message: Delivery, error: Exception
     ) -> None:
         attempts = int(message.headers.get(ATTEMPTS_HEADER, 1))
         if attempts >= self.max_attempts:
@@ -168,7 +182,7 @@ class UsageMeter:
             lambda: self.bus.retry_usage_event(
                 event,
                 not_before=self.clock() + self.retry_after,
-                headers={ATTEMPTS_HEADER: attempts + 1},
+                headers={ATTEMPTS_HEADER: attempts + 1, EVENT_KEY_HEADER: event.routing_key},
             ),
             what=f"the usage retry of {event.task_id}",
         )

@@ -1,11 +1,12 @@
-"""Usage metering: one raw record per completed task generation, from `task.completed`.
+"""Usage metering: one raw record per finished task generation that used tokens.
 
-The scorer reports token usage in its `task.completed` events; the scheduler keeps a raw
-record per (task, generation) in its own database (idempotent under redelivery: the record's
-id is that pair and an existing record is never changed) and, from the same event, the
-catalogue entry the re-score fan-out walks. Cost is computed when the record is made, with
-the price configured for the model at that moment, in integer nano-units of the currency
-(exact sums, no float drift); a model without a configured price has no cost.
+The scorer reports token usage in its `task.completed` events, and in `task.failed` when
+answers came back and stayed unusable (the provider bills them all the same); the scheduler
+keeps a raw record per (task, generation) in its own database (idempotent under redelivery:
+the record's id is that pair and an existing record is never changed) and, from a
+completion, the catalogue entry the re-score fan-out walks. Cost is computed when the record
+is made, with the price configured for the model at that moment, in integer nano-units of
+the currency (exact sums, no float drift); a model without a configured price has no cost.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from services.scheduler.catalogue import Catalogue, CompletedTask
 from services.scheduler.config import Price
 from services.scheduler.jobs import Clock
 from services.scheduler.usage_store import UsageRecord, UsageRecords
-from shared.contracts import TaskCompleted, Usage
+from shared.contracts import TaskCompleted, TaskFailed, Usage
 
 NANOS_PER_UNIT = 10**9
+UNKNOWN_MODEL = "unknown"  # a failed task's event from before it named its model
 _NANOS_PER_1K_TOKENS_TO_PER_TOKEN = Decimal(NANOS_PER_UNIT) / 1000
 
 
@@ -81,6 +83,26 @@ def usage_record_of(
     )
 
 
+def failed_usage_record_of(
+    event: TaskFailed, *, extras: Extras, prices: Mapping[str, Price], recorded_at: datetime
+) -> UsageRecord:
+    model = event.model or UNKNOWN_MODEL
+    return UsageRecord(
+        task_id=event.task_id,
+        generation=event.generation,
+        tenant_id=event.tenant_id,
+        api_key_id=extras.api_key_id,
+        model=model,
+        prompt_tokens=event.usage.prompt_tokens,
+        completion_tokens=event.usage.completion_tokens,
+        cost_nanos=cost_nanos(event.usage, prices.get(model)),
+        cached=False,
+        day=day_of(event.occurred_at),
+        completed_at=event.occurred_at,
+        recorded_at=recorded_at,
+    )
+
+
 def completed_task_of(event: TaskCompleted, *, extras: Extras) -> CompletedTask:
     return CompletedTask(
         task_id=event.task_id,
@@ -92,8 +114,8 @@ def completed_task_of(event: TaskCompleted, *, extras: Extras) -> CompletedTask:
     )
 
 
-async def record_task_completed(
-    event: TaskCompleted,
+async def record_task_finished(
+    event: TaskCompleted | TaskFailed,
     *,
     extras: Extras,
     usage: UsageRecords,
@@ -101,6 +123,14 @@ async def record_task_completed(
     prices: Mapping[str, Price],
     clock: Clock,
 ) -> None:
-    """Keep the usage record and the catalogue entry of a completed task (idempotent)."""
+    """Keep the usage record and the catalogue entry of a completed task, the usage record of
+    a failed one whose model calls used tokens (idempotent)."""
+    if isinstance(event, TaskFailed):
+        if event.usage.total_tokens:
+            record = failed_usage_record_of(
+                event, extras=extras, prices=prices, recorded_at=clock()
+            )
+            await usage.record(record)
+        return
     await usage.record(usage_record_of(event, extras=extras, prices=prices, recorded_at=clock()))
     await catalogue.record(completed_task_of(event, extras=extras))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from shared.contracts import TaskError
+from shared.contracts import TaskError, Usage
 
 
 class ScoringError(Exception):
@@ -55,9 +55,18 @@ class UnusableOutput(PermanentError):
 
     code: ClassVar[str] = "unusable_output"
 
-    def __init__(self, message: str, *, raw_output: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        raw_output: str | None = None,
+        usage: Usage | None = None,
+        model: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.raw_output = raw_output
+        self.usage = usage  # what the calls that answered used: billed all the same
+        self.model = model
 
 
 class ModelMisconfigured(PermanentError):

@@ -23,9 +23,9 @@ from services.scorer.settings import ScorerSettings
 from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
 from shared.bus import publish_command
-from shared.contracts import ScoreText, new_id
+from shared.contracts import ScoreText, TaskFailed, new_id
 from shared.runtime import make_broker
-from shared.topology import ERROR_HEADER, SCORE_REQUESTS, TASKS
+from shared.topology import ERROR_HEADER, EVENTS, SCORE_REQUESTS, TASKS
 from tests.support import eventually, running, stack_env
 
 ADMIN_KEY = "test-admin-key"
@@ -166,6 +166,32 @@ async def test_permanent_failures_fail_at_once(
     assert view["error"]["dead_lettered"] is False
     assert view["attempts"] == 1
     assert flow.calls(marker) == calls
+
+
+async def test_an_answer_still_unusable_reports_the_tokens_it_used(flow: Flow) -> None:
+    """Both calls (the answer and its repair) came back and are billed: `task.failed`
+    carries their usage and model, which the usage meter records like a completion's."""
+    connection = await aio_pika.connect(flow.amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        failures = await channel.declare_queue(exclusive=True, timeout=10)
+        await failures.bind(EVENTS.name, routing_key=TaskFailed.routing_key, timeout=10)
+        marker = _marker()
+        task_id = await flow.submit(f"Unusable twice [[id:{marker}]] [[fake:malformed]]")
+
+        async def failed() -> TaskFailed | None:
+            message = await failures.get(no_ack=True, fail=False, timeout=5)
+            if message is None:
+                return None
+            event = TaskFailed.model_validate_json(message.body)
+            return event if event.task_id == task_id else None
+
+        event = await eventually(failed, what="the task.failed event")
+    assert event.error.code == "unusable_output"
+    assert event.model == "fake-judge-1"
+    assert event.usage.prompt_tokens > 0
+    assert event.usage.completion_tokens > 0
+    assert flow.calls(marker) == 2
 
 
 async def test_hanging_model_times_out_and_is_retried(flow: Flow) -> None:

@@ -24,7 +24,15 @@ from services.scheduler.app import create_app as create_scheduler
 from services.scheduler.config import parse_config
 from services.scheduler.settings import SchedulerSettings
 from shared.bus import publish_event
-from shared.contracts import DEFAULT_TENANT, ScoreResult, TaskCompleted, Usage
+from shared.contracts import (
+    DEFAULT_TENANT,
+    ScoreResult,
+    TaskCompleted,
+    TaskError,
+    TaskEvent,
+    TaskFailed,
+    Usage,
+)
 from shared.http import PROBLEM_JSON
 from shared.runtime import make_broker
 from tests.support import eventually, running
@@ -72,7 +80,25 @@ def _completed(task_id: str, tenant: str, day: str, prompt: int, completion: int
     )
 
 
-async def _publish(amqp_url: str, events: Sequence[TaskCompleted]) -> None:
+def _failed(task_id: str, day: str, usage: Usage) -> TaskFailed:
+    """A task whose answers stayed unusable (its tokens billed), or that got none (`usage`
+    zero: nothing to meter)."""
+    at = datetime.fromisoformat(f"{day}T12:00:00+00:00")
+    return TaskFailed(
+        task_id=task_id,
+        tenant_id=DEFAULT_TENANT,
+        sequence=190,
+        attempt=1,
+        submitted_at=at,
+        occurred_at=at,
+        error=TaskError(code="unusable_output", message="still unusable", retryable=False),
+        dead_lettered=False,
+        usage=usage,
+        model="priced" if usage.total_tokens else None,
+    )
+
+
+async def _publish(amqp_url: str, events: Sequence[TaskEvent]) -> None:
     broker = make_broker(SchedulerSettings.model_validate({"RABBITMQ_URL": amqp_url}))
     async with broker:
         await broker.connect()
@@ -135,6 +161,8 @@ async def stack(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Stac
         _completed("a2", DEFAULT_TENANT, "2030-01-02", 2000, 200),
         _completed("a3", DEFAULT_TENANT, "2030-01-08", 300, 30),
         _completed("b1", other, "2030-01-02", 10, 1),
+        _failed("f1", "2030-01-08", Usage(prompt_tokens=400, completion_tokens=40)),
+        _failed("f2", "2030-01-08", Usage()),
     ]
     scheduler = create_scheduler(SchedulerSettings.model_validate(env), config=config, clock=_clock)
     mongo_client: Mongo = AsyncMongoClient(mongo.url, tz_aware=True)
@@ -144,7 +172,7 @@ async def stack(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Stac
         )
         async with running(gateway) as gateway_api:
             await _publish(amqp_url, events)
-            await _metered(mongo_client, f"{db_prefix}_scheduler", len(events))
+            await _metered(mongo_client, f"{db_prefix}_scheduler", len(events) - 1)  # not f2
             await _roll_up(scheduler_api)
             key = await _other_key(gateway_api, other)
             yield Stack(gateway_api, scheduler_api, other, key, env)
@@ -160,16 +188,17 @@ async def test_each_tenant_reads_only_its_own_usage(stack: Stack) -> None:
         "2030-01-01",
         "2030-01-31",
     )
+    # 2030-01-08: a completion, and a failure whose unusable answers used tokens.
     assert [(day["date"], day["requests"]) for day in mine["days"]] == [
         ("2030-01-02", 2),
-        ("2030-01-08", 1),
+        ("2030-01-08", 2),
     ]
     assert mine["totals"] == {
-        "requests": 3,
-        "prompt_tokens": 3300,
-        "completion_tokens": 330,
-        "total_tokens": 3630,
-        "cost": pytest.approx(0.00396),
+        "requests": 4,
+        "prompt_tokens": 3700,
+        "completion_tokens": 370,
+        "total_tokens": 4070,
+        "cost": pytest.approx(0.00444),
         "unpriced_requests": 0,
     }
 
@@ -184,7 +213,7 @@ async def test_each_tenant_reads_only_its_own_usage(stack: Stack) -> None:
 async def test_the_period_defaults_to_the_30_days_up_to_today(stack: Stack) -> None:
     everything = (await stack.usage()).json()
     assert (everything["from"], everything["to"]) == ("2029-12-11", "2030-01-10")
-    assert everything["totals"]["requests"] == 3
+    assert everything["totals"]["requests"] == 4
 
     until = (await stack.usage(to="2030-01-05")).json()
     assert (until["from"], until["to"]) == ("2029-12-06", "2030-01-05")
@@ -192,7 +221,7 @@ async def test_the_period_defaults_to_the_30_days_up_to_today(stack: Stack) -> N
 
     since = (await stack.usage(**{"from": "2030-01-05"})).json()
     assert (since["from"], since["to"]) == ("2030-01-05", "2030-01-10")
-    assert since["totals"]["requests"] == 1
+    assert since["totals"]["requests"] == 2
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ from services.scorer.model import (
     make_http_client,
 )
 from services.scorer.model.http_client import MAX_REPLY_BYTES
+from shared.contracts import Usage
 from tests.support import serving
 
 NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
@@ -300,11 +301,17 @@ async def test_malformed_output_is_repaired_by_a_second_call() -> None:
 
 
 async def test_malformed_twice_is_unusable_output() -> None:
-    provider = ScriptedProvider(completion("Sure!"), completion("Still not JSON."))
+    provider = ScriptedProvider(
+        completion("Sure!", prompt_tokens=100, completion_tokens=10),
+        completion("Still not JSON.", prompt_tokens=150, completion_tokens=20),
+    )
     with pytest.raises(UnusableOutput, match="after one repair attempt") as caught:
         await score_with(provider)
     assert caught.value.raw_output == "Still not JSON."
     assert len(provider.requests) == 2
+    # Both answers are billed: the failure reports what they used, to be metered.
+    assert caught.value.usage == Usage(prompt_tokens=250, completion_tokens=30)
+    assert caught.value.model == "gpt-4o-mini-2024-07-18"
 
 
 async def test_an_out_of_range_score_is_repaired() -> None:

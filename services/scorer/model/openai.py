@@ -192,6 +192,8 @@ class OpenAIChatModel:
             raise UnusableOutput(
                 f"still unusable after one repair attempt: {problem.message}",
                 raw_output=second.content,
+                usage=usage,
+                model=second.model,
             ) from problem
 
     async def _complete(self, messages: Messages, model: str) -> _Answer:

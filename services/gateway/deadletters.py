@@ -160,8 +160,9 @@ class DeadLetterQueue:
 
     async def _resubmit(self, command: ScoreText) -> None:
         # Taken from the submission, as a re-score takes its generation, so a re-score
-        # requested before the replay's outcome arrives does not reuse the replay's.
-        taken = await self._submissions.take_generation(command.task_id, above=command.generation)
+        # requested before the replay's outcome arrives does not reuse the replay's; every
+        # copy of one dead letter gets the same one.
+        taken = await self._submissions.replay_generation(command.task_id, of=command.generation)
         fresh = command.model_copy(
             update={
                 "generation": command.generation + 1 if taken is None else taken,

@@ -96,15 +96,24 @@ async def rescore_task(
 ) -> RescoreOutcome:
     """Claim the task's next generation and send it; raises `BrokerUnavailable` when the
     command is not confirmed (the claim then stays unsent and a retry resumes it)."""
-    claim = await keep_trying(
-        lambda: submissions.claim_rescore(
+    tried = False
+
+    async def claim_once() -> RescoreClaim | RescoreRefused:
+        # A try whose claim landed but whose answer was lost left this request's own claim
+        # unsent: the next try resumes it rather than dropping it as a duplicate's.
+        nonlocal tried
+        resume, tried = may_resume or tried, True
+        return await submissions.claim_rescore(
             request.task_id,
             tenant_id=request.tenant_id,
             rubric_version=request.rubric_version,
             request_id=request.message_id,
             now=now,
-            may_resume=may_resume,
-        ),
+            may_resume=resume,
+        )
+
+    claim = await keep_trying(
+        claim_once,
         what=f"claiming the re-score of {request.task_id}",
         retry_on=(DatabaseUnavailable,),
     )

@@ -319,6 +319,12 @@ class Submissions:
                 claimable, update, return_document=ReturnDocument.AFTER
             )
             if claimed is not None:
+                # Kept with the claim: a resumed claim runs as the generation it took, not
+                # as one a DLQ replay took from the submission meanwhile.
+                await self._collection.update_one(
+                    {"_id": task_id, "rescore.request_id": request_id},
+                    {"$set": {"rescore.generation": claimed["generation"]}},
+                )
                 return _rescore_claim(claimed, resumed=False)
             current = await self._collection.find_one({"_id": task_id, "tenant_id": tenant_id})
         except PyMongoError as error:
@@ -329,21 +335,39 @@ class Submissions:
             return RescoreRefused.TEXT_NOT_KEPT
         return _earlier_rescore(current, rubric_version, may_resume=may_resume)
 
-    async def take_generation(self, task_id: str, *, above: int) -> int | None:
-        """A generation of the task above `above` and above every one handed out before, for
-        a DLQ replay (a re-score racing it takes another); None when the submission is
-        gone (past its retention), whose generations nothing else hands out any more."""
+    async def replay_generation(self, task_id: str, *, of: int) -> int | None:
+        """The generation a DLQ replay of generation `of` runs as: taken from the submission
+        the first time, above every generation handed out before (a re-score racing the
+        replay takes another), and the same for every later copy of that dead letter (the
+        DLQ may hold two; both must reach the scorer as one attempt). None when the
+        submission is gone (past its retention): nothing else hands its generations out."""
+        replay = f"replays.g{of}"
         try:
-            await self._collection.update_one({"_id": task_id}, {"$max": {"generation": above}})
+            given = await self._replayed_as(task_id, of)
+            if given is not None:
+                return given
+            await self._collection.update_one({"_id": task_id}, {"$max": {"generation": of}})
             taken = await self._collection.find_one_and_update(
                 {"_id": task_id},
                 {"$inc": {"generation": 1}},
                 projection={"generation": True},
                 return_document=ReturnDocument.AFTER,
             )
+            if taken is None:
+                return None
+            # A copy replayed at the same moment may have set it first: its generation wins.
+            await self._collection.update_one(
+                {"_id": task_id, replay: {"$exists": False}},
+                {"$set": {replay: taken["generation"]}},
+            )
+            return await self._replayed_as(task_id, of)
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
-        return None if taken is None else int(taken["generation"])
+
+    async def _replayed_as(self, task_id: str, of: int) -> int | None:
+        found = await self._collection.find_one({"_id": task_id}, projection={"replays": True})
+        given = ((found or {}).get("replays") or {}).get(f"g{of}")
+        return None if given is None else int(given)
 
     async def finish_rescore(self, task_id: str, *, rubric_version: str, now: datetime) -> None:
         """The re-score's command reached the broker: a duplicate request is now ignored."""
@@ -487,9 +511,12 @@ def _tombstone(task_id: str, now: datetime) -> tuple[Document, Document]:
 
 
 def _rescore_claim(document: Document, *, resumed: bool) -> RescoreClaim:
+    claimed_as = (document.get("rescore") or {}).get("generation")
+    if claimed_as is None:  # a fresh claim, or one from before claims kept their generation
+        claimed_as = document.get("generation", NO_GENERATION)
     return RescoreClaim(
         command=ScoreText.model_validate(document["command"]),
-        generation=int(document.get("generation", NO_GENERATION)),
+        generation=int(claimed_as),
         resumed=resumed,
     )
 

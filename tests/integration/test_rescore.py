@@ -28,7 +28,7 @@ from services.status.settings import StatusSettings
 from shared.bus import publish_delayed
 from shared.contracts import DEFAULT_TENANT, RescoreTask, new_id
 from shared.runtime import make_broker
-from shared.topology import RESCORE_REQUESTS, TASKS
+from shared.topology import RESCORE_REQUESTS, SCORE_REQUESTS, TASKS
 from tests.support import eventually, running, stack_env
 
 API_KEY = generate_key().token  # registered for the default tenant by BOOTSTRAP_API_KEY
@@ -340,3 +340,46 @@ async def test_a_rescore_racing_a_dead_letter_replay_takes_a_generation_of_its_o
     await flow.request_rescores(_rescore(task_id, version="v2"))
     await flow.completed_generation(task_id, 2)
     assert flow.calls(marker) == 6  # 4 failures, the replay, the re-score
+
+
+async def _copy_the_dead_letter(amqp_url: str) -> None:
+    """Put a second copy of the score queue's only dead letter beside it, as a dead letter
+    sent again (its confirm lost) or a redelivery dead-lettering a recorded failure do."""
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        queue = await channel.get_queue(SCORE_REQUESTS.dead_letter_routing_key, ensure=True)
+        letter = await queue.get(no_ack=False, timeout=5)
+        copy = aio_pika.Message(
+            letter.body,
+            headers=dict(letter.headers),
+            message_id=letter.message_id,
+            correlation_id=letter.correlation_id,
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        )
+        await channel.default_exchange.publish(copy, routing_key=queue.name, timeout=10)
+        await letter.nack(requeue=True)
+
+
+async def test_two_copies_of_a_dead_letter_replay_as_one_generation(flow: Flow) -> None:
+    """Each copy used to take a generation of its own from the submission: the task was
+    scored twice (two calls, two outcomes, two callbacks)."""
+    marker = _marker()
+    task_id = await flow.submit(f"Dead-lettered, copied [[id:{marker}]] [[fake:500x4]]")
+
+    async def dead_lettered() -> bool:
+        view = await flow.view(task_id)
+        return view["status"] == "failed" and bool(view["error"]["dead_lettered"])
+
+    await eventually(dead_lettered, timeout_s=60, what="dead-lettered")
+    await _copy_the_dead_letter(flow.amqp_url)
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    replay = await flow.api.post(
+        "/admin/v1/dead-letters/replay", json={"ids": [task_id]}, headers=admin
+    )
+    assert replay.json()["replayed"] == [task_id, task_id]
+    stored = await flow.submissions.find_one({"_id": task_id})
+    assert stored is not None
+    assert stored.get("generation") == 1  # one generation taken for both copies
+    await flow.completed_generation(task_id, 1)
+    assert flow.calls(marker) == 5  # 4 failures, then the replay (once)

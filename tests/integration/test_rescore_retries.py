@@ -110,6 +110,19 @@ class OutageOnce(Submissions):
         return await super().claim_rescore(*args, **kwargs)
 
 
+class AnswerLostOnce(Submissions):
+    """The first claim reaches the database, but its answer is lost."""
+
+    losses = 1
+
+    async def claim_rescore(self, *args: Any, **kwargs: Any) -> RescoreClaim | RescoreRefused:
+        claimed = await super().claim_rescore(*args, **kwargs)
+        if self.losses > 0:
+            self.losses -= 1
+            raise DatabaseUnavailable("timed out waiting for the answer")
+        return claimed
+
+
 @dataclass
 class Env:
     amqp_url: str
@@ -267,3 +280,41 @@ async def test_a_submission_past_its_retention_is_not_rescored(env: Env) -> None
     )
 
     assert claim is RescoreRefused.TEXT_NOT_KEPT
+
+
+async def test_a_claim_whose_answer_was_lost_is_resumed_by_the_next_try(env: Env) -> None:
+    """The next try found the request's own claim unsent and dropped it as a duplicate's:
+    the re-score was never sent, and nothing would send it."""
+    command = await accepted_submission(env.submissions())
+    publisher = ScriptedPublisher()
+    delivery = FakeDelivery(rescore_request(command).model_dump_json().encode())
+
+    await env.consumer(publisher, env.submissions(AnswerLostOnce)).on_message(delivery)
+
+    assert delivery.settled == ["ack"]
+    assert [sent.generation for sent in publisher.sent] == [1]
+
+
+async def test_a_resumed_rescore_keeps_its_generation_when_a_replay_took_the_next(
+    env: Env,
+) -> None:
+    """A DLQ replay taking a generation while the re-score waited for room: the re-score's
+    retry used to resume as the replay's generation (which the scorer took for the replay's
+    attempt: the re-score never ran)."""
+    command = await accepted_submission(env.submissions())
+    request = rescore_request(command)
+    await env.take(RESCORE_REQUESTS.name)
+    refused = FakeDelivery(request.model_dump_json().encode())
+    await env.consumer(ScriptedPublisher(refusals=1), env.submissions()).on_message(refused)
+
+    replayed_as = await env.submissions().replay_generation(command.task_id, of=0)
+    assert replayed_as == 2
+    assert await env.submissions().replay_generation(command.task_id, of=0) == 2  # a copy
+
+    async def came_back() -> list[aio_pika.abc.AbstractIncomingMessage] | None:
+        return await env.take(RESCORE_REQUESTS.name) or None
+
+    [retry] = await eventually(came_back, what="the request back from the 5 s wait queue")
+    confirming = ScriptedPublisher()
+    await env.consumer(confirming, env.submissions()).on_message(FakeDelivery(retry.body))
+    assert [sent.generation for sent in confirming.sent] == [1]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime
 from enum import IntEnum, StrEnum
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Final
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
@@ -64,6 +64,11 @@ _GENERATION_SPAN = 1_000_000
 def event_sequence(*, generation: int, attempt: int, phase: Phase) -> int:
     """Total order of a task's events: generation (DLQ replays), then attempt, then phase."""
     return generation * _GENERATION_SPAN + attempt * _ATTEMPT_SPAN + int(phase)
+
+
+# A result-cache hit's completion: no attempt ran (a scoring attempt of the task, should its
+# command be sent after all, supersedes it).
+CACHED_COMPLETION_SEQUENCE: Final = event_sequence(generation=0, attempt=0, phase=Phase.TERMINAL)
 
 
 class Contract(BaseModel):

@@ -30,13 +30,12 @@ from shared.bus import (
     publish_events,
 )
 from shared.contracts import (
-    Phase,
+    CACHED_COMPLETION_SEQUENCE,
     ScoreResult,
     ScoreText,
     ScoreWithdrawn,
     TaskCompleted,
     accepted_event,
-    event_sequence,
 )
 from shared.topology import TASKS
 
@@ -102,7 +101,7 @@ class TaskPublisher:
         completed = TaskCompleted(
             task_id=command.task_id,
             tenant_id=command.tenant_id,
-            sequence=event_sequence(generation=0, attempt=0, phase=Phase.TERMINAL),
+            sequence=CACHED_COMPLETION_SEQUENCE,
             submitted_at=command.submitted_at,
             occurred_at=command.submitted_at,
             api_key_id=command.api_key_id,

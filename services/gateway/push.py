@@ -42,6 +42,7 @@ from services.gateway.errors import GatewayError
 from services.gateway.submissions import Submissions, recently_due
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import (
+    CACHED_COMPLETION_SEQUENCE,
     StateChange,
     TaskEvent,
     TaskHistory,
@@ -424,14 +425,26 @@ async def read_history(
     if submission is None or not recently_due(submission, now=now, window=policy.window):
         return None
     scheduled = submission.not_before is not None and submission.not_before > now
-    accepted = StateChange(
-        sequence=0,
-        status=TaskStatus.SCHEDULED if scheduled else TaskStatus.QUEUED,
-        occurred_at=submission.created_at,
-    )
+    recorded = [
+        StateChange(
+            sequence=0,
+            status=TaskStatus.SCHEDULED if scheduled else TaskStatus.QUEUED,
+            occurred_at=submission.created_at,
+        )
+    ]
+    if submission.cached_result is not None:  # answered from the result cache at once
+        recorded.append(
+            StateChange(
+                sequence=CACHED_COMPLETION_SEQUENCE,
+                status=TaskStatus.COMPLETED,
+                occurred_at=submission.created_at,
+                result=submission.cached_result,
+            )
+        )
+    latest = recorded[-1]
     return TaskHistory(
         task_id=task_id,
-        status=accepted.status,
-        sequence=0,
-        changes=[accepted] if after < 0 else [],
+        status=latest.status,
+        sequence=latest.sequence,
+        changes=[change for change in recorded if change.sequence > after],
     )

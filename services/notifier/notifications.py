@@ -94,8 +94,9 @@ async def when_task_accepted_remember_callback(
 ) -> list[DeliverWebhook]:
     """For outcomes of older producers, which do not carry the callback URL. New deployments
     do not route `task.accepted` to the notifier; one upgraded from an earlier version keeps
-    that binding until an operator removes it, and is served here."""
-    if not event.callback_url:
+    that binding until an operator removes it, and is served here. A later generation's
+    acceptance (a re-score, a DLQ replay) tells nothing new: the first one gave the URL."""
+    if not event.callback_url or event.generation > 0:
         return []
     callback = Callback(task_id=event.task_id, tenant_id=event.tenant_id, url=event.callback_url)
     earlier = await deps.callbacks.register(

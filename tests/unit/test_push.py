@@ -313,9 +313,15 @@ class NoHistory:
 
 
 class Submission:
-    def __init__(self, created_at: datetime, not_before: datetime | None = None) -> None:
+    def __init__(
+        self,
+        created_at: datetime,
+        not_before: datetime | None = None,
+        cached_result: ScoreResult | None = None,
+    ) -> None:
         self.created_at = created_at
         self.not_before = not_before
+        self.cached_result = cached_result
 
 
 @pytest.mark.parametrize(
@@ -342,6 +348,28 @@ async def test_a_young_submission_reads_as_its_acceptance(
     assert history.status is status
     assert len(history.changes) == changes
     assert all(change.sequence == 0 for change in history.changes)
+
+
+@pytest.mark.parametrize(("after", "sequences"), [(-1, [0, 90]), (0, [90]), (90, [])])
+async def test_a_young_cache_hit_reads_as_accepted_and_completed(
+    after: int, sequences: list[int]
+) -> None:
+    """A result-cache hit the status service has not heard of: its completion came with
+    its answer, and a stream right after it must not wait for events already gone by."""
+    result = ScoreResult(score=6.0, comment="cached", model="m", cached=True)
+    history = await read_history(
+        "t1",
+        tenant_id="a",
+        after=after,
+        status=NoHistory(),
+        submissions=FakeSubmissions(Submission(T0, cached_result=result)),  # type: ignore[arg-type]
+        clock=lambda: T0 + timedelta(seconds=1),
+        policy=HistoryPolicy(window=timedelta(minutes=5)),
+    )
+    assert history is not None
+    assert (history.status, history.sequence) == (TaskStatus.COMPLETED, 90)
+    assert [change.sequence for change in history.changes] == sequences
+    assert all(c.result == result for c in history.changes if c.status is TaskStatus.COMPLETED)
 
 
 async def test_an_old_unknown_submission_reads_as_unknown() -> None:

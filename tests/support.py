@@ -29,7 +29,7 @@ def stack_env(
     llm_url: str,
     api_key: str,
     admin_key: str | None = None,
-    llm_timeout_s: float = 1,
+    llm_timeout_s: float = 10,
     **overrides: str,
 ) -> dict[str, str]:
     """The settings of services run in-process against the fake model: quick retries, the

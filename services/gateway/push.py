@@ -177,7 +177,8 @@ class LiveUpdates:
 
     @property
     def listening(self) -> bool:
-        return self._binding is None or self._binding.bound
+        """Whether task events may reach this replica: bound, or its unbinding not done."""
+        return self._binding is None or self._binding.bound or self._binding.unbinding
 
     async def stop_listening(self) -> None:
         """Stop keeping the binding (at shutdown, before the broker stops)."""
@@ -229,6 +230,7 @@ class OnDemandBinding:
         self._last_wanted = 0.0
         self._keeper: asyncio.Task[None] | None = None
         self.bound = False
+        self.unbinding = False  # released, its unbind still on its way
 
     async def ensure(self) -> None:
         self._last_wanted = self._monotonic()
@@ -270,11 +272,14 @@ class OnDemandBinding:
             log.warning("live events binding not re-asserted: %r", error)
 
     async def _release(self) -> None:
-        self.bound = False
+        # Not bound from here on: a waiter arriving now binds again, after this (the lock).
+        self.bound, self.unbinding = False, True
         try:
             await self._binding.unbind()
         except Exception as error:  # noqa: BLE001 - a stale binding costs only deliveries
             log.warning("live events binding not removed: %r", error)
+        finally:
+            self.unbinding = False
 
 
 @dataclass(frozen=True)

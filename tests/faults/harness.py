@@ -13,6 +13,7 @@ into `.run/results/faults.json`, which `python -m devtools.reliability` renders.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -334,8 +335,9 @@ async def rabbitmqctl(*args: str) -> str:
     try:
         async with asyncio.timeout(RABBITMQCTL_TIMEOUT_S):
             out, err = await process.communicate()
-    except TimeoutError:
-        process.kill()
+    except BaseException:  # timed out, or the caller's own deadline cancelled it
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
         await process.wait()
         raise
     if process.returncode != 0:

@@ -36,7 +36,7 @@ from tests.faults.harness import (
 )
 from tests.support import eventually
 
-LLM_TIMEOUT_S = 4  # above the fake's `slow` (2 s), which the duplicate test needs
+LLM_TIMEOUT_S = 8  # well above the fake's `slow` (2 s), which the duplicate test needs
 MAX_ATTEMPTS = 4  # the gateway's default SCORE_MAX_ATTEMPTS
 DRAIN_TIMEOUT_S = 120.0
 

@@ -17,6 +17,7 @@ from services.gateway.keys import generate_key
 from services.gateway.settings import GatewaySettings
 from services.scorer.app import create_app as create_scorer
 from services.scorer.model.settings import ModelSettings
+from services.scorer.scoring import DUE_SLACK
 from services.scorer.settings import ScorerSettings
 from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
@@ -103,7 +104,8 @@ async def test_a_delayed_task_is_scheduled_and_not_scored_before_it_is_due(flow:
     changes = await flow.history(task_id)
     assert [change["status"] for change in changes] == ["scheduled", "processing", "completed"]
     started = datetime.fromisoformat(changes[1]["occurred_at"])
-    assert started >= due, f"scored at {started}, before it was due at {due}"
+    # The scorer takes a task up to DUE_SLACK early rather than wait on the ladder again.
+    assert started >= due - DUE_SLACK, f"scored at {started}, before it was due at {due}"
 
 
 async def test_not_before_in_the_past_is_queued_at_once(flow: Flow) -> None:

@@ -40,7 +40,7 @@ from tests.support import eventually
 receiver = own_claims.receiver  # fixtures
 make_deps = own_claims.make_deps
 LEASE = timedelta(seconds=60)
-TIMEOUT_S = 0.5  # the ledger's MONGO_TIMEOUT_S
+TIMEOUT_S = 2.0  # the ledger's MONGO_TIMEOUT_S: well above a loaded stand-in's slowest reply
 
 
 class FaultAfterPost:

@@ -161,7 +161,10 @@ async def push(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Push]
         async with (
             serving(gateway) as base_url,
             httpx.AsyncClient(
-                base_url=base_url, timeout=30, headers={"Authorization": f"Bearer {key}"}
+                # Above the longest long-poll (`wait=30`), which the server answers at its end.
+                base_url=base_url,
+                timeout=45,
+                headers={"Authorization": f"Bearer {key}"},
             ) as api,
         ):
             other = await _key(api, f"other-{uuid.uuid4().hex[:8]}")
@@ -280,7 +283,8 @@ async def test_another_tenants_task_is_404_before_streaming(push: Push) -> None:
 
 
 async def test_long_poll_answers_each_change_until_the_end(push: Push) -> None:
-    task_id = await push.submit(f"Long-poll me [[id:{_marker()}]] [[fake:429x1:retry=1]]")
+    # Retrying for 3 s: a poll lagging behind a change still sees it.
+    task_id = await push.submit(f"Long-poll me [[id:{_marker()}]] [[fake:429x1:retry=3]]")
     seen = ["queued"]
     for _ in range(10):
         response = await push.api.get(

@@ -111,7 +111,7 @@ async def flow(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Flow]
         llm_url=llm.url,
         api_key=API_KEY,
         admin_key=ADMIN_KEY,
-        llm_timeout_s=3,
+        llm_timeout_s=10,  # no hang here: a slow answer (2 s) must never time out
         SCORER_STARTED_AFTER_S="0",  # every attempt announces `processing`
     )
     scorer = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import pytest
 
+from shared.contracts import ScoreText
 from shared.topology import (
     DLX,
+    EVENTS,
     SCORE_REQUESTS,
+    STATUS_PROJECTION,
+    TASKS,
+    USAGE_METER,
     WAIT_TIERS,
     WORK_QUEUES,
+    WorkQueue,
     delay_routing_key,
     wait_queue,
     wait_tier_for,
@@ -71,3 +77,20 @@ def test_wait_queues_dead_letter_back_to_the_due_exchange() -> None:
         b.routing_key for b in SCORE_REQUESTS.bindings if b.exchange.name == "scorebox.due"
     ]
     assert due_binding == ["*.score.requested"]
+
+
+def _keys(queue: WorkQueue) -> set[tuple[str, str]]:
+    return {(binding.exchange.name, binding.routing_key) for binding in queue.bindings}
+
+
+def test_a_task_sent_again_reaches_the_scorer_and_not_the_projection() -> None:
+    """The projection learns of a resubmission from its announcement, once the broker took
+    it: a copy of a command the full score queue refused showed a generation that never ran."""
+    resubmitted = (TASKS.name, ScoreText.resubmission_routing_key)
+    assert resubmitted in _keys(SCORE_REQUESTS)
+    assert resubmitted not in _keys(STATUS_PROJECTION)
+    assert (TASKS.name, ScoreText.routing_key) in _keys(STATUS_PROJECTION)
+
+
+def test_the_usage_meter_hears_completions_and_failures() -> None:
+    assert {(EVENTS.name, "task.completed"), (EVENTS.name, "task.failed")} <= _keys(USAGE_METER)

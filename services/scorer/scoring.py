@@ -32,7 +32,7 @@ from shared.contracts import (
     new_id,
 )
 from shared.in_hand import InHand
-from shared.runtime import keep_trying
+from shared.runtime import HOLD_POLL_S, keep_trying
 
 log = logging.getLogger("scorebox.scorer")
 
@@ -107,9 +107,13 @@ async def score_text(
     attempt = (command.task_id, command.generation, command.attempt)
     with deps.in_hand.holding(attempt) as only_here:
         if not only_here:
-            # That delivery carries the attempt through, or its message comes back. A claim
-            # of this copy could land before the holder's, and the holder's would then take
-            # it over as a stale claim of this process: two model calls.
+            # No claim: it could land before the holder's, which would take it over as a
+            # stale claim of this process (two model calls). A redelivery waits for the
+            # holder: its handler may have been cancelled (the connection dropped) while
+            # its shielded decision goes on, and nothing would carry that decision out.
+            # Any other copy is dropped: the holder, or that redelivery, carries it out.
+            if redelivered:
+                return Hold(now + timedelta(seconds=HOLD_POLL_S))
             return Drop("another delivery in this process is working on this attempt")
         # Held by no other delivery here: a claim of this process on it is stale.
         return await _claim_and_decide(command, deps, now, redelivered)

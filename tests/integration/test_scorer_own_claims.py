@@ -10,23 +10,26 @@ task. `score_text` runs here on the real database and calls the fake model over 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import replace
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, override
 
 import pytest
 from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import FakeLLM
 from services.scorer.attempts import Attempts, ClaimResult
-from services.scorer.decisions import Defer, Drop, Finish
+from services.scorer.consumer import DELIVERY_COUNT_HEADER, BrokerActions, subscribe_scorer
+from services.scorer.decisions import Decision, Defer, Drop, Finish
 from services.scorer.model import build_model
 from services.scorer.model.http_client import make_http_client
 from services.scorer.model.settings import ModelSettings
 from services.scorer.scoring import RetryPolicy, ScorerDeps, score_text
+from shared.consumers import Delivery
 from shared.contracts import ScoreText, TaskCompleted, TaskEvent, new_id, utcnow
 from tests.support import eventually
 
@@ -182,4 +185,78 @@ async def test_a_delivery_arriving_while_the_first_one_claims_leaves_the_attempt
 
     assert isinstance(decisions[0], Finish)
     assert decisions[1] == Drop("another delivery in this process is working on this attempt")
+    assert _calls(fake_llm, marker) == 1
+
+
+class HandedDelivery(Delivery):
+    """A delivery as the broker hands it to the handler, without a broker message."""
+
+    def __init__(self, command: ScoreText, *, redeliveries: int = 0) -> None:
+        self._body = command.model_dump_json().encode()
+        self._headers: dict[str, Any] = {DELIVERY_COUNT_HEADER: redeliveries}
+        self._redelivered = redeliveries > 0
+        self.acked = False
+
+    @property
+    @override
+    def body(self) -> bytes:
+        return self._body
+
+    @property
+    @override
+    def headers(self) -> dict[str, Any]:
+        return self._headers
+
+    @property
+    @override
+    def redelivered(self) -> bool:
+        return self._redelivered
+
+    @override
+    async def ack(self) -> None:
+        self.acked = True
+
+
+class CarriedOut(BrokerActions):
+    """Records the decisions the handler carries out instead of publishing them."""
+
+    def __init__(self) -> None:
+        super().__init__(broker=None, timeout_s=10, clock=utcnow)  # type: ignore[arg-type]
+        self.decisions: list[Decision] = []
+
+    @override
+    async def carry_out(self, decision: Decision, message: Delivery) -> None:
+        self.decisions.append(decision)
+
+
+class HandlerOnly:
+    """Takes the handler `subscribe_scorer` registers, as a broker would to consume."""
+
+    handler: Callable[[Delivery], Coroutine[Any, Any, None]]
+
+    def add_consumer(self, subscription: Any) -> None:
+        self.handler = subscription.handler
+
+
+async def test_a_redelivery_after_the_connection_dropped_carries_the_decision_out(
+    make_deps: Deps, fake_llm: FakeLLM
+) -> None:
+    """The connection dropping cancels the handler while its shielded decision goes on (and
+    holds the attempt here); the broker redelivers the message to this process. It used to
+    be dropped as a second copy: the decision, recorded, was carried out by nobody."""
+    broker, actions = HandlerOnly(), CarriedOut()
+    subscribe_scorer(broker, make_deps("scorer-a"), actions, crash_limit=3)  # type: ignore[arg-type]
+    command, marker = _command("An essay whose connection dropped [[fake:slow]].")
+    first = asyncio.create_task(broker.handler(HandedDelivery(command)))
+    async with asyncio.timeout(30):
+        await fake_llm.wait_for_stats(lambda stats: stats["by_id"].get(marker, 0) >= 1)
+    first.cancel()  # as aiormq cancels a closed channel's consumers
+    with contextlib.suppress(asyncio.CancelledError):
+        await first
+
+    redelivery = HandedDelivery(command, redeliveries=1)
+    await asyncio.wait_for(broker.handler(redelivery), timeout=30)
+
+    assert [type(decision) for decision in actions.decisions] == [Finish]
+    assert redelivery.acked
     assert _calls(fake_llm, marker) == 1

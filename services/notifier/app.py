@@ -52,7 +52,12 @@ def create_app(
 
     `resolver` and `sender` replace DNS and the HTTP client (tests); the SSRF guard stays.
     """
-    broker = broker or make_broker(settings, prefetch=settings.concurrency, name="notifier")
+    # At stop, a delivery in hand may be resolving its host, posting, then recording and
+    # publishing what it decided: cut short, its redelivery would post again.
+    graceful_s = settings.dns_timeout_s + settings.timeout_s + 2 * settings.broker_timeout_s
+    broker = broker or make_broker(
+        settings, prefetch=settings.concurrency, name="notifier", graceful_timeout_s=graceful_s
+    )
     mongo = mongo or make_mongo(settings)
     database = settings.database_name("notifier")
     callbacks = Callbacks(mongo, database)

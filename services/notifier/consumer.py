@@ -20,6 +20,7 @@ delivery is acked.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -141,21 +142,44 @@ def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_
             await _dead_letter(broker, WEBHOOK_DELIVERIES, message, reason, timeout_s)
             await message.ack()
             return
-        decision: DeliveryDecision
         redelivered = message.redelivered or int(message.headers.get(DELIVERY_COUNT, 0)) > 0
-        try:
-            decision = await deliver_webhook(delivery, deps=deps, redelivered=redelivered)
-        except PyMongoError as error:
-            log.warning("MongoDB unavailable for delivery %s: %r", delivery.delivery_id, error)
-            later = deps.clock() + DATABASE_RETRY_DELAY
-            update = {"not_before": later, "message_id": new_id()}
-            decision = Send(delivery.model_copy(update=update), "database unavailable")
-        except Exception:
-            log.exception("delivering %s crashed", delivery.delivery_id)
+        # Losing the broker connection cancels this handler, possibly mid-POST. The attempt
+        # and what it decided are shielded together: they complete, and the redelivery (which
+        # finds the attempt held here, or decided) sends nothing again. Only the ack is lost.
+        settled = await asyncio.shield(
+            _deliver_and_carry_out(
+                broker, delivery, message, deps, redelivered=redelivered, timeout_s=timeout_s
+            )
+        )
+        if settled:
+            await message.ack()
+        else:
             await message.requeue_failed()
-            return
-        await _carry_out(broker, decision, delivery, message, timeout_s=timeout_s)
-        await message.ack()
+
+
+async def _deliver_and_carry_out(
+    broker: RabbitBroker,
+    delivery: DeliverWebhook,
+    message: Delivery,
+    deps: DeliveryDeps,
+    *,
+    redelivered: bool,
+    timeout_s: float,
+) -> bool:
+    """Deliver and carry the decision out; False when the handler crashed."""
+    decision: DeliveryDecision
+    try:
+        decision = await deliver_webhook(delivery, deps=deps, redelivered=redelivered)
+    except PyMongoError as error:
+        log.warning("MongoDB unavailable for delivery %s: %r", delivery.delivery_id, error)
+        later = deps.clock() + DATABASE_RETRY_DELAY
+        update = {"not_before": later, "message_id": new_id()}
+        decision = Send(delivery.model_copy(update=update), "database unavailable")
+    except Exception:
+        log.exception("delivering %s crashed", delivery.delivery_id)
+        return False
+    await _carry_out(broker, decision, delivery, message, timeout_s=timeout_s)
+    return True
 
 
 async def _carry_out(

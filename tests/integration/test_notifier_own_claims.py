@@ -10,21 +10,31 @@ wait for the lease (`WEBHOOK_DNS_TIMEOUT_S` + `WEBHOOK_TIMEOUT_S` + 30 s) before
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import replace
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, override
 
 import pytest
 from pymongo import AsyncMongoClient
 
-from services.notifier.deliveries import DeliveryDeps, Done, RetryPolicy, Send, deliver_webhook
+from services.notifier.consumer import subscribe_deliveries
+from services.notifier.deliveries import (
+    DeliveryDeps,
+    Done,
+    RetryPolicy,
+    Send,
+    Sender,
+    deliver_webhook,
+)
 from services.notifier.keyring import Keyring
 from services.notifier.ledger import Claim, DeliveryState, Ledger
-from services.notifier.sender import WebhookSender, make_ssl_context
-from services.notifier.ssrf import WebhookGuard
+from services.notifier.sender import ReceiverAnswer, WebhookSender, make_ssl_context
+from services.notifier.ssrf import Destination, WebhookGuard
+from shared.consumers import Delivery
 from shared.contracts import DeliverWebhook, WebhookPurpose, new_id, utcnow
 from tests.integration.test_notifier import (
     RECEIVER_HOST,
@@ -223,4 +233,90 @@ async def test_a_redelivery_waits_out_another_processs_lease_then_delivers(
     decision = await deliver_webhook(delivery, deps=make_deps("proc-a"), redelivered=True)
 
     assert decision == Done("delivered (200)")
+    assert len(receiver[0].requests(delivery.url)) == 1
+
+
+class HeldSender:
+    """The real sender, each POST held back (after the receiver has it) until `release`."""
+
+    def __init__(self, sender: Sender) -> None:
+        self._sender = sender
+        self.posting = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def post(
+        self, destination: Destination, *, body: bytes, headers: Mapping[str, str]
+    ) -> ReceiverAnswer:
+        answer = await self._sender.post(destination, body=body, headers=headers)
+        self.posting.set()
+        await self.release.wait()
+        return answer
+
+
+class HandedDelivery(Delivery):
+    """A delivery as the broker hands it to the handler, without a broker message."""
+
+    def __init__(self, command: DeliverWebhook, *, redeliveries: int = 0) -> None:
+        self._body = command.model_dump_json().encode()
+        self._headers: dict[str, Any] = {"x-delivery-count": redeliveries}
+        self._redelivered = redeliveries > 0
+        self.settled: list[str] = []
+
+    @property
+    @override
+    def body(self) -> bytes:
+        return self._body
+
+    @property
+    @override
+    def headers(self) -> dict[str, Any]:
+        return self._headers
+
+    @property
+    @override
+    def redelivered(self) -> bool:
+        return self._redelivered
+
+    @override
+    async def ack(self) -> None:
+        self.settled.append("ack")
+
+
+class HandlerOnly:
+    """Takes the handler `subscribe_deliveries` registers, as a broker would to consume."""
+
+    handler: Callable[[Delivery], Coroutine[Any, Any, None]]
+
+    def add_consumer(self, subscription: Any) -> None:
+        self.handler = subscription.handler
+
+
+async def test_a_redelivery_after_the_connection_dropped_mid_post_posts_nothing_again(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    """The connection dropping cancels the handler mid-POST. The attempt went on being
+    cancelled with it, its lease left behind under this process, which the redelivery (to
+    this process) took over at once and POSTed again. Now the attempt is shielded and
+    completes; the redelivery finds it held here and sends nothing."""
+    delivery = _delivery(receiver[0])
+    deps = make_deps("proc-a")
+    held = HeldSender(deps.sender)
+    broker = HandlerOnly()
+    subscribe_deliveries(broker, replace(deps, sender=held), timeout_s=10)  # type: ignore[arg-type]
+
+    first = asyncio.create_task(broker.handler(HandedDelivery(delivery)))
+    await asyncio.wait_for(held.posting.wait(), timeout=10)
+    first.cancel()  # as aiormq cancels a closed channel's consumers
+    with contextlib.suppress(asyncio.CancelledError):
+        await first
+    redelivery = HandedDelivery(delivery, redeliveries=1)
+    await asyncio.wait_for(broker.handler(redelivery), timeout=30)
+    held.release.set()
+
+    async def delivered() -> bool:
+        record = await ledger.find(delivery.delivery_id)
+        return record is not None and record.state is DeliveryState.DELIVERED
+
+    await eventually(delivered, what="the first attempt recorded as delivered")
+    assert redelivery.settled == ["ack"]
     assert len(receiver[0].requests(delivery.url)) == 1

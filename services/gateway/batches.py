@@ -424,12 +424,14 @@ async def _give_up(
     """Undo a batch's acceptance: release its slots, then forget it. What the database does
     not take now is written off later (`services/gateway/refusals.py`)."""
     if refusal.counted and in_flight is not None:
+        released = 0
         try:
-            for task_id in refusal.task_ids:
+            for task_id in refusal.to_release():
                 await in_flight.release(refusal.tenant_id, task_id)
+                released += 1
         except DatabaseUnavailable:
             log.warning("batch %s: slots not released; written off later", refusal.batch_id)
-            refusals.note(refusal)
+            refusals.note(replace(refusal, released=refusal.released + released))
             return
     await _discard(refusal, batches=batches, submissions=submissions, refusals=refusals)
 

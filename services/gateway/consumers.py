@@ -13,7 +13,13 @@ from services.gateway.batches import Batches
 from services.gateway.errors import DatabaseUnavailable, Unavailable
 from services.gateway.limits import OUTCOME_RETRY_DELAY_S
 from services.gateway.refusals import write_off
-from services.gateway.submit import Publisher, counting, settle_outcome, sweep_outbox
+from services.gateway.submit import (
+    OutcomeProgress,
+    Publisher,
+    counting,
+    settle_outcome,
+    sweep_outbox,
+)
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import parse_task_event
 from shared.runtime import keep_trying
@@ -37,6 +43,7 @@ def subscribe_task_outcomes(
             log.warning("dead-lettering an unreadable %r outcome: %s", routing_key, error)
             await message.reject(requeue=False)
             return
+        progress = OutcomeProgress()
         await keep_trying(
             lambda: settle_outcome(
                 event,
@@ -44,6 +51,7 @@ def subscribe_task_outcomes(
                 in_flight=deps.in_flight,
                 cache=deps.cache,
                 now=deps.clock(),
+                progress=progress,
             ),
             what=f"settling the outcome of {event.task_id}",
             retry_on=(DatabaseUnavailable,),

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Final, Protocol
 
@@ -51,6 +51,13 @@ class Refusal:
     task_ids: tuple[str, ...]
     counted: bool = False  # its in-flight slots may be counted: release them first
     batch_id: str | None = None
+    # How many of `task_ids`, from the first, have had their slot released: a release is
+    # idempotent only while the tenant's counter remembers the task among its latest ones,
+    # so a release that succeeded is never repeated by a later pass.
+    released: int = 0
+
+    def to_release(self) -> tuple[str, ...]:
+        return self.task_ids[self.released :] if self.counted else ()
 
 
 class Refusals:
@@ -83,6 +90,15 @@ class Refusals:
 
     def written_off(self, refusal: Refusal) -> None:
         self._forget(refusal)
+
+    def progressed(self, refusal: Refusal, *, released: int) -> Refusal:
+        """`refusal` with its first `released` slots released, in its place if pending."""
+        done = replace(refusal, released=released)
+        for index, pending in enumerate(self._pending):
+            if pending is refusal:
+                self._pending[index] = done
+                break
+        return done
 
     def _forget(self, refusal: Refusal) -> None:
         try:
@@ -134,10 +150,7 @@ async def write_off(
     replay answered 200 for items never scored."""
     pending = refusals.pending()
     if in_flight is not None:
-        for refusal in pending:
-            if refusal.counted:
-                for task_id in refusal.task_ids:
-                    await in_flight.release(refusal.tenant_id, task_id)
+        pending = [await release_slots(refusal, refusals, in_flight) for refusal in pending]
     refused = [refusal for refusal in pending if await _batch_refused(refusal, batches, now)]
     task_ids = tuple(task_id for refusal in refused for task_id in refusal.task_ids)
     if task_ids:
@@ -145,6 +158,16 @@ async def write_off(
     for refusal in pending:
         refusals.written_off(refusal)
     return len(pending)
+
+
+async def release_slots(refusal: Refusal, refusals: Refusals, in_flight: SlotReleaser) -> Refusal:
+    """Release the slots of `refusal` not yet released, noting each one done as it is: a
+    failure part-way leaves the rest for the next pass, never the done ones again."""
+    done = refusal
+    for task_id in refusal.to_release():
+        await in_flight.release(refusal.tenant_id, task_id)
+        done = refusals.progressed(done, released=done.released + 1)
+    return done
 
 
 async def _batch_refused(refusal: Refusal, batches: BatchTombstones, now: datetime) -> bool:

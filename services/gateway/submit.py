@@ -319,6 +319,13 @@ async def sweep_outbox(
     return sent
 
 
+@dataclass
+class OutcomeProgress:
+    """What one handling of an outcome has done so far, across its tries."""
+
+    released: bool = False
+
+
 async def settle_outcome(
     event: TaskEvent,
     *,
@@ -326,18 +333,25 @@ async def settle_outcome(
     in_flight: InFlightGate | None,
     cache: ResultCache,
     now: datetime,
+    progress: OutcomeProgress | None = None,
 ) -> None:
     """The gateway's part of a task's end (`task.completed` or `task.failed`): release its
     in-flight slot if it holds one; for a completion also note the task's generation and put
     its result into the cache under its submission's key. Idempotent: redeliveries and
     duplicates change nothing more (see `limits` for the slot).
+
+    `progress` carries what a failed try did to the next: a try that released the slot and
+    then failed to remove the mark does not release again (a release is idempotent only
+    while the tenant's counter remembers the task among its latest releases).
     """
+    progress = progress or OutcomeProgress()
     owner = await submissions.owner(event.task_id)
     if owner is None:
         return  # expired, or never recorded here
     completed = event if isinstance(event, TaskCompleted) else None
-    if owner.counted and in_flight is not None:
+    if owner.counted and in_flight is not None and not progress.released:
         await in_flight.release(owner.tenant_id, event.task_id)
+        progress.released = True
     await submissions.note_outcome(
         event.task_id,
         generation=None if completed is None else completed.generation,

@@ -17,10 +17,11 @@ from pymongo import AsyncMongoClient
 
 from services.gateway.app import create_app as create_gateway
 from services.gateway.cache import ResultCache
+from services.gateway.errors import DatabaseUnavailable
 from services.gateway.limits import InFlight
 from services.gateway.settings import GatewaySettings
 from services.gateway.submissions import Submissions
-from services.gateway.submit import settle_outcome
+from services.gateway.submit import OutcomeProgress, settle_outcome
 from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
 from shared.bus import publish_event
@@ -363,3 +364,53 @@ async def test_markers_of_an_earlier_build_are_adopted_at_start_up(stack: Stack)
     assert "in_flight_tasks" not in await stack.db.list_collection_names()
     await repositories.settle(_failed(task, tenant))
     assert await repositories.in_flight.count(tenant) == 0
+
+
+class UnmarkFailsOnce(Submissions):
+    """Removing the in-flight mark fails once, after the slot was released."""
+
+    failures = 1
+
+    async def note_outcome(self, task_id: str, *, generation: int | None, uncount: bool) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise DatabaseUnavailable("timed out")
+        await super().note_outcome(task_id, generation=generation, uncount=uncount)
+
+
+class CountedReleases(InFlight):
+    releases = 0
+
+    async def release(self, tenant_id: str, task_id: str) -> None:
+        self.releases += 1
+        await super().release(tenant_id, task_id)
+
+
+async def test_a_settling_tried_again_does_not_release_again(stack: Stack) -> None:
+    """A release is idempotent only while the tenant's counter remembers the task among its
+    latest 64 releases; under load a try after a failed unmarking released a second slot."""
+    repositories = Repositories(stack)
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    [task_id] = await repositories.accept(tenant, 1)
+    database = f"{stack.db_prefix}_gateway"
+    submissions = UnmarkFailsOnce(stack.mongo, database)
+    in_flight = CountedReleases(stack.mongo, database, max_per_tenant=MAX_IN_FLIGHT)
+    progress = OutcomeProgress()
+
+    async def settle() -> None:
+        await settle_outcome(
+            _completed(task_id, tenant),
+            submissions=submissions,
+            in_flight=in_flight,
+            cache=repositories.cache,
+            now=utcnow(),
+            progress=progress,
+        )
+
+    with pytest.raises(DatabaseUnavailable):
+        await settle()
+    await settle()  # as the outcome consumer tries again
+
+    assert in_flight.releases == 1
+    assert await in_flight.count(tenant) == 0
+    assert await stack.markers(tenant) == 0

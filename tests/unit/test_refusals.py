@@ -20,10 +20,14 @@ class Database:
     def __init__(self) -> None:
         self.writes: list[tuple[str, object]] = []
         self.down = False
+        self.fails_once: set[tuple[str, object]] = set()  # these writes fail, once each
 
     def _write(self, what: str, subject: object) -> None:
         if self.down:
             raise DatabaseUnavailable("down")
+        if (what, subject) in self.fails_once:
+            self.fails_once.remove((what, subject))
+            raise DatabaseUnavailable("timed out")
         self.writes.append((what, subject))
 
     async def release(self, tenant_id: str, task_id: str) -> None:
@@ -126,6 +130,31 @@ async def test_a_write_off_the_database_refuses_stays_for_the_next() -> None:
     database.down = False
     assert await _write_off(refusals, database) == 1
     assert not refusals.holds("t1")
+
+
+@pytest.mark.parametrize(
+    "failing",
+    [("release", "t2"), ("abandon", ("t1", "t2", "t3"))],
+    ids=["a release", "the tombstones"],
+)
+async def test_a_slot_released_by_a_pass_that_failed_is_not_released_again(
+    failing: tuple[str, object],
+) -> None:
+    """A release is idempotent only while the tenant's counter remembers the task among its
+    latest releases: every pass used to release every slot again."""
+    refusals, database = Refusals(), Database()
+    refusals.note(Refusal("a", ("t1", "t2", "t3"), counted=True))
+    database.fails_once.add(failing)
+    with pytest.raises(DatabaseUnavailable):
+        await _write_off(refusals, database)
+
+    assert await _write_off(refusals, database) == 1
+    assert [subject for what, subject in database.writes if what == "release"] == [
+        "t1",
+        "t2",
+        "t3",
+    ]
+    assert refusals.pending() == []
 
 
 def test_only_a_write_never_sent_needs_no_writing_off() -> None:

@@ -359,6 +359,8 @@ async def submit_batch(
                 batches=batches,
                 submissions=submissions,
                 policy=policy,
+                refusals=refusals,
+                now=now,
             )
         return BatchSubmitted(earlier, created=False)
     except DatabaseUnavailable as error:
@@ -515,6 +517,8 @@ async def _complete_interrupted(
     batches: Batches,
     submissions: Submissions,
     policy: BatchPolicy,
+    refusals: Refusals,
+    now: datetime,
 ) -> None:
     """Finish recording a batch whose request stopped part-way (its process died) before a
     replay answers it as accepted: the process may have died before it recorded every
@@ -534,7 +538,15 @@ async def _complete_interrupted(
     )
     await submissions.insert_batch(_rows(commands, submission), retention=policy.retention)
     if not await batches.mark_accepted(earlier.batch_id):
-        # Its refusal was written off meanwhile (it tombstones the submissions too).
+        # Its refusal was written off meanwhile, without knowing of the submissions recorded
+        # here (a refusal whose batch insert timed out names none): they are forgotten too,
+        # or the outbox sweep would send what the client is told was not kept.
+        task_ids = tuple(command.task_id for command in commands)
+        refusal = Refusal(earlier.tenant_id, task_ids, batch_id=earlier.batch_id)
+        try:
+            await submissions.abandon(task_ids, now=now)
+        except DatabaseUnavailable:
+            refusals.note(refusal)
         raise DatabaseUnavailable(f"batch {earlier.batch_id} was refused; nothing was kept")
     log.warning("batch %s was interrupted; its replay completed its records", earlier.batch_id)
 

@@ -251,3 +251,26 @@ async def test_a_replay_of_a_batch_written_off_meanwhile_is_refused(gateway: Gat
     assert await _sent_by_sweeps(gateway, refusals) == []
     batch = await gateway.raw["batches"].find_one({"_id": batch_id})
     assert batch["state"] == BatchState.ABANDONED
+
+
+async def test_a_replay_of_a_batch_whose_insert_timed_out_and_was_written_off_keeps_nothing(
+    gateway: Gateway,
+) -> None:
+    """The refusal of a batch whose insert timed out names no submissions (none were
+    written). A replay after the grace period recorded them all, found the batch written
+    off, and answered 503, leaving them to the outbox sweep, which sent every one."""
+    request = _request(3)
+    batch_id = await _interrupted(gateway, request, recorded=0)
+    refusals = Refusals()
+    refusals.note(Refusal(TENANT, (), batch_id=batch_id))
+
+    with pytest.raises(DatabaseUnavailable):
+        await _submit(
+            gateway,
+            request,
+            Recorded(),
+            T0 + GRACE + timedelta(seconds=1),
+            submissions=WrittenOffMeanwhile(gateway, refusals),
+        )
+
+    assert await _sent_by_sweeps(gateway, refusals) == []

@@ -40,8 +40,13 @@ class _PerCounter[Op: (Increment, Release), Result](Coalescer[Op, Result]):
     """The changes of one round trip, grouped by counter: each group as one merged update
     when `_merge` can apply it, else each change on its own (`_alone`)."""
 
-    def __init__(self, *, max_batch: int, merged_result: Result) -> None:
-        super().__init__(max_batch=max_batch)
+    def __init__(
+        self, collection: AsyncCollection[Document], *, max_batch: int, merged_result: Result
+    ) -> None:
+        # The client's timeout bounds a change queueing included, as for a `GroupWriter`: a
+        # change waiting behind stalled round trips is never sent (nothing to undo), rather
+        # than applied half a minute after its request, past the outbox's grace period.
+        super().__init__(max_batch=max_batch, deadline_s=collection.database.client.options.timeout)
         self._merged_result = merged_result
 
     async def _send(self, batch: list[Queued[Op, Result]]) -> None:
@@ -85,7 +90,7 @@ class BoundedCounters(_PerCounter[Increment, bool]):
     """Counters `{_id, count}` in `collection` that never pass their ceiling."""
 
     def __init__(self, collection: AsyncCollection[Document], *, max_batch: int = MAX_BATCH):
-        super().__init__(max_batch=max_batch, merged_result=True)
+        super().__init__(collection, max_batch=max_batch, merged_result=True)
         self._writes = GroupWriter(collection, max_batch=max_batch)
 
     async def add(
@@ -152,7 +157,7 @@ class GuardedReleases(_PerCounter[Release, None]):
 
     def __init__(self, collection: AsyncCollection[Document], *, remembered: int) -> None:
         # A merged update records at most `remembered` ids, so a batch holds at most that many.
-        super().__init__(max_batch=remembered, merged_result=None)
+        super().__init__(collection, max_batch=remembered, merged_result=None)
         self._collection = collection
         self._writes = GroupWriter(collection, max_batch=remembered)
         self._remembered = remembered

@@ -24,7 +24,13 @@ from bson.codec_options import CodecOptions
 from bson.errors import InvalidDocument
 from pymongo import DeleteOne, InsertOne, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import BulkWriteError, DuplicateKeyError, WriteConcernError, WriteError
+from pymongo.errors import (
+    BulkWriteError,
+    DuplicateKeyError,
+    PyMongoError,
+    WriteConcernError,
+    WriteError,
+)
 
 from shared.coalescing import Coalescer, Queued, fail, settle
 
@@ -36,6 +42,18 @@ MAX_BATCH = 500
 ENCODING_ERRORS = (InvalidDocument, OverflowError, UnicodeEncodeError)
 # A batch this size goes out as one message (MongoDB's maxMessageSizeBytes is 48,000,000).
 MAX_ONE_MESSAGE_BYTES = 32_000_000
+# The order pymongo sends an unordered bulk write's kinds of write in (`gen_unordered`).
+_RUN_ORDER: dict[type, int] = {InsertOne: 0, UpdateOne: 1, DeleteOne: 2}
+
+
+class WriteOutcomeUnknown(PyMongoError):
+    """The write was sent in a round trip that failed part-way: it may have been applied."""
+
+
+def _run_of(queued: Queued[Write, None]) -> int:
+    return _RUN_ORDER[type(queued.op.op)]
+
+
 MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
 
 
@@ -101,24 +119,35 @@ class GroupWriter(Coalescer[Write, None]):
 
     async def _send_encodable(self, batch: list[Queued[Write, None]], error: Exception) -> None:
         """A write the client cannot encode (an integer beyond 64 bits, an unknown type, a
-        document over 16 MB) failed its whole batch before any of it was sent: fail that
-        write alone and send the others again, so one bad write never fails its neighbours.
+        document over 16 MB) failed its batch: fail that write alone and send the others
+        again, so one bad write never fails its neighbours.
 
-        pymongo splits a batch over `MAX_ONE_MESSAGE_BYTES` into several messages and may
-        have sent the first ones; then the others fail too, as before (their callers own
-        the retry).
+        An unordered bulk goes out as one command per kind of write, inserts, then updates,
+        then deletes, each encoded as it is sent: the kinds before the bad write's were sent,
+        and may have been applied. Those are not sent again (an insert would collide with
+        itself, an update apply twice); they fail as `WriteOutcomeUnknown`, which their
+        callers treat like any write whose answer was lost. pymongo also splits a batch
+        over `MAX_ONE_MESSAGE_BYTES` into several messages and may have sent the first ones;
+        then all fail that way.
         """
         options = self.collection.codec_options
         sizes = [_encoded_size(queued.op, options) for queued in batch]
-        encodable = [queued for queued, size in zip(batch, sizes, strict=True) if size is not None]
+        unencodable = [queued for queued, size in zip(batch, sizes, strict=True) if size is None]
+        for queued in unencodable:
+            fail(queued, InvalidDocument(f"cannot encode this write: {error}"))
+        first_unsent = min((_run_of(queued) for queued in unencodable), default=0)
+        if sum(size or 0 for size in sizes) > MAX_ONE_MESSAGE_BYTES:
+            first_unsent = len(_RUN_ORDER)
+        again = []
         for queued, size in zip(batch, sizes, strict=True):
             if size is None:
-                fail(queued, InvalidDocument(f"cannot encode this write: {error}"))
-        if sum(size or 0 for size in sizes) > MAX_ONE_MESSAGE_BYTES:
-            for queued in encodable:
-                fail(queued, error)
-        elif encodable:
-            await self._bulk_write(encodable)
+                continue
+            if _run_of(queued) < first_unsent:
+                fail(queued, WriteOutcomeUnknown(f"sent with a write that failed: {error}"))
+            else:
+                again.append(queued)
+        if again:
+            await self._bulk_write(again)
 
     async def _bulk_write(self, batch: list[Queued[Write, None]]) -> None:
         try:

@@ -14,7 +14,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import DuplicateKeyError, InvalidOperation, WriteError
 
 from devtools.infra import Endpoint
-from shared.group_writes import GroupWriter
+from shared.group_writes import GroupWriter, WriteOutcomeUnknown
 from tests.support import CommandCounter, scratch_collection
 
 pytestmark = pytest.mark.integration
@@ -123,6 +123,30 @@ async def test_a_write_the_client_cannot_encode_fails_alone(
     assert fine == [None] * 6, fine
     ids = {doc["_id"] async for doc in collection.find()}
     assert ids == {"first", "fine-update", *(f"fine{i}" for i in range(5))}
+
+
+async def test_a_write_sent_before_the_one_that_cannot_be_encoded_is_not_sent_again(
+    collection: AsyncCollection[Document],
+) -> None:
+    """The inserts go out before the updates: an update that cannot be encoded fails the
+    round trip after the inserts were applied. They used to be sent again, and collided
+    with themselves: their callers heard `DuplicateKeyError` for their own new documents."""
+    writer = GroupWriter(collection)
+    first = asyncio.create_task(writer.insert_one({"_id": "in-flight"}))
+    await asyncio.sleep(0)  # `first` is in flight: the next writes queue up as one batch
+    inserted, bad, deleted = await asyncio.gather(
+        writer.insert_one({"_id": "sent-first"}),
+        writer.update_one({"_id": "bad"}, {"$set": {"n": 2**64}}, upsert=True),
+        writer.delete_one({"_id": "in-flight"}),
+        return_exceptions=True,
+    )
+    await first
+
+    assert isinstance(inserted, WriteOutcomeUnknown), inserted
+    assert isinstance(bad, InvalidDocument), bad
+    assert deleted is None  # not sent before the failure: sent again, and applied
+    assert await collection.find_one({"_id": "sent-first"}) == {"_id": "sent-first"}
+    assert await collection.find_one({"_id": "in-flight"}) is None
 
 
 async def test_a_failed_round_trip_fails_every_write_of_it(mongo: Endpoint) -> None:

@@ -34,14 +34,15 @@ from services.notifier.deliveries import (
     DeliveryDeps,
     Done,
     GiveUp,
+    Hold,
     Send,
-    deliver_webhook,
+    deliver_once,
 )
 from services.notifier.notifications import NotificationDeps, notify_about_task_event
 from shared.bus import publish_delayed
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import Contract, DeliverWebhook, new_id, parse_task_event
-from shared.runtime import keep_dead_lettering, keep_publishing
+from shared.runtime import keep_dead_lettering, keep_publishing, wait_for_claim
 from shared.topology import (
     EVENTS,
     NOTIFICATIONS,
@@ -143,21 +144,28 @@ def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_
             await message.ack()
             return
         redelivered = message.redelivered or int(message.headers.get(DELIVERY_COUNT, 0)) > 0
-        # Losing the broker connection cancels this handler, possibly mid-POST. The attempt
-        # and what it decided are shielded together: they complete, and the redelivery (which
-        # finds the attempt held here, or decided) sends nothing again. Only the ack is lost.
-        settled = await asyncio.shield(
-            _deliver_and_carry_out(
-                broker, delivery, message, deps, redelivered=redelivered, timeout_s=timeout_s
-            )
-        )
+        # Losing the broker connection cancels this handler, possibly mid-POST. Each try and
+        # the carrying out of what it decided are shielded together: they complete, and the
+        # redelivery (which waits for the attempt held here, then finds it decided) sends
+        # nothing again; only the ack is lost. The waits between tries are not shielded: a
+        # cancelled handler stops waiting.
+        while isinstance(
+            settled := await asyncio.shield(
+                _try_and_carry_out(
+                    broker, delivery, message, deps, redelivered=redelivered, timeout_s=timeout_s
+                )
+            ),
+            Hold,
+        ):
+            await wait_for_claim(settled.until, deps.clock)
+            redelivered = True
         if settled:
             await message.ack()
         else:
             await message.requeue_failed()
 
 
-async def _deliver_and_carry_out(
+async def _try_and_carry_out(
     broker: RabbitBroker,
     delivery: DeliverWebhook,
     message: Delivery,
@@ -165,11 +173,15 @@ async def _deliver_and_carry_out(
     *,
     redelivered: bool,
     timeout_s: float,
-) -> bool:
-    """Deliver and carry the decision out; False when the handler crashed."""
+) -> bool | Hold:
+    """One try, its decision carried out; Hold to wait and try again, False when it
+    crashed."""
     decision: DeliveryDecision
     try:
-        decision = await deliver_webhook(delivery, deps=deps, redelivered=redelivered)
+        tried = await deliver_once(delivery, deps, redelivered)
+        if isinstance(tried, Hold):
+            return tried
+        decision = tried
     except PyMongoError as error:
         log.warning("MongoDB unavailable for delivery %s: %r", delivery.delivery_id, error)
         later = deps.clock() + DATABASE_RETRY_DELAY

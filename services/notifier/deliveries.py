@@ -39,7 +39,7 @@ from services.notifier.ssrf import Destination, WebhookGuard
 from shared.contracts import DeliverWebhook, new_id
 from shared.http import parse_retry_after
 from shared.in_hand import InHand
-from shared.runtime import keep_trying, wait_for_claim
+from shared.runtime import HOLD_POLL_S, keep_trying, wait_for_claim
 from shared.topology import wait_tier_for
 
 Clock = Callable[[], datetime]
@@ -140,14 +140,16 @@ async def deliver_webhook(
     `redelivered`: the broker delivered this message before and it was never settled; an
     attempt another process holds is then waited for (the message held) rather than
     re-sent as a fresh copy."""
-    while isinstance(decision := await _deliver_once(delivery, deps, redelivered), Hold):
+    while isinstance(decision := await deliver_once(delivery, deps, redelivered), Hold):
         await wait_for_claim(decision.until, deps.clock)
+        redelivered = True
     return decision
 
 
-async def _deliver_once(
+async def deliver_once(
     delivery: DeliverWebhook, deps: DeliveryDeps, redelivered: bool
 ) -> DeliveryDecision | Hold:
+    """One try of `deliver_webhook`: Hold when it must wait for a claim and try again."""
     now = deps.clock()
     if delivery.not_before is not None and wait_tier_for(
         (delivery.not_before - now).total_seconds()
@@ -155,9 +157,14 @@ async def _deliver_once(
         return Send(delivery, "not yet due")
     with deps.in_hand.holding((delivery.delivery_id, delivery.attempt)) as only_here:
         if not only_here:
-            # That copy carries the attempt through, or its message comes back. A claim of
-            # this copy could land before the holder's, and the holder's would then take it
-            # over as a stale lease of this process: two POSTs.
+            # No claim: it could land before the holder's, which would take it over as a
+            # stale lease of this process (two POSTs). A redelivery waits for the holder,
+            # then replays what it decided: the holder may be the shielded attempt of a
+            # handler a dropped connection cancelled, and may fail with nobody to requeue
+            # its message. Any other copy is dropped: the holder, or that redelivery, sees
+            # the attempt through.
+            if redelivered:
+                return Hold(now + timedelta(seconds=HOLD_POLL_S))
             return Done("another copy in this process is working on this attempt")
         # Held by no other copy here: a lease of this process on it is stale.
         return await _claim_and_send(delivery, deps, now, redelivered=redelivered)

@@ -294,10 +294,10 @@ class HandlerOnly:
 async def test_a_redelivery_after_the_connection_dropped_mid_post_posts_nothing_again(
     make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
 ) -> None:
-    """The connection dropping cancels the handler mid-POST. The attempt went on being
-    cancelled with it, its lease left behind under this process, which the redelivery (to
-    this process) took over at once and POSTed again. Now the attempt is shielded and
-    completes; the redelivery finds it held here and sends nothing."""
+    """The connection dropping cancels the handler mid-POST. The attempt was cancelled with
+    it, its lease left behind under this process, which the redelivery (to this process)
+    took over at once and POSTed again. Now the attempt is shielded and completes; the
+    redelivery waits for it, finds it delivered, and sends nothing."""
     delivery = _delivery(receiver[0])
     deps = make_deps("proc-a")
     held = HeldSender(deps.sender)
@@ -310,8 +310,9 @@ async def test_a_redelivery_after_the_connection_dropped_mid_post_posts_nothing_
     with contextlib.suppress(asyncio.CancelledError):
         await first
     redelivery = HandedDelivery(delivery, redeliveries=1)
-    await asyncio.wait_for(broker.handler(redelivery), timeout=30)
-    held.release.set()
+    redelivered = asyncio.create_task(broker.handler(redelivery))
+    held.release.set()  # the first POST answers
+    await asyncio.wait_for(redelivered, timeout=30)
 
     async def delivered() -> bool:
         record = await ledger.find(delivery.delivery_id)

@@ -135,7 +135,8 @@ class GroupWriter(Coalescer[Write, None]):
         unencodable = [queued for queued, size in zip(batch, sizes, strict=True) if size is None]
         for queued in unencodable:
             fail(queued, InvalidDocument(f"cannot encode this write: {error}"))
-        first_unsent = min((_run_of(queued) for queued in unencodable), default=0)
+        # Without a culprit found, or over one message, any of it may have been sent.
+        first_unsent = min((_run_of(queued) for queued in unencodable), default=len(_RUN_ORDER))
         if sum(size or 0 for size in sizes) > MAX_ONE_MESSAGE_BYTES:
             first_unsent = len(_RUN_ORDER)
         again = []

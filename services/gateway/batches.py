@@ -51,7 +51,7 @@ from services.gateway.errors import (
     RequestInProgress,
 )
 from services.gateway.limits import LimitExceeded
-from services.gateway.refusals import Refusal, Refusals, may_have_been_written
+from services.gateway.refusals import Refusal, Refusals, may_have_been_written, release_slots
 from services.gateway.schemas import EXPIRED, checked_metadata
 from services.gateway.submissions import (
     TOMBSTONE_TTL,
@@ -384,7 +384,9 @@ async def submit_batch(
     except LimitExceeded:
         await _discard(refusal, batches=batches, submissions=submissions, refusals=refusals)
         raise
-    except (BrokerUnavailable, DatabaseUnavailable):
+    except (BrokerUnavailable, DatabaseUnavailable) as error:
+        if isinstance(error, DatabaseUnavailable) and not may_have_been_written(error):
+            counted = False  # the acquire was never sent: no slot to give back
         await _give_up(
             replace(refusal, counted=counted),
             batches=batches,
@@ -426,14 +428,11 @@ async def _give_up(
     """Undo a batch's acceptance: release its slots, then forget it. What the database does
     not take now is written off later (`services/gateway/refusals.py`)."""
     if refusal.counted and in_flight is not None:
-        released = 0
         try:
-            for task_id in refusal.to_release():
-                await in_flight.release(refusal.tenant_id, task_id)
-                released += 1
+            await release_slots(refusal, in_flight)
         except DatabaseUnavailable:
             log.warning("batch %s: slots not released; written off later", refusal.batch_id)
-            refusals.note(replace(refusal, released=refusal.released + released))
+            refusals.note(refusal)  # with what was released: not released again
             return
     await _discard(refusal, batches=batches, submissions=submissions, refusals=refusals)
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final, Protocol
 
@@ -43,6 +43,15 @@ log = logging.getLogger("scorebox.gateway")
 MAX_PENDING_TASKS: Final = 100_000
 
 
+@dataclass
+class Released:
+    """How many of a refusal's task ids, from the first, have had their slot released: a
+    release is idempotent only while the tenant's counter remembers the task among its
+    latest ones, so a release that succeeded is never repeated by a later pass."""
+
+    count: int = 0
+
+
 @dataclass(frozen=True)
 class Refusal:
     """A refused request's records: its submissions' task ids and its batch, if any."""
@@ -51,13 +60,10 @@ class Refusal:
     task_ids: tuple[str, ...]
     counted: bool = False  # its in-flight slots may be counted: release them first
     batch_id: str | None = None
-    # How many of `task_ids`, from the first, have had their slot released: a release is
-    # idempotent only while the tenant's counter remembers the task among its latest ones,
-    # so a release that succeeded is never repeated by a later pass.
-    released: int = 0
+    released: Released = field(default_factory=Released, compare=False)
 
     def to_release(self) -> tuple[str, ...]:
-        return self.task_ids[self.released :] if self.counted else ()
+        return self.task_ids[self.released.count :] if self.counted else ()
 
 
 class Refusals:
@@ -90,15 +96,6 @@ class Refusals:
 
     def written_off(self, refusal: Refusal) -> None:
         self._forget(refusal)
-
-    def progressed(self, refusal: Refusal, *, released: int) -> Refusal:
-        """`refusal` with its first `released` slots released, in its place if pending."""
-        done = replace(refusal, released=released)
-        for index, pending in enumerate(self._pending):
-            if pending is refusal:
-                self._pending[index] = done
-                break
-        return done
 
     def _forget(self, refusal: Refusal) -> None:
         try:
@@ -150,7 +147,8 @@ async def write_off(
     replay answered 200 for items never scored."""
     pending = refusals.pending()
     if in_flight is not None:
-        pending = [await release_slots(refusal, refusals, in_flight) for refusal in pending]
+        for refusal in pending:
+            await release_slots(refusal, in_flight)
     refused = [refusal for refusal in pending if await _batch_refused(refusal, batches, now)]
     task_ids = tuple(task_id for refusal in refused for task_id in refusal.task_ids)
     if task_ids:
@@ -160,14 +158,12 @@ async def write_off(
     return len(pending)
 
 
-async def release_slots(refusal: Refusal, refusals: Refusals, in_flight: SlotReleaser) -> Refusal:
+async def release_slots(refusal: Refusal, in_flight: SlotReleaser) -> None:
     """Release the slots of `refusal` not yet released, noting each one done as it is: a
-    failure part-way leaves the rest for the next pass, never the done ones again."""
-    done = refusal
+    failure part-way leaves the rest for the next try, never the done ones again."""
     for task_id in refusal.to_release():
         await in_flight.release(refusal.tenant_id, task_id)
-        done = refusals.progressed(done, released=done.released + 1)
-    return done
+        refusal.released.count += 1
 
 
 async def _batch_refused(refusal: Refusal, batches: BatchTombstones, now: datetime) -> bool:

@@ -211,8 +211,11 @@ async def _admit_or_discard(
     except LimitExceeded:
         await undo.discard()
         raise
-    except DatabaseUnavailable:
-        await undo.give_up(in_flight)
+    except DatabaseUnavailable as error:
+        if may_have_been_written(error):
+            await undo.give_up(in_flight)
+        else:  # never sent (queued past its deadline, no server): no slot to give back
+            await undo.discard()
         raise
 
 

@@ -174,3 +174,18 @@ async def test_a_failed_round_trip_fails_every_caller(mongo: Endpoint) -> None:
     )
 
     assert all(isinstance(outcome, InvalidOperation) for outcome in outcomes), outcomes
+
+
+async def test_a_change_is_bounded_by_the_clients_timeout_queueing_included(
+    mongo: Endpoint,
+) -> None:
+    """As a `GroupWriter`'s writes are: a change queued behind stalled round trips past the
+    client's timeout is never sent (`QueuedPastDeadline`) rather than applied long after its
+    request gave up on it. Without a deadline it waited for every earlier round trip."""
+    client: AsyncMongoClient[Document] = AsyncMongoClient(mongo.url, timeoutMS=1500)
+    try:
+        collection = client["counters_deadline"]["counts"]
+        assert BoundedCounters(collection).deadline_s == 1.5
+        assert GuardedReleases(collection, remembered=64).deadline_s == 1.5
+    finally:
+        await client.close()

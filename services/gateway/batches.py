@@ -535,13 +535,21 @@ async def _complete_interrupted(
         submitted_at=earlier.created_at,
         max_attempts=policy.max_attempts,
     )
-    await submissions.insert_batch(_rows(commands, submission), retention=policy.retention)
-    if not await batches.mark_accepted(earlier.batch_id):
+    task_ids = tuple(command.task_id for command in commands)
+    refusal = Refusal(earlier.tenant_id, task_ids, batch_id=earlier.batch_id)
+    try:
+        await submissions.insert_batch(_rows(commands, submission), retention=policy.retention)
+        accepted = await batches.mark_accepted(earlier.batch_id)
+    except DatabaseUnavailable:
+        # Answered 503: what lands is written off with the batch, unless it was accepted
+        # after all (this acceptance landed unanswered, or another request's): then it is
+        # sent, as that request was told.
+        refusals.note(refusal)
+        raise
+    if not accepted:
         # Its refusal was written off meanwhile, without knowing of the submissions recorded
         # here (a refusal whose batch insert timed out names none): they are forgotten too,
         # or the outbox sweep would send what the client is told was not kept.
-        task_ids = tuple(command.task_id for command in commands)
-        refusal = Refusal(earlier.tenant_id, task_ids, batch_id=earlier.batch_id)
         try:
             await submissions.abandon(task_ids, now=now)
         except DatabaseUnavailable:

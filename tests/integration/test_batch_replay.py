@@ -11,6 +11,7 @@ import pytest
 
 from devtools.infra import Endpoint
 from services.gateway.batches import (
+    Batches,
     BatchPolicy,
     BatchState,
     BatchSubmission,
@@ -62,18 +63,21 @@ async def _submit(
     broker: Recorded,
     at: datetime,
     submissions: Submissions | None = None,
+    *,
+    batches: Batches | None = None,
+    refusals: Refusals | None = None,
 ) -> BatchSubmitted:
     return await submit_batch(
         request,
         tenant_id=TENANT,
         api_key_id=None,
         idempotency_key=KEY,
-        batches=gateway.batches,
+        batches=batches or gateway.batches,
         submissions=submissions or gateway.submissions,
         publisher=broker,
         policy=POLICY,
         clock=lambda: at,
-        refusals=Refusals(),
+        refusals=refusals or Refusals(),
     )
 
 
@@ -274,3 +278,35 @@ async def test_a_replay_of_a_batch_whose_insert_timed_out_and_was_written_off_ke
         )
 
     assert await _sent_by_sweeps(gateway, refusals) == []
+
+
+class AcceptanceLost(Batches):
+    """Marking a batch accepted fails (the database away)."""
+
+    async def mark_accepted(self, batch_id: str) -> bool:
+        raise DatabaseUnavailable("timed out")
+
+
+async def test_a_replay_that_cannot_mark_its_batch_accepted_keeps_nothing(
+    gateway: Gateway,
+) -> None:
+    """Answered 503: the submissions it recorded were left `accepting`, and the sweep sent
+    them. Now they are written off with the batch once the database is back."""
+    request = _request(3)
+    batch_id = await _interrupted(gateway, request, recorded=1)
+    refusals = Refusals()
+
+    with pytest.raises(DatabaseUnavailable):
+        await _submit(
+            gateway,
+            request,
+            Recorded(),
+            T0 + GRACE + timedelta(seconds=1),
+            batches=AcceptanceLost(gateway.raw.client, gateway.name),
+            refusals=refusals,
+        )
+    await _write_off(gateway, refusals)
+
+    assert await _sent_by_sweeps(gateway, refusals) == []
+    batch = await gateway.raw["batches"].find_one({"_id": batch_id})
+    assert batch["state"] == BatchState.ABANDONED

@@ -31,6 +31,7 @@ class SlowLink:
     down: bool = False
     _server: asyncio.Server | None = field(default=None, init=False)
     _pipes: set[asyncio.Task[None]] = field(default_factory=set, init=False)
+    _writers: set[asyncio.StreamWriter] = field(default_factory=set, init=False)
 
     @classmethod
     def to_mongo(cls, url: str) -> SlowLink:
@@ -79,6 +80,9 @@ class SlowLink:
         for pipe in list(self._pipes):
             pipe.cancel()
         await asyncio.gather(*self._pipes, return_exceptions=True)
+        # Both ends of every connection, closed here: a connection's handler may not run
+        # again before the test ends, and its sockets would be left to the collector.
+        await _closed(self._writers)
         if self._server is not None:
             await self._server.wait_closed()
 
@@ -99,6 +103,8 @@ class SlowLink:
         except OSError:
             client_out.close()
             return
+        writers = {server_out, client_out}
+        self._writers |= writers
         requests = asyncio.create_task(self._pipe(client_in, server_out, held=False))
         replies = asyncio.create_task(self._pipe(server_in, client_out, held=True))
         self._pipes |= {requests, replies}
@@ -107,8 +113,8 @@ class SlowLink:
             pipe.cancel()
             self._pipes.discard(pipe)
         await asyncio.gather(requests, replies, return_exceptions=True)
-        for writer in (server_out, client_out):
-            writer.close()
+        self._writers -= writers
+        await _closed(writers)
 
     async def _pipe(
         self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, *, held: bool
@@ -119,3 +125,10 @@ class SlowLink:
                     await asyncio.sleep(self.reply_delay_s)  # the injected fault itself
                 sink.write(chunk)
                 await sink.drain()
+
+
+async def _closed(writers: set[asyncio.StreamWriter]) -> None:
+    for writer in list(writers):
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()

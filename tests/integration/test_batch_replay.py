@@ -18,7 +18,8 @@ from services.gateway.batches import (
     BatchSubmitted,
     submit_batch,
 )
-from services.gateway.errors import DatabaseUnavailable, RequestInProgress
+from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable, RequestInProgress
+from services.gateway.limits import InFlight
 from services.gateway.refusals import Refusal, Refusals, write_off
 from services.gateway.submissions import BATCH_WRITE_CHUNK, Submissions, SubmissionState
 from services.gateway.submit import sweep_outbox
@@ -310,3 +311,65 @@ async def test_a_replay_that_cannot_mark_its_batch_accepted_keeps_nothing(
     assert await _sent_by_sweeps(gateway, refusals) == []
     batch = await gateway.raw["batches"].find_one({"_id": batch_id})
     assert batch["state"] == BatchState.ABANDONED
+
+
+class RefusingBatches(Recorded):
+    """A broker that takes none of a batch's commands."""
+
+    async def send_many(self, commands: Sequence[ScoreText]) -> bool:
+        raise BrokerUnavailable("refused")
+
+    async def withdraw(self, commands: Sequence[ScoreText]) -> None:
+        return None
+
+
+class SecondReleaseFails(InFlight):
+    """Counts the releases of each task; the second release made fails, once."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        super().__init__(gateway.raw.client, gateway.name, max_per_tenant=100)
+        self.released: list[str] = []
+        self._to_fail = 2
+
+    async def release(self, tenant_id: str, task_id: str) -> None:
+        self._to_fail -= 1
+        if self._to_fail == 0:
+            raise DatabaseUnavailable("timed out")
+        await super().release(tenant_id, task_id)
+        self.released.append(task_id)
+
+
+async def test_a_refused_batch_whose_slots_were_partly_released_releases_the_rest_once(
+    gateway: Gateway,
+) -> None:
+    """The write-off used to release every slot of the batch again, the ones released
+    before the failure too (more than the counter remembers for a large batch)."""
+    in_flight = SecondReleaseFails(gateway)
+    refusals = Refusals()
+    with pytest.raises(BrokerUnavailable):
+        await submit_batch(
+            _request(3),
+            tenant_id=TENANT,
+            api_key_id=None,
+            idempotency_key=None,
+            batches=gateway.batches,
+            submissions=gateway.submissions,
+            publisher=RefusingBatches(),
+            policy=POLICY,
+            clock=lambda: T0,
+            refusals=refusals,
+            in_flight=in_flight,
+        )
+    [refusal] = refusals.pending()
+
+    await write_off(
+        refusals,
+        submissions=gateway.submissions,
+        batches=gateway.batches,
+        in_flight=in_flight,
+        now=T0,
+    )
+
+    assert sorted(in_flight.released) == sorted(refusal.task_ids)  # each task once
+    assert await in_flight.count(TENANT) == 0
+    assert refusals.pending() == []

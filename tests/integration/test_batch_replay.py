@@ -373,3 +373,39 @@ async def test_a_refused_batch_whose_slots_were_partly_released_releases_the_res
     assert sorted(in_flight.released) == sorted(refusal.task_ids)  # each task once
     assert await in_flight.count(TENANT) == 0
     assert refusals.pending() == []
+
+
+class AbandonFailsOnce(WrittenOffMeanwhile):
+    """The replay's records land as the batch is written off, and forgetting them fails."""
+
+    failures = 1
+
+    async def abandon(self, task_ids: tuple[str, ...], *, now: datetime) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise DatabaseUnavailable("timed out")
+        await super().abandon(task_ids, now=now)
+
+
+async def test_a_replay_that_cannot_forget_its_records_leaves_them_to_the_write_off(
+    gateway: Gateway,
+) -> None:
+    request = _request(3)
+    batch_id = await _interrupted(gateway, request, recorded=0)
+    meanwhile = Refusals()
+    meanwhile.note(Refusal(TENANT, (), batch_id=batch_id))
+    refusals = Refusals()
+
+    with pytest.raises(DatabaseUnavailable):
+        await _submit(
+            gateway,
+            request,
+            Recorded(),
+            T0 + GRACE + timedelta(seconds=1),
+            submissions=AbandonFailsOnce(gateway, meanwhile),
+            refusals=refusals,
+        )
+    assert await _sent_by_sweeps(gateway, refusals) == []  # held here until written off
+    await _write_off(gateway, refusals)
+
+    assert await _sent_by_sweeps(gateway, refusals) == []

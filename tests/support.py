@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, override
 
 import httpx
 from aiohttp import web
@@ -16,6 +16,7 @@ from pymongo import AsyncMongoClient, monitoring
 from pymongo.asynchronous.collection import AsyncCollection
 
 from services.gateway.submissions import Submissions
+from shared.consumers import Delivery
 from shared.contracts import RescoreTask, ScoreText, new_id
 
 POLL_INTERVAL_S = 0.05
@@ -155,3 +156,83 @@ def rescore_request(command: ScoreText, *, attempt: int = 1) -> RescoreTask:
         run_id=new_id(),
     )
     return request.model_copy(update={"attempt": attempt})
+
+
+class HandedDelivery(Delivery):
+    """A delivery as the broker hands it to a handler, without a broker message behind it:
+    what the handler reads, and how it settled the delivery (`settled`, in order)."""
+
+    def __init__(
+        self,
+        body: bytes = b"",
+        *,
+        routing_key: str = "",
+        headers: dict[str, Any] | None = None,
+        redelivered: bool = False,
+        message_id: str | None = None,
+        correlation_id: str | None = None,
+    ) -> None:
+        # No raw message to wrap: every member a handler uses is answered here.
+        self._body = body
+        self._routing_key = routing_key
+        self._headers = headers or {}
+        self._redelivered = redelivered
+        self._message_id = message_id
+        self._correlation_id = correlation_id
+        self.settled: list[str] = []
+
+    @classmethod
+    def redelivery(cls, body: bytes, *, count: int = 1) -> HandedDelivery:
+        """Delivered `count` times before, as a quorum queue hands it again."""
+        return cls(body, headers={"x-delivery-count": count}, redelivered=True)
+
+    @property
+    @override
+    def body(self) -> bytes:
+        return self._body
+
+    @property
+    @override
+    def routing_key(self) -> str:
+        return self._routing_key
+
+    @property
+    @override
+    def headers(self) -> dict[str, Any]:
+        return self._headers
+
+    @property
+    @override
+    def redelivered(self) -> bool:
+        return self._redelivered
+
+    @property
+    @override
+    def message_id(self) -> str | None:
+        return self._message_id
+
+    @property
+    @override
+    def correlation_id(self) -> str | None:
+        return self._correlation_id
+
+    @override
+    async def ack(self) -> None:
+        self.settled.append("ack")
+
+    @override
+    async def nack(self, *, requeue: bool = True) -> None:
+        self.settled.append(f"nack(requeue={requeue})")
+
+    @override
+    async def reject(self, *, requeue: bool = False) -> None:
+        self.settled.append(f"reject(requeue={requeue})")
+
+
+class HandlerOnly:
+    """Takes the handler a `subscribe_*` function registers, as a broker would to consume."""
+
+    handler: Callable[[Delivery], Coroutine[Any, Any, None]]
+
+    def add_consumer(self, subscription: Any) -> None:
+        self.handler = subscription.handler

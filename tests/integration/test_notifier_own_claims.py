@@ -13,10 +13,10 @@ import asyncio
 import contextlib
 import random
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
 from datetime import datetime, timedelta
-from typing import Any, override
+from typing import Any
 
 import pytest
 from pymongo import AsyncMongoClient
@@ -34,7 +34,6 @@ from services.notifier.keyring import Keyring
 from services.notifier.ledger import Claim, DeliveryState, Ledger
 from services.notifier.sender import ReceiverAnswer, WebhookSender, make_ssl_context
 from services.notifier.ssrf import Destination, WebhookGuard
-from shared.consumers import Delivery
 from shared.contracts import DeliverWebhook, WebhookPurpose, new_id, utcnow
 from tests.integration.test_notifier import (
     RECEIVER_HOST,
@@ -43,7 +42,7 @@ from tests.integration.test_notifier import (
     _start_receiver,
     _tls,
 )
-from tests.support import eventually
+from tests.support import HandedDelivery, HandlerOnly, eventually
 
 LEASE = timedelta(seconds=60)
 Deps = Callable[[str], DeliveryDeps]
@@ -253,44 +252,6 @@ class HeldSender:
         return answer
 
 
-class HandedDelivery(Delivery):
-    """A delivery as the broker hands it to the handler, without a broker message."""
-
-    def __init__(self, command: DeliverWebhook, *, redeliveries: int = 0) -> None:
-        self._body = command.model_dump_json().encode()
-        self._headers: dict[str, Any] = {"x-delivery-count": redeliveries}
-        self._redelivered = redeliveries > 0
-        self.settled: list[str] = []
-
-    @property
-    @override
-    def body(self) -> bytes:
-        return self._body
-
-    @property
-    @override
-    def headers(self) -> dict[str, Any]:
-        return self._headers
-
-    @property
-    @override
-    def redelivered(self) -> bool:
-        return self._redelivered
-
-    @override
-    async def ack(self) -> None:
-        self.settled.append("ack")
-
-
-class HandlerOnly:
-    """Takes the handler `subscribe_deliveries` registers, as a broker would to consume."""
-
-    handler: Callable[[Delivery], Coroutine[Any, Any, None]]
-
-    def add_consumer(self, subscription: Any) -> None:
-        self.handler = subscription.handler
-
-
 async def test_a_redelivery_after_the_connection_dropped_mid_post_posts_nothing_again(
     make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
 ) -> None:
@@ -304,12 +265,12 @@ async def test_a_redelivery_after_the_connection_dropped_mid_post_posts_nothing_
     broker = HandlerOnly()
     subscribe_deliveries(broker, replace(deps, sender=held), timeout_s=10)  # type: ignore[arg-type]
 
-    first = asyncio.create_task(broker.handler(HandedDelivery(delivery)))
+    first = asyncio.create_task(broker.handler(HandedDelivery(delivery.model_dump_json().encode())))
     await asyncio.wait_for(held.posting.wait(), timeout=10)
     first.cancel()  # as aiormq cancels a closed channel's consumers
     with contextlib.suppress(asyncio.CancelledError):
         await first
-    redelivery = HandedDelivery(delivery, redeliveries=1)
+    redelivery = HandedDelivery.redelivery(delivery.model_dump_json().encode())
     redelivered = asyncio.create_task(broker.handler(redelivery))
     held.release.set()  # the first POST answers
     await asyncio.wait_for(redelivered, timeout=30)

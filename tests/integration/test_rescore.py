@@ -80,6 +80,15 @@ class Flow:
     def calls(self, marker: str) -> int:
         return int(self.llm.stats()["by_id"].get(marker, 0))
 
+    async def dead_lettered(self, task_id: str) -> None:
+        """Wait until the task failed for good, its command in the dead-letter queue."""
+
+        async def failed_for_good() -> bool:
+            view = await self.view(task_id)
+            return view["status"] == "failed" and bool(view["error"]["dead_lettered"])
+
+        await eventually(failed_for_good, timeout_s=60, what=f"{task_id} dead-lettered")
+
     async def request_rescores(self, *requests: RescoreTask) -> None:
         broker = make_broker(ScorerSettings.model_validate({"RABBITMQ_URL": self.amqp_url}))
         async with broker:
@@ -289,11 +298,7 @@ async def test_a_rescore_after_a_dead_letter_replay_takes_the_next_generation(fl
     marker = _marker()
     task_id = await flow.submit(f"Failed four times, then fine [[id:{marker}]] [[fake:500x4]]")
 
-    async def dead_lettered() -> bool:
-        view = await flow.view(task_id)
-        return view["status"] == "failed" and bool(view["error"]["dead_lettered"])
-
-    await eventually(dead_lettered, timeout_s=60, what="dead-lettered")
+    await flow.dead_lettered(task_id)
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     replay = await flow.api.post(
         "/admin/v1/dead-letters/replay", json={"ids": [task_id]}, headers=admin
@@ -323,11 +328,7 @@ async def test_a_rescore_racing_a_dead_letter_replay_takes_a_generation_of_its_o
         f"Failed four times, then slow [[id:{marker}]] [[fake:500x4]][[fake:slow]]"
     )
 
-    async def dead_lettered() -> bool:
-        view = await flow.view(task_id)
-        return view["status"] == "failed" and bool(view["error"]["dead_lettered"])
-
-    await eventually(dead_lettered, timeout_s=60, what="dead-lettered")
+    await flow.dead_lettered(task_id)
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     replay = await flow.api.post(
         "/admin/v1/dead-letters/replay", json={"ids": [task_id]}, headers=admin
@@ -367,11 +368,7 @@ async def test_two_copies_of_a_dead_letter_replay_as_one_generation(flow: Flow) 
     marker = _marker()
     task_id = await flow.submit(f"Dead-lettered, copied [[id:{marker}]] [[fake:500x4]]")
 
-    async def dead_lettered() -> bool:
-        view = await flow.view(task_id)
-        return view["status"] == "failed" and bool(view["error"]["dead_lettered"])
-
-    await eventually(dead_lettered, timeout_s=60, what="dead-lettered")
+    await flow.dead_lettered(task_id)
     await _copy_the_dead_letter(flow.amqp_url)
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     replay = await flow.api.post(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, override
+from typing import Any
 
 import aio_pika
 import pytest
@@ -21,67 +21,12 @@ from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
 from services.gateway.rescore import RescoreRequests
 from services.gateway.settings import GatewaySettings
 from services.gateway.submissions import RescoreClaim, RescoreRefused, Submissions
-from shared.consumers import Delivery
 from shared.contracts import RescoreTask, ScoreText, utcnow
 from shared.runtime import make_broker
 from shared.topology import ERROR_HEADER, RESCORE_REQUESTS, declare_topology
-from tests.support import accepted_submission, eventually, rescore_request
+from tests.support import HandedDelivery, accepted_submission, eventually, rescore_request
 
 Mongo = AsyncMongoClient[dict[str, Any]]
-
-
-class FakeDelivery(Delivery):
-    """Stands in for a delivery without a broker message: what the consumer reads, and how
-    it settled it."""
-
-    def __init__(
-        self,
-        body: bytes,
-        redelivered: bool = False,
-        headers: dict[str, Any] | None = None,
-        message_id: str | None = None,
-        correlation_id: str | None = None,
-    ) -> None:
-        # No raw message to wrap: every member the consumer uses is answered here.
-        self._body = body
-        self._redelivered = redelivered
-        self._headers = headers or {}
-        self._message_id = message_id
-        self._correlation_id = correlation_id
-        self.settled: list[str] = []
-
-    @property
-    @override
-    def body(self) -> bytes:
-        return self._body
-
-    @property
-    @override
-    def headers(self) -> dict[str, Any]:
-        return self._headers
-
-    @property
-    @override
-    def redelivered(self) -> bool:
-        return self._redelivered
-
-    @property
-    @override
-    def message_id(self) -> str | None:
-        return self._message_id
-
-    @property
-    @override
-    def correlation_id(self) -> str | None:
-        return self._correlation_id
-
-    @override
-    async def ack(self) -> None:
-        self.settled.append("ack")
-
-    @override
-    async def reject(self, *, requeue: bool = False) -> None:
-        self.settled.append(f"reject(requeue={requeue})")
 
 
 class ScriptedPublisher:
@@ -172,7 +117,7 @@ async def test_an_unconfirmed_rescore_is_retried_later_and_resumes_its_generatio
     request = rescore_request(command)
     refusing = ScriptedPublisher(refusals=1)
 
-    delivery = FakeDelivery(request.model_dump_json().encode())
+    delivery = HandedDelivery(request.model_dump_json().encode())
     await env.consumer(refusing, env.submissions()).on_message(delivery)
 
     assert delivery.settled == ["ack"]
@@ -190,7 +135,7 @@ async def test_an_unconfirmed_rescore_is_retried_later_and_resumes_its_generatio
 
     confirming = ScriptedPublisher()
     consumer = env.consumer(confirming, env.submissions())
-    await consumer.on_message(FakeDelivery(retry.body))
+    await consumer.on_message(HandedDelivery(retry.body))
     [sent] = confirming.sent
     assert (sent.task_id, sent.generation, sent.attempt, sent.text) == (
         command.task_id,
@@ -204,7 +149,7 @@ async def test_an_unconfirmed_rescore_is_retried_later_and_resumes_its_generatio
     assert (stored["generation"], stored["rescore"]["sent"]) == (1, True)
 
     # The original request delivered once more: a duplicate, nothing sent.
-    await consumer.on_message(FakeDelivery(request.model_dump_json().encode(), redelivered=True))
+    await consumer.on_message(HandedDelivery(request.model_dump_json().encode(), redelivered=True))
     assert len(confirming.sent) == 1
 
 
@@ -223,9 +168,9 @@ async def test_a_first_delivery_never_resumes_a_claim_being_sent(env: Env) -> No
     publisher = ScriptedPublisher()
     consumer = env.consumer(publisher, submissions)
 
-    await consumer.on_message(FakeDelivery(request.model_dump_json().encode()))
+    await consumer.on_message(HandedDelivery(request.model_dump_json().encode()))
     assert publisher.sent == []
-    await consumer.on_message(FakeDelivery(request.model_dump_json().encode(), redelivered=True))
+    await consumer.on_message(HandedDelivery(request.model_dump_json().encode(), redelivered=True))
     assert [command.generation for command in publisher.sent] == [claim.generation]
 
 
@@ -234,7 +179,7 @@ async def test_the_last_attempt_goes_to_the_dead_letter_queue(env: Env) -> None:
     command = await accepted_submission(env.submissions())
     request = rescore_request(command, attempt=5)
     body = request.model_dump_json().encode()
-    delivery = FakeDelivery(body, message_id=request.message_id, correlation_id=request.task_id)
+    delivery = HandedDelivery(body, message_id=request.message_id, correlation_id=request.task_id)
 
     await env.consumer(ScriptedPublisher(refusals=1), env.submissions()).on_message(delivery)
 
@@ -248,7 +193,7 @@ async def test_the_last_attempt_goes_to_the_dead_letter_queue(env: Env) -> None:
 async def test_a_database_outage_is_waited_out(env: Env) -> None:
     command = await accepted_submission(env.submissions())
     publisher = ScriptedPublisher()
-    delivery = FakeDelivery(rescore_request(command).model_dump_json().encode())
+    delivery = HandedDelivery(rescore_request(command).model_dump_json().encode())
 
     await env.consumer(publisher, env.submissions(OutageOnce)).on_message(delivery)
 
@@ -258,7 +203,7 @@ async def test_a_database_outage_is_waited_out(env: Env) -> None:
 
 async def test_an_unreadable_request_is_rejected_without_requeue(env: Env) -> None:
     publisher = ScriptedPublisher()
-    delivery = FakeDelivery(b"{not json")
+    delivery = HandedDelivery(b"{not json")
     await env.consumer(publisher, env.submissions()).on_message(delivery)
     assert delivery.settled == ["reject(requeue=False)"]
     assert publisher.sent == []
@@ -287,7 +232,7 @@ async def test_a_claim_whose_answer_was_lost_is_resumed_by_the_next_try(env: Env
     the re-score was never sent, and nothing would send it."""
     command = await accepted_submission(env.submissions())
     publisher = ScriptedPublisher()
-    delivery = FakeDelivery(rescore_request(command).model_dump_json().encode())
+    delivery = HandedDelivery(rescore_request(command).model_dump_json().encode())
 
     await env.consumer(publisher, env.submissions(AnswerLostOnce)).on_message(delivery)
 
@@ -304,7 +249,7 @@ async def test_a_resumed_rescore_keeps_its_generation_when_a_replay_took_the_nex
     command = await accepted_submission(env.submissions())
     request = rescore_request(command)
     await env.take(RESCORE_REQUESTS.name)
-    refused = FakeDelivery(request.model_dump_json().encode())
+    refused = HandedDelivery(request.model_dump_json().encode())
     await env.consumer(ScriptedPublisher(refusals=1), env.submissions()).on_message(refused)
 
     replayed_as = await env.submissions().replay_generation(command.task_id, of=0)
@@ -316,5 +261,5 @@ async def test_a_resumed_rescore_keeps_its_generation_when_a_replay_took_the_nex
 
     [retry] = await eventually(came_back, what="the request back from the 5 s wait queue")
     confirming = ScriptedPublisher()
-    await env.consumer(confirming, env.submissions()).on_message(FakeDelivery(retry.body))
+    await env.consumer(confirming, env.submissions()).on_message(HandedDelivery(retry.body))
     assert [sent.generation for sent in confirming.sent] == [1]

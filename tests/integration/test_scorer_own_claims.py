@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import random
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any, override
@@ -23,7 +23,7 @@ from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import FakeLLM
 from services.scorer.attempts import Attempts, ClaimResult
-from services.scorer.consumer import DELIVERY_COUNT_HEADER, BrokerActions, subscribe_scorer
+from services.scorer.consumer import BrokerActions, subscribe_scorer
 from services.scorer.decisions import Decision, Defer, Drop, Finish
 from services.scorer.model import build_model
 from services.scorer.model.http_client import make_http_client
@@ -31,7 +31,7 @@ from services.scorer.model.settings import ModelSettings
 from services.scorer.scoring import RetryPolicy, ScorerDeps, score_text
 from shared.consumers import Delivery
 from shared.contracts import ScoreText, TaskCompleted, TaskEvent, new_id, utcnow
-from tests.support import eventually
+from tests.support import HandedDelivery, HandlerOnly, eventually
 
 LEASE = timedelta(seconds=60)
 Deps = Callable[[str], ScorerDeps]
@@ -188,35 +188,6 @@ async def test_a_delivery_arriving_while_the_first_one_claims_leaves_the_attempt
     assert _calls(fake_llm, marker) == 1
 
 
-class HandedDelivery(Delivery):
-    """A delivery as the broker hands it to the handler, without a broker message."""
-
-    def __init__(self, command: ScoreText, *, redeliveries: int = 0) -> None:
-        self._body = command.model_dump_json().encode()
-        self._headers: dict[str, Any] = {DELIVERY_COUNT_HEADER: redeliveries}
-        self._redelivered = redeliveries > 0
-        self.acked = False
-
-    @property
-    @override
-    def body(self) -> bytes:
-        return self._body
-
-    @property
-    @override
-    def headers(self) -> dict[str, Any]:
-        return self._headers
-
-    @property
-    @override
-    def redelivered(self) -> bool:
-        return self._redelivered
-
-    @override
-    async def ack(self) -> None:
-        self.acked = True
-
-
 class CarriedOut(BrokerActions):
     """Records the decisions the handler carries out instead of publishing them."""
 
@@ -229,15 +200,6 @@ class CarriedOut(BrokerActions):
         self.decisions.append(decision)
 
 
-class HandlerOnly:
-    """Takes the handler `subscribe_scorer` registers, as a broker would to consume."""
-
-    handler: Callable[[Delivery], Coroutine[Any, Any, None]]
-
-    def add_consumer(self, subscription: Any) -> None:
-        self.handler = subscription.handler
-
-
 async def test_a_redelivery_after_the_connection_dropped_carries_the_decision_out(
     make_deps: Deps, fake_llm: FakeLLM
 ) -> None:
@@ -247,16 +209,16 @@ async def test_a_redelivery_after_the_connection_dropped_carries_the_decision_ou
     broker, actions = HandlerOnly(), CarriedOut()
     subscribe_scorer(broker, make_deps("scorer-a"), actions, crash_limit=3)  # type: ignore[arg-type]
     command, marker = _command("An essay whose connection dropped [[fake:slow]].")
-    first = asyncio.create_task(broker.handler(HandedDelivery(command)))
+    first = asyncio.create_task(broker.handler(HandedDelivery(command.model_dump_json().encode())))
     async with asyncio.timeout(30):
         await fake_llm.wait_for_stats(lambda stats: stats["by_id"].get(marker, 0) >= 1)
     first.cancel()  # as aiormq cancels a closed channel's consumers
     with contextlib.suppress(asyncio.CancelledError):
         await first
 
-    redelivery = HandedDelivery(command, redeliveries=1)
+    redelivery = HandedDelivery.redelivery(command.model_dump_json().encode())
     await asyncio.wait_for(broker.handler(redelivery), timeout=30)
 
     assert [type(decision) for decision in actions.decisions] == [Finish]
-    assert redelivery.acked
+    assert redelivery.settled == ["ack"]
     assert _calls(fake_llm, marker) == 1

@@ -68,11 +68,9 @@ SCOREBOX_SERVICES = tuple(SERVICES)
 STACK_READY_TIMEOUT_S = 90.0
 SETTLE_TIMEOUT_S = 120.0
 # Queues that hold messages on purpose, which "settled" does not wait for.
-# `scorebox.ops-events` keeps the scheduler's housekeeping reports for operators: a run long
+# `scorebox.ops-log` keeps the scheduler's housekeeping reports for operators: a run long
 # enough to see a housekeeping firing finds one there, which is not an unconsumed event.
-UNSETTLED = re.compile(
-    r"(\.dlq$|^scorebox\.wait\.|^scorebox\.score-requests$|^scorebox\.ops-events$)"
-)
+UNSETTLED = re.compile(r"(\.dlq$|^scorebox\.wait\.|^scorebox\.score-requests$|^scorebox\.ops-log$)")
 VERIFY_SAMPLE = 20
 STANDIN_BOUND_CORES = 0.75  # the stand-in is one Python thread: busier than this, it limits
 CPU_BOUND_CORES = 0.9

@@ -52,7 +52,11 @@ def message_contracts() -> list[type[contracts.Contract]]:
 def _routes(routing_key: str) -> list[tuple[RabbitExchange, str]]:
     """(exchange, queue) pairs a message with this routing key reaches."""
     routes = []
-    for work_queue in topology.WORK_QUEUES:
+    bound: tuple[topology.WorkQueue | topology.RecentLog, ...] = (
+        *topology.WORK_QUEUES,
+        topology.OPS_LOG,
+    )
+    for work_queue in bound:
         for binding in work_queue.bindings:
             if binding.exchange.name in (topology.DUE.name, topology.DLX.name):
                 continue

@@ -15,7 +15,7 @@
                       task.failed                      → scorebox.notifications (notifier)
                       task.completed                   → scorebox.callbacks (exchange)
     scorebox.callbacks x-scorebox-callback: yes        → scorebox.notifications (notifier)
-                      ops.#                            → scorebox.ops-events (operators)
+                      ops.#                            → scorebox.ops-log (operators, recent only)
     scorebox.delay    <tier>.#                         → scorebox.wait.<tier> (TTL, then ↓)
     scorebox.due      *.<key of a delayed target>      → that target's queue
     scorebox.dlx      <queue>.dlq                      → <queue>.dlq (operators)
@@ -131,6 +131,27 @@ class WorkQueue:
         )
 
 
+@dataclass(frozen=True)
+class RecentLog:
+    """A queue that keeps the recent messages of its bindings for a reader that may never come:
+    at most `max_length` of them and none older than `max_age_s`, the oldest dropped first.
+    Nothing is rejected or dead-lettered from it (no DLX), so its publishers never fail on it."""
+
+    name: str
+    bindings: tuple[Binding, ...]
+    max_length: int
+    max_age_s: int
+
+    @property
+    def queue(self) -> RabbitQueue:
+        arguments = {
+            "x-max-length": self.max_length,
+            "x-overflow": "drop-head",
+            "x-message-ttl": self.max_age_s * 1000,
+        }
+        return RabbitQueue(self.name, queue_type=QueueType.QUORUM, arguments=arguments)  # type: ignore[call-overload, no-any-return]
+
+
 def _command_queue(
     name: str,
     routing_key: str,
@@ -186,12 +207,15 @@ GATEWAY_TASK_OUTCOMES = WorkQueue(
 )
 # Queues of earlier versions, deleted by `declare_topology`: nothing consumes them any more,
 # and a quorum queue without a consumer or a length limit would grow without end.
-RETIRED_QUEUES = ("scorebox.result-cache", "scorebox.result-cache.dlq")
+RETIRED_QUEUES = (
+    "scorebox.result-cache",
+    "scorebox.result-cache.dlq",
+    "scorebox.ops-events",  # replaced by `scorebox.ops-log` (see OPS_LOG)
+    "scorebox.ops-events.dlq",
+)
 
 
 # --- Scheduler -------------------------------------------------------------------------------
-OPS_EVENTS_MAX_LENGTH = 10_000
-
 CRON_JOBS = WorkQueue(
     name="scorebox.cron-jobs",
     bindings=(Binding(CRON, "cron.run"), Binding(DUE, "*.cron.run")),
@@ -214,13 +238,17 @@ USAGE_METER = WorkQueue(
 RESCORE_REQUESTS = _command_queue(
     "scorebox.rescore-requests", "score.rescore", max_length=SCORE_QUEUE_MAX_LENGTH
 )
+
 # Operations events (`ops.housekeeping`, `ops.alert.*`) for an operator or a notifier to read.
-# Publishes are mandatory, so these events need a queue bound; it is bounded and refuses
-# publishes when nobody has read it for that long, which fails the publishing job loudly.
-OPS_EVENTS = WorkQueue(
-    name="scorebox.ops-events",
+# Publishes are mandatory, so these events need a queue bound. Nothing in Scorebox reads it,
+# so it keeps a week of them. Its predecessor, `scorebox.ops-events`, refused publishes once
+# full: with nobody reading, after about ten weeks (one housekeeping event every ten minutes)
+# every housekeeping run failed and the dead-letter alerts stopped.
+OPS_LOG = RecentLog(
+    name="scorebox.ops-log",
     bindings=(Binding(EVENTS, "ops.#"),),
-    max_length=OPS_EVENTS_MAX_LENGTH,
+    max_length=10_000,
+    max_age_s=7 * 24 * 3600,
 )
 
 
@@ -272,7 +300,6 @@ WORK_QUEUES: tuple[WorkQueue, ...] = (
     CRON_JOBS,
     USAGE_METER,
     RESCORE_REQUESTS,
-    OPS_EVENTS,
     NOTIFICATIONS,
     WEBHOOK_DELIVERIES,
 )
@@ -328,6 +355,9 @@ async def declare_topology(broker: RabbitBroker) -> None:
             )
         for exchange, routing_key in RETIRED_BINDINGS.get(work_queue.name, ()):
             await queue.unbind(exchanges[exchange.name], routing_key=routing_key)
+    ops_log = await broker.declare_queue(OPS_LOG.queue)
+    for binding in OPS_LOG.bindings:
+        await ops_log.bind(exchanges[binding.exchange.name], routing_key=binding.routing_key)
     for tier, seconds in WAIT_TIERS:
         waiting = await broker.declare_queue(wait_queue(tier, seconds))
         await waiting.bind(exchanges[DELAY.name], routing_key=f"{tier}.#")

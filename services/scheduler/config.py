@@ -11,14 +11,22 @@ from __future__ import annotations
 
 import tomllib
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from decimal import Decimal
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from services.scheduler.cron import validate_spec, zone
+from services.scheduler.cron import next_fire_time, validate_spec, zone
 from services.scheduler.errors import ConfigurationError
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "config" / "scheduler.toml"
@@ -60,6 +68,14 @@ class JobConfig(_Strict):
         except ConfigurationError as error:
             raise ValueError(str(error)) from error
         return value
+
+    @model_validator(mode="after")
+    def _fires_again(self) -> JobConfig:
+        # croniter accepts dates that never come (`0 0 30 2 *`) and years already past.
+        now = datetime.now(UTC)
+        if next_fire_time(self.cron, self.tz, now) is None:
+            raise ValueError(f"cron expression {self.cron!r} never fires after {now:%Y-%m-%d} UTC")
+        return self
 
 
 class Price(_Strict):

@@ -20,7 +20,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import croniter
+from croniter import CroniterBadDateError, croniter
 
 from services.scheduler.errors import ConfigurationError
 
@@ -48,10 +48,18 @@ def _aware(instant: datetime) -> datetime:
     return instant
 
 
-def next_fire_time(spec: str, tz: str, after: datetime) -> datetime:
-    """The first fire time strictly after `after`, in UTC."""
+def next_fire_time(spec: str, tz: str, after: datetime) -> datetime | None:
+    """The first fire time strictly after `after`, in UTC; None when there is none (a date
+    that never comes, such as `0 0 30 2 *`, or a year field already past)."""
     iterator = croniter(spec, _aware(after).astimezone(zone(tz)))
-    return iterator.get_next(datetime).astimezone(UTC)
+    return _next(iterator)
+
+
+def _next(iterator: croniter) -> datetime | None:
+    try:
+        return iterator.get_next(datetime).astimezone(UTC)
+    except CroniterBadDateError:
+        return None
 
 
 def next_fire_times(
@@ -61,8 +69,8 @@ def next_fire_times(
     found: list[datetime] = []
     iterator = croniter(spec, _aware(after).astimezone(zone(tz)))
     while limit is None or len(found) < limit:
-        fire_time = iterator.get_next(datetime).astimezone(UTC)
-        if fire_time > _aware(until):
+        fire_time = _next(iterator)
+        if fire_time is None or fire_time > _aware(until):
             break
         found.append(fire_time)
     return found

@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from services.scheduler.config import MissedFirings
 from services.scheduler.errors import DispatchFailed
@@ -21,6 +21,8 @@ from services.scheduler.firings import Firing, FiringState, FiringStore, to_mill
 from services.scheduler.jobs import Clock
 from services.scheduler.schedule import JobCatalog, ScheduledJob, plan_firings
 from shared.contracts import RunCronJob
+
+NEVER = datetime.max.replace(tzinfo=UTC)  # a job whose schedule has no later date
 
 log = logging.getLogger("scorebox.scheduler.dispatcher")
 
@@ -117,7 +119,7 @@ class Dispatcher:
             except Exception:  # one job's trouble must not stop the others
                 log.exception("job %s: could not fire; trying again next tick", job.name)
                 continue
-            self._next_due[job.name] = job.next_fire_time(now)
+            self._next_due[job.name] = job.next_fire_time(now) or NEVER
             if firing is not None:
                 dispatched.append(firing)
         dispatched.extend(await self._redispatch_stale(now))

@@ -49,7 +49,7 @@ class ScheduledJob:
             description=config.description,
         )
 
-    def next_fire_time(self, after: datetime) -> datetime:
+    def next_fire_time(self, after: datetime) -> datetime | None:
         return next_fire_time(self.cron, self.tz, after)
 
 

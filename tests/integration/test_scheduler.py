@@ -8,6 +8,7 @@ scheduler reads, so nothing waits for a real fire time.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -42,7 +43,8 @@ from shared.runtime import make_broker
 from shared.topology import (
     CRON_JOBS,
     ERROR_HEADER,
-    OPS_EVENTS,
+    EVENTS,
+    OPS_LOG,
     RESCORE_REQUESTS,
     STATUS_PROJECTION,
     declare_topology,
@@ -560,6 +562,48 @@ async def test_fanout_resumes_after_a_crash_without_skipping(env: Env) -> None:
 # --- housekeeping ---------------------------------------------------------------------------
 
 
+async def _fill(amqp_url: str, exchange_name: str, routing_key: str, count: int) -> None:
+    """`count` confirmed, mandatory publishes, 500 in flight at a time."""
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        exchange = await channel.get_exchange(exchange_name, ensure=False)
+        for start in range(0, count, 500):
+            await asyncio.gather(
+                *(
+                    exchange.publish(
+                        aio_pika.Message(f"filler {n}".encode()),
+                        routing_key=routing_key,
+                        mandatory=True,
+                        timeout=30,
+                    )
+                    for n in range(start, min(count, start + 500))
+                )
+            )
+
+
+async def test_housekeeping_goes_on_when_nobody_reads_the_ops_log(env: Env) -> None:
+    """The ops log, unread and full, drops its oldest events: housekeeping's events are
+    published and the run succeeds (a queue refusing publishes failed every run)."""
+    config = parse_config(
+        {
+            "jobs": {"housekeeping": {"cron": "*/10 * * * *", "enabled": False}},
+            "housekeeping": {"dead_letter_threshold": 1_000_000},
+        },
+        {},
+    )
+    await drain(env.amqp_url, OPS_LOG.name)
+    await _fill(env.amqp_url, EVENTS.name, "ops.filler", OPS_LOG.max_length)
+    async with scheduler(env, config) as (api, _):
+        run = await _run_job(api, "housekeeping")
+
+    assert run["state"] == "succeeded"
+    events = await drain(env.amqp_url, OPS_LOG.name)
+    assert len(events) == OPS_LOG.max_length
+    assert events[0].body == b"filler 1"  # the oldest one made room
+    assert events[-1].routing_key == "ops.housekeeping"
+
+
 async def test_housekeeping_expires_own_records_and_reports_dead_letters(env: Env) -> None:
     config = parse_config(
         {
@@ -575,7 +619,7 @@ async def test_housekeeping_expires_own_records_and_reports_dead_letters(env: En
     for minutes in (0, 10, 20):  # the last of them is the job's cursor: kept
         await _history(env, "housekeeping", old + timedelta(minutes=minutes))
     await _history(env, "yearly", old)  # old, but the yearly job's cursor: kept
-    await drain(env.amqp_url, OPS_EVENTS.name)
+    await drain(env.amqp_url, OPS_LOG.name)
     broker = make_broker(env.settings())
     async with broker:
         await broker.connect()
@@ -597,7 +641,7 @@ async def test_housekeeping_expires_own_records_and_reports_dead_letters(env: En
     depths = {entry["queue"]: entry["depth"] for entry in run["result"]["dead_letters"]}
     assert depths[STATUS_PROJECTION.dead_letter_routing_key] >= 1
     assert STATUS_PROJECTION.dead_letter_routing_key in run["result"]["alerted"]
-    events = await drain(env.amqp_url, OPS_EVENTS.name)
+    events = await drain(env.amqp_url, OPS_LOG.name)
     kinds = [message.routing_key for message in events]
     assert kinds == ["ops.housekeeping", "ops.alert.dead-letters"]
     alert = DeadLetterAlert.model_validate_json(events[1].body)

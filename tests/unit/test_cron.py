@@ -133,6 +133,23 @@ def test_latest_fire_time(spec: str, tz: str, at: str, expected: str) -> None:
     assert latest_fire_time(spec, tz, utc(at)) == utc(expected)
 
 
+@pytest.mark.parametrize(
+    ("spec", "after"),
+    [("0 0 30 2 *", "2025-01-01T00:00:00"), ("0 0 1 1 * 0 2026", "2026-01-01T00:00:00")],
+)
+def test_a_schedule_without_a_later_date_has_no_next_fire_time(spec: str, after: str) -> None:
+    start = utc(after)
+    assert next_fire_time(spec, "UTC", start) is None
+    assert next_fire_times(spec, "UTC", start, start + timedelta(days=3 * 366)) == []
+
+
+def test_a_schedule_fires_up_to_its_last_date() -> None:
+    spec, start = "0 0 1 1 * 0 2026", utc("2025-12-31T00:00:00")
+    assert next_fire_times(spec, "UTC", start, utc("2030-01-01T00:00:00")) == [
+        utc("2026-01-01T00:00:00")
+    ]
+
+
 def test_instants_in_other_offsets_are_the_same_instants() -> None:
     shanghai_noon = datetime(2025, 1, 1, 12, tzinfo=timezone(timedelta(hours=8)))
     assert next_fire_time("5 * * * *", "UTC", shanghai_noon) == utc("2025-01-01T04:05:00")

@@ -65,6 +65,10 @@ def test_env_names() -> None:
         ({"jobs": {"j": {"cron": "5 * * * *", "colour": "red"}}}, {}, "colour"),
         ({"jobs": {"j": {"cron": "5 * * * *"}}}, {"CRON_J_ENABLED": "maybe"}, "CRON_J_ENABLED"),
         ({"prices": {"m": {"prompt_per_1k": -1, "completion_per_1k": 0}}}, {}, "prompt_per_1k"),
+        ({"jobs": {"j": {"cron": "0 0 30 2 *"}}}, {}, "never fires"),
+        ({"jobs": {"j": {"cron": "0 0 31 4 *", "enabled": False}}}, {}, "never fires"),
+        ({"jobs": {"j": {"cron": "0 0 1 1 * 0 2020"}}}, {}, "never fires"),
+        ({"jobs": {"j": {"cron": "5 * * * *"}}}, {"CRON_J": "0 0 30 2 *"}, "never fires"),
     ],
 )
 def test_bad_configuration_refuses_to_start(

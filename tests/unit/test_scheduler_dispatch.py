@@ -195,6 +195,25 @@ def _dispatcher(
     )
 
 
+async def test_a_schedule_past_its_last_date_fires_nothing_more_and_stops_nothing() -> None:
+    """A 7-field expression whose year has passed has no next fire time: the job stays quiet
+    and the jobs beside it go on firing."""
+    firings, published, clock = FakeFirings(), Published(), Clock(START)
+    jobs = JobCatalog(
+        [
+            ScheduledJob("once", "0 11 1 1 * 0 2025", "UTC", MissedFirings.COALESCE, enabled=True),
+            ScheduledJob("rollup", "5 * * * *", "UTC", MissedFirings.COALESCE, enabled=True),
+        ]
+    )
+    dispatcher = _dispatcher(firings, published, clock, jobs)
+    fire_times = [START.replace(hour=h, minute=m, second=0) for h, m in ((10, 5), (11, 0), (11, 5))]
+    for fire_time in [*fire_times, START.replace(year=2026, hour=12, minute=5, second=0)]:
+        clock.now = fire_time + timedelta(seconds=1)
+        await dispatcher.tick()
+    assert [command.job for command in published.commands] == ["rollup", "once", "rollup", "rollup"]
+    assert jobs.get("once").next_fire_time(clock.now) is None
+
+
 async def test_two_replicas_fire_each_fire_time_once() -> None:
     firings, published, clock = FakeFirings(), Published(), Clock(START)
     replicas = [_dispatcher(firings, published, clock, _jobs(), owner) for owner in "ab"]

@@ -215,8 +215,6 @@ async def _stream(
                 last = change.sequence
             if changes and changes[-1].status.is_terminal:
                 return
-    except Unavailable:
-        return  # the status service is down: end the stream; the client resumes from `last`
     finally:
         live.close(waiter)
 
@@ -228,7 +226,10 @@ async def _changes_after(
     if event is not None:
         changes = await history_settled(read, after=last, event=event, settle_s=settle_s)
     else:
-        history = await read(last)
+        try:
+            history = await read(last)
+        except Unavailable:
+            return []  # the status service is away: the stream goes on with live events
         if history is None:
             return None
         changes = history.changes

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from pydantic import ValidationError
 
-from services.gateway.errors import GatewayError
+from services.gateway.errors import GatewayError, Unavailable
 from services.gateway.submissions import Submissions, recently_due
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import (
@@ -63,6 +63,7 @@ RECENT_EVENTS_PER_TASK = 8
 RECENT_S = 30.0
 SETTLE_INTERVAL_S = 0.02
 LIVE_LINGER_S = 30.0  # how long the live queue stays bound after its last waiter
+BIND_RETRY_S = 5.0  # after a failed bind, how long waiters go on without trying again
 Clock = Callable[[], datetime]
 
 
@@ -229,26 +230,47 @@ class OnDemandBinding:
         self._lock = asyncio.Lock()
         self._last_wanted = 0.0
         self._keeper: asyncio.Task[None] | None = None
+        self._binding_now: asyncio.Task[None] | None = None
+        self._retry_at = 0.0
         self.bound = False
         self.unbinding = False  # released, its unbind still on its way
 
     async def ensure(self) -> None:
+        """Bind unless bound. Waiters arriving together share one attempt; after a failed one
+        (the broker away), waiters go on without live events for `BIND_RETRY_S`: each of them
+        waiting out a bind of its own, one after the other, made the k-th long-poll of a burst
+        wait k bind timeouts."""
         self._last_wanted = self._monotonic()
         if self.bound:
             return
-        async with self._lock:
-            if self.bound:
+        if self._binding_now is None:
+            if self._monotonic() < self._retry_at:
                 return
-            try:
-                await self._binding.bind()
-            except Exception as error:  # noqa: BLE001 - without live events waiters still answer
-                log.warning("live events unavailable (binding failed): %r", error)
-                return
-            self.bound = True
-            if self._keeper is None or self._keeper.done():
-                self._keeper = asyncio.create_task(self._keep_while_wanted())
+            self._binding_now = asyncio.create_task(self._bind())
+        await asyncio.shield(self._binding_now)
+
+    async def _bind(self) -> None:
+        try:
+            async with self._lock:
+                if self.bound:
+                    return
+                try:
+                    await self._binding.bind()
+                except Exception as error:  # noqa: BLE001 - without live events waiters still answer
+                    log.warning("live events unavailable (binding failed): %r", error)
+                    self._retry_at = self._monotonic() + BIND_RETRY_S
+                    return
+                self.bound = True
+                if self._keeper is None or self._keeper.done():
+                    self._keeper = asyncio.create_task(self._keep_while_wanted())
+        finally:
+            self._binding_now = None
 
     async def close(self) -> None:
+        if self._binding_now is not None:
+            self._binding_now.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._binding_now
         if self._keeper is not None:
             self._keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -368,14 +390,15 @@ async def read_when_changed(
 ) -> TaskView | None:
     """Long-poll: the view at once when it is terminal (or differs from `known_status`), else
     after the task's next state change, else after `wait_s` seconds (the view as it is)."""
+    deadline = asyncio.get_running_loop().time() + wait_s  # binding counts against the wait
     with live.waiting(task_id, tenant_id) as waiter:  # before the read: no event slips by
-        await live.listen()
+        if wait_s > 0:
+            await _listen_within(live, wait_s)
         view = await read()
         if view is None or view.status.is_terminal or wait_s <= 0:
             return view
         if known_status is not None and view.status != known_status:
             return view
-        deadline = asyncio.get_running_loop().time() + wait_s
         while True:
             event = await waiter.next(deadline - asyncio.get_running_loop().time())
             if event is None:
@@ -384,14 +407,26 @@ async def read_when_changed(
                 return await read_settled(read, event, settle_s=settle_s)
 
 
+async def _listen_within(live: LiveUpdates, seconds: float) -> None:
+    """`live.listen()`, given up after `seconds` (the bind goes on for later waiters)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await live.listen()
+
+
 async def history_settled(
     read: HistoryReader, *, after: int, event: TaskEvent, settle_s: float
 ) -> list[StateChange]:
     """The changes after `after` once the history holds `event` (at most `settle_s` later);
-    `event` itself is added when the status service has not caught up by then."""
+    `event` itself is added when the status service has not caught up by then, or could not
+    be read (a stream then still shows a task's end that this replica has heard of)."""
     deadline = asyncio.get_running_loop().time() + settle_s
     while True:
-        history = await read(after)
+        try:
+            history = await read(after)
+        except Unavailable as error:
+            log.debug("history unavailable, going on with the live event: %r", error)
+            history = None
         changes = [] if history is None else history.changes
         if any(change.sequence == event.sequence for change in changes):
             return changes

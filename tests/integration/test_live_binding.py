@@ -95,7 +95,8 @@ async def _unbound(live: LiveUpdates) -> bool:
 
 async def test_a_waiter_goes_on_without_live_events_when_the_broker_is_not_there() -> None:
     """Binding fails (no broker connection): `listen` logs and returns, the request still
-    answers from its reads, and the next waiter tries to bind again."""
+    answers from its reads, and the waiters of the next `BIND_RETRY_S` do not wait for
+    another bind."""
     settings = ServiceSettings.model_validate({"RABBITMQ_URL": "amqp://guest:guest@127.0.0.1:9/"})
     broker = make_broker(settings)  # never connected
     live = LiveUpdates(binding=BrokerLiveBinding(broker, new_id()[:16], timeout_s=1.0))

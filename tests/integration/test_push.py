@@ -61,6 +61,8 @@ class Push:
     other: dict[str, str]  # headers of another tenant's key
     limited: dict[str, str]  # headers of a tenant used only by the waiter-limit test
     amqp_url: str
+    env: dict[str, str]
+    status: FastAPI  # the status service, running
 
     async def submit(self, text: str, **extra: Any) -> str:
         response = await self.api.post("/v1/scores", json={"text": text, **extra})
@@ -169,7 +171,7 @@ async def push(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Push]
         ):
             other = await _key(api, f"other-{uuid.uuid4().hex[:8]}")
             limited = await _key(api, f"limited-{uuid.uuid4().hex[:8]}")
-            yield Push(api, other, limited, amqp_url)
+            yield Push(api, other, limited, amqp_url, env, status)
     await llm.stop()
 
 
@@ -395,3 +397,60 @@ async def test_a_stream_ends_once_its_key_is_revoked(push: Push) -> None:
         async with asyncio.timeout(60):  # a hang guard only: it ends at the next heartbeat
             rest = [line async for line in lines]
     assert not [line for line in rest if line.startswith("data:")]
+
+
+class StatusSwitch(httpx.AsyncBaseTransport):
+    """The status service in-process, which a test can make unreachable."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self._inner = httpx.ASGITransport(app=app)
+        self.down = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.down:
+            raise httpx.ConnectError("the status service is away", request=request)
+        return await self._inner.handle_async_request(request)
+
+
+async def test_a_stream_shows_the_end_it_hears_of_while_the_status_service_is_away(
+    push: Push,
+) -> None:
+    """The stream ended without the terminal event it had just received, and the client's
+    reconnection was answered 503, which makes an EventSource give up for good."""
+    submitted = await push.api.post(
+        "/v1/scores", json={"text": f"Later [[id:{_marker()}]]", "delay_seconds": 600}
+    )
+    assert submitted.status_code == 202, submitted.text
+    task_id = submitted.json()["task_id"]
+    switch = StatusSwitch(push.status)
+    gateway = create_gateway(
+        GatewaySettings.model_validate(push.env),
+        status_http=httpx.AsyncClient(transport=switch, base_url="http://status.test", timeout=5),
+    )
+    completed = TaskCompleted(
+        task_id=task_id,
+        submitted_at=utcnow(),
+        attempt=1,
+        sequence=event_sequence(generation=0, attempt=1, phase=Phase.TERMINAL),
+        result=ScoreResult(score=6, comment="ok", model="m"),
+    )
+    async with (
+        serving(gateway) as base_url,
+        httpx.AsyncClient(base_url=base_url, headers=push.api.headers, timeout=30) as api,
+        api.stream("GET", f"/v1/scores/{task_id}/events") as stream,
+    ):
+        assert stream.status_code == 200
+        lines = stream.aiter_lines()
+        async for line in lines:
+            if line.startswith(":"):  # streaming, its first state sent
+                break
+        switch.down = True
+        broker = make_broker(GatewaySettings.model_validate({"RABBITMQ_URL": push.amqp_url}))
+        async with broker:
+            await broker.connect()
+            await publish_event(broker, completed, timeout=10)
+        async with asyncio.timeout(60):  # a hang guard only: it ends with the terminal event
+            events, _ = await read_events(lines)
+    assert _statuses(events) == ["completed"]
+    assert events[0].id == completed.sequence
+    assert events[0].data["result"]["score"] == 6

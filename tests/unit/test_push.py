@@ -8,7 +8,10 @@ from typing import Any
 
 import pytest
 
+from services.gateway.errors import StatusUnavailable
+from services.gateway.events_api import _changes_after
 from services.gateway.push import (
+    BIND_RETRY_S,
     HistoryPolicy,
     LiveUpdates,
     WaiterLimitReached,
@@ -297,6 +300,77 @@ async def test_history_settled_adds_the_event_when_the_status_service_lags() -> 
     changes = await history_settled(histories, after=0, event=_completed(), settle_s=0)
     assert [change.sequence for change in changes] == [_completed().sequence]
     assert changes[0].result is not None
+
+
+class StuckBinding:
+    """A bind that waits for `done`, then fails while `failing` (the broker away)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.done = asyncio.Event()
+        self.failing = True
+
+    async def bind(self) -> None:
+        self.calls += 1
+        await self.done.wait()
+        if self.failing:
+            raise ConnectionError("the broker is away")
+
+    async def unbind(self) -> None:
+        pass
+
+
+async def test_long_polls_arriving_together_share_one_bind_and_keep_their_deadlines() -> None:
+    """Each waiter bound in turn, waiting out the bind timeout of every one before it, and a
+    long-poll's wait began only after its bind: the sixth `wait=5` of a burst answered after
+    a minute while the broker was away."""
+    clock, binding = FakeClock(), StuckBinding()
+    live = LiveUpdates(binding=binding, monotonic=clock)
+
+    async def read() -> TaskView:
+        return _view(TaskStatus.QUEUED, 0)
+
+    async def long_poll(task_id: str) -> TaskView | None:
+        return await read_when_changed(
+            read,
+            live=live,
+            task_id=task_id,
+            tenant_id="a",
+            wait_s=0.05,
+            known_status=None,
+            settle_s=0,
+        )
+
+    async with asyncio.timeout(30):  # a hang guard only: the bind never ends on its own
+        views = await asyncio.gather(*(long_poll(f"t{n}") for n in range(5)))
+    assert [view.status for view in views if view is not None] == [TaskStatus.QUEUED] * 5
+    assert binding.calls == 1
+
+    binding.done.set()
+    await live.listen()  # the shared bind fails
+    await live.listen()  # just after a failure: no bind
+    assert (binding.calls, live.listening) == (1, False)
+    clock.now += BIND_RETRY_S
+    binding.failing = False
+    await live.listen()
+    assert (binding.calls, live.listening) == (2, True)
+    await live.stop_listening()
+
+
+async def _status_away(after: int) -> TaskHistory | None:
+    raise StatusUnavailable("the status service is away")
+
+
+async def test_history_settled_gives_the_event_when_the_status_service_is_away() -> None:
+    changes = await history_settled(_status_away, after=0, event=_completed(), settle_s=0)
+    assert [change.sequence for change in changes] == [_completed().sequence]
+    assert changes[0].result is not None
+
+
+async def test_a_streams_resync_while_the_status_service_is_away_finds_nothing_new() -> None:
+    """The stream goes on (heartbeats, live events) instead of ending: an EventSource whose
+    reconnection is answered 503 gives up for good."""
+    assert await _changes_after(0, None, read=_status_away, settle_s=0) == []
 
 
 class FakeSubmissions:

@@ -233,8 +233,8 @@ USAGE_METER = WorkQueue(
     ),
 )
 # Re-score requests from the scheduler's fan-out; the gateway consumes them. Bounded like the
-# score queue: when full, the fan-out's publishes are refused (back-pressure) and it resumes
-# from its checkpoint on a later attempt.
+# score queue: when full, the fan-out's publishes are refused (back-pressure) and its run
+# waits for room, then resumes from its checkpoint.
 RESCORE_REQUESTS = _command_queue(
     "scorebox.rescore-requests", "score.rescore", max_length=SCORE_QUEUE_MAX_LENGTH
 )

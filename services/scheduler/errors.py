@@ -9,6 +9,8 @@
     └── JobError                raised by a job handler
         ├── PermanentJobError   dead-letter the run now: retrying fails the same way
         └── TransientJobError   retry the run with back-off, then dead-letter
+            └── DownstreamFull  a queue the job feeds is full: wait for room, attempts
+                                not counted, for up to `DOWNSTREAM_FULL_MAX_WAIT`
 
 Any other exception from a job counts as transient: a run is retried a bounded number of
 times (`SCHEDULER_JOB_MAX_ATTEMPTS`) before it is dead-lettered with the error as reason.
@@ -47,3 +49,7 @@ class PermanentJobError(JobError):
 
 class TransientJobError(JobError):
     """The run may succeed later (a dependency is unavailable): retry with back-off."""
+
+
+class DownstreamFull(TransientJobError):
+    """A queue the job feeds refused its messages (full): back-pressure, not a failure."""

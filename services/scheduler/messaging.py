@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import aiormq
 from aio_pika.abc import AbstractIncomingMessage
 from faststream.rabbit import RabbitBroker, RabbitQueue
 
+from services.scheduler.errors import DownstreamFull
 from services.scheduler.jobs import Clock
 from shared.bus import publish_delayed
 from shared.contracts import (
@@ -27,7 +29,14 @@ from shared.contracts import (
     RescoreTask,
     RunCronJob,
 )
-from shared.topology import CRON, EVENTS, TASKS, USAGE_RETRY_ROUTING_KEY, WorkQueue
+from shared.topology import (
+    CRON,
+    EVENTS,
+    RESCORE_REQUESTS,
+    TASKS,
+    USAGE_RETRY_ROUTING_KEY,
+    WorkQueue,
+)
 
 OpsEvent = HousekeepingRequested | DeadLetterAlert
 
@@ -53,21 +62,26 @@ class SchedulerBus:
         )
 
     async def publish_rescore_page(self, page: Sequence[RescoreTask]) -> None:
-        """Publish a page with its confirms in flight together: one round trip per page."""
-        async with asyncio.timeout(self.timeout_s):
-            await asyncio.gather(
-                *(
-                    publish_delayed(
-                        self.broker,
-                        task,
-                        exchange=TASKS,
-                        routing_key=task.routing_key,
-                        not_before=None,
-                        timeout=self.timeout_s,
+        """Publish a page with its confirms in flight together: one round trip per page.
+
+        Raises `DownstreamFull` when the broker refuses one (the re-score queue is full)."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await asyncio.gather(
+                    *(
+                        publish_delayed(
+                            self.broker,
+                            task,
+                            exchange=TASKS,
+                            routing_key=task.routing_key,
+                            not_before=None,
+                            timeout=self.timeout_s,
+                        )
+                        for task in page
                     )
-                    for task in page
                 )
-            )
+        except aiormq.exceptions.DeliveryError as error:
+            raise DownstreamFull(f"{RESCORE_REQUESTS.name} refused a re-score request") from error
 
     async def announce(self, event: OpsEvent) -> None:
         await publish_delayed(

@@ -6,6 +6,8 @@
     job returned, more to do        -> Continue (same run, next slice, attempt 1)
     job returned                    -> Finished
     PermanentJobError               -> GiveUp
+    DownstreamFull                  -> Retry    (same attempt, after the longest back-off;
+                                                 GiveUp once the run is that old)
     any other error, attempts left  -> Retry    (back-off through the wait ladder)
     any other error, none left      -> GiveUp
 
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from services.scheduler.errors import PermanentJobError
+from services.scheduler.errors import DownstreamFull, PermanentJobError
 from services.scheduler.firings import FiringState, FiringStore
 from services.scheduler.jobs import Clock, JobHandler, JobRun
 from shared.contracts import RunCronJob, new_id
@@ -30,6 +32,10 @@ log = logging.getLogger("scorebox.scheduler.runs")
 # A run due within this much is run now: the wait ladder's finest step is 1 s, and a message
 # sent back for less would only bounce between the queue and this consumer.
 DUE_TOLERANCE = timedelta(milliseconds=500)
+# How long a run waits for room in a full queue it feeds (the re-score queue, say, behind a
+# slow scorer) before it is given up. Counting those waits as failed attempts gave a big
+# fan-out up within a minute of the queue filling.
+DOWNSTREAM_FULL_MAX_WAIT = timedelta(hours=6)
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,11 @@ async def _run_handler(
         outcome = await handler(run)
     except PermanentJobError as error:
         return await _give_up(command, _describe(error), firings=firings, clock=clock)
+    except DownstreamFull as error:
+        log.warning("cron job %s (run %s) waits for room: %s", command.job, command.run_id, error)
+        return await _wait_for_room(
+            command, _describe(error), firings=firings, retry=retry, clock=clock
+        )
     except Exception as error:
         log.exception("cron job %s (run %s) failed", command.job, command.run_id)
         return await _retry_or_give_up(
@@ -161,4 +172,20 @@ async def _retry_or_give_up(
     following = command.model_copy(
         update={"message_id": new_id(), "attempt": command.attempt + 1, "not_before": not_before}
     )
+    return Retry(following, error)
+
+
+async def _wait_for_room(
+    command: RunCronJob, error: str, *, firings: FiringStore, retry: RetryPolicy, clock: Clock
+) -> Retry | GiveUp:
+    now = clock()
+    if now - command.fired_at >= DOWNSTREAM_FULL_MAX_WAIT:
+        reason = (
+            f"cron job {command.job!r} found no room for {DOWNSTREAM_FULL_MAX_WAIT} since it "
+            f"fired; last error: {error}"
+        )
+        return await _give_up(command, reason, firings=firings, clock=clock)
+    not_before = now + retry.cap
+    await firings.retrying(command.run_id, error=error, next_attempt_at=not_before, now=now)
+    following = command.model_copy(update={"message_id": new_id(), "not_before": not_before})
     return Retry(following, error)

@@ -44,7 +44,7 @@ from shared.contracts import (
 )
 from shared.http import PROBLEM_JSON
 from shared.topology import EVENTS, SCORE_REQUESTS, STATUS_PROJECTION, TASKS
-from tests.faults.harness import rabbitmqctl, rabbitmqctl_available, vhost_of
+from tests.faults.harness import queue_made_full, rabbitmqctl, rabbitmqctl_available, vhost_of
 from tests.support import eventually, rescore_request, running
 
 API_KEY = generate_key().token
@@ -101,33 +101,8 @@ async def stack(amqp_url: str, mongo: Endpoint, db_prefix: str) -> AsyncIterator
     await client.close()
 
 
-@contextlib.asynccontextmanager
-async def _score_queue_full(amqp_url: str) -> AsyncIterator[None]:
-    vhost = vhost_of(amqp_url)
-    pattern = f"^{SCORE_REQUESTS.name.replace('.', '[.]')}$"
-    await rabbitmqctl(
-        "set_policy", "-p", vhost, "--apply-to", "queues", POLICY, pattern,
-        json.dumps({"max-length": 0}),
-    )  # fmt: skip
-    try:
-        await eventually(
-            lambda: _policy_applied(vhost), timeout_s=TIMEOUT_S, what="the policy applied"
-        )
-        # A quorum queue refuses publishes once it is over its limit, not at it.
-        await _publish_to_queue(amqp_url, SCORE_REQUESTS.name, b"filler")
-        yield
-    finally:
-        await rabbitmqctl("clear_policy", "-p", vhost, POLICY)
-        await rabbitmqctl("purge_queue", "-p", vhost, SCORE_REQUESTS.name)
-
-
-async def _publish_to_queue(amqp_url: str, queue: str, body: bytes) -> None:
-    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
-    async with connection:
-        channel = await connection.channel()
-        await channel.default_exchange.publish(
-            aio_pika.Message(body), routing_key=queue, timeout=TIMEOUT_S
-        )
+def _score_queue_full(amqp_url: str) -> contextlib.AbstractAsyncContextManager[None]:
+    return queue_made_full(amqp_url, SCORE_REQUESTS.name, policy=POLICY, timeout_s=TIMEOUT_S)
 
 
 async def _publish(amqp_url: str, exchange: str, routing_key: str, message: Contract) -> None:
@@ -144,16 +119,6 @@ async def _publish(amqp_url: str, exchange: str, routing_key: str, message: Cont
 
 async def _true(value: bool) -> bool:
     return value
-
-
-async def _policy_applied(vhost: str) -> bool:
-    listed = await rabbitmqctl(
-        "list_queues", "-q", "-p", vhost, "name", "policy", "--formatter", "json"
-    )
-    return any(
-        queue["name"] == SCORE_REQUESTS.name and queue["policy"] == POLICY
-        for queue in json.loads(listed)
-    )
 
 
 async def test_a_refused_submission_leaves_no_task_in_the_projection(stack: Stack) -> None:

@@ -15,6 +15,7 @@ from services.scheduler.config import MissedFirings
 from services.scheduler.dispatcher import Dispatcher, fire_by_hand
 from services.scheduler.errors import (
     DispatchFailed,
+    DownstreamFull,
     PermanentJobError,
     TransientJobError,
     UnknownJob,
@@ -22,6 +23,7 @@ from services.scheduler.errors import (
 from services.scheduler.firings import Firing, FiringState, FiringStore, to_millis
 from services.scheduler.jobs import JobOutcome, JobRun
 from services.scheduler.runs import (
+    DOWNSTREAM_FULL_MAX_WAIT,
     Continue,
     Defer,
     Drop,
@@ -431,6 +433,35 @@ async def test_failures_retry_with_back_off_then_give_up() -> None:
     assert isinstance(last, GiveUp)
     assert "failed 3 times" in last.reason
     assert "database busy" in last.reason
+    assert firings.by_id[command.run_id].state is FiringState.FAILED
+
+
+async def test_a_full_queue_downstream_is_waited_out_without_counting_attempts() -> None:
+    """A fan-out whose re-score queue is full: each refusal counted as a failed attempt, and
+    the run was given up within a minute of the queue filling."""
+    firings, clock = FakeFirings(), Clock(START)
+    command = await _claimed_run(firings)
+
+    async def fan_out(run: JobRun) -> JobOutcome:
+        raise DownstreamFull("scorebox.rescore-requests refused a re-score request")
+
+    handlers = {"rollup": fan_out}
+    for _ in range(POLICY.max_attempts + 2):
+        decision = await run_cron_job(
+            command, handlers=handlers, firings=firings, retry=POLICY, clock=clock
+        )
+        assert isinstance(decision, Retry)
+        assert decision.command.attempt == command.attempt == 1
+        assert decision.command.not_before == clock.now + POLICY.cap
+        assert firings.by_id[command.run_id].state is FiringState.RETRYING
+        command = decision.command
+        clock.now += POLICY.cap
+    clock.now = START + DOWNSTREAM_FULL_MAX_WAIT
+    last = await run_cron_job(
+        command, handlers=handlers, firings=firings, retry=POLICY, clock=clock
+    )
+    assert isinstance(last, GiveUp)
+    assert "found no room" in last.reason
     assert firings.by_id[command.run_id].state is FiringState.FAILED
 
 

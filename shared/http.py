@@ -15,6 +15,7 @@ from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import SecretStr
+from pymongo.errors import ConnectionFailure, PyMongoError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -89,6 +90,14 @@ def _describe(errors: list[Any]) -> tuple[str, list[dict[str, Any]]]:
     return detail, described
 
 
+def database_unavailable(method: str) -> Problem:
+    """503 for a request the service's database did not answer (down, or over its timeout)."""
+    detail = "The service's database did not answer; try again shortly."
+    if method not in ("GET", "HEAD"):
+        detail += " The request may have taken effect: check before repeating it."
+    return Problem(503, detail, kind="database-unavailable", headers={"Retry-After": "5"})
+
+
 def install_problem_handlers(app: FastAPI) -> None:
     """Make every error of `app` a problem+json answer."""
 
@@ -119,10 +128,18 @@ def install_problem_handlers(app: FastAPI) -> None:
         problem = Problem(500, "An unexpected error occurred; it has been logged.")
         return problem_response(problem, request.url.path)
 
+    async def on_database_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, PyMongoError)
+        if not (isinstance(exc, ConnectionFailure) or exc.timeout):
+            return await on_unexpected(request, exc)
+        log.warning("database unavailable on %s %s: %r", request.method, request.url.path, exc)
+        return problem_response(database_unavailable(request.method), request.url.path)
+
     app.add_exception_handler(Problem, on_problem)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(ClientDisconnect, on_client_gone)
+    app.add_exception_handler(PyMongoError, on_database_error)
     app.add_exception_handler(Exception, on_unexpected)
 
 

@@ -68,20 +68,31 @@ async def fire_by_hand(
     job = jobs.get(name)
     now = clock()
     firing = None
-    for offset in range(MANUAL_CLAIM_TRIES):
-        at = now + timedelta(milliseconds=offset)
+    for at in _manual_fire_times(now):
         firing = await firings.claim(job.name, at, now=now, owner=owner, manual=True)
         if firing is not None:
             break
     if firing is None:
         raise DispatchFailed(f"job {name!r} is being triggered too often; try again")
     try:
-        await dispatch(firing, firings=firings, publish=publish, now=now)
+        await publish(run_command_for(firing))
     except Exception as error:
         await firings.forget(firing.run_id)
         raise DispatchFailed(f"the broker did not accept the run of {name!r}: {error!r}") from error
+    try:
+        await firings.mark_dispatched(firing.run_id, now=now)
+    except Exception as error:  # noqa: BLE001 - the run is on its way: its start records it
+        log.warning("job %s: run %s sent, not marked as sent: %r", name, firing.run_id, error)
     log.info("job %s: fired by hand (run %s)", job.name, firing.run_id)
     return dataclasses.replace(firing, state=FiringState.DISPATCHED)
+
+
+def _manual_fire_times(now: datetime) -> list[datetime]:
+    """Keys for a manual firing, `now` first, never a whole second: fire times of the schedule
+    are whole seconds, and a manual firing that took one's key made the dispatcher read that
+    fire time as claimed by another replica (it never ran)."""
+    candidates = (to_millis(now + timedelta(milliseconds=n)) for n in range(MANUAL_CLAIM_TRIES + 1))
+    return [at for at in candidates if at.microsecond][:MANUAL_CLAIM_TRIES]
 
 
 class Dispatcher:

@@ -8,6 +8,7 @@ import logging
 import httpx
 import pytest
 from fastapi import FastAPI
+from pymongo.errors import DuplicateKeyError, NetworkTimeout, ServerSelectionTimeoutError
 from starlette.requests import ClientDisconnect
 
 from shared.http import install_problem_handlers
@@ -47,3 +48,25 @@ async def test_an_unexpected_error_is_a_logged_500(caplog: pytest.LogCaptureFixt
     assert response.status_code == 500
     assert response.headers["content-type"] == "application/problem+json"
     assert any(record.levelno >= logging.ERROR for record in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "error", [ServerSelectionTimeoutError("no primary"), NetworkTimeout("timed out")]
+)
+async def test_a_database_that_does_not_answer_is_a_503_not_a_server_error(
+    error: Exception, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The scheduler's, the status service's and the notifier's routes answered 500."""
+    response = await post(app_raising(error))
+
+    assert response.status_code == 503
+    assert response.headers["content-type"] == "application/problem+json"
+    assert response.headers["retry-after"] == "5"
+    assert "may have taken effect" in response.json()["detail"]  # a POST
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
+
+
+async def test_a_database_error_of_ours_is_still_a_500() -> None:
+    response = await post(app_raising(DuplicateKeyError("E11000 duplicate key")))
+
+    assert response.status_code == 500

@@ -368,6 +368,40 @@ async def test_manual_runs_do_not_move_the_schedule() -> None:
     assert len(firings.of("rollup")) == 2  # the refused one was withdrawn
 
 
+async def test_a_manual_run_at_a_fire_time_leaves_the_fire_time_to_the_schedule() -> None:
+    """Triggered within the first millisecond of a fire time, a manual firing took that fire
+    time's key: the dispatcher took the collision for another replica's claim and the
+    scheduled run never happened."""
+    fire_time = START.replace(minute=5, second=0)
+    firings, published = FakeFirings(), Published()
+    clock = Clock(fire_time + timedelta(microseconds=400))
+    manual = await fire_by_hand(
+        "rollup", jobs=_jobs(), firings=firings, publish=published, clock=clock, owner="a"
+    )
+    assert manual.scheduled_for != fire_time
+    await _dispatcher(firings, published, clock, _jobs()).tick()
+    assert [(c.manual, c.scheduled_for) for c in published.commands] == [
+        (True, manual.scheduled_for),
+        (False, fire_time),
+    ]
+
+
+class UnmarkableFirings(FakeFirings):
+    async def mark_dispatched(self, run_id: str, *, now: datetime) -> None:
+        raise ConnectionError("the database did not answer")
+
+
+async def test_a_manual_run_sent_but_not_marked_is_accepted_and_kept() -> None:
+    """The run was on its way, yet the caller was told 503 "nothing kept" and its record
+    forgotten: the run went ahead without one, and a retry ran it twice."""
+    firings, published, clock = UnmarkableFirings(), Published(), Clock(START)
+    firing = await fire_by_hand(
+        "rollup", jobs=_jobs(), firings=firings, publish=published, clock=clock, owner="a"
+    )
+    assert [c.run_id for c in published.commands] == [firing.run_id]
+    assert firing.run_id in firings.by_id
+
+
 # --- run decisions -------------------------------------------------------------------------
 
 POLICY = RetryPolicy(max_attempts=3, base=timedelta(seconds=5), cap=timedelta(seconds=60))

@@ -56,6 +56,12 @@ RETIRED_TASKS_INDEX = "tenant_id_1_created_at_1"
 # redelivered within this time (the projection's queue held it while the service was down)
 # still finds the tombstone and changes nothing. Withdrawals are rare, so this costs little.
 WITHDRAWN_RETENTION: Final = timedelta(days=7)
+# How long an unfinished task's document lasts past its last event (past when it is due, for
+# a scheduled task or a retry): a task silent that long is taken for gone. Without it, a
+# stale event redelivered after a finished task's document expired (a projection hours
+# behind, a delivery held past the broker's consumer timeout) brought the task back as
+# `queued` or `processing`, for ever.
+UNFINISHED_RETENTION: Final = timedelta(days=7)
 Projected = TaskEvent | ScoreWithdrawn
 
 
@@ -64,7 +70,8 @@ def tasks_collection(client: AsyncMongoClient[Document], database: str) -> Tasks
 
 
 async def ensure_indexes(tasks: Tasks) -> None:
-    # Finished tasks carry `expires_at`; MongoDB's TTL monitor removes them after it.
+    # Every task carries `expires_at` (finished: FINISHED_TASK_TTL_S after its end; otherwise
+    # UNFINISHED_RETENTION after its last event); MongoDB's TTL monitor removes it after that.
     await tasks.create_index([("expires_at", ASCENDING)], expireAfterSeconds=0)
     await tasks.create_index(
         [("tenant_id", ASCENDING), ("batch_id", ASCENDING), ("batch_index", ASCENDING)],
@@ -85,20 +92,24 @@ def _fields_of(event: TaskEvent, change: StateChange, *, finished_ttl: timedelta
         "created_at": event.submitted_at,
         "updated_at": event.occurred_at,
         "next_attempt_at": None,
-        "expires_at": None,
+        "expires_at": event.occurred_at + UNFINISHED_RETENTION,
     }
     match event:
         case TaskAccepted():
+            due = max(event.occurred_at, event.not_before or event.occurred_at)
             fields |= {
                 "result": None,
                 "error": None,
                 "not_before": event.not_before,
+                "expires_at": due + UNFINISHED_RETENTION,
                 **_descriptive_fields(event),
             }
         case TaskRetrying():
+            due = max(event.occurred_at, event.next_attempt_at)
             fields |= {
                 "error": _failure(event.error.model_dump(), dead_lettered=False),
                 "next_attempt_at": event.next_attempt_at,
+                "expires_at": due + UNFINISHED_RETENTION,
             }
         case TaskCompleted():
             fields |= {

@@ -1,7 +1,8 @@
 """The status projection forgets a task whose command the broker refused (`score.withdrawn`),
 whichever of the command's copy and the withdrawal it applies first, and never a task some
-attempt moved on. On the real database (MongoDB or the stand-in), through the projection's
-own write path."""
+attempt moved on; a stale event that comes back after a task's document expired brings it
+back for a bounded time only. On the real database (MongoDB or the stand-in), through the
+projection's own write path."""
 
 from __future__ import annotations
 
@@ -13,13 +14,19 @@ import pytest
 from pymongo.asynchronous.collection import AsyncCollection
 
 from devtools.infra import Endpoint
-from services.status.projection import apply_projected, find_task, projected_event
+from services.status.projection import (
+    UNFINISHED_RETENTION,
+    apply_projected,
+    find_task,
+    projected_event,
+)
 from shared.contracts import (
     Phase,
     ScoreResult,
     ScoreText,
     ScoreWithdrawn,
     TaskCompleted,
+    TaskStarted,
     event_sequence,
     new_id,
     utcnow,
@@ -120,3 +127,38 @@ async def test_a_task_scored_after_all_is_not_hidden(tasks: AsyncCollection[Docu
     await _apply(tasks, TaskCompleted.routing_key, of_other.model_dump_json().encode())
     await _withdrawal(tasks, other)
     assert await _readable(tasks, other)
+
+
+async def test_a_stale_event_after_the_task_expired_does_not_bring_it_back_for_ever(
+    tasks: AsyncCollection[Document],
+) -> None:
+    """A `task.started` redelivered after the finished task's document expired inserts a new
+    one: it used to read `processing` for good, with no expiry."""
+    command = _refused()
+    long_ago = utcnow() - 2 * TTL
+    started = TaskStarted(
+        task_id=command.task_id,
+        tenant_id=command.tenant_id,
+        attempt=1,
+        sequence=event_sequence(generation=0, attempt=1, phase=Phase.STARTED),
+        submitted_at=long_ago,
+        occurred_at=long_ago,
+    )
+    completed = TaskCompleted(
+        task_id=command.task_id,
+        tenant_id=command.tenant_id,
+        attempt=1,
+        sequence=event_sequence(generation=0, attempt=1, phase=Phase.TERMINAL),
+        submitted_at=long_ago,
+        occurred_at=long_ago,
+        result=ScoreResult(score=7, comment="Fine.", model="m"),
+    )
+    for event in (started, completed):
+        await _apply(tasks, event.routing_key, event.model_dump_json().encode())
+    assert not await _readable(tasks, command)  # finished, past FINISHED_TASK_TTL_S
+    await _ttl_monitor_pass(tasks)
+
+    await _apply(tasks, started.routing_key, started.model_dump_json().encode())
+    later = started.occurred_at + UNFINISHED_RETENTION + timedelta(seconds=1)
+    back = await find_task(command.task_id, tenant_id=command.tenant_id, tasks=tasks, now=later)
+    assert back is None

@@ -67,15 +67,17 @@ def usage_record_of(
     event: TaskCompleted, *, extras: Extras, prices: Mapping[str, Price], recorded_at: datetime
 ) -> UsageRecord:
     result = event.result
+    # A result-cache hit carries the usage of the call that made the result; it made none.
+    spent = Usage() if result.cached else result.usage
     return UsageRecord(
         task_id=event.task_id,
         generation=event.generation,
         tenant_id=event.tenant_id,
         api_key_id=extras.api_key_id,
         model=result.model,
-        prompt_tokens=result.usage.prompt_tokens,
-        completion_tokens=result.usage.completion_tokens,
-        cost_nanos=cost_nanos(result.usage, prices.get(result.model)),
+        prompt_tokens=spent.prompt_tokens,
+        completion_tokens=spent.completion_tokens,
+        cost_nanos=cost_nanos(spent, prices.get(result.model)),
         cached=result.cached,
         day=day_of(event.occurred_at),
         completed_at=event.occurred_at,

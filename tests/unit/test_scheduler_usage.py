@@ -74,6 +74,7 @@ def _completed(**result: object) -> TaskCompleted:
             comment="ok",
             model=str(result.get("model", "gpt-4o-mini")),
             usage=Usage(prompt_tokens=1000, completion_tokens=100),
+            cached=bool(result.get("cached", False)),
         ),
     )
 
@@ -91,6 +92,20 @@ def test_usage_record_of_a_completed_task() -> None:
         _completed(model="other"), extras=Extras(), prices={}, recorded_at=recorded_at
     )
     assert unpriced.cost_nanos is None
+
+
+def test_a_result_cache_hit_is_a_request_without_tokens_or_cost() -> None:
+    """A cache hit carries the usage of the call that made its result, and was billed as if
+    it had made that call again."""
+    recorded_at = datetime(2025, 3, 1, 12, 0, 5, tzinfo=UTC)
+    record = usage_record_of(
+        _completed(cached=True),
+        extras=Extras(),
+        prices={"gpt-4o-mini": MINI},
+        recorded_at=recorded_at,
+    )
+    assert record.cached
+    assert (record.prompt_tokens, record.completion_tokens, record.cost_nanos) == (0, 0, 0)
 
 
 def test_extras_are_read_tolerantly() -> None:

@@ -112,12 +112,17 @@ async def parse_submission(request: Request, settings: GatewaySettings) -> Score
     try:
         return ScoreSubmission.model_validate(payload)
     except ValidationError as error:
-        errors = [
-            {"field": ".".join(map(str, e["loc"])) or "body", "message": e["msg"]}
-            for e in error.errors(include_url=False)
-        ]
-        detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
-        raise Problem(422, detail, kind="invalid-fields", errors=errors) from error
+        raise invalid_fields(error) from error
+
+
+def invalid_fields(error: ValidationError) -> Problem:
+    """422 naming each field a body failed on."""
+    errors = [
+        {"field": ".".join(map(str, e["loc"])) or "body", "message": e["msg"]}
+        for e in error.errors(include_url=False)
+    ]
+    detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
+    return Problem(422, detail, kind="invalid-fields", errors=errors)
 
 
 def _check_idempotency_key(key: str | None) -> str | None:

@@ -162,6 +162,26 @@ def _field(location: tuple[int | str, ...]) -> str:
     return field or "body"
 
 
+def _refuse_long_texts(items: Any, limit: int) -> None:
+    """413, as for a single submission, naming the items whose text is over `limit`."""
+    if not isinstance(items, list):
+        return
+    too_long = [
+        index
+        for index, item in enumerate(items)
+        if isinstance(item, dict)
+        and isinstance(item.get("text"), str)
+        and len(item["text"]) > limit
+    ]
+    if too_long:
+        raise Problem(
+            413,
+            f"items {too_long}: a text has at most {limit} characters.",
+            kind="text-too-long",
+            invalid_items=too_long,
+        )
+
+
 async def parse_batch(request: Request, settings: GatewaySettings) -> BatchSubmission:
     payload = await read_json_object(request, what="batch", limit=settings.max_batch_body_bytes)
     items = payload.get("items")
@@ -171,6 +191,7 @@ async def parse_batch(request: Request, settings: GatewaySettings) -> BatchSubmi
             f"items: a batch has at most {settings.max_batch_items} items, not {len(items)}.",
             kind="invalid-fields",
         )
+    _refuse_long_texts(items, settings.max_text_chars)
     try:
         batch = BatchSubmission.model_validate(
             payload, context={MAX_TEXT_CHARS_CONTEXT: settings.max_text_chars}

@@ -141,6 +141,12 @@ def event_routes(
         if first is None:
             live.close(waiter)
             raise Problem(404, f"No task {task_id!r} is known (or it has expired).")
+        if after > first.sequence:  # no event of the task has that id: nothing would match
+            live.close(waiter)
+            raise Problem(
+                400,
+                f"Last-Event-ID {after} is ahead of the task's latest event ({first.sequence}).",
+            )
         if first.status.is_terminal and not first.changes:
             live.close(waiter)
             return Response(status_code=204)

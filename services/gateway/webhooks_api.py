@@ -15,9 +15,10 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
-from fastapi import APIRouter, Response
-from pydantic import BaseModel, Field, field_validator
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from services.gateway.api import invalid_fields, read_json_object
 from services.gateway.auth import Caller
 from services.gateway.errors import Unavailable
 from services.gateway.settings import GatewaySettings
@@ -25,11 +26,17 @@ from shared.http import PROBLEM_JSON, Problem
 from shared.webhook_urls import MAX_URL_LENGTH, validate_webhook_url
 
 NO_STORE = {"Cache-Control": "no-store"}
+ALERT_BODY_LIMIT = 16 * 1024  # a URL of at most MAX_URL_LENGTH characters, as JSON
 _PROBLEM = {"content": {PROBLEM_JSON: {"schema": {"type": "object"}}}}
 
 
 class NotifierUnavailable(Unavailable):
-    """The notifier did not answer (or answered something unexpected)."""
+    """The notifier did not answer (or answered something unexpected). `maybe_applied`: the
+    request reached it (no answer in time, or an error answer), so a change may be made."""
+
+    def __init__(self, message: str, *, maybe_applied: bool) -> None:
+        super().__init__(message)
+        self.maybe_applied = maybe_applied
 
 
 class SigningSecret(BaseModel):
@@ -46,6 +53,8 @@ class SigningSecret(BaseModel):
 
 class FailureAlert(BaseModel):
     """An https URL that receives every `task.failed` of your tenant as a signed webhook."""
+
+    model_config = ConfigDict(extra="forbid")
 
     url: str = Field(max_length=MAX_URL_LENGTH, examples=["https://example.com/hooks/failures"])
 
@@ -78,7 +87,8 @@ class NotifierClient:
         response = await self._call("GET", tenant_id, "failure-alert", missing_ok=True)
         if response.status_code == 404:
             return None
-        return FailureAlert.model_validate_json(response.content)
+        # As registered: a URL checked again here would fail a read once a rule is tightened.
+        return FailureAlert.model_construct(url=str(response.json()["url"]))
 
     async def register_failure_alert(self, tenant_id: str, alert: FailureAlert) -> None:
         await self._call("PUT", tenant_id, "failure-alert", json=alert.model_dump())
@@ -98,20 +108,46 @@ class NotifierClient:
         url = f"{self._base_url}/internal/v1/tenants/{quote(tenant_id, safe='')}/{path}"
         try:
             response = await self._http.request(method, url, json=json)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as error:
+            raise NotifierUnavailable(
+                f"notifier unreachable: {error!r}", maybe_applied=False
+            ) from error
         except httpx.HTTPError as error:
-            raise NotifierUnavailable(f"notifier unreachable: {error!r}") from error
+            raise NotifierUnavailable(
+                f"notifier did not answer: {error!r}", maybe_applied=True
+            ) from error
         if response.is_success or (missing_ok and response.status_code == 404):
             return response
-        raise NotifierUnavailable(f"notifier answered {response.status_code}")
+        raise NotifierUnavailable(
+            f"notifier answered {response.status_code}", maybe_applied=response.status_code >= 500
+        )
 
 
-def _unavailable(error: Unavailable) -> Problem:
-    return Problem(
-        503,
-        "The webhook settings are unavailable right now; nothing was changed. Retry shortly.",
-        kind="unavailable",
-        headers={"Retry-After": str(error.retry_after_s)},
-    )
+def _unavailable(error: NotifierUnavailable, *, changes: bool = False) -> Problem:
+    """503. For a change the notifier may have made (it got the request, no answer came
+    back): say so, with a type of its own, since trying again blindly is not safe for every
+    change (a second rotation retires the secret your receivers hold)."""
+    headers = {"Retry-After": str(error.retry_after_s)}
+    if changes and error.maybe_applied:
+        return Problem(
+            503,
+            "The webhook settings did not confirm the change; it may have been made. Read the "
+            "current settings before trying again.",
+            kind="change-unconfirmed",
+            headers=headers,
+        )
+    detail = "The webhook settings are unavailable right now; "
+    detail += "nothing was changed. Retry shortly." if changes else "retry shortly."
+    return Problem(503, detail, kind="unavailable", headers=headers)
+
+
+async def _read_alert(request: Request, *, limit: int) -> FailureAlert:
+    """The body checks of every JSON body of the API (415, 413, 400, 422 unknown fields)."""
+    payload = await read_json_object(request, what="failure alert", limit=limit)
+    try:
+        return FailureAlert.model_validate(payload)
+    except ValidationError as error:
+        raise invalid_fields(error) from error
 
 
 def webhook_routes(notifier: NotifierClient, authenticated: Any) -> APIRouter:
@@ -146,7 +182,7 @@ def webhook_routes(notifier: NotifierClient, authenticated: Any) -> APIRouter:
         try:
             return await notifier.rotate_signing_secret(caller.tenant_id)
         except NotifierUnavailable as error:
-            raise _unavailable(error) from error
+            raise _unavailable(error, changes=True) from error
 
     @router.get(
         "/failure-alert",
@@ -170,12 +206,13 @@ def webhook_routes(notifier: NotifierClient, authenticated: Any) -> APIRouter:
         responses=dict.fromkeys((422, 503), _PROBLEM),
     )
     async def register_failure_alert(
-        alert: FailureAlert, caller: Caller = authenticated
+        request: Request, caller: Caller = authenticated
     ) -> FailureAlert:
+        alert = await _read_alert(request, limit=ALERT_BODY_LIMIT)
         try:
             await notifier.register_failure_alert(caller.tenant_id, alert)
         except NotifierUnavailable as error:
-            raise _unavailable(error) from error
+            raise _unavailable(error, changes=True) from error
         return alert
 
     @router.delete(
@@ -188,7 +225,7 @@ def webhook_routes(notifier: NotifierClient, authenticated: Any) -> APIRouter:
         try:
             await notifier.remove_failure_alert(caller.tenant_id)
         except NotifierUnavailable as error:
-            raise _unavailable(error) from error
+            raise _unavailable(error, changes=True) from error
         return Response(status_code=204)
 
     return router

@@ -201,7 +201,6 @@ async def test_items_override_the_batch_rubric_and_the_failures_are_counted(
     ("bad_item", "field"),
     [
         pytest.param({"text": " "}, "items[5].text", id="blank-text"),
-        pytest.param({"text": "x" * (MAX_TEXT + 1)}, "items[5].text", id="text-too-long"),
         pytest.param({"text": "hi", "colour": "red"}, "items[5].colour", id="unknown-field"),
         pytest.param({"text": "hi", "metadata": {"$where": 1}}, "items[5].metadata", id="op"),
         pytest.param({"text": "hi", "metadata": {"n": 2**63}}, "items[5].metadata", id="int64"),
@@ -218,6 +217,19 @@ async def test_one_bad_item_fails_the_batch_and_nothing_is_kept(
     assert "items[5]" in problem["detail"]
     assert problem["invalid_items"] == [5]
     assert [error["field"] for error in problem["errors"]] == [field]
+    assert await batches.kept() == before
+
+
+async def test_an_item_text_over_the_limit_is_a_413_as_for_one_submission(
+    batches: Batches,
+) -> None:
+    """It was a 422 in a batch, and a 413 (`text-too-long`) on its own."""
+    items = _items(8)
+    items[2] = items[5] = {"text": "x" * (MAX_TEXT + 1)}
+    before = await batches.kept()
+    problem = _assert_problem(await batches.submit({"items": items}), 413)
+    assert problem["type"].endswith("/text-too-long")
+    assert problem["invalid_items"] == [2, 5]
     assert await batches.kept() == before
 
 

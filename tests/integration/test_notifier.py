@@ -26,13 +26,16 @@ import orjson
 import pytest
 import trustme
 from aiohttp import web
+from fastapi import Depends, FastAPI
 from pymongo import AsyncMongoClient
 from standardwebhooks import Webhook
 
 from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
 from services.gateway.app import create_app as create_gateway
+from services.gateway.auth import Caller
 from services.gateway.keys import generate_key
 from services.gateway.settings import GatewaySettings
+from services.gateway.webhooks_api import NotifierClient, webhook_routes
 from services.notifier.app import create_app as create_notifier
 from services.notifier.settings import NotifierSettings
 from services.scorer.app import create_app as create_scorer
@@ -53,6 +56,7 @@ from shared.contracts import (
     new_id,
     utcnow,
 )
+from shared.http import install_problem_handlers
 from shared.runtime import make_broker
 from shared.topology import ERROR_HEADER, EVENTS, NOTIFICATIONS, WEBHOOK_DELIVERIES
 from shared.webhook_urls import IPAddress
@@ -527,6 +531,106 @@ async def test_an_unsafe_failure_alert_url_is_refused(flow: Flow) -> None:
     assert response.status_code == 422, response.text
     assert response.headers["content-type"].startswith("application/problem+json")
     assert "url" in response.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("content", "content_type", "status"),
+    [
+        (b'{"url": "https://example.com/hook"}', "text/plain", 415),
+        (b'{"url":', "application/json", 400),
+        (
+            b'{"url": "https://example.com/hook", "pad": "' + b"x" * 20_000 + b'"}',
+            "application/json",
+            413,
+        ),
+        (b'{"url": "https://example.com/hook", "colour": "red"}', "application/json", 422),
+    ],
+)
+async def test_a_bad_failure_alert_body_is_refused_like_every_body(
+    flow: Flow, content: bytes, content_type: str, status: int
+) -> None:
+    """FastAPI's own body parsing read any size, took unknown fields, and answered 422 where
+    every other body of the API answers 415 or 400."""
+    response = await flow.api.put(
+        "/v1/webhooks/failure-alert", content=content, headers={"Content-Type": content_type}
+    )
+
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    assert (await flow.api.get("/v1/webhooks/failure-alert")).status_code == 404
+
+
+async def test_a_failure_alert_registered_under_older_rules_can_still_be_read(flow: Flow) -> None:
+    """Checked again on the way out, a URL that a later rule refuses made the read a 500."""
+    tenant_id = f"older-rules-{_marker()}"
+    older = "https://169.254.169.254/latest"  # refused now
+    await flow.notifier_db["failure_alerts"].insert_one({"_id": tenant_id, "url": older})
+    app = _webhook_api(tenant_id, ForwardTo(flow.notifier))
+    async with running(app) as api:
+        response = await api.get("/v1/webhooks/failure-alert")
+    assert response.status_code == 200, response.text
+    assert response.json() == {"url": older}
+
+
+class ForwardTo(httpx.AsyncBaseTransport):
+    """Hands each request to the notifier (in-process) and gives back its answer."""
+
+    def __init__(self, notifier: httpx.AsyncClient) -> None:
+        self._notifier = notifier
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        answer = await self._notifier.request(
+            request.method, request.url.path, content=await request.aread()
+        )
+        return httpx.Response(answer.status_code, headers=answer.headers, content=answer.content)
+
+
+class AnswerLost(ForwardTo):
+    """Hands each request to the notifier, then loses its answer (a read timeout)."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        await super().handle_async_request(request)
+        raise httpx.ReadTimeout("no answer in time", request=request)
+
+
+class Unreachable(httpx.AsyncBaseTransport):
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+
+def _webhook_api(tenant_id: str, transport: httpx.AsyncBaseTransport) -> FastAPI:
+    """The gateway's webhook routes for `tenant_id`, reaching the notifier through `transport`."""
+    http = httpx.AsyncClient(transport=transport)
+    app = FastAPI()
+    install_problem_handlers(app)
+    caller = Caller(tenant_id=tenant_id)
+    app.include_router(
+        webhook_routes(
+            NotifierClient(http, base_url="http://scorebox.test"), Depends(lambda: caller)
+        )
+    )
+    return app
+
+
+async def test_a_rotation_whose_answer_was_lost_is_not_called_unchanged(flow: Flow) -> None:
+    """Told "nothing was changed. Retry", a client rotated again and the secret its receivers
+    held stopped signing at once (a rotation keeps one previous secret)."""
+    tenant_id = f"rotation-{_marker()}"
+    secret_url = f"/internal/v1/tenants/{tenant_id}/webhook-secret"
+    first = (await flow.notifier.get(secret_url)).json()["secret"]
+
+    async with running(_webhook_api(tenant_id, AnswerLost(flow.notifier))) as api:
+        lost = await api.post("/v1/webhooks/secret/rotate")
+    assert lost.status_code == 503
+    assert lost.json()["type"].endswith("/change-unconfirmed")
+    assert "may have been made" in lost.json()["detail"]
+    assert (await flow.notifier.get(secret_url)).json()["secret"] != first  # it was made
+
+    async with running(_webhook_api(tenant_id, Unreachable())) as api:
+        refused = await api.post("/v1/webhooks/secret/rotate")
+    assert refused.status_code == 503
+    assert refused.json()["type"].endswith("/unavailable")
+    assert "nothing was changed" in refused.json()["detail"]
 
 
 async def test_an_outcome_without_a_callback_is_not_kept(flow: Flow) -> None:

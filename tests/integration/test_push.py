@@ -284,6 +284,21 @@ async def test_another_tenants_task_is_404_before_streaming(push: Push) -> None:
     assert bad.status_code == 400
 
 
+async def test_a_last_event_id_ahead_of_the_task_is_refused(push: Push) -> None:
+    """No event would ever pass it, the end included: the stream stayed open, holding a
+    waiter's place, for `SSE_MAX_STREAM_S`."""
+    submitted = await push.api.post(
+        "/v1/scores", json={"text": f"Later [[id:{_marker()}]]", "delay_seconds": 600}
+    )
+    task_id = submitted.json()["task_id"]
+    ahead = await push.api.get(
+        f"/v1/scores/{task_id}/events", headers={"Last-Event-ID": "999999999999"}
+    )
+    assert ahead.status_code == 400
+    assert ahead.headers["content-type"].startswith("application/problem+json")
+    assert "ahead" in ahead.json()["detail"]
+
+
 async def test_long_poll_answers_each_change_until_the_end(push: Push) -> None:
     # Retrying for 3 s: a poll lagging behind a change still sees it.
     task_id = await push.submit(f"Long-poll me [[id:{_marker()}]] [[fake:429x1:retry=3]]")

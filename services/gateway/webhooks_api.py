@@ -203,7 +203,13 @@ def webhook_routes(notifier: NotifierClient, authenticated: Any) -> APIRouter:
         "/failure-alert",
         response_model=FailureAlert,
         summary="Send every failed task (`task.failed`) to this URL",
-        responses=dict.fromkeys((422, 503), _PROBLEM),
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": FailureAlert.model_json_schema()}},
+            }
+        },
+        responses=dict.fromkeys((400, 413, 415, 422, 503), _PROBLEM),
     )
     async def register_failure_alert(
         request: Request, caller: Caller = authenticated

@@ -39,9 +39,27 @@ class ScoringError(Exception):
 
 
 class PermanentError(ScoringError):
-    """Fail the task now: retrying cannot succeed."""
+    """Fail the task now: retrying cannot succeed. `usage` and `model`: what the calls that
+    answered on the way used (a refusal, an answer still unusable after its repair), billed
+    all the same."""
 
     code: ClassVar[str] = "permanent_error"
+
+    def __init__(
+        self, message: str, *, usage: Usage | None = None, model: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.usage = usage
+        self.model = model
+
+    def also_spent(self, usage: Usage, model: str) -> None:
+        """Count an earlier answered call of the same attempt in."""
+        earlier = self.usage or Usage()
+        self.usage = Usage(
+            prompt_tokens=usage.prompt_tokens + earlier.prompt_tokens,
+            completion_tokens=usage.completion_tokens + earlier.completion_tokens,
+        )
+        self.model = self.model or model
 
 
 class InputRejected(PermanentError):
@@ -63,10 +81,8 @@ class UnusableOutput(PermanentError):
         usage: Usage | None = None,
         model: str | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(message, usage=usage, model=model)
         self.raw_output = raw_output
-        self.usage = usage  # what the calls that answered used: billed all the same
-        self.model = model
 
 
 class ModelMisconfigured(PermanentError):

@@ -18,7 +18,7 @@ from pymongo.errors import PyMongoError
 
 from services.scorer.attempts import Attempts, Busy, Claimed, Decided, Superseded
 from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Retry
-from services.scorer.errors import PermanentError, ScoringError, TransientError, UnusableOutput
+from services.scorer.errors import PermanentError, ScoringError, TransientError
 from services.scorer.model import ModelVerdict, ScoreModel, ScoringRequest
 from shared.contracts import (
     Phase,
@@ -243,7 +243,7 @@ def _completed(command: ScoreText, verdict: ModelVerdict, now: datetime) -> Fini
 
 def _failed(command: ScoreText, error: ScoringError, now: datetime, *, dead_letter: bool) -> Finish:
     spent: dict[str, object] = {}
-    if isinstance(error, UnusableOutput) and error.usage is not None:
+    if isinstance(error, PermanentError) and error.usage is not None:
         spent = {"usage": error.usage, "model": error.model}
     event = TaskFailed.model_validate(
         {

@@ -8,6 +8,7 @@ root wires to the broker.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -20,11 +21,21 @@ from pymongo import AsyncMongoClient
 from devtools.fake_llm import FakeLLM
 from services.scorer.attempts import Attempts
 from services.scorer.decisions import Finish
-from services.scorer.model import build_model
+from services.scorer.errors import InputRejected
+from services.scorer.model import ModelVerdict, ScoringRequest, build_model
 from services.scorer.model.http_client import make_http_client
 from services.scorer.model.settings import ModelSettings
 from services.scorer.scoring import RetryPolicy, ScorerDeps, score_text
-from shared.contracts import ScoreText, TaskCompleted, TaskEvent, TaskStarted, new_id, utcnow
+from shared.contracts import (
+    ScoreText,
+    TaskCompleted,
+    TaskEvent,
+    TaskFailed,
+    TaskStarted,
+    Usage,
+    new_id,
+    utcnow,
+)
 
 Deps = Callable[..., ScorerDeps]
 
@@ -126,3 +137,29 @@ async def test_a_failed_announcement_does_not_stop_the_attempt(
     assert isinstance(decision, Finish)
     assert isinstance(decision.event, TaskCompleted)
     assert fake_llm.stats()["by_id"][marker] == 1
+
+
+class RefusingModel:
+    """A model that answers with a refusal and reports the tokens it used."""
+
+    name = "refusing-1"
+
+    async def score(self, request: ScoringRequest) -> ModelVerdict:
+        raise InputRejected(
+            "the model refused the text",
+            usage=Usage(prompt_tokens=900, completion_tokens=40),
+            model="refusing-1",
+        )
+
+
+async def test_a_refused_text_fails_with_the_tokens_its_answer_used(make_deps: Deps) -> None:
+    """Only an unusable answer carried its usage into `task.failed`: a refusal's tokens,
+    billed by the provider all the same, went unmetered."""
+    deps = make_deps(started_after=timedelta(seconds=30), announce=Announcements())
+    command, _ = _command("A text the model refuses.")
+    decision = await score_text(command, deps=dataclasses.replace(deps, model=RefusingModel()))
+    assert isinstance(decision, Finish)
+    assert isinstance(decision.event, TaskFailed)
+    assert decision.event.error.code == "input_rejected"
+    assert decision.event.usage == Usage(prompt_tokens=900, completion_tokens=40)
+    assert decision.event.model == "refusing-1"

@@ -1,6 +1,7 @@
 import asyncio
 import json
 import socket
+import ssl
 import struct
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -12,6 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.client_reqrep import ConnectionKey
 from pydantic import ValidationError
 from yarl import URL
 
@@ -366,6 +368,43 @@ async def test_429_for_an_exhausted_quota_is_misconfiguration() -> None:
         await score_with(provider)
 
 
+async def test_a_rate_limit_whose_message_mentions_billing_is_still_a_rate_limit() -> None:
+    """Groq's and OpenAI's rate-limit messages end with a link to their billing page: read in
+    the message, "billing" failed such a task for good, its Retry-After ignored."""
+    message = (
+        "Rate limit reached for model `gemma2-9b-it` in organization "
+        "`org_01j9x3k2mvfq8z7t4r6w5y2b1c` on tokens per minute (TPM): Limit 15000, Used 14950,"
+        " Requested 300. Please try again in 6.66s. Need more tokens? Upgrade at"
+        " https://console.groq.com/settings/billing"
+    )
+    provider = ScriptedProvider(
+        provider_error(429, message, "rate_limit_exceeded", **{"Retry-After": "7"})
+    )
+    with pytest.raises(ModelRateLimited) as caught:
+        await score_with(provider)
+    assert caught.value.retry_after_s == 7
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        ({"code": 429, "message": "Rate limit exceeded"}, ModelRateLimited),
+        ({"code": 502, "message": "Provider returned error"}, ModelUnavailable),
+        ({"message": "upstream failed"}, ModelUnavailable),
+        ({"code": 401, "message": "No auth credentials found"}, ModelMisconfigured),
+    ],
+)
+async def test_an_error_carried_by_a_200_is_read_as_its_own_status(
+    error: dict[str, Any], expected: type[Exception]
+) -> None:
+    """Gateways such as OpenRouter send 200 before the upstream model answers, then report its
+    rate limit or failure in the body: taken for a misconfigured endpoint, it failed the task
+    for good."""
+    provider = ScriptedProvider(json_answer(200, {"error": error}))
+    with pytest.raises(expected):
+        await score_with(provider)
+
+
 @pytest.mark.parametrize("status", [500, 502, 503, 504, 408, 409])
 async def test_server_errors_are_unavailability(status: int) -> None:
     provider = ScriptedProvider(provider_error(status, "The server had an error"))
@@ -476,6 +515,28 @@ async def test_a_200_without_a_chat_completion_is_misconfiguration(answer: Answe
     assert len(provider.requests) == 1
 
 
+async def test_a_refusal_bills_its_tokens() -> None:
+    provider = ScriptedProvider(
+        completion(None, refusal="I can't help.", prompt_tokens=900, completion_tokens=40)
+    )
+    with pytest.raises(InputRejected) as caught:
+        await score_with(provider)
+    assert caught.value.usage == Usage(prompt_tokens=900, completion_tokens=40)
+    assert caught.value.model == "gpt-4o-mini-2024-07-18"
+
+
+async def test_a_refused_repair_bills_the_first_answer_too() -> None:
+    provider = ScriptedProvider(
+        completion("Seven out of ten, I think.", prompt_tokens=100, completion_tokens=10),
+        provider_error(
+            400, "This model's maximum context length is 4097 tokens", "context_length_exceeded"
+        ),
+    )
+    with pytest.raises(InputRejected) as caught:
+        await score_with(provider)
+    assert caught.value.usage == Usage(prompt_tokens=100, completion_tokens=10)
+
+
 async def test_content_given_as_parts_is_read() -> None:
     parts = [
         {"type": "thinking", "thinking": "Weighing the argument."},
@@ -536,6 +597,13 @@ class FailingClient(ProviderClient):
         (ConnectionResetError("reset"), ModelUnavailable),
         (aiohttp.SocketTimeoutError("read"), ModelTimeout),
         (TimeoutError(), ModelTimeout),
+        (
+            aiohttp.ClientConnectorCertificateError(
+                ConnectionKey("llm.test", 443, True, True, None, None, None, None),
+                ssl.SSLCertVerificationError(1, "certificate verify failed: self-signed"),
+            ),
+            ModelMisconfigured,  # every retry meets the same certificate
+        ),
     ],
 )
 async def test_transport_failures_are_classified(

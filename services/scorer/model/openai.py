@@ -8,6 +8,7 @@ it raises a typed error and the scorer decides, through the broker, whether to t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from services.scorer.errors import (
     ModelRateLimited,
     ModelTimeout,
     ModelUnavailable,
+    PermanentError,
     ScoringError,
     UnusableOutput,
 )
@@ -63,6 +65,8 @@ _INPUT_PROBLEMS: Final = (
     "flagged",
     "invalid_prompt",
 )
+# Read in the error's code and type only: a rate limit's message may point at a billing page
+# ("Need more tokens? Upgrade ... /settings/billing"), which no retry would have fixed.
 _CONFIG_PROBLEMS_429: Final = ("insufficient_quota", "billing")
 # Statuses no retry changes: the key (401, 403), credit (402: OpenRouter and others), or
 # LLM_BASE_URL and LLM_MODEL naming no chat-completions endpoint (404, 405, 410, 415).
@@ -184,7 +188,11 @@ class OpenAIChatModel:
             return _Judgement(parse_verdict(first.content), first, first.usage, repaired=False)
         except UnusableOutput as problem:
             repair = build_repair_messages(messages, first.content, problem.message)
-        second = await self._complete(repair, model)
+        try:
+            second = await self._complete(repair, model)
+        except PermanentError as error:  # the repair refused: the first answer is billed too
+            error.also_spent(first.usage, first.model)
+            raise
         usage = _add(first.usage, second.usage)
         try:
             return _Judgement(parse_verdict(second.content), second, usage, repaired=True)
@@ -209,7 +217,7 @@ class OpenAIChatModel:
             raise ModelUnavailable(f"{self._url} answered too much: {exc}") from exc
         if not response.is_success:
             raise error_for_response(response, now=self._clock())
-        return _read_answer(response, model)
+        return _read_answer(response, model, now=self._clock())
 
     def _body(self, messages: Messages, model: str) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -251,14 +259,20 @@ def _transport_error(exc: Exception, url: URL) -> ScoringError:
     # got through and then took too long counts as the model being slow.
     if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError):
         return ModelTimeout(f"{url} timed out: {type(exc).__name__}")
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        # The same certificate fails every retry until LLM_BASE_URL or the trust store changes.
+        return ModelMisconfigured(f"{url} presented a certificate we do not trust: {exc}")
     reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return ModelUnavailable(f"cannot reach {url}: {reason}")
 
 
-def _read_answer(response: ProviderReply, requested_model: str) -> _Answer:
+def _read_answer(response: ProviderReply, requested_model: str, *, now: datetime) -> _Answer:
     try:
         completion = _ChatCompletion.model_validate_json(response.body)
     except ValidationError as exc:
+        embedded = _embedded_error(response, now=now)
+        if embedded is not None:
+            raise embedded from exc
         # Deterministic for a given endpoint (a web page, another API): retrying it would
         # only bill more calls.
         raise ModelMisconfigured(
@@ -266,16 +280,20 @@ def _read_answer(response: ProviderReply, requested_model: str) -> _Answer:
             f"(is LLM_BASE_URL an OpenAI-compatible /v1 endpoint?): {_trim(response.text)}"
         ) from exc
     choice = completion.choices[0]
-    if choice.message.refusal:
-        raise InputRejected(f"the model refused the text: {_trim(choice.message.refusal)}")
-    if choice.finish_reason == "content_filter":
-        raise InputRejected("the provider's content filter stopped the answer")
-    usage = _usage_of(completion.usage)
-    return _Answer(
-        content=choice.message.text,
-        model=completion.model or requested_model,
-        usage=Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens),
+    reported = _usage_of(completion.usage)
+    usage = Usage(
+        prompt_tokens=reported.prompt_tokens, completion_tokens=reported.completion_tokens
     )
+    model = completion.model or requested_model
+    if choice.message.refusal:
+        raise InputRejected(
+            f"the model refused the text: {_trim(choice.message.refusal)}", usage=usage, model=model
+        )
+    if choice.finish_reason == "content_filter":
+        raise InputRejected(
+            "the provider's content filter stopped the answer", usage=usage, model=model
+        )
+    return _Answer(content=choice.message.text, model=model, usage=usage)
 
 
 def _usage_of(reported: Any) -> _Usage:
@@ -291,9 +309,10 @@ def error_for_response(response: ProviderReply, *, now: datetime) -> ScoringErro
     status = response.status
     provider_says = _provider_detail(response)
     detail = f"{status} from the provider: {provider_says}"
-    blames = f"{provider_says} {_error_code(response)}".lower()
+    code = _error_code(response).lower()
+    blames = f"{provider_says} {code}".lower()
     if status == 429:
-        if any(problem in blames for problem in _CONFIG_PROBLEMS_429):
+        if any(problem in code for problem in _CONFIG_PROBLEMS_429):
             return ModelMisconfigured(detail)
         return ModelRateLimited(detail, retry_after_s=retry_after_s(response.headers, now=now))
     if status in _MISCONFIGURED or 300 <= status < 400:
@@ -306,6 +325,19 @@ def error_for_response(response: ProviderReply, *, now: datetime) -> ScoringErro
         # Our request is malformed for this server (e.g. an unsupported LLM_JSON_MODE).
         return ModelMisconfigured(detail)
     return ModelUnavailable(detail, retry_after_s=retry_after_s(response.headers, now=now))
+
+
+def _embedded_error(response: ProviderReply, *, now: datetime) -> ScoringError | None:
+    """The error a 200 carries in its body, as for its own status: gateways such as OpenRouter
+    send the status before the upstream model has answered, then report a rate limit or an
+    upstream failure as `{"error": {"code": 429, ...}}`. Without an HTTP status in it, an
+    upstream failure (502)."""
+    error = _error_object(response)
+    if error is None:
+        return None
+    code = error.get("code")
+    status = code if isinstance(code, int) and 400 <= code <= 599 else 502
+    return error_for_response(dataclasses.replace(response, status=status), now=now)
 
 
 def _provider_detail(response: ProviderReply) -> str:

@@ -1,7 +1,10 @@
 """Turning a model's answer into a validated `Verdict`, or a clear `UnusableOutput`.
 
-Accepted shapes: a bare JSON object, one inside a Markdown code fence, or the first JSON
-object embedded in prose that has a `score` key (else the first object at all).
+Accepted shapes: a bare JSON object, or one JSON object with a `score` key embedded in prose
+(a Markdown code fence included; else the first object at all). An answer holding two
+different verdicts, or a `"score":` outside every object that parses (a verdict of its own
+broken around one it quotes from the text), is unusable: which verdict is the judge's is
+not for the parser to guess, and the first one found was often the one the text planted.
 
 Scores must be numbers in 0..10. Out-of-range scores are errors, never clamped: a model that
 answers 42 misunderstood the scale, and clamping would hide that. A score given as a string
@@ -23,7 +26,8 @@ from services.scorer.errors import UnusableOutput
 MAX_COMMENT_CHARS: Final = 1000
 # A verdict is a few hundred characters; bounding the search keeps a runaway answer cheap.
 _MAX_SEARCHED_CHARS: Final = 20_000
-_FENCED: Final = re.compile(r"```[ \t]*(?:json|JSON)?[ \t]*\n?(.*?)```", re.DOTALL)
+_MAX_PROBLEM_CHARS: Final = 500
+_SCORE_KEY: Final = re.compile(r'"score"\s*:')
 _MARK_OUT_OF_TEN: Final = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:/\s*10(?:\.0+)?)?\s*")
 
 
@@ -76,11 +80,24 @@ def _find_json_object(content: str) -> dict[str, Any] | None:
     whole = _loads_object(content.strip())
     if whole is not None:
         return whole
-    for fenced in _FENCED.finditer(content):
-        inside = _loads_object(fenced.group(1).strip())
-        if inside is not None:
-            return inside
-    return _first_embedded_object(content)
+    objects = _embedded_objects(content)
+    if not objects:
+        return None
+    verdicts = [value for _, _, value in objects if "score" in value]
+    if len({json.dumps(verdict, sort_keys=True) for verdict in verdicts}) > 1:
+        raise UnusableOutput(
+            "the answer holds more than one verdict; answer with exactly one", raw_output=content
+        )
+    spans = [(start, end) for start, end, _ in objects]
+    if any(not _within(spans, key.start()) for key in _SCORE_KEY.finditer(content)):
+        raise UnusableOutput(
+            'the answer holds a "score" outside any valid JSON object', raw_output=content
+        )
+    return verdicts[0] if verdicts else objects[0][2]
+
+
+def _within(spans: list[tuple[int, int]], position: int) -> bool:
+    return any(start <= position < end for start, end in spans)
 
 
 # What reading a candidate as JSON may raise: not JSON, or nested deeper than the parser's
@@ -96,21 +113,22 @@ def _loads_object(candidate: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _first_embedded_object(content: str) -> dict[str, Any] | None:
+def _embedded_objects(content: str) -> list[tuple[int, int, dict[str, Any]]]:
+    """The JSON objects in `content` that parse, outermost only, with their spans."""
     decoder = json.JSONDecoder()
-    first: dict[str, Any] | None = None
+    found: list[tuple[int, int, dict[str, Any]]] = []
     start = content.find("{")
     while start != -1:
         try:
-            value, _ = decoder.raw_decode(content, start)
+            value, end = decoder.raw_decode(content, start)
         except _NOT_JSON:
-            value = None
+            value, end = None, start + 1
         if isinstance(value, dict):
-            if "score" in value:
-                return value
-            first = value if first is None else first
-        start = content.find("{", start + 1)
-    return first
+            found.append((start, end, value))
+        else:
+            end = start + 1
+        start = content.find("{", end)
+    return found
 
 
 def _describe(error: ValidationError) -> str:
@@ -118,7 +136,11 @@ def _describe(error: ValidationError) -> str:
     for item in error.errors(include_url=False):
         field = ".".join(str(part) for part in item["loc"]) or "answer"
         problems.append(f"{field}: {_plain(item)}")
-    return "the JSON verdict is invalid: " + "; ".join(problems)
+    described = "the JSON verdict is invalid: " + "; ".join(problems)
+    # It goes back to the model in the repair prompt and out in `task.failed`.
+    if len(described) > _MAX_PROBLEM_CHARS:
+        return described[: _MAX_PROBLEM_CHARS - 1] + "…"
+    return described
 
 
 def _plain(item: ErrorDetails) -> str:

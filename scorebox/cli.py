@@ -106,13 +106,17 @@ def submit(
     timeout: Annotated[float, typer.Option(help="Seconds --wait polls at most.")] = 300.0,
     idempotency_key: Annotated[str | None, typer.Option(help="Idempotency-Key header.")] = None,
 ) -> None:
-    """Submit a text for scoring and print the task (or, with --wait, its result)."""
-    text = sys.stdin.read() if str(file) == "-" else file.read_text(encoding="utf-8")
+    """Submit a text for scoring and print the task (or, with --wait, its result).
+
+    Exits 1 when the text cannot be read, the gateway refuses it or cannot be reached, or
+    --wait runs out before the task finishes; 2 when the task failed.
+    """
+    text = _read_text(file)
     payload: dict[str, Any] = {"text": text}
     if rubric:
         payload["rubric"] = rubric
     headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-    with _client() as client:
+    with _reaching(_client()) as client:
         response = client.post("/v1/scores", json=payload, headers=headers)
         if response.status_code not in (200, 202):
             raise _fail(response)
@@ -122,24 +126,41 @@ def submit(
         _show(body)
         if body["status"] == "failed":
             raise typer.Exit(code=2)
+        if wait and body["status"] not in TERMINAL:
+            typer.echo(
+                f"task {body['task_id']} still {body['status']} after {timeout:g}s", err=True
+            )
+            raise typer.Exit(code=1)
+
+
+def _read_text(file: Path) -> str:
+    if str(file) == "-":
+        return sys.stdin.read()
+    try:
+        return file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        typer.echo(f"error: cannot read {file}: {error}", err=True)
+        raise typer.Exit(code=1) from error
 
 
 @app.command()
 def status(task_id: str) -> None:
     """Show a task's status and, once completed, its score."""
-    with _client() as client:
+    with _reaching(_client()) as client:
         response = client.get(f"/v1/scores/{task_id}")
         if response.status_code != 200:
             raise _fail(response)
         _show(response.json())
 
 
-def _admin_call(method: str, path: str, **kwargs: Any) -> None:
-    with _client(admin=True) as client:
+def _admin_call(method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+    with _reaching(_client(admin=True)) as client:
         response = client.request(method, path, **kwargs)
         if response.status_code != 200:
             raise _fail(response)
-        _show(response.json())
+        body: dict[str, Any] = response.json()
+        _show(body)
+        return body
 
 
 @dlq.command("list")
@@ -164,7 +185,10 @@ def dlq_replay(
         typer.echo("give ids or --all (not both)", err=True)
         raise typer.Exit(code=2)
     body = {"all": True} if replay_all else {"ids": ids}
-    _admin_call("POST", "/admin/v1/dead-letters/replay", json=body)
+    replay = _admin_call("POST", "/admin/v1/dead-letters/replay", json=body)
+    if replay.get("not_found"):
+        typer.echo(f"not found: {' '.join(replay['not_found'])}", err=True)
+        raise typer.Exit(code=1)
 
 
 @dlq.command("purge")
@@ -185,7 +209,7 @@ def keys_create(
     name: Annotated[str, typer.Option(help="What the key is for.")] = "",
 ) -> None:
     """Create a key and print it: the `key` field is shown this once, never again."""
-    with _client(admin=True) as client:
+    with _reaching(_client(admin=True)) as client:
         response = client.post("/admin/v1/keys", json={"tenant_id": tenant, "name": name})
         if response.status_code != 201:
             raise _fail(response)

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, Field, SecretStr, model_validator
 
-from services.gateway.deadletters import DeadLetterQueue
+from services.gateway.deadletters import DeadLetterQueue, Walk
 from services.gateway.errors import DatabaseUnavailable, Unavailable
 from shared.bus import BROKER_ERRORS
 from shared.http import Problem, admin_guard
@@ -35,23 +35,27 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
     @router.get("/dead-letters", summary="List the dead-letter queue")
     async def list_dead_letters() -> dict[str, Any]:
         with _broker_away_is_503():
-            letters = await dead_letters.letters()
-        return {"count": len(letters), "items": [asdict(letter) for letter in letters]}
+            walk = await dead_letters.letters()
+        return {
+            "count": len(walk.letters),
+            "truncated": walk.truncated,
+            "items": [asdict(letter) for letter in walk.letters],
+        }
 
     @router.get("/dead-letters/{letter_id}", summary="One dead letter by message or task id")
     async def show_dead_letter(letter_id: str) -> dict[str, Any]:
         with _broker_away_is_503():
-            letters = await dead_letters.letters()
-        for letter in letters:
+            walk = await dead_letters.letters()
+        for letter in walk.letters:
             if letter.matches({letter_id}):
                 return asdict(letter)
-        raise Problem(404, f"No dead letter with message or task id {letter_id!r}.")
+        raise Problem(404, f"No dead letter with message or task id {letter_id!r}{_unseen(walk)}.")
 
     @router.post("/dead-letters/replay", summary="Send dead letters back with fresh attempts")
     async def replay_dead_letters(request: ReplayRequest) -> dict[str, list[str]]:
         with _broker_away_is_503():
-            replayed, skipped = await dead_letters.replay(None if request.all else request.ids)
-        return {"replayed": replayed, "skipped_unreadable": skipped}
+            replay = await dead_letters.replay(None if request.all else request.ids)
+        return asdict(replay)
 
     @router.delete("/dead-letters", summary="Purge the dead-letter queue")
     async def purge_dead_letters() -> dict[str, int]:
@@ -59,6 +63,12 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
             return {"purged": await dead_letters.purge()}
 
     return router
+
+
+def _unseen(walk: Walk) -> str:
+    if walk.truncated:
+        return f" among the first {len(walk.letters)} (the queue holds more)"
+    return " (a letter another gateway replica is looking at is out of sight meanwhile)"
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
@@ -89,6 +89,27 @@ def describe(message: AbstractIncomingMessage, now: datetime) -> DeadLetter:
     )
 
 
+@dataclass(frozen=True)
+class Walk:
+    """What one walk of the queue saw: its letters, oldest dead-lettered first, and whether it
+    stopped at `MAX_WALK` with letters left behind it."""
+
+    letters: list[DeadLetter]
+    truncated: bool
+
+
+@dataclass(frozen=True)
+class Replay:
+    replayed: list[str]
+    skipped_unreadable: list[str]
+    not_found: list[str]  # ids asked for that no letter of the walk matched
+
+
+def _oldest_first(letter: DeadLetter) -> tuple[bool, datetime]:
+    when = letter.dead_lettered_at
+    return (when is None, when or datetime.min.replace(tzinfo=UTC))
+
+
 class DeadLetterQueue:
     def __init__(
         self,
@@ -104,6 +125,9 @@ class DeadLetterQueue:
         self._submissions = submissions
         self._clock = clock
         self._timeout_s = timeout_s
+        # A letter held by one walk is invisible to another: walks through this replica take
+        # turns (those of other replicas still may not see a letter; `not_found` says so).
+        self._walking = asyncio.Lock()
 
     # Each step on the broker is bounded as a whole: aio-pika's own `timeout` covers only the
     # round trip, after waiting without end for a lost connection to come back.
@@ -116,9 +140,10 @@ class DeadLetterQueue:
     @contextlib.asynccontextmanager
     async def _walk(self) -> AsyncIterator[list[AbstractIncomingMessage]]:
         """Hold every dead letter unacknowledged; return the ones not settled on exit."""
-        queue = await self._queue()
+        await self._walking.acquire()
         held: list[AbstractIncomingMessage] = []
         try:
+            queue = await self._queue()
             while len(held) < MAX_WALK:
                 async with asyncio.timeout(GET_TIMEOUT_S + self._timeout_s):
                     message = await queue.get(no_ack=False, fail=False, timeout=GET_TIMEOUT_S)
@@ -127,27 +152,37 @@ class DeadLetterQueue:
                 held.append(message)
             yield held
         finally:
-            for message in held:
-                if not message.processed:
-                    # On a channel gone, the broker returns what it held by itself.
-                    with contextlib.suppress(*BROKER_ERRORS):
-                        await message.nack(requeue=True)
+            try:
+                for message in held:
+                    if not message.processed:
+                        # On a channel gone, the broker returns what it held by itself.
+                        with contextlib.suppress(*BROKER_ERRORS):
+                            await message.nack(requeue=True)
+            finally:
+                self._walking.release()
 
-    async def letters(self) -> list[DeadLetter]:
+    async def letters(self) -> Walk:
+        """Every dead letter (up to `MAX_WALK`), sorted by when it was dead-lettered: returned
+        letters come back to a quorum queue out of order, so the queue's own order changes
+        with every look."""
         now = self._clock()
         async with self._walk() as held:
-            return [describe(message, now) for message in held]
+            letters = [describe(message, now) for message in held]
+        letters.sort(key=_oldest_first)
+        return Walk(letters, truncated=len(held) >= MAX_WALK)
 
-    async def replay(self, ids: Collection[str] | None) -> tuple[list[str], list[str]]:
-        """Replay the dead letters named by `ids` (all when None); (replayed, skipped)."""
+    async def replay(self, ids: Collection[str] | None) -> Replay:
+        """Replay the dead letters named by `ids` (all when None)."""
         replayed: list[str] = []
         skipped: list[str] = []
+        found: set[str] = set()
         now = self._clock()
         async with self._walk() as held:
             for message in held:
                 letter = describe(message, now)
                 if ids is not None and not letter.matches(ids):
                     continue
+                found.update(key for key in (letter.message_id, letter.task_id) if key)
                 try:
                     command = ScoreText.model_validate_json(message.body)
                 except ValidationError:
@@ -156,7 +191,8 @@ class DeadLetterQueue:
                 await self._resubmit(command)
                 await message.ack()
                 replayed.append(command.task_id)
-        return replayed, skipped
+        missing = [] if ids is None else [key for key in ids if key not in found]
+        return Replay(replayed, skipped, missing)
 
     async def _resubmit(self, command: ScoreText) -> None:
         # Taken from the submission, as a re-score takes its generation, so a re-score

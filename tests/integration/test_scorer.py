@@ -3,9 +3,11 @@ database, with the fake model server scripting each task's faults."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import aio_pika
@@ -25,7 +27,7 @@ from services.status.settings import StatusSettings
 from shared.bus import publish_command
 from shared.contracts import ScoreText, TaskFailed, new_id
 from shared.runtime import make_broker
-from shared.topology import ERROR_HEADER, EVENTS, SCORE_REQUESTS, TASKS
+from shared.topology import DLX, ERROR_HEADER, EVENTS, SCORE_REQUESTS, TASKS
 from tests.support import eventually, running, stack_env
 
 ADMIN_KEY = "test-admin-key"
@@ -329,7 +331,7 @@ async def test_dead_letters_are_listed_replayed_with_fresh_attempts_and_purged(f
     replay = await flow.api.post(
         "/admin/v1/dead-letters/replay", json={"ids": [task_id]}, headers=ADMIN
     )
-    assert replay.json() == {"replayed": [task_id], "skipped_unreadable": []}
+    assert replay.json() == {"replayed": [task_id], "skipped_unreadable": [], "not_found": []}
     view = await flow.reaches(task_id, "completed")
     assert view["attempts"] == 1  # a fresh attempt budget
     assert flow.calls(marker) == 5
@@ -339,6 +341,53 @@ async def test_dead_letters_are_listed_replayed_with_fresh_attempts_and_purged(f
     purged = await flow.api.delete("/admin/v1/dead-letters", headers=ADMIN)
     assert purged.json() == {"purged": 1}
     assert (await flow.api.get("/admin/v1/dead-letters", headers=ADMIN)).json()["count"] == 0
+
+
+async def _dead_letter_commands(amqp_url: str, count: int) -> list[ScoreText]:
+    """`count` commands dead-lettered straight into the score queue's DLQ, oldest first."""
+    commands = [ScoreText(task_id=new_id(), text=f"Letter {n}.") for n in range(count)]
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        dlx = await channel.get_exchange(DLX.name, ensure=False)
+        for n, command in enumerate(commands):
+            await dlx.publish(
+                aio_pika.Message(
+                    command.model_dump_json().encode(),
+                    message_id=command.message_id,
+                    timestamp=datetime(2030, 1, 1, tzinfo=UTC) + timedelta(seconds=n),
+                    headers={ERROR_HEADER: "a test letter"},
+                ),
+                routing_key=SCORE_REQUESTS.dead_letter_routing_key,
+                timeout=10,
+            )
+    return commands
+
+
+async def test_dead_letters_are_listed_whole_oldest_first_and_an_unknown_id_is_reported(
+    flow: Flow,
+) -> None:
+    """Two looks through one gateway at once split the queue between them (a letter held by
+    one walk is out of the other's sight: a show answered 404, a replay by id did nothing and
+    said nothing); each look reordered the quorum queue, and the list with it."""
+    await _dead_letters(flow.amqp_url)
+    commands = await _dead_letter_commands(flow.amqp_url, 40)
+
+    lists = await asyncio.gather(
+        *(flow.api.get("/admin/v1/dead-letters", headers=ADMIN) for _ in range(3))
+    )
+    for listed in lists:
+        assert listed.json()["count"] == 40
+        assert listed.json()["truncated"] is False
+        assert [item["task_id"] for item in listed.json()["items"]] == [
+            command.task_id for command in commands
+        ]
+    unknown = new_id()
+    replay = await flow.api.post(
+        "/admin/v1/dead-letters/replay", json={"ids": [unknown]}, headers=ADMIN
+    )
+    assert replay.json() == {"replayed": [], "skipped_unreadable": [], "not_found": [unknown]}
+    await _dead_letters(flow.amqp_url)
 
 
 async def test_a_text_that_dictates_its_score_is_flagged_and_not_cached(flow: Flow) -> None:

@@ -27,6 +27,7 @@ from shared.topology import (
     ERROR_HEADER,
     EVENTS,
     TASKS,
+    WAIT_TIERS,
     WorkQueue,
     delay_routing_key,
     wait_tier_for,
@@ -223,6 +224,7 @@ async def publish_delayed(
     timeout: float,
     now: datetime | None = None,
     headers: Mapping[str, Any] | None = None,
+    through_ladder: bool = False,
 ) -> None:
     """Publish any contract to `exchange`/`routing_key` now, or down the wait ladder when
     `not_before` lies ahead (the generalisation of `publish_command`).
@@ -230,11 +232,14 @@ async def publish_delayed(
     The ladder dead-letters into `scorebox.due` keeping `<tier>.<routing_key>`, so the target
     queue must also be bound to `scorebox.due` with `*.<routing_key>` (see `_command_queue`).
     A consumer that receives the message before `not_before` sends it down the ladder again.
+    `through_ladder`: never straight to `exchange`, even when due (at least the shortest
+    tier): for a copy meant for the one queue bound to `scorebox.due`, such as an event a
+    consumer sends itself again, which `exchange` would hand to every consumer.
     """
     remaining = 0.0
     if not_before is not None:
         remaining = (not_before - (now or utcnow())).total_seconds()
-    tier = wait_tier_for(remaining)
+    tier = wait_tier_for(max(remaining, WAIT_TIERS[0][1]) if through_ladder else remaining)
     if tier is None:
         await _publish(
             broker,

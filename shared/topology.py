@@ -323,15 +323,22 @@ def wait_queue(tier: str, seconds: int) -> RabbitQueue:
     )
 
 
+# A tier fits a delay up to this much shorter than the tier: a delay computed as "5 s from
+# now" is a hair under 5 s by the time it is published, and took the 1 s tier. Consumers of
+# events (which carry no due time to check) then handled it 4 s early.
+TIER_SLACK_S = 0.5
+
+
 def wait_tier_for(delay_s: float) -> tuple[str, int] | None:
     """The wait tier for a remaining delay, or None when the message is due now.
 
-    The largest tier not longer than the delay, so a message never waits past its due time by
-    more than the 1 s tier's granularity; a longer delay hops down the ladder.
+    The largest tier not longer than the delay (give or take `TIER_SLACK_S`), so a message
+    never waits past its due time by more than the 1 s tier's granularity; a longer delay hops
+    down the ladder.
     """
     if delay_s < 0.5:
         return None
-    fitting = [tier for tier in WAIT_TIERS if tier[1] <= max(delay_s, 1.0)]
+    fitting = [tier for tier in WAIT_TIERS if tier[1] <= max(delay_s + TIER_SLACK_S, 1.0)]
     return fitting[-1]
 
 

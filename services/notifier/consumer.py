@@ -127,6 +127,7 @@ async def _come_back_later(
             routing_key=routing_key,
             not_before=later,
             timeout=timeout_s,
+            through_ladder=True,  # a retry of the publish may find it due: still not to all
         ),
         what=f"{routing_key} for a later try",
     )

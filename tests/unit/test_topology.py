@@ -28,9 +28,11 @@ from shared.topology import (
         (0.49, None),
         (0.5, "1s"),
         (1.0, "1s"),
-        (4.9, "1s"),
+        (4.4, "1s"),
+        (4.99999, "5s"),  # "5 s from now", read a moment later: it took the 1 s tier
         (5.0, "5s"),
         (29.0, "5s"),
+        (29.6, "30s"),
         (45.0, "30s"),
         (119.0, "30s"),
         (120.0, "2m"),

@@ -292,9 +292,17 @@ class ScoreboxBroker(RabbitBroker):
             )
         connection, self._consumer_connection = self._consumer_connection, None
         self._shared_channel = None
+        # Each close waits for the broker's CloseOk, up to the heartbeat (60 s) when the broker
+        # stalls: a stop outlasting any orchestrator's grace period ends in SIGKILL.
         if connection is not None:
-            await connection.close()
-        await super().stop(exc_type, exc_val, exc_tb)
+            await self._bounded(connection.close(), "the consuming connection")
+        await self._bounded(super().stop(exc_type, exc_val, exc_tb), "the publishing connection")
+
+    async def _bounded(self, closing: Awaitable[object], what: str) -> None:
+        try:
+            await asyncio.wait_for(closing, self._graceful_timeout)
+        except TimeoutError:
+            log.warning("%s not closed within %.1fs; leaving it", what, self._graceful_timeout)
 
 
 async def _cancel(consuming: _Consuming, *, timeout: float) -> None:

@@ -10,6 +10,8 @@ within seconds, well before the publish's own timeout."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from shared.bus import PublishUnconfirmed, publish_event
@@ -48,3 +50,20 @@ async def test_a_publish_on_a_stalled_connection_is_unconfirmed(
     finally:
         link.reply_delay_s = 0.0
         await broker.stop()
+
+
+async def test_stopping_while_the_broker_stalls_is_bounded(
+    amqp_url: str, broker_link: SlowLink
+) -> None:
+    """Each close waited for the broker's CloseOk, up to the heartbeat: a minute and more
+    with the broker stalled, past any orchestrator's grace period (then SIGKILL)."""
+    link = broker_link
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": link.url_through(amqp_url)})
+    broker = make_broker(settings, graceful_timeout_s=1.0)
+    await start_broker(broker, settings)
+    link.reply_delay_s = 3600.0
+    try:
+        async with asyncio.timeout(30):  # a hang guard: each close is bounded by 1 s now
+            await broker.stop()
+    finally:
+        link.reply_delay_s = 0.0

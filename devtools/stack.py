@@ -30,6 +30,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType, TracebackType
 
+from shared.settings import MAX_PORT
+
 SERVICES: tuple[str, ...] = ("status", "scorer", "scheduler", "notifier", "gateway")
 DEFAULT_PORTS: dict[str, int] = {
     "gateway": 8000,
@@ -418,9 +420,12 @@ def ports_from_env(environ: Mapping[str, str] = os.environ) -> dict[str, int]:
     for service, default in DEFAULT_PORTS.items():
         raw = environ.get(PORT_ENV[service], str(default))
         try:
-            ports[service] = int(raw)
+            port = int(raw)
         except ValueError:
             raise StackError(f"{PORT_ENV[service]}={raw!r} is not a port number") from None
+        if not 0 <= port <= MAX_PORT:
+            raise StackError(f"{PORT_ENV[service]}={port} is not a port (0 to {MAX_PORT})")
+        ports[service] = port
     return ports
 
 
@@ -457,7 +462,8 @@ class DevKeys:
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] = os.environ) -> DevKeys:
-        """`SCOREBOX_API_KEY` / `SCOREBOX_ADMIN_KEY` when set (scripts rely on that), else new."""
+        """`SCOREBOX_API_KEY` / `SCOREBOX_ADMIN_KEY` when set (scripts rely on that), else the
+        services' own `ADMIN_API_KEY` for the admin key, else new ones."""
         from services.gateway.keys import generate_key, parse_key  # noqa: PLC0415
 
         api_key = environ.get("SCOREBOX_API_KEY") or generate_key().token
@@ -466,7 +472,11 @@ class DevKeys:
                 "SCOREBOX_API_KEY must look like sbx_<16 hex>_<43 url-safe chars>; "
                 "make one with: .venv/bin/python -m services.gateway.keys new"
             )
-        admin_key = environ.get("SCOREBOX_ADMIN_KEY") or secrets.token_urlsafe(32)
+        admin_key = (
+            environ.get("SCOREBOX_ADMIN_KEY")
+            or environ.get("ADMIN_API_KEY")
+            or secrets.token_urlsafe(32)
+        )
         return cls(api_key=api_key, admin_key=admin_key)
 
     def service_env(self) -> dict[str, str]:

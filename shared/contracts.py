@@ -94,6 +94,27 @@ class Contract(BaseModel):
 Score = Annotated[float, Field(ge=0, le=10, description="0 (worst) to 10 (best).")]
 
 
+# The prompt versions a result can carry (`ScoreResult.prompt_version`): the judge's prompt
+# and the offline heuristic scorer. `RUBRIC_VERSION` (gateway, scheduler) must name one of
+# them: any other value matched no result, so the result cache served nothing and the
+# re-score fan-out scored every task again.
+JUDGE_PROMPT_VERSION: Final = "judge-2025-1"
+HEURISTIC_PROMPT_VERSION: Final = "heuristic-v1"
+PROMPT_VERSIONS: Final = frozenset({JUDGE_PROMPT_VERSION, HEURISTIC_PROMPT_VERSION})
+
+
+def known_rubric_version(value: str | None) -> str | None:
+    """`RUBRIC_VERSION` as a setting: unset (or blank) is None; else one of `PROMPT_VERSIONS`."""
+    if value is None or not value.strip():
+        return None
+    if value.strip() not in PROMPT_VERSIONS:
+        raise ValueError(
+            f"{value!r} is no prompt version results carry; use one of "
+            f"{', '.join(sorted(PROMPT_VERSIONS))}"
+        )
+    return value.strip()
+
+
 class Usage(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 

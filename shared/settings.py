@@ -12,6 +12,19 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MAX_PORT = 65_535
+# What both logging and uvicorn know, with the spellings operators also write.
+LOG_LEVELS = {
+    "DEBUG": "DEBUG",
+    "INFO": "INFO",
+    "WARNING": "WARNING",
+    "WARN": "WARNING",
+    "ERROR": "ERROR",
+    "CRITICAL": "CRITICAL",
+    "FATAL": "CRITICAL",
+}
+# The largest prefetch AMQP carries (a short unsigned integer): above it the consumer's
+# channel failed to open at start, with a TypeError.
+MAX_PREFETCH = 65_535
 
 
 class ServiceSettings(BaseSettings):
@@ -31,6 +44,16 @@ class ServiceSettings(BaseSettings):
     broker_timeout_s: float = Field(default=10.0, gt=0, validation_alias="BROKER_TIMEOUT_S")
     mongo_timeout_s: float = Field(default=5.0, gt=0, validation_alias="MONGO_TIMEOUT_S")
     startup_timeout_s: float = Field(default=60.0, gt=0, validation_alias="STARTUP_TIMEOUT_S")
+
+    @field_validator("log_level")
+    @classmethod
+    def _a_log_level(cls, level: str) -> str:
+        """A level both `logging` and uvicorn know: `warn` crashed uvicorn at start-up, and
+        `trace` crashed `logging`, after the settings had been accepted."""
+        known = LOG_LEVELS.get(level.strip().upper())
+        if known is None:
+            raise ValueError(f"{level!r} is not one of {', '.join(sorted(set(LOG_LEVELS)))}")
+        return known
 
     @field_validator("port")
     @classmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, SecretStr, field_validator
 
+from shared.contracts import known_rubric_version
 from shared.settings import ServiceSettings, http_url
 
 
@@ -32,6 +33,12 @@ class GatewaySettings(ServiceSettings):
     # cache answers only with results scored under it, so a new rubric is not bypassed by
     # the cache for `RESULT_CACHE_TTL_S`.
     rubric_version: str | None = Field(default=None, validation_alias="RUBRIC_VERSION")
+
+    @field_validator("rubric_version")
+    @classmethod
+    def _a_prompt_version(cls, value: str | None) -> str | None:
+        return known_rubric_version(value)
+
     idempotency_ttl_s: int = Field(default=86_400, gt=0, validation_alias="IDEMPOTENCY_TTL_S")
     # Polls answer from the gateway's own record while the status projection has not yet heard
     # of a task this young (read-your-writes); an older unknown task is expired or never was.

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 
 from services.scheduler.config import DEFAULT_CONFIG_PATH
-from shared.settings import ServiceSettings
+from shared.contracts import known_rubric_version
+from shared.settings import MAX_PREFETCH, ServiceSettings
 
 
 class SchedulerSettings(ServiceSettings):
@@ -31,8 +32,12 @@ class SchedulerSettings(ServiceSettings):
     job_retry_base_s: float = Field(default=5.0, gt=0, validation_alias="SCHEDULER_RETRY_BASE_S")
     job_retry_cap_s: float = Field(default=600.0, gt=0, validation_alias="SCHEDULER_RETRY_CAP_S")
     # Job runs in flight per scheduler process (prefetch of the cron-jobs consumer).
-    job_concurrency: int = Field(default=4, ge=1, validation_alias="SCHEDULER_JOB_CONCURRENCY")
-    meter_prefetch: int = Field(default=256, ge=1, validation_alias="USAGE_METER_PREFETCH")
+    job_concurrency: int = Field(
+        default=4, ge=1, le=MAX_PREFETCH, validation_alias="SCHEDULER_JOB_CONCURRENCY"
+    )
+    meter_prefetch: int = Field(
+        default=256, ge=1, le=MAX_PREFETCH, validation_alias="USAGE_METER_PREFETCH"
+    )
     # Attempts to store one usage event before it is dead-lettered, when storing fails other
     # than by MongoDB being unavailable (which is waited out, the delivery held).
     meter_max_attempts: int = Field(default=5, ge=1, validation_alias="USAGE_METER_MAX_ATTEMPTS")
@@ -40,6 +45,12 @@ class SchedulerSettings(ServiceSettings):
     # The current rubric/prompt version; tasks scored with another (or an unknown) version are
     # re-scored by the fan-out. Unset: the fan-out refuses to run.
     rubric_version: str | None = Field(default=None, validation_alias="RUBRIC_VERSION")
+
+    @field_validator("rubric_version")
+    @classmethod
+    def _a_prompt_version(cls, value: str | None) -> str | None:
+        return known_rubric_version(value)
+
     fanout_page_size: int = Field(
         default=1000, ge=1, le=10_000, validation_alias="FANOUT_PAGE_SIZE"
     )

@@ -187,5 +187,10 @@ def test_the_image_runs_as_a_non_root_user_with_a_healthcheck() -> None:
 def test_the_build_context_keeps_what_pip_install_needs() -> None:
     dockerignore = (ROOT / ".dockerignore").read_text().splitlines()
 
-    for needed in ("!pyproject.toml", "!README.md", "!shared", "!services"):
+    for needed in ("!pyproject.toml", "!constraints.txt", "!README.md", "!shared", "!services"):
         assert needed in dockerignore
+
+
+def test_the_image_installs_the_versions_the_tests_ran_with() -> None:
+    """It installed the newest versions pyproject's ranges allow, never tested together."""
+    assert "-c /tmp/constraints.txt" in DOCKERFILE.read_text()

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from pydantic import ValidationError
 
 from services.gateway.settings import GatewaySettings
+from services.scheduler.settings import SchedulerSettings
+from services.scorer.model.heuristic import HEURISTIC_MODEL_NAME
+from services.scorer.model.prompt import PROMPT_VERSION
+from services.scorer.model.settings import ModelSettings
 from services.status.settings import StatusSettings
+from shared.contracts import PROMPT_VERSIONS
 
 
 @pytest.mark.parametrize("variable", ["STATUS_URL", "NOTIFIER_URL", "SCHEDULER_URL"])
@@ -31,3 +38,53 @@ def test_a_port_out_of_range_is_refused(port: str) -> None:
         GatewaySettings.model_validate({"GATEWAY_PORT": port})
     with pytest.raises(ValidationError, match="STATUS_PORT"):
         StatusSettings.model_validate({"STATUS_PORT": port})
+
+
+@pytest.mark.parametrize(
+    ("given", "level"), [("warn", "WARNING"), ("fatal", "CRITICAL"), ("info", "INFO")]
+)
+def test_log_levels_are_read_in_the_spellings_operators_write(given: str, level: str) -> None:
+    assert StatusSettings.model_validate({"LOG_LEVEL": given}).log_level == level
+
+
+@pytest.mark.parametrize("level", ["trace", "verbose", ""])
+def test_an_unknown_log_level_is_refused(level: str) -> None:
+    """`warn` crashed uvicorn and `trace` crashed `logging`, after start-up had begun."""
+    with pytest.raises(ValidationError, match="LOG_LEVEL"):
+        StatusSettings.model_validate({"LOG_LEVEL": level})
+
+
+@pytest.mark.parametrize(
+    ("settings", "variable"),
+    [
+        (StatusSettings, "PROJECTION_PREFETCH"),
+        (SchedulerSettings, "USAGE_METER_PREFETCH"),
+        (SchedulerSettings, "SCHEDULER_JOB_CONCURRENCY"),
+    ],
+)
+def test_a_prefetch_amqp_cannot_carry_is_refused(settings: Any, variable: str) -> None:
+    """Above 65,535 the consumer's channel failed at start with a TypeError."""
+    with pytest.raises(ValidationError, match=variable):
+        settings.model_validate({variable: "70000"})
+
+
+@pytest.mark.parametrize("timeout", ["inf", "2000"])
+def test_a_model_timeout_beyond_what_claims_and_the_broker_allow_is_refused(timeout: str) -> None:
+    """`inf` crashed the scorer at start; beyond the broker's consumer timeout a held
+    delivery's channel is closed under it."""
+    with pytest.raises(ValidationError, match="LLM_TIMEOUT_S"):
+        ModelSettings.model_validate({"LLM_TIMEOUT_S": timeout})
+
+
+@pytest.mark.parametrize("settings", [GatewaySettings, SchedulerSettings])
+def test_a_rubric_version_no_result_carries_is_refused(settings: Any) -> None:
+    """`v2` matched no result: the cache served nothing and the fan-out re-scored everything."""
+    with pytest.raises(ValidationError, match="RUBRIC_VERSION"):
+        settings.model_validate({"RUBRIC_VERSION": "v2"})
+    assert settings.model_validate({"RUBRIC_VERSION": ""}).rubric_version is None
+    for version in PROMPT_VERSIONS:
+        assert settings.model_validate({"RUBRIC_VERSION": version}).rubric_version == version
+
+
+def test_the_scorers_versions_are_the_ones_settings_accept() -> None:
+    assert {PROMPT_VERSION, HEURISTIC_MODEL_NAME} == PROMPT_VERSIONS

@@ -293,6 +293,9 @@ def test_ports_come_from_the_public_variables() -> None:
     assert ports_from_env({"GATEWAY_PORT": "9000"})["gateway"] == 9000
     with pytest.raises(StackError, match="STATUS_PORT='x' is not a port number"):
         ports_from_env({"STATUS_PORT": "x"})
+    # It died with an OverflowError traceback at its free-port check.
+    with pytest.raises(StackError, match="GATEWAY_PORT=70000 is not a port"):
+        ports_from_env({"GATEWAY_PORT": "70000"})
 
 
 def test_curl_examples_are_ready_to_paste_with_the_api_key() -> None:
@@ -311,6 +314,8 @@ def test_dev_keys_honour_the_environment_and_refuse_malformed_keys() -> None:
     keys = DevKeys.from_environment({"SCOREBOX_API_KEY": given, "SCOREBOX_ADMIN_KEY": "adm"})
     assert keys == DevKeys(api_key=given, admin_key="adm")
     assert keys.service_env() == {"BOOTSTRAP_API_KEY": given, "ADMIN_API_KEY": "adm"}
+    # The services' own variable: it was replaced by a new key, and calls with it got 401.
+    assert DevKeys.from_environment({"ADMIN_API_KEY": "mine"}).admin_key == "mine"
     fresh = DevKeys.from_environment({})
     assert parse_key(fresh.api_key) is not None
     assert len(fresh.admin_key) >= 32

@@ -24,9 +24,9 @@ from typing import Final
 
 from services.scorer.model.base import ModelVerdict, ScoringRequest
 from services.scorer.model.preparation import prepare_text
-from shared.contracts import ScoreResult, Usage
+from shared.contracts import HEURISTIC_PROMPT_VERSION, ScoreResult, Usage
 
-HEURISTIC_MODEL_NAME: Final = "heuristic-v1"
+HEURISTIC_MODEL_NAME: Final = HEURISTIC_PROMPT_VERSION
 
 _WEIGHTS: Final = {
     "length": 0.20,

@@ -13,7 +13,9 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any, Final
 
-PROMPT_VERSION: Final = "judge-2025-1"
+from shared.contracts import JUDGE_PROMPT_VERSION
+
+PROMPT_VERSION: Final = JUDGE_PROMPT_VERSION
 
 DEFAULT_RUBRIC: Final = (
     "Judge the writing as a whole on four equally weighted criteria:\n"

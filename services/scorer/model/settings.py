@@ -13,6 +13,9 @@ Provider = Literal["heuristic", "openai"]
 JsonMode = Literal["json_schema", "json_object", "none"]
 
 
+MAX_LLM_TIMEOUT_S = 600.0
+
+
 class ModelSettings(BaseSettings):
     """Which model scores texts and how it is called.
 
@@ -27,7 +30,11 @@ class ModelSettings(BaseSettings):
     llm_base_url: str = Field(default="https://api.openai.com/v1", validation_alias="LLM_BASE_URL")
     llm_api_key: SecretStr = Field(default=SecretStr(""), validation_alias="LLM_API_KEY")
     llm_model: str = Field(default="gpt-4o-mini", min_length=1, validation_alias="LLM_MODEL")
-    llm_timeout_s: float = Field(default=30.0, gt=0, validation_alias="LLM_TIMEOUT_S")
+    # Bounded: a claim lasts 2 x this + 30 s and a held redelivery waits it out, all well
+    # inside the broker's consumer timeout (30 min); `inf` passed and crashed the scorer.
+    llm_timeout_s: float = Field(
+        default=30.0, gt=0, le=MAX_LLM_TIMEOUT_S, validation_alias="LLM_TIMEOUT_S"
+    )
     llm_max_input_chars: int = Field(default=6000, ge=100, validation_alias="LLM_MAX_INPUT_CHARS")
     llm_max_output_tokens: int = Field(default=300, ge=16, validation_alias="LLM_MAX_OUTPUT_TOKENS")
     llm_json_mode: JsonMode = Field(default="json_schema", validation_alias="LLM_JSON_MODE")

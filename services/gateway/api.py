@@ -180,6 +180,7 @@ def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
     policy = SubmitPolicy(
         max_attempts=deps.settings.max_attempts,
         retention=timedelta(seconds=deps.settings.idempotency_ttl_s),
+        default_model=deps.settings.default_model,
     )
 
     @router.post(

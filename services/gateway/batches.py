@@ -296,6 +296,7 @@ class BatchPolicy:
     retention: timedelta
     # A batch still `accepting` after this long was interrupted; the outbox sweep sends it.
     in_progress_for: timedelta
+    default_model: str = ""  # what scores an item naming no model (its cache key)
 
 
 @dataclass(frozen=True)
@@ -369,7 +370,9 @@ async def submit_batch(
         raise
     try:
         await submissions.insert_batch(
-            _rows(commands, submission), retention=policy.retention, counted=gate is not None
+            _rows(commands, submission, policy.default_model),
+            retention=policy.retention,
+            counted=gate is not None,
         )
     except DatabaseUnavailable:
         # Some of its submissions may be recorded (earlier chunks), now or later.
@@ -481,14 +484,14 @@ def _commands(
 
 
 def _rows(
-    commands: Sequence[ScoreText], submission: BatchSubmission
+    commands: Sequence[ScoreText], submission: BatchSubmission, default_model: str
 ) -> list[tuple[ScoreText, str, str]]:
     """What `Submissions.insert_batch` records of each command."""
     return [
         (
             command,
             request_hash(item.model_dump(mode="json")),
-            cache_key(command.text, command.rubric, command.model),
+            cache_key(command.text, command.rubric, command.model or default_model),
         )
         for command, item in zip(commands, submission.items, strict=True)
     ]
@@ -538,7 +541,9 @@ async def _complete_interrupted(
     task_ids = tuple(command.task_id for command in commands)
     refusal = Refusal(earlier.tenant_id, task_ids, batch_id=earlier.batch_id)
     try:
-        await submissions.insert_batch(_rows(commands, submission), retention=policy.retention)
+        await submissions.insert_batch(
+            _rows(commands, submission, policy.default_model), retention=policy.retention
+        )
         accepted = await batches.mark_accepted(earlier.batch_id)
     except DatabaseUnavailable:
         # Answered 503: what lands is written off with the batch, unless it was accepted

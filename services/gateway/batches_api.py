@@ -259,6 +259,7 @@ def batch_routes(
         max_attempts=settings.max_attempts,
         retention=timedelta(seconds=settings.idempotency_ttl_s),
         in_progress_for=timedelta(seconds=settings.outbox_grace_s),
+        default_model=settings.default_model,
     )
     window = timedelta(seconds=settings.read_your_writes_window_s)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, SecretStr, field_validator
 
-from shared.contracts import known_rubric_version
+from shared.contracts import HEURISTIC_PROMPT_VERSION, known_rubric_version
 from shared.settings import ServiceSettings, http_url
 
 
@@ -33,6 +33,11 @@ class GatewaySettings(ServiceSettings):
     # cache answers only with results scored under it, so a new rubric is not bypassed by
     # the cache for `RESULT_CACHE_TTL_S`.
     rubric_version: str | None = Field(default=None, validation_alias="RUBRIC_VERSION")
+    # The scorer's own settings, read for the result cache: a submission naming no model is
+    # scored by the scorer's default, which is part of its cache key. Without it, switching
+    # LLM_PROVIDER (or LLM_MODEL) served the old scorer's results for `RESULT_CACHE_TTL_S`.
+    llm_provider: str = Field(default="heuristic", validation_alias="LLM_PROVIDER")
+    llm_model: str = Field(default="gpt-4o-mini", validation_alias="LLM_MODEL")
 
     @field_validator("rubric_version")
     @classmethod
@@ -93,3 +98,10 @@ class GatewaySettings(ServiceSettings):
     @classmethod
     def _service_url(cls, url: str) -> str:
         return http_url(url)
+
+    @property
+    def default_model(self) -> str:
+        """The model that scores a submission naming none (as the scorer's settings say)."""
+        if self.llm_provider.strip() == "heuristic":
+            return HEURISTIC_PROMPT_VERSION  # the offline scorer's name for itself
+        return self.llm_model.strip() or "gpt-4o-mini"

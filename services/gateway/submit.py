@@ -69,6 +69,7 @@ def counting(in_flight: InFlightGate | None) -> InFlightGate | None:
 class SubmitPolicy:
     max_attempts: int
     retention: timedelta
+    default_model: str = ""  # what scores a submission naming no model (its cache key)
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ async def submit_score(
         callback_url=submission.callback_url,
         api_key_id=api_key_id,
     )
-    key = cache_key(command.text, command.rubric, command.model)
+    key = cache_key(command.text, command.rubric, command.model or policy.default_model)
     cached = None
     if submission.use_cache and command.not_before is None:
         found = await cache.find(tenant_id=tenant_id, key=key, now=now)

@@ -40,6 +40,7 @@ class Flow:
     api: httpx.AsyncClient
     llm: FakeLLM
     amqp_url: str
+    env: dict[str, str]
 
     async def submit(self, text: str) -> str:
         response = await self.api.post("/v1/scores", json={"text": text})
@@ -83,7 +84,7 @@ async def flow(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Flow]
         gateway = create_gateway(GatewaySettings.model_validate(env), status_http=status_client)
         async with running(gateway) as api:
             api.headers["Authorization"] = f"Bearer {API_KEY}"
-            yield Flow(api, llm, amqp_url)
+            yield Flow(api, llm, amqp_url, env)
     await llm.stop()
 
 
@@ -306,6 +307,35 @@ async def test_identical_text_is_answered_from_the_result_cache(
     assert fresh.status_code == 202
     assert (await flow.finished(fresh.json()["task_id"]))["result"]["cached"] is False
     assert flow.calls(marker) == 2
+
+
+async def test_a_cached_result_of_another_default_model_is_not_served(
+    flow: Flow, mongo: Any, db_prefix: str
+) -> None:
+    """A submission naming no model is scored by the scorer's default: switching LLM_MODEL
+    (or LLM_PROVIDER) served the old model's results for `RESULT_CACHE_TTL_S`."""
+    marker = _marker()
+    text = f"Cache me for one model [[id:{marker}]]"
+    first = await flow.finished(await flow.submit(text))
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url)
+    try:
+        cache = client[f"{db_prefix}_gateway"]["result_cache"]
+
+        async def cached() -> bool:
+            return await cache.count_documents({"task_id": first["task_id"]}) == 1
+
+        await eventually(cached, what="result cached")
+    finally:
+        await client.close()
+
+    switched = create_gateway(GatewaySettings.model_validate({**flow.env, "LLM_MODEL": "judge-2"}))
+    async with running(switched) as api:
+        api.headers["Authorization"] = f"Bearer {API_KEY}"
+        other_model = await api.post("/v1/scores", json={"text": text})
+    assert other_model.status_code == 202, other_model.text
+    same_model = await flow.api.post("/v1/scores", json={"text": text})
+    assert same_model.status_code == 200, same_model.text
+    assert same_model.json()["result"]["cached"] is True
 
 
 async def test_dead_letters_are_listed_replayed_with_fresh_attempts_and_purged(flow: Flow) -> None:

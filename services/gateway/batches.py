@@ -429,15 +429,17 @@ async def _give_up(
     refusals: Refusals,
 ) -> None:
     """Undo a batch's acceptance: release its slots, then forget it. What the database does
-    not take now is written off later (`services/gateway/refusals.py`)."""
-    if refusal.counted and in_flight is not None:
-        try:
-            await release_slots(refusal, in_flight)
-        except DatabaseUnavailable:
-            log.warning("batch %s: slots not released; written off later", refusal.batch_id)
-            refusals.note(refusal)  # with what was released: not released again
-            return
-    await _discard(refusal, batches=batches, submissions=submissions, refusals=refusals)
+    not take now is written off later (`services/gateway/refusals.py`); meanwhile the sweep
+    keeps off its items."""
+    with refusals.holding(refusal.task_ids):
+        if refusal.counted and in_flight is not None:
+            try:
+                await release_slots(refusal, in_flight)
+            except DatabaseUnavailable:
+                log.warning("batch %s: slots not released; written off later", refusal.batch_id)
+                refusals.note(refusal)  # with what was released: not released again
+                return
+        await _discard(refusal, batches=batches, submissions=submissions, refusals=refusals)
 
 
 async def _discard(

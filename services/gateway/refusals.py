@@ -30,8 +30,10 @@ records, each is scored once, and its end releases its slot):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final, Protocol
@@ -87,6 +89,18 @@ class Refusals:
                 dropped.tenant_id,
             )
 
+    @contextlib.contextmanager
+    def holding(self, task_ids: tuple[str, ...]) -> Iterator[None]:
+        """Keep the sweep of this process off `task_ids` while a refusal is undone on the
+        spot: releasing a large batch's slots one by one may outlast the outbox grace period,
+        and the sweep then sent what the client is told was not kept."""
+        for task_id in task_ids:
+            self._held[task_id] = self._held.get(task_id, 0) + 1
+        try:
+            yield
+        finally:
+            self._unhold(task_ids)
+
     def holds(self, task_id: str) -> bool:
         """Whether the task belongs to a refusal not yet written off (not to be sent)."""
         return task_id in self._held
@@ -102,7 +116,10 @@ class Refusals:
             self._pending.remove(refusal)
         except ValueError:
             return
-        for task_id in refusal.task_ids:
+        self._unhold(refusal.task_ids)
+
+    def _unhold(self, task_ids: tuple[str, ...]) -> None:
+        for task_id in task_ids:
             left = self._held.pop(task_id) - 1
             if left:
                 self._held[task_id] = left

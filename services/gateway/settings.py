@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from shared.contracts import HEURISTIC_PROMPT_VERSION, known_rubric_version
 from shared.settings import ServiceSettings, http_url
@@ -93,6 +93,18 @@ class GatewaySettings(ServiceSettings):
     request_body_timeout_s: float = Field(
         default=30.0, gt=0, validation_alias="REQUEST_BODY_TIMEOUT_S"
     )
+
+    @model_validator(mode="after")
+    def _a_full_batch_fits_in_flight(self) -> GatewaySettings:
+        """A batch larger than the in-flight limit was answered 429 "retry when some have
+        finished" for ever, with no task of the tenant in flight."""
+        limit = self.max_in_flight_per_tenant
+        if limit and self.max_batch_items > limit:
+            raise ValueError(
+                f"MAX_BATCH_ITEMS ({self.max_batch_items}) exceeds MAX_IN_FLIGHT_PER_TENANT "
+                f"({limit}): such batches could never be admitted"
+            )
+        return self
 
     @field_validator("status_url", "notifier_url", "scheduler_url")
     @classmethod

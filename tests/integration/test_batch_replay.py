@@ -375,6 +375,46 @@ async def test_a_refused_batch_whose_slots_were_partly_released_releases_the_res
     assert refusals.pending() == []
 
 
+class SweepDuringRelease(InFlight):
+    """The outbox sweep runs while a refused batch's slots are being released, one by one
+    (1,000 of them took longer than the outbox grace period)."""
+
+    def __init__(self, gateway: Gateway, refusals: Refusals) -> None:
+        super().__init__(gateway.raw.client, gateway.name, max_per_tenant=100)
+        self._meanwhile = (gateway, refusals)
+        self.swept: list[str] | None = None
+
+    async def release(self, tenant_id: str, task_id: str) -> None:
+        if self.swept is None:
+            self.swept = await _sent_by_sweeps(*self._meanwhile)
+        await super().release(tenant_id, task_id)
+
+
+async def test_a_refused_batch_is_not_sent_by_a_sweep_while_its_slots_are_released(
+    gateway: Gateway,
+) -> None:
+    refusals = Refusals()
+    in_flight = SweepDuringRelease(gateway, refusals)
+    with pytest.raises(BrokerUnavailable):
+        await submit_batch(
+            _request(3),
+            tenant_id=TENANT,
+            api_key_id=None,
+            idempotency_key=None,
+            batches=gateway.batches,
+            submissions=gateway.submissions,
+            publisher=RefusingBatches(),
+            policy=POLICY,
+            clock=lambda: T0,
+            refusals=refusals,
+            in_flight=in_flight,
+        )
+
+    assert in_flight.swept == []
+    assert await _sent_by_sweeps(gateway, refusals) == []
+    assert await in_flight.count(TENANT) == 0
+
+
 class AbandonFailsOnce(WrittenOffMeanwhile):
     """The replay's records land as the batch is written off, and forgetting them fails."""
 

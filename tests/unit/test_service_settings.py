@@ -88,3 +88,15 @@ def test_a_rubric_version_no_result_carries_is_refused(settings: Any) -> None:
 
 def test_the_scorers_versions_are_the_ones_settings_accept() -> None:
     assert {PROMPT_VERSION, HEURISTIC_MODEL_NAME} == PROMPT_VERSIONS
+
+
+def test_a_full_batch_that_could_never_fit_in_flight_is_refused() -> None:
+    """Every batch above the in-flight limit was answered 429 "retry later", for ever."""
+    with pytest.raises(ValidationError, match="MAX_BATCH_ITEMS"):
+        GatewaySettings.model_validate({"MAX_IN_FLIGHT_PER_TENANT": "500"})
+    fits = {"MAX_IN_FLIGHT_PER_TENANT": "500", "MAX_BATCH_ITEMS": "500"}
+    assert GatewaySettings.model_validate(fits).max_batch_items == 500
+    assert (
+        GatewaySettings.model_validate({"MAX_IN_FLIGHT_PER_TENANT": "0"}).max_in_flight_per_tenant
+        == 0
+    )

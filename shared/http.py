@@ -141,6 +141,59 @@ def install_problem_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ClientDisconnect, on_client_gone)
     app.add_exception_handler(PyMongoError, on_database_error)
     app.add_exception_handler(Exception, on_unexpected)
+    _document_validation_problems(app)
+
+
+def _document_validation_problems(app: FastAPI) -> None:
+    """The OpenAPI document shows the 422 the service sends: FastAPI documents its own
+    `HTTPValidationError` (`detail: [{loc, msg, type}]`, `application/json`), which no route
+    answers here (`on_validation` makes it problem+json with `errors: [{field, message}]`)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                responses = operation.get("responses", {})
+                if "HTTPValidationError" in str(responses.get("422", "")):
+                    responses["422"] = VALIDATION_PROBLEM
+        schemas = schema.get("components", {}).get("schemas", {})
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(unused, None)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+VALIDATION_PROBLEM: dict[str, Any] = {
+    "description": "Invalid fields, each named (RFC 9457 problem details).",
+    "content": {
+        PROBLEM_JSON: {
+            "schema": {
+                "type": "object",
+                "required": ["type", "title", "status", "detail"],
+                "properties": {
+                    "type": {"type": "string"},
+                    "title": {"type": "string"},
+                    "status": {"type": "integer"},
+                    "detail": {"type": "string"},
+                    "errors": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "properties": {
+                                "field": {"type": "string"},
+                                "message": {"type": "string"},
+                            },
+                        },
+                    },
+                },
+            }
+        }
+    },
+}
 
 
 def health_router(checks: Mapping[str, Check]) -> APIRouter:

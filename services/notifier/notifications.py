@@ -65,6 +65,10 @@ def webhook_payload(event: TaskOutcome, purpose: WebhookPurpose) -> dict[str, An
             "status": event.status.value,
             "purpose": purpose.value,
             "attempts": event.attempt,
+            # A re-score or a dead-letter replay runs the task again as its next generation,
+            # and its outcome is POSTed too: the newer one has the higher sequence.
+            "generation": event.generation,
+            "sequence": event.sequence,
             "submitted_at": event.submitted_at.isoformat(),
             "finished_at": event.occurred_at.isoformat(),
             "result": result,

@@ -70,3 +70,18 @@ async def test_a_database_error_of_ours_is_still_a_500() -> None:
     response = await post(app_raising(DuplicateKeyError("E11000 duplicate key")))
 
     assert response.status_code == 500
+
+
+def test_the_openapi_document_shows_the_422_the_service_sends() -> None:
+    """It showed FastAPI's own `HTTPValidationError` (`application/json`, `detail: [{loc,
+    msg, type}]`), which no route answers: clients generated from it misread every 422."""
+    app = FastAPI()
+    install_problem_handlers(app)
+
+    @app.get("/items/{item_id}")
+    async def item(item_id: int) -> dict[str, int]:
+        return {"id": item_id}
+
+    unprocessable = app.openapi()["paths"]["/items/{item_id}"]["get"]["responses"]["422"]
+    assert list(unprocessable["content"]) == ["application/problem+json"]
+    assert "HTTPValidationError" not in app.openapi()["components"]["schemas"]

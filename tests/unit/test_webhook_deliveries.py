@@ -128,6 +128,18 @@ def test_payload_of_a_completed_task() -> None:
     assert data["status_url"] == "/v1/scores/t1"
 
 
+def test_a_payload_says_which_run_of_the_task_it_reports() -> None:
+    """A re-score or a dead-letter replay POSTs its outcome too, possibly before the earlier
+    one's retried delivery: without the generation and sequence a receiver could not tell
+    which is newer."""
+    again = _completed(sequence=1_000_190).model_copy(update={"generation": 1})
+    first, second = (
+        webhook_payload(e, WebhookPurpose.CALLBACK)["data"] for e in (_completed(), again)
+    )
+    assert (first["generation"], first["sequence"]) == (0, 190)
+    assert (second["generation"], second["sequence"]) == (1, 1_000_190)
+
+
 def test_payload_of_a_failed_task() -> None:
     payload = webhook_payload(_failed(), WebhookPurpose.FAILURE_ALERT)
 

@@ -266,7 +266,7 @@ def parse_retry_after(value: str | None, *, now: datetime) -> float | None:
         return seconds
     try:
         moment = parsedate_to_datetime(value.strip())
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError):  # a year past datetime's
         return None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)

@@ -64,10 +64,10 @@ def create_app(
     alerts = FailureAlerts(mongo, database)
     keyring = Keyring(mongo, database)
     ledger = Ledger(mongo, database, retention=timedelta(seconds=settings.delivery_retention_s))
-    guard = WebhookGuard(
-        resolver or SystemResolver(timeout_s=settings.dns_timeout_s),
-        allowed_test_hosts=settings.test_hosts,
+    system_resolver = SystemResolver(
+        timeout_s=settings.dns_timeout_s, lookups=2 * settings.concurrency
     )
+    guard = WebhookGuard(resolver or system_resolver, allowed_test_hosts=settings.test_hosts)
 
     async def enqueue(delivery: DeliverWebhook) -> None:
         await send_delivery(broker, delivery, timeout=settings.broker_timeout_s)
@@ -126,6 +126,7 @@ def create_app(
         yield
         await broker.stop()
         await mongo.close()
+        system_resolver.close()
 
     app = FastAPI(title="Scorebox notifier", lifespan=lifespan)
     install_problem_handlers(app)

@@ -84,16 +84,18 @@ DeliveryDecision = Done | Send | GiveUp
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """base * 2^(attempt-1) capped, scaled by a random factor in [0.5, 1); Retry-After wins."""
+    """base * 2^(attempt-1) capped, scaled by a random factor in [0.5, 1); a Retry-After longer
+    than that wins, up to the cap. A shorter one does not: `Retry-After: 0` (or a date already
+    past, from a receiver whose clock is behind) spent every attempt within seconds."""
 
     base_s: float
     cap_s: float
 
     def delay(self, attempt: int, *, retry_after_s: float | None, rng: random.Random) -> timedelta:
-        if retry_after_s is not None:
-            return timedelta(seconds=min(max(retry_after_s, 0.0), self.cap_s))
         ceiling = min(self.cap_s, self.base_s * 2 ** (attempt - 1))
-        return timedelta(seconds=ceiling * (0.5 + rng.random() / 2))
+        backoff = ceiling * (0.5 + rng.random() / 2)
+        hinted = min(max(retry_after_s or 0.0, 0.0), self.cap_s)
+        return timedelta(seconds=max(backoff, hinted))
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,12 @@ delivery-time check (the two must agree), and the notifier's address vetting."""
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import socket
+import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 
@@ -14,6 +17,7 @@ from services.notifier.sender import PinnedResolver
 from services.notifier.ssrf import Destination, SystemResolver, WebhookGuard
 from shared import webhook_urls as gateway_rules
 from shared.webhook_urls import IPAddress
+from tests.support import eventually
 
 SAFE_URLS = [
     "https://example.com/hook",
@@ -240,6 +244,42 @@ async def test_the_system_resolver_answers_localhost_offline() -> None:
 
     assert addresses
     assert all(address.is_loopback for address in addresses)
+
+
+async def test_lookups_stuck_on_one_host_leave_others_their_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A few lookups of a tenant's unanswering name server filled the loop's shared thread
+    pool, and every other host's lookup timed out."""
+    stuck = threading.Event()
+    waiting: list[str] = []
+    system = socket.getaddrinfo
+
+    def getaddrinfo(host: str, *args: Any, **kwargs: Any) -> Any:
+        if host.startswith("stuck"):
+            waiting.append(host)
+            stuck.wait(30)  # the unanswering name server, until the test ends
+        return system("localhost" if host == "good.test" else host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    resolver = SystemResolver(timeout_s=1.0, lookups=16)
+    try:
+        stuck_ones = [
+            asyncio.ensure_future(resolver.resolve(f"stuck{n}.test", 443)) for n in range(8)
+        ]
+
+        async def stuck_lookups_running() -> bool:
+            return len(waiting) >= 4
+
+        await eventually(stuck_lookups_running, what="the stuck lookups holding threads")
+        addresses = await resolver.resolve("good.test", 443)
+        assert all(address.is_loopback for address in addresses)
+        for lookup in stuck_ones:
+            with pytest.raises(ResolutionFailed):
+                await lookup
+    finally:
+        stuck.set()
+        resolver.close()
 
 
 async def test_the_pinned_resolver_answers_only_the_checked_addresses() -> None:

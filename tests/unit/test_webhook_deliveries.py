@@ -58,6 +58,8 @@ def test_408_429_and_5xx_are_retried(status: int) -> None:
         ("-5", None),
         ("inf", None),
         (None, None),
+        # A year past datetime's raised OverflowError after the POST: redelivered, re-POSTed.
+        ("Mon, 01 Jan 99999999999999999999 00:00:00 GMT", None),
     ],
 )
 def test_retry_after_in_seconds_or_as_a_date(value: str | None, seconds: float | None) -> None:
@@ -80,6 +82,15 @@ def test_retry_after_wins_up_to_the_cap() -> None:
 
     assert policy.delay(1, retry_after_s=55, rng=rng) == timedelta(seconds=55)
     assert policy.delay(1, retry_after_s=5_000, rng=rng) == timedelta(seconds=100)
+
+
+def test_a_shorter_retry_after_does_not_undercut_the_back_off() -> None:
+    """`Retry-After: 0` (or a date already past) spent all attempts within seconds."""
+    policy = RetryPolicy(base_s=30, cap_s=3600)
+    rng = random.Random(7)
+
+    for hint in (0.0, 1.0, None):
+        assert policy.delay(1, retry_after_s=hint, rng=rng) >= timedelta(seconds=15)
 
 
 def _completed(sequence: int = 190) -> TaskCompleted:

@@ -197,8 +197,8 @@ async def _announce_cached_or_discard(
         if confirmed:
             await undo.submissions.mark_accepted(command.task_id)
         else:
-            # Its events may arrive yet, or never: the outbox sweep sends the command, which
-            # is scored once and supersedes them (a later sequence, the same usage record).
+            # Its events may arrive yet, or never: the outbox sweep announces them again
+            # (idempotent: the same sequence, delivery ids and usage record).
             await undo.submissions.mark_unconfirmed(command.task_id)
 
 
@@ -317,10 +317,19 @@ async def sweep_outbox(
     for submission in await submissions.interrupted(older_than=clock() - grace):
         if submission.command is None or refusals.holds(submission.task_id):
             continue
-        if await publisher.send(submission.command):
+        if await _send_again(submission.command, submission.cached_result, publisher):
             await submissions.mark_accepted(submission.task_id)
             sent += 1
     return sent
+
+
+async def _send_again(command: ScoreText, cached: ScoreResult | None, publisher: Publisher) -> bool:
+    """A result-cache hit is announced again (its events are idempotent), never scored: its
+    client was answered 200 with the cached result, and the command sent instead called the
+    model and replaced that result (and the callback's) with another."""
+    if cached is not None:
+        return await publisher.announce_cached(command, cached)
+    return await publisher.send(command)
 
 
 @dataclass
@@ -351,7 +360,13 @@ async def settle_outcome(
     progress = progress or OutcomeProgress()
     owner = await submissions.owner(event.task_id)
     if owner is None:
-        return  # expired, or never recorded here
+        # Expired before its outcome (retries waiting out long Retry-Afters, a day of
+        # backlog): whether it was counted went with it. A first run's outcome releases all
+        # the same: the count may under-count, never keep a slot for good (it did).
+        if in_flight is not None and event.generation == 0 and not progress.released:
+            await in_flight.release(event.tenant_id, event.task_id)
+            progress.released = True
+        return
     completed = event if isinstance(event, TaskCompleted) else None
     if owner.counted and in_flight is not None and not progress.released:
         await in_flight.release(owner.tenant_id, event.task_id)

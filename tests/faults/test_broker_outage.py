@@ -249,7 +249,7 @@ async def test_a_memory_alarm_holds_submissions_back_and_scores_none_it_refused(
     assert batch_again.json()["batch_id"] == batch.json()["batch_id"]
     assert single_again.json()["task_id"] == single.json()["task_id"]
     # A result-cache hit is answered with its result though its events are unconfirmed;
-    # the outbox sweep sends its command, so the task ends completed either way.
+    # the outbox sweep announces them again, so the task ends completed either way.
     assert cached.status_code == 200, cached.text
     assert cached.json()["result"]["cached"] is True
     await box.finish([cached.json()["task_id"]])

@@ -42,6 +42,7 @@ class Recorded:
     """A publisher that confirms every command and remembers the task ids it sent."""
 
     sent: list[str] = field(default_factory=list)
+    announced: list[str] = field(default_factory=list)  # result-cache hits announced
 
     async def send(self, command: ScoreText) -> bool:
         self.sent.append(command.task_id)
@@ -55,4 +56,5 @@ class Recorded:
         raise AssertionError("nothing is withdrawn here")
 
     async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool:
-        raise AssertionError("nothing is cached here")
+        self.announced.append(command.task_id)
+        return True

@@ -232,6 +232,35 @@ async def _written_off(refusals: Refusals, gateway: Gateway, in_flight: InFlight
     await eventually(done, timeout_s=30, what="the refusals written off")
 
 
+async def test_the_sweep_announces_an_unmarked_cache_hit_again_and_never_scores_it(
+    gateway: Gateway,
+) -> None:
+    """A cache hit answered 200 whose `accepted` mark was lost was sent as a command: the
+    model scored it, and its poll and callback showed another score than the client had."""
+    hit, plain = _command(), _command()
+    await gateway.submissions.insert(
+        hit,
+        request_hash="h",
+        idempotency_key=None,
+        retention=RETENTION,
+        cache_key="c",
+        cached_result=ScoreResult(score=7, comment="Cached.", model="m"),
+    )
+    await _record(gateway.submissions, plain)
+    publisher = Recorded()
+
+    swept = await sweep_outbox(
+        submissions=gateway.submissions,
+        publisher=publisher,
+        clock=lambda: NOW + timedelta(minutes=1),
+        grace=timedelta(seconds=30),
+        refusals=Refusals(),
+    )
+
+    assert swept == 2
+    assert (publisher.sent, publisher.announced) == ([plain.task_id], [hit.task_id])
+
+
 @pytest.mark.parametrize("counted", [False, True], ids=["not counted", "counted in flight"])
 async def test_a_refusal_the_database_cannot_undo_at_once_is_written_off_later(
     mongo: Endpoint, gateway: Gateway, counted: bool

@@ -474,7 +474,12 @@ def recently_due(submission: Submission, *, now: datetime, window: timedelta) ->
     """Whether the status service may not have heard of the task yet: submitted, or due (a
     delayed task reaches the projection with its first attempt when its announcement was
     lost), within `window`. From the submission alone, a task delayed past the window
-    answered 404 until it ran."""
+    answered 404 until it ran. A task whose command is not known to be queued yet (left
+    `unconfirmed` by a broker alarm, or `accepting`, for the outbox sweep) has not reached the
+    projection either, however old: it read as 404 (a client resubmitting then had its text
+    scored twice)."""
+    if submission.state in (SubmissionState.ACCEPTING, SubmissionState.UNCONFIRMED):
+        return True
     due = max(submission.created_at, submission.not_before or submission.created_at)
     return due >= now - window
 

@@ -20,6 +20,7 @@ from services.gateway.push import (
     read_settled,
     read_when_changed,
 )
+from services.gateway.submissions import SubmissionState
 from shared.contracts import (
     Phase,
     ScoreResult,
@@ -392,10 +393,12 @@ class Submission:
         created_at: datetime,
         not_before: datetime | None = None,
         cached_result: ScoreResult | None = None,
+        state: SubmissionState = SubmissionState.ACCEPTED,
     ) -> None:
         self.created_at = created_at
         self.not_before = not_before
         self.cached_result = cached_result
+        self.state = state
 
 
 @pytest.mark.parametrize(
@@ -444,6 +447,23 @@ async def test_a_young_cache_hit_reads_as_accepted_and_completed(
     assert (history.status, history.sequence) == (TaskStatus.COMPLETED, 90)
     assert [change.sequence for change in history.changes] == sequences
     assert all(c.result == result for c in history.changes if c.status is TaskStatus.COMPLETED)
+
+
+@pytest.mark.parametrize("state", [SubmissionState.UNCONFIRMED, SubmissionState.ACCEPTING])
+async def test_an_old_submission_not_yet_sent_reads_as_queued(state: SubmissionState) -> None:
+    """Left unsent past the read-your-writes window (a broker alarm of longer), it read as
+    404 "expired", and a client resubmitting had its text scored twice."""
+    history = await read_history(
+        "t1",
+        tenant_id="a",
+        after=-1,
+        status=NoHistory(),
+        submissions=FakeSubmissions(Submission(T0, state=state)),  # type: ignore[arg-type]
+        clock=lambda: T0 + timedelta(hours=1),
+        policy=HistoryPolicy(window=timedelta(minutes=5)),
+    )
+    assert history is not None
+    assert history.status is TaskStatus.QUEUED
 
 
 async def test_an_old_unknown_submission_reads_as_unknown() -> None:

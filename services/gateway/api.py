@@ -7,6 +7,7 @@ whole), 400 not JSON, 422 invalid fields.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from shared.contracts import TaskStatus, TaskView
 from shared.http import PROBLEM_JSON, Problem
 
 # `\Z`, not `$`: `$` also matches before a trailing newline.
+log = logging.getLogger("scorebox.gateway")
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}\Z")
 TASK_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 
@@ -244,12 +246,19 @@ def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
             return _view_json(_cached_view(submitted, deps.clock()), headers=location)
         status = submitted.status.value
         if not submitted.created:
-            view = await _read(submitted.task_id, caller, deps)
-            if view is not None:
-                return _view_json(view, headers=location)
-            # The key's task finished and expired from the status service (the key outlives
-            # it): not `queued`, which its status URL (a 404 now) would contradict.
-            status = EXPIRED
+            try:
+                view = await _read_score(submitted.task_id, caller, deps)
+            except Unavailable as error:
+                # The key's task is recorded here, being scored: answered as recorded. A 503
+                # said "nothing was kept", and a client resubmitting without the key then
+                # had its text scored twice.
+                log.warning("replay of %s answered as recorded: %r", submitted.task_id, error)
+            else:
+                if view is not None:
+                    return _view_json(view, headers=location)
+                # The key's task finished and expired from the status service (the key
+                # outlives it): not `queued`, which its status URL (a 404 now) contradicts.
+                status = EXPIRED
         accepted = SubmissionAccepted(
             task_id=submitted.task_id, status=status, status_url=status_url(submitted.task_id)
         )
@@ -295,16 +304,20 @@ def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
 
 
 async def _read(task_id: str, caller: Caller, deps: GatewayDeps) -> TaskView | None:
-    if not TASK_ID.match(task_id):
-        return None
     try:
-        return await read_score(
-            task_id,
-            tenant_id=caller.tenant_id,
-            status=deps.status,
-            submissions=deps.submissions,
-            clock=deps.clock,
-            window=timedelta(seconds=deps.settings.read_your_writes_window_s),
-        )
+        return await _read_score(task_id, caller, deps)
     except Unavailable as error:
         raise _unavailable(error) from error
+
+
+async def _read_score(task_id: str, caller: Caller, deps: GatewayDeps) -> TaskView | None:
+    if not TASK_ID.match(task_id):
+        return None
+    return await read_score(
+        task_id,
+        tenant_id=caller.tenant_id,
+        status=deps.status,
+        submissions=deps.submissions,
+        clock=deps.clock,
+        window=timedelta(seconds=deps.settings.read_your_writes_window_s),
+    )

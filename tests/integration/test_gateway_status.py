@@ -322,3 +322,36 @@ async def test_a_repeated_key_whose_task_expired_reads_expired_not_queued(stack:
         stack.clock.offset = timedelta()
     assert again.status_code == 200, again.text
     assert (again.json()["task_id"], again.json()["status"]) == (task_id, "expired")
+
+
+class Unreachable(httpx.AsyncBaseTransport):
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+
+async def test_a_replayed_key_is_answered_from_the_record_while_the_status_service_is_away(
+    stack: Stack, amqp_url: str, mongo: object, db_prefix: str
+) -> None:
+    """It was a 503 "nothing was kept" for a task being scored: a client resubmitting without
+    the key had its text scored twice."""
+    key = uuid.uuid4().hex
+    first = await stack.api.post(
+        "/v1/scores", json={"text": "kept"}, headers={"Idempotency-Key": key}
+    )
+    assert first.status_code == 202, first.text
+    env = {
+        "RABBITMQ_URL": amqp_url,
+        "MONGO_URL": mongo.url,  # type: ignore[attr-defined]
+        "MONGO_DB_PREFIX": db_prefix,
+        "BOOTSTRAP_API_KEY": API_KEY,
+    }
+    away = httpx.AsyncClient(transport=Unreachable(), base_url="http://status.test")
+    gateway = create_gateway(GatewaySettings.model_validate(env), status_http=away)
+    async with running(gateway) as api:
+        api.headers["Authorization"] = f"Bearer {API_KEY}"
+        again = await api.post(
+            "/v1/scores", json={"text": "kept"}, headers={"Idempotency-Key": key}
+        )
+    assert again.status_code == 200, again.text
+    assert again.json()["task_id"] == first.json()["task_id"]
+    assert again.json()["status"] == "queued"

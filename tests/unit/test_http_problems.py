@@ -13,6 +13,9 @@ from starlette.requests import ClientDisconnect
 
 from shared.http import install_problem_handlers
 
+# Only this logger's records: the capture also holds other tests' lingering background logs.
+HTTP_LOG = "scorebox.http"
+
 
 def app_raising(error: Exception) -> FastAPI:
     app = FastAPI()
@@ -39,7 +42,7 @@ async def test_a_client_that_hung_up_is_not_a_server_error(
 
     assert response.status_code == 400
     assert response.headers["content-type"] == "application/problem+json"
-    assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
+    assert not [r for r in caplog.records if r.name == HTTP_LOG and r.levelno >= logging.ERROR]
 
 
 async def test_an_unexpected_error_is_a_logged_500(caplog: pytest.LogCaptureFixture) -> None:
@@ -47,7 +50,7 @@ async def test_an_unexpected_error_is_a_logged_500(caplog: pytest.LogCaptureFixt
 
     assert response.status_code == 500
     assert response.headers["content-type"] == "application/problem+json"
-    assert any(record.levelno >= logging.ERROR for record in caplog.records)
+    assert any(r.name == HTTP_LOG and r.levelno >= logging.ERROR for r in caplog.records)
 
 
 @pytest.mark.parametrize(
@@ -63,7 +66,7 @@ async def test_a_database_that_does_not_answer_is_a_503_not_a_server_error(
     assert response.headers["content-type"] == "application/problem+json"
     assert response.headers["retry-after"] == "5"
     assert "may have taken effect" in response.json()["detail"]  # a POST
-    assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
+    assert not [r for r in caplog.records if r.name == HTTP_LOG and r.levelno >= logging.ERROR]
 
 
 async def test_a_database_error_of_ours_is_still_a_500() -> None:

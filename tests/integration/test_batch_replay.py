@@ -323,6 +323,24 @@ class RefusingBatches(Recorded):
         return None
 
 
+async def _refused_by_the_broker(gateway: Gateway, refusals: Refusals, in_flight: InFlight) -> None:
+    """A batch of 3, counted in flight, whose commands the broker refuses (503)."""
+    with pytest.raises(BrokerUnavailable):
+        await submit_batch(
+            _request(3),
+            tenant_id=TENANT,
+            api_key_id=None,
+            idempotency_key=None,
+            batches=gateway.batches,
+            submissions=gateway.submissions,
+            publisher=RefusingBatches(),
+            policy=POLICY,
+            clock=lambda: T0,
+            refusals=refusals,
+            in_flight=in_flight,
+        )
+
+
 class SecondReleaseFails(InFlight):
     """Counts the releases of each task; the second release made fails, once."""
 
@@ -346,20 +364,7 @@ async def test_a_refused_batch_whose_slots_were_partly_released_releases_the_res
     before the failure too (more than the counter remembers for a large batch)."""
     in_flight = SecondReleaseFails(gateway)
     refusals = Refusals()
-    with pytest.raises(BrokerUnavailable):
-        await submit_batch(
-            _request(3),
-            tenant_id=TENANT,
-            api_key_id=None,
-            idempotency_key=None,
-            batches=gateway.batches,
-            submissions=gateway.submissions,
-            publisher=RefusingBatches(),
-            policy=POLICY,
-            clock=lambda: T0,
-            refusals=refusals,
-            in_flight=in_flight,
-        )
+    await _refused_by_the_broker(gateway, refusals, in_flight)
     [refusal] = refusals.pending()
 
     await write_off(
@@ -395,20 +400,7 @@ async def test_a_refused_batch_is_not_sent_by_a_sweep_while_its_slots_are_releas
 ) -> None:
     refusals = Refusals()
     in_flight = SweepDuringRelease(gateway, refusals)
-    with pytest.raises(BrokerUnavailable):
-        await submit_batch(
-            _request(3),
-            tenant_id=TENANT,
-            api_key_id=None,
-            idempotency_key=None,
-            batches=gateway.batches,
-            submissions=gateway.submissions,
-            publisher=RefusingBatches(),
-            policy=POLICY,
-            clock=lambda: T0,
-            refusals=refusals,
-            in_flight=in_flight,
-        )
+    await _refused_by_the_broker(gateway, refusals, in_flight)
 
     assert in_flight.swept == []
     assert await _sent_by_sweeps(gateway, refusals) == []

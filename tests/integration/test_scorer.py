@@ -252,6 +252,20 @@ async def test_poison_message_is_dead_lettered_and_the_consumer_lives(flow: Flow
     assert view["status"] == "completed"
 
 
+async def _result_cached(mongo_url: str, db_prefix: str, task_id: str) -> None:
+    """Wait until the gateway has put the task's result into its result cache."""
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_url)
+    try:
+        cache = client[f"{db_prefix}_gateway"]["result_cache"]
+
+        async def cached() -> bool:
+            return await cache.count_documents({"task_id": task_id}) == 1
+
+        await eventually(cached, what="result cached")
+    finally:
+        await client.close()
+
+
 async def test_identical_text_is_answered_from_the_result_cache(
     flow: Flow, mongo: Any, db_prefix: str
 ) -> None:
@@ -259,16 +273,7 @@ async def test_identical_text_is_answered_from_the_result_cache(
     text = f"Cache me  [[id:{marker}]]"
     first = await flow.finished(await flow.submit(text))
     assert first["status"] == "completed"
-    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url)
-    try:
-        cache = client[f"{db_prefix}_gateway"]["result_cache"]
-
-        async def cached() -> bool:
-            return await cache.count_documents({"task_id": first["task_id"]}) == 1
-
-        await eventually(cached, what="result cached")
-    finally:
-        await client.close()
+    await _result_cached(mongo.url, db_prefix, first["task_id"])
 
     same_text = {"text": f"  Cache me [[id:{marker}]] "}
     key = {"Idempotency-Key": marker}
@@ -317,16 +322,7 @@ async def test_a_cached_result_of_another_default_model_is_not_served(
     marker = _marker()
     text = f"Cache me for one model [[id:{marker}]]"
     first = await flow.finished(await flow.submit(text))
-    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url)
-    try:
-        cache = client[f"{db_prefix}_gateway"]["result_cache"]
-
-        async def cached() -> bool:
-            return await cache.count_documents({"task_id": first["task_id"]}) == 1
-
-        await eventually(cached, what="result cached")
-    finally:
-        await client.close()
+    await _result_cached(mongo.url, db_prefix, first["task_id"])
 
     switched = create_gateway(GatewaySettings.model_validate({**flow.env, "LLM_MODEL": "judge-2"}))
     async with running(switched) as api:

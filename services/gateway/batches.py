@@ -18,7 +18,9 @@ replay of the request answers it) and its submissions marked `unconfirmed` for t
 sweep, which sends each command again. A process that dies between 2 and 5 leaves submissions
 `accepting`, which the outbox sweep sends later. If it died before recording them all, a
 replay of the request (same `Idempotency-Key`) after the grace period records the missing ones
-from its own items before it answers the batch as accepted (`_complete_interrupted`).
+from its own items before it answers the batch as accepted (`_complete_interrupted`). A replay
+the database fails never refuses the batch, which is its first request's (perhaps answered 202
+and sent already): it answers `ReplayUnfinished` (409, retry with the same key).
 
 Batches do not consult the result cache (one lookup per item would dominate the request);
 their results still fill it.
@@ -48,6 +50,7 @@ from services.gateway.errors import (
     BrokerUnavailable,
     DatabaseUnavailable,
     IdempotencyConflict,
+    ReplayUnfinished,
     RequestInProgress,
 )
 from services.gateway.limits import LimitExceeded
@@ -251,6 +254,16 @@ class Batches:
             )
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
+
+    async def refused(self, batch_id: str) -> bool:
+        """Whether the batch was refused after all: a tombstone, or discarded (no record)."""
+        try:
+            kept = await self._collection.find_one(
+                {"_id": batch_id, "state": {"$ne": BatchState.ABANDONED}}, projection={"_id": 1}
+            )
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+        return kept is None
 
     async def find(self, batch_id: str, *, tenant_id: str) -> BatchRecord | None:
         return await self._find_one({"_id": batch_id, "tenant_id": tenant_id})
@@ -502,7 +515,10 @@ def _rows(
 async def _earlier_batch(
     idempotency_key: str, attempt: BatchRecord, batches: Batches, policy: BatchPolicy, now: datetime
 ) -> BatchRecord:
-    earlier = await batches.find_by_key(idempotency_key, tenant_id=attempt.tenant_id)
+    try:
+        earlier = await batches.find_by_key(idempotency_key, tenant_id=attempt.tenant_id)
+    except DatabaseUnavailable as error:
+        raise ReplayUnfinished(idempotency_key) from error  # the key names a batch: kept
     if earlier is None:
         raise RequestInProgress(idempotency_key)  # discarded just now: the client may retry
     in_progress = earlier.state == BatchState.ACCEPTING
@@ -530,6 +546,11 @@ async def _complete_interrupted(
     items (its request hash is the batch's), so the missing submissions are recorded from it
     under the batch's task ids, dated as the batch so that the next outbox sweep sends them
     with those already recorded. They are not counted in flight: no slot was taken for them.
+
+    The batch is the first request's, which may have been answered 202 and sent (only its
+    marks lost): a replay the database fails is answered `ReplayUnfinished` (retry with the
+    same key) and leaves the batch as it is, for the outbox sweep or a later replay. What it
+    may have recorded is written off only if the batch's own request refused it.
     """
     commands = _commands(
         submission,
@@ -541,18 +562,19 @@ async def _complete_interrupted(
         max_attempts=policy.max_attempts,
     )
     task_ids = tuple(command.task_id for command in commands)
-    refusal = Refusal(earlier.tenant_id, task_ids, batch_id=earlier.batch_id)
+    refusal = Refusal(earlier.tenant_id, task_ids, batch_id=earlier.batch_id, owns_batch=False)
     try:
         await submissions.insert_batch(
             _rows(commands, submission, policy.default_model), retention=policy.retention
         )
         accepted = await batches.mark_accepted(earlier.batch_id)
-    except DatabaseUnavailable:
-        # Answered 503: what lands is written off with the batch, unless it was accepted
-        # after all (this acceptance landed unanswered, or another request's): then it is
-        # sent, as that request was told.
+    except DatabaseUnavailable as error:
+        # Not a refusal of the batch: its request may have been answered 202 and sent. What
+        # this replay recorded is written off only if that request refused the batch after
+        # all (its write-off may be pending); otherwise the outbox sweep sends it.
+        log.warning("batch %s: its replay failed on the database; left as it was", earlier.batch_id)
         refusals.note(refusal)
-        raise
+        raise ReplayUnfinished(earlier.batch_id) from error
     if not accepted:
         # Its refusal was written off meanwhile, without knowing of the submissions recorded
         # here (a refusal whose batch insert timed out names none): they are forgotten too,

@@ -32,7 +32,12 @@ from services.gateway.batches import (
     read_batch,
     submit_batch,
 )
-from services.gateway.errors import IdempotencyConflict, RequestInProgress, Unavailable
+from services.gateway.errors import (
+    IdempotencyConflict,
+    ReplayUnfinished,
+    RequestInProgress,
+    Unavailable,
+)
 from services.gateway.limits import LimitExceeded, limit_problem
 from services.gateway.schemas import EXPIRED
 from services.gateway.settings import GatewaySettings
@@ -221,6 +226,23 @@ async def parse_batch(request: Request, settings: GatewaySettings) -> BatchSubmi
     return batch
 
 
+def _in_progress(error: RequestInProgress) -> Problem:
+    """409: the key's batch is being accepted, or was kept and could not be completed now
+    (`ReplayUnfinished`, the database failing: not a 503, which says nothing was kept)."""
+    detail = (
+        "A batch with this Idempotency-Key is kept, but the database could not complete "
+        "its answer now; retry with the same Idempotency-Key."
+        if isinstance(error, ReplayUnfinished)
+        else "A batch with this Idempotency-Key is still being accepted; retry shortly."
+    )
+    return Problem(
+        409,
+        detail,
+        kind="request-in-progress",
+        headers={"Retry-After": str(error.retry_after_s)},
+    )
+
+
 def _page_view(page: BatchPage) -> BatchView:
     return BatchView(
         batch_id=page.batch_id,
@@ -311,12 +333,7 @@ def batch_routes(
                 kind="idempotency-key-reused",
             ) from error
         except RequestInProgress as error:
-            raise Problem(
-                409,
-                "A batch with this Idempotency-Key is still being accepted; retry shortly.",
-                kind="request-in-progress",
-                headers={"Retry-After": "1"},
-            ) from error
+            raise _in_progress(error) from error
         except Unavailable as error:
             raise _unavailable(error) from error
         record = submitted.record

@@ -3,6 +3,7 @@
     GatewayError
     ├── IdempotencyConflict     409: same key, different request body
     ├── RequestInProgress       409: same key, first request still being accepted; retry
+    │   └── ReplayUnfinished    409: same key, its batch kept but not completed now; retry
     └── Unavailable             503: try again later; nothing was kept
         ├── BrokerUnavailable
         ├── DatabaseUnavailable
@@ -22,6 +23,16 @@ class IdempotencyConflict(GatewayError):
 
 class RequestInProgress(GatewayError):
     """The Idempotency-Key's first request has not finished being accepted."""
+
+    retry_after_s = 1
+
+
+class ReplayUnfinished(RequestInProgress):
+    """A replay found its key's batch, and the database failed before it could answer it:
+    the batch is its first request's and stays as it was (not a 503, "nothing was kept": it
+    may be sent, or answered 202 already). Retry with the same key."""
+
+    retry_after_s = 5
 
 
 class Unavailable(GatewayError):

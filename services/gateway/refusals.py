@@ -17,6 +17,12 @@ settles all that is noted once the database takes writes again:
    idempotency key and keeps no text;
 3. its batch record becomes one as well (`Batches.abandon`).
 
+A replay of a batch's request that fails on the database is noted too, but it does not own
+the batch: the batch is its first request's, which may have been answered 202 and sent. Its
+write-off never touches the batch; the submissions the replay may have recorded are written
+off only if the batch was refused (a tombstone, or discarded), and otherwise are left to the
+outbox sweep with the batch's others (`Refusal.owns_batch`).
+
 The outbox sweep of this process skips every task noted here and not yet written off.
 
 Limits (the fallback in each case is the behaviour without this module: the sweep sends the
@@ -62,6 +68,8 @@ class Refusal:
     task_ids: tuple[str, ...]
     counted: bool = False  # its in-flight slots may be counted: release them first
     batch_id: str | None = None
+    # False for a replay's: the batch is another request's, to be followed, never refused.
+    owns_batch: bool = True
     released: Released = field(default_factory=Released, compare=False)
 
     def to_release(self) -> tuple[str, ...]:
@@ -143,6 +151,7 @@ class SubmissionTombstones(Protocol):
 
 class BatchTombstones(Protocol):
     async def abandon(self, batch_id: str, *, now: datetime) -> bool: ...
+    async def refused(self, batch_id: str) -> bool: ...
 
 
 async def write_off(
@@ -161,12 +170,14 @@ async def write_off(
     A batch goes first: a replay of its request (after `OUTBOX_GRACE_S`, perhaps on another
     replica) may have completed and accepted it meanwhile, and then its submissions stay, to
     be sent. The other way round, an accepted batch lost its submissions to tombstones, and a
-    replay answered 200 for items never scored."""
+    replay answered 200 for items never scored. A replay's refusal follows its batch, so it
+    is settled after every batch's own refusal."""
     pending = refusals.pending()
     if in_flight is not None:
         for refusal in pending:
             await release_slots(refusal, in_flight)
-    refused = [refusal for refusal in pending if await _batch_refused(refusal, batches, now)]
+    owners_first = sorted(pending, key=lambda refusal: not refusal.owns_batch)
+    refused = [refusal for refusal in owners_first if await _stands(refusal, batches, now)]
     task_ids = tuple(task_id for refusal in refused for task_id in refusal.task_ids)
     if task_ids:
         await submissions.abandon(task_ids, now=now)
@@ -183,6 +194,11 @@ async def release_slots(refusal: Refusal, in_flight: SlotReleaser) -> None:
         refusal.released.count += 1
 
 
-async def _batch_refused(refusal: Refusal, batches: BatchTombstones, now: datetime) -> bool:
-    """Whether the refusal stands: not a batch, or one written off now (not accepted)."""
-    return refusal.batch_id is None or await batches.abandon(refusal.batch_id, now=now)
+async def _stands(refusal: Refusal, batches: BatchTombstones, now: datetime) -> bool:
+    """Whether the refusal's submissions are to be written off: not a batch's; its own batch,
+    written off now (not accepted); or a replay's, whose batch was refused by its owner."""
+    if refusal.batch_id is None:
+        return True
+    if refusal.owns_batch:
+        return await batches.abandon(refusal.batch_id, now=now)
+    return await batches.refused(refusal.batch_id)

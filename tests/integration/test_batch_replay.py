@@ -18,12 +18,18 @@ from services.gateway.batches import (
     BatchSubmitted,
     submit_batch,
 )
-from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable, RequestInProgress
+from services.gateway.cache import ResultCache
+from services.gateway.errors import (
+    BrokerUnavailable,
+    DatabaseUnavailable,
+    GatewayError,
+    RequestInProgress,
+)
 from services.gateway.limits import InFlight
 from services.gateway.refusals import Refusal, Refusals, write_off
 from services.gateway.submissions import BATCH_WRITE_CHUNK, Submissions, SubmissionState
-from services.gateway.submit import sweep_outbox
-from shared.contracts import ScoreText
+from services.gateway.submit import settle_outcome, sweep_outbox
+from shared.contracts import Phase, ScoreResult, ScoreText, TaskCompleted, event_sequence
 from tests.integration.gateway_records import GatewayRecords as Gateway
 from tests.integration.gateway_records import Recorded, gateway_records
 
@@ -288,16 +294,18 @@ class AcceptanceLost(Batches):
         raise DatabaseUnavailable("timed out")
 
 
-async def test_a_replay_that_cannot_mark_its_batch_accepted_keeps_nothing(
+async def test_a_replay_that_cannot_mark_its_batch_accepted_leaves_it_to_the_sweep(
     gateway: Gateway,
 ) -> None:
-    """Answered 503: the submissions it recorded were left `accepting`, and the sweep sent
-    them. Now they are written off with the batch once the database is back."""
+    """The batch is its first request's, which may have sent it (the process died after the
+    publish): the replay answers "retry with the same key" and leaves it `accepting`, and the
+    sweep sends every item, those the replay recorded too. Its write-off made the batch a
+    tombstone, so a batch possibly sent read 404 and the next replay created it again."""
     request = _request(3)
     batch_id = await _interrupted(gateway, request, recorded=1)
     refusals = Refusals()
 
-    with pytest.raises(DatabaseUnavailable):
+    with pytest.raises(RequestInProgress):
         await _submit(
             gateway,
             request,
@@ -308,9 +316,42 @@ async def test_a_replay_that_cannot_mark_its_batch_accepted_keeps_nothing(
         )
     await _write_off(gateway, refusals)
 
-    assert await _sent_by_sweeps(gateway, refusals) == []
     batch = await gateway.raw["batches"].find_one({"_id": batch_id})
-    assert batch["state"] == BatchState.ABANDONED
+    assert batch["state"] == BatchState.ACCEPTING
+    members = sorted(member["task_id"] for member in batch["members"])
+    assert sorted(await _sent_by_sweeps(gateway, refusals)) == members  # each once
+    later = await _submit(gateway, request, Recorded(), T0 + GRACE + timedelta(seconds=3))
+    assert (later.created, later.record.batch_id) == (False, batch_id)
+
+
+async def test_a_replay_failing_after_its_batch_was_written_off_leaves_its_records_to_the_write_off(
+    gateway: Gateway,
+) -> None:
+    """The batch's own refusal (its insert timed out: it names no items) is written off while
+    the replay records the items, and the replay then fails on the database: what it recorded
+    is written off too, not sent, though the replay left the batch alone."""
+    request = _request(3)
+    batch_id = await _interrupted(gateway, request, recorded=0)
+    meanwhile = Refusals()
+    meanwhile.note(Refusal(TENANT, (), batch_id=batch_id))
+    refusals = Refusals()
+
+    with pytest.raises(RequestInProgress):
+        await _submit(
+            gateway,
+            request,
+            Recorded(),
+            T0 + GRACE + timedelta(seconds=1),
+            submissions=WrittenOffMeanwhile(gateway, meanwhile),
+            batches=AcceptanceLost(gateway.raw.client, gateway.name),
+            refusals=refusals,
+        )
+    assert await _sent_by_sweeps(gateway, refusals) == []  # held here until written off
+    await _write_off(gateway, refusals)
+
+    assert await _sent_by_sweeps(gateway, refusals) == []
+    states = await gateway.raw["submissions"].distinct("state", {"batch_id": batch_id})
+    assert states == [SubmissionState.ABANDONED]
 
 
 class RefusingBatches(Recorded):
@@ -441,3 +482,132 @@ async def test_a_replay_that_cannot_forget_its_records_leaves_them_to_the_write_
     await _write_off(gateway, refusals)
 
     assert await _sent_by_sweeps(gateway, refusals) == []
+
+
+class MarksLost(Submissions):
+    """Marking a batch's submissions accepted fails (the database away)."""
+
+    async def mark_batch_accepted(self, batch_id: str, task_ids: list[str]) -> None:
+        raise DatabaseUnavailable("timed out")
+
+
+class RecordsFail(Submissions):
+    """Recording a batch's submissions fails (the database away)."""
+
+    async def insert_batch(
+        self,
+        commands: list[tuple[ScoreText, str, str]],
+        *,
+        retention: timedelta,
+        counted: bool = False,
+    ) -> None:
+        raise DatabaseUnavailable("timed out")
+
+
+class LookupFails(Batches):
+    """Finding a batch by its idempotency key fails (the database away)."""
+
+    async def find_by_key(self, idempotency_key: str, *, tenant_id: str) -> None:
+        raise DatabaseUnavailable("timed out")
+
+
+# Where a replay of the request fails on the database: its repositories.
+REPLAY_FAILURES: dict[str, tuple[type[Batches], type[Submissions]]] = {
+    "reading its batch": (LookupFails, Submissions),
+    "recording its items": (Batches, RecordsFail),
+    "marking its batch accepted": (AcceptanceLost, Submissions),
+}
+
+
+async def _accepted_without_marks(
+    gateway: Gateway, request: BatchSubmission, in_flight: InFlight
+) -> BatchSubmitted:
+    """The batch, counted in flight, sent and answered 202, whose acceptance marks (its
+    submissions' and its own) the database did not take: it is left `accepting`."""
+    broker = Recorded()
+    accepted = await submit_batch(
+        request,
+        tenant_id=TENANT,
+        api_key_id=None,
+        idempotency_key=KEY,
+        batches=AcceptanceLost(gateway.raw.client, gateway.name),
+        submissions=MarksLost(gateway.raw.client, gateway.name),
+        publisher=broker,
+        policy=POLICY,
+        clock=lambda: T0,
+        refusals=Refusals(),
+        in_flight=in_flight,
+    )
+    assert accepted.created
+    assert sorted(broker.sent) == sorted(member.task_id for member in accepted.record.members)
+    return accepted
+
+
+async def _scored(gateway: Gateway, task_ids: Sequence[str], in_flight: InFlight) -> None:
+    """The outcomes of `task_ids` reach the gateway (each releases its slot if it holds one)."""
+    cache = ResultCache(gateway.raw.client, gateway.name, timedelta(hours=1))
+    for task_id in task_ids:
+        completed = TaskCompleted(
+            task_id=task_id,
+            tenant_id=TENANT,
+            attempt=1,
+            submitted_at=T0,
+            sequence=event_sequence(generation=0, attempt=1, phase=Phase.TERMINAL),
+            result=ScoreResult(score=6, comment="ok", model="m"),
+        )
+        await settle_outcome(
+            completed,
+            submissions=gateway.submissions,
+            in_flight=in_flight,
+            cache=cache,
+            now=T0 + GRACE + timedelta(seconds=4),
+        )
+
+
+@pytest.mark.parametrize("failing_step", list(REPLAY_FAILURES))
+async def test_a_batch_answered_202_is_kept_when_a_replay_fails_on_the_database_too(
+    gateway: Gateway, failing_step: str
+) -> None:
+    """Its commands were sent, but its marks were not written, so it stayed `accepting`. A
+    replay after the grace period that failed on the database too noted a refusal, and its
+    write-off turned the batch and its items into tombstones: the batch read 404, a later
+    replay created it again (every item scored twice), and the items' slots were never
+    released (the tombstones dropped their in-flight marks). The replay only found the
+    batch: it is its first request's, which was answered 202."""
+    request = _request(3)
+    in_flight = InFlight(gateway.raw.client, gateway.name, max_per_tenant=100)
+    accepted = await _accepted_without_marks(gateway, request, in_flight)
+    batch_id = accepted.record.batch_id
+    members = [member.task_id for member in accepted.record.members]
+    refusals = Refusals()
+    batches, submissions = REPLAY_FAILURES[failing_step]
+
+    with pytest.raises(GatewayError) as replay:
+        await _submit(
+            gateway,
+            request,
+            Recorded(),
+            T0 + GRACE + timedelta(seconds=1),
+            submissions(gateway.raw.client, gateway.name),
+            batches=batches(gateway.raw.client, gateway.name),
+            refusals=refusals,
+        )
+    await write_off(
+        refusals,
+        submissions=gateway.submissions,
+        batches=gateway.batches,
+        in_flight=in_flight,
+        now=T0 + GRACE + timedelta(seconds=2),
+    )
+    assert await gateway.batches.find(batch_id, tenant_id=TENANT) is not None  # not a 404
+    # Sent again, as any batch left `accepting` is: the scorer claims each task once.
+    assert sorted(await _sent_by_sweeps(gateway, refusals)) == sorted(members)
+    later = await _submit(gateway, request, Recorded(), T0 + GRACE + timedelta(seconds=3))
+
+    assert (later.created, later.record.batch_id) == (False, batch_id)  # not created again
+    batch = await gateway.raw["batches"].find_one({"_id": batch_id})
+    assert batch["state"] == BatchState.ACCEPTED
+    await _scored(gateway, members, in_flight)
+    assert await in_flight.count(TENANT) == 0
+    # Told to retry with the same key: its batch was kept (a 503 says nothing was).
+    assert isinstance(replay.value, RequestInProgress)

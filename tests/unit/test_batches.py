@@ -24,8 +24,13 @@ from services.gateway.batches import (
     read_batch,
     submit_batch,
 )
-from services.gateway.batches_api import _field
-from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
+from services.gateway.batches_api import _field, _in_progress
+from services.gateway.errors import (
+    BrokerUnavailable,
+    DatabaseUnavailable,
+    ReplayUnfinished,
+    RequestInProgress,
+)
 from services.gateway.publisher import TaskPublisher
 from services.gateway.refusals import Refusals
 from services.gateway.schemas import EXPIRED
@@ -110,6 +115,16 @@ def test_a_repeated_client_id_is_found_at_its_second_use() -> None:
 )
 def test_error_fields_name_the_item_index(location: tuple[Any, ...], field: str) -> None:
     assert _field(location) == field
+
+
+def test_a_replay_the_database_failed_is_told_to_retry_with_the_same_key() -> None:
+    """Its batch is kept (its first request's, perhaps answered 202): not a 503, which says
+    nothing was kept, and a client retrying without the key would have it scored twice."""
+    problem = _in_progress(ReplayUnfinished("key-1"))
+    assert (problem.status, problem.kind) == (409, "request-in-progress")
+    assert "retry with the same Idempotency-Key" in problem.detail
+    assert problem.headers == {"Retry-After": "5"}
+    assert _in_progress(RequestInProgress("key-1")).headers == {"Retry-After": "1"}
 
 
 # --- Publishing: one confirm round ---------------------------------------------------------------

@@ -51,6 +51,9 @@ class BatchTombstones:
         self.database._write("abandon batch", batch_id)
         return batch_id not in self.accepted
 
+    async def refused(self, batch_id: str) -> bool:
+        return ("abandon batch", batch_id) in self.database.writes and batch_id not in self.accepted
+
 
 async def _write_off(
     refusals: Refusals, database: Database, accepted: frozenset[str] = frozenset()
@@ -117,6 +120,20 @@ async def test_the_submissions_of_a_batch_accepted_after_all_are_not_written_off
     refusals.note(Refusal("a", ("t3",)))
     assert await _write_off(refusals, database, accepted=frozenset({"b"})) == 2
     assert [subject for what, subject in database.writes if what == "abandon"] == [("t3",)]
+    assert refusals.pending() == []
+
+
+async def test_a_replays_refusal_follows_its_batch_and_never_refuses_it() -> None:
+    """A replay the database failed does not own its batch (its first request may have been
+    answered 202): its items are written off only if the batch's own refusal wrote the batch
+    off, in the same pass whatever order they were noted in; otherwise they are let go."""
+    refusals, database = Refusals(), Database()
+    refusals.note(Refusal("a", ("t1",), batch_id="b", owns_batch=False))
+    refusals.note(Refusal("a", ("t2",), batch_id="c", owns_batch=False))
+    refusals.note(Refusal("a", (), batch_id="b"))  # b's own request refused it
+    assert await _write_off(refusals, database) == 3
+    assert database.writes == [("abandon batch", "b"), ("abandon", ("t1",))]
+    assert not refusals.holds("t2")
     assert refusals.pending() == []
 
 

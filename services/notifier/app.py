@@ -92,6 +92,7 @@ def create_app(
         DeliveryDeps(
             ledger=ledger,
             keyring=keyring,
+            alerts=alerts,
             guard=guard,
             sender=sender
             or WebhookSender(

@@ -4,7 +4,7 @@
 signs the body for this attempt and POSTs it, then records and returns what the broker
 adapter must do:
 
-- `Done`: nothing more (delivered, or already delivered/decided elsewhere).
+- `Done`: nothing more (delivered, cancelled, or already delivered/decided elsewhere).
 - `Send`: publish this command (the next attempt after a back-off, or the same one later
   when it is not yet due or another consumer holds it), then ack.
 - `GiveUp`: copy the message to the dead-letter queue with the reason, then ack.
@@ -12,6 +12,9 @@ adapter must do:
 2xx is delivered. 3xx (redirects are not followed) and 4xx other than 408/429 are permanent,
 and so is an unsafe destination. 5xx, 408, 429, timeouts and connection failures are retried
 with exponential back-off and jitter (Retry-After wins, up to the cap) until `max_attempts`.
+
+A failure alert follows its tenant's setting at every attempt, not the URL its command
+carries: once removed, the delivery is cancelled unsent; once changed, it goes to the new URL.
 """
 
 from __future__ import annotations
@@ -33,16 +36,18 @@ from services.notifier.errors import (
 )
 from services.notifier.keyring import Keyring
 from services.notifier.ledger import DeliveryRecord, DeliveryState, Ledger
+from services.notifier.registry import FailureAlerts
 from services.notifier.sender import ReceiverAnswer
 from services.notifier.signing import signed_headers
 from services.notifier.ssrf import Destination, WebhookGuard
-from shared.contracts import DeliverWebhook, new_id
+from shared.contracts import DeliverWebhook, WebhookPurpose, new_id
 from shared.http import parse_retry_after
 from shared.in_hand import InHand
 from shared.runtime import HOLD_POLL_S, keep_trying, wait_for_claim
 from shared.topology import wait_tier_for
 
 Clock = Callable[[], datetime]
+ALERT_REMOVED = "cancelled: the tenant removed its failure alert"
 
 
 class Sender(Protocol):
@@ -102,6 +107,7 @@ class RetryPolicy:
 class DeliveryDeps:
     ledger: Ledger
     keyring: Keyring
+    alerts: FailureAlerts  # a failure alert goes where its tenant's setting says now
     guard: WebhookGuard
     sender: Sender
     policy: RetryPolicy
@@ -179,9 +185,13 @@ async def _claim_and_send(
     *,
     redelivered: bool,
 ) -> DeliveryDecision | Hold:
+    # Read before the claim: when the database fails this read, no lease is left behind,
+    # and the consumer sends the command again a little later, as for any database error.
+    # A change made after this read reaches the next attempt, not this one.
+    configured = await _as_configured_now(delivery, deps.alerts)
     owner = f"{deps.owner}/{new_id()[:12]}"
     claim = await deps.ledger.claim(
-        delivery,
+        configured or delivery,
         process=deps.owner,
         owner=owner,
         now=now,
@@ -190,6 +200,31 @@ async def _claim_and_send(
     )
     if not claim.won:
         return _without_claim(delivery, claim.record, now=now, redelivered=redelivered)
+    if configured is None:
+        return await _cancel(delivery, ALERT_REMOVED, owner=owner, deps=deps)
+    return await _send(configured, deps, now, owner=owner)
+
+
+async def _as_configured_now(
+    delivery: DeliverWebhook, alerts: FailureAlerts
+) -> DeliverWebhook | None:
+    """The delivery as its tenant's settings have it now; None when they no longer ask for it.
+
+    A failure alert goes to the URL registered now, whatever its command carries (the URL
+    when the task failed), and to none once removed. A callback's URL is its task's, set at
+    submit, and never changes."""
+    if delivery.purpose is not WebhookPurpose.FAILURE_ALERT:
+        return delivery
+    url = await alerts.url_of(delivery.tenant_id)
+    if url is None:
+        return None
+    return delivery if url == delivery.url else delivery.model_copy(update={"url": url})
+
+
+async def _send(
+    delivery: DeliverWebhook, deps: DeliveryDeps, now: datetime, *, owner: str
+) -> DeliveryDecision:
+    """POST the attempt this process claimed (as `owner`) and record what came of it."""
     status: int | None = None
     try:
         destination = await deps.guard.vet(delivery.url)
@@ -237,12 +272,8 @@ def _without_claim(
     delivery: DeliverWebhook, record: DeliveryRecord, *, now: datetime, redelivered: bool
 ) -> DeliveryDecision | Hold:
     """Another copy or attempt owns the delivery: drop, defer, or replay its decision."""
-    if record.state is DeliveryState.DELIVERED:
-        return Done("already delivered")
-    if record.state is DeliveryState.FAILED:
-        if record.attempt == delivery.attempt:  # our attempt was decided; dead-letter again
-            return GiveUp(record.last_error or "failed")
-        return Done("already given up")
+    if (over := _when_over(delivery, record)) is not None:
+        return over
     if record.attempt > delivery.attempt:
         return _after_our_attempt(delivery, record)
     later = max(record.lease_until or now, now + timedelta(seconds=1))
@@ -252,6 +283,22 @@ def _without_claim(
         delivery.model_copy(update={"not_before": later, "message_id": new_id()}),
         "claimed by another consumer",
     )
+
+
+def _when_over(delivery: DeliverWebhook, record: DeliveryRecord) -> DeliveryDecision | None:
+    """What a copy does once the delivery is over (delivered, given up, cancelled); None
+    while it is not."""
+    match record.state:
+        case DeliveryState.DELIVERED:
+            return Done("already delivered")
+        case DeliveryState.CANCELLED:
+            return Done("already cancelled")
+        case DeliveryState.FAILED if record.attempt == delivery.attempt:
+            return GiveUp(record.last_error or "failed")  # our attempt was decided: again
+        case DeliveryState.FAILED:
+            return Done("already given up")
+        case _:
+            return None
 
 
 def _after_our_attempt(delivery: DeliverWebhook, record: DeliveryRecord) -> DeliveryDecision:
@@ -264,6 +311,18 @@ def _after_our_attempt(delivery: DeliverWebhook, record: DeliveryRecord) -> Deli
     ):
         return Send(following, "replaying the recorded retry")
     return Done(f"superseded by attempt {record.attempt}")
+
+
+async def _cancel(
+    delivery: DeliverWebhook, reason: str, *, owner: str, deps: DeliveryDeps
+) -> DeliveryDecision:
+    """Stop the delivery unsent. Nothing was POSTed, so a write that fails here needs no
+    retry under the lease: the consumer sends the command again later, as for any database
+    error, and that copy claims the attempt again, or finds it cancelled."""
+    cancelled = await deps.ledger.mark_cancelled(
+        delivery, owner=owner, now=deps.clock(), reason=reason
+    )
+    return Done(reason) if cancelled else Done("claim lost before cancelling")
 
 
 async def _give_up(

@@ -2,6 +2,7 @@
 
     pending --published--> queued --claimed--> sending --2xx---------------> delivered
                                                  |  \\--permanent/last attempt-> failed
+                                                 |  \\--failure alert removed--> cancelled
                                                  \\--transient--> retrying --claimed--> sending
 
 A consumer claims a delivery (state, attempt and a lease in one conditional update) before it
@@ -32,6 +33,7 @@ class DeliveryState(StrEnum):
     RETRYING = "retrying"
     DELIVERED = "delivered"
     FAILED = "failed"
+    CANCELLED = "cancelled"  # a failure alert its tenant removed before this attempt
 
 
 _CLAIMABLE = [DeliveryState.PENDING, DeliveryState.QUEUED, DeliveryState.RETRYING]
@@ -151,6 +153,7 @@ class Ledger:
                     "$set": {
                         "state": DeliveryState.SENDING.value,
                         "attempt": delivery.attempt,
+                        "url": delivery.url,  # a failure alert's may have changed
                         "owner": owner,
                         "process": process,
                         "lease_until": now + lease,
@@ -228,6 +231,22 @@ class Ledger:
                 "last_status": status,
                 "lease_until": None,
                 "failed_at": now,
+                "updated_at": now,
+            },
+        )
+
+    async def mark_cancelled(
+        self, delivery: DeliverWebhook, *, owner: str, now: datetime, reason: str
+    ) -> bool:
+        """Record that the delivery stops unsent; False if the claim was lost meanwhile."""
+        return await self._decide(
+            delivery,
+            owner=owner,
+            fields={
+                "state": DeliveryState.CANCELLED.value,
+                "cancel_reason": reason,
+                "lease_until": None,
+                "cancelled_at": now,
                 "updated_at": now,
             },
         )

@@ -92,7 +92,8 @@ class Callbacks:
 
 
 class FailureAlerts:
-    """Per tenant, the URL that receives every `task.failed` of that tenant."""
+    """Per tenant, the URL that receives every `task.failed` of that tenant: read when a task
+    fails, and again at every attempt of its delivery (a change applies to retries)."""
 
     def __init__(self, client: AsyncMongoClient[Document], database: str) -> None:
         self._alerts = client[database]["failure_alerts"]

@@ -86,6 +86,7 @@ class Receiver:
     port: int = 0
     scripts: dict[str, list[Answer]] = field(default_factory=dict)
     latencies: dict[str, float] = field(default_factory=dict)
+    gates: dict[str, asyncio.Event] = field(default_factory=dict)
     received: dict[str, list[Received]] = field(default_factory=lambda: defaultdict(list))
 
     def endpoint(self, *answers: int | Answer, latency_s: float = 0.0) -> str:
@@ -95,6 +96,13 @@ class Receiver:
         self.scripts[name] = [a if isinstance(a, tuple) else (a, {}) for a in answers]
         self.latencies[name] = latency_s
         return f"https://{RECEIVER_HOST}:{self.port}/hooks/{name}"
+
+    def held_endpoint(self, *answers: int | Answer) -> tuple[str, asyncio.Event]:
+        """`endpoint`, each answer held back (after the request is recorded) until the
+        returned event is set: a request in flight for as long as the test needs."""
+        url = self.endpoint(*answers)
+        gate = self.gates[url.rsplit("/", 1)[1]] = asyncio.Event()
+        return url, gate
 
     def requests(self, url: str) -> list[Received]:
         return self.received[url.rsplit("/", 1)[1]]
@@ -108,6 +116,8 @@ class Receiver:
         script = self.scripts.get(name) or [(404, {})]
         status, headers = script[min(len(calls), len(script)) - 1]
         await asyncio.sleep(self.latencies.get(name, 0.0))  # a receiver slow to answer
+        if (gate := self.gates.get(name)) is not None:
+            await gate.wait()
         return web.Response(status=status, text=f"scripted {status}", headers=headers)
 
 
@@ -579,8 +589,9 @@ class ForwardTo(httpx.AsyncBaseTransport):
         self._notifier = notifier
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        content_type = {"Content-Type": request.headers.get("Content-Type", "")}
         answer = await self._notifier.request(
-            request.method, request.url.path, content=await request.aread()
+            request.method, request.url.path, content=await request.aread(), headers=content_type
         )
         return httpx.Response(answer.status_code, headers=answer.headers, content=answer.content)
 
@@ -662,3 +673,79 @@ async def test_an_outcome_without_a_callback_is_not_kept(flow: Flow) -> None:
     callbacks = flow.notifier_db["task_callbacks"]
     assert await callbacks.find_one({"_id": without}) is None
     assert await callbacks.find_one({"_id": unsaid}) is not None
+
+
+def _failed(tenant_id: str) -> TaskFailed:
+    return TaskFailed.model_validate(
+        {
+            "task_id": new_id(),
+            "tenant_id": tenant_id,
+            "sequence": 190,
+            "attempt": 1,
+            "submitted_at": utcnow(),
+            "error": {"code": "input_rejected", "message": "no", "retryable": False},
+            "dead_lettered": False,
+        }
+    )
+
+
+async def _first_request_at(flow: Flow, url: str) -> Received:
+    async def arrived() -> Received | None:
+        requests = flow.receiver.requests(url)
+        return requests[0] if requests else None
+
+    return await eventually(arrived, what=f"a request at {url}")
+
+
+async def test_a_failure_alert_removed_while_its_delivery_is_retried_gets_no_more_posts(
+    flow: Flow,
+) -> None:
+    """The alert's URL travelled in the delivery command, so its retries went on to the
+    removed URL until the last attempt. Now the next attempt finds it removed and stops."""
+    tenant_id = f"alert-removed-{_marker()}"
+    alert_url, answer = flow.receiver.held_endpoint(503)
+    failed = _failed(tenant_id)
+    async with running(_webhook_api(tenant_id, ForwardTo(flow.notifier))) as api:
+        registered = await api.put("/v1/webhooks/failure-alert", json={"url": alert_url})
+        assert registered.status_code == 200, registered.text
+        await flow.publish(failed)
+        try:
+            await _first_request_at(flow, alert_url)  # the first attempt is in flight
+            assert (await api.delete("/v1/webhooks/failure-alert")).status_code == 204
+        finally:
+            answer.set()  # it fails (503): a retry follows
+
+    record = await flow.settled(failed.task_id, "cancelled", purpose="failure_alert")
+
+    assert record["attempt"] == 2
+    assert len(flow.receiver.requests(alert_url)) == 1
+
+
+async def test_a_failure_alert_changed_while_its_delivery_is_retried_goes_to_the_new_url(
+    flow: Flow,
+) -> None:
+    """The retries went on to the old URL; now the next attempt goes to the URL registered
+    then, as the same delivery (its `webhook-id`), signed with the tenant's secret."""
+    tenant_id = f"alert-changed-{_marker()}"
+    old_url, answer = flow.receiver.held_endpoint(503)
+    new_url = flow.receiver.endpoint(200)
+    failed = _failed(tenant_id)
+    async with running(_webhook_api(tenant_id, ForwardTo(flow.notifier))) as api:
+        registered = await api.put("/v1/webhooks/failure-alert", json={"url": old_url})
+        assert registered.status_code == 200, registered.text
+        await flow.publish(failed)
+        try:
+            first = await _first_request_at(flow, old_url)
+            changed = await api.put("/v1/webhooks/failure-alert", json={"url": new_url})
+            assert changed.status_code == 200, changed.text
+        finally:
+            answer.set()
+        secret = (await api.get("/v1/webhooks/secret")).json()["secret"]
+
+    record = await flow.settled(failed.task_id, "delivered", purpose="failure_alert")
+
+    assert len(flow.receiver.requests(old_url)) == 1
+    [request] = flow.receiver.requests(new_url)
+    assert request.headers["webhook-id"] == first.headers["webhook-id"] == record["_id"]
+    assert _verified(request, secret)["data"]["task_id"] == failed.task_id
+    assert (record["attempt"], record["url"]) == (2, new_url)

@@ -32,6 +32,7 @@ from services.notifier.deliveries import (
 )
 from services.notifier.keyring import Keyring
 from services.notifier.ledger import Claim, DeliveryState, Ledger
+from services.notifier.registry import FailureAlerts
 from services.notifier.sender import ReceiverAnswer, WebhookSender, make_ssl_context
 from services.notifier.ssrf import Destination, WebhookGuard
 from shared.contracts import DeliverWebhook, WebhookPurpose, new_id, utcnow
@@ -74,6 +75,7 @@ async def make_deps(
     _, ca_file = receiver
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
     keyring = Keyring(client, f"{db_prefix}_notifier")
+    alerts = FailureAlerts(client, f"{db_prefix}_notifier")
     guard = WebhookGuard(
         TableResolver({RECEIVER_HOST: ["127.0.0.1"]}), allowed_test_hosts=frozenset({"127.0.0.1"})
     )
@@ -88,6 +90,7 @@ async def make_deps(
         return DeliveryDeps(
             ledger=ledger,
             keyring=keyring,
+            alerts=alerts,
             guard=guard,
             sender=sender,
             policy=RetryPolicy(base_s=0.01, cap_s=0.1),

@@ -55,7 +55,9 @@ def render(results: dict[str, Any], source: str) -> str:
             f"that spent {_standin_cost(results)} of CPU on each command, so wherever a row says "
             "*bounded by the MongoDB stand-in*, the number measures the stand-in rather than "
             "Scorebox; "
-            "Scorebox's own CPU per task does not depend on it. Set `MONGO_URL` (or run where "
+            "Scorebox's own CPU per task is not its CPU but depends on it too: its slow answers "
+            'group writes that a MongoDB would answer one by one (docs/architecture.md, "The '
+            'scorers on their own"). Set `MONGO_URL` (or run where '
             "Docker is available) for numbers against MongoDB.",
         ]
         if database.get("reduced_for_standin"):

@@ -76,10 +76,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--inflight-scorers", type=int, default=2)
     parser.add_argument(
         "--inflight-mode",
-        choices=("burst", "backlog"),
+        choices=("burst", "backlog", "alone"),
         default="burst",
         help="burst: submitted over HTTP while scorers run (the gateway included); backlog: "
-        "queued first, scorers started late (what the scorers sustain on their own)",
+        "queued first, scorers started late (what the scorers sustain with the other services "
+        "consuming their outcomes); alone: as backlog, with every other service stopped first "
+        "(the database serves only the scorers' claims and decisions)",
     )
     parser.add_argument("--submit-rate", type=float, help="open-loop arrivals/s (200)")
     parser.add_argument("--submit-seconds", type=float, help="open-loop duration (30)")
@@ -235,7 +237,7 @@ class Bench:
         n = self.sizes["inflight_n"]
         c, s = self.args.inflight_concurrency, self.args.inflight_scorers
         params = {**self.params(n, c, s), "mode": self.args.inflight_mode}
-        if self.args.inflight_mode == "backlog":
+        if self.args.inflight_mode in ("backlog", "alone"):
             return await self.both(
                 "inflight",
                 lambda: scorebox.backlog(
@@ -244,6 +246,7 @@ class Bench:
                     reads=0,
                     read_concurrency=1,
                     projection_size=0,
+                    scorers_alone=self.args.inflight_mode == "alone",
                 ),
                 lambda: celery_baseline.celery_backlog(self.celery_run("inflight", c), n),
                 params,
@@ -401,6 +404,12 @@ def _target(
     return {"target": target, "measured": text, "met": met, "note": note}
 
 
+def _mode_caveat(params: dict[str, Any]) -> list[str]:
+    if params.get("mode") == "alone":
+        return ["the scorers alone (every other service stopped), not the whole stack"]
+    return []
+
+
 def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets against what was measured, with what bounded each number."""
     scenarios = results["scenarios"]
@@ -430,7 +439,8 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             _target(
                 "scorer CPU ≤ 0.5 ms/task",
                 cpu.get("scorer"),
-                "does not depend on the database",
+                "whole stack: the stand-in's slow answers group the scorer's writes "
+                "(alone, at the rate a MongoDB allows, it is higher: docs/architecture.md)",
                 " ms",
                 at_most=0.5,
             )
@@ -464,7 +474,7 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 f"≥ 2 {TIMES} Celery gevent at C = "
                 f"{scenarios['inflight']['parameters']['concurrency']}",
                 div(sb.get("tasks_per_s"), cel.get("tasks_per_s")),
-                note_of(sb),
+                note_of(sb, *_mode_caveat(scenarios["inflight"]["parameters"])),
                 TIMES,
                 at_least=2.0,
             )

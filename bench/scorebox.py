@@ -629,8 +629,14 @@ async def backlog(
     reads: int,
     read_concurrency: int,
     projection_size: int,
+    scorers_alone: bool = False,
 ) -> dict[str, Any]:
     """N tasks submitted while no scorer runs; scorers started late drain them.
+
+    `scorers_alone` stops every other service before the scorers start: their outcomes then
+    wait in the other services' queues, and the database serves only the scorers' claims and
+    decisions, so the drain measures the scorers rather than the whole stack's writes (no
+    status reads follow: the gateway is stopped).
 
     CPU is measured from the moment the scorers answer `/readyz` (their start-up is not a
     per-task cost) and divided by the tasks finished after it. Then status reads through the
@@ -653,6 +659,8 @@ async def backlog(
             fill_s = time.monotonic() - filled_from
         accepted = [p.task_id for p in posted if p.task_id is not None]
         await system.settle()
+        if scorers_alone:
+            await asyncio.to_thread(system.stack.stop)
         ops_before = await asyncio.to_thread(mongo_opcounters, system.db.url)
         scorers_from = time.monotonic()
         await system.start_late_scorers()
@@ -660,7 +668,8 @@ async def backlog(
         meter = CpuMeter(system.groups())
         meter.start()
         in_time = await listener.wait_for(len(accepted), run.timeout_s)
-        settled = await system.settle()
+        # Alone, the outcomes stay queued for the stopped services: nothing to settle.
+        settled = None if scorers_alone else await system.settle()
         usage = await meter.stop()
         ops_after = await asyncio.to_thread(mongo_opcounters, system.db.url)
         stats = await _model_stats(system.model_root)
@@ -689,8 +698,10 @@ async def backlog(
             )
         model_ms = [c.model_ms / 1000 for c in finished.values() if c.model_ms is not None]
         tasks_per_s = steady_rate(times)
+        alone = ", the other services stopped" if scorers_alone else ""
         return {
-            "system": f"Scorebox ({run.scorers} scorer x {run.per_scorer})",
+            "system": f"Scorebox ({run.scorers} scorer x {run.per_scorer}{alone})",
+            "scorers_alone": scorers_alone,
             "tasks": n,
             **_posted_summary(posted),
             "fill_s": round(fill_s, 2),

@@ -105,6 +105,12 @@ BACKLOG_NOTE = (
     "Backlog mode: N queued first (Scorebox over HTTP), then the scorers (the Celery worker) "
     "start; tasks/s is the drain, submission excluded."
 )
+ALONE_NOTE = (
+    "Alone mode: as backlog mode, but every other Scorebox service is stopped before the "
+    "scorers start, so the database serves only their claims and decisions and nothing else "
+    "consumes their outcomes: what the scorers sustain by themselves; the Celery worker "
+    "drains the same backlog."
+)
 
 
 def burst_table(title: str, scenario: dict[str, Any]) -> Table:
@@ -163,12 +169,12 @@ def burst_table(title: str, scenario: dict[str, Any]) -> Table:
                 "",
             )
         )
-    backlog = params.get("mode") == "backlog"
+    mode_notes = {"backlog": BACKLOG_NOTE, "alone": ALONE_NOTE}
     notes = [
         f"N = {num(params['n'])}, C = {params['concurrency']}, L = {num(params['latency_ms'], 0)}"
         f" ms ± {num(params['jitter_ms'], 0)} ms, limit C/L = {num(params['limit_per_s'])}"
         " tasks/s; tasks/s is the steady rate between 10 % and 90 % of completions.",
-        BACKLOG_NOTE if backlog else BURST_NOTE,
+        mode_notes.get(params.get("mode", "burst"), BURST_NOTE),
     ]
     if params["n"] < 10 * params["concurrency"]:
         notes.append(

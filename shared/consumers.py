@@ -164,6 +164,7 @@ class _Consuming:
         self.handling = 0
         self.idle = asyncio.Event()
         self.idle.set()
+        self.cancelled = False
 
     async def on_delivery(self, raw: AbstractIncomingMessage) -> None:
         self.handling += 1
@@ -190,8 +191,9 @@ class ScoreboxBroker(RabbitBroker):
     """A FastStream broker that publishes on its connection and consumes (`consume`) on a
     second one, without FastStream's pipeline.
 
-    `start()` connects both and then starts the consumers; `stop()` cancels them, lets the
-    deliveries in hand finish (up to the graceful timeout), then closes both connections.
+    `start()` connects both and then starts the consumers; `stop()` cancels them
+    (`stop_consuming`), lets the deliveries in hand finish (up to the graceful timeout), then
+    closes both connections.
     """
 
     def __init__(
@@ -276,9 +278,8 @@ class ScoreboxBroker(RabbitBroker):
         exc_val: BaseException | None = None,
         exc_tb: TracebackType | None = None,
     ) -> None:
+        await self.stop_consuming()
         consuming, self._consuming = self._consuming, []
-        for each in consuming:
-            await _cancel(each, timeout=self._graceful_timeout)
         idle = [asyncio.ensure_future(each.idle.wait()) for each in consuming]
         if idle:
             _, pending = await asyncio.wait(idle, timeout=self._graceful_timeout)
@@ -297,6 +298,15 @@ class ScoreboxBroker(RabbitBroker):
         if connection is not None:
             await self._bounded(connection.close(), "the consuming connection")
         await self._bounded(super().stop(exc_type, exc_val, exc_tb), "the publishing connection")
+
+    async def stop_consuming(self) -> None:
+        """Cancel every consumer: no delivery arrives any more, and those in hand go on
+        (`stop()` does this first; a service calls it earlier to settle what it holds in a
+        way of its own before `stop()` waits for it)."""
+        for each in self._consuming:
+            if not each.cancelled:
+                each.cancelled = True
+                await _cancel(each, timeout=self._graceful_timeout)
 
     async def _bounded(self, closing: Awaitable[object], what: str) -> None:
         try:

@@ -17,6 +17,7 @@ from services.scorer.model import ProviderClient, ScoreModel, build_model, make_
 from services.scorer.model.settings import ModelSettings
 from services.scorer.scoring import RetryPolicy, ScorerDeps
 from services.scorer.settings import ScorerSettings
+from services.scorer.slots import ModelSlots
 from shared.bus import publish_event
 from shared.consumers import ScoreboxBroker
 from shared.contracts import TaskEvent, new_id, utcnow
@@ -42,13 +43,17 @@ def create_app(
     clock: Callable[[], datetime] = utcnow,
     rng: random.Random | None = None,
 ) -> FastAPI:
-    """Wire the scorer: broker (prefetch = concurrency) + database + model + HTTP health."""
+    """Wire the scorer: broker (prefetch: the deliveries in hand) + database + model (at most
+    `concurrency` calls at once) + HTTP health."""
     # At stop, a model call in flight may take its whole timeout, then its decision is
     # recorded and carried out: cut short, it was thrown away (and its task retried) with
     # every deploy.
     graceful_s = model_settings.llm_timeout_s + 2 * settings.broker_timeout_s
     broker = broker or make_broker(
-        settings, prefetch=settings.concurrency, name="scorer", graceful_timeout_s=graceful_s
+        settings,
+        prefetch=settings.deliveries_in_hand,
+        name="scorer",
+        graceful_timeout_s=graceful_s,
     )
     mongo = mongo or make_mongo(settings)
     http: ProviderClient | None = None
@@ -74,6 +79,7 @@ def create_app(
         retry_policy=RetryPolicy(base_s=settings.retry_base_s, cap_s=settings.retry_cap_s),
         rng=rng or random.Random(),  # noqa: S311 - jitter, not cryptography
         owner=f"{socket.gethostname()}:{os.getpid()}:{new_id()[:8]}",
+        model_slots=ModelSlots(settings.concurrency),
         started_after=timedelta(seconds=settings.started_after_s),
     )
     actions = BrokerActions(broker=broker, timeout_s=settings.broker_timeout_s, clock=clock)
@@ -84,6 +90,10 @@ def create_app(
         await prepare_database(attempts.ensure_indexes, deadline_s=settings.startup_timeout_s)
         await start_broker(broker, settings)
         yield
+        # No delivery arrives any more; those waiting for a model slot are sent again rather
+        # than start a call the grace period may cut short. Those in a slot finish.
+        await broker.stop_consuming()
+        deps.model_slots.close()
         await broker.stop()
         if http is not None:
             await http.aclose()

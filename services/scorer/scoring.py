@@ -20,6 +20,7 @@ from services.scorer.attempts import Attempts, Busy, Claimed, Decided, Supersede
 from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Retry
 from services.scorer.errors import PermanentError, ScoringError, TransientError
 from services.scorer.model import ModelVerdict, ScoreModel, ScoringRequest
+from services.scorer.slots import ModelSlots, SlotsClosed
 from shared.contracts import (
     Phase,
     ScoreText,
@@ -68,6 +69,8 @@ class ScorerDeps:
     retry_policy: RetryPolicy
     rng: random.Random
     owner: str  # this process, as its claims name it (unique per process)
+    # At most SCORER_CONCURRENCY attempts claim and call the model at once.
+    model_slots: ModelSlots
     # `task.started` for an attempt still running after this long; zero announces at once.
     started_after: timedelta = timedelta(0)
     # The attempts deliveries of this process are claiming, calling the model for or
@@ -116,7 +119,13 @@ async def score_text(
                 return Hold(now + timedelta(seconds=HOLD_POLL_S))
             return Drop("another delivery in this process is working on this attempt")
         # Held by no other delivery here: a claim of this process on it is stale.
-        return await _claim_and_decide(command, deps, now, redelivered)
+        try:
+            return await _claim_and_decide(command, deps, redelivered)
+        except SlotsClosed:
+            # Stopping: sent again for another scorer (or this one, restarted), unclaimed.
+            # Left unacknowledged, it would come back with one delivery more counted
+            # towards the queue's limit at every deploy.
+            return Defer(command.model_copy(update={"message_id": new_id()}))
 
 
 async def recorded_decision(
@@ -134,25 +143,31 @@ async def recorded_decision(
             return None
 
 
-async def _claim_and_decide(
-    command: ScoreText, deps: ScorerDeps, now: datetime, redelivered: bool
-) -> Decision:
-    claim = await deps.attempts.claim(
-        command, now=now, lease=deps.lease, owner=deps.owner, reclaim_own=True
-    )
-    match claim:
-        case Superseded():
-            return Drop("a newer attempt of this task exists")
-        case Busy(until=until):
-            if redelivered:
-                return Hold(until)
-            return Defer(command.model_copy(update={"not_before": until, "message_id": new_id()}))
-        case Decided(decision=decision):
-            return decision
-        case Claimed():
-            pass
-    started = TaskStarted.model_validate(_event_fields(command, Phase.STARTED, now))
-    decision, raw_output = await _call_model_announcing(command, started, deps)
+async def _claim_and_decide(command: ScoreText, deps: ScorerDeps, redelivered: bool) -> Decision:
+    """Claim the attempt and call the model in a model slot; record the decision after it.
+
+    The claim's lease counts from the moment a slot is held, not from the delivery's arrival.
+    """
+    async with deps.model_slots.held():
+        now = deps.clock()
+        claim = await deps.attempts.claim(
+            command, now=now, lease=deps.lease, owner=deps.owner, reclaim_own=True
+        )
+        match claim:
+            case Superseded():
+                return Drop("a newer attempt of this task exists")
+            case Busy(until=until):
+                if redelivered:
+                    return Hold(until)
+                return Defer(
+                    command.model_copy(update={"not_before": until, "message_id": new_id()})
+                )
+            case Decided(decision=decision):
+                return decision
+            case Claimed():
+                pass
+        started = TaskStarted.model_validate(_event_fields(command, Phase.STARTED, now))
+        decision, raw_output = await _call_model_announcing(command, started, deps)
     await _record(command, decision, raw_output, deps, held_until=now + deps.lease)
     return decision
 

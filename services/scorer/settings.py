@@ -3,15 +3,22 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Self
 
-from shared.settings import ServiceSettings
+from pydantic import Field, model_validator
+
+from shared.settings import MAX_PREFETCH, ServiceSettings
 
 
 class ScorerSettings(ServiceSettings):
     port: int = Field(default=8002, validation_alias="SCORER_PORT")
-    # Messages in flight per scorer process = model calls in flight (the seed's pool, §5.2).
+    # Model calls in flight per scorer process (the seed's pool, §5.2).
     concurrency: int = Field(default=16, ge=1, le=4096, validation_alias="SCORER_CONCURRENCY")
+    # Deliveries in hand per scorer process (the prefetch): those beyond `concurrency` wait
+    # for a model slot (services/scorer/slots.py). Unset: twice `concurrency`.
+    prefetch: int | None = Field(
+        default=None, ge=1, le=MAX_PREFETCH, validation_alias="SCORER_PREFETCH"
+    )
     retry_base_s: float = Field(default=2.0, gt=0, validation_alias="RETRY_BASE_S")
     retry_cap_s: float = Field(default=300.0, gt=0, validation_alias="RETRY_CAP_S")
     # Redeliveries of a message whose handling crashed before it goes to the DLQ.
@@ -25,3 +32,16 @@ class ScorerSettings(ServiceSettings):
     attempts_retention_s: int = Field(
         default=7 * 86_400, gt=0, validation_alias="ATTEMPTS_RETENTION_S"
     )
+
+    @model_validator(mode="after")
+    def _prefetch_covers_the_model_slots(self) -> Self:
+        if self.prefetch is not None and self.prefetch < self.concurrency:
+            raise ValueError(
+                f"SCORER_PREFETCH ({self.prefetch}) must be at least SCORER_CONCURRENCY "
+                f"({self.concurrency}): fewer deliveries in hand would leave model slots idle"
+            )
+        return self
+
+    @property
+    def deliveries_in_hand(self) -> int:
+        return self.prefetch or min(2 * self.concurrency, MAX_PREFETCH)

@@ -29,6 +29,7 @@ from services.scorer.model import build_model
 from services.scorer.model.http_client import make_http_client
 from services.scorer.model.settings import ModelSettings
 from services.scorer.scoring import RetryPolicy, ScorerDeps, score_text
+from services.scorer.slots import ModelSlots
 from shared.consumers import Delivery
 from shared.contracts import ScoreText, TaskCompleted, TaskEvent, new_id, utcnow
 from tests.support import HandedDelivery, HandlerOnly, eventually
@@ -72,6 +73,7 @@ async def make_deps(fake_llm: FakeLLM, attempts: Attempts) -> AsyncIterator[Deps
             retry_policy=RetryPolicy(base_s=1, cap_s=2),
             rng=random.Random(0),
             owner=owner,
+            model_slots=ModelSlots(4),
             started_after=timedelta(seconds=30),
         )
 

@@ -26,6 +26,7 @@ from services.scorer.model import ModelVerdict, ScoringRequest, build_model
 from services.scorer.model.http_client import make_http_client
 from services.scorer.model.settings import ModelSettings
 from services.scorer.scoring import RetryPolicy, ScorerDeps, score_text
+from services.scorer.slots import ModelSlots
 from shared.contracts import (
     ScoreText,
     TaskCompleted,
@@ -68,6 +69,7 @@ async def make_deps(
             retry_policy=RetryPolicy(base_s=1, cap_s=2),
             rng=random.Random(0),
             owner="test",
+            model_slots=ModelSlots(4),
             started_after=started_after,
         )
 

@@ -55,3 +55,15 @@ def test_the_readme_run_renders_with_every_target() -> None:
     block = render(_results(), README_RUN.name)
     assert SIDE_BY_SIDE in block
     assert "drain: last quarter" in block
+
+
+def test_a_run_of_the_scorers_alone_is_not_passed_off_as_the_whole_stack() -> None:
+    results = copy.deepcopy(_results())
+    inflight = results["scenarios"]["inflight"]
+    many = next(
+        t["target"] for t in evaluate_targets(results) if "Celery gevent at C" in t["target"]
+    )
+    assert "the scorers alone" not in _target(results, many)["note"]
+    inflight["parameters"]["mode"] = "alone"
+    assert "the scorers alone" in _target(results, many)["note"]
+    assert "Alone mode:" in render(results, README_RUN.name)

@@ -12,6 +12,7 @@ from services.scheduler.settings import SchedulerSettings
 from services.scorer.model.heuristic import HEURISTIC_MODEL_NAME
 from services.scorer.model.prompt import PROMPT_VERSION
 from services.scorer.model.settings import ModelSettings
+from services.scorer.settings import ScorerSettings
 from services.status.settings import StatusSettings
 from shared.contracts import PROMPT_VERSIONS
 
@@ -60,6 +61,7 @@ def test_an_unknown_log_level_is_refused(level: str) -> None:
         (StatusSettings, "PROJECTION_PREFETCH"),
         (SchedulerSettings, "USAGE_METER_PREFETCH"),
         (SchedulerSettings, "SCHEDULER_JOB_CONCURRENCY"),
+        (ScorerSettings, "SCORER_PREFETCH"),
     ],
 )
 def test_a_prefetch_amqp_cannot_carry_is_refused(settings: Any, variable: str) -> None:
@@ -100,3 +102,15 @@ def test_a_full_batch_that_could_never_fit_in_flight_is_refused() -> None:
         GatewaySettings.model_validate({"MAX_IN_FLIGHT_PER_TENANT": "0"}).max_in_flight_per_tenant
         == 0
     )
+
+
+def test_a_scorer_holds_twice_its_model_slots_unless_told() -> None:
+    assert ScorerSettings.model_validate({"SCORER_CONCURRENCY": "8"}).deliveries_in_hand == 16
+    told = ScorerSettings.model_validate({"SCORER_CONCURRENCY": "8", "SCORER_PREFETCH": "9"})
+    assert told.deliveries_in_hand == 9
+
+
+def test_fewer_deliveries_in_hand_than_model_slots_are_refused() -> None:
+    """Slots beyond the deliveries in hand could never be used."""
+    with pytest.raises(ValidationError, match="SCORER_PREFETCH"):
+        ScorerSettings.model_validate({"SCORER_CONCURRENCY": "8", "SCORER_PREFETCH": "7"})

@@ -28,6 +28,7 @@ every time, and RabbitMQ 4.x does not count a requeue.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ if TYPE_CHECKING:
     )
 
 log = logging.getLogger("scorebox.consumers")
+# How long a stop waits for a consumer to be cancelled on a channel being restored.
+CANCEL_ON_CLOSED_S = 0.1
 
 
 class Delivery:
@@ -306,7 +309,7 @@ class ScoreboxBroker(RabbitBroker):
         for each in self._consuming:
             if not each.cancelled:
                 each.cancelled = True
-                await _cancel(each, timeout=self._graceful_timeout)
+                await _cancel(each, timeout=self._timeout)
 
     async def _bounded(self, closing: Awaitable[object], what: str) -> None:
         try:
@@ -316,8 +319,15 @@ class ScoreboxBroker(RabbitBroker):
 
 
 async def _cancel(consuming: _Consuming, *, timeout: float) -> None:
+    """Cancel the consumer on the broker; on a closed channel (a reconnection under way),
+    only make the robust queue forget it, so that the reconnection does not restore it."""
     queue, tag = consuming.queue, consuming.tag
-    if queue is None or tag is None or queue.channel.is_closed:
+    if queue is None or tag is None:
+        return
+    if queue.channel.is_closed:
+        # RobustQueue.cancel forgets the consumer before it waits for the channel.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(queue.cancel(tag, nowait=True), CANCEL_ON_CLOSED_S)
         return
     try:
         await queue.cancel(tag, timeout=timeout)

@@ -90,10 +90,11 @@ def create_app(
         await prepare_database(attempts.ensure_indexes, deadline_s=settings.startup_timeout_s)
         await start_broker(broker, settings)
         yield
-        # No delivery arrives any more; those waiting for a model slot are sent again rather
-        # than start a call the grace period may cut short. Those in a slot finish.
-        await broker.stop_consuming()
+        # No model call starts any more: the deliveries waiting for a slot, and any that
+        # arrives before the consumer is cancelled, are sent again or left to the broker
+        # (`scoring._turned_away`). Those in a slot finish within the grace period.
         deps.model_slots.close()
+        await broker.stop_consuming()
         await broker.stop()
         if http is not None:
             await http.aclose()

@@ -5,6 +5,8 @@ What each outcome means on the broker:
   the DLQ with the reason in a header; then ack.
 - retry: next attempt sent down the wait ladder, `task.retrying` published, then ack.
 - not due / claimed elsewhere: sent down the wait ladder again, then ack.
+- the scorer stopping before the delivery reached a model slot: a first delivery is sent
+  again, then acked; a redelivery is left unacknowledged (its delivery count kept).
 - unreadable body (poison): copied to the DLQ with the validation error, then ack.
 - the handler itself crashed: re-sent after a delay with a crash counter; at the limit,
   dead-lettered and failed.
@@ -29,7 +31,7 @@ from faststream.rabbit import RabbitBroker
 from pydantic import ValidationError
 from pymongo.errors import PyMongoError
 
-from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Retry
+from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Leave, Retry
 from services.scorer.scoring import Clock, ScorerDeps, recorded_decision, score_text
 from shared.bus import publish_command, publish_event
 from shared.consumers import Delivery, ScoreboxBroker, consume
@@ -157,6 +159,9 @@ def subscribe_scorer(
             log.exception("scoring %s crashed", command.task_id)
             await _after_crash(command, message, actions, crash_limit=crash_limit)
         else:
+            if isinstance(decision, Leave):
+                log.debug("leaving %s unacknowledged: %s", command.task_id, decision.reason)
+                return
             await actions.carry_out(decision, message)
         await message.ack()
 

@@ -17,7 +17,7 @@ from datetime import datetime, timedelta
 from pymongo.errors import PyMongoError
 
 from services.scorer.attempts import Attempts, Busy, Claimed, Decided, Superseded
-from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Retry
+from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Leave, Retry
 from services.scorer.errors import PermanentError, ScoringError, TransientError
 from services.scorer.model import ModelVerdict, ScoreModel, ScoringRequest
 from services.scorer.slots import ModelSlots, SlotsClosed
@@ -122,10 +122,19 @@ async def score_text(
         try:
             return await _claim_and_decide(command, deps, redelivered)
         except SlotsClosed:
-            # Stopping: sent again for another scorer (or this one, restarted), unclaimed.
-            # Left unacknowledged, it would come back with one delivery more counted
-            # towards the queue's limit at every deploy.
-            return Defer(command.model_copy(update={"message_id": new_id()}))
+            return _turned_away(command, redelivered=redelivered)
+
+
+def _turned_away(command: ScoreText, *, redelivered: bool) -> Defer | Leave:
+    """The scorer is stopping and this delivery reached no model slot (nor a claim).
+
+    A first delivery is sent again, for another scorer or this one restarted: left
+    unacknowledged, it would come back with a delivery counted towards the queue's limit at
+    every deploy. A redelivery is left unacknowledged: its count may be what stops a message
+    that kills its consumers, and a fresh copy would start it again at zero."""
+    if redelivered:
+        return Leave("stopping before a model slot was free")
+    return Defer(command.model_copy(update={"message_id": new_id()}))
 
 
 async def recorded_decision(

@@ -8,11 +8,12 @@ Accepting a batch (`submit_batch`), all or nothing:
 4. every `score.requested` is published with its confirm in flight together (one round); the
    status projection takes each item, batch and position included, from its command;
 5. submissions and batch are marked `accepted` (one update each).
-If the broker took none of step 4's commands, the slots are released, the batch and its
-submissions discarded, and `BrokerUnavailable` raised: the client sees 503 and nothing was
-kept. Records that cannot be removed then (the database failing too), and those of a batch
-whose insert failed without an answer (it may land yet), are written off in the background
-(`services/gateway/refusals.py`), so the outbox sweep never sends a refused batch. If some
+If the broker took none of step 4's commands, the slots are released, the batch and then its
+submissions discarded (both stay if a replay of the request accepted the batch meanwhile), and
+`BrokerUnavailable` raised: the client sees 503 and nothing was kept. Records that cannot be
+removed then (the database failing too), and those of a batch whose insert failed without an
+answer (it may land yet), are written off in the background (`services/gateway/refusals.py`),
+so the outbox sweep never sends a refused batch. If some
 commands may have reached their queue but not all were confirmed, the batch is accepted (a
 replay of the request answers it) and its submissions marked `unconfirmed` for the outbox
 sweep, which sends each command again. A process that dies between 2 and 5 leaves submissions
@@ -57,6 +58,7 @@ from services.gateway.limits import LimitExceeded
 from services.gateway.refusals import Refusal, Refusals, may_have_been_written, release_slots
 from services.gateway.schemas import EXPIRED, checked_metadata
 from services.gateway.submissions import (
+    BATCH_WRITE_CHUNK,
     TOMBSTONE_TTL,
     KeyTaken,
     Submissions,
@@ -233,11 +235,16 @@ class Batches:
             raise DatabaseUnavailable(str(error)) from error
         return result.matched_count == 1
 
-    async def discard(self, batch_id: str) -> None:
+    async def discard(self, batch_id: str) -> bool:
+        """Delete a refused batch's record while it is `accepting`; False when it is not (a
+        replay of its request accepted it meanwhile: it stays, and so do its submissions)."""
         try:
-            await self._collection.delete_one({"_id": batch_id, "state": BatchState.ACCEPTING})
+            result = await self._collection.delete_one(
+                {"_id": batch_id, "state": BatchState.ACCEPTING}
+            )
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
+        return result.deleted_count == 1
 
     async def abandon(self, batch_id: str, *, now: datetime) -> bool:
         """Turn a refused batch's record into a tombstone, whether or not its insert landed
@@ -370,6 +377,7 @@ async def submit_batch(
                 earlier,
                 submission,
                 api_key_id,
+                idempotency_key=idempotency_key,
                 batches=batches,
                 submissions=submissions,
                 policy=policy,
@@ -458,11 +466,21 @@ async def _give_up(
 async def _discard(
     refusal: Refusal, *, batches: Batches, submissions: Submissions, refusals: Refusals
 ) -> None:
-    """Forget a refused batch whose records are all written (nothing counted any more)."""
+    """Forget a refused batch whose records are all written (nothing counted any more).
+
+    The batch goes first, as in `write_off`: releasing a large batch's slots may outlast the
+    outbox grace period, and a replay of its request (on another replica, say) may have
+    completed and accepted it meanwhile, answering 200; its submissions then stay, to be sent.
+    Deleting them first left a batch answered 200 whose items were never scored. Both callers
+    come after the batch's insert was acknowledged, and only this refusal would make it a
+    tombstone: a record not deleted here is one a replay accepted, never one whose insert
+    is yet to land."""
     assert refusal.batch_id is not None
     try:
+        if not await batches.discard(refusal.batch_id):
+            log.warning("batch %s was accepted by a replay meanwhile; kept", refusal.batch_id)
+            return
         await submissions.discard_batch(refusal.batch_id)
-        await batches.discard(refusal.batch_id)
     except DatabaseUnavailable:
         log.warning("batch %s not discarded; written off later", refusal.batch_id)
         refusals.note(replace(refusal, counted=False))
@@ -534,6 +552,7 @@ async def _complete_interrupted(
     submission: BatchSubmission,
     api_key_id: str | None,
     *,
+    idempotency_key: str,
     batches: Batches,
     submissions: Submissions,
     policy: BatchPolicy,
@@ -550,7 +569,8 @@ async def _complete_interrupted(
     The batch is the first request's, which may have been answered 202 and sent (only its
     marks lost): a replay the database fails is answered `ReplayUnfinished` (retry with the
     same key) and leaves the batch as it is, for the outbox sweep or a later replay. What it
-    may have recorded is written off only if the batch's own request refused it.
+    may have recorded is written off only if the batch's own request refused it; a replay
+    whose only write was never sent (no server selected) recorded nothing, and notes nothing.
     """
     commands = _commands(
         submission,
@@ -563,18 +583,23 @@ async def _complete_interrupted(
     )
     task_ids = tuple(command.task_id for command in commands)
     refusal = Refusal(earlier.tenant_id, task_ids, batch_id=earlier.batch_id, owns_batch=False)
+    recorded = False  # whether its submissions' insert completed
     try:
         await submissions.insert_batch(
             _rows(commands, submission, policy.default_model), retention=policy.retention
         )
+        recorded = True
         accepted = await batches.mark_accepted(earlier.batch_id)
     except DatabaseUnavailable as error:
         # Not a refusal of the batch: its request may have been answered 202 and sent. What
         # this replay recorded is written off only if that request refused the batch after
-        # all (its write-off may be pending); otherwise the outbox sweep sends it.
+        # all (its write-off may be pending); otherwise the outbox sweep sends it. An insert
+        # in one chunk that was never sent recorded nothing, now or later: nothing to note.
+        # One in several chunks may have recorded earlier chunks before a later one failed.
         log.warning("batch %s: its replay failed on the database; left as it was", earlier.batch_id)
-        refusals.note(refusal)
-        raise ReplayUnfinished(earlier.batch_id) from error
+        if recorded or len(commands) > BATCH_WRITE_CHUNK or may_have_been_written(error):
+            refusals.note(refusal)
+        raise ReplayUnfinished(idempotency_key) from error
     if not accepted:
         # Its refusal was written off meanwhile, without knowing of the submissions recorded
         # here (a refusal whose batch insert timed out names none): they are forgotten too,

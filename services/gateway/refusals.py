@@ -17,11 +17,12 @@ settles all that is noted once the database takes writes again:
    idempotency key and keeps no text;
 3. its batch record becomes one as well (`Batches.abandon`).
 
-A replay of a batch's request that fails on the database is noted too, but it does not own
-the batch: the batch is its first request's, which may have been answered 202 and sent. Its
-write-off never touches the batch; the submissions the replay may have recorded are written
-off only if the batch was refused (a tombstone, or discarded), and otherwise are left to the
-outbox sweep with the batch's others (`Refusal.owns_batch`).
+A replay of a batch's request that fails on the database is noted too (unless its one write
+was never sent: it recorded nothing), but it does not own the batch: the batch is its first
+request's, which may have been answered 202 and sent. Its write-off never touches the batch;
+the submissions the replay may have recorded are written off only if the batch was refused
+(a tombstone, or discarded), and otherwise are left to the outbox sweep with the batch's
+others (`Refusal.owns_batch`).
 
 The outbox sweep of this process skips every task noted here and not yet written off.
 

@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from pymongo.errors import ServerSelectionTimeoutError
 
 from devtools.infra import Endpoint
 from services.gateway.batches import (
@@ -23,6 +24,7 @@ from services.gateway.errors import (
     BrokerUnavailable,
     DatabaseUnavailable,
     GatewayError,
+    ReplayUnfinished,
     RequestInProgress,
 )
 from services.gateway.limits import InFlight
@@ -448,6 +450,99 @@ async def test_a_refused_batch_is_not_sent_by_a_sweep_while_its_slots_are_releas
     assert await in_flight.count(TENANT) == 0
 
 
+class ReplayDuringRelease(InFlight):
+    """A replay of a refused batch's request (on another replica, after the grace period)
+    completes and accepts the batch while this replica releases the batch's slots, one by one
+    (1,000 of them outlasted the outbox grace period)."""
+
+    def __init__(self, gateway: Gateway, request: BatchSubmission) -> None:
+        super().__init__(gateway.raw.client, gateway.name, max_per_tenant=100)
+        self._meanwhile = (gateway, request)
+        self.replay: BatchSubmitted | None = None
+
+    async def release(self, tenant_id: str, task_id: str) -> None:
+        if self.replay is None:
+            gateway, request = self._meanwhile
+            later = T0 + GRACE + timedelta(seconds=1)
+            self.replay = await _submit(gateway, request, Recorded(), later)
+        await super().release(tenant_id, task_id)
+
+
+async def test_a_refused_batch_a_replay_accepted_while_its_slots_were_released_keeps_its_items(
+    gateway: Gateway,
+) -> None:
+    """The replay answered 200: the batch's items must be sent. The refused request's discard
+    deleted the batch's `accepting` submissions before it tried the batch, which it left (it
+    was accepted): a batch answered 200 whose items were never scored."""
+    request = _request(3)
+    refusals = Refusals()
+    in_flight = ReplayDuringRelease(gateway, request)
+
+    with pytest.raises(BrokerUnavailable):
+        await submit_batch(
+            request,
+            tenant_id=TENANT,
+            api_key_id=None,
+            idempotency_key=KEY,
+            batches=gateway.batches,
+            submissions=gateway.submissions,
+            publisher=RefusingBatches(),
+            policy=POLICY,
+            clock=lambda: T0,
+            refusals=refusals,
+            in_flight=in_flight,
+        )
+
+    assert in_flight.replay is not None
+    assert not in_flight.replay.created
+    batch_id = in_flight.replay.record.batch_id
+    batch = await gateway.raw["batches"].find_one({"_id": batch_id})
+    assert batch["state"] == BatchState.ACCEPTED
+    assert refusals.pending() == []
+    members = sorted(member.task_id for member in in_flight.replay.record.members)
+    assert sorted(await _sent_by_sweeps(gateway, refusals)) == members
+
+
+class NeverSent(Submissions):
+    """Recording a batch's submissions fails before the write is sent (no server selected)."""
+
+    async def insert_batch(
+        self,
+        commands: list[tuple[ScoreText, str, str]],
+        *,
+        retention: timedelta,
+        counted: bool = False,
+    ) -> None:
+        raise DatabaseUnavailable("no server") from ServerSelectionTimeoutError("no server")
+
+
+async def test_a_replay_whose_insert_was_never_sent_keeps_no_sweep_off_its_batch(
+    gateway: Gateway,
+) -> None:
+    """Nothing the replay could have recorded may land later, so it notes no refusal: one kept
+    this replica's sweep off the batch's items until a write-off found there was nothing to
+    write off."""
+    request = _request(3)
+    batch_id = await _interrupted(gateway, request, recorded=3)
+    refusals = Refusals()
+
+    with pytest.raises(ReplayUnfinished):
+        await _submit(
+            gateway,
+            request,
+            Recorded(),
+            T0 + GRACE + timedelta(seconds=1),
+            NeverSent(gateway.raw.client, gateway.name),
+            refusals=refusals,
+        )
+
+    assert refusals.pending() == []
+    batch = await gateway.raw["batches"].find_one({"_id": batch_id})
+    assert batch["state"] == BatchState.ACCEPTING
+    members = sorted(member["task_id"] for member in batch["members"])
+    assert sorted(await _sent_by_sweeps(gateway, refusals)) == members
+
+
 class AbandonFailsOnce(WrittenOffMeanwhile):
     """The replay's records land as the batch is written off, and forgetting them fails."""
 
@@ -611,3 +706,4 @@ async def test_a_batch_answered_202_is_kept_when_a_replay_fails_on_the_database_
     assert await in_flight.count(TENANT) == 0
     # Told to retry with the same key: its batch was kept (a 503 says nothing was).
     assert isinstance(replay.value, RequestInProgress)
+    assert replay.value.args == (KEY,)  # the key to retry with, whichever step failed

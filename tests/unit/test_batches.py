@@ -261,10 +261,10 @@ class FakeBatches:
     async def mark_accepted(self, batch_id: str) -> None:
         self.accepted.append(batch_id)
 
-    async def discard(self, batch_id: str) -> None:
+    async def discard(self, batch_id: str) -> bool:
         if "discard" in self.fail:
             raise DatabaseUnavailable("no answer")
-        self.records.pop(batch_id, None)
+        return self.records.pop(batch_id, None) is not None
 
     async def find(self, batch_id: str, *, tenant_id: str) -> BatchRecord | None:
         record = self.records.get(batch_id)

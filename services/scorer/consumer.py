@@ -145,13 +145,18 @@ def subscribe_scorer(
             await message.ack()
             return
         redelivered = deliveries > 0 or message.redelivered
+        lost = asyncio.Event()
         try:
             # Losing the broker connection cancels this handler. The decision, with its model
             # call, is shielded: it completes and is recorded, and the redelivery replays it
             # instead of calling the model a second time once the claim's lease has expired.
+            # One still waiting for a model slot then starts nothing (`lost`).
             decision = await asyncio.shield(
-                _decide(command, deps, actions.clock, redelivered=redelivered)
+                _decide(command, deps, actions.clock, redelivered=redelivered, lost=lost)
             )
+        except asyncio.CancelledError:
+            lost.set()
+            raise
         except PyMongoError as error:
             log.warning("MongoDB unavailable while scoring %s: %r", command.task_id, error)
             await _retry_later(command, message, actions, count_crash=False)
@@ -196,13 +201,18 @@ async def _at_delivery_limit(
 
 
 async def _decide(
-    command: ScoreText, deps: ScorerDeps, clock: Clock, *, redelivered: bool
+    command: ScoreText,
+    deps: ScorerDeps,
+    clock: Clock,
+    *,
+    redelivered: bool,
+    lost: asyncio.Event | None = None,
 ) -> Decision:
     """`score_text`, holding a redelivery (unacknowledged) while another claim lasts."""
-    decision = await score_text(command, deps=deps, redelivered=redelivered)
-    while isinstance(decision, Hold):
+    decision = await score_text(command, deps=deps, redelivered=redelivered, lost=lost)
+    while isinstance(decision, Hold) and not (lost is not None and lost.is_set()):
         await wait_for_claim(decision.until, clock)
-        decision = await score_text(command, deps=deps, redelivered=True)
+        decision = await score_text(command, deps=deps, redelivered=True, lost=lost)
     return decision
 
 

@@ -96,13 +96,19 @@ def _event_fields(command: ScoreText, phase: Phase, now: datetime) -> dict[str, 
 
 
 async def score_text(
-    command: ScoreText, *, deps: ScorerDeps, redelivered: bool = False
+    command: ScoreText,
+    *,
+    deps: ScorerDeps,
+    redelivered: bool = False,
+    lost: asyncio.Event | None = None,
 ) -> Decision:
     """Decide what one delivery of `score.requested` leads to, calling the model at most once
     per attempt across redeliveries and replicas.
 
     `redelivered`: the broker delivered this message before and it was never settled (its
     consumer died or lost its connection); a busy claim then holds it rather than deferring.
+    `lost`: set when the delivery was lost (its connection dropped) while this ran; a decision
+    that had not yet reached a model slot then starts nothing.
     """
     now = deps.clock()
     if command.not_before is not None and command.not_before > now + DUE_SLACK:
@@ -120,7 +126,7 @@ async def score_text(
             return Drop("another delivery in this process is working on this attempt")
         # Held by no other delivery here: a claim of this process on it is stale.
         try:
-            return await _claim_and_decide(command, deps, redelivered)
+            return await _claim_and_decide(command, deps, redelivered, lost)
         except SlotsClosed:
             return _turned_away(command, redelivered=redelivered)
 
@@ -152,12 +158,18 @@ async def recorded_decision(
             return None
 
 
-async def _claim_and_decide(command: ScoreText, deps: ScorerDeps, redelivered: bool) -> Decision:
+async def _claim_and_decide(
+    command: ScoreText, deps: ScorerDeps, redelivered: bool, lost: asyncio.Event | None
+) -> Decision:
     """Claim the attempt and call the model in a model slot; record the decision after it.
 
     The claim's lease counts from the moment a slot is held, not from the delivery's arrival.
+    A delivery lost while it waited for the slot (its copy redelivered, perhaps to another
+    scorer) claims nothing: the slot goes to a delivery still in hand.
     """
     async with deps.model_slots.held():
+        if lost is not None and lost.is_set():
+            return Drop("its delivery was lost while it waited for a model slot")
         now = deps.clock()
         claim = await deps.attempts.claim(
             command, now=now, lease=deps.lease, owner=deps.owner, reclaim_own=True

@@ -224,3 +224,39 @@ async def test_a_redelivery_after_the_connection_dropped_carries_the_decision_ou
     assert [type(decision) for decision in actions.decisions] == [Finish]
     assert redelivery.settled == ["ack"]
     assert _calls(fake_llm, marker) == 1
+
+
+async def test_a_delivery_lost_while_it_waited_for_a_model_slot_starts_nothing(
+    make_deps: Deps, fake_llm: FakeLLM, mongo: Any, db_prefix: str
+) -> None:
+    """Its decision is shielded from the lost connection like any other; it used to take
+    the slot once one was free, and claim and call for a delivery already redelivered."""
+    deps = replace(make_deps("scorer-a"), model_slots=ModelSlots(1))
+    broker, actions = HandlerOnly(), CarriedOut()
+    subscribe_scorer(broker, deps, actions, crash_limit=3)  # type: ignore[arg-type]
+    command, marker = _command("An essay whose delivery was lost while it waited.")
+    async with deps.model_slots.held():  # every slot busy
+        first = asyncio.create_task(
+            broker.handler(HandedDelivery(command.model_dump_json().encode()))
+        )
+        await eventually(lambda: _is_in_hand(deps), what="the delivery in hand")
+        first.cancel()  # as aiormq cancels a closed channel's consumers
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+    # The slot queue is first come, first served: the lost decision had its turn first.
+    async with asyncio.timeout(30), deps.model_slots.held():
+        pass
+    await eventually(lambda: _is_in_hand(deps, expected=False), what="the attempt let go")
+
+    assert _calls(fake_llm, marker) == 0
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url)
+    try:
+        claim = await client[f"{db_prefix}_scorer"]["attempts"].find_one({"_id": command.task_id})
+    finally:
+        await client.close()
+    assert claim is None
+    assert actions.decisions == []
+
+
+async def _is_in_hand(deps: ScorerDeps, *, expected: bool = True) -> bool:
+    return (len(deps.in_hand) == 1) is expected

@@ -1,8 +1,8 @@
 """`python -m bench.micro`: the small measurements `docs/architecture.md` ("Performance") cites.
 
 1. Client CPU per write: 64 concurrent `update_one`s against the same writes through
-   `shared.group_writes.GroupWriter`; and per point read: `find_one` by `_id` against
-   `shared.group_reads.GroupReader`.
+   `shared.group_writes.GroupWriter`, and `update_one`s one at a time; and per point read:
+   `find_one` by `_id` against `shared.group_reads.GroupReader`.
 2. The MongoDB stand-in's cost per write as a collection grows (inserts and upserts of new
    string `_id`s, 4,000 documents at a time).
 3. Consumer CPU per delivery through FastStream's subscriber, `shared.consumers` and bare
@@ -51,6 +51,7 @@ from shared.group_writes import GroupWriter
 
 Document = dict[str, Any]
 WRITES = 4_000
+WRITES_ALONE = 1_000
 CONCURRENCY = 64
 GROWTH_BLOCKS = 5
 DOCUMENT_TEXT_SIZES = (0, 300, 3_000)
@@ -82,6 +83,9 @@ async def group_commit(collection: AsyncCollection[Document]) -> None:
         await writer.update_one({"_id": f"g{i}"}, {"$set": {"n": i}}, upsert=True)
 
     await compare("write", ("update_one", direct), ("GroupWriter", grouped))
+    # What a write costs when nothing shares its round trip (a lightly loaded service).
+    alone = await cpu_us_each(WRITES_ALONE, 1, direct)
+    print(f"client CPU per write, one caller at a time: update_one {alone:.0f} µs")
 
 
 async def group_reads(collection: AsyncCollection[Document]) -> None:

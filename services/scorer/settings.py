@@ -44,4 +44,4 @@ class ScorerSettings(ServiceSettings):
 
     @property
     def deliveries_in_hand(self) -> int:
-        return self.prefetch or min(2 * self.concurrency, MAX_PREFETCH)
+        return self.prefetch or 2 * self.concurrency

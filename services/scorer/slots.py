@@ -27,13 +27,8 @@ class ModelSlots:
     def __init__(self, size: int) -> None:
         if size < 1:
             raise ValueError(f"at least one model slot is needed, got {size}")
-        self.size = size
         self._free = asyncio.Semaphore(size)
         self._closed = False
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     @asynccontextmanager
     async def held(self) -> AsyncIterator[None]:

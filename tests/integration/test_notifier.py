@@ -655,19 +655,7 @@ async def test_an_outcome_without_a_callback_is_not_kept(flow: Flow) -> None:
     assert registered.status_code == 200, registered.text
     without, unsaid = new_id(), new_id()
     for task_id, has_callback in ((without, False), (unsaid, None)):
-        failed = TaskFailed.model_validate(
-            {
-                "task_id": task_id,
-                "tenant_id": tenant_id,
-                "sequence": 190,
-                "attempt": 1,
-                "submitted_at": utcnow(),
-                "error": {"code": "input_rejected", "message": "no", "retryable": False},
-                "dead_lettered": False,
-                "has_callback": has_callback,
-            }
-        )
-        await flow.publish(failed)
+        await flow.publish(_failed(tenant_id, task_id=task_id, has_callback=has_callback))
         await flow.settled(task_id, "delivered", purpose="failure_alert")
 
     callbacks = flow.notifier_db["task_callbacks"]
@@ -675,16 +663,19 @@ async def test_an_outcome_without_a_callback_is_not_kept(flow: Flow) -> None:
     assert await callbacks.find_one({"_id": unsaid}) is not None
 
 
-def _failed(tenant_id: str) -> TaskFailed:
+def _failed(
+    tenant_id: str, *, task_id: str | None = None, has_callback: bool | None = None
+) -> TaskFailed:
     return TaskFailed.model_validate(
         {
-            "task_id": new_id(),
+            "task_id": task_id or new_id(),
             "tenant_id": tenant_id,
             "sequence": 190,
             "attempt": 1,
             "submitted_at": utcnow(),
             "error": {"code": "input_rejected", "message": "no", "retryable": False},
             "dead_lettered": False,
+            "has_callback": has_callback,
         }
     )
 

@@ -10,7 +10,6 @@ runs here on the real database and posts to an https receiver of the test.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
@@ -25,21 +24,16 @@ from services.notifier.ledger import DeliveryState, Ledger
 from services.notifier.registry import FailureAlerts
 from shared.contracts import DeliverWebhook, WebhookPurpose, new_id, utcnow
 from tests.faults.slow_link import SlowLink
+from tests.integration import test_notifier_acceptances as acceptances
 from tests.integration import test_notifier_own_claims as own_claims
 from tests.integration.test_notifier import Receiver
 from tests.integration.test_notifier_own_claims import Deps
 
 receiver = own_claims.receiver  # fixtures
+notifier_db = acceptances.notifier_db
 ledger = own_claims.ledger
 make_deps = own_claims.make_deps
 Mongo = AsyncMongoClient[dict[str, Any]]
-
-
-@pytest.fixture
-async def notifier_db(mongo: Any, db_prefix: str) -> AsyncIterator[tuple[Mongo, str]]:
-    client: Mongo = AsyncMongoClient(mongo.url, tz_aware=True)
-    yield client, f"{db_prefix}_notifier"
-    await client.close()
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import aio_pika
@@ -35,8 +36,32 @@ QUICK_MS = 50
 WAIT_S = 60.0
 
 
-def _settings(amqp_url: str, mongo: Any, db_prefix: str, llm: FakeLLM) -> dict[str, str]:
-    return stack_env(
+@dataclass
+class Scene:
+    """A scorer's settings, the fake model it calls, and commands queued for it."""
+
+    amqp_url: str
+    mongo: Any
+    llm: FakeLLM
+    settings: ScorerSettings
+    model_settings: ModelSettings
+    commands: dict[str, ScoreText]  # by the marker the fake model counts calls under
+
+    def scorer(self) -> Any:
+        return running(create_scorer(self.settings, self.model_settings))
+
+    def calls(self) -> dict[str, int | None]:
+        by_id = self.llm.stats()["by_id"]
+        return {marker: by_id.get(marker) for marker in self.commands}
+
+    def task_ids(self, markers: set[str]) -> set[str]:
+        return {self.commands[marker].task_id for marker in markers}
+
+
+@asynccontextmanager
+async def _scene(amqp_url: str, mongo: Any, db_prefix: str, count: int) -> AsyncIterator[Scene]:
+    llm = await start_fake_llm(FakeLLMConfig(latency_ms=LATENCY_MS))
+    env = stack_env(
         amqp_url=amqp_url,
         mongo_url=mongo.url,
         db_prefix=db_prefix,
@@ -46,14 +71,16 @@ def _settings(amqp_url: str, mongo: Any, db_prefix: str, llm: FakeLLM) -> dict[s
         SCORER_CONCURRENCY=str(SLOTS),
         BROKER_TIMEOUT_S="2",
     )
-
-
-def _commands(count: int) -> dict[str, ScoreText]:
+    settings = ScorerSettings.model_validate(env)
     commands = {}
     for _ in range(count):
         marker = f"q{uuid.uuid4().hex[:12]}"
         commands[marker] = ScoreText(task_id=new_id(), text=f"Waits for a slot [[id:{marker}]].")
-    return commands
+    await _publish(settings, list(commands.values()))
+    try:
+        yield Scene(amqp_url, mongo, llm, settings, ModelSettings.model_validate(env), commands)
+    finally:
+        await llm.stop()
 
 
 async def _publish(settings: ScorerSettings, commands: list[ScoreText]) -> None:
@@ -82,90 +109,74 @@ async def _ready(channel: aio_pika.abc.AbstractChannel) -> int:
     return count
 
 
-async def _claims(
-    mongo: Any, settings: ScorerSettings, commands: dict[str, ScoreText]
-) -> dict[str, str]:
-    """The state of each claim on `commands`' tasks, by task id."""
-    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url)
-    task_ids = [command.task_id for command in commands.values()]
+async def _claims(scene: Scene) -> dict[str, str]:
+    """The state of each claim on the scene's tasks, by task id."""
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(scene.mongo.url)
     try:
-        attempts = client[settings.database_name("scorer")]["attempts"]
-        found = attempts.find({"_id": {"$in": task_ids}})
+        attempts = client[scene.settings.database_name("scorer")]["attempts"]
+        found = attempts.find({"_id": {"$in": list(scene.task_ids(set(scene.commands)))}})
         return {str(doc["_id"]): str(doc["state"]) async for doc in found}
     finally:
         await client.close()
 
 
+async def _stopped_with_calls_in_flight(scene: Scene) -> set[str]:
+    """Run a scorer until it holds every command, SLOTS of them in model calls, and stop it;
+    the markers of the commands it called the model for."""
+    async with _queue(scene.amqp_url) as channel, scene.scorer():
+        await _stats_until(scene.llm, lambda stats: stats["in_flight"] == SLOTS)
+        await eventually(lambda: _is(_ready(channel), 0), what="all in hand")
+    called = {marker for marker, calls in scene.calls().items() if calls}
+    assert len(called) == SLOTS, called
+    return called
+
+
+async def _scored_by_a_new_scorer(scene: Scene) -> None:
+    scene.llm.config.latency_ms = QUICK_MS
+    async with scene.scorer():
+        await eventually(lambda: _all_decided(scene), what="all decided")
+
+
 async def test_deliveries_beyond_the_slots_wait_in_hand_unclaimed(
     amqp_url: str, mongo: Any, db_prefix: str
 ) -> None:
-    llm = await start_fake_llm(FakeLLMConfig(latency_ms=LATENCY_MS))
-    env = _settings(amqp_url, mongo, db_prefix, llm)
-    settings = ScorerSettings.model_validate(env)
-    commands = _commands(3 * SLOTS)
-    await _publish(settings, list(commands.values()))
-    try:
-        async with (
-            running(create_scorer(settings, ModelSettings.model_validate(env))),
-            _queue(amqp_url) as channel,
-        ):
-            await _stats_until(llm, lambda stats: stats["in_flight"] == SLOTS)
+    async with (
+        _scene(amqp_url, mongo, db_prefix, 3 * SLOTS) as scene,
+        _queue(amqp_url) as channel,
+    ):
+        async with scene.scorer():
+            await _stats_until(scene.llm, lambda stats: stats["in_flight"] == SLOTS)
             # Twice the slots in hand: only the rest is still queued at the broker.
             await eventually(
-                lambda: _is(_ready(channel), len(commands) - 2 * SLOTS),
+                lambda: _is(_ready(channel), len(scene.commands) - 2 * SLOTS),
                 what="twice the slots in hand",
             )
-            claims = await _claims(mongo, settings, commands)
+            claims = await _claims(scene)
             assert list(claims.values()) == ["running"] * SLOTS, claims
-            llm.config.latency_ms = QUICK_MS
-            await _stats_until(llm, lambda stats: stats["calls"] >= len(commands))
-            await eventually(lambda: _all_decided(mongo, settings, commands), what="all decided")
-        stats = llm.stats()
-    finally:
-        await llm.stop()
-    assert stats["max_in_flight"] == SLOTS
-    assert {marker: stats["by_id"].get(marker) for marker in commands} == dict.fromkeys(commands, 1)
+            scene.llm.config.latency_ms = QUICK_MS
+            await eventually(lambda: _all_decided(scene), what="all decided")
+        assert scene.llm.stats()["max_in_flight"] == SLOTS
+        assert scene.calls() == dict.fromkeys(scene.commands, 1)
 
 
 async def test_at_stop_the_deliveries_waiting_for_a_slot_are_sent_again_uncalled(
     amqp_url: str, mongo: Any, db_prefix: str
 ) -> None:
-    llm = await start_fake_llm(FakeLLMConfig(latency_ms=LATENCY_MS))
-    env = _settings(amqp_url, mongo, db_prefix, llm)
-    settings = ScorerSettings.model_validate(env)
-    model_settings = ModelSettings.model_validate(env)
-    commands = _commands(2 * SLOTS)
-    await _publish(settings, list(commands.values()))
-    try:
-        async with _queue(amqp_url) as channel:
-            async with running(create_scorer(settings, model_settings)):
-                await _stats_until(llm, lambda stats: stats["in_flight"] == SLOTS)
-                await eventually(lambda: _is(_ready(channel), 0), what="all in hand")
-            # Stopped while SLOTS calls were in flight and SLOTS deliveries waited.
-            called = {m for m, n in llm.stats()["by_id"].items() if n and m in commands}
-            waiting = set(commands) - called
-            assert len(called) == SLOTS, called
-            claims = await _claims(mongo, settings, commands)
-            assert set(claims) == {commands[m].task_id for m in called}, claims
-            assert set(claims.values()) == {"decided"}, claims
-            async with _queue(amqp_url) as peek:
-                sent_again = await _taken(peek)
-                # Fresh copies (acked, published again), not the deliveries handed back.
-                assert [m.redelivered for m in sent_again] == [False] * SLOTS
-                assert [m.headers.get("x-delivery-count", 0) for m in sent_again] == [0] * SLOTS
-                assert {m.correlation_id for m in sent_again} == {
-                    commands[m].task_id for m in waiting
-                }
-            llm.config.latency_ms = QUICK_MS
-            async with running(create_scorer(settings, model_settings)):
-                await eventually(
-                    lambda: _all_decided(mongo, settings, commands), what="all decided"
-                )
-        stats = llm.stats()
-    finally:
-        await llm.stop()
-    assert {marker: stats["by_id"].get(marker) for marker in waiting} == dict.fromkeys(waiting, 1)
-    assert {marker: stats["by_id"].get(marker) for marker in called} == dict.fromkeys(called, 1)
+    async with _scene(amqp_url, mongo, db_prefix, 2 * SLOTS) as scene:
+        called = await _stopped_with_calls_in_flight(scene)
+        claims = await _claims(scene)
+        assert set(claims) == scene.task_ids(called), claims
+        assert set(claims.values()) == {"decided"}, claims
+        async with _queue(amqp_url) as peek:
+            sent_again = await _taken(peek)
+            # Fresh copies (acked, published again), not the deliveries handed back.
+            assert [m.redelivered for m in sent_again] == [False] * SLOTS
+            assert [m.headers.get("x-delivery-count", 0) for m in sent_again] == [0] * SLOTS
+            assert {m.correlation_id for m in sent_again} == scene.task_ids(
+                set(scene.commands) - called
+            )
+        await _scored_by_a_new_scorer(scene)
+        assert scene.calls() == dict.fromkeys(scene.commands, 1)
 
 
 async def test_at_stop_a_redelivery_waiting_for_a_slot_keeps_its_delivery_count(
@@ -173,34 +184,17 @@ async def test_at_stop_a_redelivery_waiting_for_a_slot_keeps_its_delivery_count(
 ) -> None:
     """A fresh copy would start the count again at zero, and the count is what stops a
     message that kills every consumer it reaches."""
-    llm = await start_fake_llm(FakeLLMConfig(latency_ms=LATENCY_MS))
-    env = _settings(amqp_url, mongo, db_prefix, llm)
-    settings = ScorerSettings.model_validate(env)
-    model_settings = ModelSettings.model_validate(env)
-    commands = _commands(2 * SLOTS)
-    await _publish(settings, list(commands.values()))
-    try:
-        async with _queue(amqp_url) as channel:
-            async with _queue(amqp_url) as dying:
-                assert len(await _taken(dying)) == len(commands)
-            # Its channel closed holding them: each comes back with one delivery counted.
-            async with running(create_scorer(settings, model_settings)):
-                await _stats_until(llm, lambda stats: stats["in_flight"] == SLOTS)
-                await eventually(lambda: _is(_ready(channel), 0), what="all in hand")
-            called = {m for m, n in llm.stats()["by_id"].items() if n and m in commands}
-            waiting = {commands[m].task_id for m in set(commands) - called}
-            assert len(waiting) == SLOTS, called
-            async with _queue(amqp_url) as peek:
-                left = await _taken(peek)
-                assert {m.correlation_id for m in left} == waiting
-                assert [m.headers.get("x-delivery-count") for m in left] == [2] * SLOTS
-        llm.config.latency_ms = QUICK_MS
-        async with running(create_scorer(settings, model_settings)):
-            await eventually(lambda: _all_decided(mongo, settings, commands), what="all decided")
-        stats = llm.stats()
-    finally:
-        await llm.stop()
-    assert {marker: stats["by_id"].get(marker) for marker in commands} == dict.fromkeys(commands, 1)
+    async with _scene(amqp_url, mongo, db_prefix, 2 * SLOTS) as scene:
+        async with _queue(amqp_url) as dying:
+            assert len(await _taken(dying)) == len(scene.commands)
+        # Its channel closed holding them: each comes back with one delivery counted.
+        called = await _stopped_with_calls_in_flight(scene)
+        async with _queue(amqp_url) as peek:
+            left = await _taken(peek)
+            assert {m.correlation_id for m in left} == scene.task_ids(set(scene.commands) - called)
+            assert [m.headers.get("x-delivery-count") for m in left] == [2] * SLOTS
+        await _scored_by_a_new_scorer(scene)
+        assert scene.calls() == dict.fromkeys(scene.commands, 1)
 
 
 async def _stats_until(llm: FakeLLM, condition: Callable[[dict[str, Any]], bool]) -> None:
@@ -208,9 +202,7 @@ async def _stats_until(llm: FakeLLM, condition: Callable[[dict[str, Any]], bool]
         await llm.wait_for_stats(condition)
 
 
-async def _taken(
-    channel: aio_pika.abc.AbstractChannel,
-) -> list[aio_pika.abc.AbstractIncomingMessage]:
+async def _taken(channel: aio_pika.abc.AbstractChannel) -> list[Message]:
     """Every message of the score queue, taken unacknowledged (returned when the channel
     closes)."""
     queue = await channel.declare_queue(SCORE_REQUESTS.queue.name, passive=True)
@@ -224,8 +216,6 @@ async def _is(count: Any, expected: int) -> bool:
     return bool(await count == expected)
 
 
-async def _all_decided(
-    mongo: Any, settings: ScorerSettings, commands: dict[str, ScoreText]
-) -> bool:
-    claims = await _claims(mongo, settings, commands)
-    return len(claims) == len(commands) and set(claims.values()) == {"decided"}
+async def _all_decided(scene: Scene) -> bool:
+    claims = await _claims(scene)
+    return len(claims) == len(scene.commands) and set(claims.values()) == {"decided"}

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import aio_pika
 import aiormq
 
+from shared.consumers import ScoreboxBroker
 from shared.contracts import Contract, ScoreText, TaskCompleted, TaskEvent, TaskFailed, utcnow
 from shared.topology import (
     CALLBACK_HEADER,
@@ -109,6 +110,7 @@ async def _send(
     above it costs more CPU per message (`python -m bench.micro` compares the two) for
     nothing these publishes use."""
     target = await broker.declare_exchange(exchange)
+    outcome = "unconfirmed"
     try:
         await target.publish(
             aio_pika.Message(
@@ -124,7 +126,9 @@ async def _send(
             mandatory=True,
             timeout=timeout,
         )
+        outcome = "confirmed"
     except NOT_SENT:
+        outcome = "not_sent"
         raise
     except asyncio.CancelledError as error:
         current = asyncio.current_task()
@@ -135,6 +139,9 @@ async def _send(
         raise PublishUnconfirmed(f"the connection closed: {error!r}") from error
     except Exception as error:
         raise PublishUnconfirmed(repr(error)) from error
+    finally:
+        if isinstance(broker, ScoreboxBroker):
+            broker.metrics.publishes.labels(exchange.name or "(default)", outcome).inc()
 
 
 async def publish_event(broker: RabbitBroker, event: TaskEvent, *, timeout: float) -> None:

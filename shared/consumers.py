@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast, override
@@ -38,6 +39,7 @@ import aio_pika
 from faststream.rabbit import RabbitBroker, RabbitQueue
 
 from shared.acks import ChannelAcks
+from shared.metrics import Metrics
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -58,12 +60,13 @@ CANCEL_ON_CLOSED_S = 0.1
 class Delivery:
     """One delivery as a handler sees it: what it carries, and how to settle it."""
 
-    __slots__ = ("_acks", "_raw", "_settled")
+    __slots__ = ("_acks", "_raw", "settlement")
 
     def __init__(self, raw: AbstractIncomingMessage, acks: ChannelAcks) -> None:
         self._raw = raw
         self._acks = acks
-        self._settled = False
+        # How the handler settled it: "ack", "nack", "reject" or "requeue"; None while not.
+        self.settlement: str | None = None
 
     @property
     def body(self) -> bytes:
@@ -91,16 +94,16 @@ class Delivery:
 
     async def ack(self) -> None:
         """Acknowledge at the end of this loop pass, with the channel's other acks."""
-        if self._settle():
+        if self._settle("ack"):
             self._acks.ack(self._tag)
 
     async def nack(self, *, requeue: bool = True) -> None:
-        if self._settle():
+        if self._settle("nack"):
             await self._raw.nack(requeue=requeue)
             self._acks.settled(self._tag)
 
     async def reject(self, *, requeue: bool = False) -> None:
-        if self._settle():
+        if self._settle("requeue" if requeue else "reject"):
             await self._raw.reject(requeue=requeue)
             self._acks.settled(self._tag)
 
@@ -115,11 +118,11 @@ class Delivery:
     def _tag(self) -> int:
         return cast("int", self._raw.delivery_tag)
 
-    def _settle(self) -> bool:
+    def _settle(self, how: str) -> bool:
         """Mark this delivery settled; False when it already was."""
-        if self._settled:
+        if self.settlement is not None:
             return False
-        self._settled = True
+        self.settlement = how
         return True
 
 
@@ -159,9 +162,15 @@ class _AcksByChannel:
 class _Consuming:
     """The running consumers of one subscription, and the deliveries they are handling."""
 
-    def __init__(self, subscription: _Subscription, acks: _AcksByChannel) -> None:
+    def __init__(self, subscription: _Subscription, acks: _AcksByChannel, metrics: Metrics) -> None:
         self.subscription = subscription
         self._acks = acks
+        queue = subscription.queue.name
+        self._timed = metrics.handling_seconds.labels(queue)
+        self._settled = {
+            how: metrics.deliveries.labels(queue, how)
+            for how in ("ack", "nack", "reject", "requeue", "unsettled", "failed")
+        }
         self.queue: AbstractQueue | None = None
         self.tag: str | None = None
         self.handling = 0
@@ -172,12 +181,15 @@ class _Consuming:
     async def on_delivery(self, raw: AbstractIncomingMessage) -> None:
         self.handling += 1
         self.idle.clear()
+        started = time.perf_counter()
+        delivery = Delivery(raw, self._acks.of(raw.channel))
+        failed = False
         try:
-            delivery = Delivery(raw, self._acks.of(raw.channel))
             if self.subscription.ack_first:
                 await delivery.ack()
             await self.subscription.handler(delivery)
         except Exception:
+            failed = True
             log.exception(
                 "%s: handling message %s failed; it stays unacknowledged until the channel "
                 "closes, then the broker redelivers it",
@@ -188,6 +200,11 @@ class _Consuming:
             self.handling -= 1
             if self.handling == 0:
                 self.idle.set()
+            self._record(delivery, failed=failed, seconds=time.perf_counter() - started)
+
+    def _record(self, delivery: Delivery, *, failed: bool, seconds: float) -> None:
+        self._settled["failed" if failed else (delivery.settlement or "unsettled")].inc()
+        self._timed.observe(seconds)
 
 
 class ScoreboxBroker(RabbitBroker):
@@ -207,9 +224,12 @@ class ScoreboxBroker(RabbitBroker):
         timeout: float,
         prefetch: int | None = None,
         name: str = "scorebox",
+        metrics: Metrics | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(url, graceful_timeout=graceful_timeout, timeout=timeout, **kwargs)
+        # Deliveries handled and publishes (`shared.bus`) are counted here.
+        self.metrics = metrics or Metrics()
         self._url = url
         self._timeout = timeout
         self._graceful_timeout = graceful_timeout
@@ -241,7 +261,7 @@ class ScoreboxBroker(RabbitBroker):
             client_properties={"connection_name": f"{self._name} consumers"},
         )
         for subscription in self._subscriptions:
-            consuming = _Consuming(subscription, self._acks)
+            consuming = _Consuming(subscription, self._acks, self.metrics)
             channel = await self._channel_for(subscription.prefetch)
             queue = subscription.queue
             consuming.queue = await channel.declare_queue(

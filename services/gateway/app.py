@@ -48,7 +48,8 @@ from services.gateway.webhooks_api import NotifierClient, make_notifier_http, we
 from shared.asyncapi import build_document
 from shared.consumers import ScoreboxBroker
 from shared.contracts import DEFAULT_TENANT, new_id, utcnow
-from shared.http import health_router, install_problem_handlers
+from shared.http import admin_guard, health_router, install_problem_handlers
+from shared.metrics import serve_metrics
 from shared.runtime import (
     MongoClient,
     broker_ready,
@@ -180,6 +181,9 @@ def create_app(settings: GatewaySettings, **overrides: Any) -> FastAPI:
     )
     for router in gateway_routes(gateway):
         app.include_router(router)
+    # Last, so outermost: the submissions admission sheds are counted too. The gateway faces
+    # the internet, so its metrics need the admin key.
+    serve_metrics(app, gateway.broker.metrics, guard=admin_guard(settings.admin_api_key))
     return app
 
 

@@ -17,6 +17,7 @@ from services.notifier.consumer import send_delivery, subscribe_deliveries, subs
 from services.notifier.deliveries import DeliveryDeps, RetryPolicy, Sender
 from services.notifier.keyring import Keyring
 from services.notifier.ledger import Ledger
+from services.notifier.metrics import NotifierMetrics
 from services.notifier.notifications import NotificationDeps
 from services.notifier.registry import Callbacks, FailureAlerts
 from services.notifier.sender import WebhookSender, make_ssl_context
@@ -25,6 +26,7 @@ from services.notifier.ssrf import Resolver, SystemResolver, WebhookGuard
 from shared.consumers import ScoreboxBroker
 from shared.contracts import DeliverWebhook, new_id, utcnow
 from shared.http import health_router, install_problem_handlers
+from shared.metrics import serve_metrics
 from shared.runtime import (
     MongoClient,
     broker_ready,
@@ -106,6 +108,7 @@ def create_app(
             rng=rng or random.Random(),  # noqa: S311 - jitter, not cryptography
             owner=f"{socket.gethostname()}:{os.getpid()}:{new_id()[:8]}",
             lease=timedelta(seconds=settings.lease_s),
+            metrics=NotifierMetrics(broker.metrics.registry),
         ),
         timeout_s=settings.broker_timeout_s,
     )
@@ -131,6 +134,7 @@ def create_app(
 
     app = FastAPI(title="Scorebox notifier", lifespan=lifespan)
     install_problem_handlers(app)
+    serve_metrics(app, broker.metrics)
     app.include_router(
         health_router(
             {

@@ -20,6 +20,7 @@ carries: once removed, the delivery is cancelled unsent; once changed, it goes t
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -36,6 +37,7 @@ from services.notifier.errors import (
 )
 from services.notifier.keyring import Keyring
 from services.notifier.ledger import DeliveryRecord, DeliveryState, Ledger
+from services.notifier.metrics import NotifierMetrics
 from services.notifier.registry import FailureAlerts
 from services.notifier.sender import ReceiverAnswer
 from services.notifier.signing import signed_headers
@@ -117,6 +119,7 @@ class DeliveryDeps:
     lease: timedelta
     # The (delivery id, attempt) pairs deliveries of this process are claiming or sending.
     in_hand: InHand[tuple[str, int]] = field(default_factory=InHand)
+    metrics: NotifierMetrics = field(default_factory=NotifierMetrics)
 
 
 def encode_payload(payload: Mapping[str, Any]) -> bytes:
@@ -226,6 +229,7 @@ async def _send(
 ) -> DeliveryDecision:
     """POST the attempt this process claimed (as `owner`) and record what came of it."""
     status: int | None = None
+    started = time.perf_counter()
     try:
         destination = await deps.guard.vet(delivery.url)
         secrets = await deps.keyring.in_force(delivery.tenant_id, now=now)
@@ -237,13 +241,16 @@ async def _send(
         status = answer.status
         judge_answer(answer, now=deps.clock())
     except PermanentDeliveryError as error:
+        deps.metrics.count_attempt(delivery.purpose, "rejected", time.perf_counter() - started)
         return await _give_up(
             delivery, error.reason, status, owner=owner, claimed_at=now, deps=deps
         )
     except TransientDeliveryError as error:
+        deps.metrics.count_attempt(delivery.purpose, "unavailable", time.perf_counter() - started)
         return await _retry_or_give_up(
             delivery, error, status, owner=owner, claimed_at=now, deps=deps
         )
+    deps.metrics.count_attempt(delivery.purpose, "delivered", time.perf_counter() - started)
     await _while_leased(
         lambda: deps.ledger.mark_delivered(delivery, now=deps.clock(), status=answer.status),
         deps=deps,

@@ -35,6 +35,7 @@ from services.scheduler.jobs.fanout import fan_out_rescores
 from services.scheduler.jobs.housekeeping import keep_house
 from services.scheduler.jobs.usage import roll_up_usage
 from services.scheduler.messaging import SchedulerBus
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.runs import RetryPolicy
 from services.scheduler.schedule import JobCatalog
 from services.scheduler.settings import SchedulerSettings
@@ -42,6 +43,7 @@ from services.scheduler.usage_store import DailyUsageStore, UsageRecords
 from shared.consumers import ScoreboxBroker
 from shared.contracts import new_id, utcnow
 from shared.http import health_router, install_problem_handlers
+from shared.metrics import serve_metrics
 from shared.runtime import (
     MongoClient,
     broker_ready,
@@ -138,6 +140,7 @@ def create_app(
         ),
         bus=bus,
         clock=clock,
+        metrics=SchedulerMetrics(broker.metrics.registry),
     )
     meter = UsageMeter(
         records=records,
@@ -180,6 +183,7 @@ def create_app(
     app = FastAPI(title="Scorebox scheduler", lifespan=lifespan)
     app.state.dispatcher = dispatcher
     install_problem_handlers(app)
+    serve_metrics(app, broker.metrics)
     app.include_router(
         health_router(
             {

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +40,7 @@ from services.scheduler.firings import FiringStore
 from services.scheduler.jobs import Clock, JobHandler
 from services.scheduler.messaging import SchedulerBus
 from services.scheduler.metering import Extras, record_task_finished
+from services.scheduler.metrics import UNKNOWN_JOB, SchedulerMetrics
 from services.scheduler.runs import (
     Continue,
     Defer,
@@ -73,6 +74,7 @@ class CronJobRunner:
     retry: RetryPolicy
     bus: SchedulerBus
     clock: Clock
+    metrics: SchedulerMetrics = field(default_factory=SchedulerMetrics)
 
     async def on_message(self, message: Delivery) -> None:
         try:
@@ -95,6 +97,8 @@ class CronJobRunner:
             again = command.model_copy(update={"message_id": new_id(), "not_before": later})
             await self._publish_run(again)
             return
+        job = command.job if command.job in self.handlers else UNKNOWN_JOB
+        self.metrics.count_run(job, decision)
         await self.carry_out(decision, message)
 
     async def carry_out(self, decision: RunDecision, message: Delivery) -> None:

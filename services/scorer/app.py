@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from services.scorer.attempts import Attempts
 from services.scorer.consumer import BrokerActions, subscribe_scorer
+from services.scorer.metrics import ScorerMetrics
 from services.scorer.model import ProviderClient, ScoreModel, build_model, make_http_client
 from services.scorer.model.settings import ModelSettings
 from services.scorer.scoring import RetryPolicy, ScorerDeps
@@ -22,6 +23,7 @@ from shared.bus import publish_event
 from shared.consumers import ScoreboxBroker
 from shared.contracts import TaskEvent, new_id, utcnow
 from shared.http import health_router, install_problem_handlers
+from shared.metrics import serve_metrics
 from shared.runtime import (
     MongoClient,
     broker_ready,
@@ -81,7 +83,9 @@ def create_app(
         owner=f"{socket.gethostname()}:{os.getpid()}:{new_id()[:8]}",
         model_slots=ModelSlots(settings.concurrency),
         started_after=timedelta(seconds=settings.started_after_s),
+        metrics=ScorerMetrics(broker.metrics.registry),
     )
+    deps.metrics.slots_busy.set_function(lambda: deps.model_slots.busy)
     actions = BrokerActions(broker=broker, timeout_s=settings.broker_timeout_s, clock=clock)
     subscribe_scorer(broker, deps, actions, crash_limit=settings.crash_limit)
 
@@ -102,6 +106,7 @@ def create_app(
 
     app = FastAPI(title="Scorebox scorer", lifespan=lifespan)
     install_problem_handlers(app)
+    serve_metrics(app, broker.metrics)
     app.include_router(
         health_router(
             {

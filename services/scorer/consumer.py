@@ -164,6 +164,7 @@ def subscribe_scorer(
             log.exception("scoring %s crashed", command.task_id)
             await _after_crash(command, message, actions, crash_limit=crash_limit)
         else:
+            deps.metrics.count_decision(decision)
             if isinstance(decision, Leave):
                 log.debug("leaving %s unacknowledged: %s", command.task_id, decision.reason)
                 return

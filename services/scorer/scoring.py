@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -19,6 +20,7 @@ from pymongo.errors import PyMongoError
 from services.scorer.attempts import Attempts, Busy, Claimed, Decided, Superseded
 from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Leave, Retry
 from services.scorer.errors import PermanentError, ScoringError, TransientError
+from services.scorer.metrics import ScorerMetrics
 from services.scorer.model import ModelVerdict, ScoreModel, ScoringRequest
 from services.scorer.slots import ModelSlots, SlotsClosed
 from shared.contracts import (
@@ -76,6 +78,7 @@ class ScorerDeps:
     # The attempts deliveries of this process are claiming, calling the model for or
     # recording (task id, generation, attempt).
     in_hand: InHand[tuple[str, int, int]] = field(default_factory=InHand)
+    metrics: ScorerMetrics = field(default_factory=ScorerMetrics)
 
 
 def _sequence(command: ScoreText, phase: Phase) -> int:
@@ -255,13 +258,22 @@ async def _call_model(command: ScoreText, deps: ScorerDeps) -> tuple[Finish | Re
     request = ScoringRequest(
         task_id=command.task_id, text=command.text, rubric=command.rubric, model=command.model
     )
+    started = time.perf_counter()
     try:
         verdict = await deps.model.score(request)
     except TransientError as error:
+        _count_call(deps.metrics, "transient", error.code, started)
         return _retry_or_give_up(command, error, deps), None
     except PermanentError as error:
+        _count_call(deps.metrics, "permanent", error.code, started)
         return _failed(command, error, deps.clock(), dead_letter=False), None
+    _count_call(deps.metrics, "completed", "", started)
     return _completed(command, verdict, deps.clock()), verdict.raw_output
+
+
+def _count_call(metrics: ScorerMetrics, outcome: str, code: str, started: float) -> None:
+    metrics.model_calls.labels(outcome, code).inc()
+    metrics.model_call_seconds.labels(outcome).observe(time.perf_counter() - started)
 
 
 def _outcome_fields(command: ScoreText, now: datetime) -> dict[str, object]:

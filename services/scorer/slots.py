@@ -29,6 +29,7 @@ class ModelSlots:
             raise ValueError(f"at least one model slot is needed, got {size}")
         self._free = asyncio.Semaphore(size)
         self._closed = False
+        self.busy = 0  # slots held now
 
     @asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
@@ -36,11 +37,13 @@ class ModelSlots:
         if self._closed:
             raise SlotsClosed
         await self._free.acquire()
+        self.busy += 1
         try:
             if self._closed:
                 raise SlotsClosed
             yield
         finally:
+            self.busy -= 1
             self._free.release()
 
     def close(self) -> None:

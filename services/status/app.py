@@ -31,6 +31,7 @@ from shared.contracts import (
 )
 from shared.group_writes import GroupWriter
 from shared.http import Problem, health_router, install_problem_handlers
+from shared.metrics import serve_metrics
 from shared.runtime import (
     MongoClient,
     broker_ready,
@@ -71,6 +72,7 @@ def create_app(
 
     app = FastAPI(title="Scorebox status", lifespan=lifespan)
     install_problem_handlers(app)
+    serve_metrics(app, broker.metrics)
     app.include_router(
         health_router(
             {

@@ -16,6 +16,7 @@ from services.gateway.keys import generate_key
 from tests.support_sync import read_line_within
 
 FAKE_LLM_LATENCY_MS = "20"
+ADMIN_KEY = "e2e-admin-key"  # the gateway's admin routes and its /metrics
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,7 @@ def stack(
             "LLM_TIMEOUT_S": "5",
             "RETRY_BASE_S": "0.5",
             "BOOTSTRAP_API_KEY": api_key,
+            "ADMIN_API_KEY": ADMIN_KEY,
             "RATE_LIMIT_PER_MIN": "0",
         },
     )

@@ -27,6 +27,7 @@ import pytest
 import trustme
 from aiohttp import web
 from fastapi import Depends, FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 from pymongo import AsyncMongoClient
 from standardwebhooks import Webhook
 
@@ -348,6 +349,28 @@ async def test_server_errors_are_retried_and_delivered_once(flow: Flow) -> None:
     secret = await flow.secret()
     assert all(_verified(r, secret)["data"]["task_id"] == task_id for r in requests)
     assert record["attempt"] == 3
+
+
+async def test_webhook_attempts_are_counted_in_the_notifiers_metrics(flow: Flow) -> None:
+    async def attempts(outcome: str) -> float:
+        exposition = (await flow.notifier.get("/metrics")).text
+        wanted = {"purpose": "callback", "outcome": outcome}
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(exposition)
+            for sample in family.samples
+            if sample.name == "scorebox_webhook_attempts_total" and sample.labels == wanted
+        )
+
+    before = {outcome: await attempts(outcome) for outcome in ("delivered", "unavailable")}
+    url = flow.receiver.endpoint(503, 200)
+    task_id = new_id()
+    await flow.publish(_completed(task_id, url))
+
+    await flow.settled(task_id, "delivered")
+
+    after = {outcome: await attempts(outcome) for outcome in ("delivered", "unavailable")}
+    assert {key: after[key] - before[key] for key in after} == {"delivered": 1, "unavailable": 1}
 
 
 async def test_a_gone_receiver_is_dead_lettered_with_the_reason(flow: Flow) -> None:

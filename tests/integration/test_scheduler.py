@@ -20,6 +20,7 @@ from typing import Any
 import aio_pika
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from pymongo import AsyncMongoClient
 
 from services.scheduler.app import create_app
@@ -321,6 +322,15 @@ async def test_manual_run_routes_and_a_permanent_failure_is_dead_lettered(env: E
 
         (letter,) = await eventually(dead_lettered, what="the failed run in the DLQ")
         assert "RUBRIC_VERSION" in str(letter.headers[ERROR_HEADER])
+
+        exposition = (await api.get("/metrics")).text
+        runs = {
+            (sample.labels["job"], sample.labels["result"]): sample.value
+            for family in text_string_to_metric_families(exposition)
+            for sample in family.samples
+            if sample.name == "scorebox_cron_runs_total"
+        }
+        assert runs == {("usage-rollup", "finished"): 1, ("rescore-fanout", "gave_up"): 1}
 
 
 # --- usage metering and rollup --------------------------------------------------------------

@@ -1,0 +1,31 @@
+"""The notifier's own metric families (`shared.metrics` has those every service records)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from shared.metrics import DURATION_BUCKETS
+
+
+class NotifierMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        registry = registry or CollectorRegistry()
+        self.attempts = Counter(
+            "scorebox_webhook_attempts",
+            "Webhook attempts made, by purpose (callback, failure_alert) and outcome "
+            "(delivered: a 2xx; unavailable: retried while attempts are left; rejected: "
+            "given up at once).",
+            ["purpose", "outcome"],
+            registry=registry,
+        )
+        self.post_seconds = Histogram(
+            "scorebox_webhook_attempt_seconds",
+            "Duration of a webhook attempt: vetting its address, signing and the POST.",
+            ["purpose"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+
+    def count_attempt(self, purpose: str, outcome: str, seconds: float) -> None:
+        self.attempts.labels(purpose, outcome).inc()
+        self.post_seconds.labels(purpose).observe(seconds)

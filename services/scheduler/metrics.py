@@ -1,0 +1,40 @@
+"""The scheduler's own metric families (`shared.metrics` has those every service records)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter
+
+from services.scheduler.runs import Continue, Defer, Drop, Finished, GiveUp, Retry, RunDecision
+
+UNKNOWN_JOB = "(unknown)"
+
+
+class SchedulerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.runs = Counter(
+            "scorebox_cron_runs",
+            "Deliveries of cron runs by job and what came of them: finished, continued "
+            "(the next slice sent), retry, deferred (not yet due), gave_up (dead-lettered), "
+            "dropped (a duplicate, or a run already final).",
+            ["job", "result"],
+            registry=registry or CollectorRegistry(),
+        )
+
+    def count_run(self, job: str, decision: RunDecision) -> None:
+        self.runs.labels(job, run_result(decision)).inc()
+
+
+def run_result(decision: RunDecision) -> str:
+    match decision:
+        case Finished():
+            return "finished"
+        case Continue():
+            return "continued"
+        case Retry():
+            return "retry"
+        case Defer():
+            return "deferred"
+        case GiveUp():
+            return "gave_up"
+        case Drop():
+            return "dropped"

@@ -1,0 +1,60 @@
+"""The scorer's own metric families (`shared.metrics` has those every service records)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Leave, Retry
+from shared.contracts import TaskCompleted
+from shared.metrics import DURATION_BUCKETS
+
+
+class ScorerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        registry = registry or CollectorRegistry()
+        self.model_calls = Counter(
+            "scorebox_model_calls",
+            "Model calls by outcome (completed; transient: retried if attempts are left; "
+            "permanent: the task fails) and error code.",
+            ["outcome", "code"],
+            registry=registry,
+        )
+        self.model_call_seconds = Histogram(
+            "scorebox_model_call_seconds",
+            "Duration of a model call, retries of an unusable answer included, by outcome.",
+            ["outcome"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.decisions = Counter(
+            "scorebox_scorer_decisions",
+            "What became of a delivery of score.requested: completed, failed, retry, defer "
+            "(sent down the wait ladder: not due, or claimed elsewhere), drop (a duplicate or "
+            "superseded), leave (unacknowledged at stop).",
+            ["decision"],
+            registry=registry,
+        )
+        self.slots_busy = Gauge(
+            "scorebox_model_slots_busy",
+            "Model slots held (claiming or calling the model); at most SCORER_CONCURRENCY.",
+            registry=registry,
+        )
+
+    def count_decision(self, decision: Decision) -> None:
+        self.decisions.labels(decision_label(decision)).inc()
+
+
+def decision_label(decision: Decision) -> str:
+    match decision:
+        case Finish(event=event):
+            return "completed" if isinstance(event, TaskCompleted) else "failed"
+        case Retry():
+            return "retry"
+        case Defer():
+            return "defer"
+        case Hold():
+            return "hold"
+        case Drop():
+            return "drop"
+        case Leave():
+            return "leave"

@@ -1,0 +1,128 @@
+"""Prometheus metrics of one service process, served as `GET /metrics`.
+
+Each composition root builds one `Metrics` (a registry of its own, so that services built
+side by side in one test process never share counters) and hands it to what records:
+the broker (deliveries handled and publishes, `shared.consumers` and `shared.bus`), the
+HTTP app (requests by route template and status, `install_http_metrics`), and the service's
+own handlers (model calls, webhook attempts, cron runs), which add families of their own to
+`metrics.registry`. Queue depths, consumers and confirms are the broker's to report
+(RabbitMQ's `rabbitmq_prometheus` plugin), and what the database does, MongoDB's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+# Seconds: from a quick handler (a projection update) to a model call near its timeout.
+DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# A request to a path no route serves (scanners, typos): one label, not one per path.
+UNMATCHED_ROUTE = "unmatched"
+
+
+class Metrics:
+    """The metric families every service records; `registry` takes a service's own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.deliveries = Counter(
+            "scorebox_deliveries",
+            "Deliveries handled, by queue and how the handler left them "
+            "(ack, nack, reject, requeue, unsettled: kept for the broker to redeliver; "
+            "failed: the handler raised).",
+            ["queue", "settled"],
+            registry=self.registry,
+        )
+        self.handling_seconds = Histogram(
+            "scorebox_delivery_handling_seconds",
+            "Time from a delivery's arrival to the end of its handler, by queue.",
+            ["queue"],
+            buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self.publishes = Counter(
+            "scorebox_publishes",
+            "Publishes with confirms, by exchange and what the broker answered "
+            "(confirmed; not_sent: refused or returned, it reached no queue; unconfirmed: "
+            "no answer, it may be queued).",
+            ["exchange", "outcome"],
+            registry=self.registry,
+        )
+        self.http_seconds = Histogram(
+            "scorebox_http_request_seconds",
+            "HTTP requests answered, by method, route template and status.",
+            ["method", "route", "status"],
+            buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus' text format."""
+        return generate_latest(self.registry)
+
+
+def metrics_router(metrics: Metrics, *, guard: Any = None) -> APIRouter:
+    """`GET /metrics` in Prometheus' text format; `guard` is a dependency that must pass
+    first (the gateway's admin key: it is the one service facing the internet)."""
+    router = APIRouter(tags=["health"], dependencies=[] if guard is None else [guard])
+
+    @router.get("/metrics", response_class=Response, include_in_schema=False)
+    async def exposition() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+def serve_metrics(app: FastAPI, metrics: Metrics, *, guard: Any = None) -> None:
+    """Serve `metrics` at `GET /metrics` of `app`, and count and time every request of `app`
+    by its route template (`/v1/scores/{task_id}`, never the path itself, whose ids would
+    make a series each)."""
+    app.include_router(metrics_router(metrics, guard=guard))
+    app.add_middleware(_HttpMetrics, metrics=metrics)
+
+
+class _HttpMetrics:
+    """A plain ASGI middleware: the status is read off the response's start message."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self._app = app
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500  # what the server answers when the app raises before starting a response
+
+        async def recording_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._app(scope, receive, recording_send)
+        finally:
+            self._metrics.http_seconds.labels(
+                scope["method"], _route_of(scope), str(status)
+            ).observe(time.perf_counter() - started)
+
+
+def _route_of(scope: Scope) -> str:
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    return path if isinstance(path, str) else UNMATCHED_ROUTE

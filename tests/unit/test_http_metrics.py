@@ -1,0 +1,87 @@
+"""`GET /metrics` and the HTTP request metrics of `shared.metrics`."""
+
+from __future__ import annotations
+
+import httpx
+from fastapi import FastAPI
+from pydantic import SecretStr
+
+from shared.http import Problem, admin_guard, install_problem_handlers
+from shared.metrics import Metrics, serve_metrics
+from tests.support import running
+
+
+def app_with_metrics(metrics: Metrics, *, admin_key: str | None = None) -> FastAPI:
+    app = FastAPI()
+    install_problem_handlers(app)
+
+    @app.get("/v1/things/{thing_id}")
+    async def thing(thing_id: str) -> dict[str, str]:
+        if thing_id == "missing":
+            raise Problem(404, "No such thing.")
+        return {"thing_id": thing_id}
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("a bug")
+
+    guard = None if admin_key is None else admin_guard(SecretStr(admin_key))
+    serve_metrics(app, metrics, guard=guard)
+    return app
+
+
+def requests_counted(metrics: Metrics, method: str, route: str, status: str) -> float:
+    labels = {"method": method, "route": route, "status": status}
+    return metrics.registry.get_sample_value("scorebox_http_request_seconds_count", labels) or 0.0
+
+
+async def test_requests_are_counted_by_route_template_and_status() -> None:
+    metrics = Metrics()
+    async with running(app_with_metrics(metrics)) as client:
+        for thing_id in ("a", "b", "missing"):
+            await client.get(f"/v1/things/{thing_id}")
+        await client.get("/no/such/path")
+        await client.get("/another/unknown/path")
+    assert requests_counted(metrics, "GET", "/v1/things/{thing_id}", "200") == 2
+    assert requests_counted(metrics, "GET", "/v1/things/{thing_id}", "404") == 1
+    # Paths no route serves share one series, whatever they are.
+    assert requests_counted(metrics, "GET", "unmatched", "404") == 2
+
+
+async def test_a_handler_that_raises_is_counted_as_a_500() -> None:
+    metrics = Metrics()
+    transport = httpx.ASGITransport(app=app_with_metrics(metrics), raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://scorebox.test") as client:
+        answer = await client.get("/boom")
+    assert answer.status_code == 500
+    assert requests_counted(metrics, "GET", "/boom", "500") == 1
+
+
+async def test_the_exposition_is_prometheus_text_with_every_family() -> None:
+    metrics = Metrics()
+    async with running(app_with_metrics(metrics)) as client:
+        await client.get("/v1/things/a")
+        answer = await client.get("/metrics")
+    assert answer.status_code == 200
+    assert answer.headers["content-type"].startswith("text/plain; version=")
+    text = answer.text
+    for family in (
+        "scorebox_deliveries_total",
+        "scorebox_delivery_handling_seconds",
+        "scorebox_publishes_total",
+        "scorebox_http_request_seconds",
+    ):
+        assert f"# TYPE {family} " in text
+    route = 'route="/v1/things/{thing_id}"'
+    assert f'scorebox_http_request_seconds_count{{method="GET",{route},status="200"}} 1.0' in text
+
+
+async def test_metrics_behind_the_admin_key_need_it() -> None:
+    metrics = Metrics()
+    async with running(app_with_metrics(metrics, admin_key="s3cret")) as client:
+        anonymous = await client.get("/metrics")
+        wrong = await client.get("/metrics", headers={"Authorization": "Bearer nope"})
+        admin = await client.get("/metrics", headers={"Authorization": "Bearer s3cret"})
+    assert (anonymous.status_code, wrong.status_code, admin.status_code) == (401, 401, 200)
+    assert anonymous.headers["content-type"] == "application/problem+json"
+    assert "scorebox_http_request_seconds" in admin.text

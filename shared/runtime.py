@@ -19,6 +19,8 @@ import uvicorn
 from faststream.rabbit import RabbitBroker
 from faststream.rabbit.schemas import Channel
 from pymongo import AsyncMongoClient
+from pythonjsonlogger.json import JsonFormatter
+from uvicorn.config import LOGGING_CONFIG
 
 from shared.bus import BROKER_ERRORS, publish_dead_letter
 from shared.consumers import Delivery, ScoreboxBroker
@@ -38,9 +40,26 @@ GC_YOUNG_THRESHOLD = 20_000
 
 
 def configure_logging(settings: ServiceSettings, service: str) -> None:
+    if settings.log_format == "json":
+        handler = logging.StreamHandler()
+        handler.setFormatter(json_log_formatter(service))
+        logging.basicConfig(level=settings.log_level, handlers=[handler])
+        return
     logging.basicConfig(
-        level=settings.log_level.upper(),
+        level=settings.log_level,
         format=f"%(asctime)s %(levelname)s [{service}] %(name)s: %(message)s",
+    )
+
+
+def json_log_formatter(service: str) -> logging.Formatter:
+    """One JSON object per record: `time` (ISO 8601, UTC), `level`, `logger`, `message`,
+    `service`, any `extra` fields, and `exc_info` with the traceback of an exception."""
+    return JsonFormatter(
+        "{levelname}{name}{message}",
+        style="{",
+        rename_fields={"levelname": "level", "name": "logger"},
+        static_fields={"service": service},
+        timestamp="time",
     )
 
 
@@ -242,12 +261,17 @@ def mongo_ready(client: MongoClient, timeout: float) -> Check:
     return check
 
 
-async def serve(app: FastAPI, *, host: str, port: int, log_level: str) -> None:
-    """Serve an app with uvicorn (uvloop where available) until SIGINT/SIGTERM."""
+async def serve(
+    app: FastAPI, *, host: str, port: int, log_level: str, own_log_format: bool = True
+) -> None:
+    """Serve an app with uvicorn (uvloop where available) until SIGINT/SIGTERM.
+
+    `own_log_format=False` leaves uvicorn's loggers to the root handler (JSON logs)."""
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
+        log_config=LOGGING_CONFIG if own_log_format else None,
         log_level=log_level.lower(),
         access_log=False,
         lifespan="on",
@@ -264,7 +288,13 @@ def run_service(name: str, settings: ServiceSettings, make_app: Callable[[], Fas
     async def main() -> None:
         app = make_app()
         settle_heap()
-        await serve(app, host=settings.http_host, port=settings.port, log_level=settings.log_level)
+        await serve(
+            app,
+            host=settings.http_host,
+            port=settings.port,
+            log_level=settings.log_level,
+            own_log_format=settings.log_format == "text",
+        )
 
     run(main)
 

@@ -6,6 +6,7 @@ Settings are built once in a service's entrypoint and passed down, never read at
 
 from __future__ import annotations
 
+from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, field_validator
@@ -40,6 +41,8 @@ class ServiceSettings(BaseSettings):
         default=0, description="Each service names its own variable (GATEWAY_PORT...)."
     )
     log_level: str = Field(default="INFO", validation_alias="LOG_LEVEL")
+    # `json`: one JSON object per line, uvicorn's lines included, for a log collector.
+    log_format: Literal["text", "json"] = Field(default="text", validation_alias="LOG_FORMAT")
     # Timeouts of the infrastructure calls (seconds).
     broker_timeout_s: float = Field(default=10.0, gt=0, validation_alias="BROKER_TIMEOUT_S")
     mongo_timeout_s: float = Field(default=5.0, gt=0, validation_alias="MONGO_TIMEOUT_S")

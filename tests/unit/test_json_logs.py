@@ -1,0 +1,79 @@
+"""`LOG_FORMAT=json`: one JSON object per line, from our loggers and from uvicorn's."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+import textwrap
+from datetime import datetime
+
+import pytest
+from pydantic import ValidationError
+
+from shared.runtime import json_log_formatter
+from shared.settings import ServiceSettings
+from tests.support_sync import read_line_within
+
+SERVICE = textwrap.dedent(
+    """
+    import logging
+    from fastapi import FastAPI
+    from shared.runtime import run_service
+    from shared.settings import ServiceSettings
+
+    def make_app() -> FastAPI:
+        logging.getLogger("scorebox.probe").warning("built", extra={"task_id": "t-1"})
+        return FastAPI()
+
+    run_service("probe", ServiceSettings.model_validate({"LOG_FORMAT": "json"}), make_app)
+    """
+)
+
+
+def test_a_record_is_one_json_object_with_its_extras_and_traceback() -> None:
+    record = logging.LogRecord(
+        "scorebox.gateway", logging.ERROR, __file__, 1, "boom %s", ("x",), None
+    )
+    error = RuntimeError("a bug")
+    record.exc_info = (RuntimeError, error, None)
+    record.task_id = "t-1"
+    line = json_log_formatter("gateway").format(record)
+
+    assert "\n" not in line
+    entry = json.loads(line)
+    assert (entry["level"], entry["logger"], entry["message"]) == (
+        "ERROR",
+        "scorebox.gateway",
+        "boom x",
+    )
+    assert (entry["service"], entry["task_id"]) == ("gateway", "t-1")
+    assert "RuntimeError: a bug" in entry["exc_info"]
+    assert datetime.fromisoformat(entry["time"]).utcoffset() is not None
+
+
+def test_a_service_run_with_json_logs_writes_only_json_lines_uvicorns_included() -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-c", SERVICE], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    lines: list[str] = []
+    try:
+        while not lines or "Uvicorn running" not in lines[-1]:
+            lines.append(read_line_within(process, timeout_s=30))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        rest, _ = process.communicate(timeout=30)
+    lines += rest.decode().splitlines()
+    entries = [json.loads(line) for line in lines if line.strip()]
+    assert {entry["service"] for entry in entries} == {"probe"}
+    loggers = {entry["logger"] for entry in entries}
+    assert {"scorebox.probe", "uvicorn.error"} <= loggers
+    built = next(entry for entry in entries if entry["logger"] == "scorebox.probe")
+    assert (built["message"], built["task_id"], built["level"]) == ("built", "t-1", "WARNING")
+
+
+def test_an_unknown_log_format_is_refused_at_start_up() -> None:
+    with pytest.raises(ValidationError, match="LOG_FORMAT"):
+        ServiceSettings.model_validate({"LOG_FORMAT": "xml"})

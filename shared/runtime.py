@@ -19,6 +19,7 @@ import uvicorn
 from faststream.rabbit import RabbitBroker
 from faststream.rabbit.schemas import Channel
 from pymongo import AsyncMongoClient
+from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 from uvicorn.config import LOGGING_CONFIG
 
@@ -60,6 +61,8 @@ def json_log_formatter(service: str) -> logging.Formatter:
         rename_fields={"levelname": "level", "name": "logger"},
         static_fields={"service": service},
         timestamp="time",
+        # uvicorn's copy of its message with terminal colour codes in it.
+        reserved_attrs=[*RESERVED_ATTRS, "color_message"],
     )
 
 

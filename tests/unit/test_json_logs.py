@@ -68,6 +68,7 @@ def test_a_service_run_with_json_logs_writes_only_json_lines_uvicorns_included()
     lines += rest.decode().splitlines()
     entries = [json.loads(line) for line in lines if line.strip()]
     assert {entry["service"] for entry in entries} == {"probe"}
+    assert not [entry for entry in entries if "color_message" in entry]  # no terminal codes
     loggers = {entry["logger"] for entry in entries}
     assert {"scorebox.probe", "uvicorn.error"} <= loggers
     built = next(entry for entry in entries if entry["logger"] == "scorebox.probe")

@@ -167,22 +167,32 @@ class _Undo:
     refusals: Refusals
 
     async def discard(self) -> None:
-        try:
-            await self.submissions.discard(self.command.task_id)
-        except DatabaseUnavailable:
-            log.warning("task %s refused, not discarded: written off later", self.command.task_id)
-            self.refusals.note(_refusal_of(self.command))
+        with self.refusals.holding((self.command.task_id,)):
+            try:
+                await self.submissions.discard(self.command.task_id)
+            except DatabaseUnavailable:
+                log.warning(
+                    "task %s refused, not discarded: written off later", self.command.task_id
+                )
+                self.refusals.note(_refusal_of(self.command))
 
     async def give_up(self, in_flight: InFlightGate | None) -> None:
-        """Release the task's in-flight slot, then forget the submission."""
-        if in_flight is not None:
-            try:
-                await in_flight.release(self.command.tenant_id, self.command.task_id)
-            except DatabaseUnavailable:
-                log.warning("task %s: slot not released, written off later", self.command.task_id)
-                self.refusals.note(_refusal_of(self.command, counted=True))
-                return
-        await self.discard()
+        """Release the task's in-flight slot, then forget the submission.
+
+        The outbox sweep of this process keeps off the task meanwhile: the two round trips
+        may outlast its grace period, and it then sent what the client is told was not kept
+        (another replica's sweep may still: see `refusals`)."""
+        with self.refusals.holding((self.command.task_id,)):
+            if in_flight is not None:
+                try:
+                    await in_flight.release(self.command.tenant_id, self.command.task_id)
+                except DatabaseUnavailable:
+                    log.warning(
+                        "task %s: slot not released, written off later", self.command.task_id
+                    )
+                    self.refusals.note(_refusal_of(self.command, counted=True))
+                    return
+            await self.discard()
 
 
 async def _announce_cached_or_discard(

@@ -3,10 +3,11 @@ whose insert landed after the gateway answered 503 (its reply held back by a slo
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -359,3 +360,72 @@ async def test_a_submission_never_sent_to_the_database_needs_no_writing_off() ->
     finally:
         await client.close()
         closed.close()
+
+
+class RefusingBroker:
+    """A broker that refuses every command."""
+
+    async def send(self, command: ScoreText) -> bool:
+        raise BrokerUnavailable("refused")
+
+    async def withdraw(self, commands: Sequence[ScoreText]) -> None:
+        return None
+
+    async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool:
+        raise AssertionError("nothing is cached here")
+
+
+@dataclass
+class SlowRelease:
+    """An in-flight gate whose release waits until `go` is set (a database that slow)."""
+
+    releasing: asyncio.Event = field(default_factory=asyncio.Event)
+    go: asyncio.Event = field(default_factory=asyncio.Event)
+    enabled: bool = True
+
+    async def acquire(self, tenant_id: str, tasks: int) -> None:
+        return None
+
+    async def release(self, tenant_id: str, task_id: str) -> None:
+        self.releasing.set()
+        await self.go.wait()
+
+
+async def test_the_sweep_keeps_off_a_refusal_while_its_records_are_undone(
+    gateway: Gateway,
+) -> None:
+    """A refusal undone more slowly than the grace period (its slot's release, then its
+    record's deletion, each up to `MONGO_TIMEOUT_S`) was sent by the sweep meanwhile: scored,
+    though its client was told nothing was kept."""
+    refusals, gate, publisher = Refusals(), SlowRelease(), Recorded()
+    refused = asyncio.create_task(
+        submit_score(
+            ScoreSubmission(text="Refused by the broker.", use_cache=False),
+            tenant_id="default",
+            idempotency_key=None,
+            submissions=gateway.submissions,
+            publisher=RefusingBroker(),
+            cache=ResultCache(gateway.raw.client, gateway.name, timedelta(hours=1)),
+            policy=SubmitPolicy(max_attempts=3, retention=RETENTION),
+            clock=lambda: NOW,
+            refusals=refusals,
+            in_flight=gate,
+        )
+    )
+    await asyncio.wait_for(gate.releasing.wait(), timeout=10)
+
+    swept = await sweep_outbox(
+        submissions=gateway.submissions,
+        publisher=publisher,
+        clock=lambda: NOW + timedelta(minutes=1),
+        grace=timedelta(seconds=30),
+        refusals=refusals,
+    )
+
+    gate.go.set()
+    with pytest.raises(BrokerUnavailable):
+        await refused
+    assert (swept, publisher.sent) == (0, [])
+    assert await gateway.submissions.interrupted(older_than=NOW + timedelta(days=2)) == []
+    assert refusals.pending() == []
+    assert not refusals.holds("anything")

@@ -39,6 +39,7 @@ import aio_pika
 from faststream.rabbit import RabbitBroker, RabbitQueue
 
 from shared.acks import ChannelAcks
+from shared.log_context import correlated
 from shared.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -185,9 +186,10 @@ class _Consuming:
         delivery = Delivery(raw, self._acks.of(raw.channel))
         failed = False
         try:
-            if self.subscription.ack_first:
-                await delivery.ack()
-            await self.subscription.handler(delivery)
+            with correlated(raw.correlation_id):
+                if self.subscription.ack_first:
+                    await delivery.ack()
+                await self.subscription.handler(delivery)
         except Exception:
             failed = True
             log.exception(

@@ -25,6 +25,7 @@ from uvicorn.config import LOGGING_CONFIG
 
 from shared.bus import BROKER_ERRORS, publish_dead_letter
 from shared.consumers import Delivery, ScoreboxBroker
+from shared.log_context import CorrelationFilter
 from shared.settings import ServiceSettings, redact_url
 from shared.topology import WorkQueue, declare_topology
 
@@ -44,6 +45,7 @@ def configure_logging(settings: ServiceSettings, service: str) -> None:
     if settings.log_format == "json":
         handler = logging.StreamHandler()
         handler.setFormatter(json_log_formatter(service))
+        handler.addFilter(CorrelationFilter())
         logging.basicConfig(level=settings.log_level, handlers=[handler])
         return
     logging.basicConfig(
@@ -54,7 +56,8 @@ def configure_logging(settings: ServiceSettings, service: str) -> None:
 
 def json_log_formatter(service: str) -> logging.Formatter:
     """One JSON object per record: `time` (ISO 8601, UTC), `level`, `logger`, `message`,
-    `service`, any `extra` fields, and `exc_info` with the traceback of an exception."""
+    `service`, any `extra` fields (`correlation_id` while a delivery is handled:
+    `shared.log_context`), and `exc_info` with the traceback of an exception."""
     return JsonFormatter(
         "{levelname}{name}{message}",
         style="{",

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from random import Random
-from typing import cast
+from typing import cast, override
 
 import aio_pika
 import aiormq
@@ -20,6 +21,7 @@ from faststream.rabbit.schemas.queue import QuorumQueueArgs
 
 from shared.acks import ChannelAcks
 from shared.consumers import Delivery, ScoreboxBroker, consume
+from shared.log_context import CorrelationFilter
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
 from tests.support import eventually
@@ -103,6 +105,49 @@ async def test_a_delivery_reaches_its_handler_with_what_it_carries(
     finally:
         await broker.stop()
     assert await queue.ready() == 0  # acked: not redelivered once the consumer is gone
+
+
+async def test_what_a_handler_logs_carries_its_deliverys_correlation_id(
+    amqp_url: str, queue: Queue
+) -> None:
+    broker = new_broker(amqp_url)
+    capture = Captured()
+    records = capture.records
+    capture.addFilter(CorrelationFilter())
+    logger = logging.getLogger("scorebox.test.correlation")
+    logger.addHandler(capture)
+    logger.propagate = False
+
+    @consume(broker, queue.declared)
+    async def handle(delivery: Delivery) -> None:
+        logger.warning("handling %s", delivery.message_id)
+        await asyncio.gather(asyncio.create_task(_log_in_a_task_it_started(logger)))
+        await delivery.ack()
+
+    await queue.put(b"one")
+    await broker.start()
+    try:
+        await eventually(lambda: _true(len(records) == 2), timeout_s=TIMEOUT_S, what="two logs")
+        logger.warning("after the delivery")
+    finally:
+        await broker.stop()
+        logger.removeHandler(capture)
+    correlated = [getattr(record, "correlation_id", None) for record in records]
+    assert correlated == ["c-1", "c-1", None]
+
+
+class Captured(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    @override
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+async def _log_in_a_task_it_started(logger: logging.Logger) -> None:
+    logger.warning("a task the handler started")
 
 
 async def test_settling_twice_is_a_no_op(amqp_url: str, queue: Queue) -> None:

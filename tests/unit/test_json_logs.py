@@ -13,6 +13,7 @@ from datetime import datetime
 import pytest
 from pydantic import ValidationError
 
+from shared.log_context import CorrelationFilter, correlated
 from shared.runtime import json_log_formatter
 from shared.settings import ServiceSettings
 from tests.support_sync import read_line_within
@@ -78,3 +79,20 @@ def test_a_service_run_with_json_logs_writes_only_json_lines_uvicorns_included()
 def test_an_unknown_log_format_is_refused_at_start_up() -> None:
     with pytest.raises(ValidationError, match="LOG_FORMAT"):
         ServiceSettings.model_validate({"LOG_FORMAT": "xml"})
+
+
+def test_records_logged_while_a_delivery_is_handled_carry_its_correlation_id() -> None:
+    formatter, correlation = json_log_formatter("scorer"), CorrelationFilter()
+
+    def logged(message: str) -> dict[str, object]:
+        record = logging.LogRecord("scorebox.scorer", logging.INFO, __file__, 1, message, (), None)
+        correlation.filter(record)
+        entry: dict[str, object] = json.loads(formatter.format(record))
+        return entry
+
+    with correlated("task-7"):
+        inside = logged("scoring")
+    outside = logged("idle")
+
+    assert inside["correlation_id"] == "task-7"
+    assert "correlation_id" not in outside

@@ -404,7 +404,7 @@ async def submit_batch(
         if gate is not None:
             counted = True
             await gate.acquire(tenant_id, len(commands))
-        confirmed = await _send_or_withdraw(publisher, commands)
+        confirmed = await _send_or_withdraw(publisher, commands, refusals=refusals)
     except LimitExceeded:
         await _discard(refusal, batches=batches, submissions=submissions, refusals=refusals)
         raise
@@ -433,11 +433,17 @@ async def submit_batch(
     return BatchSubmitted(record, created=True)
 
 
-async def _send_or_withdraw(publisher: BatchPublisher, commands: Sequence[ScoreText]) -> bool:
+async def _send_or_withdraw(
+    publisher: BatchPublisher, commands: Sequence[ScoreText], *, refusals: Refusals
+) -> bool:
+    """Send the batch's commands; withdraw them when the broker refused one. The sweep keeps
+    off the items while they are withdrawn (a confirmed publish, up to `BROKER_TIMEOUT_S`),
+    and `_give_up` holds them from there on, with no await in between."""
     try:
         return await publisher.send_many(commands)
     except BrokerUnavailable:
-        await publisher.withdraw(commands)
+        with refusals.holding(tuple(command.task_id for command in commands)):
+            await publisher.withdraw(commands)
         raise
 
 
@@ -476,14 +482,15 @@ async def _discard(
     tombstone: a record not deleted here is one a replay accepted, never one whose insert
     is yet to land."""
     assert refusal.batch_id is not None
-    try:
-        if not await batches.discard(refusal.batch_id):
-            log.warning("batch %s was accepted by a replay meanwhile; kept", refusal.batch_id)
-            return
-        await submissions.discard_batch(refusal.batch_id)
-    except DatabaseUnavailable:
-        log.warning("batch %s not discarded; written off later", refusal.batch_id)
-        refusals.note(replace(refusal, counted=False))
+    with refusals.holding(refusal.task_ids):  # the sweep keeps off the items meanwhile
+        try:
+            if not await batches.discard(refusal.batch_id):
+                log.warning("batch %s was accepted by a replay meanwhile; kept", refusal.batch_id)
+                return
+            await submissions.discard_batch(refusal.batch_id)
+        except DatabaseUnavailable:
+            log.warning("batch %s not discarded; written off later", refusal.batch_id)
+            refusals.note(replace(refusal, counted=False))
 
 
 def _commands(

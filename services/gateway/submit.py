@@ -236,8 +236,11 @@ async def _publish_or_discard(
     try:
         confirmed = await publisher.send(command)
     except BrokerUnavailable:
-        await publisher.withdraw([command])
-        await undo.give_up(in_flight)
+        # The withdrawal is a confirmed publish of its own (up to `BROKER_TIMEOUT_S`): the
+        # sweep keeps off the task from here on, not only once its records are undone.
+        with undo.refusals.holding((command.task_id,)):
+            await publisher.withdraw([command])
+            await undo.give_up(in_flight)
         raise
     try:
         if confirmed:

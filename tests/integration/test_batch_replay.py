@@ -366,7 +366,12 @@ class RefusingBatches(Recorded):
         return None
 
 
-async def _refused_by_the_broker(gateway: Gateway, refusals: Refusals, in_flight: InFlight) -> None:
+async def _refused_by_the_broker(
+    gateway: Gateway,
+    refusals: Refusals,
+    in_flight: InFlight,
+    publisher: RefusingBatches | None = None,
+) -> None:
     """A batch of 3, counted in flight, whose commands the broker refuses (503)."""
     with pytest.raises(BrokerUnavailable):
         await submit_batch(
@@ -376,7 +381,7 @@ async def _refused_by_the_broker(gateway: Gateway, refusals: Refusals, in_flight
             idempotency_key=None,
             batches=gateway.batches,
             submissions=gateway.submissions,
-            publisher=RefusingBatches(),
+            publisher=publisher or RefusingBatches(),
             policy=POLICY,
             clock=lambda: T0,
             refusals=refusals,
@@ -448,6 +453,31 @@ async def test_a_refused_batch_is_not_sent_by_a_sweep_while_its_slots_are_releas
     assert in_flight.swept == []
     assert await _sent_by_sweeps(gateway, refusals) == []
     assert await in_flight.count(TENANT) == 0
+
+
+class SweepDuringWithdrawal(RefusingBatches):
+    """The outbox sweep runs while the refused commands are withdrawn (a confirmed publish,
+    up to `BROKER_TIMEOUT_S`)."""
+
+    def __init__(self, gateway: Gateway, refusals: Refusals) -> None:
+        super().__init__()
+        self._meanwhile = (gateway, refusals)
+        self.swept: list[str] = []
+
+    async def withdraw(self, commands: Sequence[ScoreText]) -> None:
+        self.swept += await _sent_by_sweeps(*self._meanwhile)
+
+
+async def test_a_refused_batch_is_not_sent_by_a_sweep_while_its_commands_are_withdrawn(
+    gateway: Gateway,
+) -> None:
+    refusals = Refusals()
+    publisher = SweepDuringWithdrawal(gateway, refusals)
+    in_flight = InFlight(gateway.raw.client, gateway.name, max_per_tenant=100)
+    await _refused_by_the_broker(gateway, refusals, in_flight, publisher)
+
+    assert publisher.swept == []
+    assert await _sent_by_sweeps(gateway, refusals) == []
 
 
 class ReplayDuringRelease(InFlight):

@@ -362,14 +362,30 @@ async def test_a_submission_never_sent_to_the_database_needs_no_writing_off() ->
         closed.close()
 
 
+@dataclass
+class Pause:
+    """A step that waits until `go` is set (a broker or a database that slow)."""
+
+    reached: asyncio.Event = field(default_factory=asyncio.Event)
+    go: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def __call__(self) -> None:
+        self.reached.set()
+        await self.go.wait()
+
+
+@dataclass
 class RefusingBroker:
-    """A broker that refuses every command."""
+    """A broker that refuses every command; withdrawing it takes `withdrawal`."""
+
+    withdrawal: Pause | None = None
 
     async def send(self, command: ScoreText) -> bool:
         raise BrokerUnavailable("refused")
 
     async def withdraw(self, commands: Sequence[ScoreText]) -> None:
-        return None
+        if self.withdrawal is not None:
+            await self.withdrawal()
 
     async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool:
         raise AssertionError("nothing is cached here")
@@ -377,34 +393,36 @@ class RefusingBroker:
 
 @dataclass
 class SlowRelease:
-    """An in-flight gate whose release waits until `go` is set (a database that slow)."""
+    """An in-flight gate whose release takes `release_step`."""
 
-    releasing: asyncio.Event = field(default_factory=asyncio.Event)
-    go: asyncio.Event = field(default_factory=asyncio.Event)
+    release_step: Pause | None = None
     enabled: bool = True
 
     async def acquire(self, tenant_id: str, tasks: int) -> None:
         return None
 
     async def release(self, tenant_id: str, task_id: str) -> None:
-        self.releasing.set()
-        await self.go.wait()
+        if self.release_step is not None:
+            await self.release_step()
 
 
-async def test_the_sweep_keeps_off_a_refusal_while_its_records_are_undone(
-    gateway: Gateway,
+@pytest.mark.parametrize("slow", ["withdrawal", "release"])
+async def test_the_sweep_keeps_off_a_refusal_while_it_is_undone(
+    gateway: Gateway, slow: str
 ) -> None:
-    """A refusal undone more slowly than the grace period (its slot's release, then its
-    record's deletion, each up to `MONGO_TIMEOUT_S`) was sent by the sweep meanwhile: scored,
-    though its client was told nothing was kept."""
-    refusals, gate, publisher = Refusals(), SlowRelease(), Recorded()
+    """A refusal undone more slowly than the grace period (the command's withdrawal, a
+    confirmed publish; the slot's release and the record's deletion, database round trips)
+    was sent by the sweep meanwhile: scored, though its client was told nothing was kept."""
+    pause, publisher, refusals = Pause(), Recorded(), Refusals()
+    broker = RefusingBroker(withdrawal=pause if slow == "withdrawal" else None)
+    gate = SlowRelease(release_step=pause if slow == "release" else None)
     refused = asyncio.create_task(
         submit_score(
             ScoreSubmission(text="Refused by the broker.", use_cache=False),
             tenant_id="default",
             idempotency_key=None,
             submissions=gateway.submissions,
-            publisher=RefusingBroker(),
+            publisher=broker,
             cache=ResultCache(gateway.raw.client, gateway.name, timedelta(hours=1)),
             policy=SubmitPolicy(max_attempts=3, retention=RETENTION),
             clock=lambda: NOW,
@@ -412,7 +430,7 @@ async def test_the_sweep_keeps_off_a_refusal_while_its_records_are_undone(
             in_flight=gate,
         )
     )
-    await asyncio.wait_for(gate.releasing.wait(), timeout=10)
+    await asyncio.wait_for(pause.reached.wait(), timeout=10)
 
     swept = await sweep_outbox(
         submissions=gateway.submissions,
@@ -422,10 +440,9 @@ async def test_the_sweep_keeps_off_a_refusal_while_its_records_are_undone(
         refusals=refusals,
     )
 
-    gate.go.set()
+    pause.go.set()
     with pytest.raises(BrokerUnavailable):
         await refused
     assert (swept, publisher.sent) == (0, [])
     assert await gateway.submissions.interrupted(older_than=NOW + timedelta(days=2)) == []
     assert refusals.pending() == []
-    assert not refusals.holds("anything")

@@ -136,6 +136,7 @@ class _Subscription:
     handler: Handler
     prefetch: int | None  # None: the shared consuming channel, with the broker's prefetch
     ack_first: bool
+    label: str  # the queue's name in metrics
 
 
 class _AcksByChannel:
@@ -166,7 +167,7 @@ class _Consuming:
     def __init__(self, subscription: _Subscription, acks: _AcksByChannel, metrics: Metrics) -> None:
         self.subscription = subscription
         self._acks = acks
-        queue = subscription.queue.name
+        queue = subscription.label
         self._timed = metrics.handling_seconds.labels(queue)
         self._settled = {
             how: metrics.deliveries.labels(queue, how)
@@ -363,16 +364,20 @@ def consume(
     *,
     prefetch: int | None = None,
     ack_first: bool = False,
+    metric_label: str | None = None,
 ) -> Callable[[Handler], Handler]:
     """Subscribe `handler(delivery)`, a plain async function, to `queue` once `broker` starts.
 
     `prefetch` gives the consumer a channel of its own with that prefetch; without it, it
     shares one consuming channel with the broker's prefetch. `ack_first` acks each delivery
-    before its handler runs (for notifications that may be lost).
+    before its handler runs (for notifications that may be lost). `metric_label` names the
+    queue in metrics where its name is one of a kind (a replica's own queue: a series per
+    process started would pile up).
     """
 
     def register(handler: Handler) -> Handler:
-        broker.add_consumer(_Subscription(queue, handler, prefetch, ack_first))
+        label = metric_label or queue.name
+        broker.add_consumer(_Subscription(queue, handler, prefetch, ack_first, label))
         return handler
 
     return register

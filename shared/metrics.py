@@ -22,9 +22,13 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from starlette.routing import Match
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from fastapi import FastAPI
+    from starlette.routing import BaseRoute
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # Seconds: from a quick handler (a projection update) to a model call near its timeout.
@@ -91,15 +95,16 @@ def serve_metrics(app: FastAPI, metrics: Metrics, *, guard: Any = None) -> None:
     by its route template (`/v1/scores/{task_id}`, never the path itself, whose ids would
     make a series each)."""
     app.include_router(metrics_router(metrics, guard=guard))
-    app.add_middleware(_HttpMetrics, metrics=metrics)
+    app.add_middleware(_HttpMetrics, metrics=metrics, routes=app.router.routes)
 
 
 class _HttpMetrics:
     """A plain ASGI middleware: the status is read off the response's start message."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: Sequence[BaseRoute]) -> None:
         self._app = app
         self._metrics = metrics
+        self._routes = routes  # the app's own list: routes added later are found too
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -118,11 +123,15 @@ class _HttpMetrics:
             await self._app(scope, receive, recording_send)
         finally:
             self._metrics.http_seconds.labels(
-                scope["method"], _route_of(scope), str(status)
+                scope["method"], _route_of(scope, self._routes), str(status)
             ).observe(time.perf_counter() - started)
 
 
-def _route_of(scope: Scope) -> str:
+def _route_of(scope: Scope, routes: Sequence[BaseRoute]) -> str:
+    """The template of the route that served the request; for one answered before routing
+    (a submission the gateway's admission control shed), of the route that would have."""
     route = scope.get("route")
+    if route is None:
+        route = next((each for each in routes if each.matches(scope)[0] is Match.FULL), None)
     path = getattr(route, "path", None)
     return path if isinstance(path, str) else UNMATCHED_ROUTE

@@ -50,7 +50,7 @@ from shared.contracts import (
     TaskView,
     parse_task_event,
 )
-from shared.topology import EVENTS, LIVE_EVENTS_BINDING, live_events_queue
+from shared.topology import EVENTS, LIVE_EVENTS_BINDING, LIVE_EVENTS_PREFIX, live_events_queue
 
 if TYPE_CHECKING:
     from aio_pika.abc import AbstractQueue
@@ -344,7 +344,12 @@ def subscribe_live_updates(broker: ScoreboxBroker, live: LiveUpdates, *, replica
     """Consume this replica's live queue (auto-acknowledged: a lost event costs only latency).
     The queue receives events only while `live` binds it (`BrokerLiveBinding`)."""
 
-    @consume(broker, live_events_queue(replica_id), ack_first=True)
+    @consume(
+        broker,
+        live_events_queue(replica_id),
+        ack_first=True,
+        metric_label=LIVE_EVENTS_PREFIX.removesuffix("."),
+    )
     async def wake_waiters(message: Delivery) -> None:
         routing_key = message.routing_key
         try:

@@ -93,6 +93,29 @@ async def test_deliveries_are_counted_by_how_their_handler_left_them(
     assert timed == 7
 
 
+async def test_a_replicas_own_queue_is_counted_under_the_label_it_is_given(
+    amqp_url: str, queue_name: str
+) -> None:
+    """A gateway replica's live queue is named after the replica: by its name, every process
+    started would leave a series of its own behind."""
+    broker = make_broker(ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url}))
+    handled: list[bytes] = []
+
+    @consume(broker, RabbitQueue(queue_name, durable=True, declare=False), metric_label="own")
+    async def handle(delivery: Delivery) -> None:
+        handled.append(delivery.body)
+        await delivery.ack()
+
+    await broker.start()
+    try:
+        await eventually(lambda: _true(len(handled) == 6), timeout_s=TIMEOUT_S, what="six")
+    finally:
+        await broker.stop()
+    assert sample(broker, "scorebox_deliveries_total", {"queue": "own", "settled": "ack"}) == 6
+    exposition = broker.metrics.exposition().decode()
+    assert queue_name not in exposition
+
+
 async def test_publishes_are_counted_by_what_the_broker_answered(amqp_url: str) -> None:
     broker = make_broker(ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url}))
     await broker.start()

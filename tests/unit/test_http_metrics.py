@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import httpx
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from pydantic import SecretStr
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from shared.http import Problem, admin_guard, install_problem_handlers
 from shared.metrics import Metrics, serve_metrics
@@ -46,6 +48,36 @@ async def test_requests_are_counted_by_route_template_and_status() -> None:
     assert requests_counted(metrics, "GET", "/v1/things/{thing_id}", "404") == 1
     # Paths no route serves share one series, whatever they are.
     assert requests_counted(metrics, "GET", "unmatched", "404") == 2
+
+
+class ShedPosts:
+    """Answers every POST 503 before routing, as the gateway's admission control sheds."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            await JSONResponse({"detail": "shed"}, status_code=503)(scope, receive, send)
+            return
+        await self._app(scope, receive, send)
+
+
+async def test_a_request_answered_before_routing_is_counted_under_its_route() -> None:
+    metrics = Metrics()
+    app = FastAPI()
+
+    @app.post("/v1/things/{thing_id}")
+    async def create(thing_id: str) -> None:
+        raise AssertionError("shed before it gets here")
+
+    app.add_middleware(ShedPosts)
+    serve_metrics(app, metrics)  # outermost, as the gateway has it
+    async with running(app) as client:
+        await client.post("/v1/things/a")
+        await client.post("/nowhere")
+    assert requests_counted(metrics, "POST", "/v1/things/{thing_id}", "503") == 1
+    assert requests_counted(metrics, "POST", "unmatched", "503") == 1
 
 
 async def test_a_handler_that_raises_is_counted_as_a_500() -> None:

@@ -40,6 +40,7 @@ from shared.contracts import (
     TaskFailure,
     TaskHistory,
     TaskRetrying,
+    TaskStarted,
     TaskStatus,
     TaskView,
     accepted_event,
@@ -83,6 +84,10 @@ async def ensure_indexes(tasks: Tasks) -> None:
 
 
 def _fields_of(event: TaskEvent, change: StateChange, *, finished_ttl: timedelta) -> Document:
+    """What an applied (newer) event sets. Within a generation a result exists only once its
+    attempt completed, so every other event clears one: it can only be an earlier
+    generation's, left when the re-score's `task.accepted` (sent best effort) was lost or
+    overtaken, and the task then showed the old rubric's result next to its new status."""
     fields: Document = {
         "tenant_id": event.tenant_id,
         "status": change.status.value,
@@ -104,9 +109,12 @@ def _fields_of(event: TaskEvent, change: StateChange, *, finished_ttl: timedelta
                 "expires_at": due + UNFINISHED_RETENTION,
                 **_descriptive_fields(event),
             }
+        case TaskStarted():
+            fields["result"] = None  # an earlier generation's (see below)
         case TaskRetrying():
             due = max(event.occurred_at, event.next_attempt_at)
             fields |= {
+                "result": None,
                 "error": _failure(event.error.model_dump(), dead_lettered=False),
                 "next_attempt_at": event.next_attempt_at,
                 "expires_at": due + UNFINISHED_RETENTION,
@@ -119,6 +127,7 @@ def _fields_of(event: TaskEvent, change: StateChange, *, finished_ttl: timedelta
             }
         case TaskFailed():
             fields |= {
+                "result": None,
                 "error": _failure(event.error.model_dump(), dead_lettered=event.dead_lettered),
                 "expires_at": event.occurred_at + finished_ttl,
             }

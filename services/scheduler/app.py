@@ -83,7 +83,12 @@ def create_app(
     daily = DailyUsageStore(mongo, database)
     catalogue = Catalogue(mongo, database)
     checkpoints = Checkpoints(mongo, database)
-    bus = SchedulerBus(broker, timeout_s=settings.broker_timeout_s, clock=clock)
+    bus = SchedulerBus(
+        broker,
+        timeout_s=settings.broker_timeout_s,
+        clock=clock,
+        max_backlog=settings.fanout_max_backlog,
+    )
     jobs = JobCatalog.from_config(config.jobs)
     usage_retention = timedelta(days=config.usage.raw_retention_days)
     owner = f"{socket.gethostname()}:{os.getpid()}:{new_id()[:6]}"

@@ -33,6 +33,7 @@ from shared.topology import (
     CRON,
     EVENTS,
     RESCORE_REQUESTS,
+    SCORE_REQUESTS,
     TASKS,
     USAGE_RETRY_ROUTING_KEY,
     WorkQueue,
@@ -46,6 +47,9 @@ class SchedulerBus:
     broker: RabbitBroker
     timeout_s: float
     clock: Clock
+    # Score and re-score requests waiting above which the fan-out publishes no more pages
+    # (`FANOUT_MAX_BACKLOG`); None: only a full re-score queue holds it back.
+    max_backlog: int | None = None
 
     async def publish_run(
         self, command: RunCronJob, *, headers: Mapping[str, Any] | None = None
@@ -64,7 +68,13 @@ class SchedulerBus:
     async def publish_rescore_page(self, page: Sequence[RescoreTask]) -> None:
         """Publish a page with its confirms in flight together: one round trip per page.
 
-        Raises `DownstreamFull` when the broker refuses one (the re-score queue is full)."""
+        Raises `DownstreamFull` when the page would take the requests waiting for the scorers
+        past `max_backlog`, or when the broker refuses one (the re-score queue is full). The
+        gateway drains the re-score queue into the score queue as fast as it can, so behind a
+        slow scorer it is the score queue that fills: refused there, each request spent its
+        retries in minutes and ended in a dead-letter queue, marked as requested, never
+        scored, while every client submission met a full queue too."""
+        await self._make_sure_of_room(len(page))
         try:
             async with asyncio.timeout(self.timeout_s):
                 await asyncio.gather(
@@ -107,6 +117,24 @@ class SchedulerBus:
             now=self.clock(),
             headers=headers,
         )
+
+    async def _make_sure_of_room(self, wanted: int) -> None:
+        if self.max_backlog is None:
+            return
+        waiting = await self._waiting(SCORE_REQUESTS.name) + await self._waiting(
+            RESCORE_REQUESTS.name
+        )
+        if waiting + wanted > self.max_backlog:
+            raise DownstreamFull(
+                f"{waiting} score and re-score requests wait for the scorers "
+                f"(FANOUT_MAX_BACKLOG {self.max_backlog})"
+            )
+
+    async def _waiting(self, queue_name: str) -> int:
+        """The messages ready in a queue (a passive declaration: fresh counts on each call)."""
+        queue = await self.broker.declare_queue(RabbitQueue(queue_name, declare=False))
+        declared = await queue.declare(timeout=self.timeout_s)
+        return int(declared.message_count or 0)
 
     async def dead_letter_depth(self, work_queue: WorkQueue) -> tuple[int, float | None]:
         """(depth, age in seconds of the oldest dead letter) of a work queue's DLQ.

@@ -13,6 +13,7 @@ from pydantic import Field, SecretStr, field_validator
 from services.scheduler.config import DEFAULT_CONFIG_PATH
 from shared.contracts import known_rubric_version
 from shared.settings import MAX_PREFETCH, ServiceSettings
+from shared.topology import SCORE_QUEUE_MAX_LENGTH
 
 
 class SchedulerSettings(ServiceSettings):
@@ -58,4 +59,13 @@ class SchedulerSettings(ServiceSettings):
     # single delivery stays unacknowledged for long (RabbitMQ's consumer timeout).
     fanout_pages_per_delivery: int = Field(
         default=50, ge=1, validation_alias="FANOUT_PAGES_PER_DELIVERY"
+    )
+    # Score and re-score requests waiting above which the fan-out waits before its next page
+    # (its run waits it out as for a full queue): half the score queue, the rest left to
+    # clients' submissions.
+    fanout_max_backlog: int = Field(
+        default=SCORE_QUEUE_MAX_LENGTH // 2,
+        ge=1,
+        le=SCORE_QUEUE_MAX_LENGTH,
+        validation_alias="FANOUT_MAX_BACKLOG",
     )

@@ -10,13 +10,16 @@ of the queue filling.
 from __future__ import annotations
 
 import pytest
+from faststream.rabbit import RabbitQueue
 
 from services.scheduler.errors import DownstreamFull
 from services.scheduler.messaging import SchedulerBus
 from services.scheduler.settings import SchedulerSettings
-from shared.contracts import ScoreText, new_id, utcnow
+from shared.bus import publish_command
+from shared.consumers import ScoreboxBroker
+from shared.contracts import RescoreTask, ScoreText, new_id, utcnow
 from shared.runtime import make_broker
-from shared.topology import RESCORE_REQUESTS, declare_topology
+from shared.topology import RESCORE_REQUESTS, SCORE_REQUESTS, declare_topology
 from tests.faults.harness import queue_made_full, rabbitmqctl_available
 from tests.support import rescore_request
 
@@ -39,3 +42,40 @@ async def test_a_full_rescore_queue_refuses_a_page_as_downstream_full(amqp_url: 
             with pytest.raises(DownstreamFull):
                 await bus.publish_rescore_page(page)
         await bus.publish_rescore_page(page)  # room again
+
+
+async def test_a_backlog_for_the_scorers_holds_the_next_page_back(amqp_url: str) -> None:
+    """Behind a slow scorer the score queue fills, not the re-score queue (the gateway drains
+    that one at its own pace): the fan-out waits for the requests already waiting, score and
+    re-score ones together, to fall under `FANOUT_MAX_BACKLOG`."""
+    broker = make_broker(SchedulerSettings.model_validate({"RABBITMQ_URL": amqp_url}))
+    async with broker:
+        await broker.connect()
+        await declare_topology(broker)
+        bus = SchedulerBus(broker, timeout_s=TIMEOUT_S, clock=utcnow, max_backlog=6)
+        await purge(broker, SCORE_REQUESTS.name, RESCORE_REQUESTS.name)
+        for _ in range(3):  # waiting for a scorer that does not come
+            await publish_command(broker, ScoreText(task_id=new_id(), text="Slow."), timeout=10)
+
+        await bus.publish_rescore_page(_page(2))  # 3 + 2 waiting: room
+        with pytest.raises(DownstreamFull, match="5 score and re-score requests wait"):
+            await bus.publish_rescore_page(_page(2))  # 5 + 2 > 6
+
+        await purge(broker, SCORE_REQUESTS.name)  # the scorers caught up
+        await bus.publish_rescore_page(_page(2))
+        assert await waiting(broker, RESCORE_REQUESTS.name) == 4
+
+
+def _page(size: int) -> list[RescoreTask]:
+    return [rescore_request(ScoreText(task_id=new_id(), text="Again.")) for _ in range(size)]
+
+
+async def waiting(broker: ScoreboxBroker, name: str) -> int:
+    queue = await broker.declare_queue(RabbitQueue(name, declare=False))
+    return int((await queue.declare(timeout=TIMEOUT_S)).message_count or 0)
+
+
+async def purge(broker: ScoreboxBroker, *names: str) -> None:
+    for name in names:
+        queue = await broker.declare_queue(RabbitQueue(name, declare=False))
+        await queue.purge(timeout=TIMEOUT_S)

@@ -21,6 +21,7 @@ aggregation and its items one keyset-paginated query.
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timedelta
 from typing import Any, Final
 
@@ -45,6 +46,7 @@ from shared.contracts import (
     TaskView,
     accepted_event,
     parse_task_event,
+    utcnow,
 )
 from shared.group_writes import GroupWriter
 from shared.indexes import drop_retired_indexes, string_key
@@ -63,6 +65,7 @@ WITHDRAWN_RETENTION: Final = timedelta(days=7)
 # behind, a delivery held past the broker's consumer timeout) brought the task back as
 # `queued` or `processing`, for ever.
 UNFINISHED_RETENTION: Final = timedelta(days=7)
+log = logging.getLogger("scorebox.status")
 Projected = TaskEvent | ScoreWithdrawn
 
 
@@ -70,10 +73,11 @@ def tasks_collection(client: AsyncMongoClient[Document], database: str) -> Tasks
     return client[database]["tasks"]
 
 
-async def ensure_indexes(tasks: Tasks) -> None:
+async def ensure_indexes(tasks: Tasks, *, now: datetime | None = None) -> None:
     # Every task carries `expires_at` (finished: FINISHED_TASK_TTL_S after its end; otherwise
     # UNFINISHED_RETENTION after its last event); MongoDB's TTL monitor removes it after that.
     await tasks.create_index([("expires_at", ASCENDING)], expireAfterSeconds=0)
+    await expire_unfinished_of_earlier_builds(tasks, now=now or utcnow())
     await tasks.create_index(
         [("tenant_id", ASCENDING), ("batch_id", ASCENDING), ("batch_index", ASCENDING)],
         partialFilterExpression={"batch_id": {"$type": "string"}},
@@ -227,6 +231,20 @@ async def apply_projected(
     return await apply_task_event(
         message, writes=writes, finished_ttl=finished_ttl, history_limit=history_limit
     )
+
+
+async def expire_unfinished_of_earlier_builds(tasks: Tasks, *, now: datetime) -> int:
+    """Give `UNFINISHED_RETENTION` from now to the unfinished documents of builds that wrote
+    them without an expiry (`expires_at: null`, which the TTL monitor never removes): among
+    them the tasks a stale event brought back as `queued` or `processing` for ever, the case
+    the retention is for. Idempotent, and cheap once done (the TTL index finds the nulls).
+    """
+    result = await tasks.update_many(
+        {"expires_at": None}, {"$set": {"expires_at": now + UNFINISHED_RETENTION}}
+    )
+    if result.modified_count:
+        log.info("%d unfinished task(s) of an earlier build now expire", result.modified_count)
+    return result.modified_count
 
 
 def readable(now: datetime) -> Document:

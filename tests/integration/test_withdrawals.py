@@ -17,6 +17,7 @@ from devtools.infra import Endpoint
 from services.status.projection import (
     UNFINISHED_RETENTION,
     apply_projected,
+    ensure_indexes,
     find_task,
     projected_event,
 )
@@ -162,3 +163,48 @@ async def test_a_stale_event_after_the_task_expired_does_not_bring_it_back_for_e
     later = started.occurred_at + UNFINISHED_RETENTION + timedelta(seconds=1)
     back = await find_task(command.task_id, tenant_id=command.tenant_id, tasks=tasks, now=later)
     assert back is None
+
+
+async def test_an_unfinished_task_of_an_earlier_build_expires_after_the_upgrade(
+    tasks: AsyncCollection[Document],
+) -> None:
+    """Earlier builds wrote an unfinished task with `expires_at: null`, which the TTL monitor
+    never removes: such a task (one a stale event brought back, say) read `processing` for
+    ever after the upgrade that gave new documents their expiry."""
+    now = utcnow()
+    await tasks.insert_many(
+        [
+            {
+                "_id": "legacy",
+                "tenant_id": "acme",
+                "status": "processing",
+                "sequence": 3,
+                "generation": 0,
+                "attempts": 1,
+                "created_at": now,
+                "updated_at": now,
+                "expires_at": None,
+            },
+            {
+                "_id": "current",
+                "tenant_id": "acme",
+                "status": "processing",
+                "sequence": 3,
+                "generation": 0,
+                "attempts": 1,
+                "created_at": now,
+                "updated_at": now,
+                "expires_at": now + timedelta(hours=2),
+            },
+        ]
+    )
+
+    await ensure_indexes(tasks, now=now)
+    await ensure_indexes(tasks, now=now + timedelta(days=1))  # each start: changes nothing more
+
+    expiries = {doc["_id"]: doc["expires_at"] async for doc in tasks.find({})}
+    wanted = {"legacy": now + UNFINISHED_RETENTION, "current": now + timedelta(hours=2)}
+    for task_id, expiry in wanted.items():  # BSON dates keep milliseconds
+        assert abs(expiries[task_id] - expiry) < timedelta(milliseconds=1), task_id
+    later = now + UNFINISHED_RETENTION + timedelta(seconds=1)
+    assert await find_task("legacy", tenant_id="acme", tasks=tasks, now=later) is None

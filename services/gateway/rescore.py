@@ -19,11 +19,17 @@ Each delivery is acknowledged by hand:
 - unknown task (expired after `IDEMPOTENCY_TTL_S`, never existed, another tenant's), a text
   not kept (accepted before texts were kept) or a version already re-scored: logged, acked;
 - MongoDB unavailable: retried in place (`keep_trying`); the delivery is held meanwhile;
-- the command not confirmed (a full score queue refusing publishes, broker trouble): the
-  request goes down the wait ladder with the next `attempt`, after 5 s, 30 s, 2 min and
-  10 min, and then to the DLQ with the error; acked either way. Its claim stays unsent, so
-  the retry resumes it with the same generation. That publish is tried until the broker
-  confirms it, the delivery held meanwhile (`keep_publishing`).
+- the command not confirmed (broker trouble): the request goes down the wait ladder with
+  the next `attempt`, after 5 s, 30 s, 2 min and 10 min, and then to the DLQ with the error;
+  acked either way. Its claim stays unsent, so the retry resumes it with the same
+  generation. That publish is tried until the broker confirms it, the delivery held
+  meanwhile (`keep_publishing`).
+- the command refused by the broker (a negative confirm: the score queue full): the same
+  ladder, and then every 10 min for as long as the queue refuses, never to the DLQ. A full
+  queue is back-pressure (clients' submissions filling it, a slow scorer) that outlasts the
+  ladder; given up, the request was lost for good: its task is marked re-scored for the
+  version both here and in the scheduler's catalogue, so no later run asks again, and
+  nothing replays that DLQ.
 
 Why the wait ladder rather than leaving the delivery unacknowledged: a full score queue is
 back-pressure that lasts minutes; an unacknowledged delivery would hold a prefetch slot until
@@ -38,7 +44,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Final, Protocol
 
+import aiormq
 from faststream.rabbit import RabbitBroker
+from pamqp.commands import Basic
 from pydantic import ValidationError
 
 from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
@@ -145,6 +153,16 @@ def _log_outcome(request: RescoreTask, outcome: RescoreOutcome) -> None:
             log.info("re-score of %s ignored: a duplicate request", where)
 
 
+def refused_for_room(error: BrokerUnavailable) -> bool:
+    """Whether the broker answered the publish with a negative confirm: with the score
+    queue's `reject-publish` overflow, a full queue (rather than an unroutable message, a
+    timeout or a lost connection)."""
+    cause = error.__cause__
+    return isinstance(cause, aiormq.exceptions.DeliveryError) and isinstance(
+        cause.frame, Basic.Nack
+    )
+
+
 def may_resume(request: RescoreTask, message: Delivery) -> bool:
     """Only a retry or a redelivery may resume an unsent claim: a first delivery meeting one
     is a duplicate whose twin is being sent right now."""
@@ -185,14 +203,15 @@ class RescoreRequests:
     async def _retry_later(
         self, request: RescoreTask, message: Delivery, error: BrokerUnavailable
     ) -> None:
-        """Send the request down the wait ladder, or to the DLQ after its last attempt."""
-        if request.attempt > len(RETRY_DELAYS_S):
+        """Send the request down the wait ladder, or to the DLQ after its last attempt unless
+        the broker refused it for want of room."""
+        if request.attempt > len(RETRY_DELAYS_S) and not refused_for_room(error):
             await self._dead_letter(request, message, error)
         else:
             await self._send_again(request, error)
 
     async def _send_again(self, request: RescoreTask, error: BrokerUnavailable) -> None:
-        delay = timedelta(seconds=RETRY_DELAYS_S[request.attempt - 1])
+        delay = timedelta(seconds=RETRY_DELAYS_S[min(request.attempt, len(RETRY_DELAYS_S)) - 1])
         log.warning(
             "re-score of %s not sent (%r); attempt %d in %s",
             request.task_id,

@@ -13,8 +13,10 @@ from datetime import timedelta
 from typing import Any
 
 import aio_pika
+import aiormq
 import pytest
 from faststream.rabbit import RabbitBroker
+from pamqp.commands import Basic
 from pymongo import AsyncMongoClient
 
 from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
@@ -30,16 +32,22 @@ Mongo = AsyncMongoClient[dict[str, Any]]
 
 
 class ScriptedPublisher:
-    """Refuses the first `refusals` commands, then confirms; records what it sent."""
+    """Refuses the first `refusals` commands, then confirms; records what it sent. A refusal
+    is the broker's negative confirm (a full score queue) when `full`, else a confirm that
+    never came."""
 
-    def __init__(self, refusals: int = 0) -> None:
+    def __init__(self, refusals: int = 0, *, full: bool = False) -> None:
         self.refusals = refusals
+        self.full = full
         self.sent: list[ScoreText] = []
 
     async def resubmit(self, command: ScoreText) -> None:
         if self.refusals > 0:
             self.refusals -= 1
-            raise BrokerUnavailable("negative confirm: the score queue is full")
+            if self.full:
+                nack = aiormq.exceptions.DeliveryError(None, Basic.Nack(delivery_tag=1))
+                raise BrokerUnavailable("negative confirm: the score queue is full") from nack
+            raise BrokerUnavailable("no confirm within the timeout")
         self.sent.append(command)
 
 
@@ -188,6 +196,26 @@ async def test_the_last_attempt_goes_to_the_dead_letter_queue(env: Env) -> None:
     assert RescoreTask.model_validate_json(letter.body).task_id == command.task_id
     assert (letter.message_id, letter.correlation_id) == (request.message_id, command.task_id)
     assert "not sent after 5 attempts" in str(letter.headers[ERROR_HEADER])
+
+
+async def test_a_request_the_full_score_queue_refuses_is_never_given_up(env: Env) -> None:
+    """Past its ladder, a re-score the full score queue refuses goes on waiting (every 10 min):
+    dead-lettered, it was lost for good, its task marked re-scored for the version."""
+    await env.take(RESCORE_REQUESTS.dead_letter_routing_key)
+    await env.take("scorebox.wait.10m")
+    command = await accepted_submission(env.submissions())
+    request = rescore_request(command, attempt=5)
+    delivery = HandedDelivery(request.model_dump_json().encode())
+
+    await env.consumer(ScriptedPublisher(refusals=1, full=True), env.submissions()).on_message(
+        delivery
+    )
+
+    assert delivery.settled == ["ack"]
+    assert await env.take(RESCORE_REQUESTS.dead_letter_routing_key) == []
+    [waiting] = await env.take("scorebox.wait.10m")
+    again = RescoreTask.model_validate_json(waiting.body)
+    assert (again.task_id, again.attempt) == (command.task_id, 6)
 
 
 async def test_a_database_outage_is_waited_out(env: Env) -> None:

@@ -105,5 +105,18 @@ class Checkpoints:
         return None if document is None else Checkpoint.from_document(document)
 
     async def delete_finished_before(self, cutoff: datetime) -> int:
-        result = await self._collection.delete_many({"finished_at": {"$lt": cutoff}})
+        """Delete the checkpoints of runs finished before `cutoff`, and of runs given up
+        (never finished) whose last step was before it: a run that goes on touches its
+        checkpoint at every delivery, at least every `SCHEDULER_RETRY_CAP_S` while it waits
+        for room, and is given up after 6 hours of that."""
+        result = await self._collection.delete_many(
+            {
+                "$or": [
+                    # `$type`: MongoDB never compares null with a date, but the stand-in
+                    # (mongoeco) does, and took every unfinished run for finished long ago.
+                    {"finished_at": {"$type": "date", "$lt": cutoff}},
+                    {"finished_at": None, "updated_at": {"$lt": cutoff}},
+                ]
+            }
+        )
         return result.deleted_count

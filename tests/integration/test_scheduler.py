@@ -664,3 +664,20 @@ async def test_housekeeping_expires_own_records_and_reports_dead_letters(env: En
     assert projection.oldest_age_s >= 0
     assert all(q.oldest_age_s is None for q in alert.queues if q.depth == 0)
     await drain(env.amqp_url, STATUS_PROJECTION.dead_letter_routing_key)
+
+
+async def test_housekeeping_deletes_the_checkpoints_of_runs_given_up_too(env: Env) -> None:
+    """A run given up (its attempts spent, or 6 hours of waiting for room) never finishes:
+    its checkpoint was kept for ever, one per failed run."""
+    checkpoints = Checkpoints(env.mongo, env.database)
+    long_ago, cutoff = datetime(2029, 1, 1, tzinfo=UTC), datetime(2029, 6, 1, tzinfo=UTC)
+    for run_id in ("finished", "given-up", "running"):
+        started = cutoff + timedelta(days=1) if run_id == "running" else long_ago
+        await checkpoints.start_or_resume(
+            run_id, job="rescore-fanout", rubric_version="v2", now=started
+        )
+    await checkpoints.finish("finished", now=long_ago)
+
+    assert await checkpoints.delete_finished_before(cutoff) == 2
+    assert await checkpoints.find("running") is not None
+    assert await checkpoints.find("given-up") is None

@@ -7,11 +7,13 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, SecretStr, model_validator
 
+from services.gateway.api import json_body, read_model
 from services.gateway.deadletters import DeadLetterQueue, Walk
 from services.gateway.errors import DatabaseUnavailable, Unavailable
+from services.gateway.keys_api import ADMIN_BODY_LIMIT
 from shared.bus import BROKER_ERRORS
 from shared.http import Problem, admin_guard
 
@@ -51,10 +53,15 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
                 return asdict(letter)
         raise Problem(404, f"No dead letter with message or task id {letter_id!r}{_unseen(walk)}.")
 
-    @router.post("/dead-letters/replay", summary="Send dead letters back with fresh attempts")
-    async def replay_dead_letters(request: ReplayRequest) -> dict[str, list[str]]:
+    @router.post(
+        "/dead-letters/replay",
+        summary="Send dead letters back with fresh attempts",
+        openapi_extra=json_body(ReplayRequest),
+    )
+    async def replay_dead_letters(request: Request) -> dict[str, list[str]]:
+        wanted = await read_model(request, ReplayRequest, what="replay", limit=ADMIN_BODY_LIMIT)
         with _broker_away_is_503():
-            replay = await dead_letters.replay(None if request.all else request.ids)
+            replay = await dead_letters.replay(None if wanted.all else wanted.ids)
         return asdict(replay)
 
     @router.delete("/dead-letters", summary="Purge the dead-letter queue")

@@ -7,17 +7,18 @@ whole), 400 not JSON, 422 invalid fields.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from services.gateway.auth import Caller
 from services.gateway.cache import ResultCache
@@ -115,6 +116,27 @@ async def parse_submission(request: Request, settings: GatewaySettings) -> Score
         return ScoreSubmission.model_validate(payload)
     except ValidationError as error:
         raise invalid_fields(error) from error
+
+
+async def read_model[M: BaseModel](request: Request, model: type[M], *, what: str, limit: int) -> M:
+    """`read_json_object`, then the model's checks (422 naming each field). A route that takes
+    its body this way reads it after its dependencies, an admin key's check among them:
+    declared as a parameter, FastAPI reads and parses a body of any size before them."""
+    payload = await read_json_object(request, what=what, limit=limit)
+    try:
+        return model.model_validate(payload)
+    except ValidationError as error:
+        raise invalid_fields(error) from error
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The `openapi_extra` of a route that reads `model` with `read_model`."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": model.model_json_schema()}},
+        }
+    }
 
 
 def invalid_fields(error: ValidationError) -> Problem:
@@ -276,24 +298,30 @@ def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
         responses=dict.fromkeys((401, 404, 429, 503), _PROBLEM),
     )
     async def read(
+        request: Request,
         task_id: str,
         caller: Caller = authenticated,
         wait: Annotated[float, Query(ge=0, le=60, description="Long-poll up to N s.")] = 0,
         status: Annotated[TaskStatus | None, Query(description="The status you have.")] = None,
-    ) -> JSONResponse:
+    ) -> Response:
         if wait > 0 and TASK_ID.match(task_id):
             try:
-                view = await read_when_changed(
-                    lambda: _read(task_id, caller, deps),
-                    live=deps.live,
-                    task_id=task_id,
-                    tenant_id=caller.tenant_id,
-                    wait_s=wait,
-                    known_status=status,
-                    settle_s=deps.settings.live_settle_s,
+                view = await unless_gone(
+                    request,
+                    read_when_changed(
+                        lambda: _read(task_id, caller, deps),
+                        live=deps.live,
+                        task_id=task_id,
+                        tenant_id=caller.tenant_id,
+                        wait_s=wait,
+                        known_status=status,
+                        settle_s=deps.settings.live_settle_s,
+                    ),
                 )
             except WaiterLimitReached as error:
                 raise waiter_problem(error) from error
+            except ClientGone:
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
         else:
             view = await _read(task_id, caller, deps)
         if view is None:
@@ -301,6 +329,41 @@ def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
         return _view_json(view)
 
     return router
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+# nginx's status for a request its client closed: no client reads it, the metrics do.
+CLIENT_CLOSED_REQUEST = 499
+
+
+async def unless_gone[T](request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """`work`'s result, or `ClientGone` (the work cancelled) once the client disconnects.
+
+    uvicorn does not cancel a handler whose client went away: a long-poll whose client gave
+    up held its waiter place (of the replica's and the tenant's) and woke to read the status
+    service for up to 60 s, and a client retrying on a short timeout held one per try, until
+    its tenant was answered 429."""
+    answer = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (answer, gone):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(answer, gone, return_exceptions=True)
+    if answer.cancelled() or not answer.done():
+        raise ClientGone
+    return answer.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has disconnected (a GET's empty body read first)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _read(task_id: str, caller: Caller, deps: GatewayDeps) -> TaskView | None:

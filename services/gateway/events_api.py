@@ -4,7 +4,10 @@ A stream first replays the changes the client has not seen (those after `Last-Ev
 the status service's history of the task), then sends the live ones as this replica hears
 them, and ends after the terminal state. Each event's `id:` is the change's sequence, so a
 client that reconnects with `Last-Event-ID` gets exactly what it missed; one that reconnects
-after the terminal state gets `204 No Content`, which tells an `EventSource` to stop.
+after the terminal state gets `204 No Content`, which tells an `EventSource` to stop. A
+change heard live that the status service has not recorded yet (it lags by more than
+`LIVE_SETTLE_S`, or is away) is sent without an `id:` (its data carries its `sequence`): a
+reconnection resumes from the last recorded change and may see it again.
 
 Limits: a comment line every `SSE_HEARTBEAT_S` keeps proxies from closing an idle stream; a
 stream lasts at most `SSE_MAX_STREAM_S` (the client resumes with `Last-Event-ID`); the waiters
@@ -33,6 +36,7 @@ from services.gateway.push import (
     HistoryReader,
     HistorySource,
     LiveUpdates,
+    Settled,
     Waiter,
     WaiterLimitReached,
     history_settled,
@@ -68,8 +72,13 @@ def _after(last_event_id: str | None) -> int:
     return int(last_event_id)
 
 
-def _frame(task_id: str, change: StateChange) -> bytes:
+def _frame(task_id: str, change: StateChange, *, resumable: bool = True) -> bytes:
+    """One SSE frame; `resumable=False` for a change heard live that the status service has
+    not recorded yet: no `id`, so a reconnection resumes from the last recorded one (and may
+    see this change again, once recorded)."""
     data = orjson.dumps({"task_id": task_id, **change.model_dump(mode="json", exclude_none=True)})
+    if not resumable:
+        return b"data: %s\n\n" % data
     return b"id: %d\ndata: %s\n\n" % (change.sequence, data)
 
 
@@ -213,11 +222,12 @@ async def _stream(
                 waiter.missed, resync_at = False, clock() + RESYNC_S
             elif event.sequence <= last:
                 continue
-            changes = await _changes_after(last, event, read=read, settle_s=settle_s)
-            if changes is None:
+            settled = await _changes_after(last, event, read=read, settle_s=settle_s)
+            if settled is None:
                 return  # expired meanwhile: nothing more will come
+            changes = settled.changes
             for change in changes:
-                yield _frame(task_id, change)
+                yield _frame(task_id, change, resumable=change.sequence <= settled.recorded)
                 last = change.sequence
             if changes and changes[-1].status.is_terminal:
                 return
@@ -227,16 +237,17 @@ async def _stream(
 
 async def _changes_after(
     last: int, event: TaskEvent | None, *, read: HistoryReader, settle_s: float
-) -> list[StateChange] | None:
+) -> Settled | None:
     """The changes after `last`: once they include `event`, or as they are (a resync)."""
     if event is not None:
-        changes = await history_settled(read, after=last, event=event, settle_s=settle_s)
+        settled = await history_settled(read, after=last, event=event, settle_s=settle_s)
     else:
         try:
             history = await read(last)
         except Unavailable:
-            return []  # the status service is away: the stream goes on with live events
+            return Settled([], last)  # the status service is away: live events go on
         if history is None:
             return None
-        changes = history.changes
-    return [change for change in changes if change.sequence > last]
+        settled = Settled(history.changes, max([last, *(c.sequence for c in history.changes)]))
+    newer = [change for change in settled.changes if change.sequence > last]
+    return Settled(newer, settled.recorded)

@@ -11,13 +11,18 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from services.gateway.api import json_body, read_model
 from services.gateway.errors import DatabaseUnavailable
 from services.gateway.keys import KEY_ID, TENANT_ID_PATTERN, ApiKeys
 from shared.http import Problem, admin_guard
+
+MAX_LISTED = 10_000  # keys one listing shows
+# An admin body is small (a replay's 10,000 ids fit in well under this).
+ADMIN_BODY_LIMIT = 1024 * 1024
 
 
 class KeyRequest(BaseModel):
@@ -48,11 +53,17 @@ def key_admin_routes(
     """`forget(key_id)` drops a revoked key from this replica's cache at once."""
     router = APIRouter(prefix="/admin/v1", tags=["admin"], dependencies=[admin_guard(admin_key)])
 
-    @router.post("/keys", status_code=201, summary="Create an API key (shown only this once)")
-    async def create_key(request: KeyRequest) -> JSONResponse:
+    @router.post(
+        "/keys",
+        status_code=201,
+        summary="Create an API key (shown only this once)",
+        openapi_extra=json_body(KeyRequest),
+    )
+    async def create_key(request: Request) -> JSONResponse:
+        wanted = await read_model(request, KeyRequest, what="key request", limit=ADMIN_BODY_LIMIT)
         try:
             key, token = await keys.create(
-                tenant_id=request.tenant_id, name=request.name, now=clock()
+                tenant_id=wanted.tenant_id, name=wanted.name, now=clock()
             )
         except DatabaseUnavailable as error:
             raise _unavailable(error) from error
@@ -63,10 +74,16 @@ def key_admin_routes(
         tenant_id: Annotated[str | None, Query(pattern=TENANT_ID_PATTERN)] = None,
     ) -> dict[str, Any]:
         try:
-            found = await keys.find_all(tenant_id=tenant_id)
+            found = await keys.find_all(tenant_id=tenant_id, limit=MAX_LISTED + 1)
         except DatabaseUnavailable as error:
             raise _unavailable(error) from error
-        return {"count": len(found), "items": [key.public() for key in found]}
+        listed = found[:MAX_LISTED]
+        return {
+            "count": len(listed),
+            # Oldest first: past the limit, the newest keys are not listed; ask per tenant.
+            "truncated": len(found) > MAX_LISTED,
+            "items": [key.public() for key in listed],
+        }
 
     @router.delete("/keys/{key_id}", summary="Revoke an API key")
     async def revoke_key(key_id: str) -> dict[str, Any]:
@@ -75,7 +92,16 @@ def key_admin_routes(
         try:
             key = await keys.revoke(key_id, now=clock())
         except DatabaseUnavailable as error:
-            raise _unavailable(error) from error
+            # The revocation may have landed: this replica asks the database at the key's
+            # next use rather than trusting its cache for `API_KEY_CACHE_TTL_S` more.
+            forget(key_id)
+            raise Problem(
+                503,
+                "The key store did not answer; the key may or may not be revoked: "
+                "revoke it again shortly.",
+                kind="unavailable",
+                headers={"Retry-After": str(error.retry_after_s)},
+            ) from error
         if key is None:
             raise Problem(404, f"No API key {key_id!r}.")
         forget(key_id)

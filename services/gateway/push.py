@@ -409,7 +409,18 @@ async def read_when_changed(
             if event is None:
                 return await read()
             if view.sequence is None or event.sequence > view.sequence:
-                return await read_settled(read, event, settle_s=settle_s)
+                fresh = await read_settled(read, event, settle_s=settle_s)
+                if fresh is None or not _same_as_recorded(view, fresh):
+                    return fresh
+                view = fresh
+
+
+def _same_as_recorded(view: TaskView, fresh: TaskView) -> bool:
+    """Whether `fresh`, the first view the status service gives of a task the long-poll
+    found only in the gateway's own record (no sequence), shows what that record did: its
+    acceptance (`task.accepted` of a scheduled task) changed nothing the client can see, and
+    answering at once broke "after its next state change"."""
+    return view.sequence is None and fresh.status == view.status and not fresh.status.is_terminal
 
 
 async def _listen_within(live: LiveUpdates, seconds: float) -> None:
@@ -419,9 +430,19 @@ async def _listen_within(live: LiveUpdates, seconds: float) -> None:
             await live.listen()
 
 
+@dataclass(frozen=True)
+class Settled:
+    """Changes to show, and the newest sequence among them the status service has recorded:
+    a change past it was heard live only, and a stream gives it no SSE `id` (a reconnection
+    resuming from an id the history does not hold yet was refused as ahead of the task)."""
+
+    changes: list[StateChange]
+    recorded: int
+
+
 async def history_settled(
     read: HistoryReader, *, after: int, event: TaskEvent, settle_s: float
-) -> list[StateChange]:
+) -> Settled:
     """The changes after `after` once the history holds `event` (at most `settle_s` later);
     `event` itself is added when the status service has not caught up by then, or could not
     be read (a stream then still shows a task's end that this replica has heard of)."""
@@ -433,12 +454,15 @@ async def history_settled(
             log.debug("history unavailable, going on with the live event: %r", error)
             history = None
         changes = [] if history is None else history.changes
+        recorded = max([after, *(change.sequence for change in changes)])
         if any(change.sequence == event.sequence for change in changes):
-            return changes
+            return Settled(changes, recorded)
         if history is not None and history.sequence >= event.sequence:
-            return changes  # a newer event won and the history slice dropped this one
+            # A newer event won and the history slice dropped this one.
+            return Settled(changes, recorded)
         if asyncio.get_running_loop().time() >= deadline:
-            return sorted([*changes, StateChange.of_event(event)], key=lambda c: c.sequence)
+            heard = sorted([*changes, StateChange.of_event(event)], key=lambda c: c.sequence)
+            return Settled(heard, recorded)
         await asyncio.sleep(SETTLE_INTERVAL_S)
 
 

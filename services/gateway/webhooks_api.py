@@ -10,6 +10,8 @@ caller's tenant; it never reads the notifier's database.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
 from urllib.parse import quote
@@ -18,7 +20,7 @@ import httpx
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from services.gateway.api import invalid_fields, read_json_object
+from services.gateway.api import json_body, read_model
 from services.gateway.auth import Caller
 from services.gateway.errors import Unavailable
 from services.gateway.settings import GatewaySettings
@@ -64,6 +66,20 @@ class FailureAlert(BaseModel):
         return validate_webhook_url(url)
 
 
+@contextlib.contextmanager
+def _unreadable_is_unavailable() -> Iterator[None]:
+    """An answer of the notifier this gateway cannot read (a proxy's page, a changed schema in
+    a rolling upgrade) is a 503 saying a change may have been made, as a lost answer is: it
+    was a 500, and a client retrying a rotation after it retired the secret its receivers
+    had just been given."""
+    try:
+        yield
+    except (ValidationError, ValueError, KeyError, TypeError) as error:
+        raise NotifierUnavailable(
+            f"unreadable answer from the notifier: {error!r}", maybe_applied=True
+        ) from error
+
+
 def make_notifier_http(settings: GatewaySettings) -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=httpx.Timeout(settings.notifier_timeout_s))
 
@@ -77,18 +93,21 @@ class NotifierClient:
 
     async def signing_secret(self, tenant_id: str) -> SigningSecret:
         response = await self._call("GET", tenant_id, "webhook-secret")
-        return SigningSecret.model_validate_json(response.content)
+        with _unreadable_is_unavailable():
+            return SigningSecret.model_validate_json(response.content)
 
     async def rotate_signing_secret(self, tenant_id: str) -> SigningSecret:
         response = await self._call("POST", tenant_id, "webhook-secret/rotate")
-        return SigningSecret.model_validate_json(response.content)
+        with _unreadable_is_unavailable():
+            return SigningSecret.model_validate_json(response.content)
 
     async def failure_alert(self, tenant_id: str) -> FailureAlert | None:
         response = await self._call("GET", tenant_id, "failure-alert", missing_ok=True)
         if response.status_code == 404:
             return None
         # As registered: a URL checked again here would fail a read once a rule is tightened.
-        return FailureAlert.model_construct(url=str(response.json()["url"]))
+        with _unreadable_is_unavailable():
+            return FailureAlert.model_construct(url=str(response.json()["url"]))
 
     async def register_failure_alert(self, tenant_id: str, alert: FailureAlert) -> None:
         await self._call("PUT", tenant_id, "failure-alert", json=alert.model_dump())
@@ -143,11 +162,7 @@ def _unavailable(error: NotifierUnavailable, *, changes: bool = False) -> Proble
 
 async def _read_alert(request: Request, *, limit: int) -> FailureAlert:
     """The body checks of every JSON body of the API (415, 413, 400, 422 unknown fields)."""
-    payload = await read_json_object(request, what="failure alert", limit=limit)
-    try:
-        return FailureAlert.model_validate(payload)
-    except ValidationError as error:
-        raise invalid_fields(error) from error
+    return await read_model(request, FailureAlert, what="failure alert", limit=limit)
 
 
 def webhook_routes(notifier: NotifierClient, authenticated: Any) -> APIRouter:
@@ -203,12 +218,7 @@ def webhook_routes(notifier: NotifierClient, authenticated: Any) -> APIRouter:
         "/failure-alert",
         response_model=FailureAlert,
         summary="Send every failed task (`task.failed`) to this URL",
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": FailureAlert.model_json_schema()}},
-            }
-        },
+        openapi_extra=json_body(FailureAlert),
         responses=dict.fromkeys((400, 413, 415, 422, 503), _PROBLEM),
     )
     async def register_failure_alert(

@@ -271,6 +271,30 @@ async def test_closed_streams_free_their_place_and_the_limit_answers_429(push: P
         await eventually(place_freed, what="the closed stream's place freed")
 
 
+async def test_long_polls_whose_clients_gave_up_free_their_places(push: Push) -> None:
+    """uvicorn does not cancel a handler whose client went away: a long-poll held its place
+    for its whole wait, so a client retrying on a short timeout filled its tenant's places
+    (answered 429) for up to a minute."""
+    headers = await _key(push.api, f"impatient-{uuid.uuid4().hex[:8]}")
+    tasks = []
+    for _ in range(MAX_WAITERS_PER_TENANT + 1):
+        response = await push.api.post(
+            "/v1/scores",
+            json={"text": f"Wait [[id:{_marker()}]]", "delay_seconds": 600},
+            headers=headers,
+        )
+        tasks.append(response.json()["task_id"])
+    for task_id in tasks[:MAX_WAITERS_PER_TENANT]:  # every place taken, then given up
+        with pytest.raises(httpx.ReadTimeout):
+            await push.api.get(f"/v1/scores/{task_id}?wait=60", headers=headers, timeout=0.5)
+
+    async def place_freed() -> httpx.Response | None:
+        response = await push.api.get(f"/v1/scores/{tasks[-1]}?wait=0.01", headers=headers)
+        return response if response.status_code == 200 else None
+
+    await eventually(place_freed, timeout_s=10, what="the places of the abandoned long-polls")
+
+
 async def test_another_tenants_task_is_404_before_streaming(push: Push) -> None:
     task_id = await push.submit(f"Mine [[id:{_marker()}]]")
     stream = await push.api.get(f"/v1/scores/{task_id}/events", headers=push.other)
@@ -467,5 +491,8 @@ async def test_a_stream_shows_the_end_it_hears_of_while_the_status_service_is_aw
         async with asyncio.timeout(60):  # a hang guard only: it ends with the terminal event
             events, _ = await read_events(lines)
     assert _statuses(events) == ["completed"]
-    assert events[0].id == completed.sequence
+    # Heard live, not recorded by the status service: no id, so that a reconnection resumes
+    # from the last recorded change (with this id, one was refused as ahead of the task).
+    assert events[0].id is None
+    assert events[0].data["sequence"] == completed.sequence
     assert events[0].data["result"]["score"] == 6

@@ -254,6 +254,43 @@ async def test_a_long_poll_ignores_events_its_view_already_reflects() -> None:
     assert views.reads == 2  # the first read, and the one after the wait ran out
 
 
+async def test_an_acceptance_that_shows_what_the_gateways_record_did_is_not_a_change() -> None:
+    """A scheduled task read from the gateway's own record (no sequence) was answered at once
+    by its `task.accepted`, though its status was the one the client had."""
+    live = LiveUpdates()
+    accepted = TaskAccepted(task_id="t1", tenant_id="a", sequence=0, submitted_at=T0)
+    views = Views(_view(TaskStatus.SCHEDULED, None), _view(TaskStatus.SCHEDULED, 0))
+    waiting = asyncio.create_task(
+        read_when_changed(
+            views,
+            live=live,
+            task_id="t1",
+            tenant_id="a",
+            wait_s=60,
+            known_status=TaskStatus.SCHEDULED,
+            settle_s=0,
+        )
+    )
+
+    async def registered() -> bool:
+        return len(live) == 1
+
+    await eventually(registered, what="the long-poll waiting")
+    live.deliver(accepted)
+    await eventually(lambda: _at_least(views, 2), what="the acceptance read")
+    assert not waiting.done()  # still waiting: nothing the client can see changed
+
+    views.views = [_view(TaskStatus.QUEUED, 40)]
+    live.deliver(TaskAccepted(task_id="t1", tenant_id="a", sequence=40, submitted_at=T0))
+    view = await asyncio.wait_for(waiting, 5)
+    assert view is not None
+    assert view.status is TaskStatus.QUEUED
+
+
+async def _at_least(views: Views, reads: int) -> bool:
+    return views.reads >= reads
+
+
 async def test_read_settled_gives_up_after_settle_s_with_what_it_has() -> None:
     views = Views(_view(TaskStatus.QUEUED, 0))
     view = await read_settled(views, _started(), settle_s=0)
@@ -291,16 +328,19 @@ async def test_history_settled_waits_for_the_event_and_returns_what_was_missed()
         _history(_accepted()),
         _history(_accepted(), _started(), _completed()),
     )
-    changes = await history_settled(histories, after=0, event=_completed(), settle_s=5)
-    assert [change.status for change in changes] == [TaskStatus.PROCESSING, TaskStatus.COMPLETED]
+    settled = await history_settled(histories, after=0, event=_completed(), settle_s=5)
+    statuses = [change.status for change in settled.changes]
+    assert statuses == [TaskStatus.PROCESSING, TaskStatus.COMPLETED]
+    assert settled.recorded == _completed().sequence
     assert histories.afters == [0, 0]
 
 
 async def test_history_settled_adds_the_event_when_the_status_service_lags() -> None:
     histories = Histories(_history(_accepted()))
-    changes = await history_settled(histories, after=0, event=_completed(), settle_s=0)
-    assert [change.sequence for change in changes] == [_completed().sequence]
-    assert changes[0].result is not None
+    settled = await history_settled(histories, after=0, event=_completed(), settle_s=0)
+    assert [change.sequence for change in settled.changes] == [_completed().sequence]
+    assert settled.changes[0].result is not None
+    assert settled.recorded == 0  # heard live only: a stream gives it no id
 
 
 class StuckBinding:
@@ -363,15 +403,18 @@ async def _status_away(after: int) -> TaskHistory | None:
 
 
 async def test_history_settled_gives_the_event_when_the_status_service_is_away() -> None:
-    changes = await history_settled(_status_away, after=0, event=_completed(), settle_s=0)
-    assert [change.sequence for change in changes] == [_completed().sequence]
-    assert changes[0].result is not None
+    settled = await history_settled(_status_away, after=0, event=_completed(), settle_s=0)
+    assert [change.sequence for change in settled.changes] == [_completed().sequence]
+    assert settled.changes[0].result is not None
+    assert settled.recorded == 0
 
 
 async def test_a_streams_resync_while_the_status_service_is_away_finds_nothing_new() -> None:
     """The stream goes on (heartbeats, live events) instead of ending: an EventSource whose
     reconnection is answered 503 gives up for good."""
-    assert await _changes_after(0, None, read=_status_away, settle_s=0) == []
+    settled = await _changes_after(0, None, read=_status_away, settle_s=0)
+    assert settled is not None
+    assert settled.changes == []
 
 
 class FakeSubmissions:

@@ -1,0 +1,63 @@
+"""The admin key routes where the key store fails or holds more than one listing shows."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from fastapi import FastAPI
+from pydantic import SecretStr
+
+from services.gateway.errors import DatabaseUnavailable
+from services.gateway.keys import ApiKey, ApiKeys
+from services.gateway.keys_api import MAX_LISTED, key_admin_routes
+from shared.http import install_problem_handlers
+from tests.support import running
+
+NOW = datetime(2030, 1, 1, tzinfo=UTC)
+ADMIN = {"Authorization": "Bearer admin-key"}
+KEY_ID = "0123456789abcdef"
+
+
+class StubKeys(ApiKeys):
+    """A key store holding `count` keys whose revocation times out (perhaps applied)."""
+
+    def __init__(self, count: int = 0) -> None:  # no database behind it
+        self.count = count
+
+    async def find_all(self, *, tenant_id: str | None = None, limit: int = 10_000) -> list[ApiKey]:
+        return [
+            ApiKey(f"{i:016x}", "acme", "", "0" * 64, NOW) for i in range(min(self.count, limit))
+        ]
+
+    async def revoke(self, key_id: str, *, now: datetime) -> ApiKey | None:
+        raise DatabaseUnavailable("timed out")
+
+
+def app_with(keys: StubKeys, forgotten: list[str]) -> FastAPI:
+    app = FastAPI()
+    install_problem_handlers(app)
+    routes = key_admin_routes(
+        keys, SecretStr("admin-key"), clock=lambda: NOW, forget=forgotten.append
+    )
+    app.include_router(routes)
+    return app
+
+
+async def test_a_revocation_the_store_may_have_applied_drops_the_key_from_the_cache() -> None:
+    """The replica kept the key cached, in use for `API_KEY_CACHE_TTL_S`, though the database
+    may have revoked it, and answered that nothing was changed."""
+    forgotten: list[str] = []
+    async with running(app_with(StubKeys(), forgotten)) as client:
+        answer = await client.delete(f"/admin/v1/keys/{KEY_ID}", headers=ADMIN)
+    assert answer.status_code == 503
+    assert "may or may not be revoked" in answer.json()["detail"]
+    assert forgotten == [KEY_ID]
+
+
+async def test_a_listing_past_its_limit_says_it_is_truncated() -> None:
+    async with running(app_with(StubKeys(MAX_LISTED + 5), [])) as client:
+        over = (await client.get("/admin/v1/keys", headers=ADMIN)).json()
+    async with running(app_with(StubKeys(3), [])) as client:
+        under = (await client.get("/admin/v1/keys", headers=ADMIN)).json()
+    assert (over["count"], over["truncated"]) == (MAX_LISTED, True)
+    assert (under["count"], under["truncated"]) == (3, False)

@@ -40,6 +40,7 @@ from services.gateway.push import (
     Waiter,
     WaiterLimitReached,
     history_settled,
+    listen_within,
     read_history,
 )
 from shared.contracts import StateChange, TaskEvent, TaskHistory
@@ -49,6 +50,8 @@ EVENT_STREAM = "text/event-stream"
 # A stream re-reads the history this often even without a live event (a lost live event
 # costs at most this much latency).
 RESYNC_S = 60.0
+# How long a stream's heartbeat waits for the live queue's binding when it is not bound.
+REBIND_WITHIN_S = 1.0
 LAST_EVENT_ID = re.compile(r"^\d{1,18}$")
 
 _EXAMPLE_STREAM = (
@@ -217,6 +220,7 @@ async def _stream(
                 if not await authorised():
                     return  # its key was revoked
                 yield b": keep-alive\n\n"
+                await _bind_if_unbound(live, waiter)
                 if not waiter.missed and clock() < resync_at:
                     continue
                 waiter.missed, resync_at = False, clock() + RESYNC_S
@@ -233,6 +237,17 @@ async def _stream(
                 return
     finally:
         live.close(waiter)
+
+
+async def _bind_if_unbound(live: LiveUpdates, waiter: Waiter) -> None:
+    """Bind the live queue if nothing has since a failed bind: a stream opened while the
+    broker was away heard changes only at its periodic re-read, for its whole life. Once
+    bound, the stream re-reads at once (what changed before the bind was not heard)."""
+    if live.listening:
+        return
+    await listen_within(live, REBIND_WITHIN_S)
+    if live.listening:
+        waiter.missed = True
 
 
 async def _changes_after(

@@ -398,7 +398,7 @@ async def read_when_changed(
     deadline = asyncio.get_running_loop().time() + wait_s  # binding counts against the wait
     with live.waiting(task_id, tenant_id) as waiter:  # before the read: no event slips by
         if wait_s > 0:
-            await _listen_within(live, wait_s)
+            await listen_within(live, wait_s)
         view = await read()
         if view is None or view.status.is_terminal or wait_s <= 0:
             return view
@@ -423,7 +423,7 @@ def _same_as_recorded(view: TaskView, fresh: TaskView) -> bool:
     return view.sequence is None and fresh.status == view.status and not fresh.status.is_terminal
 
 
-async def _listen_within(live: LiveUpdates, seconds: float) -> None:
+async def listen_within(live: LiveUpdates, seconds: float) -> None:
     """`live.listen()`, given up after `seconds` (the bind goes on for later waiters)."""
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(seconds):

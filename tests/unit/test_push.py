@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from services.gateway.errors import StatusUnavailable
-from services.gateway.events_api import _changes_after
+from services.gateway.events_api import _bind_if_unbound, _changes_after
 from services.gateway.push import (
     BIND_RETRY_S,
     HistoryPolicy,
@@ -395,6 +395,24 @@ async def test_long_polls_arriving_together_share_one_bind_and_keep_their_deadli
     binding.failing = False
     await live.listen()
     assert (binding.calls, live.listening) == (2, True)
+    await live.stop_listening()
+
+
+async def test_a_stream_opened_while_binding_failed_binds_at_a_later_heartbeat() -> None:
+    """Nothing bound the live queue after a failed bind unless another request came: a stream
+    opened meanwhile heard changes only at its periodic re-read, for its whole life."""
+    clock, binding = FakeClock(), StuckBinding()
+    binding.done.set()
+    live = LiveUpdates(binding=binding, monotonic=clock)
+    await live.listen()  # the broker away: the bind fails
+    waiter = live.open("t1", "a")
+
+    await _bind_if_unbound(live, waiter)  # within the back-off: no bind tried
+    assert (binding.calls, live.listening, waiter.missed) == (1, False, False)
+    clock.now += BIND_RETRY_S
+    binding.failing = False
+    await _bind_if_unbound(live, waiter)  # a heartbeat after it: bound, and a re-read asked
+    assert (binding.calls, live.listening, waiter.missed) == (2, True, True)
     await live.stop_listening()
 
 

@@ -13,13 +13,14 @@ already decided (replay the decision), or older than what is stored (superseded)
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from pymongo import AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import DuplicateKeyError
+from pymongo.errors import DuplicateKeyError, OperationFailure
 
 from services.scorer import decisions
 from services.scorer.decisions import Finish, Retry
@@ -29,6 +30,10 @@ from shared.indexes import drop_retired_indexes
 
 Document = dict[str, Any]
 RETIRED_LEASE_INDEX = "lease_until_1"
+# An index made again with other options: MongoDB's IndexOptionsConflict, the stand-in's
+# IndexKeySpecsConflict.
+INDEX_CONFLICTS = frozenset({85, 86})
+log = logging.getLogger("scorebox.scorer")
 
 
 @dataclass(frozen=True)
@@ -69,9 +74,30 @@ class Attempts:
         await drop_retired_indexes(self._collection, RETIRED_LEASE_INDEX)
         # Housekeeping of claims: decided ones and stale leases (a worker died, the message went
         # to the DLQ) leave after the retention; a later replay simply claims afresh.
-        await self._collection.create_index(
-            "updated_at", expireAfterSeconds=int(self._retention.total_seconds())
-        )
+        retention_s = int(self._retention.total_seconds())
+        try:
+            await self._collection.create_index("updated_at", expireAfterSeconds=retention_s)
+        except OperationFailure as error:
+            if error.code not in INDEX_CONFLICTS:
+                raise
+            await self._change_retention(retention_s)
+
+    async def _change_retention(self, retention_s: int) -> None:
+        """`ATTEMPTS_RETENTION_S` changed since the index was made: MongoDB refuses the same
+        index with other options, and the scorer never became ready (every start failed on
+        it). `collMod` changes the TTL in place; where it is not served (the stand-in), the
+        index is made again."""
+        log.warning("the attempts' retention changes to %d s", retention_s)
+        try:
+            await self._collection.database.command(
+                {
+                    "collMod": self._collection.name,
+                    "index": {"keyPattern": {"updated_at": 1}, "expireAfterSeconds": retention_s},
+                }
+            )
+        except OperationFailure:
+            await self._collection.drop_index("updated_at_1")
+            await self._collection.create_index("updated_at", expireAfterSeconds=retention_s)
 
     async def claim(
         self,

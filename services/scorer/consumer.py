@@ -44,7 +44,7 @@ from shared.contracts import (
     event_sequence,
     new_id,
 )
-from shared.runtime import keep_dead_lettering, keep_publishing, wait_for_claim
+from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying, wait_for_claim
 from shared.topology import ATTEMPTS_HEADER, SCORE_REQUESTS
 
 log = logging.getLogger("scorebox.scorer")
@@ -184,11 +184,14 @@ async def _at_delivery_limit(
 
     Giving up on a decided attempt published `task.failed` for a task whose result was
     stored, or next to the retry it had scheduled."""
-    try:
-        recorded = await recorded_decision(command, deps=deps)
-    except PyMongoError as error:
-        log.warning("MongoDB unavailable at the delivery limit of %s: %r", command.task_id, error)
-        recorded = None
+    # Waited out while the delivery is held: taken for "nothing decided", a database away at
+    # that moment failed a task whose result may be stored (and published it failed next to
+    # a completion, or to the retry it had scheduled).
+    recorded = await keep_trying(
+        lambda: recorded_decision(command, deps=deps),
+        what=f"reading the recorded decision of {command.task_id} at its delivery limit",
+        retry_on=(PyMongoError,),
+    )
     if recorded is not None:
         log.warning("%s at its delivery limit: carrying its recorded decision out", command.task_id)
         await actions.carry_out(recorded, message)

@@ -153,12 +153,23 @@ async def recorded_decision(
     carry out again (its effects may not have been), Drop when a newer attempt exists, None
     when nothing was decided (the caller gives up on the message)."""
     match await deps.attempts.standing(command):
-        case Decided(decision=decision):
+        case Decided(decision=decision) if _decides(decision, command):
             return decision
+        case Decided():
+            # An earlier attempt's, or an earlier generation's (a re-score or a replay that
+            # reached the limit before any scorer claimed it): this one decided nothing. Its
+            # recorded decision was carried out again and the new run was lost.
+            return None
         case Superseded():
             return Drop("a newer attempt of this task exists")
         case _:
             return None
+
+
+def _decides(decision: Finish | Retry, command: ScoreText) -> bool:
+    """Whether `decision` is the one of the command's own attempt."""
+    event = decision.event
+    return (event.generation, event.attempt) == (command.generation, command.attempt)
 
 
 async def _claim_and_decide(

@@ -79,6 +79,19 @@ async def test_the_scorer_drops_its_unused_lease_index(
     assert await _names(database, "attempts") == {"_id_", "updated_at_1"}
 
 
+async def test_a_changed_attempts_retention_changes_the_index_instead_of_stopping_the_start(
+    client: AsyncMongoClient[Document], database: AsyncDatabase[Document]
+) -> None:
+    """The retention is the TTL index's option, and the same index with another option is
+    refused: a scorer started with a new `ATTEMPTS_RETENTION_S` never became ready."""
+    await Attempts(client, database.name, retention=timedelta(days=7)).ensure_indexes()
+
+    await Attempts(client, database.name, retention=timedelta(days=1)).ensure_indexes()
+
+    indexes = {index["name"]: index async for index in await database["attempts"].list_indexes()}
+    assert indexes["updated_at_1"]["expireAfterSeconds"] == 86_400
+
+
 async def test_batch_and_key_lookups_use_their_partial_indexes(
     mongo: Endpoint, database: AsyncDatabase[Document]
 ) -> None:

@@ -11,12 +11,21 @@ stand-in); the delivery-limit path itself, with nothing decided, is the fault te
 
 from __future__ import annotations
 
-from services.scorer.attempts import Attempts
-from services.scorer.decisions import Drop, Finish
+from dataclasses import replace
+from typing import cast
+
+from pymongo.errors import AutoReconnect
+
+from services.scorer.attempts import Attempts, ClaimResult
+from services.scorer.consumer import BrokerActions, _at_delivery_limit
+from services.scorer.decisions import Decision, Drop, Finish
 from services.scorer.scoring import recorded_decision, score_text
-from shared.contracts import utcnow
+from shared.consumers import Delivery
+from shared.contracts import ScoreText, TaskError, utcnow
+from shared.topology import SCORE_REQUESTS
 from tests.integration import test_scorer_own_claims as own_claims
 from tests.integration.test_scorer_own_claims import LEASE, Deps, _command
+from tests.support import HandedDelivery
 
 attempts = own_claims.attempts  # fixtures
 make_deps = own_claims.make_deps
@@ -55,3 +64,69 @@ async def test_an_attempt_a_newer_one_superseded_is_dropped(
     await attempts.claim(newer, now=utcnow(), lease=LEASE, owner="proc-b:1:live")
 
     assert isinstance(await recorded_decision(command, deps=make_deps("proc-a")), Drop)
+
+
+async def test_a_new_generation_at_the_limit_is_not_given_the_earlier_ones_decision(
+    make_deps: Deps,
+) -> None:
+    """A re-score (generation 1) that reached the delivery limit before any scorer claimed it
+    was answered with generation 0's recorded completion: published again (stale, ignored)
+    and acked, so the re-score never ran and no outcome of it was ever published."""
+    deps = make_deps("proc-a")
+    command, _ = _command("Scored, then re-scored.")
+    assert isinstance(await score_text(command, deps=deps), Finish)
+    rescore = command.model_copy(update={"generation": command.generation + 1, "attempt": 1})
+
+    assert await recorded_decision(rescore, deps=deps) is None
+
+
+class AwayOnce(Attempts):
+    """The scorer's attempts, the database away for the first look at one."""
+
+    def __init__(self, attempts: Attempts) -> None:  # shares the real one's collections
+        self.__dict__.update(attempts.__dict__)
+        self.failed = False
+
+    async def standing(self, command: ScoreText) -> ClaimResult:
+        if not self.failed:
+            self.failed = True
+            raise AutoReconnect("the database is away")
+        return await super().standing(command)
+
+
+class Recording:
+    """The scorer's broker actions, recorded instead of carried out."""
+
+    def __init__(self) -> None:
+        self.done: list[str] = []
+
+    async def carry_out(self, decision: Decision, message: Delivery) -> None:
+        self.done.append(type(decision).__name__)
+
+    async def dead_letter(self, message: Delivery, error: str) -> None:
+        self.done.append("dead-lettered")
+
+    async def fail_task(self, command: ScoreText, error: TaskError, *, dead_lettered: bool) -> None:
+        self.done.append("failed")
+
+
+async def test_a_database_away_at_the_limit_is_waited_out_not_taken_for_nothing_decided(
+    make_deps: Deps, attempts: Attempts
+) -> None:
+    """The task of a decided attempt was dead-lettered and failed when the database did not
+    answer at that moment, though its result was stored."""
+    deps = make_deps("proc-a")
+    command, _ = _command("Decided, then the database blinked.")
+    assert isinstance(await score_text(command, deps=deps), Finish)
+    actions = Recording()
+    limit = SCORE_REQUESTS.delivery_limit
+
+    await _at_delivery_limit(
+        command,
+        HandedDelivery.redelivery(command.model_dump_json().encode(), count=limit),
+        replace(deps, attempts=AwayOnce(attempts)),
+        cast("BrokerActions", actions),
+        limit,
+    )
+
+    assert actions.done == ["Finish"]

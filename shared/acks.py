@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextvars
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -93,7 +94,9 @@ class ChannelAcks:
         the broker redelivers the message as it would after any lost ack. `drain()` waits
         for everything asked for so far, before the connection closes."""
         if not self._due:
-            asyncio.get_running_loop().call_soon(self._flush)
+            # In a context of its own: it sends the acks of many deliveries, not the first's
+            # (whose correlation id its log lines would carry).
+            asyncio.get_running_loop().call_soon(self._flush, context=contextvars.Context())
         self._due.append(tag)
 
     def settled(self, tag: int) -> None:
@@ -118,7 +121,9 @@ class ChannelAcks:
         if not self._due:
             return
         due, self._due = self._due, []
-        task = asyncio.get_running_loop().create_task(self._send(due))
+        task = asyncio.get_running_loop().create_task(
+            self._send(due), context=contextvars.Context()
+        )
         self._flushes.add(task)
         task.add_done_callback(self._flushes.discard)
 

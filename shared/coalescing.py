@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,7 +57,9 @@ class Coalescer[Op, Result](ABC):
         deadline = None if self._deadline_s is None else loop.time() + self._deadline_s
         self._queued.append(Queued(op, outcome, deadline))
         if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.create_task(self._flush_queued())
+            # In a context of its own: it serves every caller queued while it runs, not only
+            # the first (its correlation id in log lines, its `pymongo.timeout`).
+            self._flusher = asyncio.create_task(self._flush_queued(), context=contextvars.Context())
         return await outcome
 
     @abstractmethod

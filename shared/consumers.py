@@ -329,10 +329,14 @@ class ScoreboxBroker(RabbitBroker):
         """Cancel every consumer: no delivery arrives any more, and those in hand go on
         (`stop()` does this first; a service calls it earlier to settle what it holds in a
         way of its own before `stop()` waits for it)."""
-        for each in self._consuming:
-            if not each.cancelled:
-                each.cancelled = True
-                await _cancel(each, timeout=self._timeout)
+        pending = [each for each in self._consuming if not each.cancelled]
+        for each in pending:
+            each.cancelled = True
+        # Together, and within the stop's own bound: one after another, each waiting up to
+        # the broker timeout for a stalled broker's CancelOk, they outlasted the grace period
+        # an orchestrator gives a stop (then SIGKILL).
+        timeout = min(self._timeout, self._graceful_timeout)
+        await asyncio.gather(*(_cancel(each, timeout=timeout) for each in pending))
 
     async def _bounded(self, closing: Awaitable[object], what: str) -> None:
         try:

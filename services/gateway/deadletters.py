@@ -1,8 +1,8 @@
 """Operating the score-requests dead-letter queue: list, show, replay, purge.
 
 Messages are read with `basic.get` and held unacknowledged while the queue is walked, then
-returned with `basic.nack(requeue=True)`. RabbitMQ 3.x and 4.3+ do not count that return
-against the DLQ's delivery limit, 4.0 to 4.2 do, and the DLQ's own limit
+returned with `basic.nack(requeue=True)`. RabbitMQ 4.3+ does not count that return against
+the DLQ's delivery limit, 3.x and 4.0 to 4.2 do, and the DLQ's own limit
 (`shared.topology.DLQ_DELIVERY_LIMIT`) is out of any operator's reach, so looking never loses
 a dead letter. Replay sends a fresh command — next generation, attempt 1, a fresh attempt
 budget, queued now, to the scorer alone — and once the broker confirmed it, the status

@@ -139,8 +139,9 @@ class SchedulerBus:
     async def dead_letter_depth(self, work_queue: WorkQueue) -> tuple[int, float | None]:
         """(depth, age in seconds of the oldest dead letter) of a work queue's DLQ.
 
-        The head is read with `basic.get` and returned with `nack(requeue=True)`: RabbitMQ 4.x
-        does not count that as a delivery, and our DLQs set no delivery limit on 3.x.
+        The head is read with `basic.get` and returned with `nack(requeue=True)`, which
+        RabbitMQ 3.x and 4.0 to 4.2 count as a delivery: harmless against the DLQ's own limit
+        (`DLQ_DELIVERY_LIMIT`, out of any look's reach).
         """
         queue = await self.broker.declare_queue(
             RabbitQueue(work_queue.dead_letter_routing_key, declare=False)

@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from faststream.rabbit import RabbitQueue
 
 from shared.bus import PublishUnconfirmed, publish_event
+from shared.consumers import Delivery, consume
 from shared.contracts import Phase, TaskStarted, event_sequence, new_id, utcnow
 from shared.runtime import make_broker, start_broker
 from shared.settings import ServiceSettings
@@ -67,3 +69,28 @@ async def test_stopping_while_the_broker_stalls_is_bounded(
             await broker.stop()
     finally:
         link.reply_delay_s = 0.0
+
+
+async def test_cancelling_the_consumers_of_a_stalled_broker_is_bounded_too(
+    amqp_url: str, broker_link: SlowLink
+) -> None:
+    """The consumers were cancelled one after another, each waiting `BROKER_TIMEOUT_S` (10 s)
+    for its CancelOk: a service with three consuming channels spent 30 s there alone, past
+    the grace period compose gives it, before the stop's own bounded steps."""
+    link = broker_link
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": link.url_through(amqp_url)})
+    broker = make_broker(settings, graceful_timeout_s=1.0)
+    for prefetch in (1, 2, 3):  # a channel each
+        queue = RabbitQueue(f"test.stall.{new_id()[:8]}", auto_delete=True)
+        consume(broker, queue, prefetch=prefetch)(_never_called)
+    await start_broker(broker, settings)
+    link.reply_delay_s = 3600.0
+    try:
+        async with asyncio.timeout(20):  # a hang guard: three cancels of 10 s each took 30
+            await broker.stop()
+    finally:
+        link.reply_delay_s = 0.0
+
+
+async def _never_called(delivery: Delivery) -> None:
+    raise AssertionError("nothing is published to these queues")

@@ -8,6 +8,7 @@ pymongo's operation-timeout context, which every pymongo call inside it obeys.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from services.gateway.refusals import may_have_been_written
 from shared.coalescing import Coalescer, Queued, QueuedPastDeadline, settle
 from shared.group_reads import GroupReader
 from shared.group_writes import GroupWriter
+from shared.log_context import CorrelationFilter, correlated
 from tests.support import eventually
 
 
@@ -116,3 +118,25 @@ def test_an_operation_not_sent_counts_as_never_written() -> None:
 
 async def _started(coalescer: HeldRoundTrips, round_trips: int) -> bool:
     return len(coalescer.sent) >= round_trips
+
+
+class SeesItsContext(Coalescer[str, str]):
+    """Answers each operation with the correlation id its round trip runs under."""
+
+    def __init__(self) -> None:
+        super().__init__(max_batch=100, deadline_s=None)
+
+    async def _send(self, batch: list[Queued[str, str]]) -> None:
+        record = logging.LogRecord("scorebox.test", logging.INFO, __file__, 1, "sent", (), None)
+        CorrelationFilter().filter(record)
+        for queued in batch:
+            settle(queued, str(getattr(record, "correlation_id", None)))
+
+
+async def test_a_round_trip_runs_in_a_context_of_its_own() -> None:
+    """It ran in the first caller's: its log lines carried that one delivery's correlation
+    id though it served every caller queued meanwhile."""
+    coalescer = SeesItsContext()
+    with correlated("task-1"):
+        seen = await coalescer.submit("first")
+    assert seen == "None"

@@ -35,6 +35,7 @@ def fake_llm_url() -> Iterator[str]:
             "0",
             "--latency-ms",
             FAKE_LLM_LATENCY_MS,
+            "--exit-with-parent",  # a test run killed hard leaves no server behind
         ],
         stdout=subprocess.PIPE,
     )

@@ -389,6 +389,40 @@ async def submit_batch(
         if may_have_been_written(error):
             refusals.note(replace(refusal, task_ids=()))  # its insert may land yet
         raise
+    # The sweep of this process keeps off the items while their request runs here: it sends
+    # what an interrupted request left, and this one may yet refuse what it recorded
+    # (withdrawing, releasing and deleting take round trips that may outlast its grace).
+    with refusals.holding(refusal.task_ids):
+        return await _record_and_send(
+            record,
+            commands,
+            submission,
+            batches=batches,
+            submissions=submissions,
+            publisher=publisher,
+            policy=policy,
+            refusal=refusal,
+            refusals=refusals,
+            gate=gate,
+        )
+
+
+async def _record_and_send(
+    record: BatchRecord,
+    commands: Sequence[ScoreText],
+    submission: BatchSubmission,
+    *,
+    batches: Batches,
+    submissions: Submissions,
+    publisher: BatchPublisher,
+    policy: BatchPolicy,
+    refusal: Refusal,
+    refusals: Refusals,
+    gate: InFlightGate | None,
+) -> BatchSubmitted:
+    """Record the items of a batch whose record is in, send them, and mark them accepted; a
+    refusal undoes what was recorded (what the database does not take now is written off)."""
+    batch_id, tenant_id = record.batch_id, record.tenant_id
     try:
         await submissions.insert_batch(
             _rows(commands, submission, policy.default_model),
@@ -404,7 +438,7 @@ async def submit_batch(
         if gate is not None:
             counted = True
             await gate.acquire(tenant_id, len(commands))
-        confirmed = await _send_or_withdraw(publisher, commands, refusals=refusals)
+        confirmed = await _send_or_withdraw(publisher, commands)
     except LimitExceeded:
         await _discard(refusal, batches=batches, submissions=submissions, refusals=refusals)
         raise
@@ -433,17 +467,11 @@ async def submit_batch(
     return BatchSubmitted(record, created=True)
 
 
-async def _send_or_withdraw(
-    publisher: BatchPublisher, commands: Sequence[ScoreText], *, refusals: Refusals
-) -> bool:
-    """Send the batch's commands; withdraw them when the broker refused one. The sweep keeps
-    off the items while they are withdrawn (a confirmed publish, up to `BROKER_TIMEOUT_S`),
-    and `_give_up` holds them from there on, with no await in between."""
+async def _send_or_withdraw(publisher: BatchPublisher, commands: Sequence[ScoreText]) -> bool:
     try:
         return await publisher.send_many(commands)
     except BrokerUnavailable:
-        with refusals.holding(tuple(command.task_id for command in commands)):
-            await publisher.withdraw(commands)
+        await publisher.withdraw(commands)
         raise
 
 
@@ -457,16 +485,15 @@ async def _give_up(
 ) -> None:
     """Undo a batch's acceptance: release its slots, then forget it. What the database does
     not take now is written off later (`services/gateway/refusals.py`); meanwhile the sweep
-    keeps off its items."""
-    with refusals.holding(refusal.task_ids):
-        if refusal.counted and in_flight is not None:
-            try:
-                await release_slots(refusal, in_flight)
-            except DatabaseUnavailable:
-                log.warning("batch %s: slots not released; written off later", refusal.batch_id)
-                refusals.note(refusal)  # with what was released: not released again
-                return
-        await _discard(refusal, batches=batches, submissions=submissions, refusals=refusals)
+    keeps off its items (held by `submit_batch` while it runs, by the refusal after)."""
+    if refusal.counted and in_flight is not None:
+        try:
+            await release_slots(refusal, in_flight)
+        except DatabaseUnavailable:
+            log.warning("batch %s: slots not released; written off later", refusal.batch_id)
+            refusals.note(refusal)  # with what was released: not released again
+            return
+    await _discard(refusal, batches=batches, submissions=submissions, refusals=refusals)
 
 
 async def _discard(
@@ -482,15 +509,14 @@ async def _discard(
     tombstone: a record not deleted here is one a replay accepted, never one whose insert
     is yet to land."""
     assert refusal.batch_id is not None
-    with refusals.holding(refusal.task_ids):  # the sweep keeps off the items meanwhile
-        try:
-            if not await batches.discard(refusal.batch_id):
-                log.warning("batch %s was accepted by a replay meanwhile; kept", refusal.batch_id)
-                return
-            await submissions.discard_batch(refusal.batch_id)
-        except DatabaseUnavailable:
-            log.warning("batch %s not discarded; written off later", refusal.batch_id)
-            refusals.note(replace(refusal, counted=False))
+    try:
+        if not await batches.discard(refusal.batch_id):
+            log.warning("batch %s was accepted by a replay meanwhile; kept", refusal.batch_id)
+            return
+        await submissions.discard_batch(refusal.batch_id)
+    except DatabaseUnavailable:
+        log.warning("batch %s not discarded; written off later", refusal.batch_id)
+        refusals.note(replace(refusal, counted=False))
 
 
 def _commands(

@@ -24,7 +24,8 @@ the submissions the replay may have recorded are written off only if the batch w
 (a tombstone, or discarded), and otherwise are left to the outbox sweep with the batch's
 others (`Refusal.owns_batch`).
 
-The outbox sweep of this process skips every task noted here and not yet written off.
+The outbox sweep of this process skips every task noted here and not yet written off, and
+every task whose request is still running here (`holding`).
 
 Limits (the fallback in each case is the behaviour without this module: the sweep sends the
 records, each is scored once, and its end releases its slot):
@@ -100,9 +101,10 @@ class Refusals:
 
     @contextlib.contextmanager
     def holding(self, task_ids: tuple[str, ...]) -> Iterator[None]:
-        """Keep the sweep of this process off `task_ids` while a refusal is undone on the
-        spot: releasing a large batch's slots one by one may outlast the outbox grace period,
-        and the sweep then sent what the client is told was not kept."""
+        """Keep the sweep of this process off `task_ids` while their request runs here: it
+        may yet refuse what it recorded, and undoing that (a withdrawal, a batch's slots
+        released one by one) may outlast the outbox grace period; the sweep then sent what
+        the client was told was not kept."""
         for task_id in task_ids:
             self._held[task_id] = self._held.get(task_id, 0) + 1
         try:

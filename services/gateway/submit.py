@@ -128,6 +128,39 @@ async def submit_score(
         found = await cache.find(tenant_id=tenant_id, key=key, now=now)
         cached = None if found is None else found.model_copy(update={"cached": True})
     gate = None if cached is not None else counting(in_flight)
+    # The sweep of this process keeps off the task while its request runs here: it sends what
+    # an interrupted request left, and this one may yet refuse what it recorded
+    # (withdrawing, releasing and deleting take round trips that may outlast its grace).
+    with refusals.holding((command.task_id,)):
+        return await _record_and_send(
+            command,
+            cached,
+            gate,
+            digest=digest,
+            idempotency_key=idempotency_key,
+            submissions=submissions,
+            publisher=publisher,
+            policy=policy,
+            refusals=refusals,
+            now=now,
+            key=key,
+        )
+
+
+async def _record_and_send(
+    command: ScoreText,
+    cached: ScoreResult | None,
+    gate: InFlightGate | None,
+    *,
+    digest: str,
+    idempotency_key: str | None,
+    submissions: Submissions,
+    publisher: Publisher,
+    policy: SubmitPolicy,
+    refusals: Refusals,
+    now: datetime,
+    key: str,
+) -> Submitted:
     try:
         await submissions.insert(
             command,
@@ -140,7 +173,7 @@ async def submit_score(
         )
     except KeyTaken:
         assert idempotency_key is not None
-        return await _earlier_submission(idempotency_key, digest, tenant_id, submissions)
+        return await _earlier_submission(idempotency_key, digest, command.tenant_id, submissions)
     except DatabaseUnavailable as error:
         if may_have_been_written(error):
             refusals.note(_refusal_of(command))  # its insert may land yet
@@ -167,32 +200,22 @@ class _Undo:
     refusals: Refusals
 
     async def discard(self) -> None:
-        with self.refusals.holding((self.command.task_id,)):
-            try:
-                await self.submissions.discard(self.command.task_id)
-            except DatabaseUnavailable:
-                log.warning(
-                    "task %s refused, not discarded: written off later", self.command.task_id
-                )
-                self.refusals.note(_refusal_of(self.command))
+        try:
+            await self.submissions.discard(self.command.task_id)
+        except DatabaseUnavailable:
+            log.warning("task %s refused, not discarded: written off later", self.command.task_id)
+            self.refusals.note(_refusal_of(self.command))
 
     async def give_up(self, in_flight: InFlightGate | None) -> None:
-        """Release the task's in-flight slot, then forget the submission.
-
-        The outbox sweep of this process keeps off the task meanwhile: the two round trips
-        may outlast its grace period, and it then sent what the client is told was not kept
-        (another replica's sweep may still: see `refusals`)."""
-        with self.refusals.holding((self.command.task_id,)):
-            if in_flight is not None:
-                try:
-                    await in_flight.release(self.command.tenant_id, self.command.task_id)
-                except DatabaseUnavailable:
-                    log.warning(
-                        "task %s: slot not released, written off later", self.command.task_id
-                    )
-                    self.refusals.note(_refusal_of(self.command, counted=True))
-                    return
-            await self.discard()
+        """Release the task's in-flight slot, then forget the submission."""
+        if in_flight is not None:
+            try:
+                await in_flight.release(self.command.tenant_id, self.command.task_id)
+            except DatabaseUnavailable:
+                log.warning("task %s: slot not released, written off later", self.command.task_id)
+                self.refusals.note(_refusal_of(self.command, counted=True))
+                return
+        await self.discard()
 
 
 async def _announce_cached_or_discard(
@@ -236,11 +259,8 @@ async def _publish_or_discard(
     try:
         confirmed = await publisher.send(command)
     except BrokerUnavailable:
-        # The withdrawal is a confirmed publish of its own (up to `BROKER_TIMEOUT_S`): the
-        # sweep keeps off the task from here on, not only once its records are undone.
-        with undo.refusals.holding((command.task_id,)):
-            await publisher.withdraw([command])
-            await undo.give_up(in_flight)
+        await publisher.withdraw([command])
+        await undo.give_up(in_flight)
         raise
     try:
         if confirmed:

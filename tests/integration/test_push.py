@@ -238,16 +238,22 @@ async def test_stream_of_a_waiting_task_sends_heartbeats(push: Push) -> None:
     assert json.loads(first.removeprefix("data:"))["status"] == "scheduled"
 
 
-async def test_closed_streams_free_their_place_and_the_limit_answers_429(push: Push) -> None:
-    headers = push.limited
+async def _scheduled_tasks(push: Push, headers: dict[str, str], count: int) -> list[str]:
+    """Task ids of `count` submissions due in ten minutes: they wait, unfinished, meanwhile."""
     tasks = []
-    for _ in range(MAX_WAITERS_PER_TENANT + 1):
+    for _ in range(count):
         response = await push.api.post(
             "/v1/scores",
             json={"text": f"Wait [[id:{_marker()}]]", "delay_seconds": 600},
             headers=headers,
         )
         tasks.append(response.json()["task_id"])
+    return tasks
+
+
+async def test_closed_streams_free_their_place_and_the_limit_answers_429(push: Push) -> None:
+    headers = push.limited
+    tasks = await _scheduled_tasks(push, headers, MAX_WAITERS_PER_TENANT + 1)
 
     async with contextlib.AsyncExitStack() as first, contextlib.AsyncExitStack() as second:
         for stack, task_id in ((first, tasks[0]), (second, tasks[1])):
@@ -276,14 +282,7 @@ async def test_long_polls_whose_clients_gave_up_free_their_places(push: Push) ->
     for its whole wait, so a client retrying on a short timeout filled its tenant's places
     (answered 429) for up to a minute."""
     headers = await _key(push.api, f"impatient-{uuid.uuid4().hex[:8]}")
-    tasks = []
-    for _ in range(MAX_WAITERS_PER_TENANT + 1):
-        response = await push.api.post(
-            "/v1/scores",
-            json={"text": f"Wait [[id:{_marker()}]]", "delay_seconds": 600},
-            headers=headers,
-        )
-        tasks.append(response.json()["task_id"])
+    tasks = await _scheduled_tasks(push, headers, MAX_WAITERS_PER_TENANT + 1)
     for task_id in tasks[:MAX_WAITERS_PER_TENANT]:  # every place taken, then given up
         with pytest.raises(httpx.ReadTimeout):
             await push.api.get(f"/v1/scores/{task_id}?wait=60", headers=headers, timeout=0.5)

@@ -172,30 +172,19 @@ async def test_an_unfinished_task_of_an_earlier_build_expires_after_the_upgrade(
     never removes: such a task (one a stale event brought back, say) read `processing` for
     ever after the upgrade that gave new documents their expiry."""
     now = utcnow()
+    processing = {
+        "tenant_id": "acme",
+        "status": "processing",
+        "sequence": 3,
+        "generation": 0,
+        "attempts": 1,
+        "created_at": now,
+        "updated_at": now,
+    }
     await tasks.insert_many(
         [
-            {
-                "_id": "legacy",
-                "tenant_id": "acme",
-                "status": "processing",
-                "sequence": 3,
-                "generation": 0,
-                "attempts": 1,
-                "created_at": now,
-                "updated_at": now,
-                "expires_at": None,
-            },
-            {
-                "_id": "current",
-                "tenant_id": "acme",
-                "status": "processing",
-                "sequence": 3,
-                "generation": 0,
-                "attempts": 1,
-                "created_at": now,
-                "updated_at": now,
-                "expires_at": now + timedelta(hours=2),
-            },
+            {"_id": "legacy", **processing, "expires_at": None},
+            {"_id": "current", **processing, "expires_at": now + timedelta(hours=2)},
         ]
     )
 

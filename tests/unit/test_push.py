@@ -208,9 +208,10 @@ async def test_a_status_other_than_the_clients_is_answered_at_once() -> None:
     assert views.reads == 1
 
 
-async def test_the_next_change_answers_a_long_poll_with_the_settled_view() -> None:
-    live = LiveUpdates()
-    views = Views(_view(TaskStatus.QUEUED, 0))
+async def _long_poll_waiting(
+    views: Views, live: LiveUpdates, *, known_status: TaskStatus, settle_s: float
+) -> asyncio.Task[TaskView | None]:
+    """A 60 s long-poll of task t1, once it waits for the task's next change."""
     waiting = asyncio.create_task(
         read_when_changed(
             views,
@@ -218,8 +219,8 @@ async def test_the_next_change_answers_a_long_poll_with_the_settled_view() -> No
             task_id="t1",
             tenant_id="a",
             wait_s=60,
-            known_status=TaskStatus.QUEUED,
-            settle_s=5,
+            known_status=known_status,
+            settle_s=settle_s,
         )
     )
 
@@ -227,6 +228,13 @@ async def test_the_next_change_answers_a_long_poll_with_the_settled_view() -> No
         return len(live) == 1
 
     await eventually(registered, what="the long-poll waiting")
+    return waiting
+
+
+async def test_the_next_change_answers_a_long_poll_with_the_settled_view() -> None:
+    live = LiveUpdates()
+    views = Views(_view(TaskStatus.QUEUED, 0))
+    waiting = await _long_poll_waiting(views, live, known_status=TaskStatus.QUEUED, settle_s=5)
     # The status service lags the event once, then reflects it.
     views.views = [_view(TaskStatus.QUEUED, 0), _view(TaskStatus.PROCESSING, 110)]
     live.deliver(_started())
@@ -260,22 +268,7 @@ async def test_an_acceptance_that_shows_what_the_gateways_record_did_is_not_a_ch
     live = LiveUpdates()
     accepted = TaskAccepted(task_id="t1", tenant_id="a", sequence=0, submitted_at=T0)
     views = Views(_view(TaskStatus.SCHEDULED, None), _view(TaskStatus.SCHEDULED, 0))
-    waiting = asyncio.create_task(
-        read_when_changed(
-            views,
-            live=live,
-            task_id="t1",
-            tenant_id="a",
-            wait_s=60,
-            known_status=TaskStatus.SCHEDULED,
-            settle_s=0,
-        )
-    )
-
-    async def registered() -> bool:
-        return len(live) == 1
-
-    await eventually(registered, what="the long-poll waiting")
+    waiting = await _long_poll_waiting(views, live, known_status=TaskStatus.SCHEDULED, settle_s=0)
     live.deliver(accepted)
     await eventually(lambda: _at_least(views, 2), what="the acceptance read")
     assert not waiting.done()  # still waiting: nothing the client can see changed

@@ -18,7 +18,8 @@ In-process (tests)::
 As a process (end-to-end tests, benchmark, ``make run``)::
 
     python -m devtools.fake_llm --host 127.0.0.1 --port 0 --latency-ms 200 --jitter-ms 20 \
-        --fail-rate 0 [--model fake-judge-1] [--seed 7] [--exit-with-parent]
+        --fail-rate 0 [--model fake-judge-1] [--model-date 2024-07-18 | --echo-model] \
+        [--seed 7] [--exit-with-parent]
 
 prints exactly one JSON line ``{"url": "http://127.0.0.1:PORT/v1"}`` on stdout once it is
 listening, then serves until SIGINT or SIGTERM (or, with ``--exit-with-parent``, until the
@@ -34,7 +35,11 @@ Routes
     ``{"error": {"message": ..., "type": ..., "param": null, "code": ...}}``.
     Success is a ``chat.completion`` object whose ``choices[0].message.content`` is the JSON
     string ``{"score": <0..10, one decimal>, "comment": "<one sentence>"}``, with
-    ``finish_reason: "stop"`` and ``usage`` estimated at four characters per token.
+    ``finish_reason: "stop"`` and ``usage`` estimated at four characters per token. Like
+    OpenAI (``gpt-4o-mini`` answered as ``gpt-4o-mini-2024-07-18``), its ``model`` is the
+    requested name with the snapshot date ``-<model_date>`` appended (default
+    ``-2024-07-18``), unless the name already ends in a date (``-YYYY-MM-DD`` or ``-MMDD``);
+    with ``model_date=None`` (``--echo-model``) it is the requested name unchanged.
 ``GET /v1/models``
     The configured model.
 ``GET /_stats``
@@ -110,6 +115,8 @@ from aiohttp import web
 from devtools.lifetime import run_until_stopped
 
 DEFAULT_MODEL: Final = "fake-judge-1"
+# The snapshot date appended to the requested model name in answers, as OpenAI does.
+DEFAULT_MODEL_DATE: Final = "2024-07-18"
 SLOW_EXTRA_S: Final = 2.0
 HANG_S: Final = 3600.0
 SHUTDOWN_TIMEOUT_S: Final = 5.0
@@ -131,6 +138,8 @@ _DEMAND_TEN: Final = re.compile(
     r"\b(?:give|score|rate)\s+(?:(?:it|this|me|us)\s+)?(?:(?:a|an|of)\s+)?10\b"
 )
 _CONTROLLABLE: Final = frozenset({"latency_ms", "jitter_ms", "fail_rate"})
+# A model name that already names its snapshot: `-2024-07-18`, or OpenAI's older `-0613`.
+_DATED_MODEL: Final = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{4})$")
 
 
 @dataclass
@@ -142,6 +151,9 @@ class FakeLLMConfig:
     fail_rate: float = 0.0
     model: str = DEFAULT_MODEL
     seed: int | None = None
+    # Appended (as `-<date>`) to the requested model name in answers; None answers the name
+    # as requested.
+    model_date: str | None = DEFAULT_MODEL_DATE
 
 
 @dataclass(frozen=True)
@@ -250,6 +262,15 @@ def _comment(score: float, text: str) -> str:
     else:
         verdict = "a very poor text"
     return f"This is {verdict} of {words} words."
+
+
+def answered_model(requested: str, model_date: str | None) -> str:
+    """The model name an answer carries: ``requested`` with ``-<model_date>`` appended, as
+    OpenAI answers an undated name with its dated snapshot; unchanged when it already ends in
+    a date or ``model_date`` is None."""
+    if model_date is None or _DATED_MODEL.search(requested):
+        return requested
+    return f"{requested}-{model_date}"
 
 
 def score_content(text: str) -> str:
@@ -485,7 +506,7 @@ def _completion(
             "id": state.next_completion_id(),
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": model,
+            "model": answered_model(model, state.config.model_date),
             "choices": [
                 {
                     "index": 0,
@@ -674,6 +695,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--jitter-ms", type=float, default=0.0)
     parser.add_argument("--fail-rate", type=float, default=0.0)
     parser.add_argument("--model", default=DEFAULT_MODEL)
+    dating = parser.add_mutually_exclusive_group()
+    dating.add_argument(
+        "--model-date",
+        default=DEFAULT_MODEL_DATE,
+        help="snapshot date appended to the requested model name in answers",
+    )
+    dating.add_argument(
+        "--echo-model",
+        dest="model_date",
+        action="store_const",
+        const=None,
+        help="answer with the requested model name unchanged",
+    )
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument(
         "--exit-with-parent",
@@ -691,6 +725,7 @@ async def serve(args: argparse.Namespace) -> None:
         fail_rate=args.fail_rate,
         model=args.model,
         seed=args.seed,
+        model_date=args.model_date,
     )
     llm = await start_fake_llm(config, host=args.host, port=args.port)
     try:

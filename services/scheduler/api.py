@@ -21,7 +21,7 @@ from fastapi import APIRouter, Query, Response
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from services.scheduler.cron import zone
-from services.scheduler.errors import DispatchFailed, UnknownJob
+from services.scheduler.errors import DispatchFailed, TriggeredTooOften, UnknownJob
 from services.scheduler.firings import Firing, FiringStore
 from services.scheduler.jobs import Clock
 from services.scheduler.metering import NANOS_PER_UNIT
@@ -174,6 +174,8 @@ def cron_routes(
             firing = await trigger(name)
         except UnknownJob as error:
             raise Problem(404, str(error), kind="unknown-job") from error
+        except TriggeredTooOften as error:
+            raise Problem(429, str(error), headers={"Retry-After": "1"}) from error
         except DispatchFailed as error:
             raise Problem(503, str(error), kind="broker-unavailable") from error
         status_url = f"/admin/v1/cron/runs/{firing.run_id}"

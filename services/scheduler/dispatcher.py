@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 
 from services.scheduler.config import MissedFirings
-from services.scheduler.errors import DispatchFailed
+from services.scheduler.errors import DispatchFailed, TriggeredTooOften
 from services.scheduler.firings import Firing, FiringState, FiringStore, to_millis
 from services.scheduler.jobs import Clock
 from services.scheduler.schedule import JobCatalog, ScheduledJob, plan_firings
@@ -62,29 +62,48 @@ async def fire_by_hand(
 ) -> Firing:
     """A manual firing of `name` (enabled or not), published now; the schedule is unaffected.
 
-    Raises `UnknownJob`, or `DispatchFailed` when the broker refused it (the firing is then
-    withdrawn: nothing half-done is left behind).
+    Raises `UnknownJob`, `TriggeredTooOften`, or `DispatchFailed` when the broker refused it
+    (the firing is then withdrawn: nothing half-done is left behind).
     """
     job = jobs.get(name)
     now = clock()
-    firing = None
-    for at in _manual_fire_times(now):
-        firing = await firings.claim(job.name, at, now=now, owner=owner, manual=True)
-        if firing is not None:
-            break
-    if firing is None:
-        raise DispatchFailed(f"job {name!r} is being triggered too often; try again")
+    firing = await _claim_manual(job.name, firings=firings, now=now, owner=owner)
     try:
         await publish(run_command_for(firing))
     except Exception as error:
-        await firings.forget(firing.run_id)
-        raise DispatchFailed(f"the broker did not accept the run of {name!r}: {error!r}") from error
+        if await _withdraw(firing, firings=firings, error=error):
+            raise DispatchFailed(
+                f"the broker did not accept the run of {name!r}: {error!r}"
+            ) from error
+        log.warning("job %s: run %s started although its publish failed", name, firing.run_id)
+        return dataclasses.replace(firing, state=FiringState.DISPATCHED)
     try:
         await firings.mark_dispatched(firing.run_id, now=now)
     except Exception as error:  # noqa: BLE001 - the run is on its way: its start records it
         log.warning("job %s: run %s sent, not marked as sent: %r", name, firing.run_id, error)
     log.info("job %s: fired by hand (run %s)", job.name, firing.run_id)
     return dataclasses.replace(firing, state=FiringState.DISPATCHED)
+
+
+async def _claim_manual(name: str, *, firings: FiringStore, now: datetime, owner: str) -> Firing:
+    for at in _manual_fire_times(now):
+        firing = await firings.claim(name, at, now=now, owner=owner, manual=True)
+        if firing is not None:
+            return firing
+    raise TriggeredTooOften(name)
+
+
+async def _withdraw(firing: Firing, *, firings: FiringStore, error: Exception) -> bool:
+    """Withdraw a manual firing whose publish failed; False when it runs after all (an
+    unconfirmed publish that reached the queue, and a consumer started it)."""
+    try:
+        return await firings.forget_unpublished(firing.run_id)
+    except Exception as forget_error:  # noqa: BLE001 - any failure leaves it claimed
+        # Left `claimed`, the dispatcher publishes it again after `redispatch_after`.
+        raise DispatchFailed(
+            f"the broker did not accept the run of {firing.job!r} ({error!r}), and it could "
+            f"not be withdrawn ({forget_error!r}): run {firing.run_id} may still run later"
+        ) from error
 
 
 def _manual_fire_times(now: datetime) -> list[datetime]:
@@ -115,11 +134,13 @@ class Dispatcher:
         self._redispatch_after = redispatch_after
         self._owner = owner
         self._next_due: dict[str, datetime] = {}
+        self._last_tick_at: datetime | None = None
         self.ticks = 0
 
     async def tick(self) -> list[Firing]:
         """One pass over the enabled jobs; returns the firings this replica dispatched."""
         now = self._clock()
+        self._notice_clock_going_back(now)
         dispatched = []
         for job in self._jobs.enabled:
             next_due = self._next_due.get(job.name)
@@ -137,8 +158,20 @@ class Dispatcher:
         self.ticks += 1
         return dispatched
 
+    def _notice_clock_going_back(self, now: datetime) -> None:
+        """Forget the next fire times worked out before the clock went back (an NTP step
+        after running ahead): they lie ahead of real time and would keep jobs waiting."""
+        if self._last_tick_at is not None and now < self._last_tick_at:
+            log.warning(
+                "the clock went back from %s to %s; planning every job again",
+                self._last_tick_at.isoformat(),
+                now.isoformat(),
+            )
+            self._next_due.clear()
+        self._last_tick_at = now
+
     async def _fire_if_due(self, job: ScheduledJob, now: datetime) -> Firing | None:
-        last = await self._firings.last_scheduled(job.name)
+        last = await self._firings.last_scheduled(job.name, not_after=now)
         plan = plan_firings(job, last=last, now=now, grace=self._grace)
         if plan.skip is not None:
             if await self._firings.record_skipped(
@@ -195,7 +228,7 @@ class Dispatcher:
         (`skip`). A manual firing, or one of a job no longer configured, is published."""
         if firing.manual or firing.job not in self._jobs:
             return None
-        latest = await self._firings.last_scheduled(firing.job)
+        latest = await self._firings.last_scheduled(firing.job, not_after=now)
         if latest is not None and latest > firing.scheduled_for:
             return f"superseded by the firing for {latest.isoformat()} (never published)"
         late = now - firing.scheduled_for > self._grace

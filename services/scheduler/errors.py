@@ -6,6 +6,7 @@
     ├── UnknownJob              404 on the admin routes; a `RunCronJob` naming it is
     │                           dead-lettered (no retry can make the job exist)
     ├── DispatchFailed          a manual run could not be published: 503, nothing kept
+    ├── TriggeredTooOften       manual runs of one job collide on their key: 429
     └── JobError                raised by a job handler
         ├── PermanentJobError   dead-letter the run now: retrying fails the same way
         └── TransientJobError   retry the run with back-off, then dead-letter
@@ -37,6 +38,14 @@ class UnknownJob(SchedulerError):
 
 class DispatchFailed(SchedulerError):
     """A manual firing could not be published; it was withdrawn."""
+
+
+class TriggeredTooOften(SchedulerError):
+    """Manual runs of one job came faster than their keys (a millisecond each) allow."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"Cron job {name!r} is being triggered too often; try again.")
+        self.name = name
 
 
 class JobError(SchedulerError):

@@ -94,7 +94,7 @@ class Firing:
 class FiringStore(Protocol):
     """What the dispatcher, the run consumer and the routes need from the firings."""
 
-    async def last_scheduled(self, job: str) -> datetime | None: ...
+    async def last_scheduled(self, job: str, *, not_after: datetime) -> datetime | None: ...
 
     async def claim(
         self,
@@ -139,7 +139,7 @@ class FiringStore(Protocol):
 
     async def latest(self, job: str) -> Firing | None: ...
 
-    async def forget(self, run_id: str) -> None: ...
+    async def forget_unpublished(self, run_id: str) -> bool: ...
 
 
 class Firings(FiringStore):
@@ -155,9 +155,12 @@ class Firings(FiringStore):
         await self._collection.create_index([("state", ASCENDING), ("claimed_at", ASCENDING)])
         await self._collection.create_index([("job", ASCENDING), ("fired_at", DESCENDING)])
 
-    async def last_scheduled(self, job: str) -> datetime | None:
+    async def last_scheduled(self, job: str, *, not_after: datetime) -> datetime | None:
+        """The job's latest scheduled fire time up to `not_after` (now). A later one exists
+        only when a replica's clock ran ahead (an NTP step, a resumed VM); taking it as the
+        schedule's position would stop the job on every replica until real time caught up."""
         document = await self._collection.find_one(
-            {"job": job, "manual": False},
+            {"job": job, "manual": False, "scheduled_for": {"$lte": to_millis(not_after)}},
             projection={"scheduled_for": True},
             sort=[("scheduled_for", DESCENDING)],
         )
@@ -338,8 +341,13 @@ class Firings(FiringStore):
         )
         return None if document is None else Firing.from_document(document)
 
-    async def forget(self, run_id: str) -> None:
-        await self._collection.delete_one({"_id": run_id})
+    async def forget_unpublished(self, run_id: str) -> bool:
+        """Withdraw a firing whose publish failed; False when it has left `claimed` (its
+        message reached the queue after all and a consumer has started it)."""
+        result = await self._collection.delete_one(
+            {"_id": run_id, "state": FiringState.CLAIMED.value}
+        )
+        return result.deleted_count == 1
 
     async def delete_finished_before(self, cutoff: datetime, *, keep: Sequence[str]) -> int:
         """Delete final firings older than `cutoff`, except the run ids in `keep`."""
@@ -352,12 +360,13 @@ class Firings(FiringStore):
         )
         return result.deleted_count
 
-    async def last_scheduled_ids(self, jobs: Sequence[str]) -> list[str]:
-        """Run ids of each job's latest scheduled firing (the schedule's cursor)."""
+    async def last_scheduled_ids(self, jobs: Sequence[str], *, not_after: datetime) -> list[str]:
+        """Run ids of each job's latest scheduled firing up to `not_after` (the schedule's
+        cursor, as `last_scheduled` reads it)."""
         ids = []
         for job in jobs:
             document = await self._collection.find_one(
-                {"job": job, "manual": False},
+                {"job": job, "manual": False, "scheduled_for": {"$lte": to_millis(not_after)}},
                 projection={"_id": True},
                 sort=[("scheduled_for", DESCENDING)],
             )

@@ -7,15 +7,20 @@ the record's id is that pair and an existing record is never changed) and, from 
 completion, the catalogue entry the re-score fan-out walks. Cost is computed when the record
 is made, with the price configured for the model at that moment, in integer nano-units of
 the currency (exact sums, no float drift); a model without a configured price has no cost.
+
+The price of a model is looked up by the name the provider answered with, which is not always
+the name asked for: OpenAI answers `gpt-4o-mini` with `gpt-4o-mini-2024-07-18`. A dated name
+without a price of its own takes the price of its undated name (`price_of`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import ROUND_HALF_EVEN, Decimal
-from typing import Any
+from typing import Any, Final
 
 from services.scheduler.catalogue import Catalogue, CompletedTask
 from services.scheduler.config import Price
@@ -26,6 +31,25 @@ from shared.contracts import TaskCompleted, TaskFailed, Usage
 NANOS_PER_UNIT = 10**9
 UNKNOWN_MODEL = "unknown"  # a failed task's event from before it named its model
 _NANOS_PER_1K_TOKENS_TO_PER_TOKEN = Decimal(NANOS_PER_UNIT) / 1000
+# The snapshot date a provider appends to the model name it answers with: `-2024-07-18`
+# (OpenAI's today), `-0613` (its older month-day form, `gpt-4-0613`).
+_SNAPSHOT_SUFFIX: Final = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{4})$")
+
+
+def price_of(model: str, prices: Mapping[str, Price]) -> Price | None:
+    """The configured price of the answered `model`: its own, else that of its name without
+    the snapshot date (`gpt-4o-mini-2024-07-18` -> `gpt-4o-mini`), else None.
+
+    Only a date is dropped, never another part of the name: `gpt-4o-mini-2024-07-18` never
+    takes the price of `gpt-4o` (about 16 times that of `gpt-4o-mini`), priced or not. A
+    model priced neither itself nor by its undated name stays unpriced (counted as such in
+    the usage report), rather than billed at a neighbour's price.
+    """
+    if (price := prices.get(model)) is not None:
+        return price
+    if snapshot := _SNAPSHOT_SUFFIX.search(model):
+        return prices.get(model[: snapshot.start()])
+    return None
 
 
 def cost_nanos(usage: Usage, price: Price | None) -> int | None:
@@ -77,7 +101,7 @@ def usage_record_of(
         model=result.model,
         prompt_tokens=spent.prompt_tokens,
         completion_tokens=spent.completion_tokens,
-        cost_nanos=cost_nanos(spent, prices.get(result.model)),
+        cost_nanos=cost_nanos(spent, price_of(result.model, prices)),
         cached=result.cached,
         day=day_of(event.occurred_at),
         completed_at=event.occurred_at,
@@ -97,7 +121,7 @@ def failed_usage_record_of(
         model=model,
         prompt_tokens=event.usage.prompt_tokens,
         completion_tokens=event.usage.completion_tokens,
-        cost_nanos=cost_nanos(event.usage, prices.get(model)),
+        cost_nanos=cost_nanos(event.usage, price_of(model, prices)),
         cached=False,
         day=day_of(event.occurred_at),
         completed_at=event.occurred_at,

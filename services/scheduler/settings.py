@@ -7,8 +7,9 @@ The jobs themselves (cron expressions, zones, prices) live in the TOML file name
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Self
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from services.scheduler.config import DEFAULT_CONFIG_PATH
 from shared.contracts import known_rubric_version
@@ -46,6 +47,25 @@ class SchedulerSettings(ServiceSettings):
     # The current rubric/prompt version; tasks scored with another (or an unknown) version are
     # re-scored by the fan-out. Unset: the fan-out refuses to run.
     rubric_version: str | None = Field(default=None, validation_alias="RUBRIC_VERSION")
+
+    @model_validator(mode="after")
+    def _grace_outlasts_the_clock_loop(self) -> Self:
+        # A fire time is first seen up to a tick (plus the tick's own work) after it: with a
+        # shorter grace a job's first firing and every `skip` job's firing count as missed.
+        if self.grace_s < 2 * self.tick_s:
+            raise ValueError(
+                f"SCHEDULER_GRACE_S ({self.grace_s}) must be at least twice SCHEDULER_TICK_S "
+                f"({self.tick_s}): fire times would be late by the time a tick sees them"
+            )
+        # A never-published firing is published again only while it is within the grace;
+        # later, a `skip` job's firing is dropped, so it would never run.
+        if self.redispatch_after_s >= self.grace_s:
+            raise ValueError(
+                f"SCHEDULER_REDISPATCH_S ({self.redispatch_after_s}) must be below "
+                f"SCHEDULER_GRACE_S ({self.grace_s}): a firing whose publish failed would be "
+                "late by the time it is published again, and dropped under policy skip"
+            )
+        return self
 
     @field_validator("rubric_version")
     @classmethod

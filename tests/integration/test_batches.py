@@ -158,7 +158,7 @@ async def test_a_batch_is_accepted_in_order_and_converges_to_completed(batches: 
     for item in pages:
         assert item["status"] == "completed"
         assert 0 <= item["result"]["score"] <= 10
-        assert item["result"]["model"] == "fake-judge-1"
+        assert item["result"]["model"] == "fake-judge-1-2024-07-18"
         assert item["error"] is None
     view = (await batches.api.get(f"/v1/scores/{task_ids[0]}")).json()
     assert view["rubric"] == "clarity"

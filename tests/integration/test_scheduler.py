@@ -206,6 +206,38 @@ async def _history(env: Env, job: str, scheduled_for: datetime) -> None:
     await firings.finish(firing.run_id, state=FiringState.SUCCEEDED, now=scheduled_for)
 
 
+async def test_the_schedule_position_ignores_fire_times_ahead_of_now(env: Env) -> None:
+    """A firing claimed by a replica whose clock ran ahead is not the schedule's position,
+    nor the cursor housekeeping keeps."""
+    firings = Firings(env.mongo, env.database)
+    now = datetime(2030, 1, 1, 10, 5, 30, tzinfo=UTC)
+    await _history(env, "ahead", now - timedelta(hours=1))
+    await _history(env, "ahead", now + timedelta(days=1))
+    assert await firings.last_scheduled("ahead", not_after=now) == now - timedelta(hours=1)
+    [cursor] = await firings.last_scheduled_ids(["ahead"], not_after=now)
+    assert (await env.collection("firings").find_one({"_id": cursor}) or {}).get(
+        "scheduled_for"
+    ) == now - timedelta(hours=1)
+
+
+async def test_only_a_manual_firing_still_claimed_is_withdrawn(env: Env) -> None:
+    """A manual run whose publish failed unconfirmed may have reached the queue and started:
+    its record stays."""
+    firings = Firings(env.mongo, env.database)
+    await firings.ensure_indexes()
+    at = datetime(2030, 1, 1, 6, 0, 0, 1000, tzinfo=UTC)
+    refused = await firings.claim("withdrawn", at, now=at, owner="a", manual=True)
+    started = await firings.claim("withdrawn", at + timedelta(seconds=1), now=at, owner="a")
+    assert refused is not None
+    assert started is not None
+    await firings.begin(started.run_id, attempt=1, now=at)
+
+    assert await firings.forget_unpublished(refused.run_id)
+    assert not await firings.forget_unpublished(started.run_id)
+    assert await firings.find(refused.run_id) is None
+    assert await firings.find(started.run_id) is not None
+
+
 async def test_only_a_firing_still_claimed_is_superseded(env: Env) -> None:
     """A stale claim the dispatcher skips (a later firing runs in its place) may have been
     published after all and started meanwhile: then it is left to run."""

@@ -13,7 +13,13 @@ import httpx
 import orjson
 import pytest
 
-from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
+from devtools.fake_llm import (
+    FakeLLM,
+    FakeLLMConfig,
+    answered_model,
+    parse_args,
+    start_fake_llm,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLIENT_TIMEOUT_S = 10.0
@@ -88,7 +94,7 @@ async def test_completion_is_a_chat_completion_with_usage_and_json_verdict(
     assert body["object"] == "chat.completion"
     assert body["id"].startswith("chatcmpl-")
     assert isinstance(body["created"], int)
-    assert body["model"] == "fake-judge-1"
+    assert body["model"] == "fake-judge-1-2024-07-18"  # dated, as OpenAI answers
     choice = body["choices"][0]
     assert choice["finish_reason"] == "stop"
     assert choice["message"]["role"] == "assistant"
@@ -135,6 +141,49 @@ async def test_only_the_text_block_of_the_last_user_message_is_judged(
     body["messages"].append({"role": "user", "content": [{"type": "text", "text": text}]})
     response = await client.post("/chat/completions", json=body)
     assert verdict(response)["score"] == bare
+
+
+@pytest.mark.parametrize(
+    ("requested", "answered"),
+    [
+        ("gpt-4o-mini", "gpt-4o-mini-2024-07-18"),
+        ("gpt-4o-mini-2024-07-18", "gpt-4o-mini-2024-07-18"),  # already dated: kept
+        ("gpt-4-0613", "gpt-4-0613"),  # OpenAI's older month-day snapshot
+    ],
+)
+async def test_answers_carry_the_dated_model_name_like_openai(
+    client: httpx.AsyncClient, requested: str, answered: str
+) -> None:
+    body = completion_body("Rate this essay about rivers.") | {"model": requested}
+    response = await client.post("/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == answered
+
+
+def test_answered_model() -> None:
+    assert answered_model("judge", "2025-01-31") == "judge-2025-01-31"
+    assert answered_model("judge-2024-07-18", "2025-01-31") == "judge-2024-07-18"
+    assert answered_model("judge", None) == "judge"
+
+
+async def test_echo_model_answers_the_requested_name() -> None:
+    server = await start_fake_llm(FakeLLMConfig(model_date=None))
+    try:
+        async with httpx.AsyncClient(
+            base_url=server.url, headers=AUTH, timeout=CLIENT_TIMEOUT_S
+        ) as http:
+            response = await complete(http, "Rate this essay about rivers.")
+        assert response.json()["model"] == "fake-judge-1"
+    finally:
+        await server.stop()
+
+
+def test_cli_model_date_options() -> None:
+    assert parse_args([]).model_date == "2024-07-18"
+    assert parse_args(["--model-date", "2025-01-31"]).model_date == "2025-01-31"
+    assert parse_args(["--echo-model"]).model_date is None
+    with pytest.raises(SystemExit):
+        parse_args(["--echo-model", "--model-date", "2025-01-31"])
 
 
 async def test_models_lists_the_configured_model() -> None:
@@ -399,6 +448,7 @@ async def test_control_updates_the_live_config(llm: FakeLLM, client: httpx.Async
         "fail_rate": 0.0,
         "model": "fake-judge-1",
         "seed": 1,
+        "model_date": "2024-07-18",
     }
     assert llm.config.latency_ms == 1.0
     assert (await complete(client, "still answers")).status_code == 200

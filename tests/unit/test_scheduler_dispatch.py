@@ -12,12 +12,13 @@ from typing import Any
 import pytest
 
 from services.scheduler.config import MissedFirings
-from services.scheduler.dispatcher import Dispatcher, fire_by_hand
+from services.scheduler.dispatcher import MANUAL_CLAIM_TRIES, Dispatcher, fire_by_hand
 from services.scheduler.errors import (
     DispatchFailed,
     DownstreamFull,
     PermanentJobError,
     TransientJobError,
+    TriggeredTooOften,
     UnknownJob,
 )
 from services.scheduler.firings import Firing, FiringState, FiringStore, to_millis
@@ -50,8 +51,12 @@ class FakeFirings(FiringStore):
     def _taken(self, job: str, scheduled_for: datetime) -> bool:
         return any(f.job == job and f.scheduled_for == scheduled_for for f in self.by_id.values())
 
-    async def last_scheduled(self, job: str) -> datetime | None:
-        times = [f.scheduled_for for f in self.by_id.values() if f.job == job and not f.manual]
+    async def last_scheduled(self, job: str, *, not_after: datetime) -> datetime | None:
+        times = [
+            f.scheduled_for
+            for f in self.by_id.values()
+            if f.job == job and not f.manual and f.scheduled_for <= not_after
+        ]
         return max(times, default=None)
 
     async def claim(
@@ -144,8 +149,11 @@ class FakeFirings(FiringStore):
         mine = [f for f in self.by_id.values() if f.job == job]
         return max(mine, key=lambda f: f.fired_at, default=None)
 
-    async def forget(self, run_id: str) -> None:
-        self.by_id.pop(run_id, None)
+    async def forget_unpublished(self, run_id: str) -> bool:
+        if self.by_id[run_id].state is not FiringState.CLAIMED:
+            return False
+        del self.by_id[run_id]
+        return True
 
     def of(self, job: str, state: FiringState | None = None) -> list[Firing]:
         return [
@@ -233,6 +241,26 @@ async def test_two_replicas_fire_each_fire_time_once() -> None:
     for replica in reversed(replicas):
         await replica.tick()
     assert len(published.commands) == 2
+
+
+async def test_a_replica_whose_clock_ran_ahead_stops_no_schedule() -> None:
+    """One replica's clock a day ahead (an NTP step, a resumed VM) claims tomorrow's fire
+    time. The other replicas go on firing today's, and so does that replica once its clock
+    is set back."""
+    firings, published = FakeFirings(), Published()
+    real, ahead = Clock(START + timedelta(seconds=16)), Clock(START + timedelta(days=1, seconds=16))
+    fast = _dispatcher(firings, published, ahead, _jobs(), owner="fast")
+    steady = _dispatcher(firings, published, real, _jobs(), owner="steady")
+    await fast.tick()
+    await steady.tick()
+    today = datetime(2025, 1, 1, 10, 5, tzinfo=UTC)
+    assert [c.scheduled_for for c in published.commands] == [today + timedelta(days=1), today]
+
+    ahead.now = real.now = real.now + timedelta(hours=1)
+    set_back = await fast.tick()
+    assert [f.scheduled_for for f in set_back] == [today + timedelta(hours=1)]
+    assert await steady.tick() == []
+    assert len(published.commands) == 3
 
 
 async def test_coalesce_runs_the_latest_missed_firing_once() -> None:
@@ -351,7 +379,7 @@ async def test_manual_runs_do_not_move_the_schedule() -> None:
     )  # same millisecond: moved by 1 ms
     assert first.run_id != second.run_id
     assert [c.manual for c in published.commands] == [True, True]
-    assert await firings.last_scheduled("rollup") is None
+    assert await firings.last_scheduled("rollup", not_after=clock.now) is None
     with pytest.raises(UnknownJob):
         await fire_by_hand(
             "nope", jobs=jobs, firings=firings, publish=published, clock=clock, owner="a"
@@ -366,6 +394,66 @@ async def test_manual_runs_do_not_move_the_schedule() -> None:
             owner="a",
         )
     assert len(firings.of("rollup")) == 2  # the refused one was withdrawn
+
+
+async def test_manual_runs_faster_than_their_keys_are_refused_as_too_many() -> None:
+    """Colliding manual claims were answered "broker unavailable" (503)."""
+    firings, published, clock = FakeFirings(), Published(), Clock(START)
+    for _ in range(MANUAL_CLAIM_TRIES):
+        await fire_by_hand(
+            "rollup", jobs=_jobs(), firings=firings, publish=published, clock=clock, owner="a"
+        )
+    with pytest.raises(TriggeredTooOften):
+        await fire_by_hand(
+            "rollup", jobs=_jobs(), firings=firings, publish=published, clock=clock, owner="a"
+        )
+    assert len(published.commands) == len(firings.of("rollup")) == MANUAL_CLAIM_TRIES
+
+
+class StartedAnyway(Published):
+    """An unconfirmed publish that reached the queue: a consumer began the run meanwhile."""
+
+    def __init__(self, firings: FakeFirings) -> None:
+        super().__init__()
+        self.firings = firings
+
+    async def __call__(self, command: RunCronJob) -> None:
+        await self.firings.begin(command.run_id, attempt=1, now=START)
+        raise ConnectionError("the channel closed before the broker confirmed")
+
+
+async def test_a_manual_run_started_although_its_publish_failed_is_kept_and_accepted() -> None:
+    """Its record was deleted under the running job, which then ran without one, and the
+    caller was told nothing was kept."""
+    firings, clock = FakeFirings(), Clock(START)
+    firing = await fire_by_hand(
+        "rollup",
+        jobs=_jobs(),
+        firings=firings,
+        publish=StartedAnyway(firings),
+        clock=clock,
+        owner="a",
+    )
+    assert firings.by_id[firing.run_id].state is FiringState.RUNNING
+
+
+class UnforgettingFirings(FakeFirings):
+    async def forget_unpublished(self, run_id: str) -> bool:
+        raise ConnectionError("the database did not answer")
+
+
+async def test_a_refused_manual_run_that_cannot_be_withdrawn_says_it_may_run_later() -> None:
+    firings = UnforgettingFirings()
+    with pytest.raises(DispatchFailed, match="may still run later"):
+        await fire_by_hand(
+            "rollup",
+            jobs=_jobs(),
+            firings=firings,
+            publish=Published(fail=True),
+            clock=Clock(START),
+            owner="a",
+        )
+    assert [f.state for f in firings.of("rollup")] == [FiringState.CLAIMED]  # published later
 
 
 async def test_a_manual_run_at_a_fire_time_leaves_the_fire_time_to_the_schedule() -> None:

@@ -114,3 +114,22 @@ def test_fewer_deliveries_in_hand_than_model_slots_are_refused() -> None:
     """Slots beyond the deliveries in hand could never be used."""
     with pytest.raises(ValidationError, match="SCORER_PREFETCH"):
         ScorerSettings.model_validate({"SCORER_CONCURRENCY": "8", "SCORER_PREFETCH": "7"})
+
+
+@pytest.mark.parametrize(
+    ("given", "variable"),
+    [
+        ({"SCHEDULER_GRACE_S": "0"}, "SCHEDULER_GRACE_S"),
+        ({"SCHEDULER_TICK_S": "40"}, "SCHEDULER_GRACE_S"),
+        ({"SCHEDULER_REDISPATCH_S": "60"}, "SCHEDULER_REDISPATCH_S"),
+        ({"SCHEDULER_GRACE_S": "20"}, "SCHEDULER_REDISPATCH_S"),
+    ],
+)
+def test_a_grace_the_clock_loop_cannot_keep_is_refused(
+    given: dict[str, str], variable: str
+) -> None:
+    """With a grace below the tick, new jobs and `skip` jobs never fired; with a redispatch
+    delay beyond it, a `skip` job's firing whose publish failed was dropped."""
+    with pytest.raises(ValidationError, match=variable):
+        SchedulerSettings.model_validate(given)
+    assert SchedulerSettings.model_validate({"SCHEDULER_TICK_S": "30"}).grace_s == 60

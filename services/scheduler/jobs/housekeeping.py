@@ -70,7 +70,7 @@ async def keep_house(
 ) -> JobOutcome:
     now = clock()
     firing_cutoff = now - timedelta(days=config.firing_retention_days)
-    cursors = await firings.last_scheduled_ids(job_names)
+    cursors = await firings.last_scheduled_ids(job_names, not_after=now)
     deleted = {
         "firings": await firings.delete_finished_before(firing_cutoff, keep=cursors),
         "fanout_checkpoints": await checkpoints.delete_finished_before(firing_cutoff),

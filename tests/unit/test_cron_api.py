@@ -1,0 +1,56 @@
+"""The manual-run route's answers to what triggering a run can raise."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+from fastapi import FastAPI
+from pydantic import SecretStr
+
+from services.scheduler.api import cron_routes
+from services.scheduler.errors import DispatchFailed, TriggeredTooOften
+from services.scheduler.firings import Firing
+from services.scheduler.schedule import JobCatalog
+from shared.http import install_problem_handlers
+from tests.support import running
+from tests.unit.test_scheduler_dispatch import FakeFirings
+
+NOW = datetime(2030, 1, 1, tzinfo=UTC)
+ADMIN = {"Authorization": "Bearer admin-key"}
+
+
+def app_raising(error: Exception) -> FastAPI:
+    async def trigger(name: str) -> Firing:
+        raise error
+
+    app = FastAPI()
+    install_problem_handlers(app)
+    app.include_router(
+        cron_routes(
+            jobs=JobCatalog([]),
+            firings=FakeFirings(),
+            trigger=trigger,
+            clock=lambda: NOW,
+            admin_key=SecretStr("admin-key"),
+        )
+    )
+    return app
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "kind"),
+    [
+        (TriggeredTooOften("rollup"), 429, "too-many-requests"),
+        (DispatchFailed("the broker did not accept it"), 503, "broker-unavailable"),
+    ],
+)
+async def test_a_refused_manual_run_says_why(error: Exception, status: int, kind: str) -> None:
+    """Colliding manual runs were answered as a broker outage (503)."""
+    async with running(app_raising(error)) as client:
+        answer = await client.post("/admin/v1/cron/jobs/rollup/run", headers=ADMIN)
+    assert answer.status_code == status
+    assert answer.headers["content-type"].startswith("application/problem+json")
+    assert answer.json()["type"].endswith(kind)
+    if status == 429:
+        assert answer.headers["retry-after"] == "1"

@@ -304,26 +304,33 @@ class ScoreboxBroker(RabbitBroker):
         exc_val: BaseException | None = None,
         exc_tb: TracebackType | None = None,
     ) -> None:
+        """Bounded as a whole: the deliveries in hand and the consumers' cancellation share
+        the graceful timeout, then the acks and the two closes get one broker round trip's
+        bound each (`_step_s`). Each step bounded on its own, a stalled broker made a stop
+        last five graceful timeouts, past any orchestrator's grace period (then SIGKILL)."""
+        deadline = asyncio.get_running_loop().time() + self._graceful_timeout
         await self.stop_consuming()
         consuming, self._consuming = self._consuming, []
-        idle = [asyncio.ensure_future(each.idle.wait()) for each in consuming]
-        if idle:
-            _, pending = await asyncio.wait(idle, timeout=self._graceful_timeout)
-            for waiting in pending:
-                waiting.cancel()
+        await _wait_idle(consuming, timeout=_until(deadline))
         try:
-            await asyncio.wait_for(self._acks.drain(), self._graceful_timeout)
+            await asyncio.wait_for(self._acks.drain(), max(_until(deadline), self._step_s))
         except TimeoutError:
-            log.warning(
-                "acks not written within %.1fs; the broker redelivers them", self._graceful_timeout
-            )
+            log.warning("acks not written in time; the broker redelivers them")
         connection, self._consumer_connection = self._consumer_connection, None
         self._shared_channel = None
         # Each close waits for the broker's CloseOk, up to the heartbeat (60 s) when the broker
-        # stalls: a stop outlasting any orchestrator's grace period ends in SIGKILL.
+        # stalls: together, and bounded.
+        closing = [
+            self._bounded(super().stop(exc_type, exc_val, exc_tb), "the publishing connection")
+        ]
         if connection is not None:
-            await self._bounded(connection.close(), "the consuming connection")
-        await self._bounded(super().stop(exc_type, exc_val, exc_tb), "the publishing connection")
+            closing.append(self._bounded(connection.close(), "the consuming connection"))
+        await asyncio.gather(*closing)
+
+    @property
+    def _step_s(self) -> float:
+        """The bound of one broker round trip during a stop."""
+        return min(self._timeout, self._graceful_timeout)
 
     async def stop_consuming(self) -> None:
         """Cancel every consumer: no delivery arrives any more, and those in hand go on
@@ -335,14 +342,27 @@ class ScoreboxBroker(RabbitBroker):
         # Together, and within the stop's own bound: one after another, each waiting up to
         # the broker timeout for a stalled broker's CancelOk, they outlasted the grace period
         # an orchestrator gives a stop (then SIGKILL).
-        timeout = min(self._timeout, self._graceful_timeout)
-        await asyncio.gather(*(_cancel(each, timeout=timeout) for each in pending))
+        await asyncio.gather(*(_cancel(each, timeout=self._step_s) for each in pending))
 
     async def _bounded(self, closing: Awaitable[object], what: str) -> None:
         try:
-            await asyncio.wait_for(closing, self._graceful_timeout)
+            await asyncio.wait_for(closing, self._step_s)
         except TimeoutError:
-            log.warning("%s not closed within %.1fs; leaving it", what, self._graceful_timeout)
+            log.warning("%s not closed within %.1fs; leaving it", what, self._step_s)
+
+
+def _until(deadline: float) -> float:
+    return max(0.0, deadline - asyncio.get_running_loop().time())
+
+
+async def _wait_idle(consuming: list[_Consuming], *, timeout: float) -> None:
+    """Wait, up to `timeout`, for the deliveries in hand to be handled."""
+    idle = [asyncio.ensure_future(each.idle.wait()) for each in consuming]
+    if not idle:
+        return
+    _, pending = await asyncio.wait(idle, timeout=timeout)
+    for waiting in pending:
+        waiting.cancel()
 
 
 async def _cancel(consuming: _Consuming, *, timeout: float) -> None:

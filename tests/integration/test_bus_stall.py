@@ -92,5 +92,34 @@ async def test_cancelling_the_consumers_of_a_stalled_broker_is_bounded_too(
         link.reply_delay_s = 0.0
 
 
+async def test_stopping_with_a_delivery_stuck_in_hand_is_bounded_as_a_whole(
+    amqp_url: str, broker_link: SlowLink
+) -> None:
+    """Every step of a stop had a graceful timeout of its own: a delivery that never
+    finished, with the broker stalled, made the stop last four of them (cancel, wait for the
+    delivery, two closes), 8 s here; the cancel and the wait share one now, and the closes
+    run together: about 4 s. The guard sits between."""
+    link = broker_link
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": link.url_through(amqp_url)})
+    broker = make_broker(settings, graceful_timeout_s=2.0)
+    queue = RabbitQueue(f"test.stall.{new_id()[:8]}", auto_delete=True)
+    in_hand = asyncio.Event()
+
+    @consume(broker, queue)
+    async def never_finishes(delivery: Delivery) -> None:
+        in_hand.set()
+        await asyncio.Event().wait()
+
+    await start_broker(broker, settings)
+    await broker.publish(b"{}", queue.name)
+    await asyncio.wait_for(in_hand.wait(), 30)
+    link.reply_delay_s = 3600.0
+    try:
+        async with asyncio.timeout(6.5):
+            await broker.stop()
+    finally:
+        link.reply_delay_s = 0.0
+
+
 async def _never_called(delivery: Delivery) -> None:
     raise AssertionError("nothing is published to these queues")

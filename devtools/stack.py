@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import errno
 import os
 import secrets
 import shlex
@@ -24,13 +25,17 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType, TracebackType
+from typing import TYPE_CHECKING, Any
 
 from shared.settings import MAX_PORT
+
+if TYPE_CHECKING:
+    from devtools.infra import Endpoint
 
 SERVICES: tuple[str, ...] = ("status", "scorer", "scheduler", "notifier", "gateway")
 DEFAULT_PORTS: dict[str, int] = {
@@ -42,6 +47,9 @@ DEFAULT_PORTS: dict[str, int] = {
 }
 PORT_ENV: dict[str, str] = {service: f"{service.upper()}_PORT" for service in DEFAULT_PORTS}
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+# Where to reach a service that listens on a wildcard address: `::` is IPv6 only (asyncio
+# and uvloop bind it with IPV6_V6ONLY), the others answer on IPv4.
+WILDCARD_CONNECT_HOSTS = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}
 
 PR_SET_PDEATHSIG = 1
 READY_POLL_INTERVAL_S = 0.1
@@ -126,11 +134,14 @@ class Stack:
         return self.url("gateway")
 
     def url(self, service: str, replica: int = 0) -> str:
-        return f"http://{self._connect_host}:{self._find(service, replica).port}"
+        host = self._connect_host
+        if ":" in host:  # an IPv6 address: in brackets in a URL (RFC 3986)
+            host = f"[{host}]"
+        return f"http://{host}:{self._find(service, replica).port}"
 
     @property
     def _connect_host(self) -> str:
-        return "127.0.0.1" if self.config.host in WILDCARD_HOSTS else self.config.host
+        return WILDCARD_CONNECT_HOSTS.get(self.config.host, self.config.host)
 
     def log_path(self, service: str, replica: int = 0) -> Path:
         return self._find(service, replica).log_path
@@ -276,6 +287,7 @@ class Stack:
         if "scheduler" in self.config.services:
             env["SCHEDULER_URL"] = self.url("scheduler")
         env.update(self.config.env)
+        env["NO_PROXY"] = env["no_proxy"] = no_proxy_with_loopback(env)
         env[PORT_ENV[proc.service]] = str(proc.port)
         env["SCOREBOX_SERVICE"] = proc.service
         env["SCOREBOX_INSTANCE"] = proc.name
@@ -362,15 +374,34 @@ def wait_or_kill(proc: ServiceProcess, timeout_s: float) -> None:
         proc.process.wait(timeout=KILL_WAIT_S)
 
 
+# For our own services only: `urlopen` would send loopback requests to an `http_proxy` from the
+# environment (no proxy answers for 127.0.0.1 on our behalf; `make run` then never got ready).
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def probe(url: str, timeout_s: float = READY_REQUEST_TIMEOUT_S) -> str:
-    """The HTTP status of `GET url` as text, or a short description of why there was none."""
+    """The HTTP status of `GET url` as text, or a short description of why there was none.
+
+    Always direct: proxy variables in the environment are ignored."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with _DIRECT.open(url, timeout=timeout_s) as response:
             return str(response.status)
     except urllib.error.HTTPError as error:
         return str(error.code)
     except (OSError, ValueError) as error:
         return type(error).__name__ if not str(error) else f"{type(error).__name__}: {error}"
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def no_proxy_with_loopback(env: Mapping[str, str]) -> str:
+    """`NO_PROXY` of `env` with the loopback hosts added: the services honour the proxy of
+    the environment for what lies outside (the model provider), and a local model server
+    (the fake one of `make run`) must not be asked through it."""
+    given = env.get("NO_PROXY") or env.get("no_proxy") or ""
+    hosts = [host.strip() for host in given.split(",") if host.strip()]
+    return ",".join([*hosts, *(host for host in LOOPBACK_HOSTS if host not in hosts)])
 
 
 def read_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -384,22 +415,63 @@ def read_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 # ---------------------------------------------------------------------- port helpers
 
 
+# A family and a socket address of it, as `socket.getaddrinfo` gives them.
+Address = tuple[socket.AddressFamily, tuple[Any, ...]]
+
+
+def listen_addresses(host: str, port: int) -> list[Address]:
+    """Where a server told to listen on `host` binds, as asyncio does: every address the name
+    resolves to, each in its own family (an IPv6 `host` such as `::1` needs an IPv6 socket)."""
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except (OSError, UnicodeError) as error:
+        raise StackError(f"HTTP_HOST={host!r} is not an address to listen on: {error}") from None
+    addresses: list[Address] = []
+    for family, _type, _proto, _name, sockaddr in infos:
+        address = (family, sockaddr)
+        if family in (socket.AF_INET, socket.AF_INET6) and address not in addresses:
+            addresses.append(address)
+    if not addresses:
+        raise StackError(f"HTTP_HOST={host!r} has no IPv4 or IPv6 address")
+    return addresses
+
+
+def _listening_socket(family: socket.AddressFamily, *, reuse_address: bool) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    if reuse_address:  # as uvicorn binds: a port in TIME_WAIT is free
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6:  # as asyncio and uvloop bind it: IPv6 only
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    return sock
+
+
 def free_ports(host: str, count: int) -> list[int]:
     """`count` distinct ports that were free a moment ago (all held open while choosing)."""
+    family, sockaddr = listen_addresses(host, 0)[0]
     with contextlib.ExitStack() as held:
-        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        sockets = [
+            held.enter_context(_listening_socket(family, reuse_address=False)) for _ in range(count)
+        ]
         for sock in sockets:
-            sock.bind((host, 0))
+            sock.bind(sockaddr)
         return [sock.getsockname()[1] for sock in sockets]
 
 
 def port_is_free(host: str, port: int) -> bool:
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
+    """False when something listens on `port` at any address of `host`; `StackError` when
+    `host` cannot be listened on at all (not an address of this machine, ...)."""
+    for family, sockaddr in listen_addresses(host, port):
+        with _listening_socket(family, reuse_address=True) as sock:
+            try:
+                sock.bind(sockaddr)
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    return False
+                raise StackError(
+                    f"cannot listen on {host} port {port} (HTTP_HOST): {error.strerror or error}"
+                ) from None
     return True
 
 
@@ -559,9 +631,11 @@ def start_and_supervise(
     from devtools.infra import InfraError, redact, resolve_mongo, resolve_rabbitmq  # noqa: PLC0415
 
     try:
-        rabbitmq = resources.enter_context(resolve_rabbitmq())
+        rabbitmq = resources.enter_context(resolve_infra("RabbitMQ", resolve_rabbitmq))
         print(f"RabbitMQ: {rabbitmq.kind}  {redact(rabbitmq.url)}", flush=True)
-        mongo = resources.enter_context(resolve_mongo(log_path=args.log_dir / "mongo.log"))
+        mongo = resources.enter_context(
+            resolve_infra("MongoDB", lambda: resolve_mongo(log_path=args.log_dir / "mongo.log"))
+        )
         print(f"MongoDB:  {mongo.kind}  {redact(mongo.url)}", flush=True)
     except InfraError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -586,6 +660,41 @@ def start_and_supervise(
     stack.start(ready_timeout_s=args.ready_timeout)
     print(banner(stack, keys), flush=True)
     return supervise(stack)
+
+
+INFRA_URL_ENV = {"RabbitMQ": "RABBITMQ_URL", "MongoDB": "MONGO_URL"}
+REASON_MAX_CHARS = 300
+
+
+def resolve_infra(what: str, resolve: Callable[[], Endpoint]) -> Endpoint:
+    """`resolve()`, with a Docker engine that answers but cannot run the container reported as
+    an `InfraError` (one line, exit 2) rather than the Docker client's traceback.
+
+    No fallback to the local RabbitMQ or the MongoDB stand-in: as with a `RABBITMQ_URL` that
+    does not answer, the first source that answers is the one used (the stand-in is not
+    MongoDB), and `SCOREBOX_NO_DOCKER=1` skips Docker on purpose.
+    """
+    from devtools.infra import InfraError, docker_available  # noqa: PLC0415
+
+    try:
+        return resolve()
+    except InfraError:
+        raise
+    except Exception as error:
+        if os.environ.get(INFRA_URL_ENV[what]) or not docker_available():
+            raise  # not the Docker step: a bug, keep its traceback
+        raise InfraError(
+            f"a Docker engine answers, but the {what} container did not start: "
+            f"{one_line(error)} (repair Docker, or skip it with SCOREBOX_NO_DOCKER=1: "
+            "the local RabbitMQ and the MongoDB stand-in are used then)"
+        ) from error
+
+
+def one_line(error: BaseException) -> str:
+    """`error` as `Type: first line of its message`, at most `REASON_MAX_CHARS` long."""
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return text if len(text) <= REASON_MAX_CHARS else text[: REASON_MAX_CHARS - 3] + "..."
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,21 +9,25 @@
 
 The gateway is `SCOREBOX_URL` (default http://127.0.0.1:8000); `SCOREBOX_API_KEY`, when set,
 is sent as a bearer token; admin commands (`dlq`, `keys`) send `SCOREBOX_ADMIN_KEY` instead.
-`cron` talks to the scheduler at `SCOREBOX_SCHEDULER_URL` (default http://127.0.0.1:8003),
-sending `SCOREBOX_ADMIN_KEY` when set (the scheduler's admin routes are for the internal
-network and check no key today).
+`cron` talks to the scheduler at `SCOREBOX_SCHEDULER_URL` (default http://127.0.0.1:8003) and
+sends `SCOREBOX_ADMIN_KEY` too: the scheduler's admin routes check the services'
+`ADMIN_API_KEY` as the gateway's do (401 without it, 403 when the service has none set).
+
+Proxy variables (`HTTPS_PROXY`, `NO_PROXY`, ...) apply to a remote URL, never to a loopback
+one (127.0.0.1, ::1, localhost). Every failure is one line on stderr and a non-zero exit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 from urllib.parse import quote
 
 import httpx
@@ -37,26 +41,67 @@ TERMINAL = {"completed", "failed"}
 REQUEST_TIMEOUT_S = 30.0
 DEFAULT_GATEWAY_URL = "http://127.0.0.1:8000"
 DEFAULT_SCHEDULER_URL = "http://127.0.0.1:8003"
+MAX_PORT = 65_535
+# How much of an answer that is not what was expected an error line quotes.
+QUOTED_CHARS = 300
 
 # The seam for tests: every client uses this transport when set (e.g. an httpx.MockTransport),
 # the network otherwise.
 transport: httpx.BaseTransport | None = None
 
 
-def _http(base_url: str, key: str | None) -> httpx.Client:
+def _exit(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=1)
+
+
+def _base_url(variable: str, default: str) -> httpx.URL:
+    """The http(s) URL in `variable` (`default` when unset or empty); exits 1 with one line
+    when it is none (`127.0.0.1:8000` without a scheme, `http://[::1`, a port past 65535)."""
+    raw = os.environ.get(variable) or default
+    try:
+        url = httpx.URL(raw)
+        port = url.port
+    except httpx.InvalidURL as error:
+        _exit(f"{variable}={raw!r} is not a URL: {error}")
+    if url.scheme not in ("http", "https") or not url.host:
+        _exit(f"{variable}={raw!r} is not an http(s) URL such as {default}")
+    if port is not None and not 0 < port <= MAX_PORT:
+        _exit(f"{variable}={raw!r}: the port must be 1 to {MAX_PORT}")
+    return url
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _http(base_url: httpx.URL, key: str | None) -> httpx.Client:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     # Passed only when injected, so that `httpx.Client` keeps choosing its own otherwise.
     injected: dict[str, Any] = {"transport": transport} if transport is not None else {}
-    return httpx.Client(base_url=base_url, headers=headers, timeout=REQUEST_TIMEOUT_S, **injected)
+    return httpx.Client(
+        base_url=base_url,
+        headers=headers,
+        timeout=REQUEST_TIMEOUT_S,
+        # A gateway on this machine is never behind the environment's proxy (which would be
+        # asked for 127.0.0.1 and answer for itself); a remote one may well be.
+        trust_env=not _loopback(base_url.host),
+        **injected,
+    )
 
 
 def _client(*, admin: bool = False) -> httpx.Client:
     key = os.environ.get("SCOREBOX_ADMIN_KEY" if admin else "SCOREBOX_API_KEY")
-    return _http(os.environ.get("SCOREBOX_URL", DEFAULT_GATEWAY_URL), key)
+    return _http(_base_url("SCOREBOX_URL", DEFAULT_GATEWAY_URL), key)
 
 
 def _scheduler_client() -> httpx.Client:
-    base_url = os.environ.get("SCOREBOX_SCHEDULER_URL", DEFAULT_SCHEDULER_URL)
+    base_url = _base_url("SCOREBOX_SCHEDULER_URL", DEFAULT_SCHEDULER_URL)
     return _http(base_url, os.environ.get("SCOREBOX_ADMIN_KEY"))
 
 
@@ -71,13 +116,41 @@ def _reaching(client: httpx.Client) -> Iterator[httpx.Client]:
         raise typer.Exit(code=1) from error
 
 
+def _quote(text: str) -> str:
+    """`text` on one line, at most `QUOTED_CHARS` long (an HTML error page, a stray body)."""
+    line = " ".join(text.split())
+    return line if len(line) <= QUOTED_CHARS else line[: QUOTED_CHARS - 3] + "..."
+
+
 def _fail(response: httpx.Response) -> typer.Exit:
+    """The exit for an unwanted status: the problem's `detail`, else the body, on one line."""
     try:
-        detail = response.json().get("detail", response.text)
-    except ValueError:
-        detail = response.text
+        body = response.json()
+    except ValueError:  # not JSON, or not UTF-8
+        body = None
+    detail = body.get("detail") if isinstance(body, dict) else None
+    if detail is None:
+        detail = _quote(response.text) or response.reason_phrase
+    elif not isinstance(detail, str):
+        detail = json.dumps(detail, ensure_ascii=False)
     typer.echo(f"error {response.status_code}: {detail}", err=True)
     return typer.Exit(code=1)
+
+
+def _answer(response: httpx.Response, *fields: str) -> dict[str, Any]:
+    """The JSON object `response` carries, with `fields` in it; exits 1 with one line when it
+    is something else (another server at that URL, a proxy's page, a truncated answer)."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    where = f"{response.request.method} {response.request.url} answered {response.status_code}"
+    if not isinstance(body, dict):
+        _exit(f"{where} with no JSON object: {_quote(response.text) or '(empty)'}")
+    missing = [field for field in fields if field not in body]
+    if missing:
+        _exit(f"{where} without {', '.join(missing)}: {_quote(response.text)}")
+    return body
 
 
 def _show(body: dict[str, Any]) -> None:
@@ -91,7 +164,7 @@ def _wait(client: httpx.Client, task_id: str, timeout_s: float) -> dict[str, Any
         response = client.get(f"/v1/scores/{task_id}")
         if response.status_code != 200:
             raise _fail(response)
-        body: dict[str, Any] = response.json()
+        body = _answer(response, "status")
         if body["status"] in TERMINAL or time.monotonic() > deadline:
             return body
         time.sleep(delay)
@@ -120,7 +193,7 @@ def submit(
         response = client.post("/v1/scores", json=payload, headers=headers)
         if response.status_code not in (200, 202):
             raise _fail(response)
-        body: dict[str, Any] = response.json()
+        body = _answer(response, "task_id", "status")
         if wait:
             body = _wait(client, body["task_id"], timeout)
         _show(body)
@@ -150,7 +223,7 @@ def status(task_id: str) -> None:
         response = client.get(f"/v1/scores/{task_id}")
         if response.status_code != 200:
             raise _fail(response)
-        _show(response.json())
+        _show(_answer(response))
 
 
 def _admin_call(method: str, path: str, **kwargs: Any) -> dict[str, Any]:
@@ -158,7 +231,7 @@ def _admin_call(method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         response = client.request(method, path, **kwargs)
         if response.status_code != 200:
             raise _fail(response)
-        body: dict[str, Any] = response.json()
+        body = _answer(response)
         _show(body)
         return body
 
@@ -213,7 +286,7 @@ def keys_create(
         response = client.post("/admin/v1/keys", json={"tenant_id": tenant, "name": name})
         if response.status_code != 201:
             raise _fail(response)
-        _show(response.json())
+        _show(_answer(response))
 
 
 @keys.command("list")
@@ -245,25 +318,31 @@ def usage(
         response = client.get("/v1/usage", params=params)
         if response.status_code != 200:
             raise _fail(response)
-        _show(response.json())
+        _show(_answer(response))
 
 
-cron = typer.Typer(help="The scheduler's cron jobs (SCOREBOX_SCHEDULER_URL).")
+cron = typer.Typer(
+    help="The scheduler's cron jobs (SCOREBOX_SCHEDULER_URL; needs SCOREBOX_ADMIN_KEY)."
+)
 app.add_typer(cron, name="cron")
 
 FINAL_RUN_STATES = {"succeeded", "failed", "skipped"}
 JOB_COLUMNS = ("NAME", "CRON", "TZ", "ENABLED", "NEXT FIRE (UTC)", "LAST STATE")
 
 
+JOB_FIELDS = ("name", "cron", "tz", "enabled")
+
+
 def _job_row(job: dict[str, Any]) -> tuple[str, ...]:
-    last = job.get("last_firing") or {}
+    last = job.get("last_firing")
+    state = last.get("state") if isinstance(last, dict) else None
     return (
-        job["name"],
-        job["cron"],
-        job["tz"],
+        str(job["name"]),
+        str(job["cron"]),
+        str(job["tz"]),
         "yes" if job["enabled"] else "no",
-        job.get("next_fire_at") or "-",
-        last.get("state") or "-",
+        str(job.get("next_fire_at") or "-"),
+        str(state or "-"),
     )
 
 
@@ -282,8 +361,17 @@ def cron_list() -> None:
         response = client.get("/admin/v1/cron/jobs")
         if response.status_code != 200:
             raise _fail(response)
-        jobs: list[dict[str, Any]] = response.json()["jobs"]
+        jobs = _jobs(response)
     typer.echo(_table(JOB_COLUMNS, [_job_row(job) for job in jobs]))
+
+
+def _jobs(response: httpx.Response) -> list[dict[str, Any]]:
+    jobs = _answer(response, "jobs")["jobs"]
+    if isinstance(jobs, list) and all(
+        isinstance(job, dict) and all(field in job for field in JOB_FIELDS) for job in jobs
+    ):
+        return jobs
+    _exit(f"{response.request.url} answered a job list without jobs: {_quote(response.text)}")
 
 
 def _await_run(
@@ -295,7 +383,7 @@ def _await_run(
         response = client.get(status_url)
         if response.status_code != 200:
             raise _fail(response)
-        run: dict[str, Any] = response.json()
+        run = _answer(response, "run_id", "state")
         if run["state"] in FINAL_RUN_STATES:
             return run
         if time.monotonic() > deadline:
@@ -321,7 +409,7 @@ def cron_run(
         response = client.post(f"/admin/v1/cron/jobs/{quote(job, safe='')}/run")
         if response.status_code != 202:
             raise _fail(response)
-        accepted: dict[str, Any] = response.json()
+        accepted = _answer(response, "status_url") if wait else _answer(response)
         if not wait:
             _show(accepted)
             return

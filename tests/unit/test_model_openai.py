@@ -642,3 +642,27 @@ def test_an_api_key_loses_surrounding_whitespace_and_refuses_control_characters(
     assert settings(LLM_API_KEY="sk-test\n").llm_api_key.get_secret_value() == "sk-test"
     with pytest.raises(ValidationError, match="control character"):
         settings(LLM_API_KEY="sk-\x01test")
+
+
+async def test_the_provider_is_reached_through_the_proxy_of_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Egress to the provider often has to go through a proxy: the client ignored
+    HTTPS_PROXY/HTTP_PROXY, so a scorer behind one could reach no model at all."""
+    asked: list[str] = []
+
+    async def forward_proxy(request: web.Request) -> web.Response:
+        asked.append(str(request.url))
+        answer = completion(GOOD)
+        return web.Response(status=answer.status, body=answer.body, headers=answer.headers)
+
+    proxy = web.Application()
+    proxy.router.add_route("*", "/{tail:.*}", forward_proxy)
+    async with serving(proxy) as proxy_url, ProviderClient(concurrency=1, timeout_s=5) as http:
+        monkeypatch.setenv("HTTP_PROXY", proxy_url)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        model = OpenAIChatModel(http, settings(LLM_BASE_URL="http://provider.invalid/v1"))
+        verdict = await model.score(request())
+    assert verdict.result.score == 7.5
+    assert asked == ["http://provider.invalid/v1/chat/completions"]

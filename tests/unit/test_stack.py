@@ -6,10 +6,16 @@ answers `/healthz`, `/readyz` and `/env`; `FAKE_MODE_<SERVICE>` makes it misbeha
 
 from __future__ import annotations
 
+import http.server
 import json
+import os
 import socket
+import socketserver
+import subprocess
 import sys
+import tempfile
 import textwrap
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,12 +24,15 @@ import pytest
 
 from devtools.stack import (
     DEFAULT_PORTS,
+    LOOPBACK_HOSTS,
     DevKeys,
     PortInUseError,
     Stack,
     StackConfig,
     StackError,
     curl_examples,
+    ensure_ports_free,
+    no_proxy_with_loopback,
     ports_from_env,
     probe,
 )
@@ -31,7 +40,7 @@ from services.gateway.keys import generate_key, parse_key
 
 FAKE_SERVICE = textwrap.dedent(
     """
-    import http.server, json, os, signal, sys
+    import http.server, json, os, signal, socket, sys
 
     service = os.environ["SCOREBOX_SERVICE"]
     port = int(os.environ[service.upper() + "_PORT"])
@@ -43,7 +52,7 @@ FAKE_SERVICE = textwrap.dedent(
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     polls = {"n": 0}
     SHOWN = ("RABBITMQ_URL", "MONGO_URL", "MONGO_DB_PREFIX", "HTTP_HOST", "STATUS_URL",
-             "SCOREBOX_INSTANCE", "EXTRA", service.upper() + "_PORT")
+             "SCOREBOX_INSTANCE", "EXTRA", "NO_PROXY", service.upper() + "_PORT")
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -68,8 +77,11 @@ FAKE_SERVICE = textwrap.dedent(
         def log_message(self, *args):
             pass
 
+    class Server(http.server.ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in os.environ["HTTP_HOST"] else socket.AF_INET
+
     print("fake", service, "listening on", port, flush=True)
-    http.server.ThreadingHTTPServer((os.environ["HTTP_HOST"], port), Handler).serve_forever()
+    Server((os.environ["HTTP_HOST"], port), Handler).serve_forever()
     """
 )
 
@@ -170,6 +182,15 @@ def test_every_service_gets_the_environment_contract(
     assert stack.gateway_url.endswith(f":{gateway['GATEWAY_PORT']}")
     assert stack.url("scorer", 1).endswith(f":{scorer['SCORER_PORT']}")
     assert scorer["SCOREBOX_INSTANCE"] == "scorer-1"
+    # The scorer honours the proxy of the environment; a local model server is never behind it.
+    assert set(LOOPBACK_HOSTS) <= set((scorer["NO_PROXY"] or "").split(","))
+
+
+def test_loopback_hosts_join_the_hosts_no_proxy_names() -> None:
+    assert no_proxy_with_loopback({"no_proxy": "corp.example, localhost"}) == (
+        "corp.example,localhost,127.0.0.1,::1"
+    )
+    assert no_proxy_with_loopback({}) == "127.0.0.1,localhost,::1"
 
 
 def test_kill_then_restart_one_replica_on_the_same_port(
@@ -321,3 +342,147 @@ def test_dev_keys_honour_the_environment_and_refuse_malformed_keys() -> None:
     assert len(fresh.admin_key) >= 32
     with pytest.raises(StackError, match="SCOREBOX_API_KEY must look like"):
         DevKeys.from_environment({"SCOREBOX_API_KEY": "dev-secret"})
+
+
+# ---------------------------------------------------------------------- IPv6, proxies, Docker
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+needs_ipv6 = pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+
+
+@needs_ipv6
+def test_an_ipv6_host_is_checked_with_ipv6_sockets() -> None:
+    """HTTP_HOST=::1 was refused as 'port in use': the check bound an IPv4 socket to it."""
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PortInUseError, match=f"port {port} .gateway. is already in use"):
+            ensure_ports_free("::1", {"gateway": port})
+    ensure_ports_free("::1", {"gateway": port})  # free again once closed
+    ensure_ports_free("::", {"gateway": port})
+
+
+def test_a_host_that_cannot_be_listened_on_is_not_called_a_port_in_use() -> None:
+    with pytest.raises(StackError, match="HTTP_HOST") as failure:
+        ensure_ports_free("host.invalid", {"gateway": 8000})
+    assert not isinstance(failure.value, PortInUseError)
+
+
+@needs_ipv6
+@pytest.mark.parametrize("host", ["::1", "::"])
+def test_a_stack_on_ipv6_gets_ready_with_bracketed_urls(
+    tmp_path: Path, fake_command: list[str], stacks: list[Stack], host: str
+) -> None:
+    stack = Stack(make_config(tmp_path, fake_command, host=host, services=("status", "gateway")))
+    stacks.append(stack)
+
+    stack.start(ready_timeout_s=30)  # free ports on IPv6, then /readyz over IPv6
+
+    assert stack.gateway_url.startswith("http://[::1]:")
+    gateway = get_json(f"{stack.gateway_url}/env")
+    assert gateway["HTTP_HOST"] == host
+    assert gateway["STATUS_URL"] == stack.url("status")
+    assert stack.url("status").startswith("http://[::1]:")
+
+
+class _Answer(http.server.BaseHTTPRequestHandler):
+    """200 from a service, 502 from the proxy (the server's `status` attribute)."""
+
+    def do_GET(self) -> None:
+        status: int = self.server.status  # type: ignore[attr-defined]
+        self.send_response(status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def answering() -> Iterator[list[http.server.ThreadingHTTPServer]]:
+    """HTTP servers on 127.0.0.1 that answer every GET with their `status`; stopped after."""
+    servers: list[http.server.ThreadingHTTPServer] = []
+    yield servers
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def _serve(servers: list[http.server.ThreadingHTTPServer], status: int) -> str:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Answer)
+    server.status = status  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    servers.append(server)
+    return f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_the_readiness_probe_ignores_proxy_variables(
+    monkeypatch: pytest.MonkeyPatch, answering: list[http.server.ThreadingHTTPServer]
+) -> None:
+    """With http_proxy set, `make run` asked the proxy for 127.0.0.1 and never got ready."""
+    service = _serve(answering, 200)
+    proxy = _serve(answering, 502)
+    for name in ("no_proxy", "NO_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(name, proxy)
+    # urlopen's shared opener reads the proxy variables once, at its first use in the process.
+    monkeypatch.setattr("urllib.request._opener", None)
+
+    assert probe(f"{service}/readyz") == "200"
+
+
+class _BrokenDocker(socketserver.StreamRequestHandler):
+    """A Docker engine that answers its ping and fails everything else."""
+
+    def handle(self) -> None:
+        request_line = self.rfile.readline()
+        while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+            pass
+        if b"/_ping" in request_line:
+            status, body = b"200 OK", b"OK"
+        else:
+            status, body = b"500 Internal Server Error", b'{"message": "the engine is broken"}'
+        head = f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        head += "Connection: close\r\n\r\n"
+        self.wfile.write(b"HTTP/1.1 " + status + b"\r\n" + head.encode() + body)
+
+
+def test_make_run_with_a_broken_docker_engine_exits_2_with_one_line(tmp_path: Path) -> None:
+    """It printed the Docker client's traceback (and exited 1)."""
+    with tempfile.TemporaryDirectory(prefix="sbx-") as short:  # a socket path is <= 107 bytes
+        engine = socketserver.ThreadingUnixStreamServer(f"{short}/docker.sock", _BrokenDocker)
+        threading.Thread(target=engine.serve_forever, daemon=True).start()
+        try:
+            skipped = ("RABBITMQ_URL", "MONGO_URL", "SCOREBOX_NO_DOCKER", "DOCKER_HOST")
+            env = {k: v for k, v in os.environ.items() if k not in skipped}
+            env |= {f"{service.upper()}_PORT": "0" for service in DEFAULT_PORTS}
+            env["DOCKER_HOST"] = f"unix://{short}/docker.sock"
+            result = subprocess.run(
+                [sys.executable, "-m", "devtools.stack", "run", "--log-dir", str(tmp_path)],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=120,
+                check=False,
+            )
+        finally:
+            engine.shutdown()
+            engine.server_close()
+
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith("error: a Docker engine answers, but the RabbitMQ container did not")
+    assert "the engine is broken" in line
+    assert "SCOREBOX_NO_DOCKER=1" in line

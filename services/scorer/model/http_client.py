@@ -80,6 +80,9 @@ class ProviderClient:
                 connector=provider_connector(concurrency=self.concurrency),
                 timeout=self.timeout,
                 cookie_jar=aiohttp.DummyCookieJar(),
+                # HTTPS_PROXY / HTTP_PROXY / NO_PROXY, as the OpenAI SDK honours them: the
+                # provider is outside, and egress often goes through a proxy.
+                trust_env=True,
             )
         return self._session
 

@@ -99,7 +99,7 @@ class Delivery:
             self._acks.ack(self._tag)
 
     async def nack(self, *, requeue: bool = True) -> None:
-        if self._settle("nack"):
+        if self._settle("requeue" if requeue else "nack"):
             await self._raw.nack(requeue=requeue)
             self._acks.settled(self._tag)
 
@@ -186,24 +186,25 @@ class _Consuming:
         started = time.perf_counter()
         delivery = Delivery(raw, self._acks.of(raw.channel))
         failed = False
-        try:
-            with correlated(raw.correlation_id):
+        # Around the failure's log line too: its traceback is the line most worth tracing.
+        with correlated(raw.correlation_id):
+            try:
                 if self.subscription.ack_first:
                     await delivery.ack()
                 await self.subscription.handler(delivery)
-        except Exception:
-            failed = True
-            log.exception(
-                "%s: handling message %s failed; it stays unacknowledged until the channel "
-                "closes, then the broker redelivers it",
-                self.subscription.queue.name,
-                raw.message_id,
-            )
-        finally:
-            self.handling -= 1
-            if self.handling == 0:
-                self.idle.set()
-            self._record(delivery, failed=failed, seconds=time.perf_counter() - started)
+            except Exception:
+                failed = True
+                log.exception(
+                    "%s: handling message %s failed; it stays unacknowledged until the channel "
+                    "closes, then the broker redelivers it",
+                    self.subscription.queue.name,
+                    raw.message_id,
+                )
+            finally:
+                self.handling -= 1
+                if self.handling == 0:
+                    self.idle.set()
+                self._record(delivery, failed=failed, seconds=time.perf_counter() - started)
 
     def _record(self, delivery: Delivery, *, failed: bool, seconds: float) -> None:
         self._settled["failed" if failed else (delivery.settlement or "unsettled")].inc()

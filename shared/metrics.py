@@ -112,19 +112,44 @@ class _HttpMetrics:
             return
         started = time.perf_counter()
         status = 500  # what the server answers when the app raises before starting a response
+        observed = False
+
+        def observe() -> None:
+            self._metrics.http_seconds.labels(
+                _method_of(scope), _route_of(scope, self._routes), str(status)
+            ).observe(time.perf_counter() - started)
 
         async def recording_send(message: Message) -> None:
-            nonlocal status
+            nonlocal status, observed
             if message["type"] == "http.response.start":
                 status = message["status"]
+                # An event stream lasts as long as its client listens: timed to its start.
+                if _is_event_stream(message):
+                    observe()
+                    observed = True
             await send(message)
 
         try:
             await self._app(scope, receive, recording_send)
         finally:
-            self._metrics.http_seconds.labels(
-                scope["method"], _route_of(scope, self._routes), str(status)
-            ).observe(time.perf_counter() - started)
+            if not observed:
+                observe()
+
+
+# Any other method (a server that accepts every token) is one series, not one per token.
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def _method_of(scope: Scope) -> str:
+    method = scope["method"]
+    return method if method in KNOWN_METHODS else "other"
+
+
+def _is_event_stream(start: Message) -> bool:
+    return any(
+        name.lower() == b"content-type" and value.startswith(b"text/event-stream")
+        for name, value in start.get("headers", ())
+    )
 
 
 def _route_of(scope: Scope, routes: Sequence[BaseRoute]) -> str:

@@ -9,10 +9,11 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import random
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, override
 
 import pymongo
 import uvicorn
@@ -42,6 +43,7 @@ GC_YOUNG_THRESHOLD = 20_000
 
 
 def configure_logging(settings: ServiceSettings, service: str) -> None:
+    logging.captureWarnings(True)  # Python's warnings as records: JSON lines in json mode
     if settings.log_format == "json":
         handler = logging.StreamHandler()
         handler.setFormatter(json_log_formatter(service))
@@ -58,7 +60,7 @@ def json_log_formatter(service: str) -> logging.Formatter:
     """One JSON object per record: `time` (ISO 8601, UTC), `level`, `logger`, `message`,
     `service`, any `extra` fields (`correlation_id` while a delivery is handled:
     `shared.log_context`), and `exc_info` with the traceback of an exception."""
-    return JsonFormatter(
+    return _ServiceJsonFormatter(
         "{levelname}{name}{message}",
         style="{",
         rename_fields={"levelname": "level", "name": "logger"},
@@ -67,6 +69,37 @@ def json_log_formatter(service: str) -> logging.Formatter:
         # uvicorn's copy of its message with terminal colour codes in it.
         reserved_attrs=[*RESERVED_ATTRS, "color_message"],
     )
+
+
+class _ServiceJsonFormatter(JsonFormatter):
+    """Strict JSON whatever the extras hold: a non-finite float (`NaN`, which strict
+    parsers refuse) is written as a string, and an extra named like a standard field is
+    kept under `extra_<name>` instead of replacing it."""
+
+    @override
+    def add_fields(
+        self, log_data: dict[str, Any], record: logging.LogRecord, message_dict: dict[str, Any]
+    ) -> None:
+        super().add_fields(log_data, record, message_dict)
+        standard = {"level": record.levelname, "logger": record.name, **self.static_fields}
+        for field, value in standard.items():
+            if field in record.__dict__:
+                log_data[f"extra_{field}"] = record.__dict__[field]
+            log_data[field] = value
+
+    @override
+    def process_log_record(self, log_data: dict[str, Any]) -> dict[str, Any]:
+        return {key: _finite(value) for key, value in log_data.items()}
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _finite(each) for key, each in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(each) for each in value]
+    return value
 
 
 def make_broker(

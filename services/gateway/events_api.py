@@ -179,12 +179,19 @@ def event_routes(
             retry_ms=settings.sse_retry_ms,
             settle_s=settings.live_settle_s,
         )
+
+        async def close_waiter() -> None:
+            live.close(waiter)
+
         return StreamingResponse(
             stream,
             media_type=EVENT_STREAM,
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            # Also closes the waiter of a stream that never started (client gone at once).
-            background=BackgroundTask(live.close, waiter),
+            # Also closes the waiter of a stream that never started (client gone at once). A
+            # coroutine function, so that it runs on the event loop: Starlette runs a plain
+            # function in a worker thread, where the close raced the loop's `open`/`deliver`
+            # on the registry's sets and counters.
+            background=BackgroundTask(close_waiter),
         )
 
     return router

@@ -6,7 +6,9 @@ on that task (`GET /v1/scores/{id}/events` streams and `?wait=` long-polls).
 The broker queue is the replica's own (exclusive, auto-delete; see `shared.topology`), so a
 live event is a wake-up call, not the record: what a request answers still comes from the
 status service, which may lag the event by a few milliseconds; `read_settled` and
-`history_settled` retry a read (bounded) until it reflects the event. A lost live event (a
+`history_settled` retry a read (bounded) until it reflects the event, backing off between
+reads: every 20 ms for the whole `LIVE_SETTLE_S` was ~100 reads per event per waiter, which
+multiplied the load on a status service that lagged because it was loaded. A lost live event (a
 broker reconnect, an overflowing waiter) therefore costs latency, never correctness: streams
 re-read the history periodically and whenever their waiter overflowed.
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
@@ -61,7 +64,13 @@ WAITER_QUEUE_SIZE = 32
 RECENT_TASKS = 4_096  # tasks whose latest events are remembered
 RECENT_EVENTS_PER_TASK = 8
 RECENT_S = 30.0
-SETTLE_INTERVAL_S = 0.02
+# Pauses between the reads of `read_settled`/`history_settled`: the first after 20 ms (the
+# status service usually lags by less), then twice as long each time up to 400 ms, each up to
+# a quarter shorter at random so that the waiters one event woke spread their reads out. Over
+# a 2 s `LIVE_SETTLE_S` that is at most about a dozen reads per waiter.
+SETTLE_FIRST_PAUSE_S = 0.02
+SETTLE_MAX_PAUSE_S = 0.4
+SETTLE_JITTER = 0.25
 LIVE_LINGER_S = 30.0  # how long the live queue stays bound after its last waiter
 BIND_RETRY_S = 5.0  # after a failed bind, how long waiters go on without trying again
 Clock = Callable[[], datetime]
@@ -371,16 +380,37 @@ class HistorySource(Protocol):
     async def history(self, task_id: str, *, tenant_id: str, after: int) -> TaskHistory | None: ...
 
 
+class _SettleBackOff:
+    """The pauses between the reads of one settling wait, and its deadline `settle_s` away."""
+
+    _jitter = random.Random()  # noqa: S311 - spreading reads out, not cryptography
+
+    def __init__(self, settle_s: float) -> None:
+        self._time = asyncio.get_running_loop().time
+        self._deadline = self._time() + settle_s
+        self._pause = SETTLE_FIRST_PAUSE_S
+
+    @property
+    def over(self) -> bool:
+        return self._time() >= self._deadline
+
+    async def pause(self) -> None:
+        """Wait the next pause, never past the deadline (a last read is made there)."""
+        pause = self._pause * (1 - SETTLE_JITTER * self._jitter.random())
+        self._pause = min(self._pause * 2, SETTLE_MAX_PAUSE_S)
+        await asyncio.sleep(max(0.0, min(pause, self._deadline - self._time())))
+
+
 async def read_settled(read: ViewReader, event: TaskEvent, *, settle_s: float) -> TaskView | None:
     """Read the view until it reflects `event` (its sequence), for at most `settle_s`."""
-    deadline = asyncio.get_running_loop().time() + settle_s
+    back_off = _SettleBackOff(settle_s)
     while True:
         view = await read()
         if view is not None and view.sequence is not None and view.sequence >= event.sequence:
             return view
-        if asyncio.get_running_loop().time() >= deadline:
+        if back_off.over:
             return view
-        await asyncio.sleep(SETTLE_INTERVAL_S)
+        await back_off.pause()
 
 
 async def read_when_changed(
@@ -446,7 +476,7 @@ async def history_settled(
     """The changes after `after` once the history holds `event` (at most `settle_s` later);
     `event` itself is added when the status service has not caught up by then, or could not
     be read (a stream then still shows a task's end that this replica has heard of)."""
-    deadline = asyncio.get_running_loop().time() + settle_s
+    back_off = _SettleBackOff(settle_s)
     while True:
         try:
             history = await read(after)
@@ -460,10 +490,10 @@ async def history_settled(
         if history is not None and history.sequence >= event.sequence:
             # A newer event won and the history slice dropped this one.
             return Settled(changes, recorded)
-        if asyncio.get_running_loop().time() >= deadline:
+        if back_off.over:
             heard = sorted([*changes, StateChange.of_event(event)], key=lambda c: c.sequence)
             return Settled(heard, recorded)
-        await asyncio.sleep(SETTLE_INTERVAL_S)
+        await back_off.pause()
 
 
 @dataclass(frozen=True)

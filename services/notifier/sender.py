@@ -4,15 +4,18 @@ Each request gets a connector of its own whose resolver answers only the checked
 for the URL's host (the name is still used for `Host`, SNI and certificate checks), so what
 was checked is what is connected to. No proxy from the environment, no redirects, no
 decompression, explicit connect and total timeouts, and at most `max_response_bytes` of the
-answer are read.
+answer are read. The status line and headers are the answer: a 2xx body is not read, and a
+refusal's body only best effort for its excerpt, so a body that breaks off or stalls never
+turns an answer the receiver gave into "unreachable" (and a 2xx into another POST).
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import ssl
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
@@ -22,6 +25,8 @@ from services.notifier.errors import ReceiverUnreachable
 from services.notifier.ssrf import Destination
 
 USER_AGENT = "Scorebox-Webhooks/1"
+# How long a refusal's body may take to give its excerpt; the status is known already.
+EXCERPT_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ class WebhookSender:
         self._timeout = aiohttp.ClientTimeout(
             total=timeout_s, connect=connect_timeout_s, sock_connect=connect_timeout_s
         )
+        self._timeout_s = timeout_s
         self._max_response_bytes = max_response_bytes
 
     async def post(
@@ -95,6 +101,8 @@ class WebhookSender:
             "Accept-Encoding": "identity",
             **headers,
         }
+        deadline = asyncio.get_running_loop().time() + self._timeout_s
+        answer: ReceiverAnswer | None = None
         try:
             async with (
                 aiohttp.ClientSession(
@@ -107,15 +115,31 @@ class WebhookSender:
                     destination.url, data=body, headers=request_headers, allow_redirects=False
                 ) as response,
             ):
-                excerpt = await response.content.read(self._max_response_bytes)
-                return ReceiverAnswer(
-                    status=response.status,
-                    retry_after=response.headers.get("Retry-After"),
-                    excerpt=excerpt.decode(errors="replace"),
+                # The status line and headers are the answer; the body cannot take it back.
+                answer = ReceiverAnswer(
+                    status=response.status, retry_after=response.headers.get("Retry-After")
                 )
-        except TimeoutError as error:
-            raise ReceiverUnreachable(f"no answer from {destination.host} in time") from error
-        except (aiohttp.ClientError, OSError) as error:
+                if not 200 <= response.status < 300:
+                    excerpt = await self._excerpt(response, deadline=deadline)
+                    answer = replace(answer, excerpt=excerpt)
+        except (TimeoutError, aiohttp.ClientError, OSError) as error:
+            if answer is not None:
+                return answer  # only closing the connection failed
+            if isinstance(error, TimeoutError):
+                raise ReceiverUnreachable(f"no answer from {destination.host} in time") from error
             raise ReceiverUnreachable(
                 f"{destination.host}: {type(error).__name__}: {error}"
             ) from error
+        return answer
+
+    async def _excerpt(self, response: aiohttp.ClientResponse, *, deadline: float) -> str:
+        """At most `max_response_bytes` of a refusal's body, best effort: a body that breaks
+        off or stalls (EXCERPT_WAIT_S at most, and never past the total timeout) leaves the
+        excerpt empty, and the status stands."""
+        wait_s = min(EXCERPT_WAIT_S, deadline - asyncio.get_running_loop().time())
+        try:
+            async with asyncio.timeout(max(wait_s, 0.0)):
+                excerpt = await response.content.read(self._max_response_bytes)
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return ""
+        return excerpt.decode(errors="replace")

@@ -145,6 +145,7 @@ def create_app(
         ),
         bus=bus,
         clock=clock,
+        job_db_timeout_s=settings.job_db_timeout_s,
         metrics=SchedulerMetrics(broker.metrics.registry),
     )
     meter = UsageMeter(

@@ -7,6 +7,8 @@
 - GiveUp: copied to the DLQ with the reason (`x-scorebox-error`), then ack.
 - MongoDB unavailable around the job (recording its start or outcome): the same command is
   re-sent after the retry base delay without counting an attempt, then ack.
+- The job's own database work runs under `SCHEDULER_JOB_DB_TIMEOUT_S` rather than the
+  client's `MONGO_TIMEOUT_S` (`services.scheduler.runs`).
 
 `scorebox.usage-meter` (`task.completed`, `task.failed`, and its own `usage.retry`):
 - unreadable body: DLQ, ack.  Recorded: ack.
@@ -74,6 +76,8 @@ class CronJobRunner:
     retry: RetryPolicy
     bus: SchedulerBus
     clock: Clock
+    # The deadline of a handler's database work (`SCHEDULER_JOB_DB_TIMEOUT_S`).
+    job_db_timeout_s: float
     metrics: SchedulerMetrics = field(default_factory=SchedulerMetrics)
 
     async def on_message(self, message: Delivery) -> None:
@@ -90,6 +94,7 @@ class CronJobRunner:
                 firings=self.firings,
                 retry=self.retry,
                 clock=self.clock,
+                db_timeout_s=self.job_db_timeout_s,
             )
         except PyMongoError as error:
             log.warning("MongoDB unavailable around run %s: %r", command.run_id, error)

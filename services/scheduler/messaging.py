@@ -18,8 +18,9 @@ from typing import Any
 import aiormq
 from aio_pika.abc import AbstractIncomingMessage
 from faststream.rabbit import RabbitBroker, RabbitQueue
+from pamqp.commands import Basic
 
-from services.scheduler.errors import DownstreamFull
+from services.scheduler.errors import DownstreamFull, TransientJobError
 from services.scheduler.jobs import Clock
 from shared.bus import publish_delayed
 from shared.contracts import (
@@ -69,7 +70,10 @@ class SchedulerBus:
         """Publish a page with its confirms in flight together: one round trip per page.
 
         Raises `DownstreamFull` when the page would take the requests waiting for the scorers
-        past `max_backlog`, or when the broker refuses one (the re-score queue is full). The
+        past `max_backlog`, or when the broker refuses one (a negative confirm: with the
+        queue's `reject-publish`, the re-score queue is full), and `TransientJobError` when
+        one is unroutable (returned: no queue bound, until the topology is declared again),
+        which no wait for room cures: the run's attempts are counted. The
         gateway drains the re-score queue into the score queue as fast as it can, so behind a
         slow scorer it is the score queue that fills: refused there, each request spent its
         retries in minutes and ended in a dead-letter queue, marked as requested, never
@@ -91,7 +95,13 @@ class SchedulerBus:
                     )
                 )
         except aiormq.exceptions.DeliveryError as error:
-            raise DownstreamFull(f"{RESCORE_REQUESTS.name} refused a re-score request") from error
+            if refused_for_room(error):
+                raise DownstreamFull(
+                    f"{RESCORE_REQUESTS.name} refused a re-score request"
+                ) from error
+            raise TransientJobError(
+                f"a re-score request ({RescoreTask.routing_key!r}) reached no queue: {error!r}"
+            ) from error
 
     async def announce(self, event: OpsEvent) -> None:
         await publish_delayed(
@@ -157,6 +167,13 @@ class SchedulerBus:
             return depth, _age_s(head, self.clock())
         finally:
             await head.nack(requeue=True)
+
+
+def refused_for_room(error: aiormq.exceptions.DeliveryError) -> bool:
+    """Whether the broker answered the publish with a negative confirm (`basic.nack`): with
+    `reject-publish` overflow, a full queue. An unroutable mandatory message comes back as a
+    `basic.return` instead (`aiormq.exceptions.PublishError`)."""
+    return isinstance(error.frame, Basic.Nack)
 
 
 def _age_s(message: AbstractIncomingMessage, now: datetime) -> float | None:

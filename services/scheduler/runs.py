@@ -13,6 +13,12 @@
 
 Jobs are idempotent (rollups recompute and `$set`, the fan-out resumes from its checkpoint,
 clean-ups delete what is expired), so the rare duplicate run is harmless.
+
+A handler runs under a deadline of its own for its database work (`db_timeout_s`,
+`SCHEDULER_JOB_DB_TIMEOUT_S`, applied with `pymongo.timeout`, which overrides the client's
+`timeoutMS` inside the block): the client's `MONGO_TIMEOUT_S` is meant for request handling,
+and a rollup's `update_many` over a day of usage records outlasts it, so every retry failed
+alike. Recording the run's start and outcome keeps the client's bound.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
+
+import pymongo
 
 from services.scheduler.errors import DownstreamFull, PermanentJobError
 from services.scheduler.firings import FiringState, FiringStore
@@ -94,7 +102,10 @@ async def run_cron_job(
     firings: FiringStore,
     retry: RetryPolicy,
     clock: Clock,
+    db_timeout_s: float | None = None,
 ) -> RunDecision:
+    """`db_timeout_s`: the deadline of the handler's database work (None: each operation
+    keeps the client's `timeoutMS`)."""
     if command.not_before is not None and command.not_before - clock() > DUE_TOLERANCE:
         return Defer(command)
     handler = handlers.get(command.job)
@@ -103,7 +114,9 @@ async def run_cron_job(
         return await _give_up(command, reason, firings=firings, clock=clock)
     if await firings.begin(command.run_id, attempt=command.attempt, now=clock()) is None:
         return Drop(f"run {command.run_id} is unknown or already finished")
-    return await _run_handler(handler, command, firings=firings, retry=retry, clock=clock)
+    return await _run_handler(
+        handler, command, firings=firings, retry=retry, clock=clock, db_timeout_s=db_timeout_s
+    )
 
 
 async def _run_handler(
@@ -113,6 +126,7 @@ async def _run_handler(
     firings: FiringStore,
     retry: RetryPolicy,
     clock: Clock,
+    db_timeout_s: float | None,
 ) -> RunDecision:
     run = JobRun(
         run_id=command.run_id,
@@ -124,7 +138,8 @@ async def _run_handler(
         slice=command.slice,
     )
     try:
-        outcome = await handler(run)
+        with pymongo.timeout(db_timeout_s):
+            outcome = await handler(run)
     except PermanentJobError as error:
         return await _give_up(command, _describe(error), firings=firings, clock=clock)
     except DownstreamFull as error:

@@ -16,6 +16,10 @@ from shared.contracts import known_rubric_version
 from shared.settings import MAX_PREFETCH, ServiceSettings
 from shared.topology import SCORE_QUEUE_MAX_LENGTH
 
+# RabbitMQ closes the channel of a delivery held unacknowledged this long (`consumer_timeout`
+# in deploy/rabbitmq/rabbitmq.conf, and RabbitMQ's default).
+BROKER_CONSUMER_TIMEOUT_S = 1800.0
+
 
 class SchedulerSettings(ServiceSettings):
     port: int = Field(default=8003, validation_alias="SCHEDULER_PORT")
@@ -33,6 +37,16 @@ class SchedulerSettings(ServiceSettings):
     job_max_attempts: int = Field(default=4, ge=1, validation_alias="SCHEDULER_JOB_MAX_ATTEMPTS")
     job_retry_base_s: float = Field(default=5.0, gt=0, validation_alias="SCHEDULER_RETRY_BASE_S")
     job_retry_cap_s: float = Field(default=600.0, gt=0, validation_alias="SCHEDULER_RETRY_CAP_S")
+    # The deadline of all the database work of one delivery of a job run (`pymongo.timeout`
+    # around its handler), in place of MONGO_TIMEOUT_S, which is meant for request handling:
+    # a rollup's `update_many` over a day of usage records outlasts that, and every retry
+    # failed the same way. Below the broker's consumer timeout, which the delivery is held in.
+    job_db_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        lt=BROKER_CONSUMER_TIMEOUT_S,
+        validation_alias="SCHEDULER_JOB_DB_TIMEOUT_S",
+    )
     # Job runs in flight per scheduler process (prefetch of the cron-jobs consumer).
     job_concurrency: int = Field(
         default=4, ge=1, le=MAX_PREFETCH, validation_alias="SCHEDULER_JOB_CONCURRENCY"
@@ -64,6 +78,18 @@ class SchedulerSettings(ServiceSettings):
                 f"SCHEDULER_REDISPATCH_S ({self.redispatch_after_s}) must be below "
                 f"SCHEDULER_GRACE_S ({self.grace_s}): a firing whose publish failed would be "
                 "late by the time it is published again, and dropped under policy skip"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _a_page_fits_the_backlog(self) -> Self:
+        # A page is published only while the requests waiting plus the page stay within the
+        # backlog: a page larger than the backlog never fits, so the fan-out never publishes.
+        if self.fanout_max_backlog < self.fanout_page_size:
+            raise ValueError(
+                f"FANOUT_MAX_BACKLOG ({self.fanout_max_backlog}) must be at least "
+                f"FANOUT_PAGE_SIZE ({self.fanout_page_size}): a full page would never fit "
+                "under the backlog, and the re-score fan-out would never publish one"
             )
         return self
 

@@ -17,20 +17,22 @@ records arrived cannot overwrite the other's row with them.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
-from pymongo import ASCENDING, AsyncMongoClient
+from pymongo import ASCENDING, AsyncMongoClient, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import BulkWriteError
 
-from shared.group_writes import GroupWriter
+from shared.group_writes import DUPLICATE_KEY, GroupWriter
 
 Document = dict[str, Any]
 # (tenant, day) pairs recomputed per aggregation; keeps each `$or` small.
 TOTALS_CHUNK = 500
+# Daily rows written per `bulk_write`.
+SAVE_CHUNK = 500
 
 
 @dataclass(frozen=True)
@@ -179,24 +181,59 @@ def _daily_id(tenant_id: str, day: str) -> str:
 class DailyUsageStore:
     def __init__(self, client: AsyncMongoClient[Document], database: str) -> None:
         self._collection: AsyncCollection[Document] = client[database]["usage_daily"]
-        self._writes = GroupWriter(self._collection)
 
     async def ensure_indexes(self) -> None:
         await self._collection.create_index([("tenant_id", ASCENDING), ("day", ASCENDING)])
 
     async def save(self, rows: Iterable[DailyUsage], *, now: datetime) -> int:
         """Replace each row's totals (`$set`, upsert) unless the stored row counts more
-        requests (recomputed from more records meanwhile); idempotent. Returns the rows set."""
-        saved = await asyncio.gather(
-            *(
-                self._writes.guarded_upsert(
-                    {"_id": _daily_id(row.tenant_id, row.day), "requests": {"$lte": row.requests}},
-                    {"$set": {**asdict(row), "rolled_up_at": now}},
-                )
-                for row in rows
+        requests (recomputed from more records meanwhile); idempotent. Returns the rows set.
+
+        Written `SAVE_CHUNK` rows per round trip in the caller's own task, so the rollup's
+        deadline (`pymongo.timeout`, `SCHEDULER_JOB_DB_TIMEOUT_S`) bounds them. Through a
+        `GroupWriter` the round trips ran in a context of their own, every row within the
+        client's `MONGO_TIMEOUT_S` of being queued: with all of a run's rows queued at once,
+        the rows of a busy day failed unsent."""
+        pending = list(rows)
+        saved = 0
+        for start in range(0, len(pending), SAVE_CHUNK):
+            saved += await self._save_chunk(pending[start : start + SAVE_CHUNK], now=now)
+        return saved
+
+    async def _save_chunk(self, rows: Sequence[DailyUsage], *, now: datetime) -> int:
+        """As `GroupWriter.guarded_upsert`, one round trip for all: a row whose upsert collides
+        on `_id` is either refused by its guard (the stored row counts more requests) or
+        lost a race with another roll-up's first insert of it; a second try tells the two
+        apart, the row existing by then."""
+        upserts = [
+            UpdateOne(
+                {"_id": _daily_id(row.tenant_id, row.day), "requests": {"$lte": row.requests}},
+                {"$set": {**asdict(row), "rolled_up_at": now}},
+                upsert=True,
             )
-        )
-        return sum(saved)
+            for row in rows
+        ]
+        collided = await self._upsert(upserts)
+        if collided:
+            collided = await self._upsert([upserts[index] for index in collided])
+        return len(upserts) - len(collided)
+
+    async def _upsert(self, upserts: Sequence[UpdateOne]) -> list[int]:
+        """The indexes (in `upserts`) of the upserts whose insert collided on `_id`; any other
+        failure raises (the rollup is retried, and recomputes the same rows)."""
+        if not upserts:
+            return []
+        try:
+            await self._collection.bulk_write(list(upserts), ordered=False)
+        except BulkWriteError as error:
+            details = error.details
+            failures = details.get("writeErrors", [])
+            if details.get("writeConcernErrors") or any(
+                failure.get("code") != DUPLICATE_KEY for failure in failures
+            ):
+                raise
+            return sorted(int(failure["index"]) for failure in failures)
+        return []
 
     async def read(self, tenant_id: str, *, first_day: str, last_day: str) -> list[DailyUsage]:
         cursor = self._collection.find(

@@ -138,6 +138,7 @@ def subscribe_scorer(
             log.warning("dead-lettering an unreadable score.requested: %s", error)
             await actions.dead_letter(message, f"unreadable score.requested: {error}")
             await message.ack()
+            deps.metrics.count_dead_lettered()
             return
         deliveries = int(message.headers.get(DELIVERY_COUNT_HEADER, 0))
         if deliveries >= SCORE_REQUESTS.delivery_limit:
@@ -160,9 +161,13 @@ def subscribe_scorer(
         except PyMongoError as error:
             log.warning("MongoDB unavailable while scoring %s: %r", command.task_id, error)
             await _retry_later(command, message, actions, count_crash=False)
+            deps.metrics.count_resent()
         except Exception:
             log.exception("scoring %s crashed", command.task_id)
-            await _after_crash(command, message, actions, crash_limit=crash_limit)
+            if await _after_crash(command, message, actions, crash_limit=crash_limit):
+                deps.metrics.count_dead_lettered()
+            else:
+                deps.metrics.count_resent()
         else:
             deps.metrics.count_decision(decision)
             if isinstance(decision, Leave):
@@ -195,6 +200,7 @@ async def _at_delivery_limit(
     if recorded is not None:
         log.warning("%s at its delivery limit: carrying its recorded decision out", command.task_id)
         await actions.carry_out(recorded, message)
+        deps.metrics.count_decision(recorded)
         return
     reason = (
         f"delivered {deliveries + 1} times: its consumer died or lost its connection "
@@ -202,6 +208,7 @@ async def _at_delivery_limit(
     )
     log.error("dead-lettering %s: %s", command.task_id, reason)
     await _give_up(command, message, actions, reason)
+    deps.metrics.count_dead_lettered()
 
 
 async def _decide(
@@ -234,12 +241,14 @@ async def _retry_later(
 
 async def _after_crash(
     command: ScoreText, message: Delivery, actions: BrokerActions, *, crash_limit: int
-) -> None:
+) -> bool:
+    """Send the message again later, or give it up at the crash limit (True)."""
     crashes = int(message.headers.get(CRASHES_HEADER, 0)) + 1
     if crashes < crash_limit:
         await _retry_later(command, message, actions, count_crash=True)
-        return
+        return False
     await _give_up(command, message, actions, f"the scorer crashed {crashes} times on this message")
+    return True
 
 
 async def _give_up(

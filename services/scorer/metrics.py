@@ -29,8 +29,11 @@ class ScorerMetrics:
         self.decisions = Counter(
             "scorebox_scorer_decisions",
             "What became of a delivery of score.requested: completed, failed, retry, defer "
-            "(sent down the wait ladder: not due, or claimed elsewhere), drop (a duplicate or "
-            "superseded), leave (unacknowledged at stop).",
+            "(sent down the wait ladder: not due, or claimed elsewhere), hold (a redelivery "
+            "held while another claim lasts), drop (a duplicate or superseded), leave "
+            "(unacknowledged at stop), dead_lettered (unreadable, or at the crash or delivery "
+            "limit: the task fails), resent (a database or scorer failure, tried again later). "
+            "Per delivery: a redelivery that replays a recorded decision counts it again.",
             ["decision"],
             registry=registry,
         )
@@ -42,6 +45,12 @@ class ScorerMetrics:
 
     def count_decision(self, decision: Decision) -> None:
         self.decisions.labels(decision_label(decision)).inc()
+
+    def count_dead_lettered(self) -> None:
+        self.decisions.labels("dead_lettered").inc()
+
+    def count_resent(self) -> None:
+        self.decisions.labels("resent").inc()
 
 
 def decision_label(decision: Decision) -> str:

@@ -17,6 +17,12 @@ it again (`apply_withdrawal`).
 Batch progress: `task.accepted` (for a task sent now: read from its command) carries
 `batch_id`/`batch_index`, kept on the document and indexed, so a batch's counts are one
 aggregation and its items one keyset-paginated query.
+
+A scheduled task reads `queued` once its `not_before` has come (`status_at`, at read time): no
+event says so (the command comes off the wait ladder to the scorer only, and a quick attempt
+publishes no `task.started`), so it read `scheduled` until its first attempt's outcome, while
+the gateway's own record of the submission already read `queued`. The recorded history keeps
+its `scheduled` change: no event made the other.
 """
 
 from __future__ import annotations
@@ -265,7 +271,7 @@ async def find_task(
     )
     if document is None:
         return None
-    return _view_of(document)
+    return _view_of(document, now)
 
 
 async def find_history(
@@ -274,7 +280,7 @@ async def find_history(
     """The task's recorded state changes with a sequence above `after`, oldest first."""
     document = await tasks.find_one(
         {"_id": task_id, "tenant_id": tenant_id, **readable(now)},
-        projection={"status": 1, "sequence": 1, "history": 1},
+        projection={"status": 1, "not_before": 1, "sequence": 1, "history": 1},
     )
     if document is None:
         return None
@@ -285,7 +291,7 @@ async def find_history(
     ]
     return TaskHistory(
         task_id=task_id,
-        status=TaskStatus(document["status"]),
+        status=status_at(document, now),
         sequence=document.get("sequence", 0),
         changes=sorted(changes, key=lambda change: change.sequence),
     )
@@ -297,7 +303,7 @@ async def find_batch(
     """Counts per status of a batch's known tasks, and a page of them by `batch_index`."""
     members = {"tenant_id": tenant_id, "batch_id": string_key(batch_id), **readable(now)}
     grouped = await tasks.aggregate(
-        [{"$match": members}, {"$group": {"_id": "$status", "count": {"$sum": 1}}}]
+        [{"$match": members}, {"$group": {"_id": _status_expression(now), "count": {"$sum": 1}}}]
     )
     counts = {TaskStatus(group["_id"]): group["count"] async for group in grouped}
     page = (
@@ -308,16 +314,34 @@ async def find_batch(
         .sort("batch_index", ASCENDING)
         .limit(limit)
     )
-    items = [_batch_item_of(document) async for document in page]
+    items = [_batch_item_of(document, now) async for document in page]
     return BatchProgress(batch_id=batch_id, counts=counts, items=items)
 
 
-def _batch_item_of(document: Document) -> BatchItemProgress:
+def status_at(document: Document, now: datetime) -> TaskStatus:
+    """The task's status as of `now`: a scheduled task whose `not_before` has come is queued
+    (as the gateway's record of the submission reads), though no event has said so."""
+    status = TaskStatus(document["status"])
+    not_before: datetime | None = document.get("not_before")
+    if status is TaskStatus.SCHEDULED and (not_before is None or not_before <= now):
+        return TaskStatus.QUEUED
+    return status
+
+
+def _status_expression(now: datetime) -> Document:
+    """`status_at` as an aggregation expression (BSON orders a missing or null `not_before`
+    before every date)."""
+    due = {"$lte": ["$not_before", now]}
+    scheduled = {"$eq": ["$status", TaskStatus.SCHEDULED.value]}
+    return {"$cond": [{"$and": [scheduled, due]}, TaskStatus.QUEUED.value, "$status"]}
+
+
+def _batch_item_of(document: Document, now: datetime) -> BatchItemProgress:
     error = document.get("error")
     return BatchItemProgress(
         task_id=document["_id"],
         batch_index=document["batch_index"],
-        status=TaskStatus(document["status"]),
+        status=status_at(document, now),
         attempts=document.get("attempts", 0),
         updated_at=document["updated_at"],
         result=document.get("result"),
@@ -325,11 +349,11 @@ def _batch_item_of(document: Document) -> BatchItemProgress:
     )
 
 
-def _view_of(document: Document) -> TaskView:
+def _view_of(document: Document, now: datetime) -> TaskView:
     error = document.get("error")
     return TaskView(
         task_id=document["_id"],
-        status=TaskStatus(document["status"]),
+        status=status_at(document, now),
         attempts=document.get("attempts", 0),
         created_at=document["created_at"],
         updated_at=document["updated_at"],

@@ -136,6 +136,32 @@ async def test_what_a_handler_logs_carries_its_deliverys_correlation_id(
     assert correlated == ["c-1", "c-1", None]
 
 
+async def test_the_log_of_a_failed_handling_carries_its_deliverys_correlation_id(
+    amqp_url: str, queue: Queue
+) -> None:
+    """The traceback of a failed handling, the line most worth tracing, had no task id."""
+    broker = new_broker(amqp_url)
+    capture = Captured()
+    capture.addFilter(CorrelationFilter())
+    consumers_log = logging.getLogger("scorebox.consumers")
+    consumers_log.addHandler(capture)
+
+    @consume(broker, queue.declared)
+    async def handle(delivery: Delivery) -> None:
+        raise RuntimeError("handling failed")
+
+    await queue.put(b"one")
+    await broker.start()
+    try:
+        await eventually(lambda: _true(bool(capture.records)), timeout_s=TIMEOUT_S, what="log")
+    finally:
+        await broker.stop()
+        consumers_log.removeHandler(capture)
+    failure = capture.records[0]
+    assert failure.exc_info is not None
+    assert getattr(failure, "correlation_id", None) == "c-1"
+
+
 class Captured(logging.Handler):
     def __init__(self) -> None:
         super().__init__()

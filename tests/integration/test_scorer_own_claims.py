@@ -23,7 +23,7 @@ from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import FakeLLM
 from services.scorer.attempts import Attempts, ClaimResult
-from services.scorer.consumer import BrokerActions, subscribe_scorer
+from services.scorer.consumer import CRASHES_HEADER, BrokerActions, subscribe_scorer
 from services.scorer.decisions import Decision, Defer, Drop, Finish
 from services.scorer.model import build_model
 from services.scorer.model.http_client import make_http_client
@@ -31,7 +31,7 @@ from services.scorer.model.settings import ModelSettings
 from services.scorer.scoring import RetryPolicy, ScorerDeps, score_text
 from services.scorer.slots import ModelSlots
 from shared.consumers import Delivery
-from shared.contracts import ScoreText, TaskCompleted, TaskEvent, new_id, utcnow
+from shared.contracts import ScoreText, TaskCompleted, TaskError, TaskEvent, new_id, utcnow
 from tests.support import HandedDelivery, HandlerOnly, eventually
 
 LEASE = timedelta(seconds=60)
@@ -260,3 +260,52 @@ async def test_a_delivery_lost_while_it_waited_for_a_model_slot_starts_nothing(
 
 async def _is_in_hand(deps: ScorerDeps, *, expected: bool = True) -> bool:
     return (len(deps.in_hand) == 1) is expected
+
+
+class GivesUp(CarriedOut):
+    """Records what the handler dead-letters and resends instead of publishing it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.given_up: list[str] = []
+
+    @override
+    async def dead_letter(self, message: Delivery, error: str) -> None:
+        self.given_up.append(error)
+
+    @override
+    async def fail_task(self, command: ScoreText, error: TaskError, *, dead_lettered: bool) -> None:
+        pass
+
+    @override
+    async def resend(self, command: ScoreText, *, headers: dict[str, Any]) -> None:
+        pass
+
+
+class Crashing(Attempts):
+    @override
+    async def claim(self, command: ScoreText, **_: Any) -> ClaimResult:
+        raise RuntimeError("a bug in the claim")
+
+
+async def test_deliveries_given_up_are_counted_as_dead_lettered(
+    make_deps: Deps, mongo: Any, db_prefix: str
+) -> None:
+    """The failures that matter most (unreadable, at the crash limit) were never counted:
+    an alert on the decisions metric missed every dead-lettered task."""
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
+    crashing = Crashing(client, f"{db_prefix}_scorer", retention=timedelta(hours=1))
+    deps = replace(make_deps("scorer-a"), attempts=crashing)
+    broker, actions = HandlerOnly(), GivesUp()
+    subscribe_scorer(broker, deps, actions, crash_limit=3)  # type: ignore[arg-type]
+    command, _ = _command("An essay the scorer crashes on.")
+    body = command.model_dump_json().encode()
+    try:
+        await broker.handler(HandedDelivery(b'{"not": "a command"}'))
+        await broker.handler(HandedDelivery(body, headers={CRASHES_HEADER: 1}))  # resent
+        await broker.handler(HandedDelivery(body, headers={CRASHES_HEADER: 2}))  # given up
+    finally:
+        await client.close()
+    counted = deps.metrics.decisions.labels
+    assert len(actions.given_up) == 2
+    assert (counted("dead_lettered")._value.get(), counted("resent")._value.get()) == (2, 1)

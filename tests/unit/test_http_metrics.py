@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+
 import httpx
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import SecretStr
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared.http import Problem, admin_guard, install_problem_handlers
 from shared.metrics import Metrics, serve_metrics
@@ -117,3 +120,56 @@ async def test_metrics_behind_the_admin_key_need_it() -> None:
     assert (anonymous.status_code, wrong.status_code, admin.status_code) == (401, 401, 200)
     assert anonymous.headers["content-type"] == "application/problem+json"
     assert "scorebox_http_request_seconds" in admin.text
+
+
+async def test_an_event_stream_is_counted_when_it_starts_and_odd_methods_share_a_series() -> None:
+    """A stream was observed only when it ended, its whole life in the +Inf bucket; and a
+    server that accepts any method token made a series of each."""
+    metrics = Metrics()
+    app = app_with_metrics(metrics)
+    stop = asyncio.Event()
+
+    @app.get("/v1/stream")
+    async def stream() -> StreamingResponse:
+        async def frames() -> AsyncIterator[bytes]:
+            yield b"data: first\n\n"
+            await stop.wait()
+
+        return StreamingResponse(frames(), media_type="text/event-stream")
+
+    counted_while_open: list[float] = []
+
+    async def receive() -> Message:
+        await stop.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            counted_while_open.append(requests_counted(metrics, "GET", "/v1/stream", "200"))
+            stop.set()
+
+    # Called as a server would (httpx's in-process transport reads a stream to its end).
+    async with asyncio.timeout(30):
+        await app(_scope("GET", "/v1/stream"), receive, send)
+    assert counted_while_open == [1]
+    assert requests_counted(metrics, "GET", "/v1/stream", "200") == 1  # not counted twice
+    async with running(app) as client:
+        await client.request("BREW", "/v1/things/a")
+    assert requests_counted(metrics, "other", "/v1/things/{thing_id}", "405") == 1
+
+
+def _scope(method: str, path: str) -> Scope:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [],
+        "client": ("127.0.0.1", 40000),
+        "server": ("scorebox.test", 80),
+    }

@@ -21,12 +21,14 @@ from tests.support_sync import read_line_within
 SERVICE = textwrap.dedent(
     """
     import logging
+    import warnings
     from fastapi import FastAPI
     from shared.runtime import run_service
     from shared.settings import ServiceSettings
 
     def make_app() -> FastAPI:
         logging.getLogger("scorebox.probe").warning("built", extra={"task_id": "t-1"})
+        warnings.warn("a deprecation", UserWarning, stacklevel=1)
         return FastAPI()
 
     run_service("probe", ServiceSettings.model_validate({"LOG_FORMAT": "json"}), make_app)
@@ -71,7 +73,7 @@ def test_a_service_run_with_json_logs_writes_only_json_lines_uvicorns_included()
     assert {entry["service"] for entry in entries} == {"probe"}
     assert not [entry for entry in entries if "color_message" in entry]  # no terminal codes
     loggers = {entry["logger"] for entry in entries}
-    assert {"scorebox.probe", "uvicorn.error"} <= loggers
+    assert {"scorebox.probe", "uvicorn.error", "py.warnings"} <= loggers
     built = next(entry for entry in entries if entry["logger"] == "scorebox.probe")
     assert (built["message"], built["task_id"], built["level"]) == ("built", "t-1", "WARNING")
 
@@ -96,3 +98,25 @@ def test_records_logged_while_a_delivery_is_handled_carry_its_correlation_id() -
 
     assert inside["correlation_id"] == "task-7"
     assert "correlation_id" not in outside
+
+
+def test_extras_never_make_invalid_json_nor_replace_standard_fields() -> None:
+    """`NaN` was written as is (strict parsers refuse the line), and an extra named `level`,
+    `logger` or `service` replaced the record's own."""
+    record = logging.LogRecord("scorebox.scorer", logging.INFO, __file__, 1, "m", (), None)
+    record.ratio = float("nan")
+    record.limits = {"upper": float("inf")}
+    record.level = "made up"
+    record.service = "spoofed"
+    entry = json.loads(json_log_formatter("scorer").format(record), parse_constant=_refuse)
+    assert (entry["ratio"], entry["limits"]) == ("nan", {"upper": "inf"})
+    assert (entry["level"], entry["service"], entry["logger"]) == (
+        "INFO",
+        "scorer",
+        "scorebox.scorer",
+    )
+    assert (entry["extra_level"], entry["extra_service"]) == ("made up", "spoofed")
+
+
+def _refuse(constant: str) -> object:
+    raise AssertionError(f"not JSON: {constant}")

@@ -3,23 +3,31 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
+import httpx
 import pytest
+from fastapi import Depends, FastAPI
 
+from services.gateway.api import GatewayDeps
+from services.gateway.auth import Caller
 from services.gateway.errors import StatusUnavailable
-from services.gateway.events_api import _bind_if_unbound, _changes_after
+from services.gateway.events_api import _bind_if_unbound, _changes_after, event_routes
 from services.gateway.push import (
     BIND_RETRY_S,
     HistoryPolicy,
     LiveUpdates,
+    Waiter,
     WaiterLimitReached,
     history_settled,
     read_history,
     read_settled,
     read_when_changed,
 )
+from services.gateway.settings import GatewaySettings
 from services.gateway.submissions import SubmissionState
 from shared.contracts import (
     Phase,
@@ -33,6 +41,7 @@ from shared.contracts import (
     TaskStatus,
     TaskView,
     event_sequence,
+    utcnow,
 )
 from tests.support import eventually
 
@@ -336,6 +345,23 @@ async def test_history_settled_adds_the_event_when_the_status_service_lags() -> 
     assert settled.recorded == 0  # heard live only: a stream gives it no id
 
 
+async def test_settling_reads_back_off_while_the_status_service_lags() -> None:
+    """Every waiter re-read the status service every 20 ms for the whole settle window while
+    it lagged (~100 reads per event and waiter over 2 s, on a service lagging because it was
+    loaded); the reads now back off, and still end with one at the deadline."""
+    views = Views(_view(TaskStatus.QUEUED, 0))
+    histories = Histories(_history(_accepted()))
+    view, settled = await asyncio.gather(
+        read_settled(views, _completed(), settle_s=2),
+        history_settled(histories, after=0, event=_completed(), settle_s=2),
+    )
+    assert view is not None
+    assert view.sequence == 0  # never caught up: what it had
+    assert [change.sequence for change in settled.changes] == [_completed().sequence]
+    assert 2 <= views.reads <= 15
+    assert 2 <= len(histories.afters) <= 15
+
+
 class StuckBinding:
     """A bind that waits for `done`, then fails while `failing` (the broker away)."""
 
@@ -531,3 +557,57 @@ async def test_an_old_unknown_submission_reads_as_unknown() -> None:
         policy=HistoryPolicy(window=timedelta(minutes=5)),
     )
     assert history is None
+
+
+# --- The stream's route --------------------------------------------------------------------------
+
+
+class ThreadRecordingLive(LiveUpdates):
+    """Records the thread of every `close`: the registry is not thread-safe."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed_on: list[int] = []
+
+    def close(self, waiter: Waiter) -> None:
+        self.closed_on.append(threading.get_ident())
+        super().close(waiter)
+
+
+class FinishedTaskHistory:
+    """The status service's history of a finished task."""
+
+    async def history(self, task_id: str, *, tenant_id: str, after: int) -> TaskHistory | None:
+        history = _history(_accepted(), _completed())
+        changes = [change for change in history.changes if change.sequence > after]
+        return history.model_copy(update={"changes": changes})
+
+
+async def test_a_streams_waiter_is_closed_on_the_event_loop() -> None:
+    """The response's background close was a plain function, which Starlette runs in a worker
+    thread, racing the loop's `open`/`deliver` on the registry's sets and counters."""
+    live = ThreadRecordingLive()
+    deps = SimpleNamespace(
+        settings=GatewaySettings.model_validate({}), submissions=None, clock=utcnow
+    )
+
+    async def caller() -> Caller:
+        return Caller(tenant_id="a", key_id="k")
+
+    async def still_valid(_: Caller) -> bool:
+        return True
+
+    app = FastAPI()
+    app.include_router(
+        event_routes(
+            cast(GatewayDeps, deps), live, FinishedTaskHistory(), Depends(caller), still_valid
+        )
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway.test") as client:
+        response = await client.get("/v1/scores/t1/events")
+    assert response.status_code == 200
+    assert "completed" in response.text
+    assert live.closed_on  # the stream's own close, and the response's
+    assert set(live.closed_on) == {threading.get_ident()}
+    assert len(live) == 0

@@ -46,7 +46,7 @@ from pymongo import ASCENDING, AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
-from services.gateway.cache import cache_key
+from services.gateway.cache import cache_key, scoring_model
 from services.gateway.errors import (
     BrokerUnavailable,
     DatabaseUnavailable,
@@ -557,7 +557,7 @@ def _rows(
         (
             command,
             request_hash(item.model_dump(mode="json")),
-            cache_key(command.text, command.rubric, command.model or default_model),
+            cache_key(command.text, command.rubric, scoring_model(command.model, default_model)),
         )
         for command, item in zip(commands, submission.items, strict=True)
     ]

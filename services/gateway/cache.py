@@ -21,7 +21,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import PyMongoError
 
 from services.gateway.errors import DatabaseUnavailable
-from shared.contracts import ScoreResult
+from shared.contracts import HEURISTIC_PROMPT_VERSION, ScoreResult
 from shared.group_reads import GroupReader
 from shared.group_writes import GroupWriter
 
@@ -34,6 +34,16 @@ def cache_key(text: str, rubric: str | None, model: str | None) -> str:
     """Texts that differ only in Unicode form, case of whitespace runs or outer spaces match."""
     normalised = _SPACE.sub(" ", unicodedata.normalize("NFC", text)).strip()
     return hashlib.sha256(orjson.dumps([normalised, rubric or "", model or ""])).hexdigest()
+
+
+def scoring_model(requested: str | None, default_model: str) -> str:
+    """The model that will score a submission, as its cache key names it. The offline
+    heuristic scores whatever model a submission names: keyed by the name asked for, its
+    results were served after a switch to that model for real (`default_model` names the
+    heuristic while it is the provider)."""
+    if default_model == HEURISTIC_PROMPT_VERSION:
+        return default_model
+    return requested or default_model
 
 
 def cacheable(result: ScoreResult) -> bool:

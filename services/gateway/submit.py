@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Protocol
 
-from services.gateway.cache import ResultCache, cache_key, cacheable
+from services.gateway.cache import ResultCache, cache_key, cacheable, scoring_model
 from services.gateway.errors import (
     BrokerUnavailable,
     DatabaseUnavailable,
@@ -122,7 +122,9 @@ async def submit_score(
         callback_url=submission.callback_url,
         api_key_id=api_key_id,
     )
-    key = cache_key(command.text, command.rubric, command.model or policy.default_model)
+    key = cache_key(
+        command.text, command.rubric, scoring_model(command.model, policy.default_model)
+    )
     cached = None
     if submission.use_cache and command.not_before is None:
         found = await cache.find(tenant_id=tenant_id, key=key, now=now)

@@ -194,9 +194,10 @@ async def _claim_and_decide(
             case Busy(until=until):
                 if redelivered:
                     return Hold(until)
-                return Defer(
-                    command.model_copy(update={"not_before": until, "message_id": new_id()})
-                )
+                # Past the slack a due copy is taken with: sent back early, by less than
+                # the shortest wait tier, it found the claim still held and spun until then.
+                due = until + DUE_SLACK
+                return Defer(command.model_copy(update={"not_before": due, "message_id": new_id()}))
             case Decided(decision=decision):
                 return decision
             case Claimed():
@@ -277,7 +278,10 @@ async def _call_model(command: ScoreText, deps: ScorerDeps) -> tuple[Finish | Re
         return _retry_or_give_up(command, error, deps), None
     except PermanentError as error:
         _count_call(deps.metrics, "permanent", error.code, started)
-        return _failed(command, error, deps.clock(), dead_letter=False), None
+        # An unusable answer's text is the one most worth auditing.
+        return _failed(command, error, deps.clock(), dead_letter=False), getattr(
+            error, "raw_output", None
+        )
     _count_call(deps.metrics, "completed", "", started)
     return _completed(command, verdict, deps.clock()), verdict.raw_output
 

@@ -17,6 +17,7 @@ from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
 from services.gateway.app import create_app as create_gateway
+from services.gateway.cache import cache_key
 from services.gateway.keys import generate_key
 from services.gateway.settings import GatewaySettings
 from services.scorer.app import create_app as create_scorer
@@ -25,7 +26,7 @@ from services.scorer.settings import ScorerSettings
 from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
 from shared.bus import publish_command
-from shared.contracts import ScoreText, TaskFailed, new_id
+from shared.contracts import HEURISTIC_PROMPT_VERSION, ScoreText, TaskFailed, new_id
 from shared.runtime import make_broker
 from shared.topology import DLX, ERROR_HEADER, EVENTS, SCORE_REQUESTS, TASKS
 from tests.support import eventually, running, stack_env
@@ -172,7 +173,9 @@ async def test_permanent_failures_fail_at_once(
     assert flow.calls(marker) == calls
 
 
-async def test_an_answer_still_unusable_reports_the_tokens_it_used(flow: Flow) -> None:
+async def test_an_answer_still_unusable_reports_the_tokens_it_used(
+    flow: Flow, mongo: Any, db_prefix: str
+) -> None:
     """Both calls (the answer and its repair) came back and are billed: `task.failed`
     carries their usage and model, which the usage meter records like a completion's."""
     connection = await aio_pika.connect(flow.amqp_url, timeout=10)
@@ -193,6 +196,14 @@ async def test_an_answer_still_unusable_reports_the_tokens_it_used(flow: Flow) -
         event = await eventually(failed, what="the task.failed event")
     assert event.error.code == "unusable_output"
     assert event.model == "fake-judge-1-2024-07-18"
+    # Kept for audit with the decision, as a completed answer's is.
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url)
+    try:
+        attempt = await client[f"{db_prefix}_scorer"]["attempts"].find_one({"_id": task_id})
+    finally:
+        await client.close()
+    assert attempt is not None
+    assert attempt["raw_output"]
     assert event.usage.prompt_tokens > 0
     assert event.usage.completion_tokens > 0
     assert flow.calls(marker) == 2
@@ -333,6 +344,29 @@ async def test_a_cached_result_of_another_default_model_is_not_served(
     same_model = await flow.api.post("/v1/scores", json={"text": text})
     assert same_model.status_code == 200, same_model.text
     assert same_model.json()["result"]["cached"] is True
+
+
+async def test_a_submission_to_the_heuristic_is_keyed_by_the_heuristic_whatever_it_names(
+    flow: Flow, mongo: Any, db_prefix: str
+) -> None:
+    """Keyed by the model it named, the heuristic's score was served as that model's after
+    a switch to it for real."""
+    text = f"Scored offline [[id:{_marker()}]]"
+    offline = create_gateway(
+        GatewaySettings.model_validate({**flow.env, "LLM_PROVIDER": "heuristic"})
+    )
+    async with running(offline) as api:
+        api.headers["Authorization"] = f"Bearer {API_KEY}"
+        named = await api.post("/v1/scores", json={"text": text, "model": "gpt-4o-mini"})
+    assert named.status_code == 202, named.text
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url)
+    try:
+        submissions = client[f"{db_prefix}_gateway"]["submissions"]
+        recorded = await submissions.find_one({"_id": named.json()["task_id"]})
+    finally:
+        await client.close()
+    assert recorded is not None
+    assert recorded["cache_key"] == cache_key(text, None, HEURISTIC_PROMPT_VERSION)
 
 
 async def test_dead_letters_are_listed_replayed_with_fresh_attempts_and_purged(flow: Flow) -> None:

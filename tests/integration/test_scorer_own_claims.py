@@ -32,6 +32,7 @@ from services.scorer.scoring import RetryPolicy, ScorerDeps, score_text
 from services.scorer.slots import ModelSlots
 from shared.consumers import Delivery
 from shared.contracts import ScoreText, TaskCompleted, TaskError, TaskEvent, new_id, utcnow
+from shared.topology import wait_tier_for
 from tests.support import HandedDelivery, HandlerOnly, eventually
 
 LEASE = timedelta(seconds=60)
@@ -188,6 +189,26 @@ async def test_a_delivery_arriving_while_the_first_one_claims_leaves_the_attempt
     assert isinstance(decisions[0], Finish)
     assert decisions[1] == Drop("another delivery in this process is working on this attempt")
     assert _calls(fake_llm, marker) == 1
+
+
+async def test_a_copy_deferred_near_the_lease_end_waits_past_it(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
+) -> None:
+    """Deferred to the lease's end with less than half a second left, the copy was sent
+    straight back (no wait tier that short), found the claim still held, and spun like
+    that, a claim and a confirmed publish each time, until the lease ran out."""
+    command, marker = _command("An essay another scorer is about to let go of.")
+    claimed_at = utcnow()
+    await attempts.claim(command, now=claimed_at, lease=LEASE, owner="scorer-b")
+    near_the_end = claimed_at + LEASE - timedelta(milliseconds=200)
+    deps = replace(make_deps("scorer-a"), clock=lambda: near_the_end)
+
+    decision = await score_text(command, deps=deps)
+
+    assert isinstance(decision, Defer)
+    assert decision.command.not_before is not None
+    assert wait_tier_for((decision.command.not_before - near_the_end).total_seconds())
+    assert _calls(fake_llm, marker) == 0
 
 
 class CarriedOut(BrokerActions):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from services.gateway.cache import cache_key, cacheable
+from services.gateway.cache import cache_key, cacheable, scoring_model
+from services.gateway.settings import GatewaySettings
 from shared.contracts import ScoreResult
 
 
@@ -21,3 +22,15 @@ def test_flagged_or_already_cached_results_are_not_cached() -> None:
     assert not cacheable(plain.model_copy(update={"flags": ["instruction_in_text"]}))
     assert not cacheable(plain.model_copy(update={"cached": True}))
     assert cacheable(plain.model_copy(update={"flags": ["truncated"]}))
+
+
+def test_the_heuristic_keys_its_results_by_its_own_name_whatever_model_was_asked() -> None:
+    """The offline heuristic scored a submission naming `gpt-4o-mini` under that name's key:
+    after a switch to OpenAI, the heuristic's score was served as gpt-4o-mini's for a day."""
+    offline = GatewaySettings.model_validate({"LLM_PROVIDER": "heuristic"}).default_model
+    online = GatewaySettings.model_validate(
+        {"LLM_PROVIDER": "openai", "LLM_MODEL": "gpt-4o-mini"}
+    ).default_model
+    assert scoring_model("gpt-4o-mini", offline) == scoring_model(None, offline) == offline
+    assert scoring_model("gpt-4o-mini", online) == scoring_model(None, online) == "gpt-4o-mini"
+    assert scoring_model("gpt-4o", online) == "gpt-4o"

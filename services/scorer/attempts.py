@@ -170,11 +170,29 @@ class Attempts:
         return Decided(decision)
 
     async def decide(
-        self, command: ScoreText, decision: Finish | Retry, *, now: datetime, raw_output: str | None
-    ) -> None:
-        """Record the decision of the attempt we hold."""
-        await self._writes.update_one(
-            {"_id": command.task_id, "generation": command.generation, "attempt": command.attempt},
+        self,
+        command: ScoreText,
+        decision: Finish | Retry,
+        *,
+        now: datetime,
+        raw_output: str | None,
+        owner: str,
+    ) -> bool:
+        """Record the decision of the attempt `owner` holds; False when another worker has
+        taken it over (our lease ended while the model answered or the database was slow):
+        its decision is the one that stands. Writing it anyway overwrote that worker's
+        claim, and both carried out their own decision, two outcomes of one attempt.
+
+        Fenced by the owner in the filter; a refused filter shows as the upsert colliding on
+        `_id` (a bulk write reports no match count per write). Writing again what already
+        landed (an answer lost) matches: it is still ours."""
+        return await self._writes.guarded_upsert(
+            {
+                "_id": command.task_id,
+                "generation": command.generation,
+                "attempt": command.attempt,
+                "owner": owner,
+            },
             {
                 "$set": {
                     "state": "decided",

@@ -31,6 +31,7 @@ from faststream.rabbit import RabbitBroker
 from pydantic import ValidationError
 from pymongo.errors import PyMongoError
 
+from services.scorer.attempts import Busy
 from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Leave, Retry
 from services.scorer.scoring import Clock, ScorerDeps, recorded_decision, score_text
 from shared.bus import publish_command, publish_event
@@ -49,6 +50,8 @@ from shared.topology import ATTEMPTS_HEADER, SCORE_REQUESTS
 
 log = logging.getLogger("scorebox.scorer")
 CRASHES_HEADER = "x-scorebox-crashes"
+# How often a delivery at its limit looks again at an attempt whose claim holds.
+LIMIT_POLL_S = 1.0
 CRASH_RETRY_DELAY = timedelta(seconds=5)
 DELIVERY_COUNT_HEADER = "x-delivery-count"  # set by quorum queues on every redelivery
 
@@ -189,14 +192,7 @@ async def _at_delivery_limit(
 
     Giving up on a decided attempt published `task.failed` for a task whose result was
     stored, or next to the retry it had scheduled."""
-    # Waited out while the delivery is held: taken for "nothing decided", a database away at
-    # that moment failed a task whose result may be stored (and published it failed next to
-    # a completion, or to the retry it had scheduled).
-    recorded = await keep_trying(
-        lambda: recorded_decision(command, deps=deps),
-        what=f"reading the recorded decision of {command.task_id} at its delivery limit",
-        retry_on=(PyMongoError,),
-    )
+    recorded = await _decision_once_settled(command, deps)
     if recorded is not None:
         log.warning("%s at its delivery limit: carrying its recorded decision out", command.task_id)
         await actions.carry_out(recorded, message)
@@ -209,6 +205,31 @@ async def _at_delivery_limit(
     log.error("dead-lettering %s: %s", command.task_id, reason)
     await _give_up(command, message, actions, reason)
     deps.metrics.count_dead_lettered()
+
+
+async def _decision_once_settled(
+    command: ScoreText, deps: ScorerDeps
+) -> Finish | Retry | Drop | None:
+    """The attempt's recorded decision at the delivery limit, once its claim no longer holds.
+
+    A claim that holds may be the shielded decision of a delivery whose connection dropped,
+    with its model call still running: given up then, its decision was recorded a moment
+    later and carried out by nobody (the task read failed, its result stored). The delivery
+    is held until the decision lands or the lease ends (its worker died)."""
+    while True:
+        # Waited out while the delivery is held: taken for "nothing decided", a database away
+        # at that moment failed a task whose result may be stored.
+        standing = await keep_trying(
+            lambda: recorded_decision(command, deps=deps),
+            what=f"reading the recorded decision of {command.task_id} at its delivery limit",
+            retry_on=(PyMongoError,),
+        )
+        if not isinstance(standing, Busy):
+            return standing
+        left_s = (standing.until - deps.clock()).total_seconds()
+        if left_s <= 0:
+            return None
+        await asyncio.sleep(min(left_s, LIMIT_POLL_S))
 
 
 async def _decide(

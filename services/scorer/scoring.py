@@ -148,13 +148,18 @@ def _turned_away(command: ScoreText, *, redelivered: bool) -> Defer | Leave:
 
 async def recorded_decision(
     command: ScoreText, *, deps: ScorerDeps
-) -> Finish | Retry | Drop | None:
+) -> Finish | Retry | Drop | Busy | None:
     """For a delivery past the queue's delivery limit: the attempt's recorded decision to
-    carry out again (its effects may not have been), Drop when a newer attempt exists, None
-    when nothing was decided (the caller gives up on the message)."""
+    carry out again (its effects may not have been), Drop when a newer attempt exists, Busy
+    while the attempt's claim holds (a decision may yet be recorded), None when nothing was
+    decided (the caller gives up on the message)."""
     match await deps.attempts.standing(command):
         case Decided(decision=decision) if _decides(decision, command):
             return decision
+        case Decided(decision=decision) if _is_newer(decision, command):
+            # A later attempt completed or failed: its own delivery carried that out. Given
+            # up, this one published a second, failed outcome next to it.
+            return Drop("a newer attempt of this task decided")
         case Decided():
             # An earlier attempt's, or an earlier generation's (a re-score or a replay that
             # reached the limit before any scorer claimed it): this one decided nothing. Its
@@ -162,8 +167,15 @@ async def recorded_decision(
             return None
         case Superseded():
             return Drop("a newer attempt of this task exists")
+        case Busy() as busy:
+            return busy
         case _:
             return None
+
+
+def _is_newer(decision: Finish | Retry, command: ScoreText) -> bool:
+    event = decision.event
+    return (event.generation, event.attempt) > (command.generation, command.attempt)
 
 
 def _decides(decision: Finish | Retry, command: ScoreText) -> bool:
@@ -204,8 +216,22 @@ async def _claim_and_decide(
                 pass
         started = TaskStarted.model_validate(_event_fields(command, Phase.STARTED, now))
         decision, raw_output = await _call_model_announcing(command, started, deps)
-    await _record(command, decision, raw_output, deps, held_until=now + deps.lease)
-    return decision
+    return await _recorded(command, decision, raw_output, deps, held_until=now + deps.lease)
+
+
+async def _recorded(
+    command: ScoreText,
+    decision: Finish | Retry,
+    raw_output: str | None,
+    deps: ScorerDeps,
+    *,
+    held_until: datetime,
+) -> Decision:
+    """The decision once recorded; a Drop when the attempt was taken over meanwhile."""
+    if await _record(command, decision, raw_output, deps, held_until=held_until):
+        return decision
+    log.warning("%s: the attempt was taken over before its decision landed", command.task_id)
+    return Drop("the attempt was taken over by another worker, whose decision stands")
 
 
 async def _record(
@@ -215,16 +241,19 @@ async def _record(
     deps: ScorerDeps,
     *,
     held_until: datetime,
-) -> None:
+) -> bool:
     """Record the decision, trying again while our claim holds.
 
     The model has been called: a decision lost to a slow or absent database would cost a
     second call once the claim's lease expired. Until then no other delivery claims the
     attempt, so the write is repeated (it is idempotent); past it, the error goes to the
-    consumer, which sends the message again, as for any database failure.
+    consumer, which sends the message again, as for any database failure. False when the
+    attempt was taken over meanwhile (`Attempts.decide`).
     """
-    await keep_trying(
-        lambda: deps.attempts.decide(command, decision, now=deps.clock(), raw_output=raw_output),
+    return await keep_trying(
+        lambda: deps.attempts.decide(
+            command, decision, now=deps.clock(), raw_output=raw_output, owner=deps.owner
+        ),
         what=f"recording the decision of {command.task_id}",
         retry_on=(PyMongoError,),
         give_up_after_s=(held_until - deps.clock()).total_seconds(),

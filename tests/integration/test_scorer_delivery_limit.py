@@ -11,17 +11,19 @@ stand-in); the delivery-limit path itself, with nothing decided, is the fault te
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import cast
 
 from pymongo.errors import AutoReconnect
 
-from services.scorer.attempts import Attempts, ClaimResult
+from services.scorer.attempts import Attempts, Busy, ClaimResult
 from services.scorer.consumer import BrokerActions, _at_delivery_limit
 from services.scorer.decisions import Decision, Drop, Finish
-from services.scorer.scoring import recorded_decision, score_text
+from services.scorer.scoring import ScorerDeps, recorded_decision, score_text
 from shared.consumers import Delivery
-from shared.contracts import ScoreText, TaskError, utcnow
+from shared.contracts import ScoreResult, ScoreText, TaskCompleted, TaskError, utcnow
 from shared.topology import SCORE_REQUESTS
 from tests.integration import test_scorer_own_claims as own_claims
 from tests.integration.test_scorer_own_claims import LEASE, Deps, _command
@@ -40,19 +42,90 @@ async def test_a_decided_attempt_is_carried_out_again(make_deps: Deps) -> None:
     assert await recorded_decision(command, deps=deps) == decided
 
 
-async def test_an_attempt_claimed_but_not_decided_is_given_up(
+async def test_an_attempt_claimed_but_not_decided_is_given_up_once_its_lease_ended(
     make_deps: Deps,
     attempts: Attempts,
 ) -> None:
     command, _ = _command("Its consumer died holding it, every time.")
-    await attempts.claim(command, now=utcnow(), lease=LEASE, owner="proc-b:1:dead")
+    await attempts.claim(command, now=utcnow() - 2 * LEASE, lease=LEASE, owner="proc-b:1:dead")
+    assert isinstance(await recorded_decision(command, deps=make_deps("proc-a")), Busy)
+    actions = Recording()
 
-    assert await recorded_decision(command, deps=make_deps("proc-a")) is None
+    await _at_limit(command, make_deps("proc-a"), actions)
+
+    assert actions.done == ["dead-lettered", "failed"]
+
+
+class DecidedAfterFirstLook(Attempts):
+    """The scorer's attempts, where the claim's holder records its decision right after the
+    delivery at the limit first looked (the shielded decision of a delivery whose connection
+    dropped, its model call still running)."""
+
+    def __init__(self, attempts: Attempts, decide: Callable[[], Awaitable[object]]) -> None:
+        self.__dict__.update(attempts.__dict__)  # shares the real one's collections
+        self.decide_later: Callable[[], Awaitable[object]] | None = decide
+
+    async def standing(self, command: ScoreText) -> ClaimResult:
+        standing = await super().standing(command)
+        if self.decide_later is not None:
+            decide, self.decide_later = self.decide_later, None
+            await decide()
+        return standing
+
+
+async def test_an_attempt_still_running_at_the_limit_is_waited_for_and_carried_out(
+    make_deps: Deps, attempts: Attempts
+) -> None:
+    """Given up while the shielded call went on: its decision was recorded a moment later and
+    carried out by nobody, the task read failed with its result stored."""
+    command, _ = _command("Still being scored when its last delivery came.")
+    await attempts.claim(command, now=utcnow(), lease=LEASE, owner="proc-a:1:shielded")
+    deps = make_deps("proc-a")
+    decision = Finish(
+        TaskCompleted(
+            task_id=command.task_id,
+            sequence=1,
+            attempt=command.attempt,
+            generation=command.generation,
+            submitted_at=command.submitted_at,
+            occurred_at=utcnow(),
+            result=ScoreResult(score=5, comment="ok", model="m"),
+        )
+    )
+
+    async def shielded_call_ends() -> object:
+        return await attempts.decide(
+            command, decision, now=utcnow(), raw_output=None, owner="proc-a:1:shielded"
+        )
+
+    actions = Recording()
+    await _at_limit(
+        command,
+        replace(deps, attempts=DecidedAfterFirstLook(attempts, shielded_call_ends)),
+        actions,
+    )
+
+    assert actions.done == ["Finish"]
+
+
+async def test_a_newer_attempts_decision_at_the_limit_drops_the_message(
+    make_deps: Deps,
+) -> None:
+    """Attempt 1's retry was carried out but its ack lost; attempt 2 completed; attempt 1's
+    message then reached the limit and was given up: a failed outcome next to a completion."""
+    deps = make_deps("proc-a")
+    command, _ = _command("Retried, then completed.")
+    retried = command.model_copy(update={"attempt": command.attempt + 1})
+    assert isinstance(await score_text(retried, deps=deps), Finish)
+
+    assert isinstance(await recorded_decision(command, deps=deps), Drop)
 
 
 async def test_an_unknown_attempt_is_given_up(make_deps: Deps) -> None:
     command, _ = _command("Never claimed.")
-    assert await recorded_decision(command, deps=make_deps("proc-a")) is None
+    actions = Recording()
+    await _at_limit(command, make_deps("proc-a"), actions)
+    assert actions.done == ["dead-lettered", "failed"]
 
 
 async def test_an_attempt_a_newer_one_superseded_is_dropped(
@@ -130,3 +203,10 @@ async def test_a_database_away_at_the_limit_is_waited_out_not_taken_for_nothing_
     )
 
     assert actions.done == ["Finish"]
+
+
+async def _at_limit(command: ScoreText, deps: ScorerDeps, actions: Recording) -> None:
+    limit = SCORE_REQUESTS.delivery_limit
+    delivery = HandedDelivery.redelivery(command.model_dump_json().encode(), count=limit)
+    async with asyncio.timeout(60):  # a hang guard: the lease is 60 s, decided at once here
+        await _at_delivery_limit(command, delivery, deps, cast("BrokerActions", actions), limit)

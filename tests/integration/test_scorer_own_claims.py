@@ -22,7 +22,7 @@ import pytest
 from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import FakeLLM
-from services.scorer.attempts import Attempts, ClaimResult
+from services.scorer.attempts import Attempts, Claimed, ClaimResult
 from services.scorer.consumer import CRASHES_HEADER, BrokerActions, subscribe_scorer
 from services.scorer.decisions import Decision, Defer, Drop, Finish
 from services.scorer.model import build_model
@@ -31,7 +31,15 @@ from services.scorer.model.settings import ModelSettings
 from services.scorer.scoring import RetryPolicy, ScorerDeps, score_text
 from services.scorer.slots import ModelSlots
 from shared.consumers import Delivery
-from shared.contracts import ScoreText, TaskCompleted, TaskError, TaskEvent, new_id, utcnow
+from shared.contracts import (
+    ScoreResult,
+    ScoreText,
+    TaskCompleted,
+    TaskError,
+    TaskEvent,
+    new_id,
+    utcnow,
+)
 from shared.topology import wait_tier_for
 from tests.support import HandedDelivery, HandlerOnly, eventually
 
@@ -330,3 +338,41 @@ async def test_deliveries_given_up_are_counted_as_dead_lettered(
     counted = deps.metrics.decisions.labels
     assert len(actions.given_up) == 2
     assert (counted("dead_lettered")._value.get(), counted("resent")._value.get()) == (2, 1)
+
+
+async def test_a_decision_landing_after_the_attempt_was_taken_over_gives_way(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
+) -> None:
+    """The model answered after the claim's lease ended and another scorer claimed the
+    attempt: the late decision overwrote that claim, and both scorers carried out their own
+    decision, two outcomes of one attempt."""
+    command, marker = _command("An essay whose scorer was too slow [[fake:slow]].")
+    scoring = asyncio.create_task(score_text(command, deps=make_deps("scorer-a")))
+    async with asyncio.timeout(30):
+        await fake_llm.wait_for_stats(lambda stats: stats["by_id"].get(marker, 0) >= 1)
+    taken_over_at = utcnow() + 2 * LEASE  # as scorer-b sees it: scorer-a's lease has ended
+    assert await attempts.claim(command, now=taken_over_at, lease=LEASE, owner="scorer-b") == (
+        Claimed()
+    )
+
+    decision = await asyncio.wait_for(scoring, timeout=30)
+
+    assert isinstance(decision, Drop)
+    held = await attempts.find(command.task_id)
+    assert held is not None
+    assert (held["owner"], held["state"]) == ("scorer-b", "running")
+    # Its own decision, written again after an answer was lost, is still its own.
+    finish = Finish(
+        TaskCompleted(
+            task_id=command.task_id,
+            sequence=1,
+            submitted_at=command.submitted_at,
+            occurred_at=utcnow(),
+            result=ScoreResult(score=5, comment="ok", model="m"),
+        )
+    )
+    assert await attempts.decide(command, finish, now=utcnow(), raw_output=None, owner="scorer-b")
+    assert await attempts.decide(command, finish, now=utcnow(), raw_output=None, owner="scorer-b")
+    assert not await attempts.decide(
+        command, finish, now=utcnow(), raw_output=None, owner="scorer-a"
+    )

@@ -24,12 +24,18 @@ from services.gateway.api import json_body, read_model
 from services.gateway.auth import Caller
 from services.gateway.errors import Unavailable
 from services.gateway.settings import GatewaySettings
-from shared.http import PROBLEM_JSON, Problem
+from shared.http import PROBLEM_BASE, PROBLEM_JSON, Problem
 from shared.webhook_urls import MAX_URL_LENGTH, validate_webhook_url
 
 NO_STORE = {"Cache-Control": "no-store"}
 ALERT_BODY_LIMIT = 16 * 1024  # a URL of at most MAX_URL_LENGTH characters, as JSON
 _PROBLEM = {"content": {PROBLEM_JSON: {"schema": {"type": "object"}}}}
+# The notifier's answer when a tenant has no failure alert: a 404 problem of this type
+# (`NO_FAILURE_ALERT` in services/notifier/api.py). A notifier of an earlier build answers
+# the generic type with this detail. Any other 404 (a wrong NOTIFIER_URL, a proxy's path
+# prefix, another service) says nothing about the tenant's setting.
+NO_FAILURE_ALERT_TYPE = PROBLEM_BASE + "no-failure-alert"
+_EARLIER_NO_FAILURE_ALERT = (PROBLEM_BASE + "not-found", "No failure-alert URL is registered.")
 
 
 class NotifierUnavailable(Unavailable):
@@ -80,6 +86,23 @@ def _unreadable_is_unavailable() -> Iterator[None]:
         ) from error
 
 
+def _says_no_failure_alert(response: httpx.Response) -> bool:
+    """Whether a 404 is the notifier's own "no failure alert" problem+json."""
+    media_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
+    if response.status_code != 404 or media_type != PROBLEM_JSON:
+        return False
+    try:
+        problem = response.json()
+    except ValueError:
+        return False
+    if not isinstance(problem, dict):
+        return False
+    kind = problem.get("type")
+    return kind == NO_FAILURE_ALERT_TYPE or (kind, problem.get("detail")) == (
+        _EARLIER_NO_FAILURE_ALERT
+    )
+
+
 def make_notifier_http(settings: GatewaySettings) -> httpx.AsyncClient:
     # The notifier is ours, inside: never reached through an egress proxy of the environment.
     return httpx.AsyncClient(timeout=httpx.Timeout(settings.notifier_timeout_s), trust_env=False)
@@ -103,7 +126,7 @@ class NotifierClient:
             return SigningSecret.model_validate_json(response.content)
 
     async def failure_alert(self, tenant_id: str) -> FailureAlert | None:
-        response = await self._call("GET", tenant_id, "failure-alert", missing_ok=True)
+        response = await self._call("GET", tenant_id, "failure-alert", none_ok=True)
         if response.status_code == 404:
             return None
         # As registered: a URL checked again here would fail a read once a rule is tightened.
@@ -123,8 +146,10 @@ class NotifierClient:
         path: str,
         *,
         json: dict[str, Any] | None = None,
-        missing_ok: bool = False,
+        none_ok: bool = False,
     ) -> httpx.Response:
+        """The notifier's answer, a success or (`none_ok`) its 404 "no failure alert"; any
+        other answer, or none, raises `NotifierUnavailable`."""
         url = f"{self._base_url}/internal/v1/tenants/{quote(tenant_id, safe='')}/{path}"
         try:
             response = await self._http.request(method, url, json=json)
@@ -136,7 +161,7 @@ class NotifierClient:
             raise NotifierUnavailable(
                 f"notifier did not answer: {error!r}", maybe_applied=True
             ) from error
-        if response.is_success or (missing_ok and response.status_code == 404):
+        if response.is_success or (none_ok and _says_no_failure_alert(response)):
             return response
         raise NotifierUnavailable(
             f"notifier answered {response.status_code}", maybe_applied=response.status_code >= 500

@@ -17,6 +17,9 @@ from shared.http import Problem
 from shared.webhook_urls import MAX_URL_LENGTH
 
 NO_STORE = {"Cache-Control": "no-store"}
+# The problem type of "this tenant has no failure alert": the gateway tells it by this from a
+# 404 of anything else (a wrong NOTIFIER_URL, a proxy's prefix), which is no answer at all.
+NO_FAILURE_ALERT = "no-failure-alert"
 TenantId = Path(pattern=r"^[A-Za-z0-9_.:@-]{1,128}$")
 
 
@@ -66,7 +69,7 @@ def tenant_routes(
     async def read_failure_alert(tenant_id: str = TenantId) -> AlertUrl:
         url = await alerts.url_of(tenant_id)
         if url is None:
-            raise Problem(404, "No failure-alert URL is registered.")
+            raise Problem(404, "No failure-alert URL is registered.", kind=NO_FAILURE_ALERT)
         return AlertUrl(url=url)
 
     @router.put("/failure-alert", response_model=AlertUrl)

@@ -11,7 +11,12 @@
 `scorebox.webhook-deliveries` (`DeliverWebhook`): see `deliveries.py` for the decisions (a
 redelivery whose attempt another process holds is kept unacknowledged until its lease ends);
 `Send` is published down the wait ladder when not yet due, `GiveUp` is copied to the DLQ with
-the reason in `x-scorebox-error`; MongoDB unavailable re-sends the command a little later.
+the reason in `x-scorebox-error`; a delivery its receiver refused (3xx, 4xx, an unsafe
+destination) is recorded failed and acked, not dead-lettered; MongoDB unavailable re-sends
+the command a little later. At the queue's delivery limit (`x-delivery-count`), nothing is
+sent: the attempt's recorded decision is carried out, or the delivery is recorded failed and
+dead-lettered with the reason (RabbitMQ would dead-letter it unexplained if it came back
+once more), the database waited out with the delivery held.
 
 Every publish awaits its confirm; one the broker does not confirm (away, blocked by an alarm,
 a full queue) is tried again while the delivery is held (`keep_publishing`), then the
@@ -36,13 +41,14 @@ from services.notifier.deliveries import (
     GiveUp,
     Hold,
     Send,
+    at_delivery_limit,
     deliver_once,
 )
 from services.notifier.notifications import NotificationDeps, notify_about_task_event
 from shared.bus import publish_delayed
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import Contract, DeliverWebhook, new_id, parse_task_event
-from shared.runtime import keep_dead_lettering, keep_publishing, wait_for_claim
+from shared.runtime import HOLD_POLL_S, keep_dead_lettering, keep_publishing, wait_for_claim
 from shared.topology import (
     EVENTS,
     NOTIFICATIONS,
@@ -144,7 +150,16 @@ def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_
             await _dead_letter(broker, WEBHOOK_DELIVERIES, message, reason, timeout_s)
             await message.ack()
             return
-        redelivered = message.redelivered or int(message.headers.get(DELIVERY_COUNT, 0)) > 0
+        deliveries = int(message.headers.get(DELIVERY_COUNT, 0))
+        redelivered = message.redelivered or deliveries > 0
+        limit_reason = None
+        if deliveries >= WEBHOOK_DELIVERIES.delivery_limit:
+            limit_reason = (
+                f"delivered {deliveries + 1} times: its handler crashed or its consumer died or "
+                f"lost its connection holding it {deliveries} times "
+                f"(delivery limit {WEBHOOK_DELIVERIES.delivery_limit})"
+            )
+            log.warning("webhook %s at its delivery limit: %s", delivery.delivery_id, limit_reason)
         # Losing the broker connection cancels this handler, possibly mid-POST. Each try and
         # the carrying out of what it decided are shielded together: they complete, and the
         # redelivery (which waits for the attempt held here, then finds it decided) sends
@@ -153,7 +168,13 @@ def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_
         while isinstance(
             settled := await asyncio.shield(
                 _try_and_carry_out(
-                    broker, delivery, message, deps, redelivered=redelivered, timeout_s=timeout_s
+                    broker,
+                    delivery,
+                    message,
+                    deps,
+                    redelivered=redelivered,
+                    limit_reason=limit_reason,
+                    timeout_s=timeout_s,
                 )
             ),
             Hold,
@@ -173,17 +194,31 @@ async def _try_and_carry_out(
     deps: DeliveryDeps,
     *,
     redelivered: bool,
+    limit_reason: str | None,
     timeout_s: float,
 ) -> bool | Hold:
     """One try, its decision carried out; Hold to wait and try again, False when it
-    crashed."""
+    crashed. With `limit_reason` (the message is at its delivery limit), no POST: the
+    attempt's recorded decision, or giving it up (`at_delivery_limit`)."""
     decision: DeliveryDecision
     try:
-        tried = await deliver_once(delivery, deps, redelivered)
+        if limit_reason is None:
+            tried = await deliver_once(delivery, deps, redelivered)
+        else:
+            tried = await at_delivery_limit(delivery, deps, reason=limit_reason)
         if isinstance(tried, Hold):
             return tried
         decision = tried
     except PyMongoError as error:
+        if limit_reason is not None:
+            # Waited out, the delivery held: a copy sent later would start its delivery count
+            # again, and taken for "nothing decided" it would drop a decided retry.
+            log.warning(
+                "MongoDB unavailable for delivery %s at its delivery limit: %r",
+                delivery.delivery_id,
+                error,
+            )
+            return Hold(deps.clock() + timedelta(seconds=HOLD_POLL_S))
         log.warning("MongoDB unavailable for delivery %s: %r", delivery.delivery_id, error)
         later = deps.clock() + DATABASE_RETRY_DELAY
         update = {"not_before": later, "message_id": new_id()}

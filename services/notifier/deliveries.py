@@ -4,14 +4,19 @@
 signs the body for this attempt and POSTs it, then records and returns what the broker
 adapter must do:
 
-- `Done`: nothing more (delivered, cancelled, or already delivered/decided elsewhere).
+- `Done`: nothing more (delivered, cancelled, refused by its receiver, or already
+  delivered/decided elsewhere).
 - `Send`: publish this command (the next attempt after a back-off, or the same one later
   when it is not yet due or another consumer holds it), then ack.
 - `GiveUp`: copy the message to the dead-letter queue with the reason, then ack.
 
 2xx is delivered. 3xx (redirects are not followed) and 4xx other than 408/429 are permanent,
-and so is an unsafe destination. 5xx, 408, 429, timeouts and connection failures are retried
-with exponential back-off and jitter (Retry-After wins, up to the cap) until `max_attempts`.
+and so is an unsafe destination: the delivery is recorded failed with the reason and ends
+there (`Done`). Those are the tenant's receiver's doing, not ours, and the DLQ, which
+operators are alerted on and nothing drains, is kept for ours. 5xx, 408, 429, timeouts and
+connection failures are retried with exponential back-off and jitter (Retry-After wins, up to
+the cap) until `max_attempts`, then dead-lettered. `at_delivery_limit` decides for a message
+its consumers kept dying or crashing on, instead of the broker dead-lettering it unexplained.
 
 A failure alert follows its tenant's setting at every attempt, not the URL its command
 carries: once removed, the delivery is cancelled unsent; once changed, it goes to the new URL.
@@ -71,6 +76,8 @@ class Send:
 
 @dataclass(frozen=True)
 class GiveUp:
+    """Recorded failed: copy the message to the DLQ with `reason`."""
+
     reason: str
 
 
@@ -181,6 +188,32 @@ async def deliver_once(
         return await _claim_and_send(delivery, deps, now, redelivered=redelivered)
 
 
+async def at_delivery_limit(
+    delivery: DeliverWebhook, deps: DeliveryDeps, *, reason: str
+) -> DeliveryDecision | Hold:
+    """For a message at its queue's delivery limit: carry out what its attempt decided (the
+    consumer died after recording it, before or while carrying it out), else record the
+    delivery failed and give it up to the DLQ with `reason`. Nothing is POSTed: its consumers
+    kept dying or crashing on it, maybe in the POST, and the broker dead-letters it, with no
+    reason and nothing recorded, if it comes back once more.
+
+    Hold while the attempt is held elsewhere (a copy in this process, another process's
+    lease), then carry out what the holder decided."""
+    now = deps.clock()
+    with deps.in_hand.holding((delivery.delivery_id, delivery.attempt)) as only_here:
+        if not only_here:
+            return Hold(now + timedelta(seconds=HOLD_POLL_S))
+        owner = f"{deps.owner}/{new_id()[:12]}"
+        claim = await deps.ledger.claim(
+            delivery, process=deps.owner, owner=owner, now=now, lease=deps.lease, reclaim_own=True
+        )
+        if not claim.won:
+            return _without_claim(delivery, claim.record, now=now, redelivered=True)
+        return await _give_up(
+            delivery, reason, None, dead_letter=True, owner=owner, claimed_at=now, deps=deps
+        )
+
+
 async def _claim_and_send(
     delivery: DeliverWebhook,
     deps: DeliveryDeps,
@@ -243,7 +276,13 @@ async def _send(
     except PermanentDeliveryError as error:
         deps.metrics.count_attempt(delivery.purpose, "rejected", time.perf_counter() - started)
         return await _give_up(
-            delivery, error.reason, status, owner=owner, claimed_at=now, deps=deps
+            delivery,
+            error.reason,
+            status,
+            dead_letter=False,  # the receiver's doing: recorded, not an operator's alert
+            owner=owner,
+            claimed_at=now,
+            deps=deps,
         )
     except TransientDeliveryError as error:
         deps.metrics.count_attempt(delivery.purpose, "unavailable", time.perf_counter() - started)
@@ -279,10 +318,8 @@ def _without_claim(
     delivery: DeliverWebhook, record: DeliveryRecord, *, now: datetime, redelivered: bool
 ) -> DeliveryDecision | Hold:
     """Another copy or attempt owns the delivery: drop, defer, or replay its decision."""
-    if (over := _when_over(delivery, record)) is not None:
-        return over
-    if record.attempt > delivery.attempt:
-        return _after_our_attempt(delivery, record)
+    if (decided := recorded_decision(delivery, record)) is not None:
+        return decided
     later = max(record.lease_until or now, now + timedelta(seconds=1))
     if redelivered:
         return Hold(later)
@@ -290,6 +327,17 @@ def _without_claim(
         delivery.model_copy(update={"not_before": later, "message_id": new_id()}),
         "claimed by another consumer",
     )
+
+
+def recorded_decision(delivery: DeliverWebhook, record: DeliveryRecord) -> DeliveryDecision | None:
+    """What the ledger says a copy of `delivery` does: drop it once the delivery is over or a
+    later attempt took over, or carry out again what its attempt decided; None when its
+    attempt is still undecided."""
+    if (over := _when_over(delivery, record)) is not None:
+        return over
+    if record.attempt > delivery.attempt:
+        return _after_our_attempt(delivery, record)
+    return None
 
 
 def _when_over(delivery: DeliverWebhook, record: DeliveryRecord) -> DeliveryDecision | None:
@@ -300,7 +348,7 @@ def _when_over(delivery: DeliverWebhook, record: DeliveryRecord) -> DeliveryDeci
             return Done("already delivered")
         case DeliveryState.CANCELLED:
             return Done("already cancelled")
-        case DeliveryState.FAILED if record.attempt == delivery.attempt:
+        case DeliveryState.FAILED if record.attempt == delivery.attempt and record.dead_letter:
             return GiveUp(record.last_error or "failed")  # our attempt was decided: again
         case DeliveryState.FAILED:
             return Done("already given up")
@@ -337,19 +385,28 @@ async def _give_up(
     reason: str,
     status: int | None,
     *,
+    dead_letter: bool,
     owner: str,
     claimed_at: datetime,
     deps: DeliveryDeps,
 ) -> DeliveryDecision:
+    """Record the delivery failed; GiveUp (to the DLQ) when `dead_letter`, else it ends here."""
     decided = await _while_leased(
         lambda: deps.ledger.mark_failed(
-            delivery, owner=owner, now=deps.clock(), error=reason, status=status
+            delivery,
+            owner=owner,
+            now=deps.clock(),
+            error=reason,
+            status=status,
+            dead_letter=dead_letter,
         ),
         deps=deps,
         claimed_at=claimed_at,
         what=f"recording delivery {delivery.delivery_id} as failed",
     )
-    return GiveUp(reason) if decided else Done("claim lost before giving up")
+    if not decided:
+        return Done("claim lost before giving up")
+    return GiveUp(reason) if dead_letter else Done(f"failed, refused by its receiver: {reason}")
 
 
 async def _retry_or_give_up(
@@ -364,7 +421,13 @@ async def _retry_or_give_up(
     if delivery.attempt >= delivery.max_attempts:
         reason = f"gave up after {delivery.attempt} attempt(s); last: {error.reason}"
         return await _give_up(
-            delivery, reason, status, owner=owner, claimed_at=claimed_at, deps=deps
+            delivery,
+            reason,
+            status,
+            dead_letter=True,
+            owner=owner,
+            claimed_at=claimed_at,
+            deps=deps,
         )
     now = deps.clock()
     delay = deps.policy.delay(delivery.attempt, retry_after_s=error.retry_after_s, rng=deps.rng)

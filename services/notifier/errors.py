@@ -1,7 +1,8 @@
 """Why a webhook delivery failed, split by what the delivery consumer must do.
 
     DeliveryError                   .reason
-    ├── PermanentDeliveryError      dead-letter now; another attempt would fail the same way
+    ├── PermanentDeliveryError      give up now (recorded failed, not dead-lettered: the
+    │   │                           receiver's doing); another attempt would fail the same way
     │   ├── UnsafeDestination       the URL, or an address its host resolves to, is not
     │   │                           public (SSRF guard)
     │   └── DeliveryRejected        the receiver answered 4xx (not 408/429), or 3xx
@@ -26,7 +27,7 @@ class DeliveryError(Exception):
 
 
 class PermanentDeliveryError(DeliveryError):
-    """Dead-letter the delivery now."""
+    """Give the delivery up now; the tenant's receiver's doing, so not to the DLQ."""
 
 
 class UnsafeDestination(PermanentDeliveryError):

@@ -2,6 +2,7 @@
 
     pending --published--> queued --claimed--> sending --2xx---------------> delivered
                                                  |  \\--permanent/last attempt-> failed
+                                                 |  \\--delivery limit---------> failed
                                                  |  \\--failure alert removed--> cancelled
                                                  \\--transient--> retrying --claimed--> sending
 
@@ -49,6 +50,10 @@ class DeliveryRecord:
     last_status: int | None = None
     next_delivery: DeliverWebhook | None = None
     triggers: int = 0
+    # A failed delivery's message goes to the DLQ (a failure of ours), or not (the receiver
+    # refused it: the tenant's business). Records of earlier builds, which dead-lettered
+    # every failure, have no such field.
+    dead_letter: bool = True
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,7 @@ def _record_of(document: Document) -> DeliveryRecord:
         last_status=document.get("last_status"),
         next_delivery=DeliverWebhook.model_validate_json(next_json) if next_json else None,
         triggers=document.get("triggers", 0),
+        dead_letter=document.get("dead_letter", True),
     )
 
 
@@ -220,8 +226,10 @@ class Ledger:
         now: datetime,
         error: str,
         status: int | None,
+        dead_letter: bool,
     ) -> bool:
-        """Record that the delivery is given up; False if the claim was lost meanwhile."""
+        """Record that the delivery is given up, and whether its message goes to the DLQ;
+        False if the claim was lost meanwhile."""
         return await self._decide(
             delivery,
             owner=owner,
@@ -229,6 +237,7 @@ class Ledger:
                 "state": DeliveryState.FAILED.value,
                 "last_error": error,
                 "last_status": status,
+                "dead_letter": dead_letter,
                 "lease_until": None,
                 "failed_at": now,
                 "updated_at": now,

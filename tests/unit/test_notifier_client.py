@@ -1,16 +1,31 @@
 """The gateway's client of the notifier's tenant API: an answer it cannot read is the
-notifier being unavailable, with a change perhaps made, never a 500."""
+notifier being unavailable, with a change perhaps made, never a 500; and a 404 means "no
+failure alert registered" only when it is the notifier's own answer saying so."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import cast
 
 import httpx
 import pytest
 from aiohttp import web
+from fastapi import FastAPI
 
 from services.gateway.settings import GatewaySettings
-from services.gateway.webhooks_api import NotifierClient, NotifierUnavailable, make_notifier_http
+from services.gateway.webhooks_api import (
+    NO_FAILURE_ALERT_TYPE,
+    NotifierClient,
+    NotifierUnavailable,
+    make_notifier_http,
+)
+from services.notifier.api import NO_FAILURE_ALERT, tenant_routes
+from services.notifier.keyring import Keyring
+from services.notifier.registry import FailureAlerts
+from services.notifier.ssrf import WebhookGuard
+from shared.contracts import utcnow
+from shared.http import PROBLEM_BASE, PROBLEM_JSON, install_problem_handlers
 from tests.support import serving
 
 PAGES = {
@@ -57,3 +72,92 @@ async def test_the_notifier_is_reached_directly_whatever_proxy_the_environment_n
 
 async def _secret(request: web.Request) -> web.Response:
     return web.json_response({"secret": "whsec_direct", "created_at": "2030-01-01T00:00:00Z"})
+
+
+class NoAlerts:
+    async def url_of(self, tenant_id: str) -> str | None:
+        return None
+
+
+def _notifier_without_alerts() -> FastAPI:
+    """The notifier's tenant routes, no tenant having registered a failure alert."""
+    app = FastAPI()
+    install_problem_handlers(app)
+    app.include_router(
+        tenant_routes(
+            keyring=cast(Keyring, None),  # not reached by these reads
+            alerts=cast(FailureAlerts, NoAlerts()),
+            guard=cast(WebhookGuard, None),
+            clock=utcnow,
+            rotation_grace=timedelta(hours=1),
+        )
+    )
+    return app
+
+
+def client_of(app: FastAPI, base_url: str) -> NotifierClient:
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
+    return NotifierClient(http, base_url=base_url)
+
+
+async def test_the_notifiers_no_alert_answer_reads_as_none_registered() -> None:
+    app = _notifier_without_alerts()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app)) as http:
+        raw = await http.get("http://notifier/internal/v1/tenants/acme/failure-alert")
+    assert (raw.status_code, raw.json()["type"]) == (404, NO_FAILURE_ALERT_TYPE)
+    assert await client_of(app, "http://notifier").failure_alert("acme") is None
+
+
+async def test_an_earlier_notifiers_no_alert_answer_reads_as_none_registered() -> None:
+    """A notifier of an earlier build answers the generic not-found type (a gateway upgraded
+    first still reads it)."""
+    earlier = httpx.Response(
+        404,
+        json={
+            "type": "https://scorebox.dev/problems/not-found",
+            "title": "Not Found",
+            "status": 404,
+            "detail": "No failure-alert URL is registered.",
+        },
+        headers={"content-type": PROBLEM_JSON},
+    )
+    assert await client_answering(earlier).failure_alert("acme") is None
+
+
+OTHER_404S = {
+    "a proxy's page": httpx.Response(404, text="<html>404 Not Found</html>"),
+    "a bare JSON 404": httpx.Response(404, json={"detail": "Not Found"}),
+    "another service's unknown route": httpx.Response(
+        404,
+        json={
+            "type": "https://scorebox.dev/problems/not-found",
+            "title": "Not Found",
+            "status": 404,
+            "detail": "Not Found",
+        },
+        headers={"content-type": PROBLEM_JSON},
+    ),
+    "the right type, not problem+json": httpx.Response(
+        404, json={"type": "https://scorebox.dev/problems/no-failure-alert"}
+    ),
+}
+
+
+@pytest.mark.parametrize("answer", OTHER_404S.values(), ids=OTHER_404S.keys())
+async def test_any_other_404_is_the_notifier_unavailable_not_no_alert(
+    answer: httpx.Response,
+) -> None:
+    """Every 404 read as "no failure alert registered": a wrong NOTIFIER_URL or a proxy's path
+    prefix showed every tenant's alert as missing."""
+    with pytest.raises(NotifierUnavailable):
+        await client_answering(answer).failure_alert("acme")
+
+
+async def test_the_notifier_reached_under_a_wrong_path_prefix_is_unavailable() -> None:
+    notifier = client_of(_notifier_without_alerts(), "http://notifier/wrong-prefix")
+    with pytest.raises(NotifierUnavailable):
+        await notifier.failure_alert("acme")
+
+
+def test_the_gateway_knows_the_notifiers_no_alert_type() -> None:
+    assert NO_FAILURE_ALERT_TYPE == PROBLEM_BASE + NO_FAILURE_ALERT

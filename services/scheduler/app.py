@@ -105,6 +105,7 @@ def create_app(
             rubric_version=settings.rubric_version,
             page_size=settings.fanout_page_size,
             max_pages=settings.fanout_pages_per_delivery,
+            horizon=timedelta(seconds=settings.fanout_horizon_s),
             clock=clock,
         ),
         HOUSEKEEPING: partial(

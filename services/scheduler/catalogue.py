@@ -9,13 +9,22 @@ events do not carry the version). Versions are opaque labels (the scorer's are s
 as `judge-2025-1`), so "older" means "not the current one". `rescore_requested_for` records
 the version a re-score was last requested for, so each task is requested at most once per
 version even though its new result may again arrive without a version.
+
+A page is the next `limit` entries in `_id` order, filtered afterwards (`scan_page`): bounded
+by the entries it reads, not by the stale ones it finds. Asked for the next `limit` stale
+entries (`_id > after` with the staleness filter, sorted by `_id`), MongoDB could only walk
+the `_id` index and test each entry, so where stale entries were sparse (the daily run after
+a full pass) one page read the whole catalogue, beyond any deadline, and the run never got
+past it. A page is also due only for tasks the gateway still knows: those completed within
+the horizon (`FANOUT_HORIZON_S`, the gateway's `IDEMPOTENCY_TTL_S`); an older one would be
+answered "unknown task" after two round trips to the gateway's database.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from pymongo import ASCENDING, AsyncMongoClient
@@ -35,6 +44,41 @@ class CompletedTask:
     completed_at: datetime
     model: str | None
     rubric_version: str | None
+
+
+@dataclass(frozen=True)
+class ScannedPage:
+    """A page of the catalogue: `scanned` entries read in `_id` order, the last of them
+    `last_id` (`after` when none was left), and those of them `due` a re-score."""
+
+    due: list[CompletedTask]
+    scanned: int
+    last_id: str | None
+
+
+def _is_due(document: Document, current_version: str, completed_since: datetime) -> bool:
+    # As MongoDB's `$ne` reads them, a field absent or null differs from the version.
+    if document.get("rubric_version") == current_version:
+        return False
+    if document.get("rescore_requested_for") == current_version:
+        return False
+    completed_at = document.get("completed_at")
+    if not isinstance(completed_at, datetime):
+        return False
+    if completed_at.tzinfo is None:  # a client without `tz_aware`: BSON dates are UTC
+        completed_at = completed_at.replace(tzinfo=UTC)
+    return completed_at >= completed_since
+
+
+def _completed_task(document: Document) -> CompletedTask:
+    return CompletedTask(
+        task_id=document["_id"],
+        tenant_id=document["tenant_id"],
+        generation=document.get("generation", 0),
+        completed_at=document["completed_at"],
+        model=document.get("model"),
+        rubric_version=document.get("rubric_version"),
+    )
 
 
 class Catalogue:
@@ -60,28 +104,26 @@ class Catalogue:
             },
         )
 
-    async def stale_page(
-        self, *, after: str | None, current_version: str, limit: int
-    ) -> list[CompletedTask]:
-        """The next `limit` stale tasks with `_id > after`, in `_id` order."""
-        query: Document = {
-            "rubric_version": {"$ne": current_version},
-            "rescore_requested_for": {"$ne": current_version},
-        }
-        if after is not None:
-            query["_id"] = {"$gt": after}
+    async def scan_page(
+        self, *, after: str | None, current_version: str, completed_since: datetime, limit: int
+    ) -> ScannedPage:
+        """The next `limit` entries with `_id > after` in `_id` order, and which of them are
+        due a re-score: stale for `current_version` and completed at or after
+        `completed_since`.
+
+        The query names nothing but the `_id` range, so the server reads at most `limit`
+        entries of the `_id` index whatever it finds; the filter runs here. (With the filter
+        in the query, a page had to read on until it found `limit` stale entries.)
+        """
+        query: Document = {} if after is None else {"_id": {"$gt": after}}
         cursor = self._collection.find(query).sort("_id", ASCENDING).limit(limit)
-        return [
-            CompletedTask(
-                task_id=document["_id"],
-                tenant_id=document["tenant_id"],
-                generation=document.get("generation", 0),
-                completed_at=document["completed_at"],
-                model=document.get("model"),
-                rubric_version=document.get("rubric_version"),
-            )
-            async for document in cursor
-        ]
+        scanned, last_id, due = 0, after, []
+        async for document in cursor:
+            scanned += 1
+            last_id = document["_id"]
+            if _is_due(document, current_version, completed_since):
+                due.append(_completed_task(document))
+        return ScannedPage(due=due, scanned=scanned, last_id=last_id)
 
     async def mark_rescore_requested(self, task_ids: Sequence[str], version: str) -> None:
         # In chunks, so that no single write runs long on a slow server (each is bounded by

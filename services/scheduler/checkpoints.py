@@ -1,11 +1,14 @@
 """Fan-out checkpoints, in the scheduler's own database: where a run of a fan-out stands.
 
-    fanout_checkpoints {_id: run_id, job, rubric_version, last_id, published, pages,
+    fanout_checkpoints {_id: run_id, job, rubric_version, last_id, published, scanned, pages,
                         started_at, updated_at, finished_at}
 
-`last_id` only moves forward (a conditional update), and only after a page's messages are
-confirmed by the broker: a run that dies mid-page publishes that page again when it resumes
-(consumers are idempotent) and never skips an item.
+`last_id` is the last catalogue entry a page read, whether or not any of the page's entries
+was due a re-score (a page is bounded by the entries it reads, so where stale tasks are
+sparse most pages publish nothing, and the run must move past them all the same). It only
+moves forward (a conditional update), and only after a page's messages are confirmed by the
+broker: a run that dies mid-page publishes that page again when it resumes (consumers are
+idempotent) and never skips an item.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class Checkpoint:
     published: int
     pages: int
     finished_at: datetime | None
+    scanned: int = 0
 
     @classmethod
     def from_document(cls, document: Document) -> Checkpoint:
@@ -38,12 +42,14 @@ class Checkpoint:
             published=document.get("published", 0),
             pages=document.get("pages", 0),
             finished_at=document.get("finished_at"),
+            scanned=document.get("scanned", 0),
         )
 
     def summary(self) -> dict[str, Any]:
         return {
             "rubric_version": self.rubric_version,
             "published": self.published,
+            "scanned": self.scanned,
             "pages": self.pages,
             "last_id": self.last_id,
             "finished": self.finished_at is not None,
@@ -68,6 +74,7 @@ class Checkpoints:
                     "rubric_version": rubric_version,
                     "last_id": None,
                     "published": 0,
+                    "scanned": 0,
                     "pages": 0,
                     "started_at": now,
                     "finished_at": None,
@@ -81,12 +88,15 @@ class Checkpoints:
             raise LookupError(f"no checkpoint for run {run_id}")
         return Checkpoint.from_document(document)
 
-    async def advance(self, run_id: str, *, last_id: str, published: int, now: datetime) -> None:
+    async def advance(
+        self, run_id: str, *, last_id: str, published: int, scanned: int, now: datetime
+    ) -> None:
+        """Past a page: `scanned` entries read up to `last_id`, `published` of them."""
         await self._collection.update_one(
             {"_id": run_id, "$or": [{"last_id": None}, {"last_id": {"$lt": last_id}}]},
             {
                 "$set": {"last_id": last_id, "updated_at": now},
-                "$inc": {"published": published, "pages": 1},
+                "$inc": {"published": published, "scanned": scanned, "pages": 1},
             },
         )
 
@@ -108,7 +118,7 @@ class Checkpoints:
         """Delete the checkpoints of runs finished before `cutoff`, and of runs given up
         (never finished) whose last step was before it: a run that goes on touches its
         checkpoint at every delivery, at least every `SCHEDULER_RETRY_CAP_S` while it waits
-        for room, and is given up after 6 hours of that."""
+        for room, and is given up after 6 hours of that without progress."""
         result = await self._collection.delete_many(
             {
                 "$or": [

@@ -7,9 +7,17 @@
     job returned                    -> Finished
     PermanentJobError               -> GiveUp
     DownstreamFull                  -> Retry    (same attempt, after the longest back-off;
-                                                 GiveUp once the run is that old)
+                                                 GiveUp once the run has made no progress
+                                                 for DOWNSTREAM_FULL_MAX_WAIT)
     any other error, attempts left  -> Retry    (back-off through the wait ladder)
     any other error, none left      -> GiveUp
+
+A run waiting for room counts its wait from its last progress, as its messages carry it: a
+continuation (`Continue`) is issued only after its slice moved the run on, and is stamped
+with that moment (`occurred_at`), which the slice's retries keep; the first slice counts from
+the firing. Counted from the firing, a large re-score that kept moving page by page behind a
+slow scorer was given up 6 hours after it fired. (The fan-out ends its delivery as a
+continuation when it meets no room after moving its checkpoint.)
 
 Jobs are idempotent (rollups recompute and `$set`, the fan-out resumes from its checkpoint,
 clean-ups delete what is expired), so the rare duplicate run is harmless.
@@ -26,7 +34,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pymongo
@@ -41,8 +49,8 @@ log = logging.getLogger("scorebox.scheduler.runs")
 # sent back for less would only bounce between the queue and this consumer.
 DUE_TOLERANCE = timedelta(milliseconds=500)
 # How long a run waits for room in a full queue it feeds (the re-score queue, say, behind a
-# slow scorer) before it is given up. Counting those waits as failed attempts gave a big
-# fan-out up within a minute of the queue filling.
+# slow scorer) without progress before it is given up. Counting those waits as failed
+# attempts gave a big fan-out up within a minute of the queue filling.
 DOWNSTREAM_FULL_MAX_WAIT = timedelta(hours=6)
 
 
@@ -159,6 +167,8 @@ async def _run_handler(
                 "slice": command.slice + 1,
                 "attempt": 1,
                 "not_before": None,
+                # The run made progress: a wait for room in the next slice counts from here.
+                "occurred_at": clock(),
             }
         )
         return Continue(following)
@@ -194,13 +204,22 @@ async def _wait_for_room(
     command: RunCronJob, error: str, *, firings: FiringStore, retry: RetryPolicy, clock: Clock
 ) -> Retry | GiveUp:
     now = clock()
-    if now - command.fired_at >= DOWNSTREAM_FULL_MAX_WAIT:
+    if now - waiting_since(command) >= DOWNSTREAM_FULL_MAX_WAIT:
         reason = (
             f"cron job {command.job!r} found no room for {DOWNSTREAM_FULL_MAX_WAIT} since it "
-            f"fired; last error: {error}"
+            f"last made progress; last error: {error}"
         )
         return await _give_up(command, reason, firings=firings, clock=clock)
     not_before = now + retry.cap
     await firings.retrying(command.run_id, error=error, next_attempt_at=not_before, now=now)
     following = command.model_copy(update={"message_id": new_id(), "not_before": not_before})
     return Retry(following, error)
+
+
+def waiting_since(command: RunCronJob) -> datetime:
+    """When the run last made progress, as its messages tell: the first slice's firing, or
+    when the slice was issued (a continuation is issued only after progress; its retries and
+    deferrals keep its `occurred_at`)."""
+    if command.slice == 0:
+        return command.fired_at
+    return max(command.fired_at, command.occurred_at)

@@ -98,6 +98,8 @@ class SchedulerSettings(ServiceSettings):
     def _a_prompt_version(cls, value: str | None) -> str | None:
         return known_rubric_version(value)
 
+    # Catalogue entries one page of the re-score fan-out reads, in `_id` order; it publishes
+    # those of them due a re-score (all, at most).
     fanout_page_size: int = Field(
         default=1000, ge=1, le=10_000, validation_alias="FANOUT_PAGE_SIZE"
     )
@@ -114,4 +116,13 @@ class SchedulerSettings(ServiceSettings):
         ge=1,
         le=SCORE_QUEUE_MAX_LENGTH,
         validation_alias="FANOUT_MAX_BACKLOG",
+    )
+    # How far back the re-score fan-out reaches: tasks completed longer ago are not requested.
+    # Set it to the gateway's IDEMPOTENCY_TTL_S: the gateway re-scores a task from its
+    # submission, kept that long from when the task was due (at or before its completion),
+    # and answers a request for an older one "unknown task", after two round trips to its
+    # database, each request counted against FANOUT_MAX_BACKLOG meanwhile.
+    # (At most ten years, beyond any retention of the catalogue.)
+    fanout_horizon_s: int = Field(
+        default=86_400, gt=0, le=10 * 365 * 86_400, validation_alias="FANOUT_HORIZON_S"
     )

@@ -557,6 +557,7 @@ async def test_fanout_resumes_after_a_crash_without_skipping(env: Env) -> None:
             rubric_version="v2",
             page_size=page_size,
             max_pages=2,  # two pages per delivery, then it continues in a new message
+            horizon=timedelta(days=2),
             clock=env.clock,
         )
         async with scheduler(
@@ -592,13 +593,57 @@ async def test_fanout_resumes_after_a_crash_without_skipping(env: Env) -> None:
     assert checkpoint is not None
     assert checkpoint.finished_at is not None
     assert checkpoint.published == stale_count
-    assert checkpoint.last_id == max(stale)
+    assert checkpoint.last_id == max(task_id for task_id, _ in rows)  # the last one read
+    assert checkpoint.scanned == len(rows)
     assert run["result"]["published"] == stale_count
     # Each task is requested once per version: a second run finds nothing left to do.
     marked = await env.collection("completed_tasks").count_documents(
         {"rescore_requested_for": "v2"}
     )
     assert marked == stale_count
+
+
+@pytest.mark.parametrize(
+    ("horizon", "requested"),
+    [(None, {"recent"}), (str(3 * 86_400), {"recent", "two-days-old"})],
+    ids=["default-a-day", "three-days"],
+)
+async def test_the_fanout_requests_only_tasks_the_gateway_still_knows(
+    env: Env, horizon: str | None, requested: set[str]
+) -> None:
+    """The gateway keeps a submission `IDEMPOTENCY_TTL_S` (a day by default) and answers a
+    re-score of an older task "unknown task": the fan-out requested every catalogued task,
+    up to the catalogue's retention of a year, each counted against the backlog."""
+    await env.collection("completed_tasks").insert_many(
+        [
+            {
+                "_id": task_id,
+                "tenant_id": "acme",
+                "generation": 0,
+                "completed_at": QUIET - age,
+                "model": "m",
+                "rubric_version": None,
+            }
+            for task_id, age in (
+                ("recent", timedelta(hours=1)),
+                ("two-days-old", timedelta(days=2)),
+                ("year-old", timedelta(days=360)),
+            )
+        ]
+    )
+    await drain(env.amqp_url, RESCORE_REQUESTS.name)
+    config = parse_config({"jobs": {"rescore-fanout": {"cron": "0 3 * * *", "enabled": False}}}, {})
+    extra = {} if horizon is None else {"FANOUT_HORIZON_S": horizon}
+    running_scheduler = scheduler(
+        env, config, handlers=None, RUBRIC_VERSION="heuristic-v1", **extra
+    )
+    async with running_scheduler as (api, _):
+        run = await _run_job(api, "rescore-fanout")
+
+    messages = await drain(env.amqp_url, RESCORE_REQUESTS.name)
+    assert {RescoreTask.model_validate_json(m.body).task_id for m in messages} == requested
+    assert run["result"]["published"] == len(requested)
+    assert run["result"]["scanned"] == 3  # read, not requested
 
 
 # --- housekeeping ---------------------------------------------------------------------------

@@ -19,14 +19,14 @@ import statistics
 import time
 import uuid
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import aio_pika
 import pytest
 from pymongo import AsyncMongoClient
 
-from services.scheduler.catalogue import Catalogue, CompletedTask
+from services.scheduler.catalogue import Catalogue, ScannedPage
 from services.scheduler.checkpoints import Checkpoints
 from services.scheduler.jobs import JobRun
 from services.scheduler.jobs.fanout import fan_out_rescores
@@ -54,11 +54,16 @@ class TimedCatalogue(Catalogue):
         super().__init__(*args)
         self.asked: list[float] = []
 
-    async def stale_page(
-        self, *, after: str | None, current_version: str, limit: int
-    ) -> list[CompletedTask]:
+    async def scan_page(
+        self, *, after: str | None, current_version: str, completed_since: datetime, limit: int
+    ) -> ScannedPage:
         self.asked.append(time.perf_counter())
-        return await super().stale_page(after=after, current_version=current_version, limit=limit)
+        return await super().scan_page(
+            after=after,
+            current_version=current_version,
+            completed_since=completed_since,
+            limit=limit,
+        )
 
 
 class Drain:
@@ -155,6 +160,7 @@ async def test_fanout_scale(
                 rubric_version="v2",
                 page_size=PAGE_SIZE,
                 max_pages=items // PAGE_SIZE + 2,
+                horizon=timedelta(days=1),
                 clock=utcnow,
             )
             total_s = time.perf_counter() - started

@@ -44,3 +44,17 @@ def test_a_job_database_deadline_out_of_range_is_refused(seconds: str) -> None:
     broker closes the channel of a delivery still held while its job waits on the database."""
     with pytest.raises(ValidationError, match="SCHEDULER_JOB_DB_TIMEOUT_S"):
         SchedulerSettings.model_validate({"SCHEDULER_JOB_DB_TIMEOUT_S": seconds})
+
+
+def test_the_fanout_horizon_mirrors_the_gateways_submission_retention_by_default() -> None:
+    """The gateway keeps a submission `IDEMPOTENCY_TTL_S` (a day by default) and answers a
+    re-score of an older task "unknown task"."""
+    assert SchedulerSettings.model_validate({}).fanout_horizon_s == 86_400
+    taken = SchedulerSettings.model_validate({"FANOUT_HORIZON_S": "604800"})
+    assert taken.fanout_horizon_s == 604_800
+
+
+@pytest.mark.parametrize("seconds", ["0", "-1", "inf", "1.5", str(11 * 365 * 86_400)])
+def test_a_fanout_horizon_out_of_range_is_refused(seconds: str) -> None:
+    with pytest.raises(ValidationError, match="FANOUT_HORIZON_S"):
+        SchedulerSettings.model_validate({"FANOUT_HORIZON_S": seconds})

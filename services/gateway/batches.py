@@ -29,8 +29,9 @@ their results still fill it.
 Reading a batch (`read_batch`): the gateway's record says which tasks belong to it and in
 which order (the request's); the status service owns their progress (counts per status and a
 page of items, by `batch_index`). Tasks the status service has not heard of yet read as
-`queued` while the batch is young (read-your-writes, like `read_score`) and as `expired` later
-(their results outlived `FINISHED_TASK_TTL_S`).
+`queued` while the batch is young (read-your-writes, like `read_score`) or their submissions
+are not sent yet (`accepting`, `unconfirmed`), and as `expired` otherwise (their results
+outlived `FINISHED_TASK_TTL_S`).
 """
 
 from __future__ import annotations
@@ -654,6 +655,12 @@ class BatchStatusReader(Protocol):
     ) -> BatchProgress: ...
 
 
+class UnsentItems(Protocol):
+    """Which of a batch's tasks are not sent yet (`Submissions.unsent_in_batch`)."""
+
+    async def unsent_in_batch(self, batch_id: str) -> frozenset[str]: ...
+
+
 @dataclass(frozen=True)
 class BatchPageItem:
     index: int
@@ -683,27 +690,44 @@ async def read_batch(
     limit: int,
     batches: Batches,
     status: BatchStatusReader,
+    submissions: UnsentItems,
     clock: Clock,
     window: timedelta,
 ) -> BatchPage | None:
-    """Counts per status and the items `start`..`start+limit` of a tenant's batch."""
+    """Counts per status and the items `start`..`start+limit` of a tenant's batch.
+
+    Items the status service has not heard of read `queued` while the batch is young
+    (read-your-writes), and later too while their submissions are not sent yet (`accepting`
+    or `unconfirmed`: a broker alarm, a crashed gateway, the outbox sweep to come), as a
+    single task does (`recently_due`); the others read `expired`. They read `expired` once
+    the batch was older than the window, and a client resubmitting them had them scored
+    twice when the sweep sent the originals."""
     record = await batches.find(batch_id, tenant_id=tenant_id)
     if record is None:
         return None
     total = len(record.members)
     end = min(start + limit, total)
     progress = await status.batch(batch_id, tenant_id=tenant_id, after=start - 1, limit=limit)
-    unheard = TaskStatus.QUEUED.value if record.created_at >= clock() - window else EXPIRED
     known: dict[int, BatchItemProgress] = {
         item.batch_index: item for item in progress.items if start <= item.batch_index < end
     }
-    counts = {state.value: progress.counts.get(state, 0) for state in TaskStatus}
-    counts[EXPIRED] = 0
-    counts[unheard] += max(total - sum(progress.counts.values()), 0)
-    items = [
-        _page_item(index, record.members[index], known.get(index), unheard)
-        for index in range(start, end)
+    unheard = max(total - sum(progress.counts.values()), 0)
+    page = record.members[start:end]
+    not_heard = [
+        member for index, member in enumerate(page, start) if not _heard(member, known.get(index))
     ]
+    young = record.created_at >= clock() - window
+    unsent: frozenset[str] = frozenset()
+    if not young and (unheard or not_heard):
+        unsent = await submissions.unsent_in_batch(batch_id)
+    counts = {state.value: progress.counts.get(state, 0) for state in TaskStatus}
+    waiting = unheard if young else _waiting(page, not_heard, unheard=unheard, unsent=unsent)
+    counts[TaskStatus.QUEUED.value] += waiting
+    counts[EXPIRED] = unheard - waiting
+    items = []
+    for index, member in enumerate(page, start):
+        unheard_as = TaskStatus.QUEUED.value if young or member.task_id in unsent else EXPIRED
+        items.append(_page_item(index, member, known.get(index), unheard_as))
     return BatchPage(
         batch_id=batch_id,
         total=total,
@@ -714,10 +738,32 @@ async def read_batch(
     )
 
 
+def _waiting(
+    page: Sequence[BatchMember],
+    not_heard: Sequence[BatchMember],
+    *,
+    unheard: int,
+    unsent: frozenset[str],
+) -> int:
+    """How many of an old batch's `unheard` tasks are not sent yet, given the `page`'s tasks
+    the status service has `not_heard` of: exact on the page; past it, the status service's
+    counts do not say which tasks it heard of, and an unsent one may be among them (a
+    command written whose confirm was lost), so the count errs towards `queued`, which tells
+    no client to resubmit."""
+    here = {member.task_id for member in page}
+    waiting_here = sum(member.task_id in unsent for member in not_heard)
+    unheard_elsewhere = max(unheard - len(not_heard), 0)
+    return min(waiting_here + min(unheard_elsewhere, len(unsent - here)), unheard)
+
+
+def _heard(member: BatchMember, progress: BatchItemProgress | None) -> bool:
+    return progress is not None and progress.task_id == member.task_id
+
+
 def _page_item(
     index: int, member: BatchMember, progress: BatchItemProgress | None, unheard: str
 ) -> BatchPageItem:
-    if progress is None or progress.task_id != member.task_id:
+    if progress is None or not _heard(member, progress):
         return BatchPageItem(index, member.client_id, member.task_id, unheard)
     return BatchPageItem(
         index=index,

@@ -386,6 +386,7 @@ def batch_routes(
                 limit=limit,
                 batches=batches,
                 status=status,
+                submissions=deps.submissions,
                 clock=deps.clock,
                 window=window,
             )

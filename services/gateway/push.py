@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
 from collections import OrderedDict
@@ -73,6 +74,9 @@ SETTLE_MAX_PAUSE_S = 0.4
 SETTLE_JITTER = 0.25
 LIVE_LINGER_S = 30.0  # how long the live queue stays bound after its last waiter
 BIND_RETRY_S = 5.0  # after a failed bind, how long waiters go on without trying again
+# How long after its deadline a long-poll's last read (started at the deadline, or a settling
+# read just before it) may take before the latest view read answers.
+LONG_POLL_MARGIN_S = 1.0
 Clock = Callable[[], datetime]
 
 
@@ -424,8 +428,15 @@ async def read_when_changed(
     settle_s: float,
 ) -> TaskView | None:
     """Long-poll: the view at once when it is terminal (or differs from `known_status`), else
-    after the task's next state change, else after `wait_s` seconds (the view as it is)."""
-    deadline = asyncio.get_running_loop().time() + wait_s  # binding counts against the wait
+    after the task's next state change, else after `wait_s` seconds (the view as it is).
+
+    A change heard live that the status service has not recorded within `settle_s` is no
+    answer yet (the view would show the client what it has): the wait goes on, reading again
+    for it at growing intervals (`Unrecorded`), until a view shows it, a later change comes
+    or the deadline. The whole wait ends `LONG_POLL_MARGIN_S` after its deadline, a read then
+    still under way or not (a slow status service): the answer is the latest view read."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s  # binding counts against the wait
     with live.waiting(task_id, tenant_id) as waiter:  # before the read: no event slips by
         if wait_s > 0:
             await listen_within(live, wait_s)
@@ -434,23 +445,66 @@ async def read_when_changed(
             return view
         if known_status is not None and view.status != known_status:
             return view
-        while True:
-            event = await waiter.next(deadline - asyncio.get_running_loop().time())
-            if event is None:
-                return await read()
-            if view.sequence is None or event.sequence > view.sequence:
-                fresh = await read_settled(read, event, settle_s=settle_s)
-                if fresh is None or not _same_as_recorded(view, fresh):
-                    return fresh
-                view = fresh
+        unrecorded = Unrecorded(settle_s)
+        bound = asyncio.timeout_at(deadline + LONG_POLL_MARGIN_S)
+        try:
+            async with bound:
+                while True:
+                    event = await waiter.next(min(deadline, unrecorded.recheck_at) - loop.time())
+                    settling = settle_s
+                    if event is None:
+                        if unrecorded.event is None or loop.time() >= deadline:
+                            return await read()
+                        event, settling = unrecorded.event, 0  # one read for it
+                    elif view.sequence is not None and event.sequence <= view.sequence:
+                        continue  # heard before the first read, which shows it
+                    fresh = await read_settled(read, event, settle_s=settling)
+                    if fresh is None or _news(view, fresh):
+                        return fresh
+                    if view.sequence is None:
+                        view = fresh  # the status service's own view, from now on
+                    unrecorded.after(event, fresh, loop.time())
+        except TimeoutError:
+            if not bound.expired():
+                raise
+            return view
 
 
-def _same_as_recorded(view: TaskView, fresh: TaskView) -> bool:
-    """Whether `fresh`, the first view the status service gives of a task the long-poll
-    found only in the gateway's own record (no sequence), shows what that record did: its
-    acceptance (`task.accepted` of a scheduled task) changed nothing the client can see, and
-    answering at once broke "after its next state change"."""
-    return view.sequence is None and fresh.status == view.status and not fresh.status.is_terminal
+class Unrecorded:
+    """A change a long-poll heard live that the status service's view does not show yet, and
+    when to read again for it: `settle_s` (at least the longest settling pause) after the
+    settling read gave up, then twice as long each time. Answering the stale view at once
+    made the client long-poll again and settle again, every `settle_s`; waiting for the
+    deadline alone left an end heard live (no event follows it) unanswered for up to 60 s."""
+
+    def __init__(self, settle_s: float) -> None:
+        self.event: TaskEvent | None = None
+        self.recheck_at = math.inf
+        self._interval = max(settle_s, SETTLE_MAX_PAUSE_S)
+
+    def after(self, event: TaskEvent, fresh: TaskView, now: float) -> None:
+        """`fresh` was read for `event`: remember the newest change heard until a view shows
+        it."""
+        if self.event is not None and self.event.sequence > event.sequence:
+            event = self.event
+        if fresh.sequence is not None and fresh.sequence >= event.sequence:
+            self.event, self.recheck_at = None, math.inf
+            return
+        self.event, self.recheck_at = event, now + self._interval
+        self._interval *= 2
+
+
+def _news(view: TaskView, fresh: TaskView) -> bool:
+    """Whether `fresh` shows a change the client has not seen in `view` (whose status is the
+    one it has): a newer sequence. Not a view the status service has not updated yet (it lags
+    the change heard live by more than `settle_s`): answered, it showed the client what it
+    had, as if it were the change. And for a task the long-poll found only in the gateway's
+    own record (no sequence), a status of its own: its acceptance (`task.accepted` of a
+    scheduled task) changed nothing the client can see, and answering at once broke "after
+    its next state change"."""
+    if view.sequence is None:
+        return fresh.status != view.status or fresh.status.is_terminal
+    return fresh.sequence is not None and fresh.sequence > view.sequence
 
 
 async def listen_within(live: LiveUpdates, seconds: float) -> None:

@@ -431,6 +431,17 @@ class Submissions:
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 
+    async def unsent_in_batch(self, batch_id: str) -> frozenset[str]:
+        """Task ids of a batch's submissions not known to be queued yet (`accepting` or
+        `unconfirmed`, which the outbox sweep sends): tasks the status service has not heard
+        of however old the batch (`read_batch`). One read, on the `batch_submissions` index."""
+        query = {"batch_id": string_key(batch_id), "state": {"$in": _UNSENT}}
+        try:
+            cursor = self._collection.find(query, projection={"_id": 1})
+            return frozenset([document["_id"] async for document in cursor])
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
     async def _find_one(self, query: Document) -> Submission | None:
         try:
             document = await self._collection.find_one(query)

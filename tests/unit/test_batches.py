@@ -433,8 +433,26 @@ def _progress(*known: tuple[int, TaskStatus]) -> BatchProgress:
     )
 
 
+class FakeUnsent:
+    """The batch's submissions not sent yet (`Submissions.unsent_in_batch`)."""
+
+    def __init__(self, *task_ids: str) -> None:
+        self.task_ids = frozenset(task_ids)
+        self.lookups = 0
+
+    async def unsent_in_batch(self, batch_id: str) -> frozenset[str]:
+        self.lookups += 1
+        return self.task_ids
+
+
 async def _read(
-    record: BatchRecord, progress: BatchProgress, *, start: int, limit: int, now: datetime
+    record: BatchRecord,
+    progress: BatchProgress,
+    *,
+    start: int,
+    limit: int,
+    now: datetime,
+    unsent: FakeUnsent | None = None,
 ) -> Any:
     batches = FakeBatches()
     batches.records["b1"] = record
@@ -445,6 +463,7 @@ async def _read(
         limit=limit,
         batches=batches,  # type: ignore[arg-type]
         status=FakeStatus(progress),
+        submissions=unsent or FakeUnsent(),
         clock=lambda: now,
         window=timedelta(minutes=5),
     )
@@ -479,6 +498,35 @@ async def test_unknown_items_of_an_old_batch_read_as_expired() -> None:
     assert page.counts["queued"] == 0
 
 
+async def test_unknown_items_of_an_old_batch_not_sent_yet_read_as_queued() -> None:
+    """Items whose submissions are still `accepting` or `unconfirmed` (a broker alarm, a
+    crashed gateway) have not reached the status service however old the batch: they read
+    `expired` once it was five minutes old, and a client resubmitting them had them scored
+    twice when the outbox sweep sent the originals."""
+    progress = _progress((1, TaskStatus.COMPLETED))
+    unsent = FakeUnsent("t0", "t3")
+    page = await _read(
+        _record(4), progress, start=0, limit=3, now=T0 + timedelta(hours=2), unsent=unsent
+    )
+    assert [i.status for i in page.items] == ["queued", "completed", EXPIRED]
+    assert (page.counts["queued"], page.counts[EXPIRED]) == (2, 1)  # t3 too, past the page
+    assert unsent.lookups == 1
+
+
+async def test_a_young_or_wholly_heard_batch_reads_no_submission() -> None:
+    unsent = FakeUnsent("t0")
+    young = await _read(
+        _record(2), _progress(), start=0, limit=2, now=T0 + timedelta(seconds=1), unsent=unsent
+    )
+    assert [i.status for i in young.items] == ["queued", "queued"]
+    heard = _progress((0, TaskStatus.COMPLETED), (1, TaskStatus.PROCESSING))
+    old = await _read(
+        _record(2), heard, start=0, limit=2, now=T0 + timedelta(hours=2), unsent=unsent
+    )
+    assert [i.status for i in old.items] == ["completed", "processing"]
+    assert unsent.lookups == 0
+
+
 async def test_another_tenants_batch_reads_as_none() -> None:
     batches = FakeBatches()
     batches.records["b1"] = _record(1)
@@ -489,6 +537,7 @@ async def test_another_tenants_batch_reads_as_none() -> None:
         limit=10,
         batches=batches,  # type: ignore[arg-type]
         status=FakeStatus(_progress()),
+        submissions=FakeUnsent(),
         clock=lambda: T0,
         window=timedelta(minutes=5),
     )

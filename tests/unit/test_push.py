@@ -289,8 +289,84 @@ async def test_an_acceptance_that_shows_what_the_gateways_record_did_is_not_a_ch
     assert view.status is TaskStatus.QUEUED
 
 
-async def _at_least(views: Views, reads: int) -> bool:
+async def _at_least(views: Views | Stalling, reads: int) -> bool:
     return views.reads >= reads
+
+
+async def test_a_change_the_status_service_has_not_recorded_does_not_answer_a_long_poll() -> None:
+    """A change heard live whose view the status service had not updated within `settle_s`
+    answered the long-poll with that stale view, at once: the status the client passed, so
+    its next long-poll waited on past the change it had been woken for."""
+    live = LiveUpdates()
+    views = Views(_view(TaskStatus.QUEUED, 0))
+    waiting = await _long_poll_waiting(views, live, known_status=TaskStatus.QUEUED, settle_s=0)
+    live.deliver(_started())  # heard live; the status service still shows the task queued
+    await eventually(lambda: _at_least(views, 2), what="the settling read")
+    assert not waiting.done()  # still waiting: the client would see nothing new
+
+    views.views = [_view(TaskStatus.COMPLETED, _completed().sequence)]
+    live.deliver(_completed())
+    view = await asyncio.wait_for(waiting, 5)
+    assert view is not None
+    assert view.status is TaskStatus.COMPLETED
+
+
+async def test_a_long_poll_reads_again_for_a_change_heard_live_until_it_is_recorded() -> None:
+    """The task's end is heard live and no event follows it: once the status service records
+    it, the long-poll answers with it, without another event and before its deadline."""
+    live = LiveUpdates()
+    views = Views(_view(TaskStatus.QUEUED, 0))
+    waiting = await _long_poll_waiting(views, live, known_status=TaskStatus.QUEUED, settle_s=0)
+    live.deliver(_completed())
+    await eventually(lambda: _at_least(views, 3), what="a read again for the heard change")
+    assert not waiting.done()
+
+    views.views = [_view(TaskStatus.COMPLETED, _completed().sequence)]
+    view = await asyncio.wait_for(waiting, 30)  # a hang guard: the long-poll waits 60 s
+    assert view is not None
+    assert view.status is TaskStatus.COMPLETED
+
+
+class Stalling:
+    """A status reader that gives its views, then never answers again (a status service that
+    hangs)."""
+
+    def __init__(self, *views: TaskView) -> None:
+        self.views = list(views)
+        self.reads = 0
+        self.never = asyncio.Event()
+
+    async def __call__(self) -> TaskView | None:
+        self.reads += 1
+        if self.views:
+            return self.views.pop(0)
+        await self.never.wait()
+        raise AssertionError("never answered")
+
+
+@pytest.mark.parametrize("heard", [False, True], ids=["last-read", "settling-read"])
+async def test_a_long_poll_ends_with_the_view_it_holds_when_a_read_outlasts_its_wait(
+    heard: bool,
+) -> None:
+    """The read at a long-poll's deadline, and a settling read started just before it, were
+    not bounded by the deadline: `wait=60` took as long as a slow status service made it."""
+    live = LiveUpdates()
+    if heard:
+        live.deliver(_started())  # heard just before: the long-poll settles it, and hangs
+    views = Stalling(_view(TaskStatus.QUEUED, 0))
+    async with asyncio.timeout(30):  # a hang guard only: the second read never answers
+        view = await read_when_changed(
+            views,
+            live=live,
+            task_id="t1",
+            tenant_id="a",
+            wait_s=0.05,
+            known_status=TaskStatus.QUEUED,
+            settle_s=5,
+        )
+    assert view == _view(TaskStatus.QUEUED, 0)
+    assert views.reads == 2
+    assert len(live) == 0
 
 
 async def test_read_settled_gives_up_after_settle_s_with_what_it_has() -> None:

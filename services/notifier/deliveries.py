@@ -406,6 +406,9 @@ async def _give_up(
     )
     if not decided:
         return Done("claim lost before giving up")
+    deps.metrics.failed.labels(
+        delivery.purpose, "dead_lettered" if dead_letter else "rejected"
+    ).inc()
     return GiveUp(reason) if dead_letter else Done(f"failed, refused by its receiver: {reason}")
 
 

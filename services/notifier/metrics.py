@@ -13,9 +13,17 @@ class NotifierMetrics:
         self.attempts = Counter(
             "scorebox_webhook_attempts",
             "Webhook attempts made, by purpose (callback, failure_alert) and outcome "
-            "(delivered: a 2xx; unavailable: retried while attempts are left; rejected: "
-            "given up at once).",
+            "(delivered: a 2xx; unavailable: the receiver did not answer or answered 5xx, "
+            "408 or 429, retried while attempts are left; rejected: refused at once). "
+            "Deliveries given up are scorebox_webhook_deliveries_failed.",
             ["purpose", "outcome"],
+            registry=registry,
+        )
+        self.failed = Counter(
+            "scorebox_webhook_deliveries_failed",
+            "Webhook deliveries given up, by purpose and why (rejected: the receiver refused "
+            "it; dead_lettered: unavailable through every attempt, or at the delivery limit).",
+            ["purpose", "reason"],
             registry=registry,
         )
         self.post_seconds = Histogram(

@@ -375,12 +375,18 @@ async def test_webhook_attempts_are_counted_in_the_notifiers_metrics(flow: Flow)
 
 async def test_a_gone_receiver_is_recorded_failed_with_the_reason(flow: Flow) -> None:
     """Not dead-lettered: a receiver's refusal is its tenant's business, not an operator's
-    alert (`test_notifier_delivery_limit.py` checks that nothing reaches the DLQ)."""
+    alert (`test_notifier_delivery_limit.py` checks that nothing reaches the DLQ). Counted
+    as a delivery given up: the attempts' counter alone showed no failed delivery."""
     url = flow.receiver.endpoint(410)
     task_id = new_id()
+    given_up = {"purpose": "callback", "reason": "rejected"}
+    before = await _sample(flow, "scorebox_webhook_deliveries_failed_total", given_up)
     await flow.publish(_completed(task_id, url))
 
     record = await flow.settled(task_id, "failed")
+
+    after = await _sample(flow, "scorebox_webhook_deliveries_failed_total", given_up)
+    assert after - before == 1
 
     assert "410" in record["last_error"]
     assert record["last_status"] == 410
@@ -765,3 +771,13 @@ async def test_a_failure_alert_changed_while_its_delivery_is_retried_goes_to_the
     assert request.headers["webhook-id"] == first.headers["webhook-id"] == record["_id"]
     assert _verified(request, secret)["data"]["task_id"] == failed.task_id
     assert (record["attempt"], record["url"]) == (2, new_url)
+
+
+async def _sample(flow: Flow, name: str, labels: dict[str, str]) -> float:
+    exposition = (await flow.notifier.get("/metrics")).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(exposition)
+        for sample in family.samples
+        if sample.name == name and sample.labels == labels
+    )

@@ -730,8 +730,8 @@ async def test_housekeeping_expires_own_records_and_reports_dead_letters(env: En
     assert STATUS_PROJECTION.dead_letter_routing_key in run["result"]["alerted"]
     events = await drain(env.amqp_url, OPS_LOG.name)
     kinds = [message.routing_key for message in events]
-    assert kinds == ["ops.housekeeping", "ops.alert.dead-letters"]
-    alert = DeadLetterAlert.model_validate_json(events[1].body)
+    assert kinds == ["ops.alert.dead-letters", "ops.housekeeping"]
+    alert = DeadLetterAlert.model_validate_json(events[0].body)
     assert alert.run_id == run["run_id"]
     assert STATUS_PROJECTION.dead_letter_routing_key in {q.dead_letter_queue for q in alert.queues}
     (projection,) = [

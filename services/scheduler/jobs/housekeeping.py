@@ -69,6 +69,18 @@ async def keep_house(
     clock: Clock,
 ) -> JobOutcome:
     now = clock()
+    # The report first: a delete that fails (a day of records too big for the deadline) fails
+    # the run, and with the report after it no alert went out while that lasted.
+    report = await dead_letter_report(
+        work_queues, probe=probe, threshold=config.dead_letter_threshold
+    )
+    over = [entry for entry in report if entry.depth >= entry.threshold]
+    if over:
+        log.warning(
+            "dead letters waiting: %s",
+            ", ".join(f"{entry.dead_letter_queue}={entry.depth}" for entry in over),
+        )
+        await announce(DeadLetterAlert(task_id=run.run_id, queues=over))
     firing_cutoff = now - timedelta(days=config.firing_retention_days)
     cursors = await firings.last_scheduled_ids(job_names, not_after=now)
     deleted = {
@@ -80,16 +92,6 @@ async def keep_house(
         ),
     }
     await announce(HousekeepingRequested(task_id=run.run_id, scheduled_for=run.scheduled_for))
-    report = await dead_letter_report(
-        work_queues, probe=probe, threshold=config.dead_letter_threshold
-    )
-    over = [entry for entry in report if entry.depth >= entry.threshold]
-    if over:
-        log.warning(
-            "dead letters waiting: %s",
-            ", ".join(f"{entry.dead_letter_queue}={entry.depth}" for entry in over),
-        )
-        await announce(DeadLetterAlert(task_id=run.run_id, queues=over))
     return JobOutcome(
         summary={
             "deleted": deleted,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hmac
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, date, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -219,22 +219,42 @@ def admin_guard(admin_key: SecretStr | None) -> Any:
 
     Without a configured key the admin routes are disabled (403), never open.
     """
+    return _bearer_guard(
+        [admin_key],
+        disabled="The admin API is disabled: set ADMIN_API_KEY to enable it.",
+        hint="Send the admin key as 'Authorization: Bearer <ADMIN_API_KEY>'.",
+    )
 
-    async def require_admin(authorization: str | None = Header(default=None)) -> None:
-        if admin_key is None or not admin_key.get_secret_value():
-            raise Problem(403, "The admin API is disabled: set ADMIN_API_KEY to enable it.")
-        expected = f"Bearer {admin_key.get_secret_value()}".encode()
+
+def metrics_guard(metrics_key: SecretStr | None, admin_key: SecretStr | None) -> Any:
+    """`/metrics` for a scraper holding `METRICS_API_KEY` (read-only: it opens nothing else),
+    or the admin key; disabled (403) when neither is configured."""
+    return _bearer_guard(
+        [metrics_key, admin_key],
+        disabled="Metrics are disabled: set METRICS_API_KEY (or ADMIN_API_KEY).",
+        hint="Send 'Authorization: Bearer <METRICS_API_KEY>' (or the admin key).",
+    )
+
+
+def _bearer_guard(keys: Sequence[SecretStr | None], *, disabled: str, hint: str) -> Any:
+    configured = [
+        f"Bearer {key.get_secret_value()}".encode()
+        for key in keys
+        if key is not None and key.get_secret_value()
+    ]
+
+    async def require_key(authorization: str | None = Header(default=None)) -> None:
+        if not configured:
+            raise Problem(403, disabled)
         # As bytes: the server decodes header bytes as Latin-1, and `compare_digest` refuses
         # strings with other than ASCII in them (a TypeError: a 500 instead of a 401).
         sent = None if authorization is None else authorization.encode("latin-1")
-        if sent is None or not hmac.compare_digest(sent, expected):
-            raise Problem(
-                401,
-                "Send the admin key as 'Authorization: Bearer <ADMIN_API_KEY>'.",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        # Every key compared, whichever matches: the time taken tells nothing.
+        matched = [sent is not None and hmac.compare_digest(sent, key) for key in configured]
+        if not any(matched):
+            raise Problem(401, hint, headers={"WWW-Authenticate": "Bearer"})
 
-    return Depends(require_admin)
+    return Depends(require_key)
 
 
 def parse_day(value: str, name: str) -> date:

@@ -48,7 +48,7 @@ from services.gateway.webhooks_api import NotifierClient, make_notifier_http, we
 from shared.asyncapi import build_document
 from shared.consumers import ScoreboxBroker
 from shared.contracts import DEFAULT_TENANT, new_id, utcnow
-from shared.http import admin_guard, health_router, install_problem_handlers
+from shared.http import health_router, install_problem_handlers, metrics_guard
 from shared.metrics import serve_metrics
 from shared.runtime import (
     MongoClient,
@@ -183,7 +183,8 @@ def create_app(settings: GatewaySettings, **overrides: Any) -> FastAPI:
         app.include_router(router)
     # Last, so outermost: the submissions admission sheds are counted too. The gateway faces
     # the internet, so its metrics need the admin key.
-    serve_metrics(app, gateway.broker.metrics, guard=admin_guard(settings.admin_api_key))
+    metrics_access = metrics_guard(settings.metrics_api_key, settings.admin_api_key)
+    serve_metrics(app, gateway.broker.metrics, guard=metrics_access)
     return app
 
 

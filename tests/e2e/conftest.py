@@ -17,6 +17,7 @@ from tests.support_sync import read_line_within
 
 FAKE_LLM_LATENCY_MS = "20"
 ADMIN_KEY = "e2e-admin-key"  # the gateway's admin routes and its /metrics
+METRICS_KEY = "e2e-metrics-key"  # the gateway's /metrics alone
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +74,7 @@ def stack(
             "RETRY_BASE_S": "0.5",
             "BOOTSTRAP_API_KEY": api_key,
             "ADMIN_API_KEY": ADMIN_KEY,
+            "METRICS_API_KEY": METRICS_KEY,
             "RATE_LIMIT_PER_MIN": "0",
         },
     )

@@ -9,7 +9,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from devtools.stack import Stack
-from tests.e2e.conftest import ADMIN_KEY
+from tests.e2e.conftest import ADMIN_KEY, METRICS_KEY
 from tests.support_sync import wait_for
 
 SERVICES = ("gateway", "scorer", "status", "scheduler", "notifier")
@@ -93,11 +93,17 @@ def test_every_service_counts_what_a_scored_task_took_through_it(
     assert status.of("scorebox_deliveries_total", settled="ack") >= 4  # commands and outcomes
 
 
-def test_the_gateways_metrics_need_the_admin_key(stack: Stack, api_key: str) -> None:
+def test_the_gateways_metrics_need_the_metrics_or_the_admin_key(stack: Stack, api_key: str) -> None:
+    """The scraper held the admin key, which also mints keys and replays dead letters; it
+    holds a key that opens `/metrics` alone."""
     tenant = httpx.get(
         f"{stack.gateway_url}/metrics", headers={"Authorization": f"Bearer {api_key}"}, timeout=10
     )
     anonymous = httpx.get(f"{stack.gateway_url}/metrics", timeout=10)
     assert (tenant.status_code, anonymous.status_code) == (401, 401)
+    scraper = {"Authorization": f"Bearer {METRICS_KEY}"}
+    assert httpx.get(f"{stack.gateway_url}/metrics", headers=scraper, timeout=10).status_code == 200
+    keys = httpx.get(f"{stack.gateway_url}/admin/v1/keys", headers=scraper, timeout=10)
+    assert keys.status_code == 401
     for service in SERVICES[1:]:  # internal services: not published outside their network
         assert httpx.get(f"{stack.url(service)}/metrics", timeout=10).status_code == 200

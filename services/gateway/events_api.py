@@ -9,6 +9,11 @@ change heard live that the status service has not recorded yet (it lags by more 
 `LIVE_SETTLE_S`, or is away) is sent without an `id:` (its data carries its `sequence`): a
 reconnection resumes from the last recorded change and may see it again.
 
+When the status service is away as a stream starts, a client that reconnects by itself (an
+`EventSource`: it asks for `text/event-stream`, or sends `Last-Event-ID`) gets a 200 stream
+holding only `retry:` (the outage's Retry-After) and no event, so that it comes back; a 503
+would make it stop for good. Any other client gets the 503 problem.
+
 Limits: a comment line every `SSE_HEARTBEAT_S` keeps proxies from closing an idle stream; a
 stream lasts at most `SSE_MAX_STREAM_S` (the client resumes with `Last-Event-ID`); the waiters
 of a replica and of a tenant are bounded (`LIVE_MAX_WAITERS*`). A client that disconnects
@@ -24,7 +29,7 @@ from datetime import timedelta
 from typing import Any
 
 import orjson
-from fastapi import APIRouter, Header, Response
+from fastapi import APIRouter, Header, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
@@ -119,6 +124,7 @@ def event_routes(
     )
     async def stream_task_events(
         task_id: str,
+        request: Request,
         caller: Caller = authenticated,
         last_event_id: str | None = Header(default=None, alias="Last-Event-ID"),
     ) -> Response:
@@ -146,6 +152,8 @@ def event_routes(
             first = await read(after)
         except Unavailable as error:
             live.close(waiter)
+            if _reconnects_by_itself(request):
+                return _come_back_later(error)
             raise _unavailable(error) from error
         except BaseException:
             live.close(waiter)
@@ -195,6 +203,27 @@ def event_routes(
         )
 
     return router
+
+
+def _reconnects_by_itself(request: Request) -> bool:
+    """An `EventSource` (it asks for `text/event-stream`, and sends `Last-Event-ID` when it
+    reconnects): it stops for good on any answer but 200 or 204, a 503 included."""
+    accepts = request.headers.get("accept", "")
+    return EVENT_STREAM in accepts or "last-event-id" in request.headers
+
+
+def _come_back_later(error: Unavailable) -> Response:
+    """A stream with nothing in it but when to reconnect, for the length of an outage of the
+    status service: the client comes back with the same `Last-Event-ID`, as after any
+    stream's end. It says nothing of the task (not even whether it exists)."""
+    body = b": the task's history is unavailable; reconnecting\nretry: %d\n\n" % (
+        int(error.retry_after_s * 1000)
+    )
+    return Response(
+        body,
+        media_type=EVENT_STREAM,
+        headers={"Cache-Control": "no-cache", "Retry-After": str(error.retry_after_s)},
+    )
 
 
 async def _stream(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 import uuid
 from collections.abc import AsyncIterator
@@ -495,3 +496,44 @@ async def test_a_stream_shows_the_end_it_hears_of_while_the_status_service_is_aw
     assert events[0].id is None
     assert events[0].data["sequence"] == completed.sequence
     assert events[0].data["result"]["score"] == 6
+
+
+async def test_an_eventsource_reconnecting_while_the_status_service_is_away_is_told_to_retry(
+    push: Push,
+) -> None:
+    """A reconnection during an outage of the status service was answered 503, on which an
+    EventSource stops for good: it gets a stream holding only `retry:`, and once the status
+    service is back the same reconnection replays what it missed."""
+    submitted = await push.api.post(
+        "/v1/scores", json={"text": f"Later [[id:{_marker()}]]", "delay_seconds": 600}
+    )
+    assert submitted.status_code == 202, submitted.text
+    task_id = submitted.json()["task_id"]
+    switch = StatusSwitch(push.status)
+    gateway = create_gateway(
+        GatewaySettings.model_validate(push.env),
+        status_http=httpx.AsyncClient(transport=switch, base_url="http://status.test", timeout=5),
+    )
+    reconnection = {"Accept": "text/event-stream", "Last-Event-ID": "0"}
+    async with (
+        serving(gateway) as base_url,
+        httpx.AsyncClient(base_url=base_url, headers=push.api.headers, timeout=30) as api,
+    ):
+        switch.down = True
+        during = await api.get(f"/v1/scores/{task_id}/events", headers=reconnection)
+        plain = await api.get(f"/v1/scores/{task_id}/events")
+        switch.down = False
+        async with api.stream(
+            "GET", f"/v1/scores/{task_id}/events", headers={"Accept": "text/event-stream"}
+        ) as stream:
+            async with asyncio.timeout(60):  # a hang guard only: the replay comes first
+                first = await anext(
+                    line async for line in stream.aiter_lines() if line.startswith("data:")
+                )
+    assert during.status_code == 200
+    assert during.headers["content-type"].startswith("text/event-stream")
+    assert re.search(r"^retry: \d+$", during.text, re.MULTILINE), during.text
+    assert "data:" not in during.text
+    assert plain.status_code == 503
+    assert plain.headers["content-type"] == "application/problem+json"
+    assert json.loads(first.removeprefix("data:"))["task_id"] == task_id

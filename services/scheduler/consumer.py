@@ -7,6 +7,13 @@
 - GiveUp: copied to the DLQ with the reason (`x-scorebox-error`), then ack.
 - MongoDB unavailable around the job (recording its start or outcome): the same command is
   re-sent after the retry base delay without counting an attempt, then ack.
+- at the queue's delivery limit (`x-delivery-count`: the scheduler crashed or lost its
+  connection running it that many times): the job is not run again; the firing is recorded
+  `failed` with the reason, the message copied to the DLQ with that reason, counted
+  `gave_up`, then ack (a run that has ended already keeps its end: dropped, ack). MongoDB
+  unavailable meanwhile is waited out with the delivery held (`keep_trying`): a copy sent
+  later would start its count again, and one returned once more is dead-lettered by RabbitMQ
+  without a word, its firing left `running`.
 - The job's own database work runs under `SCHEDULER_JOB_DB_TIMEOUT_S` rather than the
   client's `MONGO_TIMEOUT_S` (`services.scheduler.runs`).
 
@@ -21,7 +28,8 @@
 Every publish awaits its confirm; one the broker does not confirm (away, blocked by an alarm,
 a full queue) is tried again while the delivery is held (`keep_publishing`), then the
 delivery is acked. Anything else that fails the handler returns the delivery to its quorum
-queue as failed (`Delivery.requeue_failed`), whose delivery limit dead-letters it in the end.
+queue as failed (`Delivery.requeue_failed`); at its delivery limit the handler gives it up as
+above (should that fail too, RabbitMQ dead-letters it when it comes back once more).
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from services.scheduler.runs import (
     Retry,
     RetryPolicy,
     RunDecision,
+    give_up_at_delivery_limit,
     run_cron_job,
 )
 from services.scheduler.usage_store import UsageRecords
@@ -61,6 +70,7 @@ from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying
 from shared.topology import ATTEMPTS_HEADER, CRON_JOBS, EVENT_KEY_HEADER, USAGE_METER, WorkQueue
 
 log = logging.getLogger("scorebox.scheduler.consumer")
+DELIVERY_COUNT_HEADER = "x-delivery-count"  # set by quorum queues on every redelivery
 
 
 async def _dead_letter(
@@ -87,24 +97,47 @@ class CronJobRunner:
             log.warning("dead-lettering an unreadable cron.run: %s", error)
             await _dead_letter(self.bus, CRON_JOBS, message, f"unreadable cron.run: {error}")
             return
-        try:
-            decision = await run_cron_job(
-                command,
-                handlers=self.handlers,
-                firings=self.firings,
-                retry=self.retry,
-                clock=self.clock,
-                db_timeout_s=self.job_db_timeout_s,
-            )
-        except PyMongoError as error:
-            log.warning("MongoDB unavailable around run %s: %r", command.run_id, error)
-            later = self.clock() + self.retry.base
-            again = command.model_copy(update={"message_id": new_id(), "not_before": later})
-            await self._publish_run(again)
-            return
+        deliveries = int(message.headers.get(DELIVERY_COUNT_HEADER, 0))
+        if deliveries >= CRON_JOBS.delivery_limit:
+            decision: RunDecision = await self._give_up_at_delivery_limit(command, deliveries)
+        else:
+            try:
+                decision = await self._run(command)
+            except PyMongoError as error:
+                log.warning("MongoDB unavailable around run %s: %r", command.run_id, error)
+                later = self.clock() + self.retry.base
+                again = command.model_copy(update={"message_id": new_id(), "not_before": later})
+                await self._publish_run(again)
+                return
         job = command.job if command.job in self.handlers else UNKNOWN_JOB
         self.metrics.count_run(job, decision)
         await self.carry_out(decision, message)
+
+    async def _run(self, command: RunCronJob) -> RunDecision:
+        return await run_cron_job(
+            command,
+            handlers=self.handlers,
+            firings=self.firings,
+            retry=self.retry,
+            clock=self.clock,
+            db_timeout_s=self.job_db_timeout_s,
+        )
+
+    async def _give_up_at_delivery_limit(
+        self, command: RunCronJob, deliveries: int
+    ) -> GiveUp | Drop:
+        # Waited out with the delivery held: sent again later, it would start its count anew.
+        return await keep_trying(
+            lambda: give_up_at_delivery_limit(
+                command,
+                deliveries=deliveries,
+                limit=CRON_JOBS.delivery_limit,
+                firings=self.firings,
+                clock=self.clock,
+            ),
+            what=f"recording cron run {command.run_id} failed at its delivery limit",
+            retry_on=(PyMongoError,),
+        )
 
     async def carry_out(self, decision: RunDecision, message: Delivery) -> None:
         match decision:

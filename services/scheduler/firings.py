@@ -133,7 +133,7 @@ class FiringStore(Protocol):
         now: datetime,
         result: dict[str, Any] | None = None,
         error: str | None = None,
-    ) -> None: ...
+    ) -> bool: ...
 
     async def find(self, run_id: str) -> Firing | None: ...
 
@@ -316,9 +316,10 @@ class Firings(FiringStore):
         now: datetime,
         result: dict[str, Any] | None = None,
         error: str | None = None,
-    ) -> None:
-        """Record the run's end, unless it has ended already (the first end stands)."""
-        await self._collection.update_one(
+    ) -> bool:
+        """Record the run's end, unless it has ended already (the first end stands); False
+        when it had."""
+        result_of = await self._collection.update_one(
             {"_id": run_id, "state": {"$nin": _FINAL}},
             {
                 "$set": {
@@ -330,6 +331,7 @@ class Firings(FiringStore):
                 }
             },
         )
+        return result_of.modified_count == 1
 
     async def find(self, run_id: str) -> Firing | None:
         document = await self._collection.find_one({"_id": run_id})

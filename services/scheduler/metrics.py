@@ -14,8 +14,9 @@ class SchedulerMetrics:
         self.runs = Counter(
             "scorebox_cron_runs",
             "Deliveries of cron runs by job and what came of them: finished, continued "
-            "(the next slice sent), retry, deferred (not yet due), gave_up (dead-lettered), "
-            "dropped (a duplicate, or a run already final).",
+            "(the next slice sent), retry, deferred (not yet due), gave_up (dead-lettered: "
+            "failed for good, or its delivery at the queue's delivery limit), dropped (a "
+            "duplicate, or a run already final).",
             ["job", "result"],
             registry=registry or CollectorRegistry(),
         )

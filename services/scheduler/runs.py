@@ -11,6 +11,15 @@
                                                  for DOWNSTREAM_FULL_MAX_WAIT)
     any other error, attempts left  -> Retry    (back-off through the wait ladder)
     any other error, none left      -> GiveUp
+    at the queue's delivery limit   -> GiveUp   (`give_up_at_delivery_limit`: not run again;
+                                                 Drop when the run has ended already)
+
+A delivery is at its queue's delivery limit (`x-delivery-count`, read by the consumer) when
+it was returned unsettled that many times: the scheduler crashed or lost its connection
+running it each time. Run again, it would most likely do the same, and RabbitMQ would then
+dead-letter it without a word while its firing stayed `running` for ever. It is given up
+instead: the firing recorded `failed` with the reason; a run that has ended already keeps
+its end (the first end stands) and the delivery is dropped.
 
 A run waiting for room counts its wait from its last progress, as its messages carry it: a
 continuation (`Continue`) is issued only after its slice moved the run on, and is stamped
@@ -176,6 +185,24 @@ async def _run_handler(
         command.run_id, state=FiringState.SUCCEEDED, now=clock(), result=outcome.summary
     )
     return Finished(outcome.summary)
+
+
+async def give_up_at_delivery_limit(
+    command: RunCronJob, *, deliveries: int, limit: int, firings: FiringStore, clock: Clock
+) -> GiveUp | Drop:
+    """Give up a run whose delivery came back unsettled `deliveries` times (at least the
+    queue's `limit`), without running it again; drop it when the run has ended already."""
+    reason = (
+        f"cron run {command.run_id} of job {command.job!r} was delivered {deliveries} times "
+        "without being settled (the scheduler crashed or lost its connection running it); "
+        f"delivery limit {limit} reached, so it is not run again"
+    )
+    if await firings.finish(command.run_id, state=FiringState.FAILED, now=clock(), error=reason):
+        return GiveUp(reason)
+    firing = await firings.find(command.run_id)
+    if firing is not None and firing.error == reason:  # ours, its answer lost (a retried write)
+        return GiveUp(reason)
+    return Drop(f"run {command.run_id} at its delivery limit had ended already")
 
 
 async def _give_up(

@@ -1,0 +1,244 @@
+"""At the cron queue's delivery limit the scheduler gives the run up itself, with a reason.
+
+A `RunCronJob` whose scheduler crashed or lost its connection running it comes back with
+`x-delivery-count`; at the queue's limit it is handed once more, and RabbitMQ dead-letters
+it without a word if it comes back again. Run again, the job most likely took the scheduler
+down once more, and its firing stayed `running` for ever: `GET /admin/v1/cron/runs/{id}`
+never said it failed. Now the job is not run: the firing is recorded `failed` with the
+reason, the message copied to the DLQ with it, and the delivery acked.
+
+The first test plays the dying schedulers on the real broker (a consumer that takes the
+message and closes its connection holding it, as many times as the limit), then lets a real
+scheduler have it. The others hand the cron consumer a delivery at the limit as the broker
+would (`HandedDelivery`), on the real broker and database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Coroutine
+from datetime import datetime, timedelta
+from typing import Any
+
+import aio_pika
+import pytest
+from prometheus_client import CollectorRegistry
+from pymongo.errors import AutoReconnect
+
+from services.scheduler.catalogue import Catalogue
+from services.scheduler.config import parse_config
+from services.scheduler.consumer import CronJobRunner, UsageMeter, subscribe_scheduler
+from services.scheduler.firings import Firings, FiringState
+from services.scheduler.messaging import SchedulerBus
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.runs import RetryPolicy
+from services.scheduler.usage_store import UsageRecords
+from shared.consumers import Delivery
+from shared.contracts import RunCronJob
+from shared.runtime import make_broker
+from shared.topology import CRON_JOBS, ERROR_HEADER
+from tests.integration import test_scheduler
+from tests.integration.test_scheduler import QUIET, Calls, Env, drain, firing_state, scheduler
+from tests.support import HandedDelivery, eventually
+
+mongo_client = test_scheduler.mongo_client  # fixtures
+topology = test_scheduler.topology
+env = test_scheduler.env
+
+JOB = "crashing"
+LIMIT = CRON_JOBS.delivery_limit
+DELIVERY_COUNT = "x-delivery-count"
+
+
+async def _left_running(env: Env, firings: Firings) -> RunCronJob:
+    """A firing a scheduler started and died in: `running`, its command due."""
+    await firings.ensure_indexes()
+    at = QUIET - timedelta(minutes=5)
+    firing = await firings.claim(JOB, at, now=at, owner="dead-scheduler", manual=True)
+    assert firing is not None
+    assert await firings.begin(firing.run_id, attempt=1, now=at) is not None
+    return RunCronJob(task_id=firing.run_id, job=JOB, scheduled_for=at, fired_at=at, manual=True)
+
+
+async def _published(env: Env, command: RunCronJob) -> None:
+    broker = make_broker(env.settings())
+    async with broker:
+        await broker.connect()
+        await SchedulerBus(broker, 10, env.clock).publish_run(command)
+
+
+async def _held_by_a_scheduler_that_dies(amqp_url: str) -> int:
+    """Take the cron run, then close the connection holding it (a scheduler dying in the
+    job); the delivery count it was handed with."""
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.get_queue(CRON_JOBS.name, ensure=True)
+
+        async def handed() -> tuple[aio_pika.abc.AbstractIncomingMessage] | None:
+            message = await queue.get(no_ack=False, fail=False, timeout=5)
+            return None if message is None else (message,)
+
+        (message,) = await eventually(handed, what="the cron run handed to a consumer")
+        return int(str(message.headers.get(DELIVERY_COUNT, 0)))
+
+
+async def _dead_letters(amqp_url: str) -> list[aio_pika.abc.AbstractIncomingMessage]:
+    async def found() -> list[aio_pika.abc.AbstractIncomingMessage] | None:
+        return await drain(amqp_url, CRON_JOBS.dead_letter_routing_key) or None
+
+    return await eventually(found, what="the cron run in the DLQ")
+
+
+async def test_a_run_whose_scheduler_died_up_to_the_limit_is_failed_and_dead_lettered(
+    env: Env,
+) -> None:
+    await drain(env.amqp_url, CRON_JOBS.dead_letter_routing_key)
+    command = await _left_running(env, Firings(env.mongo, env.database))
+    await _published(env, command)
+    counts = [await _held_by_a_scheduler_that_dies(env.amqp_url) for _ in range(LIMIT)]
+    assert counts == list(range(LIMIT))  # handed next with `x-delivery-count` at the limit
+    config = parse_config({"jobs": {JOB: {"cron": "0 3 * * *", "enabled": False}}}, {})
+    calls = Calls()
+
+    async with scheduler(env, config, handlers={JOB: calls}) as (api, _):
+        run = await firing_state(api, command.run_id, "failed")
+        [letter] = await _dead_letters(env.amqp_url)
+        exposition = (await api.get("/metrics")).text
+
+    assert calls.runs == []  # not run again
+    assert f"delivered {LIMIT} times without being settled" in run["error"]
+    assert f"delivery limit {LIMIT} reached" in run["error"]
+    assert str(letter.headers[ERROR_HEADER]) == run["error"]
+    assert RunCronJob.model_validate_json(letter.body).run_id == command.run_id
+    assert f'scorebox_cron_runs_total{{job="{JOB}",result="gave_up"}} 1.0' in exposition
+    # Acked: neither left in its queue nor dead-lettered again by RabbitMQ.
+    assert await drain(env.amqp_url, CRON_JOBS.name) == []
+    assert await drain(env.amqp_url, CRON_JOBS.dead_letter_routing_key) == []
+
+
+class AwayOnce(Firings):
+    """The firings, the database away the first time a run's end is recorded."""
+
+    away = True
+
+    async def finish(
+        self,
+        run_id: str,
+        *,
+        state: FiringState,
+        now: datetime,
+        result: dict[str, Any] | None = None,
+        error: str | None = None,
+    ) -> bool:
+        if self.away:
+            self.away = False
+            raise AutoReconnect("the database is away")
+        return await super().finish(run_id, state=state, now=now, result=result, error=error)
+
+
+Handler = Callable[[Delivery], Coroutine[Any, Any, None]]
+# The cron consumer's handler over the given firings, with the given job as `JOB`.
+CronConsumer = Callable[[Firings, Calls], Handler]
+
+
+class Consumers:
+    """Takes the handlers `subscribe_scheduler` registers, by queue, as a broker would."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, Handler] = {}
+
+    def add_consumer(self, subscription: Any) -> None:
+        self.handlers[subscription.queue.name] = subscription.handler
+
+
+@pytest.fixture
+async def cron_consumer(env: Env) -> AsyncIterator[CronConsumer]:
+    """The cron consumer's handler, publishing on the real broker."""
+    broker = make_broker(env.settings())
+    async with broker:
+        await broker.connect()
+        bus = SchedulerBus(broker, 10, env.clock)
+
+        def handler(firings: Firings, job: Calls) -> Handler:
+            consumers = Consumers()
+            runner = CronJobRunner(
+                handlers={JOB: job},
+                firings=firings,
+                retry=RetryPolicy(3, timedelta(seconds=1), timedelta(seconds=10)),
+                bus=bus,
+                clock=env.clock,
+                job_db_timeout_s=10,
+                metrics=SchedulerMetrics(CollectorRegistry()),
+            )
+            meter = UsageMeter(
+                records=UsageRecords(env.mongo, env.database),
+                catalogue=Catalogue(env.mongo, env.database),
+                prices={},
+                bus=bus,
+                clock=env.clock,
+                max_attempts=3,
+                retry_after=timedelta(seconds=1),
+            )
+            subscribe_scheduler(
+                consumers,  # type: ignore[arg-type]
+                runner=runner,
+                meter=meter,
+                job_concurrency=1,
+                meter_prefetch=1,
+            )
+            return consumers.handlers[CRON_JOBS.name]
+
+        yield handler
+
+
+def _at_the_limit(command: RunCronJob) -> HandedDelivery:
+    return HandedDelivery.redelivery(command.model_dump_json().encode(), count=LIMIT)
+
+
+async def test_a_database_away_at_the_limit_is_waited_out_with_the_delivery_held(
+    env: Env, cron_consumer: CronConsumer
+) -> None:
+    """Returned as failed instead, the delivery would come back once more and RabbitMQ would
+    dead-letter it without a word, its firing left `running`."""
+    await drain(env.amqp_url, CRON_JOBS.dead_letter_routing_key)
+    firings = AwayOnce(env.mongo, env.database)
+    command = await _left_running(env, firings)
+    calls = Calls()
+    message = _at_the_limit(command)
+
+    await asyncio.wait_for(cron_consumer(firings, calls)(message), timeout=30)
+
+    assert not firings.away  # it was away, and waited out
+    assert message.settled == ["ack"]
+    assert calls.runs == []
+    firing = await firings.find(command.run_id)
+    assert firing is not None
+    assert firing.state is FiringState.FAILED
+    assert f"delivery limit {LIMIT} reached" in (firing.error or "")
+    [letter] = await _dead_letters(env.amqp_url)
+    assert str(letter.headers[ERROR_HEADER]) == firing.error
+
+
+async def test_a_run_that_ended_before_the_limit_keeps_its_outcome(
+    env: Env, cron_consumer: CronConsumer
+) -> None:
+    """It succeeded, and the scheduler died each time before acking the delivery: the first
+    end stands, the job is not run again, and the delivery is dropped: no dead letter says
+    that a run which succeeded was given up."""
+    await drain(env.amqp_url, CRON_JOBS.dead_letter_routing_key)
+    firings = Firings(env.mongo, env.database)
+    command = await _left_running(env, firings)
+    await firings.finish(command.run_id, state=FiringState.SUCCEEDED, now=QUIET, result={"n": 1})
+    calls = Calls()
+    message = _at_the_limit(command)
+
+    await asyncio.wait_for(cron_consumer(firings, calls)(message), timeout=30)
+
+    assert message.settled == ["ack"]
+    assert calls.runs == []
+    firing = await firings.find(command.run_id)
+    assert firing is not None
+    assert (firing.state, firing.result, firing.error) == (FiringState.SUCCEEDED, {"n": 1}, None)
+    # The handler has returned: a letter it sent would have been confirmed by now.
+    assert await drain(env.amqp_url, CRON_JOBS.dead_letter_routing_key) == []

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -658,11 +659,32 @@ async def test_the_provider_is_reached_through_the_proxy_of_the_environment(
 
     proxy = web.Application()
     proxy.router.add_route("*", "/{tail:.*}", forward_proxy)
-    async with serving(proxy) as proxy_url, ProviderClient(concurrency=1, timeout_s=5) as http:
+    async with serving(proxy) as proxy_url:
         monkeypatch.setenv("HTTP_PROXY", proxy_url)
         monkeypatch.delenv("NO_PROXY", raising=False)
         monkeypatch.delenv("no_proxy", raising=False)
-        model = OpenAIChatModel(http, settings(LLM_BASE_URL="http://provider.invalid/v1"))
-        verdict = await model.score(request())
+        chosen = settings(LLM_BASE_URL="http://provider.invalid/v1")
+        async with make_http_client(chosen, concurrency=1) as http:
+            verdict = await OpenAIChatModel(http, chosen).score(request())
     assert verdict.result.score == 7.5
     assert asked == ["http://provider.invalid/v1/chat/completions"]
+
+
+async def test_a_netrc_entry_for_the_provider_takes_nothing_from_the_api_key(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The client read `~/.netrc` on every request (aiohttp's `trust_env`), and an entry for
+    the provider's host clashed with the API key's `Authorization` header: every call failed
+    with a ValueError."""
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine 127.0.0.1 login someone password elsewhere\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    provider = ScriptedProvider(completion(GOOD))
+    async with provider.serving() as base_url:
+        chosen = settings(LLM_BASE_URL=base_url)
+        async with make_http_client(chosen, concurrency=1) as http:
+            verdict = await OpenAIChatModel(http, chosen).score(request())
+    assert verdict.result.score == 7.5
+    assert provider.requests[0].headers["Authorization"] == "Bearer sk-test"

@@ -138,9 +138,11 @@ class FakeFirings(FiringStore):
         now: datetime,
         result: dict[str, Any] | None = None,
         error: str | None = None,
-    ) -> None:
-        if run_id in self.by_id and not self.by_id[run_id].state.is_final:
-            self._set(run_id, state=state, result=result, error=error, finished_at=now)
+    ) -> bool:
+        if run_id not in self.by_id or self.by_id[run_id].state.is_final:
+            return False
+        self._set(run_id, state=state, result=result, error=error, finished_at=now)
+        return True
 
     async def find(self, run_id: str) -> Firing | None:
         return self.by_id.get(run_id)

@@ -8,6 +8,7 @@ from types import TracebackType
 from typing import Final, Self
 
 import aiohttp
+from aiohttp.helpers import get_env_proxy_for_url
 from yarl import URL
 
 from services.scorer.model.settings import ModelSettings
@@ -56,13 +57,16 @@ class ProviderClient:
     request, so it may be built outside the event loop; the owner closes it with `aclose()`.
     """
 
-    def __init__(self, *, concurrency: int, timeout_s: float) -> None:
+    def __init__(
+        self, *, concurrency: int, timeout_s: float, proxy: EnvProxy | None = None
+    ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         self.concurrency = concurrency
         self.timeout = aiohttp.ClientTimeout(
             total=timeout_s + _BACKSTOP_MARGIN_S, connect=min(timeout_s, _CONNECT_TIMEOUT_S)
         )
+        self.proxy = proxy
         self._session: aiohttp.ClientSession | None = None
 
     async def post(self, url: URL, *, body: bytes, headers: Mapping[str, str]) -> ProviderReply:
@@ -80,9 +84,8 @@ class ProviderClient:
                 connector=provider_connector(concurrency=self.concurrency),
                 timeout=self.timeout,
                 cookie_jar=aiohttp.DummyCookieJar(),
-                # HTTPS_PROXY / HTTP_PROXY / NO_PROXY, as the OpenAI SDK honours them: the
-                # provider is outside, and egress often goes through a proxy.
-                trust_env=True,
+                proxy=None if self.proxy is None else self.proxy.url,
+                proxy_auth=None if self.proxy is None else self.proxy.auth,
             )
         return self._session
 
@@ -127,6 +130,32 @@ def provider_connector(*, concurrency: int) -> aiohttp.TCPConnector:
     return aiohttp.TCPConnector(limit=concurrency, limit_per_host=0)
 
 
+@dataclass(frozen=True, slots=True)
+class EnvProxy:
+    url: URL
+    auth: aiohttp.BasicAuth | None
+
+
+def env_proxy_for(url: URL) -> EnvProxy | None:
+    """The proxy that HTTPS_PROXY / HTTP_PROXY / NO_PROXY name for `url` (as the OpenAI SDK
+    honours them: the provider is outside, and egress often goes through a proxy), read once.
+
+    Not aiohttp's `trust_env`, which reads the environment and `~/.netrc` again on every
+    request, each in a thread of the default executor (two hops per model call, a tenth of
+    the scorer's CPU), and takes a `~/.netrc` entry for the provider's host as credentials
+    that clash with the API key's `Authorization` header: every call then failed."""
+    try:
+        proxy, auth = get_env_proxy_for_url(url)
+    except LookupError:
+        return None
+    return EnvProxy(proxy, auth)
+
+
 def make_http_client(settings: ModelSettings, *, concurrency: int) -> ProviderClient:
-    """The client for `settings`' provider, able to hold `concurrency` requests at once."""
-    return ProviderClient(concurrency=concurrency, timeout_s=settings.llm_timeout_s)
+    """The client for `settings`' provider, able to hold `concurrency` requests at once,
+    through the proxy the environment names for it."""
+    return ProviderClient(
+        concurrency=concurrency,
+        timeout_s=settings.llm_timeout_s,
+        proxy=env_proxy_for(URL(settings.llm_base_url)),
+    )

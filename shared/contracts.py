@@ -497,6 +497,12 @@ class DeliverWebhook(Contract):
     attempt: int = Field(default=1, ge=1, description="1-based attempt this delivery is.")
     max_attempts: int = Field(default=8, ge=1)
     not_before: datetime | None = Field(default=None, description="Do not send before.")
+    deferrals: int = Field(
+        default=0,
+        ge=0,
+        description="Times this attempt was put off unsent because its destination had as "
+        "many POSTs in flight as it may; each doubles the next wait.",
+    )
 
 
 # --- Status reads: task history (live push) and batch progress ---------------------------------

@@ -10,7 +10,9 @@
 
 `scorebox.webhook-deliveries` (`DeliverWebhook`): see `deliveries.py` for the decisions (a
 redelivery whose attempt another process holds is kept unacknowledged until its lease ends);
-`Send` is published down the wait ladder when not yet due, `GiveUp` is copied to the DLQ with
+`Send` is published down the wait ladder when not yet due (a delivery whose destination has
+`WEBHOOK_CONCURRENCY_PER_HOST` POSTs of this process in flight is sent again a second later
+this way, unclaimed and not counted as an attempt), `GiveUp` is copied to the DLQ with
 the reason in `x-scorebox-error`; a delivery its receiver refused (3xx, 4xx, an unsafe
 destination) is recorded failed and acked, not dead-lettered; MongoDB unavailable re-sends
 the command a little later. At the queue's delivery limit (`x-delivery-count`), nothing is

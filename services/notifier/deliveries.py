@@ -7,7 +7,7 @@ adapter must do:
 - `Done`: nothing more (delivered, cancelled, refused by its receiver, or already
   delivered/decided elsewhere).
 - `Send`: publish this command (the next attempt after a back-off, or the same one later
-  when it is not yet due or another consumer holds it), then ack.
+  when it is not yet due, another consumer holds it, or its destination is busy), then ack.
 - `GiveUp`: copy the message to the dead-letter queue with the reason, then ack.
 
 2xx is delivered. 3xx (redirects are not followed) and 4xx other than 408/429 are permanent,
@@ -20,6 +20,13 @@ its consumers kept dying or crashing on, instead of the broker dead-lettering it
 
 A failure alert follows its tenant's setting at every attempt, not the URL its command
 carries: once removed, the delivery is cancelled unsent; once changed, it goes to the new URL.
+
+At most `WEBHOOK_CONCURRENCY_PER_HOST` POSTs of this process are in flight to one destination
+(`hosts.py`). A delivery whose destination has no slot free is deferred before its claim:
+sent again later as a fresh copy (`Send`; `HOST_BUSY_DELAY`, doubling with each deferral of
+the attempt up to `HOST_BUSY_MAX_DELAY`), nothing recorded, its attempt not counted, its
+consumer slot freed at once for other destinations. A redelivery is held
+instead (`Hold`, as for a claim held elsewhere), so that its delivery count keeps growing.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from services.notifier.errors import (
     ReceiverUnavailable,
     TransientDeliveryError,
 )
+from services.notifier.hosts import HostSlots, destination_of
 from services.notifier.keyring import Keyring
 from services.notifier.ledger import DeliveryRecord, DeliveryState, Ledger
 from services.notifier.metrics import NotifierMetrics
@@ -55,6 +63,12 @@ from shared.topology import wait_tier_for
 
 Clock = Callable[[], datetime]
 ALERT_REMOVED = "cancelled: the tenant removed its failure alert"
+# How long a delivery whose destination is busy first waits: the wait ladder's shortest tier,
+# so a slot freed on a healthy receiver is taken again about as soon as it is. Each deferral
+# of the same attempt doubles it, up to HOST_BUSY_MAX_DELAY: a backlog of thousands for a
+# receiver that hangs would otherwise pass through the broker thousands of times a second.
+HOST_BUSY_DELAY = timedelta(seconds=1)
+HOST_BUSY_MAX_DELAY = timedelta(seconds=60)
 
 
 class Sender(Protocol):
@@ -126,6 +140,8 @@ class DeliveryDeps:
     lease: timedelta
     # The (delivery id, attempt) pairs deliveries of this process are claiming or sending.
     in_hand: InHand[tuple[str, int]] = field(default_factory=InHand)
+    # The POSTs of this process in flight per destination, each bounded.
+    hosts: HostSlots = field(default_factory=HostSlots)
     metrics: NotifierMetrics = field(default_factory=NotifierMetrics)
 
 
@@ -225,6 +241,23 @@ async def _claim_and_send(
     # and the consumer sends the command again a little later, as for any database error.
     # A change made after this read reaches the next attempt, not this one.
     configured = await _as_configured_now(delivery, deps.alerts)
+    if configured is None:  # cancelled unsent: no POST, no destination slot
+        return await _claim_and_post(delivery, None, deps, now, redelivered=redelivered)
+    with deps.hosts.taking(destination_of(configured.url, deps.guard)) as slot_free:
+        if not slot_free:
+            return await _destination_busy(delivery, deps, redelivered=redelivered)
+        return await _claim_and_post(delivery, configured, deps, now, redelivered=redelivered)
+
+
+async def _claim_and_post(
+    delivery: DeliverWebhook,
+    configured: DeliverWebhook | None,
+    deps: DeliveryDeps,
+    now: datetime,
+    *,
+    redelivered: bool,
+) -> DeliveryDecision | Hold:
+    """Claim the attempt, then POST it as `configured` (or cancel it unsent when None)."""
     owner = f"{deps.owner}/{new_id()[:12]}"
     claim = await deps.ledger.claim(
         configured or delivery,
@@ -239,6 +272,42 @@ async def _claim_and_send(
     if configured is None:
         return await _cancel(delivery, ALERT_REMOVED, owner=owner, deps=deps)
     return await _send(configured, deps, now, owner=owner)
+
+
+async def _destination_busy(
+    delivery: DeliverWebhook, deps: DeliveryDeps, *, redelivered: bool
+) -> DeliveryDecision | Hold:
+    """Its destination has no slot free in this process: put the delivery off, unclaimed.
+
+    A fresh copy goes down the wait ladder and this one is acked, freeing its consumer slot.
+    A redelivery is held instead: a fresh copy would start its delivery count again, and
+    one that crashes its handler every time would never reach the queue's delivery limit.
+    What its attempt already decided (its consumer died before acking) is carried out now."""
+    deps.metrics.deferred.labels("host_busy").inc()
+    if not redelivered:
+        wait = host_busy_wait(delivery.deferrals, deps.rng)
+        later = deps.clock() + wait  # from now: the ladder sends a past one at once
+        deferred = delivery.model_copy(
+            update={
+                "not_before": later,
+                "message_id": new_id(),
+                "deferrals": delivery.deferrals + 1,
+            }
+        )
+        return Send(deferred, "deferred: its destination has no slot free")
+    later = deps.clock() + HOST_BUSY_DELAY
+    record = await deps.ledger.find(delivery.delivery_id)
+    if record is not None and (decided := recorded_decision(delivery, record)) is not None:
+        return decided
+    return Hold(later)
+
+
+def host_busy_wait(deferrals: int, rng: random.Random) -> timedelta:
+    """The wait of a delivery put off `deferrals` times already: doubling from
+    HOST_BUSY_DELAY up to HOST_BUSY_MAX_DELAY, with up to half again of jitter so that a
+    backlog put off together does not come back together."""
+    doubled = HOST_BUSY_DELAY * (1 << min(deferrals, 16))
+    return min(HOST_BUSY_MAX_DELAY, doubled) * (1 + rng.random() / 2)
 
 
 async def _as_configured_now(
@@ -435,7 +504,12 @@ async def _retry_or_give_up(
     now = deps.clock()
     delay = deps.policy.delay(delivery.attempt, retry_after_s=error.retry_after_s, rng=deps.rng)
     following = delivery.model_copy(
-        update={"attempt": delivery.attempt + 1, "not_before": now + delay, "message_id": new_id()}
+        update={
+            "attempt": delivery.attempt + 1,
+            "not_before": now + delay,
+            "message_id": new_id(),
+            "deferrals": 0,  # the next attempt's own
+        }
     )
     decided = await _while_leased(
         lambda: deps.ledger.mark_retrying(

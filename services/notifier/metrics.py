@@ -26,6 +26,14 @@ class NotifierMetrics:
             ["purpose", "reason"],
             registry=registry,
         )
+        self.deferred = Counter(
+            "scorebox_webhook_deferred",
+            "Webhook deliveries put off without an attempt, by why (host_busy: this notifier "
+            "had WEBHOOK_CONCURRENCY_PER_HOST POSTs in flight to its destination; sent down "
+            "the wait ladder, or, for a redelivery, held, each time counted).",
+            ["reason"],
+            registry=registry,
+        )
         self.post_seconds = Histogram(
             "scorebox_webhook_attempt_seconds",
             "Duration of a webhook attempt: vetting its address, signing and the POST.",

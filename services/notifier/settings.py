@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from shared.settings import ServiceSettings
 
@@ -13,6 +13,13 @@ class NotifierSettings(ServiceSettings):
     port: int = Field(default=8004, validation_alias="NOTIFIER_PORT")
     # Notification events and deliveries in flight per notifier process.
     concurrency: int = Field(default=32, ge=1, le=1024, validation_alias="WEBHOOK_CONCURRENCY")
+    # Of those, POSTs in flight at once to one destination (scheme, host, port) per process,
+    # so one slow receiver cannot take every slot (services/notifier/hosts.py). 8 of the
+    # default 32: four destinations must all be stuck before a healthy one waits, and a
+    # healthy receiver still gets 8 at once per replica. Unset, it is at most `concurrency`.
+    concurrency_per_host: int = Field(
+        default=8, ge=1, le=1024, validation_alias="WEBHOOK_CONCURRENCY_PER_HOST"
+    )
     max_attempts: int = Field(default=8, ge=1, le=50, validation_alias="WEBHOOK_MAX_ATTEMPTS")
     # Back-off between attempts: base * 2^(attempt-1), capped, with jitter; Retry-After wins
     # when the receiver sends one (up to the cap).
@@ -51,6 +58,22 @@ class NotifierSettings(ServiceSettings):
     # A PEM file of CA certificates to trust instead of the system store (a test receiver's
     # self-signed CA). Unset: the system trust store.
     ca_file: Path | None = Field(default=None, validation_alias="WEBHOOK_CA_FILE")
+
+    @model_validator(mode="after")
+    def _per_host_within_concurrency(self) -> NotifierSettings:
+        if "concurrency_per_host" in self.model_fields_set and (
+            self.concurrency_per_host > self.concurrency
+        ):
+            raise ValueError(
+                f"WEBHOOK_CONCURRENCY_PER_HOST ({self.concurrency_per_host}) may not exceed "
+                f"WEBHOOK_CONCURRENCY ({self.concurrency})"
+            )
+        return self
+
+    @property
+    def per_host(self) -> int:
+        """POSTs in flight at once to one destination: the default never above `concurrency`."""
+        return min(self.concurrency_per_host, self.concurrency)
 
     @property
     def test_hosts(self) -> frozenset[str]:

@@ -1,0 +1,327 @@
+"""One slow receiver cannot take every delivery slot of a notifier.
+
+`WEBHOOK_CONCURRENCY` deliveries run at once per notifier. A receiver that held its requests
+(answering only at the timeout, or hanging until it) used to fill them all, and every other
+destination's webhooks waited behind it. Now at most `WEBHOOK_CONCURRENCY_PER_HOST` POSTs
+are in flight to one destination (scheme, host, port); a delivery whose destination is at
+its bound is deferred down the wait ladder, unclaimed and not counted as an attempt.
+
+The notifier runs in-process on the real broker and database and posts to two https
+receivers of the test, on two ports of 127.0.0.1: two destinations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+from pymongo import AsyncMongoClient
+
+from services.notifier.app import create_app as create_notifier
+from services.notifier.consumer import send_delivery
+from services.notifier.deliveries import DeliveryDeps
+from services.notifier.hosts import HostSlots, destination_of
+from services.notifier.ledger import DeliveryState, Ledger
+from services.notifier.metrics import NotifierMetrics
+from services.notifier.settings import NotifierSettings
+from shared.contracts import DeliverWebhook, WebhookPurpose, new_id
+from shared.runtime import make_broker
+from shared.topology import DELAY
+from tests.integration import test_notifier_own_claims as own_claims
+from tests.integration.test_notifier import (
+    RECEIVER_HOST,
+    Receiver,
+    TableResolver,
+    _tls,
+)
+from tests.integration.test_notifier_delivery_limit import _handler
+from tests.integration.test_notifier_own_claims import Deps, _delivery
+from tests.support import HandedDelivery, eventually, running
+
+receiver = own_claims.receiver  # fixtures
+ledger = own_claims.ledger
+make_deps = own_claims.make_deps
+CONCURRENCY = 4
+PER_HOST = 2
+SLOW_WEBHOOKS = 6  # more than the notifier's slots: unbounded, they would take them all
+FAST_WEBHOOKS = 3
+Document = dict[str, Any]
+
+
+@dataclass
+class CountingReceiver(Receiver):
+    """A `Receiver` that also counts the requests it has in hand at once (`peak`)."""
+
+    in_flight: int = 0
+    peak: int = 0
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def held(self) -> str:
+        """A fresh URL answering 200 once `release` is set: in flight until then."""
+        url = self.endpoint(200)
+        self.gates[url.rsplit("/", 1)[1]] = self.release
+        return url
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        try:
+            return await super().handle(request)
+        finally:
+            self.in_flight -= 1
+
+
+@dataclass(frozen=True)
+class Notifier:
+    api: httpx.AsyncClient
+    settings: NotifierSettings
+    slow: CountingReceiver
+    fast: Receiver
+    deliveries: Any  # the notifier's `deliveries` collection
+
+    async def publish(self, urls: list[str]) -> list[DeliverWebhook]:
+        commands = [_callback(url) for url in urls]
+        broker = make_broker(self.settings)
+        async with broker:
+            await broker.connect()
+            for command in commands:
+                await send_delivery(broker, command, timeout=10)
+        return commands
+
+    async def all_delivered(self, commands: list[DeliverWebhook]) -> list[Document] | None:
+        ids = [command.delivery_id for command in commands]
+        found = await self.deliveries.find({"_id": {"$in": ids}}).to_list()
+        delivered = [r for r in found if r["state"] == DeliveryState.DELIVERED.value]
+        return delivered if len(delivered) == len(ids) else None
+
+    async def metric(self, name: str, labels: dict[str, str]) -> float:
+        exposition = (await self.api.get("/metrics")).text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(exposition)
+            for sample in family.samples
+            if sample.name == name and sample.labels == labels
+        )
+
+
+def _callback(url: str) -> DeliverWebhook:
+    return DeliverWebhook(
+        task_id=new_id(),
+        delivery_id=f"msg_{uuid.uuid4().hex}",
+        purpose=WebhookPurpose.CALLBACK,
+        url=url,
+        event_type="task.completed",
+        payload={"type": "task.completed"},
+    )
+
+
+@contextlib.asynccontextmanager
+async def _serving(receiver: Receiver, tls: Any) -> AsyncIterator[Receiver]:
+    app = web.Application()
+    app.router.add_post("/hooks/{name}", receiver.handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls).start()
+    receiver.port = runner.addresses[0][1]
+    try:
+        yield receiver
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def notifier(
+    amqp_url: str, mongo: Any, db_prefix: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Notifier]:
+    server_tls, ca_file = _tls(tmp_path_factory.mktemp("host-limit"))
+    settings = _settings(amqp_url, mongo.url, db_prefix, ca_file)
+    app = create_notifier(settings, resolver=TableResolver({RECEIVER_HOST: ["127.0.0.1"]}))
+    database: AsyncMongoClient[Document] = AsyncMongoClient(mongo.url, tz_aware=True)
+    slow = CountingReceiver()
+    try:
+        async with (
+            _serving(slow, server_tls),
+            _serving(Receiver(), server_tls) as fast,
+            running(app) as api,
+        ):
+            deliveries = database[f"{db_prefix}_notifier"]["deliveries"]
+            try:
+                yield Notifier(api, settings, slow, fast, deliveries)
+            finally:
+                slow.release.set()  # let the notifier's held POSTs finish before it stops
+    finally:
+        await database.close()
+
+
+def _settings(amqp_url: str, mongo_url: str, db_prefix: str, ca_file: Path) -> NotifierSettings:
+    return NotifierSettings.model_validate(
+        {
+            "RABBITMQ_URL": amqp_url,
+            "MONGO_URL": mongo_url,
+            "MONGO_DB_PREFIX": db_prefix,
+            "WEBHOOK_CONCURRENCY": str(CONCURRENCY),
+            "WEBHOOK_CONCURRENCY_PER_HOST": str(PER_HOST),
+            "WEBHOOK_TIMEOUT_S": "300",  # a held POST stays in flight: no attempt fails
+            "WEBHOOK_ALLOWED_TEST_HOSTS": "127.0.0.1",
+            "WEBHOOK_CA_FILE": str(ca_file),
+        }
+    )
+
+
+async def test_a_slow_host_at_its_bound_leaves_the_other_hosts_their_slots(
+    notifier: Notifier,
+) -> None:
+    slow, fast = notifier.slow, notifier.fast
+    slow_commands = await notifier.publish([slow.held() for _ in range(SLOW_WEBHOOKS)])
+
+    async def saturated() -> bool:
+        return slow.in_flight >= PER_HOST
+
+    await eventually(saturated, what="the slow host's slots all in flight")
+    fast_commands = await notifier.publish([fast.endpoint(200) for _ in range(FAST_WEBHOOKS)])
+
+    await eventually(
+        lambda: notifier.all_delivered(fast_commands),
+        timeout_s=20,
+        what="the fast host's webhooks delivered while the slow host holds its requests",
+    )
+    deferred = await notifier.metric("scorebox_webhook_deferred_total", {"reason": "host_busy"})
+    assert deferred > 0
+    assert slow.peak == PER_HOST
+    slow.release.set()
+    delivered = await eventually(
+        lambda: notifier.all_delivered(slow_commands), what="every slow webhook delivered"
+    )
+
+    assert slow.peak == PER_HOST
+    assert [len(slow.requests(c.url)) for c in slow_commands] == [1] * SLOW_WEBHOOKS
+    assert [len(fast.requests(c.url)) for c in fast_commands] == [1] * FAST_WEBHOOKS
+    assert {(r["attempt"], r["last_error"]) for r in delivered} == {(1, None)}
+    unavailable = {"purpose": "callback", "outcome": "unavailable"}
+    assert await notifier.metric("scorebox_webhook_attempts_total", unavailable) == 0
+
+
+@contextlib.contextmanager
+def _all_slots_taken(hosts: HostSlots, destination: str) -> Iterator[None]:
+    """Every slot of `destination` held, as by POSTs of this process in flight."""
+    with contextlib.ExitStack() as stack:
+        for _ in range(hosts.per_host):
+            assert stack.enter_context(hosts.taking(destination))
+        yield
+
+
+def _with_bound(deps: DeliveryDeps) -> tuple[DeliveryDeps, CollectorRegistry]:
+    """`deps` with PER_HOST slots per destination, and the registry of its metrics."""
+    registry = CollectorRegistry()
+    return replace(deps, hosts=HostSlots(PER_HOST), metrics=NotifierMetrics(registry)), registry
+
+
+def _deferred(registry: CollectorRegistry) -> float:
+    labels = {"reason": "host_busy"}
+    return registry.get_sample_value("scorebox_webhook_deferred_total", labels) or 0.0
+
+
+async def test_a_delivery_to_a_busy_destination_is_sent_again_later_unclaimed_and_unsent(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    deps, registry = _with_bound(make_deps("proc-a"))
+    delivery = _delivery(receiver[0])
+    broker, handle = _handler(deps)
+    message = HandedDelivery(delivery.model_dump_json().encode())
+
+    with _all_slots_taken(deps.hosts, destination_of(delivery.url, deps.guard)):
+        await asyncio.wait_for(handle(message), timeout=30)
+
+    assert message.settled == ["ack"]
+    assert receiver[0].requests(delivery.url) == []
+    assert await ledger.find(delivery.delivery_id) is None  # never claimed
+    [sent] = broker.published
+    assert (sent.exchange, sent.routing_key) == (DELAY.name, "1s.webhook.deliver")
+    again = DeliverWebhook.model_validate_json(sent.message.body)
+    assert again.not_before is not None
+    assert again.message_id != delivery.message_id
+    assert again.deferrals == 1
+    unchanged = {"not_before": None, "message_id": delivery.message_id, "deferrals": 0}
+    assert again.model_copy(update=unchanged) == delivery  # the same attempt
+    assert _deferred(registry) == 1
+
+
+async def test_a_delivery_put_off_again_and_again_waits_longer_each_time(
+    make_deps: Deps, receiver: tuple[Receiver, Any]
+) -> None:
+    """Put off a second apart for ever, a backlog of thousands for a receiver that hangs
+    went through the broker thousands of times a second."""
+    deps, _ = _with_bound(make_deps("proc-a"))
+    delivery = _delivery(receiver[0]).model_copy(update={"deferrals": 5})
+    broker, handle = _handler(deps)
+    message = HandedDelivery(delivery.model_dump_json().encode())
+
+    with _all_slots_taken(deps.hosts, destination_of(delivery.url, deps.guard)):
+        before = datetime.now(UTC)
+        await asyncio.wait_for(handle(message), timeout=30)
+
+    [sent] = broker.published
+    again = DeliverWebhook.model_validate_json(sent.message.body)
+    assert again.deferrals == 6
+    assert again.not_before is not None
+    assert again.not_before - before >= timedelta(seconds=32)  # 1 s doubled five times
+    assert sent.routing_key != "1s.webhook.deliver"
+    assert receiver[0].requests(delivery.url) == []
+
+
+async def test_a_redelivery_to_a_busy_destination_is_held_until_a_slot_frees(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    """A fresh copy would start the message's delivery count again: it is held instead."""
+    deps, registry = _with_bound(make_deps("proc-a"))
+    delivery = _delivery(receiver[0])
+    broker, handle = _handler(deps)
+    message = HandedDelivery.redelivery(delivery.model_dump_json().encode())
+
+    with _all_slots_taken(deps.hosts, destination_of(delivery.url, deps.guard)):
+        handling = asyncio.create_task(handle(message))
+
+        async def put_off() -> bool:
+            return _deferred(registry) >= 1
+
+        await eventually(put_off, what="the redelivery put off")
+        assert message.settled == []
+    await asyncio.wait_for(handling, timeout=30)
+
+    assert message.settled == ["ack"]
+    assert broker.published == []
+    assert len(receiver[0].requests(delivery.url)) == 1
+    record = await ledger.find(delivery.delivery_id)
+    assert record is not None
+    assert (record.state, record.attempt) == (DeliveryState.DELIVERED, 1)
+
+
+async def test_the_slots_are_per_destination_and_given_back(
+    make_deps: Deps, receiver: tuple[Receiver, Any]
+) -> None:
+    """A busy destination leaves another port of the same host its own slots."""
+    deps, registry = _with_bound(make_deps("proc-a"))
+    delivery = _delivery(receiver[0])
+    destination = destination_of(delivery.url, deps.guard)
+    elsewhere = destination.rsplit(":", 1)[0] + f":{receiver[0].port + 1}"
+    _, handle = _handler(deps)
+
+    with _all_slots_taken(deps.hosts, elsewhere):
+        message = HandedDelivery(delivery.model_dump_json().encode())
+        await asyncio.wait_for(handle(message), timeout=30)
+
+    assert message.settled == ["ack"]
+    assert len(receiver[0].requests(delivery.url)) == 1
+    assert deps.hosts.in_flight(destination) == 0
+    assert _deferred(registry) == 0

@@ -1,0 +1,98 @@
+"""The notifier's per-destination bound: its slots, what one destination is, its setting."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from pydantic import ValidationError
+
+from services.notifier.hosts import HostSlots, destination_of
+from services.notifier.settings import NotifierSettings
+from services.notifier.ssrf import WebhookGuard
+from shared.webhook_urls import IPAddress
+
+
+class NoDns:
+    """Where a destination is read, nothing is resolved."""
+
+    async def resolve(self, host: str, port: int) -> Sequence[IPAddress]:
+        raise AssertionError(f"resolved {host}")
+
+
+GUARD = WebhookGuard(NoDns())
+
+
+def test_a_destination_gets_its_bound_of_slots_and_no_more() -> None:
+    hosts = HostSlots(2)
+    with (
+        hosts.taking("https://a.example:443") as first,
+        hosts.taking("https://a.example:443") as second,
+    ):
+        with hosts.taking("https://a.example:443") as third:
+            assert (first, second, third) == (True, True, False)
+            assert hosts.in_flight("https://a.example:443") == 2
+        with hosts.taking("https://b.example:443") as elsewhere:
+            assert elsewhere
+    assert hosts.in_flight("https://a.example:443") == 0
+
+
+def test_a_slot_is_given_back_when_its_block_fails() -> None:
+    hosts = HostSlots(1)
+    with pytest.raises(RuntimeError), hosts.taking("https://a.example:443"):
+        raise RuntimeError("the POST crashed")
+    with hosts.taking("https://a.example:443") as again:
+        assert again
+
+
+def test_a_bound_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        HostSlots(0)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://hooks.example.com/a",
+        "HTTPS://Hooks.Example.COM/b?x=1",
+        "https://hooks.example.com:443/c",
+        "https://hooks.example.com./d",
+    ],
+)
+def test_one_destination_is_scheme_host_and_port(url: str) -> None:
+    assert destination_of(url, GUARD) == "https://hooks.example.com:443"
+
+
+def test_another_port_is_another_destination() -> None:
+    assert destination_of("https://hooks.example.com:8443/a", GUARD) == (
+        "https://hooks.example.com:8443"
+    )
+    assert destination_of("https://[2606:4700::1]/a", GUARD) == "https://[2606:4700::1]:443"
+
+
+def test_a_url_the_guard_refuses_counts_against_itself() -> None:
+    assert destination_of("http://hooks.example.com/a", GUARD) == "http://hooks.example.com/a"
+
+
+def _settings(**env: str) -> NotifierSettings:
+    return NotifierSettings.model_validate(env)
+
+
+def test_the_bound_defaults_to_8_and_never_above_the_concurrency() -> None:
+    assert _settings().per_host == 8
+    assert _settings(WEBHOOK_CONCURRENCY="4").per_host == 4
+    assert _settings(WEBHOOK_CONCURRENCY="4", WEBHOOK_CONCURRENCY_PER_HOST="4").per_host == 4
+    assert _settings(WEBHOOK_CONCURRENCY_PER_HOST="1").per_host == 1
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"WEBHOOK_CONCURRENCY_PER_HOST": "0"},
+        {"WEBHOOK_CONCURRENCY": "4", "WEBHOOK_CONCURRENCY_PER_HOST": "5"},
+        {"WEBHOOK_CONCURRENCY_PER_HOST": "33"},
+    ],
+)
+def test_a_bound_below_one_or_above_the_concurrency_is_refused(env: dict[str, str]) -> None:
+    with pytest.raises(ValidationError, match=r"WEBHOOK_CONCURRENCY_PER_HOST|greater than"):
+        _settings(**env)

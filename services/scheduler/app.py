@@ -95,7 +95,12 @@ def create_app(
 
     job_handlers: dict[str, JobHandler] = {
         USAGE_ROLLUP: partial(
-            roll_up_usage, records=records, daily=daily, retention=usage_retention, clock=clock
+            roll_up_usage,
+            records=records,
+            daily=daily,
+            retention=usage_retention,
+            clock=clock,
+            batch=settings.usage_rollup_batch,
         ),
         RESCORE_FANOUT: partial(
             fan_out_rescores,

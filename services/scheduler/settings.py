@@ -51,6 +51,14 @@ class SchedulerSettings(ServiceSettings):
     job_concurrency: int = Field(
         default=4, ge=1, le=MAX_PREFETCH, validation_alias="SCHEDULER_JOB_CONCURRENCY"
     )
+    # Usage records one slice of the usage rollup reads, counts and marks: a slice that finds
+    # a full batch pending continues the run in a new one. Every slice recomputes the days it
+    # touches in full, so a day of n records costs about n² / batch record reads over its
+    # slices (services/scheduler/jobs/usage.py).
+    # At most 100,000: the slice's `_id`s travel in one command (`$in`).
+    usage_rollup_batch: int = Field(
+        default=20_000, ge=1, le=100_000, validation_alias="USAGE_ROLLUP_BATCH"
+    )
     meter_prefetch: int = Field(
         default=256, ge=1, le=MAX_PREFETCH, validation_alias="USAGE_METER_PREFETCH"
     )

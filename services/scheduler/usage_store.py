@@ -13,6 +13,12 @@ only accumulate (within the retention a row is recomputed in), so of two roll-up
 once the one that counted more requests saw more records: a row is written only over one
 that counts no more requests than it, and a roll-up that read its totals before the other's
 records arrived cannot overwrite the other's row with them.
+
+The roll-up reads pending records a bounded batch at a time (`pending_batch`), in
+(tenant, day, `_id`) order, through `pending_by_tenant_day`: a partial index of the records
+not yet rolled up, so it holds only the backlog, and answers the read from its keys alone
+(the filter, the order and the fields read). It marks rolled up the records it read, by
+`_id` (`mark_rolled_up`); `rollup_run` names the execution that marked a record.
 """
 
 from __future__ import annotations
@@ -27,12 +33,18 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError
 
 from shared.group_writes import DUPLICATE_KEY, GroupWriter
+from shared.indexes import drop_retired_indexes
 
 Document = dict[str, Any]
 # (tenant, day) pairs recomputed per aggregation; keeps each `$or` small.
 TOTALS_CHUNK = 500
 # Daily rows written per `bulk_write`.
 SAVE_CHUNK = 500
+# The index of the records not yet rolled up (`pending_batch`), in the order they are read.
+PENDING_INDEX = "pending_by_tenant_day"
+PENDING_ORDER = [("tenant_id", ASCENDING), ("day", ASCENDING), ("_id", ASCENDING)]
+# Served the roll-up's tags (`rollup_run`), which it no longer queries.
+RETIRED_INDEXES = ("rolled_up_1_rollup_run_1",)
 
 
 @dataclass(frozen=True)
@@ -62,6 +74,14 @@ class TenantDay:
 
 
 @dataclass(frozen=True)
+class PendingBatch:
+    """Records not yet rolled up, as read: their `_id`s and their (tenant, day) pairs."""
+
+    ids: list[str]
+    days: list[TenantDay]
+
+
+@dataclass(frozen=True)
 class DailyUsage:
     tenant_id: str
     day: str
@@ -86,9 +106,16 @@ class UsageRecords:
         self._writes = GroupWriter(self._collection)
 
     async def ensure_indexes(self) -> None:
-        await self._collection.create_index([("rolled_up", ASCENDING), ("rollup_run", ASCENDING)])
+        await drop_retired_indexes(self._collection, *RETIRED_INDEXES)
         await self._collection.create_index([("tenant_id", ASCENDING), ("day", ASCENDING)])
         await self._collection.create_index([("day", ASCENDING)])
+        # Only the pending records (a record leaves it once rolled up): `rolled_up` first, so
+        # the read's filter is answered from the index too.
+        await self._collection.create_index(
+            [("rolled_up", ASCENDING), *PENDING_ORDER],
+            name=PENDING_INDEX,
+            partialFilterExpression={"rolled_up": False},
+        )
 
     async def record(self, record: UsageRecord) -> None:
         """Store `record` unless it exists (a redelivery)."""
@@ -101,21 +128,24 @@ class UsageRecords:
             upsert=True,
         )
 
-    async def claim_pending(self, tag: str) -> int:
-        """Tag every record not yet rolled up with `tag` (takes over abandoned tags)."""
-        result = await self._collection.update_many(
-            {"rolled_up": False}, {"$set": {"rollup_run": tag}}
+    async def pending_batch(self, limit: int) -> PendingBatch:
+        """Up to `limit` records not yet rolled up, the first in (tenant, day, `_id`) order
+        (read from `PENDING_INDEX` alone)."""
+        if limit < 1:
+            raise ValueError(f"a batch holds at least one record, not {limit}")
+        cursor = (
+            self._collection.find(
+                {"rolled_up": False}, projection={"_id": True, "tenant_id": True, "day": True}
+            )
+            .sort(PENDING_ORDER)
+            .limit(limit)
         )
-        return result.matched_count
-
-    async def claimed_days(self, tag: str) -> list[TenantDay]:
-        cursor = await self._collection.aggregate(
-            [
-                {"$match": {"rollup_run": tag, "rolled_up": False}},
-                {"$group": {"_id": {"tenant_id": "$tenant_id", "day": "$day"}}},
-            ]
-        )
-        return sorted([TenantDay(**group["_id"]) async for group in cursor])
+        ids: list[str] = []
+        days: set[TenantDay] = set()
+        async for document in cursor:
+            ids.append(document["_id"])
+            days.add(TenantDay(tenant_id=document["tenant_id"], day=document["day"]))
+        return PendingBatch(ids=ids, days=sorted(days))
 
     async def totals(self, days: Sequence[TenantDay]) -> list[DailyUsage]:
         """Each (tenant, day)'s totals over all of its raw records."""
@@ -163,9 +193,13 @@ class UsageRecords:
             async for group in cursor
         ]
 
-    async def mark_rolled_up(self, tag: str) -> int:
+    async def mark_rolled_up(self, ids: Sequence[str], *, by: str) -> int:
+        """Mark the records `ids` rolled up (by the execution `by`), those not yet marked."""
+        if not ids:
+            return 0
         result = await self._collection.update_many(
-            {"rollup_run": tag, "rolled_up": False}, {"$set": {"rolled_up": True}}
+            {"_id": {"$in": list(ids)}, "rolled_up": False},
+            {"$set": {"rolled_up": True, "rollup_run": by}},
         )
         return result.modified_count
 

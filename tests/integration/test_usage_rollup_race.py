@@ -23,6 +23,7 @@ from services.scheduler.jobs.usage import roll_up_usage
 from services.scheduler.usage_store import (
     DailyUsage,
     DailyUsageStore,
+    PendingBatch,
     TenantDay,
     UsageRecord,
     UsageRecords,
@@ -31,6 +32,7 @@ from shared.contracts import new_id
 
 NOW = datetime(2030, 1, 10, 10, 5, tzinfo=UTC)
 DAY = "2030-01-09"
+BATCH = 1000  # more than the records here: one slice each
 Mongo = AsyncMongoClient[dict[str, Any]]
 
 
@@ -70,6 +72,7 @@ class Stores:
             daily=self.daily,
             retention=timedelta(days=30),
             clock=lambda: NOW,
+            batch=BATCH,
         )
 
     async def requests_in_the_row(self) -> int:
@@ -115,22 +118,22 @@ class PausesAfterTotals(UsageRecords):
         return found
 
 
-class PausesAfterTagging(UsageRecords):
-    """The second execution: tags the pending records, then waits for `go`."""
+class PausesAfterReading(UsageRecords):
+    """The second execution: reads its batch of pending records, then waits for `go`."""
 
     def __init__(self, stores: Stores, go: asyncio.Event) -> None:
         super().__init__(stores.client, stores.database)
-        self.tagged = asyncio.Event()
+        self.read = asyncio.Event()
         self._go = go
 
-    async def claim_pending(self, tag: str) -> int:
-        tagged = await super().claim_pending(tag)
-        self.tagged.set()
-        return tagged
+    async def pending_batch(self, limit: int) -> PendingBatch:
+        batch = await super().pending_batch(limit)
+        self.read.set()
+        return batch
 
-    async def claimed_days(self, tag: str) -> list[TenantDay]:
+    async def totals(self, days: Sequence[TenantDay]) -> list[DailyUsage]:
         await self._go.wait()
-        return await super().claimed_days(tag)
+        return await super().totals(days)
 
 
 async def test_a_row_is_not_overwritten_by_totals_read_from_fewer_records(
@@ -151,21 +154,22 @@ async def test_a_row_is_not_overwritten_by_totals_read_from_fewer_records(
     assert await stores.pending() == 0
 
 
-async def test_a_record_tagged_by_another_execution_is_left_to_it(stores: Stores) -> None:
-    """The second execution tags a record that arrived after the first read its totals, and
+async def test_a_record_read_by_another_execution_is_left_to_it(stores: Stores) -> None:
+    """The second execution reads a record that arrived after the first read its totals, and
     counts it after the first has finished: the first must not mark it rolled up."""
     run = _run()
     await stores.store_record()
     first_done = asyncio.Event()
-    second = PausesAfterTagging(stores, first_done)
+    second = PausesAfterReading(stores, first_done)
     later: list[asyncio.Task[None]] = []
 
     async def another_record_and_execution() -> None:
         await stores.store_record()
         later.append(asyncio.create_task(stores.roll_up(run, second)))
-        await second.tagged.wait()
+        await second.read.wait()
 
     await stores.roll_up(run, PausesAfterTotals(stores, another_record_and_execution))
+    assert await stores.pending() == 1  # the first marked only the record it counted
     first_done.set()
     await later[0]
 

@@ -1,7 +1,13 @@
 """Claims on tasks, in the scorer's own database: one document per task.
 
     {_id: task_id, generation, attempt, state: "running" | "decided",
-     lease_until, owner, decision, raw_output, updated_at}
+     lease_until, owner, decision, raw_output, updated_at, spent}
+
+`spent` ({generation, prompt_tokens, completion_tokens, model}) is what the provider billed
+the retried attempts of a generation (`decisions.Spent`): written with a retry decision,
+kept by the claims that follow (which clear the decision) and read by the next attempt,
+whose outcome counts it in. A newer generation (a DLQ replay) starts from nothing: the
+outcome of the one it replaces counted it already.
 
 A claim is one atomic conditional upsert. It succeeds for a task never seen, a newer
 generation (a DLQ replay), the attempt after a decided retry, a running attempt whose
@@ -23,7 +29,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import DuplicateKeyError, OperationFailure
 
 from services.scorer import decisions
-from services.scorer.decisions import Finish, Retry
+from services.scorer.decisions import Finish, Retry, Spent
 from shared.contracts import ScoreText
 from shared.group_writes import GroupWriter
 from shared.indexes import drop_retired_indexes
@@ -169,6 +175,17 @@ class Attempts:
             return Superseded()
         return Decided(decision)
 
+    async def spent_before(self, command: ScoreText) -> Spent | None:
+        """What the earlier attempts of the command's generation were billed, as their retry
+        decisions recorded it (None: nothing). The first attempt of a generation has none."""
+        if command.attempt <= 1:
+            return None
+        held = await self._collection.find_one({"_id": command.task_id}, {"spent": True})
+        spent = Spent.loaded(held.get("spent")) if held is not None else None
+        if spent is None or spent.generation != command.generation:
+            return None
+        return spent
+
     async def decide(
         self,
         command: ScoreText,
@@ -185,7 +202,16 @@ class Attempts:
 
         Fenced by the owner in the filter; a refused filter shows as the upsert colliding on
         `_id` (a bulk write reports no match count per write). Writing again what already
-        landed (an answer lost) matches: it is still ours."""
+        landed (an answer lost) matches: it is still ours. A retry's `spent` lands with it,
+        or not at all: a refused decision's tokens are not carried on."""
+        decided: Document = {
+            "state": "decided",
+            "decision": decisions.store(decision),
+            "raw_output": raw_output,
+            "updated_at": now,
+        }
+        if isinstance(decision, Retry) and decision.spent is not None:
+            decided["spent"] = decision.spent.stored()
         return await self._writes.guarded_upsert(
             {
                 "_id": command.task_id,
@@ -193,15 +219,7 @@ class Attempts:
                 "attempt": command.attempt,
                 "owner": owner,
             },
-            {
-                "$set": {
-                    "state": "decided",
-                    "decision": decisions.store(decision),
-                    "raw_output": raw_output,
-                    "updated_at": now,
-                },
-                "$unset": {"lease_until": ""},
-            },
+            {"$set": decided, "$unset": {"lease_until": ""}},
         )
 
     async def find(self, task_id: str) -> Document | None:

@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from pymongo.errors import PyMongoError
 
 from services.scorer.attempts import Busy
-from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Leave, Retry
+from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Leave, Retry, Spent
 from services.scorer.scoring import Clock, ScorerDeps, recorded_decision, score_text
 from shared.bus import publish_command, publish_event
 from shared.consumers import Delivery, ScoreboxBroker, consume
@@ -107,22 +107,36 @@ class BrokerActions:
         )
 
     async def fail_task(self, command: ScoreText, error: TaskError, *, dead_lettered: bool) -> None:
-        event = TaskFailed(
-            task_id=command.task_id,
-            tenant_id=command.tenant_id,
-            sequence=event_sequence(
-                generation=command.generation, attempt=command.attempt, phase=Phase.TERMINAL
-            ),
-            attempt=command.attempt,
-            generation=command.generation,
-            submitted_at=command.submitted_at,
-            api_key_id=command.api_key_id,
-            error=error,
-            dead_lettered=dead_lettered,
-            has_callback=command.callback_url is not None,
-            callback_url=command.callback_url,
-        )
-        await self._event(event)
+        await self._event(_failure(command, error, dead_lettered=dead_lettered, spent=None))
+
+    async def fail_billed_task(self, command: ScoreText, error: TaskError, spent: Spent) -> None:
+        """`fail_task` for a dead-lettered task whose earlier attempts were billed `spent`:
+        its outcome, so metered with it (their retries published nothing metered)."""
+        await self._event(_failure(command, error, dead_lettered=True, spent=spent))
+
+
+def _failure(
+    command: ScoreText, error: TaskError, *, dead_lettered: bool, spent: Spent | None
+) -> TaskFailed:
+    billed: dict[str, Any] = {}
+    if spent is not None:
+        billed = {"usage": spent.usage, "model": spent.model}
+    return TaskFailed(
+        task_id=command.task_id,
+        tenant_id=command.tenant_id,
+        sequence=event_sequence(
+            generation=command.generation, attempt=command.attempt, phase=Phase.TERMINAL
+        ),
+        attempt=command.attempt,
+        generation=command.generation,
+        submitted_at=command.submitted_at,
+        api_key_id=command.api_key_id,
+        error=error,
+        dead_lettered=dead_lettered,
+        has_callback=command.callback_url is not None,
+        callback_url=command.callback_url,
+        **billed,
+    )
 
 
 def _carried_headers(message: Delivery) -> dict[str, Any]:
@@ -167,7 +181,7 @@ def subscribe_scorer(
             deps.metrics.count_resent()
         except Exception:
             log.exception("scoring %s crashed", command.task_id)
-            if await _after_crash(command, message, actions, crash_limit=crash_limit):
+            if await _after_crash(command, message, deps, actions, crash_limit=crash_limit):
                 deps.metrics.count_dead_lettered()
             else:
                 deps.metrics.count_resent()
@@ -203,7 +217,7 @@ async def _at_delivery_limit(
         f"holding it {deliveries} times (delivery limit {SCORE_REQUESTS.delivery_limit})"
     )
     log.error("dead-lettering %s: %s", command.task_id, reason)
-    await _give_up(command, message, actions, reason)
+    await _give_up(command, message, deps, actions, reason)
     deps.metrics.count_dead_lettered()
 
 
@@ -261,20 +275,46 @@ async def _retry_later(
 
 
 async def _after_crash(
-    command: ScoreText, message: Delivery, actions: BrokerActions, *, crash_limit: int
+    command: ScoreText,
+    message: Delivery,
+    deps: ScorerDeps,
+    actions: BrokerActions,
+    *,
+    crash_limit: int,
 ) -> bool:
     """Send the message again later, or give it up at the crash limit (True)."""
     crashes = int(message.headers.get(CRASHES_HEADER, 0)) + 1
     if crashes < crash_limit:
         await _retry_later(command, message, actions, count_crash=True)
         return False
-    await _give_up(command, message, actions, f"the scorer crashed {crashes} times on this message")
+    reason = f"the scorer crashed {crashes} times on this message"
+    await _give_up(command, message, deps, actions, reason)
     return True
 
 
 async def _give_up(
-    command: ScoreText, message: Delivery, actions: BrokerActions, reason: str
+    command: ScoreText, message: Delivery, deps: ScorerDeps, actions: BrokerActions, reason: str
 ) -> None:
+    """Dead-letter the message and fail the task, counting in what the generation's earlier
+    attempts were billed: their retries published nothing metered, this is its outcome."""
+    spent = await _spent_before(command, deps)
     await actions.dead_letter(message, reason)
     error = TaskError(code="internal_error", message=reason, retryable=False)
-    await actions.fail_task(command, error, dead_lettered=True)
+    if spent is None:
+        await actions.fail_task(command, error, dead_lettered=True)
+    else:
+        await actions.fail_billed_task(command, error, spent)
+
+
+async def _spent_before(command: ScoreText, deps: ScorerDeps) -> Spent | None:
+    """`Attempts.spent_before`, waited for while the database is away (the delivery is held,
+    as at the delivery limit); None should reading it fail otherwise."""
+    try:
+        return await keep_trying(
+            lambda: deps.attempts.spent_before(command),
+            what=f"reading what earlier attempts of {command.task_id} were billed",
+            retry_on=(PyMongoError,),
+        )
+    except Exception:  # giving the task up must not fail on its metering
+        log.exception("%s: what its earlier attempts were billed is lost", command.task_id)
+        return None

@@ -11,7 +11,60 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from shared.contracts import ScoreText, TaskEvent, TaskRetrying, parse_task_event
+from pydantic import ValidationError
+
+from shared.contracts import ScoreText, TaskEvent, TaskRetrying, Usage, parse_task_event
+
+
+def add_usage(first: Usage, second: Usage) -> Usage:
+    return Usage(
+        prompt_tokens=first.prompt_tokens + second.prompt_tokens,
+        completion_tokens=first.completion_tokens + second.completion_tokens,
+    )
+
+
+@dataclass(frozen=True)
+class Spent:
+    """What the provider billed the attempts of one generation of a task that were retried
+    (an unusable answer whose repair then failed for now, timed out or was throttled).
+
+    A retry publishes no metered event (the usage meter reads outcomes only, one per task and
+    generation), so these tokens travel to the generation's outcome: recorded with the retry
+    decision (`Attempts.decide`), read by the next attempt (`Attempts.spent_before`) and
+    added to its outcome's usage.
+    """
+
+    generation: int
+    usage: Usage
+    model: str | None = None
+
+    def plus(self, usage: Usage | None, model: str | None) -> Spent:
+        """These tokens and those of one more attempt (`model`, when it answered, named last)."""
+        if usage is None:
+            return self
+        return Spent(self.generation, add_usage(self.usage, usage), model or self.model)
+
+    def stored(self) -> dict[str, Any]:
+        return {
+            "generation": self.generation,
+            "prompt_tokens": self.usage.prompt_tokens,
+            "completion_tokens": self.usage.completion_tokens,
+            "model": self.model,
+        }
+
+    @classmethod
+    def loaded(cls, stored: Any) -> Spent | None:
+        """The stored form read back; None when it is missing or unreadable."""
+        if not isinstance(stored, dict) or not isinstance(stored.get("generation"), int):
+            return None
+        model = stored.get("model")
+        try:
+            usage = Usage.model_validate(
+                {key: stored.get(key, 0) for key in ("prompt_tokens", "completion_tokens")}
+            )
+        except ValidationError:
+            return None
+        return cls(stored["generation"], usage, model if isinstance(model, str) else None)
 
 
 @dataclass(frozen=True)
@@ -24,10 +77,17 @@ class Finish:
 
 @dataclass(frozen=True)
 class Retry:
-    """Another attempt later: send `next_command` down the wait ladder, announce it."""
+    """Another attempt later: send `next_command` down the wait ladder, announce it.
+
+    `spent`: what the generation's attempts were billed so far, this one's included (None:
+    nothing), for the outcome of a later attempt to count in. `Attempts.decide` keeps it in
+    the attempt's document beside the stored decision (the next claim clears the decision),
+    so a decision loaded for replay has none: replaying a retry meters nothing.
+    """
 
     event: TaskRetrying
     next_command: ScoreText
+    spent: Spent | None = None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Why scoring a text failed, split by what the caller must do.
 
-    ScoringError                    .code, .message, .retryable, .to_task_error()
+    ScoringError                    .code, .message, .retryable, .to_task_error(),
+                                    .usage, .model (what answered calls billed)
     ├── PermanentError              fail the task now; a retry would fail the same way
     │   ├── InputRejected           the model or provider refuses this input
     │   │                           (content policy, context too long, empty text)
@@ -24,31 +25,20 @@ from shared.contracts import TaskError, Usage
 
 
 class ScoringError(Exception):
-    """Base of every failure of the scorer's model layer."""
+    """Base of every failure of the scorer's model layer.
+
+    `usage` and `model`: what the calls of the attempt that answered on the way used (a
+    refusal, an answer unusable before its repair failed or timed out), billed all the same
+    whatever became of the attempt; None when no call answered."""
 
     code: ClassVar[str] = "scoring_error"
     retryable: ClassVar[bool] = False
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-    def to_task_error(self) -> TaskError:
-        """The failure as the contract the scorer publishes."""
-        return TaskError(code=self.code, message=self.message, retryable=self.retryable)
-
-
-class PermanentError(ScoringError):
-    """Fail the task now: retrying cannot succeed. `usage` and `model`: what the calls that
-    answered on the way used (a refusal, an answer still unusable after its repair), billed
-    all the same."""
-
-    code: ClassVar[str] = "permanent_error"
 
     def __init__(
         self, message: str, *, usage: Usage | None = None, model: str | None = None
     ) -> None:
         super().__init__(message)
+        self.message = message
         self.usage = usage
         self.model = model
 
@@ -60,6 +50,16 @@ class PermanentError(ScoringError):
             completion_tokens=usage.completion_tokens + earlier.completion_tokens,
         )
         self.model = self.model or model
+
+    def to_task_error(self) -> TaskError:
+        """The failure as the contract the scorer publishes."""
+        return TaskError(code=self.code, message=self.message, retryable=self.retryable)
+
+
+class PermanentError(ScoringError):
+    """Fail the task now: retrying cannot succeed."""
+
+    code: ClassVar[str] = "permanent_error"
 
 
 class InputRejected(PermanentError):
@@ -97,8 +97,15 @@ class TransientError(ScoringError):
     code: ClassVar[str] = "transient_error"
     retryable: ClassVar[bool] = True
 
-    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after_s: float | None = None,
+        usage: Usage | None = None,
+        model: str | None = None,
+    ) -> None:
+        super().__init__(message, usage=usage, model=model)
         self.retry_after_s = retry_after_s
 
 

@@ -18,7 +18,17 @@ from datetime import datetime, timedelta
 from pymongo.errors import PyMongoError
 
 from services.scorer.attempts import Attempts, Busy, Claimed, Decided, Superseded
-from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Leave, Retry
+from services.scorer.decisions import (
+    Decision,
+    Defer,
+    Drop,
+    Finish,
+    Hold,
+    Leave,
+    Retry,
+    Spent,
+    add_usage,
+)
 from services.scorer.errors import PermanentError, ScoringError, TransientError
 from services.scorer.metrics import ScorerMetrics
 from services.scorer.model import ModelVerdict, ScoreModel, ScoringRequest
@@ -31,6 +41,7 @@ from shared.contracts import (
     TaskFailed,
     TaskRetrying,
     TaskStarted,
+    Usage,
     event_sequence,
     new_id,
 )
@@ -214,8 +225,10 @@ async def _claim_and_decide(
                 return decision
             case Claimed():
                 pass
+        # Read before the model is called: failing after it, the call would be made again.
+        earlier = await deps.attempts.spent_before(command)
         started = TaskStarted.model_validate(_event_fields(command, Phase.STARTED, now))
-        decision, raw_output = await _call_model_announcing(command, started, deps)
+        decision, raw_output = await _call_model_announcing(command, started, deps, earlier)
     return await _recorded(command, decision, raw_output, deps, held_until=now + deps.lease)
 
 
@@ -261,7 +274,7 @@ async def _record(
 
 
 async def _call_model_announcing(
-    command: ScoreText, started: TaskStarted, deps: ScorerDeps
+    command: ScoreText, started: TaskStarted, deps: ScorerDeps, earlier: Spent | None
 ) -> tuple[Finish | Retry, str | None]:
     """Call the model; publish `started` once the call has run for `deps.started_after`.
 
@@ -271,14 +284,14 @@ async def _call_model_announcing(
     """
     if deps.started_after <= timedelta(0):
         await _announce_best_effort(started, deps)
-        return await _call_model(command, deps)
+        return await _call_model(command, deps, earlier)
     due: list[asyncio.Task[None]] = []
     timer = asyncio.get_running_loop().call_later(
         deps.started_after.total_seconds(),
         lambda: due.append(asyncio.create_task(_announce_best_effort(started, deps))),
     )
     try:
-        return await _call_model(command, deps)
+        return await _call_model(command, deps, earlier)
     finally:
         timer.cancel()
         for announcement in due:
@@ -295,7 +308,11 @@ async def _announce_best_effort(started: TaskStarted, deps: ScorerDeps) -> None:
         log.warning("task.started of %s not published: %r", started.task_id, error)
 
 
-async def _call_model(command: ScoreText, deps: ScorerDeps) -> tuple[Finish | Retry, str | None]:
+async def _call_model(
+    command: ScoreText, deps: ScorerDeps, earlier: Spent | None
+) -> tuple[Finish | Retry, str | None]:
+    """The attempt's decision; its outcome's usage counts in what `earlier` attempts of the
+    generation were billed, a retry carries it on."""
     request = ScoringRequest(
         task_id=command.task_id, text=command.text, rubric=command.rubric, model=command.model
     )
@@ -304,15 +321,14 @@ async def _call_model(command: ScoreText, deps: ScorerDeps) -> tuple[Finish | Re
         verdict = await deps.model.score(request)
     except TransientError as error:
         _count_call(deps.metrics, "transient", error.code, started)
-        return _retry_or_give_up(command, error, deps), None
+        return _retry_or_give_up(command, error, deps, earlier), None
     except PermanentError as error:
         _count_call(deps.metrics, "permanent", error.code, started)
         # An unusable answer's text is the one most worth auditing.
-        return _failed(command, error, deps.clock(), dead_letter=False), getattr(
-            error, "raw_output", None
-        )
+        failed = _failed(command, error, deps.clock(), dead_letter=False, earlier=earlier)
+        return failed, getattr(error, "raw_output", None)
     _count_call(deps.metrics, "completed", "", started)
-    return _completed(command, verdict, deps.clock()), verdict.raw_output
+    return _completed(command, verdict, deps.clock(), earlier), verdict.raw_output
 
 
 def _count_call(metrics: ScorerMetrics, outcome: str, code: str, started: float) -> None:
@@ -328,15 +344,35 @@ def _outcome_fields(command: ScoreText, now: datetime) -> dict[str, object]:
     }
 
 
-def _completed(command: ScoreText, verdict: ModelVerdict, now: datetime) -> Finish:
+def _billed(command: ScoreText, earlier: Spent | None, error: ScoringError) -> Spent | None:
+    """What the generation was billed up to and with the attempt that failed with `error`:
+    `earlier` attempts' tokens and those of the answers that came back before it."""
+    if error.usage is None:
+        return earlier
+    return (earlier or Spent(command.generation, Usage())).plus(error.usage, error.model)
+
+
+def _completed(
+    command: ScoreText, verdict: ModelVerdict, now: datetime, earlier: Spent | None
+) -> Finish:
     fields = _outcome_fields(command, now)
-    return Finish(TaskCompleted.model_validate({**fields, "result": verdict.result}))
+    result = verdict.result
+    if earlier is not None:
+        result = result.model_copy(update={"usage": add_usage(earlier.usage, result.usage)})
+    return Finish(TaskCompleted.model_validate({**fields, "result": result}))
 
 
-def _failed(command: ScoreText, error: ScoringError, now: datetime, *, dead_letter: bool) -> Finish:
+def _failed(
+    command: ScoreText,
+    error: ScoringError,
+    now: datetime,
+    *,
+    dead_letter: bool,
+    earlier: Spent | None = None,
+) -> Finish:
     spent: dict[str, object] = {}
-    if isinstance(error, PermanentError) and error.usage is not None:
-        spent = {"usage": error.usage, "model": error.model}
+    if (total := _billed(command, earlier, error)) is not None:
+        spent = {"usage": total.usage, "model": total.model}
     event = TaskFailed.model_validate(
         {
             **_outcome_fields(command, now),
@@ -350,11 +386,11 @@ def _failed(command: ScoreText, error: ScoringError, now: datetime, *, dead_lett
 
 
 def _retry_or_give_up(
-    command: ScoreText, error: TransientError, deps: ScorerDeps
+    command: ScoreText, error: TransientError, deps: ScorerDeps, earlier: Spent | None
 ) -> Finish | Retry:
     now = deps.clock()
     if command.attempt >= command.max_attempts:
-        return _failed(command, error, now, dead_letter=True)
+        return _failed(command, error, now, dead_letter=True, earlier=earlier)
     delay = deps.retry_policy.delay_s(command.attempt, error.retry_after_s, deps.rng)
     due = now + timedelta(seconds=delay)
     next_command = command.model_copy(
@@ -367,4 +403,4 @@ def _retry_or_give_up(
             "next_attempt_at": due,
         }
     )
-    return Retry(event=event, next_command=next_command)
+    return Retry(event=event, next_command=next_command, spent=_billed(command, earlier, error))

@@ -3,6 +3,8 @@
 One `score` call makes one request, plus one repair request when the first answer is
 unusable, all within a single hard deadline of LLM_TIMEOUT_S. It never retries on its own:
 it raises a typed error and the scorer decides, through the broker, whether to try again.
+Whatever the error, it carries the usage of the answers that came back before it (`usage`,
+`model`): the provider billed them, and the scorer meters them with the task's outcome.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from services.scorer.errors import (
     ModelRateLimited,
     ModelTimeout,
     ModelUnavailable,
-    PermanentError,
     ScoringError,
     UnusableOutput,
 )
@@ -162,13 +163,17 @@ class OpenAIChatModel:
         messages = build_messages(prepared.text, request.rubric, truncated=prepared.truncated)
         model = request.model or self._settings.llm_model
         started = time.perf_counter()
+        answered: list[_Answer] = []
         try:
             async with asyncio.timeout(self._settings.llm_timeout_s):
-                judgement = await self._judge(messages, model)
+                judgement = await self._judge(messages, model, answered)
         except TimeoutError as exc:
-            raise ModelTimeout(
+            timeout = ModelTimeout(
                 f"no usable answer from {model} within {self._settings.llm_timeout_s:g} s"
-            ) from exc
+            )
+            for answer in answered:  # an unusable first answer, its repair cut short
+                timeout.also_spent(answer.usage, answer.model)
+            raise timeout from exc
         latency_ms = (time.perf_counter() - started) * 1000
         flags = [*prepared.flags, *([FLAG_REPAIRED] if judgement.repaired else [])]
         result = ScoreResult(
@@ -182,15 +187,20 @@ class OpenAIChatModel:
         )
         return ModelVerdict(result=result, raw_output=judgement.final.content)
 
-    async def _judge(self, messages: Messages, model: str) -> _Judgement:
+    async def _judge(self, messages: Messages, model: str, answered: list[_Answer]) -> _Judgement:
+        """The verdict; `answered` collects the answers that came back, for a deadline that
+        cuts the repair short to report them."""
         first = await self._complete(messages, model)
+        answered.append(first)
         try:
             return _Judgement(parse_verdict(first.content), first, first.usage, repaired=False)
         except UnusableOutput as problem:
             repair = build_repair_messages(messages, first.content, problem.message)
         try:
             second = await self._complete(repair, model)
-        except PermanentError as error:  # the repair refused: the first answer is billed too
+        except ScoringError as error:
+            # Refused, or failed for now (a retry will call the model afresh): either way
+            # the first answer is billed, and goes with the error to be metered.
             error.also_spent(first.usage, first.model)
             raise
         usage = _add(first.usage, second.usage)
@@ -272,6 +282,9 @@ def _read_answer(response: ProviderReply, requested_model: str, *, now: datetime
     except ValidationError as exc:
         embedded = _embedded_error(response, now=now)
         if embedded is not None:
+            billed = _billed_with_error(response)
+            if billed.total_tokens:  # the call answered, if not usably: billed all the same
+                embedded.also_spent(billed, requested_model)
             raise embedded from exc
         # Deterministic for a given endpoint (a web page, another API): retrying it would
         # only bill more calls.
@@ -338,6 +351,16 @@ def _embedded_error(response: ProviderReply, *, now: datetime) -> ScoringError |
     code = error.get("code")
     status = code if isinstance(code, int) and 400 <= code <= 599 else 502
     return error_for_response(dataclasses.replace(response, status=status), now=now)
+
+
+def _billed_with_error(response: ProviderReply) -> Usage:
+    """The usage block an error body reports next to its `error`: none when there is none."""
+    try:
+        body = orjson.loads(response.body)
+    except orjson.JSONDecodeError:
+        return Usage()
+    reported = _usage_of(body.get("usage") if isinstance(body, dict) else None)
+    return Usage(prompt_tokens=reported.prompt_tokens, completion_tokens=reported.completion_tokens)
 
 
 def _provider_detail(response: ProviderReply) -> str:

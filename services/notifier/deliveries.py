@@ -15,8 +15,11 @@ and so is an unsafe destination: the delivery is recorded failed with the reason
 there (`Done`). Those are the tenant's receiver's doing, not ours, and the DLQ, which
 operators are alerted on and nothing drains, is kept for ours. 5xx, 408, 429, timeouts and
 connection failures are retried with exponential back-off and jitter (Retry-After wins, up to
-the cap) until `max_attempts`, then dead-lettered. `at_delivery_limit` decides for a message
-its consumers kept dying or crashing on, instead of the broker dead-lettering it unexplained.
+the cap) until `max_attempts`. Then a delivery whose receiver answered its last attempt (5xx,
+408, 429) is recorded failed and ends (`Done`), the tenant's doing as a refusal is; one that
+got no answer (DNS, connect, TLS, timeout: perhaps our egress) is dead-lettered.
+`at_delivery_limit` decides for a message its consumers kept dying or crashing on, instead of
+the broker dead-lettering it unexplained.
 
 A failure alert follows its tenant's setting at every attempt, not the URL its command
 carries: once removed, the delivery is cancelled unsent; once changed, it goes to the new URL.
@@ -226,7 +229,14 @@ async def at_delivery_limit(
         if not claim.won:
             return _without_claim(delivery, claim.record, now=now, redelivered=True)
         return await _give_up(
-            delivery, reason, None, dead_letter=True, owner=owner, claimed_at=now, deps=deps
+            delivery,
+            reason,
+            None,
+            dead_letter=True,
+            why="dead_lettered",
+            owner=owner,
+            claimed_at=now,
+            deps=deps,
         )
 
 
@@ -349,6 +359,7 @@ async def _send(
             error.reason,
             status,
             dead_letter=False,  # the receiver's doing: recorded, not an operator's alert
+            why="rejected",
             owner=owner,
             claimed_at=now,
             deps=deps,
@@ -455,11 +466,13 @@ async def _give_up(
     status: int | None,
     *,
     dead_letter: bool,
+    why: str,
     owner: str,
     claimed_at: datetime,
     deps: DeliveryDeps,
 ) -> DeliveryDecision:
-    """Record the delivery failed; GiveUp (to the DLQ) when `dead_letter`, else it ends here."""
+    """Record the delivery failed; GiveUp (to the DLQ) when `dead_letter`, else it ends here.
+    `why` labels it in `scorebox_webhook_deliveries_failed`."""
     decided = await _while_leased(
         lambda: deps.ledger.mark_failed(
             delivery,
@@ -475,10 +488,8 @@ async def _give_up(
     )
     if not decided:
         return Done("claim lost before giving up")
-    deps.metrics.failed.labels(
-        delivery.purpose, "dead_lettered" if dead_letter else "rejected"
-    ).inc()
-    return GiveUp(reason) if dead_letter else Done(f"failed, refused by its receiver: {reason}")
+    deps.metrics.failed.labels(delivery.purpose, why).inc()
+    return GiveUp(reason) if dead_letter else Done(f"failed, its receiver's doing: {reason}")
 
 
 async def _retry_or_give_up(
@@ -492,11 +503,16 @@ async def _retry_or_give_up(
 ) -> DeliveryDecision:
     if delivery.attempt >= delivery.max_attempts:
         reason = f"gave up after {delivery.attempt} attempt(s); last: {error.reason}"
+        # Its receiver answered the last attempt (5xx, 408, 429): the tenant's doing, as a
+        # refusal is, recorded and not an operator's alert. No answer (DNS, connect, TLS,
+        # timeout) may be ours, an egress or resolver outage: to the DLQ.
+        answered = isinstance(error, ReceiverUnavailable)
         return await _give_up(
             delivery,
             reason,
             status,
-            dead_letter=True,
+            dead_letter=not answered,
+            why="receiver_failing" if answered else "dead_lettered",
             owner=owner,
             claimed_at=claimed_at,
             deps=deps,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import socket
 import ssl
 import uuid
 from collections import defaultdict
@@ -394,10 +395,35 @@ async def test_a_gone_receiver_is_recorded_failed_with_the_reason(flow: Flow) ->
     assert len(flow.receiver.requests(url)) == 1
 
 
-async def test_a_receiver_that_keeps_failing_is_dead_lettered_after_the_last_attempt(
+async def test_a_receiver_that_keeps_failing_is_given_up_after_the_last_attempt_unlettered(
     flow: Flow,
 ) -> None:
+    """It answered 503 to every attempt: the tenant's doing, as a refusal is. Dead-lettered,
+    one tenant's broken receiver kept the operators' DLQ alert on and the DLQ growing."""
     url = flow.receiver.endpoint(503)
+    task_id = new_id()
+    given_up = {"purpose": "callback", "reason": "receiver_failing"}
+    before = await _sample(flow, "scorebox_webhook_deliveries_failed_total", given_up)
+    await flow.publish(_completed(task_id, url))
+
+    record = await flow.settled(task_id, "failed")
+
+    assert "gave up after 4 attempt(s)" in record["last_error"]
+    assert (record["last_status"], record["dead_letter"]) == (503, False)
+    assert len(flow.receiver.requests(url)) == 4
+    after = await _sample(flow, "scorebox_webhook_deliveries_failed_total", given_up)
+    assert after - before == 1
+    await flow._drain_dead_letters()
+    lettered = [DeliverWebhook.model_validate_json(m.body) for m in flow.dead_letters]
+    assert record["_id"] not in {letter.delivery_id for letter in lettered}
+
+
+async def test_a_receiver_never_reached_is_dead_lettered_after_the_last_attempt(
+    flow: Flow,
+) -> None:
+    """No answer at all (here a refused connection) may be ours, an egress or resolver
+    outage: the operators' DLQ keeps it."""
+    url = f"https://{RECEIVER_HOST}:{_closed_port()}/hooks/{new_id()}"
     task_id = new_id()
     await flow.publish(_completed(task_id, url))
 
@@ -405,7 +431,15 @@ async def test_a_receiver_that_keeps_failing_is_dead_lettered_after_the_last_att
     dead = await flow.dead_letter_of(record["_id"])
 
     assert "gave up after 4 attempt(s)" in str(dead.headers[ERROR_HEADER])
-    assert len(flow.receiver.requests(url)) == 4
+    assert record["dead_letter"] is True
+
+
+def _closed_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
 
 
 async def test_a_name_resolving_to_a_private_address_is_never_contacted(flow: Flow) -> None:

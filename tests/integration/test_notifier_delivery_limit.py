@@ -36,7 +36,7 @@ from shared.topology import (
     WEBHOOK_DELIVERIES,
 )
 from tests.integration import test_notifier_own_claims as own_claims
-from tests.integration.test_notifier import Receiver
+from tests.integration.test_notifier import RECEIVER_HOST, Receiver, _closed_port
 from tests.integration.test_notifier_own_claims import LEASE, Deps, _delivery
 from tests.support import HandedDelivery, HandlerOnly
 
@@ -255,8 +255,9 @@ async def test_a_given_up_delivery_of_ours_is_dead_lettered_again_by_a_later_cop
 ) -> None:
     """Retries spent (or the delivery limit) stay ours: a copy that finds the attempt given up
     carries the dead-lettering out again (its consumer may have died before it)."""
+    unreachable = f"https://{RECEIVER_HOST}:{_closed_port()}/hooks/never"  # no answer
     delivery = _delivery(receiver[0]).model_copy(
-        update={"url": receiver[0].endpoint(503), "attempt": 3, "max_attempts": 3}
+        update={"url": unreachable, "attempt": 3, "max_attempts": 3}
     )
     broker, handle = _handler(make_deps("proc-a"))
     body = delivery.model_dump_json().encode()

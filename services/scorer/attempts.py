@@ -6,15 +6,20 @@
 `spent` ({generation, prompt_tokens, completion_tokens, model}) is what the provider billed
 the retried attempts of a generation (`decisions.Spent`): written with a retry decision,
 kept by the claims that follow (which clear the decision) and read by the next attempt,
-whose outcome counts it in. A newer generation (a DLQ replay) starts from nothing: the
-outcome of the one it replaces counted it already.
+whose outcome counts it in. A newer generation (a re-score, a DLQ replay) that replaces one
+with no outcome (its attempt still running, or decided a retry) takes its `spent` over in
+the claim's write (`generation` rewritten): that generation's next attempt is superseded and
+never publishes anything metered. One that replaces an outcome (a stored finish) starts
+from nothing: that outcome counted `spent` already.
 
-A claim is one atomic conditional upsert. It succeeds for a task never seen, a newer
-generation (a DLQ replay), the attempt after a decided retry, a running attempt whose
-lease expired (its worker died), or, when the caller says so, a running attempt it claimed
-itself and no longer works on (the claim's write landed but its answer was lost). Anything
-else collides on `_id` and is classified: the same attempt running elsewhere (busy),
-already decided (replay the decision), or older than what is stored (superseded).
+A claim is an atomic conditional upsert. It succeeds for a task never seen, the attempt
+after a decided retry, a running attempt whose lease expired (its worker died), or, when
+the caller says so, a running attempt it claimed itself and no longer works on (the claim's
+write landed but its answer was lost). Anything else collides on `_id`; a newer generation
+(a re-score, a DLQ replay) then claims over the older one stored with a second conditional
+upsert (the one that carries `spent` over). What still collides is classified: the same
+attempt running elsewhere (busy), already decided (replay the decision), or older than what
+is stored (superseded).
 """
 
 from __future__ import annotations
@@ -24,14 +29,14 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from pymongo import AsyncMongoClient
+from pymongo import AsyncMongoClient, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import DuplicateKeyError, OperationFailure
 
 from services.scorer import decisions
 from services.scorer.decisions import Finish, Retry, Spent
 from shared.contracts import ScoreText
-from shared.group_writes import GroupWriter
+from shared.group_writes import GroupWriter, Write
 from shared.indexes import drop_retired_indexes
 
 Document = dict[str, Any]
@@ -116,45 +121,48 @@ class Attempts:
     ) -> ClaimResult:
         """Claim the command's attempt; with `reclaim_own`, also when `owner` holds it already
         and none of the caller's deliveries works on it (a claim whose answer was lost)."""
-        generation, attempt = command.generation, command.attempt
-        reclaimable: list[Document] = []
-        if reclaim_own:
-            reclaimable.append(
-                {"generation": generation, "attempt": attempt, "state": "running", "owner": owner}
-            )
-        claimable = {
-            "_id": command.task_id,
-            "$or": [
-                *reclaimable,
-                {"generation": {"$lt": generation}},
-                {
-                    "generation": generation,
-                    "attempt": {"$lt": attempt},
-                    "state": "decided",
-                    "decision.kind": "retry",
-                },
-                {
-                    "generation": generation,
-                    "attempt": attempt,
-                    "state": "running",
-                    "lease_until": {"$lt": now},
-                },
-            ],
+        claimed = {
+            "tenant_id": command.tenant_id,
+            "generation": command.generation,
+            "attempt": command.attempt,
+            "state": "running",
+            "lease_until": now + lease,
+            "owner": owner,
+            "updated_at": now,
         }
-        claim = {
-            "$set": {
-                "tenant_id": command.tenant_id,
-                "generation": generation,
-                "attempt": attempt,
-                "state": "running",
-                "lease_until": now + lease,
-                "owner": owner,
-                "updated_at": now,
-            },
-            "$unset": {"decision": "", "raw_output": ""},
-        }
+        claimable = _claimable_in_generation(command, now=now, owner=owner, reclaim_own=reclaim_own)
         try:
-            await self._writes.update_one(claimable, claim, upsert=True)
+            await self._writes.update_one(
+                claimable,
+                {"$set": claimed, "$unset": {"decision": "", "raw_output": ""}},
+                upsert=True,
+            )
+        except DuplicateKeyError:
+            held = await self.find(command.task_id)
+            if held is not None and held["generation"] < command.generation:
+                return await self._replace_generation(command, claimed)
+            return _standing(held, command)
+        return Claimed()
+
+    async def _replace_generation(self, command: ScoreText, claimed: Document) -> ClaimResult:
+        """Claim the command's attempt over an older generation, taking over its `spent` when
+        it published no outcome (`_spent_taken_over`).
+
+        A write of its own, an update pipeline: as one, every claim (each new task's) cost
+        twice as much on the stand-in."""
+        older = {"_id": command.task_id, "generation": {"$lt": command.generation}}
+        # `$literal`: in a pipeline, a string starting with `$` reads as a field.
+        replaced: list[Document] = [
+            {"$set": {"spent": _spent_taken_over(command.generation)}},
+            {"$set": {key: {"$literal": value} for key, value in claimed.items()}},
+            {"$unset": ["decision", "raw_output"]},
+        ]
+        try:
+            # Sized by its parts should a neighbour in its batch not encode: a pipeline (a
+            # list) is not a document of its own.
+            await self._writes.submit(
+                Write(UpdateOne(older, replaced, upsert=True), (older, {"u": replaced}))
+            )
         except DuplicateKeyError:
             return await self.standing(command)
         return Claimed()
@@ -162,23 +170,13 @@ class Attempts:
     async def standing(self, command: ScoreText) -> ClaimResult:
         """Where the command's attempt stands, without claiming it: decided (and how), behind
         a newer attempt, or not decided yet (Busy, until its claim's lease ends)."""
-        held = await self._collection.find_one({"_id": command.task_id})
-        if held is None:  # removed in between; the redelivery will claim it
-            return Busy(until=command.submitted_at)
-        ahead = (held["generation"], held["attempt"]) > (command.generation, command.attempt)
-        if held["generation"] > command.generation:
-            return Superseded()
-        if held["state"] == "running":
-            return Superseded() if ahead else Busy(until=held["lease_until"])
-        decision = decisions.load(held["decision"])
-        if ahead and isinstance(decision, Retry):
-            return Superseded()
-        return Decided(decision)
+        return _standing(await self.find(command.task_id), command)
 
     async def spent_before(self, command: ScoreText) -> Spent | None:
         """What the earlier attempts of the command's generation were billed, as their retry
-        decisions recorded it (None: nothing). The first attempt of a generation has none."""
-        if command.attempt <= 1:
+        decisions recorded it or its claim took it over from the generation it replaced
+        (None: nothing). The first attempt of the first generation has none."""
+        if command.attempt <= 1 and command.generation == 0:
             return None
         held = await self._collection.find_one({"_id": command.task_id}, {"spent": True})
         spent = Spent.loaded(held.get("spent")) if held is not None else None
@@ -224,3 +222,63 @@ class Attempts:
 
     async def find(self, task_id: str) -> Document | None:
         return await self._collection.find_one({"_id": task_id})
+
+
+def _claimable_in_generation(
+    command: ScoreText, *, now: datetime, owner: str, reclaim_own: bool
+) -> Document:
+    """The claim's filter within the command's generation: the attempt after a decided retry,
+    a running attempt whose lease expired, and with `reclaim_own` one `owner` holds."""
+    generation, attempt = command.generation, command.attempt
+    reclaimable: list[Document] = []
+    if reclaim_own:
+        reclaimable.append(
+            {"generation": generation, "attempt": attempt, "state": "running", "owner": owner}
+        )
+    return {
+        "_id": command.task_id,
+        "$or": [
+            *reclaimable,
+            {
+                "generation": generation,
+                "attempt": {"$lt": attempt},
+                "state": "decided",
+                "decision.kind": "retry",
+            },
+            {
+                "generation": generation,
+                "attempt": attempt,
+                "state": "running",
+                "lease_until": {"$lt": now},
+            },
+        ],
+    }
+
+
+def _standing(held: Document | None, command: ScoreText) -> ClaimResult:
+    if held is None:  # removed in between; the redelivery will claim it
+        return Busy(until=command.submitted_at)
+    ahead = (held["generation"], held["attempt"]) > (command.generation, command.attempt)
+    if held["generation"] > command.generation:
+        return Superseded()
+    if held["state"] == "running":
+        return Superseded() if ahead else Busy(until=held["lease_until"])
+    decision = decisions.load(held["decision"])
+    if ahead and isinstance(decision, Retry):
+        return Superseded()
+    return Decided(decision)
+
+
+def _spent_taken_over(generation: int) -> Document:
+    """`spent` as a claim of `generation` leaves it (an aggregation expression on the stored
+    document): tagged with `generation` when the claim replaces an older generation that
+    published no outcome, as it stands otherwise."""
+    replaces_no_outcome = {
+        "$and": [
+            {"$lt": ["$generation", generation]},
+            {"$eq": ["$spent.generation", "$generation"]},
+            {"$or": [{"$eq": ["$state", "running"]}, {"$eq": ["$decision.kind", "retry"]}]},
+        ]
+    }
+    carried = {"$mergeObjects": ["$spent", {"generation": generation}]}
+    return {"$cond": [replaces_no_outcome, carried, "$spent"]}

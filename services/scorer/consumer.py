@@ -9,12 +9,16 @@ What each outcome means on the broker:
   again, then acked; a redelivery is left unacknowledged (its delivery count kept).
 - unreadable body (poison): copied to the DLQ with the validation error, then ack.
 - the handler itself crashed: re-sent after a delay with a crash counter; at the limit,
-  dead-lettered and failed.
+  given up: dead-lettered and failed.
 - a process died (or lost its connection) holding the message: RabbitMQ redelivers it with
   `x-delivery-count`; while the dead holder's claim lasts, the redelivery is held, not
   re-sent, so the count keeps growing. Once it reaches the queue's delivery limit the
   scorer dead-letters the message and fails the task instead of risking another crash
   (and should the scorer die before it can, RabbitMQ dead-letters it by the same limit).
+- a give-up is recorded as the attempt's decision first, under a claim of this process:
+  a later copy of the command (the gateway's outbox sweep, a retry replayed) then carries
+  the failure out again instead of calling the model. Another worker's live claim is waited
+  for, and its decision carried out instead.
 - MongoDB unavailable: re-sent after a delay without counting it as a crash.
 """
 
@@ -31,7 +35,7 @@ from faststream.rabbit import RabbitBroker
 from pydantic import ValidationError
 from pymongo.errors import PyMongoError
 
-from services.scorer.attempts import Busy
+from services.scorer.attempts import Busy, Claimed
 from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Leave, Retry, Spent
 from services.scorer.scoring import Clock, ScorerDeps, recorded_decision, score_text
 from shared.bus import publish_command, publish_event
@@ -52,6 +56,9 @@ log = logging.getLogger("scorebox.scorer")
 CRASHES_HEADER = "x-scorebox-crashes"
 # How often a delivery at its limit looks again at an attempt whose claim holds.
 LIMIT_POLL_S = 1.0
+# Give-ups refused this many times (the attempt claimed or decided meanwhile, each time) go
+# ahead unrecorded: a message that kills its consumers must stop.
+GIVE_UP_TRIES = 3
 CRASH_RETRY_DELAY = timedelta(seconds=5)
 DELIVERY_COUNT_HEADER = "x-delivery-count"  # set by quorum queues on every redelivery
 
@@ -106,18 +113,19 @@ class BrokerActions:
             headers=_carried_headers(message),
         )
 
-    async def fail_task(self, command: ScoreText, error: TaskError, *, dead_lettered: bool) -> None:
-        await self._event(_failure(command, error, dead_lettered=dead_lettered, spent=None))
-
-    async def fail_billed_task(self, command: ScoreText, error: TaskError, spent: Spent) -> None:
-        """`fail_task` for a dead-lettered task whose earlier attempts were billed `spent`:
-        its outcome, so metered with it (their retries published nothing metered)."""
-        await self._event(_failure(command, error, dead_lettered=True, spent=spent))
+    async def fail_task(self, failed: TaskEvent) -> None:
+        await self._event(failed)
 
 
-def _failure(
-    command: ScoreText, error: TaskError, *, dead_lettered: bool, spent: Spent | None
-) -> TaskFailed:
+def _given_up(command: ScoreText, reason: str, spent: Spent | None) -> Finish:
+    """The decision a give-up records: the task failed, its message dead-lettered; metered
+    with what the generation's earlier attempts were billed (`spent`): their retries
+    published nothing metered, this is its outcome."""
+    error = TaskError(code="internal_error", message=reason, retryable=False)
+    return Finish(_failure(command, error, spent=spent), dead_letter_error=reason)
+
+
+def _failure(command: ScoreText, error: TaskError, *, spent: Spent | None) -> TaskFailed:
     billed: dict[str, Any] = {}
     if spent is not None:
         billed = {"usage": spent.usage, "model": spent.model}
@@ -132,7 +140,7 @@ def _failure(
         submitted_at=command.submitted_at,
         api_key_id=command.api_key_id,
         error=error,
-        dead_lettered=dead_lettered,
+        dead_lettered=True,
         has_callback=command.callback_url is not None,
         callback_url=command.callback_url,
         **billed,
@@ -181,10 +189,7 @@ def subscribe_scorer(
             deps.metrics.count_resent()
         except Exception:
             log.exception("scoring %s crashed", command.task_id)
-            if await _after_crash(command, message, deps, actions, crash_limit=crash_limit):
-                deps.metrics.count_dead_lettered()
-            else:
-                deps.metrics.count_resent()
+            await _after_crash(command, message, deps, actions, crash_limit=crash_limit)
         else:
             deps.metrics.count_decision(decision)
             if isinstance(decision, Leave):
@@ -206,25 +211,38 @@ async def _at_delivery_limit(
 
     Giving up on a decided attempt published `task.failed` for a task whose result was
     stored, or next to the retry it had scheduled."""
-    recorded = await _decision_once_settled(command, deps)
-    if recorded is not None:
-        log.warning("%s at its delivery limit: carrying its recorded decision out", command.task_id)
-        await actions.carry_out(recorded, message)
-        deps.metrics.count_decision(recorded)
-        return
     reason = (
         f"delivered {deliveries + 1} times: its consumer died or lost its connection "
         f"holding it {deliveries} times (delivery limit {SCORE_REQUESTS.delivery_limit})"
     )
-    log.error("dead-lettering %s: %s", command.task_id, reason)
-    await _give_up(command, message, deps, actions, reason)
-    deps.metrics.count_dead_lettered()
+    await _settle_or_give_up(command, message, deps, actions, reason)
+
+
+async def _settle_or_give_up(
+    command: ScoreText, message: Delivery, deps: ScorerDeps, actions: BrokerActions, reason: str
+) -> None:
+    """Carry out the attempt's recorded decision once its claim no longer holds; give the
+    message up when nothing was decided. A give-up refused (the attempt was claimed or
+    decided in between) looks at the attempt again."""
+    for _ in range(GIVE_UP_TRIES):
+        recorded = await _decision_once_settled(command, deps)
+        if recorded is not None:
+            log.warning("%s given up on: carrying its recorded decision out", command.task_id)
+            await actions.carry_out(recorded, message)
+            deps.metrics.count_decision(recorded)
+            return
+        if await _give_up(command, message, deps, actions, reason):
+            return
+    log.error("%s: its give-up was refused %d times; not recorded", command.task_id, GIVE_UP_TRIES)
+    unrecorded = _given_up(command, reason, await _spent_before(command, deps))
+    await _dead_letter_and_fail(message, deps, actions, unrecorded, reason)
 
 
 async def _decision_once_settled(
     command: ScoreText, deps: ScorerDeps
 ) -> Finish | Retry | Drop | None:
-    """The attempt's recorded decision at the delivery limit, once its claim no longer holds.
+    """The attempt's recorded decision at the delivery limit (or at the crash limit, another
+    claim holding the attempt), once its claim no longer holds.
 
     A claim that holds may be the shielded decision of a delivery whose connection dropped,
     with its model call still running: given up then, its decision was recorded a moment
@@ -281,29 +299,86 @@ async def _after_crash(
     actions: BrokerActions,
     *,
     crash_limit: int,
-) -> bool:
-    """Send the message again later, or give it up at the crash limit (True)."""
+) -> None:
+    """Send the message again later, or give it up at the crash limit."""
     crashes = int(message.headers.get(CRASHES_HEADER, 0)) + 1
     if crashes < crash_limit:
         await _retry_later(command, message, actions, count_crash=True)
-        return False
+        deps.metrics.count_resent()
+        return
     reason = f"the scorer crashed {crashes} times on this message"
-    await _give_up(command, message, deps, actions, reason)
-    return True
+    # The attempt's claim is this process's own, as a rule: given up at once, not once its
+    # lease has ended (which `_settle_or_give_up` waits for).
+    if not await _give_up(command, message, deps, actions, reason):
+        await _settle_or_give_up(command, message, deps, actions, reason)
 
 
 async def _give_up(
     command: ScoreText, message: Delivery, deps: ScorerDeps, actions: BrokerActions, reason: str
+) -> bool:
+    """Record the give-up as the attempt's decision, then dead-letter the message and fail
+    the task; False, nothing done, when the attempt could not be claimed for it (another
+    worker's claim holds it, or it was decided meanwhile).
+
+    Recorded, a later copy of the attempt (the gateway's outbox sweep, a retry replayed, a
+    publish repeated after a lost confirm) carries the failure out again. Unrecorded, the
+    claim stayed `running`: a copy claimed it once its lease ran out, called the model and
+    published a completion with the failure's sequence, which the projection dropped."""
+    given_up = await _recorded_give_up(command, deps, reason)
+    if given_up is None:
+        return False
+    await _dead_letter_and_fail(message, deps, actions, given_up, reason)
+    return True
+
+
+async def _dead_letter_and_fail(
+    message: Delivery, deps: ScorerDeps, actions: BrokerActions, given_up: Finish, reason: str
 ) -> None:
-    """Dead-letter the message and fail the task, counting in what the generation's earlier
-    attempts were billed: their retries published nothing metered, this is its outcome."""
-    spent = await _spent_before(command, deps)
+    log.error("dead-lettering %s: %s", given_up.event.task_id, reason)
     await actions.dead_letter(message, reason)
-    error = TaskError(code="internal_error", message=reason, retryable=False)
-    if spent is None:
-        await actions.fail_task(command, error, dead_lettered=True)
-    else:
-        await actions.fail_billed_task(command, error, spent)
+    await actions.fail_task(given_up.event)
+    deps.metrics.count_dead_lettered()
+
+
+async def _recorded_give_up(command: ScoreText, deps: ScorerDeps, reason: str) -> Finish | None:
+    """The give-up, once recorded as the attempt's decision (None: refused).
+
+    The database away is waited out, the delivery held. Any other failure to record it
+    gives the message up unrecorded: a message that crashes its handler must stop."""
+    try:
+        return await _claimed_and_given_up(command, deps, reason)
+    except Exception:
+        log.exception("%s: its give-up could not be recorded", command.task_id)
+        return _given_up(command, reason, await _spent_before(command, deps))
+
+
+async def _claimed_and_given_up(command: ScoreText, deps: ScorerDeps, reason: str) -> Finish | None:
+    """Claim the attempt as `score_text` does (claimable, or a claim of ours none of our
+    deliveries works on), then record the give-up under that claim. The claim takes over
+    what an older generation it replaces was billed (`Attempts.claim`), and `spent_before`
+    reads it under the claim."""
+    attempt = (command.task_id, command.generation, command.attempt)
+    with deps.in_hand.holding(attempt) as only_here:
+        claim = await _waited_out(
+            lambda: deps.attempts.claim(
+                command, now=deps.clock(), lease=deps.lease, owner=deps.owner, reclaim_own=only_here
+            ),
+            what=f"claiming {command.task_id} to give it up",
+        )
+        if not isinstance(claim, Claimed):
+            return None
+        given_up = _given_up(command, reason, await _spent_before(command, deps))
+        recorded = await _waited_out(
+            lambda: deps.attempts.decide(
+                command, given_up, now=deps.clock(), raw_output=None, owner=deps.owner
+            ),
+            what=f"recording the give-up of {command.task_id}",
+        )
+    return given_up if recorded else None
+
+
+async def _waited_out[T](action: Callable[[], Awaitable[T]], *, what: str) -> T:
+    return await keep_trying(action, what=what, retry_on=(PyMongoError,))
 
 
 async def _spent_before(command: ScoreText, deps: ScorerDeps) -> Spent | None:

@@ -23,7 +23,7 @@ from services.scorer.consumer import BrokerActions, _at_delivery_limit
 from services.scorer.decisions import Decision, Drop, Finish
 from services.scorer.scoring import ScorerDeps, recorded_decision, score_text
 from shared.consumers import Delivery
-from shared.contracts import ScoreResult, ScoreText, TaskCompleted, TaskError, utcnow
+from shared.contracts import ScoreResult, ScoreText, TaskCompleted, TaskEvent, utcnow
 from shared.topology import SCORE_REQUESTS
 from tests.integration import test_scorer_own_claims as own_claims
 from tests.integration.test_scorer_own_claims import LEASE, Deps, _command
@@ -179,7 +179,7 @@ class Recording:
     async def dead_letter(self, message: Delivery, error: str) -> None:
         self.done.append("dead-lettered")
 
-    async def fail_task(self, command: ScoreText, error: TaskError, *, dead_lettered: bool) -> None:
+    async def fail_task(self, failed: TaskEvent) -> None:
         self.done.append("failed")
 
 

@@ -35,7 +35,6 @@ from shared.contracts import (
     ScoreResult,
     ScoreText,
     TaskCompleted,
-    TaskError,
     TaskEvent,
     new_id,
     utcnow,
@@ -303,7 +302,7 @@ class GivesUp(CarriedOut):
         self.given_up.append(error)
 
     @override
-    async def fail_task(self, command: ScoreText, error: TaskError, *, dead_lettered: bool) -> None:
+    async def fail_task(self, failed: TaskEvent) -> None:
         pass
 
     @override

@@ -261,8 +261,9 @@ async def test_a_retried_attempt_given_up_at_the_delivery_limit_reports_earlier_
 async def test_a_replayed_generation_does_not_count_the_earlier_ones_tokens(
     make_deps: Deps, attempts: Attempts
 ) -> None:
-    """A DLQ replay (the next generation, attempt 1, then its retry) starts from nothing:
-    the earlier generation's outcome reported its tokens."""
+    """A DLQ replay's retry (the next generation) reads nothing of the earlier generation's
+    tokens: only a claim that replaces that generation takes them over, when it published no
+    outcome (`test_scorer_usage_across_generations.py`)."""
     command, _ = _task("[[fake:malformedx1]][[fake:503x1]]")
     deps = make_deps("scorer-a")
     assert isinstance(await score_text(command, deps=deps), Retry)

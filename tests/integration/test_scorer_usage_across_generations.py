@@ -1,0 +1,120 @@
+"""Tokens a generation was billed reach the outcome of the generation that replaces it,
+when it published none.
+
+Generation 0 is retried (an unusable answer, its repair 503: billed, recorded as the
+attempt's `spent`); a re-score or a DLQ replay (generation 1) then claims the task. Its
+next attempt is superseded and never publishes an outcome, and generation 1's outcome
+ignored `spent` tagged 0: those tokens were never metered. A generation that finished
+counted them in its outcome already: the next one starts from nothing. `score_text` runs
+here on the real database and calls the fake model server over HTTP.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scorer.attempts import Attempts
+from services.scorer.consumer import _at_delivery_limit
+from services.scorer.decisions import Drop, Finish, Retry
+from services.scorer.scoring import ScorerDeps, score_text
+from services.scorer.settings import ScorerSettings
+from shared.contracts import ScoreText, TaskCompleted, TaskFailed, new_id, utcnow
+from shared.runtime import make_broker
+from shared.topology import SCORE_REQUESTS, declare_topology
+from tests.integration import test_scorer_own_claims as own_claims
+from tests.integration.test_scorer_own_claims import LEASE, Deps
+from tests.integration.test_scorer_usage_across_retries import (
+    PublishingFailures,
+    _add,
+    _billed,
+    _task,
+    outcomes,
+)
+from tests.support import HandedDelivery
+
+attempts = own_claims.attempts  # fixtures
+make_deps = own_claims.make_deps
+
+RETRIED = "[[fake:malformedx1]][[fake:503x1]]"  # attempt 1 billed, then retried
+
+
+async def _retried(command: ScoreText, deps: ScorerDeps) -> Retry:
+    retry = await score_text(command, deps=deps)
+    assert isinstance(retry, Retry)
+    assert retry.spent is not None
+    assert retry.spent.usage == _billed(command.text, unusable=True)
+    return retry
+
+
+def _due(command: ScoreText) -> ScoreText:
+    return command.model_copy(update={"not_before": None, "message_id": new_id()})
+
+
+def _next_generation(command: ScoreText) -> ScoreText:
+    update = {"generation": command.generation + 1, "attempt": 1, "message_id": new_id()}
+    return command.model_copy(update=update)
+
+
+@pytest.mark.parametrize("next_attempt_running", [False, True], ids=["retry-decided", "running"])
+async def test_a_generation_replacing_a_retrying_one_meters_its_tokens(
+    make_deps: Deps, attempts: Attempts, next_attempt_running: bool
+) -> None:
+    command, _ = _task(RETRIED)
+    deps = make_deps("scorer-a")
+    retry = await _retried(command, deps)
+    if next_attempt_running:  # on another scorer, its model call under way
+        await attempts.claim(retry.next_command, now=utcnow(), lease=LEASE, owner="scorer-b")
+
+    rescored = await score_text(_next_generation(command), deps=deps)
+
+    assert isinstance(rescored, Finish)
+    assert isinstance(rescored.event, TaskCompleted)
+    answered = _billed(command.text, unusable=False)
+    assert rescored.event.result.usage == _add(_billed(command.text, unusable=True), answered)
+    # Generation 0's next attempt publishes nothing: its tokens had no other way out.
+    assert isinstance(await score_text(_due(retry.next_command), deps=deps), Drop)
+
+
+async def test_a_generation_replacing_a_finished_one_starts_from_nothing(
+    make_deps: Deps,
+) -> None:
+    command, _ = _task(RETRIED)
+    deps = make_deps("scorer-a")
+    retry = await _retried(command, deps)
+    finished = await score_text(_due(retry.next_command), deps=deps)
+    assert isinstance(finished, Finish)
+    assert isinstance(finished.event, TaskCompleted)
+    answered = _billed(command.text, unusable=False)
+    assert finished.event.result.usage == _add(_billed(command.text, unusable=True), answered)
+
+    rescored = await score_text(_next_generation(command), deps=deps)
+
+    assert isinstance(rescored, Finish)
+    assert isinstance(rescored.event, TaskCompleted)
+    assert rescored.event.result.usage == answered
+
+
+async def test_a_generation_given_up_before_its_claim_reports_the_replaced_ones_tokens(
+    make_deps: Deps, amqp_url: str
+) -> None:
+    """Generation 1 reached the delivery limit before any scorer claimed it, generation 0
+    still retrying: its failure is the task's outcome, generation 0's tokens in it."""
+    command, _ = _task(RETRIED)
+    deps = make_deps("scorer-a")
+    await _retried(command, deps)
+    rescore = _next_generation(command)
+    limit = SCORE_REQUESTS.delivery_limit
+    at_limit = HandedDelivery.redelivery(rescore.model_dump_json().encode(), count=limit)
+
+    broker = make_broker(ScorerSettings.model_validate({"RABBITMQ_URL": amqp_url}))
+    async with broker:
+        await broker.connect()
+        await declare_topology(broker)
+        async with outcomes(amqp_url) as published:
+            actions = PublishingFailures(broker)
+            await _at_delivery_limit(rescore, at_limit, deps, actions, limit)
+            failed: TaskFailed = await published.next_of(command.task_id, TaskFailed)
+
+    assert len(actions.dead_lettered) == 1
+    assert (failed.generation, failed.dead_lettered) == (1, True)
+    assert failed.usage == _billed(command.text, unusable=True)

@@ -24,6 +24,7 @@ from services.gateway.auth import Caller
 from services.gateway.cache import ResultCache
 from services.gateway.errors import (
     IdempotencyConflict,
+    ReplayUnfinished,
     RequestInProgress,
     Unavailable,
 )
@@ -164,6 +165,24 @@ def _unavailable(error: Unavailable) -> Problem:
     )
 
 
+def _in_progress(error: RequestInProgress) -> Problem:
+    """409: the key's first request is being accepted, or was received and the database
+    failed the replay's lookup of it (`ReplayUnfinished`: not a 503, which says nothing was
+    kept, and a client resubmitting without the key had its text scored twice)."""
+    detail = (
+        "A request with this Idempotency-Key was received earlier, but the database could "
+        "not look it up now; retry with the same Idempotency-Key."
+        if isinstance(error, ReplayUnfinished)
+        else "A request with this Idempotency-Key is still being accepted; retry shortly."
+    )
+    return Problem(
+        409,
+        detail,
+        kind="request-in-progress",
+        headers={"Retry-After": str(error.retry_after_s)},
+    )
+
+
 def waiter_problem(error: WaiterLimitReached) -> Problem:
     """Over the caller's share of long-polls and streams: 429; over the replica's: 503."""
     headers = {"Retry-After": str(error.retry_after_s)}
@@ -255,12 +274,7 @@ def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
                 kind="idempotency-key-reused",
             ) from error
         except RequestInProgress as error:
-            raise Problem(
-                409,
-                "A request with this Idempotency-Key is still being accepted; retry shortly.",
-                kind="request-in-progress",
-                headers={"Retry-After": "1"},
-            ) from error
+            raise _in_progress(error) from error
         except Unavailable as error:
             raise _unavailable(error) from error
         location = {"Location": status_url(submitted.task_id)}

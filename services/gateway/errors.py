@@ -3,7 +3,8 @@
     GatewayError
     ├── IdempotencyConflict     409: same key, different request body
     ├── RequestInProgress       409: same key, first request still being accepted; retry
-    │   └── ReplayUnfinished    409: same key, its batch kept but not completed now; retry
+    │   └── ReplayUnfinished    409: same key, its first request received, the database
+    │                                failing the replay; retry with the same key
     └── Unavailable             503: try again later; nothing was kept
         ├── BrokerUnavailable
         ├── DatabaseUnavailable
@@ -28,9 +29,10 @@ class RequestInProgress(GatewayError):
 
 
 class ReplayUnfinished(RequestInProgress):
-    """A replay found its key's batch, and the database failed before it could answer it:
-    the batch is its first request's and stays as it was (not a 503, "nothing was kept": it
-    may be sent, or answered 202 already). Retry with the same key."""
+    """A replay found its key taken (a submission's) or its key's batch, and the database
+    failed before it could answer it: what the key names is its first request's and stays as
+    it was (not a 503, "nothing was kept": it may be sent, or answered 202 already). Retry
+    with the same key."""
 
     retry_after_s = 5
 

@@ -14,6 +14,7 @@ from services.gateway.errors import (
     BrokerUnavailable,
     DatabaseUnavailable,
     IdempotencyConflict,
+    ReplayUnfinished,
     RequestInProgress,
 )
 from services.gateway.limits import LimitExceeded
@@ -280,7 +281,14 @@ async def _publish_or_discard(
 async def _earlier_submission(
     idempotency_key: str, digest: str, tenant_id: str, submissions: Submissions
 ) -> Submitted:
-    earlier = await submissions.find_by_key(idempotency_key, tenant_id=tenant_id)
+    """The submission the key names (its insert collided on the key). A lookup the database
+    fails is `ReplayUnfinished` (409, retry with the same key), not a 503 ("nothing was
+    kept"): the key's first request was received and may have been answered 202 and be being
+    scored, and a client resubmitting without the key had its text scored twice."""
+    try:
+        earlier = await submissions.find_by_key(idempotency_key, tenant_id=tenant_id)
+    except DatabaseUnavailable as error:
+        raise ReplayUnfinished(idempotency_key) from error
     if earlier is None or earlier.state is SubmissionState.ACCEPTING:
         raise RequestInProgress(idempotency_key)
     if earlier.request_hash != digest:

@@ -1,0 +1,129 @@
+"""A repeated single submission (same Idempotency-Key) whose lookup of the earlier request
+the database fails: the earlier one was received, so the client is told to retry with the
+same key (409), never that nothing was kept (503), after which a client resubmitting without
+the key had its text scored twice. Gateway and status in-process, on the real broker and
+database; the lookup fails as a timed-out `find_by_key` of the real repository."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aio_pika
+import httpx
+import pytest
+from pymongo import AsyncMongoClient
+
+from services.gateway.app import create_app as create_gateway
+from services.gateway.errors import DatabaseUnavailable
+from services.gateway.keys import generate_key
+from services.gateway.settings import GatewaySettings
+from services.gateway.submissions import Submission, Submissions
+from services.status.app import create_app as create_status
+from services.status.settings import StatusSettings
+from shared.contracts import ScoreText
+from shared.topology import SCORE_REQUESTS
+from tests.support import running
+
+API_KEY = generate_key().token
+
+Json = dict[str, Any]
+
+
+@dataclass
+class Stack:
+    api: httpx.AsyncClient
+    amqp_url: str
+    submissions: Any  # the gateway's collection, reached directly
+
+
+@pytest.fixture(scope="module")
+async def stack(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Stack]:
+    env = {
+        "RABBITMQ_URL": amqp_url,
+        "MONGO_URL": mongo.url,
+        "MONGO_DB_PREFIX": db_prefix,
+        "BOOTSTRAP_API_KEY": API_KEY,
+        "RATE_LIMIT_PER_MIN": "0",
+    }
+    status = create_status(StatusSettings.model_validate(env))
+    client: AsyncMongoClient[Json] = AsyncMongoClient(mongo.url, tz_aware=True)
+    async with running(status) as status_client:
+        gateway = create_gateway(GatewaySettings.model_validate(env), status_http=status_client)
+        async with running(gateway) as api:
+            api.headers["Authorization"] = f"Bearer {API_KEY}"
+            yield Stack(api, amqp_url, client[f"{db_prefix}_gateway"]["submissions"])
+    await client.close()
+
+
+@dataclass
+class LookupFails:
+    """`Submissions.find_by_key` of the real repository, failing as the database timing out
+    while `failing` (each failed call counted)."""
+
+    failing: bool = True
+    failed: int = 0
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        original = Submissions.find_by_key
+
+        async def find_by_key(
+            submissions: Submissions, idempotency_key: str, *, tenant_id: str
+        ) -> Submission | None:
+            if self.failing:
+                self.failed += 1
+                raise DatabaseUnavailable("timed out")
+            return await original(submissions, idempotency_key, tenant_id=tenant_id)
+
+        monkeypatch.setattr(Submissions, "find_by_key", find_by_key)
+
+
+async def _queued_commands(amqp_url: str) -> list[ScoreText]:
+    """The commands sent to the scorer so far (no scorer runs here: they wait in its queue)."""
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.get_queue(SCORE_REQUESTS.name, ensure=True)
+        commands = []
+        while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
+            commands.append(ScoreText.model_validate_json(message.body))
+        return commands
+
+
+async def test_a_retry_whose_lookup_fails_is_told_to_retry_with_the_key_and_keeps_nothing_new(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = f"key-{uuid.uuid4().hex}"
+    body = {"text": f"An essay {uuid.uuid4().hex}.", "use_cache": False}
+    headers = {"Idempotency-Key": key}
+    first = await stack.api.post("/v1/scores", json=body, headers=headers)
+    assert first.status_code == 202, first.text  # ... and the client never saw it
+    task_id = first.json()["task_id"]
+    assert [command.task_id for command in await _queued_commands(stack.amqp_url)] == [task_id]
+    lookup = LookupFails()
+    lookup.install(monkeypatch)
+
+    retry = await stack.api.post("/v1/scores", json=body, headers=headers)
+
+    assert lookup.failed >= 1  # the retry did reach the failing lookup
+    assert retry.status_code == 409, retry.text  # not 503: "nothing was kept" was untrue
+    assert retry.headers["content-type"].startswith("application/problem+json")
+    assert retry.headers["retry-after"] == "5"
+    problem = retry.json()
+    assert problem["status"] == 409
+    assert problem["type"].endswith("/request-in-progress")
+    assert "received" in problem["detail"]
+    assert "same Idempotency-Key" in problem["detail"]
+    # Nothing new kept or sent: the key's one submission, its one command.
+    stored = [document["_id"] async for document in stack.submissions.find({})]
+    assert stored == [task_id]
+    assert await _queued_commands(stack.amqp_url) == []
+
+    lookup.failing = False  # the database answers again: the retry finds the first request
+    again = await stack.api.post("/v1/scores", json=body, headers=headers)
+    assert again.status_code == 200, again.text
+    assert again.json()["task_id"] == task_id
+    assert [document["_id"] async for document in stack.submissions.find({})] == [task_id]
+    assert await _queued_commands(stack.amqp_url) == []

@@ -37,6 +37,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 from shared.contracts import (
     BatchItemProgress,
     BatchProgress,
+    Phase,
     ScoreText,
     ScoreWithdrawn,
     StateChange,
@@ -51,6 +52,7 @@ from shared.contracts import (
     TaskStatus,
     TaskView,
     accepted_event,
+    event_sequence,
     parse_task_event,
     utcnow,
 )
@@ -97,7 +99,9 @@ def _fields_of(event: TaskEvent, change: StateChange, *, finished_ttl: timedelta
     """What an applied (newer) event sets. Within a generation a result exists only once its
     attempt completed, so every other event clears one: it can only be an earlier
     generation's, left when the re-score's `task.accepted` (sent best effort) was lost or
-    overtaken, and the task then showed the old rubric's result next to its new status."""
+    overtaken, and the task then showed the old rubric's result next to its new status.
+    A `task.started` keeps the error of its generation's previous attempt (what it retries
+    after); an earlier generation's is cleared where it is applied (`_apply_newer`)."""
     fields: Document = {
         "tenant_id": event.tenant_id,
         "status": change.status.value,
@@ -175,11 +179,8 @@ async def apply_task_event(
     change = StateChange.of_event(event)
     fields = _fields_of(event, change, finished_ttl=finished_ttl)
     push = _history_push(change, history_limit)
-    applied = await _upsert_if_newer(
-        writes,
-        event.task_id,
-        event.sequence,
-        {"$set": fields, "$push": {"history": push}, "$unset": {"withdrawn": ""}},
+    applied = await _apply_newer(
+        writes, event, {"$set": fields, "$push": {"history": push}, "$unset": {"withdrawn": ""}}
     )
     if not applied:
         # Stale or duplicate: the state stays, but a change never recorded enters the history.
@@ -191,6 +192,33 @@ async def apply_task_event(
             {"_id": event.task_id, "history.sequence": {"$ne": event.sequence}}, late
         )
     return applied
+
+
+async def _apply_newer(writes: GroupWriter, event: TaskEvent, update: Document) -> bool:
+    """Apply `update` (the event's) unless the task holds its sequence or a later one.
+
+    A `task.started` keeps the stored error when the stored state is of its own generation
+    (its previous attempt's `task.retrying`: the latest error of a retrying task), and clears
+    it when the stored state is of an earlier one: a DLQ replay (or re-score) whose
+    `task.accepted` (best effort) was lost or overtaken read `processing` with the earlier
+    generation's error (`dead_lettered: true`) until its outcome. No write reads the stored
+    generation, so guards tell the two apart: first this generation's (the usual case, one
+    round trip), then an earlier one's, clearing the error. Both refused, the task may have
+    moved into this generation in between (its acceptance applied by another replica), so
+    this generation's guard is tried once more; a sequence only grows, so a third refusal
+    means the start is stale. The extra round trips are spent only on a start over an earlier
+    generation's state, or on a stale start.
+    """
+    if not isinstance(event, TaskStarted):
+        return await _upsert_if_newer(writes, event.task_id, event.sequence, update)
+    start = event_sequence(generation=event.generation, attempt=0, phase=Phase.ACCEPTED)
+    this_generation = {"_id": event.task_id, "sequence": {"$gte": start, "$lt": event.sequence}}
+    if await writes.guarded_upsert(this_generation, update):
+        return True
+    cleared = {**update, "$set": {**update["$set"], "error": None}}
+    if await _upsert_if_newer(writes, event.task_id, start, cleared):
+        return True
+    return await writes.guarded_upsert(this_generation, update)
 
 
 async def _upsert_if_newer(

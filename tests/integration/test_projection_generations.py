@@ -1,7 +1,8 @@
 """A re-scored task's new generation replaces what its earlier one showed, even when the new
 generation's `task.accepted` never reached the projection (it is sent best effort, after the
 command's confirm): its attempt's events carry no result, and the task must not show the
-earlier rubric's result next to a new status."""
+earlier rubric's result next to a new status; nor may a DLQ replay's start show the
+dead-lettered generation's error (within a generation the latest error stays)."""
 
 from __future__ import annotations
 
@@ -45,13 +46,15 @@ async def tasks(mongo: Endpoint) -> AsyncIterator[AsyncCollection[Document]]:
         yield docs
 
 
-def _fields(command: ScoreText, generation: int, phase: Phase) -> dict[str, Any]:
+def _fields(
+    command: ScoreText, generation: int, phase: Phase, *, attempt: int = 1
+) -> dict[str, Any]:
     return {
         "task_id": command.task_id,
         "tenant_id": command.tenant_id,
-        "sequence": event_sequence(generation=generation, attempt=1, phase=phase),
+        "sequence": event_sequence(generation=generation, attempt=attempt, phase=phase),
         "generation": generation,
-        "attempt": 1,
+        "attempt": attempt,
         "submitted_at": command.submitted_at,
     }
 
@@ -105,3 +108,63 @@ async def test_the_next_generation_without_its_acceptance_shows_no_earlier_resul
 
     view = await _view(tasks, command)
     assert (view.status, view.result) == (status, None)
+
+
+DEAD = TaskError(code="model_timeout", message="Timed out, every attempt.", retryable=True)
+TRANSIENT = TaskError(code="model_rate_limited", message="Rate limited.", retryable=True)
+
+
+async def _apply(tasks: AsyncCollection[Document], *events: TaskEvent) -> None:
+    for event in events:
+        assert await apply_projected(event, writes=GroupWriter(tasks), finished_ttl=TTL)
+
+
+async def _dead_lettered_at_generation_0(tasks: AsyncCollection[Document]) -> ScoreText:
+    """Failed for good at generation 0 and dead-lettered: an admin may replay it."""
+    command = ScoreText(task_id=new_id(), tenant_id="acme", text="Failed, then replayed.")
+    failed = TaskFailed(**_fields(command, 0, Phase.TERMINAL), error=DEAD, dead_lettered=True)
+    await _apply(tasks, accepted_event(command), failed)
+    error = (await _view(tasks, command)).error
+    assert error is not None
+    assert error.dead_lettered
+    return command
+
+
+@pytest.mark.parametrize("attempt", [1, 2], ids=["first-attempt", "attempt-2-before-retrying"])
+async def test_the_replayed_generation_started_without_its_acceptance_shows_no_earlier_error(
+    tasks: AsyncCollection[Document], attempt: int
+) -> None:
+    """The replay's `task.accepted` (best effort) was lost: the task read `processing` with
+    the dead-lettered generation's error until the replay's outcome. Attempt 2: its attempt
+    1's `task.retrying` is not applied yet (overtaken), so only the generation tells."""
+    command = await _dead_lettered_at_generation_0(tasks)
+
+    await _apply(tasks, TaskStarted(**_fields(command, 1, Phase.STARTED, attempt=attempt)))
+
+    view = await _view(tasks, command)
+    assert (view.status, view.attempts, view.result, view.error) == (
+        TaskStatus.PROCESSING,
+        attempt,
+        None,
+        None,
+    )
+
+
+async def test_a_later_attempt_started_keeps_its_generations_latest_error(
+    tasks: AsyncCollection[Document],
+) -> None:
+    """Within a generation a poll shows the latest error: attempt 2's start keeps the error
+    attempt 1 retried after (the replayed generation's own, not the dead-lettered one's)."""
+    command = await _dead_lettered_at_generation_0(tasks)
+    due = utcnow() + timedelta(minutes=1)
+    await _apply(
+        tasks,
+        TaskStarted(**_fields(command, 1, Phase.STARTED)),
+        TaskRetrying(**_fields(command, 1, Phase.RETRYING), error=TRANSIENT, next_attempt_at=due),
+        TaskStarted(**_fields(command, 1, Phase.STARTED, attempt=2)),
+    )
+
+    view = await _view(tasks, command)
+    assert (view.status, view.attempts) == (TaskStatus.PROCESSING, 2)
+    assert view.error is not None
+    assert (view.error.code, view.error.dead_lettered) == (TRANSIENT.code, False)

@@ -85,6 +85,8 @@ ATTEMPTS_HEADER = "x-scorebox-attempts"
 # retries): tells its contract.
 EVENT_KEY_HEADER = "x-scorebox-event"
 DEAD_LETTERED_FROM_HEADER = "x-scorebox-queue"
+# Set by quorum queues on every redelivery: the deliveries returned unsettled before this one.
+DELIVERY_COUNT_HEADER = "x-delivery-count"
 
 
 @dataclass(frozen=True)

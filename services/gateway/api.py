@@ -165,16 +165,12 @@ def _unavailable(error: Unavailable) -> Problem:
     )
 
 
-def _in_progress(error: RequestInProgress) -> Problem:
-    """409: the key's first request is being accepted, or was received and the database
-    failed the replay's lookup of it (`ReplayUnfinished`: not a 503, which says nothing was
-    kept, and a client resubmitting without the key had its text scored twice)."""
-    detail = (
-        "A request with this Idempotency-Key was received earlier, but the database could "
-        "not look it up now; retry with the same Idempotency-Key."
-        if isinstance(error, ReplayUnfinished)
-        else "A request with this Idempotency-Key is still being accepted; retry shortly."
-    )
+def in_progress_problem(error: RequestInProgress, *, unfinished: str, pending: str) -> Problem:
+    """409 `request-in-progress`: the key's first request is being accepted (`pending`), or
+    was received and the database failed the replay (`ReplayUnfinished`, `unfinished`: not a
+    503, which says nothing was kept, and a client resubmitting without the key had its
+    text scored twice)."""
+    detail = unfinished if isinstance(error, ReplayUnfinished) else pending
     return Problem(
         409,
         detail,
@@ -274,7 +270,13 @@ def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
                 kind="idempotency-key-reused",
             ) from error
         except RequestInProgress as error:
-            raise _in_progress(error) from error
+            raise in_progress_problem(
+                error,
+                unfinished="A request with this Idempotency-Key was received earlier, but the "
+                "database could not look it up now; retry with the same Idempotency-Key.",
+                pending="A request with this Idempotency-Key is still being accepted; "
+                "retry shortly.",
+            ) from error
         except Unavailable as error:
             raise _unavailable(error) from error
         location = {"Location": status_url(submitted.task_id)}

@@ -17,6 +17,7 @@ from services.gateway.api import (
     GatewayDeps,
     _check_idempotency_key,
     _unavailable,
+    in_progress_problem,
     read_json_object,
     status_url,
 )
@@ -34,7 +35,6 @@ from services.gateway.batches import (
 )
 from services.gateway.errors import (
     IdempotencyConflict,
-    ReplayUnfinished,
     RequestInProgress,
     Unavailable,
 )
@@ -226,23 +226,6 @@ async def parse_batch(request: Request, settings: GatewaySettings) -> BatchSubmi
     return batch
 
 
-def _in_progress(error: RequestInProgress) -> Problem:
-    """409: the key's batch is being accepted, or was kept and could not be completed now
-    (`ReplayUnfinished`, the database failing: not a 503, which says nothing was kept)."""
-    detail = (
-        "A batch with this Idempotency-Key is kept, but the database could not complete "
-        "its answer now; retry with the same Idempotency-Key."
-        if isinstance(error, ReplayUnfinished)
-        else "A batch with this Idempotency-Key is still being accepted; retry shortly."
-    )
-    return Problem(
-        409,
-        detail,
-        kind="request-in-progress",
-        headers={"Retry-After": str(error.retry_after_s)},
-    )
-
-
 def _page_view(page: BatchPage) -> BatchView:
     return BatchView(
         batch_id=page.batch_id,
@@ -333,7 +316,12 @@ def batch_routes(
                 kind="idempotency-key-reused",
             ) from error
         except RequestInProgress as error:
-            raise _in_progress(error) from error
+            raise in_progress_problem(
+                error,
+                unfinished="A batch with this Idempotency-Key is kept, but the database could "
+                "not complete its answer now; retry with the same Idempotency-Key.",
+                pending="A batch with this Idempotency-Key is still being accepted; retry shortly.",
+            ) from error
         except Unavailable as error:
             raise _unavailable(error) from error
         record = submitted.record

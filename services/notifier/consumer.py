@@ -52,6 +52,7 @@ from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import Contract, DeliverWebhook, new_id, parse_task_event
 from shared.runtime import HOLD_POLL_S, keep_dead_lettering, keep_publishing, wait_for_claim
 from shared.topology import (
+    DELIVERY_COUNT_HEADER,
     EVENTS,
     NOTIFICATIONS,
     TASKS,
@@ -63,7 +64,6 @@ from shared.topology import (
 log = logging.getLogger("scorebox.notifier")
 Clock = Callable[[], datetime]
 DATABASE_RETRY_DELAY = timedelta(seconds=5)
-DELIVERY_COUNT = "x-delivery-count"  # set by quorum queues on every redelivery
 _TIERS = frozenset(tier for tier, _ in WAIT_TIERS)
 
 
@@ -152,7 +152,7 @@ def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_
             await _dead_letter(broker, WEBHOOK_DELIVERIES, message, reason, timeout_s)
             await message.ack()
             return
-        deliveries = int(message.headers.get(DELIVERY_COUNT, 0))
+        deliveries = int(message.headers.get(DELIVERY_COUNT_HEADER, 0))
         redelivered = message.redelivered or deliveries > 0
         limit_reason = None
         if deliveries >= WEBHOOK_DELIVERIES.delivery_limit:

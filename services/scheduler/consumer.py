@@ -67,10 +67,16 @@ from services.scheduler.usage_store import UsageRecords
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import RunCronJob, TaskCompleted, TaskFailed, new_id
 from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying
-from shared.topology import ATTEMPTS_HEADER, CRON_JOBS, EVENT_KEY_HEADER, USAGE_METER, WorkQueue
+from shared.topology import (
+    ATTEMPTS_HEADER,
+    CRON_JOBS,
+    DELIVERY_COUNT_HEADER,
+    EVENT_KEY_HEADER,
+    USAGE_METER,
+    WorkQueue,
+)
 
 log = logging.getLogger("scorebox.scheduler.consumer")
-DELIVERY_COUNT_HEADER = "x-delivery-count"  # set by quorum queues on every redelivery
 
 
 async def _dead_letter(

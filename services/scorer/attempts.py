@@ -36,6 +36,7 @@ from pymongo.errors import DuplicateKeyError, OperationFailure
 from services.scorer import decisions
 from services.scorer.decisions import Finish, Retry, Spent
 from shared.contracts import ScoreText
+from shared.group_reads import GroupReader
 from shared.group_writes import GroupWriter, Write
 from shared.indexes import drop_retired_indexes
 
@@ -77,6 +78,8 @@ class Attempts:
         self._collection: AsyncCollection[Document] = client[database]["attempts"]
         # Claims and decisions of concurrent deliveries share round trips.
         self._writes = GroupWriter(self._collection)
+        # Re-scores of a fan-out read what earlier generations were billed, many at once.
+        self._spent_reads = GroupReader(self._collection, projection={"spent": True})
         self._retention = retention
 
     async def ensure_indexes(self) -> None:
@@ -178,7 +181,7 @@ class Attempts:
         (None: nothing). The first attempt of the first generation has none."""
         if command.attempt <= 1 and command.generation == 0:
             return None
-        held = await self._collection.find_one({"_id": command.task_id}, {"spent": True})
+        held = await self._spent_reads.find_by_id(command.task_id)
         spent = Spent.loaded(held.get("spent")) if held is not None else None
         if spent is None or spent.generation != command.generation:
             return None

@@ -50,7 +50,7 @@ from shared.contracts import (
     new_id,
 )
 from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying, wait_for_claim
-from shared.topology import ATTEMPTS_HEADER, SCORE_REQUESTS
+from shared.topology import ATTEMPTS_HEADER, DELIVERY_COUNT_HEADER, SCORE_REQUESTS
 
 log = logging.getLogger("scorebox.scorer")
 CRASHES_HEADER = "x-scorebox-crashes"
@@ -60,7 +60,6 @@ LIMIT_POLL_S = 1.0
 # ahead unrecorded: a message that kills its consumers must stop.
 GIVE_UP_TRIES = 3
 CRASH_RETRY_DELAY = timedelta(seconds=5)
-DELIVERY_COUNT_HEADER = "x-delivery-count"  # set by quorum queues on every redelivery
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from services.scheduler.usage_store import UsageRecords
 from shared.consumers import Delivery
 from shared.contracts import RunCronJob
 from shared.runtime import make_broker
-from shared.topology import CRON_JOBS, ERROR_HEADER
+from shared.topology import CRON_JOBS, DELIVERY_COUNT_HEADER, ERROR_HEADER
 from tests.integration import test_scheduler
 from tests.integration.test_scheduler import QUIET, Calls, Env, drain, firing_state, scheduler
 from tests.support import HandedDelivery, eventually
@@ -47,7 +47,6 @@ env = test_scheduler.env
 
 JOB = "crashing"
 LIMIT = CRON_JOBS.delivery_limit
-DELIVERY_COUNT = "x-delivery-count"
 
 
 async def _left_running(env: Env, firings: Firings) -> RunCronJob:
@@ -80,7 +79,7 @@ async def _held_by_a_scheduler_that_dies(amqp_url: str) -> int:
             return None if message is None else (message,)
 
         (message,) = await eventually(handed, what="the cron run handed to a consumer")
-        return int(str(message.headers.get(DELIVERY_COUNT, 0)))
+        return int(str(message.headers.get(DELIVERY_COUNT_HEADER, 0)))
 
 
 async def _dead_letters(amqp_url: str) -> list[aio_pika.abc.AbstractIncomingMessage]:

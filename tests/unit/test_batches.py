@@ -14,6 +14,7 @@ from pamqp.commands import Basic
 from pydantic import ValidationError
 from pymongo.errors import BulkWriteError
 
+from services.gateway.api import in_progress_problem
 from services.gateway.batches import (
     MAX_BATCH_ITEMS,
     MAX_TEXT_CHARS_CONTEXT,
@@ -24,7 +25,7 @@ from services.gateway.batches import (
     read_batch,
     submit_batch,
 )
-from services.gateway.batches_api import _field, _in_progress
+from services.gateway.batches_api import _field
 from services.gateway.errors import (
     BrokerUnavailable,
     DatabaseUnavailable,
@@ -120,11 +121,16 @@ def test_error_fields_name_the_item_index(location: tuple[Any, ...], field: str)
 def test_a_replay_the_database_failed_is_told_to_retry_with_the_same_key() -> None:
     """Its batch is kept (its first request's, perhaps answered 202): not a 503, which says
     nothing was kept, and a client retrying without the key would have it scored twice."""
-    problem = _in_progress(ReplayUnfinished("key-1"))
-    assert (problem.status, problem.kind) == (409, "request-in-progress")
-    assert "retry with the same Idempotency-Key" in problem.detail
+    texts = {"unfinished": "kept; retry with the same key", "pending": "being accepted"}
+    problem = in_progress_problem(ReplayUnfinished("key-1"), **texts)
+    assert (problem.status, problem.kind, problem.detail) == (
+        409,
+        "request-in-progress",
+        texts["unfinished"],
+    )
     assert problem.headers == {"Retry-After": "5"}
-    assert _in_progress(RequestInProgress("key-1")).headers == {"Retry-After": "1"}
+    pending = in_progress_problem(RequestInProgress("key-1"), **texts)
+    assert (pending.detail, pending.headers) == (texts["pending"], {"Retry-After": "1"})
 
 
 # --- Publishing: one confirm round ---------------------------------------------------------------

@@ -87,6 +87,18 @@ EVENT_KEY_HEADER = "x-scorebox-event"
 DEAD_LETTERED_FROM_HEADER = "x-scorebox-queue"
 # Set by quorum queues on every redelivery: the deliveries returned unsettled before this one.
 DELIVERY_COUNT_HEADER = "x-delivery-count"
+# The deliveries returned unsettled on the earlier copies of a message that a consumer acked
+# and sent again (a database error on a redelivery): a fresh copy's `x-delivery-count` starts
+# at zero, and a message that kills its consumers would loop for ever were a copy to forget
+# them. A consumer checks its queue's delivery limit on this and the copy's own count.
+EARLIER_DELIVERIES_HEADER = "x-scorebox-earlier-deliveries"
+
+
+def deliveries_lost(headers: Mapping[str, Any]) -> int:
+    """How often consumers died (or lost their connection) holding this message: the broker's
+    count of this copy plus the one carried from earlier copies."""
+    carried = int(headers.get(EARLIER_DELIVERIES_HEADER, 0))
+    return carried + int(headers.get(DELIVERY_COUNT_HEADER, 0))
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,16 @@
 - GiveUp: copied to the DLQ with the reason (`x-scorebox-error`), then ack.
 - MongoDB unavailable around the job (recording its start or outcome): the same command is
   re-sent after the retry base delay without counting an attempt, then ack.
-- at the queue's delivery limit (`x-delivery-count`: the scheduler crashed or lost its
-  connection running it that many times): the job is not run again; the firing is recorded
-  `failed` with the reason, the message copied to the DLQ with that reason, counted
-  `gave_up`, then ack (a run that has ended already keeps its end: dropped, ack). MongoDB
-  unavailable meanwhile is waited out with the delivery held (`keep_trying`): a copy sent
-  later would start its count again, and one returned once more is dead-lettered by RabbitMQ
-  without a word, its firing left `running`.
+- a copy of the delivery's own run sent again (Defer, MongoDB unavailable) carries the
+  deliveries its consumers lost so far (`x-scorebox-earlier-deliveries`), for the copy's own
+  count starts at zero; a next slice or retry is a new message and carries none.
+- at the queue's delivery limit (`x-delivery-count` and the count carried: the scheduler
+  crashed or lost its connection running it that many times): the job is not run again;
+  the firing is recorded `failed` with the reason, the message copied to the DLQ with that
+  reason, counted `gave_up`, then ack (a run that has ended already keeps its end: dropped,
+  ack). MongoDB unavailable meanwhile is waited out with the delivery held (`keep_trying`):
+  a copy sent later would start its count again, and one returned once more is
+  dead-lettered by RabbitMQ without a word, its firing left `running`.
 - The job's own database work runs under `SCHEDULER_JOB_DB_TIMEOUT_S` rather than the
   client's `MONGO_TIMEOUT_S` (`services.scheduler.runs`).
 
@@ -70,10 +73,11 @@ from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying
 from shared.topology import (
     ATTEMPTS_HEADER,
     CRON_JOBS,
-    DELIVERY_COUNT_HEADER,
+    EARLIER_DELIVERIES_HEADER,
     EVENT_KEY_HEADER,
     USAGE_METER,
     WorkQueue,
+    deliveries_lost,
 )
 
 log = logging.getLogger("scorebox.scheduler.consumer")
@@ -103,7 +107,7 @@ class CronJobRunner:
             log.warning("dead-lettering an unreadable cron.run: %s", error)
             await _dead_letter(self.bus, CRON_JOBS, message, f"unreadable cron.run: {error}")
             return
-        deliveries = int(message.headers.get(DELIVERY_COUNT_HEADER, 0))
+        deliveries = deliveries_lost(message.headers)
         if deliveries >= CRON_JOBS.delivery_limit:
             decision: RunDecision = await self._give_up_at_delivery_limit(command, deliveries)
         else:
@@ -113,7 +117,7 @@ class CronJobRunner:
                 log.warning("MongoDB unavailable around run %s: %r", command.run_id, error)
                 later = self.clock() + self.retry.base
                 again = command.model_copy(update={"message_id": new_id(), "not_before": later})
-                await self._publish_run(again)
+                await self._publish_run(again, headers=_carried(message))
                 return
         job = command.job if command.job in self.handlers else UNKNOWN_JOB
         self.metrics.count_run(job, decision)
@@ -147,8 +151,10 @@ class CronJobRunner:
 
     async def carry_out(self, decision: RunDecision, message: Delivery) -> None:
         match decision:
-            case Continue(command=command) | Retry(command=command) | Defer(command=command):
+            case Continue(command=command) | Retry(command=command):
                 await self._publish_run(command)
+            case Defer(command=command):
+                await self._publish_run(command, headers=_carried(message))
             case GiveUp(reason=reason):
                 log.error("dead-lettering a cron run: %s", reason)
                 await _dead_letter(self.bus, CRON_JOBS, message, reason)
@@ -157,10 +163,20 @@ class CronJobRunner:
             case Finished():
                 pass
 
-    async def _publish_run(self, command: RunCronJob) -> None:
+    async def _publish_run(
+        self, command: RunCronJob, *, headers: Mapping[str, Any] | None = None
+    ) -> None:
         await keep_publishing(
-            lambda: self.bus.publish_run(command), what=f"cron run {command.run_id}"
+            lambda: self.bus.publish_run(command, headers=headers),
+            what=f"cron run {command.run_id}",
         )
+
+
+def _carried(message: Delivery) -> dict[str, Any]:
+    """The headers a copy of this delivery's own run takes along when it is sent again: the
+    deliveries its consumers lost so far (a next slice or retry is a new message: none)."""
+    deliveries = deliveries_lost(message.headers)
+    return {EARLIER_DELIVERIES_HEADER: deliveries} if deliveries else {}
 
 
 _USAGE_EVENTS: dict[str, type[TaskCompleted | TaskFailed]] = {

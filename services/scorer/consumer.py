@@ -12,14 +12,20 @@ What each outcome means on the broker:
   given up: dead-lettered and failed.
 - a process died (or lost its connection) holding the message: RabbitMQ redelivers it with
   `x-delivery-count`; while the dead holder's claim lasts, the redelivery is held, not
-  re-sent, so the count keeps growing. Once it reaches the queue's delivery limit the
-  scorer dead-letters the message and fails the task instead of risking another crash
-  (and should the scorer die before it can, RabbitMQ dead-letters it by the same limit).
+  re-sent, so the count keeps growing. Once that count and the one carried from earlier
+  copies (below) reach the queue's delivery limit, the scorer dead-letters the message
+  and fails the task instead of risking another crash (and should the scorer die before
+  it can, RabbitMQ dead-letters it once its own count of this copy reaches the limit).
 - a give-up is recorded as the attempt's decision first, under a claim of this process:
   a later copy of the command (the gateway's outbox sweep, a retry replayed) then carries
   the failure out again instead of calling the model. Another worker's live claim is waited
   for, and its decision carried out instead.
 - MongoDB unavailable: re-sent after a delay without counting it as a crash.
+- every copy of the delivery's own command sent again (not due, claimed elsewhere, a first
+  delivery at stop, a crash, MongoDB unavailable) and its dead letter carry the deliveries
+  its consumers lost so far (`x-scorebox-earlier-deliveries`: the delivery's carried value
+  plus its `x-delivery-count`), for the copy's own count starts at zero; the limit above is
+  checked on the two together. A retry's next attempt is a new command: it carries none.
 """
 
 from __future__ import annotations
@@ -50,7 +56,13 @@ from shared.contracts import (
     new_id,
 )
 from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying, wait_for_claim
-from shared.topology import ATTEMPTS_HEADER, DELIVERY_COUNT_HEADER, SCORE_REQUESTS
+from shared.topology import (
+    ATTEMPTS_HEADER,
+    DELIVERY_COUNT_HEADER,
+    EARLIER_DELIVERIES_HEADER,
+    SCORE_REQUESTS,
+    deliveries_lost,
+)
 
 log = logging.getLogger("scorebox.scorer")
 CRASHES_HEADER = "x-scorebox-crashes"
@@ -147,8 +159,13 @@ def _failure(command: ScoreText, error: TaskError, *, spent: Spent | None) -> Ta
 
 
 def _carried_headers(message: Delivery) -> dict[str, Any]:
+    """The headers a copy of the delivery's own command takes along (sent again, or
+    dead-lettered), its deliveries counted so far included. Never a next attempt's."""
     keep = (CRASHES_HEADER, ATTEMPTS_HEADER)
-    return {key: value for key, value in message.headers.items() if key in keep}
+    headers = {key: value for key, value in message.headers.items() if key in keep}
+    if deliveries := deliveries_lost(message.headers):
+        headers[EARLIER_DELIVERIES_HEADER] = deliveries
+    return headers
 
 
 def subscribe_scorer(
@@ -164,12 +181,13 @@ def subscribe_scorer(
             await message.ack()
             deps.metrics.count_dead_lettered()
             return
-        deliveries = int(message.headers.get(DELIVERY_COUNT_HEADER, 0))
+        deliveries = deliveries_lost(message.headers)
         if deliveries >= SCORE_REQUESTS.delivery_limit:
             await _at_delivery_limit(command, message, deps, actions, deliveries)
             await message.ack()
             return
-        redelivered = deliveries > 0 or message.redelivered
+        # This copy was handed out before (a fresh copy with deliveries carried was not).
+        redelivered = int(message.headers.get(DELIVERY_COUNT_HEADER, 0)) > 0 or message.redelivered
         lost = asyncio.Event()
         try:
             # Losing the broker connection cancels this handler. The decision, with its model
@@ -207,12 +225,15 @@ async def _at_delivery_limit(
 ) -> None:
     """Carry the attempt's recorded decision out again, if it has one (the connection was lost
     after recording it, before or while carrying it out); give the message up otherwise.
+    `deliveries`: the deliveries its consumer lost, counted across the copies sent again.
 
     Giving up on a decided attempt published `task.failed` for a task whose result was
     stored, or next to the retry it had scheduled."""
+    carried = int(message.headers.get(EARLIER_DELIVERIES_HEADER, 0))
     reason = (
-        f"delivered {deliveries + 1} times: its consumer died or lost its connection "
-        f"holding it {deliveries} times (delivery limit {SCORE_REQUESTS.delivery_limit})"
+        f"its consumer died or lost its connection holding it {deliveries} times "
+        f"({carried} of them on earlier copies it was sent again as; "
+        f"delivery limit {SCORE_REQUESTS.delivery_limit})"
     )
     await _settle_or_give_up(command, message, deps, actions, reason)
 

@@ -151,7 +151,8 @@ def _turned_away(command: ScoreText, *, redelivered: bool) -> Defer | Leave:
     A first delivery is sent again, for another scorer or this one restarted: left
     unacknowledged, it would come back with a delivery counted towards the queue's limit at
     every deploy. A redelivery is left unacknowledged: its count may be what stops a message
-    that kills its consumers, and a fresh copy would start it again at zero."""
+    that kills its consumers, and a fresh copy would carry it only in a header of ours
+    (`x-scorebox-earlier-deliveries`), RabbitMQ's own limit starting again at zero."""
     if redelivered:
         return Leave("stopping before a model slot was free")
     return Defer(command.model_copy(update={"message_id": new_id()}))

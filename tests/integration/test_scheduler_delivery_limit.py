@@ -28,7 +28,7 @@ from pymongo.errors import AutoReconnect
 from services.scheduler.catalogue import Catalogue
 from services.scheduler.config import parse_config
 from services.scheduler.consumer import CronJobRunner, UsageMeter, subscribe_scheduler
-from services.scheduler.firings import Firings, FiringState
+from services.scheduler.firings import Firing, Firings, FiringState
 from services.scheduler.messaging import SchedulerBus
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.runs import RetryPolicy
@@ -36,7 +36,12 @@ from services.scheduler.usage_store import UsageRecords
 from shared.consumers import Delivery
 from shared.contracts import RunCronJob
 from shared.runtime import make_broker
-from shared.topology import CRON_JOBS, DELIVERY_COUNT_HEADER, ERROR_HEADER
+from shared.topology import (
+    CRON_JOBS,
+    DELIVERY_COUNT_HEADER,
+    EARLIER_DELIVERIES_HEADER,
+    ERROR_HEADER,
+)
 from tests.integration import test_scheduler
 from tests.integration.test_scheduler import QUIET, Calls, Env, drain, firing_state, scheduler
 from tests.support import HandedDelivery, eventually
@@ -241,3 +246,71 @@ async def test_a_run_that_ended_before_the_limit_keeps_its_outcome(
     assert (firing.state, firing.result, firing.error) == (FiringState.SUCCEEDED, {"n": 1}, None)
     # The handler has returned: a letter it sent would have been confirmed by now.
     assert await drain(env.amqp_url, CRON_JOBS.dead_letter_routing_key) == []
+
+
+class AwayAtBegin(Firings):
+    """The firings, the database away the next time a run is started once `away` is set."""
+
+    away = False
+
+    async def begin(self, run_id: str, *, attempt: int, now: datetime) -> Firing | None:
+        if self.away:
+            self.away = False
+            raise AutoReconnect("the database is away")
+        return await super().begin(run_id, attempt=attempt, now=now)
+
+
+async def test_a_redelivery_sent_again_on_a_database_error_carries_its_count(
+    env: Env, cron_consumer: CronConsumer
+) -> None:
+    """A fresh copy starts its `x-delivery-count` at zero: sent again without the count, a run
+    that kills its scheduler would loop for ever whenever a database error fell on one of
+    its redeliveries."""
+    await drain(env.amqp_url, CRON_JOBS.name)
+    firings = AwayAtBegin(env.mongo, env.database)
+    command = await _left_running(env, firings)
+    firings.away = True
+    calls = Calls()
+    message = HandedDelivery(
+        command.model_dump_json().encode(),
+        headers={DELIVERY_COUNT_HEADER: 2, EARLIER_DELIVERIES_HEADER: 1},
+        redelivered=True,
+    )
+
+    await asyncio.wait_for(cron_consumer(firings, calls)(message), timeout=30)
+
+    assert not firings.away
+    assert message.settled == ["ack"]
+    assert calls.runs == []
+
+    async def sent_again() -> list[aio_pika.abc.AbstractIncomingMessage] | None:
+        return await drain(env.amqp_url, CRON_JOBS.name) or None
+
+    [copy] = await eventually(sent_again, what="the run sent again after its retry delay")
+    assert RunCronJob.model_validate_json(copy.body).run_id == command.run_id
+    assert copy.headers[EARLIER_DELIVERIES_HEADER] == 3  # carried 1, and 2 on this copy
+
+
+async def test_the_limit_counts_the_deliveries_carried_from_earlier_copies(
+    env: Env, cron_consumer: CronConsumer
+) -> None:
+    await drain(env.amqp_url, CRON_JOBS.dead_letter_routing_key)
+    firings = Firings(env.mongo, env.database)
+    command = await _left_running(env, firings)
+    calls = Calls()
+    message = HandedDelivery(
+        command.model_dump_json().encode(),
+        headers={DELIVERY_COUNT_HEADER: 1, EARLIER_DELIVERIES_HEADER: LIMIT - 1},
+        redelivered=True,
+    )
+
+    await asyncio.wait_for(cron_consumer(firings, calls)(message), timeout=30)
+
+    assert message.settled == ["ack"]
+    assert calls.runs == []  # not run again
+    firing = await firings.find(command.run_id)
+    assert firing is not None
+    assert firing.state is FiringState.FAILED
+    assert f"delivered {LIMIT} times without being settled" in (firing.error or "")
+    [letter] = await _dead_letters(env.amqp_url)
+    assert str(letter.headers[ERROR_HEADER]) == firing.error

@@ -6,6 +6,7 @@
                    rolled_up: bool, rollup_run}
     usage_daily   {_id: "<tenant_id>|<day>", tenant_id, day, requests, prompt_tokens,
                    completion_tokens, cost_nanos, priced_requests, rolled_up_at}
+    usage_owed_days {_id: "<tenant_id>|<day>", tenant_id, day, token, since}
 
 A daily row is always recomputed in full from the raw records of its (tenant, day) and
 written with `$set`, never incremented: recomputing it again gives the same row. Raw records
@@ -19,19 +20,28 @@ The roll-up reads pending records a bounded batch at a time (`pending_batch`), i
 not yet rolled up, so it holds only the backlog, and answers the read from its keys alone
 (the filter, the order and the fields read). It marks rolled up the records it read, by
 `_id` (`mark_rolled_up`); `rollup_run` names the execution that marked a record.
+
+A (tenant, day) is owed a recount (`usage_owed_days`) while records of it may be marked rolled
+up that its row does not count: a slice that ends inside a day marks that day's records
+without recounting it, and leaves the recount to the slice that reads its last pending
+record (`jobs.usage`). The debt is noted (`owe`, with a new `token`) before any of those
+records is marked, so after they were stored; a recount that read the token before reading
+the day's records counts them all, and settles the debt (`settle`) only if the token is still
+the one it read: a day owed again meanwhile stays owed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
-from pymongo import ASCENDING, AsyncMongoClient, UpdateOne
+from pymongo import ASCENDING, AsyncMongoClient, DeleteOne, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import BulkWriteError
+from pymongo.errors import BulkWriteError, DuplicateKeyError
 
+from shared.contracts import new_id
 from shared.group_writes import DUPLICATE_KEY, GroupWriter
 from shared.indexes import drop_retired_indexes
 
@@ -75,10 +85,13 @@ class TenantDay:
 
 @dataclass(frozen=True)
 class PendingBatch:
-    """Records not yet rolled up, as read: their `_id`s and their (tenant, day) pairs."""
+    """Records not yet rolled up, as read: their `_id`s and their (tenant, day) pairs;
+    `continued`, the last of those pairs when the pending record read after the batch is
+    of it too (the day goes on past the batch)."""
 
     ids: list[str]
     days: list[TenantDay]
+    continued: TenantDay | None = None
 
 
 @dataclass(frozen=True)
@@ -103,6 +116,7 @@ class DailyUsage:
 class UsageRecords:
     def __init__(self, client: AsyncMongoClient[Document], database: str) -> None:
         self._collection: AsyncCollection[Document] = client[database]["usage_records"]
+        self._owed: AsyncCollection[Document] = client[database]["usage_owed_days"]
         self._writes = GroupWriter(self._collection)
 
     async def ensure_indexes(self) -> None:
@@ -130,7 +144,8 @@ class UsageRecords:
 
     async def pending_batch(self, limit: int) -> PendingBatch:
         """Up to `limit` records not yet rolled up, the first in (tenant, day, `_id`) order
-        (read from `PENDING_INDEX` alone)."""
+        (read from `PENDING_INDEX` alone), and whether their last day goes on past them (one
+        more record read: the next one)."""
         if limit < 1:
             raise ValueError(f"a batch holds at least one record, not {limit}")
         cursor = (
@@ -138,14 +153,19 @@ class UsageRecords:
                 {"rolled_up": False}, projection={"_id": True, "tenant_id": True, "day": True}
             )
             .sort(PENDING_ORDER)
-            .limit(limit)
+            .limit(limit + 1)
         )
-        ids: list[str] = []
-        days: set[TenantDay] = set()
-        async for document in cursor:
-            ids.append(document["_id"])
-            days.add(TenantDay(tenant_id=document["tenant_id"], day=document["day"]))
-        return PendingBatch(ids=ids, days=sorted(days))
+        read = [
+            (document["_id"], TenantDay(tenant_id=document["tenant_id"], day=document["day"]))
+            async for document in cursor
+        ]
+        batch, after = read[:limit], read[limit:]
+        continued = batch[-1][1] if after and after[0][1] == batch[-1][1] else None
+        return PendingBatch(
+            ids=[record_id for record_id, _ in batch],
+            days=sorted({pair for _, pair in batch}),
+            continued=continued,
+        )
 
     async def totals(self, days: Sequence[TenantDay]) -> list[DailyUsage]:
         """Each (tenant, day)'s totals over all of its raw records."""
@@ -202,6 +222,51 @@ class UsageRecords:
             {"$set": {"rolled_up": True, "rollup_run": by}},
         )
         return result.modified_count
+
+    async def owe(self, day: TenantDay, *, now: datetime) -> None:
+        """Note that `day` is owed a recount, with a new token, before marking rolled up
+        records of it that its row may not count."""
+        key = {"_id": _daily_id(day.tenant_id, day.day)}
+        update = {
+            "$set": {"tenant_id": day.tenant_id, "day": day.day, "token": new_id(), "since": now}
+        }
+        try:
+            await self._owed.update_one(key, update, upsert=True)
+        except DuplicateKeyError:  # another execution's first debt of the day, inserted since
+            await self._owed.update_one(key, update, upsert=True)
+
+    async def owed(self, days: Sequence[TenantDay]) -> dict[TenantDay, str]:
+        """Those of `days` owed a recount, each with its token (by `_id`)."""
+        if not days:
+            return {}
+        ids = sorted({_daily_id(day.tenant_id, day.day) for day in days})
+        return await self._owed_where({"_id": {"$in": ids}})
+
+    async def all_owed(self) -> dict[TenantDay, str]:
+        """Every day owed a recount, each with its token (in `_id` order, by the `_id` index)."""
+        return await self._owed_where({})
+
+    async def _owed_where(self, query: Document) -> dict[TenantDay, str]:
+        cursor = self._owed.find(
+            query, projection={"_id": False, "tenant_id": True, "day": True, "token": True}
+        ).sort("_id", ASCENDING)
+        return {
+            TenantDay(tenant_id=document["tenant_id"], day=document["day"]): document["token"]
+            async for document in cursor
+        }
+
+    async def settle(self, owed: Mapping[TenantDay, str]) -> int:
+        """Forget the debts of `owed` (read before the recount of their days) whose token is
+        unchanged: a day owed again since then stays owed. Returns the debts forgotten."""
+        deletes = [
+            DeleteOne({"_id": _daily_id(day.tenant_id, day.day), "token": token})
+            for day, token in sorted(owed.items())
+        ]
+        settled = 0
+        for start in range(0, len(deletes), SAVE_CHUNK):
+            result = await self._owed.bulk_write(deletes[start : start + SAVE_CHUNK], ordered=False)
+            settled += result.deleted_count
+        return settled
 
     async def delete_rolled_up_before(self, day: str) -> int:
         result = await self._collection.delete_many({"day": {"$lt": day}, "rolled_up": True})

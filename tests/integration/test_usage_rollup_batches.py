@@ -12,13 +12,21 @@ alike: the rollup never progressed.
 `roll_up_usage` runs here on the real database (MongoDB or the stand-in), each test in a
 database of its own (a claim reads every pending record of the database); the last test runs
 it through the whole scheduler, on the real broker, the slices continued by the job
-framework."""
+framework.
+
+A day of more pending records than a batch spans several slices and is recomputed once, by
+the slice that reads its last pending record (each slice recomputed the days it touched:
+n² / batch record reads for a day of n records), also with a duplicate chain of slices, a
+slice that dies or a run given up on the way, and another execution that takes the day's
+last records before this one notes it owed a recount. The query plans of every command of a
+roll-up are checked on MongoDB (skipped on the stand-in, which does not plan queries)."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -26,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from pymongo import AsyncMongoClient
+from pymongo import AsyncMongoClient, monitoring
 
 from devtools.infra import Endpoint
 from services.scheduler.app import USAGE_ROLLUP, create_app
@@ -79,6 +87,11 @@ class Stores:
     def records(self) -> UsageRecords:
         return UsageRecords(self.client, self.database)
 
+    async def store_records(self, made: Sequence[UsageRecord]) -> None:
+        self.stored.extend(made)
+        records = self.records()
+        await asyncio.gather(*(records.record(record) for record in made))
+
     async def store(self, backlog: dict[tuple[str, str], int]) -> None:
         records = self.records()
         made = [
@@ -101,14 +114,16 @@ class Stores:
             batch=batch,
         )
 
-    async def roll_up_to_the_end(self, run: JobRun, *, batch: int = BATCH) -> list[JobOutcome]:
+    async def roll_up_to_the_end(
+        self, run: JobRun, *, batch: int = BATCH, records: UsageRecords | None = None
+    ) -> list[JobOutcome]:
         """The slices of `run` from its `run.slice`, as the job framework runs them: the next
         one while the last said `more`."""
-        outcomes = [await self.roll_up(run, batch=batch)]
+        outcomes = [await self.roll_up(run, records, batch=batch)]
         while outcomes[-1].more:
             assert len(outcomes) < MAX_SLICES, [outcome.summary for outcome in outcomes]
             outcomes.append(
-                await self.roll_up(_next_slice(run, len(outcomes)), batch=batch),
+                await self.roll_up(_next_slice(run, len(outcomes)), records, batch=batch),
             )
         return outcomes
 
@@ -149,11 +164,15 @@ class Stores:
         usage = self.client[self.database]["usage_records"]
         return await usage.count_documents({"rolled_up": False})
 
+    async def debts(self) -> int:
+        """The (tenant, day) pairs owed a recount."""
+        return await self.client[self.database]["usage_owed_days"].count_documents({})
 
-def _record(tenant: str, day: str, number: int) -> UsageRecord:
+
+def _record(tenant: str, day: str, number: int, *, task_id: str | None = None) -> UsageRecord:
     at = datetime.fromisoformat(f"{day}T12:00:00+00:00")
     return UsageRecord(
-        task_id=new_id(),
+        task_id=task_id or new_id(),
         generation=number % 2,
         tenant_id=tenant,
         api_key_id=None,
@@ -241,10 +260,12 @@ async def test_a_backlog_is_rolled_up_a_batch_at_a_time_to_the_exact_totals(
 async def test_a_slice_takes_the_pending_records_day_by_day(stores: Stores) -> None:
     """In (tenant, day) order, so a slice finishes the days it starts but its last: taken at
     random, the first 50 of these 180 records touch about every one of the nine days, and
-    every slice recomputes them all."""
+    every slice recomputes them all. The last, which goes on past the batch, is counted by
+    the slice that reads the rest of it."""
     await stores.store(BACKLOG)
+    run = _run()
 
-    first = await stores.roll_up(_run())
+    first = await stores.roll_up(run)
 
     in_order = sorted(
         stores.stored, key=lambda record: (record.tenant_id, record.day, record.record_id)
@@ -252,11 +273,17 @@ async def test_a_slice_takes_the_pending_records_day_by_day(stores: Stores) -> N
     days = {(record.tenant_id, record.day) for record in in_order[:BATCH]}
     assert days == {("acme", "2030-01-05"), ("acme", "2030-01-06"), ("acme", "2030-01-07")}
     assert await stores.rolled_up_ids() == {record.record_id for record in in_order[:BATCH]}
-    assert first.summary["days"] == 3
-    # The days it finished are final already.
+    assert first.summary["days"] == 2
+    # The days it finished are final already; the one it did not is left to the next slice.
     rows, expected = await stores.rows(), stores.expected_rows()
     for pair in (TenantDay("acme", "2030-01-05"), TenantDay("acme", "2030-01-06")):
         assert rows[pair] == expected[pair]
+    assert TenantDay("acme", "2030-01-07") not in rows
+
+    second = await stores.roll_up(_next_slice(run, 1))
+    rows = await stores.rows()
+    assert rows[TenantDay("acme", "2030-01-07")] == expected[TenantDay("acme", "2030-01-07")]
+    assert second.summary["days"] == 2  # acme's 01-07 and 01-09; beta's 01-05 goes on
 
 
 class PausesAfterTotals(UsageRecords):
@@ -386,6 +413,310 @@ async def test_the_pending_records_have_an_index_of_their_own(stores: Stores) ->
         ("_id", 1),
     ]
     assert dict(pending["partialFilterExpression"]) == {"rolled_up": False}
+
+
+# --- a day of many batches ---------------------------------------------------------------------
+
+# 72 records: a day of 64 between two small ones. In slices of 10 the big day spans seven
+# (3 + 7 of it, five of 10, 7 + 3 of beta's day, which goes on into an eighth, of 2).
+SPREAD = {("acme", "2030-01-05"): 3, ("acme", "2030-01-06"): 64, ("beta", "2030-01-05"): 5}
+SMALL_BATCH = 10
+BIG_DAY = TenantDay("acme", "2030-01-06")
+
+
+class CountsRecounts(UsageRecords):
+    """Counts the raw records its recounts read: `totals` reads every record of each day it
+    is given (the aggregation matches them all), as many as the rows it returns count."""
+
+    def __init__(self, stores: Stores) -> None:
+        super().__init__(stores.client, stores.database)
+        self.read = 0
+        self.recounts: Counter[TenantDay] = Counter()
+
+    async def totals(self, days: Sequence[TenantDay]) -> list[DailyUsage]:
+        found = await super().totals(days)
+        self.read += sum(row.requests for row in found)
+        self.recounts.update(TenantDay(row.tenant_id, row.day) for row in found)
+        return found
+
+
+class DiesMarking(CountsRecounts):
+    """A slice that dies once it has saved its rows, before it marks its records."""
+
+    async def mark_rolled_up(self, ids: Sequence[str], *, by: str) -> int:
+        raise RuntimeError("the scheduler died between saving the rows and marking")
+
+
+async def test_a_day_of_many_batches_is_recomputed_once(stores: Stores) -> None:
+    """A day spanning several slices is recomputed once, by the slice that reads its last
+    pending record: each record is read once by the recounts, not once per slice its day
+    spans (7 x 64 here; a day of a million records 50 times at 20,000 a slice)."""
+    await stores.store(SPREAD)
+    records = CountsRecounts(stores)
+
+    outcomes = await stores.roll_up_to_the_end(_run(), batch=SMALL_BATCH, records=records)
+
+    assert [outcome.summary["tagged"] for outcome in outcomes] == [10] * 7 + [2]
+    assert records.recounts == dict.fromkeys(stores.expected_rows(), 1)
+    assert records.read == len(stores.stored) == 72
+    assert await stores.rows() == stores.expected_rows()
+    assert (await stores.pending(), await stores.debts()) == (0, 0)
+
+
+async def test_two_chains_of_slices_over_a_big_day_read_it_a_bounded_number_of_times(
+    stores: Stores,
+) -> None:
+    """A duplicate chain of slices (interleaving at every round trip): each chain recounts a
+    day at most twice (when it reads its last pending record, and at its end for a day left
+    owed), whatever the interleaving; every slice touching the big day recounted it, at
+    least 7 x 64 reads."""
+    await stores.store(SPREAD)
+    records = CountsRecounts(stores)
+    run = _run()
+
+    await asyncio.gather(
+        stores.roll_up_to_the_end(run, batch=SMALL_BATCH, records=records),
+        stores.roll_up_to_the_end(run, batch=SMALL_BATCH, records=records),
+    )
+
+    assert records.read <= 2 * 2 * len(stores.stored), records.recounts
+    assert await stores.rows() == stores.expected_rows()
+    assert (await stores.pending(), await stores.debts()) == (0, 0)
+
+
+async def test_a_run_given_up_inside_a_day_leaves_it_to_the_next_run(stores: Stores) -> None:
+    """The first two slices end inside the day and mark 20 of its 25 records without
+    counting them; the run goes no further (given up, its continuation lost). The next run
+    reads the other 5 and counts the day once, with all 25."""
+    await stores.store({(BIG_DAY.tenant_id, BIG_DAY.day): 25})
+    records = CountsRecounts(stores)
+    run = _run()
+
+    given_up = [
+        await stores.roll_up(run, records, batch=SMALL_BATCH),
+        await stores.roll_up(_next_slice(run, 1), records, batch=SMALL_BATCH),
+    ]
+    assert [outcome.more for outcome in given_up] == [True, True]
+    assert (await stores.pending(), len(await stores.rolled_up_ids())) == (5, 20)
+    assert await stores.rows() == {}  # the 20 are owed a recount, in no row yet
+
+    again = await stores.roll_up_to_the_end(_run(), batch=SMALL_BATCH, records=records)
+
+    assert [outcome.summary["days"] for outcome in again] == [1]
+    assert records.read == 25
+    assert await stores.rows() == stores.expected_rows()
+    assert (await stores.pending(), await stores.debts()) == (0, 0)
+
+
+async def test_a_slice_that_dies_between_saving_and_marking_counts_the_day_once(
+    stores: Stores,
+) -> None:
+    """The slice that reads the day's last records dies once it saved the day's row, before
+    marking them: its retry reads them again and writes the same row (not added to it). The
+    day is read twice in all by the recounts, not once per slice it spans."""
+    await stores.store({(BIG_DAY.tenant_id, BIG_DAY.day): 25})
+    records, dies = CountsRecounts(stores), DiesMarking(stores)
+    run = _run()
+    for number in (0, 1):
+        assert (await stores.roll_up(_next_slice(run, number), records, batch=SMALL_BATCH)).more
+    with pytest.raises(RuntimeError, match="died"):
+        await stores.roll_up(_next_slice(run, 2), dies, batch=SMALL_BATCH)
+    assert await stores.rows() == stores.expected_rows()  # saved, all 25
+    assert await stores.pending() == 5
+
+    retry = await stores.roll_up(_next_slice(run, 2), records, batch=SMALL_BATCH)
+
+    assert (retry.more, retry.summary["rolled_up"]) == (False, 5)
+    assert records.read + dies.read == 2 * 25
+    assert await stores.rows() == stores.expected_rows()
+    assert (await stores.pending(), await stores.debts()) == (0, 0)
+
+
+async def test_a_day_another_execution_finished_first_is_recounted_at_the_run_end(
+    stores: Stores,
+) -> None:
+    """The hourly run's last slice reads the day's records a and c, and recounts the day.
+    Before it saves, b arrives (between them in `_id` order) and a run by hand takes a
+    slice of two, a and b: the day goes on past it (c), so it notes the day owed a recount
+    and marks them without counting it. The hourly slice saves its totals (a, c), marks c,
+    and cannot settle a debt noted after it read the debts. Nothing of the day is pending
+    any more to bring a slice to it: the run by hand's last slice recounts it."""
+    day = (BIG_DAY.tenant_id, BIG_DAY.day)
+    await stores.store_records([_record(*day, 0, task_id="a"), _record(*day, 1, task_id="c")])
+    by_hand = _run()
+    slices: list[JobOutcome] = []
+
+    async def a_record_and_a_slice_of_two() -> None:
+        await stores.store_records([_record(*day, 2, task_id="b")])
+        slices.append(await stores.roll_up(by_hand, batch=2))
+
+    hourly = await stores.roll_up(_run(), PausesAfterTotals(stores, a_record_and_a_slice_of_two))
+
+    assert (slices[0].more, slices[0].summary["days"]) == (True, 0)  # the day goes on: c
+    assert (hourly.more, hourly.summary["rolled_up"]) == (False, 1)  # c
+    assert await stores.pending() == 0
+    assert (await stores.rows())[BIG_DAY].requests == 2  # b is marked and in no row
+
+    slices.extend(await stores.roll_up_to_the_end(_next_slice(by_hand, 1), batch=2))
+
+    assert [outcome.summary["days"] for outcome in slices] == [0, 1]
+    assert await stores.rows() == stores.expected_rows()
+    assert await stores.debts() == 0
+
+
+async def test_a_day_owed_again_during_a_recount_stays_owed(stores: Stores) -> None:
+    """A run's slice of one takes a, the day going on (c): the day is owed a recount. Its
+    next slice reads c and e, reads that debt and recounts the day (a, c, e). Before it
+    saves, b arrives and another run's slice of one takes it, the day going on (c, not
+    marked yet): it notes the day owed again and marks b. The recount settles only the debt
+    it read, not the one noted since (b is in no row, and nothing of the day is pending):
+    the other run's last slice recounts the day."""
+    day = (BIG_DAY.tenant_id, BIG_DAY.day)
+    await stores.store_records([_record(*day, n, task_id=t) for n, t in enumerate("ace")])
+    run, other = _run(), _run()
+    first = await stores.roll_up(run, batch=1)
+    others: list[JobOutcome] = []
+
+    async def a_record_and_another_slice_of_one() -> None:
+        await stores.store_records([_record(*day, 3, task_id="b")])
+        others.append(await stores.roll_up(other, batch=1))
+
+    recount = await stores.roll_up(
+        _next_slice(run, 1), PausesAfterTotals(stores, a_record_and_another_slice_of_one)
+    )
+
+    assert [outcome.summary["days"] for outcome in (first, others[0])] == [0, 0]
+    assert (recount.more, recount.summary["days"]) == (False, 1)
+    assert await stores.pending() == 0
+    assert (await stores.rows())[BIG_DAY].requests == 3  # a, c, e; b is marked and owed
+
+    others.extend(await stores.roll_up_to_the_end(_next_slice(other, 1), batch=1))
+
+    assert await stores.rows() == stores.expected_rows()
+    assert await stores.debts() == 0
+
+
+class Commands(monitoring.CommandListener):
+    """The commands MongoDB can explain that the client sends: (database, command)."""
+
+    EXPLAINABLE = frozenset({"find", "aggregate", "update", "delete"})
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict[str, Any]]] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.command_name in self.EXPLAINABLE:
+            self.seen.append((event.database_name, copy.deepcopy(dict(event.command))))
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+# A command's fields that are not part of the query: the session's, the deadline, concerns.
+NOT_THE_QUERY = frozenset(
+    {
+        "lsid",
+        "$db",
+        "$clusterTime",
+        "$readPreference",
+        "txnNumber",
+        "maxTimeMS",
+        "writeConcern",
+        "readConcern",
+        "apiVersion",
+        "apiStrict",
+        "apiDeprecationErrors",
+    }
+)
+ROLLUP_COLLECTIONS = frozenset({"usage_records", "usage_daily", "usage_owed_days"})
+
+
+def _explainable(command: dict[str, Any]) -> list[dict[str, Any]]:
+    """`command` as commands `explain` takes: a write of one statement each."""
+    name = next(iter(command))
+    query = {key: value for key, value in command.items() if key not in NOT_THE_QUERY}
+    statements = {"update": "updates", "delete": "deletes"}.get(name)
+    if statements is None:
+        return [query]
+    rest = {key: value for key, value in query.items() if key != statements}
+    return [{**rest, statements: [statement]} for statement in query[statements]]
+
+
+def _winning_plan(explained: Any, *, inside: bool = False) -> list[tuple[str, str | None]]:
+    """The (stage, index name) of every stage of the winning plans in `explained`."""
+    found: list[tuple[str, str | None]] = []
+    if isinstance(explained, dict):
+        if inside and isinstance(explained.get("stage"), str):
+            found.append((explained["stage"], explained.get("indexName")))
+        for key, value in explained.items():
+            if key != "rejectedPlans":
+                found += _winning_plan(value, inside=inside or key == "winningPlan")
+    elif isinstance(explained, list):
+        for item in explained:
+            found += _winning_plan(item, inside=inside)
+    return found
+
+
+async def test_every_query_of_a_roll_up_is_answered_from_an_index(
+    mongo: Endpoint, stores: Stores
+) -> None:
+    """Every command a roll-up sends (the pending reads, the debts noted, read and settled,
+    the recounts, the rows, the marking), explained by MongoDB: none scans its collection,
+    and the pending read is answered from `PENDING_INDEX` alone. A day of many batches
+    recounted in every slice it spans was the cost of slices; a scan of all records per
+    slice would be worse."""
+    if mongo.is_standin:
+        pytest.skip("the stand-in (mongoeco) does not plan queries; needs MONGO_URL=MongoDB")
+    await stores.store(SPREAD)
+    commands = Commands()
+    client: Mongo = AsyncMongoClient(mongo.url, tz_aware=True, event_listeners=[commands])
+    try:
+        run, records = _run(), UsageRecords(client, stores.database)
+        daily = DailyUsageStore(client, stores.database)
+        outcomes = [JobOutcome(more=True)]
+        while outcomes[-1].more:
+            assert len(outcomes) <= MAX_SLICES
+            outcomes.append(
+                await roll_up_usage(
+                    _next_slice(run, len(outcomes) - 1),
+                    records=records,
+                    daily=daily,
+                    retention=timedelta(days=30),
+                    clock=lambda: NOW,
+                    batch=SMALL_BATCH,
+                )
+            )
+        assert await stores.rows() == stores.expected_rows()
+
+        database = client[stores.database]
+        sent = [command for name, command in commands.seen if name == stores.database]
+        kinds = {(command[next(iter(command))], next(iter(command))) for command in sent}
+        assert kinds >= {
+            ("usage_records", "find"),
+            ("usage_records", "aggregate"),
+            ("usage_records", "update"),
+            ("usage_daily", "update"),
+            ("usage_owed_days", "update"),
+            ("usage_owed_days", "find"),
+            ("usage_owed_days", "delete"),
+        }, kinds
+        for command in sent:
+            if command[next(iter(command))] not in ROLLUP_COLLECTIONS:
+                continue
+            for query in _explainable(command):
+                explained = await database.command({"explain": query, "verbosity": "queryPlanner"})
+                plan = _winning_plan(explained)
+                stages = {stage for stage, _ in plan}
+                assert plan, explained
+                assert "COLLSCAN" not in stages, (query, explained)
+                if query.get("find") == "usage_records" and query["filter"] == {"rolled_up": False}:
+                    assert PENDING_INDEX in {index for _, index in plan}, explained
+                    assert "FETCH" not in stages, explained  # from the index's keys alone
+    finally:
+        await client.close()
 
 
 async def _run_by_hand(api: httpx.AsyncClient) -> dict[str, Any]:

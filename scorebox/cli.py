@@ -6,6 +6,7 @@
     scorebox keys create --tenant T [--name N] | list [--tenant T] | revoke KEY_ID
     scorebox usage [--from YYYY-MM-DD] [--to YYYY-MM-DD]     your tenant's daily usage
     scorebox cron list | run JOB [--wait]                    the scheduler's cron jobs
+    scorebox cron dlq list | replay [RUN_ID...|--all] | purge    its dead runs
 
 The gateway is `SCOREBOX_URL` (default http://127.0.0.1:8000); `SCOREBOX_API_KEY`, when set,
 is sent as a bearer token; admin commands (`dlq`, `keys`) send `SCOREBOX_ADMIN_KEY` instead.
@@ -226,14 +227,29 @@ def status(task_id: str) -> None:
         _show(_answer(response))
 
 
-def _admin_call(method: str, path: str, **kwargs: Any) -> dict[str, Any]:
-    with _reaching(_client(admin=True)) as client:
-        response = client.request(method, path, **kwargs)
+def _admin_call(
+    method: str, path: str, *, client: httpx.Client | None = None, **kwargs: Any
+) -> dict[str, Any]:
+    with _reaching(client or _client(admin=True)) as reached:
+        response = reached.request(method, path, **kwargs)
         if response.status_code != 200:
             raise _fail(response)
         body = _answer(response)
         _show(body)
         return body
+
+
+def _replay_body(ids: list[str] | None, replay_all: bool, *, field: str) -> dict[str, Any]:
+    if replay_all == bool(ids):
+        typer.echo("give ids or --all (not both)", err=True)
+        raise typer.Exit(code=2)
+    return {"all": True} if replay_all else {field: ids}
+
+
+def _exit_on_not_found(replay: dict[str, Any]) -> None:
+    if replay.get("not_found"):
+        typer.echo(f"not found: {' '.join(replay['not_found'])}", err=True)
+        raise typer.Exit(code=1)
 
 
 @dlq.command("list")
@@ -254,14 +270,8 @@ def dlq_replay(
     replay_all: Annotated[bool, typer.Option("--all", help="Replay every dead letter.")] = False,
 ) -> None:
     """Send dead letters back to the work queue with a fresh attempt budget."""
-    if replay_all == bool(ids):
-        typer.echo("give ids or --all (not both)", err=True)
-        raise typer.Exit(code=2)
-    body = {"all": True} if replay_all else {"ids": ids}
-    replay = _admin_call("POST", "/admin/v1/dead-letters/replay", json=body)
-    if replay.get("not_found"):
-        typer.echo(f"not found: {' '.join(replay['not_found'])}", err=True)
-        raise typer.Exit(code=1)
+    body = _replay_body(ids, replay_all, field="ids")
+    _exit_on_not_found(_admin_call("POST", "/admin/v1/dead-letters/replay", json=body))
 
 
 @dlq.command("purge")
@@ -417,6 +427,42 @@ def cron_run(
     _show(run)
     if run["state"] == "failed":
         raise typer.Exit(code=2)
+
+
+cron_dlq = typer.Typer(help="Operate the cron runs' dead-letter queue (on the scheduler).")
+cron.add_typer(cron_dlq, name="dlq")
+CRON_DEAD_LETTERS = "/admin/v1/cron/dead-letters"
+
+
+@cron_dlq.command("list")
+def cron_dlq_list() -> None:
+    """List the cron runs given up for good: job, run id, reason, and whether the job is
+    still configured (a replay of one that is not is refused)."""
+    _admin_call("GET", CRON_DEAD_LETTERS, client=_scheduler_client())
+
+
+@cron_dlq.command("replay")
+def cron_dlq_replay(
+    run_ids: Annotated[list[str] | None, typer.Argument(help="Run ids of dead runs.")] = None,
+    replay_all: Annotated[bool, typer.Option("--all", help="Replay every dead run.")] = False,
+) -> None:
+    """Run each dead run's job again as a new run; prints the new runs and their status URLs.
+
+    Exits 1 when a run id matched no letter or the scheduler refused (a job no longer
+    configured: 409, nothing replayed)."""
+    body = _replay_body(run_ids, replay_all, field="run_ids")
+    replay = _admin_call(
+        "POST", f"{CRON_DEAD_LETTERS}/replay", client=_scheduler_client(), json=body
+    )
+    _exit_on_not_found(replay)
+
+
+@cron_dlq.command("purge")
+def cron_dlq_purge(yes: Annotated[bool, typer.Option("--yes", help="Do not ask.")] = False) -> None:
+    """Delete every cron dead letter."""
+    if not yes:
+        typer.confirm("Delete every cron dead letter?", abort=True)
+    _admin_call("DELETE", CRON_DEAD_LETTERS, client=_scheduler_client())
 
 
 def main() -> None:

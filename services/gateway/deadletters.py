@@ -1,10 +1,8 @@
 """Operating the score-requests dead-letter queue: list, show, replay, purge.
 
 Messages are read with `basic.get` and held unacknowledged while the queue is walked, then
-returned with `basic.nack(requeue=True)`. RabbitMQ 4.3+ does not count that return against
-the DLQ's delivery limit, 3.x and 4.0 to 4.2 do, and the DLQ's own limit
-(`shared.topology.DLQ_DELIVERY_LIMIT`) is out of any operator's reach, so looking never loses
-a dead letter. Replay sends a fresh command — next generation, attempt 1, a fresh attempt
+returned with `basic.nack(requeue=True)` (`shared.dead_letters`), so looking never loses a
+dead letter. Replay sends a fresh command — next generation, attempt 1, a fresh attempt
 budget, queued now, to the scorer alone — and once the broker confirmed it, the status
 projection is told the task is queued again (`TaskPublisher.resubmit`); then the dead letter
 is acked.
@@ -12,25 +10,26 @@ is acked.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Any
+from datetime import datetime
 
-from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
-from faststream.rabbit import QueueType, RabbitBroker, RabbitQueue
+from aio_pika.abc import AbstractIncomingMessage
+from faststream.rabbit import RabbitBroker
 from pydantic import ValidationError
 
 from services.gateway.rescore import Resubmitter
 from services.gateway.submissions import Submissions
-from shared.bus import BROKER_ERRORS
 from shared.contracts import ScoreText, new_id
-from shared.topology import DEAD_LETTERED_FROM_HEADER, ERROR_HEADER, SCORE_REQUESTS
-
-MAX_WALK = 10_000
-GET_TIMEOUT_S = 5.0
+from shared.dead_letters import (
+    MAX_WALK,
+    DeadLetterWalker,
+    dead_lettered_at,
+    oldest_first,
+    reason,
+)
+from shared.topology import DEAD_LETTERED_FROM_HEADER, SCORE_REQUESTS
 
 
 @dataclass(frozen=True)
@@ -49,38 +48,17 @@ class DeadLetter:
         return self.message_id in ids or self.task_id in ids
 
 
-def _reason(headers: dict[str, Any]) -> str:
-    if ERROR_HEADER in headers:
-        return str(headers[ERROR_HEADER])
-    deaths = headers.get("x-death") or []
-    if deaths:
-        death = deaths[0]
-        reason = death.get("reason", "dead-lettered")
-        return f"{reason} by RabbitMQ (x-death, from {death.get('queue')})"
-    return "unknown"
-
-
-def _dead_lettered_at(message: AbstractIncomingMessage) -> datetime | None:
-    deaths: Any = message.headers.get("x-death") or []
-    if deaths and isinstance(deaths[0], dict) and isinstance(deaths[0].get("time"), datetime):
-        time: datetime = deaths[0]["time"]
-        return time
-    return message.timestamp
-
-
 def describe(message: AbstractIncomingMessage, now: datetime) -> DeadLetter:
     headers = dict(message.headers)
     command: ScoreText | None = None
     with contextlib.suppress(ValidationError):
         command = ScoreText.model_validate_json(message.body)
-    when = _dead_lettered_at(message)
-    if when is not None and when.tzinfo is None:
-        when = when.replace(tzinfo=now.tzinfo)
+    when = dead_lettered_at(message, now)
     return DeadLetter(
         message_id=message.message_id,
         task_id=command.task_id if command else message.correlation_id,
         tenant_id=command.tenant_id if command else None,
-        reason=_reason(headers),
+        reason=reason(headers),
         attempts=command.attempt if command else None,
         queue=str(headers.get(DEAD_LETTERED_FROM_HEADER, SCORE_REQUESTS.name)),
         dead_lettered_at=when,
@@ -106,8 +84,7 @@ class Replay:
 
 
 def _oldest_first(letter: DeadLetter) -> tuple[bool, datetime]:
-    when = letter.dead_lettered_at
-    return (when is None, when or datetime.min.replace(tzinfo=UTC))
+    return oldest_first(letter.dead_lettered_at)
 
 
 class DeadLetterQueue:
@@ -120,53 +97,19 @@ class DeadLetterQueue:
         *,
         timeout_s: float,
     ) -> None:
-        self._broker = broker
         self._publisher = publisher
         self._submissions = submissions
         self._clock = clock
-        self._timeout_s = timeout_s
-        # A letter held by one walk is invisible to another: walks through this replica take
-        # turns (those of other replicas still may not see a letter; `not_found` says so).
-        self._walking = asyncio.Lock()
-
-    # Each step on the broker is bounded as a whole: aio-pika's own `timeout` covers only the
-    # round trip, after waiting without end for a lost connection to come back.
-    async def _queue(self) -> AbstractQueue:
-        async with asyncio.timeout(self._timeout_s):
-            return await self._broker.declare_queue(
-                RabbitQueue(SCORE_REQUESTS.dead_letter_routing_key, QueueType.QUORUM, declare=False)
-            )
-
-    @contextlib.asynccontextmanager
-    async def _walk(self) -> AsyncIterator[list[AbstractIncomingMessage]]:
-        """Hold every dead letter unacknowledged; return the ones not settled on exit."""
-        await self._walking.acquire()
-        held: list[AbstractIncomingMessage] = []
-        try:
-            queue = await self._queue()
-            while len(held) < MAX_WALK:
-                async with asyncio.timeout(GET_TIMEOUT_S + self._timeout_s):
-                    message = await queue.get(no_ack=False, fail=False, timeout=GET_TIMEOUT_S)
-                if message is None:
-                    break
-                held.append(message)
-            yield held
-        finally:
-            try:
-                for message in held:
-                    if not message.processed:
-                        # On a channel gone, the broker returns what it held by itself.
-                        with contextlib.suppress(*BROKER_ERRORS):
-                            await message.nack(requeue=True)
-            finally:
-                self._walking.release()
+        # Walks through this replica take turns (a letter held by one is invisible to
+        # another; those of other replicas still may not see a letter: `not_found` says so).
+        self._dlq = DeadLetterWalker(broker, SCORE_REQUESTS, timeout_s=timeout_s)
 
     async def letters(self) -> Walk:
         """Every dead letter (up to `MAX_WALK`), sorted by when it was dead-lettered: returned
         letters come back to a quorum queue out of order, so the queue's own order changes
         with every look."""
         now = self._clock()
-        async with self._walk() as held:
+        async with self._dlq.walk() as held:
             letters = [describe(message, now) for message in held]
         letters.sort(key=_oldest_first)
         return Walk(letters, truncated=len(held) >= MAX_WALK)
@@ -177,7 +120,7 @@ class DeadLetterQueue:
         skipped: list[str] = []
         found: set[str] = set()
         now = self._clock()
-        async with self._walk() as held:
+        async with self._dlq.walk() as held:
             for message in held:
                 letter = describe(message, now)
                 if ids is not None and not letter.matches(ids):
@@ -189,7 +132,7 @@ class DeadLetterQueue:
                     skipped.append(letter.message_id or "?")
                     continue
                 await self._resubmit(command)
-                await message.ack()
+                await self._dlq.remove(message)
                 replayed.append(command.task_id)
         missing = [] if ids is None else [key for key in ids if key not in found]
         return Replay(replayed, skipped, missing)
@@ -211,7 +154,4 @@ class DeadLetterQueue:
         await self._publisher.resubmit(fresh)
 
     async def purge(self) -> int:
-        queue = await self._queue()
-        async with asyncio.timeout(self._timeout_s):
-            result = await queue.purge(timeout=self._timeout_s)
-        return int(result.message_count or 0)
+        return await self._dlq.purge()

@@ -3,6 +3,11 @@
     GET  /admin/v1/cron/jobs                 every job: schedule, next fire time, last firing
     POST /admin/v1/cron/jobs/{name}/run      fire a job by hand -> 202 {run_id, ...}
     GET  /admin/v1/cron/runs/{run_id}        one firing's state
+    GET  /admin/v1/cron/dead-letters         the cron-jobs DLQ, oldest first (not consumed)
+    POST /admin/v1/cron/dead-letters/replay  {run_ids: [...]} | {all: true}: each letter's
+                                             job runs again as a new firing, then the
+                                             letter leaves the DLQ
+    DELETE /admin/v1/cron/dead-letters       purge -> {purged: n}
     GET  /internal/v1/usage?tenant_id=&from=&to=
                                              daily usage rows of a tenant (UTC days, inclusive)
 
@@ -12,21 +17,30 @@ admin routes are for operators (`scorebox cron ...`), with `Authorization: Beare
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import asdict
 from datetime import date, datetime, timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from services.scheduler.cron import zone
-from services.scheduler.errors import DispatchFailed, TriggeredTooOften, UnknownJob
+from services.scheduler.dead_letters import CronDeadLetters
+from services.scheduler.errors import (
+    DispatchFailed,
+    ReplayRefused,
+    TriggeredTooOften,
+    UnknownJob,
+)
 from services.scheduler.firings import Firing, FiringStore
 from services.scheduler.jobs import Clock
 from services.scheduler.metering import NANOS_PER_UNIT
 from services.scheduler.schedule import JobCatalog, ScheduledJob
 from services.scheduler.usage_store import DailyUsage, DailyUsageStore
+from shared.bus import BROKER_ERRORS
 from shared.http import Problem, admin_guard, parse_day
 
 log = logging.getLogger("scorebox.scheduler.api")
@@ -52,9 +66,13 @@ class FiringView(_Out):
     next_attempt_at: datetime | None
     result: dict[str, Any] | None
     error: str | None
+    replay_of: str | None = Field(description="The dead-lettered run this one replays.")
+    replayed_as: str | None = Field(
+        default=None, description="The run that replays this one (read of one run only)."
+    )
 
     @classmethod
-    def of(cls, firing: Firing) -> FiringView:
+    def of(cls, firing: Firing, *, replayed_as: str | None = None) -> FiringView:
         return cls(
             run_id=firing.run_id,
             job=firing.job,
@@ -68,6 +86,8 @@ class FiringView(_Out):
             next_attempt_at=firing.next_attempt_at,
             result=firing.result,
             error=firing.error,
+            replay_of=firing.replay_of,
+            replayed_as=replayed_as,
         )
 
 
@@ -178,7 +198,7 @@ def cron_routes(
             raise Problem(429, str(error), headers={"Retry-After": "1"}) from error
         except DispatchFailed as error:
             raise Problem(503, str(error), kind="broker-unavailable") from error
-        status_url = f"/admin/v1/cron/runs/{firing.run_id}"
+        status_url = run_url(firing.run_id)
         response.headers["Location"] = status_url
         return RunAccepted(
             run_id=firing.run_id,
@@ -193,9 +213,137 @@ def cron_routes(
         firing = await firings.find(run_id)
         if firing is None:
             raise Problem(404, f"No cron run {run_id!r} is known (or it has expired).")
-        return FiringView.of(firing)
+        replay = await firings.replayed_as(run_id)
+        return FiringView.of(firing, replayed_as=None if replay is None else replay.run_id)
 
     return router
+
+
+def run_url(run_id: str) -> str:
+    return f"/admin/v1/cron/runs/{run_id}"
+
+
+class CronDeadLetterView(_Out):
+    message_id: str | None
+    run_id: str | None
+    job: str | None
+    job_configured: bool = Field(description="False: a replay naming it is refused (409).")
+    scheduled_for: datetime | None = Field(description="As the dead message carries it.")
+    fired_at: datetime | None
+    manual: bool | None
+    attempt: int | None
+    slice: int | None
+    reason: str
+    queue: str
+    dead_lettered_at: datetime | None
+    body_preview: str
+
+
+class CronDeadLetterList(_Out):
+    count: int
+    truncated: bool = Field(description="The walk stopped with letters left behind it.")
+    items: list[CronDeadLetterView] = Field(description="Oldest dead-lettered first.")
+
+
+class CronReplayRequest(BaseModel):
+    """Which dead letters to replay: `run_ids`, or `all`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_ids: list[str] = Field(default_factory=list, max_length=10_000)
+    all: bool = False
+
+    @model_validator(mode="after")
+    def _one_selection(self) -> CronReplayRequest:
+        if self.all == bool(self.run_ids):
+            raise ValueError("give either a non-empty `run_ids` or `all: true`")
+        return self
+
+
+class ReplayedRun(_Out):
+    dead_run_id: str
+    job: str
+    run_id: str = Field(description="The new run (or the earlier replay, see started_now).")
+    state: str
+    status_url: str
+    started_now: bool = Field(description="False: the run had been replayed already.")
+
+
+class CronReplayReport(_Out):
+    replayed: list[ReplayedRun]
+    skipped_unreadable: list[str] = Field(description="Message ids of unreadable letters, kept.")
+    skipped_unconfigured: list[str] = Field(
+        description="Run ids of jobs no longer configured, kept (a replay of all skips them)."
+    )
+    not_found: list[str] = Field(description="Run ids asked for that no letter matched.")
+
+
+class Purged(_Out):
+    purged: int
+
+
+def cron_dead_letter_routes(
+    *, dead_letters: CronDeadLetters, admin_key: SecretStr | None
+) -> APIRouter:
+    router = APIRouter(
+        prefix="/admin/v1/cron/dead-letters", tags=["cron"], dependencies=[admin_guard(admin_key)]
+    )
+
+    @router.get("", response_model=CronDeadLetterList)
+    async def list_cron_dead_letters() -> CronDeadLetterList:
+        with _broker_away_is_503():
+            walk = await dead_letters.letters()
+        items = [CronDeadLetterView(**asdict(letter)) for letter in walk.letters]
+        return CronDeadLetterList(count=len(items), truncated=walk.truncated, items=items)
+
+    @router.post("/replay", response_model=CronReplayReport)
+    async def replay_cron_dead_letters(wanted: CronReplayRequest) -> CronReplayReport:
+        with _broker_away_is_503():
+            try:
+                replay = await dead_letters.replay(None if wanted.all else wanted.run_ids)
+            except ReplayRefused as error:
+                raise Problem(409, str(error), kind="unknown-job", runs=error.runs) from error
+            except TriggeredTooOften as error:
+                raise Problem(429, str(error), headers={"Retry-After": "1"}) from error
+        return CronReplayReport(
+            replayed=[
+                ReplayedRun(
+                    dead_run_id=letter.dead_run_id,
+                    job=letter.job,
+                    run_id=letter.run.run_id,
+                    state=letter.run.state.value,
+                    status_url=run_url(letter.run.run_id),
+                    started_now=letter.started_now,
+                )
+                for letter in replay.replayed
+            ],
+            skipped_unreadable=replay.skipped_unreadable,
+            skipped_unconfigured=replay.skipped_unconfigured,
+            not_found=replay.not_found,
+        )
+
+    @router.delete("", response_model=Purged)
+    async def purge_cron_dead_letters() -> Purged:
+        with _broker_away_is_503():
+            return Purged(purged=await dead_letters.purge())
+
+    return router
+
+
+@contextlib.contextmanager
+def _broker_away_is_503() -> Iterator[None]:
+    """The broker away, blocked or refusing a run: a 503 to retry. A replay cut short has
+    sent some letters (each acked once its run was confirmed) and kept the rest; asked
+    again, it does not run a replayed run twice."""
+    try:
+        yield
+    except (*BROKER_ERRORS, DispatchFailed) as error:
+        detail = f"The broker is unavailable ({type(error).__name__}); try again shortly."
+        if isinstance(error, DispatchFailed):
+            detail = f"{error}; try again shortly."
+        raise Problem(
+            503, detail, kind="broker-unavailable", headers={"Retry-After": "5"}
+        ) from error
 
 
 def usage_range(first: str, last: str) -> tuple[date, date]:

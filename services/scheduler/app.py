@@ -22,12 +22,13 @@ from functools import partial
 
 from fastapi import FastAPI
 
-from services.scheduler.api import cron_routes, usage_routes
+from services.scheduler.api import cron_dead_letter_routes, cron_routes, usage_routes
 from services.scheduler.catalogue import Catalogue
 from services.scheduler.checkpoints import Checkpoints
 from services.scheduler.config import SchedulerConfig, load_config
 from services.scheduler.consumer import CronJobRunner, UsageMeter, subscribe_scheduler
-from services.scheduler.dispatcher import Dispatcher, fire_by_hand, keep_dispatching
+from services.scheduler.dead_letters import CronDeadLetters
+from services.scheduler.dispatcher import Dispatcher, fire_by_hand, fire_replay, keep_dispatching
 from services.scheduler.errors import ConfigurationError
 from services.scheduler.firings import Firing, Firings
 from services.scheduler.jobs import Clock, JobHandler
@@ -41,7 +42,8 @@ from services.scheduler.schedule import JobCatalog
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.usage_store import DailyUsageStore, UsageRecords
 from shared.consumers import ScoreboxBroker
-from shared.contracts import new_id, utcnow
+from shared.contracts import RunCronJob, new_id, utcnow
+from shared.dead_letters import DeadLetterWalker
 from shared.http import health_router, install_problem_handlers
 from shared.metrics import serve_metrics
 from shared.runtime import (
@@ -53,7 +55,7 @@ from shared.runtime import (
     prepare_database,
     start_broker,
 )
-from shared.topology import WORK_QUEUES
+from shared.topology import CRON_JOBS, WORK_QUEUES
 
 USAGE_ROLLUP = "usage-rollup"
 RESCORE_FANOUT = "rescore-fanout"
@@ -176,6 +178,18 @@ def create_app(
             name, jobs=jobs, firings=firings, publish=bus.publish_run, clock=clock, owner=owner
         )
 
+    async def replay(dead: RunCronJob) -> tuple[Firing, bool]:
+        return await fire_replay(
+            dead, jobs=jobs, firings=firings, publish=bus.publish_run, clock=clock, owner=owner
+        )
+
+    dead_letters = CronDeadLetters(
+        DeadLetterWalker(broker, CRON_JOBS, timeout_s=settings.broker_timeout_s),
+        jobs=jobs,
+        replay_run=replay,
+        clock=clock,
+    )
+
     async def ensure_indexes() -> None:
         for store in (firings, records, daily, catalogue, checkpoints):
             await store.ensure_indexes()
@@ -212,6 +226,9 @@ def create_app(
             clock=clock,
             admin_key=settings.admin_api_key,
         )
+    )
+    app.include_router(
+        cron_dead_letter_routes(dead_letters=dead_letters, admin_key=settings.admin_api_key)
     )
     app.include_router(usage_routes(daily=daily, currency=config.usage.currency))
     return app

@@ -59,15 +59,19 @@ async def fire_by_hand(
     publish: Publish,
     clock: Clock,
     owner: str,
+    replay_of: str | None = None,
 ) -> Firing:
     """A manual firing of `name` (enabled or not), published now; the schedule is unaffected.
+    `replay_of`: the dead-lettered run it replays (`fire_replay`).
 
     Raises `UnknownJob`, `TriggeredTooOften`, or `DispatchFailed` when the broker refused it
     (the firing is then withdrawn: nothing half-done is left behind).
     """
     job = jobs.get(name)
     now = clock()
-    firing = await _claim_manual(job.name, firings=firings, now=now, owner=owner)
+    firing = await _claim_manual(
+        job.name, firings=firings, now=now, owner=owner, replay_of=replay_of
+    )
     try:
         await publish(run_command_for(firing))
     except Exception as error:
@@ -85,9 +89,51 @@ async def fire_by_hand(
     return dataclasses.replace(firing, state=FiringState.DISPATCHED)
 
 
-async def _claim_manual(name: str, *, firings: FiringStore, now: datetime, owner: str) -> Firing:
+async def fire_replay(
+    dead: RunCronJob,
+    *,
+    jobs: JobCatalog,
+    firings: FiringStore,
+    publish: Publish,
+    clock: Clock,
+    owner: str,
+) -> tuple[Firing, bool]:
+    """Run the job of a dead-lettered run again, as a new manual firing linked to it
+    (`replay_of`); (that firing, True) once its `RunCronJob` is confirmed.
+
+    A run replayed already is not run again: (its replay, False). Its letter came back (the
+    ack after the replay was lost) or the DLQ held two copies of it, which two replicas may
+    replay at the same instant: the firings' unique `replay_of` lets one claim through, and
+    the other, refused at every key it tries, finds that one's. Raises as `fire_by_hand`.
+    """
+    earlier = await firings.replayed_as(dead.run_id)
+    if earlier is not None:
+        return earlier, False
+    try:
+        firing = await fire_by_hand(
+            dead.job,
+            jobs=jobs,
+            firings=firings,
+            publish=publish,
+            clock=clock,
+            owner=owner,
+            replay_of=dead.run_id,
+        )
+    except TriggeredTooOften:
+        if (earlier := await firings.replayed_as(dead.run_id)) is None:
+            raise
+        return earlier, False
+    log.info("job %s: run %s replays dead-lettered run %s", dead.job, firing.run_id, dead.run_id)
+    return firing, True
+
+
+async def _claim_manual(
+    name: str, *, firings: FiringStore, now: datetime, owner: str, replay_of: str | None
+) -> Firing:
     for at in _manual_fire_times(now):
-        firing = await firings.claim(name, at, now=now, owner=owner, manual=True)
+        firing = await firings.claim(
+            name, at, now=now, owner=owner, manual=True, replay_of=replay_of
+        )
         if firing is not None:
             return firing
     raise TriggeredTooOften(name)

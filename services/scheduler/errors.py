@@ -7,6 +7,8 @@
     │                           dead-lettered (no retry can make the job exist)
     ├── DispatchFailed          a manual run could not be published: 503, nothing kept
     ├── TriggeredTooOften       manual runs of one job collide on their key: 429
+    ├── ReplayRefused           dead letters of jobs no longer configured: 409, nothing
+    │                           replayed, every letter kept
     └── JobError                raised by a job handler
         ├── PermanentJobError   dead-letter the run now: retrying fails the same way
         └── TransientJobError   retry the run with back-off, then dead-letter
@@ -46,6 +48,18 @@ class TriggeredTooOften(SchedulerError):
     def __init__(self, name: str) -> None:
         super().__init__(f"Cron job {name!r} is being triggered too often; try again.")
         self.name = name
+
+
+class ReplayRefused(SchedulerError):
+    """A replay asked for dead letters whose jobs are no longer configured."""
+
+    def __init__(self, runs: dict[str, str]) -> None:
+        listed = ", ".join(f"{run_id} ({job!r})" for run_id, job in runs.items())
+        super().__init__(
+            f"Dead-lettered runs of jobs no longer configured cannot be run again: {listed}. "
+            "Nothing was replayed and every letter is kept; replay the others by run id."
+        )
+        self.runs = runs  # run id -> job
 
 
 class JobError(SchedulerError):

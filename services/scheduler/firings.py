@@ -3,12 +3,14 @@ time run once, whatever the number of scheduler replicas.
 
     {_id: run_id, job, scheduled_for, manual, state, fired_at, claimed_by, claimed_at,
      dispatched_at, started_at, finished_at, attempts, missed, result, error,
-     next_attempt_at}
+     next_attempt_at, replay_of}
 
 A fire time is claimed by inserting its document under a unique index on
 `(job, scheduled_for)`: the replica whose insert succeeds owns the firing, every other one
 gets `DuplicateKeyError` and moves on. A manual run is a firing of its own whose
-`scheduled_for` is the trigger time (`manual: true`); it never moves the schedule.
+`scheduled_for` is the trigger time (`manual: true`); it never moves the schedule. A replay
+of a dead-lettered run is such a manual firing, naming the dead run in `replay_of` (set
+when it is claimed, so a run is never linked after the fact).
 
     claimed --published--> dispatched --consumer--> running --> succeeded | failed
        ^  (republished when       \\                  |  ^
@@ -30,6 +32,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import DuplicateKeyError
 
 from shared.contracts import new_id
+from shared.indexes import string_key
 
 Document = dict[str, Any]
 
@@ -72,6 +75,7 @@ class Firing:
     next_attempt_at: datetime | None = None
     result: dict[str, Any] | None = None
     error: str | None = None
+    replay_of: str | None = None  # the dead-lettered run this one replays
 
     @classmethod
     def from_document(cls, document: Document) -> Firing:
@@ -88,6 +92,7 @@ class Firing:
             next_attempt_at=document.get("next_attempt_at"),
             result=document.get("result"),
             error=document.get("error"),
+            replay_of=document.get("replay_of"),
         )
 
 
@@ -105,6 +110,7 @@ class FiringStore(Protocol):
         owner: str,
         manual: bool = False,
         missed: int = 0,
+        replay_of: str | None = None,
     ) -> Firing | None: ...
 
     async def record_skipped(
@@ -139,6 +145,8 @@ class FiringStore(Protocol):
 
     async def latest(self, job: str) -> Firing | None: ...
 
+    async def replayed_as(self, run_id: str) -> Firing | None: ...
+
     async def forget_unpublished(self, run_id: str) -> bool: ...
 
 
@@ -154,6 +162,13 @@ class Firings(FiringStore):
         )
         await self._collection.create_index([("state", ASCENDING), ("claimed_at", ASCENDING)])
         await self._collection.create_index([("job", ASCENDING), ("fired_at", DESCENDING)])
+        # Unique: two replicas replaying copies of one dead run at once start one run.
+        await self._collection.create_index(
+            [("replay_of", ASCENDING)],
+            partialFilterExpression={"replay_of": {"$type": "string"}},
+            name="replays",
+            unique=True,
+        )
 
     async def last_scheduled(self, job: str, *, not_after: datetime) -> datetime | None:
         """The job's latest scheduled fire time up to `not_after` (now). A later one exists
@@ -176,8 +191,9 @@ class Firings(FiringStore):
         owner: str,
         manual: bool,
         missed: int,
+        replay_of: str | None = None,
     ) -> Document:
-        return {
+        document: Document = {
             "_id": new_id(),
             "job": job,
             "scheduled_for": to_millis(scheduled_for),
@@ -189,6 +205,9 @@ class Firings(FiringStore):
             "attempts": 0,
             "missed": missed,
         }
+        if replay_of is not None:
+            document["replay_of"] = replay_of
+        return document
 
     async def claim(
         self,
@@ -199,6 +218,7 @@ class Firings(FiringStore):
         owner: str,
         manual: bool = False,
         missed: int = 0,
+        replay_of: str | None = None,
     ) -> Firing | None:
         """Claim a fire time; None when another replica (or an earlier tick) holds it."""
         document = self._new(
@@ -209,6 +229,7 @@ class Firings(FiringStore):
             owner=owner,
             manual=manual,
             missed=missed,
+            replay_of=replay_of,
         )
         try:
             await self._collection.insert_one(document)
@@ -340,6 +361,13 @@ class Firings(FiringStore):
     async def latest(self, job: str) -> Firing | None:
         document = await self._collection.find_one(
             {"job": job}, sort=[("fired_at", DESCENDING), ("scheduled_for", DESCENDING)]
+        )
+        return None if document is None else Firing.from_document(document)
+
+    async def replayed_as(self, run_id: str) -> Firing | None:
+        """The latest firing that replays the dead-lettered run `run_id`, if any."""
+        document = await self._collection.find_one(
+            {"replay_of": string_key(run_id)}, sort=[("fired_at", DESCENDING)]
         )
         return None if document is None else Firing.from_document(document)
 

@@ -245,3 +245,79 @@ def test_usage_reports_a_refused_period(server: FakeServer) -> None:
     result = _run("usage", "--from", "2030-01-31", "--to", "2030-01-01")
     assert result.exit_code == 1
     assert "error 422: `to` must not be before `from`." in result.output
+
+
+# --- cron dlq ----------------------------------------------------------------------------
+
+CRON_DLQ = "/admin/v1/cron/dead-letters"
+
+
+def test_cron_dlq_list_asks_the_scheduler_with_the_admin_key(server: FakeServer) -> None:
+    letter = {"run_id": "r0", "job": "usage-rollup", "reason": "gave up", "job_configured": True}
+    listing = {"count": 1, "truncated": False, "letters": [letter]}
+    server.script("GET", CRON_DLQ, httpx.Response(200, json=listing))
+
+    result = _run("cron", "dlq", "list")
+
+    assert result.exit_code == 0, result.output
+    [request] = server.requests
+    assert request.url.host == "scheduler.test"
+    assert request.headers["authorization"] == "Bearer the-admin-key"
+    assert json.loads(result.output) == listing
+
+
+def test_cron_dlq_replay_sends_the_run_ids(server: FakeServer) -> None:
+    report = {"replayed": [{"dead_run_id": "r0", "run_id": "r9"}], "not_found": []}
+    server.script("POST", f"{CRON_DLQ}/replay", httpx.Response(200, json=report))
+
+    result = _run("cron", "dlq", "replay", "r0")
+
+    assert result.exit_code == 0, result.output
+    [request] = server.requests
+    assert request.url.host == "scheduler.test"
+    assert json.loads(request.content) == {"run_ids": ["r0"]}
+    assert json.loads(result.output) == report
+
+
+def test_cron_dlq_replay_all(server: FakeServer) -> None:
+    server.script("POST", f"{CRON_DLQ}/replay", httpx.Response(200, json={"replayed": []}))
+    result = _run("cron", "dlq", "replay", "--all")
+    assert result.exit_code == 0, result.output
+    assert json.loads(server.requests[0].content) == {"all": True}
+
+
+@pytest.mark.parametrize("args", [(), ("r0", "--all")])
+def test_cron_dlq_replay_wants_ids_or_all(server: FakeServer, args: tuple[str, ...]) -> None:
+    result = _run("cron", "dlq", "replay", *args)
+    assert result.exit_code == 2
+    assert not server.requests
+
+
+def test_cron_dlq_replay_exits_1_on_a_run_not_found(server: FakeServer) -> None:
+    report = {"replayed": [], "not_found": ["r7"]}
+    server.script("POST", f"{CRON_DLQ}/replay", httpx.Response(200, json=report))
+    result = _run("cron", "dlq", "replay", "r7")
+    assert result.exit_code == 1
+    assert "not found: r7" in result.output
+
+
+def test_cron_dlq_replay_refused_for_a_job_gone_exits_1(server: FakeServer) -> None:
+    refused = _problem(409, "job no longer configured: old-job (run r0)")
+    server.script("POST", f"{CRON_DLQ}/replay", refused)
+    result = _run("cron", "dlq", "replay", "r0")
+    assert result.exit_code == 1
+    assert "error 409: job no longer configured" in result.output
+
+
+def test_cron_dlq_purge_asks_first(server: FakeServer) -> None:
+    server.script("DELETE", CRON_DLQ, httpx.Response(200, json={"purged": 3}))
+
+    declined = CliRunner().invoke(cli.app, ["cron", "dlq", "purge"], input="n\n")
+    assert declined.exit_code == 1
+    assert not server.requests
+
+    result = _run("cron", "dlq", "purge", "--yes")
+    assert result.exit_code == 0, result.output
+    [request] = server.requests
+    assert (request.method, request.url.host) == ("DELETE", "scheduler.test")
+    assert json.loads(result.output) == {"purged": 3}

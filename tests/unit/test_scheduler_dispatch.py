@@ -7,12 +7,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
 
 import pytest
 
 from services.scheduler.config import MissedFirings
-from services.scheduler.dispatcher import MANUAL_CLAIM_TRIES, Dispatcher, fire_by_hand
+from services.scheduler.dispatcher import (
+    MANUAL_CLAIM_TRIES,
+    Dispatcher,
+    fire_by_hand,
+    fire_replay,
+)
 from services.scheduler.errors import (
     DispatchFailed,
     DownstreamFull,
@@ -68,11 +74,13 @@ class FakeFirings(FiringStore):
         owner: str,
         manual: bool = False,
         missed: int = 0,
+        replay_of: str | None = None,
     ) -> Firing | None:
         scheduled_for = to_millis(scheduled_for)
         if self._taken(job, scheduled_for):
             return None
         firing = Firing(new_id(), job, scheduled_for, now, manual, FiringState.CLAIMED, 0, missed)
+        firing = dataclasses.replace(firing, replay_of=replay_of)
         self.by_id[firing.run_id] = firing
         self.claimed_at[firing.run_id] = now
         return firing
@@ -150,6 +158,10 @@ class FakeFirings(FiringStore):
     async def latest(self, job: str) -> Firing | None:
         mine = [f for f in self.by_id.values() if f.job == job]
         return max(mine, key=lambda f: f.fired_at, default=None)
+
+    async def replayed_as(self, run_id: str) -> Firing | None:
+        replays = [f for f in self.by_id.values() if f.replay_of == run_id]
+        return max(replays, key=lambda f: f.fired_at, default=None)
 
     async def forget_unpublished(self, run_id: str) -> bool:
         if self.by_id[run_id].state is not FiringState.CLAIMED:
@@ -410,6 +422,46 @@ async def test_manual_runs_faster_than_their_keys_are_refused_as_too_many() -> N
             "rollup", jobs=_jobs(), firings=firings, publish=published, clock=clock, owner="a"
         )
     assert len(published.commands) == len(firings.of("rollup")) == MANUAL_CLAIM_TRIES
+
+
+async def test_a_dead_run_is_replayed_once_as_a_linked_manual_run() -> None:
+    """A letter that comes back after its replay (a lost ack, a second copy) runs nothing."""
+    firings, published, clock = FakeFirings(), Published(), Clock(START)
+    dead = RunCronJob(task_id="dead-run", job="rollup", scheduled_for=START, fired_at=START)
+    replay = partial(
+        fire_replay, jobs=_jobs(), firings=firings, publish=published, clock=clock, owner="a"
+    )
+    first, started = await replay(dead)
+    assert started
+    assert (first.replay_of, first.manual, first.state) == (
+        "dead-run",
+        True,
+        FiringState.DISPATCHED,
+    )
+    again, started_again = await replay(dead)
+    assert (again.run_id, started_again) == (first.run_id, False)
+    assert [c.run_id for c in published.commands] == [first.run_id]
+
+
+async def test_a_refused_replay_is_withdrawn_and_can_be_asked_again() -> None:
+    firings, clock = FakeFirings(), Clock(START)
+    dead = RunCronJob(task_id="dead-run", job="rollup", scheduled_for=START, fired_at=START)
+    with pytest.raises(DispatchFailed):
+        await fire_replay(
+            dead,
+            jobs=_jobs(),
+            firings=firings,
+            publish=Published(fail=True),
+            clock=clock,
+            owner="a",
+        )
+    assert await firings.replayed_as("dead-run") is None
+    published = Published()
+    firing, started = await fire_replay(
+        dead, jobs=_jobs(), firings=firings, publish=published, clock=clock, owner="a"
+    )
+    assert started
+    assert [c.run_id for c in published.commands] == [firing.run_id]
 
 
 class StartedAnyway(Published):

@@ -1,0 +1,157 @@
+"""Operating the cron-jobs dead-letter queue (`scorebox.cron-jobs.dlq`): list, replay, purge.
+
+A cron run given up for good (its job gave up, or its delivery reached the queue's limit) is
+copied there by the job consumer with its reason, its firing recorded `failed`. The queue is
+walked as the score queue's is (`shared.dead_letters`: held unacknowledged, then returned).
+
+Replay runs the letter's job again as a new manual firing that names the dead run
+(`replay_of`, `services.scheduler.dispatcher.fire_replay`); once the broker confirmed its
+`RunCronJob`, the letter is acked. A run replayed already is not run again: its letter (a
+copy, or one whose ack was lost) is acked and answered with the earlier replay, so a replay
+cut short can simply be asked again. A replay naming by id a letter whose job is no longer
+configured is refused before anything is sent (`ReplayRefused`): every letter is kept; a
+replay of all skips such letters (kept, and reported).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
+from datetime import datetime
+
+from aio_pika.abc import AbstractIncomingMessage
+from pydantic import ValidationError
+
+from services.scheduler.errors import ReplayRefused
+from services.scheduler.firings import Firing
+from services.scheduler.jobs import Clock
+from services.scheduler.schedule import JobCatalog
+from shared.contracts import RunCronJob
+from shared.dead_letters import MAX_WALK, DeadLetterWalker, dead_lettered_at, oldest_first, reason
+from shared.topology import CRON_JOBS, DEAD_LETTERED_FROM_HEADER
+
+# Runs a dead run's job again: (the replaying firing, whether it was started now).
+ReplayRun = Callable[[RunCronJob], Awaitable[tuple[Firing, bool]]]
+
+
+@dataclass(frozen=True)
+class CronDeadLetter:
+    message_id: str | None
+    run_id: str | None
+    job: str | None
+    job_configured: bool
+    scheduled_for: datetime | None
+    fired_at: datetime | None
+    manual: bool | None
+    attempt: int | None
+    slice: int | None
+    reason: str
+    queue: str
+    dead_lettered_at: datetime | None
+    body_preview: str
+
+
+def _read(message: AbstractIncomingMessage) -> RunCronJob | None:
+    with contextlib.suppress(ValidationError):
+        return RunCronJob.model_validate_json(message.body)
+    return None
+
+
+def describe(message: AbstractIncomingMessage, now: datetime, jobs: JobCatalog) -> CronDeadLetter:
+    command = _read(message)
+    headers = dict(message.headers)
+    return CronDeadLetter(
+        message_id=message.message_id,
+        run_id=command.run_id if command else message.correlation_id,
+        job=command.job if command else None,
+        job_configured=command is not None and command.job in jobs,
+        scheduled_for=command.scheduled_for if command else None,
+        fired_at=command.fired_at if command else None,
+        manual=command.manual if command else None,
+        attempt=command.attempt if command else None,
+        slice=command.slice if command else None,
+        reason=reason(headers),
+        queue=str(headers.get(DEAD_LETTERED_FROM_HEADER, CRON_JOBS.name)),
+        dead_lettered_at=dead_lettered_at(message, now),
+        body_preview=message.body[:200].decode("utf-8", "replace"),
+    )
+
+
+@dataclass(frozen=True)
+class CronWalk:
+    """The letters of one walk, oldest dead-lettered first; `truncated` when it stopped at
+    `MAX_WALK` with letters left behind it."""
+
+    letters: list[CronDeadLetter]
+    truncated: bool
+
+
+@dataclass(frozen=True)
+class ReplayedLetter:
+    dead_run_id: str
+    job: str
+    run: Firing  # the replaying firing
+    started_now: bool  # False: the run had been replayed already (no new run)
+
+
+@dataclass(frozen=True)
+class CronReplay:
+    replayed: list[ReplayedLetter]
+    skipped_unreadable: list[str]  # message ids of letters that hold no `RunCronJob`
+    skipped_unconfigured: list[str]  # run ids of jobs no longer configured (replay of all)
+    not_found: list[str]  # run ids asked for that no letter of the walk matched
+
+
+class CronDeadLetters:
+    def __init__(
+        self, walker: DeadLetterWalker, *, jobs: JobCatalog, replay_run: ReplayRun, clock: Clock
+    ) -> None:
+        self._dlq = walker
+        self._jobs = jobs
+        self._replay_run = replay_run
+        self._clock = clock
+
+    async def letters(self) -> CronWalk:
+        now = self._clock()
+        async with self._dlq.walk() as held:
+            letters = [describe(message, now, self._jobs) for message in held]
+        letters.sort(key=lambda letter: oldest_first(letter.dead_lettered_at))
+        return CronWalk(letters, truncated=len(held) >= MAX_WALK)
+
+    async def replay(self, run_ids: Collection[str] | None) -> CronReplay:
+        """Replay the letters of the runs `run_ids` (all when None), oldest first.
+
+        Raises `ReplayRefused` before anything is sent when one of the runs asked for by id
+        names a job no longer configured; replaying all skips (and keeps) those letters, so
+        one retired job does not hold back the others. The errors of `fire_replay` otherwise
+        (letters replayed before the error have left the DLQ, the others are kept)."""
+        now = self._clock()
+        replayed: list[ReplayedLetter] = []
+        unreadable: list[str] = []
+        found: set[str] = set()
+        async with self._dlq.walk() as held:
+            chosen: list[tuple[AbstractIncomingMessage, RunCronJob]] = []
+            for message in sorted(held, key=lambda m: oldest_first(dead_lettered_at(m, now))):
+                command = _read(message)
+                run_id = command.run_id if command else message.correlation_id
+                if run_ids is not None and run_id not in run_ids:
+                    continue
+                found.add(run_id or "")
+                if command is None:
+                    unreadable.append(message.message_id or "?")
+                else:
+                    chosen.append((message, command))
+            gone = {c.run_id: c.job for _, c in chosen if c.job not in self._jobs}
+            if gone and run_ids is not None:
+                raise ReplayRefused(gone)
+            chosen = [(message, c) for message, c in chosen if c.run_id not in gone]
+            for message, command in chosen:
+                firing, started_now = await self._replay_run(command)
+                await self._dlq.remove(message)
+                replayed.append(ReplayedLetter(command.run_id, command.job, firing, started_now))
+        missing = [] if run_ids is None else [key for key in run_ids if key not in found]
+        return CronReplay(replayed, unreadable, list(gone), missing)
+
+    async def purge(self) -> int:
+        return await self._dlq.purge()

@@ -1,0 +1,131 @@
+"""Looking at a work queue's dead-letter queue without consuming it, and purging it.
+
+A walk reads every letter with `basic.get` and holds it unacknowledged; on the way out it
+returns those its caller did not settle (a replay acks the ones it sent again) with
+`basic.nack(requeue=True)`. RabbitMQ 4.3+ does not count that return against the DLQ's
+delivery limit, 3.x and 4.0 to 4.2 do, and the DLQ's own limit
+(`shared.topology.DLQ_DELIVERY_LIMIT`) is out of any operator's reach, so looking never loses
+a dead letter.
+
+A letter one walk holds is out of another's sight: walks through one walker take turns
+(those of other replicas may still miss a letter). Letters come back to a quorum queue out
+of order, so callers sort what they show by `dead_lettered_at`. Each step on the broker is
+bounded as a whole: aio-pika's own `timeout` covers only the round trip, after waiting
+without end for a lost connection to come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
+from faststream.rabbit import QueueType, RabbitBroker, RabbitQueue
+
+from shared.bus import BROKER_ERRORS
+from shared.topology import ERROR_HEADER, WorkQueue
+
+log = logging.getLogger("scorebox.dead_letters")
+
+MAX_WALK = 10_000
+GET_TIMEOUT_S = 5.0
+
+
+class DeadLetterWalker:
+    """The DLQ of one work queue, walked and purged with bounded broker calls."""
+
+    def __init__(self, broker: RabbitBroker, work_queue: WorkQueue, *, timeout_s: float) -> None:
+        self._broker = broker
+        self._name = work_queue.dead_letter_routing_key
+        self._timeout_s = timeout_s
+        self._walking = asyncio.Lock()
+
+    async def _queue(self) -> AbstractQueue:
+        async with asyncio.timeout(self._timeout_s):
+            return await self._broker.declare_queue(
+                RabbitQueue(self._name, QueueType.QUORUM, declare=False)
+            )
+
+    @contextlib.asynccontextmanager
+    async def walk(self) -> AsyncIterator[list[AbstractIncomingMessage]]:
+        """Hold every dead letter (up to `MAX_WALK`) unacknowledged; return the ones not
+        settled on exit."""
+        await self._walking.acquire()
+        held: list[AbstractIncomingMessage] = []
+        try:
+            queue = await self._queue()
+            while len(held) < MAX_WALK:
+                async with asyncio.timeout(GET_TIMEOUT_S + self._timeout_s):
+                    message = await queue.get(no_ack=False, fail=False, timeout=GET_TIMEOUT_S)
+                if message is None:
+                    break
+                held.append(message)
+            yield held
+        finally:
+            try:
+                await self._give_back(held)
+            finally:
+                self._walking.release()
+
+    async def _give_back(self, held: list[AbstractIncomingMessage]) -> None:
+        for message in held:
+            if message.processed:
+                continue
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    await message.nack(requeue=True)
+            except BROKER_ERRORS as error:
+                # The channel is gone (or stalled): the broker returns what it held by itself
+                # once it closes, and every other return would fail (or wait) alike.
+                log.warning(
+                    "dead letters of %s left to the broker to return: %r", self._name, error
+                )
+                return
+
+    async def remove(self, message: AbstractIncomingMessage) -> None:
+        """Ack a held letter: it leaves the DLQ."""
+        async with asyncio.timeout(self._timeout_s):
+            await message.ack()
+
+    async def purge(self) -> int:
+        """Delete every letter not held by a walk; the number deleted."""
+        queue = await self._queue()
+        async with asyncio.timeout(self._timeout_s):
+            result = await queue.purge(timeout=self._timeout_s)
+        return int(result.message_count or 0)
+
+
+def reason(headers: Mapping[str, Any]) -> str:
+    """Why a letter was dead-lettered: our `x-scorebox-error`, else RabbitMQ's `x-death`."""
+    if ERROR_HEADER in headers:
+        return str(headers[ERROR_HEADER])
+    deaths = headers.get("x-death") or []
+    if deaths:
+        death = deaths[0]
+        why = death.get("reason", "dead-lettered")
+        return f"{why} by RabbitMQ (x-death, from {death.get('queue')})"
+    return "unknown"
+
+
+def dead_lettered_at(message: AbstractIncomingMessage, now: datetime) -> datetime | None:
+    """When we dead-lettered it (a copy published with `x-scorebox-error`: its timestamp;
+    an `x-death` it carries is an earlier death, a retry's wait on the ladder), else when
+    RabbitMQ did (`x-death`); a time without a zone is taken in `now`'s."""
+    deaths: Any = message.headers.get("x-death") or []
+    when = message.timestamp
+    ours = ERROR_HEADER in message.headers and when is not None
+    death = deaths[0] if deaths and isinstance(deaths[0], dict) else {}
+    if not ours and isinstance(death.get("time"), datetime):
+        when = death["time"]
+    if when is not None and when.tzinfo is None:
+        when = when.replace(tzinfo=now.tzinfo)
+    return when
+
+
+def oldest_first(when: datetime | None) -> tuple[bool, datetime]:
+    """A sort key: earliest first, letters of unknown time last."""
+    return (when is None, when or datetime.min.replace(tzinfo=UTC))

@@ -57,7 +57,8 @@ class ReplayRefused(SchedulerError):
         listed = ", ".join(f"{run_id} ({job!r})" for run_id, job in runs.items())
         super().__init__(
             f"Dead-lettered runs of jobs no longer configured cannot be run again: {listed}. "
-            "Nothing was replayed and every letter is kept; replay the others by run id."
+            "Nothing was replayed and every letter is kept; replay the others by run id or "
+            "all of them (which skips these), or purge the queue."
         )
         self.runs = runs  # run id -> job
 

@@ -42,7 +42,7 @@ async def _fill(url: str, queue_name: str) -> None:
     connection = await aio_pika.connect(url, timeout=10)
     async with connection:
         channel = await connection.channel()
-        await channel.declare_queue(queue_name, auto_delete=True, durable=False)
+        await channel.declare_queue(queue_name, auto_delete=True, durable=True)
         for _ in range(DELIVERIES):
             message = aio_pika.Message(BODY, headers={"x-tenant-id": "bench"})
             await channel.default_exchange.publish(message, routing_key=queue_name)
@@ -79,7 +79,9 @@ def _counter(drained: asyncio.Event) -> Callable[[], None]:
 
 
 def _fresh_queue() -> RabbitQueue:
-    return RabbitQueue(f"bench.delivery.{uuid.uuid4().hex[:8]}", durable=False, auto_delete=True)
+    # Durable: RabbitMQ 4.3 refuses transient queues that are not exclusive, and these are
+    # filled on one connection and drained on another.
+    return RabbitQueue(f"bench.delivery.{uuid.uuid4().hex[:8]}", durable=True, auto_delete=True)
 
 
 async def through_faststream(url: str) -> float:
@@ -146,7 +148,7 @@ async def bare_aio_pika(url: str, broker_meter: BrokerMeter | None = None) -> fl
         counted = _counter(drained)
         channel = await connection.channel()
         await channel.set_qos(prefetch_count=PREFETCH)
-        queue = await channel.declare_queue(name, durable=False, auto_delete=True)
+        queue = await channel.declare_queue(name, durable=True, auto_delete=True)
 
         async def handle(message: AbstractIncomingMessage) -> None:
             await message.ack()

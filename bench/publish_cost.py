@@ -39,7 +39,7 @@ async def through_faststream(url: str) -> float:
         url, default_channel=Channel(publisher_confirms=True, on_return_raises=True)
     )
     await broker.connect()
-    declared = await broker.declare_queue(RabbitQueue(queue, durable=False, auto_delete=True))
+    declared = await broker.declare_queue(RabbitQueue(queue, durable=True, auto_delete=True))
     try:
 
         async def publish(i: int) -> None:
@@ -66,7 +66,7 @@ async def bare_aio_pika(url: str) -> float:
     connection = await aio_pika.connect_robust(url, timeout=TIMEOUT_S)
     async with connection:
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-        declared = await channel.declare_queue(queue, durable=False, auto_delete=True)
+        declared = await channel.declare_queue(queue, durable=True, auto_delete=True)
 
         async def publish(i: int) -> None:
             message = aio_pika.Message(

@@ -370,6 +370,14 @@ class _ManagementApi:
             response.read()
 
 
+def is_local_node(amqp_url: str) -> bool:
+    """Whether the broker at `amqp_url` is this machine's own node, the one `rabbitmqctl`
+    talks to: a loopback address on the standard port. A container's port is mapped to
+    another one on loopback; `rabbitmqctl` would act on the local node instead of it."""
+    parts = urlsplit(amqp_url)
+    return parts.hostname in LOOPBACK_HOSTS and (parts.port or LOCAL_AMQP_PORT) == LOCAL_AMQP_PORT
+
+
 def _vhost_admin(amqp_url: str, management_url: str | None) -> _VhostAdmin:
     parts = urlsplit(amqp_url)
     base = (
@@ -380,7 +388,7 @@ def _vhost_admin(amqp_url: str, management_url: str | None) -> _VhostAdmin:
     api = _ManagementApi(
         base, unquote(parts.username or "guest"), unquote(parts.password or "guest")
     )
-    if parts.hostname in LOOPBACK_HOSTS and shutil.which("rabbitmqctl"):
+    if is_local_node(amqp_url) and shutil.which("rabbitmqctl"):
         return _FirstThatWorks(_Rabbitmqctl(), api)
     if api.reachable():
         return api

@@ -402,7 +402,7 @@ async def _declare_dead_letter_queue(
         "%s was declared without a delivery limit by an earlier version; on RabbitMQ 4.0 to "
         "4.2 a dead letter looked at 20 times is dropped. Give it one with a policy: "
         "rabbitmqctl set_policy dlq-peeks '\\.dlq$' '{\"delivery-limit\": %d}' "
-        "--apply-to quorum_queues",
+        "--apply-to queues",
         wanted.name,
         DLQ_DELIVERY_LIMIT,
     )

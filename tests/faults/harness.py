@@ -37,6 +37,7 @@ import httpx
 
 from bench.infra import reference_workload_ms
 from devtools.fake_llm import FakeLLM
+from devtools.infra import is_local_node
 from devtools.stack import Stack, StackConfig
 from shared.topology import SCORE_REQUESTS
 from tests.support import eventually
@@ -320,8 +321,8 @@ def vhost_of(amqp_url: str) -> str:
 
 
 def rabbitmqctl_available(amqp_url: str) -> bool:
-    host = urlsplit(amqp_url).hostname
-    return host in {"127.0.0.1", "localhost", "::1"} and shutil.which("rabbitmqctl") is not None
+    """`rabbitmqctl` is installed and acts on the broker under test (not a container's)."""
+    return is_local_node(amqp_url) and shutil.which("rabbitmqctl") is not None
 
 
 async def rabbitmqctl(*args: str) -> str:

@@ -62,7 +62,9 @@ async def test_a_queue_refusing_the_request_is_a_full_queue(
     async with connection:
         channel = await connection.channel()
         queue = await channel.declare_queue(
-            FULL_QUEUE, arguments={"x-max-length": 0, "x-overflow": "reject-publish"}
+            FULL_QUEUE,
+            exclusive=True,  # RabbitMQ 4.3 refuses transient queues that are not exclusive
+            arguments={"x-max-length": 0, "x-overflow": "reject-publish"},
         )
         await queue.bind(TASKS.name, routing_key=RescoreTask.routing_key)
         try:

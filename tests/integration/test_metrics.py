@@ -126,7 +126,7 @@ async def test_publishes_are_counted_by_what_the_broker_answered(amqp_url: str) 
         with pytest.raises(aiormq.exceptions.DeliveryError):
             await publish_command(broker, command, timeout=TIMEOUT_S)
         queue = await broker.declare_queue(
-            RabbitQueue(f"test.metrics.{uuid.uuid4().hex[:8]}", auto_delete=True)
+            RabbitQueue(f"test.metrics.{uuid.uuid4().hex[:8]}", exclusive=True)
         )
         await queue.bind(TASKS.name, routing_key=command.routing_key)
         await publish_command(broker, command, timeout=TIMEOUT_S)

@@ -57,7 +57,7 @@ from services.gateway.errors import (
 )
 from services.gateway.limits import LimitExceeded
 from services.gateway.refusals import Refusal, Refusals, may_have_been_written, release_slots
-from services.gateway.schemas import EXPIRED, checked_metadata
+from services.gateway.schemas import BLANK_TEXT, EXPIRED, checked_metadata
 from services.gateway.submissions import (
     BATCH_WRITE_CHUNK,
     TOMBSTONE_TTL,
@@ -78,6 +78,7 @@ from shared.contracts import (
 )
 from shared.group_writes import GroupWriter
 from shared.indexes import string_key
+from shared.text import is_blank
 
 log = logging.getLogger("scorebox.gateway.batches")
 Clock = Callable[[], datetime]
@@ -95,7 +96,10 @@ class BatchItem(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    text: str = Field(description="The text to score (not empty; see MAX_TEXT_CHARS).")
+    text: str = Field(
+        description="The text to score: more than whitespace and control characters (see "
+        "MAX_TEXT_CHARS)."
+    )
     client_id: str | None = Field(
         default=None,
         min_length=1,
@@ -111,8 +115,8 @@ class BatchItem(BaseModel):
     @field_validator("text")
     @classmethod
     def _text_fits(cls, text: str, info: ValidationInfo) -> str:
-        if not text.strip():
-            raise ValueError("text must contain something other than whitespace")
+        if is_blank(text):
+            raise ValueError(BLANK_TEXT)
         limit = (info.context or {}).get(MAX_TEXT_CHARS_CONTEXT)
         if limit is not None and len(text) > limit:
             raise ValueError(f"text has {len(text)} characters; the limit is {limit}")

@@ -8,12 +8,16 @@ from typing import Any
 import orjson
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shared.text import is_blank
 from shared.webhook_urls import MAX_URL_LENGTH, validate_webhook_url
 
 MAX_METADATA_BYTES = 8_192
 MAX_METADATA_DEPTH = 16  # MongoDB refuses documents nested more than 100 levels deep
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_DELAY_S = 7 * 24 * 3600
+# Why a text with nothing to score is refused (`shared.text.is_blank`); the scorer would only
+# fail its task.
+BLANK_TEXT = "text must contain something other than whitespace and control characters"
 # The status of a task the status service no longer holds (finished, then expired).
 EXPIRED = "expired"
 
@@ -61,7 +65,10 @@ class ScoreSubmission(BaseModel):
         },
     )
 
-    text: str = Field(description="The text to score (not empty; see MAX_TEXT_CHARS).")
+    text: str = Field(
+        description="The text to score: more than whitespace and control characters (see "
+        "MAX_TEXT_CHARS)."
+    )
     rubric: str | None = Field(default=None, max_length=4_000)
     model: str | None = Field(default=None, min_length=1, max_length=200)
     metadata: dict[str, Any] = Field(default_factory=dict, description="Kept with the task.")
@@ -102,8 +109,8 @@ class ScoreSubmission(BaseModel):
     @field_validator("text")
     @classmethod
     def _text_not_blank(cls, text: str) -> str:
-        if not text.strip():
-            raise ValueError("text must contain something other than whitespace")
+        if is_blank(text):
+            raise ValueError(BLANK_TEXT)
         return text
 
     @field_validator("metadata")

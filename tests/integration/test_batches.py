@@ -201,6 +201,8 @@ async def test_items_override_the_batch_rubric_and_the_failures_are_counted(
     ("bad_item", "field"),
     [
         pytest.param({"text": " "}, "items[5].text", id="blank-text"),
+        pytest.param({"text": "\u0001"}, "items[5].text", id="control-character-text"),
+        pytest.param({"text": "\u0000\u0080 \t"}, "items[5].text", id="controls-and-blanks"),
         pytest.param({"text": "hi", "colour": "red"}, "items[5].colour", id="unknown-field"),
         pytest.param({"text": "hi", "metadata": {"$where": 1}}, "items[5].metadata", id="op"),
         pytest.param({"text": "hi", "metadata": {"n": 2**63}}, "items[5].metadata", id="int64"),
@@ -218,6 +220,25 @@ async def test_one_bad_item_fails_the_batch_and_nothing_is_kept(
     assert problem["invalid_items"] == [5]
     assert [error["field"] for error in problem["errors"]] == [field]
     assert await batches.kept() == before
+
+
+async def test_an_item_with_content_among_control_characters_is_accepted_and_scored(
+    batches: Batches,
+) -> None:
+    """The gateway refuses only a text the scorer would find empty once normalised."""
+    items = _items(2)
+    items[1]["text"] = f"\u0000\u0001 {items[1]['text']}\u0080 \t"
+    response = await batches.submit({"items": items})
+    assert response.status_code == 202, response.text
+    batch_id = response.json()["batch_id"]
+
+    async def finished() -> dict[str, Any] | None:
+        view = await batches.read(batch_id)
+        counts = view["counts"]
+        return view if counts["completed"] + counts["failed"] == 2 else None
+
+    view = await eventually(finished, timeout_s=60, what="batch finished")
+    assert [item["status"] for item in view["items"]] == ["completed", "completed"]
 
 
 async def test_an_item_text_over_the_limit_is_a_413_as_for_one_submission(

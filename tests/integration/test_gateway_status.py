@@ -132,6 +132,10 @@ BAD_INPUTS = [
     ),
     pytest.param({"json": {"text": ""}}, 422, id="empty-text"),
     pytest.param({"json": {"text": " \n\t "}}, 422, id="blank-text"),
+    # Nothing left once the scorer normalises them (control characters are dropped): were
+    # accepted, then failed by the scorer.
+    pytest.param({"json": {"text": "\u0001"}}, 422, id="control-character-text"),
+    pytest.param({"json": {"text": "\u0000\u0080 \t"}}, 422, id="controls-and-blanks-text"),
     pytest.param({"json": {"text": "hi", "colour": "red"}}, 422, id="unknown-field"),
     pytest.param({"json": {"text": 42}}, 422, id="wrong-type"),
     pytest.param({"json": ["hi"]}, 422, id="not-an-object"),
@@ -179,6 +183,33 @@ async def test_bad_input_is_a_problem_and_changes_nothing(
     response = await stack.api.post("/v1/scores", **request_args)  # type: ignore[arg-type]
     _assert_problem(response, status)
     assert await _submission_count(stack) == before
+
+
+@pytest.mark.parametrize("text", ["\u0001", "\u0000\u0080 \t", "\u0085\u2028\u00a0\u009f"])
+async def test_a_text_of_only_blanks_and_control_characters_is_a_422_naming_the_field(
+    stack: Stack, text: str
+) -> None:
+    before = await _submission_count(stack)
+    problem = _assert_problem(await stack.api.post("/v1/scores", json={"text": text}), 422)
+    assert str(problem["type"]).endswith("/invalid-fields")
+    errors = problem["errors"]
+    assert isinstance(errors, list)
+    assert [error["field"] for error in errors] == ["text"]
+    assert "other than whitespace and control characters" in errors[0]["message"]
+    assert str(problem["detail"]).startswith("text: ")
+    assert await _submission_count(stack) == before
+    assert await _queued_commands(stack.amqp_url) == []
+
+
+async def test_a_text_with_content_among_control_characters_is_accepted_as_sent(
+    stack: Stack,
+) -> None:
+    await _queued_commands(stack.amqp_url)
+    text = "\u0000\u0001 A text\u0080 to score.\u0007 \t"
+    response = await stack.api.post("/v1/scores", json={"text": text, "use_cache": False})
+    assert response.status_code == 202, response.text
+    commands = await _queued_commands(stack.amqp_url)
+    assert [c.text for c in commands] == [text]  # the scorer normalises, not the gateway
 
 
 async def test_bad_idempotency_key_is_400(stack: Stack) -> None:

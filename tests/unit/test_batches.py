@@ -80,6 +80,7 @@ def test_the_text_limit_comes_from_the_validation_context() -> None:
         {"items": []},
         {"items": [{"text": "a"}] * (MAX_BATCH_ITEMS + 1)},
         {"items": [{"text": "  "}]},
+        {"items": [{"text": "\x00\x80 \t"}]},  # nothing left to score once normalised
         {"items": [{"text": "a", "client_id": ""}]},
         {"items": [{"text": "a", "metadata": {"a.b": 1}}]},
         {"items": [{"text": "a", "delay_seconds": 5}]},

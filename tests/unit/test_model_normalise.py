@@ -1,6 +1,7 @@
 import pytest
 
-from services.scorer.model.normalise import fit_to_budget, normalise_text, text_fingerprint
+from services.scorer.model.normalise import fit_to_budget, text_fingerprint
+from shared.text import normalise_text
 
 
 @pytest.mark.parametrize(

@@ -24,11 +24,12 @@ from services.scorer.model.http_client import (
     make_http_client,
     provider_connector,
 )
-from services.scorer.model.normalise import fit_to_budget, normalise_text, text_fingerprint
+from services.scorer.model.normalise import fit_to_budget, text_fingerprint
 from services.scorer.model.openai import OpenAIChatModel
 from services.scorer.model.parsing import Verdict, parse_verdict
 from services.scorer.model.prompt import PROMPT_VERSION, detect_instructions
 from services.scorer.model.settings import ModelSettings
+from shared.text import normalise_text
 
 __all__ = [
     "FLAG_INSTRUCTION_IN_TEXT",

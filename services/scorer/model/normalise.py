@@ -1,20 +1,14 @@
-"""Text clean-up before scoring: one canonical form, a length budget, a cache fingerprint."""
+"""Text clean-up before scoring: a length budget and a cache fingerprint. The canonical form
+itself (`normalise_text`) is `shared.text`'s, which the gateway applies too."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import re
-import unicodedata
 
 from services.scorer.model.prompt import PROMPT_VERSION
-
-# Unicode category Cc is exactly U+0000-U+001F and U+007F-U+009F; newline and tab are kept.
-_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-_LINE_BREAKS = re.compile(r"\r\n?|[\u2028\u2029\x0b\x0c\x85]")
-_SPACE_RUNS = re.compile(r"[^\S\n\t]+")
-_TRAILING_SPACES = re.compile(r"[ \t]+\n")
-_BLANK_LINE_RUNS = re.compile(r"\n{3,}")
+from shared.text import normalise_text
 
 # Cut points tried when a text is over budget, best first: a paragraph, a sentence, a word.
 _PARAGRAPH_END = re.compile(r"\n\n")
@@ -22,18 +16,6 @@ _SENTENCE_END = re.compile(r"[.!?\u2026][\"')\]\u00bb\u201d\u2019]*(?=\s)|[\u300
 _WORD_END = re.compile(r"\S(?=\s)")
 # A cut point counts as "near the limit" when it keeps at least this share of the budget.
 _MIN_KEPT_SHARE = 0.8
-
-
-def normalise_text(text: str) -> str:
-    """The canonical form of a text: NFC, no control characters but newlines and tabs,
-    single spaces, no blank-line runs longer than one, trimmed."""
-    text = unicodedata.normalize("NFC", text)
-    text = _LINE_BREAKS.sub("\n", text)
-    text = _CONTROLS.sub("", text)
-    text = _SPACE_RUNS.sub(" ", text)
-    text = _TRAILING_SPACES.sub("\n", text)
-    text = _BLANK_LINE_RUNS.sub("\n\n", text)
-    return text.strip()
 
 
 def fit_to_budget(text: str, max_chars: int) -> tuple[str, bool]:

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 from services.scorer.errors import InputRejected
 from services.scorer.model.base import FLAG_INSTRUCTION_IN_TEXT, FLAG_TRUNCATED
-from services.scorer.model.normalise import fit_to_budget, normalise_text
+from services.scorer.model.normalise import fit_to_budget
 from services.scorer.model.prompt import detect_instructions
+from shared.text import normalise_text
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,9 @@ class PreparedText:
 def prepare_text(text: str, *, max_chars: int) -> PreparedText:
     """Normalise `text`, fit it to `max_chars` and flag what the result must warn about.
 
-    Raises `InputRejected` when nothing is left to score. Instructions are looked for in the
-    whole text, cut part included: an attempt to steer the judge is worth flagging anywhere.
+    Raises `InputRejected` when nothing is left to score (`shared.text.is_blank`, which the
+    gateway checks up front). Instructions are looked for in the whole text, cut part
+    included: an attempt to steer the judge is worth flagging anywhere.
     """
     normalised = normalise_text(text)
     if not normalised:

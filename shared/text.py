@@ -1,0 +1,46 @@
+"""The canonical form of a text to score: the rule the scorer applies before it scores a text
+and the gateway applies when it accepts one (one rule, so the two can never disagree about
+whether a text is empty). Pure functions, no I/O.
+
+A text is blank when nothing is left of it once normalised: only whitespace (Unicode's, not
+just ASCII's) and control characters (U+0000-U+001F, U+007F-U+009F). The gateway refuses a
+blank text with a 422; the scorer would only fail its task (`InputRejected`).
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+# Unicode category Cc is exactly U+0000-U+001F and U+007F-U+009F; newline and tab are kept.
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_LINE_BREAKS = re.compile(r"\r\n?|[\u2028\u2029\x0b\x0c\x85]")
+_SPACE_RUNS = re.compile(r"[^\S\n\t]+")
+_TRAILING_SPACES = re.compile(r"[ \t]+\n")
+_BLANK_LINE_RUNS = re.compile(r"\n{3,}")
+# A character `normalise_text` always keeps something of: neither whitespace (`\s` is
+# `str.isspace`, what `strip` removes) nor a control character. Every step after NFC only
+# removes or rewrites such characters, and NFC maps none of the others to them (checked for
+# every code point in tests/unit/test_text.py).
+_CONTENT = re.compile(r"[^\s\x00-\x1f\x7f-\x9f]")
+
+
+def normalise_text(text: str) -> str:
+    """The canonical form of a text: NFC, no control characters but newlines and tabs,
+    single spaces, no blank-line runs longer than one, trimmed."""
+    text = unicodedata.normalize("NFC", text)
+    text = _LINE_BREAKS.sub("\n", text)
+    text = _CONTROLS.sub("", text)
+    text = _SPACE_RUNS.sub(" ", text)
+    text = _TRAILING_SPACES.sub("\n", text)
+    text = _BLANK_LINE_RUNS.sub("\n\n", text)
+    return text.strip()
+
+
+def is_blank(text: str) -> bool:
+    """Whether nothing of `text` is left to score once it is normalised: `not
+    normalise_text(text)`, but a text with content answers at its first content character
+    instead of being normalised whole (a batch may carry 16 MiB of text)."""
+    if _CONTENT.search(text) is not None:
+        return False
+    return not normalise_text(text)

@@ -1,0 +1,102 @@
+"""One rule for an empty text: the gateway refuses (422) exactly the texts the scorer would
+find empty once normalised, instead of accepting a task the scorer can only fail."""
+
+from __future__ import annotations
+
+import re
+import sys
+import unicodedata
+
+import pytest
+from pydantic import ValidationError
+
+from services.gateway import batches, schemas
+from services.gateway.batches import BatchItem
+from services.gateway.schemas import ScoreSubmission
+from services.scorer.errors import InputRejected
+from services.scorer.model import normalise, preparation
+from services.scorer.model.preparation import prepare_text
+from shared.text import is_blank, normalise_text
+
+# Whitespace (`str.isspace`) and control characters (category Cc).
+_BLANK_CHARACTER = re.compile(r"[\s\x00-\x1f\x7f-\x9f]")
+
+TRICKY = [
+    "",
+    " ",
+    " \n\t ",
+    "\x01",
+    "\x00\x80 \t",
+    "\x85\u2028\u00a0\x9f",
+    "\r\n\x0b\x0c\x1c\x1d\x1e\x1f",
+    "\u2000\u2001\u3000\u1680",  # two of them NFC-map to other spaces
+    "\x7f" * 5 + "\n" * 5,
+    "\u200b",  # zero-width space: not whitespace to Python (category Cf), kept
+    "\ufeff",  # byte order mark: likewise
+    "\u180e",  # Mongolian vowel separator: no longer a space (Unicode 6.3)
+    "\u0301",  # a combining mark on its own
+    "e\u0301",
+    "\x00a\x00",
+    "\x01 A text\x80 to score.\x07 \t",
+    "\ud800",  # a lone surrogate
+]
+
+
+def _scorer_accepts(value: str) -> bool:
+    try:
+        prepare_text(value, max_chars=6000)
+    except InputRejected:
+        return False
+    return True
+
+
+def _refused_fields(model: type[ScoreSubmission | BatchItem], value: str) -> list[object]:
+    try:
+        model.model_validate({"text": value})
+    except ValidationError as error:
+        return [e["loc"] for e in error.errors()]
+    return []
+
+
+@pytest.mark.parametrize("value", TRICKY)
+def test_the_gateway_refuses_exactly_the_texts_the_scorer_would_reject(value: str) -> None:
+    refused = [] if _scorer_accepts(value) else [("text",)]
+    assert _refused_fields(ScoreSubmission, value) == refused
+    assert _refused_fields(BatchItem, value) == refused
+    assert is_blank(value) == bool(refused)
+
+
+def test_the_gateway_and_the_scorer_use_the_same_functions() -> None:
+    # What each module imported (mypy has it re-export nothing it imports).
+    scorer = [vars(module)["normalise_text"] for module in (preparation, normalise)]
+    gateway = [vars(module)["is_blank"] for module in (schemas, batches)]
+    assert all(function is normalise_text for function in scorer)
+    assert all(function is is_blank for function in gateway)
+
+
+@pytest.mark.parametrize("model", [ScoreSubmission, BatchItem])
+def test_the_refusal_says_what_a_text_must_contain(
+    model: type[ScoreSubmission | BatchItem],
+) -> None:
+    with pytest.raises(ValidationError) as error:
+        model.model_validate({"text": "\x00\x80 \t"})
+    (only,) = error.value.errors()
+    assert only["loc"] == ("text",)
+    assert "other than whitespace and control characters" in only["msg"]
+
+
+def test_is_blank_agrees_with_normalise_text_for_every_code_point() -> None:
+    """`is_blank` answers at the first character that is neither whitespace nor a control
+    character: normalisation must keep something of each such character, and NFC must
+    keep blankness (a character's full decomposition is blank exactly when the character
+    is), so no composition turns content into blanks or blanks into content."""
+    disagree, unstable = [], []
+    for character in map(chr, range(sys.maxunicode + 1)):
+        blank = _BLANK_CHARACTER.fullmatch(character) is not None
+        if is_blank(character) != (not normalise_text(character)) or is_blank(character) != blank:
+            disagree.append(character)
+        decomposed = unicodedata.normalize("NFD", character)
+        if all(_BLANK_CHARACTER.fullmatch(part) for part in decomposed) != blank:
+            unstable.append(character)
+    assert disagree == []
+    assert unstable == []

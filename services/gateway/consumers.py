@@ -62,7 +62,10 @@ def subscribe_task_outcomes(
 
 async def keep_outbox_swept(deps: GatewayDeps, publisher: Publisher, batches: Batches) -> None:
     """Write off refused requests, then send interrupted submissions; at start-up and then
-    periodically."""
+    periodically. A pass that fails otherwise than on an unavailable database or broker (a
+    stored document that no longer reads, say) is logged and the next one runs all the same:
+    it used to end this task silently, and with it every later write-off and sweep of the
+    process."""
     grace = timedelta(seconds=deps.settings.outbox_grace_s)
     while True:
         try:
@@ -77,6 +80,8 @@ async def keep_outbox_swept(deps: GatewayDeps, publisher: Publisher, batches: Ba
                 log.info("wrote off %d refused request(s)", written)
         except Unavailable as error:
             log.warning("writing off refused requests postponed: %r", error)
+        except Exception:  # logged; the next pass tries again
+            log.exception("writing off refused requests failed; tried again next pass")
         try:
             sent = await sweep_outbox(
                 submissions=deps.submissions,
@@ -89,4 +94,6 @@ async def keep_outbox_swept(deps: GatewayDeps, publisher: Publisher, batches: Ba
                 log.info("outbox sweep sent %d interrupted submission(s)", sent)
         except Unavailable as error:
             log.warning("outbox sweep postponed: %r", error)
+        except Exception:  # logged; the next pass tries again
+            log.exception("outbox sweep failed; tried again next pass")
         await asyncio.sleep(deps.settings.outbox_interval_s)

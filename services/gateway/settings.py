@@ -108,6 +108,22 @@ class GatewaySettings(ServiceSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _submissions_outlive_the_outbox(self) -> GatewaySettings:
+        """A submission the outbox sweep sends is sent `OUTBOX_GRACE_S` after its request at
+        the earliest, and up to `OUTBOX_INTERVAL_S` later: with a shorter
+        `IDEMPOTENCY_TTL_S` it expired (its idempotency key, its text and its in-flight mark
+        with it) as soon as it was sent, and under earlier builds before the sweep looked."""
+        outbox = self.outbox_grace_s + self.outbox_interval_s
+        if self.idempotency_ttl_s < outbox:
+            raise ValueError(
+                f"IDEMPOTENCY_TTL_S ({self.idempotency_ttl_s}) is shorter than OUTBOX_GRACE_S "
+                f"({self.outbox_grace_s:g}) plus OUTBOX_INTERVAL_S "
+                f"({self.outbox_interval_s:g}): submissions left to the outbox sweep would "
+                "expire before it sends them"
+            )
+        return self
+
     @field_validator("status_url", "notifier_url", "scheduler_url")
     @classmethod
     def _service_url(cls, url: str) -> str:

@@ -9,7 +9,13 @@ publish); the outbox sweep sends it then, and every `unconfirmed` one too (the s
 refused after all turns `abandoned`, a tombstone (`abandon`, `services/gateway/refusals.py`).
 
 The command (and so the text) is kept after acceptance, until the submission expires
-(`IDEMPOTENCY_TTL_S`), so that the task can be scored again (`services/gateway/rescore.py`).
+(`IDEMPOTENCY_TTL_S` after the task is due), so that the task can be scored again
+(`services/gateway/rescore.py`). A submission not sent yet (`accepting`, `unconfirmed`) has no
+`expires_at`, so the TTL index never removes it (an outage longer than the retention deleted
+accepted tasks before the sweep sent them): the expiry it will have waits in
+`expires_once_sent` and becomes its `expires_at` when it leaves those states (sent, or written
+off as a tombstone). Records of earlier builds carry `expires_at` while unsent: the sweep keeps
+theirs from firing (`interrupted`).
 A re-score bumps the submission's `generation` (absent: 0) once per rubric version, recorded
 in `rescored_for`; `rescore` describes the latest one and whether its command was sent.
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -29,7 +36,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError, PyMongoError
 
 from services.gateway.errors import DatabaseUnavailable
-from shared.contracts import ScoreResult, ScoreText
+from shared.contracts import ScoreResult, ScoreText, utcnow
 from shared.group_reads import GroupReader
 from shared.group_writes import DUPLICATE_KEY, GroupWriter
 from shared.indexes import string_key
@@ -39,6 +46,13 @@ Document = dict[str, Any]
 BATCH_WRITE_CHUNK = 200
 # How long a tombstone of a refused submission outlives a late insert it must block.
 TOMBSTONE_TTL = timedelta(days=1)
+# Where an unsent submission keeps the `expires_at` it takes once sent (due + retention): the
+# TTL index reads `expires_at` only, so nothing removes the submission while it is unsent.
+EXPIRY_ONCE_SENT: Final = "expires_once_sent"
+# An unsent record of an earlier build (it carries `expires_at`) expiring within this is held
+# for twice as long by each outbox pass: never removed while a sweep runs at least daily, and
+# still expiring should a replica of the earlier build mark it sent (it sets `state` only).
+LEGACY_UNSENT_HOLD = timedelta(days=1)
 
 
 class SubmissionState(StrEnum):
@@ -178,6 +192,8 @@ class Submissions:
         if cached_result is not None:
             document["cached_result"] = cached_result.model_dump(mode="json")
         document["state"] = state.value
+        if state.value not in _UNSENT:  # recorded as sent (or decided) at once
+            document["expires_at"] = document.pop(EXPIRY_ONCE_SENT)
         if idempotency_key is not None:
             document["idempotency_key"] = idempotency_key
         try:
@@ -229,7 +245,7 @@ class Submissions:
                     "batch_id": string_key(batch_id),
                     "state": SubmissionState.ACCEPTING.value,
                 },
-                {"$set": {"state": SubmissionState.ACCEPTED.value}},
+                _sent(),
             )
 
     async def mark_batch_unconfirmed(self, batch_id: str) -> None:
@@ -267,8 +283,10 @@ class Submissions:
         await self._writes.guarded_upsert(*_tombstone(task_id, now))
 
     async def mark_accepted(self, task_id: str) -> None:
-        """The command reached the broker; it stays recorded for re-scoring."""
-        await self._update({"_id": task_id}, {"$set": {"state": SubmissionState.ACCEPTED.value}})
+        """The command reached the broker; it stays recorded for re-scoring, and expires
+        `retention` after the task was due (its `expires_once_sent` becomes `expires_at`;
+        a record marked before, or of an earlier build, keeps the `expires_at` it has)."""
+        await self._update({"_id": task_id}, _sent())
 
     async def mark_unconfirmed(self, task_id: str) -> None:
         """The command was written but not confirmed, and the client answered 202: a replay
@@ -300,7 +318,8 @@ class Submissions:
             "tenant_id": tenant_id,
             "command": {"$type": "object"},
             "rescored_for": {"$ne": rubric_version},
-            "expires_at": {"$gt": now},
+            # No `expires_at`: not sent yet, so kept however old (its text with it).
+            "$or": [{"expires_at": {"$gt": now}}, {"expires_at": {"$exists": False}}],
         }
         update = {
             "$inc": {"generation": 1},
@@ -421,15 +440,51 @@ class Submissions:
             {"tenant_id": tenant_id, "idempotency_key": string_key(idempotency_key)}
         )
 
-    async def interrupted(self, *, older_than: datetime, limit: int = 500) -> list[Submission]:
+    async def interrupted(
+        self, *, older_than: datetime, limit: int = 500, now: datetime | None = None
+    ) -> list[Submission]:
         """Submissions left `accepting` or `unconfirmed` before `older_than`: the outbox to
-        send."""
+        send. Unsent records of an earlier build whose `expires_at` comes within
+        `LEGACY_UNSENT_HOLD` of `now` (default: the time now) are held first, so that the
+        TTL index never removes one before it is sent."""
         query = {"state": {"$in": _UNSENT}, "created_at": {"$lt": older_than}}
         try:
+            await self.hold_legacy_unsent(now=utcnow() if now is None else now)
             cursor = self._collection.find(query).sort("created_at", ASCENDING).limit(limit)
             return [_submission_of(document) async for document in cursor]
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
+
+    async def still_unsent(self, task_ids: Sequence[str]) -> frozenset[str]:
+        """Which of `task_ids` are still `accepting` or `unconfirmed` (not deleted, sent or
+        abandoned since the outbox sweep listed them). One read on `_id`, ids only."""
+        query = {"_id": {"$in": list(task_ids)}, "state": {"$in": _UNSENT}}
+        try:
+            cursor = self._collection.find(query, projection={"_id": 1})
+            return frozenset([document["_id"] async for document in cursor])
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
+    async def hold_legacy_unsent(self, *, now: datetime) -> int:
+        """Push the `expires_at` of unsent records written by earlier builds (which set it at
+        insert, due + retention) to `now + 2 * LEGACY_UNSENT_HOLD` when it comes within
+        `LEGACY_UNSENT_HOLD`; how many were held. One write on the `state` index, usually
+        matching nothing (records of this build have no `expires_at` while unsent).
+
+        Held rather than removed: a replica of the earlier build, during a rolling upgrade,
+        marks a record sent by its `state` alone, and one without `expires_at` would then be
+        kept for ever."""
+        try:
+            result = await self._collection.update_many(
+                {
+                    "state": {"$in": _UNSENT},
+                    "expires_at": {"$lt": now + LEGACY_UNSENT_HOLD},
+                },
+                {"$set": {"expires_at": now + 2 * LEGACY_UNSENT_HOLD}},
+            )
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+        return result.modified_count
 
     async def unsent_in_batch(self, batch_id: str) -> frozenset[str]:
         """Task ids of a batch's submissions not known to be queued yet (`accepting` or
@@ -473,12 +528,23 @@ def _new_document(
         "request_hash": request_hash,
         "created_at": command.submitted_at,
         "not_before": command.not_before,
-        "expires_at": _due(command) + retention,
+        # Not `expires_at`: unsent, it must not expire (`mark_accepted` moves it there).
+        EXPIRY_ONCE_SENT: _due(command) + retention,
         "command": command.model_dump(mode="json"),
     }
     if command.batch_id is not None:
         document["batch_id"] = command.batch_id
     return document
+
+
+def _sent() -> Document:
+    """The update of a submission whose command reached the broker: it expires from now on,
+    when recorded at insert (a `$rename` of a missing field changes nothing: marked before,
+    or written by an earlier build, which set `expires_at` at insert)."""
+    return {
+        "$set": {"state": SubmissionState.ACCEPTED.value},
+        "$rename": {EXPIRY_ONCE_SENT: "expires_at"},
+    }
 
 
 def recently_due(submission: Submission, *, now: datetime, window: timedelta) -> bool:
@@ -515,13 +581,21 @@ def _only_duplicate_ids(error: BulkWriteError) -> bool:
 def _tombstone(task_id: str, now: datetime) -> tuple[Document, Document]:
     """The filter and update of a submission refused after all: upserted, so that it holds
     before or after its insert; a record already sent (another state) makes the upsert
-    collide on `_id`."""
+    collide on `_id`. It expires `TOMBSTONE_TTL` from now at the earliest (`$max`: a record
+    of an earlier build keeps a later `expires_at`; an `accepting` one of this build had
+    none, and would otherwise be kept for ever)."""
     return (
         {"_id": task_id, "state": {"$in": _ABANDONABLE}},
         {
             "$set": {"state": _ABANDONED},
-            "$unset": {"command": "", "idempotency_key": "", IN_FLIGHT_MARK: ""},
-            "$setOnInsert": {"created_at": now, "expires_at": now + TOMBSTONE_TTL},
+            "$unset": {
+                "command": "",
+                "idempotency_key": "",
+                IN_FLIGHT_MARK: "",
+                EXPIRY_ONCE_SENT: "",
+            },
+            "$setOnInsert": {"created_at": now},
+            "$max": {"expires_at": now + TOMBSTONE_TTL},
         },
     )
 

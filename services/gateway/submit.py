@@ -40,6 +40,8 @@ from shared.contracts import (
 
 log = logging.getLogger("scorebox.gateway")
 Clock = Callable[[], datetime]
+# Records of an outbox pass read again (one `$in` by `_id`) before they are sent.
+SWEEP_RECHECK_CHUNK = 50
 
 
 class Publisher(Protocol):
@@ -128,8 +130,7 @@ async def submit_score(
     )
     cached = None
     if submission.use_cache and command.not_before is None:
-        found = await cache.find(tenant_id=tenant_id, key=key, now=now)
-        cached = None if found is None else found.model_copy(update={"cached": True})
+        cached = await _cached_result(cache, tenant_id=tenant_id, key=key, now=now)
     gate = None if cached is not None else counting(in_flight)
     # The sweep of this process keeps off the task while its request runs here: it sends what
     # an interrupted request left, and this one may yet refuse what it recorded
@@ -148,6 +149,22 @@ async def submit_score(
             now=now,
             key=key,
         )
+
+
+async def _cached_result(
+    cache: ResultCache, *, tenant_id: str, key: str, now: datetime
+) -> ScoreResult | None:
+    """The cached result answering the submission, if any. A lookup the database fails is a
+    miss: it is the request's first database call, made before the insert that finds its
+    Idempotency-Key taken, and its 503 ("nothing was kept") told a client replaying the key
+    of an accepted task to submit again (without the key: scored twice). The insert's own
+    failure keeps its answer."""
+    try:
+        found = await cache.find(tenant_id=tenant_id, key=key, now=now)
+    except DatabaseUnavailable as error:
+        log.warning("result-cache lookup failed, taken as a miss: %r", error)
+        return None
+    return None if found is None else found.model_copy(update={"cached": True})
 
 
 async def _record_and_send(
@@ -355,14 +372,33 @@ async def sweep_outbox(
 ) -> int:
     """Send submissions left `accepting` by an interrupted request, or `unconfirmed` by a
     publish the broker did not confirm; returns how many the broker confirmed (the others
-    stay for the next sweep). Refused ones not yet written off are not sent."""
+    stay for the next sweep). Refused ones not yet written off are not sent.
+
+    The pass reads its list once, and sending it takes a broker round trip per record, so a
+    record's request held here when the list was read may have refused it since (503,
+    "nothing was kept"), deleted it, and let go of it. So each chunk of the list, once its
+    records are no longer held, is read again by `_id` (`Submissions.still_unsent`), and
+    only those still unsent are sent: a request of this process that holds a task no longer
+    has finished with its record, so that read is its last word."""
     sent = 0
-    for submission in await submissions.interrupted(older_than=clock() - grace):
-        if submission.command is None or refusals.holds(submission.task_id):
+    listed = await submissions.interrupted(older_than=clock() - grace)
+    for start in range(0, len(listed), SWEEP_RECHECK_CHUNK):
+        chunk = [
+            submission
+            for submission in listed[start : start + SWEEP_RECHECK_CHUNK]
+            if submission.command is not None and not refusals.holds(submission.task_id)
+        ]
+        if not chunk:
             continue
-        if await _send_again(submission.command, submission.cached_result, publisher):
-            await submissions.mark_accepted(submission.task_id)
-            sent += 1
+        unsent = await submissions.still_unsent([submission.task_id for submission in chunk])
+        for submission in chunk:
+            # Held again since (a refusal noted meanwhile): not to be sent, as before.
+            if submission.task_id not in unsent or refusals.holds(submission.task_id):
+                continue
+            assert submission.command is not None
+            if await _send_again(submission.command, submission.cached_result, publisher):
+                await submissions.mark_accepted(submission.task_id)
+                sent += 1
     return sent
 
 

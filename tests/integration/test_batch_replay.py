@@ -3,6 +3,7 @@ request: every item ends up recorded and sent once, none is lost. On the real da
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -478,6 +479,72 @@ async def test_a_refused_batch_is_not_sent_by_a_sweep_while_its_commands_are_wit
 
     assert publisher.swept == []
     assert await _sent_by_sweeps(gateway, refusals) == []
+
+
+class WithdrawnWhenLetGo(RefusingBatches):
+    """A broker that takes none of a batch's commands; withdrawing them waits for `go`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reached, self.go = asyncio.Event(), asyncio.Event()
+
+    async def withdraw(self, commands: Sequence[ScoreText]) -> None:
+        self.reached.set()
+        await self.go.wait()
+
+
+class RefusalFinishesMeanwhile(Recorded):
+    """A sweep's publisher: sending `first` takes as long as the refused batch's request
+    needs to finish (its withdrawal let go)."""
+
+    def __init__(self, first: str, broker: WithdrawnWhenLetGo, refused: asyncio.Task[Any]):
+        super().__init__()
+        self._first, self._broker, self._refused = first, broker, refused
+
+    async def send(self, command: ScoreText) -> bool:
+        if command.task_id == self._first:
+            self._broker.go.set()
+            await asyncio.wait_for(asyncio.wait({self._refused}), timeout=10)
+        return await super().send(command)
+
+
+@pytest.mark.parametrize("chunk", [None, 1], ids=["one chunk", "a chunk per record"])
+async def test_a_refused_batch_is_not_sent_by_a_sweep_pass_started_before_it_was_discarded(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch, chunk: int | None
+) -> None:
+    """The pass read its list (an older interrupted submission, then the batch's items) while
+    the batch's refusal was undone; by the time it reached the items, the refusal had deleted
+    the batch and its items, answered 503 and let go of them, and the pass sent them from
+    its list all the same: scored, though the client was told nothing was kept."""
+    if chunk is not None:
+        monkeypatch.setattr("services.gateway.submit.SWEEP_RECHECK_CHUNK", chunk, raising=False)
+    older = ScoreText(
+        task_id="older-task", text="Interrupted earlier.", submitted_at=T0 - timedelta(minutes=1)
+    )
+    await gateway.submissions.insert(
+        older, request_hash="h", idempotency_key=None, retention=POLICY.retention, cache_key="c"
+    )
+    broker, refusals = WithdrawnWhenLetGo(), Refusals()
+    refused = asyncio.create_task(
+        _submit(gateway, _request(3), broker, T0, refusals=refusals), name="refused batch"
+    )
+    await asyncio.wait_for(broker.reached.wait(), timeout=10)
+    publisher = RefusalFinishesMeanwhile(older.task_id, broker, refused)
+
+    swept = await sweep_outbox(
+        submissions=gateway.submissions,
+        publisher=publisher,
+        clock=lambda: T0 + GRACE + timedelta(seconds=2),
+        grace=GRACE,
+        refusals=refusals,
+    )
+
+    with pytest.raises(BrokerUnavailable):
+        await refused
+    assert (swept, publisher.sent) == (1, [older.task_id])
+    assert await gateway.raw["batches"].count_documents({}) == 0
+    assert await _sent_by_sweeps(gateway, refusals) == []
+    assert refusals.pending() == []
 
 
 class ReplayDuringRelease(InFlight):

@@ -446,3 +446,65 @@ async def test_the_sweep_keeps_off_a_refusal_while_it_is_undone(
     assert (swept, publisher.sent) == (0, [])
     assert await gateway.submissions.interrupted(older_than=NOW + timedelta(days=2)) == []
     assert refusals.pending() == []
+
+
+@dataclass
+class FinishingMeanwhile(Recorded):
+    """A sweep's publisher: sending `first` takes as long as `refused` needs to finish (its
+    pause let go)."""
+
+    first: str = ""
+    pause: Pause | None = None
+    refused: asyncio.Task[Any] | None = None
+
+    async def send(self, command: ScoreText) -> bool:
+        if command.task_id == self.first and self.pause is not None and self.refused is not None:
+            self.pause.go.set()
+            await asyncio.wait_for(asyncio.wait({self.refused}), timeout=10)
+        return await super().send(command)
+
+
+@pytest.mark.parametrize("chunk", [None, 1], ids=["one chunk", "a chunk per record"])
+async def test_a_sweep_pass_started_during_a_refusal_does_not_send_it_once_it_is_done(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch, chunk: int | None
+) -> None:
+    """The pass read its list (an older interrupted submission, then the refused one) while
+    the refusal was undone; by the time it reached the refused one, the refusal had deleted
+    it, answered 503 and let go of it, and the pass sent it from its list all the same:
+    scored, though its client was told nothing was kept. With a chunk per record, the
+    refused one is no longer held when its chunk comes: only reading it again keeps it."""
+    if chunk is not None:
+        monkeypatch.setattr("services.gateway.submit.SWEEP_RECHECK_CHUNK", chunk, raising=False)
+    older = _command(NOW - timedelta(minutes=1))
+    await _record(gateway.submissions, older)
+    pause, refusals = Pause(), Refusals()
+    refused = asyncio.create_task(
+        submit_score(
+            ScoreSubmission(text="Refused by the broker.", use_cache=False),
+            tenant_id="default",
+            idempotency_key=None,
+            submissions=gateway.submissions,
+            publisher=RefusingBroker(withdrawal=pause),
+            cache=ResultCache(gateway.raw.client, gateway.name, timedelta(hours=1)),
+            policy=SubmitPolicy(max_attempts=3, retention=RETENTION),
+            clock=lambda: NOW,
+            refusals=refusals,
+        )
+    )
+    await asyncio.wait_for(pause.reached.wait(), timeout=10)
+    publisher = FinishingMeanwhile(first=older.task_id, pause=pause, refused=refused)
+
+    swept = await sweep_outbox(
+        submissions=gateway.submissions,
+        publisher=publisher,
+        clock=lambda: NOW + timedelta(minutes=1),
+        grace=timedelta(seconds=30),
+        refusals=refusals,
+    )
+
+    with pytest.raises(BrokerUnavailable):
+        await refused
+    assert (swept, publisher.sent) == (1, [older.task_id])
+    assert await gateway.submissions.interrupted(older_than=NOW + timedelta(days=2)) == []
+    assert await gateway.raw["submissions"].count_documents({}) == 1  # the older one, sent
+    assert refusals.pending() == []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import aio_pika
@@ -17,6 +18,7 @@ import pytest
 from pymongo import AsyncMongoClient
 
 from services.gateway.app import create_app as create_gateway
+from services.gateway.cache import ResultCache
 from services.gateway.errors import DatabaseUnavailable
 from services.gateway.keys import generate_key
 from services.gateway.settings import GatewaySettings
@@ -127,3 +129,34 @@ async def test_a_retry_whose_lookup_fails_is_told_to_retry_with_the_key_and_keep
     assert again.json()["task_id"] == task_id
     assert [document["_id"] async for document in stack.submissions.find({})] == [task_id]
     assert await _queued_commands(stack.amqp_url) == []
+
+
+async def test_a_replay_whose_cache_lookup_fails_is_answered_with_the_earlier_task(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The result-cache lookup is a submission's first database call, before the insert that
+    finds the key taken: on a slow database it failed first, and the replay of an accepted
+    task was told nothing was kept (503). A failed lookup is now a miss."""
+    key = f"key-{uuid.uuid4().hex}"
+    body = {"text": f"An essay {uuid.uuid4().hex}."}  # the result cache is consulted
+    headers = {"Idempotency-Key": key}
+    first = await stack.api.post("/v1/scores", json=body, headers=headers)
+    assert first.status_code == 202, first.text
+    task_id = first.json()["task_id"]
+    assert [command.task_id for command in await _queued_commands(stack.amqp_url)] == [task_id]
+    failed: list[str] = []
+
+    async def find(cache: ResultCache, *, tenant_id: str, key: str, now: datetime) -> None:
+        failed.append(key)
+        raise DatabaseUnavailable("timed out")
+
+    monkeypatch.setattr(ResultCache, "find", find)
+    kept = await stack.submissions.count_documents({})
+
+    replay = await stack.api.post("/v1/scores", json=body, headers=headers)
+
+    assert failed  # the replay did reach the failing lookup
+    assert replay.status_code == 200, replay.text  # not 503: "nothing was kept" was untrue
+    assert replay.json()["task_id"] == task_id
+    assert await stack.submissions.count_documents({}) == kept  # nothing new kept
+    assert await _queued_commands(stack.amqp_url) == []  # nor sent

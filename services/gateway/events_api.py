@@ -148,7 +148,9 @@ def event_routes(
         except WaiterLimitReached as error:
             raise waiter_problem(error) from error
         try:
-            await live.listen()
+            # Bounded: a bind stuck on a broker away held the stream's headers (and its waiter
+            # place) for as long as the bind took; one not bound yet is retried at heartbeats.
+            await listen_within(live, REBIND_WITHIN_S)
             first = await read(after)
         except Unavailable as error:
             live.close(waiter)

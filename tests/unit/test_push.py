@@ -687,3 +687,37 @@ async def test_a_streams_waiter_is_closed_on_the_event_loop() -> None:
     assert live.closed_on  # the stream's own close, and the response's
     assert set(live.closed_on) == {threading.get_ident()}
     assert len(live) == 0
+
+
+class LiveWithStuckBind(LiveUpdates):
+    def __init__(self) -> None:
+        super().__init__(binding=StuckBinding())
+
+
+async def test_a_stream_opened_while_the_bind_hangs_answers_without_waiting_for_it() -> None:
+    """The stream awaited the live queue's bind without a bound: with the broker away, a bind
+    (and every stream waiting on it) took up to two broker timeouts before any header."""
+    live = LiveWithStuckBind()
+    deps = SimpleNamespace(
+        settings=GatewaySettings.model_validate({}), submissions=None, clock=utcnow
+    )
+
+    async def caller() -> Caller:
+        return Caller(tenant_id="a", key_id="k")
+
+    async def still_valid(_: Caller) -> bool:
+        return True
+
+    app = FastAPI()
+    app.include_router(
+        event_routes(
+            cast(GatewayDeps, deps), live, FinishedTaskHistory(), Depends(caller), still_valid
+        )
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway.test") as client:
+        async with asyncio.timeout(20):  # a hang guard only: the bind never ends
+            response = await client.get("/v1/scores/t1/events")
+    assert response.status_code == 200
+    assert "completed" in response.text
+    assert not live.listening

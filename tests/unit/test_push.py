@@ -659,10 +659,8 @@ class FinishedTaskHistory:
         return history.model_copy(update={"changes": changes})
 
 
-async def test_a_streams_waiter_is_closed_on_the_event_loop() -> None:
-    """The response's background close was a plain function, which Starlette runs in a worker
-    thread, racing the loop's `open`/`deliver` on the registry's sets and counters."""
-    live = ThreadRecordingLive()
+def _stream_client(live: LiveUpdates) -> httpx.AsyncClient:
+    """A client of the event routes over `live`, for a finished task's history."""
     deps = SimpleNamespace(
         settings=GatewaySettings.model_validate({}), submissions=None, clock=utcnow
     )
@@ -680,7 +678,14 @@ async def test_a_streams_waiter_is_closed_on_the_event_loop() -> None:
         )
     )
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://gateway.test") as client:
+    return httpx.AsyncClient(transport=transport, base_url="http://gateway.test")
+
+
+async def test_a_streams_waiter_is_closed_on_the_event_loop() -> None:
+    """The response's background close was a plain function, which Starlette runs in a worker
+    thread, racing the loop's `open`/`deliver` on the registry's sets and counters."""
+    live = ThreadRecordingLive()
+    async with _stream_client(live) as client:
         response = await client.get("/v1/scores/t1/events")
     assert response.status_code == 200
     assert "completed" in response.text
@@ -698,24 +703,7 @@ async def test_a_stream_opened_while_the_bind_hangs_answers_without_waiting_for_
     """The stream awaited the live queue's bind without a bound: with the broker away, a bind
     (and every stream waiting on it) took up to two broker timeouts before any header."""
     live = LiveWithStuckBind()
-    deps = SimpleNamespace(
-        settings=GatewaySettings.model_validate({}), submissions=None, clock=utcnow
-    )
-
-    async def caller() -> Caller:
-        return Caller(tenant_id="a", key_id="k")
-
-    async def still_valid(_: Caller) -> bool:
-        return True
-
-    app = FastAPI()
-    app.include_router(
-        event_routes(
-            cast(GatewayDeps, deps), live, FinishedTaskHistory(), Depends(caller), still_valid
-        )
-    )
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://gateway.test") as client:
+    async with _stream_client(live) as client:
         async with asyncio.timeout(20):  # a hang guard only: the bind never ends
             response = await client.get("/v1/scores/t1/events")
     assert response.status_code == 200

@@ -500,8 +500,9 @@ class DeliverWebhook(Contract):
     deferrals: int = Field(
         default=0,
         ge=0,
-        description="Times this attempt was put off unsent because its destination had as "
-        "many POSTs in flight as it may; each doubles the next wait.",
+        description="Times this attempt was put off unsent because its destination or its "
+        "tenant had as many POSTs in flight as it may, or its claim's lease was too short "
+        "for a POST; each doubles the next wait.",
     )
 
 

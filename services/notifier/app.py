@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from services.notifier.api import tenant_routes
 from services.notifier.consumer import send_delivery, subscribe_deliveries, subscribe_notifications
 from services.notifier.deliveries import DeliveryDeps, RetryPolicy, Sender
-from services.notifier.hosts import HostSlots
+from services.notifier.hosts import Slots
 from services.notifier.keyring import Keyring
 from services.notifier.ledger import Ledger
 from services.notifier.metrics import NotifierMetrics
@@ -109,7 +109,9 @@ def create_app(
             rng=rng or random.Random(),  # noqa: S311 - jitter, not cryptography
             owner=f"{socket.gethostname()}:{os.getpid()}:{new_id()[:8]}",
             lease=timedelta(seconds=settings.lease_s),
-            hosts=HostSlots(settings.per_host),
+            hosts=Slots(settings.per_host),
+            tenants=Slots(settings.per_tenant),
+            post_time=timedelta(seconds=settings.post_s),
             metrics=NotifierMetrics(broker.metrics.registry),
         ),
         timeout_s=settings.broker_timeout_s,

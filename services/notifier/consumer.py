@@ -4,15 +4,16 @@
 - recorded, deliveries enqueued (each confirmed by the broker): ack.
 - unreadable (poison): copied to the DLQ with the validation error, then ack.
 - MongoDB unavailable: the event is sent through the wait ladder to come back in a few
-  seconds (only to this queue, through `scorebox.due`), then ack.
+  seconds (only to this queue, through `scorebox.due`; `database_retry_wait`), then ack.
 - the handler crashed: returned as failed (`Delivery.requeue_failed`); the queue's delivery
   limit dead-letters a message that keeps crashing.
 
 `scorebox.webhook-deliveries` (`DeliverWebhook`): see `deliveries.py` for the decisions (a
 redelivery whose attempt another process holds is kept unacknowledged until its lease ends);
 `Send` is published down the wait ladder when not yet due (a delivery whose destination has
-`WEBHOOK_CONCURRENCY_PER_HOST` POSTs of this process in flight is sent again a second later
-this way, unclaimed and not counted as an attempt), `GiveUp` is copied to the DLQ with
+`WEBHOOK_CONCURRENCY_PER_HOST` POSTs of this process in flight, or its tenant
+`WEBHOOK_CONCURRENCY_PER_TENANT`, is sent again a second later this way, unclaimed and not
+counted as an attempt), `GiveUp` is copied to the DLQ with
 the reason in `x-scorebox-error`; a delivery its receiver refused (3xx, 4xx, an unsafe
 destination) is recorded failed and acked, not dead-lettered; MongoDB unavailable re-sends
 the command a little later. At the queue's delivery limit (`x-delivery-count`), nothing is
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
@@ -65,6 +67,13 @@ log = logging.getLogger("scorebox.notifier")
 Clock = Callable[[], datetime]
 DATABASE_RETRY_DELAY = timedelta(seconds=5)
 _TIERS = frozenset(tier for tier, _ in WAIT_TIERS)
+
+
+def database_retry_wait() -> timedelta:
+    """How long an event or delivery the database failed waits before it comes back:
+    DATABASE_RETRY_DELAY, give or take half. Without jitter, everything held through a
+    MongoDB outage came back in lockstep, and hit the database again all at once."""
+    return DATABASE_RETRY_DELAY * random.uniform(0.5, 1.5)  # noqa: S311 - jitter, not crypto
 
 
 def event_key(routing_key: str) -> str:
@@ -126,7 +135,7 @@ async def _come_back_later(
 ) -> None:
     # Through the ladder into `scorebox.due`, where only the notifications queue is bound to
     # task event keys: the other consumers of `scorebox.events` do not see the event again.
-    later = clock() + DATABASE_RETRY_DELAY
+    later = clock() + database_retry_wait()
     await keep_publishing(
         lambda: publish_delayed(
             broker,
@@ -222,7 +231,7 @@ async def _try_and_carry_out(
             )
             return Hold(deps.clock() + timedelta(seconds=HOLD_POLL_S))
         log.warning("MongoDB unavailable for delivery %s: %r", delivery.delivery_id, error)
-        later = deps.clock() + DATABASE_RETRY_DELAY
+        later = deps.clock() + database_retry_wait()
         update = {"not_before": later, "message_id": new_id()}
         decision = Send(delivery.model_copy(update=update), "database unavailable")
     except Exception:

@@ -25,11 +25,19 @@ A failure alert follows its tenant's setting at every attempt, not the URL its c
 carries: once removed, the delivery is cancelled unsent; once changed, it goes to the new URL.
 
 At most `WEBHOOK_CONCURRENCY_PER_HOST` POSTs of this process are in flight to one destination
-(`hosts.py`). A delivery whose destination has no slot free is deferred before its claim:
-sent again later as a fresh copy (`Send`; `HOST_BUSY_DELAY`, doubling with each deferral of
-the attempt up to `HOST_BUSY_MAX_DELAY`), nothing recorded, its attempt not counted, its
-consumer slot freed at once for other destinations. A redelivery is held
-instead (`Hold`, as for a claim held elsewhere), so that its delivery count keeps growing.
+and `WEBHOOK_CONCURRENCY_PER_TENANT` for one tenant (`hosts.py`). A delivery whose
+destination or tenant has no slot free is deferred before its claim: sent again later as a
+fresh copy (`Send`; `PUT_OFF_DELAY`, doubling with each deferral of the attempt up to
+`PUT_OFF_MAX_DELAY`), nothing recorded, its attempt not counted, its consumer slot freed at
+once for other destinations and tenants. A redelivery is held instead (`Hold`, as for a
+claim held elsewhere), so that its delivery count keeps growing.
+
+A claim's lease counts from just before its write, and covers the POST and the database
+calls around it (`NotifierSettings.lease_s`). If, the claim made and the keyring read, less
+of it is left than the longest POST (`post_time`: DNS check and whole request), the attempt
+is not POSTed on a claim that could lapse mid-POST (another copy would claim it then and POST
+too): it is put off the same way, its claim left to run out, or to be taken over at once by
+this process's own next copy.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
@@ -50,7 +59,7 @@ from services.notifier.errors import (
     ReceiverUnavailable,
     TransientDeliveryError,
 )
-from services.notifier.hosts import HostSlots, destination_of
+from services.notifier.hosts import DEFAULT_PER_HOST, DEFAULT_PER_TENANT, Slots, destination_of
 from services.notifier.keyring import Keyring
 from services.notifier.ledger import DeliveryRecord, DeliveryState, Ledger
 from services.notifier.metrics import NotifierMetrics
@@ -66,12 +75,21 @@ from shared.topology import wait_tier_for
 
 Clock = Callable[[], datetime]
 ALERT_REMOVED = "cancelled: the tenant removed its failure alert"
-# How long a delivery whose destination is busy first waits: the wait ladder's shortest tier,
-# so a slot freed on a healthy receiver is taken again about as soon as it is. Each deferral
-# of the same attempt doubles it, up to HOST_BUSY_MAX_DELAY: a backlog of thousands for a
-# receiver that hangs would otherwise pass through the broker thousands of times a second.
-HOST_BUSY_DELAY = timedelta(seconds=1)
-HOST_BUSY_MAX_DELAY = timedelta(seconds=60)
+# How long a delivery put off (its destination or tenant busy) first waits: the wait ladder's
+# shortest tier, so a slot freed on a healthy receiver is taken again about as soon as it is.
+# Each deferral of the same attempt doubles it, up to PUT_OFF_MAX_DELAY: a backlog of
+# thousands for a receiver that hangs would otherwise pass through the broker thousands of
+# times a second.
+PUT_OFF_DELAY = timedelta(seconds=1)
+PUT_OFF_MAX_DELAY = timedelta(seconds=60)
+# Why a delivery is put off unsent: its label in `scorebox_webhook_deferred_total`, and why.
+PUT_OFF_BECAUSE = {
+    "host_busy": "its destination has no slot free",
+    "tenant_busy": "its tenant has no slot free",
+    "lease_short": "too little of its claim's lease is left for a POST",
+}
+# The longest a POST takes with the default settings: DNS check (5 s) and request (10 s).
+DEFAULT_POST_TIME = timedelta(seconds=15)
 
 
 class Sender(Protocol):
@@ -143,8 +161,12 @@ class DeliveryDeps:
     lease: timedelta
     # The (delivery id, attempt) pairs deliveries of this process are claiming or sending.
     in_hand: InHand[tuple[str, int]] = field(default_factory=InHand)
-    # The POSTs of this process in flight per destination, each bounded.
-    hosts: HostSlots = field(default_factory=HostSlots)
+    # The POSTs of this process in flight per destination and per tenant, each bounded.
+    hosts: Slots = field(default_factory=lambda: Slots(DEFAULT_PER_HOST))
+    tenants: Slots = field(default_factory=lambda: Slots(DEFAULT_PER_TENANT))
+    # The longest one POST takes (DNS check and whole request): a claim with less of its
+    # lease left does not POST.
+    post_time: timedelta = DEFAULT_POST_TIME
     metrics: NotifierMetrics = field(default_factory=NotifierMetrics)
 
 
@@ -204,7 +226,7 @@ async def deliver_once(
                 return Hold(now + timedelta(seconds=HOLD_POLL_S))
             return Done("another copy in this process is working on this attempt")
         # Held by no other copy here: a lease of this process on it is stale.
-        return await _claim_and_send(delivery, deps, now, redelivered=redelivered)
+        return await _claim_and_send(delivery, deps, redelivered=redelivered)
 
 
 async def at_delivery_limit(
@@ -241,34 +263,36 @@ async def at_delivery_limit(
 
 
 async def _claim_and_send(
-    delivery: DeliverWebhook,
-    deps: DeliveryDeps,
-    now: datetime,
-    *,
-    redelivered: bool,
+    delivery: DeliverWebhook, deps: DeliveryDeps, *, redelivered: bool
 ) -> DeliveryDecision | Hold:
     # Read before the claim: when the database fails this read, no lease is left behind,
     # and the consumer sends the command again a little later, as for any database error.
     # A change made after this read reaches the next attempt, not this one.
     configured = await _as_configured_now(delivery, deps.alerts)
-    if configured is None:  # cancelled unsent: no POST, no destination slot
-        return await _claim_and_post(delivery, None, deps, now, redelivered=redelivered)
-    with deps.hosts.taking(destination_of(configured.url, deps.guard)) as slot_free:
-        if not slot_free:
-            return await _destination_busy(delivery, deps, redelivered=redelivered)
-        return await _claim_and_post(delivery, configured, deps, now, redelivered=redelivered)
+    if configured is None:  # cancelled unsent: no POST, no slot
+        return await _claim_and_post(delivery, None, deps, redelivered=redelivered)
+    bounds = (
+        (deps.hosts, destination_of(configured.url, deps.guard), "host_busy"),
+        (deps.tenants, configured.tenant_id, "tenant_busy"),
+    )
+    with ExitStack() as held:
+        for slots, key, busy in bounds:
+            if not held.enter_context(slots.taking(key)):
+                held.close()  # put off holding no slot
+                return await _put_off(delivery, deps, busy, redelivered=redelivered)
+        return await _claim_and_post(delivery, configured, deps, redelivered=redelivered)
 
 
 async def _claim_and_post(
     delivery: DeliverWebhook,
     configured: DeliverWebhook | None,
     deps: DeliveryDeps,
-    now: datetime,
     *,
     redelivered: bool,
 ) -> DeliveryDecision | Hold:
     """Claim the attempt, then POST it as `configured` (or cancel it unsent when None)."""
     owner = f"{deps.owner}/{new_id()[:12]}"
+    now = deps.clock()  # the lease counts from here, not from before the alert lookup
     claim = await deps.ledger.claim(
         configured or delivery,
         process=deps.owner,
@@ -281,21 +305,23 @@ async def _claim_and_post(
         return _without_claim(delivery, claim.record, now=now, redelivered=redelivered)
     if configured is None:
         return await _cancel(delivery, ALERT_REMOVED, owner=owner, deps=deps)
-    return await _send(configured, deps, now, owner=owner)
+    return await _send(configured, deps, now, owner=owner, redelivered=redelivered)
 
 
-async def _destination_busy(
-    delivery: DeliverWebhook, deps: DeliveryDeps, *, redelivered: bool
+async def _put_off(
+    delivery: DeliverWebhook, deps: DeliveryDeps, why: str, *, redelivered: bool
 ) -> DeliveryDecision | Hold:
-    """Its destination has no slot free in this process: put the delivery off, unclaimed.
+    """Put the delivery off unsent, its attempt not counted, `why` a key of PUT_OFF_BECAUSE:
+    its destination or tenant has no slot free in this process (unclaimed), or too little
+    of the lease of the claim just made is left for a POST (the claim left to lapse).
 
     A fresh copy goes down the wait ladder and this one is acked, freeing its consumer slot.
     A redelivery is held instead: a fresh copy would start its delivery count again, and
     one that crashes its handler every time would never reach the queue's delivery limit.
     What its attempt already decided (its consumer died before acking) is carried out now."""
-    deps.metrics.deferred.labels("host_busy").inc()
+    deps.metrics.deferred.labels(why).inc()
     if not redelivered:
-        wait = host_busy_wait(delivery.deferrals, deps.rng)
+        wait = put_off_wait(delivery.deferrals, deps.rng)
         later = deps.clock() + wait  # from now: the ladder sends a past one at once
         deferred = delivery.model_copy(
             update={
@@ -304,20 +330,20 @@ async def _destination_busy(
                 "deferrals": delivery.deferrals + 1,
             }
         )
-        return Send(deferred, "deferred: its destination has no slot free")
-    later = deps.clock() + HOST_BUSY_DELAY
+        return Send(deferred, f"deferred: {PUT_OFF_BECAUSE[why]}")
+    later = deps.clock() + PUT_OFF_DELAY
     record = await deps.ledger.find(delivery.delivery_id)
     if record is not None and (decided := recorded_decision(delivery, record)) is not None:
         return decided
     return Hold(later)
 
 
-def host_busy_wait(deferrals: int, rng: random.Random) -> timedelta:
+def put_off_wait(deferrals: int, rng: random.Random) -> timedelta:
     """The wait of a delivery put off `deferrals` times already: doubling from
-    HOST_BUSY_DELAY up to HOST_BUSY_MAX_DELAY, with up to half again of jitter so that a
+    PUT_OFF_DELAY up to PUT_OFF_MAX_DELAY, with up to half again of jitter so that a
     backlog put off together does not come back together."""
-    doubled = HOST_BUSY_DELAY * (1 << min(deferrals, 16))
-    return min(HOST_BUSY_MAX_DELAY, doubled) * (1 + rng.random() / 2)
+    doubled = PUT_OFF_DELAY * (1 << min(deferrals, 16))
+    return min(PUT_OFF_MAX_DELAY, doubled) * (1 + rng.random() / 2)
 
 
 async def _as_configured_now(
@@ -337,14 +363,17 @@ async def _as_configured_now(
 
 
 async def _send(
-    delivery: DeliverWebhook, deps: DeliveryDeps, now: datetime, *, owner: str
-) -> DeliveryDecision:
-    """POST the attempt this process claimed (as `owner`) and record what came of it."""
+    delivery: DeliverWebhook, deps: DeliveryDeps, now: datetime, *, owner: str, redelivered: bool
+) -> DeliveryDecision | Hold:
+    """POST the attempt this process claimed (as `owner`, at `now`) and record what came of
+    it; put it off unsent when its lease could run out during the POST."""
+    secrets = await deps.keyring.in_force(delivery.tenant_id, now=now)
+    if now + deps.lease - deps.clock() < deps.post_time:
+        return await _put_off(delivery, deps, "lease_short", redelivered=redelivered)
     status: int | None = None
     started = time.perf_counter()
     try:
         destination = await deps.guard.vet(delivery.url)
-        secrets = await deps.keyring.in_force(delivery.tenant_id, now=now)
         body = encode_payload(delivery.payload)
         headers = signed_headers(
             secrets, webhook_id=delivery.delivery_id, timestamp=int(now.timestamp()), body=body

@@ -8,6 +8,9 @@ from pydantic import Field, model_validator
 
 from shared.settings import ServiceSettings
 
+# The database calls a claim's holder makes under its lease (`NotifierSettings.lease_s`).
+CLAIM_DATABASE_CALLS = 3
+
 
 class NotifierSettings(ServiceSettings):
     port: int = Field(default=8004, validation_alias="NOTIFIER_PORT")
@@ -19,6 +22,13 @@ class NotifierSettings(ServiceSettings):
     # healthy receiver still gets 8 at once per replica. Unset, it is at most `concurrency`.
     concurrency_per_host: int = Field(
         default=8, ge=1, le=1024, validation_alias="WEBHOOK_CONCURRENCY_PER_HOST"
+    )
+    # And POSTs of one tenant in flight at once per process, whatever their destinations: a
+    # tenant whose callback URLs name many ports or host names of one hanging receiver (a
+    # wildcard DNS zone) passes the bound per destination. Unset, half of `concurrency`
+    # (16 of the default 32): at least half the slots stay free for the other tenants.
+    concurrency_per_tenant: int | None = Field(
+        default=None, ge=1, le=1024, validation_alias="WEBHOOK_CONCURRENCY_PER_TENANT"
     )
     max_attempts: int = Field(default=8, ge=1, le=50, validation_alias="WEBHOOK_MAX_ATTEMPTS")
     # Back-off between attempts: base * 2^(attempt-1), capped, with jitter; Retry-After wins
@@ -68,12 +78,24 @@ class NotifierSettings(ServiceSettings):
                 f"WEBHOOK_CONCURRENCY_PER_HOST ({self.concurrency_per_host}) may not exceed "
                 f"WEBHOOK_CONCURRENCY ({self.concurrency})"
             )
+        if self.concurrency_per_tenant is not None and (
+            self.concurrency_per_tenant > self.concurrency
+        ):
+            raise ValueError(
+                f"WEBHOOK_CONCURRENCY_PER_TENANT ({self.concurrency_per_tenant}) may not exceed "
+                f"WEBHOOK_CONCURRENCY ({self.concurrency})"
+            )
         return self
 
     @property
     def per_host(self) -> int:
         """POSTs in flight at once to one destination: the default never above `concurrency`."""
         return min(self.concurrency_per_host, self.concurrency)
+
+    @property
+    def per_tenant(self) -> int:
+        """POSTs of one tenant in flight at once: by default half of `concurrency`."""
+        return self.concurrency_per_tenant or max(1, self.concurrency // 2)
 
     @property
     def test_hosts(self) -> frozenset[str]:
@@ -84,6 +106,16 @@ class NotifierSettings(ServiceSettings):
         )
 
     @property
+    def post_s(self) -> float:
+        """The longest one POST takes: its DNS check, then the whole request."""
+        return self.dns_timeout_s + self.timeout_s
+
+    @property
     def lease_s(self) -> float:
-        """How long a claimed delivery is ours before another consumer may take it over."""
-        return self.dns_timeout_s + self.timeout_s + 30.0
+        """How long a claimed delivery is ours before another consumer may take it over.
+
+        The POST, and the database calls of the claim's holder, each up to `MONGO_TIMEOUT_S`:
+        the claim's own write (the lease counts from before it), the keyring read before
+        the POST and the recording of its outcome, with 30 s to spare. A lease that ran out
+        before the POST let a second copy claim the attempt and POST it too."""
+        return self.post_s + CLAIM_DATABASE_CALLS * self.mongo_timeout_s + 30.0

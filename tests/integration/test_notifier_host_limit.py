@@ -31,7 +31,7 @@ from pymongo import AsyncMongoClient
 from services.notifier.app import create_app as create_notifier
 from services.notifier.consumer import send_delivery
 from services.notifier.deliveries import DeliveryDeps
-from services.notifier.hosts import HostSlots, destination_of
+from services.notifier.hosts import Slots, destination_of
 from services.notifier.ledger import DeliveryState, Ledger
 from services.notifier.metrics import NotifierMetrics
 from services.notifier.settings import NotifierSettings
@@ -172,6 +172,8 @@ def _settings(amqp_url: str, mongo_url: str, db_prefix: str, ca_file: Path) -> N
             "MONGO_DB_PREFIX": db_prefix,
             "WEBHOOK_CONCURRENCY": str(CONCURRENCY),
             "WEBHOOK_CONCURRENCY_PER_HOST": str(PER_HOST),
+            # Both receivers' webhooks are one tenant's: the bound per destination alone.
+            "WEBHOOK_CONCURRENCY_PER_TENANT": str(CONCURRENCY),
             "WEBHOOK_TIMEOUT_S": "300",  # a held POST stays in flight: no attempt fails
             "WEBHOOK_ALLOWED_TEST_HOSTS": "127.0.0.1",
             "WEBHOOK_CA_FILE": str(ca_file),
@@ -213,22 +215,27 @@ async def test_a_slow_host_at_its_bound_leaves_the_other_hosts_their_slots(
 
 
 @contextlib.contextmanager
-def _all_slots_taken(hosts: HostSlots, destination: str) -> Iterator[None]:
-    """Every slot of `destination` held, as by POSTs of this process in flight."""
+def _all_slots_taken(slots: Slots, key: str) -> Iterator[None]:
+    """Every slot of `key` (a destination, a tenant) held, as by POSTs of this process in
+    flight."""
     with contextlib.ExitStack() as stack:
-        for _ in range(hosts.per_host):
-            assert stack.enter_context(hosts.taking(destination))
+        for _ in range(slots.bound):
+            assert stack.enter_context(slots.taking(key))
         yield
 
 
 def _with_bound(deps: DeliveryDeps) -> tuple[DeliveryDeps, CollectorRegistry]:
-    """`deps` with PER_HOST slots per destination, and the registry of its metrics."""
+    """`deps` with PER_HOST slots per destination and per tenant, and the registry of its
+    metrics."""
     registry = CollectorRegistry()
-    return replace(deps, hosts=HostSlots(PER_HOST), metrics=NotifierMetrics(registry)), registry
+    bounded = replace(
+        deps, hosts=Slots(PER_HOST), tenants=Slots(PER_HOST), metrics=NotifierMetrics(registry)
+    )
+    return bounded, registry
 
 
-def _deferred(registry: CollectorRegistry) -> float:
-    labels = {"reason": "host_busy"}
+def _deferred(registry: CollectorRegistry, reason: str = "host_busy") -> float:
+    labels = {"reason": reason}
     return registry.get_sample_value("scorebox_webhook_deferred_total", labels) or 0.0
 
 
@@ -325,3 +332,42 @@ async def test_the_slots_are_per_destination_and_given_back(
     assert len(receiver[0].requests(delivery.url)) == 1
     assert deps.hosts.in_flight(destination) == 0
     assert _deferred(registry) == 0
+
+
+async def test_a_delivery_of_a_busy_tenant_is_sent_again_later_unclaimed_and_unsent(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    """Its destination has slots free: the tenant's bound puts it off all the same."""
+    deps, registry = _with_bound(make_deps("proc-a"))
+    delivery = _delivery(receiver[0])
+    broker, handle = _handler(deps)
+    message = HandedDelivery(delivery.model_dump_json().encode())
+
+    with _all_slots_taken(deps.tenants, delivery.tenant_id):
+        await asyncio.wait_for(handle(message), timeout=30)
+        assert deps.hosts.in_flight(destination_of(delivery.url, deps.guard)) == 0
+
+    assert message.settled == ["ack"]
+    assert receiver[0].requests(delivery.url) == []
+    assert await ledger.find(delivery.delivery_id) is None  # never claimed
+    [sent] = broker.published
+    again = DeliverWebhook.model_validate_json(sent.message.body)
+    assert (again.attempt, again.deferrals) == (1, 1)
+    assert (_deferred(registry, "tenant_busy"), _deferred(registry)) == (1, 0)
+
+
+async def test_another_tenants_delivery_keeps_its_slots(
+    make_deps: Deps, receiver: tuple[Receiver, Any]
+) -> None:
+    deps, registry = _with_bound(make_deps("proc-a"))
+    delivery = _delivery(receiver[0]).model_copy(update={"tenant_id": "tenant-b"})
+    _, handle = _handler(deps)
+
+    with _all_slots_taken(deps.tenants, "tenant-a"):
+        message = HandedDelivery(delivery.model_dump_json().encode())
+        await asyncio.wait_for(handle(message), timeout=30)
+
+    assert message.settled == ["ack"]
+    assert len(receiver[0].requests(delivery.url)) == 1
+    assert deps.tenants.in_flight("tenant-b") == 0
+    assert _deferred(registry, "tenant_busy") == 0

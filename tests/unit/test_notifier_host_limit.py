@@ -1,4 +1,5 @@
-"""The notifier's per-destination bound: its slots, what one destination is, its setting."""
+"""The notifier's bounds per destination and per tenant: their slots, what one destination
+is, their settings; and the lease of a delivery's claim."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 from pydantic import ValidationError
 
-from services.notifier.hosts import HostSlots, destination_of
+from services.notifier.hosts import Slots, destination_of
 from services.notifier.settings import NotifierSettings
 from services.notifier.ssrf import WebhookGuard
 from shared.webhook_urls import IPAddress
@@ -24,7 +25,7 @@ GUARD = WebhookGuard(NoDns())
 
 
 def test_a_destination_gets_its_bound_of_slots_and_no_more() -> None:
-    hosts = HostSlots(2)
+    hosts = Slots(2)
     with (
         hosts.taking("https://a.example:443") as first,
         hosts.taking("https://a.example:443") as second,
@@ -38,7 +39,7 @@ def test_a_destination_gets_its_bound_of_slots_and_no_more() -> None:
 
 
 def test_a_slot_is_given_back_when_its_block_fails() -> None:
-    hosts = HostSlots(1)
+    hosts = Slots(1)
     with pytest.raises(RuntimeError), hosts.taking("https://a.example:443"):
         raise RuntimeError("the POST crashed")
     with hosts.taking("https://a.example:443") as again:
@@ -47,7 +48,7 @@ def test_a_slot_is_given_back_when_its_block_fails() -> None:
 
 def test_a_bound_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="at least 1"):
-        HostSlots(0)
+        Slots(0)
 
 
 @pytest.mark.parametrize(
@@ -96,3 +97,34 @@ def test_the_bound_defaults_to_8_and_never_above_the_concurrency() -> None:
 def test_a_bound_below_one_or_above_the_concurrency_is_refused(env: dict[str, str]) -> None:
     with pytest.raises(ValidationError, match=r"WEBHOOK_CONCURRENCY_PER_HOST|greater than"):
         _settings(**env)
+
+
+def test_the_tenant_bound_defaults_to_half_the_concurrency() -> None:
+    assert _settings().per_tenant == 16
+    assert _settings(WEBHOOK_CONCURRENCY="4").per_tenant == 2
+    assert _settings(WEBHOOK_CONCURRENCY="1").per_tenant == 1
+    assert _settings(WEBHOOK_CONCURRENCY="4", WEBHOOK_CONCURRENCY_PER_TENANT="4").per_tenant == 4
+    assert _settings(WEBHOOK_CONCURRENCY_PER_TENANT="1").per_tenant == 1
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"WEBHOOK_CONCURRENCY_PER_TENANT": "0"},
+        {"WEBHOOK_CONCURRENCY": "4", "WEBHOOK_CONCURRENCY_PER_TENANT": "5"},
+        {"WEBHOOK_CONCURRENCY_PER_TENANT": "33"},
+    ],
+)
+def test_a_tenant_bound_below_one_or_above_the_concurrency_is_refused(
+    env: dict[str, str],
+) -> None:
+    with pytest.raises(ValidationError, match=r"WEBHOOK_CONCURRENCY_PER_TENANT|greater than"):
+        _settings(**env)
+
+
+def test_a_claims_lease_covers_the_post_and_the_database_calls_around_it() -> None:
+    """DNS check + request, then the claim's write, the keyring read and the recording of
+    the outcome, each up to MONGO_TIMEOUT_S, and 30 s to spare."""
+    settings = _settings(WEBHOOK_DNS_TIMEOUT_S="5", WEBHOOK_TIMEOUT_S="10", MONGO_TIMEOUT_S="20")
+    assert settings.post_s == 15
+    assert settings.lease_s == 15 + 3 * 20 + 30

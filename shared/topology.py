@@ -101,6 +101,13 @@ def deliveries_lost(headers: Mapping[str, Any]) -> int:
     return carried + int(headers.get(DELIVERY_COUNT_HEADER, 0))
 
 
+def carried_deliveries(headers: Mapping[str, Any]) -> dict[str, Any]:
+    """The header a copy of this very message (the same attempt, sent again) takes along: the
+    deliveries lost so far. Never a next attempt's: it is a new message."""
+    deliveries = deliveries_lost(headers)
+    return {EARLIER_DELIVERIES_HEADER: deliveries} if deliveries else {}
+
+
 @dataclass(frozen=True)
 class Binding:
     exchange: RabbitExchange

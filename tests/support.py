@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any, override
 
+import aio_pika
 import httpx
 from aiohttp import web
 from fastapi import FastAPI
@@ -18,6 +19,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 from services.gateway.submissions import Submissions
 from shared.consumers import Delivery
 from shared.contracts import RescoreTask, ScoreText, new_id
+from shared.topology import SCORE_REQUESTS
 
 POLL_INTERVAL_S = 0.05
 
@@ -236,3 +238,16 @@ class HandlerOnly:
 
     def add_consumer(self, subscription: Any) -> None:
         self.handler = subscription.handler
+
+
+async def queued_commands(amqp_url: str) -> list[ScoreText]:
+    """Drain the score-requests queue of the vhost at `amqp_url`: the commands sent to the
+    scorer so far (none runs in the tests that read them: they wait in its queue)."""
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.get_queue(SCORE_REQUESTS.name, ensure=True)
+        commands = []
+        while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
+            commands.append(ScoreText.model_validate_json(message.body))
+        return commands

@@ -31,8 +31,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
+from typing import Any
 
 from faststream.rabbit import RabbitBroker
 from pydantic import ValidationError
@@ -61,6 +62,8 @@ from shared.topology import (
     WAIT_TIERS,
     WEBHOOK_DELIVERIES,
     WorkQueue,
+    carried_deliveries,
+    deliveries_lost,
 )
 
 log = logging.getLogger("scorebox.notifier")
@@ -82,7 +85,13 @@ def event_key(routing_key: str) -> str:
     return rest if head in _TIERS and rest else routing_key
 
 
-async def send_delivery(broker: RabbitBroker, delivery: DeliverWebhook, *, timeout: float) -> None:
+async def send_delivery(
+    broker: RabbitBroker,
+    delivery: DeliverWebhook,
+    *,
+    timeout: float,
+    headers: Mapping[str, Any] | None = None,
+) -> None:
     """Publish a delivery command now, or down the wait ladder until its `not_before`,
     trying again until the broker confirms it."""
     await keep_publishing(
@@ -93,6 +102,7 @@ async def send_delivery(broker: RabbitBroker, delivery: DeliverWebhook, *, timeo
             routing_key=DeliverWebhook.routing_key,
             not_before=delivery.not_before,
             timeout=timeout,
+            headers=headers,
         ),
         what=f"webhook delivery {delivery.delivery_id}",
     )
@@ -161,8 +171,9 @@ def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_
             await _dead_letter(broker, WEBHOOK_DELIVERIES, message, reason, timeout_s)
             await message.ack()
             return
-        deliveries = int(message.headers.get(DELIVERY_COUNT_HEADER, 0))
-        redelivered = message.redelivered or deliveries > 0
+        deliveries = deliveries_lost(message.headers)
+        # This copy was handed out before (a fresh copy with deliveries carried was not).
+        redelivered = message.redelivered or int(message.headers.get(DELIVERY_COUNT_HEADER, 0)) > 0
         limit_reason = None
         if deliveries >= WEBHOOK_DELIVERIES.delivery_limit:
             limit_reason = (
@@ -254,7 +265,11 @@ async def _carry_out(
             log.info("webhook %s (%s): %s", delivery.delivery_id, delivery.event_type, reason)
         case Send(command=command, reason=reason):
             log.info("webhook %s attempt %d: %s", delivery.delivery_id, delivery.attempt, reason)
-            await send_delivery(broker, command, timeout=timeout_s)
+            # A copy of this attempt (put off, the database away) carries the deliveries lost
+            # so far; a next attempt is a new message.
+            same = command.attempt == delivery.attempt
+            carried = carried_deliveries(message.headers) if same else None
+            await send_delivery(broker, command, timeout=timeout_s, headers=carried)
         case GiveUp(reason=reason):
             log.warning("webhook %s dead-lettered: %s", delivery.delivery_id, reason)
             await _dead_letter(broker, WEBHOOK_DELIVERIES, message, reason, timeout_s)

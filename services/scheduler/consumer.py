@@ -73,10 +73,10 @@ from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying
 from shared.topology import (
     ATTEMPTS_HEADER,
     CRON_JOBS,
-    EARLIER_DELIVERIES_HEADER,
     EVENT_KEY_HEADER,
     USAGE_METER,
     WorkQueue,
+    carried_deliveries,
     deliveries_lost,
 )
 
@@ -117,7 +117,7 @@ class CronJobRunner:
                 log.warning("MongoDB unavailable around run %s: %r", command.run_id, error)
                 later = self.clock() + self.retry.base
                 again = command.model_copy(update={"message_id": new_id(), "not_before": later})
-                await self._publish_run(again, headers=_carried(message))
+                await self._publish_run(again, headers=carried_deliveries(message.headers))
                 return
         job = command.job if command.job in self.handlers else UNKNOWN_JOB
         self.metrics.count_run(job, decision)
@@ -154,7 +154,7 @@ class CronJobRunner:
             case Continue(command=command) | Retry(command=command):
                 await self._publish_run(command)
             case Defer(command=command):
-                await self._publish_run(command, headers=_carried(message))
+                await self._publish_run(command, headers=carried_deliveries(message.headers))
             case GiveUp(reason=reason):
                 log.error("dead-lettering a cron run: %s", reason)
                 await _dead_letter(self.bus, CRON_JOBS, message, reason)
@@ -170,13 +170,6 @@ class CronJobRunner:
             lambda: self.bus.publish_run(command, headers=headers),
             what=f"cron run {command.run_id}",
         )
-
-
-def _carried(message: Delivery) -> dict[str, Any]:
-    """The headers a copy of this delivery's own run takes along when it is sent again: the
-    deliveries its consumers lost so far (a next slice or retry is a new message: none)."""
-    deliveries = deliveries_lost(message.headers)
-    return {EARLIER_DELIVERIES_HEADER: deliveries} if deliveries else {}
 
 
 _USAGE_EVENTS: dict[str, type[TaskCompleted | TaskFailed]] = {

@@ -61,6 +61,7 @@ from shared.topology import (
     DELIVERY_COUNT_HEADER,
     EARLIER_DELIVERIES_HEADER,
     SCORE_REQUESTS,
+    carried_deliveries,
     deliveries_lost,
 )
 
@@ -163,9 +164,7 @@ def _carried_headers(message: Delivery) -> dict[str, Any]:
     dead-lettered), its deliveries counted so far included. Never a next attempt's."""
     keep = (CRASHES_HEADER, ATTEMPTS_HEADER)
     headers = {key: value for key, value in message.headers.items() if key in keep}
-    if deliveries := deliveries_lost(message.headers):
-        headers[EARLIER_DELIVERIES_HEADER] = deliveries
-    return headers
+    return headers | carried_deliveries(message.headers)
 
 
 def subscribe_scorer(

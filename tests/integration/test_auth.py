@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import aio_pika
 import httpx
 import pytest
 from fastapi import FastAPI
@@ -24,9 +23,8 @@ from services.gateway.keys import ApiKeys, KeyConflict, bootstrap_key, generate_
 from services.gateway.settings import GatewaySettings
 from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
-from shared.contracts import ScoreText, utcnow
-from shared.topology import SCORE_REQUESTS
-from tests.support import eventually, running
+from shared.contracts import utcnow
+from tests.support import eventually, queued_commands, running
 
 ADMIN_KEY = "test-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -360,17 +358,6 @@ async def test_a_bootstrap_key_is_registered_once_and_never_silently_replaced(
 # --------------------------------------------------------------------------- what a key sees
 
 
-async def _queued_commands(amqp_url: str) -> list[ScoreText]:
-    connection = await aio_pika.connect(amqp_url, timeout=10)
-    async with connection:
-        channel = await connection.channel()
-        queue = await channel.get_queue(SCORE_REQUESTS.name, ensure=True)
-        commands = []
-        while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
-            commands.append(ScoreText.model_validate_json(message.body))
-        return commands
-
-
 async def test_a_key_sees_only_its_own_tenants_tasks(stack: Stack) -> None:
     """Tenant A's key against tenant B's task on every route that takes a task or batch."""
     tenant_a, tenant_b = _tenant("a"), _tenant("b")
@@ -444,7 +431,7 @@ async def test_a_key_sees_only_its_own_tenants_tasks(stack: Stack) -> None:
     assert batch_a.json()["batch_id"] != batch_b
 
     # The commands carry the tenant and the key that submitted them (usage per key).
-    commands = {command.task_id: command for command in await _queued_commands(stack.amqp_url)}
+    commands = {command.task_id: command for command in await queued_commands(stack.amqp_url)}
     assert commands[task_b].tenant_id == tenant_b
     assert commands[task_b].api_key_id == key_b["key_id"]
     assert commands[task_a].tenant_id == tenant_a

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-import aio_pika
 import httpx
 import pytest
 from pymongo import AsyncMongoClient
@@ -22,15 +21,13 @@ from shared.bus import publish_event
 from shared.contracts import (
     Phase,
     ScoreResult,
-    ScoreText,
     TaskCompleted,
     TaskStarted,
     event_sequence,
     utcnow,
 )
 from shared.runtime import make_broker
-from shared.topology import SCORE_REQUESTS
-from tests.support import eventually, running
+from tests.support import eventually, queued_commands, running
 
 MAX_TEXT = 200
 API_KEY = generate_key().token  # registered for the default tenant by BOOTSTRAP_API_KEY
@@ -74,18 +71,6 @@ async def stack(amqp_url: str, mongo: object, db_prefix: str) -> AsyncIterator[S
             client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(mongo_url, tz_aware=True)
             yield Stack(api, amqp_url, client, db_prefix, clock)
             await client.close()
-
-
-async def _queued_commands(amqp_url: str) -> list[ScoreText]:
-    """Drain the score-requests queue of this module's vhost."""
-    connection = await aio_pika.connect(amqp_url, timeout=10)
-    async with connection:
-        channel = await connection.channel()
-        queue = await channel.get_queue(SCORE_REQUESTS.name, ensure=True)
-        commands = []
-        while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
-            commands.append(ScoreText.model_validate_json(message.body))
-        return commands
 
 
 async def _submission_count(stack: Stack) -> int:
@@ -198,17 +183,17 @@ async def test_a_text_of_only_blanks_and_control_characters_is_a_422_naming_the_
     assert "other than whitespace and control characters" in errors[0]["message"]
     assert str(problem["detail"]).startswith("text: ")
     assert await _submission_count(stack) == before
-    assert await _queued_commands(stack.amqp_url) == []
+    assert await queued_commands(stack.amqp_url) == []
 
 
 async def test_a_text_with_content_among_control_characters_is_accepted_as_sent(
     stack: Stack,
 ) -> None:
-    await _queued_commands(stack.amqp_url)
+    await queued_commands(stack.amqp_url)
     text = "\u0000\u0001 A text\u0080 to score.\u0007 \t"
     response = await stack.api.post("/v1/scores", json={"text": text, "use_cache": False})
     assert response.status_code == 202, response.text
-    commands = await _queued_commands(stack.amqp_url)
+    commands = await queued_commands(stack.amqp_url)
     assert [c.text for c in commands] == [text]  # the scorer normalises, not the gateway
 
 
@@ -225,7 +210,7 @@ async def test_unknown_task_is_404(stack: Stack) -> None:
 
 
 async def test_accepted_submission_is_queued_and_readable_at_once(stack: Stack) -> None:
-    await _queued_commands(stack.amqp_url)
+    await queued_commands(stack.amqp_url)
     response = await stack.api.post(
         "/v1/scores", json={"text": "A text to score.", "metadata": {"ref": "a1"}}
     )
@@ -238,7 +223,7 @@ async def test_accepted_submission_is_queued_and_readable_at_once(stack: Stack) 
     assert poll.status_code == 200
     assert poll.json()["status"] == "queued"
 
-    commands = await _queued_commands(stack.amqp_url)
+    commands = await queued_commands(stack.amqp_url)
     assert [c.task_id for c in commands] == [body["task_id"]]
     assert commands[0].text == "A text to score."
     assert commands[0].tenant_id == "default"
@@ -268,7 +253,7 @@ async def test_idempotency_key_returns_the_same_task_or_409(stack: Stack) -> Non
 
 
 async def test_concurrent_duplicates_create_one_task(stack: Stack) -> None:
-    await _queued_commands(stack.amqp_url)
+    await queued_commands(stack.amqp_url)
     key = uuid.uuid4().hex
     responses = await asyncio.gather(
         *(
@@ -280,7 +265,7 @@ async def test_concurrent_duplicates_create_one_task(stack: Stack) -> None:
     assert [r.status_code for r in responses].count(202) == 1
     ids = {r.json()["task_id"] for r in responses if r.status_code in (200, 202)}
     assert len(ids) == 1
-    assert [c.task_id for c in await _queued_commands(stack.amqp_url)] == list(ids)
+    assert [c.task_id for c in await queued_commands(stack.amqp_url)] == list(ids)
 
 
 async def test_projection_never_moves_backwards_and_expires(stack: Stack) -> None:

@@ -30,7 +30,9 @@ from services.notifier.ledger import Claim, DeliveryState, Ledger
 from shared.consumers import Delivery
 from shared.contracts import DeliverWebhook, new_id, utcnow
 from shared.topology import (
+    DELIVERY_COUNT_HEADER,
     DLX,
+    EARLIER_DELIVERIES_HEADER,
     ERROR_HEADER,
     TASKS,
     WEBHOOK_DELIVERIES,
@@ -272,3 +274,49 @@ async def test_a_given_up_delivery_of_ours_is_dead_lettered_again_by_a_later_cop
     record = await ledger.find(delivery.delivery_id)
     assert record is not None
     assert (record.state, record.dead_letter) == (DeliveryState.FAILED, True)
+
+
+async def test_a_redelivery_sent_again_on_a_database_error_carries_its_count(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    """A fresh copy starts its `x-delivery-count` at zero: sent again without the count, a
+    delivery that kills its consumer would loop for ever whenever a database error fell on one
+    of its redeliveries."""
+    delivery = _delivery(receiver[0])
+    await _claimed_by_a_dead_process(ledger, delivery)
+    away = AwayOnce(ledger)
+    broker, handle = _handler(replace(make_deps("proc-a"), ledger=away))
+    message = HandedDelivery(
+        delivery.model_dump_json().encode(),
+        headers={DELIVERY_COUNT_HEADER: 2, EARLIER_DELIVERIES_HEADER: 1},
+        redelivered=True,
+    )
+
+    await asyncio.wait_for(handle(message), timeout=30)
+
+    assert away.failed
+    assert message.settled == ["ack"]
+    assert receiver[0].requests(delivery.url) == []
+    [copy] = broker.published
+    assert DeliverWebhook.model_validate_json(copy.message.body).attempt == delivery.attempt
+    assert copy.message.headers[EARLIER_DELIVERIES_HEADER] == 3  # carried 1, and 2 on it
+
+
+async def test_the_limit_counts_the_deliveries_carried_from_earlier_copies(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    delivery = _delivery(receiver[0])
+    await _claimed_by_a_dead_process(ledger, delivery)
+    broker, handle = _handler(make_deps("proc-a"))
+    message = HandedDelivery(
+        delivery.model_dump_json().encode(),
+        headers={DELIVERY_COUNT_HEADER: 1, EARLIER_DELIVERIES_HEADER: LIMIT - 1},
+        redelivered=True,
+    )
+
+    await asyncio.wait_for(handle(message), timeout=30)
+
+    assert message.settled == ["ack"]
+    assert receiver[0].requests(delivery.url) == []  # nothing POSTed
+    [dead] = broker.dead_letters()
+    assert f"delivery limit {LIMIT}" in str(dead.message.headers[ERROR_HEADER])

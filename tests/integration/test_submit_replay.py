@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import aio_pika
 import httpx
 import pytest
 from pymongo import AsyncMongoClient
@@ -25,9 +24,7 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.submissions import Submission, Submissions
 from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
-from shared.contracts import ScoreText
-from shared.topology import SCORE_REQUESTS
-from tests.support import running
+from tests.support import queued_commands, running
 
 API_KEY = generate_key().token
 
@@ -82,18 +79,6 @@ class LookupFails:
         monkeypatch.setattr(Submissions, "find_by_key", find_by_key)
 
 
-async def _queued_commands(amqp_url: str) -> list[ScoreText]:
-    """The commands sent to the scorer so far (no scorer runs here: they wait in its queue)."""
-    connection = await aio_pika.connect(amqp_url, timeout=10)
-    async with connection:
-        channel = await connection.channel()
-        queue = await channel.get_queue(SCORE_REQUESTS.name, ensure=True)
-        commands = []
-        while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
-            commands.append(ScoreText.model_validate_json(message.body))
-        return commands
-
-
 async def test_a_retry_whose_lookup_fails_is_told_to_retry_with_the_key_and_keeps_nothing_new(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -103,7 +88,7 @@ async def test_a_retry_whose_lookup_fails_is_told_to_retry_with_the_key_and_keep
     first = await stack.api.post("/v1/scores", json=body, headers=headers)
     assert first.status_code == 202, first.text  # ... and the client never saw it
     task_id = first.json()["task_id"]
-    assert [command.task_id for command in await _queued_commands(stack.amqp_url)] == [task_id]
+    assert [command.task_id for command in await queued_commands(stack.amqp_url)] == [task_id]
     lookup = LookupFails()
     lookup.install(monkeypatch)
 
@@ -121,14 +106,14 @@ async def test_a_retry_whose_lookup_fails_is_told_to_retry_with_the_key_and_keep
     # Nothing new kept or sent: the key's one submission, its one command.
     stored = [document["_id"] async for document in stack.submissions.find({})]
     assert stored == [task_id]
-    assert await _queued_commands(stack.amqp_url) == []
+    assert await queued_commands(stack.amqp_url) == []
 
     lookup.failing = False  # the database answers again: the retry finds the first request
     again = await stack.api.post("/v1/scores", json=body, headers=headers)
     assert again.status_code == 200, again.text
     assert again.json()["task_id"] == task_id
     assert [document["_id"] async for document in stack.submissions.find({})] == [task_id]
-    assert await _queued_commands(stack.amqp_url) == []
+    assert await queued_commands(stack.amqp_url) == []
 
 
 async def test_a_replay_whose_cache_lookup_fails_is_answered_with_the_earlier_task(
@@ -143,7 +128,7 @@ async def test_a_replay_whose_cache_lookup_fails_is_answered_with_the_earlier_ta
     first = await stack.api.post("/v1/scores", json=body, headers=headers)
     assert first.status_code == 202, first.text
     task_id = first.json()["task_id"]
-    assert [command.task_id for command in await _queued_commands(stack.amqp_url)] == [task_id]
+    assert [command.task_id for command in await queued_commands(stack.amqp_url)] == [task_id]
     failed: list[str] = []
 
     async def find(cache: ResultCache, *, tenant_id: str, key: str, now: datetime) -> None:
@@ -159,4 +144,4 @@ async def test_a_replay_whose_cache_lookup_fails_is_answered_with_the_earlier_ta
     assert replay.status_code == 200, replay.text  # not 503: "nothing was kept" was untrue
     assert replay.json()["task_id"] == task_id
     assert await stack.submissions.count_documents({}) == kept  # nothing new kept
-    assert await _queued_commands(stack.amqp_url) == []  # nor sent
+    assert await queued_commands(stack.amqp_url) == []  # nor sent

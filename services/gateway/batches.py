@@ -40,7 +40,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pymongo import ASCENDING, AsyncMongoClient
@@ -83,6 +83,10 @@ from shared.text import is_blank
 log = logging.getLogger("scorebox.gateway.batches")
 Clock = Callable[[], datetime]
 Document = dict[str, Any]
+# While a batch may still have items to send, its record carries the time at which the outbox
+# sweep next looks at it, `hold_lead` before it would expire (`services/gateway/batch_expiry.py`).
+HOLD_CHECK_AT: Final = "hold_check_at"
+HOLD_LEAD: Final = timedelta(hours=1)
 
 MAX_BATCH_ITEMS = 1000
 MAX_TEXT_CHARS_CONTEXT = "max_text_chars"
@@ -203,6 +207,9 @@ class Batches:
             name="idempotency_key_per_tenant",
         )
         await self._collection.create_index([("expires_at", ASCENDING)], expireAfterSeconds=0)
+        await self._collection.create_index(
+            [(HOLD_CHECK_AT, ASCENDING)], sparse=True, name="batch_hold_check"
+        )
 
     async def insert(
         self, record: BatchRecord, *, idempotency_key: str | None, retention: timedelta
@@ -215,6 +222,7 @@ class Batches:
             "request_hash": record.request_hash,
             "created_at": record.created_at,
             "expires_at": record.created_at + retention,
+            HOLD_CHECK_AT: record.created_at + retention - hold_lead(retention),
             "members": [
                 {"task_id": member.task_id, "client_id": member.client_id}
                 for member in record.members
@@ -260,7 +268,7 @@ class Batches:
                 {"_id": batch_id, "state": {"$in": [BatchState.ACCEPTING, BatchState.ABANDONED]}},
                 {
                     "$set": {"state": BatchState.ABANDONED},
-                    "$unset": {"idempotency_key": "", "members": ""},
+                    "$unset": {"idempotency_key": "", "members": "", HOLD_CHECK_AT: ""},
                     "$setOnInsert": {"created_at": now, "expires_at": now + TOMBSTONE_TTL},
                 },
             )
@@ -276,6 +284,47 @@ class Batches:
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
         return kept is None
+
+    async def due_for_hold_check(self, *, now: datetime, limit: int) -> list[BatchRecord]:
+        """Batches whose expiry comes within their hold lead and that may still have items to
+        send, the most urgent first (`hold_unsent_batches`). One read on `batch_hold_check`;
+        members are not read."""
+        try:
+            cursor = (
+                self._collection.find({HOLD_CHECK_AT: {"$lte": now}}, projection={"members": 0})
+                .sort(HOLD_CHECK_AT, ASCENDING)
+                .limit(limit)
+            )
+            return [_record_of(document, members=()) async for document in cursor]
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
+    async def hold(self, batch_ids: Sequence[str], *, now: datetime, retention: timedelta) -> None:
+        """Let these batches live `retention` from now (never less than they had), and look at
+        them again their hold lead before that."""
+        if not batch_ids:
+            return
+        try:
+            await self._collection.update_many(
+                {"_id": {"$in": list(batch_ids)}, HOLD_CHECK_AT: {"$exists": True}},
+                {
+                    "$max": {"expires_at": now + retention},
+                    "$set": {HOLD_CHECK_AT: now + retention - hold_lead(retention)},
+                },
+            )
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
+    async def settle(self, batch_ids: Sequence[str]) -> None:
+        """These batches have every item sent: they expire when their record says."""
+        if not batch_ids:
+            return
+        try:
+            await self._collection.update_many(
+                {"_id": {"$in": list(batch_ids)}}, {"$unset": {HOLD_CHECK_AT: ""}}
+            )
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
 
     async def find(self, batch_id: str, *, tenant_id: str) -> BatchRecord | None:
         return await self._find_one({"_id": batch_id, "tenant_id": tenant_id})
@@ -294,17 +343,29 @@ class Batches:
             raise DatabaseUnavailable(str(error)) from error
         if document is None:
             return None
-        return BatchRecord(
-            batch_id=document["_id"],
-            tenant_id=document["tenant_id"],
-            state=document["state"],
-            request_hash=document["request_hash"],
-            created_at=document["created_at"],
+        return _record_of(
+            document,
             members=tuple(
                 BatchMember(task_id=member["task_id"], client_id=member.get("client_id"))
                 for member in document["members"]
             ),
         )
+
+
+def _record_of(document: Document, *, members: tuple[BatchMember, ...]) -> BatchRecord:
+    return BatchRecord(
+        batch_id=document["_id"],
+        tenant_id=document["tenant_id"],
+        state=document["state"],
+        request_hash=document["request_hash"],
+        created_at=document["created_at"],
+        members=members,
+    )
+
+
+def hold_lead(retention: timedelta) -> timedelta:
+    """How long before a batch's expiry the sweep looks whether it must be held."""
+    return min(HOLD_LEAD, retention / 2)
 
 
 # --- Accepting a batch ---------------------------------------------------------------------------

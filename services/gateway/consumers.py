@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from datetime import timedelta
 
 from pydantic import ValidationError
 
 from services.gateway.api import GatewayDeps
+from services.gateway.batch_expiry import hold_unsent_batches
 from services.gateway.batches import Batches
 from services.gateway.errors import DatabaseUnavailable, Unavailable
 from services.gateway.limits import OUTCOME_RETRY_DELAY_S
@@ -61,39 +63,60 @@ def subscribe_task_outcomes(
 
 
 async def keep_outbox_swept(deps: GatewayDeps, publisher: Publisher, batches: Batches) -> None:
-    """Write off refused requests, then send interrupted submissions; at start-up and then
-    periodically. A pass that fails otherwise than on an unavailable database or broker (a
-    stored document that no longer reads, say) is logged and the next one runs all the same:
-    it used to end this task silently, and with it every later write-off and sweep of the
-    process."""
-    grace = timedelta(seconds=deps.settings.outbox_grace_s)
+    """Write off refused requests, send interrupted submissions, then hold the batches that
+    still have items to send; at start-up and then periodically. A step that fails otherwise
+    than on an unavailable database or broker (a stored document that no longer reads, say)
+    is logged and the next one runs all the same: it used to end this task silently, and
+    with it every later write-off and sweep of the process."""
+    settings = deps.settings
+    grace = timedelta(seconds=settings.outbox_grace_s)
+    retention = timedelta(seconds=settings.idempotency_ttl_s)
     while True:
-        try:
-            written = await write_off(
+        written = await _step(
+            "writing off refused requests",
+            write_off(
                 deps.refusals,
                 submissions=deps.submissions,
                 batches=batches,
                 in_flight=counting(deps.in_flight),
                 now=deps.clock(),
-            )
-            if written:
-                log.info("wrote off %d refused request(s)", written)
-        except Unavailable as error:
-            log.warning("writing off refused requests postponed: %r", error)
-        except Exception:  # logged; the next pass tries again
-            log.exception("writing off refused requests failed; tried again next pass")
-        try:
-            sent = await sweep_outbox(
+            ),
+        )
+        if written:
+            log.info("wrote off %d refused request(s)", written)
+        sent = await _step(
+            "outbox sweep",
+            sweep_outbox(
                 submissions=deps.submissions,
                 publisher=publisher,
                 clock=deps.clock,
                 grace=grace,
                 refusals=deps.refusals,
-            )
-            if sent:
-                log.info("outbox sweep sent %d interrupted submission(s)", sent)
-        except Unavailable as error:
-            log.warning("outbox sweep postponed: %r", error)
-        except Exception:  # logged; the next pass tries again
-            log.exception("outbox sweep failed; tried again next pass")
-        await asyncio.sleep(deps.settings.outbox_interval_s)
+            ),
+        )
+        if sent:
+            log.info("outbox sweep sent %d interrupted submission(s)", sent)
+        held = await _step(
+            "holding batches with unsent items",
+            hold_unsent_batches(
+                batches=batches,
+                submissions=deps.submissions,
+                now=deps.clock(),
+                retention=retention,
+                in_progress_for=grace,
+            ),
+        )
+        if held:
+            log.info("held %d batch(es) with items still to send", held)
+        await asyncio.sleep(settings.outbox_interval_s)
+
+
+async def _step(what: str, step: Awaitable[int]) -> int:
+    """One step of a sweep pass; what it counted, or 0 when it failed (logged)."""
+    try:
+        return await step
+    except Unavailable as error:
+        log.warning("%s postponed: %r", what, error)
+    except Exception:  # logged; the next pass tries again
+        log.exception("%s failed; tried again next pass", what)
+    return 0

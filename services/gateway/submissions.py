@@ -497,6 +497,19 @@ class Submissions:
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 
+    async def batches_with_unsent(self, batch_ids: Sequence[str]) -> frozenset[str]:
+        """Which of these batches have a submission not known to be queued yet. One `distinct`
+        on the `batch_submissions` index (its partial filter repeated, see `string_key`)."""
+        query = {
+            "batch_id": {"$in": list(batch_ids), "$type": "string"},
+            "state": {"$in": _UNSENT},
+        }
+        try:
+            found = await self._collection.distinct("batch_id", query)
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+        return frozenset(found)
+
     async def _find_one(self, query: Document) -> Submission | None:
         try:
             document = await self._collection.find_one(query)

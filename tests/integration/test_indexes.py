@@ -13,8 +13,11 @@ from pymongo import ASCENDING, AsyncMongoClient
 from pymongo.asynchronous.database import AsyncDatabase
 
 from devtools.infra import Endpoint
+from services.gateway.batches import HOLD_CHECK_AT, Batches
+from services.gateway.submissions import Submissions
 from services.scorer.attempts import Attempts
 from services.status.projection import ensure_indexes as ensure_projection_indexes
+from shared.contracts import utcnow
 from shared.indexes import drop_retired_indexes, string_key
 
 pytestmark = pytest.mark.integration
@@ -107,3 +110,23 @@ async def test_batch_and_key_lookups_use_their_partial_indexes(
     query = {"tenant_id": "a", "batch_id": string_key("b1")}
     plan = await tasks.find(query).sort("batch_index", ASCENDING).explain()
     assert "IXSCAN" in str(plan["queryPlanner"]["winningPlan"]), plan["queryPlanner"]
+
+
+async def test_the_batch_hold_reads_use_their_indexes(
+    mongo: Endpoint, client: AsyncMongoClient[Document], database: AsyncDatabase[Document]
+) -> None:
+    """The outbox sweep's look at batches near their expiry, and at whether they have unsent
+    items (`services/gateway/batch_expiry.py`), run every pass: neither may scan."""
+    if mongo.is_standin:
+        pytest.skip("the stand-in (mongoeco) does not plan queries; needs MONGO_URL=MongoDB")
+    await Submissions(client, database.name).ensure_indexes()
+    await Batches(client, database.name).ensure_indexes()
+    await database["submissions"].insert_one({"_id": "t1", "batch_id": "b1", "state": "accepting"})
+    await database["batches"].insert_one({"_id": "b1", HOLD_CHECK_AT: utcnow()})
+    unsent = database["submissions"].find(
+        {"batch_id": {"$in": ["b1"], "$type": "string"}, "state": {"$in": ["accepting"]}}
+    )
+    due = database["batches"].find({HOLD_CHECK_AT: {"$lte": utcnow()}}).sort(HOLD_CHECK_AT)
+    for cursor in (unsent, due):
+        plan = await cursor.explain()
+        assert "IXSCAN" in str(plan["queryPlanner"]["winningPlan"]), plan["queryPlanner"]

@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import cast
 
 import pytest
 from pydantic import ValidationError
@@ -50,6 +50,17 @@ class UnreadableOnce:
         self.abandoned.extend(task_ids)
 
 
+@dataclass
+class NoBatchDue:
+    """No batch comes near its expiry (`hold_unsent_batches` looks at none)."""
+
+    looks: int = 0
+
+    async def due_for_hold_check(self, *, now: datetime, limit: int) -> list[object]:
+        self.looks += 1
+        return []
+
+
 async def _either(*conditions: bool) -> bool:
     return any(conditions)
 
@@ -60,17 +71,20 @@ async def test_the_outbox_task_logs_a_failed_pass_and_runs_the_next(
     submissions, refusals = UnreadableOnce(), Refusals()
     refusals.note(Refusal("default", ("t-2",)))
     deps = SimpleNamespace(
-        settings=SimpleNamespace(outbox_grace_s=30.0, outbox_interval_s=0.01),
+        settings=SimpleNamespace(
+            outbox_grace_s=30.0, outbox_interval_s=0.01, idempotency_ttl_s=86_400
+        ),
         submissions=submissions,
         refusals=refusals,
         in_flight=None,
         clock=lambda: NOW,
     )
     publisher = cast(Publisher, object())  # nothing to send
+    batches = NoBatchDue()
     caplog.set_level(logging.ERROR, logger="scorebox.gateway")
 
     sweeper = asyncio.create_task(
-        keep_outbox_swept(cast(GatewayDeps, deps), publisher, cast(Batches, cast(Any, None)))
+        keep_outbox_swept(cast(GatewayDeps, deps), publisher, cast(Batches, batches))
     )
     try:
         await eventually(
@@ -86,6 +100,7 @@ async def test_the_outbox_task_logs_a_failed_pass_and_runs_the_next(
 
     assert submissions.reads >= 2  # the pass after the failed one ran
     assert submissions.abandoned == ["t-2"]  # the write-off too
+    assert batches.looks >= 2  # and the hold of batches with unsent items, each pass
     assert refusals.pending() == []
     logged = {
         (record.getMessage(), record.exc_info[0])

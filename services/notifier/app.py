@@ -23,7 +23,7 @@ from services.notifier.notifications import NotificationDeps
 from services.notifier.registry import Callbacks, FailureAlerts
 from services.notifier.sender import WebhookSender, make_ssl_context
 from services.notifier.settings import NotifierSettings
-from services.notifier.ssrf import Resolver, SystemResolver, WebhookGuard
+from services.notifier.ssrf import CaresResolver, Resolver, WebhookGuard
 from shared.consumers import ScoreboxBroker
 from shared.contracts import DeliverWebhook, new_id, utcnow
 from shared.http import health_router, install_problem_handlers
@@ -67,9 +67,7 @@ def create_app(
     alerts = FailureAlerts(mongo, database)
     keyring = Keyring(mongo, database)
     ledger = Ledger(mongo, database, retention=timedelta(seconds=settings.delivery_retention_s))
-    system_resolver = SystemResolver(
-        timeout_s=settings.dns_timeout_s, lookups=2 * settings.concurrency
-    )
+    system_resolver = CaresResolver(timeout_s=settings.dns_timeout_s)
     guard = WebhookGuard(resolver or system_resolver, allowed_test_hosts=settings.test_hosts)
 
     async def enqueue(delivery: DeliverWebhook) -> None:
@@ -134,7 +132,7 @@ def create_app(
         yield
         await broker.stop()
         await mongo.close()
-        system_resolver.close()
+        await system_resolver.close()
 
     app = FastAPI(title="Scorebox notifier", lifespan=lifespan)
     install_problem_handlers(app)

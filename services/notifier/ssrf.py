@@ -18,13 +18,13 @@ local test receiver only.
 from __future__ import annotations
 
 import asyncio
-import functools
 import ipaddress
 import socket
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
+
+import aiodns
 
 from services.notifier.errors import ResolutionFailed, UnsafeDestination
 from shared.webhook_urls import (
@@ -40,34 +40,47 @@ class Resolver(Protocol):
     async def resolve(self, host: str, port: int) -> Sequence[IPAddress]: ...
 
 
-class SystemResolver:
-    """The system resolver (getaddrinfo), bounded by a timeout, on threads of its own.
+class CaresResolver:
+    """Host lookups through c-ares (`aiodns`), bounded by a timeout, on the event loop.
 
-    A lookup the timeout gives up on keeps its thread until the C library's own timeout
-    (10 s and more). On the loop's shared pool (libuv's four threads under uvloop) a few
-    lookups of one tenant's unanswering name server made every other host's lookup time out,
-    and slowed the database client's lookups too. `lookups` threads: at least the deliveries
-    in hand at once, so those alone never fill them."""
+    The system resolver (`getaddrinfo`) blocks a thread per lookup, and a lookup given up at
+    the timeout kept its thread until the C library's own timeout (10 to 30 s): callbacks to many
+    distinct names under one unanswering name server could hold every thread of the pool,
+    and every other host's lookup then timed out. A c-ares query is a pending entry on one
+    socket, given up by c-ares itself at the same timeout; abandoned ones hold no thread, and
+    any number of them leave other lookups their answer. c-ares reads the system's
+    `resolv.conf` and hosts file. `nameservers` replaces the system's (tests)."""
 
-    def __init__(self, *, timeout_s: float, lookups: int = 64) -> None:
+    def __init__(self, *, timeout_s: float, nameservers: Sequence[str] = ()) -> None:
         self._timeout_s = timeout_s
-        self._threads = ThreadPoolExecutor(max_workers=lookups, thread_name_prefix="dns")
+        self._nameservers = list(nameservers)
+        self._dns: aiodns.DNSResolver | None = None  # made on the loop, at the first lookup
 
-    def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)
+    async def close(self) -> None:
+        if self._dns is not None:
+            await self._dns.close()
 
     async def resolve(self, host: str, port: int) -> Sequence[IPAddress]:
-        loop = asyncio.get_running_loop()
-        lookup = functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+        if self._dns is None:
+            # One try of the whole timeout: a query given up here ends in c-ares as well.
+            self._dns = aiodns.DNSResolver(
+                self._nameservers or None, timeout=self._timeout_s, tries=1
+            )
         try:
             async with asyncio.timeout(self._timeout_s):
-                infos = await loop.run_in_executor(self._threads, lookup)
+                answer = await self._dns.getaddrinfo(host, port=port, type=socket.SOCK_STREAM)
         except TimeoutError as error:
             raise ResolutionFailed(f"no DNS answer for {host} within {self._timeout_s}s") from error
-        except OSError as error:
-            raise ResolutionFailed(f"{host} did not resolve: {error}") from error
+        except aiodns.error.DNSError as error:
+            raise ResolutionFailed(f"{host} did not resolve: {_reason(error)}") from error
         # An IPv6 link-local answer may carry a zone (`fe80::1%eth0`); the address decides.
-        return _unique(ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in infos)
+        return _unique(
+            ipaddress.ip_address(node.addr[0].decode().split("%", 1)[0]) for node in answer.nodes
+        )
+
+
+def _reason(error: aiodns.error.DNSError) -> str:
+    return str(error.args[1]) if len(error.args) > 1 else str(error)
 
 
 def _unique(addresses: Iterable[IPAddress]) -> list[IPAddress]:

@@ -6,17 +6,16 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import pytest
 
 from services.notifier.errors import ResolutionFailed, UnsafeDestination
 from services.notifier.sender import PinnedResolver
-from services.notifier.ssrf import Destination, SystemResolver, WebhookGuard
+from services.notifier.ssrf import CaresResolver, Destination, WebhookGuard
 from shared import webhook_urls as gateway_rules
 from shared.webhook_urls import IPAddress
+from tests.fake_dns import fake_name_server
 from tests.support import eventually
 
 SAFE_URLS = [
@@ -239,47 +238,56 @@ async def test_allowed_test_hosts_exempt_only_what_they_name() -> None:
         await guard.vet("http://127.0.0.1/hook")
 
 
-async def test_the_system_resolver_answers_localhost_offline() -> None:
-    addresses = await SystemResolver(timeout_s=5).resolve("localhost", 443)
+async def test_the_resolver_answers_localhost_offline() -> None:
+    resolver = CaresResolver(timeout_s=5)
+    try:
+        addresses = await resolver.resolve("localhost", 443)
+    finally:
+        await resolver.close()
 
     assert addresses
     assert all(address.is_loopback for address in addresses)
 
 
-async def test_lookups_stuck_on_one_host_leave_others_their_answer(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A few lookups of a tenant's unanswering name server filled the loop's shared thread
-    pool, and every other host's lookup timed out."""
-    stuck = threading.Event()
-    waiting: list[str] = []
-    system = socket.getaddrinfo
+async def test_a_name_server_answer_is_read_and_a_missing_name_fails() -> None:
+    async with fake_name_server({"good.test": "127.0.0.7"}) as (_, address):
+        resolver = CaresResolver(timeout_s=0.5, nameservers=[address])
+        try:
+            assert [str(a) for a in await resolver.resolve("good.test", 443)] == ["127.0.0.7"]
+            with pytest.raises(ResolutionFailed, match=r"no DNS answer for gone\.test"):
+                await resolver.resolve("gone.test", 443)
+            with pytest.raises(ResolutionFailed, match=r"missing\.nx did not resolve"):
+                await resolver.resolve("missing.nx", 443)
+        finally:
+            await resolver.close()
 
-    def getaddrinfo(host: str, *args: Any, **kwargs: Any) -> Any:
-        if host.startswith("stuck"):
-            waiting.append(host)
-            stuck.wait(30)  # the unanswering name server, until the test ends
-        return system("localhost" if host == "good.test" else host, *args, **kwargs)
 
-    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
-    resolver = SystemResolver(timeout_s=1.0, lookups=16)
-    try:
-        stuck_ones = [
-            asyncio.ensure_future(resolver.resolve(f"stuck{n}.test", 443)) for n in range(8)
-        ]
+async def test_many_lookups_stuck_on_one_name_server_leave_others_their_answer() -> None:
+    """Lookups ran on a pool of threads (at first the loop's shared one, libuv's four under
+    uvloop; later one of 64): lookups of names under one unanswering name server held a
+    thread each until the C library's own timeout, and every other host's lookup then timed
+    out. Here 300 of them are pending, and at least 128 reached the name server (twice the
+    threads the pool had), when another name is looked up."""
+    stuck_count = 300
+    async with fake_name_server({"good.test": "127.0.0.7"}) as (server, address):
+        resolver = CaresResolver(timeout_s=10, nameservers=[address])
+        try:
+            stuck = [
+                asyncio.ensure_future(resolver.resolve(f"stuck{n}.test", 443))
+                for n in range(stuck_count)
+            ]
 
-        async def stuck_lookups_running() -> bool:
-            return len(waiting) >= 4
+            async def stuck_asked() -> bool:
+                return len(set(server.unanswered)) >= 128
 
-        await eventually(stuck_lookups_running, what="the stuck lookups holding threads")
-        addresses = await resolver.resolve("good.test", 443)
-        assert all(address.is_loopback for address in addresses)
-        for lookup in stuck_ones:
-            with pytest.raises(ResolutionFailed):
-                await lookup
-    finally:
-        stuck.set()
-        resolver.close()
+            await eventually(stuck_asked, what="the stuck lookups at the name server")
+            addresses = await resolver.resolve("good.test", 443)
+            assert [str(a) for a in addresses] == ["127.0.0.7"]
+            assert not any(lookup.done() for lookup in stuck)  # still waiting, all of them
+        finally:
+            for lookup in stuck:
+                lookup.cancel()
+            await resolver.close()
 
 
 async def test_the_pinned_resolver_answers_only_the_checked_addresses() -> None:

@@ -51,8 +51,10 @@ Routes
     Zeroes the counters and the per-key fault budgets and re-seeds the random generator
     (``max_in_flight`` restarts from the requests still in flight).
 ``POST /_control``
-    JSON with any of ``latency_ms``, ``jitter_ms``, ``fail_rate``: updates the live config and
-    answers it.
+    JSON with any of ``latency_ms``, ``jitter_ms``, ``fail_rate``, ``rate_limited_calls``,
+    ``rate_limit_retry_s``: updates the live config and answers it. ``rate_limited_calls``: the
+    next N completion requests, whatever their task, answer 429 (a provider-wide rate limit),
+    with ``Retry-After: rate_limit_retry_s`` when that is above 0.
 
 What is judged
 --------------
@@ -137,7 +139,9 @@ _IGNORE_INSTRUCTIONS: Final = re.compile(r"ignore\s+(?:all\s+)?previous\s+instru
 _DEMAND_TEN: Final = re.compile(
     r"\b(?:give|score|rate)\s+(?:(?:it|this|me|us)\s+)?(?:(?:a|an|of)\s+)?10\b"
 )
-_CONTROLLABLE: Final = frozenset({"latency_ms", "jitter_ms", "fail_rate"})
+_CONTROLLABLE: Final = frozenset(
+    {"latency_ms", "jitter_ms", "fail_rate", "rate_limited_calls", "rate_limit_retry_s"}
+)
 # A model name that already names its snapshot: `-2024-07-18`, or OpenAI's older `-0613`.
 _DATED_MODEL: Final = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{4})$")
 
@@ -149,6 +153,8 @@ class FakeLLMConfig:
     latency_ms: float = 0.0
     jitter_ms: float = 0.0
     fail_rate: float = 0.0
+    rate_limited_calls: float = 0.0  # the next N calls answer 429, whatever their task
+    rate_limit_retry_s: float = 0.0  # their Retry-After (none when 0)
     model: str = DEFAULT_MODEL
     seed: int | None = None
     # Appended (as `-<date>`) to the requested model name in answers; None answers the name
@@ -441,17 +447,29 @@ def _server_error(status: int = 500) -> web.Response:
     return _error(500, "The server had an error while processing your request.", "server_error")
 
 
+def _provider_rate_limit(config: FakeLLMConfig) -> web.Response | None:
+    """A 429 while `rate_limited_calls` lasts, counting it down."""
+    if config.rate_limited_calls < 1:
+        return None
+    config.rate_limited_calls -= 1
+    return _rate_limited(config.rate_limit_retry_s)
+
+
+def _rate_limited(retry_after_s: float) -> web.Response:
+    return _error(
+        429,
+        "Rate limit reached for requests. Please try again later.",
+        "rate_limit_error",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": f"{retry_after_s:g}"} if retry_after_s > 0 else None,
+    )
+
+
 def _fault_error(fault: Fault) -> web.Response | None:
     """The immediate error answer of a fault, or None for faults that answer 200."""
     match fault.kind:
         case "429":
-            return _error(
-                429,
-                "Rate limit reached for requests. Please try again later.",
-                "rate_limit_error",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": str(fault.retry_after_s)},
-            )
+            return _rate_limited(fault.retry_after_s)
         case "500" | "503":
             return _server_error(int(fault.kind))
         case "reject":
@@ -539,9 +557,13 @@ async def _answer_completion(request: web.Request, state: ServerState) -> web.Re
     except InvalidRequest as exc:
         return _error(400, str(exc), "invalid_request_error", param=exc.param)
 
-    fault = state.next_fault(task_key(text), parse_faults(text))
+    # A provider-wide rate limit spends no task's fault budget.
+    error = _provider_rate_limit(state.config)
+    fault = None if error is not None else state.next_fault(task_key(text), parse_faults(text))
     kind = fault.kind if fault else None
-    if fault and (error := _fault_error(fault)):
+    if fault is not None and error is None:
+        error = _fault_error(fault)
+    if error is not None:
         return error
     if kind == "hang":
         return await _hang(state)

@@ -172,6 +172,12 @@ class ScoreText(Contract):
     metadata: dict[str, Any] = Field(default_factory=dict)
     attempt: int = Field(default=1, ge=1, description="1-based attempt this delivery is.")
     max_attempts: int = Field(default=4, ge=1)
+    rate_limited_retries: int = Field(
+        default=0,
+        ge=0,
+        description="Attempts the model provider's rate limit ended, which do not count "
+        "against max_attempts (up to the scorer's RATE_LIMIT_RETRIES).",
+    )
     generation: int = Field(default=0, ge=0, description="Bumped by each DLQ replay.")
     not_before: datetime | None = Field(default=None, description="Do not start before.")
     submitted_at: datetime = Field(default_factory=utcnow)

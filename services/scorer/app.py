@@ -19,6 +19,7 @@ from services.scorer.model.settings import ModelSettings
 from services.scorer.scoring import RetryPolicy, ScorerDeps
 from services.scorer.settings import ScorerSettings
 from services.scorer.slots import ModelSlots
+from services.scorer.throttle import ModelThrottle
 from shared.bus import publish_event
 from shared.consumers import ScoreboxBroker
 from shared.contracts import TaskEvent, new_id, utcnow
@@ -72,20 +73,30 @@ def create_app(
     async def announce(event: TaskEvent) -> None:
         await publish_event(broker, event, timeout=settings.broker_timeout_s)
 
+    jitter = rng or random.Random()  # noqa: S311 - jitter, not cryptography
+    metrics = ScorerMetrics(broker.metrics.registry)
     deps = ScorerDeps(
         attempts=attempts,
         model=model,
         announce=announce,
         clock=clock,
         lease=timedelta(seconds=model_settings.llm_timeout_s * 2 + settings.lease_margin_s),
-        retry_policy=RetryPolicy(base_s=settings.retry_base_s, cap_s=settings.retry_cap_s),
-        rng=rng or random.Random(),  # noqa: S311 - jitter, not cryptography
+        retry_policy=RetryPolicy(
+            base_s=settings.retry_base_s,
+            cap_s=settings.retry_cap_s,
+            rate_limit_retries=settings.rate_limit_retries,
+        ),
+        rng=jitter,
         owner=f"{socket.gethostname()}:{os.getpid()}:{new_id()[:8]}",
         model_slots=ModelSlots(settings.concurrency),
+        throttle=ModelThrottle(
+            hold_s=settings.rate_limit_hold_s, rng=jitter, on_pause=metrics.rate_limit_pauses.inc
+        ),
         started_after=timedelta(seconds=settings.started_after_s),
-        metrics=ScorerMetrics(broker.metrics.registry),
+        metrics=metrics,
     )
     deps.metrics.slots_busy.set_function(lambda: deps.model_slots.busy)
+    deps.metrics.model_calls_paused.set_function(lambda: float(deps.throttle.paused))
     actions = BrokerActions(broker=broker, timeout_s=settings.broker_timeout_s, clock=clock)
     subscribe_scorer(broker, deps, actions, crash_limit=settings.crash_limit)
 

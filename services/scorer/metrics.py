@@ -43,6 +43,17 @@ class ScorerMetrics:
             registry=registry,
         )
 
+        self.model_calls_paused = Gauge(
+            "scorebox_model_calls_paused",
+            "1 while the provider's rate limit (429) pauses this scorer's model calls.",
+            registry=registry,
+        )
+        self.rate_limit_pauses = Counter(
+            "scorebox_model_rate_limit_pauses",
+            "Rate-limit pauses of this scorer's model calls begun (a 429 while none lasted).",
+            registry=registry,
+        )
+
     def count_decision(self, decision: Decision) -> None:
         self.decisions.labels(decision_label(decision)).inc()
 

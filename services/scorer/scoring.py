@@ -29,10 +29,16 @@ from services.scorer.decisions import (
     Spent,
     add_usage,
 )
-from services.scorer.errors import PermanentError, ScoringError, TransientError
+from services.scorer.errors import (
+    ModelRateLimited,
+    PermanentError,
+    ScoringError,
+    TransientError,
+)
 from services.scorer.metrics import ScorerMetrics
 from services.scorer.model import ModelVerdict, ScoreModel, ScoringRequest
 from services.scorer.slots import ModelSlots, SlotsClosed
+from services.scorer.throttle import ModelThrottle, PutOff, Turn
 from shared.contracts import (
     Phase,
     ScoreText,
@@ -65,6 +71,8 @@ class RetryPolicy:
 
     base_s: float
     cap_s: float
+    # Attempts a rate limit (429) may end without counting against the task's max_attempts.
+    rate_limit_retries: int = 20
 
     def delay_s(self, attempt: int, retry_after_s: float | None, rng: random.Random) -> float:
         exponential: float = min(self.cap_s, self.base_s * 2.0 ** (attempt - 1))
@@ -84,6 +92,8 @@ class ScorerDeps:
     owner: str  # this process, as its claims name it (unique per process)
     # At most SCORER_CONCURRENCY attempts claim and call the model at once.
     model_slots: ModelSlots
+    # Pauses this process's model calls while the provider rate-limits it.
+    throttle: ModelThrottle = field(default_factory=ModelThrottle)
     # `task.started` for an attempt still running after this long; zero announces at once.
     started_after: timedelta = timedelta(0)
     # The attempts deliveries of this process are claiming, calling the model for or
@@ -201,36 +211,71 @@ async def _claim_and_decide(
 ) -> Decision:
     """Claim the attempt and call the model in a model slot; record the decision after it.
 
-    The claim's lease counts from the moment a slot is held, not from the delivery's arrival.
-    A delivery lost while it waited for the slot (its copy redelivered, perhaps to another
-    scorer) claims nothing: the slot goes to a delivery still in hand.
+    The claim's lease counts from the moment a slot is held and the provider's rate limit lets
+    a call start (`services/scorer/throttle.py`), not from the delivery's arrival. A delivery
+    lost while it waited for the slot (its copy redelivered, perhaps to another scorer) claims
+    nothing: the slot goes to a delivery still in hand.
     """
     async with deps.model_slots.held():
         if lost is not None and lost.is_set():
             return Drop("its delivery was lost while it waited for a model slot")
-        now = deps.clock()
-        claim = await deps.attempts.claim(
-            command, now=now, lease=deps.lease, owner=deps.owner, reclaim_own=True
-        )
-        match claim:
-            case Superseded():
-                return Drop("a newer attempt of this task exists")
-            case Busy(until=until):
-                if redelivered:
-                    return Hold(until)
-                # Past the slack a due copy is taken with: sent back early, by less than
-                # the shortest wait tier, it found the claim still held and spun until then.
-                due = until + DUE_SLACK
-                return Defer(command.model_copy(update={"not_before": due, "message_id": new_id()}))
-            case Decided(decision=decision):
-                return decision
-            case Claimed():
-                pass
-        # Read before the model is called: failing after it, the call would be made again.
-        earlier = await deps.attempts.spent_before(command)
-        started = TaskStarted.model_validate(_event_fields(command, Phase.STARTED, now))
-        decision, raw_output = await _call_model_announcing(command, started, deps, earlier)
-    return await _recorded(command, decision, raw_output, deps, held_until=now + deps.lease)
+        turn = await deps.throttle.wait_turn(deps.model_slots.closing)
+        if isinstance(turn, PutOff):
+            return _put_off(command, turn, deps)
+        try:
+            called = await _claim_and_call(command, deps, redelivered, turn)
+        finally:
+            deps.throttle.done(turn)
+    if not isinstance(called, Called):
+        return called
+    return await _recorded(
+        command, called.decision, called.raw_output, deps, held_until=called.claimed_at + deps.lease
+    )
+
+
+@dataclass(frozen=True)
+class Called:
+    """The model was called under a claim taken at `claimed_at`."""
+
+    decision: Finish | Retry
+    raw_output: str | None
+    claimed_at: datetime
+
+
+async def _claim_and_call(
+    command: ScoreText, deps: ScorerDeps, redelivered: bool, turn: Turn
+) -> Called | Decision:
+    now = deps.clock()
+    claim = await deps.attempts.claim(
+        command, now=now, lease=deps.lease, owner=deps.owner, reclaim_own=True
+    )
+    match claim:
+        case Superseded():
+            return Drop("a newer attempt of this task exists")
+        case Busy(until=until):
+            if redelivered:
+                return Hold(until)
+            # Past the slack a due copy is taken with: sent back early, by less than the
+            # shortest wait tier, it found the claim still held and spun until then.
+            due = until + DUE_SLACK
+            return Defer(command.model_copy(update={"not_before": due, "message_id": new_id()}))
+        case Decided(decision=decision):
+            return decision
+        case Claimed():
+            pass
+    # Read before the model is called: failing after it, the call would be made again.
+    earlier = await deps.attempts.spent_before(command)
+    started = TaskStarted.model_validate(_event_fields(command, Phase.STARTED, now))
+    decision, raw_output = await _call_model_announcing(command, started, deps, earlier, turn)
+    return Called(decision, raw_output, claimed_at=now)
+
+
+def _put_off(command: ScoreText, put_off: PutOff, deps: ScorerDeps) -> Defer:
+    """Sent down the wait ladder until the rate-limit pause ends (spread over a tenth more,
+    so that the deliveries put off do not all come back at once); no attempt is spent."""
+    wait = timedelta(seconds=put_off.left_s * deps.rng.uniform(1.0, 1.1))
+    due = deps.clock() + wait
+    return Defer(command.model_copy(update={"not_before": due, "message_id": new_id()}))
 
 
 async def _recorded(
@@ -275,7 +320,7 @@ async def _record(
 
 
 async def _call_model_announcing(
-    command: ScoreText, started: TaskStarted, deps: ScorerDeps, earlier: Spent | None
+    command: ScoreText, started: TaskStarted, deps: ScorerDeps, earlier: Spent | None, turn: Turn
 ) -> tuple[Finish | Retry, str | None]:
     """Call the model; publish `started` once the call has run for `deps.started_after`.
 
@@ -285,14 +330,14 @@ async def _call_model_announcing(
     """
     if deps.started_after <= timedelta(0):
         await _announce_best_effort(started, deps)
-        return await _call_model(command, deps, earlier)
+        return await _call_model(command, deps, earlier, turn)
     due: list[asyncio.Task[None]] = []
     timer = asyncio.get_running_loop().call_later(
         deps.started_after.total_seconds(),
         lambda: due.append(asyncio.create_task(_announce_best_effort(started, deps))),
     )
     try:
-        return await _call_model(command, deps, earlier)
+        return await _call_model(command, deps, earlier, turn)
     finally:
         timer.cancel()
         for announcement in due:
@@ -310,25 +355,33 @@ async def _announce_best_effort(started: TaskStarted, deps: ScorerDeps) -> None:
 
 
 async def _call_model(
-    command: ScoreText, deps: ScorerDeps, earlier: Spent | None
+    command: ScoreText, deps: ScorerDeps, earlier: Spent | None, turn: Turn
 ) -> tuple[Finish | Retry, str | None]:
     """The attempt's decision; its outcome's usage counts in what `earlier` attempts of the
-    generation were billed, a retry carries it on."""
+    generation were billed, a retry carries it on. A 429 pauses this process's model calls
+    (`deps.throttle`); any other answer tells the throttle the provider took the call."""
     request = ScoringRequest(
         task_id=command.task_id, text=command.text, rubric=command.rubric, model=command.model
     )
     started = time.perf_counter()
     try:
         verdict = await deps.model.score(request)
+    except ModelRateLimited as error:
+        _count_call(deps.metrics, "transient", error.code, started)
+        deps.throttle.rate_limited(turn, error.retry_after_s)
+        return _retry_or_give_up(command, error, deps, earlier), None
     except TransientError as error:
         _count_call(deps.metrics, "transient", error.code, started)
+        deps.throttle.answered(turn)
         return _retry_or_give_up(command, error, deps, earlier), None
     except PermanentError as error:
         _count_call(deps.metrics, "permanent", error.code, started)
+        deps.throttle.answered(turn)
         # An unusable answer's text is the one most worth auditing.
         failed = _failed(command, error, deps.clock(), dead_letter=False, earlier=earlier)
         return failed, getattr(error, "raw_output", None)
     _count_call(deps.metrics, "completed", "", started)
+    deps.throttle.answered(turn)
     return _completed(command, verdict, deps.clock(), earlier), verdict.raw_output
 
 
@@ -389,14 +442,27 @@ def _failed(
 def _retry_or_give_up(
     command: ScoreText, error: TransientError, deps: ScorerDeps, earlier: Spent | None
 ) -> Finish | Retry:
+    """The next attempt, or the task's failure once its attempts are spent. An attempt the
+    provider's rate limit ended is not counted against `max_attempts` while the scorer's
+    `RATE_LIMIT_RETRIES` last: the limit says nothing of the task, and a provider limited
+    for a minute spent every task's attempts in it. Its retry waits for the pause too."""
     now = deps.clock()
-    if command.attempt >= command.max_attempts:
-        return _failed(command, error, now, dead_letter=True, earlier=earlier)
-    delay = deps.retry_policy.delay_s(command.attempt, error.retry_after_s, deps.rng)
-    due = now + timedelta(seconds=delay)
-    next_command = command.model_copy(
-        update={"attempt": command.attempt + 1, "not_before": due, "message_id": new_id()}
+    policy = deps.retry_policy
+    free = isinstance(error, ModelRateLimited) and (
+        command.rate_limited_retries < policy.rate_limit_retries
     )
+    if not free and command.attempt - command.rate_limited_retries >= command.max_attempts:
+        return _failed(command, error, now, dead_letter=True, earlier=earlier)
+    delay = policy.delay_s(command.attempt, error.retry_after_s, deps.rng)
+    due = now + timedelta(seconds=max(delay, deps.throttle.pause_left_s()))
+    update: dict[str, object] = {
+        "attempt": command.attempt + 1,
+        "not_before": due,
+        "message_id": new_id(),
+    }
+    if free:
+        update["rate_limited_retries"] = command.rate_limited_retries + 1
+    next_command = command.model_copy(update=update)
     event = TaskRetrying.model_validate(
         {
             **_event_fields(command, Phase.RETRYING, now),

@@ -21,6 +21,16 @@ class ScorerSettings(ServiceSettings):
     )
     retry_base_s: float = Field(default=2.0, gt=0, validation_alias="RETRY_BASE_S")
     retry_cap_s: float = Field(default=300.0, gt=0, validation_alias="RETRY_CAP_S")
+    # Attempts the provider's rate limit (429) may end without counting against a task's
+    # SCORE_MAX_ATTEMPTS (services/scorer/throttle.py).
+    rate_limit_retries: int = Field(
+        default=20, ge=0, le=1000, validation_alias="RATE_LIMIT_RETRIES"
+    )
+    # The longest a delivery waits in hand for a rate-limit pause to end; a longer pause
+    # sends it down the wait ladder. Well under RabbitMQ's consumer timeout (30 min).
+    rate_limit_hold_s: float = Field(
+        default=30.0, gt=0, le=600, validation_alias="RATE_LIMIT_HOLD_S"
+    )
     # Redeliveries of a message whose handling crashed before it goes to the DLQ.
     crash_limit: int = Field(default=3, ge=1, validation_alias="SCORER_CRASH_LIMIT")
     # `task.started` is published for an attempt still running after this long (0 = at once):

@@ -29,6 +29,7 @@ class ModelSlots:
             raise ValueError(f"at least one model slot is needed, got {size}")
         self._free = asyncio.Semaphore(size)
         self._closed = False
+        self.closing = asyncio.Event()  # set by `close()`: for waits inside a slot
         self.busy = 0  # slots held now
 
     @asynccontextmanager
@@ -55,4 +56,5 @@ class ModelSlots:
         if self._closed:
             return
         self._closed = True
+        self.closing.set()
         self._free.release()

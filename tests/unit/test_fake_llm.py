@@ -446,12 +446,32 @@ async def test_control_updates_the_live_config(llm: FakeLLM, client: httpx.Async
         "latency_ms": 1.0,
         "jitter_ms": 0.5,
         "fail_rate": 0.0,
+        "rate_limited_calls": 0.0,
+        "rate_limit_retry_s": 0.0,
         "model": "fake-judge-1",
         "seed": 1,
         "model_date": "2024-07-18",
     }
     assert llm.config.latency_ms == 1.0
     assert (await complete(client, "still answers")).status_code == 200
+
+
+async def test_a_provider_wide_rate_limit_answers_the_next_calls_429_whatever_their_task(
+    llm: FakeLLM, client: httpx.AsyncClient
+) -> None:
+    response = await client.post(
+        f"{admin(llm)}/_control", json={"rate_limited_calls": 2, "rate_limit_retry_s": 3}
+    )
+    assert response.status_code == 200
+
+    first = await complete(client, "one [[fake:500x1]]")
+    second = await complete(client, "another")
+    assert [first.status_code, second.status_code] == [429, 429]
+    assert first.headers["Retry-After"] == "3"
+    assert first.json()["error"]["type"] == "rate_limit_error"
+    # Over: normal answers, and the task's own fault budget was not spent by the 429.
+    assert (await complete(client, "one [[fake:500x1]]")).status_code == 500
+    assert (await complete(client, "another")).status_code == 200
 
 
 @pytest.mark.parametrize(

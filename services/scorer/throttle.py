@@ -1,0 +1,140 @@
+"""Rate-limit pauses: after the provider answers 429, this process starts no model call until
+the pause ends, and then one call (a probe) before all the others.
+
+Without it, a provider's rate limit of a few seconds met every model slot of every scorer at
+full speed: each 429 came back at once, the slot took the next delivery, and every task
+consumed while the limit lasted spent its attempts in seconds and was dead-lettered, though
+the provider recovered moments later. A pause is the provider's `Retry-After` when it gives
+one, or a back-off that doubles with each 429 in a row (jittered, up to `PAUSE_CAP_S`).
+Deliveries wait for their turn in their model slot, before their claim (the lease counts
+from the call); one whose wait would be longer than `hold_s` is put off down the wait ladder
+instead (`PutOff`), so that no delivery is held near RabbitMQ's consumer timeout. When the
+pause ends, one call goes first: its answer ends the pause for all, a 429 starts the next.
+
+Calls already running when a 429 comes back are not stopped: their own answers count as they
+come. The pause is per process; each replica learns the provider's limit from its own calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.scorer.slots import SlotsClosed
+
+PAUSE_BASE_S = 1.0
+PAUSE_CAP_S = 60.0
+# The longest `Retry-After` a pause honours; longer hints are for the task's retry (the
+# scorer's `MAX_RETRY_AFTER_S`), the pause puts its deliveries off.
+MAX_PAUSE_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Turn:
+    """Leave to call the model; `probe`: the first call after a pause."""
+
+    probe: bool = False
+
+
+@dataclass(frozen=True)
+class PutOff:
+    """The pause outlasts what a delivery may wait in hand: send it down the wait ladder."""
+
+    left_s: float
+
+
+class ModelThrottle:
+    def __init__(
+        self,
+        *,
+        hold_s: float = 30.0,
+        base_s: float = PAUSE_BASE_S,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_pause: Callable[[], object] = lambda: None,
+    ) -> None:
+        self.hold_s = hold_s
+        self._base_s = base_s
+        self._rng = rng or random.Random()  # noqa: S311 - jitter, not cryptography
+        self._clock = clock
+        self._paused_until = 0.0
+        self._rate_limits_in_a_row = 0
+        self._probe_due = False  # a pause ended and no call has answered since
+        self._probe_out = False  # the probe's call is running
+        self._changed = asyncio.Event()
+        self._on_pause = on_pause
+
+    def pause_left_s(self) -> float:
+        return max(0.0, self._paused_until - self._clock())
+
+    @property
+    def paused(self) -> bool:
+        return self._probe_due
+
+    async def wait_turn(self, closing: asyncio.Event) -> Turn | PutOff:
+        """Wait until a model call may start; `SlotsClosed` when the scorer stops meanwhile."""
+        while True:
+            if closing.is_set():
+                raise SlotsClosed
+            left = self.pause_left_s()
+            if left > self.hold_s:
+                return PutOff(left)
+            if left > 0:
+                await self._until_changed(closing, timeout_s=left)
+            elif not self._probe_due:
+                return Turn()
+            elif not self._probe_out:
+                self._probe_out = True
+                return Turn(probe=True)
+            else:
+                await self._until_changed(closing, timeout_s=None)  # the probe's answer
+
+    def rate_limited(self, turn: Turn, retry_after_s: float | None) -> None:
+        """A call came back 429: pause, or lengthen the pause. The back-off grows with each
+        pause in a row (a probe answered 429), not with each call that was running when the
+        limit came: those all come back 429 at once."""
+        if turn.probe or not self._probe_due:
+            self._rate_limits_in_a_row += 1
+        if not self._probe_due:
+            self._on_pause()
+        exponent = min(self._rate_limits_in_a_row - 1, 30)
+        backoff = min(PAUSE_CAP_S, self._base_s * 2.0**exponent) * self._rng.uniform(0.5, 1.0)
+        pause = max(backoff, min(retry_after_s or 0.0, MAX_PAUSE_S))
+        self._paused_until = max(self._paused_until, self._clock() + pause)
+        self._probe_due = True
+        self._notify()
+
+    def answered(self, turn: Turn) -> None:
+        """A call came back with anything but a 429. The probe's answer ends the pause; a call
+        started before the pause says nothing of it."""
+        if turn.probe:
+            self._probe_due = False
+            self._rate_limits_in_a_row = 0
+            self._notify()
+        elif not self._probe_due:
+            self._rate_limits_in_a_row = 0
+
+    def done(self, turn: Turn) -> None:
+        """The turn is over, whether or not it called the model (a claim held elsewhere, a
+        database error): a probe that did not answer lets another delivery probe."""
+        if turn.probe and self._probe_out:
+            self._probe_out = False
+            self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _until_changed(self, closing: asyncio.Event, *, timeout_s: float | None) -> None:
+        changed = asyncio.ensure_future(self._changed.wait())
+        stopping = asyncio.ensure_future(closing.wait())
+        try:
+            await asyncio.wait(
+                {changed, stopping}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            changed.cancel()
+            stopping.cancel()

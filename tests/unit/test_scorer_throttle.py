@@ -1,0 +1,140 @@
+"""Rate-limit pauses (`services/scorer/throttle.py`): after a 429 no model call starts until
+the pause ends, then one probe goes first and its answer lets the others through.
+
+The clock is a test-held number; the waits themselves are real and short (the pause a
+waiter sleeps is read from that clock, and the test moves it on and wakes them with the next
+report)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from services.scorer.slots import SlotsClosed
+from services.scorer.throttle import PAUSE_CAP_S, ModelThrottle, PutOff, Turn
+from tests.support import eventually
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _throttle(clock: Clock, *, hold_s: float = 30.0) -> ModelThrottle:
+    return ModelThrottle(hold_s=hold_s, base_s=1.0, rng=random.Random(0), clock=clock)
+
+
+async def test_without_a_rate_limit_every_call_goes_at_once() -> None:
+    throttle = _throttle(Clock())
+    turns = await asyncio.gather(*(throttle.wait_turn(asyncio.Event()) for _ in range(5)))
+    assert turns == [Turn()] * 5
+    assert not throttle.paused
+
+
+async def test_after_a_429_one_probe_goes_first_and_its_answer_lets_the_others_through() -> None:
+    clock = Clock()
+    throttle = _throttle(clock)
+    throttle.rate_limited(Turn(), retry_after_s=None)
+    assert throttle.paused
+    assert 0.5 <= throttle.pause_left_s() <= 1.0
+
+    closing = asyncio.Event()
+    waiters = [asyncio.ensure_future(throttle.wait_turn(closing)) for _ in range(4)]
+    await asyncio.sleep(0)
+    assert not any(waiter.done() for waiter in waiters)  # paused: nobody calls
+
+    clock.now += 2  # the pause is over; the waiters find out at their wake-up
+    await eventually(lambda: _any_done(waiters), what="a probe")
+    done = [waiter.result() for waiter in waiters if waiter.done()]
+    assert done == [Turn(probe=True)]  # one, and only one, goes first
+
+    probe = Turn(probe=True)
+    throttle.answered(probe)
+    throttle.done(probe)
+    await eventually(lambda: _all_done(waiters), what="the others let through")
+    results = [waiter.result() for waiter in waiters]
+    assert sorted(results, key=str) == sorted([Turn(probe=True)] + [Turn()] * 3, key=str)
+    assert not throttle.paused
+
+
+async def test_a_probe_answered_429_starts_a_longer_pause_and_the_next_probe() -> None:
+    clock = Clock()
+    throttle = _throttle(clock)
+    throttle.rate_limited(Turn(), retry_after_s=None)
+    first_pause = throttle.pause_left_s()
+    clock.now += 2
+    probe = await throttle.wait_turn(asyncio.Event())
+    assert isinstance(probe, Turn)
+    assert probe.probe
+
+    throttle.rate_limited(probe, retry_after_s=None)
+    throttle.done(probe)
+    assert throttle.pause_left_s() > first_pause  # doubled (within its jitter)
+
+    clock.now += throttle.pause_left_s() + 0.01
+    assert await throttle.wait_turn(asyncio.Event()) == Turn(probe=True)
+
+
+async def test_the_calls_running_when_the_limit_came_do_not_grow_the_pause() -> None:
+    """All of them come back 429 together; the pause grows with pauses in a row only."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    for _ in range(64):
+        throttle.rate_limited(Turn(), retry_after_s=None)
+    assert throttle.pause_left_s() <= 1.0
+    assert PAUSE_CAP_S > 1.0
+
+
+async def test_a_retry_after_is_the_pause_and_one_beyond_the_hold_puts_calls_off() -> None:
+    clock = Clock()
+    throttle = _throttle(clock, hold_s=30)
+    throttle.rate_limited(Turn(), retry_after_s=20)
+    assert throttle.pause_left_s() == pytest.approx(20)
+
+    throttle.rate_limited(Turn(), retry_after_s=120)  # a call that was running answers later
+    turn = await throttle.wait_turn(asyncio.Event())
+    assert isinstance(turn, PutOff)
+    assert turn.left_s == pytest.approx(120)
+
+
+async def test_a_probe_that_never_called_lets_another_delivery_probe() -> None:
+    """A probe's claim can be held elsewhere, or its database call fail: nothing answers."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    throttle.rate_limited(Turn(), retry_after_s=None)
+    clock.now += 2
+    probe = await throttle.wait_turn(asyncio.Event())
+    assert isinstance(probe, Turn)
+    waiter = asyncio.ensure_future(throttle.wait_turn(asyncio.Event()))
+    await asyncio.sleep(0)
+    assert not waiter.done()  # waits for the probe's answer
+
+    throttle.done(probe)
+    assert await asyncio.wait_for(waiter, timeout=10) == Turn(probe=True)
+
+
+async def test_a_stop_turns_the_waiting_deliveries_away() -> None:
+    clock = Clock()
+    throttle = _throttle(clock)
+    throttle.rate_limited(Turn(), retry_after_s=25)
+    closing = asyncio.Event()
+    waiter = asyncio.ensure_future(throttle.wait_turn(closing))
+    await asyncio.sleep(0)
+
+    closing.set()
+    with pytest.raises(SlotsClosed):
+        await asyncio.wait_for(waiter, timeout=10)
+
+
+async def _any_done(waiters: Sequence[asyncio.Future[Turn | PutOff]]) -> bool:
+    return any(waiter.done() for waiter in waiters)
+
+
+async def _all_done(waiters: Sequence[asyncio.Future[Turn | PutOff]]) -> bool:
+    return all(waiter.done() for waiter in waiters)

@@ -4,7 +4,16 @@ Without it, an overloaded gateway (a database slower than the arrivals, say) kee
 connections and every submission waits longer and longer: clients time out after many
 seconds, retry, and add to the load. Instead each gateway process admits at most `limit`
 submissions at a time and answers the others at once with 503 problem+json and
-`Retry-After`, before reading their bodies, so they change nothing.
+`Retry-After`, so they change nothing.
+
+A submission takes its place once its body has arrived in full, not when it arrives: what the
+limit protects is the work done with a body (the database, the broker), not the wait for one.
+Had it taken its place before, one client sending `limit` bodies slowly, or stalling halfway,
+would hold every place until the body timeout (`REQUEST_BODY_TIMEOUT_S`) and every other
+tenant's submissions would be shed; a stalled upload measures nothing either, so the limit
+would not adapt. A submission refused at the end of its body is refused before the route does
+anything with it: it is authenticated and counted in its key's rate window (as every
+authenticated request is), and nothing else.
 
 The limit adapts to what the submissions take (AIMD, as TCP's congestion window): a
 submission that took longer than `SUBMIT_LATENCY_TARGET_MS` cuts the limit by a fifth, at most
@@ -99,26 +108,42 @@ class SubmissionAdmission:
         if scope["type"] != "http" or (scope["method"], route_path(scope)) not in self.guarded:
             await self.app(scope, receive, send)
             return
-        if not self.limit.try_acquire():
-            self._report_refusal()
-            await problem_response(overloaded(self.limit), scope["path"])(scope, receive, send)
-            return
-        # Timed from the end of the body: a client that uploads slowly is not an overload
-        # (REQUEST_BODY_TIMEOUT_S bounds how long it may hold its place), and a request
-        # answered before its body was read (401, 415, a timeout) measured nothing.
-        began: float | None = None
+        # The place is taken, and the submission timed, from the end of its body: a client
+        # that uploads slowly or stalls holds no place (see the module's docstring), and a
+        # request answered before its body was read (401, 415, 413, a timeout) takes none.
+        taken_at: float | None = None
+        started = False
 
-        async def timed_receive() -> Message:
-            nonlocal began
+        async def admitting_receive() -> Message:
+            nonlocal taken_at
             message = await receive()
-            if message["type"] == "http.request" and not message.get("more_body", False):
-                began = self.clock()
+            if taken_at is None and _ends_body(message):
+                self._admit()
+                taken_at = self.clock()
             return message
 
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self.app(scope, timed_receive, send)
+            await self.app(scope, admitting_receive, tracking_send)
+        except Overloaded as refused:
+            if started:
+                raise
+            # The application had no handler for it (the gateway's answers it as problem+json).
+            await problem_response(refused, scope["path"])(scope, receive, send)
         finally:
-            self.limit.release(None if began is None else self.clock() - began)
+            if taken_at is not None:
+                self.limit.release(self.clock() - taken_at)
+
+    def _admit(self) -> None:
+        """Take a place for a submission whose body has arrived, or refuse it: `Overloaded`
+        raised inside the application's read of its body, before the route acts on it."""
+        if not self.limit.try_acquire():
+            self._report_refusal()
+            raise overloaded(self.limit)
 
     def _report_refusal(self) -> None:
         """Tell the operator that submissions are being shed, at most once per interval."""
@@ -161,8 +186,17 @@ def install_admission(app: FastAPI, *, target_ms: float, max_limit: int) -> Adap
     return limit
 
 
-def overloaded(limit: AdaptiveLimit) -> Problem:
-    return Problem(
+def _ends_body(message: Message) -> bool:
+    return message["type"] == "http.request" and not message.get("more_body", False)
+
+
+class Overloaded(Problem):
+    """A submission refused by admission control: raised inside the application's read of the
+    body, so the application's own `Problem` handler answers it (503 problem+json)."""
+
+
+def overloaded(limit: AdaptiveLimit) -> Overloaded:
+    return Overloaded(
         503,
         f"This gateway is taking on as many submissions as it can finish in about "
         f"{limit.target_s:g} s ({int(limit.limit)} at a time); nothing was kept. "

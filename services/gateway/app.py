@@ -17,7 +17,6 @@ from typing import Any
 
 import httpx
 from fastapi import APIRouter, FastAPI
-from httpx_aiohttp import AiohttpTransport
 
 from services.gateway.admin_api import admin_routes
 from services.gateway.admission import install_admission
@@ -45,6 +44,7 @@ from services.gateway.status_client import StatusClient
 from services.gateway.submissions import Submissions
 from services.gateway.usage_api import usage_routes
 from services.gateway.webhooks_api import NotifierClient, make_notifier_http, webhook_routes
+from shared.aiohttp_transport import MappedAiohttpTransport
 from shared.asyncapi import build_document
 from shared.consumers import ScoreboxBroker
 from shared.contracts import DEFAULT_TENANT, new_id, utcnow
@@ -66,7 +66,7 @@ Clock = Callable[[], datetime]
 def make_status_http(settings: GatewaySettings) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     return httpx.AsyncClient(
-        transport=AiohttpTransport(limits=limits),
+        transport=MappedAiohttpTransport(limits=limits),
         timeout=httpx.Timeout(settings.status_timeout_s),
         limits=limits,
     )

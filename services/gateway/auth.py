@@ -18,6 +18,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -58,8 +59,11 @@ class _Cached:
 class Authenticator:
     """Turns a bearer token into a `Caller`, or None when it opens nothing.
 
-    Lookups are cached for `cache_ttl_s` (0: no cache) on the `monotonic` clock; the cache is
-    bounded and simply emptied when full, so made-up key ids cannot grow it without limit.
+    Lookups are cached for `cache_ttl_s` (0: no cache) on the `monotonic` clock; the cache
+    holds at most `max_cached` ids and, when full, drops the one used least recently. So
+    made-up key ids cannot grow it without limit, and a flood of them only pushes out what
+    nobody used meanwhile: a key in use stays cached (emptying the whole cache when full, as
+    it once did, had every legitimate key read again after each 10,000 made-up ids).
     """
 
     def __init__(
@@ -76,7 +80,7 @@ class Authenticator:
         self._monotonic = monotonic
         self._clock = clock
         self._max_cached = max_cached
-        self._cache: dict[str, _Cached] = {}
+        self._cache: OrderedDict[str, _Cached] = OrderedDict()  # least recently used first
         self._loading: dict[str, asyncio.Task[ApiKey | None]] = {}
 
     async def authenticate(self, token: str) -> Caller | None:
@@ -114,6 +118,7 @@ class Authenticator:
         now = self._monotonic()
         cached = self._cache.get(key_id)
         if cached is not None and cached.until > now:
+            self._cache.move_to_end(key_id)
             return cached.key
         loading = self._loading.get(key_id)
         if loading is None:
@@ -140,9 +145,10 @@ class Authenticator:
         del self._loading[key_id]
         if failed or self._ttl <= 0:
             return
-        if len(self._cache) >= self._max_cached:
-            self._cache.clear()
         self._cache[key_id] = _Cached(loading.result(), until)
+        self._cache.move_to_end(key_id)
+        while len(self._cache) > self._max_cached:
+            self._cache.popitem(last=False)
 
 
 _bearer = HTTPBearer(

@@ -11,7 +11,7 @@ is acked.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Set
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -44,7 +44,9 @@ class DeadLetter:
     age_s: float | None
     body_preview: str
 
-    def matches(self, ids: Collection[str]) -> bool:
+    def matches(self, ids: Set[str]) -> bool:
+        """Whether `ids` names this letter (a set: a replay names up to 10,000 ids, tried
+        against each of up to `MAX_WALK` letters)."""
         return self.message_id in ids or self.task_id in ids
 
 
@@ -115,7 +117,12 @@ class DeadLetterQueue:
         return Walk(letters, truncated=len(held) >= MAX_WALK)
 
     async def replay(self, ids: Collection[str] | None) -> Replay:
-        """Replay the dead letters named by `ids` (all when None)."""
+        """Replay the dead letters named by `ids` (all when None).
+
+        Matched as a set: looked up in a list, 10,000 ids against 10,000 letters were 10^8
+        string comparisons on the event loop, every request of the replica stalled meanwhile.
+        """
+        wanted = None if ids is None else frozenset(ids)
         replayed: list[str] = []
         skipped: list[str] = []
         found: set[str] = set()
@@ -123,7 +130,7 @@ class DeadLetterQueue:
         async with self._dlq.walk() as held:
             for message in held:
                 letter = describe(message, now)
-                if ids is not None and not letter.matches(ids):
+                if wanted is not None and not letter.matches(wanted):
                     continue
                 found.update(key for key in (letter.message_id, letter.task_id) if key)
                 try:

@@ -13,6 +13,8 @@ That write needs no answer but its own success or `DuplicateKeyError`, so concur
 of one key become one conditional `$inc` of their number (`services/gateway/counters.py`),
 each tried on its own when they do not all fit. A fixed window lets a key spend up to twice
 its rate across a window boundary; that is the price of at most one write per request.
+Once a key's window refused a request, each replica remembers it full until the window ends
+(`FullWindows`) and refuses the key's further requests in it without a write.
 
 Tasks in flight (`MAX_IN_FLIGHT_PER_TENANT`, 0 = off): a task is in flight from its acceptance
 (queued or scheduled) until its `task.completed` or `task.failed` reaches the gateway. Two
@@ -140,6 +142,30 @@ def rate_counter_id(key_id: str, window: Window) -> str:
     return f"{key_id}:{int(window.start.timestamp())}"
 
 
+class FullWindows:
+    """The keys whose rate window this replica saw refuse a request, for the latest window.
+
+    A rate counter only rises within its window (nothing decrements it), so a window found
+    full stays full until it ends: further requests of the key in it are refused from memory,
+    where each one used to cost two colliding upserts (`BoundedCounters.add` on its own). Only
+    the latest window is kept, so memory holds at most the keys refused in one minute, and a
+    key's next window starts afresh.
+    """
+
+    def __init__(self) -> None:
+        self._window: Window | None = None
+        self._keys: set[str] = set()
+
+    def is_full(self, key_id: str, window: Window) -> bool:
+        return window == self._window and key_id in self._keys
+
+    def mark_full(self, key_id: str, window: Window) -> None:
+        if self._window is None or window.start > self._window.start:
+            self._window, self._keys = window, set()  # the past windows' keys are dropped
+        if window == self._window:
+            self._keys.add(key_id)
+
+
 class RateLimiter:
     """At most `per_minute` requests per key and fixed minute window, across replicas."""
 
@@ -153,6 +179,7 @@ class RateLimiter:
     ) -> None:
         self._collection: AsyncCollection[Document] = client[database]["rate_windows"]
         self._counters = BoundedCounters(self._collection)
+        self._full = FullWindows()
         self._per_minute = per_minute
         self._clock = clock
 
@@ -165,8 +192,10 @@ class RateLimiter:
             return
         now = self._clock()
         window = fixed_window(now, RATE_WINDOW_S)
-        if await self._count_one(rate_counter_id(key_id, window), window):
-            return
+        if not self._full.is_full(key_id, window):
+            if await self._count_one(rate_counter_id(key_id, window), window):
+                return
+            self._full.mark_full(key_id, window)
         wait = retry_after_s(now, window.end)
         raise LimitExceeded(
             "rate",

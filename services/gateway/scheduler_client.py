@@ -7,11 +7,11 @@ below are the gateway's own (tolerant) reading of it, and what `GET /v1/usage` a
 from __future__ import annotations
 
 import httpx
-from httpx_aiohttp import AiohttpTransport
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.gateway.errors import GatewayError, Unavailable
 from services.gateway.settings import GatewaySettings
+from shared.aiohttp_transport import MappedAiohttpTransport
 
 MAX_CONNECTIONS = 32
 
@@ -75,7 +75,7 @@ def make_scheduler_http(settings: GatewaySettings) -> httpx.AsyncClient:
         max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS
     )
     return httpx.AsyncClient(
-        transport=AiohttpTransport(limits=limits),
+        transport=MappedAiohttpTransport(limits=limits),
         timeout=httpx.Timeout(settings.scheduler_timeout_s),
         limits=limits,
     )

@@ -1,8 +1,14 @@
-"""Reads of the status service, over HTTP (the gateway never reads its database)."""
+"""Reads of the status service, over HTTP (the gateway never reads its database).
+
+Anything but a readable answer — the service unreachable, an answer that is not HTTP (see
+`shared.aiohttp_transport`), a status other than 200 or 404, a body that is not the
+service's — is `StatusUnavailable` (503, retry shortly), never a 500.
+"""
 
 from __future__ import annotations
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
 from services.gateway.errors import StatusUnavailable
 from shared.contracts import BatchProgress, TaskHistory, TaskView
@@ -14,17 +20,10 @@ class StatusClient:
         self._base_url = base_url.rstrip("/")
 
     async def find(self, task_id: str, *, tenant_id: str) -> TaskView | None:
-        try:
-            response = await self._http.get(
-                f"{self._base_url}/internal/v1/tasks/{task_id}", params={"tenant_id": tenant_id}
-            )
-        except httpx.HTTPError as error:
-            raise StatusUnavailable(f"status service unreachable: {error!r}") from error
-        if response.status_code == 404:
+        response = await self._get(f"/internal/v1/tasks/{task_id}", {"tenant_id": tenant_id})
+        if response is None:
             return None
-        if response.status_code != 200:
-            raise StatusUnavailable(f"status service answered {response.status_code}")
-        return TaskView.model_validate_json(response.content)
+        return _read(TaskView, response)
 
     async def history(self, task_id: str, *, tenant_id: str, after: int) -> TaskHistory | None:
         """The task's state changes after sequence `after`; None when unknown or expired."""
@@ -33,7 +32,7 @@ class StatusClient:
         )
         if response is None:
             return None
-        return TaskHistory.model_validate_json(response.content)
+        return _read(TaskHistory, response)
 
     async def batch(
         self, batch_id: str, *, tenant_id: str, after: int, limit: int
@@ -45,7 +44,7 @@ class StatusClient:
         )
         if response is None:
             return BatchProgress(batch_id=batch_id)
-        return BatchProgress.model_validate_json(response.content)
+        return _read(BatchProgress, response)
 
     async def _get(self, path: str, params: dict[str, str | int]) -> httpx.Response | None:
         try:
@@ -57,3 +56,12 @@ class StatusClient:
         if response.status_code != 200:
             raise StatusUnavailable(f"status service answered {response.status_code}")
         return response
+
+
+def _read[Model: BaseModel](model: type[Model], response: httpx.Response) -> Model:
+    """The answer as `model`: a body that is not one (a proxy's page, another version's
+    schema) is the status service unavailable, as an unreachable one is."""
+    try:
+        return model.model_validate_json(response.content)
+    except ValidationError as error:
+        raise StatusUnavailable(f"status service answered an unreadable body: {error}") from error

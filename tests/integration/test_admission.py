@@ -1,11 +1,13 @@
 """Admission control of submissions on a real gateway: over its limit a submission gets 503
-problem+json with `Retry-After` at once and nothing is kept; other requests pass."""
+problem+json with `Retry-After` at once and nothing is kept; other requests pass; uploads that
+have not arrived in full hold no place."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,7 @@ from services.status.settings import StatusSettings
 from tests.support import eventually, running
 
 API_KEY = generate_key().token
+ADMIN_KEY = "admission-admin"
 
 
 @dataclass
@@ -36,6 +39,7 @@ async def gateway(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Ga
         "MONGO_URL": mongo.url,
         "MONGO_DB_PREFIX": db_prefix,
         "BOOTSTRAP_API_KEY": API_KEY,
+        "ADMIN_API_KEY": ADMIN_KEY,
         "RATE_LIMIT_PER_MIN": "0",
         "SUBMIT_MAX_CONCURRENCY": "1",  # one submission at a time, whatever the latency
     }
@@ -49,41 +53,67 @@ async def gateway(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Ga
             yield Gateway(api, admission)
 
 
-async def _held_submission(
-    gateway: Gateway, release: asyncio.Event
-) -> asyncio.Task[httpx.Response]:
-    """A submission whose body arrives only once `release` is set: it holds the one place."""
+@asynccontextmanager
+async def _place_held(gateway: Gateway) -> AsyncIterator[None]:
+    """The one place taken, as by a submission being worked on (its body arrived), until the
+    block ends; a submission whose body is still on its way holds none."""
+    assert gateway.admission.try_acquire()
+    try:
+        yield
+    finally:
+        gateway.admission.release(took_s=None)
+
+
+async def _tenant_key(gateway: Gateway, tenant: str) -> dict[str, str]:
+    made = await gateway.api.post(
+        "/admin/v1/keys",
+        json={"tenant_id": f"{tenant}-{uuid.uuid4().hex[:8]}"},
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+    )
+    assert made.status_code == 201, made.text
+    return {"Authorization": f"Bearer {made.json()['key']}"}
+
+
+async def _stalled_uploads(
+    gateway: Gateway, headers: dict[str, str], count: int, release: asyncio.Event
+) -> list[asyncio.Task[httpx.Response]]:
+    """`count` submissions whose bodies stop halfway until `release` is set; returned once the
+    gateway has read the first half of each and is waiting for the rest."""
+    waiting = 0
 
     async def body() -> AsyncIterator[bytes]:
-        yield b'{"text": "Held at the door'
+        nonlocal waiting
+        yield b'{"text": "An upload that stalls'
+        waiting += 1  # the gateway asked for the rest (the in-process transport reads lazily)
         await release.wait()
-        yield b' until the test lets it in."}'
+        yield b' halfway through its body."}'
 
-    held = asyncio.create_task(
-        gateway.api.post("/v1/scores", content=body(), headers={"Content-Type": "application/json"})
-    )
+    uploads = [
+        asyncio.create_task(
+            gateway.api.post(
+                "/v1/scores",
+                content=body(),
+                headers={**headers, "Content-Type": "application/json"},
+            )
+        )
+        for _ in range(count)
+    ]
 
-    async def admitted() -> bool:
-        return gateway.admission.in_flight == 1
+    async def all_stalled() -> bool:
+        return waiting == count
 
-    await eventually(admitted, what="the held submission admitted")
-    return held
+    await eventually(all_stalled, what="every upload stalled halfway through its body")
+    return uploads
 
 
 async def test_a_submission_over_the_limit_is_refused_at_once_and_keeps_nothing(
     gateway: Gateway,
 ) -> None:
-    release = asyncio.Event()
-    held = await _held_submission(gateway, release)
     key = {"Idempotency-Key": f"adm-{uuid.uuid4().hex}"}
-    try:
+    async with _place_held(gateway):
         refused = await gateway.api.post("/v1/scores", json={"text": "Turned away."}, headers=key)
         batch = await gateway.api.post("/v1/batches", json={"items": [{"text": "Turned away."}]})
         unknown = await gateway.api.get(f"/v1/scores/{uuid.uuid4().hex}")
-    finally:
-        release.set()
-        accepted = await held
-    assert accepted.status_code == 202, accepted.text
 
     for answer in (refused, batch):
         assert answer.status_code == 503, answer.text
@@ -98,4 +128,26 @@ async def test_a_submission_over_the_limit_is_refused_at_once_and_keeps_nothing(
     # Nothing was kept of the refused submission: its Idempotency-Key starts a new task.
     retried = await gateway.api.post("/v1/scores", json={"text": "Turned away."}, headers=key)
     assert retried.status_code == 202, retried.text
+    assert gateway.admission.in_flight == 0
+
+
+async def test_one_tenants_stalled_uploads_do_not_shut_out_another_tenants_submissions(
+    gateway: Gateway,
+) -> None:
+    """As many uploads as the limit has places, stalled halfway: had they taken places as they
+    came in, every other submission would be shed until the body timeout (30 s) freed them."""
+    noisy, quiet = await _tenant_key(gateway, "noisy"), await _tenant_key(gateway, "quiet")
+    release = asyncio.Event()
+    uploads = await _stalled_uploads(gateway, noisy, int(gateway.admission.limit), release)
+    try:
+        answer = await gateway.api.post(
+            "/v1/scores", json={"text": "A quiet tenant's text."}, headers=quiet
+        )
+    finally:
+        release.set()
+        finished = await asyncio.gather(*uploads)
+    assert answer.status_code == 202, answer.text
+    assert [upload.status_code for upload in finished] == [202] * len(uploads), [
+        upload.text for upload in finished
+    ]
     assert gateway.admission.in_flight == 0

@@ -8,7 +8,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -16,13 +16,14 @@ import pytest
 from fastapi import FastAPI
 from pymongo import AsyncMongoClient
 
+from devtools.infra import Endpoint
 from services.gateway.app import create_app as create_gateway
 from services.gateway.limits import LimitExceeded, RateLimiter, fixed_window, rate_counter_id
 from services.gateway.settings import GatewaySettings
 from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
 from shared.contracts import utcnow
-from tests.support import running
+from tests.support import CommandCounter, running, scratch_collection
 
 ADMIN_KEY = "test-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -165,6 +166,35 @@ async def test_concurrent_requests_count_exactly_and_refused_ones_do_not_count(
     counters = stack.mongo[f"{stack.db_prefix}_gateway"]["rate_windows"]
     counter_id = rate_counter_id(key_id, fixed_window(stack.clock(), 60))
     assert (await counters.find_one({"_id": counter_id}) or {}).get("count") == RATE
+
+
+async def test_a_full_window_refuses_from_memory_until_it_ends(mongo: Endpoint) -> None:
+    """Once a key's window refused a request, the key's further requests in it are refused
+    without a write (each used to cost two colliding upserts), with the right `Retry-After`;
+    its next window counts again."""
+    writes = CommandCounter("update")
+    clock = FrozenClock(datetime(2026, 1, 1, 12, 0, 10, tzinfo=UTC))
+    async with scratch_collection(mongo.url, writes, prefix="rate") as collection:
+        limiter = RateLimiter(
+            collection.database.client, collection.database.name, per_minute=RATE, clock=clock
+        )
+        key_id = uuid.uuid4().hex[:16]
+        for _ in range(RATE):
+            await limiter.hit(key_id)
+        with pytest.raises(LimitExceeded):
+            await limiter.hit(key_id)  # finds the window full
+        found_full = writes.statements
+
+        clock.advance(20)
+        for _ in range(100):
+            with pytest.raises(LimitExceeded) as refused:
+                await limiter.hit(key_id)
+        assert writes.statements == found_full
+        assert refused.value.retry_after_s == 30
+
+        clock.advance(30)
+        await limiter.hit(key_id)
+        assert writes.statements == found_full + 1
 
 
 async def test_refused_keys_do_not_reach_the_rate_counters(stack: Stack) -> None:

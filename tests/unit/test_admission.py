@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 from starlette.types import Message, Receive, Scope, Send
@@ -15,8 +16,10 @@ from services.gateway.admission import (
     SubmissionAdmission,
     route_path,
 )
+from tests.support import eventually
 
 TARGET_S = 1.0
+SUBMISSION: Scope = {"type": "http", "method": "POST", "path": "/v1/scores", "headers": []}
 
 
 @dataclass
@@ -38,7 +41,18 @@ def limit(*, initial: int = 10, clock: Clock | None = None) -> AdaptiveLimit:
 
 
 async def refused_only(scope: Scope, receive: Receive, send: Send) -> None:
-    raise AssertionError("a refused request must not reach the application")
+    """A route that reads its body first, as the submission routes do: a refused request is
+    refused in that read, and never gets past it."""
+    await receive()
+    raise AssertionError("a refused request must not get past its body")
+
+
+async def answered(scope: Scope, receive: Receive, send: Send) -> None:
+    """A route that reads its body in full and answers 202."""
+    while (await receive()).get("more_body", False):
+        pass
+    await send({"type": "http.response.start", "status": 202, "headers": []})
+    await send({"type": "http.response.body", "body": b""})
 
 
 def statuses_into(sent: list[int]) -> Send:
@@ -191,3 +205,80 @@ async def test_a_submission_under_a_mount_prefix_is_guarded() -> None:
     }
     await middleware(scope, receive, send)
     assert sent == [503]
+
+
+@dataclass
+class StalledUploads:
+    """Request bodies sent in two halves, the second only once `gate` is set."""
+
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+    waiting: int = 0  # how many were asked for their second half
+
+    def receive(self) -> Receive:
+        halves = [b'{"text": "a slow', b' upload"}']
+
+        async def receive() -> Message:
+            more = len(halves) == 2
+            if not more:
+                self.waiting += 1
+                await self.gate.wait()
+            return {"type": "http.request", "body": halves.pop(0), "more_body": more}
+
+        return receive
+
+
+async def test_an_upload_holds_no_place_until_its_body_has_arrived() -> None:
+    adaptive = limit(initial=4)
+    sent: list[int] = []
+    middleware = SubmissionAdmission(answered, limit=adaptive, guarded=[("POST", "/v1/scores")])
+    uploads = StalledUploads()
+    stalled = [
+        asyncio.create_task(middleware(SUBMISSION, uploads.receive(), statuses_into(sent)))
+        for _ in range(int(adaptive.limit))
+    ]
+
+    async def all_stalled() -> bool:
+        return uploads.waiting == len(stalled)
+
+    await eventually(all_stalled, what="every upload waiting for its second half")
+    assert adaptive.in_flight == 0
+
+    await middleware(SUBMISSION, receive, statuses_into(sent))  # another client's, in full
+    assert sent == [202]
+
+    uploads.gate.set()
+    await asyncio.gather(*stalled)
+    assert sent == [202] * (1 + len(stalled))
+    assert adaptive.in_flight == 0
+
+
+async def test_a_submission_holds_its_place_from_the_end_of_its_body_until_answered() -> None:
+    adaptive = limit(initial=4)
+    holding: list[int] = []
+
+    async def route(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        holding.append(adaptive.in_flight)
+        await answered(scope, receive, send)
+
+    middleware = SubmissionAdmission(route, limit=adaptive, guarded=[("POST", "/v1/scores")])
+    await middleware(SUBMISSION, receive, statuses_into([]))
+    assert holding == [1]
+    assert adaptive.in_flight == 0
+
+
+async def test_a_request_answered_before_its_body_takes_no_place() -> None:
+    adaptive = limit(initial=4)
+    fill(adaptive)
+    sent: list[int] = []
+
+    async def unauthenticated(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 401, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    middleware = SubmissionAdmission(
+        unauthenticated, limit=adaptive, guarded=[("POST", "/v1/scores")]
+    )
+    await middleware(SUBMISSION, receive, statuses_into(sent))
+    assert sent == [401]  # not 503: it asked nothing of what the limit protects
+    assert adaptive.in_flight == 4

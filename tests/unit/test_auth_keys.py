@@ -243,6 +243,21 @@ async def test_the_cache_stays_bounded() -> None:
     assert len(authenticator._cache) <= 10
 
 
+async def test_a_flood_of_unknown_ids_does_not_push_out_a_key_in_use() -> None:
+    """A full cache used to be emptied, so every `max_cached` made-up ids had each
+    legitimate key read again; only the least recently used ids leave it now."""
+    store = FakeKeys()
+    token = store.add()
+    authenticator = Authenticator(store, cache_ttl_s=60, monotonic=Ticker(), max_cached=10)
+    for _ in range(5):
+        assert await authenticator.authenticate(token) is not None
+        for _ in range(9):
+            assert await authenticator.authenticate(generate_key().token) is None
+    assert await authenticator.authenticate(token) is not None
+    assert len(store.touched) == 1  # read from the store once
+    assert len(authenticator._cache) == 10
+
+
 class SlowKeys(FakeKeys):
     """A store whose lookups wait until released, so that requests miss together."""
 

@@ -12,6 +12,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from services.gateway.limits import (
     BodyTimeout,
+    FullWindows,
     LimitExceeded,
     RequestBodyTimeout,
     Window,
@@ -62,6 +63,22 @@ def test_a_counter_per_key_and_window() -> None:
     assert rate_counter_id("k1", first) == f"k1:{int(T0.timestamp())}"
     assert rate_counter_id("k1", first) != rate_counter_id("k1", second)
     assert rate_counter_id("k1", first) != rate_counter_id("k2", first)
+
+
+def test_a_window_found_full_is_remembered_until_the_next_one_starts() -> None:
+    first = fixed_window(T0, 60)
+    second = fixed_window(T0 + timedelta(seconds=60), 60)
+    full = FullWindows()
+    full.mark_full("k1", first)
+    assert full.is_full("k1", first)
+    assert not full.is_full("k2", first)
+    assert not full.is_full("k1", second)
+
+    full.mark_full("k2", second)  # the first window's keys are dropped
+    full.mark_full("k3", first)  # a late refusal of a past window is not kept
+    assert not full.is_full("k1", first)
+    assert not full.is_full("k3", first)
+    assert full.is_full("k2", second)
 
 
 @pytest.mark.parametrize(

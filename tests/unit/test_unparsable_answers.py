@@ -1,0 +1,99 @@
+"""The gateway's clients of the scheduler and the status service (httpx over aiohttp): an
+answer that is not HTTP, or not the service's, is the service unavailable (503, retry
+shortly), never a raw aiohttp error (a 500). The peer is a real local TCP server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from services.gateway.app import make_status_http
+from services.gateway.errors import StatusUnavailable, Unavailable
+from services.gateway.scheduler_client import (
+    SchedulerClient,
+    SchedulerUnavailable,
+    make_scheduler_http,
+)
+from services.gateway.settings import GatewaySettings
+from services.gateway.status_client import StatusClient
+
+NOT_HTTP = {
+    # a proxy's or a wrong port's answer
+    "a status line that is not HTTP": b"this is not HTTP at all\r\n\r\n",
+    "a header over the parser's limit": b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n",
+    "malformed chunks": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+}
+ANSWERS = {
+    **NOT_HTTP,
+    "a page that is not the service's": (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 13\r\n\r\n<html></html>"
+    ),
+}
+
+Ask = Callable[[httpx.AsyncClient, str], Awaitable[object]]
+SETTINGS = GatewaySettings.model_validate({})
+
+
+async def _usage(http: httpx.AsyncClient, url: str) -> object:
+    return await SchedulerClient(http, base_url=url).usage(
+        "acme", first_day="2025-01-01", last_day="2025-01-31"
+    )
+
+
+async def _task(http: httpx.AsyncClient, url: str) -> object:
+    return await StatusClient(http, base_url=url).find("t1", tenant_id="acme")
+
+
+async def _history(http: httpx.AsyncClient, url: str) -> object:
+    return await StatusClient(http, base_url=url).history("t1", tenant_id="acme", after=0)
+
+
+async def _batch(http: httpx.AsyncClient, url: str) -> object:
+    return await StatusClient(http, base_url=url).batch("b1", tenant_id="acme", after=-1, limit=10)
+
+
+@dataclass(frozen=True)
+class Call:
+    make_http: Callable[[GatewaySettings], httpx.AsyncClient]  # as the gateway makes it
+    ask: Ask
+    unavailable: type[Unavailable]
+
+
+CALLS = {
+    "scheduler usage": Call(make_scheduler_http, _usage, SchedulerUnavailable),
+    "status task": Call(make_status_http, _task, StatusUnavailable),
+    "status history": Call(make_status_http, _history, StatusUnavailable),
+    "status batch": Call(make_status_http, _batch, StatusUnavailable),
+}
+
+
+@pytest.fixture
+async def answering(request: pytest.FixtureRequest) -> AsyncIterator[str]:
+    """A local TCP server that reads a request and answers `request.param` (raw bytes)."""
+    answer: bytes = request.param
+
+    async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(reply, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("answering", ANSWERS.values(), ids=ANSWERS.keys(), indirect=True)
+@pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
+async def test_an_unparsable_answer_is_the_service_unavailable(answering: str, call: Call) -> None:
+    http = call.make_http(SETTINGS)
+    try:
+        with pytest.raises(call.unavailable):
+            await call.ask(http, answering)
+    finally:
+        await http.aclose()

@@ -52,9 +52,10 @@ Routes
     (``max_in_flight`` restarts from the requests still in flight).
 ``POST /_control``
     JSON with any of ``latency_ms``, ``jitter_ms``, ``fail_rate``, ``rate_limited_calls``,
-    ``rate_limit_retry_s``: updates the live config and answers it. ``rate_limited_calls``: the
-    next N completion requests, whatever their task, answer 429 (a provider-wide rate limit),
-    with ``Retry-After: rate_limit_retry_s`` when that is above 0.
+    ``rate_limited_for_s``, ``rate_limit_retry_s``: updates the live config and answers it.
+    ``rate_limited_calls``: the next N completion requests, whatever their task, answer 429 (a
+    provider-wide rate limit); ``rate_limited_for_s``: every request does for the next S
+    seconds; either with ``Retry-After: rate_limit_retry_s`` when that is above 0.
 
 What is judged
 --------------
@@ -140,7 +141,14 @@ _DEMAND_TEN: Final = re.compile(
     r"\b(?:give|score|rate)\s+(?:(?:it|this|me|us)\s+)?(?:(?:a|an|of)\s+)?10\b"
 )
 _CONTROLLABLE: Final = frozenset(
-    {"latency_ms", "jitter_ms", "fail_rate", "rate_limited_calls", "rate_limit_retry_s"}
+    {
+        "latency_ms",
+        "jitter_ms",
+        "fail_rate",
+        "rate_limited_calls",
+        "rate_limited_for_s",
+        "rate_limit_retry_s",
+    }
 )
 # A model name that already names its snapshot: `-2024-07-18`, or OpenAI's older `-0613`.
 _DATED_MODEL: Final = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{4})$")
@@ -154,6 +162,7 @@ class FakeLLMConfig:
     jitter_ms: float = 0.0
     fail_rate: float = 0.0
     rate_limited_calls: float = 0.0  # the next N calls answer 429, whatever their task
+    rate_limited_until: float = 0.0  # every call answers 429 until then (`time.monotonic`)
     rate_limit_retry_s: float = 0.0  # their Retry-After (none when 0)
     model: str = DEFAULT_MODEL
     seed: int | None = None
@@ -397,7 +406,10 @@ class ServerState:
         for name, value in changes.items():
             _check_setting(name, value)
         for name, value in changes.items():
-            setattr(self.config, name, float(value))
+            if name == "rate_limited_for_s":
+                self.config.rate_limited_until = time.monotonic() + float(value)
+            else:
+                setattr(self.config, name, float(value))
 
 
 def _check_setting(name: str, value: object) -> None:
@@ -448,7 +460,9 @@ def _server_error(status: int = 500) -> web.Response:
 
 
 def _provider_rate_limit(config: FakeLLMConfig) -> web.Response | None:
-    """A 429 while `rate_limited_calls` lasts, counting it down."""
+    """A 429 while `rate_limited_until` lasts, or `rate_limited_calls` (counted down)."""
+    if time.monotonic() < config.rate_limited_until:
+        return _rate_limited(config.rate_limit_retry_s)
     if config.rate_limited_calls < 1:
         return None
     config.rate_limited_calls -= 1

@@ -3,12 +3,15 @@
 - The model: 429 with Retry-After, 500 bursts, a persistent 500, a hang past LLM_TIMEOUT_S,
   malformed JSON, an out-of-range score; each ends as documented (retried and completed,
   or failed, dead-lettered only when retries ran out).
+- The provider rate-limits every call for a while (longer than a task's attempts take): no
+  task fails; the scorer pauses its calls and the 429s spend no attempt.
 - The same `score.requested` delivered twice: one model call.
 - A body that is not a command (poison): dead-lettered with the reason, the consumer lives.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -39,6 +42,10 @@ from tests.support import eventually
 LLM_TIMEOUT_S = 8  # well above the fake's `slow` (2 s), which the duplicate test needs
 MAX_ATTEMPTS = 4  # the gateway's default SCORE_MAX_ATTEMPTS
 DRAIN_TIMEOUT_S = 120.0
+# Every call answered 429 for this long: far longer than a task's four attempts took with
+# these tests' back-off (RETRY_BASE_S 0.2, RETRY_CAP_S 1), and a few of the default's.
+RATE_LIMIT_WINDOW_S = 20.0
+RATE_LIMITED_TASKS = 12
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +154,36 @@ async def test_model_api_faults_end_as_documented(
     assert len(dead) == 1
     assert "model_unavailable" in str(dead[0].headers[ERROR_HEADER])
     assert box.answers[500] == 0
+
+
+async def test_a_provider_wide_rate_limit_fails_no_task(
+    box: Scorebox, llm: FakeLLM, figures: Figures, labels: tuple[str, str]
+) -> None:
+    box.answers.clear()
+    markers = [new_marker() for _ in range(RATE_LIMITED_TASKS)]
+    llm.config.rate_limited_until = time.monotonic() + RATE_LIMIT_WINDOW_S
+    try:
+        tasks = [await box.submit(essay(marker)) for marker in markers]
+        views = await box.finish(tasks)
+    finally:
+        llm.config.rate_limited_until = 0.0
+    statuses = [view["status"] for view in views.values()]
+    figures.record(
+        Outcome(
+            name=f"provider-wide rate limit (every call 429 for {RATE_LIMIT_WINDOW_S:g} s)",
+            accepted=len(tasks),
+            completed=statuses.count("completed"),
+            failed=statuses.count("failed"),
+            duplicate_model_calls=0,  # each 429 is a call that scored nothing
+            http_5xx_seen=box.http_5xx(),
+            time_to_recover_s=None,
+            broker=labels[0],
+            database=labels[1],
+            notes=f"{sum(box.calls(marker) for marker in markers)} model calls for "
+            f"{len(tasks)} tasks, most attempts {max(v['attempts'] for v in views.values())}",
+        )
+    )
+    assert statuses == ["completed"] * len(tasks), [view.get("error") for view in views.values()]
 
 
 async def _drained(box: Scorebox) -> bool:

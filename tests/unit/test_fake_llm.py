@@ -447,6 +447,7 @@ async def test_control_updates_the_live_config(llm: FakeLLM, client: httpx.Async
         "jitter_ms": 0.5,
         "fail_rate": 0.0,
         "rate_limited_calls": 0.0,
+        "rate_limited_until": 0.0,
         "rate_limit_retry_s": 0.0,
         "model": "fake-judge-1",
         "seed": 1,
@@ -472,6 +473,17 @@ async def test_a_provider_wide_rate_limit_answers_the_next_calls_429_whatever_th
     # Over: normal answers, and the task's own fault budget was not spent by the 429.
     assert (await complete(client, "one [[fake:500x1]]")).status_code == 500
     assert (await complete(client, "another")).status_code == 200
+
+
+async def test_a_provider_wide_rate_limit_can_last_a_while(
+    llm: FakeLLM, client: httpx.AsyncClient
+) -> None:
+    response = await client.post(f"{admin(llm)}/_control", json={"rate_limited_for_s": 3600})
+    assert response.status_code == 200
+    assert [(await complete(client, f"essay {n}")).status_code for n in range(3)] == [429] * 3
+
+    llm.config.rate_limited_until = 0.0  # the window ends
+    assert (await complete(client, "essay 0")).status_code == 200
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,25 @@ from shared.runtime import (
 )
 
 
+def stop_grace_s(settings: ScorerSettings, model_settings: ModelSettings) -> float:
+    """How long the deliveries in hand get to finish at stop: the whole path of one that
+    just took a model slot, each step at its bound (75 s by default).
+
+    Cut short, the lifespan closed the model client and the database under a decision still
+    running (it is shielded): a call thrown away, or recorded as a retry of an unavailable
+    model. The call's timeout and two confirms were counted, not the claim and the
+    `spent_before` read before the call, the `task.started` confirm that may follow it, nor
+    the decision's write. A database or broker outage is not covered: its waits have no end.
+    """
+    mongo_s, broker_s = settings.mongo_timeout_s, settings.broker_timeout_s
+    before_the_call = 2 * mongo_s  # the claim, then `spent_before`
+    # `task.started` is confirmed before the call returns: with `started_after` 0 before
+    # the call, else from then on, up to its publish timeout past a call that ends early.
+    the_call = model_settings.llm_timeout_s + broker_s
+    after_the_call = mongo_s + 2 * broker_s  # the decision recorded, then two confirms
+    return before_the_call + the_call + after_the_call
+
+
 def create_app(
     settings: ScorerSettings,
     model_settings: ModelSettings,
@@ -48,15 +67,11 @@ def create_app(
 ) -> FastAPI:
     """Wire the scorer: broker (prefetch: the deliveries in hand) + database + model (at most
     `concurrency` calls at once) + HTTP health."""
-    # At stop, a model call in flight may take its whole timeout, then its decision is
-    # recorded and carried out: cut short, it was thrown away (and its task retried) with
-    # every deploy.
-    graceful_s = model_settings.llm_timeout_s + 2 * settings.broker_timeout_s
     broker = broker or make_broker(
         settings,
         prefetch=settings.deliveries_in_hand,
         name="scorer",
-        graceful_timeout_s=graceful_s,
+        graceful_timeout_s=stop_grace_s(settings, model_settings),
     )
     mongo = mongo or make_mongo(settings)
     http: ProviderClient | None = None
@@ -106,8 +121,10 @@ def create_app(
         await start_broker(broker, settings)
         yield
         # No model call starts any more: the deliveries waiting for a slot, and any that
-        # arrives before the consumer is cancelled, are sent again or left to the broker
-        # (`scoring._turned_away`). Those in a slot finish within the grace period.
+        # arrives before the consumer is cancelled, are sent again with their delivery counts
+        # (`scoring._turned_away`), and so is one at its delivery limit waiting for another
+        # claim (`consumer._handed_back_at_stop`). Those in a slot finish within the grace
+        # period (`stop_grace_s`).
         deps.model_slots.close()
         await broker.stop_consuming()
         await broker.stop()

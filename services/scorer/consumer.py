@@ -5,8 +5,8 @@ What each outcome means on the broker:
   the DLQ with the reason in a header; then ack.
 - retry: next attempt sent down the wait ladder, `task.retrying` published, then ack.
 - not due / claimed elsewhere: sent down the wait ladder again, then ack.
-- the scorer stopping before the delivery reached a model slot: a first delivery is sent
-  again, then acked; a redelivery is left unacknowledged (its delivery count kept).
+- the scorer stopping before the delivery reached a model slot: sent again, then acked (a
+  redelivery's copy carries its count, unchanged: a stop is no consumer death).
 - unreadable body (poison): copied to the DLQ with the validation error, then ack.
 - the handler itself crashed: re-sent after a delay with a crash counter; at the limit,
   given up: dead-lettered and failed.
@@ -15,14 +15,16 @@ What each outcome means on the broker:
   re-sent, so the count keeps growing. Once that count and the one carried from earlier
   copies (below) reach the queue's delivery limit, the scorer dead-letters the message
   and fails the task instead of risking another crash (and should the scorer die before
-  it can, RabbitMQ dead-letters it once its own count of this copy reaches the limit).
+  it can, RabbitMQ dead-letters it once its own count of this copy passes the limit).
+- the scorer stopping while a delivery at that limit waits for another claim's decision:
+  sent again, its count unchanged, then acked (see `_handed_back_at_stop`).
 - a give-up is recorded as the attempt's decision first, under a claim of this process:
   a later copy of the command (the gateway's outbox sweep, a retry replayed) then carries
   the failure out again instead of calling the model. Another worker's live claim is waited
   for, and its decision carried out instead.
 - MongoDB unavailable: re-sent after a delay without counting it as a crash.
-- every copy of the delivery's own command sent again (not due, claimed elsewhere, a first
-  delivery at stop, a crash, MongoDB unavailable) and its dead letter carry the deliveries
+- every copy of the delivery's own command sent again (not due, claimed elsewhere, at stop,
+  a crash, MongoDB unavailable) and its dead letter carry the deliveries
   its consumers lost so far (`x-scorebox-earlier-deliveries`: the delivery's carried value
   plus its `x-delivery-count`), for the copy's own count starts at zero; the limit above is
   checked on the two together. A retry's next attempt is a new command: it carries none.
@@ -42,8 +44,9 @@ from pydantic import ValidationError
 from pymongo.errors import PyMongoError
 
 from services.scorer.attempts import Busy, Claimed
-from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Leave, Retry, Spent
+from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Retry, Spent
 from services.scorer.scoring import Clock, ScorerDeps, recorded_decision, score_text
+from services.scorer.slots import SlotsClosed
 from shared.bus import publish_command, publish_event
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import (
@@ -208,9 +211,6 @@ def subscribe_scorer(
             await _after_crash(command, message, deps, actions, crash_limit=crash_limit)
         else:
             deps.metrics.count_decision(decision)
-            if isinstance(decision, Leave):
-                log.debug("leaving %s unacknowledged: %s", command.task_id, decision.reason)
-                return
             await actions.carry_out(decision, message)
         await message.ack()
 
@@ -244,7 +244,11 @@ async def _settle_or_give_up(
     message up when nothing was decided. A give-up refused (the attempt was claimed or
     decided in between) looks at the attempt again."""
     for _ in range(GIVE_UP_TRIES):
-        recorded = await _decision_once_settled(command, deps)
+        try:
+            recorded = await _decision_once_settled(command, deps)
+        except SlotsClosed:
+            await _handed_back_at_stop(command, message, deps, actions)
+            return
         if recorded is not None:
             log.warning("%s given up on: carrying its recorded decision out", command.task_id)
             await actions.carry_out(recorded, message)
@@ -266,7 +270,8 @@ async def _decision_once_settled(
     A claim that holds may be the shielded decision of a delivery whose connection dropped,
     with its model call still running: given up then, its decision was recorded a moment
     later and carried out by nobody (the task read failed, its result stored). The delivery
-    is held until the decision lands or the lease ends (its worker died)."""
+    is held until the decision lands or the lease ends (its worker died), unless the scorer
+    stops meanwhile (`SlotsClosed`): the lease may outlast the stop's grace period."""
     while True:
         # Waited out while the delivery is held: taken for "nothing decided", a database away
         # at that moment failed a task whose result may be stored.
@@ -280,7 +285,27 @@ async def _decision_once_settled(
         left_s = (standing.until - deps.clock()).total_seconds()
         if left_s <= 0:
             return None
+        if deps.model_slots.closed:
+            raise SlotsClosed
         await asyncio.sleep(min(left_s, LIMIT_POLL_S))
+
+
+async def _handed_back_at_stop(
+    command: ScoreText, message: Delivery, deps: ScorerDeps, actions: BrokerActions
+) -> None:
+    """At stop, a delivery at its limit that waits for another claim's decision is sent again
+    as a fresh copy carrying its deliveries counted so far, unchanged; the caller acks it.
+
+    It used to wait on through the stop's grace period (a lease, 90 s by default, is longer)
+    and go back when the channel closed, one delivery more: a copy handed out at the limit by
+    RabbitMQ's own count was then dead-lettered by the queue's `x-delivery-limit`, without a
+    give-up recorded or `task.failed` published. Its copy finds the limit again on the next
+    scorer, which waits for the decision there. The delivery is held until the broker
+    confirms the copy: a stop that ends first leaves it to come back, never lost."""
+    log.info("%s: stopping at its delivery limit; sent again, its count kept", command.task_id)
+    again = command.model_copy(update={"message_id": new_id()})
+    await actions.resend(again, headers=_carried_headers(message))
+    deps.metrics.count_resent()
 
 
 async def _decide(

@@ -116,16 +116,7 @@ class Drop:
     reason: str
 
 
-@dataclass(frozen=True)
-class Leave:
-    """The scorer is stopping before this redelivery reached a model slot: leave it
-    unacknowledged, for the broker to deliver again once this consumer is gone, counted (a
-    fresh copy would start its delivery count again, as with `Hold`)."""
-
-    reason: str
-
-
-Decision = Finish | Retry | Defer | Hold | Drop | Leave
+Decision = Finish | Retry | Defer | Hold | Drop
 
 
 def _stored_event(event: TaskEvent) -> dict[str, str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Leave, Retry
+from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Retry
 from shared.contracts import TaskCompleted
 from shared.metrics import DURATION_BUCKETS
 
@@ -29,10 +29,11 @@ class ScorerMetrics:
         self.decisions = Counter(
             "scorebox_scorer_decisions",
             "What became of a delivery of score.requested: completed, failed, retry, defer "
-            "(sent down the wait ladder: not due, or claimed elsewhere), hold (a redelivery "
-            "held while another claim lasts), drop (a duplicate or superseded), leave "
-            "(unacknowledged at stop), dead_lettered (unreadable, or at the crash or delivery "
-            "limit: the task fails), resent (a database or scorer failure, tried again later). "
+            "(sent down the wait ladder: not due, or claimed elsewhere; or sent again at stop "
+            "before a model slot), hold (a redelivery held while another claim lasts), drop (a "
+            "duplicate or superseded), dead_lettered (unreadable, or at the crash or delivery "
+            "limit: the task fails), resent (a database or scorer failure, tried again later; "
+            "or at the delivery limit, handed back at stop). "
             "Per delivery: a redelivery that replays a recorded decision counts it again.",
             ["decision"],
             registry=registry,
@@ -76,5 +77,3 @@ def decision_label(decision: Decision) -> str:
             return "hold"
         case Drop():
             return "drop"
-        case Leave():
-            return "leave"

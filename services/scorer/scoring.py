@@ -24,7 +24,6 @@ from services.scorer.decisions import (
     Drop,
     Finish,
     Hold,
-    Leave,
     Retry,
     Spent,
     add_usage,
@@ -152,19 +151,20 @@ async def score_text(
         try:
             return await _claim_and_decide(command, deps, redelivered, lost)
         except SlotsClosed:
-            return _turned_away(command, redelivered=redelivered)
+            return _turned_away(command)
 
 
-def _turned_away(command: ScoreText, *, redelivered: bool) -> Defer | Leave:
-    """The scorer is stopping and this delivery reached no model slot (nor a claim).
+def _turned_away(command: ScoreText) -> Defer:
+    """The scorer is stopping and this delivery reached no model slot (nor a claim): it is
+    sent again as a fresh copy, for another scorer or this one restarted, then acked.
 
-    A first delivery is sent again, for another scorer or this one restarted: left
-    unacknowledged, it would come back with a delivery counted towards the queue's limit at
-    every deploy. A redelivery is left unacknowledged: its count may be what stops a message
-    that kills its consumers, and a fresh copy would carry it only in a header of ours
-    (`x-scorebox-earlier-deliveries`), RabbitMQ's own limit starting again at zero."""
-    if redelivered:
-        return Leave("stopping before a model slot was free")
+    Left unacknowledged, it came back with one more delivery counted towards the queue's
+    limit at every stop, as though its consumer had died on it: a redelivery waiting for a
+    slot through a rolling deploy of several replicas reached the limit and was failed as
+    poison. The copy carries the deliveries counted so far (`x-scorebox-earlier-deliveries`,
+    added by the consumer to every copy it sends again), so a stop adds none and a real
+    crash still adds one. Until the broker confirms the copy the delivery is held, and a
+    stop that ends first leaves it to come back: never lost."""
     return Defer(command.model_copy(update={"message_id": new_id()}))
 
 

@@ -47,6 +47,11 @@ class ModelSlots:
             self.busy -= 1
             self._free.release()
 
+    @property
+    def closed(self) -> bool:
+        """Whether the scorer is stopping (`close()` was called): no wait should outlast it."""
+        return self._closed
+
     def close(self) -> None:
         """Turn away every delivery waiting for a slot, and every later one.
 

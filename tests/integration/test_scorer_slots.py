@@ -1,7 +1,7 @@
 """Model slots: a scorer holds twice as many deliveries as it calls the model for, so that a
 call's database and broker round trips leave no slot idle; the deliveries waiting for a slot
-hold no claim, and at stop they start no call: a first delivery is sent again, a redelivery
-left unacknowledged (its delivery count kept).
+hold no claim, and at stop they start no call: each is sent again, a redelivery's copy
+carrying its delivery count unchanged (a stop is no consumer death).
 
 In process, on the real broker and database, against the fake model."""
 
@@ -24,7 +24,13 @@ from services.scorer.settings import ScorerSettings
 from shared.bus import publish_command
 from shared.contracts import ScoreText, new_id
 from shared.runtime import make_broker
-from shared.topology import SCORE_REQUESTS, declare_topology
+from shared.topology import (
+    DELIVERY_COUNT_HEADER,
+    EARLIER_DELIVERIES_HEADER,
+    SCORE_REQUESTS,
+    declare_topology,
+    deliveries_lost,
+)
 from tests.support import eventually, running, stack_env
 
 Message = aio_pika.abc.AbstractIncomingMessage
@@ -182,8 +188,10 @@ async def test_at_stop_the_deliveries_waiting_for_a_slot_are_sent_again_uncalled
 async def test_at_stop_a_redelivery_waiting_for_a_slot_keeps_its_delivery_count(
     amqp_url: str, mongo: Any, db_prefix: str
 ) -> None:
-    """A fresh copy would start the count again at zero, and the count is what stops a
-    message that kills every consumer it reaches."""
+    """The count is what stops a message that kills every consumer it reaches, and a stop
+    kills none. Left unacknowledged, the redelivery came back one count higher (1, then 2)
+    with every stop, and through a rolling deploy reached the limit: failed as poison. Its
+    fresh copy now carries the count (`x-scorebox-earlier-deliveries`), unchanged."""
     async with _scene(amqp_url, mongo, db_prefix, 2 * SLOTS) as scene:
         async with _queue(amqp_url) as dying:
             assert len(await _taken(dying)) == len(scene.commands)
@@ -192,7 +200,10 @@ async def test_at_stop_a_redelivery_waiting_for_a_slot_keeps_its_delivery_count(
         async with _queue(amqp_url) as peek:
             left = await _taken(peek)
             assert {m.correlation_id for m in left} == scene.task_ids(set(scene.commands) - called)
-            assert [m.headers.get("x-delivery-count") for m in left] == [2] * SLOTS
+            assert [m.redelivered for m in left] == [False] * SLOTS  # fresh copies, acked
+            assert [m.headers.get(DELIVERY_COUNT_HEADER, 0) for m in left] == [0] * SLOTS
+            assert [m.headers.get(EARLIER_DELIVERIES_HEADER) for m in left] == [1] * SLOTS
+            assert [deliveries_lost(m.headers) for m in left] == [1] * SLOTS
         await _scored_by_a_new_scorer(scene)
         assert scene.calls() == dict.fromkeys(scene.commands, 1)
 

@@ -13,7 +13,7 @@ idempotent) and never skips an item.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -43,6 +43,17 @@ class Checkpoint:
             pages=document.get("pages", 0),
             finished_at=document.get("finished_at"),
             scanned=document.get("scanned", 0),
+        )
+
+    def past_page(self, *, last_id: str, published: int, scanned: int) -> Checkpoint:
+        """Where the run stands once `advance` took it past a page, known without a read:
+        a delivery that ends after its database deadline passed can still tell it."""
+        return replace(
+            self,
+            last_id=last_id,
+            published=self.published + published,
+            scanned=self.scanned + scanned,
+            pages=self.pages + 1,
         )
 
     def summary(self) -> dict[str, Any]:

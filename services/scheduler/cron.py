@@ -13,10 +13,16 @@ Daylight-saving transitions follow croniter (checked against croniter 7):
   the last Sunday of October; the jobs are idempotent, so a second run is harmless.
 - Zones without DST (Asia/Shanghai, UTC) are plain offsets: `0 3 * * *` in Asia/Shanghai is
   19:00 UTC of the previous day, every day.
+
+croniter's random (`R`, `R(0-29)`, `R/10`) and hashed (`H`...) fields are refused: a random
+field is drawn afresh by every iterator, so the dispatcher's plan, its next due time and each
+replica disagreed on the schedule, and the job fired at several times an hour, or at none.
+A hashed one needs a hash id, which nothing here gives (croniter refuses it without one).
 """
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -25,6 +31,9 @@ from croniter import CroniterBadDateError, croniter
 from services.scheduler.errors import ConfigurationError
 
 _JUST_AFTER = timedelta(microseconds=1)
+# A field croniter fills by a random draw (`R`) or a hash (`H`), with an optional range and
+# step: `R`, `H(0-29)`, `r/15` (croniter reads fields case-insensitively).
+_DRAWN_FIELD = re.compile(r"^[HR](\(\d+-\d+\))?(/\d+)?$", re.IGNORECASE | re.ASCII)
 
 
 def zone(name: str) -> ZoneInfo:
@@ -36,7 +45,13 @@ def zone(name: str) -> ZoneInfo:
 
 
 def validate_spec(spec: str) -> str:
-    """`spec` itself when croniter accepts it; raises `ConfigurationError` otherwise."""
+    """`spec` itself when croniter accepts it and it draws nothing at random; raises
+    `ConfigurationError` otherwise."""
+    if drawn := [field for field in spec.split() if _DRAWN_FIELD.match(field)]:
+        raise ConfigurationError(
+            f"invalid cron expression {spec!r}: random or hashed fields ({', '.join(drawn)}) "
+            "give each scheduler replica a schedule of its own; write the values out"
+        )
     if not croniter.is_valid(spec):
         raise ConfigurationError(f"invalid cron expression {spec!r}")
     return spec

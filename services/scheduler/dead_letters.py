@@ -127,6 +127,9 @@ class CronDeadLetters:
         one retired job does not hold back the others. The errors of `fire_replay` otherwise
         (letters replayed before the error have left the DLQ, the others are kept)."""
         now = self._clock()
+        # Looked up once per letter: in the list as asked for (up to 10,000 run ids), that
+        # was up to 10,000 x 10,000 comparisons in one walk.
+        wanted = None if run_ids is None else frozenset(run_ids)
         replayed: list[ReplayedLetter] = []
         unreadable: list[str] = []
         found: set[str] = set()
@@ -135,7 +138,7 @@ class CronDeadLetters:
             for message in sorted(held, key=lambda m: oldest_first(dead_lettered_at(m, now))):
                 command = _read(message)
                 run_id = command.run_id if command else message.correlation_id
-                if run_ids is not None and run_id not in run_ids:
+                if wanted is not None and run_id not in wanted:
                     continue
                 found.add(run_id or "")
                 if command is None:
@@ -143,7 +146,7 @@ class CronDeadLetters:
                 else:
                     chosen.append((message, command))
             gone = {c.run_id: c.job for _, c in chosen if c.job not in self._jobs}
-            if gone and run_ids is not None:
+            if gone and wanted is not None:
                 raise ReplayRefused(gone)
             chosen = [(message, c) for message, c in chosen if c.run_id not in gone]
             for message, command in chosen:

@@ -5,6 +5,12 @@ dead-lettering like every other queue. Per job it keeps the next fire time in me
 asks the database only once that time has come, so idle ticks cost nothing. Each tick also
 publishes again any firing left `claimed` for longer than `redispatch_after` (the claiming
 replica died between its claim and its publish, or the broker refused the publish).
+
+A tick plans every job by the time it began (`now`), but each claim, re-claim, skip and
+mark as sent is stamped with the clock read when it is written. Stamped with the tick's
+`now`, the claim of a job behind a slow one (its database and broker calls near their
+timeouts) was already older than `redispatch_after` when it was written: another replica
+took it for abandoned and published it while this one did, and the fire time ran twice.
 """
 
 from __future__ import annotations
@@ -43,12 +49,10 @@ def run_command_for(firing: Firing) -> RunCronJob:
     )
 
 
-async def dispatch(
-    firing: Firing, *, firings: FiringStore, publish: Publish, now: datetime
-) -> None:
+async def dispatch(firing: Firing, *, firings: FiringStore, publish: Publish, clock: Clock) -> None:
     """Publish a claimed firing, then record that it left (unless it has already started)."""
     await publish(run_command_for(firing))
-    await firings.mark_dispatched(firing.run_id, now=now)
+    await firings.mark_dispatched(firing.run_id, now=clock())
 
 
 async def fire_by_hand(
@@ -82,7 +86,7 @@ async def fire_by_hand(
         log.warning("job %s: run %s started although its publish failed", name, firing.run_id)
         return dataclasses.replace(firing, state=FiringState.DISPATCHED)
     try:
-        await firings.mark_dispatched(firing.run_id, now=now)
+        await firings.mark_dispatched(firing.run_id, now=clock())
     except Exception as error:  # noqa: BLE001 - the run is on its way: its start records it
         log.warning("job %s: run %s sent, not marked as sent: %r", name, firing.run_id, error)
     log.info("job %s: fired by hand (run %s)", job.name, firing.run_id)
@@ -200,7 +204,7 @@ class Dispatcher:
             self._next_due[job.name] = job.next_fire_time(now) or NEVER
             if firing is not None:
                 dispatched.append(firing)
-        dispatched.extend(await self._redispatch_stale(now))
+        dispatched.extend(await self._redispatch_stale(self._clock()))
         self.ticks += 1
         return dispatched
 
@@ -221,7 +225,7 @@ class Dispatcher:
         plan = plan_firings(job, last=last, now=now, grace=self._grace)
         if plan.skip is not None:
             if await self._firings.record_skipped(
-                job.name, plan.skip, now=now, owner=self._owner, missed=plan.missed
+                job.name, plan.skip, now=self._clock(), owner=self._owner, missed=plan.missed
             ):
                 log.warning(
                     "job %s: skipped %d missed firing(s) up to %s (policy skip)",
@@ -232,14 +236,15 @@ class Dispatcher:
             return None
         if plan.run is None:
             return None
+        # Stamped now, not when the tick began: a claim is stale `redispatch_after` after it.
         firing = await self._firings.claim(
-            job.name, plan.run, now=now, owner=self._owner, missed=plan.missed
+            job.name, plan.run, now=self._clock(), owner=self._owner, missed=plan.missed
         )
         if firing is None:
             return None  # another replica claimed it
         if plan.missed:
             log.info("job %s: %d missed firing(s) coalesced into this one", job.name, plan.missed)
-        await dispatch(firing, firings=self._firings, publish=self._publish, now=now)
+        await dispatch(firing, firings=self._firings, publish=self._publish, clock=self._clock)
         log.info("job %s: fired for %s (run %s)", job.name, firing.scheduled_for, firing.run_id)
         return firing
 
@@ -250,10 +255,14 @@ class Dispatcher:
         )
         taken = []
         for firing in stale:
-            if not await self._firings.reclaim(firing, claimed_before=claimed_before, now=now):
+            # Stamped now: the publishes of the firings before it may have taken a while.
+            reclaimed_at = self._clock()
+            if not await self._firings.reclaim(
+                firing, claimed_before=claimed_before, now=reclaimed_at
+            ):
                 continue
-            if reason := await self._superseded(firing, now):
-                if await self._firings.supersede(firing.run_id, now=now, reason=reason):
+            if reason := await self._superseded(firing, reclaimed_at):
+                if await self._firings.supersede(firing.run_id, now=self._clock(), reason=reason):
                     log.warning("job %s: run %s skipped: %s", firing.job, firing.run_id, reason)
                 continue
             log.warning(
@@ -261,7 +270,7 @@ class Dispatcher:
                 firing.job,
                 firing.run_id,
             )
-            await dispatch(firing, firings=self._firings, publish=self._publish, now=now)
+            await dispatch(firing, firings=self._firings, publish=self._publish, clock=self._clock)
             taken.append(firing)
         return taken
 

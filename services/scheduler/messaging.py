@@ -5,24 +5,29 @@
 - `publish_rescore_page`: one `RescoreTask` per entry of a page, all confirms awaited together.
 - `announce`: an operations event on `scorebox.events` under the event's own routing key.
 - `dead_letter_depth`: a DLQ's depth by passive declare (no side effect on the queue).
+
+Each step on the broker is bounded as a whole by `asyncio.timeout` as well: aio-pika's own
+`timeout` covers only the round trip (after waiting without end for a lost connection to
+come back), and some calls take none (the first passive declare of a queue, a `nack`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import aiormq
-from aio_pika.abc import AbstractIncomingMessage
+from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 from faststream.rabbit import RabbitBroker, RabbitQueue
 from pamqp.commands import Basic
 
 from services.scheduler.errors import DownstreamFull, TransientJobError
 from services.scheduler.jobs import Clock
-from shared.bus import publish_delayed
+from shared.bus import BROKER_ERRORS, publish_delayed
 from shared.contracts import (
     Contract,
     DeadLetterAlert,
@@ -39,6 +44,8 @@ from shared.topology import (
     USAGE_RETRY_ROUTING_KEY,
     WorkQueue,
 )
+
+log = logging.getLogger("scorebox.scheduler.messaging")
 
 OpsEvent = HousekeepingRequested | DeadLetterAlert
 
@@ -142,9 +149,15 @@ class SchedulerBus:
 
     async def _waiting(self, queue_name: str) -> int:
         """The messages ready in a queue (a passive declaration: fresh counts on each call)."""
-        queue = await self.broker.declare_queue(RabbitQueue(queue_name, declare=False))
-        declared = await queue.declare(timeout=self.timeout_s)
-        return int(declared.message_count or 0)
+        _, ready = await self._declared(queue_name)
+        return ready
+
+    async def _declared(self, queue_name: str) -> tuple[AbstractQueue, int]:
+        """An existing queue and the messages ready in it (fresh counts on each call)."""
+        async with asyncio.timeout(self.timeout_s):
+            queue = await self.broker.declare_queue(RabbitQueue(queue_name, declare=False))
+            declared = await queue.declare(timeout=self.timeout_s)
+        return queue, int(declared.message_count or 0)
 
     async def dead_letter_depth(self, work_queue: WorkQueue) -> tuple[int, float | None]:
         """(depth, age in seconds of the oldest dead letter) of a work queue's DLQ.
@@ -153,20 +166,33 @@ class SchedulerBus:
         RabbitMQ 3.x and 4.0 to 4.2 count as a delivery: harmless against the DLQ's own limit
         (`DLQ_DELIVERY_LIMIT`, out of any look's reach).
         """
-        queue = await self.broker.declare_queue(
-            RabbitQueue(work_queue.dead_letter_routing_key, declare=False)
-        )
-        declared = await queue.declare(timeout=self.timeout_s)  # fresh counts on each call
-        depth = int(declared.message_count or 0)
+        queue, depth = await self._declared(work_queue.dead_letter_routing_key)
         if depth == 0:
             return 0, None
-        head = await queue.get(no_ack=False, fail=False, timeout=self.timeout_s)
+        async with asyncio.timeout(self.timeout_s):
+            head = await queue.get(no_ack=False, fail=False, timeout=self.timeout_s)
         if head is None:
             return depth, None
         try:
             return depth, _age_s(head, self.clock())
         finally:
-            await head.nack(requeue=True)
+            await self._give_back(head, work_queue)
+
+    async def _give_back(self, head: AbstractIncomingMessage, work_queue: WorkQueue) -> None:
+        """Return a DLQ's head read for its age, within the broker timeout. Unbounded, a
+        `nack` on a stalled channel held the housekeeping run, and every report after it, for
+        as long as the stall lasted. A return that fails is left to the broker, which gives
+        back what a channel held when the channel closes (as `shared.dead_letters` does): the
+        reading stands."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await head.nack(requeue=True)
+        except BROKER_ERRORS as error:
+            log.warning(
+                "the head of %s read for its age is left to the broker to return: %r",
+                work_queue.dead_letter_routing_key,
+                error,
+            )
 
 
 def refused_for_room(error: aiormq.exceptions.DeliveryError) -> bool:

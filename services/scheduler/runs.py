@@ -36,11 +36,19 @@ A handler runs under a deadline of its own for its database work (`db_timeout_s`
 `timeoutMS` inside the block): the client's `MONGO_TIMEOUT_S` is meant for request handling,
 and a rollup's `update_many` over a day of usage records outlasts it, so every retry failed
 alike. Recording the run's start and outcome keeps the client's bound.
+
+That deadline covers the whole handler, broker waits included, so a job that works in steps
+(the fan-out's pages) is told when to stop taking them (`JobRun.work_until`, `STEP_SHARE` of
+the deadline after the handler starts): the step in hand then has the rest of the deadline.
+Walking a fixed number of pages whatever the time, a delivery behind a slow broker began
+pages it could not finish, failed on the deadline and was counted a failed attempt although
+its checkpoint had moved; a run that moved in every delivery was given up.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -61,6 +69,9 @@ DUE_TOLERANCE = timedelta(milliseconds=500)
 # slow scorer) without progress before it is given up. Counting those waits as failed
 # attempts gave a big fan-out up within a minute of the queue filling.
 DOWNSTREAM_FULL_MAX_WAIT = timedelta(hours=6)
+# The share of a delivery's database deadline a job that works in steps may spend taking new
+# ones; the step in hand when it runs out (a page's broker waits, reads and writes) has the rest.
+STEP_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -70,8 +81,20 @@ class RetryPolicy:
     cap: timedelta
 
     def delay(self, attempt: int) -> timedelta:
-        """Back-off after the failed `attempt` (1-based): base, 2 x base, 4 x base... capped."""
-        return min(self.cap, self.base * (1 << (attempt - 1)))
+        """Back-off after the failed `attempt` (1-based): base, 2 x base, 4 x base... capped.
+
+        The exponent is capped before multiplying: `base * 2**(attempt - 1)` overflowed
+        `timedelta` from attempt 45 of a 5 s base, before the cap was applied."""
+        doublings = min(max(attempt - 1, 0), self._doublings_to_cap)
+        return min(self.cap, self.base * (1 << doublings))
+
+    @property
+    def _doublings_to_cap(self) -> int:
+        """How many doublings take `base` to `cap` or just past it (below twice the cap):
+        any more change nothing but the risk of overflow."""
+        if self.cap <= self.base:
+            return 0
+        return math.ceil(math.log2(self.cap / self.base))
 
 
 @dataclass(frozen=True)
@@ -153,6 +176,7 @@ async def _run_handler(
         manual=command.manual,
         attempt=command.attempt,
         slice=command.slice,
+        work_until=_work_until(clock(), db_timeout_s),
     )
     try:
         with pymongo.timeout(db_timeout_s):
@@ -185,6 +209,15 @@ async def _run_handler(
         command.run_id, state=FiringState.SUCCEEDED, now=clock(), result=outcome.summary
     )
     return Finished(outcome.summary)
+
+
+def _work_until(now: datetime, db_timeout_s: float | None) -> datetime | None:
+    """When a delivery starting `now` stops taking new steps (None: no deadline, no limit).
+    On the service's clock, as every other time of a run: a clock step only ends a delivery
+    early (a continuation) or lets it walk to its page limit, as it did before."""
+    if db_timeout_s is None:
+        return None
+    return now + timedelta(seconds=db_timeout_s * STEP_SHARE)
 
 
 async def give_up_at_delivery_limit(

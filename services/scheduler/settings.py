@@ -19,6 +19,7 @@ from shared.topology import SCORE_QUEUE_MAX_LENGTH
 # RabbitMQ closes the channel of a delivery held unacknowledged this long (`consumer_timeout`
 # in deploy/rabbitmq/rabbitmq.conf, and RabbitMQ's default).
 BROKER_CONSUMER_TIMEOUT_S = 1800.0
+MAX_JOB_ATTEMPTS = 20
 
 
 class SchedulerSettings(ServiceSettings):
@@ -33,8 +34,12 @@ class SchedulerSettings(ServiceSettings):
     # A firing claimed but not yet published after this long is published again (the claiming
     # replica died or the broker refused the publish).
     redispatch_after_s: float = Field(default=30.0, gt=0, validation_alias="SCHEDULER_REDISPATCH_S")
-    # Attempts of one run (one slice of it) before it is dead-lettered.
-    job_max_attempts: int = Field(default=4, ge=1, validation_alias="SCHEDULER_JOB_MAX_ATTEMPTS")
+    # Attempts of one run (one slice of it) before it is dead-lettered. At most 20, as the
+    # gateway's SCORE_MAX_ATTEMPTS: past the back-off's cap each more attempt only waits it
+    # again (and unbounded, the back-off's doubling overflowed before the cap was applied).
+    job_max_attempts: int = Field(
+        default=4, ge=1, le=MAX_JOB_ATTEMPTS, validation_alias="SCHEDULER_JOB_MAX_ATTEMPTS"
+    )
     job_retry_base_s: float = Field(default=5.0, gt=0, validation_alias="SCHEDULER_RETRY_BASE_S")
     job_retry_cap_s: float = Field(default=600.0, gt=0, validation_alias="SCHEDULER_RETRY_CAP_S")
     # The deadline of all the database work of one delivery of a job run (`pymongo.timeout`
@@ -86,6 +91,23 @@ class SchedulerSettings(ServiceSettings):
                 f"SCHEDULER_REDISPATCH_S ({self.redispatch_after_s}) must be below "
                 f"SCHEDULER_GRACE_S ({self.grace_s}): a firing whose publish failed would be "
                 "late by the time it is published again, and dropped under policy skip"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _a_claim_is_sent_before_it_is_taken_for_lost(self) -> Self:
+        """A firing stays `claimed` from its claim's stamp until it is marked sent: the
+        claim's insert (up to `MONGO_TIMEOUT_S`), its publish (up to `BROKER_TIMEOUT_S`)
+        and the mark (up to `MONGO_TIMEOUT_S` again). Another replica publishes a claim left
+        that way for `SCHEDULER_REDISPATCH_S`: any shorter, an ordinary slow publish was
+        taken for a lost one and the fire time ran twice."""
+        sending = self.broker_timeout_s + 2 * self.mongo_timeout_s
+        if sending >= self.redispatch_after_s:
+            raise ValueError(
+                f"SCHEDULER_REDISPATCH_S ({self.redispatch_after_s:g}) must exceed "
+                f"BROKER_TIMEOUT_S ({self.broker_timeout_s:g}) plus twice MONGO_TIMEOUT_S "
+                f"({self.mongo_timeout_s:g}), the longest a firing takes from its claim to "
+                "being marked sent: another replica would publish a slow one again"
             )
         return self
 

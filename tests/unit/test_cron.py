@@ -171,6 +171,22 @@ def test_valid_expressions(spec: str) -> None:
     assert validate_spec(spec) == spec
 
 
+@pytest.mark.parametrize(
+    "spec", ["R * * * *", "0 R(0-5) * * *", "r/15 * * * *", "* * * * * R", "H * * * *"]
+)
+def test_random_and_hashed_fields_are_refused(spec: str) -> None:
+    """croniter accepts `R`: each iterator draws its own minute, so the dispatcher's plan, its
+    next due time and every replica disagreed, and the job fired several times an hour (or
+    never). `H` needs a hash id nothing here gives; refused with the same reason."""
+    with pytest.raises(ConfigurationError, match="random or hashed fields"):
+        validate_spec(spec)
+
+
+@pytest.mark.parametrize("spec", ["0 0 * MAR THU", "0 12 * JAN,FEB MON#2", "0 0 * * SUN"])
+def test_names_with_an_r_or_an_h_are_not_random_fields(spec: str) -> None:
+    assert validate_spec(spec) == spec
+
+
 def test_unknown_zone_is_a_configuration_error() -> None:
     with pytest.raises(ConfigurationError, match="unknown time zone"):
         zone("Mars/Olympus_Mons")

@@ -69,6 +69,8 @@ def test_env_names() -> None:
         ({"jobs": {"j": {"cron": "0 0 31 4 *", "enabled": False}}}, {}, "never fires"),
         ({"jobs": {"j": {"cron": "0 0 1 1 * 0 2020"}}}, {}, "never fires"),
         ({"jobs": {"j": {"cron": "5 * * * *"}}}, {"CRON_J": "0 0 30 2 *"}, "never fires"),
+        ({"jobs": {"j": {"cron": "R * * * *"}}}, {}, "random or hashed fields"),
+        ({"jobs": {"j": {"cron": "5 * * * *"}}}, {"CRON_J": "0 H * * *"}, "random or hashed"),
     ],
 )
 def test_bad_configuration_refuses_to_start(

@@ -382,6 +382,77 @@ async def test_a_claim_whose_publish_failed_is_published_again_later() -> None:
     assert firings.by_id[stuck.run_id].state is FiringState.DISPATCHED
 
 
+SLOW_PUBLISH = timedelta(seconds=31)  # a confirm and database calls near their timeouts
+
+
+class BrokerBehindASlowJob(Published):
+    """Confirms the publishes of job `slow` `SLOW_PUBLISH` late (the test's clock moves on);
+    before confirming another job's, lets `meanwhile` (another replica) tick once."""
+
+    def __init__(self, clock: Clock, *, slow: str) -> None:
+        super().__init__()
+        self.clock = clock
+        self.slow = slow
+        self.meanwhile: Dispatcher | None = None
+
+    async def __call__(self, command: RunCronJob) -> None:
+        if command.job == self.slow:
+            self.clock.now += SLOW_PUBLISH
+        elif self.meanwhile is not None:
+            other, self.meanwhile = self.meanwhile, None
+            await other.tick()
+        await super().__call__(command)
+
+
+def _two_jobs() -> JobCatalog:
+    return JobCatalog(
+        [
+            ScheduledJob("first", "5 * * * *", "UTC", MissedFirings.COALESCE, enabled=True),
+            ScheduledJob("second", "5 * * * *", "UTC", MissedFirings.COALESCE, enabled=True),
+        ]
+    )
+
+
+async def test_a_claim_behind_a_slow_job_is_not_stale_before_it_is_published() -> None:
+    """A tick stamped every claim with the time it began: behind a slow publish of the job
+    before it (31 s), the second job's claim was written already older than the 30 s after
+    which another replica publishes a claim again, and one was ticking meanwhile. One fire
+    time, two runs."""
+    firings, clock = FakeFirings(), Clock(datetime(2025, 1, 1, 10, 4, 59, tzinfo=UTC))
+    slow, other = BrokerBehindASlowJob(clock, slow="first"), Published()
+    a = _dispatcher(firings, slow, clock, _two_jobs(), owner="a")
+    b = _dispatcher(firings, other, clock, _two_jobs(), owner="b")
+    await a.tick()
+    await b.tick()  # both have planned the 10:05 fire time
+    clock.now = ON_TIME
+    slow.meanwhile = b
+
+    await a.tick()
+
+    assert [c.job for c in slow.commands] == ["first", "second"]
+    assert other.commands == []
+    assert {f.state for f in firings.by_id.values()} == {FiringState.DISPATCHED}
+
+
+async def test_a_reclaim_behind_a_slow_publish_is_not_stale_before_it_is_published() -> None:
+    """Stale claims published again in one tick were all re-stamped with the time the tick
+    began: behind a slow publish of the first, the second's new stamp was already stale, and
+    another replica ticking meanwhile published it as well."""
+    firings, clock = FakeFirings(), Clock(ON_TIME)
+    await _dispatcher(firings, Published(fail=True), clock, _two_jobs(), owner="gone").tick()
+    assert [f.state for f in firings.by_id.values()] == [FiringState.CLAIMED] * 2  # unsent
+    clock.now = ON_TIME + timedelta(seconds=40)  # both claims are stale
+    slow, other = BrokerBehindASlowJob(clock, slow="first"), Published()
+    a = _dispatcher(firings, slow, clock, _two_jobs(), owner="a")
+    b = _dispatcher(firings, other, clock, _two_jobs(), owner="b")
+    slow.meanwhile = b
+
+    await a.tick()
+
+    assert [c.job for c in slow.commands] == ["first", "second"]
+    assert other.commands == []
+
+
 async def test_manual_runs_do_not_move_the_schedule() -> None:
     firings, published, clock = FakeFirings(), Published(), Clock(START)
     jobs = _jobs(enabled=False)

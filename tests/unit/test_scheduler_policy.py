@@ -114,3 +114,27 @@ def test_plan_in_a_time_zone() -> None:
 def test_retry_back_off_doubles_and_is_capped(attempt: int, seconds: int) -> None:
     policy = RetryPolicy(max_attempts=4, base=timedelta(seconds=5), cap=timedelta(seconds=300))
     assert policy.delay(attempt) == timedelta(seconds=seconds)
+
+
+@pytest.mark.parametrize("attempt", [45, 64, 1_000, 1_000_000])
+def test_retry_back_off_of_a_late_attempt_is_the_cap(attempt: int) -> None:
+    """`base * 2**(attempt - 1)` overflowed `timedelta` from attempt 45 of a 5 s base,
+    before the cap was applied: the run's decision raised instead of retrying."""
+    policy = RetryPolicy(max_attempts=4, base=timedelta(seconds=5), cap=timedelta(seconds=600))
+    assert policy.delay(attempt) == policy.cap
+
+
+@pytest.mark.parametrize(
+    ("base", "cap"),
+    [
+        (timedelta(microseconds=1), timedelta(days=365)),
+        (timedelta(seconds=5), timedelta(seconds=5)),
+        (timedelta(seconds=600), timedelta(seconds=5)),  # a cap below the base
+        (timedelta(seconds=3), timedelta(seconds=1000)),
+    ],
+)
+def test_retry_back_off_never_passes_its_cap(base: timedelta, cap: timedelta) -> None:
+    policy = RetryPolicy(max_attempts=4, base=base, cap=cap)
+    delays = [policy.delay(attempt) for attempt in range(1, 200)]
+    assert delays == sorted(delays)
+    assert max(delays) == delays[-1] == cap

@@ -58,3 +58,45 @@ def test_the_fanout_horizon_mirrors_the_gateways_submission_retention_by_default
 def test_a_fanout_horizon_out_of_range_is_refused(seconds: str) -> None:
     with pytest.raises(ValidationError, match="FANOUT_HORIZON_S"):
         SchedulerSettings.model_validate({"FANOUT_HORIZON_S": seconds})
+
+
+@pytest.mark.parametrize("attempts", ["0", "21", "60", "1000000"])
+def test_job_attempts_out_of_range_are_refused(attempts: str) -> None:
+    """Unbounded, a run retried past attempt 44 (of a 5 s base) failed its back-off with an
+    overflow; past the back-off's cap each further attempt only waits the cap again."""
+    with pytest.raises(ValidationError, match="SCHEDULER_JOB_MAX_ATTEMPTS"):
+        SchedulerSettings.model_validate({"SCHEDULER_JOB_MAX_ATTEMPTS": attempts})
+    taken = SchedulerSettings.model_validate({"SCHEDULER_JOB_MAX_ATTEMPTS": "20"})
+    assert taken.job_max_attempts == 20
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"BROKER_TIMEOUT_S": "20"},  # 20 + 2 x 5 = 30
+        {"MONGO_TIMEOUT_S": "10"},  # 10 + 2 x 10 = 30
+        {"SCHEDULER_REDISPATCH_S": "15"},
+        {"BROKER_TIMEOUT_S": "1", "MONGO_TIMEOUT_S": "1", "SCHEDULER_REDISPATCH_S": "3"},
+    ],
+)
+def test_a_redispatch_delay_an_ordinary_slow_send_reaches_is_refused(
+    given: dict[str, str],
+) -> None:
+    """A firing stays `claimed` through its claim's insert, its publish and its mark as sent;
+    another replica publishes one left so for `SCHEDULER_REDISPATCH_S`: a shorter delay took
+    a slow but ordinary send for a lost one, and the fire time ran twice."""
+    with pytest.raises(ValidationError) as refused:
+        SchedulerSettings.model_validate(given)
+    message = str(refused.value)
+    for variable in ("SCHEDULER_REDISPATCH_S", "BROKER_TIMEOUT_S", "MONGO_TIMEOUT_S"):
+        assert variable in message
+
+
+def test_the_default_redispatch_delay_outlasts_a_slow_send() -> None:
+    defaults = SchedulerSettings.model_validate({})
+    sending = defaults.broker_timeout_s + 2 * defaults.mongo_timeout_s
+    assert sending < defaults.redispatch_after_s
+    taken = SchedulerSettings.model_validate(
+        {"BROKER_TIMEOUT_S": "1", "MONGO_TIMEOUT_S": "1", "SCHEDULER_REDISPATCH_S": "3.5"}
+    )
+    assert taken.redispatch_after_s == 3.5

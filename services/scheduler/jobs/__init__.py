@@ -4,6 +4,11 @@ A job handler is a plain async function `(run) -> JobOutcome`; the composition r
 dependencies (keyword-only) with `functools.partial`. Handlers know nothing of the broker:
 they raise `PermanentJobError` / `TransientJobError` (or anything else, counted as transient)
 and the consumer decides what that means.
+
+A job that works in steps (the fan-out's pages) takes no new step once its delivery's time for
+steps is spent (`JobRun.work_until`) and returns `more`: the delivery's database deadline
+covers the whole handler, so a step begun late failed on that deadline however healthy the
+database, and the run was counted a failed attempt although it had moved on.
 """
 
 from __future__ import annotations
@@ -27,6 +32,13 @@ class JobRun:
     manual: bool
     attempt: int
     slice: int = 0
+    # When this delivery's time for taking more steps ends (None: no limit): the share of its
+    # database deadline a job that works in steps may spend on them (`runs.STEP_SHARE`).
+    work_until: datetime | None = None
+
+    def out_of_time(self, now: datetime) -> bool:
+        """Whether a job that works in steps should take no new one at `now`."""
+        return self.work_until is not None and now >= self.work_until
 
 
 @dataclass(frozen=True)

@@ -15,20 +15,31 @@ Only tasks completed within `horizon` are due (`FANOUT_HORIZON_S`, the gateway's
 when the task was due, so a request for an older one was answered "unknown task" after two
 round trips to the gateway's database, and counted against `FANOUT_MAX_BACKLOG` meanwhile.
 
-No room downstream (`DownstreamFull`) after this delivery moved the checkpoint ends the
-delivery as a continuation rather than a failure: its run waits for room for up to
-`DOWNSTREAM_FULL_MAX_WAIT` from its last progress (`services.scheduler.runs`), not from its
-firing, so a large re-score that keeps moving behind a slow scorer is not given up.
+A delivery also stops taking pages once its time for them is spent (`JobRun.work_until`,
+half its database deadline `SCHEDULER_JOB_DB_TIMEOUT_S`, which covers the broker's waits
+too): the page in hand then has the other half. Walking `max_pages` whatever the time, a
+delivery behind a slow broker began a page past its deadline, failed on a healthy database,
+and was counted a failed attempt.
+
+A failure after this delivery moved the checkpoint (no room downstream, `DownstreamFull`; the
+broker or the database away; the deadline) ends the delivery as a continuation rather than
+a failure: the run goes on in a new slice at attempt 1, so a run that moves in every delivery
+is never given up for the failures between (only a delivery that moves nothing is counted),
+and its wait for room lasts up to `DOWNSTREAM_FULL_MAX_WAIT` from its last progress
+(`services.scheduler.runs`), not from its firing, so a large re-score that keeps moving
+behind a slow scorer is not given up. Where the run stands is then known without a read
+(`Checkpoint.past_page`): after the deadline every database call fails.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
-from services.scheduler.catalogue import Catalogue
-from services.scheduler.checkpoints import Checkpoints
+from services.scheduler.catalogue import Catalogue, ScannedPage
+from services.scheduler.checkpoints import Checkpoint, Checkpoints
 from services.scheduler.errors import DownstreamFull, PermanentJobError
 from services.scheduler.jobs import Clock, JobOutcome, JobRun
 from shared.contracts import RescoreTask
@@ -52,62 +63,105 @@ async def fan_out_rescores(
 ) -> JobOutcome:
     if rubric_version is None:
         raise PermanentJobError("RUBRIC_VERSION is not set: no current rubric version to compare")
-    checkpoint = await checkpoints.start_or_resume(
+    position = await checkpoints.start_or_resume(
         run.run_id, job=run.job, rubric_version=rubric_version, now=clock()
     )
-    if checkpoint.finished_at is not None:
-        return JobOutcome(summary=checkpoint.summary())
-    version = checkpoint.rubric_version  # the version the run started with
-    last_id = checkpoint.last_id
+    if position.finished_at is not None:
+        return JobOutcome(summary=position.summary())
+    walk = _PageWalk(
+        run=run,
+        catalogue=catalogue,
+        checkpoints=checkpoints,
+        publish_page=publish_page,
+        page_size=page_size,
+        horizon=horizon,
+        clock=clock,
+    )
     moved = False  # whether this delivery moved the checkpoint
-    for _ in range(max_pages):
-        page = await catalogue.scan_page(
-            after=last_id,
+    for taken in range(max_pages):
+        if taken and run.out_of_time(clock()):
+            log.info("fan-out %s continues in a new delivery: its time is spent", run.run_id)
+            break
+        try:
+            page = await walk.request_rescores(position)
+            if page.last_id is not None and page.scanned:
+                position = await walk.advance(position, last_id=page.last_id, page=page)
+                moved = True
+            if page.scanned < page_size:  # the end of the catalogue
+                return await walk.finish()
+        except PermanentJobError:
+            raise
+        except Exception as error:
+            if not moved:
+                raise
+            _log_continuing_after(run, error)
+            break
+    return JobOutcome(summary=position.summary(), more=True)
+
+
+def _log_continuing_after(run: JobRun, error: Exception) -> None:
+    """Progress, then a failure (no room downstream, the broker or the database away, the
+    deadline): the run goes on in a new slice, at attempt 1, whose wait for room counts from
+    now. That slice's first page meets the trouble again or not; failing before it moves,
+    it is counted (or waits for room) as any delivery that made no progress."""
+    level = logging.INFO if isinstance(error, DownstreamFull) else logging.WARNING
+    log.log(level, "fan-out %s continues after some progress: %r", run.run_id, error)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _PageWalk:
+    """The steps of one delivery of a fan-out, page by page."""
+
+    run: JobRun
+    catalogue: Catalogue
+    checkpoints: Checkpoints
+    publish_page: PublishPage
+    page_size: int
+    horizon: timedelta
+    clock: Clock
+
+    async def request_rescores(self, position: Checkpoint) -> ScannedPage:
+        """Read the page after `position`, request a re-score of its entries due one (the
+        version the run started with), and mark them requested."""
+        version = position.rubric_version
+        page = await self.catalogue.scan_page(
+            after=position.last_id,
             current_version=version,
-            completed_since=clock() - horizon,
-            limit=page_size,
+            completed_since=self.clock() - self.horizon,
+            limit=self.page_size,
         )
         if page.due:
-            try:
-                await publish_page(
-                    [
-                        RescoreTask.for_task(
-                            task_id=task.task_id,
-                            tenant_id=task.tenant_id,
-                            rubric_version=version,
-                            previous_rubric_version=task.rubric_version,
-                            model=task.model,
-                            run_id=run.run_id,
-                        )
-                        for task in page.due
-                    ]
-                )
-            except DownstreamFull as error:
-                if not moved:
-                    raise
-                # Progress, then no room: the run goes on in a new slice, whose wait for
-                # room counts from now (it waits in its first delivery, right away).
-                log.info("fan-out %s continues after some progress: %s", run.run_id, error)
-                return await _to_be_continued(run, checkpoints)
-            await catalogue.mark_rescore_requested([task.task_id for task in page.due], version)
-        if page.last_id is not None and page.scanned:
-            last_id = page.last_id
-            await checkpoints.advance(
-                run.run_id,
-                last_id=last_id,
-                published=len(page.due),
-                scanned=page.scanned,
-                now=clock(),
+            await self.publish_page(
+                [
+                    RescoreTask.for_task(
+                        task_id=task.task_id,
+                        tenant_id=task.tenant_id,
+                        rubric_version=version,
+                        previous_rubric_version=task.rubric_version,
+                        model=task.model,
+                        run_id=self.run.run_id,
+                    )
+                    for task in page.due
+                ]
             )
-            moved = True
-        if page.scanned < page_size:  # the end of the catalogue
-            finished = await checkpoints.finish(run.run_id, now=clock())
-            log.info("fan-out %s finished: %s", run.run_id, finished.summary())
-            return JobOutcome(summary=finished.summary())
-    return await _to_be_continued(run, checkpoints)
+            await self.catalogue.mark_rescore_requested(
+                [task.task_id for task in page.due], version
+            )
+        return page
 
+    async def advance(self, position: Checkpoint, *, last_id: str, page: ScannedPage) -> Checkpoint:
+        """Move the checkpoint past `page`, which ends at `last_id`; where the run stands then."""
+        published, scanned = len(page.due), page.scanned
+        await self.checkpoints.advance(
+            self.run.run_id,
+            last_id=last_id,
+            published=published,
+            scanned=scanned,
+            now=self.clock(),
+        )
+        return position.past_page(last_id=last_id, published=published, scanned=scanned)
 
-async def _to_be_continued(run: JobRun, checkpoints: Checkpoints) -> JobOutcome:
-    current = await checkpoints.find(run.run_id)
-    summary = current.summary() if current is not None else {}
-    return JobOutcome(summary=summary, more=True)
+    async def finish(self) -> JobOutcome:
+        finished = await self.checkpoints.finish(self.run.run_id, now=self.clock())
+        log.info("fan-out %s finished: %s", self.run.run_id, finished.summary())
+        return JobOutcome(summary=finished.summary())

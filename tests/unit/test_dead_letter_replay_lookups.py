@@ -1,0 +1,129 @@
+"""A replay by ids looks each letter up in a set of the ids asked for, not in their list.
+
+The admin routes take up to 10,000 ids and a walk holds up to 10,000 letters: looked up in
+the list, once per letter, one replay made up to 10,000 x 10,000 comparisons while it held
+every letter of the DLQ. The ids here come as a list that refuses being searched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import partial
+from typing import Any, cast
+
+from services.gateway.deadletters import DeadLetterQueue
+from services.scheduler.config import MissedFirings
+from services.scheduler.dead_letters import CronDeadLetters
+from services.scheduler.dispatcher import fire_replay
+from services.scheduler.schedule import JobCatalog, ScheduledJob
+from shared.contracts import RunCronJob, ScoreText
+from shared.dead_letters import DeadLetterWalker
+from tests.unit.test_scheduler_dispatch import Clock, FakeFirings, Published
+
+NOW = datetime(2025, 1, 1, 10, tzinfo=UTC)
+
+
+class Unsearchable(list[str]):
+    """Ids as the admin routes hand them over (a list), refusing to be searched."""
+
+    def __contains__(self, item: object) -> bool:
+        raise AssertionError(f"{item!r} was looked up by walking the list of ids asked for")
+
+
+@dataclass
+class Letter:
+    """What a walk reads of a held dead letter."""
+
+    body: bytes
+    message_id: str
+    correlation_id: str | None = None
+    headers: dict[str, Any] = field(default_factory=dict)
+    timestamp: datetime | None = NOW
+    processed: bool = False
+
+
+class HeldLetters:
+    """A DLQ walker holding `letters`; `removed` are those acked (replayed)."""
+
+    def __init__(self, letters: list[Letter]) -> None:
+        self.letters = letters
+        self.removed: list[Letter] = []
+
+    @contextlib.asynccontextmanager
+    async def walk(self) -> AsyncIterator[list[Letter]]:
+        yield list(self.letters)
+
+    async def remove(self, message: Letter) -> None:
+        self.removed.append(message)
+
+
+def _cron_letter(run_id: str) -> Letter:
+    command = RunCronJob(task_id=run_id, job="rollup", scheduled_for=NOW, fired_at=NOW)
+    return Letter(body=command.model_dump_json().encode(), message_id=f"m-{run_id}")
+
+
+async def test_a_cron_replay_by_run_ids_looks_them_up_in_a_set() -> None:
+    jobs = JobCatalog([ScheduledJob("rollup", "5 * * * *", "UTC", MissedFirings.COALESCE, True)])
+    clock, published = Clock(NOW), Published()
+    held = HeldLetters([_cron_letter(run_id) for run_id in ("dead-1", "dead-2", "dead-3")])
+    dead_letters = CronDeadLetters(
+        cast(DeadLetterWalker, held),
+        jobs=jobs,
+        replay_run=partial(
+            fire_replay,
+            jobs=jobs,
+            firings=FakeFirings(),
+            publish=published,
+            clock=clock,
+            owner="a",
+        ),
+        clock=clock,
+    )
+
+    replay = await dead_letters.replay(Unsearchable(["dead-3", "nowhere", "dead-1"]))
+
+    assert sorted(letter.dead_run_id for letter in replay.replayed) == ["dead-1", "dead-3"]
+    assert replay.not_found == ["nowhere"]
+    assert [letter.message_id for letter in held.removed] == ["m-dead-1", "m-dead-3"]
+    assert len(published.commands) == 2
+
+
+class Resubmitted:
+    def __init__(self) -> None:
+        self.commands: list[ScoreText] = []
+
+    async def resubmit(self, command: ScoreText) -> None:
+        self.commands.append(command)
+
+
+class NoReplaysYet:
+    async def replay_generation(self, task_id: str, *, of: int) -> int | None:
+        return None
+
+
+def _score_letter(task_id: str) -> Letter:
+    command = ScoreText(task_id=task_id, tenant_id="acme", text="some text to score")
+    return Letter(body=command.model_dump_json().encode(), message_id=f"m-{task_id}")
+
+
+async def test_a_score_replay_by_ids_looks_them_up_in_a_set() -> None:
+    held = HeldLetters([_score_letter(task_id) for task_id in ("t-1", "t-2", "t-3")])
+    resubmitted = Resubmitted()
+    queue = DeadLetterQueue(
+        cast(Any, None),  # the broker: the walker below stands in for the one it makes
+        cast(Any, resubmitted),
+        cast(Any, NoReplaysYet()),
+        Clock(NOW),
+        timeout_s=1.0,
+    )
+    queue._dlq = cast(DeadLetterWalker, held)  # the DLQ, held in memory
+
+    replay = await queue.replay(Unsearchable(["t-3", "m-t-2", "nowhere"]))
+
+    assert sorted(replay.replayed) == ["t-2", "t-3"]
+    assert replay.not_found == ["nowhere"]
+    assert sorted(command.task_id for command in resubmitted.commands) == ["t-2", "t-3"]
+    assert sorted(letter.message_id for letter in held.removed) == ["m-t-2", "m-t-3"]

@@ -1,0 +1,78 @@
+"""Housekeeping's look at a DLQ's head is bounded on the way back too.
+
+The head is read with `basic.get` and returned with `nack(requeue=True)`; every other broker
+call of the scheduler's bus has its timeout, the `nack` had none, and on a stalled channel it
+held the housekeeping run (and every dead-letter report after it) for as long as the stall
+lasted. Here the broker is in memory and its `nack` never completes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
+
+from faststream.rabbit import RabbitBroker, RabbitQueue
+
+from services.scheduler.messaging import SchedulerBus
+from shared.topology import CRON_JOBS
+
+NOW = datetime(2025, 1, 1, 10, tzinfo=UTC)
+BROKER_TIMEOUT_S = 0.01
+# Only keeps a failing test from waiting for ever; far beyond the bound under test.
+GUARD_S = 30.0
+
+
+@dataclass
+class StalledHead:
+    """A dead letter read at the DLQ's head, on a channel that takes no `nack` any more."""
+
+    headers: dict[str, Any] = field(default_factory=dict)
+    timestamp: datetime | None = NOW - timedelta(minutes=1)
+    nacks: int = 0
+
+    async def nack(self, requeue: bool = True) -> None:
+        self.nacks += 1
+        await asyncio.Event().wait()  # never returns
+
+
+@dataclass
+class Declared:
+    message_count: int
+
+
+class DeadLetterQueue:
+    def __init__(self, head: StalledHead, depth: int) -> None:
+        self._head = head
+        self._depth = depth
+
+    async def declare(self, timeout: float | None = None) -> Declared:
+        return Declared(self._depth)
+
+    async def get(self, *, no_ack: bool, fail: bool, timeout: float) -> StalledHead:
+        return self._head
+
+
+class Broker:
+    def __init__(self, queue: DeadLetterQueue) -> None:
+        self._queue = queue
+        self.asked: list[str] = []
+
+    async def declare_queue(self, queue: RabbitQueue) -> DeadLetterQueue:
+        self.asked.append(queue.name)
+        return self._queue
+
+
+async def test_a_head_that_cannot_be_returned_leaves_the_reading_standing() -> None:
+    head = StalledHead()
+    broker = Broker(DeadLetterQueue(head, depth=3))
+    bus = SchedulerBus(cast(RabbitBroker, broker), timeout_s=BROKER_TIMEOUT_S, clock=lambda: NOW)
+
+    async with asyncio.timeout(GUARD_S) as guard:
+        depth, age_s = await bus.dead_letter_depth(CRON_JOBS)
+
+    assert not guard.expired()
+    assert (depth, age_s) == (3, 60.0)
+    assert head.nacks == 1
+    assert broker.asked == [CRON_JOBS.dead_letter_routing_key]

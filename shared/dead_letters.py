@@ -9,7 +9,9 @@ a dead letter.
 
 A letter one walk holds is out of another's sight: walks through one walker take turns
 (those of other replicas may still miss a letter). Letters come back to a quorum queue out
-of order, so callers sort what they show by `dead_lettered_at`. Each step on the broker is
+of order, so callers sort what they show by `dead_lettered_at`. A walk holds at most `MAX_WALK`
+letters and at most `MAX_WALK_BYTES` of their bodies, and says when it stopped short of the
+queue's end (`HeldLetters.truncated`). Each step on the broker is
 bounded as a whole: aio-pika's own `timeout` covers only the round trip, after waiting
 without end for a lost connection to come back.
 """
@@ -32,16 +34,44 @@ from shared.topology import ERROR_HEADER, WorkQueue
 log = logging.getLogger("scorebox.dead_letters")
 
 MAX_WALK = 10_000
+# What the bodies of the letters one walk holds may add up to (the last letter taken may pass
+# it). A score request carries its text, up to 50,000 characters: 10,000 of them held by one
+# admin request were up to about 2 GB in the gateway.
+MAX_WALK_BYTES = 64 * 1024 * 1024
 GET_TIMEOUT_S = 5.0
+
+
+class HeldLetters(list[AbstractIncomingMessage]):
+    """The letters one walk holds, in the order taken; `truncated` when the walk stopped at
+    `MAX_WALK` letters or at its byte budget rather than at the queue's end (letters past it
+    are reached by replaying or purging those before them); `bytes_held`, their bodies'
+    size."""
+
+    truncated: bool = False
+    bytes_held: int = 0
+
+    def take(self, message: AbstractIncomingMessage, *, max_bytes: int) -> None:
+        """Hold `message`, and note whether the walk must stop here."""
+        self.append(message)
+        self.bytes_held += len(message.body)
+        self.truncated = len(self) >= MAX_WALK or self.bytes_held >= max_bytes
 
 
 class DeadLetterWalker:
     """The DLQ of one work queue, walked and purged with bounded broker calls."""
 
-    def __init__(self, broker: RabbitBroker, work_queue: WorkQueue, *, timeout_s: float) -> None:
+    def __init__(
+        self,
+        broker: RabbitBroker,
+        work_queue: WorkQueue,
+        *,
+        timeout_s: float,
+        max_bytes: int = MAX_WALK_BYTES,
+    ) -> None:
         self._broker = broker
         self._name = work_queue.dead_letter_routing_key
         self._timeout_s = timeout_s
+        self._max_bytes = max_bytes
         self._walking = asyncio.Lock()
 
     async def _queue(self) -> AbstractQueue:
@@ -51,19 +81,20 @@ class DeadLetterWalker:
             )
 
     @contextlib.asynccontextmanager
-    async def walk(self) -> AsyncIterator[list[AbstractIncomingMessage]]:
-        """Hold every dead letter (up to `MAX_WALK`) unacknowledged; return the ones not
-        settled on exit."""
+    async def walk(self) -> AsyncIterator[HeldLetters]:
+        """Hold every dead letter unacknowledged, up to `MAX_WALK` letters and the walker's
+        byte budget (`MAX_WALK_BYTES` of bodies unless told); return the ones not settled on
+        exit."""
         await self._walking.acquire()
-        held: list[AbstractIncomingMessage] = []
+        held = HeldLetters()
         try:
             queue = await self._queue()
-            while len(held) < MAX_WALK:
+            while not held.truncated:
                 async with asyncio.timeout(GET_TIMEOUT_S + self._timeout_s):
                     message = await queue.get(no_ack=False, fail=False, timeout=GET_TIMEOUT_S)
                 if message is None:
                     break
-                held.append(message)
+                held.take(message, max_bytes=self._max_bytes)
             yield held
         finally:
             try:
@@ -71,7 +102,7 @@ class DeadLetterWalker:
             finally:
                 self._walking.release()
 
-    async def _give_back(self, held: list[AbstractIncomingMessage]) -> None:
+    async def _give_back(self, held: HeldLetters) -> None:
         for message in held:
             if message.processed:
                 continue

@@ -23,7 +23,7 @@ from services.gateway.rescore import Resubmitter
 from services.gateway.submissions import Submissions
 from shared.contracts import ScoreText, new_id
 from shared.dead_letters import (
-    MAX_WALK,
+    MAX_WALK_BYTES,
     DeadLetterWalker,
     dead_lettered_at,
     oldest_first,
@@ -72,7 +72,7 @@ def describe(message: AbstractIncomingMessage, now: datetime) -> DeadLetter:
 @dataclass(frozen=True)
 class Walk:
     """What one walk of the queue saw: its letters, oldest dead-lettered first, and whether it
-    stopped at `MAX_WALK` with letters left behind it."""
+    stopped (at `MAX_WALK` letters or its byte budget) with letters left behind it."""
 
     letters: list[DeadLetter]
     truncated: bool
@@ -98,23 +98,29 @@ class DeadLetterQueue:
         clock: Callable[[], datetime],
         *,
         timeout_s: float,
+        walk_bytes: int = MAX_WALK_BYTES,
     ) -> None:
         self._publisher = publisher
         self._submissions = submissions
         self._clock = clock
         # Walks through this replica take turns (a letter held by one is invisible to
         # another; those of other replicas still may not see a letter: `not_found` says so).
-        self._dlq = DeadLetterWalker(broker, SCORE_REQUESTS, timeout_s=timeout_s)
+        # A walk's bodies are bounded too (`walk_bytes`): each holds a text of up to 50,000
+        # characters, and 10,000 of them held for one admin request were up to about 2 GB.
+        self._dlq = DeadLetterWalker(
+            broker, SCORE_REQUESTS, timeout_s=timeout_s, max_bytes=walk_bytes
+        )
 
     async def letters(self) -> Walk:
-        """Every dead letter (up to `MAX_WALK`), sorted by when it was dead-lettered: returned
+        """Every dead letter (up to `MAX_WALK` and the walk's byte budget), sorted by when it
+        was dead-lettered: returned
         letters come back to a quorum queue out of order, so the queue's own order changes
         with every look."""
         now = self._clock()
         async with self._dlq.walk() as held:
             letters = [describe(message, now) for message in held]
         letters.sort(key=_oldest_first)
-        return Walk(letters, truncated=len(held) >= MAX_WALK)
+        return Walk(letters, truncated=held.truncated)
 
     async def replay(self, ids: Collection[str] | None) -> Replay:
         """Replay the dead letters named by `ids` (all when None).

@@ -119,6 +119,20 @@ class KeyConflict(Exception):
     """A key with this id exists already, for another secret or another tenant."""
 
 
+class KeyNotIssued(DatabaseUnavailable):
+    """Creating a key failed with the database's answer lost, so its insert may have landed.
+
+    Nobody was shown the key's token, so a stored copy could never be used: `create` revokes
+    the attempt's key id (`withdrawn`), which also blocks an insert landing later. When that
+    failed too, a key nobody can use may be stored, active, under `key_id`.
+    """
+
+    def __init__(self, reason: str, *, key_id: str, withdrawn: bool) -> None:
+        super().__init__(reason)
+        self.key_id = key_id
+        self.withdrawn = withdrawn
+
+
 class ApiKeys:
     """Repository of API keys (`api_keys` in the gateway's database).
 
@@ -136,9 +150,17 @@ class ApiKeys:
         )
 
     async def create(self, *, tenant_id: str, name: str, now: datetime) -> tuple[ApiKey, str]:
-        """A new key for `tenant_id`: (the stored key, the token to show once)."""
+        """A new key for `tenant_id`: (the stored key, the token to show once).
+
+        Raises `KeyNotIssued` when the database failed (an insert that timed out may have
+        landed all the same), after revoking whatever the attempt may have stored."""
         issued = generate_key()
-        key = await self._insert(issued, tenant_id=tenant_id, name=name, now=now)
+        try:
+            key = await self._insert(issued, tenant_id=tenant_id, name=name, now=now)
+        except DatabaseUnavailable as error:
+            key = _new_key(issued, tenant_id=tenant_id, name=name, now=now)
+            withdrawn = await self._withdraw(key, now=now)
+            raise KeyNotIssued(str(error), key_id=key.key_id, withdrawn=withdrawn) from error
         return key, issued.token
 
     async def register(
@@ -189,32 +211,62 @@ class ApiKeys:
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 
+    async def _withdraw(self, key: ApiKey, *, now: datetime) -> bool:
+        """Revoke a key whose creation failed, stored or not; False when that failed too.
+
+        An upsert: it revokes the key if its insert landed, and otherwise stores it revoked,
+        so that an insert still on its way fails on the key's id instead of landing active
+        (a delete would run before such an insert and leave it be)."""
+        revoked = {"$set": {"revoked_at": now}}
+        the_rest = _document_of(key)  # `_id` from the filter, `revoked_at` from `$set`
+        del the_rest["_id"], the_rest["revoked_at"]
+        try:
+            try:
+                await self._collection.update_one(
+                    {"_id": key.key_id}, {**revoked, "$setOnInsert": the_rest}, upsert=True
+                )
+            except DuplicateKeyError:  # the insert landed between the upsert's two steps
+                await self._collection.update_one({"_id": key.key_id}, revoked)
+        except PyMongoError as error:
+            log.warning(
+                "key %s may be stored, unrevoked (nobody has its token): %r", key.key_id, error
+            )
+            return False
+        return True
+
     async def _insert(
         self, issued: IssuedKey, *, tenant_id: str, name: str, now: datetime
     ) -> ApiKey:
-        key = ApiKey(
-            key_id=issued.key_id,
-            tenant_id=tenant_id,
-            name=name,
-            secret_sha256=hash_secret(issued.secret),
-            created_at=now,
-        )
-        document: Document = {
-            "_id": key.key_id,
-            "tenant_id": key.tenant_id,
-            "name": key.name,
-            "secret_sha256": key.secret_sha256,
-            "created_at": key.created_at,
-            "revoked_at": None,
-            "last_used_at": None,
-        }
+        key = _new_key(issued, tenant_id=tenant_id, name=name, now=now)
         try:
-            await self._collection.insert_one(document)
+            await self._collection.insert_one(_document_of(key))
         except DuplicateKeyError as error:
             raise KeyConflict(f"a key with id {issued.key_id} exists already") from error
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
         return key
+
+
+def _new_key(issued: IssuedKey, *, tenant_id: str, name: str, now: datetime) -> ApiKey:
+    return ApiKey(
+        key_id=issued.key_id,
+        tenant_id=tenant_id,
+        name=name,
+        secret_sha256=hash_secret(issued.secret),
+        created_at=now,
+    )
+
+
+def _document_of(key: ApiKey) -> Document:
+    return {
+        "_id": key.key_id,
+        "tenant_id": key.tenant_id,
+        "name": key.name,
+        "secret_sha256": key.secret_sha256,
+        "created_at": key.created_at,
+        "revoked_at": key.revoked_at,
+        "last_used_at": key.last_used_at,
+    }
 
 
 def _key_of(document: Document) -> ApiKey:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from services.gateway.api import json_body, read_model
 from services.gateway.errors import DatabaseUnavailable
-from services.gateway.keys import KEY_ID, TENANT_ID_PATTERN, ApiKeys
+from services.gateway.keys import KEY_ID, TENANT_ID_PATTERN, ApiKeys, KeyNotIssued
 from shared.http import Problem, admin_guard
 
 MAX_LISTED = 10_000  # keys one listing shows
@@ -43,6 +43,32 @@ def _unavailable(error: DatabaseUnavailable) -> Problem:
     )
 
 
+def _not_issued(error: KeyNotIssued) -> Problem:
+    """The store did not answer a creation: its insert may have landed all the same. Its
+    token was never shown, so the attempt's key was revoked; when that failed too, the answer
+    names the key, which the listing may show active, for the admin to revoke."""
+    if error.withdrawn:
+        detail = (
+            "The key store did not answer; no key was issued. The attempt's key "
+            f"({error.key_id}) is revoked if it was stored at all (a listing may show it, "
+            "revoked); retry shortly."
+        )
+    else:
+        detail = (
+            f"The key store did not answer; a key ({error.key_id}) may have been created, "
+            "though nobody was shown it (no one can use it), and revoking it failed too. "
+            f"Once the store is back, list the tenant's keys and revoke {error.key_id} "
+            f"(DELETE /admin/v1/keys/{error.key_id}) if it shows; then retry."
+        )
+    return Problem(
+        503,
+        detail,
+        kind="unavailable",
+        headers={"Retry-After": str(error.retry_after_s)},
+        key_id=error.key_id,
+    )
+
+
 def key_admin_routes(
     keys: ApiKeys,
     admin_key: SecretStr | None,
@@ -65,6 +91,8 @@ def key_admin_routes(
             key, token = await keys.create(
                 tenant_id=wanted.tenant_id, name=wanted.name, now=clock()
             )
+        except KeyNotIssued as error:
+            raise _not_issued(error) from error
         except DatabaseUnavailable as error:
             raise _unavailable(error) from error
         return JSONResponse({**key.public(), "key": token}, status_code=201)

@@ -321,29 +321,12 @@ class Submissions:
             # No `expires_at`: not sent yet, so kept however old (its text with it).
             "$or": [{"expires_at": {"$gt": now}}, {"expires_at": {"$exists": False}}],
         }
-        update = {
-            "$inc": {"generation": 1},
-            "$addToSet": {"rescored_for": rubric_version},
-            "$set": {
-                "rescore": {
-                    "rubric_version": rubric_version,
-                    "request_id": request_id,
-                    "requested_at": now,
-                    "sent": False,
-                }
-            },
-        }
+        update = _claim_next_generation(rubric_version, request_id=request_id, now=now)
         try:
             claimed = await self._collection.find_one_and_update(
                 claimable, update, return_document=ReturnDocument.AFTER
             )
             if claimed is not None:
-                # Kept with the claim: a resumed claim runs as the generation it took, not
-                # as one a DLQ replay took from the submission meanwhile.
-                await self._collection.update_one(
-                    {"_id": task_id, "rescore.request_id": request_id},
-                    {"$set": {"rescore.generation": claimed["generation"]}},
-                )
                 return _rescore_claim(claimed, resumed=False)
             current = await self._collection.find_one({"_id": task_id, "tenant_id": tenant_id})
         except PyMongoError as error:
@@ -613,9 +596,44 @@ def _tombstone(task_id: str, now: datetime) -> tuple[Document, Document]:
     )
 
 
+def _claim_next_generation(
+    rubric_version: str, *, request_id: str, now: datetime
+) -> list[Document]:
+    """The update of a re-score claim: the next generation, recorded with the claim in the
+    same write (an update pipeline, so `rescore.generation` can be computed from the
+    generation it takes). A resumed claim runs as the generation it took, not as one a DLQ
+    replay took from the submission meanwhile; as two writes, a claim whose second write
+    failed fell back to the submission's generation, and a replay raising it in between
+    had the re-score sent as the replay's generation, which the scorer dropped as a
+    duplicate. `$literal` keeps the values from being read as field paths or operators;
+    `rescored_for` is appended to, as `$addToSet` would (the claim's filter ensures the
+    version is not in it yet)."""
+    claim = {
+        "rubric_version": rubric_version,
+        "request_id": request_id,
+        "requested_at": now,
+        "sent": False,
+    }
+    return [
+        {
+            "$set": {
+                "generation": {"$add": [{"$ifNull": ["$generation", NO_GENERATION]}, 1]},
+                "rescored_for": {
+                    "$concatArrays": [
+                        {"$ifNull": ["$rescored_for", []]},
+                        [{"$literal": rubric_version}],
+                    ]
+                },
+                "rescore": {"$literal": claim},
+            }
+        },
+        {"$set": {"rescore.generation": "$generation"}},
+    ]
+
+
 def _rescore_claim(document: Document, *, resumed: bool) -> RescoreClaim:
     claimed_as = (document.get("rescore") or {}).get("generation")
-    if claimed_as is None:  # a fresh claim, or one from before claims kept their generation
+    if claimed_as is None:  # a claim of an earlier build, which kept no generation of its own
         claimed_as = document.get("generation", NO_GENERATION)
     return RescoreClaim(
         command=ScoreText.model_validate(document["command"]),

@@ -28,7 +28,7 @@ from services.scheduler.firings import Firing
 from services.scheduler.jobs import Clock
 from services.scheduler.schedule import JobCatalog
 from shared.contracts import RunCronJob
-from shared.dead_letters import MAX_WALK, DeadLetterWalker, dead_lettered_at, oldest_first, reason
+from shared.dead_letters import DeadLetterWalker, dead_lettered_at, oldest_first, reason
 from shared.topology import CRON_JOBS, DEAD_LETTERED_FROM_HEADER
 
 # Runs a dead run's job again: (the replaying firing, whether it was started now).
@@ -80,8 +80,8 @@ def describe(message: AbstractIncomingMessage, now: datetime, jobs: JobCatalog) 
 
 @dataclass(frozen=True)
 class CronWalk:
-    """The letters of one walk, oldest dead-lettered first; `truncated` when it stopped at
-    `MAX_WALK` with letters left behind it."""
+    """The letters of one walk, oldest dead-lettered first; `truncated` when it stopped (at
+    `MAX_WALK` letters or its byte budget) with letters left behind it."""
 
     letters: list[CronDeadLetter]
     truncated: bool
@@ -117,7 +117,7 @@ class CronDeadLetters:
         async with self._dlq.walk() as held:
             letters = [describe(message, now, self._jobs) for message in held]
         letters.sort(key=lambda letter: oldest_first(letter.dead_lettered_at))
-        return CronWalk(letters, truncated=len(held) >= MAX_WALK)
+        return CronWalk(letters, truncated=held.truncated)
 
     async def replay(self, run_ids: Collection[str] | None) -> CronReplay:
         """Replay the letters of the runs `run_ids` (all when None), oldest first.

@@ -18,6 +18,7 @@ import pytest
 from faststream.rabbit import RabbitBroker
 from pamqp.commands import Basic
 from pymongo import AsyncMongoClient
+from pymongo.errors import AutoReconnect
 
 from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
 from services.gateway.rescore import RescoreRequests
@@ -74,6 +75,35 @@ class AnswerLostOnce(Submissions):
             self.losses -= 1
             raise DatabaseUnavailable("timed out waiting for the answer")
         return claimed
+
+
+class GoneAfterTheClaim:
+    """A submissions collection whose database goes away the moment a re-score claim's write
+    lands: its answer is lost, and so is every write after it."""
+
+    def __init__(self, collection: Any) -> None:
+        self._collection = collection
+        self.gone = False
+
+    def __getattr__(self, name: str) -> Any:
+        if self.gone:
+            raise AutoReconnect("connection closed")
+        return getattr(self._collection, name)
+
+    async def find_one_and_update(self, *args: Any, **kwargs: Any) -> Any:
+        if self.gone:
+            raise AutoReconnect("connection closed")
+        await self._collection.find_one_and_update(*args, **kwargs)
+        self.gone = True
+        raise AutoReconnect("connection closed before the answer")
+
+
+class DatabaseGoneAfterTheClaim(Submissions):
+    """The first re-score claim lands, and the database is gone before anything else."""
+
+    def __init__(self, client: Mongo, database: str) -> None:
+        super().__init__(client, database)
+        self._collection = GoneAfterTheClaim(self._collection)  # type: ignore[assignment]
 
 
 @dataclass
@@ -291,3 +321,31 @@ async def test_a_resumed_rescore_keeps_its_generation_when_a_replay_took_the_nex
     confirming = ScriptedPublisher()
     await env.consumer(confirming, env.submissions()).on_message(HandedDelivery(retry.body))
     assert [sent.generation for sent in confirming.sent] == [1]
+
+
+async def test_a_claim_cut_short_keeps_its_generation_when_a_replay_took_the_next(
+    env: Env,
+) -> None:
+    """The claim was two writes: the generation, then `rescore.generation`. With only the
+    first landed, a DLQ replay taking the next generation meanwhile made the resumed claim
+    run as the replay's generation, which the scorer dropped as a duplicate of the replay's
+    attempt: a re-score reported accepted never ran. Now the claim is one write."""
+    command = await accepted_submission(env.submissions())
+    request = rescore_request(command)
+    cut_short = env.submissions(DatabaseGoneAfterTheClaim)
+    with pytest.raises(DatabaseUnavailable):
+        await cut_short.claim_rescore(
+            command.task_id,
+            tenant_id=command.tenant_id,
+            rubric_version=request.rubric_version,
+            request_id=request.message_id,
+            now=utcnow(),
+        )
+
+    assert await env.submissions().replay_generation(command.task_id, of=0) == 2
+
+    publisher = ScriptedPublisher()
+    redelivered = HandedDelivery(request.model_dump_json().encode(), redelivered=True)
+    await env.consumer(publisher, env.submissions()).on_message(redelivered)
+    assert redelivered.settled == ["ack"]
+    assert [sent.generation for sent in publisher.sent] == [1]

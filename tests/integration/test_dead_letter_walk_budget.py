@@ -1,0 +1,106 @@
+"""A dead-letter walk holds at most its byte budget of letter bodies, on the real broker.
+
+A walk held up to 10,000 letters whatever their size, and a score request carries its text
+(up to 50,000 characters): one list, show or replay held up to about 2 GB in the gateway.
+A walk now stops once the bodies it holds reach the budget (`MAX_WALK_BYTES`, lowered here)
+and says that letters are left (`truncated`); what it held goes back to the queue. Bytes and
+letters are counted, nothing is timed."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aio_pika
+import pytest
+from faststream.rabbit import RabbitBroker
+from pymongo import AsyncMongoClient
+
+from devtools.infra import Endpoint
+from services.gateway.deadletters import DeadLetterQueue
+from services.gateway.publisher import TaskPublisher
+from services.gateway.submissions import Submissions
+from shared.contracts import ScoreText, new_id, utcnow
+from shared.dead_letters import MAX_WALK_BYTES, DeadLetterWalker
+from shared.topology import CRON_JOBS, SCORE_REQUESTS, WorkQueue, declare_topology
+
+LETTERS = 5
+TEXT_CHARS = 10_000
+TIMEOUT_S = 5.0
+
+
+def _letter_body() -> bytes:
+    command = ScoreText(task_id=new_id(), tenant_id="acme", text="x" * TEXT_CHARS)
+    return command.model_dump_json().encode()
+
+
+async def _dead_letter(amqp_url: str, work_queue: WorkQueue, bodies: list[bytes]) -> None:
+    async with await aio_pika.connect(amqp_url) as connection:
+        channel = await connection.channel()
+        for body in bodies:
+            await channel.default_exchange.publish(
+                aio_pika.Message(body, message_id=new_id()),
+                routing_key=work_queue.dead_letter_routing_key,
+                timeout=TIMEOUT_S,
+            )
+
+
+@pytest.fixture(scope="module")
+async def broker(amqp_url: str) -> AsyncIterator[RabbitBroker]:
+    """The module's broker (a vhost of its own), the score requests' DLQ holding `LETTERS`
+    letters of `TEXT_CHARS` characters each, and as many in the cron jobs' DLQ."""
+    broker = RabbitBroker(amqp_url)
+    await broker.connect()
+    await declare_topology(broker)
+    await _dead_letter(amqp_url, SCORE_REQUESTS, [_letter_body() for _ in range(LETTERS)])
+    await _dead_letter(amqp_url, CRON_JOBS, [_letter_body() for _ in range(LETTERS)])
+    yield broker
+    await broker.stop()
+
+
+@pytest.fixture
+async def submissions(mongo: Endpoint, db_prefix: str) -> AsyncIterator[Submissions]:
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
+    yield Submissions(client, f"{db_prefix}_gateway")
+    await client.close()
+
+
+def _dead_letters(
+    broker: RabbitBroker, submissions: Submissions, *, walk_bytes: int
+) -> DeadLetterQueue:
+    return DeadLetterQueue(
+        broker,
+        TaskPublisher(broker, timeout_s=TIMEOUT_S),
+        submissions,
+        utcnow,
+        timeout_s=TIMEOUT_S,
+        walk_bytes=walk_bytes,
+    )
+
+
+async def test_a_walk_stops_at_its_byte_budget_and_gives_every_letter_back(
+    broker: RabbitBroker,
+) -> None:
+    body_bytes = len(_letter_body())
+    budget = int(2.5 * body_bytes)
+    walker = DeadLetterWalker(broker, CRON_JOBS, timeout_s=TIMEOUT_S, max_bytes=budget)
+
+    async with walker.walk() as held:
+        assert (len(held), held.truncated) == (3, True)
+        assert held.bytes_held == 3 * body_bytes < budget + body_bytes
+
+    everything = DeadLetterWalker(broker, CRON_JOBS, timeout_s=TIMEOUT_S)
+    async with everything.walk() as held:
+        assert (len(held), held.truncated) == (LETTERS, False)
+
+
+async def test_a_listing_past_the_byte_budget_says_letters_are_left(
+    broker: RabbitBroker, submissions: Submissions
+) -> None:
+    budget = 2 * len(_letter_body())
+
+    bounded = await _dead_letters(broker, submissions, walk_bytes=budget).letters()
+    whole = await _dead_letters(broker, submissions, walk_bytes=MAX_WALK_BYTES).letters()
+
+    assert (len(bounded.letters), bounded.truncated) == (2, True)
+    assert (len(whole.letters), whole.truncated) == (LETTERS, False)

@@ -187,11 +187,16 @@ async def keep_trying[T](
     *,
     what: str,
     retry_on: tuple[type[BaseException], ...],
+    retry_if: Callable[[BaseException], bool] | None = None,
     first_delay_s: float = 0.2,
     max_delay_s: float = 5.0,
     give_up_after_s: float | None = None,
 ) -> T:
     """Repeat an idempotent write until the database takes it, backing off.
+
+    `retry_if`: of the errors of `retry_on`, those to wait out (all when None); any other is
+    raised at once, for the caller to count (`shared.database_errors.transient_database_error`
+    tells a database that is away from a write it refuses for good).
 
     For consumers: the message stays unacknowledged meanwhile (back-pressure through the
     prefetch), and is neither nacked with requeue (RabbitMQ 4.x does not count that, 3.x
@@ -206,6 +211,8 @@ async def keep_trying[T](
         try:
             return await action()
         except retry_on as error:
+            if retry_if is not None and not retry_if(error):
+                raise
             # Jittered: writes that failed together (one grouped round trip) retry apart.
             wait = delay * random.uniform(0.5, 1.0)  # noqa: S311 - jitter, not cryptography
             if deadline is not None and loop.time() + wait > deadline:

@@ -1,7 +1,9 @@
 """The scheduler's HTTP routes: cron administration and the daily usage read model.
 
     GET  /admin/v1/cron/jobs                 every job: schedule, next fire time, last firing
-    POST /admin/v1/cron/jobs/{name}/run      fire a job by hand -> 202 {run_id, ...}
+    POST /admin/v1/cron/jobs/{name}/run      fire a job by hand -> 202 {run_id, ...}; 409
+                                             while a run of a job that forbids
+                                             overlapping runs is in progress
     GET  /admin/v1/cron/runs/{run_id}        one firing's state
     GET  /admin/v1/cron/dead-letters         the cron-jobs DLQ, oldest first (not consumed)
     POST /admin/v1/cron/dead-letters/replay  {run_ids: [...]} | {all: true}: each letter's
@@ -32,6 +34,7 @@ from services.scheduler.dead_letters import CronDeadLetters
 from services.scheduler.errors import (
     DispatchFailed,
     ReplayRefused,
+    RunInProgress,
     TriggeredTooOften,
     UnknownJob,
 )
@@ -97,6 +100,9 @@ class JobView(_Out):
     cron: str
     tz: str
     missed: str = Field(description="Policy for missed firings: coalesce or skip.")
+    concurrency: str = Field(
+        description="forbid: no run starts while another is in progress; allow: every one."
+    )
     enabled: bool
     next_fire_at: datetime | None = Field(description="UTC; None when disabled.")
     next_fire_local: str | None = Field(description="The same instant on the job's wall clock.")
@@ -164,6 +170,7 @@ def _job_view(job: ScheduledJob, last: Firing | None, now: datetime) -> JobView:
         cron=job.cron,
         tz=job.tz,
         missed=job.missed.value,
+        concurrency=job.concurrency.value,
         enabled=job.enabled,
         next_fire_at=next_fire,
         next_fire_local=local,
@@ -196,6 +203,14 @@ def cron_routes(
             raise Problem(404, str(error), kind="unknown-job") from error
         except TriggeredTooOften as error:
             raise Problem(429, str(error), headers={"Retry-After": "1"}) from error
+        except RunInProgress as error:
+            raise Problem(
+                409,
+                str(error),
+                kind="run-in-progress",
+                run_id=error.run_id,
+                status_url=run_url(error.run_id),
+            ) from error
         except DispatchFailed as error:
             raise Problem(503, str(error), kind="broker-unavailable") from error
         status_url = run_url(firing.run_id)
@@ -276,6 +291,11 @@ class CronReplayReport(_Out):
         description="Run ids of jobs no longer configured, kept (a replay of all skips them)."
     )
     not_found: list[str] = Field(description="Run ids asked for that no letter matched.")
+    skipped_in_progress: list[str] = Field(
+        default_factory=list,
+        description="Run ids of letters kept: their job forbids overlapping runs and has one "
+        "in progress.",
+    )
 
 
 class Purged(_Out):
@@ -320,6 +340,7 @@ def cron_dead_letter_routes(
             skipped_unreadable=replay.skipped_unreadable,
             skipped_unconfigured=replay.skipped_unconfigured,
             not_found=replay.not_found,
+            skipped_in_progress=replay.skipped_in_progress,
         )
 
     @router.delete("", response_model=Purged)

@@ -94,6 +94,7 @@ def create_app(
     jobs = JobCatalog.from_config(config.jobs)
     usage_retention = timedelta(days=config.usage.raw_retention_days)
     owner = f"{socket.gethostname()}:{os.getpid()}:{new_id()[:6]}"
+    stale_after = timedelta(seconds=settings.run_stale_s)
 
     job_handlers: dict[str, JobHandler] = {
         USAGE_ROLLUP: partial(
@@ -142,6 +143,7 @@ def create_app(
         grace=timedelta(seconds=settings.grace_s),
         redispatch_after=timedelta(seconds=settings.redispatch_after_s),
         owner=owner,
+        stale_after=stale_after,
     )
     runner = CronJobRunner(
         handlers=job_handlers,
@@ -175,12 +177,24 @@ def create_app(
 
     async def trigger(name: str) -> Firing:
         return await fire_by_hand(
-            name, jobs=jobs, firings=firings, publish=bus.publish_run, clock=clock, owner=owner
+            name,
+            jobs=jobs,
+            firings=firings,
+            publish=bus.publish_run,
+            clock=clock,
+            owner=owner,
+            stale_after=stale_after,
         )
 
     async def replay(dead: RunCronJob) -> tuple[Firing, bool]:
         return await fire_replay(
-            dead, jobs=jobs, firings=firings, publish=bus.publish_run, clock=clock, owner=owner
+            dead,
+            jobs=jobs,
+            firings=firings,
+            publish=bus.publish_run,
+            clock=clock,
+            owner=owner,
+            stale_after=stale_after,
         )
 
     dead_letters = CronDeadLetters(

@@ -1,9 +1,10 @@
 """The scheduler's job configuration: `config/scheduler.toml` plus environment overrides.
 
-The file names each job's cron expression, time zone, missed-firing policy and whether it is
-enabled, the model prices of the usage rollup, and retention and alert thresholds. For a
-job `usage-rollup` the environment may override `CRON_USAGE_ROLLUP` (the expression),
-`CRON_USAGE_ROLLUP_TZ` and `CRON_USAGE_ROLLUP_ENABLED`. Everything is validated at start-up:
+The file names each job's cron expression, time zone, missed-firing policy, concurrency
+policy and whether it is enabled, the model prices of the usage rollup, and retention and
+alert thresholds. For a job `usage-rollup` the environment may override `CRON_USAGE_ROLLUP`
+(the expression), `CRON_USAGE_ROLLUP_TZ`, `CRON_USAGE_ROLLUP_ENABLED` and
+`CRON_USAGE_ROLLUP_CONCURRENCY`. Everything is validated at start-up:
 a bad expression, zone, policy or price refuses to start (`ConfigurationError`).
 """
 
@@ -41,6 +42,18 @@ class MissedFirings(StrEnum):
     SKIP = "skip"  # run none of them (record the latest as skipped)
 
 
+class Concurrency(StrEnum):
+    """Whether a run of a job may start while another run of it is in progress (Kubernetes
+    CronJob's `concurrencyPolicy`, without `Replace`: our jobs resume from where they stand,
+    and replacing a fan-out half-way would start its walk of the catalogue again)."""
+
+    # A fire time that comes while a run of the job is in progress is recorded as skipped
+    # ("overlap"), and a manual run is refused (409): a roll-up or fan-out whose chain of
+    # slices outlasts its period otherwise starts a second chain on the same work.
+    FORBID = "forbid"
+    ALLOW = "allow"  # every firing runs, beside any run in progress
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -49,6 +62,7 @@ class JobConfig(_Strict):
     cron: str
     tz: str = "UTC"
     missed: MissedFirings = MissedFirings.COALESCE
+    concurrency: Concurrency = Concurrency.FORBID
     enabled: bool = True
     description: str = ""
 
@@ -123,6 +137,8 @@ def _with_overrides(data: Mapping[str, Any], environ: Mapping[str, str]) -> dict
             if enabled.strip().lower() not in _ENABLED_WORDS:
                 raise ConfigurationError(f"{prefix}_ENABLED must be true or false")
             job["enabled"] = _ENABLED_WORDS[enabled.strip().lower()]
+        if concurrency := environ.get(f"{prefix}_CONCURRENCY"):
+            job["concurrency"] = concurrency.strip().lower()
     return {**data, "jobs": jobs}
 
 

@@ -5,8 +5,11 @@
 - Finished / Drop: ack.  Continue: next slice published, then ack.
 - Retry / Defer: published down the wait ladder, then ack.
 - GiveUp: copied to the DLQ with the reason (`x-scorebox-error`), then ack.
-- MongoDB unavailable around the job (recording its start or outcome): the same command is
-  re-sent after the retry base delay without counting an attempt, then ack.
+- MongoDB unavailable around the job (recording its start or outcome; a transient error):
+  the same command is re-sent after the retry base delay without counting an attempt, then
+  ack. A permanent database error there (a result the database refuses) returns the
+  delivery to its queue as failed, so its delivery limit bounds it: re-sent uncounted, it
+  came back every few seconds for ever.
 - a copy of the delivery's own run sent again (Defer, MongoDB unavailable) carries the
   deliveries its consumers lost so far (`x-scorebox-earlier-deliveries`), for the copy's own
   count starts at zero; a next slice or retry is a new message and carries none.
@@ -14,18 +17,22 @@
   crashed or lost its connection running it that many times): the job is not run again;
   the firing is recorded `failed` with the reason, the message copied to the DLQ with that
   reason, counted `gave_up`, then ack (a run that has ended already keeps its end: dropped,
-  ack). MongoDB unavailable meanwhile is waited out with the delivery held (`keep_trying`):
-  a copy sent later would start its count again, and one returned once more is
-  dead-lettered by RabbitMQ without a word, its firing left `running`.
+  ack). MongoDB unavailable meanwhile (a transient error, `shared.database_errors`) is
+  waited out with the delivery held (`keep_trying`): a copy sent later would start its
+  count again, and one returned once more is dead-lettered by RabbitMQ without a word, its
+  firing left `running`. A permanent database error returns the delivery as failed.
 - The job's own database work runs under `SCHEDULER_JOB_DB_TIMEOUT_S` rather than the
   client's `MONGO_TIMEOUT_S` (`services.scheduler.runs`).
 
 `scorebox.usage-meter` (`task.completed`, `task.failed`, and its own `usage.retry`):
 - unreadable body: DLQ, ack.  Recorded: ack.
-- MongoDB unavailable: the write is repeated while the delivery is held (`keep_trying`), as
-  the status projection does: an outage of any length loses no usage (counted as attempts,
-  an outage of about 45 s sent every completion of it to a DLQ that nothing replays).
-- storing failed otherwise: re-sent to the meter after a delay with an attempt counter
+- MongoDB unavailable (a transient error, `shared.database_errors`): the write is repeated
+  while the delivery is held (`keep_trying`), as the status projection does: an outage of
+  any length loses no usage (counted as attempts, an outage of about 45 s sent every
+  completion of it to a DLQ that nothing replays).
+- storing failed otherwise, a permanent database error included (a write the database
+  refuses for good: a document too large, a failed validation; waited out as an outage, it
+  held its delivery for ever): re-sent to the meter after a delay with an attempt counter
   (`x-scorebox-attempts`); at the limit copied to the DLQ with the error; then ack.
 
 Every publish awaits its confirm; one the broker does not confirm (away, blocked by an alarm,
@@ -69,6 +76,7 @@ from services.scheduler.runs import (
 from services.scheduler.usage_store import UsageRecords
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import RunCronJob, TaskCompleted, TaskFailed, new_id
+from shared.database_errors import transient_database_error
 from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying
 from shared.topology import (
     ATTEMPTS_HEADER,
@@ -114,6 +122,8 @@ class CronJobRunner:
             try:
                 decision = await self._run(command)
             except PyMongoError as error:
+                if not transient_database_error(error):
+                    raise  # counted by its queue's delivery limit, not re-sent for ever
                 log.warning("MongoDB unavailable around run %s: %r", command.run_id, error)
                 later = self.clock() + self.retry.base
                 again = command.model_copy(update={"message_id": new_id(), "not_before": later})
@@ -147,6 +157,7 @@ class CronJobRunner:
             ),
             what=f"recording cron run {command.run_id} failed at its delivery limit",
             retry_on=(PyMongoError,),
+            retry_if=transient_database_error,
         )
 
     async def carry_out(self, decision: RunDecision, message: Delivery) -> None:
@@ -219,6 +230,7 @@ class UsageMeter:
                 ),
                 what=f"storing the usage of {event.task_id}",
                 retry_on=(PyMongoError,),
+                retry_if=transient_database_error,
             )
         except Exception as error:  # noqa: BLE001 - any failure to store is retried, then DLQ'd
             await self._retry_or_dead_letter(event, message, error)

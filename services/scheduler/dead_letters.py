@@ -10,20 +10,22 @@ Replay runs the letter's job again as a new manual firing that names the dead ru
 copy, or one whose ack was lost) is acked and answered with the earlier replay, so a replay
 cut short can simply be asked again. A replay naming by id a letter whose job is no longer
 configured is refused before anything is sent (`ReplayRefused`): every letter is kept; a
-replay of all skips such letters (kept, and reported).
+replay of all skips such letters (kept, and reported). A letter whose job forbids overlapping
+runs and has one in progress (another letter's replay, say) is kept and reported
+(`skipped_in_progress`): replayed beside it, it would only do the same work again.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
-from services.scheduler.errors import ReplayRefused
+from services.scheduler.errors import ReplayRefused, RunInProgress
 from services.scheduler.firings import Firing
 from services.scheduler.jobs import Clock
 from services.scheduler.schedule import JobCatalog
@@ -101,6 +103,8 @@ class CronReplay:
     skipped_unreadable: list[str]  # message ids of letters that hold no `RunCronJob`
     skipped_unconfigured: list[str]  # run ids of jobs no longer configured (replay of all)
     not_found: list[str]  # run ids asked for that no letter of the walk matched
+    # run ids of letters kept because their job has a run in progress that forbids overlap
+    skipped_in_progress: list[str] = field(default_factory=list)
 
 
 class CronDeadLetters:
@@ -133,6 +137,7 @@ class CronDeadLetters:
         replayed: list[ReplayedLetter] = []
         unreadable: list[str] = []
         found: set[str] = set()
+        in_progress: list[str] = []
         async with self._dlq.walk() as held:
             chosen: list[tuple[AbstractIncomingMessage, RunCronJob]] = []
             for message in sorted(held, key=lambda m: oldest_first(dead_lettered_at(m, now))):
@@ -150,11 +155,15 @@ class CronDeadLetters:
                 raise ReplayRefused(gone)
             chosen = [(message, c) for message, c in chosen if c.run_id not in gone]
             for message, command in chosen:
-                firing, started_now = await self._replay_run(command)
+                try:
+                    firing, started_now = await self._replay_run(command)
+                except RunInProgress:
+                    in_progress.append(command.run_id)
+                    continue
                 await self._dlq.remove(message)
                 replayed.append(ReplayedLetter(command.run_id, command.job, firing, started_now))
         missing = [] if run_ids is None else [key for key in run_ids if key not in found]
-        return CronReplay(replayed, unreadable, list(gone), missing)
+        return CronReplay(replayed, unreadable, list(gone), missing, in_progress)
 
     async def purge(self) -> int:
         return await self._dlq.purge()

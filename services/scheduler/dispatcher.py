@@ -11,6 +11,10 @@ mark as sent is stamped with the clock read when it is written. Stamped with the
 `now`, the claim of a job behind a slow one (its database and broker calls near their
 timeouts) was already older than `redispatch_after` when it was written: another replica
 took it for abandoned and published it while this one did, and the fire time ran twice.
+
+A job that forbids overlapping runs (the default) is not started while a run of it is in
+progress: its fire time is recorded as skipped ("overlap"), a manual run refused
+(`RunInProgress`); see `services.scheduler.overlap`.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 
 from services.scheduler.config import MissedFirings
-from services.scheduler.errors import DispatchFailed, TriggeredTooOften
+from services.scheduler.errors import DispatchFailed, RunInProgress, TriggeredTooOften
 from services.scheduler.firings import Firing, FiringState, FiringStore, to_millis
 from services.scheduler.jobs import Clock
+from services.scheduler.overlap import Claim, Overlap, claim_unless_overlapping
 from services.scheduler.schedule import JobCatalog, ScheduledJob, plan_firings
 from shared.contracts import RunCronJob
 
@@ -37,6 +42,9 @@ REDISPATCH_BATCH = 100
 # Two manual triggers of one job within the same millisecond collide on the unique index;
 # the later one moves by a millisecond.
 MANUAL_CLAIM_TRIES = 5
+# A run that has shown no sign of life for this long no longer holds its job
+# (`SCHEDULER_RUN_STALE_S`).
+DEFAULT_STALE_AFTER = timedelta(hours=1)
 
 
 def run_command_for(firing: Firing) -> RunCronJob:
@@ -64,17 +72,23 @@ async def fire_by_hand(
     clock: Clock,
     owner: str,
     replay_of: str | None = None,
+    stale_after: timedelta = DEFAULT_STALE_AFTER,
 ) -> Firing:
     """A manual firing of `name` (enabled or not), published now; the schedule is unaffected.
     `replay_of`: the dead-lettered run it replays (`fire_replay`).
 
-    Raises `UnknownJob`, `TriggeredTooOften`, or `DispatchFailed` when the broker refused it
+    Raises `UnknownJob`, `TriggeredTooOften`, `RunInProgress` when the job forbids
+    overlapping runs and one is in progress, or `DispatchFailed` when the broker refused it
     (the firing is then withdrawn: nothing half-done is left behind).
     """
     job = jobs.get(name)
-    now = clock()
     firing = await _claim_manual(
-        job.name, firings=firings, now=now, owner=owner, replay_of=replay_of
+        job,
+        firings=firings,
+        clock=clock,
+        owner=owner,
+        replay_of=replay_of,
+        stale_after=stale_after,
     )
     try:
         await publish(run_command_for(firing))
@@ -101,6 +115,7 @@ async def fire_replay(
     publish: Publish,
     clock: Clock,
     owner: str,
+    stale_after: timedelta = DEFAULT_STALE_AFTER,
 ) -> tuple[Firing, bool]:
     """Run the job of a dead-lettered run again, as a new manual firing linked to it
     (`replay_of`); (that firing, True) once its `RunCronJob` is confirmed.
@@ -122,6 +137,7 @@ async def fire_replay(
             clock=clock,
             owner=owner,
             replay_of=dead.run_id,
+            stale_after=stale_after,
         )
     except TriggeredTooOften:
         if (earlier := await firings.replayed_as(dead.run_id)) is None:
@@ -132,15 +148,25 @@ async def fire_replay(
 
 
 async def _claim_manual(
-    name: str, *, firings: FiringStore, now: datetime, owner: str, replay_of: str | None
+    job: ScheduledJob,
+    *,
+    firings: FiringStore,
+    clock: Clock,
+    owner: str,
+    replay_of: str | None,
+    stale_after: timedelta,
 ) -> Firing:
-    for at in _manual_fire_times(now):
-        firing = await firings.claim(
-            name, at, now=now, owner=owner, manual=True, replay_of=replay_of
+    for at in _manual_fire_times(clock()):
+        claim = Claim(job, at, owner=owner, manual=True, replay_of=replay_of)
+        firing = await claim_unless_overlapping(
+            claim, firings=firings, clock=clock, stale_after=stale_after
         )
+        if isinstance(firing, Overlap):
+            holder = firing.holder
+            raise RunInProgress(job.name, holder.run_id, holder.state.value, holder.heartbeat_at)
         if firing is not None:
             return firing
-    raise TriggeredTooOften(name)
+    raise TriggeredTooOften(job.name)
 
 
 async def _withdraw(firing: Firing, *, firings: FiringStore, error: Exception) -> bool:
@@ -175,6 +201,7 @@ class Dispatcher:
         grace: timedelta,
         redispatch_after: timedelta,
         owner: str,
+        stale_after: timedelta = DEFAULT_STALE_AFTER,
     ) -> None:
         self._jobs = jobs
         self._firings = firings
@@ -183,6 +210,7 @@ class Dispatcher:
         self._grace = grace
         self._redispatch_after = redispatch_after
         self._owner = owner
+        self._stale_after = stale_after
         self._next_due: dict[str, datetime] = {}
         self._last_tick_at: datetime | None = None
         self.ticks = 0
@@ -236,10 +264,13 @@ class Dispatcher:
             return None
         if plan.run is None:
             return None
-        # Stamped now, not when the tick began: a claim is stale `redispatch_after` after it.
-        firing = await self._firings.claim(
-            job.name, plan.run, now=self._clock(), owner=self._owner, missed=plan.missed
+        claim = Claim(job, plan.run, owner=self._owner, missed=plan.missed)
+        firing = await claim_unless_overlapping(
+            claim, firings=self._firings, clock=self._clock, stale_after=self._stale_after
         )
+        if isinstance(firing, Overlap):
+            await self._skip_overlapping(claim, firing)
+            return None
         if firing is None:
             return None  # another replica claimed it
         if plan.missed:
@@ -247,6 +278,24 @@ class Dispatcher:
         await dispatch(firing, firings=self._firings, publish=self._publish, clock=self._clock)
         log.info("job %s: fired for %s (run %s)", job.name, firing.scheduled_for, firing.run_id)
         return firing
+
+    async def _skip_overlapping(self, claim: Claim, overlap: Overlap) -> None:
+        """Record a fire time that came while a run of its job is in progress as skipped,
+        which moves the schedule past it (another replica may have recorded it first)."""
+        if await self._firings.record_skipped(
+            claim.job.name,
+            claim.scheduled_for,
+            now=self._clock(),
+            owner=self._owner,
+            missed=claim.missed,
+            reason=overlap.reason,
+        ):
+            log.warning(
+                "job %s: firing for %s skipped: %s",
+                claim.job.name,
+                claim.scheduled_for.isoformat(),
+                overlap.reason,
+            )
 
     async def _redispatch_stale(self, now: datetime) -> list[Firing]:
         claimed_before = to_millis(now - self._redispatch_after)

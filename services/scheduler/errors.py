@@ -7,6 +7,8 @@
     │                           dead-lettered (no retry can make the job exist)
     ├── DispatchFailed          a manual run could not be published: 503, nothing kept
     ├── TriggeredTooOften       manual runs of one job collide on their key: 429
+    ├── RunInProgress           a manual run of a job that forbids overlapping runs while
+    │                           one is in progress: 409 (a replay keeps its letter)
     ├── ReplayRefused           dead letters of jobs no longer configured: 409, nothing
     │                           replayed, every letter kept
     └── JobError                raised by a job handler
@@ -20,6 +22,8 @@ times (`SCHEDULER_JOB_MAX_ATTEMPTS`) before it is dead-lettered with the error a
 """
 
 from __future__ import annotations
+
+from datetime import datetime
 
 
 class SchedulerError(Exception):
@@ -48,6 +52,19 @@ class TriggeredTooOften(SchedulerError):
     def __init__(self, name: str) -> None:
         super().__init__(f"Cron job {name!r} is being triggered too often; try again.")
         self.name = name
+
+
+class RunInProgress(SchedulerError):
+    """A job that forbids overlapping runs has one in progress (not silent for long)."""
+
+    def __init__(self, job: str, run_id: str, state: str, since: datetime | None) -> None:
+        heard = "" if since is None else f", last heard of at {since.isoformat()}"
+        super().__init__(
+            f"Cron job {job!r} forbids overlapping runs and run {run_id} is in progress "
+            f"({state}{heard}); try again once it has ended."
+        )
+        self.job = job
+        self.run_id = run_id
 
 
 class ReplayRefused(SchedulerError):

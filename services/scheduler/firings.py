@@ -3,7 +3,7 @@ time run once, whatever the number of scheduler replicas.
 
     {_id: run_id, job, scheduled_for, manual, state, fired_at, claimed_by, claimed_at,
      dispatched_at, started_at, finished_at, attempts, missed, result, error,
-     next_attempt_at, replay_of}
+     next_attempt_at, replay_of, active_job, heartbeat_at}
 
 A fire time is claimed by inserting its document under a unique index on
 `(job, scheduled_for)`: the replica whose insert succeeds owns the firing, every other one
@@ -17,6 +17,15 @@ when it is claimed, so a run is never linked after the fact).
        |   still claimed after     `-------------->  retrying
        |   SCHEDULER_REDISPATCH_S)
     skipped: a missed fire time under the `skip` policy (terminal, never published)
+
+A run of a job that forbids overlapping runs (`concurrency = "forbid"`, the default) holds
+its job's lease from its claim until it ends: `active_job` names the job, under a unique
+index of the documents that have one, so no two replicas can start two runs of the job at
+once (the insert of the second fails). Every end of a run (`finish`, `supersede`,
+`abandon`) removes it. `heartbeat_at` is the run's last sign of life (its claim, re-claim,
+publish, each delivery's start, each retry recorded); a run silent for longer than
+`SCHEDULER_RUN_STALE_S` is taken for dead and `abandon`ed, so a run whose message was lost
+cannot hold its job for ever (`services.scheduler.overlap`).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from pymongo import ASCENDING, DESCENDING, AsyncMongoClient, ReturnDocument
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import DuplicateKeyError
 
+from services.scheduler.errors import SchedulerError
 from shared.contracts import new_id
 from shared.indexes import string_key
 
@@ -53,6 +63,25 @@ class FiringState(StrEnum):
 
 FINAL_STATES = frozenset({FiringState.SUCCEEDED, FiringState.FAILED, FiringState.SKIPPED})
 _FINAL = [state.value for state in FINAL_STATES]
+# The unique index that lets one run of a job hold its lease at a time.
+ACTIVE_RUN_INDEX = "one_active_run_per_job"
+# Removes a run's hold on its job's lease, in every update that ends the run.
+_RELEASE = {"$unset": {"active_job": ""}}
+
+
+class LeaseTaken(SchedulerError):
+    """Another run of the job holds its lease: its runs must not overlap."""
+
+    def __init__(self, job: str) -> None:
+        super().__init__(f"a run of cron job {job!r} is in progress")
+        self.job = job
+
+
+def _collided_on_lease(error: DuplicateKeyError) -> bool:
+    """Whether an insert collided on the lease index (rather than on its fire time or on
+    the dead run it replays)."""
+    key_pattern = (error.details or {}).get("keyPattern") or {}
+    return "active_job" in key_pattern or ACTIVE_RUN_INDEX in str(error)
 
 
 def to_millis(instant: datetime) -> datetime:
@@ -76,6 +105,7 @@ class Firing:
     result: dict[str, Any] | None = None
     error: str | None = None
     replay_of: str | None = None  # the dead-lettered run this one replays
+    heartbeat_at: datetime | None = None  # the run's last sign of life
 
     @classmethod
     def from_document(cls, document: Document) -> Firing:
@@ -93,6 +123,7 @@ class Firing:
             result=document.get("result"),
             error=document.get("error"),
             replay_of=document.get("replay_of"),
+            heartbeat_at=document.get("heartbeat_at"),
         )
 
 
@@ -111,10 +142,24 @@ class FiringStore(Protocol):
         manual: bool = False,
         missed: int = 0,
         replay_of: str | None = None,
+        exclusive: bool = False,
     ) -> Firing | None: ...
 
     async def record_skipped(
-        self, job: str, scheduled_for: datetime, *, now: datetime, owner: str, missed: int
+        self,
+        job: str,
+        scheduled_for: datetime,
+        *,
+        now: datetime,
+        owner: str,
+        missed: int,
+        reason: str | None = None,
+    ) -> bool: ...
+
+    async def active_run(self, job: str) -> Firing | None: ...
+
+    async def abandon(
+        self, run_id: str, *, silent_since: datetime, now: datetime, reason: str
     ) -> bool: ...
 
     async def mark_dispatched(self, run_id: str, *, now: datetime) -> None: ...
@@ -169,6 +214,14 @@ class Firings(FiringStore):
             name="replays",
             unique=True,
         )
+        # Unique: two replicas (or the clock and an operator) never start two runs of a job
+        # that forbids overlapping ones.
+        await self._collection.create_index(
+            [("active_job", ASCENDING)],
+            partialFilterExpression={"active_job": {"$type": "string"}},
+            name=ACTIVE_RUN_INDEX,
+            unique=True,
+        )
 
     async def last_scheduled(self, job: str, *, not_after: datetime) -> datetime | None:
         """The job's latest scheduled fire time up to `not_after` (now). A later one exists
@@ -202,6 +255,7 @@ class Firings(FiringStore):
             "fired_at": to_millis(now),
             "claimed_by": owner,
             "claimed_at": to_millis(now),
+            "heartbeat_at": to_millis(now),
             "attempts": 0,
             "missed": missed,
         }
@@ -219,8 +273,11 @@ class Firings(FiringStore):
         manual: bool = False,
         missed: int = 0,
         replay_of: str | None = None,
+        exclusive: bool = False,
     ) -> Firing | None:
-        """Claim a fire time; None when another replica (or an earlier tick) holds it."""
+        """Claim a fire time; None when another replica (or an earlier tick) holds it.
+        `exclusive`: the run takes its job's lease too, and `LeaseTaken` is raised when
+        another run of the job holds it."""
         document = self._new(
             job,
             scheduled_for,
@@ -231,15 +288,28 @@ class Firings(FiringStore):
             missed=missed,
             replay_of=replay_of,
         )
+        if exclusive:
+            document["active_job"] = job
         try:
             await self._collection.insert_one(document)
-        except DuplicateKeyError:
+        except DuplicateKeyError as error:
+            if exclusive and _collided_on_lease(error):
+                raise LeaseTaken(job) from error
             return None
         return Firing.from_document(document)
 
     async def record_skipped(
-        self, job: str, scheduled_for: datetime, *, now: datetime, owner: str, missed: int
+        self,
+        job: str,
+        scheduled_for: datetime,
+        *,
+        now: datetime,
+        owner: str,
+        missed: int,
+        reason: str | None = None,
     ) -> bool:
+        """Record a fire time as skipped (`reason`, shown as the run's error, says why);
+        False when another replica recorded or claimed it first."""
         document = self._new(
             job,
             scheduled_for,
@@ -250,6 +320,7 @@ class Firings(FiringStore):
             missed=missed,
         )
         document["finished_at"] = document["fired_at"]
+        document["error"] = reason
         try:
             await self._collection.insert_one(document)
         except DuplicateKeyError:
@@ -260,7 +331,13 @@ class Firings(FiringStore):
         # Only a firing still `claimed`: the consumer may already have started it.
         await self._collection.update_one(
             {"_id": run_id, "state": FiringState.CLAIMED.value},
-            {"$set": {"state": FiringState.DISPATCHED.value, "dispatched_at": to_millis(now)}},
+            {
+                "$set": {
+                    "state": FiringState.DISPATCHED.value,
+                    "dispatched_at": to_millis(now),
+                    "heartbeat_at": to_millis(now),
+                }
+            },
         )
 
     async def stale_claims(self, *, claimed_before: datetime, limit: int) -> list[Firing]:
@@ -277,7 +354,7 @@ class Firings(FiringStore):
                 "state": FiringState.CLAIMED.value,
                 "claimed_at": {"$lt": to_millis(claimed_before)},
             },
-            {"$set": {"claimed_at": to_millis(now)}},
+            {"$set": {"claimed_at": to_millis(now), "heartbeat_at": to_millis(now)}},
         )
         return result.modified_count == 1
 
@@ -291,7 +368,8 @@ class Firings(FiringStore):
                     "state": FiringState.SKIPPED.value,
                     "finished_at": to_millis(now),
                     "error": reason,
-                }
+                },
+                **_RELEASE,
             },
         )
         return result.modified_count == 1
@@ -304,6 +382,7 @@ class Firings(FiringStore):
                 "$set": {
                     "state": FiringState.RUNNING.value,
                     "started_at": to_millis(now),
+                    "heartbeat_at": to_millis(now),
                     "next_attempt_at": None,
                 },
                 "$max": {"attempts": attempt},
@@ -325,6 +404,7 @@ class Firings(FiringStore):
                     "error": error,
                     "next_attempt_at": to_millis(next_attempt_at),
                     "updated_at": to_millis(now),
+                    "heartbeat_at": to_millis(now),
                 }
             },
         )
@@ -349,10 +429,41 @@ class Firings(FiringStore):
                     "result": result,
                     "error": error,
                     "next_attempt_at": None,
-                }
+                },
+                **_RELEASE,
             },
         )
         return result_of.modified_count == 1
+
+    async def active_run(self, job: str) -> Firing | None:
+        """The run that holds `job`'s lease, if any."""
+        document = await self._collection.find_one({"active_job": string_key(job)})
+        return None if document is None else Firing.from_document(document)
+
+    async def abandon(
+        self, run_id: str, *, silent_since: datetime, now: datetime, reason: str
+    ) -> bool:
+        """Record a run that holds its job's lease and has shown no sign of life since
+        `silent_since` as failed (`reason`), releasing the lease; False when it has ended
+        or stirred meanwhile. A later delivery of it is then dropped (`begin`)."""
+        result = await self._collection.update_one(
+            {
+                "_id": run_id,
+                "active_job": {"$type": "string"},
+                "state": {"$nin": _FINAL},
+                "heartbeat_at": {"$lt": to_millis(silent_since)},
+            },
+            {
+                "$set": {
+                    "state": FiringState.FAILED.value,
+                    "finished_at": to_millis(now),
+                    "error": reason,
+                    "next_attempt_at": None,
+                },
+                **_RELEASE,
+            },
+        )
+        return result.modified_count == 1
 
     async def find(self, run_id: str) -> Firing | None:
         document = await self._collection.find_one({"_id": run_id})

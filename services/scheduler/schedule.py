@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from services.scheduler.config import JobConfig, MissedFirings
+from services.scheduler.config import Concurrency, JobConfig, MissedFirings
 from services.scheduler.cron import latest_fire_time, next_fire_time, next_fire_times
 from services.scheduler.errors import UnknownJob
 
@@ -37,6 +37,11 @@ class ScheduledJob:
     missed: MissedFirings
     enabled: bool
     description: str = ""
+    concurrency: Concurrency = Concurrency.FORBID
+
+    @property
+    def forbids_overlap(self) -> bool:
+        return self.concurrency is Concurrency.FORBID
 
     @classmethod
     def from_config(cls, name: str, config: JobConfig) -> ScheduledJob:
@@ -47,6 +52,7 @@ class ScheduledJob:
             missed=config.missed,
             enabled=config.enabled,
             description=config.description,
+            concurrency=config.concurrency,
         )
 
     def next_fire_time(self, after: datetime) -> datetime | None:

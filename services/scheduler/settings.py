@@ -42,6 +42,12 @@ class SchedulerSettings(ServiceSettings):
     )
     job_retry_base_s: float = Field(default=5.0, gt=0, validation_alias="SCHEDULER_RETRY_BASE_S")
     job_retry_cap_s: float = Field(default=600.0, gt=0, validation_alias="SCHEDULER_RETRY_CAP_S")
+    # A run of a job that forbids overlapping runs that shows no sign of life for this long
+    # (no delivery started, no retry recorded: its message lost, say) is recorded failed,
+    # "abandoned", and no longer keeps its job's next firings from running. Above the
+    # broker's consumer timeout plus SCHEDULER_RETRY_CAP_S, the longest a live run goes
+    # without one.
+    run_stale_s: float = Field(default=3600.0, gt=0, validation_alias="SCHEDULER_RUN_STALE_S")
     # The deadline of all the database work of one delivery of a job run (`pymongo.timeout`
     # around its handler), in place of MONGO_TIMEOUT_S, which is meant for request handling:
     # a rollup's `update_many` over a day of usage records outlasts that, and every retry
@@ -108,6 +114,22 @@ class SchedulerSettings(ServiceSettings):
                 f"BROKER_TIMEOUT_S ({self.broker_timeout_s:g}) plus twice MONGO_TIMEOUT_S "
                 f"({self.mongo_timeout_s:g}), the longest a firing takes from its claim to "
                 "being marked sent: another replica would publish a slow one again"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _a_live_run_is_never_taken_for_dead(self) -> Self:
+        """A run writes a heartbeat when each delivery starts and when each retry is
+        recorded: a delivery is held at most the broker's consumer timeout, and the next
+        one comes after at most SCHEDULER_RETRY_CAP_S. A shorter limit abandoned live runs
+        and let the next firing overlap them."""
+        longest_silence = BROKER_CONSUMER_TIMEOUT_S + self.job_retry_cap_s
+        if self.run_stale_s <= longest_silence:
+            raise ValueError(
+                f"SCHEDULER_RUN_STALE_S ({self.run_stale_s:g}) must exceed the broker's "
+                f"consumer timeout ({BROKER_CONSUMER_TIMEOUT_S:g}) plus SCHEDULER_RETRY_CAP_S "
+                f"({self.job_retry_cap_s:g}), the longest a live run goes without a sign of "
+                "life: a live run would be taken for dead and its job run beside it"
             )
         return self
 

@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from pydantic import SecretStr
 
 from services.scheduler.api import cron_routes
-from services.scheduler.errors import DispatchFailed, TriggeredTooOften
+from services.scheduler.errors import DispatchFailed, RunInProgress, TriggeredTooOften
 from services.scheduler.firings import Firing
 from services.scheduler.schedule import JobCatalog
 from shared.http import install_problem_handlers
@@ -43,6 +43,7 @@ def app_raising(error: Exception) -> FastAPI:
     [
         (TriggeredTooOften("rollup"), 429, "too-many-requests"),
         (DispatchFailed("the broker did not accept it"), 503, "broker-unavailable"),
+        (RunInProgress("rollup", "run-1", "running", NOW), 409, "run-in-progress"),
     ],
 )
 async def test_a_refused_manual_run_says_why(error: Exception, status: int, kind: str) -> None:

@@ -15,7 +15,7 @@ from functools import partial
 from typing import Any, cast
 
 from services.gateway.deadletters import DeadLetterQueue
-from services.scheduler.config import MissedFirings
+from services.scheduler.config import Concurrency, MissedFirings
 from services.scheduler.dead_letters import CronDeadLetters
 from services.scheduler.dispatcher import fire_replay
 from services.scheduler.schedule import JobCatalog, ScheduledJob
@@ -66,7 +66,11 @@ def _cron_letter(run_id: str) -> Letter:
 
 
 async def test_a_cron_replay_by_run_ids_looks_them_up_in_a_set() -> None:
-    jobs = JobCatalog([ScheduledJob("rollup", "5 * * * *", "UTC", MissedFirings.COALESCE, True)])
+    # Allowed to overlap: both replays start although neither run ends.
+    rollup = ScheduledJob(
+        "rollup", "5 * * * *", "UTC", MissedFirings.COALESCE, True, concurrency=Concurrency.ALLOW
+    )
+    jobs = JobCatalog([rollup])
     clock, published = Clock(NOW), Published()
     held = HeldLetters([_cron_letter(run_id) for run_id in ("dead-1", "dead-2", "dead-3")])
     dead_letters = CronDeadLetters(

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from services.scheduler.config import MissedFirings
+from services.scheduler.config import Concurrency, MissedFirings
 from services.scheduler.dispatcher import (
     MANUAL_CLAIM_TRIES,
     Dispatcher,
@@ -27,7 +27,7 @@ from services.scheduler.errors import (
     TriggeredTooOften,
     UnknownJob,
 )
-from services.scheduler.firings import Firing, FiringState, FiringStore, to_millis
+from services.scheduler.firings import Firing, FiringState, FiringStore, LeaseTaken, to_millis
 from services.scheduler.jobs import JobOutcome, JobRun
 from services.scheduler.runs import (
     DOWNSTREAM_FULL_MAX_WAIT,
@@ -48,11 +48,18 @@ START = datetime(2025, 1, 1, 10, 4, 50, tzinfo=UTC)
 
 
 class FakeFirings(FiringStore):
-    """The firings collection in memory, with its unique (job, scheduled_for) index."""
+    """The firings collection in memory, with its unique (job, scheduled_for) index and its
+    unique index of the runs holding their job's lease."""
 
     def __init__(self) -> None:
         self.by_id: dict[str, Firing] = {}
         self.claimed_at: dict[str, datetime] = {}
+        self.active: dict[str, str] = {}  # job -> the run holding its lease
+
+    def _release(self, run_id: str) -> None:
+        job = self.by_id[run_id].job
+        if self.active.get(job) == run_id:
+            del self.active[job]
 
     def _taken(self, job: str, scheduled_for: datetime) -> bool:
         return any(f.job == job and f.scheduled_for == scheduled_for for f in self.by_id.values())
@@ -75,23 +82,51 @@ class FakeFirings(FiringStore):
         manual: bool = False,
         missed: int = 0,
         replay_of: str | None = None,
+        exclusive: bool = False,
     ) -> Firing | None:
         scheduled_for = to_millis(scheduled_for)
         if self._taken(job, scheduled_for):
             return None
+        if exclusive and job in self.active:
+            raise LeaseTaken(job)
         firing = Firing(new_id(), job, scheduled_for, now, manual, FiringState.CLAIMED, 0, missed)
-        firing = dataclasses.replace(firing, replay_of=replay_of)
+        firing = dataclasses.replace(firing, replay_of=replay_of, heartbeat_at=now)
         self.by_id[firing.run_id] = firing
         self.claimed_at[firing.run_id] = now
+        if exclusive:
+            self.active[job] = firing.run_id
         return firing
 
     async def record_skipped(
-        self, job: str, scheduled_for: datetime, *, now: datetime, owner: str, missed: int
+        self,
+        job: str,
+        scheduled_for: datetime,
+        *,
+        now: datetime,
+        owner: str,
+        missed: int,
+        reason: str | None = None,
     ) -> bool:
         if self._taken(job, scheduled_for):
             return False
         firing = Firing(new_id(), job, scheduled_for, now, False, FiringState.SKIPPED, 0, missed)
-        self.by_id[firing.run_id] = firing
+        self.by_id[firing.run_id] = dataclasses.replace(firing, error=reason)
+        return True
+
+    async def active_run(self, job: str) -> Firing | None:
+        run_id = self.active.get(job)
+        return None if run_id is None else self.by_id[run_id]
+
+    async def abandon(
+        self, run_id: str, *, silent_since: datetime, now: datetime, reason: str
+    ) -> bool:
+        firing = self.by_id[run_id]
+        if self.active.get(firing.job) != run_id or firing.state.is_final:
+            return False
+        if firing.heartbeat_at is None or firing.heartbeat_at >= silent_since:
+            return False
+        self._release(run_id)
+        self._set(run_id, state=FiringState.FAILED, error=reason, finished_at=now)
         return True
 
     def _set(self, run_id: str, **changes: Any) -> None:
@@ -99,7 +134,7 @@ class FakeFirings(FiringStore):
 
     async def mark_dispatched(self, run_id: str, *, now: datetime) -> None:
         if self.by_id[run_id].state is FiringState.CLAIMED:
-            self._set(run_id, state=FiringState.DISPATCHED)
+            self._set(run_id, state=FiringState.DISPATCHED, heartbeat_at=now)
 
     async def stale_claims(self, *, claimed_before: datetime, limit: int) -> list[Firing]:
         return [
@@ -115,11 +150,13 @@ class FakeFirings(FiringStore):
         if self.claimed_at[firing.run_id] >= claimed_before:
             return False
         self.claimed_at[firing.run_id] = now
+        self._set(firing.run_id, heartbeat_at=now)
         return True
 
     async def supersede(self, run_id: str, *, now: datetime, reason: str) -> bool:
         if self.by_id[run_id].state is not FiringState.CLAIMED:
             return False
+        self._release(run_id)
         self._set(run_id, state=FiringState.SKIPPED, error=reason, finished_at=now)
         return True
 
@@ -127,7 +164,12 @@ class FakeFirings(FiringStore):
         firing = self.by_id.get(run_id)
         if firing is None or firing.state.is_final:
             return None
-        self._set(run_id, state=FiringState.RUNNING, attempts=max(firing.attempts, attempt))
+        self._set(
+            run_id,
+            state=FiringState.RUNNING,
+            attempts=max(firing.attempts, attempt),
+            heartbeat_at=now,
+        )
         return self.by_id[run_id]
 
     async def retrying(
@@ -135,7 +177,11 @@ class FakeFirings(FiringStore):
     ) -> None:
         if not self.by_id[run_id].state.is_final:
             self._set(
-                run_id, state=FiringState.RETRYING, error=error, next_attempt_at=next_attempt_at
+                run_id,
+                state=FiringState.RETRYING,
+                error=error,
+                next_attempt_at=next_attempt_at,
+                heartbeat_at=now,
             )
 
     async def finish(
@@ -149,6 +195,7 @@ class FakeFirings(FiringStore):
     ) -> bool:
         if run_id not in self.by_id or self.by_id[run_id].state.is_final:
             return False
+        self._release(run_id)
         self._set(run_id, state=state, result=result, error=error, finished_at=now)
         return True
 
@@ -166,6 +213,7 @@ class FakeFirings(FiringStore):
     async def forget_unpublished(self, run_id: str) -> bool:
         if self.by_id[run_id].state is not FiringState.CLAIMED:
             return False
+        self._release(run_id)
         del self.by_id[run_id]
         return True
 
@@ -201,8 +249,20 @@ async def _history(firings: FakeFirings, scheduled_for: datetime) -> None:
     await firings.finish(firing.run_id, state=FiringState.SUCCEEDED, now=scheduled_for)
 
 
-def _jobs(missed: MissedFirings = MissedFirings.COALESCE, *, enabled: bool = True) -> JobCatalog:
-    return JobCatalog([ScheduledJob("rollup", "5 * * * *", "UTC", missed, enabled=enabled)])
+# For tests of the schedule itself, whose runs never end (nothing consumes them): under the
+# default `forbid` each would keep the next from starting (`test_scheduler_overlap.py`).
+OVERLAPPING = Concurrency.ALLOW
+
+
+def _jobs(
+    missed: MissedFirings = MissedFirings.COALESCE,
+    *,
+    enabled: bool = True,
+    concurrency: Concurrency = Concurrency.FORBID,
+) -> JobCatalog:
+    return JobCatalog(
+        [ScheduledJob("rollup", "5 * * * *", "UTC", missed, enabled, concurrency=concurrency)]
+    )
 
 
 def _dispatcher(
@@ -226,7 +286,9 @@ async def test_a_schedule_past_its_last_date_fires_nothing_more_and_stops_nothin
     jobs = JobCatalog(
         [
             ScheduledJob("once", "0 11 1 1 * 0 2025", "UTC", MissedFirings.COALESCE, enabled=True),
-            ScheduledJob("rollup", "5 * * * *", "UTC", MissedFirings.COALESCE, enabled=True),
+            ScheduledJob(
+                "rollup", "5 * * * *", "UTC", MissedFirings.COALESCE, True, concurrency=OVERLAPPING
+            ),
         ]
     )
     dispatcher = _dispatcher(firings, published, clock, jobs)
@@ -240,7 +302,8 @@ async def test_a_schedule_past_its_last_date_fires_nothing_more_and_stops_nothin
 
 async def test_two_replicas_fire_each_fire_time_once() -> None:
     firings, published, clock = FakeFirings(), Published(), Clock(START)
-    replicas = [_dispatcher(firings, published, clock, _jobs(), owner) for owner in "ab"]
+    jobs = _jobs(concurrency=OVERLAPPING)
+    replicas = [_dispatcher(firings, published, clock, jobs, owner) for owner in "ab"]
     for _ in range(3):  # idle ticks before the fire time
         for replica in replicas:
             assert await replica.tick() == []
@@ -263,8 +326,9 @@ async def test_a_replica_whose_clock_ran_ahead_stops_no_schedule() -> None:
     is set back."""
     firings, published = FakeFirings(), Published()
     real, ahead = Clock(START + timedelta(seconds=16)), Clock(START + timedelta(days=1, seconds=16))
-    fast = _dispatcher(firings, published, ahead, _jobs(), owner="fast")
-    steady = _dispatcher(firings, published, real, _jobs(), owner="steady")
+    jobs = _jobs(concurrency=OVERLAPPING)
+    fast = _dispatcher(firings, published, ahead, jobs, owner="fast")
+    steady = _dispatcher(firings, published, real, jobs, owner="steady")
     await fast.tick()
     await steady.tick()
     today = datetime(2025, 1, 1, 10, 5, tzinfo=UTC)
@@ -455,7 +519,7 @@ async def test_a_reclaim_behind_a_slow_publish_is_not_stale_before_it_is_publish
 
 async def test_manual_runs_do_not_move_the_schedule() -> None:
     firings, published, clock = FakeFirings(), Published(), Clock(START)
-    jobs = _jobs(enabled=False)
+    jobs = _jobs(enabled=False, concurrency=OVERLAPPING)
     first = await fire_by_hand(
         "rollup", jobs=jobs, firings=firings, publish=published, clock=clock, owner="a"
     )
@@ -484,13 +548,14 @@ async def test_manual_runs_do_not_move_the_schedule() -> None:
 async def test_manual_runs_faster_than_their_keys_are_refused_as_too_many() -> None:
     """Colliding manual claims were answered "broker unavailable" (503)."""
     firings, published, clock = FakeFirings(), Published(), Clock(START)
+    jobs = _jobs(concurrency=OVERLAPPING)
     for _ in range(MANUAL_CLAIM_TRIES):
         await fire_by_hand(
-            "rollup", jobs=_jobs(), firings=firings, publish=published, clock=clock, owner="a"
+            "rollup", jobs=jobs, firings=firings, publish=published, clock=clock, owner="a"
         )
     with pytest.raises(TriggeredTooOften):
         await fire_by_hand(
-            "rollup", jobs=_jobs(), firings=firings, publish=published, clock=clock, owner="a"
+            "rollup", jobs=jobs, firings=firings, publish=published, clock=clock, owner="a"
         )
     assert len(published.commands) == len(firings.of("rollup")) == MANUAL_CLAIM_TRIES
 
@@ -588,11 +653,12 @@ async def test_a_manual_run_at_a_fire_time_leaves_the_fire_time_to_the_schedule(
     fire_time = START.replace(minute=5, second=0)
     firings, published = FakeFirings(), Published()
     clock = Clock(fire_time + timedelta(microseconds=400))
+    jobs = _jobs(concurrency=OVERLAPPING)
     manual = await fire_by_hand(
-        "rollup", jobs=_jobs(), firings=firings, publish=published, clock=clock, owner="a"
+        "rollup", jobs=jobs, firings=firings, publish=published, clock=clock, owner="a"
     )
     assert manual.scheduled_for != fire_time
-    await _dispatcher(firings, published, clock, _jobs()).tick()
+    await _dispatcher(firings, published, clock, jobs).tick()
     assert [(c.manual, c.scheduled_for) for c in published.commands] == [
         (True, manual.scheduled_for),
         (False, fire_time),

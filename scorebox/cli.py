@@ -21,12 +21,15 @@ one (127.0.0.1, ::1, localhost). Every failure is one line on stderr and a non-z
 from __future__ import annotations
 
 import contextlib
+import email.utils
 import ipaddress
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 from urllib.parse import quote
@@ -45,6 +48,13 @@ DEFAULT_SCHEDULER_URL = "http://127.0.0.1:8003"
 MAX_PORT = 65_535
 # How much of an answer that is not what was expected an error line quotes.
 QUOTED_CHARS = 300
+# What the gateway takes as an Idempotency-Key (`services.gateway.api.IDEMPOTENCY_KEY`), and
+# what an HTTP header can carry of a key at all: visible ASCII.
+IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
+VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
+# Answers to poll again after (the gateway's Retry-After), not to give up on.
+RETRY_LATER = {429, 503}
+API_KEY_VARIABLE, ADMIN_KEY_VARIABLE = "SCOREBOX_API_KEY", "SCOREBOX_ADMIN_KEY"
 
 # The seam for tests: every client uses this transport when set (e.g. an httpx.MockTransport),
 # the network otherwise.
@@ -54,6 +64,23 @@ transport: httpx.BaseTransport | None = None
 def _exit(message: str) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code=1)
+
+
+def _usage_error(message: str) -> NoReturn:
+    """An argument the command cannot send: one line and exit 2, as click's own usage errors,
+    before anything is sent."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=2)
+
+
+def _segment(value: str, name: str) -> str:
+    """`value` as one path segment: `/`, `?`, `#` and the rest percent-encoded, and `.` or
+    `..` too, which the client would otherwise resolve (`keys revoke ../dead-letters` sent
+    `DELETE /admin/v1/dead-letters` and purged the dead-letter queue)."""
+    if not value:
+        _usage_error(f"{name} must not be empty")
+    quoted = quote(value, safe="")
+    return quoted.replace(".", "%2E") if quoted in (".", "..") else quoted
 
 
 def _base_url(variable: str, default: str) -> httpx.URL:
@@ -96,14 +123,27 @@ def _http(base_url: httpx.URL, key: str | None) -> httpx.Client:
     )
 
 
+def _key(variable: str) -> str | None:
+    """The key in `variable` (None when unset or empty); exits 1 with one line when it holds
+    what no HTTP header can carry: the README's `sbx_…` pasted as it stands raised a
+    UnicodeEncodeError traceback."""
+    key = os.environ.get(variable)
+    if key and not VISIBLE_ASCII.fullmatch(key):
+        _exit(
+            f"{variable} holds characters no key has (only visible ASCII does): set it to "
+            "the key itself as `scorebox keys create` printed it, not a placeholder"
+        )
+    return key or None
+
+
 def _client(*, admin: bool = False) -> httpx.Client:
-    key = os.environ.get("SCOREBOX_ADMIN_KEY" if admin else "SCOREBOX_API_KEY")
+    key = _key(ADMIN_KEY_VARIABLE if admin else API_KEY_VARIABLE)
     return _http(_base_url("SCOREBOX_URL", DEFAULT_GATEWAY_URL), key)
 
 
 def _scheduler_client() -> httpx.Client:
     base_url = _base_url("SCOREBOX_SCHEDULER_URL", DEFAULT_SCHEDULER_URL)
-    return _http(base_url, os.environ.get("SCOREBOX_ADMIN_KEY"))
+    return _http(base_url, _key(ADMIN_KEY_VARIABLE))
 
 
 @contextlib.contextmanager
@@ -134,8 +174,17 @@ def _fail(response: httpx.Response) -> typer.Exit:
         detail = _quote(response.text) or response.reason_phrase
     elif not isinstance(detail, str):
         detail = json.dumps(detail, ensure_ascii=False)
-    typer.echo(f"error {response.status_code}: {detail}", err=True)
+    typer.echo(f"error {response.status_code}: {detail}{_no_key_hint(response)}", err=True)
     return typer.Exit(code=1)
+
+
+def _no_key_hint(response: httpx.Response) -> str:
+    """For a 401 to a request sent with no key: which variable to set (the gateway's detail
+    speaks of an Authorization header, which the CLI's user never writes)."""
+    if response.status_code != 401 or "Authorization" in response.request.headers:
+        return ""
+    admin = response.request.url.path.startswith("/admin/")
+    return f" (no key was sent: set {ADMIN_KEY_VARIABLE if admin else API_KEY_VARIABLE})"
 
 
 def _answer(response: httpx.Response, *fields: str) -> dict[str, Any]:
@@ -159,10 +208,21 @@ def _show(body: dict[str, Any]) -> None:
 
 
 def _wait(client: httpx.Client, task_id: str, timeout_s: float) -> dict[str, Any]:
+    """Poll the task until it is final or `timeout_s` passes. A 429 or 503 (the gateway
+    busy, the status service away for a moment) is polled again after its Retry-After,
+    while that falls before the deadline: it ended the wait at once with exit 1."""
     deadline = time.monotonic() + timeout_s
     delay = 0.2
+    path = f"/v1/scores/{_segment(task_id, 'task_id')}"
     while True:
-        response = client.get(f"/v1/scores/{task_id}")
+        response = client.get(path)
+        if response.status_code in RETRY_LATER:
+            pause = max(_retry_after(response) or 0.0, delay)
+            if time.monotonic() + pause > deadline:
+                raise _fail(response)
+            time.sleep(pause)
+            delay = min(delay * 1.5, 3.0)
+            continue
         if response.status_code != 200:
             raise _fail(response)
         body = _answer(response, "status")
@@ -170,6 +230,21 @@ def _wait(client: httpx.Client, task_id: str, timeout_s: float) -> dict[str, Any
             return body
         time.sleep(delay)
         delay = min(delay * 1.5, 3.0)
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """The seconds `response`'s Retry-After asks for (seconds or an HTTP date); None when it
+    has none the CLI can read."""
+    value = response.headers.get("Retry-After", "").strip()
+    if value.isascii() and value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:  # "-0000": UTC, the zone unstated
+        when = when.replace(tzinfo=UTC)
+    return max((when - datetime.now(UTC)).total_seconds(), 0.0)
 
 
 @app.command()
@@ -185,11 +260,12 @@ def submit(
     Exits 1 when the text cannot be read, the gateway refuses it or cannot be reached, or
     --wait runs out before the task finishes; 2 when the task failed.
     """
+    _check_idempotency_key(idempotency_key)
     text = _read_text(file)
     payload: dict[str, Any] = {"text": text}
     if rubric:
         payload["rubric"] = rubric
-    headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+    headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else {}
     with _reaching(_client()) as client:
         response = client.post("/v1/scores", json=payload, headers=headers)
         if response.status_code not in (200, 202):
@@ -207,21 +283,33 @@ def submit(
             raise typer.Exit(code=1)
 
 
+def _check_idempotency_key(key: str | None) -> None:
+    """The gateway's rule, checked before anything is sent: a key with other than ASCII in it
+    raised a UnicodeEncodeError traceback, one with a space was sent to be refused."""
+    if key is not None and not IDEMPOTENCY_KEY.fullmatch(key):
+        _usage_error("--idempotency-key must be 1 to 255 visible ASCII characters (no spaces)")
+
+
 def _read_text(file: Path) -> str:
-    if str(file) == "-":
-        return sys.stdin.read()
+    """The text in `file` (`-`: stdin) as UTF-8; exits 1 with one line when it cannot be read.
+    Stdin is read as bytes and decoded here: decoded by Python, a stream that is not UTF-8
+    raised a traceback."""
     try:
+        if str(file) == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
         return file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
-        typer.echo(f"error: cannot read {file}: {error}", err=True)
+        source = "stdin" if str(file) == "-" else file
+        typer.echo(f"error: cannot read {source}: {error}", err=True)
         raise typer.Exit(code=1) from error
 
 
 @app.command()
 def status(task_id: str) -> None:
     """Show a task's status and, once completed, its score."""
+    path = f"/v1/scores/{_segment(task_id, 'TASK_ID')}"
     with _reaching(_client()) as client:
-        response = client.get(f"/v1/scores/{task_id}")
+        response = client.get(path)
         if response.status_code != 200:
             raise _fail(response)
         _show(_answer(response))
@@ -261,7 +349,7 @@ def dlq_list() -> None:
 @dlq.command("show")
 def dlq_show(letter_id: str) -> None:
     """Show one dead letter by message id or task id."""
-    _admin_call("GET", f"/admin/v1/dead-letters/{letter_id}")
+    _admin_call("GET", f"/admin/v1/dead-letters/{_segment(letter_id, 'LETTER_ID')}")
 
 
 @dlq.command("replay")
@@ -310,7 +398,7 @@ def keys_list(
 @keys.command("revoke")
 def keys_revoke(key_id: str) -> None:
     """Revoke a key; every gateway refuses it within a few seconds (API_KEY_CACHE_TTL_S)."""
-    _admin_call("DELETE", f"/admin/v1/keys/{key_id}")
+    _admin_call("DELETE", f"/admin/v1/keys/{_segment(key_id, 'KEY_ID')}")
 
 
 @app.command()
@@ -416,7 +504,7 @@ def cron_run(
     out, and 2 when the run failed.
     """
     with _reaching(_scheduler_client()) as client:
-        response = client.post(f"/admin/v1/cron/jobs/{quote(job, safe='')}/run")
+        response = client.post(f"/admin/v1/cron/jobs/{_segment(job, 'JOB')}/run")
         if response.status_code != 202:
             raise _fail(response)
         accepted = _answer(response, "status_url") if wait else _answer(response)

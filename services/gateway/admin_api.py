@@ -8,7 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictBool, model_validator
 
 from services.gateway.api import json_body, read_model
 from services.gateway.deadletters import DeadLetterQueue, Walk
@@ -19,10 +19,14 @@ from shared.http import Problem, admin_guard
 
 
 class ReplayRequest(BaseModel):
-    """Which dead letters to replay: `ids` (message or task ids) or `all`."""
+    """Which dead letters to replay: `ids` (message or task ids) or `all`. Unknown fields are
+    refused: an option this server does not know (`dry_run`) was ignored and the replay ran
+    for real. `all` is strict: "false" is not a boolean."""
+
+    model_config = ConfigDict(extra="forbid")
 
     ids: list[str] = Field(default_factory=list, max_length=10_000)
-    all: bool = False
+    all: StrictBool = False
 
     @model_validator(mode="after")
     def _one_selection(self) -> ReplayRequest:

@@ -6,7 +6,16 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from shared.text import is_blank
 from shared.webhook_urls import MAX_URL_LENGTH, validate_webhook_url
@@ -25,7 +34,13 @@ EXPIRED = "expired"
 def checked_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
     """Client metadata as the database can keep it: no operator-like keys, integers within
     64 bits (JSON allows more, BSON does not), nested at most `MAX_METADATA_DEPTH` levels,
-    at most `MAX_METADATA_BYTES` as JSON."""
+    at most `MAX_METADATA_BYTES` as JSON.
+
+    The JSON parser reads an integer literal past 64 bits as a float (2**70 + 1 arrives as
+    1.1805916207174113e+21), so a float of magnitude 2**63 or more (every one of which is
+    integral) is refused as that integer would be: it is no longer the client's value and
+    would not round-trip. A client who meant such a float (1e30) is refused too and can send
+    it as a string."""
     _check_metadata_values(metadata)
     if len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
         raise ValueError(f"metadata must serialise to at most {MAX_METADATA_BYTES} bytes")
@@ -43,10 +58,17 @@ def _check_metadata_values(value: Any, path: str = "metadata", depth: int = 1) -
     elif isinstance(value, list):
         for index, item in enumerate(value):
             _check_metadata_values(item, f"{path}[{index}]", depth + 1)
-    elif isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+    elif _beyond_int64(value):
         raise ValueError(
             f"{path}: integers must fit in 64 bits (signed); send a larger one as a string"
         )
+
+
+def _beyond_int64(value: Any) -> bool:
+    """An integer BSON cannot hold, or a float the JSON parser made of such an integer."""
+    if isinstance(value, float):  # every float this large is integral
+        return abs(value) >= 2.0**63
+    return isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX
 
 
 class ScoreSubmission(BaseModel):
@@ -72,9 +94,11 @@ class ScoreSubmission(BaseModel):
     rubric: str | None = Field(default=None, max_length=4_000)
     model: str | None = Field(default=None, min_length=1, max_length=200)
     metadata: dict[str, Any] = Field(default_factory=dict, description="Kept with the task.")
-    delay_seconds: int | None = Field(default=None, ge=0, le=MAX_DELAY_S)
+    # Strict: JSON `true` was read as a one-second delay and "30" as 30.
+    delay_seconds: StrictInt | None = Field(default=None, ge=0, le=MAX_DELAY_S)
     not_before: AwareDatetime | None = Field(default=None, description="Do not score before.")
-    use_cache: bool = Field(
+    # Strict: "no" and 0 were read as false.
+    use_cache: StrictBool = Field(
         default=True,
         description="Answer at once from an earlier identical result (same normalised text, "
         "rubric and model) when there is one; false always scores anew.",
@@ -92,6 +116,15 @@ class ScoreSubmission(BaseModel):
     @classmethod
     def _callback_url_safe(cls, url: str | None) -> str | None:
         return None if url is None else validate_webhook_url(url)
+
+    @field_validator("not_before", mode="before")
+    @classmethod
+    def _not_before_not_a_number(cls, when: Any) -> Any:
+        """A number was read as a Unix time: `30` meant to wait was 1970, due at once."""
+        if isinstance(when, int | float):
+            message = "not_before must be an RFC 3339 date-time string with an offset"
+            raise ValueError(message)  # noqa: TRY004 - becomes a ValidationError
+        return when
 
     @field_validator("not_before")
     @classmethod

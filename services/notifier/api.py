@@ -7,7 +7,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from fastapi import APIRouter, Path, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from services.notifier.errors import UnsafeDestination
 from services.notifier.keyring import Keyring, TenantSecret
@@ -34,6 +34,11 @@ class SigningSecret(BaseModel):
 
 
 class AlertUrl(BaseModel):
+    """A failure-alert URL. Unknown fields are refused, as by every body of the gateway: a
+    client other than the gateway misspelling a field had it dropped without a word."""
+
+    model_config = ConfigDict(extra="forbid")
+
     url: str = Field(max_length=MAX_URL_LENGTH)
 
 

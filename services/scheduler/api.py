@@ -27,7 +27,7 @@ from datetime import date, datetime, timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictBool, model_validator
 
 from services.scheduler.cron import zone
 from services.scheduler.dead_letters import CronDeadLetters
@@ -261,12 +261,13 @@ class CronDeadLetterList(_Out):
 
 
 class CronReplayRequest(BaseModel):
-    """Which dead letters to replay: `run_ids`, or `all`."""
+    """Which dead letters to replay: `run_ids`, or `all` (strict: "no" and 0 were read as
+    false and "yes" as true)."""
 
     model_config = ConfigDict(extra="forbid")
 
     run_ids: list[str] = Field(default_factory=list, max_length=10_000)
-    all: bool = False
+    all: StrictBool = False
 
     @model_validator(mode="after")
     def _one_selection(self) -> CronReplayRequest:

@@ -206,6 +206,9 @@ async def test_items_override_the_batch_rubric_and_the_failures_are_counted(
         pytest.param({"text": "hi", "colour": "red"}, "items[5].colour", id="unknown-field"),
         pytest.param({"text": "hi", "metadata": {"$where": 1}}, "items[5].metadata", id="op"),
         pytest.param({"text": "hi", "metadata": {"n": 2**63}}, "items[5].metadata", id="int64"),
+        pytest.param(
+            {"text": "hi", "metadata": {"n": 2**70 + 1}}, "items[5].metadata", id="beyond-uint64"
+        ),
         pytest.param({"text": "hi", "client_id": "doc-1"}, "items[5].client_id", id="dup-id"),
     ],
 )

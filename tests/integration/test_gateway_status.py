@@ -128,19 +128,35 @@ BAD_INPUTS = [
         {"json": {"text": "hi", "metadata": {"$where": "1"}}}, 422, id="operator-in-metadata"
     ),
     pytest.param({"json": {"text": "hi", "metadata": {"a.b": 1}}}, 422, id="dot-in-metadata"),
-    # JSON integers have no bound; BSON's stop at 64 bits, signed (the JSON parser already
-    # turns integers beyond 64 bits, unsigned, into floats).
+    # JSON integers have no bound; BSON's stop at 64 bits, signed (the JSON parser turns
+    # integers beyond 64 bits, unsigned, into floats, refused as well).
     pytest.param(
         {"json": {"text": "hi", "metadata": {"n": 2**63}}}, 422, id="integer-beyond-int64"
     ),
     pytest.param(
         {"json": {"text": "hi", "metadata": {"n": [2**64 - 1]}}}, 422, id="uint64-in-metadata"
     ),
+    # Past 64 bits unsigned, the JSON parser reads a float (1.1805916207174113e+21): it got
+    # past the integer check, was accepted and kept as a float, not the client's value.
+    pytest.param({"json": {"text": "hi", "metadata": {"n": 2**70 + 1}}}, 422, id="beyond-uint64"),
+    pytest.param(
+        {"json": {"text": "hi", "metadata": {"n": [{"m": -(2**70)}]}}},
+        422,
+        id="beyond-int64-negative-nested",
+    ),
     pytest.param({"json": {"text": "hi", "metadata": _nested(40)}}, 422, id="metadata-too-deep"),
     pytest.param(
         {"json": {"text": "hi", "metadata": _nested(400)}}, 422, id="metadata-far-too-deep"
     ),
     pytest.param({"json": {"text": "hi", "delay_seconds": -1}}, 422, id="negative-delay"),
+    # A field of the wrong JSON type was coerced: `true` was a one-second delay, "30" thirty
+    # seconds, "no" and 0 turned the cache off, a number was read as a Unix time.
+    pytest.param({"json": {"text": "hi", "delay_seconds": True}}, 422, id="boolean-delay"),
+    pytest.param({"json": {"text": "hi", "delay_seconds": "30"}}, 422, id="string-delay"),
+    pytest.param({"json": {"text": "hi", "delay_seconds": 30.0}}, 422, id="float-delay"),
+    pytest.param({"json": {"text": "hi", "use_cache": "no"}}, 422, id="string-use-cache"),
+    pytest.param({"json": {"text": "hi", "use_cache": 0}}, 422, id="number-use-cache"),
+    pytest.param({"json": {"text": "hi", "not_before": 30}}, 422, id="number-time"),
     # Valid with their offsets, out of range in UTC (BSON could not encode them: was a 500).
     pytest.param(
         {"json": {"text": "hi", "not_before": "0001-01-01T00:00:00+01:00"}},
@@ -168,6 +184,31 @@ async def test_bad_input_is_a_problem_and_changes_nothing(
     response = await stack.api.post("/v1/scores", **request_args)  # type: ignore[arg-type]
     _assert_problem(response, status)
     assert await _submission_count(stack) == before
+
+
+@pytest.mark.parametrize("number", [2**63, 2**70 + 1, -(2**70)])
+async def test_an_integer_past_64_bits_in_metadata_is_refused_for_one_reason(
+    stack: Stack, number: int
+) -> None:
+    """Past 64 bits unsigned, the JSON parser reads a float: 2**70 + 1 got past the integer
+    check and was kept as 1.1805916207174113e+21, the client's value silently changed."""
+    body = {"text": "hi", "metadata": {"n": number}}
+    problem = _assert_problem(await stack.api.post("/v1/scores", json=body), 422)
+    assert "metadata.n: integers must fit in 64 bits" in str(problem["detail"])
+    assert "send a larger one as a string" in str(problem["detail"])
+
+
+async def test_numbers_within_64_bits_and_fractions_in_metadata_are_kept_as_sent(
+    stack: Stack,
+) -> None:
+    await queued_commands(stack.amqp_url)
+    metadata = {"largest": 2**63 - 1, "smallest": -(2**63), "ratio": 0.5, "near": 9.2e18}
+    response = await stack.api.post(
+        "/v1/scores", json={"text": "Numbers kept.", "metadata": metadata, "use_cache": False}
+    )
+    assert response.status_code == 202, response.text
+    commands = await queued_commands(stack.amqp_url)
+    assert [command.metadata for command in commands] == [metadata]
 
 
 @pytest.mark.parametrize("text", ["\u0001", "\u0000\u0080 \t", "\u0085\u2028\u00a0\u009f"])

@@ -635,6 +635,19 @@ async def test_a_bad_failure_alert_body_is_refused_like_every_body(
     assert (await flow.api.get("/v1/webhooks/failure-alert")).status_code == 404
 
 
+async def test_the_notifier_refuses_a_failure_alert_body_with_an_unknown_field(
+    flow: Flow,
+) -> None:
+    """It dropped the field without a word, unlike every body of the gateway."""
+    tenant_id = f"unknown-field-{_marker()}"
+    path = f"/internal/v1/tenants/{tenant_id}/failure-alert"
+    body = {"url": flow.receiver.endpoint(204), "colour": "red"}
+    response = await flow.notifier.put(path, json=body)
+    assert response.status_code == 422, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    assert (await flow.notifier.get(path)).status_code == 404
+
+
 async def test_a_failure_alert_registered_under_older_rules_can_still_be_read(flow: Flow) -> None:
     """Checked again on the way out, a URL that a later rule refuses made the read a 500."""
     tenant_id = f"older-rules-{_marker()}"

@@ -264,6 +264,20 @@ async def test_a_replay_of_all_skips_the_letters_of_jobs_no_longer_configured(en
     await drain(env.amqp_url, DLQ)
 
 
+@pytest.mark.parametrize("selection", [{"all": "true"}, {"all": 1}], ids=["string", "number"])
+async def test_a_replay_of_all_needs_a_json_boolean_and_replays_nothing_otherwise(
+    env: Env, selection: Json
+) -> None:
+    """ "true" and 1 were read as `all: true` (and "no" or 0 as false)."""
+    await drain(env.amqp_url, DLQ)
+    await _dead_letter(env, _dead_run())
+    async with scheduler(env, CONFIG, handlers={JOB: Probe()}) as (api, _):
+        _assert_problem(await api.post(REPLAY, json=selection), 422)
+        assert (await _listed(api))["count"] == 1
+    assert await _depth(env.amqp_url) == 1
+    await drain(env.amqp_url, DLQ)
+
+
 async def test_an_unreadable_letter_is_skipped_and_kept(env: Env) -> None:
     await drain(env.amqp_url, DLQ)
     await _dead_letter(env, b"{}", reason="unreadable cron.run")

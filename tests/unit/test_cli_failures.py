@@ -3,6 +3,8 @@ nothing happened. Against a fake gateway (httpx.MockTransport)."""
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,14 +15,15 @@ from typer.testing import CliRunner
 from scorebox import cli
 
 
-def _run(*args: str) -> Any:
-    return CliRunner().invoke(cli.app, list(args))
+def _run(*args: str, input: bytes | None = None) -> Any:
+    return CliRunner().invoke(cli.app, list(args), input=input)
 
 
 @pytest.fixture(autouse=True)
 def environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SCOREBOX_URL", "http://gateway.test")
     monkeypatch.setenv("SCOREBOX_ADMIN_KEY", "the-admin-key")
+    monkeypatch.delenv("SCOREBOX_API_KEY", raising=False)
 
 
 def _gateway(monkeypatch: pytest.MonkeyPatch, answer: Any) -> None:
@@ -88,3 +91,213 @@ def test_a_wait_that_runs_out_exits_1(monkeypatch: pytest.MonkeyPatch, tmp_path:
     result = _run("submit", str(essay), "--wait", "--timeout", "0")
     assert result.exit_code == 1
     assert "still queued" in result.output
+
+
+def test_a_wait_polls_on_through_busy_answers_after_their_retry_after(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The first 429 or 503 while polling ended the wait with exit 1, the task unfinished."""
+    essay = tmp_path / "essay.txt"
+    essay.write_text("An essay.", encoding="utf-8")
+    answers = iter(
+        [
+            httpx.Response(503, headers={"Retry-After": "7"}, json={"detail": "status away"}),
+            httpx.Response(429, headers={"Retry-After": "2"}, json={"detail": "slow down"}),
+            httpx.Response(200, json={"task_id": "t1", "status": "completed", "result": {}}),
+        ]
+    )
+    queued = {"task_id": "t1", "status": "queued", "status_url": "/v1/scores/t1"}
+    _gateway(
+        monkeypatch,
+        lambda request: (
+            httpx.Response(202, json=queued) if request.method == "POST" else next(answers)
+        ),
+    )
+    pauses: list[float] = []
+    monkeypatch.setattr(time, "sleep", pauses.append)
+    result = _run("submit", str(essay), "--wait")
+    assert result.exit_code == 0, result.output
+    assert '"completed"' in result.output
+    assert pauses == [7, 2]
+
+
+def test_a_wait_gives_up_on_busy_answers_at_its_own_deadline(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    essay = tmp_path / "essay.txt"
+    essay.write_text("An essay.", encoding="utf-8")
+    queued = {"task_id": "t1", "status": "queued", "status_url": "/v1/scores/t1"}
+    busy = httpx.Response(503, headers={"Retry-After": "5"}, json={"detail": "status away"})
+    _gateway(
+        monkeypatch,
+        lambda request: httpx.Response(202, json=queued) if request.method == "POST" else busy,
+    )
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    result = _run("submit", str(essay), "--wait", "--timeout", "1")
+    assert result.exit_code == 1
+    assert "error 503: status away" in result.output
+
+
+# --- What cannot be sent ------------------------------------------------------------------
+
+
+def _recorded(monkeypatch: pytest.MonkeyPatch) -> list[httpx.Request]:
+    seen: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"task_id": "t1", "status": "queued"})
+
+    _gateway(monkeypatch, answer)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("variable", "command"),
+    [
+        ("SCOREBOX_API_KEY", ("status", "t1")),
+        ("SCOREBOX_ADMIN_KEY", ("dlq", "list")),
+        ("SCOREBOX_ADMIN_KEY", ("cron", "list")),
+    ],
+)
+@pytest.mark.parametrize("key", ["sbx_…", "sbx_abc def"])
+def test_a_key_no_header_can_carry_is_one_line_naming_its_variable(
+    monkeypatch: pytest.MonkeyPatch, variable: str, command: tuple[str, ...], key: str
+) -> None:
+    """The README's `Bearer sbx_…` pasted as it stands raised a UnicodeEncodeError."""
+    seen = _recorded(monkeypatch)
+    monkeypatch.setenv(variable, key)
+    result = _run(*command)
+    assert result.exit_code == 1
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert variable in result.output
+    assert key not in result.output  # a key, even a wrong one, is not echoed
+    assert seen == []
+
+
+@pytest.mark.parametrize("key", ["clé-1", "has space", "", "k" * 256])
+def test_an_idempotency_key_the_gateway_would_refuse_is_a_usage_error_sending_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, key: str
+) -> None:
+    """One with other than ASCII in it raised a UnicodeEncodeError traceback."""
+    seen = _recorded(monkeypatch)
+    essay = tmp_path / "essay.txt"
+    essay.write_text("A text.", encoding="utf-8")
+    result = _run("submit", str(essay), "--idempotency-key", key)
+    assert result.exit_code == 2
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "--idempotency-key must be 1 to 255 visible ASCII characters" in result.output
+    assert seen == []
+
+
+def test_an_idempotency_key_is_sent_as_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _recorded(monkeypatch)
+    key = "order-42:~!" + "k" * 244
+    result = _run("submit", "-", "--idempotency-key", key, input=b"A text.")
+    assert result.exit_code == 0, result.output
+    assert [request.headers["Idempotency-Key"] for request in seen] == [key]
+
+
+def test_stdin_that_is_not_utf8_is_one_line_and_exit_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It raised a UnicodeDecodeError traceback (a file that is not UTF-8 was one line)."""
+    seen = _recorded(monkeypatch)
+    result = _run("submit", "-", input=b"\xff\xfe not utf-8 \x80")
+    assert result.exit_code == 1
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "cannot read stdin" in result.output
+    assert seen == []
+
+
+def test_stdin_is_read_as_utf8(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _recorded(monkeypatch)
+    result = _run("submit", "-", input="Größe zählt.".encode())
+    assert result.exit_code == 0, result.output
+    assert [json.loads(request.content)["text"] for request in seen] == ["Größe zählt."]
+
+
+@pytest.mark.parametrize(
+    ("command", "sent"),
+    [
+        # Was DELETE /admin/v1/dead-letters: the whole dead-letter queue purged.
+        pytest.param(
+            ("keys", "revoke", "../dead-letters"),
+            ("DELETE", "/admin/v1/keys/..%2Fdead-letters"),
+            id="revoke-dot-dot-slash",
+        ),
+        pytest.param(
+            ("keys", "revoke", ".."), ("DELETE", "/admin/v1/keys/%2E%2E"), id="revoke-dot-dot"
+        ),
+        pytest.param(
+            ("status", "../../healthz"),
+            ("GET", "/v1/scores/..%2F..%2Fhealthz"),
+            id="status-dot-dot-slash",
+        ),
+        pytest.param(("status", "."), ("GET", "/v1/scores/%2E"), id="status-dot"),
+        pytest.param(
+            ("status", "a?b#c d"),
+            ("GET", "/v1/scores/a%3Fb%23c%20d"),
+            id="status-query-fragment-space",
+        ),
+        pytest.param(
+            ("dlq", "show", "../keys"),
+            ("GET", "/admin/v1/dead-letters/..%2Fkeys"),
+            id="dlq-show-dot-dot-slash",
+        ),
+        pytest.param(
+            ("cron", "run", ".."), ("POST", "/admin/v1/cron/jobs/%2E%2E/run"), id="cron-run-dot-dot"
+        ),
+    ],
+)
+def test_an_argument_stays_inside_its_path_segment(
+    monkeypatch: pytest.MonkeyPatch, command: tuple[str, ...], sent: tuple[str, str]
+) -> None:
+    seen = _recorded(monkeypatch)
+    _run(*command)
+    assert [(request.method, request.url.raw_path.decode()) for request in seen] == [sent]
+
+
+@pytest.mark.parametrize(
+    "command", [("status", ""), ("keys", "revoke", ""), ("dlq", "show", ""), ("cron", "run", "")]
+)
+def test_an_empty_path_argument_is_a_usage_error_sending_nothing(
+    monkeypatch: pytest.MonkeyPatch, command: tuple[str, ...]
+) -> None:
+    seen = _recorded(monkeypatch)
+    result = _run(*command)
+    assert result.exit_code == 2
+    assert "must not be empty" in result.output
+    assert seen == []
+
+
+# --- A 401 ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("variable", "command"),
+    [
+        ("SCOREBOX_API_KEY", ("status", "t1")),
+        ("SCOREBOX_ADMIN_KEY", ("keys", "list")),
+        ("SCOREBOX_ADMIN_KEY", ("cron", "list")),
+    ],
+)
+def test_a_401_to_a_request_sent_with_no_key_names_the_variable_to_set(
+    monkeypatch: pytest.MonkeyPatch, variable: str, command: tuple[str, ...]
+) -> None:
+    """The gateway's detail speaks of an Authorization header the CLI's user never writes."""
+    monkeypatch.delenv("SCOREBOX_API_KEY", raising=False)
+    monkeypatch.delenv("SCOREBOX_ADMIN_KEY", raising=False)
+    unauthorized = {"detail": "Send an Authorization: Bearer header."}
+    _gateway(monkeypatch, lambda request: httpx.Response(401, json=unauthorized))
+    result = _run(*command)
+    assert result.exit_code == 1
+    assert f"no key was sent: set {variable}" in result.output
+
+
+def test_a_401_to_a_request_sent_with_a_key_says_only_what_the_gateway_said(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SCOREBOX_API_KEY", "a-revoked-key")
+    _gateway(monkeypatch, lambda request: httpx.Response(401, json={"detail": "Unknown key."}))
+    result = _run("status", "t1")
+    assert result.exit_code == 1
+    assert result.output.strip() == "error 401: Unknown key."

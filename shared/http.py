@@ -197,14 +197,15 @@ VALIDATION_PROBLEM: dict[str, Any] = {
 
 
 def health_router(checks: Mapping[str, Check]) -> APIRouter:
-    """`/healthz` (the process answers) and `/readyz` (every dependency answers)."""
+    """`/healthz` (the process answers) and `/readyz` (every dependency answers), to GET and
+    HEAD alike: load balancers that probe with HEAD got 405 and took every replica out."""
     router = APIRouter(tags=["health"])
 
-    @router.get("/healthz")
+    @router.api_route("/healthz", methods=["GET", "HEAD"])
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @router.get("/readyz", response_model=None)
+    @router.api_route("/readyz", methods=["GET", "HEAD"], response_model=None)
     async def readyz() -> JSONResponse:
         results = {name: await check() for name, check in checks.items()}
         ready = all(results.values())

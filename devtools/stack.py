@@ -55,10 +55,9 @@ PR_SET_PDEATHSIG = 1
 READY_POLL_INTERVAL_S = 0.1
 READY_REQUEST_TIMEOUT_S = 2.0
 KILL_WAIT_S = 10.0
-# How long `make run` lets its services finish on Ctrl-C: the scorer drains its model calls
-# in flight for LLM_TIMEOUT_S + 2 x BROKER_TIMEOUT_S (50 s by default) and uvicorn waits
-# 15 s for open connections (an SSE stream); each process that is done sooner ends sooner.
-RUN_STOP_GRACE_S = 60.0
+# The consumers' cancel, the acks and the connections' closes around the scorer's grace
+# period, up to BROKER_TIMEOUT_S each (as compose's `stop_grace_period` counts them).
+STOP_BROKER_STEPS = 3
 LOG_TAIL_LINES = 40
 SUPERVISE_INTERVAL_S = 0.5
 
@@ -655,11 +654,40 @@ def start_and_supervise(
         env=keys.service_env(),
     )
     stack = Stack(config)
-    resources.callback(stack.stop, grace_s=RUN_STOP_GRACE_S)
+    resources.callback(stack.stop, grace_s=run_stop_grace_s(os.environ | config.env))
     print(f"Starting {', '.join(config.services)} (logs in {args.log_dir}/) ...", flush=True)
     stack.start(ready_timeout_s=args.ready_timeout)
     print(banner(stack, keys), flush=True)
     return supervise(stack)
+
+
+def run_stop_grace_s(env: Mapping[str, str]) -> float:
+    """How long `make run` lets its services finish on Ctrl-C before it SIGKILLs them: the
+    scorer's stop, the longest, under the timeouts it runs with (120 s by default).
+
+    That is uvicorn's wait for open requests, then the deliveries' grace period (the whole
+    path of one that just took a model slot, `services.scorer.app.stop_grace_s`), then the
+    stop's own broker steps. A flat 60 s killed the scorer mid-decision: the model call it
+    had made was made (and billed) again by the redelivery. Each process done sooner ends
+    sooner. Settings the scorer refuses count at their defaults (it will not start anyway).
+    """
+    from pydantic import ValidationError  # noqa: PLC0415 - the services' imports, only here
+
+    from services.scorer.app import stop_grace_s  # noqa: PLC0415
+    from services.scorer.model.settings import ModelSettings  # noqa: PLC0415
+    from services.scorer.settings import ScorerSettings  # noqa: PLC0415
+    from shared.runtime import HTTP_DRAIN_S  # noqa: PLC0415
+
+    try:
+        settings = ScorerSettings.model_validate(env)
+        model_settings = ModelSettings.model_validate(env)
+    except ValidationError:
+        settings, model_settings = (
+            ScorerSettings.model_validate({}),
+            ModelSettings.model_validate({}),
+        )
+    stop_steps_s = STOP_BROKER_STEPS * settings.broker_timeout_s
+    return HTTP_DRAIN_S + stop_grace_s(settings, model_settings) + stop_steps_s
 
 
 INFRA_URL_ENV = {"RabbitMQ": "RABBITMQ_URL", "MongoDB": "MONGO_URL"}

@@ -277,15 +277,25 @@ class ScoreboxBroker(RabbitBroker):
                 arguments=queue.arguments,
                 timeout=queue.timeout or self._timeout,
             )
-            consuming.tag = await consuming.queue.consume(consuming.on_delivery, no_ack=False)
+            consuming.tag = await consuming.queue.consume(
+                consuming.on_delivery, no_ack=False, timeout=self._timeout
+            )
             self._consuming.append(consuming)
 
     async def _channel_for(self, prefetch: int | None) -> AbstractChannel:
+        """A consuming channel with `prefetch` (the broker's, shared, when None).
+
+        Opening it and its `basic.qos` are bounded by the broker timeout each, as the
+        connection, the declaration and the `basic.consume` are: unbounded, a broker that
+        stopped answering held the service's start until the heartbeat gave up."""
         assert self._consumer_connection is not None
         if prefetch is None and self._shared_channel is not None:
             return self._shared_channel
-        channel = await self._consumer_connection.channel(publisher_confirms=False)
-        await channel.set_qos(prefetch_count=(prefetch or self._prefetch) or 0)
+        async with asyncio.timeout(self._timeout):  # aio-pika's open takes no timeout
+            channel = await self._consumer_connection.channel(publisher_confirms=False)
+        await channel.set_qos(
+            prefetch_count=(prefetch or self._prefetch) or 0, timeout=self._timeout
+        )
         if prefetch is None:
             self._shared_channel = channel
         return channel

@@ -275,7 +275,7 @@ async def keep_dead_lettering(
 
 async def start_broker(broker: RabbitBroker, settings: ServiceSettings) -> None:
     """Connect (waiting for RabbitMQ if it is still starting), declare topology, consume;
-    connecting and declaring each take at most `STARTUP_TIMEOUT_S`."""
+    connecting, declaring and starting the consumers each take at most `STARTUP_TIMEOUT_S`."""
     await retry_until(
         broker.connect,
         what=f"RabbitMQ at {redact_url(settings.rabbitmq_url)}",
@@ -285,7 +285,10 @@ async def start_broker(broker: RabbitBroker, settings: ServiceSettings) -> None:
     # bound): a broker that stops answering must not hold the service's start for ever.
     async with asyncio.timeout(settings.startup_timeout_s):
         await declare_topology(broker)
-    await broker.start()
+    # Starting opens the consuming connection and, per consumer, a channel, its prefetch, a
+    # declaration and the consume: each bounded by BROKER_TIMEOUT_S, all by this.
+    async with asyncio.timeout(settings.startup_timeout_s):
+        await broker.start()
 
 
 def broker_ready(broker: RabbitBroker, timeout: float) -> Check:
@@ -293,6 +296,11 @@ def broker_ready(broker: RabbitBroker, timeout: float) -> Check:
         return await broker.ping(timeout=timeout)
 
     return check
+
+
+# How long uvicorn waits at stop for the requests still open (an SSE stream) before the
+# app's lifespan stops it: a service's whole stop takes up to this plus the lifespan's.
+HTTP_DRAIN_S = 15
 
 
 def mongo_ready(client: MongoClient, timeout: float) -> Check:
@@ -322,7 +330,7 @@ async def serve(
         access_log=False,
         lifespan="on",
         timeout_keep_alive=30,
-        timeout_graceful_shutdown=15,
+        timeout_graceful_shutdown=HTTP_DRAIN_S,
     )
     await uvicorn.Server(config).serve()
 

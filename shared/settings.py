@@ -26,10 +26,27 @@ LOG_LEVELS = {
 # The largest prefetch AMQP carries (a short unsigned integer): above it the consumer's
 # channel failed to open at start, with a TypeError.
 MAX_PREFETCH = 65_535
+# The longest retention, TTL, grace or back-off a setting may name: ten years, beyond any
+# use. A duration is added to the time of an event, and past ~2.5e11 s that date overflows
+# (`datetime` ends in the year 9999): an OverflowError in every handler that computed it,
+# not retried, its delivery left unacknowledged.
+MAX_DURATION_S = 10 * 365 * 86_400
+# Bounds of one broker confirm or one database call. Below 0.1 s a publish is never
+# confirmed in time, and a database timeout under a millisecond became `timeoutMS=0`, which
+# PyMongo reads as *no* timeout (with a group-write deadline of 0 that failed every write).
+# Above 5 minutes it is an outage, not a slow reply: the stop grace periods (the scorer's
+# counts five of them) and every wait behind them would grow with it.
+MIN_INFRA_TIMEOUT_S = 0.1
+MAX_INFRA_TIMEOUT_S = 300.0
+MAX_STARTUP_TIMEOUT_S = 3600.0
 
 
 class ServiceSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="", extra="ignore", frozen=True)
+    # `inf` and `nan` are refused in every float setting (subclasses included): `inf` passed
+    # `gt=0` and unbounded a timeout, or crashed the service where it became an int or a date.
+    model_config = SettingsConfigDict(
+        env_prefix="", extra="ignore", frozen=True, allow_inf_nan=False
+    )
 
     rabbitmq_url: str = Field(
         default="amqp://guest:guest@127.0.0.1:5672/", validation_alias="RABBITMQ_URL"
@@ -44,9 +61,21 @@ class ServiceSettings(BaseSettings):
     # `json`: one JSON object per line, uvicorn's lines included, for a log collector.
     log_format: Literal["text", "json"] = Field(default="text", validation_alias="LOG_FORMAT")
     # Timeouts of the infrastructure calls (seconds).
-    broker_timeout_s: float = Field(default=10.0, gt=0, validation_alias="BROKER_TIMEOUT_S")
-    mongo_timeout_s: float = Field(default=5.0, gt=0, validation_alias="MONGO_TIMEOUT_S")
-    startup_timeout_s: float = Field(default=60.0, gt=0, validation_alias="STARTUP_TIMEOUT_S")
+    broker_timeout_s: float = Field(
+        default=10.0,
+        ge=MIN_INFRA_TIMEOUT_S,
+        le=MAX_INFRA_TIMEOUT_S,
+        validation_alias="BROKER_TIMEOUT_S",
+    )
+    mongo_timeout_s: float = Field(
+        default=5.0,
+        ge=MIN_INFRA_TIMEOUT_S,
+        le=MAX_INFRA_TIMEOUT_S,
+        validation_alias="MONGO_TIMEOUT_S",
+    )
+    startup_timeout_s: float = Field(
+        default=60.0, gt=0, le=MAX_STARTUP_TIMEOUT_S, validation_alias="STARTUP_TIMEOUT_S"
+    )
 
     @field_validator("log_level")
     @classmethod

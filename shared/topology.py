@@ -34,7 +34,7 @@ consumer that receives a message not yet due sends it down the ladder again.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -439,11 +439,65 @@ async def _declares_cleanly(on: RobustExchange, queue: RabbitQueue) -> bool:
 
 
 async def _delete_retired_queues(broker: RabbitBroker) -> None:
-    """Delete queues an earlier version declared (deleting an absent queue is a no-op)."""
-    declared = await broker.declare_queue(WORK_QUEUES[0].queue)  # for its channel
-    channel = await declared.channel.get_underlay_channel()
+    """Delete the queues an earlier version declared, those that are empty and unused.
+
+    A retired queue may still hold messages, dead letters among them (the retired
+    `scorebox.result-cache.dlq`): deleted regardless, they were lost on upgrade. One that
+    holds any, or that an older replica still consumes from (its unacknowledged messages
+    count nowhere else), is left in place with a warning naming it, for an operator to drain
+    (or shovel) and delete; the next start-up deletes it once it is empty. Quorum queues
+    refuse `queue.delete` with `if-empty` (NOT_IMPLEMENTED, closing the connection), so the
+    depth is read first: a message arriving between the read and the deletion is lost, as
+    before, but nothing routes to a retired queue any more.
+    """
+    declared = await broker.declare_queue(WORK_QUEUES[0].queue)  # for its connection
+    connection = (await declared.channel.get_underlay_channel()).connection
     for name in RETIRED_QUEUES:
-        await channel.queue_delete(name)
+        found = await _passively_declared(connection, name)
+        if found is None:
+            continue  # absent: nothing to delete
+        if found.message_count or found.consumer_count:
+            log.warning(
+                "%s is retired but still holds %d message(s) (%d consumer(s)): it is left in "
+                "place. Drain it (e.g. shovel its messages to where they belong), then "
+                "delete it: rabbitmqctl delete_queue %s",
+                name,
+                found.message_count or 0,
+                found.consumer_count or 0,
+                name,
+            )
+            continue
+        await _delete_queue(connection, name)
+
+
+async def _passively_declared(
+    connection: aiormq.abc.AbstractConnection, name: str
+) -> aiormq.spec.Queue.DeclareOk | None:
+    """Queue `name`'s depth and consumers (None if it is absent), changing nothing."""
+    try:
+        return await _on_a_channel_of_its_own(
+            connection, lambda channel: channel.queue_declare(name, passive=True)
+        )
+    except aiormq.exceptions.ChannelNotFoundEntity:
+        return None
+
+
+async def _delete_queue(connection: aiormq.abc.AbstractConnection, name: str) -> None:
+    await _on_a_channel_of_its_own(connection, lambda channel: channel.queue_delete(name))
+
+
+async def _on_a_channel_of_its_own[T](
+    connection: aiormq.abc.AbstractConnection,
+    call: Callable[[aiormq.abc.AbstractChannel], Awaitable[T]],
+) -> T:
+    """`call` on a new channel, closed after it: the broker answers a passive declaration of
+    an absent queue by closing the channel that asked, not the broker's own."""
+    channel = await connection.channel()
+    try:
+        return await call(channel)
+    finally:
+        if not channel.is_closed:
+            await channel.close()
 
 
 # --- Live push -------------------------------------------------------------------------------

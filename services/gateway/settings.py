@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from shared.contracts import HEURISTIC_PROMPT_VERSION, known_rubric_version
-from shared.settings import ServiceSettings, http_url
+from shared.settings import MAX_DURATION_S, ServiceSettings, http_url
 
 
 class GatewaySettings(ServiceSettings):
@@ -30,7 +30,9 @@ class GatewaySettings(ServiceSettings):
     max_text_chars: int = Field(default=50_000, gt=0, validation_alias="MAX_TEXT_CHARS")
     max_body_bytes: int = Field(default=1_048_576, gt=0, validation_alias="MAX_BODY_BYTES")
     max_attempts: int = Field(default=4, ge=1, le=20, validation_alias="SCORE_MAX_ATTEMPTS")
-    result_cache_ttl_s: int = Field(default=86_400, gt=0, validation_alias="RESULT_CACHE_TTL_S")
+    result_cache_ttl_s: int = Field(
+        default=86_400, gt=0, le=MAX_DURATION_S, validation_alias="RESULT_CACHE_TTL_S"
+    )
     # The current rubric/prompt version (the scheduler's setting too): when set, the result
     # cache answers only with results scored under it, so a new rubric is not bypassed by
     # the cache for `RESULT_CACHE_TTL_S`.
@@ -46,16 +48,22 @@ class GatewaySettings(ServiceSettings):
     def _a_prompt_version(cls, value: str | None) -> str | None:
         return known_rubric_version(value)
 
-    idempotency_ttl_s: int = Field(default=86_400, gt=0, validation_alias="IDEMPOTENCY_TTL_S")
+    idempotency_ttl_s: int = Field(
+        default=86_400, gt=0, le=MAX_DURATION_S, validation_alias="IDEMPOTENCY_TTL_S"
+    )
     # Polls answer from the gateway's own record while the status projection has not yet heard
     # of a task this young (read-your-writes); an older unknown task is expired or never was.
     read_your_writes_window_s: float = Field(
-        default=300.0, gt=0, validation_alias="READ_YOUR_WRITES_WINDOW_S"
+        default=300.0, gt=0, le=MAX_DURATION_S, validation_alias="READ_YOUR_WRITES_WINDOW_S"
     )
     # A submission still `accepting` (interrupted) or `unconfirmed` after this long is sent by
     # the outbox sweep.
-    outbox_grace_s: float = Field(default=30.0, gt=0, validation_alias="OUTBOX_GRACE_S")
-    outbox_interval_s: float = Field(default=10.0, gt=0, validation_alias="OUTBOX_INTERVAL_S")
+    outbox_grace_s: float = Field(
+        default=30.0, gt=0, le=MAX_DURATION_S, validation_alias="OUTBOX_GRACE_S"
+    )
+    outbox_interval_s: float = Field(
+        default=10.0, gt=0, le=MAX_DURATION_S, validation_alias="OUTBOX_INTERVAL_S"
+    )
     # Batches (`POST /v1/batches`): items per batch and the body limit of a batch request.
     max_batch_items: int = Field(default=1000, ge=1, le=1000, validation_alias="MAX_BATCH_ITEMS")
     max_batch_body_bytes: int = Field(

@@ -6,10 +6,13 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from shared.settings import ServiceSettings
+from shared.settings import MAX_DURATION_S, ServiceSettings
 
 # The database calls a claim's holder makes under its lease (`NotifierSettings.lease_s`).
 CLAIM_DATABASE_CALLS = 3
+# The longest one step of a webhook POST may take (as LLM_TIMEOUT_S): the delivery is held
+# unacknowledged meanwhile, and RabbitMQ closes the channel of one held 30 minutes.
+MAX_WEBHOOK_TIMEOUT_S = 600.0
 
 
 class NotifierSettings(ServiceSettings):
@@ -33,33 +36,50 @@ class NotifierSettings(ServiceSettings):
     max_attempts: int = Field(default=8, ge=1, le=50, validation_alias="WEBHOOK_MAX_ATTEMPTS")
     # Back-off between attempts: base * 2^(attempt-1), capped, with jitter; Retry-After wins
     # when the receiver sends one (up to the cap).
-    retry_base_s: float = Field(default=30.0, gt=0, validation_alias="WEBHOOK_RETRY_BASE_S")
-    retry_cap_s: float = Field(default=14_400.0, gt=0, validation_alias="WEBHOOK_RETRY_CAP_S")
-    # Timeouts of one delivery: DNS, TCP+TLS connect, the whole request.
-    dns_timeout_s: float = Field(default=5.0, gt=0, validation_alias="WEBHOOK_DNS_TIMEOUT_S")
-    connect_timeout_s: float = Field(
-        default=5.0, gt=0, validation_alias="WEBHOOK_CONNECT_TIMEOUT_S"
+    retry_base_s: float = Field(
+        default=30.0, gt=0, le=MAX_DURATION_S, validation_alias="WEBHOOK_RETRY_BASE_S"
     )
-    timeout_s: float = Field(default=10.0, gt=0, validation_alias="WEBHOOK_TIMEOUT_S")
+    retry_cap_s: float = Field(
+        default=14_400.0, gt=0, le=MAX_DURATION_S, validation_alias="WEBHOOK_RETRY_CAP_S"
+    )
+    # Timeouts of one delivery: DNS, TCP+TLS connect, the whole request.
+    dns_timeout_s: float = Field(
+        default=5.0, gt=0, le=MAX_WEBHOOK_TIMEOUT_S, validation_alias="WEBHOOK_DNS_TIMEOUT_S"
+    )
+    connect_timeout_s: float = Field(
+        default=5.0, gt=0, le=MAX_WEBHOOK_TIMEOUT_S, validation_alias="WEBHOOK_CONNECT_TIMEOUT_S"
+    )
+    timeout_s: float = Field(
+        default=10.0, gt=0, le=MAX_WEBHOOK_TIMEOUT_S, validation_alias="WEBHOOK_TIMEOUT_S"
+    )
     # How much of a receiver's answer is read (kept as an excerpt for the delivery record).
     max_response_bytes: int = Field(
         default=4_096, ge=0, validation_alias="WEBHOOK_MAX_RESPONSE_BYTES"
     )
     # After a rotation, deliveries are also signed with the previous secret for this long.
     secret_rotation_grace_s: float = Field(
-        default=86_400.0, ge=0, validation_alias="WEBHOOK_SECRET_ROTATION_GRACE_S"
+        default=86_400.0,
+        ge=0,
+        le=MAX_DURATION_S,
+        validation_alias="WEBHOOK_SECRET_ROTATION_GRACE_S",
     )
     # How long a callback URL is remembered for its task (covers the longest submit delay).
     callback_retention_s: float = Field(
-        default=8 * 86_400.0, gt=0, validation_alias="WEBHOOK_CALLBACK_RETENTION_S"
+        default=8 * 86_400.0,
+        gt=0,
+        le=MAX_DURATION_S,
+        validation_alias="WEBHOOK_CALLBACK_RETENTION_S",
     )
     # How long a task outcome waits for a late `task.accepted` that may carry a callback URL.
     unclaimed_outcome_ttl_s: float = Field(
-        default=3_600.0, gt=0, validation_alias="WEBHOOK_UNCLAIMED_OUTCOME_TTL_S"
+        default=3_600.0, gt=0, le=MAX_DURATION_S, validation_alias="WEBHOOK_UNCLAIMED_OUTCOME_TTL_S"
     )
     # How long a delivery record (its idempotency key) is kept.
     delivery_retention_s: float = Field(
-        default=7 * 86_400.0, gt=0, validation_alias="WEBHOOK_DELIVERY_RETENTION_S"
+        default=7 * 86_400.0,
+        gt=0,
+        le=MAX_DURATION_S,
+        validation_alias="WEBHOOK_DELIVERY_RETENTION_S",
     )
     # TEST ONLY. Comma-separated host names or IP addresses that webhooks may target although
     # they are not public (a local test receiver on 127.0.0.1). Empty in any real deployment;

@@ -13,7 +13,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 
 from services.scheduler.config import DEFAULT_CONFIG_PATH
 from shared.contracts import known_rubric_version
-from shared.settings import MAX_PREFETCH, ServiceSettings
+from shared.settings import MAX_DURATION_S, MAX_PREFETCH, ServiceSettings
 from shared.topology import SCORE_QUEUE_MAX_LENGTH
 
 # RabbitMQ closes the channel of a delivery held unacknowledged this long (`consumer_timeout`
@@ -28,26 +28,36 @@ class SchedulerSettings(ServiceSettings):
     admin_api_key: SecretStr | None = Field(default=None, validation_alias="ADMIN_API_KEY")
     config_path: Path = Field(default=DEFAULT_CONFIG_PATH, validation_alias="SCHEDULER_CONFIG")
     # How often the dispatcher looks for due firings.
-    tick_s: float = Field(default=1.0, gt=0, validation_alias="SCHEDULER_TICK_S")
+    tick_s: float = Field(default=1.0, gt=0, le=MAX_DURATION_S, validation_alias="SCHEDULER_TICK_S")
     # A fire time older than this when first seen counts as missed (policy `skip` drops it).
-    grace_s: float = Field(default=60.0, ge=0, validation_alias="SCHEDULER_GRACE_S")
+    grace_s: float = Field(
+        default=60.0, ge=0, le=MAX_DURATION_S, validation_alias="SCHEDULER_GRACE_S"
+    )
     # A firing claimed but not yet published after this long is published again (the claiming
     # replica died or the broker refused the publish).
-    redispatch_after_s: float = Field(default=30.0, gt=0, validation_alias="SCHEDULER_REDISPATCH_S")
+    redispatch_after_s: float = Field(
+        default=30.0, gt=0, le=MAX_DURATION_S, validation_alias="SCHEDULER_REDISPATCH_S"
+    )
     # Attempts of one run (one slice of it) before it is dead-lettered. At most 20, as the
     # gateway's SCORE_MAX_ATTEMPTS: past the back-off's cap each more attempt only waits it
     # again (and unbounded, the back-off's doubling overflowed before the cap was applied).
     job_max_attempts: int = Field(
         default=4, ge=1, le=MAX_JOB_ATTEMPTS, validation_alias="SCHEDULER_JOB_MAX_ATTEMPTS"
     )
-    job_retry_base_s: float = Field(default=5.0, gt=0, validation_alias="SCHEDULER_RETRY_BASE_S")
-    job_retry_cap_s: float = Field(default=600.0, gt=0, validation_alias="SCHEDULER_RETRY_CAP_S")
+    job_retry_base_s: float = Field(
+        default=5.0, gt=0, le=MAX_DURATION_S, validation_alias="SCHEDULER_RETRY_BASE_S"
+    )
+    job_retry_cap_s: float = Field(
+        default=600.0, gt=0, le=MAX_DURATION_S, validation_alias="SCHEDULER_RETRY_CAP_S"
+    )
     # A run of a job that forbids overlapping runs that shows no sign of life for this long
     # (no delivery started, no retry recorded: its message lost, say) is recorded failed,
     # "abandoned", and no longer keeps its job's next firings from running. Above the
     # broker's consumer timeout plus SCHEDULER_RETRY_CAP_S, the longest a live run goes
     # without one.
-    run_stale_s: float = Field(default=3600.0, gt=0, validation_alias="SCHEDULER_RUN_STALE_S")
+    run_stale_s: float = Field(
+        default=3600.0, gt=0, le=MAX_DURATION_S, validation_alias="SCHEDULER_RUN_STALE_S"
+    )
     # The deadline of all the database work of one delivery of a job run (`pymongo.timeout`
     # around its handler), in place of MONGO_TIMEOUT_S, which is meant for request handling:
     # a rollup's `update_many` over a day of usage records outlasts that, and every retry
@@ -76,7 +86,9 @@ class SchedulerSettings(ServiceSettings):
     # Attempts to store one usage event before it is dead-lettered, when storing fails other
     # than by MongoDB being unavailable (which is waited out, the delivery held).
     meter_max_attempts: int = Field(default=5, ge=1, validation_alias="USAGE_METER_MAX_ATTEMPTS")
-    meter_retry_s: float = Field(default=5.0, gt=0, validation_alias="USAGE_METER_RETRY_S")
+    meter_retry_s: float = Field(
+        default=5.0, gt=0, le=MAX_DURATION_S, validation_alias="USAGE_METER_RETRY_S"
+    )
     # The current rubric/prompt version; tasks scored with another (or an unknown) version are
     # re-scored by the fan-out. Unset: the fan-out refuses to run.
     rubric_version: str | None = Field(default=None, validation_alias="RUBRIC_VERSION")
@@ -176,5 +188,5 @@ class SchedulerSettings(ServiceSettings):
     # database, each request counted against FANOUT_MAX_BACKLOG meanwhile.
     # (At most ten years, beyond any retention of the catalogue.)
     fanout_horizon_s: int = Field(
-        default=86_400, gt=0, le=10 * 365 * 86_400, validation_alias="FANOUT_HORIZON_S"
+        default=86_400, gt=0, le=MAX_DURATION_S, validation_alias="FANOUT_HORIZON_S"
     )

@@ -7,7 +7,7 @@ from typing import Self
 
 from pydantic import Field, model_validator
 
-from shared.settings import MAX_PREFETCH, ServiceSettings
+from shared.settings import MAX_DURATION_S, MAX_PREFETCH, ServiceSettings
 
 
 class ScorerSettings(ServiceSettings):
@@ -19,8 +19,12 @@ class ScorerSettings(ServiceSettings):
     prefetch: int | None = Field(
         default=None, ge=1, le=MAX_PREFETCH, validation_alias="SCORER_PREFETCH"
     )
-    retry_base_s: float = Field(default=2.0, gt=0, validation_alias="RETRY_BASE_S")
-    retry_cap_s: float = Field(default=300.0, gt=0, validation_alias="RETRY_CAP_S")
+    retry_base_s: float = Field(
+        default=2.0, gt=0, le=MAX_DURATION_S, validation_alias="RETRY_BASE_S"
+    )
+    retry_cap_s: float = Field(
+        default=300.0, gt=0, le=MAX_DURATION_S, validation_alias="RETRY_CAP_S"
+    )
     # Attempts the provider's rate limit (429) may end without counting against a task's
     # SCORE_MAX_ATTEMPTS (services/scorer/throttle.py).
     rate_limit_retries: int = Field(
@@ -35,12 +39,16 @@ class ScorerSettings(ServiceSettings):
     crash_limit: int = Field(default=3, ge=1, validation_alias="SCORER_CRASH_LIMIT")
     # `task.started` is published for an attempt still running after this long (0 = at once):
     # an attempt that ends sooner goes straight to its outcome, one message fewer per task.
-    started_after_s: float = Field(default=1.0, ge=0, validation_alias="SCORER_STARTED_AFTER_S")
+    started_after_s: float = Field(
+        default=1.0, ge=0, le=MAX_DURATION_S, validation_alias="SCORER_STARTED_AFTER_S"
+    )
     # A claim outlives the model call by this margin before another worker may take it over.
-    lease_margin_s: float = Field(default=30.0, gt=0, validation_alias="LEASE_MARGIN_S")
+    lease_margin_s: float = Field(
+        default=30.0, gt=0, le=MAX_DURATION_S, validation_alias="LEASE_MARGIN_S"
+    )
     # How long a task's claim (with its decision and the raw model output) is kept.
     attempts_retention_s: int = Field(
-        default=7 * 86_400, gt=0, validation_alias="ATTEMPTS_RETENTION_S"
+        default=7 * 86_400, gt=0, le=MAX_DURATION_S, validation_alias="ATTEMPTS_RETENTION_S"
     )
 
     @model_validator(mode="after")

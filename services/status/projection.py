@@ -183,15 +183,33 @@ async def apply_task_event(
         writes, event, {"$set": fields, "$push": {"history": push}, "$unset": {"withdrawn": ""}}
     )
     if not applied:
-        # Stale or duplicate: the state stays, but a change never recorded enters the history.
-        late: Document = {"$push": {"history": push}}
         if isinstance(event, TaskAccepted):
-            # A later event overtook the acceptance; its descriptive fields still belong.
-            late["$set"] = _descriptive_fields(event)
+            await _describe_if_same_generation(writes, event)
+        # Stale or duplicate: the state stays, but a change never recorded enters the history.
         await writes.update_one(
-            {"_id": event.task_id, "history.sequence": {"$ne": event.sequence}}, late
+            {"_id": event.task_id, "history.sequence": {"$ne": event.sequence}},
+            {"$push": {"history": push}},
         )
     return applied
+
+
+async def _describe_if_same_generation(writes: GroupWriter, event: TaskAccepted) -> None:
+    """Set a late acceptance's descriptive fields (rubric, model, metadata, batch) where
+    the task still holds the acceptance's generation: a later event of that generation
+    overtook it, and they still belong. An earlier generation's acceptance, redelivered
+    after a re-score or DLQ replay was accepted, overwrote the newer generation's rubric
+    and model (and metadata, and batch) with the old ones; such a one changes nothing now.
+    The stored sequence tells the generation (documents of earlier builds may lack the
+    `generation` field)."""
+    generation_starts = event_sequence(generation=event.generation, attempt=0, phase=Phase.ACCEPTED)
+    next_generation_starts = event_sequence(
+        generation=event.generation + 1, attempt=0, phase=Phase.ACCEPTED
+    )
+    same_generation = {"$gte": generation_starts, "$lt": next_generation_starts}
+    await writes.update_one(
+        {"_id": event.task_id, "sequence": same_generation},
+        {"$set": _descriptive_fields(event)},
+    )
 
 
 async def _apply_newer(writes: GroupWriter, event: TaskEvent, update: Document) -> bool:

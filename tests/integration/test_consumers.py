@@ -11,11 +11,12 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from random import Random
-from typing import cast, override
+from typing import Any, cast, override
 
 import aio_pika
 import aiormq
 import pytest
+from aio_pika.abc import AbstractRobustConnection
 from faststream.rabbit import QueueType, RabbitQueue
 from faststream.rabbit.schemas.queue import QuorumQueueArgs
 
@@ -24,6 +25,7 @@ from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.log_context import CorrelationFilter
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
+from tests.faults.slow_link import SlowLink
 from tests.support import eventually
 
 pytestmark = pytest.mark.integration
@@ -499,3 +501,40 @@ async def test_acks_after_a_delivery_left_unsettled_still_reach_the_broker(
         await asyncio.wait_for(acks.drain(), TIMEOUT_S)
         assert counted.frames[4:] == [(1, False), (count, True)]
     assert await queue.ready() == 0
+
+
+@pytest.mark.parametrize("prefetch", [None, 2], ids=["shared-channel", "own-channel"])
+async def test_a_broker_that_stops_answering_fails_the_consumers_start(
+    amqp_url: str, queue: Queue, monkeypatch: pytest.MonkeyPatch, prefetch: int | None
+) -> None:
+    """The consuming connection opened, then every reply held back: opening the consuming
+    channel (then its prefetch, then the consume) waited unbounded, holding the service's
+    start until the heartbeat gave up. Each gives up after `BROKER_TIMEOUT_S` now."""
+    link = SlowLink.to(amqp_url)
+    async with link.running():
+        settings = {"RABBITMQ_URL": link.url_through(amqp_url), "BROKER_TIMEOUT_S": "1"}
+        broker = make_broker(ServiceSettings.model_validate(settings))
+
+        @consume(broker, queue.declared, prefetch=prefetch)
+        async def handle(delivery: Delivery) -> None:
+            await delivery.ack()
+
+        await broker.connect()  # the publishing connection, before the stall
+        connect_robust = aio_pika.connect_robust
+
+        async def connect_then_stall(url: str, **options: Any) -> AbstractRobustConnection:
+            connection: AbstractRobustConnection = await connect_robust(url, **options)
+            link.reply_delay_s = 3600.0  # every reply from here on held back
+            return connection
+
+        monkeypatch.setattr(aio_pika, "connect_robust", connect_then_stall)
+        starting = asyncio.create_task(broker.start())
+        try:
+            done, _ = await asyncio.wait({starting}, timeout=30)
+            assert starting in done, "the consumers' start still waits on the broker"
+            assert isinstance(starting.exception(), TimeoutError)
+        finally:
+            starting.cancel()
+            link.reply_delay_s = 0.0
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(broker.stop(), 10)

@@ -168,3 +168,59 @@ async def test_a_later_attempt_started_keeps_its_generations_latest_error(
     assert (view.status, view.attempts) == (TaskStatus.PROCESSING, 2)
     assert view.error is not None
     assert (view.error.code, view.error.dead_lettered) == (TRANSIENT.code, False)
+
+
+async def test_an_earlier_generations_late_acceptance_keeps_the_newer_ones_description(
+    tasks: AsyncCollection[Document],
+) -> None:
+    """A late `task.accepted` sets its rubric, model, metadata and batch on the task (a later
+    event of its generation overtook it); one of an earlier generation, arriving after a
+    re-score was accepted, overwrote the re-score's with the old rubric's."""
+    original = ScoreText(
+        task_id=new_id(),
+        tenant_id="acme",
+        text="Scored, then re-scored under a new rubric.",
+        rubric="v1",
+        model="model-a",
+        metadata={"run": "original"},
+    )
+    rescore = original.model_copy(
+        update={"generation": 1, "rubric": "v2", "model": "model-b", "metadata": {"run": "re"}}
+    )
+    # The original acceptance (best effort) was held up: its generation's outcome and the
+    # re-score's acceptance reached the projection first.
+    result = ScoreResult(score=7, comment="Under the old rubric.", model="model-a")
+    completed = TaskCompleted(**_fields(original, 0, Phase.TERMINAL), result=result)
+    await _apply(tasks, completed, accepted_event(rescore))
+
+    stale = await apply_projected(
+        accepted_event(original), writes=GroupWriter(tasks), finished_ttl=TTL
+    )
+
+    assert not stale
+    document = await tasks.find_one({"_id": original.task_id})
+    assert document is not None
+    assert (document["rubric"], document["model"], document["metadata"]) == (
+        "v2",
+        "model-b",
+        {"run": "re"},
+    )
+
+
+async def test_a_late_acceptance_of_the_tasks_own_generation_still_describes_it(
+    tasks: AsyncCollection[Document],
+) -> None:
+    """Overtaken by its own generation's start, the acceptance's description still lands."""
+    command = ScoreText(
+        task_id=new_id(), tenant_id="acme", text="Started first.", rubric="v1", model="m"
+    )
+    await _apply(tasks, TaskStarted(**_fields(command, 0, Phase.STARTED)))
+
+    stale = await apply_projected(
+        accepted_event(command), writes=GroupWriter(tasks), finished_ttl=TTL
+    )
+
+    assert not stale
+    document = await tasks.find_one({"_id": command.task_id})
+    assert document is not None
+    assert (document["rubric"], document["model"]) == ("v1", "m")

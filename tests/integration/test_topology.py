@@ -73,6 +73,51 @@ async def test_retired_queues_are_deleted_and_declaring_twice_is_harmless(amqp_u
     assert await queue_exists(amqp_url, GATEWAY_TASK_OUTCOMES.name)
 
 
+async def test_a_retired_queue_still_holding_messages_is_left_with_a_warning(
+    amqp_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The retired queues were deleted on upgrade even when they held messages: the dead
+    letters in `scorebox.result-cache.dlq` were lost. Such a queue is kept, named in a
+    warning with its depth, and the empty ones are deleted still."""
+    holding = "scorebox.result-cache.dlq"
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    try:
+        channel = await connection.channel(publisher_confirms=True)
+        for name in RETIRED_QUEUES:
+            await channel.declare_queue(name, durable=True, arguments={"x-queue-type": "quorum"})
+        for body in (b"dead letter 1", b"dead letter 2"):
+            await channel.default_exchange.publish(aio_pika.Message(body), routing_key=holding)
+    finally:
+        await connection.close()
+
+    try:
+        await _declare_topology(amqp_url)
+
+        assert await queue_depth(amqp_url, holding) == 2
+        assert f"{holding} is retired but still holds 2 message(s)" in caplog.text
+        for name in RETIRED_QUEUES:
+            if name != holding:
+                assert not await queue_exists(amqp_url, name), name
+    finally:
+        await _delete_queue(amqp_url, holding)  # this module's vhost is shared
+
+
+async def queue_depth(amqp_url: str, name: str) -> int:
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    try:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(name, passive=True, timeout=10)
+        return queue.declaration_result.message_count or 0
+    finally:
+        await connection.close()
+
+
+async def _delete_queue(amqp_url: str, name: str) -> None:
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        await (await connection.channel()).queue_delete(name)
+
+
 async def _declare_topology(amqp_url: str) -> None:
     broker = make_broker(ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url}))
     await broker.connect()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shared.runtime import make_mongo
-from shared.settings import ServiceSettings
+from shared.settings import MIN_INFRA_TIMEOUT_S, ServiceSettings
 
 
 async def test_every_operation_has_one_deadline_of_mongo_timeout_s() -> None:
@@ -15,5 +15,18 @@ async def test_every_operation_has_one_deadline_of_mongo_timeout_s() -> None:
         assert client.options.timeout == 1.5
         assert client.options.server_selection_timeout == 1.5
         assert client.options.pool_options.connect_timeout == 1.5
+    finally:
+        await client.close()
+
+
+async def test_the_shortest_mongo_timeout_still_bounds_every_operation() -> None:
+    """Under a millisecond, `MONGO_TIMEOUT_S` became `timeoutMS=0`: PyMongo's "no timeout"
+    (and a group-write deadline of 0 that failed every write); it is refused now, and the
+    shortest accepted is a deadline of its own."""
+    settings = ServiceSettings.model_validate({"MONGO_TIMEOUT_S": str(MIN_INFRA_TIMEOUT_S)})
+    client = make_mongo(settings)
+    try:
+        assert client.options.timeout == MIN_INFRA_TIMEOUT_S
+        assert client.options.pool_options.socket_timeout == MIN_INFRA_TIMEOUT_S
     finally:
         await client.close()

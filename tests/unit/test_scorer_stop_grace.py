@@ -15,9 +15,11 @@ from typing import Any
 import pytest
 
 import services.scorer.app as scorer_app
+from devtools.stack import run_stop_grace_s
 from services.scorer.model.settings import ModelSettings
 from services.scorer.settings import ScorerSettings
 from shared import runtime
+from shared.runtime import HTTP_DRAIN_S
 
 COMPOSE_FILE = Path(__file__).resolve().parents[2] / "compose.yaml"
 TIMEOUTS = {"LLM_TIMEOUT_S": "40", "MONGO_TIMEOUT_S": "7", "BROKER_TIMEOUT_S": "3"}
@@ -69,3 +71,16 @@ def test_compose_waits_for_the_grace_and_the_stop_s_own_steps() -> None:
     stop_steps_s = 3 * settings.broker_timeout_s
 
     assert int(found[1]) >= _slot_path_s(settings, model_settings) + stop_steps_s
+
+
+@pytest.mark.parametrize("env", [{}, TIMEOUTS], ids=["defaults", "other timeouts"])
+def test_make_run_waits_for_the_scorers_whole_stop(env: dict[str, str]) -> None:
+    """`make run` SIGKILLed its services 60 s after Ctrl-C, while the scorer's stop may take
+    105 s by default: killed mid-decision, the redelivery made (and billed) the model call
+    again. uvicorn's wait for open requests comes first, then the grace, then the stop's
+    own steps (one broker timeout each), all under the timeouts the scorer runs with."""
+    settings, model_settings = ScorerSettings.model_validate(env), ModelSettings.model_validate(env)
+    stop_steps_s = 3 * settings.broker_timeout_s
+    needed = HTTP_DRAIN_S + _slot_path_s(settings, model_settings) + stop_steps_s
+
+    assert run_stop_grace_s(env) >= needed

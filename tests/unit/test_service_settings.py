@@ -2,19 +2,93 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
+from pydantic_settings import BaseSettings
 
 from services.gateway.settings import GatewaySettings
+from services.notifier.settings import NotifierSettings
 from services.scheduler.settings import SchedulerSettings
 from services.scorer.model.heuristic import HEURISTIC_MODEL_NAME
 from services.scorer.model.prompt import PROMPT_VERSION
 from services.scorer.model.settings import ModelSettings
 from services.scorer.settings import ScorerSettings
+from services.status.projection import _fields_of
 from services.status.settings import StatusSettings
-from shared.contracts import PROMPT_VERSIONS
+from shared.contracts import (
+    PROMPT_VERSIONS,
+    Phase,
+    ScoreResult,
+    StateChange,
+    TaskCompleted,
+    event_sequence,
+    new_id,
+    utcnow,
+)
+from shared.settings import MAX_DURATION_S, ServiceSettings
+
+SETTINGS_CLASSES: list[type[BaseSettings]] = [
+    GatewaySettings,
+    StatusSettings,
+    ScorerSettings,
+    ModelSettings,
+    SchedulerSettings,
+    NotifierSettings,
+]
+# Each setting some handler adds to (or takes from) the time of an event.
+DURATIONS_ADDED_TO_A_DATE = [
+    (StatusSettings, "FINISHED_TASK_TTL_S"),
+    (GatewaySettings, "RESULT_CACHE_TTL_S"),
+    (GatewaySettings, "IDEMPOTENCY_TTL_S"),
+    (GatewaySettings, "READ_YOUR_WRITES_WINDOW_S"),
+    (GatewaySettings, "OUTBOX_GRACE_S"),
+    (ScorerSettings, "RETRY_BASE_S"),
+    (ScorerSettings, "RETRY_CAP_S"),
+    (ScorerSettings, "SCORER_STARTED_AFTER_S"),
+    (ScorerSettings, "LEASE_MARGIN_S"),
+    (ScorerSettings, "ATTEMPTS_RETENTION_S"),
+    (SchedulerSettings, "SCHEDULER_GRACE_S"),
+    (SchedulerSettings, "SCHEDULER_REDISPATCH_S"),
+    (SchedulerSettings, "SCHEDULER_RETRY_BASE_S"),
+    (SchedulerSettings, "SCHEDULER_RETRY_CAP_S"),
+    (SchedulerSettings, "USAGE_METER_RETRY_S"),
+    (SchedulerSettings, "FANOUT_HORIZON_S"),
+    (NotifierSettings, "WEBHOOK_RETRY_BASE_S"),
+    (NotifierSettings, "WEBHOOK_RETRY_CAP_S"),
+    (NotifierSettings, "WEBHOOK_SECRET_ROTATION_GRACE_S"),
+    (NotifierSettings, "WEBHOOK_CALLBACK_RETENTION_S"),
+    (NotifierSettings, "WEBHOOK_UNCLAIMED_OUTCOME_TTL_S"),
+    (NotifierSettings, "WEBHOOK_DELIVERY_RETENTION_S"),
+    (NotifierSettings, "WEBHOOK_DNS_TIMEOUT_S"),  # in the lease and the POST time
+    (NotifierSettings, "WEBHOOK_TIMEOUT_S"),
+]
+# Past ~2.5e11 s from now a date overflows (`datetime` ends in the year 9999).
+OVERFLOWING_S = str(10**12)
+LONGER_STILL = {
+    "OUTBOX_GRACE_S": {"IDEMPOTENCY_TTL_S": str(10**13)},
+    "SCHEDULER_REDISPATCH_S": {"SCHEDULER_GRACE_S": str(10**13)},
+}
+
+
+def _float_settings(settings: type[BaseSettings]) -> list[str]:
+    return [
+        str(field.validation_alias)
+        for field in settings.model_fields.values()
+        if field.annotation in (float, float | None)
+    ]
+
+
+FLOAT_SETTINGS = sorted(
+    {
+        (settings, variable)
+        for settings in SETTINGS_CLASSES
+        for variable in _float_settings(settings)
+    },
+    key=lambda pair: (pair[0].__name__, pair[1]),
+)
 
 
 @pytest.mark.parametrize("variable", ["STATUS_URL", "NOTIFIER_URL", "SCHEDULER_URL"])
@@ -133,3 +207,58 @@ def test_a_grace_the_clock_loop_cannot_keep_is_refused(
     with pytest.raises(ValidationError, match=variable):
         SchedulerSettings.model_validate(given)
     assert SchedulerSettings.model_validate({"SCHEDULER_TICK_S": "30"}).grace_s == 60
+
+
+@pytest.mark.parametrize(("settings", "variable"), DURATIONS_ADDED_TO_A_DATE)
+def test_a_duration_whose_date_would_overflow_is_refused(
+    settings: type[BaseSettings], variable: str
+) -> None:
+    """FINISHED_TASK_TTL_S=10**12 was accepted, and then every terminal event raised an
+    OverflowError in the projection (not retried: its deliveries held, the projection
+    stalled); each retention, grace and back-off added to a date had the same flaw."""
+    # With what must exceed it raised too, so no cross-check refuses it by the way.
+    given = {variable: OVERFLOWING_S} | LONGER_STILL.get(variable, {})
+    with pytest.raises(ValidationError, match=variable):
+        settings.model_validate(given)
+
+
+def test_a_finished_task_at_the_longest_ttl_still_gets_its_expiry() -> None:
+    settings = StatusSettings.model_validate({"FINISHED_TASK_TTL_S": MAX_DURATION_S})
+    now = utcnow()
+    event = TaskCompleted(
+        task_id=new_id(),
+        sequence=event_sequence(generation=0, attempt=1, phase=Phase.TERMINAL),
+        attempt=1,
+        submitted_at=now,
+        occurred_at=now,
+        result=ScoreResult(score=5, comment="ok", model="m"),
+    )
+    ttl = timedelta(seconds=settings.finished_task_ttl_s)
+
+    fields = _fields_of(event, StateChange.of_event(event), finished_ttl=ttl)
+
+    assert fields["expires_at"] == now + ttl
+
+
+@pytest.mark.parametrize(("settings", "variable"), FLOAT_SETTINGS)
+def test_no_float_setting_takes_infinity(settings: type[BaseSettings], variable: str) -> None:
+    """`inf` passed `gt=0`: BROKER_TIMEOUT_S=inf unbounded every publish confirm and the
+    whole stop, MONGO_TIMEOUT_S=inf crashed the client (`int(inf)`). (`nan` fails any bound.)"""
+    with pytest.raises(ValidationError, match=variable):
+        settings.model_validate({variable: "inf"})
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("BROKER_TIMEOUT_S", "1e-9"),  # no publish is ever confirmed in time
+        ("BROKER_TIMEOUT_S", "301"),
+        ("MONGO_TIMEOUT_S", "0.0004"),  # timeoutMS=0: PyMongo's "no timeout"
+        ("MONGO_TIMEOUT_S", "0.05"),
+        ("MONGO_TIMEOUT_S", "301"),
+        ("STARTUP_TIMEOUT_S", "3601"),
+    ],
+)
+def test_an_infrastructure_timeout_out_of_its_bounds_is_refused(variable: str, value: str) -> None:
+    with pytest.raises(ValidationError, match=variable):
+        ServiceSettings.model_validate({variable: value})

@@ -24,7 +24,8 @@ class ModelSettings(BaseSettings):
     such as older vLLM or llama.cpp builds.
     """
 
-    model_config = SettingsConfigDict(extra="ignore", frozen=True)
+    # `inf` and `nan` refused in every float setting, as in `ServiceSettings`.
+    model_config = SettingsConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
 
     llm_provider: Provider = Field(default="heuristic", validation_alias="LLM_PROVIDER")
     llm_base_url: str = Field(default="https://api.openai.com/v1", validation_alias="LLM_BASE_URL")

@@ -31,6 +31,10 @@ MAX_PREFETCH = 65_535
 # (`datetime` ends in the year 9999): an OverflowError in every handler that computed it,
 # not retried, its delivery left unacknowledged.
 MAX_DURATION_S = 10 * 365 * 86_400
+# RabbitMQ closes the channel of a delivery held unacknowledged this long (`consumer_timeout`
+# in deploy/rabbitmq/rabbitmq.conf, and RabbitMQ's default): every wait a delivery is held
+# through must end before it.
+BROKER_CONSUMER_TIMEOUT_S = 1800.0
 # Bounds of one broker confirm or one database call. Below 0.1 s a publish is never
 # confirmed in time, and a database timeout under a millisecond became `timeoutMS=0`, which
 # PyMongo reads as *no* timeout (with a group-write deadline of 0 that failed every write).

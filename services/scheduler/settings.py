@@ -13,12 +13,14 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 
 from services.scheduler.config import DEFAULT_CONFIG_PATH
 from shared.contracts import known_rubric_version
-from shared.settings import MAX_DURATION_S, MAX_PREFETCH, ServiceSettings
+from shared.settings import (
+    BROKER_CONSUMER_TIMEOUT_S,
+    MAX_DURATION_S,
+    MAX_PREFETCH,
+    ServiceSettings,
+)
 from shared.topology import SCORE_QUEUE_MAX_LENGTH
 
-# RabbitMQ closes the channel of a delivery held unacknowledged this long (`consumer_timeout`
-# in deploy/rabbitmq/rabbitmq.conf, and RabbitMQ's default).
-BROKER_CONSUMER_TIMEOUT_S = 1800.0
 MAX_JOB_ATTEMPTS = 20
 
 

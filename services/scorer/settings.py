@@ -9,6 +9,8 @@ from pydantic import Field, model_validator
 
 from shared.settings import MAX_DURATION_S, MAX_PREFETCH, ServiceSettings
 
+MAX_LEASE_MARGIN_S = 120.0
+
 
 class ScorerSettings(ServiceSettings):
     port: int = Field(default=8002, validation_alias="SCORER_PORT")
@@ -43,8 +45,10 @@ class ScorerSettings(ServiceSettings):
         default=1.0, ge=0, le=MAX_DURATION_S, validation_alias="SCORER_STARTED_AFTER_S"
     )
     # A claim outlives the model call by this margin before another worker may take it over.
+    # At most 120 s: a held redelivery waits out a whole claim inside the broker's consumer
+    # timeout (see MAX_LLM_TIMEOUT_S).
     lease_margin_s: float = Field(
-        default=30.0, gt=0, le=MAX_DURATION_S, validation_alias="LEASE_MARGIN_S"
+        default=30.0, gt=0, le=MAX_LEASE_MARGIN_S, validation_alias="LEASE_MARGIN_S"
     )
     # How long a task's claim (with its decision and the raw model output) is kept.
     attempts_retention_s: int = Field(

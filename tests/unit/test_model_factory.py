@@ -19,6 +19,9 @@ from services.scorer.model import (
     provider_connector,
 )
 from services.scorer.model.http_client import MAX_REPLY_BYTES, ReplyTooLarge
+from services.scorer.model.settings import MAX_LLM_TIMEOUT_S
+from services.scorer.settings import MAX_LEASE_MARGIN_S, ScorerSettings
+from shared.settings import BROKER_CONSUMER_TIMEOUT_S
 from tests.support import serving
 
 LLM_VARIABLES = [
@@ -74,6 +77,18 @@ def test_settings_refuse_unknown_values(
     clean_environment.setenv(name, value)
     with pytest.raises(ValueError, match=name):
         ModelSettings()
+
+
+def test_a_held_redelivery_at_the_longest_timeouts_stays_inside_the_consumer_timeout() -> None:
+    """A redelivery waits out another worker's claim (2 x LLM_TIMEOUT_S + LEASE_MARGIN_S),
+    then makes its own call, unacknowledged all along: past RabbitMQ's consumer timeout the
+    broker takes back every delivery of the channel. At LLM_TIMEOUT_S 600 it took 1,830 s."""
+    longest_hold_s = 3 * MAX_LLM_TIMEOUT_S + MAX_LEASE_MARGIN_S
+    assert longest_hold_s < BROKER_CONSUMER_TIMEOUT_S
+    with pytest.raises(ValueError, match="LLM_TIMEOUT_S"):
+        ModelSettings(LLM_TIMEOUT_S=MAX_LLM_TIMEOUT_S + 1)
+    with pytest.raises(ValueError, match="LEASE_MARGIN_S"):
+        ScorerSettings.model_validate({"LEASE_MARGIN_S": MAX_LEASE_MARGIN_S + 1})
 
 
 def _settings(**values: Any) -> ModelSettings:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from services.scheduler.settings import BROKER_CONSUMER_TIMEOUT_S, SchedulerSettings
+from services.scheduler.settings import SchedulerSettings
+from shared.settings import BROKER_CONSUMER_TIMEOUT_S
 
 
 @pytest.mark.parametrize(("backlog", "page"), [("999", "1000"), ("1", "2"), ("1000", "10000")])

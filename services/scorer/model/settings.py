@@ -13,7 +13,11 @@ Provider = Literal["heuristic", "openai"]
 JsonMode = Literal["json_schema", "json_object", "none"]
 
 
-MAX_LLM_TIMEOUT_S = 600.0
+# A redelivery held while another worker's claim lasts (2 x this + LEASE_MARGIN_S, at most
+# 120 s) then makes its own call: 3 x 540 + 120 = 1,740 s, inside RabbitMQ's consumer timeout
+# (30 min), past which the broker takes back every delivery of the channel. At 600 it was
+# 1,830 s.
+MAX_LLM_TIMEOUT_S = 540.0
 
 
 class ModelSettings(BaseSettings):
@@ -31,8 +35,8 @@ class ModelSettings(BaseSettings):
     llm_base_url: str = Field(default="https://api.openai.com/v1", validation_alias="LLM_BASE_URL")
     llm_api_key: SecretStr = Field(default=SecretStr(""), validation_alias="LLM_API_KEY")
     llm_model: str = Field(default="gpt-4o-mini", min_length=1, validation_alias="LLM_MODEL")
-    # Bounded: a claim lasts 2 x this + 30 s and a held redelivery waits it out, all well
-    # inside the broker's consumer timeout (30 min); `inf` passed and crashed the scorer.
+    # Bounded (see MAX_LLM_TIMEOUT_S): a held redelivery waits out a claim and then calls;
+    # `inf` passed and crashed the scorer.
     llm_timeout_s: float = Field(
         default=30.0, gt=0, le=MAX_LLM_TIMEOUT_S, validation_alias="LLM_TIMEOUT_S"
     )

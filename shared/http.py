@@ -201,17 +201,23 @@ def health_router(checks: Mapping[str, Check]) -> APIRouter:
     HEAD alike: load balancers that probe with HEAD got 405 and took every replica out."""
     router = APIRouter(tags=["health"])
 
-    @router.api_route("/healthz", methods=["GET", "HEAD"])
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @router.api_route("/readyz", methods=["GET", "HEAD"], response_model=None)
     async def readyz() -> JSONResponse:
         results = {name: await check() for name, check in checks.items()}
         ready = all(results.values())
         body = {"status": "ready" if ready else "unavailable", "checks": results}
         return JSONResponse(body, status_code=200 if ready else 503)
 
+    router.add_api_route("/healthz", healthz, methods=["GET"])
+    router.add_api_route("/readyz", readyz, methods=["GET"], response_model=None)
+    # HEAD as routes of their own, left out of the OpenAPI document: one operation for both
+    # methods gave the document a duplicate operation id.
+    router.add_api_route("/healthz", healthz, methods=["HEAD"], include_in_schema=False)
+    router.add_api_route(
+        "/readyz", readyz, methods=["HEAD"], response_model=None, include_in_schema=False
+    )
     return router
 
 

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from services.gateway.api import GatewayDeps
 from services.gateway.batch_expiry import hold_unsent_batches
 from services.gateway.batches import Batches
-from services.gateway.errors import DatabaseUnavailable, Unavailable
+from services.gateway.errors import DatabaseUnavailable, Unavailable, database_away
 from services.gateway.limits import OUTCOME_RETRY_DELAY_S
 from services.gateway.refusals import write_off
 from services.gateway.submit import (
@@ -34,7 +34,11 @@ def subscribe_task_outcomes(
     broker: ScoreboxBroker, deps: GatewayDeps, *, retry_delay_s: float = OUTCOME_RETRY_DELAY_S
 ) -> None:
     """On `task.completed` or `task.failed`: release the task's in-flight slot; for a
-    completion also note the task's generation and fill the result cache."""
+    completion also note the task's generation and fill the result cache.
+
+    A database that is away is waited out with the delivery held; an operation it refuses
+    for good (`database_away`) returns the delivery as failed, for its queue's delivery limit
+    to dead-letter: waited out, it held the delivery for ever."""
 
     @consume(broker, GATEWAY_TASK_OUTCOMES.queue)
     async def take_task_outcome(message: Delivery) -> None:
@@ -46,19 +50,27 @@ def subscribe_task_outcomes(
             await message.reject(requeue=False)
             return
         progress = OutcomeProgress()
-        await keep_trying(
-            lambda: settle_outcome(
-                event,
-                submissions=deps.submissions,
-                in_flight=deps.in_flight,
-                cache=deps.cache,
-                now=deps.clock(),
-                progress=progress,
-            ),
-            what=f"settling the outcome of {event.task_id}",
-            retry_on=(DatabaseUnavailable,),
-            first_delay_s=retry_delay_s,
-        )
+        try:
+            await keep_trying(
+                lambda: settle_outcome(
+                    event,
+                    submissions=deps.submissions,
+                    in_flight=deps.in_flight,
+                    cache=deps.cache,
+                    now=deps.clock(),
+                    progress=progress,
+                ),
+                what=f"settling the outcome of {event.task_id}",
+                retry_on=(DatabaseUnavailable,),
+                retry_if=database_away,
+                first_delay_s=retry_delay_s,
+            )
+        except DatabaseUnavailable:
+            log.exception(
+                "the database refused the outcome of %s; returned as failed", event.task_id
+            )
+            await message.requeue_failed()
+            return
         await message.ack()
 
 

@@ -13,6 +13,8 @@
 Only the HTTP adapter (`api.py`) turns these into problem+json answers.
 """
 
+from shared.database_errors import transient_database_error
+
 
 class GatewayError(Exception):
     """Base of the gateway's errors."""
@@ -48,7 +50,20 @@ class BrokerUnavailable(Unavailable):
 
 
 class DatabaseUnavailable(Unavailable):
-    """MongoDB did not answer."""
+    """MongoDB did not answer, or refused the operation; the PyMongo error is its cause
+    (`database_away` tells the two apart). A request answers both with a 503."""
+
+
+def database_away(error: BaseException) -> bool:
+    """Whether a `DatabaseUnavailable` is a database that is away, for a consumer to wait out,
+    rather than an operation it refuses for good (a failed validation, a document over
+    16 MiB), which recurs on every try: waited out, it held its delivery for ever.
+
+    The stores wrap every PyMongo error, keeping it as the cause
+    (`shared.database_errors.transient_database_error` judges it); one without a cause is
+    taken for away, as every one was."""
+    cause = error.__cause__
+    return cause is None or transient_database_error(cause)
 
 
 class StatusUnavailable(Unavailable):

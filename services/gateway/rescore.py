@@ -19,6 +19,9 @@ Each delivery is acknowledged by hand:
 - unknown task (expired after `IDEMPOTENCY_TTL_S`, never existed, another tenant's), a text
   not kept (accepted before texts were kept) or a version already re-scored: logged, acked;
 - MongoDB unavailable: retried in place (`keep_trying`); the delivery is held meanwhile;
+- an operation MongoDB refuses for good (`database_away`: a failed validation, say):
+  returned as failed (`Delivery.requeue_failed`), for the queue's delivery limit to
+  dead-letter; waited out, it held the delivery for ever;
 - the command not confirmed (broker trouble): the request goes down the wait ladder with
   the next `attempt`, after 5 s, 30 s, 2 min and 10 min, and then to the DLQ with the error;
   acked either way. Its claim stays unsent, so the retry resumes it with the same
@@ -49,7 +52,7 @@ from faststream.rabbit import RabbitBroker
 from pamqp.commands import Basic
 from pydantic import ValidationError
 
-from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
+from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable, database_away
 from services.gateway.submissions import RescoreClaim, RescoreRefused, Submissions
 from shared.bus import publish_delayed
 from shared.consumers import Delivery, ScoreboxBroker, consume
@@ -124,6 +127,7 @@ async def rescore_task(
         claim_once,
         what=f"claiming the re-score of {request.task_id}",
         retry_on=(DatabaseUnavailable,),
+        retry_if=database_away,
     )
     if isinstance(claim, RescoreRefused):
         return claim
@@ -135,6 +139,7 @@ async def rescore_task(
         ),
         what=f"recording the re-score of {request.task_id} as sent",
         retry_on=(DatabaseUnavailable,),
+        retry_if=database_away,
     )
     return Rescored(command, resumed=claim.resumed)
 
@@ -196,6 +201,10 @@ class RescoreRequests:
             )
         except BrokerUnavailable as error:
             await self._retry_later(request, message, error)
+        except DatabaseUnavailable:  # refused for good: `rescore_task` waits out the rest
+            log.exception("the database refused the re-score of %s", request.task_id)
+            await message.requeue_failed()
+            return
         else:
             _log_outcome(request, outcome)
         await message.ack()

@@ -3,10 +3,12 @@
 `scorebox.notifications` (task events):
 - recorded, deliveries enqueued (each confirmed by the broker): ack.
 - unreadable (poison): copied to the DLQ with the validation error, then ack.
-- MongoDB unavailable: the event is sent through the wait ladder to come back in a few
-  seconds (only to this queue, through `scorebox.due`; `database_retry_wait`), then ack.
-- the handler crashed: returned as failed (`Delivery.requeue_failed`); the queue's delivery
-  limit dead-letters a message that keeps crashing.
+- MongoDB unavailable (a transient error, `shared.database_errors`): the event is sent
+  through the wait ladder to come back in a few seconds (only to this queue, through
+  `scorebox.due`; `database_retry_wait`), then ack.
+- the handler crashed, a write the database refuses for good included (sent through the
+  ladder uncounted, it came back for ever): returned as failed (`Delivery.requeue_failed`);
+  the queue's delivery limit dead-letters a message that keeps crashing.
 
 `scorebox.webhook-deliveries` (`DeliverWebhook`): see `deliveries.py` for the decisions (a
 redelivery whose attempt another process holds is kept unacknowledged until its lease ends);
@@ -15,11 +17,13 @@ redelivery whose attempt another process holds is kept unacknowledged until its 
 `WEBHOOK_CONCURRENCY_PER_TENANT`, is sent again a second later this way, unclaimed and not
 counted as an attempt), `GiveUp` is copied to the DLQ with
 the reason in `x-scorebox-error`; a delivery its receiver refused (3xx, 4xx, an unsafe
-destination) is recorded failed and acked, not dead-lettered; MongoDB unavailable re-sends
-the command a little later. At the queue's delivery limit (`x-delivery-count`), nothing is
-sent: the attempt's recorded decision is carried out, or the delivery is recorded failed and
-dead-lettered with the reason (RabbitMQ would dead-letter it unexplained if it came back
-once more), the database waited out with the delivery held.
+destination) is recorded failed and acked, not dead-lettered; MongoDB unavailable (a
+transient error) re-sends the command a little later. At the queue's delivery limit
+(`x-delivery-count`), nothing is sent: the attempt's recorded decision is carried out, or
+the delivery is recorded failed and dead-lettered with the reason (RabbitMQ would
+dead-letter it unexplained if it came back once more), the database waited out with the
+delivery held. A permanent database error is a crash (returned as failed, counted by the
+delivery limit): re-sent uncounted, or held at the limit, it never ended.
 
 Every publish awaits its confirm; one the broker does not confirm (away, blocked by an alarm,
 a full queue) is tried again while the delivery is held (`keep_publishing`), then the
@@ -37,7 +41,6 @@ from typing import Any
 
 from faststream.rabbit import RabbitBroker
 from pydantic import ValidationError
-from pymongo.errors import PyMongoError
 
 from services.notifier.deliveries import (
     DeliveryDecision,
@@ -53,6 +56,7 @@ from services.notifier.notifications import NotificationDeps, notify_about_task_
 from shared.bus import publish_delayed
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import Contract, DeliverWebhook, new_id, parse_task_event
+from shared.database_errors import transient_database_error
 from shared.runtime import HOLD_POLL_S, keep_dead_lettering, keep_publishing, wait_for_claim
 from shared.topology import (
     DELIVERY_COUNT_HEADER,
@@ -130,13 +134,13 @@ def subscribe_notifications(
             return
         try:
             await notify_about_task_event(event, deps=deps)
-        except PyMongoError as error:
+        except Exception as error:
+            if not transient_database_error(error):
+                log.exception("notifying about %s of %s crashed", routing_key, event.task_id)
+                await message.requeue_failed()
+                return
             log.warning("MongoDB unavailable for %s of %s: %r", routing_key, event.task_id, error)
             await _come_back_later(broker, event, routing_key, clock=clock, timeout_s=timeout_s)
-        except Exception:
-            log.exception("notifying about %s of %s crashed", routing_key, event.task_id)
-            await message.requeue_failed()
-            return
         await message.ack()
 
 
@@ -231,7 +235,10 @@ async def _try_and_carry_out(
         if isinstance(tried, Hold):
             return tried
         decision = tried
-    except PyMongoError as error:
+    except Exception as error:
+        if not transient_database_error(error):
+            log.exception("delivering %s crashed", delivery.delivery_id)
+            return False
         if limit_reason is not None:
             # Waited out, the delivery held: a copy sent later would start its delivery count
             # again, and taken for "nothing decided" it would drop a decided retry.
@@ -245,9 +252,6 @@ async def _try_and_carry_out(
         later = deps.clock() + database_retry_wait()
         update = {"not_before": later, "message_id": new_id()}
         decision = Send(delivery.model_copy(update=update), "database unavailable")
-    except Exception:
-        log.exception("delivering %s crashed", delivery.delivery_id)
-        return False
     await _carry_out(broker, decision, delivery, message, timeout_s=timeout_s)
     return True
 

@@ -68,6 +68,7 @@ from services.notifier.sender import ReceiverAnswer
 from services.notifier.signing import signed_headers
 from services.notifier.ssrf import Destination, WebhookGuard
 from shared.contracts import DeliverWebhook, WebhookPurpose, new_id
+from shared.database_errors import transient_database_error
 from shared.http import parse_retry_after
 from shared.in_hand import InHand
 from shared.runtime import HOLD_POLL_S, keep_trying, wait_for_claim
@@ -417,10 +418,17 @@ async def _while_leased[T](
     attempt's message sent again, and its redelivery POST again (at once in this process,
     which takes its own lease over). Until the lease ends no other delivery claims the
     attempt, so the write is repeated (it is idempotent); past it, the error goes to the
-    consumer, as for any database failure.
+    consumer, as for any database failure. A write the database refuses for good goes to
+    the consumer at once, as a crash (repeated, it would be refused until the lease ended).
     """
     held_for = (claimed_at + deps.lease - deps.clock()).total_seconds()
-    return await keep_trying(record, what=what, retry_on=(PyMongoError,), give_up_after_s=held_for)
+    return await keep_trying(
+        record,
+        what=what,
+        retry_on=(PyMongoError,),
+        retry_if=transient_database_error,
+        give_up_after_s=held_for,
+    )
 
 
 def _without_claim(

@@ -22,7 +22,12 @@ What each outcome means on the broker:
   a later copy of the command (the gateway's outbox sweep, a retry replayed) then carries
   the failure out again instead of calling the model. Another worker's live claim is waited
   for, and its decision carried out instead.
-- MongoDB unavailable: re-sent after a delay without counting it as a crash.
+- MongoDB unavailable (a transient error, `shared.database_errors`): re-sent after a delay
+  without counting it as a crash. A permanent database error (a write refused for good: a
+  failed validation, a document over 16 MiB) is a crash: re-sent uncounted, it came back
+  for ever, calling the model each time its decision was refused. At the delivery limit,
+  a recorded decision that cannot be read for good is taken for none, and the message
+  given up (held, it stayed so for ever).
 - every copy of the delivery's own command sent again (not due, claimed elsewhere, at stop,
   a crash, MongoDB unavailable) and its dead letter carry the deliveries
   its consumers lost so far (`x-scorebox-earlier-deliveries`: the delivery's carried value
@@ -58,6 +63,7 @@ from shared.contracts import (
     event_sequence,
     new_id,
 )
+from shared.database_errors import transient_database_error
 from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying, wait_for_claim
 from shared.topology import (
     ATTEMPTS_HEADER,
@@ -202,13 +208,14 @@ def subscribe_scorer(
         except asyncio.CancelledError:
             lost.set()
             raise
-        except PyMongoError as error:
-            log.warning("MongoDB unavailable while scoring %s: %r", command.task_id, error)
-            await _retry_later(command, message, actions, count_crash=False)
-            deps.metrics.count_resent()
-        except Exception:
-            log.exception("scoring %s crashed", command.task_id)
-            await _after_crash(command, message, deps, actions, crash_limit=crash_limit)
+        except Exception as error:
+            if transient_database_error(error):
+                log.warning("MongoDB unavailable while scoring %s: %r", command.task_id, error)
+                await _retry_later(command, message, actions, count_crash=False)
+                deps.metrics.count_resent()
+            else:  # a write the database refuses for good included: counted, not for ever
+                log.exception("scoring %s crashed", command.task_id)
+                await _after_crash(command, message, deps, actions, crash_limit=crash_limit)
         else:
             deps.metrics.count_decision(decision)
             await actions.carry_out(decision, message)
@@ -273,13 +280,7 @@ async def _decision_once_settled(
     is held until the decision lands or the lease ends (its worker died), unless the scorer
     stops meanwhile (`SlotsClosed`): the lease may outlast the stop's grace period."""
     while True:
-        # Waited out while the delivery is held: taken for "nothing decided", a database away
-        # at that moment failed a task whose result may be stored.
-        standing = await keep_trying(
-            lambda: recorded_decision(command, deps=deps),
-            what=f"reading the recorded decision of {command.task_id} at its delivery limit",
-            retry_on=(PyMongoError,),
-        )
+        standing = await _recorded_decision_at_limit(command, deps)
         if not isinstance(standing, Busy):
             return standing
         left_s = (standing.until - deps.clock()).total_seconds()
@@ -288,6 +289,25 @@ async def _decision_once_settled(
         if deps.model_slots.closed:
             raise SlotsClosed
         await asyncio.sleep(min(left_s, LIMIT_POLL_S))
+
+
+async def _recorded_decision_at_limit(
+    command: ScoreText, deps: ScorerDeps
+) -> Finish | Retry | Drop | Busy | None:
+    """`recorded_decision`, a database that is away waited out while the delivery is held:
+    taken for "nothing decided", a database away at that moment failed a task whose result
+    may be stored. A read the database refuses for good is taken for nothing decided: held,
+    the delivery stayed so for ever; given up, the message stops."""
+    try:
+        return await keep_trying(
+            lambda: recorded_decision(command, deps=deps),
+            what=f"reading the recorded decision of {command.task_id} at its delivery limit",
+            retry_on=(PyMongoError,),
+            retry_if=transient_database_error,
+        )
+    except PyMongoError:
+        log.exception("%s: its recorded decision cannot be read; taken for none", command.task_id)
+        return None
 
 
 async def _handed_back_at_stop(
@@ -422,7 +442,11 @@ async def _claimed_and_given_up(command: ScoreText, deps: ScorerDeps, reason: st
 
 
 async def _waited_out[T](action: Callable[[], Awaitable[T]], *, what: str) -> T:
-    return await keep_trying(action, what=what, retry_on=(PyMongoError,))
+    """`action`, a database that is away waited out; an operation it refuses for good is
+    raised, for the give-up to go ahead unrecorded (waited out, it held the delivery for ever)."""
+    return await keep_trying(
+        action, what=what, retry_on=(PyMongoError,), retry_if=transient_database_error
+    )
 
 
 async def _spent_before(command: ScoreText, deps: ScorerDeps) -> Spent | None:
@@ -433,6 +457,7 @@ async def _spent_before(command: ScoreText, deps: ScorerDeps) -> Spent | None:
             lambda: deps.attempts.spent_before(command),
             what=f"reading what earlier attempts of {command.task_id} were billed",
             retry_on=(PyMongoError,),
+            retry_if=transient_database_error,
         )
     except Exception:  # giving the task up must not fail on its metering
         log.exception("%s: what its earlier attempts were billed is lost", command.task_id)

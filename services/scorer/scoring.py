@@ -50,6 +50,7 @@ from shared.contracts import (
     event_sequence,
     new_id,
 )
+from shared.database_errors import transient_database_error
 from shared.in_hand import InHand
 from shared.runtime import HOLD_POLL_S, keep_trying
 
@@ -306,8 +307,12 @@ async def _record(
     The model has been called: a decision lost to a slow or absent database would cost a
     second call once the claim's lease expired. Until then no other delivery claims the
     attempt, so the write is repeated (it is idempotent); past it, the error goes to the
-    consumer, which sends the message again, as for any database failure. False when the
-    attempt was taken over meanwhile (`Attempts.decide`).
+    consumer, which sends the message again, as for any database failure. A write the
+    database refuses for good (a failed validation, a document over 16 MiB) is not repeated:
+    it went to the consumer only once the lease ended, which then sent the message again
+    uncounted, to call the model again and be refused again, for ever; it goes to the
+    consumer at once, as a crash. False when the attempt was taken over meanwhile
+    (`Attempts.decide`).
     """
     return await keep_trying(
         lambda: deps.attempts.decide(
@@ -315,6 +320,7 @@ async def _record(
         ),
         what=f"recording the decision of {command.task_id}",
         retry_on=(PyMongoError,),
+        retry_if=transient_database_error,
         give_up_after_s=(held_until - deps.clock()).total_seconds(),
     )
 

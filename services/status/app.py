@@ -29,6 +29,7 @@ from shared.contracts import (
     TaskView,
     utcnow,
 )
+from shared.database_errors import transient_database_error
 from shared.group_writes import GroupWriter
 from shared.http import Problem, health_router, install_problem_handlers
 from shared.metrics import serve_metrics
@@ -109,16 +110,27 @@ def subscribe_projection(
         if event is None:
             await message.ack()
             return
-        await keep_trying(
-            lambda: apply_projected(
-                event,
-                writes=writes,
-                finished_ttl=finished_ttl,
-                history_limit=settings.history_limit,
-            ),
-            what=f"applying {routing_key} of {event.task_id}",
-            retry_on=(PyMongoError,),
-        )
+        try:
+            await keep_trying(
+                lambda: apply_projected(
+                    event,
+                    writes=writes,
+                    finished_ttl=finished_ttl,
+                    history_limit=settings.history_limit,
+                ),
+                what=f"applying {routing_key} of {event.task_id}",
+                retry_on=(PyMongoError,),
+                retry_if=transient_database_error,
+            )
+        except PyMongoError:
+            # Refused for good (a failed validation, a document over 16 MiB): waited out like an
+            # outage, it held its delivery for ever; returned as failed, its queue's delivery
+            # limit dead-letters it.
+            log.exception(
+                "the database refused %s of %s; returned as failed", routing_key, event.task_id
+            )
+            await message.requeue_failed()
+            return
         await message.ack()
 
 

@@ -204,6 +204,7 @@ async def test_the_notifier_gets_every_failure_but_only_completions_with_a_callb
     amqp_url: str,
 ) -> None:
     # An earlier version's binding, which sent it every completion: declaring removes it.
+    await _declare_topology(amqp_url)  # the queue, whichever tests of the module ran before
     connection = await aio_pika.connect(amqp_url, timeout=10)
     try:
         channel = await connection.channel()

@@ -11,9 +11,10 @@ from datetime import UTC, date, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import SecretStr
 from pymongo.errors import ConnectionFailure, PyMongoError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -196,6 +197,44 @@ VALIDATION_PROBLEM: dict[str, Any] = {
 }
 
 
+PROBLEM_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["type", "title", "status", "detail"],
+    "properties": {
+        "type": {"type": "string"},
+        "title": {"type": "string"},
+        "status": {"type": "integer"},
+        "detail": {"type": "string"},
+        "instance": {"type": "string"},
+    },
+}
+RETRY_AFTER_HEADER: dict[str, Any] = {
+    "description": "Seconds to wait before trying again.",
+    "schema": {"type": "integer", "minimum": 0},
+}
+# The answers that say when to come back (`Retry-After`).
+_RETRY_LATER = frozenset({429, 503})
+
+
+def problem(status: int, description: str | None = None) -> dict[str, Any]:
+    """The OpenAPI response of a problem+json answer of `status`, with its `Retry-After`
+    header when it has one."""
+    if status == 422:
+        return VALIDATION_PROBLEM
+    documented: dict[str, Any] = {
+        "description": description or f"{_TITLES.get(status, 'Error')} (RFC 9457 problem details).",
+        "content": {PROBLEM_JSON: {"schema": PROBLEM_SCHEMA}},
+    }
+    if status in _RETRY_LATER:
+        documented["headers"] = {"Retry-After": RETRY_AFTER_HEADER}
+    return documented
+
+
+def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The `responses` of a route (or router) for the problem+json answers of `statuses`."""
+    return {status: problem(status) for status in statuses}
+
+
 def health_router(checks: Mapping[str, Check]) -> APIRouter:
     """`/healthz` (the process answers) and `/readyz` (every dependency answers), to GET and
     HEAD alike: load balancers that probe with HEAD got 405 and took every replica out."""
@@ -221,6 +260,23 @@ def health_router(checks: Mapping[str, Check]) -> APIRouter:
     return router
 
 
+ADMIN_KEY_SCHEME = HTTPBearer(
+    scheme_name="AdminKey",
+    description="The admin key: `Authorization: Bearer <ADMIN_API_KEY>`.",
+    auto_error=False,
+)
+METRICS_KEY_SCHEME = HTTPBearer(
+    scheme_name="MetricsKey",
+    description="`Authorization: Bearer <METRICS_API_KEY>` (or the admin key).",
+    auto_error=False,
+)
+# The admin guard's answers, for the `responses` of every admin router.
+ADMIN_PROBLEMS: dict[int | str, dict[str, Any]] = {
+    401: problem(401, "No admin key, or not this one (`Authorization: Bearer <ADMIN_API_KEY>`)."),
+    403: problem(403, "The admin API is disabled: ADMIN_API_KEY is not set."),
+}
+
+
 def admin_guard(admin_key: SecretStr | None) -> Any:
     """A dependency that admits only `Authorization: Bearer <ADMIN_API_KEY>`.
 
@@ -228,6 +284,7 @@ def admin_guard(admin_key: SecretStr | None) -> Any:
     """
     return _bearer_guard(
         [admin_key],
+        scheme=ADMIN_KEY_SCHEME,
         disabled="The admin API is disabled: set ADMIN_API_KEY to enable it.",
         hint="Send the admin key as 'Authorization: Bearer <ADMIN_API_KEY>'.",
     )
@@ -238,19 +295,29 @@ def metrics_guard(metrics_key: SecretStr | None, admin_key: SecretStr | None) ->
     or the admin key; disabled (403) when neither is configured."""
     return _bearer_guard(
         [metrics_key, admin_key],
+        scheme=METRICS_KEY_SCHEME,
         disabled="Metrics are disabled: set METRICS_API_KEY (or ADMIN_API_KEY).",
         hint="Send 'Authorization: Bearer <METRICS_API_KEY>' (or the admin key).",
     )
 
 
-def _bearer_guard(keys: Sequence[SecretStr | None], *, disabled: str, hint: str) -> Any:
+def _bearer_guard(
+    keys: Sequence[SecretStr | None], *, scheme: HTTPBearer, disabled: str, hint: str
+) -> Any:
+    """`scheme` only documents the guard (its OpenAPI security scheme): the guard compares the
+    `Authorization` header whole, as sent."""
     configured = [
         f"Bearer {key.get_secret_value()}".encode()
         for key in keys
         if key is not None and key.get_secret_value()
     ]
 
-    async def require_key(authorization: str | None = Header(default=None)) -> None:
+    declared = Depends(scheme)  # the OpenAPI security scheme; its value is not read
+
+    async def require_key(
+        request: Request, _declared: HTTPAuthorizationCredentials | None = declared
+    ) -> None:
+        authorization = request.headers.get("authorization")
         if not configured:
             raise Problem(403, disabled)
         # As bytes: the server decodes header bytes as Latin-1, and `compare_digest` refuses

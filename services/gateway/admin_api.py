@@ -15,7 +15,7 @@ from services.gateway.deadletters import DeadLetterQueue, Walk
 from services.gateway.errors import DatabaseUnavailable, Unavailable
 from services.gateway.keys_api import ADMIN_BODY_LIMIT
 from shared.bus import BROKER_ERRORS
-from shared.http import Problem, admin_guard
+from shared.http import ADMIN_PROBLEMS, Problem, admin_guard, problem_responses
 
 
 class ReplayRequest(BaseModel):
@@ -36,7 +36,12 @@ class ReplayRequest(BaseModel):
 
 
 def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> APIRouter:
-    router = APIRouter(prefix="/admin/v1", tags=["admin"], dependencies=[admin_guard(admin_key)])
+    router = APIRouter(
+        prefix="/admin/v1",
+        tags=["admin"],
+        dependencies=[admin_guard(admin_key)],
+        responses={**ADMIN_PROBLEMS, **problem_responses(503)},
+    )
 
     @router.get("/dead-letters", summary="List the dead-letter queue")
     async def list_dead_letters() -> dict[str, Any]:
@@ -48,7 +53,11 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
             "items": [asdict(letter) for letter in walk.letters],
         }
 
-    @router.get("/dead-letters/{letter_id}", summary="One dead letter by message or task id")
+    @router.get(
+        "/dead-letters/{letter_id}",
+        summary="One dead letter by message or task id",
+        responses=problem_responses(404),
+    )
     async def show_dead_letter(letter_id: str) -> dict[str, Any]:
         with _broker_away_is_503():
             walk = await dead_letters.letters()
@@ -61,6 +70,7 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
         "/dead-letters/replay",
         summary="Send dead letters back with fresh attempts",
         openapi_extra=json_body(ReplayRequest),
+        responses=problem_responses(400, 413, 415, 422),
     )
     async def replay_dead_letters(request: Request) -> dict[str, list[str]]:
         wanted = await read_model(request, ReplayRequest, what="replay", limit=ADMIN_BODY_LIMIT)

@@ -20,6 +20,7 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
+from services.gateway import schemas
 from services.gateway.auth import Caller
 from services.gateway.cache import ResultCache
 from services.gateway.errors import (
@@ -43,14 +44,19 @@ from services.gateway.submit import (
     submit_score,
 )
 from shared.contracts import TaskStatus, TaskView
-from shared.http import PROBLEM_JSON, Problem
+from shared.http import RETRY_AFTER_HEADER, Problem, problem, problem_responses
 
 # `\Z`, not `$`: `$` also matches before a trailing newline.
 log = logging.getLogger("scorebox.gateway")
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}\Z")
 TASK_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 
-_PROBLEM = {"content": {PROBLEM_JSON: {"schema": {"type": "object"}}}}
+LOCATION_HEADER = {
+    "Location": {
+        "description": "Where to poll: the `status_url` of the body.",
+        "schema": {"type": "string"},
+    }
+}
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,22 @@ class GatewayDeps:
     in_flight: InFlight
     live: LiveUpdates = field(default_factory=LiveUpdates)
     refusals: Refusals = field(default_factory=Refusals)
+
+
+def submission_responses(replayed: dict[str, Any]) -> dict[int | str, dict[str, Any]]:
+    """The `responses` of a submission route: its 202 and `replayed` (its 200) with their
+    `Location`, and its problems."""
+    in_progress = problem(
+        409,
+        "The Idempotency-Key was used with another body, or its first request is still being "
+        "accepted (`request-in-progress`, with `Retry-After`).",
+    )
+    return {
+        202: {"headers": LOCATION_HEADER},
+        200: {**replayed, "headers": LOCATION_HEADER},
+        **problem_responses(400, 401, 408, 409, 413, 415, 422, 429, 503),
+        409: {**in_progress, "headers": {"Retry-After": RETRY_AFTER_HEADER}},
+    }
 
 
 def status_url(task_id: str) -> str:
@@ -233,13 +255,14 @@ def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
                 "content": {"application/json": {"schema": ScoreSubmission.model_json_schema()}},
             }
         },
-        responses={
-            200: {
-                "description": "The same Idempotency-Key and body: the earlier task; or a "
-                "result-cache hit: a task completed at once (`result.cached` is true)."
-            },
-            **dict.fromkeys((400, 401, 408, 409, 413, 415, 422, 429, 503), _PROBLEM),
-        },
+        responses=submission_responses(
+            {
+                "description": "The same Idempotency-Key and body: the earlier task, as a poll "
+                "answers it (or, while the status service cannot tell, as accepted); or a "
+                "result-cache hit: a task completed at once (`result.cached` is true).",
+                "model": schemas.TaskView | SubmissionAccepted,
+            }
+        ),
     )
     async def submit(
         request: Request,
@@ -306,12 +329,12 @@ def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
 
     @router.get(
         "/scores/{task_id}",
-        response_model=TaskView,
+        response_model=schemas.TaskView,
         summary="The task's status and, once completed, its score",
         description="With `wait=N` (long-poll, at most 60 s) an unfinished task is answered "
         "after its next state change or after N seconds, whichever comes first; at once when it "
         "is finished or its status differs from `status` (the one the client already has).",
-        responses=dict.fromkeys((401, 404, 429, 503), _PROBLEM),
+        responses=problem_responses(401, 404, 429, 503),
     )
     async def read(
         request: Request,

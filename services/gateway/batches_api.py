@@ -13,13 +13,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.gateway.api import (
-    _PROBLEM,
     GatewayDeps,
     _check_idempotency_key,
     _unavailable,
     in_progress_problem,
     read_json_object,
     status_url,
+    submission_responses,
 )
 from services.gateway.auth import Caller
 from services.gateway.batches import (
@@ -42,7 +42,7 @@ from services.gateway.limits import LimitExceeded, limit_problem
 from services.gateway.schemas import EXPIRED
 from services.gateway.settings import GatewaySettings
 from shared.contracts import ScoreResult, TaskFailure
-from shared.http import Problem
+from shared.http import Problem, problem_responses
 
 BATCH_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 CURSOR = re.compile(r"^\d{1,7}\Z")
@@ -282,10 +282,12 @@ def batch_routes(
                 "content": {"application/json": {"schema": BatchSubmission.model_json_schema()}},
             }
         },
-        responses={
-            200: {"description": "The same Idempotency-Key and body: the earlier batch."},
-            **dict.fromkeys((400, 401, 408, 409, 413, 415, 422, 429, 503), _PROBLEM),
-        },
+        responses=submission_responses(
+            {
+                "description": "The same Idempotency-Key and body: the earlier batch.",
+                "model": BatchAccepted,
+            }
+        ),
     )
     async def submit(
         request: Request,
@@ -352,7 +354,7 @@ def batch_routes(
         description="Items come in the request's order, `limit` per page; follow `next_cursor` "
         "until it is null to see every item exactly once. Right after the 202 the counts may "
         "lag: tasks not yet seen by the status service count as `queued`.",
-        responses=dict.fromkeys((400, 401, 404, 429, 503), _PROBLEM),
+        responses=problem_responses(400, 401, 404, 429, 503),
     )
     async def read(
         batch_id: str,

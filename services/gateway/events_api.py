@@ -33,7 +33,7 @@ from fastapi import APIRouter, Header, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
-from services.gateway.api import _PROBLEM, TASK_ID, GatewayDeps, _unavailable, waiter_problem
+from services.gateway.api import TASK_ID, GatewayDeps, _unavailable, waiter_problem
 from services.gateway.auth import Caller
 from services.gateway.errors import Unavailable
 from services.gateway.push import (
@@ -49,7 +49,7 @@ from services.gateway.push import (
     read_history,
 )
 from shared.contracts import StateChange, TaskEvent, TaskHistory
-from shared.http import Problem
+from shared.http import Problem, problem_responses
 
 EVENT_STREAM = "text/event-stream"
 # A stream re-reads the history this often even without a live event (a lost live event
@@ -119,7 +119,7 @@ def event_routes(
                 },
             },
             204: {"description": "The task finished and the client has seen every change."},
-            **dict.fromkeys((400, 401, 404, 429, 503), _PROBLEM),
+            **problem_responses(400, 401, 404, 429, 503),
         },
     )
     async def stream_task_events(

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from services.gateway.api import json_body, read_model
 from services.gateway.errors import DatabaseUnavailable
 from services.gateway.keys import KEY_ID, TENANT_ID_PATTERN, ApiKeys, KeyNotIssued
-from shared.http import Problem, admin_guard
+from shared.http import ADMIN_PROBLEMS, Problem, admin_guard, problem_responses
 
 MAX_LISTED = 10_000  # keys one listing shows
 # An admin body is small (a replay's 10,000 ids fit in well under this).
@@ -77,13 +77,19 @@ def key_admin_routes(
     forget: Callable[[str], None],
 ) -> APIRouter:
     """`forget(key_id)` drops a revoked key from this replica's cache at once."""
-    router = APIRouter(prefix="/admin/v1", tags=["admin"], dependencies=[admin_guard(admin_key)])
+    router = APIRouter(
+        prefix="/admin/v1",
+        tags=["admin"],
+        dependencies=[admin_guard(admin_key)],
+        responses={**ADMIN_PROBLEMS, **problem_responses(503)},
+    )
 
     @router.post(
         "/keys",
         status_code=201,
         summary="Create an API key (shown only this once)",
         openapi_extra=json_body(KeyRequest),
+        responses=problem_responses(400, 413, 415, 422),
     )
     async def create_key(request: Request) -> JSONResponse:
         wanted = await read_model(request, KeyRequest, what="key request", limit=ADMIN_BODY_LIMIT)
@@ -113,7 +119,7 @@ def key_admin_routes(
             "items": [key.public() for key in listed],
         }
 
-    @router.delete("/keys/{key_id}", summary="Revoke an API key")
+    @router.delete("/keys/{key_id}", summary="Revoke an API key", responses=problem_responses(404))
     async def revoke_key(key_id: str) -> dict[str, Any]:
         if not KEY_ID.fullmatch(key_id):
             raise Problem(404, f"No API key {key_id!r}.")

@@ -17,6 +17,7 @@ from pydantic import (
     model_validator,
 )
 
+from shared import contracts
 from shared.text import is_blank
 from shared.webhook_urls import MAX_URL_LENGTH, validate_webhook_url
 
@@ -173,3 +174,14 @@ class SubmissionAccepted(BaseModel):
         "now, or `expired` once the status service no longer holds the finished task.",
     )
     status_url: str = Field(examples=["/v1/scores/6f1c0c0b3b0b4d8a9f7e1f3f0a9d2c11"])
+
+
+class TaskView(contracts.TaskView):
+    """A task as the API answers it: the status service's view and the task's own URL (the
+    body of `GET /v1/scores/{task_id}`, and of a submission answered at once: a result-cache
+    hit or a repeated Idempotency-Key)."""
+
+    status_url: str = Field(
+        examples=["/v1/scores/6f1c0c0b3b0b4d8a9f7e1f3f0a9d2c11"],
+        description="Where to poll this task.",
+    )

@@ -20,12 +20,11 @@ from services.gateway.scheduler_client import (
     UsageQueryRejected,
     UsageReport,
 )
-from shared.http import PROBLEM_JSON, Problem, parse_day
+from shared.http import Problem, parse_day, problem_responses
 
 Clock = Callable[[], datetime]
 DEFAULT_PERIOD_DAYS: Final = 30
 
-_PROBLEM = {"content": {PROBLEM_JSON: {"schema": {"type": "object"}}}}
 _EXAMPLE = {
     "tenant_id": "acme",
     "from": "2025-01-01",
@@ -83,7 +82,7 @@ def usage_routes(scheduler: SchedulerClient, authenticated: Any, *, clock: Clock
         "yet. A re-scored task counts again. `cost` is null when no request had a priced model.",
         responses={
             200: {"content": {"application/json": {"example": _EXAMPLE}}},
-            **dict.fromkeys((401, 422, 429, 503), _PROBLEM),
+            **problem_responses(401, 422, 429, 503),
         },
     )
     async def read_usage(

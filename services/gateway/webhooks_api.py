@@ -24,12 +24,11 @@ from services.gateway.api import json_body, read_model
 from services.gateway.auth import Caller
 from services.gateway.errors import Unavailable
 from services.gateway.settings import GatewaySettings
-from shared.http import PROBLEM_BASE, PROBLEM_JSON, Problem
+from shared.http import PROBLEM_BASE, PROBLEM_JSON, Problem, problem_responses
 from shared.webhook_urls import MAX_URL_LENGTH, validate_webhook_url
 
 NO_STORE = {"Cache-Control": "no-store"}
 ALERT_BODY_LIMIT = 16 * 1024  # a URL of at most MAX_URL_LENGTH characters, as JSON
-_PROBLEM = {"content": {PROBLEM_JSON: {"schema": {"type": "object"}}}}
 # The notifier's answer when a tenant has no failure alert: a 404 problem of this type
 # (`NO_FAILURE_ALERT` in services/notifier/api.py). A notifier of an earlier build answers
 # the generic type with this detail. Any other 404 (a wrong NOTIFIER_URL, a proxy's path
@@ -199,7 +198,7 @@ def webhook_routes(notifier: NotifierClient, authenticated: Any) -> APIRouter:
         "/secret",
         response_model=SigningSecret,
         summary="The secret your webhooks are signed with",
-        responses=dict.fromkeys((503,), _PROBLEM),
+        responses=problem_responses(401, 429, 503),
     )
     async def read_signing_secret(
         response: Response, caller: Caller = authenticated
@@ -214,7 +213,7 @@ def webhook_routes(notifier: NotifierClient, authenticated: Any) -> APIRouter:
         "/secret/rotate",
         response_model=SigningSecret,
         summary="Replace the signing secret (the old one keeps signing for a grace period)",
-        responses=dict.fromkeys((503,), _PROBLEM),
+        responses=problem_responses(401, 429, 503),
     )
     async def rotate_signing_secret(
         response: Response, caller: Caller = authenticated
@@ -229,7 +228,7 @@ def webhook_routes(notifier: NotifierClient, authenticated: Any) -> APIRouter:
         "/failure-alert",
         response_model=FailureAlert,
         summary="The URL that receives every failed task",
-        responses=dict.fromkeys((404, 503), _PROBLEM),
+        responses=problem_responses(401, 404, 429, 503),
     )
     async def read_failure_alert(caller: Caller = authenticated) -> FailureAlert:
         try:
@@ -245,7 +244,7 @@ def webhook_routes(notifier: NotifierClient, authenticated: Any) -> APIRouter:
         response_model=FailureAlert,
         summary="Send every failed task (`task.failed`) to this URL",
         openapi_extra=json_body(FailureAlert),
-        responses=dict.fromkeys((400, 413, 415, 422, 503), _PROBLEM),
+        responses=problem_responses(400, 401, 413, 415, 422, 429, 503),
     )
     async def register_failure_alert(
         request: Request, caller: Caller = authenticated
@@ -261,7 +260,7 @@ def webhook_routes(notifier: NotifierClient, authenticated: Any) -> APIRouter:
         "/failure-alert",
         status_code=204,
         summary="Stop sending failure alerts",
-        responses=dict.fromkeys((503,), _PROBLEM),
+        responses=problem_responses(401, 429, 503),
     )
     async def remove_failure_alert(caller: Caller = authenticated) -> Response:
         try:

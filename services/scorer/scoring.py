@@ -224,6 +224,8 @@ async def _claim_and_decide(
         if isinstance(turn, PutOff):
             return _put_off(command, turn, deps)
         try:
+            if lost is not None and lost.is_set():
+                return Drop("its delivery was lost while it waited out a rate-limit pause")
             called = await _claim_and_call(command, deps, redelivered, turn)
         finally:
             deps.throttle.done(turn)

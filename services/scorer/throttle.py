@@ -39,6 +39,11 @@ class Turn:
     probe: bool = False
 
 
+# The two turns there are, made once: every model call asks for one.
+GO = Turn()
+PROBE = Turn(probe=True)
+
+
 @dataclass(frozen=True)
 class PutOff:
     """The pause outlasts what a delivery may wait in hand: send it down the wait ladder."""
@@ -85,10 +90,10 @@ class ModelThrottle:
             if left > 0:
                 await self._until_changed(closing, timeout_s=left)
             elif not self._probe_due:
-                return Turn()
+                return GO
             elif not self._probe_out:
                 self._probe_out = True
-                return Turn(probe=True)
+                return PROBE
             else:
                 await self._until_changed(closing, timeout_s=None)  # the probe's answer
 

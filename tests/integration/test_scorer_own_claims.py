@@ -30,6 +30,7 @@ from services.scorer.model.http_client import make_http_client
 from services.scorer.model.settings import ModelSettings
 from services.scorer.scoring import RetryPolicy, ScorerDeps, score_text
 from services.scorer.slots import ModelSlots
+from services.scorer.throttle import ModelThrottle, Turn
 from shared.consumers import Delivery
 from shared.contracts import (
     ScoreResult,
@@ -283,6 +284,29 @@ async def test_a_delivery_lost_while_it_waited_for_a_model_slot_starts_nothing(
     finally:
         await client.close()
     assert claim is None
+    assert actions.decisions == []
+
+
+async def test_a_delivery_lost_while_it_waited_out_a_rate_limit_pause_starts_nothing(
+    make_deps: Deps, fake_llm: FakeLLM
+) -> None:
+    """The pause (`services/scorer/throttle.py`) is waited out inside the model slot, after
+    the check for a lost delivery: it claimed and called for a delivery redelivered since."""
+    deps = replace(make_deps("scorer-a"), throttle=ModelThrottle(base_s=1.0))
+    deps.throttle.rate_limited(Turn(), retry_after_s=2)  # the provider said 429 just now
+    broker, actions = HandlerOnly(), CarriedOut()
+    subscribe_scorer(broker, deps, actions, crash_limit=3)  # type: ignore[arg-type]
+    command, marker = _command("An essay whose delivery was lost during a rate-limit pause.")
+    first = asyncio.create_task(broker.handler(HandedDelivery(command.model_dump_json().encode())))
+    await eventually(lambda: _is_in_hand(deps), what="the delivery in hand")
+    first.cancel()  # as aiormq cancels a closed channel's consumers
+    with contextlib.suppress(asyncio.CancelledError):
+        await first
+
+    await eventually(
+        lambda: _is_in_hand(deps, expected=False), timeout_s=30, what="the attempt let go"
+    )
+    assert _calls(fake_llm, marker) == 0
     assert actions.decisions == []
 
 

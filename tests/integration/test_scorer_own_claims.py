@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -25,10 +24,7 @@ from devtools.fake_llm import FakeLLM
 from services.scorer.attempts import Attempts, Claimed, ClaimResult
 from services.scorer.consumer import CRASHES_HEADER, BrokerActions, subscribe_scorer
 from services.scorer.decisions import Decision, Defer, Drop, Finish
-from services.scorer.model import build_model
-from services.scorer.model.http_client import make_http_client
-from services.scorer.model.settings import ModelSettings
-from services.scorer.scoring import RetryPolicy, ScorerDeps, score_text
+from services.scorer.scoring import ScorerDeps, score_text
 from services.scorer.slots import ModelSlots
 from services.scorer.throttle import ModelThrottle, Turn
 from shared.consumers import Delivery
@@ -41,6 +37,7 @@ from shared.contracts import (
     utcnow,
 )
 from shared.topology import wait_tier_for
+from tests.integration.scorer_parts import attempts_store, fake_model, scorer_deps
 from tests.support import HandedDelivery, HandlerOnly, eventually
 
 LEASE = timedelta(seconds=60)
@@ -49,45 +46,24 @@ Deps = Callable[[str], ScorerDeps]
 
 @pytest.fixture
 async def attempts(mongo: Any, db_prefix: str) -> AsyncIterator[Attempts]:
-    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
-    store = Attempts(client, f"{db_prefix}_scorer", retention=timedelta(hours=1))
-    await store.ensure_indexes()
-    yield store
-    await client.close()
+    async with attempts_store(mongo.url, db_prefix) as store:
+        yield store
 
 
 @pytest.fixture
 async def make_deps(fake_llm: FakeLLM, attempts: Attempts) -> AsyncIterator[Deps]:
-    settings = ModelSettings.model_validate(
-        {
-            "LLM_PROVIDER": "openai",
-            "LLM_BASE_URL": fake_llm.url,
-            "LLM_API_KEY": "test-key",
-            "LLM_MODEL": "fake-judge-1",
-            "LLM_TIMEOUT_S": "10",
-        }
-    )
-    http = make_http_client(settings, concurrency=4)
+    async with fake_model(fake_llm, timeout_s=10) as model:
 
-    async def announce(_: TaskEvent) -> None:
-        return None
+        def deps(owner: str) -> ScorerDeps:
+            return scorer_deps(
+                attempts=attempts,
+                model=model,
+                lease=LEASE,
+                owner=owner,
+                started_after=timedelta(seconds=30),
+            )
 
-    def deps(owner: str) -> ScorerDeps:
-        return ScorerDeps(
-            attempts=attempts,
-            model=build_model(settings, http),
-            announce=announce,
-            clock=utcnow,
-            lease=LEASE,
-            retry_policy=RetryPolicy(base_s=1, cap_s=2),
-            rng=random.Random(0),
-            owner=owner,
-            model_slots=ModelSlots(4),
-            started_after=timedelta(seconds=30),
-        )
-
-    yield deps
-    await http.aclose()
+        yield deps
 
 
 def _command(text: str) -> tuple[ScoreText, str]:

@@ -19,18 +19,13 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import FakeLLM
-from services.scorer.attempts import Attempts
 from services.scorer.decisions import Decision, Defer, Finish, Retry
-from services.scorer.model import build_model
-from services.scorer.model.http_client import make_http_client
-from services.scorer.model.settings import ModelSettings
 from services.scorer.scoring import RetryPolicy, ScorerDeps, score_text
-from services.scorer.slots import ModelSlots
 from services.scorer.throttle import ModelThrottle
-from shared.contracts import ScoreText, TaskCompleted, TaskEvent, TaskFailed, new_id, utcnow
+from shared.contracts import ScoreText, TaskCompleted, TaskFailed, new_id, utcnow
+from tests.integration.scorer_parts import attempts_store, fake_model, scorer_deps
 
 pytestmark = pytest.mark.integration
 
@@ -39,42 +34,19 @@ Deps = Callable[..., ScorerDeps]
 
 @pytest.fixture
 async def make_deps(fake_llm: FakeLLM, mongo: Any, db_prefix: str) -> AsyncIterator[Deps]:
-    settings = ModelSettings.model_validate(
-        {
-            "LLM_PROVIDER": "openai",
-            "LLM_BASE_URL": fake_llm.url,
-            "LLM_API_KEY": "test-key",
-            "LLM_MODEL": "fake-judge-1",
-            "LLM_TIMEOUT_S": "5",
-        }
-    )
-    http = make_http_client(settings, concurrency=4)
-    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
-    attempts = Attempts(client, f"{db_prefix}_scorer", retention=timedelta(hours=1))
-    await attempts.ensure_indexes()
+    async with fake_model(fake_llm) as model, attempts_store(mongo.url, db_prefix) as attempts:
 
-    async def announce(event: TaskEvent) -> None:
-        pass
+        def deps(*, rate_limit_retries: int = 20, hold_s: float = 30) -> ScorerDeps:
+            return scorer_deps(
+                attempts=attempts,
+                model=model,
+                retry_policy=RetryPolicy(
+                    base_s=0.01, cap_s=0.05, rate_limit_retries=rate_limit_retries
+                ),
+                throttle=ModelThrottle(hold_s=hold_s, base_s=0.02, rng=random.Random(0)),
+            )
 
-    def deps(*, rate_limit_retries: int = 20, hold_s: float = 30) -> ScorerDeps:
-        return ScorerDeps(
-            attempts=attempts,
-            model=build_model(settings, http),
-            announce=announce,
-            clock=utcnow,
-            lease=timedelta(seconds=30),
-            retry_policy=RetryPolicy(
-                base_s=0.01, cap_s=0.05, rate_limit_retries=rate_limit_retries
-            ),
-            rng=random.Random(0),
-            owner="test",
-            model_slots=ModelSlots(4),
-            throttle=ModelThrottle(hold_s=hold_s, base_s=0.02, rng=random.Random(0)),
-        )
-
-    yield deps
-    await http.aclose()
-    await client.close()
+        yield deps
 
 
 async def _until_decided(command: ScoreText, deps: ScorerDeps) -> tuple[Finish, ScoreText]:

@@ -9,24 +9,18 @@ root wires to the broker.
 from __future__ import annotations
 
 import dataclasses
-import random
 import uuid
 from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import FakeLLM
-from services.scorer.attempts import Attempts
 from services.scorer.decisions import Finish
 from services.scorer.errors import InputRejected
-from services.scorer.model import ModelVerdict, ScoringRequest, build_model
-from services.scorer.model.http_client import make_http_client
-from services.scorer.model.settings import ModelSettings
-from services.scorer.scoring import RetryPolicy, ScorerDeps, score_text
-from services.scorer.slots import ModelSlots
+from services.scorer.model import ModelVerdict, ScoringRequest
+from services.scorer.scoring import ScorerDeps, score_text
 from shared.contracts import (
     ScoreText,
     TaskCompleted,
@@ -35,8 +29,8 @@ from shared.contracts import (
     TaskStarted,
     Usage,
     new_id,
-    utcnow,
 )
+from tests.integration.scorer_parts import attempts_store, fake_model, scorer_deps
 
 Deps = Callable[..., ScorerDeps]
 
@@ -45,37 +39,14 @@ Deps = Callable[..., ScorerDeps]
 async def make_deps(
     fake_llm: FakeLLM, mongo: Any, db_prefix: str
 ) -> AsyncIterator[Callable[..., ScorerDeps]]:
-    settings = ModelSettings.model_validate(
-        {
-            "LLM_PROVIDER": "openai",
-            "LLM_BASE_URL": fake_llm.url,
-            "LLM_API_KEY": "test-key",
-            "LLM_MODEL": "fake-judge-1",
-            "LLM_TIMEOUT_S": "5",
-        }
-    )
-    http = make_http_client(settings, concurrency=4)
-    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
-    attempts = Attempts(client, f"{db_prefix}_scorer", retention=timedelta(hours=1))
-    await attempts.ensure_indexes()
+    async with fake_model(fake_llm) as model, attempts_store(mongo.url, db_prefix) as attempts:
 
-    def deps(*, started_after: timedelta, announce: Any) -> ScorerDeps:
-        return ScorerDeps(
-            attempts=attempts,
-            model=build_model(settings, http),
-            announce=announce,
-            clock=utcnow,
-            lease=timedelta(seconds=30),
-            retry_policy=RetryPolicy(base_s=1, cap_s=2),
-            rng=random.Random(0),
-            owner="test",
-            model_slots=ModelSlots(4),
-            started_after=started_after,
-        )
+        def deps(*, started_after: timedelta, announce: Any) -> ScorerDeps:
+            return scorer_deps(
+                attempts=attempts, model=model, started_after=started_after, announce=announce
+            )
 
-    yield deps
-    await http.aclose()
-    await client.close()
+        yield deps
 
 
 class Announcements:

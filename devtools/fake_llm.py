@@ -115,7 +115,7 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
-from devtools.lifetime import run_until_stopped
+from devtools.lifetime import run_until_stopped, starter_to_outlive
 
 DEFAULT_MODEL: Final = "fake-judge-1"
 # The snapshot date appended to the requested model name in answers, as OpenAI does.
@@ -755,6 +755,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     """Run until SIGINT or SIGTERM, announcing the URL as one JSON line on stdout."""
+    parent_pid = starter_to_outlive(exit_with_parent=args.exit_with_parent)
     config = FakeLLMConfig(
         latency_ms=args.latency_ms,
         jitter_ms=args.jitter_ms,
@@ -767,7 +768,7 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         sys.stdout.write(orjson.dumps({"url": llm.url}).decode() + "\n")
         sys.stdout.flush()
-        await run_until_stopped(exit_with_parent=args.exit_with_parent)
+        await run_until_stopped(parent_pid=parent_pid)
     finally:
         await llm.stop()
 

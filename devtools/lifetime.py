@@ -27,10 +27,17 @@ async def watch_parent(stop: asyncio.Event, parent_pid: int) -> None:
             await asyncio.wait_for(stop.wait(), timeout=PARENT_CHECK_INTERVAL_S)
 
 
-async def run_until_stopped(*, exit_with_parent: bool) -> None:
-    """Wait for SIGINT/SIGTERM, or for the parent to go when `exit_with_parent`."""
+def starter_to_outlive(*, exit_with_parent: bool) -> int | None:
+    """The pid `run_until_stopped` watches: read before the server announces itself. Read
+    after, a starter killed as soon as it read the announcement was missed (its orphan then
+    watched its new parent, and served on)."""
+    return os.getppid() if exit_with_parent else None
+
+
+async def run_until_stopped(*, parent_pid: int | None) -> None:
+    """Wait for SIGINT/SIGTERM, or, given `parent_pid`, for that parent to go."""
     stop = asyncio.Event()
     install_stop_signals(stop)
-    if exit_with_parent:
-        await watch_parent(stop, os.getppid())
+    if parent_pid is not None:
+        await watch_parent(stop, parent_pid)
     await stop.wait()

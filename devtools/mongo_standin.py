@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from devtools.lifetime import run_until_stopped
+from devtools.lifetime import run_until_stopped, starter_to_outlive
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -123,13 +123,14 @@ def skip_duplicate_scan_for_string_id(engine_class: Any) -> None:
 async def serve(args: argparse.Namespace) -> None:
     from mongoeco.wire.proxy import AsyncMongoEcoProxyServer  # noqa: PLC0415
 
+    parent_pid = starter_to_outlive(exit_with_parent=args.exit_with_parent)
     server = AsyncMongoEcoProxyServer(
         engine=make_engine(args.engine, args.path), host=args.host, port=args.port
     )
     address = await server.start()
     try:
         print(json.dumps({"url": address.uri}), flush=True)
-        await run_until_stopped(exit_with_parent=args.exit_with_parent)
+        await run_until_stopped(parent_pid=parent_pid)
     finally:
         await server.close()
 

@@ -65,7 +65,8 @@ async def test_a_server_stops_once_its_starter_is_killed(server: list[str]) -> N
         async def gone() -> bool:
             return not _alive(child_pid)
 
-        await eventually(gone, timeout_s=15, what=f"{server[1]} stopping after its parent died")
+        # A bound, not a timing claim: the whole suite loads both cores meanwhile.
+        await eventually(gone, timeout_s=60, what=f"{server[1]} stopping after its parent died")
     finally:
         if parent.returncode is None:
             parent.kill()

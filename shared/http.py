@@ -99,6 +99,19 @@ def database_unavailable(method: str) -> Problem:
     return Problem(503, detail, kind="database-unavailable", headers={"Retry-After": "5"})
 
 
+def database_refused(error: BaseException) -> Problem:
+    """500 for an operation the service's database refuses for good (a failed validation, a
+    document over 16 MiB, a missing privilege): unlike an outage, retrying meets it again, so
+    no Retry-After; what the database said goes to the log, not to the client."""
+    log.error("the database refused a request's operation for good", exc_info=error)
+    return Problem(
+        500,
+        "The database refused this operation for good (the service's log says why); the "
+        "request was not carried out, and retrying it unchanged meets the same refusal.",
+        kind="database-refused",
+    )
+
+
 def install_problem_handlers(app: FastAPI) -> None:
     """Make every error of `app` a problem+json answer."""
 

@@ -28,6 +28,7 @@ from services.gateway.errors import (
     ReplayUnfinished,
     RequestInProgress,
     Unavailable,
+    refused_for_good,
 )
 from services.gateway.limits import InFlight, LimitExceeded, limit_problem
 from services.gateway.push import LiveUpdates, WaiterLimitReached, read_when_changed
@@ -44,7 +45,13 @@ from services.gateway.submit import (
     submit_score,
 )
 from shared.contracts import TaskStatus, TaskView
-from shared.http import RETRY_AFTER_HEADER, Problem, problem, problem_responses
+from shared.http import (
+    RETRY_AFTER_HEADER,
+    Problem,
+    database_refused,
+    problem,
+    problem_responses,
+)
 
 # `\Z`, not `$`: `$` also matches before a trailing newline.
 log = logging.getLogger("scorebox.gateway")
@@ -179,6 +186,8 @@ def _check_idempotency_key(key: str | None) -> str | None:
 
 
 def _unavailable(error: Unavailable) -> Problem:
+    if refused_for_good(error):
+        return database_refused(error)
     return Problem(
         503,
         f"{type(error).__name__}: a dependency is unavailable and nothing was kept; retry shortly.",

@@ -27,11 +27,11 @@ from typing import Annotated, Any, Protocol
 from fastapi import Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from services.gateway.errors import DatabaseUnavailable
+from services.gateway.errors import DatabaseUnavailable, refused_for_good
 from services.gateway.keys import ApiKey, parse_key, secret_matches
 from services.gateway.limits import LimitExceeded, RateLimiter, limit_problem
 from shared.contracts import utcnow
-from shared.http import Problem
+from shared.http import Problem, database_refused
 
 log = logging.getLogger("scorebox.gateway.auth")
 
@@ -166,6 +166,8 @@ def _unauthorized(detail: str, *, invalid: bool) -> Problem:
 
 
 def _unavailable(error: DatabaseUnavailable) -> Problem:
+    if refused_for_good(error):
+        return database_refused(error)
     return Problem(
         503,
         "The key store is unavailable; retry shortly.",

@@ -51,7 +51,8 @@ class BrokerUnavailable(Unavailable):
 
 class DatabaseUnavailable(Unavailable):
     """MongoDB did not answer, or refused the operation; the PyMongo error is its cause
-    (`database_away` tells the two apart). A request answers both with a 503."""
+    (`database_away` tells the two apart). A request answers an absence with a 503 and a
+    refusal for good with a 500 (`refused_for_good`): retrying would meet it again."""
 
 
 def database_away(error: BaseException) -> bool:
@@ -64,6 +65,12 @@ def database_away(error: BaseException) -> bool:
     taken for away, as every one was."""
     cause = error.__cause__
     return cause is None or transient_database_error(cause)
+
+
+def refused_for_good(error: BaseException) -> bool:
+    """A `DatabaseUnavailable` whose operation the database refuses whatever the retry (a
+    failed validation, a document over 16 MiB, a missing privilege)."""
+    return isinstance(error, DatabaseUnavailable) and not database_away(error)
 
 
 class StatusUnavailable(Unavailable):

@@ -16,9 +16,15 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from services.gateway.api import json_body, read_model
-from services.gateway.errors import DatabaseUnavailable
+from services.gateway.errors import DatabaseUnavailable, refused_for_good
 from services.gateway.keys import KEY_ID, TENANT_ID_PATTERN, ApiKeys, KeyNotIssued
-from shared.http import ADMIN_PROBLEMS, Problem, admin_guard, problem_responses
+from shared.http import (
+    ADMIN_PROBLEMS,
+    Problem,
+    admin_guard,
+    database_refused,
+    problem_responses,
+)
 
 MAX_LISTED = 10_000  # keys one listing shows
 # An admin body is small (a replay's 10,000 ids fit in well under this).
@@ -35,6 +41,8 @@ class KeyRequest(BaseModel):
 
 
 def _unavailable(error: DatabaseUnavailable) -> Problem:
+    if refused_for_good(error):
+        return database_refused(error)
     return Problem(
         503,
         "The key store is unavailable; nothing was changed; retry shortly.",

@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 
 from fastapi import FastAPI
 from pydantic import SecretStr
+from pymongo.errors import AutoReconnect, OperationFailure, PyMongoError
 
 from services.gateway.errors import DatabaseUnavailable
 from services.gateway.keys import ApiKey, ApiKeys
@@ -61,3 +62,32 @@ async def test_a_listing_past_its_limit_says_it_is_truncated() -> None:
         under = (await client.get("/admin/v1/keys", headers=ADMIN)).json()
     assert (over["count"], over["truncated"]) == (MAX_LISTED, True)
     assert (under["count"], under["truncated"]) == (3, False)
+
+
+class ListingFails(StubKeys):
+    """A key store whose listing fails with `cause`: an outage, or a refusal for good."""
+
+    def __init__(self, cause: PyMongoError) -> None:
+        super().__init__()
+        self.cause = cause
+
+    async def find_all(self, *, tenant_id: str | None = None, limit: int = 10_000) -> list[ApiKey]:
+        raise DatabaseUnavailable(str(self.cause)) from self.cause
+
+
+async def test_an_operation_the_database_refuses_for_good_is_a_500_without_retry_after() -> None:
+    """A missing privilege recurs on every retry: a 503 with Retry-After told the client to
+    retry shortly, for ever."""
+    refused = OperationFailure("not authorized on scorebox to execute find", code=13)
+    async with running(app_with(ListingFails(refused), [])) as client:
+        answer = await client.get("/admin/v1/keys", headers=ADMIN)
+    assert answer.status_code == 500
+    assert answer.json()["type"].endswith("/database-refused")
+    assert "retry-after" not in answer.headers
+
+
+async def test_a_database_away_is_still_a_503_with_retry_after() -> None:
+    async with running(app_with(ListingFails(AutoReconnect("connection reset")), [])) as client:
+        answer = await client.get("/admin/v1/keys", headers=ADMIN)
+    assert answer.status_code == 503
+    assert answer.headers["retry-after"] == "5"

@@ -6,7 +6,8 @@ Each service runs as `python -m services.<name>` in its own process group (Ctrl-
 ours), logs to `<log_dir>/<service>[-<replica>].log`, and is ready when `GET /readyz` answers
 200. Services learn everything from the environment (the public contract): `RABBITMQ_URL`,
 `MONGO_URL`, `MONGO_DB_PREFIX`, `HTTP_HOST`, `<SERVICE>_PORT`, `STATUS_URL`, `NOTIFIER_URL`,
-and whatever the caller adds (`LLM_*`, `SCORER_CONCURRENCY`, ...).
+`INTERNAL_API_KEY` (a new one per stack unless given), and whatever the caller adds (`LLM_*`,
+`SCORER_CONCURRENCY`, ...).
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ class Stack:
         if config.scorer_replicas < 1:
             raise StackError("scorer_replicas must be at least 1")
         self.config = config
+        self.internal_key = internal_key_of(config.env)
         self._processes: list[ServiceProcess] = []
 
     # ------------------------------------------------------------------ addresses
@@ -286,6 +288,7 @@ class Stack:
         if "scheduler" in self.config.services:
             env["SCHEDULER_URL"] = self.url("scheduler")
         env.update(self.config.env)
+        env["INTERNAL_API_KEY"] = self.internal_key
         env["NO_PROXY"] = env["no_proxy"] = no_proxy_with_loopback(env)
         env[PORT_ENV[proc.service]] = str(proc.port)
         env["SCOREBOX_SERVICE"] = proc.service
@@ -341,6 +344,15 @@ class Stack:
 
 
 # ---------------------------------------------------------------------- process helpers
+
+
+def internal_key_of(stack_env: Mapping[str, str], environ: Mapping[str, str] = os.environ) -> str:
+    """The `INTERNAL_API_KEY` every service of a stack shares, kept across restarts: the one
+    given (the stack's environment, then the process's; given empty, the internal routes are
+    open), else a new one, so that `make run` runs authenticated as a deployment should."""
+    if "INTERNAL_API_KEY" in stack_env:
+        return stack_env["INTERNAL_API_KEY"]
+    return environ.get("INTERNAL_API_KEY") or secrets.token_urlsafe(32)
 
 
 def die_with_parent() -> None:

@@ -2,6 +2,7 @@
 
     scorebox submit FILE [--rubric R] [--wait]     submit a text (FILE or - for stdin)
     scorebox status TASK_ID                        show a task
+    scorebox cancel TASK_ID                        cancel a task not started yet
     scorebox dlq list | show ID | replay [ID...|--all] | purge
     scorebox keys create --tenant T [--name N] | list [--tenant T] | revoke KEY_ID
     scorebox usage [--from YYYY-MM-DD] [--to YYYY-MM-DD]     your tenant's daily usage
@@ -313,6 +314,17 @@ def status(task_id: str) -> None:
         if response.status_code != 200:
             raise _fail(response)
         _show(_answer(response))
+
+
+@app.command()
+def cancel(task_id: str) -> None:
+    """Cancel a task whose model call has not started (poll `status` for how it ended)."""
+    path = f"/v1/scores/{_segment(task_id, 'TASK_ID')}/cancel"
+    with _reaching(_client()) as client:
+        response = client.post(path)
+        if response.status_code != 202:
+            raise _fail(response)
+        _show(_answer(response, "task_id", "status"))
 
 
 def _admin_call(

@@ -18,7 +18,15 @@ import aio_pika
 import aiormq
 
 from shared.consumers import ScoreboxBroker
-from shared.contracts import Contract, ScoreText, TaskCompleted, TaskEvent, TaskFailed, utcnow
+from shared.contracts import (
+    CancelTask,
+    Contract,
+    ScoreText,
+    TaskCompleted,
+    TaskEvent,
+    TaskFailed,
+    utcnow,
+)
 from shared.topology import (
     CALLBACK_HEADER,
     CALLBACK_HEADER_VALUE,
@@ -191,6 +199,11 @@ async def publish_command(
         headers=headers,
     )
     return False
+
+
+async def publish_cancel(broker: RabbitBroker, cancel: CancelTask, *, timeout: float) -> None:
+    """Send a client's cancellation of a task to the scorer, now (never down the ladder)."""
+    await _publish(broker, cancel, exchange=TASKS, routing_key=cancel.routing_key, timeout=timeout)
 
 
 async def publish_dead_letter(

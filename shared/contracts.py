@@ -376,6 +376,28 @@ class ScoreWithdrawn(Contract):
         return event_sequence(generation=0, attempt=0, phase=Phase.WITHDRAWN)
 
 
+# The error code of a task its client cancelled before its model call (`CancelTask`).
+CANCELLED_CODE: Final = "cancelled"
+
+
+class CancelTask(Contract):
+    """Command: cancel this generation of the task unless its model call has started
+    (`scorebox.tasks`, routing key `score.cancel`). Sent by the gateway for the task's client;
+    consumed by the scorer, which records the generation as failed with `cancelled` and
+    publishes that `task.failed` (whose other fields this command carries)."""
+
+    routing_key: ClassVar[str] = "score.cancel"
+
+    generation: int = Field(ge=0, description="The generation to cancel (the task's latest).")
+    submitted_at: datetime
+    api_key_id: str | None = Field(default=None, description="The API key that submitted it.")
+    callback_url: str | None = Field(default=None, description="Webhook for the outcome.")
+    requested_at: datetime = Field(default_factory=utcnow, description="When it was asked.")
+    not_before: datetime | None = Field(
+        default=None, description="When the task is due: its cancellation outlives that."
+    )
+
+
 class RescoreTask(Contract):
     """Command: score this completed task again (`scorebox.tasks`, routing key `score.rescore`).
 

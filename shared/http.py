@@ -1,5 +1,5 @@
-"""HTTP conventions of every service: RFC 9457 problem+json errors, health endpoints and
-reading `Retry-After`."""
+"""HTTP conventions of every service: RFC 9457 problem+json errors, health endpoints, the
+bearer-key guards (admin, metrics, internal) and reading `Retry-After`."""
 
 from __future__ import annotations
 
@@ -283,10 +283,24 @@ METRICS_KEY_SCHEME = HTTPBearer(
     description="`Authorization: Bearer <METRICS_API_KEY>` (or the admin key).",
     auto_error=False,
 )
+INTERNAL_KEY_SCHEME = HTTPBearer(
+    scheme_name="InternalKey",
+    description="The services' internal key, which the gateway sends: "
+    "`Authorization: Bearer <INTERNAL_API_KEY>`.",
+    auto_error=False,
+)
 # The admin guard's answers, for the `responses` of every admin router.
 ADMIN_PROBLEMS: dict[int | str, dict[str, Any]] = {
     401: problem(401, "No admin key, or not this one (`Authorization: Bearer <ADMIN_API_KEY>`)."),
     403: problem(403, "The admin API is disabled: ADMIN_API_KEY is not set."),
+}
+# The internal guard's answer, for the `responses` of every internal router.
+INTERNAL_PROBLEMS: dict[int | str, dict[str, Any]] = {
+    401: problem(
+        401,
+        "INTERNAL_API_KEY is set and the request does not carry it "
+        "(`Authorization: Bearer <INTERNAL_API_KEY>`).",
+    ),
 }
 
 
@@ -314,16 +328,69 @@ def metrics_guard(metrics_key: SecretStr | None, admin_key: SecretStr | None) ->
     )
 
 
+def internal_guard(internal_key: SecretStr | None) -> Any:
+    """A dependency of the internal routes (`/internal/...`, the gateway's calls) that admits
+    only `Authorization: Bearer <INTERNAL_API_KEY>`: no other key opens them, the admin key
+    included.
+
+    Without a configured key the routes are open, as they were before the key existed: the
+    network is then their only protection (`warn_if_internal_routes_open` says so).
+    """
+    if not _configured([internal_key]):
+        return Depends(_admit_anyone)
+    return _bearer_guard(
+        [internal_key],
+        scheme=INTERNAL_KEY_SCHEME,
+        disabled="",  # never said: the key is configured
+        hint="Send the internal key as 'Authorization: Bearer <INTERNAL_API_KEY>'.",
+    )
+
+
+async def _admit_anyone() -> None:
+    return None
+
+
+def warn_if_internal_routes_open(internal_key: SecretStr | None, service: str) -> None:
+    """One warning, at start, from a service whose internal routes answer anyone."""
+    if not _configured([internal_key]):
+        log.warning(
+            "INTERNAL_API_KEY is not set: the %s's internal routes (/internal/...) answer "
+            "anyone who reaches its port, and only the network protects them",
+            service,
+        )
+
+
+def internal_key_headers(internal_key: SecretStr | None) -> dict[str, str]:
+    """The headers a caller of the internal routes sends: none without a configured key."""
+    configured = _configured([internal_key])
+    return {"Authorization": configured[0].decode()} if configured else {}
+
+
+def log_if_internal_key_refused(status_code: int, service: str) -> None:
+    """The caller's side of a 401 from an internal route: its INTERNAL_API_KEY is not the
+    service's, and every call will fail alike (a 503 to the client) until they agree."""
+    if status_code == 401:
+        log.error(
+            "the %s refused this service's internal key (401): both need the same INTERNAL_API_KEY",
+            service,
+        )
+
+
+def _configured(keys: Sequence[SecretStr | None]) -> list[bytes]:
+    """The `Authorization` header each configured key is sent as; an empty key is no key."""
+    return [
+        f"Bearer {key.get_secret_value()}".encode()
+        for key in keys
+        if key is not None and key.get_secret_value()
+    ]
+
+
 def _bearer_guard(
     keys: Sequence[SecretStr | None], *, scheme: HTTPBearer, disabled: str, hint: str
 ) -> Any:
     """`scheme` only documents the guard (its OpenAPI security scheme): the guard compares the
     `Authorization` header whole, as sent."""
-    configured = [
-        f"Bearer {key.get_secret_value()}".encode()
-        for key in keys
-        if key is not None and key.get_secret_value()
-    ]
+    configured = _configured(keys)
 
     declared = Depends(scheme)  # the OpenAPI security scheme; its value is not read
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MAX_PORT = 65_535
@@ -43,6 +43,8 @@ BROKER_CONSUMER_TIMEOUT_S = 1800.0
 MIN_INFRA_TIMEOUT_S = 0.1
 MAX_INFRA_TIMEOUT_S = 300.0
 MAX_STARTUP_TIMEOUT_S = 3600.0
+# The characters of a bearer token a header can carry as is: `!` to `~`.
+VISIBLE_ASCII_MIN, VISIBLE_ASCII_MAX = 0x21, 0x7E
 
 
 class ServiceSettings(BaseSettings):
@@ -101,6 +103,34 @@ class ServiceSettings(BaseSettings):
 
     def database_name(self, service: str) -> str:
         return f"{self.mongo_database_prefix}_{service}"
+
+
+class InternalApiSettings(ServiceSettings):
+    """Settings of a service that serves the internal HTTP API (`/internal/...`) or calls it
+    (the gateway)."""
+
+    # The bearer token of the internal routes, the same on every service. Unset (or empty),
+    # the routes answer anyone who reaches them: only the network protects them then.
+    internal_api_key: SecretStr | None = Field(default=None, validation_alias="INTERNAL_API_KEY")
+
+    @field_validator("internal_api_key")
+    @classmethod
+    def _usable_as_a_bearer_token(cls, key: SecretStr | None) -> SecretStr | None:
+        """Empty is unset (compose passes `${SCOREBOX_INTERNAL_KEY:-}`), and the whitespace a
+        secret file ends with is dropped. Otherwise visible ASCII only: a header carries it,
+        and the gateway's client refuses other characters (it would not start) or sends a
+        control character as is (a broken request on every call)."""
+        if key is None:
+            return None
+        value = key.get_secret_value().strip()
+        if not value:
+            return None
+        if not all(VISIBLE_ASCII_MIN <= ord(character) <= VISIBLE_ASCII_MAX for character in value):
+            raise ValueError(
+                "INTERNAL_API_KEY must be visible ASCII characters without spaces "
+                "(make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+            )
+        return SecretStr(value)
 
 
 def redact_url(url: str) -> str:

@@ -5,6 +5,7 @@
                       score.resubmitted                → scorebox.score-requests (scorer)
                       score.requested, score.withdrawn → scorebox.status-projection (status)
                       score.rescore                    → scorebox.rescore-requests (gateway)
+                      score.cancel                     → scorebox.task-cancels (scorer)
                       webhook.deliver                  → scorebox.webhook-deliveries (notifier)
                       usage.retry                      → scorebox.usage-meter (scheduler)
     scorebox.cron     cron.run                         → scorebox.cron-jobs (scheduler)
@@ -203,6 +204,9 @@ SCORE_REQUESTS = _command_queue(
     max_length=SCORE_QUEUE_MAX_LENGTH,
     sent_now_only=("score.resubmitted",),
 )
+# A client's cancellation of a task (`CancelTask`), for the scorer, which records it as the
+# decision of the task's next attempt unless its model call has started. Never delayed.
+TASK_CANCELS = WorkQueue(name="scorebox.task-cancels", bindings=(Binding(TASKS, "score.cancel"),))
 # The projection takes a copy of every submission sent straight to the scorer: a task sent now is
 # known from its command (no `task.accepted` publish of its own); a task that waits on the
 # ladder is announced by `task.accepted` (status `scheduled`). The copy arrives even when the
@@ -316,6 +320,7 @@ WEBHOOK_DELIVERIES = _command_queue("scorebox.webhook-deliveries", "webhook.deli
 
 WORK_QUEUES: tuple[WorkQueue, ...] = (
     SCORE_REQUESTS,
+    TASK_CANCELS,
     STATUS_PROJECTION,
     GATEWAY_TASK_OUTCOMES,
     CRON_JOBS,

@@ -2,7 +2,8 @@
 
 `build_gateway` makes every adapter once; `create_app` subscribes the consumers, opens and
 closes the clients in the lifespan, and mounts the routes. Tests pass their own broker,
-database client, HTTP clients or clock.
+database client, HTTP clients or clock. The HTTP clients of the internal services, made here
+or passed in, send `INTERNAL_API_KEY` on every call when it is set.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from services.gateway.auth import Authenticator, caller_dependency
 from services.gateway.batches import Batches
 from services.gateway.batches_api import batch_routes
 from services.gateway.cache import ResultCache
+from services.gateway.cancels_api import cancel_routes
 from services.gateway.consumers import keep_outbox_swept, subscribe_task_outcomes
 from services.gateway.deadletters import DeadLetterQueue
 from services.gateway.events_api import event_routes
@@ -48,7 +50,12 @@ from shared.aiohttp_transport import MappedAiohttpTransport
 from shared.asyncapi import build_document
 from shared.consumers import ScoreboxBroker
 from shared.contracts import DEFAULT_TENANT, new_id, utcnow
-from shared.http import health_router, install_problem_handlers, metrics_guard
+from shared.http import (
+    health_router,
+    install_problem_handlers,
+    internal_key_headers,
+    metrics_guard,
+)
 from shared.metrics import serve_metrics
 from shared.runtime import (
     MongoClient,
@@ -121,6 +128,10 @@ def build_gateway(
     broker = broker or make_broker(settings, prefetch=settings.outcome_prefetch, name="gateway")
     mongo = mongo or make_mongo(settings)
     status_http = status_http or make_status_http(settings)
+    notifier_http = notifier_http or make_notifier_http(settings)
+    scheduler_http = scheduler_http or make_scheduler_http(settings)
+    for internal_http in (status_http, notifier_http, scheduler_http):
+        internal_http.headers.update(internal_key_headers(settings.internal_api_key))
     database = settings.database_name("gateway")
     keys = ApiKeys(mongo, database)
     publisher = TaskPublisher(broker, timeout_s=settings.broker_timeout_s)
@@ -145,8 +156,8 @@ def build_gateway(
         broker=broker,
         mongo=mongo,
         status_http=status_http,
-        notifier_http=notifier_http or make_notifier_http(settings),
-        scheduler_http=scheduler_http or make_scheduler_http(settings),
+        notifier_http=notifier_http,
+        scheduler_http=scheduler_http,
         keys=keys,
         authenticator=Authenticator(keys, cache_ttl_s=settings.api_key_cache_ttl_s, clock=clock),
         rate_limiter=RateLimiter(
@@ -226,6 +237,7 @@ def gateway_routes(gateway: Gateway) -> list[APIRouter]:
         health_router(health),
         asyncapi_route(),
         score_routes(deps, authenticated),
+        cancel_routes(deps, gateway.publisher, authenticated),
         event_routes(
             deps, deps.live, gateway.status, authenticated, gateway.authenticator.still_valid
         ),

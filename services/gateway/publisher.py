@@ -24,6 +24,7 @@ from faststream.rabbit import RabbitBroker
 from services.gateway.errors import BrokerUnavailable
 from shared.bus import (
     PublishUnconfirmed,
+    publish_cancel,
     publish_command,
     publish_delayed,
     publish_event,
@@ -31,6 +32,7 @@ from shared.bus import (
 )
 from shared.contracts import (
     CACHED_COMPLETION_SEQUENCE,
+    CancelTask,
     ScoreResult,
     ScoreText,
     ScoreWithdrawn,
@@ -93,6 +95,15 @@ class TaskPublisher:
             log.warning("score.resubmitted for %s not confirmed: %r", command.task_id, error)
             raise BrokerUnavailable(str(error) or type(error).__name__) from error
         await self._announce_accepted([command])
+
+    async def cancel(self, cancel: CancelTask) -> None:
+        """Send a client's cancellation to the scorer, confirmed; anything else is
+        `BrokerUnavailable` (a cancellation is idempotent: the client sends it again)."""
+        try:
+            await publish_cancel(self._broker, cancel, timeout=self._timeout_s)
+        except Exception as error:
+            log.warning("score.cancel for %s not confirmed: %r", cancel.task_id, error)
+            raise BrokerUnavailable(str(error) or type(error).__name__) from error
 
     async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool:
         """A task answered from the result cache: accepted and completed at once. True when

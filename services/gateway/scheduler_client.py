@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from services.gateway.errors import GatewayError, Unavailable
 from services.gateway.settings import GatewaySettings
 from shared.aiohttp_transport import MappedAiohttpTransport
+from shared.http import log_if_internal_key_refused
 
 MAX_CONNECTIONS = 32
 
@@ -106,6 +107,7 @@ class SchedulerClient:
         if response.status_code == 422:
             raise UsageQueryRejected(_problem_detail(response))
         if response.status_code != 200:
+            log_if_internal_key_refused(response.status_code, "scheduler")
             raise SchedulerUnavailable(f"scheduler answered {response.status_code}")
         try:
             return UsageReport.model_validate_json(response.content)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from pydantic import (
@@ -172,6 +172,18 @@ class SubmissionAccepted(BaseModel):
         examples=["queued"],
         description="`queued` or `scheduled`; for a repeated Idempotency-Key, the task's status "
         "now, or `expired` once the status service no longer holds the finished task.",
+    )
+    status_url: str = Field(examples=["/v1/scores/6f1c0c0b3b0b4d8a9f7e1f3f0a9d2c11"])
+
+
+class CancelRequested(BaseModel):
+    """`202 Accepted`: the cancellation was sent; poll the task for its outcome."""
+
+    task_id: str
+    status: Literal["cancelling"] = Field(
+        default="cancelling",
+        description="The task fails with `error.code` `cancelled` unless its model call had "
+        "started, in which case it ends as that call decides.",
     )
     status_url: str = Field(examples=["/v1/scores/6f1c0c0b3b0b4d8a9f7e1f3f0a9d2c11"])
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from shared.contracts import HEURISTIC_PROMPT_VERSION, known_rubric_version
-from shared.settings import MAX_DURATION_S, ServiceSettings, http_url
+from shared.settings import MAX_DURATION_S, InternalApiSettings, http_url
 
 
-class GatewaySettings(ServiceSettings):
+class GatewaySettings(InternalApiSettings):
     port: int = Field(default=8000, validation_alias="GATEWAY_PORT")
     admin_api_key: SecretStr | None = Field(default=None, validation_alias="ADMIN_API_KEY")
     # Read-only access to `GET /metrics` for a scraper (the admin key also works).

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from services.gateway.errors import StatusUnavailable
 from shared.contracts import BatchProgress, TaskHistory, TaskView
+from shared.http import log_if_internal_key_refused
 
 
 class StatusClient:
@@ -54,6 +55,7 @@ class StatusClient:
         if response.status_code == 404:
             return None
         if response.status_code != 200:
+            log_if_internal_key_refused(response.status_code, "status service")
             raise StatusUnavailable(f"status service answered {response.status_code}")
         return response
 

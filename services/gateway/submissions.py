@@ -83,6 +83,9 @@ class Submission:
     # The result a result-cache hit answered with: a poll the status service cannot answer
     # yet shows it too (read-your-writes), not `queued`.
     cached_result: ScoreResult | None = None
+    # The latest generation handed out (re-scores, DLQ replays; absent: 0), or that of the
+    # command when higher.
+    generation: int = 0
 
 
 def request_hash(payload: Document) -> str:
@@ -664,6 +667,10 @@ def _earlier_rescore(
 
 def _submission_of(document: Document) -> Submission:
     command = document.get("command")
+    generation = max(
+        int(document.get("generation", NO_GENERATION)),
+        int(command.get("generation", NO_GENERATION)) if command else NO_GENERATION,
+    )
     return Submission(
         task_id=document["_id"],
         tenant_id=document["tenant_id"],
@@ -675,4 +682,5 @@ def _submission_of(document: Document) -> Submission:
         cached_result=ScoreResult.model_validate(cached)
         if (cached := document.get("cached_result"))
         else None,
+        generation=generation,
     )

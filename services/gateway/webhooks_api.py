@@ -24,7 +24,13 @@ from services.gateway.api import json_body, read_model
 from services.gateway.auth import Caller
 from services.gateway.errors import Unavailable
 from services.gateway.settings import GatewaySettings
-from shared.http import PROBLEM_BASE, PROBLEM_JSON, Problem, problem_responses
+from shared.http import (
+    PROBLEM_BASE,
+    PROBLEM_JSON,
+    Problem,
+    log_if_internal_key_refused,
+    problem_responses,
+)
 from shared.webhook_urls import MAX_URL_LENGTH, validate_webhook_url
 
 NO_STORE = {"Cache-Control": "no-store"}
@@ -162,6 +168,7 @@ class NotifierClient:
             ) from error
         if response.is_success or (none_ok and _says_no_failure_alert(response)):
             return response
+        log_if_internal_key_refused(response.status_code, "notifier")
         raise NotifierUnavailable(
             f"notifier answered {response.status_code}", maybe_applied=response.status_code >= 500
         )

@@ -1,5 +1,6 @@
 """The notifier's internal HTTP API, called by the gateway on behalf of an authenticated
-tenant (the gateway owns authentication; these routes are not published)."""
+tenant (the gateway owns the tenant's authentication; these routes are not published, and
+admit only the gateway's `INTERNAL_API_KEY` when that is set)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from fastapi import APIRouter, Path, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from services.notifier.errors import UnsafeDestination
 from services.notifier.keyring import Keyring, TenantSecret
 from services.notifier.registry import FailureAlerts
 from services.notifier.ssrf import WebhookGuard
-from shared.http import Problem
+from shared.http import INTERNAL_PROBLEMS, Problem, internal_guard
 from shared.webhook_urls import MAX_URL_LENGTH
 
 NO_STORE = {"Cache-Control": "no-store"}
@@ -57,8 +58,14 @@ def tenant_routes(
     guard: WebhookGuard,
     clock: Callable[[], datetime],
     rotation_grace: timedelta,
+    internal_key: SecretStr | None,
 ) -> APIRouter:
-    router = APIRouter(prefix="/internal/v1/tenants/{tenant_id}", tags=["webhooks"])
+    router = APIRouter(
+        prefix="/internal/v1/tenants/{tenant_id}",
+        tags=["webhooks"],
+        dependencies=[internal_guard(internal_key)],
+        responses=INTERNAL_PROBLEMS,
+    )
 
     @router.get("/webhook-secret", response_model=SigningSecret)
     async def read_signing_secret(response: Response, tenant_id: str = TenantId) -> SigningSecret:

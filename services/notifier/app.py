@@ -26,7 +26,7 @@ from services.notifier.settings import NotifierSettings
 from services.notifier.ssrf import CaresResolver, Resolver, WebhookGuard
 from shared.consumers import ScoreboxBroker
 from shared.contracts import DeliverWebhook, new_id, utcnow
-from shared.http import health_router, install_problem_handlers
+from shared.http import health_router, install_problem_handlers, warn_if_internal_routes_open
 from shared.metrics import serve_metrics
 from shared.runtime import (
     MongoClient,
@@ -127,6 +127,7 @@ def create_app(
                 "This is for tests only; unset it in any real deployment.",
                 ",".join(sorted(settings.test_hosts)),
             )
+        warn_if_internal_routes_open(settings.internal_api_key, "notifier")
         await prepare_database(ensure_indexes, deadline_s=settings.startup_timeout_s)
         await start_broker(broker, settings)
         yield
@@ -152,6 +153,7 @@ def create_app(
             guard=guard,
             clock=clock,
             rotation_grace=timedelta(seconds=settings.secret_rotation_grace_s),
+            internal_key=settings.internal_api_key,
         )
     )
     return app

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from shared.settings import MAX_DURATION_S, ServiceSettings
+from shared.settings import MAX_DURATION_S, InternalApiSettings
 
 # The database calls a claim's holder makes under its lease (`NotifierSettings.lease_s`).
 CLAIM_DATABASE_CALLS = 3
@@ -15,7 +15,7 @@ CLAIM_DATABASE_CALLS = 3
 MAX_WEBHOOK_TIMEOUT_S = 600.0
 
 
-class NotifierSettings(ServiceSettings):
+class NotifierSettings(InternalApiSettings):
     port: int = Field(default=8004, validation_alias="NOTIFIER_PORT")
     # Notification events and deliveries in flight per notifier process.
     concurrency: int = Field(default=32, ge=1, le=1024, validation_alias="WEBHOOK_CONCURRENCY")

@@ -13,8 +13,10 @@
     GET  /internal/v1/usage?tenant_id=&from=&to=
                                              daily usage rows of a tenant (UTC days, inclusive)
 
-Not for the public: the gateway answers `GET /v1/usage` from the internal route, and the
-admin routes are for operators (`scorebox cron ...`), with `Authorization: Bearer <ADMIN_API_KEY>`.
+Not for the public: the gateway answers `GET /v1/usage` from the internal route, with
+`Authorization: Bearer <INTERNAL_API_KEY>` when that is set, and the admin routes are for
+operators (`scorebox cron ...`), with `Authorization: Bearer <ADMIN_API_KEY>`. Neither key
+opens the other's routes.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from services.scheduler.metering import NANOS_PER_UNIT
 from services.scheduler.schedule import JobCatalog, ScheduledJob
 from services.scheduler.usage_store import DailyUsage, DailyUsageStore
 from shared.bus import BROKER_ERRORS
-from shared.http import Problem, admin_guard, parse_day
+from shared.http import INTERNAL_PROBLEMS, Problem, admin_guard, internal_guard, parse_day
 
 log = logging.getLogger("scorebox.scheduler.api")
 
@@ -394,8 +396,16 @@ def _totals(rows: list[DailyUsage]) -> UsageTotals:
     )
 
 
-def usage_routes(*, daily: DailyUsageStore, currency: str) -> APIRouter:
-    router = APIRouter(prefix="/internal/v1", tags=["usage"])
+def usage_routes(
+    *, daily: DailyUsageStore, currency: str, internal_key: SecretStr | None
+) -> APIRouter:
+    """The gateway's reads of daily usage, guarded by `INTERNAL_API_KEY` when it is set."""
+    router = APIRouter(
+        prefix="/internal/v1",
+        tags=["usage"],
+        dependencies=[internal_guard(internal_key)],
+        responses=INTERNAL_PROBLEMS,
+    )
 
     @router.get("/usage", response_model=UsageReport, response_model_by_alias=True)
     async def read_usage(

@@ -44,7 +44,7 @@ from services.scheduler.usage_store import DailyUsageStore, UsageRecords
 from shared.consumers import ScoreboxBroker
 from shared.contracts import RunCronJob, new_id, utcnow
 from shared.dead_letters import DeadLetterWalker
-from shared.http import health_router, install_problem_handlers
+from shared.http import health_router, install_problem_handlers, warn_if_internal_routes_open
 from shared.metrics import serve_metrics
 from shared.runtime import (
     MongoClient,
@@ -210,6 +210,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        warn_if_internal_routes_open(settings.internal_api_key, "scheduler")
         await prepare_database(ensure_indexes, deadline_s=settings.startup_timeout_s)
         await start_broker(broker, settings)
         ticking = asyncio.create_task(keep_dispatching(dispatcher, interval_s=settings.tick_s))
@@ -244,5 +245,9 @@ def create_app(
     app.include_router(
         cron_dead_letter_routes(dead_letters=dead_letters, admin_key=settings.admin_api_key)
     )
-    app.include_router(usage_routes(daily=daily, currency=config.usage.currency))
+    app.include_router(
+        usage_routes(
+            daily=daily, currency=config.usage.currency, internal_key=settings.internal_api_key
+        )
+    )
     return app

@@ -17,14 +17,14 @@ from shared.settings import (
     BROKER_CONSUMER_TIMEOUT_S,
     MAX_DURATION_S,
     MAX_PREFETCH,
-    ServiceSettings,
+    InternalApiSettings,
 )
 from shared.topology import SCORE_QUEUE_MAX_LENGTH
 
 MAX_JOB_ATTEMPTS = 20
 
 
-class SchedulerSettings(ServiceSettings):
+class SchedulerSettings(InternalApiSettings):
     port: int = Field(default=8003, validation_alias="SCHEDULER_PORT")
     # Guards `/admin/v1/cron/*` like the gateway's admin routes (unset: they answer 403).
     admin_api_key: SecretStr | None = Field(default=None, validation_alias="ADMIN_API_KEY")

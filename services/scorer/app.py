@@ -1,4 +1,5 @@
-"""Composition root of the scorer: the `score.requested` consumer and its model."""
+"""Composition root of the scorer: the `score.requested` consumer and its model, and the
+`score.cancel` consumer."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from datetime import datetime, timedelta
 from fastapi import FastAPI
 
 from services.scorer.attempts import Attempts
+from services.scorer.cancels import TaskCancels, subscribe_cancels
 from services.scorer.consumer import BrokerActions, subscribe_scorer
 from services.scorer.metrics import ScorerMetrics
 from services.scorer.model import ProviderClient, ScoreModel, build_model, make_http_client
@@ -114,6 +116,8 @@ def create_app(
     deps.metrics.model_calls_paused.set_function(lambda: float(deps.throttle.paused))
     actions = BrokerActions(broker=broker, timeout_s=settings.broker_timeout_s, clock=clock)
     subscribe_scorer(broker, deps, actions, crash_limit=settings.crash_limit)
+    cancels = TaskCancels(attempts, broker, clock, timeout_s=settings.broker_timeout_s)
+    subscribe_cancels(broker, cancels)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -12,6 +12,11 @@ the claim's write (`generation` rewritten): that generation's next attempt is su
 never publishes anything metered. One that replaces an outcome (a stored finish) starts
 from nothing: that outcome counted `spent` already.
 
+A client's cancellation (`cancel`) is recorded as a decision too: a `Finish` failing the
+task with `cancelled`, written over what stands when nothing has started the generation's
+model call, so that the generation's next command collides with it and carries it out
+instead of calling the model.
+
 A claim is an atomic conditional upsert. It succeeds for a task never seen, the attempt
 after a decided retry, a running attempt whose lease expired (its worker died), or, when
 the caller says so, a running attempt it claimed itself and no longer works on (the claim's
@@ -27,15 +32,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Final
 
 from pymongo import AsyncMongoClient, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import DuplicateKeyError, OperationFailure
 
 from services.scorer import decisions
-from services.scorer.decisions import Finish, Retry, Spent
-from shared.contracts import ScoreText
+from services.scorer.decisions import Finish, Retry, Spent, cancelled, is_cancellation
+from shared.contracts import CancelTask, ScoreText
 from shared.group_reads import GroupReader
 from shared.group_writes import GroupWriter, Write
 from shared.indexes import drop_retired_indexes
@@ -69,6 +74,34 @@ class Superseded:
 
 
 ClaimResult = Claimed | Busy | Decided | Superseded
+
+# The owner a cancellation leaves on the attempt it decides: no scorer's (they are named
+# host:pid:suffix), so a late decision of the claim it replaced is fenced out (`decide`).
+CANCEL_OWNER: Final = "cancelled-by-client"
+# Reads and conditional writes a cancellation tries while other writes keep changing the task.
+CANCEL_TRIES: Final = 10
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """The cancellation stands as the generation's decision: publish its event."""
+
+    decision: Finish
+
+
+@dataclass(frozen=True)
+class TooLate:
+    """Nothing recorded: the model call has started, the generation finished, or a newer one
+    exists."""
+
+    reason: str
+
+
+CancelResult = Cancelled | TooLate
+
+
+class CancelContended(Exception):
+    """The task's document changed under every one of `CANCEL_TRIES` conditional writes."""
 
 
 class Attempts:
@@ -223,8 +256,103 @@ class Attempts:
             {"$set": decided, "$unset": {"lease_until": ""}},
         )
 
+    async def cancel(self, cancel: CancelTask, *, now: datetime) -> CancelResult:
+        """Decide the cancel's generation as cancelled, unless its model call has started.
+
+        Read, then one conditional write that lands only on the state read (`_cancellable`);
+        a collision (a claim or a decision landed in between) reads again. A cancellation
+        found recorded already (a repeated cancel) stands: its event is published again."""
+        for _ in range(CANCEL_TRIES):
+            held = await self.find(cancel.task_id)
+            cancellable = _cancellable(held, cancel, now=now)
+            if not isinstance(cancellable, tuple):
+                return cancellable
+            condition, attempt = cancellable
+            spent = _unpublished_spent(held, cancel.generation)
+            decision = cancelled(cancel, attempt=attempt, spent=spent, now=now)
+            try:
+                await self._writes.update_one(
+                    {"_id": cancel.task_id, **condition},
+                    _cancellation(cancel, attempt, decision, spent, now),
+                    upsert=True,
+                )
+            except DuplicateKeyError:
+                continue
+            return Cancelled(decision)
+        raise CancelContended(cancel.task_id)
+
     async def find(self, task_id: str) -> Document | None:
         return await self._collection.find_one({"_id": task_id})
+
+
+def _cancellable(
+    held: Document | None, cancel: CancelTask, *, now: datetime
+) -> CancelResult | tuple[Document, int]:
+    """What a cancellation does to the state read: nothing (`TooLate`), nothing new (its own
+    recorded `Cancelled`), or a write under a condition that holds only while that state
+    does, deciding an attempt (the attempt number)."""
+    if held is None:
+        return {"generation": {"$exists": False}}, 1
+    generation, attempt = held["generation"], held["attempt"]
+    if generation > cancel.generation:
+        return TooLate(f"superseded by generation {generation}")
+    state: Document = {"generation": generation, "attempt": attempt, "state": held["state"]}
+    if held["state"] == "running":
+        if generation == cancel.generation and held["lease_until"] > now:
+            return TooLate(f"attempt {attempt} is running (its model call under way)")
+        # An expired lease (a dead worker, as a claim takes over), or an older generation's
+        # claim (as a newer generation's claim replaces it): its late decision is fenced out.
+        condition = state | {"owner": held.get("owner"), "lease_until": held["lease_until"]}
+        return condition, attempt if generation == cancel.generation else 1
+    condition = state | {"decision.kind": held["decision"]["kind"]}
+    if generation < cancel.generation:
+        return condition, 1
+    return _cancellable_decided(decisions.load(held["decision"]), condition, attempt)
+
+
+def _cancellable_decided(
+    decision: Finish | Retry, condition: Document, attempt: int
+) -> CancelResult | tuple[Document, int]:
+    """`_cancellable` for a decided attempt of the cancel's own generation."""
+    if isinstance(decision, Retry):  # waiting down the ladder: the next attempt is decided
+        return condition, attempt + 1
+    if is_cancellation(decision):
+        return Cancelled(decision)
+    return TooLate(f"attempt {attempt} finished ({decision.event.routing_key})")
+
+
+def _unpublished_spent(held: Document | None, generation: int) -> Spent | None:
+    """What the stored generation was billed without publishing an outcome (it is running, or
+    decided a retry), as the cancelled `generation`'s; None when it published one."""
+    if held is None:
+        return None
+    spent = Spent.loaded(held.get("spent"))
+    no_outcome = held["state"] == "running" or held["decision"]["kind"] == "retry"
+    if spent is None or spent.generation != held["generation"] or not no_outcome:
+        return None
+    return Spent(generation, spent.usage, spent.model)
+
+
+def _cancellation(
+    cancel: CancelTask, attempt: int, decision: Finish, spent: Spent | None, now: datetime
+) -> Document:
+    """The write that decides `attempt` as cancelled, keeping what the generation was billed
+    (as a retry decision keeps it). Its retention (the TTL on `updated_at`) counts from the
+    task's due time when that is later: a task deferred for up to seven days, as long as the
+    default retention, was otherwise scored once its cancellation had expired."""
+    decided: Document = {
+        "tenant_id": cancel.tenant_id,
+        "generation": cancel.generation,
+        "attempt": attempt,
+        "state": "decided",
+        "owner": CANCEL_OWNER,
+        "decision": decisions.store(decision),
+        "raw_output": None,
+        "updated_at": max(now, cancel.not_before) if cancel.not_before else now,
+    }
+    if spent is None:
+        return {"$set": decided, "$unset": {"lease_until": "", "spent": ""}}
+    return {"$set": decided | {"spent": spent.stored()}, "$unset": {"lease_until": ""}}
 
 
 def _claimable_in_generation(

@@ -13,7 +13,19 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from shared.contracts import ScoreText, TaskEvent, TaskRetrying, Usage, parse_task_event
+from shared.contracts import (
+    CANCELLED_CODE,
+    CancelTask,
+    Phase,
+    ScoreText,
+    TaskError,
+    TaskEvent,
+    TaskFailed,
+    TaskRetrying,
+    Usage,
+    event_sequence,
+    parse_task_event,
+)
 
 
 def add_usage(first: Usage, second: Usage) -> Usage:
@@ -73,6 +85,38 @@ class Finish:
 
     event: TaskEvent
     dead_letter_error: str | None = None
+
+
+def cancelled(cancel: CancelTask, *, attempt: int, spent: Spent | None, now: datetime) -> Finish:
+    """The decision a client's cancellation records as `attempt`'s: the task failed with
+    `cancelled`, nothing dead-lettered; metered with what the generation was billed before
+    (`spent`), for this is its outcome, as a give-up's is."""
+    billed: dict[str, Any] = {}
+    if spent is not None:
+        billed = {"usage": spent.usage, "model": spent.model}
+    error = TaskError(code=CANCELLED_CODE, message="cancelled by the client", retryable=False)
+    sequence = event_sequence(generation=cancel.generation, attempt=attempt, phase=Phase.TERMINAL)
+    failed = TaskFailed(
+        task_id=cancel.task_id,
+        tenant_id=cancel.tenant_id,
+        sequence=sequence,
+        attempt=attempt,
+        generation=cancel.generation,
+        submitted_at=cancel.submitted_at,
+        occurred_at=now,
+        api_key_id=cancel.api_key_id,
+        error=error,
+        dead_lettered=False,
+        has_callback=cancel.callback_url is not None,
+        callback_url=cancel.callback_url,
+        **billed,
+    )
+    return Finish(failed)
+
+
+def is_cancellation(decision: Finish | Retry) -> bool:
+    event = decision.event
+    return isinstance(event, TaskFailed) and event.error.code == CANCELLED_CODE
 
 
 @dataclass(frozen=True)

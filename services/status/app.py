@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 
 from fastapi import APIRouter, FastAPI, Query
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 from pymongo.errors import PyMongoError
 
 from services.status.projection import (
@@ -31,7 +31,14 @@ from shared.contracts import (
 )
 from shared.database_errors import transient_database_error
 from shared.group_writes import GroupWriter
-from shared.http import Problem, health_router, install_problem_handlers
+from shared.http import (
+    INTERNAL_PROBLEMS,
+    Problem,
+    health_router,
+    install_problem_handlers,
+    internal_guard,
+    warn_if_internal_routes_open,
+)
 from shared.metrics import serve_metrics
 from shared.runtime import (
     MongoClient,
@@ -65,6 +72,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        warn_if_internal_routes_open(settings.internal_api_key, "status service")
         await prepare_database(lambda: ensure_indexes(tasks), deadline_s=settings.startup_timeout_s)
         await start_broker(broker, settings)
         yield
@@ -82,7 +90,7 @@ def create_app(
             }
         )
     )
-    app.include_router(task_routes(tasks, clock))
+    app.include_router(task_routes(tasks, clock, internal_key=settings.internal_api_key))
     return app
 
 
@@ -134,8 +142,14 @@ def subscribe_projection(
         await message.ack()
 
 
-def task_routes(tasks: Tasks, clock: Clock) -> APIRouter:
-    router = APIRouter(prefix="/internal/v1", tags=["tasks"])
+def task_routes(tasks: Tasks, clock: Clock, *, internal_key: SecretStr | None) -> APIRouter:
+    """The gateway's reads of the projection, guarded by `INTERNAL_API_KEY` when it is set."""
+    router = APIRouter(
+        prefix="/internal/v1",
+        tags=["tasks"],
+        dependencies=[internal_guard(internal_key)],
+        responses=INTERNAL_PROBLEMS,
+    )
 
     @router.get("/tasks/{task_id}", response_model=TaskView)
     async def read_task(task_id: str, tenant_id: str) -> TaskView:

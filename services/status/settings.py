@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from shared.settings import MAX_DURATION_S, MAX_PREFETCH, ServiceSettings
+from shared.settings import MAX_DURATION_S, MAX_PREFETCH, InternalApiSettings
 
 
-class StatusSettings(ServiceSettings):
+class StatusSettings(InternalApiSettings):
     port: int = Field(default=8001, validation_alias="STATUS_PORT")
     # How long a finished task stays readable (the seed's `expirationTtl: 3600`).
     finished_task_ttl_s: int = Field(

@@ -56,3 +56,20 @@ def test_every_accepted_text_is_scored_once_with_monotonic_states(
     ).json()
     for i, marker in enumerate(markers):
         assert stats["by_id"][marker] == (2 if i % 6 == 0 else 1), marker
+
+
+def test_the_internal_routes_of_the_running_services_need_the_stacks_internal_key(
+    stack: Stack,
+) -> None:
+    """Each service reads `INTERNAL_API_KEY` from its environment, which the runner fills in:
+    the polls above reached the status service with it; without it the routes refuse."""
+    calls = {
+        "status": "/internal/v1/tasks/unknown?tenant_id=default",
+        "scheduler": "/internal/v1/usage?tenant_id=default&from=2030-01-01&to=2030-01-31",
+        "notifier": "/internal/v1/tenants/default/failure-alert",
+    }
+    keyed = {"Authorization": f"Bearer {stack.internal_key}"}
+    for service, path in calls.items():
+        url = f"{stack.url(service)}{path}"
+        assert httpx.get(url, timeout=10).status_code == 401, service
+        assert httpx.get(url, headers=keyed, timeout=10).status_code in (200, 404), service

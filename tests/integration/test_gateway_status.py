@@ -31,6 +31,7 @@ from tests.support import eventually, queued_commands, running
 
 MAX_TEXT = 200
 API_KEY = generate_key().token  # registered for the default tenant by BOOTSTRAP_API_KEY
+INTERNAL_KEY = "test-internal-key"
 
 
 class MovableClock:
@@ -57,7 +58,12 @@ class Stack:
 @pytest.fixture(scope="module")
 async def stack(amqp_url: str, mongo: object, db_prefix: str) -> AsyncIterator[Stack]:
     mongo_url = mongo.url  # type: ignore[attr-defined]
-    env = {"RABBITMQ_URL": amqp_url, "MONGO_URL": mongo_url, "MONGO_DB_PREFIX": db_prefix}
+    env = {
+        "RABBITMQ_URL": amqp_url,
+        "MONGO_URL": mongo_url,
+        "MONGO_DB_PREFIX": db_prefix,
+        "INTERNAL_API_KEY": INTERNAL_KEY,  # the gateway's reads of the status service carry it
+    }
     status_settings = StatusSettings.model_validate(env)
     gateway_settings = GatewaySettings.model_validate(
         {**env, "MAX_TEXT_CHARS": MAX_TEXT, "BOOTSTRAP_API_KEY": API_KEY}

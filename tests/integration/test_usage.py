@@ -38,6 +38,7 @@ from shared.runtime import make_broker
 from tests.support import eventually, running
 
 ADMIN_KEY = "test-admin-key"
+INTERNAL_KEY = "test-internal-key"
 API_KEY = generate_key().token  # registered for the default tenant by BOOTSTRAP_API_KEY
 NOW = datetime(2030, 1, 10, 10, 31, 30, tzinfo=UTC)  # far from the rollup's fire time (:05)
 
@@ -147,6 +148,9 @@ async def stack(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Stac
         "BOOTSTRAP_API_KEY": API_KEY,
         "RATE_LIMIT_PER_MIN": "0",
         "SCHEDULER_TICK_S": "0.05",
+        # The gateway reads usage with the internal key (tests/integration/test_internal_auth.py
+        # shows the scheduler refusing a call without it).
+        "INTERNAL_API_KEY": INTERNAL_KEY,
     }
     config = parse_config(
         {

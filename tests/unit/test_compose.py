@@ -144,6 +144,17 @@ def test_app_services_get_the_infrastructure_env_of_the_design(
     assert env["HEALTHCHECK_URL"].endswith("/healthz")
 
 
+@pytest.mark.parametrize("name", ["gateway", "status", "scheduler", "notifier"])
+def test_the_services_of_the_internal_api_share_the_internal_key(
+    compose: dict[str, Any], name: str
+) -> None:
+    """The gateway sends it; the others' internal routes (the scheduler's port is published)
+    refuse a request without it. Empty (SCOREBOX_INTERNAL_KEY unset) leaves them open."""
+    env = services(compose)[name]["environment"]
+
+    assert env["INTERNAL_API_KEY"] == "${SCOREBOX_INTERNAL_KEY:-}"
+
+
 def test_the_gateway_is_published_and_finds_the_status_service(compose: dict[str, Any]) -> None:
     gateway = services(compose)["gateway"]
 

@@ -120,3 +120,13 @@ def test_every_429_and_503_documents_retry_after(document: Json) -> None:
                 headers = operation["responses"][status].get("headers", {})
                 assert "Retry-After" in headers, (name, status)
     assert checked >= 20
+
+
+def test_the_cancel_route_documents_its_location_and_problems(document: Json) -> None:
+    responses = document["paths"]["/v1/scores/{task_id}/cancel"]["post"]["responses"]
+    assert "Location" in responses["202"]["headers"]
+    assert responses["202"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/CancelRequested"
+    }
+    for status in ("401", "404", "409", "429", "503"):
+        assert is_problem(responses[status]), status

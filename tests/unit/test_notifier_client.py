@@ -90,6 +90,7 @@ def _notifier_without_alerts() -> FastAPI:
             guard=cast(WebhookGuard, None),
             clock=utcnow,
             rotation_grace=timedelta(hours=1),
+            internal_key=None,
         )
     )
     return app

@@ -32,6 +32,7 @@ from devtools.stack import (
     StackError,
     curl_examples,
     ensure_ports_free,
+    internal_key_of,
     no_proxy_with_loopback,
     ports_from_env,
     probe,
@@ -52,7 +53,8 @@ FAKE_SERVICE = textwrap.dedent(
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     polls = {"n": 0}
     SHOWN = ("RABBITMQ_URL", "MONGO_URL", "MONGO_DB_PREFIX", "HTTP_HOST", "STATUS_URL",
-             "SCOREBOX_INSTANCE", "EXTRA", "NO_PROXY", service.upper() + "_PORT")
+             "SCOREBOX_INSTANCE", "EXTRA", "NO_PROXY", "INTERNAL_API_KEY",
+             service.upper() + "_PORT")
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -184,6 +186,37 @@ def test_every_service_gets_the_environment_contract(
     assert scorer["SCOREBOX_INSTANCE"] == "scorer-1"
     # The scorer honours the proxy of the environment; a local model server is never behind it.
     assert set(LOOPBACK_HOSTS) <= set((scorer["NO_PROXY"] or "").split(","))
+
+
+def test_every_service_of_a_stack_shares_its_own_internal_key_across_restarts(
+    tmp_path: Path, fake_command: list[str], stacks: list[Stack]
+) -> None:
+    """`make run` (and the e2e tests) run with the internal routes authenticated."""
+    stack = Stack(make_config(tmp_path, fake_command, scorer_replicas=2))
+    stacks.append(stack)
+    stack.start(ready_timeout_s=30)
+
+    def keys() -> set[str | None]:
+        return {
+            get_json(f"{stack.url(p.service, p.replica)}/env")["INTERNAL_API_KEY"]
+            for p in stack.processes()
+        }
+
+    assert keys() == {stack.internal_key}
+    assert len(stack.internal_key) >= 32
+    stack.restart("status", ready_timeout_s=30)
+    assert keys() == {stack.internal_key}
+    other = Stack(make_config(tmp_path / "other", fake_command))
+    assert other.internal_key != stack.internal_key
+
+
+def test_an_internal_key_given_to_a_stack_is_the_one_its_services_share() -> None:
+    assert internal_key_of({"INTERNAL_API_KEY": "given"}, {"INTERNAL_API_KEY": "shell"}) == "given"
+    assert internal_key_of({"INTERNAL_API_KEY": ""}, {"INTERNAL_API_KEY": "shell"}) == ""  # open
+    assert internal_key_of({}, {"INTERNAL_API_KEY": "shell"}) == "shell"
+    fresh = internal_key_of({}, {})
+    assert len(fresh) >= 32
+    assert fresh != internal_key_of({}, {})
 
 
 def test_loopback_hosts_join_the_hosts_no_proxy_names() -> None:

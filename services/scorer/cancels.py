@@ -1,0 +1,96 @@
+"""The scorer's consumer of `score.cancel`: record a client's cancellation as the decision of
+the task's next attempt unless its model call has started (`Attempts.cancel`), publish its
+`task.failed` (confirmed), then ack.
+
+- unreadable body: copied to the DLQ with the validation error, then ack;
+- MongoDB away (a transient error): the write is tried again, backing off, while the delivery
+  is held (`keep_trying`); a write it refuses for good, or a task whose document changed under
+  every try (`CancelContended`), is returned as failed (`requeue_failed`), for the queue's
+  delivery limit to dead-letter;
+- too late (the model call under way, the generation finished, a newer one stored): logged,
+  acked; the task ends as its attempt decides;
+- the event not confirmed: published again until it is, the delivery held (`keep_publishing`).
+  A cancellation found recorded already (a repeated cancel) publishes its event again:
+  every consumer of outcomes takes a repeat as a no-op.
+
+The score path needs nothing of its own: the generation's next command collides with the
+recorded decision and carries the failure out again instead of calling the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+from faststream.rabbit import RabbitBroker
+from pydantic import ValidationError
+from pymongo.errors import PyMongoError
+
+from services.scorer.attempts import Attempts, CancelContended, Cancelled, CancelResult
+from shared.bus import publish_event
+from shared.consumers import Delivery, ScoreboxBroker, consume
+from shared.contracts import CancelTask
+from shared.database_errors import transient_database_error
+from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying
+from shared.topology import TASK_CANCELS
+
+log = logging.getLogger("scorebox.scorer")
+# Cancellations are one database write and one publish each: a few in hand suffice.
+CANCEL_PREFETCH = 8
+
+
+@dataclass(frozen=True)
+class TaskCancels:
+    attempts: Attempts
+    broker: RabbitBroker
+    clock: Callable[[], datetime]
+    timeout_s: float
+
+    async def on_message(self, message: Delivery) -> None:
+        try:
+            cancel = CancelTask.model_validate_json(message.body)
+        except ValidationError as error:
+            log.warning("dead-lettering an unreadable score.cancel: %s", error)
+            await keep_dead_lettering(
+                self.broker,
+                TASK_CANCELS,
+                message,
+                error=f"unreadable score.cancel: {error}",
+                timeout=self.timeout_s,
+            )
+            await message.ack()
+            return
+        try:
+            outcome = await self._recorded(cancel)
+        except (PyMongoError, CancelContended):  # `_recorded` waits out a database away
+            log.exception("the cancellation of %s was not recorded", cancel.task_id)
+            await message.requeue_failed()
+            return
+        if isinstance(outcome, Cancelled):
+            event = outcome.decision.event
+            log.info("%s cancelled (generation %d)", cancel.task_id, cancel.generation)
+            await keep_publishing(
+                lambda: publish_event(self.broker, event, timeout=self.timeout_s),
+                what=f"the cancellation of {cancel.task_id}",
+            )
+        else:
+            log.info("cancellation of %s too late: %s", cancel.task_id, outcome.reason)
+        await message.ack()
+
+    async def _recorded(self, cancel: CancelTask) -> CancelResult:
+        return await keep_trying(
+            lambda: self.attempts.cancel(cancel, now=self.clock()),
+            what=f"recording the cancellation of {cancel.task_id}",
+            retry_on=(PyMongoError,),
+            retry_if=transient_database_error,
+        )
+
+
+def subscribe_cancels(broker: ScoreboxBroker, cancels: TaskCancels) -> None:
+    """Consume `scorebox.task-cancels`, `CANCEL_PREFETCH` deliveries at a time."""
+
+    @consume(broker, TASK_CANCELS.queue, prefetch=CANCEL_PREFETCH)
+    async def on_task_cancel(message: Delivery) -> None:
+        await cancels.on_message(message)

@@ -1,0 +1,316 @@
+"""A client's cancellation, recorded as the decision of the task's next attempt when nothing has
+started its model call (`Attempts.cancel`), and carried out by the score path like any
+recorded finish: the generation's next command publishes the failure again and calls no model.
+
+`Attempts.cancel` and `score_text` run on the test database and call the fake model server
+over HTTP; the end-to-end tests run the whole scorer on the real broker.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
+from services.scorer.app import create_app as create_scorer
+from services.scorer.attempts import Attempts, Cancelled, TooLate
+from services.scorer.decisions import Drop, Finish, Retry
+from services.scorer.model.settings import ModelSettings
+from services.scorer.scoring import score_text
+from services.scorer.settings import ScorerSettings
+from shared.bus import publish_cancel, publish_command
+from shared.contracts import (
+    CANCELLED_CODE,
+    CancelTask,
+    Phase,
+    ScoreResult,
+    ScoreText,
+    TaskCompleted,
+    TaskFailed,
+    event_sequence,
+    new_id,
+    utcnow,
+)
+from shared.runtime import make_broker
+from tests.integration import test_scorer_own_claims as own_claims
+from tests.integration.test_scorer_own_claims import LEASE, Deps
+from tests.integration.test_scorer_usage_across_retries import _billed, outcomes
+from tests.support import eventually, running, stack_env
+
+attempts = own_claims.attempts  # fixtures
+make_deps = own_claims.make_deps
+
+RETRIED = "[[fake:malformedx1]][[fake:503x1]]"  # attempt 1 billed, then retried
+
+
+def _task(faults: str = "") -> tuple[ScoreText, str]:
+    marker = f"c{uuid.uuid4().hex[:12]}"
+    text = f"An essay to cancel [[id:{marker}]] {faults}"
+    return ScoreText(task_id=new_id(), text=text, callback_url="https://example.com/hook"), marker
+
+
+def _cancel_of(command: ScoreText, *, generation: int | None = None) -> CancelTask:
+    return CancelTask(
+        task_id=command.task_id,
+        tenant_id=command.tenant_id,
+        generation=command.generation if generation is None else generation,
+        submitted_at=command.submitted_at,
+        api_key_id=command.api_key_id,
+        callback_url=command.callback_url,
+    )
+
+
+def _calls(fake_llm: FakeLLM, marker: str) -> int:
+    return int(fake_llm.stats()["by_id"].get(marker, 0))
+
+
+def _due(command: ScoreText) -> ScoreText:
+    return command.model_copy(update={"not_before": None, "message_id": new_id()})
+
+
+def _cancellation(outcome: object, *, generation: int, attempt: int) -> TaskFailed:
+    assert isinstance(outcome, Cancelled), outcome
+    event = outcome.decision.event
+    assert isinstance(event, TaskFailed)
+    assert event.error.code == CANCELLED_CODE
+    assert (event.generation, event.attempt, event.dead_lettered) == (generation, attempt, False)
+    assert not event.error.retryable
+    assert outcome.decision.dead_letter_error is None
+    phase = Phase.TERMINAL
+    assert event.sequence == event_sequence(generation=generation, attempt=attempt, phase=phase)
+    return event
+
+
+async def _carried_out(command: ScoreText, make_deps: Deps) -> TaskFailed:
+    """The command's delivery, once the cancellation is recorded: the failure, no model."""
+    decision = await score_text(command, deps=make_deps("scorer-b"))
+    assert isinstance(decision, Finish), decision
+    assert isinstance(decision.event, TaskFailed)
+    assert decision.event.error.code == CANCELLED_CODE
+    return decision.event
+
+
+async def test_a_task_never_claimed_is_cancelled_and_its_command_calls_no_model(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
+) -> None:
+    command, marker = _task()
+
+    cancelled = _cancellation(
+        await attempts.cancel(_cancel_of(command), now=utcnow()), generation=0, attempt=1
+    )
+
+    assert cancelled.has_callback
+    assert cancelled.callback_url == command.callback_url
+    assert cancelled.usage.total_tokens == 0
+    assert await _carried_out(command, make_deps) == cancelled
+    assert _calls(fake_llm, marker) == 0
+
+
+async def test_a_deferred_task_keeps_its_cancellation_until_a_retention_after_it_is_due(
+    attempts: Attempts,
+) -> None:
+    """The attempts' TTL counts from `updated_at`: a task deferred as long as the retention
+    (seven days each by default) found its cancellation expired when its command arrived,
+    and was scored."""
+    command, _ = _task()
+    now = utcnow()
+    due = now + timedelta(days=7)
+
+    await attempts.cancel(_cancel_of(command).model_copy(update={"not_before": due}), now=now)
+    stored = await attempts.find(command.task_id)
+
+    assert stored is not None
+    assert stored["updated_at"] == due.replace(microsecond=due.microsecond // 1000 * 1000)
+
+
+async def test_a_cancel_repeated_finds_its_own_cancellation_and_publishes_it_again(
+    attempts: Attempts,
+) -> None:
+    command, _ = _task()
+    first = await attempts.cancel(_cancel_of(command), now=utcnow())
+
+    again = await attempts.cancel(_cancel_of(command), now=utcnow())
+
+    assert isinstance(first, Cancelled)
+    assert again == first
+
+
+async def test_a_retrying_task_is_cancelled_at_its_next_attempt_with_what_it_was_billed(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
+) -> None:
+    command, marker = _task(RETRIED)
+    retry = await score_text(command, deps=make_deps("scorer-a"))
+    assert isinstance(retry, Retry)
+    assert _calls(fake_llm, marker) == 2  # the unusable answer and its repair
+
+    cancelled = _cancellation(
+        await attempts.cancel(_cancel_of(command), now=utcnow()), generation=0, attempt=2
+    )
+
+    assert cancelled.sequence > retry.event.sequence
+    # The retry published nothing metered: the cancellation is the generation's outcome.
+    assert cancelled.usage == _billed(command.text, unusable=True)
+    assert await _carried_out(_due(retry.next_command), make_deps) == cancelled
+    # A copy of the retried attempt (a redelivery) finds the finish ahead and carries it out.
+    assert await _carried_out(_due(command), make_deps) == cancelled
+    assert _calls(fake_llm, marker) == 2
+
+
+async def test_an_attempt_whose_lease_expired_is_cancelled_and_its_late_decision_fenced_out(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
+) -> None:
+    command, marker = _task()
+    now = utcnow()
+    await attempts.claim(command, now=now - LEASE * 2, lease=LEASE, owner="dead-worker")
+
+    _cancellation(await attempts.cancel(_cancel_of(command), now=now), generation=0, attempt=1)
+
+    completed = Finish(
+        TaskCompleted(
+            task_id=command.task_id,
+            sequence=event_sequence(generation=0, attempt=1, phase=Phase.TERMINAL),
+            attempt=1,
+            submitted_at=command.submitted_at,
+            result=ScoreResult(score=5, comment="late", model="m"),
+        )
+    )
+    late = await attempts.decide(command, completed, now=now, raw_output=None, owner="dead-worker")
+    assert late is False
+    await _carried_out(_due(command), make_deps)
+    assert _calls(fake_llm, marker) == 0
+
+
+async def test_a_running_model_call_is_not_cancelled(attempts: Attempts) -> None:
+    command, _ = _task()
+    await attempts.claim(command, now=utcnow(), lease=LEASE, owner="scorer-a")
+    before = await attempts.find(command.task_id)
+
+    outcome = await attempts.cancel(_cancel_of(command), now=utcnow())
+
+    assert isinstance(outcome, TooLate)
+    assert await attempts.find(command.task_id) == before
+
+
+async def test_a_finished_task_is_not_cancelled(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
+) -> None:
+    command, marker = _task()
+    finished = await score_text(command, deps=make_deps("scorer-a"))
+    assert isinstance(finished, Finish)
+    assert isinstance(finished.event, TaskCompleted)
+
+    outcome = await attempts.cancel(_cancel_of(command), now=utcnow())
+
+    assert isinstance(outcome, TooLate)
+    assert await score_text(_due(command), deps=make_deps("scorer-b")) == finished
+    assert _calls(fake_llm, marker) == 1
+
+
+async def test_a_cancel_of_an_older_generation_is_too_late(attempts: Attempts) -> None:
+    command, _ = _task()
+    rescored = command.model_copy(update={"generation": 1, "message_id": new_id()})
+    await attempts.claim(rescored, now=utcnow() - LEASE * 2, lease=LEASE, owner="dead-worker")
+
+    outcome = await attempts.cancel(_cancel_of(command, generation=0), now=utcnow())
+
+    assert isinstance(outcome, TooLate)
+
+
+async def test_a_newer_generation_is_cancelled_over_a_retrying_one_with_its_tokens(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
+) -> None:
+    """Generation 0 retried (billed, no outcome); the re-score's generation 1 is cancelled
+    before any scorer claimed it: its failure meters generation 0's tokens, and generation
+    0's next attempt is superseded."""
+    command, marker = _task(RETRIED)
+    retry = await score_text(command, deps=make_deps("scorer-a"))
+    assert isinstance(retry, Retry)
+
+    cancelled = _cancellation(
+        await attempts.cancel(_cancel_of(command, generation=1), now=utcnow()),
+        generation=1,
+        attempt=1,
+    )
+
+    assert cancelled.usage == _billed(command.text, unusable=True)
+    rescore = command.model_copy(update={"generation": 1, "message_id": new_id()})
+    assert await _carried_out(rescore, make_deps) == cancelled
+    dropped = await score_text(_due(retry.next_command), deps=make_deps("scorer-b"))
+    assert isinstance(dropped, Drop)
+    assert _calls(fake_llm, marker) == 2
+
+
+# --- The whole scorer on the real broker -----------------------------------------------------
+
+
+class Scorer:
+    def __init__(self, amqp_url: str, llm: FakeLLM) -> None:
+        self.amqp_url = amqp_url
+        self.llm = llm
+
+    async def send(self, message: ScoreText | CancelTask) -> None:
+        broker = make_broker(ScorerSettings.model_validate({"RABBITMQ_URL": self.amqp_url}))
+        async with broker:
+            await broker.connect()
+            if isinstance(message, CancelTask):
+                await publish_cancel(broker, message, timeout=10)
+            else:
+                await publish_command(broker, message, timeout=10)
+
+
+@pytest.fixture(scope="module")
+async def scorer(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Scorer]:
+    llm = await start_fake_llm(FakeLLMConfig())
+    env = stack_env(
+        amqp_url=amqp_url,
+        mongo_url=mongo.url,
+        db_prefix=db_prefix,
+        llm_url=llm.url,
+        api_key="unused",
+        llm_timeout_s=10,
+    )
+    app = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))
+    async with running(app):
+        yield Scorer(amqp_url, llm)
+    await llm.stop()
+
+
+async def test_a_delayed_task_cancelled_is_failed_and_its_command_calls_no_model(
+    scorer: Scorer,
+) -> None:
+    command, marker = _task()
+    delayed = command.model_copy(update={"not_before": utcnow() + timedelta(seconds=2)})
+    async with outcomes(scorer.amqp_url) as published:
+        await scorer.send(delayed)
+        await scorer.send(_cancel_of(command))
+        cancelled: TaskFailed = await published.next_of(command.task_id, TaskFailed)
+        # Once due, the command collides with the cancellation and carries it out again.
+        again: TaskFailed = await published.next_of(command.task_id, TaskFailed)
+
+    assert cancelled.error.code == CANCELLED_CODE
+    assert again == cancelled
+    assert [type(event) for event in published.seen] == [TaskFailed, TaskFailed]
+    assert _calls(scorer.llm, marker) == 0
+
+
+async def test_a_cancel_arriving_during_the_model_call_lets_the_task_complete(
+    scorer: Scorer,
+) -> None:
+    command, marker = _task("[[fake:slow]]")  # answered after 2 s more
+    async with outcomes(scorer.amqp_url) as published:
+        await scorer.send(command)
+
+        async def calling() -> bool:
+            return _calls(scorer.llm, marker) == 1
+
+        await eventually(calling, what="the model call")
+        await scorer.send(_cancel_of(command))
+        completed: TaskCompleted = await published.next_of(command.task_id, TaskCompleted)
+
+    assert completed.attempt == 1
+    assert not [event for event in published.seen if not isinstance(event, TaskCompleted)]
+    assert _calls(scorer.llm, marker) == 1

@@ -3,17 +3,22 @@
     scorebox submit FILE [--rubric R] [--wait]     submit a text (FILE or - for stdin)
     scorebox status TASK_ID                        show a task
     scorebox cancel TASK_ID                        cancel a task not started yet
-    scorebox dlq list | show ID | replay [ID...|--all] | purge
+    scorebox dlq list | show ID | replay [ID...|--all] | drop ID... | purge
     scorebox keys create --tenant T [--name N] | list [--tenant T] | revoke KEY_ID
     scorebox usage [--from YYYY-MM-DD] [--to YYYY-MM-DD]     your tenant's daily usage
     scorebox cron list | run JOB [--wait]                    the scheduler's cron jobs
-    scorebox cron dlq list | replay [RUN_ID...|--all] | purge    its dead runs
+    scorebox cron dlq list | replay [RUN_ID...|--all] | drop RUN_ID... | purge
+                                                             its dead runs
 
 The gateway is `SCOREBOX_URL` (default http://127.0.0.1:8000); `SCOREBOX_API_KEY`, when set,
 is sent as a bearer token; admin commands (`dlq`, `keys`) send `SCOREBOX_ADMIN_KEY` instead.
 `cron` talks to the scheduler at `SCOREBOX_SCHEDULER_URL` (default http://127.0.0.1:8003) and
 sends `SCOREBOX_ADMIN_KEY` too: the scheduler's admin routes check the services'
 `ADMIN_API_KEY` as the gateway's do (401 without it, 403 when the service has none set).
+
+A dead-letter queue is walked up to a bound (10,000 letters or 64 MiB of their bodies): when
+a walk stopped there, `list`, `replay` and `drop` say so on stderr, and ids it did not reach
+exit 1 as ids not found do.
 
 Proxy variables (`HTTPS_PROXY`, `NO_PROXY`, ...) apply to a remote URL, never to a loopback
 one (127.0.0.1, ::1, localhost). Every failure is one line on stderr and a non-zero exit.
@@ -29,7 +34,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -56,6 +61,8 @@ VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 # Answers to poll again after (the gateway's Retry-After), not to give up on.
 RETRY_LATER = {429, 503}
 API_KEY_VARIABLE, ADMIN_KEY_VARIABLE = "SCOREBOX_API_KEY", "SCOREBOX_ADMIN_KEY"
+# What the services' walk of a dead-letter queue stops at (`shared.dead_letters.WALK_BOUND`).
+WALK_STOPPED = "the walk stopped at its bound (10,000 letters or 64 MiB of their bodies)"
 
 # The seam for tests: every client uses this transport when set (e.g. an httpx.MockTransport),
 # the network otherwise.
@@ -346,16 +353,56 @@ def _replay_body(ids: list[str] | None, replay_all: bool, *, field: str) -> dict
     return {"all": True} if replay_all else {field: ids}
 
 
-def _exit_on_not_found(replay: dict[str, Any]) -> None:
+def _note_truncated(answer: dict[str, Any], consequence: str) -> None:
+    """One line on stderr when the service's walk of the DLQ stopped short of its end."""
+    if answer.get("truncated") is True:
+        typer.echo(f"truncated: {WALK_STOPPED}; {consequence}", err=True)
+
+
+def _exit_on_missed(replay: dict[str, Any]) -> None:
+    """Say what a replay did not reach, and exit 1 when an id asked for was not replayed for
+    want of a letter (not found, or past the end of a walk cut short)."""
+    _note_truncated(replay, "letters past it were not looked at: run again to reach them")
     if replay.get("not_found"):
         typer.echo(f"not found: {' '.join(replay['not_found'])}", err=True)
+    if replay.get("not_reached"):
+        typer.echo(
+            f"not reached (they may lie past the walk: replay or drop the letters before "
+            f"them, then ask again): {' '.join(replay['not_reached'])}",
+            err=True,
+        )
+    if replay.get("not_found") or replay.get("not_reached"):
         raise typer.Exit(code=1)
+
+
+def _list_letters(path: str, client: httpx.Client) -> None:
+    listing = _admin_call("GET", path, client=client)
+    count = listing.get("count")
+    _note_truncated(listing, f"{count} listed, the rest not reached (replay or drop some first)")
+
+
+def _drop(path: str, ids: list[str], name: str, client: Callable[[], httpx.Client]) -> None:
+    """DELETE each letter in turn, every id tried; exits 1 when one was not dropped (a 404,
+    or a 409: the walk stopped before reaching it)."""
+    paths = [f"{path}/{_segment(letter_id, name)}" for letter_id in ids]
+    missed: typer.Exit | None = None
+    with _reaching(client()) as reached:
+        for letter_path in paths:
+            response = reached.delete(letter_path)
+            if response.status_code != 200:
+                missed = _fail(response)
+                continue
+            dropped = _answer(response, "removed")
+            _show(dropped)
+            _note_truncated(dropped, "copies past it, if any, are still there")
+    if missed is not None:
+        raise missed
 
 
 @dlq.command("list")
 def dlq_list() -> None:
     """List dead letters with their reason, attempts and age."""
-    _admin_call("GET", "/admin/v1/dead-letters")
+    _list_letters("/admin/v1/dead-letters", _client(admin=True))
 
 
 @dlq.command("show")
@@ -369,9 +416,22 @@ def dlq_replay(
     ids: Annotated[list[str] | None, typer.Argument(help="Message or task ids.")] = None,
     replay_all: Annotated[bool, typer.Option("--all", help="Replay every dead letter.")] = False,
 ) -> None:
-    """Send dead letters back to the work queue with a fresh attempt budget."""
+    """Send dead letters back to the work queue with a fresh attempt budget.
+
+    Exits 1 when an id matched no letter, or was not reached by a walk cut short."""
     body = _replay_body(ids, replay_all, field="ids")
-    _exit_on_not_found(_admin_call("POST", "/admin/v1/dead-letters/replay", json=body))
+    _exit_on_missed(_admin_call("POST", "/admin/v1/dead-letters/replay", json=body))
+
+
+@dlq.command("drop")
+def dlq_drop(
+    ids: Annotated[list[str], typer.Argument(help="Message or task ids.")],
+) -> None:
+    """Delete the dead letters named (every copy of each), sending nothing; the others stay.
+
+    Exits 1 when an id matched no letter, or was not reached by a walk cut short (the other
+    ids are dropped all the same)."""
+    _drop("/admin/v1/dead-letters", ids, "LETTER_ID", lambda: _client(admin=True))
 
 
 @dlq.command("purge")
@@ -537,8 +597,8 @@ CRON_DEAD_LETTERS = "/admin/v1/cron/dead-letters"
 @cron_dlq.command("list")
 def cron_dlq_list() -> None:
     """List the cron runs given up for good: job, run id, reason, and whether the job is
-    still configured (a replay of one that is not is refused)."""
-    _admin_call("GET", CRON_DEAD_LETTERS, client=_scheduler_client())
+    still configured (a replay of one that is not is refused: drop it)."""
+    _list_letters(CRON_DEAD_LETTERS, _scheduler_client())
 
 
 @cron_dlq.command("replay")
@@ -548,13 +608,27 @@ def cron_dlq_replay(
 ) -> None:
     """Run each dead run's job again as a new run; prints the new runs and their status URLs.
 
-    Exits 1 when a run id matched no letter or the scheduler refused (a job no longer
-    configured: 409, nothing replayed)."""
+    Exits 1 when a run id matched no letter or was not reached by a walk cut short, or the
+    scheduler refused (a job no longer configured: 409, nothing replayed)."""
     body = _replay_body(run_ids, replay_all, field="run_ids")
     replay = _admin_call(
         "POST", f"{CRON_DEAD_LETTERS}/replay", client=_scheduler_client(), json=body
     )
-    _exit_on_not_found(replay)
+    _exit_on_missed(replay)
+
+
+@cron_dlq.command("drop")
+def cron_dlq_drop(
+    run_ids: Annotated[
+        list[str], typer.Argument(help="Run ids of dead runs (or a letter's message id).")
+    ],
+) -> None:
+    """Delete the dead letters of the runs named (every copy), running nothing: the way out
+    for a letter of a job no longer configured, which replay refuses.
+
+    Exits 1 when a run id matched no letter, or was not reached by a walk cut short (the
+    other ids are dropped all the same)."""
+    _drop(CRON_DEAD_LETTERS, run_ids, "RUN_ID", _scheduler_client)
 
 
 @cron_dlq.command("purge")

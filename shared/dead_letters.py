@@ -11,7 +11,8 @@ A letter one walk holds is out of another's sight: walks through one walker take
 (those of other replicas may still miss a letter). Letters come back to a quorum queue out
 of order, so callers sort what they show by `dead_lettered_at`. A walk holds at most `MAX_WALK`
 letters and at most `MAX_WALK_BYTES` of their bodies, and says when it stopped short of the
-queue's end (`HeldLetters.truncated`). Each step on the broker is
+queue's end (`HeldLetters.truncated`): an id it did not match may then lie past it, so callers
+report such ids as not reached rather than not found (`unmatched`). Each step on the broker is
 bounded as a whole: aio-pika's own `timeout` covers only the round trip, after waiting
 without end for a lost connection to come back.
 """
@@ -21,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Set
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -39,6 +41,7 @@ MAX_WALK = 10_000
 # admin request were up to about 2 GB in the gateway.
 MAX_WALK_BYTES = 64 * 1024 * 1024
 GET_TIMEOUT_S = 5.0
+WALK_BOUND = f"{MAX_WALK:,} letters or {MAX_WALK_BYTES // (1024 * 1024)} MiB of their bodies"
 
 
 class HeldLetters(list[AbstractIncomingMessage]):
@@ -55,6 +58,17 @@ class HeldLetters(list[AbstractIncomingMessage]):
         self.append(message)
         self.bytes_held += len(message.body)
         self.truncated = len(self) >= MAX_WALK or self.bytes_held >= max_bytes
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """What one drop did: `removed`, the letters it acked (every copy of one letter the walk
+    held); `walked`, the letters the walk held; `truncated`, the walk stopped short of the
+    queue's end (a copy past it, or the letter itself when none was removed, may lie there)."""
+
+    removed: int
+    walked: int
+    truncated: bool
 
 
 class DeadLetterWalker:
@@ -122,12 +136,31 @@ class DeadLetterWalker:
         async with asyncio.timeout(self._timeout_s):
             await message.ack()
 
+    async def drop(self, matches: Callable[[AbstractIncomingMessage], bool]) -> Dropped:
+        """Remove every letter of one walk that `matches` (a DLQ may hold copies of one
+        letter); the others go back to the queue as every walk returns them, in the order
+        taken."""
+        async with self.walk() as held:
+            chosen = [message for message in held if matches(message)]
+            for message in chosen:
+                await self.remove(message)
+        return Dropped(len(chosen), walked=len(held), truncated=held.truncated)
+
     async def purge(self) -> int:
         """Delete every letter not held by a walk; the number deleted."""
         queue = await self._queue()
         async with asyncio.timeout(self._timeout_s):
             result = await queue.purge(timeout=self._timeout_s)
         return int(result.message_count or 0)
+
+
+def unmatched(
+    asked: Collection[str], found: Set[str], *, truncated: bool
+) -> tuple[list[str], list[str]]:
+    """The ids `asked` that no letter of a walk matched, as (not found, not reached): past a
+    walk that stopped short of the queue's end, an id no letter matched may still name one."""
+    missing = [key for key in asked if key not in found]
+    return ([], missing) if truncated else (missing, [])
 
 
 def reason(headers: Mapping[str, Any]) -> str:

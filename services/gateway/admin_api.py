@@ -15,7 +15,10 @@ from services.gateway.deadletters import DeadLetterQueue, Walk
 from services.gateway.errors import DatabaseUnavailable, Unavailable
 from services.gateway.keys_api import ADMIN_BODY_LIMIT
 from shared.bus import BROKER_ERRORS
-from shared.http import ADMIN_PROBLEMS, Problem, admin_guard, problem_responses
+from shared.dead_letters import WALK_BOUND, Dropped
+from shared.http import ADMIN_PROBLEMS, Problem, admin_guard, problem, problem_responses
+
+OUT_OF_SIGHT = "a letter another gateway replica is looking at is out of sight meanwhile"
 
 
 class ReplayRequest(BaseModel):
@@ -33,6 +36,52 @@ class ReplayRequest(BaseModel):
         if self.all == bool(self.ids):
             raise ValueError("give either a non-empty `ids` or `all: true`")
         return self
+
+
+class ReplayReport(BaseModel):
+    replayed: list[str] = Field(description="Task ids sent again, one per letter replayed.")
+    skipped_unreadable: list[str] = Field(
+        description="Message ids of letters that hold no score request, kept."
+    )
+    not_found: list[str] = Field(
+        description="Ids asked for that no letter matched, the walk having reached the end of "
+        f"the queue ({OUT_OF_SIGHT})."
+    )
+    not_reached: list[str] = Field(
+        description="Ids asked for that no letter matched before the walk stopped at its bound "
+        "(`truncated`): they may name letters past it. Replay or drop letters before them, "
+        "then ask again."
+    )
+    truncated: bool = Field(
+        description=f"The walk stopped at its bound ({WALK_BOUND}) with letters left behind "
+        "it: `all` replayed only the letters it reached; ids it did not match are "
+        "`not_reached`, never `not_found`."
+    )
+
+
+class DropReport(BaseModel):
+    letter_id: str
+    removed: int = Field(
+        description="Letters removed: every copy of the letter(s) the message or task id names "
+        "that the walk reached."
+    )
+    truncated: bool = Field(
+        description=f"The walk stopped at its bound ({WALK_BOUND}) with letters left behind "
+        "it: a copy past it, if any, is still there."
+    )
+
+
+DROP_PROBLEMS: dict[int | str, dict[str, Any]] = {
+    404: problem(
+        404,
+        "No letter has that id, the walk having reached the end of the queue; nothing was removed.",
+    ),
+    409: problem(
+        409,
+        "No letter with that id among those the walk reached before its bound (`not-reached`): "
+        "it may lie past it. Nothing was removed.",
+    ),
+}
 
 
 def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> APIRouter:
@@ -70,13 +119,27 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
         "/dead-letters/replay",
         summary="Send dead letters back with fresh attempts",
         openapi_extra=json_body(ReplayRequest),
+        response_model=ReplayReport,
         responses=problem_responses(400, 413, 415, 422),
     )
-    async def replay_dead_letters(request: Request) -> dict[str, list[str]]:
+    async def replay_dead_letters(request: Request) -> ReplayReport:
         wanted = await read_model(request, ReplayRequest, what="replay", limit=ADMIN_BODY_LIMIT)
         with _broker_away_is_503():
             replay = await dead_letters.replay(None if wanted.all else wanted.ids)
-        return asdict(replay)
+        return ReplayReport(**asdict(replay))
+
+    @router.delete(
+        "/dead-letters/{letter_id}",
+        summary="Drop one dead letter (every copy of it) by message or task id",
+        response_model=DropReport,
+        responses=DROP_PROBLEMS,
+    )
+    async def drop_dead_letter(letter_id: str) -> DropReport:
+        with _broker_away_is_503():
+            dropped = await dead_letters.drop(letter_id)
+        if not dropped.removed:
+            raise _nothing_dropped(letter_id, dropped)
+        return DropReport(letter_id=letter_id, removed=dropped.removed, truncated=dropped.truncated)
 
     @router.delete("/dead-letters", summary="Purge the dead-letter queue")
     async def purge_dead_letters() -> dict[str, int]:
@@ -86,10 +149,26 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
     return router
 
 
+def _nothing_dropped(letter_id: str, dropped: Dropped) -> Problem:
+    """A 404 when the walk reached the end of the queue; a 409 when it stopped short of it,
+    as the letter may lie past it (a client taking a 404 to a DELETE as done would stop)."""
+    named = f"No dead letter with message or task id {letter_id!r}"
+    if not dropped.truncated:
+        return Problem(404, f"{named}; nothing was removed ({OUT_OF_SIGHT}).")
+    return Problem(
+        409,
+        f"{named} among the first {dropped.walked}: the walk stops at {WALK_BOUND} and the "
+        "queue holds more, so it may lie past them. Nothing was removed; replay or drop "
+        "letters before it, then ask again.",
+        kind="not-reached",
+        walked=dropped.walked,
+    )
+
+
 def _unseen(walk: Walk) -> str:
     if walk.truncated:
         return f" among the first {len(walk.letters)} (the queue holds more)"
-    return " (a letter another gateway replica is looking at is out of sight meanwhile)"
+    return f" ({OUT_OF_SIGHT})"
 
 
 @contextlib.contextmanager

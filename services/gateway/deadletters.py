@@ -1,11 +1,11 @@
-"""Operating the score-requests dead-letter queue: list, show, replay, purge.
+"""Operating the score-requests dead-letter queue: list, show, replay, drop, purge.
 
 Messages are read with `basic.get` and held unacknowledged while the queue is walked, then
 returned with `basic.nack(requeue=True)` (`shared.dead_letters`), so looking never loses a
 dead letter. Replay sends a fresh command — next generation, attempt 1, a fresh attempt
 budget, queued now, to the scorer alone — and once the broker confirmed it, the status
 projection is told the task is queued again (`TaskPublisher.resubmit`); then the dead letter
-is acked.
+is acked. Drop acks the letters one id names (every copy) without sending anything.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ from shared.contracts import ScoreText, new_id
 from shared.dead_letters import (
     MAX_WALK_BYTES,
     DeadLetterWalker,
+    Dropped,
     dead_lettered_at,
     oldest_first,
     reason,
+    unmatched,
 )
 from shared.topology import DEAD_LETTERED_FROM_HEADER, SCORE_REQUESTS
 
@@ -82,7 +84,9 @@ class Walk:
 class Replay:
     replayed: list[str]
     skipped_unreadable: list[str]
-    not_found: list[str]  # ids asked for that no letter of the walk matched
+    not_found: list[str]  # ids no letter matched, the walk having reached the queue's end
+    not_reached: list[str]  # ids no letter matched before the walk stopped short of it
+    truncated: bool  # the walk stopped with letters left behind it
 
 
 def _oldest_first(letter: DeadLetter) -> tuple[bool, datetime]:
@@ -147,8 +151,15 @@ class DeadLetterQueue:
                 await self._resubmit(command)
                 await self._dlq.remove(message)
                 replayed.append(command.task_id)
-        missing = [] if ids is None else [key for key in ids if key not in found]
-        return Replay(replayed, skipped, missing)
+        not_found, not_reached = unmatched(ids or [], found, truncated=held.truncated)
+        return Replay(replayed, skipped, not_found, not_reached, truncated=held.truncated)
+
+    async def drop(self, letter_id: str) -> Dropped:
+        """Remove every letter `letter_id` names (message or task id), nothing sent: each
+        copy of one letter, as a replay would replay each."""
+        now = self._clock()
+        named = frozenset({letter_id})
+        return await self._dlq.drop(lambda message: describe(message, now).matches(named))
 
     async def _resubmit(self, command: ScoreText) -> None:
         # Taken from the submission, as a re-score takes its generation, so a re-score

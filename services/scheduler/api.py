@@ -9,6 +9,10 @@
     POST /admin/v1/cron/dead-letters/replay  {run_ids: [...]} | {all: true}: each letter's
                                              job runs again as a new firing, then the
                                              letter leaves the DLQ
+    DELETE /admin/v1/cron/dead-letters/{run_id}
+                                             drop one run's letters (every copy), nothing
+                                             run -> {run_id, removed, truncated}; 404, or
+                                             409 when the walk stopped before reaching it
     DELETE /admin/v1/cron/dead-letters       purge -> {purged: n}
     GET  /internal/v1/usage?tenant_id=&from=&to=
                                              daily usage rows of a tenant (UTC days, inclusive)
@@ -46,7 +50,16 @@ from services.scheduler.metering import NANOS_PER_UNIT
 from services.scheduler.schedule import JobCatalog, ScheduledJob
 from services.scheduler.usage_store import DailyUsage, DailyUsageStore
 from shared.bus import BROKER_ERRORS
-from shared.http import INTERNAL_PROBLEMS, Problem, admin_guard, internal_guard, parse_day
+from shared.dead_letters import WALK_BOUND, Dropped
+from shared.http import (
+    INTERNAL_PROBLEMS,
+    Problem,
+    admin_guard,
+    internal_guard,
+    parse_day,
+    problem,
+    problem_responses,
+)
 
 log = logging.getLogger("scorebox.scheduler.api")
 
@@ -244,7 +257,9 @@ class CronDeadLetterView(_Out):
     message_id: str | None
     run_id: str | None
     job: str | None
-    job_configured: bool = Field(description="False: a replay naming it is refused (409).")
+    job_configured: bool = Field(
+        description="False: a replay naming it is refused (409); drop it by its run id."
+    )
     scheduled_for: datetime | None = Field(description="As the dead message carries it.")
     fired_at: datetime | None
     manual: bool | None
@@ -293,16 +308,57 @@ class CronReplayReport(_Out):
     skipped_unconfigured: list[str] = Field(
         description="Run ids of jobs no longer configured, kept (a replay of all skips them)."
     )
-    not_found: list[str] = Field(description="Run ids asked for that no letter matched.")
+    not_found: list[str] = Field(
+        description="Run ids asked for that no letter matched, the walk having reached the end "
+        "of the queue."
+    )
     skipped_in_progress: list[str] = Field(
         default_factory=list,
         description="Run ids of letters kept: their job forbids overlapping runs and has one "
         "in progress.",
     )
+    not_reached: list[str] = Field(
+        default_factory=list,
+        description="Run ids asked for that no letter matched before the walk stopped at its "
+        "bound (`truncated`): they may name letters past it. Replay or drop letters before "
+        "them, then ask again.",
+    )
+    truncated: bool = Field(
+        default=False,
+        description=f"The walk stopped at its bound ({WALK_BOUND}) with letters left behind "
+        "it: `all` replayed only the letters it reached; run ids it did not match are "
+        "`not_reached`, never `not_found`.",
+    )
+
+
+class CronDropReport(_Out):
+    run_id: str
+    removed: int = Field(
+        description="Letters removed: every copy of the run's letter the walk reached (or the "
+        "letter with that message id)."
+    )
+    truncated: bool = Field(
+        description=f"The walk stopped at its bound ({WALK_BOUND}) with letters left behind "
+        "it: a copy past it, if any, is still there."
+    )
 
 
 class Purged(_Out):
     purged: int
+
+
+CRON_DROP_PROBLEMS: dict[int | str, dict[str, Any]] = {
+    404: problem(
+        404,
+        "No letter of that run, the walk having reached the end of the queue; nothing was removed.",
+    ),
+    409: problem(
+        409,
+        "No letter of that run among those the walk reached before its bound (`not-reached`): "
+        "it may lie past it. Nothing was removed.",
+    ),
+    **problem_responses(503),
+}
 
 
 def cron_dead_letter_routes(
@@ -344,7 +400,17 @@ def cron_dead_letter_routes(
             skipped_unconfigured=replay.skipped_unconfigured,
             not_found=replay.not_found,
             skipped_in_progress=replay.skipped_in_progress,
+            not_reached=replay.not_reached,
+            truncated=replay.truncated,
         )
+
+    @router.delete("/{run_id}", response_model=CronDropReport, responses=CRON_DROP_PROBLEMS)
+    async def drop_cron_dead_letter(run_id: str) -> CronDropReport:
+        with _broker_away_is_503():
+            dropped = await dead_letters.drop(run_id)
+        if not dropped.removed:
+            raise _nothing_dropped(run_id, dropped)
+        return CronDropReport(run_id=run_id, removed=dropped.removed, truncated=dropped.truncated)
 
     @router.delete("", response_model=Purged)
     async def purge_cron_dead_letters() -> Purged:
@@ -352,6 +418,22 @@ def cron_dead_letter_routes(
             return Purged(purged=await dead_letters.purge())
 
     return router
+
+
+def _nothing_dropped(run_id: str, dropped: Dropped) -> Problem:
+    """A 404 when the walk reached the end of the queue; a 409 when it stopped short of it,
+    as the letter may lie past it (a client taking a 404 to a DELETE as done would stop)."""
+    named = f"No dead letter of cron run {run_id!r}"
+    if not dropped.truncated:
+        return Problem(404, f"{named}; nothing was removed.")
+    return Problem(
+        409,
+        f"{named} among the first {dropped.walked}: the walk stops at {WALK_BOUND} and the "
+        "queue holds more, so it may lie past them. Nothing was removed; replay or drop "
+        "letters before it, then ask again.",
+        kind="not-reached",
+        walked=dropped.walked,
+    )
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""Operating the cron-jobs dead-letter queue (`scorebox.cron-jobs.dlq`): list, replay, purge.
+"""Operating the cron-jobs dead-letter queue (`scorebox.cron-jobs.dlq`): list, replay, drop,
+purge.
 
 A cron run given up for good (its job gave up, or its delivery reached the queue's limit) is
 copied there by the job consumer with its reason, its firing recorded `failed`. The queue is
@@ -13,6 +14,10 @@ configured is refused before anything is sent (`ReplayRefused`): every letter is
 replay of all skips such letters (kept, and reported). A letter whose job forbids overlapping
 runs and has one in progress (another letter's replay, say) is kept and reported
 (`skipped_in_progress`): replayed beside it, it would only do the same work again.
+
+Drop acks the letters of one run (every copy) without running anything: the way out of the
+DLQ for a letter replay refuses (its job no longer configured) or one that holds no run (by
+its message id).
 """
 
 from __future__ import annotations
@@ -30,7 +35,14 @@ from services.scheduler.firings import Firing
 from services.scheduler.jobs import Clock
 from services.scheduler.schedule import JobCatalog
 from shared.contracts import RunCronJob
-from shared.dead_letters import DeadLetterWalker, dead_lettered_at, oldest_first, reason
+from shared.dead_letters import (
+    DeadLetterWalker,
+    Dropped,
+    dead_lettered_at,
+    oldest_first,
+    reason,
+    unmatched,
+)
 from shared.topology import CRON_JOBS, DEAD_LETTERED_FROM_HEADER
 
 # Runs a dead run's job again: (the replaying firing, whether it was started now).
@@ -58,6 +70,11 @@ def _read(message: AbstractIncomingMessage) -> RunCronJob | None:
     with contextlib.suppress(ValidationError):
         return RunCronJob.model_validate_json(message.body)
     return None
+
+
+def _run_id(message: AbstractIncomingMessage) -> str | None:
+    command = _read(message)
+    return command.run_id if command else message.correlation_id
 
 
 def describe(message: AbstractIncomingMessage, now: datetime, jobs: JobCatalog) -> CronDeadLetter:
@@ -102,9 +119,12 @@ class CronReplay:
     replayed: list[ReplayedLetter]
     skipped_unreadable: list[str]  # message ids of letters that hold no `RunCronJob`
     skipped_unconfigured: list[str]  # run ids of jobs no longer configured (replay of all)
-    not_found: list[str]  # run ids asked for that no letter of the walk matched
+    not_found: list[str]  # run ids no letter matched, the walk having reached the queue's end
     # run ids of letters kept because their job has a run in progress that forbids overlap
     skipped_in_progress: list[str] = field(default_factory=list)
+    # run ids no letter matched before the walk stopped short of the queue's end
+    not_reached: list[str] = field(default_factory=list)
+    truncated: bool = False  # the walk stopped with letters left behind it
 
 
 class CronDeadLetters:
@@ -162,8 +182,23 @@ class CronDeadLetters:
                     continue
                 await self._dlq.remove(message)
                 replayed.append(ReplayedLetter(command.run_id, command.job, firing, started_now))
-        missing = [] if run_ids is None else [key for key in run_ids if key not in found]
-        return CronReplay(replayed, unreadable, list(gone), missing, in_progress)
+        not_found, not_reached = unmatched(run_ids or [], found, truncated=held.truncated)
+        return CronReplay(
+            replayed,
+            unreadable,
+            list(gone),
+            not_found,
+            in_progress,
+            not_reached=not_reached,
+            truncated=held.truncated,
+        )
+
+    async def drop(self, run_id: str) -> Dropped:
+        """Remove every letter of the run `run_id` (each copy of it), or the letter whose
+        message id it is (one that holds no run has no run id); nothing is run."""
+        return await self._dlq.drop(
+            lambda message: run_id in (_run_id(message), message.message_id)
+        )
 
     async def purge(self) -> int:
         return await self._dlq.purge()

@@ -75,7 +75,7 @@ class ReplayRefused(SchedulerError):
         super().__init__(
             f"Dead-lettered runs of jobs no longer configured cannot be run again: {listed}. "
             "Nothing was replayed and every letter is kept; replay the others by run id or "
-            "all of them (which skips these), or purge the queue."
+            "all of them (which skips these), and drop these (`scorebox cron dlq drop RUN_ID`)."
         )
         self.runs = runs  # run id -> job
 

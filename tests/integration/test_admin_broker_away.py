@@ -44,6 +44,7 @@ async def test_dead_letter_routes_answer_503_while_the_broker_is_away(
         await eventually(broker_down, what="the gateway saw the broker go")
         for method, path in (
             ("GET", "/admin/v1/dead-letters"),
+            ("DELETE", "/admin/v1/dead-letters/some-letter"),
             ("DELETE", "/admin/v1/dead-letters"),
         ):
             async with asyncio.timeout(60):

@@ -1,7 +1,8 @@
 """The cron dead-letter admin routes on the real broker and database: a run given up for good
 is listed (not consumed), replayed as a new run that reaches its end and leaves the DLQ, a
-letter of a job no longer configured is refused and kept, a purge empties the queue, the
-admin key is required, and a broker away is a 503 that changes nothing.
+letter of a job no longer configured is refused and kept, one run's letters are dropped (the
+others kept as they were), a purge empties the queue, a walk cut short by its byte budget is
+reported as such, the admin key is required, and a broker away is a 503 that changes nothing.
 
 The scheduler runs in-process (`test_scheduler.scheduler`) with a frozen clock; letters come
 from a job that gives up, or are published to the DLQ as the job consumer does.
@@ -10,14 +11,20 @@ from a job that gives up, or are published to the DLQ as the job consumer does.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 import aio_pika
 import httpx
 import pytest
 from aiormq.abc import FieldTable
+from fastapi import FastAPI
+from pydantic import SecretStr
 
+from services.scheduler.api import cron_dead_letter_routes
 from services.scheduler.config import parse_config
 from services.scheduler.dead_letters import CronDeadLetters
 from services.scheduler.dispatcher import fire_replay
@@ -28,14 +35,14 @@ from services.scheduler.messaging import SchedulerBus
 from services.scheduler.schedule import JobCatalog
 from shared.bus import publish_dead_letter
 from shared.contracts import RunCronJob, new_id
-from shared.dead_letters import DeadLetterWalker
-from shared.http import PROBLEM_JSON
+from shared.dead_letters import DeadLetterWalker, dead_lettered_at
+from shared.http import PROBLEM_JSON, install_problem_handlers
 from shared.runtime import make_broker
 from shared.topology import CRON_JOBS
 from tests.faults.slow_link import SlowLink
 from tests.integration import test_scheduler
 from tests.integration.test_scheduler import ADMIN_KEY, QUIET, Env, drain, firing_state, scheduler
-from tests.support import eventually
+from tests.support import eventually, running
 
 mongo_client = test_scheduler.mongo_client  # fixtures
 topology = test_scheduler.topology
@@ -46,6 +53,9 @@ LETTERS = "/admin/v1/cron/dead-letters"
 REPLAY = f"{LETTERS}/replay"
 JOB = "probe"
 CONFIG = parse_config({"jobs": {JOB: {"cron": "0 3 * * *", "enabled": False}}}, {})
+OVERLAPPING = parse_config(
+    {"jobs": {JOB: {"cron": "0 3 * * *", "enabled": False, "concurrency": "allow"}}}, {}
+)
 
 Json = dict[str, Any]
 
@@ -338,14 +348,154 @@ async def test_letters_are_listed_oldest_first_and_purged(env: Env) -> None:
     assert await _depth(env.amqp_url) == 0
 
 
+async def test_dropping_a_run_leaves_the_other_letters_as_they_were(env: Env) -> None:
+    """The way out for a letter whose job is no longer configured, which replay refuses."""
+    await drain(env.amqp_url, DLQ)
+    runs = [_dead_run(), _dead_run("retired-job"), _dead_run()]
+    for hour, run in enumerate(runs):
+        await _dead_lettered_by_rabbitmq(env, run, at=datetime(2029, 12, 31, hour, tzinfo=UTC))
+    job = Probe()
+    async with scheduler(env, CONFIG, handlers={JOB: job}) as (api, _):
+        _assert_problem(await api.post(REPLAY, json={"run_ids": [runs[1].run_id]}), 409)
+        answer = await api.delete(f"{LETTERS}/{runs[1].run_id}")
+        assert answer.status_code == 200, answer.text
+        assert answer.json() == {"run_id": runs[1].run_id, "removed": 1, "truncated": False}
+        assert _run_ids(await _listed(api)) == [runs[0].run_id, runs[2].run_id]
+    left = await drain(env.amqp_url, DLQ)
+    assert [RunCronJob.model_validate_json(letter.body) for letter in left] == [runs[0], runs[2]]
+    assert [dead_lettered_at(letter, QUIET) for letter in left] == [
+        datetime(2029, 12, 31, hour, tzinfo=UTC) for hour in (0, 2)
+    ]
+    assert job.runs == []
+
+
+async def test_dropping_a_run_held_twice_removes_both_copies(env: Env) -> None:
+    await drain(env.amqp_url, DLQ)
+    twice, other = _dead_run(), _dead_run()
+    for run in (twice, other, twice):
+        await _dead_letter(env, run)
+    job = Probe()
+    async with scheduler(env, CONFIG, handlers={JOB: job}) as (api, _):
+        answer = await api.delete(f"{LETTERS}/{twice.run_id}")
+        assert answer.status_code == 200, answer.text
+        assert (answer.json()["removed"], answer.json()["truncated"]) == (2, False)
+        assert _run_ids(await _listed(api)) == [other.run_id]
+    assert await _depth(env.amqp_url) == 1
+    assert job.runs == []
+    await drain(env.amqp_url, DLQ)
+
+
+async def test_a_letter_that_holds_no_run_is_dropped_by_its_message_id(env: Env) -> None:
+    await drain(env.amqp_url, DLQ)
+    await _dead_letter(env, b"not a cron run", reason="unreadable cron.run")
+    await _dead_letter(env, _dead_run())
+    async with scheduler(env, CONFIG, handlers={JOB: Probe()}) as (api, _):
+        (unreadable,) = [item for item in (await _listed(api))["items"] if item["run_id"] is None]
+        answer = await api.delete(f"{LETTERS}/{unreadable['message_id']}")
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["removed"] == 1
+        assert None not in _run_ids(await _listed(api))
+    assert await _depth(env.amqp_url) == 1
+    await drain(env.amqp_url, DLQ)
+
+
+async def test_dropping_an_unknown_run_is_a_404_and_changes_nothing(env: Env) -> None:
+    await drain(env.amqp_url, DLQ)
+    runs = [_dead_run(), _dead_run()]
+    for hour, run in enumerate(runs):
+        await _dead_lettered_by_rabbitmq(env, run, at=datetime(2029, 12, 31, hour, tzinfo=UTC))
+    async with scheduler(env, CONFIG, handlers={JOB: Probe()}) as (api, _):
+        problem = _assert_problem(await api.delete(f"{LETTERS}/no-such-run"), 404)
+        assert "nothing was removed" in problem["detail"]
+        assert _run_ids(await _listed(api)) == [run.run_id for run in runs]
+    left = await drain(env.amqp_url, DLQ)
+    assert [RunCronJob.model_validate_json(letter.body) for letter in left] == runs
+
+
+@asynccontextmanager
+async def _walking_part_of_the_queue(
+    env: Env, *, max_bytes: int
+) -> AsyncIterator[httpx.AsyncClient]:
+    """The cron dead-letter routes over a walk of `max_bytes` of letter bodies (the
+    scheduler's own walks the service's bound), replaying as the scheduler does; the job may
+    overlap itself, so that every letter reached is replayed."""
+    firings = Firings(env.mongo, env.database)
+    await firings.ensure_indexes()
+    jobs = JobCatalog.from_config(OVERLAPPING.jobs)
+    broker = make_broker(env.settings())
+    async with broker:
+        await broker.connect()
+        replay_run = partial(
+            fire_replay,
+            jobs=jobs,
+            firings=firings,
+            publish=SchedulerBus(broker, 10, env.clock).publish_run,
+            clock=env.clock,
+            owner="bounded",
+        )
+        walker = DeadLetterWalker(broker, CRON_JOBS, timeout_s=10, max_bytes=max_bytes)
+        dead_letters = CronDeadLetters(walker, jobs=jobs, replay_run=replay_run, clock=env.clock)
+        app = FastAPI()
+        install_problem_handlers(app)
+        app.include_router(
+            cron_dead_letter_routes(dead_letters=dead_letters, admin_key=SecretStr(ADMIN_KEY))
+        )
+        async with running(app) as api:
+            api.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
+            yield api
+
+
+def _three_of_five_letters() -> int:
+    """A walk budget that reaches three of five letters of `_dead_run`'s size."""
+    return int(2.5 * len(_dead_run().model_dump_json().encode()))
+
+
+async def test_a_replay_by_run_ids_cut_short_reports_the_runs_it_did_not_reach(env: Env) -> None:
+    """The two letters past the walk and a run id no letter carries are not reached, none of
+    them "not found" (it was: an operator was told a letter past the walk did not exist)."""
+    await drain(env.amqp_url, DLQ)
+    runs = [_dead_run() for _ in range(5)]
+    for run in runs:
+        await _dead_letter(env, run)
+    asked = [run.run_id for run in runs]
+    async with _walking_part_of_the_queue(env, max_bytes=_three_of_five_letters()) as api:
+        answer = await api.post(REPLAY, json={"run_ids": [*asked, "no-such-run"]})
+    await drain(env.amqp_url, CRON_JOBS.name)  # the replays' runs, whatever follows
+    assert answer.status_code == 200, answer.text
+    report = answer.json()
+    assert (report["truncated"], report["not_found"]) == (True, [])
+    replayed = [letter["dead_run_id"] for letter in report["replayed"]]
+    assert len(replayed) == 3
+    assert sorted(report["not_reached"]) == sorted(
+        [run_id for run_id in asked if run_id not in replayed] + ["no-such-run"]
+    )
+    assert await _depth(env.amqp_url) == 2
+    await drain(env.amqp_url, DLQ)
+
+
+async def test_dropping_a_run_past_a_walk_cut_short_is_a_409_not_reached(env: Env) -> None:
+    await drain(env.amqp_url, DLQ)
+    for _ in range(5):
+        await _dead_letter(env, _dead_run())
+    async with _walking_part_of_the_queue(env, max_bytes=_three_of_five_letters()) as api:
+        problem = _assert_problem(await api.delete(f"{LETTERS}/no-such-run"), 409)
+    assert problem["type"].endswith("/not-reached")
+    assert problem["walked"] == 3
+    assert "may lie past" in problem["detail"]
+    assert await _depth(env.amqp_url) == 5
+    await drain(env.amqp_url, DLQ)
+
+
 async def test_the_cron_dead_letter_routes_need_the_admin_key(env: Env) -> None:
     await drain(env.amqp_url, DLQ)
-    await _dead_letter(env, _dead_run())
+    run = _dead_run()
+    await _dead_letter(env, run)
     async with scheduler(env, CONFIG, handlers={JOB: Probe()}) as (api, _):
         for authorization in ("", "Bearer not-the-admin-key", ADMIN_KEY):
             for method, path, body in (
                 ("GET", LETTERS, None),
                 ("POST", REPLAY, {"all": True}),
+                ("DELETE", f"{LETTERS}/{run.run_id}", None),
                 ("DELETE", LETTERS, None),
             ):
                 answer = await api.request(
@@ -362,7 +512,8 @@ async def test_the_cron_dead_letter_routes_answer_503_while_the_broker_is_away(
     env: Env, broker_link: SlowLink
 ) -> None:
     await drain(env.amqp_url, DLQ)
-    await _dead_letter(env, _dead_run())
+    run = _dead_run()
+    await _dead_letter(env, run)
     link = broker_link
     settings = {"RABBITMQ_URL": link.url_through(env.amqp_url), "BROKER_TIMEOUT_S": 1}
     async with scheduler(env, CONFIG, handlers={JOB: Probe()}, **settings) as (api, _):
@@ -376,6 +527,7 @@ async def test_the_cron_dead_letter_routes_answer_503_while_the_broker_is_away(
         for method, path, body in (
             ("GET", LETTERS, None),
             ("POST", REPLAY, {"all": True}),
+            ("DELETE", f"{LETTERS}/{run.run_id}", None),
             ("DELETE", LETTERS, None),
         ):
             async with asyncio.timeout(60):  # only stops a hang

@@ -392,7 +392,13 @@ async def test_dead_letters_are_listed_replayed_with_fresh_attempts_and_purged(f
     replay = await flow.api.post(
         "/admin/v1/dead-letters/replay", json={"ids": [task_id]}, headers=ADMIN
     )
-    assert replay.json() == {"replayed": [task_id], "skipped_unreadable": [], "not_found": []}
+    assert replay.json() == {
+        "replayed": [task_id],
+        "skipped_unreadable": [],
+        "not_found": [],
+        "not_reached": [],
+        "truncated": False,
+    }
     view = await flow.reaches(task_id, "completed")
     assert view["attempts"] == 1  # a fresh attempt budget
     assert flow.calls(marker) == 5
@@ -447,7 +453,13 @@ async def test_dead_letters_are_listed_whole_oldest_first_and_an_unknown_id_is_r
     replay = await flow.api.post(
         "/admin/v1/dead-letters/replay", json={"ids": [unknown]}, headers=ADMIN
     )
-    assert replay.json() == {"replayed": [], "skipped_unreadable": [], "not_found": [unknown]}
+    assert replay.json() == {
+        "replayed": [],
+        "skipped_unreadable": [],
+        "not_found": [unknown],
+        "not_reached": [],
+        "truncated": False,
+    }
     await _dead_letters(flow.amqp_url)
 
 

@@ -45,6 +45,10 @@ class Letter:
     processed: bool = False
 
 
+class Walked(list[Letter]):
+    truncated = False
+
+
 class HeldLetters:
     """A DLQ walker holding `letters`; `removed` are those acked (replayed)."""
 
@@ -54,7 +58,7 @@ class HeldLetters:
 
     @contextlib.asynccontextmanager
     async def walk(self) -> AsyncIterator[list[Letter]]:
-        yield list(self.letters)
+        yield Walked(self.letters)  # the queue's end reached
 
     async def remove(self, message: Letter) -> None:
         self.removed.append(message)

@@ -56,8 +56,31 @@ def test_admin_routes_declare_the_admin_key_and_the_problems_they_give(document:
         for status in ("401", "403", "503"):
             assert is_problem(operation["responses"].get(status, {})), (name, status)
     paths = dict(admin)
-    for name in ("GET /admin/v1/dead-letters/{letter_id}", "DELETE /admin/v1/keys/{key_id}"):
+    for name in (
+        "GET /admin/v1/dead-letters/{letter_id}",
+        "DELETE /admin/v1/dead-letters/{letter_id}",
+        "DELETE /admin/v1/keys/{key_id}",
+    ):
         assert is_problem(paths[name]["responses"].get("404", {})), name
+
+
+def test_dead_letter_answers_document_a_walk_cut_short(document: Json) -> None:
+    """A drop past a walk cut short is a 409 (not a 404 a client would take as done), and the
+    reports of a drop and a replay say what `truncated` and `not_reached` mean."""
+    paths = document["paths"]
+    drop = paths["/admin/v1/dead-letters/{letter_id}"]["delete"]["responses"]
+    replay = paths["/admin/v1/dead-letters/replay"]["post"]["responses"]
+    assert is_problem(drop["409"])
+    assert "may lie past" in drop["409"]["description"]
+    schemas = document["components"]["schemas"]
+    for name, answered in (("DropReport", drop), ("ReplayReport", replay)):
+        assert answered["200"]["content"]["application/json"]["schema"] == {
+            "$ref": f"#/components/schemas/{name}"
+        }
+        assert "bound" in schemas[name]["properties"]["truncated"]["description"], name
+    reported = schemas["ReplayReport"]["properties"]
+    assert "may name letters past it" in reported["not_reached"]["description"]
+    assert "end of the queue" in reported["not_found"]["description"]
 
 
 def test_admin_and_api_keys_are_different_schemes(document: Json) -> None:

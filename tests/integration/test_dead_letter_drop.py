@@ -1,0 +1,275 @@
+"""The gateway's dead-letter admin routes on the real broker: one letter (every copy of it)
+leaves the DLQ by `DELETE /admin/v1/dead-letters/{id}` while the others stay as they were,
+and a walk cut short by its byte budget (`walk_bytes`, as in
+`test_dead_letter_walk_budget.py`) is reported as such by a drop and by a replay: an id it did
+not reach is never "not found".
+
+The routes run in-process over a `DeadLetterQueue` of the test's walk budget; letters are
+published straight into the DLQ, each dead-lettered a second after the one before."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import aio_pika
+import httpx
+import pytest
+from aio_pika.abc import AbstractIncomingMessage
+from fastapi import FastAPI
+from faststream.rabbit import RabbitBroker
+from pydantic import SecretStr
+from pymongo import AsyncMongoClient
+
+from devtools.infra import Endpoint
+from services.gateway.admin_api import admin_routes
+from services.gateway.deadletters import DeadLetterQueue
+from services.gateway.publisher import TaskPublisher
+from services.gateway.submissions import Submissions
+from shared.contracts import ScoreText, new_id, utcnow
+from shared.dead_letters import MAX_WALK_BYTES
+from shared.http import PROBLEM_JSON, install_problem_handlers
+from shared.topology import DLX, ERROR_HEADER, SCORE_REQUESTS, declare_topology
+from tests.support import running
+
+DLQ = SCORE_REQUESTS.dead_letter_routing_key
+LETTERS = "/admin/v1/dead-letters"
+ADMIN_KEY = "test-admin-key"
+TIMEOUT_S = 5.0
+FIRST_DEATH = datetime(2030, 1, 1, tzinfo=UTC)
+
+Json = dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+async def broker(amqp_url: str) -> AsyncIterator[RabbitBroker]:
+    broker = RabbitBroker(amqp_url)
+    await broker.connect()
+    await declare_topology(broker)
+    yield broker
+    await broker.stop()
+
+
+@pytest.fixture(scope="module")
+async def submissions(mongo: Endpoint, db_prefix: str) -> AsyncIterator[Submissions]:
+    client: AsyncMongoClient[Json] = AsyncMongoClient(mongo.url, tz_aware=True)
+    yield Submissions(client, f"{db_prefix}_gateway")
+    await client.close()
+
+
+@pytest.fixture
+async def dlq(amqp_url: str, broker: RabbitBroker) -> str:
+    """The score requests' DLQ, emptied for the test; the vhost's URL."""
+    await _drain(amqp_url)
+    return amqp_url
+
+
+async def _drain(amqp_url: str) -> list[AbstractIncomingMessage]:
+    """Every letter of the DLQ, taken off it in the queue's order."""
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.get_queue(DLQ, ensure=True)
+        taken = []
+        while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
+            taken.append(message)
+        return taken
+
+
+def _commands(count: int, *, task_id: str | None = None) -> list[ScoreText]:
+    """`count` score requests of one size (of one task when `task_id` is given)."""
+    return [
+        ScoreText(task_id=task_id or new_id(), text="A letter " + "x" * 500) for _ in range(count)
+    ]
+
+
+async def _dead_letter(amqp_url: str, commands: list[ScoreText]) -> None:
+    """Publish `commands` into the DLQ as the scorer dead-letters them, in order, each a
+    second after the one before (a command given twice is two copies of one letter)."""
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        dlx = await channel.get_exchange(DLX.name, ensure=False)
+        for n, command in enumerate(commands):
+            message = aio_pika.Message(
+                command.model_dump_json().encode(),
+                message_id=command.message_id,
+                timestamp=FIRST_DEATH + timedelta(seconds=n),
+                headers={ERROR_HEADER: "a test letter"},
+            )
+            await dlx.publish(message, routing_key=DLQ, timeout=10)
+
+
+def _body_bytes() -> int:
+    return len(_commands(1)[0].model_dump_json().encode())
+
+
+def _admin_app(
+    broker: RabbitBroker, submissions: Submissions, *, walk_bytes: int = MAX_WALK_BYTES
+) -> FastAPI:
+    dead_letters = DeadLetterQueue(
+        broker,
+        TaskPublisher(broker, timeout_s=TIMEOUT_S),
+        submissions,
+        utcnow,
+        timeout_s=TIMEOUT_S,
+        walk_bytes=walk_bytes,
+    )
+    app = FastAPI()
+    install_problem_handlers(app)
+    app.include_router(admin_routes(dead_letters, SecretStr(ADMIN_KEY)))
+    return app
+
+
+async def _listed(api: httpx.AsyncClient) -> Json:
+    answer = await api.get(LETTERS)
+    assert answer.status_code == 200, answer.text
+    listing: Json = answer.json()
+    return listing
+
+
+def _problem(answer: httpx.Response, status: int) -> Json:
+    assert answer.status_code == status, answer.text
+    assert answer.headers["content-type"].startswith(PROBLEM_JSON)
+    body: Json = answer.json()
+    return body
+
+
+@asynccontextmanager
+async def _admin(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of `app` sending the admin key."""
+    async with running(app) as api:
+        api.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
+        yield api
+
+
+async def test_dropping_a_letter_leaves_the_others_as_they_were_in_order(
+    dlq: str, broker: RabbitBroker, submissions: Submissions
+) -> None:
+    commands = _commands(4)
+    await _dead_letter(dlq, commands)
+    kept = [commands[0], commands[2], commands[3]]
+
+    async with _admin(_admin_app(broker, submissions)) as api:
+        answer = await api.delete(f"{LETTERS}/{commands[1].task_id}")
+        assert answer.status_code == 200, answer.text
+        assert answer.json() == {
+            "letter_id": commands[1].task_id,
+            "removed": 1,
+            "truncated": False,
+        }
+        listing = await _listed(api)
+    assert [item["task_id"] for item in listing["items"]] == [c.task_id for c in kept]
+
+    left = await _drain(dlq)
+    assert [message.message_id for message in left] == [c.message_id for c in kept]
+    assert [message.body for message in left] == [c.model_dump_json().encode() for c in kept]
+    assert all(message.headers[ERROR_HEADER] == "a test letter" for message in left)
+
+
+async def test_dropping_a_letter_held_twice_removes_both_copies(
+    dlq: str, broker: RabbitBroker, submissions: Submissions
+) -> None:
+    twice, other = _commands(2)
+    await _dead_letter(dlq, [twice, other, twice])
+
+    async with _admin(_admin_app(broker, submissions)) as api:
+        answer = await api.delete(f"{LETTERS}/{twice.message_id}")
+        assert answer.status_code == 200, answer.text
+        assert (answer.json()["removed"], answer.json()["truncated"]) == (2, False)
+        listing = await _listed(api)
+    assert [item["task_id"] for item in listing["items"]] == [other.task_id]
+    assert [message.message_id for message in await _drain(dlq)] == [other.message_id]
+
+
+async def test_dropping_an_unknown_id_is_a_404_and_changes_nothing(
+    dlq: str, broker: RabbitBroker, submissions: Submissions
+) -> None:
+    commands = _commands(3)
+    await _dead_letter(dlq, commands)
+
+    async with _admin(_admin_app(broker, submissions)) as api:
+        problem = _problem(await api.delete(f"{LETTERS}/{new_id()}"), 404)
+        assert problem["type"].endswith("/not-found")
+        assert "nothing was removed" in problem["detail"]
+        listing = await _listed(api)
+    assert [item["task_id"] for item in listing["items"]] == [c.task_id for c in commands]
+    assert [message.message_id for message in await _drain(dlq)] == [c.message_id for c in commands]
+
+
+async def test_an_id_past_a_walk_cut_short_is_a_409_not_reached_and_changes_nothing(
+    dlq: str, broker: RabbitBroker, submissions: Submissions
+) -> None:
+    await _dead_letter(dlq, _commands(5))
+    bounded = _admin_app(broker, submissions, walk_bytes=int(2.5 * _body_bytes()))
+
+    async with _admin(bounded) as api:
+        problem = _problem(await api.delete(f"{LETTERS}/{new_id()}"), 409)
+    assert problem["type"].endswith("/not-reached")
+    assert problem["walked"] == 3
+    assert "may lie past" in problem["detail"]
+    assert len(await _drain(dlq)) == 5
+
+
+async def test_a_drop_cut_short_says_copies_past_its_walk_may_be_left(
+    dlq: str, broker: RabbitBroker, submissions: Submissions
+) -> None:
+    """Five letters of one task: the walk reaches three of them."""
+    task_id = new_id()
+    await _dead_letter(dlq, _commands(5, task_id=task_id))
+    bounded = _admin_app(broker, submissions, walk_bytes=int(2.5 * _body_bytes()))
+
+    async with _admin(bounded) as api:
+        answer = await api.delete(f"{LETTERS}/{task_id}")
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {"letter_id": task_id, "removed": 3, "truncated": True}
+    assert len(await _drain(dlq)) == 2
+
+
+async def test_a_replay_by_ids_cut_short_reports_the_ids_it_did_not_reach(
+    dlq: str, broker: RabbitBroker, submissions: Submissions
+) -> None:
+    """Its walk reaches three of five letters: the two others and an id no letter carries
+    are not reached, none of them "not found" (it was: an operator was told a letter past
+    the walk did not exist)."""
+    commands = _commands(5)
+    await _dead_letter(dlq, commands)
+    asked = [command.task_id for command in commands]
+    unknown = new_id()
+    bounded = _admin_app(broker, submissions, walk_bytes=int(2.5 * _body_bytes()))
+
+    async with _admin(bounded) as api:
+        answer = await api.post(f"{LETTERS}/replay", json={"ids": [*asked, unknown]})
+    assert answer.status_code == 200, answer.text
+    report = answer.json()
+    assert (report["truncated"], report["not_found"]) == (True, [])
+    assert len(report["replayed"]) == 3
+    assert sorted(report["not_reached"]) == sorted(
+        [key for key in asked if key not in report["replayed"]] + [unknown]
+    )
+    assert len(await _drain(dlq)) == 2
+
+    async with _admin(_admin_app(broker, submissions)) as api:
+        whole = (await api.post(f"{LETTERS}/replay", json={"ids": [unknown]})).json()
+    assert (whole["truncated"], whole["not_found"], whole["not_reached"]) == (
+        False,
+        [unknown],
+        [],
+    )
+
+
+async def test_a_replay_of_all_cut_short_says_so(
+    dlq: str, broker: RabbitBroker, submissions: Submissions
+) -> None:
+    await _dead_letter(dlq, _commands(5))
+    bounded = _admin_app(broker, submissions, walk_bytes=int(2.5 * _body_bytes()))
+
+    async with _admin(bounded) as api:
+        first = (await api.post(f"{LETTERS}/replay", json={"all": True})).json()
+        rest = (await api.post(f"{LETTERS}/replay", json={"all": True})).json()
+    assert (len(first["replayed"]), first["truncated"]) == (3, True)
+    assert (len(rest["replayed"]), rest["truncated"]) == (2, False)
+    assert first["not_found"] == first["not_reached"] == rest["not_reached"] == []
+    assert await _drain(dlq) == []

@@ -1,0 +1,190 @@
+"""`scorebox dlq drop` and `scorebox cron dlq drop`, and what the dead-letter commands say
+when the service's walk of the queue stopped at its bound, against fake servers (an
+httpx.MockTransport injected through `cli.transport`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner, Result
+
+from scorebox import cli
+from tests.unit.test_cli_cron import FakeServer, _problem
+
+LETTERS = "/admin/v1/dead-letters"
+CRON_LETTERS = "/admin/v1/cron/dead-letters"
+WALK_STOPPED = "truncated: the walk stopped at its bound (10,000 letters or 64 MiB"
+
+Json = dict[str, Any]
+
+
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch) -> FakeServer:
+    fake = FakeServer()
+    monkeypatch.setattr(cli, "transport", httpx.MockTransport(fake))
+    monkeypatch.setenv("SCOREBOX_URL", "http://gateway.test")
+    monkeypatch.setenv("SCOREBOX_SCHEDULER_URL", "http://scheduler.test")
+    monkeypatch.setenv("SCOREBOX_ADMIN_KEY", "the-admin-key")
+    return fake
+
+
+def _run(*args: str) -> Result:
+    return CliRunner().invoke(cli.app, list(args))
+
+
+def _dropped(letter_id: str, removed: int = 1, *, truncated: bool = False) -> httpx.Response:
+    return httpx.Response(
+        200, json={"letter_id": letter_id, "removed": removed, "truncated": truncated}
+    )
+
+
+def _objects(text: str) -> list[Json]:
+    """The JSON objects printed one after another."""
+    decoder, found, at = json.JSONDecoder(), [], 0
+    while text[at:].strip():
+        value, at = decoder.raw_decode(text, text.index("{", at))
+        found.append(value)
+    return found
+
+
+# --- drop --------------------------------------------------------------------------------
+
+
+def test_dlq_drop_deletes_each_letter_in_a_path_segment_of_its_own(server: FakeServer) -> None:
+    server.script("DELETE", f"{LETTERS}/a/b", _dropped("a/b"))
+    server.script("DELETE", f"{LETTERS}/t2", _dropped("t2", removed=2))
+
+    result = _run("dlq", "drop", "a/b", "t2")
+
+    assert result.exit_code == 0, result.output
+    assert [(r.method, r.url.host, r.url.raw_path) for r in server.requests] == [
+        ("DELETE", "gateway.test", b"/admin/v1/dead-letters/a%2Fb"),
+        ("DELETE", "gateway.test", b"/admin/v1/dead-letters/t2"),
+    ]
+    assert all(r.headers["authorization"] == "Bearer the-admin-key" for r in server.requests)
+    reports = _objects(result.stdout)
+    assert [(r["letter_id"], r["removed"]) for r in reports] == [("a/b", 1), ("t2", 2)]
+    assert result.stderr == ""
+
+
+def test_dlq_drop_tries_every_id_and_exits_1_when_one_was_not_dropped(
+    server: FakeServer,
+) -> None:
+    server.script("DELETE", f"{LETTERS}/gone", _problem(404, "No dead letter 'gone'."))
+    server.script("DELETE", f"{LETTERS}/t2", _dropped("t2"))
+
+    result = _run("dlq", "drop", "gone", "t2")
+
+    assert result.exit_code == 1
+    assert len(server.requests) == 2
+    assert "error 404: No dead letter 'gone'." in result.stderr
+    assert json.loads(result.stdout)["letter_id"] == "t2"
+
+
+def test_a_drop_the_walk_did_not_reach_exits_1_with_why(server: FakeServer) -> None:
+    detail = "No dead letter 't9' among the first 1300: it may lie past them."
+    server.script("DELETE", f"{LETTERS}/t9", _problem(409, detail))
+
+    result = _run("dlq", "drop", "t9")
+
+    assert result.exit_code == 1
+    assert f"error 409: {detail}" in result.stderr
+
+
+def test_a_drop_cut_short_says_copies_may_be_left(server: FakeServer) -> None:
+    server.script("DELETE", f"{LETTERS}/t1", _dropped("t1", removed=3, truncated=True))
+
+    result = _run("dlq", "drop", "t1")
+
+    assert result.exit_code == 0, result.output
+    assert WALK_STOPPED in result.stderr
+    assert "copies past it, if any, are still there" in result.stderr
+
+
+@pytest.mark.parametrize("command", [("dlq", "drop"), ("cron", "dlq", "drop")])
+def test_a_drop_with_an_empty_id_sends_nothing(
+    server: FakeServer, command: tuple[str, ...]
+) -> None:
+    result = _run(*command, "t1", "")
+    assert result.exit_code == 2
+    assert not server.requests
+
+
+@pytest.mark.parametrize("command", [("dlq", "drop"), ("cron", "dlq", "drop")])
+def test_a_drop_needs_an_id(server: FakeServer, command: tuple[str, ...]) -> None:
+    assert _run(*command).exit_code == 2
+    assert not server.requests
+
+
+def test_cron_dlq_drop_asks_the_scheduler(server: FakeServer) -> None:
+    dropped = {"run_id": "r/0", "removed": 1, "truncated": False}
+    server.script("DELETE", f"{CRON_LETTERS}/r/0", httpx.Response(200, json=dropped))
+
+    result = _run("cron", "dlq", "drop", "r/0")
+
+    assert result.exit_code == 0, result.output
+    [request] = server.requests
+    assert (request.url.host, request.url.raw_path) == (
+        "scheduler.test",
+        b"/admin/v1/cron/dead-letters/r%2F0",
+    )
+    assert request.headers["authorization"] == "Bearer the-admin-key"
+    assert json.loads(result.stdout) == dropped
+
+
+# --- a walk cut short --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("command", "path"), [(("dlq", "list"), LETTERS), (("cron", "dlq", "list"), CRON_LETTERS)]
+)
+@pytest.mark.parametrize("truncated", [True, False])
+def test_a_listing_says_when_its_walk_was_cut_short(
+    server: FakeServer, command: tuple[str, ...], path: str, truncated: bool
+) -> None:
+    listing = {"count": 1300, "truncated": truncated, "items": []}
+    server.script("GET", path, httpx.Response(200, json=listing))
+
+    result = _run(*command)
+
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == listing
+    if truncated:
+        assert WALK_STOPPED in result.stderr
+        assert "1300 listed, the rest not reached" in result.stderr
+    else:
+        assert result.stderr == ""
+
+
+@pytest.mark.parametrize(
+    ("command", "path"),
+    [(("dlq", "replay"), LETTERS), (("cron", "dlq", "replay"), CRON_LETTERS)],
+)
+def test_a_replay_by_ids_cut_short_names_the_ids_not_reached_and_exits_1(
+    server: FakeServer, command: tuple[str, ...], path: str
+) -> None:
+    report: Json = {"replayed": [], "not_found": [], "not_reached": ["x", "y"], "truncated": True}
+    server.script("POST", f"{path}/replay", httpx.Response(200, json=report))
+
+    result = _run(*command, "x", "y")
+
+    assert result.exit_code == 1
+    assert json.loads(result.stdout) == report
+    assert WALK_STOPPED in result.stderr
+    assert "not reached" in result.stderr
+    assert result.stderr.rstrip().endswith(": x y")
+    assert "not found" not in result.stderr
+
+
+def test_a_replay_of_all_cut_short_says_so_and_exits_0(server: FakeServer) -> None:
+    report: Json = {"replayed": ["t1"], "not_found": [], "not_reached": [], "truncated": True}
+    server.script("POST", f"{LETTERS}/replay", httpx.Response(200, json=report))
+
+    result = _run("dlq", "replay", "--all")
+
+    assert result.exit_code == 0, result.output
+    assert WALK_STOPPED in result.stderr
+    assert "run again to reach them" in result.stderr

@@ -6,10 +6,10 @@ Settings are built once in a service's entrypoint and passed down, never read at
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Self
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MAX_PORT = 65_535
@@ -131,6 +131,19 @@ class InternalApiSettings(ServiceSettings):
                 "(make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))')"
             )
         return SecretStr(value)
+
+    @model_validator(mode="after")
+    def _not_the_admin_key(self) -> Self:
+        """The internal key is held by every service; the admin key opens the admin API. One
+        value for both gave anyone holding a service's settings the admin API (and an admin
+        every tenant's data through the internal routes)."""
+        admin: SecretStr | None = getattr(self, "admin_api_key", None)
+        internal = self.internal_api_key
+        if admin is None or internal is None:
+            return self
+        if admin.get_secret_value().strip() == internal.get_secret_value():
+            raise ValueError("INTERNAL_API_KEY must differ from ADMIN_API_KEY")
+        return self
 
 
 def redact_url(url: str) -> str:

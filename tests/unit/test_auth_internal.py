@@ -183,6 +183,20 @@ def test_an_internal_key_no_header_can_carry_is_refused_at_start(value: str) -> 
         InternalApiSettings.model_validate({"INTERNAL_API_KEY": value})
 
 
+@pytest.mark.parametrize(
+    "settings", [GatewaySettings, SchedulerSettings], ids=["gateway", "scheduler"]
+)
+def test_an_internal_key_equal_to_the_admin_key_is_refused_at_start(
+    settings: type[BaseSettings],
+) -> None:
+    """Every service holds the internal key: one value for both opened the admin API to
+    anyone holding a service's settings."""
+    with pytest.raises(ValidationError, match="must differ from ADMIN_API_KEY"):
+        settings.model_validate({"INTERNAL_API_KEY": INTERNAL_KEY, "ADMIN_API_KEY": INTERNAL_KEY})
+    apart = settings.model_validate({"INTERNAL_API_KEY": INTERNAL_KEY, "ADMIN_API_KEY": "other"})
+    assert isinstance(apart, InternalApiSettings)
+
+
 def test_the_caller_sends_the_key_only_when_it_is_configured() -> None:
     assert internal_key_headers(SecretStr(INTERNAL_KEY)) == _bearer(INTERNAL_KEY)
     assert internal_key_headers(None) == {}

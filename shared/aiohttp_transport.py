@@ -27,9 +27,17 @@ def httpx_errors(request: httpx.Request) -> Iterator[None]:
     try:
         yield
     except (aiohttp.ClientResponseError, HttpProcessingError) as error:
-        raise httpx.RemoteProtocolError(f"unparsable answer: {error!r}", request=request) from error
+        raise httpx.RemoteProtocolError(
+            f"unparsable answer: {_described(error)}", request=request
+        ) from error
     except aiohttp.ClientError as error:
-        raise httpx.TransportError(f"{error!r}", request=request) from error
+        raise httpx.TransportError(_described(error), request=request) from error
+
+
+def _described(error: Exception) -> str:
+    """The error's type and text, never its repr: a `ClientResponseError`'s repr holds the
+    request's headers, the internal key among them, and our callers log the message."""
+    return f"{type(error).__name__}: {error}"
 
 
 class _MappedStream(httpx.AsyncByteStream):

@@ -30,6 +30,7 @@ from pymongo.errors import (
     PyMongoError,
     WriteConcernError,
     WriteError,
+    WTimeoutError,
 )
 
 from shared.coalescing import Coalescer, Queued, fail, settle
@@ -176,7 +177,11 @@ def _failures_by_index(details: Mapping[str, Any], *, size: int) -> dict[int, Ex
         # Not known to be durable: every write of the batch without an error of its own
         # fails with it, and its caller (the owner of its retry) writes again.
         first = concern[0]
-        shared = WriteConcernError(first.get("errmsg", ""), first.get("code"), first)
+        # As pymongo raises it: a replication timeout is a `WTimeoutError`, which callers
+        # take for a passing outage (`timeout`), not a refusal.
+        timed_out = (first.get("errInfo") or {}).get("wtimeout")
+        concern_error = WTimeoutError if timed_out else WriteConcernError
+        shared = concern_error(first.get("errmsg", ""), first.get("code"), first)
         for index in range(size):
             failures.setdefault(index, shared)
     return failures

@@ -16,10 +16,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import SecretStr
-from pymongo.errors import ConnectionFailure, PyMongoError
+from pymongo.errors import PyMongoError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from shared.database_errors import transient_database_error
 from shared.runtime import Check
 
 PROBLEM_JSON = "application/problem+json"
@@ -106,8 +107,8 @@ def database_refused(error: BaseException) -> Problem:
     log.error("the database refused a request's operation for good", exc_info=error)
     return Problem(
         500,
-        "The database refused this operation for good (the service's log says why); the "
-        "request was not carried out, and retrying it unchanged meets the same refusal.",
+        "The database refused this operation for good (the service's log says why); "
+        "retrying it unchanged meets the same refusal.",
         kind="database-refused",
     )
 
@@ -144,8 +145,8 @@ def install_problem_handlers(app: FastAPI) -> None:
 
     async def on_database_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, PyMongoError)
-        if not (isinstance(exc, ConnectionFailure) or exc.timeout):
-            return await on_unexpected(request, exc)
+        if not transient_database_error(exc):
+            return problem_response(database_refused(exc), request.url.path)
         log.warning("database unavailable on %s %s: %r", request.method, request.url.path, exc)
         return problem_response(database_unavailable(request.method), request.url.path)
 

@@ -51,7 +51,13 @@ class ServiceSettings(BaseSettings):
     # `inf` and `nan` are refused in every float setting (subclasses included): `inf` passed
     # `gt=0` and unbounded a timeout, or crashed the service where it became an int or a date.
     model_config = SettingsConfigDict(
-        env_prefix="", extra="ignore", frozen=True, allow_inf_nan=False
+        env_prefix="",
+        extra="ignore",
+        frozen=True,
+        allow_inf_nan=False,
+        # A refused value is not printed: a key or a URL's password mistyped ended up whole
+        # in the service's log (the error names the setting and what is wrong with it).
+        hide_input_in_errors=True,
     )
 
     rabbitmq_url: str = Field(
@@ -133,16 +139,20 @@ class InternalApiSettings(ServiceSettings):
         return SecretStr(value)
 
     @model_validator(mode="after")
-    def _not_the_admin_key(self) -> Self:
-        """The internal key is held by every service; the admin key opens the admin API. One
-        value for both gave anyone holding a service's settings the admin API (and an admin
-        every tenant's data through the internal routes)."""
-        admin: SecretStr | None = getattr(self, "admin_api_key", None)
+    def _not_another_key(self) -> Self:
+        """The internal key is held by every service; the admin key opens the admin API, and
+        the metrics key is a scraper's. One value for two gave anyone holding a service's
+        settings the admin API, or a scraper every tenant's data."""
         internal = self.internal_api_key
-        if admin is None or internal is None:
+        if internal is None:
             return self
-        if admin.get_secret_value().strip() == internal.get_secret_value():
-            raise ValueError("INTERNAL_API_KEY must differ from ADMIN_API_KEY")
+        for name in ("admin_api_key", "metrics_api_key"):
+            other: SecretStr | None = getattr(self, name, None)
+            if (
+                other is not None
+                and other.get_secret_value().strip() == internal.get_secret_value()
+            ):
+                raise ValueError(f"INTERNAL_API_KEY must differ from {name.upper()}")
         return self
 
 

@@ -12,11 +12,18 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictBool, model_
 
 from services.gateway.api import json_body, read_model
 from services.gateway.deadletters import DeadLetterQueue, Walk
-from services.gateway.errors import DatabaseUnavailable, Unavailable
+from services.gateway.errors import DatabaseUnavailable, Unavailable, refused_for_good
 from services.gateway.keys_api import ADMIN_BODY_LIMIT
 from shared.bus import BROKER_ERRORS
 from shared.dead_letters import WALK_BOUND, Dropped
-from shared.http import ADMIN_PROBLEMS, Problem, admin_guard, problem, problem_responses
+from shared.http import (
+    ADMIN_PROBLEMS,
+    Problem,
+    admin_guard,
+    database_refused,
+    problem,
+    problem_responses,
+)
 
 OUT_OF_SIGHT = "a letter another gateway replica is looking at is out of sight meanwhile"
 
@@ -179,6 +186,8 @@ def _broker_away_is_503() -> Iterator[None]:
     try:
         yield
     except (*BROKER_ERRORS, Unavailable) as error:
+        if refused_for_good(error):
+            raise database_refused(error) from error
         away = "The database" if isinstance(error, DatabaseUnavailable) else "The broker"
         raise Problem(
             503,

@@ -62,8 +62,11 @@ def database_away(error: BaseException) -> bool:
 
     The stores wrap every PyMongo error, keeping it as the cause
     (`shared.database_errors.transient_database_error` judges it); one without a cause is
-    taken for away, as every one was."""
+    taken for away, as every one was. A `DatabaseUnavailable` raised from another (a key
+    creation's `KeyNotIssued`) is judged by the PyMongo error at the end of the chain."""
     cause = error.__cause__
+    while isinstance(cause, DatabaseUnavailable):
+        cause = cause.__cause__
     return cause is None or transient_database_error(cause)
 
 

@@ -35,7 +35,7 @@ from starlette.background import BackgroundTask
 
 from services.gateway.api import TASK_ID, GatewayDeps, _unavailable, waiter_problem
 from services.gateway.auth import Caller
-from services.gateway.errors import Unavailable
+from services.gateway.errors import Unavailable, refused_for_good
 from services.gateway.push import (
     HistoryPolicy,
     HistoryReader,
@@ -154,7 +154,7 @@ def event_routes(
             first = await read(after)
         except Unavailable as error:
             live.close(waiter)
-            if _reconnects_by_itself(request):
+            if _reconnects_by_itself(request) and not refused_for_good(error):
                 return _come_back_later(error)
             raise _unavailable(error) from error
         except BaseException:

@@ -106,6 +106,8 @@ def key_admin_routes(
                 tenant_id=wanted.tenant_id, name=wanted.name, now=clock()
             )
         except KeyNotIssued as error:
+            if refused_for_good(error.__cause__ or error):
+                raise database_refused(error) from error
             raise _not_issued(error) from error
         except DatabaseUnavailable as error:
             raise _unavailable(error) from error
@@ -137,6 +139,8 @@ def key_admin_routes(
             # The revocation may have landed: this replica asks the database at the key's
             # next use rather than trusting its cache for `API_KEY_CACHE_TTL_S` more.
             forget(key_id)
+            if refused_for_good(error):
+                raise database_refused(error) from error
             raise Problem(
                 503,
                 "The key store did not answer; the key may or may not be revoked: "

@@ -17,8 +17,9 @@ from pymongo import AsyncMongoClient, _csot
 from services.gateway.errors import DatabaseUnavailable
 from services.gateway.refusals import may_have_been_written
 from shared.coalescing import Coalescer, Queued, QueuedPastDeadline, settle
+from shared.database_errors import transient_database_error
 from shared.group_reads import GroupReader
-from shared.group_writes import GroupWriter
+from shared.group_writes import GroupWriter, _failures_by_index
 from shared.log_context import CorrelationFilter, correlated
 from tests.support import eventually
 
@@ -140,3 +141,18 @@ async def test_a_round_trip_runs_in_a_context_of_its_own() -> None:
     with correlated("task-1"):
         seen = await coalescer.submit("first")
     assert seen == "None"
+
+
+def test_a_replication_timeout_in_a_grouped_write_is_a_passing_outage_not_a_refusal() -> None:
+    """pymongo raises a write concern's `wtimeout` as `WTimeoutError` (`timeout` true); built
+    as a plain `WriteConcernError`, a submission behind it was answered 500 "refused for
+    good" instead of 503 "retry shortly"."""
+    timed_out = {"code": 64, "errmsg": "waiting for replication timed out"}
+    details = {
+        "writeErrors": [],
+        "writeConcernErrors": [{**timed_out, "errInfo": {"wtimeout": True}}],
+    }
+    refused = {"writeErrors": [], "writeConcernErrors": [{"code": 100, "errmsg": "unsatisfiable"}]}
+
+    assert transient_database_error(_failures_by_index(details, size=1)[0])
+    assert not transient_database_error(_failures_by_index(refused, size=1)[0])

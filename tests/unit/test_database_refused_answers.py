@@ -7,16 +7,25 @@ from __future__ import annotations
 from typing import cast
 
 from fastapi import FastAPI
+from pydantic import SecretStr
+from pymongo import AsyncMongoClient
 from pymongo.errors import AutoReconnect, OperationFailure, PyMongoError
 
+from services.gateway.admin_api import admin_routes
 from services.gateway.api import _unavailable
 from services.gateway.auth import Authenticator, Caller, caller_dependency
-from services.gateway.errors import DatabaseUnavailable
+from services.gateway.deadletters import DeadLetterQueue
+from services.gateway.errors import DatabaseUnavailable, refused_for_good
+from services.gateway.keys import ApiKeys
+from services.gateway.keys_api import key_admin_routes
 from services.gateway.limits import RateLimiter
+from shared.contracts import utcnow
 from shared.http import install_problem_handlers
 from tests.support import running
 
 TOKEN = {"Authorization": "Bearer sbx_0123456789abcdef_secret"}
+ADMIN_KEY = "admin-key"
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 class FailingAuthenticator:
@@ -70,3 +79,75 @@ def test_the_task_routes_answer_a_refusal_for_good_with_a_500_and_an_outage_with
     away = _unavailable(_failed(AutoReconnect("connection reset")))
     assert (refused.status, refused.kind, refused.headers) == (500, "database-refused", {})
     assert (away.status, away.headers) == (503, {"Retry-After": "5"})
+
+
+class RefusingKeyStore:
+    """The key collection of a database that refuses the gateway's writes for good (its user
+    lost the privilege)."""
+
+    async def insert_one(self, document: object) -> None:
+        raise OperationFailure("not authorized on gateway to execute insert", code=13)
+
+    async def update_one(self, *args: object, **kwargs: object) -> None:
+        raise OperationFailure("not authorized on gateway to execute update", code=13)
+
+    async def find_one(self, *args: object, **kwargs: object) -> None:
+        raise OperationFailure("not authorized on gateway to execute find", code=13)
+
+
+def keys_app() -> FastAPI:
+    client = cast("AsyncMongoClient[dict[str, object]]", {"db": {"api_keys": RefusingKeyStore()}})
+    app = FastAPI()
+    install_problem_handlers(app)
+    routes = key_admin_routes(
+        ApiKeys(client, "db"), SecretStr(ADMIN_KEY), clock=utcnow, forget=lambda key_id: None
+    )
+    app.include_router(routes)
+    return app
+
+
+async def test_a_key_creation_the_database_refuses_for_good_is_a_500() -> None:
+    """A refused insert was answered as the store not answering, 503 "retry", for ever."""
+    async with running(keys_app()) as client:
+        answer = await client.post(
+            "/admin/v1/keys", json={"tenant_id": "acme"}, headers=ADMIN_HEADERS
+        )
+    assert answer.status_code == 500, answer.text
+    assert answer.json()["type"].endswith("/database-refused")
+
+
+async def test_a_key_revocation_the_database_refuses_for_good_is_a_500() -> None:
+    async with running(keys_app()) as client:
+        answer = await client.delete("/admin/v1/keys/0123456789abcdef", headers=ADMIN_HEADERS)
+    assert answer.status_code == 500, answer.text
+    assert answer.json()["type"].endswith("/database-refused")
+
+
+def test_a_refusal_wrapped_twice_is_judged_by_the_database_error_at_the_end() -> None:
+    """A key creation's `KeyNotIssued` is raised from the store's `DatabaseUnavailable`."""
+    inner = _failed(OperationFailure("document failed validation", code=121))
+    outer = DatabaseUnavailable(str(inner))
+    outer.__cause__ = inner
+    assert refused_for_good(outer)
+    away = DatabaseUnavailable("x")
+    away.__cause__ = _failed(AutoReconnect("connection reset"))
+    assert not refused_for_good(away)
+
+
+class ReplayRefused:
+    """A dead-letter queue whose replay meets a write the database refuses for good."""
+
+    async def replay(self, ids: object) -> None:
+        raise _failed(OperationFailure("document failed validation", code=121))
+
+
+async def test_a_dead_letter_replay_the_database_refuses_for_good_is_a_500() -> None:
+    app = FastAPI()
+    install_problem_handlers(app)
+    app.include_router(admin_routes(cast(DeadLetterQueue, ReplayRefused()), SecretStr(ADMIN_KEY)))
+    async with running(app) as client:
+        answer = await client.post(
+            "/admin/v1/dead-letters/replay", json={"all": True}, headers=ADMIN_HEADERS
+        )
+    assert answer.status_code == 500, answer.text
+    assert "retry-after" not in answer.headers

@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+import aiohttp
 import httpx
 import pytest
 
@@ -36,6 +37,7 @@ ANSWERS = {
 
 Ask = Callable[[httpx.AsyncClient, str], Awaitable[object]]
 SETTINGS = GatewaySettings.model_validate({})
+INTERNAL_KEY = "an-internal-key-that-must-stay-out-of-logs"
 
 
 async def _usage(http: httpx.AsyncClient, url: str) -> object:
@@ -97,3 +99,24 @@ async def test_an_unparsable_answer_is_the_service_unavailable(answering: str, c
             await call.ask(http, answering)
     finally:
         await http.aclose()
+
+
+@pytest.mark.parametrize("answering", NOT_HTTP.values(), ids=NOT_HTTP.keys(), indirect=True)
+@pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
+async def test_the_error_of_an_unparsable_answer_does_not_carry_the_internal_key(
+    answering: str, call: Call
+) -> None:
+    """aiohttp's `ClientResponseError` repr holds the request's headers; the error's message
+    (which the gateway logs) held `Authorization: Bearer <INTERNAL_API_KEY>`."""
+    http = call.make_http(SETTINGS)
+    http.headers["Authorization"] = f"Bearer {INTERNAL_KEY}"
+    try:
+        with pytest.raises(call.unavailable) as raised:
+            await call.ask(http, answering)
+    finally:
+        await http.aclose()
+    chain: BaseException | None = raised.value
+    while chain is not None:
+        if not isinstance(chain, aiohttp.ClientError):  # aiohttp's own is never logged by us
+            assert INTERNAL_KEY not in str(chain), type(chain)
+        chain = chain.__cause__

@@ -1,12 +1,19 @@
 """Cancelling a task before its model call: the gateway's side.
 
 The gateway finds the caller's submission of the task (none: unknown, as for a poll, never
-revealing another tenant's), refuses a task it knows is finished (the status service says
-completed or failed, or a result-cache hit answered it), and sends a confirmed `CancelTask`
-for the task's latest generation to the scorer, which decides that generation as failed with
-`cancelled` unless its model call has started (`services/scorer/cancels.py`). The status
-service being unavailable does not stop a cancellation: the scorer finds a finished task too
-late to cancel, and the client's poll shows how it ended.
+revealing another tenant's), refuses a task it knows is finished, and sends a confirmed
+`CancelTask` for the task's latest generation to the scorer, which decides that generation as
+failed with `cancelled` unless its model call has started (`services/scorer/cancels.py`).
+
+Known finished: its submission records an outcome of that generation (or a later one), which
+the gateway's outcome consumer notes in the write it makes for every outcome
+(`Submissions.note_outcome`); a result-cache hit answered it (any generation: a re-score of a
+completed task is not cancelled); or the status service says completed or failed. The
+submission is asked first: the scorer's attempts store may have forgotten a generation that
+finished long ago (`ATTEMPTS_RETENTION_S` shorter than the submission's life), and would then
+record a second, contradicting outcome of it. The status service being unavailable does not
+stop a cancellation of a generation with no outcome noted: the scorer finds a finished task
+too late to cancel, and the client's poll shows how it ended.
 """
 
 from __future__ import annotations
@@ -76,6 +83,9 @@ def cancel_command(submission: Submission, *, now: datetime) -> CancelTask:
 
 async def _finished(submission: Submission, status: StatusReader) -> bool:
     if submission.cached_result is not None:
+        return True
+    finished = submission.finished_generation
+    if finished is not None and finished >= submission.generation:
         return True
     try:
         view = await status.find(submission.task_id, tenant_id=submission.tenant_id)

@@ -33,8 +33,9 @@ log = logging.getLogger("scorebox.gateway")
 def subscribe_task_outcomes(
     broker: ScoreboxBroker, deps: GatewayDeps, *, retry_delay_s: float = OUTCOME_RETRY_DELAY_S
 ) -> None:
-    """On `task.completed` or `task.failed`: release the task's in-flight slot; for a
-    completion also note the task's generation and fill the result cache.
+    """On `task.completed` or `task.failed`: release the task's in-flight slot and note the
+    generation that finished (one write); for a completion also note the task's generation
+    and fill the result cache.
 
     A database that is away is waited out with the delivery held; an operation it refuses
     for good (`database_away`) returns the delivery as failed, for its queue's delivery limit

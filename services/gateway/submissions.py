@@ -18,6 +18,9 @@ off as a tombstone). Records of earlier builds carry `expires_at` while unsent: 
 theirs from firing (`interrupted`).
 A re-score bumps the submission's `generation` (absent: 0) once per rubric version, recorded
 in `rescored_for`; `rescore` describes the latest one and whether its command was sent.
+`finished_generation` is the highest generation whose outcome the gateway applied (absent:
+none), written with the outcome's other changes (`note_outcome`): a cancellation of a
+generation at or below it is refused (`services/gateway/cancels.py`).
 """
 
 from __future__ import annotations
@@ -86,6 +89,10 @@ class Submission:
     # The latest generation handed out (re-scores, DLQ replays; absent: 0), or that of the
     # command when higher.
     generation: int = 0
+    # The highest generation whose outcome (`task.completed` or `task.failed`) the gateway
+    # applied (`note_outcome`); None before any. A cancellation of a generation at or below it
+    # is refused, whatever the status service says or the scorer still remembers.
+    finished_generation: int | None = None
 
 
 def request_hash(payload: Document) -> str:
@@ -116,6 +123,8 @@ class RescoreRefused(StrEnum):
 
 
 NO_GENERATION: Final = 0
+# The highest generation whose outcome the gateway applied (`Submission.finished_generation`).
+FINISHED_GENERATION: Final = "finished_generation"
 # Set on a submission while it counts against its tenant's in-flight limit
 # (`services/gateway/limits.py`); removed once its outcome released the slot.
 IN_FLIGHT_MARK: Final = "in_flight"
@@ -404,13 +413,21 @@ class Submissions:
             counted=bool(document.get(IN_FLIGHT_MARK)),
         )
 
-    async def note_outcome(self, task_id: str, *, generation: int | None, uncount: bool) -> None:
+    async def note_outcome(
+        self, task_id: str, *, generation: int | None, finished: int | None, uncount: bool
+    ) -> None:
         """After an outcome: remember the highest generation the task reached when given (a
-        DLQ replay bumps it too, so a later re-score takes the one after it), and remove the
-        in-flight mark once its slot is released (`uncount`). One write for both."""
+        DLQ replay bumps it too, so a later re-score takes the one after it), the highest
+        generation that finished (`finished`: the outcome's, for `cancel_task`), and remove
+        the in-flight mark once its slot is released (`uncount`). One write for all three."""
         update: Document = {}
+        highest: Document = {}
         if generation is not None:
-            update["$max"] = {"generation": generation}
+            highest["generation"] = generation
+        if finished is not None:
+            highest[FINISHED_GENERATION] = finished
+        if highest:
+            update["$max"] = highest
         if uncount:
             update["$unset"] = {IN_FLIGHT_MARK: ""}
         if update:
@@ -671,6 +688,7 @@ def _submission_of(document: Document) -> Submission:
         int(document.get("generation", NO_GENERATION)),
         int(command.get("generation", NO_GENERATION)) if command else NO_GENERATION,
     )
+    finished = document.get(FINISHED_GENERATION)
     return Submission(
         task_id=document["_id"],
         tenant_id=document["tenant_id"],
@@ -683,4 +701,5 @@ def _submission_of(document: Document) -> Submission:
         if (cached := document.get("cached_result"))
         else None,
         generation=generation,
+        finished_generation=None if finished is None else int(finished),
     )

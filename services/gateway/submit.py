@@ -33,6 +33,7 @@ from shared.contracts import (
     ScoreText,
     TaskCompleted,
     TaskEvent,
+    TaskFailed,
     TaskStatus,
     TaskView,
     new_id,
@@ -428,8 +429,9 @@ async def settle_outcome(
     progress: OutcomeProgress | None = None,
 ) -> None:
     """The gateway's part of a task's end (`task.completed` or `task.failed`): release its
-    in-flight slot if it holds one; for a completion also note the task's generation and put
-    its result into the cache under its submission's key. Idempotent: redeliveries and
+    in-flight slot if it holds one; note the generation that finished (`cancel_task` refuses
+    it from then on); for a completion also note the task's generation and put its result
+    into the cache under its submission's key. Idempotent: redeliveries and
     duplicates change nothing more (see `limits` for the slot).
 
     `progress` carries what a failed try did to the next: a try that released the slot and
@@ -453,6 +455,7 @@ async def settle_outcome(
     await submissions.note_outcome(
         event.task_id,
         generation=None if completed is None else completed.generation,
+        finished=event.generation if isinstance(event, TaskCompleted | TaskFailed) else None,
         uncount=owner.counted and in_flight is not None,
     )
     if completed is None or owner.cache_key is None or not cacheable(completed.result):

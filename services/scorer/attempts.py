@@ -15,7 +15,9 @@ from nothing: that outcome counted `spent` already.
 A client's cancellation (`cancel`) is recorded as a decision too: a `Finish` failing the
 task with `cancelled`, written over what stands when nothing has started the generation's
 model call, so that the generation's next command collides with it and carries it out
-instead of calling the model.
+instead of calling the model. A newer generation is cancelled over an older one's retry or
+failure (a DLQ replay runs a failure again), not over its completion: a re-score of a
+completed task is not cancelled, and the completion stands.
 
 A claim is an atomic conditional upsert. It succeeds for a task never seen, the attempt
 after a decided retry, a running attempt whose lease expired (its worker died), or, when
@@ -40,7 +42,7 @@ from pymongo.errors import DuplicateKeyError, OperationFailure
 
 from services.scorer import decisions
 from services.scorer.decisions import Finish, Retry, Spent, cancelled, is_cancellation
-from shared.contracts import CancelTask, ScoreText
+from shared.contracts import CancelTask, ScoreText, TaskCompleted
 from shared.group_reads import GroupReader
 from shared.group_writes import GroupWriter, Write
 from shared.indexes import drop_retired_indexes
@@ -80,6 +82,8 @@ ClaimResult = Claimed | Busy | Decided | Superseded
 CANCEL_OWNER: Final = "cancelled-by-client"
 # Reads and conditional writes a cancellation tries while other writes keep changing the task.
 CANCEL_TRIES: Final = 10
+# Why a cancellation of a newer generation (a re-score) finds an older one's completion stored.
+COMPLETION_STANDS: Final = "a re-score of a completed task is not cancelled: its completion stands"
 
 
 @dataclass(frozen=True)
@@ -91,8 +95,8 @@ class Cancelled:
 
 @dataclass(frozen=True)
 class TooLate:
-    """Nothing recorded: the model call has started, the generation finished, or a newer one
-    exists."""
+    """Nothing recorded: the model call has started, the generation finished, a newer one
+    exists, or the generation re-scores a completed one (`COMPLETION_STANDS`)."""
 
     reason: str
 
@@ -305,9 +309,22 @@ def _cancellable(
         condition = state | {"owner": held.get("owner"), "lease_until": held["lease_until"]}
         return condition, attempt if generation == cancel.generation else 1
     condition = state | {"decision.kind": held["decision"]["kind"]}
+    decision = decisions.load(held["decision"])
     if generation < cancel.generation:
-        return condition, 1
-    return _cancellable_decided(decisions.load(held["decision"]), condition, attempt)
+        return _cancellable_over_older(decision, condition)
+    return _cancellable_decided(decision, condition, attempt)
+
+
+def _cancellable_over_older(
+    decision: Finish | Retry, condition: Document
+) -> CancelResult | tuple[Document, int]:
+    """`_cancellable` for a decided attempt of an older generation, the cancel's not claimed
+    yet: over a retry, or a failure (which a DLQ replay runs again), the cancel's generation
+    is decided at its first attempt. A completion stands: the newer generation re-scores a
+    completed task, and its cancellation's failure would replace the task's result."""
+    if isinstance(decision, Finish) and isinstance(decision.event, TaskCompleted):
+        return TooLate(COMPLETION_STANDS)
+    return condition, 1
 
 
 def _cancellable_decided(

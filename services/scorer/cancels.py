@@ -7,8 +7,9 @@ the task's next attempt unless its model call has started (`Attempts.cancel`), p
   is held (`keep_trying`); a write it refuses for good, or a task whose document changed under
   every try (`CancelContended`), is returned as failed (`requeue_failed`), for the queue's
   delivery limit to dead-letter;
-- too late (the model call under way, the generation finished, a newer one stored): logged,
-  acked; the task ends as its attempt decides;
+- too late (the model call under way, the generation finished, a newer one stored, or the
+  generation re-scores a completed one, whose completion stands): logged, acked; the task
+  ends as its attempt decides;
 - the event not confirmed: published again until it is, the delivery held (`keep_publishing`).
   A cancellation found recorded already (a repeated cancel) publishes its event again:
   every consumer of outcomes takes a repeat as a no-op.

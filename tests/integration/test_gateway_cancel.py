@@ -3,18 +3,24 @@ the real broker and database (no scorer): what it answers, and the `score.cancel
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from datetime import datetime
+from typing import Any, cast
 
 import aio_pika
 import httpx
 import pytest
 from pymongo import AsyncMongoClient
 
+from services.gateway import publisher
 from services.gateway.app import create_app as create_gateway
 from services.gateway.keys import ApiKeys, generate_key
 from services.gateway.settings import GatewaySettings
+from services.gateway.submissions import Submissions
+from services.gateway.submit import settle_outcome
 from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
 from shared.bus import publish_event
@@ -24,12 +30,16 @@ from shared.contracts import (
     ScoreResult,
     ScoreText,
     TaskCompleted,
+    TaskError,
+    TaskEvent,
+    TaskFailed,
     event_sequence,
+    new_id,
     utcnow,
 )
 from shared.runtime import make_broker
 from shared.topology import TASK_CANCELS
-from tests.support import eventually, running
+from tests.support import CommandCounter, eventually, running
 
 API_KEY = generate_key().token  # registered for the default tenant by BOOTSTRAP_API_KEY
 CALLBACK = "https://example.com/hook"
@@ -41,10 +51,20 @@ class Stack:
     amqp_url: str
     mongo: AsyncMongoClient[dict[str, Any]]
     db_prefix: str
+    # While set, every request of the gateway to the status service fails to connect.
+    status_is_away: bool = False
 
     @property
     def submissions(self) -> Any:
         return self.mongo[f"{self.db_prefix}_gateway"]["submissions"]
+
+    @contextmanager
+    def status_away(self) -> Iterator[None]:
+        self.status_is_away = True
+        try:
+            yield
+        finally:
+            self.status_is_away = False
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +76,14 @@ async def stack(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Stac
         async with running(create_gateway(settings, status_http=status_client)) as api:
             api.headers["Authorization"] = f"Bearer {API_KEY}"
             client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
-            yield Stack(api, amqp_url, client, db_prefix)
+            stack = Stack(api, amqp_url, client, db_prefix)
+
+            async def away_or_through(request: httpx.Request) -> None:
+                if stack.status_is_away:
+                    raise httpx.ConnectError("the status service is away", request=request)
+
+            status_client.event_hooks = {"request": [away_or_through], "response": []}
+            yield stack
             await client.close()
 
 
@@ -73,12 +100,59 @@ async def _sent_cancels(amqp_url: str) -> list[CancelTask]:
         return cancels
 
 
-async def _submitted(stack: Stack) -> str:
-    body = {"text": "A task to cancel.", "delay_seconds": 600, "callback_url": CALLBACK}
+async def _submitted(stack: Stack, text: str = "A task to cancel.") -> str:
+    body = {"text": text, "delay_seconds": 600, "callback_url": CALLBACK}
     response = await stack.api.post("/v1/scores", json=body)
     assert response.status_code == 202, response.text
     task_id: str = response.json()["task_id"]
     return task_id
+
+
+def _terminal(
+    kind: type[TaskEvent],
+    task_id: str,
+    *,
+    tenant_id: str = "default",
+    generation: int = 0,
+    submitted_at: datetime | None = None,
+) -> TaskEvent:
+    """A `task.completed` or `task.failed` of the task's `generation`, as the scorer sends it."""
+    fields: dict[str, Any] = {
+        "task_id": task_id,
+        "tenant_id": tenant_id,
+        "generation": generation,
+        "attempt": 1,
+        "submitted_at": submitted_at or utcnow(),
+        "sequence": event_sequence(generation=generation, attempt=1, phase=Phase.TERMINAL),
+    }
+    if kind is TaskCompleted:
+        return TaskCompleted(**fields, result=ScoreResult(score=7.5, comment="fine", model="m"))
+    error = TaskError(code="model_refused", message="refused", retryable=False)
+    return TaskFailed(**fields, error=error, dead_lettered=False)
+
+
+async def _outcome(stack: Stack, task_id: str, kind: type[TaskEvent]) -> TaskEvent:
+    """The outcome of the submitted task's generation 0."""
+    recorded = await stack.submissions.find_one({"_id": task_id})
+    submitted_at = ScoreText.model_validate(recorded["command"]).submitted_at
+    return _terminal(kind, task_id, submitted_at=submitted_at)
+
+
+async def _published(stack: Stack, event: TaskEvent) -> None:
+    broker = make_broker(GatewaySettings.model_validate({"RABBITMQ_URL": stack.amqp_url}))
+    async with broker:
+        await broker.connect()
+        await publish_event(broker, event, timeout=10)
+
+
+async def _finished_generation_noted(stack: Stack, task_id: str, generation: int) -> None:
+    """Wait for the gateway's outcome consumer to note the generation as finished."""
+
+    async def noted() -> bool:
+        recorded = await stack.submissions.find_one({"_id": task_id})
+        return bool(recorded.get("finished_generation") == generation)
+
+    await eventually(noted, what=f"generation {generation} of {task_id} noted as finished")
 
 
 def _assert_problem(response: httpx.Response, status: int) -> None:
@@ -106,6 +180,9 @@ async def test_a_cancel_is_accepted_and_sends_the_tasks_latest_generation(stack:
     assert sent.submitted_at == command.submitted_at
     assert (sent.api_key_id, sent.callback_url) == (command.api_key_id, CALLBACK)
     assert sent.api_key_id is not None
+    # The delayed task's due time: the scorer keeps the cancellation until a retention after it.
+    assert sent.not_before is not None
+    assert sent.not_before == recorded["not_before"]
 
     # A re-score or a replay took generation 2 since: a second cancel (idempotent) sends that.
     await stack.submissions.update_one({"_id": task_id}, {"$set": {"generation": 2}})
@@ -158,3 +235,132 @@ async def test_a_finished_task_is_refused_with_409(stack: Stack) -> None:
 
     _assert_problem(response, 409)
     assert await _sent_cancels(stack.amqp_url) == []
+
+
+@pytest.mark.parametrize("kind", [TaskCompleted, TaskFailed], ids=["completed", "failed"])
+async def test_a_generation_whose_outcome_the_gateway_applied_is_refused_without_the_status(
+    stack: Stack, kind: type[TaskEvent]
+) -> None:
+    """The outcome noted on the submission is enough: the status service may be away, or have
+    expired the task, and the scorer may have forgotten it (its attempts' retention shorter
+    than the submission's), which then recorded a second, contradicting outcome."""
+    task_id = await _submitted(stack)
+    await _published(stack, await _outcome(stack, task_id, kind))
+    await _finished_generation_noted(stack, task_id, 0)
+    await _sent_cancels(stack.amqp_url)
+
+    with stack.status_away():
+        response = await stack.api.post(f"/v1/scores/{task_id}/cancel")
+
+    _assert_problem(response, 409)
+    assert await _sent_cancels(stack.amqp_url) == []
+
+    # A re-score (or a replay) took generation 1 since: not finished, so cancelled.
+    await stack.submissions.update_one({"_id": task_id}, {"$set": {"generation": 1}})
+    with stack.status_away():
+        again = await stack.api.post(f"/v1/scores/{task_id}/cancel")
+    assert again.status_code == 202, again.text
+    assert [cancel.generation for cancel in await _sent_cancels(stack.amqp_url)] == [1]
+
+
+async def test_a_task_answered_from_the_result_cache_is_refused_with_409(stack: Stack) -> None:
+    text = f"A text scored once, then answered from the cache ({uuid.uuid4().hex})."
+    scored = await _submitted(stack, text)
+    await _published(stack, await _outcome(stack, scored, TaskCompleted))
+    await _finished_generation_noted(stack, scored, 0)  # and its result cached
+
+    hit = await stack.api.post("/v1/scores", json={"text": text, "callback_url": CALLBACK})
+    assert hit.status_code == 200, hit.text
+    assert hit.json()["result"]["cached"] is True
+    task_id = hit.json()["task_id"]
+    # Its announcement of the completion, applied, notes its generation 0 as finished too;
+    # forgotten here, as when that announcement was lost (answered all the same): the cache
+    # hit recorded on the submission answers alone, the status service away.
+    await _finished_generation_noted(stack, task_id, 0)
+    await stack.submissions.update_one({"_id": task_id}, {"$unset": {"finished_generation": ""}})
+    await _sent_cancels(stack.amqp_url)
+
+    with stack.status_away():
+        response = await stack.api.post(f"/v1/scores/{task_id}/cancel")
+
+    _assert_problem(response, 409)
+    assert await _sent_cancels(stack.amqp_url) == []
+
+
+async def test_a_cancel_is_sent_while_the_status_service_is_away(stack: Stack) -> None:
+    """The scorer finds a finished task too late to cancel: the status is not needed."""
+    task_id = await _submitted(stack)
+    await _sent_cancels(stack.amqp_url)
+
+    with stack.status_away():
+        response = await stack.api.post(f"/v1/scores/{task_id}/cancel")
+        poll = await stack.api.get(f"/v1/scores/{task_id}")
+
+    assert response.status_code == 202, response.text
+    assert [cancel.task_id for cancel in await _sent_cancels(stack.amqp_url)] == [task_id]
+    assert poll.status_code == 503, poll.text  # the status service was away indeed
+
+
+async def test_a_cancel_the_broker_did_not_confirm_is_503_and_may_have_been_queued(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not the 503 of a request that kept nothing: an unconfirmed publish may be queued."""
+    task_id = await _submitted(stack)
+
+    async def unconfirmed(*_: Any, **__: Any) -> None:
+        raise TimeoutError("no confirm")
+
+    monkeypatch.setattr(publisher, "publish_cancel", unconfirmed)
+    response = await stack.api.post(f"/v1/scores/{task_id}/cancel")
+
+    _assert_problem(response, 503)
+    assert response.headers["Retry-After"] == "5"
+    detail = response.json()["detail"]
+    assert "nothing was kept" not in detail
+    assert "may or may not have been queued; send it again" in detail
+
+
+class NoSlots:
+    """The in-flight gate, releasing nothing (only the submission's writes are counted)."""
+
+    enabled = True
+
+    async def acquire(self, tenant_id: str, tasks: int) -> None:
+        return None
+
+    async def release(self, tenant_id: str, task_id: str) -> None:
+        return None
+
+
+@pytest.mark.parametrize("kind", [TaskCompleted, TaskFailed], ids=["completed", "failed"])
+async def test_the_finished_generation_is_noted_in_the_outcomes_one_write(
+    mongo: Any, db_prefix: str, kind: type[TaskEvent]
+) -> None:
+    """With the task's generation and the removal of its in-flight mark: no statement more
+    per task than before."""
+    writes = CommandCounter("update")
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+        mongo.url, tz_aware=True, event_listeners=[writes]
+    )
+    database = f"{db_prefix}_outcome_write_{uuid.uuid4().hex[:8]}"
+    task_id = new_id()
+    try:
+        await client[database]["submissions"].insert_one(
+            {"_id": task_id, "tenant_id": "acme", "state": "accepted", "in_flight": True}
+        )
+        await settle_outcome(
+            _terminal(kind, task_id, tenant_id="acme", generation=2),
+            submissions=Submissions(client, database),
+            in_flight=NoSlots(),
+            cache=cast(Any, None),  # the submission has no cache key: not asked
+            now=utcnow(),
+        )
+        stored = await client[database]["submissions"].find_one({"_id": task_id})
+    finally:
+        await client.drop_database(database)
+        await client.close()
+
+    assert writes.statements == 1
+    assert stored is not None
+    assert stored["finished_generation"] == 2
+    assert "in_flight" not in stored

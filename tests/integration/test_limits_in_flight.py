@@ -389,11 +389,15 @@ class UnmarkFailsOnce(Submissions):
 
     failures = 1
 
-    async def note_outcome(self, task_id: str, *, generation: int | None, uncount: bool) -> None:
+    async def note_outcome(
+        self, task_id: str, *, generation: int | None, finished: int | None, uncount: bool
+    ) -> None:
         if self.failures:
             self.failures -= 1
             raise DatabaseUnavailable("timed out")
-        await super().note_outcome(task_id, generation=generation, uncount=uncount)
+        await super().note_outcome(
+            task_id, generation=generation, finished=finished, uncount=uncount
+        )
 
 
 class CountedReleases(InFlight):

@@ -3,26 +3,34 @@ started its model call (`Attempts.cancel`), and carried out by the score path li
 recorded finish: the generation's next command publishes the failure again and calls no model.
 
 `Attempts.cancel` and `score_text` run on the test database and call the fake model server
-over HTTP; the end-to-end tests run the whole scorer on the real broker.
+over HTTP; the consumer of `score.cancel` is handed deliveries without a broker; the
+end-to-end tests run the whole scorer on the real broker.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
+import aio_pika
 import pytest
+from pymongo import AsyncMongoClient
+from pymongo.asynchronous.collection import AsyncCollection
 
 from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
 from services.scorer.app import create_app as create_scorer
-from services.scorer.attempts import Attempts, Cancelled, TooLate
+from services.scorer.attempts import COMPLETION_STANDS, Attempts, Cancelled, TooLate
+from services.scorer.cancels import TaskCancels, subscribe_cancels
 from services.scorer.decisions import Drop, Finish, Retry
 from services.scorer.model.settings import ModelSettings
 from services.scorer.scoring import score_text
 from services.scorer.settings import ScorerSettings
 from shared.bus import publish_cancel, publish_command
+from shared.consumers import ScoreboxBroker
 from shared.contracts import (
     CANCELLED_CODE,
     CancelTask,
@@ -35,11 +43,18 @@ from shared.contracts import (
     new_id,
     utcnow,
 )
+from shared.group_writes import GroupWriter
 from shared.runtime import make_broker
+from shared.topology import DEAD_LETTERED_FROM_HEADER, DLX, ERROR_HEADER, TASK_CANCELS
 from tests.integration import test_scorer_own_claims as own_claims
+from tests.integration.test_database_refusals import (
+    HANDLER_DEADLINE_S,
+    RETURNED_AS_FAILED,
+    RefusingCollection,
+)
 from tests.integration.test_scorer_own_claims import LEASE, Deps
 from tests.integration.test_scorer_usage_across_retries import _billed, outcomes
-from tests.support import eventually, running, stack_env
+from tests.support import HandedDelivery, HandlerOnly, eventually, running, stack_env
 
 attempts = own_claims.attempts  # fixtures
 make_deps = own_claims.make_deps
@@ -61,6 +76,7 @@ def _cancel_of(command: ScoreText, *, generation: int | None = None) -> CancelTa
         submitted_at=command.submitted_at,
         api_key_id=command.api_key_id,
         callback_url=command.callback_url,
+        not_before=command.not_before,
     )
 
 
@@ -220,6 +236,51 @@ async def test_a_cancel_of_an_older_generation_is_too_late(attempts: Attempts) -
     assert isinstance(outcome, TooLate)
 
 
+async def test_a_rescore_of_a_completed_task_is_not_cancelled_and_its_completion_stands(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
+) -> None:
+    """Generation 0 completed; a re-score took generation 1, not claimed yet. Cancelling it
+    recorded a failure over the completion: the projection showed the task failed
+    (`cancelled`), its result gone."""
+    command, marker = _task()
+    completed = await score_text(command, deps=make_deps("scorer-a"))
+    assert isinstance(completed, Finish)
+    assert isinstance(completed.event, TaskCompleted)
+    before = await attempts.find(command.task_id)
+
+    outcome = await attempts.cancel(_cancel_of(command, generation=1), now=utcnow())
+
+    assert outcome == TooLate(COMPLETION_STANDS)
+    assert await attempts.find(command.task_id) == before
+    # The re-score is scored as any: its command claims generation 1 and calls the model.
+    rescore = command.model_copy(update={"generation": 1, "message_id": new_id()})
+    rescored = await score_text(rescore, deps=make_deps("scorer-b"))
+    assert isinstance(rescored, Finish)
+    assert isinstance(rescored.event, TaskCompleted)
+    assert _calls(fake_llm, marker) == 2
+
+
+async def test_a_replay_of_a_failed_generation_is_cancelled(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
+) -> None:
+    """A failure stored for generation 0 (a DLQ replay takes generation 1 to run it again)
+    does not stand in a cancellation's way, as a completion does."""
+    command, marker = _task("[[fake:reject]]")
+    failed = await score_text(command, deps=make_deps("scorer-a"))
+    assert isinstance(failed, Finish)
+    assert isinstance(failed.event, TaskFailed)
+
+    cancelled = _cancellation(
+        await attempts.cancel(_cancel_of(command, generation=1), now=utcnow()),
+        generation=1,
+        attempt=1,
+    )
+
+    replay = command.model_copy(update={"generation": 1, "message_id": new_id()})
+    assert await _carried_out(replay, make_deps) == cancelled
+    assert _calls(fake_llm, marker) == 1
+
+
 async def test_a_newer_generation_is_cancelled_over_a_retrying_one_with_its_tokens(
     make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
 ) -> None:
@@ -244,13 +305,82 @@ async def test_a_newer_generation_is_cancelled_over_a_retrying_one_with_its_toke
     assert _calls(fake_llm, marker) == 2
 
 
+# --- The consumer of score.cancel, handed deliveries without a broker ----------------------
+
+
+class DeadLetterRecorder(HandlerOnly):
+    """Takes the handler as a broker would; what it publishes (all confirmed) is recorded, in
+    order with how the delivery was settled: both go to `happened`."""
+
+    def __init__(self, happened: list[str]) -> None:
+        self.happened = happened
+        self.published: list[tuple[str, str, aio_pika.Message]] = []
+
+    async def declare_exchange(self, exchange: Any) -> DeadLetterRecorder:
+        self._exchange = exchange.name
+        return self
+
+    async def publish(self, message: aio_pika.Message, routing_key: str, **_: Any) -> None:
+        self.published.append((self._exchange, routing_key, message))
+        self.happened.append(f"published to {self._exchange}")
+
+
+async def _handled(attempts: Attempts, delivery: HandedDelivery) -> DeadLetterRecorder:
+    broker = DeadLetterRecorder(delivery.settled)
+    cancels = TaskCancels(attempts=attempts, broker=cast(Any, broker), clock=utcnow, timeout_s=5)
+    subscribe_cancels(cast(ScoreboxBroker, broker), cancels)
+    async with asyncio.timeout(HANDLER_DEADLINE_S):
+        await broker.handler(delivery)
+    return broker
+
+
+async def test_an_unreadable_cancel_is_dead_lettered_with_its_error_then_acked(
+    attempts: Attempts,
+) -> None:
+    body = b'{"task_id": "not a cancellation"}'
+    delivery = HandedDelivery(body, routing_key=CancelTask.routing_key, message_id="m-1")
+
+    broker = await _handled(attempts, delivery)
+
+    assert delivery.settled == [f"published to {DLX.name}", "ack"]
+    [(exchange, routing_key, letter)] = broker.published
+    assert (exchange, routing_key) == (DLX.name, TASK_CANCELS.dead_letter_routing_key)
+    assert (letter.body, letter.message_id) == (body, "m-1")
+    assert letter.headers[DEAD_LETTERED_FROM_HEADER] == TASK_CANCELS.name
+    error = str(letter.headers[ERROR_HEADER])
+    assert error.startswith("unreadable score.cancel: ")
+    assert "validation error" in error
+
+
+async def test_a_cancellation_the_database_refuses_for_good_is_returned_as_failed(
+    attempts: Attempts,
+) -> None:
+    """Not waited out as an outage (which held the delivery for ever): returned as failed,
+    for the queue's delivery limit to dead-letter it."""
+    command, _ = _task()
+    # The store's own group writer, over the refusing collection.
+    refusing = RefusingCollection(attempts._collection)
+    attempts._writes = GroupWriter(cast("AsyncCollection[dict[str, Any]]", refusing))
+    delivery = HandedDelivery(_cancel_of(command).model_dump_json().encode())
+
+    broker = await _handled(attempts, delivery)
+
+    assert refusing.bulk_writes == 1
+    assert delivery.settled == RETURNED_AS_FAILED
+    assert broker.published == []
+    assert await attempts.find(command.task_id) is None
+
+
 # --- The whole scorer on the real broker -----------------------------------------------------
 
 
 class Scorer:
-    def __init__(self, amqp_url: str, llm: FakeLLM) -> None:
+    def __init__(
+        self, amqp_url: str, llm: FakeLLM, attempts: AsyncCollection[dict[str, Any]]
+    ) -> None:
         self.amqp_url = amqp_url
         self.llm = llm
+        self.attempts = attempts  # the scorer's own attempts store, read only
 
     async def send(self, message: ScoreText | CancelTask) -> None:
         broker = make_broker(ScorerSettings.model_validate({"RABBITMQ_URL": self.amqp_url}))
@@ -273,22 +403,27 @@ async def scorer(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Sco
         api_key="unused",
         llm_timeout_s=10,
     )
-    app = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))
+    settings = ScorerSettings.model_validate(env)
+    app = create_scorer(settings, ModelSettings.model_validate(env))
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
     async with running(app):
-        yield Scorer(amqp_url, llm)
+        yield Scorer(amqp_url, llm, client[settings.database_name("scorer")]["attempts"])
+    await client.close()
     await llm.stop()
 
 
 async def test_a_delayed_task_cancelled_is_failed_and_its_command_calls_no_model(
     scorer: Scorer,
 ) -> None:
+    """The command is delivered only once the cancellation's failure has been seen, as the
+    wait ladder delivers a task due later (it raced a 2 s delay against the cancel)."""
     command, marker = _task()
-    delayed = command.model_copy(update={"not_before": utcnow() + timedelta(seconds=2)})
+    delayed = command.model_copy(update={"not_before": utcnow() + timedelta(hours=1)})
     async with outcomes(scorer.amqp_url) as published:
-        await scorer.send(delayed)
-        await scorer.send(_cancel_of(command))
+        await scorer.send(_cancel_of(delayed))
         cancelled: TaskFailed = await published.next_of(command.task_id, TaskFailed)
         # Once due, the command collides with the cancellation and carries it out again.
+        await scorer.send(_due(delayed))
         again: TaskFailed = await published.next_of(command.task_id, TaskFailed)
 
     assert cancelled.error.code == CANCELLED_CODE
@@ -297,20 +432,49 @@ async def test_a_delayed_task_cancelled_is_failed_and_its_command_calls_no_model
     assert _calls(scorer.llm, marker) == 0
 
 
+# How long the fake model takes to answer the call a cancellation arrives during.
+CALL_LATENCY_MS = 5000
+
+
 async def test_a_cancel_arriving_during_the_model_call_lets_the_task_complete(
-    scorer: Scorer,
+    scorer: Scorer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    command, marker = _task("[[fake:slow]]")  # answered after 2 s more
-    async with outcomes(scorer.amqp_url) as published:
-        await scorer.send(command)
+    """The cancel is sent once the attempt holds a live claim and its model call has reached
+    the model, and found too late for that reason (not because the task finished)."""
+    caplog.set_level(logging.INFO, logger="scorebox.scorer")
+    command, marker = _task()
+    scorer.llm.config.latency_ms = CALL_LATENCY_MS  # read as the call arrives
+    try:
+        async with outcomes(scorer.amqp_url) as published:
+            await scorer.send(command)
 
-        async def calling() -> bool:
-            return _calls(scorer.llm, marker) == 1
+            async def calling() -> bool:
+                held = await scorer.attempts.find_one({"_id": command.task_id})
+                return (
+                    held is not None
+                    and (held["generation"], held["attempt"], held["state"]) == (0, 1, "running")
+                    and held["lease_until"] > utcnow()
+                    and _calls(scorer.llm, marker) == 1
+                )
 
-        await eventually(calling, what="the model call")
-        await scorer.send(_cancel_of(command))
-        completed: TaskCompleted = await published.next_of(command.task_id, TaskCompleted)
+            await eventually(calling, what="the model call under a live claim")
+            scorer.llm.config.latency_ms = 0.0
+            await scorer.send(_cancel_of(command))
 
+            async def too_late() -> str | None:
+                found = [
+                    record.getMessage()
+                    for record in caplog.records
+                    if record.getMessage().startswith(f"cancellation of {command.task_id} too late")
+                ]
+                return found[0] if found else None
+
+            reason = await eventually(too_late, what="the cancellation found too late")
+            completed: TaskCompleted = await published.next_of(command.task_id, TaskCompleted)
+    finally:
+        scorer.llm.config.latency_ms = 0.0
+
+    assert "attempt 1 is running (its model call under way)" in reason
     assert completed.attempt == 1
     assert not [event for event in published.seen if not isinstance(event, TaskCompleted)]
     assert _calls(scorer.llm, marker) == 1

@@ -153,3 +153,8 @@ def test_the_cancel_route_documents_its_location_and_problems(document: Json) ->
     }
     for status in ("401", "404", "409", "429", "503"):
         assert is_problem(responses[status]), status
+    # A repeat is answered 202 only until the outcome is applied; a 503 may have queued it.
+    description = document["paths"]["/v1/scores/{task_id}/cancel"]["post"]["description"]
+    assert "Idempotent" not in description
+    assert "after it, 409" in description
+    assert "may or may not have been queued" in responses["503"]["description"]

@@ -3,6 +3,7 @@
     scorebox submit FILE [--rubric R] [--wait]     submit a text (FILE or - for stdin)
     scorebox status TASK_ID                        show a task
     scorebox cancel TASK_ID                        cancel a task not started yet
+    scorebox cancel-batch BATCH_ID                 cancel a batch's items not started yet
     scorebox dlq list | show ID | replay [ID...|--all] | drop ID... | purge
     scorebox keys create --tenant T [--name N] | list [--tenant T] | revoke KEY_ID
     scorebox usage [--from YYYY-MM-DD] [--to YYYY-MM-DD]     your tenant's daily usage
@@ -332,6 +333,18 @@ def cancel(task_id: str) -> None:
         if response.status_code != 202:
             raise _fail(response)
         _show(_answer(response, "task_id", "status"))
+
+
+@app.command("cancel-batch")
+def cancel_batch(batch_id: str) -> None:
+    """Cancel every item of a batch whose model call has not started (its answer counts the
+    items sent a cancellation and those already finished)."""
+    path = f"/v1/batches/{_segment(batch_id, 'BATCH_ID')}/cancel"
+    with _reaching(_client()) as client:
+        response = client.post(path)
+        if response.status_code != 202:
+            raise _fail(response)
+        _show(_answer(response, "batch_id", "cancelling", "already_finished"))
 
 
 def _admin_call(

@@ -237,7 +237,7 @@ def gateway_routes(gateway: Gateway) -> list[APIRouter]:
         health_router(health),
         asyncapi_route(),
         score_routes(deps, authenticated),
-        cancel_routes(deps, gateway.publisher, authenticated),
+        cancel_routes(deps, gateway.publisher, authenticated, batches=gateway.batches),
         event_routes(
             deps, deps.live, gateway.status, authenticated, gateway.authenticator.still_valid
         ),

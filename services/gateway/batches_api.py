@@ -53,6 +53,11 @@ def batch_url(batch_id: str) -> str:
     return f"/v1/batches/{batch_id}"
 
 
+def unknown_batch(batch_id: str) -> Problem:
+    """404: no such batch of the caller's (never revealing another tenant's)."""
+    return Problem(404, f"No batch {batch_id!r} is known (or it has expired).")
+
+
 class AcceptedItem(BaseModel):
     index: int = Field(description="Position in the request.")
     client_id: str | None = None
@@ -362,7 +367,7 @@ def batch_routes(
         limit: int = Query(default=DEFAULT_PAGE, ge=1, le=1000, description="Items per page."),
         caller: Caller = authenticated,
     ) -> BatchView:
-        missing = Problem(404, f"No batch {batch_id!r} is known (or it has expired).")
+        missing = unknown_batch(batch_id)
         if not BATCH_ID.match(batch_id):
             raise missing
         if cursor is not None and not CURSOR.match(cursor):

@@ -14,17 +14,27 @@ finished long ago (`ATTEMPTS_RETENTION_S` shorter than the submission's life), a
 record a second, contradicting outcome of it. The status service being unavailable does not
 stop a cancellation of a generation with no outcome noted: the scorer finds a finished task
 too late to cancel, and the client's poll shows how it ended.
+
+A batch (`cancel_batch`) is cancelled item by item, each as a task would be, but on the
+gateway's record alone: an item not known finished from its submission is sent a
+`CancelTask`, none is asked of the status service (up to 1,000 requests per batch), and the
+scorer finds an item that finished meanwhile too late to cancel. The items' submissions are
+read in one query without their texts, and every cancellation is sent with its confirm in
+flight together.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from typing import Protocol
 
+from services.gateway.batches import Batches
 from services.gateway.errors import StatusUnavailable
-from services.gateway.submissions import Submission, Submissions
+from services.gateway.submissions import CancelTarget, Submission, Submissions
 from services.gateway.submit import StatusReader
 from shared.contracts import CancelTask
 
@@ -36,6 +46,14 @@ class CancelSender(Protocol):
     raises `BrokerUnavailable` otherwise."""
 
     async def cancel(self, cancel: CancelTask) -> None: ...
+
+
+class BatchCancelSender(Protocol):
+    """Sends many cancellations, their confirms in flight together
+    (`services.gateway.publisher.TaskPublisher.cancel_many`); `BrokerUnavailable` unless every
+    one was confirmed (some may be queued all the same)."""
+
+    async def cancel_many(self, cancels: Sequence[CancelTask]) -> None: ...
 
 
 class CancelRefused(StrEnum):
@@ -59,33 +77,38 @@ async def cancel_task(
         return CancelRefused.UNKNOWN_TASK
     if await _finished(submission, status):
         return CancelRefused.ALREADY_FINISHED
-    cancel = cancel_command(submission, now=now)
+    cancel = cancel_command(CancelTarget.of(submission), now=now)
     await sender.cancel(cancel)
     return cancel
 
 
-def cancel_command(submission: Submission, *, now: datetime) -> CancelTask:
+def cancel_command(target: CancelTarget, *, now: datetime) -> CancelTask:
     """The cancellation of the submission's latest generation, with what its failure event
-    carries (a submission of an earlier build without its command: no key, no callback)."""
-    command = submission.command
+    carries (`CancelTarget.of`: a submission of an earlier build has no key, no callback)."""
     return CancelTask(
-        task_id=submission.task_id,
-        tenant_id=submission.tenant_id,
-        generation=submission.generation,
-        submitted_at=command.submitted_at if command else submission.created_at,
-        api_key_id=command.api_key_id if command else None,
-        callback_url=command.callback_url if command else None,
+        task_id=target.task_id,
+        tenant_id=target.tenant_id,
+        generation=target.generation,
+        submitted_at=target.submitted_at,
+        api_key_id=target.api_key_id,
+        callback_url=target.callback_url,
         requested_at=now,
-        not_before=submission.not_before,
+        not_before=target.not_before,
         occurred_at=now,
     )
 
 
-async def _finished(submission: Submission, status: StatusReader) -> bool:
-    if submission.cached_result is not None:
+def known_finished(target: CancelTarget) -> bool:
+    """Finished as far as the gateway's own record says: answered from the result cache (any
+    generation), or an outcome of its latest generation (or a later one) applied."""
+    if target.answered_from_cache:
         return True
-    finished = submission.finished_generation
-    if finished is not None and finished >= submission.generation:
+    finished = target.finished_generation
+    return finished is not None and finished >= target.generation
+
+
+async def _finished(submission: Submission, status: StatusReader) -> bool:
+    if known_finished(CancelTarget.of(submission)):
         return True
     try:
         view = await status.find(submission.task_id, tenant_id=submission.tenant_id)
@@ -93,3 +116,44 @@ async def _finished(submission: Submission, status: StatusReader) -> bool:
         log.warning("cancelling %s without its status: %r", submission.task_id, error)
         return False
     return view is not None and view.status.is_terminal
+
+
+@dataclass(frozen=True)
+class BatchCancelled:
+    """What a batch's cancellation sent: one `CancelTask` per item not known to be finished."""
+
+    batch_id: str
+    sent: tuple[CancelTask, ...]
+    already_finished: int
+
+
+async def cancel_batch(
+    batch_id: str,
+    *,
+    tenant_id: str,
+    batches: Batches,
+    submissions: Submissions,
+    sender: BatchCancelSender,
+    now: datetime,
+) -> BatchCancelled | None:
+    """Cancel every item of the tenant's batch whose latest generation is not known to be
+    finished (`known_finished`: the gateway's own record, never the status service, one
+    request per item), all sent in one round of confirms; None for a batch the tenant has not
+    (unknown, expired, refused, or another tenant's). Two reads: the batch, then its items'
+    submissions without their texts. `DatabaseUnavailable`, and `BrokerUnavailable` when not
+    every cancellation was confirmed (some may be queued: sending it again is harmless, the
+    scorer records a task's cancellation once). An item whose submission is gone (expired)
+    counts as neither sent nor finished."""
+    record = await batches.find(batch_id, tenant_id=tenant_id)
+    if record is None:
+        return None
+    targets = await submissions.cancel_targets(
+        batch_id, tenant_id=tenant_id, expected=len(record.members)
+    )
+    open_targets = [target for target in targets if not known_finished(target)]
+    cancels = tuple(cancel_command(target, now=now) for target in open_targets)
+    if cancels:
+        await sender.cancel_many(cancels)
+    return BatchCancelled(
+        batch_id=batch_id, sent=cancels, already_finished=len(targets) - len(cancels)
+    )

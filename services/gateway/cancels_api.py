@@ -1,30 +1,51 @@
-"""`POST /v1/scores/{task_id}/cancel`: the HTTP adapter of `services/gateway/cancels.py`."""
+"""`POST /v1/scores/{task_id}/cancel` and `POST /v1/batches/{batch_id}/cancel`: the HTTP
+adapters of `services/gateway/cancels.py`."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from services.gateway.api import LOCATION_HEADER, TASK_ID, GatewayDeps, _unavailable, status_url
 from services.gateway.auth import Caller
-from services.gateway.cancels import CancelRefused, CancelSender, cancel_task
+from services.gateway.batches import Batches
+from services.gateway.batches_api import BATCH_ID, batch_url, unknown_batch
+from services.gateway.cancels import (
+    BatchCancelSender,
+    CancelRefused,
+    CancelSender,
+    cancel_batch,
+    cancel_task,
+)
 from services.gateway.errors import BrokerUnavailable, Unavailable
-from services.gateway.schemas import CancelRequested
+from services.gateway.schemas import BatchCancelRequested, CancelRequested
 from shared.http import Problem, problem, problem_responses
 
 UNAVAILABLE = "The database or the broker is unavailable."
 # The broker did not confirm the cancel's publish: it may be queued all the same.
 UNCONFIRMED = "The cancellation may or may not have been queued; send it again."
+# Not every cancellation of a batch was confirmed: some may be queued, and a repeat is harmless.
+BATCH_UNCONFIRMED = (
+    "Some of the batch's cancellations may have been queued, not all were confirmed; send it "
+    "again (each task's cancellation is recorded once)."
+)
 
 
-def cancel_routes(deps: GatewayDeps, sender: CancelSender, authenticated: Any) -> APIRouter:
-    router = APIRouter(prefix="/v1", tags=["scores"])
+class Canceller(CancelSender, BatchCancelSender, Protocol):
+    """Sends one cancellation or a batch's (`services.gateway.publisher.TaskPublisher`)."""
+
+
+def cancel_routes(
+    deps: GatewayDeps, sender: Canceller, authenticated: Any, *, batches: Batches
+) -> APIRouter:
+    router = APIRouter(prefix="/v1")
 
     @router.post(
         "/scores/{task_id}/cancel",
         status_code=202,
+        tags=["scores"],
         response_model=CancelRequested,
         summary="Cancel a task whose model call has not started",
         description="The task then fails with `error.code` `cancelled` (its callback and "
@@ -64,16 +85,63 @@ def cancel_routes(deps: GatewayDeps, sender: CancelSender, authenticated: Any) -
             body.model_dump(), status_code=202, headers={"Location": status_url(task_id)}
         )
 
+    @router.post(
+        "/batches/{batch_id}/cancel",
+        status_code=202,
+        response_model=BatchCancelRequested,
+        tags=["batches"],
+        summary="Cancel every item of a batch whose model call has not started",
+        description="Each item the gateway does not know to be finished is sent a "
+        "cancellation, as `POST /v1/scores/{task_id}/cancel` would: it then fails with "
+        "`error.code` `cancelled` unless its model call had started. `cancelling` counts the "
+        "items sent one, `already_finished` those left as they are (their outcome applied, or "
+        "answered from the result cache); an item finishing meanwhile ends as it did. A repeat "
+        "is answered 202 again (each task's cancellation is recorded once). Poll the "
+        "`status_url` for the items' outcomes.",
+        responses={
+            202: {"headers": LOCATION_HEADER},
+            **problem_responses(401, 404, 429, 503),
+            503: problem(503, f"{UNAVAILABLE} {BATCH_UNCONFIRMED}"),
+        },
+    )
+    async def cancel_a_batch(batch_id: str, caller: Caller = authenticated) -> JSONResponse:
+        if not BATCH_ID.match(batch_id):
+            raise unknown_batch(batch_id)
+        try:
+            cancelled = await cancel_batch(
+                batch_id,
+                tenant_id=caller.tenant_id,
+                batches=batches,
+                submissions=deps.submissions,
+                sender=sender,
+                now=deps.clock(),
+            )
+        except BrokerUnavailable as error:
+            raise _unconfirmed(error, BATCH_UNCONFIRMED) from error
+        except Unavailable as error:
+            raise _unavailable(error) from error
+        if cancelled is None:
+            raise unknown_batch(batch_id)
+        body = BatchCancelRequested(
+            batch_id=batch_id,
+            cancelling=len(cancelled.sent),
+            already_finished=cancelled.already_finished,
+            status_url=batch_url(batch_id),
+        )
+        return JSONResponse(
+            body.model_dump(), status_code=202, headers={"Location": batch_url(batch_id)}
+        )
+
     return router
 
 
-def _unconfirmed(error: BrokerUnavailable) -> Problem:
+def _unconfirmed(error: BrokerUnavailable, unconfirmed: str = UNCONFIRMED) -> Problem:
     """The cancel's publish was not confirmed (or not sent): it may be queued all the same, so
     the 503 of `_unavailable` ("nothing was kept") would mislead. Sending it again is harmless:
     the scorer records a cancellation once."""
     return Problem(
         503,
-        f"{type(error).__name__}: {UNCONFIRMED}",
+        f"{type(error).__name__}: {unconfirmed}",
         kind="unavailable",
         headers={"Retry-After": str(error.retry_after_s)},
     )

@@ -105,6 +105,28 @@ class TaskPublisher:
             log.warning("score.cancel for %s not confirmed: %r", cancel.task_id, error)
             raise BrokerUnavailable(str(error) or type(error).__name__) from error
 
+    async def cancel_many(self, cancels: Sequence[CancelTask]) -> None:
+        """Send a batch's cancellations with their confirms in flight together (one round, as
+        `send_many`); `BrokerUnavailable` unless every one was confirmed in time: some may be
+        queued all the same, and sending them all again is harmless (idempotent per task)."""
+        try:
+            async with asyncio.timeout(self._timeout_s * 2):
+                published = await _together(
+                    publish_cancel(self._broker, cancel, timeout=self._timeout_s)
+                    for cancel in cancels
+                )
+        except TimeoutError as error:
+            log.warning("%d score.cancel unconfirmed in time", len(cancels))
+            raise BrokerUnavailable("the cancellations were not confirmed in time") from error
+        if published.failures:
+            log.warning(
+                "%d of %d score.cancel not confirmed: %r",
+                len(published.failures),
+                len(cancels),
+                published.first,
+            )
+            raise published.refusal()
+
     async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool:
         """A task answered from the result cache: accepted and completed at once. True when
         both events were confirmed; False when some may have been written without a confirm

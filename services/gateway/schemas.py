@@ -188,6 +188,22 @@ class CancelRequested(BaseModel):
     status_url: str = Field(examples=["/v1/scores/6f1c0c0b3b0b4d8a9f7e1f3f0a9d2c11"])
 
 
+class BatchCancelRequested(BaseModel):
+    """`202 Accepted`: a cancellation was sent for each item not known to be finished; poll
+    the batch for their outcomes."""
+
+    batch_id: str
+    cancelling: int = Field(
+        description="Items sent a cancellation: each fails with `error.code` `cancelled` "
+        "unless its model call had started, in which case it ends as that call decides."
+    )
+    already_finished: int = Field(
+        description="Items whose outcome the gateway had applied (or that were answered from "
+        "the result cache): left as they are. Items no longer kept count in neither."
+    )
+    status_url: str = Field(examples=["/v1/batches/0b7f3c1e9d2a4b6f8e1d3c5a7b9f0e2d"])
+
+
 class TaskView(contracts.TaskView):
     """A task as the API answers it: the status service's view and the task's own URL (the
     body of `GET /v1/scores/{task_id}`, and of a submission answered at once: a result-cache

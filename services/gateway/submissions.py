@@ -34,6 +34,7 @@ from enum import StrEnum
 from typing import Any, Final
 
 import orjson
+from pydantic import TypeAdapter
 from pymongo import ASCENDING, AsyncMongoClient, ReturnDocument
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError, PyMongoError
@@ -95,6 +96,40 @@ class Submission:
     finished_generation: int | None = None
 
 
+@dataclass(frozen=True)
+class CancelTarget:
+    """What a cancellation of a task's latest generation needs of its submission, its text
+    left out (`services/gateway/cancels.py`): a batch's are read together (`cancel_targets`),
+    up to 1,000 items whose texts can hold 50,000 characters each."""
+
+    task_id: str
+    tenant_id: str
+    generation: int
+    finished_generation: int | None
+    answered_from_cache: bool
+    submitted_at: datetime
+    api_key_id: str | None
+    callback_url: str | None
+    not_before: datetime | None
+
+    @classmethod
+    def of(cls, submission: Submission) -> CancelTarget:
+        """A submission of an earlier build without its command: no key, no callback, and
+        submitted when recorded."""
+        command = submission.command
+        return cls(
+            task_id=submission.task_id,
+            tenant_id=submission.tenant_id,
+            generation=submission.generation,
+            finished_generation=submission.finished_generation,
+            answered_from_cache=submission.cached_result is not None,
+            submitted_at=command.submitted_at if command else submission.created_at,
+            api_key_id=command.api_key_id if command else None,
+            callback_url=command.callback_url if command else None,
+            not_before=submission.not_before,
+        )
+
+
 def request_hash(payload: Document) -> str:
     """A stable hash of a validated request (key order does not matter)."""
     return hashlib.sha256(orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)).hexdigest()
@@ -125,6 +160,19 @@ class RescoreRefused(StrEnum):
 NO_GENERATION: Final = 0
 # The highest generation whose outcome the gateway applied (`Submission.finished_generation`).
 FINISHED_GENERATION: Final = "finished_generation"
+# What `cancel_targets` reads of a submission: the fields of `CancelTarget`, never the text.
+CANCEL_FIELDS: Final = {
+    "tenant_id": True,
+    "generation": True,
+    FINISHED_GENERATION: True,
+    "cached_result": True,
+    "created_at": True,
+    "not_before": True,
+    "command.generation": True,
+    "command.submitted_at": True,
+    "command.api_key_id": True,
+    "command.callback_url": True,
+}
 # Set on a submission while it counts against its tenant's in-flight limit
 # (`services/gateway/limits.py`); removed once its outcome released the slot.
 IN_FLIGHT_MARK: Final = "in_flight"
@@ -513,6 +561,25 @@ class Submissions:
             raise DatabaseUnavailable(str(error)) from error
         return frozenset(found)
 
+    async def cancel_targets(
+        self, batch_id: str, *, tenant_id: str, expected: int
+    ) -> list[CancelTarget]:
+        """What cancelling a batch's items needs of their submissions (tombstones left out):
+        one read on the `batch_submissions` index, `CANCEL_FIELDS` only, its answer in one
+        reply for the `expected` items (a batch's are small without their texts)."""
+        query = {
+            "batch_id": string_key(batch_id),
+            "tenant_id": tenant_id,
+            "state": {"$ne": _ABANDONED},
+        }
+        try:
+            cursor = self._collection.find(query, projection=CANCEL_FIELDS).batch_size(
+                max(expected, 1)
+            )
+            return [_cancel_target_of(document) async for document in cursor]
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
     async def _find_one(self, query: Document) -> Submission | None:
         try:
             document = await self._collection.find_one(query)
@@ -702,4 +769,29 @@ def _submission_of(document: Document) -> Submission:
         else None,
         generation=generation,
         finished_generation=None if finished is None else int(finished),
+    )
+
+
+_WHEN: Final = TypeAdapter(datetime)
+
+
+def _cancel_target_of(document: Document) -> CancelTarget:
+    """`CancelTarget.of` for a document read with `CANCEL_FIELDS` (`_submission_of`'s rules)."""
+    command = document.get("command") or {}
+    finished = document.get(FINISHED_GENERATION)
+    return CancelTarget(
+        task_id=document["_id"],
+        tenant_id=document["tenant_id"],
+        generation=max(
+            int(document.get("generation", NO_GENERATION)),
+            int(command.get("generation", NO_GENERATION)),
+        ),
+        finished_generation=None if finished is None else int(finished),
+        answered_from_cache=bool(document.get("cached_result")),
+        submitted_at=_WHEN.validate_python(command["submitted_at"])
+        if "submitted_at" in command
+        else document["created_at"],
+        api_key_id=command.get("api_key_id"),
+        callback_url=command.get("callback_url"),
+        not_before=document.get("not_before"),
     )

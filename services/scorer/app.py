@@ -116,7 +116,9 @@ def create_app(
     deps.metrics.model_calls_paused.set_function(lambda: float(deps.throttle.paused))
     actions = BrokerActions(broker=broker, timeout_s=settings.broker_timeout_s, clock=clock)
     subscribe_scorer(broker, deps, actions, crash_limit=settings.crash_limit)
-    cancels = TaskCancels(attempts, broker, clock, timeout_s=settings.broker_timeout_s)
+    cancels = TaskCancels(
+        attempts, broker, clock, timeout_s=settings.broker_timeout_s, metrics=metrics
+    )
     subscribe_cancels(broker, cancels)
 
     @asynccontextmanager

@@ -11,6 +11,9 @@ the task's next attempt unless its model call has started (`Attempts.cancel`), p
   generation re-scores a completed one, whose completion stands): logged, acked; the task
   ends as its attempt decides;
 - the event not confirmed: published again until it is, the delivery held (`keep_publishing`).
+
+Each cancellation recorded (or found recorded) and each too late is counted
+(`scorebox_scorer_cancellations_total{outcome}`), the first before its event is published.
   A cancellation found recorded already (a repeated cancel) publishes its event again:
   every consumer of outcomes takes a repeat as a no-op.
 
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from faststream.rabbit import RabbitBroker
@@ -30,6 +33,7 @@ from pydantic import ValidationError
 from pymongo.errors import PyMongoError
 
 from services.scorer.attempts import Attempts, CancelContended, Cancelled, CancelResult
+from services.scorer.metrics import CANCELLED, TOO_LATE, ScorerMetrics
 from shared.bus import publish_event
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import CancelTask
@@ -48,6 +52,7 @@ class TaskCancels:
     broker: RabbitBroker
     clock: Callable[[], datetime]
     timeout_s: float
+    metrics: ScorerMetrics = field(default_factory=ScorerMetrics)
 
     async def on_message(self, message: Delivery) -> None:
         try:
@@ -70,6 +75,7 @@ class TaskCancels:
             await message.requeue_failed()
             return
         if isinstance(outcome, Cancelled):
+            self.metrics.count_cancellation(CANCELLED)
             event = outcome.decision.event
             log.info("%s cancelled (generation %d)", cancel.task_id, cancel.generation)
             await keep_publishing(
@@ -77,6 +83,7 @@ class TaskCancels:
                 what=f"the cancellation of {cancel.task_id}",
             )
         else:
+            self.metrics.count_cancellation(TOO_LATE)
             log.info("cancellation of %s too late: %s", cancel.task_id, outcome.reason)
         await message.ack()
 

@@ -8,6 +8,9 @@ from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Retry
 from shared.contracts import TaskCompleted
 from shared.metrics import DURATION_BUCKETS
 
+CANCELLED, TOO_LATE = "cancelled", "too_late"
+CANCEL_OUTCOMES = (CANCELLED, TOO_LATE)
+
 
 class ScorerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -54,6 +57,21 @@ class ScorerMetrics:
             "Rate-limit pauses of this scorer's model calls begun (a 429 while none lasted).",
             registry=registry,
         )
+
+        self.cancellations = Counter(
+            "scorebox_scorer_cancellations",
+            "Deliveries of score.cancel by outcome: cancelled (the generation is decided as "
+            "failed, cancelled; a repeated cancel finding its cancellation recorded counts "
+            "again), too_late (its model call had started, it had finished, or a newer "
+            "generation exists). Unreadable ones and those not recorded are not counted.",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in CANCEL_OUTCOMES:  # both series exported from the start, at 0
+            self.cancellations.labels(outcome)
+
+    def count_cancellation(self, outcome: str) -> None:
+        self.cancellations.labels(outcome).inc()
 
     def count_decision(self, decision: Decision) -> None:
         self.decisions.labels(decision_label(decision)).inc()

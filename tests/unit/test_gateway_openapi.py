@@ -158,3 +158,20 @@ def test_the_cancel_route_documents_its_location_and_problems(document: Json) ->
     assert "Idempotent" not in description
     assert "after it, 409" in description
     assert "may or may not have been queued" in responses["503"]["description"]
+
+
+def test_the_batch_cancel_route_documents_its_location_and_problems(document: Json) -> None:
+    operation = document["paths"]["/v1/batches/{batch_id}/cancel"]["post"]
+    responses = operation["responses"]
+    assert operation["tags"] == ["batches"]
+    assert "Location" in responses["202"]["headers"]
+    assert responses["202"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/BatchCancelRequested"
+    }
+    for status in ("401", "404", "429", "503"):
+        assert is_problem(responses[status]), status
+    # Not the 503 of a request that kept nothing: some cancellations may be queued.
+    assert "may have been queued" in responses["503"]["description"]
+    assert "send it again" in responses["503"]["description"]
+    counts = document["components"]["schemas"]["BatchCancelRequested"]["required"]
+    assert set(counts) == {"batch_id", "cancelling", "already_finished", "status_url"}

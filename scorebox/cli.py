@@ -396,12 +396,22 @@ def _list_letters(path: str, client: httpx.Client) -> None:
 
 def _drop(path: str, ids: list[str], name: str, client: Callable[[], httpx.Client]) -> None:
     """DELETE each letter in turn, every id tried; exits 1 when one was not dropped (a 404,
-    or a 409: the walk stopped before reaching it)."""
+    or a 409: the walk stopped before reaching it) or got no answer (a timeout, a connection
+    refused or reset: one line for that id, and the next is tried all the same; a drop whose
+    answer was lost may have happened, and asked again is a 404)."""
     paths = [f"{path}/{_segment(letter_id, name)}" for letter_id in ids]
     missed: typer.Exit | None = None
     with _reaching(client()) as reached:
         for letter_path in paths:
-            response = reached.delete(letter_path)
+            try:
+                response = reached.delete(letter_path)
+            except httpx.HTTPError as error:
+                url = reached.build_request("DELETE", letter_path).url
+                typer.echo(
+                    f"error: DELETE {url}: no answer ({type(error).__name__}: {error})", err=True
+                )
+                missed = typer.Exit(code=1)
+                continue
             if response.status_code != 200:
                 missed = _fail(response)
                 continue
@@ -442,8 +452,8 @@ def dlq_drop(
 ) -> None:
     """Delete the dead letters named (every copy of each), sending nothing; the others stay.
 
-    Exits 1 when an id matched no letter, or was not reached by a walk cut short (the other
-    ids are dropped all the same)."""
+    Exits 1 when an id matched no letter, was not reached by a walk cut short, or got no
+    answer (the other ids are dropped all the same)."""
     _drop("/admin/v1/dead-letters", ids, "LETTER_ID", lambda: _client(admin=True))
 
 
@@ -639,8 +649,8 @@ def cron_dlq_drop(
     """Delete the dead letters of the runs named (every copy), running nothing: the way out
     for a letter of a job no longer configured, which replay refuses.
 
-    Exits 1 when a run id matched no letter, or was not reached by a walk cut short (the
-    other ids are dropped all the same)."""
+    Exits 1 when a run id matched no letter, was not reached by a walk cut short, or got no
+    answer (the other ids are dropped all the same)."""
     _drop(CRON_DEAD_LETTERS, run_ids, "RUN_ID", _scheduler_client)
 
 

@@ -7,14 +7,22 @@ delivery limit, 3.x and 4.0 to 4.2 do, and the DLQ's own limit
 (`shared.topology.DLQ_DELIVERY_LIMIT`) is out of any operator's reach, so looking never loses
 a dead letter.
 
+A walk holds its letters on a channel of its own, closed when the walk ends: a return that
+fails (a timeout on a channel that stays open) ends the returns, and the close has the broker
+take back every letter the channel still holds, as it does one whose `basic.get` answer came
+after the walk stopped waiting for it. On the broker's shared channel, such letters stayed
+unacknowledged until that channel closed, out of every later walk's sight.
+
 A letter one walk holds is out of another's sight: walks through one walker take turns
-(those of other replicas may still miss a letter). Letters come back to a quorum queue out
+(those of other replicas, and the scheduler's dead-letter depth probe, which holds a DLQ's
+head for a moment, may still hide a letter). Letters come back to a quorum queue out
 of order, so callers sort what they show by `dead_lettered_at`. A walk holds at most `MAX_WALK`
 letters and at most `MAX_WALK_BYTES` of their bodies, and says when it stopped short of the
-queue's end (`HeldLetters.truncated`): an id it did not match may then lie past it, so callers
-report such ids as not reached rather than not found (`unmatched`). Each step on the broker is
-bounded as a whole: aio-pika's own `timeout` covers only the round trip, after waiting
-without end for a lost connection to come back.
+queue's end (`HeldLetters.truncated`): having reached its bound, it takes one letter more and
+gives it back behind the others, truncated only when there was one. An id it did not match
+may then lie past it, so callers report such ids as not reached rather than not found
+(`unmatched`). Each step on the broker is bounded as a whole: aio-pika's own `timeout` covers
+only the round trip, after waiting without end for a lost connection to come back.
 """
 
 from __future__ import annotations
@@ -22,12 +30,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Collection, Mapping, Set
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence, Set
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from faststream.rabbit import QueueType, RabbitBroker, RabbitQueue
 
 from shared.bus import BROKER_ERRORS
@@ -46,18 +54,21 @@ WALK_BOUND = f"{MAX_WALK:,} letters or {MAX_WALK_BYTES // (1024 * 1024)} MiB of 
 
 class HeldLetters(list[AbstractIncomingMessage]):
     """The letters one walk holds, in the order taken; `truncated` when the walk stopped at
-    `MAX_WALK` letters or at its byte budget rather than at the queue's end (letters past it
+    `MAX_WALK` letters or at its byte budget with a letter left behind them (letters past it
     are reached by replaying or purging those before them); `bytes_held`, their bodies'
     size."""
 
     truncated: bool = False
     bytes_held: int = 0
 
-    def take(self, message: AbstractIncomingMessage, *, max_bytes: int) -> None:
-        """Hold `message`, and note whether the walk must stop here."""
+    def take(self, message: AbstractIncomingMessage) -> None:
         self.append(message)
         self.bytes_held += len(message.body)
-        self.truncated = len(self) >= MAX_WALK or self.bytes_held >= max_bytes
+
+    def full(self, max_bytes: int) -> bool:
+        """Whether the walk has reached its bound (the last letter taken may pass
+        `max_bytes`; the first is always taken)."""
+        return bool(self) and (len(self) >= MAX_WALK or self.bytes_held >= max_bytes)
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,7 @@ class DeadLetterWalker:
         self._walking = asyncio.Lock()
 
     async def _queue(self) -> AbstractQueue:
+        """The DLQ on the broker's own channel (a purge)."""
         async with asyncio.timeout(self._timeout_s):
             return await self._broker.declare_queue(
                 RabbitQueue(self._name, QueueType.QUORUM, declare=False)
@@ -98,38 +110,74 @@ class DeadLetterWalker:
     async def walk(self) -> AsyncIterator[HeldLetters]:
         """Hold every dead letter unacknowledged, up to `MAX_WALK` letters and the walker's
         byte budget (`MAX_WALK_BYTES` of bodies unless told); return the ones not settled on
-        exit."""
-        await self._walking.acquire()
-        held = HeldLetters()
-        try:
-            queue = await self._queue()
-            while not held.truncated:
-                async with asyncio.timeout(GET_TIMEOUT_S + self._timeout_s):
-                    message = await queue.get(no_ack=False, fail=False, timeout=GET_TIMEOUT_S)
-                if message is None:
-                    break
-                held.take(message, max_bytes=self._max_bytes)
-            yield held
-        finally:
+        exit, then close the walk's channel: nothing it took stays held."""
+        async with self._walking:
+            channel = await self._open_channel()
+            held = HeldLetters()
+            past: list[AbstractIncomingMessage] = []
             try:
-                await self._give_back(held)
+                queue = await channel.get_queue(self._name, ensure=False)
+                while (message := await self._get(queue)) is not None:
+                    if held.full(self._max_bytes):
+                        # One letter past the bound: there is more. Not held (the caller
+                        # never sees it), it goes back behind the others.
+                        past.append(message)
+                        held.truncated = True
+                        break
+                    held.take(message)
+                yield held
             finally:
-                self._walking.release()
+                try:
+                    await self._give_back([*held, *past])
+                finally:
+                    await self._close(channel)
 
-    async def _give_back(self, held: HeldLetters) -> None:
-        for message in held:
+    async def _open_channel(self) -> AbstractChannel:
+        """A channel of the walk's own on the broker's connection: closed when the walk ends,
+        whatever it still holds goes back to the queue, and no other work shares it. A
+        connection being restored is waited for within the walker's timeout."""
+        async with asyncio.timeout(self._timeout_s):
+            connection = await self._broker.connect()
+            await connection.ready()
+            try:
+                channel = connection.channel(publisher_confirms=False)
+            except RuntimeError as error:  # lost again since: "Connection was not opened"
+                raise ConnectionError(f"the connection to the broker is gone: {error}") from error
+            return await channel
+
+    async def _get(self, queue: AbstractQueue) -> AbstractIncomingMessage | None:
+        async with asyncio.timeout(GET_TIMEOUT_S + self._timeout_s):
+            return await queue.get(no_ack=False, fail=False, timeout=GET_TIMEOUT_S)
+
+    async def _give_back(self, letters: Sequence[AbstractIncomingMessage]) -> None:
+        """Return the letters not settled, in the order taken. The first return that fails
+        ends them: the channel is gone or stalled, every other return would fail (or wait)
+        alike, and the walk's channel, closed next, has the broker take back the rest."""
+        for message in letters:
             if message.processed:
                 continue
             try:
                 async with asyncio.timeout(self._timeout_s):
                     await message.nack(requeue=True)
             except BROKER_ERRORS as error:
-                # The channel is gone (or stalled): the broker returns what it held by itself
-                # once it closes, and every other return would fail (or wait) alike.
                 log.warning(
-                    "dead letters of %s left to the broker to return: %r", self._name, error
+                    "dead letters of %s left to the broker to return as the walk's channel "
+                    "closes: %r",
+                    self._name,
+                    error,
                 )
                 return
+
+    async def _close(self, channel: AbstractChannel) -> None:
+        """Close the walk's channel, within the walker's timeout: the broker takes back what
+        it still holds (a letter whose return failed, or whose `basic.get` answer came after
+        the walk stopped waiting). A close that fails is left to the connection: its loss
+        (at worst by missed heartbeats) closes the channel too."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await channel.close()
+        except BROKER_ERRORS as error:
+            log.warning("the channel of a walk of %s not closed: %r", self._name, error)
 
     async def remove(self, message: AbstractIncomingMessage) -> None:
         """Ack a held letter: it leaves the DLQ."""

@@ -75,13 +75,21 @@ async def eventually[T](
 
 @asynccontextmanager
 async def running(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    """Run `app`'s lifespan and give an HTTP client that talks to it in-process."""
-    async with app.router.lifespan_context(app):
+    """Run `app`'s lifespan and give an HTTP client that talks to it in-process.
+
+    The lifespan ends as a server ends it, whatever the body raised: thrown into the
+    lifespan, a failing test's error skipped the services' shutdown (their brokers stayed
+    connected, and the session hung at its end)."""
+    lifespan = app.router.lifespan_context(app)
+    await lifespan.__aenter__()
+    try:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(
             transport=transport, base_url="http://scorebox.test", timeout=10
         ) as client:
             yield client
+    finally:
+        await lifespan.__aexit__(None, None, None)
 
 
 @asynccontextmanager

@@ -25,7 +25,13 @@ from shared.http import (
     problem_responses,
 )
 
-OUT_OF_SIGHT = "a letter another gateway replica is looking at is out of sight meanwhile"
+# What no walk sees: the letters another walk holds at that moment (each walk holds every
+# letter it reaches until it ends).
+OUT_OF_SIGHT = (
+    "a letter another walk holds at that moment is out of sight: a walk of another gateway "
+    "replica, or the scheduler's dead-letter depth probe, which takes the head of the "
+    "queue for a moment"
+)
 
 
 class ReplayRequest(BaseModel):
@@ -81,7 +87,8 @@ class DropReport(BaseModel):
 DROP_PROBLEMS: dict[int | str, dict[str, Any]] = {
     404: problem(
         404,
-        "No letter has that id, the walk having reached the end of the queue; nothing was removed.",
+        "No letter has that id, the walk having reached the end of the queue; nothing was removed "
+        f"({OUT_OF_SIGHT}; ask again to be sure).",
     ),
     409: problem(
         409,
@@ -161,7 +168,7 @@ def _nothing_dropped(letter_id: str, dropped: Dropped) -> Problem:
     as the letter may lie past it (a client taking a 404 to a DELETE as done would stop)."""
     named = f"No dead letter with message or task id {letter_id!r}"
     if not dropped.truncated:
-        return Problem(404, f"{named}; nothing was removed ({OUT_OF_SIGHT}).")
+        return Problem(404, f"{named}; nothing was removed ({OUT_OF_SIGHT}; ask again to be sure).")
     return Problem(
         409,
         f"{named} among the first {dropped.walked}: the walk stops at {WALK_BOUND} and the "

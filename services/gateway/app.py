@@ -182,6 +182,9 @@ def create_app(settings: GatewaySettings, **overrides: Any) -> FastAPI:
         summary="Asynchronous LLM text scoring: submit a text, poll for its score.",
         version="1",
         lifespan=gateway_lifespan(gateway),
+        # No 307 from `/x/` to `/x`: `DELETE /admin/v1/dead-letters/` (a drop of an empty id)
+        # was sent to the purge, method and key kept by a client following redirects.
+        redirect_slashes=False,
     )
     install_problem_handlers(app)
     install_body_timeout(app, settings.request_body_timeout_s)

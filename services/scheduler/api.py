@@ -253,6 +253,15 @@ def run_url(run_id: str) -> str:
     return f"/admin/v1/cron/runs/{run_id}"
 
 
+# What no walk sees: the letters another walk holds at that moment (each walk holds every
+# letter it reaches until it ends).
+OUT_OF_SIGHT = (
+    "a letter another walk holds at that moment is out of sight: a walk of another scheduler "
+    "replica, or the housekeeping job's dead-letter depth probe, which takes the head of the "
+    "queue for a moment"
+)
+
+
 class CronDeadLetterView(_Out):
     message_id: str | None
     run_id: str | None
@@ -310,7 +319,7 @@ class CronReplayReport(_Out):
     )
     not_found: list[str] = Field(
         description="Run ids asked for that no letter matched, the walk having reached the end "
-        "of the queue."
+        f"of the queue ({OUT_OF_SIGHT})."
     )
     skipped_in_progress: list[str] = Field(
         default_factory=list,
@@ -350,7 +359,8 @@ class Purged(_Out):
 CRON_DROP_PROBLEMS: dict[int | str, dict[str, Any]] = {
     404: problem(
         404,
-        "No letter of that run, the walk having reached the end of the queue; nothing was removed.",
+        "No letter of that run, the walk having reached the end of the queue; nothing was "
+        f"removed ({OUT_OF_SIGHT}; ask again to be sure).",
     ),
     409: problem(
         409,
@@ -425,7 +435,7 @@ def _nothing_dropped(run_id: str, dropped: Dropped) -> Problem:
     as the letter may lie past it (a client taking a 404 to a DELETE as done would stop)."""
     named = f"No dead letter of cron run {run_id!r}"
     if not dropped.truncated:
-        return Problem(404, f"{named}; nothing was removed.")
+        return Problem(404, f"{named}; nothing was removed ({OUT_OF_SIGHT}; ask again to be sure).")
     return Problem(
         409,
         f"{named} among the first {dropped.walked}: the walk stops at {WALK_BOUND} and the "

@@ -221,7 +221,9 @@ def create_app(
         await broker.stop()
         await mongo.close()
 
-    app = FastAPI(title="Scorebox scheduler", lifespan=lifespan)
+    # No 307 from `/x/` to `/x`: `DELETE /admin/v1/cron/dead-letters/` (a drop of an empty
+    # run id) was sent to the purge, method and key kept by a client following redirects.
+    app = FastAPI(title="Scorebox scheduler", lifespan=lifespan, redirect_slashes=False)
     app.state.dispatcher = dispatcher
     install_problem_handlers(app)
     serve_metrics(app, broker.metrics)

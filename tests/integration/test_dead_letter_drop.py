@@ -4,7 +4,8 @@ and a walk cut short by its byte budget (`walk_bytes`, as in
 `test_dead_letter_walk_budget.py`) is reported as such by a drop and by a replay: an id it did
 not reach is never "not found".
 
-The routes run in-process over a `DeadLetterQueue` of the test's walk budget; letters are
+The routes run in-process over a `DeadLetterQueue` of the test's walk budget (the gateway as
+it is served, for a drop of an empty id that must not reach the purge); letters are
 published straight into the DLQ, each dead-lettered a second after the one before."""
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from pymongo import AsyncMongoClient
 
 from devtools.infra import Endpoint
 from services.gateway.admin_api import admin_routes
+from services.gateway.app import create_app as create_gateway
 from services.gateway.deadletters import DeadLetterQueue
 from services.gateway.publisher import TaskPublisher
+from services.gateway.settings import GatewaySettings
 from services.gateway.submissions import Submissions
 from shared.contracts import ScoreText, new_id, utcnow
 from shared.dead_letters import MAX_WALK_BYTES
@@ -194,6 +197,9 @@ async def test_dropping_an_unknown_id_is_a_404_and_changes_nothing(
         problem = _problem(await api.delete(f"{LETTERS}/{new_id()}"), 404)
         assert problem["type"].endswith("/not-found")
         assert "nothing was removed" in problem["detail"]
+        # What a walk cannot see: a letter another walk holds at that moment.
+        assert "another gateway replica" in problem["detail"]
+        assert "dead-letter depth probe" in problem["detail"]
         listing = await _listed(api)
     assert [item["task_id"] for item in listing["items"]] == [c.task_id for c in commands]
     assert [message.message_id for message in await _drain(dlq)] == [c.message_id for c in commands]
@@ -273,3 +279,32 @@ async def test_a_replay_of_all_cut_short_says_so(
     assert (len(rest["replayed"]), rest["truncated"]) == (2, False)
     assert first["not_found"] == first["not_reached"] == rest["not_reached"] == []
     assert await _drain(dlq) == []
+
+
+@pytest.mark.parametrize("path", [f"{LETTERS}/", f"{LETTERS}//"], ids=["slash", "slashes"])
+async def test_a_drop_with_an_empty_id_never_reaches_the_purge(
+    dlq: str, mongo: Endpoint, db_prefix: str, path: str
+) -> None:
+    """`DELETE /admin/v1/dead-letters/` (a script's drop of an empty id) was redirected
+    (307) to `DELETE /admin/v1/dead-letters`, the purge, and a client following redirects
+    keeps the method and the key: the whole DLQ was purged. The gateway as it is served
+    answers it itself now, and nothing is removed."""
+    commands = _commands(2)
+    await _dead_letter(dlq, commands)
+    settings = GatewaySettings.model_validate(
+        {
+            "RABBITMQ_URL": dlq,
+            "MONGO_URL": mongo.url,
+            "MONGO_DB_PREFIX": db_prefix,
+            "ADMIN_API_KEY": ADMIN_KEY,
+        }
+    )
+
+    # Asserted once the gateway has stopped: its lifespan does not stop it on an error.
+    async with _admin(create_gateway(settings)) as api:
+        answer = await api.delete(path, follow_redirects=True)
+        listed = await api.get(LETTERS)
+    assert answer.status_code in (404, 405), answer.text
+    assert answer.history == []
+    assert [item["task_id"] for item in listed.json()["items"]] == [c.task_id for c in commands]
+    assert [message.message_id for message in await _drain(dlq)] == [c.message_id for c in commands]

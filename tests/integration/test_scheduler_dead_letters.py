@@ -407,6 +407,9 @@ async def test_dropping_an_unknown_run_is_a_404_and_changes_nothing(env: Env) ->
     async with scheduler(env, CONFIG, handlers={JOB: Probe()}) as (api, _):
         problem = _assert_problem(await api.delete(f"{LETTERS}/no-such-run"), 404)
         assert "nothing was removed" in problem["detail"]
+        # What a walk cannot see: a letter another walk holds at that moment.
+        assert "another scheduler replica" in problem["detail"]
+        assert "dead-letter depth probe" in problem["detail"]
         assert _run_ids(await _listed(api)) == [run.run_id for run in runs]
     left = await drain(env.amqp_url, DLQ)
     assert [RunCronJob.model_validate_json(letter.body) for letter in left] == runs
@@ -483,6 +486,25 @@ async def test_dropping_a_run_past_a_walk_cut_short_is_a_409_not_reached(env: En
     assert problem["walked"] == 3
     assert "may lie past" in problem["detail"]
     assert await _depth(env.amqp_url) == 5
+    await drain(env.amqp_url, DLQ)
+
+
+@pytest.mark.parametrize("path", [f"{LETTERS}/", f"{LETTERS}//"], ids=["slash", "slashes"])
+async def test_a_drop_with_an_empty_run_id_never_reaches_the_purge(env: Env, path: str) -> None:
+    """`DELETE /admin/v1/cron/dead-letters/` (a script's drop of an empty run id) was
+    redirected (307) to the purge, and a client following redirects keeps the method and the
+    key: every dead run was purged. The scheduler answers it itself now; nothing is removed."""
+    await drain(env.amqp_url, DLQ)
+    run = _dead_run()
+    await _dead_letter(env, run)
+    # Asserted once the scheduler has stopped: its lifespan does not stop it on an error.
+    async with scheduler(env, CONFIG, handlers={JOB: Probe()}) as (api, _):
+        answer = await api.delete(path, follow_redirects=True)
+        listed = await api.get(LETTERS)
+    assert answer.status_code in (404, 405), answer.text
+    assert answer.history == []
+    assert _run_ids(listed.json()) == [run.run_id]
+    assert await _depth(env.amqp_url) == 1
     await drain(env.amqp_url, DLQ)
 
 

@@ -84,6 +84,45 @@ def test_dlq_drop_tries_every_id_and_exits_1_when_one_was_not_dropped(
     assert json.loads(result.stdout)["letter_id"] == "t2"
 
 
+@pytest.mark.parametrize(
+    ("command", "path", "host"),
+    [
+        (("dlq", "drop"), LETTERS, "gateway.test"),
+        (("cron", "dlq", "drop"), CRON_LETTERS, "scheduler.test"),
+    ],
+)
+def test_a_drop_that_does_not_get_an_answer_is_reported_and_the_other_ids_are_tried(
+    server: FakeServer,
+    monkeypatch: pytest.MonkeyPatch,
+    command: tuple[str, ...],
+    path: str,
+    host: str,
+) -> None:
+    """A transport error (a timeout, a connection reset) on one id ended the command there:
+    the ids after it were never tried."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == f"{path}/lost":
+            server.requests.append(request)
+            raise httpx.ReadTimeout("timed out", request=request)
+        return server(request)
+
+    monkeypatch.setattr(cli, "transport", httpx.MockTransport(answer))
+    server.script("DELETE", f"{path}/t1", _dropped("t1"))
+    server.script("DELETE", f"{path}/t3", _dropped("t3"))
+
+    result = _run(*command, "t1", "lost", "t3")
+
+    assert result.exit_code == 1
+    assert [r.url.path for r in server.requests] == [
+        f"{path}/{key}" for key in ("t1", "lost", "t3")
+    ]
+    assert [report["letter_id"] for report in _objects(result.stdout)] == ["t1", "t3"]
+    assert result.stderr.splitlines() == [
+        f"error: DELETE http://{host}{path}/lost: no answer (ReadTimeout: timed out)"
+    ]
+
+
 def test_a_drop_the_walk_did_not_reach_exits_1_with_why(server: FakeServer) -> None:
     detail = "No dead letter 't9' among the first 1300: it may lie past them."
     server.script("DELETE", f"{LETTERS}/t9", _problem(409, detail))

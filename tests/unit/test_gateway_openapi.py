@@ -72,6 +72,7 @@ def test_dead_letter_answers_document_a_walk_cut_short(document: Json) -> None:
     replay = paths["/admin/v1/dead-letters/replay"]["post"]["responses"]
     assert is_problem(drop["409"])
     assert "may lie past" in drop["409"]["description"]
+    assert "dead-letter depth probe" in drop["404"]["description"]
     schemas = document["components"]["schemas"]
     for name, answered in (("DropReport", drop), ("ReplayReport", replay)):
         assert answered["200"]["content"]["application/json"]["schema"] == {

@@ -28,6 +28,7 @@ def test_a_cron_drop_documents_its_problems_and_its_report(document: Json) -> No
     for status in ("404", "409", "503"):
         assert PROBLEM_JSON in responses[status]["content"], status
     assert "may lie past" in responses["409"]["description"]
+    assert "dead-letter depth probe" in responses["404"]["description"]
     assert "Retry-After" in responses["503"]["headers"]
     assert responses["200"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/CronDropReport"

@@ -82,6 +82,34 @@ class Dropped:
     truncated: bool
 
 
+@contextlib.asynccontextmanager
+async def own_channel(
+    broker: RabbitBroker, *, timeout_s: float, what: str
+) -> AsyncIterator[AbstractChannel]:
+    """A channel of its own on the broker's connection for a look at a DLQ (`what`), closed
+    when the look ends: whatever it still holds goes back to the queue (a letter whose return
+    failed, or whose `basic.get` answer came after the look stopped waiting), and no other
+    work shares it. A connection being restored is waited for within `timeout_s`; so is the
+    close, and a close that fails is left to the connection, whose loss (at worst by missed
+    heartbeats) closes the channel too."""
+    async with asyncio.timeout(timeout_s):
+        connection = await broker.connect()
+        await connection.ready()
+        try:
+            opening = connection.channel(publisher_confirms=False)
+        except RuntimeError as error:  # lost again since: "Connection was not opened"
+            raise ConnectionError(f"the connection to the broker is gone: {error}") from error
+        channel = await opening
+    try:
+        yield channel
+    finally:
+        try:
+            async with asyncio.timeout(timeout_s):
+                await channel.close()
+        except BROKER_ERRORS as error:
+            log.warning("the channel of a look at %s not closed: %r", what, error)
+
+
 class DeadLetterWalker:
     """The DLQ of one work queue, walked and purged with bounded broker calls."""
 
@@ -111,8 +139,10 @@ class DeadLetterWalker:
         """Hold every dead letter unacknowledged, up to `MAX_WALK` letters and the walker's
         byte budget (`MAX_WALK_BYTES` of bodies unless told); return the ones not settled on
         exit, then close the walk's channel: nothing it took stays held."""
-        async with self._walking:
-            channel = await self._open_channel()
+        async with (
+            self._walking,
+            own_channel(self._broker, timeout_s=self._timeout_s, what=self._name) as channel,
+        ):
             held = HeldLetters()
             past: list[AbstractIncomingMessage] = []
             try:
@@ -127,23 +157,7 @@ class DeadLetterWalker:
                     held.take(message)
                 yield held
             finally:
-                try:
-                    await self._give_back([*held, *past])
-                finally:
-                    await self._close(channel)
-
-    async def _open_channel(self) -> AbstractChannel:
-        """A channel of the walk's own on the broker's connection: closed when the walk ends,
-        whatever it still holds goes back to the queue, and no other work shares it. A
-        connection being restored is waited for within the walker's timeout."""
-        async with asyncio.timeout(self._timeout_s):
-            connection = await self._broker.connect()
-            await connection.ready()
-            try:
-                channel = connection.channel(publisher_confirms=False)
-            except RuntimeError as error:  # lost again since: "Connection was not opened"
-                raise ConnectionError(f"the connection to the broker is gone: {error}") from error
-            return await channel
+                await self._give_back([*held, *past])
 
     async def _get(self, queue: AbstractQueue) -> AbstractIncomingMessage | None:
         async with asyncio.timeout(GET_TIMEOUT_S + self._timeout_s):
@@ -167,17 +181,6 @@ class DeadLetterWalker:
                     error,
                 )
                 return
-
-    async def _close(self, channel: AbstractChannel) -> None:
-        """Close the walk's channel, within the walker's timeout: the broker takes back what
-        it still holds (a letter whose return failed, or whose `basic.get` answer came after
-        the walk stopped waiting). A close that fails is left to the connection: its loss
-        (at worst by missed heartbeats) closes the channel too."""
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                await channel.close()
-        except BROKER_ERRORS as error:
-            log.warning("the channel of a walk of %s not closed: %r", self._name, error)
 
     async def remove(self, message: AbstractIncomingMessage) -> None:
         """Ack a held letter: it leaves the DLQ."""

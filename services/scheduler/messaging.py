@@ -35,6 +35,7 @@ from shared.contracts import (
     RescoreTask,
     RunCronJob,
 )
+from shared.dead_letters import own_channel
 from shared.topology import (
     CRON,
     EVENTS,
@@ -164,26 +165,32 @@ class SchedulerBus:
 
         The head is read with `basic.get` and returned with `nack(requeue=True)`, which
         RabbitMQ 3.x and 4.0 to 4.2 count as a delivery: harmless against the DLQ's own limit
-        (`DLQ_DELIVERY_LIMIT`, out of any look's reach).
+        (`DLQ_DELIVERY_LIMIT`, out of any look's reach). The head is held on a channel of its
+        own, closed after the look (`own_channel`): on the shared channel, a return that
+        failed, or a head whose `basic.get` answer came late, stayed held, out of every
+        dead-letter walk's sight, until that channel closed.
         """
-        queue, depth = await self._declared(work_queue.dead_letter_routing_key)
+        name = work_queue.dead_letter_routing_key
+        _, depth = await self._declared(name)
         if depth == 0:
             return 0, None
-        async with asyncio.timeout(self.timeout_s):
-            head = await queue.get(no_ack=False, fail=False, timeout=self.timeout_s)
-        if head is None:
-            return depth, None
-        try:
-            return depth, _age_s(head, self.clock())
-        finally:
-            await self._give_back(head, work_queue)
+        async with own_channel(self.broker, timeout_s=self.timeout_s, what=name) as channel:
+            async with asyncio.timeout(self.timeout_s):
+                queue = await channel.get_queue(name, ensure=False)
+                head = await queue.get(no_ack=False, fail=False, timeout=self.timeout_s)
+            if head is None:
+                return depth, None
+            try:
+                return depth, _age_s(head, self.clock())
+            finally:
+                await self._give_back(head, work_queue)
 
     async def _give_back(self, head: AbstractIncomingMessage, work_queue: WorkQueue) -> None:
         """Return a DLQ's head read for its age, within the broker timeout. Unbounded, a
         `nack` on a stalled channel held the housekeeping run, and every report after it, for
         as long as the stall lasted. A return that fails is left to the broker, which gives
-        back what a channel held when the channel closes (as `shared.dead_letters` does): the
-        reading stands."""
+        back what a channel held when the channel closes (the look's own, next): the reading
+        stands."""
         try:
             async with asyncio.timeout(self.timeout_s):
                 await head.nack(requeue=True)

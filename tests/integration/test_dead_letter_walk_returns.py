@@ -23,7 +23,8 @@ import pytest
 from aio_pika.queue import Queue
 from faststream.rabbit import RabbitBroker
 
-from shared.contracts import ScoreText, new_id
+from services.scheduler.messaging import SchedulerBus
+from shared.contracts import ScoreText, new_id, utcnow
 from shared.dead_letters import DeadLetterWalker
 from shared.topology import SCORE_REQUESTS, declare_topology
 from tests.support import eventually
@@ -167,3 +168,27 @@ async def test_a_walk_bound_with_letters_past_it_is_truncated_and_keeps_their_or
         assert held.bytes_held == len(BODY)
 
     assert await _drain(dlq) == ids
+
+
+async def test_a_depth_probe_whose_return_fails_leaves_no_letter_held(
+    dlq: str, broker: RabbitBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Housekeeping's look at a DLQ's head (`SchedulerBus.dead_letter_depth`) held it on the
+    broker's shared channel: when its return failed, the head stayed out of every walk's
+    sight until that channel closed."""
+    ids = await _dead_letter(dlq, 2)
+    bus = SchedulerBus(broker, timeout_s=TIMEOUT_S, clock=utcnow)
+    returned: list[str | None] = []
+
+    async def fails(
+        message: aio_pika.IncomingMessage, multiple: bool = False, requeue: bool = True
+    ) -> None:
+        returned.append(message.message_id)
+        raise TimeoutError("the return of the head timed out")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(aio_pika.IncomingMessage, "nack", fails)
+        depth, _ = await bus.dead_letter_depth(SCORE_REQUESTS)
+
+    assert (depth, returned) == (2, ids[:1])
+    await _all_back(DeadLetterWalker(broker, SCORE_REQUESTS, timeout_s=TIMEOUT_S), ids)

@@ -9,6 +9,7 @@ lasted. Here the broker is in memory and its `nack` never completes.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
@@ -54,14 +55,46 @@ class DeadLetterQueue:
         return self._head
 
 
+class Channel:
+    """The probe's own channel: its head is read there, and it is closed after the look."""
+
+    def __init__(self, queue: DeadLetterQueue) -> None:
+        self._queue = queue
+        self.closed = False
+
+    async def get_queue(self, name: str, *, ensure: bool) -> DeadLetterQueue:
+        return self._queue
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class Connection:
+    def __init__(self, channel: Channel) -> None:
+        self._channel = channel
+
+    async def ready(self) -> None:
+        return None
+
+    def channel(self, *, publisher_confirms: bool) -> Awaitable[Channel]:
+        async def opened() -> Channel:
+            return self._channel
+
+        return opened()
+
+
 class Broker:
     def __init__(self, queue: DeadLetterQueue) -> None:
         self._queue = queue
         self.asked: list[str] = []
+        self.channel = Channel(queue)
 
     async def declare_queue(self, queue: RabbitQueue) -> DeadLetterQueue:
         self.asked.append(queue.name)
         return self._queue
+
+    async def connect(self) -> Connection:
+        return Connection(self.channel)
 
 
 async def test_a_head_that_cannot_be_returned_leaves_the_reading_standing() -> None:
@@ -76,3 +109,4 @@ async def test_a_head_that_cannot_be_returned_leaves_the_reading_standing() -> N
     assert (depth, age_s) == (3, 60.0)
     assert head.nacks == 1
     assert broker.asked == [CRON_JOBS.dead_letter_routing_key]
+    assert broker.channel.closed  # the broker takes the head back, were it still held

@@ -39,6 +39,7 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from faststream.rabbit import QueueType, RabbitBroker, RabbitQueue
 
 from shared.bus import BROKER_ERRORS
+from shared.http import Problem
 from shared.topology import ERROR_HEADER, WorkQueue
 
 log = logging.getLogger("scorebox.dead_letters")
@@ -80,6 +81,23 @@ class Dropped:
     removed: int
     walked: int
     truncated: bool
+
+
+def nothing_dropped(named: str, dropped: Dropped, *, out_of_sight: str) -> Problem:
+    """The answer of both admin APIs to a drop that removed nothing (`named`: the letter
+    asked for): a 404 when the walk reached the end of the queue; a 409 when it stopped short
+    of it, as the letter may lie past it (a client taking a 404 to a DELETE as done would
+    stop)."""
+    if not dropped.truncated:
+        return Problem(404, f"{named}; nothing was removed ({out_of_sight}; ask again to be sure).")
+    return Problem(
+        409,
+        f"{named} among the first {dropped.walked}: the walk stops at {WALK_BOUND} and the "
+        "queue holds more, so it may lie past them. Nothing was removed; replay or drop "
+        "letters before it, then ask again.",
+        kind="not-reached",
+        walked=dropped.walked,
+    )
 
 
 @contextlib.asynccontextmanager

@@ -182,18 +182,26 @@ def _document_validation_problems(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+PROBLEM_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["type", "title", "status", "detail"],
+    "properties": {
+        "type": {"type": "string"},
+        "title": {"type": "string"},
+        "status": {"type": "integer"},
+        "detail": {"type": "string"},
+        "instance": {"type": "string"},
+    },
+}
+# The 422 every service answers for invalid fields: a problem naming each of them.
 VALIDATION_PROBLEM: dict[str, Any] = {
     "description": "Invalid fields, each named (RFC 9457 problem details).",
     "content": {
         PROBLEM_JSON: {
             "schema": {
-                "type": "object",
-                "required": ["type", "title", "status", "detail"],
+                **PROBLEM_SCHEMA,
                 "properties": {
-                    "type": {"type": "string"},
-                    "title": {"type": "string"},
-                    "status": {"type": "integer"},
-                    "detail": {"type": "string"},
+                    **PROBLEM_SCHEMA["properties"],
                     "errors": {
                         "type": "array",
                         "items": {
@@ -207,19 +215,6 @@ VALIDATION_PROBLEM: dict[str, Any] = {
                 },
             }
         }
-    },
-}
-
-
-PROBLEM_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["type", "title", "status", "detail"],
-    "properties": {
-        "type": {"type": "string"},
-        "title": {"type": "string"},
-        "status": {"type": "integer"},
-        "detail": {"type": "string"},
-        "instance": {"type": "string"},
     },
 }
 RETRY_AFTER_HEADER: dict[str, Any] = {

@@ -15,7 +15,7 @@ from services.gateway.deadletters import DeadLetterQueue, Walk
 from services.gateway.errors import DatabaseUnavailable, Unavailable, refused_for_good
 from services.gateway.keys_api import ADMIN_BODY_LIMIT
 from shared.bus import BROKER_ERRORS
-from shared.dead_letters import WALK_BOUND, Dropped
+from shared.dead_letters import WALK_BOUND, nothing_dropped
 from shared.http import (
     ADMIN_PROBLEMS,
     Problem,
@@ -152,7 +152,11 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
         with _broker_away_is_503():
             dropped = await dead_letters.drop(letter_id)
         if not dropped.removed:
-            raise _nothing_dropped(letter_id, dropped)
+            raise nothing_dropped(
+                f"No dead letter with message or task id {letter_id!r}",
+                dropped,
+                out_of_sight=OUT_OF_SIGHT,
+            )
         return DropReport(letter_id=letter_id, removed=dropped.removed, truncated=dropped.truncated)
 
     @router.delete("/dead-letters", summary="Purge the dead-letter queue")
@@ -161,22 +165,6 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
             return {"purged": await dead_letters.purge()}
 
     return router
-
-
-def _nothing_dropped(letter_id: str, dropped: Dropped) -> Problem:
-    """A 404 when the walk reached the end of the queue; a 409 when it stopped short of it,
-    as the letter may lie past it (a client taking a 404 to a DELETE as done would stop)."""
-    named = f"No dead letter with message or task id {letter_id!r}"
-    if not dropped.truncated:
-        return Problem(404, f"{named}; nothing was removed ({OUT_OF_SIGHT}; ask again to be sure).")
-    return Problem(
-        409,
-        f"{named} among the first {dropped.walked}: the walk stops at {WALK_BOUND} and the "
-        "queue holds more, so it may lie past them. Nothing was removed; replay or drop "
-        "letters before it, then ask again.",
-        kind="not-reached",
-        walked=dropped.walked,
-    )
 
 
 def _unseen(walk: Walk) -> str:

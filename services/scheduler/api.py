@@ -50,7 +50,7 @@ from services.scheduler.metering import NANOS_PER_UNIT
 from services.scheduler.schedule import JobCatalog, ScheduledJob
 from services.scheduler.usage_store import DailyUsage, DailyUsageStore
 from shared.bus import BROKER_ERRORS
-from shared.dead_letters import WALK_BOUND, Dropped
+from shared.dead_letters import WALK_BOUND, nothing_dropped
 from shared.http import (
     INTERNAL_PROBLEMS,
     Problem,
@@ -419,7 +419,9 @@ def cron_dead_letter_routes(
         with _broker_away_is_503():
             dropped = await dead_letters.drop(run_id)
         if not dropped.removed:
-            raise _nothing_dropped(run_id, dropped)
+            raise nothing_dropped(
+                f"No dead letter of cron run {run_id!r}", dropped, out_of_sight=OUT_OF_SIGHT
+            )
         return CronDropReport(run_id=run_id, removed=dropped.removed, truncated=dropped.truncated)
 
     @router.delete("", response_model=Purged)
@@ -428,22 +430,6 @@ def cron_dead_letter_routes(
             return Purged(purged=await dead_letters.purge())
 
     return router
-
-
-def _nothing_dropped(run_id: str, dropped: Dropped) -> Problem:
-    """A 404 when the walk reached the end of the queue; a 409 when it stopped short of it,
-    as the letter may lie past it (a client taking a 404 to a DELETE as done would stop)."""
-    named = f"No dead letter of cron run {run_id!r}"
-    if not dropped.truncated:
-        return Problem(404, f"{named}; nothing was removed ({OUT_OF_SIGHT}; ask again to be sure).")
-    return Problem(
-        409,
-        f"{named} among the first {dropped.walked}: the walk stops at {WALK_BOUND} and the "
-        "queue holds more, so it may lie past them. Nothing was removed; replay or drop "
-        "letters before it, then ask again.",
-        kind="not-reached",
-        walked=dropped.walked,
-    )
 
 
 @contextlib.contextmanager

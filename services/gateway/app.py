@@ -173,7 +173,9 @@ def build_gateway(
 def create_app(settings: GatewaySettings, **overrides: Any) -> FastAPI:
     """Wire the gateway (see `build_gateway` for what `overrides` may replace)."""
     gateway = build_gateway(settings, **overrides)
-    subscribe_task_outcomes(gateway.broker, gateway.deps)
+    subscribe_task_outcomes(
+        gateway.broker, gateway.deps, broker_timeout_s=settings.broker_timeout_s
+    )
     subscribe_rescore_requests(
         gateway.broker, rescore_requests(gateway), prefetch=settings.rescore_prefetch
     )

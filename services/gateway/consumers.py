@@ -24,6 +24,7 @@ from services.gateway.submit import (
 )
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import parse_task_event
+from shared.failed_deliveries import return_failed
 from shared.runtime import keep_trying
 from shared.topology import GATEWAY_TASK_OUTCOMES
 
@@ -31,15 +32,19 @@ log = logging.getLogger("scorebox.gateway")
 
 
 def subscribe_task_outcomes(
-    broker: ScoreboxBroker, deps: GatewayDeps, *, retry_delay_s: float = OUTCOME_RETRY_DELAY_S
+    broker: ScoreboxBroker,
+    deps: GatewayDeps,
+    *,
+    broker_timeout_s: float,
+    retry_delay_s: float = OUTCOME_RETRY_DELAY_S,
 ) -> None:
     """On `task.completed` or `task.failed`: release the task's in-flight slot and note the
     generation that finished (one write); for a completion also note the task's generation
     and fill the result cache.
 
     A database that is away is waited out with the delivery held; an operation it refuses
-    for good (`database_away`) returns the delivery as failed, for its queue's delivery limit
-    to dead-letter: waited out, it held the delivery for ever."""
+    for good (`database_away`) returns the delivery as failed, dead-lettered with the reason at
+    its queue's delivery limit (`return_failed`): waited out, it held the delivery for ever."""
 
     @consume(broker, GATEWAY_TASK_OUTCOMES.queue)
     async def take_task_outcome(message: Delivery) -> None:
@@ -66,11 +71,17 @@ def subscribe_task_outcomes(
                 retry_if=database_away,
                 first_delay_s=retry_delay_s,
             )
-        except DatabaseUnavailable:
+        except DatabaseUnavailable as error:
             log.exception(
                 "the database refused the outcome of %s; returned as failed", event.task_id
             )
-            await message.requeue_failed()
+            await return_failed(
+                broker,
+                GATEWAY_TASK_OUTCOMES,
+                message,
+                error=error.__cause__ or error,
+                timeout=broker_timeout_s,
+            )
             return
         await message.ack()
 

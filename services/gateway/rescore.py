@@ -57,6 +57,7 @@ from services.gateway.submissions import RescoreClaim, RescoreRefused, Submissio
 from shared.bus import publish_delayed
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import RescoreTask, ScoreText, new_id
+from shared.failed_deliveries import return_failed
 from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying
 from shared.topology import RESCORE_REQUESTS, TASKS
 
@@ -201,9 +202,15 @@ class RescoreRequests:
             )
         except BrokerUnavailable as error:
             await self._retry_later(request, message, error)
-        except DatabaseUnavailable:  # refused for good: `rescore_task` waits out the rest
+        except DatabaseUnavailable as error:  # refused for good: `rescore_task` waits out the rest
             log.exception("the database refused the re-score of %s", request.task_id)
-            await message.requeue_failed()
+            await return_failed(
+                self.broker,
+                RESCORE_REQUESTS,
+                message,
+                error=error.__cause__ or error,
+                timeout=self.timeout_s,
+            )
             return
         else:
             _log_outcome(request, outcome)

@@ -57,6 +57,7 @@ from shared.bus import publish_delayed
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import Contract, DeliverWebhook, new_id, parse_task_event
 from shared.database_errors import transient_database_error
+from shared.failed_deliveries import return_failed
 from shared.runtime import HOLD_POLL_S, keep_dead_lettering, keep_publishing, wait_for_claim
 from shared.topology import (
     DELIVERY_COUNT_HEADER,
@@ -137,7 +138,7 @@ def subscribe_notifications(
         except Exception as error:
             if not transient_database_error(error):
                 log.exception("notifying about %s of %s crashed", routing_key, event.task_id)
-                await message.requeue_failed()
+                await return_failed(broker, NOTIFICATIONS, message, error=error, timeout=timeout_s)
                 return
             log.warning("MongoDB unavailable for %s of %s: %r", routing_key, event.task_id, error)
             await _come_back_later(broker, event, routing_key, clock=clock, timeout_s=timeout_s)

@@ -173,6 +173,7 @@ def create_app(
         meter=meter,
         job_concurrency=settings.job_concurrency,
         meter_prefetch=settings.meter_prefetch,
+        broker_timeout_s=settings.broker_timeout_s,
     )
 
     async def trigger(name: str) -> Firing:

@@ -77,6 +77,7 @@ from services.scheduler.usage_store import UsageRecords
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import RunCronJob, TaskCompleted, TaskFailed, new_id
 from shared.database_errors import transient_database_error
+from shared.failed_deliveries import return_failed
 from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying
 from shared.topology import (
     ATTEMPTS_HEADER,
@@ -264,14 +265,15 @@ def subscribe_scheduler(
     meter: UsageMeter,
     job_concurrency: int,
     meter_prefetch: int,
+    broker_timeout_s: float,
 ) -> None:
     @consume(broker, CRON_JOBS.queue, prefetch=job_concurrency)
     async def run_cron_job_delivery(message: Delivery) -> None:
         try:
             await runner.on_message(message)
-        except Exception:
+        except Exception as error:
             log.exception("could not settle a cron.run delivery; returning it to its queue")
-            await message.requeue_failed()
+            await return_failed(broker, CRON_JOBS, message, error=error, timeout=broker_timeout_s)
             return
         await message.ack()
 
@@ -279,8 +281,8 @@ def subscribe_scheduler(
     async def record_usage_delivery(message: Delivery) -> None:
         try:
             await meter.on_message(message)
-        except Exception:
+        except Exception as error:
             log.exception("could not settle a usage delivery; returning it to its queue")
-            await message.requeue_failed()
+            await return_failed(broker, USAGE_METER, message, error=error, timeout=broker_timeout_s)
             return
         await message.ack()

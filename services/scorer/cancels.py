@@ -38,6 +38,7 @@ from shared.bus import publish_event
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import CancelTask
 from shared.database_errors import transient_database_error
+from shared.failed_deliveries import return_failed
 from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying
 from shared.topology import TASK_CANCELS
 
@@ -70,9 +71,11 @@ class TaskCancels:
             return
         try:
             outcome = await self._recorded(cancel)
-        except (PyMongoError, CancelContended):  # `_recorded` waits out a database away
+        except (PyMongoError, CancelContended) as error:  # `_recorded` waits out an outage
             log.exception("the cancellation of %s was not recorded", cancel.task_id)
-            await message.requeue_failed()
+            await return_failed(
+                self.broker, TASK_CANCELS, message, error=error, timeout=self.timeout_s
+            )
             return
         if isinstance(outcome, Cancelled):
             self.metrics.count_cancellation(CANCELLED)

@@ -30,6 +30,7 @@ from shared.contracts import (
     utcnow,
 )
 from shared.database_errors import transient_database_error
+from shared.failed_deliveries import return_failed
 from shared.group_writes import GroupWriter
 from shared.http import (
     INTERNAL_PROBLEMS,
@@ -130,14 +131,20 @@ def subscribe_projection(
                 retry_on=(PyMongoError,),
                 retry_if=transient_database_error,
             )
-        except PyMongoError:
+        except PyMongoError as error:
             # Refused for good (a failed validation, a document over 16 MiB): waited out like an
-            # outage, it held its delivery for ever; returned as failed, its queue's delivery
-            # limit dead-letters it.
+            # outage, it held its delivery for ever; returned as failed, and dead-lettered with
+            # the reason at its queue's delivery limit.
             log.exception(
                 "the database refused %s of %s; returned as failed", routing_key, event.task_id
             )
-            await message.requeue_failed()
+            await return_failed(
+                broker,
+                STATUS_PROJECTION,
+                message,
+                error=error,
+                timeout=settings.broker_timeout_s,
+            )
             return
         await message.ack()
 

@@ -205,7 +205,9 @@ async def _outcome_settled(
     submissions._writes = GroupWriter(cast("AsyncCollection[Json]", collection))
     deps = SimpleNamespace(submissions=submissions, in_flight=None, cache=None, clock=utcnow)
     broker = HandlerOnly()
-    subscribe_task_outcomes(cast(ScoreboxBroker, broker), cast(GatewayDeps, deps))
+    subscribe_task_outcomes(
+        cast(ScoreboxBroker, broker), cast(GatewayDeps, deps), broker_timeout_s=5.0
+    )
     async with asyncio.timeout(HANDLER_DEADLINE_S):
         await broker.handler(delivery)
 

@@ -190,6 +190,7 @@ async def cron_consumer(env: Env) -> AsyncIterator[CronConsumer]:
                 meter=meter,
                 job_concurrency=1,
                 meter_prefetch=1,
+                broker_timeout_s=5.0,
             )
             return consumers.handlers[CRON_JOBS.name]
 

@@ -1,0 +1,193 @@
+"""A delivery that fails its handler every time ends in its queue's DLQ with the reason, on the
+real broker and topology: the status projection and the gateway's outcome consumer over a
+database that refuses their writes for good. Left to RabbitMQ's delivery limit, the letter
+said only `delivery_limit`; the consumer now dead-letters the delivery the limit would, with
+the error as `x-scorebox-error`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any, cast
+
+import aio_pika
+import pytest
+from aio_pika.abc import AbstractIncomingMessage
+from pymongo import AsyncMongoClient
+from pymongo.asynchronous.collection import AsyncCollection
+
+from services.gateway.api import GatewayDeps
+from services.gateway.consumers import subscribe_task_outcomes
+from services.gateway.submissions import Submissions
+from services.status.app import subscribe_projection
+from services.status.settings import StatusSettings
+from shared.bus import publish_event
+from shared.consumers import ScoreboxBroker
+from shared.contracts import ScoreResult, TaskCompleted, new_id, utcnow
+from shared.dead_letters import reason
+from shared.group_writes import GroupWriter
+from shared.runtime import make_broker
+from shared.settings import ServiceSettings
+from shared.topology import (
+    DEAD_LETTERED_FROM_HEADER,
+    DELIVERY_COUNT_HEADER,
+    EARLIER_DELIVERIES_HEADER,
+    ERROR_HEADER,
+    EVENTS,
+    GATEWAY_TASK_OUTCOMES,
+    STATUS_PROJECTION,
+    WorkQueue,
+    declare_topology,
+)
+from tests.integration.test_database_refusals import RefusingCollection
+from tests.support import eventually
+
+pytestmark = pytest.mark.integration
+
+Json = dict[str, Any]
+TIMEOUT_S = 10.0
+Subscribe = Callable[[ScoreboxBroker, AsyncCollection[Json]], None]
+
+
+@pytest.fixture
+async def database(mongo: Any, db_prefix: str) -> AsyncIterator[Any]:
+    client: AsyncMongoClient[Json] = AsyncMongoClient(mongo.url, tz_aware=True)
+    yield client[f"{db_prefix}_failed_deliveries"]
+    await client.close()
+
+
+def _projection(broker: ScoreboxBroker, refusing: AsyncCollection[Json]) -> None:
+    subscribe_projection(broker, GroupWriter(refusing), StatusSettings())
+
+
+def _gateway_outcomes(broker: ScoreboxBroker, refusing: AsyncCollection[Json]) -> None:
+    database = refusing.database
+    submissions = Submissions(database.client, database.name)
+    submissions._writes = GroupWriter(refusing)  # the store's own group writer, refusing
+    deps = SimpleNamespace(submissions=submissions, in_flight=None, cache=None, clock=utcnow)
+    subscribe_task_outcomes(broker, cast(GatewayDeps, deps), broker_timeout_s=TIMEOUT_S)
+
+
+def _completion() -> TaskCompleted:
+    now = utcnow()
+    return TaskCompleted(
+        task_id=new_id(),
+        tenant_id="acme",
+        sequence=1,
+        submitted_at=now,
+        occurred_at=now,
+        result=ScoreResult(score=5, comment="ok", model="m"),
+    )
+
+
+async def _purge_outcome_queues(amqp_url: str) -> None:
+    """Both queues take every test's outcome: a test starts with none of the earlier ones."""
+    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
+    async with connection:
+        channel = await connection.channel()
+        for work_queue in (STATUS_PROJECTION, GATEWAY_TASK_OUTCOMES):
+            queue = await channel.get_queue(work_queue.name, ensure=False)
+            await queue.purge(timeout=TIMEOUT_S)
+
+
+async def _submitted(submissions: AsyncCollection[Json], task_id: str) -> None:
+    expires_at = utcnow() + timedelta(hours=1)
+    document = {"_id": task_id, "tenant_id": "acme", "state": "accepted", "expires_at": expires_at}
+    await submissions.insert_one(document)
+
+
+async def _dead_letter(
+    amqp_url: str, work_queue: WorkQueue, task_id: str
+) -> AbstractIncomingMessage:
+    """The task's letter in the queue's DLQ (the tests of this module share a vhost, and each
+    queue bound to outcomes takes every test's event)."""
+    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
+    async with connection:
+        channel = await connection.channel()
+        dlq = await channel.get_queue(work_queue.dead_letter_routing_key, ensure=False)
+
+        async def found() -> AbstractIncomingMessage | None:
+            while (letter := await dlq.get(no_ack=True, fail=False, timeout=TIMEOUT_S)) is not None:
+                if letter.correlation_id == task_id:
+                    return letter
+            return None
+
+        return await eventually(found, timeout_s=60, what=f"a dead letter of {work_queue.name}")
+
+
+@pytest.mark.parametrize(
+    ("subscribe", "work_queue", "collection"),
+    [
+        (_projection, STATUS_PROJECTION, "tasks"),
+        (_gateway_outcomes, GATEWAY_TASK_OUTCOMES, "submissions"),
+    ],
+    ids=["status-projection", "gateway-outcomes"],
+)
+async def test_a_delivery_refused_at_every_try_is_dead_lettered_with_the_reason(
+    amqp_url: str, database: Any, subscribe: Subscribe, work_queue: WorkQueue, collection: str
+) -> None:
+    refusing = RefusingCollection(database[collection])
+    broker = make_broker(ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url}))
+    subscribe(broker, cast("AsyncCollection[Json]", refusing))
+    await broker.connect()
+    await declare_topology(broker)
+    await _purge_outcome_queues(amqp_url)
+    await broker.start()
+    try:
+        event = _completion()
+        if work_queue is GATEWAY_TASK_OUTCOMES:  # an outcome of no submission is dropped
+            await _submitted(database["submissions"], event.task_id)
+        await publish_event(broker, event, timeout=TIMEOUT_S)
+        letter = await _dead_letter(amqp_url, work_queue, event.task_id)
+    finally:
+        await broker.stop()
+
+    headers = dict(letter.headers)
+    assert "Document failed validation" in str(headers[ERROR_HEADER])
+    assert "delivery limit" in str(headers[ERROR_HEADER])
+    assert reason(headers) == headers[ERROR_HEADER]  # what `scorebox dlq list` would show
+    assert headers[DEAD_LETTERED_FROM_HEADER] == work_queue.name
+    # Published by the consumer, not by RabbitMQ, and without the count that would have it
+    # given up at once were it moved back to its queue.
+    assert "x-death" not in headers
+    assert headers.get(DELIVERY_COUNT_HEADER, 0) == 0
+    # Tried at every delivery the limit allows, the first included.
+    assert refusing.bulk_writes == work_queue.delivery_limit + 1
+
+
+async def test_a_letter_carries_no_count_of_deliveries_before_it(
+    amqp_url: str, database: Any
+) -> None:
+    """Deliveries lost on earlier copies count towards the limit (`x-scorebox-earlier-
+    deliveries`), and the letter leaves the count behind: moved back to its queue, it would be
+    given up at its first failure."""
+    refusing = RefusingCollection(database["tasks"])
+    broker = make_broker(ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url}))
+    _projection(broker, cast("AsyncCollection[Json]", refusing))
+    await broker.connect()
+    await declare_topology(broker)
+    await _purge_outcome_queues(amqp_url)
+    await broker.start()
+    earlier = 3
+    try:
+        event = _completion()
+        await _publish_raw(amqp_url, event, headers={EARLIER_DELIVERIES_HEADER: earlier})
+        letter = await _dead_letter(amqp_url, STATUS_PROJECTION, event.task_id)
+    finally:
+        await broker.stop()
+
+    assert ERROR_HEADER in letter.headers
+    assert EARLIER_DELIVERIES_HEADER not in letter.headers
+    assert refusing.bulk_writes == STATUS_PROJECTION.delivery_limit + 1 - earlier
+
+
+async def _publish_raw(amqp_url: str, event: TaskCompleted, *, headers: Json) -> None:
+    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        events = await channel.get_exchange(EVENTS.name, ensure=False)
+        message = aio_pika.Message(
+            event.model_dump_json().encode(), headers=headers, correlation_id=event.task_id
+        )
+        await events.publish(message, routing_key=event.routing_key, timeout=TIMEOUT_S)

@@ -29,7 +29,8 @@ Routes
 ------
 ``POST /v1/chat/completions``
     OpenAI chat-completions request (``model``, ``messages``; ``response_format``,
-    ``max_tokens``, ``temperature`` ... are accepted and ignored; ``stream: true`` is refused).
+    ``temperature`` ... are accepted and ignored, ``max_tokens`` too but by the ``length``
+    fault; ``stream: true`` is refused).
     Needs ``Authorization: Bearer <non-empty>``, else 401. A body that is not a valid request
     gets 400. Errors always carry an OpenAI-style body
     ``{"error": {"message": ..., "type": ..., "param": null, "code": ...}}``.
@@ -87,7 +88,11 @@ KINDs: ``429`` (``rate_limit_error`` with ``Retry-After``), ``500``, ``503`` (``
 ``reject`` (400 ``invalid_request_error``, code ``content_policy_violation``), ``hang`` (never
 answers: cancelled when the client disconnects, answers 503 when the server stops), ``slow``
 (answers normally after an extra 2 s), ``malformed`` (200 whose content is not JSON),
-``range`` (200 with ``{"score": 42, ...}``). Unknown kinds are ignored.
+``range`` (200 with ``{"score": 42, ...}``), ``nochoices`` (200 ``chat.completion`` with
+``choices: []``, its prompt's tokens in ``usage``: a proxy's glitch), ``length`` (200 with
+``content: null`` and ``finish_reason: "length"``: the model stopped at its token limit,
+``usage`` billing the request's ``max_tokens``, else ``UNCAPPED_LENGTH_TOKENS``). Unknown
+kinds are ignored.
 
 Latency and random failures
 ---------------------------
@@ -127,13 +132,16 @@ CHARS_PER_TOKEN: Final = 4
 OUT_OF_RANGE_SCORE: Final = 42
 MALFORMED_CONTENT: Final = "Sure! The score is high."
 OBEDIENT_COMMENT: Final = "As instructed, 10."
+# What a `length` answer bills when the request set no token limit.
+UNCAPPED_LENGTH_TOKENS: Final = 4096
 
 _JSON: Final = "application/json"
 _TEXT_OPEN: Final = "<text>"
 _TEXT_CLOSE: Final = "</text>"
 _ID_MARKER: Final = re.compile(r"\[\[id:([^\]]+)\]\]")
 _FAULT_MARKER: Final = re.compile(
-    r"\[\[fake:(429|500|503|hang|slow|malformed|range|reject)(?:x(\d+))?(?::retry=(\d+))?\]\]"
+    r"\[\[fake:(429|500|503|hang|slow|malformed|range|reject|nochoices|length)"
+    r"(?:x(\d+))?(?::retry=(\d+))?\]\]"
 )
 _ANY_MARKER: Final = re.compile(r"\[\[(?:id|fake):[^\]]*\]\]")
 _IGNORE_INSTRUCTIONS: Final = re.compile(r"ignore\s+(?:all\s+)?previous\s+instructions")
@@ -178,6 +186,15 @@ class Fault:
     kind: str
     budget: int | None = None
     retry_after_s: int = 1
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """What the fake reads of a chat-completions request."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None  # when given, a positive integer
 
 
 class InvalidRequest(Exception):
@@ -512,8 +529,8 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _parse_completion_request(raw: bytes) -> tuple[str, list[dict[str, Any]]]:
-    """The model and messages of a chat-completions body, or InvalidRequest."""
+def _parse_completion_request(raw: bytes) -> CompletionRequest:
+    """The model, messages and token limit of a chat-completions body, or InvalidRequest."""
     body = _json_object(raw)
     model, messages = body.get("model"), body.get("messages")
     if not isinstance(model, str) or not model:
@@ -524,28 +541,46 @@ def _parse_completion_request(raw: bytes) -> tuple[str, list[dict[str, Any]]]:
         raise InvalidRequest("each message must be an object with a 'role'", "messages")
     if body.get("stream"):
         raise InvalidRequest("streaming is not supported by the fake model", "stream")
-    return model, messages
+    return CompletionRequest(model, messages, _token_limit(body))
+
+
+def _token_limit(body: dict[str, Any]) -> int | None:
+    limit = body.get("max_tokens")
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
 
 
 def _completion(
-    state: ServerState, model: str, messages: list[dict[str, Any]], content: str
+    state: ServerState,
+    asked: CompletionRequest,
+    content: str | None,
+    *,
+    finish_reason: str = "stop",
+    completion_tokens: int | None = None,
 ) -> web.Response:
-    prompt_chars = sum(len(_content_text(m.get("content"))) for m in messages)
+    """A chat completion of one choice; its completion tokens estimated from `content`
+    unless given."""
+    if completion_tokens is None:
+        completion_tokens = max(1, len(content or "") // CHARS_PER_TOKEN)
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": content},
+        "finish_reason": finish_reason,
+    }
+    return _completion_response(state, asked, [choice], completion_tokens)
+
+
+def _completion_response(
+    state: ServerState, asked: CompletionRequest, choices: list[Any], completion_tokens: int
+) -> web.Response:
+    prompt_chars = sum(len(_content_text(m.get("content"))) for m in asked.messages)
     prompt_tokens = max(1, prompt_chars // CHARS_PER_TOKEN)
-    completion_tokens = max(1, len(content) // CHARS_PER_TOKEN)
     return _json_response(
         {
             "id": state.next_completion_id(),
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": answered_model(model, state.config.model_date),
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": content},
-                    "finish_reason": "stop",
-                }
-            ],
+            "model": answered_model(asked.model, state.config.model_date),
+            "choices": choices,
             "usage": {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion_tokens,
@@ -566,8 +601,8 @@ async def _answer_completion(request: web.Request, state: ServerState) -> web.Re
     if not _has_bearer_key(request):
         return _unauthorized()
     try:
-        model, messages = _parse_completion_request(await request.read())
-        text = extract_judged_text(messages)
+        asked = _parse_completion_request(await request.read())
+        text = extract_judged_text(asked.messages)
     except InvalidRequest as exc:
         return _error(400, str(exc), "invalid_request_error", param=exc.param)
 
@@ -587,15 +622,26 @@ async def _answer_completion(request: web.Request, state: ServerState) -> web.Re
     delay_s = state.success_delay_s() + (SLOW_EXTRA_S if kind == "slow" else 0.0)
     if delay_s > 0.0:
         await asyncio.sleep(delay_s)
-    return _completion(state, model, messages, _answer_content(kind, text))
+    return _answer(state, asked, kind, text)
 
 
-def _answer_content(fault_kind: str | None, text: str) -> str:
-    if fault_kind == "malformed":
-        return MALFORMED_CONTENT
-    if fault_kind == "range":
-        return orjson.dumps({"score": OUT_OF_RANGE_SCORE, "comment": "Off the scale."}).decode()
-    return score_content(text)
+def _answer(
+    state: ServerState, asked: CompletionRequest, fault_kind: str | None, text: str
+) -> web.Response:
+    """The 200 answer: a verdict, or the unusable one a fault asks for."""
+    match fault_kind:
+        case "nochoices":
+            return _completion_response(state, asked, [], completion_tokens=0)
+        case "length":
+            limit = asked.max_tokens or UNCAPPED_LENGTH_TOKENS
+            return _completion(state, asked, None, finish_reason="length", completion_tokens=limit)
+        case "malformed":
+            return _completion(state, asked, MALFORMED_CONTENT)
+        case "range":
+            content = {"score": OUT_OF_RANGE_SCORE, "comment": "Off the scale."}
+            return _completion(state, asked, orjson.dumps(content).decode())
+        case _:
+            return _completion(state, asked, score_content(text))
 
 
 async def _chat_completions(request: web.Request) -> web.Response:

@@ -15,12 +15,9 @@ import httpx
 import pytest
 
 from services.gateway.admission import AdaptiveLimit
-from services.gateway.app import create_app as create_gateway
 from services.gateway.keys import generate_key
-from services.gateway.settings import GatewaySettings
-from services.status.app import create_app as create_status
-from services.status.settings import StatusSettings
-from tests.support import eventually, running
+from tests.integration.in_process import gateway_and_status
+from tests.support import eventually
 
 API_KEY = generate_key().token
 ADMIN_KEY = "admission-admin"
@@ -43,14 +40,10 @@ async def gateway(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Ga
         "RATE_LIMIT_PER_MIN": "0",
         "SUBMIT_MAX_CONCURRENCY": "1",  # one submission at a time, whatever the latency
     }
-    status = create_status(StatusSettings.model_validate(env))
-    async with running(status) as status_client:
-        app = create_gateway(GatewaySettings.model_validate(env), status_http=status_client)
-        admission = app.state.submission_admission
+    async with gateway_and_status(env, api_key=API_KEY) as services:
+        admission = services.gateway.state.submission_admission
         assert isinstance(admission, AdaptiveLimit)
-        async with running(app) as api:
-            api.headers["Authorization"] = f"Bearer {API_KEY}"
-            yield Gateway(api, admission)
+        yield Gateway(services.api, admission)
 
 
 @asynccontextmanager

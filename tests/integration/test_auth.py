@@ -18,13 +18,10 @@ import pytest
 from fastapi import FastAPI
 from pymongo import AsyncMongoClient
 
-from services.gateway.app import create_app as create_gateway
 from services.gateway.keys import ApiKeys, KeyConflict, bootstrap_key, generate_key, parse_key
-from services.gateway.settings import GatewaySettings
-from services.status.app import create_app as create_status
-from services.status.settings import StatusSettings
 from shared.contracts import utcnow
-from tests.support import eventually, queued_commands, running
+from tests.integration.in_process import gateway_and_status
+from tests.support import eventually, queued_commands
 
 ADMIN_KEY = "test-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -68,13 +65,10 @@ async def stack(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Stac
         "MONGO_DB_PREFIX": db_prefix,
         "ADMIN_API_KEY": ADMIN_KEY,
     }
-    status = create_status(StatusSettings.model_validate(env))
-    async with running(status) as status_client:
-        gateway = create_gateway(GatewaySettings.model_validate(env), status_http=status_client)
-        async with running(gateway) as api:
-            client: AsyncMongoClient[Json] = AsyncMongoClient(mongo.url, tz_aware=True)
-            yield Stack(gateway, api, amqp_url, client, db_prefix)
-            await client.close()
+    async with gateway_and_status(env) as services:
+        client: AsyncMongoClient[Json] = AsyncMongoClient(mongo.url, tz_aware=True)
+        yield Stack(services.gateway, services.api, amqp_url, client, db_prefix)
+        await client.close()
 
 
 def _tenant(label: str) -> str:

@@ -16,13 +16,10 @@ import pytest
 from pymongo import AsyncMongoClient
 
 from services.gateway import publisher
-from services.gateway.app import create_app as create_gateway
 from services.gateway.keys import ApiKeys, generate_key
 from services.gateway.settings import GatewaySettings
 from services.gateway.submissions import Submissions
 from services.gateway.submit import settle_outcome
-from services.status.app import create_app as create_status
-from services.status.settings import StatusSettings
 from shared.bus import publish_event
 from shared.contracts import (
     CancelTask,
@@ -39,7 +36,8 @@ from shared.contracts import (
 )
 from shared.runtime import make_broker
 from shared.topology import TASK_CANCELS
-from tests.support import CommandCounter, eventually, running
+from tests.integration.in_process import gateway_and_status
+from tests.support import CommandCounter, eventually
 
 API_KEY = generate_key().token  # registered for the default tenant by BOOTSTRAP_API_KEY
 CALLBACK = "https://example.com/hook"
@@ -69,22 +67,23 @@ class Stack:
 
 @pytest.fixture(scope="module")
 async def stack(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Stack]:
-    env = {"RABBITMQ_URL": amqp_url, "MONGO_URL": mongo.url, "MONGO_DB_PREFIX": db_prefix}
-    status_app = create_status(StatusSettings.model_validate(env))
-    async with running(status_app) as status_client:
-        settings = GatewaySettings.model_validate({**env, "BOOTSTRAP_API_KEY": API_KEY})
-        async with running(create_gateway(settings, status_http=status_client)) as api:
-            api.headers["Authorization"] = f"Bearer {API_KEY}"
-            client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
-            stack = Stack(api, amqp_url, client, db_prefix)
+    env = {
+        "RABBITMQ_URL": amqp_url,
+        "MONGO_URL": mongo.url,
+        "MONGO_DB_PREFIX": db_prefix,
+        "BOOTSTRAP_API_KEY": API_KEY,
+    }
+    async with gateway_and_status(env, api_key=API_KEY) as services:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
+        stack = Stack(services.api, amqp_url, client, db_prefix)
 
-            async def away_or_through(request: httpx.Request) -> None:
-                if stack.status_is_away:
-                    raise httpx.ConnectError("the status service is away", request=request)
+        async def away_or_through(request: httpx.Request) -> None:
+            if stack.status_is_away:
+                raise httpx.ConnectError("the status service is away", request=request)
 
-            status_client.event_hooks = {"request": [away_or_through], "response": []}
-            yield stack
-            await client.close()
+        services.status.event_hooks = {"request": [away_or_through], "response": []}
+        yield stack
+        await client.close()
 
 
 async def _sent_cancels(amqp_url: str) -> list[CancelTask]:

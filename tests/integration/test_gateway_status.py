@@ -15,8 +15,6 @@ from pymongo import AsyncMongoClient
 from services.gateway.app import create_app as create_gateway
 from services.gateway.keys import generate_key
 from services.gateway.settings import GatewaySettings
-from services.status.app import create_app as create_status
-from services.status.settings import StatusSettings
 from shared.bus import publish_event
 from shared.contracts import (
     Phase,
@@ -27,6 +25,7 @@ from shared.contracts import (
     utcnow,
 )
 from shared.runtime import make_broker
+from tests.integration.in_process import gateway_and_status
 from tests.support import eventually, queued_commands, running
 
 MAX_TEXT = 200
@@ -63,20 +62,14 @@ async def stack(amqp_url: str, mongo: object, db_prefix: str) -> AsyncIterator[S
         "MONGO_URL": mongo_url,
         "MONGO_DB_PREFIX": db_prefix,
         "INTERNAL_API_KEY": INTERNAL_KEY,  # the gateway's reads of the status service carry it
+        "MAX_TEXT_CHARS": str(MAX_TEXT),  # the gateway's (the status service reads neither)
+        "BOOTSTRAP_API_KEY": API_KEY,
     }
-    status_settings = StatusSettings.model_validate(env)
-    gateway_settings = GatewaySettings.model_validate(
-        {**env, "MAX_TEXT_CHARS": MAX_TEXT, "BOOTSTRAP_API_KEY": API_KEY}
-    )
     clock = MovableClock()
-    status_app = create_status(status_settings, clock=clock)
-    async with running(status_app) as status_client:
-        gateway_app = create_gateway(gateway_settings, status_http=status_client, clock=clock)
-        async with running(gateway_app) as api:
-            api.headers["Authorization"] = f"Bearer {API_KEY}"
-            client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(mongo_url, tz_aware=True)
-            yield Stack(api, amqp_url, client, db_prefix, clock)
-            await client.close()
+    async with gateway_and_status(env, api_key=API_KEY, clock=clock) as services:
+        client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(mongo_url, tz_aware=True)
+        yield Stack(services.api, amqp_url, client, db_prefix, clock)
+        await client.close()
 
 
 async def _submission_count(stack: Stack) -> int:

@@ -20,13 +20,9 @@ import pytest
 from pymongo import AsyncMongoClient
 
 from devtools.infra import Endpoint
-from services.gateway.app import create_app as create_gateway
 from services.gateway.keys import generate_key
-from services.gateway.settings import GatewaySettings
-from services.status.app import create_app as create_status
-from services.status.settings import StatusSettings
 from shared.topology import SCORE_REQUESTS
-from tests.support import running
+from tests.integration.in_process import gateway_and_status
 
 API_KEY = generate_key().token
 QUEUE_LENGTH = 2
@@ -100,14 +96,10 @@ async def stack(
         "RATE_LIMIT_PER_MIN": "0",
         "BROKER_TIMEOUT_S": "5",
     }
-    status = create_status(StatusSettings.model_validate(env))
-    async with running(status) as status_client:
-        gateway = create_gateway(GatewaySettings.model_validate(env), status_http=status_client)
-        async with running(gateway) as api:
-            api.headers["Authorization"] = f"Bearer {API_KEY}"
-            client: AsyncMongoClient[Json] = AsyncMongoClient(mongo.url, tz_aware=True)
-            yield Stack(api, amqp_url, client, db_prefix)
-            await client.close()
+    async with gateway_and_status(env, api_key=API_KEY) as services:
+        client: AsyncMongoClient[Json] = AsyncMongoClient(mongo.url, tz_aware=True)
+        yield Stack(services.api, amqp_url, client, db_prefix)
+        await client.close()
 
 
 async def _purge_work_queue(amqp_url: str) -> None:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from pymongo import AsyncMongoClient
 
-from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
+from devtools.fake_llm import MALFORMED_CONTENT, FakeLLM, FakeLLMConfig, start_fake_llm
 from services.gateway.app import create_app as create_gateway
 from services.gateway.cache import cache_key
 from services.gateway.keys import generate_key
@@ -157,6 +157,7 @@ async def test_exhausted_retries_dead_letter_the_task(flow: Flow) -> None:
     [
         ("malformed", "unusable_output", 2),
         ("range", "unusable_output", 2),
+        ("length", "unusable_output", 1),  # no repair: it would be cut at the same limit
         ("reject", "input_rejected", 1),
     ],
 )
@@ -173,18 +174,45 @@ async def test_permanent_failures_fail_at_once(
     assert flow.calls(marker) == calls
 
 
+@pytest.mark.parametrize(
+    ("fault", "calls", "says", "raw_output"),
+    [
+        pytest.param(
+            "malformed",
+            2,
+            "still unusable after one repair attempt",
+            MALFORMED_CONTENT,
+            id="malformed",
+        ),
+        pytest.param(
+            "length",
+            1,
+            "stopped at its token limit (300 tokens) before a complete answer; "
+            "LLM_MAX_OUTPUT_TOKENS raises it",
+            "",  # `content: null`
+            id="length",
+        ),
+    ],
+)
 async def test_an_answer_still_unusable_reports_the_tokens_it_used(
-    flow: Flow, mongo: Any, db_prefix: str
+    flow: Flow,
+    mongo: Any,
+    db_prefix: str,
+    fault: str,
+    calls: int,
+    says: str,
+    raw_output: str,
 ) -> None:
-    """Both calls (the answer and its repair) came back and are billed: `task.failed`
-    carries their usage and model, which the usage meter records like a completion's."""
+    """The calls that came back (an answer and its repair, or an answer cut at the token
+    limit, not repaired) are billed: `task.failed` carries their usage and model, which the
+    usage meter records like a completion's."""
     connection = await aio_pika.connect(flow.amqp_url, timeout=10)
     async with connection:
         channel = await connection.channel()
         failures = await channel.declare_queue(exclusive=True, timeout=10)
         await failures.bind(EVENTS.name, routing_key=TaskFailed.routing_key, timeout=10)
         marker = _marker()
-        task_id = await flow.submit(f"Unusable twice [[id:{marker}]] [[fake:malformed]]")
+        task_id = await flow.submit(f"Unusable [[id:{marker}]] [[fake:{fault}]]")
 
         async def failed() -> TaskFailed | None:
             message = await failures.get(no_ack=True, fail=False, timeout=5)
@@ -195,6 +223,7 @@ async def test_an_answer_still_unusable_reports_the_tokens_it_used(
 
         event = await eventually(failed, what="the task.failed event")
     assert event.error.code == "unusable_output"
+    assert says in event.error.message
     assert event.model == "fake-judge-1-2024-07-18"
     # Kept for audit with the decision, as a completed answer's is.
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url)
@@ -203,15 +232,26 @@ async def test_an_answer_still_unusable_reports_the_tokens_it_used(
     finally:
         await client.close()
     assert attempt is not None
-    assert attempt["raw_output"]
+    assert attempt["raw_output"] == raw_output
     assert event.usage.prompt_tokens > 0
     assert event.usage.completion_tokens > 0
-    assert flow.calls(marker) == 2
+    assert flow.calls(marker) == calls
 
 
 async def test_hanging_model_times_out_and_is_retried(flow: Flow) -> None:
     marker = _marker()
     task_id = await flow.submit(f"Slow model [[id:{marker}]] [[fake:hangx1]]")
+    view = await flow.finished(task_id)
+    assert view["status"] == "completed"
+    assert view["attempts"] == 2
+    assert flow.calls(marker) == 2
+
+
+async def test_an_answer_without_a_choice_is_retried(flow: Flow) -> None:
+    """A chat completion without a choice (a proxy's glitch) is the provider unavailable
+    for now, not a misconfigured endpoint: retried, and the retry is answered."""
+    marker = _marker()
+    task_id = await flow.submit(f"No choice [[id:{marker}]] [[fake:nochoicesx1]]")
     view = await flow.finished(task_id)
     assert view["status"] == "completed"
     assert view["attempts"] == 2

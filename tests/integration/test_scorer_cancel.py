@@ -22,11 +22,9 @@ from pymongo import AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 
 from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
-from services.scorer.app import create_app as create_scorer
 from services.scorer.attempts import COMPLETION_STANDS, Attempts, Cancelled, TooLate
 from services.scorer.cancels import TaskCancels, subscribe_cancels
 from services.scorer.decisions import Drop, Finish, Retry
-from services.scorer.model.settings import ModelSettings
 from services.scorer.scoring import score_text
 from services.scorer.settings import ScorerSettings
 from shared.bus import publish_cancel, publish_command
@@ -47,6 +45,7 @@ from shared.group_writes import GroupWriter
 from shared.runtime import make_broker
 from shared.topology import DEAD_LETTERED_FROM_HEADER, DLX, ERROR_HEADER, TASK_CANCELS
 from tests.integration import test_scorer_own_claims as own_claims
+from tests.integration.in_process import scorer_over
 from tests.integration.test_database_refusals import (
     HANDLER_DEADLINE_S,
     RETURNED_AS_FAILED,
@@ -54,7 +53,7 @@ from tests.integration.test_database_refusals import (
 )
 from tests.integration.test_scorer_own_claims import LEASE, Deps
 from tests.integration.test_scorer_usage_across_retries import _billed, outcomes
-from tests.support import HandedDelivery, HandlerOnly, eventually, running, stack_env
+from tests.support import HandedDelivery, HandlerOnly, eventually, running
 
 attempts = own_claims.attempts  # fixtures
 make_deps = own_claims.make_deps
@@ -395,19 +394,10 @@ class Scorer:
 @pytest.fixture(scope="module")
 async def scorer(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Scorer]:
     llm = await start_fake_llm(FakeLLMConfig())
-    env = stack_env(
-        amqp_url=amqp_url,
-        mongo_url=mongo.url,
-        db_prefix=db_prefix,
-        llm_url=llm.url,
-        api_key="unused",
-        llm_timeout_s=10,
-    )
-    settings = ScorerSettings.model_validate(env)
-    app = create_scorer(settings, ModelSettings.model_validate(env))
+    setup = scorer_over(llm, amqp_url=amqp_url, mongo_url=mongo.url, db_prefix=db_prefix)
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
-    async with running(app):
-        yield Scorer(amqp_url, llm, client[settings.database_name("scorer")]["attempts"])
+    async with running(setup.app()):
+        yield Scorer(amqp_url, llm, client[setup.settings.database_name("scorer")]["attempts"])
     await client.close()
     await llm.stop()
 

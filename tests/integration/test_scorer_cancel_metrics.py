@@ -11,13 +11,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from devtools.fake_llm import FakeLLMConfig, start_fake_llm
-from services.scorer.app import create_app as create_scorer
-from services.scorer.model.settings import ModelSettings
 from services.scorer.settings import ScorerSettings
 from shared.bus import publish_cancel
 from shared.contracts import CancelTask, new_id, utcnow
 from shared.runtime import make_broker
-from tests.support import eventually, running, stack_env
+from tests.integration.in_process import scorer_over
+from tests.support import eventually, running
 
 CANCELLATIONS = "scorebox_scorer_cancellations_total"
 
@@ -25,17 +24,9 @@ CANCELLATIONS = "scorebox_scorer_cancellations_total"
 @pytest.fixture(scope="module")
 async def scorer(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[httpx.AsyncClient]:
     llm = await start_fake_llm(FakeLLMConfig())  # never called: cancellations only
-    env = stack_env(
-        amqp_url=amqp_url,
-        mongo_url=mongo.url,
-        db_prefix=db_prefix,
-        llm_url=llm.url,
-        api_key="unused",
-        llm_timeout_s=10,
-    )
-    app = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))
+    setup = scorer_over(llm, amqp_url=amqp_url, mongo_url=mongo.url, db_prefix=db_prefix)
     try:
-        async with running(app) as client:
+        async with running(setup.app()) as client:
             yield client
     finally:
         await llm.stop()

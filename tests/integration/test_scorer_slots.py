@@ -18,8 +18,6 @@ import aio_pika
 from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
-from services.scorer.app import create_app as create_scorer
-from services.scorer.model.settings import ModelSettings
 from services.scorer.settings import ScorerSettings
 from shared.bus import publish_command
 from shared.contracts import ScoreText, new_id
@@ -31,7 +29,8 @@ from shared.topology import (
     declare_topology,
     deliveries_lost,
 )
-from tests.support import eventually, running, stack_env
+from tests.integration.in_process import FakeModelScorer, scorer_over
+from tests.support import eventually, running
 
 Message = aio_pika.abc.AbstractIncomingMessage
 SLOTS = 2
@@ -49,12 +48,11 @@ class Scene:
     amqp_url: str
     mongo: Any
     llm: FakeLLM
-    settings: ScorerSettings
-    model_settings: ModelSettings
+    setup: FakeModelScorer
     commands: dict[str, ScoreText]  # by the marker the fake model counts calls under
 
     def scorer(self) -> Any:
-        return running(create_scorer(self.settings, self.model_settings))
+        return running(self.setup.app())
 
     def calls(self) -> dict[str, int | None]:
         by_id = self.llm.stats()["by_id"]
@@ -67,24 +65,21 @@ class Scene:
 @asynccontextmanager
 async def _scene(amqp_url: str, mongo: Any, db_prefix: str, count: int) -> AsyncIterator[Scene]:
     llm = await start_fake_llm(FakeLLMConfig(latency_ms=LATENCY_MS))
-    env = stack_env(
+    setup = scorer_over(
+        llm,
         amqp_url=amqp_url,
         mongo_url=mongo.url,
         db_prefix=db_prefix,
-        llm_url=llm.url,
-        api_key="unused",
-        llm_timeout_s=10,
         SCORER_CONCURRENCY=str(SLOTS),
         BROKER_TIMEOUT_S="2",
     )
-    settings = ScorerSettings.model_validate(env)
     commands = {}
     for _ in range(count):
         marker = f"q{uuid.uuid4().hex[:12]}"
         commands[marker] = ScoreText(task_id=new_id(), text=f"Waits for a slot [[id:{marker}]].")
-    await _publish(settings, list(commands.values()))
+    await _publish(setup.settings, list(commands.values()))
     try:
-        yield Scene(amqp_url, mongo, llm, settings, ModelSettings.model_validate(env), commands)
+        yield Scene(amqp_url, mongo, llm, setup, commands)
     finally:
         await llm.stop()
 
@@ -119,7 +114,7 @@ async def _claims(scene: Scene) -> dict[str, str]:
     """The state of each claim on the scene's tasks, by task id."""
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(scene.mongo.url)
     try:
-        attempts = client[scene.settings.database_name("scorer")]["attempts"]
+        attempts = client[scene.setup.settings.database_name("scorer")]["attempts"]
         found = attempts.find({"_id": {"$in": list(scene.task_ids(set(scene.commands)))}})
         return {str(doc["_id"]): str(doc["state"]) async for doc in found}
     finally:

@@ -15,32 +15,29 @@ from typing import Any
 from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import FakeLLMConfig, start_fake_llm
-from services.scorer.app import create_app as create_scorer
-from services.scorer.model.settings import ModelSettings
-from services.scorer.settings import ScorerSettings
 from shared.bus import publish_command
 from shared.contracts import ScoreText, new_id
 from shared.runtime import make_broker
-from tests.support import running, stack_env
+from tests.integration.in_process import scorer_over
+from tests.support import running
 
 
 async def test_a_model_call_in_flight_at_stop_finishes_and_is_recorded(
     amqp_url: str, mongo: Any, db_prefix: str
 ) -> None:
     llm = await start_fake_llm(FakeLLMConfig(latency_ms=1500))
-    env = stack_env(
+    setup = scorer_over(
+        llm,
         amqp_url=amqp_url,
         mongo_url=mongo.url,
         db_prefix=db_prefix,
-        llm_url=llm.url,
-        api_key="unused",
         llm_timeout_s=5,
         BROKER_TIMEOUT_S="0.5",
     )
-    settings = ScorerSettings.model_validate(env)
+    settings = setup.settings
     marker = f"s{uuid.uuid4().hex[:12]}"
     command = ScoreText(task_id=new_id(), text=f"Stopped mid-call [[id:{marker}]].")
-    scorer = create_scorer(settings, ModelSettings.model_validate(env))
+    scorer = setup.app()
     async with running(scorer):
         publisher = make_broker(settings)
         async with publisher:

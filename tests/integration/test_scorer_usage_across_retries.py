@@ -4,8 +4,9 @@ An unusable first answer is billed; when its repair then fails for now (a 5xx, a
 the attempt is retried and the retry publishes nothing the usage meter reads. Those tokens
 used to be lost: the outcome carried only the last attempt's usage. Here the scorer runs
 whole on the real broker and database, the fake model server scripting each task's answers
-(`[[fake:malformedx1]]` an unusable first answer, then `[[fake:503xN]]` failures), and the
-outcome's usage is compared with what the fake billed, call by call.
+(`[[fake:malformedx1]]` an unusable first answer, then `[[fake:503xN]]` failures;
+`[[fake:nochoicesx1]]` a first answer without a choice), and the outcome's usage is compared
+with what the fake billed, call by call.
 """
 
 from __future__ import annotations
@@ -28,13 +29,11 @@ from devtools.fake_llm import (
     score_content,
     start_fake_llm,
 )
-from services.scorer.app import create_app as create_scorer
 from services.scorer.attempts import Attempts
 from services.scorer.consumer import BrokerActions, _at_delivery_limit
 from services.scorer.decisions import Retry
 from services.scorer.model.preparation import prepare_text
 from services.scorer.model.prompt import build_messages
-from services.scorer.model.settings import ModelSettings
 from services.scorer.scoring import score_text
 from services.scorer.settings import ScorerSettings
 from shared.bus import publish_command
@@ -53,8 +52,9 @@ from shared.contracts import (
 from shared.runtime import make_broker
 from shared.topology import EVENTS, SCORE_REQUESTS
 from tests.integration import test_scorer_own_claims as own_claims
+from tests.integration.in_process import scorer_over
 from tests.integration.test_scorer_own_claims import Deps
-from tests.support import HandedDelivery, eventually, running, stack_env
+from tests.support import HandedDelivery, eventually, running
 
 attempts = own_claims.attempts  # fixtures
 make_deps = own_claims.make_deps
@@ -101,16 +101,10 @@ class Scorer:
 @pytest.fixture(scope="module")
 async def scorer(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Scorer]:
     llm = await start_fake_llm(FakeLLMConfig())
-    env = stack_env(
-        amqp_url=amqp_url,
-        mongo_url=mongo.url,
-        db_prefix=db_prefix,
-        llm_url=llm.url,
-        api_key="unused",
-        llm_timeout_s=TIMEOUT_S,
+    setup = scorer_over(
+        llm, amqp_url=amqp_url, mongo_url=mongo.url, db_prefix=db_prefix, llm_timeout_s=TIMEOUT_S
     )
-    app = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))
-    async with running(app):
+    async with running(setup.app()):
         yield Scorer(amqp_url, llm)
     await llm.stop()
 
@@ -215,6 +209,25 @@ async def test_a_task_given_up_after_an_unusable_answer_reports_its_tokens(
     assert failed.usage == _billed(command.text, unusable=True)
     assert failed.model == ANSWERED_MODEL
     assert scorer.calls(marker) == 3
+
+
+async def test_an_answer_without_a_choice_is_retried_and_its_tokens_billed(
+    scorer: Scorer,
+) -> None:
+    """Attempt 1 is answered with a chat completion without a choice, which bills its prompt:
+    retried as the provider unavailable, and the completion carries those tokens too."""
+    command, marker = _task("[[fake:nochoicesx1]]")
+    async with outcomes(scorer.amqp_url) as published:
+        await scorer.send(command)
+        completed: TaskCompleted = await published.next_of(command.task_id, TaskCompleted)
+
+    [retrying] = [event for event in published.seen if isinstance(event, TaskRetrying)]
+    assert (retrying.attempt, retrying.error.code) == (1, "model_unavailable")
+    assert retrying.error.retryable
+    assert completed.attempt == 2
+    no_choice = Usage(prompt_tokens=_billed(command.text, unusable=False).prompt_tokens)
+    assert completed.result.usage == _add(no_choice, _billed(command.text, unusable=False))
+    assert scorer.calls(marker) == 2
 
 
 class PublishingFailures(BrokerActions):

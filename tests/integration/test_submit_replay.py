@@ -16,15 +16,12 @@ import httpx
 import pytest
 from pymongo import AsyncMongoClient
 
-from services.gateway.app import create_app as create_gateway
 from services.gateway.cache import ResultCache
 from services.gateway.errors import DatabaseUnavailable
 from services.gateway.keys import generate_key
-from services.gateway.settings import GatewaySettings
 from services.gateway.submissions import Submission, Submissions
-from services.status.app import create_app as create_status
-from services.status.settings import StatusSettings
-from tests.support import queued_commands, running
+from tests.integration.in_process import gateway_and_status
+from tests.support import queued_commands
 
 API_KEY = generate_key().token
 
@@ -47,13 +44,9 @@ async def stack(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Stac
         "BOOTSTRAP_API_KEY": API_KEY,
         "RATE_LIMIT_PER_MIN": "0",
     }
-    status = create_status(StatusSettings.model_validate(env))
     client: AsyncMongoClient[Json] = AsyncMongoClient(mongo.url, tz_aware=True)
-    async with running(status) as status_client:
-        gateway = create_gateway(GatewaySettings.model_validate(env), status_http=status_client)
-        async with running(gateway) as api:
-            api.headers["Authorization"] = f"Bearer {API_KEY}"
-            yield Stack(api, amqp_url, client[f"{db_prefix}_gateway"]["submissions"])
+    async with gateway_and_status(env, api_key=API_KEY) as services:
+        yield Stack(services.api, amqp_url, client[f"{db_prefix}_gateway"]["submissions"])
     await client.close()
 
 

@@ -4,13 +4,11 @@ shows, how it fails."""
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import httpx
 import pytest
-from typer.testing import CliRunner
 
-from scorebox import cli
+from tests.unit.cli_support import cli_answered_by, run_cli
 
 
 class FakeGateway:
@@ -26,20 +24,13 @@ class FakeGateway:
 @pytest.fixture
 def gateway(monkeypatch: pytest.MonkeyPatch) -> FakeGateway:
     fake = FakeGateway()
-    monkeypatch.setattr(cli, "transport", httpx.MockTransport(fake))
-    monkeypatch.setenv("SCOREBOX_URL", "http://gateway.test")
-    monkeypatch.setenv("SCOREBOX_ADMIN_KEY", "the-admin-key")
-    monkeypatch.setenv("SCOREBOX_API_KEY", "an-api-key")
+    cli_answered_by(monkeypatch, fake, api_key="an-api-key")
     return fake
-
-
-def _run(*args: str) -> Any:
-    return CliRunner().invoke(cli.app, list(args))
 
 
 def test_create_posts_tenant_and_name_with_the_admin_key(gateway: FakeGateway) -> None:
     gateway.answer = httpx.Response(201, json={"key_id": "k", "key": "sbx_k_secret"})
-    result = _run("keys", "create", "--tenant", "acme", "--name", "ci")
+    result = run_cli("keys", "create", "--tenant", "acme", "--name", "ci")
     assert result.exit_code == 0, result.output
     [request] = gateway.requests
     assert (request.method, request.url.path) == ("POST", "/admin/v1/keys")
@@ -50,8 +41,8 @@ def test_create_posts_tenant_and_name_with_the_admin_key(gateway: FakeGateway) -
 
 def test_list_filters_by_tenant_when_asked(gateway: FakeGateway) -> None:
     gateway.answer = httpx.Response(200, json={"count": 0, "items": []})
-    assert _run("keys", "list", "--tenant", "acme").exit_code == 0
-    assert _run("keys", "list").exit_code == 0
+    assert run_cli("keys", "list", "--tenant", "acme").exit_code == 0
+    assert run_cli("keys", "list").exit_code == 0
     filtered, everyone = gateway.requests
     assert (filtered.method, filtered.url.path) == ("GET", "/admin/v1/keys")
     assert filtered.url.params["tenant_id"] == "acme"
@@ -61,7 +52,7 @@ def test_list_filters_by_tenant_when_asked(gateway: FakeGateway) -> None:
 
 def test_revoke_deletes_the_key(gateway: FakeGateway) -> None:
     gateway.answer = httpx.Response(200, json={"key_id": "0123456789abcdef", "revoked_at": "x"})
-    result = _run("keys", "revoke", "0123456789abcdef")
+    result = run_cli("keys", "revoke", "0123456789abcdef")
     assert result.exit_code == 0, result.output
     [request] = gateway.requests
     assert (request.method, request.url.path) == ("DELETE", "/admin/v1/keys/0123456789abcdef")
@@ -74,7 +65,7 @@ def test_a_refusal_is_reported_with_a_failing_exit_code(
     gateway: FakeGateway, args: tuple[str, ...]
 ) -> None:
     gateway.answer = httpx.Response(401, json={"detail": "Send the admin key."})
-    result = _run(*args)
+    result = run_cli(*args)
     assert result.exit_code == 1
     assert "401" in result.output
     assert "Send the admin key." in result.output

@@ -14,12 +14,9 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from scorebox import cli
+from tests.unit.cli_support import run_cli
 
 Answer = Callable[[httpx.Request], httpx.Response]
-
-
-def _run(*args: str) -> Result:
-    return CliRunner().invoke(cli.app, list(args))
 
 
 def _clean_exit_1(result: Result) -> None:
@@ -70,7 +67,7 @@ def test_a_malformed_url_names_its_variable(
     seen = _serve(monkeypatch, lambda request: httpx.Response(200, json={}))
     monkeypatch.setenv(variable, url)
 
-    result = _run(*command)
+    result = run_cli(*command)
 
     _clean_exit_1(result)
     assert f"error: {variable}={url!r}" in result.output
@@ -81,7 +78,7 @@ def test_an_empty_url_variable_means_the_default(monkeypatch: pytest.MonkeyPatch
     seen = _serve(monkeypatch, lambda request: httpx.Response(200, json={"task_id": "t"}))
     monkeypatch.setenv("SCOREBOX_URL", "")
 
-    result = _run("status", "t")
+    result = run_cli("status", "t")
 
     assert result.exit_code == 0, result.output
     assert str(seen[0].url) == "http://127.0.0.1:8000/v1/scores/t"
@@ -127,7 +124,7 @@ def test_an_answer_that_is_no_json_object_is_one_line(
         lambda request: httpx.Response(status, content=answer.content, headers=answer.headers),
     )
 
-    result = _run(*command)
+    result = run_cli(*command)
 
     _clean_exit_1(result)
     assert "with no JSON object" in result.output
@@ -139,7 +136,7 @@ def test_a_long_html_page_is_quoted_short_on_one_line(monkeypatch: pytest.Monkey
     page = "<html>\n" + "<p>padding</p>\n" * 500 + "</html>"
     _serve(monkeypatch, lambda request: httpx.Response(200, text=page))
 
-    result = _run("status", "t")
+    result = run_cli("status", "t")
 
     _clean_exit_1(result)
     [line] = result.output.splitlines()
@@ -174,7 +171,7 @@ def test_an_object_without_the_fields_needed_is_one_line(
 def test_a_job_list_of_something_else_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     _serve(monkeypatch, lambda request: httpx.Response(200, json={"jobs": [{"name": "x"}]}))
 
-    result = _run("cron", "list")
+    result = run_cli("cron", "list")
 
     _clean_exit_1(result)
     assert "a job list without jobs" in result.output
@@ -198,7 +195,7 @@ def test_an_error_body_of_any_json_shape_is_one_line(
     _serve(monkeypatch, lambda request: httpx.Response(500, content=json.dumps(body).encode()))
 
     for command in (("status", "t"), ("dlq", "list"), ("cron", "list")):
-        result = _run(*command)
+        result = run_cli(*command)
         _clean_exit_1(result)
         assert result.output.startswith("error 500: ")
         assert shown in result.output
@@ -207,7 +204,7 @@ def test_an_error_body_of_any_json_shape_is_one_line(
 def test_an_empty_error_body_shows_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     _serve(monkeypatch, lambda request: httpx.Response(502, content=b""))
 
-    result = _run("status", "t")
+    result = run_cli("status", "t")
 
     _clean_exit_1(result)
     assert result.output.strip() == "error 502: Bad Gateway"
@@ -215,7 +212,7 @@ def test_an_empty_error_body_shows_the_reason(monkeypatch: pytest.MonkeyPatch) -
 
 def test_cron_help_says_it_needs_the_admin_key() -> None:
     """The help said the scheduler's admin routes check no key; they check ADMIN_API_KEY."""
-    result = _run("cron", "--help")
+    result = run_cli("cron", "--help")
 
     assert result.exit_code == 0
     assert "SCOREBOX_ADMIN_KEY" in result.output
@@ -277,7 +274,7 @@ def test_a_gateway_on_this_machine_is_called_directly_despite_a_proxy(
     gateway = servers("gateway").replace("127.0.0.1", host)
     monkeypatch.setenv("SCOREBOX_URL", gateway)
 
-    result = _run("status", "t")
+    result = run_cli("status", "t")
 
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["task_id"] == "gateway /v1/scores/t"
@@ -288,7 +285,7 @@ def test_a_remote_gateway_is_still_called_through_the_proxy(
 ) -> None:
     monkeypatch.setenv("SCOREBOX_URL", "http://gateway.example.test")
 
-    result = _run("status", "t")
+    result = run_cli("status", "t")
 
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["task_id"] == "proxy http://gateway.example.test/v1/scores/t"

@@ -9,9 +9,10 @@ from typing import Any
 
 import httpx
 import pytest
-from typer.testing import CliRunner, Result
+from typer.testing import CliRunner
 
 from scorebox import cli
+from tests.unit.cli_support import cli_answered_by, run_cli
 
 Answer = Callable[[httpx.Request], httpx.Response]
 
@@ -69,16 +70,8 @@ class FakeServer:
 @pytest.fixture
 def server(monkeypatch: pytest.MonkeyPatch) -> FakeServer:
     fake = FakeServer()
-    monkeypatch.setattr(cli, "transport", httpx.MockTransport(fake))
-    monkeypatch.setenv("SCOREBOX_URL", "http://gateway.test")
-    monkeypatch.setenv("SCOREBOX_SCHEDULER_URL", "http://scheduler.test")
-    monkeypatch.setenv("SCOREBOX_ADMIN_KEY", "the-admin-key")
-    monkeypatch.setenv("SCOREBOX_API_KEY", "an-api-key")
+    cli_answered_by(monkeypatch, fake, api_key="an-api-key")
     return fake
-
-
-def _run(*args: str) -> Result:
-    return CliRunner().invoke(cli.app, list(args))
 
 
 # --- cron list ---------------------------------------------------------------------------
@@ -88,7 +81,7 @@ def test_cron_list_shows_a_table_of_the_jobs(server: FakeServer) -> None:
     jobs = [_job("usage-rollup", last="succeeded"), _job("rescore-fanout", enabled=False)]
     server.script("GET", "/admin/v1/cron/jobs", httpx.Response(200, json={"jobs": jobs}))
 
-    result = _run("cron", "list")
+    result = run_cli("cron", "list")
 
     assert result.exit_code == 0, result.output
     [request] = server.requests
@@ -124,7 +117,7 @@ def test_cron_list_shows_a_table_of_the_jobs(server: FakeServer) -> None:
 
 def test_cron_list_reports_an_unavailable_scheduler(server: FakeServer) -> None:
     server.script("GET", "/admin/v1/cron/jobs", _problem(503, "database unavailable"))
-    result = _run("cron", "list")
+    result = run_cli("cron", "list")
     assert result.exit_code == 1
     assert "error 503: database unavailable" in result.output
 
@@ -136,7 +129,7 @@ def test_cron_list_without_a_scheduler_fails_cleanly(
         raise httpx.ConnectError("connection refused", request=request)
 
     monkeypatch.setattr(cli, "transport", httpx.MockTransport(refuse))
-    result = _run("cron", "list")
+    result = run_cli("cron", "list")
     assert result.exit_code == 1
     assert "error: http://scheduler.test unreachable: connection refused" in result.output
 
@@ -149,7 +142,7 @@ def test_cron_run_fires_the_job_and_prints_the_accepted_run(server: FakeServer) 
         "POST", "/admin/v1/cron/jobs/usage-rollup/run", httpx.Response(202, json=ACCEPTED)
     )
 
-    result = _run("cron", "run", "usage-rollup")
+    result = run_cli("cron", "run", "usage-rollup")
 
     assert result.exit_code == 0, result.output
     [request] = server.requests
@@ -172,7 +165,7 @@ def test_cron_run_wait_polls_the_run_until_it_ends(
         httpx.Response(200, json=_run_state(final)),
     )
 
-    result = _run("cron", "run", "usage-rollup", "--wait", "--poll-s", "0")
+    result = run_cli("cron", "run", "usage-rollup", "--wait", "--poll-s", "0")
 
     assert result.exit_code == code, result.output
     polls = [r for r in server.requests if r.method == "GET"]
@@ -183,7 +176,7 @@ def test_cron_run_wait_polls_the_run_until_it_ends(
 @pytest.mark.parametrize("status", [404, 503])
 def test_cron_run_refused_exits_1(server: FakeServer, status: int) -> None:
     server.script("POST", "/admin/v1/cron/jobs/nope/run", _problem(status, "no such job"))
-    result = _run("cron", "run", "nope", "--wait")
+    result = run_cli("cron", "run", "nope", "--wait")
     assert result.exit_code == 1
     assert f"error {status}: no such job" in result.output
 
@@ -193,7 +186,7 @@ def test_cron_run_wait_exits_1_when_the_run_is_gone(server: FakeServer) -> None:
         "POST", "/admin/v1/cron/jobs/usage-rollup/run", httpx.Response(202, json=ACCEPTED)
     )
     server.script("GET", RUN_URL, _problem(404, "No cron run 'r1' is known"))
-    result = _run("cron", "run", "usage-rollup", "--wait", "--poll-s", "0")
+    result = run_cli("cron", "run", "usage-rollup", "--wait", "--poll-s", "0")
     assert result.exit_code == 1
     assert "error 404" in result.output
 
@@ -203,7 +196,7 @@ def test_cron_run_wait_gives_up_at_its_timeout(server: FakeServer) -> None:
         "POST", "/admin/v1/cron/jobs/usage-rollup/run", httpx.Response(202, json=ACCEPTED)
     )
     server.script("GET", RUN_URL, httpx.Response(200, json=_run_state("running")))
-    result = _run("cron", "run", "usage-rollup", "--wait", "--timeout", "0", "--poll-s", "0")
+    result = run_cli("cron", "run", "usage-rollup", "--wait", "--timeout", "0", "--poll-s", "0")
     assert result.exit_code == 1
     assert "still running" in result.output
 
@@ -213,7 +206,7 @@ def test_cron_sends_no_key_when_none_is_set(
 ) -> None:
     monkeypatch.delenv("SCOREBOX_ADMIN_KEY")
     server.script("GET", "/admin/v1/cron/jobs", httpx.Response(200, json={"jobs": []}))
-    assert _run("cron", "list").exit_code == 0
+    assert run_cli("cron", "list").exit_code == 0
     assert "authorization" not in server.requests[0].headers
 
 
@@ -224,7 +217,7 @@ def test_usage_asks_the_gateway_with_the_api_key(server: FakeServer) -> None:
     report = {"tenant_id": "acme", "from": "2030-01-01", "to": "2030-01-31", "days": []}
     server.script("GET", "/v1/usage", httpx.Response(200, json=report))
 
-    result = _run("usage", "--from", "2030-01-01", "--to", "2030-01-31")
+    result = run_cli("usage", "--from", "2030-01-01", "--to", "2030-01-31")
 
     assert result.exit_code == 0, result.output
     [request] = server.requests
@@ -236,13 +229,13 @@ def test_usage_asks_the_gateway_with_the_api_key(server: FakeServer) -> None:
 
 def test_usage_leaves_the_period_to_the_gateway_when_not_given(server: FakeServer) -> None:
     server.script("GET", "/v1/usage", httpx.Response(200, json={"days": []}))
-    assert _run("usage").exit_code == 0
+    assert run_cli("usage").exit_code == 0
     assert dict(server.requests[0].url.params) == {}
 
 
 def test_usage_reports_a_refused_period(server: FakeServer) -> None:
     server.script("GET", "/v1/usage", _problem(422, "`to` must not be before `from`."))
-    result = _run("usage", "--from", "2030-01-31", "--to", "2030-01-01")
+    result = run_cli("usage", "--from", "2030-01-31", "--to", "2030-01-01")
     assert result.exit_code == 1
     assert "error 422: `to` must not be before `from`." in result.output
 
@@ -257,7 +250,7 @@ def test_cron_dlq_list_asks_the_scheduler_with_the_admin_key(server: FakeServer)
     listing = {"count": 1, "truncated": False, "letters": [letter]}
     server.script("GET", CRON_DLQ, httpx.Response(200, json=listing))
 
-    result = _run("cron", "dlq", "list")
+    result = run_cli("cron", "dlq", "list")
 
     assert result.exit_code == 0, result.output
     [request] = server.requests
@@ -270,7 +263,7 @@ def test_cron_dlq_replay_sends_the_run_ids(server: FakeServer) -> None:
     report = {"replayed": [{"dead_run_id": "r0", "run_id": "r9"}], "not_found": []}
     server.script("POST", f"{CRON_DLQ}/replay", httpx.Response(200, json=report))
 
-    result = _run("cron", "dlq", "replay", "r0")
+    result = run_cli("cron", "dlq", "replay", "r0")
 
     assert result.exit_code == 0, result.output
     [request] = server.requests
@@ -281,14 +274,14 @@ def test_cron_dlq_replay_sends_the_run_ids(server: FakeServer) -> None:
 
 def test_cron_dlq_replay_all(server: FakeServer) -> None:
     server.script("POST", f"{CRON_DLQ}/replay", httpx.Response(200, json={"replayed": []}))
-    result = _run("cron", "dlq", "replay", "--all")
+    result = run_cli("cron", "dlq", "replay", "--all")
     assert result.exit_code == 0, result.output
     assert json.loads(server.requests[0].content) == {"all": True}
 
 
 @pytest.mark.parametrize("args", [(), ("r0", "--all")])
 def test_cron_dlq_replay_wants_ids_or_all(server: FakeServer, args: tuple[str, ...]) -> None:
-    result = _run("cron", "dlq", "replay", *args)
+    result = run_cli("cron", "dlq", "replay", *args)
     assert result.exit_code == 2
     assert not server.requests
 
@@ -296,7 +289,7 @@ def test_cron_dlq_replay_wants_ids_or_all(server: FakeServer, args: tuple[str, .
 def test_cron_dlq_replay_exits_1_on_a_run_not_found(server: FakeServer) -> None:
     report = {"replayed": [], "not_found": ["r7"]}
     server.script("POST", f"{CRON_DLQ}/replay", httpx.Response(200, json=report))
-    result = _run("cron", "dlq", "replay", "r7")
+    result = run_cli("cron", "dlq", "replay", "r7")
     assert result.exit_code == 1
     assert "not found: r7" in result.output
 
@@ -304,7 +297,7 @@ def test_cron_dlq_replay_exits_1_on_a_run_not_found(server: FakeServer) -> None:
 def test_cron_dlq_replay_refused_for_a_job_gone_exits_1(server: FakeServer) -> None:
     refused = _problem(409, "job no longer configured: old-job (run r0)")
     server.script("POST", f"{CRON_DLQ}/replay", refused)
-    result = _run("cron", "dlq", "replay", "r0")
+    result = run_cli("cron", "dlq", "replay", "r0")
     assert result.exit_code == 1
     assert "error 409: job no longer configured" in result.output
 
@@ -316,7 +309,7 @@ def test_cron_dlq_purge_asks_first(server: FakeServer) -> None:
     assert declined.exit_code == 1
     assert not server.requests
 
-    result = _run("cron", "dlq", "purge", "--yes")
+    result = run_cli("cron", "dlq", "purge", "--yes")
     assert result.exit_code == 0, result.output
     [request] = server.requests
     assert (request.method, request.url.host) == ("DELETE", "scheduler.test")

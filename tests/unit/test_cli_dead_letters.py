@@ -9,9 +9,9 @@ from typing import Any
 
 import httpx
 import pytest
-from typer.testing import CliRunner, Result
 
 from scorebox import cli
+from tests.unit.cli_support import cli_answered_by, run_cli
 from tests.unit.test_cli_cron import FakeServer, _problem
 
 LETTERS = "/admin/v1/dead-letters"
@@ -24,15 +24,8 @@ Json = dict[str, Any]
 @pytest.fixture
 def server(monkeypatch: pytest.MonkeyPatch) -> FakeServer:
     fake = FakeServer()
-    monkeypatch.setattr(cli, "transport", httpx.MockTransport(fake))
-    monkeypatch.setenv("SCOREBOX_URL", "http://gateway.test")
-    monkeypatch.setenv("SCOREBOX_SCHEDULER_URL", "http://scheduler.test")
-    monkeypatch.setenv("SCOREBOX_ADMIN_KEY", "the-admin-key")
+    cli_answered_by(monkeypatch, fake)
     return fake
-
-
-def _run(*args: str) -> Result:
-    return CliRunner().invoke(cli.app, list(args))
 
 
 def _dropped(letter_id: str, removed: int = 1, *, truncated: bool = False) -> httpx.Response:
@@ -57,7 +50,7 @@ def test_dlq_drop_deletes_each_letter_in_a_path_segment_of_its_own(server: FakeS
     server.script("DELETE", f"{LETTERS}/a/b", _dropped("a/b"))
     server.script("DELETE", f"{LETTERS}/t2", _dropped("t2", removed=2))
 
-    result = _run("dlq", "drop", "a/b", "t2")
+    result = run_cli("dlq", "drop", "a/b", "t2")
 
     assert result.exit_code == 0, result.output
     assert [(r.method, r.url.host, r.url.raw_path) for r in server.requests] == [
@@ -76,7 +69,7 @@ def test_dlq_drop_tries_every_id_and_exits_1_when_one_was_not_dropped(
     server.script("DELETE", f"{LETTERS}/gone", _problem(404, "No dead letter 'gone'."))
     server.script("DELETE", f"{LETTERS}/t2", _dropped("t2"))
 
-    result = _run("dlq", "drop", "gone", "t2")
+    result = run_cli("dlq", "drop", "gone", "t2")
 
     assert result.exit_code == 1
     assert len(server.requests) == 2
@@ -111,7 +104,7 @@ def test_a_drop_that_does_not_get_an_answer_is_reported_and_the_other_ids_are_tr
     server.script("DELETE", f"{path}/t1", _dropped("t1"))
     server.script("DELETE", f"{path}/t3", _dropped("t3"))
 
-    result = _run(*command, "t1", "lost", "t3")
+    result = run_cli(*command, "t1", "lost", "t3")
 
     assert result.exit_code == 1
     assert [r.url.path for r in server.requests] == [
@@ -127,7 +120,7 @@ def test_a_drop_the_walk_did_not_reach_exits_1_with_why(server: FakeServer) -> N
     detail = "No dead letter 't9' among the first 1300: it may lie past them."
     server.script("DELETE", f"{LETTERS}/t9", _problem(409, detail))
 
-    result = _run("dlq", "drop", "t9")
+    result = run_cli("dlq", "drop", "t9")
 
     assert result.exit_code == 1
     assert f"error 409: {detail}" in result.stderr
@@ -136,7 +129,7 @@ def test_a_drop_the_walk_did_not_reach_exits_1_with_why(server: FakeServer) -> N
 def test_a_drop_cut_short_says_copies_may_be_left(server: FakeServer) -> None:
     server.script("DELETE", f"{LETTERS}/t1", _dropped("t1", removed=3, truncated=True))
 
-    result = _run("dlq", "drop", "t1")
+    result = run_cli("dlq", "drop", "t1")
 
     assert result.exit_code == 0, result.output
     assert WALK_STOPPED in result.stderr
@@ -147,14 +140,14 @@ def test_a_drop_cut_short_says_copies_may_be_left(server: FakeServer) -> None:
 def test_a_drop_with_an_empty_id_sends_nothing(
     server: FakeServer, command: tuple[str, ...]
 ) -> None:
-    result = _run(*command, "t1", "")
+    result = run_cli(*command, "t1", "")
     assert result.exit_code == 2
     assert not server.requests
 
 
 @pytest.mark.parametrize("command", [("dlq", "drop"), ("cron", "dlq", "drop")])
 def test_a_drop_needs_an_id(server: FakeServer, command: tuple[str, ...]) -> None:
-    assert _run(*command).exit_code == 2
+    assert run_cli(*command).exit_code == 2
     assert not server.requests
 
 
@@ -162,7 +155,7 @@ def test_cron_dlq_drop_asks_the_scheduler(server: FakeServer) -> None:
     dropped = {"run_id": "r/0", "removed": 1, "truncated": False}
     server.script("DELETE", f"{CRON_LETTERS}/r/0", httpx.Response(200, json=dropped))
 
-    result = _run("cron", "dlq", "drop", "r/0")
+    result = run_cli("cron", "dlq", "drop", "r/0")
 
     assert result.exit_code == 0, result.output
     [request] = server.requests
@@ -187,7 +180,7 @@ def test_a_listing_says_when_its_walk_was_cut_short(
     listing = {"count": 1300, "truncated": truncated, "items": []}
     server.script("GET", path, httpx.Response(200, json=listing))
 
-    result = _run(*command)
+    result = run_cli(*command)
 
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == listing
@@ -208,7 +201,7 @@ def test_a_replay_by_ids_cut_short_names_the_ids_not_reached_and_exits_1(
     report: Json = {"replayed": [], "not_found": [], "not_reached": ["x", "y"], "truncated": True}
     server.script("POST", f"{path}/replay", httpx.Response(200, json=report))
 
-    result = _run(*command, "x", "y")
+    result = run_cli(*command, "x", "y")
 
     assert result.exit_code == 1
     assert json.loads(result.stdout) == report
@@ -222,7 +215,7 @@ def test_a_replay_of_all_cut_short_says_so_and_exits_0(server: FakeServer) -> No
     report: Json = {"replayed": ["t1"], "not_found": [], "not_reached": [], "truncated": True}
     server.script("POST", f"{LETTERS}/replay", httpx.Response(200, json=report))
 
-    result = _run("dlq", "replay", "--all")
+    result = run_cli("dlq", "replay", "--all")
 
     assert result.exit_code == 0, result.output
     assert WALK_STOPPED in result.stderr

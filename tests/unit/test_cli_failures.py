@@ -10,13 +10,9 @@ from typing import Any
 
 import httpx
 import pytest
-from typer.testing import CliRunner
 
 from scorebox import cli
-
-
-def _run(*args: str, input: bytes | None = None) -> Any:
-    return CliRunner().invoke(cli.app, list(args), input=input)
+from tests.unit.cli_support import run_cli
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +53,7 @@ def test_a_gateway_down_or_slow_is_one_line_and_exit_1(
 ) -> None:
     """Every command but `usage` and `cron` printed a traceback of a few hundred lines."""
     _gateway(monkeypatch, failure)
-    result = _run(*command)
+    result = run_cli(*command)
     assert result.exit_code == 1
     assert isinstance(result.exception, SystemExit)
     assert "unreachable" in result.output
@@ -65,7 +61,7 @@ def test_a_gateway_down_or_slow_is_one_line_and_exit_1(
 
 
 def test_a_text_that_cannot_be_read_is_one_line_and_exit_1(tmp_path: Path) -> None:
-    result = _run("submit", str(tmp_path / "absent.txt"))
+    result = run_cli("submit", str(tmp_path / "absent.txt"))
     assert result.exit_code == 1
     assert isinstance(result.exception, SystemExit)
     assert "cannot read" in result.output
@@ -74,7 +70,7 @@ def test_a_text_that_cannot_be_read_is_one_line_and_exit_1(tmp_path: Path) -> No
 def test_a_replay_of_letters_not_found_exits_1(monkeypatch: pytest.MonkeyPatch) -> None:
     body = {"replayed": [], "skipped_unreadable": [], "not_found": ["nope"]}
     _gateway(monkeypatch, lambda request: httpx.Response(200, json=body))
-    result = _run("dlq", "replay", "nope")
+    result = run_cli("dlq", "replay", "nope")
     assert result.exit_code == 1
     assert "not found: nope" in result.output
 
@@ -88,7 +84,7 @@ def test_a_wait_that_runs_out_exits_1(monkeypatch: pytest.MonkeyPatch, tmp_path:
         monkeypatch,
         lambda request: httpx.Response(202 if request.method == "POST" else 200, json=queued),
     )
-    result = _run("submit", str(essay), "--wait", "--timeout", "0")
+    result = run_cli("submit", str(essay), "--wait", "--timeout", "0")
     assert result.exit_code == 1
     assert "still queued" in result.output
 
@@ -115,7 +111,7 @@ def test_a_wait_polls_on_through_busy_answers_after_their_retry_after(
     )
     pauses: list[float] = []
     monkeypatch.setattr(time, "sleep", pauses.append)
-    result = _run("submit", str(essay), "--wait")
+    result = run_cli("submit", str(essay), "--wait")
     assert result.exit_code == 0, result.output
     assert '"completed"' in result.output
     assert pauses == [7, 2]
@@ -133,7 +129,7 @@ def test_a_wait_gives_up_on_busy_answers_at_its_own_deadline(
         lambda request: httpx.Response(202, json=queued) if request.method == "POST" else busy,
     )
     monkeypatch.setattr(time, "sleep", lambda seconds: None)
-    result = _run("submit", str(essay), "--wait", "--timeout", "1")
+    result = run_cli("submit", str(essay), "--wait", "--timeout", "1")
     assert result.exit_code == 1
     assert "error 503: status away" in result.output
 
@@ -167,7 +163,7 @@ def test_a_key_no_header_can_carry_is_one_line_naming_its_variable(
     """The README's `Bearer sbx_…` pasted as it stands raised a UnicodeEncodeError."""
     seen = _recorded(monkeypatch)
     monkeypatch.setenv(variable, key)
-    result = _run(*command)
+    result = run_cli(*command)
     assert result.exit_code == 1
     assert isinstance(result.exception, SystemExit), repr(result.exception)
     assert variable in result.output
@@ -183,7 +179,7 @@ def test_an_idempotency_key_the_gateway_would_refuse_is_a_usage_error_sending_no
     seen = _recorded(monkeypatch)
     essay = tmp_path / "essay.txt"
     essay.write_text("A text.", encoding="utf-8")
-    result = _run("submit", str(essay), "--idempotency-key", key)
+    result = run_cli("submit", str(essay), "--idempotency-key", key)
     assert result.exit_code == 2
     assert isinstance(result.exception, SystemExit), repr(result.exception)
     assert "--idempotency-key must be 1 to 255 visible ASCII characters" in result.output
@@ -193,7 +189,7 @@ def test_an_idempotency_key_the_gateway_would_refuse_is_a_usage_error_sending_no
 def test_an_idempotency_key_is_sent_as_given(monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _recorded(monkeypatch)
     key = "order-42:~!" + "k" * 244
-    result = _run("submit", "-", "--idempotency-key", key, input=b"A text.")
+    result = run_cli("submit", "-", "--idempotency-key", key, input=b"A text.")
     assert result.exit_code == 0, result.output
     assert [request.headers["Idempotency-Key"] for request in seen] == [key]
 
@@ -201,7 +197,7 @@ def test_an_idempotency_key_is_sent_as_given(monkeypatch: pytest.MonkeyPatch) ->
 def test_stdin_that_is_not_utf8_is_one_line_and_exit_1(monkeypatch: pytest.MonkeyPatch) -> None:
     """It raised a UnicodeDecodeError traceback (a file that is not UTF-8 was one line)."""
     seen = _recorded(monkeypatch)
-    result = _run("submit", "-", input=b"\xff\xfe not utf-8 \x80")
+    result = run_cli("submit", "-", input=b"\xff\xfe not utf-8 \x80")
     assert result.exit_code == 1
     assert isinstance(result.exception, SystemExit), repr(result.exception)
     assert "cannot read stdin" in result.output
@@ -210,7 +206,7 @@ def test_stdin_that_is_not_utf8_is_one_line_and_exit_1(monkeypatch: pytest.Monke
 
 def test_stdin_is_read_as_utf8(monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _recorded(monkeypatch)
-    result = _run("submit", "-", input="Größe zählt.".encode())
+    result = run_cli("submit", "-", input="Größe zählt.".encode())
     assert result.exit_code == 0, result.output
     assert [json.loads(request.content)["text"] for request in seen] == ["Größe zählt."]
 
@@ -252,7 +248,7 @@ def test_an_argument_stays_inside_its_path_segment(
     monkeypatch: pytest.MonkeyPatch, command: tuple[str, ...], sent: tuple[str, str]
 ) -> None:
     seen = _recorded(monkeypatch)
-    _run(*command)
+    run_cli(*command)
     assert [(request.method, request.url.raw_path.decode()) for request in seen] == [sent]
 
 
@@ -263,7 +259,7 @@ def test_an_empty_path_argument_is_a_usage_error_sending_nothing(
     monkeypatch: pytest.MonkeyPatch, command: tuple[str, ...]
 ) -> None:
     seen = _recorded(monkeypatch)
-    result = _run(*command)
+    result = run_cli(*command)
     assert result.exit_code == 2
     assert "must not be empty" in result.output
     assert seen == []
@@ -288,7 +284,7 @@ def test_a_401_to_a_request_sent_with_no_key_names_the_variable_to_set(
     monkeypatch.delenv("SCOREBOX_ADMIN_KEY", raising=False)
     unauthorized = {"detail": "Send an Authorization: Bearer header."}
     _gateway(monkeypatch, lambda request: httpx.Response(401, json=unauthorized))
-    result = _run(*command)
+    result = run_cli(*command)
     assert result.exit_code == 1
     assert f"no key was sent: set {variable}" in result.output
 
@@ -298,6 +294,6 @@ def test_a_401_to_a_request_sent_with_a_key_says_only_what_the_gateway_said(
 ) -> None:
     monkeypatch.setenv("SCOREBOX_API_KEY", "a-revoked-key")
     _gateway(monkeypatch, lambda request: httpx.Response(401, json={"detail": "Unknown key."}))
-    result = _run("status", "t1")
+    result = run_cli("status", "t1")
     assert result.exit_code == 1
     assert result.output.strip() == "error 401: Unknown key."

@@ -14,6 +14,7 @@ import orjson
 import pytest
 
 from devtools.fake_llm import (
+    UNCAPPED_LENGTH_TOKENS,
     FakeLLM,
     FakeLLMConfig,
     answered_model,
@@ -296,6 +297,33 @@ async def test_range_marker_answers_an_out_of_range_score(client: httpx.AsyncCli
     response = await complete(client, "text [[fake:rangex1]]")
     assert verdict(response)["score"] == 42
     assert 0 <= await score_of(client, "text [[fake:rangex1]]") <= 10
+
+
+async def test_nochoices_marker_answers_a_chat_completion_without_choices(
+    client: httpx.AsyncClient,
+) -> None:
+    response = await complete(client, "text [[fake:nochoicesx1]]")
+    assert response.status_code == 200
+    body = response.json()
+    assert (body["object"], body["choices"]) == ("chat.completion", [])
+    assert body["usage"]["prompt_tokens"] > 0
+    assert body["usage"]["completion_tokens"] == 0
+    assert 0 <= await score_of(client, "text [[fake:nochoicesx1]]") <= 10
+
+
+@pytest.mark.parametrize(("max_tokens", "billed"), [(300, 300), (None, UNCAPPED_LENGTH_TOKENS)])
+async def test_length_marker_answers_no_content_cut_at_the_token_limit(
+    client: httpx.AsyncClient, max_tokens: int | None, billed: int
+) -> None:
+    limit = {} if max_tokens is None else {"max_tokens": max_tokens}
+    response = await client.post(
+        "/chat/completions", json=completion_body("text [[fake:lengthx1]]", **limit)
+    )
+    assert response.status_code == 200
+    choice = response.json()["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == (None, "length")
+    assert response.json()["usage"]["completion_tokens"] == billed
+    assert 0 <= await score_of(client, "text [[fake:lengthx1]]") <= 10
 
 
 async def test_slow_marker_still_answers(client: httpx.AsyncClient) -> None:

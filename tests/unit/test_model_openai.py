@@ -504,7 +504,7 @@ async def test_a_refusal_is_input_rejected() -> None:
     "answer",
     [
         pytest.param(text_answer(200, "<html>a web page</html>"), id="html"),
-        pytest.param(json_answer(200, {"choices": []}), id="no-choices"),
+        pytest.param(json_answer(200, {"object": "list", "data": []}), id="an-empty-list"),
         pytest.param(json_answer(200, {"data": [{"embedding": [0.1]}]}), id="another-api"),
     ],
 )

@@ -11,14 +11,16 @@ from typing import Any, cast
 import httpx
 import pytest
 from fastapi import Depends, FastAPI
+from pymongo.errors import AutoReconnect, OperationFailure, PyMongoError
 
 from services.gateway.api import GatewayDeps
 from services.gateway.auth import Caller
-from services.gateway.errors import StatusUnavailable
+from services.gateway.errors import DatabaseUnavailable, StatusUnavailable
 from services.gateway.events_api import _bind_if_unbound, _changes_after, event_routes
 from services.gateway.push import (
     BIND_RETRY_S,
     HistoryPolicy,
+    HistorySource,
     LiveUpdates,
     Waiter,
     WaiterLimitReached,
@@ -43,6 +45,7 @@ from shared.contracts import (
     event_sequence,
     utcnow,
 )
+from shared.http import install_problem_handlers
 from tests.support import eventually
 
 T0 = datetime(2030, 5, 17, 12, 0, 0, tzinfo=UTC)
@@ -659,10 +662,15 @@ class FinishedTaskHistory:
         return history.model_copy(update={"changes": changes})
 
 
-def _stream_client(live: LiveUpdates) -> httpx.AsyncClient:
-    """A client of the event routes over `live`, for a finished task's history."""
+def _stream_client(
+    live: LiveUpdates,
+    history: HistorySource | None = None,
+    submissions: object = None,
+) -> httpx.AsyncClient:
+    """A client of the event routes over `live`, for `history` (by default a finished task's)
+    and `submissions` (what the route reads when the status service has not heard of it)."""
     deps = SimpleNamespace(
-        settings=GatewaySettings.model_validate({}), submissions=None, clock=utcnow
+        settings=GatewaySettings.model_validate({}), submissions=submissions, clock=utcnow
     )
 
     async def caller() -> Caller:
@@ -672,10 +680,10 @@ def _stream_client(live: LiveUpdates) -> httpx.AsyncClient:
         return True
 
     app = FastAPI()
+    install_problem_handlers(app)
+    source = FinishedTaskHistory() if history is None else history
     app.include_router(
-        event_routes(
-            cast(GatewayDeps, deps), live, FinishedTaskHistory(), Depends(caller), still_valid
-        )
+        event_routes(cast(GatewayDeps, deps), live, source, Depends(caller), still_valid)
     )
     transport = httpx.ASGITransport(app=app)
     return httpx.AsyncClient(transport=transport, base_url="http://gateway.test")
@@ -709,3 +717,55 @@ async def test_a_stream_opened_while_the_bind_hangs_answers_without_waiting_for_
     assert response.status_code == 200
     assert "completed" in response.text
     assert not live.listening
+
+
+class FailingSubmissions:
+    """The gateway's submissions of a database that fails every read, as its store raises it:
+    a `DatabaseUnavailable` whose cause is the PyMongo error."""
+
+    def __init__(self, cause: PyMongoError) -> None:
+        self.cause = cause
+
+    async def find(self, task_id: str, *, tenant_id: str) -> Any:
+        raise DatabaseUnavailable(str(self.cause)) from self.cause
+
+
+RECONNECTION = {"Accept": "text/event-stream", "Last-Event-ID": "0"}
+
+
+@pytest.mark.parametrize(
+    "cause",
+    [
+        OperationFailure("Document failed validation", code=121),
+        OperationFailure("not authorized on scorebox to execute find", code=13),
+    ],
+    ids=["failed-validation", "unauthorized"],
+)
+async def test_an_eventsource_reconnecting_to_a_database_refusing_for_good_gets_a_500(
+    cause: OperationFailure,
+) -> None:
+    """A refusal for good recurs on every reconnection: told to retry, an EventSource came
+    back for ever; it gets the 500 `database-refused` problem, without Retry-After."""
+    live = LiveUpdates()
+    async with _stream_client(live, NoHistory(), FailingSubmissions(cause)) as client:
+        answer = await client.get("/v1/scores/t1/events", headers=RECONNECTION)
+    assert answer.status_code == 500, answer.text
+    assert answer.headers["content-type"] == "application/problem+json"
+    assert answer.json()["type"].endswith("/database-refused")
+    assert "retry-after" not in answer.headers
+    assert len(live) == 0  # its waiter closed
+
+
+async def test_an_eventsource_reconnecting_to_a_database_away_is_told_to_retry() -> None:
+    """An outage passes: the reconnection gets a stream holding only `retry:`, so that it
+    comes back, and no event."""
+    live = LiveUpdates()
+    away = FailingSubmissions(AutoReconnect("connection reset"))
+    async with _stream_client(live, NoHistory(), away) as client:
+        answer = await client.get("/v1/scores/t1/events", headers=RECONNECTION)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["content-type"].startswith("text/event-stream")
+    assert answer.headers["retry-after"] == "5"
+    assert "retry: 5000" in answer.text.splitlines()
+    assert "data:" not in answer.text
+    assert len(live) == 0

@@ -1,7 +1,9 @@
 """A judge behind an OpenAI-compatible `POST /chat/completions` (OpenAI, vLLM, llama.cpp...).
 
 One `score` call makes one request, plus one repair request when the first answer is
-unusable, all within a single hard deadline of LLM_TIMEOUT_S. It never retries on its own:
+unusable (not when the model stopped at its token limit: asked again under the same
+`max_tokens`, it would stop there again), all within a single hard deadline of
+LLM_TIMEOUT_S. It never retries on its own:
 it raises a typed error and the scorer decides, through the broker, whether to try again.
 Whatever the error, it carries the usage of the answers that came back before it (`usage`,
 `model`): the provider billed them, and the scorer meters them with the task's outcome.
@@ -72,6 +74,8 @@ _CONFIG_PROBLEMS_429: Final = ("insufficient_quota", "billing")
 # Statuses no retry changes: the key (401, 403), credit (402: OpenRouter and others), or
 # LLM_BASE_URL and LLM_MODEL naming no chat-completions endpoint (404, 405, 410, 415).
 _MISCONFIGURED: Final = frozenset({401, 402, 403, 404, 405, 410, 415})
+# Named in the failure of an answer cut at the token limit: the setting that raises it.
+MAX_OUTPUT_TOKENS_SETTING: Final = "LLM_MAX_OUTPUT_TOKENS"
 
 
 class _Message(BaseModel):
@@ -116,6 +120,23 @@ class _ChatCompletion(BaseModel):
     usage: Any = None  # read leniently (`_usage_of`): a bad usage block loses no verdict
 
 
+class _ChoicelessCompletion(BaseModel):
+    """What there is to read in a chat completion that came back without a choice."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    kind: str | None = Field(default=None, alias="object")
+    model: str | None = None
+    choices: list[Any] | None = None
+    prompt_filter_results: Any = None
+    usage: Any = None
+
+    @property
+    def is_chat_completion(self) -> bool:
+        # `choices: []` says it on its own; without `choices`, the `object` has to.
+        return self.choices == [] or (self.choices is None and self.kind == "chat.completion")
+
+
 @dataclass(frozen=True)
 class _Answer:
     """One chat completion, reduced to what scoring needs."""
@@ -123,6 +144,7 @@ class _Answer:
     content: str
     model: str
     usage: Usage
+    cut_at_token_limit: bool = False  # `finish_reason: "length"`
 
 
 @dataclass(frozen=True)
@@ -195,6 +217,8 @@ class OpenAIChatModel:
         try:
             return _Judgement(parse_verdict(first.content), first, first.usage, repaired=False)
         except UnusableOutput as problem:
+            if first.cut_at_token_limit:  # a repair would be cut at the same limit
+                raise self._cut_at_token_limit(first, first.usage) from problem
             repair = build_repair_messages(messages, first.content, problem.message)
         try:
             second = await self._complete(repair, model)
@@ -207,12 +231,25 @@ class OpenAIChatModel:
         try:
             return _Judgement(parse_verdict(second.content), second, usage, repaired=True)
         except UnusableOutput as problem:
+            if second.cut_at_token_limit:
+                raise self._cut_at_token_limit(second, usage) from problem
             raise UnusableOutput(
                 f"still unusable after one repair attempt: {problem.message}",
                 raw_output=second.content,
                 usage=usage,
                 model=second.model,
             ) from problem
+
+    def _cut_at_token_limit(self, answer: _Answer, usage: Usage) -> UnusableOutput:
+        """The failure of an answer the token limit cut before it held a verdict."""
+        return UnusableOutput(
+            "the model stopped at its token limit "
+            f"({self._settings.llm_max_output_tokens} tokens) before a complete answer; "
+            f"{MAX_OUTPUT_TOKENS_SETTING} raises it",
+            raw_output=answer.content,
+            usage=usage,
+            model=answer.model,
+        )
 
     async def _complete(self, messages: Messages, model: str) -> _Answer:
         try:
@@ -280,23 +317,9 @@ def _read_answer(response: ProviderReply, requested_model: str, *, now: datetime
     try:
         completion = _ChatCompletion.model_validate_json(response.body)
     except ValidationError as exc:
-        embedded = _embedded_error(response, now=now)
-        if embedded is not None:
-            billed = _billed_with_error(response)
-            if billed.total_tokens:  # the call answered, if not usably: billed all the same
-                embedded.also_spent(billed, requested_model)
-            raise embedded from exc
-        # Deterministic for a given endpoint (a web page, another API): retrying it would
-        # only bill more calls.
-        raise ModelMisconfigured(
-            f"the provider answered {response.status} without a chat completion "
-            f"(is LLM_BASE_URL an OpenAI-compatible /v1 endpoint?): {_trim(response.text)}"
-        ) from exc
+        raise _without_completion(response, requested_model, now=now) from exc
     choice = completion.choices[0]
-    reported = _usage_of(completion.usage)
-    usage = Usage(
-        prompt_tokens=reported.prompt_tokens, completion_tokens=reported.completion_tokens
-    )
+    usage = _usage_of(completion.usage)
     model = completion.model or requested_model
     if choice.message.refusal:
         raise InputRejected(
@@ -306,15 +329,90 @@ def _read_answer(response: ProviderReply, requested_model: str, *, now: datetime
         raise InputRejected(
             "the provider's content filter stopped the answer", usage=usage, model=model
         )
-    return _Answer(content=choice.message.text, model=model, usage=usage)
+    return _Answer(
+        content=choice.message.text,
+        model=model,
+        usage=usage,
+        cut_at_token_limit=choice.finish_reason == "length",
+    )
 
 
-def _usage_of(reported: Any) -> _Usage:
+def _without_completion(
+    response: ProviderReply, requested_model: str, *, now: datetime
+) -> ScoringError:
+    """The error of a 200 that holds no usable chat completion: an error in its body, a chat
+    completion without a choice, or something else altogether."""
+    embedded = _embedded_error(response, now=now)
+    if embedded is not None:
+        billed = _billed_with_error(response)
+        if billed.total_tokens:  # the call answered, if not usably: billed all the same
+            embedded.also_spent(billed, requested_model)
+        return embedded
+    choiceless = _choiceless_error(response, requested_model)
+    if choiceless is not None:
+        return choiceless
+    # Deterministic for a given endpoint (a web page, another API): retrying it would only
+    # bill more calls.
+    return ModelMisconfigured(
+        f"the provider answered {response.status} without a chat completion "
+        f"(is LLM_BASE_URL an OpenAI-compatible /v1 endpoint?): {_trim(response.text)}"
+    )
+
+
+def _choiceless_error(response: ProviderReply, requested_model: str) -> ScoringError | None:
+    """The error of a chat completion that came back without a choice; None when the body is
+    no chat completion. Azure OpenAI answers so when its filter stops the prompt (it says
+    which categories in `prompt_filter_results`): the text is refused. Without such a
+    verdict (a proxy's glitch) the endpoint is right and the answer went missing: retried."""
+    try:
+        completion = _ChoicelessCompletion.model_validate_json(response.body)
+    except ValidationError:
+        return None
+    if not completion.is_chat_completion:
+        return None
+    error = _no_choice_error(_filtered_categories(completion.prompt_filter_results))
+    billed = _usage_of(completion.usage)
+    if billed.total_tokens:
+        error.also_spent(billed, completion.model or requested_model)
+    return error
+
+
+def _no_choice_error(filtered: list[str]) -> ScoringError:
+    if filtered:
+        return InputRejected(
+            f"the provider's content filter stopped the prompt: {', '.join(filtered)}"
+        )
+    return ModelUnavailable("the provider answered a chat completion without any choice")
+
+
+def _filtered_categories(prompt_filter_results: Any) -> list[str]:
+    """The categories Azure OpenAI's prompt filter stopped, in the order it gives them:
+    `[{"prompt_index": 0, "content_filter_results": {"hate": {"filtered": true, ...}}}]`."""
+    results = prompt_filter_results if isinstance(prompt_filter_results, list) else []
+    found: dict[str, None] = {}  # ordered, without repeats
+    for result in results:
+        verdicts = result.get("content_filter_results") if isinstance(result, dict) else None
+        if isinstance(verdicts, dict):
+            found.update(
+                dict.fromkeys(name for name, verdict in verdicts.items() if _filtered(verdict))
+            )
+    return list(found)
+
+
+def _filtered(verdict: Any) -> bool:
+    # `custom_blocklists` is a list of such verdicts in older API versions.
+    if isinstance(verdict, list):
+        return any(_filtered(item) for item in verdict)
+    return isinstance(verdict, dict) and verdict.get("filtered") is True
+
+
+def _usage_of(reported: Any) -> Usage:
     """The token counts the provider reported; none when they are missing or unreadable."""
     try:
-        return _Usage.model_validate(reported or {})
+        counts = _Usage.model_validate(reported or {})
     except ValidationError:
-        return _Usage()
+        return Usage()
+    return Usage(prompt_tokens=counts.prompt_tokens, completion_tokens=counts.completion_tokens)
 
 
 def error_for_response(response: ProviderReply, *, now: datetime) -> ScoringError:
@@ -359,8 +457,7 @@ def _billed_with_error(response: ProviderReply) -> Usage:
         body = orjson.loads(response.body)
     except orjson.JSONDecodeError:
         return Usage()
-    reported = _usage_of(body.get("usage") if isinstance(body, dict) else None)
-    return Usage(prompt_tokens=reported.prompt_tokens, completion_tokens=reported.completion_tokens)
+    return _usage_of(body.get("usage") if isinstance(body, dict) else None)
 
 
 def _provider_detail(response: ProviderReply) -> str:

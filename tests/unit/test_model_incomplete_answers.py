@@ -1,0 +1,283 @@
+"""Chat completions that hold no verdict: no choice at all, or an answer cut at the token limit.
+
+A chat completion without a choice comes from a chat-completions endpoint all the same:
+refused when Azure OpenAI's prompt filter says it stopped the text, else retried (a proxy's
+glitch), never taken for a misconfigured LLM_BASE_URL. An answer cut at the token limit
+fails at once: its repair would be cut at the same limit. Each bills what it reports. A
+scripted HTTP server plays the provider; the fake model server then plays it for real.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
+from services.scorer.errors import (
+    InputRejected,
+    ModelRateLimited,
+    ModelUnavailable,
+    ScoringError,
+    UnusableOutput,
+)
+from services.scorer.model import OpenAIChatModel, make_http_client
+from shared.contracts import Usage
+from tests.unit.test_model_openai import (
+    GOOD,
+    Answer,
+    ScriptedProvider,
+    completion,
+    json_answer,
+    request,
+    score_with,
+    settings,
+)
+
+ANSWERED_MODEL = "gpt-4o-mini-2024-07-18"
+BILLED = {"prompt_tokens": 90, "completion_tokens": 0, "total_tokens": 90}
+MAX_OUTPUT_TOKENS = 300  # `settings()`'s LLM_MAX_OUTPUT_TOKENS
+
+
+def finished(content: Any, finish_reason: str, *, completion_tokens: int = 300) -> Answer:
+    """A chat completion of one choice that ended for `finish_reason`."""
+    return json_answer(
+        200,
+        {
+            "object": "chat.completion",
+            "model": ANSWERED_MODEL,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "finish_reason": finish_reason,
+                }
+            ],
+            "usage": {"prompt_tokens": 120, "completion_tokens": completion_tokens},
+        },
+    )
+
+
+def without_choices(**fields: Any) -> Answer:
+    """An Azure OpenAI chat completion without a choice; `fields` replace or add members
+    (None removes one)."""
+    body = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "model": ANSWERED_MODEL,
+        "choices": [],
+        "usage": BILLED,
+        **fields,
+    }
+    return json_answer(200, {key: value for key, value in body.items() if value is not None})
+
+
+def prompt_filter(**categories: Any) -> list[dict[str, Any]]:
+    """Azure OpenAI's `prompt_filter_results`: every category unfiltered but `categories`."""
+    verdicts: dict[str, Any] = {
+        "hate": {"filtered": False, "severity": "safe"},
+        "self_harm": {"filtered": False, "severity": "safe"},
+        "sexual": {"filtered": False, "severity": "safe"},
+        "violence": {"filtered": False, "severity": "safe"},
+        "jailbreak": {"filtered": False, "detected": False},
+        **categories,
+    }
+    return [{"prompt_index": 0, "content_filter_results": verdicts}]
+
+
+async def raised_by(provider: ScriptedProvider) -> ScoringError:
+    with pytest.raises(ScoringError) as caught:
+        await score_with(provider)
+    return caught.value
+
+
+# --- no choice -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        pytest.param(without_choices(), id="empty-choices"),
+        pytest.param(without_choices(object=None), id="empty-choices-no-object"),
+        pytest.param(without_choices(choices=None), id="no-choices-member"),
+        pytest.param(without_choices(prompt_filter_results=prompt_filter()), id="filter-passed"),
+    ],
+)
+async def test_a_chat_completion_without_a_choice_is_retried_and_billed(answer: Answer) -> None:
+    provider = ScriptedProvider(answer)
+    error = await raised_by(provider)
+    assert isinstance(error, ModelUnavailable)
+    assert error.to_task_error().code == "model_unavailable"
+    assert error.retryable
+    assert "chat completion without any choice" in error.message
+    assert error.usage == Usage(prompt_tokens=90)
+    assert error.model == ANSWERED_MODEL
+    assert len(provider.requests) == 1
+
+
+async def test_a_chat_completion_without_a_choice_or_usage_bills_nothing() -> None:
+    error = await raised_by(ScriptedProvider(without_choices(usage=None, model=None)))
+    assert isinstance(error, ModelUnavailable)
+    assert (error.usage, error.model) == (None, None)
+
+
+async def test_without_its_model_the_billed_answer_is_the_requested_models() -> None:
+    error = await raised_by(ScriptedProvider(without_choices(model=None)))
+    assert (error.usage, error.model) == (Usage(prompt_tokens=90), "gpt-4o-mini")
+
+
+@pytest.mark.parametrize(
+    ("categories", "named"),
+    [
+        pytest.param(
+            {"hate": {"filtered": True, "severity": "high"}, "jailbreak": {"filtered": True}},
+            "hate, jailbreak",
+            id="categories",
+        ),
+        pytest.param(
+            {"custom_blocklists": {"filtered": True, "details": [{"id": "words"}]}},
+            "custom_blocklists",
+            id="blocklist",
+        ),
+        pytest.param(
+            {"custom_blocklists": [{"filtered": False, "id": "a"}, {"filtered": True, "id": "b"}]},
+            "custom_blocklists",
+            id="blocklist-as-a-list",
+        ),
+    ],
+)
+async def test_a_prompt_the_providers_filter_stopped_is_input_rejected_and_billed(
+    categories: dict[str, Any], named: str
+) -> None:
+    """Azure OpenAI: no choice, and `prompt_filter_results` says which categories stopped it."""
+    provider = ScriptedProvider(without_choices(prompt_filter_results=prompt_filter(**categories)))
+    error = await raised_by(provider)
+    assert isinstance(error, InputRejected)
+    assert error.to_task_error().code == "input_rejected"
+    assert not error.retryable
+    assert error.message == f"the provider's content filter stopped the prompt: {named}"
+    assert error.usage == Usage(prompt_tokens=90)
+    assert error.model == ANSWERED_MODEL
+    assert len(provider.requests) == 1
+
+
+async def test_an_error_in_a_choiceless_body_is_read_first() -> None:
+    body = {"object": "chat.completion", "choices": [], "error": {"code": 429, "message": "wait"}}
+    error = await raised_by(ScriptedProvider(json_answer(200, body)))
+    assert isinstance(error, ModelRateLimited)
+
+
+async def test_a_repair_answered_without_a_choice_bills_both_answers() -> None:
+    provider = ScriptedProvider(
+        completion("Seven out of ten.", prompt_tokens=100, completion_tokens=10),
+        without_choices(),
+    )
+    error = await raised_by(provider)
+    assert isinstance(error, ModelUnavailable)
+    assert error.usage == Usage(prompt_tokens=190, completion_tokens=10)
+    assert len(provider.requests) == 2
+
+
+# --- cut at the token limit ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param(None, id="null"),
+        pytest.param("", id="empty"),
+        pytest.param('{"score": 7, "comment": "Clear, well argued and', id="half-a-verdict"),
+    ],
+)
+async def test_an_answer_cut_at_the_token_limit_fails_at_once_naming_the_setting(
+    content: str | None,
+) -> None:
+    provider = ScriptedProvider(finished(content, "length"))
+    error = await raised_by(provider)
+    assert isinstance(error, UnusableOutput)
+    assert error.to_task_error().code == "unusable_output"
+    assert not error.retryable
+    assert error.message == (
+        f"the model stopped at its token limit ({MAX_OUTPUT_TOKENS} tokens) before a complete"
+        " answer; LLM_MAX_OUTPUT_TOKENS raises it"
+    )
+    assert error.raw_output == (content or "")
+    assert error.usage == Usage(prompt_tokens=120, completion_tokens=300)
+    assert error.model == ANSWERED_MODEL
+    assert len(provider.requests) == 1  # no repair: it would be cut at the same limit
+
+
+async def test_a_verdict_complete_at_the_token_limit_is_accepted() -> None:
+    provider = ScriptedProvider(finished(GOOD, "length", completion_tokens=20))
+    verdict = await score_with(provider)
+    assert verdict.result.score == 7.5
+    assert verdict.result.flags == []
+    assert len(provider.requests) == 1
+
+
+async def test_a_repair_cut_at_the_token_limit_names_the_setting_and_bills_both() -> None:
+    provider = ScriptedProvider(
+        completion("Seven out of ten.", prompt_tokens=100, completion_tokens=10),
+        finished(None, "length"),
+    )
+    error = await raised_by(provider)
+    assert isinstance(error, UnusableOutput)
+    assert "LLM_MAX_OUTPUT_TOKENS raises it" in error.message
+    assert error.usage == Usage(prompt_tokens=220, completion_tokens=310)
+    assert len(provider.requests) == 2
+
+
+async def test_no_content_after_a_stop_is_repaired_then_unusable() -> None:
+    """Not cut short: a model that answered nothing may answer when told, so it is repaired."""
+    provider = ScriptedProvider(
+        finished(None, "stop", completion_tokens=1), finished(None, "stop", completion_tokens=1)
+    )
+    error = await raised_by(provider)
+    assert isinstance(error, UnusableOutput)
+    assert error.message.startswith("still unusable after one repair attempt: ")
+    assert "no JSON object" in error.message
+    assert "token limit" not in error.message
+    assert error.raw_output == ""
+    assert error.usage == Usage(prompt_tokens=240, completion_tokens=2)
+    assert len(provider.requests) == 2
+
+
+# --- against the fake model server -----------------------------------------------------------
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeLLM]:
+    server = await start_fake_llm(FakeLLMConfig())
+    yield server
+    await server.stop()
+
+
+async def score_on(fake: FakeLLM, text: str) -> Any:
+    configured = settings(LLM_BASE_URL=fake.url)
+    async with make_http_client(configured, concurrency=1) as http:
+        return await OpenAIChatModel(http, configured).score(request(text))
+
+
+async def test_the_fake_models_cut_answer_fails_without_a_repair_call(fake: FakeLLM) -> None:
+    with pytest.raises(UnusableOutput, match="LLM_MAX_OUTPUT_TOKENS raises it") as caught:
+        await score_on(fake, "An essay [[id:cut]] [[fake:length]]")
+    assert fake.stats()["by_id"] == {"cut": 1}
+    assert caught.value.usage is not None
+    assert caught.value.usage.prompt_tokens > 0
+    assert caught.value.usage.completion_tokens == MAX_OUTPUT_TOKENS  # the max_tokens sent
+    assert caught.value.model == "gpt-4o-mini-2024-07-18"
+
+
+async def test_the_fake_models_answer_without_a_choice_is_retryable_and_billed(
+    fake: FakeLLM,
+) -> None:
+    text = "An essay [[id:none]] [[fake:nochoicesx1]]"
+    with pytest.raises(ModelUnavailable) as caught:
+        await score_on(fake, text)
+    assert caught.value.retryable
+    assert caught.value.usage is not None
+    assert caught.value.usage.prompt_tokens > 0
+    assert caught.value.model == "gpt-4o-mini-2024-07-18"
+    assert 0 <= (await score_on(fake, text)).result.score <= 10  # the retry is answered
+    assert fake.stats()["by_id"] == {"none": 2}

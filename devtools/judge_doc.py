@@ -44,8 +44,8 @@ The scored text is untrusted input to the model. The scorer:
    never instructions to follow;
 3. asks for a JSON object matching a schema (`LLM_JSON_MODE=json_schema`), validates it with
    pydantic, and treats an out-of-range or malformed answer as an error: it is never clamped;
-   one repair turn is tried, then the task fails with `unusable_output` (at once, without the
-   repair, when the model stopped at `LLM_MAX_OUTPUT_TOKENS` before a complete answer);
+   one repair turn is tried, then the task fails with `unusable_output` (naming
+   `LLM_MAX_OUTPUT_TOKENS` when the model stopped at it before a complete answer);
 4. keeps the raw model output for audit (the scorer's `attempts` collection);
 5. flags texts that try to dictate their score (`flags: ["instruction_in_text"]`), whatever the
    model answered; such results are not put into the result cache.

@@ -6,8 +6,8 @@ Each service runs as `python -m services.<name>` in its own process group (Ctrl-
 ours), logs to `<log_dir>/<service>[-<replica>].log`, and is ready when `GET /readyz` answers
 200. Services learn everything from the environment (the public contract): `RABBITMQ_URL`,
 `MONGO_URL`, `MONGO_DB_PREFIX`, `HTTP_HOST`, `<SERVICE>_PORT`, `STATUS_URL`, `NOTIFIER_URL`,
-`INTERNAL_API_KEY` (a new one per stack unless given), and whatever the caller adds (`LLM_*`,
-`SCORER_CONCURRENCY`, ...).
+`INTERNAL_API_KEY` and `METRICS_API_KEY` (a new one each per stack unless given), and whatever
+the caller adds (`LLM_*`, `SCORER_CONCURRENCY`, ...).
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ class Stack:
             raise StackError("scorer_replicas must be at least 1")
         self.config = config
         self.internal_key = internal_key_of(config.env)
+        self.metrics_key = metrics_key_of(config.env)
         self._processes: list[ServiceProcess] = []
 
     # ------------------------------------------------------------------ addresses
@@ -139,6 +140,11 @@ class Stack:
         if ":" in host:  # an IPv6 address: in brackets in a URL (RFC 3986)
             host = f"[{host}]"
         return f"http://{host}:{self._find(service, replica).port}"
+
+    def metrics_headers(self) -> dict[str, str]:
+        """What a scraper of any service of this stack sends: the metrics key they share
+        (nothing when the stack was given an empty one, and their `/metrics` are open)."""
+        return {"Authorization": f"Bearer {self.metrics_key}"} if self.metrics_key else {}
 
     @property
     def _connect_host(self) -> str:
@@ -289,6 +295,7 @@ class Stack:
             env["SCHEDULER_URL"] = self.url("scheduler")
         env.update(self.config.env)
         env["INTERNAL_API_KEY"] = self.internal_key
+        env["METRICS_API_KEY"] = self.metrics_key
         env["NO_PROXY"] = env["no_proxy"] = no_proxy_with_loopback(env)
         env[PORT_ENV[proc.service]] = str(proc.port)
         env["SCOREBOX_SERVICE"] = proc.service
@@ -350,9 +357,20 @@ def internal_key_of(stack_env: Mapping[str, str], environ: Mapping[str, str] = o
     """The `INTERNAL_API_KEY` every service of a stack shares, kept across restarts: the one
     given (the stack's environment, then the process's; given empty, the internal routes are
     open), else a new one, so that `make run` runs authenticated as a deployment should."""
-    if "INTERNAL_API_KEY" in stack_env:
-        return stack_env["INTERNAL_API_KEY"]
-    return environ.get("INTERNAL_API_KEY") or secrets.token_urlsafe(32)
+    return _stack_key("INTERNAL_API_KEY", stack_env, environ)
+
+
+def metrics_key_of(stack_env: Mapping[str, str], environ: Mapping[str, str] = os.environ) -> str:
+    """The `METRICS_API_KEY` every service of a stack shares, chosen as `internal_key_of`
+    chooses the internal key: given empty, the services' `/metrics` are open (the gateway's
+    takes the admin key alone)."""
+    return _stack_key("METRICS_API_KEY", stack_env, environ)
+
+
+def _stack_key(name: str, stack_env: Mapping[str, str], environ: Mapping[str, str]) -> str:
+    if name in stack_env:
+        return stack_env[name]
+    return environ.get(name) or secrets.token_urlsafe(32)
 
 
 def die_with_parent() -> None:
@@ -581,6 +599,7 @@ def banner(stack: Stack, keys: DevKeys) -> str:
         f"  export SCOREBOX_API_KEY={keys.api_key}",
         f"  export SCOREBOX_ADMIN_KEY={keys.admin_key}",
         "",
+        *metrics_lines(stack),
         "Try it:",
         *(f"  {line}" for line in curl_examples(stack.gateway_url, keys.api_key)),
         "  .venv/bin/scorebox submit README.md --wait",
@@ -588,6 +607,18 @@ def banner(stack: Stack, keys: DevKeys) -> str:
         "Ctrl-C stops everything.",
     ]
     return "\n".join(lines)
+
+
+def metrics_lines(stack: Stack) -> list[str]:
+    """How to read `/metrics` with the key every service of the stack takes (no lines when
+    the stack was given an empty one)."""
+    if not stack.metrics_key:
+        return []
+    return [
+        "Metrics (every service's /metrics takes this key):",
+        f"  curl -s -H 'Authorization: Bearer {stack.metrics_key}' {stack.gateway_url}/metrics",
+        "",
+    ]
 
 
 def _raise_interrupt(signum: int, _frame: FrameType | None) -> None:

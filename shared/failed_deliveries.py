@@ -7,16 +7,22 @@ returns: RabbitMQ dead-letters the delivery it would hand out once more. It says
 than `delivery_limit` in `x-death`, so the dead letter did not tell an operator why. The
 delivery the limit would dead-letter on its return (`x-delivery-count` at the limit) is
 copied to the DLQ here instead, with the error as `x-scorebox-error`, and acked.
+
+The copy is tried for `LETTER_DEADLINE_S` at most: a broker that refuses it that long (a
+memory alarm, a DLQ deleted) gets the delivery back as failed, and dead-letters it itself
+without the reason, rather than the handler holding it, and its prefetch slot, for as long.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from faststream.rabbit import RabbitBroker
 
+from shared.bus import BROKER_ERRORS, publish_dead_letter
 from shared.consumers import Delivery
-from shared.runtime import keep_dead_lettering
+from shared.runtime import keep_trying
 from shared.topology import (
     DELIVERY_COUNT_HEADER,
     EARLIER_DELIVERIES_HEADER,
@@ -24,6 +30,12 @@ from shared.topology import (
     deliveries_lost,
 )
 
+log = logging.getLogger("scorebox.failed_deliveries")
+
+LETTER_DEADLINE_S = 30.0
+# `publish_dead_letter` keeps 1,000 characters of the reason: the error's text is cut first,
+# so that what follows it is kept.
+_ERROR_TEXT_MAX = 900
 # Counts that describe this copy's deliveries, not the letter: a letter moved back to its
 # queue starts with none (with the limit's count it would be given up at once).
 _COUNTS = (DELIVERY_COUNT_HEADER, EARLIER_DELIVERIES_HEADER)
@@ -36,26 +48,45 @@ async def return_failed(
     *,
     error: BaseException | str,
     timeout: float,
+    letter_deadline_s: float = LETTER_DEADLINE_S,
 ) -> None:
     """Return `message` to its queue as failed, or, on the delivery that its queue's limit
     would dead-letter when returned, dead-letter it with `error` and ack it."""
     if deliveries_lost(message.headers) < work_queue.delivery_limit:
         await message.requeue_failed()
         return
-    await keep_dead_lettering(
-        broker,
-        work_queue,
-        message,
-        error=failure_reason(error),
-        timeout=timeout,
-        headers=_letter_headers(message.headers),
-    )
+    try:
+        await keep_trying(
+            lambda: publish_dead_letter(
+                broker,
+                work_queue,
+                body=message.body,
+                headers=_letter_headers(message.headers),
+                error=failure_reason(error),
+                timeout=timeout,
+                message_id=message.message_id,
+                correlation_id=message.correlation_id,
+            ),
+            what=f"a dead letter of {work_queue.name}",
+            retry_on=BROKER_ERRORS,
+            give_up_after_s=letter_deadline_s,
+        )
+    except BROKER_ERRORS as refused:
+        log.warning(
+            "%s: the broker did not take the dead letter of %s (%r); returned as failed, for "
+            "RabbitMQ to dead-letter without the reason",
+            work_queue.name,
+            message.message_id,
+            refused,
+        )
+        await message.requeue_failed()
+        return
     await message.ack()
 
 
 def failure_reason(error: BaseException | str) -> str:
     what = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-    return f"{what} (at the queue's delivery limit)"
+    return f"{what[:_ERROR_TEXT_MAX]} (at the queue's delivery limit)"
 
 
 def _letter_headers(headers: dict[str, Any]) -> dict[str, Any]:

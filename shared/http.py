@@ -279,6 +279,12 @@ METRICS_KEY_SCHEME = HTTPBearer(
     description="`Authorization: Bearer <METRICS_API_KEY>` (or the admin key).",
     auto_error=False,
 )
+# The same scheme where no admin key is held (the status service, the scorer, the notifier).
+METRICS_ONLY_KEY_SCHEME = HTTPBearer(
+    scheme_name="MetricsKey",
+    description="`Authorization: Bearer <METRICS_API_KEY>`.",
+    auto_error=False,
+)
 INTERNAL_KEY_SCHEME = HTTPBearer(
     scheme_name="InternalKey",
     description="The services' internal key, which the gateway sends: "
@@ -289,6 +295,18 @@ INTERNAL_KEY_SCHEME = HTTPBearer(
 ADMIN_PROBLEMS: dict[int | str, dict[str, Any]] = {
     401: problem(401, "No admin key, or not this one (`Authorization: Bearer <ADMIN_API_KEY>`)."),
     403: problem(403, "The admin API is disabled: ADMIN_API_KEY is not set."),
+}
+# The metrics guards' answers, for the `responses` of a guarded `/metrics`.
+METRICS_PROBLEMS: dict[int | str, dict[str, Any]] = {
+    401: problem(
+        401,
+        "No metrics key (or admin key, where the service takes one), or not this one "
+        "(`Authorization: Bearer <METRICS_API_KEY>`).",
+    ),
+}
+GATEWAY_METRICS_PROBLEMS: dict[int | str, dict[str, Any]] = {
+    **METRICS_PROBLEMS,
+    403: problem(403, "Metrics are disabled: neither METRICS_API_KEY nor ADMIN_API_KEY is set."),
 }
 # The internal guard's answer, for the `responses` of every internal router.
 INTERNAL_PROBLEMS: dict[int | str, dict[str, Any]] = {
@@ -313,14 +331,44 @@ def admin_guard(admin_key: SecretStr | None) -> Any:
     )
 
 
+_METRICS_HINT = "Send 'Authorization: Bearer <METRICS_API_KEY>'"
+
+
 def metrics_guard(metrics_key: SecretStr | None, admin_key: SecretStr | None) -> Any:
-    """`/metrics` for a scraper holding `METRICS_API_KEY` (read-only: it opens nothing else),
-    or the admin key; disabled (403) when neither is configured."""
+    """The gateway's `/metrics`, for a scraper holding `METRICS_API_KEY` (read-only: it opens
+    nothing else), or the admin key; disabled (403) when neither is configured."""
     return _bearer_guard(
         [metrics_key, admin_key],
         scheme=METRICS_KEY_SCHEME,
         disabled="Metrics are disabled: set METRICS_API_KEY (or ADMIN_API_KEY).",
-        hint="Send 'Authorization: Bearer <METRICS_API_KEY>' (or the admin key).",
+        hint=f"{_METRICS_HINT} (or the admin key).",
+    )
+
+
+def internal_metrics_guard(
+    metrics_key: SecretStr | None, service: str, *, admin_key: SecretStr | None = None
+) -> Any:
+    """The guard of `/metrics` on a service other than the gateway, or None (open).
+
+    With `METRICS_API_KEY` set it admits that key, or the admin key of a service that holds
+    one (as the gateway's does), and answers anything else 401. Unset, `/metrics` answers
+    anyone, as before the key existed, and one warning says so: a service builds its app
+    once, at start (the guard is built with it, so the warning cannot wait for its lifespan).
+    """
+    if not _configured([metrics_key]):
+        log.warning(
+            "METRICS_API_KEY is not set: the %s's /metrics answers anyone who reaches its "
+            "port, and only the network protects it",
+            service,
+        )
+        return None
+    if _configured([admin_key]):
+        return metrics_guard(metrics_key, admin_key)
+    return _bearer_guard(
+        [metrics_key],
+        scheme=METRICS_ONLY_KEY_SCHEME,
+        disabled="",  # never said: the key is configured
+        hint=f"{_METRICS_HINT}.",
     )
 
 

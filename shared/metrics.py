@@ -35,6 +35,12 @@ if TYPE_CHECKING:
 DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # A request to a path no route serves (scanners, typos): one label, not one per path.
 UNMATCHED_ROUTE = "unmatched"
+# The OpenAPI `responses` of a route, by status.
+Responses = dict[int | str, dict[str, Any]]
+_EXPOSITION: dict[str, Any] = {
+    "description": "The process's metrics in Prometheus' text exposition format.",
+    "content": {"text/plain": {"schema": {"type": "string"}}},
+}
 
 
 class Metrics:
@@ -78,23 +84,35 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def metrics_router(metrics: Metrics, *, guard: Any = None) -> APIRouter:
+def metrics_router(
+    metrics: Metrics, *, guard: Any = None, responses: Responses | None = None
+) -> APIRouter:
     """`GET /metrics` in Prometheus' text format; `guard` is a dependency that must pass
-    first (the gateway's admin key: it is the one service facing the internet)."""
+    first (`shared.http.metrics_guard`, `internal_metrics_guard`). Guarded, the route is in
+    the app's OpenAPI document with the guard's security scheme and `responses` (its
+    problem+json answers); open, it stays out of it, as it was before the metrics key."""
     router = APIRouter(tags=["health"], dependencies=[] if guard is None else [guard])
 
-    @router.get("/metrics", response_class=Response, include_in_schema=False)
+    @router.get(
+        "/metrics",
+        response_class=Response,
+        include_in_schema=guard is not None,
+        summary="Prometheus metrics of this process",
+        responses={200: _EXPOSITION, **(responses or {})},
+    )
     async def exposition() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return router
 
 
-def serve_metrics(app: FastAPI, metrics: Metrics, *, guard: Any = None) -> None:
-    """Serve `metrics` at `GET /metrics` of `app`, and count and time every request of `app`
-    by its route template (`/v1/scores/{task_id}`, never the path itself, whose ids would
-    make a series each)."""
-    app.include_router(metrics_router(metrics, guard=guard))
+def serve_metrics(
+    app: FastAPI, metrics: Metrics, *, guard: Any = None, responses: Responses | None = None
+) -> None:
+    """Serve `metrics` at `GET /metrics` of `app` (see `metrics_router`), and count and time
+    every request of `app` by its route template (`/v1/scores/{task_id}`, never the path
+    itself, whose ids would make a series each)."""
+    app.include_router(metrics_router(metrics, guard=guard, responses=responses))
     app.add_middleware(_HttpMetrics, metrics=metrics, routes=app.router.routes)
 
 

@@ -111,7 +111,42 @@ class ServiceSettings(BaseSettings):
         return f"{self.mongo_database_prefix}_{service}"
 
 
-class InternalApiSettings(ServiceSettings):
+def bearer_token(key: SecretStr | None, name: str) -> SecretStr | None:
+    """A bearer key setting (`name`) as a header carries it. Empty is unset (compose passes
+    `${SCOREBOX_INTERNAL_KEY:-}`), and the whitespace a secret file ends with is dropped.
+    Otherwise visible ASCII only (RFC 6750's token has no spaces): the gateway's client
+    refuses other characters (it would not start) or sends a control character as is (a
+    broken request on every call), and a scraper that sends a key with spaces or other
+    characters depends on how its HTTP library encodes a header. Refused at start, with the
+    way to make one."""
+    if key is None:
+        return None
+    value = key.get_secret_value().strip()
+    if not value:
+        return None
+    if not all(VISIBLE_ASCII_MIN <= ord(character) <= VISIBLE_ASCII_MAX for character in value):
+        raise ValueError(
+            f"{name} must be visible ASCII characters without spaces "
+            "(make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
+    return SecretStr(value)
+
+
+class MetricsApiSettings(ServiceSettings):
+    """Settings of a service that serves `GET /metrics` (every one)."""
+
+    # The scraper's bearer token, the same on every service: it opens `/metrics` alone. Unset
+    # (or empty), the gateway's `/metrics` takes the admin key only, and the other services'
+    # answer anyone who reaches them.
+    metrics_api_key: SecretStr | None = Field(default=None, validation_alias="METRICS_API_KEY")
+
+    @field_validator("metrics_api_key")
+    @classmethod
+    def _a_metrics_token(cls, key: SecretStr | None) -> SecretStr | None:
+        return bearer_token(key, "METRICS_API_KEY")
+
+
+class InternalApiSettings(MetricsApiSettings):
     """Settings of a service that serves the internal HTTP API (`/internal/...`) or calls it
     (the gateway)."""
 
@@ -122,21 +157,7 @@ class InternalApiSettings(ServiceSettings):
     @field_validator("internal_api_key")
     @classmethod
     def _usable_as_a_bearer_token(cls, key: SecretStr | None) -> SecretStr | None:
-        """Empty is unset (compose passes `${SCOREBOX_INTERNAL_KEY:-}`), and the whitespace a
-        secret file ends with is dropped. Otherwise visible ASCII only: a header carries it,
-        and the gateway's client refuses other characters (it would not start) or sends a
-        control character as is (a broken request on every call)."""
-        if key is None:
-            return None
-        value = key.get_secret_value().strip()
-        if not value:
-            return None
-        if not all(VISIBLE_ASCII_MIN <= ord(character) <= VISIBLE_ASCII_MAX for character in value):
-            raise ValueError(
-                "INTERNAL_API_KEY must be visible ASCII characters without spaces "
-                "(make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))')"
-            )
-        return SecretStr(value)
+        return bearer_token(key, "INTERNAL_API_KEY")
 
     @model_validator(mode="after")
     def _not_another_key(self) -> Self:

@@ -14,6 +14,8 @@ from devtools.infra import Endpoint, create_vhost, delete_vhost, resolve_mongo, 
 from tests.faults.slow_link import SlowLink
 
 _MARKERS = {"integration": "integration", "e2e": "e2e", "faults": "faults"}
+# Keys a developer's shell may export: each changes what the services under test admit.
+_SHELL_KEYS = ("ADMIN_API_KEY", "METRICS_API_KEY", "INTERNAL_API_KEY")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -27,6 +29,14 @@ def _announce(config: pytest.Config, line: str) -> None:
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(line)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_service_keys_from_the_shell() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        for name in _SHELL_KEYS:
+            patch.delenv(name, raising=False)
+        yield
 
 
 @pytest.fixture(scope="session")

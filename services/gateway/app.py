@@ -51,6 +51,7 @@ from shared.asyncapi import build_document
 from shared.consumers import ScoreboxBroker
 from shared.contracts import DEFAULT_TENANT, new_id, utcnow
 from shared.http import (
+    GATEWAY_METRICS_PROBLEMS,
     health_router,
     install_problem_handlers,
     internal_key_headers,
@@ -198,9 +199,12 @@ def create_app(settings: GatewaySettings, **overrides: Any) -> FastAPI:
     for router in gateway_routes(gateway):
         app.include_router(router)
     # Last, so outermost: the submissions admission sheds are counted too. The gateway faces
-    # the internet, so its metrics need the admin key.
+    # the internet, so its metrics need the metrics key or the admin key, and without either
+    # they are disabled, never open.
     metrics_access = metrics_guard(settings.metrics_api_key, settings.admin_api_key)
-    serve_metrics(app, gateway.broker.metrics, guard=metrics_access)
+    serve_metrics(
+        app, gateway.broker.metrics, guard=metrics_access, responses=GATEWAY_METRICS_PROBLEMS
+    )
     return app
 
 

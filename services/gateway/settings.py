@@ -11,8 +11,6 @@ from shared.settings import MAX_DURATION_S, InternalApiSettings, http_url
 class GatewaySettings(InternalApiSettings):
     port: int = Field(default=8000, validation_alias="GATEWAY_PORT")
     admin_api_key: SecretStr | None = Field(default=None, validation_alias="ADMIN_API_KEY")
-    # Read-only access to `GET /metrics` for a scraper (the admin key also works).
-    metrics_api_key: SecretStr | None = Field(default=None, validation_alias="METRICS_API_KEY")
     status_url: str = Field(default="http://127.0.0.1:8001", validation_alias="STATUS_URL")
     status_timeout_s: float = Field(default=5.0, gt=0, validation_alias="STATUS_TIMEOUT_S")
     # The notifier keeps each tenant's webhook secret and failure-alert URL (`/v1/webhooks`).

@@ -26,7 +26,13 @@ from services.notifier.settings import NotifierSettings
 from services.notifier.ssrf import CaresResolver, Resolver, WebhookGuard
 from shared.consumers import ScoreboxBroker
 from shared.contracts import DeliverWebhook, new_id, utcnow
-from shared.http import health_router, install_problem_handlers, warn_if_internal_routes_open
+from shared.http import (
+    METRICS_PROBLEMS,
+    health_router,
+    install_problem_handlers,
+    internal_metrics_guard,
+    warn_if_internal_routes_open,
+)
 from shared.metrics import serve_metrics
 from shared.runtime import (
     MongoClient,
@@ -137,7 +143,8 @@ def create_app(
 
     app = FastAPI(title="Scorebox notifier", lifespan=lifespan)
     install_problem_handlers(app)
-    serve_metrics(app, broker.metrics)
+    metrics_access = internal_metrics_guard(settings.metrics_api_key, "notifier")
+    serve_metrics(app, broker.metrics, guard=metrics_access, responses=METRICS_PROBLEMS)
     app.include_router(
         health_router(
             {

@@ -44,7 +44,13 @@ from services.scheduler.usage_store import DailyUsageStore, UsageRecords
 from shared.consumers import ScoreboxBroker
 from shared.contracts import RunCronJob, new_id, utcnow
 from shared.dead_letters import DeadLetterWalker
-from shared.http import health_router, install_problem_handlers, warn_if_internal_routes_open
+from shared.http import (
+    METRICS_PROBLEMS,
+    health_router,
+    install_problem_handlers,
+    internal_metrics_guard,
+    warn_if_internal_routes_open,
+)
 from shared.metrics import serve_metrics
 from shared.runtime import (
     MongoClient,
@@ -227,7 +233,10 @@ def create_app(
     app = FastAPI(title="Scorebox scheduler", lifespan=lifespan, redirect_slashes=False)
     app.state.dispatcher = dispatcher
     install_problem_handlers(app)
-    serve_metrics(app, broker.metrics)
+    metrics_access = internal_metrics_guard(
+        settings.metrics_api_key, "scheduler", admin_key=settings.admin_api_key
+    )
+    serve_metrics(app, broker.metrics, guard=metrics_access, responses=METRICS_PROBLEMS)
     app.include_router(
         health_router(
             {

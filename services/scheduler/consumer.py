@@ -38,8 +38,9 @@
 Every publish awaits its confirm; one the broker does not confirm (away, blocked by an alarm,
 a full queue) is tried again while the delivery is held (`keep_publishing`), then the
 delivery is acked. Anything else that fails the handler returns the delivery to its quorum
-queue as failed (`Delivery.requeue_failed`); at its delivery limit the handler gives it up as
-above (should that fail too, RabbitMQ dead-letters it when it comes back once more).
+queue as failed (`shared.failed_deliveries.return_failed`); at its delivery limit the handler
+gives it up as above, and should that fail too, `return_failed` copies it to the DLQ with
+the error.
 """
 
 from __future__ import annotations

@@ -25,7 +25,12 @@ from services.scorer.throttle import ModelThrottle
 from shared.bus import publish_event
 from shared.consumers import ScoreboxBroker
 from shared.contracts import TaskEvent, new_id, utcnow
-from shared.http import health_router, install_problem_handlers
+from shared.http import (
+    METRICS_PROBLEMS,
+    health_router,
+    install_problem_handlers,
+    internal_metrics_guard,
+)
 from shared.metrics import serve_metrics
 from shared.runtime import (
     MongoClient,
@@ -140,7 +145,8 @@ def create_app(
 
     app = FastAPI(title="Scorebox scorer", lifespan=lifespan)
     install_problem_handlers(app)
-    serve_metrics(app, broker.metrics)
+    metrics_access = internal_metrics_guard(settings.metrics_api_key, "scorer")
+    serve_metrics(app, broker.metrics, guard=metrics_access, responses=METRICS_PROBLEMS)
     app.include_router(
         health_router(
             {

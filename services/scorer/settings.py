@@ -7,12 +7,12 @@ from typing import Self
 
 from pydantic import Field, model_validator
 
-from shared.settings import MAX_DURATION_S, MAX_PREFETCH, ServiceSettings
+from shared.settings import MAX_DURATION_S, MAX_PREFETCH, MetricsApiSettings
 
 MAX_LEASE_MARGIN_S = 120.0
 
 
-class ScorerSettings(ServiceSettings):
+class ScorerSettings(MetricsApiSettings):
     port: int = Field(default=8002, validation_alias="SCORER_PORT")
     # Model calls in flight per scorer process (the seed's pool, §5.2).
     concurrency: int = Field(default=16, ge=1, le=4096, validation_alias="SCORER_CONCURRENCY")

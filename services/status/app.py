@@ -34,10 +34,12 @@ from shared.failed_deliveries import return_failed
 from shared.group_writes import GroupWriter
 from shared.http import (
     INTERNAL_PROBLEMS,
+    METRICS_PROBLEMS,
     Problem,
     health_router,
     install_problem_handlers,
     internal_guard,
+    internal_metrics_guard,
     warn_if_internal_routes_open,
 )
 from shared.metrics import serve_metrics
@@ -82,7 +84,8 @@ def create_app(
 
     app = FastAPI(title="Scorebox status", lifespan=lifespan)
     install_problem_handlers(app)
-    serve_metrics(app, broker.metrics)
+    metrics_access = internal_metrics_guard(settings.metrics_api_key, "status service")
+    serve_metrics(app, broker.metrics, guard=metrics_access, responses=METRICS_PROBLEMS)
     app.include_router(
         health_router(
             {

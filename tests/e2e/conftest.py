@@ -16,8 +16,8 @@ from services.gateway.keys import generate_key
 from tests.support_sync import read_line_within
 
 FAKE_LLM_LATENCY_MS = "20"
-ADMIN_KEY = "e2e-admin-key"  # the gateway's admin routes and its /metrics
-METRICS_KEY = "e2e-metrics-key"  # the gateway's /metrics alone
+ADMIN_KEY = "e2e-admin-key"  # the admin routes, and the gateway's and the scheduler's /metrics
+METRICS_KEY = "e2e-metrics-key"  # every service's /metrics, and nothing else
 
 
 @pytest.fixture(scope="module")

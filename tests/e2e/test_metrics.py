@@ -17,7 +17,8 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 def scrape(stack: Stack, service: str) -> Samples:
-    headers = {"Authorization": f"Bearer {ADMIN_KEY}"} if service == "gateway" else {}
+    """As Prometheus scrapes: with the one metrics key every service of the stack takes."""
+    headers = stack.metrics_headers()
     answer = httpx.get(f"{stack.url(service)}/metrics", headers=headers, timeout=10)
     assert answer.status_code == 200, (service, answer.text)
     return {
@@ -93,17 +94,30 @@ def test_every_service_counts_what_a_scored_task_took_through_it(
     assert status.of("scorebox_deliveries_total", settled="ack") >= 4  # commands and outcomes
 
 
+def _metrics_answer(stack: Stack, service: str, key: str | None = None) -> int:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    return httpx.get(f"{stack.url(service)}/metrics", headers=headers, timeout=10).status_code
+
+
 def test_the_gateways_metrics_need_the_metrics_or_the_admin_key(stack: Stack, api_key: str) -> None:
     """The scraper held the admin key, which also mints keys and replays dead letters; it
     holds a key that opens `/metrics` alone."""
-    tenant = httpx.get(
-        f"{stack.gateway_url}/metrics", headers={"Authorization": f"Bearer {api_key}"}, timeout=10
-    )
-    anonymous = httpx.get(f"{stack.gateway_url}/metrics", timeout=10)
-    assert (tenant.status_code, anonymous.status_code) == (401, 401)
+    refused = (_metrics_answer(stack, "gateway", api_key), _metrics_answer(stack, "gateway"))
+    assert refused == (401, 401)
+    assert _metrics_answer(stack, "gateway", METRICS_KEY) == 200
+    assert _metrics_answer(stack, "gateway", ADMIN_KEY) == 200
     scraper = {"Authorization": f"Bearer {METRICS_KEY}"}
-    assert httpx.get(f"{stack.gateway_url}/metrics", headers=scraper, timeout=10).status_code == 200
     keys = httpx.get(f"{stack.gateway_url}/admin/v1/keys", headers=scraper, timeout=10)
     assert keys.status_code == 401
-    for service in SERVICES[1:]:  # internal services: not published outside their network
-        assert httpx.get(f"{stack.url(service)}/metrics", timeout=10).status_code == 200
+
+
+def test_every_services_metrics_need_the_stacks_metrics_key(stack: Stack, api_key: str) -> None:
+    """One key for the whole stack; the admin key opens only the scheduler's besides the
+    gateway's (the others do not hold it)."""
+    assert stack.metrics_key == METRICS_KEY
+    for service in SERVICES[1:]:
+        refused = (_metrics_answer(stack, service), _metrics_answer(stack, service, api_key))
+        assert refused == (401, 401), service
+        assert _metrics_answer(stack, service, METRICS_KEY) == 200, service
+        admin = _metrics_answer(stack, service, ADMIN_KEY)
+        assert admin == (200 if service == "scheduler" else 401), service

@@ -6,6 +6,7 @@ the error as `x-scorebox-error`."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from types import SimpleNamespace
@@ -26,6 +27,7 @@ from shared.bus import publish_event
 from shared.consumers import ScoreboxBroker
 from shared.contracts import ScoreResult, TaskCompleted, new_id, utcnow
 from shared.dead_letters import reason
+from shared.failed_deliveries import failure_reason, return_failed
 from shared.group_writes import GroupWriter
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
@@ -41,7 +43,7 @@ from shared.topology import (
     declare_topology,
 )
 from tests.integration.test_database_refusals import RefusingCollection
-from tests.support import eventually
+from tests.support import HandedDelivery, eventually
 
 pytestmark = pytest.mark.integration
 
@@ -191,3 +193,78 @@ async def _publish_raw(amqp_url: str, event: TaskCompleted, *, headers: Json) ->
             event.model_dump_json().encode(), headers=headers, correlation_id=event.task_id
         )
         await events.publish(message, routing_key=event.routing_key, timeout=TIMEOUT_S)
+
+
+# `return_failed` on its own, over the real broker.
+
+
+async def test_a_letter_the_broker_refuses_is_left_to_rabbitmqs_own_dead_lettering(
+    amqp_url: str,
+) -> None:
+    """A DLQ that is gone (or an alarm that lasts): after `letter_deadline_s` the delivery is
+    returned as failed, for RabbitMQ to dead-letter, instead of held by its handler for as
+    long as the broker refuses the copy."""
+    broker = make_broker(ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url}))
+    await broker.connect()
+    try:
+        await declare_topology(broker)
+        await _delete_queue(amqp_url, STATUS_PROJECTION.dead_letter_routing_key)
+        delivery = _at_the_limit(STATUS_PROJECTION)
+        async with asyncio.timeout(TIMEOUT_S):  # held while the broker refuses: the bug
+            await return_failed(
+                broker,
+                STATUS_PROJECTION,
+                delivery,
+                error="refused",
+                timeout=TIMEOUT_S,
+                letter_deadline_s=1.0,
+            )
+        await declare_topology(broker)  # the DLQ back, for the other tests
+    finally:
+        await broker.stop()
+    assert delivery.settled == ["reject(requeue=True)"]
+
+
+async def test_below_the_limit_a_failed_delivery_is_returned_and_at_it_dead_lettered(
+    amqp_url: str,
+) -> None:
+    broker = make_broker(ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url}))
+    await broker.connect()
+    try:
+        await declare_topology(broker)
+        below = _at_the_limit(STATUS_PROJECTION, short_by=1)
+        at = _at_the_limit(STATUS_PROJECTION)
+        for delivery in (below, at):
+            await return_failed(
+                broker, STATUS_PROJECTION, delivery, error="refused", timeout=TIMEOUT_S
+            )
+        letter = await _dead_letter(amqp_url, STATUS_PROJECTION, at.correlation_id or "")
+    finally:
+        await broker.stop()
+    assert below.settled == ["reject(requeue=True)"]
+    assert at.settled == ["ack"]
+    assert letter.headers[ERROR_HEADER] == "refused (at the queue's delivery limit)"
+
+
+def test_the_reason_keeps_its_end_whatever_the_errors_length() -> None:
+    reason_ = failure_reason(ValueError("x" * 5000))
+    assert reason_.startswith("ValueError: xxx")
+    assert reason_.endswith(" (at the queue's delivery limit)")
+    assert len(reason_) <= 1000  # what `publish_dead_letter` keeps of it
+
+
+def _at_the_limit(work_queue: WorkQueue, *, short_by: int = 0) -> HandedDelivery:
+    return HandedDelivery(
+        b"{}",
+        headers={DELIVERY_COUNT_HEADER: work_queue.delivery_limit - short_by},
+        redelivered=True,
+        message_id=new_id(),
+        correlation_id=new_id(),
+    )
+
+
+async def _delete_queue(amqp_url: str, name: str) -> None:
+    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
+    async with connection:
+        channel = await connection.channel()
+        await channel.queue_delete(name, timeout=TIMEOUT_S)

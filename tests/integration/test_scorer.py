@@ -157,7 +157,7 @@ async def test_exhausted_retries_dead_letter_the_task(flow: Flow) -> None:
     [
         ("malformed", "unusable_output", 2),
         ("range", "unusable_output", 2),
-        ("length", "unusable_output", 1),  # no repair: it would be cut at the same limit
+        ("length", "unusable_output", 2),
         ("reject", "input_rejected", 1),
     ],
 )
@@ -186,8 +186,9 @@ async def test_permanent_failures_fail_at_once(
         ),
         pytest.param(
             "length",
-            1,
-            "stopped at its token limit (300 tokens) before a complete answer; "
+            2,
+            "still unusable after one repair attempt: the model stopped at its token limit "
+            "(300 tokens) before a complete answer; "
             "LLM_MAX_OUTPUT_TOKENS raises it",
             "",  # `content: null`
             id="length",
@@ -203,8 +204,8 @@ async def test_an_answer_still_unusable_reports_the_tokens_it_used(
     says: str,
     raw_output: str,
 ) -> None:
-    """The calls that came back (an answer and its repair, or an answer cut at the token
-    limit, not repaired) are billed: `task.failed` carries their usage and model, which the
+    """The calls that came back (an answer and its repair, cut at the token limit or not) are
+    billed: `task.failed` carries their usage and model, which the
     usage meter records like a completion's."""
     connection = await aio_pika.connect(flow.amqp_url, timeout=10)
     async with connection:

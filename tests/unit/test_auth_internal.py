@@ -197,14 +197,6 @@ def test_an_internal_key_equal_to_the_admin_key_is_refused_at_start(
     assert isinstance(apart, InternalApiSettings)
 
 
-def test_an_internal_key_equal_to_the_metrics_key_is_refused_at_start() -> None:
-    """The scraper's token would open every tenant's tasks and usage."""
-    with pytest.raises(ValidationError, match="must differ from METRICS_API_KEY"):
-        GatewaySettings.model_validate(
-            {"INTERNAL_API_KEY": INTERNAL_KEY, "METRICS_API_KEY": INTERNAL_KEY}
-        )
-
-
 def test_a_refused_internal_key_is_not_printed() -> None:
     """The error of a key pasted with its scheme ('Bearer …') went whole to the service's
     log."""

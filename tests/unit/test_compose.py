@@ -155,6 +155,15 @@ def test_the_services_of_the_internal_api_share_the_internal_key(
     assert env["INTERNAL_API_KEY"] == "${SCOREBOX_INTERNAL_KEY:-}"
 
 
+@pytest.mark.parametrize("name", APP_SERVICES)
+def test_every_service_takes_the_one_metrics_key(compose: dict[str, Any], name: str) -> None:
+    """The scraper's key guards every service's /metrics; empty (METRICS_API_KEY unset), the
+    gateway's takes the admin key only and the others' are open."""
+    env = services(compose)[name]["environment"]
+
+    assert env["METRICS_API_KEY"] == "${METRICS_API_KEY:-}"
+
+
 def test_the_gateway_is_published_and_finds_the_status_service(compose: dict[str, Any]) -> None:
     gateway = services(compose)["gateway"]
 

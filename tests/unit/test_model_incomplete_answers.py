@@ -2,8 +2,10 @@
 
 A chat completion without a choice comes from a chat-completions endpoint all the same:
 refused when Azure OpenAI's prompt filter says it stopped the text, else retried (a proxy's
-glitch), never taken for a misconfigured LLM_BASE_URL. An answer cut at the token limit
-fails at once: its repair would be cut at the same limit. Each bills what it reports. A
+glitch), never taken for a misconfigured LLM_BASE_URL. An answer cut at the token limit is
+repaired once, as any unusable answer (the repair asks for the JSON object alone, which fits
+where a verbose answer did not); still unusable, the failure names the setting that raises
+the limit. Each bills what it reports. A
 scripted HTTP server plays the provider; the fake model server then plays it for real.
 """
 
@@ -190,22 +192,46 @@ async def test_a_repair_answered_without_a_choice_bills_both_answers() -> None:
         pytest.param('{"score": 7, "comment": "Clear, well argued and', id="half-a-verdict"),
     ],
 )
-async def test_an_answer_cut_at_the_token_limit_fails_at_once_naming_the_setting(
-    content: str | None,
+async def test_an_answer_cut_at_the_token_limit_is_repaired(content: str | None) -> None:
+    provider = ScriptedProvider(
+        finished(content, "length"), finished(GOOD, "stop", completion_tokens=20)
+    )
+    verdict = await score_with(provider)
+    assert verdict.result.score == 7.5
+    assert verdict.result.usage == Usage(prompt_tokens=240, completion_tokens=320)
+    assert len(provider.requests) == 2
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param(None, id="null"),
+        pytest.param('{"score": 7, "comment": "Clear, well argued and', id="half-a-verdict"),
+    ],
+)
+@pytest.mark.parametrize(
+    "repair",
+    [
+        pytest.param(("Seven.", "stop"), id="repair-unusable"),
+        pytest.param((None, "length"), id="repair-cut-too"),
+    ],
+)
+async def test_an_answer_cut_and_still_unusable_after_its_repair_names_the_setting(
+    content: str | None, repair: tuple[str | None, str]
 ) -> None:
-    provider = ScriptedProvider(finished(content, "length"))
+    provider = ScriptedProvider(finished(content, "length"), finished(*repair))
     error = await raised_by(provider)
     assert isinstance(error, UnusableOutput)
     assert error.to_task_error().code == "unusable_output"
     assert not error.retryable
     assert error.message == (
-        f"the model stopped at its token limit ({MAX_OUTPUT_TOKENS} tokens) before a complete"
-        " answer; LLM_MAX_OUTPUT_TOKENS raises it"
+        "still unusable after one repair attempt: the model stopped at its token limit "
+        f"({MAX_OUTPUT_TOKENS} tokens) before a complete answer; LLM_MAX_OUTPUT_TOKENS raises it"
     )
-    assert error.raw_output == (content or "")
-    assert error.usage == Usage(prompt_tokens=120, completion_tokens=300)
+    assert error.raw_output == (repair[0] or "")
+    assert error.usage == Usage(prompt_tokens=240, completion_tokens=600)
     assert error.model == ANSWERED_MODEL
-    assert len(provider.requests) == 1  # no repair: it would be cut at the same limit
+    assert len(provider.requests) == 2
 
 
 async def test_a_verdict_complete_at_the_token_limit_is_accepted() -> None:
@@ -259,13 +285,15 @@ async def score_on(fake: FakeLLM, text: str) -> Any:
         return await OpenAIChatModel(http, configured).score(request(text))
 
 
-async def test_the_fake_models_cut_answer_fails_without_a_repair_call(fake: FakeLLM) -> None:
+async def test_the_fake_models_cut_answer_fails_after_its_repair_naming_the_setting(
+    fake: FakeLLM,
+) -> None:
     with pytest.raises(UnusableOutput, match="LLM_MAX_OUTPUT_TOKENS raises it") as caught:
         await score_on(fake, "An essay [[id:cut]] [[fake:length]]")
-    assert fake.stats()["by_id"] == {"cut": 1}
+    assert fake.stats()["by_id"] == {"cut": 2}  # the answer and its repair, both cut
     assert caught.value.usage is not None
     assert caught.value.usage.prompt_tokens > 0
-    assert caught.value.usage.completion_tokens == MAX_OUTPUT_TOKENS  # the max_tokens sent
+    assert caught.value.usage.completion_tokens == 2 * MAX_OUTPUT_TOKENS  # the max_tokens sent
     assert caught.value.model == "gpt-4o-mini-2024-07-18"
 
 

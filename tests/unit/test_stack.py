@@ -17,7 +17,7 @@ import tempfile
 import textwrap
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -33,6 +33,8 @@ from devtools.stack import (
     curl_examples,
     ensure_ports_free,
     internal_key_of,
+    metrics_key_of,
+    metrics_lines,
     no_proxy_with_loopback,
     ports_from_env,
     probe,
@@ -53,7 +55,7 @@ FAKE_SERVICE = textwrap.dedent(
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     polls = {"n": 0}
     SHOWN = ("RABBITMQ_URL", "MONGO_URL", "MONGO_DB_PREFIX", "HTTP_HOST", "STATUS_URL",
-             "SCOREBOX_INSTANCE", "EXTRA", "NO_PROXY", "INTERNAL_API_KEY",
+             "SCOREBOX_INSTANCE", "EXTRA", "NO_PROXY", "INTERNAL_API_KEY", "METRICS_API_KEY",
              service.upper() + "_PORT")
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -188,35 +190,62 @@ def test_every_service_gets_the_environment_contract(
     assert set(LOOPBACK_HOSTS) <= set((scorer["NO_PROXY"] or "").split(","))
 
 
-def test_every_service_of_a_stack_shares_its_own_internal_key_across_restarts(
-    tmp_path: Path, fake_command: list[str], stacks: list[Stack]
+def _stack_key(stack: Stack, name: str) -> str:
+    return stack.internal_key if name == "INTERNAL_API_KEY" else stack.metrics_key
+
+
+@pytest.mark.parametrize("name", ["INTERNAL_API_KEY", "METRICS_API_KEY"])
+def test_every_service_of_a_stack_shares_its_own_key_across_restarts(
+    tmp_path: Path, fake_command: list[str], stacks: list[Stack], name: str
 ) -> None:
-    """`make run` (and the e2e tests) run with the internal routes authenticated."""
+    """`make run` (and the e2e tests) run with the internal routes and `/metrics`
+    authenticated."""
     stack = Stack(make_config(tmp_path, fake_command, scorer_replicas=2))
     stacks.append(stack)
     stack.start(ready_timeout_s=30)
+    key = _stack_key(stack, name)
 
     def keys() -> set[str | None]:
-        return {
-            get_json(f"{stack.url(p.service, p.replica)}/env")["INTERNAL_API_KEY"]
-            for p in stack.processes()
-        }
+        return {get_json(f"{stack.url(p.service, p.replica)}/env")[name] for p in stack.processes()}
 
-    assert keys() == {stack.internal_key}
-    assert len(stack.internal_key) >= 32
+    assert keys() == {key}
+    assert len(key) >= 32
     stack.restart("status", ready_timeout_s=30)
-    assert keys() == {stack.internal_key}
+    assert keys() == {key}
     other = Stack(make_config(tmp_path / "other", fake_command))
-    assert other.internal_key != stack.internal_key
+    assert _stack_key(other, name) != key
 
 
-def test_an_internal_key_given_to_a_stack_is_the_one_its_services_share() -> None:
-    assert internal_key_of({"INTERNAL_API_KEY": "given"}, {"INTERNAL_API_KEY": "shell"}) == "given"
-    assert internal_key_of({"INTERNAL_API_KEY": ""}, {"INTERNAL_API_KEY": "shell"}) == ""  # open
-    assert internal_key_of({}, {"INTERNAL_API_KEY": "shell"}) == "shell"
-    fresh = internal_key_of({}, {})
+KeyOf = Callable[[Mapping[str, str], Mapping[str, str]], str]
+
+
+@pytest.mark.parametrize(
+    ("name", "key_of"),
+    [("INTERNAL_API_KEY", internal_key_of), ("METRICS_API_KEY", metrics_key_of)],
+    ids=["internal", "metrics"],
+)
+def test_a_key_given_to_a_stack_is_the_one_its_services_share(name: str, key_of: KeyOf) -> None:
+    assert key_of({name: "given"}, {name: "shell"}) == "given"
+    assert key_of({name: ""}, {name: "shell"}) == ""  # open
+    assert key_of({}, {name: "shell"}) == "shell"
+    fresh = key_of({}, {})
     assert len(fresh) >= 32
-    assert fresh != internal_key_of({}, {})
+    assert fresh != key_of({}, {})
+
+
+def test_a_scraper_of_the_stack_sends_its_metrics_key(
+    tmp_path: Path, fake_command: list[str], stacks: list[Stack]
+) -> None:
+    given = {"METRICS_API_KEY": "given-metrics-key"}
+    stack = Stack(make_config(tmp_path, fake_command, env=given))
+    stacks.append(stack)
+    stack.start(ready_timeout_s=30)
+    assert stack.metrics_headers() == {"Authorization": "Bearer given-metrics-key"}
+    curl = f"curl -s -H 'Authorization: Bearer given-metrics-key' {stack.gateway_url}/metrics"
+    assert f"  {curl}" in metrics_lines(stack)
+    # Given empty, the services' /metrics are open: nothing to send, nothing to print.
+    open_stack = Stack(make_config(tmp_path / "open", fake_command, env={"METRICS_API_KEY": ""}))
+    assert (open_stack.metrics_headers(), metrics_lines(open_stack)) == ({}, [])
 
 
 def test_loopback_hosts_join_the_hosts_no_proxy_names() -> None:

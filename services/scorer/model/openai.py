@@ -1,9 +1,7 @@
 """A judge behind an OpenAI-compatible `POST /chat/completions` (OpenAI, vLLM, llama.cpp...).
 
 One `score` call makes one request, plus one repair request when the first answer is
-unusable (not when the model stopped at its token limit: asked again under the same
-`max_tokens`, it would stop there again), all within a single hard deadline of
-LLM_TIMEOUT_S. It never retries on its own:
+unusable, all within a single hard deadline of LLM_TIMEOUT_S. It never retries on its own:
 it raises a typed error and the scorer decides, through the broker, whether to try again.
 Whatever the error, it carries the usage of the answers that came back before it (`usage`,
 `model`): the provider billed them, and the scorer meters them with the task's outcome.
@@ -217,8 +215,8 @@ class OpenAIChatModel:
         try:
             return _Judgement(parse_verdict(first.content), first, first.usage, repaired=False)
         except UnusableOutput as problem:
-            if first.cut_at_token_limit:  # a repair would be cut at the same limit
-                raise self._cut_at_token_limit(first, first.usage) from problem
+            # Repaired even when cut at the token limit: the repair asks for the JSON object
+            # alone, which fits where a verbose answer did not.
             repair = build_repair_messages(messages, first.content, problem.message)
         try:
             second = await self._complete(repair, model)
@@ -231,24 +229,21 @@ class OpenAIChatModel:
         try:
             return _Judgement(parse_verdict(second.content), second, usage, repaired=True)
         except UnusableOutput as problem:
-            if second.cut_at_token_limit:
-                raise self._cut_at_token_limit(second, usage) from problem
+            cut = first.cut_at_token_limit or second.cut_at_token_limit
+            why = self._cut_at_token_limit() if cut else problem.message
             raise UnusableOutput(
-                f"still unusable after one repair attempt: {problem.message}",
+                f"still unusable after one repair attempt: {why}",
                 raw_output=second.content,
                 usage=usage,
                 model=second.model,
             ) from problem
 
-    def _cut_at_token_limit(self, answer: _Answer, usage: Usage) -> UnusableOutput:
-        """The failure of an answer the token limit cut before it held a verdict."""
-        return UnusableOutput(
+    def _cut_at_token_limit(self) -> str:
+        """Why an answer the token limit cut held no verdict, and what raises the limit."""
+        return (
             "the model stopped at its token limit "
             f"({self._settings.llm_max_output_tokens} tokens) before a complete answer; "
-            f"{MAX_OUTPUT_TOKENS_SETTING} raises it",
-            raw_output=answer.content,
-            usage=usage,
-            model=answer.model,
+            f"{MAX_OUTPUT_TOKENS_SETTING} raises it"
         )
 
     async def _complete(self, messages: Messages, model: str) -> _Answer:

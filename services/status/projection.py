@@ -28,6 +28,7 @@ its `scheduled` change: no event made the other.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from datetime import datetime, timedelta
 from typing import Any, Final
 
@@ -346,12 +347,12 @@ async def find_history(
 async def find_batch(
     batch_id: str, *, tenant_id: str, after: int, limit: int, tasks: Tasks, now: datetime
 ) -> BatchProgress:
-    """Counts per status of a batch's known tasks, and a page of them by `batch_index`."""
+    """Counts per status of a batch's known tasks, and a page of them by `batch_index`.
+
+    A first page that holds every known task of the batch gives the counts itself: one query,
+    and counts that agree with the items (a second query could see a task change between
+    the two). A batch longer than its page is counted by an aggregation."""
     members = {"tenant_id": tenant_id, "batch_id": string_key(batch_id), **readable(now)}
-    grouped = await tasks.aggregate(
-        [{"$match": members}, {"$group": {"_id": _status_expression(now), "count": {"$sum": 1}}}]
-    )
-    counts = {TaskStatus(group["_id"]): group["count"] async for group in grouped}
     page = (
         tasks.find(
             {**members, "batch_index": {"$gt": after}},
@@ -361,7 +362,20 @@ async def find_batch(
         .limit(limit)
     )
     items = [_batch_item_of(document, now) async for document in page]
+    if after < 0 and len(items) < limit:
+        counts = dict(Counter(item.status for item in items))
+    else:
+        counts = await _counts_by_status(tasks, members, now)
     return BatchProgress(batch_id=batch_id, counts=counts, items=items)
+
+
+async def _counts_by_status(
+    tasks: Tasks, members: Document, now: datetime
+) -> dict[TaskStatus, int]:
+    grouped = await tasks.aggregate(
+        [{"$match": members}, {"$group": {"_id": _status_expression(now), "count": {"$sum": 1}}}]
+    )
+    return {TaskStatus(group["_id"]): group["count"] async for group in grouped}
 
 
 def status_at(document: Document, now: datetime) -> TaskStatus:

@@ -108,12 +108,13 @@ async def _assert_like_unknown(
 
 
 async def _public_routes(api: httpx.AsyncClient) -> list[tuple[str, str]]:
-    """Every (method, path) the API documents, but health, docs and admin routes."""
+    """Every (method, path) the API documents, but health, docs, admin routes and the
+    scraper's `/metrics` (the metrics or the admin key: `tests/unit/test_auth_metrics.py`)."""
     paths: dict[str, Json] = (await api.get("/openapi.json")).json()["paths"]
     return [
         (method.upper(), path)
         for path, operations in paths.items()
-        if path not in OPEN_PATHS and not path.startswith("/admin/")
+        if path not in OPEN_PATHS and path != "/metrics" and not path.startswith("/admin/")
         for method in operations
     ]
 

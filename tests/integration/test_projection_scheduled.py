@@ -87,6 +87,11 @@ async def test_a_scheduled_task_reads_queued_once_its_start_has_come(
         batch = await find_batch(
             batch_id, tenant_id="acme", after=-1, limit=10, tasks=tasks, now=now
         )
+        # A page shorter than the batch: counted by the aggregation, not from its items.
+        counted = await find_batch(
+            batch_id, tenant_id="acme", after=-1, limit=2, tasks=tasks, now=now
+        )
+        assert counted.counts == batch.counts
         assert view is not None
         assert history is not None
         # What was recorded stays: the task was scheduled when it was accepted.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any, cast
@@ -83,6 +84,26 @@ def _completion() -> TaskCompleted:
     )
 
 
+@asynccontextmanager
+async def _topology_broker(
+    amqp_url: str, *, consuming: Callable[[ScoreboxBroker], None] | None = None
+) -> AsyncIterator[ScoreboxBroker]:
+    """A broker connected to the test's vhost with the topology declared; with `consuming`,
+    its consumers subscribed and started on outcome queues emptied of earlier tests' events."""
+    broker = make_broker(ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url}))
+    if consuming is not None:
+        consuming(broker)
+    await broker.connect()
+    try:
+        await declare_topology(broker)
+        if consuming is not None:
+            await _purge_outcome_queues(amqp_url)
+            await broker.start()
+        yield broker
+    finally:
+        await broker.stop()
+
+
 async def _purge_outcome_queues(amqp_url: str) -> None:
     """Both queues take every test's outcome: a test starts with none of the earlier ones."""
     connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
@@ -130,20 +151,13 @@ async def test_a_delivery_refused_at_every_try_is_dead_lettered_with_the_reason(
     amqp_url: str, database: Any, subscribe: Subscribe, work_queue: WorkQueue, collection: str
 ) -> None:
     refusing = RefusingCollection(database[collection])
-    broker = make_broker(ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url}))
-    subscribe(broker, cast("AsyncCollection[Json]", refusing))
-    await broker.connect()
-    await declare_topology(broker)
-    await _purge_outcome_queues(amqp_url)
-    await broker.start()
-    try:
+    writes = cast("AsyncCollection[Json]", refusing)
+    async with _topology_broker(amqp_url, consuming=lambda b: subscribe(b, writes)) as broker:
         event = _completion()
         if work_queue is GATEWAY_TASK_OUTCOMES:  # an outcome of no submission is dropped
             await _submitted(database["submissions"], event.task_id)
         await publish_event(broker, event, timeout=TIMEOUT_S)
         letter = await _dead_letter(amqp_url, work_queue, event.task_id)
-    finally:
-        await broker.stop()
 
     headers = dict(letter.headers)
     assert "Document failed validation" in str(headers[ERROR_HEADER])
@@ -165,19 +179,12 @@ async def test_a_letter_carries_no_count_of_deliveries_before_it(
     deliveries`), and the letter leaves the count behind: moved back to its queue, it would be
     given up at its first failure."""
     refusing = RefusingCollection(database["tasks"])
-    broker = make_broker(ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url}))
-    _projection(broker, cast("AsyncCollection[Json]", refusing))
-    await broker.connect()
-    await declare_topology(broker)
-    await _purge_outcome_queues(amqp_url)
-    await broker.start()
+    writes = cast("AsyncCollection[Json]", refusing)
     earlier = 3
-    try:
+    async with _topology_broker(amqp_url, consuming=lambda b: _projection(b, writes)):
         event = _completion()
         await _publish_raw(amqp_url, event, headers={EARLIER_DELIVERIES_HEADER: earlier})
         letter = await _dead_letter(amqp_url, STATUS_PROJECTION, event.task_id)
-    finally:
-        await broker.stop()
 
     assert ERROR_HEADER in letter.headers
     assert EARLIER_DELIVERIES_HEADER not in letter.headers
@@ -204,10 +211,7 @@ async def test_a_letter_the_broker_refuses_is_left_to_rabbitmqs_own_dead_letteri
     """A DLQ that is gone (or an alarm that lasts): after `letter_deadline_s` the delivery is
     returned as failed, for RabbitMQ to dead-letter, instead of held by its handler for as
     long as the broker refuses the copy."""
-    broker = make_broker(ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url}))
-    await broker.connect()
-    try:
-        await declare_topology(broker)
+    async with _topology_broker(amqp_url) as broker:
         await _delete_queue(amqp_url, STATUS_PROJECTION.dead_letter_routing_key)
         delivery = _at_the_limit(STATUS_PROJECTION)
         async with asyncio.timeout(TIMEOUT_S):  # held while the broker refuses: the bug
@@ -220,18 +224,13 @@ async def test_a_letter_the_broker_refuses_is_left_to_rabbitmqs_own_dead_letteri
                 letter_deadline_s=1.0,
             )
         await declare_topology(broker)  # the DLQ back, for the other tests
-    finally:
-        await broker.stop()
     assert delivery.settled == ["reject(requeue=True)"]
 
 
 async def test_below_the_limit_a_failed_delivery_is_returned_and_at_it_dead_lettered(
     amqp_url: str,
 ) -> None:
-    broker = make_broker(ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url}))
-    await broker.connect()
-    try:
-        await declare_topology(broker)
+    async with _topology_broker(amqp_url) as broker:
         below = _at_the_limit(STATUS_PROJECTION, short_by=1)
         at = _at_the_limit(STATUS_PROJECTION)
         for delivery in (below, at):
@@ -239,8 +238,6 @@ async def test_below_the_limit_a_failed_delivery_is_returned_and_at_it_dead_lett
                 broker, STATUS_PROJECTION, delivery, error="refused", timeout=TIMEOUT_S
             )
         letter = await _dead_letter(amqp_url, STATUS_PROJECTION, at.correlation_id or "")
-    finally:
-        await broker.stop()
     assert below.settled == ["reject(requeue=True)"]
     assert at.settled == ["ack"]
     assert letter.headers[ERROR_HEADER] == "refused (at the queue's delivery limit)"

@@ -4,7 +4,7 @@ Every publish is persistent, mandatory (an unroutable message raises instead of 
 and awaits the broker's publisher confirm within `timeout`; a negative confirm (for example
 a full queue with `reject-publish`) raises as well. Callers decide what a failure means,
 and `PublishUnconfirmed` tells them the one failure that may still have reached a queue.
-Publishes go through aio-pika on the FastStream broker's own channel (`_send`).
+Publishes go through aio-pika on the FastStream broker's own channel (`send_raw`).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ BROKER_ERRORS = (
 )
 
 
-def _headers(message: Contract, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def message_headers(message: Contract, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     headers = {
         "x-tenant-id": message.tenant_id,
         "x-schema-version": message.schema_version,
@@ -90,7 +90,7 @@ async def _publish(
     timeout: float,
     headers: Mapping[str, Any] | None = None,
 ) -> None:
-    await _send(
+    await send_raw(
         broker,
         message.model_dump_json().encode(),
         exchange=exchange,
@@ -98,11 +98,11 @@ async def _publish(
         timeout=timeout,
         message_id=message.message_id,
         correlation_id=message.task_id,
-        headers=_headers(message, headers),
+        headers=message_headers(message, headers),
     )
 
 
-async def _send(
+async def send_raw(
     broker: RabbitBroker,
     body: bytes,
     *,
@@ -218,7 +218,7 @@ async def publish_dead_letter(
     correlation_id: str | None = None,
 ) -> None:
     """Move a message to a work queue's DLQ ourselves, with the reason as a header."""
-    await _send(
+    await send_raw(
         broker,
         body,
         exchange=DLX,

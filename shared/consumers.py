@@ -39,6 +39,7 @@ import aio_pika
 from faststream.rabbit import RabbitBroker, RabbitQueue
 
 from shared.acks import ChannelAcks
+from shared.event_batches import Part, UnreadableBatch, is_batch, split_batch
 from shared.log_context import correlated
 from shared.metrics import Metrics
 
@@ -127,6 +128,69 @@ class Delivery:
         return True
 
 
+class BatchPart(Delivery):
+    """One event of a batch delivery, as a delivery of its own: its body, identifiers and
+    headers are the event's; settling it only records how (`_settle_batch` settles the
+    batch once every part is)."""
+
+    __slots__ = ("_part",)
+
+    def __init__(self, raw: AbstractIncomingMessage, acks: ChannelAcks, part: Part) -> None:
+        super().__init__(raw, acks)
+        self._part = part
+
+    @property
+    @override
+    def body(self) -> bytes:
+        return self._part.body
+
+    @property
+    @override
+    def headers(self) -> dict[str, Any]:
+        return self._part.headers
+
+    @property
+    @override
+    def message_id(self) -> str | None:
+        return self._part.message_id
+
+    @property
+    @override
+    def correlation_id(self) -> str | None:
+        return self._part.correlation_id
+
+    @override
+    async def ack(self) -> None:
+        self._settle("ack")
+
+    @override
+    async def nack(self, *, requeue: bool = True) -> None:
+        self._settle("requeue" if requeue else "nack")
+
+    @override
+    async def reject(self, *, requeue: bool = False) -> None:
+        self._settle("requeue" if requeue else "reject")
+
+
+async def _settle_batch(batch: Delivery, parts: list[BatchPart], raised: bool) -> None:
+    """Settle a batch as the strictest of its parts asks. A part left unsettled (its handler
+    raised, or kept it for the broker to redeliver) leaves the batch so; a part returned
+    as failed returns the whole batch, counted (`requeue_failed`), and one dead-lettered
+    dead-letters it whole: every consumer of events takes a repeat of an event it has
+    handled as a no-op, so the parts already handled come back harmlessly, and none is
+    lost. Otherwise (every part acked, including those a handler copied to its DLQ
+    itself) the batch is acked."""
+    settled = {part.settlement for part in parts}
+    if raised or None in settled:
+        return
+    if "requeue" in settled:
+        await batch.requeue_failed()
+    elif settled & {"reject", "nack"}:
+        await batch.reject(requeue=False)
+    else:
+        await batch.ack()
+
+
 Handler = Callable[[Delivery], Awaitable[None]]
 
 
@@ -164,9 +228,19 @@ class _AcksByChannel:
 class _Consuming:
     """The running consumers of one subscription, and the deliveries they are handling."""
 
-    def __init__(self, subscription: _Subscription, acks: _AcksByChannel, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        subscription: _Subscription,
+        acks: _AcksByChannel,
+        metrics: Metrics,
+        *,
+        prefetch: int | None,
+    ) -> None:
         self.subscription = subscription
         self._acks = acks
+        # Parts of batches handled at once: at most the prefetch, as deliveries are (a
+        # prefetch of batches alone would let prefetch x batch size events in).
+        self._part_slots = asyncio.Semaphore(prefetch) if prefetch else None
         queue = subscription.label
         self._timed = metrics.handling_seconds.labels(queue)
         self._settled = {
@@ -183,11 +257,23 @@ class _Consuming:
     async def on_delivery(self, raw: AbstractIncomingMessage) -> None:
         self.handling += 1
         self.idle.clear()
+        try:
+            acks = self._acks.of(raw.channel)
+            if is_batch(raw.headers):
+                await self._handle_batch(raw, acks)
+            else:
+                await self._handle(Delivery(raw, acks))
+        finally:
+            self.handling -= 1
+            if self.handling == 0:
+                self.idle.set()
+
+    async def _handle(self, delivery: Delivery) -> bool:
+        """Run the handler on one delivery; True when it raised."""
         started = time.perf_counter()
-        delivery = Delivery(raw, self._acks.of(raw.channel))
         failed = False
         # Around the failure's log line too: its traceback is the line most worth tracing.
-        with correlated(raw.correlation_id):
+        with correlated(delivery.correlation_id):
             try:
                 if self.subscription.ack_first:
                     await delivery.ack()
@@ -198,13 +284,39 @@ class _Consuming:
                     "%s: handling message %s failed; it stays unacknowledged until the channel "
                     "closes, then the broker redelivers it",
                     self.subscription.queue.name,
-                    raw.message_id,
+                    delivery.message_id,
                 )
             finally:
-                self.handling -= 1
-                if self.handling == 0:
-                    self.idle.set()
                 self._record(delivery, failed=failed, seconds=time.perf_counter() - started)
+        return failed
+
+    async def _handle_batch(self, raw: AbstractIncomingMessage, acks: ChannelAcks) -> None:
+        """Each event of a batch (`shared.event_batches`) reaches the handler as a delivery
+        of its own, all of them at once; the batch is settled once every part is
+        (`_settle_batch`)."""
+        batch = Delivery(raw, acks)
+        try:
+            parts = [BatchPart(raw, acks, part) for part in split_batch(raw.body, raw.headers)]
+        except UnreadableBatch as error:
+            log.warning(
+                "%s: dead-lettering an unreadable batch %s: %s",
+                self.subscription.queue.name,
+                raw.message_id,
+                error,
+            )
+            await batch.reject(requeue=False)
+            self._record(batch, failed=False, seconds=0.0)
+            return
+        if self.subscription.ack_first:
+            await batch.ack()
+        raised = await asyncio.gather(*(self._handle_part(part) for part in parts))
+        await _settle_batch(batch, parts, any(raised))
+
+    async def _handle_part(self, part: BatchPart) -> bool:
+        if self._part_slots is None:
+            return await self._handle(part)
+        async with self._part_slots:
+            return await self._handle(part)
 
     def _record(self, delivery: Delivery, *, failed: bool, seconds: float) -> None:
         self._settled["failed" if failed else (delivery.settlement or "unsettled")].inc()
@@ -265,7 +377,12 @@ class ScoreboxBroker(RabbitBroker):
             client_properties={"connection_name": f"{self._name} consumers"},
         )
         for subscription in self._subscriptions:
-            consuming = _Consuming(subscription, self._acks, self.metrics)
+            consuming = _Consuming(
+                subscription,
+                self._acks,
+                self.metrics,
+                prefetch=subscription.prefetch or self._prefetch,
+            )
             channel = await self._channel_for(subscription.prefetch)
             queue = subscription.queue
             consuming.queue = await channel.declare_queue(

@@ -244,6 +244,11 @@ CALLBACK_URL_DESCRIPTION = "The task's webhook for its outcome, when it has one.
 
 
 class TaskCompleted(TaskEvent):
+    """A task's result. Completions without a callback that finish together may travel in
+    one message: its body the JSON array of their bodies, its header `x-scorebox-batch`
+    listing `[length, message_id, task_id, tenant_id]` for each (`shared.event_batches`);
+    a consumer takes each as a message of its own."""
+
     routing_key: ClassVar[str] = "task.completed"
     status: ClassVar[TaskStatus] = TaskStatus.COMPLETED
 

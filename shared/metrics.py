@@ -56,6 +56,13 @@ class Metrics:
             ["queue", "settled"],
             registry=self.registry,
         )
+        self.events_per_batch = Histogram(
+            "scorebox_events_per_batch",
+            "Events sent together in one batch message (`shared.batched_publish`); an event "
+            "sent alone is not counted.",
+            buckets=(2, 4, 8, 16, 32, 64, 128, 256),
+            registry=self.registry,
+        )
         self.handling_seconds = Histogram(
             "scorebox_delivery_handling_seconds",
             "Time from a delivery's arrival to the end of its handler, by queue.",

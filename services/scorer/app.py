@@ -119,7 +119,12 @@ def create_app(
     )
     deps.metrics.slots_busy.set_function(lambda: deps.model_slots.busy)
     deps.metrics.model_calls_paused.set_function(lambda: float(deps.throttle.paused))
-    actions = BrokerActions(broker=broker, timeout_s=settings.broker_timeout_s, clock=clock)
+    actions = BrokerActions(
+        broker=broker,
+        timeout_s=settings.broker_timeout_s,
+        clock=clock,
+        outcome_batch_max=settings.outcome_batch_max,
+    )
     subscribe_scorer(broker, deps, actions, crash_limit=settings.crash_limit)
     cancels = TaskCancels(
         attempts, broker, clock, timeout_s=settings.broker_timeout_s, metrics=metrics

@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -52,7 +52,8 @@ from services.scorer.attempts import Busy, Claimed
 from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Retry, Spent
 from services.scorer.scoring import Clock, ScorerDeps, recorded_decision, score_text
 from services.scorer.slots import SlotsClosed
-from shared.bus import publish_command, publish_event
+from shared.batched_publish import EventBatcher
+from shared.bus import publish_command
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import (
     Phase,
@@ -92,6 +93,15 @@ class BrokerActions:
     broker: RabbitBroker
     timeout_s: float
     clock: Clock
+    # Outcomes published together while a publish awaits its confirm (1: each alone).
+    outcome_batch_max: int = 1
+    _events: EventBatcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        batcher = EventBatcher(
+            self.broker, timeout=self.timeout_s, max_batch=self.outcome_batch_max
+        )
+        object.__setattr__(self, "_events", batcher)
 
     async def _confirmed(self, what: str, publish: Callable[[], Awaitable[object]]) -> None:
         await keep_publishing(publish, what=what)
@@ -114,9 +124,7 @@ class BrokerActions:
                 log.debug("dropping a delivery: %s", reason)
 
     async def _event(self, event: TaskEvent) -> None:
-        await self._confirmed(
-            event.routing_key, lambda: publish_event(self.broker, event, timeout=self.timeout_s)
-        )
+        await self._confirmed(event.routing_key, lambda: self._events.publish(event))
 
     async def resend(self, command: ScoreText, *, headers: dict[str, Any]) -> None:
         await self._confirmed(

@@ -44,6 +44,12 @@ class ScorerSettings(MetricsApiSettings):
     started_after_s: float = Field(
         default=1.0, ge=0, le=MAX_DURATION_S, validation_alias="SCORER_STARTED_AFTER_S"
     )
+    # Completions without a callback that arrive while an outcome's publish awaits its
+    # confirm go out together, up to this many in one message (shared/batched_publish.py);
+    # 1 sends each alone, for consumers of a build that predates batches.
+    outcome_batch_max: int = Field(
+        default=64, ge=1, le=1000, validation_alias="SCORER_OUTCOME_BATCH_MAX"
+    )
     # A claim outlives the model call by this margin before another worker may take it over.
     # At most 120 s: a held redelivery waits out a whole claim inside the broker's consumer
     # timeout (see MAX_LLM_TIMEOUT_S).

@@ -24,10 +24,12 @@ from services.gateway.consumers import subscribe_task_outcomes
 from services.gateway.submissions import Submissions
 from services.status.app import subscribe_projection
 from services.status.settings import StatusSettings
+from shared.batched_publish import EventBatcher
 from shared.bus import publish_event
 from shared.consumers import ScoreboxBroker
 from shared.contracts import ScoreResult, TaskCompleted, new_id, utcnow
 from shared.dead_letters import reason
+from shared.event_batches import BATCH_HEADER
 from shared.failed_deliveries import failure_reason, return_failed
 from shared.group_writes import GroupWriter
 from shared.runtime import make_broker
@@ -81,6 +83,7 @@ def _completion() -> TaskCompleted:
         submitted_at=now,
         occurred_at=now,
         result=ScoreResult(score=5, comment="ok", model="m"),
+        has_callback=False,
     )
 
 
@@ -139,6 +142,26 @@ async def _dead_letter(
         return await eventually(found, timeout_s=60, what=f"a dead letter of {work_queue.name}")
 
 
+async def _dead_letters(
+    amqp_url: str, work_queue: WorkQueue, task_ids: set[str]
+) -> dict[str, AbstractIncomingMessage]:
+    """The letters of these tasks in the queue's DLQ, whatever their order."""
+    found: dict[str, AbstractIncomingMessage] = {}
+    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
+    async with connection:
+        channel = await connection.channel()
+        dlq = await channel.get_queue(work_queue.dead_letter_routing_key, ensure=False)
+
+        async def all_found() -> bool:
+            while (letter := await dlq.get(no_ack=True, fail=False, timeout=TIMEOUT_S)) is not None:
+                if letter.correlation_id in task_ids:
+                    found[letter.correlation_id] = letter
+            return found.keys() == task_ids
+
+        await eventually(all_found, timeout_s=60, what=f"dead letters of {work_queue.name}")
+    return found
+
+
 @pytest.mark.parametrize(
     ("subscribe", "work_queue", "collection"),
     [
@@ -170,6 +193,30 @@ async def test_a_delivery_refused_at_every_try_is_dead_lettered_with_the_reason(
     assert headers.get(DELIVERY_COUNT_HEADER, 0) == 0
     # Tried at every delivery the limit allows, the first included.
     assert refusing.bulk_writes == work_queue.delivery_limit + 1
+
+
+async def test_events_of_a_batch_refused_at_every_try_are_dead_lettered_one_by_one(
+    amqp_url: str, database: Any
+) -> None:
+    """A batch's parts carry its delivery count: at the limit, each event the database
+    refuses becomes a letter of its own, with the reason, as it would have alone."""
+    refusing = RefusingCollection(database["tasks"])
+    writes = cast("AsyncCollection[Json]", refusing)
+    async with _topology_broker(amqp_url, consuming=lambda b: _projection(b, writes)) as broker:
+        events = [_completion() for _ in range(3)]
+        batcher = EventBatcher(broker, timeout=TIMEOUT_S, max_batch=len(events))
+        await asyncio.gather(*(batcher.publish(event) for event in events))
+        [family] = broker.metrics.events_per_batch.collect()
+        assert [s.value for s in family.samples if s.name.endswith("_sum")] == [3]
+        letters = await _dead_letters(amqp_url, STATUS_PROJECTION, {e.task_id for e in events})
+
+    for event in events:
+        letter = letters[event.task_id]
+        assert BATCH_HEADER not in letter.headers
+        assert TaskCompleted.model_validate_json(letter.body) == event
+        assert "Document failed validation" in str(letter.headers[ERROR_HEADER])
+        assert letter.headers["x-tenant-id"] == event.tenant_id
+        assert letter.message_id == event.message_id
 
 
 async def test_a_letter_carries_no_count_of_deliveries_before_it(

@@ -24,6 +24,7 @@ from services.gateway.submissions import Submissions
 from services.gateway.submit import OutcomeProgress, settle_outcome
 from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
+from shared.batched_publish import EventBatcher
 from shared.bus import publish_event
 from shared.contracts import (
     Phase,
@@ -86,6 +87,18 @@ class Stack:
             await broker.connect()
             for event in events:
                 await publish_event(broker, event, timeout=10)
+
+    async def publish_batch(self, events: list[TaskCompleted]) -> None:
+        """`events` published together, as the scorer's batching publisher sends them: in
+        one message (checked)."""
+        broker = make_broker(GatewaySettings.model_validate({"RABBITMQ_URL": self.amqp_url}))
+        async with broker:
+            await broker.connect()
+            batcher = EventBatcher(broker, timeout=10, max_batch=len(events))
+            await asyncio.gather(*(batcher.publish(event) for event in events))
+            [family] = broker.metrics.events_per_batch.collect()
+            sizes = [s.value for s in family.samples if s.name.endswith("_sum")]
+            assert sizes == [len(events)], "not sent as one batch"
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +216,40 @@ async def test_a_tenant_at_its_limit_gets_429_until_a_task_ends(stack: Stack) ->
     await _released(stack, tasks[2])
     assert await stack.in_flight(tenant) == 1  # the fourth task
     assert await stack.markers(tenant) == 1
+
+
+async def test_completions_arriving_in_one_batch_release_each_slot_once(stack: Stack) -> None:
+    """The scorer sends completions that finish together as one message: each of them
+    releases its slot, reaches the status projection, and a repeat of the whole batch (a
+    lost confirm) releases nothing more."""
+    tenant, key = await stack.tenant()
+    tasks = []
+    for _ in range(MAX_IN_FLIGHT):
+        response = await _submit(stack, key)
+        assert response.status_code == 202, response.text
+        tasks.append(response.json()["task_id"])
+    _, other_key = await stack.tenant()
+    sentinel = (await _submit(stack, other_key)).json()["task_id"]
+
+    batch = [
+        _completed(task_id, tenant, score=i).model_copy(update={"has_callback": False})
+        for i, task_id in enumerate(tasks[:2])
+    ]
+    await stack.publish_batch(batch)
+    await stack.publish_batch(batch)
+    # One consumer, in order: once the sentinel's slot is released, both batches were handled.
+    await stack.publish(_completed(sentinel, "another"))
+    await _released(stack, sentinel)
+    assert await stack.in_flight(tenant) == 1  # the third task; twice released, it read 0
+    assert await stack.markers(tenant) == 1
+
+    async def scored() -> list[float] | None:
+        views = [(await stack.api.get(f"/v1/scores/{t}", headers=key)).json() for t in tasks[:2]]
+        if any(view["status"] != "completed" for view in views):
+            return None
+        return [view["result"]["score"] for view in views]
+
+    assert await eventually(scored, what="both completions projected") == [0, 1]
 
 
 async def test_replicas_share_one_in_flight_count(stack: Stack) -> None:

@@ -6,6 +6,7 @@ Both services read one frozen clock, so the default period is known and no job f
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -23,7 +24,7 @@ from services.gateway.settings import GatewaySettings
 from services.scheduler.app import create_app as create_scheduler
 from services.scheduler.config import parse_config
 from services.scheduler.settings import SchedulerSettings
-from shared.bus import publish_event
+from shared.batched_publish import EventBatcher
 from shared.contracts import (
     DEFAULT_TENANT,
     ScoreResult,
@@ -78,6 +79,7 @@ def _completed(task_id: str, tenant: str, day: str, prompt: int, completion: int
             model="priced",
             usage=Usage(prompt_tokens=prompt, completion_tokens=completion),
         ),
+        has_callback=False,  # as the scorer marks it: batched with the others
     )
 
 
@@ -100,11 +102,16 @@ def _failed(task_id: str, day: str, usage: Usage) -> TaskFailed:
 
 
 async def _publish(amqp_url: str, events: Sequence[TaskEvent]) -> None:
+    """Together, as the scorer's batching publisher sends outcomes: the completions in one
+    message (checked), each failure alone."""
     broker = make_broker(SchedulerSettings.model_validate({"RABBITMQ_URL": amqp_url}))
     async with broker:
         await broker.connect()
-        for event in events:
-            await publish_event(broker, event, timeout=10)
+        batcher = EventBatcher(broker, timeout=10, max_batch=64)
+        await asyncio.gather(*(batcher.publish(event) for event in events))
+        [family] = broker.metrics.events_per_batch.collect()
+        batched = [s.value for s in family.samples if s.name.endswith("_sum")]
+        assert batched == [sum(isinstance(event, TaskCompleted) for event in events)]
 
 
 async def _roll_up(scheduler: httpx.AsyncClient) -> None:

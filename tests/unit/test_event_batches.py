@@ -1,0 +1,115 @@
+"""A batch's wire format (`shared.event_batches`): what goes in comes out, byte for byte, and
+a header that does not describe its body is refused rather than misread."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared.batched_publish import batchable
+from shared.contracts import ScoreResult, TaskCompleted, TaskError, TaskFailed, new_id, utcnow
+from shared.event_batches import (
+    BATCH_HEADER,
+    OneEvent,
+    UnreadableBatch,
+    encode_batch,
+    is_batch,
+    split_batch,
+)
+
+_ids = st.text(alphabet="0123456789abcdef", min_size=1, max_size=32)
+_events = st.builds(
+    OneEvent,
+    body=st.dictionaries(st.text(max_size=8), st.text(max_size=40), max_size=4).map(
+        lambda document: json.dumps(document, ensure_ascii=False).encode()
+    ),
+    message_id=_ids,
+    task_id=_ids,
+    tenant_id=st.text(min_size=1, max_size=12),
+)
+
+
+@given(st.lists(_events, min_size=1, max_size=20))
+def test_every_event_comes_out_of_its_batch_as_it_went_in(events: list[OneEvent]) -> None:
+    body, parts = encode_batch(events)
+    assert json.loads(body) == [json.loads(event.body) for event in events]  # a JSON array
+    headers = {"x-schema-version": 2, "x-tenant-id": "first", BATCH_HEADER: parts}
+    split = split_batch(body, headers)
+    assert [part.body for part in split] == [event.body for event in events]
+    assert [part.message_id for part in split] == [event.message_id for event in events]
+    assert [part.correlation_id for part in split] == [event.task_id for event in events]
+    for part, event in zip(split, events, strict=True):
+        # The batch's headers, less its description, with the part's own tenant.
+        assert part.headers == {"x-schema-version": 2, "x-tenant-id": event.tenant_id}
+
+
+def _batch() -> tuple[bytes, list[list[Any]]]:
+    return encode_batch(
+        [OneEvent(b'{"a":1}', "m1", "t1", "acme"), OneEvent(b"{}", "m2", "t2", "b")]
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "parts"),
+    [
+        (b'[{"a":1},{}]', "not a list"),
+        (b'[{"a":1},{}]', []),
+        (b'[{"a":1},{}]', [[7, "m1", "t1", "acme"]]),  # a part short of the body
+        (b'[{"a":1},{}]', [[7, "m1", "t1", "acme"], [3, "m2", "t2", "b"]]),  # past the end
+        (b'[{"a":1},{}]', [[6, "m1", "t1", "acme"], [3, "m2", "t2", "b"]]),  # mid-part
+        (b'[{"a":1},{}]', [[7, "m1", "t1"], [2, "m2", "t2", "b"]]),  # a field missing
+        (b'[{"a":1},{}]', [[7, "m1", "t1", "acme"], [0, "m2", "t2", "b"]]),
+        (b'[{"a":1},{}]', [[7, "m1", 3, "acme"], [2, "m2", "t2", "b"]]),
+        (b'{"a":1},{}]', [[7, "m1", "t1", "acme"], [2, "m2", "t2", "b"]]),  # no bracket
+        (b'[{"a":1},{}] ', [[7, "m1", "t1", "acme"], [2, "m2", "t2", "b"]]),  # trailing
+    ],
+)
+def test_a_header_that_does_not_describe_its_body_is_refused(body: bytes, parts: Any) -> None:
+    assert split_batch(*_unchanged()) is not None  # the same shape, well described, reads
+    with pytest.raises(UnreadableBatch):
+        split_batch(body, {BATCH_HEADER: parts})
+
+
+def _unchanged() -> tuple[bytes, dict[str, Any]]:
+    body, parts = _batch()
+    assert body == b'[{"a":1},{}]'
+    assert parts == [[7, "m1", "t1", "acme"], [2, "m2", "t2", "b"]]
+    return body, {BATCH_HEADER: parts}
+
+
+def test_a_batch_is_told_by_its_header() -> None:
+    assert is_batch({BATCH_HEADER: []})
+    assert not is_batch({"x-tenant-id": "acme"})
+    assert not is_batch(None)
+
+
+def _completed(*, callback: str | None) -> TaskCompleted:
+    now = utcnow()
+    return TaskCompleted(
+        task_id=new_id(),
+        sequence=90,
+        submitted_at=now,
+        result=ScoreResult(score=5, comment="ok", model="m"),
+        has_callback=callback is not None,
+        callback_url=callback,
+    )
+
+
+def test_only_completions_without_a_callback_are_batched() -> None:
+    assert batchable(_completed(callback=None))
+    assert not batchable(_completed(callback="https://example.com/hook"))
+    unsaid = _completed(callback=None).model_copy(update={"has_callback": None})
+    assert not batchable(unsaid)  # an older producer's: the notifier looks its task up
+    now = utcnow()
+    failed = TaskFailed(
+        task_id=new_id(),
+        sequence=90,
+        submitted_at=now,
+        error=TaskError(code="x", message="y", retryable=False),
+        dead_lettered=False,
+    )
+    assert not batchable(failed)

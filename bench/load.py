@@ -28,6 +28,7 @@ from aio_pika.abc import (
     AbstractRobustConnection,
 )
 
+from shared.event_batches import UnreadableBatch, is_batch, split_batch
 from shared.http import parse_retry_after
 
 EVENTS_EXCHANGE = "scorebox.events"
@@ -271,15 +272,25 @@ class CompletionListener:
 
     async def _on_event(self, message: AbstractIncomingMessage) -> None:
         arrived = time.monotonic()
+        headers = dict(message.headers)
+        if not is_batch(headers):
+            self._on_one(message.body, message.routing_key, arrived)
+            return
+        # Completions that finished together, in one message (`shared.event_batches`).
+        with contextlib.suppress(UnreadableBatch):
+            for part in split_batch(message.body, headers):
+                self._on_one(part.body, message.routing_key, arrived)
+
+    def _on_one(self, body: bytes, routing_key: str | None, arrived: float) -> None:
         try:
-            event: dict[str, Any] = orjson.loads(message.body)
+            event: dict[str, Any] = orjson.loads(body)
             task_id = str(event["task_id"])
         except (orjson.JSONDecodeError, KeyError, TypeError):
             return
         if task_id in self.seen:
             self.duplicates += 1
             return
-        status = "completed" if message.routing_key == "task.completed" else "failed"
+        status = "completed" if routing_key == "task.completed" else "failed"
         result = event.get("result") or {}
         model_ms = result.get("latency_ms") if isinstance(result, dict) else None
         self.seen[task_id] = Completion(arrived, status, model_ms)

@@ -18,6 +18,7 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 from faststream.rabbit import QueueType, RabbitQueue
 from faststream.rabbit.schemas.queue import QuorumQueueArgs
 
+from bench.load import CompletionListener
 from shared.batched_publish import EventBatcher
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import ScoreResult, TaskCompleted, new_id, utcnow
@@ -457,3 +458,16 @@ async def test_a_caller_cancelled_before_its_batch_went_out_sends_nothing(amqp_u
         first.task_id,
         last.task_id,
     ]
+
+
+async def test_the_benchmark_times_every_completion_of_a_batch(amqp_url: str) -> None:
+    """`make bench` times completions by their events: those of a batch count one by one."""
+    completions = [_completion("acme") for _ in range(5)]
+    async with CompletionListener(amqp_url) as listener, _publisher(amqp_url) as broker:
+        listener.track_all(event.task_id for event in completions)
+        batcher = EventBatcher(broker, timeout=TIMEOUT_S, max_batch=16)
+        await asyncio.gather(*(batcher.publish(event) for event in completions))
+        assert await listener.wait_for(len(completions), timeout_s=TIMEOUT_S)
+    assert {task: seen.status for task, seen in listener.seen.items()} == {
+        event.task_id: "completed" for event in completions
+    }

@@ -16,6 +16,10 @@ asks for another prefetch. Each delivery reaches its handler as a `Delivery` wit
 FastStream's per-delivery pipeline (message parsing, context scopes, logging and
 acknowledgement middlewares), measured in docs/architecture.md ("Performance").
 
+A batch of events (`shared.event_batches`: completions that finished together) reaches the
+handler as one delivery per event (`BatchPart`), and is settled once every part is, as the
+strictest part asks (`_settle_batch`); at most the prefetch of parts are handled at once.
+
 Settling is the handler's: it acks, nacks or rejects (settling twice is a no-op). Acks are
 sent at the end of the loop pass that asked for them, as few frames as is exact
 (`shared.acks`); nacks and rejects go at once. A handler
@@ -238,8 +242,9 @@ class _Consuming:
     ) -> None:
         self.subscription = subscription
         self._acks = acks
-        # Parts of batches handled at once: at most the prefetch, as deliveries are (a
-        # prefetch of batches alone would let prefetch x batch size events in).
+        # Parts of batches handled at once: at most the prefetch (a prefetch of batches
+        # alone would let prefetch x batch size events in at once). Single deliveries are
+        # bounded by the prefetch itself, not by this.
         self._part_slots = asyncio.Semaphore(prefetch) if prefetch else None
         queue = subscription.label
         self._timed = metrics.handling_seconds.labels(queue)

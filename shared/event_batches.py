@@ -71,8 +71,8 @@ def split_batch(body: bytes, headers: Mapping[str, Any]) -> list[Part]:
         length, message_id, task_id, tenant_id = _entry(entry)
         end = start + length
         closing = b"]" if index == len(described) - 1 else b","
-        if body[end : end + 1] != closing:
-            raise UnreadableBatch(f"part {index} does not end where its length says")
+        if not _object_between(body, start, end) or body[end : end + 1] != closing:
+            raise UnreadableBatch(f"part {index} does not lie where its length says")
         parts.append(
             Part(
                 body=body[start:end],
@@ -87,12 +87,18 @@ def split_batch(body: bytes, headers: Mapping[str, Any]) -> list[Part]:
     return parts
 
 
+def _object_between(body: bytes, start: int, end: int) -> bool:
+    """Whether `body[start:end]` starts and ends as a JSON object does (every event is one):
+    a length that is wrong is caught here rather than cutting an event in two."""
+    return body[start : start + 1] == b"{" and body[end - 1 : end] == b"}"
+
+
 def _entry(entry: Any) -> tuple[int, str, str, str]:
     if not isinstance(entry, list) or len(entry) != 4:
         raise UnreadableBatch(f"a part is not [length, message_id, task_id, tenant_id]: {entry!r}")
     length, message_id, task_id, tenant_id = entry
-    if not isinstance(length, int) or length <= 0:
-        raise UnreadableBatch(f"a part's length is not a positive integer: {length!r}")
+    if type(length) is not int or length < len(b"{}"):
+        raise UnreadableBatch(f"a part's length is not an object's: {length!r}")
     if not all(isinstance(each, str) for each in (message_id, task_id, tenant_id)):
         raise UnreadableBatch(f"a part's identifiers are not strings: {entry!r}")
     return length, message_id, task_id, tenant_id

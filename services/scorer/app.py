@@ -58,7 +58,9 @@ def stop_grace_s(settings: ScorerSettings, model_settings: ModelSettings) -> flo
     # `task.started` is confirmed before the call returns: with `started_after` 0 before
     # the call, else from then on, up to its publish timeout past a call that ends early.
     the_call = model_settings.llm_timeout_s + broker_s
-    after_the_call = mongo_s + 2 * broker_s  # the decision recorded, then two confirms
+    # The decision recorded, then two confirms, the outcome's after the batch of completions
+    # in flight ahead of it (`shared.batched_publish`).
+    after_the_call = mongo_s + 3 * broker_s
     return before_the_call + the_call + after_the_call
 
 

@@ -46,9 +46,10 @@ class ScorerSettings(MetricsApiSettings):
     )
     # Completions without a callback that arrive while an outcome's publish awaits its
     # confirm go out together, up to this many in one message (shared/batched_publish.py);
-    # 1 sends each alone, for consumers of a build that predates batches.
+    # 1 sends each alone, for consumers of a build that predates batches. At most 256: a
+    # batch's header (about 150 bytes per event) must fit one AMQP frame (128 KiB).
     outcome_batch_max: int = Field(
-        default=64, ge=1, le=1000, validation_alias="SCORER_OUTCOME_BATCH_MAX"
+        default=16, ge=1, le=256, validation_alias="SCORER_OUTCOME_BATCH_MAX"
     )
     # A claim outlives the model call by this margin before another worker may take it over.
     # At most 120 s: a held redelivery waits out a whole claim inside the broker's consumer

@@ -444,7 +444,8 @@ async def test_a_batch_the_broker_does_not_take_fails_every_caller_in_it(amqp_ur
             await batcher.publish(_completion("acme"))
 
 
-async def test_a_caller_cancelled_before_its_batch_went_out_sends_nothing(amqp_url: str) -> None:
+async def test_a_caller_cancelled_while_its_event_waits_holds_up_no_one(amqp_url: str) -> None:
+    """Its event is an attempt's recorded outcome: it goes out with the others all the same."""
     first, cancelled, last = (_completion("acme") for _ in range(3))
     async with _watching_completions(amqp_url) as received, _publisher(amqp_url) as broker:
         batcher = EventBatcher(broker, timeout=TIMEOUT_S, max_batch=16)
@@ -454,8 +455,11 @@ async def test_a_caller_cancelled_before_its_batch_went_out_sends_nothing(amqp_u
         outcomes = await asyncio.gather(*sending, return_exceptions=True)
         await _seen(received, 1, "the batch")
     assert isinstance(outcomes[1], asyncio.CancelledError)
+    assert outcomes[0] is None
+    assert outcomes[2] is None
     assert [task for message in received for task in _parts(message)] == [
         first.task_id,
+        cancelled.task_id,
         last.task_id,
     ]
 

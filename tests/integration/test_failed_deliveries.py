@@ -143,9 +143,10 @@ async def _dead_letter(
 
 
 async def _dead_letters(
-    amqp_url: str, work_queue: WorkQueue, task_ids: set[str]
+    amqp_url: str, work_queue: WorkQueue, task_ids: set[str], *, others: list[Json]
 ) -> dict[str, AbstractIncomingMessage]:
-    """The letters of these tasks in the queue's DLQ, whatever their order."""
+    """The letters of these tasks in the queue's DLQ, whatever their order; the headers of
+    every other letter read on the way go to `others`."""
     found: dict[str, AbstractIncomingMessage] = {}
     connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
     async with connection:
@@ -156,10 +157,34 @@ async def _dead_letters(
             while (letter := await dlq.get(no_ack=True, fail=False, timeout=TIMEOUT_S)) is not None:
                 if letter.correlation_id in task_ids:
                     found[letter.correlation_id] = letter
+                else:
+                    others.append(dict(letter.headers))
             return found.keys() == task_ids
 
         await eventually(all_found, timeout_s=60, what=f"dead letters of {work_queue.name}")
     return found
+
+
+async def _letters_left(amqp_url: str, work_queue: WorkQueue) -> list[Json]:
+    """The headers of every letter still in the queue's DLQ (taken out)."""
+    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
+    async with connection:
+        channel = await connection.channel()
+        dlq = await channel.get_queue(work_queue.dead_letter_routing_key, ensure=False)
+        left = []
+        while (letter := await dlq.get(no_ack=True, fail=False, timeout=TIMEOUT_S)) is not None:
+            left.append(dict(letter.headers))
+        return left
+
+
+async def _ready(amqp_url: str, work_queue: WorkQueue) -> int:
+    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(work_queue.name, passive=True, timeout=TIMEOUT_S)
+        count = queue.declaration_result.message_count
+        assert count is not None
+        return count
 
 
 @pytest.mark.parametrize(
@@ -208,8 +233,14 @@ async def test_events_of_a_batch_refused_at_every_try_are_dead_lettered_one_by_o
         await asyncio.gather(*(batcher.publish(event) for event in events))
         [family] = broker.metrics.events_per_batch.collect()
         assert [s.value for s in family.samples if s.name.endswith("_sum")] == [3]
-        letters = await _dead_letters(amqp_url, STATUS_PROJECTION, {e.task_id for e in events})
+        others: list[Json] = []
+        task_ids = {e.task_id for e in events}
+        letters = await _dead_letters(amqp_url, STATUS_PROJECTION, task_ids, others=others)
 
+    # The batch itself acked: not dead-lettered whole as well, nor left to come back.
+    others.extend(await _letters_left(amqp_url, STATUS_PROJECTION))
+    assert not [headers for headers in others if BATCH_HEADER in headers]
+    assert await _ready(amqp_url, STATUS_PROJECTION) == 0
     for event in events:
         letter = letters[event.task_id]
         assert BATCH_HEADER not in letter.headers

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 from pymongo import AsyncMongoClient
 
 from services.gateway.app import create_app as create_gateway
@@ -39,6 +40,7 @@ from shared.contracts import (
     utcnow,
 )
 from shared.runtime import make_broker
+from shared.topology import GATEWAY_TASK_OUTCOMES
 from tests.support import eventually, running
 
 ADMIN_KEY = "test-admin-key"
@@ -87,6 +89,19 @@ class Stack:
             await broker.connect()
             for event in events:
                 await publish_event(broker, event, timeout=10)
+
+    async def outcomes_handled(self) -> float:
+        """Events the gateway's outcome consumer has handled (its `/metrics`), however it
+        settled them."""
+        answer = await self.api.get("/metrics", headers=ADMIN)
+        assert answer.status_code == 200, answer.text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(answer.text)
+            for sample in family.samples
+            if sample.name == "scorebox_deliveries_total"
+            and sample.labels["queue"] == GATEWAY_TASK_OUTCOMES.name
+        )
 
     async def publish_batch(self, events: list[TaskCompleted]) -> None:
         """`events` published together, as the scorer's batching publisher sends them: in
@@ -235,11 +250,16 @@ async def test_completions_arriving_in_one_batch_release_each_slot_once(stack: S
         _completed(task_id, tenant, score=i).model_copy(update={"has_callback": False})
         for i, task_id in enumerate(tasks[:2])
     ]
+    handled = await stack.outcomes_handled()
     await stack.publish_batch(batch)
     await stack.publish_batch(batch)
-    # One consumer, in order: once the sentinel's slot is released, both batches were handled.
     await stack.publish(_completed(sentinel, "another"))
     await _released(stack, sentinel)
+
+    async def every_event_handled() -> bool:
+        return await stack.outcomes_handled() >= handled + 2 * len(batch) + 1
+
+    await eventually(every_event_handled, what="both batches' events and the sentinel handled")
     assert await stack.in_flight(tenant) == 1  # the third task; twice released, it read 0
     assert await stack.markers(tenant) == 1
 

@@ -4,22 +4,25 @@ a header that does not describe its body is refused rather than misread."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from shared.batched_publish import batchable
+from shared.consumers import BatchPart, _settle_batch
 from shared.contracts import ScoreResult, TaskCompleted, TaskError, TaskFailed, new_id, utcnow
 from shared.event_batches import (
     BATCH_HEADER,
     OneEvent,
+    Part,
     UnreadableBatch,
     encode_batch,
     is_batch,
     split_batch,
 )
+from tests.support import HandedDelivery
 
 _ids = st.text(alphabet="0123456789abcdef", min_size=1, max_size=32)
 _events = st.builds(
@@ -66,6 +69,9 @@ def _batch() -> tuple[bytes, list[list[Any]]]:
         (b'[{"a":1},{}]', [[7, "m1", 3, "acme"], [2, "m2", "t2", "b"]]),
         (b'{"a":1},{}]', [[7, "m1", "t1", "acme"], [2, "m2", "t2", "b"]]),  # no bracket
         (b'[{"a":1},{}] ', [[7, "m1", "t1", "acme"], [2, "m2", "t2", "b"]]),  # trailing
+        (b'[{"a":1},{}]', [[True, "m1", "t1", "acme"], [2, "m2", "t2", "b"]]),
+        # A wrong length that lands on a comma inside a string: it would cut an event in two.
+        (b'[{"a":","},{}]', [[6, "m1", "t1", "acme"], [5, "m2", "t2", "b"]]),
     ],
 )
 def test_a_header_that_does_not_describe_its_body_is_refused(body: bytes, parts: Any) -> None:
@@ -113,3 +119,45 @@ def test_only_completions_without_a_callback_are_batched() -> None:
         dead_lettered=False,
     )
     assert not batchable(failed)
+
+
+async def _settle(how: list[str | None], *, raised: bool = False) -> list[str]:
+    """How a batch whose parts were settled `how` is settled (None: left unsettled)."""
+    parts = []
+    for index, settling in enumerate(how):
+        part = BatchPart(cast("Any", None), cast("Any", None), Part(b"{}", f"m{index}", "t", {}))
+        match settling:
+            case "ack":
+                await part.ack()
+            case "requeue_failed":
+                await part.requeue_failed()
+            case "nack-requeue":
+                await part.nack(requeue=True)
+            case "reject":
+                await part.reject(requeue=False)
+            case "nack":
+                await part.nack(requeue=False)
+        parts.append(part)
+    batch = HandedDelivery(b"[]")
+    await _settle_batch(batch, parts, raised)
+    return batch.settled
+
+
+@pytest.mark.parametrize(
+    ("how", "raised", "batch"),
+    [
+        (["ack", "ack"], False, ["ack"]),
+        (["ack", "requeue_failed"], False, ["reject(requeue=True)"]),
+        (["ack", "nack-requeue"], False, ["reject(requeue=True)"]),  # counted, whichever
+        (["ack", "reject"], False, ["reject(requeue=False)"]),
+        (["nack", "ack"], False, ["reject(requeue=False)"]),
+        (["reject", "requeue_failed"], False, ["reject(requeue=True)"]),  # returned before lost
+        (["requeue_failed", None], False, []),  # unsettled: for the broker to redeliver
+        (["ack", "ack"], True, []),  # a handler raised after settling: as a single would be
+        (["reject", None], False, []),
+    ],
+)
+async def test_a_batch_is_settled_as_its_strictest_part_asks(
+    how: list[str | None], raised: bool, batch: list[str]
+) -> None:
+    assert await _settle(how, raised=raised) == batch

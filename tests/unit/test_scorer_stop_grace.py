@@ -35,6 +35,7 @@ def _slot_path_s(settings: ScorerSettings, model_settings: ModelSettings) -> flo
         "task.started confirmed": broker_s,
         "decision recorded": mongo_s,
         "outcome and dead letter, or next attempt and task.retrying, confirmed": 2 * broker_s,
+        "the batch of completions in flight ahead of the outcome confirmed": broker_s,
     }
     return sum(steps.values())
 

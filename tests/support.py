@@ -19,7 +19,8 @@ from pymongo.asynchronous.collection import AsyncCollection
 from services.gateway.submissions import Submissions
 from shared.consumers import Delivery
 from shared.contracts import RescoreTask, ScoreText, new_id
-from shared.topology import SCORE_REQUESTS
+from shared.event_batches import BATCH_HEADER, split_batch
+from shared.topology import EVENTS, SCORE_REQUESTS
 
 POLL_INTERVAL_S = 0.05
 
@@ -259,3 +260,34 @@ async def queued_commands(amqp_url: str) -> list[ScoreText]:
         while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
             commands.append(ScoreText.model_validate_json(message.body))
         return commands
+
+
+@asynccontextmanager
+async def watching_completions(
+    amqp_url: str,
+) -> AsyncIterator[list[aio_pika.abc.AbstractIncomingMessage]]:
+    """Every message `scorebox.events` routes as `task.completed` while the block lasts, a
+    batch as one message (`completion_ids` reads the tasks of either)."""
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        events = await channel.declare_exchange(
+            EVENTS.name, aio_pika.ExchangeType.TOPIC, durable=True, timeout=10
+        )
+        queue = await channel.declare_queue(exclusive=True, timeout=10)
+        await queue.bind(events, "task.completed", timeout=10)
+        received: list[aio_pika.abc.AbstractIncomingMessage] = []
+
+        async def keep(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            received.append(message)
+            await message.ack()
+
+        await queue.consume(keep)
+        yield received
+
+
+def completion_ids(message: aio_pika.abc.AbstractIncomingMessage) -> list[str | None]:
+    """The tasks a `task.completed` message completes: one, or each of a batch's."""
+    if BATCH_HEADER not in message.headers:
+        return [message.correlation_id]
+    return [part.correlation_id for part in split_batch(message.body, dict(message.headers))]

@@ -26,7 +26,7 @@ from shared.event_batches import BATCH_HEADER, OneEvent, encode_batch, split_bat
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
 from shared.topology import CALLBACK_HEADER, EVENTS
-from tests.support import eventually
+from tests.support import completion_ids, eventually, watching_completions
 
 pytestmark = pytest.mark.integration
 
@@ -340,27 +340,6 @@ async def test_no_more_parts_are_handled_at_once_than_the_prefetch(
 
 
 @asynccontextmanager
-async def _watching_completions(amqp_url: str) -> AsyncIterator[list[AbstractIncomingMessage]]:
-    """Every message `scorebox.events` routes as `task.completed`, while the block lasts."""
-    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
-    async with connection:
-        channel = await connection.channel()
-        events = await channel.declare_exchange(
-            EVENTS.name, aio_pika.ExchangeType.TOPIC, durable=True, timeout=TIMEOUT_S
-        )
-        queue = await channel.declare_queue(exclusive=True, timeout=TIMEOUT_S)
-        await queue.bind(events, "task.completed", timeout=TIMEOUT_S)
-        received: list[AbstractIncomingMessage] = []
-
-        async def keep(message: AbstractIncomingMessage) -> None:
-            received.append(message)
-            await message.ack()
-
-        await queue.consume(keep)
-        yield received
-
-
-@asynccontextmanager
 async def _publisher(amqp_url: str) -> AsyncIterator[ScoreboxBroker]:
     broker = _broker(amqp_url)
     await broker.connect()
@@ -371,21 +350,15 @@ async def _publisher(amqp_url: str) -> AsyncIterator[ScoreboxBroker]:
         await broker.stop()
 
 
-def _parts(message: AbstractIncomingMessage) -> list[str | None]:
-    if BATCH_HEADER not in message.headers:
-        return [message.correlation_id]
-    return [part.correlation_id for part in split_batch(message.body, dict(message.headers))]
-
-
 async def test_completions_published_together_go_out_in_batches_each_once(amqp_url: str) -> None:
     completions = [_completion(f"tenant-{i % 3}") for i in range(40)]
-    async with _watching_completions(amqp_url) as received, _publisher(amqp_url) as broker:
+    async with watching_completions(amqp_url) as received, _publisher(amqp_url) as broker:
         batcher = EventBatcher(broker, timeout=TIMEOUT_S, max_batch=16)
         await asyncio.gather(*(batcher.publish(event) for event in completions))
         await _seen(received, 3, "three messages")
-        tasks = [task for message in received for task in _parts(message)]
+        tasks = [task for message in received for task in completion_ids(message)]
         assert tasks == [event.task_id for event in completions]  # each once, in order
-        assert [len(_parts(message)) for message in received] == [16, 16, 8]
+        assert [len(completion_ids(message)) for message in received] == [16, 16, 8]
         for message in received:
             parts = split_batch(message.body, dict(message.headers))
             for part in parts:
@@ -400,7 +373,7 @@ async def test_completions_published_together_go_out_in_batches_each_once(amqp_u
 
 async def test_a_lone_completion_goes_out_as_it_always_did(amqp_url: str) -> None:
     event = _completion("acme")
-    async with _watching_completions(amqp_url) as received, _publisher(amqp_url) as broker:
+    async with watching_completions(amqp_url) as received, _publisher(amqp_url) as broker:
         await EventBatcher(broker, timeout=TIMEOUT_S, max_batch=16).publish(event)
         await _seen(received, 1, "the completion")
     [message] = received
@@ -412,7 +385,7 @@ async def test_a_lone_completion_goes_out_as_it_always_did(amqp_url: str) -> Non
 
 async def test_completions_with_a_callback_are_never_batched(amqp_url: str) -> None:
     completions = [_completion("acme", callback="https://example.com/hook") for _ in range(8)]
-    async with _watching_completions(amqp_url) as received, _publisher(amqp_url) as broker:
+    async with watching_completions(amqp_url) as received, _publisher(amqp_url) as broker:
         batcher = EventBatcher(broker, timeout=TIMEOUT_S, max_batch=16)
         await asyncio.gather(*(batcher.publish(event) for event in completions))
         await _seen(received, 8, "eight messages")
@@ -422,7 +395,7 @@ async def test_completions_with_a_callback_are_never_batched(amqp_url: str) -> N
 
 async def test_with_a_batch_of_one_every_completion_goes_alone(amqp_url: str) -> None:
     completions = [_completion("acme") for _ in range(5)]
-    async with _watching_completions(amqp_url) as received, _publisher(amqp_url) as broker:
+    async with watching_completions(amqp_url) as received, _publisher(amqp_url) as broker:
         batcher = EventBatcher(broker, timeout=TIMEOUT_S, max_batch=1)
         await asyncio.gather(*(batcher.publish(event) for event in completions))
         await _seen(received, 5, "five messages")
@@ -447,7 +420,7 @@ async def test_a_batch_the_broker_does_not_take_fails_every_caller_in_it(amqp_ur
 async def test_a_caller_cancelled_while_its_event_waits_holds_up_no_one(amqp_url: str) -> None:
     """Its event is an attempt's recorded outcome: it goes out with the others all the same."""
     first, cancelled, last = (_completion("acme") for _ in range(3))
-    async with _watching_completions(amqp_url) as received, _publisher(amqp_url) as broker:
+    async with watching_completions(amqp_url) as received, _publisher(amqp_url) as broker:
         batcher = EventBatcher(broker, timeout=TIMEOUT_S, max_batch=16)
         sending = [asyncio.create_task(batcher.publish(e)) for e in (first, cancelled, last)]
         await asyncio.sleep(0)  # one loop pass: every caller queued, the sender not run yet
@@ -457,7 +430,7 @@ async def test_a_caller_cancelled_while_its_event_waits_holds_up_no_one(amqp_url
     assert isinstance(outcomes[1], asyncio.CancelledError)
     assert outcomes[0] is None
     assert outcomes[2] is None
-    assert [task for message in received for task in _parts(message)] == [
+    assert [task for message in received for task in completion_ids(message)] == [
         first.task_id,
         cancelled.task_id,
         last.task_id,

@@ -7,55 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
-import aio_pika
 import httpx
 import pytest
-from aio_pika.abc import AbstractIncomingMessage
 from prometheus_client.parser import text_string_to_metric_families
 
 from devtools.fake_llm import FakeLLMConfig, start_fake_llm
 from shared.bus import publish_command
-from shared.contracts import ScoreText, TaskCompleted, new_id
-from shared.event_batches import BATCH_HEADER, split_batch
+from shared.contracts import ScoreText, new_id
 from shared.runtime import make_broker
-from shared.topology import EVENTS, declare_topology
+from shared.topology import declare_topology
 from tests.integration.in_process import scorer_over
-from tests.support import eventually, running
+from tests.support import completion_ids, eventually, running, watching_completions
 
 pytestmark = pytest.mark.integration
 
 TASKS = 32
 TIMEOUT_S = 10.0
-
-
-@asynccontextmanager
-async def _completions(amqp_url: str) -> AsyncIterator[list[AbstractIncomingMessage]]:
-    """Every message routed as `task.completed` while the block lasts."""
-    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
-    async with connection:
-        channel = await connection.channel()
-        events = await channel.get_exchange(EVENTS.name, ensure=False)
-        queue = await channel.declare_queue(exclusive=True, timeout=TIMEOUT_S)
-        await queue.bind(events, "task.completed", timeout=TIMEOUT_S)
-        received: list[AbstractIncomingMessage] = []
-
-        async def keep(message: AbstractIncomingMessage) -> None:
-            received.append(message)
-            await message.ack()
-
-        await queue.consume(keep)
-        yield received
-
-
-def _tasks_in(message: AbstractIncomingMessage) -> list[str]:
-    if BATCH_HEADER not in message.headers:
-        return [TaskCompleted.model_validate_json(message.body).task_id]
-    parts = split_batch(message.body, dict(message.headers))
-    return [TaskCompleted.model_validate_json(part.body).task_id for part in parts]
 
 
 async def _batched_events(scorer: httpx.AsyncClient) -> float:
@@ -88,7 +57,7 @@ async def test_completions_finishing_together_are_published_in_batches_each_once
         for _ in range(TASKS)
     ]
     try:
-        async with running(setup.app()) as scorer, _completions(amqp_url) as received:
+        async with running(setup.app()) as scorer, watching_completions(amqp_url) as received:
             publisher = make_broker(setup.settings)
             async with publisher:
                 await publisher.connect()
@@ -98,15 +67,15 @@ async def test_completions_finishing_together_are_published_in_batches_each_once
                 )
 
             async def all_completed() -> bool:
-                return sum(len(_tasks_in(message)) for message in received) >= TASKS
+                return sum(len(completion_ids(message)) for message in received) >= TASKS
 
             await eventually(all_completed, timeout_s=60, what="every completion")
             batched = await _batched_events(scorer)
     finally:
         await llm.stop()
 
-    published = [task for message in received for task in _tasks_in(message)]
-    assert sorted(published) == sorted(c.task_id for c in commands)  # each once
+    published = [task for message in received for task in completion_ids(message)]
+    assert sorted(map(str, published)) == sorted(c.task_id for c in commands)  # each once
     if batch_max == 1:
         assert batched == 0
         assert len(received) == TASKS

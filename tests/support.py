@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any, override
@@ -13,12 +13,14 @@ import aio_pika
 import httpx
 from aiohttp import web
 from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 from pymongo import AsyncMongoClient, monitoring
 from pymongo.asynchronous.collection import AsyncCollection
 
 from services.gateway.submissions import Submissions
-from shared.consumers import Delivery
-from shared.contracts import RescoreTask, ScoreText, new_id
+from shared.batched_publish import EventBatcher
+from shared.consumers import Delivery, ScoreboxBroker
+from shared.contracts import RescoreTask, ScoreText, TaskEvent, new_id
 from shared.event_batches import BATCH_HEADER, split_batch
 from shared.topology import EVENTS, SCORE_REQUESTS
 
@@ -291,3 +293,24 @@ def completion_ids(message: aio_pika.abc.AbstractIncomingMessage) -> list[str | 
     if BATCH_HEADER not in message.headers:
         return [message.correlation_id]
     return [part.correlation_id for part in split_batch(message.body, dict(message.headers))]
+
+
+async def publish_together(
+    broker: ScoreboxBroker, events: Sequence[TaskEvent], *, max_batch: int = 64
+) -> float:
+    """`events` published at once through the scorer's batching publisher; how many of them
+    went out in batches (a callback-less completion goes alone only when nothing queued)."""
+    batcher = EventBatcher(broker, timeout=10, max_batch=max_batch)
+    await asyncio.gather(*(batcher.publish(event) for event in events))
+    [family] = broker.metrics.events_per_batch.collect()
+    return sum(sample.value for sample in family.samples if sample.name.endswith("_sum"))
+
+
+def metric_sum(exposition: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples named `name` with these labels, in a `/metrics` text."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(exposition)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )

@@ -24,7 +24,6 @@ from services.gateway.consumers import subscribe_task_outcomes
 from services.gateway.submissions import Submissions
 from services.status.app import subscribe_projection
 from services.status.settings import StatusSettings
-from shared.batched_publish import EventBatcher
 from shared.bus import publish_event
 from shared.consumers import ScoreboxBroker
 from shared.contracts import ScoreResult, TaskCompleted, new_id, utcnow
@@ -46,7 +45,7 @@ from shared.topology import (
     declare_topology,
 )
 from tests.integration.test_database_refusals import RefusingCollection
-from tests.support import HandedDelivery, eventually
+from tests.support import HandedDelivery, eventually, publish_together
 
 pytestmark = pytest.mark.integration
 
@@ -229,10 +228,7 @@ async def test_events_of_a_batch_refused_at_every_try_are_dead_lettered_one_by_o
     writes = cast("AsyncCollection[Json]", refusing)
     async with _topology_broker(amqp_url, consuming=lambda b: _projection(b, writes)) as broker:
         events = [_completion() for _ in range(3)]
-        batcher = EventBatcher(broker, timeout=TIMEOUT_S, max_batch=len(events))
-        await asyncio.gather(*(batcher.publish(event) for event in events))
-        [family] = broker.metrics.events_per_batch.collect()
-        assert [s.value for s in family.samples if s.name.endswith("_sum")] == [3]
+        assert await publish_together(broker, events) == len(events)
         others: list[Json] = []
         task_ids = {e.task_id for e in events}
         letters = await _dead_letters(amqp_url, STATUS_PROJECTION, task_ids, others=others)

@@ -13,7 +13,6 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
-from prometheus_client.parser import text_string_to_metric_families
 from pymongo import AsyncMongoClient
 
 from services.gateway.app import create_app as create_gateway
@@ -25,7 +24,6 @@ from services.gateway.submissions import Submissions
 from services.gateway.submit import OutcomeProgress, settle_outcome
 from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
-from shared.batched_publish import EventBatcher
 from shared.bus import publish_event
 from shared.contracts import (
     Phase,
@@ -41,7 +39,7 @@ from shared.contracts import (
 )
 from shared.runtime import make_broker
 from shared.topology import GATEWAY_TASK_OUTCOMES
-from tests.support import eventually, running
+from tests.support import eventually, metric_sum, publish_together, running
 
 ADMIN_KEY = "test-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -95,13 +93,8 @@ class Stack:
         settled them."""
         answer = await self.api.get("/metrics", headers=ADMIN)
         assert answer.status_code == 200, answer.text
-        return sum(
-            sample.value
-            for family in text_string_to_metric_families(answer.text)
-            for sample in family.samples
-            if sample.name == "scorebox_deliveries_total"
-            and sample.labels["queue"] == GATEWAY_TASK_OUTCOMES.name
-        )
+        queue = GATEWAY_TASK_OUTCOMES.name
+        return metric_sum(answer.text, "scorebox_deliveries_total", queue=queue)
 
     async def publish_batch(self, events: list[TaskCompleted]) -> None:
         """`events` published together, as the scorer's batching publisher sends them: in
@@ -109,11 +102,8 @@ class Stack:
         broker = make_broker(GatewaySettings.model_validate({"RABBITMQ_URL": self.amqp_url}))
         async with broker:
             await broker.connect()
-            batcher = EventBatcher(broker, timeout=10, max_batch=len(events))
-            await asyncio.gather(*(batcher.publish(event) for event in events))
-            [family] = broker.metrics.events_per_batch.collect()
-            sizes = [s.value for s in family.samples if s.name.endswith("_sum")]
-            assert sizes == [len(events)], "not sent as one batch"
+            batched = await publish_together(broker, events, max_batch=len(events))
+            assert batched == len(events), "not sent as one batch"
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +147,16 @@ async def _submit(stack: Stack, headers: dict[str, str], **fields: Any) -> httpx
     return await stack.api.post("/v1/scores", json=body, headers=headers)
 
 
+async def _up_to_the_limit(stack: Stack, headers: dict[str, str]) -> list[str]:
+    """`MAX_IN_FLIGHT` tasks submitted, each accepted: their ids."""
+    tasks = []
+    for _ in range(MAX_IN_FLIGHT):
+        response = await _submit(stack, headers)
+        assert response.status_code == 202, response.text
+        tasks.append(response.json()["task_id"])
+    return tasks
+
+
 def _completed(task_id: str, tenant_id: str, score: float = 6.0) -> TaskCompleted:
     return TaskCompleted(
         task_id=task_id,
@@ -190,11 +190,7 @@ async def _released(stack: Stack, task_id: str) -> None:
 
 async def test_a_tenant_at_its_limit_gets_429_until_a_task_ends(stack: Stack) -> None:
     tenant, key = await stack.tenant()
-    tasks = []
-    for _ in range(MAX_IN_FLIGHT):
-        response = await _submit(stack, key)
-        assert response.status_code == 202, response.text
-        tasks.append(response.json()["task_id"])
+    tasks = await _up_to_the_limit(stack, key)
     assert await stack.in_flight(tenant) == MAX_IN_FLIGHT
 
     _assert_in_flight_problem(await _submit(stack, key))
@@ -238,11 +234,7 @@ async def test_completions_arriving_in_one_batch_release_each_slot_once(stack: S
     releases its slot, reaches the status projection, and a repeat of the whole batch (a
     lost confirm) releases nothing more."""
     tenant, key = await stack.tenant()
-    tasks = []
-    for _ in range(MAX_IN_FLIGHT):
-        response = await _submit(stack, key)
-        assert response.status_code == 202, response.text
-        tasks.append(response.json()["task_id"])
+    tasks = await _up_to_the_limit(stack, key)
     _, other_key = await stack.tenant()
     sentinel = (await _submit(stack, other_key)).json()["task_id"]
 

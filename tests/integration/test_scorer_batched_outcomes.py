@@ -11,7 +11,6 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from devtools.fake_llm import FakeLLMConfig, start_fake_llm
 from shared.bus import publish_command
@@ -19,7 +18,7 @@ from shared.contracts import ScoreText, new_id
 from shared.runtime import make_broker
 from shared.topology import declare_topology
 from tests.integration.in_process import scorer_over
-from tests.support import completion_ids, eventually, running, watching_completions
+from tests.support import completion_ids, eventually, metric_sum, running, watching_completions
 
 pytestmark = pytest.mark.integration
 
@@ -30,12 +29,7 @@ TIMEOUT_S = 10.0
 async def _batched_events(scorer: httpx.AsyncClient) -> float:
     answer = await scorer.get("/metrics")
     assert answer.status_code == 200, answer.text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(answer.text)
-        for sample in family.samples
-        if sample.name == "scorebox_events_per_batch_sum"
-    )
+    return metric_sum(answer.text, "scorebox_events_per_batch_sum")
 
 
 @pytest.mark.parametrize("batch_max", [64, 1])

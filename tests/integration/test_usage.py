@@ -6,7 +6,6 @@ Both services read one frozen clock, so the default period is known and no job f
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -24,7 +23,6 @@ from services.gateway.settings import GatewaySettings
 from services.scheduler.app import create_app as create_scheduler
 from services.scheduler.config import parse_config
 from services.scheduler.settings import SchedulerSettings
-from shared.batched_publish import EventBatcher
 from shared.contracts import (
     DEFAULT_TENANT,
     ScoreResult,
@@ -36,7 +34,7 @@ from shared.contracts import (
 )
 from shared.http import PROBLEM_JSON
 from shared.runtime import make_broker
-from tests.support import eventually, running
+from tests.support import eventually, publish_together, running
 
 ADMIN_KEY = "test-admin-key"
 INTERNAL_KEY = "test-internal-key"
@@ -107,11 +105,8 @@ async def _publish(amqp_url: str, events: Sequence[TaskEvent]) -> None:
     broker = make_broker(SchedulerSettings.model_validate({"RABBITMQ_URL": amqp_url}))
     async with broker:
         await broker.connect()
-        batcher = EventBatcher(broker, timeout=10, max_batch=64)
-        await asyncio.gather(*(batcher.publish(event) for event in events))
-        [family] = broker.metrics.events_per_batch.collect()
-        batched = [s.value for s in family.samples if s.name.endswith("_sum")]
-        assert batched == [sum(isinstance(event, TaskCompleted) for event in events)]
+        batched = await publish_together(broker, events)
+        assert batched == sum(isinstance(event, TaskCompleted) for event in events)
 
 
 async def _roll_up(scheduler: httpx.AsyncClient) -> None:

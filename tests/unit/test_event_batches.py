@@ -9,7 +9,10 @@ from typing import Any, cast
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pamqp import commands, header
+from pamqp.frame import marshal
 
+from services.scorer.settings import ScorerSettings
 from shared.batched_publish import batchable
 from shared.consumers import BatchPart, _settle_batch
 from shared.contracts import ScoreResult, TaskCompleted, TaskError, TaskFailed, new_id, utcnow
@@ -161,3 +164,27 @@ async def test_a_batch_is_settled_as_its_strictest_part_asks(
     how: list[str | None], raised: bool, batch: list[str]
 ) -> None:
     assert await _settle(how, raised=raised) == batch
+
+
+def test_the_largest_batch_a_scorer_may_send_has_its_header_in_one_frame() -> None:
+    """AMQP carries a message's content header in one frame, 128 KiB on RabbitMQ by default:
+    past it the broker closes the scorer's publishing connection (`frame_too_large`), every
+    publish in flight failing with it. So `SCORER_OUTCOME_BATCH_MAX` stops where the longest
+    tenant ids (64 characters) still fit."""
+    largest = _maximum(ScorerSettings, "outcome_batch_max")
+    events = [OneEvent(b"{}", new_id(), new_id(), "t" * 64) for _ in range(largest)]
+    _, parts = encode_batch(events)
+    headers: dict[str, Any] = {BATCH_HEADER: parts, "x-schema-version": 2}
+    properties = commands.Basic.Properties(
+        headers=headers, message_id=new_id(), content_type="application/json", delivery_mode=2
+    )
+    frame = marshal(header.ContentHeader(0, 1, properties), 1)
+    assert len(frame) <= RABBITMQ_FRAME_MAX
+
+
+RABBITMQ_FRAME_MAX = 131_072
+
+
+def _maximum(settings: Any, name: str) -> int:
+    [bound] = [m.le for m in settings.model_fields[name].metadata if getattr(m, "le", None)]
+    return int(bound)

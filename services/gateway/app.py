@@ -44,6 +44,7 @@ from services.gateway.scheduler_client import SchedulerClient, make_scheduler_ht
 from services.gateway.settings import GatewaySettings
 from services.gateway.status_client import StatusClient
 from services.gateway.submissions import Submissions
+from services.gateway.unknown_keys import UnknownKeyBudget
 from services.gateway.usage_api import usage_routes
 from services.gateway.webhooks_api import NotifierClient, make_notifier_http, webhook_routes
 from shared.aiohttp_transport import MappedAiohttpTransport
@@ -160,7 +161,12 @@ def build_gateway(
         notifier_http=notifier_http,
         scheduler_http=scheduler_http,
         keys=keys,
-        authenticator=Authenticator(keys, cache_ttl_s=settings.api_key_cache_ttl_s, clock=clock),
+        authenticator=Authenticator(
+            keys,
+            cache_ttl_s=settings.api_key_cache_ttl_s,
+            clock=clock,
+            unknown_keys=UnknownKeyBudget(settings.unknown_keys_per_min),
+        ),
         rate_limiter=RateLimiter(
             mongo, database, per_minute=settings.rate_limit_per_min, clock=clock
         ),

@@ -9,7 +9,9 @@ take a `Caller` and stay open.
 
 Keys are looked up by id and cached in-process for `API_KEY_CACHE_TTL_S` seconds (default 5),
 unknown ids included: a revoked key keeps working on other gateway replicas for at most that
-long (at once on the replica that revoked it).
+long (at once on the replica that revoked it). A lookup that finds no key spends the client
+address's budget of unknown keys (`services/gateway/unknown_keys.py`); spent, a key id not seen
+to exist is answered 429 without a read.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, Protocol
 
-from fastapi import Depends
+from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from services.gateway.errors import DatabaseUnavailable, refused_for_good
 from services.gateway.keys import ApiKey, parse_key, secret_matches
 from services.gateway.limits import LimitExceeded, RateLimiter, limit_problem
+from services.gateway.unknown_keys import UnknownKeyBudget
 from shared.contracts import utcnow
 from shared.http import Problem, database_refused
 
@@ -37,6 +40,8 @@ log = logging.getLogger("scorebox.gateway.auth")
 
 DEFAULT_CACHE_TTL_S = 5.0
 MAX_CACHED_KEYS = 10_000
+# Key ids seen to exist, which an address that spent its unknown-key budget may still use.
+MAX_KNOWN_KEYS = 100_000
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,10 @@ class Authenticator:
     made-up key ids cannot grow it without limit, and a flood of them only pushes out what
     nobody used meanwhile: a key in use stays cached (emptying the whole cache when full, as
     it once did, had every legitimate key read again after each 10,000 made-up ids).
+
+    With `unknown_keys`, an address whose lookups found no key too often is refused
+    (`LimitExceeded`) before a read, unless the id is one seen to exist (a key in use stays
+    usable behind a proxy that shows every client as one address).
     """
 
     def __init__(
@@ -74,6 +83,7 @@ class Authenticator:
         monotonic: Callable[[], float] = time.monotonic,
         clock: Callable[[], datetime] = utcnow,
         max_cached: int = MAX_CACHED_KEYS,
+        unknown_keys: UnknownKeyBudget | None = None,
     ) -> None:
         self._keys = keys
         self._ttl = cache_ttl_s
@@ -82,12 +92,16 @@ class Authenticator:
         self._max_cached = max_cached
         self._cache: OrderedDict[str, _Cached] = OrderedDict()  # least recently used first
         self._loading: dict[str, asyncio.Task[ApiKey | None]] = {}
+        self._unknown_keys = unknown_keys or UnknownKeyBudget(0)
+        self._known: OrderedDict[str, None] = OrderedDict()  # least recently seen first
 
-    async def authenticate(self, token: str) -> Caller | None:
+    async def authenticate(self, token: str, *, address: str | None = None) -> Caller | None:
+        """The caller `token` names, or None; `address` (the client's) spends its unknown-key
+        budget when the lookup finds no key, and is refused once that is spent."""
         issued = parse_key(token)
         if issued is None:
             return None
-        key = await self._lookup(issued.key_id)
+        key = await self._lookup(issued.key_id, address)
         # Whether a key id exists is no secret (ids are listed and logged), so answering an
         # unknown id faster than a wrong secret reveals nothing worth hiding.
         if key is None or not key.active or not secret_matches(issued.secret, key.secret_sha256):
@@ -111,7 +125,7 @@ class Authenticator:
         self._cache.pop(key_id, None)
         self._loading.pop(key_id, None)  # a lookup under way may have read the key before
 
-    async def _lookup(self, key_id: str) -> ApiKey | None:
+    async def _lookup(self, key_id: str, address: str | None = None) -> ApiKey | None:
         """The key, from the cache or else from the store: requests that miss together share
         one lookup (and one `touch`), so a popular key's expiry costs one read, not one per
         request in flight."""
@@ -120,6 +134,26 @@ class Authenticator:
         if cached is not None and cached.until > now:
             self._cache.move_to_end(key_id)
             return cached.key
+        self._refuse_if_spent(key_id, address)
+        key = await self._shared_load(key_id, now)
+        if key is None:
+            self._unknown_keys.spend(address)
+        return key
+
+    def _refuse_if_spent(self, key_id: str, address: str | None) -> None:
+        if key_id in self._known:
+            return
+        retry_after_s = self._unknown_keys.retry_after_s(address)
+        if retry_after_s is not None:
+            raise LimitExceeded(
+                "unknown_keys",
+                "Too many requests from this address named API keys that do not exist; "
+                f"retry in {retry_after_s} s with a valid key.",
+                maximum=self._unknown_keys.per_minute,
+                retry_after_s=retry_after_s,
+            )
+
+    async def _shared_load(self, key_id: str, now: float) -> ApiKey | None:
         loading = self._loading.get(key_id)
         if loading is None:
             loading = asyncio.create_task(self._load(key_id))
@@ -143,12 +177,22 @@ class Authenticator:
         if self._loading.get(key_id) is not loading:
             return  # forgotten meanwhile: its result may predate a revocation
         del self._loading[key_id]
-        if failed or self._ttl <= 0:
+        if failed:
+            return
+        if loading.result() is not None:
+            self._remember_known(key_id)
+        if self._ttl <= 0:
             return
         self._cache[key_id] = _Cached(loading.result(), until)
         self._cache.move_to_end(key_id)
         while len(self._cache) > self._max_cached:
             self._cache.popitem(last=False)
+
+    def _remember_known(self, key_id: str) -> None:
+        self._known[key_id] = None
+        self._known.move_to_end(key_id)
+        while len(self._known) > MAX_KNOWN_KEYS:
+            self._known.popitem(last=False)
 
 
 _bearer = HTTPBearer(
@@ -180,14 +224,18 @@ def caller_dependency(authenticator: Authenticator, rate_limiter: RateLimiter) -
     """The FastAPI dependency that authenticates the caller and counts the request."""
 
     async def resolve_caller(
+        request: Request,
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     ) -> Caller:
         if credentials is None:
             raise _unauthorized("Send an API key as 'Authorization: Bearer <key>'.", invalid=False)
+        address = request.client.host if request.client is not None else None
         try:
-            caller = await authenticator.authenticate(credentials.credentials)
+            caller = await authenticator.authenticate(credentials.credentials, address=address)
         except DatabaseUnavailable as error:
             raise _unavailable(error) from error
+        except LimitExceeded as error:
+            raise limit_problem(error) from error
         if caller is None or caller.key_id is None:
             raise _unauthorized("The API key is malformed, unknown or revoked.", invalid=True)
         try:

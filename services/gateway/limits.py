@@ -84,7 +84,7 @@ from shared.http import Problem, problem_response
 log = logging.getLogger("scorebox.gateway.limits")
 
 Document = dict[str, Any]
-Limit = Literal["rate", "in_flight"]
+Limit = Literal["rate", "in_flight", "unknown_keys"]
 
 RATE_WINDOW_S = 60
 # Counter documents outlive their window a little: the TTL monitor runs once a minute anyway.
@@ -106,11 +106,18 @@ class LimitExceeded(GatewayError):
         self.retry_after_s = retry_after_s
 
 
+LIMIT_KINDS: dict[Limit, str] = {
+    "rate": "rate-limited",
+    "in_flight": "too-many-tasks-in-flight",
+    "unknown_keys": "too-many-unknown-keys",
+}
+
+
 def limit_problem(error: LimitExceeded) -> Problem:
     return Problem(
         429,
         error.detail,
-        kind="rate-limited" if error.limit == "rate" else "too-many-tasks-in-flight",
+        kind=LIMIT_KINDS[error.limit],
         headers={"Retry-After": str(error.retry_after_s)},
         limit=error.limit,
         maximum=error.maximum,

@@ -83,6 +83,11 @@ class GatewaySettings(InternalApiSettings):
     # is how long a revoked key may keep working on other replicas (0 = no cache).
     bootstrap_api_key: SecretStr | None = Field(default=None, validation_alias="BOOTSTRAP_API_KEY")
     api_key_cache_ttl_s: float = Field(default=5.0, ge=0, validation_alias="API_KEY_CACHE_TTL_S")
+    # Lookups that find no key each client address may cause per minute, per replica
+    # (`services/gateway/unknown_keys.py`; 0 = no bound): each costs a database read.
+    unknown_keys_per_min: int = Field(
+        default=60, ge=0, validation_alias="UNKNOWN_KEYS_PER_MIN_PER_ADDRESS"
+    )
     # Limits (`services/gateway/limits.py`), shared by every replica; 0 switches one off.
     rate_limit_per_min: int = Field(default=600, ge=0, validation_alias="RATE_LIMIT_PER_MIN")
     max_in_flight_per_tenant: int = Field(

@@ -20,6 +20,8 @@ from services.gateway.keys import (
     parse_key,
     secret_matches,
 )
+from services.gateway.limits import LimitExceeded
+from services.gateway.unknown_keys import UnknownKeyBudget
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
 TOKEN_SHAPE = re.compile(r"^sbx_[0-9a-f]{16}_[A-Za-z0-9_-]{43}$")
@@ -328,3 +330,85 @@ async def test_a_lookup_under_way_when_the_key_is_forgotten_is_not_cached() -> N
     await _settled([stale])  # it read the key before the revocation; no matter
     assert await authenticator.authenticate(token) is None
     assert store.finds == 2
+
+
+# --------------------------------------------------------------------------- unknown keys
+
+
+def _budgeted(
+    store: FakeKeys, ticker: Ticker, *, per_minute: int, ttl: float = 0.0
+) -> Authenticator:
+    return Authenticator(
+        store,
+        cache_ttl_s=ttl,
+        monotonic=ticker,
+        clock=lambda: NOW,
+        unknown_keys=UnknownKeyBudget(per_minute, monotonic=ticker),
+    )
+
+
+async def test_an_address_past_its_unknown_keys_is_refused_without_a_read() -> None:
+    store = FakeKeys()
+    ticker = Ticker()
+    authenticator = _budgeted(store, ticker, per_minute=3)
+    for _ in range(3):
+        assert await authenticator.authenticate(generate_key().token, address="203.0.113.7") is None
+    assert store.finds == 3
+    with pytest.raises(LimitExceeded) as refused:
+        await authenticator.authenticate(generate_key().token, address="203.0.113.7")
+    assert store.finds == 3  # refused before the store
+    assert refused.value.limit == "unknown_keys"
+    assert refused.value.maximum == 3
+    assert refused.value.retry_after_s == 20  # a token back every 60 / 3 s
+    # Another address has its own budget; a request without an address is not counted.
+    assert await authenticator.authenticate(generate_key().token, address="198.51.100.1") is None
+    assert await authenticator.authenticate(generate_key().token) is None
+    assert store.finds == 5
+    ticker.now += 20
+    assert await authenticator.authenticate(generate_key().token, address="203.0.113.7") is None
+    assert store.finds == 6
+
+
+async def test_keys_seen_to_exist_stay_usable_from_an_address_that_spent_its_budget() -> None:
+    """Behind a proxy that hides client addresses every client is one address: a flood of
+    made-up keys through it must not lock out the keys in use (no cache here: TTL 0)."""
+    store = FakeKeys()
+    token = store.add()
+    revoked = store.add()
+    ticker = Ticker()
+    authenticator = _budgeted(store, ticker, per_minute=2)
+    proxy = "10.0.0.2"
+    assert await authenticator.authenticate(token, address=proxy) is not None
+    assert await authenticator.authenticate(revoked, address=proxy) is not None
+    store.revoke(revoked)
+    for _ in range(2):
+        assert await authenticator.authenticate(generate_key().token, address=proxy) is None
+    for _ in range(3):
+        assert await authenticator.authenticate(token, address=proxy) is not None
+    assert await authenticator.authenticate(revoked, address=proxy) is None  # read: revoked
+    fresh = store.add()  # a key this replica never saw: refused until the budget refills
+    with pytest.raises(LimitExceeded):
+        await authenticator.authenticate(fresh, address=proxy)
+
+
+async def test_an_unknown_id_answered_from_the_cache_spends_nothing() -> None:
+    store = FakeKeys()
+    ticker = Ticker()
+    authenticator = _budgeted(store, ticker, per_minute=1, ttl=5.0)
+    stranger = generate_key().token
+    for _ in range(5):
+        assert await authenticator.authenticate(stranger, address="203.0.113.7") is None
+    assert store.finds == 1
+    with pytest.raises(LimitExceeded):
+        await authenticator.authenticate(generate_key().token, address="203.0.113.7")
+
+
+async def test_a_failed_lookup_spends_nothing() -> None:
+    store = SlowKeys()
+    store.failure = DatabaseUnavailable("down")
+    store.release.set()
+    authenticator = _budgeted(store, Ticker(), per_minute=1)
+    for _ in range(3):
+        with pytest.raises(DatabaseUnavailable):
+            await authenticator.authenticate(generate_key().token, address="203.0.113.7")
+    assert store.finds == 3

@@ -32,7 +32,7 @@ class FailingAuthenticator:
     def __init__(self, cause: PyMongoError) -> None:
         self.cause = cause
 
-    async def authenticate(self, token: str) -> Caller | None:
+    async def authenticate(self, token: str, *, address: str | None = None) -> Caller | None:
         raise DatabaseUnavailable(str(self.cause)) from self.cause
 
 

@@ -82,7 +82,12 @@ def test_a_window_found_full_is_remembered_until_the_next_one_starts() -> None:
 
 
 @pytest.mark.parametrize(
-    ("limit", "kind"), [("rate", "rate-limited"), ("in_flight", "too-many-tasks-in-flight")]
+    ("limit", "kind"),
+    [
+        ("rate", "rate-limited"),
+        ("in_flight", "too-many-tasks-in-flight"),
+        ("unknown_keys", "too-many-unknown-keys"),
+    ],
 )
 def test_an_exceeded_limit_is_a_429_problem_that_names_the_limit(limit: Any, kind: str) -> None:
     problem = limit_problem(LimitExceeded(limit, "too many", maximum=7, retry_after_s=42))

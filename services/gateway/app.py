@@ -224,6 +224,7 @@ def gateway_lifespan(gateway: Gateway) -> Callable[[FastAPI], Any]:
         if token:  # empty means unset (compose passes `${SCOREBOX_API_KEY:-}`)
             now = gateway.deps.clock()
             await bootstrap_key(gateway.keys, token, tenant_id=DEFAULT_TENANT, now=now)
+        await gateway.authenticator.learn_keys()
         await start_broker(gateway.broker, settings)
         sweeper = asyncio.create_task(
             keep_outbox_swept(gateway.deps, gateway.publisher, gateway.batches)
@@ -274,6 +275,7 @@ def gateway_routes(gateway: Gateway) -> list[APIRouter]:
             settings.admin_api_key,
             clock=deps.clock,
             forget=gateway.authenticator.forget,
+            remember=gateway.authenticator.remember,
         ),
         admin_routes(
             DeadLetterQueue(

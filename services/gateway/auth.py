@@ -32,7 +32,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from services.gateway.errors import DatabaseUnavailable, refused_for_good
 from services.gateway.keys import ApiKey, parse_key, secret_matches
 from services.gateway.limits import LimitExceeded, RateLimiter, limit_problem
-from services.gateway.unknown_keys import UnknownKeyBudget
+from services.gateway.unknown_keys import UNKNOWN_ADDRESS, UnknownKeyBudget
 from shared.contracts import utcnow
 from shared.http import Problem, database_refused
 
@@ -53,6 +53,7 @@ class Caller:
 class KeyStore(Protocol):
     async def find(self, key_id: str) -> ApiKey | None: ...
     async def touch(self, key_id: str, *, now: datetime) -> None: ...
+    async def active_ids(self, *, limit: int) -> list[str]: ...
 
 
 @dataclass(frozen=True)
@@ -134,33 +135,40 @@ class Authenticator:
         if cached is not None and cached.until > now:
             self._cache.move_to_end(key_id)
             return cached.key
-        self._refuse_if_spent(key_id, address)
-        key = await self._shared_load(key_id, now)
-        if key is None:
-            self._unknown_keys.spend(address)
+        loading = self._loading.get(key_id)
+        if loading is not None:  # joining a read under way costs no read
+            return await asyncio.shield(loading)
+        charged = self._charge(key_id, address)
+        loading = asyncio.create_task(self._load(key_id))
+        self._loading[key_id] = loading
+        loading.add_done_callback(functools.partial(self._loaded, key_id, now + self._ttl))
+        try:
+            # Shielded: a request that goes away does not cancel the lookup others wait for.
+            key = await asyncio.shield(loading)
+        except Exception:
+            if charged is not None:  # a failed read says nothing of the key
+                self._unknown_keys.give_back(charged)
+            raise
+        # A request cancelled meanwhile keeps its token: its read went on.
+        if key is not None and charged is not None:
+            self._unknown_keys.give_back(charged)
         return key
 
-    def _refuse_if_spent(self, key_id: str, address: str | None) -> None:
-        if key_id in self._known:
-            return
-        retry_after_s = self._unknown_keys.retry_after_s(address)
+    def _charge(self, key_id: str, address: str | None) -> str | None:
+        """Take the token of `address` for reading `key_id` (the address charged, or None
+        when nothing was: no address, or an id seen to exist); `LimitExceeded` when spent."""
+        if address is None or key_id in self._known:
+            return None
+        retry_after_s = self._unknown_keys.take(address)
         if retry_after_s is not None:
             raise LimitExceeded(
                 "unknown_keys",
-                "Too many requests from this address named API keys that do not exist; "
-                f"retry in {retry_after_s} s with a valid key.",
+                "Too many requests from this address named API keys this gateway does not "
+                f"know; retry in {retry_after_s} s.",
                 maximum=self._unknown_keys.per_minute,
                 retry_after_s=retry_after_s,
             )
-
-    async def _shared_load(self, key_id: str, now: float) -> ApiKey | None:
-        loading = self._loading.get(key_id)
-        if loading is None:
-            loading = asyncio.create_task(self._load(key_id))
-            self._loading[key_id] = loading
-            loading.add_done_callback(functools.partial(self._loaded, key_id, now + self._ttl))
-        # Shielded: a request that goes away does not cancel the lookup the others wait for.
-        return await asyncio.shield(loading)
+        return address
 
     async def _load(self, key_id: str) -> ApiKey | None:
         key = await self._keys.find(key_id)
@@ -180,7 +188,7 @@ class Authenticator:
         if failed:
             return
         if loading.result() is not None:
-            self._remember_known(key_id)
+            self.remember(key_id)
         if self._ttl <= 0:
             return
         self._cache[key_id] = _Cached(loading.result(), until)
@@ -188,11 +196,25 @@ class Authenticator:
         while len(self._cache) > self._max_cached:
             self._cache.popitem(last=False)
 
-    def _remember_known(self, key_id: str) -> None:
+    def remember(self, key_id: str) -> None:
+        """Note that `key_id` exists (read, or created here): it is never refused for the
+        unknown-key budget of the address using it."""
         self._known[key_id] = None
         self._known.move_to_end(key_id)
         while len(self._known) > MAX_KNOWN_KEYS:
             self._known.popitem(last=False)
+
+    async def learn_keys(self) -> None:
+        """Remember the ids of the newest active keys (start-up), so that a replica just
+        started lets keys in use through while an address they share floods made-up ones.
+        Best effort: the database away, keys are learnt as they are read."""
+        try:
+            key_ids = await self._keys.active_ids(limit=MAX_KNOWN_KEYS)
+        except DatabaseUnavailable as error:
+            log.warning("active key ids not read at start-up: %r", error)
+            return
+        for key_id in reversed(key_ids):  # newest last: the last to be dropped
+            self.remember(key_id)
 
 
 _bearer = HTTPBearer(
@@ -229,7 +251,7 @@ def caller_dependency(authenticator: Authenticator, rate_limiter: RateLimiter) -
     ) -> Caller:
         if credentials is None:
             raise _unauthorized("Send an API key as 'Authorization: Bearer <key>'.", invalid=False)
-        address = request.client.host if request.client is not None else None
+        address = request.client.host if request.client is not None else UNKNOWN_ADDRESS
         try:
             caller = await authenticator.authenticate(credentials.credentials, address=address)
         except DatabaseUnavailable as error:

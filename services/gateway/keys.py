@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from pymongo import ASCENDING, AsyncMongoClient
+from pymongo import ASCENDING, DESCENDING, AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
@@ -191,6 +191,18 @@ class ApiKeys:
         try:
             cursor = self._collection.find(query).sort("created_at", ASCENDING).limit(limit)
             return [_key_of(document) async for document in cursor]
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
+    async def active_ids(self, *, limit: int) -> list[str]:
+        """The ids of the newest `limit` keys not revoked, newest first."""
+        try:
+            cursor = (
+                self._collection.find({"revoked_at": None}, projection={"_id": True})
+                .sort("created_at", DESCENDING)
+                .limit(limit)
+            )
+            return [str(document["_id"]) async for document in cursor]
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 

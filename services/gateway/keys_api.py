@@ -83,8 +83,10 @@ def key_admin_routes(
     *,
     clock: Callable[[], datetime],
     forget: Callable[[str], None],
+    remember: Callable[[str], None],
 ) -> APIRouter:
-    """`forget(key_id)` drops a revoked key from this replica's cache at once."""
+    """`forget(key_id)` drops a revoked key from this replica's cache at once; `remember`
+    notes a key created here as one that exists (`Authenticator.remember`)."""
     router = APIRouter(
         prefix="/admin/v1",
         tags=["admin"],
@@ -111,6 +113,7 @@ def key_admin_routes(
             raise _not_issued(error) from error
         except DatabaseUnavailable as error:
             raise _unavailable(error) from error
+        remember(key.key_id)
         return JSONResponse({**key.public(), "key": token}, status_code=201)
 
     @router.get("/keys", summary="List API keys, of one tenant or all")

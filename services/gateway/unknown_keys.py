@@ -3,14 +3,16 @@
 Every key id the gateway has not cached costs one database read, and a well-formed key is
 easy to make up: without a bound, one client could have the gateway read MongoDB as fast as
 it can send requests. Each address gets `per_minute` lookups that find no key, refilled
-evenly over a minute (a token bucket); spent, its requests with a key id this replica has
-not seen exist are answered 429 without a read until a token is back.
+evenly over a minute (a token bucket); spent, its requests naming a key id this replica has
+not seen to exist are answered 429 without a read until a token is back. The token is taken
+before the read and given back when the key exists or the read fails, so requests sent
+together cannot all pass a check made before any of their reads ended.
 
 Keys seen to exist stay readable whatever the address has spent (`Authenticator` keeps
-their ids): a reverse proxy that does not forward the client's address (uvicorn trusts
-`X-Forwarded-For` only from `FORWARDED_ALLOW_IPS`) shows every client as one address, and
-one client flooding made-up keys through it must not lock the others out. IPv6 addresses
-count by their /64, which one host usually holds whole.
+their ids, read at start-up and learnt since): a reverse proxy that does not forward the
+client's address (uvicorn trusts `X-Forwarded-For` only from `FORWARDED_ALLOW_IPS`) shows
+every client as one address, and one client flooding made-up keys through it must not lock
+the others out. IPv6 addresses count by their /64, which one host usually holds whole.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 
 MAX_ADDRESSES = 10_000
 IPV6_HOST_PREFIX = 64
+# A request with no client address (uvicorn on a Unix socket) counts as this one address.
+UNKNOWN_ADDRESS = "unknown"
 
 
 @dataclass
@@ -56,32 +60,32 @@ class UnknownKeyBudget:
     def enabled(self) -> bool:
         return self._capacity > 0
 
-    def retry_after_s(self, address: str | None) -> int | None:
-        """Seconds until `address` may cause another unknown-key lookup; None if it may now."""
-        if not self.enabled or address is None:
+    def take(self, address: str) -> int | None:
+        """Take a token for a lookup `address` is about to cause: None when taken, else the
+        seconds until one is back (nothing taken)."""
+        if not self.enabled:
             return None
-        bucket = self._refilled(address_key(address))
-        if bucket is None or bucket.tokens >= 1.0:
-            return None
-        return max(1, math.ceil((1.0 - bucket.tokens) / self._refill_per_s))
+        bucket = self._bucket(address_key(address))
+        if bucket.tokens < 1.0:
+            return max(1, math.ceil((1.0 - bucket.tokens) / self._refill_per_s))
+        bucket.tokens -= 1.0
+        return None
 
-    def spend(self, address: str | None) -> None:
-        """`address` caused a lookup that found no key."""
-        if not self.enabled or address is None:
+    def give_back(self, address: str) -> None:
+        """The lookup a token was taken for found a key, or failed: it costs nothing."""
+        if not self.enabled:
             return
-        key = address_key(address)
-        bucket = self._refilled(key)
+        bucket = self._bucket(address_key(address))
+        bucket.tokens = min(self._capacity, bucket.tokens + 1.0)
+
+    def _bucket(self, key: str) -> _Bucket:
+        bucket = self._buckets.get(key)
+        now = self._monotonic()
         if bucket is None:
-            bucket = self._buckets[key] = _Bucket(self._capacity, self._monotonic())
+            bucket = self._buckets[key] = _Bucket(self._capacity, now)
             while len(self._buckets) > self._max_addresses:
                 self._buckets.popitem(last=False)
-        bucket.tokens = max(0.0, bucket.tokens - 1.0)
-
-    def _refilled(self, key: str) -> _Bucket | None:
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            return None
-        now = self._monotonic()
+            return bucket
         elapsed = max(0.0, now - bucket.updated)
         bucket.tokens = min(self._capacity, bucket.tokens + elapsed * self._refill_per_s)
         bucket.updated = now
@@ -91,7 +95,7 @@ class UnknownKeyBudget:
 
 def address_key(address: str) -> str:
     """What an address is counted as: itself, or its /64 for IPv6 (an IPv4-mapped IPv6
-    address as the IPv4 one); anything that is no IP address (a Unix socket's peer) as it is."""
+    address as the IPv4 one); anything that is no IP address (`UNKNOWN_ADDRESS`) as it is."""
     try:
         parsed = ipaddress.ip_address(address)
     except ValueError:

@@ -75,7 +75,13 @@ def _app(keys: ApiKeys) -> FastAPI:
     app = FastAPI()
     install_problem_handlers(app)
     app.include_router(
-        key_admin_routes(keys, SecretStr("admin-key"), clock=lambda: NOW, forget=lambda _: None)
+        key_admin_routes(
+            keys,
+            SecretStr("admin-key"),
+            clock=lambda: NOW,
+            forget=lambda _: None,
+            remember=lambda _: None,
+        )
     )
     return app
 

@@ -11,8 +11,10 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
+from pymongo import AsyncMongoClient
 
-from services.gateway.keys import generate_key
+from services.gateway.keys import ApiKeys, generate_key
+from shared.contracts import utcnow
 from tests.integration.in_process import gateway_and_status
 
 ADMIN = {"Authorization": "Bearer test-admin-key"}
@@ -23,6 +25,7 @@ BUDGET = 3
 class Gateway:
     app: FastAPI
     admin: httpx.AsyncClient
+    keys: ApiKeys  # the key store itself, as another replica creates keys in it
 
     def client_at(self, address: str) -> httpx.AsyncClient:
         """A client whose requests come from `address`."""
@@ -47,8 +50,10 @@ async def gateway(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Ga
         "UNKNOWN_KEYS_PER_MIN_PER_ADDRESS": str(BUDGET),
         "API_KEY_CACHE_TTL_S": "0",  # every request reads its key: nothing hides in a cache
     }
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
     async with gateway_and_status(env) as services:
-        yield Gateway(services.gateway, services.api)
+        yield Gateway(services.gateway, services.api, ApiKeys(client, f"{db_prefix}_gateway"))
+    await client.close()
 
 
 def _bearer(token: str) -> dict[str, str]:
@@ -81,9 +86,12 @@ async def test_an_address_past_its_budget_gets_a_429_and_keys_in_use_still_work(
         assert problem["limit"] == "unknown_keys"
         assert problem["maximum"] == BUDGET
 
-        # The key in use works from the same address; a key this replica never saw waits.
+        # Keys in use, or created through this replica, work from the same address; a key
+        # another replica created, which this one never read, waits for the refill.
         assert (await _poll_unknown_task(flooder, in_use)).status_code == 404
-        never_seen = await gateway.new_token()
+        created_here = await gateway.new_token()
+        assert (await _poll_unknown_task(flooder, created_here)).status_code == 404
+        _, never_seen = await gateway.keys.create(tenant_id="budget-other", name="", now=utcnow())
         assert (await _poll_unknown_task(flooder, never_seen)).status_code == 429
         # Another address is counted on its own.
         assert (await _poll_unknown_task(other, generate_key().token)).status_code == 401

@@ -148,6 +148,9 @@ class FakeKeys:
     async def touch(self, key_id: str, *, now: datetime) -> None:
         self.touched.append(key_id)
 
+    async def active_ids(self, *, limit: int) -> list[str]:
+        return [key_id for key_id, key in reversed(self.keys.items()) if key.active][:limit]
+
 
 class Ticker:
     def __init__(self) -> None:
@@ -360,13 +363,30 @@ async def test_an_address_past_its_unknown_keys_is_refused_without_a_read() -> N
     assert refused.value.limit == "unknown_keys"
     assert refused.value.maximum == 3
     assert refused.value.retry_after_s == 20  # a token back every 60 / 3 s
-    # Another address has its own budget; a request without an address is not counted.
+    # Another address has its own budget; a caller that names none is not counted.
     assert await authenticator.authenticate(generate_key().token, address="198.51.100.1") is None
     assert await authenticator.authenticate(generate_key().token) is None
     assert store.finds == 5
     ticker.now += 20
     assert await authenticator.authenticate(generate_key().token, address="203.0.113.7") is None
     assert store.finds == 6
+
+
+async def test_requests_sent_together_cannot_outrun_the_budget() -> None:
+    """Each takes its token before its read: checked before any read ended, all of them
+    passed and read."""
+    store = SlowKeys()
+    authenticator = _budgeted(store, Ticker(), per_minute=3)
+    attempts = [
+        asyncio.create_task(authenticator.authenticate(generate_key().token, address="192.0.2.9"))
+        for _ in range(50)
+    ]
+    await asyncio.sleep(0)
+    store.release.set()
+    async with asyncio.timeout(5):
+        answers = await asyncio.gather(*attempts, return_exceptions=True)
+    assert store.finds == 3
+    assert sum(isinstance(answer, LimitExceeded) for answer in answers) == 47
 
 
 async def test_keys_seen_to_exist_stay_usable_from_an_address_that_spent_its_budget() -> None:
@@ -389,26 +409,66 @@ async def test_keys_seen_to_exist_stay_usable_from_an_address_that_spent_its_bud
     fresh = store.add()  # a key this replica never saw: refused until the budget refills
     with pytest.raises(LimitExceeded):
         await authenticator.authenticate(fresh, address=proxy)
+    parsed = parse_key(fresh)
+    assert parsed is not None
+    authenticator.remember(parsed.key_id)  # created through this replica
+    assert await authenticator.authenticate(fresh, address=proxy) is not None
+
+
+async def test_a_replica_learns_the_active_keys_at_start() -> None:
+    store = FakeKeys()
+    token = store.add()
+    revoked = store.add()
+    store.revoke(revoked)
+    authenticator = _budgeted(store, Ticker(), per_minute=1)
+    await authenticator.learn_keys()
+    assert await authenticator.authenticate(generate_key().token, address="10.0.0.2") is None
+    assert await authenticator.authenticate(token, address="10.0.0.2") is not None
+    with pytest.raises(LimitExceeded):  # revoked keys are not learnt
+        await authenticator.authenticate(revoked, address="10.0.0.2")
 
 
 async def test_an_unknown_id_answered_from_the_cache_spends_nothing() -> None:
     store = FakeKeys()
     ticker = Ticker()
-    authenticator = _budgeted(store, ticker, per_minute=1, ttl=5.0)
+    authenticator = _budgeted(store, ticker, per_minute=2, ttl=5.0)
     stranger = generate_key().token
     for _ in range(5):
         assert await authenticator.authenticate(stranger, address="203.0.113.7") is None
     assert store.finds == 1
+    assert await authenticator.authenticate(generate_key().token, address="203.0.113.7") is None
+    assert store.finds == 2  # the second token was still there
     with pytest.raises(LimitExceeded):
         await authenticator.authenticate(generate_key().token, address="203.0.113.7")
 
 
-async def test_a_failed_lookup_spends_nothing() -> None:
+async def test_a_failed_lookup_and_a_found_key_spend_nothing() -> None:
     store = SlowKeys()
     store.failure = DatabaseUnavailable("down")
     store.release.set()
+    token = store.add()
     authenticator = _budgeted(store, Ticker(), per_minute=1)
     for _ in range(3):
         with pytest.raises(DatabaseUnavailable):
             await authenticator.authenticate(generate_key().token, address="203.0.113.7")
-    assert store.finds == 3
+    store.failure = None
+    assert await authenticator.authenticate(token, address="203.0.113.7") is not None
+    assert await authenticator.authenticate(generate_key().token, address="203.0.113.7") is None
+    assert store.finds == 5
+
+
+async def test_a_request_that_goes_away_keeps_its_token_spent() -> None:
+    """Its read goes on for the others: giving the token back would let a client that hangs
+    up at once cause reads without bound."""
+    store = SlowKeys()
+    authenticator = _budgeted(store, Ticker(), per_minute=1)
+    gone = asyncio.create_task(
+        authenticator.authenticate(generate_key().token, address="203.0.113.7")
+    )
+    await asyncio.sleep(0)
+    gone.cancel()
+    store.release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    with pytest.raises(LimitExceeded):
+        await authenticator.authenticate(generate_key().token, address="203.0.113.7")

@@ -100,7 +100,11 @@ def keys_app() -> FastAPI:
     app = FastAPI()
     install_problem_handlers(app)
     routes = key_admin_routes(
-        ApiKeys(client, "db"), SecretStr(ADMIN_KEY), clock=utcnow, forget=lambda key_id: None
+        ApiKeys(client, "db"),
+        SecretStr(ADMIN_KEY),
+        clock=utcnow,
+        forget=lambda key_id: None,
+        remember=lambda key_id: None,
     )
     app.include_router(routes)
     return app

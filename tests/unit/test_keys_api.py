@@ -38,7 +38,11 @@ def app_with(keys: StubKeys, forgotten: list[str]) -> FastAPI:
     app = FastAPI()
     install_problem_handlers(app)
     routes = key_admin_routes(
-        keys, SecretStr("admin-key"), clock=lambda: NOW, forget=forgotten.append
+        keys,
+        SecretStr("admin-key"),
+        clock=lambda: NOW,
+        forget=forgotten.append,
+        remember=lambda _: None,
     )
     app.include_router(routes)
     return app

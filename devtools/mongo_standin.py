@@ -1,11 +1,13 @@
 """A MongoDB wire-protocol stand-in (mongoeco) for machines without a MongoDB server.
 
     python -m devtools.mongo_standin --host 127.0.0.1 --port 27017 [--engine memory|sqlite]
-                                     [--path FILE] [--exit-with-parent]
+                                     [--path FILE] [--exit-with-parent] [--write-costs FILE]
 
 Once listening it prints one JSON line, `{"url": "mongodb://HOST:PORT/?directConnection=true"}`,
 and serves until SIGINT or SIGTERM. `--port 0` picks a free port. It is NOT MongoDB: development
 and tests only (no change streams; single-threaded, so it bounds throughput measured on it).
+`--write-costs FILE` writes, when it stops, the CPU its write commands took per
+`database.collection` (where its time goes, run as the `MONGO_URL` of `python -m bench.run`).
 
 It runs on the standard asyncio loop, not uvloop: mongoeco's shutdown calls
 `asyncio.Server.abort_clients()` (Python 3.13), which uvloop's server does not have.
@@ -17,7 +19,10 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Sequence
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from devtools.lifetime import run_until_stopped, starter_to_outlive
@@ -36,6 +41,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--exit-with-parent",
         action="store_true",
         help="stop when the process that started this one goes away",
+    )
+    parser.add_argument(
+        "--write-costs",
+        type=Path,
+        help="at stop, write the CPU of its write commands per collection to this JSON file",
     )
     args = parser.parse_args(argv)
     if args.engine == "sqlite" and not args.path:
@@ -120,10 +130,58 @@ def skip_duplicate_scan_for_string_id(engine_class: Any) -> None:
     engine_class._ensure_unique_indexes = ensure_unique_indexes
 
 
+class WriteCosts:
+    """The CPU (`time.process_time`) of the stand-in's insert, update and delete commands per
+    `<kind> <database>.<collection>`: commands, statements, seconds. The memory engine
+    answers a command without yielding to the loop, so the time is the command's own."""
+
+    KINDS = ("insert", "update", "delete")
+
+    def __init__(self) -> None:
+        self.costs: defaultdict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
+
+    def install(self) -> None:
+        from mongoeco.api._async import _database_admin_write_commands as commands  # noqa: PLC0415
+
+        service = commands.DatabaseAdminWriteCommandService
+        for kind in self.KINDS:
+            setattr(
+                service, f"command_{kind}", self._timed(kind, getattr(service, f"command_{kind}"))
+            )
+
+    def _timed(
+        self, kind: str, command: Callable[..., Awaitable[object]]
+    ) -> Callable[..., Awaitable[object]]:
+        statements_field = {"insert": "documents", "update": "updates", "delete": "deletes"}[kind]
+
+        async def timed(service: Any, spec: dict[str, Any], **options: Any) -> object:
+            started = time.process_time()
+            try:
+                return await command(service, spec, **options)
+            finally:
+                name = f"{kind} {service._admin._database.name}.{spec.get(kind)}"
+                entry = self.costs[name]
+                entry[0] += 1
+                entry[1] += len(spec.get(statements_field) or ())
+                entry[2] += time.process_time() - started
+
+        return timed
+
+    def write(self, path: Path) -> None:
+        report = {
+            name: {"commands": int(c), "statements": int(n), "cpu_s": round(s, 4)}
+            for name, (c, n, s) in sorted(self.costs.items(), key=lambda kv: -kv[1][2])
+        }
+        path.write_text(json.dumps(report, indent=1) + "\n")
+
+
 async def serve(args: argparse.Namespace) -> None:
     from mongoeco.wire.proxy import AsyncMongoEcoProxyServer  # noqa: PLC0415
 
     parent_pid = starter_to_outlive(exit_with_parent=args.exit_with_parent)
+    costs = WriteCosts() if args.write_costs else None
+    if costs is not None:
+        costs.install()
     server = AsyncMongoEcoProxyServer(
         engine=make_engine(args.engine, args.path), host=args.host, port=args.port
     )
@@ -133,6 +191,8 @@ async def serve(args: argparse.Namespace) -> None:
         await run_until_stopped(parent_pid=parent_pid)
     finally:
         await server.close()
+        if costs is not None:
+            costs.write(args.write_costs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

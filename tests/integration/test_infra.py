@@ -135,6 +135,33 @@ def test_standin_cli_prints_one_json_line_and_stops_on_sigterm(
     assert standin_process.wait(timeout=TIMEOUT_S) == 0
 
 
+def test_standin_writes_the_cpu_of_its_writes_per_collection_when_it_stops(
+    tmp_path: Path,
+) -> None:
+    costs = tmp_path / "costs.json"
+    command = [sys.executable, "-m", "devtools.mongo_standin", "--port", "0"]
+    process = subprocess.Popen(
+        [*command, "--write-costs", str(costs)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        client = mongo_client(json.loads(read_first_line(process, TIMEOUT_S))["url"])
+        try:
+            client.costs.things.insert_many([{"_id": 1}, {"_id": 2}])
+            client.costs.things.update_one({"_id": 1}, {"$set": {"seen": True}})
+        finally:
+            client.close()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=TIMEOUT_S) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate(timeout=TIMEOUT_S)
+    report = json.loads(costs.read_text())
+    assert report["insert costs.things"]["statements"] == 2
+    assert report["update costs.things"]["commands"] == 1
+    assert report["update costs.things"]["cpu_s"] > 0
+
+
 def test_standin_endpoint_close_stops_the_process() -> None:
     endpoint = start_mongo_standin()
     port = int(endpoint.url.split(":")[2].split("/")[0])

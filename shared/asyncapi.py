@@ -49,9 +49,24 @@ def message_contracts() -> list[type[contracts.Contract]]:
     return found
 
 
+# The queues of one replica each, bound while it runs (`shared.topology`): named here with
+# a placeholder for the replica, as the document's reader would look for them.
+REPLICA_QUEUES: tuple[tuple[str, topology.Binding], ...] = (
+    (
+        f"{topology.LIVE_EVENTS_PREFIX}<replica> (gateway, while requests wait)",
+        topology.Binding(topology.EVENTS, topology.LIVE_EVENTS_BINDING),
+    ),
+    (f"{topology.SCORER_PAUSES_PREFIX}<replica> (scorer)", topology.SCORER_PAUSES_BINDING),
+)
+
+
 def _routes(routing_key: str) -> list[tuple[RabbitExchange, str]]:
     """(exchange, queue) pairs a message with this routing key reaches."""
-    routes = []
+    routes = [
+        (binding.exchange, name)
+        for name, binding in REPLICA_QUEUES
+        if topic_matches(binding.routing_key, routing_key)
+    ]
     bound: tuple[topology.WorkQueue | topology.RecentLog, ...] = (
         *topology.WORK_QUEUES,
         topology.OPS_LOG,

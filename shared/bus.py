@@ -21,6 +21,7 @@ from shared.consumers import ScoreboxBroker
 from shared.contracts import (
     CancelTask,
     Contract,
+    OpsEvent,
     ScoreText,
     TaskCompleted,
     TaskEvent,
@@ -153,6 +154,11 @@ async def send_raw(
 
 
 async def publish_event(broker: RabbitBroker, event: TaskEvent, *, timeout: float) -> None:
+    await _publish(broker, event, exchange=EVENTS, routing_key=event.routing_key, timeout=timeout)
+
+
+async def publish_ops_event(broker: RabbitBroker, event: OpsEvent, *, timeout: float) -> None:
+    """An operations event (routing key `ops.…`) on `scorebox.events`, now."""
     await _publish(broker, event, exchange=EVENTS, routing_key=event.routing_key, timeout=timeout)
 
 

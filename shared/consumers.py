@@ -7,14 +7,15 @@ queues take), and a blocked connection is not read at all, so acknowledgements s
 would wait too (RabbitMQ's "Flow Control" guide advises a connection for publishing and
 another for consuming). On its own connection a consumer goes on settling what it has
 handled. aio-pika restores the connection's channels, their prefetch, the queues and the
-consumers after a reconnection.
+consumers after a reconnection. A replica's exclusive queues are consumed on a third
+connection (`ScoreboxBroker.start` says why).
 
 Each queue is declared on the consuming channel as FastStream's declarer would declare it
 (an exclusive queue belongs to the connection that declared it, so it must be this one), on
 a shared channel with the broker's default prefetch, or on one of its own when the consumer
-asks for another prefetch. Each delivery reaches its handler as a `Delivery` without
-FastStream's per-delivery pipeline (message parsing, context scopes, logging and
-acknowledgement middlewares), measured in docs/architecture.md ("Performance").
+asks for another prefetch or its queue is exclusive. Each delivery reaches its handler as a
+`Delivery` without FastStream's per-delivery pipeline (message parsing, context scopes,
+logging and acknowledgement middlewares), measured in docs/architecture.md ("Performance").
 
 A batch of events (`shared.event_batches`: completions that finished together) reaches the
 handler as one delivery per event (`BatchPart`), and is settled once every part is, as the
@@ -46,6 +47,7 @@ from shared.acks import ChannelAcks
 from shared.event_batches import Part, UnreadableBatch, is_batch, split_batch
 from shared.log_context import correlated
 from shared.metrics import Metrics
+from shared.topology import Binding
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -205,6 +207,7 @@ class _Subscription:
     prefetch: int | None  # None: the shared consuming channel, with the broker's prefetch
     ack_first: bool
     label: str  # the queue's name in metrics
+    bindings: tuple[Binding, ...] = ()  # made at start, on the consuming connection
 
 
 class _AcksByChannel:
@@ -330,11 +333,12 @@ class _Consuming:
 
 class ScoreboxBroker(RabbitBroker):
     """A FastStream broker that publishes on its connection and consumes (`consume`) on a
-    second one, without FastStream's pipeline.
+    second one, without FastStream's pipeline; a replica's exclusive queues, if any, on a
+    third.
 
-    `start()` connects both and then starts the consumers; `stop()` cancels them
+    `start()` connects them and then starts the consumers; `stop()` cancels them
     (`stop_consuming`), lets the deliveries in hand finish (up to the graceful timeout), then
-    closes both connections.
+    closes the connections.
     """
 
     def __init__(
@@ -359,6 +363,8 @@ class ScoreboxBroker(RabbitBroker):
         self._subscriptions: list[_Subscription] = []
         self._consuming: list[_Consuming] = []
         self._consumer_connection: AbstractRobustConnection | None = None
+        # The exclusive queues' (one replica's own), when there are any; see `start`.
+        self._own_queues_connection: AbstractRobustConnection | None = None
         self._shared_channel: AbstractChannel | None = None
         self._acks = _AcksByChannel()
 
@@ -375,12 +381,16 @@ class ScoreboxBroker(RabbitBroker):
         await super().start()
         if not self._subscriptions:
             return
-        self._consumer_connection = await aio_pika.connect_robust(
-            self._url,
-            timeout=self._timeout,
-            reconnect_interval=1.0,
-            client_properties={"connection_name": f"{self._name} consumers"},
-        )
+        self._consumer_connection = await self._open_consuming_connection(f"{self._name} consumers")
+        # The exclusive queues have a connection of their own. After a reconnection the
+        # broker may not yet have dropped the lost connection (a partition, until its
+        # heartbeat expires), which still holds them: declaring them again is refused, and
+        # aio-pika closes the whole connection at each attempt to restore it, returning the
+        # deliveries in hand of every other consumer on it each time.
+        if any(each.queue.exclusive for each in self._subscriptions):
+            self._own_queues_connection = await self._open_consuming_connection(
+                f"{self._name} own queues"
+            )
         for subscription in self._subscriptions:
             consuming = _Consuming(
                 subscription,
@@ -388,8 +398,8 @@ class ScoreboxBroker(RabbitBroker):
                 self.metrics,
                 prefetch=subscription.prefetch or self._prefetch,
             )
-            channel = await self._channel_for(subscription.prefetch)
             queue = subscription.queue
+            channel = await self._channel_for(subscription.prefetch, own=queue.exclusive)
             consuming.queue = await channel.declare_queue(
                 name=queue.name,
                 durable=queue.durable,
@@ -399,32 +409,54 @@ class ScoreboxBroker(RabbitBroker):
                 arguments=queue.arguments,
                 timeout=queue.timeout or self._timeout,
             )
+            for binding in subscription.bindings:
+                # Through the robust queue, which binds again after a reconnection.
+                await consuming.queue.bind(
+                    binding.exchange.name,
+                    routing_key=binding.routing_key,
+                    arguments=dict(binding.arguments) if binding.arguments else None,
+                    timeout=self._timeout,
+                )
             consuming.tag = await consuming.queue.consume(
                 consuming.on_delivery, no_ack=False, timeout=self._timeout
             )
             self._consuming.append(consuming)
 
-    async def _channel_for(self, prefetch: int | None) -> AbstractChannel:
-        """A consuming channel with `prefetch` (the broker's, shared, when None).
+    async def _open_consuming_connection(self, name: str) -> AbstractRobustConnection:
+        return await aio_pika.connect_robust(
+            self._url,
+            timeout=self._timeout,
+            reconnect_interval=1.0,
+            client_properties={"connection_name": name},
+        )
+
+    async def _channel_for(self, prefetch: int | None, *, own: bool = False) -> AbstractChannel:
+        """A consuming channel with `prefetch`: the broker's, shared, when None; on the own
+        queues' connection when `own` (an exclusive queue's).
 
         Opening it and its `basic.qos` are bounded by the broker timeout each, as the
         connection, the declaration and the `basic.consume` are: unbounded, a broker that
         stopped answering held the service's start until the heartbeat gave up."""
-        assert self._consumer_connection is not None
-        if prefetch is None and self._shared_channel is not None:
+        connection = self._own_queues_connection if own else self._consumer_connection
+        assert connection is not None
+        shared = prefetch is None and not own
+        if shared and self._shared_channel is not None:
             return self._shared_channel
         async with asyncio.timeout(self._timeout):  # aio-pika's open takes no timeout
-            channel = await self._consumer_connection.channel(publisher_confirms=False)
+            channel = await connection.channel(publisher_confirms=False)
         await channel.set_qos(
             prefetch_count=(prefetch or self._prefetch) or 0, timeout=self._timeout
         )
-        if prefetch is None:
+        if shared:
             self._shared_channel = channel
         return channel
 
     @override
     async def ping(self, timeout: float | None) -> bool:
-        """Both connections up (the consuming one only when something consumes)."""
+        """Both connections up (the consuming one only when something consumes). Not the own
+        queues' one: what they carry (live events, a peer's rate-limit pause) is help, not
+        the service's work, and it may stay refused until the broker drops a lost
+        connection; it logs its attempts meanwhile."""
         if not await super().ping(timeout):
             return False
         connection = self._consumer_connection
@@ -449,15 +481,20 @@ class ScoreboxBroker(RabbitBroker):
             await asyncio.wait_for(self._acks.drain(), max(_until(deadline), self._step_s))
         except TimeoutError:
             log.warning("acks not written in time; the broker redelivers them")
-        connection, self._consumer_connection = self._consumer_connection, None
+        consuming_connections = {
+            "the consuming connection": self._consumer_connection,
+            "the own queues' connection": self._own_queues_connection,
+        }
+        self._consumer_connection = self._own_queues_connection = None
         self._shared_channel = None
         # Each close waits for the broker's CloseOk, up to the heartbeat (60 s) when the broker
         # stalls: together, and bounded.
         closing = [
             self._bounded(super().stop(exc_type, exc_val, exc_tb), "the publishing connection")
         ]
-        if connection is not None:
-            closing.append(self._bounded(connection.close(), "the consuming connection"))
+        for what, connection in consuming_connections.items():
+            if connection is not None:
+                closing.append(self._bounded(connection.close(), what))
         await asyncio.gather(*closing)
 
     @property
@@ -522,6 +559,7 @@ def consume(
     prefetch: int | None = None,
     ack_first: bool = False,
     metric_label: str | None = None,
+    bindings: tuple[Binding, ...] = (),
 ) -> Callable[[Handler], Handler]:
     """Subscribe `handler(delivery)`, a plain async function, to `queue` once `broker` starts.
 
@@ -529,12 +567,14 @@ def consume(
     shares one consuming channel with the broker's prefetch. `ack_first` acks each delivery
     before its handler runs (for notifications that may be lost). `metric_label` names the
     queue in metrics where its name is one of a kind (a replica's own queue: a series per
-    process started would pile up).
+    process started would pile up). `bindings` are made once the queue is declared, for a
+    queue of one replica that the topology cannot declare (exclusive to this connection); the
+    topology's own queues are bound by `declare_topology`.
     """
 
     def register(handler: Handler) -> Handler:
         label = metric_label or queue.name
-        broker.add_consumer(_Subscription(queue, handler, prefetch, ack_first, label))
+        broker.add_consumer(_Subscription(queue, handler, prefetch, ack_first, label, bindings))
         return handler
 
     return register

@@ -496,6 +496,27 @@ class DeadLetterAlert(Contract):
         return self.task_id
 
 
+class ModelCallsPaused(Contract):
+    """Event: the provider answered a scorer 429, and it pauses its model calls for `pause_s`
+    (`scorebox.events`, routing key `ops.model.paused`). Every other scorer replica calling the
+    same `provider` pauses as long, less the event's age; the ops log keeps it for operators.
+    `task_id` is the pause's own id."""
+
+    routing_key: ClassVar[str] = "ops.model.paused"
+
+    provider: str = Field(
+        description="The provider's URL and a fingerprint of the API key the limit applies to.",
+        examples=["https://api.openai.com/v1 key:3f2a9c1b0d4e"],
+    )
+    pause_s: float = Field(gt=0, le=3600, description="How long the pause lasts from occurred_at.")
+    replica: str = Field(description="The scorer replica that was answered 429.")
+
+
+# The events of `ops.` routing keys: for operators (the ops log) and for the services' own
+# coordination, never about one task's state.
+OpsEvent = HousekeepingRequested | DeadLetterAlert | ModelCallsPaused
+
+
 # --- Webhooks: callbacks and failure alerts ---------------------------------------------------
 #
 # The notifier turns terminal task events into webhook deliveries. One `DeliverWebhook` is one

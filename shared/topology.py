@@ -15,6 +15,7 @@
                       task.completed, task.failed      → scorebox.usage-meter (scheduler)
                       task.failed                      → scorebox.notifications (notifier)
                       task.completed                   → scorebox.callbacks (exchange)
+                      ops.model.paused                 → scorebox.scorer-pauses.<replica> (scorer)
     scorebox.callbacks x-scorebox-callback: yes        → scorebox.notifications (notifier)
                       ops.#                            → scorebox.ops-log (operators, recent only)
     scorebox.delay    <tier>.#                         → scorebox.wait.<tier> (TTL, then ↓)
@@ -527,4 +528,24 @@ def live_events_queue(replica_id: str) -> RabbitQueue:
         auto_delete=True,
         routing_key=LIVE_EVENTS_BINDING,
         arguments={"x-max-length": LIVE_EVENTS_MAX_LENGTH, "x-overflow": "drop-head"},
+    )
+
+
+# --- Rate-limit pauses shared by the scorer replicas --------------------------------------------
+# A scorer answered 429 by the provider tells the others (`ModelCallsPaused`, an `ops.` event,
+# so the ops log keeps it too), and each replica hears it on a queue of its own, bound while it
+# runs: exclusive and auto-deleted like the live queues, classic, short (a pause is news only
+# while it lasts), without a DLX (consumed with auto-ack, nothing is rejected from it).
+SCORER_PAUSES_PREFIX = "scorebox.scorer-pauses."
+SCORER_PAUSES_BINDING = Binding(EVENTS, "ops.model.paused")
+SCORER_PAUSES_MAX_LENGTH = 100
+
+
+def scorer_pauses_queue(replica_id: str) -> RabbitQueue:
+    """The exclusive queue on which one scorer replica hears the others' rate-limit pauses."""
+    return RabbitQueue(
+        f"{SCORER_PAUSES_PREFIX}{replica_id}",
+        exclusive=True,
+        auto_delete=True,
+        arguments={"x-max-length": SCORER_PAUSES_MAX_LENGTH, "x-overflow": "drop-head"},
     )

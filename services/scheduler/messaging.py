@@ -27,18 +27,11 @@ from pamqp.commands import Basic
 
 from services.scheduler.errors import DownstreamFull, TransientJobError
 from services.scheduler.jobs import Clock
-from shared.bus import BROKER_ERRORS, publish_delayed
-from shared.contracts import (
-    Contract,
-    DeadLetterAlert,
-    HousekeepingRequested,
-    RescoreTask,
-    RunCronJob,
-)
+from shared.bus import BROKER_ERRORS, publish_delayed, publish_ops_event
+from shared.contracts import Contract, OpsEvent, RescoreTask, RunCronJob
 from shared.dead_letters import own_channel
 from shared.topology import (
     CRON,
-    EVENTS,
     RESCORE_REQUESTS,
     SCORE_REQUESTS,
     TASKS,
@@ -47,8 +40,6 @@ from shared.topology import (
 )
 
 log = logging.getLogger("scorebox.scheduler.messaging")
-
-OpsEvent = HousekeepingRequested | DeadLetterAlert
 
 
 @dataclass(frozen=True)
@@ -112,14 +103,7 @@ class SchedulerBus:
             ) from error
 
     async def announce(self, event: OpsEvent) -> None:
-        await publish_delayed(
-            self.broker,
-            event,
-            exchange=EVENTS,
-            routing_key=event.routing_key,
-            not_before=None,
-            timeout=self.timeout_s,
-        )
+        await publish_ops_event(self.broker, event, timeout=self.timeout_s)
 
     async def retry_usage_event(
         self, event: Contract, *, not_before: datetime, headers: Mapping[str, Any]

@@ -1,5 +1,5 @@
-"""Composition root of the scorer: the `score.requested` consumer and its model, and the
-`score.cancel` consumer."""
+"""Composition root of the scorer: the `score.requested` consumer and its model, the
+`score.cancel` consumer, and the rate-limit pauses it shares with the other replicas."""
 
 from __future__ import annotations
 
@@ -20,11 +20,12 @@ from services.scorer.model import ProviderClient, ScoreModel, build_model, make_
 from services.scorer.model.settings import ModelSettings
 from services.scorer.scoring import RetryPolicy, ScorerDeps
 from services.scorer.settings import ScorerSettings
+from services.scorer.shared_pauses import PauseAnnouncer, provider_of, subscribe_shared_pauses
 from services.scorer.slots import ModelSlots
 from services.scorer.throttle import ModelThrottle
-from shared.bus import publish_event
+from shared.bus import publish_event, publish_ops_event
 from shared.consumers import ScoreboxBroker
-from shared.contracts import TaskEvent, new_id, utcnow
+from shared.contracts import ModelCallsPaused, TaskEvent, new_id, utcnow
 from shared.http import (
     METRICS_PROBLEMS,
     health_router,
@@ -99,6 +100,18 @@ def create_app(
 
     jitter = rng or random.Random()  # noqa: S311 - jitter, not cryptography
     metrics = ScorerMetrics(broker.metrics.registry)
+    replica = f"{socket.gethostname()}:{os.getpid()}:{new_id()[:8]}"
+    provider = provider_of(model_settings)
+
+    async def announce_pause(event: ModelCallsPaused) -> None:
+        await publish_ops_event(broker, event, timeout=settings.broker_timeout_s)
+
+    pauses = PauseAnnouncer(
+        publish=announce_pause,
+        replica=replica,
+        provider=provider,
+        timeout_s=settings.broker_timeout_s,
+    )
     deps = ScorerDeps(
         attempts=attempts,
         model=model,
@@ -111,10 +124,13 @@ def create_app(
             rate_limit_retries=settings.rate_limit_retries,
         ),
         rng=jitter,
-        owner=f"{socket.gethostname()}:{os.getpid()}:{new_id()[:8]}",
+        owner=replica,
         model_slots=ModelSlots(settings.concurrency),
         throttle=ModelThrottle(
-            hold_s=settings.rate_limit_hold_s, rng=jitter, on_pause=metrics.rate_limit_pauses.inc
+            hold_s=settings.rate_limit_hold_s,
+            rng=jitter,
+            on_pause=metrics.rate_limit_pauses.inc,
+            on_pause_begun=pauses.announce,
         ),
         started_after=timedelta(seconds=settings.started_after_s),
         metrics=metrics,
@@ -132,6 +148,9 @@ def create_app(
         attempts, broker, clock, timeout_s=settings.broker_timeout_s, metrics=metrics
     )
     subscribe_cancels(broker, cancels)
+    subscribe_shared_pauses(
+        broker, deps.throttle, metrics, replica=replica, provider=provider, clock=clock
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -145,6 +164,7 @@ def create_app(
         # period (`stop_grace_s`).
         deps.model_slots.close()
         await broker.stop_consuming()
+        await pauses.close()
         await broker.stop()
         if http is not None:
             await http.aclose()

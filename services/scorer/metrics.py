@@ -57,6 +57,12 @@ class ScorerMetrics:
             "Rate-limit pauses of this scorer's model calls begun (a 429 while none lasted).",
             registry=registry,
         )
+        self.shared_pauses = Counter(
+            "scorebox_model_rate_limit_pauses_shared",
+            "Rate-limit pauses of another scorer replica (same provider and API key) that "
+            "paused or lengthened this one's.",
+            registry=registry,
+        )
 
         self.cancellations = Counter(
             "scorebox_scorer_cancellations",

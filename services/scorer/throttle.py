@@ -12,7 +12,12 @@ instead (`PutOff`), so that no delivery is held near RabbitMQ's consumer timeout
 pause ends, one call goes first: its answer ends the pause for all, a 429 starts the next.
 
 Calls already running when a 429 comes back are not stopped: their own answers count as they
-come. The pause is per process; each replica learns the provider's limit from its own calls.
+come. A pause begun while none lasted is told to the other replicas (`on_pause_begun`, see
+`services/scorer/shared_pauses.py`), and one they tell of pauses this one as long
+(`paused_elsewhere`), its end probed here as after a pause of its own: a rate limit is the
+provider account's, and without it each replica spent a round of 429s, all its model slots'
+worth, learning it. The longer pauses of a probe answered 429 are not told: by then each
+replica is paused and spends one probe per pause, whatever the others learn.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class ModelThrottle:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_pause: Callable[[], object] = lambda: None,
+        on_pause_begun: Callable[[float], object] = lambda _pause_s: None,
     ) -> None:
         self.hold_s = hold_s
         self._base_s = base_s
@@ -71,6 +77,7 @@ class ModelThrottle:
         self._probe_out = False  # the probe's call is running
         self._changed = asyncio.Event()
         self._on_pause = on_pause
+        self._on_pause_begun = on_pause_begun
 
     def pause_left_s(self) -> float:
         return max(0.0, self._paused_until - self._clock())
@@ -103,20 +110,35 @@ class ModelThrottle:
         limit came: those all come back 429 at once."""
         if turn.probe or not self._probe_due:
             self._rate_limits_in_a_row += 1
-        if not self._probe_due:
-            self._on_pause()
+        first = not self._probe_due
         exponent = min(self._rate_limits_in_a_row - 1, 30)
         backoff = min(PAUSE_CAP_S, self._base_s * 2.0**exponent) * self._rng.uniform(0.5, 1.0)
         pause = max(backoff, min(retry_after_s or 0.0, MAX_PAUSE_S))
-        self._paused_until = max(self._paused_until, self._clock() + pause)
+        self._pause_for(pause)
+        if first:
+            self._on_pause()
+            self._on_pause_begun(self.pause_left_s())
+
+    def paused_elsewhere(self, pause_s: float) -> bool:
+        """Another replica calling the same provider was answered 429 and pauses `pause_s`
+        more: pause as long, then probe. False when this process's pause already lasts as
+        long (it heard of the limit itself, or from another replica first)."""
+        if self._clock() + min(pause_s, MAX_PAUSE_S) <= self._paused_until:
+            return False
+        self._pause_for(pause_s)
+        return True
+
+    def _pause_for(self, pause_s: float) -> None:
+        self._paused_until = max(self._paused_until, self._clock() + min(pause_s, MAX_PAUSE_S))
         self._probe_due = True
         self._notify()
 
     def answered(self, turn: Turn) -> None:
-        """A call came back with anything but a 429. The probe's answer ends the pause; a call
-        started before the pause says nothing of it."""
+        """A call came back with anything but a 429. The probe's answer ends the pause, unless
+        another replica's pause heard meanwhile outlasts it (then another probe follows that
+        one); a call started before the pause says nothing of it."""
         if turn.probe:
-            self._probe_due = False
+            self._probe_due = self.pause_left_s() > 0
             self._rate_limits_in_a_row = 0
             self._notify()
         elif not self._probe_due:

@@ -17,7 +17,7 @@ import aio_pika
 import aiormq
 import pytest
 from aio_pika.abc import AbstractRobustConnection
-from faststream.rabbit import QueueType, RabbitQueue
+from faststream.rabbit import ExchangeType, QueueType, RabbitExchange, RabbitQueue
 from faststream.rabbit.schemas.queue import QuorumQueueArgs
 
 from shared.acks import ChannelAcks
@@ -25,6 +25,7 @@ from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.log_context import CorrelationFilter
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
+from shared.topology import Binding
 from tests.faults.slow_link import SlowLink
 from tests.support import eventually
 
@@ -538,3 +539,122 @@ async def test_a_broker_that_stops_answering_fails_the_consumers_start(
             link.reply_delay_s = 0.0
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(broker.stop(), 10)
+
+
+async def test_a_queue_of_its_own_is_bound_at_start_and_again_after_a_reconnection(
+    amqp_url: str, broker_link: SlowLink
+) -> None:
+    """An exclusive queue dies with its connection; the robust connection declares it again,
+    and its bindings with it, or it would hear nothing more."""
+    exchange = RabbitExchange(f"test.bound.{uuid.uuid4().hex[:8]}", type=ExchangeType.FANOUT)
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": broker_link.url_through(amqp_url)})
+    broker = make_broker(settings)
+    heard: list[bytes] = []
+
+    @consume(
+        broker,
+        RabbitQueue(f"test.own.{uuid.uuid4().hex[:8]}", exclusive=True, auto_delete=True),
+        ack_first=True,
+        bindings=(Binding(exchange),),
+    )
+    async def hear(delivery: Delivery) -> None:
+        heard.append(delivery.body)
+
+    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
+    async with connection:
+        channel = await connection.channel()
+        # Not auto-deleted: the queue's binding goes with the lost connection.
+        target = await channel.declare_exchange(exchange.name, type="fanout")
+        await broker.start()
+        try:
+            await target.publish(aio_pika.Message(b"before"), routing_key="", timeout=TIMEOUT_S)
+            await eventually(lambda: _true(heard == [b"before"]), what="heard at start")
+
+            await broker_link.cut()
+            await eventually(lambda: _not(broker.ping(1.0)), what="the connection lost")
+            broker_link.down = False
+            await eventually(lambda: broker.ping(1.0), what="the connection restored")
+
+            async def after_the_reconnection() -> bool:
+                await target.publish(aio_pika.Message(b"after"), routing_key="", timeout=TIMEOUT_S)
+                return b"after" in heard
+
+            # Published until heard: the consumer's queue may be declared again a moment after
+            # its connection is, and what is published meanwhile reaches no queue.
+            await eventually(after_the_reconnection, what="heard after the reconnection")
+        finally:
+            await broker.stop()
+            await target.delete(timeout=TIMEOUT_S)
+
+
+async def _not(check: Awaitable[bool]) -> bool:
+    return not await check
+
+
+async def test_a_queue_of_its_own_held_elsewhere_after_a_reconnection_holds_up_no_work_queue(
+    amqp_url: str, broker_link: SlowLink, queue: Queue
+) -> None:
+    """Reconnected before the broker noticed the lost connection (a partition, until its
+    heartbeat expires), a replica finds its exclusive queue still held by that connection:
+    declaring it again is refused (RESOURCE_LOCKED). On the connection of the work queues,
+    aio-pika closed the whole connection at each attempt to restore it, and the work queue
+    was consumed between attempts or not at all, its deliveries in hand returned each time."""
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": broker_link.url_through(amqp_url)})
+    broker = make_broker(settings)
+    own_queue = f"test.own.{uuid.uuid4().hex[:8]}"
+    handled: list[tuple[bytes, bool]] = []
+    acked: list[bytes] = []
+    release = asyncio.Event()
+
+    @consume(broker, queue.declared)
+    async def work(delivery: Delivery) -> None:
+        handled.append((delivery.body, delivery.redelivered))
+        await release.wait()  # in hand while the queue of its own is refused, then restored
+        await delivery.ack()
+        acked.append(delivery.body)
+
+    heard: list[bytes] = []
+
+    @consume(broker, RabbitQueue(own_queue, exclusive=True, auto_delete=True), ack_first=True)
+    async def hear(delivery: Delivery) -> None:
+        heard.append(delivery.body)
+
+    holder = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
+    await broker.start()
+    try:
+        await broker_link.cut()
+        await eventually(lambda: _not(broker.ping(1.0)), what="the connection lost")
+        # The lost connection's queue goes; another connection takes its name meanwhile.
+        await eventually(lambda: _took_exclusive(holder, own_queue), what="the name taken")
+        broker_link.down = False
+
+        await queue.put(b"w1", b"w2", b"w3")
+        await eventually(lambda: _true(len(handled) >= 3), what="the work queue consumed")
+
+        await holder.close()  # the broker lets go of the name: the queue is restored
+
+        async def consumed_again() -> bool:
+            await queue.channel.default_exchange.publish(
+                aio_pika.Message(b"again"), routing_key=own_queue, timeout=TIMEOUT_S
+            )
+            return b"again" in heard
+
+        await eventually(consumed_again, what="its own queue consumed again")
+        release.set()
+        await eventually(lambda: _true(len(acked) == 3), what="all acknowledged")
+    finally:
+        release.set()
+        await holder.close()
+        await broker.stop()
+    # Each once, never returned by a connection closed under it, and its ack taken.
+    assert handled == [(b"w1", False), (b"w2", False), (b"w3", False)]
+    assert await queue.ready() == 0
+
+
+async def _took_exclusive(connection: aio_pika.abc.AbstractConnection, name: str) -> bool:
+    channel = await connection.channel()
+    try:
+        await channel.declare_queue(name, exclusive=True, auto_delete=True, timeout=TIMEOUT_S)
+    except aiormq.exceptions.ChannelLockedResource:
+        return False
+    return True

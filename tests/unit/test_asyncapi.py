@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from shared.asyncapi import build_document, message_contracts, topic_matches
+from shared.contracts import ModelCallsPaused, TaskCompleted
 
 COMMITTED = Path(__file__).parents[2] / "docs" / "asyncapi.json"
 
@@ -41,3 +42,15 @@ def test_committed_document_is_current() -> None:
     committed = json.loads(COMMITTED.read_text(encoding="utf-8"))
     regenerate = ".venv/bin/python -m shared.asyncapi > docs/asyncapi.json"
     assert committed == json.loads(json.dumps(build_document())), f"stale: run `{regenerate}`"
+
+
+def test_the_queues_of_single_replicas_are_named_among_a_messages_consumers() -> None:
+    """A rate-limit pause reaches every scorer on its own queue, and task events each
+    gateway's live queue: the document says so, not only the ops log's or work queues."""
+    channels = build_document()["channels"]
+    descriptions = {
+        name.split(":", 1)[1]: channel.get("description", "") for name, channel in channels.items()
+    }
+    assert "scorebox.scorer-pauses.<replica>" in descriptions[ModelCallsPaused.routing_key]
+    assert "scorebox.ops-log" in descriptions[ModelCallsPaused.routing_key]
+    assert "scorebox.live.<replica>" in descriptions[TaskCompleted.routing_key]

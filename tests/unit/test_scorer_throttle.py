@@ -138,3 +138,93 @@ async def _any_done(waiters: Sequence[asyncio.Future[Turn | PutOff]]) -> bool:
 
 async def _all_done(waiters: Sequence[asyncio.Future[Turn | PutOff]]) -> bool:
     return all(waiter.done() for waiter in waiters)
+
+
+async def test_a_pause_begun_while_none_lasted_is_told_once_with_its_length() -> None:
+    """Not the 429s of the calls running when the limit came, nor a probe's 429 (every
+    replica is paused by then); the next pause after the limit ended is told again."""
+    clock = Clock()
+    begun: list[float] = []
+    throttle = ModelThrottle(
+        base_s=1.0, rng=random.Random(0), clock=clock, on_pause_begun=begun.append
+    )
+    throttle.rate_limited(Turn(), retry_after_s=20)
+    for _ in range(10):
+        throttle.rate_limited(Turn(), retry_after_s=20)
+    assert begun == [pytest.approx(20)]
+
+    clock.now += 21
+    probe = await throttle.wait_turn(asyncio.Event())
+    assert isinstance(probe, Turn)
+    assert probe.probe
+    throttle.rate_limited(probe, retry_after_s=40)
+    throttle.done(probe)
+    assert begun == [pytest.approx(20)]
+
+    clock.now += 41
+    probe = await throttle.wait_turn(asyncio.Event())
+    assert isinstance(probe, Turn)
+    throttle.answered(probe)
+    throttle.done(probe)
+    assert not throttle.paused
+    throttle.rate_limited(Turn(), retry_after_s=5)
+    assert begun == [pytest.approx(20), pytest.approx(5)]
+
+
+async def test_a_probe_answered_while_a_longer_pause_was_heard_is_followed_by_another() -> None:
+    """The probe says the limit is gone, but another replica was refused since: the calls
+    wait out that pause, and one probe goes first again."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    throttle.rate_limited(Turn(), retry_after_s=5)
+    clock.now += 6
+    probe = await throttle.wait_turn(asyncio.Event())
+    assert isinstance(probe, Turn)
+    assert probe.probe
+    assert throttle.paused_elsewhere(1.0)  # heard while the probe's call runs
+
+    throttle.answered(probe)
+    throttle.done(probe)
+    assert throttle.paused
+    clock.now += 2
+    assert await throttle.wait_turn(asyncio.Event()) == Turn(probe=True)
+
+
+async def test_a_pause_told_by_another_replica_holds_calls_until_its_end_then_a_probe() -> None:
+    clock = Clock()
+    begun: list[float] = []
+    throttle = ModelThrottle(
+        base_s=1.0, rng=random.Random(0), clock=clock, on_pause_begun=begun.append
+    )
+    assert throttle.paused_elsewhere(1.0)
+    assert throttle.paused
+    assert throttle.pause_left_s() == pytest.approx(1.0)
+    assert begun == []  # not told back: the replica that began it told everyone
+
+    waiters = [asyncio.ensure_future(throttle.wait_turn(asyncio.Event())) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert not any(waiter.done() for waiter in waiters)
+    clock.now += 2  # the pause is over; the waiters find out at their wake-up
+    await eventually(lambda: _any_done(waiters), what="a probe")
+    assert [waiter.result() for waiter in waiters if waiter.done()] == [Turn(probe=True)]
+    for waiter in waiters:
+        waiter.cancel()
+
+
+async def test_a_pause_told_again_or_shorter_than_this_ones_changes_nothing() -> None:
+    clock = Clock()
+    throttle = _throttle(clock)
+    throttle.rate_limited(Turn(), retry_after_s=30)
+    assert not throttle.paused_elsewhere(20)
+    assert throttle.pause_left_s() == pytest.approx(30)
+    assert throttle.paused_elsewhere(45)
+    assert throttle.pause_left_s() == pytest.approx(45)
+    assert not throttle.paused_elsewhere(45)
+
+
+async def test_a_pause_told_by_another_replica_beyond_the_hold_puts_calls_off() -> None:
+    throttle = _throttle(Clock(), hold_s=30)
+    throttle.paused_elsewhere(120)
+    turn = await throttle.wait_turn(asyncio.Event())
+    assert isinstance(turn, PutOff)
+    assert turn.left_s == pytest.approx(120)

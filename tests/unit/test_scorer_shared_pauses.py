@@ -1,0 +1,132 @@
+"""Rate-limit pauses shared by the scorer replicas (`services/scorer/shared_pauses.py`): what a
+replica announces, and what it makes of another's announcement."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+
+from services.scorer.model.settings import ModelSettings
+from services.scorer.shared_pauses import PauseAnnouncer, pause_left_s, provider_of
+from shared.contracts import ModelCallsPaused, new_id, utcnow
+from tests.support import eventually
+
+PROVIDER = "https://llm.example/v1 key:0123456789ab"
+
+
+def _settings(**values: str) -> ModelSettings:
+    env = {
+        "LLM_PROVIDER": "openai",
+        "LLM_BASE_URL": "https://llm.example/v1",
+        "LLM_API_KEY": "sk-one",
+    }
+    return ModelSettings.model_validate(env | values)
+
+
+def test_the_provider_is_its_url_and_a_fingerprint_of_the_key_never_the_key() -> None:
+    one = provider_of(_settings())
+    assert one.startswith("https://llm.example/v1 key:")
+    assert "sk-one" not in one
+    assert provider_of(_settings(LLM_BASE_URL="https://llm.example/v1/")) == one
+    assert provider_of(_settings(LLM_API_KEY="sk-two")) != one
+    assert provider_of(_settings(LLM_BASE_URL="https://other.example/v1")) != one
+    assert provider_of(_settings(LLM_PROVIDER="heuristic")) == "heuristic"
+
+
+def _event(
+    *, replica: str = "b", provider: str = PROVIDER, pause_s: float = 20
+) -> ModelCallsPaused:
+    return ModelCallsPaused(task_id=new_id(), provider=provider, pause_s=pause_s, replica=replica)
+
+
+def test_another_replicas_pause_lasts_what_is_left_of_it() -> None:
+    event = _event(pause_s=20)
+    now = event.occurred_at + timedelta(seconds=5)
+    assert pause_left_s(event, replica="a", provider=PROVIDER, now=now) == pytest.approx(15)
+
+
+def test_a_pause_from_a_clock_ahead_lasts_no_longer_than_it_was() -> None:
+    event = _event(pause_s=20)
+    now = event.occurred_at - timedelta(seconds=30)
+    assert pause_left_s(event, replica="a", provider=PROVIDER, now=now) == pytest.approx(20)
+
+
+@pytest.mark.parametrize(
+    ("event", "seconds_later"),
+    [
+        (_event(replica="a"), 0),  # its own, heard back
+        (_event(provider="https://llm.example/v1 key:ffffffffffff"), 0),  # another API key
+        (_event(pause_s=20), 21),  # over
+    ],
+    ids=["own", "another key", "over"],
+)
+def test_a_pause_of_its_own_of_another_account_or_over_pauses_nothing(
+    event: ModelCallsPaused, seconds_later: float
+) -> None:
+    now = event.occurred_at + timedelta(seconds=seconds_later)
+    assert pause_left_s(event, replica="a", provider=PROVIDER, now=now) == 0
+
+
+async def test_each_pause_begun_is_published_with_its_provider_and_replica() -> None:
+    published: list[ModelCallsPaused] = []
+
+    async def publish(event: ModelCallsPaused) -> None:
+        published.append(event)
+
+    announcer = PauseAnnouncer(publish=publish, replica="a", provider=PROVIDER, timeout_s=5)
+    announcer.announce(12.5)
+    announcer.announce(0)  # nothing to tell
+    await eventually(lambda: _true(bool(published)), what="the announcement")
+    await announcer.close()
+    assert [(e.replica, e.provider, e.pause_s) for e in published] == [("a", PROVIDER, 12.5)]
+    assert published[0].occurred_at <= utcnow()
+
+
+async def test_an_announcement_that_fails_or_hangs_raises_nothing_and_stops_with_the_scorer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    hanging = asyncio.Event()
+
+    async def refused(_: ModelCallsPaused) -> None:
+        raise ConnectionError("broker away")
+
+    async def hangs(_: ModelCallsPaused) -> None:
+        await hanging.wait()
+
+    failing = PauseAnnouncer(publish=refused, replica="a", provider=PROVIDER, timeout_s=5)
+    failing.announce(3)
+    await eventually(lambda: _true("were not told" in caplog.text), what="the failure logged")
+
+    stuck = PauseAnnouncer(publish=hangs, replica="a", provider=PROVIDER, timeout_s=60)
+    stuck.announce(3)
+    await asyncio.wait_for(stuck.close(), timeout=10)  # cancelled, not awaited to its end
+
+
+async def test_an_announcement_the_broker_does_not_confirm_in_time_is_given_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def never(_: ModelCallsPaused) -> None:
+        await asyncio.Event().wait()
+
+    announcer = PauseAnnouncer(publish=never, replica="a", provider=PROVIDER, timeout_s=0.05)
+    announcer.announce(3)
+    await eventually(lambda: _true("TimeoutError" in caplog.text), what="the timeout logged")
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_no_announcement_is_made_once_the_scorer_stops() -> None:
+    published: list[ModelCallsPaused] = []
+
+    async def publish(event: ModelCallsPaused) -> None:
+        published.append(event)
+
+    announcer = PauseAnnouncer(publish=publish, replica="a", provider=PROVIDER, timeout_s=5)
+    await announcer.close()
+    announcer.announce(10)  # a call still finishing in its slot met a 429
+    await asyncio.sleep(0)  # one pass of the loop: an announcement made would be published
+    assert published == []

@@ -207,7 +207,7 @@ class _Subscription:
     prefetch: int | None  # None: the shared consuming channel, with the broker's prefetch
     ack_first: bool
     label: str  # the queue's name in metrics
-    bindings: tuple[Binding, ...] = ()  # made at start, on the consuming connection
+    bindings: tuple[Binding, ...] = ()  # made at start, on the queue's consuming connection
 
 
 class _AcksByChannel:
@@ -331,6 +331,10 @@ class _Consuming:
         self._timed.observe(seconds)
 
 
+# How often the own queues' connection tries again after a loss (the others: every second).
+OWN_QUEUES_RECONNECT_S = 5.0
+
+
 class ScoreboxBroker(RabbitBroker):
     """A FastStream broker that publishes on its connection and consumes (`consume`) on a
     second one, without FastStream's pipeline; a replica's exclusive queues, if any, on a
@@ -372,8 +376,8 @@ class ScoreboxBroker(RabbitBroker):
         self._subscriptions.append(subscription)
 
     def consumed_queue(self, name: str) -> AbstractQueue | None:
-        """The queue a consumer of this broker consumes, as declared on the consuming
-        connection (None before `start()`, or when nothing consumes it)."""
+        """The queue a consumer of this broker consumes, as declared on the connection that
+        consumes it (None before `start()`, or when nothing consumes it)."""
         return next((c.queue for c in self._consuming if c.queue and c.queue.name == name), None)
 
     @override
@@ -387,9 +391,10 @@ class ScoreboxBroker(RabbitBroker):
         # heartbeat expires), which still holds them: declaring them again is refused, and
         # aio-pika closes the whole connection at each attempt to restore it, returning the
         # deliveries in hand of every other consumer on it each time.
+        # It retries less often: until the broker lets go, each attempt is refused.
         if any(each.queue.exclusive for each in self._subscriptions):
             self._own_queues_connection = await self._open_consuming_connection(
-                f"{self._name} own queues"
+                f"{self._name} own queues", reconnect_interval_s=OWN_QUEUES_RECONNECT_S
             )
         for subscription in self._subscriptions:
             consuming = _Consuming(
@@ -422,11 +427,13 @@ class ScoreboxBroker(RabbitBroker):
             )
             self._consuming.append(consuming)
 
-    async def _open_consuming_connection(self, name: str) -> AbstractRobustConnection:
+    async def _open_consuming_connection(
+        self, name: str, *, reconnect_interval_s: float = 1.0
+    ) -> AbstractRobustConnection:
         return await aio_pika.connect_robust(
             self._url,
             timeout=self._timeout,
-            reconnect_interval=1.0,
+            reconnect_interval=reconnect_interval_s,
             client_properties={"connection_name": name},
         )
 
@@ -470,7 +477,7 @@ class ScoreboxBroker(RabbitBroker):
         exc_tb: TracebackType | None = None,
     ) -> None:
         """Bounded as a whole: the deliveries in hand and the consumers' cancellation share
-        the graceful timeout, then the acks and the two closes get one broker round trip's
+        the graceful timeout, then the acks and the closes get one broker round trip's
         bound each (`_step_s`). Each step bounded on its own, a stalled broker made a stop
         last five graceful timeouts, past any orchestrator's grace period (then SIGKILL)."""
         deadline = asyncio.get_running_loop().time() + self._graceful_timeout

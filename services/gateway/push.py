@@ -225,8 +225,9 @@ class Binding(Protocol):
 class OnDemandBinding:
     """Keeps a `Binding` in place while `waiters` has waiters, and `linger_s` after the last.
 
-    While bound it re-asserts the binding every `linger_s` (idempotent on the broker), which
-    restores it after a reconnect re-declared the exclusive queue without it.
+    While bound it re-asserts the binding every `linger_s` (idempotent on the broker): aio-pika
+    binds a robust queue again after a reconnection, and this covers a binding lost any
+    other way (one an unbind that timed out may still have removed).
     """
 
     def __init__(

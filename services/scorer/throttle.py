@@ -111,7 +111,8 @@ class ModelThrottle:
         if turn.probe or not self._probe_due:
             self._rate_limits_in_a_row += 1
         first = not self._probe_due
-        exponent = min(self._rate_limits_in_a_row - 1, 30)
+        # At 0 in a row: a call running when another replica's pause was heard.
+        exponent = min(max(self._rate_limits_in_a_row - 1, 0), 30)
         backoff = min(PAUSE_CAP_S, self._base_s * 2.0**exponent) * self._rng.uniform(0.5, 1.0)
         pause = max(backoff, min(retry_after_s or 0.0, MAX_PAUSE_S))
         self._pause_for(pause)

@@ -383,9 +383,12 @@ class ScoreboxBroker(RabbitBroker):
     @override
     async def start(self) -> None:
         await super().start()
+        connected = self.metrics.broker_connected
+        connected.labels("publishers").set_function(lambda: _is_up(self._connection))
         if not self._subscriptions:
             return
         self._consumer_connection = await self._open_consuming_connection(f"{self._name} consumers")
+        connected.labels("consumers").set_function(lambda: _is_up(self._consumer_connection))
         # The exclusive queues have a connection of their own. After a reconnection the
         # broker may not yet have dropped the lost connection (a partition, until its
         # heartbeat expires), which still holds them: declaring them again is refused, and
@@ -396,6 +399,7 @@ class ScoreboxBroker(RabbitBroker):
             self._own_queues_connection = await self._open_consuming_connection(
                 f"{self._name} own queues", reconnect_interval_s=OWN_QUEUES_RECONNECT_S
             )
+            connected.labels("own queues").set_function(lambda: _is_up(self._own_queues_connection))
         for subscription in self._subscriptions:
             consuming = _Consuming(
                 subscription,
@@ -526,6 +530,10 @@ class ScoreboxBroker(RabbitBroker):
             await asyncio.wait_for(closing, self._step_s)
         except TimeoutError:
             log.warning("%s not closed within %.1fs; leaving it", what, self._step_s)
+
+
+def _is_up(connection: AbstractRobustConnection | None) -> float:
+    return float(connection is not None and connection.connected.is_set())
 
 
 def _until(deadline: float) -> float:

@@ -19,6 +19,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -76,6 +77,14 @@ class Metrics:
             "(confirmed; not_sent: refused or returned, it reached no queue; unconfirmed: "
             "no answer, it may be queued).",
             ["exchange", "outcome"],
+            registry=self.registry,
+        )
+        self.broker_connected = Gauge(
+            "scorebox_broker_connected",
+            "1 while a broker connection of this process is up, by what it carries "
+            "(publishers; consumers: the work queues; own queues: this replica's exclusive "
+            "queues, which may stay refused for a heartbeat after a network partition).",
+            ["connection"],
             registry=self.registry,
         )
         self.http_seconds = Histogram(

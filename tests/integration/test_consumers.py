@@ -27,7 +27,7 @@ from shared.runtime import make_broker
 from shared.settings import ServiceSettings
 from shared.topology import Binding
 from tests.faults.slow_link import SlowLink
-from tests.support import eventually
+from tests.support import eventually, metric_sum
 
 pytestmark = pytest.mark.integration
 
@@ -569,9 +569,13 @@ async def test_a_queue_of_its_own_is_bound_at_start_and_again_after_a_reconnecti
         try:
             await target.publish(aio_pika.Message(b"before"), routing_key="", timeout=TIMEOUT_S)
             await eventually(lambda: _true(heard == [b"before"]), what="heard at start")
+            assert _connected(broker) == {"publishers": 1, "consumers": 1, "own queues": 1}
 
             await broker_link.cut()
             await eventually(lambda: _not(broker.ping(1.0)), what="the connection lost")
+            await eventually(
+                lambda: _true(_connected(broker)["own queues"] == 0), what="shown down"
+            )
             broker_link.down = False
             await eventually(lambda: broker.ping(1.0), what="the connection restored")
 
@@ -582,9 +586,19 @@ async def test_a_queue_of_its_own_is_bound_at_start_and_again_after_a_reconnecti
             # Published until heard: the consumer's queue may be declared again a moment after
             # its connection is, and what is published meanwhile reaches no queue.
             await eventually(after_the_reconnection, what="heard after the reconnection")
+            assert _connected(broker)["own queues"] == 1
         finally:
             await broker.stop()
             await target.delete(timeout=TIMEOUT_S)
+
+
+def _connected(broker: ScoreboxBroker) -> dict[str, float]:
+    """`scorebox_broker_connected` by connection."""
+    exposition = broker.metrics.exposition().decode()
+    return {
+        connection: metric_sum(exposition, "scorebox_broker_connected", connection=connection)
+        for connection in ("publishers", "consumers", "own queues")
+    }
 
 
 async def _not(check: Awaitable[bool]) -> bool:

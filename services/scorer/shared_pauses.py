@@ -3,15 +3,15 @@
 A provider's rate limit belongs to its account, not to one process: when one replica is
 answered 429, the others' calls are refused as well. Each replica used to learn that from
 its own calls, a round of 429s as wide as its model slots, each answer a call the provider
-counts against the limit. Now a replica that begins a pause (`ModelThrottle`) publishes
-`ModelCallsPaused` (`ops.model.paused` on `scorebox.events`), and every other replica calling
-the same provider with the same API key pauses for what is left of it, then probes as after a
-pause of its own.
+counts against the limit. Now a replica that begins a pause while none lasted
+(`ModelThrottle`) publishes `ModelCallsPaused` (`ops.model.paused` on `scorebox.events`), and
+every other replica calling the same provider with the same API key pauses for what is left
+of it, then probes as after a pause of its own.
 
 Best effort by design, with no retry: an announcement lost (the broker away) or late costs
 only what the replicas paid before, each learning the limit from its own 429s. Nothing
-waits for it: it is published in the background, one task per pause begun (a pause begins
-at most once per probe), bounded by the broker timeout.
+waits for it: it is published in the background, one task per series of pauses, bounded by
+the broker timeout, and none once the scorer stops.
 """
 
 from __future__ import annotations

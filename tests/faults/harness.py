@@ -235,8 +235,9 @@ async def running_scorebox(
     log_dir: Path,
     env: Mapping[str, str] | None = None,
     commands: dict[str, list[str]] | None = None,
+    scorer_replicas: int = 1,
 ) -> AsyncIterator[Scorebox]:
-    """Start status, scorer and gateway as processes; stop them on the way out."""
+    """Start status, scorer(s) and gateway as processes; stop them on the way out."""
     config = StackConfig(
         rabbitmq_url=amqp_url,
         mongo_url=mongo_url,
@@ -246,6 +247,7 @@ async def running_scorebox(
         log_dir=log_dir,
         env={**BASE_ENV, "LLM_BASE_URL": llm.url, **(env or {})},
         commands=commands,
+        scorer_replicas=scorer_replicas,
     )
     key = api_key()
     config.env["BOOTSTRAP_API_KEY"] = key

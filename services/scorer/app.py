@@ -112,6 +112,11 @@ def create_app(
         provider=provider,
         timeout_s=settings.broker_timeout_s,
     )
+
+    def pause_begun(pause_s: float) -> None:
+        metrics.rate_limit_pauses.inc()
+        pauses.announce(pause_s)
+
     deps = ScorerDeps(
         attempts=attempts,
         model=model,
@@ -129,8 +134,7 @@ def create_app(
         throttle=ModelThrottle(
             hold_s=settings.rate_limit_hold_s,
             rng=jitter,
-            on_pause=metrics.rate_limit_pauses.inc,
-            on_pause_begun=pauses.announce,
+            on_pause=pause_begun,
         ),
         started_after=timedelta(seconds=settings.started_after_s),
         metrics=metrics,

@@ -46,7 +46,7 @@ def provider_of(settings: ModelSettings) -> str:
 
 
 class PauseAnnouncer:
-    """Tells the other replicas of each pause this one begins (`ModelThrottle.on_pause_begun`)."""
+    """Tells the other replicas of each pause this one begins (`ModelThrottle`'s `on_pause`)."""
 
     def __init__(self, *, publish: Publish, replica: str, provider: str, timeout_s: float) -> None:
         self._publish = publish
@@ -88,7 +88,9 @@ class PauseAnnouncer:
             )
 
 
-def pause_left_s(event: ModelCallsPaused, *, replica: str, provider: str, now: datetime) -> float:
+def peer_pause_left_s(
+    event: ModelCallsPaused, *, replica: str, provider: str, now: datetime
+) -> float:
     """What is left of another replica's pause for this one: 0 for its own, for another
     provider or key, and once over. Its age is read from the publisher's clock; a clock ahead
     of this one makes it look younger, never longer than it was."""
@@ -123,7 +125,7 @@ def subscribe_shared_pauses(
         except ValidationError as error:
             log.warning("ignoring an unreadable pause announcement: %s", error)
             return
-        left_s = pause_left_s(event, replica=replica, provider=provider, now=clock())
+        left_s = peer_pause_left_s(event, replica=replica, provider=provider, now=clock())
         if left_s > 0 and throttle.paused_elsewhere(left_s):
             metrics.shared_pauses.inc()
             log.info(

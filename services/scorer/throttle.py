@@ -12,7 +12,7 @@ instead (`PutOff`), so that no delivery is held near RabbitMQ's consumer timeout
 pause ends, one call goes first: its answer ends the pause for all, a 429 starts the next.
 
 Calls already running when a 429 comes back are not stopped: their own answers count as they
-come. A pause begun while none lasted is told to the other replicas (`on_pause_begun`, see
+come. A pause begun while none lasted is told to the other replicas (`on_pause`, see
 `services/scorer/shared_pauses.py`), and one they tell of pauses this one as long
 (`paused_elsewhere`), its end probed here as after a pause of its own: a rate limit is the
 provider account's, and without it each replica spent a round of 429s, all its model slots'
@@ -64,8 +64,7 @@ class ModelThrottle:
         base_s: float = PAUSE_BASE_S,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
-        on_pause: Callable[[], object] = lambda: None,
-        on_pause_begun: Callable[[float], object] = lambda _pause_s: None,
+        on_pause: Callable[[float], object] = lambda _pause_s: None,
     ) -> None:
         self.hold_s = hold_s
         self._base_s = base_s
@@ -76,8 +75,8 @@ class ModelThrottle:
         self._probe_due = False  # a pause ended and no call has answered since
         self._probe_out = False  # the probe's call is running
         self._changed = asyncio.Event()
+        # Called with its length when a pause begins while none lasted.
         self._on_pause = on_pause
-        self._on_pause_begun = on_pause_begun
 
     def pause_left_s(self) -> float:
         return max(0.0, self._paused_until - self._clock())
@@ -117,8 +116,7 @@ class ModelThrottle:
         pause = max(backoff, min(retry_after_s or 0.0, MAX_PAUSE_S))
         self._pause_for(pause)
         if first:
-            self._on_pause()
-            self._on_pause_begun(self.pause_left_s())
+            self._on_pause(self.pause_left_s())
 
     def paused_elsewhere(self, pause_s: float) -> bool:
         """Another replica calling the same provider was answered 429 and pauses `pause_s`

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 
 from services.scorer.model.settings import ModelSettings
-from services.scorer.shared_pauses import PauseAnnouncer, pause_left_s, provider_of
+from services.scorer.shared_pauses import PauseAnnouncer, peer_pause_left_s, provider_of
 from shared.contracts import ModelCallsPaused, new_id, utcnow
 from tests.support import eventually
 
@@ -44,13 +44,13 @@ def _event(
 def test_another_replicas_pause_lasts_what_is_left_of_it() -> None:
     event = _event(pause_s=20)
     now = event.occurred_at + timedelta(seconds=5)
-    assert pause_left_s(event, replica="a", provider=PROVIDER, now=now) == pytest.approx(15)
+    assert peer_pause_left_s(event, replica="a", provider=PROVIDER, now=now) == pytest.approx(15)
 
 
 def test_a_pause_from_a_clock_ahead_lasts_no_longer_than_it_was() -> None:
     event = _event(pause_s=20)
     now = event.occurred_at - timedelta(seconds=30)
-    assert pause_left_s(event, replica="a", provider=PROVIDER, now=now) == pytest.approx(20)
+    assert peer_pause_left_s(event, replica="a", provider=PROVIDER, now=now) == pytest.approx(20)
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ def test_a_pause_of_its_own_of_another_account_or_over_pauses_nothing(
     event: ModelCallsPaused, seconds_later: float
 ) -> None:
     now = event.occurred_at + timedelta(seconds=seconds_later)
-    assert pause_left_s(event, replica="a", provider=PROVIDER, now=now) == 0
+    assert peer_pause_left_s(event, replica="a", provider=PROVIDER, now=now) == 0
 
 
 async def test_each_pause_begun_is_published_with_its_provider_and_replica() -> None:

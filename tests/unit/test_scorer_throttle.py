@@ -145,9 +145,7 @@ async def test_a_pause_begun_while_none_lasted_is_told_once_with_its_length() ->
     replica is paused by then); the next pause after the limit ended is told again."""
     clock = Clock()
     begun: list[float] = []
-    throttle = ModelThrottle(
-        base_s=1.0, rng=random.Random(0), clock=clock, on_pause_begun=begun.append
-    )
+    throttle = ModelThrottle(base_s=1.0, rng=random.Random(0), clock=clock, on_pause=begun.append)
     throttle.rate_limited(Turn(), retry_after_s=20)
     for _ in range(10):
         throttle.rate_limited(Turn(), retry_after_s=20)
@@ -193,9 +191,7 @@ async def test_a_probe_answered_while_a_longer_pause_was_heard_is_followed_by_an
 async def test_a_pause_told_by_another_replica_holds_calls_until_its_end_then_a_probe() -> None:
     clock = Clock()
     begun: list[float] = []
-    throttle = ModelThrottle(
-        base_s=1.0, rng=random.Random(0), clock=clock, on_pause_begun=begun.append
-    )
+    throttle = ModelThrottle(base_s=1.0, rng=random.Random(0), clock=clock, on_pause=begun.append)
     assert throttle.paused_elsewhere(1.0)
     assert throttle.paused
     assert throttle.pause_left_s() == pytest.approx(1.0)

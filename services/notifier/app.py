@@ -27,22 +27,16 @@ from services.notifier.ssrf import CaresResolver, Resolver, WebhookGuard
 from shared.consumers import ScoreboxBroker
 from shared.contracts import DeliverWebhook, new_id, utcnow
 from shared.http import (
-    METRICS_PROBLEMS,
-    health_router,
-    install_problem_handlers,
-    internal_metrics_guard,
     warn_if_internal_routes_open,
 )
-from shared.metrics import serve_metrics
 from shared.runtime import (
     MongoClient,
-    broker_ready,
     make_broker,
     make_mongo,
-    mongo_ready,
     prepare_database,
     start_broker,
 )
+from shared.service_app import internal_service_app
 
 log = logging.getLogger("scorebox.notifier")
 
@@ -141,17 +135,13 @@ def create_app(
         await mongo.close()
         await system_resolver.close()
 
-    app = FastAPI(title="Scorebox notifier", lifespan=lifespan)
-    install_problem_handlers(app)
-    metrics_access = internal_metrics_guard(settings.metrics_api_key, "notifier")
-    serve_metrics(app, broker.metrics, guard=metrics_access, responses=METRICS_PROBLEMS)
-    app.include_router(
-        health_router(
-            {
-                "rabbitmq": broker_ready(broker, settings.broker_timeout_s),
-                "mongodb": mongo_ready(mongo, settings.mongo_timeout_s),
-            }
-        )
+    app = internal_service_app(
+        "Scorebox notifier",
+        service="notifier",
+        settings=settings,
+        broker=broker,
+        mongo=mongo,
+        lifespan=lifespan,
     )
     app.include_router(
         tenant_routes(

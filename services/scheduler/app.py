@@ -45,22 +45,16 @@ from shared.consumers import ScoreboxBroker
 from shared.contracts import RunCronJob, new_id, utcnow
 from shared.dead_letters import DeadLetterWalker
 from shared.http import (
-    METRICS_PROBLEMS,
-    health_router,
-    install_problem_handlers,
-    internal_metrics_guard,
     warn_if_internal_routes_open,
 )
-from shared.metrics import serve_metrics
 from shared.runtime import (
     MongoClient,
-    broker_ready,
     make_broker,
     make_mongo,
-    mongo_ready,
     prepare_database,
     start_broker,
 )
+from shared.service_app import internal_service_app
 from shared.topology import CRON_JOBS, WORK_QUEUES
 
 USAGE_ROLLUP = "usage-rollup"
@@ -230,21 +224,17 @@ def create_app(
 
     # No 307 from `/x/` to `/x`: `DELETE /admin/v1/cron/dead-letters/` (a drop of an empty
     # run id) was sent to the purge, method and key kept by a client following redirects.
-    app = FastAPI(title="Scorebox scheduler", lifespan=lifespan, redirect_slashes=False)
+    app = internal_service_app(
+        "Scorebox scheduler",
+        service="scheduler",
+        settings=settings,
+        broker=broker,
+        mongo=mongo,
+        lifespan=lifespan,
+        admin_key=settings.admin_api_key,
+        redirect_slashes=False,
+    )
     app.state.dispatcher = dispatcher
-    install_problem_handlers(app)
-    metrics_access = internal_metrics_guard(
-        settings.metrics_api_key, "scheduler", admin_key=settings.admin_api_key
-    )
-    serve_metrics(app, broker.metrics, guard=metrics_access, responses=METRICS_PROBLEMS)
-    app.include_router(
-        health_router(
-            {
-                "rabbitmq": broker_ready(broker, settings.broker_timeout_s),
-                "mongodb": mongo_ready(mongo, settings.mongo_timeout_s),
-            }
-        )
-    )
     app.include_router(
         cron_routes(
             jobs=jobs,

@@ -26,22 +26,14 @@ from services.scorer.throttle import ModelThrottle
 from shared.bus import publish_event, publish_ops_event
 from shared.consumers import ScoreboxBroker
 from shared.contracts import ModelCallsPaused, TaskEvent, new_id, utcnow
-from shared.http import (
-    METRICS_PROBLEMS,
-    health_router,
-    install_problem_handlers,
-    internal_metrics_guard,
-)
-from shared.metrics import serve_metrics
 from shared.runtime import (
     MongoClient,
-    broker_ready,
     make_broker,
     make_mongo,
-    mongo_ready,
     prepare_database,
     start_broker,
 )
+from shared.service_app import internal_service_app
 
 
 def stop_grace_s(settings: ScorerSettings, model_settings: ModelSettings) -> float:
@@ -174,16 +166,11 @@ def create_app(
             await http.aclose()
         await mongo.close()
 
-    app = FastAPI(title="Scorebox scorer", lifespan=lifespan)
-    install_problem_handlers(app)
-    metrics_access = internal_metrics_guard(settings.metrics_api_key, "scorer")
-    serve_metrics(app, broker.metrics, guard=metrics_access, responses=METRICS_PROBLEMS)
-    app.include_router(
-        health_router(
-            {
-                "rabbitmq": broker_ready(broker, settings.broker_timeout_s),
-                "mongodb": mongo_ready(mongo, settings.mongo_timeout_s),
-            }
-        )
+    return internal_service_app(
+        "Scorebox scorer",
+        service="scorer",
+        settings=settings,
+        broker=broker,
+        mongo=mongo,
+        lifespan=lifespan,
     )
-    return app

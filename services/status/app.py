@@ -34,26 +34,20 @@ from shared.failed_deliveries import return_failed
 from shared.group_writes import GroupWriter
 from shared.http import (
     INTERNAL_PROBLEMS,
-    METRICS_PROBLEMS,
     Problem,
-    health_router,
-    install_problem_handlers,
     internal_guard,
-    internal_metrics_guard,
     warn_if_internal_routes_open,
 )
-from shared.metrics import serve_metrics
 from shared.runtime import (
     MongoClient,
-    broker_ready,
     keep_dead_lettering,
     keep_trying,
     make_broker,
     make_mongo,
-    mongo_ready,
     prepare_database,
     start_broker,
 )
+from shared.service_app import internal_service_app
 from shared.topology import STATUS_PROJECTION
 
 log = logging.getLogger("scorebox.status")
@@ -82,17 +76,13 @@ def create_app(
         await broker.stop()
         await mongo.close()
 
-    app = FastAPI(title="Scorebox status", lifespan=lifespan)
-    install_problem_handlers(app)
-    metrics_access = internal_metrics_guard(settings.metrics_api_key, "status service")
-    serve_metrics(app, broker.metrics, guard=metrics_access, responses=METRICS_PROBLEMS)
-    app.include_router(
-        health_router(
-            {
-                "rabbitmq": broker_ready(broker, settings.broker_timeout_s),
-                "mongodb": mongo_ready(mongo, settings.mongo_timeout_s),
-            }
-        )
+    app = internal_service_app(
+        "Scorebox status",
+        service="status service",
+        settings=settings,
+        broker=broker,
+        mongo=mongo,
+        lifespan=lifespan,
     )
     app.include_router(task_routes(tasks, clock, internal_key=settings.internal_api_key))
     return app

@@ -20,12 +20,14 @@ import uvicorn
 from faststream.rabbit import RabbitBroker
 from faststream.rabbit.schemas import Channel
 from pymongo import AsyncMongoClient
+from pymongo.errors import PyMongoError
 from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 from uvicorn.config import LOGGING_CONFIG
 
 from shared.bus import BROKER_ERRORS, publish_dead_letter
 from shared.consumers import Delivery, ScoreboxBroker
+from shared.database_errors import transient_database_error
 from shared.log_context import CorrelationFilter
 from shared.settings import ServiceSettings, redact_url
 from shared.topology import WorkQueue, declare_topology
@@ -232,6 +234,22 @@ async def wait_for_claim(until: datetime, clock: Callable[[], datetime]) -> None
     (the claim may be decided or freed before its lease ends)."""
     remaining = (until - clock()).total_seconds()
     await asyncio.sleep(min(max(remaining, 0.0) + 0.05, HOLD_POLL_S))
+
+
+async def keep_trying_database[T](
+    action: Callable[[], Awaitable[T]], *, what: str, give_up_after_s: float | None = None
+) -> T:
+    """Repeat an idempotent database operation while the database is away or slow
+    (`keep_trying` on `PyMongoError`, waiting out only `transient_database_error`s). One it
+    refuses for good (a document over 16 MiB, a failed validation) is raised at once:
+    waited out, it would hold the delivery for ever."""
+    return await keep_trying(
+        action,
+        what=what,
+        retry_on=(PyMongoError,),
+        retry_if=transient_database_error,
+        give_up_after_s=give_up_after_s,
+    )
 
 
 async def keep_publishing(publish: Callable[[], Awaitable[object]], *, what: str) -> None:

@@ -51,7 +51,6 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 import orjson
-from pymongo.errors import PyMongoError
 
 from services.notifier.errors import (
     DeliveryRejected,
@@ -68,10 +67,9 @@ from services.notifier.sender import ReceiverAnswer
 from services.notifier.signing import signed_headers
 from services.notifier.ssrf import Destination, WebhookGuard
 from shared.contracts import DeliverWebhook, WebhookPurpose, new_id
-from shared.database_errors import transient_database_error
 from shared.http import parse_retry_after
 from shared.in_hand import InHand
-from shared.runtime import HOLD_POLL_S, keep_trying, wait_for_claim
+from shared.runtime import HOLD_POLL_S, keep_trying_database, wait_for_claim
 from shared.topology import wait_tier_for
 
 Clock = Callable[[], datetime]
@@ -422,11 +420,9 @@ async def _while_leased[T](
     the consumer at once, as a crash (repeated, it would be refused until the lease ended).
     """
     held_for = (claimed_at + deps.lease - deps.clock()).total_seconds()
-    return await keep_trying(
+    return await keep_trying_database(
         record,
         what=what,
-        retry_on=(PyMongoError,),
-        retry_if=transient_database_error,
         give_up_after_s=held_for,
     )
 

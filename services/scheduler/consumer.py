@@ -79,7 +79,7 @@ from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import RunCronJob, TaskCompleted, TaskFailed, new_id
 from shared.database_errors import transient_database_error
 from shared.failed_deliveries import return_failed
-from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying
+from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying_database
 from shared.topology import (
     ATTEMPTS_HEADER,
     CRON_JOBS,
@@ -149,7 +149,7 @@ class CronJobRunner:
         self, command: RunCronJob, deliveries: int
     ) -> GiveUp | Drop:
         # Waited out with the delivery held: sent again later, it would start its count anew.
-        return await keep_trying(
+        return await keep_trying_database(
             lambda: give_up_at_delivery_limit(
                 command,
                 deliveries=deliveries,
@@ -158,8 +158,6 @@ class CronJobRunner:
                 clock=self.clock,
             ),
             what=f"recording cron run {command.run_id} failed at its delivery limit",
-            retry_on=(PyMongoError,),
-            retry_if=transient_database_error,
         )
 
     async def carry_out(self, decision: RunDecision, message: Delivery) -> None:
@@ -221,7 +219,7 @@ class UsageMeter:
             return
         extras = Extras.of(raw if isinstance(raw, dict) else {})
         try:
-            await keep_trying(
+            await keep_trying_database(
                 lambda: record_task_finished(
                     event,
                     extras=extras,
@@ -231,8 +229,6 @@ class UsageMeter:
                     clock=self.clock,
                 ),
                 what=f"storing the usage of {event.task_id}",
-                retry_on=(PyMongoError,),
-                retry_if=transient_database_error,
             )
         except Exception as error:  # noqa: BLE001 - any failure to store is retried, then DLQ'd
             await self._retry_or_dead_letter(event, message, error)

@@ -37,9 +37,8 @@ from services.scorer.metrics import CANCELLED, TOO_LATE, ScorerMetrics
 from shared.bus import publish_event
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import CancelTask
-from shared.database_errors import transient_database_error
 from shared.failed_deliveries import return_failed
-from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying
+from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying_database
 from shared.topology import TASK_CANCELS
 
 log = logging.getLogger("scorebox.scorer")
@@ -91,11 +90,9 @@ class TaskCancels:
         await message.ack()
 
     async def _recorded(self, cancel: CancelTask) -> CancelResult:
-        return await keep_trying(
+        return await keep_trying_database(
             lambda: self.attempts.cancel(cancel, now=self.clock()),
             what=f"recording the cancellation of {cancel.task_id}",
-            retry_on=(PyMongoError,),
-            retry_if=transient_database_error,
         )
 
 

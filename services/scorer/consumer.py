@@ -65,7 +65,12 @@ from shared.contracts import (
     new_id,
 )
 from shared.database_errors import transient_database_error
-from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying, wait_for_claim
+from shared.runtime import (
+    keep_dead_lettering,
+    keep_publishing,
+    keep_trying_database,
+    wait_for_claim,
+)
 from shared.topology import (
     ATTEMPTS_HEADER,
     DELIVERY_COUNT_HEADER,
@@ -307,11 +312,9 @@ async def _recorded_decision_at_limit(
     may be stored. A read the database refuses for good is taken for nothing decided: held,
     the delivery stayed so for ever; given up, the message stops."""
     try:
-        return await keep_trying(
+        return await keep_trying_database(
             lambda: recorded_decision(command, deps=deps),
             what=f"reading the recorded decision of {command.task_id} at its delivery limit",
-            retry_on=(PyMongoError,),
-            retry_if=transient_database_error,
         )
     except PyMongoError:
         log.exception("%s: its recorded decision cannot be read; taken for none", command.task_id)
@@ -431,7 +434,7 @@ async def _claimed_and_given_up(command: ScoreText, deps: ScorerDeps, reason: st
     reads it under the claim."""
     attempt = (command.task_id, command.generation, command.attempt)
     with deps.in_hand.holding(attempt) as only_here:
-        claim = await _waited_out(
+        claim = await keep_trying_database(
             lambda: deps.attempts.claim(
                 command, now=deps.clock(), lease=deps.lease, owner=deps.owner, reclaim_own=only_here
             ),
@@ -440,7 +443,7 @@ async def _claimed_and_given_up(command: ScoreText, deps: ScorerDeps, reason: st
         if not isinstance(claim, Claimed):
             return None
         given_up = _given_up(command, reason, await _spent_before(command, deps))
-        recorded = await _waited_out(
+        recorded = await keep_trying_database(
             lambda: deps.attempts.decide(
                 command, given_up, now=deps.clock(), raw_output=None, owner=deps.owner
             ),
@@ -449,23 +452,13 @@ async def _claimed_and_given_up(command: ScoreText, deps: ScorerDeps, reason: st
     return given_up if recorded else None
 
 
-async def _waited_out[T](action: Callable[[], Awaitable[T]], *, what: str) -> T:
-    """`action`, a database that is away waited out; an operation it refuses for good is
-    raised, for the give-up to go ahead unrecorded (waited out, it held the delivery for ever)."""
-    return await keep_trying(
-        action, what=what, retry_on=(PyMongoError,), retry_if=transient_database_error
-    )
-
-
 async def _spent_before(command: ScoreText, deps: ScorerDeps) -> Spent | None:
     """`Attempts.spent_before`, waited for while the database is away (the delivery is held,
     as at the delivery limit); None should reading it fail otherwise."""
     try:
-        return await keep_trying(
+        return await keep_trying_database(
             lambda: deps.attempts.spent_before(command),
             what=f"reading what earlier attempts of {command.task_id} were billed",
-            retry_on=(PyMongoError,),
-            retry_if=transient_database_error,
         )
     except Exception:  # giving the task up must not fail on its metering
         log.exception("%s: what its earlier attempts were billed is lost", command.task_id)

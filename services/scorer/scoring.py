@@ -15,8 +15,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from pymongo.errors import PyMongoError
-
 from services.scorer.attempts import Attempts, Busy, Claimed, Decided, Superseded
 from services.scorer.decisions import (
     Decision,
@@ -50,9 +48,8 @@ from shared.contracts import (
     event_sequence,
     new_id,
 )
-from shared.database_errors import transient_database_error
 from shared.in_hand import InHand
-from shared.runtime import HOLD_POLL_S, keep_trying
+from shared.runtime import HOLD_POLL_S, keep_trying_database
 
 log = logging.getLogger("scorebox.scorer")
 
@@ -316,13 +313,11 @@ async def _record(
     consumer at once, as a crash. False when the attempt was taken over meanwhile
     (`Attempts.decide`).
     """
-    return await keep_trying(
+    return await keep_trying_database(
         lambda: deps.attempts.decide(
             command, decision, now=deps.clock(), raw_output=raw_output, owner=deps.owner
         ),
         what=f"recording the decision of {command.task_id}",
-        retry_on=(PyMongoError,),
-        retry_if=transient_database_error,
         give_up_after_s=(held_until - deps.clock()).total_seconds(),
     )
 

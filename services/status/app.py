@@ -29,7 +29,6 @@ from shared.contracts import (
     TaskView,
     utcnow,
 )
-from shared.database_errors import transient_database_error
 from shared.failed_deliveries import return_failed
 from shared.group_writes import GroupWriter
 from shared.http import (
@@ -41,7 +40,7 @@ from shared.http import (
 from shared.runtime import (
     MongoClient,
     keep_dead_lettering,
-    keep_trying,
+    keep_trying_database,
     make_broker,
     make_mongo,
     prepare_database,
@@ -113,7 +112,7 @@ def subscribe_projection(
             await message.ack()
             return
         try:
-            await keep_trying(
+            await keep_trying_database(
                 lambda: apply_projected(
                     event,
                     writes=writes,
@@ -121,8 +120,6 @@ def subscribe_projection(
                     history_limit=settings.history_limit,
                 ),
                 what=f"applying {routing_key} of {event.task_id}",
-                retry_on=(PyMongoError,),
-                retry_if=transient_database_error,
             )
         except PyMongoError as error:
             # Refused for good (a failed validation, a document over 16 MiB): waited out like an

@@ -19,7 +19,7 @@ import pytest
 
 from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
 from devtools.infra import Endpoint
-from tests.faults.harness import REPO, RESULTS_PATH, Figures, make_target
+from tests.faults.harness import REPO, RESULTS_PATH, BoxParts, Figures, make_target
 from tests.faults.slow_link import SlowLink
 
 SLOW_ENV = "SCOREBOX_SLOW_TESTS"
@@ -84,6 +84,14 @@ def log_dir(request: pytest.FixtureRequest) -> Path:
     path = LOG_ROOT / f"{module}-{uuid.uuid4().hex[:8]}"
     path.mkdir()
     return path
+
+
+@pytest.fixture(scope="module")
+def box_parts(
+    amqp_url: str, mongo: Endpoint, db_prefix: str, llm: FakeLLM, log_dir: Path
+) -> BoxParts:
+    """What the module's `box` starts its stack from (`running_scorebox`)."""
+    return BoxParts(amqp_url, mongo.url, db_prefix, llm, log_dir)
 
 
 @pytest.fixture(scope="session")

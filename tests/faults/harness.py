@@ -225,27 +225,40 @@ class Scorebox:
         return "\n".join(tails)
 
 
+@dataclass(frozen=True)
+class BoxParts:
+    """What every fault module's stack is started from: the module's vhost, the test database
+    and the module's prefix in it, the fake model, and the folder for the services' logs."""
+
+    amqp_url: str
+    mongo_url: str
+    db_prefix: str
+    llm: FakeLLM
+    log_dir: Path
+
+
 @asynccontextmanager
 async def running_scorebox(
+    parts: BoxParts,
     *,
-    amqp_url: str,
-    mongo_url: str,
-    db_prefix: str,
-    llm: FakeLLM,
-    log_dir: Path,
+    mongo_url: str | None = None,
     env: Mapping[str, str] | None = None,
     commands: dict[str, list[str]] | None = None,
     scorer_replicas: int = 1,
 ) -> AsyncIterator[Scorebox]:
-    """Start status, scorer(s) and gateway as processes; stop them on the way out."""
+    """Start status, scorer(s) and gateway as processes; stop them on the way out.
+
+    `mongo_url` replaces the test database for a module whose services must reach it through
+    something it controls (a proxy, a stand-in it stops and starts).
+    """
     config = StackConfig(
-        rabbitmq_url=amqp_url,
-        mongo_url=mongo_url,
-        db_prefix=db_prefix,
+        rabbitmq_url=parts.amqp_url,
+        mongo_url=parts.mongo_url if mongo_url is None else mongo_url,
+        db_prefix=parts.db_prefix,
         gateway_port=0,
         services=SERVICES,
-        log_dir=log_dir,
-        env={**BASE_ENV, "LLM_BASE_URL": llm.url, **(env or {})},
+        log_dir=parts.log_dir,
+        env={**BASE_ENV, "LLM_BASE_URL": parts.llm.url, **(env or {})},
         commands=commands,
         scorer_replicas=scorer_replicas,
     )
@@ -259,7 +272,7 @@ async def running_scorebox(
             timeout=HTTP_TIMEOUT_S,
             headers={"Authorization": f"Bearer {key}"},
         ) as api:
-            yield Scorebox(stack=stack, llm=llm, amqp_url=amqp_url, api=api)
+            yield Scorebox(stack=stack, llm=parts.llm, amqp_url=parts.amqp_url, api=api)
     finally:
         await asyncio.to_thread(stack.stop)
 

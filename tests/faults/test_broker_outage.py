@@ -16,15 +16,13 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import pytest
 
-from devtools.fake_llm import FakeLLM
-from devtools.infra import Endpoint
 from shared.http import PROBLEM_JSON
 from tests.faults.harness import (
+    BoxParts,
     Figures,
     MemoryAlarm,
     Outcome,
@@ -129,19 +127,10 @@ def _broker_restart() -> Outage:
 
 
 @pytest.fixture(scope="module")
-async def box(
-    amqp_url: str, mongo: Endpoint, db_prefix: str, llm: FakeLLM, log_dir: Path
-) -> AsyncIterator[Scorebox]:
-    if not rabbitmqctl_available(amqp_url):
+async def box(box_parts: BoxParts) -> AsyncIterator[Scorebox]:
+    if not rabbitmqctl_available(box_parts.amqp_url):
         pytest.skip("needs rabbitmqctl for a broker on this machine")
-    async with running_scorebox(
-        amqp_url=amqp_url,
-        mongo_url=mongo.url,
-        db_prefix=db_prefix,
-        llm=llm,
-        log_dir=log_dir,
-        env={"BROKER_TIMEOUT_S": "3"},
-    ) as running:
+    async with running_scorebox(box_parts, env={"BROKER_TIMEOUT_S": "3"}) as running:
         yield running
 
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from devtools.fake_llm import FakeLLM
 from devtools.infra import standin_label
 from devtools.stack import free_ports
 from shared.http import PROBLEM_JSON
 from tests.faults.harness import (
+    BoxParts,
     Figures,
     Outcome,
     Scorebox,
@@ -48,17 +48,9 @@ async def standin(log_dir: Path) -> AsyncIterator[StandIn]:
 
 
 @pytest.fixture(scope="module")
-async def box(
-    amqp_url: str, standin: StandIn, db_prefix: str, llm: FakeLLM, log_dir: Path
-) -> AsyncIterator[Scorebox]:
-    async with running_scorebox(
-        amqp_url=amqp_url,
-        mongo_url=standin.url,
-        db_prefix=db_prefix,
-        llm=llm,
-        log_dir=log_dir,
-        env={"MONGO_TIMEOUT_S": "2"},
-    ) as running:
+async def box(box_parts: BoxParts, standin: StandIn) -> AsyncIterator[Scorebox]:
+    env = {"MONGO_TIMEOUT_S": "2"}
+    async with running_scorebox(box_parts, mongo_url=standin.url, env=env) as running:
         yield running
 
 

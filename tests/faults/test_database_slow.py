@@ -15,16 +15,15 @@ import contextlib
 import functools
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from pymongo import AsyncMongoClient
 
-from devtools.fake_llm import FakeLLM
 from devtools.infra import Endpoint
 from shared.http import PROBLEM_JSON
 from tests.faults.harness import (
+    BoxParts,
     Figures,
     Outcome,
     Scorebox,
@@ -49,9 +48,7 @@ Document = dict[str, Any]
 
 
 @pytest.fixture(scope="module")
-async def box(
-    amqp_url: str, link: SlowLink, db_prefix: str, llm: FakeLLM, log_dir: Path
-) -> AsyncIterator[Scorebox]:
+async def box(box_parts: BoxParts, link: SlowLink) -> AsyncIterator[Scorebox]:
     env = {
         # A claim's lease (twice this, plus a margin) outlasts the slowness: the scorer keeps
         # trying to record a decision while its claim holds, so no model call is repeated.
@@ -60,14 +57,7 @@ async def box(
         "OUTBOX_GRACE_S": str(OUTBOX_GRACE_S),
         "OUTBOX_INTERVAL_S": "1",
     }
-    async with running_scorebox(
-        amqp_url=amqp_url,
-        mongo_url=link.mongo_url,
-        db_prefix=db_prefix,
-        llm=llm,
-        log_dir=log_dir,
-        env=env,
-    ) as running:
+    async with running_scorebox(box_parts, mongo_url=link.mongo_url, env=env) as running:
         yield running
 
 

@@ -21,17 +21,16 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from pymongo import AsyncMongoClient
 
-from devtools.fake_llm import FakeLLM
 from devtools.infra import Endpoint
 from services.gateway.submissions import BATCH_WRITE_CHUNK
 from tests.faults.harness import (
+    BoxParts,
     Figures,
     Outcome,
     Scorebox,
@@ -53,22 +52,13 @@ Document = dict[str, Any]
 
 
 @pytest.fixture(scope="module")
-async def box(
-    amqp_url: str, link: SlowLink, db_prefix: str, llm: FakeLLM, log_dir: Path
-) -> AsyncIterator[Scorebox]:
+async def box(box_parts: BoxParts, link: SlowLink) -> AsyncIterator[Scorebox]:
     env = {
         "MONGO_TIMEOUT_S": str(MONGO_TIMEOUT_S),
         "OUTBOX_GRACE_S": str(OUTBOX_GRACE_S),
         "OUTBOX_INTERVAL_S": "1",
     }
-    async with running_scorebox(
-        amqp_url=amqp_url,
-        mongo_url=link.mongo_url,
-        db_prefix=db_prefix,
-        llm=llm,
-        log_dir=log_dir,
-        env=env,
-    ) as running:
+    async with running_scorebox(box_parts, mongo_url=link.mongo_url, env=env) as running:
         yield running
 
 

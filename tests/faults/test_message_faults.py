@@ -15,18 +15,17 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
 from devtools.fake_llm import FakeLLM
-from devtools.infra import Endpoint
 from services.scorer.settings import ScorerSettings
 from shared.bus import publish_command
 from shared.contracts import ScoreText, new_id
 from shared.runtime import make_broker
 from shared.topology import ERROR_HEADER, SCORE_REQUESTS, TASKS, WAIT_TIERS
 from tests.faults.harness import (
+    BoxParts,
     DeadLetter,
     Figures,
     Outcome,
@@ -49,17 +48,8 @@ RATE_LIMITED_TASKS = 12
 
 
 @pytest.fixture(scope="module")
-async def box(
-    amqp_url: str, mongo: Endpoint, db_prefix: str, llm: FakeLLM, log_dir: Path
-) -> AsyncIterator[Scorebox]:
-    async with running_scorebox(
-        amqp_url=amqp_url,
-        mongo_url=mongo.url,
-        db_prefix=db_prefix,
-        llm=llm,
-        log_dir=log_dir,
-        env={"LLM_TIMEOUT_S": str(LLM_TIMEOUT_S)},
-    ) as running:
+async def box(box_parts: BoxParts) -> AsyncIterator[Scorebox]:
+    async with running_scorebox(box_parts, env={"LLM_TIMEOUT_S": str(LLM_TIMEOUT_S)}) as running:
         yield running
 
 

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from devtools.fake_llm import FakeLLM
-from devtools.infra import Endpoint
 from devtools.stack import free_ports
 from shared.topology import STATUS_PROJECTION
 from tests.faults.harness import (
+    BoxParts,
     Figures,
     Outcome,
     Scorebox,
@@ -48,23 +47,10 @@ async def status_db(log_dir: Path) -> AsyncIterator[StandIn]:
 
 
 @pytest.fixture(scope="module")
-async def box(
-    amqp_url: str,
-    mongo: Endpoint,
-    status_db: StandIn,
-    db_prefix: str,
-    llm: FakeLLM,
-    log_dir: Path,
-) -> AsyncIterator[Scorebox]:
+async def box(box_parts: BoxParts, status_db: StandIn) -> AsyncIterator[Scorebox]:
     status = ["env", f"MONGO_URL={status_db.url}", sys.executable, "-m", "services.status"]
     async with running_scorebox(
-        amqp_url=amqp_url,
-        mongo_url=mongo.url,
-        db_prefix=db_prefix,
-        llm=llm,
-        log_dir=log_dir,
-        env={"MONGO_TIMEOUT_S": "2"},
-        commands={"status": status},
+        box_parts, env={"MONGO_TIMEOUT_S": "2"}, commands={"status": status}
     ) as running:
         yield running
 

@@ -9,16 +9,14 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import AsyncIterator, Awaitable, Iterable
-from pathlib import Path
 from typing import Any
 
 import pytest
 from pymongo import AsyncMongoClient
 
-from devtools.fake_llm import FakeLLM
-from devtools.infra import Endpoint
 from shared.topology import ERROR_HEADER, SCORE_REQUESTS
 from tests.faults.harness import (
+    BoxParts,
     Figures,
     Outcome,
     Scorebox,
@@ -39,22 +37,13 @@ WAIT_S = 120.0
 
 
 @pytest.fixture(scope="module")
-async def box(
-    amqp_url: str, mongo: Endpoint, db_prefix: str, llm: FakeLLM, log_dir: Path
-) -> AsyncIterator[Scorebox]:
+async def box(box_parts: BoxParts) -> AsyncIterator[Scorebox]:
     env = {
         "SCORER_CONCURRENCY": str(CONCURRENCY),
         "LLM_TIMEOUT_S": str(LLM_TIMEOUT_S),
         "LEASE_MARGIN_S": str(LEASE_MARGIN_S),
     }
-    async with running_scorebox(
-        amqp_url=amqp_url,
-        mongo_url=mongo.url,
-        db_prefix=db_prefix,
-        llm=llm,
-        log_dir=log_dir,
-        env=env,
-    ) as running:
+    async with running_scorebox(box_parts, env=env) as running:
         yield running
 
 

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from devtools.fake_llm import FakeLLM
-from devtools.infra import Endpoint
 from tests.faults.harness import (
     HTTP_TIMEOUT_S,
+    BoxParts,
     Figures,
     Outcome,
     Scorebox,
@@ -37,17 +36,8 @@ TASKS = 12
 
 
 @pytest.fixture(scope="module")
-async def box(
-    amqp_url: str, mongo: Endpoint, db_prefix: str, llm: FakeLLM, log_dir: Path
-) -> AsyncIterator[Scorebox]:
-    async with running_scorebox(
-        amqp_url=amqp_url,
-        mongo_url=mongo.url,
-        db_prefix=db_prefix,
-        llm=llm,
-        log_dir=log_dir,
-        scorer_replicas=SCORERS,
-    ) as running:
+async def box(box_parts: BoxParts) -> AsyncIterator[Scorebox]:
+    async with running_scorebox(box_parts, scorer_replicas=SCORERS) as running:
         yield running
 
 

@@ -15,6 +15,8 @@
    alone, httpx's API over aiohttp's pool, httpx's own pool and bare aiohttp
    (`bench.model_call_cost`).
 7. The stand-in's (or MongoDB's) cost per update on documents of three sizes.
+8. How much of PyMongo's client CPU per round trip is its way of awaiting a reply
+   (`bench.receive_path`).
 
 Everything runs on uvloop, as the services do.
 
@@ -42,6 +44,7 @@ from bench.infra import local_broker_pid
 from bench.load import essay
 from bench.model_call_cost import model_call_cost
 from bench.publish_cost import publish_cost
+from bench.receive_path import receive_path
 from bench.stats import cpu_us_each
 from devtools.infra import read_first_line
 from services.scorer.model.preparation import prepare_text
@@ -142,6 +145,7 @@ async def measure(url: str) -> None:
         await group_reads(client["bench_micro"]["group_commit"])
         await growth(client["bench_micro"]["growth"])
         await document_size(client["bench_micro"]["sized"])
+        await receive_path(client["bench_micro"]["receive_path"])
     finally:
         await client.drop_database("bench_micro")
         await client.close()

@@ -9,7 +9,7 @@ from types import ModuleType
 
 import pytest
 
-from bench import delivery_cost, micro, model_call_cost, publish_cost
+from bench import delivery_cost, micro, model_call_cost, publish_cost, receive_path
 from bench.infra import local_broker_pid
 from devtools.fake_llm import FakeLLM
 from devtools.infra import Endpoint
@@ -78,3 +78,19 @@ async def test_delivery_cost_prints_the_brokers_share_with_a_local_node(
     printed = capsys.readouterr().out
     assert "consumer CPU per delivery" in printed
     assert "broker CPU per delivery" in printed
+
+
+async def test_the_receive_path_measures_both_ways_and_puts_pymongos_back(
+    mongo: Endpoint, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shipped = receive_path.pool.async_receive_message
+    monkeypatch.setattr(receive_path, "WRITES", 50)
+    monkeypatch.setattr(receive_path, "ROUNDS", 1)
+    async with scratch_collection(mongo.url, CommandCounter(), prefix="micro") as collection:
+        await receive_path.receive_path(collection)
+        # The last writes went through the direct read: they landed, and it read their replies.
+        written = await collection.find_one({"_id": "receive-path"})
+    assert written is not None
+    assert written["n"] == receive_path.WRITES - 1
+    assert receive_path.pool.async_receive_message is shipped
+    assert "its reply read directly" in capsys.readouterr().out

@@ -38,7 +38,7 @@ import httpx
 from bench.infra import reference_workload_ms
 from devtools.fake_llm import FakeLLM
 from devtools.infra import is_local_node
-from devtools.stack import Stack, StackConfig
+from devtools.stack import Stack, StackConfig, free_ports
 from shared.topology import SCORE_REQUESTS
 from tests.support import eventually
 
@@ -326,6 +326,19 @@ class StandIn:
         except TimeoutError:
             self.process.kill()
             await self.process.wait()
+
+
+@asynccontextmanager
+async def running_standin(log_dir: Path, name: str) -> AsyncIterator[StandIn]:
+    """A `StandIn` of a module's own on a free port, its files `<name>.sqlite` and
+    `<name>.log` in `log_dir`; stopped on the way out."""
+    (port,) = free_ports("127.0.0.1", 1)
+    server = StandIn(port, log_dir / f"{name}.sqlite", log_dir / f"{name}.log")
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
 
 
 # ------------------------------------------------------------------------------ the broker

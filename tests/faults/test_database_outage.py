@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 
 from devtools.infra import standin_label
-from devtools.stack import free_ports
 from shared.http import PROBLEM_JSON
 from tests.faults.harness import (
     BoxParts,
@@ -30,6 +29,7 @@ from tests.faults.harness import (
     new_marker,
     repeated_calls,
     running_scorebox,
+    running_standin,
 )
 from tests.support import eventually
 
@@ -40,11 +40,8 @@ LATENCY_MS = 1500
 
 @pytest.fixture(scope="module")
 async def standin(log_dir: Path) -> AsyncIterator[StandIn]:
-    (port,) = free_ports("127.0.0.1", 1)
-    server = StandIn(port, log_dir / "standin.sqlite", log_dir / "standin.log")
-    await server.start()
-    yield server
-    await server.stop()
+    async with running_standin(log_dir, "standin") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

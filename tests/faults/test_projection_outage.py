@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from devtools.stack import free_ports
 from shared.topology import STATUS_PROJECTION
 from tests.faults.harness import (
     BoxParts,
@@ -28,6 +27,7 @@ from tests.faults.harness import (
     new_marker,
     queue_depths,
     running_scorebox,
+    running_standin,
 )
 from tests.support import eventually
 
@@ -39,11 +39,8 @@ CATCH_UP_S = 30.0
 
 @pytest.fixture(scope="module")
 async def status_db(log_dir: Path) -> AsyncIterator[StandIn]:
-    (port,) = free_ports("127.0.0.1", 1)
-    server = StandIn(port, log_dir / "status-db.sqlite", log_dir / "status-db.log")
-    await server.start()
-    yield server
-    await server.stop()
+    async with running_standin(log_dir, "status-db") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,9 @@
     SchedulerError
     ├── ConfigurationError      refuse to start: a bad cron expression, time zone, policy,
     │                           price, or a configured job without a handler
-    ├── UnknownJob              404 on the admin routes; a `RunCronJob` naming it is
-    │                           dead-lettered (no retry can make the job exist)
+    ├── UnknownJob              404 on the admin routes; a `RunCronJob` naming it waits for
+    │                           a replica that knows it (a rolling deploy), then is
+    │                           dead-lettered (`runs.UNKNOWN_JOB_MAX_WAIT`)
     ├── DispatchFailed          a manual run could not be published: 503, nothing kept
     ├── TriggeredTooOften       manual runs of one job collide on their key: 429
     ├── RunInProgress           a manual run of a job that forbids overlapping runs while

@@ -1,7 +1,9 @@
 """Running one delivery of a `RunCronJob`: decide, never touch the broker.
 
     not yet due                     -> Defer    (down the wait ladder again)
-    unknown job                     -> GiveUp   (dead-letter: no retry makes it exist)
+    job unknown to this replica     -> Retry    (same attempt, for a replica that knows it;
+                                                 GiveUp once UNKNOWN_JOB_MAX_WAIT has
+                                                 passed since the firing)
     run unknown or already final    -> Drop     (a duplicate delivery, or a firing forgotten)
     job returned, more to do        -> Continue (same run, next slice, attempt 1)
     job returned                    -> Finished
@@ -69,6 +71,11 @@ DUE_TOLERANCE = timedelta(milliseconds=500)
 # slow scorer) without progress before it is given up. Counting those waits as failed
 # attempts gave a big fan-out up within a minute of the queue filling.
 DOWNSTREAM_FULL_MAX_WAIT = timedelta(hours=6)
+# How long a run of a job this replica has no handler for waits for a replica that has one.
+# A rolling deploy that adds a job has replicas of the earlier build take runs of it off the
+# shared queue; given up at once, such a run was failed for good (its fire time already the
+# schedule's position) though the next delivery could have reached a replica knowing it.
+UNKNOWN_JOB_MAX_WAIT = timedelta(minutes=15)
 # The share of a delivery's database deadline a job that works in steps may spend taking new
 # ones; the step in hand when it runs out (a page's broker waits, reads and writes) has the rest.
 STEP_SHARE = 0.5
@@ -150,8 +157,7 @@ async def run_cron_job(
         return Defer(command)
     handler = handlers.get(command.job)
     if handler is None:
-        reason = f"no handler for cron job {command.job!r}"
-        return await _give_up(command, reason, firings=firings, clock=clock)
+        return await _wait_for_a_replica_knowing(command, firings=firings, retry=retry, clock=clock)
     if await firings.begin(command.run_id, attempt=command.attempt, now=clock()) is None:
         return Drop(f"run {command.run_id} is unknown or already finished")
     return await _run_handler(
@@ -271,6 +277,27 @@ async def _wait_for_room(
         )
         return await _give_up(command, reason, firings=firings, clock=clock)
     not_before = now + retry.cap
+    await firings.retrying(command.run_id, error=error, next_attempt_at=not_before, now=now)
+    following = command.model_copy(update={"message_id": new_id(), "not_before": not_before})
+    return Retry(following, error)
+
+
+async def _wait_for_a_replica_knowing(
+    command: RunCronJob, *, firings: FiringStore, retry: RetryPolicy, clock: Clock
+) -> Retry | GiveUp:
+    """Send a run of a job this replica does not know back to the queue, its attempt not
+    counted (it was not tried), until `UNKNOWN_JOB_MAX_WAIT` has passed since the run last
+    made progress (`waiting_since`: its firing, or its slice's issue)."""
+    error = f"no handler for cron job {command.job!r} in this scheduler"
+    now = clock()
+    if now - waiting_since(command) >= UNKNOWN_JOB_MAX_WAIT:
+        reason = (
+            f"{error}, nor in any that took the run within {UNKNOWN_JOB_MAX_WAIT} "
+            "(is the job configured on every replica?)"
+        )
+        return await _give_up(command, reason, firings=firings, clock=clock)
+    log.warning("cron run %s: %s; sent back for another replica", command.run_id, error)
+    not_before = now + retry.base
     await firings.retrying(command.run_id, error=error, next_attempt_at=not_before, now=now)
     following = command.model_copy(update={"message_id": new_id(), "not_before": not_before})
     return Retry(following, error)

@@ -31,6 +31,7 @@ from services.scheduler.firings import Firing, FiringState, FiringStore, LeaseTa
 from services.scheduler.jobs import JobOutcome, JobRun
 from services.scheduler.runs import (
     DOWNSTREAM_FULL_MAX_WAIT,
+    UNKNOWN_JOB_MAX_WAIT,
     Continue,
     Defer,
     Drop,
@@ -778,7 +779,7 @@ async def test_a_full_queue_downstream_is_waited_out_without_counting_attempts()
     assert firings.by_id[command.run_id].state is FiringState.FAILED
 
 
-async def test_permanent_errors_and_unknown_jobs_give_up_at_once() -> None:
+async def test_permanent_errors_give_up_at_once() -> None:
     firings, clock = FakeFirings(), Clock(START)
 
     async def misconfigured(run: JobRun) -> JobOutcome:
@@ -790,10 +791,46 @@ async def test_permanent_errors_and_unknown_jobs_give_up_at_once() -> None:
     )
     assert isinstance(decision, GiveUp)
     assert "RUBRIC_VERSION" in decision.reason
-    orphan = await _claimed_run(firings, job="retired")
-    decision = await run_cron_job(orphan, handlers={}, firings=firings, retry=POLICY, clock=clock)
+
+
+async def test_a_replica_without_the_job_sends_its_run_back_for_one_that_has_it() -> None:
+    """A rolling deploy that adds a job: a replica of the earlier build takes a run of it."""
+    firings, clock = FakeFirings(), Clock(START)
+    command = await _claimed_run(firings, job="new-job")
+    decision = await run_cron_job(command, handlers={}, firings=firings, retry=POLICY, clock=clock)
+    assert isinstance(decision, Retry)
+    assert decision.command.attempt == command.attempt  # not tried: no attempt spent
+    assert decision.command.not_before == START + POLICY.base
+    assert firings.by_id[command.run_id].state is FiringState.RETRYING
+    ran: list[JobRun] = []
+
+    async def new_job(run: JobRun) -> JobOutcome:
+        ran.append(run)
+        return JobOutcome(summary={})
+
+    clock.now = START + POLICY.base
+    handlers = {"new-job": new_job}
+    knowing = await run_cron_job(
+        decision.command, handlers=handlers, firings=firings, retry=POLICY, clock=clock
+    )
+    assert knowing == Finished({})
+    assert [run.run_id for run in ran] == [command.run_id]
+
+
+async def test_a_run_no_replica_knows_is_given_up_after_its_wait() -> None:
+    firings, clock = FakeFirings(), Clock(START)
+    command = await _claimed_run(firings, job="retired")
+    decision = await run_cron_job(command, handlers={}, firings=firings, retry=POLICY, clock=clock)
+    while isinstance(decision, Retry):
+        clock.now = decision.command.not_before or clock.now
+        command = decision.command
+        decision = await run_cron_job(
+            command, handlers={}, firings=firings, retry=POLICY, clock=clock
+        )
     assert isinstance(decision, GiveUp)
-    assert "no handler" in decision.reason
+    assert clock.now - START >= UNKNOWN_JOB_MAX_WAIT
+    assert "no handler for cron job 'retired'" in decision.reason
+    assert firings.by_id[command.run_id].state is FiringState.FAILED
 
 
 async def test_a_long_job_continues_in_the_next_slice() -> None:

@@ -27,6 +27,13 @@ from services.notifier.ssrf import Destination
 USER_AGENT = "Scorebox-Webhooks/1"
 # How long a refusal's body may take to give its excerpt; the status is known already.
 EXCERPT_WAIT_S = 2.0
+# The receiver's header block as aiohttp may parse it. Its defaults (lines and fields of
+# 8,190 bytes, 128 headers) made a 2xx carrying one long header (a content security policy,
+# a large cookie) "unreachable": the webhook was POSTed again up to WEBHOOK_MAX_ATTEMPTS
+# times, then dead-lettered as failed. Still bounded: each delivery in flight holds at most
+# a few MiB of a hostile receiver's headers.
+MAX_HEADER_LINE_BYTES = 16_384
+MAX_HEADERS = 256
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,9 @@ class WebhookSender:
                     timeout=self._timeout,
                     trust_env=False,
                     auto_decompress=False,
+                    max_line_size=MAX_HEADER_LINE_BYTES,
+                    max_field_size=MAX_HEADER_LINE_BYTES,
+                    max_headers=MAX_HEADERS,
                 ) as session,
                 session.post(
                     destination.url, data=body, headers=request_headers, allow_redirects=False

@@ -26,7 +26,7 @@ import trustme
 
 from services.notifier import sender as sender_module
 from services.notifier.deliveries import judge_answer
-from services.notifier.errors import ReceiverUnavailable
+from services.notifier.errors import ReceiverUnavailable, ReceiverUnreachable
 from services.notifier.sender import WebhookSender, make_ssl_context
 from services.notifier.ssrf import Destination, WebhookGuard
 from shared.webhook_urls import IPAddress
@@ -178,3 +178,29 @@ async def test_a_refusals_excerpt_is_kept_and_capped(tls: tuple[ssl.SSLContext, 
     assert answer.status == 404
     assert answer.excerpt.startswith("no such hook")
     assert len(answer.excerpt) <= 64
+
+
+async def test_a_2xx_with_a_long_header_and_many_headers_is_delivered(
+    tls: tuple[ssl.SSLContext, Path],
+) -> None:
+    """aiohttp's default limits (8,190 bytes a header, 128 headers) made such an answer
+    "unreachable", and the accepted webhook was POSTed again, then dead-lettered."""
+    policy = "default-src 'self'; " + "script-src https://cdn.example " * 400  # ~12 KiB
+    many = {f"X_Trace_{index}": str(index) for index in range(200)}
+    reply = _reply("200 OK", body=b"", content_length=0, Content_Security_Policy=policy, **many)
+    async with receiving(tls, reply) as (receiver, destination):
+        answer = await _post(_sender(tls, timeout_s=10), destination)
+
+    assert answer.status == 200
+    judge_answer(answer, now=NOW)
+    assert receiver.posts == 1
+
+
+async def test_a_header_past_the_limit_is_no_answer(tls: tuple[ssl.SSLContext, Path]) -> None:
+    """The limits are raised, not removed: a receiver cannot make the notifier hold any
+    amount of header."""
+    huge = "x" * (sender_module.MAX_HEADER_LINE_BYTES + 1)
+    reply = _reply("200 OK", body=b"", content_length=0, X_Huge=huge)
+    async with receiving(tls, reply) as (_, destination):
+        with pytest.raises(ReceiverUnreachable):
+            await _post(_sender(tls, timeout_s=10), destination)

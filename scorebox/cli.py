@@ -22,7 +22,8 @@ a walk stopped there, `list`, `replay` and `drop` say so on stderr, and ids it d
 exit 1 as ids not found do.
 
 Proxy variables (`HTTPS_PROXY`, `NO_PROXY`, ...) apply to a remote URL, never to a loopback
-one (127.0.0.1, ::1, localhost). Every failure is one line on stderr and a non-zero exit.
+one (127.0.0.1, ::1, localhost). Every failure is one line on stderr and a non-zero exit;
+`submit --wait` names the accepted task on stderr before it waits, however the wait ends.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import contextlib
 import email.utils
 import ipaddress
 import json
+import math
 import os
 import re
 import sys
@@ -50,6 +52,8 @@ app.add_typer(dlq, name="dlq")
 
 TERMINAL = {"completed", "failed"}
 REQUEST_TIMEOUT_S = 30.0
+# The least time a poll of `submit --wait` is given, however little of the wait is left.
+MIN_POLL_S = 1.0
 DEFAULT_GATEWAY_URL = "http://127.0.0.1:8000"
 DEFAULT_SCHEDULER_URL = "http://127.0.0.1:8003"
 MAX_PORT = 65_535
@@ -121,15 +125,20 @@ def _http(base_url: httpx.URL, key: str | None) -> httpx.Client:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     # Passed only when injected, so that `httpx.Client` keeps choosing its own otherwise.
     injected: dict[str, Any] = {"transport": transport} if transport is not None else {}
-    return httpx.Client(
-        base_url=base_url,
-        headers=headers,
-        timeout=REQUEST_TIMEOUT_S,
-        # A gateway on this machine is never behind the environment's proxy (which would be
-        # asked for 127.0.0.1 and answer for itself); a remote one may well be.
-        trust_env=not _loopback(base_url.host),
-        **injected,
-    )
+    try:
+        return httpx.Client(
+            base_url=base_url,
+            headers=headers,
+            timeout=REQUEST_TIMEOUT_S,
+            # A gateway on this machine is never behind the environment's proxy (which would
+            # be asked for 127.0.0.1 and answer for itself); a remote one may well be.
+            trust_env=not _loopback(base_url.host),
+            **injected,
+        )
+    except (ImportError, ValueError) as error:
+        # The environment's proxy variables, read here: a SOCKS proxy without `socksio`
+        # installed, or a scheme httpx has no transport for, raised a traceback.
+        _exit(f"cannot use the proxy settings of the environment for {base_url}: {error}")
 
 
 def _key(variable: str) -> str | None:
@@ -183,8 +192,15 @@ def _fail(response: httpx.Response) -> typer.Exit:
         detail = _quote(response.text) or response.reason_phrase
     elif not isinstance(detail, str):
         detail = json.dumps(detail, ensure_ascii=False)
-    typer.echo(f"error {response.status_code}: {detail}{_no_key_hint(response)}", err=True)
+    hints = f"{_retry_after_hint(response)}{_no_key_hint(response)}"
+    typer.echo(f"error {response.status_code}: {detail}{hints}", err=True)
     return typer.Exit(code=1)
+
+
+def _retry_after_hint(response: httpx.Response) -> str:
+    """When the server said when to try again (a 429, a 503), that time, in seconds."""
+    seconds = _retry_after(response)
+    return "" if seconds is None else f" (retry after {math.ceil(seconds)} s)"
 
 
 def _no_key_hint(response: httpx.Response) -> str:
@@ -224,7 +240,10 @@ def _wait(client: httpx.Client, task_id: str, timeout_s: float) -> dict[str, Any
     delay = 0.2
     path = f"/v1/scores/{_segment(task_id, 'task_id')}"
     while True:
-        response = client.get(path)
+        # Each poll within what is left of the wait (a gateway that accepted the connection
+        # and never answered held a `--timeout 3` wait for the client's 30 s).
+        left = deadline - time.monotonic()
+        response = client.get(path, timeout=min(REQUEST_TIMEOUT_S, max(left, MIN_POLL_S)))
         if response.status_code in RETRY_LATER:
             pause = max(_retry_after(response) or 0.0, delay)
             if time.monotonic() + pause > deadline:
@@ -270,6 +289,8 @@ def submit(
     --wait runs out before the task finishes; 2 when the task failed.
     """
     _check_idempotency_key(idempotency_key)
+    if not math.isfinite(timeout) or timeout < 0:
+        _usage_error("--timeout must be a number of seconds, 0 or more")
     text = _read_text(file)
     payload: dict[str, Any] = {"text": text}
     if rubric:
@@ -280,8 +301,13 @@ def submit(
         if response.status_code not in (200, 202):
             raise _fail(response)
         body = _answer(response, "task_id", "status")
-        if wait:
-            body = _wait(client, body["task_id"], timeout)
+        if wait and body["status"] not in TERMINAL:
+            # Named before the wait, so that however the wait ends (the status service away,
+            # the gateway gone, Ctrl-C), the accepted task is known: it is being scored, and
+            # submitting the text again would have it scored twice.
+            task_id = body["task_id"]
+            typer.echo(f"task {task_id} accepted; waiting up to {timeout:g} s for it", err=True)
+            body = _wait(client, task_id, timeout)
         _show(body)
         if body["status"] == "failed":
             raise typer.Exit(code=2)
@@ -300,13 +326,14 @@ def _check_idempotency_key(key: str | None) -> None:
 
 
 def _read_text(file: Path) -> str:
-    """The text in `file` (`-`: stdin) as UTF-8; exits 1 with one line when it cannot be read.
-    Stdin is read as bytes and decoded here: decoded by Python, a stream that is not UTF-8
-    raised a traceback."""
+    """The text in `file` (`-`: stdin) as UTF-8, line endings as they are; exits 1 with one
+    line when it cannot be read. Stdin is read as bytes and decoded here: decoded by Python, a
+    stream that is not UTF-8 raised a traceback."""
     try:
-        if str(file) == "-":
-            return sys.stdin.buffer.read().decode("utf-8")
-        return file.read_text(encoding="utf-8")
+        raw = sys.stdin.buffer.read() if str(file) == "-" else file.read_bytes()
+        # Bytes decoded as they are: `read_text` turned CRLF into LF, so a file and the same
+        # file on stdin sent different texts (and a key reused across them was a 409).
+        return raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as error:
         source = "stdin" if str(file) == "-" else file
         typer.echo(f"error: cannot read {source}: {error}", err=True)

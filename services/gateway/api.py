@@ -196,6 +196,20 @@ def _unavailable(error: Unavailable) -> Problem:
     )
 
 
+def read_unavailable(error: Unavailable) -> Problem:
+    """503 for a read: "nothing was kept" (a submission's wording) told a client polling an
+    accepted task that it was lost, and one resubmitting had its text scored twice."""
+    if refused_for_good(error):
+        return database_refused(error)
+    return Problem(
+        503,
+        f"{type(error).__name__}: a dependency is unavailable, so this cannot be read right "
+        "now; nothing was changed (an accepted task is still being scored). Retry shortly.",
+        kind="unavailable",
+        headers={"Retry-After": str(error.retry_after_s)},
+    )
+
+
 def in_progress_problem(error: RequestInProgress, *, unfinished: str, pending: str) -> Problem:
     """409 `request-in-progress`: the key's first request is being accepted (`pending`), or
     was received and the database failed the replay (`ReplayUnfinished`, `unfinished`: not a
@@ -418,7 +432,7 @@ async def _read(task_id: str, caller: Caller, deps: GatewayDeps) -> TaskView | N
     try:
         return await _read_score(task_id, caller, deps)
     except Unavailable as error:
-        raise _unavailable(error) from error
+        raise read_unavailable(error) from error
 
 
 async def _read_score(task_id: str, caller: Caller, deps: GatewayDeps) -> TaskView | None:

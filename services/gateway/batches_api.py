@@ -18,6 +18,7 @@ from services.gateway.api import (
     _unavailable,
     in_progress_problem,
     read_json_object,
+    read_unavailable,
     status_url,
     submission_responses,
 )
@@ -386,7 +387,7 @@ def batch_routes(
                 window=window,
             )
         except Unavailable as error:
-            raise _unavailable(error) from error
+            raise read_unavailable(error) from error
         if page is None:
             raise missing
         if start and start >= page.total:

@@ -33,7 +33,7 @@ from fastapi import APIRouter, Header, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
-from services.gateway.api import TASK_ID, GatewayDeps, _unavailable, waiter_problem
+from services.gateway.api import TASK_ID, GatewayDeps, read_unavailable, waiter_problem
 from services.gateway.auth import Caller
 from services.gateway.errors import Unavailable, refused_for_good
 from services.gateway.push import (
@@ -156,7 +156,7 @@ def event_routes(
             live.close(waiter)
             if _reconnects_by_itself(request) and not refused_for_good(error):
                 return _come_back_later(error)
-            raise _unavailable(error) from error
+            raise read_unavailable(error) from error
         except BaseException:
             live.close(waiter)
             raise

@@ -298,6 +298,10 @@ async def test_a_cancel_is_sent_while_the_status_service_is_away(stack: Stack) -
     assert response.status_code == 202, response.text
     assert [cancel.task_id for cancel in await _sent_cancels(stack.amqp_url)] == [task_id]
     assert poll.status_code == 503, poll.text  # the status service was away indeed
+    # A read changes nothing: never the submission's "nothing was kept", which told a
+    # client polling an accepted task that it was lost (resubmitted, it was scored twice).
+    assert "nothing was kept" not in poll.json()["detail"]
+    assert "cannot be read right now" in poll.json()["detail"]
 
 
 async def test_a_cancel_the_broker_did_not_confirm_is_503_and_may_have_been_queued(

@@ -536,4 +536,5 @@ async def test_an_eventsource_reconnecting_while_the_status_service_is_away_is_t
     assert "data:" not in during.text
     assert plain.status_code == 503
     assert plain.headers["content-type"] == "application/problem+json"
+    assert "nothing was kept" not in plain.json()["detail"]
     assert json.loads(first.removeprefix("data:"))["task_id"] == task_id

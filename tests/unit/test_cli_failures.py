@@ -3,6 +3,7 @@ nothing happened. Against a fake gateway (httpx.MockTransport)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -134,6 +135,106 @@ def test_a_wait_gives_up_on_busy_answers_at_its_own_deadline(
     assert "error 503: status away" in result.output
 
 
+@pytest.mark.parametrize(
+    "poll_failure",
+    [
+        httpx.Response(503, headers={"Retry-After": "5"}, json={"detail": "status away"}),
+        httpx.Response(500, text="oops"),
+        httpx.ReadTimeout("no answer in time"),
+    ],
+    ids=["busy-past-the-deadline", "an-error", "no-answer"],
+)
+def test_an_accepted_task_is_named_however_the_wait_ends(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, poll_failure: httpx.Response | Exception
+) -> None:
+    """The task id was printed only once the wait returned: a wait ending in an error left
+    the user with "error 503: ... nothing was kept", and a resubmission scored the text
+    twice."""
+    essay = tmp_path / "essay.txt"
+    essay.write_text("An essay.", encoding="utf-8")
+    queued = {"task_id": "t-accepted", "status": "queued"}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            return httpx.Response(202, json=queued)
+        if isinstance(poll_failure, Exception):
+            raise poll_failure
+        return poll_failure
+
+    _gateway(monkeypatch, answer)
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    result = run_cli("submit", str(essay), "--wait", "--timeout", "1")
+    assert result.exit_code == 1
+    assert "task t-accepted accepted" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_each_poll_of_a_wait_is_bounded_by_what_is_left_of_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A gateway that never answered a poll held a `--timeout 3` wait for 30 s."""
+    essay = tmp_path / "essay.txt"
+    essay.write_text("An essay.", encoding="utf-8")
+    polls: list[dict[str, float]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            return httpx.Response(202, json={"task_id": "t1", "status": "queued"})
+        polls.append(request.extensions["timeout"])
+        return httpx.Response(200, json={"task_id": "t1", "status": "completed"})
+
+    _gateway(monkeypatch, answer)
+    result = run_cli("submit", str(essay), "--wait", "--timeout", "3")
+    assert result.exit_code == 0, result.output
+    assert polls
+    assert all(0 < poll["read"] <= 3 for poll in polls)
+
+
+@pytest.mark.parametrize("timeout", ["nan", "-1", "inf"])
+def test_a_wait_timeout_that_is_no_duration_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, timeout: str
+) -> None:
+    """`--timeout nan` polled for ever: no time is past nan."""
+    essay = tmp_path / "essay.txt"
+    essay.write_text("An essay.", encoding="utf-8")
+    seen = _recorded(monkeypatch)
+
+    def polling(seconds: float) -> None:
+        raise AssertionError("the wait began: it would poll for ever")
+
+    monkeypatch.setattr(time, "sleep", polling)
+    result = run_cli("submit", str(essay), "--wait", "--timeout", timeout)
+    assert result.exit_code == 2
+    assert "--timeout" in result.stderr
+    assert seen == []
+
+
+def test_a_refusal_names_when_to_try_again(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    essay = tmp_path / "essay.txt"
+    essay.write_text("An essay.", encoding="utf-8")
+    busy = httpx.Response(429, headers={"Retry-After": "7"}, json={"detail": "Too many."})
+    _gateway(monkeypatch, lambda request: busy)
+    result = run_cli("submit", str(essay))
+    assert result.exit_code == 1
+    assert "error 429: Too many. (retry after 7 s)" in result.stderr
+
+
+@pytest.mark.parametrize("proxy", ["socks5://127.0.0.1:1080", "ftp://proxy.test:21"])
+def test_proxy_settings_the_client_cannot_use_are_one_line(
+    monkeypatch: pytest.MonkeyPatch, proxy: str
+) -> None:
+    """A SOCKS proxy without `socksio`, or an ftp:// one, raised a traceback. The client reads
+    them as it is made, before any request (and only without an injected transport)."""
+    if proxy.startswith("socks5") and importlib.util.find_spec("socksio") is not None:
+        pytest.skip("socksio is installed here: a SOCKS proxy is usable")
+    monkeypatch.setattr(cli, "transport", None)
+    monkeypatch.setenv("ALL_PROXY", proxy)
+    result = run_cli("status", "t1")
+    assert result.exit_code == 1
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "cannot use the proxy settings" in result.stderr
+
+
 # --- What cannot be sent ------------------------------------------------------------------
 
 
@@ -202,6 +303,20 @@ def test_stdin_that_is_not_utf8_is_one_line_and_exit_1(monkeypatch: pytest.Monke
     assert isinstance(result.exception, SystemExit), repr(result.exception)
     assert "cannot read stdin" in result.output
     assert seen == []
+
+
+def test_a_file_is_sent_with_its_line_endings_as_stdin_would_send_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`read_text` turned CRLF into LF: a file and the same file on stdin sent different
+    texts, and a key reused across the two was refused as another request (409)."""
+    text = "First line.\r\nSecond line.\rThird.\n"
+    essay = tmp_path / "crlf.txt"
+    essay.write_bytes(text.encode())
+    seen = _recorded(monkeypatch)
+    assert run_cli("submit", str(essay)).exit_code == 0
+    assert run_cli("submit", "-", input=text.encode()).exit_code == 0
+    assert [json.loads(request.content)["text"] for request in seen] == [text, text]
 
 
 def test_stdin_is_read_as_utf8(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -31,6 +31,12 @@ MAX_PREFETCH = 65_535
 # (`datetime` ends in the year 9999): an OverflowError in every handler that computed it,
 # not retried, its delivery left unacknowledged.
 MAX_DURATION_S = 10 * 365 * 86_400
+# The gateway answers a poll from its own record while the status service has not heard of
+# a task submitted (or due) this recently, and a finished task must stay readable longer:
+# one expiring first read as `queued` again until the window ended (the gateway's
+# `READ_YOUR_WRITES_WINDOW_S` at most this, the status service's `FINISHED_TASK_TTL_S` at
+# least this, so that one service's settings cannot contradict the other's).
+READ_YOUR_WRITES_MAX_S = 600
 # RabbitMQ closes the channel of a delivery held unacknowledged this long (`consumer_timeout`
 # in deploy/rabbitmq/rabbitmq.conf, and RabbitMQ's default): every wait a delivery is held
 # through must end before it.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from shared.contracts import HEURISTIC_PROMPT_VERSION, known_rubric_version
-from shared.settings import MAX_DURATION_S, InternalApiSettings, http_url
+from shared.settings import MAX_DURATION_S, READ_YOUR_WRITES_MAX_S, InternalApiSettings, http_url
 
 
 class GatewaySettings(InternalApiSettings):
@@ -52,7 +52,10 @@ class GatewaySettings(InternalApiSettings):
     # Polls answer from the gateway's own record while the status projection has not yet heard
     # of a task this young (read-your-writes); an older unknown task is expired or never was.
     read_your_writes_window_s: float = Field(
-        default=300.0, gt=0, le=MAX_DURATION_S, validation_alias="READ_YOUR_WRITES_WINDOW_S"
+        default=300.0,
+        gt=0,
+        le=READ_YOUR_WRITES_MAX_S,
+        validation_alias="READ_YOUR_WRITES_WINDOW_S",
     )
     # A submission still `accepting` (interrupted) or `unconfirmed` after this long is sent by
     # the outbox sweep.

@@ -28,7 +28,7 @@ from shared.contracts import (
     new_id,
     utcnow,
 )
-from shared.settings import MAX_DURATION_S, ServiceSettings
+from shared.settings import MAX_DURATION_S, READ_YOUR_WRITES_MAX_S, ServiceSettings
 
 SETTINGS_CLASSES: list[type[BaseSettings]] = [
     GatewaySettings,
@@ -270,3 +270,18 @@ def test_an_outcome_batch_of_no_events_or_of_too_many_is_refused(size: str) -> N
         ScorerSettings.model_validate({"SCORER_OUTCOME_BATCH_MAX": size})
     assert ScorerSettings.model_validate({}).outcome_batch_max == 16
     assert ScorerSettings.model_validate({"SCORER_OUTCOME_BATCH_MAX": "1"}).outcome_batch_max == 1
+
+
+def test_a_finished_task_stays_readable_past_the_gateways_read_your_writes_window() -> None:
+    """With FINISHED_TASK_TTL_S below READ_YOUR_WRITES_WINDOW_S, a finished task expired from
+    the status service and the gateway answered from its own record: `queued` again, until
+    the window ended. Each service bounds its own setting by the same limit."""
+    with pytest.raises(ValidationError, match="FINISHED_TASK_TTL_S"):
+        StatusSettings.model_validate({"FINISHED_TASK_TTL_S": READ_YOUR_WRITES_MAX_S - 1})
+    with pytest.raises(ValidationError, match="READ_YOUR_WRITES_WINDOW_S"):
+        GatewaySettings.model_validate({"READ_YOUR_WRITES_WINDOW_S": READ_YOUR_WRITES_MAX_S + 1})
+    shortest_ttl = StatusSettings.model_validate({"FINISHED_TASK_TTL_S": READ_YOUR_WRITES_MAX_S})
+    longest_window = GatewaySettings.model_validate(
+        {"READ_YOUR_WRITES_WINDOW_S": READ_YOUR_WRITES_MAX_S}
+    )
+    assert shortest_ttl.finished_task_ttl_s >= longest_window.read_your_writes_window_s

@@ -54,6 +54,7 @@ import orjson
 
 from services.notifier.errors import (
     DeliveryRejected,
+    NoSuchHost,
     PermanentDeliveryError,
     ReceiverUnavailable,
     TransientDeliveryError,
@@ -536,10 +537,12 @@ async def _retry_or_give_up(
 ) -> DeliveryDecision:
     if delivery.attempt >= delivery.max_attempts:
         reason = f"gave up after {delivery.attempt} attempt(s); last: {error.reason}"
-        # Its receiver answered the last attempt (5xx, 408, 429): the tenant's doing, as a
-        # refusal is, recorded and not an operator's alert. No answer (DNS, connect, TLS,
-        # timeout) may be ours, an egress or resolver outage: to the DLQ.
-        answered = isinstance(error, ReceiverUnavailable)
+        # Its receiver answered the last attempt (5xx, 408, 429), or DNS answered that its
+        # host does not exist: the tenant's doing, as a refusal is, recorded and not an
+        # operator's alert (a misspelt callback domain put a letter in the DLQ per task). No
+        # answer (DNS timeout or failure, connect, TLS, timeout) may be ours, an egress or
+        # resolver outage: to the DLQ.
+        answered = isinstance(error, ReceiverUnavailable | NoSuchHost)
         return await _give_up(
             delivery,
             reason,

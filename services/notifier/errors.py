@@ -9,6 +9,7 @@
     │                               (redirects are never followed)
     └── TransientDeliveryError      retry later; .retry_after_s when the receiver sent one
         ├── ResolutionFailed        no DNS answer in time, or no address
+        │   └── NoSuchHost          DNS answered that the name does not exist (NXDOMAIN)
         ├── ReceiverUnreachable     connect or TLS failure, timeout, connection lost
         └── ReceiverUnavailable     5xx, 408 or 429
 
@@ -48,6 +49,12 @@ class TransientDeliveryError(DeliveryError):
 
 class ResolutionFailed(TransientDeliveryError):
     """The host name did not resolve in time, or to no address."""
+
+
+class NoSuchHost(ResolutionFailed):
+    """The name's DNS answered that it does not exist: the URL's doing (a misspelt domain, one
+    let lapse), as an answer of the receiver's is; retried all the same (a domain just
+    registered may not have reached every resolver yet)."""
 
 
 class ReceiverUnreachable(TransientDeliveryError):

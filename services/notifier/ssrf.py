@@ -26,7 +26,7 @@ from typing import Protocol
 
 import aiodns
 
-from services.notifier.errors import ResolutionFailed, UnsafeDestination
+from services.notifier.errors import NoSuchHost, ResolutionFailed, UnsafeDestination
 from shared.webhook_urls import (
     IPAddress,
     UnsafeWebhookUrl,
@@ -72,6 +72,8 @@ class CaresResolver:
         except TimeoutError as error:
             raise ResolutionFailed(f"no DNS answer for {host} within {self._timeout_s}s") from error
         except aiodns.error.DNSError as error:
+            if error.args and error.args[0] == aiodns.error.ARES_ENOTFOUND:
+                raise NoSuchHost(f"{host} does not exist: {_reason(error)}") from error
             raise ResolutionFailed(f"{host} did not resolve: {_reason(error)}") from error
         # An IPv6 link-local answer may carry a zone (`fe80::1%eth0`); the address decides.
         return _unique(

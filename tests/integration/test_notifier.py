@@ -39,6 +39,7 @@ from services.gateway.keys import generate_key
 from services.gateway.settings import GatewaySettings
 from services.gateway.webhooks_api import NotifierClient, webhook_routes
 from services.notifier.app import create_app as create_notifier
+from services.notifier.errors import NoSuchHost
 from services.notifier.settings import NotifierSettings
 from services.scorer.app import create_app as create_scorer
 from services.scorer.model.settings import ModelSettings
@@ -130,6 +131,8 @@ class TableResolver:
         self._table = table
 
     async def resolve(self, host: str, port: int) -> Sequence[IPAddress]:
+        if host.endswith(".nx"):  # as a name server answers for a name that does not exist
+            raise NoSuchHost(f"{host} does not exist: Domain name not found")
         return [ipaddress.ip_address(a) for a in self._table.get(host, [])]
 
 
@@ -432,6 +435,24 @@ async def test_a_receiver_never_reached_is_dead_lettered_after_the_last_attempt(
 
     assert "gave up after 4 attempt(s)" in str(dead.headers[ERROR_HEADER])
     assert record["dead_letter"] is True
+
+
+async def test_a_callback_host_that_does_not_exist_is_given_up_unlettered(flow: Flow) -> None:
+    """DNS answered that the name does not exist (a misspelt domain): the URL's doing, as a
+    refusal is. Dead-lettered, one tenant's typo put a letter per task in the operators' DLQ
+    and kept its alert on. Retried all the same: a new domain may not have spread yet."""
+    url = "https://hooks.misspelt.nx/hook"
+    task_id = new_id()
+    await flow.publish(_completed(task_id, url))
+
+    record = await flow.settled(task_id, "failed")
+
+    assert "gave up after 4 attempt(s)" in record["last_error"]
+    assert "does not exist" in record["last_error"]
+    assert record["dead_letter"] is False
+    await flow._drain_dead_letters()
+    lettered = [DeliverWebhook.model_validate_json(m.body) for m in flow.dead_letters]
+    assert record["_id"] not in {letter.delivery_id for letter in lettered}
 
 
 def _closed_port() -> int:

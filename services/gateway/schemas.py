@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import (
@@ -13,6 +13,7 @@ from pydantic import (
     Field,
     StrictBool,
     StrictInt,
+    StringConstraints,
     field_validator,
     model_validator,
 )
@@ -30,6 +31,10 @@ MAX_DELAY_S = 7 * 24 * 3600
 BLANK_TEXT = "text must contain something other than whitespace and control characters"
 # The status of a task the status service no longer holds (finished, then expired).
 EXPIRED = "expired"
+# A model's name as the provider takes it: surrounding blanks dropped, something left. A
+# blank name was accepted (202) and sent to the provider as it stood, a model no provider
+# has, and the task could only fail.
+ModelName = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=200)]
 
 
 def checked_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
@@ -93,7 +98,7 @@ class ScoreSubmission(BaseModel):
         "MAX_TEXT_CHARS)."
     )
     rubric: str | None = Field(default=None, max_length=4_000)
-    model: str | None = Field(default=None, min_length=1, max_length=200)
+    model: ModelName | None = None
     metadata: dict[str, Any] = Field(default_factory=dict, description="Kept with the task.")
     # Strict: JSON `true` was read as a one-second delay and "30" as 30.
     delay_seconds: StrictInt | None = Field(default=None, ge=0, le=MAX_DELAY_S)

@@ -34,7 +34,7 @@ from services.gateway.errors import (
 )
 from services.gateway.publisher import TaskPublisher
 from services.gateway.refusals import Refusals
-from services.gateway.schemas import EXPIRED
+from services.gateway.schemas import EXPIRED, ScoreSubmission
 from services.gateway.submissions import _only_duplicate_ids
 from shared.contracts import (
     BatchItemProgress,
@@ -84,6 +84,8 @@ def test_the_text_limit_comes_from_the_validation_context() -> None:
         {"items": [{"text": "a", "client_id": ""}]},
         {"items": [{"text": "a", "metadata": {"a.b": 1}}]},
         {"items": [{"text": "a", "delay_seconds": 5}]},
+        {"items": [{"text": "a", "model": " \t"}]},
+        {"items": [{"text": "a"}], "model": "  "},
     ],
 )
 def test_invalid_batches(payload: dict[str, Any]) -> None:
@@ -566,3 +568,19 @@ def test_only_documents_already_there_let_a_batch_insert_pass(
     details: dict[str, Any], already_there: bool
 ) -> None:
     assert _only_duplicate_ids(BulkWriteError(details)) is already_there
+
+
+@pytest.mark.parametrize("model", ["", " ", "\t\n"])
+def test_a_blank_model_name_is_refused(model: str) -> None:
+    """It was accepted (202) and sent to the provider as it stood: a model no provider has."""
+    with pytest.raises(ValidationError) as error:
+        ScoreSubmission.model_validate({"text": "a", "model": model})
+    assert error.value.errors()[0]["loc"] == ("model",)
+
+
+def test_a_model_name_is_taken_without_surrounding_blanks() -> None:
+    """As the provider names it: the result cache and the idempotency key see one name."""
+    assert ScoreSubmission.model_validate({"text": "a", "model": " gpt-4o "}).model == "gpt-4o"
+    payload = {"items": [{"text": "a", "model": " m "}], "model": " d"}
+    batch = BatchSubmission.model_validate(payload)
+    assert (batch.items[0].model, batch.model) == ("m", "d")

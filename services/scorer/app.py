@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import random
 import socket
@@ -34,6 +36,8 @@ from shared.runtime import (
     start_broker,
 )
 from shared.service_app import internal_service_app
+
+log = logging.getLogger("scorebox.scorer")
 
 
 def stop_grace_s(settings: ScorerSettings, model_settings: ModelSettings) -> float:
@@ -69,11 +73,9 @@ def create_app(
 ) -> FastAPI:
     """Wire the scorer: broker (prefetch: the deliveries in hand) + database + model (at most
     `concurrency` calls at once) + HTTP health."""
+    grace_s = stop_grace_s(settings, model_settings)
     broker = broker or make_broker(
-        settings,
-        prefetch=settings.deliveries_in_hand,
-        name="scorer",
-        graceful_timeout_s=stop_grace_s(settings, model_settings),
+        settings, prefetch=settings.deliveries_in_hand, name="scorer", graceful_timeout_s=grace_s
     )
     mongo = mongo or make_mongo(settings)
     http: ProviderClient | None = None
@@ -158,8 +160,15 @@ def create_app(
         # (`scoring._turned_away`), and so is one at its delivery limit waiting for another
         # claim (`consumer._handed_back_at_stop`). Those in a slot finish within the grace
         # period (`stop_grace_s`).
+        stopping = asyncio.get_running_loop().time()
         deps.model_slots.close()
         await broker.stop_consuming()
+        # Decisions whose delivery was lost (a broker connection dropped under them) are in no
+        # handler: they get what is left of the grace period too.
+        left_s = grace_s - (asyncio.get_running_loop().time() - stopping)
+        unfinished = await deps.decisions.ended(timeout_s=left_s)
+        if unfinished:
+            log.warning("stopping with %d decisions still running past the grace", unfinished)
         await pauses.close()
         await broker.stop()
         if http is not None:

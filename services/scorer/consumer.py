@@ -216,7 +216,9 @@ def subscribe_scorer(
             # instead of calling the model a second time once the claim's lease has expired.
             # One still waiting for a model slot then starts nothing (`lost`).
             decision = await asyncio.shield(
-                _decide(command, deps, actions.clock, redelivered=redelivered, lost=lost)
+                deps.decisions.start(
+                    _decide(command, deps, actions.clock, redelivered=redelivered, lost=lost)
+                )
             )
         except asyncio.CancelledError:
             lost.set()

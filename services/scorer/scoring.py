@@ -26,6 +26,7 @@ from services.scorer.decisions import (
     Spent,
     add_usage,
 )
+from services.scorer.detached import Detached
 from services.scorer.errors import (
     ModelRateLimited,
     PermanentError,
@@ -96,6 +97,8 @@ class ScorerDeps:
     # The attempts deliveries of this process are claiming, calling the model for or
     # recording (task id, generation, attempt).
     in_hand: InHand[tuple[str, int, int]] = field(default_factory=InHand)
+    # Every decision running, those whose delivery was lost included: the stop waits for them.
+    decisions: Detached = field(default_factory=Detached)
     metrics: ScorerMetrics = field(default_factory=ScorerMetrics)
 
 

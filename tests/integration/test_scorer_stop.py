@@ -18,6 +18,7 @@ from devtools.fake_llm import FakeLLMConfig, start_fake_llm
 from shared.bus import publish_command
 from shared.contracts import ScoreText, new_id
 from shared.runtime import make_broker
+from tests.faults.slow_link import SlowLink
 from tests.integration.in_process import scorer_over
 from tests.support import running
 
@@ -57,3 +58,43 @@ async def test_a_model_call_in_flight_at_stop_finishes_and_is_recorded(
     assert attempt["state"] == "decided", attempt
     assert attempt["decision"]["kind"] == "finish", attempt["decision"]
     assert attempt["decision"]["event"]["routing_key"] == "task.completed"
+
+
+async def test_a_call_whose_delivery_was_lost_finishes_and_is_recorded_at_stop(
+    amqp_url: str, mongo: Any, db_prefix: str, broker_link: SlowLink
+) -> None:
+    """The consumers' connection dropped mid-call: the handler is cancelled, its decision goes
+    on (shielded) in no handler. A stop before the redelivery came back found no delivery in
+    hand, closed the model client under the call, and recorded a retry of an unavailable
+    model: the call billed, and made again (found in review)."""
+    llm = await start_fake_llm(FakeLLMConfig(latency_ms=3000))
+    setup = scorer_over(
+        llm,
+        amqp_url=broker_link.url_through(amqp_url),
+        mongo_url=mongo.url,
+        db_prefix=db_prefix,
+        llm_timeout_s=10,
+        BROKER_TIMEOUT_S="1",
+    )
+    settings = setup.settings
+    marker = f"s{uuid.uuid4().hex[:12]}"
+    command = ScoreText(task_id=new_id(), text=f"Lost, then stopped [[id:{marker}]].")
+    publisher = make_broker(setup.settings.model_copy(update={"rabbitmq_url": amqp_url}))
+    async with running(setup.app()):
+        async with publisher:
+            await publisher.connect()
+            await publish_command(publisher, command, timeout=10)
+        await llm.wait_for_stats(lambda stats: stats["by_id"].get(marker, 0) >= 1)
+        await broker_link.cut()  # the handler is cancelled; the call goes on
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url)
+    try:
+        attempt = await client[settings.database_name("scorer")]["attempts"].find_one(
+            {"_id": command.task_id}
+        )
+    finally:
+        await client.close()
+        await llm.stop()
+    assert attempt is not None
+    assert attempt["state"] == "decided", attempt
+    assert attempt["decision"]["event"]["routing_key"] == "task.completed", attempt["decision"]
+    assert llm.stats()["by_id"][marker] == 1

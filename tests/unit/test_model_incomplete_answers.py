@@ -309,3 +309,36 @@ async def test_the_fake_models_answer_without_a_choice_is_retryable_and_billed(
     assert caught.value.model == "gpt-4o-mini-2024-07-18"
     assert 0 <= (await score_on(fake, text)).result.score <= 10  # the retry is answered
     assert fake.stats()["by_id"] == {"none": 2}
+
+
+def _cut_mid_character(content: bytes) -> Answer:
+    """A chat completion cut at the token limit inside a character, `content` spliced in as
+    raw bytes (a JSON string's inside, quotes escaped)."""
+    head = (
+        b'{"object": "chat.completion", "model": "' + ANSWERED_MODEL.encode() + b'", '
+        b'"choices": [{"index": 0, "message": {"role": "assistant", "content": "'
+    )
+    tail = (
+        b'"}, "finish_reason": "length"}], '
+        b'"usage": {"prompt_tokens": 120, "completion_tokens": 300}}'
+    )
+    return Answer(200, head + content + tail, {"Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param(b'{\\"score\\": 7, \\"comment\\": \\"Clear \xf0\x9f', id="raw-half-emoji"),
+        pytest.param(b'{\\"score\\": 7, \\"comment\\": \\"Clear \\ud83d', id="lone-surrogate"),
+    ],
+)
+async def test_an_answer_cut_inside_a_character_is_repaired_and_billed(content: bytes) -> None:
+    """The body was unreadable whole: the task failed for good as "misconfigured", without
+    its repair, and the tokens it reported went unmetered."""
+    provider = ScriptedProvider(
+        _cut_mid_character(content), finished(GOOD, "stop", completion_tokens=20)
+    )
+    verdict = await score_with(provider)
+    assert verdict.result.score == 7.5
+    assert verdict.result.usage == Usage(prompt_tokens=240, completion_tokens=320)
+    assert len(provider.requests) == 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -310,7 +311,7 @@ def _transport_error(exc: Exception, url: URL) -> ScoringError:
 
 def _read_answer(response: ProviderReply, requested_model: str, *, now: datetime) -> _Answer:
     try:
-        completion = _ChatCompletion.model_validate_json(response.body)
+        completion = _chat_completion(response.body)
     except ValidationError as exc:
         raise _without_completion(response, requested_model, now=now) from exc
     choice = completion.choices[0]
@@ -330,6 +331,40 @@ def _read_answer(response: ProviderReply, requested_model: str, *, now: datetime
         usage=usage,
         cut_at_token_limit=choice.finish_reason == "length",
     )
+
+
+def _chat_completion(body: bytes) -> _ChatCompletion:
+    """The chat completion in `body`. An answer cut at the token limit in the middle of a
+    character (raw bytes of half an emoji, or an escaped lone surrogate, as some servers send
+    it) made the whole body unreadable: the task failed for good as "misconfigured", without
+    the repair such an answer gets, and its billed tokens went unmetered. Read again with the
+    broken characters replaced, only when the strict reading fails."""
+    try:
+        return _ChatCompletion.model_validate_json(body)
+    except ValidationError:
+        lenient = _leniently_decoded(body)
+        if lenient is None:
+            raise
+        return _ChatCompletion.model_validate(lenient)
+
+
+def _leniently_decoded(body: bytes) -> Any:
+    """`body` as JSON, invalid UTF-8 and lone surrogates replaced; None when it is no JSON."""
+    try:
+        return _without_lone_surrogates(json.loads(body.decode("utf-8", errors="replace")))
+    except ValueError:
+        return None
+
+
+def _without_lone_surrogates(value: Any) -> Any:
+    """`value` (decoded JSON) with every lone surrogate in its strings replaced."""
+    if isinstance(value, str):
+        return value.encode("utf-8", errors="replace").decode("utf-8")
+    if isinstance(value, list):
+        return [_without_lone_surrogates(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _without_lone_surrogates(item) for key, item in value.items()}
+    return value
 
 
 def _without_completion(

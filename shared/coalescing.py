@@ -4,11 +4,16 @@ An operation waits only while the previous round trip is in flight, so an idle s
 at once and a busy one sends everything that queued up meanwhile together. `GroupWriter`
 (`shared.group_writes`) and `GroupReader` (`shared.group_reads`) build on it.
 
-With a deadline (the client's `timeoutMS`), the wait in the queue counts against it: a round
-trip is sent with what is left of its earliest deadline (`pymongo.timeout`), and an operation
-whose deadline passed while it waited is not sent at all (`QueuedPastDeadline`). Without this,
-an operation queued behind a stalled round trip waited for that one's timeout and then for its
-own, twice the deadline or more.
+With a deadline (the client's `timeoutMS`), the wait in the queue counts against it: an
+operation whose deadline passed while it waited is not sent at all (`QueuedPastDeadline`), and
+each caller is answered by its own deadline. Without this, an operation queued behind a
+stalled round trip waited for that one's timeout and then for its own, twice the deadline or
+more. A round trip is sent with what is left of its latest deadline (`pymongo.timeout`), and a
+member whose own deadline passes while it is in flight fails then (`TimedOutInFlight`), the
+others still waiting for their answer. Bounded by its earliest deadline instead, a round trip
+failed whole whenever the database took more than half the timeout to answer: the oldest
+member had waited through the previous round trip, and its remainder cut short every write
+sent with it, each of which would have been answered in time on its own.
 """
 
 from __future__ import annotations
@@ -21,13 +26,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pymongo
-from pymongo.errors import ServerSelectionTimeoutError
+from pymongo.errors import NetworkTimeout, ServerSelectionTimeoutError
 
 
 class QueuedPastDeadline(ServerSelectionTimeoutError):
     """The operation was never sent: it waited behind earlier round trips until its deadline
     had passed. To its caller it is a server not selected in time: nothing reached the
     database."""
+
+
+class TimedOutInFlight(NetworkTimeout):
+    """The operation's deadline passed while the round trip carrying it (bounded by a later
+    member's deadline) was in flight: it may or may not have been applied, as after any
+    network timeout."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +94,7 @@ class Coalescer[Op, Result](ABC):
         batch = _unexpired(batch)
         if not batch:
             return
+        timers = _each_answered_by_its_deadline(batch)
         try:
             with _within_deadlines(batch):
                 await self._send(batch)
@@ -93,6 +105,9 @@ class Coalescer[Op, Result](ABC):
         except Exception as error:  # noqa: BLE001 - the batch's failure is each caller's failure
             for queued in batch:
                 fail(queued, error)
+        finally:
+            for timer in timers:
+                timer.cancel()
 
 
 def settle[Op, Result](queued: Queued[Op, Result], result: Result) -> None:
@@ -120,8 +135,33 @@ def _unexpired[Op, Result](batch: list[Queued[Op, Result]]) -> list[Queued[Op, R
 def _within_deadlines[Op, Result](
     batch: Sequence[Queued[Op, Result]],
 ) -> contextlib.AbstractContextManager[None]:
-    """The round trip's time limit: what is left of the earliest deadline in `batch`."""
+    """The round trip's time limit: what is left of the latest deadline in `batch` (none
+    when a member has none)."""
+    deadlines = [queued.deadline for queued in batch]
+    if not deadlines or None in deadlines:
+        return contextlib.nullcontext()
+    latest = max(deadline for deadline in deadlines if deadline is not None)
+    return pymongo.timeout(max(latest - asyncio.get_running_loop().time(), 0.001))
+
+
+def _each_answered_by_its_deadline[Op, Result](
+    batch: Sequence[Queued[Op, Result]],
+) -> list[asyncio.TimerHandle]:
+    """Timers failing each member of `batch` whose deadline comes before the round trip's
+    own limit, should the round trip outlast it (a member already answered is left as it
+    is). The members with the latest deadline get PyMongo's own error at that limit, which
+    tells an operation never sent (no server selected) from one that may have been applied."""
     deadlines = [queued.deadline for queued in batch if queued.deadline is not None]
     if not deadlines:
-        return contextlib.nullcontext()
-    return pymongo.timeout(max(min(deadlines) - asyncio.get_running_loop().time(), 0.001))
+        return []
+    latest = max(deadlines)
+    loop = asyncio.get_running_loop()
+    return [
+        loop.call_at(queued.deadline, _timed_out, queued)
+        for queued in batch
+        if queued.deadline is not None and queued.deadline < latest
+    ]
+
+
+def _timed_out[Op, Result](queued: Queued[Op, Result]) -> None:
+    fail(queued, TimedOutInFlight("its deadline passed while its round trip was in flight"))

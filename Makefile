@@ -9,7 +9,7 @@ PYTHON313 ?= $(shell for p in $$(ls -d $$HOME/.pyenv/versions/3.13*/bin/python3.
 .PHONY: help venv constraints system-deps run bench-report test test-unit test-integration test-e2e test-faults lint fmt typecheck bench clean
 
 help:
-	@echo "make run        the whole system on this machine (RabbitMQ + MongoDB or its stand-in + 4 services)"
+	@echo "make run        the whole system on this machine (RabbitMQ + MongoDB or its stand-in + 5 services)"
 	@echo "make test       lint, type check and the whole test suite"
 	@echo "make bench      the benchmark (not part of make test)"
 

@@ -584,6 +584,14 @@ class DevKeys:
         return {"BOOTSTRAP_API_KEY": self.api_key, "ADMIN_API_KEY": self.admin_key}
 
 
+def scheduler_export(stack: Stack) -> list[str]:
+    """What `scorebox cron` reads to reach this stack's scheduler (its default is port 8003:
+    with `SCHEDULER_PORT` moved, the banner's exports left `cron` unreachable)."""
+    if "scheduler" not in stack.config.services:
+        return []
+    return [f"  export SCOREBOX_SCHEDULER_URL={stack.url('scheduler')}"]
+
+
 def banner(stack: Stack, keys: DevKeys) -> str:
     lines = ["", "Scorebox is up."]
     for proc in stack.processes():
@@ -598,6 +606,7 @@ def banner(stack: Stack, keys: DevKeys) -> str:
         f"  export SCOREBOX_URL={stack.gateway_url}",
         f"  export SCOREBOX_API_KEY={keys.api_key}",
         f"  export SCOREBOX_ADMIN_KEY={keys.admin_key}",
+        *scheduler_export(stack),
         "",
         *metrics_lines(stack),
         "Try it:",

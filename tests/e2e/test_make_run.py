@@ -75,6 +75,9 @@ def test_make_run_serves_the_readme_example_and_stops_on_sigterm(
     assert f"Gateway:  {gateway}" in banner
     assert f"-H 'Authorization: Bearer {api_key}'" in banner  # the curl example is ready to paste
     assert f"export SCOREBOX_API_KEY={api_key}" in banner
+    # `scorebox cron` defaults to port 8003: with the port moved, the export points it here.
+    scheduler = f"http://127.0.0.1:{ports['SCHEDULER_PORT']}"
+    assert f"export SCOREBOX_SCHEDULER_URL={scheduler}" in banner
 
     submitted = httpx.post(
         f"{gateway}/v1/scores",

@@ -94,9 +94,10 @@ class Coalescer[Op, Result](ABC):
         batch = _unexpired(batch)
         if not batch:
             return
-        timers = _each_answered_by_its_deadline(batch)
+        latest = _latest_deadline(batch)
+        timers = _each_answered_by_its_deadline(batch, latest)
         try:
-            with _within_deadlines(batch):
+            with _within(latest):
                 await self._send(batch)
         except asyncio.CancelledError:
             for queued in batch:
@@ -132,29 +133,30 @@ def _unexpired[Op, Result](batch: list[Queued[Op, Result]]) -> list[Queued[Op, R
     return kept
 
 
-def _within_deadlines[Op, Result](
-    batch: Sequence[Queued[Op, Result]],
-) -> contextlib.AbstractContextManager[None]:
-    """The round trip's time limit: what is left of the latest deadline in `batch` (none
-    when a member has none)."""
+def _latest_deadline[Op, Result](batch: Sequence[Queued[Op, Result]]) -> float | None:
+    """The latest deadline in `batch`; None when a member has none (nothing is bounded)."""
     deadlines = [queued.deadline for queued in batch]
     if not deadlines or None in deadlines:
+        return None
+    return max(deadline for deadline in deadlines if deadline is not None)
+
+
+def _within(latest: float | None) -> contextlib.AbstractContextManager[None]:
+    """The round trip's time limit: what is left of its latest deadline."""
+    if latest is None:
         return contextlib.nullcontext()
-    latest = max(deadline for deadline in deadlines if deadline is not None)
     return pymongo.timeout(max(latest - asyncio.get_running_loop().time(), 0.001))
 
 
 def _each_answered_by_its_deadline[Op, Result](
-    batch: Sequence[Queued[Op, Result]],
+    batch: Sequence[Queued[Op, Result]], latest: float | None
 ) -> list[asyncio.TimerHandle]:
     """Timers failing each member of `batch` whose deadline comes before the round trip's
-    own limit, should the round trip outlast it (a member already answered is left as it
-    is). The members with the latest deadline get PyMongo's own error at that limit, which
+    limit (`latest`), should the round trip outlast it (a member already answered is left as
+    it is). The members with the latest deadline get PyMongo's own error at that limit, which
     tells an operation never sent (no server selected) from one that may have been applied."""
-    deadlines = [queued.deadline for queued in batch if queued.deadline is not None]
-    if not deadlines:
+    if latest is None:
         return []
-    latest = max(deadlines)
     loop = asyncio.get_running_loop()
     return [
         loop.call_at(queued.deadline, _timed_out, queued)

@@ -33,10 +33,6 @@ class Detached:
         if not task.cancelled():
             task.exception()
 
-    @property
-    def running(self) -> int:
-        return len(self._running)
-
     async def ended(self, *, timeout_s: float) -> int:
         """Wait up to `timeout_s` for every decision running now to end; how many have not."""
         if self._running and timeout_s > 0:

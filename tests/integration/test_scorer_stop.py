@@ -14,7 +14,8 @@ from typing import Any
 
 from pymongo import AsyncMongoClient
 
-from devtools.fake_llm import FakeLLMConfig, start_fake_llm
+from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
+from services.scorer.settings import ScorerSettings
 from shared.bus import publish_command
 from shared.contracts import ScoreText, new_id
 from shared.runtime import make_broker
@@ -40,21 +41,9 @@ async def test_a_model_call_in_flight_at_stop_finishes_and_is_recorded(
     command = ScoreText(task_id=new_id(), text=f"Stopped mid-call [[id:{marker}]].")
     scorer = setup.app()
     async with running(scorer):
-        publisher = make_broker(settings)
-        async with publisher:
-            await publisher.connect()
-            await publish_command(publisher, command, timeout=10)
-        await llm.wait_for_stats(lambda stats: stats["by_id"].get(marker, 0) >= 1)
+        await _published_and_called(settings, command, llm, marker)
     # Stopped: the call was in flight.
-    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url)
-    try:
-        attempt = await client[settings.database_name("scorer")]["attempts"].find_one(
-            {"_id": command.task_id}
-        )
-    finally:
-        await client.close()
-        await llm.stop()
-    assert attempt is not None
+    attempt = await _attempt_after(llm, mongo.url, settings, command)
     assert attempt["state"] == "decided", attempt
     assert attempt["decision"]["kind"] == "finish", attempt["decision"]
     assert attempt["decision"]["event"]["routing_key"] == "task.completed"
@@ -79,14 +68,32 @@ async def test_a_call_whose_delivery_was_lost_finishes_and_is_recorded_at_stop(
     settings = setup.settings
     marker = f"s{uuid.uuid4().hex[:12]}"
     command = ScoreText(task_id=new_id(), text=f"Lost, then stopped [[id:{marker}]].")
-    publisher = make_broker(setup.settings.model_copy(update={"rabbitmq_url": amqp_url}))
+    direct = settings.model_copy(update={"rabbitmq_url": amqp_url})  # not through the link
     async with running(setup.app()):
-        async with publisher:
-            await publisher.connect()
-            await publish_command(publisher, command, timeout=10)
-        await llm.wait_for_stats(lambda stats: stats["by_id"].get(marker, 0) >= 1)
+        await _published_and_called(direct, command, llm, marker)
         await broker_link.cut()  # the handler is cancelled; the call goes on
-    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url)
+    attempt = await _attempt_after(llm, mongo.url, settings, command)
+    assert attempt["state"] == "decided", attempt
+    assert attempt["decision"]["event"]["routing_key"] == "task.completed", attempt["decision"]
+    assert llm.stats()["by_id"][marker] == 1
+
+
+async def _published_and_called(
+    settings: ScorerSettings, command: ScoreText, llm: FakeLLM, marker: str
+) -> None:
+    """`command` published (with `settings`' broker URL), then its model call under way."""
+    publisher = make_broker(settings)
+    async with publisher:
+        await publisher.connect()
+        await publish_command(publisher, command, timeout=10)
+    await llm.wait_for_stats(lambda stats: stats["by_id"].get(marker, 0) >= 1)
+
+
+async def _attempt_after(
+    llm: FakeLLM, mongo_url: str, settings: ScorerSettings, command: ScoreText
+) -> dict[str, Any]:
+    """The attempt document the stopped scorer left for `command`; the fake model stopped."""
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo_url)
     try:
         attempt = await client[settings.database_name("scorer")]["attempts"].find_one(
             {"_id": command.task_id}
@@ -95,6 +102,4 @@ async def test_a_call_whose_delivery_was_lost_finishes_and_is_recorded_at_stop(
         await client.close()
         await llm.stop()
     assert attempt is not None
-    assert attempt["state"] == "decided", attempt
-    assert attempt["decision"]["event"]["routing_key"] == "task.completed", attempt["decision"]
-    assert llm.stats()["by_id"][marker] == 1
+    return attempt

@@ -9,8 +9,8 @@
    aio-pika (`bench.delivery_cost`), on `RABBITMQ_URL` (default: the local broker, guest/guest).
 4. Publisher CPU per confirmed message through FastStream against bare aio-pika
    (`bench.publish_cost`), on the same broker.
-5. The scorer's text preparation (`prepare_text`, with `detect_instructions` in it) on the
-   benchmark's essays.
+5. The scorer's text preparation (`prepare_text`, with `detect_instructions` in it) and the
+   gateway's result-cache key (`cache_key`), on a benchmark essay and on ten as one text.
 6. Client CPU per model call against the fake model: the scorer's adapter, its HTTP client
    alone, httpx's API over aiohttp's pool, httpx's own pool and bare aiohttp
    (`bench.model_call_cost`).
@@ -47,6 +47,7 @@ from bench.publish_cost import publish_cost
 from bench.receive_path import receive_path
 from bench.stats import cpu_us_each
 from devtools.infra import read_first_line
+from services.gateway.cache import cache_key
 from services.scorer.model.preparation import prepare_text
 from services.scorer.model.prompt import detect_instructions
 from shared.group_reads import GroupReader
@@ -151,18 +152,31 @@ async def measure(url: str) -> None:
         await client.close()
 
 
-def text_preparation(texts: int = 2_000) -> None:
-    essays = [essay("micro", index) for index in range(texts)]
-    timings = []
-    for step in (detect_instructions, lambda text: prepare_text(text, max_chars=20_000)):
-        started = time.process_time()
-        for text in essays:
-            step(text)
-        timings.append((time.process_time() - started) / texts * 1e6)
-    print(
-        f"CPU per essay of about {len(essays[0])} characters: detect_instructions "
-        f"{timings[0]:.0f} µs, prepare_text {timings[1]:.0f} µs"
-    )
+def text_preparation(texts: int = 500) -> None:
+    """The CPU a text costs before its model call, on a benchmark essay and on ten of them as
+    one text (the size of a school essay): the scorer's preparation, of which the cue
+    search, and the gateway's result-cache key."""
+    for paragraphs in (1, 10):
+        essays = [
+            "\n\n".join(essay("micro", index * paragraphs + part) for part in range(paragraphs))
+            for index in range(texts)
+        ]
+        timings = []
+        steps: tuple[Callable[[str], object], ...] = (
+            detect_instructions,
+            lambda text: prepare_text(text, max_chars=20_000),
+            lambda text: cache_key(text, None, "bench"),
+        )
+        for step in steps:
+            started = time.process_time()
+            for text in essays:
+                step(text)
+            timings.append((time.process_time() - started) / texts * 1e6)
+        print(
+            f"CPU per essay of about {len(essays[0]):,} characters: detect_instructions "
+            f"{timings[0]:.0f} µs, prepare_text {timings[1]:.0f} µs; the gateway's cache_key "
+            f"{timings[2]:.0f} µs"
+        )
 
 
 @contextlib.contextmanager

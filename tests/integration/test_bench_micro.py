@@ -94,3 +94,15 @@ async def test_the_receive_path_measures_both_ways_and_puts_pymongos_back(
     assert written["n"] == receive_path.WRITES - 1
     assert receive_path.pool.async_receive_message is shipped
     assert "its reply read directly" in capsys.readouterr().out
+
+
+def test_text_preparation_measures_a_short_and_a_long_essay(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    micro.text_preparation(texts=3)
+    lines = capsys.readouterr().out.splitlines()
+    sizes = [
+        int(line.split("about ")[1].split(" characters")[0].replace(",", "")) for line in lines
+    ]
+    assert len(sizes) == 2
+    assert sizes[1] > 5 * sizes[0]

@@ -173,7 +173,11 @@ def _every_cue_everywhere(text: str) -> bool:
     st.lists(
         st.tuples(
             st.sampled_from(_FRAGMENTS),
-            st.sampled_from(("", " ", "  ", "\n", ", ", ".", "_", "x")),
+            # Non-ASCII letters next to a word (the lead words are found in an ASCII copy)
+            # and blanks of every kind.
+            st.sampled_from(
+                ("", " ", "  ", "\n", ", ", ".", "_", "x", "\u00e9", "\u2019", "\t", "\u00a0 ")
+            ),
             st.booleans(),
         ),
         max_size=12,

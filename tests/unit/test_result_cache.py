@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
+import unicodedata
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from services.gateway.cache import cache_key, cacheable, scoring_model
 from services.gateway.settings import GatewaySettings
 from shared.contracts import ScoreResult
@@ -34,3 +42,37 @@ def test_the_heuristic_keys_its_results_by_its_own_name_whatever_model_was_asked
     assert scoring_model("gpt-4o-mini", offline) == scoring_model(None, offline) == offline
     assert scoring_model("gpt-4o-mini", online) == scoring_model(None, online) == "gpt-4o-mini"
     assert scoring_model("gpt-4o", online) == "gpt-4o"
+
+
+def test_a_key_stays_what_earlier_releases_stored() -> None:
+    """Keys are stored with each submission and in the cache: one computed another way
+    would miss every result cached before a deploy. Pinned for texts with every kind of
+    blank, as the regex substitution of earlier releases computed it."""
+    text = "\u00a0 Caf\u00e9\t\tau\u2003lait\r\n\n  x\u3000"
+    assert cache_key(text, "r", "m") == (
+        hashlib.sha256(orjson.dumps(["Caf\u00e9 au lait x", "r", "m"])).hexdigest()
+    )
+
+
+_PIECES = (
+    "a",
+    "e\u0301",
+    " ",
+    "  ",
+    "\t",
+    "\n",
+    "\r\n",
+    "\u00a0",
+    "\u2028",
+    "\x1c",
+    "\u3000",
+    "\u200b",
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES)).map("".join))
+def test_the_key_folds_blanks_as_a_whitespace_regex_does(text: str) -> None:
+    folded = re.sub(r"\s+", " ", unicodedata.normalize("NFC", text)).strip()
+    expected = hashlib.sha256(orjson.dumps([folded, "", ""])).hexdigest()
+    assert cache_key(text, None, None) == expected

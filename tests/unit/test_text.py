@@ -8,6 +8,8 @@ import sys
 import unicodedata
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from services.gateway import batches, schemas
@@ -16,7 +18,7 @@ from services.gateway.schemas import ScoreSubmission
 from services.scorer.errors import InputRejected
 from services.scorer.model import normalise, preparation
 from services.scorer.model.preparation import prepare_text
-from shared.text import is_blank, normalise_text
+from shared.text import OTHER_WHITESPACE, is_blank, normalise_text
 
 # Whitespace (`str.isspace`) and control characters (category Cc).
 _BLANK_CHARACTER = re.compile(r"[\s\x00-\x1f\x7f-\x9f]")
@@ -100,3 +102,59 @@ def test_is_blank_agrees_with_normalise_text_for_every_code_point() -> None:
             unstable.append(character)
     assert disagree == []
     assert unstable == []
+
+
+_STEPS = tuple(
+    (re.compile(pattern), replacement)
+    for pattern, replacement in (
+        (r"\r\n?|[\u2028\u2029\x0b\x0c\x85]", "\n"),
+        (r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", ""),
+        (r"[^\S\n\t]+", " "),
+        (r"[ \t]+\n", "\n"),
+        (r"\n{3,}", "\n\n"),
+    )
+)
+
+
+def _normalised_step_by_step(text: str) -> str:
+    """The definition `normalise_text`'s shortcut for texts already canonical must keep."""
+    text = unicodedata.normalize("NFC", text)
+    for pattern, replacement in _STEPS:
+        text = pattern.sub(replacement, text)
+    return text.strip()
+
+
+def test_other_whitespace_is_every_blank_but_the_space_and_the_newline() -> None:
+    listed = re.compile(f"[{OTHER_WHITESPACE}]")
+    every = [chr(c) for c in range(sys.maxunicode + 1)]
+    assert [c for c in every if listed.fullmatch(c)] == [
+        c for c in every if c.isspace() and c not in " \n"
+    ]
+
+
+def test_normalise_text_agrees_with_its_definition_around_every_code_point() -> None:
+    """Each character doubled at the end of a line: the shortcut must not take a text with
+    any character that normalisation changes for one it gives back as it is."""
+    texts = (f"a{chr(code_point) * 2}\nb" for code_point in range(sys.maxunicode + 1))
+    assert [text for text in texts if normalise_text(text) != _normalised_step_by_step(text)] == []
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["a \nb", "a  b", "a\n\n\nb", " a", "a ", "\na", "a\n", "a\tb", "a\t\nb", "e\u0301", "\u212b"],
+)
+def test_normalise_text_changes_what_only_its_later_steps_change(text: str) -> None:
+    """Texts whose every character could stand in a canonical text, but not so placed."""
+    assert normalise_text(text) == _normalised_step_by_step(text)
+
+
+_PIECES = (
+    *("a", "B", "e\u0301", "\u00e9", "\u212b", " ", "  ", "\t", "\n", "\n\n\n", "\r\n", "\r"),
+    *("\x00", "\x85", "\u00a0", "\u2028", "\x0b", "\x1c", "\u3000", "\u200b", "\ud800"),
+)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), max_size=12).map("".join))
+def test_normalise_text_agrees_with_its_definition(text: str) -> None:
+    assert normalise_text(text) == _normalised_step_by_step(text)

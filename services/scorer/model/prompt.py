@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
 from shared.contracts import JUDGE_PROMPT_VERSION
+from shared.text import OTHER_WHITESPACE
 
 PROMPT_VERSION: Final = JUDGE_PROMPT_VERSION
 
@@ -201,15 +203,30 @@ def _cues_by_lead(cues: tuple[_Cue, ...]) -> dict[str, tuple[re.Pattern[str], ..
 
 
 _CUES_AT_LEAD: Final = _cues_by_lead(_CUES)
-# Longest first: where several words match at one position, the longest is reported. The
-# look-ahead at first letters only saves time: the regex engine skips most positions at once.
-_LEAD_FINDER: Final = re.compile(
-    rf"\b(?=[{''.join(sorted({word[0] for word in _CUES_AT_LEAD}))}])(?:"
-    + "|".join(sorted(_CUES_AT_LEAD, key=lambda word: (-len(word), word)))
-    + ")",
-    _FLAGS,
-)
+
+
+def _lead_finder(flags: re.RegexFlag) -> re.Pattern[str]:
+    # Longest first: where several words match at one position, the longest is reported.
+    # The look-ahead at first letters only saves time: the regex engine skips most
+    # positions at once.
+    first_letters = "".join(sorted({word[0] for word in _CUES_AT_LEAD}))
+    words = sorted(_CUES_AT_LEAD, key=lambda word: (-len(word), word))
+    return re.compile(rf"\b(?=[{first_letters}])(?:{'|'.join(words)})", flags)
+
+
+_LEAD_FINDER: Final = _lead_finder(_FLAGS)
+# The lead words are lower-case ASCII. Looked for in a lower-cased ASCII copy of the text
+# (any other character a "?", so positions are kept), case-sensitively: twice as fast.
+# The copy finds every lead the text has, and a few more after a non-ASCII letter
+# ("réaction", copied "r?action", shows "act" after a word boundary), which the cue's own
+# `\b` then rules out. Unless the text holds U+0130 or U+0131 (dotted and dotless i), the
+# only characters left by NFKC that `re.IGNORECASE` takes for an ASCII letter: those texts
+# are searched as they are.
+_LEAD_FINDER_IN_COPY: Final = _lead_finder(re.MULTILINE)
+_ASCII_I_LOOKALIKES: Final = ("\u0130", "\u0131")
 _BLANK_RUNS = re.compile(r"[^\S\n]+")
+# A blank that `_BLANK_RUNS` changes on its own: whitespace other than a space or a newline.
+_ODD_BLANK = re.compile(f"[{OTHER_WHITESPACE}]")
 _INVISIBLE = re.compile(r"[\u00ad\u200b-\u200f\u2060-\u2064\ufeff]")
 
 
@@ -224,6 +241,21 @@ def _cues_at(found: str) -> tuple[re.Pattern[str], ...]:
     )
 
 
+def _leads(folded: str) -> Iterator[re.Match[str]]:
+    """Where a lead word starts in `folded`, and which."""
+    if any(lookalike in folded for lookalike in _ASCII_I_LOOKALIKES):
+        return _LEAD_FINDER.finditer(folded)
+    copy = folded.encode("ascii", errors="replace").decode("ascii").lower()
+    return _LEAD_FINDER_IN_COPY.finditer(copy)
+
+
+def _single_spaced(text: str) -> str:
+    """`text` with every run of blanks but newlines one space."""
+    if _ODD_BLANK.search(text) is None and "  " not in text:
+        return text  # the usual case, which a substitution would rewrite space by space
+    return _BLANK_RUNS.sub(" ", text)
+
+
 def detect_instructions(text: str) -> bool:
     """Whether `text` contains instruction-like attempts to steer the judge.
 
@@ -232,12 +264,11 @@ def detect_instructions(text: str) -> bool:
     A phrase that starts with a word is tried only where such a word starts (one pass finds
     them), which makes this several times cheaper than trying every phrase everywhere.
     """
-    folded = _INVISIBLE.sub("", unicodedata.normalize("NFKC", text))
-    folded = _BLANK_RUNS.sub(" ", folded)
+    folded = _single_spaced(_INVISIBLE.sub("", unicodedata.normalize("NFKC", text)))
     if any(pattern.search(folded) for pattern in _UNLED_PATTERNS):
         return True
     return any(
         pattern.match(folded, lead.start())
-        for lead in _LEAD_FINDER.finditer(folded)
+        for lead in _leads(folded)
         for pattern in _cues_at(lead.group())
     )

@@ -479,12 +479,19 @@ class ScoreboxBroker(RabbitBroker):
         exc_type: type[BaseException] | None = None,
         exc_val: BaseException | None = None,
         exc_tb: TracebackType | None = None,
+        *,
+        begun_at: float | None = None,
     ) -> None:
         """Bounded as a whole: the deliveries in hand and the consumers' cancellation share
         the graceful timeout, then the acks and the closes get one broker round trip's
         bound each (`_step_s`). Each step bounded on its own, a stalled broker made a stop
-        last five graceful timeouts, past any orchestrator's grace period (then SIGKILL)."""
-        deadline = asyncio.get_running_loop().time() + self._graceful_timeout
+        last five graceful timeouts, past any orchestrator's grace period (then SIGKILL).
+
+        `begun_at` (event-loop time): when the service's stop began, for a service that
+        waited for work of its own first (`stop_consuming`, then its own wait): the graceful
+        timeout counts from then, so the two waits share it instead of taking one each."""
+        loop = asyncio.get_running_loop()
+        deadline = (loop.time() if begun_at is None else begun_at) + self._graceful_timeout
         await self.stop_consuming()
         consuming, self._consuming = self._consuming, []
         await _wait_idle(consuming, timeout=_until(deadline))

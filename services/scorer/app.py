@@ -170,7 +170,7 @@ def create_app(
         if unfinished:
             log.warning("stopping with %d decisions still running past the grace", unfinished)
         await pauses.close()
-        await broker.stop()
+        await broker.stop(begun_at=stopping)
         if http is not None:
             await http.aclose()
         await mongo.close()

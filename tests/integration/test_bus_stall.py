@@ -121,5 +121,30 @@ async def test_stopping_with_a_delivery_stuck_in_hand_is_bounded_as_a_whole(
         link.reply_delay_s = 0.0
 
 
+async def test_a_stop_begun_earlier_gives_the_deliveries_in_hand_what_is_left_of_the_grace(
+    amqp_url: str,
+) -> None:
+    """A service that waits for work of its own before `stop()` (the scorer: its decisions)
+    passes when its stop began: the deliveries in hand get what is left of the graceful
+    timeout, not a whole one more. Here nothing is left: the stop does not wait for the
+    delivery that never finishes (it waited all 30 s, found in review)."""
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url})
+    broker = make_broker(settings, graceful_timeout_s=30.0)
+    queue = RabbitQueue(f"test.stop.{new_id()[:8]}", auto_delete=True)
+    in_hand = asyncio.Event()
+
+    @consume(broker, queue)
+    async def never_finishes(delivery: Delivery) -> None:
+        in_hand.set()
+        await asyncio.Event().wait()
+
+    await start_broker(broker, settings)
+    await broker.publish(b"{}", queue.name)
+    await asyncio.wait_for(in_hand.wait(), 30)
+    begun_at = asyncio.get_running_loop().time() - 30.0
+    async with asyncio.timeout(15):  # a hang guard: the whole grace again took 30 s
+        await broker.stop(begun_at=begun_at)
+
+
 async def _never_called(delivery: Delivery) -> None:
     raise AssertionError("nothing is published to these queues")

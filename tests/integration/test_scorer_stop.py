@@ -9,12 +9,15 @@ broker and database, with the fake model answering after 1.5 s."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
+import pytest
 from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
+from services.scorer.app import stop_grace_s
 from services.scorer.settings import ScorerSettings
 from shared.bus import publish_command
 from shared.contracts import ScoreText, new_id
@@ -76,6 +79,44 @@ async def test_a_call_whose_delivery_was_lost_finishes_and_is_recorded_at_stop(
     assert attempt["state"] == "decided", attempt
     assert attempt["decision"]["event"]["routing_key"] == "task.completed", attempt["decision"]
     assert llm.stats()["by_id"][marker] == 1
+
+
+async def test_a_decision_held_up_by_the_database_shares_the_grace_with_the_broker(
+    amqp_url: str,
+    mongo: Any,
+    db_prefix: str,
+    database_link: SlowLink,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The database gone while a decision is recorded: the scorer waits for the decision up
+    to the grace period, then stops the broker. The broker's stop counted a whole grace
+    again for the delivery still in hand, so the stop took twice the grace, past what compose
+    and `make run` give a scorer before SIGKILL (found in review: 21 s for a grace of 10)."""
+    llm = await start_fake_llm(FakeLLMConfig(latency_ms=3000))
+    setup = scorer_over(
+        llm,
+        amqp_url=amqp_url,
+        mongo_url=database_link.url_through(mongo.url),
+        db_prefix=db_prefix,
+        llm_timeout_s=5,
+        BROKER_TIMEOUT_S="0.5",
+        MONGO_TIMEOUT_S="1",
+        LEASE_MARGIN_S="30",  # the decision's retries last past the grace
+    )
+    grace_s = stop_grace_s(setup.settings, setup.model_settings)
+    marker = f"s{uuid.uuid4().hex[:12]}"
+    command = ScoreText(task_id=new_id(), text=f"Database gone, then stopped [[id:{marker}]].")
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(None) as guard:
+            async with running(setup.app()):
+                await _published_and_called(setup.settings, command, llm, marker)
+                await database_link.cut()
+                # A hang guard on the stop alone: two graces took 21 s, one takes 11.
+                guard.reschedule(loop.time() + grace_s + 5)
+    finally:
+        await llm.stop()
+    assert any("past the grace" in record.getMessage() for record in caplog.records)
 
 
 async def _published_and_called(

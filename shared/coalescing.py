@@ -14,6 +14,13 @@ others still waiting for their answer. Bounded by its earliest deadline instead,
 failed whole whenever the database took more than half the timeout to answer: the oldest
 member had waited through the previous round trip, and its remainder cut short every write
 sent with it, each of which would have been answered in time on its own.
+
+Such a member is told whether its write may have been applied only as far as the driver
+says: with `COMMANDS_SENT` among the client's listeners (`shared.runtime.make_mongo` adds it),
+a round trip for which PyMongo has started no command yet (it is still selecting a server:
+the database is down) fails its member with `NotSentInTime`, never sent, as PyMongo's own
+error says at the latest deadline. Without it, or once a command has started, the member
+gets `TimedOutInFlight`: the write may have landed.
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ import contextlib
 import contextvars
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import pymongo
+from pymongo import monitoring
 from pymongo.errors import NetworkTimeout, ServerSelectionTimeoutError
 
 
@@ -35,10 +44,61 @@ class QueuedPastDeadline(ServerSelectionTimeoutError):
     database."""
 
 
+class NotSentInTime(ServerSelectionTimeoutError):
+    """The operation's deadline passed while the round trip carrying it was still selecting
+    a server (bounded by a later member's deadline): no command of it had started, so
+    nothing reached the database."""
+
+
 class TimedOutInFlight(NetworkTimeout):
     """The operation's deadline passed while the round trip carrying it (bounded by a later
     member's deadline) was in flight: it may or may not have been applied, as after any
     network timeout."""
+
+
+@dataclass(slots=True)
+class _RoundTrip:
+    """Whether PyMongo has started a command for a round trip, and for those whose members
+    it carries (a coalescer sending through another)."""
+
+    started: bool = False
+    carried: list[_RoundTrip] = field(default_factory=list)
+
+    def mark_started(self) -> None:
+        self.started = True
+        for outer in self.carried:
+            outer.mark_started()
+
+
+_ROUND_TRIP: contextvars.ContextVar[_RoundTrip | None] = contextvars.ContextVar(
+    "scorebox_round_trip", default=None
+)
+
+
+class _CommandsSent(monitoring.CommandListener):
+    """Marks the round trip being flushed as started when PyMongo starts one of its commands,
+    which it announces before writing the command to the connection."""
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        round_trip = _ROUND_TRIP.get()
+        if round_trip is not None:
+            round_trip.mark_started()
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+COMMANDS_SENT: monitoring.CommandListener = _CommandsSent()
+
+
+def commands_watched(client: pymongo.AsyncMongoClient[Any]) -> bool:
+    """Whether `client` tells group commit when a round trip's commands start."""
+    # PyMongo types the list as `_EventListeners`, though it holds the listeners given.
+    listeners: list[object] = list(client.options.event_listeners)
+    return any(listener is COMMANDS_SENT for listener in listeners)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,15 +106,19 @@ class Queued[Op, Result]:
     op: Op
     outcome: asyncio.Future[Result]
     deadline: float | None = None  # event-loop time
+    within: _RoundTrip | None = None  # the round trip of a coalescer that submitted it
 
 
 class Coalescer[Op, Result](ABC):
     """Queues operations and sends them `max_batch` at a time, one batch after another; each
     within `deadline_s` of its submission, queueing included, when one is given."""
 
-    def __init__(self, *, max_batch: int, deadline_s: float | None = None) -> None:
+    def __init__(
+        self, *, max_batch: int, deadline_s: float | None = None, watched: bool = False
+    ) -> None:
         self._max_batch = max_batch
         self._deadline_s = deadline_s
+        self._watched = watched  # its client has `COMMANDS_SENT`
         self._queued: list[Queued[Op, Result]] = []
         self._flusher: asyncio.Task[None] | None = None
 
@@ -66,7 +130,7 @@ class Coalescer[Op, Result](ABC):
         loop = asyncio.get_running_loop()
         outcome: asyncio.Future[Result] = loop.create_future()
         deadline = None if self._deadline_s is None else loop.time() + self._deadline_s
-        self._queued.append(Queued(op, outcome, deadline))
+        self._queued.append(Queued(op, outcome, deadline, _ROUND_TRIP.get()))
         if self._flusher is None or self._flusher.done():
             # In a context of its own: it serves every caller queued while it runs, not only
             # the first (its correlation id in log lines, its `pymongo.timeout`).
@@ -95,7 +159,10 @@ class Coalescer[Op, Result](ABC):
         if not batch:
             return
         latest = _latest_deadline(batch)
-        timers = _each_answered_by_its_deadline(batch, latest)
+        round_trip = _RoundTrip(carried=[q.within for q in batch if q.within is not None])
+        watched = round_trip if self._watched else None
+        timers = _each_answered_by_its_deadline(batch, latest, watched)
+        marking = _ROUND_TRIP.set(round_trip)
         try:
             with _within(latest):
                 await self._send(batch)
@@ -107,6 +174,7 @@ class Coalescer[Op, Result](ABC):
             for queued in batch:
                 fail(queued, error)
         finally:
+            _ROUND_TRIP.reset(marking)
             for timer in timers:
                 timer.cancel()
 
@@ -149,21 +217,25 @@ def _within(latest: float | None) -> contextlib.AbstractContextManager[None]:
 
 
 def _each_answered_by_its_deadline[Op, Result](
-    batch: Sequence[Queued[Op, Result]], latest: float | None
+    batch: Sequence[Queued[Op, Result]], latest: float | None, watched: _RoundTrip | None
 ) -> list[asyncio.TimerHandle]:
     """Timers failing each member of `batch` whose deadline comes before the round trip's
     limit (`latest`), should the round trip outlast it (a member already answered is left as
     it is). The members with the latest deadline get PyMongo's own error at that limit, which
-    tells an operation never sent (no server selected) from one that may have been applied."""
+    tells an operation never sent (no server selected) from one that may have been applied;
+    the others are told so by `watched` (None: not known, so maybe applied)."""
     if latest is None:
         return []
     loop = asyncio.get_running_loop()
     return [
-        loop.call_at(queued.deadline, _timed_out, queued)
+        loop.call_at(queued.deadline, _timed_out, queued, watched)
         for queued in batch
         if queued.deadline is not None and queued.deadline < latest
     ]
 
 
-def _timed_out[Op, Result](queued: Queued[Op, Result]) -> None:
-    fail(queued, TimedOutInFlight("its deadline passed while its round trip was in flight"))
+def _timed_out[Op, Result](queued: Queued[Op, Result], watched: _RoundTrip | None) -> None:
+    if watched is not None and not watched.started:
+        fail(queued, NotSentInTime("its deadline passed while its round trip awaited a server"))
+    else:
+        fail(queued, TimedOutInFlight("its deadline passed while its round trip was in flight"))

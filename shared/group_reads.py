@@ -14,7 +14,7 @@ from typing import Any
 
 from pymongo.asynchronous.collection import AsyncCollection
 
-from shared.coalescing import Coalescer, Queued, settle
+from shared.coalescing import Coalescer, Queued, commands_watched, settle
 
 Document = dict[str, Any]
 MAX_BATCH = 500
@@ -30,7 +30,12 @@ class GroupReader(Coalescer[str, Document | None]):
         projection: Mapping[str, Any] | None = None,
         max_batch: int = MAX_BATCH,
     ):
-        super().__init__(max_batch=max_batch, deadline_s=collection.database.client.options.timeout)
+        client = collection.database.client
+        super().__init__(
+            max_batch=max_batch,
+            deadline_s=client.options.timeout,
+            watched=commands_watched(client),
+        )
         self.collection = collection
         self._projection = projection
 

@@ -33,7 +33,7 @@ from pymongo.errors import (
     WTimeoutError,
 )
 
-from shared.coalescing import Coalescer, Queued, fail, settle
+from shared.coalescing import Coalescer, Queued, commands_watched, fail, settle
 
 Document = dict[str, Any]
 WriteOp = InsertOne[Document] | UpdateOne | DeleteOne
@@ -80,7 +80,12 @@ class GroupWriter(Coalescer[Write, None]):
     """Single-document writes to `collection`, coalesced into `bulk_write`s."""
 
     def __init__(self, collection: AsyncCollection[Document], *, max_batch: int = MAX_BATCH):
-        super().__init__(max_batch=max_batch, deadline_s=collection.database.client.options.timeout)
+        client = collection.database.client
+        super().__init__(
+            max_batch=max_batch,
+            deadline_s=client.options.timeout,
+            watched=commands_watched(client),
+        )
         self.collection = collection
 
     async def update_one(

@@ -29,7 +29,7 @@ from typing import Any
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import DuplicateKeyError
 
-from shared.coalescing import Coalescer, Queued, fail, settle
+from shared.coalescing import Coalescer, Queued, commands_watched, fail, settle
 from shared.group_writes import GroupWriter
 
 Document = dict[str, Any]
@@ -46,7 +46,12 @@ class _PerCounter[Op: (Increment, Release), Result](Coalescer[Op, Result]):
         # The client's timeout bounds a change queueing included, as for a `GroupWriter`: a
         # change waiting behind stalled round trips is never sent (nothing to undo), rather
         # than applied half a minute after its request, past the outbox's grace period.
-        super().__init__(max_batch=max_batch, deadline_s=collection.database.client.options.timeout)
+        client = collection.database.client
+        super().__init__(
+            max_batch=max_batch,
+            deadline_s=client.options.timeout,
+            watched=commands_watched(client),
+        )
         self._merged_result = merged_result
 
     async def _send(self, batch: list[Queued[Op, Result]]) -> None:

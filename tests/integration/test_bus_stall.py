@@ -16,7 +16,7 @@ import pytest
 from faststream.rabbit import RabbitQueue
 
 from shared.bus import PublishUnconfirmed, publish_event
-from shared.consumers import Delivery, consume
+from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import Phase, TaskStarted, event_sequence, new_id, utcnow
 from shared.runtime import make_broker, start_broker
 from shared.settings import ServiceSettings
@@ -100,19 +100,7 @@ async def test_stopping_with_a_delivery_stuck_in_hand_is_bounded_as_a_whole(
     delivery, two closes), 8 s here; the cancel and the wait share one now, and the closes
     run together: about 4 s. The guard sits between."""
     link = broker_link
-    settings = ServiceSettings.model_validate({"RABBITMQ_URL": link.url_through(amqp_url)})
-    broker = make_broker(settings, graceful_timeout_s=2.0)
-    queue = RabbitQueue(f"test.stall.{new_id()[:8]}", auto_delete=True)
-    in_hand = asyncio.Event()
-
-    @consume(broker, queue)
-    async def never_finishes(delivery: Delivery) -> None:
-        in_hand.set()
-        await asyncio.Event().wait()
-
-    await start_broker(broker, settings)
-    await broker.publish(b"{}", queue.name)
-    await asyncio.wait_for(in_hand.wait(), 30)
+    broker = await _holding_a_delivery_forever(link.url_through(amqp_url), graceful_timeout_s=2.0)
     link.reply_delay_s = 3600.0
     try:
         async with asyncio.timeout(6.5):
@@ -128,9 +116,19 @@ async def test_a_stop_begun_earlier_gives_the_deliveries_in_hand_what_is_left_of
     passes when its stop began: the deliveries in hand get what is left of the graceful
     timeout, not a whole one more. Here nothing is left: the stop does not wait for the
     delivery that never finishes (it waited all 30 s, found in review)."""
+    broker = await _holding_a_delivery_forever(amqp_url, graceful_timeout_s=30.0)
+    begun_at = asyncio.get_running_loop().time() - 30.0
+    async with asyncio.timeout(15):  # a hang guard: the whole grace again took 30 s
+        await broker.stop(begun_at=begun_at)
+
+
+async def _holding_a_delivery_forever(
+    amqp_url: str, *, graceful_timeout_s: float
+) -> ScoreboxBroker:
+    """A started broker whose consumer holds one delivery and never finishes it."""
     settings = ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url})
-    broker = make_broker(settings, graceful_timeout_s=30.0)
-    queue = RabbitQueue(f"test.stop.{new_id()[:8]}", auto_delete=True)
+    broker = make_broker(settings, graceful_timeout_s=graceful_timeout_s)
+    queue = RabbitQueue(f"test.stall.{new_id()[:8]}", auto_delete=True)
     in_hand = asyncio.Event()
 
     @consume(broker, queue)
@@ -141,9 +139,7 @@ async def test_a_stop_begun_earlier_gives_the_deliveries_in_hand_what_is_left_of
     await start_broker(broker, settings)
     await broker.publish(b"{}", queue.name)
     await asyncio.wait_for(in_hand.wait(), 30)
-    begun_at = asyncio.get_running_loop().time() - 30.0
-    async with asyncio.timeout(15):  # a hang guard: the whole grace again took 30 s
-        await broker.stop(begun_at=begun_at)
+    return broker
 
 
 async def _never_called(delivery: Delivery) -> None:

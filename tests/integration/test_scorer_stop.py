@@ -91,7 +91,7 @@ async def test_a_decision_held_up_by_the_database_shares_the_grace_with_the_brok
     """The database gone while a decision is recorded: the scorer waits for the decision up
     to the grace period, then stops the broker. The broker's stop counted a whole grace
     again for the delivery still in hand, so the stop took twice the grace, past what compose
-    and `make run` give a scorer before SIGKILL (found in review: 21 s for a grace of 10)."""
+    and `make run` give a scorer before SIGKILL (found in review)."""
     llm = await start_fake_llm(FakeLLMConfig(latency_ms=3000))
     setup = scorer_over(
         llm,
@@ -112,7 +112,7 @@ async def test_a_decision_held_up_by_the_database_shares_the_grace_with_the_brok
             async with running(setup.app()):
                 await _published_and_called(setup.settings, command, llm, marker)
                 await database_link.cut()
-                # A hang guard on the stop alone: two graces took 21 s, one takes 11.
+                # A hang guard on the stop alone, between one grace and two.
                 guard.reschedule(loop.time() + grace_s + 5)
     finally:
         await llm.stop()

@@ -13,7 +13,9 @@ member whose own deadline passes while it is in flight fails then (`TimedOutInFl
 others still waiting for their answer. Bounded by its earliest deadline instead, a round trip
 failed whole whenever the database took more than half the timeout to answer: the oldest
 member had waited through the previous round trip, and its remainder cut short every write
-sent with it, each of which would have been answered in time on its own.
+sent with it, each of which would have been answered in time on its own. An operation a
+round trip sends through another coalescer (the gateway's counters through a `GroupWriter`)
+keeps to that round trip's limit rather than counting a deadline afresh.
 
 Such a member is told whether its write may have been applied only as far as the driver
 says: with `COMMANDS_SENT` among the client's listeners (`shared.runtime.make_mongo` adds it),
@@ -59,10 +61,12 @@ class TimedOutInFlight(NetworkTimeout):
 @dataclass(slots=True)
 class _RoundTrip:
     """Whether PyMongo has started a command for a round trip, and for those whose members
-    it carries (a coalescer sending through another)."""
+    it carries (a coalescer sending through another); and its limit (`deadline`, event-loop
+    time: its latest member's), which what it sends through another coalescer keeps to."""
 
     started: bool = False
     carried: list[_RoundTrip] = field(default_factory=list)
+    deadline: float | None = None
 
     def mark_started(self) -> None:
         self.started = True
@@ -130,7 +134,12 @@ class Coalescer[Op, Result](ABC):
         loop = asyncio.get_running_loop()
         outcome: asyncio.Future[Result] = loop.create_future()
         deadline = None if self._deadline_s is None else loop.time() + self._deadline_s
-        self._queued.append(Queued(op, outcome, deadline, _ROUND_TRIP.get()))
+        within = _ROUND_TRIP.get()
+        if within is not None and within.deadline is not None:
+            # Sent for another coalescer's round trip: answered within that one's limit, or
+            # its members would wait past their deadlines for a deadline counted afresh here.
+            deadline = within.deadline if deadline is None else min(deadline, within.deadline)
+        self._queued.append(Queued(op, outcome, deadline, within))
         if self._flusher is None or self._flusher.done():
             # In a context of its own: it serves every caller queued while it runs, not only
             # the first (its correlation id in log lines, its `pymongo.timeout`).
@@ -159,7 +168,8 @@ class Coalescer[Op, Result](ABC):
         if not batch:
             return
         latest = _latest_deadline(batch)
-        round_trip = _RoundTrip(carried=[q.within for q in batch if q.within is not None])
+        carried = [queued.within for queued in batch if queued.within is not None]
+        round_trip = _RoundTrip(carried=carried, deadline=latest)
         watched = round_trip if self._watched else None
         timers = _each_answered_by_its_deadline(batch, latest, watched)
         marking = _ROUND_TRIP.set(round_trip)

@@ -89,6 +89,42 @@ async def test_a_round_trip_gets_what_is_left_of_its_latest_deadline() -> None:
     assert 0 < second_limit < 9.0  # its second in the queue counted
 
 
+class SendsThrough(Coalescer[str, str]):
+    """Sends each of its operations through `inner`, as the gateway's counters send theirs
+    through a `GroupWriter`."""
+
+    def __init__(self, inner: Coalescer[str, str], *, deadline_s: float) -> None:
+        super().__init__(max_batch=100, deadline_s=deadline_s)
+        self.inner = inner
+
+    async def _send(self, batch: list[Queued[str, str]]) -> None:
+        for queued in batch:
+            settle(queued, await self.inner.submit(queued.op))
+
+
+async def test_a_round_trip_sent_through_another_coalescer_keeps_to_its_own_limit() -> None:
+    """Each submission to the inner coalescer counted a deadline afresh: a member that had
+    waited in the outer queue was answered up to that wait past its own deadline, or more
+    than one inner round trip later (found in review of the gateway's counters)."""
+    inner = HeldRoundTrips(deadline_s=10.0)
+    outer = SendsThrough(inner, deadline_s=10.0)
+    loop = asyncio.get_running_loop()
+    first = asyncio.create_task(outer.submit("first"))
+    await eventually(lambda: _started(inner, 1), what="the first round trip")
+    queued_at = loop.time()
+    second = asyncio.create_task(outer.submit("second"))
+    await _past(queued_at + 1.0)
+
+    inner.release.set()
+    await eventually(lambda: _started(inner, 2), what="the second round trip")
+
+    assert [await first, await second] == ["first", "second"]
+    (ops, second_limit) = inner.sent[1]
+    assert ops == ["second"]
+    assert second_limit is not None
+    assert 0 < second_limit < 9.0  # its second in the outer queue counted
+
+
 class SlowDatabase(Coalescer[str, str]):
     """Every round trip takes `reply_s`, and fails as PyMongo's does when the time limit it
     was sent with is shorter."""

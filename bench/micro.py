@@ -17,8 +17,6 @@
 7. The stand-in's (or MongoDB's) cost per update on documents of three sizes.
 8. How much of PyMongo's client CPU per round trip is its way of awaiting a reply
    (`bench.receive_path`).
-9. What group commit's command listener (`shared.coalescing.COMMANDS_SENT`, on every
-   service's client) costs a round trip that nothing shares.
 
 Everything runs on uvloop, as the services do.
 
@@ -47,12 +45,11 @@ from bench.load import essay
 from bench.model_call_cost import model_call_cost
 from bench.publish_cost import publish_cost
 from bench.receive_path import receive_path
-from bench.stats import alternating_medians, cpu_us_each
+from bench.stats import cpu_us_each
 from devtools.infra import read_first_line
 from services.gateway.cache import cache_key
 from services.scorer.model.preparation import prepare_text
 from services.scorer.model.prompt import detect_instructions
-from shared.coalescing import COMMANDS_SENT
 from shared.group_reads import GroupReader
 from shared.group_writes import GroupWriter
 
@@ -142,34 +139,6 @@ async def document_size(collection: AsyncCollection[Document]) -> None:
         print(f"documents holding {size:,} characters: {per_update:.0f} µs per $set (bulks of 50)")
 
 
-async def command_listener(url: str, rounds: int = 5) -> None:
-    """Client CPU per `update_one`, one caller at a time, on a client as the services make it
-    (with group commit's command listener, `COMMANDS_SENT`) and on one without listeners:
-    what PyMongo's command events cost a round trip that nothing shares."""
-    plain: AsyncMongoClient[Document] = AsyncMongoClient(url, serverSelectionTimeoutMS=10_000)
-    watched: AsyncMongoClient[Document] = AsyncMongoClient(
-        url, serverSelectionTimeoutMS=10_000, event_listeners=[COMMANDS_SENT]
-    )
-
-    def way(client: AsyncMongoClient[Document]) -> Callable[[], Awaitable[float]]:
-        collection = client["bench_micro"]["command_listener"]
-
-        async def write(i: int) -> None:
-            await collection.update_one({"_id": "listened"}, {"$set": {"n": i}}, upsert=True)
-
-        return lambda: cpu_us_each(WRITES_ALONE, 1, write)
-
-    try:
-        without, with_listener = await alternating_medians(rounds, way(plain), way(watched))
-    finally:
-        await plain.close()
-        await watched.close()
-    print(
-        f"client CPU per update_one, one caller at a time (median of {rounds}): no listener "
-        f"{without:.0f} µs, with group commit's command listener {with_listener:.0f} µs"
-    )
-
-
 async def measure(url: str) -> None:
     client: AsyncMongoClient[Document] = AsyncMongoClient(url, serverSelectionTimeoutMS=10_000)
     try:
@@ -178,7 +147,6 @@ async def measure(url: str) -> None:
         await growth(client["bench_micro"]["growth"])
         await document_size(client["bench_micro"]["sized"])
         await receive_path(client["bench_micro"]["receive_path"])
-        await command_listener(url)
     finally:
         await client.drop_database("bench_micro")
         await client.close()

@@ -17,12 +17,15 @@ sent with it, each of which would have been answered in time on its own. An oper
 round trip sends through another coalescer (the gateway's counters through a `GroupWriter`)
 keeps to that round trip's limit rather than counting a deadline afresh.
 
-Such a member is told whether its write may have been applied only as far as the driver
-says: with `COMMANDS_SENT` among the client's listeners (`shared.runtime.make_mongo` adds it),
-a round trip for which PyMongo has started no command yet (it is still selecting a server:
-the database is down) fails its member with `NotSentInTime`, never sent, as PyMongo's own
-error says at the latest deadline. Without it, or once a command has started, the member
-gets `TimedOutInFlight`: the write may have landed.
+Whether such a member's write may have been applied is what the round trip's limit decides.
+While the client knows a server to send to, the limit is the latest deadline and a member
+failed before the round trip ends is told its write may have landed (`TimedOutInFlight`):
+once a round trip is in the driver's hands, nothing withdraws one of its writes. While the
+client knows none (the database down, or not reached yet), the limit is the earliest
+deadline: should no server answer by then, every member gets PyMongo's own
+`ServerSelectionTimeoutError`, never sent, and each one told so is truly never written.
+Bounded by the latest deadline then, members told "never sent" by their own deadlines were
+sent after all when the database came back before the latest.
 """
 
 from __future__ import annotations
@@ -31,12 +34,12 @@ import asyncio
 import contextlib
 import contextvars
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pymongo
-from pymongo import monitoring
+from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import NetworkTimeout, ServerSelectionTimeoutError
 
 
@@ -46,63 +49,29 @@ class QueuedPastDeadline(ServerSelectionTimeoutError):
     database."""
 
 
-class NotSentInTime(ServerSelectionTimeoutError):
-    """The operation's deadline passed while the round trip carrying it was still selecting
-    a server (bounded by a later member's deadline): no command of it had started, so
-    nothing reached the database."""
-
-
 class TimedOutInFlight(NetworkTimeout):
     """The operation's deadline passed while the round trip carrying it (bounded by a later
     member's deadline) was in flight: it may or may not have been applied, as after any
     network timeout."""
 
 
-@dataclass(slots=True)
-class _RoundTrip:
-    """Whether PyMongo has started a command for a round trip, and for those whose members
-    it carries (a coalescer sending through another); and its limit (`deadline`, event-loop
-    time: its latest member's), which what it sends through another coalescer keeps to."""
-
-    started: bool = False
-    carried: list[_RoundTrip] = field(default_factory=list)
-    deadline: float | None = None
-
-    def mark_started(self) -> None:
-        self.started = True
-        for outer in self.carried:
-            outer.mark_started()
-
-
-_ROUND_TRIP: contextvars.ContextVar[_RoundTrip | None] = contextvars.ContextVar(
-    "scorebox_round_trip", default=None
+# The limit of the round trip being sent (event-loop time), in its flusher's context: what it
+# sends through another coalescer keeps to it.
+_ROUND_TRIP_LIMIT: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "scorebox_round_trip_limit", default=None
 )
 
 
-class _CommandsSent(monitoring.CommandListener):
-    """Marks the round trip being flushed as started when PyMongo starts one of its commands,
-    which it announces before writing the command to the connection."""
-
-    def started(self, event: monitoring.CommandStartedEvent) -> None:
-        round_trip = _ROUND_TRIP.get()
-        if round_trip is not None:
-            round_trip.mark_started()
-
-    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
-        pass
-
-    def failed(self, event: monitoring.CommandFailedEvent) -> None:
-        pass
+def server_known_for_writes(client: pymongo.AsyncMongoClient[Any]) -> Callable[[], bool]:
+    """Whether `client` knows a server it could send a write to now."""
+    # Read afresh each time: the client replaces its description as it learns.
+    return lambda: client.topology_description.has_writable_server()  # noqa: PLW0108
 
 
-COMMANDS_SENT: monitoring.CommandListener = _CommandsSent()
-
-
-def commands_watched(client: pymongo.AsyncMongoClient[Any]) -> bool:
-    """Whether `client` tells group commit when a round trip's commands start."""
-    # PyMongo types the list as `_EventListeners`, though it holds the listeners given.
-    listeners: list[object] = list(client.options.event_listeners)
-    return any(listener is COMMANDS_SENT for listener in listeners)
+def server_known_for_reads(collection: AsyncCollection[Any]) -> Callable[[], bool]:
+    """Whether `collection`'s client knows a server it could read the collection from now."""
+    client, preference = collection.database.client, collection.read_preference
+    return lambda: client.topology_description.has_readable_server(preference)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,19 +79,23 @@ class Queued[Op, Result]:
     op: Op
     outcome: asyncio.Future[Result]
     deadline: float | None = None  # event-loop time
-    within: _RoundTrip | None = None  # the round trip of a coalescer that submitted it
 
 
 class Coalescer[Op, Result](ABC):
     """Queues operations and sends them `max_batch` at a time, one batch after another; each
-    within `deadline_s` of its submission, queueing included, when one is given."""
+    within `deadline_s` of its submission, queueing included, when one is given.
+    `server_known`: whether the client knows a server to send to now (None: taken as known)."""
 
     def __init__(
-        self, *, max_batch: int, deadline_s: float | None = None, watched: bool = False
+        self,
+        *,
+        max_batch: int,
+        deadline_s: float | None = None,
+        server_known: Callable[[], bool] | None = None,
     ) -> None:
         self._max_batch = max_batch
         self._deadline_s = deadline_s
-        self._watched = watched  # its client has `COMMANDS_SENT`
+        self._server_known = server_known
         self._queued: list[Queued[Op, Result]] = []
         self._flusher: asyncio.Task[None] | None = None
 
@@ -134,12 +107,12 @@ class Coalescer[Op, Result](ABC):
         loop = asyncio.get_running_loop()
         outcome: asyncio.Future[Result] = loop.create_future()
         deadline = None if self._deadline_s is None else loop.time() + self._deadline_s
-        within = _ROUND_TRIP.get()
-        if within is not None and within.deadline is not None:
+        within = _ROUND_TRIP_LIMIT.get()
+        if within is not None:
             # Sent for another coalescer's round trip: answered within that one's limit, or
             # its members would wait past their deadlines for a deadline counted afresh here.
-            deadline = within.deadline if deadline is None else min(deadline, within.deadline)
-        self._queued.append(Queued(op, outcome, deadline, within))
+            deadline = within if deadline is None else min(deadline, within)
+        self._queued.append(Queued(op, outcome, deadline))
         if self._flusher is None or self._flusher.done():
             # In a context of its own: it serves every caller queued while it runs, not only
             # the first (its correlation id in log lines, its `pymongo.timeout`).
@@ -167,14 +140,11 @@ class Coalescer[Op, Result](ABC):
         batch = _unexpired(batch)
         if not batch:
             return
-        latest = _latest_deadline(batch)
-        carried = [queued.within for queued in batch if queued.within is not None]
-        round_trip = _RoundTrip(carried=carried, deadline=latest)
-        watched = round_trip if self._watched else None
-        timers = _each_answered_by_its_deadline(batch, latest, watched)
-        marking = _ROUND_TRIP.set(round_trip)
+        limit = self._limit_of(batch)
+        timers = _each_answered_by_its_deadline(batch, limit)
+        marking = _ROUND_TRIP_LIMIT.set(limit)
         try:
-            with _within(latest):
+            with _within(limit):
                 await self._send(batch)
         except asyncio.CancelledError:
             for queued in batch:
@@ -184,9 +154,21 @@ class Coalescer[Op, Result](ABC):
             for queued in batch:
                 fail(queued, error)
         finally:
-            _ROUND_TRIP.reset(marking)
+            _ROUND_TRIP_LIMIT.reset(marking)
             for timer in timers:
                 timer.cancel()
+
+    def _limit_of(self, batch: Sequence[Queued[Op, Result]]) -> float | None:
+        """The round trip's limit: its latest deadline, or its earliest while the client
+        knows no server to send to (see the module's docstring); None when a member has no
+        deadline (nothing is bounded)."""
+        deadlines = [queued.deadline for queued in batch]
+        if not deadlines or None in deadlines:
+            return None
+        bounded = [deadline for deadline in deadlines if deadline is not None]
+        if self._server_known is None or self._server_known():
+            return max(bounded)
+        return min(bounded)
 
 
 def settle[Op, Result](queued: Queued[Op, Result], result: Result) -> None:
@@ -211,41 +193,28 @@ def _unexpired[Op, Result](batch: list[Queued[Op, Result]]) -> list[Queued[Op, R
     return kept
 
 
-def _latest_deadline[Op, Result](batch: Sequence[Queued[Op, Result]]) -> float | None:
-    """The latest deadline in `batch`; None when a member has none (nothing is bounded)."""
-    deadlines = [queued.deadline for queued in batch]
-    if not deadlines or None in deadlines:
-        return None
-    return max(deadline for deadline in deadlines if deadline is not None)
-
-
-def _within(latest: float | None) -> contextlib.AbstractContextManager[None]:
-    """The round trip's time limit: what is left of its latest deadline."""
-    if latest is None:
+def _within(limit: float | None) -> contextlib.AbstractContextManager[None]:
+    """The round trip's time limit: what is left of `limit`."""
+    if limit is None:
         return contextlib.nullcontext()
-    return pymongo.timeout(max(latest - asyncio.get_running_loop().time(), 0.001))
+    return pymongo.timeout(max(limit - asyncio.get_running_loop().time(), 0.001))
 
 
 def _each_answered_by_its_deadline[Op, Result](
-    batch: Sequence[Queued[Op, Result]], latest: float | None, watched: _RoundTrip | None
+    batch: Sequence[Queued[Op, Result]], limit: float | None
 ) -> list[asyncio.TimerHandle]:
     """Timers failing each member of `batch` whose deadline comes before the round trip's
-    limit (`latest`), should the round trip outlast it (a member already answered is left as
-    it is). The members with the latest deadline get PyMongo's own error at that limit, which
-    tells an operation never sent (no server selected) from one that may have been applied;
-    the others are told so by `watched` (None: not known, so maybe applied)."""
-    if latest is None:
+    `limit`, should the round trip outlast it (a member already answered is left as it is);
+    the others get the round trip's own outcome, PyMongo's error at the limit included."""
+    if limit is None:
         return []
     loop = asyncio.get_running_loop()
     return [
-        loop.call_at(queued.deadline, _timed_out, queued, watched)
+        loop.call_at(queued.deadline, _timed_out, queued)
         for queued in batch
-        if queued.deadline is not None and queued.deadline < latest
+        if queued.deadline is not None and queued.deadline < limit
     ]
 
 
-def _timed_out[Op, Result](queued: Queued[Op, Result], watched: _RoundTrip | None) -> None:
-    if watched is not None and not watched.started:
-        fail(queued, NotSentInTime("its deadline passed while its round trip awaited a server"))
-    else:
-        fail(queued, TimedOutInFlight("its deadline passed while its round trip was in flight"))
+def _timed_out[Op, Result](queued: Queued[Op, Result]) -> None:
+    fail(queued, TimedOutInFlight("its deadline passed while its round trip was in flight"))

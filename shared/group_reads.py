@@ -14,7 +14,7 @@ from typing import Any
 
 from pymongo.asynchronous.collection import AsyncCollection
 
-from shared.coalescing import Coalescer, Queued, commands_watched, settle
+from shared.coalescing import Coalescer, Queued, server_known_for_reads, settle
 
 Document = dict[str, Any]
 MAX_BATCH = 500
@@ -34,7 +34,7 @@ class GroupReader(Coalescer[str, Document | None]):
         super().__init__(
             max_batch=max_batch,
             deadline_s=client.options.timeout,
-            watched=commands_watched(client),
+            server_known=server_known_for_reads(collection),
         )
         self.collection = collection
         self._projection = projection

@@ -33,7 +33,7 @@ from pymongo.errors import (
     WTimeoutError,
 )
 
-from shared.coalescing import Coalescer, Queued, commands_watched, fail, settle
+from shared.coalescing import Coalescer, Queued, fail, server_known_for_writes, settle
 
 Document = dict[str, Any]
 WriteOp = InsertOne[Document] | UpdateOne | DeleteOne
@@ -84,7 +84,7 @@ class GroupWriter(Coalescer[Write, None]):
         super().__init__(
             max_batch=max_batch,
             deadline_s=client.options.timeout,
-            watched=commands_watched(client),
+            server_known=server_known_for_writes(client),
         )
         self.collection = collection
 

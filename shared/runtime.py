@@ -26,7 +26,6 @@ from pythonjsonlogger.json import JsonFormatter
 from uvicorn.config import LOGGING_CONFIG
 
 from shared.bus import BROKER_ERRORS, publish_dead_letter
-from shared.coalescing import COMMANDS_SENT
 from shared.consumers import Delivery, ScoreboxBroker
 from shared.database_errors import transient_database_error
 from shared.log_context import CorrelationFilter
@@ -150,8 +149,6 @@ def make_mongo(settings: ServiceSettings, **options: Any) -> MongoClient:
         socketTimeoutMS=timeout_ms,
         tz_aware=True,
         uuidRepresentation="standard",
-        # Group commit tells a write never sent from one that may have landed by it.
-        event_listeners=[COMMANDS_SENT, *options.pop("event_listeners", ())],
         **options,  # more client options
     )
 

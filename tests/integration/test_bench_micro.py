@@ -106,11 +106,3 @@ def test_text_preparation_measures_a_short_and_a_long_essay(
     ]
     assert len(sizes) == 2
     assert sizes[1] > 5 * sizes[0]
-
-
-async def test_the_command_listener_cost_measures_both_clients(
-    mongo: Endpoint, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(micro, "WRITES_ALONE", 20)
-    await micro.command_listener(mongo.url, rounds=1)
-    assert "with group commit's command listener" in capsys.readouterr().out

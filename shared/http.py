@@ -11,6 +11,7 @@ from datetime import UTC, date, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
 
+import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -25,6 +26,9 @@ from shared.runtime import Check
 
 PROBLEM_JSON = "application/problem+json"
 PROBLEM_BASE = "https://scorebox.dev/problems/"
+# The status service's 404 for a task it does not know (or no longer keeps); its readers
+# tell it from any other 404 (a proxy's page, a wrong path) by this type.
+TASK_UNKNOWN = "task-unknown"
 
 log = logging.getLogger("scorebox.http")
 
@@ -418,6 +422,19 @@ def log_if_internal_key_refused(status_code: int, service: str) -> None:
             "the %s refused this service's internal key (401): both need the same INTERNAL_API_KEY",
             service,
         )
+
+
+def problem_in(response: httpx.Response) -> dict[str, Any] | None:
+    """The problem+json object a service answered with; None for any other body (a proxy's
+    page, a wrong port's answer)."""
+    media_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != PROBLEM_JSON:
+        return None
+    try:
+        problem = response.json()
+    except ValueError:
+        return None
+    return problem if isinstance(problem, dict) else None
 
 
 def _configured(keys: Sequence[SecretStr | None]) -> list[bytes]:

@@ -1,8 +1,13 @@
 """Reads of the status service, over HTTP (the gateway never reads its database).
 
 Anything but a readable answer — the service unreachable, an answer that is not HTTP (see
-`shared.aiohttp_transport`), a status other than 200 or 404, a body that is not the
-service's — is `StatusUnavailable` (503, retry shortly), never a 500.
+`shared.aiohttp_transport`), a status other than 200 or the service's own 404, a body that
+is not the service's — is `StatusUnavailable` (503, retry shortly), never a 500.
+
+Only the status service's "task unknown" problem (`TASK_UNKNOWN`) means unknown: any 404
+counted, and a proxy's page during a redeploy or a `STATUS_URL` with a wrong path made the
+gateway answer 404 "no such task" for every task past its read-your-writes window, which
+clients take for lost and submit again (found in review).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from services.gateway.errors import StatusUnavailable
 from shared.contracts import BatchProgress, TaskHistory, TaskView
-from shared.http import log_if_internal_key_refused
+from shared.http import PROBLEM_BASE, TASK_UNKNOWN, log_if_internal_key_refused, problem_in
 
 
 class StatusClient:
@@ -52,7 +57,7 @@ class StatusClient:
             response = await self._http.get(f"{self._base_url}{path}", params=params)
         except httpx.HTTPError as error:
             raise StatusUnavailable(f"status service unreachable: {error!r}") from error
-        if response.status_code == 404:
+        if response.status_code == 404 and _says_task_unknown(response):
             return None
         if response.status_code != 200:
             log_if_internal_key_refused(response.status_code, "status service")
@@ -67,3 +72,17 @@ def _read[Model: BaseModel](model: type[Model], response: httpx.Response) -> Mod
         return model.model_validate_json(response.content)
     except ValidationError as error:
         raise StatusUnavailable(f"status service answered an unreadable body: {error}") from error
+
+
+# What status services before `TASK_UNKNOWN` answered for an unknown task (a rolling upgrade).
+_EARLIER_TASK_UNKNOWN = (PROBLEM_BASE + "not-found", "No task ")
+
+
+def _says_task_unknown(response: httpx.Response) -> bool:
+    """Whether a 404 is the status service's own "task unknown" problem+json."""
+    problem = problem_in(response) or {}
+    kind, detail = problem.get("type"), problem.get("detail")
+    if kind == PROBLEM_BASE + TASK_UNKNOWN:
+        return True
+    earlier_kind, earlier_detail = _EARLIER_TASK_UNKNOWN
+    return kind == earlier_kind and isinstance(detail, str) and detail.startswith(earlier_detail)

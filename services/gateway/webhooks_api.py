@@ -26,9 +26,9 @@ from services.gateway.errors import Unavailable
 from services.gateway.settings import GatewaySettings
 from shared.http import (
     PROBLEM_BASE,
-    PROBLEM_JSON,
     Problem,
     log_if_internal_key_refused,
+    problem_in,
     problem_responses,
 )
 from shared.webhook_urls import MAX_URL_LENGTH, validate_webhook_url
@@ -93,14 +93,8 @@ def _unreadable_is_unavailable() -> Iterator[None]:
 
 def _says_no_failure_alert(response: httpx.Response) -> bool:
     """Whether a 404 is the notifier's own "no failure alert" problem+json."""
-    media_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
-    if response.status_code != 404 or media_type != PROBLEM_JSON:
-        return False
-    try:
-        problem = response.json()
-    except ValueError:
-        return False
-    if not isinstance(problem, dict):
+    problem = problem_in(response) if response.status_code == 404 else None
+    if problem is None:
         return False
     kind = problem.get("type")
     return kind == NO_FAILURE_ALERT_TYPE or (kind, problem.get("detail")) == (

@@ -33,6 +33,7 @@ from shared.failed_deliveries import return_failed
 from shared.group_writes import GroupWriter
 from shared.http import (
     INTERNAL_PROBLEMS,
+    TASK_UNKNOWN,
     Problem,
     internal_guard,
     warn_if_internal_routes_open,
@@ -152,7 +153,9 @@ def task_routes(tasks: Tasks, clock: Clock, *, internal_key: SecretStr | None) -
     async def read_task(task_id: str, tenant_id: str) -> TaskView:
         view = await find_task(task_id, tenant_id=tenant_id, tasks=tasks, now=clock())
         if view is None:
-            raise Problem(404, f"No task {task_id!r} is known (or it has expired).")
+            raise Problem(
+                404, f"No task {task_id!r} is known (or it has expired).", kind=TASK_UNKNOWN
+            )
         return view
 
     @router.get("/tasks/{task_id}/history", response_model=TaskHistory)
@@ -165,7 +168,9 @@ def task_routes(tasks: Tasks, clock: Clock, *, internal_key: SecretStr | None) -
             task_id, tenant_id=tenant_id, after=after, tasks=tasks, now=clock()
         )
         if history is None:
-            raise Problem(404, f"No task {task_id!r} is known (or it has expired).")
+            raise Problem(
+                404, f"No task {task_id!r} is known (or it has expired).", kind=TASK_UNKNOWN
+            )
         return history
 
     @router.get("/batches/{batch_id}", response_model=BatchProgress)

@@ -5,6 +5,7 @@ shortly), never a raw aiohttp error (a 500). The peer is a real local TCP server
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from services.gateway.scheduler_client import (
 )
 from services.gateway.settings import GatewaySettings
 from services.gateway.status_client import StatusClient
+from shared.http import PROBLEM_BASE, TASK_UNKNOWN
 
 NOT_HTTP = {
     # a proxy's or a wrong port's answer
@@ -36,6 +38,14 @@ ANSWERS = {
 }
 
 Ask = Callable[[httpx.AsyncClient, str], Awaitable[object]]
+
+
+def _problem_404(problem: dict[str, object]) -> bytes:
+    body = json.dumps(problem).encode()
+    head = "HTTP/1.1 404 Not Found\r\nContent-Type: application/problem+json\r\n"
+    return head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+
 SETTINGS = GatewaySettings.model_validate({})
 INTERNAL_KEY = "an-internal-key-that-must-stay-out-of-logs"
 
@@ -120,3 +130,48 @@ async def test_the_error_of_an_unparsable_answer_does_not_carry_the_internal_key
         if not isinstance(chain, aiohttp.ClientError):  # aiohttp's own is never logged by us
             assert INTERNAL_KEY not in str(chain), type(chain)
         chain = chain.__cause__
+
+
+STATUS_CALLS = {name: call for name, call in CALLS.items() if name.startswith("status ")}
+NOT_THE_STATUS_SERVICES_404 = {
+    "a proxy's page": b"HTTP/1.1 404 Not Found\r\nContent-Length: 13\r\n\r\n<html></html>",
+    "a route that is not there (a wrong path in STATUS_URL)": _problem_404(
+        {"type": PROBLEM_BASE + "not-found", "status": 404, "detail": "Not Found"}
+    ),
+}
+THE_STATUS_SERVICES_404 = {
+    "task unknown": _problem_404(
+        {"type": PROBLEM_BASE + TASK_UNKNOWN, "status": 404, "detail": "No task 't1' is known"}
+    ),
+    "task unknown, from an earlier build": _problem_404(
+        {"type": PROBLEM_BASE + "not-found", "status": 404, "detail": "No task 't1' is known"}
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "answering",
+    NOT_THE_STATUS_SERVICES_404.values(),
+    ids=NOT_THE_STATUS_SERVICES_404.keys(),
+    indirect=True,
+)
+@pytest.mark.parametrize("call", STATUS_CALLS.values(), ids=STATUS_CALLS.keys())
+async def test_a_404_that_is_not_the_status_services_own_is_the_service_unavailable(
+    answering: str, call: Call
+) -> None:
+    """Any 404 read as "task unknown": a proxy's page during a redeploy made the gateway
+    answer 404 for every task past its read-your-writes window, and clients that take 404
+    for lost submit again (found in review)."""
+    await test_an_unparsable_answer_is_the_service_unavailable(answering, call)
+
+
+@pytest.mark.parametrize(
+    "answering", THE_STATUS_SERVICES_404.values(), ids=THE_STATUS_SERVICES_404.keys(), indirect=True
+)
+@pytest.mark.parametrize("ask", [_task, _history])
+async def test_the_status_services_own_404_is_a_task_unknown(answering: str, ask: Ask) -> None:
+    http = make_status_http(SETTINGS)
+    try:
+        assert await ask(http, answering) is None
+    finally:
+        await http.aclose()

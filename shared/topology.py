@@ -304,6 +304,11 @@ OPS_LOG = RecentLog(
 CALLBACK_HEADER = "x-scorebox-callback"
 CALLBACK_HEADER_VALUE = "yes"
 NOTIFIED_EVENT_KEYS = ("task.completed", "task.failed")
+# What the notifier sends itself down the wait ladder (its database away): the events above,
+# and `task.accepted` where an earlier version's binding still brings it. Without a binding
+# of its own in `scorebox.due`, RabbitMQ dropped such an acceptance when its wait ended, and
+# the callback waiting for its URL was never sent (found in review).
+RETRIED_EVENT_KEYS = (*NOTIFIED_EVENT_KEYS, "task.accepted")
 CALLBACK_EVENT_KEY = "task.completed"
 # `all-with-x`: a headers exchange ignores `x-` headers under plain `all` (RabbitMQ >= 3.10).
 NOTIFY_WITH_CALLBACK = {"x-match": "all-with-x", CALLBACK_HEADER: CALLBACK_HEADER_VALUE}
@@ -314,7 +319,7 @@ NOTIFICATIONS = WorkQueue(
         Binding(EVENTS, "task.failed"),
         Binding(CALLBACKS, "with-callback", NOTIFY_WITH_CALLBACK),
         Binding(CALLBACKS, "schema-1", _OF_SCHEMA_1),
-        *(Binding(DUE, f"*.{key}") for key in NOTIFIED_EVENT_KEYS),
+        *(Binding(DUE, f"*.{key}") for key in RETRIED_EVENT_KEYS),
     ),
 )
 WEBHOOK_DELIVERIES = _command_queue("scorebox.webhook-deliveries", "webhook.deliver")

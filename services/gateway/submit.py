@@ -194,7 +194,9 @@ async def _record_and_send(
         )
     except KeyTaken:
         assert idempotency_key is not None
-        return await _earlier_submission(idempotency_key, digest, command.tenant_id, submissions)
+        return await _earlier_submission(
+            idempotency_key, digest, command.tenant_id, submissions, now=now
+        )
     except DatabaseUnavailable as error:
         if may_have_been_written(error):
             refusals.note(_refusal_of(command))  # its insert may land yet
@@ -297,12 +299,17 @@ async def _publish_or_discard(
 
 
 async def _earlier_submission(
-    idempotency_key: str, digest: str, tenant_id: str, submissions: Submissions
+    idempotency_key: str, digest: str, tenant_id: str, submissions: Submissions, *, now: datetime
 ) -> Submitted:
-    """The submission the key names (its insert collided on the key). A lookup the database
-    fails is `ReplayUnfinished` (409, retry with the same key), not a 503 ("nothing was
-    kept"): the key's first request was received and may have been answered 202 and be being
-    scored, and a client resubmitting without the key had its text scored twice."""
+    """The submission the key names (its insert collided on the key), as recorded: answered
+    from the result cache (its result), delayed, or queued; the route asks the status service
+    for more and answers this when it cannot (every replay read `queued`, a cached result's
+    and a delayed task's too, found in review).
+
+    A lookup the database fails is `ReplayUnfinished` (409, retry with the same key), not a
+    503 ("nothing was kept"): the key's first request was received and may have been
+    answered 202 and be being scored, and a client resubmitting without the key had its text
+    scored twice."""
     try:
         earlier = await submissions.find_by_key(idempotency_key, tenant_id=tenant_id)
     except DatabaseUnavailable as error:
@@ -311,7 +318,12 @@ async def _earlier_submission(
         raise RequestInProgress(idempotency_key)
     if earlier.request_hash != digest:
         raise IdempotencyConflict(idempotency_key)
-    return Submitted(earlier.task_id, TaskStatus.QUEUED, created=False)
+    return Submitted(
+        earlier.task_id,
+        _status_as_recorded(earlier, now),
+        created=False,
+        cached_result=earlier.cached_result,
+    )
 
 
 def _initial_status(command: ScoreText, now: datetime) -> TaskStatus:
@@ -345,16 +357,18 @@ async def read_score(
     return _view_of_submission(submission, now)
 
 
-def _view_of_submission(submission: Submission, now: datetime) -> TaskView:
+def _status_as_recorded(submission: Submission, now: datetime) -> TaskStatus:
     if submission.cached_result is not None:  # as the submission's own answer showed it
-        status = TaskStatus.COMPLETED
-    elif submission.not_before is not None and submission.not_before > now:
-        status = TaskStatus.SCHEDULED
-    else:
-        status = TaskStatus.QUEUED
+        return TaskStatus.COMPLETED
+    if submission.not_before is not None and submission.not_before > now:
+        return TaskStatus.SCHEDULED
+    return TaskStatus.QUEUED
+
+
+def _view_of_submission(submission: Submission, now: datetime) -> TaskView:
     return TaskView(
         task_id=submission.task_id,
-        status=status,
+        status=_status_as_recorded(submission, now),
         attempts=0,
         created_at=submission.created_at,
         updated_at=submission.created_at,

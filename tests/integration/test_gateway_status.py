@@ -13,15 +13,18 @@ import pytest
 from pymongo import AsyncMongoClient
 
 from services.gateway.app import create_app as create_gateway
+from services.gateway.cache import ResultCache, cache_key, scoring_model
 from services.gateway.keys import generate_key
 from services.gateway.settings import GatewaySettings
 from shared.bus import publish_event
 from shared.contracts import (
+    DEFAULT_TENANT,
     Phase,
     ScoreResult,
     TaskCompleted,
     TaskStarted,
     event_sequence,
+    new_id,
     utcnow,
 )
 from shared.runtime import make_broker
@@ -385,29 +388,58 @@ class Unreachable(httpx.AsyncBaseTransport):
         raise httpx.ConnectError("connection refused", request=request)
 
 
+REPLAYED: dict[str, dict[str, object]] = {
+    "queued": {"text": "kept"},
+    "scheduled": {"text": "kept for later", "delay_seconds": 3600},
+    "completed": {"text": "kept in the result cache"},
+}
+
+
+@pytest.mark.parametrize("recorded", REPLAYED.keys())
 async def test_a_replayed_key_is_answered_from_the_record_while_the_status_service_is_away(
-    stack: Stack, amqp_url: str, mongo: object, db_prefix: str
+    stack: Stack, amqp_url: str, mongo: object, db_prefix: str, recorded: str
 ) -> None:
     """It was a 503 "nothing was kept" for a task being scored: a client resubmitting without
-    the key had its text scored twice."""
-    key = uuid.uuid4().hex
-    first = await stack.api.post(
-        "/v1/scores", json={"text": "kept"}, headers={"Idempotency-Key": key}
-    )
-    assert first.status_code == 202, first.text
+    the key had its text scored twice. Then every such replay read `queued`, a task answered
+    from the result cache (without its result) and a delayed one too (found in review)."""
     env = {
         "RABBITMQ_URL": amqp_url,
         "MONGO_URL": mongo.url,  # type: ignore[attr-defined]
         "MONGO_DB_PREFIX": db_prefix,
         "BOOTSTRAP_API_KEY": API_KEY,
     }
+    settings = GatewaySettings.model_validate(env)
+    body = REPLAYED[recorded]
+    if recorded == "completed":
+        await _cached(stack, settings, str(body["text"]), RESULT_KEPT)
+    key = uuid.uuid4().hex
+    first = await stack.api.post("/v1/scores", json=body, headers={"Idempotency-Key": key})
+    assert first.json()["status"] == recorded, first.text  # as first answered
     away = httpx.AsyncClient(transport=Unreachable(), base_url="http://status.test")
-    gateway = create_gateway(GatewaySettings.model_validate(env), status_http=away)
+    gateway = create_gateway(settings, status_http=away)
     async with running(gateway) as api:
         api.headers["Authorization"] = f"Bearer {API_KEY}"
-        again = await api.post(
-            "/v1/scores", json={"text": "kept"}, headers={"Idempotency-Key": key}
-        )
+        again = await api.post("/v1/scores", json=body, headers={"Idempotency-Key": key})
     assert again.status_code == 200, again.text
     assert again.json()["task_id"] == first.json()["task_id"]
-    assert again.json()["status"] == "queued"
+    assert again.json()["status"] == recorded
+    if recorded == "completed":
+        assert again.json()["result"]["score"] == RESULT_KEPT.score
+
+
+RESULT_KEPT = ScoreResult(score=6.5, comment="kept", model="m")
+
+
+async def _cached(stack: Stack, settings: GatewaySettings, text: str, result: ScoreResult) -> None:
+    """`result` in the gateway's result cache for `text` as the default tenant submits it."""
+    model = scoring_model(None, settings.default_model)
+    cache = ResultCache(
+        stack.mongo,
+        settings.database_name("gateway"),
+        timedelta(hours=1),
+        rubric_version=settings.rubric_version,
+    )
+    key = cache_key(text, None, model)
+    await cache.remember(
+        tenant_id=DEFAULT_TENANT, key=key, result=result, task_id=new_id(), now=utcnow()
+    )

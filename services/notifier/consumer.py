@@ -41,6 +41,7 @@ from typing import Any
 
 from faststream.rabbit import RabbitBroker
 from pydantic import ValidationError
+from pymongo.errors import PyMongoError
 
 from services.notifier.deliveries import (
     DeliveryDecision,
@@ -254,7 +255,20 @@ async def _try_and_carry_out(
         update = {"not_before": later, "message_id": new_id()}
         decision = Send(delivery.model_copy(update=update), "database unavailable")
     await _carry_out(broker, decision, delivery, message, timeout_s=timeout_s)
+    if isinstance(decision, GiveUp):
+        await _note_lettered(delivery, deps)
     return True
+
+
+async def _note_lettered(delivery: DeliverWebhook, deps: DeliveryDeps) -> None:
+    """Every copy of a given-up attempt dead-lettered it again, a fresh duplicate too (the
+    enqueue race, a copy put off, a replayed retry): one alert per copy for one delivery
+    (found in review). Noted once the letter is confirmed; should the note fail, a later
+    copy letters it again, as every copy did."""
+    try:
+        await deps.ledger.mark_lettered(delivery, now=deps.clock())
+    except PyMongoError as error:
+        log.warning("could not note %s as dead-lettered: %r", delivery.delivery_id, error)
 
 
 async def _carry_out(

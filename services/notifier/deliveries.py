@@ -462,7 +462,9 @@ def _when_over(delivery: DeliverWebhook, record: DeliveryRecord) -> DeliveryDeci
             return Done("already delivered")
         case DeliveryState.CANCELLED:
             return Done("already cancelled")
-        case DeliveryState.FAILED if record.attempt == delivery.attempt and record.dead_letter:
+        case DeliveryState.FAILED if (
+            record.attempt == delivery.attempt and record.dead_letter and not record.lettered
+        ):
             return GiveUp(record.last_error or "failed")  # our attempt was decided: again
         case DeliveryState.FAILED:
             return Done("already given up")

@@ -54,6 +54,9 @@ class DeliveryRecord:
     # refused it: the tenant's business). Records of earlier builds, which dead-lettered
     # every failure, have no such field.
     dead_letter: bool = True
+    # Its letter is in the DLQ (`mark_lettered`): later copies of its attempt drop, rather
+    # than copy it there again.
+    lettered: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ def _record_of(document: Document) -> DeliveryRecord:
         next_delivery=DeliverWebhook.model_validate_json(next_json) if next_json else None,
         triggers=document.get("triggers", 0),
         dead_letter=document.get("dead_letter", True),
+        lettered=document.get("lettered_at") is not None,
     )
 
 
@@ -242,6 +246,18 @@ class Ledger:
                 "failed_at": now,
                 "updated_at": now,
             },
+        )
+
+    async def mark_lettered(self, delivery: DeliverWebhook, *, now: datetime) -> None:
+        """Record that the given-up attempt's message is in the DLQ (the broker confirmed
+        it), so that no later copy of the attempt copies it there again."""
+        await self._deliveries.update_one(
+            {
+                "_id": delivery.delivery_id,
+                "state": DeliveryState.FAILED.value,
+                "attempt": delivery.attempt,
+            },
+            {"$set": {"lettered_at": now}},
         )
 
     async def mark_cancelled(

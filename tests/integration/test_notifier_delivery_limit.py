@@ -252,28 +252,63 @@ async def test_a_delivery_its_receiver_refuses_is_recorded_failed_and_not_dead_l
     assert len(receiver[0].requests(delivery.url)) == 1
 
 
+def _unanswered_last_attempt(receiver: Receiver) -> DeliverWebhook:
+    unreachable = f"https://{RECEIVER_HOST}:{_closed_port()}/hooks/never"  # no answer
+    return _delivery(receiver).model_copy(
+        update={"url": unreachable, "attempt": 3, "max_attempts": 3}
+    )
+
+
 async def test_a_given_up_delivery_of_ours_is_dead_lettered_again_by_a_later_copy(
     make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
 ) -> None:
     """Retries spent (or the delivery limit) stay ours: a copy that finds the attempt given up
-    carries the dead-lettering out again (its consumer may have died before it)."""
-    unreachable = f"https://{RECEIVER_HOST}:{_closed_port()}/hooks/never"  # no answer
-    delivery = _delivery(receiver[0]).model_copy(
-        update={"url": unreachable, "attempt": 3, "max_attempts": 3}
+    and not yet in the DLQ carries the dead-lettering out (its consumer died before it)."""
+    delivery = _unanswered_last_attempt(receiver[0])
+    await ledger.register(delivery, now=utcnow())
+    claim = await ledger.claim(
+        delivery, process="proc-b", owner="proc-b/1", now=utcnow(), lease=LEASE
     )
+    assert claim.won
+    given_up = "gave up after 3 attempt(s); last: no answer"
+    failed = await ledger.mark_failed(
+        delivery, owner="proc-b/1", now=utcnow(), error=given_up, status=None, dead_letter=True
+    )
+    assert failed  # and proc-b died before its letter
     broker, handle = _handler(make_deps("proc-a"))
-    body = delivery.model_dump_json().encode()
 
-    await asyncio.wait_for(handle(HandedDelivery(body)), timeout=30)
-    await asyncio.wait_for(handle(HandedDelivery.redelivery(body)), timeout=30)
+    await asyncio.wait_for(
+        handle(HandedDelivery.redelivery(delivery.model_dump_json().encode())), timeout=30
+    )
 
-    reasons = [str(p.message.headers[ERROR_HEADER]) for p in broker.dead_letters()]
-    assert len(reasons) == 2
-    assert len(set(reasons)) == 1
-    assert "gave up after 3 attempt(s)" in reasons[0]
+    [dead] = broker.dead_letters()
+    assert str(dead.message.headers[ERROR_HEADER]) == given_up
     record = await ledger.find(delivery.delivery_id)
     assert record is not None
-    assert (record.state, record.dead_letter) == (DeliveryState.FAILED, True)
+    assert (record.state, record.dead_letter, record.lettered) == (DeliveryState.FAILED, True, True)
+
+
+async def test_a_given_up_delivery_is_dead_lettered_once_however_many_copies_follow(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    """Every copy of the given-up attempt copied it to the DLQ again, a fresh duplicate too
+    (the enqueue race, a copy put off, a replayed retry): one operators' alert per copy for
+    one delivery (found in review)."""
+    delivery = _unanswered_last_attempt(receiver[0])
+    broker, handle = _handler(make_deps("proc-a"))
+    body = delivery.model_dump_json().encode()
+    duplicate = delivery.model_copy(update={"message_id": new_id()}).model_dump_json().encode()
+
+    for message in (
+        HandedDelivery(body),
+        HandedDelivery(duplicate),
+        HandedDelivery.redelivery(body),
+    ):
+        await asyncio.wait_for(handle(message), timeout=30)
+        assert message.settled == ["ack"]
+
+    [dead] = broker.dead_letters()
+    assert "gave up after 3 attempt(s)" in str(dead.message.headers[ERROR_HEADER])
 
 
 async def test_a_redelivery_sent_again_on_a_database_error_carries_its_count(

@@ -17,15 +17,18 @@ sent with it, each of which would have been answered in time on its own. An oper
 round trip sends through another coalescer (the gateway's counters through a `GroupWriter`)
 keeps to that round trip's limit rather than counting a deadline afresh.
 
-Whether such a member's write may have been applied is what the round trip's limit decides.
-While the client knows a server to send to, the limit is the latest deadline and a member
-failed before the round trip ends is told its write may have landed (`TimedOutInFlight`):
-once a round trip is in the driver's hands, nothing withdraws one of its writes. While the
-client knows none (the database down, or not reached yet), the limit is the earliest
-deadline: should no server answer by then, every member gets PyMongo's own
-`ServerSelectionTimeoutError`, never sent, and each one told so is truly never written.
-Bounded by the latest deadline then, members told "never sent" by their own deadlines were
-sent after all when the database came back before the latest.
+A member failed before its round trip ends is told its write may have landed
+(`TimedOutInFlight`): once a round trip is in the driver's hands, nothing withdraws one of
+its writes. So a batch is handed over only once a server is there to take it: while the
+client knows none (the database down, or not reached yet; `ServerWatch`), the batch is held
+and one cheap command probes for a server, and each member whose deadline passes meanwhile
+is failed by its own deadline as never sent (`QueuedPastDeadline`), which is true. Bounded by
+its latest deadline in the driver's hands instead, members were told "maybe written" during
+every outage; told "never sent" there (by a command listener, before their command started),
+they were sent after all when the database came back before the latest deadline; and
+bounded by its earliest, whole batches failed before their members' deadlines, some answered
+half a second past theirs (PyMongo's server selection waits in such steps) (all found in
+review).
 """
 
 from __future__ import annotations
@@ -34,19 +37,23 @@ import asyncio
 import contextlib
 import contextvars
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pymongo
-from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import NetworkTimeout, ServerSelectionTimeoutError
+from pymongo.errors import (
+    NetworkTimeout,
+    OperationFailure,
+    PyMongoError,
+    ServerSelectionTimeoutError,
+)
 
 
 class QueuedPastDeadline(ServerSelectionTimeoutError):
-    """The operation was never sent: it waited behind earlier round trips until its deadline
-    had passed. To its caller it is a server not selected in time: nothing reached the
-    database."""
+    """The operation was never sent: it waited behind earlier round trips, or for a server
+    to answer, until its deadline had passed. To its caller it is a server not selected in
+    time: nothing reached the database."""
 
 
 class TimedOutInFlight(NetworkTimeout):
@@ -62,16 +69,22 @@ _ROUND_TRIP_LIMIT: contextvars.ContextVar[float | None] = contextvars.ContextVar
 )
 
 
-def server_known_for_writes(client: pymongo.AsyncMongoClient[Any]) -> Callable[[], bool]:
-    """Whether `client` knows a server it could send a write to now."""
-    # Read afresh each time: the client replaces its description as it learns.
-    return lambda: client.topology_description.has_writable_server()  # noqa: PLW0108
+@dataclass(frozen=True, slots=True)
+class ServerWatch:
+    """Whether a client knows a server to send writes to now (`known`), and one cheap command
+    such a server answers (`answered`), which makes the client look for one."""
+
+    known: Callable[[], bool]
+    answered: Callable[[], Awaitable[object]]
 
 
-def server_known_for_reads(collection: AsyncCollection[Any]) -> Callable[[], bool]:
-    """Whether `collection`'s client knows a server it could read the collection from now."""
-    client, preference = collection.database.client, collection.read_preference
-    return lambda: client.topology_description.has_readable_server(preference)
+def server_watch(client: pymongo.AsyncMongoClient[Any]) -> ServerWatch:
+    """The watch of `client`'s servers that take writes (its primary)."""
+    return ServerWatch(
+        # Read afresh each time: the client replaces its description as it learns.
+        known=lambda: client.topology_description.has_writable_server(),  # noqa: PLW0108
+        answered=lambda: client.admin.command("ping"),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,19 +96,20 @@ class Queued[Op, Result]:
 
 class Coalescer[Op, Result](ABC):
     """Queues operations and sends them `max_batch` at a time, one batch after another; each
-    within `deadline_s` of its submission, queueing included, when one is given.
-    `server_known`: whether the client knows a server to send to now (None: taken as known)."""
+    within `deadline_s` of its submission, queueing included, when one is given. With
+    `server`, a batch is sent only once a server is there to take it (the module's
+    docstring); without, it is handed to the driver at once."""
 
     def __init__(
         self,
         *,
         max_batch: int,
         deadline_s: float | None = None,
-        server_known: Callable[[], bool] | None = None,
+        server: ServerWatch | None = None,
     ) -> None:
         self._max_batch = max_batch
         self._deadline_s = deadline_s
-        self._server_known = server_known
+        self._server = server
         self._queued: list[Queued[Op, Result]] = []
         self._flusher: asyncio.Task[None] | None = None
 
@@ -138,14 +152,10 @@ class Coalescer[Op, Result](ABC):
 
     async def _flush(self, batch: list[Queued[Op, Result]]) -> None:
         batch = _unexpired(batch)
-        if not batch:
-            return
-        limit = self._limit_of(batch)
-        timers = _each_answered_by_its_deadline(batch, limit)
-        marking = _ROUND_TRIP_LIMIT.set(limit)
         try:
-            with _within(limit):
-                await self._send(batch)
+            batch = await self._once_a_server_answers(batch)
+            if batch:
+                await self._round_trip(batch)
         except asyncio.CancelledError:
             for queued in batch:
                 queued.outcome.cancel()
@@ -153,22 +163,59 @@ class Coalescer[Op, Result](ABC):
         except Exception as error:  # noqa: BLE001 - the batch's failure is each caller's failure
             for queued in batch:
                 fail(queued, error)
+
+    async def _round_trip(self, batch: list[Queued[Op, Result]]) -> None:
+        """`batch` in the driver's hands, within what is left of its latest deadline."""
+        limit = _latest_deadline(batch)
+        timers = _each_answered_by_its_deadline(batch, limit)
+        marking = _ROUND_TRIP_LIMIT.set(limit)
+        try:
+            with _within(limit):
+                await self._send(batch)
         finally:
             _ROUND_TRIP_LIMIT.reset(marking)
             for timer in timers:
                 timer.cancel()
 
-    def _limit_of(self, batch: Sequence[Queued[Op, Result]]) -> float | None:
-        """The round trip's limit: its latest deadline, or its earliest while the client
-        knows no server to send to (see the module's docstring); None when a member has no
-        deadline (nothing is bounded)."""
-        deadlines = [queued.deadline for queued in batch]
-        if not deadlines or None in deadlines:
-            return None
-        bounded = [deadline for deadline in deadlines if deadline is not None]
-        if self._server_known is None or self._server_known():
-            return max(bounded)
-        return min(bounded)
+    async def _once_a_server_answers(
+        self, batch: list[Queued[Op, Result]]
+    ) -> list[Queued[Op, Result]]:
+        """The members of `batch` still waiting once a server answers; each member whose
+        deadline passes before that is failed then, never sent. At once while the client
+        knows a server (or nothing is bounded: the driver's own selection timeout is)."""
+        latest = _latest_deadline(batch)
+        if self._server is None or latest is None or not batch or self._server.known():
+            return batch
+        loop = asyncio.get_running_loop()
+        timers = [
+            loop.call_at(queued.deadline, _never_sent, queued)
+            for queued in batch
+            if queued.deadline is not None  # every one: `latest` is not None
+        ]
+        try:
+            await self._probe(until=latest)
+        finally:
+            for timer in timers:
+                timer.cancel()
+        # A member whose caller was cancelled goes ahead, as it would have in the driver.
+        return [queued for queued in batch if not _failed_unsent(queued)]
+
+    async def _probe(self, *, until: float) -> None:
+        """Until a server answers the watch's command, or `until` (event-loop time). The
+        driver paces the tries: after a failed one, it waits in server selection."""
+        assert self._server is not None
+        loop = asyncio.get_running_loop()
+        while (left := until - loop.time()) > 0:
+            try:
+                with pymongo.timeout(left):
+                    await asyncio.wait_for(self._server.answered(), timeout=left)
+            except OperationFailure:
+                return  # a server answered, if only to refuse the command
+            except (PyMongoError, TimeoutError):
+                if self._server.known():
+                    return  # found, though the command failed: the driver takes it from here
+                continue
+            return
 
 
 def settle[Op, Result](queued: Queued[Op, Result], result: Result) -> None:
@@ -191,6 +238,23 @@ def _unexpired[Op, Result](batch: list[Queued[Op, Result]]) -> list[Queued[Op, R
         else:
             kept.append(queued)
     return kept
+
+
+def _latest_deadline[Op, Result](batch: Sequence[Queued[Op, Result]]) -> float | None:
+    """The latest deadline in `batch`; None when a member has none (nothing is bounded)."""
+    deadlines = [queued.deadline for queued in batch]
+    if not deadlines or None in deadlines:
+        return None
+    return max(deadline for deadline in deadlines if deadline is not None)
+
+
+def _never_sent[Op, Result](queued: Queued[Op, Result]) -> None:
+    fail(queued, QueuedPastDeadline("no server answered before its deadline"))
+
+
+def _failed_unsent[Op, Result](queued: Queued[Op, Result]) -> bool:
+    outcome = queued.outcome
+    return outcome.done() and not outcome.cancelled() and outcome.exception() is not None
 
 
 def _within(limit: float | None) -> contextlib.AbstractContextManager[None]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from pymongo.asynchronous.collection import AsyncCollection
 
-from shared.coalescing import Coalescer, Queued, server_known_for_reads, settle
+from shared.coalescing import Coalescer, Queued, settle
 
 Document = dict[str, Any]
 MAX_BATCH = 500
@@ -30,12 +30,9 @@ class GroupReader(Coalescer[str, Document | None]):
         projection: Mapping[str, Any] | None = None,
         max_batch: int = MAX_BATCH,
     ):
+        # No `ServerWatch`: a read has nothing to tell "never sent" from "maybe written".
         client = collection.database.client
-        super().__init__(
-            max_batch=max_batch,
-            deadline_s=client.options.timeout,
-            server_known=server_known_for_reads(collection),
-        )
+        super().__init__(max_batch=max_batch, deadline_s=client.options.timeout)
         self.collection = collection
         self._projection = projection
 

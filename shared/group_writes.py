@@ -33,7 +33,7 @@ from pymongo.errors import (
     WTimeoutError,
 )
 
-from shared.coalescing import Coalescer, Queued, fail, server_known_for_writes, settle
+from shared.coalescing import Coalescer, Queued, fail, server_watch, settle
 
 Document = dict[str, Any]
 WriteOp = InsertOne[Document] | UpdateOne | DeleteOne
@@ -84,7 +84,7 @@ class GroupWriter(Coalescer[Write, None]):
         super().__init__(
             max_batch=max_batch,
             deadline_s=client.options.timeout,
-            server_known=server_known_for_writes(client),
+            server=server_watch(client),
         )
         self.collection = collection
 

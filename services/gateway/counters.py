@@ -29,7 +29,7 @@ from typing import Any
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import DuplicateKeyError
 
-from shared.coalescing import Coalescer, Queued, fail, server_known_for_writes, settle
+from shared.coalescing import Coalescer, Queued, fail, server_watch, settle
 from shared.group_writes import GroupWriter
 
 Document = dict[str, Any]
@@ -50,7 +50,7 @@ class _PerCounter[Op: (Increment, Release), Result](Coalescer[Op, Result]):
         super().__init__(
             max_batch=max_batch,
             deadline_s=client.options.timeout,
-            server_known=server_known_for_writes(client),
+            server=server_watch(client),
         )
         self._merged_result = merged_result
 

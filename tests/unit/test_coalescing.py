@@ -17,7 +17,14 @@ from pymongo.errors import NetworkTimeout
 
 from services.gateway.errors import DatabaseUnavailable
 from services.gateway.refusals import may_have_been_written
-from shared.coalescing import Coalescer, Queued, QueuedPastDeadline, TimedOutInFlight, settle
+from shared.coalescing import (
+    Coalescer,
+    Queued,
+    QueuedPastDeadline,
+    ServerWatch,
+    TimedOutInFlight,
+    settle,
+)
 from shared.database_errors import transient_database_error
 from shared.group_reads import GroupReader
 from shared.group_writes import GroupWriter, _failures_by_index
@@ -123,6 +130,66 @@ async def test_a_round_trip_sent_through_another_coalescer_keeps_to_its_own_limi
     assert ops == ["second"]
     assert second_limit is not None
     assert 0 < second_limit < 9.0  # its second in the outer queue counted
+
+
+class AwayServer:
+    """A `ServerWatch` whose server is away until `come_back`: its probe command waits."""
+
+    def __init__(self) -> None:
+        self.back = asyncio.Event()
+        self.probes = 0
+
+    def known(self) -> bool:
+        return self.back.is_set()
+
+    async def answered(self) -> object:
+        self.probes += 1
+        await self.back.wait()
+        return {"ok": 1}
+
+    def come_back(self) -> None:
+        self.back.set()
+
+
+class WatchedRoundTrips(HeldRoundTrips):
+    def __init__(self, server: AwayServer, *, deadline_s: float) -> None:
+        super().__init__(deadline_s=deadline_s)
+        self._server = ServerWatch(known=server.known, answered=server.answered)
+        self.release.set()
+
+
+async def test_while_no_server_is_known_nothing_is_sent_and_each_fails_by_its_own_deadline() -> (
+    None
+):
+    """Handed to the driver with no server known, a batch went on waiting in server selection:
+    members told "never sent" by their deadlines were sent when the database came back
+    (found in review). Bounded by the earliest deadline instead, `later` failed with `soon`,
+    a second before its own deadline and before the server came back (found in review)."""
+    server = AwayServer()
+    coalescer = WatchedRoundTrips(server, deadline_s=2.0)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    first = asyncio.create_task(coalescer.submit("first"))
+    await eventually(lambda: _probing(server, 1), what="the first probe")
+    await _past(began + 0.5)
+    soon = asyncio.create_task(coalescer.submit("soon"))  # queued behind the first's probe
+    await _past(began + 1.5)
+    later = asyncio.create_task(coalescer.submit("later"))  # and with `soon`, a second after
+
+    with pytest.raises(QueuedPastDeadline):
+        await first
+    await eventually(lambda: _probing(server, 2), what="the probe of `soon` and `later`")
+    with pytest.raises(QueuedPastDeadline):
+        await soon  # failed by its own deadline, `later` still waiting with it
+    assert not later.done()
+    server.come_back()
+
+    assert await later == "later"
+    assert [ops for ops, _ in coalescer.sent] == [["later"]]  # nothing else ever sent
+
+
+async def _probing(server: AwayServer, probes: int) -> bool:
+    return server.probes >= probes
 
 
 class SlowDatabase(Coalescer[str, str]):

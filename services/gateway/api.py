@@ -326,7 +326,7 @@ def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
         except Unavailable as error:
             raise _unavailable(error) from error
         location = {"Location": status_url(submitted.task_id)}
-        if submitted.cached_result is not None:
+        if submitted.created and submitted.cached_result is not None:
             return _view_json(_cached_view(submitted, deps.clock()), headers=location)
         status = submitted.status.value
         if not submitted.created:
@@ -337,6 +337,8 @@ def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
                 # said "nothing was kept", and a client resubmitting without the key then
                 # had its text scored twice.
                 log.warning("replay of %s answered as recorded: %r", submitted.task_id, error)
+                if submitted.cached_result is not None:
+                    return _view_json(_cached_view(submitted, deps.clock()), headers=location)
             else:
                 if view is not None:
                     return _view_json(view, headers=location)

@@ -302,9 +302,9 @@ async def _earlier_submission(
     idempotency_key: str, digest: str, tenant_id: str, submissions: Submissions, *, now: datetime
 ) -> Submitted:
     """The submission the key names (its insert collided on the key), as recorded: answered
-    from the result cache (its result), delayed, or queued; the route asks the status service
-    for more and answers this when it cannot (every replay read `queued`, a cached result's
-    and a delayed task's too, found in review).
+    from the result cache (its result), delayed, or queued. The route answers with the
+    status service's view, and with this when it cannot read one (every replay read
+    `queued` then, a cached result's and a delayed task's too, found in review).
 
     A lookup the database fails is `ReplayUnfinished` (409, retry with the same key), not a
     503 ("nothing was kept"): the key's first request was received and may have been

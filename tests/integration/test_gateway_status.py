@@ -427,6 +427,44 @@ async def test_a_replayed_key_is_answered_from_the_record_while_the_status_servi
         assert again.json()["result"]["score"] == RESULT_KEPT.score
 
 
+async def test_a_replayed_key_of_a_cached_answer_reads_the_task_as_it_is_now(
+    stack: Stack, amqp_url: str, mongo: object, db_prefix: str
+) -> None:
+    """Answered from the result cache at first, then re-scored: the replay answered the old
+    cached result while polls showed the new one (found in review)."""
+    settings = GatewaySettings.model_validate(
+        {"MONGO_URL": mongo.url, "MONGO_DB_PREFIX": db_prefix}  # type: ignore[attr-defined]
+    )
+    body = {"text": "kept in the cache, then scored again"}
+    await _cached(stack, settings, body["text"], RESULT_KEPT)
+    key = uuid.uuid4().hex
+    first = await stack.api.post("/v1/scores", json=body, headers={"Idempotency-Key": key})
+    assert first.json()["result"]["score"] == RESULT_KEPT.score, first.text
+    task_id = first.json()["task_id"]
+    rescored = TaskCompleted(
+        task_id=task_id,
+        generation=1,
+        attempt=1,
+        submitted_at=utcnow(),
+        sequence=event_sequence(generation=1, attempt=1, phase=Phase.TERMINAL),
+        result=ScoreResult(score=9.0, comment="again", model="m"),
+    )
+    broker = make_broker(GatewaySettings.model_validate({"RABBITMQ_URL": amqp_url}))
+    async with broker:
+        await broker.connect()
+        await publish_event(broker, rescored, timeout=10)
+
+    async def polled_score() -> float | None:
+        view = (await stack.api.get(f"/v1/scores/{task_id}")).json()
+        score = (view.get("result") or {}).get("score")
+        return float(score) if score == 9.0 else None
+
+    await eventually(polled_score, what="the new score in polls")
+    again = await stack.api.post("/v1/scores", json=body, headers={"Idempotency-Key": key})
+    assert again.status_code == 200, again.text
+    assert again.json()["result"]["score"] == 9.0
+
+
 RESULT_KEPT = ScoreResult(score=6.5, comment="kept", model="m")
 
 

@@ -128,6 +128,7 @@ def create_app(
             announce=bus.announce,
             config=config.housekeeping,
             usage_retention=usage_retention,
+            stale_after=timedelta(seconds=settings.run_stale_s),
             clock=clock,
         ),
         **(handlers or {}),

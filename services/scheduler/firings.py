@@ -186,6 +186,10 @@ class FiringStore(Protocol):
         error: str | None = None,
     ) -> bool: ...
 
+    async def abandon_silent_unleased(
+        self, *, silent_since: datetime, now: datetime, reason: str
+    ) -> int: ...
+
     async def find(self, run_id: str) -> Firing | None: ...
 
     async def latest(self, job: str) -> Firing | None: ...
@@ -464,6 +468,32 @@ class Firings(FiringStore):
             },
         )
         return result.modified_count == 1
+
+    async def abandon_silent_unleased(
+        self, *, silent_since: datetime, now: datetime, reason: str
+    ) -> int:
+        """Record as failed (`reason`) every run of a job that allows overlapping runs (it
+        holds no lease) that has shown no sign of life since `silent_since`; how many. Such a
+        run is never taken over by its job's next run, as a leased one is (`abandon`), so one
+        whose message was lost stayed `running` for good, kept by the firings' cleanup, which
+        deletes final ones only (found in review). Claimed ones are the dispatcher's, which
+        publishes them again. A later delivery of one is then dropped (`begin`)."""
+        result = await self._collection.update_many(
+            {
+                "active_job": {"$not": {"$type": "string"}},
+                "state": {"$nin": [*_FINAL, FiringState.CLAIMED.value]},
+                "heartbeat_at": {"$lt": to_millis(silent_since)},
+            },
+            {
+                "$set": {
+                    "state": FiringState.FAILED.value,
+                    "finished_at": to_millis(now),
+                    "error": reason,
+                    "next_attempt_at": None,
+                }
+            },
+        )
+        return int(result.modified_count)
 
     async def find(self, run_id: str) -> Firing | None:
         document = await self._collection.find_one({"_id": run_id})

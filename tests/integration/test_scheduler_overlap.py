@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 import httpx
 
 from services.scheduler.config import parse_config
-from services.scheduler.firings import Firing, Firings
+from services.scheduler.firings import Firing, Firings, FiringState
 from services.scheduler.jobs import JobOutcome, JobRun
 from services.scheduler.overlap import Claim, Overlap, claim_unless_overlapping
 from services.scheduler.schedule import ScheduledJob
@@ -141,3 +141,41 @@ async def test_two_replicas_claiming_two_runs_of_a_job_at_once_start_one(env: En
     refused = [outcome for outcome in outcomes if isinstance(outcome, Overlap)]
     assert (len(started), len(refused)) == (1, 2)
     assert {overlap.holder.run_id for overlap in refused} == {started[0].run_id}
+
+
+async def test_housekeeping_ends_silent_runs_of_jobs_that_allow_overlapping_runs(env: Env) -> None:
+    """Such a run holds no lease, so no next run of its job takes it over: one whose message
+    was lost stayed `dispatched` or `running` for good, and the cleanup of firings, which
+    deletes final ones only, kept it (found in review)."""
+    firings = Firings(env.mongo, env.database)
+    await firings.ensure_indexes()
+    at = datetime(2030, 1, 1, 10, 5, tzinfo=UTC)
+    step = timedelta(milliseconds=1)
+
+    async def dispatched(job: str, fire_time: datetime, *, now: datetime, leased: bool) -> str:
+        firing = await firings.claim(job, fire_time, now=now, owner="a", exclusive=leased)
+        assert firing is not None
+        await firings.mark_dispatched(firing.run_id, now=now)
+        return firing.run_id
+
+    silent = await dispatched("burst", at, now=at, leased=False)
+    leased = await dispatched("rollup", at, now=at, leased=True)  # its job's next run's to end
+    lively = await dispatched("burst", at + step, now=at + timedelta(hours=2), leased=False)
+    claimed = await firings.claim("burst", at + 2 * step, now=at, owner="a")  # the dispatcher's
+    assert claimed is not None
+
+    abandoned = await firings.abandon_silent_unleased(
+        silent_since=at + timedelta(hours=1), now=at + timedelta(hours=2), reason="abandoned"
+    )
+
+    assert abandoned == 1
+    states = {
+        run_id: (await firings.find(run_id)).state  # type: ignore[union-attr]
+        for run_id in (silent, leased, lively, claimed.run_id)
+    }
+    assert states == {
+        silent: FiringState.FAILED,
+        leased: FiringState.DISPATCHED,
+        lively: FiringState.DISPATCHED,
+        claimed.run_id: FiringState.CLAIMED,
+    }

@@ -30,6 +30,11 @@ class NoFirings(Firings):
     async def delete_finished_before(self, cutoff: datetime, *, keep: Sequence[str]) -> int:
         return 0
 
+    async def abandon_silent_unleased(
+        self, *, silent_since: datetime, now: datetime, reason: str
+    ) -> int:
+        return 0
+
 
 class NoCheckpoints(Checkpoints):
     def __init__(self) -> None:  # no database behind it
@@ -75,6 +80,7 @@ async def test_dead_letters_are_reported_even_when_deleting_fails() -> None:
             announce=announce,
             config=HousekeepingConfig(dead_letter_threshold=1),
             usage_retention=timedelta(days=90),
+            stale_after=timedelta(hours=1),
             clock=lambda: NOW,
         )
     assert [type(event) for event in announced] == [DeadLetterAlert]

@@ -3,7 +3,9 @@ theirs, and report dead letters.
 
 - Own records: final firings older than the retention (each job's latest scheduled firing is
   kept: it is the schedule's cursor), raw usage records already rolled up and past their
-  retention, finished fan-out checkpoints, catalogue entries of long-completed tasks.
+  retention, finished fan-out checkpoints, catalogue entries of long-completed tasks. Runs of
+  jobs that allow overlapping runs and have been silent longer than `SCHEDULER_RUN_STALE_S`
+  are recorded failed first (a leased run is taken over by its job's next run instead).
 - Other services' records (idempotency keys, leases) live in their databases and expire
   there by TTL indexes; this job never touches another database. It publishes
   `HousekeepingRequested` (`ops.housekeeping`) that a service may act on.
@@ -66,6 +68,7 @@ async def keep_house(
     announce: Announce,
     config: HousekeepingConfig,
     usage_retention: timedelta,
+    stale_after: timedelta,
     clock: Clock,
 ) -> JobOutcome:
     now = clock()
@@ -81,6 +84,12 @@ async def keep_house(
             ", ".join(f"{entry.dead_letter_queue}={entry.depth}" for entry in over),
         )
         await announce(DeadLetterAlert(task_id=run.run_id, queues=over))
+    abandoned = await firings.abandon_silent_unleased(
+        silent_since=now - stale_after,
+        now=now,
+        reason=f"abandoned: no sign of progress for longer than SCHEDULER_RUN_STALE_S "
+        f"({stale_after.total_seconds():g} s); its message was lost",
+    )
     firing_cutoff = now - timedelta(days=config.firing_retention_days)
     cursors = await firings.last_scheduled_ids(job_names, not_after=now)
     deleted = {
@@ -94,6 +103,7 @@ async def keep_house(
     await announce(HousekeepingRequested(task_id=run.run_id, scheduled_for=run.scheduled_for))
     return JobOutcome(
         summary={
+            "abandoned_runs": abandoned,
             "deleted": deleted,
             "dead_letters": [
                 {"queue": entry.dead_letter_queue, "depth": entry.depth} for entry in report

@@ -43,6 +43,7 @@ from typing import Any
 
 import pymongo
 from pymongo.errors import (
+    InvalidOperation,
     NetworkTimeout,
     OperationFailure,
     PyMongoError,
@@ -61,6 +62,9 @@ class TimedOutInFlight(NetworkTimeout):
     member's deadline) was in flight: it may or may not have been applied, as after any
     network timeout."""
 
+
+PROBE_PAUSE_S = 0.25  # between probes that failed without waiting for a server
+LIMIT_GRACE_S = 0.05  # past a round trip's limit, for PyMongo's own error to arrive
 
 # The limit of the round trip being sent (event-loop time), in its flusher's context: what it
 # sends through another coalescer keeps to it.
@@ -87,11 +91,13 @@ def server_watch(client: pymongo.AsyncMongoClient[Any]) -> ServerWatch:
     )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Queued[Op, Result]:
     op: Op
     outcome: asyncio.Future[Result]
     deadline: float | None = None  # event-loop time
+    # Fails it at its deadline while it waits in the queue; cancelled once it is taken.
+    expiry: asyncio.TimerHandle | None = None
 
 
 class Coalescer[Op, Result](ABC):
@@ -126,7 +132,10 @@ class Coalescer[Op, Result](ABC):
             # Sent for another coalescer's round trip: answered within that one's limit, or
             # its members would wait past their deadlines for a deadline counted afresh here.
             deadline = within if deadline is None else min(deadline, within)
-        self._queued.append(Queued(op, outcome, deadline))
+        queued = Queued(op, outcome, deadline)
+        if deadline is not None:
+            queued.expiry = loop.call_at(deadline, _expired_in_queue, queued)
+        self._queued.append(queued)
         if self._flusher is None or self._flusher.done():
             # In a context of its own: it serves every caller queued while it runs, not only
             # the first (its correlation id in log lines, its `pymongo.timeout`).
@@ -143,6 +152,9 @@ class Coalescer[Op, Result](ABC):
             while self._queued:
                 batch = self._queued[: self._max_batch]
                 del self._queued[: self._max_batch]
+                for queued in batch:
+                    if queued.expiry is not None:
+                        queued.expiry.cancel()
                 await self._flush(batch)
         except asyncio.CancelledError:
             for queued in self._queued:
@@ -193,29 +205,40 @@ class Coalescer[Op, Result](ABC):
             if queued.deadline is not None  # every one: `latest` is not None
         ]
         try:
-            await self._probe(until=latest)
+            answered = await self._probe(until=latest)
         finally:
             for timer in timers:
                 timer.cancel()
+        if not answered:  # out of time: failed unsent, should the clock pass a timer's moment
+            for queued in batch:
+                _never_sent(queued)
+            return []
         # A member whose caller was cancelled goes ahead, as it would have in the driver.
         return [queued for queued in batch if not _failed_unsent(queued)]
 
-    async def _probe(self, *, until: float) -> None:
-        """Until a server answers the watch's command, or `until` (event-loop time). The
-        driver paces the tries: after a failed one, it waits in server selection."""
+    async def _probe(self, *, until: float) -> bool:
+        """Whether a server answered the watch's command before `until` (event-loop time).
+        A try that failed waiting in server selection is tried again at once; one that
+        failed at once, after a pause (`PROBE_PAUSE_S`). A closed client raises."""
         assert self._server is not None
         loop = asyncio.get_running_loop()
         while (left := until - loop.time()) > 0:
+            began = loop.time()
             try:
                 with pymongo.timeout(left):
                     await asyncio.wait_for(self._server.answered(), timeout=left)
             except OperationFailure:
-                return  # a server answered, if only to refuse the command
+                return True  # a server answered, if only to refuse the command
+            except InvalidOperation:
+                raise  # the client is closed: nothing will answer
             except (PyMongoError, TimeoutError):
                 if self._server.known():
-                    return  # found, though the command failed: the driver takes it from here
+                    return True  # found, though the command failed: the driver takes it on
+                if (pause := began + PROBE_PAUSE_S - loop.time()) > 0:
+                    await asyncio.sleep(min(pause, max(until - loop.time(), 0)))
                 continue
-            return
+            return True
+        return False
 
 
 def settle[Op, Result](queued: Queued[Op, Result], result: Result) -> None:
@@ -252,6 +275,12 @@ def _never_sent[Op, Result](queued: Queued[Op, Result]) -> None:
     fail(queued, QueuedPastDeadline("no server answered before its deadline"))
 
 
+def _expired_in_queue[Op, Result](queued: Queued[Op, Result]) -> None:
+    # Answered now rather than when the flusher reaches it (after a round trip that may
+    # outlast its limit); `_unexpired` then leaves it out.
+    fail(queued, QueuedPastDeadline("waited past its deadline for earlier round trips"))
+
+
 def _failed_unsent[Op, Result](queued: Queued[Op, Result]) -> bool:
     outcome = queued.outcome
     return outcome.done() and not outcome.cancelled() and outcome.exception() is not None
@@ -267,17 +296,23 @@ def _within(limit: float | None) -> contextlib.AbstractContextManager[None]:
 def _each_answered_by_its_deadline[Op, Result](
     batch: Sequence[Queued[Op, Result]], limit: float | None
 ) -> list[asyncio.TimerHandle]:
-    """Timers failing each member of `batch` whose deadline comes before the round trip's
-    `limit`, should the round trip outlast it (a member already answered is left as it is);
-    the others get the round trip's own outcome, PyMongo's error at the limit included."""
+    """Timers failing each member of `batch` at its deadline should the round trip outlast
+    it (a member already answered is left as it is). Those whose deadline is the round
+    trip's `limit` are given `LIMIT_GRACE_S` more for PyMongo's own error, which tells a
+    write never sent from one that may have landed, but may come late: its server selection
+    waits in steps of half a second, not cut at the limit."""
     if limit is None:
         return []
     loop = asyncio.get_running_loop()
     return [
-        loop.call_at(queued.deadline, _timed_out, queued)
+        loop.call_at(_answer_by(queued.deadline, limit), _timed_out, queued)
         for queued in batch
-        if queued.deadline is not None and queued.deadline < limit
+        if queued.deadline is not None
     ]
+
+
+def _answer_by(deadline: float, limit: float) -> float:
+    return deadline if deadline < limit else limit + LIMIT_GRACE_S
 
 
 def _timed_out[Op, Result](queued: Queued[Op, Result]) -> None:

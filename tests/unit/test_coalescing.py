@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 from pymongo import AsyncMongoClient, _csot
-from pymongo.errors import NetworkTimeout
+from pymongo.errors import AutoReconnect, InvalidOperation, NetworkTimeout
 
 from services.gateway.errors import DatabaseUnavailable
 from services.gateway.refusals import may_have_been_written
 from shared.coalescing import (
+    PROBE_PAUSE_S,
     Coalescer,
     Queued,
     QueuedPastDeadline,
@@ -59,19 +60,20 @@ async def _later_than(loop: asyncio.AbstractEventLoop, moment: float) -> bool:
 
 
 async def test_an_operation_that_waited_past_its_deadline_is_not_sent() -> None:
+    """Answered at its deadline, while still queued: it was answered only once the flusher
+    reached it, after a round trip that may outlast its own limit (PyMongo's server
+    selection waits in steps of half a second; found in review)."""
     coalescer = HeldRoundTrips(deadline_s=0.2)
-    loop = asyncio.get_running_loop()
     first = asyncio.create_task(coalescer.submit("first"))
     await eventually(lambda: _started(coalescer, 1), what="the first round trip")
-    queued_at = loop.time()
     second = asyncio.create_task(coalescer.submit("second"))
-    await _past(queued_at + 0.2)  # the first round trip outlasts the second's deadline
 
-    coalescer.release.set()
-
-    assert await first == "first"
     with pytest.raises(QueuedPastDeadline):
-        await second
+        await asyncio.wait_for(second, timeout=10)  # the first round trip still held
+    with pytest.raises(TimedOutInFlight):
+        await asyncio.wait_for(first, timeout=10)  # it outlasted its limit and the grace
+    coalescer.release.set()
+    await eventually(lambda: _idle(coalescer), what="the flusher done")
     assert [ops for ops, _ in coalescer.sent] == [["first"]]  # never sent
 
 
@@ -188,6 +190,41 @@ async def test_while_no_server_is_known_nothing_is_sent_and_each_fails_by_its_ow
     assert [ops for ops, _ in coalescer.sent] == [["later"]]  # nothing else ever sent
 
 
+class RefusingServer(AwayServer):
+    """Its probe command fails at once, with `error`."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    async def answered(self) -> object:
+        self.probes += 1
+        raise self.error
+
+
+async def test_a_probe_failing_at_once_is_paced_and_its_batch_never_sent() -> None:
+    """A probe that failed without waiting for a server was tried again at once, tens of
+    thousands of times a second, until the batch's deadline (found in review)."""
+    server = RefusingServer(AutoReconnect("connection refused"))
+    coalescer = WatchedRoundTrips(server, deadline_s=1.0)
+
+    with pytest.raises(QueuedPastDeadline):
+        await asyncio.wait_for(coalescer.submit("only"), timeout=10)
+
+    assert 1 <= server.probes <= 1.0 / PROBE_PAUSE_S + 1
+    assert coalescer.sent == []
+
+
+async def test_a_closed_client_fails_the_batch_at_once() -> None:
+    server = RefusingServer(InvalidOperation("Cannot use MongoClient after close"))
+    coalescer = WatchedRoundTrips(server, deadline_s=10.0)
+
+    with pytest.raises(InvalidOperation):
+        await asyncio.wait_for(coalescer.submit("only"), timeout=5)
+
+    assert (server.probes, coalescer.sent) == (1, [])
+
+
 async def _probing(server: AwayServer, probes: int) -> bool:
     return server.probes >= probes
 
@@ -255,6 +292,11 @@ def test_an_operation_not_sent_counts_as_never_written() -> None:
     error = DatabaseUnavailable("queued too long")
     error.__cause__ = QueuedPastDeadline("waited past its deadline")
     assert not may_have_been_written(error)
+
+
+async def _idle(coalescer: Coalescer[str, str]) -> bool:
+    flusher = coalescer._flusher  # whether it has anything left to send
+    return flusher is None or flusher.done()
 
 
 async def _started(coalescer: HeldRoundTrips, round_trips: int) -> bool:

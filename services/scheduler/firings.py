@@ -453,15 +453,7 @@ class Firings(FiringStore):
                 "state": {"$nin": _FINAL},
                 "heartbeat_at": {"$lt": to_millis(silent_since)},
             },
-            {
-                "$set": {
-                    "state": FiringState.FAILED.value,
-                    "finished_at": to_millis(now),
-                    "error": reason,
-                    "next_attempt_at": None,
-                },
-                **_RELEASE,
-            },
+            {"$set": _failed(now, reason), **_RELEASE},
         )
         return result.modified_count == 1
 
@@ -480,14 +472,7 @@ class Firings(FiringStore):
                 "state": {"$nin": [*_FINAL, FiringState.CLAIMED.value]},
                 "heartbeat_at": {"$lt": to_millis(silent_since)},
             },
-            {
-                "$set": {
-                    "state": FiringState.FAILED.value,
-                    "finished_at": to_millis(now),
-                    "error": reason,
-                    "next_attempt_at": None,
-                }
-            },
+            {"$set": _failed(now, reason)},
         )
         return int(result.modified_count)
 
@@ -540,3 +525,13 @@ class Firings(FiringStore):
             if document is not None:
                 ids.append(document["_id"])
         return ids
+
+
+def _failed(now: datetime, reason: str) -> dict[str, Any]:
+    """The fields of a run recorded failed at `now` for `reason`."""
+    return {
+        "state": FiringState.FAILED.value,
+        "finished_at": to_millis(now),
+        "error": reason,
+        "next_attempt_at": None,
+    }

@@ -58,9 +58,8 @@ class QueuedPastDeadline(ServerSelectionTimeoutError):
 
 
 class TimedOutInFlight(NetworkTimeout):
-    """The operation's deadline passed while the round trip carrying it (bounded by a later
-    member's deadline) was in flight: it may or may not have been applied, as after any
-    network timeout."""
+    """The operation's deadline passed while the round trip carrying it was in flight: it
+    may or may not have been applied, as after any network timeout."""
 
 
 PROBE_PAUSE_S = 0.25  # between probes that failed without waiting for a server
@@ -96,7 +95,8 @@ class Queued[Op, Result]:
     op: Op
     outcome: asyncio.Future[Result]
     deadline: float | None = None  # event-loop time
-    # Fails it at its deadline while it waits in the queue; cancelled once it is taken.
+    # Fails it at its deadline while it waits in the queue behind a round trip that outlasted
+    # its limit (`_expire_while_queued`); cancelled once it is taken.
     expiry: asyncio.TimerHandle | None = None
 
 
@@ -132,10 +132,7 @@ class Coalescer[Op, Result](ABC):
             # Sent for another coalescer's round trip: answered within that one's limit, or
             # its members would wait past their deadlines for a deadline counted afresh here.
             deadline = within if deadline is None else min(deadline, within)
-        queued = Queued(op, outcome, deadline)
-        if deadline is not None:
-            queued.expiry = loop.call_at(deadline, _expired_in_queue, queued)
-        self._queued.append(queued)
+        self._queued.append(Queued(op, outcome, deadline))
         if self._flusher is None or self._flusher.done():
             # In a context of its own: it serves every caller queued while it runs, not only
             # the first (its correlation id in log lines, its `pymongo.timeout`).
@@ -180,6 +177,11 @@ class Coalescer[Op, Result](ABC):
         """`batch` in the driver's hands, within what is left of its latest deadline."""
         limit = _latest_deadline(batch)
         timers = _each_answered_by_its_deadline(batch, limit)
+        if limit is not None:
+            overrun = asyncio.get_running_loop().call_at(
+                limit + LIMIT_GRACE_S, self._expire_while_queued
+            )
+            timers.append(overrun)
         marking = _ROUND_TRIP_LIMIT.set(limit)
         try:
             with _within(limit):
@@ -188,6 +190,17 @@ class Coalescer[Op, Result](ABC):
             _ROUND_TRIP_LIMIT.reset(marking)
             for timer in timers:
                 timer.cancel()
+
+    def _expire_while_queued(self) -> None:
+        """The round trip being sent has outlasted its limit (PyMongo's server selection
+        overshoots it by up to half a second): each write queued behind it is answered at
+        its own deadline where it waits, not when the flusher reaches it. Armed only then:
+        a timer for every write would put two event-loop calls on the hot path for a rare
+        case."""
+        loop = asyncio.get_running_loop()
+        for queued in self._queued:
+            if queued.deadline is not None and queued.expiry is None:
+                queued.expiry = loop.call_at(queued.deadline, _expired_in_queue, queued)
 
     async def _once_a_server_answers(
         self, batch: list[Queued[Op, Result]]

@@ -31,8 +31,7 @@ class GroupReader(Coalescer[str, Document | None]):
         max_batch: int = MAX_BATCH,
     ):
         # No `ServerWatch`: a read has nothing to tell "never sent" from "maybe written".
-        client = collection.database.client
-        super().__init__(max_batch=max_batch, deadline_s=client.options.timeout)
+        super().__init__(max_batch=max_batch, deadline_s=collection.database.client.options.timeout)
         self.collection = collection
         self._projection = projection
 

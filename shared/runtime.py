@@ -149,7 +149,7 @@ def make_mongo(settings: ServiceSettings, **options: Any) -> MongoClient:
         socketTimeoutMS=timeout_ms,
         tz_aware=True,
         uuidRepresentation="standard",
-        **options,  # more client options
+        **options,  # more client options (`event_listeners`, for one)
     )
 
 

@@ -11,6 +11,7 @@ import gc
 import logging
 import math
 import random
+import socket
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, override
@@ -333,6 +334,36 @@ def mongo_ready(client: MongoClient, timeout: float) -> Check:
     return check
 
 
+StoppingHook = Callable[[], None]
+
+
+def when_stopping(app: FastAPI, hook: StoppingHook) -> None:
+    """Call `hook` as soon as the service is asked to stop, before its HTTP server waits (up
+    to `HTTP_DRAIN_S`) for the requests still open: requests waiting for events can answer
+    now, instead of being cut off when that wait runs out."""
+    app.state.stopping_hooks = [*stopping_hooks(app), hook]
+
+
+def stopping_hooks(app: FastAPI) -> list[StoppingHook]:
+    hooks: list[StoppingHook] = getattr(app.state, "stopping_hooks", [])
+    return hooks
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, calling `stopping` once it starts to stop (a signal, or
+    `should_exit`), before it waits for the open requests to finish."""
+
+    def __init__(self, config: uvicorn.Config, stopping: list[StoppingHook]) -> None:
+        super().__init__(config)
+        self._stopping = stopping
+
+    @override
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for hook in self._stopping:
+            hook()
+        await super().shutdown(sockets)
+
+
 async def serve(
     app: FastAPI, *, host: str, port: int, log_level: str, own_log_format: bool = True
 ) -> None:
@@ -350,7 +381,7 @@ async def serve(
         timeout_keep_alive=30,
         timeout_graceful_shutdown=HTTP_DRAIN_S,
     )
-    await uvicorn.Server(config).serve()
+    await Server(config, stopping_hooks(app)).serve()
 
 
 def run_service(name: str, settings: ServiceSettings, make_app: Callable[[], FastAPI]) -> None:

@@ -10,10 +10,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictBool, model_validator
 
-from services.gateway.api import json_body, read_model
 from services.gateway.deadletters import DeadLetterQueue, Walk
 from services.gateway.errors import DatabaseUnavailable, Unavailable, refused_for_good
 from services.gateway.keys_api import ADMIN_BODY_LIMIT
+from shared.bodies import json_body, read_model
 from shared.bus import BROKER_ERRORS
 from shared.dead_letters import WALK_BOUND, nothing_dropped
 from shared.http import (

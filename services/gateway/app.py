@@ -67,6 +67,7 @@ from shared.runtime import (
     mongo_ready,
     prepare_database,
     start_broker,
+    when_stopping,
 )
 
 Clock = Callable[[], datetime]
@@ -204,6 +205,7 @@ def create_app(settings: GatewaySettings, **overrides: Any) -> FastAPI:
     )
     for router in gateway_routes(gateway):
         app.include_router(router)
+    when_stopping(app, gateway.deps.live.stop_waiting)
     # Last, so outermost: the submissions admission sheds are counted too. The gateway faces
     # the internet, so its metrics need the metrics key or the admin key, and without either
     # they are disabled, never open.

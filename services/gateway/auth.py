@@ -56,9 +56,18 @@ class KeyStore(Protocol):
     async def active_ids(self, *, limit: int) -> list[str]: ...
 
 
+@dataclass
+class _Read:
+    """What one read of a key found; `used` once a request holding its secret has recorded
+    the key's use: `last_used_at` is written at most once per read (per cache period)."""
+
+    key: ApiKey | None
+    used: bool = False
+
+
 @dataclass(frozen=True)
 class _Cached:
-    key: ApiKey | None
+    read: _Read
     until: float
 
 
@@ -92,7 +101,7 @@ class Authenticator:
         self._clock = clock
         self._max_cached = max_cached
         self._cache: OrderedDict[str, _Cached] = OrderedDict()  # least recently used first
-        self._loading: dict[str, asyncio.Task[ApiKey | None]] = {}
+        self._loading: dict[str, asyncio.Task[_Read]] = {}
         self._unknown_keys = unknown_keys or UnknownKeyBudget(0)
         self._known: OrderedDict[str, None] = OrderedDict()  # least recently seen first
 
@@ -102,11 +111,13 @@ class Authenticator:
         issued = parse_key(token)
         if issued is None:
             return None
-        key = await self._lookup(issued.key_id, address)
+        read = await self._lookup(issued.key_id, address)
+        key = read.key
         # Whether a key id exists is no secret (ids are listed and logged), so answering an
         # unknown id faster than a wrong secret reveals nothing worth hiding.
         if key is None or not key.active or not secret_matches(issued.secret, key.secret_sha256):
             return None
+        await self._record_use(read, key.key_id)
         return Caller(tenant_id=key.tenant_id, key_id=key.key_id)
 
     async def still_valid(self, caller: Caller) -> bool:
@@ -116,17 +127,20 @@ class Authenticator:
         if caller.key_id is None:
             return True
         try:
-            key = await self._lookup(caller.key_id)
+            read = await self._lookup(caller.key_id)
         except DatabaseUnavailable:
             return True
-        return key is not None and key.active
+        if read.key is None or not read.key.active:
+            return False
+        await self._record_use(read, caller.key_id)  # the stream was opened with its secret
+        return True
 
     def forget(self, key_id: str) -> None:
         """Drop a key from this replica's cache (after revoking it here)."""
         self._cache.pop(key_id, None)
         self._loading.pop(key_id, None)  # a lookup under way may have read the key before
 
-    async def _lookup(self, key_id: str, address: str | None = None) -> ApiKey | None:
+    async def _lookup(self, key_id: str, address: str | None = None) -> _Read:
         """The key, from the cache or else from the store: requests that miss together share
         one lookup (and one `touch`), so a popular key's expiry costs one read, not one per
         request in flight."""
@@ -134,7 +148,7 @@ class Authenticator:
         cached = self._cache.get(key_id)
         if cached is not None and cached.until > now:
             self._cache.move_to_end(key_id)
-            return cached.key
+            return cached.read
         loading = self._loading.get(key_id)
         if loading is not None:  # joining a read under way costs no read
             return await asyncio.shield(loading)
@@ -144,15 +158,15 @@ class Authenticator:
         loading.add_done_callback(functools.partial(self._loaded, key_id, now + self._ttl))
         try:
             # Shielded: a request that goes away does not cancel the lookup others wait for.
-            key = await asyncio.shield(loading)
+            read = await asyncio.shield(loading)
         except Exception:
             if charged is not None:  # a failed read says nothing of the key
                 self._unknown_keys.give_back(charged)
             raise
         # A request cancelled meanwhile keeps its token: its read went on.
-        if key is not None and charged is not None:
+        if read.key is not None and charged is not None:
             self._unknown_keys.give_back(charged)
-        return key
+        return read
 
     def _charge(self, key_id: str, address: str | None) -> str | None:
         """Take the token of `address` for reading `key_id` (the address charged, or None
@@ -170,16 +184,21 @@ class Authenticator:
             )
         return address
 
-    async def _load(self, key_id: str) -> ApiKey | None:
-        key = await self._keys.find(key_id)
-        if key is not None and key.active:
-            try:
-                await self._keys.touch(key_id, now=self._clock())
-            except DatabaseUnavailable as error:  # `last_used_at` is best effort
-                log.warning("last_used_at of key %s not recorded: %r", key_id, error)
-        return key
+    async def _load(self, key_id: str) -> _Read:
+        return _Read(await self._keys.find(key_id))
 
-    def _loaded(self, key_id: str, until: float, loading: asyncio.Task[ApiKey | None]) -> None:
+    async def _record_use(self, read: _Read, key_id: str) -> None:
+        """Write the key's `last_used_at`, once per read: on a request that showed its secret,
+        never on a lookup (a wrong secret with a real key id marked the key used)."""
+        if read.used:
+            return
+        read.used = True
+        try:
+            await self._keys.touch(key_id, now=self._clock())
+        except DatabaseUnavailable as error:  # `last_used_at` is best effort
+            log.warning("last_used_at of key %s not recorded: %r", key_id, error)
+
+    def _loaded(self, key_id: str, until: float, loading: asyncio.Task[_Read]) -> None:
         # Reading the outcome here marks an error retrieved even when every waiter has gone.
         failed = loading.cancelled() or loading.exception() is not None
         if self._loading.get(key_id) is not loading:
@@ -187,7 +206,7 @@ class Authenticator:
         del self._loading[key_id]
         if failed:
             return
-        if loading.result() is not None:
+        if loading.result().key is not None:
             self.remember(key_id)
         if self._ttl <= 0:
             return

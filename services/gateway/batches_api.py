@@ -17,7 +17,6 @@ from services.gateway.api import (
     _check_idempotency_key,
     _unavailable,
     in_progress_problem,
-    read_json_object,
     read_unavailable,
     status_url,
     submission_responses,
@@ -42,6 +41,7 @@ from services.gateway.errors import (
 from services.gateway.limits import LimitExceeded, limit_problem
 from services.gateway.schemas import EXPIRED
 from services.gateway.settings import GatewaySettings
+from shared.bodies import read_json_object
 from shared.contracts import ScoreResult, TaskFailure
 from shared.http import Problem, problem_responses
 

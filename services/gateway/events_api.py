@@ -9,10 +9,13 @@ change heard live that the status service has not recorded yet (it lags by more 
 `LIVE_SETTLE_S`, or is away) is sent without an `id:` (its data carries its `sequence`): a
 reconnection resumes from the last recorded change and may see it again.
 
-When the status service is away as a stream starts, a client that reconnects by itself (an
-`EventSource`: it asks for `text/event-stream`, or sends `Last-Event-ID`) gets a 200 stream
-holding only `retry:` (the outage's Retry-After) and no event, so that it comes back; a 503
-would make it stop for good. Any other client gets the 503 problem.
+When the status service is away as a stream starts, or the replica's or the tenant's waiters
+are at their limit, a client that reconnects by itself (an `EventSource`: it asks for
+`text/event-stream`, or sends `Last-Event-ID`) gets a 200 stream holding only `retry:` (the
+Retry-After) and no event, so that it comes back; a 503 or 429 would make it stop for good.
+Any other client gets the problem. When the replica stops, its streams end at once (the
+client resumes elsewhere with `Last-Event-ID`) rather than being cut off when the HTTP
+server's drain runs out.
 
 Limits: a comment line every `SSE_HEARTBEAT_S` keeps proxies from closing an idle stream; a
 stream lasts at most `SSE_MAX_STREAM_S` (the client resumes with `Last-Event-ID`); the waiters
@@ -146,6 +149,10 @@ def event_routes(
         try:
             waiter = live.open(task_id, caller.tenant_id)  # before the read: no event slips by
         except WaiterLimitReached as error:
+            if _reconnects_by_itself(request):
+                return _come_back_later(
+                    "too many requests wait for live updates", error.retry_after_s
+                )
             raise waiter_problem(error) from error
         try:
             # Bounded: a bind stuck on a broker away held the stream's headers (and its waiter
@@ -155,7 +162,7 @@ def event_routes(
         except Unavailable as error:
             live.close(waiter)
             if _reconnects_by_itself(request) and not refused_for_good(error):
-                return _come_back_later(error)
+                return _come_back_later("the task's history is unavailable", error.retry_after_s)
             raise read_unavailable(error) from error
         except BaseException:
             live.close(waiter)
@@ -214,17 +221,16 @@ def _reconnects_by_itself(request: Request) -> bool:
     return EVENT_STREAM in accepts or "last-event-id" in request.headers
 
 
-def _come_back_later(error: Unavailable) -> Response:
+def _come_back_later(reason: str, retry_after_s: float) -> Response:
     """A stream with nothing in it but when to reconnect, for the length of an outage of the
-    status service: the client comes back with the same `Last-Event-ID`, as after any
-    stream's end. It says nothing of the task (not even whether it exists)."""
-    body = b": the task's history is unavailable; reconnecting\nretry: %d\n\n" % (
-        int(error.retry_after_s * 1000)
-    )
+    status service or while the waiters are at their limit: the client comes back with the
+    same `Last-Event-ID`, as after any stream's end. It says nothing of the task (not even
+    whether it exists)."""
+    body = b": %s; reconnecting\nretry: %d\n\n" % (reason.encode(), int(retry_after_s * 1000))
     return Response(
         body,
         media_type=EVENT_STREAM,
-        headers={"Cache-Control": "no-cache", "Retry-After": str(error.retry_after_s)},
+        headers={"Cache-Control": "no-cache", "Retry-After": str(retry_after_s)},
     )
 
 
@@ -254,11 +260,13 @@ async def _stream(
         ends_at, resync_at = clock() + max_stream_s, clock() + RESYNC_S
         while (remaining := ends_at - clock()) > 0:
             event = await waiter.next(min(heartbeat_s, remaining))
+            if waiter.stopped:
+                return  # the replica is stopping: the client resumes on another
             if event is None:
                 if not await authorised():
                     return  # its key was revoked
                 yield b": keep-alive\n\n"
-                await _bind_if_unbound(live, waiter)
+                await _bind_if_unbound(live)
                 if not waiter.missed and clock() < resync_at:
                     continue
                 waiter.missed, resync_at = False, clock() + RESYNC_S
@@ -277,15 +285,13 @@ async def _stream(
         live.close(waiter)
 
 
-async def _bind_if_unbound(live: LiveUpdates, waiter: Waiter) -> None:
+async def _bind_if_unbound(live: LiveUpdates) -> None:
     """Bind the live queue if nothing has since a failed bind: a stream opened while the
-    broker was away heard changes only at its periodic re-read, for its whole life. Once
-    bound, the stream re-reads at once (what changed before the bind was not heard)."""
-    if live.listening:
-        return
-    await listen_within(live, REBIND_WITHIN_S)
-    if live.listening:
-        waiter.missed = True
+    broker was away heard changes only at its periodic re-read, for its whole life. A bind
+    marks every waiter `missed` (`LiveUpdates.note_bound`), whoever made it: the stream then
+    re-reads what changed before it."""
+    if not live.listening:
+        await listen_within(live, REBIND_WITHIN_S)
 
 
 async def _changes_after(

@@ -15,9 +15,9 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from services.gateway.api import json_body, read_model
 from services.gateway.errors import DatabaseUnavailable, refused_for_good
 from services.gateway.keys import KEY_ID, TENANT_ID_PATTERN, ApiKeys, KeyNotIssued
+from shared.bodies import json_body, read_model
 from shared.http import (
     ADMIN_PROBLEMS,
     Problem,

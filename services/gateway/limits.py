@@ -57,7 +57,7 @@ queue is not counted again (its first end released it).
 
 Slow clients (`REQUEST_BODY_TIMEOUT_S`): `RequestBodyTimeout` is a pure ASGI middleware that
 bounds how long receiving a request's body may take and answers 408 problem+json when a client
-sends it too slowly; the size of a body is bounded where it is read (`api._read_body`).
+sends it too slowly; the size of a body is bounded where it is read (`shared.bodies`).
 """
 
 from __future__ import annotations

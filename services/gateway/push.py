@@ -48,6 +48,7 @@ from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import (
     CACHED_COMPLETION_SEQUENCE,
     StateChange,
+    TaskAccepted,
     TaskEvent,
     TaskHistory,
     TaskStatus,
@@ -92,13 +93,16 @@ class WaiterLimitReached(GatewayError):
 
 class Waiter:
     """One waiting request's inbox of task events, bounded: on overflow it drops the newest
-    and remembers that it `missed` some, so its reader re-reads the history instead."""
+    and remembers that it `missed` some, so its reader re-reads the history instead. Once
+    `stopped` (the replica is stopping), it hands out no more events."""
 
     def __init__(self, task_id: str, tenant_id: str, size: int = WAITER_QUEUE_SIZE) -> None:
         self.task_id = task_id
         self.tenant_id = tenant_id
         self.missed = False
-        self._events: asyncio.Queue[TaskEvent] = asyncio.Queue(maxsize=size)
+        self.stopped = False
+        # None: wakes a reader to see that the waiter stopped.
+        self._events: asyncio.Queue[TaskEvent | None] = asyncio.Queue(maxsize=size)
 
     def offer(self, event: TaskEvent) -> None:
         try:
@@ -106,9 +110,15 @@ class Waiter:
         except asyncio.QueueFull:
             self.missed = True
 
+    def stop(self) -> None:
+        self.stopped = True
+        with contextlib.suppress(asyncio.QueueFull):  # full: its reader is not blocked
+            self._events.put_nowait(None)
+
     async def next(self, timeout: float) -> TaskEvent | None:
-        """The next event, or None when `timeout` seconds pass without one."""
-        if timeout <= 0:
+        """The next event, or None when `timeout` seconds pass without one or the waiter
+        stopped."""
+        if timeout <= 0 or self.stopped:
             return None
         try:
             async with asyncio.timeout(timeout):
@@ -141,6 +151,7 @@ class LiveUpdates:
         self._recent: OrderedDict[str, list[tuple[float, TaskEvent]]] = OrderedDict()
         self._recent_s = recent_s
         self._monotonic = monotonic
+        self._stopping = False
 
     def __len__(self) -> int:
         return self._count
@@ -152,6 +163,8 @@ class LiveUpdates:
         if self._per_tenant.get(tenant_id, 0) >= self._max_per_tenant:
             raise WaiterLimitReached(per_tenant=True)
         waiter = Waiter(task_id, tenant_id, self._queue_size)
+        if self._stopping:
+            waiter.stop()
         self._by_task.setdefault(task_id, set()).add(waiter)
         self._per_tenant[tenant_id] = self._per_tenant.get(tenant_id, 0) + 1
         self._count += 1
@@ -175,6 +188,26 @@ class LiveUpdates:
         else:
             del self._per_tenant[waiter.tenant_id]
         self._count -= 1
+
+    def stop_waiting(self) -> None:
+        """The replica is stopping: every waiter, and any opened from now on, stops at once
+        (a stream ends, its client resuming on another replica; a long-poll answers the view
+        as it is). Left waiting, they were cut off when the HTTP server's drain ran out: a
+        long-poll answered a plain-text 500, a stream a truncated body."""
+        self._stopping = True
+        for waiter in self._waiters():
+            waiter.stop()
+
+    def note_bound(self) -> None:
+        """The live queue was just bound: every waiter may have missed an event published
+        before, which reached no queue of this replica; a stream re-reads at its next
+        heartbeat."""
+        for waiter in self._waiters():
+            waiter.missed = True
+
+    def _waiters(self) -> Iterator[Waiter]:
+        for waiters in self._by_task.values():
+            yield from waiters
 
     @contextlib.contextmanager
     def waiting(self, task_id: str, tenant_id: str) -> Iterator[Waiter]:
@@ -210,11 +243,27 @@ class LiveUpdates:
         return delivered
 
     def _remember(self, event: TaskEvent) -> None:
+        now = self._monotonic()
         recent = self._recent.pop(event.task_id, [])
-        recent.append((self._monotonic(), event))
+        recent.append((now, _slim(event)))
         self._recent[event.task_id] = recent[-RECENT_EVENTS_PER_TASK:]
-        while len(self._recent) > RECENT_TASKS:
+        while len(self._recent) > RECENT_TASKS or self._oldest_heard_before(now - self._recent_s):
             self._recent.popitem(last=False)
+
+    def _oldest_heard_before(self, since: float) -> bool:
+        """Whether the task heard of least recently was last heard of before `since` (the
+        memory is ordered by when each task was last heard of)."""
+        oldest = next(iter(self._recent.values()), None)
+        return oldest is not None and oldest[-1][0] < since
+
+
+def _slim(event: TaskEvent) -> TaskEvent:
+    """An event as a new waiter needs it: an acceptance without the client's metadata,
+    rubric and callback, which no waiter reads and which made the memory of 4,096 tasks
+    hold hundreds of MiB."""
+    if isinstance(event, TaskAccepted):
+        return event.model_copy(update={"metadata": {}, "rubric": None, "callback_url": None})
+    return event
 
 
 class Binding(Protocol):
@@ -275,6 +324,7 @@ class OnDemandBinding:
                     self._retry_at = self._monotonic() + BIND_RETRY_S
                     return
                 self.bound = True
+                self._waiters.note_bound()
                 if self._keeper is None or self._keeper.done():
                     self._keeper = asyncio.create_task(self._keep_while_wanted())
         finally:
@@ -442,7 +492,7 @@ async def read_when_changed(
         if wait_s > 0:
             await listen_within(live, wait_s)
         view = await read()
-        if view is None or view.status.is_terminal or wait_s <= 0:
+        if view is None or view.status.is_terminal or wait_s <= 0 or waiter.stopped:
             return view
         if known_status is not None and view.status != known_status:
             return view
@@ -452,6 +502,8 @@ async def read_when_changed(
             async with bound:
                 while True:
                     event = await waiter.next(min(deadline, unrecorded.recheck_at) - loop.time())
+                    if waiter.stopped:
+                        return await read()  # the replica is stopping
                     settling = settle_s
                     if event is None:
                         if unrecorded.event is None or loop.time() >= deadline:

@@ -20,10 +20,10 @@ import httpx
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from services.gateway.api import json_body, read_model
 from services.gateway.auth import Caller
 from services.gateway.errors import Unavailable
 from services.gateway.settings import GatewaySettings
+from shared.bodies import json_body, read_model
 from shared.http import (
     PROBLEM_BASE,
     Problem,

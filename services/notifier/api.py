@@ -7,14 +7,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
-from fastapi import APIRouter, Path, Response
+from fastapi import APIRouter, Path, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from services.notifier.errors import UnsafeDestination
 from services.notifier.keyring import Keyring, TenantSecret
 from services.notifier.registry import FailureAlerts
 from services.notifier.ssrf import WebhookGuard
-from shared.http import INTERNAL_PROBLEMS, Problem, internal_guard
+from shared.bodies import json_body, read_model
+from shared.http import INTERNAL_PROBLEMS, Problem, internal_guard, problem_responses
 from shared.webhook_urls import MAX_URL_LENGTH
 
 NO_STORE = {"Cache-Control": "no-store"}
@@ -22,6 +23,7 @@ NO_STORE = {"Cache-Control": "no-store"}
 # 404 of anything else (a wrong NOTIFIER_URL, a proxy's prefix), which is no answer at all.
 NO_FAILURE_ALERT = "no-failure-alert"
 TenantId = Path(pattern=r"^[A-Za-z0-9_.:@-]{1,128}$")
+ALERT_BODY_LIMIT = 16 * 1024  # a URL of at most MAX_URL_LENGTH characters, as JSON
 
 
 class SigningSecret(BaseModel):
@@ -84,17 +86,25 @@ def tenant_routes(
             raise Problem(404, "No failure-alert URL is registered.", kind=NO_FAILURE_ALERT)
         return AlertUrl(url=url)
 
-    @router.put("/failure-alert", response_model=AlertUrl)
-    async def register_failure_alert(request: AlertUrl, tenant_id: str = TenantId) -> AlertUrl:
+    @router.put(
+        "/failure-alert",
+        response_model=AlertUrl,
+        openapi_extra=json_body(AlertUrl),
+        responses=problem_responses(400, 413, 415, 422),
+    )
+    async def register_failure_alert(request: Request, tenant_id: str = TenantId) -> AlertUrl:
+        alert = await read_model(
+            request, AlertUrl, what="failure-alert URL", limit=ALERT_BODY_LIMIT
+        )
         try:
-            guard.check(request.url)
+            guard.check(alert.url)
         except UnsafeDestination as error:
             errors = [{"field": "url", "message": error.reason}]
             raise Problem(
                 422, f"url: {error.reason}", kind="invalid-fields", errors=errors
             ) from error
-        await alerts.register(tenant_id, request.url, now=clock())
-        return request
+        await alerts.register(tenant_id, alert.url, now=clock())
+        return alert
 
     @router.delete("/failure-alert", status_code=204)
     async def remove_failure_alert(tenant_id: str = TenantId) -> Response:

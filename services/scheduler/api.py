@@ -32,8 +32,15 @@ from dataclasses import asdict
 from datetime import date, datetime, timedelta
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Response
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictBool, model_validator
+from fastapi import APIRouter, Query, Request, Response
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    StrictBool,
+    model_validator,
+)
 
 from services.scheduler.cron import zone
 from services.scheduler.dead_letters import CronDeadLetters
@@ -49,6 +56,7 @@ from services.scheduler.jobs import Clock
 from services.scheduler.metering import NANOS_PER_UNIT
 from services.scheduler.schedule import JobCatalog, ScheduledJob
 from services.scheduler.usage_store import DailyUsage, DailyUsageStore
+from shared.bodies import json_body, read_model
 from shared.bus import BROKER_ERRORS
 from shared.dead_letters import WALK_BOUND, nothing_dropped
 from shared.http import (
@@ -64,6 +72,8 @@ from shared.http import (
 log = logging.getLogger("scorebox.scheduler.api")
 
 MAX_USAGE_RANGE_DAYS = 366
+# A replay names at most 10,000 run ids: far less than this.
+REPLAY_BODY_LIMIT = 1024 * 1024
 TriggerJob = Callable[[str], Awaitable[Firing]]
 
 
@@ -385,8 +395,16 @@ def cron_dead_letter_routes(
         items = [CronDeadLetterView(**asdict(letter)) for letter in walk.letters]
         return CronDeadLetterList(count=len(items), truncated=walk.truncated, items=items)
 
-    @router.post("/replay", response_model=CronReplayReport)
-    async def replay_cron_dead_letters(wanted: CronReplayRequest) -> CronReplayReport:
+    @router.post(
+        "/replay",
+        response_model=CronReplayReport,
+        openapi_extra=json_body(CronReplayRequest),
+        responses=problem_responses(400, 413, 415, 422),
+    )
+    async def replay_cron_dead_letters(request: Request) -> CronReplayReport:
+        wanted = await read_model(
+            request, CronReplayRequest, what="replay", limit=REPLAY_BODY_LIMIT
+        )
         with _broker_away_is_503():
             try:
                 replay = await dead_letters.replay(None if wanted.all else wanted.run_ids)

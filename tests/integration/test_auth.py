@@ -7,6 +7,7 @@ never see each other's tasks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import uuid
 from collections.abc import AsyncIterator
@@ -19,12 +20,19 @@ from fastapi import FastAPI
 from pymongo import AsyncMongoClient
 
 from services.gateway.keys import ApiKeys, KeyConflict, bootstrap_key, generate_key, parse_key
+from services.notifier.app import create_app as create_notifier
+from services.notifier.settings import NotifierSettings
+from services.scheduler.app import create_app as create_scheduler
+from services.scheduler.config import parse_config
+from services.scheduler.settings import SchedulerSettings
 from shared.contracts import utcnow
 from tests.integration.in_process import gateway_and_status
-from tests.support import eventually, queued_commands
+from tests.support import eventually, queued_commands, running
 
 ADMIN_KEY = "test-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+INTERNAL_KEY = "test-internal-key"
+INTERNAL = {"Authorization": f"Bearer {INTERNAL_KEY}"}
 OPEN_PATHS = {"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"}
 SOME_ID = "0123456789abcdef0123456789abcdef"
 
@@ -58,13 +66,19 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-async def stack(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Stack]:
-    env = {
+def env(amqp_url: str, mongo: Any, db_prefix: str) -> dict[str, str]:
+    return {
         "RABBITMQ_URL": amqp_url,
         "MONGO_URL": mongo.url,
         "MONGO_DB_PREFIX": db_prefix,
         "ADMIN_API_KEY": ADMIN_KEY,
     }
+
+
+@pytest.fixture(scope="module")
+async def stack(
+    env: dict[str, str], amqp_url: str, mongo: Any, db_prefix: str
+) -> AsyncIterator[Stack]:
     async with gateway_and_status(env) as services:
         client: AsyncMongoClient[Json] = AsyncMongoClient(mongo.url, tz_aware=True)
         yield Stack(services.gateway, services.api, amqp_url, client, db_prefix)
@@ -182,6 +196,29 @@ async def test_a_valid_key_is_accepted_and_its_use_recorded(stack: Stack) -> Non
     assert item["last_used_at"] is not None
 
 
+async def test_a_wrong_secret_does_not_record_the_keys_use(stack: Stack) -> None:
+    """A real key id with a wrong secret was refused but set the key's `last_used_at`: the
+    read that found the key wrote it, before the secret was compared."""
+    tenant = _tenant("wrong-secret")
+    created = await stack.new_key(tenant)
+    wrong = f"sbx_{created['key_id']}_{generate_key().secret}"
+    path = f"/v1/scores/{SOME_ID}"
+    _assert_unauthorized(await stack.api.get(path, headers={"Authorization": f"Bearer {wrong}"}))
+    assert (await _key_listed(stack, tenant))["last_used_at"] is None
+
+    # The key's read is cached now: the first request with its secret records the use.
+    right = {"Authorization": f"Bearer {created['key']}"}
+    assert (await stack.api.get(path, headers=right)).status_code == 404
+    assert (await _key_listed(stack, tenant))["last_used_at"] is not None
+
+
+async def _key_listed(stack: Stack, tenant: str) -> Json:
+    listing = await stack.api.get("/admin/v1/keys", params={"tenant_id": tenant}, headers=ADMIN)
+    items: list[Json] = listing.json()["items"]
+    [item] = items
+    return item
+
+
 # --------------------------------------------------------------------------- admin routes
 
 
@@ -256,31 +293,66 @@ async def test_admin_key_routes_need_the_admin_key(stack: Stack) -> None:
         _assert_unauthorized(await stack.api.delete(f"/admin/v1/keys/{'0' * 16}", headers=headers))
 
 
-@pytest.mark.parametrize("path", ["/admin/v1/keys", "/admin/v1/dead-letters/replay"])
-async def test_an_admin_body_is_not_read_before_the_admin_key_is_checked(
-    stack: Stack, path: str
+# (service, method, path, the key that opens the route)
+GUARDED_BODIES = {
+    "gateway-keys": ("gateway", "POST", "/admin/v1/keys", ADMIN),
+    "gateway-replay": ("gateway", "POST", "/admin/v1/dead-letters/replay", ADMIN),
+    "scheduler-replay": ("scheduler", "POST", "/admin/v1/cron/dead-letters/replay", ADMIN),
+    "notifier-alert": ("notifier", "PUT", "/internal/v1/tenants/acme/failure-alert", INTERNAL),
+}
+
+
+@contextlib.asynccontextmanager
+async def _client_of(
+    service: str, stack: Stack, env: dict[str, str]
+) -> AsyncIterator[httpx.AsyncClient]:
+    """The stack's gateway, or the scheduler or the notifier running on its broker and database,
+    holding the internal key."""
+    if service == "gateway":
+        yield stack.api
+        return
+    keyed = {**env, "INTERNAL_API_KEY": INTERNAL_KEY}
+    app = (
+        create_scheduler(SchedulerSettings.model_validate(keyed), config=parse_config({}, {}))
+        if service == "scheduler"
+        else create_notifier(NotifierSettings.model_validate(keyed))
+    )
+    async with running(app) as client:
+        yield client
+
+
+@pytest.mark.parametrize(
+    ("service", "method", "path", "key"), GUARDED_BODIES.values(), ids=GUARDED_BODIES.keys()
+)
+async def test_a_guarded_body_is_not_read_before_the_key_is_checked(
+    stack: Stack,
+    env: dict[str, str],
+    service: str,
+    method: str,
+    path: str,
+    key: dict[str, str],
 ) -> None:
     """A body declared as the route's parameter was read and parsed, whatever its size, before
-    the admin key's check: anyone could make the gateway hold hundreds of MB (seen: 200 MB of
+    the router's key check: anyone could make the service hold hundreds of MB (seen: 200 MB of
     spaces, answered 422, not 401)."""
     sent: list[int] = []
 
     async def endless_spaces() -> AsyncIterator[bytes]:
-        for _ in range(64):  # 4 MiB, past every admin body's limit
+        for _ in range(64):  # 4 MiB, past every guarded body's limit
             sent.append(1)
             yield b" " * 65_536
 
-    anonymous = await stack.api.post(
-        path, content=endless_spaces(), headers={"Content-Type": "application/json"}
-    )
-    _assert_unauthorized(anonymous)
-    assert len(sent) < 64
+    as_json = {"Content-Type": "application/json"}
+    async with _client_of(service, stack, env) as api:
+        anonymous = await api.request(method, path, content=endless_spaces(), headers=as_json)
+        _assert_unauthorized(anonymous)
+        assert len(sent) < 64
 
-    sent.clear()
-    too_big = await stack.api.post(
-        path, content=endless_spaces(), headers={**ADMIN, "Content-Type": "application/json"}
-    )
+        sent.clear()
+        keyed = {**key, **as_json}
+        too_big = await api.request(method, path, content=endless_spaces(), headers=keyed)
     _assert_problem(too_big, 413)
+    assert len(sent) < 64
 
 
 async def test_a_key_with_other_than_ascii_is_refused_not_a_500(stack: Stack) -> None:

@@ -41,7 +41,7 @@ from shared.contracts import (
     new_id,
     utcnow,
 )
-from shared.runtime import make_broker
+from shared.runtime import Server, make_broker, stopping_hooks
 from tests.support import eventually, running, stack_env
 
 ADMIN_KEY = "test-admin-key"
@@ -105,6 +105,14 @@ async def read_events(lines: AsyncIterator[str]) -> tuple[list[Sse], list[str]]:
 @asynccontextmanager
 async def serving(app: FastAPI) -> AsyncIterator[str]:
     """Serve `app` (lifespan included) on a free local port; yields its base URL."""
+    async with served(app) as (base_url, _):
+        yield base_url
+
+
+@asynccontextmanager
+async def served(app: FastAPI) -> AsyncIterator[tuple[str, Server]]:
+    """Serve `app` as the services do (`shared.runtime.Server`, its stopping hooks); yields
+    its base URL and the server, stopped at the end unless the test stopped it."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -115,7 +123,7 @@ async def serving(app: FastAPI) -> AsyncIterator[str]:
         ws="none",
         timeout_graceful_shutdown=2,
     )
-    server = uvicorn.Server(config)
+    server = Server(config, stopping_hooks(app))
     task = asyncio.create_task(server.serve(sockets=[sock]))
 
     async def started() -> bool:
@@ -125,7 +133,7 @@ async def serving(app: FastAPI) -> AsyncIterator[str]:
 
     try:
         await eventually(started, what="gateway serving")
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", server
     finally:
         server.should_exit = True
         await task
@@ -538,3 +546,43 @@ async def test_an_eventsource_reconnecting_while_the_status_service_is_away_is_t
     assert plain.headers["content-type"] == "application/problem+json"
     assert "nothing was kept" not in plain.json()["detail"]
     assert json.loads(first.removeprefix("data:"))["task_id"] == task_id
+
+
+async def test_a_stopping_gateway_answers_its_long_polls_and_ends_its_streams(push: Push) -> None:
+    """Asked to stop, the gateway left its waiters waiting until the HTTP server's drain ran
+    out and cut them off: a long-poll got a plain-text 500, a stream a truncated body."""
+    headers = await _key(push.api, f"stopping-{uuid.uuid4().hex[:8]}")
+    first, other = await _scheduled_tasks(push, headers, 2)
+    gateway = create_gateway(
+        GatewaySettings.model_validate(push.env),
+        status_http=httpx.AsyncClient(
+            transport=StatusSwitch(push.status), base_url="http://status.test", timeout=5
+        ),
+    )
+    async with (
+        served(gateway) as (base_url, server),
+        httpx.AsyncClient(base_url=base_url, headers=headers, timeout=60) as api,
+        api.stream("GET", f"/v1/scores/{first}/events") as stream,
+    ):
+        lines = stream.aiter_lines()
+        async for line in lines:
+            if line.startswith("data:"):  # streaming, its first state sent
+                break
+        long_poll = asyncio.create_task(api.get(f"/v1/scores/{first}?wait=30"))
+
+        async def both_waiting() -> bool:  # the tenant's two places taken
+            nonlocal long_poll
+            if long_poll.done() and long_poll.result().status_code == 429:
+                # This probe took the place first: ask again.
+                long_poll = asyncio.create_task(api.get(f"/v1/scores/{first}?wait=30"))
+            answer = await api.get(f"/v1/scores/{other}?wait=0.01")
+            return answer.status_code == 429
+
+        await eventually(both_waiting, what="the long-poll waiting beside the stream")
+        server.should_exit = True  # what SIGTERM does
+        async with asyncio.timeout(60):  # a hang guard only
+            answer = await long_poll
+            rest = [line async for line in lines]
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["status"] == "scheduled"
+    assert not any(line.startswith("data:") for line in rest)  # ended, nothing more to say

@@ -192,6 +192,30 @@ async def test_wrong_unknown_revoked_and_malformed_keys_yield_nothing() -> None:
     assert store.finds == finds  # malformed keys never reach the store
 
 
+async def test_only_a_request_with_the_secret_records_the_keys_use() -> None:
+    """A real key id with a wrong secret was refused but marked the key used (its
+    `last_used_at`, which the admin listing shows): the read that found the key wrote it."""
+    store = FakeKeys()
+    token = store.add()
+    parsed = parse_key(token)
+    assert parsed is not None
+    ticker = Ticker()
+    authenticator = _authenticator(store, ticker, ttl=5.0)
+    wrong_secret = f"sbx_{parsed.key_id}_{generate_key().secret}"
+    assert await authenticator.authenticate(wrong_secret) is None
+    assert store.touched == []
+
+    assert await authenticator.authenticate(token) is not None
+    assert await authenticator.authenticate(token) is not None
+    assert store.touched == [parsed.key_id]  # once per cache period, as before
+    ticker.now += 5.1
+    assert await authenticator.authenticate(wrong_secret) is None
+    assert store.touched == [parsed.key_id]
+    assert await authenticator.authenticate(token) is not None
+    assert store.touched == [parsed.key_id] * 2
+    assert store.finds == 2
+
+
 async def test_lookups_are_cached_for_the_ttl_and_revocation_shows_after_it() -> None:
     store = FakeKeys()
     token = store.add()

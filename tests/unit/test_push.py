@@ -16,15 +16,17 @@ from pymongo.errors import AutoReconnect, OperationFailure, PyMongoError
 from services.gateway.api import GatewayDeps
 from services.gateway.auth import Caller
 from services.gateway.errors import DatabaseUnavailable, StatusUnavailable
-from services.gateway.events_api import _bind_if_unbound, _changes_after, event_routes
+from services.gateway.events_api import _bind_if_unbound, _changes_after, _stream, event_routes
 from services.gateway.push import (
     BIND_RETRY_S,
+    RECENT_TASKS,
     HistoryPolicy,
     HistorySource,
     LiveUpdates,
     Waiter,
     WaiterLimitReached,
     history_settled,
+    listen_within,
     read_history,
     read_settled,
     read_when_changed,
@@ -170,6 +172,37 @@ async def test_a_new_waiter_starts_with_its_tasks_recent_events() -> None:
     late = live.open("t1", "a")
     assert await late.next(1) is completed
     assert await late.next(0) is None
+
+
+def test_the_memory_of_recent_events_keeps_no_client_payload() -> None:
+    """Whole acceptances were kept, the client's metadata and rubric included: 4,096 of them
+    held hundreds of MiB whether or not anyone waited."""
+    live = LiveUpdates()
+    live.deliver(
+        _accepted().model_copy(
+            update={
+                "metadata": {"notes": "x" * 8_000},
+                "rubric": "r" * 4_000,
+                "callback_url": "https://client.example/hook",
+            }
+        )
+    )
+    remembered = live.open("t1", "a")._events.get_nowait()  # what was kept
+    assert isinstance(remembered, TaskAccepted)
+    assert (remembered.metadata, remembered.rubric, remembered.callback_url) == ({}, None, None)
+    assert StateChange.of_event(remembered) == StateChange.of_event(_accepted())
+
+
+def test_the_memory_of_recent_events_forgets_what_is_older_than_its_window() -> None:
+    """Entries left only when newer tasks pushed them out, however old."""
+    clock = FakeClock()
+    live = LiveUpdates(recent_s=30, monotonic=clock)
+    for n in range(100):
+        live.deliver(_started(f"old{n}", "a"))
+    clock.now += 31
+    live.deliver(_started("new", "a"))
+    assert list(live._recent) == ["new"]  # the memory itself
+    assert RECENT_TASKS > 101  # so that the age, not the count, forgot them
 
 
 # --- Reads that wait -----------------------------------------------------------------------------
@@ -505,11 +538,11 @@ async def test_a_stream_opened_while_binding_failed_binds_at_a_later_heartbeat()
     await live.listen()  # the broker away: the bind fails
     waiter = live.open("t1", "a")
 
-    await _bind_if_unbound(live, waiter)  # within the back-off: no bind tried
+    await _bind_if_unbound(live)  # within the back-off: no bind tried
     assert (binding.calls, live.listening, waiter.missed) == (1, False, False)
     clock.now += BIND_RETRY_S
     binding.failing = False
-    await _bind_if_unbound(live, waiter)  # a heartbeat after it: bound, and a re-read asked
+    await _bind_if_unbound(live)  # a heartbeat after it: bound, and a re-read asked
     assert (binding.calls, live.listening, waiter.missed) == (2, True, True)
     await live.stop_listening()
 
@@ -768,4 +801,147 @@ async def test_an_eventsource_reconnecting_to_a_database_away_is_told_to_retry()
     assert answer.headers["retry-after"] == "5"
     assert "retry: 5000" in answer.text.splitlines()
     assert "data:" not in answer.text
+    assert len(live) == 0
+
+
+async def test_an_eventsource_finding_the_waiters_at_their_limit_is_told_to_retry() -> None:
+    """A replica lost, its streams reconnecting to the others, fills them: a 503 (or the
+    tenant's 429) made each `EventSource` turned away stop for good."""
+    live = LiveUpdates(max_waiters=1)
+    held = live.open("other", "b")
+    async with _stream_client(live) as client:
+        answer = await client.get("/v1/scores/t1/events", headers=RECONNECTION)
+        plain = await client.get("/v1/scores/t1/events")
+    live.close(held)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["content-type"].startswith("text/event-stream")
+    assert answer.headers["retry-after"] == "1"
+    assert "retry: 1000" in answer.text.splitlines()
+    assert "data:" not in answer.text
+    assert plain.status_code == 503  # a client that does not reconnect by itself
+    assert plain.headers["content-type"] == "application/problem+json"
+
+
+# --- A bind that lands after a stream's read ---------------------------------------------------
+
+
+async def _authorised() -> bool:
+    return True
+
+
+def _open_stream(
+    live: LiveUpdates,
+    waiter: Waiter,
+    histories: Histories,
+    first: TaskHistory,
+    heartbeat_s: float = 0.05,
+) -> Any:
+    return _stream(
+        "t1",
+        first,
+        after=-1,
+        waiter=waiter,
+        read=histories,
+        authorised=_authorised,
+        live=live,
+        heartbeat_s=heartbeat_s,
+        max_stream_s=3_600,
+        retry_ms=0,
+        settle_s=0,
+    )
+
+
+async def _until_completed(stream: Any) -> bytes:
+    """The stream's frames up to its end (its completion); a hang guard only."""
+    frames = []
+    async with asyncio.timeout(20):
+        async for frame in stream:
+            frames.append(frame)
+    return b"".join(frames)
+
+
+async def test_a_stream_unbound_at_its_read_rereads_once_another_request_binds() -> None:
+    """A stream opened during the bind's back-off read the history unheard; another request
+    then bound the queue, the stream's heartbeat found it listening and never re-read: what
+    changed before the bind came only at the periodic re-read, a minute later."""
+    clock, binding = FakeClock(), StuckBinding()
+    binding.done.set()
+    live = LiveUpdates(binding=binding, monotonic=clock)
+    await live.listen()  # the broker away: the bind fails, its back-off begins
+    waiter = live.open("t1", "a")
+    histories = Histories(_history(_accepted()))
+    first = await histories(-1)
+    assert first is not None
+    stream = _open_stream(live, waiter, histories, first)
+    assert (await anext(stream)).startswith(b"retry:")
+    assert b'"queued"' in await anext(stream)
+    # The task completes while nothing is bound: its events reach no queue of this replica.
+    histories.histories = [_history(_accepted(), _started(), _completed())]
+    clock.now += BIND_RETRY_S
+    binding.failing = False
+    await live.listen()  # another request binds
+    assert b'"completed"' in await _until_completed(stream)
+    await live.stop_listening()
+
+
+async def test_a_stream_whose_bind_lands_after_its_read_rereads() -> None:
+    """The route waits `REBIND_WITHIN_S` for the bind, then reads; the bind lands later."""
+    binding = StuckBinding()
+    binding.failing = False
+    live = LiveUpdates(binding=binding)
+    waiter = live.open("t1", "a")
+    await listen_within(live, 0.01)  # given up: the bind goes on
+    histories = Histories(_history(_accepted()))
+    first = await histories(-1)
+    assert first is not None
+    assert not live.listening
+    stream = _open_stream(live, waiter, histories, first)
+    await anext(stream), await anext(stream)
+    histories.histories = [_history(_accepted(), _started(), _completed())]  # unheard
+    binding.done.set()
+
+    async def bound() -> bool:
+        return live.listening
+
+    await eventually(bound, what="the bind landing")
+    assert b'"completed"' in await _until_completed(stream)
+    await live.stop_listening()
+
+
+# --- The replica stopping ----------------------------------------------------------------------
+
+
+async def test_a_stopping_replica_ends_its_streams() -> None:
+    live = LiveUpdates()
+    waiter = live.open("t1", "a")
+    histories = Histories(_history(_accepted()))
+    first = await histories(-1)
+    assert first is not None
+    stream = _open_stream(live, waiter, histories, first, heartbeat_s=600)
+    await anext(stream), await anext(stream)
+    ending = asyncio.create_task(_until_completed(stream))
+    live.stop_waiting()
+    assert await ending == b""  # ended, with no keep-alive or change after the stop
+    assert len(live) == 0
+
+
+async def test_a_stopping_replica_answers_its_long_polls_and_any_that_arrive() -> None:
+    live = LiveUpdates()
+    views = Views(_view(TaskStatus.QUEUED, 0))
+    waiting = await _long_poll_waiting(views, live, known_status=TaskStatus.QUEUED, settle_s=5)
+    live.stop_waiting()
+    async with asyncio.timeout(20):  # a hang guard only: its wait is 60 s
+        view = await waiting
+        late = await read_when_changed(
+            views,
+            live=live,
+            task_id="t2",
+            tenant_id="a",
+            wait_s=60,
+            known_status=TaskStatus.QUEUED,
+            settle_s=5,
+        )
+    assert view is not None
+    assert late is not None
+    assert (view.status, late.status) == (TaskStatus.QUEUED, TaskStatus.QUEUED)
     assert len(live) == 0

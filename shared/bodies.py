@@ -1,0 +1,77 @@
+"""Request bodies read by the handler, after the route's dependencies (its key check among
+them): a body declared as a route's parameter is read and parsed by FastAPI, whatever its
+size, before any dependency runs. Each reader bounds the body and answers problem+json: 415
+not JSON content, 413 over the limit, 400 not JSON, 422 naming each field that failed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from shared.http import Problem
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise Problem(413, f"The body is {declared} bytes; the limit is {limit} bytes.")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise Problem(413, f"The body exceeds the limit of {limit} bytes.")
+    return bytes(body)
+
+
+async def read_json_object(request: Request, *, what: str, limit: int) -> dict[str, Any]:
+    """The body as a JSON object: 415 not JSON content, 413 over `limit`, 400 not JSON, 422 not
+    an object."""
+    if not _is_json(request.headers.get("content-type", "")):
+        raise Problem(415, f"Send the {what} as JSON with 'Content-Type: application/json'.")
+    body = await _read_body(request, limit)
+    try:
+        payload: Any = orjson.loads(body)
+    except orjson.JSONDecodeError as error:
+        raise Problem(400, f"The body is not valid JSON: {error}.") from error
+    if not isinstance(payload, dict):
+        raise Problem(422, "The body must be a JSON object.", kind="invalid-fields")
+    return payload
+
+
+async def read_model[M: BaseModel](request: Request, model: type[M], *, what: str, limit: int) -> M:
+    """`read_json_object`, then the model's checks (422 naming each field)."""
+    payload = await read_json_object(request, what=what, limit=limit)
+    try:
+        return model.model_validate(payload)
+    except ValidationError as error:
+        raise invalid_fields(error) from error
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The `openapi_extra` of a route that reads `model` with `read_model`."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": model.model_json_schema()}},
+        }
+    }
+
+
+def invalid_fields(error: ValidationError) -> Problem:
+    """422 naming each field a body failed on."""
+    errors = [
+        {"field": ".".join(map(str, e["loc"])) or "body", "message": e["msg"]}
+        for e in error.errors(include_url=False)
+    ]
+    detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
+    return Problem(422, detail, kind="invalid-fields", errors=errors)

@@ -29,9 +29,10 @@ their results still fill it.
 Reading a batch (`read_batch`): the gateway's record says which tasks belong to it and in
 which order (the request's); the status service owns their progress (counts per status and a
 page of items, by `batch_index`). Tasks the status service has not heard of yet read as
-`queued` while the batch is young (read-your-writes, like `read_score`) or their submissions
-are not sent yet (`accepting`, `unconfirmed`), and as `expired` otherwise (their results
-outlived `FINISHED_TASK_TTL_S`).
+`queued` while the batch is young (read-your-writes, like `read_score`), while their
+submissions are not sent yet (`accepting`, `unconfirmed`) or were sent by the outbox sweep
+within the same window, and as `expired` otherwise (their results outlived
+`FINISHED_TASK_TTL_S`).
 """
 
 from __future__ import annotations
@@ -717,9 +718,10 @@ class BatchStatusReader(Protocol):
 
 
 class UnsentItems(Protocol):
-    """Which of a batch's tasks are not sent yet (`Submissions.unsent_in_batch`)."""
+    """Which of a batch's tasks are not sent yet, or were sent by the outbox sweep at
+    `sent_since` or later (`Submissions.unsent_in_batch`)."""
 
-    async def unsent_in_batch(self, batch_id: str) -> frozenset[str]: ...
+    async def unsent_in_batch(self, batch_id: str, *, sent_since: datetime) -> frozenset[str]: ...
 
 
 @dataclass(frozen=True)
@@ -759,10 +761,11 @@ async def read_batch(
 
     Items the status service has not heard of read `queued` while the batch is young
     (read-your-writes), and later too while their submissions are not sent yet (`accepting`
-    or `unconfirmed`: a broker alarm, a crashed gateway, the outbox sweep to come), as a
-    single task does (`recently_due`); the others read `expired`. They read `expired` once
-    the batch was older than the window, and a client resubmitting them had them scored
-    twice when the sweep sent the originals."""
+    or `unconfirmed`: a broker alarm, a crashed gateway, the outbox sweep to come) or the
+    sweep sent them within the window (the status service may read their copies behind an
+    alarm's backlog), as a single task does (`recently_due`); the others read `expired`. An
+    item not sent yet, or just sent, read `expired` once the batch was older than the window,
+    and a client resubmitting it had it scored twice."""
     record = await batches.find(batch_id, tenant_id=tenant_id)
     if record is None:
         return None
@@ -777,17 +780,19 @@ async def read_batch(
     not_heard = [
         member for index, member in enumerate(page, start) if not _heard(member, known.get(index))
     ]
-    young = record.created_at >= clock() - window
-    unsent: frozenset[str] = frozenset()
+    since = clock() - window
+    young = record.created_at >= since
+    # Read after the status service answered: an item the sweep sends in between is in it.
+    pending: frozenset[str] = frozenset()
     if not young and (unheard or not_heard):
-        unsent = await submissions.unsent_in_batch(batch_id)
+        pending = await submissions.unsent_in_batch(batch_id, sent_since=since)
     counts = {state.value: progress.counts.get(state, 0) for state in TaskStatus}
-    waiting = unheard if young else _waiting(page, not_heard, unheard=unheard, unsent=unsent)
+    waiting = unheard if young else _waiting(page, not_heard, unheard=unheard, pending=pending)
     counts[TaskStatus.QUEUED.value] += waiting
     counts[EXPIRED] = unheard - waiting
     items = []
     for index, member in enumerate(page, start):
-        unheard_as = TaskStatus.QUEUED.value if young or member.task_id in unsent else EXPIRED
+        unheard_as = TaskStatus.QUEUED.value if young or member.task_id in pending else EXPIRED
         items.append(_page_item(index, member, known.get(index), unheard_as))
     return BatchPage(
         batch_id=batch_id,
@@ -804,17 +809,17 @@ def _waiting(
     not_heard: Sequence[BatchMember],
     *,
     unheard: int,
-    unsent: frozenset[str],
+    pending: frozenset[str],
 ) -> int:
-    """How many of an old batch's `unheard` tasks are not sent yet, given the `page`'s tasks
-    the status service has `not_heard` of: exact on the page; past it, the status service's
-    counts do not say which tasks it heard of, and an unsent one may be among them (a
-    command written whose confirm was lost), so the count errs towards `queued`, which tells
-    no client to resubmit."""
+    """How many of an old batch's `unheard` tasks are `pending` (not sent yet, or just sent),
+    given the `page`'s tasks the status service has `not_heard` of: exact on the page; past
+    it, the status service's counts do not say which tasks it heard of, and a pending one may
+    be among them (a command written whose confirm was lost), so the count errs towards
+    `queued`, which tells no client to resubmit."""
     here = {member.task_id for member in page}
-    waiting_here = sum(member.task_id in unsent for member in not_heard)
+    waiting_here = sum(member.task_id in pending for member in not_heard)
     unheard_elsewhere = max(unheard - len(not_heard), 0)
-    return min(waiting_here + min(unheard_elsewhere, len(unsent - here)), unheard)
+    return min(waiting_here + min(unheard_elsewhere, len(pending - here)), unheard)
 
 
 def _heard(member: BatchMember, progress: BatchItemProgress | None) -> bool:

@@ -21,6 +21,9 @@ in `rescored_for`; `rescore` describes the latest one and whether its command wa
 `finished_generation` is the highest generation whose outcome the gateway applied (absent:
 none), written with the outcome's other changes (`note_outcome`): a cancellation of a
 generation at or below it is refused (`services/gateway/cancels.py`).
+`sent_at` is when the outbox sweep sent a submission (absent: sent by its own request, right
+after `created_at`, or by an earlier build): the status service may not have heard of the task
+for a while after, however old it is (`recently_due`, `unsent_in_batch`).
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ EXPIRY_ONCE_SENT: Final = "expires_once_sent"
 # for twice as long by each outbox pass: never removed while a sweep runs at least daily, and
 # still expiring should a replica of the earlier build mark it sent (it sets `state` only).
 LEGACY_UNSENT_HOLD = timedelta(days=1)
+# When the outbox sweep sent a submission (`Submission.sent_at`).
+SENT_AT: Final = "sent_at"
 
 
 class SubmissionState(StrEnum):
@@ -94,6 +99,8 @@ class Submission:
     # applied (`note_outcome`); None before any. A cancellation of a generation at or below it
     # is refused, whatever the status service says or the scorer still remembers.
     finished_generation: int | None = None
+    # When the outbox sweep sent it; None when its request did (or an earlier build's sweep).
+    sent_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -213,6 +220,11 @@ class Submissions:
             partialFilterExpression={"batch_id": {"$type": "string"}},
             name="batch_submissions",
         )
+        await self._collection.create_index(  # small: only what the outbox sweep sent
+            [("batch_id", ASCENDING), (SENT_AT, ASCENDING)],
+            partialFilterExpression={"batch_id": {"$type": "string"}, SENT_AT: {"$type": "date"}},
+            name="batch_swept",
+        )
         await self._adopt_legacy_in_flight_markers()
 
     async def _adopt_legacy_in_flight_markers(self) -> None:
@@ -305,7 +317,7 @@ class Submissions:
                     "batch_id": string_key(batch_id),
                     "state": SubmissionState.ACCEPTING.value,
                 },
-                _sent(),
+                _sent(None),
             )
 
     async def mark_batch_unconfirmed(self, batch_id: str) -> None:
@@ -342,11 +354,13 @@ class Submissions:
         # tries twice: its insert also collides with the late insert landing at that moment.
         await self._writes.guarded_upsert(*_tombstone(task_id, now))
 
-    async def mark_accepted(self, task_id: str) -> None:
+    async def mark_accepted(self, task_id: str, *, sent_at: datetime | None = None) -> None:
         """The command reached the broker; it stays recorded for re-scoring, and expires
         `retention` after the task was due (its `expires_once_sent` becomes `expires_at`;
-        a record marked before, or of an earlier build, keeps the `expires_at` it has)."""
-        await self._update({"_id": task_id}, _sent())
+        a record marked before, or of an earlier build, keeps the `expires_at` it has).
+        The outbox sweep gives `sent_at`; a request, which sends right after it recorded the
+        submission, has `created_at` say when."""
+        await self._update({"_id": task_id}, _sent(sent_at))
 
     async def mark_unconfirmed(self, task_id: str) -> None:
         """The command was written but not confirmed, and the client answered 202: a replay
@@ -537,11 +551,13 @@ class Submissions:
             raise DatabaseUnavailable(str(error)) from error
         return result.modified_count
 
-    async def unsent_in_batch(self, batch_id: str) -> frozenset[str]:
+    async def unsent_in_batch(self, batch_id: str, *, sent_since: datetime) -> frozenset[str]:
         """Task ids of a batch's submissions not known to be queued yet (`accepting` or
-        `unconfirmed`, which the outbox sweep sends): tasks the status service has not heard
-        of however old the batch (`read_batch`). One read, on the `batch_submissions` index."""
-        query = {"batch_id": string_key(batch_id), "state": {"$in": _UNSENT}}
+        `unconfirmed`, which the outbox sweep sends) or sent by the sweep at `sent_since` or
+        later: tasks the status service may not have heard of however old the batch
+        (`read_batch`). One read, each branch on an index (`batch_submissions`,
+        `batch_swept`; their partial filters repeated, see `string_key`)."""
+        query = unsent_in_batch_query(batch_id, sent_since=sent_since)
         try:
             cursor = self._collection.find(query, projection={"_id": 1})
             return frozenset([document["_id"] async for document in cursor])
@@ -620,28 +636,39 @@ def _new_document(
     return document
 
 
-def _sent() -> Document:
+def _sent(sent_at: datetime | None) -> Document:
     """The update of a submission whose command reached the broker: it expires from now on,
     when recorded at insert (a `$rename` of a missing field changes nothing: marked before,
     or written by an earlier build, which set `expires_at` at insert)."""
+    sent: Document = {"state": SubmissionState.ACCEPTED.value}
+    if sent_at is not None:
+        sent[SENT_AT] = sent_at
+    return {"$set": sent, "$rename": {EXPIRY_ONCE_SENT: "expires_at"}}
+
+
+def unsent_in_batch_query(batch_id: str, *, sent_since: datetime) -> Document:
+    batch = string_key(batch_id)
     return {
-        "$set": {"state": SubmissionState.ACCEPTED.value},
-        "$rename": {EXPIRY_ONCE_SENT: "expires_at"},
+        "$or": [
+            {"batch_id": batch, "state": {"$in": _UNSENT}},
+            {"batch_id": batch, SENT_AT: {"$gte": sent_since, "$type": "date"}},
+        ]
     }
 
 
 def recently_due(submission: Submission, *, now: datetime, window: timedelta) -> bool:
-    """Whether the status service may not have heard of the task yet: submitted, or due (a
+    """Whether the status service may not have heard of the task yet: submitted, due (a
     delayed task reaches the projection with its first attempt when its announcement was
-    lost), within `window`. From the submission alone, a task delayed past the window
-    answered 404 until it ran. A task whose command is not known to be queued yet (left
-    `unconfirmed` by a broker alarm, or `accepting`, for the outbox sweep) has not reached the
-    projection either, however old: it read as 404 (a client resubmitting then had its text
-    scored twice)."""
+    lost), or sent by the outbox sweep, within `window`. From the submission alone, a task
+    delayed past the window answered 404 until it ran, and one the sweep sent after a broker
+    alarm longer than the window answered 404 until the projection caught up. A task whose
+    command is not known to be queued yet (left `unconfirmed` by a broker alarm, or
+    `accepting`, for the outbox sweep) has not reached the projection either, however old: it
+    read as 404 (a client resubmitting then had its text scored twice)."""
     if submission.state in (SubmissionState.ACCEPTING, SubmissionState.UNCONFIRMED):
         return True
-    due = max(submission.created_at, submission.not_before or submission.created_at)
-    return due >= now - window
+    times = (submission.created_at, submission.not_before, submission.sent_at)
+    return max(time for time in times if time is not None) >= now - window
 
 
 def _due(command: ScoreText) -> datetime:
@@ -769,6 +796,7 @@ def _submission_of(document: Document) -> Submission:
         else None,
         generation=generation,
         finished_generation=None if finished is None else int(finished),
+        sent_at=document.get(SENT_AT),
     )
 
 

@@ -412,7 +412,7 @@ async def sweep_outbox(
                 continue
             assert submission.command is not None
             if await _send_again(submission.command, submission.cached_result, publisher):
-                await submissions.mark_accepted(submission.task_id)
+                await submissions.mark_accepted(submission.task_id, sent_at=clock())
                 sent += 1
     return sent
 

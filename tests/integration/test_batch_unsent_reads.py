@@ -1,6 +1,6 @@
-"""A batch's items not sent yet read as queued however old the batch, on the real database:
-the status service has not heard of them, and `expired` told their client to resubmit them
-(scored twice once the outbox sweep sent the originals)."""
+"""A batch's items not sent yet, or just sent by the outbox sweep, read as queued however old
+the batch, on the real database: the status service has not heard of them, and `expired` told
+their client to resubmit them (scored twice once the originals ran)."""
 
 from __future__ import annotations
 
@@ -64,11 +64,11 @@ async def gateway(mongo: Endpoint, db_prefix: str) -> AsyncIterator[Gateway]:
         yield records
 
 
-async def test_items_not_sent_yet_read_as_queued_however_old_their_batch(
+async def test_items_not_sent_yet_or_just_swept_read_as_queued_however_old_their_batch(
     gateway: Gateway,
 ) -> None:
     request = BatchSubmission.model_validate(
-        {"items": [{"text": f"Essay number {i}."} for i in range(4)]}
+        {"items": [{"text": f"Essay number {i}."} for i in range(6)]}
     )
     submitted = await submit_batch(
         request,
@@ -84,12 +84,19 @@ async def test_items_not_sent_yet_read_as_queued_however_old_their_batch(
     )
     batch_id = submitted.record.batch_id
     tasks = [member.task_id for member in submitted.record.members]
-    # Item 0 stays `unconfirmed` (the alarm), item 2 `accepting` (its gateway died before it
-    # marked it), item 3 was sent by a sweep and its result has expired since.
+    read_at = T0 + timedelta(hours=1)
+    # Item 0 stays `unconfirmed` (the alarm), item 1 was sent (the status service heard of
+    # it), item 2 is `accepting` (its gateway died before it marked it). A sweep sent item 3
+    # long ago (its result has expired since) and item 4 a second ago (the status service
+    # has not read its copy yet). Item 5 is marked sent with no time, as its request or an
+    # earlier build's sweep marks it: sent when submitted.
+    await gateway.submissions.mark_accepted(tasks[1])
     await gateway.raw["submissions"].update_one(
         {"_id": tasks[2]}, {"$set": {"state": SubmissionState.ACCEPTING.value}}
     )
-    await gateway.submissions.mark_accepted(tasks[3])
+    await gateway.submissions.mark_accepted(tasks[3], sent_at=T0 + timedelta(minutes=1))
+    await gateway.submissions.mark_accepted(tasks[4], sent_at=read_at - timedelta(seconds=1))
+    await gateway.submissions.mark_accepted(tasks[5])
 
     async def read(start: int, limit: int) -> BatchPage:
         page = await read_batch(
@@ -100,18 +107,19 @@ async def test_items_not_sent_yet_read_as_queued_however_old_their_batch(
             batches=gateway.batches,
             status=Heard(tasks[1]),
             submissions=gateway.submissions,
-            clock=lambda: T0 + timedelta(hours=1),
+            clock=lambda: read_at,
             window=WINDOW,
         )
         assert page is not None
         return page
 
     whole = await read(0, 10)
-    assert [item.status for item in whole.items] == ["queued", "completed", "queued", EXPIRED]
-    counts = {"queued": 2, "completed": 1, EXPIRED: 1}
+    statuses = ["queued", "completed", "queued", EXPIRED, "queued", EXPIRED]
+    assert [item.status for item in whole.items] == statuses
+    counts = {"queued": 3, "completed": 1, EXPIRED: 2}
     assert {state: n for state, n in whole.counts.items() if n} == counts
 
-    # The counts are the whole batch's, item 0 included, on a page without it.
+    # The counts are the whole batch's, items 0 and 4 included, on a page without them.
     last = await read(2, 2)
     assert [item.status for item in last.items] == ["queued", EXPIRED]
     assert {state: n for state, n in last.counts.items() if n} == counts

@@ -449,7 +449,7 @@ class FakeUnsent:
         self.task_ids = frozenset(task_ids)
         self.lookups = 0
 
-    async def unsent_in_batch(self, batch_id: str) -> frozenset[str]:
+    async def unsent_in_batch(self, batch_id: str, *, sent_since: datetime) -> frozenset[str]:
         self.lookups += 1
         return self.task_ids
 

@@ -591,6 +591,7 @@ class Submission:
         self.not_before = not_before
         self.cached_result = cached_result
         self.state = state
+        self.sent_at: datetime | None = None
 
 
 @pytest.mark.parametrize(

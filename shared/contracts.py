@@ -66,6 +66,11 @@ def event_sequence(*, generation: int, attempt: int, phase: Phase) -> int:
     return generation * _GENERATION_SPAN + attempt * _ATTEMPT_SPAN + int(phase)
 
 
+def generation_of(sequence: int) -> int:
+    """The generation of the event `sequence` numbers (`event_sequence`)."""
+    return sequence // _GENERATION_SPAN
+
+
 # A result-cache hit's completion: no attempt ran (a scoring attempt of the task, should its
 # command be sent after all, supersedes it).
 CACHED_COMPLETION_SEQUENCE: Final = event_sequence(generation=0, attempt=0, phase=Phase.TERMINAL)

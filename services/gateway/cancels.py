@@ -36,7 +36,7 @@ from services.gateway.batches import Batches
 from services.gateway.errors import StatusUnavailable
 from services.gateway.submissions import CancelTarget, Submission, Submissions
 from services.gateway.submit import StatusReader
-from shared.contracts import CancelTask
+from shared.contracts import CancelTask, TaskStatus, TaskView, generation_of
 
 log = logging.getLogger("scorebox.gateway")
 
@@ -108,14 +108,28 @@ def known_finished(target: CancelTarget) -> bool:
 
 
 async def _finished(submission: Submission, status: StatusReader) -> bool:
-    if known_finished(CancelTarget.of(submission)):
+    target = CancelTarget.of(submission)
+    if known_finished(target):
         return True
     try:
         view = await status.find(submission.task_id, tenant_id=submission.tenant_id)
     except StatusUnavailable as error:
         log.warning("cancelling %s without its status: %r", submission.task_id, error)
         return False
-    return view is not None and view.status.is_terminal
+    return view is not None and _shows_the_end_of(view, target.generation)
+
+
+def _shows_the_end_of(view: TaskView, generation: int) -> bool:
+    """Whether the status service's view shows `generation` ended: a terminal status of it or
+    a later one, or an earlier generation's completion, which stands over a re-score (the
+    scorer refuses to cancel that). Not an earlier generation's failure: the newer
+    generation is its DLQ replay, which the view shows only once the projection hears of it,
+    and which the scorer still cancels; a 409 told the client it had finished before it ran."""
+    if not view.status.is_terminal:
+        return False
+    if view.sequence is None or generation_of(view.sequence) >= generation:
+        return True
+    return view.status is TaskStatus.COMPLETED
 
 
 @dataclass(frozen=True)

@@ -367,3 +367,40 @@ async def test_the_finished_generation_is_noted_in_the_outcomes_one_write(
     assert stored is not None
     assert stored["finished_generation"] == 2
     assert "in_flight" not in stored
+
+
+async def _replayed_after(stack: Stack, kind: type[TaskEvent]) -> str:
+    """A task whose generation 0 ended with `kind`, as the status service shows it, and that
+    generation 1 (a DLQ replay, or a re-score) now runs without the status service having
+    heard of it yet (its best-effort `task.accepted` not applied)."""
+    task_id = await _submitted(stack)
+    await _published(stack, await _outcome(stack, task_id, kind))
+    await _finished_generation_noted(stack, task_id, 0)
+    submissions = Submissions(stack.mongo, f"{stack.db_prefix}_gateway")
+    assert await submissions.replay_generation(task_id, of=0) == 1
+    await _sent_cancels(stack.amqp_url)
+    return task_id
+
+
+async def test_a_pending_dlq_replay_is_cancelled_while_the_status_shows_its_failure(
+    stack: Stack,
+) -> None:
+    """The status service's failure was taken as the end of any generation: a replay not yet
+    run was refused 409 "finished" (and ran), though the scorer cancels it, and the same
+    request with the status service away was accepted."""
+    task_id = await _replayed_after(stack, TaskFailed)
+
+    response = await stack.api.post(f"/v1/scores/{task_id}/cancel")
+
+    assert response.status_code == 202, response.text
+    assert [cancel.generation for cancel in await _sent_cancels(stack.amqp_url)] == [1]
+
+
+async def test_a_rescore_of_a_completed_task_is_still_refused_with_409(stack: Stack) -> None:
+    """A completion stands over a newer generation (the scorer refuses that cancel)."""
+    task_id = await _replayed_after(stack, TaskCompleted)
+
+    response = await stack.api.post(f"/v1/scores/{task_id}/cancel")
+
+    _assert_problem(response, 409)
+    assert await _sent_cancels(stack.amqp_url) == []

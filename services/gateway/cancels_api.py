@@ -52,9 +52,9 @@ def cancel_routes(
         "usage as for any failure), unless its model call had started by the time a scorer takes "
         "the cancellation (it travels apart from the task's own command, so a busy scorer may "
         "start the call first): it then ends as that call decides. A re-score of a completed "
-        "task is not cancelled (409: the completion stands). A repeat before the task's outcome is applied is answered 202 again "
-        "(the cancellation is recorded once); after it, 409. Poll the `status_url` for the "
-        "outcome.",
+        "task is not cancelled (409: the completion stands). A repeat before the task's "
+        "outcome is applied is answered 202 again (the cancellation is recorded once); after "
+        "it, 409. Poll the `status_url` for the outcome.",
         responses={
             202: {"headers": LOCATION_HEADER},
             **problem_responses(401, 404, 409, 429, 503),

@@ -59,6 +59,10 @@ class Phase(IntEnum):
 
 _ATTEMPT_SPAN = 100
 _GENERATION_SPAN = 1_000_000
+# What a BSON int64 holds: a larger sequence or generation passed validation and then failed
+# every write of it (`bson.errors.InvalidDocument`, no `PyMongoError`), holding its delivery.
+MAX_SEQUENCE: Final = 2**63 - 1
+MAX_GENERATION: Final = MAX_SEQUENCE // _GENERATION_SPAN - 1
 
 
 def event_sequence(*, generation: int, attempt: int, phase: Phase) -> int:
@@ -183,7 +187,9 @@ class ScoreText(Contract):
         description="Attempts the model provider's rate limit ended, which do not count "
         "against max_attempts (up to the scorer's RATE_LIMIT_RETRIES).",
     )
-    generation: int = Field(default=0, ge=0, description="Bumped by each DLQ replay.")
+    generation: int = Field(
+        default=0, ge=0, le=MAX_GENERATION, description="Bumped by each DLQ replay."
+    )
     not_before: datetime | None = Field(default=None, description="Do not start before.")
     submitted_at: datetime = Field(default_factory=utcnow)
     api_key_id: str | None = Field(default=None, description="The API key that submitted it.")
@@ -200,9 +206,11 @@ class TaskEvent(Contract):
     routing_key: ClassVar[str] = "task.event"
     status: ClassVar[TaskStatus]
 
-    sequence: int = Field(ge=0, description="Projection applies only newer sequences.")
+    sequence: int = Field(
+        ge=0, le=MAX_SEQUENCE, description="Projection applies only newer sequences."
+    )
     attempt: int = Field(default=0, ge=0)
-    generation: int = Field(default=0, ge=0)
+    generation: int = Field(default=0, ge=0, le=MAX_GENERATION)
     submitted_at: datetime
     api_key_id: str | None = Field(default=None, description="The API key that submitted it.")
 
@@ -398,7 +406,9 @@ class CancelTask(Contract):
 
     routing_key: ClassVar[str] = "score.cancel"
 
-    generation: int = Field(ge=0, description="The generation to cancel (the task's latest).")
+    generation: int = Field(
+        ge=0, le=MAX_GENERATION, description="The generation to cancel (the task's latest)."
+    )
     submitted_at: datetime
     api_key_id: str | None = Field(default=None, description="The API key that submitted it.")
     callback_url: str | None = Field(default=None, description="Webhook for the outcome.")

@@ -341,11 +341,15 @@ def when_stopping(app: FastAPI, hook: StoppingHook) -> None:
     """Call `hook` as soon as the service is asked to stop, before its HTTP server waits (up
     to `HTTP_DRAIN_S`) for the requests still open: requests waiting for events can answer
     now, instead of being cut off when that wait runs out."""
-    app.state.stopping_hooks = [*stopping_hooks(app), hook]
+    stopping_hooks(app).append(hook)
 
 
 def stopping_hooks(app: FastAPI) -> list[StoppingHook]:
-    hooks: list[StoppingHook] = getattr(app.state, "stopping_hooks", [])
+    """The app's hooks, one list for its life: a hook registered after the server took it
+    (in the lifespan, say) still runs."""
+    hooks: list[StoppingHook] | None = getattr(app.state, "stopping_hooks", None)
+    if hooks is None:
+        hooks = app.state.stopping_hooks = []
     return hooks
 
 
@@ -360,7 +364,10 @@ class Server(uvicorn.Server):
     @override
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for hook in self._stopping:
-            hook()
+            try:
+                hook()
+            except Exception:  # a failing hook must not keep the server from stopping
+                log.exception("a stopping hook failed")
         await super().shutdown(sockets)
 
 

@@ -193,6 +193,11 @@ class Authenticator:
         if read.used:
             return
         read.used = True
+        # Shielded: the request going away does not leave the key unmarked for the cache
+        # period (the other requests of this read do not touch it).
+        await asyncio.shield(self._touch(key_id))
+
+    async def _touch(self, key_id: str) -> None:
         try:
             await self._keys.touch(key_id, now=self._clock())
         except DatabaseUnavailable as error:  # `last_used_at` is best effort

@@ -169,6 +169,7 @@ class LiveUpdates:
         self._per_tenant[tenant_id] = self._per_tenant.get(tenant_id, 0) + 1
         self._count += 1
         since = self._monotonic() - self._recent_s
+        self._forget_heard_before(since)
         for heard_at, event in self._recent.get(task_id, ()):
             if heard_at >= since and event.tenant_id == tenant_id:
                 waiter.offer(event)
@@ -247,14 +248,15 @@ class LiveUpdates:
         recent = self._recent.pop(event.task_id, [])
         recent.append((now, _slim(event)))
         self._recent[event.task_id] = recent[-RECENT_EVENTS_PER_TASK:]
-        while len(self._recent) > RECENT_TASKS or self._oldest_heard_before(now - self._recent_s):
+        while len(self._recent) > RECENT_TASKS:
             self._recent.popitem(last=False)
+        self._forget_heard_before(now - self._recent_s)
 
-    def _oldest_heard_before(self, since: float) -> bool:
-        """Whether the task heard of least recently was last heard of before `since` (the
+    def _forget_heard_before(self, since: float) -> None:
+        """Drop the tasks last heard of before `since`, at each event and each new waiter (the
         memory is ordered by when each task was last heard of)."""
-        oldest = next(iter(self._recent.values()), None)
-        return oldest is not None and oldest[-1][0] < since
+        while self._recent and next(iter(self._recent.values()))[-1][0] < since:
+            self._recent.popitem(last=False)
 
 
 def _slim(event: TaskEvent) -> TaskEvent:

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 
+from bson.errors import InvalidDocument
 from fastapi import APIRouter, FastAPI, Query
 from pydantic import SecretStr, ValidationError
 from pymongo.errors import PyMongoError
@@ -88,6 +89,13 @@ def create_app(
     return app
 
 
+# An event that passed validation but cannot be applied: a date whose arithmetic leaves
+# `datetime`'s range (year 9999), a naive time compared with aware ones, a value BSON cannot
+# encode. Retrying meets the same error, and left unsettled it held its delivery (and a
+# batch's) until the broker's consumer timeout: dead-lettered like an unreadable event.
+UNAPPLICABLE = (InvalidDocument, OverflowError, TypeError, ValueError)
+
+
 def subscribe_projection(
     broker: ScoreboxBroker, writes: GroupWriter, settings: StatusSettings
 ) -> None:
@@ -122,6 +130,22 @@ def subscribe_projection(
                 ),
                 what=f"applying {routing_key} of {event.task_id}",
             )
+        except UNAPPLICABLE as error:
+            log.warning(
+                "dead-lettering a %r event of %s it cannot apply: %r",
+                routing_key,
+                event.task_id,
+                error,
+            )
+            await keep_dead_lettering(
+                broker,
+                STATUS_PROJECTION,
+                message,
+                error=f"{routing_key!r} cannot be applied: {error!r}",
+                timeout=settings.broker_timeout_s,
+            )
+            await message.ack()
+            return
         except PyMongoError as error:
             # Refused for good (a failed validation, a document over 16 MiB): waited out like an
             # outage, it held its delivery for ever; returned as failed, and dead-lettered with

@@ -7,9 +7,10 @@ the error as `x-scorebox-error`."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -26,7 +27,16 @@ from services.status.app import subscribe_projection
 from services.status.settings import StatusSettings
 from shared.bus import publish_event
 from shared.consumers import ScoreboxBroker
-from shared.contracts import ScoreResult, TaskCompleted, new_id, utcnow
+from shared.contracts import (
+    Phase,
+    ScoreResult,
+    TaskCompleted,
+    TaskError,
+    TaskRetrying,
+    event_sequence,
+    new_id,
+    utcnow,
+)
 from shared.dead_letters import reason
 from shared.event_batches import BATCH_HEADER
 from shared.failed_deliveries import failure_reason, return_failed
@@ -274,6 +284,64 @@ async def _publish_raw(amqp_url: str, event: TaskCompleted, *, headers: Json) ->
             event.model_dump_json().encode(), headers=headers, correlation_id=event.task_id
         )
         await events.publish(message, routing_key=event.routing_key, timeout=TIMEOUT_S)
+
+
+async def _publish_body(amqp_url: str, routing_key: str, task_id: str, body: bytes) -> None:
+    connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        events = await channel.get_exchange(EVENTS.name, ensure=False)
+        message = aio_pika.Message(body, correlation_id=task_id)
+        await events.publish(message, routing_key=routing_key, timeout=TIMEOUT_S)
+
+
+def _far_future_retry() -> TaskRetrying:
+    """Valid by its contract, but its next attempt's date plus the projection's retention
+    leaves `datetime`'s range (`OverflowError`)."""
+    now = utcnow()
+    return TaskRetrying(
+        task_id=new_id(),
+        tenant_id="acme",
+        sequence=event_sequence(generation=0, attempt=1, phase=Phase.RETRYING),
+        attempt=1,
+        submitted_at=now,
+        error=TaskError(code="model_unavailable", message="down", retryable=True),
+        next_attempt_at=datetime(9999, 12, 30, tzinfo=UTC),
+    )
+
+
+async def test_events_the_projection_cannot_apply_are_dead_lettered_not_held(
+    amqp_url: str, database: Any
+) -> None:
+    """An event that passed its contract and then failed to apply with an error other than
+    the database's (a date out of range; a generation BSON cannot hold) was left unsettled:
+    it held its prefetch place until the broker's consumer timeout, and came back."""
+    tasks = database["tasks"]
+    writes = cast("AsyncCollection[Json]", tasks)
+    async with _topology_broker(amqp_url, consuming=lambda b: _projection(b, writes)) as broker:
+        far = _far_future_retry()
+        huge = new_id()
+        started = _completion().model_dump(mode="json") | {
+            "task_id": huge,
+            "generation": 10**13,
+            "sequence": 10**19,  # past a BSON int64
+        }
+        await publish_event(broker, far, timeout=TIMEOUT_S)
+        await _publish_body(amqp_url, "task.completed", huge, json.dumps(started).encode())
+        others: list[Json] = []
+        letters = await _dead_letters(
+            amqp_url, STATUS_PROJECTION, {far.task_id, huge}, others=others
+        )
+        after = _completion()
+        await publish_event(broker, after, timeout=TIMEOUT_S)
+
+        async def applied() -> bool:
+            return await tasks.find_one({"_id": after.task_id}) is not None
+
+        await eventually(applied, what="a later event applied")
+    assert "OverflowError" in str(letters[far.task_id].headers[ERROR_HEADER])
+    assert "unreadable" in str(letters[huge].headers[ERROR_HEADER])
+    assert await _ready(amqp_url, STATUS_PROJECTION) == 0
 
 
 # `return_failed` on its own, over the real broker.

@@ -203,6 +203,9 @@ def test_the_memory_of_recent_events_forgets_what_is_older_than_its_window() -> 
     live.deliver(_started("new", "a"))
     assert list(live._recent) == ["new"]  # the memory itself
     assert RECENT_TASKS > 101  # so that the age, not the count, forgot them
+    clock.now += 31  # no event since: a new waiter forgets too
+    live.close(live.open("t9", "a"))
+    assert list(live._recent) == []
 
 
 # --- Reads that wait -----------------------------------------------------------------------------

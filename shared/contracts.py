@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from enum import IntEnum, StrEnum
 from typing import Annotated, Any, ClassVar, Final
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, computed_field
 
 # 2: outcomes carry `has_callback` and `callback_url`, and their publishers mark those with a
 # callback for the notifier (`shared.topology.CALLBACK_HEADER`). Version 1 messages still parse.
@@ -32,6 +32,23 @@ def new_id() -> str:
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+# Any time up to here plus the longest retention (ten years, `MAX_DURATION_S`) stays inside
+# `datetime`'s range.
+MAX_YEAR: Final = 9000
+
+
+def _utc_instant(value: datetime) -> datetime:
+    """A message's time: one without an offset is taken as UTC (compared with the aware
+    times of a consumer, it raised `TypeError` and held its delivery), and one past
+    `MAX_YEAR` is refused (a retention added to it overflowed `datetime` alike)."""
+    if value.year > MAX_YEAR:
+        raise ValueError(f"a time after the year {MAX_YEAR}")
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+Instant = Annotated[datetime, AfterValidator(_utc_instant)]
 
 
 class TaskStatus(StrEnum):
@@ -91,7 +108,7 @@ class Contract(BaseModel):
     )
     tenant_id: str = Field(default=DEFAULT_TENANT, description="Owner of the task.")
     schema_version: int = Field(default=SCHEMA_VERSION, description="Contract version.")
-    occurred_at: datetime = Field(default_factory=utcnow)
+    occurred_at: Instant = Field(default_factory=utcnow)
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -190,8 +207,8 @@ class ScoreText(Contract):
     generation: int = Field(
         default=0, ge=0, le=MAX_GENERATION, description="Bumped by each DLQ replay."
     )
-    not_before: datetime | None = Field(default=None, description="Do not start before.")
-    submitted_at: datetime = Field(default_factory=utcnow)
+    not_before: Instant | None = Field(default=None, description="Do not start before.")
+    submitted_at: Instant = Field(default_factory=utcnow)
     api_key_id: str | None = Field(default=None, description="The API key that submitted it.")
     batch_id: str | None = Field(default=None, description="The batch it belongs to, if any.")
     callback_url: str | None = Field(default=None, description="Webhook for the outcome.")
@@ -211,7 +228,7 @@ class TaskEvent(Contract):
     )
     attempt: int = Field(default=0, ge=0)
     generation: int = Field(default=0, ge=0, le=MAX_GENERATION)
-    submitted_at: datetime
+    submitted_at: Instant
     api_key_id: str | None = Field(default=None, description="The API key that submitted it.")
 
 
@@ -225,7 +242,7 @@ class TaskAccepted(TaskEvent):
 
     rubric: str | None = None
     model: str | None = None
-    not_before: datetime | None = None
+    not_before: Instant | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
     batch_id: str | None = None
     callback_url: str | None = None
@@ -246,7 +263,7 @@ class TaskRetrying(TaskEvent):
     status: ClassVar[TaskStatus] = TaskStatus.RETRYING
 
     error: TaskError
-    next_attempt_at: datetime
+    next_attempt_at: Instant
 
 
 HAS_CALLBACK_DESCRIPTION = (
@@ -330,14 +347,14 @@ class TaskView(BaseModel):
     task_id: str
     status: TaskStatus
     attempts: int = Field(ge=0, description="Attempts started so far.")
-    created_at: datetime
-    updated_at: datetime
+    created_at: Instant
+    updated_at: Instant
     result: ScoreResult | None = None
     error: TaskFailure | None = None
-    next_attempt_at: datetime | None = Field(
+    next_attempt_at: Instant | None = Field(
         default=None, description="When a retrying task's next attempt is due."
     )
-    not_before: datetime | None = Field(default=None, description="A scheduled task's start.")
+    not_before: Instant | None = Field(default=None, description="A scheduled task's start.")
     rubric: str | None = None
     model: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -366,12 +383,12 @@ class RunCronJob(Contract):
     routing_key: ClassVar[str] = "cron.run"
 
     job: str = Field(description="Name of the cron job.", examples=["usage-rollup"])
-    scheduled_for: datetime = Field(description="The fire time (UTC); trigger time if manual.")
-    fired_at: datetime = Field(description="When the scheduler claimed the firing.")
+    scheduled_for: Instant = Field(description="The fire time (UTC); trigger time if manual.")
+    fired_at: Instant = Field(description="When the scheduler claimed the firing.")
     manual: bool = Field(default=False, description="Triggered by hand, not by the clock.")
     attempt: int = Field(default=1, ge=1, description="1-based attempt of this slice.")
     slice: int = Field(default=0, ge=0, description="Continuation number of a long run.")
-    not_before: datetime | None = Field(default=None, description="Do not start before.")
+    not_before: Instant | None = Field(default=None, description="Do not start before.")
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -409,11 +426,11 @@ class CancelTask(Contract):
     generation: int = Field(
         ge=0, le=MAX_GENERATION, description="The generation to cancel (the task's latest)."
     )
-    submitted_at: datetime
+    submitted_at: Instant
     api_key_id: str | None = Field(default=None, description="The API key that submitted it.")
     callback_url: str | None = Field(default=None, description="Webhook for the outcome.")
-    requested_at: datetime = Field(default_factory=utcnow, description="When it was asked.")
-    not_before: datetime | None = Field(
+    requested_at: Instant = Field(default_factory=utcnow, description="When it was asked.")
+    not_before: Instant | None = Field(
         default=None, description="When the task is due: its cancellation outlives that."
     )
 
@@ -475,7 +492,7 @@ class HousekeepingRequested(Contract):
 
     routing_key: ClassVar[str] = "ops.housekeeping"
 
-    scheduled_for: datetime
+    scheduled_for: Instant
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -565,7 +582,7 @@ class DeliverWebhook(Contract):
     payload: dict[str, Any] = Field(description="The JSON body, exactly as signed and sent.")
     attempt: int = Field(default=1, ge=1, description="1-based attempt this delivery is.")
     max_attempts: int = Field(default=8, ge=1)
-    not_before: datetime | None = Field(default=None, description="Do not send before.")
+    not_before: Instant | None = Field(default=None, description="Do not send before.")
     deferrals: int = Field(
         default=0,
         ge=0,
@@ -589,10 +606,10 @@ class StateChange(BaseModel):
 
     sequence: int = Field(ge=0, description="Orders a task's changes; the SSE `id`.")
     status: TaskStatus
-    occurred_at: datetime
+    occurred_at: Instant
     attempt: int = Field(default=0, ge=0)
     error: TaskFailure | None = Field(default=None, description="Retrying or failed: why.")
-    next_attempt_at: datetime | None = Field(default=None, description="Retrying: when next.")
+    next_attempt_at: Instant | None = Field(default=None, description="Retrying: when next.")
     result: ScoreResult | None = Field(default=None, description="Completed: the score.")
 
     @classmethod
@@ -646,7 +663,7 @@ class BatchItemProgress(BaseModel):
     batch_index: int = Field(ge=0, description="Position in the batch request.")
     status: TaskStatus
     attempts: int = Field(default=0, ge=0)
-    updated_at: datetime
+    updated_at: Instant
     result: ScoreResult | None = None
     error: TaskFailure | None = None
 

@@ -10,7 +10,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -295,43 +295,47 @@ async def _publish_body(amqp_url: str, routing_key: str, task_id: str, body: byt
         await events.publish(message, routing_key=routing_key, timeout=TIMEOUT_S)
 
 
-def _far_future_retry() -> TaskRetrying:
-    """Valid by its contract, but its next attempt's date plus the projection's retention
-    leaves `datetime`'s range (`OverflowError`)."""
+def _far_future_retry() -> Json:
+    """A retry whose next attempt is due in the year 9999: a retention added to it leaves
+    `datetime`'s range (`OverflowError`), so the contracts refuse it."""
     now = utcnow()
-    return TaskRetrying(
+    retrying = TaskRetrying(
         task_id=new_id(),
         tenant_id="acme",
         sequence=event_sequence(generation=0, attempt=1, phase=Phase.RETRYING),
         attempt=1,
         submitted_at=now,
         error=TaskError(code="model_unavailable", message="down", retryable=True),
-        next_attempt_at=datetime(9999, 12, 30, tzinfo=UTC),
+        next_attempt_at=now,
     )
+    return retrying.model_dump(mode="json") | {"next_attempt_at": "9999-12-30T00:00:00Z"}
 
 
 async def test_events_the_projection_cannot_apply_are_dead_lettered_not_held(
     amqp_url: str, database: Any
 ) -> None:
     """An event that passed its contract and then failed to apply with an error other than
-    the database's (a date out of range; a generation BSON cannot hold) was left unsettled:
-    it held its prefetch place until the broker's consumer timeout, and came back."""
+    the database's (a date out of range, a number BSON cannot hold) was left unsettled: it
+    held its prefetch place until the broker's consumer timeout, and came back. The
+    contracts now refuse what they can (unreadable), and the projection dead-letters what
+    still fails to apply."""
     tasks = database["tasks"]
     writes = cast("AsyncCollection[Json]", tasks)
     async with _topology_broker(amqp_url, consuming=lambda b: _projection(b, writes)) as broker:
         far = _far_future_retry()
-        huge = new_id()
-        started = _completion().model_dump(mode="json") | {
-            "task_id": huge,
-            "generation": 10**13,
-            "sequence": 10**19,  # past a BSON int64
-        }
-        await publish_event(broker, far, timeout=TIMEOUT_S)
-        await _publish_body(amqp_url, "task.completed", huge, json.dumps(started).encode())
+        huge, past_int64 = new_id(), new_id()
+        beyond = _completion().model_dump(mode="json")
+        generation = beyond | {"task_id": huge, "generation": 10**13, "sequence": 10**19}
+        attempt = beyond | {"task_id": past_int64, "attempt": 10**19}  # no bound of its own
+        for task_id, body, routing_key in (
+            (far["task_id"], far, "task.retrying"),
+            (huge, generation, "task.completed"),
+            (past_int64, attempt, "task.completed"),
+        ):
+            await _publish_body(amqp_url, routing_key, task_id, json.dumps(body).encode())
         others: list[Json] = []
-        letters = await _dead_letters(
-            amqp_url, STATUS_PROJECTION, {far.task_id, huge}, others=others
-        )
+        task_ids = {far["task_id"], huge, past_int64}
+        letters = await _dead_letters(amqp_url, STATUS_PROJECTION, task_ids, others=others)
         after = _completion()
         await publish_event(broker, after, timeout=TIMEOUT_S)
 
@@ -339,8 +343,9 @@ async def test_events_the_projection_cannot_apply_are_dead_lettered_not_held(
             return await tasks.find_one({"_id": after.task_id}) is not None
 
         await eventually(applied, what="a later event applied")
-    assert "OverflowError" in str(letters[far.task_id].headers[ERROR_HEADER])
-    assert "unreadable" in str(letters[huge].headers[ERROR_HEADER])
+    for task_id in (far["task_id"], huge):
+        assert "unreadable" in str(letters[task_id].headers[ERROR_HEADER])
+    assert "cannot be applied" in str(letters[past_int64].headers[ERROR_HEADER])
     assert await _ready(amqp_url, STATUS_PROJECTION) == 0
 
 

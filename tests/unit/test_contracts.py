@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+import orjson
 import pytest
 from pydantic import ValidationError
 
@@ -13,6 +14,8 @@ from shared.contracts import (
     ScoreText,
     TaskAccepted,
     TaskCompleted,
+    TaskError,
+    TaskRetrying,
     TaskStarted,
     event_sequence,
     parse_task_event,
@@ -85,3 +88,26 @@ def test_usage_total_is_derived() -> None:
         ),
     )
     assert completed.result.usage.total_tokens == 7
+
+
+def test_a_time_without_an_offset_is_read_as_utc() -> None:
+    """Compared with the aware times of a consumer, it raised `TypeError` and was held."""
+    command = ScoreText(task_id="t1", text="hi").model_dump(mode="json")
+    command["not_before"] = "2030-01-01T00:00:00"
+    read = ScoreText.model_validate(command)
+    assert read.not_before == datetime(2030, 1, 1, tzinfo=UTC)
+
+
+@pytest.mark.parametrize("field", ["occurred_at", "next_attempt_at", "submitted_at"])
+def test_a_time_past_the_year_9000_is_refused(field: str) -> None:
+    """A retention added to it left `datetime`'s range (`OverflowError`, the delivery held)."""
+    retrying = TaskRetrying(
+        task_id="t1",
+        sequence=event_sequence(generation=0, attempt=1, phase=Phase.RETRYING),
+        attempt=1,
+        submitted_at=datetime(2030, 1, 1, tzinfo=UTC),
+        error=TaskError(code="model_unavailable", message="down", retryable=True),
+        next_attempt_at=datetime(2030, 1, 1, tzinfo=UTC),
+    ).model_dump(mode="json")
+    with pytest.raises(ValidationError, match="9000"):
+        parse_task_event("task.retrying", orjson.dumps(retrying | {field: "9999-12-30T00:00:00Z"}))

@@ -208,8 +208,10 @@ class Coalescer[Op, Result](ABC):
         """The members of `batch` still waiting once a server answers; each member whose
         deadline passes before that is failed then, never sent. At once while the client
         knows a server (or nothing is bounded: the driver's own selection timeout is)."""
+        if self._server is None or not batch or self._server.known():
+            return batch  # the usual case: no list of deadlines built for it
         latest = _latest_deadline(batch)
-        if self._server is None or latest is None or not batch or self._server.known():
+        if latest is None:
             return batch
         loop = asyncio.get_running_loop()
         timers = [

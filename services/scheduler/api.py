@@ -33,14 +33,7 @@ from datetime import date, datetime, timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SecretStr,
-    StrictBool,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictBool, model_validator
 
 from services.scheduler.cron import zone
 from services.scheduler.dead_letters import CronDeadLetters

@@ -58,3 +58,15 @@ class Recorded:
     async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool:
         self.announced.append(command.task_id)
         return True
+
+
+class Unconfirmed(Recorded):
+    """A broker that takes the commands without confirming them (a memory alarm)."""
+
+    async def send(self, command: ScoreText) -> bool:
+        await super().send(command)
+        return False
+
+    async def send_many(self, commands: Sequence[ScoreText]) -> bool:
+        await super().send_many(commands)
+        return False

@@ -4,7 +4,7 @@ their client to resubmit them (scored twice once the originals ran)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -20,21 +20,13 @@ from services.gateway.batches import (
 from services.gateway.refusals import Refusals
 from services.gateway.schemas import EXPIRED
 from services.gateway.submissions import SubmissionState
-from shared.contracts import BatchItemProgress, BatchProgress, ScoreResult, ScoreText, TaskStatus
+from shared.contracts import BatchItemProgress, BatchProgress, ScoreResult, TaskStatus
 from tests.integration.gateway_records import GatewayRecords as Gateway
-from tests.integration.gateway_records import Recorded, gateway_records
+from tests.integration.gateway_records import Unconfirmed, gateway_records
 
 T0 = datetime(2030, 5, 17, 12, 0, tzinfo=UTC)
 WINDOW = timedelta(minutes=5)  # READ_YOUR_WRITES_WINDOW_S
 TENANT = "tenant-a"
-
-
-class Unconfirmed(Recorded):
-    """A broker that takes the commands without confirming them (a memory alarm)."""
-
-    async def send_many(self, commands: Sequence[ScoreText]) -> bool:
-        await super().send_many(commands)
-        return False
 
 
 class Heard:

@@ -6,7 +6,7 @@ twice). Found by review."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -22,27 +22,15 @@ from services.gateway.batches import (
 from services.gateway.refusals import Refusals
 from services.gateway.schemas import EXPIRED, ScoreSubmission
 from services.gateway.submit import SubmitPolicy, read_score, submit_score, sweep_outbox
-from shared.contracts import BatchProgress, ScoreText, TaskView
+from shared.contracts import BatchProgress, TaskView
 from tests.integration.gateway_records import GatewayRecords as Gateway
-from tests.integration.gateway_records import Recorded, gateway_records
+from tests.integration.gateway_records import Recorded, Unconfirmed, gateway_records
 
 T0 = datetime(2030, 5, 17, 12, 0, tzinfo=UTC)
 WINDOW = timedelta(minutes=5)  # READ_YOUR_WRITES_WINDOW_S
 ALARM = timedelta(hours=1)  # longer than the window
 GRACE = timedelta(seconds=30)
 TENANT = "tenant-a"
-
-
-class Unconfirmed(Recorded):
-    """A broker that takes the commands without confirming them (a memory alarm)."""
-
-    async def send(self, command: ScoreText) -> bool:
-        await super().send(command)
-        return False
-
-    async def send_many(self, commands: Sequence[ScoreText]) -> bool:
-        await super().send_many(commands)
-        return False
 
 
 class NotHeardYet:

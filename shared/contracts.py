@@ -76,10 +76,20 @@ class Phase(IntEnum):
 
 _ATTEMPT_SPAN = 100
 _GENERATION_SPAN = 1_000_000
-# What a BSON int64 holds: a larger sequence or generation passed validation and then failed
-# every write of it (`bson.errors.InvalidDocument`, no `PyMongoError`), holding its delivery.
-MAX_SEQUENCE: Final = 2**63 - 1
+# What a BSON int64 holds: a larger integer passed validation and then failed every write of
+# it (`bson.errors.InvalidDocument`, no `PyMongoError`), holding its delivery. Every integer
+# of a contract is bounded by it or by less (`tests/unit/test_contracts.py` checks).
+MAX_INT64: Final = 2**63 - 1
+MAX_SEQUENCE: Final = MAX_INT64
 MAX_GENERATION: Final = MAX_SEQUENCE // _GENERATION_SPAN - 1
+# An attempt past it would number its events as the next generation's.
+MAX_ATTEMPT: Final = _GENERATION_SPAN // _ATTEMPT_SPAN - 1
+# A command's own budgets, far above any setting's: their sum plus one stays a valid attempt,
+# so a retry the scorer builds is never refused by its contract.
+MAX_ATTEMPT_BUDGET: Final = 1000
+# A task's tokens: room for thousands of calls of the most a scorer reads of one call
+# (`services.scorer.model.openai`), with a total and a usage rollup's sums inside int64.
+MAX_TOKENS: Final = 2**48
 
 
 def event_sequence(*, generation: int, attempt: int, phase: Phase) -> int:
@@ -98,16 +108,20 @@ CACHED_COMPLETION_SEQUENCE: Final = event_sequence(generation=0, attempt=0, phas
 
 
 class Contract(BaseModel):
-    """Base of every message: frozen, tolerant of unknown fields."""
+    """Base of every message: frozen, tolerant of unknown fields. Every contract refuses a
+    float that is not a number (`allow_inf_nan`: `Infinity` passed `ge=0` and left a
+    reader's JSON answer unserialisable)."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
 
     message_id: str = Field(default_factory=new_id, description="Unique per message.")
     task_id: str = Field(
         description="The task this message is about.", examples=["9f0c2b6e4d1a4c8e8b7a6f5e4d3c2b1a"]
     )
     tenant_id: str = Field(default=DEFAULT_TENANT, description="Owner of the task.")
-    schema_version: int = Field(default=SCHEMA_VERSION, description="Contract version.")
+    schema_version: int = Field(
+        default=SCHEMA_VERSION, ge=0, le=MAX_INT64, description="Contract version."
+    )
     occurred_at: Instant = Field(default_factory=utcnow)
 
     @computed_field  # type: ignore[prop-decorator]
@@ -142,10 +156,10 @@ def known_rubric_version(value: str | None) -> str | None:
 
 
 class Usage(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
 
-    prompt_tokens: int = Field(default=0, ge=0)
-    completion_tokens: int = Field(default=0, ge=0)
+    prompt_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
+    completion_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -156,7 +170,7 @@ class Usage(BaseModel):
 class ScoreResult(BaseModel):
     """What a completed task answers."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
 
     score: Score
     comment: str = Field(description="A short justification of the score.")
@@ -177,7 +191,7 @@ class ScoreResult(BaseModel):
 class TaskError(BaseModel):
     """Why an attempt or a task failed."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
 
     code: str = Field(examples=["model_timeout", "model_rate_limited", "unusable_output"])
     message: str
@@ -196,11 +210,14 @@ class ScoreText(Contract):
     rubric: str | None = None
     model: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
-    attempt: int = Field(default=1, ge=1, description="1-based attempt this delivery is.")
-    max_attempts: int = Field(default=4, ge=1)
+    attempt: int = Field(
+        default=1, ge=1, le=MAX_ATTEMPT, description="1-based attempt this delivery is."
+    )
+    max_attempts: int = Field(default=4, ge=1, le=MAX_ATTEMPT_BUDGET)
     rate_limited_retries: int = Field(
         default=0,
         ge=0,
+        le=MAX_ATTEMPT_BUDGET,
         description="Attempts the model provider's rate limit ended, which do not count "
         "against max_attempts (up to the scorer's RATE_LIMIT_RETRIES).",
     )
@@ -213,7 +230,10 @@ class ScoreText(Contract):
     batch_id: str | None = Field(default=None, description="The batch it belongs to, if any.")
     callback_url: str | None = Field(default=None, description="Webhook for the outcome.")
     batch_index: int | None = Field(
-        default=None, ge=0, description="Position in its batch (request order), if any."
+        default=None,
+        ge=0,
+        le=MAX_INT64,
+        description="Position in its batch (request order), if any.",
     )
 
 
@@ -226,7 +246,7 @@ class TaskEvent(Contract):
     sequence: int = Field(
         ge=0, le=MAX_SEQUENCE, description="Projection applies only newer sequences."
     )
-    attempt: int = Field(default=0, ge=0)
+    attempt: int = Field(default=0, ge=0, le=MAX_ATTEMPT)
     generation: int = Field(default=0, ge=0, le=MAX_GENERATION)
     submitted_at: Instant
     api_key_id: str | None = Field(default=None, description="The API key that submitted it.")
@@ -246,7 +266,9 @@ class TaskAccepted(TaskEvent):
     metadata: dict[str, Any] = Field(default_factory=dict)
     batch_id: str | None = None
     callback_url: str | None = None
-    batch_index: int | None = Field(default=None, ge=0, description="Position in its batch.")
+    batch_index: int | None = Field(
+        default=None, ge=0, le=MAX_INT64, description="Position in its batch."
+    )
 
 
 class TaskStarted(TaskEvent):
@@ -342,11 +364,11 @@ class TaskFailure(TaskError):
 class TaskView(BaseModel):
     """What a poll answers (`GET /v1/scores/{task_id}`); served by the status service."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
 
     task_id: str
     status: TaskStatus
-    attempts: int = Field(ge=0, description="Attempts started so far.")
+    attempts: int = Field(ge=0, le=MAX_INT64, description="Attempts started so far.")
     created_at: Instant
     updated_at: Instant
     result: ScoreResult | None = None
@@ -360,6 +382,8 @@ class TaskView(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     sequence: int | None = Field(
         default=None,
+        ge=0,
+        le=MAX_SEQUENCE,
         description="Sequence of the latest state change applied (the id of its "
         "Server-Sent Event); None until the status service has heard of the task.",
     )
@@ -386,8 +410,12 @@ class RunCronJob(Contract):
     scheduled_for: Instant = Field(description="The fire time (UTC); trigger time if manual.")
     fired_at: Instant = Field(description="When the scheduler claimed the firing.")
     manual: bool = Field(default=False, description="Triggered by hand, not by the clock.")
-    attempt: int = Field(default=1, ge=1, description="1-based attempt of this slice.")
-    slice: int = Field(default=0, ge=0, description="Continuation number of a long run.")
+    attempt: int = Field(
+        default=1, ge=1, le=MAX_INT64, description="1-based attempt of this slice."
+    )
+    slice: int = Field(
+        default=0, ge=0, le=MAX_INT64, description="Continuation number of a long run."
+    )
     not_before: Instant | None = Field(default=None, description="Do not start before.")
 
     @computed_field  # type: ignore[prop-decorator]
@@ -456,7 +484,7 @@ class RescoreTask(Contract):
     )
     model: str | None = Field(default=None, description="The model of the last result.")
     run_id: str = Field(description="The fan-out run that requested it.")
-    attempt: int = Field(default=1, ge=1)
+    attempt: int = Field(default=1, ge=1, le=MAX_INT64)
 
     @classmethod
     def for_task(
@@ -503,12 +531,12 @@ class HousekeepingRequested(Contract):
 class DeadLetterDepth(BaseModel):
     """One dead-letter queue in a `DeadLetterAlert`."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
 
     queue: str = Field(description="The work queue.", examples=["scorebox.score-requests"])
     dead_letter_queue: str = Field(examples=["scorebox.score-requests.dlq"])
-    depth: int = Field(ge=0, description="Messages waiting in the dead-letter queue.")
-    threshold: int = Field(ge=0, description="Depth at which an alert is raised.")
+    depth: int = Field(ge=0, le=MAX_INT64, description="Messages waiting in the dead-letter queue.")
+    threshold: int = Field(ge=0, le=MAX_INT64, description="Depth at which an alert is raised.")
     oldest_age_s: float | None = Field(
         default=None, description="Age of the oldest dead letter; None when the queue is empty."
     )
@@ -580,12 +608,15 @@ class DeliverWebhook(Contract):
     url: str = Field(description="The https URL to POST to.", max_length=2048)
     event_type: str = Field(examples=["task.completed", "task.failed"])
     payload: dict[str, Any] = Field(description="The JSON body, exactly as signed and sent.")
-    attempt: int = Field(default=1, ge=1, description="1-based attempt this delivery is.")
-    max_attempts: int = Field(default=8, ge=1)
+    attempt: int = Field(
+        default=1, ge=1, le=MAX_INT64, description="1-based attempt this delivery is."
+    )
+    max_attempts: int = Field(default=8, ge=1, le=MAX_INT64)
     not_before: Instant | None = Field(default=None, description="Do not send before.")
     deferrals: int = Field(
         default=0,
         ge=0,
+        le=MAX_INT64,
         description="Times this attempt was put off unsent because its destination or its "
         "tenant had as many POSTs in flight as it may, or its claim's lease was too short "
         "for a POST; each doubles the next wait.",
@@ -602,12 +633,14 @@ class StateChange(BaseModel):
     """One state change of a task as the status service recorded it (its bounded history) and
     as `GET /v1/scores/{task_id}/events` streams it; `sequence` is the Server-Sent Event id."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
 
-    sequence: int = Field(ge=0, description="Orders a task's changes; the SSE `id`.")
+    sequence: int = Field(
+        ge=0, le=MAX_SEQUENCE, description="Orders a task's changes; the SSE `id`."
+    )
     status: TaskStatus
     occurred_at: Instant
-    attempt: int = Field(default=0, ge=0)
+    attempt: int = Field(default=0, ge=0, le=MAX_ATTEMPT)
     error: TaskFailure | None = Field(default=None, description="Retrying or failed: why.")
     next_attempt_at: Instant | None = Field(default=None, description="Retrying: when next.")
     result: ScoreResult | None = Field(default=None, description="Completed: the score.")
@@ -646,23 +679,23 @@ class StateChange(BaseModel):
 class TaskHistory(BaseModel):
     """A task's recorded state changes after a given sequence (oldest first)."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
 
     task_id: str
     status: TaskStatus = Field(description="The task's current status.")
-    sequence: int = Field(ge=0, description="Sequence of the current status.")
+    sequence: int = Field(ge=0, le=MAX_SEQUENCE, description="Sequence of the current status.")
     changes: list[StateChange] = Field(default_factory=list)
 
 
 class BatchItemProgress(BaseModel):
     """One task of a batch as the status projection holds it."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
 
     task_id: str
-    batch_index: int = Field(ge=0, description="Position in the batch request.")
+    batch_index: int = Field(ge=0, le=MAX_INT64, description="Position in the batch request.")
     status: TaskStatus
-    attempts: int = Field(default=0, ge=0)
+    attempts: int = Field(default=0, ge=0, le=MAX_INT64)
     updated_at: Instant
     result: ScoreResult | None = None
     error: TaskFailure | None = None
@@ -672,10 +705,12 @@ class BatchProgress(BaseModel):
     """A batch's progress as the status projection holds it: tasks it has not heard of (or
     that expired) are in neither `counts` nor `items`."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
 
     batch_id: str
-    counts: dict[TaskStatus, int] = Field(default_factory=dict, description="Tasks per status.")
+    counts: dict[TaskStatus, Annotated[int, Field(ge=0, le=MAX_INT64)]] = Field(
+        default_factory=dict, description="Tasks per status."
+    )
     items: list[BatchItemProgress] = Field(
         default_factory=list, description="A page of tasks ordered by `batch_index`."
     )

@@ -30,6 +30,7 @@ from shared.consumers import ScoreboxBroker
 from shared.contracts import (
     Phase,
     ScoreResult,
+    TaskAccepted,
     TaskCompleted,
     TaskError,
     TaskRetrying,
@@ -311,6 +312,12 @@ def _far_future_retry() -> Json:
     return retrying.model_dump(mode="json") | {"next_attempt_at": "9999-12-30T00:00:00Z"}
 
 
+def _acceptance(task_id: str) -> Json:
+    now = utcnow()
+    accepted = TaskAccepted(task_id=task_id, tenant_id="acme", sequence=0, submitted_at=now)
+    return accepted.model_dump(mode="json")
+
+
 async def test_events_the_projection_cannot_apply_are_dead_lettered_not_held(
     amqp_url: str, database: Any
 ) -> None:
@@ -323,18 +330,21 @@ async def test_events_the_projection_cannot_apply_are_dead_lettered_not_held(
     writes = cast("AsyncCollection[Json]", tasks)
     async with _topology_broker(amqp_url, consuming=lambda b: _projection(b, writes)) as broker:
         far = _far_future_retry()
-        huge, past_int64 = new_id(), new_id()
+        huge, many_attempts, past_int64 = new_id(), new_id(), new_id()
         beyond = _completion().model_dump(mode="json")
         generation = beyond | {"task_id": huge, "generation": 10**13, "sequence": 10**19}
-        attempt = beyond | {"task_id": past_int64, "attempt": 10**19}  # no bound of its own
+        attempt = beyond | {"task_id": many_attempts, "attempt": 10**19}
+        # Client metadata is checked at the gateway's edge, not by the contract.
+        metadata = _acceptance(past_int64) | {"metadata": {"n": 10**19}}
         for task_id, body, routing_key in (
             (far["task_id"], far, "task.retrying"),
             (huge, generation, "task.completed"),
-            (past_int64, attempt, "task.completed"),
+            (many_attempts, attempt, "task.completed"),
+            (past_int64, metadata, "task.accepted"),
         ):
             await _publish_body(amqp_url, routing_key, task_id, json.dumps(body).encode())
         others: list[Json] = []
-        task_ids = {far["task_id"], huge, past_int64}
+        task_ids = {far["task_id"], huge, many_attempts, past_int64}
         letters = await _dead_letters(amqp_url, STATUS_PROJECTION, task_ids, others=others)
         after = _completion()
         await publish_event(broker, after, timeout=TIMEOUT_S)
@@ -343,7 +353,7 @@ async def test_events_the_projection_cannot_apply_are_dead_lettered_not_held(
             return await tasks.find_one({"_id": after.task_id}) is not None
 
         await eventually(applied, what="a later event applied")
-    for task_id in (far["task_id"], huge):
+    for task_id in (far["task_id"], huge, many_attempts):
         assert "unreadable" in str(letters[task_id].headers[ERROR_HEADER])
     assert "cannot be applied" in str(letters[past_int64].headers[ERROR_HEADER])
     assert await _ready(amqp_url, STATUS_PROJECTION) == 0

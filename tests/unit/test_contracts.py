@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime
+from typing import Any
 
 import orjson
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from shared import contracts
 from shared.contracts import (
+    MAX_ATTEMPT,
+    MAX_ATTEMPT_BUDGET,
+    MAX_INT64,
     Phase,
     ScoreResult,
     ScoreText,
@@ -111,3 +117,64 @@ def test_a_time_past_the_year_9000_is_refused(field: str) -> None:
     ).model_dump(mode="json")
     with pytest.raises(ValidationError, match="9000"):
         parse_task_event("task.retrying", orjson.dumps(retrying | {field: "9999-12-30T00:00:00Z"}))
+
+
+def _contract_models() -> list[type[BaseModel]]:
+    return [
+        model
+        for model in vars(contracts).values()
+        if isinstance(model, type)
+        and issubclass(model, BaseModel)
+        and model.__module__ == contracts.__name__
+    ]
+
+
+def _unbounded_integers(schema: Any, path: str = "") -> list[str]:
+    """The integer nodes of a JSON schema with no maximum that BSON's int64 holds."""
+    found: list[str] = []
+    if isinstance(schema, dict):
+        if schema.get("type") == "integer" and schema.get("maximum", math.inf) > MAX_INT64:
+            found.append(path)
+        for key, value in schema.items():
+            found += _unbounded_integers(value, f"{path}/{key}")
+    elif isinstance(schema, list):
+        for index, value in enumerate(schema):
+            found += _unbounded_integers(value, f"{path}/{index}")
+    return found
+
+
+@pytest.mark.parametrize("model", _contract_models(), ids=lambda model: model.__name__)
+def test_every_integer_of_a_contract_fits_in_int64(model: type[BaseModel]) -> None:
+    """A larger one passed validation, then failed every write of it with an error no
+    consumer expected (`InvalidDocument`), and the delivery was held."""
+    assert _unbounded_integers(model.model_json_schema(mode="validation")) == []
+
+
+@pytest.mark.parametrize("number", ["Infinity", "NaN", "-Infinity"])
+def test_a_float_that_is_no_number_is_refused(number: str) -> None:
+    """`Infinity` passed `ge=0` and left a reader's JSON answer unserialisable."""
+    body = ScoreResult(score=5, comment="c", model="m").model_dump_json()
+    with pytest.raises(ValidationError):
+        ScoreResult.model_validate_json(body.replace('"latency_ms":0.0', f'"latency_ms":{number}'))
+
+
+def test_an_attempt_never_numbers_its_events_as_the_next_generation() -> None:
+    last = event_sequence(generation=3, attempt=MAX_ATTEMPT, phase=Phase.TERMINAL)
+    assert last < event_sequence(generation=4, attempt=0, phase=Phase.ACCEPTED)
+    with pytest.raises(ValidationError):
+        ScoreText(task_id="t1", text="x", attempt=MAX_ATTEMPT + 1)
+
+
+def test_a_retry_the_scorer_builds_from_any_valid_command_is_valid() -> None:
+    """Its attempt is at most the command's budgets plus one."""
+    most = ScoreText(
+        task_id="t1",
+        text="x",
+        max_attempts=MAX_ATTEMPT_BUDGET,
+        rate_limited_retries=MAX_ATTEMPT_BUDGET,
+        attempt=MAX_ATTEMPT_BUDGET * 2,
+    )
+    retry = ScoreText.model_validate(most.model_dump() | {"attempt": most.attempt + 1})
+    assert retry.attempt == MAX_ATTEMPT_BUDGET * 2 + 1
+    with pytest.raises(ValidationError):
+        ScoreText(task_id="t1", text="x", max_attempts=MAX_ATTEMPT_BUDGET + 1)

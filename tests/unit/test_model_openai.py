@@ -547,7 +547,17 @@ async def test_content_given_as_parts_is_read() -> None:
     assert verdict.result.score == 7.5
 
 
-@pytest.mark.parametrize("usage", [{"prompt_tokens": None}, {"prompt_tokens": -1}, "n/a"])
+@pytest.mark.parametrize(
+    "usage",
+    [
+        {"prompt_tokens": None},
+        {"prompt_tokens": -1},
+        "n/a",
+        # Past any context window: summed into a task's usage it could leave int64, which
+        # failed the write of the result.
+        {"prompt_tokens": 2**31, "completion_tokens": 10},
+    ],
+)
 async def test_an_unreadable_usage_block_loses_no_verdict(usage: Any) -> None:
     answer = json_answer(
         200,

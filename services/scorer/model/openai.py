@@ -104,11 +104,16 @@ class _Choice(BaseModel):
     finish_reason: str | None = None
 
 
+# Above any model's context window: a provider reporting more for one call is wrong, and its
+# usage is read as none rather than summed into a task's (`shared.contracts.MAX_TOKENS`).
+_MAX_TOKENS_PER_CALL = 2**30
+
+
 class _Usage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    prompt_tokens: int = Field(default=0, ge=0)
-    completion_tokens: int = Field(default=0, ge=0)
+    prompt_tokens: int = Field(default=0, ge=0, le=_MAX_TOKENS_PER_CALL)
+    completion_tokens: int = Field(default=0, ge=0, le=_MAX_TOKENS_PER_CALL)
 
 
 class _ChatCompletion(BaseModel):

@@ -5,6 +5,9 @@ Accepted shapes: a bare JSON object, or one JSON object with a `score` key embed
 different verdicts, or a `"score":` outside every object that parses (a verdict of its own
 broken around one it quotes from the text), is unusable: which verdict is the judge's is
 not for the parser to guess, and the first one found was often the one the text planted.
+Verdicts are counted at any depth (one the model wraps, `{"verdict": {...}}`, counts beside
+one it quotes), except inside a verdict, where an object with a `score` is part of it. A
+verdict found only inside a wrapper is not unwrapped: the wrapper fails validation.
 
 Scores must be numbers in 0..10. Out-of-range scores are errors, never clamped: a model that
 answers 42 misunderstood the scale, and clamping would hide that. A score given as a string
@@ -14,8 +17,10 @@ is accepted only when unambiguous: a plain decimal ("7.5") or a mark out of ten 
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
+from collections.abc import Iterator
 from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -79,25 +84,54 @@ def parse_verdict(content: str) -> Verdict:
 def _find_json_object(content: str) -> dict[str, Any] | None:
     whole = _loads_object(content.strip())
     if whole is not None:
+        _refuse_more_than_one_verdict([whole], content)
         return whole
-    objects = _embedded_objects(content)
-    if not objects:
+    embedded = _embedded_objects(content)
+    if not embedded:
         return None
-    verdicts = [value for _, _, value in objects if "score" in value]
-    if len({json.dumps(verdict, sort_keys=True) for verdict in verdicts}) > 1:
-        raise UnusableOutput(
-            "the answer holds more than one verdict; answer with exactly one", raw_output=content
-        )
-    spans = [(start, end) for start, end, _ in objects]
+    objects = [value for _, _, value in embedded]
+    _refuse_more_than_one_verdict(objects, content)
+    spans = [(start, end) for start, end, _ in embedded]
     if any(not _within(spans, key.start()) for key in _SCORE_KEY.finditer(content)):
         raise UnusableOutput(
             'the answer holds a "score" outside any valid JSON object', raw_output=content
         )
-    return verdicts[0] if verdicts else objects[0][2]
+    # A verdict found only inside a wrapper is not unwrapped: the wrapper fails validation,
+    # and the repair asks the model for the plain object.
+    return next((value for value in objects if "score" in value), objects[0])
+
+
+def _refuse_more_than_one_verdict(objects: list[dict[str, Any]], content: str) -> None:
+    distinct = {
+        json.dumps(verdict, sort_keys=True) for value in objects for verdict in _verdicts_in(value)
+    }
+    if len(distinct) > 1:
+        raise UnusableOutput(
+            "the answer holds more than one verdict; answer with exactly one", raw_output=content
+        )
+
+
+def _verdicts_in(value: object) -> Iterator[dict[str, Any]]:
+    """The objects with a `score` key in `value` at any depth, but not those inside one: an
+    object nested in a verdict is part of it (a verdict quoted as a wrapper's field is not)."""
+    # A loop, not recursion: a parsed answer can be nested thousands of levels deep.
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            if "score" in item:
+                yield item
+            else:
+                pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
 
 
 def _within(spans: list[tuple[int, int]], position: int) -> bool:
-    return any(start <= position < end for start, end in spans)
+    # Spans come in order and never overlap: only the last one starting at or before
+    # `position` can hold it (a scan of every span made a long answer quadratic).
+    index = bisect.bisect_right(spans, position, key=lambda span: span[0]) - 1
+    return index >= 0 and position < spans[index][1]
 
 
 # What reading a candidate as JSON may raise: not JSON, or nested deeper than the parser's

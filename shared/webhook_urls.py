@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 MAX_URL_LENGTH = 2_048
 
@@ -94,6 +94,16 @@ def validate_webhook_url(url: str) -> str:
     return url
 
 
+def _split(url: str) -> SplitResult:
+    """The URL's parts; `UnsafeWebhookUrl` when `urlsplit` cannot read it (a bracketed host
+    that is no IPv6 address, an unclosed bracket, a netloc that NFKC normalisation changes),
+    so that every refusal is the one exception its callers turn into their own answer."""
+    try:
+        return urlsplit(url)
+    except ValueError as error:
+        raise UnsafeWebhookUrl(f"the URL cannot be parsed: {error}") from error
+
+
 def webhook_host_and_port(
     url: str, *, exempt_hosts: frozenset[str] = frozenset()
 ) -> tuple[str, int]:
@@ -105,7 +115,7 @@ def webhook_host_and_port(
         raise UnsafeWebhookUrl(f"the URL is longer than {MAX_URL_LENGTH} characters")
     if any(ord(char) <= 0x20 or ord(char) == 0x7F or char == "\\" for char in url):
         raise UnsafeWebhookUrl("the URL contains whitespace, control characters or '\\'")
-    parts = urlsplit(url)
+    parts = _split(url)
     if parts.scheme.lower() != "https":
         raise UnsafeWebhookUrl("the URL must start with https://")
     if "@" in parts.netloc:

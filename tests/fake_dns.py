@@ -1,6 +1,14 @@
 """A name server on the loopback interface, over UDP: it answers A queries for the names it
-knows, an empty answer to their other types, "no such name" to names under `.nx`, and nothing
-at all to any other name (a tenant's unanswering name server)."""
+knows and an empty answer to their other types; for names under the test suffixes it answers
+as a tenant's name server may:
+
+- `.nx`: "no such name" (NXDOMAIN);
+- `.nodata`: the name exists but has no record of the type asked, A and AAAA included
+  (NOERROR with an empty answer, "NODATA": an apex with only MX or TXT records);
+- `.servfail`: "server failure" (SERVFAIL);
+- `.refused`: "refused" (REFUSED);
+
+and nothing at all to any other name (a tenant's unanswering name server)."""
 
 from __future__ import annotations
 
@@ -15,7 +23,17 @@ from dataclasses import dataclass, field
 A_RECORD = 1
 IN_CLASS = 1
 RESPONSE_FLAGS = 0x8180  # a response, recursion desired and available, no error
+NO_ERROR = 0
+SERVER_FAILURE = 2  # the response code SERVFAIL
 NO_SUCH_NAME = 3  # the response code NXDOMAIN
+REFUSED = 5  # the response code REFUSED
+# The response code, with no record, the server answers for every name under a suffix.
+EMPTY_ANSWERS = {
+    ".nx": NO_SUCH_NAME,
+    ".nodata": NO_ERROR,
+    ".servfail": SERVER_FAILURE,
+    ".refused": REFUSED,
+}
 
 
 @dataclass
@@ -30,18 +48,15 @@ class FakeNameServer(asyncio.DatagramProtocol):
 
     def datagram_received(self, data: bytes, addr: tuple[str | object, int]) -> None:
         name, question_end = _question(data)
-        address = self.answers.get(name.lower())
-        if name.endswith(".nx"):
-            self._send(data, question_end, RESPONSE_FLAGS | NO_SUCH_NAME, b"", addr)
+        code = _empty_answer_code(name)
+        if code is not None:
+            self._send(data, question_end, RESPONSE_FLAGS | code, b"", addr)
             return
+        address = self.answers.get(name.lower())
         if address is None:
             self.unanswered.append(name)
             return
-        (query_type,) = struct.unpack("!H", data[question_end - 4 : question_end - 2])
-        records = b""
-        if query_type == A_RECORD:
-            packed = ipaddress.IPv4Address(address).packed
-            records = struct.pack("!HHHIH", 0xC00C, A_RECORD, IN_CLASS, 60, 4) + packed
+        records = _a_record(address) if _query_type(data, question_end) == A_RECORD else b""
         self._send(data, question_end, RESPONSE_FLAGS, records, addr)
 
     def _send(
@@ -57,9 +72,28 @@ class FakeNameServer(asyncio.DatagramProtocol):
         self.transport.sendto(header + query[12:question_end] + records, addr)
 
 
+def _empty_answer_code(name: str) -> int | None:
+    """The response code of a record-less answer for `name`; None for the other names."""
+    for suffix, code in EMPTY_ANSWERS.items():
+        if name.lower().endswith(suffix):
+            return code
+    return None
+
+
+def _a_record(address: str) -> bytes:
+    """One A record for the name asked (a pointer to the question's name)."""
+    packed = ipaddress.IPv4Address(address).packed
+    return struct.pack("!HHHIH", 0xC00C, A_RECORD, IN_CLASS, 60, 4) + packed
+
+
 def _query_id(data: bytes) -> int:
     (query_id,) = struct.unpack("!H", data[:2])
     return int(query_id)
+
+
+def _query_type(data: bytes, question_end: int) -> int:
+    (query_type,) = struct.unpack("!H", data[question_end - 4 : question_end - 2])
+    return int(query_type)
 
 
 def _question(data: bytes) -> tuple[str, int]:

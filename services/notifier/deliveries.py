@@ -16,8 +16,9 @@ there (`Done`). Those are the tenant's receiver's doing, not ours, and the DLQ, 
 operators are alerted on and nothing drains, is kept for ours. 5xx, 408, 429, timeouts and
 connection failures are retried with exponential back-off and jitter (Retry-After wins, up to
 the cap) until `max_attempts`. Then a delivery whose receiver answered its last attempt (5xx,
-408, 429) is recorded failed and ends (`Done`), the tenant's doing as a refusal is; one that
-got no answer (DNS, connect, TLS, timeout: perhaps our egress) is dead-lettered.
+408, 429), or whose host DNS said does not exist or has no address (NXDOMAIN, NODATA), is
+recorded failed and ends (`Done`), the tenant's doing as a refusal is; one that got no answer
+(DNS timeout or failure, connect, TLS, timeout: perhaps our egress) is dead-lettered.
 `at_delivery_limit` decides for a message its consumers kept dying or crashing on, instead of
 the broker dead-lettering it unexplained.
 
@@ -540,9 +541,10 @@ async def _retry_or_give_up(
     if delivery.attempt >= delivery.max_attempts:
         reason = f"gave up after {delivery.attempt} attempt(s); last: {error.reason}"
         # Its receiver answered the last attempt (5xx, 408, 429), or DNS answered that its
-        # host does not exist: the tenant's doing, as a refusal is, recorded and not an
-        # operator's alert (a misspelt callback domain put a letter in the DLQ per task). No
-        # answer (DNS timeout or failure, connect, TLS, timeout) may be ours, an egress or
+        # host does not exist or has no address (NXDOMAIN, NODATA): the tenant's doing, as a
+        # refusal is, recorded and not an operator's alert (a misspelt callback domain, or
+        # one with only MX records, put a letter in the DLQ per task). No answer (DNS
+        # timeout, SERVFAIL or refusal, connect, TLS, timeout) may be ours, an egress or
         # resolver outage: to the DLQ.
         answered = isinstance(error, ReceiverUnavailable | NoSuchHost)
         return await _give_up(

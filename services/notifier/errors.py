@@ -8,8 +8,9 @@
     │   └── DeliveryRejected        the receiver answered 4xx (not 408/429), or 3xx
     │                               (redirects are never followed)
     └── TransientDeliveryError      retry later; .retry_after_s when the receiver sent one
-        ├── ResolutionFailed        no DNS answer in time, or no address
+        ├── ResolutionFailed        no DNS answer in time, or a failure (SERVFAIL, REFUSED)
         │   └── NoSuchHost          DNS answered that the name does not exist (NXDOMAIN)
+        │                           or has no address (NODATA)
         ├── ReceiverUnreachable     connect or TLS failure, timeout, connection lost
         └── ReceiverUnavailable     5xx, 408 or 429
 
@@ -48,13 +49,14 @@ class TransientDeliveryError(DeliveryError):
 
 
 class ResolutionFailed(TransientDeliveryError):
-    """The host name did not resolve in time, or to no address."""
+    """The host name did not resolve: no answer in time, or a failure of the lookup."""
 
 
 class NoSuchHost(ResolutionFailed):
-    """The name's DNS answered that it does not exist: the URL's doing (a misspelt domain, one
-    let lapse), as an answer of the receiver's is; retried all the same (a domain just
-    registered may not have reached every resolver yet)."""
+    """The name's DNS answered that it does not exist or has no address: the URL's doing (a
+    misspelt domain, one let lapse, one with only MX records), as an answer of the
+    receiver's is; retried all the same (a domain just registered may not have reached every
+    resolver yet)."""
 
 
 class ReceiverUnreachable(TransientDeliveryError):

@@ -35,8 +35,21 @@ from shared.webhook_urls import (
     webhook_host_and_port,
 )
 
+# The c-ares errors that are a name server's answer about the name itself, the URL's doing
+# and not our resolver's: the name does not exist (NXDOMAIN), or it exists without an address
+# (NOERROR and an empty answer, "NODATA": an apex with only MX or TXT records, a hooks
+# subdomain whose A record was removed).
+NAME_SERVER_ANSWERS = {
+    aiodns.error.ARES_ENOTFOUND: "does not exist",
+    aiodns.error.ARES_ENODATA: "has no address",
+}
+
 
 class Resolver(Protocol):
+    """The addresses of a host. Raises `NoSuchHost` when DNS answered that the name does
+    not exist or has no address, `ResolutionFailed` when it gave no answer; may return no
+    address, which counts as "has no address"."""
+
     async def resolve(self, host: str, port: int) -> Sequence[IPAddress]: ...
 
 
@@ -72,13 +85,22 @@ class CaresResolver:
         except TimeoutError as error:
             raise ResolutionFailed(f"no DNS answer for {host} within {self._timeout_s}s") from error
         except aiodns.error.DNSError as error:
-            if error.args and error.args[0] == aiodns.error.ARES_ENOTFOUND:
-                raise NoSuchHost(f"{host} does not exist: {_reason(error)}") from error
-            raise ResolutionFailed(f"{host} did not resolve: {_reason(error)}") from error
+            raise _lookup_error(host, error) from error
         # An IPv6 link-local answer may carry a zone (`fe80::1%eth0`); the address decides.
         return _unique(
             ipaddress.ip_address(node.addr[0].decode().split("%", 1)[0]) for node in answer.nodes
         )
+
+
+def _lookup_error(host: str, error: aiodns.error.DNSError) -> ResolutionFailed:
+    """`NoSuchHost` when the name server answered for good that the name does not exist or
+    has no address (`NAME_SERVER_ANSWERS`); `ResolutionFailed` for any other error (SERVFAIL,
+    REFUSED, a connection error), which may be our resolver's."""
+    code = error.args[0] if error.args else None
+    answer = NAME_SERVER_ANSWERS.get(code)
+    if answer is not None:
+        return NoSuchHost(f"{host} {answer}: {_reason(error)}")
+    return ResolutionFailed(f"{host} did not resolve: {_reason(error)}")
 
 
 def _reason(error: aiodns.error.DNSError) -> str:
@@ -120,8 +142,8 @@ class WebhookGuard:
         host, port = self.check(url)
         literal = parse_ip_literal(host)
         addresses = [literal] if literal is not None else await self._resolver.resolve(host, port)
-        if not addresses:
-            raise ResolutionFailed(f"{host} resolved to no address")
+        if not addresses:  # an answer about the name, as NODATA is: the URL's doing
+            raise NoSuchHost(f"{host} has no address")
         refused = [a for a in addresses if not self._permitted(host, a)]
         if refused:
             listed = ", ".join(str(a) for a in refused)

@@ -133,6 +133,8 @@ class TableResolver:
     async def resolve(self, host: str, port: int) -> Sequence[IPAddress]:
         if host.endswith(".nx"):  # as a name server answers for a name that does not exist
             raise NoSuchHost(f"{host} does not exist: Domain name not found")
+        if host.endswith(".nodata"):  # a name that exists without an address (MX only)
+            return []
         return [ipaddress.ip_address(a) for a in self._table.get(host, [])]
 
 
@@ -437,18 +439,27 @@ async def test_a_receiver_never_reached_is_dead_lettered_after_the_last_attempt(
     assert record["dead_letter"] is True
 
 
-async def test_a_callback_host_that_does_not_exist_is_given_up_unlettered(flow: Flow) -> None:
-    """DNS answered that the name does not exist (a misspelt domain): the URL's doing, as a
-    refusal is. Dead-lettered, one tenant's typo put a letter per task in the operators' DLQ
-    and kept its alert on. Retried all the same: a new domain may not have spread yet."""
-    url = "https://hooks.misspelt.nx/hook"
+@pytest.mark.parametrize(
+    ("url", "answer"),
+    [
+        pytest.param("https://hooks.misspelt.nx/hook", "does not exist", id="nxdomain"),
+        pytest.param("https://mx-only.example.nodata/hook", "has no address", id="nodata"),
+    ],
+)
+async def test_a_callback_host_that_does_not_exist_is_given_up_unlettered(
+    flow: Flow, url: str, answer: str
+) -> None:
+    """DNS answered that the name does not exist (a misspelt domain) or has no address (an
+    apex with only MX records): the URL's doing, as a refusal is. Dead-lettered, one tenant's
+    typo put a letter per task in the operators' DLQ and kept its alert on. Retried all the
+    same: a new domain or record may not have spread yet."""
     task_id = new_id()
     await flow.publish(_completed(task_id, url))
 
     record = await flow.settled(task_id, "failed")
 
     assert "gave up after 4 attempt(s)" in record["last_error"]
-    assert "does not exist" in record["last_error"]
+    assert answer in record["last_error"]
     assert record["dead_letter"] is False
     await flow._drain_dead_letters()
     lettered = [DeliverWebhook.model_validate_json(m.body) for m in flow.dead_letters]
@@ -666,6 +677,33 @@ async def test_the_notifier_refuses_a_failure_alert_body_with_an_unknown_field(
     response = await flow.notifier.put(path, json=body)
     assert response.status_code == 422, response.text
     assert response.headers["content-type"].startswith("application/problem+json")
+    assert (await flow.notifier.get(path)).status_code == 404
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        pytest.param("https://[example.com]/", id="bracketed-name"),
+        pytest.param("https://[::1/", id="unclosed-bracket"),
+        pytest.param("https://example.com:443\uff03@evil/", id="netloc-changed-by-nfkc"),
+    ],
+)
+async def test_the_notifier_refuses_a_failure_alert_url_it_cannot_parse(
+    flow: Flow, url: str
+) -> None:
+    """urlsplit refuses these with a plain ValueError, which the URL check let through: the
+    internal API answered 500 where any other refused URL gets 422 naming the field."""
+    tenant_id = f"unparsable-{_marker()}"
+    path = f"/internal/v1/tenants/{tenant_id}/failure-alert"
+
+    response = await flow.notifier.put(path, json={"url": url})
+
+    assert response.status_code == 422, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    problem = response.json()
+    assert problem["type"].endswith("/invalid-fields")
+    assert [error["field"] for error in problem["errors"]] == ["url"]
+    assert "cannot be parsed" in problem["errors"][0]["message"]
     assert (await flow.notifier.get(path)).status_code == 404
 
 

@@ -80,6 +80,10 @@ UNSAFE_URLS = [
     pytest.param("https://1.0.0.127.in-addr.arpa/", id="reverse-dns-name"),
     pytest.param("https://bücher.example/", id="non-ascii-host"),
     pytest.param("https://-bad-.example/", id="bad-label"),
+    # urlsplit refuses these with a plain ValueError, which passed every caller's catch.
+    pytest.param("https://[example.com]/", id="bracketed-name"),
+    pytest.param("https://[::1/", id="unclosed-bracket"),
+    pytest.param("https://example.com:443\uff03@evil/", id="netloc-changed-by-nfkc"),
 ]
 
 
@@ -215,11 +219,18 @@ async def test_an_unsafe_url_is_refused_before_any_lookup() -> None:
 
 
 async def test_resolution_failures_are_transient() -> None:
+    guard = WebhookGuard(FakeResolver({}))
+
+    with pytest.raises(ResolutionFailed) as failed:
+        await guard.vet("https://nowhere.example.com/hook")
+    assert not isinstance(failed.value, NoSuchHost)  # no answer may be our resolver's
+
+
+async def test_a_name_resolving_to_no_address_is_the_names_doing() -> None:
+    """An empty answer is DNS's word on the name, as NODATA is: not our resolver failing."""
     guard = WebhookGuard(FakeResolver({"empty.example.com": []}))
 
-    with pytest.raises(ResolutionFailed):
-        await guard.vet("https://nowhere.example.com/hook")
-    with pytest.raises(ResolutionFailed):
+    with pytest.raises(NoSuchHost, match=r"empty\.example\.com has no address"):
         await guard.vet("https://empty.example.com/hook")
 
 
@@ -262,6 +273,32 @@ async def test_a_name_server_answer_is_read_and_a_missing_name_fails() -> None:
                 await resolver.resolve("missing.nx", 443)
         finally:
             await resolver.close()
+
+
+async def test_a_name_without_an_address_is_the_name_servers_answer() -> None:
+    """NOERROR with an empty answer (NODATA: the name exists, say with only MX records) is
+    the name server's word on the name, as NXDOMAIN is: the URL's doing. It was taken for our
+    resolver failing, and each task's callback was dead-lettered into the operators' DLQ."""
+    async with fake_name_server({}) as (_, address):
+        resolver = CaresResolver(timeout_s=0.5, nameservers=[address])
+        try:
+            with pytest.raises(NoSuchHost, match=r"apex\.example\.nodata has no address"):
+                await resolver.resolve("apex.example.nodata", 443)
+        finally:
+            await resolver.close()
+
+
+@pytest.mark.parametrize("host", ["hooks.example.servfail", "hooks.example.refused"])
+async def test_a_name_server_failing_or_refusing_may_be_our_resolvers_doing(host: str) -> None:
+    async with fake_name_server({}) as (_, address):
+        resolver = CaresResolver(timeout_s=0.5, nameservers=[address])
+        try:
+            with pytest.raises(ResolutionFailed, match="did not resolve") as failed:
+                await resolver.resolve(host, 443)
+        finally:
+            await resolver.close()
+
+    assert not isinstance(failed.value, NoSuchHost)
 
 
 async def test_many_lookups_stuck_on_one_name_server_leave_others_their_answer() -> None:

@@ -16,6 +16,11 @@ What each outcome means on the broker:
   copies (below) reach the queue's delivery limit, the scorer dead-letters the message
   and fails the task instead of risking another crash (and should the scorer die before
   it can, RabbitMQ dead-letters it once its own count of this copy passes the limit).
+  A message whose attempt no scorer ever claimed has done no work: its deliveries were lost
+  waiting in a prefetch (each loss of the connection, each crash of the process on another
+  message, returns every delivery in hand). At the limit it is sent again as a fresh copy
+  with its count cleared instead, up to `UNSTARTED_RESETS` times (`x-scorebox-unstarted-resets`),
+  so a message that kills the scorer before its claim still stops.
 - the scorer stopping while a delivery at that limit waits for another claim's decision:
   sent again, its count unchanged, then acked (see `_handed_back_at_stop`).
 - a give-up is recorded as the attempt's decision first, under a claim of this process:
@@ -82,6 +87,10 @@ from shared.topology import (
 
 log = logging.getLogger("scorebox.scorer")
 CRASHES_HEADER = "x-scorebox-crashes"
+UNSTARTED_RESETS_HEADER = "x-scorebox-unstarted-resets"
+# Times a message whose attempt was never claimed reaches the delivery limit and is sent again
+# with its count cleared: with the default limit, 20 deliveries lost before a give-up.
+UNSTARTED_RESETS = 3
 # How often a delivery at its limit looks again at an attempt whose claim holds.
 LIMIT_POLL_S = 1.0
 # Give-ups refused this many times (the attempt claimed or decided meanwhile, each time) go
@@ -184,7 +193,7 @@ def _failure(command: ScoreText, error: TaskError, *, spent: Spent | None) -> Ta
 def _carried_headers(message: Delivery) -> dict[str, Any]:
     """The headers a copy of the delivery's own command takes along (sent again, or
     dead-lettered), its deliveries counted so far included. Never a next attempt's."""
-    keep = (CRASHES_HEADER, ATTEMPTS_HEADER)
+    keep = (CRASHES_HEADER, ATTEMPTS_HEADER, UNSTARTED_RESETS_HEADER)
     headers = {key: value for key, value in message.headers.items() if key in keep}
     return headers | carried_deliveries(message.headers)
 
@@ -249,7 +258,12 @@ async def _at_delivery_limit(
     `deliveries`: the deliveries its consumer lost, counted across the copies sent again.
 
     Giving up on a decided attempt published `task.failed` for a task whose result was
-    stored, or next to the retry it had scheduled."""
+    stored, or next to the retry it had scheduled. Giving up on one never claimed failed
+    tasks that had only waited in the prefetch of a consumer whose connection dropped."""
+    resets = int(message.headers.get(UNSTARTED_RESETS_HEADER, 0))
+    if resets < UNSTARTED_RESETS and await _never_claimed(command, deps):
+        await _sent_again_afresh(command, message, deps, actions, resets=resets + 1)
+        return
     carried = int(message.headers.get(EARLIER_DELIVERIES_HEADER, 0))
     reason = (
         f"its consumer died or lost its connection holding it {deliveries} times "
@@ -257,6 +271,43 @@ async def _at_delivery_limit(
         f"delivery limit {SCORE_REQUESTS.delivery_limit})"
     )
     await _settle_or_give_up(command, message, deps, actions, reason)
+
+
+async def _never_claimed(command: ScoreText, deps: ScorerDeps) -> bool:
+    """Whether no claim of the command's attempt was ever written: nothing stored for the task,
+    or only an earlier attempt or generation. A database that cannot answer says no (the
+    limit's usual path, which waits it out)."""
+    try:
+        held = await keep_trying_database(
+            lambda: deps.attempts.find(command.task_id),
+            what=f"reading the claim of {command.task_id} at its delivery limit",
+        )
+    except PyMongoError:
+        return False
+    if held is None:
+        return True
+    return (held["generation"], held["attempt"]) < (command.generation, command.attempt)
+
+
+async def _sent_again_afresh(
+    command: ScoreText, message: Delivery, deps: ScorerDeps, actions: BrokerActions, resets: int
+) -> None:
+    """Send the command again with its count of lost deliveries cleared; the caller acks it."""
+    log.warning(
+        "%s reached its delivery limit never claimed (lost waiting, not working): "
+        "sent again with its count cleared (%d of %d)",
+        command.task_id,
+        resets,
+        UNSTARTED_RESETS,
+    )
+    headers = {
+        key: value
+        for key, value in _carried_headers(message).items()
+        if key != EARLIER_DELIVERIES_HEADER
+    }
+    again = command.model_copy(update={"message_id": new_id()})
+    await actions.resend(again, headers=headers | {UNSTARTED_RESETS_HEADER: resets})
+    deps.metrics.count_resent()
 
 
 async def _settle_or_give_up(

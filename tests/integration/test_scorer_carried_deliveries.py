@@ -28,7 +28,12 @@ from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import FakeLLM
 from services.scorer.attempts import Attempts
-from services.scorer.consumer import BrokerActions, subscribe_scorer
+from services.scorer.consumer import (
+    UNSTARTED_RESETS,
+    UNSTARTED_RESETS_HEADER,
+    BrokerActions,
+    subscribe_scorer,
+)
 from services.scorer.scoring import ScorerDeps
 from services.scorer.settings import ScorerSettings
 from shared.bus import publish_command
@@ -214,11 +219,13 @@ async def test_a_redelivery_sent_again_on_a_database_error_carries_its_delivery_
 async def test_a_command_whose_carried_and_own_deliveries_reach_the_limit_is_given_up(
     make_deps: Deps, fake_llm: FakeLLM, amqp_url: str
 ) -> None:
-    """Sent again with LIMIT - 1 deliveries carried, its scorer died on the copy once: given
-    up without calling the model, dead-lettered with the total in its reason, the task
-    failed. It used to be scored: its count had started again at zero."""
+    """Sent again with LIMIT - 1 deliveries carried, its scorer died on the copy once (and
+    it was sent again with its count cleared as often as an attempt never claimed is):
+    given up without calling the model, dead-lettered with the total in its reason, the
+    task failed. It used to be scored: its count had started again at zero."""
     command, marker = _command("Its scorers died on it at every copy.")
-    await _published(amqp_url, command, headers={EARLIER_DELIVERIES_HEADER: LIMIT - 1})
+    spent = {EARLIER_DELIVERIES_HEADER: LIMIT - 1, UNSTARTED_RESETS_HEADER: UNSTARTED_RESETS}
+    await _published(amqp_url, command, headers=spent)
     assert await _held_by_a_scorer_that_dies(amqp_url, command) == 0
     async with outcomes(amqp_url) as published, scorer(amqp_url, make_deps("scorer-a")):
         outcome: TaskEvent = await published.next_of(command.task_id, TaskEvent)
@@ -230,6 +237,26 @@ async def test_a_command_whose_carried_and_own_deliveries_reach_the_limit_is_giv
     assert str(letter.headers[ERROR_HEADER]) == outcome.error.message
     assert letter.headers[EARLIER_DELIVERIES_HEADER] == LIMIT
     assert _calls(fake_llm, marker) == 0
+
+
+async def test_a_command_never_claimed_at_the_limit_is_sent_again_afresh_and_scored(
+    make_deps: Deps, fake_llm: FakeLLM, amqp_url: str
+) -> None:
+    """Its deliveries were lost before any scorer claimed it (waiting in a prefetch while
+    connections dropped): sent again with its count cleared, it is scored once. It used to
+    be given up, a task no scorer had touched failed."""
+    command, marker = _command("It waited in prefetches through dropped connections.")
+    async with sent_commands(amqp_url) as sent, outcomes(amqp_url) as published:
+        await _published(amqp_url, command, headers={EARLIER_DELIVERIES_HEADER: LIMIT - 1})
+        assert await _held_by_a_scorer_that_dies(amqp_url, command) == 0
+        async with scorer(amqp_url, make_deps("scorer-a")):
+            copy = await sent.next_of(command.task_id, attempt=1, besides=command.message_id)
+            outcome: TaskEvent = await published.next_of(command.task_id, TaskEvent)
+
+    assert isinstance(outcome, TaskCompleted)  # a give-up publishes its failure first
+    assert EARLIER_DELIVERIES_HEADER not in copy.headers
+    assert copy.headers[UNSTARTED_RESETS_HEADER] == 1
+    assert _calls(fake_llm, marker) == 1
 
 
 async def test_a_redelivery_not_yet_due_sent_down_the_ladder_carries_its_delivery_count(

@@ -1,5 +1,6 @@
 """At the score queue's delivery limit, the scorer carries out the attempt's recorded decision
-when it has one, and gives the message up only when nothing was decided.
+when it has one, sends an attempt never claimed again with its count cleared (a bounded
+number of times), and gives the message up only when nothing was decided.
 
 Each loss of the connection while a delivery is in hand counts towards the limit, the last
 one possibly after the decision was recorded and before it was carried out. Giving up
@@ -14,17 +15,32 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import cast
+from typing import Any, cast
 
 from pymongo.errors import AutoReconnect
 
 from services.scorer.attempts import Attempts, Busy, ClaimResult
-from services.scorer.consumer import BrokerActions, _at_delivery_limit
-from services.scorer.decisions import Decision, Drop, Finish
+from services.scorer.consumer import (
+    UNSTARTED_RESETS,
+    UNSTARTED_RESETS_HEADER,
+    BrokerActions,
+    _at_delivery_limit,
+)
+from services.scorer.decisions import Decision, Drop, Finish, Retry
 from services.scorer.scoring import ScorerDeps, recorded_decision, score_text
 from shared.consumers import Delivery
-from shared.contracts import ScoreResult, ScoreText, TaskCompleted, TaskEvent, utcnow
-from shared.topology import SCORE_REQUESTS
+from shared.contracts import (
+    Phase,
+    ScoreResult,
+    ScoreText,
+    TaskCompleted,
+    TaskError,
+    TaskEvent,
+    TaskRetrying,
+    event_sequence,
+    utcnow,
+)
+from shared.topology import EARLIER_DELIVERIES_HEADER, SCORE_REQUESTS
 from tests.integration import test_scorer_own_claims as own_claims
 from tests.integration.test_scorer_own_claims import LEASE, Deps, _command
 from tests.support import HandedDelivery
@@ -121,10 +137,47 @@ async def test_a_newer_attempts_decision_at_the_limit_drops_the_message(
     assert isinstance(await recorded_decision(command, deps=deps), Drop)
 
 
-async def test_an_unknown_attempt_is_given_up(make_deps: Deps) -> None:
-    command, _ = _command("Never claimed.")
+async def test_an_attempt_never_claimed_is_sent_again_with_its_count_cleared(
+    make_deps: Deps,
+) -> None:
+    """Its deliveries were lost waiting in a prefetch (each drop of the connection returns
+    every delivery in hand), not working: given up, a task that never started failed."""
+    command, _ = _command("Waited in a prefetch through five dropped connections.")
     actions = Recording()
-    await _at_limit(command, make_deps("proc-a"), actions)
+
+    await _at_limit(command, make_deps("proc-a"), actions, headers={EARLIER_DELIVERIES_HEADER: 2})
+
+    assert actions.done == ["resent"]
+    (headers,) = actions.resent_headers
+    assert headers[UNSTARTED_RESETS_HEADER] == 1
+    assert EARLIER_DELIVERIES_HEADER not in headers
+
+
+async def test_a_next_attempt_never_claimed_is_sent_again_with_its_count_cleared(
+    make_deps: Deps,
+) -> None:
+    deps = make_deps("proc-a")
+    command, _ = _command("Retried, and the retry waited through dropped connections.")
+    retry = Retry(_retrying(command), command.model_copy(update={"attempt": 2}))
+    await deps.attempts.claim(command, now=utcnow(), lease=LEASE, owner=deps.owner)
+    await deps.attempts.decide(command, retry, now=utcnow(), raw_output=None, owner=deps.owner)
+    actions = Recording()
+
+    await _at_limit(retry.next_command, deps, actions)
+
+    assert actions.done == ["resent"]
+
+
+async def test_an_attempt_never_claimed_is_given_up_once_its_resets_are_spent(
+    make_deps: Deps,
+) -> None:
+    """A message that kills the scorer before its claim must stop too."""
+    command, _ = _command("Killed the scorer before its claim, every time.")
+    actions = Recording()
+    spent = {UNSTARTED_RESETS_HEADER: UNSTARTED_RESETS}
+
+    await _at_limit(command, make_deps("proc-a"), actions, headers=spent)
+
     assert actions.done == ["dead-lettered", "failed"]
 
 
@@ -172,6 +225,11 @@ class Recording:
 
     def __init__(self) -> None:
         self.done: list[str] = []
+        self.resent_headers: list[dict[str, Any]] = []
+
+    async def resend(self, command: ScoreText, *, headers: dict[str, Any]) -> None:
+        self.done.append("resent")
+        self.resent_headers.append(headers)
 
     async def carry_out(self, decision: Decision, message: Delivery) -> None:
         self.done.append(type(decision).__name__)
@@ -205,8 +263,26 @@ async def test_a_database_away_at_the_limit_is_waited_out_not_taken_for_nothing_
     assert actions.done == ["Finish"]
 
 
-async def _at_limit(command: ScoreText, deps: ScorerDeps, actions: Recording) -> None:
+def _retrying(command: ScoreText) -> TaskRetrying:
+    return TaskRetrying(
+        task_id=command.task_id,
+        sequence=event_sequence(generation=0, attempt=command.attempt, phase=Phase.RETRYING),
+        attempt=command.attempt,
+        submitted_at=command.submitted_at,
+        error=TaskError(code="model_unavailable", message="down", retryable=True),
+        next_attempt_at=utcnow(),
+    )
+
+
+async def _at_limit(
+    command: ScoreText,
+    deps: ScorerDeps,
+    actions: Recording,
+    *,
+    headers: dict[str, Any] | None = None,
+) -> None:
     limit = SCORE_REQUESTS.delivery_limit
     delivery = HandedDelivery.redelivery(command.model_dump_json().encode(), count=limit)
+    delivery.headers.update(headers or {})
     async with asyncio.timeout(60):  # a hang guard: the lease is 60 s, decided at once here
         await _at_delivery_limit(command, delivery, deps, cast("BrokerActions", actions), limit)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from services.scorer.attempts import Attempts
-from services.scorer.consumer import _at_delivery_limit
+from services.scorer.consumer import UNSTARTED_RESETS, UNSTARTED_RESETS_HEADER, _at_delivery_limit
 from services.scorer.decisions import Drop, Finish, Retry
 from services.scorer.scoring import ScorerDeps, score_text
 from services.scorer.settings import ScorerSettings
@@ -97,14 +97,16 @@ async def test_a_generation_replacing_a_finished_one_starts_from_nothing(
 async def test_a_generation_given_up_before_its_claim_reports_the_replaced_ones_tokens(
     make_deps: Deps, amqp_url: str
 ) -> None:
-    """Generation 1 reached the delivery limit before any scorer claimed it, generation 0
-    still retrying: its failure is the task's outcome, generation 0's tokens in it."""
+    """Generation 1 reached the delivery limit before any scorer claimed it, as often as
+    it is sent again for that, generation 0 still retrying: its failure is the task's
+    outcome, generation 0's tokens in it."""
     command, _ = _task(RETRIED)
     deps = make_deps("scorer-a")
     await _retried(command, deps)
     rescore = _next_generation(command)
     limit = SCORE_REQUESTS.delivery_limit
     at_limit = HandedDelivery.redelivery(rescore.model_dump_json().encode(), count=limit)
+    at_limit.headers[UNSTARTED_RESETS_HEADER] = UNSTARTED_RESETS
 
     broker = make_broker(ScorerSettings.model_validate({"RABBITMQ_URL": amqp_url}))
     async with broker:

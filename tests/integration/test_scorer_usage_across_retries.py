@@ -30,7 +30,12 @@ from devtools.fake_llm import (
     start_fake_llm,
 )
 from services.scorer.attempts import Attempts
-from services.scorer.consumer import BrokerActions, _at_delivery_limit
+from services.scorer.consumer import (
+    UNSTARTED_RESETS,
+    UNSTARTED_RESETS_HEADER,
+    BrokerActions,
+    _at_delivery_limit,
+)
 from services.scorer.decisions import Retry
 from services.scorer.model.preparation import prepare_text
 from services.scorer.model.prompt import build_messages
@@ -245,8 +250,9 @@ class PublishingFailures(BrokerActions):
 async def test_a_retried_attempt_given_up_at_the_delivery_limit_reports_earlier_tokens(
     make_deps: Deps, amqp_url: str
 ) -> None:
-    """Attempt 2 killed its consumers until the delivery limit, deciding nothing: the task
-    fails without a model answer of its own, with attempt 1's billed tokens."""
+    """Attempt 2 killed its consumers before its claim until the delivery limit, as often
+    as it is sent again for that, deciding nothing: the task fails without a model answer
+    of its own, with attempt 1's billed tokens."""
     command, _ = _task("[[fake:malformedx1]][[fake:503x1]]")
     deps = make_deps("scorer-a")
     retry = await score_text(command, deps=deps)
@@ -257,6 +263,7 @@ async def test_a_retried_attempt_given_up_at_the_delivery_limit_reports_earlier_
     at_limit = HandedDelivery.redelivery(
         second.model_dump_json().encode(), count=SCORE_REQUESTS.delivery_limit
     )
+    at_limit.headers[UNSTARTED_RESETS_HEADER] = UNSTARTED_RESETS
 
     broker = make_broker(ScorerSettings.model_validate({"RABBITMQ_URL": amqp_url}))
     async with broker, outcomes(amqp_url) as published:

@@ -23,7 +23,8 @@ exit 1 as ids not found do.
 
 Proxy variables (`HTTPS_PROXY`, `NO_PROXY`, ...) apply to a remote URL, never to a loopback
 one (127.0.0.1, ::1, localhost). Every failure is one line on stderr and a non-zero exit;
-`submit --wait` names the accepted task on stderr before it waits, however the wait ends.
+`submit --wait` and `cron run --wait` name the accepted task (the fired run) on stderr before
+they wait, however the wait ends.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import email.utils
 import ipaddress
+import itertools
 import json
 import math
 import os
@@ -52,7 +54,8 @@ app.add_typer(dlq, name="dlq")
 
 TERMINAL = {"completed", "failed"}
 REQUEST_TIMEOUT_S = 30.0
-# The least time a poll of `submit --wait` is given, however little of the wait is left.
+# The least time a poll of a wait (`submit --wait`, `cron run --wait`) is given, however
+# little of the wait is left.
 MIN_POLL_S = 1.0
 DEFAULT_GATEWAY_URL = "http://127.0.0.1:8000"
 DEFAULT_SCHEDULER_URL = "http://127.0.0.1:8003"
@@ -233,31 +236,72 @@ def _show(body: dict[str, Any]) -> None:
 
 
 def _wait(client: httpx.Client, task_id: str, timeout_s: float) -> dict[str, Any]:
-    """Poll the task until it is final or `timeout_s` passes. A 429 or 503 (the gateway
-    busy, the status service away for a moment) is polled again after its Retry-After,
-    while that falls before the deadline: it ended the wait at once with exit 1."""
-    deadline = time.monotonic() + timeout_s
+    """Poll the task until it is final or `timeout_s` passes (`_poll_until`'s rules)."""
+    return _poll_until(
+        client,
+        f"/v1/scores/{_segment(task_id, 'task_id')}",
+        deadline=time.monotonic() + timeout_s,
+        pauses=_backoff(),
+        final=lambda body: body["status"] in TERMINAL,
+        fields=("status",),
+    )
+
+
+def _backoff() -> Iterator[float]:
+    """`submit --wait`'s pauses between polls: from 0.2 s, half as long again each time, to
+    3 s at most."""
     delay = 0.2
-    path = f"/v1/scores/{_segment(task_id, 'task_id')}"
     while True:
-        # Each poll within what is left of the wait (a gateway that accepted the connection
-        # and never answered held a `--timeout 3` wait for the client's 30 s).
+        yield delay
+        delay = min(delay * 1.5, 3.0)
+
+
+def _poll_until(
+    client: httpx.Client,
+    path: str,
+    *,
+    deadline: float,
+    pauses: Iterator[float],
+    final: Callable[[dict[str, Any]], bool],
+    fields: tuple[str, ...],
+) -> dict[str, Any]:
+    """GET `path` until its object (with `fields` in it) is `final`, or the `deadline`
+    (monotonic time) passes: then the last object read, final or not.
+
+    Each poll is bounded by what is left of the wait (a server that accepted the connection
+    and never answered held a `--timeout 3` wait for the client's 30 s). A 429 or 503 (the
+    server busy, its database away for a moment) is polled again after its Retry-After,
+    while that falls before the deadline: it ended the wait at once with exit 1. Any other
+    answer but 200 exits 1."""
+    while True:
         left = deadline - time.monotonic()
         response = client.get(path, timeout=min(REQUEST_TIMEOUT_S, max(left, MIN_POLL_S)))
         if response.status_code in RETRY_LATER:
-            pause = max(_retry_after(response) or 0.0, delay)
-            if time.monotonic() + pause > deadline:
-                raise _fail(response)
-            time.sleep(pause)
-            delay = min(delay * 1.5, 3.0)
+            _pause_before_polling_again(response, next(pauses), deadline)
             continue
         if response.status_code != 200:
             raise _fail(response)
-        body = _answer(response, "status")
-        if body["status"] in TERMINAL or time.monotonic() > deadline:
+        body = _answer(response, *fields)
+        if final(body) or time.monotonic() > deadline:
             return body
-        time.sleep(delay)
-        delay = min(delay * 1.5, 3.0)
+        # Never past the deadline: one more poll then tells how the wait ended.
+        time.sleep(max(min(next(pauses), deadline - time.monotonic()), 0.0))
+
+
+def _pause_before_polling_again(response: httpx.Response, pause: float, deadline: float) -> None:
+    """Wait out a busy answer's Retry-After (at least `pause`); exit 1 with that answer when
+    it would end past the `deadline`."""
+    pause = max(_retry_after(response) or 0.0, pause)
+    if time.monotonic() + pause > deadline:
+        raise _fail(response)
+    time.sleep(pause)
+
+
+def _check_duration(seconds: float, option: str) -> None:
+    """`option`'s value a number of seconds, 0 or more, checked before anything is sent: no
+    time is past `nan` (a wait polled for ever), and `time.sleep(inf)` raised a traceback."""
+    if not math.isfinite(seconds) or seconds < 0:
+        _usage_error(f"{option} must be a number of seconds, 0 or more")
 
 
 def _retry_after(response: httpx.Response) -> float | None:
@@ -289,8 +333,7 @@ def submit(
     --wait runs out before the task finishes; 2 when the task failed.
     """
     _check_idempotency_key(idempotency_key)
-    if not math.isfinite(timeout) or timeout < 0:
-        _usage_error("--timeout must be a number of seconds, 0 or more")
+    _check_duration(timeout, "--timeout")
     text = _read_text(file)
     payload: dict[str, Any] = {"text": text}
     if rubric:
@@ -595,22 +638,27 @@ def _jobs(response: httpx.Response) -> list[dict[str, Any]]:
 
 
 def _await_run(
-    client: httpx.Client, status_url: str, *, timeout_s: float, poll_s: float
+    client: httpx.Client, accepted: dict[str, Any], *, timeout_s: float, poll_s: float
 ) -> dict[str, Any]:
-    """Poll a run until it is final; exits 1 when it cannot be read or `timeout_s` passes."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        response = client.get(status_url)
-        if response.status_code != 200:
-            raise _fail(response)
-        run = _answer(response, "run_id", "state")
-        if run["state"] in FINAL_RUN_STATES:
-            return run
-        if time.monotonic() > deadline:
-            _show(run)
-            typer.echo(f"run {run['run_id']} still {run['state']} after {timeout_s:g}s", err=True)
-            raise typer.Exit(code=1)
-        time.sleep(poll_s)
+    """Poll the `accepted` run until it is final (`_poll_until`'s rules); exits 1 when it
+    cannot be read or `timeout_s` passes.
+
+    The run is named before the wait: however the wait ends (the scheduler away, Ctrl-C), it
+    was fired and goes on, and running the command again would fire the job a second time."""
+    typer.echo(f"run {accepted['run_id']} fired; waiting up to {timeout_s:g} s for it", err=True)
+    run = _poll_until(
+        client,
+        accepted["status_url"],
+        deadline=time.monotonic() + timeout_s,
+        pauses=itertools.repeat(poll_s),
+        final=lambda body: body["state"] in FINAL_RUN_STATES,
+        fields=("run_id", "state"),
+    )
+    if run["state"] not in FINAL_RUN_STATES:
+        _show(run)
+        typer.echo(f"run {run['run_id']} still {run['state']} after {timeout_s:g}s", err=True)
+        raise typer.Exit(code=1)
+    return run
 
 
 @cron.command("run")
@@ -618,22 +666,26 @@ def cron_run(
     job: Annotated[str, typer.Argument(help="The job's name (see `scorebox cron list`).")],
     wait: Annotated[bool, typer.Option("--wait", help="Poll until the run finishes.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds --wait polls at most.")] = 600.0,
-    poll_s: Annotated[float, typer.Option(min=0, help="Seconds between polls.")] = 1.0,
+    poll_s: Annotated[float, typer.Option(help="Seconds between polls.")] = 1.0,
 ) -> None:
-    """Fire a job by hand and print the run; with --wait, the run once finished.
+    """Fire a job by hand and print the run; with --wait, the run once finished (the run's
+    id goes to stderr before the wait, however it ends).
 
     Exits 1 when the job is unknown (404), the scheduler unavailable (503) or the wait timed
-    out, and 2 when the run failed.
+    out, and 2 when the run failed. While waiting, a 429 or 503 is polled again after its
+    Retry-After, within --timeout.
     """
+    _check_duration(timeout, "--timeout")
+    _check_duration(poll_s, "--poll-s")
     with _reaching(_scheduler_client()) as client:
         response = client.post(f"/admin/v1/cron/jobs/{_segment(job, 'JOB')}/run")
         if response.status_code != 202:
             raise _fail(response)
-        accepted = _answer(response, "status_url") if wait else _answer(response)
+        accepted = _answer(response, "run_id", "status_url") if wait else _answer(response)
         if not wait:
             _show(accepted)
             return
-        run = _await_run(client, accepted["status_url"], timeout_s=timeout, poll_s=poll_s)
+        run = _await_run(client, accepted, timeout_s=timeout, poll_s=poll_s)
     _show(run)
     if run["state"] == "failed":
         raise typer.Exit(code=2)

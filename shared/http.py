@@ -3,6 +3,7 @@ bearer-key guards (admin, metrics, internal) and reading `Retry-After`."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import math
@@ -22,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from shared.database_errors import transient_database_error
-from shared.runtime import Check
+from shared.runtime import READINESS_DEADLINE_S, Check
 
 PROBLEM_JSON = "application/problem+json"
 PROBLEM_BASE = "https://scorebox.dev/problems/"
@@ -249,15 +250,16 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 def health_router(checks: Mapping[str, Check]) -> APIRouter:
-    """`/healthz` (the process answers) and `/readyz` (every dependency answers), to GET and
-    HEAD alike: load balancers that probe with HEAD got 405 and took every replica out."""
+    """`/healthz` (the process answers) and `/readyz` (every dependency answers, each within
+    `READINESS_DEADLINE_S`, all at once), to GET and HEAD alike: load balancers that probe
+    with HEAD got 405 and took every replica out."""
     router = APIRouter(tags=["health"])
 
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
     async def readyz() -> JSONResponse:
-        results = {name: await check() for name, check in checks.items()}
+        results = await _all_checked(checks)
         ready = all(results.values())
         body = {"status": "ready" if ready else "unavailable", "checks": results}
         return JSONResponse(body, status_code=200 if ready else 503)
@@ -271,6 +273,23 @@ def health_router(checks: Mapping[str, Check]) -> APIRouter:
         "/readyz", readyz, methods=["HEAD"], response_model=None, include_in_schema=False
     )
     return router
+
+
+async def _all_checked(checks: Mapping[str, Check]) -> dict[str, bool]:
+    """Each check's answer, all asked at once: `/readyz` answers within one
+    `READINESS_DEADLINE_S` whatever is away (one after another, they took 15 s to say 503)."""
+    names = list(checks)
+    answers = await asyncio.gather(*(_within_deadline(checks[name]) for name in names))
+    return dict(zip(names, answers, strict=True))
+
+
+async def _within_deadline(check: Check) -> bool:
+    """`check`'s answer, "not ready" once `READINESS_DEADLINE_S` passed without one."""
+    try:
+        async with asyncio.timeout(READINESS_DEADLINE_S):
+            return await check()
+    except TimeoutError:
+        return False
 
 
 ADMIN_KEY_SCHEME = HTTPBearer(

@@ -164,7 +164,8 @@ async def retry_until(
             try:
                 await action()
             except Exception as error:  # noqa: BLE001 - any failure at start-up means "not yet"
-                log.warning("%s not reachable yet (%s); retrying in %.1fs", what, error, delay)
+                # %r: a timeout's message is empty, and read "not reachable yet ()".
+                log.warning("%s not reachable yet (%r); retrying in %.1fs", what, error, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
             else:
@@ -260,8 +261,10 @@ async def keep_publishing(publish: Callable[[], Awaitable[object]], *, what: str
     The handler holds its delivery meanwhile and settles it afterwards: a handler that gave
     up would leave the delivery unacknowledged, holding a prefetch slot, until its channel
     closed; one that nacked it with requeue would spin through the delivery limit on
-    RabbitMQ 3.x and without end on 4.x. A repeated publish may arrive twice (the first may
-    still be delivered); every consumer of our messages takes a repeat as a no-op.
+    RabbitMQ 3.x and without end on 4.x. A repeated publish may arrive twice or more (each
+    unconfirmed send may still be delivered), under the same message id: its consumer must
+    take the repeats as no-ops. Not every one does so by itself; the cron consumer fences
+    them on the run's firing (`services.scheduler.firings`).
     """
     await keep_trying(publish, what=f"publishing {what}", retry_on=BROKER_ERRORS)
 
@@ -310,9 +313,21 @@ async def start_broker(broker: RabbitBroker, settings: ServiceSettings) -> None:
         await broker.start()
 
 
+# The longest a readiness check waits for its dependency (`timeout`, when shorter): `/readyz`
+# runs its checks at once, so that a probe (Kubernetes gives one 1 s by default) gets its
+# answer, 503 included, before it gives up. Waiting for `BROKER_TIMEOUT_S`, then
+# `MONGO_TIMEOUT_S`, it answered 503 after 15 s during an outage: the probes timed out instead,
+# and uvicorn held a stop for the abandoned ones (up to `HTTP_DRAIN_S`).
+READINESS_DEADLINE_S = 0.8
+
+
 def broker_ready(broker: RabbitBroker, timeout: float) -> Check:
+    """The broker's connections up. FastStream's ping polls for a connection being restored
+    until its timeout passes: it is given `READINESS_DEADLINE_S` at most."""
+    deadline_s = min(timeout, READINESS_DEADLINE_S)
+
     async def check() -> bool:
-        return await broker.ping(timeout=timeout)
+        return await broker.ping(timeout=deadline_s)
 
     return check
 
@@ -323,9 +338,12 @@ HTTP_DRAIN_S = 15
 
 
 def mongo_ready(client: MongoClient, timeout: float) -> Check:
+    """MongoDB answering a ping within `READINESS_DEADLINE_S` (or `timeout`, when shorter)."""
+    deadline_s = min(timeout, READINESS_DEADLINE_S)
+
     async def check() -> bool:
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(deadline_s):
                 await client.admin.command("ping")
         except Exception:  # noqa: BLE001 - readiness answers "no" on any failure
             return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -71,6 +72,8 @@ from shared.runtime import (
 )
 
 Clock = Callable[[], datetime]
+
+log = logging.getLogger("scorebox.gateway")
 
 
 def make_status_http(settings: GatewaySettings) -> httpx.AsyncClient:
@@ -221,9 +224,13 @@ def gateway_lifespan(gateway: Gateway) -> Callable[[FastAPI], Any]:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if warning := settings.outbox_grace_warning():
+            log.warning(warning)
         await prepare_database(gateway.ensure_indexes, deadline_s=settings.startup_timeout_s)
         token = settings.bootstrap_api_key.get_secret_value() if settings.bootstrap_api_key else ""
-        if token:  # empty means unset (compose passes `${SCOREBOX_API_KEY:-}`)
+        # Empty means unset (compose passes `${SCOREBOX_API_KEY:-}`); a token that is no key
+        # was refused with the settings, before the database was waited for.
+        if token:
             now = gateway.deps.clock()
             await bootstrap_key(gateway.keys, token, tenant_id=DEFAULT_TENANT, now=now)
         await gateway.authenticator.learn_keys()

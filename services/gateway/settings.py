@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
+from services.gateway.keys import parse_key
 from shared.contracts import HEURISTIC_PROMPT_VERSION, known_rubric_version
 from shared.settings import MAX_DURATION_S, READ_YOUR_WRITES_MAX_S, InternalApiSettings, http_url
 
@@ -137,6 +138,38 @@ class GatewaySettings(InternalApiSettings):
                 "expire before it sends them"
             )
         return self
+
+    def outbox_grace_warning(self) -> str | None:
+        """Why `OUTBOX_GRACE_S` is too short, if it is. Another replica's outbox sweep takes a
+        submission still unsent after the grace for one whose request was interrupted, and
+        sends it; a submission takes up to 3 x `MONGO_TIMEOUT_S` + `BROKER_TIMEOUT_S` to be
+        refused. With a shorter grace (`MONGO_TIMEOUT_S` raised, the grace left at its
+        default) a request still running may be sent by the sweep, then refused: its client
+        answered 503 while its task is scored. A warning, not a refusal: tests and fault
+        drills shorten the grace on purpose to make the sweep act at once."""
+        longest_submission = 3 * self.mongo_timeout_s + self.broker_timeout_s
+        if self.outbox_grace_s > longest_submission:
+            return None
+        return (
+            f"OUTBOX_GRACE_S ({self.outbox_grace_s:g}) should exceed 3 x MONGO_TIMEOUT_S "
+            f"({self.mongo_timeout_s:g}) plus BROKER_TIMEOUT_S ({self.broker_timeout_s:g}), "
+            f"{longest_submission:g} s, the longest a submission takes to be refused: another "
+            "replica's outbox sweep may send a submission its request is still refusing"
+        )
+
+    @field_validator("bootstrap_api_key")
+    @classmethod
+    def _a_scorebox_key(cls, key: SecretStr | None) -> SecretStr | None:
+        """Checked here, not when the key is registered: that comes after the database is
+        ready, and with MongoDB away the gateway exited on a bare TimeoutError, the key's
+        error never shown. Empty means unset (compose passes `${SCOREBOX_API_KEY:-}`)."""
+        token = "" if key is None else key.get_secret_value()
+        if token and parse_key(token) is None:
+            raise ValueError(
+                "BOOTSTRAP_API_KEY is not a Scorebox key (sbx_<16 hex>_<43 URL-safe "
+                "characters>); make one with `python -m services.gateway.keys new`"
+            )
+        return key
 
     @field_validator("status_url", "notifier_url", "scheduler_url")
     @classmethod

@@ -170,7 +170,8 @@ def test_cron_run_wait_polls_the_run_until_it_ends(
     assert result.exit_code == code, result.output
     polls = [r for r in server.requests if r.method == "GET"]
     assert [r.url.path for r in polls] == [RUN_URL] * 3
-    assert json.loads(result.output)["state"] == final
+    assert json.loads(result.stdout)["state"] == final
+    assert "run r1 fired" in result.stderr
 
 
 @pytest.mark.parametrize("status", [404, 503])

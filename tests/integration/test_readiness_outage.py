@@ -1,0 +1,90 @@
+"""During an outage `/readyz` answers 503 before a prober gives up.
+
+With the broker away and the database hanging, the gateway's `/readyz` said 503 after
+`BROKER_TIMEOUT_S` + `MONGO_TIMEOUT_S` (15 s by default): a probe with a usual timeout saw a
+timeout, never the 503, and uvicorn held the service's stop for the abandoned probes. In
+process, the gateway reaches the real broker and database through links this test cuts (the
+broker) and stalls (the database: connections accepted, replies never passed on). Probes
+give up after `PROBE_TIMEOUT_S`, as a prober does: past the readiness deadline, short of the
+services' own timeouts (their defaults here)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from services.gateway.app import create_app as create_gateway
+from services.gateway.settings import GatewaySettings
+from shared.runtime import broker_ready, make_broker
+from shared.settings import ServiceSettings
+from tests.faults.slow_link import SlowLink
+from tests.support import eventually, running
+
+PROBE_TIMEOUT_S = 3.0
+HELD_S = 3600.0  # how long the database link holds each reply: for ever, for the test
+
+
+async def _probe(api: httpx.AsyncClient) -> httpx.Response:
+    """`GET /readyz`, given up after `PROBE_TIMEOUT_S`."""
+    try:
+        async with asyncio.timeout(PROBE_TIMEOUT_S):
+            return await api.get("/readyz")
+    except TimeoutError:
+        raise AssertionError(f"/readyz did not answer within {PROBE_TIMEOUT_S} s") from None
+
+
+async def test_readyz_answers_503_within_a_probe_while_the_broker_and_database_are_away(
+    amqp_url: str,
+    mongo: Any,
+    db_prefix: str,
+    broker_link: SlowLink,
+    database_link: SlowLink,
+) -> None:
+    env = {
+        "RABBITMQ_URL": broker_link.url_through(amqp_url),
+        "MONGO_URL": database_link.mongo_url,
+        "MONGO_DB_PREFIX": db_prefix,
+    }
+    gateway = create_gateway(GatewaySettings.model_validate(env))
+    async with running(gateway) as api:
+        assert (await _probe(api)).status_code == 200
+        database_link.reply_delay_s = HELD_S
+        await broker_link.cut()
+
+        async def both_seen_away() -> dict[str, bool] | None:
+            answer = await _probe(api)
+            checks: dict[str, bool] = answer.json()["checks"]
+            return checks if answer.status_code == 503 and not any(checks.values()) else None
+
+        checks = await eventually(both_seen_away, what="/readyz saying both are away")
+        assert checks == {"rabbitmq": False, "mongodb": False}
+        # The gateway stops on a broker and a database that are back.
+        broker_link.down, database_link.reply_delay_s = False, 0.0
+
+
+async def test_the_broker_check_answers_within_a_probe_while_its_connection_is_restored(
+    amqp_url: str, broker_link: SlowLink
+) -> None:
+    """FastStream's ping polls a connection being restored until its timeout passes: the
+    check waited `BROKER_TIMEOUT_S` (10 s) to say no."""
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": broker_link.url_through(amqp_url)})
+    broker = make_broker(settings)
+    await broker.connect()
+    check = broker_ready(broker, settings.broker_timeout_s)
+    try:
+        assert await check() is True
+        await broker_link.cut()
+
+        async def seen_away() -> bool:
+            try:
+                async with asyncio.timeout(PROBE_TIMEOUT_S):
+                    return not await check()
+            except TimeoutError:
+                raise AssertionError(f"no answer within {PROBE_TIMEOUT_S} s") from None
+
+        await eventually(seen_away, what="the check saying the broker is away")
+    finally:
+        broker_link.down = False
+        await broker.stop()

@@ -3,7 +3,10 @@
     GET  /admin/v1/cron/jobs                 every job: schedule, next fire time, last firing
     POST /admin/v1/cron/jobs/{name}/run      fire a job by hand -> 202 {run_id, ...}; 409
                                              while a run of a job that forbids
-                                             overlapping runs is in progress
+                                             overlapping runs is in progress; 503 with
+                                             Retry-After when the broker refused it (the
+                                             run withdrawn); 202 `claimed` when refused
+                                             but not withdrawn (it runs later)
     GET  /admin/v1/cron/runs/{run_id}        one firing's state
     GET  /admin/v1/cron/dead-letters         the cron-jobs DLQ, oldest first (not consumed)
     POST /admin/v1/cron/dead-letters/replay  {run_ids: [...]} | {all: true}: each letter's
@@ -68,6 +71,8 @@ MAX_USAGE_RANGE_DAYS = 366
 # A replay names at most 10,000 run ids: far less than this.
 REPLAY_BODY_LIMIT = 1024 * 1024
 TriggerJob = Callable[[str], Awaitable[Firing]]
+# When a client may ask again after the broker refused a request.
+RETRY_AFTER_BROKER = {"Retry-After": "5"}
 
 
 class _Out(BaseModel):
@@ -134,7 +139,11 @@ class JobList(_Out):
 class RunAccepted(_Out):
     run_id: str
     job: str
-    state: str
+    state: str = Field(
+        description="dispatched: sent (or started); claimed: the broker refused it and it "
+        "could not be withdrawn, so it is sent again after SCHEDULER_REDISPATCH_S and runs: "
+        "asking again would start a second run."
+    )
     scheduled_for: datetime
     status_url: str
 
@@ -230,7 +239,9 @@ def cron_routes(
                 status_url=run_url(error.run_id),
             ) from error
         except DispatchFailed as error:
-            raise Problem(503, str(error), kind="broker-unavailable") from error
+            raise Problem(
+                503, str(error), kind="broker-unavailable", headers=RETRY_AFTER_BROKER
+            ) from error
         status_url = run_url(firing.run_id)
         response.headers["Location"] = status_url
         return RunAccepted(
@@ -454,9 +465,7 @@ def _broker_away_is_503() -> Iterator[None]:
         detail = f"The broker is unavailable ({type(error).__name__}); try again shortly."
         if isinstance(error, DispatchFailed):
             detail = f"{error}; try again shortly."
-        raise Problem(
-            503, detail, kind="broker-unavailable", headers={"Retry-After": "5"}
-        ) from error
+        raise Problem(503, detail, kind="broker-unavailable", headers=RETRY_AFTER_BROKER) from error
 
 
 def usage_range(first: str, last: str) -> tuple[date, date]:

@@ -48,13 +48,18 @@ DEFAULT_STALE_AFTER = timedelta(hours=1)
 
 
 def run_command_for(firing: Firing) -> RunCronJob:
-    return RunCronJob(
+    """The message of a claimed firing, sent under the id the firing awaits (one drawn
+    anew at each re-claim: `Firings.hold` drops the copies of an earlier claim)."""
+    command = RunCronJob(
         task_id=firing.run_id,
         job=firing.job,
         scheduled_for=firing.scheduled_for,
         fired_at=firing.fired_at,
         manual=firing.manual,
     )
+    if firing.dispatch_id is None:  # claimed before message ids were recorded
+        return command
+    return command.model_copy(update={"message_id": firing.dispatch_id})
 
 
 async def dispatch(firing: Firing, *, firings: FiringStore, publish: Publish, clock: Clock) -> None:
@@ -79,7 +84,10 @@ async def fire_by_hand(
 
     Raises `UnknownJob`, `TriggeredTooOften`, `RunInProgress` when the job forbids
     overlapping runs and one is in progress, or `DispatchFailed` when the broker refused it
-    (the firing is then withdrawn: nothing half-done is left behind).
+    (the firing is then withdrawn: nothing half-done is left behind). A refused run that
+    goes ahead all the same is returned: `dispatched` when a consumer has started it (the
+    publish reached the queue after all), `claimed` when it could not be withdrawn (the
+    dispatcher publishes it after `SCHEDULER_REDISPATCH_S`).
     """
     job = jobs.get(name)
     firing = await _claim_manual(
@@ -93,12 +101,19 @@ async def fire_by_hand(
     try:
         await publish(run_command_for(firing))
     except Exception as error:
-        if await _withdraw(firing, firings=firings, error=error):
+        going_ahead = await _withdraw(firing, firings=firings, error=error)
+        if going_ahead is None:
             raise DispatchFailed(
                 f"the broker did not accept the run of {name!r}: {error!r}"
             ) from error
-        log.warning("job %s: run %s started although its publish failed", name, firing.run_id)
-        return dataclasses.replace(firing, state=FiringState.DISPATCHED)
+        log.warning(
+            "job %s: run %s goes ahead (%s) although its publish failed: %r",
+            name,
+            firing.run_id,
+            going_ahead.value,
+            error,
+        )
+        return dataclasses.replace(firing, state=going_ahead)
     try:
         await firings.mark_dispatched(firing.run_id, now=clock())
     except Exception as error:  # noqa: BLE001 - the run is on its way: its start records it
@@ -169,17 +184,27 @@ async def _claim_manual(
     raise TriggeredTooOften(job.name)
 
 
-async def _withdraw(firing: Firing, *, firings: FiringStore, error: Exception) -> bool:
-    """Withdraw a manual firing whose publish failed; False when it runs after all (an
-    unconfirmed publish that reached the queue, and a consumer started it)."""
+async def _withdraw(
+    firing: Firing, *, firings: FiringStore, error: Exception
+) -> FiringState | None:
+    """Withdraw a manual firing whose publish failed: None once withdrawn, else the state in
+    which it goes ahead: `dispatched` when a consumer started it (an unconfirmed publish
+    that reached the queue), `claimed` when the withdrawal failed. Answered as refused, that
+    one invited a retry while the dispatcher was to publish it: a second run."""
     try:
-        return await firings.forget_unpublished(firing.run_id)
+        if await firings.forget_unpublished(firing.run_id):
+            return None
     except Exception as forget_error:  # noqa: BLE001 - any failure leaves it claimed
-        # Left `claimed`, the dispatcher publishes it again after `redispatch_after`.
-        raise DispatchFailed(
-            f"the broker did not accept the run of {firing.job!r} ({error!r}), and it could "
-            f"not be withdrawn ({forget_error!r}): run {firing.run_id} may still run later"
-        ) from error
+        log.warning(
+            "job %s: run %s refused by the broker (%r) could not be withdrawn (%r); it is "
+            "published again after the redispatch delay",
+            firing.job,
+            firing.run_id,
+            error,
+            forget_error,
+        )
+        return FiringState.CLAIMED
+    return FiringState.DISPATCHED
 
 
 def _manual_fire_times(now: datetime) -> list[datetime]:
@@ -303,12 +328,13 @@ class Dispatcher:
             claimed_before=claimed_before, limit=REDISPATCH_BATCH
         )
         taken = []
-        for firing in stale:
+        for candidate in stale:
             # Stamped now: the publishes of the firings before it may have taken a while.
             reclaimed_at = self._clock()
-            if not await self._firings.reclaim(
-                firing, claimed_before=claimed_before, now=reclaimed_at
-            ):
+            firing = await self._firings.reclaim(
+                candidate, claimed_before=claimed_before, now=reclaimed_at
+            )
+            if firing is None:
                 continue
             if reason := await self._superseded(firing, reclaimed_at):
                 if await self._firings.supersede(firing.run_id, now=self._clock(), reason=reason):

@@ -27,7 +27,15 @@ from services.scheduler.errors import (
     TriggeredTooOften,
     UnknownJob,
 )
-from services.scheduler.firings import Firing, FiringState, FiringStore, LeaseTaken, to_millis
+from services.scheduler.firings import (
+    Firing,
+    FiringState,
+    FiringStore,
+    LeaseTaken,
+    Retrying,
+    RunDelivery,
+    to_millis,
+)
 from services.scheduler.jobs import JobOutcome, JobRun
 from services.scheduler.runs import (
     DOWNSTREAM_FULL_MAX_WAIT,
@@ -50,7 +58,8 @@ START = datetime(2025, 1, 1, 10, 4, 50, tzinfo=UTC)
 
 class FakeFirings(FiringStore):
     """The firings collection in memory, with its unique (job, scheduled_for) index and its
-    unique index of the runs holding their job's lease."""
+    unique index of the runs holding their job's lease. Without the fence of a run's copies
+    (every delivery is held: `Firings.hold` is tested on the real collection)."""
 
     def __init__(self) -> None:
         self.by_id: dict[str, Firing] = {}
@@ -144,15 +153,17 @@ class FakeFirings(FiringStore):
             if f.state is FiringState.CLAIMED and self.claimed_at[f.run_id] < claimed_before
         ][:limit]
 
-    async def reclaim(self, firing: Firing, *, claimed_before: datetime, now: datetime) -> bool:
+    async def reclaim(
+        self, firing: Firing, *, claimed_before: datetime, now: datetime
+    ) -> Firing | None:
         current = self.by_id[firing.run_id]
         if current.state is not FiringState.CLAIMED:
-            return False
+            return None
         if self.claimed_at[firing.run_id] >= claimed_before:
-            return False
+            return None
         self.claimed_at[firing.run_id] = now
         self._set(firing.run_id, heartbeat_at=now)
-        return True
+        return self.by_id[firing.run_id]
 
     async def supersede(self, run_id: str, *, now: datetime, reason: str) -> bool:
         if self.by_id[run_id].state is not FiringState.CLAIMED:
@@ -173,17 +184,33 @@ class FakeFirings(FiringStore):
         )
         return self.by_id[run_id]
 
-    async def retrying(
-        self, run_id: str, *, error: str, next_attempt_at: datetime, now: datetime
-    ) -> None:
-        if not self.by_id[run_id].state.is_final:
+    async def hold(
+        self, run_id: str, *, delivery: RunDelivery, now: datetime, live_since: datetime
+    ) -> bool:
+        firing = self.by_id.get(run_id)
+        return firing is None or not firing.state.is_final  # an unknown run: `begin` drops it
+
+    async def hand_over(
+        self,
+        run_id: str,
+        *,
+        delivery: RunDelivery,
+        next_id: str,
+        now: datetime,
+        live_since: datetime,
+        retrying: Retrying | None = None,
+    ) -> bool:
+        if self.by_id[run_id].state.is_final:
+            return False
+        self._set(run_id, heartbeat_at=now)
+        if retrying is not None:
             self._set(
                 run_id,
                 state=FiringState.RETRYING,
-                error=error,
-                next_attempt_at=next_attempt_at,
-                heartbeat_at=now,
+                error=retrying.error,
+                next_attempt_at=retrying.next_attempt_at,
             )
+        return True
 
     async def finish(
         self,
@@ -633,17 +660,19 @@ class UnforgettingFirings(FakeFirings):
         raise ConnectionError("the database did not answer")
 
 
-async def test_a_refused_manual_run_that_cannot_be_withdrawn_says_it_may_run_later() -> None:
+async def test_a_refused_manual_run_that_cannot_be_withdrawn_is_accepted_as_claimed() -> None:
+    """It goes ahead (the dispatcher publishes it later): refused, it invited a retry, and a
+    second run."""
     firings = UnforgettingFirings()
-    with pytest.raises(DispatchFailed, match="may still run later"):
-        await fire_by_hand(
-            "rollup",
-            jobs=_jobs(),
-            firings=firings,
-            publish=Published(fail=True),
-            clock=Clock(START),
-            owner="a",
-        )
+    firing = await fire_by_hand(
+        "rollup",
+        jobs=_jobs(),
+        firings=firings,
+        publish=Published(fail=True),
+        clock=Clock(START),
+        owner="a",
+    )
+    assert firing.state is FiringState.CLAIMED
     assert [f.state for f in firings.of("rollup")] == [FiringState.CLAIMED]  # published later
 
 

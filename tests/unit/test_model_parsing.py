@@ -82,6 +82,18 @@ def test_an_answer_nested_past_the_parsers_recursion_is_unusable_output() -> Non
         parse_verdict('Here: {"score": ' + "[" * 10_000)
 
 
+def test_an_answer_of_many_unclosed_objects_is_unusable_output() -> None:
+    """Each unclosed object was read to the end of the answer: 0.7 s of the scorer's event
+    loop for 20,000 characters of `[{"a":`."""
+    with pytest.raises(UnusableOutput, match="too much broken JSON"):
+        parse_verdict('[{"a":' * 3_300 + '{"score": 5, "comment": "Late."}')
+
+
+def test_braces_in_prose_before_the_verdict_are_read_past() -> None:
+    prose = "Sets such as {a, b} and {c} appear. " * 400
+    assert parse_verdict(prose + '{"score": 5, "comment": "Fine."}').score == 5.0
+
+
 def test_the_same_verdict_given_twice_is_one_verdict() -> None:
     twice = (
         '```json\n{"score": 6, "comment": "Fine."}\n```\nAgain: {"score": 6, "comment": "Fine."}'

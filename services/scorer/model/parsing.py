@@ -31,6 +31,10 @@ from services.scorer.errors import UnusableOutput
 MAX_COMMENT_CHARS: Final = 1000
 # A verdict is a few hundred characters; bounding the search keeps a runaway answer cheap.
 _MAX_SEARCHED_CHARS: Final = 20_000
+# What the search may read of candidates that fail to parse, in all: each failed candidate is
+# read up to where it breaks, so many unclosed objects (`[{"a":` repeated) made the search
+# quadratic in the answer's length, 0.7 s of the event loop for 20,000 characters.
+_MAX_BROKEN_CHARS_READ: Final = 4 * _MAX_SEARCHED_CHARS
 _MAX_PROBLEM_CHARS: Final = 500
 _SCORE_KEY: Final = re.compile(r'"score"\s*:')
 _MARK_OUT_OF_TEN: Final = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:/\s*10(?:\.0+)?)?\s*")
@@ -151,11 +155,18 @@ def _embedded_objects(content: str) -> list[tuple[int, int, dict[str, Any]]]:
     """The JSON objects in `content` that parse, outermost only, with their spans."""
     decoder = json.JSONDecoder()
     found: list[tuple[int, int, dict[str, Any]]] = []
+    broken_chars_read = 0
     start = content.find("{")
     while start != -1:
         try:
             value, end = decoder.raw_decode(content, start)
-        except _NOT_JSON:
+        except _NOT_JSON as error:
+            broken_chars_read += _read_before_failing(error, content) - start
+            if broken_chars_read > _MAX_BROKEN_CHARS_READ:
+                raise UnusableOutput(
+                    "the answer holds too much broken JSON; answer with exactly one JSON object",
+                    raw_output=content,
+                ) from error
             value, end = None, start + 1
         if isinstance(value, dict):
             found.append((start, end, value))
@@ -163,6 +174,11 @@ def _embedded_objects(content: str) -> list[tuple[int, int, dict[str, Any]]]:
             end = start + 1
         start = content.find("{", end)
     return found
+
+
+def _read_before_failing(error: Exception, content: str) -> int:
+    """Where the decoder stopped: a syntax error's position, else (nesting too deep) the end."""
+    return error.pos if isinstance(error, json.JSONDecodeError) else len(content)
 
 
 def _describe(error: ValidationError) -> str:

@@ -7,17 +7,12 @@
     scorebox.usage-meter (task.completed) --> usage records + catalogue
 
 Everything the scheduler stores lives in its own database (`<prefix>_scheduler`).
-
-At stop the runs in hand get half of `BROKER_TIMEOUT_S` to end; the rest are cut short and
-handed back as fresh copies (`consumer.CronRunsInHand`) within the other half, so a stop
-still takes `BROKER_TIMEOUT_S` and adds nothing to a run's delivery count.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import socket
 from collections.abc import AsyncIterator, Mapping
@@ -31,12 +26,7 @@ from services.scheduler.api import cron_dead_letter_routes, cron_routes, usage_r
 from services.scheduler.catalogue import Catalogue
 from services.scheduler.checkpoints import Checkpoints
 from services.scheduler.config import SchedulerConfig, load_config
-from services.scheduler.consumer import (
-    CronJobRunner,
-    CronRunsInHand,
-    UsageMeter,
-    subscribe_scheduler,
-)
+from services.scheduler.consumer import CronJobRunner, UsageMeter, subscribe_scheduler
 from services.scheduler.dead_letters import CronDeadLetters
 from services.scheduler.dispatcher import Dispatcher, fire_by_hand, fire_replay, keep_dispatching
 from services.scheduler.errors import ConfigurationError
@@ -67,14 +57,9 @@ from shared.runtime import (
 from shared.service_app import internal_service_app
 from shared.topology import CRON_JOBS, WORK_QUEUES
 
-log = logging.getLogger("scorebox.scheduler")
-
 USAGE_ROLLUP = "usage-rollup"
 RESCORE_FANOUT = "rescore-fanout"
 HOUSEKEEPING = "housekeeping"
-# The share of the stop's grace (`BROKER_TIMEOUT_S`) the runs in hand get to end; the rest
-# is for handing back those cut short (one confirmed publish each, their acks, the closes).
-RUNS_SHARE_OF_STOP = 0.5
 
 
 def create_app(
@@ -173,7 +158,6 @@ def create_app(
         clock=clock,
         job_db_timeout_s=settings.job_db_timeout_s,
         metrics=SchedulerMetrics(broker.metrics.registry),
-        stale_after=stale_after,
     )
     meter = UsageMeter(
         records=records,
@@ -184,7 +168,6 @@ def create_app(
         max_attempts=settings.meter_max_attempts,
         retry_after=timedelta(seconds=settings.meter_retry_s),
     )
-    runs_in_hand = CronRunsInHand()
     subscribe_scheduler(
         broker,
         runner=runner,
@@ -192,7 +175,6 @@ def create_app(
         job_concurrency=settings.job_concurrency,
         meter_prefetch=settings.meter_prefetch,
         broker_timeout_s=settings.broker_timeout_s,
-        in_hand=runs_in_hand,
     )
 
     async def trigger(name: str) -> Firing:
@@ -235,15 +217,10 @@ def create_app(
         await start_broker(broker, settings)
         ticking = asyncio.create_task(keep_dispatching(dispatcher, interval_s=settings.tick_s))
         yield
-        stopping = asyncio.get_running_loop().time()
         ticking.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await ticking
-        await broker.stop_consuming()
-        runs_grace_s = settings.broker_timeout_s * RUNS_SHARE_OF_STOP
-        if cut_short := await runs_in_hand.cut_short_after(runs_grace_s):
-            log.warning("stopping: %d cron runs cut short and handed back", cut_short)
-        await broker.stop(begun_at=stopping)
+        await broker.stop()
         await mongo.close()
 
     # No 307 from `/x/` to `/x`: `DELETE /admin/v1/cron/dead-letters/` (a drop of an empty

@@ -6,25 +6,13 @@
 - Retry / Defer: published down the wait ladder, then ack.
 - GiveUp: copied to the DLQ with the reason (`x-scorebox-error`), then ack.
 - MongoDB unavailable around the job (recording its start or outcome; a transient error):
-  the same command (its message id kept, so the firing still awaits it) is re-sent after the
-  retry base delay without counting an attempt, handed back by this delivery's handling
-  (`x-scorebox-handed-back-by`, which lets it in past the run's hold), then ack. A
-  permanent database error there (a result the database refuses) returns the delivery to
-  its queue as failed, so its delivery limit bounds it: re-sent uncounted, it came back
-  every few seconds for ever.
-- a copy of the delivery's own run sent again (Defer, MongoDB unavailable, a stop) carries
-  the deliveries its consumers lost so far (`x-scorebox-earlier-deliveries`), for the copy's
-  own count starts at zero; a next slice or retry is a new message and carries none.
-- at stop (`CronRunsInHand`), the runs in hand get a bounded grace to end; each still running
-  then is cancelled and handed back as a fresh copy of its delivery, under the same message
-  id, with its count carried and `x-scorebox-handed-back-by`, then acked: a stop adds nothing
-  to the count. Left unsettled, as it was, every stop during a long slice counted as a
-  crash, and five stops failed the run "delivered 5 times without being settled". A copy
-  the broker does not confirm in time leaves its delivery unsettled (counted, never lost).
-- a delivery's handling is told apart from other copies of its message (`RunDelivery`): a
-  broker redelivery (`redelivered`, `x-delivery-count`) takes the run over from the handling
-  that died with it, and so does a copy one hands back (`x-scorebox-takes-over`); any other
-  copy is refused while a handling holds the run (`services.scheduler.firings`).
+  the same command is re-sent after the retry base delay without counting an attempt, then
+  ack. A permanent database error there (a result the database refuses) returns the
+  delivery to its queue as failed, so its delivery limit bounds it: re-sent uncounted, it
+  came back every few seconds for ever.
+- a copy of the delivery's own run sent again (Defer, MongoDB unavailable) carries the
+  deliveries its consumers lost so far (`x-scorebox-earlier-deliveries`), for the copy's own
+  count starts at zero; a next slice or retry is a new message and carries none.
 - at the queue's delivery limit (`x-delivery-count` and the count carried: the scheduler
   crashed or lost its connection running it that many times): the job is not run again;
   the firing is recorded `failed` with the reason, the message copied to the DLQ with that
@@ -57,10 +45,9 @@ the error.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from collections.abc import Coroutine, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -70,13 +57,12 @@ from pymongo.errors import PyMongoError
 
 from services.scheduler.catalogue import Catalogue
 from services.scheduler.config import Price
-from services.scheduler.firings import FiringStore, RunDelivery
+from services.scheduler.firings import FiringStore
 from services.scheduler.jobs import Clock, JobHandler
 from services.scheduler.messaging import SchedulerBus
 from services.scheduler.metering import Extras, record_task_finished
 from services.scheduler.metrics import UNKNOWN_JOB, SchedulerMetrics
 from services.scheduler.runs import (
-    DEFAULT_STALE_AFTER,
     Continue,
     Defer,
     Drop,
@@ -89,7 +75,6 @@ from services.scheduler.runs import (
     run_cron_job,
 )
 from services.scheduler.usage_store import UsageRecords
-from shared.bus import BROKER_ERRORS
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import RunCronJob, TaskCompleted, TaskFailed, new_id
 from shared.database_errors import transient_database_error
@@ -98,7 +83,6 @@ from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying_dat
 from shared.topology import (
     ATTEMPTS_HEADER,
     CRON_JOBS,
-    DELIVERY_COUNT_HEADER,
     EVENT_KEY_HEADER,
     USAGE_METER,
     WorkQueue,
@@ -107,30 +91,6 @@ from shared.topology import (
 )
 
 log = logging.getLogger("scorebox.scheduler.consumer")
-# Names the handling that handed a copy of its delivery back (a stop, a database outage): the
-# copy takes the run over from it.
-HANDED_BACK_BY_HEADER = "x-scorebox-handed-back-by"
-# Marks a copy handed back by a delivery that took its run over (a redelivery): the copy
-# takes it over too, from the handling that died, which it does not name.
-TAKES_OVER_HEADER = "x-scorebox-takes-over"
-
-
-def takes_over(message: Delivery) -> bool:
-    """Whether `message` takes its run over from whoever held it: a broker redelivery (its
-    consumer died holding it), or a copy handed back by one."""
-    count = int(message.headers.get(DELIVERY_COUNT_HEADER, 0))
-    return message.redelivered or count > 0 or bool(message.headers.get(TAKES_OVER_HEADER))
-
-
-def run_delivery(command: RunCronJob, message: Delivery, handling: str) -> RunDelivery:
-    """How `command` reached this process, as the firing's fence reads it."""
-    replaces = message.headers.get(HANDED_BACK_BY_HEADER)
-    return RunDelivery(
-        command.message_id,
-        handling=handling,
-        takes_over=takes_over(message),
-        replaces=None if replaces is None else str(replaces),
-    )
 
 
 async def _dead_letter(
@@ -149,12 +109,8 @@ class CronJobRunner:
     # The deadline of a handler's database work (`SCHEDULER_JOB_DB_TIMEOUT_S`).
     job_db_timeout_s: float
     metrics: SchedulerMetrics = field(default_factory=SchedulerMetrics)
-    # How long a silent handling of a run keeps other copies out (`SCHEDULER_RUN_STALE_S`).
-    stale_after: timedelta = DEFAULT_STALE_AFTER
 
-    async def on_message(self, message: Delivery, *, handling: str | None = None) -> None:
-        """Handle one delivery; `handling` names this handling of it (one is drawn if None)."""
-        handling = handling or new_id()
+    async def on_message(self, message: Delivery) -> None:
         try:
             command = RunCronJob.model_validate_json(message.body)
         except ValidationError as error:
@@ -166,20 +122,20 @@ class CronJobRunner:
             decision: RunDecision = await self._give_up_at_delivery_limit(command, deliveries)
         else:
             try:
-                decision = await self._run(command, run_delivery(command, message, handling))
+                decision = await self._run(command)
             except PyMongoError as error:
                 if not transient_database_error(error):
                     raise  # counted by its queue's delivery limit, not re-sent for ever
                 log.warning("MongoDB unavailable around run %s: %r", command.run_id, error)
                 later = self.clock() + self.retry.base
-                again = command.model_copy(update={"not_before": later})
-                await self._publish_run(again, headers=handed_back(message, handling))
+                again = command.model_copy(update={"message_id": new_id(), "not_before": later})
+                await self._publish_run(again, headers=carried_deliveries(message.headers))
                 return
         job = command.job if command.job in self.handlers else UNKNOWN_JOB
         self.metrics.count_run(job, decision)
         await self.carry_out(decision, message)
 
-    async def _run(self, command: RunCronJob, delivery: RunDelivery) -> RunDecision:
+    async def _run(self, command: RunCronJob) -> RunDecision:
         return await run_cron_job(
             command,
             handlers=self.handlers,
@@ -187,22 +143,7 @@ class CronJobRunner:
             retry=self.retry,
             clock=self.clock,
             db_timeout_s=self.job_db_timeout_s,
-            delivery=delivery,
-            stale_after=self.stale_after,
         )
-
-    async def hand_back(self, message: Delivery, *, handling: str) -> bool:
-        """Send a fresh copy of a delivery whose handling `handling` was cut short at stop,
-        its deliveries carried, once (the stop is bounded); False when the broker did not
-        confirm it or the body is unreadable: the delivery is then left to come back."""
-        try:
-            command = RunCronJob.model_validate_json(message.body)
-            await self.bus.publish_run(command, headers=handed_back(message, handling))
-        except (ValidationError, *BROKER_ERRORS) as error:
-            log.warning("a cron.run delivery cut short at stop is left unsettled: %r", error)
-            return False
-        log.info("cron run %s cut short at stop; handed back", command.run_id)
-        return True
 
     async def _give_up_at_delivery_limit(
         self, command: RunCronJob, deliveries: int
@@ -240,61 +181,6 @@ class CronJobRunner:
             lambda: self.bus.publish_run(command, headers=headers),
             what=f"cron run {command.run_id}",
         )
-
-
-def handed_back(message: Delivery, handling: str) -> dict[str, Any]:
-    """The headers of a copy of `message` that its handling `handling` hands back."""
-    headers = {**carried_deliveries(message.headers), HANDED_BACK_BY_HEADER: handling}
-    if takes_over(message):
-        headers[TAKES_OVER_HEADER] = True
-    return headers
-
-
-class CronRunsInHand:
-    """The cron deliveries this process is handling, for its stop: those still running after
-    a grace are cancelled and handed back (`CronJobRunner.hand_back`) rather than left for
-    the broker to return, which counts towards the queue's delivery limit."""
-
-    def __init__(self) -> None:
-        self._running: set[asyncio.Task[None]] = set()
-        self._cut_short: set[asyncio.Task[None]] = set()
-        self._closed = False
-
-    async def run(self, handling: Coroutine[Any, Any, None]) -> bool:
-        """Run a delivery's handling; False when the stop cut it short (or came first)."""
-        if self._closed:
-            handling.close()
-            return False
-        task = asyncio.ensure_future(handling)
-        self._running.add(task)
-        try:
-            await task
-        except asyncio.CancelledError:
-            if task in self._cut_short and not _being_cancelled():
-                return False
-            task.cancel()
-            raise
-        finally:
-            self._running.discard(task)
-            self._cut_short.discard(task)
-        return True
-
-    async def cut_short_after(self, grace_s: float) -> int:
-        """Take no more; wait up to `grace_s` for the handlings in hand, then cancel the rest
-        (each hands its delivery back); how many were cut short."""
-        self._closed = True
-        if not self._running:
-            return 0
-        _, late = await asyncio.wait(set(self._running), timeout=grace_s)
-        for task in late:
-            self._cut_short.add(task)
-            task.cancel()
-        return len(late)
-
-
-def _being_cancelled() -> bool:
-    current = asyncio.current_task()
-    return current is not None and current.cancelling() > 0
 
 
 _USAGE_EVENTS: dict[str, type[TaskCompleted | TaskFailed]] = {
@@ -377,21 +263,16 @@ def subscribe_scheduler(
     job_concurrency: int,
     meter_prefetch: int,
     broker_timeout_s: float,
-    in_hand: CronRunsInHand | None = None,
 ) -> None:
-    runs_in_hand = in_hand or CronRunsInHand()
-
     @consume(broker, CRON_JOBS.queue, prefetch=job_concurrency)
     async def run_cron_job_delivery(message: Delivery) -> None:
-        handling = new_id()
         try:
-            ended = await runs_in_hand.run(runner.on_message(message, handling=handling))
+            await runner.on_message(message)
         except Exception as error:
             log.exception("could not settle a cron.run delivery; returning it to its queue")
             await return_failed(broker, CRON_JOBS, message, error=error, timeout=broker_timeout_s)
             return
-        if ended or await runner.hand_back(message, handling=handling):
-            await message.ack()
+        await message.ack()
 
     @consume(broker, USAGE_METER.queue, prefetch=meter_prefetch)
     async def record_usage_delivery(message: Delivery) -> None:

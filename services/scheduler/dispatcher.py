@@ -48,18 +48,13 @@ DEFAULT_STALE_AFTER = timedelta(hours=1)
 
 
 def run_command_for(firing: Firing) -> RunCronJob:
-    """The message of a claimed firing, sent under the id the firing awaits (one drawn
-    anew at each re-claim: `Firings.hold` drops the copies of an earlier claim)."""
-    command = RunCronJob(
+    return RunCronJob(
         task_id=firing.run_id,
         job=firing.job,
         scheduled_for=firing.scheduled_for,
         fired_at=firing.fired_at,
         manual=firing.manual,
     )
-    if firing.dispatch_id is None:  # claimed before message ids were recorded
-        return command
-    return command.model_copy(update={"message_id": firing.dispatch_id})
 
 
 async def dispatch(firing: Firing, *, firings: FiringStore, publish: Publish, clock: Clock) -> None:
@@ -328,13 +323,12 @@ class Dispatcher:
             claimed_before=claimed_before, limit=REDISPATCH_BATCH
         )
         taken = []
-        for candidate in stale:
+        for firing in stale:
             # Stamped now: the publishes of the firings before it may have taken a while.
             reclaimed_at = self._clock()
-            firing = await self._firings.reclaim(
-                candidate, claimed_before=claimed_before, now=reclaimed_at
-            )
-            if firing is None:
+            if not await self._firings.reclaim(
+                firing, claimed_before=claimed_before, now=reclaimed_at
+            ):
                 continue
             if reason := await self._superseded(firing, reclaimed_at):
                 if await self._firings.supersede(firing.run_id, now=self._clock(), reason=reason):

@@ -3,7 +3,7 @@ time run once, whatever the number of scheduler replicas.
 
     {_id: run_id, job, scheduled_for, manual, state, fired_at, claimed_by, claimed_at,
      dispatched_at, started_at, finished_at, attempts, missed, result, error,
-     next_attempt_at, replay_of, active_job, heartbeat_at, dispatch_id, next_id, execution}
+     next_attempt_at, replay_of, active_job, heartbeat_at}
 
 A fire time is claimed by inserting its document under a unique index on
 `(job, scheduled_for)`: the replica whose insert succeeds owns the firing, every other one
@@ -26,25 +26,12 @@ once (the insert of the second fails). Every end of a run (`finish`, `supersede`
 publish, each delivery's start, each retry recorded); a run silent for longer than
 `SCHEDULER_RUN_STALE_S` is taken for dead and `abandon`ed, so a run whose message was lost
 cannot hold its job for ever (`services.scheduler.overlap`).
-
-One copy of a run's message runs it. A publish the broker confirms too late is sent again
-(the dispatcher's re-publish of a claim, `keep_publishing` of a next slice or retry), and
-every copy that reached the queue used to run the job, at once, and each continuation
-started a chain of its own. So the firing names the message it awaits: `dispatch_id`,
-drawn at each claim and re-claim (a stale claim's earlier copies are dropped), and
-`next_id`, the next slice or retry a delivery records (`hand_over`) before publishing it.
-`hold` takes a delivery of either (promoting a `next_id`) for its handling, `execution`,
-before `begin` marks the run started. A copy of the message sent is refused while another
-handling holds the run (`execution` set, its heartbeat live), unless it is a broker
-redelivery (its consumer died holding it) or a copy handed back by that very handling (a
-stop, a database outage: `RunDelivery.replaces`). Copies of one message share its id; a
-copy of one handed over already is refused, and one of a run ended is dropped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Protocol
@@ -119,7 +106,6 @@ class Firing:
     error: str | None = None
     replay_of: str | None = None  # the dead-lettered run this one replays
     heartbeat_at: datetime | None = None  # the run's last sign of life
-    dispatch_id: str | None = None  # the message id its `RunCronJob` is sent with
 
     @classmethod
     def from_document(cls, document: Document) -> Firing:
@@ -138,45 +124,7 @@ class Firing:
             error=document.get("error"),
             replay_of=document.get("replay_of"),
             heartbeat_at=document.get("heartbeat_at"),
-            dispatch_id=document.get("dispatch_id"),
         )
-
-
-@dataclass(frozen=True)
-class RunDelivery:
-    """One delivery of a run's message, as `hold` and `hand_over` tell it from its copies."""
-
-    message_id: str
-    # This process's handling of the delivery (each delivery handled gets one).
-    handling: str = field(default_factory=new_id)
-    # A broker redelivery: its consumer died holding it, so its handling holds the run no more.
-    takes_over: bool = False
-    # The handling that handed this copy back (a stop, a database outage) and holds no more.
-    replaces: str | None = None
-
-
-@dataclass(frozen=True)
-class Retrying:
-    """A failed attempt recorded with a hand-over to the next one."""
-
-    error: str
-    next_attempt_at: datetime
-
-
-def _awaits(delivery: RunDelivery, *, live_since: datetime) -> Document:
-    """The firings that await `delivery`: its message is the next one recorded, or the one
-    sent and no other handling holds the run (or has shown no sign of life since
-    `live_since`). A firing claimed before message ids were recorded awaits any."""
-    if delivery.takes_over:
-        sent: Document = {"dispatch_id": {"$in": [delivery.message_id, None]}}
-    else:
-        free = {"execution": {"$in": [None, delivery.handling, delivery.replaces]}}
-        silent = {"heartbeat_at": {"$lt": to_millis(live_since)}}
-        sent = {
-            "dispatch_id": {"$in": [delivery.message_id, None]},
-            "$or": [free, silent],
-        }
-    return {"$or": [{"next_id": delivery.message_id}, sent]}
 
 
 class FiringStore(Protocol):
@@ -218,28 +166,15 @@ class FiringStore(Protocol):
 
     async def stale_claims(self, *, claimed_before: datetime, limit: int) -> list[Firing]: ...
 
-    async def reclaim(
-        self, firing: Firing, *, claimed_before: datetime, now: datetime
-    ) -> Firing | None: ...
+    async def reclaim(self, firing: Firing, *, claimed_before: datetime, now: datetime) -> bool: ...
 
     async def supersede(self, run_id: str, *, now: datetime, reason: str) -> bool: ...
 
-    async def hold(
-        self, run_id: str, *, delivery: RunDelivery, now: datetime, live_since: datetime
-    ) -> bool: ...
-
     async def begin(self, run_id: str, *, attempt: int, now: datetime) -> Firing | None: ...
 
-    async def hand_over(
-        self,
-        run_id: str,
-        *,
-        delivery: RunDelivery,
-        next_id: str,
-        now: datetime,
-        live_since: datetime,
-        retrying: Retrying | None = None,
-    ) -> bool: ...
+    async def retrying(
+        self, run_id: str, *, error: str, next_attempt_at: datetime, now: datetime
+    ) -> None: ...
 
     async def finish(
         self,
@@ -323,7 +258,6 @@ class Firings(FiringStore):
             "heartbeat_at": to_millis(now),
             "attempts": 0,
             "missed": missed,
-            "dispatch_id": new_id(),
         }
         if replay_of is not None:
             document["replay_of"] = replay_of
@@ -412,27 +346,17 @@ class Firings(FiringStore):
         ).limit(limit)
         return [Firing.from_document(document) async for document in cursor]
 
-    async def reclaim(
-        self, firing: Firing, *, claimed_before: datetime, now: datetime
-    ) -> Firing | None:
-        """Take over a stale claim (one replica wins); the winner publishes it again, under a
-        new message id: a copy sent earlier that reaches the queue after all is dropped."""
-        document = await self._collection.find_one_and_update(
+    async def reclaim(self, firing: Firing, *, claimed_before: datetime, now: datetime) -> bool:
+        """Take over a stale claim (one replica wins); the winner publishes it again."""
+        result = await self._collection.update_one(
             {
                 "_id": firing.run_id,
                 "state": FiringState.CLAIMED.value,
                 "claimed_at": {"$lt": to_millis(claimed_before)},
             },
-            {
-                "$set": {
-                    "claimed_at": to_millis(now),
-                    "heartbeat_at": to_millis(now),
-                    "dispatch_id": new_id(),
-                }
-            },
-            return_document=ReturnDocument.AFTER,
+            {"$set": {"claimed_at": to_millis(now), "heartbeat_at": to_millis(now)}},
         )
-        return None if document is None else Firing.from_document(document)
+        return result.modified_count == 1
 
     async def supersede(self, run_id: str, *, now: datetime, reason: str) -> bool:
         """Record a firing still `claimed` as skipped (a later one runs in its place); False
@@ -450,32 +374,8 @@ class Firings(FiringStore):
         )
         return result.modified_count == 1
 
-    async def hold(
-        self, run_id: str, *, delivery: RunDelivery, now: datetime, live_since: datetime
-    ) -> bool:
-        """Take the run for `delivery` (before `begin`), a next message recorded becoming
-        the one sent; False when the run is unknown or finished, awaits another message, or
-        another handling holds it (`_awaits`): this copy is not to run."""
-        result = await self._collection.update_one(
-            {
-                "_id": run_id,
-                "state": {"$nin": _FINAL},
-                **_awaits(delivery, live_since=live_since),
-            },
-            {
-                "$set": {
-                    "dispatch_id": delivery.message_id,
-                    "execution": delivery.handling,
-                    "heartbeat_at": to_millis(now),
-                },
-                "$unset": {"next_id": ""},
-            },
-        )
-        return result.modified_count == 1
-
     async def begin(self, run_id: str, *, attempt: int, now: datetime) -> Firing | None:
-        """Mark a run started (its delivery holds it: `hold`); None when it is unknown or
-        already finished."""
+        """Mark a run started; None when it is unknown or already finished."""
         document = await self._collection.find_one_and_update(
             {"_id": run_id, "state": {"$nin": _FINAL}},
             {
@@ -491,44 +391,23 @@ class Firings(FiringStore):
         )
         return None if document is None else Firing.from_document(document)
 
-    async def hand_over(
-        self,
-        run_id: str,
-        *,
-        delivery: RunDelivery,
-        next_id: str,
-        now: datetime,
-        live_since: datetime,
-        retrying: Retrying | None = None,
-    ) -> bool:
-        """Record the message that carries the run on (`next_id`: its next slice or retry),
-        before it is published, with the failed attempt when `retrying`; False when
-        `delivery` no longer holds the run (another took it over, or it has finished: a
-        duplicate that failed after another succeeded leaves the run succeeded). Its
-        handling keeps holding the run until that message is held, so other copies of its
-        own are refused; its redelivery (a crash before the publish) takes the run back."""
-        changes: Document = {
-            "dispatch_id": delivery.message_id,
-            "next_id": next_id,
-            "execution": delivery.handling,
-            "heartbeat_at": to_millis(now),
-        }
-        if retrying is not None:
-            changes |= {
-                "state": FiringState.RETRYING.value,
-                "error": retrying.error,
-                "next_attempt_at": to_millis(retrying.next_attempt_at),
-                "updated_at": to_millis(now),
-            }
-        result = await self._collection.update_one(
+    async def retrying(
+        self, run_id: str, *, error: str, next_attempt_at: datetime, now: datetime
+    ) -> None:
+        """Record a failed attempt with another to come, unless the run has finished (a
+        duplicate delivery of it failed after another succeeded: the run stays succeeded)."""
+        await self._collection.update_one(
+            {"_id": run_id, "state": {"$nin": _FINAL}},
             {
-                "_id": run_id,
-                "state": {"$nin": _FINAL},
-                **_awaits(delivery, live_since=live_since),
+                "$set": {
+                    "state": FiringState.RETRYING.value,
+                    "error": error,
+                    "next_attempt_at": to_millis(next_attempt_at),
+                    "updated_at": to_millis(now),
+                    "heartbeat_at": to_millis(now),
+                }
             },
-            {"$set": changes},
         )
-        return result.modified_count == 1
 
     async def finish(
         self,

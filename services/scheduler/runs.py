@@ -5,9 +5,6 @@
                                                  GiveUp once UNKNOWN_JOB_MAX_WAIT has
                                                  passed since the firing)
     run unknown or already final    -> Drop     (a duplicate delivery, or a firing forgotten)
-    a copy the run does not await   -> Drop     (`Firings.hold`: one of an earlier claim,
-                                                 of a message handed over already, or one
-                                                 while another delivery runs the run)
     job returned, more to do        -> Continue (same run, next slice, attempt 1)
     job returned                    -> Finished
     PermanentJobError               -> GiveUp
@@ -33,14 +30,8 @@ the firing. Counted from the firing, a large re-score that kept moving page by p
 slow scorer was given up 6 hours after it fired. (The fan-out ends its delivery as a
 continuation when it meets no room after moving its checkpoint.)
 
-One copy of a run's message runs it (`services.scheduler.firings`): a next slice or retry is
-recorded on the firing (`hand_over`) before it is published, and a delivery that no longer
-holds the run (another took it over) publishes none (Drop). A deferral (not yet due) sends
-the same message again, under its own id, so its copies stay one message.
-
 Jobs are idempotent (rollups recompute and `$set`, the fan-out resumes from its checkpoint,
-clean-ups delete what is expired), so the rare duplicate run (a redelivery taking over
-from a handling that lost its connection but went on) is harmless.
+clean-ups delete what is expired), so the rare duplicate run is harmless.
 
 A handler runs under a deadline of its own for its database work (`db_timeout_s`,
 `SCHEDULER_JOB_DB_TIMEOUT_S`, applied with `pymongo.timeout`, which overrides the client's
@@ -68,7 +59,7 @@ from typing import Any
 import pymongo
 
 from services.scheduler.errors import DownstreamFull, PermanentJobError
-from services.scheduler.firings import FiringState, FiringStore, Retrying, RunDelivery
+from services.scheduler.firings import FiringState, FiringStore
 from services.scheduler.jobs import Clock, JobHandler, JobRun
 from shared.contracts import RunCronJob, new_id
 
@@ -88,9 +79,6 @@ UNKNOWN_JOB_MAX_WAIT = timedelta(minutes=15)
 # The share of a delivery's database deadline a job that works in steps may spend taking new
 # ones; the step in hand when it runs out (a page's broker waits, reads and writes) has the rest.
 STEP_SHARE = 0.5
-# A handling of a run silent for this long no longer keeps other copies of its message out
-# (`SCHEDULER_RUN_STALE_S`).
-DEFAULT_STALE_AFTER = timedelta(hours=1)
 
 
 @dataclass(frozen=True)
@@ -154,35 +142,6 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:1000]
 
 
-@dataclass(frozen=True)
-class _Holder:
-    """The delivery working on a run, and since when a silent handling no longer holds it."""
-
-    delivery: RunDelivery
-    live_since: datetime
-
-    async def hand_over(
-        self,
-        firings: FiringStore,
-        following: RunCronJob,
-        *,
-        now: datetime,
-        retrying: Retrying | None = None,
-    ) -> bool:
-        return await firings.hand_over(
-            following.run_id,
-            delivery=self.delivery,
-            next_id=following.message_id,
-            now=now,
-            live_since=self.live_since,
-            retrying=retrying,
-        )
-
-
-def _no_longer_held(command: RunCronJob) -> Drop:
-    return Drop(f"run {command.run_id} was taken over by another delivery, or has ended")
-
-
 async def run_cron_job(
     command: RunCronJob,
     *,
@@ -191,38 +150,18 @@ async def run_cron_job(
     retry: RetryPolicy,
     clock: Clock,
     db_timeout_s: float | None = None,
-    delivery: RunDelivery | None = None,
-    stale_after: timedelta = DEFAULT_STALE_AFTER,
 ) -> RunDecision:
     """`db_timeout_s`: the deadline of the handler's database work (None: each operation
-    keeps the client's `timeoutMS`). `delivery`: how `command` was delivered (None: a first
-    delivery of it); `stale_after`: how long a silent handling of the run keeps others out."""
+    keeps the client's `timeoutMS`)."""
     if command.not_before is not None and command.not_before - clock() > DUE_TOLERANCE:
         return Defer(command)
-    now = clock()
-    holder = _Holder(delivery or RunDelivery(command.message_id), live_since=now - stale_after)
     handler = handlers.get(command.job)
     if handler is None:
-        return await _wait_for_a_replica_knowing(
-            command, firings=firings, retry=retry, clock=clock, holder=holder
-        )
-    if not await firings.hold(
-        command.run_id, delivery=holder.delivery, now=now, live_since=holder.live_since
-    ):
-        return Drop(
-            f"run {command.run_id} is unknown or finished, awaits another message, or "
-            "another delivery is running it"
-        )
-    if await firings.begin(command.run_id, attempt=command.attempt, now=now) is None:
+        return await _wait_for_a_replica_knowing(command, firings=firings, retry=retry, clock=clock)
+    if await firings.begin(command.run_id, attempt=command.attempt, now=clock()) is None:
         return Drop(f"run {command.run_id} is unknown or already finished")
     return await _run_handler(
-        handler,
-        command,
-        firings=firings,
-        retry=retry,
-        clock=clock,
-        db_timeout_s=db_timeout_s,
-        holder=holder,
+        handler, command, firings=firings, retry=retry, clock=clock, db_timeout_s=db_timeout_s
     )
 
 
@@ -234,7 +173,6 @@ async def _run_handler(
     retry: RetryPolicy,
     clock: Clock,
     db_timeout_s: float | None,
-    holder: _Holder,
 ) -> RunDecision:
     run = JobRun(
         run_id=command.run_id,
@@ -254,12 +192,12 @@ async def _run_handler(
     except DownstreamFull as error:
         log.warning("cron job %s (run %s) waits for room: %s", command.job, command.run_id, error)
         return await _wait_for_room(
-            command, _describe(error), firings=firings, retry=retry, clock=clock, holder=holder
+            command, _describe(error), firings=firings, retry=retry, clock=clock
         )
     except Exception as error:
         log.exception("cron job %s (run %s) failed", command.job, command.run_id)
         return await _retry_or_give_up(
-            command, _describe(error), firings=firings, retry=retry, clock=clock, holder=holder
+            command, _describe(error), firings=firings, retry=retry, clock=clock
         )
     if outcome.more:
         following = command.model_copy(
@@ -272,8 +210,6 @@ async def _run_handler(
                 "occurred_at": clock(),
             }
         )
-        if not await holder.hand_over(firings, following, now=clock()):
-            return _no_longer_held(command)
         return Continue(following)
     await firings.finish(
         command.run_id, state=FiringState.SUCCEEDED, now=clock(), result=outcome.summary
@@ -315,58 +251,24 @@ async def _give_up(
     return GiveUp(reason)
 
 
-async def _retry(
-    command: RunCronJob,
-    error: str,
-    *,
-    not_before: datetime,
-    next_attempt: int,
-    firings: FiringStore,
-    clock: Clock,
-    holder: _Holder,
-) -> Retry | Drop:
-    """Record the failed attempt, handing the run over to its retry, then retry."""
-    following = command.model_copy(
-        update={"message_id": new_id(), "attempt": next_attempt, "not_before": not_before}
-    )
-    retrying = Retrying(error=error, next_attempt_at=not_before)
-    if not await holder.hand_over(firings, following, now=clock(), retrying=retrying):
-        return _no_longer_held(command)
-    return Retry(following, error)
-
-
 async def _retry_or_give_up(
-    command: RunCronJob,
-    error: str,
-    *,
-    firings: FiringStore,
-    retry: RetryPolicy,
-    clock: Clock,
-    holder: _Holder,
-) -> Retry | GiveUp | Drop:
+    command: RunCronJob, error: str, *, firings: FiringStore, retry: RetryPolicy, clock: Clock
+) -> Retry | GiveUp:
     if command.attempt >= retry.max_attempts:
         reason = f"cron job {command.job!r} failed {command.attempt} times; last error: {error}"
         return await _give_up(command, reason, firings=firings, clock=clock)
-    return await _retry(
-        command,
-        error,
-        not_before=clock() + retry.delay(command.attempt),
-        next_attempt=command.attempt + 1,
-        firings=firings,
-        clock=clock,
-        holder=holder,
+    now = clock()
+    not_before = now + retry.delay(command.attempt)
+    await firings.retrying(command.run_id, error=error, next_attempt_at=not_before, now=now)
+    following = command.model_copy(
+        update={"message_id": new_id(), "attempt": command.attempt + 1, "not_before": not_before}
     )
+    return Retry(following, error)
 
 
 async def _wait_for_room(
-    command: RunCronJob,
-    error: str,
-    *,
-    firings: FiringStore,
-    retry: RetryPolicy,
-    clock: Clock,
-    holder: _Holder,
-) -> Retry | GiveUp | Drop:
+    command: RunCronJob, error: str, *, firings: FiringStore, retry: RetryPolicy, clock: Clock
+) -> Retry | GiveUp:
     now = clock()
     if now - waiting_since(command) >= DOWNSTREAM_FULL_MAX_WAIT:
         reason = (
@@ -374,25 +276,15 @@ async def _wait_for_room(
             f"last made progress; last error: {error}"
         )
         return await _give_up(command, reason, firings=firings, clock=clock)
-    return await _retry(
-        command,
-        error,
-        not_before=now + retry.cap,
-        next_attempt=command.attempt,
-        firings=firings,
-        clock=clock,
-        holder=holder,
-    )
+    not_before = now + retry.cap
+    await firings.retrying(command.run_id, error=error, next_attempt_at=not_before, now=now)
+    following = command.model_copy(update={"message_id": new_id(), "not_before": not_before})
+    return Retry(following, error)
 
 
 async def _wait_for_a_replica_knowing(
-    command: RunCronJob,
-    *,
-    firings: FiringStore,
-    retry: RetryPolicy,
-    clock: Clock,
-    holder: _Holder,
-) -> Retry | GiveUp | Drop:
+    command: RunCronJob, *, firings: FiringStore, retry: RetryPolicy, clock: Clock
+) -> Retry | GiveUp:
     """Send a run of a job this replica does not know back to the queue, its attempt not
     counted (it was not tried), until `UNKNOWN_JOB_MAX_WAIT` has passed since the run last
     made progress (`waiting_since`: its firing, or its slice's issue)."""
@@ -405,15 +297,10 @@ async def _wait_for_a_replica_knowing(
         )
         return await _give_up(command, reason, firings=firings, clock=clock)
     log.warning("cron run %s: %s; sent back for another replica", command.run_id, error)
-    return await _retry(
-        command,
-        error,
-        not_before=now + retry.base,
-        next_attempt=command.attempt,
-        firings=firings,
-        clock=clock,
-        holder=holder,
-    )
+    not_before = now + retry.base
+    await firings.retrying(command.run_id, error=error, next_attempt_at=not_before, now=now)
+    following = command.model_copy(update={"message_id": new_id(), "not_before": not_before})
+    return Retry(following, error)
 
 
 def waiting_since(command: RunCronJob) -> datetime:

@@ -27,7 +27,7 @@ from services.scheduler.app import create_app
 from services.scheduler.catalogue import Catalogue
 from services.scheduler.checkpoints import Checkpoints
 from services.scheduler.config import SchedulerConfig, load_config, parse_config
-from services.scheduler.firings import Firings, FiringState, Retrying, RunDelivery
+from services.scheduler.firings import Firings, FiringState
 from services.scheduler.jobs import JobHandler, JobOutcome, JobRun
 from services.scheduler.jobs.fanout import fan_out_rescores
 from services.scheduler.messaging import SchedulerBus
@@ -39,7 +39,6 @@ from shared.contracts import (
     ScoreResult,
     TaskCompleted,
     Usage,
-    new_id,
 )
 from shared.runtime import make_broker
 from shared.topology import (
@@ -274,16 +273,7 @@ async def test_a_duplicate_run_failing_after_another_succeeded_leaves_it_succeed
     await firings.begin(firing.run_id, attempt=1, now=at)
     await firings.finish(firing.run_id, state=FiringState.SUCCEEDED, now=at, result={"n": 1})
 
-    duplicate = RunDelivery(new_id(), takes_over=True)
-    retrying = Retrying(error="boom", next_attempt_at=at)
-    assert not await firings.hand_over(
-        firing.run_id,
-        delivery=duplicate,
-        next_id=new_id(),
-        now=at,
-        live_since=at,
-        retrying=retrying,
-    )
+    await firings.retrying(firing.run_id, error="boom", next_attempt_at=at, now=at)
     await firings.finish(firing.run_id, state=FiringState.FAILED, now=at, error="boom")
 
     stored = await firings.find(firing.run_id)

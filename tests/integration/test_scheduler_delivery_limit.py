@@ -28,7 +28,6 @@ from pymongo.errors import AutoReconnect
 from services.scheduler.catalogue import Catalogue
 from services.scheduler.config import parse_config
 from services.scheduler.consumer import CronJobRunner, UsageMeter, subscribe_scheduler
-from services.scheduler.dispatcher import run_command_for
 from services.scheduler.firings import Firing, Firings, FiringState
 from services.scheduler.messaging import SchedulerBus
 from services.scheduler.metrics import SchedulerMetrics
@@ -62,7 +61,7 @@ async def _left_running(env: Env, firings: Firings) -> RunCronJob:
     firing = await firings.claim(JOB, at, now=at, owner="dead-scheduler", manual=True)
     assert firing is not None
     assert await firings.begin(firing.run_id, attempt=1, now=at) is not None
-    return run_command_for(firing)
+    return RunCronJob(task_id=firing.run_id, job=JOB, scheduled_for=at, fired_at=at, manual=True)
 
 
 async def _published(env: Env, command: RunCronJob) -> None:

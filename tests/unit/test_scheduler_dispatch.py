@@ -27,15 +27,7 @@ from services.scheduler.errors import (
     TriggeredTooOften,
     UnknownJob,
 )
-from services.scheduler.firings import (
-    Firing,
-    FiringState,
-    FiringStore,
-    LeaseTaken,
-    Retrying,
-    RunDelivery,
-    to_millis,
-)
+from services.scheduler.firings import Firing, FiringState, FiringStore, LeaseTaken, to_millis
 from services.scheduler.jobs import JobOutcome, JobRun
 from services.scheduler.runs import (
     DOWNSTREAM_FULL_MAX_WAIT,
@@ -58,8 +50,7 @@ START = datetime(2025, 1, 1, 10, 4, 50, tzinfo=UTC)
 
 class FakeFirings(FiringStore):
     """The firings collection in memory, with its unique (job, scheduled_for) index and its
-    unique index of the runs holding their job's lease. Without the fence of a run's copies
-    (every delivery is held: `Firings.hold` is tested on the real collection)."""
+    unique index of the runs holding their job's lease."""
 
     def __init__(self) -> None:
         self.by_id: dict[str, Firing] = {}
@@ -153,17 +144,15 @@ class FakeFirings(FiringStore):
             if f.state is FiringState.CLAIMED and self.claimed_at[f.run_id] < claimed_before
         ][:limit]
 
-    async def reclaim(
-        self, firing: Firing, *, claimed_before: datetime, now: datetime
-    ) -> Firing | None:
+    async def reclaim(self, firing: Firing, *, claimed_before: datetime, now: datetime) -> bool:
         current = self.by_id[firing.run_id]
         if current.state is not FiringState.CLAIMED:
-            return None
+            return False
         if self.claimed_at[firing.run_id] >= claimed_before:
-            return None
+            return False
         self.claimed_at[firing.run_id] = now
         self._set(firing.run_id, heartbeat_at=now)
-        return self.by_id[firing.run_id]
+        return True
 
     async def supersede(self, run_id: str, *, now: datetime, reason: str) -> bool:
         if self.by_id[run_id].state is not FiringState.CLAIMED:
@@ -184,33 +173,17 @@ class FakeFirings(FiringStore):
         )
         return self.by_id[run_id]
 
-    async def hold(
-        self, run_id: str, *, delivery: RunDelivery, now: datetime, live_since: datetime
-    ) -> bool:
-        firing = self.by_id.get(run_id)
-        return firing is None or not firing.state.is_final  # an unknown run: `begin` drops it
-
-    async def hand_over(
-        self,
-        run_id: str,
-        *,
-        delivery: RunDelivery,
-        next_id: str,
-        now: datetime,
-        live_since: datetime,
-        retrying: Retrying | None = None,
-    ) -> bool:
-        if self.by_id[run_id].state.is_final:
-            return False
-        self._set(run_id, heartbeat_at=now)
-        if retrying is not None:
+    async def retrying(
+        self, run_id: str, *, error: str, next_attempt_at: datetime, now: datetime
+    ) -> None:
+        if not self.by_id[run_id].state.is_final:
             self._set(
                 run_id,
                 state=FiringState.RETRYING,
-                error=retrying.error,
-                next_attempt_at=retrying.next_attempt_at,
+                error=error,
+                next_attempt_at=next_attempt_at,
+                heartbeat_at=now,
             )
-        return True
 
     async def finish(
         self,

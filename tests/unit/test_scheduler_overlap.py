@@ -14,10 +14,10 @@ from services.scheduler.config import Concurrency, MissedFirings, parse_config
 from services.scheduler.dead_letters import CronDeadLetters
 from services.scheduler.dispatcher import fire_by_hand, fire_replay
 from services.scheduler.errors import ConfigurationError, RunInProgress
-from services.scheduler.firings import FiringState, Retrying, RunDelivery
+from services.scheduler.firings import FiringState
 from services.scheduler.schedule import JobCatalog, ScheduledJob
 from services.scheduler.settings import SchedulerSettings
-from shared.contracts import RunCronJob, new_id
+from shared.contracts import RunCronJob
 from shared.dead_letters import DeadLetterWalker
 from tests.unit.test_dead_letter_replay_lookups import HeldLetters, Letter
 from tests.unit.test_scheduler_dispatch import (
@@ -69,14 +69,7 @@ async def test_a_run_that_keeps_making_progress_is_never_taken_for_dead() -> Non
     dispatcher = _dispatcher(firings, published, clock, _jobs())
     for _ in range(5):  # five hours of slices, each starting within the stale limit
         clock.now += HOUR
-        await firings.hand_over(
-            running,
-            delivery=RunDelivery(new_id()),
-            next_id=new_id(),
-            now=clock.now,
-            live_since=clock.now - STALE,
-            retrying=Retrying(error="x", next_attempt_at=clock.now),
-        )
+        await firings.retrying(running, error="x", next_attempt_at=clock.now, now=clock.now)
         await dispatcher.tick()
     assert len(published.commands) == 1
     assert firings.by_id[running].state is FiringState.RETRYING

@@ -7,12 +7,17 @@
     scorebox.usage-meter (task.completed) --> usage records + catalogue
 
 Everything the scheduler stores lives in its own database (`<prefix>_scheduler`).
+
+At stop the jobs in hand get half of `BROKER_TIMEOUT_S` to end; the rest are cut short and
+their deliveries handed back as fresh copies (`consumer.CronRunsInHand`) within the other
+half, so a stop still takes `BROKER_TIMEOUT_S` and adds nothing to a run's delivery count.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 from collections.abc import AsyncIterator, Mapping
@@ -57,9 +62,14 @@ from shared.runtime import (
 from shared.service_app import internal_service_app
 from shared.topology import CRON_JOBS, WORK_QUEUES
 
+log = logging.getLogger("scorebox.scheduler")
+
 USAGE_ROLLUP = "usage-rollup"
 RESCORE_FANOUT = "rescore-fanout"
 HOUSEKEEPING = "housekeeping"
+# The share of the stop's grace (`BROKER_TIMEOUT_S`) the jobs in hand get to end; the rest is
+# for handing back those cut short (one confirmed publish each), their acks and the closes.
+RUNS_SHARE_OF_STOP = 0.5
 
 
 def create_app(
@@ -217,10 +227,15 @@ def create_app(
         await start_broker(broker, settings)
         ticking = asyncio.create_task(keep_dispatching(dispatcher, interval_s=settings.tick_s))
         yield
+        stopping = asyncio.get_running_loop().time()
         ticking.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await ticking
-        await broker.stop()
+        await broker.stop_consuming()
+        runs_grace_s = settings.broker_timeout_s * RUNS_SHARE_OF_STOP
+        if cut_short := await runner.in_hand.cut_short_after(runs_grace_s):
+            log.warning("stopping: %d cron runs cut short and handed back", cut_short)
+        await broker.stop(begun_at=stopping)
         await mongo.close()
 
     # No 307 from `/x/` to `/x`: `DELETE /admin/v1/cron/dead-letters/` (a drop of an empty

@@ -10,9 +10,16 @@
   ack. A permanent database error there (a result the database refuses) returns the
   delivery to its queue as failed, so its delivery limit bounds it: re-sent uncounted, it
   came back every few seconds for ever.
-- a copy of the delivery's own run sent again (Defer, MongoDB unavailable) carries the
-  deliveries its consumers lost so far (`x-scorebox-earlier-deliveries`), for the copy's own
-  count starts at zero; a next slice or retry is a new message and carries none.
+- a copy of the delivery's own run sent again (Defer, MongoDB unavailable, a stop) carries
+  the deliveries its consumers lost so far (`x-scorebox-earlier-deliveries`), for the copy's
+  own count starts at zero; a next slice or retry is a new message and carries none.
+- at stop (`CronRunsInHand`), the jobs in hand get a bounded grace to end; each still
+  running then is cancelled and its delivery handed back as a fresh copy with its count
+  carried, then acked: a stop adds nothing to the count. Left unsettled, as it was, every
+  stop during a long slice counted as a crash, and five stops failed the run "delivered 5
+  times without being settled". Only the job is cut short: a decision reached is carried
+  out (a next slice published and the current one handed back as well would fork the run).
+  A copy the broker does not confirm leaves its delivery unsettled (counted, never lost).
 - at the queue's delivery limit (`x-delivery-count` and the count carried: the scheduler
   crashed or lost its connection running it that many times): the job is not run again;
   the firing is recorded `failed` with the reason, the message copied to the DLQ with that
@@ -45,9 +52,10 @@ the error.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -75,6 +83,7 @@ from services.scheduler.runs import (
     run_cron_job,
 )
 from services.scheduler.usage_store import UsageRecords
+from shared.bus import BROKER_ERRORS
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import RunCronJob, TaskCompleted, TaskFailed, new_id
 from shared.database_errors import transient_database_error
@@ -99,6 +108,60 @@ async def _dead_letter(
     await keep_dead_lettering(bus.broker, work_queue, message, error=error, timeout=bus.timeout_s)
 
 
+class CutShort(Exception):
+    """The stop cancelled the job of a delivery in hand."""
+
+
+class NotHandedBack(Exception):
+    """A delivery cut short whose copy the broker did not confirm: left unsettled."""
+
+
+class CronRunsInHand:
+    """The jobs this process runs for cron deliveries, for its stop: those still running
+    after a grace are cancelled (`CutShort`) and their deliveries handed back rather than
+    left for the broker to return, which counts towards the queue's delivery limit."""
+
+    def __init__(self) -> None:
+        self._running: set[asyncio.Task[RunDecision]] = set()
+        self._cut_short: set[asyncio.Task[RunDecision]] = set()
+        self._closed = False
+
+    async def run(self, job: Coroutine[Any, Any, RunDecision]) -> RunDecision:
+        """The job's decision; `CutShort` when the stop cancelled it (or came first)."""
+        if self._closed:
+            job.close()
+            raise CutShort
+        task = asyncio.ensure_future(job)
+        self._running.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if task in self._cut_short and not _being_cancelled():
+                raise CutShort from None
+            task.cancel()
+            raise
+        finally:
+            self._running.discard(task)
+            self._cut_short.discard(task)
+
+    async def cut_short_after(self, grace_s: float) -> int:
+        """Take no more; wait up to `grace_s` for the jobs in hand, then cancel the rest;
+        how many were cut short."""
+        self._closed = True
+        if not self._running:
+            return 0
+        _, late = await asyncio.wait(set(self._running), timeout=grace_s)
+        for task in late:
+            self._cut_short.add(task)
+            task.cancel()
+        return len(late)
+
+
+def _being_cancelled() -> bool:
+    current = asyncio.current_task()
+    return current is not None and current.cancelling() > 0
+
+
 @dataclass(frozen=True)
 class CronJobRunner:
     handlers: Mapping[str, JobHandler]
@@ -109,6 +172,7 @@ class CronJobRunner:
     # The deadline of a handler's database work (`SCHEDULER_JOB_DB_TIMEOUT_S`).
     job_db_timeout_s: float
     metrics: SchedulerMetrics = field(default_factory=SchedulerMetrics)
+    in_hand: CronRunsInHand = field(default_factory=CronRunsInHand)
 
     async def on_message(self, message: Delivery) -> None:
         try:
@@ -122,7 +186,10 @@ class CronJobRunner:
             decision: RunDecision = await self._give_up_at_delivery_limit(command, deliveries)
         else:
             try:
-                decision = await self._run(command)
+                decision = await self.in_hand.run(self._run(command))
+            except CutShort:
+                await self._hand_back(command, message)
+                return
             except PyMongoError as error:
                 if not transient_database_error(error):
                     raise  # counted by its queue's delivery limit, not re-sent for ever
@@ -144,6 +211,17 @@ class CronJobRunner:
             clock=self.clock,
             db_timeout_s=self.job_db_timeout_s,
         )
+
+    async def _hand_back(self, command: RunCronJob, message: Delivery) -> None:
+        """Send a fresh copy of a delivery whose job the stop cut short, its deliveries
+        carried, once (the stop is bounded); `NotHandedBack` when the broker did not confirm
+        it: the delivery is then left to come back."""
+        again = command.model_copy(update={"message_id": new_id()})
+        try:
+            await self.bus.publish_run(again, headers=carried_deliveries(message.headers))
+        except BROKER_ERRORS as error:
+            raise NotHandedBack(repr(error)) from error
+        log.info("cron run %s cut short at stop; handed back", command.run_id)
 
     async def _give_up_at_delivery_limit(
         self, command: RunCronJob, deliveries: int
@@ -268,6 +346,9 @@ def subscribe_scheduler(
     async def run_cron_job_delivery(message: Delivery) -> None:
         try:
             await runner.on_message(message)
+        except NotHandedBack as error:
+            log.warning("a cron.run delivery cut short at stop is left unsettled: %s", error)
+            return
         except Exception as error:
             log.exception("could not settle a cron.run delivery; returning it to its queue")
             await return_failed(broker, CRON_JOBS, message, error=error, timeout=broker_timeout_s)

@@ -416,6 +416,14 @@ class RunCronJob(Contract):
     slice: int = Field(
         default=0, ge=0, le=MAX_INT64, description="Continuation number of a long run."
     )
+    step: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_INT64,
+        description="The run's step this message carries out: 0 for the firing, one more for "
+        "each next slice or retry. Copies of a step the run has passed are dropped. None: "
+        "sent by a scheduler that numbered no steps.",
+    )
     not_before: Instant | None = Field(default=None, description="Do not start before.")
 
     @computed_field  # type: ignore[prop-decorator]

@@ -263,8 +263,8 @@ async def keep_publishing(publish: Callable[[], Awaitable[object]], *, what: str
     closed; one that nacked it with requeue would spin through the delivery limit on
     RabbitMQ 3.x and without end on 4.x. A repeated publish may arrive twice or more (each
     unconfirmed send may still be delivered), under the same message id: its consumer must
-    take the repeats as no-ops. Not every one does yet: the cron consumer runs each copy
-    of a run's message (docs/architecture.md, "Left open: copies of a run's message").
+    take the repeats as no-ops (the cron consumer fences them by the run's hold,
+    `services.scheduler.firings`).
     """
     await keep_trying(publish, what=f"publishing {what}", retry_on=BROKER_ERRORS)
 

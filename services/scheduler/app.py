@@ -8,9 +8,10 @@
 
 Everything the scheduler stores lives in its own database (`<prefix>_scheduler`).
 
-At stop the jobs in hand get half of `BROKER_TIMEOUT_S` to end; the rest are cut short and
-their deliveries handed back as fresh copies (`consumer.CronRunsInHand`) within the other
-half, so a stop still takes `BROKER_TIMEOUT_S` and adds nothing to a run's delivery count.
+At stop the jobs in hand get until half of `BROKER_TIMEOUT_S` from the stop's start to end;
+the rest are cut short and their deliveries handed back as fresh copies
+(`in_hand.CronRunsInHand`) within the other half, so a stop still takes `BROKER_TIMEOUT_S`
+and adds nothing to a run's delivery count.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ HOUSEKEEPING = "housekeeping"
 # The share of the stop's grace (`BROKER_TIMEOUT_S`) the jobs in hand get to end; the rest is
 # for handing back those cut short (one confirmed publish each), their acks and the closes.
 RUNS_SHARE_OF_STOP = 0.5
+# By when, as a share of the stop's grace, their copies must be confirmed: the deliveries in
+# hand must be settled before the broker's stop gives up on them.
+HAND_BACK_SHARE = 0.9
 
 
 def create_app(
@@ -232,8 +236,10 @@ def create_app(
         with contextlib.suppress(asyncio.CancelledError):
             await ticking
         await broker.stop_consuming()
-        runs_grace_s = settings.broker_timeout_s * RUNS_SHARE_OF_STOP
-        if cut_short := await runner.in_hand.cut_short_after(runs_grace_s):
+        stop_s = settings.broker_timeout_s
+        if cut_short := await runner.in_hand.cut_short_by(
+            stopping + stop_s * RUNS_SHARE_OF_STOP, hand_back_by=stopping + stop_s * HAND_BACK_SHARE
+        ):
             log.warning("stopping: %d cron runs cut short and handed back", cut_short)
         await broker.stop(begun_at=stopping)
         await mongo.close()

@@ -13,9 +13,14 @@
 - a copy of the delivery's own run sent again (Defer, MongoDB unavailable, a stop) carries
   the deliveries its consumers lost so far (`x-scorebox-earlier-deliveries`), for the copy's
   own count starts at zero; a next slice or retry is a new message and carries none.
-- at stop (`CronRunsInHand`), the jobs in hand get a bounded grace to end; each still
-  running then is cancelled and its delivery handed back as a fresh copy with its count
-  carried, then acked: a stop adds nothing to the count. Left unsettled, as it was, every
+- a delivery runs only once it takes the run's hold (`services.scheduler.firings`); the
+  hold is renewed while the job runs (`HOLD_LEASE`, `HOLD_RENEWAL_S`), its next step named
+  before it is published (`hand_on`: a delivery whose hold another took over publishes
+  nothing and is dropped), and let go before a delivery is handed back (a stop, MongoDB
+  unavailable). A copy finding the run held waits down the ladder (Defer).
+- at stop (`in_hand.CronRunsInHand`), the jobs in hand get a bounded grace to end; each
+  still running then is cancelled and its delivery handed back as a fresh copy with its
+  count carried, then acked: a stop adds nothing to the count. Left unsettled, as it was, every
   stop during a long slice counted as a crash, and five stops failed the run "delivered 5
   times without being settled". Only the job is cut short: a decision reached is carried
   out (a next slice published and the current one handed back as well would fork the run).
@@ -53,9 +58,10 @@ the error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import Coroutine, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -65,7 +71,8 @@ from pymongo.errors import PyMongoError
 
 from services.scheduler.catalogue import Catalogue
 from services.scheduler.config import Price
-from services.scheduler.firings import FiringStore
+from services.scheduler.firings import FiringStore, Hold
+from services.scheduler.in_hand import CronRunsInHand, CutShort
 from services.scheduler.jobs import Clock, JobHandler
 from services.scheduler.messaging import SchedulerBus
 from services.scheduler.metering import Extras, record_task_finished
@@ -92,6 +99,7 @@ from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying_dat
 from shared.topology import (
     ATTEMPTS_HEADER,
     CRON_JOBS,
+    DELIVERY_COUNT_HEADER,
     EVENT_KEY_HEADER,
     USAGE_METER,
     WorkQueue,
@@ -108,58 +116,17 @@ async def _dead_letter(
     await keep_dead_lettering(bus.broker, work_queue, message, error=error, timeout=bus.timeout_s)
 
 
-class CutShort(Exception):
-    """The stop cancelled the job of a delivery in hand."""
+# How long a delivery's hold on its run lasts unless renewed, and how often it is renewed
+# while the job runs. A copy handed back at a stop whose hold could not be let go waits
+# this long at most.
+HOLD_LEASE = timedelta(seconds=60)
+HOLD_RENEWAL_S = 15.0
+# The most a stop or an outage waits to let go of a hold before handing its delivery back.
+RELEASE_TIMEOUT_S = 1.0
 
 
 class NotHandedBack(Exception):
     """A delivery cut short whose copy the broker did not confirm: left unsettled."""
-
-
-class CronRunsInHand:
-    """The jobs this process runs for cron deliveries, for its stop: those still running
-    after a grace are cancelled (`CutShort`) and their deliveries handed back rather than
-    left for the broker to return, which counts towards the queue's delivery limit."""
-
-    def __init__(self) -> None:
-        self._running: set[asyncio.Task[RunDecision]] = set()
-        self._cut_short: set[asyncio.Task[RunDecision]] = set()
-        self._closed = False
-
-    async def run(self, job: Coroutine[Any, Any, RunDecision]) -> RunDecision:
-        """The job's decision; `CutShort` when the stop cancelled it (or came first)."""
-        if self._closed:
-            job.close()
-            raise CutShort
-        task = asyncio.ensure_future(job)
-        self._running.add(task)
-        try:
-            return await task
-        except asyncio.CancelledError:
-            if task in self._cut_short and not _being_cancelled():
-                raise CutShort from None
-            task.cancel()
-            raise
-        finally:
-            self._running.discard(task)
-            self._cut_short.discard(task)
-
-    async def cut_short_after(self, grace_s: float) -> int:
-        """Take no more; wait up to `grace_s` for the jobs in hand, then cancel the rest;
-        how many were cut short."""
-        self._closed = True
-        if not self._running:
-            return 0
-        _, late = await asyncio.wait(set(self._running), timeout=grace_s)
-        for task in late:
-            self._cut_short.add(task)
-            task.cancel()
-        return len(late)
-
-
-def _being_cancelled() -> bool:
-    current = asyncio.current_task()
-    return current is not None and current.cancelling() > 0
 
 
 @dataclass(frozen=True)
@@ -185,24 +152,88 @@ class CronJobRunner:
         if deliveries >= CRON_JOBS.delivery_limit:
             decision: RunDecision = await self._give_up_at_delivery_limit(command, deliveries)
         else:
+            hold = self._hold_for(command, message)
             try:
-                decision = await self.in_hand.run(self._run(command))
+                decision = await self._holding(command, hold)
             except CutShort:
+                await self._let_go(command, hold)
                 await self._hand_back(command, message)
                 return
             except PyMongoError as error:
                 if not transient_database_error(error):
                     raise  # counted by its queue's delivery limit, not re-sent for ever
                 log.warning("MongoDB unavailable around run %s: %r", command.run_id, error)
+                await self._let_go(command, hold)
                 later = self.clock() + self.retry.base
                 again = command.model_copy(update={"message_id": new_id(), "not_before": later})
                 await self._publish_run(again, headers=carried_deliveries(message.headers))
                 return
+            decision = await self._handed_on(decision, hold)
         job = command.job if command.job in self.handlers else UNKNOWN_JOB
         self.metrics.count_run(job, decision)
         await self.carry_out(decision, message)
 
-    async def _run(self, command: RunCronJob) -> RunDecision:
+    def _hold_for(self, command: RunCronJob, message: Delivery) -> Hold:
+        redelivered = message.redelivered or int(message.headers.get(DELIVERY_COUNT_HEADER, 0)) > 0
+        return Hold(
+            handling=new_id(),
+            message_id=command.message_id,
+            step=command.step,
+            redelivered=redelivered,
+            until=self.clock() + HOLD_LEASE,
+        )
+
+    async def _holding(self, command: RunCronJob, hold: Hold) -> RunDecision:
+        """Run the delivery, its hold on the run renewed while the job runs."""
+        renewing = asyncio.create_task(self._keep_holding(command.run_id, hold))
+        try:
+            return await self._run(command, hold)
+        finally:
+            renewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewing
+
+    async def _keep_holding(self, run_id: str, hold: Hold) -> None:
+        while True:
+            await asyncio.sleep(HOLD_RENEWAL_S)
+            try:
+                until = self.clock() + HOLD_LEASE
+                await self.firings.renew(
+                    run_id, handling=hold.handling, until=until, now=self.clock()
+                )
+            except PyMongoError as error:
+                log.warning("cron run %s: its hold not renewed: %r", run_id, error)
+
+    async def _handed_on(self, decision: RunDecision, hold: Hold) -> RunDecision:
+        """A next slice or retry, once its step is named on the run (so that its message
+        takes the run at once); Drop when another delivery took the run over meanwhile,
+        which carries it on."""
+        if not isinstance(decision, Continue | Retry):
+            return decision
+        if isinstance(decision, Retry) and not decision.handing_on:
+            return decision
+        command = decision.command
+        step = command.step if command.step is not None else 0
+        handed = await keep_trying_database(
+            lambda: self.firings.hand_on(
+                command.run_id, handling=hold.handling, step=step, now=self.clock()
+            ),
+            what=f"handing cron run {command.run_id} on",
+        )
+        if handed:
+            return decision
+        return Drop(f"run {command.run_id} was taken over by another delivery meanwhile")
+
+    async def _let_go(self, command: RunCronJob, hold: Hold) -> None:
+        """Let go of the hold before handing the delivery back, if the database answers in
+        time: otherwise the copy waits for the hold to lapse (`HOLD_LEASE`)."""
+        try:
+            async with asyncio.timeout(RELEASE_TIMEOUT_S):
+                await self.firings.release(command.run_id, handling=hold.handling)
+        except (TimeoutError, PyMongoError) as error:
+            log.warning("cron run %s: its hold not let go: %r", command.run_id, error)
+
+    async def _run(self, command: RunCronJob, hold: Hold) -> RunDecision:
         return await run_cron_job(
             command,
             handlers=self.handlers,
@@ -210,6 +241,8 @@ class CronJobRunner:
             retry=self.retry,
             clock=self.clock,
             db_timeout_s=self.job_db_timeout_s,
+            hold=hold,
+            in_hand=self.in_hand,
         )
 
     async def _hand_back(self, command: RunCronJob, message: Delivery) -> None:
@@ -217,9 +250,11 @@ class CronJobRunner:
         carried, once (the stop is bounded); `NotHandedBack` when the broker did not confirm
         it: the delivery is then left to come back."""
         again = command.model_copy(update={"message_id": new_id()})
+        by = self.in_hand.hand_back_by
         try:
-            await self.bus.publish_run(again, headers=carried_deliveries(message.headers))
-        except BROKER_ERRORS as error:
+            async with asyncio.timeout_at(by):
+                await self.bus.publish_run(again, headers=carried_deliveries(message.headers))
+        except (TimeoutError, *BROKER_ERRORS) as error:
             raise NotHandedBack(repr(error)) from error
         log.info("cron run %s cut short at stop; handed back", command.run_id)
 

@@ -54,6 +54,7 @@ def run_command_for(firing: Firing) -> RunCronJob:
         scheduled_for=firing.scheduled_for,
         fired_at=firing.fired_at,
         manual=firing.manual,
+        step=firing.step,
     )
 
 
@@ -184,22 +185,40 @@ async def _withdraw(
 ) -> FiringState | None:
     """Withdraw a manual firing whose publish failed: None once withdrawn, else the state in
     which it goes ahead: `dispatched` when a consumer started it (an unconfirmed publish
-    that reached the queue), `claimed` when the withdrawal failed. Answered as refused, that
-    one invited a retry while the dispatcher was to publish it: a second run."""
+    that reached the queue), `claimed` when the withdrawal failed and the firing is still
+    there (answered as refused, that one invited a retry while the dispatcher was to publish
+    it: a second run). A withdrawal that failed is read back: its write may have been
+    applied with its answer lost, and answered `claimed`, that run was never published."""
     try:
         if await firings.forget_unpublished(firing.run_id):
             return None
-    except Exception as forget_error:  # noqa: BLE001 - any failure leaves it claimed
-        log.warning(
-            "job %s: run %s refused by the broker (%r) could not be withdrawn (%r); it is "
-            "published again after the redispatch delay",
-            firing.job,
-            firing.run_id,
-            error,
-            forget_error,
-        )
-        return FiringState.CLAIMED
+    except Exception as forget_error:  # noqa: BLE001 - any failure: read what stands
+        return await _standing_after_failed_withdrawal(firing, firings, error, forget_error)
     return FiringState.DISPATCHED
+
+
+async def _standing_after_failed_withdrawal(
+    firing: Firing, firings: FiringStore, error: Exception, forget_error: Exception
+) -> FiringState | None:
+    try:
+        standing = await firings.find(firing.run_id)
+    except Exception as read_error:  # noqa: BLE001 - unknown: refused, it may run later
+        raise DispatchFailed(
+            f"the broker did not accept the run of {firing.job!r} ({error!r}), and it could "
+            f"not be withdrawn ({forget_error!r}) nor read ({read_error!r}): run "
+            f"{firing.run_id} may still run later"
+        ) from error
+    if standing is None:
+        return None
+    log.warning(
+        "job %s: run %s refused by the broker (%r) could not be withdrawn (%r); it goes ahead (%s)",
+        firing.job,
+        firing.run_id,
+        error,
+        forget_error,
+        standing.state.value,
+    )
+    return FiringState.CLAIMED if standing.state is FiringState.CLAIMED else FiringState.DISPATCHED
 
 
 def _manual_fire_times(now: datetime) -> list[datetime]:

@@ -3,7 +3,7 @@ time run once, whatever the number of scheduler replicas.
 
     {_id: run_id, job, scheduled_for, manual, state, fired_at, claimed_by, claimed_at,
      dispatched_at, started_at, finished_at, attempts, missed, result, error,
-     next_attempt_at, replay_of, active_job, heartbeat_at}
+     next_attempt_at, replay_of, active_job, heartbeat_at, step, hold}
 
 A fire time is claimed by inserting its document under a unique index on
 `(job, scheduled_for)`: the replica whose insert succeeds owns the firing, every other one
@@ -26,6 +26,19 @@ once (the insert of the second fails). Every end of a run (`finish`, `supersede`
 publish, each delivery's start, each retry recorded); a run silent for longer than
 `SCHEDULER_RUN_STALE_S` is taken for dead and `abandon`ed, so a run whose message was lost
 cannot hold its job for ever (`services.scheduler.overlap`).
+
+One delivery at a time runs a run, and a run's step is never lost. A publish confirmed too
+late is sent again (the dispatcher's re-publish of a claim, `keep_publishing` of a next slice
+or retry), so several copies of one message may reach the queue, and each ran the job. Each
+message carries the run's `step` (0 at the claim, one more at each next slice or retry); a
+delivery runs only once it takes the run's `hold` (`begin` with a `Hold`): its step is not
+behind the firing's, and no other handling holds the run (none, its lease lapsed, the holder
+handed this step on, or the delivery is the broker's redelivery of the holder's own
+message, whose consumer died). A copy finding the run held waits (`Held`: sent again down
+the wait ladder), and one whose step the run has passed, or whose run ended, is dropped.
+The holder renews its lease while the job runs (`renew`), names the step it hands on before
+publishing it (`hand_on`), and lets go when it hands its delivery back (`release`). A
+message without a step (sent by an earlier build) is fenced by the hold alone.
 """
 
 from __future__ import annotations
@@ -106,6 +119,7 @@ class Firing:
     error: str | None = None
     replay_of: str | None = None  # the dead-lettered run this one replays
     heartbeat_at: datetime | None = None  # the run's last sign of life
+    step: int = 0  # the step of the delivery that last took the run's hold
 
     @classmethod
     def from_document(cls, document: Document) -> Firing:
@@ -124,7 +138,50 @@ class Firing:
             error=document.get("error"),
             replay_of=document.get("replay_of"),
             heartbeat_at=document.get("heartbeat_at"),
+            step=document.get("step", 0),
         )
+
+
+@dataclass(frozen=True)
+class Hold:
+    """A delivery's bid to run its run (`Firings.begin`): one holder at a time, until `until`
+    unless renewed. `step`: the step its message carries out (None: an earlier build's
+    message). `redelivered`: the broker's redelivery, which takes the hold over from a
+    handling of its own message (that consumer died holding it)."""
+
+    handling: str
+    message_id: str
+    step: int | None
+    redelivered: bool
+    until: datetime
+
+
+@dataclass(frozen=True)
+class Held:
+    """Another handling holds the run until `until`: the delivery is to wait, not to run."""
+
+    until: datetime
+
+
+def _holdable(hold: Hold, now: datetime) -> Document:
+    """The firings `hold` may take: its step not behind theirs, and nobody else's live hold."""
+    free: list[Document] = [{"hold": None}, {"hold.until": {"$lt": to_millis(now)}}]
+    if hold.redelivered:
+        free.append({"hold.message_id": hold.message_id})
+    if hold.step is None:
+        return {"$or": free}
+    free.append({"hold.next": hold.step})
+    not_behind = [{"step": {"$lte": hold.step}}, {"step": {"$exists": False}}]
+    return {"$and": [{"$or": not_behind}, {"$or": free}]}
+
+
+def _held_by(hold: Hold) -> Document:
+    return {
+        "by": hold.handling,
+        "message_id": hold.message_id,
+        "until": to_millis(hold.until),
+        "next": None,
+    }
 
 
 class FiringStore(Protocol):
@@ -170,7 +227,17 @@ class FiringStore(Protocol):
 
     async def supersede(self, run_id: str, *, now: datetime, reason: str) -> bool: ...
 
-    async def begin(self, run_id: str, *, attempt: int, now: datetime) -> Firing | None: ...
+    async def begin(
+        self, run_id: str, *, attempt: int, now: datetime, hold: Hold | None = None
+    ) -> Firing | Held | None: ...
+
+    async def renew(
+        self, run_id: str, *, handling: str, until: datetime, now: datetime
+    ) -> bool: ...
+
+    async def hand_on(self, run_id: str, *, handling: str, step: int, now: datetime) -> bool: ...
+
+    async def release(self, run_id: str, *, handling: str) -> None: ...
 
     async def retrying(
         self, run_id: str, *, error: str, next_attempt_at: datetime, now: datetime
@@ -374,22 +441,67 @@ class Firings(FiringStore):
         )
         return result.modified_count == 1
 
-    async def begin(self, run_id: str, *, attempt: int, now: datetime) -> Firing | None:
-        """Mark a run started; None when it is unknown or already finished."""
+    async def begin(
+        self, run_id: str, *, attempt: int, now: datetime, hold: Hold | None = None
+    ) -> Firing | Held | None:
+        """Mark a run started; None when it is unknown or already finished. With `hold`, only
+        once the delivery takes the run's hold (`_holdable`): None too when the run has passed
+        its step (a stale copy), `Held` while another handling holds the run."""
+        condition: Document = {"_id": run_id, "state": {"$nin": _FINAL}}
+        changes: Document = {
+            "state": FiringState.RUNNING.value,
+            "started_at": to_millis(now),
+            "heartbeat_at": to_millis(now),
+            "next_attempt_at": None,
+        }
+        if hold is not None:
+            condition |= _holdable(hold, now)
+            changes["hold"] = _held_by(hold)
+            if hold.step is not None:
+                changes["step"] = hold.step
         document = await self._collection.find_one_and_update(
-            {"_id": run_id, "state": {"$nin": _FINAL}},
-            {
-                "$set": {
-                    "state": FiringState.RUNNING.value,
-                    "started_at": to_millis(now),
-                    "heartbeat_at": to_millis(now),
-                    "next_attempt_at": None,
-                },
-                "$max": {"attempts": attempt},
-            },
+            condition,
+            {"$set": changes, "$max": {"attempts": attempt}},
             return_document=ReturnDocument.AFTER,
         )
-        return None if document is None else Firing.from_document(document)
+        if document is not None:
+            return Firing.from_document(document)
+        return None if hold is None else await self._not_taken(run_id, hold)
+
+    async def _not_taken(self, run_id: str, hold: Hold) -> Held | None:
+        """Why `hold` was not taken: None when the run ended or passed its step, else `Held`
+        (another handling's hold, perhaps lapsed a moment ago)."""
+        document = await self._collection.find_one({"_id": run_id})
+        if document is None or document["state"] in _FINAL:
+            return None
+        if hold.step is not None and document.get("step", 0) > hold.step:
+            return None
+        held = document.get("hold") or {}
+        return Held(until=held.get("until") or to_millis(hold.until))
+
+    async def renew(self, run_id: str, *, handling: str, until: datetime, now: datetime) -> bool:
+        """Extend the hold of `handling` to `until`; False when it holds the run no more."""
+        result = await self._collection.update_one(
+            {"_id": run_id, "hold.by": handling},
+            {"$set": {"hold.until": to_millis(until), "heartbeat_at": to_millis(now)}},
+        )
+        return result.modified_count == 1
+
+    async def hand_on(self, run_id: str, *, handling: str, step: int, now: datetime) -> bool:
+        """Name the step `handling` hands the run on to, before its message is published: that
+        message takes the hold at once. False when `handling` holds the run no more (another
+        copy took it over: that one carries the run on) or the run has ended."""
+        result = await self._collection.update_one(
+            {"_id": run_id, "hold.by": handling, "state": {"$nin": _FINAL}},
+            {"$set": {"hold.next": step, "heartbeat_at": to_millis(now)}},
+        )
+        return result.modified_count == 1
+
+    async def release(self, run_id: str, *, handling: str) -> None:
+        """Let go of the hold of `handling` (a delivery handed back): its copy takes it."""
+        await self._collection.update_one(
+            {"_id": run_id, "hold.by": handling}, {"$set": {"hold": None}}
+        )
 
     async def retrying(
         self, run_id: str, *, error: str, next_attempt_at: datetime, now: datetime

@@ -5,6 +5,9 @@
                                                  GiveUp once UNKNOWN_JOB_MAX_WAIT has
                                                  passed since the firing)
     run unknown or already final    -> Drop     (a duplicate delivery, or a firing forgotten)
+    run past the message's step     -> Drop     (a copy of a step carried out already)
+    run held by another delivery    -> Defer    (a copy: sent again, `HELD_RECHECK` at most
+                                                 later; `services.scheduler.firings`)
     job returned, more to do        -> Continue (same run, next slice, attempt 1)
     job returned                    -> Finished
     PermanentJobError               -> GiveUp
@@ -59,7 +62,8 @@ from typing import Any
 import pymongo
 
 from services.scheduler.errors import DownstreamFull, PermanentJobError
-from services.scheduler.firings import FiringState, FiringStore
+from services.scheduler.firings import FiringState, FiringStore, Held, Hold
+from services.scheduler.in_hand import CronRunsInHand, CutShort
 from services.scheduler.jobs import Clock, JobHandler, JobRun
 from shared.contracts import RunCronJob, new_id
 
@@ -79,6 +83,10 @@ UNKNOWN_JOB_MAX_WAIT = timedelta(minutes=15)
 # The share of a delivery's database deadline a job that works in steps may spend taking new
 # ones; the step in hand when it runs out (a page's broker waits, reads and writes) has the rest.
 STEP_SHARE = 0.5
+# The longest a copy of a run's message waits before it looks again at the run another
+# delivery holds: the step may end (the copy is dropped) or its holder die (the copy takes
+# over once the hold lapses).
+HELD_RECHECK = timedelta(seconds=5)
 
 
 @dataclass(frozen=True)
@@ -118,6 +126,9 @@ class Continue:
 class Retry:
     command: RunCronJob
     error: str
+    # Whether the delivery ran the job holding the run, and hands its next step on; not a
+    # run of a job this replica does not know, sent back untried.
+    handing_on: bool = True
 
 
 @dataclass(frozen=True)
@@ -150,19 +161,39 @@ async def run_cron_job(
     retry: RetryPolicy,
     clock: Clock,
     db_timeout_s: float | None = None,
+    hold: Hold | None = None,
+    in_hand: CronRunsInHand | None = None,
 ) -> RunDecision:
     """`db_timeout_s`: the deadline of the handler's database work (None: each operation
-    keeps the client's `timeoutMS`)."""
+    keeps the client's `timeoutMS`). `hold`: the delivery's bid to hold the run (None: run
+    unfenced). `in_hand`: the stop's register, which may cut the handler short (`CutShort`,
+    raised before any decision is recorded)."""
     if command.not_before is not None and command.not_before - clock() > DUE_TOLERANCE:
         return Defer(command)
     handler = handlers.get(command.job)
     if handler is None:
         return await _wait_for_a_replica_knowing(command, firings=firings, retry=retry, clock=clock)
-    if await firings.begin(command.run_id, attempt=command.attempt, now=clock()) is None:
-        return Drop(f"run {command.run_id} is unknown or already finished")
+    began = await firings.begin(command.run_id, attempt=command.attempt, now=clock(), hold=hold)
+    if began is None:
+        return Drop(f"run {command.run_id} is unknown, finished or past this step")
+    if isinstance(began, Held):
+        return Defer(_waiting_for(command, began, now=clock()))
+    following = command.model_copy(update={"step": began.step + 1})
     return await _run_handler(
-        handler, command, firings=firings, retry=retry, clock=clock, db_timeout_s=db_timeout_s
+        handler,
+        following,
+        firings=firings,
+        retry=retry,
+        clock=clock,
+        db_timeout_s=db_timeout_s,
+        in_hand=in_hand or CronRunsInHand(),
     )
+
+
+def _waiting_for(command: RunCronJob, held: Held, *, now: datetime) -> RunCronJob:
+    """A copy of `command` to look at the run again once its hold may have ended."""
+    again = min(max(held.until, now + timedelta(seconds=1)), now + HELD_RECHECK)
+    return command.model_copy(update={"message_id": new_id(), "not_before": again})
 
 
 async def _run_handler(
@@ -173,6 +204,7 @@ async def _run_handler(
     retry: RetryPolicy,
     clock: Clock,
     db_timeout_s: float | None,
+    in_hand: CronRunsInHand,
 ) -> RunDecision:
     run = JobRun(
         run_id=command.run_id,
@@ -186,7 +218,9 @@ async def _run_handler(
     )
     try:
         with pymongo.timeout(db_timeout_s):
-            outcome = await handler(run)
+            outcome = await in_hand.run(handler(run))
+    except CutShort:
+        raise
     except PermanentJobError as error:
         return await _give_up(command, _describe(error), firings=firings, clock=clock)
     except DownstreamFull as error:
@@ -236,6 +270,8 @@ async def give_up_at_delivery_limit(
         "without being settled (the scheduler crashed or lost its connection running it); "
         f"delivery limit {limit} reached, so it is not run again"
     )
+    if await _past_its_step(command, firings):
+        return Drop(f"run {command.run_id} at its delivery limit has passed this step")
     if await firings.finish(command.run_id, state=FiringState.FAILED, now=clock(), error=reason):
         return GiveUp(reason)
     firing = await firings.find(command.run_id)
@@ -284,13 +320,15 @@ async def _wait_for_room(
 
 async def _wait_for_a_replica_knowing(
     command: RunCronJob, *, firings: FiringStore, retry: RetryPolicy, clock: Clock
-) -> Retry | GiveUp:
+) -> Retry | GiveUp | Drop:
     """Send a run of a job this replica does not know back to the queue, its attempt not
     counted (it was not tried), until `UNKNOWN_JOB_MAX_WAIT` has passed since the run last
     made progress (`waiting_since`: its firing, or its slice's issue)."""
     error = f"no handler for cron job {command.job!r} in this scheduler"
     now = clock()
     if now - waiting_since(command) >= UNKNOWN_JOB_MAX_WAIT:
+        if await _past_its_step(command, firings):
+            return Drop(f"run {command.run_id} has passed this step")
         reason = (
             f"{error}, nor in any that took the run within {UNKNOWN_JOB_MAX_WAIT} "
             "(is the job configured on every replica?)"
@@ -300,7 +338,16 @@ async def _wait_for_a_replica_knowing(
     not_before = now + retry.base
     await firings.retrying(command.run_id, error=error, next_attempt_at=not_before, now=now)
     following = command.model_copy(update={"message_id": new_id(), "not_before": not_before})
-    return Retry(following, error)
+    return Retry(following, error, handing_on=False)
+
+
+async def _past_its_step(command: RunCronJob, firings: FiringStore) -> bool:
+    """Whether the run has passed the step `command` carries out: a stale copy, whose
+    give-up would fail a run another delivery carries on."""
+    if command.step is None:
+        return False
+    firing = await firings.find(command.run_id)
+    return firing is not None and firing.step > command.step
 
 
 def waiting_since(command: RunCronJob) -> datetime:

@@ -28,7 +28,7 @@ from pymongo.errors import AutoReconnect
 from services.scheduler.catalogue import Catalogue
 from services.scheduler.config import parse_config
 from services.scheduler.consumer import CronJobRunner, UsageMeter, subscribe_scheduler
-from services.scheduler.firings import Firing, Firings, FiringState
+from services.scheduler.firings import Firing, Firings, FiringState, Held, Hold
 from services.scheduler.messaging import SchedulerBus
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.runs import RetryPolicy
@@ -254,11 +254,13 @@ class AwayAtBegin(Firings):
 
     away = False
 
-    async def begin(self, run_id: str, *, attempt: int, now: datetime) -> Firing | None:
+    async def begin(
+        self, run_id: str, *, attempt: int, now: datetime, hold: Hold | None = None
+    ) -> Firing | Held | None:
         if self.away:
             self.away = False
             raise AutoReconnect("the database is away")
-        return await super().begin(run_id, attempt=attempt, now=now)
+        return await super().begin(run_id, attempt=attempt, now=now, hold=hold)
 
 
 async def test_a_redelivery_sent_again_on_a_database_error_carries_its_count(

@@ -121,3 +121,22 @@ async def test_a_refused_manual_run_that_could_not_be_withdrawn_is_accepted(env:
     kept = await firings.find(body["run_id"])
     assert kept is not None
     assert kept.state is FiringState.CLAIMED
+
+
+class ForgetsThenLosesTheAnswer(Firings):
+    """The firings, a withdrawal applied on the server and its answer lost."""
+
+    @override
+    async def forget_unpublished(self, run_id: str) -> bool:
+        await super().forget_unpublished(run_id)
+        raise ConnectionError("the connection was reset before the answer")
+
+
+async def test_a_withdrawal_applied_with_its_answer_lost_is_answered_refused(env: Env) -> None:
+    """Answered 202 `claimed`, that run was never published: nothing was left to run it."""
+    firings = ForgetsThenLosesTheAnswer(env.mongo, env.database)
+    async with cron_api(env, firings) as api, cron_runs_unroutable(env.amqp_url):
+        answer = await api.post(f"/admin/v1/cron/jobs/{JOB}/run")
+    assert answer.status_code == 503
+    assert answer.headers["Retry-After"] == "5"
+    assert await firings.latest(JOB) is None

@@ -27,7 +27,15 @@ from services.scheduler.errors import (
     TriggeredTooOften,
     UnknownJob,
 )
-from services.scheduler.firings import Firing, FiringState, FiringStore, LeaseTaken, to_millis
+from services.scheduler.firings import (
+    Firing,
+    FiringState,
+    FiringStore,
+    Held,
+    Hold,
+    LeaseTaken,
+    to_millis,
+)
 from services.scheduler.jobs import JobOutcome, JobRun
 from services.scheduler.runs import (
     DOWNSTREAM_FULL_MAX_WAIT,
@@ -48,12 +56,20 @@ GRACE = timedelta(seconds=60)
 START = datetime(2025, 1, 1, 10, 4, 50, tzinfo=UTC)
 
 
+def _may_take(held: Hold, hold: Hold, now: datetime) -> bool:
+    """As `services.scheduler.firings._holdable`; `held.step` is the step handed on."""
+    handed_on = held.step is not None and held.step == hold.step
+    own_redelivery = hold.redelivered and held.message_id == hold.message_id
+    return held.until < now or handed_on or own_redelivery
+
+
 class FakeFirings(FiringStore):
     """The firings collection in memory, with its unique (job, scheduled_for) index and its
     unique index of the runs holding their job's lease."""
 
     def __init__(self) -> None:
         self.by_id: dict[str, Firing] = {}
+        self.holds: dict[str, Hold] = {}
         self.claimed_at: dict[str, datetime] = {}
         self.active: dict[str, str] = {}  # job -> the run holding its lease
 
@@ -161,17 +177,48 @@ class FakeFirings(FiringStore):
         self._set(run_id, state=FiringState.SKIPPED, error=reason, finished_at=now)
         return True
 
-    async def begin(self, run_id: str, *, attempt: int, now: datetime) -> Firing | None:
+    async def begin(
+        self, run_id: str, *, attempt: int, now: datetime, hold: Hold | None = None
+    ) -> Firing | Held | None:
         firing = self.by_id.get(run_id)
         if firing is None or firing.state.is_final:
             return None
+        step = firing.step
+        if hold is not None:
+            if hold.step is not None and firing.step > hold.step:
+                return None
+            held = self.holds.get(run_id)
+            if held is not None and not _may_take(held, hold, now):
+                return Held(until=held.until)
+            self.holds[run_id] = dataclasses.replace(hold, step=None)
+            step = firing.step if hold.step is None else hold.step
         self._set(
             run_id,
             state=FiringState.RUNNING,
             attempts=max(firing.attempts, attempt),
             heartbeat_at=now,
+            step=step,
         )
         return self.by_id[run_id]
+
+    async def renew(self, run_id: str, *, handling: str, until: datetime, now: datetime) -> bool:
+        held = self.holds.get(run_id)
+        if held is None or held.handling != handling:
+            return False
+        self.holds[run_id] = dataclasses.replace(held, until=until)
+        return True
+
+    async def hand_on(self, run_id: str, *, handling: str, step: int, now: datetime) -> bool:
+        held = self.holds.get(run_id)
+        if held is None or held.handling != handling or self.by_id[run_id].state.is_final:
+            return False
+        self.holds[run_id] = dataclasses.replace(held, step=step)  # the step handed on
+        return True
+
+    async def release(self, run_id: str, *, handling: str) -> None:
+        held = self.holds.get(run_id)
+        if held is not None and held.handling == handling:
+            del self.holds[run_id]
 
     async def retrying(
         self, run_id: str, *, error: str, next_attempt_at: datetime, now: datetime

@@ -30,7 +30,7 @@ from pymongo.errors import (
 
 from services.scheduler.catalogue import Catalogue
 from services.scheduler.consumer import CronJobRunner, UsageMeter
-from services.scheduler.firings import Firing
+from services.scheduler.firings import Firing, Held, Hold
 from services.scheduler.jobs import JobOutcome, JobRun
 from services.scheduler.messaging import SchedulerBus
 from services.scheduler.runs import RetryPolicy
@@ -166,7 +166,9 @@ class FiringsRefusing(FakeFirings):
         super().__init__()
         self.error = error
 
-    async def begin(self, run_id: str, *, attempt: int, now: datetime) -> Firing | None:
+    async def begin(
+        self, run_id: str, *, attempt: int, now: datetime, hold: Hold | None = None
+    ) -> Firing | Held | None:
         raise self.error
 
 

@@ -14,10 +14,11 @@
   the deliveries its consumers lost so far (`x-scorebox-earlier-deliveries`), for the copy's
   own count starts at zero; a next slice or retry is a new message and carries none.
 - a delivery runs only once it takes the run's hold (`services.scheduler.firings`); the
-  hold is renewed while the job runs (`HOLD_LEASE`, `HOLD_RENEWAL_S`), its next step named
-  before it is published (`hand_on`: a delivery whose hold another took over publishes
-  nothing and is dropped), and let go before a delivery is handed back (a stop, MongoDB
-  unavailable). A copy finding the run held waits down the ladder (Defer).
+  hold is renewed until the run is handed on (`HOLD_LEASE`, `HOLD_RENEWAL_S`), a next slice
+  or retry published and then named on the run (`hand_on`), and the hold let go before a
+  delivery is handed back (a stop, MongoDB unavailable). A copy finding the run held waits
+  down the ladder (Defer). A delivery whose hold may be another's (taken over, or about to
+  lapse while renewals fail) has its job cut short and is dropped.
 - at stop (`in_hand.CronRunsInHand`), the jobs in hand get a bounded grace to end; each
   still running then is cancelled and its delivery handed back as a fresh copy with its
   count carried, then acked: a stop adds nothing to the count. Left unsettled, as it was, every
@@ -99,7 +100,6 @@ from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying_dat
 from shared.topology import (
     ATTEMPTS_HEADER,
     CRON_JOBS,
-    DELIVERY_COUNT_HEADER,
     EVENT_KEY_HEADER,
     USAGE_METER,
     WorkQueue,
@@ -140,6 +140,10 @@ class CronJobRunner:
     job_db_timeout_s: float
     metrics: SchedulerMetrics = field(default_factory=SchedulerMetrics)
     in_hand: CronRunsInHand = field(default_factory=CronRunsInHand)
+    # The handlings whose job was cut short because another delivery took their hold.
+    lost_holds: set[str] = field(default_factory=set)
+    hold_lease: timedelta = HOLD_LEASE
+    hold_renewal_s: float = HOLD_RENEWAL_S
 
     async def on_message(self, message: Delivery) -> None:
         try:
@@ -150,79 +154,104 @@ class CronJobRunner:
             return
         deliveries = deliveries_lost(message.headers)
         if deliveries >= CRON_JOBS.delivery_limit:
-            decision: RunDecision = await self._give_up_at_delivery_limit(command, deliveries)
+            decision: RunDecision | None = await self._give_up_at_delivery_limit(
+                command, deliveries
+            )
+            handed_on = False
         else:
-            hold = self._hold_for(command, message)
+            hold = Hold(
+                handling=new_id(),
+                message_id=command.message_id,
+                step=command.step,
+                until=self.clock() + self.hold_lease,
+            )
+            renewing = asyncio.create_task(self._keep_holding(command.run_id, hold))
             try:
-                decision = await self._holding(command, hold)
-            except CutShort:
-                await self._let_go(command, hold)
-                await self._hand_back(command, message)
-                return
-            except PyMongoError as error:
-                if not transient_database_error(error):
-                    raise  # counted by its queue's delivery limit, not re-sent for ever
-                log.warning("MongoDB unavailable around run %s: %r", command.run_id, error)
-                await self._let_go(command, hold)
-                later = self.clock() + self.retry.base
-                again = command.model_copy(update={"message_id": new_id(), "not_before": later})
-                await self._publish_run(again, headers=carried_deliveries(message.headers))
-                return
-            decision = await self._handed_on(decision, hold)
+                decision = await self._held_run(command, message, hold)
+                handed_on = decision is not None and await self._handed_on(decision, hold)
+            finally:
+                renewing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await renewing
+        if decision is None:  # handed back
+            return
         job = command.job if command.job in self.handlers else UNKNOWN_JOB
         self.metrics.count_run(job, decision)
-        await self.carry_out(decision, message)
+        if not handed_on:
+            await self.carry_out(decision, message)
 
-    def _hold_for(self, command: RunCronJob, message: Delivery) -> Hold:
-        redelivered = message.redelivered or int(message.headers.get(DELIVERY_COUNT_HEADER, 0)) > 0
-        return Hold(
-            handling=new_id(),
-            message_id=command.message_id,
-            step=command.step,
-            redelivered=redelivered,
-            until=self.clock() + HOLD_LEASE,
-        )
-
-    async def _holding(self, command: RunCronJob, hold: Hold) -> RunDecision:
-        """Run the delivery, its hold on the run renewed while the job runs."""
-        renewing = asyncio.create_task(self._keep_holding(command.run_id, hold))
+    async def _held_run(
+        self, command: RunCronJob, message: Delivery, hold: Hold
+    ) -> RunDecision | None:
+        """The delivery's decision; None when it was handed back instead (cut short by the
+        stop, or MongoDB unavailable), its hold let go first."""
         try:
             return await self._run(command, hold)
-        finally:
-            renewing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await renewing
+        except CutShort:
+            if hold.handling in self.lost_holds:
+                self.lost_holds.discard(hold.handling)
+                return Drop(f"run {command.run_id}: this delivery lost its hold on it")
+            await self._let_go(command, hold)
+            await self._hand_back(command, message)
+            return None
+        except PyMongoError as error:
+            if not transient_database_error(error):
+                raise  # counted by its queue's delivery limit, not re-sent for ever
+            log.warning("MongoDB unavailable around run %s: %r", command.run_id, error)
+            await self._let_go(command, hold)
+            later = self.clock() + self.retry.base
+            again = command.model_copy(update={"message_id": new_id(), "not_before": later})
+            await self._publish_run(again, headers=carried_deliveries(message.headers))
+            return None
 
     async def _keep_holding(self, run_id: str, hold: Hold) -> None:
+        """Renew the delivery's hold on the run; cut its job short once the hold may be
+        another's: taken over (its renewal found it gone), or lapsed while renewals failed
+        (a copy may have taken it: two would run the run at once)."""
+        lasts_until = hold.until
         while True:
-            await asyncio.sleep(HOLD_RENEWAL_S)
+            await asyncio.sleep(self.hold_renewal_s)
+            until = self.clock() + self.hold_lease
             try:
-                until = self.clock() + HOLD_LEASE
-                await self.firings.renew(
+                held = await self.firings.renew(
                     run_id, handling=hold.handling, until=until, now=self.clock()
                 )
             except PyMongoError as error:
                 log.warning("cron run %s: its hold not renewed: %r", run_id, error)
+                # Given up before it lapses, not after: a copy may take it at once then.
+                next_look = self.clock() + timedelta(seconds=self.hold_renewal_s)
+                held = next_look < lasts_until
+            if held:
+                lasts_until = until
+            # Not held before its job starts (the run being begun) or after it (handed on).
+            elif self.in_hand.cut_short(hold.handling):
+                log.warning("cron run %s: its hold lost; its job cut short", run_id)
+                self.lost_holds.add(hold.handling)
 
-    async def _handed_on(self, decision: RunDecision, hold: Hold) -> RunDecision:
-        """A next slice or retry, once its step is named on the run (so that its message
-        takes the run at once); Drop when another delivery took the run over meanwhile,
-        which carries it on."""
+    async def _handed_on(self, decision: RunDecision, hold: Hold) -> bool:
+        """Hand the run on when the decision is its next slice or retry: publish it, then
+        name its step on the run (copies of this step are stale from then on, and the
+        message takes the run at once: until then it waits, a few seconds at most). The
+        hold is renewed meanwhile: lapsed during a long publish (a broker alarm), a copy of
+        this step would take it and run the step again. False when there is nothing to hand
+        on (the decision is carried out as it is)."""
         if not isinstance(decision, Continue | Retry):
-            return decision
+            return False
         if isinstance(decision, Retry) and not decision.handing_on:
-            return decision
+            return False
         command = decision.command
+        await self._publish_run(command)
         step = command.step if command.step is not None else 0
-        handed = await keep_trying_database(
+        if not await keep_trying_database(
             lambda: self.firings.hand_on(
                 command.run_id, handling=hold.handling, step=step, now=self.clock()
             ),
             what=f"handing cron run {command.run_id} on",
-        )
-        if handed:
-            return decision
-        return Drop(f"run {command.run_id} was taken over by another delivery meanwhile")
+        ):
+            # Its hold lapsed and another delivery took the run: that one carries it on, and
+            # the step just published waits for it, then runs or is dropped as stale.
+            log.warning("cron run %s was taken over before it was handed on", command.run_id)
+        return True
 
     async def _let_go(self, command: RunCronJob, hold: Hold) -> None:
         """Let go of the hold before handing the delivery back, if the database answers in

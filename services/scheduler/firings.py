@@ -32,13 +32,15 @@ late is sent again (the dispatcher's re-publish of a claim, `keep_publishing` of
 or retry), so several copies of one message may reach the queue, and each ran the job. Each
 message carries the run's `step` (0 at the claim, one more at each next slice or retry); a
 delivery runs only once it takes the run's `hold` (`begin` with a `Hold`): its step is not
-behind the firing's, and no other handling holds the run (none, its lease lapsed, the holder
-handed this step on, or the delivery is the broker's redelivery of the holder's own
-message, whose consumer died). A copy finding the run held waits (`Held`: sent again down
-the wait ladder), and one whose step the run has passed, or whose run ended, is dropped.
-The holder renews its lease while the job runs (`renew`), names the step it hands on before
-publishing it (`hand_on`), and lets go when it hands its delivery back (`release`). A
-message without a step (sent by an earlier build) is fenced by the hold alone.
+behind the firing's, and no other handling holds the run (none, its lease lapsed, or the
+holder handed this very step on). A copy finding the run held waits (`Held`: sent again
+down the wait ladder), and one whose step the run has passed (or was handed on past), or
+whose run ended, is dropped. The holder renews its lease until it has handed the run on
+(`renew`), publishes the next step and then names it (`hand_on`), and lets go when it hands
+its delivery back (`release`). A holder that died is taken over once its lease lapses, by
+its own redelivery or any copy: a redelivery does not take a live hold, for its consumer
+may only have lost its connection while its job runs on. A message without a step (sent by
+an earlier build) is fenced by the hold alone.
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ class Firing:
     replay_of: str | None = None  # the dead-lettered run this one replays
     heartbeat_at: datetime | None = None  # the run's last sign of life
     step: int = 0  # the step of the delivery that last took the run's hold
+    hold: Document | None = None  # {by, message_id, until, next}: who holds the run
 
     @classmethod
     def from_document(cls, document: Document) -> Firing:
@@ -139,38 +142,54 @@ class Firing:
             replay_of=document.get("replay_of"),
             heartbeat_at=document.get("heartbeat_at"),
             step=document.get("step", 0),
+            hold=document.get("hold"),
         )
+
+    def passed(self, step: int | None) -> bool:
+        """Whether the run has passed `step` (or its holder handed it on past it): a copy of
+        that step is stale. None (an earlier build's message) is never stale."""
+        if step is None:
+            return False
+        handed_on = (self.hold or {}).get("next")
+        return self.step > step or (handed_on is not None and handed_on > step)
+
+    def held_by_another(self, message_id: str, now: datetime) -> bool:
+        """Whether a live hold of another message's delivery holds the run."""
+        hold = self.hold or {}
+        until = hold.get("until")
+        return until is not None and until >= now and hold.get("message_id") != message_id
 
 
 @dataclass(frozen=True)
 class Hold:
     """A delivery's bid to run its run (`Firings.begin`): one holder at a time, until `until`
     unless renewed. `step`: the step its message carries out (None: an earlier build's
-    message). `redelivered`: the broker's redelivery, which takes the hold over from a
-    handling of its own message (that consumer died holding it)."""
+    message)."""
 
     handling: str
     message_id: str
     step: int | None
-    redelivered: bool
     until: datetime
 
 
 @dataclass(frozen=True)
 class Held:
-    """Another handling holds the run until `until`: the delivery is to wait, not to run."""
+    """Another handling holds the run until `until`: the delivery is to wait, not to run.
+    `next_step`: the delivery carries the step after the holder's, most likely published a
+    moment before its holder names it (`hand_on`): worth looking at again at once."""
 
     until: datetime
+    next_step: bool = False
 
 
 def _holdable(hold: Hold, now: datetime) -> Document:
-    """The firings `hold` may take: its step not behind theirs, and nobody else's live hold."""
-    free: list[Document] = [{"hold": None}, {"hold.until": {"$lt": to_millis(now)}}]
-    if hold.redelivered:
-        free.append({"hold.message_id": hold.message_id})
+    """The firings `hold` may take: its step not behind theirs, and nobody else's live hold.
+    A lapsed hold whose holder handed the run on is the next step's: its message was
+    published, and a copy of the step handed on would run that step again."""
+    lapsed: Document = {"hold.until": {"$lt": to_millis(now)}}
     if hold.step is None:
-        return {"$or": free}
-    free.append({"hold.next": hold.step})
+        return {"$or": [{"hold": None}, lapsed]}
+    free = [{"hold": None}, {"hold.next": hold.step}, lapsed | {"hold.next": None}]
     not_behind = [{"step": {"$lte": hold.step}}, {"step": {"$exists": False}}]
     return {"$and": [{"$or": not_behind}, {"$or": free}]}
 
@@ -474,10 +493,11 @@ class Firings(FiringStore):
         document = await self._collection.find_one({"_id": run_id})
         if document is None or document["state"] in _FINAL:
             return None
-        if hold.step is not None and document.get("step", 0) > hold.step:
+        firing = Firing.from_document(document)
+        if firing.passed(hold.step):
             return None
-        held = document.get("hold") or {}
-        return Held(until=held.get("until") or to_millis(hold.until))
+        until = (firing.hold or {}).get("until") or to_millis(hold.until)
+        return Held(until=until, next_step=hold.step == firing.step + 1)
 
     async def renew(self, run_id: str, *, handling: str, until: datetime, now: datetime) -> bool:
         """Extend the hold of `handling` to `until`; False when it holds the run no more."""
@@ -485,17 +505,18 @@ class Firings(FiringStore):
             {"_id": run_id, "hold.by": handling},
             {"$set": {"hold.until": to_millis(until), "heartbeat_at": to_millis(now)}},
         )
-        return result.modified_count == 1
+        return result.matched_count == 1  # a renewal to the same time modifies nothing
 
     async def hand_on(self, run_id: str, *, handling: str, step: int, now: datetime) -> bool:
-        """Name the step `handling` hands the run on to, before its message is published: that
-        message takes the hold at once. False when `handling` holds the run no more (another
-        copy took it over: that one carries the run on) or the run has ended."""
+        """Name the step `handling` hands the run on to, its message published: that message
+        takes the hold at once, and copies of the steps before it are stale. False when
+        `handling` holds the run no more (its hold lapsed and another took it: that one
+        carries the run on) or the run has ended."""
         result = await self._collection.update_one(
             {"_id": run_id, "hold.by": handling, "state": {"$nin": _FINAL}},
             {"$set": {"hold.next": step, "heartbeat_at": to_millis(now)}},
         )
-        return result.modified_count == 1
+        return result.matched_count == 1  # a repeat (its answer lost) modifies nothing
 
     async def release(self, run_id: str, *, handling: str) -> None:
         """Let go of the hold of `handling` (a delivery handed back): its copy takes it."""

@@ -23,19 +23,23 @@ class CutShort(Exception):
 class CronRunsInHand:
     def __init__(self) -> None:
         self._running: set[asyncio.Task[Any]] = set()
+        self._by_key: dict[str, asyncio.Task[Any]] = {}
         self._cut_short: set[asyncio.Task[Any]] = set()
         self._closed = False
         # Event-loop time by which a delivery cut short must be handed back.
         self.hand_back_by: float | None = None
 
-    async def run[T](self, job: Awaitable[T]) -> T:
-        """The job's result; `CutShort` when the stop cancelled it (or came first)."""
+    async def run[T](self, job: Awaitable[T], *, key: str | None = None) -> T:
+        """The job's result; `CutShort` when the stop cancelled it (or came first), or
+        `cut_short(key)` did."""
         if self._closed:
             if inspect.iscoroutine(job):
                 job.close()
             raise CutShort
         task = asyncio.ensure_future(job)
         self._running.add(task)
+        if key is not None:
+            self._by_key[key] = task
         try:
             return await task
         except asyncio.CancelledError:
@@ -46,6 +50,18 @@ class CronRunsInHand:
         finally:
             self._running.discard(task)
             self._cut_short.discard(task)
+            if key is not None:
+                self._by_key.pop(key, None)
+
+    def cut_short(self, key: str) -> bool:
+        """Cancel the job run under `key` (its delivery lost its hold on the run); False
+        when none runs."""
+        task = self._by_key.get(key)
+        if task is None or task.done():
+            return False
+        self._cut_short.add(task)
+        task.cancel()
+        return True
 
     async def cut_short_by(self, deadline: float, *, hand_back_by: float) -> int:
         """Take no more; wait until `deadline` (event-loop time) for the jobs in hand, then

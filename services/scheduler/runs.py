@@ -187,12 +187,15 @@ async def run_cron_job(
         clock=clock,
         db_timeout_s=db_timeout_s,
         in_hand=in_hand or CronRunsInHand(),
+        key=hold.handling if hold is not None else None,
     )
 
 
 def _waiting_for(command: RunCronJob, held: Held, *, now: datetime) -> RunCronJob:
-    """A copy of `command` to look at the run again once its hold may have ended."""
-    again = min(max(held.until, now + timedelta(seconds=1)), now + HELD_RECHECK)
+    """A copy of `command` to look at the run again once its hold may have ended (the next
+    step, as soon as the wait ladder allows: its holder is naming it)."""
+    soonest = now + timedelta(seconds=1)
+    again = soonest if held.next_step else min(max(held.until, soonest), now + HELD_RECHECK)
     return command.model_copy(update={"message_id": new_id(), "not_before": again})
 
 
@@ -205,6 +208,7 @@ async def _run_handler(
     clock: Clock,
     db_timeout_s: float | None,
     in_hand: CronRunsInHand,
+    key: str | None,
 ) -> RunDecision:
     run = JobRun(
         run_id=command.run_id,
@@ -218,7 +222,7 @@ async def _run_handler(
     )
     try:
         with pymongo.timeout(db_timeout_s):
-            outcome = await in_hand.run(handler(run))
+            outcome = await in_hand.run(handler(run), key=key)
     except CutShort:
         raise
     except PermanentJobError as error:
@@ -270,8 +274,8 @@ async def give_up_at_delivery_limit(
         "without being settled (the scheduler crashed or lost its connection running it); "
         f"delivery limit {limit} reached, so it is not run again"
     )
-    if await _past_its_step(command, firings):
-        return Drop(f"run {command.run_id} at its delivery limit has passed this step")
+    if await _not_its_to_give_up(command, firings, now=clock()):
+        return Drop(f"run {command.run_id} at its delivery limit is carried on by another")
     if await firings.finish(command.run_id, state=FiringState.FAILED, now=clock(), error=reason):
         return GiveUp(reason)
     firing = await firings.find(command.run_id)
@@ -327,8 +331,8 @@ async def _wait_for_a_replica_knowing(
     error = f"no handler for cron job {command.job!r} in this scheduler"
     now = clock()
     if now - waiting_since(command) >= UNKNOWN_JOB_MAX_WAIT:
-        if await _past_its_step(command, firings):
-            return Drop(f"run {command.run_id} has passed this step")
+        if await _not_its_to_give_up(command, firings, now=now):
+            return Drop(f"run {command.run_id} is carried on by another delivery")
         reason = (
             f"{error}, nor in any that took the run within {UNKNOWN_JOB_MAX_WAIT} "
             "(is the job configured on every replica?)"
@@ -341,13 +345,14 @@ async def _wait_for_a_replica_knowing(
     return Retry(following, error, handing_on=False)
 
 
-async def _past_its_step(command: RunCronJob, firings: FiringStore) -> bool:
-    """Whether the run has passed the step `command` carries out: a stale copy, whose
-    give-up would fail a run another delivery carries on."""
-    if command.step is None:
-        return False
+async def _not_its_to_give_up(command: RunCronJob, firings: FiringStore, *, now: datetime) -> bool:
+    """Whether another delivery carries the run on: the run has passed the step `command`
+    carries out (a stale copy), or another message's delivery holds it. Given up, such a
+    copy failed a live run."""
     firing = await firings.find(command.run_id)
-    return firing is not None and firing.step > command.step
+    if firing is None:
+        return False
+    return firing.passed(command.step) or firing.held_by_another(command.message_id, now)
 
 
 def waiting_since(command: RunCronJob) -> datetime:

@@ -40,14 +40,8 @@ async def _claimed(firings: Firings) -> Firing:
     return firing
 
 
-def _bid(step: int | None, *, message_id: str | None = None, redelivered: bool = False) -> Hold:
-    return Hold(
-        handling=new_id(),
-        message_id=message_id or new_id(),
-        step=step,
-        redelivered=redelivered,
-        until=NOW + LEASE,
-    )
+def _bid(step: int | None, *, message_id: str | None = None) -> Hold:
+    return Hold(handling=new_id(), message_id=message_id or new_id(), step=step, until=NOW + LEASE)
 
 
 async def test_a_copy_waits_while_another_delivery_holds_the_run(firings: Firings) -> None:
@@ -98,19 +92,20 @@ async def test_a_renewed_hold_keeps_copies_waiting(firings: Firings) -> None:
     assert isinstance(waits, Held)
 
 
-async def test_the_broker_redelivering_the_holders_message_takes_the_run_over(
+async def test_the_broker_redelivering_the_holders_message_waits_for_its_lease(
     firings: Firings,
 ) -> None:
-    """The holder's consumer died holding it: waiting out its lease would only delay."""
+    """Its consumer may only have lost its connection while the job runs on: taken over at
+    once, the run ran twice at the same time."""
     firing = await _claimed(firings)
     await firings.begin(firing.run_id, attempt=1, now=NOW, hold=_bid(0, message_id="m0"))
-    redelivery = _bid(0, message_id="m0", redelivered=True)
+    redelivery = _bid(0, message_id="m0")
 
+    assert isinstance(await firings.begin(firing.run_id, attempt=1, now=NOW, hold=redelivery), Held)
+    later = NOW + LEASE + timedelta(seconds=1)
     assert isinstance(
-        await firings.begin(firing.run_id, attempt=1, now=NOW, hold=redelivery), Firing
+        await firings.begin(firing.run_id, attempt=1, now=later, hold=redelivery), Firing
     )
-    other_copy = _bid(0, message_id="m1", redelivered=True)
-    assert isinstance(await firings.begin(firing.run_id, attempt=1, now=NOW, hold=other_copy), Held)
 
 
 async def test_the_step_handed_on_takes_the_run_at_once_and_its_past_copies_are_dropped(
@@ -131,27 +126,31 @@ async def test_the_step_handed_on_takes_the_run_at_once_and_its_past_copies_are_
 
 
 async def test_a_next_step_published_before_its_hand_on_waits_for_it(firings: Firings) -> None:
-    """Published, then the holder died before naming it: it waits for the hold to lapse (or
-    for the holder's redelivery to carry the step out again and hand it on)."""
+    """Published, then the holder named it a moment later, or died before naming it: it
+    waits (looked at again as soon as the ladder allows) for the name, or for the hold to
+    lapse."""
     firing = await _claimed(firings)
     await firings.begin(firing.run_id, attempt=1, now=NOW, hold=_bid(0))
 
-    assert isinstance(await firings.begin(firing.run_id, attempt=1, now=NOW, hold=_bid(1)), Held)
+    assert await firings.begin(firing.run_id, attempt=1, now=NOW, hold=_bid(1)) == Held(
+        until=NOW + LEASE, next_step=True
+    )
     later = NOW + LEASE + timedelta(seconds=1)
     assert isinstance(
         await firings.begin(firing.run_id, attempt=1, now=later, hold=_bid(1)), Firing
     )
 
 
-async def test_a_holder_taken_over_cannot_hand_the_run_on(firings: Firings) -> None:
+async def test_a_holder_whose_hold_lapsed_and_was_taken_cannot_hand_the_run_on(
+    firings: Firings,
+) -> None:
     firing = await _claimed(firings)
-    first = _bid(0, message_id="m0")
+    first = _bid(0)
     await firings.begin(firing.run_id, attempt=1, now=NOW, hold=first)
-    await firings.begin(
-        firing.run_id, attempt=1, now=NOW, hold=_bid(0, message_id="m0", redelivered=True)
-    )
+    later = NOW + LEASE + timedelta(seconds=1)
+    await firings.begin(firing.run_id, attempt=1, now=later, hold=_bid(0))
 
-    assert not await firings.hand_on(firing.run_id, handling=first.handling, step=1, now=NOW)
+    assert not await firings.hand_on(firing.run_id, handling=first.handling, step=1, now=later)
 
 
 async def test_a_message_of_an_earlier_build_is_fenced_by_the_hold_alone(firings: Firings) -> None:
@@ -195,3 +194,20 @@ async def test_a_stale_copy_at_its_delivery_limit_does_not_fail_the_run(firings:
     still = await firings.find(firing.run_id)
     assert still is not None
     assert not still.state.is_final
+
+
+async def test_a_copy_of_a_step_handed_on_is_dropped_even_once_the_hold_lapses(
+    firings: Firings,
+) -> None:
+    """Taken, it ran the step again while the next one waited (a retry's back-off)."""
+    firing = await _claimed(firings)
+    holder = _bid(0, message_id="m0")
+    await firings.begin(firing.run_id, attempt=1, now=NOW, hold=holder)
+    await firings.hand_on(firing.run_id, handling=holder.handling, step=1, now=NOW)
+    later = NOW + LEASE + timedelta(seconds=1)
+
+    assert await firings.begin(firing.run_id, attempt=1, now=NOW, hold=_bid(0)) is None
+    assert await firings.begin(firing.run_id, attempt=1, now=later, hold=_bid(0)) is None
+    # Its own message too: the next step was published before it was named.
+    own = _bid(0, message_id="m0")
+    assert await firings.begin(firing.run_id, attempt=1, now=later, hold=own) is None

@@ -26,7 +26,7 @@ env = test_scheduler.env
 JOB = "rollup"
 # The job is only run by hand here: the schedulers fire nothing of their own.
 CONSUMING = parse_config({"jobs": {JOB: {"cron": "5 * * * *", "enabled": False}}}, {})
-QUICK_STOP = {"BROKER_TIMEOUT_S": 2}  # the jobs in hand get 1 s at stop
+QUICK_STOP = {"BROKER_TIMEOUT_S": 3}  # the jobs in hand get 1.5 s at stop
 
 
 class Slow:

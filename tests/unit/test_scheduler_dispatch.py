@@ -59,8 +59,8 @@ START = datetime(2025, 1, 1, 10, 4, 50, tzinfo=UTC)
 def _may_take(held: Hold, hold: Hold, now: datetime) -> bool:
     """As `services.scheduler.firings._holdable`; `held.step` is the step handed on."""
     handed_on = held.step is not None and held.step == hold.step
-    own_redelivery = hold.redelivered and held.message_id == hold.message_id
-    return held.until < now or handed_on or own_redelivery
+    lapsed = held.until < now and (held.step is None or hold.step is None)
+    return lapsed or handed_on
 
 
 class FakeFirings(FiringStore):

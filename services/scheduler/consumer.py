@@ -65,6 +65,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from enum import StrEnum
 from typing import Any
 
 from pydantic import ValidationError
@@ -125,6 +126,13 @@ HOLD_RENEWAL_S = 15.0
 RELEASE_TIMEOUT_S = 1.0
 
 
+class HoldCut(StrEnum):
+    """Why a delivery's job was cut short for its hold on the run."""
+
+    TAKEN = "taken by another delivery"
+    UNRENEWED = "not renewed before its lease ran out"
+
+
 class NotHandedBack(Exception):
     """A delivery cut short whose copy the broker did not confirm: left unsettled."""
 
@@ -140,8 +148,8 @@ class CronJobRunner:
     job_db_timeout_s: float
     metrics: SchedulerMetrics = field(default_factory=SchedulerMetrics)
     in_hand: CronRunsInHand = field(default_factory=CronRunsInHand)
-    # The handlings whose job was cut short because another delivery took their hold.
-    lost_holds: set[str] = field(default_factory=set)
+    # The handlings whose job was cut short for their hold, and why.
+    cut_holds: dict[str, HoldCut] = field(default_factory=dict)
     hold_lease: timedelta = HOLD_LEASE
     hold_renewal_s: float = HOLD_RENEWAL_S
 
@@ -188,21 +196,29 @@ class CronJobRunner:
         try:
             return await self._run(command, hold)
         except CutShort:
-            if hold.handling in self.lost_holds:
-                self.lost_holds.discard(hold.handling)
-                return Drop(f"run {command.run_id}: this delivery lost its hold on it")
-            await self._let_go(command, hold)
-            await self._hand_back(command, message)
+            match self.cut_holds.pop(hold.handling, None):
+                case HoldCut.TAKEN:  # another delivery carries the run on
+                    return Drop(f"run {command.run_id}: this delivery lost its hold on it")
+                case HoldCut.UNRENEWED:  # perhaps nobody else: sent again, as in an outage
+                    await self._sent_again_later(command, message, hold)
+                case None:  # the stop
+                    await self._let_go(command, hold)
+                    await self._hand_back(command, message)
             return None
         except PyMongoError as error:
             if not transient_database_error(error):
                 raise  # counted by its queue's delivery limit, not re-sent for ever
             log.warning("MongoDB unavailable around run %s: %r", command.run_id, error)
-            await self._let_go(command, hold)
-            later = self.clock() + self.retry.base
-            again = command.model_copy(update={"message_id": new_id(), "not_before": later})
-            await self._publish_run(again, headers=carried_deliveries(message.headers))
+            await self._sent_again_later(command, message, hold)
             return None
+
+    async def _sent_again_later(self, command: RunCronJob, message: Delivery, hold: Hold) -> None:
+        """Let go of the hold (if the database answers) and send the delivery again after the
+        retry base delay, its deliveries carried."""
+        await self._let_go(command, hold)
+        later = self.clock() + self.retry.base
+        again = command.model_copy(update={"message_id": new_id(), "not_before": later})
+        await self._publish_run(again, headers=carried_deliveries(message.headers))
 
     async def _keep_holding(self, run_id: str, hold: Hold) -> None:
         """Renew the delivery's hold on the run; cut its job short once the hold may be
@@ -213,20 +229,26 @@ class CronJobRunner:
             await asyncio.sleep(self.hold_renewal_s)
             until = self.clock() + self.hold_lease
             try:
-                held = await self.firings.renew(
+                renewed = await self.firings.renew(
                     run_id, handling=hold.handling, until=until, now=self.clock()
                 )
             except PyMongoError as error:
                 log.warning("cron run %s: its hold not renewed: %r", run_id, error)
                 # Given up before it lapses, not after: a copy may take it at once then.
                 next_look = self.clock() + timedelta(seconds=self.hold_renewal_s)
-                held = next_look < lasts_until
-            if held:
+                if next_look >= lasts_until:
+                    self._cut(run_id, hold, HoldCut.UNRENEWED)
+                continue
+            if renewed:
                 lasts_until = until
-            # Not held before its job starts (the run being begun) or after it (handed on).
-            elif self.in_hand.cut_short(hold.handling):
-                log.warning("cron run %s: its hold lost; its job cut short", run_id)
-                self.lost_holds.add(hold.handling)
+            else:
+                self._cut(run_id, hold, HoldCut.TAKEN)
+
+    def _cut(self, run_id: str, hold: Hold, why: HoldCut) -> None:
+        # Nothing to cut before its job starts (the run being begun) or after it (handed on).
+        if self.in_hand.cut_short(hold.handling):
+            log.warning("cron run %s: its hold %s; its job cut short", run_id, why.value)
+            self.cut_holds[hold.handling] = why
 
     async def _handed_on(self, decision: RunDecision, hold: Hold) -> bool:
         """Hand the run on when the decision is its next slice or retry: publish it, then
@@ -289,7 +311,7 @@ class CronJobRunner:
 
     async def _give_up_at_delivery_limit(
         self, command: RunCronJob, deliveries: int
-    ) -> GiveUp | Drop:
+    ) -> GiveUp | Drop | Defer:
         # Waited out with the delivery held: sent again later, it would start its count anew.
         return await keep_trying_database(
             lambda: give_up_at_delivery_limit(

@@ -153,11 +153,10 @@ class Firing:
         handed_on = (self.hold or {}).get("next")
         return self.step > step or (handed_on is not None and handed_on > step)
 
-    def held_by_another(self, message_id: str, now: datetime) -> bool:
-        """Whether a live hold of another message's delivery holds the run."""
-        hold = self.hold or {}
-        until = hold.get("until")
-        return until is not None and until >= now and hold.get("message_id") != message_id
+    def held_until(self, now: datetime) -> datetime | None:
+        """When the live hold on the run ends unless renewed; None when nobody holds it."""
+        until = (self.hold or {}).get("until")
+        return until if until is not None and until >= now else None
 
 
 @dataclass(frozen=True)

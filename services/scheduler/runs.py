@@ -17,7 +17,8 @@
     any other error, attempts left  -> Retry    (back-off through the wait ladder)
     any other error, none left      -> GiveUp
     at the queue's delivery limit   -> GiveUp   (`give_up_at_delivery_limit`: not run again;
-                                                 Drop when the run has ended already)
+                                                 Drop when the run has ended already or
+                                                 passed its step; Defer while it is held)
 
 A delivery is at its queue's delivery limit (`x-delivery-count`, read by the consumer) when
 it was returned unsettled that many times: the scheduler crashed or lost its connection
@@ -266,7 +267,7 @@ def _work_until(now: datetime, db_timeout_s: float | None) -> datetime | None:
 
 async def give_up_at_delivery_limit(
     command: RunCronJob, *, deliveries: int, limit: int, firings: FiringStore, clock: Clock
-) -> GiveUp | Drop:
+) -> GiveUp | Drop | Defer:
     """Give up a run whose delivery came back unsettled `deliveries` times (at least the
     queue's `limit`), without running it again; drop it when the run has ended already."""
     reason = (
@@ -274,8 +275,12 @@ async def give_up_at_delivery_limit(
         "without being settled (the scheduler crashed or lost its connection running it); "
         f"delivery limit {limit} reached, so it is not run again"
     )
-    if await _not_its_to_give_up(command, firings, now=clock()):
-        return Drop(f"run {command.run_id} at its delivery limit is carried on by another")
+    standing = await firings.find(command.run_id)
+    if standing is not None and standing.passed(command.step):
+        return Drop(f"run {command.run_id} at its delivery limit has passed this step")
+    if standing is not None and (held := standing.held_until(clock())) is not None:
+        # Its holder carries it on, or died and its lease runs out: given up once it has.
+        return Defer(_waiting_for(command, Held(until=held), now=clock()))
     if await firings.finish(command.run_id, state=FiringState.FAILED, now=clock(), error=reason):
         return GiveUp(reason)
     firing = await firings.find(command.run_id)
@@ -331,8 +336,11 @@ async def _wait_for_a_replica_knowing(
     error = f"no handler for cron job {command.job!r} in this scheduler"
     now = clock()
     if now - waiting_since(command) >= UNKNOWN_JOB_MAX_WAIT:
-        if await _not_its_to_give_up(command, firings, now=now):
-            return Drop(f"run {command.run_id} is carried on by another delivery")
+        standing = await firings.find(command.run_id)
+        if standing is not None and standing.passed(command.step):
+            return Drop(f"run {command.run_id} has passed this step")
+        if standing is not None and standing.held_until(now) is not None:
+            return _sent_back(command, error, now=now, after=retry.base)
         reason = (
             f"{error}, nor in any that took the run within {UNKNOWN_JOB_MAX_WAIT} "
             "(is the job configured on every replica?)"
@@ -345,14 +353,11 @@ async def _wait_for_a_replica_knowing(
     return Retry(following, error, handing_on=False)
 
 
-async def _not_its_to_give_up(command: RunCronJob, firings: FiringStore, *, now: datetime) -> bool:
-    """Whether another delivery carries the run on: the run has passed the step `command`
-    carries out (a stale copy), or another message's delivery holds it. Given up, such a
-    copy failed a live run."""
-    firing = await firings.find(command.run_id)
-    if firing is None:
-        return False
-    return firing.passed(command.step) or firing.held_by_another(command.message_id, now)
+def _sent_back(command: RunCronJob, error: str, *, now: datetime, after: timedelta) -> Retry:
+    """The run sent back untried for a replica knowing its job, another delivery holding it
+    meanwhile (its state left to that one)."""
+    following = command.model_copy(update={"message_id": new_id(), "not_before": now + after})
+    return Retry(following, error, handing_on=False)
 
 
 def waiting_since(command: RunCronJob) -> datetime:

@@ -14,7 +14,7 @@ import pytest
 
 from services.scheduler.dispatcher import run_command_for
 from services.scheduler.firings import Firing, Firings, FiringState, Held, Hold
-from services.scheduler.runs import Drop, give_up_at_delivery_limit
+from services.scheduler.runs import Defer, Drop, GiveUp, give_up_at_delivery_limit
 from shared.contracts import new_id
 from tests.integration import test_scheduler
 from tests.integration.test_scheduler import Env
@@ -211,3 +211,23 @@ async def test_a_copy_of_a_step_handed_on_is_dropped_even_once_the_hold_lapses(
     # Its own message too: the next step was published before it was named.
     own = _bid(0, message_id="m0")
     assert await firings.begin(firing.run_id, attempt=1, now=later, hold=own) is None
+
+
+async def test_a_copy_at_its_delivery_limit_waits_while_the_run_is_held(firings: Firings) -> None:
+    """Dropped, the run lost its only message when its holder had died (its lease running
+    out); given up, it failed a run its holder carried on. Once the hold lapses with nothing
+    handed on, it is given up."""
+    firing = await _claimed(firings)
+    await firings.begin(firing.run_id, attempt=1, now=NOW, hold=_bid(0))
+    copy = run_command_for(firing)
+
+    waits = await give_up_at_delivery_limit(
+        copy, deliveries=5, limit=5, firings=firings, clock=lambda: NOW
+    )
+    later = NOW + LEASE + timedelta(seconds=1)
+    given_up = await give_up_at_delivery_limit(
+        copy, deliveries=5, limit=5, firings=firings, clock=lambda: later
+    )
+
+    assert isinstance(waits, Defer)
+    assert isinstance(given_up, GiveUp)

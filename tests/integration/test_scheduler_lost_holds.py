@@ -1,7 +1,8 @@
 """A delivery whose hold on its cron run may be another's stops its job: taken over (its
-renewal finds the hold gone), or about to lapse while its renewals fail (a copy would take
-it the moment it lapses). It went on running, and two deliveries ran the run at once.
-On the real database (MongoDB or the stand-in); the renewals' failures are played."""
+renewal finds the hold gone: dropped, the other carries the run on), or about to lapse while
+its renewals fail (a copy would take it the moment it lapses: sent again, for perhaps nobody
+else holds it). It went on running, and two deliveries ran the run at once. On the real
+database (MongoDB or the stand-in); the renewals' failures are played."""
 
 from __future__ import annotations
 
@@ -67,12 +68,12 @@ class Stoppable:
         return JobOutcome()
 
 
-def _runner(firings: Firings, job: Stoppable, clock: MovableClock) -> CronJobRunner:
+def _runner(firings: Firings, job: Stoppable, clock: MovableClock, sent: Sent) -> CronJobRunner:
     return CronJobRunner(
         handlers={JOB: job},
         firings=firings,
         retry=RETRY,
-        bus=Sent(),  # type: ignore[arg-type]  # nothing is published on these paths
+        bus=sent,  # type: ignore[arg-type]  # records what would be published
         clock=clock,
         job_db_timeout_s=30,
         metrics=SchedulerMetrics(CollectorRegistry()),
@@ -97,7 +98,9 @@ async def test_a_delivery_that_may_have_lost_its_hold_stops_its_job(
     clock = MovableClock(NOW)
     job = Stoppable()
     body = run_command_for(firing).model_dump_json().encode()
-    handling = asyncio.create_task(_runner(firings, job, clock).on_message(HandedDelivery(body)))
+    sent = Sent()
+    runner = _runner(firings, job, clock, sent)
+    handling = asyncio.create_task(runner.on_message(HandedDelivery(body)))
     await asyncio.wait_for(job.started.wait(), timeout=30)
 
     if store is Firings:  # another delivery took the hold (its lease lapsed, say)
@@ -107,4 +110,9 @@ async def test_a_delivery_that_may_have_lost_its_hold_stops_its_job(
         clock.now = NOW + LEASE
 
     await asyncio.wait_for(job.cancelled.wait(), timeout=30)
-    await asyncio.wait_for(handling, timeout=30)  # dropped: its delivery acked, nothing sent
+    await asyncio.wait_for(handling, timeout=30)
+    if store is Firings:
+        assert sent.commands == []  # dropped: the delivery that took the hold carries it on
+    else:
+        [again] = sent.commands  # nobody else may hold it: sent again, its step kept
+        assert (again.run_id, again.step) == (firing.run_id, 0)

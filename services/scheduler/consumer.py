@@ -229,14 +229,18 @@ class CronJobRunner:
             await asyncio.sleep(self.hold_renewal_s)
             until = self.clock() + self.hold_lease
             try:
-                renewed = await self.firings.renew(
-                    run_id, handling=hold.handling, until=until, now=self.clock()
-                )
-            except PyMongoError as error:
+                # Bounded by the period: a renewal as slow as the database's own timeout
+                # (up to minutes) let the lease lapse before the holder knew.
+                async with asyncio.timeout(self.hold_renewal_s):
+                    renewed = await self.firings.renew(
+                        run_id, handling=hold.handling, until=until, now=self.clock()
+                    )
+            except (TimeoutError, PyMongoError) as error:
                 log.warning("cron run %s: its hold not renewed: %r", run_id, error)
-                # Given up before it lapses, not after: a copy may take it at once then.
-                next_look = self.clock() + timedelta(seconds=self.hold_renewal_s)
-                if next_look >= lasts_until:
+                # Given up before it can lapse, not after (a copy may take it at once then):
+                # the next renewal may end two periods from now.
+                next_known = self.clock() + timedelta(seconds=2 * self.hold_renewal_s)
+                if next_known >= lasts_until:
                     self._cut(run_id, hold, HoldCut.UNRENEWED)
                 continue
             if renewed:

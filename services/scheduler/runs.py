@@ -276,8 +276,8 @@ async def give_up_at_delivery_limit(
         f"delivery limit {limit} reached, so it is not run again"
     )
     standing = await firings.find(command.run_id)
-    if standing is not None and standing.passed(command.step):
-        return Drop(f"run {command.run_id} at its delivery limit has passed this step")
+    if standing is not None and (standing.state.is_final or standing.passed(command.step)):
+        return Drop(f"run {command.run_id} at its delivery limit has ended or passed this step")
     if standing is not None and (held := standing.held_until(clock())) is not None:
         # Its holder carries it on, or died and its lease runs out: given up once it has.
         return Defer(_waiting_for(command, Held(until=held), now=clock()))

@@ -43,6 +43,15 @@ class RenewalsFail(Firings):
         raise AutoReconnect("the primary stepped down")
 
 
+class RenewalsHang(Firings):
+    """The firings, every renewal waiting on a database that does not answer (up to the
+    client's own timeout, which may be minutes)."""
+
+    async def renew(self, run_id: str, *, handling: str, until: datetime, now: datetime) -> bool:
+        await asyncio.Event().wait()
+        return True
+
+
 class Sent:
     def __init__(self) -> None:
         self.commands: list[RunCronJob] = []
@@ -89,7 +98,11 @@ async def _claimed(firings: Firings) -> Firing:
     return firing
 
 
-@pytest.mark.parametrize("store", [Firings, RenewalsFail], ids=["taken-over", "renewals-fail"])
+@pytest.mark.parametrize(
+    "store",
+    [Firings, RenewalsFail, RenewalsHang],
+    ids=["taken-over", "renewals-fail", "renewals-hang"],
+)
 async def test_a_delivery_that_may_have_lost_its_hold_stops_its_job(
     env: Env, store: type[Firings]
 ) -> None:

@@ -167,26 +167,34 @@ class CronJobRunner:
             )
             handed_on = False
         else:
-            hold = Hold(
-                handling=new_id(),
-                message_id=command.message_id,
-                step=command.step,
-                until=self.clock() + self.hold_lease,
-            )
-            renewing = asyncio.create_task(self._keep_holding(command.run_id, hold))
-            try:
-                decision = await self._held_run(command, message, hold)
-                handed_on = decision is not None and await self._handed_on(decision, hold)
-            finally:
-                renewing.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await renewing
+            decision, handed_on = await self._holding(command, message)
         if decision is None:  # handed back
             return
         job = command.job if command.job in self.handlers else UNKNOWN_JOB
         self.metrics.count_run(job, decision)
         if not handed_on:
             await self.carry_out(decision, message)
+
+    async def _holding(
+        self, command: RunCronJob, message: Delivery
+    ) -> tuple[RunDecision | None, bool]:
+        """Run the delivery under its bid for the run's hold, renewed until the run is handed
+        on: its decision (None: handed back), and whether the run was handed on with it."""
+        hold = Hold(
+            handling=new_id(),
+            message_id=command.message_id,
+            step=command.step,
+            until=self.clock() + self.hold_lease,
+        )
+        renewing = asyncio.create_task(self._keep_holding(command.run_id, hold))
+        try:
+            decision = await self._held_run(command, message, hold)
+            handed_on = decision is not None and await self._handed_on(decision, hold)
+        finally:
+            renewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewing
+        return decision, handed_on
 
     async def _held_run(
         self, command: RunCronJob, message: Delivery, hold: Hold

@@ -347,15 +347,12 @@ async def _wait_for_a_replica_knowing(
         )
         return await _give_up(command, reason, firings=firings, clock=clock)
     log.warning("cron run %s: %s; sent back for another replica", command.run_id, error)
-    not_before = now + retry.base
-    await firings.retrying(command.run_id, error=error, next_attempt_at=not_before, now=now)
-    following = command.model_copy(update={"message_id": new_id(), "not_before": not_before})
-    return Retry(following, error, handing_on=False)
+    await firings.retrying(command.run_id, error=error, next_attempt_at=now + retry.base, now=now)
+    return _sent_back(command, error, now=now, after=retry.base)
 
 
 def _sent_back(command: RunCronJob, error: str, *, now: datetime, after: timedelta) -> Retry:
-    """The run sent back untried for a replica knowing its job, another delivery holding it
-    meanwhile (its state left to that one)."""
+    """The run sent back untried, `after` from `now`, for a replica knowing its job."""
     following = command.model_copy(update={"message_id": new_id(), "not_before": now + after})
     return Retry(following, error, handing_on=False)
 

@@ -33,7 +33,7 @@ MAX_COMMENT_CHARS: Final = 1000
 _MAX_SEARCHED_CHARS: Final = 20_000
 # What the search may read of candidates that fail to parse, in all: each failed candidate is
 # read up to where it breaks, so many unclosed objects (`[{"a":` repeated) made the search
-# quadratic in the answer's length, 0.7 s of the event loop for 20,000 characters.
+# quadratic in the answer's length, all of it on the scorer's event loop.
 _MAX_BROKEN_CHARS_READ: Final = 4 * _MAX_SEARCHED_CHARS
 _MAX_PROBLEM_CHARS: Final = 500
 _SCORE_KEY: Final = re.compile(r'"score"\s*:')

@@ -640,8 +640,10 @@ def _raise_interrupt(signum: int, _frame: FrameType | None) -> None:
 def stop_signals_interrupt() -> Iterator[None]:
     """SIGTERM behaves like Ctrl-C inside the block; both are ignored once it is left.
 
-    Leave it before cleaning up, so a second Ctrl-C cannot cut a shutdown short.
+    Leave it before cleaning up, so a second Ctrl-C cannot cut a shutdown short. SIGINT is
+    set too: a runner started in the background of a script inherits it ignored.
     """
+    signal.signal(signal.SIGINT, _raise_interrupt)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         yield

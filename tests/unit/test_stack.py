@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import signal
 import socket
 import socketserver
 import subprocess
@@ -16,6 +17,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -38,6 +40,7 @@ from devtools.stack import (
     no_proxy_with_loopback,
     ports_from_env,
     probe,
+    stop_signals_interrupt,
 )
 from services.gateway.keys import generate_key, parse_key
 
@@ -548,3 +551,25 @@ def test_make_run_with_a_broken_docker_engine_exits_2_with_one_line(tmp_path: Pa
     assert line.startswith("error: a Docker engine answers, but the RabbitMQ container did not")
     assert "the engine is broken" in line
     assert "SCOREBOX_NO_DOCKER=1" in line
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_runner_started_with_stop_signals_ignored_still_stops_on_them(
+    signum: signal.Signals,
+) -> None:
+    """A shell's background job inherits SIGINT ignored: `kill -INT` must stop the runner."""
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(KeyboardInterrupt), stop_signals_interrupt():
+            _signal_self_and_wait(signum)
+        assert signal.getsignal(signum) is signal.SIG_IGN
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _signal_self_and_wait(signum: signal.Signals) -> None:
+    os.kill(os.getpid(), signum)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        time.sleep(0.01)

@@ -170,6 +170,9 @@ class DeadLetterQueue:
             update={
                 "generation": command.generation + 1 if taken is None else taken,
                 "attempt": 1,
+                # A fresh budget: the free rate-limited retries counted too, or the attempts
+                # a replay may make grow by the old ones.
+                "rate_limited_retries": 0,
                 "not_before": None,
                 "message_id": new_id(),
                 "occurred_at": self._clock(),

@@ -422,20 +422,21 @@ class Submissions:
             given = await self._replayed_as(task_id, of)
             if given is not None:
                 return given
-            await self._collection.update_one({"_id": task_id}, {"$max": {"generation": of}})
+            # One write takes the generation and names it the replay's: taken in two, two
+            # copies replayed at once each took one, and the stored generation (the one a
+            # cancel targets) was one that never runs.
             taken = await self._collection.find_one_and_update(
-                {"_id": task_id},
-                {"$inc": {"generation": 1}},
+                {"_id": task_id, replay: {"$exists": False}},
+                [
+                    {"$set": {"generation": {"$add": [{"$max": ["$generation", of]}, 1]}}},
+                    {"$set": {replay: "$generation"}},
+                ],
                 projection={"generation": True},
                 return_document=ReturnDocument.AFTER,
             )
-            if taken is None:
-                return None
-            # A copy replayed at the same moment may have set it first: its generation wins.
-            await self._collection.update_one(
-                {"_id": task_id, replay: {"$exists": False}},
-                {"$set": {replay: taken["generation"]}},
-            )
+            if taken is not None:
+                return int(taken["generation"])
+            # Gone, or a copy replayed at the same moment took it first: its generation wins.
             return await self._replayed_as(task_id, of)
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error

@@ -7,6 +7,7 @@ commands is scripted to refuse, everything else is real."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -349,3 +350,20 @@ async def test_a_claim_cut_short_keeps_its_generation_when_a_replay_took_the_nex
     await env.consumer(publisher, env.submissions()).on_message(redelivered)
     assert redelivered.settled == ["ack"]
     assert [sent.generation for sent in publisher.sent] == [1]
+
+
+async def test_two_copies_of_a_letter_replayed_at_once_take_one_generation(env: Env) -> None:
+    """Two gateway replicas replaying the two copies of one letter each took a generation and
+    the first naming won: both ran as 1 while the submission stored 2, a generation that
+    never runs, and a cancel (which targets the stored one) stopped the running call's
+    outcome from being recorded."""
+    command = await accepted_submission(env.submissions())
+
+    first, second = await asyncio.gather(
+        env.submissions().replay_generation(command.task_id, of=0),
+        env.submissions().replay_generation(command.task_id, of=0),
+    )
+
+    stored = await env.submissions().find(command.task_id, tenant_id=command.tenant_id)
+    assert stored is not None
+    assert first == second == stored.generation == 1

@@ -135,3 +135,23 @@ async def test_a_score_replay_by_ids_looks_them_up_in_a_set() -> None:
     assert replay.not_found == ["nowhere"]
     assert sorted(command.task_id for command in resubmitted.commands) == ["t-2", "t-3"]
     assert sorted(letter.message_id for letter in held.removed) == ["m-t-2", "m-t-3"]
+
+
+async def test_a_replay_starts_the_task_on_a_fresh_attempt_budget() -> None:
+    """The rate-limited retries a letter had made were kept: given up at attempt 24 after 20
+    of them, its replay could make 24 attempts again, all of them billed."""
+    spent = ScoreText(
+        task_id="t-1", tenant_id="acme", text="some text", attempt=24, rate_limited_retries=20
+    )
+    letter = Letter(body=spent.model_dump_json().encode(), message_id="m-t-1")
+    resubmitted = Resubmitted()
+    queue = DeadLetterQueue(
+        cast(Any, None), cast(Any, resubmitted), cast(Any, NoReplaysYet()), Clock(NOW), timeout_s=1
+    )
+    queue._dlq = cast(DeadLetterWalker, HeldLetters([letter]))
+
+    await queue.replay(None)
+
+    [fresh] = resubmitted.commands
+    assert (fresh.attempt, fresh.rate_limited_retries, fresh.not_before) == (1, 0, None)
+    assert fresh.generation == 1

@@ -10,7 +10,6 @@ and served: after a rubric change, a submission is scored under the new one.
 from __future__ import annotations
 
 import hashlib
-import unicodedata
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -23,17 +22,19 @@ from services.gateway.errors import DatabaseUnavailable
 from shared.contracts import HEURISTIC_PROMPT_VERSION, ScoreResult
 from shared.group_reads import GroupReader
 from shared.group_writes import GroupWriter
+from shared.text import normalise_text
 
 Document = dict[str, Any]
 UNCACHEABLE_FLAGS = frozenset({"instruction_in_text"})
 
 
 def cache_key(text: str, rubric: str | None, model: str | None) -> str:
-    """Texts that differ only in Unicode form, case of whitespace runs or outer spaces match."""
-    # Whitespace runs as one space and no outer ones: `str.split` splits where `\s+`
-    # matches, without a regex substitution that rewrites every single space.
-    normalised = " ".join(unicodedata.normalize("NFC", text).split())
-    return hashlib.sha256(orjson.dumps([normalised, rubric or "", model or ""])).hexdigest()
+    """Texts match when the scorer would send the model the same text: `normalise_text`,
+    its own rule (Unicode form, runs of spaces, blank-line runs, outer blanks). Line and
+    paragraph breaks count: the model reads them, and a long text is cut at a paragraph's
+    end, so texts differing only there may be scored, or cut, differently."""
+    canonical = normalise_text(text)
+    return hashlib.sha256(orjson.dumps([canonical, rubric or "", model or ""])).hexdigest()
 
 
 def scoring_model(requested: str | None, default_model: str) -> str:

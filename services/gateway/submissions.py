@@ -668,7 +668,13 @@ def recently_due(submission: Submission, *, now: datetime, window: timedelta) ->
     read as 404 (a client resubmitting then had its text scored twice)."""
     if submission.state in (SubmissionState.ACCEPTING, SubmissionState.UNCONFIRMED):
         return True
-    times = (submission.created_at, submission.not_before, submission.sent_at)
+    # A task whose latest generation finished will not become due: a delayed task cancelled
+    # days ahead of its time read `scheduled` until then once the projection's copy expired.
+    finished = submission.finished_generation is not None and (
+        submission.finished_generation >= submission.generation
+    )
+    due = None if finished else submission.not_before
+    times = (submission.created_at, due, submission.sent_at)
     return max(time for time in times if time is not None) >= now - window
 
 

@@ -595,6 +595,8 @@ class Submission:
         self.cached_result = cached_result
         self.state = state
         self.sent_at: datetime | None = None
+        self.generation = 0
+        self.finished_generation: int | None = None
 
 
 @pytest.mark.parametrize(

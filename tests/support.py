@@ -25,6 +25,8 @@ from shared.event_batches import BATCH_HEADER, split_batch
 from shared.topology import EVENTS, SCORE_REQUESTS
 
 POLL_INTERVAL_S = 0.05
+# What the gateway keeps a submission the outbox sweep sends (its IDEMPOTENCY_TTL_S default).
+SWEEP_RETENTION = timedelta(days=1)
 
 
 def stack_env(

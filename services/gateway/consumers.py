@@ -116,6 +116,7 @@ async def keep_outbox_swept(deps: GatewayDeps, publisher: Publisher, batches: Ba
                 clock=deps.clock,
                 grace=grace,
                 refusals=deps.refusals,
+                retention=retention,
             ),
         )
         if sent:

@@ -354,13 +354,22 @@ class Submissions:
         # tries twice: its insert also collides with the late insert landing at that moment.
         await self._writes.guarded_upsert(*_tombstone(task_id, now))
 
-    async def mark_accepted(self, task_id: str, *, sent_at: datetime | None = None) -> None:
+    async def mark_accepted(
+        self, task_id: str, *, sent_at: datetime | None = None, retention: timedelta | None = None
+    ) -> None:
         """The command reached the broker; it stays recorded for re-scoring, and expires
         `retention` after the task was due (its `expires_once_sent` becomes `expires_at`;
         a record marked before, or of an earlier build, keeps the `expires_at` it has).
-        The outbox sweep gives `sent_at`; a request, which sends right after it recorded the
+        The outbox sweep gives `sent_at` and `retention`: a record it sends is kept at least
+        `retention` from then; a request, which sends right after it recorded the
         submission, has `created_at` say when."""
-        await self._update({"_id": task_id}, _sent(sent_at))
+        if sent_at is None or retention is None:
+            await self._update({"_id": task_id}, _sent(sent_at))
+            return
+        try:  # a pipeline, which group commit does not take; the sweep's pace is its own
+            await self._collection.update_one({"_id": task_id}, _swept(sent_at, retention))
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
 
     async def mark_unconfirmed(self, task_id: str) -> None:
         """The command was written but not confirmed, and the client answered 202: a replay
@@ -645,6 +654,23 @@ def _sent(sent_at: datetime | None) -> Document:
     if sent_at is not None:
         sent[SENT_AT] = sent_at
     return {"$set": sent, "$rename": {EXPIRY_ONCE_SENT: "expires_at"}}
+
+
+def _swept(sent_at: datetime, retention: timedelta) -> list[Document]:
+    """`_sent` for a record the outbox sweep sent, kept at least `retention` from `sent_at`:
+    sent after an outage longer than its retention, it expired the moment it was sent, and
+    with it the task's reads (404) and its Idempotency-Key (a resubmission scored it twice)."""
+    recorded_expiry = {"$ifNull": [f"${EXPIRY_ONCE_SENT}", "$expires_at"]}
+    return [
+        {
+            "$set": {
+                "state": SubmissionState.ACCEPTED.value,
+                SENT_AT: sent_at,
+                "expires_at": {"$max": [recorded_expiry, sent_at + retention]},
+            }
+        },
+        {"$unset": EXPIRY_ONCE_SENT},
+    ]
 
 
 def unsent_in_batch_query(batch_id: str, *, sent_since: datetime) -> Document:

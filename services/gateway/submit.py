@@ -384,17 +384,20 @@ async def sweep_outbox(
     clock: Clock,
     grace: timedelta,
     refusals: Refusals,
+    retention: timedelta,
 ) -> int:
     """Send submissions left `accepting` by an interrupted request, or `unconfirmed` by a
     publish the broker did not confirm; returns how many the broker confirmed (the others
-    stay for the next sweep). Refused ones not yet written off are not sent.
+    stay for the next sweep). Refused ones not yet written off are not sent; those sent are
+    kept at least `retention` from then.
 
     The pass reads its list once, and sending it takes a broker round trip per record, so a
     record's request held here when the list was read may have refused it since (503,
     "nothing was kept"), deleted it, and let go of it. So each chunk of the list, once its
     records are no longer held, is read again by `_id` (`Submissions.still_unsent`), and
     only those still unsent are sent: a request of this process that holds a task no longer
-    has finished with its record, so that read is its last word."""
+    has finished with its record, so that read is its last word. The pass ends at the first
+    send the broker does not confirm."""
     sent = 0
     listed = await submissions.interrupted(older_than=clock() - grace)
     for start in range(0, len(listed), SWEEP_RECHECK_CHUNK):
@@ -411,9 +414,15 @@ async def sweep_outbox(
             if submission.task_id not in unsent or refusals.holds(submission.task_id):
                 continue
             assert submission.command is not None
-            if await _send_again(submission.command, submission.cached_result, publisher):
-                await submissions.mark_accepted(submission.task_id, sent_at=clock())
-                sent += 1
+            if not await _send_again(submission.command, submission.cached_result, publisher):
+                # The broker takes nothing now (an alarm makes each send wait out its whole
+                # timeout): the rest waits for the next pass. Sending on, a pass of 500 took
+                # over an hour, and the write-offs and batch holds after it waited as long.
+                return sent
+            await submissions.mark_accepted(
+                submission.task_id, sent_at=clock(), retention=retention
+            )
+            sent += 1
     return sent
 
 

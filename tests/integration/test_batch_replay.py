@@ -35,6 +35,7 @@ from services.gateway.submit import settle_outcome, sweep_outbox
 from shared.contracts import Phase, ScoreResult, ScoreText, TaskCompleted, event_sequence
 from tests.integration.gateway_records import GatewayRecords as Gateway
 from tests.integration.gateway_records import Recorded, gateway_records
+from tests.support import SWEEP_RETENTION
 
 Document = dict[str, Any]
 T0 = datetime(2030, 5, 17, 12, 0, tzinfo=UTC)
@@ -147,6 +148,7 @@ async def test_a_replay_records_what_the_interrupted_batch_had_not_and_all_is_se
         clock=lambda: T0 + GRACE + timedelta(seconds=2),
         grace=GRACE,
         refusals=Refusals(),
+        retention=SWEEP_RETENTION,
     ):
         pass
     assert sorted(swept_before.sent + sweep.sent) == sorted(members)  # each sent exactly once
@@ -188,6 +190,7 @@ async def _sent_by_sweeps(gateway: Gateway, refusals: Refusals) -> list[str]:
         clock=lambda: T0 + GRACE + timedelta(seconds=2),
         grace=GRACE,
         refusals=refusals,
+        retention=SWEEP_RETENTION,
     ):
         pass
     return sweep.sent
@@ -537,6 +540,7 @@ async def test_a_refused_batch_is_not_sent_by_a_sweep_pass_started_before_it_was
         clock=lambda: T0 + GRACE + timedelta(seconds=2),
         grace=GRACE,
         refusals=refusals,
+        retention=SWEEP_RETENTION,
     )
 
     with pytest.raises(BrokerUnavailable):

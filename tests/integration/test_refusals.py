@@ -28,7 +28,7 @@ from shared.contracts import ScoreResult, ScoreText, new_id
 from tests.faults.slow_link import SlowLink
 from tests.integration.gateway_records import GatewayRecords as Gateway
 from tests.integration.gateway_records import Recorded, gateway_records
-from tests.support import eventually
+from tests.support import SWEEP_RETENTION, eventually
 
 Document = dict[str, Any]
 NOW = datetime(2030, 5, 17, 12, 0, tzinfo=UTC)
@@ -187,6 +187,7 @@ async def test_the_sweep_does_not_send_a_refusal_until_it_is_written_off(
             clock=lambda: NOW + timedelta(minutes=1),
             grace=timedelta(seconds=30),
             refusals=refusals,
+            retention=SWEEP_RETENTION,
         )
 
     assert await sweep() == 1
@@ -256,6 +257,7 @@ async def test_the_sweep_announces_an_unmarked_cache_hit_again_and_never_scores_
         clock=lambda: NOW + timedelta(minutes=1),
         grace=timedelta(seconds=30),
         refusals=Refusals(),
+        retention=SWEEP_RETENTION,
     )
 
     assert swept == 2
@@ -328,6 +330,7 @@ async def test_a_submission_recorded_after_its_503_is_written_off_not_scored(
             clock=lambda: NOW + timedelta(hours=1),
             grace=timedelta(seconds=30),
             refusals=refusals,
+            retention=SWEEP_RETENTION,
         )
         assert publisher.sent == []
         stored = await gateway.raw["submissions"].find_one({"_id": task_id})
@@ -438,6 +441,7 @@ async def test_the_sweep_keeps_off_a_refusal_while_it_is_undone(
         clock=lambda: NOW + timedelta(minutes=1),
         grace=timedelta(seconds=30),
         refusals=refusals,
+        retention=SWEEP_RETENTION,
     )
 
     pause.go.set()
@@ -500,6 +504,7 @@ async def test_a_sweep_pass_started_during_a_refusal_does_not_send_it_once_it_is
         clock=lambda: NOW + timedelta(minutes=1),
         grace=timedelta(seconds=30),
         refusals=refusals,
+        retention=SWEEP_RETENTION,
     )
 
     with pytest.raises(BrokerUnavailable):

@@ -30,7 +30,8 @@ from services.gateway.submissions import (
 from services.gateway.submit import read_score, sweep_outbox
 from shared.contracts import ScoreText, TaskView, new_id, utcnow
 from tests.integration.gateway_records import GatewayRecords as Gateway
-from tests.integration.gateway_records import Recorded, gateway_records
+from tests.integration.gateway_records import Recorded, Unconfirmed, gateway_records
+from tests.support import SWEEP_RETENTION
 
 pytestmark = pytest.mark.integration
 
@@ -131,6 +132,7 @@ async def test_an_unsent_submission_outlives_its_retention_and_is_sent_by_the_sw
         clock=utcnow,
         grace=timedelta(seconds=30),
         refusals=Refusals(),
+        retention=SWEEP_RETENTION,
     )
     assert (sent, publisher.sent) == (1, [command.task_id])
 
@@ -249,3 +251,90 @@ async def test_the_sweep_holds_unsent_records_of_an_earlier_build_from_expiring(
         assert held <= expiries[unsent] <= held + SLACK
     assert expiries["accepted"] == soon
     assert expiries["far"] == now + 3 * RETENTION
+
+
+async def test_a_submission_swept_after_its_retention_is_kept_a_retention_from_then(
+    gateway: Gateway,
+) -> None:
+    """Sent after an outage longer than its retention, its expiry (due + retention) had
+    passed when the sweep marked it: the TTL index removed it at once, so its poll answered
+    404 while the projection was behind, and its Idempotency-Key was free again (a replay
+    scored the text twice)."""
+    now = _now()
+    command = _command(now - OUTAGE)
+    await _record(gateway.submissions, command, SubmissionState.UNCONFIRMED, key="key-late")
+
+    sent = await sweep_outbox(
+        submissions=gateway.submissions,
+        publisher=Recorded(),
+        clock=utcnow,
+        grace=timedelta(seconds=30),
+        refusals=Refusals(),
+        retention=RETENTION,
+    )
+
+    assert sent == 1
+    stored = await _stored(gateway, command.task_id)
+    assert stored is not None, "removed by the TTL index right after it was sent"
+    assert stored["expires_at"] >= now + RETENTION
+    assert EXPIRY_ONCE_SENT not in stored
+    by_key = await gateway.submissions.find_by_key("key-late", tenant_id=command.tenant_id)
+    assert by_key is not None
+    view = await read_score(
+        command.task_id,
+        tenant_id=command.tenant_id,
+        status=NoProjection(),
+        submissions=gateway.submissions,
+        clock=utcnow,
+        window=timedelta(minutes=5),
+    )
+    assert view is not None
+
+
+async def test_a_delayed_submission_swept_keeps_its_later_expiry(gateway: Gateway) -> None:
+    now = _now()
+    due = now + timedelta(days=2)
+    command = _command(now, not_before=due)
+    await _record(gateway.submissions, command, SubmissionState.UNCONFIRMED)
+
+    await gateway.submissions.mark_accepted(command.task_id, sent_at=now, retention=RETENTION)
+
+    stored = await _stored(gateway, command.task_id)
+    assert stored is not None
+    assert stored["expires_at"] == due + RETENTION
+    assert stored["state"] == SubmissionState.ACCEPTED
+    assert EXPIRY_ONCE_SENT not in stored
+
+
+async def test_a_sweep_pass_ends_at_the_first_send_the_broker_does_not_confirm(
+    gateway: Gateway,
+) -> None:
+    """Under an alarm every send waits out its timeout: a pass sending on through 500 records
+    took over an hour, and the batch holds after it came too late (a batch record expired
+    with items unsent). The rest are sent by a later pass."""
+    now = _now()
+    commands = [_command(now - timedelta(hours=1)) for _ in range(3)]
+    for command in commands:
+        await _record(gateway.submissions, command, SubmissionState.UNCONFIRMED)
+    alarm = Unconfirmed()
+
+    sent = await sweep_outbox(
+        submissions=gateway.submissions,
+        publisher=alarm,
+        clock=utcnow,
+        grace=timedelta(seconds=30),
+        refusals=Refusals(),
+        retention=RETENTION,
+    )
+
+    assert (sent, len(alarm.sent)) == (0, 1)
+    later = Recorded()
+    sent = await sweep_outbox(
+        submissions=gateway.submissions,
+        publisher=later,
+        clock=utcnow,
+        grace=timedelta(seconds=30),
+        refusals=Refusals(),
+        retention=RETENTION,
+    )
+    assert {command.task_id for command in commands} <= set(later.sent)

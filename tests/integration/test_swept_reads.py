@@ -25,6 +25,7 @@ from services.gateway.submit import SubmitPolicy, read_score, submit_score, swee
 from shared.contracts import BatchProgress, TaskView
 from tests.integration.gateway_records import GatewayRecords as Gateway
 from tests.integration.gateway_records import Recorded, Unconfirmed, gateway_records
+from tests.support import SWEEP_RETENTION
 
 T0 = datetime(2030, 5, 17, 12, 0, tzinfo=UTC)
 WINDOW = timedelta(minutes=5)  # READ_YOUR_WRITES_WINDOW_S
@@ -77,6 +78,7 @@ async def _sweep(gateway: Gateway, at: datetime) -> int:
         clock=lambda: at,
         grace=GRACE,
         refusals=Refusals(),
+        retention=SWEEP_RETENTION,
     )
 
 

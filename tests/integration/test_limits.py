@@ -283,3 +283,29 @@ async def test_a_chunked_body_within_the_limit_is_accepted(stack: Stack) -> None
         headers={**key, "Content-Type": "application/json"},
     )
     assert response.status_code == 202, response.text
+
+
+async def test_a_replica_minutes_behind_counts_in_the_window_the_others_filled(
+    mongo: Endpoint,
+) -> None:
+    """MongoDB's TTL monitor removes counters by the server's clock. They outlived their
+    window by a minute only, so a replica two minutes behind the server counted in windows
+    already removed, each restarting at zero: twice the limit per minute with two replicas.
+    Here a TTL pass by the server's clock (the first replica's) runs before each request."""
+    server = FrozenClock(datetime(2026, 1, 1, 12, 0, 10, tzinfo=UTC))
+    behind = FrozenClock(server() - timedelta(minutes=5))
+    async with scratch_collection(mongo.url, CommandCounter("update"), prefix="rate") as scratch:
+        database = scratch.database
+        limiters = [
+            RateLimiter(database.client, database.name, per_minute=1, clock=clock)
+            for clock in (behind, server)
+        ]
+        key_id = uuid.uuid4().hex[:16]
+        await limiters[1].hit(key_id)  # the window the replica behind reaches in five minutes
+        server.advance(5 * 60)
+        behind.advance(5 * 60)
+        # The TTL monitor's pass.
+        await database["rate_windows"].delete_many({"expires_at": {"$lte": server()}})
+
+        with pytest.raises(LimitExceeded):
+            await limiters[0].hit(key_id)

@@ -66,6 +66,12 @@ class _Read:
 
 
 @dataclass(frozen=True)
+class _Loading:
+    task: asyncio.Task[_Read]
+    started: float
+
+
+@dataclass(frozen=True)
 class _Cached:
     read: _Read
     until: float
@@ -101,7 +107,7 @@ class Authenticator:
         self._clock = clock
         self._max_cached = max_cached
         self._cache: OrderedDict[str, _Cached] = OrderedDict()  # least recently used first
-        self._loading: dict[str, asyncio.Task[_Read]] = {}
+        self._loading: dict[str, _Loading] = {}
         self._unknown_keys = unknown_keys or UnknownKeyBudget(0)
         self._known: OrderedDict[str, None] = OrderedDict()  # least recently seen first
 
@@ -149,12 +155,14 @@ class Authenticator:
         if cached is not None and cached.until > now:
             self._cache.move_to_end(key_id)
             return cached.read
-        loading = self._loading.get(key_id)
-        if loading is not None:  # joining a read under way costs no read
-            return await asyncio.shield(loading)
+        under_way = self._loading.get(key_id)
+        # Joining a read under way costs no read; one older than the cache period may have
+        # read the key before a revocation the period is the documented bound of.
+        if under_way is not None and under_way.started > now - self._ttl:
+            return await asyncio.shield(under_way.task)
         charged = self._charge(key_id, address)
         loading = asyncio.create_task(self._load(key_id))
-        self._loading[key_id] = loading
+        self._loading[key_id] = _Loading(loading, now)
         loading.add_done_callback(functools.partial(self._loaded, key_id, now + self._ttl))
         try:
             # Shielded: a request that goes away does not cancel the lookup others wait for.
@@ -206,8 +214,9 @@ class Authenticator:
     def _loaded(self, key_id: str, until: float, loading: asyncio.Task[_Read]) -> None:
         # Reading the outcome here marks an error retrieved even when every waiter has gone.
         failed = loading.cancelled() or loading.exception() is not None
-        if self._loading.get(key_id) is not loading:
-            return  # forgotten meanwhile: its result may predate a revocation
+        under_way = self._loading.get(key_id)
+        if under_way is None or under_way.task is not loading:
+            return  # forgotten or overtaken meanwhile: its result may predate a revocation
         del self._loading[key_id]
         if failed:
             return

@@ -157,6 +157,17 @@ class GatewaySettings(InternalApiSettings):
             "replica's outbox sweep may send a submission its request is still refusing"
         )
 
+    @model_validator(mode="after")
+    def _the_bootstrap_key_is_not_the_admin_key(self) -> GatewaySettings:
+        """The admin guard compares the whole `Authorization` header: an admin key shaped
+        like a Scorebox key and also given as the bootstrap key made the default tenant's
+        API key an admin key."""
+        admin, bootstrap = self.admin_api_key, self.bootstrap_api_key
+        token = "" if bootstrap is None else bootstrap.get_secret_value().strip()
+        if admin is not None and token and admin.get_secret_value().strip() == token:
+            raise ValueError("BOOTSTRAP_API_KEY must differ from ADMIN_API_KEY")
+        return self
+
     @field_validator("bootstrap_api_key")
     @classmethod
     def _a_scorebox_key(cls, key: SecretStr | None) -> SecretStr | None:

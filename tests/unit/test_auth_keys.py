@@ -359,6 +359,28 @@ async def test_a_lookup_under_way_when_the_key_is_forgotten_is_not_cached() -> N
     assert store.finds == 2
 
 
+async def test_a_request_past_the_cache_period_does_not_join_an_older_lookup() -> None:
+    """A lookup that read the key before another replica revoked it, answered late (a slow
+    database, `MONGO_TIMEOUT_S` above the cache period): a request 20 s after the revocation
+    joined it and was let in, past the documented bound (`API_KEY_CACHE_TTL_S`)."""
+    store = SlowKeys()
+    token = store.add()
+    ticker = Ticker()
+    authenticator = _authenticator(store, ticker, ttl=5.0)
+    early = asyncio.create_task(authenticator.authenticate(token))
+    await asyncio.sleep(0)  # its lookup has read the key
+    store.revoke(token)
+    ticker.now += 20
+    late = asyncio.create_task(authenticator.authenticate(token))
+    await asyncio.sleep(0)
+    store.release.set()
+
+    assert await _settled([late]) == [None]
+    assert store.finds == 2
+    await _settled([early])  # it read the key before the revocation; its answer is its own
+    assert await authenticator.authenticate(token) is None  # the older answer was not cached
+
+
 # --------------------------------------------------------------------------- unknown keys
 
 

@@ -8,21 +8,20 @@ than `delivery_limit` in `x-death`, so the dead letter did not tell an operator 
 delivery the limit would dead-letter on its return (`x-delivery-count` at the limit) is
 copied to the DLQ here instead, with the error as `x-scorebox-error`, and acked.
 
-The copy is tried for `LETTER_DEADLINE_S` at most: a broker that refuses it that long (a
-memory alarm, a DLQ deleted) gets the delivery back as failed, and dead-letters it itself
-without the reason, rather than the handler holding it, and its prefetch slot, for as long.
+The copy is tried for `LETTER_DEADLINE_S` at most (`shared.runtime.keep_dead_lettering`,
+as every copy a handler sends to a DLQ): a broker that refuses it that long (a memory alarm,
+a DLQ deleted) gets the delivery back as failed, and dead-letters it itself without the
+reason, rather than the handler holding it, and its prefetch slot, for as long.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from faststream.rabbit import RabbitBroker
 
-from shared.bus import BROKER_ERRORS, publish_dead_letter
 from shared.consumers import Delivery
-from shared.runtime import keep_trying
+from shared.runtime import LETTER_DEADLINE_S, keep_dead_lettering
 from shared.topology import (
     DELIVERY_COUNT_HEADER,
     EARLIER_DELIVERIES_HEADER,
@@ -30,9 +29,6 @@ from shared.topology import (
     deliveries_lost,
 )
 
-log = logging.getLogger("scorebox.failed_deliveries")
-
-LETTER_DEADLINE_S = 30.0
 # `publish_dead_letter` keeps 1,000 characters of the reason: the error's text is cut first,
 # so that what follows it is kept.
 _ERROR_TEXT_MAX = 900
@@ -55,33 +51,16 @@ async def return_failed(
     if deliveries_lost(message.headers) < work_queue.delivery_limit:
         await message.requeue_failed()
         return
-    try:
-        await keep_trying(
-            lambda: publish_dead_letter(
-                broker,
-                work_queue,
-                body=message.body,
-                headers=_letter_headers(message.headers),
-                error=failure_reason(error),
-                timeout=timeout,
-                message_id=message.message_id,
-                correlation_id=message.correlation_id,
-            ),
-            what=f"a dead letter of {work_queue.name}",
-            retry_on=BROKER_ERRORS,
-            give_up_after_s=letter_deadline_s,
-        )
-    except BROKER_ERRORS as refused:
-        log.warning(
-            "%s: the broker did not take the dead letter of %s (%r); returned as failed, for "
-            "RabbitMQ to dead-letter without the reason",
-            work_queue.name,
-            message.message_id,
-            refused,
-        )
-        await message.requeue_failed()
-        return
-    await message.ack()
+    if await keep_dead_lettering(
+        broker,
+        work_queue,
+        message,
+        error=failure_reason(error),
+        timeout=timeout,
+        headers=_letter_headers(message.headers),
+        letter_deadline_s=letter_deadline_s,
+    ):
+        await message.ack()
 
 
 def failure_reason(error: BaseException | str) -> str:

@@ -269,6 +269,11 @@ async def keep_publishing(publish: Callable[[], Awaitable[object]], *, what: str
     await keep_trying(publish, what=f"publishing {what}", retry_on=BROKER_ERRORS)
 
 
+# How long a handler tries to copy a delivery to its queue's DLQ (`keep_dead_lettering`)
+# before it returns the delivery as failed instead.
+LETTER_DEADLINE_S = 30.0
+
+
 async def keep_dead_lettering(
     broker: RabbitBroker,
     work_queue: WorkQueue,
@@ -277,22 +282,47 @@ async def keep_dead_lettering(
     error: str,
     timeout: float,
     headers: Mapping[str, Any] | None = None,
-) -> None:
-    """Copy a delivery to its queue's DLQ with `error` (`publish_dead_letter`), trying until
-    the broker confirms it (`keep_publishing`); `headers` replace the delivery's own."""
-    await keep_publishing(
-        lambda: publish_dead_letter(
-            broker,
-            work_queue,
-            body=message.body,
-            headers=dict(message.headers) if headers is None else headers,
-            error=error,
-            timeout=timeout,
-            message_id=message.message_id,
-            correlation_id=message.correlation_id,
-        ),
-        what=f"a dead letter of {work_queue.name}",
-    )
+    letter_deadline_s: float = LETTER_DEADLINE_S,
+) -> bool:
+    """Copy a delivery to its queue's DLQ with `error` (`publish_dead_letter`), trying again
+    while the broker does not confirm it (`keep_trying` on `BROKER_ERRORS`), for
+    `letter_deadline_s` at most; `headers` replace the delivery's own.
+
+    True once the broker confirmed the copy: the caller settles the delivery (acks it).
+    False when the broker refused it that long (a memory alarm, the DLQ deleted): the
+    delivery has been returned as failed (`Delivery.requeue_failed`), for the queue's
+    delivery limit to have RabbitMQ dead-letter it without the reason; it is settled, and
+    the caller must not ack it. Tried without a deadline, the handler held the delivery, and
+    its prefetch slot, for as long as the broker refused: a consumer whose prefetch filled
+    with such deliveries handled nothing more.
+    """
+    try:
+        await keep_trying(
+            lambda: publish_dead_letter(
+                broker,
+                work_queue,
+                body=message.body,
+                headers=dict(message.headers) if headers is None else headers,
+                error=error,
+                timeout=timeout,
+                message_id=message.message_id,
+                correlation_id=message.correlation_id,
+            ),
+            what=f"publishing a dead letter of {work_queue.name}",
+            retry_on=BROKER_ERRORS,
+            give_up_after_s=letter_deadline_s,
+        )
+    except BROKER_ERRORS as refused:
+        log.warning(
+            "%s: the broker did not take the dead letter of %s (%r); returned as failed, for "
+            "RabbitMQ to dead-letter without the reason",
+            work_queue.name,
+            message.message_id,
+            refused,
+        )
+        await message.requeue_failed()
+        return False
+    return True
 
 
 async def start_broker(broker: RabbitBroker, settings: ServiceSettings) -> None:

@@ -24,9 +24,10 @@ Each delivery is acknowledged by hand:
   dead-letter; waited out, it held the delivery for ever;
 - the command not confirmed (broker trouble): the request goes down the wait ladder with
   the next `attempt`, after 5 s, 30 s, 2 min and 10 min, and then to the DLQ with the error;
-  acked either way. Its claim stays unsent, so the retry resumes it with the same
-  generation. That publish is tried until the broker confirms it, the delivery held
-  meanwhile (`keep_publishing`).
+  acked either way (a copy to the DLQ the broker refuses for `LETTER_DEADLINE_S` returns the
+  delivery as failed instead, `keep_dead_lettering`). Its claim stays unsent, so the retry
+  resumes it with the same generation. That publish is tried until the broker confirms it,
+  the delivery held meanwhile (`keep_publishing`).
 - the command refused by the broker (a negative confirm: the score queue full): the same
   ladder, and then every 10 min for as long as the queue refuses, never to the DLQ. A full
   queue is back-pressure (clients' submissions filling it, a slow scorer) that outlasts the
@@ -201,7 +202,8 @@ class RescoreRequests:
                 may_resume=may_resume(request, message),
             )
         except BrokerUnavailable as error:
-            await self._retry_later(request, message, error)
+            if not await self._retry_later(request, message, error):
+                return  # returned as failed already: its dead letter refused
         except DatabaseUnavailable as error:  # refused for good: `rescore_task` waits out the rest
             log.exception("the database refused the re-score of %s", request.task_id)
             await return_failed(
@@ -218,13 +220,14 @@ class RescoreRequests:
 
     async def _retry_later(
         self, request: RescoreTask, message: Delivery, error: BrokerUnavailable
-    ) -> None:
+    ) -> bool:
         """Send the request down the wait ladder, or to the DLQ after its last attempt unless
-        the broker refused it for want of room."""
+        the broker refused it for want of room. True when the caller is to ack the delivery,
+        False when it was returned as failed already (its dead letter refused)."""
         if request.attempt > len(RETRY_DELAYS_S) and not refused_for_room(error):
-            await self._dead_letter(request, message, error)
-        else:
-            await self._send_again(request, error)
+            return await self._dead_letter(request, message, error)
+        await self._send_again(request, error)
+        return True
 
     async def _send_again(self, request: RescoreTask, error: BrokerUnavailable) -> None:
         delay = timedelta(seconds=RETRY_DELAYS_S[min(request.attempt, len(RETRY_DELAYS_S)) - 1])
@@ -251,10 +254,10 @@ class RescoreRequests:
 
     async def _dead_letter(
         self, request: RescoreTask, message: Delivery, error: BrokerUnavailable
-    ) -> None:
+    ) -> bool:
         reason = f"re-score not sent after {request.attempt} attempts: {error!r}"
         log.error("dead-lettering the re-score of %s: %s", request.task_id, reason)
-        await keep_dead_lettering(
+        return await keep_dead_lettering(
             self.broker, RESCORE_REQUESTS, message, error=reason, timeout=self.timeout_s
         )
 

@@ -27,7 +27,9 @@ delivery limit): re-sent uncounted, or held at the limit, it never ended.
 
 Every publish awaits its confirm; one the broker does not confirm (away, blocked by an alarm,
 a full queue) is tried again while the delivery is held (`keep_publishing`), then the
-delivery is acked.
+delivery is acked; a copy to the DLQ only for `LETTER_DEADLINE_S`, after which the delivery
+is returned as failed instead, not acked (`keep_dead_lettering`), and a given-up delivery's
+letter is not noted.
 """
 
 from __future__ import annotations
@@ -116,8 +118,10 @@ async def send_delivery(
 
 async def _dead_letter(
     broker: RabbitBroker, queue: WorkQueue, message: Delivery, reason: str, timeout: float
-) -> None:
-    await keep_dead_lettering(broker, queue, message, error=reason, timeout=timeout)
+) -> bool:
+    """Copy the delivery to the DLQ; True when the caller is to ack it, False when the broker
+    refused the copy until `LETTER_DEADLINE_S` and it was returned as failed instead."""
+    return await keep_dead_lettering(broker, queue, message, error=reason, timeout=timeout)
 
 
 def subscribe_notifications(
@@ -131,8 +135,8 @@ def subscribe_notifications(
         except (KeyError, ValidationError) as error:
             log.warning("dead-lettering an unreadable %r event: %s", routing_key, error)
             reason = f"unreadable event {routing_key!r}: {error}"
-            await _dead_letter(broker, NOTIFICATIONS, message, reason, timeout_s)
-            await message.ack()
+            if await _dead_letter(broker, NOTIFICATIONS, message, reason, timeout_s):
+                await message.ack()
             return
         try:
             await notify_about_task_event(event, deps=deps)
@@ -174,8 +178,8 @@ def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_
         except ValidationError as error:
             log.warning("dead-lettering an unreadable webhook.deliver: %s", error)
             reason = f"unreadable webhook.deliver: {error}"
-            await _dead_letter(broker, WEBHOOK_DELIVERIES, message, reason, timeout_s)
-            await message.ack()
+            if await _dead_letter(broker, WEBHOOK_DELIVERIES, message, reason, timeout_s):
+                await message.ack()
             return
         deliveries = deliveries_lost(message.headers)
         # This copy was handed out before (a fresh copy with deliveries carried was not).
@@ -209,6 +213,8 @@ def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_
         ):
             await wait_for_claim(settled.until, deps.clock)
             redelivered = True
+        if settled is None:
+            return  # given up, its dead letter refused: returned as failed already
         if settled:
             await message.ack()
         else:
@@ -224,10 +230,12 @@ async def _try_and_carry_out(
     redelivered: bool,
     limit_reason: str | None,
     timeout_s: float,
-) -> bool | Hold:
+) -> bool | Hold | None:
     """One try, its decision carried out; Hold to wait and try again, False when it
-    crashed. With `limit_reason` (the message is at its delivery limit), no POST: the
-    attempt's recorded decision, or giving it up (`at_delivery_limit`)."""
+    crashed, None when it gave the delivery up and the broker refused its dead letter (the
+    delivery returned as failed already, `keep_dead_lettering`). With `limit_reason` (the
+    message is at its delivery limit), no POST: the attempt's recorded decision, or giving
+    it up (`at_delivery_limit`)."""
     decision: DeliveryDecision
     try:
         if limit_reason is None:
@@ -254,7 +262,8 @@ async def _try_and_carry_out(
         later = deps.clock() + database_retry_wait()
         update = {"not_before": later, "message_id": new_id()}
         decision = Send(delivery.model_copy(update=update), "database unavailable")
-    await _carry_out(broker, decision, delivery, message, timeout_s=timeout_s)
+    if not await _carry_out(broker, decision, delivery, message, timeout_s=timeout_s):
+        return None  # not noted as lettered: a copy that comes back letters it again
     if isinstance(decision, GiveUp):
         await _note_lettered(delivery, deps)
     return True
@@ -278,7 +287,9 @@ async def _carry_out(
     message: Delivery,
     *,
     timeout_s: float,
-) -> None:
+) -> bool:
+    """Carry a decision out: True, or False when a give-up's dead letter was refused and the
+    delivery returned as failed instead."""
     match decision:
         case Done(reason=reason):
             log.info("webhook %s (%s): %s", delivery.delivery_id, delivery.event_type, reason)
@@ -291,4 +302,5 @@ async def _carry_out(
             await send_delivery(broker, command, timeout=timeout_s, headers=carried)
         case GiveUp(reason=reason):
             log.warning("webhook %s dead-lettered: %s", delivery.delivery_id, reason)
-            await _dead_letter(broker, WEBHOOK_DELIVERIES, message, reason, timeout_s)
+            return await _dead_letter(broker, WEBHOOK_DELIVERIES, message, reason, timeout_s)
+    return True

@@ -50,10 +50,11 @@
 
 Every publish awaits its confirm; one the broker does not confirm (away, blocked by an alarm,
 a full queue) is tried again while the delivery is held (`keep_publishing`), then the
-delivery is acked. Anything else that fails the handler returns the delivery to its quorum
-queue as failed (`shared.failed_deliveries.return_failed`); at its delivery limit the handler
-gives it up as above, and should that fail too, `return_failed` copies it to the DLQ with
-the error.
+delivery is acked; a copy to the DLQ only for `LETTER_DEADLINE_S`, after which the delivery
+is returned as failed instead, not acked (`keep_dead_lettering`). Anything else that fails
+the handler returns the delivery to its quorum queue as failed
+(`shared.failed_deliveries.return_failed`); at its delivery limit the handler gives it up as
+above, and should that fail too, `return_failed` copies it to the DLQ with the error.
 """
 
 from __future__ import annotations
@@ -113,8 +114,12 @@ log = logging.getLogger("scorebox.scheduler.consumer")
 
 async def _dead_letter(
     bus: SchedulerBus, work_queue: WorkQueue, message: Delivery, error: str
-) -> None:
-    await keep_dead_lettering(bus.broker, work_queue, message, error=error, timeout=bus.timeout_s)
+) -> bool:
+    """Copy the delivery to the DLQ; True when the caller is to ack it, False when the broker
+    refused the copy until `LETTER_DEADLINE_S` and it was returned as failed instead."""
+    return await keep_dead_lettering(
+        bus.broker, work_queue, message, error=error, timeout=bus.timeout_s
+    )
 
 
 # How long a delivery's hold on its run lasts unless renewed, and how often it is renewed
@@ -153,13 +158,14 @@ class CronJobRunner:
     hold_lease: timedelta = HOLD_LEASE
     hold_renewal_s: float = HOLD_RENEWAL_S
 
-    async def on_message(self, message: Delivery) -> None:
+    async def on_message(self, message: Delivery) -> bool:
+        """Handle a delivery: True when the caller is to ack it, False when it was returned
+        as failed already (its dead letter refused, `_dead_letter`)."""
         try:
             command = RunCronJob.model_validate_json(message.body)
         except ValidationError as error:
             log.warning("dead-lettering an unreadable cron.run: %s", error)
-            await _dead_letter(self.bus, CRON_JOBS, message, f"unreadable cron.run: {error}")
-            return
+            return await _dead_letter(self.bus, CRON_JOBS, message, f"unreadable cron.run: {error}")
         deliveries = deliveries_lost(message.headers)
         if deliveries >= CRON_JOBS.delivery_limit:
             decision: RunDecision | None = await self._give_up_at_delivery_limit(
@@ -169,11 +175,10 @@ class CronJobRunner:
         else:
             decision, handed_on = await self._holding(command, message)
         if decision is None:  # handed back
-            return
+            return True
         job = command.job if command.job in self.handlers else UNKNOWN_JOB
         self.metrics.count_run(job, decision)
-        if not handed_on:
-            await self.carry_out(decision, message)
+        return handed_on or await self.carry_out(decision, message)
 
     async def _holding(
         self, command: RunCronJob, message: Delivery
@@ -336,7 +341,9 @@ class CronJobRunner:
             what=f"recording cron run {command.run_id} failed at its delivery limit",
         )
 
-    async def carry_out(self, decision: RunDecision, message: Delivery) -> None:
+    async def carry_out(self, decision: RunDecision, message: Delivery) -> bool:
+        """Carry a decision out: True when the caller is to ack the delivery, False when it
+        was returned as failed already (a give-up whose dead letter was refused)."""
         match decision:
             case Continue(command=command) | Retry(command=command):
                 await self._publish_run(command)
@@ -344,11 +351,12 @@ class CronJobRunner:
                 await self._publish_run(command, headers=carried_deliveries(message.headers))
             case GiveUp(reason=reason):
                 log.error("dead-lettering a cron run: %s", reason)
-                await _dead_letter(self.bus, CRON_JOBS, message, reason)
+                return await _dead_letter(self.bus, CRON_JOBS, message, reason)
             case Drop(reason=reason):
                 log.info("dropping a cron.run delivery: %s", reason)
             case Finished():
                 pass
+        return True
 
     async def _publish_run(
         self, command: RunCronJob, *, headers: Mapping[str, Any] | None = None
@@ -384,15 +392,16 @@ class UsageMeter:
     max_attempts: int
     retry_after: timedelta
 
-    async def on_message(self, message: Delivery) -> None:
+    async def on_message(self, message: Delivery) -> bool:
+        """Record a delivery's usage: True when the caller is to ack it, False when it was
+        returned as failed already (its dead letter refused, `_dead_letter`)."""
         key = usage_event_key(message)
         try:
             event = _USAGE_EVENTS[key].model_validate_json(message.body)
             raw: Any = json.loads(message.body)
         except (KeyError, ValidationError, ValueError) as error:
             log.warning("dead-lettering an unreadable %s: %s", key, error)
-            await _dead_letter(self.bus, USAGE_METER, message, f"unreadable {key}: {error}")
-            return
+            return await _dead_letter(self.bus, USAGE_METER, message, f"unreadable {key}: {error}")
         extras = Extras.of(raw if isinstance(raw, dict) else {})
         try:
             await keep_trying_database(
@@ -407,19 +416,19 @@ class UsageMeter:
                 what=f"storing the usage of {event.task_id}",
             )
         except Exception as error:  # noqa: BLE001 - any failure to store is retried, then DLQ'd
-            await self._retry_or_dead_letter(event, message, error)
+            return await self._retry_or_dead_letter(event, message, error)
+        return True
 
     async def _retry_or_dead_letter(
         self, event: TaskCompleted | TaskFailed, message: Delivery, error: Exception
-    ) -> None:
+    ) -> bool:
         attempts = int(message.headers.get(ATTEMPTS_HEADER, 1))
         if attempts >= self.max_attempts:
             log.error(
                 "usage of task %s not stored after %d attempts: %r", event.task_id, attempts, error
             )
             reason = f"usage not stored after {attempts} attempts: {error!r}"
-            await _dead_letter(self.bus, USAGE_METER, message, reason)
-            return
+            return await _dead_letter(self.bus, USAGE_METER, message, reason)
         log.warning("usage of task %s not stored (%r); retrying", event.task_id, error)
         await keep_publishing(
             lambda: self.bus.retry_usage_event(
@@ -429,6 +438,7 @@ class UsageMeter:
             ),
             what=f"the usage retry of {event.task_id}",
         )
+        return True
 
 
 def subscribe_scheduler(
@@ -443,7 +453,7 @@ def subscribe_scheduler(
     @consume(broker, CRON_JOBS.queue, prefetch=job_concurrency)
     async def run_cron_job_delivery(message: Delivery) -> None:
         try:
-            await runner.on_message(message)
+            handled = await runner.on_message(message)
         except NotHandedBack as error:
             log.warning("a cron.run delivery cut short at stop is left unsettled: %s", error)
             return
@@ -451,14 +461,16 @@ def subscribe_scheduler(
             log.exception("could not settle a cron.run delivery; returning it to its queue")
             await return_failed(broker, CRON_JOBS, message, error=error, timeout=broker_timeout_s)
             return
-        await message.ack()
+        if handled:  # else returned as failed already: its dead letter refused
+            await message.ack()
 
     @consume(broker, USAGE_METER.queue, prefetch=meter_prefetch)
     async def record_usage_delivery(message: Delivery) -> None:
         try:
-            await meter.on_message(message)
+            handled = await meter.on_message(message)
         except Exception as error:
             log.exception("could not settle a usage delivery; returning it to its queue")
             await return_failed(broker, USAGE_METER, message, error=error, timeout=broker_timeout_s)
             return
-        await message.ack()
+        if handled:  # else returned as failed already: its dead letter refused
+            await message.ack()

@@ -2,7 +2,8 @@
 the task's next attempt unless its model call has started (`Attempts.cancel`), publish its
 `task.failed` (confirmed), then ack.
 
-- unreadable body: copied to the DLQ with the validation error, then ack;
+- unreadable body: copied to the DLQ with the validation error, then ack; returned as
+  failed instead when the broker refuses the copy for `LETTER_DEADLINE_S`;
 - MongoDB away (a transient error): the write is tried again, backing off, while the delivery
   is held (`keep_trying`); a write it refuses for good, or a task whose document changed under
   every try (`CancelContended`), is returned as failed (`requeue_failed`), for the queue's
@@ -59,14 +60,14 @@ class TaskCancels:
             cancel = CancelTask.model_validate_json(message.body)
         except ValidationError as error:
             log.warning("dead-lettering an unreadable score.cancel: %s", error)
-            await keep_dead_lettering(
+            if await keep_dead_lettering(
                 self.broker,
                 TASK_CANCELS,
                 message,
                 error=f"unreadable score.cancel: {error}",
                 timeout=self.timeout_s,
-            )
-            await message.ack()
+            ):
+                await message.ack()  # else returned as failed: the broker refused the copy
             return
         try:
             outcome = await self._recorded(cancel)

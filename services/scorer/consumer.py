@@ -8,6 +8,10 @@ What each outcome means on the broker:
 - the scorer stopping before the delivery reached a model slot: sent again, then acked (a
   redelivery's copy carries its count, unchanged: a stop is no consumer death).
 - unreadable body (poison): copied to the DLQ with the validation error, then ack.
+- a copy to the DLQ the broker refuses for `LETTER_DEADLINE_S` (a long alarm, the DLQ
+  deleted): the delivery is returned as failed instead (`keep_dead_lettering`), and the
+  ack that follows is no frame (a delivery is settled once); RabbitMQ dead-letters it at
+  the queue's delivery limit, without the reason.
 - the handler itself crashed: re-sent after a delay with a crash counter; at the limit,
   given up: dead-lettered and failed.
 - a process died (or lost its connection) holding the message: RabbitMQ redelivers it with
@@ -147,6 +151,11 @@ class BrokerActions:
         )
 
     async def dead_letter(self, message: Delivery, error: str) -> None:
+        """Copy the delivery to its DLQ. A copy the broker refuses for `LETTER_DEADLINE_S`
+        returns the delivery as failed instead (`keep_dead_lettering`), counted towards the
+        queue's delivery limit: the handler goes on (a give-up's `task.failed` is published
+        all the same, its decision recorded), and the ack it ends with is then no frame, a
+        `Delivery` being settled once. A copy that comes back carries the decision out again."""
         await keep_dead_lettering(
             self.broker,
             SCORE_REQUESTS,

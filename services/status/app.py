@@ -40,6 +40,7 @@ from shared.http import (
     warn_if_internal_routes_open,
 )
 from shared.runtime import (
+    LETTER_DEADLINE_S,
     MongoClient,
     keep_dead_lettering,
     keep_trying_database,
@@ -97,9 +98,28 @@ UNAPPLICABLE = (InvalidDocument, OverflowError, TypeError, ValueError)
 
 
 def subscribe_projection(
-    broker: ScoreboxBroker, writes: GroupWriter, settings: StatusSettings
+    broker: ScoreboxBroker,
+    writes: GroupWriter,
+    settings: StatusSettings,
+    *,
+    letter_deadline_s: float = LETTER_DEADLINE_S,
 ) -> None:
+    """Consume the projection's events. A copy to the DLQ is tried for `letter_deadline_s`
+    at most, then the delivery is returned as failed (`keep_dead_lettering`)."""
     finished_ttl = timedelta(seconds=settings.finished_task_ttl_s)
+
+    async def dead_letter(message: Delivery, error: str) -> None:
+        """Copy to the DLQ, then ack; returned as failed instead, not acked, when the broker
+        refused the copy for `letter_deadline_s`."""
+        if await keep_dead_lettering(
+            broker,
+            STATUS_PROJECTION,
+            message,
+            error=error,
+            timeout=settings.broker_timeout_s,
+            letter_deadline_s=letter_deadline_s,
+        ):
+            await message.ack()
 
     @consume(broker, STATUS_PROJECTION.queue)
     async def record_task_event(message: Delivery) -> None:
@@ -108,14 +128,7 @@ def subscribe_projection(
             event = projected_event(routing_key, message.body)
         except (KeyError, ValidationError) as error:
             log.warning("dead-lettering an unreadable %r event: %s", routing_key, error)
-            await keep_dead_lettering(
-                broker,
-                STATUS_PROJECTION,
-                message,
-                error=f"unreadable event {routing_key!r}: {error}",
-                timeout=settings.broker_timeout_s,
-            )
-            await message.ack()
+            await dead_letter(message, f"unreadable event {routing_key!r}: {error}")
             return
         if event is None:
             await message.ack()
@@ -137,14 +150,7 @@ def subscribe_projection(
                 event.task_id,
                 error,
             )
-            await keep_dead_lettering(
-                broker,
-                STATUS_PROJECTION,
-                message,
-                error=f"{routing_key!r} cannot be applied: {error!r}",
-                timeout=settings.broker_timeout_s,
-            )
-            await message.ack()
+            await dead_letter(message, f"{routing_key!r} cannot be applied: {error!r}")
             return
         except PyMongoError as error:
             # Refused for good (a failed validation, a document over 16 MiB): waited out like an
@@ -159,6 +165,7 @@ def subscribe_projection(
                 message,
                 error=error,
                 timeout=settings.broker_timeout_s,
+                letter_deadline_s=letter_deadline_s,
             )
             return
         await message.ack()

@@ -312,6 +312,50 @@ class Batches:
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 
+    async def outlive_sends(
+        self, batch_ids: Sequence[str], *, sent_at: datetime, retention: timedelta
+    ) -> None:
+        """The outbox sweep sent items of these batches by `sent_at`: let each live at least
+        `retention` from then, as those items do (`$max`, never shortened), with its look its
+        hold lead before that. One write for all of them (a chunk of the sweep's sends).
+        Without it, a batch whose last items the sweep sent just before its look was settled
+        there and expired about an hour after the send, its items perhaps still queued behind
+        the outage's backlog: 404 reads, and a free key (a replay scored every item twice).
+        A batch already settled gets a look again (`$max` on a missing field sets it), which
+        settles it once more if it has nothing left to send; tombstones are left alone."""
+        if not batch_ids:
+            return
+        expires_at = sent_at + retention
+        try:
+            await self._collection.update_many(
+                {
+                    "_id": {"$in": list(batch_ids)},
+                    "state": {"$in": [BatchState.ACCEPTING, BatchState.ACCEPTED]},
+                },
+                {
+                    "$max": {
+                        "expires_at": expires_at,
+                        HOLD_CHECK_AT: expires_at - hold_lead(retention),
+                    }
+                },
+            )
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
+    async def states(self, batch_ids: Sequence[str]) -> dict[str, str]:
+        """The state of each of these batches that has a record (a tombstone's included): one
+        `$in` read on `_id`, states only. The outbox sweep writes off the unsent items of a
+        batch that was refused (`sweep_outbox`)."""
+        if not batch_ids:
+            return {}
+        try:
+            cursor = self._collection.find(
+                {"_id": {"$in": list(batch_ids)}}, projection={"state": 1}
+            )
+            return {document["_id"]: document["state"] async for document in cursor}
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
     async def settle(self, batch_ids: Sequence[str]) -> None:
         """These batches have every item sent: they expire when their record says."""
         if not batch_ids:
@@ -570,7 +614,10 @@ async def _discard(
     Deleting them first left a batch answered 200 whose items were never scored. Both callers
     come after the batch's insert was acknowledged, and only this refusal would make it a
     tombstone: a record not deleted here is one a replay accepted, never one whose insert
-    is yet to land."""
+    is yet to land. A process that dies between the two deletes leaves its items
+    `accepting` without a batch (the refusal was in memory only): the outbox sweep writes
+    such items off instead of sending them (`sweep_outbox`), since the client, told
+    nothing, may retry with its key, which now creates the batch again."""
     assert refusal.batch_id is not None
     try:
         if not await batches.discard(refusal.batch_id):
@@ -680,31 +727,40 @@ async def _complete_interrupted(
     task_ids = tuple(command.task_id for command in commands)
     refusal = Refusal(earlier.tenant_id, task_ids, batch_id=earlier.batch_id, owns_batch=False)
     recorded = False  # whether its submissions' insert completed
-    try:
-        await submissions.insert_batch(
-            _rows(commands, submission, policy.default_model), retention=policy.retention
-        )
-        recorded = True
-        accepted = await batches.mark_accepted(earlier.batch_id)
-    except DatabaseUnavailable as error:
-        # Not a refusal of the batch: its request may have been answered 202 and sent. What
-        # this replay recorded is written off only if that request refused the batch after
-        # all (its write-off may be pending); otherwise the outbox sweep sends it. An insert
-        # in one chunk that was never sent recorded nothing, now or later: nothing to note.
-        # One in several chunks may have recorded earlier chunks before a later one failed.
-        log.warning("batch %s: its replay failed on the database; left as it was", earlier.batch_id)
-        if recorded or len(commands) > BATCH_WRITE_CHUNK or may_have_been_written(error):
-            refusals.note(refusal)
-        raise ReplayUnfinished(idempotency_key) from error
-    if not accepted:
-        # Its refusal was written off meanwhile, without knowing of the submissions recorded
-        # here (a refusal whose batch insert timed out names none): they are forgotten too,
-        # or the outbox sweep would send what the client is told was not kept.
+    # The sweep of this process keeps off the items while the replay runs, as it does for a
+    # first request (`_record_and_send`): recorded dated as the batch, they are due for it at
+    # once, and a sweep between the insert and the mark sent them though the batch's
+    # write-off then had the replay answer 503 "nothing was kept".
+    with refusals.holding(task_ids):
         try:
-            await submissions.abandon(task_ids, now=now)
-        except DatabaseUnavailable:
-            refusals.note(refusal)
-        raise DatabaseUnavailable(f"batch {earlier.batch_id} was refused; nothing was kept")
+            await submissions.insert_batch(
+                _rows(commands, submission, policy.default_model), retention=policy.retention
+            )
+            recorded = True
+            accepted = await batches.mark_accepted(earlier.batch_id)
+        except DatabaseUnavailable as error:
+            # Not a refusal of the batch: its request may have been answered 202 and sent.
+            # What this replay recorded is written off only if that request refused the
+            # batch after all (its write-off may be pending); otherwise the outbox sweep
+            # sends it. An insert in one chunk that was never sent recorded nothing, now or
+            # later: nothing to note. One in several chunks may have recorded earlier chunks
+            # before a later one failed.
+            log.warning(
+                "batch %s: its replay failed on the database; left as it was", earlier.batch_id
+            )
+            if recorded or len(commands) > BATCH_WRITE_CHUNK or may_have_been_written(error):
+                refusals.note(refusal)
+            raise ReplayUnfinished(idempotency_key) from error
+        if not accepted:
+            # Its refusal was written off meanwhile, without knowing of the submissions
+            # recorded here (a refusal whose batch insert timed out names none): they are
+            # forgotten too, or the outbox sweep would send what the client is told was not
+            # kept.
+            try:
+                await submissions.abandon(task_ids, now=now)
+            except DatabaseUnavailable:
+                refusals.note(refusal)
+            raise DatabaseUnavailable(f"batch {earlier.batch_id} was refused; nothing was kept")
     log.warning("batch %s was interrupted; its replay completed its records", earlier.batch_id)
 
 

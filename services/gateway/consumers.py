@@ -117,6 +117,7 @@ async def keep_outbox_swept(deps: GatewayDeps, publisher: Publisher, batches: Ba
                 grace=grace,
                 refusals=deps.refusals,
                 retention=retention,
+                batches=batches,
             ),
         )
         if sent:

@@ -377,6 +377,15 @@ def _view_of_submission(submission: Submission, now: datetime) -> TaskView:
     )
 
 
+class SweptBatches(Protocol):
+    """The batch records the outbox sweep consults (`services.gateway.batches.Batches`)."""
+
+    async def states(self, batch_ids: Sequence[str]) -> dict[str, str]: ...
+    async def outlive_sends(
+        self, batch_ids: Sequence[str], *, sent_at: datetime, retention: timedelta
+    ) -> None: ...
+
+
 async def sweep_outbox(
     *,
     submissions: Submissions,
@@ -385,6 +394,7 @@ async def sweep_outbox(
     grace: timedelta,
     refusals: Refusals,
     retention: timedelta,
+    batches: SweptBatches | None = None,
 ) -> int:
     """Send submissions left `accepting` by an interrupted request, or `unconfirmed` by a
     publish the broker did not confirm; returns how many the broker confirmed (the others
@@ -397,7 +407,17 @@ async def sweep_outbox(
     records are no longer held, is read again by `_id` (`Submissions.still_unsent`), and
     only those still unsent are sent: a request of this process that holds a task no longer
     has finished with its record, so that read is its last word. The pass ends at the first
-    send the broker does not confirm."""
+    send the broker does not confirm.
+
+    With `batches` (the gateway always gives them; some tests do not), two more things per
+    chunk. A batch item left `accepting` whose batch was refused (a tombstone, or no record
+    while the item is younger than a record's retention: discarded, its process dead before
+    it deleted the items) is written off, not sent (`_without_refused_batch_items`). And the chunk's
+    sends are marked only after one write has let their batches live `retention` from the
+    last of them (`Batches.outlive_sends`): a batch the look settled right after the sweep
+    sent its last items expired about an hour later otherwise, its key free again. Written
+    before the marks, a failure or a crash leaves the items unsent, sent again by the next
+    pass, rather than a batch unheld."""
     sent = 0
     listed = await submissions.interrupted(older_than=clock() - grace)
     for start in range(0, len(listed), SWEEP_RECHECK_CHUNK):
@@ -409,21 +429,94 @@ async def sweep_outbox(
         if not chunk:
             continue
         unsent = await submissions.still_unsent([submission.task_id for submission in chunk])
+        chunk = [submission for submission in chunk if submission.task_id in unsent]
+        if batches is not None:
+            chunk = await _without_refused_batch_items(
+                chunk, batches, submissions, now=clock(), retention=retention
+            )
+        done: list[tuple[str, datetime]] = []  # (task id, when sent)
+        batch_ids: set[str] = set()
+        stopped = False  # at a send the broker did not confirm
         for submission in chunk:
             # Held again since (a refusal noted meanwhile): not to be sent, as before.
-            if submission.task_id not in unsent or refusals.holds(submission.task_id):
+            if refusals.holds(submission.task_id):
                 continue
             assert submission.command is not None
             if not await _send_again(submission.command, submission.cached_result, publisher):
                 # The broker takes nothing now (an alarm makes each send wait out its whole
                 # timeout): the rest waits for the next pass. Sending on, a pass of 500 took
                 # over an hour, and the write-offs and batch holds after it waited as long.
-                return sent
-            await submissions.mark_accepted(
-                submission.task_id, sent_at=clock(), retention=retention
-            )
+                stopped = True
+                break
+            done.append((submission.task_id, clock()))
+            if submission.command.batch_id is not None:
+                batch_ids.add(submission.command.batch_id)
+        if batches is not None and batch_ids:
+            await batches.outlive_sends(sorted(batch_ids), sent_at=done[-1][1], retention=retention)
+        for task_id, sent_at in done:
+            await submissions.mark_accepted(task_id, sent_at=sent_at, retention=retention)
             sent += 1
+        if stopped:
+            return sent
     return sent
+
+
+async def _without_refused_batch_items(
+    chunk: list[Submission],
+    batches: SweptBatches,
+    submissions: Submissions,
+    *,
+    now: datetime,
+    retention: timedelta,
+) -> list[Submission]:
+    """`chunk` less the items of refused batches, which are written off here (tombstones, as
+    `refusals.write_off` makes them: never sent, key freed, in-flight mark dropped, their
+    slots having been released before the batch went). One `$in` read of the chunk's batches.
+
+    A batch's record goes before its items when it is refused (`_discard` deletes it,
+    `write_off` makes it a tombstone), so that a replay that accepted it meanwhile keeps
+    them; an item left `accepting` after its batch went is one whose refusal stopped in
+    between: its process died (the refusal was in memory only), or it runs on another
+    replica. Sent, it was scored for a client told nothing was kept, whose retry with the
+    key, free again, created the batch anew: every text scored twice.
+
+    Only `accepting` items: an `unconfirmed` one belongs to a batch that was accepted, which
+    no refusal removes. A missing record is taken as discarded only while the item is
+    younger than `retention`, as no batch record expires sooner; an older one may have
+    expired (a record of an earlier build, never held), its batch answered 202 and its items
+    perhaps counted in flight, and is sent as before."""
+    candidates = {
+        submission.command.batch_id
+        for submission in chunk
+        if submission.command is not None
+        and submission.command.batch_id is not None
+        and submission.state is SubmissionState.ACCEPTING
+    }
+    if not candidates:
+        return chunk
+    states = await batches.states(sorted(candidates))
+    refused = {
+        batch_id
+        for batch_id in candidates
+        if states.get(batch_id) == SubmissionState.ABANDONED.value
+    }
+    missing = candidates - states.keys()
+    orphans = tuple(
+        submission.task_id
+        for submission in chunk
+        if submission.command is not None
+        and submission.state is SubmissionState.ACCEPTING
+        and (
+            submission.command.batch_id in refused
+            or (submission.command.batch_id in missing and submission.created_at > now - retention)
+        )
+    )
+    if not orphans:
+        return chunk
+    log.warning("writing off %d unsent item(s) of refused batches, not sent", len(orphans))
+    await submissions.abandon(orphans, now=now)
+    written_off = set(orphans)
+    return [submission for submission in chunk if submission.task_id not in written_off]
 
 
 async def _send_again(command: ScoreText, cached: ScoreResult | None, publisher: Publisher) -> bool:

@@ -15,7 +15,14 @@ import unicodedata
 # Unicode category Cc is exactly U+0000-U+001F and U+007F-U+009F; newline and tab are kept.
 _CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _LINE_BREAKS = re.compile(r"\r\n?|[\u2028\u2029\x0b\x0c\x85]")
-_SPACE_RUNS = re.compile(r"[^\S\n\t]+")
+# The blanks left once line breaks are `\n` and control characters gone, but `\n` and tab:
+# runs of them become one space. Without any but the space, only runs of two or more need
+# it (the general class rewrote every single space of a text as a space, at several times
+# the cost).
+_SPACES = " \xa0\u1680\u2000-\u200a\u202f\u205f\u3000"
+_SPACE_RUNS = re.compile(f"[{_SPACES}]+")
+_OTHER_SPACES = re.compile(f"[{_SPACES[1:]}]")
+_DOUBLE_SPACES = re.compile("  +")
 _TRAILING_SPACES = re.compile(r"[ \t]+\n")
 _BLANK_LINE_RUNS = re.compile(r"\n{3,}")
 # A character `normalise_text` always keeps something of: neither whitespace (`\s` is
@@ -38,12 +45,18 @@ def normalise_text(text: str) -> str:
     single spaces, no blank-line runs longer than one, trimmed."""
     if _is_canonical(text):
         return text  # most texts: one scan instead of five substitutions over the whole text
-    text = unicodedata.normalize("NFC", text)
-    text = _LINE_BREAKS.sub("\n", text)
+    text = _LINE_BREAKS.sub("\n", unicodedata.normalize("NFC", text)).strip()
+    if _is_canonical(text):
+        # Line endings other than `\n` (`\r\n`, most often) and blanks at the ends were
+        # all it took: the other four substitutions would rewrite nothing, at a scan each.
+        return text
     text = _CONTROLS.sub("", text)
-    text = _SPACE_RUNS.sub(" ", text)
-    text = _TRAILING_SPACES.sub("\n", text)
-    text = _BLANK_LINE_RUNS.sub("\n\n", text)
+    spaces = _SPACE_RUNS if _OTHER_SPACES.search(text) else _DOUBLE_SPACES
+    text = spaces.sub(" ", text)
+    if " \n" in text or "\t\n" in text:
+        text = _TRAILING_SPACES.sub("\n", text)
+    if "\n\n\n" in text:
+        text = _BLANK_LINE_RUNS.sub("\n\n", text)
     return text.strip()
 
 

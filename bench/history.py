@@ -34,13 +34,15 @@ def history_rows(directory: Path = RESULTS_DIR) -> Iterator[str]:
 
 
 def _row(name: str, results: dict[str, Any]) -> str | None:
+    """The run's row, or None when it has no throughput run with a Celery baseline; a figure
+    a run did not record shows as a dash."""
     throughput = results.get("scenarios", {}).get("throughput", {})
     scorebox, celery = throughput.get("scorebox"), throughput.get("celery")
     if not scorebox or not celery:
         return None
-    cpu = scorebox["cpu_ms_per_task"]
-    worker = celery["worker_cpu_ms_per_task"]
-    producer = celery.get("producer_cpu_ms_per_task", 0.0)
+    cpu = scorebox.get("cpu_ms_per_task") or {}
+    worker = celery.get("worker_cpu_ms_per_task")
+    producer = celery.get("producer_cpu_ms_per_task")
     cells = [
         name,
         str(results.get("git", "?"))[:7],
@@ -50,7 +52,7 @@ def _row(name: str, results: dict[str, Any]) -> str | None:
         _number(cpu.get("scorer"), "{:.2f}"),
         _number(worker, "{:.2f}"),
         _ratio(cpu.get("scorer"), worker),
-        _ratio(cpu.get("scorebox_total"), worker + producer),
+        _ratio(cpu.get("scorebox_total"), None if worker is None else worker + (producer or 0)),
         _drain(results),
     ]
     return "| " + " | ".join(cells) + " |"

@@ -148,8 +148,9 @@ class Authenticator:
 
     async def _lookup(self, key_id: str, address: str | None = None) -> _Read:
         """The key, from the cache or else from the store: requests that miss together share
-        one lookup (and one `touch`), so a popular key's expiry costs one read, not one per
-        request in flight."""
+        one lookup (and one `touch`) started within the cache period, so a popular key's
+        expiry costs one read, not one per request in flight (with no cache, every request
+        reads its key)."""
         now = self._monotonic()
         cached = self._cache.get(key_id)
         if cached is not None and cached.until > now:

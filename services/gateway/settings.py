@@ -158,14 +158,18 @@ class GatewaySettings(InternalApiSettings):
         )
 
     @model_validator(mode="after")
-    def _the_bootstrap_key_is_not_the_admin_key(self) -> GatewaySettings:
-        """The admin guard compares the whole `Authorization` header: an admin key shaped
-        like a Scorebox key and also given as the bootstrap key made the default tenant's
-        API key an admin key."""
-        admin, bootstrap = self.admin_api_key, self.bootstrap_api_key
+    def _the_bootstrap_key_opens_nothing_else(self) -> GatewaySettings:
+        """The admin, metrics and internal guards compare the whole `Authorization` header:
+        one of their keys shaped like a Scorebox key and also given as the bootstrap key
+        made the default tenant's API key open their routes too."""
+        bootstrap = self.bootstrap_api_key
         token = "" if bootstrap is None else bootstrap.get_secret_value().strip()
-        if admin is not None and token and admin.get_secret_value().strip() == token:
-            raise ValueError("BOOTSTRAP_API_KEY must differ from ADMIN_API_KEY")
+        if not token:
+            return self
+        for name in ("admin_api_key", "metrics_api_key", "internal_api_key"):
+            other: SecretStr | None = getattr(self, name, None)
+            if other is not None and other.get_secret_value().strip() == token:
+                raise ValueError(f"BOOTSTRAP_API_KEY must differ from {name.upper()}")
         return self
 
     @field_validator("bootstrap_api_key")

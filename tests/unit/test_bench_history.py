@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from bench.history import RESULTS_DIR, history_rows, main
-from bench.summary import TIMES
+from bench.summary import DASH, TIMES
 
 
 def _run(scorer: float, total: float, worker: float, producer: float) -> dict[str, object]:
@@ -44,7 +44,18 @@ def test_each_run_is_compared_with_the_celery_baseline_of_the_same_run(tmp_path:
     ]
 
 
+def test_a_run_missing_a_figure_shows_a_dash(tmp_path: Path) -> None:
+    run = _run(1.0, 6.0, 2.0, 1.0)
+    celery = run["scenarios"]["throughput"]["celery"]  # type: ignore[index]
+    del celery["worker_cpu_ms_per_task"]
+    celery["producer_cpu_ms_per_task"] = None
+    (tmp_path / "20260101T000000Z.json").write_text(json.dumps(run))
+
+    [row] = history_rows(tmp_path)
+
+    assert row.count(f" {DASH} ") == 3  # the worker's CPU and the two ratios over it
+
+
 def test_every_kept_run_renders() -> None:
     assert main([str(RESULTS_DIR)]) == 0
-    kept = [p for p in RESULTS_DIR.glob("*.json") if "throughput" in p.read_text()]
-    assert len(list(history_rows())) == len(kept)
+    assert all(row.startswith("| 2026") for row in history_rows())

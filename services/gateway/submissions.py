@@ -101,6 +101,9 @@ class Submission:
     finished_generation: int | None = None
     # When the outbox sweep sent it; None when its request did (or an earlier build's sweep).
     sent_at: datetime | None = None
+    # While unsent: the expiry it gets once sent, as set at its insert (None once sent, or
+    # for an earlier build's record).
+    expires_once_sent: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -366,8 +369,11 @@ class Submissions:
         if sent_at is None or retention is None:
             await self._update({"_id": task_id}, _sent(sent_at))
             return
+        # Only a record still unsent: one a refusal wrote off (or deleted) after the send
+        # stays as the refusal left it, never turned back into `accepted`.
+        unsent = {"_id": task_id, "state": {"$in": _UNSENT}}
         try:  # a pipeline, which group commit does not take; the sweep's pace is its own
-            await self._collection.update_one({"_id": task_id}, _swept(sent_at, retention))
+            await self._collection.update_one(unsent, _swept(sent_at, retention))
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 
@@ -830,6 +836,7 @@ def _submission_of(document: Document) -> Submission:
         generation=generation,
         finished_generation=None if finished is None else int(finished),
         sent_at=document.get(SENT_AT),
+        expires_once_sent=document.get(EXPIRY_ONCE_SENT),
     )
 
 

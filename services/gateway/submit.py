@@ -43,6 +43,9 @@ log = logging.getLogger("scorebox.gateway")
 Clock = Callable[[], datetime]
 # Records of an outbox pass read again (one `$in` by `_id`) before they are sent.
 SWEEP_RECHECK_CHUNK = 50
+# How far from its expiry a batch item must be for its batch's missing record to be read as
+# discarded rather than expired: the clock skew tolerated between a replica and the server.
+RECORD_CLOCK_MARGIN = timedelta(minutes=15)
 
 
 class Publisher(Protocol):
@@ -410,14 +413,9 @@ async def sweep_outbox(
     send the broker does not confirm.
 
     With `batches` (the gateway always gives them; some tests do not), two more things per
-    chunk. A batch item left `accepting` whose batch was refused (a tombstone, or no record
-    while the item is younger than a record's retention: discarded, its process dead before
-    it deleted the items) is written off, not sent (`_without_refused_batch_items`). And the chunk's
-    sends are marked only after one write has let their batches live `retention` from the
-    last of them (`Batches.outlive_sends`): a batch the look settled right after the sweep
-    sent its last items expired about an hour later otherwise, its key free again. Written
-    before the marks, a failure or a crash leaves the items unsent, sent again by the next
-    pass, rather than a batch unheld."""
+    chunk: a batch item left `accepting` whose batch was refused is written off, not sent
+    (`_without_refused_batch_items`), and the batches of the items about to be sent are let
+    live a retention from then (`_outlive_the_chunk`)."""
     sent = 0
     listed = await submissions.interrupted(older_than=clock() - grace)
     for start in range(0, len(listed), SWEEP_RECHECK_CHUNK):
@@ -431,12 +429,9 @@ async def sweep_outbox(
         unsent = await submissions.still_unsent([submission.task_id for submission in chunk])
         chunk = [submission for submission in chunk if submission.task_id in unsent]
         if batches is not None:
-            chunk = await _without_refused_batch_items(
-                chunk, batches, submissions, now=clock(), retention=retention
-            )
-        done: list[tuple[str, datetime]] = []  # (task id, when sent)
-        batch_ids: set[str] = set()
-        stopped = False  # at a send the broker did not confirm
+            chunk = await _without_refused_batch_items(chunk, batches, submissions, now=clock())
+        if batches is not None:
+            await _outlive_the_chunk(chunk, batches, now=clock(), retention=retention)
         for submission in chunk:
             # Held again since (a refusal noted meanwhile): not to be sent, as before.
             if refusals.holds(submission.task_id):
@@ -446,19 +441,29 @@ async def sweep_outbox(
                 # The broker takes nothing now (an alarm makes each send wait out its whole
                 # timeout): the rest waits for the next pass. Sending on, a pass of 500 took
                 # over an hour, and the write-offs and batch holds after it waited as long.
-                stopped = True
-                break
-            done.append((submission.task_id, clock()))
-            if submission.command.batch_id is not None:
-                batch_ids.add(submission.command.batch_id)
-        if batches is not None and batch_ids:
-            await batches.outlive_sends(sorted(batch_ids), sent_at=done[-1][1], retention=retention)
-        for task_id, sent_at in done:
-            await submissions.mark_accepted(task_id, sent_at=sent_at, retention=retention)
+                return sent
+            await submissions.mark_accepted(
+                submission.task_id, sent_at=clock(), retention=retention
+            )
             sent += 1
-        if stopped:
-            return sent
     return sent
+
+
+async def _outlive_the_chunk(
+    chunk: Sequence[Submission], batches: SweptBatches, *, now: datetime, retention: timedelta
+) -> None:
+    """Let the batches of a chunk about to be sent live `retention` from now (one write),
+    before the sends: a batch whose look settled it just after the sweep sent its last items
+    expired about an hour later, its key free again. Written first, a failure leaves the
+    items unsent; the chunk's sends take minutes at most, which the batch's hour of lead
+    before its next look covers."""
+    batch_ids = {
+        submission.command.batch_id
+        for submission in chunk
+        if submission.command is not None and submission.command.batch_id is not None
+    }
+    if batch_ids:
+        await batches.outlive_sends(sorted(batch_ids), sent_at=now, retention=retention)
 
 
 async def _without_refused_batch_items(
@@ -467,7 +472,6 @@ async def _without_refused_batch_items(
     submissions: Submissions,
     *,
     now: datetime,
-    retention: timedelta,
 ) -> list[Submission]:
     """`chunk` less the items of refused batches, which are written off here (tombstones, as
     `refusals.write_off` makes them: never sent, key freed, in-flight mark dropped, their
@@ -481,10 +485,13 @@ async def _without_refused_batch_items(
     key, free again, created the batch anew: every text scored twice.
 
     Only `accepting` items: an `unconfirmed` one belongs to a batch that was accepted, which
-    no refusal removes. A missing record is taken as discarded only while the item is
-    younger than `retention`, as no batch record expires sooner; an older one may have
-    expired (a record of an earlier build, never held), its batch answered 202 and its items
-    perhaps counted in flight, and is sent as before."""
+    no refusal removes. A missing record is taken as discarded only while it cannot have
+    expired: the item's own expiry set at its insert (`expires_once_sent`, its batch's
+    creation plus the retention then in force, as the record's) is more than
+    `RECORD_CLOCK_MARGIN` away. Measured by the retention now in force, a retention raised
+    since (or a replica's clock behind the server's) wrote off the items of an accepted
+    batch whose record had expired unheld: tasks answered 202, never scored. An item of an
+    earlier build without that expiry is sent as before."""
     candidates = {
         submission.command.batch_id
         for submission in chunk
@@ -508,7 +515,10 @@ async def _without_refused_batch_items(
         and submission.state is SubmissionState.ACCEPTING
         and (
             submission.command.batch_id in refused
-            or (submission.command.batch_id in missing and submission.created_at > now - retention)
+            or (
+                submission.command.batch_id in missing
+                and _record_cannot_have_expired(submission, now)
+            )
         )
     )
     if not orphans:
@@ -517,6 +527,13 @@ async def _without_refused_batch_items(
     await submissions.abandon(orphans, now=now)
     written_off = set(orphans)
     return [submission for submission in chunk if submission.task_id not in written_off]
+
+
+def _record_cannot_have_expired(item: Submission, now: datetime) -> bool:
+    """Whether the record of `item`'s batch, written just before it with the same retention,
+    is still within that retention, by a margin for the clocks."""
+    insert_expiry = item.expires_once_sent
+    return insert_expiry is not None and now < insert_expiry - RECORD_CLOCK_MARGIN
 
 
 async def _send_again(command: ScoreText, cached: ScoreResult | None, publisher: Publisher) -> bool:

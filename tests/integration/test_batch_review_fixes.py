@@ -20,7 +20,7 @@ import pytest
 from devtools.infra import Endpoint
 from services.gateway.batch_expiry import hold_unsent_batches
 from services.gateway.batches import HOLD_CHECK_AT, HOLD_LEAD, Batches, BatchState
-from services.gateway.errors import DatabaseUnavailable
+from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
 from services.gateway.refusals import Refusal, Refusals
 from services.gateway.submissions import Submissions, SubmissionState
 from services.gateway.submit import SWEEP_RECHECK_CHUNK, sweep_outbox
@@ -269,3 +269,74 @@ async def test_the_sweep_writes_off_the_unsent_items_of_refused_batches(
     if not sent:
         stored = await gateway.raw["batches"].find_one({"_id": batch_id})
         assert stored is None or stored["state"] == BatchState.ABANDONED
+
+
+async def test_a_batch_expired_under_a_shorter_retention_is_sent_not_written_off(
+    gateway: Gateway,
+) -> None:
+    """Whether a missing record may have expired went by the retention now in force: raised
+    since (a deploy), the items of an accepted batch whose record had expired unheld were
+    written off, tasks answered 202 never scored. The items' own expiry, set at their insert
+    with their record's retention, is what tells."""
+    now = _now()
+    batch_id, task_ids = await _batch(
+        gateway, created_at=now - timedelta(hours=2), items=2, retention=timedelta(hours=1)
+    )
+    await _drop_batch(gateway, batch_id)  # the TTL index's doing, an hour ago
+    assert timedelta(hours=2) < RETENTION  # the sweep runs under a longer one now
+
+    swept = await _swept(gateway, Refusals(), now)
+
+    assert sorted(swept) == sorted(task_ids)
+    assert await _states(gateway, task_ids) == {SubmissionState.ACCEPTED}
+
+
+class FailingAfter(Recorded):
+    """A broker confirming `confirmed` commands, then gone (a connection reset)."""
+
+    def __init__(self, confirmed: int) -> None:
+        super().__init__()
+        self.confirmed = confirmed
+
+    async def send(self, command: ScoreText) -> bool:
+        if len(self.sent) == self.confirmed:
+            raise BrokerUnavailable("connection reset")
+        return await super().send(command)
+
+
+async def test_commands_sent_before_a_broker_error_are_marked_sent(gateway: Gateway) -> None:
+    """The marks of a chunk waited for its last send: an error on the third lost the marks
+    of the two sent, and the next pass sent them again."""
+    now = _now()
+    await _batch(gateway, created_at=now - timedelta(minutes=5), items=3)
+    broker = FailingAfter(confirmed=2)
+
+    with pytest.raises(BrokerUnavailable):
+        await sweep_outbox(
+            submissions=gateway.submissions,
+            publisher=broker,
+            clock=lambda: now,
+            grace=GRACE,
+            refusals=Refusals(),
+            retention=RETENTION,
+            batches=gateway.batches,
+        )
+
+    marked = await gateway.raw["submissions"].count_documents(
+        {"_id": {"$in": broker.sent}, "state": SubmissionState.ACCEPTED.value}
+    )
+    assert marked == len(broker.sent) == 2
+
+
+async def test_the_sweeps_mark_leaves_a_record_written_off_since_as_it_is(
+    gateway: Gateway,
+) -> None:
+    """A refusal writing the record off between the sweep's send and its mark: the mark,
+    by `_id` alone, turned the tombstone back into `accepted`."""
+    now = _now()
+    _, [task_id] = await _batch(gateway, created_at=now - timedelta(minutes=5), items=1)
+    await gateway.submissions.abandon((task_id,), now=now)
+
+    await gateway.submissions.mark_accepted(task_id, sent_at=now, retention=RETENTION)
+
+    assert await _states(gateway, [task_id]) == {SubmissionState.ABANDONED}

@@ -8,8 +8,8 @@ twice. Each outbox sweep pass now looks at the batches whose expiry comes within
 lead (`hold_check_at`, set at insert): one with an item still unsent, or whose request may
 still be running, is held `IDEMPOTENCY_TTL_S` from now; the others are settled (the field
 removed) and expire as their record says. A held batch thus expires about `IDEMPOTENCY_TTL_S`
-after its last item was sent, as its items do. That needs the sweep's part too: it lets the
-batches of what it sends live `IDEMPOTENCY_TTL_S` from the send before it marks them sent
+after its last item was sent, as its items do. That needs the sweep's part too: before it
+sends a chunk it lets the chunk's batches live `IDEMPOTENCY_TTL_S` from the chunk's sends
 (`Batches.outlive_sends`); a batch whose last items it sent just before its look was settled
 there and expired about an hour after the send.
 """

@@ -187,6 +187,17 @@ class BatchRecord:
     request_hash: str
     created_at: datetime
     members: tuple[BatchMember, ...]
+    # When it expires as stored (None: not read from the store, or not set).
+    expires_at: datetime | None = None
+
+    def item_retention(self, retention: timedelta) -> timedelta:
+        """The retention to record this batch's items with: `retention`, but never past the
+        record's own expiry, which the outbox sweep takes an item's insert-time expiry for
+        (`_record_cannot_have_expired`): a replay's items recorded under a retention raised
+        since outlived their record, and were written off once it had expired."""
+        if self.expires_at is None:
+            return retention
+        return max(timedelta(0), min(retention, self.expires_at - self.created_at))
 
 
 class Batches:
@@ -315,9 +326,10 @@ class Batches:
     async def outlive_sends(
         self, batch_ids: Sequence[str], *, sent_at: datetime, retention: timedelta
     ) -> None:
-        """The outbox sweep sent items of these batches by `sent_at`: let each live at least
-        `retention` from then, as those items do (`$max`, never shortened), with its look its
-        hold lead before that. One write for all of them (a chunk of the sweep's sends).
+        """The outbox sweep sends items of these batches by `sent_at` (written before a
+        chunk's sends, `sent_at` a little ahead): let each live at least `retention` from
+        then, as those items do (`$max`, never shortened), with its look its hold lead before
+        that. One write for all of them (a chunk of the sweep's sends).
         Without it, a batch whose last items the sweep sent just before its look was settled
         there and expired about an hour after the send, its items perhaps still queued behind
         the outage's backlog: 404 reads, and a free key (a replay scored every item twice).
@@ -401,6 +413,7 @@ def _record_of(document: Document, *, members: tuple[BatchMember, ...]) -> Batch
         request_hash=document["request_hash"],
         created_at=document["created_at"],
         members=members,
+        expires_at=document.get("expires_at"),
     )
 
 
@@ -734,7 +747,8 @@ async def _complete_interrupted(
     with refusals.holding(task_ids):
         try:
             await submissions.insert_batch(
-                _rows(commands, submission, policy.default_model), retention=policy.retention
+                _rows(commands, submission, policy.default_model),
+                retention=earlier.item_retention(policy.retention),
             )
             recorded = True
             accepted = await batches.mark_accepted(earlier.batch_id)

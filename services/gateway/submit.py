@@ -46,6 +46,10 @@ SWEEP_RECHECK_CHUNK = 50
 # How far from its expiry a batch item must be for its batch's missing record to be read as
 # discarded rather than expired: the clock skew tolerated between a replica and the server.
 RECORD_CLOCK_MARGIN = timedelta(minutes=15)
+# How long a chunk's sends may take before a send extends its batch again: the chunk's
+# batches are extended to a retention past its start plus this, so that they outlive every
+# item sent within it (each kept a retention from its own send).
+CHUNK_ALLOWANCE = timedelta(minutes=5)
 
 
 class Publisher(Protocol):
@@ -430,8 +434,11 @@ async def sweep_outbox(
         chunk = [submission for submission in chunk if submission.task_id in unsent]
         if batches is not None:
             chunk = await _without_refused_batch_items(chunk, batches, submissions, now=clock())
+        # The chunk's batches outlive every send of it made within the allowance; a slower
+        # send extends its own batch again.
+        allowed_until = clock() + CHUNK_ALLOWANCE
         if batches is not None:
-            await _outlive_the_chunk(chunk, batches, now=clock(), retention=retention)
+            await _outlive_the_chunk(chunk, batches, sent_at=allowed_until, retention=retention)
         for submission in chunk:
             # Held again since (a refusal noted meanwhile): not to be sent, as before.
             if refusals.holds(submission.task_id):
@@ -442,28 +449,32 @@ async def sweep_outbox(
                 # timeout): the rest waits for the next pass. Sending on, a pass of 500 took
                 # over an hour, and the write-offs and batch holds after it waited as long.
                 return sent
+            sent_at = clock()
+            if batches is not None and sent_at > allowed_until:
+                await _outlive_the_chunk(
+                    [submission], batches, sent_at=sent_at, retention=retention
+                )
             await submissions.mark_accepted(
-                submission.task_id, sent_at=clock(), retention=retention
+                submission.task_id, sent_at=sent_at, retention=retention
             )
             sent += 1
     return sent
 
 
 async def _outlive_the_chunk(
-    chunk: Sequence[Submission], batches: SweptBatches, *, now: datetime, retention: timedelta
+    chunk: Sequence[Submission], batches: SweptBatches, *, sent_at: datetime, retention: timedelta
 ) -> None:
-    """Let the batches of a chunk about to be sent live `retention` from now (one write),
-    before the sends: a batch whose look settled it just after the sweep sent its last items
-    expired about an hour later, its key free again. Written first, a failure leaves the
-    items unsent; the chunk's sends take minutes at most, which the batch's hour of lead
-    before its next look covers."""
+    """Let the batches of a chunk about to be sent live `retention` from `sent_at` at least
+    (one write), before the sends: a batch whose look settled it just after the sweep sent
+    its last items expired about an hour later, its key free again. Written first, a
+    failure leaves the items unsent."""
     batch_ids = {
         submission.command.batch_id
         for submission in chunk
         if submission.command is not None and submission.command.batch_id is not None
     }
     if batch_ids:
-        await batches.outlive_sends(sorted(batch_ids), sent_at=now, retention=retention)
+        await batches.outlive_sends(sorted(batch_ids), sent_at=sent_at, retention=retention)
 
 
 async def _without_refused_batch_items(
@@ -533,7 +544,11 @@ def _record_cannot_have_expired(item: Submission, now: datetime) -> bool:
     """Whether the record of `item`'s batch, written just before it with the same retention,
     is still within that retention, by a margin for the clocks."""
     insert_expiry = item.expires_once_sent
-    return insert_expiry is not None and now < insert_expiry - RECORD_CLOCK_MARGIN
+    if insert_expiry is None:
+        return False
+    # At most a quarter of a short retention, so that the margin leaves the rule some of it.
+    margin = min(RECORD_CLOCK_MARGIN, (insert_expiry - item.created_at) / 4)
+    return now < insert_expiry - margin
 
 
 async def _send_again(command: ScoreText, cached: ScoreResult | None, publisher: Publisher) -> bool:

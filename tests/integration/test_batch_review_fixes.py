@@ -19,11 +19,20 @@ import pytest
 
 from devtools.infra import Endpoint
 from services.gateway.batch_expiry import hold_unsent_batches
-from services.gateway.batches import HOLD_CHECK_AT, HOLD_LEAD, Batches, BatchState
+from services.gateway.batches import (
+    HOLD_CHECK_AT,
+    HOLD_LEAD,
+    Batches,
+    BatchPolicy,
+    BatchState,
+    BatchSubmission,
+    BatchSubmitted,
+    submit_batch,
+)
 from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
 from services.gateway.refusals import Refusal, Refusals
 from services.gateway.submissions import Submissions, SubmissionState
-from services.gateway.submit import SWEEP_RECHECK_CHUNK, sweep_outbox
+from services.gateway.submit import CHUNK_ALLOWANCE, SWEEP_RECHECK_CHUNK, sweep_outbox
 from shared.contracts import ScoreText
 from tests.integration.gateway_records import GatewayRecords as Gateway
 from tests.integration.gateway_records import Recorded, gateway_records
@@ -32,6 +41,7 @@ from tests.integration.test_batch_replay import (
     GRACE,
     T0,
     TENANT,
+    Dying,
     ProcessDied,
     RefusingBatches,
     _interrupted,
@@ -120,8 +130,8 @@ async def test_a_batch_swept_just_before_its_look_lives_a_retention_from_the_sen
     )
     assert held == 0
     batch = await gateway.raw["batches"].find_one({"_id": batch_id})
-    assert batch["expires_at"] == now + RETENTION
-    assert batch[HOLD_CHECK_AT] == now + RETENTION - HOLD_LEAD
+    assert batch["expires_at"] == now + CHUNK_ALLOWANCE + RETENTION
+    assert batch[HOLD_CHECK_AT] == now + CHUNK_ALLOWANCE + RETENTION - HOLD_LEAD
     items = [document async for document in gateway.raw["submissions"].find({})]
     assert len(items) == count
     assert max(document["expires_at"] for document in items) <= batch["expires_at"]
@@ -130,13 +140,13 @@ async def test_a_batch_swept_just_before_its_look_lives_a_retention_from_the_sen
     await hold_unsent_batches(
         batches=gateway.batches,
         submissions=gateway.submissions,
-        now=now + RETENTION - HOLD_LEAD,
+        now=now + CHUNK_ALLOWANCE + RETENTION - HOLD_LEAD,
         retention=RETENTION,
         in_progress_for=GRACE,
     )
     settled = await gateway.raw["batches"].find_one({"_id": batch_id})
     assert HOLD_CHECK_AT not in settled
-    assert settled["expires_at"] == now + RETENTION
+    assert settled["expires_at"] == now + CHUNK_ALLOWANCE + RETENTION
 
 
 class SweptThenWrittenOff(Submissions):
@@ -340,3 +350,80 @@ async def test_the_sweeps_mark_leaves_a_record_written_off_since_as_it_is(
     await gateway.submissions.mark_accepted(task_id, sent_at=now, retention=RETENTION)
 
     assert await _states(gateway, [task_id]) == {SubmissionState.ABANDONED}
+
+
+async def test_a_replays_items_never_outlive_their_batch_record(gateway: Gateway) -> None:
+    """A replay recorded the items its interrupted request had not with the retention now in
+    force: raised since, they outlived the record, and once it had expired unheld the sweep
+    took its absence for a discard and wrote the items off (tasks answered 202, never
+    scored). They now expire with the record at the latest."""
+    request = _request(4)
+    key = f"replay-{T0.timestamp()}-{id(request)}"
+    short = BatchPolicy(max_attempts=4, retention=timedelta(hours=1), in_progress_for=GRACE)
+    with pytest.raises(ProcessDied):
+        await _submit_as(gateway, request, Dying(), T0, short, key)
+    batch = await gateway.raw["batches"].find_one({"idempotency_key": key})
+    assert batch is not None
+    await gateway.raw["submissions"].delete_many(
+        {"batch_id": batch["_id"], "command.batch_index": {"$gte": 2}}
+    )
+    longer = BatchPolicy(max_attempts=4, retention=timedelta(days=7), in_progress_for=GRACE)
+
+    await _submit_as(gateway, request, Recorded(), T0 + GRACE * 2, longer, key)
+
+    cursor = gateway.raw["submissions"].find({"batch_id": batch["_id"]})
+    expiries = [
+        document.get("expires_once_sent") or document["expires_at"] async for document in cursor
+    ]
+    assert len(expiries) == 4
+    assert max(expiries) <= batch["expires_at"]
+
+
+async def test_a_chunk_slower_than_its_allowance_extends_its_batch_from_each_later_send(
+    gateway: Gateway,
+) -> None:
+    """The batches of a chunk are extended before its sends: a send later than the allowance
+    (a slow broker) extends its own batch again, so the batch never expires before an item
+    (each kept a retention from its own send)."""
+    start = _now()
+    batch_id, task_ids = await _batch(gateway, created_at=start - timedelta(hours=1), items=3)
+    ticks = iter(start + CHUNK_ALLOWANCE * step for step in range(100))
+
+    await sweep_outbox(
+        submissions=gateway.submissions,
+        publisher=Recorded(),
+        clock=lambda: next(ticks),
+        grace=GRACE,
+        refusals=Refusals(),
+        retention=RETENTION,
+        batches=gateway.batches,
+    )
+
+    batch = await gateway.raw["batches"].find_one({"_id": batch_id})
+    cursor = gateway.raw["submissions"].find({"_id": {"$in": task_ids}})
+    item_expiries = [document["expires_at"] async for document in cursor]
+    assert batch is not None
+    assert len(item_expiries) == 3
+    assert batch["expires_at"] >= max(item_expiries)
+
+
+async def _submit_as(
+    gateway: Gateway,
+    request: BatchSubmission,
+    broker: Recorded,
+    at: datetime,
+    policy: BatchPolicy,
+    key: str,
+) -> BatchSubmitted:
+    return await submit_batch(
+        request,
+        tenant_id=TENANT,
+        api_key_id=None,
+        idempotency_key=key,
+        batches=gateway.batches,
+        submissions=gateway.submissions,
+        publisher=broker,
+        policy=policy,
+        clock=lambda: at,
+        refusals=Refusals(),
+    )

@@ -401,7 +401,7 @@ async def sweep_outbox(
     grace: timedelta,
     refusals: Refusals,
     retention: timedelta,
-    batches: SweptBatches | None = None,
+    batches: SweptBatches,
 ) -> int:
     """Send submissions left `accepting` by an interrupted request, or `unconfirmed` by a
     publish the broker did not confirm; returns how many the broker confirmed (the others
@@ -416,10 +416,9 @@ async def sweep_outbox(
     has finished with its record, so that read is its last word. The pass ends at the first
     send the broker does not confirm.
 
-    With `batches` (the gateway always gives them; some tests do not), two more things per
-    chunk: a batch item left `accepting` whose batch was refused is written off, not sent
-    (`_without_refused_batch_items`), and the batches of the items about to be sent are let
-    live a retention from then (`_outlive_the_chunk`)."""
+    Two more things per chunk: a batch item left `accepting` whose batch was refused is
+    written off, not sent (`_without_refused_batch_items`), and the batches of the items
+    about to be sent are let live a retention from then (`_outlive_the_chunk`)."""
     sent = 0
     listed = await submissions.interrupted(older_than=clock() - grace)
     for start in range(0, len(listed), SWEEP_RECHECK_CHUNK):
@@ -432,13 +431,11 @@ async def sweep_outbox(
             continue
         unsent = await submissions.still_unsent([submission.task_id for submission in chunk])
         chunk = [submission for submission in chunk if submission.task_id in unsent]
-        if batches is not None:
-            chunk = await _without_refused_batch_items(chunk, batches, submissions, now=clock())
+        chunk = await _without_refused_batch_items(chunk, batches, submissions, now=clock())
         # The chunk's batches outlive every send of it made within the allowance; a slower
         # send extends its own batch again.
         allowed_until = clock() + CHUNK_ALLOWANCE
-        if batches is not None:
-            await _outlive_the_chunk(chunk, batches, sent_at=allowed_until, retention=retention)
+        await _outlive_the_chunk(chunk, batches, sent_at=allowed_until, retention=retention)
         for submission in chunk:
             # Held again since (a refusal noted meanwhile): not to be sent, as before.
             if refusals.holds(submission.task_id):
@@ -450,7 +447,7 @@ async def sweep_outbox(
                 # over an hour, and the write-offs and batch holds after it waited as long.
                 return sent
             sent_at = clock()
-            if batches is not None and sent_at > allowed_until:
+            if sent_at > allowed_until:
                 await _outlive_the_chunk(
                     [submission], batches, sent_at=sent_at, retention=retention
                 )

@@ -149,6 +149,7 @@ async def test_a_replay_records_what_the_interrupted_batch_had_not_and_all_is_se
         grace=GRACE,
         refusals=Refusals(),
         retention=SWEEP_RETENTION,
+        batches=gateway.batches,
     ):
         pass
     assert sorted(swept_before.sent + sweep.sent) == sorted(members)  # each sent exactly once
@@ -191,6 +192,7 @@ async def _sent_by_sweeps(gateway: Gateway, refusals: Refusals) -> list[str]:
         grace=GRACE,
         refusals=refusals,
         retention=SWEEP_RETENTION,
+        batches=gateway.batches,
     ):
         pass
     return sweep.sent
@@ -541,6 +543,7 @@ async def test_a_refused_batch_is_not_sent_by_a_sweep_pass_started_before_it_was
         grace=GRACE,
         refusals=refusals,
         retention=SWEEP_RETENTION,
+        batches=gateway.batches,
     )
 
     with pytest.raises(BrokerUnavailable):

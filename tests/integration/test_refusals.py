@@ -188,6 +188,7 @@ async def test_the_sweep_does_not_send_a_refusal_until_it_is_written_off(
             grace=timedelta(seconds=30),
             refusals=refusals,
             retention=SWEEP_RETENTION,
+            batches=gateway.batches,
         )
 
     assert await sweep() == 1
@@ -258,6 +259,7 @@ async def test_the_sweep_announces_an_unmarked_cache_hit_again_and_never_scores_
         grace=timedelta(seconds=30),
         refusals=Refusals(),
         retention=SWEEP_RETENTION,
+        batches=gateway.batches,
     )
 
     assert swept == 2
@@ -331,6 +333,7 @@ async def test_a_submission_recorded_after_its_503_is_written_off_not_scored(
             grace=timedelta(seconds=30),
             refusals=refusals,
             retention=SWEEP_RETENTION,
+            batches=gateway.batches,
         )
         assert publisher.sent == []
         stored = await gateway.raw["submissions"].find_one({"_id": task_id})
@@ -442,6 +445,7 @@ async def test_the_sweep_keeps_off_a_refusal_while_it_is_undone(
         grace=timedelta(seconds=30),
         refusals=refusals,
         retention=SWEEP_RETENTION,
+        batches=gateway.batches,
     )
 
     pause.go.set()
@@ -505,6 +509,7 @@ async def test_a_sweep_pass_started_during_a_refusal_does_not_send_it_once_it_is
         grace=timedelta(seconds=30),
         refusals=refusals,
         retention=SWEEP_RETENTION,
+        batches=gateway.batches,
     )
 
     with pytest.raises(BrokerUnavailable):

@@ -133,6 +133,7 @@ async def test_an_unsent_submission_outlives_its_retention_and_is_sent_by_the_sw
         grace=timedelta(seconds=30),
         refusals=Refusals(),
         retention=SWEEP_RETENTION,
+        batches=gateway.batches,
     )
     assert (sent, publisher.sent) == (1, [command.task_id])
 
@@ -271,6 +272,7 @@ async def test_a_submission_swept_after_its_retention_is_kept_a_retention_from_t
         grace=timedelta(seconds=30),
         refusals=Refusals(),
         retention=RETENTION,
+        batches=gateway.batches,
     )
 
     assert sent == 1
@@ -325,6 +327,7 @@ async def test_a_sweep_pass_ends_at_the_first_send_the_broker_does_not_confirm(
         grace=timedelta(seconds=30),
         refusals=Refusals(),
         retention=RETENTION,
+        batches=gateway.batches,
     )
 
     assert (sent, len(alarm.sent)) == (0, 1)
@@ -336,5 +339,6 @@ async def test_a_sweep_pass_ends_at_the_first_send_the_broker_does_not_confirm(
         grace=timedelta(seconds=30),
         refusals=Refusals(),
         retention=RETENTION,
+        batches=gateway.batches,
     )
     assert {command.task_id for command in commands} <= set(later.sent)

@@ -79,6 +79,7 @@ async def _sweep(gateway: Gateway, at: datetime) -> int:
         grace=GRACE,
         refusals=Refusals(),
         retention=SWEEP_RETENTION,
+        batches=gateway.batches,
     )
 
 

@@ -75,6 +75,7 @@ from shared.contracts import (
 )
 from shared.database_errors import transient_database_error
 from shared.runtime import (
+    LETTER_DEADLINE_S,
     keep_dead_lettering,
     keep_publishing,
     keep_trying_database,
@@ -113,6 +114,8 @@ class BrokerActions:
     clock: Clock
     # Outcomes published together while a publish awaits its confirm (1: each alone).
     outcome_batch_max: int = 1
+    # How long a copy to the DLQ is tried before the delivery is returned as failed instead.
+    letter_deadline_s: float = LETTER_DEADLINE_S
     _events: EventBatcher = field(init=False)
 
     def __post_init__(self) -> None:
@@ -150,19 +153,21 @@ class BrokerActions:
             lambda: publish_command(self.broker, command, timeout=self.timeout_s, headers=headers),
         )
 
-    async def dead_letter(self, message: Delivery, error: str) -> None:
-        """Copy the delivery to its DLQ. A copy the broker refuses for `LETTER_DEADLINE_S`
-        returns the delivery as failed instead (`keep_dead_lettering`), counted towards the
-        queue's delivery limit: the handler goes on (a give-up's `task.failed` is published
-        all the same, its decision recorded), and the ack it ends with is then no frame, a
-        `Delivery` being settled once. A copy that comes back carries the decision out again."""
-        await keep_dead_lettering(
+    async def dead_letter(self, message: Delivery, error: str) -> bool:
+        """Copy the delivery to its DLQ: True once the broker confirmed the copy. A copy the
+        broker refuses for `letter_deadline_s` returns the delivery as failed instead
+        (`keep_dead_lettering`; False), counted towards the queue's delivery limit: the
+        handler goes on (a give-up's `task.failed` is published all the same, its decision
+        recorded), and the ack it ends with is then no frame, a `Delivery` being settled
+        once. A copy that comes back carries the decision out again."""
+        return await keep_dead_lettering(
             self.broker,
             SCORE_REQUESTS,
             message,
             error=error,
             timeout=self.timeout_s,
             headers=_carried_headers(message),
+            letter_deadline_s=self.letter_deadline_s,
         )
 
     async def fail_task(self, failed: TaskEvent) -> None:
@@ -216,9 +221,9 @@ def subscribe_scorer(
             command = ScoreText.model_validate_json(message.body)
         except ValidationError as error:
             log.warning("dead-lettering an unreadable score.requested: %s", error)
-            await actions.dead_letter(message, f"unreadable score.requested: {error}")
+            lettered = await actions.dead_letter(message, f"unreadable score.requested: {error}")
             await message.ack()
-            deps.metrics.count_dead_lettered()
+            deps.metrics.count_dead_lettered(lettered)
             return
         deliveries = deliveries_lost(message.headers)
         if deliveries >= SCORE_REQUESTS.delivery_limit:
@@ -472,9 +477,9 @@ async def _dead_letter_and_fail(
     message: Delivery, deps: ScorerDeps, actions: BrokerActions, given_up: Finish, reason: str
 ) -> None:
     log.error("dead-lettering %s: %s", given_up.event.task_id, reason)
-    await actions.dead_letter(message, reason)
+    lettered = await actions.dead_letter(message, reason)
     await actions.fail_task(given_up.event)
-    deps.metrics.count_dead_lettered()
+    deps.metrics.count_dead_lettered(lettered)
 
 
 async def _recorded_give_up(command: ScoreText, deps: ScorerDeps, reason: str) -> Finish | None:

@@ -35,7 +35,9 @@ class ScorerMetrics:
             "(sent down the wait ladder: not due, or claimed elsewhere; or sent again at stop "
             "before a model slot), hold (a redelivery held while another claim lasts), drop (a "
             "duplicate or superseded), dead_lettered (unreadable, or at the crash or delivery "
-            "limit: the task fails), resent (a database or scorer failure, tried again later; "
+            "limit: the task fails), letter_refused (given up so, but the broker refused the "
+            "DLQ copy: returned to its queue as failed, for RabbitMQ to dead-letter at its "
+            "delivery limit), resent (a database or scorer failure, tried again later; "
             "or at the delivery limit, handed back at stop). "
             "Per delivery: a redelivery that replays a recorded decision counts it again.",
             ["decision"],
@@ -82,8 +84,11 @@ class ScorerMetrics:
     def count_decision(self, decision: Decision) -> None:
         self.decisions.labels(decision_label(decision)).inc()
 
-    def count_dead_lettered(self) -> None:
-        self.decisions.labels("dead_lettered").inc()
+    def count_dead_lettered(self, lettered: bool) -> None:
+        """A delivery given up: `lettered` once its copy is in the DLQ; else the broker
+        refused the copy and it went back to its queue as failed, for RabbitMQ to
+        dead-letter it at the delivery limit (without the reason)."""
+        self.decisions.labels("dead_lettered" if lettered else "letter_refused").inc()
 
     def count_resent(self) -> None:
         self.decisions.labels("resent").inc()

@@ -162,8 +162,9 @@ class Crashes(CarriedOut):
         self.resent.append(headers)
 
     @override
-    async def dead_letter(self, message: Any, error: str) -> None:
+    async def dead_letter(self, message: Any, error: str) -> bool:
         self.dead_lettered.append(error)
+        return True
 
     @override
     async def fail_task(self, failed: TaskEvent) -> None:

@@ -28,9 +28,10 @@ from services.scorer.scoring import score_text
 from services.scorer.settings import ScorerSettings
 from shared.contracts import TaskEvent, TaskFailed, new_id, utcnow
 from shared.runtime import make_broker
-from shared.topology import SCORE_REQUESTS
+from shared.topology import SCORE_REQUESTS, declare_topology
 from tests.integration import test_scorer_own_claims as own_claims
 from tests.integration import test_scorer_usage_across_retries as usage_across_retries
+from tests.integration.test_failed_deliveries import _delete_queue
 from tests.integration.test_scorer_own_claims import LEASE, Deps, _calls, _command
 from tests.integration.test_scorer_usage_across_retries import Scorer, outcomes
 from tests.support import HandedDelivery, HandlerOnly
@@ -105,3 +106,41 @@ async def test_a_copy_of_an_attempt_given_up_at_the_crash_limit_replays_the_fail
     assert decision.event == failed
     assert decision.dead_letter_error is not None
     assert _calls(fake_llm, marker) == 0
+
+
+async def test_a_give_up_whose_dead_letter_the_broker_refuses_is_not_counted_as_lettered(
+    make_deps: Deps, amqp_url: str
+) -> None:
+    """The DLQ deleted, the copy is refused until the deadline: the delivery goes back as
+    failed (RabbitMQ letters it at the delivery limit), the task still fails, and the metric
+    says the letter was refused, not that it is in the DLQ to replay."""
+    deps = replace(make_deps("scorer-a"), model=BuggyModel())
+    command, _ = _command("An essay the scorer crashes on, its DLQ gone.")
+    last_crash = HandedDelivery(
+        command.model_dump_json().encode(), headers={CRASHES_HEADER: CRASH_LIMIT - 1}
+    )
+    broker = make_broker(ScorerSettings.model_validate({"RABBITMQ_URL": amqp_url}))
+    async with broker:
+        await broker.connect()
+        await declare_topology(broker)
+        await _delete_queue(amqp_url, SCORE_REQUESTS.dead_letter_routing_key)
+        try:
+            async with outcomes(amqp_url) as published:
+                handler = HandlerOnly()
+                actions = BrokerActions(
+                    broker=broker, timeout_s=10, clock=utcnow, letter_deadline_s=0.3
+                )
+                subscribe_scorer(handler, deps, actions, crash_limit=CRASH_LIMIT)  # type: ignore[arg-type]
+                await handler.handler(last_crash)
+                failed: TaskFailed = await published.next_of(command.task_id, TaskFailed)
+        finally:
+            await declare_topology(broker)  # the DLQ back
+
+    counted = deps.metrics.decisions.labels
+    # Returned first; the handler's closing ack is then no frame (a `Delivery` settles once).
+    assert last_crash.settled[0] == "reject(requeue=True)"
+    assert failed.dead_lettered
+    assert (counted("dead_lettered")._value.get(), counted("letter_refused")._value.get()) == (
+        0,
+        1,
+    )

@@ -298,8 +298,9 @@ class GivesUp(CarriedOut):
         self.given_up: list[str] = []
 
     @override
-    async def dead_letter(self, message: Delivery, error: str) -> None:
+    async def dead_letter(self, message: Delivery, error: str) -> bool:
         self.given_up.append(error)
+        return True
 
     @override
     async def fail_task(self, failed: TaskEvent) -> None:

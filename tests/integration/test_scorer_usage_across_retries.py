@@ -243,8 +243,9 @@ class PublishingFailures(BrokerActions):
         super().__init__(broker=broker, timeout_s=10, clock=utcnow)
         self.dead_lettered: list[str] = []
 
-    async def dead_letter(self, message: Delivery, error: str) -> None:
+    async def dead_letter(self, message: Delivery, error: str) -> bool:
         self.dead_lettered.append(error)
+        return True
 
 
 async def test_a_retried_attempt_given_up_at_the_delivery_limit_reports_earlier_tokens(

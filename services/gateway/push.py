@@ -47,6 +47,7 @@ from services.gateway.submissions import Submissions, recently_due
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import (
     CACHED_COMPLETION_SEQUENCE,
+    ScoreResult,
     StateChange,
     TaskAccepted,
     TaskEvent,
@@ -612,6 +613,34 @@ class HistoryPolicy:
     window: timedelta
 
 
+def _cached_completion(cached: ScoreResult, created_at: datetime) -> StateChange:
+    return StateChange(
+        sequence=CACHED_COMPLETION_SEQUENCE,
+        status=TaskStatus.COMPLETED,
+        occurred_at=created_at,
+        result=cached,
+    )
+
+
+def _with_cached_completion(
+    history: TaskHistory, cached: ScoreResult, created_at: datetime, *, after: int
+) -> TaskHistory:
+    """The status service's history, for a client that saw more than it has recorded: a
+    result-cache hit's completion, read from the submission before the status service heard
+    of the task, while it has applied only the acceptance (an `EventSource` reconnecting
+    after that completion). Anything else ahead of the history is left to the caller."""
+    if history.sequence >= CACHED_COMPLETION_SEQUENCE:
+        return history
+    completion = _cached_completion(cached, created_at)
+    return history.model_copy(
+        update={
+            "status": TaskStatus.COMPLETED,
+            "sequence": CACHED_COMPLETION_SEQUENCE,
+            "changes": [c for c in [*history.changes, completion] if c.sequence > after],
+        }
+    )
+
+
 async def read_history(
     task_id: str,
     *,
@@ -624,11 +653,17 @@ async def read_history(
 ) -> TaskHistory | None:
     """The task's state changes after `after`, or — while the status service has not heard of
     a young submission — its acceptance as the gateway recorded it (sequence 0, like the
-    acceptance the projection reads from the command)."""
+    acceptance the projection reads from the command), and a result-cache hit's completion
+    until the status service has recorded it (a client that saw it asks for what follows)."""
     history = await status.history(task_id, tenant_id=tenant_id, after=after)
-    if history is not None:
+    if history is not None and after <= history.sequence:
         return history
     submission = await submissions.find(task_id, tenant_id=tenant_id)
+    if history is not None:  # the client is ahead of it
+        if submission is None or submission.cached_result is None:
+            return history
+        cached, created_at = submission.cached_result, submission.created_at
+        return _with_cached_completion(history, cached, created_at, after=after)
     now = clock()
     if submission is None or not recently_due(submission, now=now, window=policy.window):
         return None
@@ -641,14 +676,7 @@ async def read_history(
         )
     ]
     if submission.cached_result is not None:  # answered from the result cache at once
-        recorded.append(
-            StateChange(
-                sequence=CACHED_COMPLETION_SEQUENCE,
-                status=TaskStatus.COMPLETED,
-                occurred_at=submission.created_at,
-                result=submission.cached_result,
-            )
-        )
+        recorded.append(_cached_completion(submission.cached_result, submission.created_at))
     latest = recorded[-1]
     return TaskHistory(
         task_id=task_id,

@@ -34,6 +34,7 @@ from services.gateway.push import (
 from services.gateway.settings import GatewaySettings
 from services.gateway.submissions import SubmissionState
 from shared.contracts import (
+    CACHED_COMPLETION_SEQUENCE,
     Phase,
     ScoreResult,
     StateChange,
@@ -645,6 +646,59 @@ async def test_a_young_cache_hit_reads_as_accepted_and_completed(
     assert (history.status, history.sequence) == (TaskStatus.COMPLETED, 90)
     assert [change.sequence for change in history.changes] == sequences
     assert all(c.result == result for c in history.changes if c.status is TaskStatus.COMPLETED)
+
+
+class AcceptedOnlyHistory:
+    """The status service's history of a task of which it has applied only the acceptance."""
+
+    async def history(self, task_id: str, *, tenant_id: str, after: int) -> TaskHistory | None:
+        history = _history(_accepted())
+        changes = [change for change in history.changes if change.sequence > after]
+        return history.model_copy(update={"changes": changes})
+
+
+CACHED = ScoreResult(score=6.0, comment="cached", model="m", cached=True)
+
+
+async def test_a_cache_hit_read_after_its_completion_is_completed_while_the_status_lags() -> None:
+    """A client saw the cache hit's completion (90) from the submission; the status service
+    has since applied the acceptance alone: reading after 90 is the completion again."""
+    history = await read_history(
+        "t1",
+        tenant_id="a",
+        after=CACHED_COMPLETION_SEQUENCE,
+        status=AcceptedOnlyHistory(),
+        submissions=FakeSubmissions(Submission(T0, cached_result=CACHED)),  # type: ignore[arg-type]
+        clock=lambda: T0 + timedelta(seconds=1),
+        policy=HistoryPolicy(window=timedelta(minutes=5)),
+    )
+    assert history is not None
+    assert (history.status, history.sequence, history.changes) == (
+        TaskStatus.COMPLETED,
+        CACHED_COMPLETION_SEQUENCE,
+        [],
+    )
+
+
+async def test_an_eventsource_reconnecting_after_a_cache_hits_completion_is_told_it_ended() -> None:
+    """It was a 400 (`Last-Event-ID` ahead of the history), an error to the client of a task
+    that completed; a 204 tells an `EventSource` the stream is over."""
+    live = LiveUpdates()
+    submissions = FakeSubmissions(Submission(T0, cached_result=CACHED))
+    async with _stream_client(live, AcceptedOnlyHistory(), submissions) as client:
+        headers = {"Accept": "text/event-stream", "Last-Event-ID": "90"}
+        answer = await client.get("/v1/scores/t1/events", headers=headers)
+    assert answer.status_code == 204, answer.text
+    assert len(live) == 0
+
+
+async def test_a_last_event_id_ahead_of_a_task_without_a_cache_hit_is_still_refused() -> None:
+    live = LiveUpdates()
+    async with _stream_client(live, AcceptedOnlyHistory(), FakeSubmissions(None)) as client:
+        headers = {"Accept": "text/event-stream", "Last-Event-ID": "90"}
+        answer = await client.get("/v1/scores/t1/events", headers=headers)
+    assert answer.status_code == 400, answer.text
+    assert answer.headers["content-type"] == "application/problem+json"
 
 
 @pytest.mark.parametrize("state", [SubmissionState.UNCONFIRMED, SubmissionState.ACCEPTING])

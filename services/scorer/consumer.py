@@ -24,7 +24,10 @@ What each outcome means on the broker:
   waiting in a prefetch (each loss of the connection, each crash of the process on another
   message, returns every delivery in hand). At the limit it is sent again as a fresh copy
   with its count cleared instead, up to `UNSTARTED_RESETS` times (`x-scorebox-unstarted-resets`),
-  so a message that kills the scorer before its claim still stops.
+  so a message that kills the scorer before its claim still stops. That copy stands in for
+  a lost delivery (`x-scorebox-replaces-lost`, not carried on): finding the attempt held by
+  another delivery of this process, it waits for it as a redelivery does, since the holder
+  may be the lost predecessor still waiting for a model slot, which will start nothing.
 - the scorer stopping while a delivery at that limit waits for another claim's decision:
   sent again, its count unchanged, then acked (see `_handed_back_at_stop`).
 - a give-up is recorded as the attempt's decision first, under a claim of this process:
@@ -93,6 +96,8 @@ from shared.topology import (
 log = logging.getLogger("scorebox.scorer")
 CRASHES_HEADER = "x-scorebox-crashes"
 UNSTARTED_RESETS_HEADER = "x-scorebox-unstarted-resets"
+# On the fresh copy of a never-claimed message sent at its delivery limit, that copy alone.
+REPLACES_LOST_HEADER = "x-scorebox-replaces-lost"
 # Times a message whose attempt was never claimed reaches the delivery limit and is sent again
 # with its count cleared: with the default limit, 20 deliveries lost before a give-up.
 UNSTARTED_RESETS = 3
@@ -230,8 +235,7 @@ def subscribe_scorer(
             await _at_delivery_limit(command, message, deps, actions, deliveries)
             await message.ack()
             return
-        # This copy was handed out before (a fresh copy with deliveries carried was not).
-        redelivered = int(message.headers.get(DELIVERY_COUNT_HEADER, 0)) > 0 or message.redelivered
+        redelivered = _handed_out_before(message)
         lost = asyncio.Event()
         try:
             # Losing the broker connection cancels this handler. The decision, with its model
@@ -258,6 +262,16 @@ def subscribe_scorer(
             deps.metrics.count_decision(decision)
             await actions.carry_out(decision, message)
         await message.ack()
+
+
+def _handed_out_before(message: Delivery) -> bool:
+    """Whether this copy was handed out before, or stands in for one that was (a fresh copy
+    with deliveries carried was not; the copy sent at the delivery limit replaces a lost
+    delivery, whose handler may still hold the attempt here: dropped as a duplicate of it,
+    the copy left nothing behind once the lost one gave up its turn)."""
+    if int(message.headers.get(DELIVERY_COUNT_HEADER, 0)) > 0 or message.redelivered:
+        return True
+    return bool(message.headers.get(REPLACES_LOST_HEADER))
 
 
 async def _at_delivery_limit(
@@ -320,7 +334,8 @@ async def _sent_again_afresh(
         if key != EARLIER_DELIVERIES_HEADER
     }
     again = command.model_copy(update={"message_id": new_id()})
-    await actions.resend(again, headers=headers | {UNSTARTED_RESETS_HEADER: resets})
+    replacing = {UNSTARTED_RESETS_HEADER: resets, REPLACES_LOST_HEADER: True}
+    await actions.resend(again, headers=headers | replacing)
     deps.metrics.count_resent()
 
 

@@ -4,7 +4,8 @@
     scorebox status TASK_ID                        show a task
     scorebox cancel TASK_ID                        cancel a task not started yet
     scorebox cancel-batch BATCH_ID                 cancel a batch's items not started yet
-    scorebox dlq list | show ID | replay [ID...|--all] | drop ID... | purge
+    scorebox dlq list | show ID | replay [ID...|--all] | drop ID... | purge   (drop and
+                                                   purge: [--before LISTED_AT])
     scorebox keys create --tenant T [--name N] | list [--tenant T] | revoke KEY_ID
     scorebox usage [--from YYYY-MM-DD] [--to YYYY-MM-DD]     your tenant's daily usage
     scorebox cron list | run JOB [--wait]                    the scheduler's cron jobs
@@ -19,7 +20,8 @@ sends `SCOREBOX_ADMIN_KEY` too: the scheduler's admin routes check the services'
 
 A dead-letter queue is walked up to a bound (10,000 letters or 64 MiB of their bodies): when
 a walk stopped there, `list`, `replay` and `drop` say so on stderr, and ids it did not reach
-exit 1 as ids not found do.
+exit 1 as ids not found do. `drop` and `purge` given `--before` a listing's `listed_at` remove
+only the letters dead-lettered before it, keeping those that came after the listing.
 
 Proxy variables (`HTTPS_PROXY`, `NO_PROXY`, ...) apply to a remote URL, never to a loopback
 one (127.0.0.1, ::1, localhost). Every failure is one line on stderr and a non-zero exit;
@@ -464,7 +466,30 @@ def _list_letters(path: str, client: httpx.Client) -> None:
     _note_truncated(listing, f"{count} listed, the rest not reached (replay or drop some first)")
 
 
-def _drop(path: str, ids: list[str], name: str, client: Callable[[], httpx.Client]) -> None:
+# A drop's or a purge's cut-off: letters dead-lettered at or after it are kept.
+Before = Annotated[
+    str | None,
+    typer.Option(
+        "--before",
+        metavar="LISTED_AT",
+        help="Remove only letters dead-lettered before this RFC 3339 time (a listing's "
+        "listed_at); those dead-lettered since are kept.",
+    ),
+]
+
+
+def _cut_off(before: str | None) -> dict[str, str]:
+    return {} if before is None else {"dead_lettered_before": before}
+
+
+def _drop(
+    path: str,
+    ids: list[str],
+    name: str,
+    client: Callable[[], httpx.Client],
+    *,
+    before: str | None = None,
+) -> None:
     """DELETE each letter in turn, every id tried; exits 1 when one was not dropped (a 404,
     or a 409: the walk stopped before reaching it) or got no answer (a timeout, a connection
     refused or reset: one line for that id, and the next is tried all the same; a drop whose
@@ -474,7 +499,7 @@ def _drop(path: str, ids: list[str], name: str, client: Callable[[], httpx.Clien
     with _reaching(client()) as reached:
         for letter_path in paths:
             try:
-                response = reached.delete(letter_path)
+                response = reached.delete(letter_path, params=_cut_off(before))
             except httpx.HTTPError as error:
                 url = reached.build_request("DELETE", letter_path).url
                 typer.echo(
@@ -519,20 +544,30 @@ def dlq_replay(
 @dlq.command("drop")
 def dlq_drop(
     ids: Annotated[list[str], typer.Argument(help="Message or task ids.")],
+    before: Before = None,
 ) -> None:
     """Delete the dead letters named (every copy of each), sending nothing; the others stay.
 
     Exits 1 when an id matched no letter, was not reached by a walk cut short, or got no
     answer (the other ids are dropped all the same)."""
-    _drop("/admin/v1/dead-letters", ids, "LETTER_ID", lambda: _client(admin=True))
+    _drop("/admin/v1/dead-letters", ids, "LETTER_ID", lambda: _client(admin=True), before=before)
 
 
 @dlq.command("purge")
-def dlq_purge(yes: Annotated[bool, typer.Option("--yes", help="Do not ask.")] = False) -> None:
-    """Delete every dead letter."""
+def dlq_purge(
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask.")] = False,
+    before: Before = None,
+) -> None:
+    """Delete every dead letter (with --before, those dead-lettered before it)."""
     if not yes:
-        typer.confirm("Delete every dead letter?", abort=True)
-    _admin_call("DELETE", "/admin/v1/dead-letters")
+        typer.confirm(_purge_question("dead letter", before), abort=True)
+    _admin_call("DELETE", "/admin/v1/dead-letters", params=_cut_off(before))
+
+
+def _purge_question(what: str, before: str | None) -> str:
+    if before is None:
+        return f"Delete every {what}?"
+    return f"Delete every {what} dead-lettered before {before}?"
 
 
 keys = typer.Typer(help="Manage API keys (needs SCOREBOX_ADMIN_KEY).")
@@ -724,21 +759,25 @@ def cron_dlq_drop(
     run_ids: Annotated[
         list[str], typer.Argument(help="Run ids of dead runs (or a letter's message id).")
     ],
+    before: Before = None,
 ) -> None:
     """Delete the dead letters of the runs named (every copy), running nothing: the way out
     for a letter of a job no longer configured, which replay refuses.
 
     Exits 1 when a run id matched no letter, was not reached by a walk cut short, or got no
     answer (the other ids are dropped all the same)."""
-    _drop(CRON_DEAD_LETTERS, run_ids, "RUN_ID", _scheduler_client)
+    _drop(CRON_DEAD_LETTERS, run_ids, "RUN_ID", _scheduler_client, before=before)
 
 
 @cron_dlq.command("purge")
-def cron_dlq_purge(yes: Annotated[bool, typer.Option("--yes", help="Do not ask.")] = False) -> None:
-    """Delete every cron dead letter."""
+def cron_dlq_purge(
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask.")] = False,
+    before: Before = None,
+) -> None:
+    """Delete every cron dead letter (with --before, those dead-lettered before it)."""
     if not yes:
-        typer.confirm("Delete every cron dead letter?", abort=True)
-    _admin_call("DELETE", CRON_DEAD_LETTERS, client=_scheduler_client())
+        typer.confirm(_purge_question("cron dead letter", before), abort=True)
+    _admin_call("DELETE", CRON_DEAD_LETTERS, client=_scheduler_client(), params=_cut_off(before))
 
 
 def main() -> None:

@@ -23,6 +23,12 @@ gives it back behind the others, truncated only when there was one. An id it did
 may then lie past it, so callers report such ids as not reached rather than not found
 (`unmatched`). Each step on the broker is bounded as a whole: aio-pika's own `timeout` covers
 only the round trip, after waiting without end for a lost connection to come back.
+
+A drop or a purge given a cut-off (`CUT_OFF`, a listing's `listed_at`) removes only the letters
+known to have been dead-lettered before it, to the whole second (`CutOff`): those of the
+cut-off's second or later, and those of unknown time, are kept, so a letter dead-lettered after
+an operator's listing is never removed on the strength of it. A purge with a cut-off walks the
+queue as a drop does (`queue.purge` takes every letter), within the same bounds.
 """
 
 from __future__ import annotations
@@ -30,12 +36,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence, Set
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Annotated, Any
 
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
+from fastapi import Depends, Query, Request
 from faststream.rabbit import QueueType, RabbitBroker, RabbitQueue
 
 from shared.bus import BROKER_ERRORS
@@ -51,6 +59,12 @@ MAX_WALK = 10_000
 MAX_WALK_BYTES = 64 * 1024 * 1024
 GET_TIMEOUT_S = 5.0
 WALK_BOUND = f"{MAX_WALK:,} letters or {MAX_WALK_BYTES // (1024 * 1024)} MiB of their bodies"
+# The query parameter of a drop and a purge that keeps the letters not known to have been
+# dead-lettered before it; a listing's `listed_at` is one.
+CUT_OFF = "dead_lettered_before"
+# RFC 3339's date-time: a zone is required (`Z` or an offset), a space for `T` is not taken
+# (an unencoded `+` of an offset reaches the server as a space).
+_DATE_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)", re.ASCII)
 
 
 class HeldLetters(list[AbstractIncomingMessage]):
@@ -76,11 +90,87 @@ class HeldLetters(list[AbstractIncomingMessage]):
 class Dropped:
     """What one drop did: `removed`, the letters it acked (every copy of one letter the walk
     held); `walked`, the letters the walk held; `truncated`, the walk stopped short of the
-    queue's end (a copy past it, or the letter itself when none was removed, may lie there)."""
+    queue's end (a copy past it, or the letter itself when none was removed, may lie there);
+    `kept`, the letters it matched but kept, not known dead-lettered before its cut-off."""
 
     removed: int
     walked: int
     truncated: bool
+    kept: int = 0
+
+
+@dataclass(frozen=True)
+class CutOff:
+    """A drop's or a purge's cut-off, as the whole second (UTC) it falls in: AMQP timestamps
+    and `x-death` times have whole seconds, so a letter recorded in that second may have been
+    dead-lettered after the cut-off, and is kept."""
+
+    second: datetime
+
+    @classmethod
+    def at(cls, when: datetime) -> CutOff:
+        return cls(when.astimezone(UTC).replace(microsecond=0))
+
+    def passed(self, message: AbstractIncomingMessage) -> bool:
+        """Whether the letter is known to have been dead-lettered before the cut-off."""
+        when = dead_lettered_at(message, self.second)
+        return when is not None and when < self.second
+
+
+def parse_cut_off(value: str) -> CutOff:
+    """`value` as an RFC 3339 date-time with a zone; a 422 problem otherwise."""
+    text = value.upper()  # RFC 3339 takes `t` and `z` too
+    if _DATE_TIME.fullmatch(text):
+        with contextlib.suppress(ValueError, OverflowError):  # 2030-02-30, 0001-01-01...+01:00
+            return CutOff.at(datetime.fromisoformat(text))
+    raise _invalid_query(
+        CUT_OFF,
+        "must be an RFC 3339 date-time with a zone, such as a listing's `listed_at` "
+        f"(2030-01-01T10:00:00Z; send the `+` of an offset as %2B), not {value!r}",
+    )
+
+
+def _cut_off(
+    request: Request,
+    dead_lettered_before: Annotated[
+        str | None,
+        Query(
+            description="Remove only the letters known to have been dead-lettered before this "
+            "RFC 3339 date-time with a zone (a listing's `listed_at`), compared to the whole "
+            "second: a letter of that second or later, or of unknown time, is kept and "
+            "counted in `kept`. Without it, every letter asked for is removed.",
+        ),
+    ] = None,
+) -> CutOff | None:
+    """The cut-off of a drop or a purge. Any other query parameter is refused (a misspelt
+    cut-off, ignored, would have the purge remove every letter), and so is one given twice."""
+    unknown = sorted(set(request.query_params) - {CUT_OFF})
+    if unknown:
+        raise _invalid_query(unknown[0], f"is not a parameter of this route (only `{CUT_OFF}`)")
+    if len(request.query_params.getlist(CUT_OFF)) > 1:
+        raise _invalid_query(CUT_OFF, "must be given once")
+    return None if dead_lettered_before is None else parse_cut_off(dead_lettered_before)
+
+
+# A route's cut-off (`CUT_OFF`), None without one; a 422 problem when it is malformed.
+CutOffQuery = Annotated[CutOff | None, Depends(_cut_off)]
+
+
+def _invalid_query(name: str, message: str) -> Problem:
+    """A 422 as the services answer invalid fields (`shared.http`), naming the parameter."""
+    field = f"query.{name[:100]}"
+    return Problem(
+        422,
+        f"{field}: {message}; nothing was removed.",
+        kind="invalid-fields",
+        errors=[{"field": field, "message": message}],
+    )
+
+
+def rfc3339(when: datetime) -> str:
+    """`when` in UTC as RFC 3339 with `Z` (as pydantic writes it): usable as a cut-off in a
+    query string as it is, where the `+` of `+00:00` would be read as a space."""
+    return when.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
 def nothing_dropped(named: str, dropped: Dropped, *, out_of_sight: str) -> Problem:
@@ -205,15 +295,26 @@ class DeadLetterWalker:
         async with asyncio.timeout(self._timeout_s):
             await message.ack()
 
-    async def drop(self, matches: Callable[[AbstractIncomingMessage], bool]) -> Dropped:
+    async def drop(
+        self, matches: Callable[[AbstractIncomingMessage], bool], *, cut_off: CutOff | None = None
+    ) -> Dropped:
         """Remove every letter of one walk that `matches` (a DLQ may hold copies of one
-        letter); the others go back to the queue as every walk returns them, in the order
-        taken."""
+        letter) and, given a `cut_off`, is known to have been dead-lettered before it (the
+        others matching are `kept`); the others go back to the queue as every walk returns
+        them, in the order taken."""
         async with self.walk() as held:
             chosen = [message for message in held if matches(message)]
-            for message in chosen:
+            due = chosen if cut_off is None else [m for m in chosen if cut_off.passed(m)]
+            for message in due:
                 await self.remove(message)
-        return Dropped(len(chosen), walked=len(held), truncated=held.truncated)
+        return Dropped(
+            len(due), walked=len(held), truncated=held.truncated, kept=len(chosen) - len(due)
+        )
+
+    async def purge_before(self, cut_off: CutOff) -> Dropped:
+        """Remove every letter of one walk known to have been dead-lettered before `cut_off`:
+        letters past the walk's bounds are not looked at (`truncated`)."""
+        return await self.drop(lambda _: True, cut_off=cut_off)
 
     async def purge(self) -> int:
         """Delete every letter not held by a walk; the number deleted."""

@@ -15,7 +15,7 @@ from services.gateway.errors import DatabaseUnavailable, Unavailable, refused_fo
 from services.gateway.keys_api import ADMIN_BODY_LIMIT
 from shared.bodies import json_body, read_model
 from shared.bus import BROKER_ERRORS
-from shared.dead_letters import WALK_BOUND, nothing_dropped
+from shared.dead_letters import CUT_OFF, WALK_BOUND, CutOffQuery, nothing_dropped, rfc3339
 from shared.http import (
     ADMIN_PROBLEMS,
     Problem,
@@ -82,6 +82,25 @@ class DropReport(BaseModel):
         description=f"The walk stopped at its bound ({WALK_BOUND}) with letters left behind "
         "it: a copy past it, if any, is still there."
     )
+    kept: int | None = Field(
+        default=None,
+        description=f"Only with `{CUT_OFF}`: letters the id names that were kept, not known "
+        "to have been dead-lettered before it (of its second or later, or of unknown time).",
+    )
+
+
+class PurgeReport(BaseModel):
+    purged: int = Field(description="Letters removed.")
+    kept: int | None = Field(
+        default=None,
+        description=f"Only with `{CUT_OFF}`: letters the walk reached and kept, not known to "
+        "have been dead-lettered before it.",
+    )
+    truncated: bool | None = Field(
+        default=None,
+        description=f"Only with `{CUT_OFF}`, whose purge walks the queue: the walk stopped at "
+        f"its bound ({WALK_BOUND}) with letters left behind it, not looked at and kept.",
+    )
 
 
 DROP_PROBLEMS: dict[int | str, dict[str, Any]] = {
@@ -113,6 +132,8 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
         return {
             "count": len(walk.letters),
             "truncated": walk.truncated,
+            # A cut-off for a drop or a purge that keeps what this listing did not show.
+            "listed_at": rfc3339(walk.listed_at),
             "items": [asdict(letter) for letter in walk.letters],
         }
 
@@ -146,23 +167,38 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
         "/dead-letters/{letter_id}",
         summary="Drop one dead letter (every copy of it) by message or task id",
         response_model=DropReport,
-        responses=DROP_PROBLEMS,
+        response_model_exclude_none=True,
+        responses={**DROP_PROBLEMS, **problem_responses(422)},
     )
-    async def drop_dead_letter(letter_id: str) -> DropReport:
+    async def drop_dead_letter(letter_id: str, cut_off: CutOffQuery) -> DropReport:
         with _broker_away_is_503():
-            dropped = await dead_letters.drop(letter_id)
-        if not dropped.removed:
+            dropped = await dead_letters.drop(letter_id, cut_off=cut_off)
+        if not dropped.removed and not dropped.kept:
             raise nothing_dropped(
                 f"No dead letter with message or task id {letter_id!r}",
                 dropped,
                 out_of_sight=OUT_OF_SIGHT,
             )
-        return DropReport(letter_id=letter_id, removed=dropped.removed, truncated=dropped.truncated)
+        return DropReport(
+            letter_id=letter_id,
+            removed=dropped.removed,
+            truncated=dropped.truncated,
+            kept=None if cut_off is None else dropped.kept,
+        )
 
-    @router.delete("/dead-letters", summary="Purge the dead-letter queue")
-    async def purge_dead_letters() -> dict[str, int]:
+    @router.delete(
+        "/dead-letters",
+        summary="Purge the dead-letter queue (with a cut-off: the letters dead-lettered before it)",
+        response_model=PurgeReport,
+        response_model_exclude_none=True,
+        responses=problem_responses(422),
+    )
+    async def purge_dead_letters(cut_off: CutOffQuery) -> PurgeReport:
         with _broker_away_is_503():
-            return {"purged": await dead_letters.purge()}
+            if cut_off is None:
+                return PurgeReport(purged=await dead_letters.purge())
+            purged = await dead_letters.purge_before(cut_off)
+        return PurgeReport(purged=purged.removed, kept=purged.kept, truncated=purged.truncated)
 
     return router
 

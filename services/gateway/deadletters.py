@@ -6,6 +6,10 @@ dead letter. Replay sends a fresh command — next generation, attempt 1, a fres
 budget, queued now, to the scorer alone — and once the broker confirmed it, the status
 projection is told the task is queued again (`TaskPublisher.resubmit`); then the dead letter
 is acked. Drop acks the letters one id names (every copy) without sending anything.
+
+A listing says when it was taken (`Walk.listed_at`, read before the walk); a drop or a purge
+given a cut-off (`shared.dead_letters.CutOff`, that time) removes only the letters known to have
+been dead-lettered before it and keeps the others, those dead-lettered after the listing first.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from services.gateway.submissions import Submissions
 from shared.contracts import ScoreText, new_id
 from shared.dead_letters import (
     MAX_WALK_BYTES,
+    CutOff,
     DeadLetterWalker,
     Dropped,
     dead_lettered_at,
@@ -73,11 +78,13 @@ def describe(message: AbstractIncomingMessage, now: datetime) -> DeadLetter:
 
 @dataclass(frozen=True)
 class Walk:
-    """What one walk of the queue saw: its letters, oldest dead-lettered first, and whether it
-    stopped (at `MAX_WALK` letters or its byte budget) with letters left behind it."""
+    """What one walk of the queue saw: its letters, oldest dead-lettered first, whether it
+    stopped (at `MAX_WALK` letters or its byte budget) with letters left behind it, and when
+    it was taken (the clock read before the walk began: a cut-off for a drop or a purge)."""
 
     letters: list[DeadLetter]
     truncated: bool
+    listed_at: datetime
 
 
 @dataclass(frozen=True)
@@ -124,7 +131,7 @@ class DeadLetterQueue:
         async with self._dlq.walk() as held:
             letters = [describe(message, now) for message in held]
         letters.sort(key=_oldest_first)
-        return Walk(letters, truncated=held.truncated)
+        return Walk(letters, truncated=held.truncated, listed_at=now)
 
     async def replay(self, ids: Collection[str] | None) -> Replay:
         """Replay the dead letters named by `ids` (all when None).
@@ -154,12 +161,15 @@ class DeadLetterQueue:
         not_found, not_reached = unmatched(ids or [], found, truncated=held.truncated)
         return Replay(replayed, skipped, not_found, not_reached, truncated=held.truncated)
 
-    async def drop(self, letter_id: str) -> Dropped:
+    async def drop(self, letter_id: str, *, cut_off: CutOff | None = None) -> Dropped:
         """Remove every letter `letter_id` names (message or task id), nothing sent: each
-        copy of one letter, as a replay would replay each."""
+        copy of one letter, as a replay would replay each; given a `cut_off`, only those
+        known to have been dead-lettered before it (the others are `kept`)."""
         now = self._clock()
         named = frozenset({letter_id})
-        return await self._dlq.drop(lambda message: describe(message, now).matches(named))
+        return await self._dlq.drop(
+            lambda message: describe(message, now).matches(named), cut_off=cut_off
+        )
 
     async def _resubmit(self, command: ScoreText) -> None:
         # Taken from the submission, as a re-score takes its generation, so a re-score
@@ -182,3 +192,8 @@ class DeadLetterQueue:
 
     async def purge(self) -> int:
         return await self._dlq.purge()
+
+    async def purge_before(self, cut_off: CutOff) -> Dropped:
+        """Remove the letters a walk reaches that are known to have been dead-lettered before
+        `cut_off`; the others are `kept`."""
+        return await self._dlq.purge_before(cut_off)

@@ -8,15 +8,20 @@
                                              run withdrawn); 202 `claimed` when refused
                                              but not withdrawn (it runs later)
     GET  /admin/v1/cron/runs/{run_id}        one firing's state
-    GET  /admin/v1/cron/dead-letters         the cron-jobs DLQ, oldest first (not consumed)
+    GET  /admin/v1/cron/dead-letters         the cron-jobs DLQ, oldest first (not consumed),
+                                             with the time of the listing (`listed_at`)
     POST /admin/v1/cron/dead-letters/replay  {run_ids: [...]} | {all: true}: each letter's
                                              job runs again as a new firing, then the
                                              letter leaves the DLQ
-    DELETE /admin/v1/cron/dead-letters/{run_id}
+    DELETE /admin/v1/cron/dead-letters/{run_id}[?dead_lettered_before=<RFC 3339>]
                                              drop one run's letters (every copy), nothing
                                              run -> {run_id, removed, truncated}; 404, or
-                                             409 when the walk stopped before reaching it
-    DELETE /admin/v1/cron/dead-letters       purge -> {purged: n}
+                                             409 when the walk stopped before reaching it;
+                                             with a cut-off, only those known dead-lettered
+                                             before it (+ kept: n)
+    DELETE /admin/v1/cron/dead-letters[?dead_lettered_before=<RFC 3339>]
+                                             purge -> {purged: n}; with a cut-off, a walk
+                                             -> {purged, kept, truncated}
     GET  /internal/v1/usage?tenant_id=&from=&to=
                                              daily usage rows of a tenant (UTC days, inclusive)
 
@@ -54,7 +59,7 @@ from services.scheduler.schedule import JobCatalog, ScheduledJob
 from services.scheduler.usage_store import DailyUsage, DailyUsageStore
 from shared.bodies import json_body, read_model
 from shared.bus import BROKER_ERRORS
-from shared.dead_letters import WALK_BOUND, nothing_dropped
+from shared.dead_letters import CUT_OFF, WALK_BOUND, CutOffQuery, nothing_dropped
 from shared.http import (
     INTERNAL_PROBLEMS,
     Problem,
@@ -297,6 +302,10 @@ class CronDeadLetterView(_Out):
 class CronDeadLetterList(_Out):
     count: int
     truncated: bool = Field(description="The walk stopped with letters left behind it.")
+    listed_at: datetime = Field(
+        description=f"When the listing was taken (before its walk): as `{CUT_OFF}`, a drop or "
+        "a purge keeps the letters dead-lettered since."
+    )
     items: list[CronDeadLetterView] = Field(description="Oldest dead-lettered first.")
 
 
@@ -364,10 +373,25 @@ class CronDropReport(_Out):
         description=f"The walk stopped at its bound ({WALK_BOUND}) with letters left behind "
         "it: a copy past it, if any, is still there."
     )
+    kept: int | None = Field(
+        default=None,
+        description=f"Only with `{CUT_OFF}`: letters of the run that were kept, not known to "
+        "have been dead-lettered before it (of its second or later, or of unknown time).",
+    )
 
 
 class Purged(_Out):
-    purged: int
+    purged: int = Field(description="Letters removed.")
+    kept: int | None = Field(
+        default=None,
+        description=f"Only with `{CUT_OFF}`: letters the walk reached and kept, not known to "
+        "have been dead-lettered before it.",
+    )
+    truncated: bool | None = Field(
+        default=None,
+        description=f"Only with `{CUT_OFF}`, whose purge walks the queue: the walk stopped at "
+        f"its bound ({WALK_BOUND}) with letters left behind it, not looked at and kept.",
+    )
 
 
 CRON_DROP_PROBLEMS: dict[int | str, dict[str, Any]] = {
@@ -397,7 +421,9 @@ def cron_dead_letter_routes(
         with _broker_away_is_503():
             walk = await dead_letters.letters()
         items = [CronDeadLetterView(**asdict(letter)) for letter in walk.letters]
-        return CronDeadLetterList(count=len(items), truncated=walk.truncated, items=items)
+        return CronDeadLetterList(
+            count=len(items), truncated=walk.truncated, listed_at=walk.listed_at, items=items
+        )
 
     @router.post(
         "/replay",
@@ -436,20 +462,38 @@ def cron_dead_letter_routes(
             truncated=replay.truncated,
         )
 
-    @router.delete("/{run_id}", response_model=CronDropReport, responses=CRON_DROP_PROBLEMS)
-    async def drop_cron_dead_letter(run_id: str) -> CronDropReport:
+    @router.delete(
+        "/{run_id}",
+        response_model=CronDropReport,
+        response_model_exclude_none=True,
+        responses={**CRON_DROP_PROBLEMS, **problem_responses(422)},
+    )
+    async def drop_cron_dead_letter(run_id: str, cut_off: CutOffQuery) -> CronDropReport:
         with _broker_away_is_503():
-            dropped = await dead_letters.drop(run_id)
-        if not dropped.removed:
+            dropped = await dead_letters.drop(run_id, cut_off=cut_off)
+        if not dropped.removed and not dropped.kept:
             raise nothing_dropped(
                 f"No dead letter of cron run {run_id!r}", dropped, out_of_sight=OUT_OF_SIGHT
             )
-        return CronDropReport(run_id=run_id, removed=dropped.removed, truncated=dropped.truncated)
+        return CronDropReport(
+            run_id=run_id,
+            removed=dropped.removed,
+            truncated=dropped.truncated,
+            kept=None if cut_off is None else dropped.kept,
+        )
 
-    @router.delete("", response_model=Purged)
-    async def purge_cron_dead_letters() -> Purged:
+    @router.delete(
+        "",
+        response_model=Purged,
+        response_model_exclude_none=True,
+        responses=problem_responses(422),
+    )
+    async def purge_cron_dead_letters(cut_off: CutOffQuery) -> Purged:
         with _broker_away_is_503():
-            return Purged(purged=await dead_letters.purge())
+            if cut_off is None:
+                return Purged(purged=await dead_letters.purge())
+            purged = await dead_letters.purge_before(cut_off)
+        return Purged(purged=purged.removed, kept=purged.kept, truncated=purged.truncated)
 
     return router
 

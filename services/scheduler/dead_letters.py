@@ -18,6 +18,11 @@ runs and has one in progress (another letter's replay, say) is kept and reported
 Drop acks the letters of one run (every copy) without running anything: the way out of the
 DLQ for a letter replay refuses (its job no longer configured) or one that holds no run (by
 its message id).
+
+A listing says when it was taken (`CronWalk.listed_at`, read before the walk); a drop or a
+purge given a cut-off (`shared.dead_letters.CutOff`, that time) removes only the letters known
+to have been dead-lettered before it and keeps the others, those dead-lettered after the
+listing first.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from services.scheduler.jobs import Clock
 from services.scheduler.schedule import JobCatalog
 from shared.contracts import RunCronJob
 from shared.dead_letters import (
+    CutOff,
     DeadLetterWalker,
     Dropped,
     dead_lettered_at,
@@ -100,10 +106,12 @@ def describe(message: AbstractIncomingMessage, now: datetime, jobs: JobCatalog) 
 @dataclass(frozen=True)
 class CronWalk:
     """The letters of one walk, oldest dead-lettered first; `truncated` when it stopped (at
-    `MAX_WALK` letters or its byte budget) with letters left behind it."""
+    `MAX_WALK` letters or its byte budget) with letters left behind it; `listed_at`, the clock
+    read before the walk began (a cut-off for a drop or a purge)."""
 
     letters: list[CronDeadLetter]
     truncated: bool
+    listed_at: datetime
 
 
 @dataclass(frozen=True)
@@ -141,7 +149,7 @@ class CronDeadLetters:
         async with self._dlq.walk() as held:
             letters = [describe(message, now, self._jobs) for message in held]
         letters.sort(key=lambda letter: oldest_first(letter.dead_lettered_at))
-        return CronWalk(letters, truncated=held.truncated)
+        return CronWalk(letters, truncated=held.truncated, listed_at=now)
 
     async def replay(self, run_ids: Collection[str] | None) -> CronReplay:
         """Replay the letters of the runs `run_ids` (all when None), oldest first.
@@ -193,12 +201,19 @@ class CronDeadLetters:
             truncated=held.truncated,
         )
 
-    async def drop(self, run_id: str) -> Dropped:
+    async def drop(self, run_id: str, *, cut_off: CutOff | None = None) -> Dropped:
         """Remove every letter of the run `run_id` (each copy of it), or the letter whose
-        message id it is (one that holds no run has no run id); nothing is run."""
+        message id it is (one that holds no run has no run id); nothing is run. Given a
+        `cut_off`, only those known to have been dead-lettered before it (the others are
+        `kept`)."""
         return await self._dlq.drop(
-            lambda message: run_id in (_run_id(message), message.message_id)
+            lambda message: run_id in (_run_id(message), message.message_id), cut_off=cut_off
         )
 
     async def purge(self) -> int:
         return await self._dlq.purge()
+
+    async def purge_before(self, cut_off: CutOff) -> Dropped:
+        """Remove the letters a walk reaches that are known to have been dead-lettered before
+        `cut_off`; the others are `kept`."""
+        return await self._dlq.purge_before(cut_off)

@@ -220,3 +220,42 @@ def test_a_replay_of_all_cut_short_says_so_and_exits_0(server: FakeServer) -> No
     assert result.exit_code == 0, result.output
     assert WALK_STOPPED in result.stderr
     assert "run again to reach them" in result.stderr
+
+
+# --- a cut-off -----------------------------------------------------------------------------
+
+LISTED_AT = "2026-12-05T02:00:00.123456Z"
+
+
+@pytest.mark.parametrize(
+    ("command", "path", "answer"),
+    [
+        (("dlq", "drop", "t1"), f"{LETTERS}/t1", {"letter_id": "t1", "removed": 1, "kept": 1}),
+        (("dlq", "purge", "--yes"), LETTERS, {"purged": 2, "kept": 1, "truncated": False}),
+        (("cron", "dlq", "drop", "r1"), f"{CRON_LETTERS}/r1", {"run_id": "r1", "removed": 1}),
+        (("cron", "dlq", "purge", "--yes"), CRON_LETTERS, {"purged": 0, "kept": 3}),
+    ],
+    ids=["drop", "purge", "cron-drop", "cron-purge"],
+)
+def test_before_sends_the_listings_time_as_the_cut_off(
+    server: FakeServer, command: tuple[str, ...], path: str, answer: Json
+) -> None:
+    """`--before` a listing's `listed_at`: the letters dead-lettered since are kept."""
+    server.script("DELETE", path, httpx.Response(200, json=answer))
+
+    result = run_cli(*command, "--before", LISTED_AT)
+
+    assert result.exit_code == 0, result.output
+    [request] = server.requests
+    assert dict(request.url.params) == {"dead_lettered_before": LISTED_AT}
+    assert json.loads(result.stdout) == answer
+
+
+def test_a_purge_without_before_sends_no_cut_off(server: FakeServer) -> None:
+    server.script("DELETE", LETTERS, httpx.Response(200, json={"purged": 4}))
+
+    result = run_cli("dlq", "purge", "--yes")
+
+    assert result.exit_code == 0, result.output
+    [request] = server.requests
+    assert not request.url.params

@@ -4,7 +4,10 @@
 - unreadable body: copied to the DLQ with the validation error, then ack.
 - Finished / Drop: ack.  Continue: next slice published, then ack.
 - Retry / Defer: published down the wait ladder, then ack.
-- GiveUp: copied to the DLQ with the reason (`x-scorebox-error`), then ack.
+- GiveUp: copied to the DLQ with the reason (`x-scorebox-error`), then ack. A copy the
+  broker refuses returns the delivery as failed (below); when it comes back to this process,
+  its run ended, it is dead-lettered with that reason again rather than dropped
+  (`OwedLetters`).
 - MongoDB unavailable around the job (recording its start or outcome; a transient error):
   the same command is re-sent after the retry base delay without counting an attempt, then
   ack. A permanent database error there (a result the database refuses) returns the
@@ -63,6 +66,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -98,7 +102,12 @@ from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import RunCronJob, TaskCompleted, TaskFailed, new_id
 from shared.database_errors import transient_database_error
 from shared.failed_deliveries import return_failed
-from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying_database
+from shared.runtime import (
+    LETTER_DEADLINE_S,
+    keep_dead_lettering,
+    keep_publishing,
+    keep_trying_database,
+)
 from shared.topology import (
     ATTEMPTS_HEADER,
     CRON_JOBS,
@@ -113,13 +122,54 @@ log = logging.getLogger("scorebox.scheduler.consumer")
 
 
 async def _dead_letter(
-    bus: SchedulerBus, work_queue: WorkQueue, message: Delivery, error: str
+    bus: SchedulerBus,
+    work_queue: WorkQueue,
+    message: Delivery,
+    error: str,
+    *,
+    letter_deadline_s: float = LETTER_DEADLINE_S,
 ) -> bool:
     """Copy the delivery to the DLQ; True when the caller is to ack it, False when the broker
-    refused the copy until `LETTER_DEADLINE_S` and it was returned as failed instead."""
+    refused the copy until `letter_deadline_s` and it was returned as failed instead."""
     return await keep_dead_lettering(
-        bus.broker, work_queue, message, error=error, timeout=bus.timeout_s
+        bus.broker,
+        work_queue,
+        message,
+        error=error,
+        timeout=bus.timeout_s,
+        letter_deadline_s=letter_deadline_s,
     )
+
+
+# Give-ups whose dead letter the broker refused, remembered by message id (at most this many).
+OWED_LETTERS_MAX = 1000
+
+
+class OwedLetters:
+    """The reasons of give-ups whose DLQ copy the broker refused, by the message's id: the
+    delivery went back to its queue as failed, and when it comes back its run has ended, so
+    it would be dropped and the run left with no letter to replay. A delivery found here is
+    dead-lettered with its reason instead. In this process only: a copy another replica
+    takes is dropped there."""
+
+    def __init__(self, limit: int = OWED_LETTERS_MAX) -> None:
+        self._reasons: OrderedDict[str, str] = OrderedDict()
+        self._limit = limit
+
+    def owe(self, message_id: str | None, reason: str) -> None:
+        if message_id is None:
+            return
+        self._reasons[message_id] = reason
+        self._reasons.move_to_end(message_id)
+        while len(self._reasons) > self._limit:
+            self._reasons.popitem(last=False)
+
+    def reason(self, message_id: str | None) -> str | None:
+        return None if message_id is None else self._reasons.get(message_id)
+
+    def paid(self, message_id: str | None) -> None:
+        if message_id is not None:
+            self._reasons.pop(message_id, None)
 
 
 # How long a delivery's hold on its run lasts unless renewed, and how often it is renewed
@@ -157,6 +207,8 @@ class CronJobRunner:
     cut_holds: dict[str, HoldCut] = field(default_factory=dict)
     hold_lease: timedelta = HOLD_LEASE
     hold_renewal_s: float = HOLD_RENEWAL_S
+    owed_letters: OwedLetters = field(default_factory=OwedLetters)
+    letter_deadline_s: float = LETTER_DEADLINE_S
 
     async def on_message(self, message: Delivery) -> bool:
         """Handle a delivery: True when the caller is to ack it, False when it was returned
@@ -166,6 +218,8 @@ class CronJobRunner:
         except ValidationError as error:
             log.warning("dead-lettering an unreadable cron.run: %s", error)
             return await _dead_letter(self.bus, CRON_JOBS, message, f"unreadable cron.run: {error}")
+        if (owed := self.owed_letters.reason(message.message_id)) is not None:
+            return await self._give_up(owed, message)
         deliveries = deliveries_lost(message.headers)
         if deliveries >= CRON_JOBS.delivery_limit:
             decision: RunDecision | None = await self._give_up_at_delivery_limit(
@@ -351,12 +405,23 @@ class CronJobRunner:
                 await self._publish_run(command, headers=carried_deliveries(message.headers))
             case GiveUp(reason=reason):
                 log.error("dead-lettering a cron run: %s", reason)
-                return await _dead_letter(self.bus, CRON_JOBS, message, reason)
+                return await self._give_up(reason, message)
             case Drop(reason=reason):
                 log.info("dropping a cron.run delivery: %s", reason)
             case Finished():
                 pass
         return True
+
+    async def _give_up(self, reason: str, message: Delivery) -> bool:
+        """Dead-letter a run given up; a copy the broker refused is owed (`OwedLetters`)."""
+        lettered = await _dead_letter(
+            self.bus, CRON_JOBS, message, reason, letter_deadline_s=self.letter_deadline_s
+        )
+        if lettered:
+            self.owed_letters.paid(message.message_id)
+        else:
+            self.owed_letters.owe(message.message_id, reason)
+        return lettered
 
     async def _publish_run(
         self, command: RunCronJob, *, headers: Mapping[str, Any] | None = None

@@ -35,14 +35,16 @@ from services.scheduler.runs import RetryPolicy
 from services.scheduler.usage_store import UsageRecords
 from shared.consumers import Delivery
 from shared.contracts import RunCronJob
-from shared.runtime import make_broker
+from shared.runtime import LETTER_DEADLINE_S, make_broker
 from shared.topology import (
     CRON_JOBS,
     DELIVERY_COUNT_HEADER,
     EARLIER_DELIVERIES_HEADER,
     ERROR_HEADER,
+    declare_topology,
 )
 from tests.integration import test_scheduler
+from tests.integration.test_failed_deliveries import _delete_queue
 from tests.integration.test_scheduler import QUIET, Calls, Env, drain, firing_state, scheduler
 from tests.support import HandedDelivery, eventually
 
@@ -142,8 +144,9 @@ class AwayOnce(Firings):
 
 
 Handler = Callable[[Delivery], Coroutine[Any, Any, None]]
-# The cron consumer's handler over the given firings, with the given job as `JOB`.
-CronConsumer = Callable[[Firings, Calls], Handler]
+# The cron consumer's handler over the given firings, with the given job as `JOB` (and how long
+# a dead letter's copy is tried, as a keyword).
+CronConsumer = Callable[..., Handler]
 
 
 class Consumers:
@@ -164,7 +167,9 @@ async def cron_consumer(env: Env) -> AsyncIterator[CronConsumer]:
         await broker.connect()
         bus = SchedulerBus(broker, 10, env.clock)
 
-        def handler(firings: Firings, job: Calls) -> Handler:
+        def handler(
+            firings: Firings, job: Calls, *, letter_deadline_s: float = LETTER_DEADLINE_S
+        ) -> Handler:
             consumers = Consumers()
             runner = CronJobRunner(
                 handlers={JOB: job},
@@ -174,6 +179,7 @@ async def cron_consumer(env: Env) -> AsyncIterator[CronConsumer]:
                 clock=env.clock,
                 job_db_timeout_s=10,
                 metrics=SchedulerMetrics(CollectorRegistry()),
+                letter_deadline_s=letter_deadline_s,
             )
             meter = UsageMeter(
                 records=UsageRecords(env.mongo, env.database),
@@ -317,3 +323,45 @@ async def test_the_limit_counts_the_deliveries_carried_from_earlier_copies(
     assert f"delivered {LIMIT} times without being settled" in (firing.error or "")
     [letter] = await _dead_letters(env.amqp_url)
     assert str(letter.headers[ERROR_HEADER]) == firing.error
+
+
+async def test_a_give_up_whose_letter_was_refused_is_dead_lettered_when_it_comes_back(
+    env: Env, cron_consumer: CronConsumer
+) -> None:
+    """The DLQ deleted, the give-up's copy is refused and the delivery returned as failed;
+    when it comes back its run has ended, and it was dropped: the run failed with no letter
+    to replay. With the DLQ back, the returned delivery is dead-lettered with its reason."""
+    await drain(env.amqp_url, CRON_JOBS.dead_letter_routing_key)
+    firings = Firings(env.mongo, env.database)
+    command = await _left_running(env, firings)
+    calls = Calls()
+    handle = cron_consumer(firings, calls, letter_deadline_s=0.3)
+    body, message_id = command.model_dump_json().encode(), command.message_id
+    at_limit = HandedDelivery(
+        body, headers={DELIVERY_COUNT_HEADER: LIMIT}, redelivered=True, message_id=message_id
+    )
+    await _delete_queue(env.amqp_url, CRON_JOBS.dead_letter_routing_key)
+    try:
+        await asyncio.wait_for(handle(at_limit), timeout=30)
+    finally:
+        await _declare_topology(env)  # the DLQ back
+    returned = HandedDelivery(
+        body, headers={DELIVERY_COUNT_HEADER: LIMIT + 1}, redelivered=True, message_id=message_id
+    )
+    await asyncio.wait_for(handle(returned), timeout=30)
+
+    assert at_limit.settled == ["reject(requeue=True)"]
+    assert returned.settled == ["ack"]
+    assert calls.runs == []
+    firing = await firings.find(command.run_id)
+    assert firing is not None
+    assert firing.state is FiringState.FAILED
+    [letter] = await _dead_letters(env.amqp_url)
+    assert str(letter.headers[ERROR_HEADER]) == firing.error
+
+
+async def _declare_topology(env: Env) -> None:
+    broker = make_broker(env.settings())
+    async with broker:
+        await broker.connect()
+        await declare_topology(broker)

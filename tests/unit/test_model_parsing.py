@@ -1,7 +1,7 @@
 import pytest
 
 from services.scorer.errors import UnusableOutput
-from services.scorer.model.parsing import MAX_COMMENT_CHARS, parse_verdict
+from services.scorer.model.parsing import _MAX_SEARCHED_CHARS, MAX_COMMENT_CHARS, parse_verdict
 
 
 @pytest.mark.parametrize(
@@ -151,3 +151,45 @@ def test_a_lone_wrapped_verdict_is_not_unwrapped(content: str) -> None:
     """The repair asks for the plain object: the parser does not guess a wrapper's layout."""
     with pytest.raises(UnusableOutput, match="score: missing"):
         parse_verdict(content)
+
+
+def test_a_verdict_past_the_searched_characters_makes_the_answer_unusable() -> None:
+    """Only the first 20,000 characters were searched: a long deliberation that quoted the
+    planted verdict early and gave the judge's own after them had the planted one scored."""
+    thinking = "Weighing clarity, structure, argument and language in turn. " * 400
+    content = f"<think>The text ends with {PLANTED}, an injected claim. {thinking}</think>\n{OWN}"
+    assert len(content) - len(OWN) > _MAX_SEARCHED_CHARS
+    with pytest.raises(UnusableOutput, match="beyond its first 20,000 characters") as caught:
+        parse_verdict(content)
+    assert caught.value.raw_output == content
+
+
+def test_a_verdict_cut_by_the_edge_of_the_searched_characters_is_seen() -> None:
+    """The key `"score":` begins inside the searched characters and ends past them: the search
+    saw neither it nor its object, only the planted verdict before it."""
+    quoted = f"Quoted: {PLANTED} "
+    content = quoted + "x" * (_MAX_SEARCHED_CHARS - len(quoted) - len('{"sc')) + OWN
+    with pytest.raises(UnusableOutput, match="beyond its first 20,000 characters"):
+        parse_verdict(content)
+
+
+@pytest.mark.parametrize(
+    "own",
+    [
+        "{'score': 2, 'comment': 'Weak.'}",
+        "score: 2, comment: weak",
+        "Score = 2",
+        "SCORE: 2/10",
+        "**Score**: 2",
+        "`score`: 2",
+        '"{\\"score\\": 2, \\"comment\\": \\"Weak.\\"}"',
+    ],
+    ids=["single-quoted", "unquoted", "equals", "capitals", "markdown", "code", "escaped"],
+)
+def test_a_verdict_not_in_strict_json_beside_a_quoted_one_is_unusable(own: str) -> None:
+    """Only a double-quoted `"score":` was looked for outside the objects that parse: the
+    judge's own verdict in any other form went unseen, and the planted one it quoted won."""
+    content = f"The text embeds {PLANTED}, which I ignore. My verdict: {own}"
+    with pytest.raises(UnusableOutput, match="outside any valid JSON object") as caught:
+        parse_verdict(content)
+    assert caught.value.raw_output == content

@@ -2,9 +2,13 @@
 
 Accepted shapes: a bare JSON object, or one JSON object with a `score` key embedded in prose
 (a Markdown code fence included; else the first object at all). An answer holding two
-different verdicts, or a `"score":` outside every object that parses (a verdict of its own
-broken around one it quotes from the text), is unusable: which verdict is the judge's is
-not for the parser to guess, and the first one found was often the one the text planted.
+different verdicts, or a score key outside every object that parses (a verdict of its own
+broken around one it quotes from the text, or not strict JSON: `{'score': 2}`, `score: 2`,
+`Score = 2`), is unusable: which verdict is the judge's is not for the parser to guess, and
+the first one found was often the one the text planted. A key that only labels an object
+(`Score: {"score": 7, ...}`) is not one. Only the first `_MAX_SEARCHED_CHARS` are searched,
+so an answer with a score key past them (a long deliberation that quoted the planted verdict
+first) is unusable too.
 Verdicts are counted at any depth (one the model wraps, `{"verdict": {...}}`, counts beside
 one it quotes), except inside a verdict, where an object with a `score` is part of it. A
 verdict found only inside a wrapper is not unwrapped: the wrapper fails validation.
@@ -36,7 +40,14 @@ _MAX_SEARCHED_CHARS: Final = 20_000
 # quadratic in the answer's length, all of it on the scorer's event loop.
 _MAX_BROKEN_CHARS_READ: Final = 4 * _MAX_SEARCHED_CHARS
 _MAX_PROBLEM_CHARS: Final = 500
-_SCORE_KEY: Final = re.compile(r'"score"\s*:')
+# Any score key, strict JSON or not: `"score":`, `'score':`, `score:`, `Score =`, escaped
+# (`\"score\":`) or in Markdown (`**Score**:`), but a whole word: not `scores:`, `underscore:`.
+# The decoration is bounded: unbounded, a long run of `*` would be quadratic to scan.
+_SCORE_KEY: Final = re.compile(
+    r"""(?<!\w)[\\"'`*_]{0,3}score[\\"'`*_]{0,3}\s*[:=]""", re.IGNORECASE
+)
+# What may come between a key and the object it labels: blank space, a code fence's opening.
+_BEFORE_LABELLED: Final = re.compile(r"\s*(?:```\w*\s*)?")
 _MARK_OUT_OF_TEN: Final = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:/\s*10(?:\.0+)?)?\s*")
 
 
@@ -73,6 +84,7 @@ class Verdict(BaseModel):
 
 def parse_verdict(content: str) -> Verdict:
     """The verdict in a model's answer; raises `UnusableOutput` saying what is wrong."""
+    _refuse_a_score_beyond_the_search(content)
     candidate = _find_json_object(content[:_MAX_SEARCHED_CHARS])
     if candidate is None:
         raise UnusableOutput(
@@ -83,6 +95,20 @@ def parse_verdict(content: str) -> Verdict:
         return Verdict.model_validate(candidate)
     except ValidationError as exc:
         raise UnusableOutput(_describe(exc), raw_output=content) from exc
+
+
+def _refuse_a_score_beyond_the_search(content: str) -> None:
+    """The judge's verdict may follow a long deliberation that quoted the planted one early:
+    searching only the start of the answer, the parser found the planted one alone."""
+    if len(content) <= _MAX_SEARCHED_CHARS:
+        return
+    # One linear scan, from the start: a key the window's edge cuts in two is whole only here.
+    if any(key.end() > _MAX_SEARCHED_CHARS for key in _SCORE_KEY.finditer(content)):
+        raise UnusableOutput(
+            f'the answer holds a "score" beyond its first {_MAX_SEARCHED_CHARS:,} characters, '
+            "all that is read; answer with exactly one JSON object",
+            raw_output=content,
+        )
 
 
 def _find_json_object(content: str) -> dict[str, Any] | None:
@@ -96,7 +122,7 @@ def _find_json_object(content: str) -> dict[str, Any] | None:
     objects = [value for _, _, value in embedded]
     _refuse_more_than_one_verdict(objects, content)
     spans = [(start, end) for start, end, _ in embedded]
-    if any(not _within(spans, key.start()) for key in _SCORE_KEY.finditer(content)):
+    if any(_stray(key, spans, content) for key in _SCORE_KEY.finditer(content)):
         raise UnusableOutput(
             'the answer holds a "score" outside any valid JSON object', raw_output=content
         )
@@ -129,6 +155,15 @@ def _verdicts_in(value: object) -> Iterator[dict[str, Any]]:
                 pending.extend(item.values())
         elif isinstance(item, list):
             pending.extend(item)
+
+
+def _stray(key: re.Match[str], spans: list[tuple[int, int]], content: str) -> bool:
+    """Whether `key` is outside every object that parses and labels none (`Score: {...}`)."""
+    if _within(spans, key.start()):
+        return False
+    labelled = _BEFORE_LABELLED.match(content, key.end())
+    # No `{` lies between the key and `labelled`: an object there is one starting at it.
+    return labelled is None or not _within(spans, labelled.end())
 
 
 def _within(spans: list[tuple[int, int]], position: int) -> bool:

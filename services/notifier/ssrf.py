@@ -53,6 +53,10 @@ class Resolver(Protocol):
     async def resolve(self, host: str, port: int) -> Sequence[IPAddress]: ...
 
 
+# Each of a lookup's two tries is given this share of `WEBHOOK_DNS_TIMEOUT_S`.
+DNS_TRY_SHARE = 0.3
+
+
 class CaresResolver:
     """Host lookups through c-ares (`aiodns`), bounded by a timeout, on the event loop.
 
@@ -60,7 +64,7 @@ class CaresResolver:
     the timeout kept its thread until the C library's own timeout (10 to 30 s): callbacks to many
     distinct names under one unanswering name server could hold every thread of the pool,
     and every other host's lookup then timed out. A c-ares query is a pending entry on one
-    socket, given up by c-ares itself at the same timeout; abandoned ones hold no thread, and
+    socket, given up by c-ares itself within the same timeout; abandoned ones hold no thread, and
     any number of them leave other lookups their answer. c-ares reads the system's
     `resolv.conf` and hosts file. `nameservers` replaces the system's (tests)."""
 
@@ -75,9 +79,13 @@ class CaresResolver:
 
     async def resolve(self, host: str, port: int) -> Sequence[IPAddress]:
         if self._dns is None:
-            # One try of the whole timeout: a query given up here ends in c-ares as well.
+            # Two tries within the budget: one try of the whole of it lost the A answer when
+            # the AAAA query went unanswered (c-ares answers with what it has only at its own
+            # timeout, which the outer one, as long and started first, always beat), and one
+            # lost datagram failed the lookup. Even if c-ares doubles the second try's
+            # timeout, both end before the outer bound.
             self._dns = aiodns.DNSResolver(
-                self._nameservers or None, timeout=self._timeout_s, tries=1
+                self._nameservers or None, timeout=self._timeout_s * DNS_TRY_SHARE, tries=2
             )
         try:
             async with asyncio.timeout(self._timeout_s):

@@ -307,6 +307,16 @@ class TaskCompleted(TaskEvent):
     result: ScoreResult
     has_callback: bool | None = Field(default=None, description=HAS_CALLBACK_DESCRIPTION)
     callback_url: str | None = Field(default=None, description=CALLBACK_URL_DESCRIPTION)
+    requested_model: str | None = Field(
+        default=None,
+        description=(
+            "The model the scorer asked for: the command's `model` or its `LLM_MODEL` (the "
+            "offline heuristic: its own name, whatever the command named), as the gateway's "
+            "result-cache key names it; not the provider's answer (`result.model`, often "
+            "dated). Null from scorers that predate it, and for results served from the cache."
+        ),
+        examples=["gpt-4o-mini"],
+    )
 
 
 class TaskFailed(TaskEvent):

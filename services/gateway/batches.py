@@ -62,6 +62,7 @@ from services.gateway.schemas import BLANK_TEXT, EXPIRED, ModelName, checked_met
 from services.gateway.submissions import (
     BATCH_WRITE_CHUNK,
     TOMBSTONE_TTL,
+    BatchRow,
     KeyTaken,
     Submissions,
     SubmissionState,
@@ -674,16 +675,17 @@ def _commands(
 
 def _rows(
     commands: Sequence[ScoreText], submission: BatchSubmission, default_model: str
-) -> list[tuple[ScoreText, str, str]]:
+) -> list[BatchRow]:
     """What `Submissions.insert_batch` records of each command."""
     return [
-        (
-            command,
-            request_hash(item.model_dump(mode="json")),
-            cache_key(command.text, command.rubric, scoring_model(command.model, default_model)),
-        )
+        _row(command, request_hash(item.model_dump(mode="json")), default_model)
         for command, item in zip(commands, submission.items, strict=True)
     ]
+
+
+def _row(command: ScoreText, digest: str, default_model: str) -> BatchRow:
+    model = scoring_model(command.model, default_model)
+    return command, digest, cache_key(command.text, command.rubric, model), model
 
 
 async def _earlier_batch(

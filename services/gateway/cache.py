@@ -1,10 +1,12 @@
 """The result cache (seed 1, §5.4): a completed result for the same normalised text, rubric
 and model, per tenant, answers a new submission at once without a model call.
 
-Filled from `task.completed` events (the gateway keeps each submission's cache key), read at
-submit time. Results that were themselves served from the cache, or flagged as suspicious,
-are not cached. With `RUBRIC_VERSION` set, only results scored under that version are kept
-and served: after a rubric change, a submission is scored under the new one.
+Filled from `task.completed` events (the gateway keeps each submission's cache key and the
+model it names; a completion whose scorer asked for another model, as after a switch of
+`LLM_MODEL`, is not cached), read at submit time. Results that were themselves served from
+the cache, or flagged as suspicious, are not cached. With `RUBRIC_VERSION` set, only results
+scored under that version are kept and served: after a rubric change, a submission is scored
+under the new one.
 """
 
 from __future__ import annotations

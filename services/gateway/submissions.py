@@ -186,6 +186,11 @@ CANCEL_FIELDS: Final = {
 # Set on a submission while it counts against its tenant's in-flight limit
 # (`services/gateway/limits.py`); removed once its outcome released the slot.
 IN_FLIGHT_MARK: Final = "in_flight"
+# The model a submission's `cache_key` names, recorded with it (`Owner.cache_model`).
+CACHE_MODEL: Final = "cache_model"
+# What `Submissions.insert_batch` records of one item: its command, request hash, cache key
+# and the model that key names.
+type BatchRow = tuple[ScoreText, str, str, str]
 LEGACY_IN_FLIGHT_MARKERS: Final = "in_flight_tasks"
 
 
@@ -196,6 +201,9 @@ class Owner:
     tenant_id: str
     cache_key: str | None
     counted: bool  # marked as counted in flight, not yet released
+    # The model its cache key names (`scoring_model`); None when recorded without it (a
+    # submission of an earlier build).
+    cache_model: str | None = None
 
 
 class Submissions:
@@ -206,7 +214,8 @@ class Submissions:
         # Single-document writes of concurrent requests and events share round trips.
         self._writes = GroupWriter(self._collection)
         self._owners = GroupReader(
-            self._collection, projection={"tenant_id": 1, "cache_key": 1, IN_FLIGHT_MARK: 1}
+            self._collection,
+            projection={"tenant_id": 1, "cache_key": 1, CACHE_MODEL: 1, IN_FLIGHT_MARK: 1},
         )
 
     async def ensure_indexes(self) -> None:
@@ -252,15 +261,21 @@ class Submissions:
         idempotency_key: str | None,
         retention: timedelta,
         cache_key: str,
+        cache_model: str | None = None,
         state: SubmissionState = SubmissionState.ACCEPTING,
         counted: bool = False,
         cached_result: ScoreResult | None = None,
     ) -> None:
         """Record a new submission (`accepting` unless told), marked as counted in flight
         when it will be, with the result it is answered with from the result cache;
-        `KeyTaken` for a used key."""
+        `KeyTaken` for a used key. `cache_model` is the model `cache_key` names: only a
+        completion by that model fills the cache (`settle_outcome`)."""
         document = _new_document(
-            command, request_hash=request_hash, retention=retention, cache_key=cache_key
+            command,
+            request_hash=request_hash,
+            retention=retention,
+            cache_key=cache_key,
+            cache_model=cache_model,
         )
         if counted:
             document[IN_FLIGHT_MARK] = True
@@ -280,7 +295,7 @@ class Submissions:
 
     async def insert_batch(
         self,
-        commands: list[tuple[ScoreText, str, str]],
+        commands: list[BatchRow],
         *,
         retention: timedelta,
         counted: bool = False,
@@ -290,12 +305,15 @@ class Submissions:
         which `discard_batch` removes). A task already recorded is left as it is: its id is
         the batch's own, so only a replay completing the interrupted batch wrote it.
 
-        `commands` holds (command, request hash, cache key); every command carries `batch_id`.
+        `commands` holds (command, request hash, cache key, the model the key names); every
+        command carries `batch_id`.
         With `counted`, each is marked as counted in flight.
         """
         documents = [
-            _new_document(command, request_hash=digest, retention=retention, cache_key=key)
-            for command, digest, key in commands
+            _new_document(
+                command, request_hash=digest, retention=retention, cache_key=key, cache_model=model
+            )
+            for command, digest, key, model in commands
         ]
         if counted:
             for document in documents:
@@ -489,6 +507,7 @@ class Submissions:
             tenant_id=document["tenant_id"],
             cache_key=document.get("cache_key"),
             counted=bool(document.get(IN_FLIGHT_MARK)),
+            cache_model=document.get(CACHE_MODEL),
         )
 
     async def note_outcome(
@@ -633,7 +652,12 @@ class Submissions:
 
 
 def _new_document(
-    command: ScoreText, *, request_hash: str, retention: timedelta, cache_key: str
+    command: ScoreText,
+    *,
+    request_hash: str,
+    retention: timedelta,
+    cache_key: str,
+    cache_model: str | None,
 ) -> Document:
     document: Document = {
         "_id": command.task_id,
@@ -647,6 +671,8 @@ def _new_document(
         EXPIRY_ONCE_SENT: _due(command) + retention,
         "command": command.model_dump(mode="json"),
     }
+    if cache_model is not None:
+        document[CACHE_MODEL] = cache_model
     if command.batch_id is not None:
         document["batch_id"] = command.batch_id
     return document

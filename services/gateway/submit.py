@@ -22,6 +22,7 @@ from services.gateway.refusals import Refusal, Refusals, may_have_been_written
 from services.gateway.schemas import ScoreSubmission
 from services.gateway.submissions import (
     KeyTaken,
+    Owner,
     Submission,
     Submissions,
     SubmissionState,
@@ -133,9 +134,8 @@ async def submit_score(
         callback_url=submission.callback_url,
         api_key_id=api_key_id,
     )
-    key = cache_key(
-        command.text, command.rubric, scoring_model(command.model, policy.default_model)
-    )
+    model = scoring_model(command.model, policy.default_model)
+    key = cache_key(command.text, command.rubric, model)
     cached = None
     if submission.use_cache and command.not_before is None:
         cached = await _cached_result(cache, tenant_id=tenant_id, key=key, now=now)
@@ -156,6 +156,7 @@ async def submit_score(
             refusals=refusals,
             now=now,
             key=key,
+            key_model=model,
         )
 
 
@@ -188,6 +189,7 @@ async def _record_and_send(
     refusals: Refusals,
     now: datetime,
     key: str,
+    key_model: str,
 ) -> Submitted:
     try:
         await submissions.insert(
@@ -196,6 +198,7 @@ async def _record_and_send(
             idempotency_key=idempotency_key,
             retention=policy.retention,
             cache_key=key,
+            cache_model=key_model,
             counted=gate is not None,
             cached_result=cached,
         )
@@ -576,8 +579,9 @@ async def settle_outcome(
     """The gateway's part of a task's end (`task.completed` or `task.failed`): release its
     in-flight slot if it holds one; note the generation that finished (`cancel_task` refuses
     it from then on); for a completion also note the task's generation and put its result
-    into the cache under its submission's key. Idempotent: redeliveries and
-    duplicates change nothing more (see `limits` for the slot).
+    into the cache under its submission's key, when the scorer asked for the model that key
+    names (`_scored_by_key_model`). Idempotent: redeliveries and duplicates change nothing
+    more (see `limits` for the slot).
 
     `progress` carries what a failed try did to the next: a try that released the slot and
     then failed to remove the mark does not release again (a release is idempotent only
@@ -605,6 +609,14 @@ async def settle_outcome(
     )
     if completed is None or owner.cache_key is None or not cacheable(completed.result):
         return
+    if not _scored_by_key_model(completed, owner):
+        log.debug(
+            "task %s: scored by %s, keyed by %s: not cached",
+            event.task_id,
+            completed.requested_model,
+            owner.cache_model,
+        )
+        return
     await cache.remember(
         tenant_id=owner.tenant_id,
         key=owner.cache_key,
@@ -612,3 +624,14 @@ async def settle_outcome(
         task_id=event.task_id,
         now=now,
     )
+
+
+def _scored_by_key_model(completed: TaskCompleted, owner: Owner) -> bool:
+    """Whether the model the scorer asked for is the one the submission's cache key names.
+    A scorer switched to another `LLM_MODEL` after the submission was accepted (or a gateway
+    whose default still names the old one) filled the old model's key with the new one's
+    results. Unknown on either side (a scorer or a submission of an earlier build): as
+    before, it is."""
+    if completed.requested_model is None or owner.cache_model is None:
+        return True
+    return completed.requested_model == owner.cache_model

@@ -419,7 +419,11 @@ def _completed(
     result = verdict.result
     if earlier is not None:
         result = result.model_copy(update={"usage": add_usage(earlier.usage, result.usage)})
-    return Finish(TaskCompleted.model_validate({**fields, "result": result}))
+    return Finish(
+        TaskCompleted.model_validate(
+            {**fields, "result": result, "requested_model": verdict.requested_model}
+        )
+    )
 
 
 def _failed(

@@ -76,7 +76,7 @@ async def _batch(
     await gateway.batches.insert(record, idempotency_key=key, retention=retention)
     if commands:
         await gateway.submissions.insert_batch(
-            [(command, "h", "c") for command in commands], retention=retention
+            [(command, "h", "c", "m") for command in commands], retention=retention
         )
     return batch_id, [command.task_id for command in commands]
 

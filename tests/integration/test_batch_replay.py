@@ -30,7 +30,12 @@ from services.gateway.errors import (
 )
 from services.gateway.limits import InFlight
 from services.gateway.refusals import Refusal, Refusals, write_off
-from services.gateway.submissions import BATCH_WRITE_CHUNK, Submissions, SubmissionState
+from services.gateway.submissions import (
+    BATCH_WRITE_CHUNK,
+    BatchRow,
+    Submissions,
+    SubmissionState,
+)
 from services.gateway.submit import settle_outcome, sweep_outbox
 from shared.contracts import Phase, ScoreResult, ScoreText, TaskCompleted, event_sequence
 from tests.integration.gateway_records import GatewayRecords as Gateway
@@ -245,7 +250,7 @@ class WrittenOffMeanwhile(Submissions):
 
     async def insert_batch(
         self,
-        commands: list[tuple[ScoreText, str, str]],
+        commands: list[BatchRow],
         *,
         retention: timedelta,
         counted: bool = False,
@@ -612,7 +617,7 @@ class NeverSent(Submissions):
 
     async def insert_batch(
         self,
-        commands: list[tuple[ScoreText, str, str]],
+        commands: list[BatchRow],
         *,
         retention: timedelta,
         counted: bool = False,
@@ -695,7 +700,7 @@ class RecordsFail(Submissions):
 
     async def insert_batch(
         self,
-        commands: list[tuple[ScoreText, str, str]],
+        commands: list[BatchRow],
         *,
         retention: timedelta,
         counted: bool = False,

@@ -31,7 +31,7 @@ from services.gateway.batches import (
 )
 from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
 from services.gateway.refusals import Refusal, Refusals
-from services.gateway.submissions import Submissions, SubmissionState
+from services.gateway.submissions import BatchRow, Submissions, SubmissionState
 from services.gateway.submit import CHUNK_ALLOWANCE, SWEEP_RECHECK_CHUNK, sweep_outbox
 from shared.contracts import ScoreText
 from tests.integration.gateway_records import GatewayRecords as Gateway
@@ -160,7 +160,7 @@ class SweptThenWrittenOff(Submissions):
 
     async def insert_batch(
         self,
-        commands: list[tuple[ScoreText, str, str]],
+        commands: list[BatchRow],
         *,
         retention: timedelta,
         counted: bool = False,

@@ -173,7 +173,7 @@ async def test_the_items_are_read_in_one_query_without_their_texts(
     try:
         await submissions.ensure_indexes()
         await submissions.insert_batch(
-            [(command, "h", "k") for command in commands], retention=timedelta(hours=1)
+            [(command, "h", "k", "m") for command in commands], retention=timedelta(hours=1)
         )
         await client[database]["submissions"].update_one(
             {"_id": commands[0].task_id}, {"$set": {"generation": 2, "finished_generation": 1}}

@@ -175,7 +175,7 @@ async def test_a_batch_item_is_unsent_without_expiry_and_expires_once_sent(
     batch_id = new_id()
     old, young = _command(now - OUTAGE, batch_id=batch_id), _command(now, batch_id=batch_id)
     await gateway.submissions.insert_batch(
-        [(old, "h1", "c1"), (young, "h2", "c2")], retention=RETENTION
+        [(old, "h1", "c1", "m"), (young, "h2", "c2", "m")], retention=RETENTION
     )
     assert await gateway.submissions.unsent_in_batch(batch_id, sent_since=now) == {
         old.task_id,

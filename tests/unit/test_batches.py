@@ -35,7 +35,7 @@ from services.gateway.errors import (
 from services.gateway.publisher import TaskPublisher
 from services.gateway.refusals import Refusals
 from services.gateway.schemas import EXPIRED, ScoreSubmission
-from services.gateway.submissions import _only_duplicate_ids
+from services.gateway.submissions import BatchRow, _only_duplicate_ids
 from shared.contracts import (
     BatchItemProgress,
     BatchProgress,
@@ -286,10 +286,10 @@ class FakeSubmissions:
         self.accepted: list[str] = []
         self.fail = fail or set()
 
-    async def insert_batch(self, commands: list[tuple[ScoreText, str, str]], **_: Any) -> None:
+    async def insert_batch(self, commands: list[BatchRow], **_: Any) -> None:
         if "insert_batch" in self.fail:
             raise DatabaseUnavailable("no answer")
-        self.commands.extend(command for command, _, _ in commands)
+        self.commands.extend(command for command, _, _, _ in commands)
 
     async def mark_batch_accepted(self, batch_id: str, task_ids: list[str]) -> None:
         self.accepted.extend(task_ids)

@@ -27,10 +27,14 @@ class ScoringRequest:
 
 @dataclass(frozen=True)
 class ModelVerdict:
-    """A validated result, with the model's raw output kept for audit."""
+    """A validated result, with the model's raw output kept for audit, and the model asked
+    for (`requested_model`: the request's `model` or the configured default; the heuristic's
+    own name), which the gateway's result-cache key names, unlike the provider's answer
+    (`result.model`, e.g. "gpt-4o-mini-2024-07-18" for "gpt-4o-mini"). None when unknown."""
 
     result: ScoreResult
     raw_output: str | None
+    requested_model: str | None = None
 
 
 class ScoreModel(Protocol):

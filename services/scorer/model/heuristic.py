@@ -235,4 +235,5 @@ class HeuristicModel:
             prompt_version=self.name,
         )
         raw_output = json.dumps({name: round(value, 3) for name, value in ratings.items()})
-        return ModelVerdict(result=result, raw_output=raw_output)
+        # Whatever the request named: the gateway keys the heuristic's results by its name.
+        return ModelVerdict(result=result, raw_output=raw_output, requested_model=self.name)

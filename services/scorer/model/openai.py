@@ -211,7 +211,9 @@ class OpenAIChatModel:
             flags=flags,
             prompt_version=PROMPT_VERSION,
         )
-        return ModelVerdict(result=result, raw_output=judgement.final.content)
+        return ModelVerdict(
+            result=result, raw_output=judgement.final.content, requested_model=model
+        )
 
     async def _judge(self, messages: Messages, model: str, answered: list[_Answer]) -> _Judgement:
         """The verdict; `answered` collects the answers that came back, for a deadline that

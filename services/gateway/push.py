@@ -622,6 +622,13 @@ def _cached_completion(cached: ScoreResult, created_at: datetime) -> StateChange
     )
 
 
+def _after_an_unrecorded_cache_hit(history: TaskHistory, after: int) -> bool:
+    """Whether the client asks for what follows a cache hit's completion the status service
+    has not recorded. Only then is the submission read: a stream whose live changes run ahead
+    of a lagging history re-reads it often, and nothing else ahead of it is the cache's."""
+    return after == CACHED_COMPLETION_SEQUENCE > history.sequence
+
+
 def _with_cached_completion(
     history: TaskHistory, cached: ScoreResult, created_at: datetime, *, after: int
 ) -> TaskHistory:
@@ -629,8 +636,6 @@ def _with_cached_completion(
     result-cache hit's completion, read from the submission before the status service heard
     of the task, while it has applied only the acceptance (an `EventSource` reconnecting
     after that completion). Anything else ahead of the history is left to the caller."""
-    if history.sequence >= CACHED_COMPLETION_SEQUENCE:
-        return history
     completion = _cached_completion(cached, created_at)
     return history.model_copy(
         update={
@@ -656,10 +661,10 @@ async def read_history(
     acceptance the projection reads from the command), and a result-cache hit's completion
     until the status service has recorded it (a client that saw it asks for what follows)."""
     history = await status.history(task_id, tenant_id=tenant_id, after=after)
-    if history is not None and after <= history.sequence:
+    if history is not None and not _after_an_unrecorded_cache_hit(history, after):
         return history
     submission = await submissions.find(task_id, tenant_id=tenant_id)
-    if history is not None:  # the client is ahead of it
+    if history is not None:
         if submission is None or submission.cached_result is None:
             return history
         cached, created_at = submission.cached_result, submission.created_at

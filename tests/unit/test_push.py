@@ -680,6 +680,43 @@ async def test_a_cache_hit_read_after_its_completion_is_completed_while_the_stat
     )
 
 
+class CountedSubmissions(FakeSubmissions):
+    """Counts its reads (each one a MongoDB find in production)."""
+
+    def __init__(self, submission: Any) -> None:
+        super().__init__(submission)
+        self.finds = 0
+
+    async def find(self, task_id: str, *, tenant_id: str) -> Any:
+        self.finds += 1
+        return await super().find(task_id, tenant_id=tenant_id)
+
+
+async def test_settling_a_live_event_while_the_status_lags_reads_no_submission() -> None:
+    """A stream showed `task.started` live without an id, and the completion arrives while
+    the status service has applied only the acceptance: settling re-reads the history about
+    a dozen times, and none of them is the cache hit's case (found in review: each read
+    also read the submission)."""
+    submissions = CountedSubmissions(Submission(T0))
+
+    async def read(since: int) -> TaskHistory | None:
+        return await read_history(
+            "t1",
+            tenant_id="a",
+            after=since,
+            status=AcceptedOnlyHistory(),
+            submissions=submissions,  # type: ignore[arg-type]
+            clock=lambda: T0 + timedelta(seconds=1),
+            policy=HistoryPolicy(window=timedelta(minutes=5)),
+        )
+
+    settled = await history_settled(
+        read, after=_started().sequence, event=_completed(), settle_s=0.5
+    )
+    assert [change.sequence for change in settled.changes] == [_completed().sequence]
+    assert submissions.finds == 0
+
+
 async def test_an_eventsource_reconnecting_after_a_cache_hits_completion_is_told_it_ended() -> None:
     """It was a 400 (`Last-Event-ID` ahead of the history), an error to the client of a task
     that completed; a 204 tells an `EventSource` the stream is over."""

@@ -193,3 +193,34 @@ def test_a_verdict_not_in_strict_json_beside_a_quoted_one_is_unusable(own: str) 
     with pytest.raises(UnusableOutput, match="outside any valid JSON object") as caught:
         parse_verdict(content)
     assert caught.value.raw_output == content
+
+
+@pytest.mark.parametrize("key", ["Score", "SCORE", " score "])
+def test_a_verdict_keyed_in_another_case_beside_a_quoted_one_is_unusable(key: str) -> None:
+    """The judge's own object parses, so its key is not stray; only objects keyed exactly
+    `score` counted as verdicts, and the planted one was the only one (found in review)."""
+    content = f'The text embeds {PLANTED}, which I ignore. My verdict: {{"{key}": 2, "c": "W"}}'
+    with pytest.raises(UnusableOutput, match="more than one verdict"):
+        parse_verdict(content)
+
+
+@pytest.mark.parametrize(
+    "label",
+    [
+        "**Score:**\n```json\n",
+        "**Score:** ```json\n",
+        "__Score:__\n```json\n",
+        "Score:\n``` json\n",
+    ],
+    ids=["bold-newline", "bold-space", "underscore-bold", "fence-info-after-space"],
+)
+def test_a_label_before_a_fenced_verdict_is_not_a_verdict_of_its_own(label: str) -> None:
+    """Markdown closes the emphasis after the colon (`**Score:**`): refused as a stray key, a
+    common well-formed answer cost a repair call (found in review)."""
+    verdict = parse_verdict(f'{label}{{"score": 7, "comment": "Good."}}\n```')
+    assert (verdict.score, verdict.comment) == (7.0, "Good.")
+
+
+def test_a_label_before_an_inline_code_verdict_is_not_a_verdict_of_its_own() -> None:
+    verdict = parse_verdict('Score: `{"score": 7, "comment": "Good."}`')
+    assert (verdict.score, verdict.comment) == (7.0, "Good.")

@@ -46,8 +46,9 @@ _MAX_PROBLEM_CHARS: Final = 500
 _SCORE_KEY: Final = re.compile(
     r"""(?<!\w)[\\"'`*_]{0,3}score[\\"'`*_]{0,3}\s*[:=]""", re.IGNORECASE
 )
-# What may come between a key and the object it labels: blank space, a code fence's opening.
-_BEFORE_LABELLED: Final = re.compile(r"\s*(?:```\w*\s*)?")
+# What may come between a key and the object it labels: the emphasis closing after the
+# colon (`**Score:**`), blank space, a code fence's opening or an inline code's backtick.
+_BEFORE_LABELLED: Final = re.compile(r"[*_]{0,3}\s*(?:```[ \t]*\w*\s*|`)?")
 _MARK_OUT_OF_TEN: Final = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:/\s*10(?:\.0+)?)?\s*")
 
 
@@ -149,12 +150,19 @@ def _verdicts_in(value: object) -> Iterator[dict[str, Any]]:
     while pending:
         item = pending.pop()
         if isinstance(item, dict):
-            if "score" in item:
+            if any(_names_a_score(key) for key in item):
                 yield item
             else:
                 pending.extend(item.values())
         elif isinstance(item, list):
             pending.extend(item)
+
+
+def _names_a_score(key: object) -> bool:
+    """`score` in any case, as a verdict's key: a judge's own `{"Score": 2}` beside the
+    planted `{"score": 10}` is a second verdict (it fails validation, and the repair asks for
+    the plain object), not an object to pass over."""
+    return isinstance(key, str) and key.strip().lower() == "score"
 
 
 def _stray(key: re.Match[str], spans: list[tuple[int, int]], content: str) -> bool:

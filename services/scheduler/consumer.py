@@ -4,10 +4,13 @@
 - unreadable body: copied to the DLQ with the validation error, then ack.
 - Finished / Drop: ack.  Continue: next slice published, then ack.
 - Retry / Defer: published down the wait ladder, then ack.
-- GiveUp: copied to the DLQ with the reason (`x-scorebox-error`), then ack. A copy the
-  broker refuses returns the delivery as failed (below); when it comes back to this process,
-  its run ended, it is dead-lettered with that reason again rather than dropped
-  (`OwedLetters`).
+- GiveUp: copied to the DLQ with the reason (`x-scorebox-error`), the run's letter recorded
+  written (`Firings.letter_written`, clearing the `letter_owed` its give-up set), then ack.
+  A copy the broker refuses returns the delivery as failed (below), its letter still owed:
+  whichever delivery of the run comes next, on any replica, is dead-lettered with the
+  recorded reason rather than dropped (`services.scheduler.runs`), as is the copy sent
+  again when the give-up's write lost its answer. A letter written whose record fails
+  leaves it owed: a later delivery of the run writes a second copy.
 - MongoDB unavailable around the job (recording its start or outcome; a transient error):
   the same command is re-sent after the retry base delay without counting an attempt, then
   ack. A permanent database error there (a result the database refuses) returns the
@@ -33,10 +36,11 @@
   crashed or lost its connection running it that many times): the job is not run again;
   the firing is recorded `failed` with the reason, the message copied to the DLQ with that
   reason, counted `gave_up`, then ack (a run that has ended already keeps its end: dropped,
-  ack). MongoDB unavailable meanwhile (a transient error, `shared.database_errors`) is
-  waited out with the delivery held (`keep_trying`): a copy sent later would start its
-  count again, and one returned once more is dead-lettered by RabbitMQ without a word, its
-  firing left `running`. A permanent database error returns the delivery as failed.
+  ack; one given up whose letter is still owed is dead-lettered with the recorded reason).
+  MongoDB unavailable meanwhile (a transient error, `shared.database_errors`) is waited out
+  with the delivery held (`keep_trying`): a copy sent later would start its count again, and
+  one returned once more is dead-lettered by RabbitMQ without a word, its firing left
+  `running`. A permanent database error returns the delivery as failed.
 - The job's own database work runs under `SCHEDULER_JOB_DB_TIMEOUT_S` rather than the
   client's `MONGO_TIMEOUT_S` (`services.scheduler.runs`).
 
@@ -66,7 +70,6 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -141,37 +144,6 @@ async def _dead_letter(
     )
 
 
-# Give-ups whose dead letter the broker refused, remembered by message id (at most this many).
-OWED_LETTERS_MAX = 1000
-
-
-class OwedLetters:
-    """The reasons of give-ups whose DLQ copy the broker refused, by the message's id: the
-    delivery went back to its queue as failed, and when it comes back its run has ended, so
-    it would be dropped and the run left with no letter to replay. A delivery found here is
-    dead-lettered with its reason instead. In this process only: a copy another replica
-    takes is dropped there."""
-
-    def __init__(self, limit: int = OWED_LETTERS_MAX) -> None:
-        self._reasons: OrderedDict[str, str] = OrderedDict()
-        self._limit = limit
-
-    def owe(self, message_id: str | None, reason: str) -> None:
-        if message_id is None:
-            return
-        self._reasons[message_id] = reason
-        self._reasons.move_to_end(message_id)
-        while len(self._reasons) > self._limit:
-            self._reasons.popitem(last=False)
-
-    def reason(self, message_id: str | None) -> str | None:
-        return None if message_id is None else self._reasons.get(message_id)
-
-    def paid(self, message_id: str | None) -> None:
-        if message_id is not None:
-            self._reasons.pop(message_id, None)
-
-
 # How long a delivery's hold on its run lasts unless renewed, and how often it is renewed
 # while the job runs. A copy handed back at a stop whose hold could not be let go waits
 # this long at most.
@@ -207,7 +179,6 @@ class CronJobRunner:
     cut_holds: dict[str, HoldCut] = field(default_factory=dict)
     hold_lease: timedelta = HOLD_LEASE
     hold_renewal_s: float = HOLD_RENEWAL_S
-    owed_letters: OwedLetters = field(default_factory=OwedLetters)
     letter_deadline_s: float = LETTER_DEADLINE_S
 
     async def on_message(self, message: Delivery) -> bool:
@@ -218,8 +189,6 @@ class CronJobRunner:
         except ValidationError as error:
             log.warning("dead-lettering an unreadable cron.run: %s", error)
             return await _dead_letter(self.bus, CRON_JOBS, message, f"unreadable cron.run: {error}")
-        if (owed := self.owed_letters.reason(message.message_id)) is not None:
-            return await self._give_up(owed, message)
         deliveries = deliveries_lost(message.headers)
         if deliveries >= CRON_JOBS.delivery_limit:
             decision: RunDecision | None = await self._give_up_at_delivery_limit(
@@ -232,7 +201,7 @@ class CronJobRunner:
             return True
         job = command.job if command.job in self.handlers else UNKNOWN_JOB
         self.metrics.count_run(job, decision)
-        return handed_on or await self.carry_out(decision, message)
+        return handed_on or await self.carry_out(decision, message, run_id=command.run_id)
 
     async def _holding(
         self, command: RunCronJob, message: Delivery
@@ -395,9 +364,10 @@ class CronJobRunner:
             what=f"recording cron run {command.run_id} failed at its delivery limit",
         )
 
-    async def carry_out(self, decision: RunDecision, message: Delivery) -> bool:
-        """Carry a decision out: True when the caller is to ack the delivery, False when it
-        was returned as failed already (a give-up whose dead letter was refused)."""
+    async def carry_out(self, decision: RunDecision, message: Delivery, *, run_id: str) -> bool:
+        """Carry a decision about run `run_id` out: True when the caller is to ack the
+        delivery, False when it was returned as failed already (a give-up whose dead letter
+        was refused)."""
         match decision:
             case Continue(command=command) | Retry(command=command):
                 await self._publish_run(command)
@@ -405,23 +375,31 @@ class CronJobRunner:
                 await self._publish_run(command, headers=carried_deliveries(message.headers))
             case GiveUp(reason=reason):
                 log.error("dead-lettering a cron run: %s", reason)
-                return await self._give_up(reason, message)
+                return await self._give_up(reason, message, run_id=run_id)
             case Drop(reason=reason):
                 log.info("dropping a cron.run delivery: %s", reason)
             case Finished():
                 pass
         return True
 
-    async def _give_up(self, reason: str, message: Delivery) -> bool:
-        """Dead-letter a run given up; a copy the broker refused is owed (`OwedLetters`)."""
+    async def _give_up(self, reason: str, message: Delivery, *, run_id: str) -> bool:
+        """Dead-letter a run given up, then record its letter written; one the broker
+        refused stays owed on the run (its give-up recorded it so)."""
         lettered = await _dead_letter(
             self.bus, CRON_JOBS, message, reason, letter_deadline_s=self.letter_deadline_s
         )
         if lettered:
-            self.owed_letters.paid(message.message_id)
-        else:
-            self.owed_letters.owe(message.message_id, reason)
+            await self._letter_written(run_id)
         return lettered
+
+    async def _letter_written(self, run_id: str) -> None:
+        """Clear the run's owed letter, the broker having confirmed it. Should the database
+        not answer, the letter stays owed: a later delivery of the run writes it again (two
+        copies in the DLQ, which its drop removes together), never none."""
+        try:
+            await self.firings.letter_written(run_id)
+        except PyMongoError as error:
+            log.warning("cron run %s: its dead letter not recorded written: %r", run_id, error)
 
     async def _publish_run(
         self, command: RunCronJob, *, headers: Mapping[str, Any] | None = None

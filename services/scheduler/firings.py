@@ -3,7 +3,7 @@ time run once, whatever the number of scheduler replicas.
 
     {_id: run_id, job, scheduled_for, manual, state, fired_at, claimed_by, claimed_at,
      dispatched_at, started_at, finished_at, attempts, missed, result, error,
-     next_attempt_at, replay_of, active_job, heartbeat_at, step, hold}
+     next_attempt_at, replay_of, active_job, heartbeat_at, step, hold, letter_owed}
 
 A fire time is claimed by inserting its document under a unique index on
 `(job, scheduled_for)`: the replica whose insert succeeds owns the firing, every other one
@@ -41,6 +41,14 @@ its delivery back (`release`). A holder that died is taken over once its lease l
 its own redelivery or any copy: a redelivery does not take a live hold, for its consumer
 may only have lost its connection while its job runs on. A message without a step (sent by
 an earlier build) is fenced by the hold alone.
+
+A run given up owes its dead letter until the broker confirmed it: the write that records it
+`failed` sets `letter_owed` (`finish(..., letter_owed=True)`; its reason is `error`), and the
+delivery that wrote the letter clears it (`letter_written`). A write whose answer was lost
+leaves the run failed with no delivery in hand to dead-letter, and a letter the broker
+refused returns its delivery as failed: any later delivery of the run, on any replica,
+finding the run failed with its letter owed is dead-lettered with the recorded reason rather
+than dropped (`Firing.owes_letter`). A firing of an earlier build has no flag: owed nothing.
 """
 
 from __future__ import annotations
@@ -123,6 +131,7 @@ class Firing:
     heartbeat_at: datetime | None = None  # the run's last sign of life
     step: int = 0  # the step of the delivery that last took the run's hold
     hold: Document | None = None  # {by, message_id, until, next}: who holds the run
+    letter_owed: bool = False  # given up, its dead letter not yet confirmed
 
     @classmethod
     def from_document(cls, document: Document) -> Firing:
@@ -143,6 +152,7 @@ class Firing:
             heartbeat_at=document.get("heartbeat_at"),
             step=document.get("step", 0),
             hold=document.get("hold"),
+            letter_owed=document.get("letter_owed", False),
         )
 
     def passed(self, step: int | None) -> bool:
@@ -152,6 +162,11 @@ class Firing:
             return False
         handed_on = (self.hold or {}).get("next")
         return self.step > step or (handed_on is not None and handed_on > step)
+
+    @property
+    def owes_letter(self) -> bool:
+        """Whether the run was given up and its dead letter is not known to be written."""
+        return self.state is FiringState.FAILED and self.letter_owed
 
     def held_until(self, now: datetime) -> datetime | None:
         """When the live hold on the run ends unless renewed; None when nobody holds it."""
@@ -269,7 +284,10 @@ class FiringStore(Protocol):
         now: datetime,
         result: dict[str, Any] | None = None,
         error: str | None = None,
+        letter_owed: bool = False,
     ) -> bool: ...
+
+    async def letter_written(self, run_id: str) -> None: ...
 
     async def find(self, run_id: str) -> Firing | None: ...
 
@@ -549,23 +567,30 @@ class Firings(FiringStore):
         now: datetime,
         result: dict[str, Any] | None = None,
         error: str | None = None,
+        letter_owed: bool = False,
     ) -> bool:
         """Record the run's end, unless it has ended already (the first end stands); False
-        when it had."""
+        when it had. `letter_owed`: a give-up, whose dead letter is owed until written
+        (`letter_written`), recorded in the same write."""
+        changes: Document = {
+            "state": state.value,
+            "finished_at": to_millis(now),
+            "result": result,
+            "error": error,
+            "next_attempt_at": None,
+        }
+        if letter_owed:
+            changes["letter_owed"] = True
         result_of = await self._collection.update_one(
-            {"_id": run_id, "state": {"$nin": _FINAL}},
-            {
-                "$set": {
-                    "state": state.value,
-                    "finished_at": to_millis(now),
-                    "result": result,
-                    "error": error,
-                    "next_attempt_at": None,
-                },
-                **_RELEASE,
-            },
+            {"_id": run_id, "state": {"$nin": _FINAL}}, {"$set": changes, **_RELEASE}
         )
         return result_of.modified_count == 1
+
+    async def letter_written(self, run_id: str) -> None:
+        """Record the dead letter of a run given up as written (the broker confirmed it)."""
+        await self._collection.update_one(
+            {"_id": run_id, "letter_owed": True}, {"$unset": {"letter_owed": ""}}
+        )
 
     async def active_run(self, job: str) -> Firing | None:
         """The run that holds `job`'s lease, if any."""

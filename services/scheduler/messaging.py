@@ -17,7 +17,7 @@ import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import aiormq
@@ -29,7 +29,7 @@ from services.scheduler.errors import DownstreamFull, TransientJobError
 from services.scheduler.jobs import Clock
 from shared.bus import BROKER_ERRORS, publish_delayed, publish_ops_event
 from shared.contracts import Contract, OpsEvent, RescoreTask, RunCronJob
-from shared.dead_letters import own_channel
+from shared.dead_letters import dead_lettered_at, own_channel
 from shared.topology import (
     CRON,
     RESCORE_REQUESTS,
@@ -194,12 +194,10 @@ def refused_for_room(error: aiormq.exceptions.DeliveryError) -> bool:
 
 
 def _age_s(message: AbstractIncomingMessage, now: datetime) -> float | None:
-    """Since RabbitMQ dead-lettered it (`x-death`), else since it was published to the DLQ."""
-    deaths: Any = message.headers.get("x-death") or []
-    when = deaths[0].get("time") if deaths and isinstance(deaths[0], dict) else None
-    when = when if isinstance(when, datetime) else message.timestamp
+    """Since it was dead-lettered (`dead_lettered_at`, as the DLQ listings read it: one of
+    ours by its timestamp, though it carries a wait-ladder `x-death` of an earlier retry;
+    one RabbitMQ dead-lettered by its `x-death`)."""
+    when = dead_lettered_at(message, now)
     if when is None:
         return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
     return max(0.0, (now - when).total_seconds())

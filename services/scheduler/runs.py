@@ -1,9 +1,15 @@
 """Running one delivery of a `RunCronJob`: decide, never touch the broker.
 
-    not yet due                     -> Defer    (down the wait ladder again)
-    job unknown to this replica     -> Retry    (same attempt, for a replica that knows it;
-                                                 GiveUp once UNKNOWN_JOB_MAX_WAIT has
-                                                 passed since the firing)
+    not yet due                     -> Defer    (down the wait ladder again; GiveUp when
+                                                 its run's letter is owed, as below)
+    run given up, its letter owed   -> GiveUp   (its recorded reason: the give-up's write
+                                                 lost its answer, or its letter was refused;
+                                                 any delivery of the run, any step)
+    job unknown to this replica     -> Retry    (same attempt, for a replica that knows it,
+                                                 marked `retrying` unless another delivery
+                                                 holds the run; GiveUp once
+                                                 UNKNOWN_JOB_MAX_WAIT has passed since the
+                                                 firing; Drop as below)
     run unknown or already final    -> Drop     (a duplicate delivery, or a firing forgotten)
     run past the message's step     -> Drop     (a copy of a step carried out already)
     run held by another delivery    -> Defer    (a copy: sent again, `HELD_RECHECK` at most
@@ -26,6 +32,14 @@ running it each time. Run again, it would most likely do the same, and RabbitMQ 
 dead-letter it without a word while its firing stayed `running` for ever. It is given up
 instead: the firing recorded `failed` with the reason; a run that has ended already keeps
 its end (the first end stands) and the delivery is dropped.
+
+A give-up records the run `failed` and its dead letter owed in one write (`letter_owed`,
+cleared by the consumer once the broker confirmed the letter). Should that write's answer be
+lost (the delivery is then sent again as in a database outage) or the letter be refused (the
+delivery returned as failed), the run has ended with no letter: whichever delivery of the
+run comes next, on any replica, finds its letter owed and is given up with the recorded
+reason instead of dropped. Two deliveries finding it owed at once both write it (a DLQ may
+hold two copies of one dead letter).
 
 A run waiting for room counts its wait from its last progress, as its messages carry it: a
 continuation (`Continue`) is issued only after its slice moved the run on, and is stamped
@@ -61,9 +75,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pymongo
+from pymongo.errors import PyMongoError
 
 from services.scheduler.errors import DownstreamFull, PermanentJobError
-from services.scheduler.firings import FiringState, FiringStore, Held, Hold
+from services.scheduler.firings import Firing, FiringState, FiringStore, Held, Hold
 from services.scheduler.in_hand import CronRunsInHand, CutShort
 from services.scheduler.jobs import Clock, JobHandler, JobRun
 from shared.contracts import RunCronJob, new_id
@@ -170,13 +185,13 @@ async def run_cron_job(
     unfenced). `in_hand`: the stop's register, which may cut the handler short (`CutShort`,
     raised before any decision is recorded)."""
     if command.not_before is not None and command.not_before - clock() > DUE_TOLERANCE:
-        return Defer(command)
+        return await _before_its_time(command, firings)
     handler = handlers.get(command.job)
     if handler is None:
         return await _wait_for_a_replica_knowing(command, firings=firings, retry=retry, clock=clock)
     began = await firings.begin(command.run_id, attempt=command.attempt, now=clock(), hold=hold)
     if began is None:
-        return Drop(f"run {command.run_id} is unknown, finished or past this step")
+        return _ended(await firings.find(command.run_id), command)
     if isinstance(began, Held):
         return Defer(_waiting_for(command, began, now=clock()))
     following = command.model_copy(update={"step": began.step + 1})
@@ -190,6 +205,38 @@ async def run_cron_job(
         in_hand=in_hand or CronRunsInHand(),
         key=hold.handling if hold is not None else None,
     )
+
+
+async def _before_its_time(command: RunCronJob, firings: FiringStore) -> Defer | GiveUp:
+    """A delivery ahead of its `not_before` goes down the wait ladder again, unless its run
+    was given up with its letter owed: nothing is left to wait for (a copy sent again when
+    the give-up's answer was lost is such a delivery). The look is a shortcut, the delivery
+    looking again once due: a database error sends it down the ladder as before, never
+    earlier than its time as a delivery sent again in an outage would be."""
+    try:
+        firing = await firings.find(command.run_id)
+    except PyMongoError as error:
+        log.warning("cron run %s not looked at before its time: %r", command.run_id, error)
+        return Defer(command)
+    return _letter_owed(firing) or Defer(command)
+
+
+def _ended(firing: Firing | None, command: RunCronJob) -> GiveUp | Drop:
+    """The decision for a delivery of a run unknown, ended or past its step: given up with
+    the recorded reason when the run was given up and its letter is still owed (the
+    give-up's answer lost, or its letter refused), else dropped."""
+    return _letter_owed(firing) or Drop(
+        f"run {command.run_id} is unknown, finished or past this step"
+    )
+
+
+def _letter_owed(firing: Firing | None) -> GiveUp | None:
+    """The give-up whose dead letter the run still owes, with its recorded reason; None
+    when it owes none (it was not given up, its letter was written, or it is a firing of an
+    earlier build, which records no letter owed)."""
+    if firing is None or not firing.owes_letter:
+        return None
+    return GiveUp(firing.error or f"cron run {firing.run_id} of job {firing.job!r} failed")
 
 
 def _waiting_for(command: RunCronJob, held: Held, *, now: datetime) -> RunCronJob:
@@ -277,23 +324,32 @@ async def give_up_at_delivery_limit(
     )
     standing = await firings.find(command.run_id)
     if standing is not None and (standing.state.is_final or standing.passed(command.step)):
-        return Drop(f"run {command.run_id} at its delivery limit has ended or passed this step")
+        # Its letter owed: ours, the answer lost (waited out and tried again), or refused.
+        return _ended(standing, command)
     if standing is not None and (held := standing.held_until(clock())) is not None:
         # Its holder carries it on, or died and its lease runs out: given up once it has.
         return Defer(_waiting_for(command, Held(until=held), now=clock()))
-    if await firings.finish(command.run_id, state=FiringState.FAILED, now=clock(), error=reason):
+    if await _record_given_up(command, reason, firings=firings, clock=clock):
         return GiveUp(reason)
-    firing = await firings.find(command.run_id)
-    if firing is not None and firing.error == reason:  # ours, its answer lost (a retried write)
-        return GiveUp(reason)
-    return Drop(f"run {command.run_id} at its delivery limit had ended already")
+    # Ours, its answer lost to a retried write (its letter owed); or the run ended meanwhile.
+    return _ended(await firings.find(command.run_id), command)
 
 
 async def _give_up(
     command: RunCronJob, reason: str, *, firings: FiringStore, clock: Clock
 ) -> GiveUp:
-    await firings.finish(command.run_id, state=FiringState.FAILED, now=clock(), error=reason)
+    await _record_given_up(command, reason, firings=firings, clock=clock)
     return GiveUp(reason)
+
+
+async def _record_given_up(
+    command: RunCronJob, reason: str, *, firings: FiringStore, clock: Clock
+) -> bool:
+    """Record the run failed with its dead letter owed, in one write (the consumer clears
+    it once the broker confirmed the letter); False when the run had ended already."""
+    return await firings.finish(
+        command.run_id, state=FiringState.FAILED, now=clock(), error=reason, letter_owed=True
+    )
 
 
 async def _retry_or_give_up(
@@ -332,15 +388,17 @@ async def _wait_for_a_replica_knowing(
 ) -> Retry | GiveUp | Drop:
     """Send a run of a job this replica does not know back to the queue, its attempt not
     counted (it was not tried), until `UNKNOWN_JOB_MAX_WAIT` has passed since the run last
-    made progress (`waiting_since`: its firing, or its slice's issue)."""
+    made progress (`waiting_since`: its firing, or its slice's issue). A copy of a run
+    unknown, ended or past its step is dropped (or dead-lettered, its letter owed); one of a
+    run another delivery holds is sent back without marking the run `retrying`."""
     error = f"no handler for cron job {command.job!r} in this scheduler"
     now = clock()
+    standing = await firings.find(command.run_id)
+    if standing is None or standing.state.is_final or standing.passed(command.step):
+        return _ended(standing, command)
+    if standing.held_until(now) is not None:  # a replica knowing the job runs it
+        return _sent_back(command, error, now=now, after=retry.base)
     if now - waiting_since(command) >= UNKNOWN_JOB_MAX_WAIT:
-        standing = await firings.find(command.run_id)
-        if standing is not None and standing.passed(command.step):
-            return Drop(f"run {command.run_id} has passed this step")
-        if standing is not None and standing.held_until(now) is not None:
-            return _sent_back(command, error, now=now, after=retry.base)
         reason = (
             f"{error}, nor in any that took the run within {UNKNOWN_JOB_MAX_WAIT} "
             "(is the job configured on every replica?)"

@@ -28,7 +28,9 @@ from pymongo.errors import AutoReconnect
 from services.scheduler.catalogue import Catalogue
 from services.scheduler.config import parse_config
 from services.scheduler.consumer import CronJobRunner, UsageMeter, subscribe_scheduler
+from services.scheduler.errors import PermanentJobError
 from services.scheduler.firings import Firing, Firings, FiringState, Held, Hold
+from services.scheduler.jobs import JobOutcome, JobRun
 from services.scheduler.messaging import SchedulerBus
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.runs import RetryPolicy
@@ -136,11 +138,14 @@ class AwayOnce(Firings):
         now: datetime,
         result: dict[str, Any] | None = None,
         error: str | None = None,
+        letter_owed: bool = False,
     ) -> bool:
         if self.away:
             self.away = False
             raise AutoReconnect("the database is away")
-        return await super().finish(run_id, state=state, now=now, result=result, error=error)
+        return await super().finish(
+            run_id, state=state, now=now, result=result, error=error, letter_owed=letter_owed
+        )
 
 
 Handler = Callable[[Delivery], Coroutine[Any, Any, None]]
@@ -330,34 +335,142 @@ async def test_a_give_up_whose_letter_was_refused_is_dead_lettered_when_it_comes
 ) -> None:
     """The DLQ deleted, the give-up's copy is refused and the delivery returned as failed;
     when it comes back its run has ended, and it was dropped: the run failed with no letter
-    to replay. With the DLQ back, the returned delivery is dead-lettered with its reason."""
+    to replay. With the DLQ back, the returned delivery is dead-lettered with its reason,
+    here by another replica: the letter is owed on the run (`letter_owed`), not in the
+    memory of the process that gave it up."""
     await drain(env.amqp_url, CRON_JOBS.dead_letter_routing_key)
     firings = Firings(env.mongo, env.database)
     command = await _left_running(env, firings)
     calls = Calls()
-    handle = cron_consumer(firings, calls, letter_deadline_s=0.3)
     body, message_id = command.model_dump_json().encode(), command.message_id
     at_limit = HandedDelivery(
         body, headers={DELIVERY_COUNT_HEADER: LIMIT}, redelivered=True, message_id=message_id
     )
-    await _delete_queue(env.amqp_url, CRON_JOBS.dead_letter_routing_key)
-    try:
-        await asyncio.wait_for(handle(at_limit), timeout=30)
-    finally:
-        await _declare_topology(env)  # the DLQ back
+    await _refused(env, cron_consumer(firings, calls, letter_deadline_s=0.3), at_limit)
+    refused = await firings.find(command.run_id)
     returned = HandedDelivery(
         body, headers={DELIVERY_COUNT_HEADER: LIMIT + 1}, redelivered=True, message_id=message_id
     )
-    await asyncio.wait_for(handle(returned), timeout=30)
+    await asyncio.wait_for(cron_consumer(firings, calls)(returned), timeout=30)
 
     assert at_limit.settled == ["reject(requeue=True)"]
     assert returned.settled == ["ack"]
     assert calls.runs == []
-    firing = await firings.find(command.run_id)
+    assert refused is not None
+    assert refused.owes_letter
+    await _dead_lettered_once(env, firings, command.run_id)
+
+
+async def test_a_give_up_of_its_job_whose_letter_was_refused_is_dead_lettered_by_another_replica(
+    env: Env, cron_consumer: CronConsumer
+) -> None:
+    """As above, for a run its job gave up (not at the delivery limit): the returned
+    delivery begins nothing, finds the letter owed, and writes it."""
+    await drain(env.amqp_url, CRON_JOBS.dead_letter_routing_key)
+    firings = Firings(env.mongo, env.database)
+    command = await _left_running(env, firings)
+    body, message_id = command.model_dump_json().encode(), command.message_id
+    first = HandedDelivery(body, message_id=message_id)
+    await _refused(env, cron_consumer(firings, _misconfigured, letter_deadline_s=0.3), first)
+    returned = HandedDelivery(
+        body, headers={DELIVERY_COUNT_HEADER: 1}, redelivered=True, message_id=message_id
+    )
+    await asyncio.wait_for(cron_consumer(firings, _misconfigured)(returned), timeout=30)
+
+    assert first.settled == ["reject(requeue=True)"]
+    assert returned.settled == ["ack"]
+    firing = await _dead_lettered_once(env, firings, command.run_id)
+    assert "configuration missing" in (firing.error or "")
+
+
+class LosesTheAnswerOnce(Firings):
+    """The firings, the answer to the first write of a run's end lost once it applied (a
+    connection reset after the write: a transient error)."""
+
+    lost = False
+
+    async def finish(
+        self,
+        run_id: str,
+        *,
+        state: FiringState,
+        now: datetime,
+        result: dict[str, Any] | None = None,
+        error: str | None = None,
+        letter_owed: bool = False,
+    ) -> bool:
+        applied = await super().finish(
+            run_id, state=state, now=now, result=result, error=error, letter_owed=letter_owed
+        )
+        if not self.lost:
+            self.lost = True
+            raise AutoReconnect("connection reset after the write")
+        return applied
+
+
+async def test_a_give_up_whose_failed_mark_lost_its_answer_is_dead_lettered_by_its_copy(
+    env: Env, cron_consumer: CronConsumer
+) -> None:
+    """The give-up's write applied and its answer lost, the delivery is sent again as in a
+    database outage; the copy found the run failed and was dropped: failed for good, no
+    letter to replay, no DLQ alert (found in review). Now the copy, due and taken by another
+    replica, is dead-lettered with the recorded reason."""
+    await drain(env.amqp_url, CRON_JOBS.dead_letter_routing_key)
+    await drain(env.amqp_url, CRON_JOBS.name)
+    firings = LosesTheAnswerOnce(env.mongo, env.database)
+    command = await _left_running(env, firings)
+    first = HandedDelivery(command.model_dump_json().encode(), message_id=command.message_id)
+
+    await asyncio.wait_for(cron_consumer(firings, _misconfigured)(first), timeout=30)
+    sent_again = await _sent_again(env, command.run_id)
+    env.clock.now = RunCronJob.model_validate_json(sent_again.body).not_before or env.clock.now
+    copy = HandedDelivery(
+        sent_again.body, headers=dict(sent_again.headers), message_id=sent_again.message_id
+    )
+    other_replica = cron_consumer(Firings(env.mongo, env.database), _misconfigured)
+    await asyncio.wait_for(other_replica(copy), timeout=30)
+
+    assert firings.lost
+    assert (first.settled, copy.settled) == (["ack"], ["ack"])
+    firing = await _dead_lettered_once(env, firings, command.run_id)
+    assert "configuration missing" in (firing.error or "")
+
+
+async def _misconfigured(run: JobRun) -> JobOutcome:
+    raise PermanentJobError("configuration missing")
+
+
+async def _refused(env: Env, handle: Handler, delivery: HandedDelivery) -> None:
+    """Hand `delivery` over while the cron DLQ is deleted (its dead letter refused)."""
+    await _delete_queue(env.amqp_url, CRON_JOBS.dead_letter_routing_key)
+    try:
+        await asyncio.wait_for(handle(delivery), timeout=30)
+    finally:
+        await _declare_topology(env)  # the DLQ back
+
+
+async def _sent_again(env: Env, run_id: str) -> aio_pika.abc.AbstractIncomingMessage:
+    """The run's copy sent again down the wait ladder, once it reached the cron queue."""
+
+    async def arrived() -> list[aio_pika.abc.AbstractIncomingMessage] | None:
+        found = await drain(env.amqp_url, CRON_JOBS.name)
+        ours = [m for m in found if RunCronJob.model_validate_json(m.body).run_id == run_id]
+        return ours or None
+
+    [copy] = await eventually(arrived, what=f"run {run_id} sent again")
+    return copy
+
+
+async def _dead_lettered_once(env: Env, firings: Firings, run_id: str) -> Firing:
+    """The run, failed with its one dead letter written (and recorded written)."""
+    firing = await firings.find(run_id)
     assert firing is not None
     assert firing.state is FiringState.FAILED
+    assert not firing.letter_owed
     [letter] = await _dead_letters(env.amqp_url)
     assert str(letter.headers[ERROR_HEADER]) == firing.error
+    assert RunCronJob.model_validate_json(letter.body).run_id == run_id
+    return firing
 
 
 async def _declare_topology(env: Env) -> None:

@@ -4,6 +4,8 @@
 A publish the broker confirmed too late was sent again, and every copy of it that reached
 the queue ran the job, at once: a copy now runs only once it takes the run's hold, waits
 (`Held`) while another delivery holds it, and is dropped once the run has passed its step.
+A replica without the run's job (a rolling deploy) sends a copy of a held run back without
+marking it `retrying`, and drops one of a step handed on.
 """
 
 from __future__ import annotations
@@ -14,8 +16,18 @@ import pytest
 
 from services.scheduler.dispatcher import run_command_for
 from services.scheduler.firings import Firing, Firings, FiringState, Held, Hold
-from services.scheduler.runs import Defer, Drop, GiveUp, give_up_at_delivery_limit
-from shared.contracts import new_id
+from services.scheduler.runs import (
+    UNKNOWN_JOB_MAX_WAIT,
+    Defer,
+    Drop,
+    GiveUp,
+    Retry,
+    RetryPolicy,
+    RunDecision,
+    give_up_at_delivery_limit,
+    run_cron_job,
+)
+from shared.contracts import RunCronJob, new_id
 from tests.integration import test_scheduler
 from tests.integration.test_scheduler import Env
 
@@ -231,3 +243,53 @@ async def test_a_copy_at_its_delivery_limit_waits_while_the_run_is_held(firings:
 
     assert isinstance(waits, Defer)
     assert isinstance(given_up, GiveUp)
+
+
+async def _without_the_job(copy: RunCronJob, firings: Firings, now: datetime) -> RunDecision:
+    """The decision on `copy` of a replica that has no handler for its job (an earlier
+    build's, in a rolling deploy that adds the job)."""
+    retry = RetryPolicy(max_attempts=3, base=timedelta(seconds=5), cap=timedelta(minutes=10))
+    return await run_cron_job(copy, handlers={}, firings=firings, retry=retry, clock=lambda: now)
+
+
+async def test_a_replica_without_the_job_leaves_a_run_another_holds_running(
+    firings: Firings,
+) -> None:
+    """Each bounce of a copy through such a replica marked the run a replica knowing the job
+    was running `retrying`. Now it is sent back and the run left as it is, past
+    `UNKNOWN_JOB_MAX_WAIT` too (its holder carries it on)."""
+    firing = await _claimed(firings)
+    holder = _bid(0)
+    await firings.begin(firing.run_id, attempt=1, now=NOW, hold=holder)
+    copy = run_command_for(firing)
+    late = NOW + UNKNOWN_JOB_MAX_WAIT + timedelta(seconds=1)
+
+    early_decision = await _without_the_job(copy, firings, NOW)
+    early = await firings.find(firing.run_id)
+    await firings.renew(firing.run_id, handling=holder.handling, until=late + LEASE, now=late)
+    late_decision = await _without_the_job(copy, firings, late)
+    still = await firings.find(firing.run_id)
+
+    assert isinstance(early_decision, Retry)
+    assert isinstance(late_decision, Retry)
+    assert early is not None
+    assert still is not None
+    assert (early.state, still.state) == (FiringState.RUNNING, FiringState.RUNNING)
+    assert (early.error, still.error) == (None, None)
+
+
+async def test_a_replica_without_the_job_drops_a_copy_of_a_step_handed_on(
+    firings: Firings,
+) -> None:
+    """It was sent back, the run marked `retrying`, until the wait had passed."""
+    firing = await _claimed(firings)
+    holder = _bid(0)
+    await firings.begin(firing.run_id, attempt=1, now=NOW, hold=holder)
+    await firings.hand_on(firing.run_id, handling=holder.handling, step=1, now=NOW)
+
+    decision = await _without_the_job(run_command_for(firing), firings, NOW)
+
+    assert isinstance(decision, Drop)
+    still = await firings.find(firing.run_id)
+    assert still is not None
+    assert still.state is FiringState.RUNNING

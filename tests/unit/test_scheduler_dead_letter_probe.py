@@ -1,9 +1,10 @@
-"""Housekeeping's look at a DLQ's head is bounded on the way back too.
+"""Housekeeping's look at a DLQ's head is bounded on the way back too, and ages the head
+from its dead-lettering.
 
 The head is read with `basic.get` and returned with `nack(requeue=True)`; every other broker
 call of the scheduler's bus has its timeout, the `nack` had none, and on a stalled channel it
 held the housekeeping run (and every dead-letter report after it) for as long as the stall
-lasted. Here the broker is in memory and its `nack` never completes.
+lasted. Here the broker is in memory and its `nack` never completes (or, for the age, at once).
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
+import pytest
 from faststream.rabbit import RabbitBroker, RabbitQueue
 
 from services.scheduler.messaging import SchedulerBus
-from shared.topology import CRON_JOBS
+from shared.topology import CRON_JOBS, ERROR_HEADER
 
 NOW = datetime(2025, 1, 1, 10, tzinfo=UTC)
 BROKER_TIMEOUT_S = 0.01
@@ -110,3 +112,52 @@ async def test_a_head_that_cannot_be_returned_leaves_the_reading_standing() -> N
     assert head.nacks == 1
     assert broker.asked == [CRON_JOBS.dead_letter_routing_key]
     assert broker.channel.closed  # the broker takes the head back, were it still held
+
+
+@dataclass
+class ReturnedHead(StalledHead):
+    """A dead letter read at the DLQ's head, returned at once."""
+
+    async def nack(self, requeue: bool = True) -> None:
+        self.nacks += 1
+
+
+WAITED = NOW - timedelta(minutes=9)  # a retry left the 10 m wait queue then
+DEAD = NOW - timedelta(minutes=4)  # dead-lettered then
+
+
+@pytest.mark.parametrize(
+    ("headers", "timestamp"),
+    [
+        # Ours: a retried run given up 5 minutes into its job, the ladder's `x-death` kept.
+        (
+            {
+                "x-death": [{"queue": "scorebox.wait.10m", "reason": "expired", "time": WAITED}],
+                ERROR_HEADER: "cron job 'rollup' failed 3 times",
+            },
+            DEAD,
+        ),
+        # RabbitMQ's (its delivery limit): `x-death` is its dead-lettering, the timestamp
+        # its publish.
+        (
+            {"x-death": [{"queue": CRON_JOBS.name, "reason": "delivery_limit", "time": DEAD}]},
+            NOW - timedelta(hours=1),
+        ),
+    ],
+    ids=["ours", "rabbitmq's"],
+)
+async def test_the_head_is_aged_from_its_dead_lettering(
+    headers: dict[str, Any], timestamp: datetime
+) -> None:
+    """Our own letter (`x-scorebox-error`) keeps the headers of the delivery it copies, a
+    retry's wait-ladder `x-death` among them: read first, that aged it from its last wait
+    (found in review). It is aged as the DLQ listings date it (`dead_lettered_at`)."""
+    head = ReturnedHead(headers=headers, timestamp=timestamp)
+    broker = Broker(DeadLetterQueue(head, depth=1))
+    bus = SchedulerBus(cast(RabbitBroker, broker), timeout_s=BROKER_TIMEOUT_S, clock=lambda: NOW)
+
+    async with asyncio.timeout(GUARD_S):
+        depth, age_s = await bus.dead_letter_depth(CRON_JOBS)
+
+    assert (depth, age_s) == (1, (NOW - DEAD).total_seconds())
+    assert head.nacks == 1

@@ -240,12 +240,18 @@ class FakeFirings(FiringStore):
         now: datetime,
         result: dict[str, Any] | None = None,
         error: str | None = None,
+        letter_owed: bool = False,
     ) -> bool:
         if run_id not in self.by_id or self.by_id[run_id].state.is_final:
             return False
         self._release(run_id)
-        self._set(run_id, state=state, result=result, error=error, finished_at=now)
+        changes = {"state": state, "result": result, "error": error, "finished_at": now}
+        self._set(run_id, letter_owed=letter_owed, **changes)
         return True
+
+    async def letter_written(self, run_id: str) -> None:
+        if run_id in self.by_id:
+            self._set(run_id, letter_owed=False)
 
     async def find(self, run_id: str) -> Firing | None:
         return self.by_id.get(run_id)
@@ -880,6 +886,38 @@ async def test_a_run_no_replica_knows_is_given_up_after_its_wait() -> None:
     assert clock.now - START >= UNKNOWN_JOB_MAX_WAIT
     assert "no handler for cron job 'retired'" in decision.reason
     assert firings.by_id[command.run_id].state is FiringState.FAILED
+
+
+@pytest.mark.parametrize("ended", [FiringState.SUCCEEDED, FiringState.FAILED])
+async def test_a_copy_of_an_ended_run_on_a_replica_without_its_job_is_dropped(
+    ended: FiringState,
+) -> None:
+    """A replica knowing the job ran the run to its end; a copy of its message (a late
+    confirm's, a held run's deferral) reaching a replica of the earlier build was sent back
+    for `UNKNOWN_JOB_MAX_WAIT`, then given up: a run that succeeded was dead-lettered (found
+    in review). A run failed owing no letter (its letter written) is no different."""
+    firings = FakeFirings()
+    command = await _claimed_run(firings, job="new-job")
+    await firings.begin(command.run_id, attempt=1, now=START)
+    await firings.finish(command.run_id, state=ended, now=START)
+
+    for after in (timedelta(0), UNKNOWN_JOB_MAX_WAIT + timedelta(seconds=1)):
+        decision = await run_cron_job(
+            command, handlers={}, firings=firings, retry=POLICY, clock=Clock(START + after)
+        )
+        assert isinstance(decision, Drop), f"{after} after its firing: {decision!r}"
+    assert firings.by_id[command.run_id].state is ended
+
+
+async def test_a_copy_of_an_unknown_run_on_a_replica_without_its_job_is_dropped() -> None:
+    """Its firing forgotten (cleaned up): there is nothing to wait for."""
+    command = RunCronJob(task_id=new_id(), job="new-job", scheduled_for=START, fired_at=START)
+
+    decision = await run_cron_job(
+        command, handlers={}, firings=FakeFirings(), retry=POLICY, clock=Clock(START)
+    )
+
+    assert isinstance(decision, Drop)
 
 
 async def test_a_long_job_continues_in_the_next_slice() -> None:

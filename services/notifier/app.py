@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from services.notifier.api import tenant_routes
 from services.notifier.consumer import send_delivery, subscribe_deliveries, subscribe_notifications
 from services.notifier.deliveries import DeliveryDeps, RetryPolicy, Sender
-from services.notifier.hosts import Slots
+from services.notifier.hosts import Slots, TenantSlots
 from services.notifier.keyring import Keyring
 from services.notifier.ledger import Ledger
 from services.notifier.metrics import NotifierMetrics
@@ -59,7 +59,10 @@ def create_app(
     # publishing what it decided: cut short, its redelivery would post again.
     graceful_s = settings.dns_timeout_s + settings.timeout_s + 2 * settings.broker_timeout_s
     broker = broker or make_broker(
-        settings, prefetch=settings.concurrency, name="notifier", graceful_timeout_s=graceful_s
+        settings,
+        prefetch=settings.deliveries_in_hand,  # the reserve for idle tenants included
+        name="notifier",
+        graceful_timeout_s=graceful_s,
     )
     mongo = mongo or make_mongo(settings)
     database = settings.database_name("notifier")
@@ -108,7 +111,7 @@ def create_app(
             owner=f"{socket.gethostname()}:{os.getpid()}:{new_id()[:8]}",
             lease=timedelta(seconds=settings.lease_s),
             hosts=Slots(settings.per_host),
-            tenants=Slots(settings.per_tenant),
+            tenants=TenantSlots(settings.per_tenant, shared=settings.concurrency),
             post_time=timedelta(seconds=settings.post_s),
             metrics=NotifierMetrics(broker.metrics.registry),
         ),

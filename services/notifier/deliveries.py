@@ -26,10 +26,11 @@ A failure alert follows its tenant's setting at every attempt, not the URL its c
 carries: once removed, the delivery is cancelled unsent; once changed, it goes to the new URL.
 
 At most `WEBHOOK_CONCURRENCY_PER_HOST` POSTs of this process are in flight to one destination
-and `WEBHOOK_CONCURRENCY_PER_TENANT` for one tenant (`hosts.py`). A delivery whose
-destination or tenant has no slot free is deferred before its claim: sent again later as a
-fresh copy (`Send`; `PUT_OFF_DELAY`, doubling with each deferral of the attempt up to
-`PUT_OFF_MAX_DELAY`), nothing recorded, its attempt not counted, its consumer slot freed at
+and `WEBHOOK_CONCURRENCY_PER_TENANT` for one tenant, and a tenant holding a slot takes none of
+the reserve kept for idle tenants (`hosts.py`). A delivery whose destination or tenant has
+no slot free is deferred before its claim: sent again later as a fresh copy (`Send`;
+`PUT_OFF_DELAY`, doubling with each deferral of the attempt up to `PUT_OFF_MAX_DELAY`),
+nothing recorded, its attempt not counted, its consumer slot freed at
 once for other destinations and tenants. A redelivery is held instead (`Hold`, as for a
 claim held elsewhere), so that its delivery count keeps growing.
 
@@ -60,7 +61,14 @@ from services.notifier.errors import (
     ReceiverUnavailable,
     TransientDeliveryError,
 )
-from services.notifier.hosts import DEFAULT_PER_HOST, DEFAULT_PER_TENANT, Slots, destination_of
+from services.notifier.hosts import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_PER_HOST,
+    DEFAULT_PER_TENANT,
+    Slots,
+    TenantSlots,
+    destination_of,
+)
 from services.notifier.keyring import Keyring
 from services.notifier.ledger import DeliveryRecord, DeliveryState, Ledger
 from services.notifier.metrics import NotifierMetrics
@@ -87,6 +95,7 @@ PUT_OFF_MAX_DELAY = timedelta(seconds=60)
 PUT_OFF_BECAUSE = {
     "host_busy": "its destination has no slot free",
     "tenant_busy": "its tenant has no slot free",
+    "tenant_reserve": "its tenant has a slot, and only those kept for idle tenants are free",
     "lease_short": "too little of its claim's lease is left for a POST",
 }
 # The longest a POST takes with the default settings: DNS check (5 s) and request (10 s).
@@ -162,9 +171,12 @@ class DeliveryDeps:
     lease: timedelta
     # The (delivery id, attempt) pairs deliveries of this process are claiming or sending.
     in_hand: InHand[tuple[str, int]] = field(default_factory=InHand)
-    # The POSTs of this process in flight per destination and per tenant, each bounded.
+    # The POSTs of this process in flight per destination and per tenant, each bounded;
+    # the tenants' also keep the slots beyond WEBHOOK_CONCURRENCY for idle tenants.
     hosts: Slots = field(default_factory=lambda: Slots(DEFAULT_PER_HOST))
-    tenants: Slots = field(default_factory=lambda: Slots(DEFAULT_PER_TENANT))
+    tenants: Slots = field(
+        default_factory=lambda: TenantSlots(DEFAULT_PER_TENANT, shared=DEFAULT_CONCURRENCY)
+    )
     # The longest one POST takes (DNS check and whole request): a claim with less of its
     # lease left does not POST.
     post_time: timedelta = DEFAULT_POST_TIME
@@ -273,14 +285,16 @@ async def _claim_and_send(
     if configured is None:  # cancelled unsent: no POST, no slot
         return await _claim_and_post(delivery, None, deps, redelivered=redelivered)
     bounds = (
-        (deps.hosts, destination_of(configured.url, deps.guard), "host_busy"),
-        (deps.tenants, configured.tenant_id, "tenant_busy"),
+        (deps.hosts, destination_of(configured.url, deps.guard), "host"),
+        (deps.tenants, configured.tenant_id, "tenant"),
     )
     with ExitStack() as held:
-        for slots, key, busy in bounds:
-            if not held.enter_context(slots.taking(key)):
+        for slots, key, bound in bounds:
+            if (refused := slots.refusal(key)) is not None:
                 held.close()  # put off holding no slot
-                return await _put_off(delivery, deps, busy, redelivered=redelivered)
+                why = f"{bound}_{refused}"  # host_busy, tenant_busy, tenant_reserve
+                return await _put_off(delivery, deps, why, redelivered=redelivered)
+            held.enter_context(slots.taking(key))  # taken: nothing ran since `refusal`
         return await _claim_and_post(delivery, configured, deps, redelivered=redelivered)
 
 

@@ -14,6 +14,17 @@ the POST and the recording of its outcome. A delivery whose destination or tenan
 slot free holds nothing and waits for nothing: `deliveries.py` defers it down the wait
 ladder, its attempt neither claimed nor counted.
 
+Bounds per tenant alone still let a few tenants share every slot: two tenants with hanging
+receivers, each at a bound of half the slots, held them all, and a third tenant's healthy
+webhook was not even handed to the notifier (the consumer's prefetch was full) until one
+of their POSTs timed out. So the consumer holds `WEBHOOK_CONCURRENCY` deliveries plus a
+reserve (a quarter of it, at least 1: `NotifierSettings.tenant_reserve`), and
+`TenantSlots` keeps that reserve for tenants with nothing in flight: a tenant already
+holding a slot may take another only while fewer than `WEBHOOK_CONCURRENCY` POSTs are in
+flight; a tenant holding none may always take one (its bound is at least 1). Busy tenants
+never hold more than `WEBHOOK_CONCURRENCY` slots between them, and the reserve goes one
+slot per tenant: `reserve` more tenants must get stuck too before a quiet one waits.
+
 The counts are this process's own, kept in memory: each notifier replica bounds its own
 deliveries, so N replicas allow up to N times a bound at once.
 """
@@ -28,6 +39,10 @@ from services.notifier.ssrf import WebhookGuard
 
 DEFAULT_PER_HOST = 8
 DEFAULT_PER_TENANT = 16
+DEFAULT_CONCURRENCY = 32  # WEBHOOK_CONCURRENCY's default: the slots busy tenants share
+# Why a key may take no slot now (`Slots.refusal`).
+BUSY = "busy"  # all of its own slots are taken
+RESERVE = "reserve"  # only the reserve is left, and the key already holds a slot
 
 
 class Slots:
@@ -39,30 +54,60 @@ class Slots:
             raise ValueError(f"a bound must be at least 1, not {bound}")
         self.bound = bound
         self._in_flight: dict[str, int] = {}
+        self._total = 0
 
     def in_flight(self, key: str) -> int:
         return self._in_flight.get(key, 0)
 
+    @property
+    def total(self) -> int:
+        """The slots taken, all keys together."""
+        return self._total
+
+    def refusal(self, key: str) -> str | None:
+        """Why `key` may take no slot now (BUSY, or RESERVE for `TenantSlots`), or None
+        when it may."""
+        return BUSY if self.in_flight(key) >= self.bound else None
+
     @contextmanager
     def taking(self, key: str) -> Iterator[bool]:
         """Hold one of `key`'s slots while the block runs. Yields False, holding nothing,
-        when all its slots are taken."""
-        taken = self.in_flight(key)
-        if taken >= self.bound:
+        when `refusal` refuses it one."""
+        if self.refusal(key) is not None:
             yield False
             return
-        self._in_flight[key] = taken + 1
+        self._in_flight[key] = self.in_flight(key) + 1
+        self._total += 1
         try:
             yield True
         finally:
             self._give_back(key)
 
     def _give_back(self, key: str) -> None:
+        self._total -= 1
         left = self._in_flight[key] - 1
         if left:
             self._in_flight[key] = left
         else:
             del self._in_flight[key]  # forget keys with nothing in flight
+
+
+class TenantSlots(Slots):
+    """`Slots` per tenant that keep what the consumer holds beyond `shared` deliveries
+    (`WEBHOOK_CONCURRENCY`) for tenants with nothing in flight: a tenant holding a slot
+    may take another only while fewer than `shared` are taken, all tenants together; one
+    holding none may always take one."""
+
+    def __init__(self, bound: int, *, shared: int) -> None:
+        super().__init__(bound)
+        if shared < bound:
+            raise ValueError(f"the shared slots ({shared}) may not be fewer than a bound")
+        self.shared = shared
+
+    def refusal(self, key: str) -> str | None:
+        if (busy := super().refusal(key)) is not None:
+            return busy
+        return RESERVE if self.in_flight(key) and self.total >= self.shared else None
 
 
 def destination_of(url: str, guard: WebhookGuard) -> str:

@@ -31,7 +31,9 @@ class NotifierMetrics:
             "scorebox_webhook_deferred",
             "Webhook deliveries put off without an attempt, by why (host_busy: this notifier "
             "had WEBHOOK_CONCURRENCY_PER_HOST POSTs in flight to its destination; tenant_busy: "
-            "WEBHOOK_CONCURRENCY_PER_TENANT of its tenant; lease_short: its claim had too "
+            "WEBHOOK_CONCURRENCY_PER_TENANT of its tenant; tenant_reserve: its tenant had a "
+            "POST in flight and only the reserve kept for idle tenants was free; "
+            "lease_short: its claim had too "
             "little of its lease left for a POST; sent down the wait ladder, or, for a "
             "redelivery, held, each time counted).",
             ["reason"],

@@ -17,7 +17,8 @@ MAX_WEBHOOK_TIMEOUT_S = 600.0
 
 class NotifierSettings(InternalApiSettings):
     port: int = Field(default=8004, validation_alias="NOTIFIER_PORT")
-    # Notification events and deliveries in flight per notifier process.
+    # Notification events and deliveries in flight per notifier process, and a reserve on
+    # top kept for tenants with nothing in flight (`tenant_reserve`, hosts.py).
     concurrency: int = Field(default=32, ge=1, le=1024, validation_alias="WEBHOOK_CONCURRENCY")
     # Of those, POSTs in flight at once to one destination (scheme, host, port) per process,
     # so one slow receiver cannot take every slot (services/notifier/hosts.py). 8 of the
@@ -29,7 +30,8 @@ class NotifierSettings(InternalApiSettings):
     # And POSTs of one tenant in flight at once per process, whatever their destinations: a
     # tenant whose callback URLs name many ports or host names of one hanging receiver (a
     # wildcard DNS zone) passes the bound per destination. Unset, half of `concurrency`
-    # (16 of the default 32): at least half the slots stay free for the other tenants.
+    # (16 of the default 32). Two such tenants could still take all of `concurrency`: the
+    # reserve beyond it is for tenants with nothing in flight.
     concurrency_per_tenant: int | None = Field(
         default=None, ge=1, le=1024, validation_alias="WEBHOOK_CONCURRENCY_PER_TENANT"
     )
@@ -116,6 +118,17 @@ class NotifierSettings(InternalApiSettings):
     def per_tenant(self) -> int:
         """POSTs of one tenant in flight at once: by default half of `concurrency`."""
         return self.concurrency_per_tenant or max(1, self.concurrency // 2)
+
+    @property
+    def tenant_reserve(self) -> int:
+        """Deliveries in hand beyond `concurrency`, kept for tenants with nothing in flight
+        (hosts.py): a quarter of it, at least 1."""
+        return max(1, self.concurrency // 4)
+
+    @property
+    def deliveries_in_hand(self) -> int:
+        """The consumers' prefetch: `concurrency` and the reserve for idle tenants."""
+        return self.concurrency + self.tenant_reserve
 
     @property
     def test_hosts(self) -> frozenset[str]:

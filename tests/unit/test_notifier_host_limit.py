@@ -1,14 +1,16 @@
-"""The notifier's bounds per destination and per tenant: their slots, what one destination
-is, their settings; and the lease of a delivery's claim."""
+"""The notifier's bounds per destination and per tenant: their slots, the reserve kept for
+idle tenants, what one destination is, their settings; and the lease of a delivery's
+claim."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import ExitStack
 
 import pytest
 from pydantic import ValidationError
 
-from services.notifier.hosts import Slots, destination_of
+from services.notifier.hosts import BUSY, RESERVE, Slots, TenantSlots, destination_of
 from services.notifier.settings import NotifierSettings
 from services.notifier.ssrf import WebhookGuard
 from shared.webhook_urls import IPAddress
@@ -49,6 +51,63 @@ def test_a_slot_is_given_back_when_its_block_fails() -> None:
 def test_a_bound_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         Slots(0)
+
+
+def _take(slots: Slots, stack: ExitStack, *keys: str) -> list[bool]:
+    return [stack.enter_context(slots.taking(key)) for key in keys]
+
+
+def test_a_tenant_holding_a_slot_is_refused_the_reserve_a_tenant_holding_none_is_not() -> None:
+    """4 slots shared (WEBHOOK_CONCURRENCY), bound 2: two hanging tenants at their bound
+    held every one, and a third tenant's webhook waited for one of their timeouts."""
+    tenants = TenantSlots(2, shared=4)
+    with ExitStack() as stack:
+        assert _take(tenants, stack, "a", "a", "c") == [True, True, True]
+        assert (tenants.refusal("a"), tenants.refusal("c")) == (BUSY, None)
+        assert _take(tenants, stack, "c") == [True]  # the last shared slot
+        assert tenants.total == 4
+        assert tenants.refusal("c") == BUSY
+        assert _take(tenants, stack, "b", "d") == [True, True]  # the reserve: none in flight
+        assert (tenants.refusal("b"), tenants.refusal("d")) == (RESERVE, RESERVE)
+        assert _take(tenants, stack, "b") == [False]
+        assert tenants.total == 6
+    assert tenants.total == 0
+
+
+def test_only_the_reserve_is_refused_a_tenant_under_its_bound() -> None:
+    tenants = TenantSlots(3, shared=4)
+    with ExitStack() as stack:
+        _take(tenants, stack, "a", "a", "c", "d")
+        assert (tenants.refusal("a"), tenants.refusal("c")) == (RESERVE, RESERVE)
+        assert _take(tenants, stack, "c") == [False]
+        assert tenants.in_flight("c") == 1
+    with ExitStack() as stack:  # given back: shared again
+        assert _take(tenants, stack, "c", "c", "c") == [True] * 3
+
+
+def test_a_lone_tenant_gets_its_deliveries_through_with_a_concurrency_of_1() -> None:
+    settings = _settings(WEBHOOK_CONCURRENCY="1")
+    assert (settings.per_tenant, settings.deliveries_in_hand) == (1, 2)
+    tenants = TenantSlots(settings.per_tenant, shared=settings.concurrency)
+    for _ in range(3):  # one after another, each through
+        with ExitStack() as stack:
+            assert _take(tenants, stack, "a", "a", "b") == [True, False, True]
+
+
+def test_a_tenant_bound_above_the_shared_slots_is_refused() -> None:
+    with pytest.raises(ValueError, match="shared"):
+        TenantSlots(5, shared=4)
+
+
+@pytest.mark.parametrize(
+    ("concurrency", "reserve"), [("1", 1), ("3", 1), ("4", 1), ("8", 2), ("32", 8), ("1024", 256)]
+)
+def test_the_reserve_is_a_quarter_of_the_concurrency_at_least_1_and_held_too(
+    concurrency: str, reserve: int
+) -> None:
+    settings = _settings(WEBHOOK_CONCURRENCY=concurrency)
+    assert settings.tenant_reserve == reserve
+    assert settings.deliveries_in_hand == settings.concurrency + reserve
 
 
 @pytest.mark.parametrize(

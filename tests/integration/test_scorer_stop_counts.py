@@ -64,8 +64,9 @@ class SentAgain(BrokerActions):
         self.copies.append(Copy(command, headers))
 
     @override
-    async def dead_letter(self, message: Delivery, error: str) -> None:
+    async def dead_letter(self, message: Delivery, error: str) -> bool:
         self.dead_letters.append(error)
+        return True
 
     @override
     async def _event(self, event: TaskEvent) -> None:

@@ -13,6 +13,9 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MAX_PORT = 65_535
+# `LLM_MODEL` unset or blank: the model the scorer asks for, and the gateway's result-cache
+# key names (both read it the same way: stripped, blank taken as this).
+DEFAULT_LLM_MODEL = "gpt-4o-mini"
 # What both logging and uvicorn know, with the spellings operators also write.
 LOG_LEVELS = {
     "DEBUG": "DEBUG",

@@ -6,7 +6,13 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 
 from services.gateway.keys import parse_key
 from shared.contracts import HEURISTIC_PROMPT_VERSION, known_rubric_version
-from shared.settings import MAX_DURATION_S, READ_YOUR_WRITES_MAX_S, InternalApiSettings, http_url
+from shared.settings import (
+    DEFAULT_LLM_MODEL,
+    MAX_DURATION_S,
+    READ_YOUR_WRITES_MAX_S,
+    InternalApiSettings,
+    http_url,
+)
 
 
 class GatewaySettings(InternalApiSettings):
@@ -40,7 +46,7 @@ class GatewaySettings(InternalApiSettings):
     # scored by the scorer's default, which is part of its cache key. Without it, switching
     # LLM_PROVIDER (or LLM_MODEL) served the old scorer's results for `RESULT_CACHE_TTL_S`.
     llm_provider: str = Field(default="heuristic", validation_alias="LLM_PROVIDER")
-    llm_model: str = Field(default="gpt-4o-mini", validation_alias="LLM_MODEL")
+    llm_model: str = Field(default=DEFAULT_LLM_MODEL, validation_alias="LLM_MODEL")
 
     @field_validator("rubric_version")
     @classmethod
@@ -196,4 +202,4 @@ class GatewaySettings(InternalApiSettings):
         """The model that scores a submission naming none (as the scorer's settings say)."""
         if self.llm_provider.strip() == "heuristic":
             return HEURISTIC_PROMPT_VERSION  # the offline scorer's name for itself
-        return self.llm_model.strip() or "gpt-4o-mini"
+        return self.llm_model.strip() or DEFAULT_LLM_MODEL

@@ -30,9 +30,11 @@ from services.gateway.cache import ResultCache, scoring_model
 from services.gateway.keys import generate_key
 from services.gateway.refusals import Refusals
 from services.gateway.schemas import ScoreSubmission
+from services.gateway.settings import GatewaySettings
 from services.gateway.submit import SubmitPolicy, Submitted, settle_outcome, submit_score
 from services.scorer.decisions import Finish
 from services.scorer.model import HeuristicModel, ScoringRequest
+from services.scorer.model.settings import ModelSettings
 from services.scorer.scoring import score_text
 from shared.contracts import (
     HEURISTIC_PROMPT_VERSION,
@@ -303,3 +305,15 @@ async def _completed(api: httpx.AsyncClient, task_id: str) -> None:
         return bool(view["status"] == "completed")
 
     await eventually(completed, timeout_s=60, what=f"task {task_id} completed")
+
+
+@pytest.mark.parametrize("configured", ["judge-1 ", "\tjudge-1\n", "  "])
+def test_the_gateway_and_the_scorer_read_llm_model_alike(configured: str) -> None:
+    """The gateway stripped `LLM_MODEL` for its key and the scorer asked for it as it stood:
+    with a stray blank from an env file on both, every completion was a mismatch, never
+    cached (found in review)."""
+    gateway = GatewaySettings.model_validate({"LLM_PROVIDER": "openai", "LLM_MODEL": configured})
+    scorer = ModelSettings.model_validate(
+        {"LLM_PROVIDER": "openai", "LLM_MODEL": configured, "LLM_API_KEY": "k"}
+    )
+    assert gateway.default_model == scorer.llm_model

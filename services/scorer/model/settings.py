@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.settings import http_url
+from shared.settings import DEFAULT_LLM_MODEL, http_url
 
 Provider = Literal["heuristic", "openai"]
 JsonMode = Literal["json_schema", "json_object", "none"]
@@ -34,7 +34,7 @@ class ModelSettings(BaseSettings):
     llm_provider: Provider = Field(default="heuristic", validation_alias="LLM_PROVIDER")
     llm_base_url: str = Field(default="https://api.openai.com/v1", validation_alias="LLM_BASE_URL")
     llm_api_key: SecretStr = Field(default=SecretStr(""), validation_alias="LLM_API_KEY")
-    llm_model: str = Field(default="gpt-4o-mini", min_length=1, validation_alias="LLM_MODEL")
+    llm_model: str = Field(default=DEFAULT_LLM_MODEL, min_length=1, validation_alias="LLM_MODEL")
     # Bounded (see MAX_LLM_TIMEOUT_S): a held redelivery waits out a claim and then calls;
     # `inf` passed and crashed the scorer.
     llm_timeout_s: float = Field(
@@ -56,6 +56,17 @@ class ModelSettings(BaseSettings):
         except ValueError as error:
             raise ValueError(f"LLM_BASE_URL: {error}") from None
         return self
+
+    @field_validator("llm_model", mode="before")
+    @classmethod
+    def _model_as_the_gateway_reads_it(cls, model: object) -> object:
+        """Without surrounding whitespace, blank taken as the default, as the gateway reads
+        `LLM_MODEL` for its result-cache key: the name the scorer asks for is compared with
+        the key's (`task.completed`'s `requested_model`), and a stray newline from an env
+        file made every completion a mismatch, never cached."""
+        if isinstance(model, str):
+            return model.strip() or DEFAULT_LLM_MODEL
+        return model
 
     @field_validator("llm_api_key")
     @classmethod

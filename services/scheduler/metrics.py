@@ -15,8 +15,9 @@ class SchedulerMetrics:
             "scorebox_cron_runs",
             "Deliveries of cron runs by job and what came of them: finished, continued "
             "(the next slice sent), retry, deferred (not yet due), gave_up (dead-lettered: "
-            "failed for good, or its delivery at the queue's delivery limit), dropped (a "
-            "duplicate, or a run already final).",
+            "failed for good, or its delivery at the queue's delivery limit), letter_owed (a "
+            "delivery of a run given up earlier whose dead letter was refused or not known "
+            "written: dead-lettered now), dropped (a duplicate, or a run already final).",
             ["job", "result"],
             registry=registry or CollectorRegistry(),
         )
@@ -25,17 +26,17 @@ class SchedulerMetrics:
         self.runs.labels(job, run_result(decision)).inc()
 
 
+_RESULTS: dict[type, str] = {
+    Finished: "finished",
+    Continue: "continued",
+    Retry: "retry",
+    Defer: "deferred",
+    GiveUp: "gave_up",
+    Drop: "dropped",
+}
+
+
 def run_result(decision: RunDecision) -> str:
-    match decision:
-        case Finished():
-            return "finished"
-        case Continue():
-            return "continued"
-        case Retry():
-            return "retry"
-        case Defer():
-            return "deferred"
-        case GiveUp():
-            return "gave_up"
-        case Drop():
-            return "dropped"
+    if isinstance(decision, GiveUp) and decision.owed:
+        return "letter_owed"  # given up earlier, and counted then
+    return _RESULTS[type(decision)]

@@ -155,6 +155,9 @@ class Defer:
 @dataclass(frozen=True)
 class GiveUp:
     reason: str
+    # The run was given up earlier (counted then), and this delivery writes the letter it
+    # still owes.
+    owed: bool = False
 
 
 @dataclass(frozen=True)
@@ -236,7 +239,8 @@ def _letter_owed(firing: Firing | None) -> GiveUp | None:
     earlier build, which records no letter owed)."""
     if firing is None or not firing.owes_letter:
         return None
-    return GiveUp(firing.error or f"cron run {firing.run_id} of job {firing.job!r} failed")
+    reason = firing.error or f"cron run {firing.run_id} of job {firing.job!r} failed"
+    return GiveUp(reason, owed=True)
 
 
 def _waiting_for(command: RunCronJob, held: Held, *, now: datetime) -> RunCronJob:

@@ -56,6 +56,7 @@ env = test_scheduler.env
 
 JOB = "crashing"
 LIMIT = CRON_JOBS.delivery_limit
+RESULTS = ("gave_up", "letter_owed")
 
 
 async def _left_running(env: Env, firings: Firings) -> RunCronJob:
@@ -173,7 +174,11 @@ async def cron_consumer(env: Env) -> AsyncIterator[CronConsumer]:
         bus = SchedulerBus(broker, 10, env.clock)
 
         def handler(
-            firings: Firings, job: Calls, *, letter_deadline_s: float = LETTER_DEADLINE_S
+            firings: Firings,
+            job: Calls,
+            *,
+            letter_deadline_s: float = LETTER_DEADLINE_S,
+            metrics: SchedulerMetrics | None = None,
         ) -> Handler:
             consumers = Consumers()
             runner = CronJobRunner(
@@ -183,7 +188,7 @@ async def cron_consumer(env: Env) -> AsyncIterator[CronConsumer]:
                 bus=bus,
                 clock=env.clock,
                 job_db_timeout_s=10,
-                metrics=SchedulerMetrics(CollectorRegistry()),
+                metrics=metrics or SchedulerMetrics(CollectorRegistry()),
                 letter_deadline_s=letter_deadline_s,
             )
             meter = UsageMeter(
@@ -346,12 +351,14 @@ async def test_a_give_up_whose_letter_was_refused_is_dead_lettered_when_it_comes
     at_limit = HandedDelivery(
         body, headers={DELIVERY_COUNT_HEADER: LIMIT}, redelivered=True, message_id=message_id
     )
-    await _refused(env, cron_consumer(firings, calls, letter_deadline_s=0.3), at_limit)
+    metrics = SchedulerMetrics(CollectorRegistry())  # both replicas' counts, together
+    giving_up = cron_consumer(firings, calls, letter_deadline_s=0.3, metrics=metrics)
+    await _refused(env, giving_up, at_limit)
     refused = await firings.find(command.run_id)
     returned = HandedDelivery(
         body, headers={DELIVERY_COUNT_HEADER: LIMIT + 1}, redelivered=True, message_id=message_id
     )
-    await asyncio.wait_for(cron_consumer(firings, calls)(returned), timeout=30)
+    await asyncio.wait_for(cron_consumer(firings, calls, metrics=metrics)(returned), timeout=30)
 
     assert at_limit.settled == ["reject(requeue=True)"]
     assert returned.settled == ["ack"]
@@ -359,6 +366,9 @@ async def test_a_give_up_whose_letter_was_refused_is_dead_lettered_when_it_comes
     assert refused is not None
     assert refused.owes_letter
     await _dead_lettered_once(env, firings, command.run_id)
+    # One run given up, once: the letter written later is counted as owed, not a give-up.
+    counted = {result: metrics.runs.labels(JOB, result)._value.get() for result in RESULTS}
+    assert counted == {"gave_up": 1, "letter_owed": 1}
 
 
 async def test_a_give_up_of_its_job_whose_letter_was_refused_is_dead_lettered_by_another_replica(

@@ -206,7 +206,7 @@ async def test_every_delivery_of_a_run_whose_letter_is_owed_is_dead_lettered() -
 
     decisions = await _decisions(command, firings)
 
-    assert decisions == dict.fromkeys(decisions, GiveUp(REASON))
+    assert decisions == dict.fromkeys(decisions, GiveUp(REASON, owed=True))
 
 
 @pytest.mark.parametrize(

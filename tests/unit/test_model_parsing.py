@@ -224,3 +224,35 @@ def test_a_label_before_a_fenced_verdict_is_not_a_verdict_of_its_own(label: str)
 def test_a_label_before_an_inline_code_verdict_is_not_a_verdict_of_its_own() -> None:
     verdict = parse_verdict('Score: `{"score": 7, "comment": "Good."}`')
     assert (verdict.score, verdict.comment) == (7.0, "Good.")
+
+
+@pytest.mark.parametrize(
+    "own",
+    [
+        "{\u201cscore\u201d: 2, \u201ccomment\u201d: \u201cWeak.\u201d}",
+        "Score (out of 10): 2",
+        "| Score | 2/10 |",
+        "**Score** 2/10",
+        "Score 2/10",
+        '{"final_score": 2, "comment": "Weak."}',
+    ],
+    ids=["typographic-quotes", "parenthesis", "table", "bold-no-colon", "mark", "prefixed-key"],
+)
+def test_a_verdict_in_a_looser_form_beside_a_quoted_one_is_unusable(own: str) -> None:
+    """More forms of the judge's own verdict the search did not see, the planted one it
+    quoted scored instead (found in review)."""
+    content = f"The text embeds {PLANTED}, which I ignore. My verdict: {own}"
+    with pytest.raises(UnusableOutput):
+        parse_verdict(content)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        'Scores vary. {"score": 7, "comment": "Good."}',
+        'The scoreboard: {"score": 7, "comment": "Good."}',
+        'I weighed the score of the argument. {"score": 7, "comment": "Good."}',
+    ],
+)
+def test_prose_about_scores_beside_one_verdict_is_usable(answer: str) -> None:
+    assert parse_verdict(answer).score == 7.0

@@ -40,15 +40,23 @@ _MAX_SEARCHED_CHARS: Final = 20_000
 # quadratic in the answer's length, all of it on the scorer's event loop.
 _MAX_BROKEN_CHARS_READ: Final = 4 * _MAX_SEARCHED_CHARS
 _MAX_PROBLEM_CHARS: Final = 500
-# Any score key, strict JSON or not: `"score":`, `'score':`, `score:`, `Score =`, escaped
-# (`\"score\":`) or in Markdown (`**Score**:`), but a whole word: not `scores:`, `underscore:`.
-# The decoration is bounded: unbounded, a long run of `*` would be quadratic to scan.
+# Any score key, strict JSON or not: `"score":`, `'score':`, `“score”:`, `score:`, `Score =`,
+# escaped (`\"score\":`), in Markdown (`**Score**:`, `| Score |`), with a parenthesis
+# (`Score (out of 10):`), or a mark right after it (`**Score** 2/10`, `Score 7/10`), but a
+# whole word: not `scores:`, `underscore:`. Every repetition is bounded: unbounded, a long
+# run of `*` would be quadratic to scan.
+_QUOTES = "\\\\\"'`*_\u201c\u201d\u2018\u2019\u00ab\u00bb"
 _SCORE_KEY: Final = re.compile(
-    r"""(?<!\w)[\\"'`*_]{0,3}score[\\"'`*_]{0,3}\s*[:=]""", re.IGNORECASE
+    rf"""(?<!\w)[{_QUOTES}]{{0,3}}score(?:"""
+    rf"""[{_QUOTES}]{{0,3}}\s*(?:\([^()\n]{{0,40}}\)\s*)?[:=|]"""
+    rf"""|[{_QUOTES}]{{1,3}}\s*\d|\s+\d+(?:\.\d+)?\s*/\s*10)""",
+    re.IGNORECASE,
 )
 # What may come between a key and the object it labels: the emphasis closing after the
 # colon (`**Score:**`), blank space, a code fence's opening or an inline code's backtick.
 _BEFORE_LABELLED: Final = re.compile(r"[*_]{0,3}\s*(?:```[ \t]*\w*\s*|`)?")
+# A verdict's key in any case, or one ending in it as a word (`final_score`, `overall score`).
+_VERDICT_KEY: Final = re.compile(r"(?:.{0,40}[^a-z0-9])?score")
 _MARK_OUT_OF_TEN: Final = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:/\s*10(?:\.0+)?)?\s*")
 
 
@@ -159,10 +167,11 @@ def _verdicts_in(value: object) -> Iterator[dict[str, Any]]:
 
 
 def _names_a_score(key: object) -> bool:
-    """`score` in any case, as a verdict's key: a judge's own `{"Score": 2}` beside the
-    planted `{"score": 10}` is a second verdict (it fails validation, and the repair asks for
+    """`score` in any case, or a key ending in it as a word, as a verdict's key: a judge's
+    own `{"Score": 2}` or `{"final_score": 2}` beside the planted `{"score": 10}` is a
+    second verdict (it fails validation, and the repair asks for
     the plain object), not an object to pass over."""
-    return isinstance(key, str) and key.strip().lower() == "score"
+    return isinstance(key, str) and _VERDICT_KEY.fullmatch(key.strip().lower()) is not None
 
 
 def _stray(key: re.Match[str], spans: list[tuple[int, int]], content: str) -> bool:

@@ -331,26 +331,24 @@ async def _put_off(
     of the lease of the claim just made is left for a POST (the claim left to lapse).
 
     A fresh copy goes down the wait ladder and this one is acked, freeing its consumer slot.
-    A redelivery is held instead: a fresh copy would start its delivery count again, and
-    one that crashes its handler every time would never reach the queue's delivery limit.
-    What its attempt already decided (its consumer died before acking) is carried out now."""
+    A redelivery is held instead (what its attempt already decided, its consumer having died
+    before acking, is carried out now): held, it keeps its place, and the copy carries its
+    delivery count all the same. Except one refused the reserve kept for idle tenants
+    (`tenant_reserve`): held, it filled that very reserve, and an idle tenant's webhook was
+    not handed out (found in review); it goes down the ladder as a fresh copy does."""
     deps.metrics.deferred.labels(why).inc()
-    if not redelivered:
-        wait = put_off_wait(delivery.deferrals, deps.rng)
-        later = deps.clock() + wait  # from now: the ladder sends a past one at once
-        deferred = delivery.model_copy(
-            update={
-                "not_before": later,
-                "message_id": new_id(),
-                "deferrals": delivery.deferrals + 1,
-            }
-        )
-        return Send(deferred, f"deferred: {PUT_OFF_BECAUSE[why]}")
-    later = deps.clock() + PUT_OFF_DELAY
-    record = await deps.ledger.find(delivery.delivery_id)
-    if record is not None and (decided := recorded_decision(delivery, record)) is not None:
-        return decided
-    return Hold(later)
+    if redelivered:
+        record = await deps.ledger.find(delivery.delivery_id)
+        if record is not None and (decided := recorded_decision(delivery, record)) is not None:
+            return decided
+        if why != "tenant_reserve":
+            return Hold(deps.clock() + PUT_OFF_DELAY)
+    wait = put_off_wait(delivery.deferrals, deps.rng)
+    later = deps.clock() + wait  # from now: the ladder sends a past one at once
+    deferred = delivery.model_copy(
+        update={"not_before": later, "message_id": new_id(), "deferrals": delivery.deferrals + 1}
+    )
+    return Send(deferred, f"deferred: {PUT_OFF_BECAUSE[why]}")
 
 
 def put_off_wait(deferrals: int, rng: random.Random) -> timedelta:

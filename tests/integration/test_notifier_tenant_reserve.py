@@ -14,18 +14,27 @@ holds its requests, on a port of its own for each; the healthy tenant's answers 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import ExitStack
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from pymongo import AsyncMongoClient
 
 from services.notifier.app import create_app as create_notifier
+from services.notifier.deliveries import Send, deliver_once
+from services.notifier.hosts import TenantSlots
 from services.notifier.settings import NotifierSettings
+from tests.integration import test_notifier_own_claims as own_claims
 from tests.integration.test_notifier import RECEIVER_HOST, Receiver, TableResolver, _tls
 from tests.integration.test_notifier_host_limit import CountingReceiver, Notifier, _serving
+from tests.integration.test_notifier_own_claims import Deps, _delivery
 from tests.integration.test_notifier_tenant_limit import Tenants, _serving_on_ports
 from tests.support import eventually, running
 
+receiver = own_claims.receiver  # fixtures
+ledger = own_claims.ledger
+make_deps = own_claims.make_deps
 CONCURRENCY = 4  # WEBHOOK_CONCURRENCY_PER_TENANT left unset: its default, half of it (2)
 HELD_PORTS = 5
 Document = dict[str, Any]
@@ -122,3 +131,21 @@ async def test_a_tenant_holding_a_slot_is_refused_the_reserve(tenants: Tenants) 
     )
     assert notifier.slow.in_flight == CONCURRENCY  # C's second never sent
     assert notifier.slow.requests(held[4]) == []
+
+
+async def test_a_redelivery_refused_the_reserve_goes_down_the_ladder_rather_than_held(
+    make_deps: Deps, receiver: tuple[Receiver, Any]
+) -> None:
+    """Held (as a redelivery put off is), it kept its consumer slot, the reserve's very own,
+    for a tenant already holding one: an idle tenant's webhook was not handed out (found in
+    review). It goes down the wait ladder as a fresh copy does, its count carried."""
+    deps = replace(make_deps("notifier-a"), tenants=TenantSlots(2, shared=4))
+    delivery = _delivery(receiver[0]).model_copy(update={"tenant_id": "c"})
+    with ExitStack() as hanging:  # tenant a at its bound, c and d one each
+        for tenant in ("a", "a", "c", "d"):
+            hanging.enter_context(deps.tenants.taking(tenant))
+        decision = await deliver_once(delivery, deps, True)
+
+    assert isinstance(decision, Send), decision
+    assert (decision.command.attempt, decision.command.deferrals) == (delivery.attempt, 1)
+    assert decision.command.not_before is not None

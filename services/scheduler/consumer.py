@@ -200,8 +200,11 @@ class CronJobRunner:
         if decision is None:  # handed back
             return True
         job = command.job if command.job in self.handlers else UNKNOWN_JOB
-        self.metrics.count_run(job, decision)
-        return handed_on or await self.carry_out(decision, message, run_id=command.run_id)
+        settled = handed_on or await self.carry_out(decision, message, run_id=command.run_id)
+        # Counted once carried out: a give-up counts when its letter is written, by whichever
+        # delivery writes it (the one giving up, or a later one the run still owed it to).
+        self.metrics.count_run(job, decision, lettered=settled)
+        return settled
 
     async def _holding(
         self, command: RunCronJob, message: Delivery

@@ -15,15 +15,19 @@ class SchedulerMetrics:
             "scorebox_cron_runs",
             "Deliveries of cron runs by job and what came of them: finished, continued "
             "(the next slice sent), retry, deferred (not yet due), gave_up (dead-lettered: "
-            "failed for good, or its delivery at the queue's delivery limit), letter_owed (a "
-            "delivery of a run given up earlier whose dead letter was refused or not known "
-            "written: dead-lettered now), dropped (a duplicate, or a run already final).",
+            "failed for good, or its delivery at the queue's delivery limit; counted by the "
+            "delivery whose letter the broker confirmed, which may be a later one the run "
+            "still owed it to), letter_refused (given up, the DLQ copy refused: the run "
+            "owes its letter), dropped (a duplicate, or a run already final).",
             ["job", "result"],
             registry=registry or CollectorRegistry(),
         )
 
-    def count_run(self, job: str, decision: RunDecision) -> None:
-        self.runs.labels(job, run_result(decision)).inc()
+    def count_run(self, job: str, decision: RunDecision, *, lettered: bool = True) -> None:
+        """`lettered`: False for a give-up whose dead letter the broker refused (the run
+        still owes it; the delivery that writes it counts `gave_up`)."""
+        refused = isinstance(decision, GiveUp) and not lettered
+        self.runs.labels(job, "letter_refused" if refused else run_result(decision)).inc()
 
 
 _RESULTS: dict[type, str] = {
@@ -37,6 +41,4 @@ _RESULTS: dict[type, str] = {
 
 
 def run_result(decision: RunDecision) -> str:
-    if isinstance(decision, GiveUp) and decision.owed:
-        return "letter_owed"  # given up earlier, and counted then
     return _RESULTS[type(decision)]

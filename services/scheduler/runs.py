@@ -155,9 +155,6 @@ class Defer:
 @dataclass(frozen=True)
 class GiveUp:
     reason: str
-    # The run was given up earlier (counted then), and this delivery writes the letter it
-    # still owes.
-    owed: bool = False
 
 
 @dataclass(frozen=True)
@@ -239,8 +236,7 @@ def _letter_owed(firing: Firing | None) -> GiveUp | None:
     earlier build, which records no letter owed)."""
     if firing is None or not firing.owes_letter:
         return None
-    reason = firing.error or f"cron run {firing.run_id} of job {firing.job!r} failed"
-    return GiveUp(reason, owed=True)
+    return GiveUp(firing.error or f"cron run {firing.run_id} of job {firing.job!r} failed")
 
 
 def _waiting_for(command: RunCronJob, held: Held, *, now: datetime) -> RunCronJob:

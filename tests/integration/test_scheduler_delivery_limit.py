@@ -56,7 +56,7 @@ env = test_scheduler.env
 
 JOB = "crashing"
 LIMIT = CRON_JOBS.delivery_limit
-RESULTS = ("gave_up", "letter_owed")
+RESULTS = ("gave_up", "letter_refused")
 
 
 async def _left_running(env: Env, firings: Firings) -> RunCronJob:
@@ -366,9 +366,9 @@ async def test_a_give_up_whose_letter_was_refused_is_dead_lettered_when_it_comes
     assert refused is not None
     assert refused.owes_letter
     await _dead_lettered_once(env, firings, command.run_id)
-    # One run given up, once: the letter written later is counted as owed, not a give-up.
+    # One run given up, one letter: one give-up, counted where the letter was written.
     counted = {result: metrics.runs.labels(JOB, result)._value.get() for result in RESULTS}
-    assert counted == {"gave_up": 1, "letter_owed": 1}
+    assert counted == {"gave_up": 1, "letter_refused": 1}
 
 
 async def test_a_give_up_of_its_job_whose_letter_was_refused_is_dead_lettered_by_another_replica(

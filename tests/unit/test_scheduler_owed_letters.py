@@ -106,7 +106,9 @@ async def _never_run(run: JobRun) -> JobOutcome:
     raise AssertionError("the job of a run that has ended was run")
 
 
-def _replica(firings: FakeFirings, sent: Sent, clock: Clock) -> CronJobRunner:
+def _replica(
+    firings: FakeFirings, sent: Sent, clock: Clock, metrics: SchedulerMetrics | None = None
+) -> CronJobRunner:
     return CronJobRunner(
         handlers={JOB: _misconfigured},
         firings=firings,
@@ -114,7 +116,7 @@ def _replica(firings: FakeFirings, sent: Sent, clock: Clock) -> CronJobRunner:
         bus=sent,  # type: ignore[arg-type]
         clock=clock,
         job_db_timeout_s=10,
-        metrics=SchedulerMetrics(CollectorRegistry()),
+        metrics=metrics or SchedulerMetrics(CollectorRegistry()),
     )
 
 
@@ -135,18 +137,21 @@ async def test_a_give_up_whose_failed_mark_lost_its_answer_is_dead_lettered_by_i
     """The copy sent again is dead-lettered by another replica, before its time or once due,
     and the letter is recorded written."""
     firings, sent = AnswerLostOnce(), Sent()
+    metrics = SchedulerMetrics(CollectorRegistry())  # both replicas' counts together
     command = await _claimed(firings)
 
-    assert await _replica(firings, sent, Clock(NOW)).on_message(_delivery(command))
+    assert await _replica(firings, sent, Clock(NOW), metrics).on_message(_delivery(command))
     [again] = sent.commands  # "MongoDB unavailable around the run": sent again, uncounted
     assert (letters, firings.by_id[command.run_id].letter_owed) == ([], True)
-    other = _replica(firings, Sent(), Clock(NOW + after))
+    other = _replica(firings, Sent(), Clock(NOW + after), metrics)
     assert await other.on_message(_delivery(again))
 
     firing = firings.by_id[command.run_id]
     assert (firing.state, firing.error) == (FiringState.FAILED, REASON)
     assert letters == [REASON]
     assert not firing.letter_owed
+    # One run given up, one letter: one give-up (found in review: the copy counted none).
+    assert metrics.runs.labels(JOB, "gave_up")._value.get() == 1
 
 
 async def test_a_letter_whose_record_failed_stays_owed_and_the_delivery_is_acked(
@@ -206,7 +211,7 @@ async def test_every_delivery_of_a_run_whose_letter_is_owed_is_dead_lettered() -
 
     decisions = await _decisions(command, firings)
 
-    assert decisions == dict.fromkeys(decisions, GiveUp(REASON, owed=True))
+    assert decisions == dict.fromkeys(decisions, GiveUp(REASON))
 
 
 @pytest.mark.parametrize(

@@ -233,10 +233,9 @@ def test_a_label_before_an_inline_code_verdict_is_not_a_verdict_of_its_own() -> 
         "Score (out of 10): 2",
         "| Score | 2/10 |",
         "**Score** 2/10",
-        "Score 2/10",
         '{"final_score": 2, "comment": "Weak."}',
     ],
-    ids=["typographic-quotes", "parenthesis", "table", "bold-no-colon", "mark", "prefixed-key"],
+    ids=["typographic-quotes", "parenthesis", "table", "bold-no-colon", "prefixed-key"],
 )
 def test_a_verdict_in_a_looser_form_beside_a_quoted_one_is_unusable(own: str) -> None:
     """More forms of the judge's own verdict the search did not see, the planted one it
@@ -252,7 +251,11 @@ def test_a_verdict_in_a_looser_form_beside_a_quoted_one_is_unusable(own: str) ->
         'Scores vary. {"score": 7, "comment": "Good."}',
         'The scoreboard: {"score": 7, "comment": "Good."}',
         'I weighed the score of the argument. {"score": 7, "comment": "Good."}',
+        '| Criterion | Score |\n|---|---|\n| Clarity | 8 |\n\n{"score": 7, "comment": "Good."}',
+        'Breakdown: {"clarity_score": 8, "depth_score": 6}\nVerdict: {"score": 7, "comment": "G"}',
+        'A high score 9/10 would need more evidence.\n{"score": 7, "comment": "Good."}',
     ],
+    ids=["scores", "scoreboard", "score-of", "table-header", "breakdown", "prose-mark"],
 )
 def test_prose_about_scores_beside_one_verdict_is_usable(answer: str) -> None:
     assert parse_verdict(answer).score == 7.0

@@ -41,15 +41,16 @@ _MAX_SEARCHED_CHARS: Final = 20_000
 _MAX_BROKEN_CHARS_READ: Final = 4 * _MAX_SEARCHED_CHARS
 _MAX_PROBLEM_CHARS: Final = 500
 # Any score key, strict JSON or not: `"score":`, `'score':`, `“score”:`, `score:`, `Score =`,
-# escaped (`\"score\":`), in Markdown (`**Score**:`, `| Score |`), with a parenthesis
-# (`Score (out of 10):`), or a mark right after it (`**Score** 2/10`, `Score 7/10`), but a
-# whole word: not `scores:`, `underscore:`. Every repetition is bounded: unbounded, a long
+# escaped (`\"score\":`), in Markdown (`**Score**:`, a table's `| Score | 2`, not its
+# header), with a parenthesis (`Score (out of 10):`), or emphasised with a mark right after
+# it (`**Score** 2/10`), but a whole word: not `scores:`, `underscore:`, nor prose such as
+# `a score 9/10 would need`. Every repetition is bounded: unbounded, a long
 # run of `*` would be quadratic to scan.
 _QUOTES = "\\\\\"'`*_\u201c\u201d\u2018\u2019\u00ab\u00bb"
 _SCORE_KEY: Final = re.compile(
     rf"""(?<!\w)[{_QUOTES}]{{0,3}}score(?:"""
-    rf"""[{_QUOTES}]{{0,3}}\s*(?:\([^()\n]{{0,40}}\)\s*)?[:=|]"""
-    rf"""|[{_QUOTES}]{{1,3}}\s*\d|\s+\d+(?:\.\d+)?\s*/\s*10)""",
+    rf"""[{_QUOTES}]{{0,3}}\s*(?:\([^()\n]{{0,40}}\)\s*)?(?:[:=]|\|\s*\d)"""
+    rf"""|[{_QUOTES}]{{1,3}}\s*\d)""",
     re.IGNORECASE,
 )
 # What may come between a key and the object it labels: the emphasis closing after the
@@ -158,7 +159,7 @@ def _verdicts_in(value: object) -> Iterator[dict[str, Any]]:
     while pending:
         item = pending.pop()
         if isinstance(item, dict):
-            if any(_names_a_score(key) for key in item):
+            if _is_a_verdict(item):
                 yield item
             else:
                 pending.extend(item.values())
@@ -166,12 +167,16 @@ def _verdicts_in(value: object) -> Iterator[dict[str, Any]]:
             pending.extend(item)
 
 
-def _names_a_score(key: object) -> bool:
-    """`score` in any case, or a key ending in it as a word, as a verdict's key: a judge's
-    own `{"Score": 2}` or `{"final_score": 2}` beside the planted `{"score": 10}` is a
-    second verdict (it fails validation, and the repair asks for
-    the plain object), not an object to pass over."""
-    return isinstance(key, str) and _VERDICT_KEY.fullmatch(key.strip().lower()) is not None
+def _is_a_verdict(value: dict[Any, Any]) -> bool:
+    """An object keyed `score` in any case, or by a key ending in it as a word beside a
+    comment: a judge's own `{"Score": 2}` or `{"final_score": 2, "comment": ...}` beside
+    the planted `{"score": 10}` is a second verdict (it fails validation, and the repair
+    asks for the plain object), not an object to pass over. A breakdown without a comment
+    (`{"clarity_score": 8, "depth_score": 6}`) is not one."""
+    keys = [key.strip().lower() for key in value if isinstance(key, str)]
+    if "score" in keys:
+        return True
+    return "comment" in keys and any(_VERDICT_KEY.fullmatch(key) for key in keys)
 
 
 def _stray(key: re.Match[str], spans: list[tuple[int, int]], content: str) -> bool:

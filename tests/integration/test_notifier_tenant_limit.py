@@ -94,16 +94,26 @@ async def tenants(
             "WEBHOOK_CA_FILE": str(ca_file),
         }
     )
+    async with notifier_with_receivers(settings, server_tls, held_ports=HELD_WEBHOOKS) as tenants:
+        yield tenants
+
+
+@contextlib.asynccontextmanager
+async def notifier_with_receivers(
+    settings: NotifierSettings, server_tls: Any, *, held_ports: int
+) -> AsyncIterator[Tenants]:
+    """The notifier running on `settings`, a receiver holding its requests on `held_ports`
+    ports of its own, and one answering at once."""
     app = create_notifier(settings, resolver=TableResolver({RECEIVER_HOST: ["127.0.0.1"]}))
-    database: AsyncMongoClient[Document] = AsyncMongoClient(mongo.url, tz_aware=True)
+    database: AsyncMongoClient[Document] = AsyncMongoClient(settings.mongo_url, tz_aware=True)
     slow = CountingReceiver()
     try:
         async with (
-            _serving_on_ports(slow, server_tls, HELD_WEBHOOKS) as ports,
+            _serving_on_ports(slow, server_tls, held_ports) as ports,
             _serving(Receiver(), server_tls) as fast,
             running(app) as api,
         ):
-            deliveries = database[f"{db_prefix}_notifier"]["deliveries"]
+            deliveries = database[settings.database_name("notifier")]["deliveries"]
             try:
                 yield Tenants(Notifier(api, settings, slow, fast, deliveries), ports)
             finally:

@@ -19,18 +19,15 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from pymongo import AsyncMongoClient
 
-from services.notifier.app import create_app as create_notifier
 from services.notifier.deliveries import Send, deliver_once
 from services.notifier.hosts import TenantSlots
 from services.notifier.settings import NotifierSettings
 from tests.integration import test_notifier_own_claims as own_claims
-from tests.integration.test_notifier import RECEIVER_HOST, Receiver, TableResolver, _tls
-from tests.integration.test_notifier_host_limit import CountingReceiver, Notifier, _serving
+from tests.integration.test_notifier import Receiver, _tls
 from tests.integration.test_notifier_own_claims import Deps, _delivery
-from tests.integration.test_notifier_tenant_limit import Tenants, _serving_on_ports
-from tests.support import eventually, running
+from tests.integration.test_notifier_tenant_limit import Tenants, notifier_with_receivers
+from tests.support import eventually
 
 receiver = own_claims.receiver  # fixtures
 ledger = own_claims.ledger
@@ -58,22 +55,8 @@ async def tenants(
         }
     )
     assert (settings.per_tenant, settings.tenant_reserve) == (CONCURRENCY // 2, 1)
-    app = create_notifier(settings, resolver=TableResolver({RECEIVER_HOST: ["127.0.0.1"]}))
-    database: AsyncMongoClient[Document] = AsyncMongoClient(mongo.url, tz_aware=True)
-    slow = CountingReceiver()
-    try:
-        async with (
-            _serving_on_ports(slow, server_tls, HELD_PORTS) as ports,
-            _serving(Receiver(), server_tls) as fast,
-            running(app) as api,
-        ):
-            deliveries = database[f"{db_prefix}_notifier"]["deliveries"]
-            try:
-                yield Tenants(Notifier(api, settings, slow, fast, deliveries), ports)
-            finally:
-                slow.release.set()  # let the notifier's held POSTs finish before it stops
-    finally:
-        await database.close()
+    async with notifier_with_receivers(settings, server_tls, held_ports=HELD_PORTS) as tenants:
+        yield tenants
 
 
 def _held(tenants: Tenants) -> list[str]:

@@ -570,6 +570,21 @@ async def test_a_streams_resync_while_the_status_service_is_away_finds_nothing_n
     assert settled.changes == []
 
 
+async def _read_history(
+    after: int, status: HistorySource, submissions: Any, now: datetime = T0 + timedelta(seconds=1)
+) -> TaskHistory | None:
+    """`read_history` of task t1 of tenant a, at `now`, over a 5-minute window."""
+    return await read_history(
+        "t1",
+        tenant_id="a",
+        after=after,
+        status=status,
+        submissions=submissions,
+        clock=lambda: now,
+        policy=HistoryPolicy(window=timedelta(minutes=5)),
+    )
+
+
 class FakeSubmissions:
     def __init__(self, submission: Any) -> None:
         self.submission = submission
@@ -611,15 +626,7 @@ class Submission:
 async def test_a_young_submission_reads_as_its_acceptance(
     after: int, not_before: datetime | None, status: TaskStatus, changes: int
 ) -> None:
-    history = await read_history(
-        "t1",
-        tenant_id="a",
-        after=after,
-        status=NoHistory(),
-        submissions=FakeSubmissions(Submission(T0, not_before)),  # type: ignore[arg-type]
-        clock=lambda: T0 + timedelta(seconds=1),
-        policy=HistoryPolicy(window=timedelta(minutes=5)),
-    )
+    history = await _read_history(after, NoHistory(), FakeSubmissions(Submission(T0, not_before)))
     assert history is not None
     assert history.status is status
     assert len(history.changes) == changes
@@ -633,14 +640,8 @@ async def test_a_young_cache_hit_reads_as_accepted_and_completed(
     """A result-cache hit the status service has not heard of: its completion came with
     its answer, and a stream right after it must not wait for events already gone by."""
     result = ScoreResult(score=6.0, comment="cached", model="m", cached=True)
-    history = await read_history(
-        "t1",
-        tenant_id="a",
-        after=after,
-        status=NoHistory(),
-        submissions=FakeSubmissions(Submission(T0, cached_result=result)),  # type: ignore[arg-type]
-        clock=lambda: T0 + timedelta(seconds=1),
-        policy=HistoryPolicy(window=timedelta(minutes=5)),
+    history = await _read_history(
+        after, NoHistory(), FakeSubmissions(Submission(T0, cached_result=result))
     )
     assert history is not None
     assert (history.status, history.sequence) == (TaskStatus.COMPLETED, 90)
@@ -663,14 +664,10 @@ CACHED = ScoreResult(score=6.0, comment="cached", model="m", cached=True)
 async def test_a_cache_hit_read_after_its_completion_is_completed_while_the_status_lags() -> None:
     """A client saw the cache hit's completion (90) from the submission; the status service
     has since applied the acceptance alone: reading after 90 is the completion again."""
-    history = await read_history(
-        "t1",
-        tenant_id="a",
-        after=CACHED_COMPLETION_SEQUENCE,
-        status=AcceptedOnlyHistory(),
-        submissions=FakeSubmissions(Submission(T0, cached_result=CACHED)),  # type: ignore[arg-type]
-        clock=lambda: T0 + timedelta(seconds=1),
-        policy=HistoryPolicy(window=timedelta(minutes=5)),
+    history = await _read_history(
+        CACHED_COMPLETION_SEQUENCE,
+        AcceptedOnlyHistory(),
+        FakeSubmissions(Submission(T0, cached_result=CACHED)),
     )
     assert history is not None
     assert (history.status, history.sequence, history.changes) == (
@@ -700,15 +697,7 @@ async def test_settling_a_live_event_while_the_status_lags_reads_no_submission()
     submissions = CountedSubmissions(Submission(T0))
 
     async def read(since: int) -> TaskHistory | None:
-        return await read_history(
-            "t1",
-            tenant_id="a",
-            after=since,
-            status=AcceptedOnlyHistory(),
-            submissions=submissions,  # type: ignore[arg-type]
-            clock=lambda: T0 + timedelta(seconds=1),
-            policy=HistoryPolicy(window=timedelta(minutes=5)),
-        )
+        return await _read_history(since, AcceptedOnlyHistory(), submissions)
 
     settled = await history_settled(
         read, after=_started().sequence, event=_completed(), settle_s=0.5
@@ -742,28 +731,16 @@ async def test_a_last_event_id_ahead_of_a_task_without_a_cache_hit_is_still_refu
 async def test_an_old_submission_not_yet_sent_reads_as_queued(state: SubmissionState) -> None:
     """Left unsent past the read-your-writes window (a broker alarm of longer), it read as
     404 "expired", and a client resubmitting had its text scored twice."""
-    history = await read_history(
-        "t1",
-        tenant_id="a",
-        after=-1,
-        status=NoHistory(),
-        submissions=FakeSubmissions(Submission(T0, state=state)),  # type: ignore[arg-type]
-        clock=lambda: T0 + timedelta(hours=1),
-        policy=HistoryPolicy(window=timedelta(minutes=5)),
+    history = await _read_history(
+        -1, NoHistory(), FakeSubmissions(Submission(T0, state=state)), now=T0 + timedelta(hours=1)
     )
     assert history is not None
     assert history.status is TaskStatus.QUEUED
 
 
 async def test_an_old_unknown_submission_reads_as_unknown() -> None:
-    history = await read_history(
-        "t1",
-        tenant_id="a",
-        after=-1,
-        status=NoHistory(),
-        submissions=FakeSubmissions(Submission(T0)),  # type: ignore[arg-type]
-        clock=lambda: T0 + timedelta(hours=1),
-        policy=HistoryPolicy(window=timedelta(minutes=5)),
+    history = await _read_history(
+        -1, NoHistory(), FakeSubmissions(Submission(T0)), now=T0 + timedelta(hours=1)
     )
     assert history is None
 

@@ -40,11 +40,12 @@ import re
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence, Set
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from fastapi import Depends, Query, Request
 from faststream.rabbit import QueueType, RabbitBroker, RabbitQueue
+from pydantic import BaseModel, Field
 
 from shared.bus import BROKER_ERRORS
 from shared.http import Problem
@@ -97,6 +98,37 @@ class Dropped:
     walked: int
     truncated: bool
     kept: int = 0
+
+
+class PurgeReport(BaseModel):
+    """What a purge of a DLQ removed (both services' `DELETE .../dead-letters`)."""
+
+    purged: int = Field(description="Letters removed.")
+    kept: int | None = Field(
+        default=None,
+        description=f"Only with `{CUT_OFF}`: letters the walk reached and kept, not known to "
+        "have been dead-lettered before it.",
+    )
+    truncated: bool | None = Field(
+        default=None,
+        description=f"Only with `{CUT_OFF}`, whose purge walks the queue: the walk stopped at "
+        f"its bound ({WALK_BOUND}) with letters left behind it, not looked at and kept.",
+    )
+
+
+class Purgeable(Protocol):
+    async def purge(self) -> int: ...
+
+    async def purge_before(self, cut_off: CutOff) -> Dropped: ...
+
+
+async def purge_report(dead_letters: Purgeable, cut_off: CutOff | None) -> PurgeReport:
+    """Purge the whole queue (`queue.purge`), or, given a cut-off, what a walk finds
+    dead-lettered before it."""
+    if cut_off is None:
+        return PurgeReport(purged=await dead_letters.purge())
+    purged = await dead_letters.purge_before(cut_off)
+    return PurgeReport(purged=purged.removed, kept=purged.kept, truncated=purged.truncated)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,15 @@ from services.gateway.errors import DatabaseUnavailable, Unavailable, refused_fo
 from services.gateway.keys_api import ADMIN_BODY_LIMIT
 from shared.bodies import json_body, read_model
 from shared.bus import BROKER_ERRORS
-from shared.dead_letters import CUT_OFF, WALK_BOUND, CutOffQuery, nothing_dropped, rfc3339
+from shared.dead_letters import (
+    CUT_OFF,
+    WALK_BOUND,
+    CutOffQuery,
+    PurgeReport,
+    nothing_dropped,
+    purge_report,
+    rfc3339,
+)
 from shared.http import (
     ADMIN_PROBLEMS,
     Problem,
@@ -86,20 +94,6 @@ class DropReport(BaseModel):
         default=None,
         description=f"Only with `{CUT_OFF}`: letters the id names that were kept, not known "
         "to have been dead-lettered before it (of its second or later, or of unknown time).",
-    )
-
-
-class PurgeReport(BaseModel):
-    purged: int = Field(description="Letters removed.")
-    kept: int | None = Field(
-        default=None,
-        description=f"Only with `{CUT_OFF}`: letters the walk reached and kept, not known to "
-        "have been dead-lettered before it.",
-    )
-    truncated: bool | None = Field(
-        default=None,
-        description=f"Only with `{CUT_OFF}`, whose purge walks the queue: the walk stopped at "
-        f"its bound ({WALK_BOUND}) with letters left behind it, not looked at and kept.",
     )
 
 
@@ -195,10 +189,7 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
     )
     async def purge_dead_letters(cut_off: CutOffQuery) -> PurgeReport:
         with _broker_away_is_503():
-            if cut_off is None:
-                return PurgeReport(purged=await dead_letters.purge())
-            purged = await dead_letters.purge_before(cut_off)
-        return PurgeReport(purged=purged.removed, kept=purged.kept, truncated=purged.truncated)
+            return await purge_report(dead_letters, cut_off)
 
     return router
 

@@ -59,7 +59,14 @@ from services.scheduler.schedule import JobCatalog, ScheduledJob
 from services.scheduler.usage_store import DailyUsage, DailyUsageStore
 from shared.bodies import json_body, read_model
 from shared.bus import BROKER_ERRORS
-from shared.dead_letters import CUT_OFF, WALK_BOUND, CutOffQuery, nothing_dropped
+from shared.dead_letters import (
+    CUT_OFF,
+    WALK_BOUND,
+    CutOffQuery,
+    PurgeReport,
+    nothing_dropped,
+    purge_report,
+)
 from shared.http import (
     INTERNAL_PROBLEMS,
     Problem,
@@ -380,20 +387,6 @@ class CronDropReport(_Out):
     )
 
 
-class Purged(_Out):
-    purged: int = Field(description="Letters removed.")
-    kept: int | None = Field(
-        default=None,
-        description=f"Only with `{CUT_OFF}`: letters the walk reached and kept, not known to "
-        "have been dead-lettered before it.",
-    )
-    truncated: bool | None = Field(
-        default=None,
-        description=f"Only with `{CUT_OFF}`, whose purge walks the queue: the walk stopped at "
-        f"its bound ({WALK_BOUND}) with letters left behind it, not looked at and kept.",
-    )
-
-
 CRON_DROP_PROBLEMS: dict[int | str, dict[str, Any]] = {
     404: problem(
         404,
@@ -484,16 +477,13 @@ def cron_dead_letter_routes(
 
     @router.delete(
         "",
-        response_model=Purged,
+        response_model=PurgeReport,
         response_model_exclude_none=True,
         responses=problem_responses(422),
     )
-    async def purge_cron_dead_letters(cut_off: CutOffQuery) -> Purged:
+    async def purge_cron_dead_letters(cut_off: CutOffQuery) -> PurgeReport:
         with _broker_away_is_503():
-            if cut_off is None:
-                return Purged(purged=await dead_letters.purge())
-            purged = await dead_letters.purge_before(cut_off)
-        return Purged(purged=purged.removed, kept=purged.kept, truncated=purged.truncated)
+            return await purge_report(dead_letters, cut_off)
 
     return router
 

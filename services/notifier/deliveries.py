@@ -31,8 +31,10 @@ the reserve kept for idle tenants (`hosts.py`). A delivery whose destination or 
 no slot free is deferred before its claim: sent again later as a fresh copy (`Send`;
 `PUT_OFF_DELAY`, doubling with each deferral of the attempt up to `PUT_OFF_MAX_DELAY`),
 nothing recorded, its attempt not counted, its consumer slot freed at
-once for other destinations and tenants. A redelivery is held instead (`Hold`, as for a
-claim held elsewhere), so that its delivery count keeps growing.
+once for other destinations and tenants. A redelivery goes the same way once what its
+attempt already decided is checked (and carried out, if anything): its copy carries the
+deliveries counted so far (`x-scorebox-earlier-deliveries`), so a message that keeps
+killing its consumers still reaches the queue's delivery limit.
 
 A claim's lease counts from just before its write, and covers the POST and the database
 calls around it (`NotifierSettings.lease_s`). If, the claim made and the keyring read, less
@@ -325,24 +327,23 @@ async def _claim_and_post(
 
 async def _put_off(
     delivery: DeliverWebhook, deps: DeliveryDeps, why: str, *, redelivered: bool
-) -> DeliveryDecision | Hold:
+) -> DeliveryDecision:
     """Put the delivery off unsent, its attempt not counted, `why` a key of PUT_OFF_BECAUSE:
     its destination or tenant has no slot free in this process (unclaimed), or too little
     of the lease of the claim just made is left for a POST (the claim left to lapse).
 
-    A fresh copy goes down the wait ladder and this one is acked, freeing its consumer slot.
-    A redelivery is held instead (what its attempt already decided, its consumer having died
-    before acking, is carried out now): held, it keeps its place, and the copy carries its
-    delivery count all the same. Except one refused the reserve kept for idle tenants
-    (`tenant_reserve`): held, it filled that very reserve, and an idle tenant's webhook was
-    not handed out (found in review); it goes down the ladder as a fresh copy does."""
+    A copy goes down the wait ladder and this one is acked, freeing its consumer slot. A
+    redelivery first carries out what its attempt already decided (its consumer died before
+    acking), if anything. Held instead, as it once was, a redelivery kept its consumer slot
+    while it polled for a free one (new deliveries took the freed slots first), could wait
+    past the broker's consumer timeout under a long saturation, and one refused the reserve
+    kept for idle tenants filled that very reserve (found in review). The copy carries the
+    delivery count (`Send` of the same attempt), which holding was there to keep."""
     deps.metrics.deferred.labels(why).inc()
     if redelivered:
         record = await deps.ledger.find(delivery.delivery_id)
         if record is not None and (decided := recorded_decision(delivery, record)) is not None:
             return decided
-        if why != "tenant_reserve":
-            return Hold(deps.clock() + PUT_OFF_DELAY)
     wait = put_off_wait(delivery.deferrals, deps.rng)
     later = deps.clock() + wait  # from now: the ladder sends a past one at once
     deferred = delivery.model_copy(

@@ -37,7 +37,7 @@ from services.notifier.metrics import NotifierMetrics
 from services.notifier.settings import NotifierSettings
 from shared.contracts import DeliverWebhook, WebhookPurpose, new_id
 from shared.runtime import make_broker
-from shared.topology import DELAY
+from shared.topology import DELAY, EARLIER_DELIVERIES_HEADER
 from tests.integration import test_notifier_own_claims as own_claims
 from tests.integration.test_notifier import (
     RECEIVER_HOST,
@@ -287,31 +287,55 @@ async def test_a_delivery_put_off_again_and_again_waits_longer_each_time(
     assert receiver[0].requests(delivery.url) == []
 
 
-async def test_a_redelivery_to_a_busy_destination_is_held_until_a_slot_frees(
+async def test_a_redelivery_to_a_busy_destination_goes_down_the_ladder_its_count_carried(
     make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
 ) -> None:
-    """A fresh copy would start the message's delivery count again: it is held instead."""
+    """Held until a slot freed, it kept its consumer slot and polled while new deliveries
+    took the freed slots first, and could outwait the broker's consumer timeout. It is acked,
+    and its copy carries the deliveries counted so far, so the delivery limit still stops a
+    message that keeps killing its consumers."""
     deps, registry = _with_bound(make_deps("proc-a"))
     delivery = _delivery(receiver[0])
+    broker, handle = _handler(deps)
+    message = HandedDelivery.redelivery(delivery.model_dump_json().encode(), count=2)
+
+    with _all_slots_taken(deps.hosts, destination_of(delivery.url, deps.guard)):
+        await asyncio.wait_for(handle(message), timeout=30)
+
+    assert message.settled == ["ack"]
+    assert receiver[0].requests(delivery.url) == []
+    assert await ledger.find(delivery.delivery_id) is None  # never claimed
+    [sent] = broker.published
+    assert (sent.exchange, sent.routing_key) == (DELAY.name, "1s.webhook.deliver")
+    assert sent.message.headers[EARLIER_DELIVERIES_HEADER] == 2
+    again = DeliverWebhook.model_validate_json(sent.message.body)
+    assert (again.attempt, again.deferrals) == (delivery.attempt, 1)
+    assert _deferred(registry) == 1
+
+
+async def test_a_redelivery_put_off_carries_out_what_its_attempt_decided(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    """Its consumer died after the POST was recorded delivered, before the ack: nothing is
+    sent again, busy destination or not."""
+    deps, _ = _with_bound(make_deps("proc-a"))
+    delivery = _delivery(receiver[0])
+    await ledger.register(delivery, now=datetime.now(UTC))
+    claimed_at = datetime.now(UTC)
+    claim = await ledger.claim(
+        delivery, process="proc-b", owner="proc-b/1", now=claimed_at, lease=timedelta(seconds=60)
+    )
+    assert claim.won
+    await ledger.mark_delivered(delivery, now=claimed_at, status=200)
     broker, handle = _handler(deps)
     message = HandedDelivery.redelivery(delivery.model_dump_json().encode())
 
     with _all_slots_taken(deps.hosts, destination_of(delivery.url, deps.guard)):
-        handling = asyncio.create_task(handle(message))
-
-        async def put_off() -> bool:
-            return _deferred(registry) >= 1
-
-        await eventually(put_off, what="the redelivery put off")
-        assert message.settled == []
-    await asyncio.wait_for(handling, timeout=30)
+        await asyncio.wait_for(handle(message), timeout=30)
 
     assert message.settled == ["ack"]
     assert broker.published == []
-    assert len(receiver[0].requests(delivery.url)) == 1
-    record = await ledger.find(delivery.delivery_id)
-    assert record is not None
-    assert (record.state, record.attempt) == (DeliveryState.DELIVERED, 1)
+    assert receiver[0].requests(delivery.url) == []
 
 
 async def test_the_slots_are_per_destination_and_given_back(

@@ -66,8 +66,9 @@ class GatewaySettings(InternalApiSettings):
     )
     # A submission still `accepting` (interrupted) or `unconfirmed` after this long is sent by
     # the outbox sweep.
+    # Above `longest_refusal_s` (45 s with the default timeouts): see `outbox_grace_warning`.
     outbox_grace_s: float = Field(
-        default=30.0, gt=0, le=MAX_DURATION_S, validation_alias="OUTBOX_GRACE_S"
+        default=60.0, gt=0, le=MAX_DURATION_S, validation_alias="OUTBOX_GRACE_S"
     )
     outbox_interval_s: float = Field(
         default=10.0, gt=0, le=MAX_DURATION_S, validation_alias="OUTBOX_INTERVAL_S"
@@ -145,21 +146,30 @@ class GatewaySettings(InternalApiSettings):
             )
         return self
 
+    @property
+    def longest_refusal_s(self) -> float:
+        """The longest a submission takes, from its record's `created_at`, to be refused and
+        its record deleted: the result-cache lookup, the insert and the in-flight slot
+        (`MONGO_TIMEOUT_S` each), the publish the broker refuses and the withdrawal from the
+        projection (`BROKER_TIMEOUT_S` each), then the slot's release and the record's delete
+        (`MONGO_TIMEOUT_S` each). It was 3 x `MONGO_TIMEOUT_S` + `BROKER_TIMEOUT_S`, which
+        left out the lookup, the withdrawal and the release (found in review)."""
+        return 5 * self.mongo_timeout_s + 2 * self.broker_timeout_s
+
     def outbox_grace_warning(self) -> str | None:
         """Why `OUTBOX_GRACE_S` is too short, if it is. Another replica's outbox sweep takes a
         submission still unsent after the grace for one whose request was interrupted, and
-        sends it; a submission takes up to 3 x `MONGO_TIMEOUT_S` + `BROKER_TIMEOUT_S` to be
-        refused. With a shorter grace (`MONGO_TIMEOUT_S` raised, the grace left at its
-        default) a request still running may be sent by the sweep, then refused: its client
+        sends it; a submission takes up to `longest_refusal_s` to be refused. With a shorter
+        grace a request still running may be sent by the sweep, then refused: its client
         answered 503 while its task is scored. A warning, not a refusal: tests and fault
         drills shorten the grace on purpose to make the sweep act at once."""
-        longest_submission = 3 * self.mongo_timeout_s + self.broker_timeout_s
-        if self.outbox_grace_s > longest_submission:
+        longest = self.longest_refusal_s
+        if self.outbox_grace_s > longest:
             return None
         return (
-            f"OUTBOX_GRACE_S ({self.outbox_grace_s:g}) should exceed 3 x MONGO_TIMEOUT_S "
-            f"({self.mongo_timeout_s:g}) plus BROKER_TIMEOUT_S ({self.broker_timeout_s:g}), "
-            f"{longest_submission:g} s, the longest a submission takes to be refused: another "
+            f"OUTBOX_GRACE_S ({self.outbox_grace_s:g}) should exceed 5 x MONGO_TIMEOUT_S "
+            f"({self.mongo_timeout_s:g}) plus 2 x BROKER_TIMEOUT_S ({self.broker_timeout_s:g}), "
+            f"{longest:g} s, the longest a submission takes to be refused: another "
             "replica's outbox sweep may send a submission its request is still refusing"
         )
 

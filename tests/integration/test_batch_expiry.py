@@ -29,7 +29,7 @@ pytestmark = pytest.mark.integration
 
 Document = dict[str, Any]
 RETENTION = timedelta(days=1)  # IDEMPOTENCY_TTL_S's default
-GRACE = timedelta(seconds=30)  # OUTBOX_GRACE_S's default: how long a request may still run
+GRACE = timedelta(seconds=30)  # an OUTBOX_GRACE_S: how long a request may still run
 
 
 @pytest.fixture

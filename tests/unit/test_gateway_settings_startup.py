@@ -13,27 +13,31 @@ from services.gateway.settings import GatewaySettings
 @pytest.mark.parametrize(
     "given",
     [
-        {"MONGO_TIMEOUT_S": "20"},  # 3 x 20 + 10 = 70, the grace left at its default 30
-        {"BROKER_TIMEOUT_S": "15"},  # 3 x 5 + 15 = 30: not above it
-        {"OUTBOX_GRACE_S": "25"},  # 3 x 5 + 10 = 25
+        {"MONGO_TIMEOUT_S": "8"},  # 5 x 8 + 2 x 10 = 60, the grace left at its default 60
+        {"BROKER_TIMEOUT_S": "17.5"},  # 5 x 5 + 2 x 17.5 = 60: not above it
+        {"OUTBOX_GRACE_S": "45"},  # 5 x 5 + 2 x 10 = 45
+        # Above the old bound (3 x 1 + 2 = 5) and below the true one: 5 x 1 + 2 x 2 = 9 (a
+        # refusal within every timeout was sent by another replica's sweep; found in review).
+        {"MONGO_TIMEOUT_S": "1", "BROKER_TIMEOUT_S": "2", "OUTBOX_GRACE_S": "5.5"},
     ],
 )
 def test_an_outbox_grace_a_submission_may_outlast_is_warned_of(given: dict[str, str]) -> None:
-    """The README says to keep `OUTBOX_GRACE_S` above 3 x `MONGO_TIMEOUT_S` +
-    `BROKER_TIMEOUT_S`, the longest a submission takes to be refused; the gateway said
-    nothing of any value, and another replica's sweep then sent submissions still being
-    refused (their clients answered 503, their tasks scored)."""
+    """The README says to keep `OUTBOX_GRACE_S` above 5 x `MONGO_TIMEOUT_S` + 2 x
+    `BROKER_TIMEOUT_S`, the longest a submission takes to be refused (the cache lookup, the
+    insert, the slot, the refused publish, the withdrawal, the slot's release, the delete);
+    below it another replica's sweep may send a submission still being refused (its client
+    answered 503, its task scored)."""
     warning = GatewaySettings.model_validate(given).outbox_grace_warning()
     assert warning is not None
     for name in ("OUTBOX_GRACE_S", "MONGO_TIMEOUT_S", "BROKER_TIMEOUT_S"):
         assert name in warning
 
     # Above it, nothing to say; nor of the defaults.
-    assert GatewaySettings.model_validate({"OUTBOX_GRACE_S": "25.5"}).outbox_grace_warning() is None
+    assert GatewaySettings.model_validate({"OUTBOX_GRACE_S": "45.5"}).outbox_grace_warning() is None
     defaults = GatewaySettings.model_validate({})
     assert defaults.outbox_grace_warning() is None
-    longest_submission = 3 * defaults.mongo_timeout_s + defaults.broker_timeout_s
-    assert defaults.outbox_grace_s > longest_submission
+    longest_refusal = 5 * defaults.mongo_timeout_s + 2 * defaults.broker_timeout_s
+    assert defaults.outbox_grace_s > longest_refusal
 
 
 @pytest.mark.parametrize(

@@ -84,13 +84,19 @@ class Refusals:
     def __init__(self, *, max_pending_tasks: int = MAX_PENDING_TASKS) -> None:
         self._max_pending_tasks = max_pending_tasks
         self._pending: deque[Refusal] = deque()
-        self._held: dict[str, int] = {}  # task id → how many pending refusals name it
+        # task id → how many pending refusals and running requests (`holding`) name it
+        self._held: dict[str, int] = {}
+        # The task ids of the pending refusals alone: the cap is on those. Counting the held
+        # ids instead, running requests (a hundred batches of 1,000 items) pushed refusals
+        # out that were far from it, and the sweep sent them (found in review).
+        self._pending_tasks = 0
 
     def note(self, refusal: Refusal) -> None:
         self._pending.append(refusal)
+        self._pending_tasks += len(refusal.task_ids)
         for task_id in refusal.task_ids:
             self._held[task_id] = self._held.get(task_id, 0) + 1
-        while len(self._held) > self._max_pending_tasks and len(self._pending) > 1:
+        while self._pending_tasks > self._max_pending_tasks and len(self._pending) > 1:
             dropped = self._pending[0]
             self._forget(dropped)
             log.warning(
@@ -127,6 +133,7 @@ class Refusals:
             self._pending.remove(refusal)
         except ValueError:
             return
+        self._pending_tasks -= len(refusal.task_ids)
         self._unhold(refusal.task_ids)
 
     def _unhold(self, task_ids: tuple[str, ...]) -> None:

@@ -90,6 +90,23 @@ def test_beyond_the_bound_the_oldest_refusals_are_dropped() -> None:
     assert refusals.holds("t4")
 
 
+def test_the_bound_counts_refusals_not_requests_running() -> None:
+    """A running request's task ids are held too (the sweep keeps off them), and counted
+    towards the bound they pushed refusals out far below it: left to the outbox, which sent
+    what was answered 503 (found in review)."""
+    refusals = Refusals(max_pending_tasks=10)
+    with refusals.holding(tuple(f"running-{i}" for i in range(10))):
+        refusals.note(Refusal("a", ("t1",)))
+        refusals.note(Refusal("a", ("t2",)))
+        assert [r.task_ids for r in refusals.pending()] == [("t1",), ("t2",)]
+        assert refusals.holds("t1")
+    for _ in range(8):
+        refusals.note(Refusal("a", ("t3",)))
+    refusals.note(Refusal("a", ("t4",)))  # the eleventh task id: the oldest goes
+    assert refusals.pending()[0].task_ids == ("t2",)
+    assert not refusals.holds("t1")
+
+
 def test_a_single_refusal_over_the_bound_is_kept() -> None:
     refusals = Refusals(max_pending_tasks=1)
     refusals.note(Refusal("a", ("t1", "t2")))

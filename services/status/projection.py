@@ -96,13 +96,20 @@ async def ensure_indexes(tasks: Tasks, *, now: datetime | None = None) -> None:
     await drop_retired_indexes(tasks, RETIRED_TASKS_INDEX)
 
 
-def _fields_of(event: TaskEvent, change: StateChange, *, finished_ttl: timedelta) -> Document:
+def _fields_of(
+    event: TaskEvent, change: StateChange, *, finished_ttl: timedelta, applied_at: datetime
+) -> Document:
     """What an applied (newer) event sets. Within a generation a result exists only once its
     attempt completed, so every other event clears one: it can only be an earlier
     generation's, left when the re-score's `task.accepted` (sent best effort) was lost or
     overtaken, and the task then showed the old rubric's result next to its new status.
     A `task.started` keeps the error of its generation's previous attempt (what it retries
-    after); an earlier generation's is cleared where it is applied (`_apply_newer`)."""
+    after); an earlier generation's is cleared where it is applied (`_apply_newer`).
+
+    A finished task is kept `finished_ttl` from its outcome, or from now if the outcome
+    reaches the projection later than that: counted from the outcome alone, one applied
+    after a long outage or backlog (which the consumers wait out) was already expired, and
+    a task read as processing until then went straight to 404 (found in review)."""
     fields: Document = {
         "tenant_id": event.tenant_id,
         "status": change.status.value,
@@ -114,6 +121,7 @@ def _fields_of(event: TaskEvent, change: StateChange, *, finished_ttl: timedelta
         "next_attempt_at": None,
         "expires_at": event.occurred_at + UNFINISHED_RETENTION,
     }
+    finished_at = max(event.occurred_at, applied_at)
     match event:
         case TaskAccepted():
             due = max(event.occurred_at, event.not_before or event.occurred_at)
@@ -138,13 +146,13 @@ def _fields_of(event: TaskEvent, change: StateChange, *, finished_ttl: timedelta
             fields |= {
                 "result": event.result.model_dump(mode="json"),
                 "error": None,
-                "expires_at": event.occurred_at + finished_ttl,
+                "expires_at": finished_at + finished_ttl,
             }
         case TaskFailed():
             fields |= {
                 "result": None,
                 "error": _failure(event.error.model_dump(), dead_lettered=event.dead_lettered),
-                "expires_at": event.occurred_at + finished_ttl,
+                "expires_at": finished_at + finished_ttl,
             }
     return fields
 
@@ -175,10 +183,12 @@ async def apply_task_event(
     writes: GroupWriter,
     finished_ttl: timedelta,
     history_limit: int = DEFAULT_HISTORY_LIMIT,
+    now: datetime | None = None,
 ) -> bool:
     """Apply `event` if it is newer than what the projection holds; True when applied."""
     change = StateChange.of_event(event)
-    fields = _fields_of(event, change, finished_ttl=finished_ttl)
+    applied_at = now or utcnow()
+    fields = _fields_of(event, change, finished_ttl=finished_ttl, applied_at=applied_at)
     push = _history_push(change, history_limit)
     applied = await _apply_newer(
         writes, event, {"$set": fields, "$push": {"history": push}, "$unset": {"withdrawn": ""}}
@@ -277,12 +287,13 @@ async def apply_projected(
     writes: GroupWriter,
     finished_ttl: timedelta,
     history_limit: int = DEFAULT_HISTORY_LIMIT,
+    now: datetime | None = None,
 ) -> bool:
     """Apply a task event or a withdrawal; True when it changed the task."""
     if isinstance(message, ScoreWithdrawn):
         return await apply_withdrawal(message, writes=writes)
     return await apply_task_event(
-        message, writes=writes, finished_ttl=finished_ttl, history_limit=history_limit
+        message, writes=writes, finished_ttl=finished_ttl, history_limit=history_limit, now=now
     )
 
 

@@ -7,7 +7,7 @@ projection's own write path."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -45,10 +45,12 @@ async def tasks(mongo: Endpoint) -> AsyncIterator[AsyncCollection[Document]]:
         yield docs
 
 
-async def _apply(tasks: AsyncCollection[Document], routing_key: str, body: bytes) -> None:
+async def _apply(
+    tasks: AsyncCollection[Document], routing_key: str, body: bytes, *, now: datetime | None = None
+) -> None:
     message = projected_event(routing_key, body)
     assert message is not None
-    await apply_projected(message, writes=GroupWriter(tasks), finished_ttl=TTL)
+    await apply_projected(message, writes=GroupWriter(tasks), finished_ttl=TTL, now=now)
 
 
 async def _command(tasks: AsyncCollection[Document], command: ScoreText) -> None:
@@ -154,8 +156,8 @@ async def test_a_stale_event_after_the_task_expired_does_not_bring_it_back_for_e
         occurred_at=long_ago,
         result=ScoreResult(score=7, comment="Fine.", model="m"),
     )
-    for event in (started, completed):
-        await _apply(tasks, event.routing_key, event.model_dump_json().encode())
+    for event in (started, completed):  # applied when they happened
+        await _apply(tasks, event.routing_key, event.model_dump_json().encode(), now=long_ago)
     assert not await _readable(tasks, command)  # finished, past FINISHED_TASK_TTL_S
     await _ttl_monitor_pass(tasks)
 

@@ -235,7 +235,7 @@ def test_a_finished_task_at_the_longest_ttl_still_gets_its_expiry() -> None:
     )
     ttl = timedelta(seconds=settings.finished_task_ttl_s)
 
-    fields = _fields_of(event, StateChange.of_event(event), finished_ttl=ttl)
+    fields = _fields_of(event, StateChange.of_event(event), finished_ttl=ttl, applied_at=now)
 
     assert fields["expires_at"] == now + ttl
 

@@ -63,7 +63,6 @@ from shared.database_errors import transient_database_error
 from shared.failed_deliveries import return_failed
 from shared.runtime import HOLD_POLL_S, keep_dead_lettering, keep_publishing, wait_for_claim
 from shared.topology import (
-    DELIVERY_COUNT_HEADER,
     EVENTS,
     NOTIFICATIONS,
     TASKS,
@@ -182,8 +181,12 @@ def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_
                 await message.ack()
             return
         deliveries = deliveries_lost(message.headers)
-        # This copy was handed out before (a fresh copy with deliveries carried was not).
-        redelivered = message.redelivered or int(message.headers.get(DELIVERY_COUNT_HEADER, 0)) > 0
+        # Handed out before, as this message or as the copy it was sent again for (its
+        # deliveries carried): either way a consumer lost it, and the attempt may still be
+        # held by that consumer's shielded try. A put-off redelivery's copy taken for a fresh
+        # one was dropped where that try still held the attempt, and when the try then
+        # crashed, nothing was left to see the attempt through (found in review).
+        redelivered = message.redelivered or deliveries > 0
         limit_reason = None
         if deliveries >= WEBHOOK_DELIVERIES.delivery_limit:
             limit_reason = (

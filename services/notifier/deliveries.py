@@ -132,10 +132,11 @@ class GiveUp:
 class Hold:
     """Keep this redelivery unacknowledged and claim again at `until` (or sooner).
 
-    Another process's lease holds the attempt; the message came back because the consumer
-    holding it died or its handler crashed. Re-sending a fresh copy would reset the
-    delivery count, and a delivery that crashes its handler every time would loop for ever
-    between replicas instead of reaching the queue's delivery limit."""
+    Another process's lease, or another copy in this process, holds the attempt; the
+    message came back (or is a copy of one that did) because the consumer holding it died,
+    lost its connection or crashed, and that holder may yet fail with nobody to requeue its
+    message. Held for a lease at most: what is put off for longer goes down the wait ladder
+    as a copy carrying its delivery count instead (`_put_off`)."""
 
     until: datetime
 
@@ -211,9 +212,9 @@ async def deliver_webhook(
 ) -> DeliveryDecision:
     """Send one attempt of a webhook, at most once per attempt and never after delivery.
 
-    `redelivered`: the broker delivered this message before and it was never settled; an
-    attempt another process holds is then waited for (the message held) rather than
-    re-sent as a fresh copy."""
+    `redelivered`: a consumer was handed this message, or the copy it is of, and lost it
+    unsettled (`x-delivery-count`, or deliveries carried); an attempt held elsewhere is then
+    waited for (the message held) rather than re-sent or dropped."""
     while isinstance(decision := await deliver_once(delivery, deps, redelivered), Hold):
         await wait_for_claim(decision.until, deps.clock)
         redelivered = True
@@ -235,8 +236,9 @@ async def deliver_once(
             # stale lease of this process (two POSTs). A redelivery waits for the holder,
             # then replays what it decided: the holder may be the shielded attempt of a
             # handler a dropped connection cancelled, and may fail with nobody to requeue
-            # its message. Any other copy is dropped: the holder, or that redelivery, sees
-            # the attempt through.
+            # its message (a put-off redelivery's copy carries its count, and counts as
+            # one). Any other copy is dropped: the holder, or that redelivery, sees the
+            # attempt through.
             if redelivered:
                 return Hold(now + timedelta(seconds=HOLD_POLL_S))
             return Done("another copy in this process is working on this attempt")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -30,12 +30,15 @@ from pymongo import AsyncMongoClient
 
 from services.notifier.app import create_app as create_notifier
 from services.notifier.consumer import send_delivery
-from services.notifier.deliveries import DeliveryDeps
+from services.notifier.deliveries import DeliveryDeps, Sender
 from services.notifier.hosts import Slots, destination_of
 from services.notifier.ledger import DeliveryState, Ledger
 from services.notifier.metrics import NotifierMetrics
+from services.notifier.sender import ReceiverAnswer
 from services.notifier.settings import NotifierSettings
+from services.notifier.ssrf import Destination
 from shared.contracts import DeliverWebhook, WebhookPurpose, new_id
+from shared.in_hand import InHand
 from shared.runtime import make_broker
 from shared.topology import DELAY, EARLIER_DELIVERIES_HEADER
 from tests.integration import test_notifier_own_claims as own_claims
@@ -336,6 +339,87 @@ async def test_a_redelivery_put_off_carries_out_what_its_attempt_decided(
     assert message.settled == ["ack"]
     assert broker.published == []
     assert receiver[0].requests(delivery.url) == []
+
+
+class _CrashingOnce:
+    """A sender whose first POST hangs until `crash` is set, then fails with a bug (no
+    transient error); the later ones go to `inner`."""
+
+    def __init__(self, inner: Sender) -> None:
+        self.inner = inner
+        self.posting = asyncio.Event()
+        self.crash = asyncio.Event()
+        self.calls = 0
+
+    async def post(
+        self, destination: Destination, *, body: bytes, headers: Mapping[str, str]
+    ) -> ReceiverAnswer:
+        self.calls += 1
+        if self.calls > 1:
+            return await self.inner.post(destination, body=body, headers=headers)
+        self.posting.set()
+        await self.crash.wait()
+        raise RuntimeError("a bug in the POST")
+
+
+class _WatchedInHand(InHand[tuple[str, int]]):
+    """`InHand` that tells when a delivery found its attempt held by another here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused = asyncio.Event()
+
+    @contextlib.contextmanager
+    def holding(self, key: tuple[str, int]) -> Iterator[bool]:
+        with super().holding(key) as only_here:
+            if not only_here:
+                self.refused.set()
+            yield only_here
+
+
+async def test_the_copy_of_a_put_off_redelivery_waits_for_its_attempt_held_here(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    """A handler cancelled mid-POST (its connection lost) leaves its try running, shielded,
+    holding the attempt; the broker hands the message to another process, which finds the
+    destination busy and puts it off as a copy. Taken for a fresh copy where that try still
+    ran, the copy was dropped, and when the try then crashed nothing was left to see the
+    attempt through: the webhook was never sent (found in review). The copy counts as a
+    redelivery (it carries the lost delivery): it waits for the try, then sends."""
+    delivery = _delivery(receiver[0])
+    body = delivery.model_dump_json().encode()
+    first_process = make_deps("proc-a")
+    sender = _CrashingOnce(first_process.sender)
+    in_hand = _WatchedInHand()
+    first_process = replace(first_process, sender=sender, in_hand=in_hand)
+    _, handle_here = _handler(first_process)
+    first = asyncio.create_task(handle_here(HandedDelivery(body)))
+    await asyncio.wait_for(sender.posting.wait(), timeout=30)
+    first.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await first
+
+    elsewhere, _ = _with_bound(make_deps("proc-b"))
+    broker_elsewhere, handle_elsewhere = _handler(elsewhere)
+    with _all_slots_taken(elsewhere.hosts, destination_of(delivery.url, elsewhere.guard)):
+        await asyncio.wait_for(handle_elsewhere(HandedDelivery.redelivery(body)), timeout=30)
+    [put_off] = broker_elsewhere.published
+    # The copy as the wait ladder hands it back once due, to the first process.
+    due = DeliverWebhook.model_validate_json(put_off.message.body)
+    copy = HandedDelivery(
+        due.model_copy(update={"not_before": None}).model_dump_json().encode(),
+        headers=dict(put_off.message.headers or {}),
+    )
+    handling = asyncio.create_task(handle_here(copy))
+    await asyncio.wait_for(in_hand.refused.wait(), timeout=30)
+    sender.crash.set()
+    await asyncio.wait_for(handling, timeout=30)
+
+    assert copy.settled == ["ack"]
+    assert len(receiver[0].requests(delivery.url)) == 1
+    record = await ledger.find(delivery.delivery_id)
+    assert record is not None
+    assert (record.state, record.attempt) == (DeliveryState.DELIVERED, 1)
 
 
 async def test_the_slots_are_per_destination_and_given_back(

@@ -86,7 +86,6 @@ from shared.runtime import (
 )
 from shared.topology import (
     ATTEMPTS_HEADER,
-    DELIVERY_COUNT_HEADER,
     EARLIER_DELIVERIES_HEADER,
     SCORE_REQUESTS,
     carried_deliveries,
@@ -265,11 +264,13 @@ def subscribe_scorer(
 
 
 def _handed_out_before(message: Delivery) -> bool:
-    """Whether this copy was handed out before, or stands in for one that was (a fresh copy
-    with deliveries carried was not; the copy sent at the delivery limit replaces a lost
-    delivery, whose handler may still hold the attempt here: dropped as a duplicate of it,
-    the copy left nothing behind once the lost one gave up its turn)."""
-    if int(message.headers.get(DELIVERY_COUNT_HEADER, 0)) > 0 or message.redelivered:
+    """Whether this copy was handed out before, or stands in for one that was: a copy
+    carrying deliveries lost (sent again by a scorer whose database was away, or that was
+    stopping), or the copy sent at the delivery limit, which replaces a lost delivery. The
+    lost delivery's handler may still hold the attempt here: dropped as a duplicate of it,
+    the copy left nothing behind once the lost one gave up its turn (found in review, first
+    for the copy at the limit, then for copies carrying their count)."""
+    if deliveries_lost(message.headers) > 0 or message.redelivered:
         return True
     return bool(message.headers.get(REPLACES_LOST_HEADER))
 

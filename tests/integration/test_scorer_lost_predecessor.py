@@ -31,7 +31,7 @@ from services.scorer.slots import ModelSlots
 from shared.consumers import Delivery
 from shared.contracts import ScoreText, TaskCompleted, new_id, utcnow
 from shared.in_hand import InHand
-from shared.topology import SCORE_REQUESTS
+from shared.topology import EARLIER_DELIVERIES_HEADER, SCORE_REQUESTS
 from tests.integration.scorer_parts import attempts_store, fake_model, scorer_deps
 from tests.support import HandedDelivery, HandlerOnly, eventually
 
@@ -120,3 +120,45 @@ async def _held(deps: ScorerDeps, count: int) -> bool:
 
 async def _looked(in_hand: LookedUp, times: int) -> bool:
     return in_hand.looks >= times
+
+
+async def test_a_copy_carrying_a_lost_delivery_waits_for_its_predecessor_and_scores(
+    fake_llm: FakeLLM, mongo: Any, db_prefix: str
+) -> None:
+    """The delivery lost here came back to another scorer, which sent it again as a copy
+    carrying that lost delivery (its database away, or stopping). Arriving here while the
+    lost decision still held the attempt, the copy was taken for a fresh one and dropped,
+    and then the lost decision gave up its turn: the task stayed `queued` for good."""
+    marker = f"c{uuid.uuid4().hex[:12]}"
+    command = ScoreText(task_id=new_id(), text=f"An essay sent again. [[id:{marker}]]")
+    body = command.model_dump_json().encode()
+    in_hand = LookedUp()
+    async with attempts_store(mongo.url, db_prefix) as attempts, fake_model(fake_llm) as model:
+        deps = scorer_deps(
+            attempts=attempts,
+            model=model,
+            lease=timedelta(seconds=60),
+            owner="scorer-a",
+            model_slots=ModelSlots(1),
+            started_after=timedelta(seconds=30),
+            in_hand=in_hand,
+        )
+        handler, actions = HandlerOnly(), Recorded()
+        subscribe_scorer(handler, deps, actions, crash_limit=3)  # type: ignore[arg-type]
+
+        async with deps.model_slots.held():  # the only slot, busy with another task's call
+            predecessor = asyncio.create_task(handler.handler(HandedDelivery(body)))
+            await eventually(lambda: _held(deps, 1), what="the delivery waiting for the slot")
+            predecessor.cancel()  # the connection dropped: the handler is cancelled
+            with contextlib.suppress(asyncio.CancelledError):
+                await predecessor
+            fresh = HandedDelivery(body, headers={EARLIER_DELIVERIES_HEADER: 1})
+            copy = asyncio.create_task(handler.handler(fresh))
+            await eventually(lambda: _looked(in_hand, 2), what="the copy finding it held")
+        await asyncio.wait_for(copy, timeout=60)
+
+    assert fresh.settled == ["ack"]
+    [decision] = actions.decisions
+    assert isinstance(decision, Finish)
+    assert isinstance(decision.event, TaskCompleted)
+    assert int(fake_llm.stats()["by_id"].get(marker, 0)) == 1

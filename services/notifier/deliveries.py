@@ -135,8 +135,9 @@ class Hold:
     Another process's lease, or another copy in this process, holds the attempt; the
     message came back (or is a copy of one that did) because the consumer holding it died,
     lost its connection or crashed, and that holder may yet fail with nobody to requeue its
-    message. Held for a lease at most: what is put off for longer goes down the wait ladder
-    as a copy carrying its delivery count instead (`_put_off`)."""
+    message. Held while another delivery or lease holds the attempt (about a lease each);
+    what is put off for any other reason goes down the wait ladder as a copy carrying its
+    delivery count instead (`_put_off`)."""
 
     until: datetime
 

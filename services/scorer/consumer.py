@@ -25,9 +25,10 @@ What each outcome means on the broker:
   message, returns every delivery in hand). At the limit it is sent again as a fresh copy
   with its count cleared instead, up to `UNSTARTED_RESETS` times (`x-scorebox-unstarted-resets`),
   so a message that kills the scorer before its claim still stops. That copy stands in for
-  a lost delivery (`x-scorebox-replaces-lost`, not carried on): finding the attempt held by
-  another delivery of this process, it waits for it as a redelivery does, since the holder
-  may be the lost predecessor still waiting for a model slot, which will start nothing.
+  a lost delivery (`x-scorebox-replaces-lost`, carried on by every copy of it, as the count
+  is): finding the attempt held by another delivery of this process, it waits for it as a
+  redelivery does, since the holder may be the lost predecessor still waiting for a model
+  slot, which will start nothing.
 - the scorer stopping while a delivery at that limit waits for another claim's decision:
   sent again, its count unchanged, then acked (see `_handed_back_at_stop`).
 - a give-up is recorded as the attempt's decision first, under a claim of this process:
@@ -211,7 +212,10 @@ def _failure(command: ScoreText, error: TaskError, *, spent: Spent | None) -> Ta
 def _carried_headers(message: Delivery) -> dict[str, Any]:
     """The headers a copy of the delivery's own command takes along (sent again, or
     dead-lettered), its deliveries counted so far included. Never a next attempt's."""
-    keep = (CRASHES_HEADER, ATTEMPTS_HEADER, UNSTARTED_RESETS_HEADER)
+    # The copy at the limit's marker too: sent on by a scorer stopping, a database away or a
+    # rate-limit put-off, it lost it (and carries no count), and was dropped where its lost
+    # predecessor still held the attempt (found in review).
+    keep = (CRASHES_HEADER, ATTEMPTS_HEADER, UNSTARTED_RESETS_HEADER, REPLACES_LOST_HEADER)
     headers = {key: value for key, value in message.headers.items() if key in keep}
     return headers | carried_deliveries(message.headers)
 

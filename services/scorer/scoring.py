@@ -129,8 +129,9 @@ async def score_text(
     """Decide what one delivery of `score.requested` leads to, calling the model at most once
     per attempt across redeliveries and replicas.
 
-    `redelivered`: the broker delivered this message before and it was never settled (its
-    consumer died or lost its connection); a busy claim then holds it rather than deferring.
+    `redelivered`: a consumer was handed this message, or the delivery it is a copy of or
+    stands in for, and lost it unsettled (its consumer died or lost its connection;
+    `consumer._handed_out_before`); a busy claim then holds it rather than deferring.
     `lost`: set when the delivery was lost (its connection dropped) while this ran; a decision
     that had not yet reached a model slot then starts nothing.
     """

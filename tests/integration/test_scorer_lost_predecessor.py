@@ -68,9 +68,12 @@ class Recorded(BrokerActions):
         self.resent.append((command, headers))
 
 
+@pytest.mark.parametrize("through_a_stopping_scorer", [False, True], ids=["direct", "sent-on"])
 async def test_the_copy_sent_at_the_limit_waits_for_its_lost_predecessor_and_scores(
-    fake_llm: FakeLLM, mongo: Any, db_prefix: str
+    fake_llm: FakeLLM, mongo: Any, db_prefix: str, through_a_stopping_scorer: bool
 ) -> None:
+    """`sent-on`: the copy first reaches a scorer that is stopping, which sends it on; that
+    copy lost the marker (and carries no count) and was dropped here (found in review)."""
     marker = f"o{uuid.uuid4().hex[:12]}"
     command = ScoreText(task_id=new_id(), text=f"An essay lost in prefetch. [[id:{marker}]]")
     body = command.model_dump_json().encode()
@@ -99,6 +102,8 @@ async def test_the_copy_sent_at_the_limit_waits_for_its_lost_predecessor_and_sco
             at_limit = HandedDelivery.redelivery(body, count=limit)
             await asyncio.wait_for(handler.handler(at_limit), timeout=30)
             [(again, headers)] = actions.resent  # sent again afresh, then acked
+            if through_a_stopping_scorer:
+                again, headers = await _sent_on_at_a_stop(again, headers, attempts, model)
             fresh = HandedDelivery(again.model_dump_json().encode(), headers=headers)
             copy = asyncio.create_task(handler.handler(fresh))
             await eventually(lambda: _looked(in_hand, 2), what="the copy finding it held")
@@ -112,6 +117,34 @@ async def test_the_copy_sent_at_the_limit_waits_for_its_lost_predecessor_and_sco
     assert isinstance(decision, Finish)
     assert isinstance(decision.event, TaskCompleted)
     assert int(fake_llm.stats()["by_id"].get(marker, 0)) == 1
+
+
+async def _sent_on_at_a_stop(
+    command: ScoreText, headers: dict[str, Any], attempts: Any, model: Any
+) -> tuple[ScoreText, dict[str, Any]]:
+    """The copy as another scorer, stopping (its model slots closed), sends it on."""
+    stopping = scorer_deps(
+        attempts=attempts,
+        model=model,
+        lease=timedelta(seconds=60),
+        owner="scorer-b",
+        model_slots=ModelSlots(1),
+    )
+    stopping.model_slots.close()
+    handler, actions = HandlerOnly(), _SendingOn()
+    subscribe_scorer(handler, stopping, actions, crash_limit=3)  # type: ignore[arg-type]
+    copy = HandedDelivery(command.model_dump_json().encode(), headers=headers)
+    await asyncio.wait_for(handler.handler(copy), timeout=30)
+    [sent_on] = actions.resent
+    return sent_on
+
+
+class _SendingOn(Recorded):
+    """Carries a decision out as the scorer does (a `Defer` is sent again through `resend`)."""
+
+    @override
+    async def carry_out(self, decision: Decision, message: Delivery) -> None:
+        await BrokerActions.carry_out(self, decision, message)
 
 
 async def _held(deps: ScorerDeps, count: int) -> bool:

@@ -7,8 +7,10 @@ failed with `cancelled` unless its model call has started (`services/scorer/canc
 
 Known finished: its submission records an outcome of that generation (or a later one), which
 the gateway's outcome consumer notes in the write it makes for every outcome
-(`Submissions.note_outcome`); a result-cache hit answered it (any generation: a re-score of a
-completed task is not cancelled); or the status service says completed or failed. The
+(`Submissions.note_outcome`); its latest outcome is a completion, so its latest generation
+is a re-score, which the scorer never cancels; a result-cache hit answered it (any
+generation: a re-score of a completed task is not cancelled); or the status service says
+completed or failed. The
 submission is asked first: the scorer's attempts store may have forgotten a generation that
 finished long ago (`ATTEMPTS_RETENTION_S` shorter than the submission's life), and would then
 record a second, contradicting outcome of it. The status service being unavailable does not
@@ -104,7 +106,12 @@ def known_finished(target: CancelTarget) -> bool:
     if target.answered_from_cache:
         return True
     finished = target.finished_generation
-    return finished is not None and finished >= target.generation
+    if finished is None:
+        return False
+    # A newer generation over a completion that is the latest outcome is a re-score, which
+    # the scorer never cancels: 202 "cancelling" for it once the projection showed it
+    # `queued` broke the API's 409 (found in review).
+    return finished >= target.generation or target.completed_generation == finished
 
 
 async def _finished(submission: Submission, status: StatusReader) -> bool:

@@ -99,6 +99,10 @@ class Submission:
     # applied (`note_outcome`); None before any. A cancellation of a generation at or below it
     # is refused, whatever the status service says or the scorer still remembers.
     finished_generation: int | None = None
+    # The highest generation that completed (`task.completed` applied); None before any. A
+    # newer generation over a completion that is the latest outcome is a re-score, which the
+    # scorer never cancels (the completion stands).
+    completed_generation: int | None = None
     # When the outbox sweep sent it; None when its request did (or an earlier build's sweep).
     sent_at: datetime | None = None
     # While unsent: the expiry it gets once sent, as set at its insert (None once sent, or
@@ -121,6 +125,7 @@ class CancelTarget:
     api_key_id: str | None
     callback_url: str | None
     not_before: datetime | None
+    completed_generation: int | None = None
 
     @classmethod
     def of(cls, submission: Submission) -> CancelTarget:
@@ -137,6 +142,7 @@ class CancelTarget:
             api_key_id=command.api_key_id if command else None,
             callback_url=command.callback_url if command else None,
             not_before=submission.not_before,
+            completed_generation=submission.completed_generation,
         )
 
 
@@ -170,11 +176,14 @@ class RescoreRefused(StrEnum):
 NO_GENERATION: Final = 0
 # The highest generation whose outcome the gateway applied (`Submission.finished_generation`).
 FINISHED_GENERATION: Final = "finished_generation"
+# The highest generation that completed (`Submission.completed_generation`).
+COMPLETED_GENERATION: Final = "completed_generation"
 # What `cancel_targets` reads of a submission: the fields of `CancelTarget`, never the text.
 CANCEL_FIELDS: Final = {
     "tenant_id": True,
     "generation": True,
     FINISHED_GENERATION: True,
+    COMPLETED_GENERATION: True,
     "cached_result": True,
     "created_at": True,
     "not_before": True,
@@ -511,18 +520,27 @@ class Submissions:
         )
 
     async def note_outcome(
-        self, task_id: str, *, generation: int | None, finished: int | None, uncount: bool
+        self,
+        task_id: str,
+        *,
+        generation: int | None,
+        finished: int | None,
+        uncount: bool,
+        completed: int | None = None,
     ) -> None:
         """After an outcome: remember the highest generation the task reached when given (a
         DLQ replay bumps it too, so a later re-score takes the one after it), the highest
-        generation that finished (`finished`: the outcome's, for `cancel_task`), and remove
-        the in-flight mark once its slot is released (`uncount`). One write for all three."""
+        generation that finished (`finished`: the outcome's, for `cancel_task`) and that
+        completed (`completed`), and remove the in-flight mark once its slot is released
+        (`uncount`). One write for all."""
         update: Document = {}
         highest: Document = {}
         if generation is not None:
             highest["generation"] = generation
         if finished is not None:
             highest[FINISHED_GENERATION] = finished
+        if completed is not None:
+            highest[COMPLETED_GENERATION] = completed
         if highest:
             update["$max"] = highest
         if uncount:
@@ -861,6 +879,7 @@ def _submission_of(document: Document) -> Submission:
         else None,
         generation=generation,
         finished_generation=None if finished is None else int(finished),
+        completed_generation=_optional_int(document.get(COMPLETED_GENERATION)),
         sent_at=document.get(SENT_AT),
         expires_once_sent=document.get(EXPIRY_ONCE_SENT),
     )
@@ -888,4 +907,9 @@ def _cancel_target_of(document: Document) -> CancelTarget:
         api_key_id=command.get("api_key_id"),
         callback_url=command.get("callback_url"),
         not_before=document.get("not_before"),
+        completed_generation=_optional_int(document.get(COMPLETED_GENERATION)),
     )
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)

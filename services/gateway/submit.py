@@ -606,6 +606,7 @@ async def settle_outcome(
         generation=None if completed is None else completed.generation,
         finished=event.generation if isinstance(event, TaskCompleted | TaskFailed) else None,
         uncount=owner.counted and in_flight is not None,
+        completed=None if completed is None else completed.generation,
     )
     if completed is None or owner.cache_key is None or not cacheable(completed.result):
         return

@@ -20,10 +20,11 @@ from services.gateway.keys import ApiKeys, generate_key
 from services.gateway.settings import GatewaySettings
 from services.gateway.submissions import Submissions
 from services.gateway.submit import settle_outcome
-from shared.bus import publish_event
+from shared.bus import publish_delayed, publish_event
 from shared.contracts import (
     CancelTask,
     Phase,
+    RescoreTask,
     ScoreResult,
     ScoreText,
     TaskCompleted,
@@ -31,11 +32,12 @@ from shared.contracts import (
     TaskEvent,
     TaskFailed,
     event_sequence,
+    generation_of,
     new_id,
     utcnow,
 )
 from shared.runtime import make_broker
-from shared.topology import TASK_CANCELS
+from shared.topology import TASK_CANCELS, TASKS
 from tests.integration.in_process import gateway_and_status
 from tests.support import CommandCounter, eventually
 
@@ -254,10 +256,15 @@ async def test_a_generation_whose_outcome_the_gateway_applied_is_refused_without
     _assert_problem(response, 409)
     assert await _sent_cancels(stack.amqp_url) == []
 
-    # A re-score (or a replay) took generation 1 since: not finished, so cancelled.
+    # Generation 1 taken since: after a failure a DLQ replay, not finished, so cancelled;
+    # after a completion a re-score, which the scorer never cancels (the completion stands).
     await stack.submissions.update_one({"_id": task_id}, {"$set": {"generation": 1}})
     with stack.status_away():
         again = await stack.api.post(f"/v1/scores/{task_id}/cancel")
+    if kind is TaskCompleted:
+        _assert_problem(again, 409)
+        assert await _sent_cancels(stack.amqp_url) == []
+        return
     assert again.status_code == 202, again.text
     assert [cancel.generation for cancel in await _sent_cancels(stack.amqp_url)] == [1]
 
@@ -399,6 +406,41 @@ async def test_a_pending_dlq_replay_is_cancelled_while_the_status_shows_its_fail
 async def test_a_rescore_of_a_completed_task_is_still_refused_with_409(stack: Stack) -> None:
     """A completion stands over a newer generation (the scorer refuses that cancel)."""
     task_id = await _replayed_after(stack, TaskCompleted)
+
+    response = await stack.api.post(f"/v1/scores/{task_id}/cancel")
+
+    _assert_problem(response, 409)
+    assert await _sent_cancels(stack.amqp_url) == []
+
+
+async def test_a_rescore_the_status_service_shows_queued_is_refused_with_409(
+    stack: Stack,
+) -> None:
+    """The re-score announced to the projection, the task read `queued` again and a cancel
+    was answered 202 "cancelling", though the scorer never cancels a re-score of a completed
+    task (found in review). The gateway's record knows its latest outcome is a completion."""
+    task_id = await _submitted(stack)
+    await _published(stack, await _outcome(stack, task_id, TaskCompleted))
+    await _finished_generation_noted(stack, task_id, 0)
+    broker = make_broker(GatewaySettings.model_validate({"RABBITMQ_URL": stack.amqp_url}))
+    async with broker:
+        await broker.connect()
+        request = RescoreTask(task_id=task_id, rubric_version="judge-v2", run_id=new_id())
+        await publish_delayed(
+            broker,
+            request,
+            exchange=TASKS,
+            routing_key=request.routing_key,
+            not_before=None,
+            timeout=10,
+        )
+
+    async def queued_again() -> bool:
+        view = (await stack.api.get(f"/v1/scores/{task_id}")).json()
+        return bool(view["status"] == "queued" and generation_of(view["sequence"]) == 1)
+
+    await eventually(queued_again, what="the re-score shown queued")
+    await _sent_cancels(stack.amqp_url)
 
     response = await stack.api.post(f"/v1/scores/{task_id}/cancel")
 

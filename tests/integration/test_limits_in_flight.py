@@ -449,13 +449,19 @@ class UnmarkFailsOnce(Submissions):
     failures = 1
 
     async def note_outcome(
-        self, task_id: str, *, generation: int | None, finished: int | None, uncount: bool
+        self,
+        task_id: str,
+        *,
+        generation: int | None,
+        finished: int | None,
+        uncount: bool,
+        completed: int | None = None,
     ) -> None:
         if self.failures:
             self.failures -= 1
             raise DatabaseUnavailable("timed out")
         await super().note_outcome(
-            task_id, generation=generation, finished=finished, uncount=uncount
+            task_id, generation=generation, finished=finished, uncount=uncount, completed=completed
         )
 
 

@@ -102,6 +102,24 @@ class TooLate:
 
 
 CancelResult = Cancelled | TooLate
+# A cancellation that came while an attempt of its generation was calling the model: that
+# call decides, and should it end in a retry, the next attempt is cancelled at its claim.
+CANCEL_REQUESTED: Final = "cancel_requested"
+
+
+@dataclass(frozen=True)
+class BeforeTheCall:
+    spent: Spent | None
+    cancel_requested_at: datetime | None
+
+
+@dataclass(frozen=True)
+class _CallUnderWay:
+    """`_cancellable`: the cancel's generation is calling the model under a live lease; the
+    cancellation is noted on the attempt while that state holds (`condition`)."""
+
+    condition: Document
+    attempt: int
 
 
 class CancelContended(Exception):
@@ -115,8 +133,11 @@ class Attempts:
         self._collection: AsyncCollection[Document] = client[database]["attempts"]
         # Claims and decisions of concurrent deliveries share round trips.
         self._writes = GroupWriter(self._collection)
-        # Re-scores of a fan-out read what earlier generations were billed, many at once.
-        self._spent_reads = GroupReader(self._collection, projection={"spent": True})
+        # What earlier attempts were billed, and a cancellation noted meanwhile; re-scores of a
+        # fan-out read it many at once.
+        self._spent_reads = GroupReader(
+            self._collection, projection={"spent": True, CANCEL_REQUESTED: True}
+        )
         self._retention = retention
 
     async def ensure_indexes(self) -> None:
@@ -216,13 +237,24 @@ class Attempts:
         """What the earlier attempts of the command's generation were billed, as their retry
         decisions recorded it or its claim took it over from the generation it replaced
         (None: nothing). The first attempt of the first generation has none."""
+        return (await self.before_the_call(command)).spent
+
+    async def before_the_call(self, command: ScoreText) -> BeforeTheCall:
+        """What an attempt claimed needs of the earlier ones before its model call, in one
+        read: what they were billed (`spent_before`) and the time a client's cancellation
+        came while one of them was calling the model (None: none came). The first attempt of
+        the first generation has neither, and reads nothing."""
         if command.attempt <= 1 and command.generation == 0:
-            return None
-        held = await self._spent_reads.find_by_id(command.task_id)
-        spent = Spent.loaded(held.get("spent")) if held is not None else None
-        if spent is None or spent.generation != command.generation:
-            return None
-        return spent
+            return BeforeTheCall(spent=None, cancel_requested_at=None)
+        held = await self._spent_reads.find_by_id(command.task_id) or {}
+        spent = Spent.loaded(held.get("spent"))
+        requested = held.get(CANCEL_REQUESTED) or {}
+        return BeforeTheCall(
+            spent=spent if spent is not None and spent.generation == command.generation else None,
+            cancel_requested_at=requested.get("at")
+            if requested.get("generation") == command.generation
+            else None,
+        )
 
     async def decide(
         self,
@@ -269,6 +301,13 @@ class Attempts:
         for _ in range(CANCEL_TRIES):
             held = await self.find(cancel.task_id)
             cancellable = _cancellable(held, cancel, now=now)
+            if isinstance(cancellable, _CallUnderWay):
+                if not await self._note_cancel_requested(cancellable, cancel):
+                    continue  # decided meanwhile: read again
+                return TooLate(
+                    f"attempt {cancellable.attempt} is running (its model call under way); "
+                    "should it end in a retry, the next attempt is cancelled"
+                )
             if not isinstance(cancellable, tuple):
                 return cancellable
             condition, attempt = cancellable
@@ -288,10 +327,25 @@ class Attempts:
     async def find(self, task_id: str) -> Document | None:
         return await self._collection.find_one({"_id": task_id})
 
+    async def _note_cancel_requested(self, under_way: _CallUnderWay, cancel: CancelTask) -> bool:
+        """Note the cancellation on the running attempt; False when its state changed since
+        it was read. Dropped, as it was, a cancellation answered 202 by the gateway was
+        forgotten when the call ended in a retry, and the next attempt called the model
+        again (found in review)."""
+        noted = await self._collection.update_one(
+            {"_id": cancel.task_id, **under_way.condition},
+            {
+                "$set": {
+                    CANCEL_REQUESTED: {"generation": cancel.generation, "at": cancel.requested_at}
+                }
+            },
+        )
+        return noted.matched_count == 1
+
 
 def _cancellable(
     held: Document | None, cancel: CancelTask, *, now: datetime
-) -> CancelResult | tuple[Document, int]:
+) -> CancelResult | _CallUnderWay | tuple[Document, int]:
     """What a cancellation does to the state read: nothing (`TooLate`), nothing new (its own
     recorded `Cancelled`), or a write under a condition that holds only while that state
     does, deciding an attempt (the attempt number)."""
@@ -303,7 +357,8 @@ def _cancellable(
     state: Document = {"generation": generation, "attempt": attempt, "state": held["state"]}
     if held["state"] == "running":
         if generation == cancel.generation and held["lease_until"] > now:
-            return TooLate(f"attempt {attempt} is running (its model call under way)")
+            live = state | {"owner": held.get("owner"), "lease_until": held["lease_until"]}
+            return _CallUnderWay(live, attempt)
         # An expired lease (a dead worker, as a claim takes over), or an older generation's
         # claim (as a newer generation's claim replaces it): its late decision is fenced out.
         condition = state | {"owner": held.get("owner"), "lease_until": held["lease_until"]}

@@ -25,6 +25,7 @@ from services.scorer.decisions import (
     Retry,
     Spent,
     add_usage,
+    cancelled,
 )
 from services.scorer.detached import Detached
 from services.scorer.errors import (
@@ -38,6 +39,7 @@ from services.scorer.model import ModelVerdict, ScoreModel, ScoringRequest
 from services.scorer.slots import ModelSlots, SlotsClosed
 from services.scorer.throttle import ModelThrottle, PutOff, Turn
 from shared.contracts import (
+    CancelTask,
     Phase,
     ScoreText,
     TaskCompleted,
@@ -239,7 +241,8 @@ async def _claim_and_decide(
 
 @dataclass(frozen=True)
 class Called:
-    """The model was called under a claim taken at `claimed_at`."""
+    """The model was called under a claim taken at `claimed_at` (or, for a cancellation
+    requested meanwhile, would have been: `decision` is then that cancellation)."""
 
     decision: Finish | Retry
     raw_output: str | None
@@ -268,10 +271,31 @@ async def _claim_and_call(
         case Claimed():
             pass
     # Read before the model is called: failing after it, the call would be made again.
-    earlier = await deps.attempts.spent_before(command)
+    before = await deps.attempts.before_the_call(command)
+    earlier = before.spent
+    if before.cancel_requested_at is not None:
+        # The client cancelled while an earlier attempt called the model, which then ended in
+        # a retry: this attempt's call has not started, so it is cancelled, not made.
+        cancel = _cancel_requested(command, before.cancel_requested_at)
+        return Called(cancelled(cancel, attempt=command.attempt, spent=earlier, now=now), None, now)
     started = TaskStarted.model_validate(_event_fields(command, Phase.STARTED, now))
     decision, raw_output = await _call_model_announcing(command, started, deps, earlier, turn)
     return Called(decision, raw_output, claimed_at=now)
+
+
+def _cancel_requested(command: ScoreText, requested_at: datetime) -> CancelTask:
+    """The client's cancellation of the command's generation, as the gateway sent it."""
+    return CancelTask(
+        task_id=command.task_id,
+        tenant_id=command.tenant_id,
+        generation=command.generation,
+        submitted_at=command.submitted_at,
+        api_key_id=command.api_key_id,
+        callback_url=command.callback_url,
+        requested_at=requested_at,
+        not_before=command.not_before,
+        occurred_at=requested_at,
+    )
 
 
 def _put_off(command: ScoreText, put_off: PutOff, deps: ScorerDeps) -> Defer:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, cast
 
@@ -22,9 +23,16 @@ from pymongo import AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 
 from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
-from services.scorer.attempts import COMPLETION_STANDS, Attempts, Cancelled, TooLate
+from services.scorer.attempts import (
+    CANCEL_REQUESTED,
+    COMPLETION_STANDS,
+    Attempts,
+    Cancelled,
+    TooLate,
+)
 from services.scorer.cancels import TaskCancels, subscribe_cancels
 from services.scorer.decisions import Drop, Finish, Retry
+from services.scorer.model import ModelVerdict, ScoreModel, ScoringRequest
 from services.scorer.scoring import score_text
 from services.scorer.settings import ScorerSettings
 from shared.bus import publish_cancel, publish_command
@@ -203,11 +211,64 @@ async def test_a_running_model_call_is_not_cancelled(attempts: Attempts) -> None
     command, _ = _task()
     await attempts.claim(command, now=utcnow(), lease=LEASE, owner="scorer-a")
     before = await attempts.find(command.task_id)
+    assert before is not None
 
     outcome = await attempts.cancel(_cancel_of(command), now=utcnow())
 
     assert isinstance(outcome, TooLate)
-    assert await attempts.find(command.task_id) == before
+    after = await attempts.find(command.task_id)
+    assert after is not None
+    noted = after.pop(CANCEL_REQUESTED)  # for a retry it may end in: the attempt stands
+    assert noted["generation"] == command.generation
+    assert after == before
+
+
+class _HeldModel:
+    """The model, each call held until `answer` is set (`calling` tells it started)."""
+
+    def __init__(self, inner: ScoreModel) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.calling = asyncio.Event()
+        self.answer = asyncio.Event()
+
+    async def score(self, request: ScoringRequest) -> ModelVerdict:
+        self.calling.set()
+        await self.answer.wait()
+        return await self.inner.score(request)
+
+
+@pytest.mark.parametrize("faults", [RETRIED, ""], ids=["retried", "completed"])
+async def test_a_cancel_during_a_model_call_takes_effect_at_its_retry(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM, faults: str
+) -> None:
+    """The client was answered 202 `cancelling`; the call under way was found too late and
+    the cancellation forgotten, so when that call ended in a retry the next attempt called
+    the model again (found in review). Noted on the attempt, it cancels the next attempt at
+    its claim, billed for what was spent; a call that completes still decides."""
+    command, marker = _task(faults)
+    deps = make_deps("scorer-a")
+    model = _HeldModel(deps.model)
+    scoring = asyncio.create_task(score_text(command, deps=replace(deps, model=model)))
+    await asyncio.wait_for(model.calling.wait(), timeout=30)
+
+    outcome = await attempts.cancel(_cancel_of(command), now=utcnow())
+    model.answer.set()
+    decision = await asyncio.wait_for(scoring, timeout=60)
+
+    assert isinstance(outcome, TooLate)
+    calls = _calls(fake_llm, marker)
+    if not faults:
+        assert isinstance(decision, Finish)
+        assert isinstance(decision.event, TaskCompleted)
+        return
+    assert isinstance(decision, Retry), decision
+    cancelled = await _carried_out(_due(decision.next_command), make_deps)
+    assert (cancelled.generation, cancelled.attempt) == (0, 2)
+    assert cancelled.usage == _billed(command.text, unusable=True)
+    assert _calls(fake_llm, marker) == calls  # the next attempt called no model
+    # A copy of that attempt (a redelivery) finds its cancellation decided.
+    assert await _carried_out(_due(decision.next_command), make_deps) == cancelled
 
 
 async def test_a_finished_task_is_not_cancelled(

@@ -231,6 +231,7 @@ def test_a_key_given_to_a_stack_is_the_one_its_services_share(name: str, key_of:
     assert key_of({name: "given"}, {name: "shell"}) == "given"
     assert key_of({name: ""}, {name: "shell"}) == ""  # open
     assert key_of({}, {name: "shell"}) == "shell"
+    assert key_of({}, {name: ""}) == ""  # exported empty: open too
     fresh = key_of({}, {})
     assert len(fresh) >= 32
     assert fresh != key_of({}, {})

@@ -6,10 +6,11 @@ Settings are built once in a service's entrypoint and passed down, never read at
 
 from __future__ import annotations
 
+import sys
 from typing import Literal, Self
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MAX_PORT = 65_535
@@ -208,3 +209,26 @@ def http_url(url: str) -> str:
             f"an http(s) URL with a host is needed, e.g. http://status:8001, not {url!r}"
         )
     return url
+
+
+def settings_or_exit[S: BaseSettings](settings_class: type[S], service: str) -> S:
+    """The service's settings read from its environment; a setting it refuses stops the
+    process with one line per refusal naming the variable, and exit status 2 (a start-up
+    refusal, as a command line's usage error). It stopped with pydantic's traceback, the
+    variable's name buried in it (found in a walkthrough of `make run`). The values are not
+    echoed: some are keys."""
+    try:
+        return settings_class()
+    except ValidationError as error:
+        print(refused_settings(service, error), file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def refused_settings(service: str, error: ValidationError) -> str:
+    """What `settings_or_exit` prints: the service, then each refused setting and why."""
+    lines = [f"{service}: cannot start, {error.error_count()} setting(s) refused:"]
+    for refusal in error.errors(include_url=False, include_input=False):
+        where = ".".join(str(part) for part in refusal["loc"])
+        why = refusal["msg"].removeprefix("Value error, ")
+        lines.append(f"  {where}: {why}" if where else f"  {why}")
+    return "\n".join(lines)

@@ -3,7 +3,8 @@
 from services.notifier.app import create_app
 from services.notifier.settings import NotifierSettings
 from shared.runtime import run_service
+from shared.settings import settings_or_exit
 
 if __name__ == "__main__":
-    settings = NotifierSettings()
+    settings = settings_or_exit(NotifierSettings, "notifier")
     run_service("notifier", settings, lambda: create_app(settings))

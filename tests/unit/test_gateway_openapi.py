@@ -176,3 +176,22 @@ def test_the_batch_cancel_route_documents_its_location_and_problems(document: Js
     assert "send it again" in responses["503"]["description"]
     counts = document["components"]["schemas"]["BatchCancelRequested"]["required"]
     assert set(counts) == {"batch_id", "cancelling", "already_finished", "status_url"}
+
+
+@pytest.mark.parametrize("path", ["/v1/scores", "/v1/batches"])
+def test_submissions_document_a_write_the_database_refuses(document: Json, path: str) -> None:
+    """500 `database-refused` (README): no `Retry-After`, since retrying meets it again."""
+    refused = document["paths"][path]["post"]["responses"].get("500", {})
+    assert is_problem(refused)
+    assert "database-refused" in refused["description"]
+    assert "headers" not in refused
+
+
+@pytest.mark.parametrize(("status", "state"), [("200", "ready"), ("503", "unavailable")])
+def test_readiness_documents_both_answers(document: Json, status: str, state: str) -> None:
+    responses = document["paths"]["/readyz"]["get"]["responses"]
+    schema = responses[status]["content"]["application/json"]["schema"]
+    readiness = document["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]]
+    assert {"status", "checks"} <= set(readiness["required"])
+    assert state in readiness["properties"]["status"]["enum"]
+    assert set(responses) == {"200", "503"}

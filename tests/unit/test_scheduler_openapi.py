@@ -42,3 +42,83 @@ def test_a_cron_replay_report_says_what_a_walk_cut_short_left(document: Json) ->
     assert "may name letters past it" in report["not_reached"]["description"]
     assert "end of the queue" in report["not_found"]["description"]
     assert "bound" in report["truncated"]["description"]
+
+
+def operations(document: Json, prefix: str) -> list[tuple[str, Json]]:
+    return [
+        (f"{method.upper()} {path}", operation)
+        for path, methods in document["paths"].items()
+        if path.startswith(prefix)
+        for method, operation in methods.items()
+        if method in {"get", "put", "post", "delete", "patch"}
+    ]
+
+
+def is_problem(response: Json) -> bool:
+    return PROBLEM_JSON in response.get("content", {})
+
+
+def test_every_admin_route_documents_the_admin_guard_and_an_unavailable_dependency(
+    document: Json,
+) -> None:
+    """Every route behind the admin key lists the guard's 401 (no key, or not this one) and
+    403 (ADMIN_API_KEY unset), and the 503 (with `Retry-After`) of its database or broker."""
+    admin = operations(document, "/admin/")
+    assert len(admin) == 7
+    guarded = [name for name, operation in admin if {"AdminKey": []} in operation["security"]]
+    assert len(guarded) == len(admin)
+    for name, operation in admin:
+        responses = operation["responses"]
+        for status in ("401", "403", "503"):
+            assert is_problem(responses.get(status, {})), (name, status)
+        assert "ADMIN_API_KEY" in responses["401"]["description"], name
+        assert "Retry-After" in responses["503"]["headers"], name
+
+
+def test_a_run_by_hand_documents_every_answer(document: Json) -> None:
+    responses = document["paths"]["/admin/v1/cron/jobs/{name}/run"]["post"]["responses"]
+    assert responses["202"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/RunAccepted"
+    }
+    for status in ("401", "403", "404", "409", "429", "500", "503"):
+        assert is_problem(responses.get(status, {})), status
+    assert "unknown-job" in responses["404"]["description"]
+    assert "run-in-progress" in responses["409"]["description"]
+    assert "database-refused" in responses["500"]["description"]
+    assert "headers" not in responses["500"]  # retrying meets the same refusal
+    assert "broker-unavailable" in responses["503"]["description"]
+    assert "database-unavailable" in responses["503"]["description"]
+    for status in ("429", "503"):
+        assert "Retry-After" in responses[status]["headers"], status
+
+
+def test_a_run_read_documents_an_unknown_run(document: Json) -> None:
+    responses = document["paths"]["/admin/v1/cron/runs/{run_id}"]["get"]["responses"]
+    assert is_problem(responses.get("404", {}))
+    assert responses["200"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/FiringView"
+    }
+
+
+def test_a_cron_replay_documents_its_refusals(document: Json) -> None:
+    responses = document["paths"]["/admin/v1/cron/dead-letters/replay"]["post"]["responses"]
+    for status in ("400", "409", "413", "415", "422", "429", "500", "503"):
+        assert is_problem(responses.get(status, {})), status
+    assert "unknown-job" in responses["409"]["description"]
+
+
+def test_the_usage_read_documents_its_database_away(document: Json) -> None:
+    responses = document["paths"]["/internal/v1/usage"]["get"]["responses"]
+    for status in ("401", "422", "503"):
+        assert is_problem(responses.get(status, {})), status
+    assert "Retry-After" in responses["503"]["headers"]
+
+
+@pytest.mark.parametrize(("status", "state"), [("200", "ready"), ("503", "unavailable")])
+def test_readiness_documents_both_answers(document: Json, status: str, state: str) -> None:
+    responses = document["paths"]["/readyz"]["get"]["responses"]
+    schema = responses[status]["content"]["application/json"]["schema"]
+    readiness = document["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]]
+    assert {"status", "checks"} <= set(readiness["required"])
+    assert state in readiness["properties"]["status"]["enum"]
+    assert set(responses) == {"200", "503"}

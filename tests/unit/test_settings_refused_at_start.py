@@ -1,0 +1,54 @@
+"""A setting a service refuses stops it at start-up with one line naming the variable and
+exit status 2, not pydantic's traceback (found in a walkthrough of `make run`, where the
+variable's name was buried in fifteen lines of it). Each service runs as a real process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from services.gateway.settings import GatewaySettings
+from shared.settings import refused_settings
+
+SERVICES = ["gateway", "scorer", "status", "scheduler", "notifier"]
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_a_refused_setting_stops_the_service_naming_it(service: str) -> None:
+    environment = os.environ | {"LOG_FORMAT": "xml", "BROKER_TIMEOUT_S": "nan"}
+    stopped = subprocess.run(
+        [sys.executable, "-m", f"services.{service}"],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+    assert stopped.returncode == 2, stopped.stderr
+    assert "Traceback" not in stopped.stderr
+    lines = stopped.stderr.strip().splitlines()
+    assert lines[0] == f"{service}: cannot start, 2 setting(s) refused:"
+    assert lines[1].startswith("  LOG_FORMAT: ")
+    assert lines[2].startswith("  BROKER_TIMEOUT_S: ")
+
+
+def test_a_refusal_of_settings_together_names_none_and_hides_the_values() -> None:
+    """A cross-field refusal has no variable of its own: its message names them; the values
+    given are never echoed (some are keys)."""
+    secret = "sbx_" + "k" * 40
+    try:
+        GatewaySettings.model_validate(
+            {"OUTBOX_GRACE_S": "100", "IDEMPOTENCY_TTL_S": "50", "ADMIN_API_KEY": secret}
+        )
+    except Exception as error:  # noqa: BLE001 - the refusal under test
+        message = refused_settings("gateway", error)  # type: ignore[arg-type]
+    else:
+        raise AssertionError("refused settings were taken")
+
+    assert message.splitlines()[1].startswith("  IDEMPOTENCY_TTL_S (50) is shorter than")
+    assert "Value error" not in message
+    assert secret not in message

@@ -108,10 +108,13 @@ def known_finished(target: CancelTarget) -> bool:
     finished = target.finished_generation
     if finished is None:
         return False
-    # A newer generation over a completion that is the latest outcome is a re-score, which
-    # the scorer never cancels: 202 "cancelling" for it once the projection showed it
-    # `queued` broke the API's 409 (found in review).
-    return finished >= target.generation or target.completed_generation == finished
+    # The generation right after a completion that is the latest outcome noted is a
+    # re-score, which the scorer never cancels: 202 "cancelling" for it once the projection
+    # showed it `queued` broke the API's 409 (found in review). One further on may be a DLQ
+    # replay of a failure not noted here yet (an older replica applied it, or the outcome
+    # consumer is behind): the status service is asked, as before (found in review too).
+    rescore = target.completed_generation == finished and target.generation == finished + 1
+    return finished >= target.generation or rescore
 
 
 async def _finished(submission: Submission, status: StatusReader) -> bool:

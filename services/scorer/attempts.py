@@ -105,6 +105,9 @@ CancelResult = Cancelled | TooLate
 # A cancellation that came while an attempt of its generation was calling the model: that
 # call decides, and should it end in a retry, the next attempt is cancelled at its claim.
 CANCEL_REQUESTED: Final = "cancel_requested"
+# Set by the claim of a generation that replaced a completion (a re-score): no cancellation
+# of that generation stands, whatever state its attempts reach.
+OVER_COMPLETION: Final = "over_completion"
 
 
 @dataclass(frozen=True)
@@ -214,7 +217,12 @@ class Attempts:
         older = {"_id": command.task_id, "generation": {"$lt": command.generation}}
         # `$literal`: in a pipeline, a string starting with `$` reads as a field.
         replaced: list[Document] = [
-            {"$set": {"spent": _spent_taken_over(command.generation)}},
+            {
+                "$set": {
+                    "spent": _spent_taken_over(command.generation),
+                    OVER_COMPLETION: _over_a_completion(),
+                }
+            },
             {"$set": {key: {"$literal": value} for key, value in claimed.items()}},
             {"$unset": ["decision", "raw_output"]},
         ]
@@ -248,12 +256,9 @@ class Attempts:
             return BeforeTheCall(spent=None, cancel_requested_at=None)
         held = await self._spent_reads.find_by_id(command.task_id) or {}
         spent = Spent.loaded(held.get("spent"))
-        requested = held.get(CANCEL_REQUESTED) or {}
         return BeforeTheCall(
             spent=spent if spent is not None and spent.generation == command.generation else None,
-            cancel_requested_at=requested.get("at")
-            if requested.get("generation") == command.generation
-            else None,
+            cancel_requested_at=_cancel_noted(held, command.generation),
         )
 
     async def decide(
@@ -327,6 +332,12 @@ class Attempts:
     async def find(self, task_id: str) -> Document | None:
         return await self._collection.find_one({"_id": task_id})
 
+    async def cancel_requested_at(self, command: ScoreText) -> datetime | None:
+        """When a client's cancellation of the command's generation came while one of its
+        attempts called the model (None: none came)."""
+        held = await self._spent_reads.find_by_id(command.task_id) or {}
+        return _cancel_noted(held, command.generation)
+
     async def _note_cancel_requested(self, under_way: _CallUnderWay, cancel: CancelTask) -> bool:
         """Note the cancellation on the running attempt; False when its state changed since
         it was read. Dropped, as it was, a cancellation answered 202 by the gateway was
@@ -351,9 +362,9 @@ def _cancellable(
     does, deciding an attempt (the attempt number)."""
     if held is None:
         return {"generation": {"$exists": False}}, 1
+    if (out_of_reach := _out_of_reach(held, cancel)) is not None:
+        return out_of_reach
     generation, attempt = held["generation"], held["attempt"]
-    if generation > cancel.generation:
-        return TooLate(f"superseded by generation {generation}")
     state: Document = {"generation": generation, "attempt": attempt, "state": held["state"]}
     if held["state"] == "running":
         if generation == cancel.generation and held["lease_until"] > now:
@@ -368,6 +379,24 @@ def _cancellable(
     if generation < cancel.generation:
         return _cancellable_over_older(decision, condition)
     return _cancellable_decided(decision, condition, attempt)
+
+
+def _cancel_noted(held: Document, generation: int) -> datetime | None:
+    requested = held.get(CANCEL_REQUESTED) or {}
+    at: datetime | None = requested.get("at") if requested.get("generation") == generation else None
+    return at
+
+
+def _out_of_reach(held: Document, cancel: CancelTask) -> TooLate | None:
+    """Too late whatever state the attempt is in: a newer generation exists, or the cancel's
+    generation was claimed over a completion (a re-score: a retry of it, decided or noted as
+    cancelled while its call ran, was cancelled, and its failure replaced the result)."""
+    generation = held["generation"]
+    if generation > cancel.generation:
+        return TooLate(f"superseded by generation {generation}")
+    if generation == cancel.generation and held.get(OVER_COMPLETION):
+        return TooLate(COMPLETION_STANDS)
+    return None
 
 
 def _cancellable_over_older(
@@ -470,6 +499,20 @@ def _standing(held: Document | None, command: ScoreText) -> ClaimResult:
     if ahead and isinstance(decision, Retry):
         return Superseded()
     return Decided(decision)
+
+
+def _over_a_completion() -> Document:
+    """`over_completion` as a claim replacing an older generation leaves it (an aggregation
+    expression on the stored document): whether the task's latest outcome before it is a
+    completion, the replaced generation's own, or carried from the one it replaced while
+    that published no outcome (running, or decided a retry)."""
+    no_outcome = {"$or": [{"$eq": ["$state", "running"]}, {"$eq": ["$decision.kind", "retry"]}]}
+    return {
+        "$or": [
+            {"$eq": ["$decision.event.routing_key", TaskCompleted.routing_key]},
+            {"$and": [{"$eq": [f"${OVER_COMPLETION}", True]}, no_outcome]},
+        ]
+    }
 
 
 def _spent_taken_over(generation: int) -> Document:

@@ -15,7 +15,17 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from services.scorer.attempts import Attempts, Busy, Claimed, Decided, Superseded
+from pymongo.errors import PyMongoError
+
+from services.scorer.attempts import (
+    Attempts,
+    Busy,
+    CancelContended,
+    Cancelled,
+    Claimed,
+    Decided,
+    Superseded,
+)
 from services.scorer.decisions import (
     Decision,
     Defer,
@@ -283,6 +293,27 @@ async def _claim_and_call(
     return Called(decision, raw_output, claimed_at=now)
 
 
+async def _unless_cancelled_meanwhile(
+    command: ScoreText, retry: Retry, deps: ScorerDeps
+) -> Finish | Retry:
+    """A retry recorded, or the cancellation of its next attempt when a client cancelled
+    while this attempt called the model. Left for the next attempt's claim, the task read
+    `retrying` and held its tenant's slot until the retry was due (hours, after a long
+    Retry-After; found in review). The claim still checks: should this fail (the database
+    away), the retry goes ahead and is cancelled there."""
+    try:
+        requested_at = await deps.attempts.cancel_requested_at(command)
+        if requested_at is None:
+            return retry
+        cancel = await deps.attempts.cancel(
+            _cancel_requested(command, requested_at), now=deps.clock()
+        )
+    except (PyMongoError, CancelContended) as error:
+        log.warning("%s: a cancellation noted meanwhile not looked at: %r", command.task_id, error)
+        return retry
+    return cancel.decision if isinstance(cancel, Cancelled) else retry
+
+
 def _cancel_requested(command: ScoreText, requested_at: datetime) -> CancelTask:
     """The client's cancellation of the command's generation, as the gateway sent it."""
     return CancelTask(
@@ -316,6 +347,8 @@ async def _recorded(
 ) -> Decision:
     """The decision once recorded; a Drop when the attempt was taken over meanwhile."""
     if await _record(command, decision, raw_output, deps, held_until=held_until):
+        if isinstance(decision, Retry):
+            return await _unless_cancelled_meanwhile(command, decision, deps)
         return decision
     log.warning("%s: the attempt was taken over before its decision landed", command.task_id)
     return Drop("the attempt was taken over by another worker, whose decision stands")

@@ -446,3 +446,23 @@ async def test_a_rescore_the_status_service_shows_queued_is_refused_with_409(
 
     _assert_problem(response, 409)
     assert await _sent_cancels(stack.amqp_url) == []
+
+
+async def test_a_generation_past_the_one_after_a_completion_is_left_to_the_status_service(
+    stack: Stack,
+) -> None:
+    """Generation 2 over a completion of 0 noted: generation 1 (a re-score) may have failed
+    without its outcome noted here (an older replica applied it, or the outcome consumer is
+    behind), and 2 be its DLQ replay, which the scorer cancels. Refused from the record
+    alone, it was answered 409 (found in review); the status service is asked instead."""
+    task_id = await _submitted(stack)
+    await _published(stack, await _outcome(stack, task_id, TaskCompleted))
+    await _finished_generation_noted(stack, task_id, 0)
+    await stack.submissions.update_one({"_id": task_id}, {"$set": {"generation": 2}})
+    await _sent_cancels(stack.amqp_url)
+
+    with stack.status_away():
+        response = await stack.api.post(f"/v1/scores/{task_id}/cancel")
+
+    assert response.status_code == 202, response.text
+    assert [cancel.generation for cancel in await _sent_cancels(stack.amqp_url)] == [2]

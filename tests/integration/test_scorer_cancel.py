@@ -14,13 +14,14 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, cast
 
 import aio_pika
 import pytest
 from pymongo import AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import AutoReconnect
 
 from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
 from services.scorer.attempts import (
@@ -31,9 +32,9 @@ from services.scorer.attempts import (
     TooLate,
 )
 from services.scorer.cancels import TaskCancels, subscribe_cancels
-from services.scorer.decisions import Drop, Finish, Retry
+from services.scorer.decisions import Decision, Drop, Finish, Retry
 from services.scorer.model import ModelVerdict, ScoreModel, ScoringRequest
-from services.scorer.scoring import score_text
+from services.scorer.scoring import ScorerDeps, score_text
 from services.scorer.settings import ScorerSettings
 from shared.bus import publish_cancel, publish_command
 from shared.consumers import ScoreboxBroker
@@ -238,37 +239,97 @@ class _HeldModel:
         return await self.inner.score(request)
 
 
+async def _cancelled_during_the_call(
+    command: ScoreText, deps: ScorerDeps, attempts: Attempts
+) -> tuple[object, Decision]:
+    """The cancel's outcome when it came while the command's model call ran, and the
+    decision of that call's delivery."""
+    model = _HeldModel(deps.model)
+    scoring = asyncio.create_task(score_text(command, deps=replace(deps, model=model)))
+    await asyncio.wait_for(model.calling.wait(), timeout=30)
+    outcome = await attempts.cancel(_cancel_of(command), now=utcnow())
+    model.answer.set()
+    return outcome, await asyncio.wait_for(scoring, timeout=60)
+
+
 @pytest.mark.parametrize("faults", [RETRIED, ""], ids=["retried", "completed"])
-async def test_a_cancel_during_a_model_call_takes_effect_at_its_retry(
+async def test_a_cancel_during_a_model_call_cancels_the_retry_it_decides(
     make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM, faults: str
 ) -> None:
     """The client was answered 202 `cancelling`; the call under way was found too late and
     the cancellation forgotten, so when that call ended in a retry the next attempt called
-    the model again (found in review). Noted on the attempt, it cancels the next attempt at
-    its claim, billed for what was spent; a call that completes still decides."""
+    the model again (found in review). Noted on the attempt, it cancels the next attempt
+    as soon as the retry is recorded (not when it comes due: hours, after a long
+    Retry-After), billed for what was spent; a call that completes still decides."""
     command, marker = _task(faults)
-    deps = make_deps("scorer-a")
-    model = _HeldModel(deps.model)
-    scoring = asyncio.create_task(score_text(command, deps=replace(deps, model=model)))
-    await asyncio.wait_for(model.calling.wait(), timeout=30)
-
-    outcome = await attempts.cancel(_cancel_of(command), now=utcnow())
-    model.answer.set()
-    decision = await asyncio.wait_for(scoring, timeout=60)
+    outcome, decision = await _cancelled_during_the_call(command, make_deps("scorer-a"), attempts)
 
     assert isinstance(outcome, TooLate)
     calls = _calls(fake_llm, marker)
+    assert isinstance(decision, Finish), decision
     if not faults:
-        assert isinstance(decision, Finish)
         assert isinstance(decision.event, TaskCompleted)
         return
-    assert isinstance(decision, Retry), decision
-    cancelled = await _carried_out(_due(decision.next_command), make_deps)
+    cancelled = decision.event
+    assert isinstance(cancelled, TaskFailed)
+    assert cancelled.error.code == CANCELLED_CODE
+    assert (cancelled.generation, cancelled.attempt) == (0, 2)
+    assert cancelled.usage == _billed(command.text, unusable=True)
+    # The retry's next attempt (a copy sent before the cancel landed) finds it decided.
+    next_attempt = command.model_copy(update={"attempt": 2, "message_id": new_id()})
+    assert await _carried_out(next_attempt, make_deps) == cancelled
+    assert _calls(fake_llm, marker) == calls
+
+
+class _NoteUnread(Attempts):
+    """The note cannot be read when the retry lands (the database away that moment)."""
+
+    async def cancel_requested_at(self, command: ScoreText) -> datetime | None:
+        raise AutoReconnect("the database went away")
+
+
+async def test_a_noted_cancel_missed_at_the_retry_cancels_the_next_attempt_at_its_claim(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM, mongo: Any, db_prefix: str
+) -> None:
+    command, marker = _task(RETRIED)
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
+    try:
+        store = _NoteUnread(client, f"{db_prefix}_scorer", retention=timedelta(hours=1))
+        unread = replace(make_deps("scorer-a"), attempts=store)
+        outcome, retry = await _cancelled_during_the_call(command, unread, attempts)
+    finally:
+        await client.close()
+
+    assert isinstance(outcome, TooLate)
+    assert isinstance(retry, Retry), retry
+    calls = _calls(fake_llm, marker)
+    cancelled = await _carried_out(_due(retry.next_command), make_deps)
     assert (cancelled.generation, cancelled.attempt) == (0, 2)
     assert cancelled.usage == _billed(command.text, unusable=True)
     assert _calls(fake_llm, marker) == calls  # the next attempt called no model
-    # A copy of that attempt (a redelivery) finds its cancellation decided.
-    assert await _carried_out(_due(decision.next_command), make_deps) == cancelled
+
+
+async def test_a_rescore_running_or_retrying_over_a_completion_is_not_cancelled(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
+) -> None:
+    """Its claim replaced the stored completion, and a cancel found it running (noted, then
+    its retry cancelled) or retrying (cancelled at once): its failure replaced the task's
+    result (a documented limit, then found widened by the note in review)."""
+    command, _ = _task()
+    completed = await score_text(command, deps=make_deps("scorer-a"))
+    assert isinstance(completed, Finish)
+    rescore = command.model_copy(
+        update={"generation": 1, "message_id": new_id(), "text": command.text + " " + RETRIED}
+    )
+    outcome, decision = await _cancelled_during_the_call(rescore, make_deps("scorer-b"), attempts)
+
+    assert outcome == TooLate(COMPLETION_STANDS)
+    assert isinstance(decision, Retry), decision  # the re-score goes on
+    retrying = await attempts.cancel(_cancel_of(rescore), now=utcnow())
+    assert retrying == TooLate(COMPLETION_STANDS)
+    held = await attempts.find(command.task_id)
+    assert held is not None
+    assert CANCEL_REQUESTED not in held
 
 
 async def test_a_finished_task_is_not_cancelled(

@@ -10,14 +10,14 @@ import math
 from collections.abc import Mapping, Sequence
 from datetime import UTC, date, datetime
 from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import SecretStr
+from pydantic import BaseModel, Field, SecretStr
 from pymongo.errors import PyMongoError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -249,6 +249,33 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: problem(status) for status in statuses}
 
 
+# The 500 of `database_refused`, for the `responses` of a route whose write the database may
+# refuse for good (no `Retry-After`: retrying meets the same refusal).
+DATABASE_REFUSED_PROBLEM = problem(
+    500,
+    "`database-refused`: the database refused the operation for good (a failed validation, "
+    "a document over 16 MiB, a missing privilege); retrying it unchanged meets the same "
+    "refusal, so no Retry-After.",
+)
+
+
+class Readiness(BaseModel):
+    """What `/readyz` answers: 200 when every dependency answered its check, else 503."""
+
+    status: Literal["ready", "unavailable"]
+    checks: dict[str, bool] = Field(description="Each dependency: whether it answered in time.")
+
+
+READINESS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"model": Readiness, "description": "Every dependency answered its check."},
+    503: {
+        "model": Readiness,
+        "description": "A dependency did not answer its check in time (`status: unavailable`; "
+        "`checks` says which).",
+    },
+}
+
+
 def health_router(checks: Mapping[str, Check]) -> APIRouter:
     """`/healthz` (the process answers) and `/readyz` (every dependency answers, each within
     `READINESS_DEADLINE_S`, all at once), to GET and HEAD alike: load balancers that probe
@@ -265,7 +292,9 @@ def health_router(checks: Mapping[str, Check]) -> APIRouter:
         return JSONResponse(body, status_code=200 if ready else 503)
 
     router.add_api_route("/healthz", healthz, methods=["GET"])
-    router.add_api_route("/readyz", readyz, methods=["GET"], response_model=None)
+    router.add_api_route(
+        "/readyz", readyz, methods=["GET"], response_model=None, responses=READINESS_RESPONSES
+    )
     # HEAD as routes of their own, left out of the OpenAPI document: one operation for both
     # methods gave the document a duplicate operation id.
     router.add_api_route("/healthz", healthz, methods=["HEAD"], include_in_schema=False)

@@ -46,6 +46,7 @@ from services.gateway.submit import (
 from shared.bodies import invalid_fields, read_json_object
 from shared.contracts import TaskStatus, TaskView
 from shared.http import (
+    DATABASE_REFUSED_PROBLEM,
     RETRY_AFTER_HEADER,
     Problem,
     database_refused,
@@ -81,7 +82,7 @@ class GatewayDeps:
 
 def submission_responses(replayed: dict[str, Any]) -> dict[int | str, dict[str, Any]]:
     """The `responses` of a submission route: its 202 and `replayed` (its 200) with their
-    `Location`, and its problems."""
+    `Location`, and its problems (a write the database refuses for good included)."""
     in_progress = problem(
         409,
         "The Idempotency-Key was used with another body, or its first request is still being "
@@ -92,6 +93,7 @@ def submission_responses(replayed: dict[str, Any]) -> dict[int | str, dict[str, 
         200: {**replayed, "headers": LOCATION_HEADER},
         **problem_responses(400, 401, 408, 409, 413, 415, 422, 429, 503),
         409: {**in_progress, "headers": {"Retry-After": RETRY_AFTER_HEADER}},
+        500: DATABASE_REFUSED_PROBLEM,
     }
 
 

@@ -68,6 +68,8 @@ from shared.dead_letters import (
     purge_report,
 )
 from shared.http import (
+    ADMIN_PROBLEMS,
+    DATABASE_REFUSED_PROBLEM,
     INTERNAL_PROBLEMS,
     Problem,
     admin_guard,
@@ -217,6 +219,35 @@ def _job_view(job: ScheduledJob, last: Firing | None, now: datetime) -> JobView:
     )
 
 
+# The answers of every cron route: the admin guard's, and its database away (a PyMongo
+# error the problem handlers answer 503 `database-unavailable`).
+CRON_PROBLEMS: dict[int | str, dict[str, Any]] = {
+    **ADMIN_PROBLEMS,
+    503: problem(
+        503,
+        "`database-unavailable`: the scheduler's database did not answer; try again after "
+        "Retry-After.",
+    ),
+}
+RUN_PROBLEMS: dict[int | str, dict[str, Any]] = {
+    404: problem(404, "`unknown-job`: no cron job of that name is configured."),
+    409: problem(
+        409,
+        "`run-in-progress`: the job forbids overlapping runs and one is in progress "
+        "(`run_id`, `status_url`); nothing was started. Ask again once it has ended.",
+    ),
+    429: problem(429, "Runs of the job asked faster than their keys allow; try again."),
+    500: DATABASE_REFUSED_PROBLEM,
+    503: problem(
+        503,
+        "`broker-unavailable`: the broker refused the run and it was withdrawn (nothing "
+        "runs; one that could not be withdrawn is answered 202 `claimed` instead); or "
+        "`database-unavailable`: the database did not answer (the run may have been "
+        "recorded: read the job's `last_firing` before asking again).",
+    ),
+}
+
+
 def cron_routes(
     *,
     jobs: JobCatalog,
@@ -226,7 +257,10 @@ def cron_routes(
     admin_key: SecretStr | None,
 ) -> APIRouter:
     router = APIRouter(
-        prefix="/admin/v1/cron", tags=["cron"], dependencies=[admin_guard(admin_key)]
+        prefix="/admin/v1/cron",
+        tags=["cron"],
+        dependencies=[admin_guard(admin_key)],
+        responses=CRON_PROBLEMS,
     )
 
     @router.get("/jobs", response_model=JobList)
@@ -234,7 +268,9 @@ def cron_routes(
         now = clock()
         return JobList(jobs=[_job_view(job, await firings.latest(job.name), now) for job in jobs])
 
-    @router.post("/jobs/{name}/run", status_code=202, response_model=RunAccepted)
+    @router.post(
+        "/jobs/{name}/run", status_code=202, response_model=RunAccepted, responses=RUN_PROBLEMS
+    )
     async def run_job(name: str, response: Response) -> RunAccepted:
         try:
             firing = await trigger(name)
@@ -264,7 +300,7 @@ def cron_routes(
             status_url=status_url,
         )
 
-    @router.get("/runs/{run_id}", response_model=FiringView)
+    @router.get("/runs/{run_id}", response_model=FiringView, responses=problem_responses(404))
     async def read_run(run_id: str) -> FiringView:
         firing = await firings.find(run_id)
         if firing is None:
@@ -406,7 +442,10 @@ def cron_dead_letter_routes(
     *, dead_letters: CronDeadLetters, admin_key: SecretStr | None
 ) -> APIRouter:
     router = APIRouter(
-        prefix="/admin/v1/cron/dead-letters", tags=["cron"], dependencies=[admin_guard(admin_key)]
+        prefix="/admin/v1/cron/dead-letters",
+        tags=["cron"],
+        dependencies=[admin_guard(admin_key)],
+        responses={**ADMIN_PROBLEMS, **problem_responses(503)},
     )
 
     @router.get("", response_model=CronDeadLetterList)
@@ -422,7 +461,15 @@ def cron_dead_letter_routes(
         "/replay",
         response_model=CronReplayReport,
         openapi_extra=json_body(CronReplayRequest),
-        responses=problem_responses(400, 413, 415, 422),
+        responses={
+            **problem_responses(400, 413, 415, 422, 429),
+            409: problem(
+                409,
+                "`unknown-job`: letters of jobs no longer configured were named (`runs`); "
+                "nothing was replayed and every letter is kept.",
+            ),
+            500: DATABASE_REFUSED_PROBLEM,
+        },
     )
     async def replay_cron_dead_letters(request: Request) -> CronReplayReport:
         wanted = await read_model(
@@ -536,7 +583,7 @@ def usage_routes(
         prefix="/internal/v1",
         tags=["usage"],
         dependencies=[internal_guard(internal_key)],
-        responses=INTERNAL_PROBLEMS,
+        responses={**INTERNAL_PROBLEMS, **problem_responses(503)},
     )
 
     @router.get("/usage", response_model=UsageReport, response_model_by_alias=True)

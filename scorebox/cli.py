@@ -20,8 +20,10 @@ sends `SCOREBOX_ADMIN_KEY` too: the scheduler's admin routes check the services'
 
 A dead-letter queue is walked up to a bound (10,000 letters or 64 MiB of their bodies): when
 a walk stopped there, `list`, `replay` and `drop` say so on stderr, and ids it did not reach
-exit 1 as ids not found do. `drop` and `purge` given `--before` a listing's `listed_at` remove
-only the letters dead-lettered before it, keeping those that came after the listing.
+exit 1 as ids not found do; so do letters a `replay` left unreadable (kept: drop them).
+`drop` and `purge` given `--before` a listing's `listed_at` remove only the letters
+dead-lettered before it, keeping those that came after the listing. `purge` asks on stderr:
+stdout carries its JSON alone.
 
 Proxy variables (`HTTPS_PROXY`, `NO_PROXY`, ...) apply to a remote URL, never to a loopback
 one (127.0.0.1, ::1, localhost). Every failure is one line on stderr and a non-zero exit;
@@ -73,6 +75,9 @@ RETRY_LATER = {429, 503}
 API_KEY_VARIABLE, ADMIN_KEY_VARIABLE = "SCOREBOX_API_KEY", "SCOREBOX_ADMIN_KEY"
 # What the services' walk of a dead-letter queue stops at (`shared.dead_letters.WALK_BOUND`).
 WALK_STOPPED = "the walk stopped at its bound (10,000 letters or 64 MiB of their bodies)"
+# The dead-letter queues `dlq purge` and `cron dlq purge` empty (`shared.topology`: those of
+# SCORE_REQUESTS and CRON_JOBS).
+SCORE_REQUESTS_DLQ, CRON_JOBS_DLQ = "scorebox.score-requests.dlq", "scorebox.cron-jobs.dlq"
 
 # The seam for tests: every client uses this transport when set (e.g. an httpx.MockTransport),
 # the network otherwise.
@@ -237,12 +242,12 @@ def _show(body: dict[str, Any]) -> None:
     typer.echo(json.dumps(body, indent=2, ensure_ascii=False))
 
 
-def _wait(client: httpx.Client, task_id: str, timeout_s: float) -> dict[str, Any]:
-    """Poll the task until it is final or `timeout_s` passes (`_poll_until`'s rules)."""
+def _wait(client: httpx.Client, task_id: str, deadline: float) -> dict[str, Any]:
+    """Poll the task until it is final or the `deadline` passes (`_poll_until`'s rules)."""
     return _poll_until(
         client,
         f"/v1/scores/{_segment(task_id, 'task_id')}",
-        deadline=time.monotonic() + timeout_s,
+        deadline=deadline,
         pauses=_backoff(),
         final=lambda body: body["status"] in TERMINAL,
         fields=("status",),
@@ -276,8 +281,7 @@ def _poll_until(
     while that falls before the deadline: it ended the wait at once with exit 1. Any other
     answer but 200 exits 1."""
     while True:
-        left = deadline - time.monotonic()
-        response = client.get(path, timeout=min(REQUEST_TIMEOUT_S, max(left, MIN_POLL_S)))
+        response = client.get(path, timeout=_request_bound(deadline))
         if response.status_code in RETRY_LATER:
             _pause_before_polling_again(response, next(pauses), deadline)
             continue
@@ -288,6 +292,12 @@ def _poll_until(
             return body
         # Never past the deadline: one more poll then tells how the wait ended.
         time.sleep(max(min(next(pauses), deadline - time.monotonic()), 0.0))
+
+
+def _request_bound(deadline: float) -> float:
+    """The timeout of one request of a wait: what is left of it until the `deadline`
+    (monotonic time), at least `MIN_POLL_S`, at most the client's own."""
+    return min(REQUEST_TIMEOUT_S, max(deadline - time.monotonic(), MIN_POLL_S))
 
 
 def _pause_before_polling_again(response: httpx.Response, pause: float, deadline: float) -> None:
@@ -326,13 +336,16 @@ def submit(
     file: Annotated[Path, typer.Argument(help="The text to score; - reads stdin.")],
     rubric: Annotated[str | None, typer.Option(help="What to judge the text on.")] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Poll until the task finishes.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds --wait polls at most.")] = 300.0,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds --wait takes at most, the submission included.")
+    ] = 300.0,
     idempotency_key: Annotated[str | None, typer.Option(help="Idempotency-Key header.")] = None,
 ) -> None:
     """Submit a text for scoring and print the task (or, with --wait, its result).
 
-    Exits 1 when the text cannot be read, the gateway refuses it or cannot be reached, or
-    --wait runs out before the task finishes; 2 when the task failed.
+    Exits 1 when the gateway refuses the text or cannot be reached, or --wait runs out
+    before the task finishes; 2 when the text cannot be read (nothing is sent) or the task
+    failed.
     """
     _check_idempotency_key(idempotency_key)
     _check_duration(timeout, "--timeout")
@@ -342,7 +355,10 @@ def submit(
         payload["rubric"] = rubric
     headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else {}
     with _reaching(_client()) as client:
-        response = client.post("/v1/scores", json=payload, headers=headers)
+        deadline = time.monotonic() + timeout
+        response = _post_submission(
+            client, payload, headers, wait_deadline=deadline if wait else None, timeout_s=timeout
+        )
         if response.status_code not in (200, 202):
             raise _fail(response)
         body = _answer(response, "task_id", "status")
@@ -352,7 +368,7 @@ def submit(
             # submitting the text again would have it scored twice.
             task_id = body["task_id"]
             typer.echo(f"task {task_id} accepted; waiting up to {timeout:g} s for it", err=True)
-            body = _wait(client, task_id, timeout)
+            body = _wait(client, task_id, deadline)
         _show(body)
         if body["status"] == "failed":
             raise typer.Exit(code=2)
@@ -363,6 +379,34 @@ def submit(
             raise typer.Exit(code=1)
 
 
+def _post_submission(
+    client: httpx.Client,
+    payload: dict[str, Any],
+    headers: dict[str, str],
+    *,
+    wait_deadline: float | None,
+    timeout_s: float,
+) -> httpx.Response:
+    """POST the text; with --wait, bounded by what is left of it (`wait_deadline`) as its
+    polls are: a gateway that accepted the connection and never answered held a
+    `--timeout 3` wait for the client's 30 s. When the wait's bound ran out, exits 1 saying
+    so; the client's own bound running out is `_reaching`'s "unreachable", as without --wait."""
+    if wait_deadline is None:
+        return client.post("/v1/scores", json=payload, headers=headers)
+    bound = _request_bound(wait_deadline)
+    try:
+        return client.post("/v1/scores", json=payload, headers=headers, timeout=bound)
+    except httpx.TimeoutException:
+        if bound >= REQUEST_TIMEOUT_S:
+            raise
+        # Unanswered is not refused: the gateway may have recorded the text all the same.
+        _exit(
+            f"submission still unanswered after {timeout_s:g}s: the gateway may have "
+            "accepted it (submitted again, the text may be scored twice unless with the same "
+            "--idempotency-key)"
+        )
+
+
 def _check_idempotency_key(key: str | None) -> None:
     """The gateway's rule, checked before anything is sent: a key with other than ASCII in it
     raised a UnicodeEncodeError traceback, one with a space was sent to be refused."""
@@ -371,9 +415,10 @@ def _check_idempotency_key(key: str | None) -> None:
 
 
 def _read_text(file: Path) -> str:
-    """The text in `file` (`-`: stdin) as UTF-8, line endings as they are; exits 1 with one
-    line when it cannot be read. Stdin is read as bytes and decoded here: decoded by Python, a
-    stream that is not UTF-8 raised a traceback."""
+    """The text in `file` (`-`: stdin) as UTF-8, line endings as they are; exits 2 with one
+    line when it cannot be read (a text it cannot send, as the README's exit codes say). Stdin
+    is read as bytes and decoded here: decoded by Python, a stream that is not UTF-8 raised a
+    traceback."""
     try:
         raw = sys.stdin.buffer.read() if str(file) == "-" else file.read_bytes()
         # Bytes decoded as they are: `read_text` turned CRLF into LF, so a file and the same
@@ -381,8 +426,7 @@ def _read_text(file: Path) -> str:
         return raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as error:
         source = "stdin" if str(file) == "-" else file
-        typer.echo(f"error: cannot read {source}: {error}", err=True)
-        raise typer.Exit(code=1) from error
+        _usage_error(f"cannot read {source}: {error}")
 
 
 @app.command()
@@ -444,9 +488,10 @@ def _note_truncated(answer: dict[str, Any], consequence: str) -> None:
         typer.echo(f"truncated: {WALK_STOPPED}; {consequence}", err=True)
 
 
-def _exit_on_missed(replay: dict[str, Any]) -> None:
+def _exit_on_missed(replay: dict[str, Any], *, drop_command: str) -> None:
     """Say what a replay did not reach, and exit 1 when an id asked for was not replayed for
-    want of a letter (not found, or past the end of a walk cut short)."""
+    want of a letter (not found, or past the end of a walk cut short) or a letter was left
+    unreplayed because it is unreadable (kept: only `drop_command` removes it)."""
     _note_truncated(replay, "letters past it were not looked at: run again to reach them")
     if replay.get("not_found"):
         typer.echo(f"not found: {' '.join(replay['not_found'])}", err=True)
@@ -456,7 +501,13 @@ def _exit_on_missed(replay: dict[str, Any]) -> None:
             f"them, then ask again): {' '.join(replay['not_reached'])}",
             err=True,
         )
-    if replay.get("not_found") or replay.get("not_reached"):
+    if replay.get("skipped_unreadable"):
+        typer.echo(
+            f"unreadable, kept (drop them with `{drop_command} ID`): "
+            f"{' '.join(replay['skipped_unreadable'])}",
+            err=True,
+        )
+    if any(replay.get(field) for field in ("not_found", "not_reached", "skipped_unreadable")):
         raise typer.Exit(code=1)
 
 
@@ -536,9 +587,11 @@ def dlq_replay(
 ) -> None:
     """Send dead letters back to the work queue with a fresh attempt budget.
 
-    Exits 1 when an id matched no letter, or was not reached by a walk cut short."""
+    Exits 1 when an id matched no letter, was not reached by a walk cut short, or a letter
+    was unreadable (kept: drop it)."""
     body = _replay_body(ids, replay_all, field="ids")
-    _exit_on_missed(_admin_call("POST", "/admin/v1/dead-letters/replay", json=body))
+    replay = _admin_call("POST", "/admin/v1/dead-letters/replay", json=body)
+    _exit_on_missed(replay, drop_command="scorebox dlq drop")
 
 
 @dlq.command("drop")
@@ -558,16 +611,23 @@ def dlq_purge(
     yes: Annotated[bool, typer.Option("--yes", help="Do not ask.")] = False,
     before: Before = None,
 ) -> None:
-    """Delete every dead letter (with --before, those dead-lettered before it)."""
+    """Delete every dead letter of the score queue (with --before, those dead-lettered before
+    it). Asks first, on stderr: stdout carries the answer's JSON alone."""
     if not yes:
-        typer.confirm(_purge_question("dead letter", before), abort=True)
+        _confirm_purge(SCORE_REQUESTS_DLQ, before)
     _admin_call("DELETE", "/admin/v1/dead-letters", params=_cut_off(before))
 
 
-def _purge_question(what: str, before: str | None) -> str:
-    if before is None:
-        return f"Delete every {what}?"
-    return f"Delete every {what} dead-lettered before {before}?"
+def _confirm_purge(queue: str, before: str | None) -> None:
+    """Ask on stderr, so that `echo y | scorebox dlq purge | jq` reads the JSON alone (asked
+    on stdout, the question came before it); abort on anything but yes."""
+    question = f"Delete every dead letter in {queue}"
+    if before is not None:
+        question += f" dead-lettered before {before}"
+    # `err=True` alone is not enough: typer writes the question's last character (and, under
+    # a test runner, the answer) through `input()`, which writes to stdout.
+    with contextlib.redirect_stdout(sys.stderr):
+        typer.confirm(f"{question}?", abort=True, err=True)
 
 
 keys = typer.Typer(help="Manage API keys (needs SCOREBOX_ADMIN_KEY).")
@@ -745,13 +805,14 @@ def cron_dlq_replay(
 ) -> None:
     """Run each dead run's job again as a new run; prints the new runs and their status URLs.
 
-    Exits 1 when a run id matched no letter or was not reached by a walk cut short, or the
-    scheduler refused (a job no longer configured: 409, nothing replayed)."""
+    Exits 1 when a run id matched no letter or was not reached by a walk cut short, a letter
+    was unreadable (kept: drop it by its message id), or the scheduler refused (a job no
+    longer configured: 409, nothing replayed)."""
     body = _replay_body(run_ids, replay_all, field="run_ids")
     replay = _admin_call(
         "POST", f"{CRON_DEAD_LETTERS}/replay", client=_scheduler_client(), json=body
     )
-    _exit_on_missed(replay)
+    _exit_on_missed(replay, drop_command="scorebox cron dlq drop")
 
 
 @cron_dlq.command("drop")
@@ -774,9 +835,10 @@ def cron_dlq_purge(
     yes: Annotated[bool, typer.Option("--yes", help="Do not ask.")] = False,
     before: Before = None,
 ) -> None:
-    """Delete every cron dead letter (with --before, those dead-lettered before it)."""
+    """Delete every cron dead letter (with --before, those dead-lettered before it). Asks
+    first, on stderr: stdout carries the answer's JSON alone."""
     if not yes:
-        typer.confirm(_purge_question("cron dead letter", before), abort=True)
+        _confirm_purge(CRON_JOBS_DLQ, before)
     _admin_call("DELETE", CRON_DEAD_LETTERS, client=_scheduler_client(), params=_cut_off(before))
 
 

@@ -222,6 +222,65 @@ def test_a_replay_of_all_cut_short_says_so_and_exits_0(server: FakeServer) -> No
     assert "run again to reach them" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("command", "path", "drop"),
+    [
+        (("dlq", "replay"), LETTERS, "scorebox dlq drop"),
+        (("cron", "dlq", "replay"), CRON_LETTERS, "scorebox cron dlq drop"),
+    ],
+)
+@pytest.mark.parametrize("asked", [("m1", "t2"), ("--all",)], ids=["by-ids", "all"])
+def test_a_replay_that_left_letters_unreadable_names_them_and_exits_1(
+    server: FakeServer, command: tuple[str, ...], path: str, drop: str, asked: tuple[str, ...]
+) -> None:
+    """It exited 0 with nothing on stderr, the letters still in the DLQ, as if replayed."""
+    report: Json = {"replayed": ["t2"], "skipped_unreadable": ["m1", "m3"], "not_found": []}
+    server.script("POST", f"{path}/replay", httpx.Response(200, json=report))
+
+    result = run_cli(*command, *asked)
+
+    assert result.exit_code == 1
+    assert json.loads(result.stdout) == report
+    assert result.stderr.splitlines() == [f"unreadable, kept (drop them with `{drop} ID`): m1 m3"]
+
+
+# --- purge ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("command", "path", "queue"),
+    [
+        (("dlq", "purge"), LETTERS, "scorebox.score-requests.dlq"),
+        (("cron", "dlq", "purge"), CRON_LETTERS, "scorebox.cron-jobs.dlq"),
+    ],
+)
+@pytest.mark.parametrize(
+    ("before", "asked"),
+    [
+        ((), ""),
+        (("--before", "2026-12-05T02:00:00Z"), " dead-lettered before 2026-12-05T02:00:00Z"),
+    ],
+    ids=["all", "before"],
+)
+def test_a_purge_asks_on_stderr_naming_the_queue_and_prints_only_json(
+    server: FakeServer,
+    command: tuple[str, ...],
+    path: str,
+    queue: str,
+    before: tuple[str, ...],
+    asked: str,
+) -> None:
+    """The question went to stdout: `echo y | scorebox dlq purge | jq` read
+    `Delete every dead letter? [y/N]: {"purged": 1}`."""
+    server.script("DELETE", path, httpx.Response(200, json={"purged": 1}))
+
+    result = run_cli(*command, *before, input="y\n")
+
+    assert result.exit_code == 0, result.output
+    assert result.stdout == json.dumps({"purged": 1}, indent=2) + "\n"
+    assert result.stderr.startswith(f"Delete every dead letter in {queue}{asked}? [y/N]")
+
+
 # --- a cut-off -----------------------------------------------------------------------------
 
 LISTED_AT = "2026-12-05T02:00:00.123456Z"

@@ -61,11 +61,23 @@ def test_a_gateway_down_or_slow_is_one_line_and_exit_1(
     assert "Traceback" not in result.output
 
 
-def test_a_text_that_cannot_be_read_is_one_line_and_exit_1(tmp_path: Path) -> None:
-    result = run_cli("submit", str(tmp_path / "absent.txt"))
-    assert result.exit_code == 1
+@pytest.mark.parametrize("content", [None, b"\xff\xfe not utf-8 \x80"], ids=["absent", "not-utf8"])
+def test_a_file_that_cannot_be_read_is_one_line_and_exit_2_sending_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, content: bytes | None
+) -> None:
+    """It exited 1, as a gateway's refusal does; the README's exit codes say 2 for arguments
+    the client cannot send."""
+    seen = _recorded(monkeypatch)
+    essay = tmp_path / "essay.txt"
+    if content is not None:
+        essay.write_bytes(content)
+    result = run_cli("submit", str(essay))
+    assert result.exit_code == 2
     assert isinstance(result.exception, SystemExit)
-    assert "cannot read" in result.output
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"error: cannot read {essay}: ")
+    assert result.stdout == ""
+    assert seen == []
 
 
 def test_a_replay_of_letters_not_found_exits_1(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -190,6 +202,69 @@ def test_each_poll_of_a_wait_is_bounded_by_what_is_left_of_it(
     assert all(0 < poll["read"] <= 3 for poll in polls)
 
 
+def _submission_answered_by(monkeypatch: pytest.MonkeyPatch, post: Any) -> list[dict[str, float]]:
+    """The gateway answering a submission with `post(request)` (a poll: the task completed);
+    the timeouts each submission was sent with."""
+    timeouts: list[dict[str, float]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.method != "POST":
+            return httpx.Response(200, json={"task_id": "t1", "status": "completed"})
+        timeouts.append(request.extensions["timeout"])
+        result: httpx.Response = post(request)
+        return result
+
+    _gateway(monkeypatch, answer)
+    return timeouts
+
+
+def _never_answered(request: httpx.Request) -> httpx.Response:
+    raise httpx.ReadTimeout("timed out", request=request)
+
+
+def test_the_submission_of_a_wait_is_bounded_by_its_timeout(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The POST took the client's 30 s: a gateway that accepted the connection and never
+    answered held a `--timeout 3` wait ten times as long."""
+    essay = tmp_path / "essay.txt"
+    essay.write_text("An essay.", encoding="utf-8")
+    queued = httpx.Response(202, json={"task_id": "t1", "status": "queued"})
+    timeouts = _submission_answered_by(monkeypatch, lambda request: queued)
+    result = run_cli("submit", str(essay), "--wait", "--timeout", "3")
+    assert result.exit_code == 0, result.output
+    [timeout] = timeouts
+    assert 0 < timeout["read"] <= 3
+
+
+def test_a_submission_unanswered_within_the_wait_says_the_wait_ran_out(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    essay = tmp_path / "essay.txt"
+    essay.write_text("An essay.", encoding="utf-8")
+    _submission_answered_by(monkeypatch, _never_answered)
+    result = run_cli("submit", str(essay), "--wait", "--timeout", "3")
+    assert result.exit_code == 1
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    [line] = result.stderr.splitlines()
+    assert line.startswith("error: submission still unanswered after 3s: ")
+    assert "may have accepted it" in line
+
+
+@pytest.mark.parametrize("wait", [(), ("--wait", "--timeout", "300")], ids=["no-wait", "long"])
+def test_a_submission_unanswered_within_the_clients_own_bound_is_unreachable(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, wait: tuple[str, ...]
+) -> None:
+    """Without --wait, or with one longer than the client's bound, that bound holds."""
+    essay = tmp_path / "essay.txt"
+    essay.write_text("An essay.", encoding="utf-8")
+    timeouts = _submission_answered_by(monkeypatch, _never_answered)
+    result = run_cli("submit", str(essay), *wait)
+    assert result.exit_code == 1
+    assert [timeout["read"] for timeout in timeouts] == [cli.REQUEST_TIMEOUT_S]
+    assert "unreachable" in result.stderr
+
+
 @pytest.mark.parametrize("timeout", ["nan", "-1", "inf"])
 def test_a_wait_timeout_that_is_no_duration_is_a_usage_error(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, timeout: str
@@ -295,11 +370,12 @@ def test_an_idempotency_key_is_sent_as_given(monkeypatch: pytest.MonkeyPatch) ->
     assert [request.headers["Idempotency-Key"] for request in seen] == [key]
 
 
-def test_stdin_that_is_not_utf8_is_one_line_and_exit_1(monkeypatch: pytest.MonkeyPatch) -> None:
-    """It raised a UnicodeDecodeError traceback (a file that is not UTF-8 was one line)."""
+def test_stdin_that_is_not_utf8_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It raised a UnicodeDecodeError traceback (a file that is not UTF-8 was one line), then
+    exited 1 where a file that is not UTF-8 exits 2."""
     seen = _recorded(monkeypatch)
     result = run_cli("submit", "-", input=b"\xff\xfe not utf-8 \x80")
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert isinstance(result.exception, SystemExit), repr(result.exception)
     assert "cannot read stdin" in result.output
     assert seen == []

@@ -11,7 +11,10 @@ import orjson
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from shared.http import Problem
+from shared.http import Problem, validation_message
+
+# orjson's error for nesting past its limit of 1,024 levels.
+JSON_TOO_DEEP = "depth limit exceeded"
 
 
 def _is_json(content_type: str) -> bool:
@@ -42,6 +45,9 @@ async def read_json_object(request: Request, *, what: str, limit: int) -> dict[s
     try:
         payload: Any = orjson.loads(body)
     except orjson.JSONDecodeError as error:
+        if str(error).startswith(JSON_TOO_DEEP):
+            # Valid JSON, maybe: said to be invalid, a client looked for a syntax error.
+            raise Problem(400, "The body's JSON nests deeper than 1,024 levels.") from error
         raise Problem(400, f"The body is not valid JSON: {error}.") from error
     if not isinstance(payload, dict):
         raise Problem(422, "The body must be a JSON object.", kind="invalid-fields")
@@ -70,7 +76,7 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
 def invalid_fields(error: ValidationError) -> Problem:
     """422 naming each field a body failed on."""
     errors = [
-        {"field": ".".join(map(str, e["loc"])) or "body", "message": e["msg"]}
+        {"field": ".".join(map(str, e["loc"])) or "body", "message": validation_message(e)}
         for e in error.errors(include_url=False)
     ]
     detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)

@@ -85,11 +85,24 @@ def problem_response(problem: Problem, instance: str | None = None) -> JSONRespo
     )
 
 
+# How pydantic words a validator's own message ahead of it: noise to a client.
+VALIDATOR_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+def validation_message(error: Mapping[str, Any]) -> str:
+    """A validation error's message as a client reads it: without pydantic's "Value error, "
+    ahead of the validator's own words (found in a walkthrough)."""
+    message = str(error.get("msg", "invalid"))
+    for prefix in VALIDATOR_PREFIXES:
+        message = message.removeprefix(prefix)
+    return message
+
+
 def _describe(errors: list[Any]) -> tuple[str, list[dict[str, Any]]]:
     described = [
         {
             "field": ".".join(str(part) for part in error.get("loc", ()) if part != "body"),
-            "message": error.get("msg", "invalid"),
+            "message": validation_message(error),
         }
         for error in errors
     ]

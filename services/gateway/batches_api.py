@@ -43,7 +43,7 @@ from services.gateway.schemas import EXPIRED
 from services.gateway.settings import GatewaySettings
 from shared.bodies import read_json_object
 from shared.contracts import ScoreResult, TaskFailure
-from shared.http import Problem, problem_responses
+from shared.http import Problem, problem_responses, validation_message
 
 BATCH_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 CURSOR = re.compile(r"^\d{1,7}\Z")
@@ -209,7 +209,7 @@ async def parse_batch(request: Request, settings: GatewaySettings) -> BatchSubmi
         )
     except ValidationError as error:
         errors = [
-            {"field": _field(tuple(e["loc"])), "message": e["msg"]}
+            {"field": _field(tuple(e["loc"])), "message": validation_message(e)}
             for e in error.errors(include_url=False)
         ]
         invalid = sorted(

@@ -1,0 +1,60 @@
+"""What a client reads when its body is refused: the validator's own words (pydantic put
+"Value error, " ahead of them), and a body nested too deep said to be that, not invalid
+JSON (both found in a walkthrough). A small app of the shared body readers, over HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, field_validator
+
+from shared.bodies import read_model
+from shared.http import install_problem_handlers
+
+
+class Even(BaseModel):
+    number: int
+
+    @field_validator("number")
+    @classmethod
+    def _even(cls, number: int) -> int:
+        if number % 2:
+            raise ValueError("the number must be even")
+        return number
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    app = FastAPI()
+    install_problem_handlers(app)
+
+    @app.post("/even")
+    async def even(request: Request) -> dict[str, int]:
+        body = await read_model(request, Even, what="number", limit=1 << 20)
+        return {"number": body.number}
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        yield http
+
+
+async def test_a_validators_refusal_reads_in_its_own_words(client: httpx.AsyncClient) -> None:
+    response = await client.post("/even", json={"number": 3})
+
+    assert response.status_code == 422
+    problem = response.json()
+    assert problem["detail"] == "number: the number must be even"
+    assert problem["errors"] == [{"field": "number", "message": "the number must be even"}]
+
+
+async def test_a_body_nested_too_deep_is_said_to_be_so(client: httpx.AsyncClient) -> None:
+    deep = b"[" * 2000 + b"]" * 2000
+    headers = {"Content-Type": "application/json"}
+
+    response = await client.post("/even", content=deep, headers=headers)
+
+    assert response.status_code == 400
+    assert response.json()["detail"] == "The body's JSON nests deeper than 1,024 levels."

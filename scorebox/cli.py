@@ -396,7 +396,10 @@ def _post_submission(
     bound = _request_bound(wait_deadline)
     try:
         return client.post("/v1/scores", json=payload, headers=headers, timeout=bound)
-    except httpx.TimeoutException:
+    except (httpx.ReadTimeout, httpx.WriteTimeout):
+        # Not a connect or pool timeout: then nothing was sent, and `_reaching` says
+        # "unreachable" (said to be unanswered, it was taken for maybe accepted; found in
+        # review).
         if bound >= REQUEST_TIMEOUT_S:
             raise
         # Unanswered is not refused: the gateway may have recorded the text all the same.

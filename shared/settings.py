@@ -203,12 +203,22 @@ def http_url(url: str) -> str:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises on a port out of range
     except ValueError as error:
-        raise ValueError(f"not a URL ({error}): {url!r}") from None
+        raise ValueError(f"not a URL ({error}): {_shown(url)!r}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(
-            f"an http(s) URL with a host is needed, e.g. http://status:8001, not {url!r}"
+            f"an http(s) URL with a host is needed, e.g. http://status:8001, not {_shown(url)!r}"
         )
     return url
+
+
+def _shown(url: str) -> str:
+    """`url` fit for a refusal's message: its password hidden (a refused setting is printed
+    at start-up, into logs; found in review), even where the URL cannot be parsed."""
+    try:
+        return redact_url(url)
+    except ValueError:
+        at = url.rfind("@")
+        return url if at < 0 else "***" + url[at:]
 
 
 def settings_or_exit[S: BaseSettings](settings_class: type[S], service: str) -> S:

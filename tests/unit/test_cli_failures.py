@@ -488,3 +488,21 @@ def test_a_401_to_a_request_sent_with_a_key_says_only_what_the_gateway_said(
     result = run_cli("status", "t1")
     assert result.exit_code == 1
     assert result.output.strip() == "error 401: Unknown key."
+
+
+@pytest.mark.parametrize("failure", [httpx.ConnectTimeout, httpx.PoolTimeout])
+def test_a_submission_never_sent_within_the_wait_is_unreachable(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, failure: type[httpx.TimeoutException]
+) -> None:
+    """Nothing was sent: "the gateway may have accepted it" was wrong (found in review)."""
+    essay = tmp_path / "essay.txt"
+    essay.write_text("An essay.", encoding="utf-8")
+
+    def never_connected(request: httpx.Request) -> httpx.Response:
+        raise failure("timed out", request=request)
+
+    _submission_answered_by(monkeypatch, never_connected)
+    result = run_cli("submit", str(essay), "--wait", "--timeout", "3")
+    assert result.exit_code == 1
+    assert "unreachable" in result.stderr
+    assert "may have accepted" not in result.stderr

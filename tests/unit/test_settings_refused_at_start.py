@@ -52,3 +52,21 @@ def test_a_refusal_of_settings_together_names_none_and_hides_the_values() -> Non
     assert message.splitlines()[1].startswith("  IDEMPOTENCY_TTL_S (50) is shorter than")
     assert "Value error" not in message
     assert secret not in message
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["https://u:hunter2@status:99999", "ftp://u:hunter2@status:8001", "http://u:hunter2@[::1"],
+    ids=["bad-port", "bad-scheme", "unparsable"],
+)
+def test_a_refused_url_is_shown_without_its_password(url: str) -> None:
+    """The URL was echoed whole in the refusal, password and all (found in review)."""
+    try:
+        GatewaySettings.model_validate({"STATUS_URL": url})
+    except Exception as error:  # noqa: BLE001 - the refusal under test
+        message = refused_settings("gateway", error)  # type: ignore[arg-type]
+    else:
+        raise AssertionError("a refused URL was taken")
+
+    assert "STATUS_URL" in message
+    assert "hunter2" not in message

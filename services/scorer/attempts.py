@@ -105,8 +105,12 @@ CancelResult = Cancelled | TooLate
 # A cancellation that came while an attempt of its generation was calling the model: that
 # call decides, and should it end in a retry, the next attempt is cancelled at its claim.
 CANCEL_REQUESTED: Final = "cancel_requested"
-# Set by the claim of a generation that replaced a completion (a re-score): no cancellation
-# of that generation stands, whatever state its attempts reach.
+# The generation whose claim replaced a completion (a re-score), set by that claim: no
+# cancellation of it stands, whatever state its attempts reach, nor of a newer generation
+# while it has published no outcome. A generation, not a flag: a document written over it
+# (a newer claim of an earlier build, a cancellation over an older generation) keeps the
+# field, which then names another generation than the document's and says nothing (found
+# in review).
 OVER_COMPLETION: Final = "over_completion"
 
 
@@ -220,7 +224,7 @@ class Attempts:
             {
                 "$set": {
                     "spent": _spent_taken_over(command.generation),
-                    OVER_COMPLETION: _over_a_completion(),
+                    OVER_COMPLETION: {"$cond": [_over_a_completion(), command.generation, None]},
                 }
             },
             {"$set": {key: {"$literal": value} for key, value in claimed.items()}},
@@ -388,15 +392,28 @@ def _cancel_noted(held: Document, generation: int) -> datetime | None:
 
 
 def _out_of_reach(held: Document, cancel: CancelTask) -> TooLate | None:
-    """Too late whatever state the attempt is in: a newer generation exists, or the cancel's
-    generation was claimed over a completion (a re-score: a retry of it, decided or noted as
-    cancelled while its call ran, was cancelled, and its failure replaced the result)."""
+    """Too late whatever state the attempt is in: a newer generation exists, or the task's
+    latest outcome is still the completion a re-score's claim replaced (a retry of the
+    re-score, decided or noted as cancelled while its call ran, or a newer generation over
+    it, was cancelled, and its failure replaced the result)."""
     generation = held["generation"]
     if generation > cancel.generation:
         return TooLate(f"superseded by generation {generation}")
-    if generation == cancel.generation and held.get(OVER_COMPLETION):
+    if _completion_still_latest(held, cancel.generation):
         return TooLate(COMPLETION_STANDS)
     return None
+
+
+def _completion_still_latest(held: Document, generation: int) -> bool:
+    """Whether the completion a re-score's claim replaced is still the task's latest outcome
+    as far as a cancel of `generation` goes: the held generation is marked over it, and is
+    the cancel's own or has published no outcome since (running, or decided a retry)."""
+    mark = held.get(OVER_COMPLETION)
+    if type(mark) is not int or mark != held["generation"]:
+        return False
+    if held["generation"] == generation:
+        return True
+    return held["state"] == "running" or (held.get("decision") or {}).get("kind") == "retry"
 
 
 def _cancellable_over_older(
@@ -510,7 +527,7 @@ def _over_a_completion() -> Document:
     return {
         "$or": [
             {"$eq": ["$decision.event.routing_key", TaskCompleted.routing_key]},
-            {"$and": [{"$eq": [f"${OVER_COMPLETION}", True]}, no_outcome]},
+            {"$and": [{"$eq": [f"${OVER_COMPLETION}", "$generation"]}, no_outcome]},
         ]
     }
 

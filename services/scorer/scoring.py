@@ -36,6 +36,7 @@ from services.scorer.decisions import (
     Spent,
     add_usage,
     cancelled,
+    is_cancellation,
 )
 from services.scorer.detached import Detached
 from services.scorer.errors import (
@@ -190,7 +191,12 @@ async def recorded_decision(
     while the attempt's claim holds (a decision may yet be recorded), None when nothing was
     decided (the caller gives up on the message)."""
     match await deps.attempts.standing(command):
-        case Decided(decision=decision) if _decides(decision, command):
+        case Decided(decision=decision) if _decides(decision, command) or _cancels_the_next(
+            decision, command
+        ):
+            # The attempt's own; or the cancellation that replaced its retry (noted during
+            # its call), which this very delivery carried out, perhaps with its publish lost:
+            # dropped, nothing was left to carry it out (found in review). A repeat is a no-op.
             return decision
         case Decided(decision=decision) if _is_newer(decision, command):
             # A later attempt completed or failed: its own delivery carried that out. Given
@@ -207,6 +213,13 @@ async def recorded_decision(
             return busy
         case _:
             return None
+
+
+def _cancels_the_next(decision: Finish | Retry, command: ScoreText) -> bool:
+    """Whether `decision` is the cancellation of the command's next attempt."""
+    event = decision.event
+    following = (command.generation, command.attempt + 1)
+    return is_cancellation(decision) and (event.generation, event.attempt) == following
 
 
 def _is_newer(decision: Finish | Retry, command: ScoreText) -> bool:

@@ -34,7 +34,7 @@ from services.scorer.attempts import (
 from services.scorer.cancels import TaskCancels, subscribe_cancels
 from services.scorer.decisions import Decision, Drop, Finish, Retry
 from services.scorer.model import ModelVerdict, ScoreModel, ScoringRequest
-from services.scorer.scoring import ScorerDeps, score_text
+from services.scorer.scoring import ScorerDeps, recorded_decision, score_text
 from services.scorer.settings import ScorerSettings
 from shared.bus import publish_cancel, publish_command
 from shared.consumers import ScoreboxBroker
@@ -590,3 +590,77 @@ async def test_a_cancel_arriving_during_the_model_call_lets_the_task_complete(
     assert completed.attempt == 1
     assert not [event for event in published.seen if not isinstance(event, TaskCompleted)]
     assert _calls(scorer.llm, marker) == 1
+
+
+async def test_the_cancellation_that_replaced_a_retry_is_carried_out_again_at_the_limit(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
+) -> None:
+    """This attempt's delivery carried out the cancellation of the next attempt (which
+    replaced its retry); should its publish be lost and the delivery come back at its limit,
+    the recorded cancellation was taken for a newer attempt's, whose own delivery would carry
+    it out, and dropped: no next attempt was ever sent (found in review)."""
+    command, _ = _task(RETRIED)
+    deps = make_deps("scorer-a")
+    outcome, decision = await _cancelled_during_the_call(command, deps, attempts)
+    assert isinstance(outcome, TooLate)
+    assert isinstance(decision, Finish)
+
+    again = await recorded_decision(_due(command), deps=deps)
+
+    assert again == decision
+
+
+async def _rescore_retrying_over_a_completion(command: ScoreText, make_deps: Deps) -> ScoreText:
+    """Generation 0 completed, then a re-score (generation 1) decided a retry: returned."""
+    assert isinstance(await score_text(command, deps=make_deps("scorer-a")), Finish)
+    rescore = command.model_copy(
+        update={"generation": 1, "message_id": new_id(), "text": f"{command.text} {RETRIED}"}
+    )
+    assert isinstance(await score_text(rescore, deps=make_deps("scorer-a")), Retry)
+    return rescore
+
+
+async def test_a_newer_generation_over_a_retrying_rescore_of_a_completion_is_not_cancelled(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
+) -> None:
+    """The completion is still the task's latest outcome: cancelling generation 2 (a replay)
+    over the re-score's retry wrote a failure that replaced the result (found in review)."""
+    command, _ = _task()
+    await _rescore_retrying_over_a_completion(command, make_deps)
+
+    outcome = await attempts.cancel(_cancel_of(command, generation=2), now=utcnow())
+
+    assert outcome == TooLate(COMPLETION_STANDS)
+
+
+async def test_a_mark_left_by_a_document_written_over_it_says_nothing(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM, mongo: Any, db_prefix: str
+) -> None:
+    """`over_completion` names the generation it belongs to. Generation 1, a re-score over a
+    completion, failed (its failure replaced the result); generation 2, its replay, was
+    claimed by a scorer of an earlier build, whose claim sets only its own fields and left
+    the mark. As a flag it refused the cancel of generation 2 (found in review)."""
+    command, _ = _task()
+    assert isinstance(await score_text(command, deps=make_deps("scorer-a")), Finish)
+    rescore = command.model_copy(
+        update={"generation": 1, "message_id": new_id(), "text": f"{command.text} [[fake:reject]]"}
+    )
+    failed = await score_text(rescore, deps=make_deps("scorer-a"))
+    assert isinstance(failed, Finish)
+    assert isinstance(failed.event, TaskFailed)
+    long_ago = utcnow() - 2 * LEASE
+    earlier_build_claim: list[dict[str, Any]] = [
+        {"$set": {"generation": 2, "attempt": 1, "state": "running", "owner": "dead-worker"}},
+        {"$set": {"lease_until": long_ago + LEASE, "updated_at": long_ago}},
+        {"$unset": ["decision", "raw_output"]},
+    ]
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
+    try:
+        documents = client[f"{db_prefix}_scorer"]["attempts"]
+        await documents.update_one({"_id": command.task_id}, earlier_build_claim)
+    finally:
+        await client.close()
+
+    outcome = await attempts.cancel(_cancel_of(command, generation=2), now=utcnow())
+
+    _cancellation(outcome, generation=2, attempt=1)

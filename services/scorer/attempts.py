@@ -409,7 +409,8 @@ def _completion_still_latest(held: Document, generation: int) -> bool:
     as far as a cancel of `generation` goes: the held generation is marked over it, and is
     the cancel's own or has published no outcome since (running, or decided a retry)."""
     mark = held.get(OVER_COMPLETION)
-    if type(mark) is not int or mark != held["generation"]:
+    # Not a flag (True == 1); an int64 generation is read back as `bson.Int64`, an int.
+    if not isinstance(mark, int) or isinstance(mark, bool) or mark != held["generation"]:
         return False
     if held["generation"] == generation:
         return True

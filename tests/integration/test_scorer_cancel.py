@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import aio_pika
 import pytest
+from bson import Int64
 from pymongo import AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import AutoReconnect
@@ -664,3 +665,31 @@ async def test_a_mark_left_by_a_document_written_over_it_says_nothing(
     outcome = await attempts.cancel(_cancel_of(command, generation=2), now=utcnow())
 
     _cancellation(outcome, generation=2, attempt=1)
+
+
+async def test_a_mark_of_a_generation_stored_as_int64_still_stands(
+    attempts: Attempts, mongo: Any, db_prefix: str
+) -> None:
+    """A generation past 2^31 is stored, and read back, as `bson.Int64`, which a strict
+    `int` type check took for no mark (found in review)."""
+    command, _ = _task()
+    generation = Int64(2**31)
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
+    try:
+        await client[f"{db_prefix}_scorer"]["attempts"].insert_one(
+            {
+                "_id": command.task_id,
+                "generation": generation,
+                "attempt": 1,
+                "state": "running",
+                "owner": "scorer-a",
+                "lease_until": utcnow() + LEASE,
+                "over_completion": generation,
+            }
+        )
+    finally:
+        await client.close()
+
+    outcome = await attempts.cancel(_cancel_of(command, generation=2**31), now=utcnow())
+
+    assert outcome == TooLate(COMPLETION_STANDS)

@@ -80,25 +80,11 @@ async def test_the_copy_sent_at_the_limit_waits_for_its_lost_predecessor_and_sco
     limit = SCORE_REQUESTS.delivery_limit
     in_hand = LookedUp()
     async with attempts_store(mongo.url, db_prefix) as attempts, fake_model(fake_llm) as model:
-        deps = scorer_deps(
-            attempts=attempts,
-            model=model,
-            lease=timedelta(seconds=60),
-            owner="scorer-a",
-            model_slots=ModelSlots(1),
-            started_after=timedelta(seconds=30),
-            in_hand=in_hand,
-        )
-        handler, actions = HandlerOnly(), Recorded()
-        subscribe_scorer(handler, deps, actions, crash_limit=3)  # type: ignore[arg-type]
+        deps, handler, actions = _scorer_with_one_slot(attempts, model, in_hand)
 
         async with deps.model_slots.held():  # the only slot, busy with another task's call
             waiting = HandedDelivery.redelivery(body, count=limit - 1)
-            predecessor = asyncio.create_task(handler.handler(waiting))
-            await eventually(lambda: _held(deps, 1), what="the delivery waiting for the slot")
-            predecessor.cancel()  # the connection dropped: the handler is cancelled
-            with contextlib.suppress(asyncio.CancelledError):
-                await predecessor
+            await _lost_waiting_for_the_slot(handler, deps, waiting)
             at_limit = HandedDelivery.redelivery(body, count=limit)
             await asyncio.wait_for(handler.handler(at_limit), timeout=30)
             [(again, headers)] = actions.resent  # sent again afresh, then acked
@@ -113,10 +99,7 @@ async def test_the_copy_sent_at_the_limit_waits_for_its_lost_predecessor_and_sco
     assert headers[REPLACES_LOST_HEADER] is True
     assert at_limit.settled == ["ack"]
     assert fresh.settled == ["ack"]
-    [decision] = actions.decisions
-    assert isinstance(decision, Finish)
-    assert isinstance(decision.event, TaskCompleted)
-    assert int(fake_llm.stats()["by_id"].get(marker, 0)) == 1
+    _scored_once(actions, fake_llm, marker)
 
 
 async def _sent_on_at_a_stop(
@@ -147,6 +130,43 @@ class _SendingOn(Recorded):
         await BrokerActions.carry_out(self, decision, message)
 
 
+def _scorer_with_one_slot(
+    attempts: Any, model: Any, in_hand: LookedUp
+) -> tuple[ScorerDeps, HandlerOnly, Recorded]:
+    """A scorer's handler with one model slot, its broker actions recorded."""
+    deps = scorer_deps(
+        attempts=attempts,
+        model=model,
+        lease=timedelta(seconds=60),
+        owner="scorer-a",
+        model_slots=ModelSlots(1),
+        started_after=timedelta(seconds=30),
+        in_hand=in_hand,
+    )
+    handler, actions = HandlerOnly(), Recorded()
+    subscribe_scorer(handler, deps, actions, crash_limit=3)  # type: ignore[arg-type]
+    return deps, handler, actions
+
+
+async def _lost_waiting_for_the_slot(
+    handler: HandlerOnly, deps: ScorerDeps, delivery: HandedDelivery
+) -> None:
+    """`delivery` handed in while the only slot is busy, then lost: the connection dropped
+    and its handler was cancelled, its decision left waiting for the slot."""
+    predecessor = asyncio.create_task(handler.handler(delivery))
+    await eventually(lambda: _held(deps, 1), what="the delivery waiting for the slot")
+    predecessor.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await predecessor
+
+
+def _scored_once(actions: Recorded, fake_llm: FakeLLM, marker: str) -> None:
+    [decision] = actions.decisions
+    assert isinstance(decision, Finish)
+    assert isinstance(decision.event, TaskCompleted)
+    assert int(fake_llm.stats()["by_id"].get(marker, 0)) == 1
+
+
 async def _held(deps: ScorerDeps, count: int) -> bool:
     return len(deps.in_hand) == count
 
@@ -167,31 +187,14 @@ async def test_a_copy_carrying_a_lost_delivery_waits_for_its_predecessor_and_sco
     body = command.model_dump_json().encode()
     in_hand = LookedUp()
     async with attempts_store(mongo.url, db_prefix) as attempts, fake_model(fake_llm) as model:
-        deps = scorer_deps(
-            attempts=attempts,
-            model=model,
-            lease=timedelta(seconds=60),
-            owner="scorer-a",
-            model_slots=ModelSlots(1),
-            started_after=timedelta(seconds=30),
-            in_hand=in_hand,
-        )
-        handler, actions = HandlerOnly(), Recorded()
-        subscribe_scorer(handler, deps, actions, crash_limit=3)  # type: ignore[arg-type]
+        deps, handler, actions = _scorer_with_one_slot(attempts, model, in_hand)
 
         async with deps.model_slots.held():  # the only slot, busy with another task's call
-            predecessor = asyncio.create_task(handler.handler(HandedDelivery(body)))
-            await eventually(lambda: _held(deps, 1), what="the delivery waiting for the slot")
-            predecessor.cancel()  # the connection dropped: the handler is cancelled
-            with contextlib.suppress(asyncio.CancelledError):
-                await predecessor
+            await _lost_waiting_for_the_slot(handler, deps, HandedDelivery(body))
             fresh = HandedDelivery(body, headers={EARLIER_DELIVERIES_HEADER: 1})
             copy = asyncio.create_task(handler.handler(fresh))
             await eventually(lambda: _looked(in_hand, 2), what="the copy finding it held")
         await asyncio.wait_for(copy, timeout=60)
 
     assert fresh.settled == ["ack"]
-    [decision] = actions.decisions
-    assert isinstance(decision, Finish)
-    assert isinstance(decision.event, TaskCompleted)
-    assert int(fake_llm.stats()["by_id"].get(marker, 0)) == 1
+    _scored_once(actions, fake_llm, marker)

@@ -193,6 +193,8 @@ def test_submissions_document_a_write_the_database_refuses(document: Json, path:
 
 @pytest.mark.parametrize(("status", "state"), [("200", "ready"), ("503", "unavailable")])
 def test_readiness_documents_both_answers(document: Json, status: str, state: str) -> None:
+    """`/readyz` comes from `shared.http.health_router`, which every service mounts: checked
+    once, on the gateway's document."""
     responses = document["paths"]["/readyz"]["get"]["responses"]
     schema = responses[status]["content"]["application/json"]["schema"]
     readiness = document["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]]

@@ -115,13 +115,3 @@ def test_the_usage_read_documents_its_database_away(document: Json) -> None:
     for status in ("401", "422", "503"):
         assert is_problem(responses.get(status, {})), status
     assert "Retry-After" in responses["503"]["headers"]
-
-
-@pytest.mark.parametrize(("status", "state"), [("200", "ready"), ("503", "unavailable")])
-def test_readiness_documents_both_answers(document: Json, status: str, state: str) -> None:
-    responses = document["paths"]["/readyz"]["get"]["responses"]
-    schema = responses[status]["content"]["application/json"]["schema"]
-    readiness = document["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]]
-    assert {"status", "checks"} <= set(readiness["required"])
-    assert state in readiness["properties"]["status"]["enum"]
-    assert set(responses) == {"200", "503"}

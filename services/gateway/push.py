@@ -37,7 +37,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Protocol
 
 from pydantic import ValidationError
@@ -482,7 +482,8 @@ async def read_when_changed(
     settle_s: float,
 ) -> TaskView | None:
     """Long-poll: the view at once when it is terminal (or differs from `known_status`), else
-    after the task's next state change, else after `wait_s` seconds (the view as it is).
+    after the task's next state change, else after `wait_s` seconds (the view as it is). A
+    scheduled task's coming due is a change too, though no event tells it (`ComingDue`).
 
     A change heard live that the status service has not recorded within `settle_s` is no
     answer yet (the view would show the client what it has): the wait goes on, reading again
@@ -499,31 +500,76 @@ async def read_when_changed(
             return view
         if known_status is not None and view.status != known_status:
             return view
-        unrecorded = Unrecorded(settle_s)
+        waiting = _Waiting(read, waiter, view, deadline, settle_s)
         bound = asyncio.timeout_at(deadline + LONG_POLL_MARGIN_S)
         try:
             async with bound:
-                while True:
-                    event = await waiter.next(min(deadline, unrecorded.recheck_at) - loop.time())
-                    if waiter.stopped:
-                        return await read()  # the replica is stopping
-                    settling = settle_s
-                    if event is None:
-                        if unrecorded.event is None or loop.time() >= deadline:
-                            return await read()
-                        event, settling = unrecorded.event, 0  # one read for it
-                    elif view.sequence is not None and event.sequence <= view.sequence:
-                        continue  # heard before the first read, which shows it
-                    fresh = await read_settled(read, event, settle_s=settling)
-                    if fresh is None or _news(view, fresh):
-                        return fresh
-                    if view.sequence is None:
-                        view = fresh  # the status service's own view, from now on
-                    unrecorded.after(event, fresh, loop.time())
+                return await _next_news(waiting)
         except TimeoutError:
             if not bound.expired():
                 raise
-            return view
+            return waiting.view
+
+
+@dataclass
+class _Waiting:
+    """A long-poll past its first read: the view it holds (the latest the status service
+    showed) and when its wait ends."""
+
+    read: ViewReader
+    waiter: Waiter
+    view: TaskView
+    deadline: float
+    settle_s: float
+
+
+async def _next_news(waiting: _Waiting) -> TaskView | None:
+    loop = asyncio.get_running_loop()
+    read, waiter, deadline = waiting.read, waiting.waiter, waiting.deadline
+    unrecorded = Unrecorded(waiting.settle_s)
+    coming_due = ComingDue(waiting.view, loop.time())
+    while True:
+        event = await waiter.next(
+            min(deadline, unrecorded.recheck_at, coming_due.recheck_at) - loop.time()
+        )
+        if waiter.stopped:
+            return await read()  # the replica is stopping
+        settling = waiting.settle_s
+        if event is None:
+            if coming_due.recheck_at <= loop.time() < deadline:
+                due = await read()
+                if due is None or due.status != waiting.view.status:
+                    return due
+                coming_due.not_yet(loop.time())
+                continue
+            if unrecorded.event is None or loop.time() >= deadline:
+                return await read()
+            event, settling = unrecorded.event, 0  # one read for it
+        elif waiting.view.sequence is not None and event.sequence <= waiting.view.sequence:
+            continue  # heard before the first read, which shows it
+        fresh = await read_settled(read, event, settle_s=settling)
+        if fresh is None or _news(waiting.view, fresh):
+            return fresh
+        if waiting.view.sequence is None:
+            waiting.view = fresh  # the status service's own view, from now on
+        unrecorded.after(event, fresh, loop.time())
+
+
+class ComingDue:
+    """When a long-poll of a scheduled task reads it again: at its `not_before`, when its
+    status turns `queued` with no event to say so (the status service derives it as it reads),
+    then, should the read still show it scheduled (clocks apart), after growing pauses."""
+
+    def __init__(self, view: TaskView, now: float) -> None:
+        self.recheck_at = math.inf
+        self._pause = SETTLE_MAX_PAUSE_S
+        if view.status is TaskStatus.SCHEDULED and view.not_before is not None:
+            ahead = (view.not_before - datetime.now(UTC)).total_seconds()
+            self.recheck_at = now + max(ahead, 0.0)
+
+    def not_yet(self, now: float) -> None:
+        self.recheck_at = now + self._pause
+        self._pause *= 2
 
 
 class Unrecorded:

@@ -367,6 +367,25 @@ async def test_a_long_poll_reads_again_for_a_change_heard_live_until_it_is_recor
     assert view.status is TaskStatus.COMPLETED
 
 
+def _scheduled(not_before: datetime, sequence: int = 0) -> TaskView:
+    return _view(TaskStatus.SCHEDULED, sequence).model_copy(update={"not_before": not_before})
+
+
+async def test_a_scheduled_task_coming_due_answers_a_long_poll_without_an_event() -> None:
+    """Its status turns `queued` as the status service reads it once `not_before` passes, and
+    no event says so: the long-poll waited for the task's next event (its end) or its deadline.
+    The first read at the due time still shows it scheduled (clocks apart): it reads again."""
+    live = LiveUpdates()
+    due = datetime.now(UTC) + timedelta(seconds=0.2)
+    views = Views(_scheduled(due), _scheduled(due), _view(TaskStatus.QUEUED, 0))
+    waiting = await _long_poll_waiting(views, live, known_status=TaskStatus.SCHEDULED, settle_s=0)
+    view = await asyncio.wait_for(waiting, 30)  # a hang guard: the long-poll waits 60 s
+    assert view is not None
+    assert view.status is TaskStatus.QUEUED
+    assert views.reads == 3
+    assert len(live) == 0
+
+
 class Stalling:
     """A status reader that gives its views, then never answers again (a status service that
     hangs)."""

@@ -59,6 +59,11 @@ MAX_WALK = 10_000
 # admin request were up to about 2 GB in the gateway.
 MAX_WALK_BYTES = 64 * 1024 * 1024
 GET_TIMEOUT_S = 5.0
+# How long a replay sends letters again before it answers with the rest left (`truncated`):
+# each costs database round trips and confirmed publishes, a few milliseconds, so a replay of
+# 10,000 letters in one request took about a minute, and a client's timeout (the CLI's
+# 30 s) took a replay that went on for one that failed. At least one letter is always sent.
+REPLAY_BUDGET_S = 20.0
 WALK_BOUND = f"{MAX_WALK:,} letters or {MAX_WALK_BYTES // (1024 * 1024)} MiB of their bodies"
 # The query parameter of a drop and a purge that keeps the letters not known to have been
 # dead-lettered before it; a listing's `listed_at` is one.

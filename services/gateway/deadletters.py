@@ -14,6 +14,7 @@ been dead-lettered before it and keeps the others, those dead-lettered after the
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable, Collection, Set
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from services.gateway.submissions import Submissions
 from shared.contracts import ScoreText, new_id
 from shared.dead_letters import (
     MAX_WALK_BYTES,
+    REPLAY_BUDGET_S,
     CutOff,
     DeadLetterWalker,
     Dropped,
@@ -110,8 +112,10 @@ class DeadLetterQueue:
         *,
         timeout_s: float,
         walk_bytes: int = MAX_WALK_BYTES,
+        replay_budget_s: float = REPLAY_BUDGET_S,
     ) -> None:
         self._publisher = publisher
+        self._replay_budget_s = replay_budget_s
         self._submissions = submissions
         self._clock = clock
         # Walks through this replica take turns (a letter held by one is invisible to
@@ -134,18 +138,26 @@ class DeadLetterQueue:
         return Walk(letters, truncated=held.truncated, listed_at=now)
 
     async def replay(self, ids: Collection[str] | None) -> Replay:
-        """Replay the dead letters named by `ids` (all when None).
+        """Replay the dead letters named by `ids` (all when None), for up to the replay's
+        budget (`REPLAY_BUDGET_S`, the walk included): the letters left then stay, and the
+        answer says so as a walk cut short does (`truncated`, ids not matched `not_reached`).
 
         Matched as a set: looked up in a list, 10,000 ids against 10,000 letters were 10^8
         string comparisons on the event loop, every request of the replica stalled meanwhile.
         """
+        loop = asyncio.get_running_loop()
+        stop_at = loop.time() + self._replay_budget_s
         wanted = None if ids is None else frozenset(ids)
         replayed: list[str] = []
         skipped: list[str] = []
         found: set[str] = set()
+        out_of_time = False
         now = self._clock()
         async with self._dlq.walk() as held:
             for message in held:
+                if replayed and loop.time() >= stop_at:
+                    out_of_time = True
+                    break
                 letter = describe(message, now)
                 if wanted is not None and not letter.matches(wanted):
                     continue
@@ -158,8 +170,9 @@ class DeadLetterQueue:
                 await self._resubmit(command)
                 await self._dlq.remove(message)
                 replayed.append(command.task_id)
-        not_found, not_reached = unmatched(ids or [], found, truncated=held.truncated)
-        return Replay(replayed, skipped, not_found, not_reached, truncated=held.truncated)
+        truncated = held.truncated or out_of_time
+        not_found, not_reached = unmatched(ids or [], found, truncated=truncated)
+        return Replay(replayed, skipped, not_found, not_reached, truncated=truncated)
 
     async def drop(self, letter_id: str, *, cut_off: CutOff | None = None) -> Dropped:
         """Remove every letter `letter_id` names (message or task id), nothing sent: each

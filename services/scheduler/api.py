@@ -61,6 +61,7 @@ from shared.bodies import json_body, read_model
 from shared.bus import BROKER_ERRORS
 from shared.dead_letters import (
     CUT_OFF,
+    REPLAY_BUDGET_S,
     WALK_BOUND,
     CutOffQuery,
     PurgeReport,
@@ -400,8 +401,9 @@ class CronReplayReport(_Out):
     )
     truncated: bool = Field(
         default=False,
-        description=f"The walk stopped at its bound ({WALK_BOUND}) with letters left behind "
-        "it: `all` replayed only the letters it reached; run ids it did not match are "
+        description=f"The walk stopped at its bound ({WALK_BOUND}), or the replay at its "
+        f"{REPLAY_BUDGET_S:.0f} s budget, with letters left behind it: `all` replayed only the "
+        "letters it reached (ask again for the rest); run ids it did not match are "
         "`not_reached`, never `not_found`.",
     )
 

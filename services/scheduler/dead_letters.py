@@ -27,6 +27,7 @@ listing first.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from services.scheduler.jobs import Clock
 from services.scheduler.schedule import JobCatalog
 from shared.contracts import RunCronJob
 from shared.dead_letters import (
+    REPLAY_BUDGET_S,
     CutOff,
     DeadLetterWalker,
     Dropped,
@@ -137,9 +139,16 @@ class CronReplay:
 
 class CronDeadLetters:
     def __init__(
-        self, walker: DeadLetterWalker, *, jobs: JobCatalog, replay_run: ReplayRun, clock: Clock
+        self,
+        walker: DeadLetterWalker,
+        *,
+        jobs: JobCatalog,
+        replay_run: ReplayRun,
+        clock: Clock,
+        replay_budget_s: float = REPLAY_BUDGET_S,
     ) -> None:
         self._dlq = walker
+        self._replay_budget_s = replay_budget_s
         self._jobs = jobs
         self._replay_run = replay_run
         self._clock = clock
@@ -152,12 +161,17 @@ class CronDeadLetters:
         return CronWalk(letters, truncated=held.truncated, listed_at=now)
 
     async def replay(self, run_ids: Collection[str] | None) -> CronReplay:
-        """Replay the letters of the runs `run_ids` (all when None), oldest first.
+        """Replay the letters of the runs `run_ids` (all when None), oldest first, for up to
+        the replay's budget (`REPLAY_BUDGET_S`, the walk included): the letters left then
+        stay, reported as a walk cut short reports them (`truncated`, `not_reached`).
 
         Raises `ReplayRefused` before anything is sent when one of the runs asked for by id
         names a job no longer configured; replaying all skips (and keeps) those letters, so
         one retired job does not hold back the others. The errors of `fire_replay` otherwise
         (letters replayed before the error have left the DLQ, the others are kept)."""
+        loop = asyncio.get_running_loop()
+        stop_at = loop.time() + self._replay_budget_s
+        out_of_time = False
         now = self._clock()
         # Looked up once per letter: in the list as asked for (up to 10,000 run ids), that
         # was up to 10,000 x 10,000 comparisons in one walk.
@@ -182,7 +196,13 @@ class CronDeadLetters:
             if gone and wanted is not None:
                 raise ReplayRefused(gone)
             chosen = [(message, c) for message, c in chosen if c.run_id not in gone]
-            for message, command in chosen:
+            for index, (message, command) in enumerate(chosen):
+                if replayed and loop.time() >= stop_at:
+                    # Out of time: the rest stay, reported as a walk cut short reports them.
+                    out_of_time = True
+                    done = {letter.dead_run_id for letter in replayed}
+                    found -= {c.run_id for _, c in chosen[index:]} - done
+                    break
                 try:
                     firing, started_now = await self._replay_run(command)
                 except RunInProgress:
@@ -190,7 +210,8 @@ class CronDeadLetters:
                     continue
                 await self._dlq.remove(message)
                 replayed.append(ReplayedLetter(command.run_id, command.job, firing, started_now))
-        not_found, not_reached = unmatched(run_ids or [], found, truncated=held.truncated)
+        truncated = held.truncated or out_of_time
+        not_found, not_reached = unmatched(run_ids or [], found, truncated=truncated)
         return CronReplay(
             replayed,
             unreadable,
@@ -198,7 +219,7 @@ class CronDeadLetters:
             not_found,
             in_progress,
             not_reached=not_reached,
-            truncated=held.truncated,
+            truncated=truncated,
         )
 
     async def drop(self, run_id: str, *, cut_off: CutOff | None = None) -> Dropped:

@@ -32,7 +32,7 @@ from services.gateway.publisher import TaskPublisher
 from services.gateway.settings import GatewaySettings
 from services.gateway.submissions import Submissions
 from shared.contracts import ScoreText, new_id, utcnow
-from shared.dead_letters import MAX_WALK_BYTES
+from shared.dead_letters import MAX_WALK_BYTES, REPLAY_BUDGET_S
 from shared.http import PROBLEM_JSON, install_problem_handlers
 from shared.topology import DLX, ERROR_HEADER, SCORE_REQUESTS, declare_topology
 from tests.support import running
@@ -110,7 +110,11 @@ def _body_bytes() -> int:
 
 
 def _admin_app(
-    broker: RabbitBroker, submissions: Submissions, *, walk_bytes: int = MAX_WALK_BYTES
+    broker: RabbitBroker,
+    submissions: Submissions,
+    *,
+    walk_bytes: int = MAX_WALK_BYTES,
+    replay_budget_s: float = REPLAY_BUDGET_S,
 ) -> FastAPI:
     dead_letters = DeadLetterQueue(
         broker,
@@ -119,6 +123,7 @@ def _admin_app(
         utcnow,
         timeout_s=TIMEOUT_S,
         walk_bytes=walk_bytes,
+        replay_budget_s=replay_budget_s,
     )
     app = FastAPI()
     install_problem_handlers(app)
@@ -279,6 +284,28 @@ async def test_a_replay_of_all_cut_short_says_so(
     assert (len(rest["replayed"]), rest["truncated"]) == (2, False)
     assert first["not_found"] == first["not_reached"] == rest["not_reached"] == []
     assert await _drain(dlq) == []
+
+
+async def test_a_replay_out_of_time_answers_with_the_rest_left_as_a_walk_cut_short(
+    dlq: str, broker: RabbitBroker, submissions: Submissions
+) -> None:
+    """A replay went on letter after letter in one request (a few milliseconds each: about a
+    minute for 10,000), past a client's timeout (the CLI's 30 s), which then reported a
+    failure of what went on to be done. It answers once its budget is spent (none here: one
+    letter, the least it replays), the rest left and reported as a walk cut short reports
+    them."""
+    commands = _commands(5)
+    await _dead_letter(dlq, commands)
+    asked = [command.task_id for command in commands]
+    hurried = _admin_app(broker, submissions, replay_budget_s=0)
+
+    async with _admin(hurried) as api:
+        by_ids = (await api.post(f"{LETTERS}/replay", json={"ids": asked})).json()
+        every = (await api.post(f"{LETTERS}/replay", json={"all": True})).json()
+    assert (len(by_ids["replayed"]), by_ids["truncated"], by_ids["not_found"]) == (1, True, [])
+    assert sorted(by_ids["not_reached"]) == sorted(set(asked) - set(by_ids["replayed"]))
+    assert (len(every["replayed"]), every["truncated"]) == (1, True)
+    assert len(await _drain(dlq)) == 3
 
 
 @pytest.mark.parametrize("path", [f"{LETTERS}/", f"{LETTERS}//"], ids=["slash", "slashes"])

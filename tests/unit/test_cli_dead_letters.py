@@ -11,12 +11,14 @@ import httpx
 import pytest
 
 from scorebox import cli
+from shared.dead_letters import MAX_WALK, MAX_WALK_BYTES, REPLAY_BUDGET_S
 from tests.unit.cli_support import cli_answered_by, run_cli
 from tests.unit.test_cli_cron import FakeServer, _problem
 
 LETTERS = "/admin/v1/dead-letters"
 CRON_LETTERS = "/admin/v1/cron/dead-letters"
 WALK_STOPPED = "truncated: the walk stopped at its bound (10,000 letters or 64 MiB"
+REPLAY_STOPPED = "truncated: the replay stopped at its bound (the walk's, or 20 s of replaying)"
 
 Json = dict[str, Any]
 
@@ -205,7 +207,7 @@ def test_a_replay_by_ids_cut_short_names_the_ids_not_reached_and_exits_1(
 
     assert result.exit_code == 1
     assert json.loads(result.stdout) == report
-    assert WALK_STOPPED in result.stderr
+    assert REPLAY_STOPPED in result.stderr
     assert "not reached" in result.stderr
     assert result.stderr.rstrip().endswith(": x y")
     assert "not found" not in result.stderr
@@ -218,8 +220,14 @@ def test_a_replay_of_all_cut_short_says_so_and_exits_0(server: FakeServer) -> No
     result = run_cli("dlq", "replay", "--all")
 
     assert result.exit_code == 0, result.output
-    assert WALK_STOPPED in result.stderr
+    assert REPLAY_STOPPED in result.stderr
     assert "run again to reach them" in result.stderr
+
+
+def test_the_bounds_the_cli_names_are_the_services_own() -> None:
+    """The CLI imports nothing of the services; its words for their bounds must not drift."""
+    assert f"({MAX_WALK:,} letters or {MAX_WALK_BYTES // 2**20} MiB" in cli.WALK_STOPPED
+    assert f"or {REPLAY_BUDGET_S:.0f} s of replaying)" in cli.REPLAY_STOPPED
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from services.scheduler.dead_letters import CronDeadLetters
 from services.scheduler.dispatcher import fire_replay
 from services.scheduler.schedule import JobCatalog, ScheduledJob
 from shared.contracts import RunCronJob, ScoreText
-from shared.dead_letters import DeadLetterWalker
+from shared.dead_letters import REPLAY_BUDGET_S, DeadLetterWalker
 from tests.unit.test_scheduler_dispatch import Clock, FakeFirings, Published
 
 NOW = datetime(2025, 1, 1, 10, tzinfo=UTC)
@@ -69,15 +69,15 @@ def _cron_letter(run_id: str) -> Letter:
     return Letter(body=command.model_dump_json().encode(), message_id=f"m-{run_id}")
 
 
-async def test_a_cron_replay_by_run_ids_looks_them_up_in_a_set() -> None:
-    # Allowed to overlap: both replays start although neither run ends.
+def _cron_dead_letters(
+    held: HeldLetters, published: Published, *, replay_budget_s: float = REPLAY_BUDGET_S
+) -> CronDeadLetters:
+    # Allowed to overlap: every replay starts although no run ends.
     rollup = ScheduledJob(
         "rollup", "5 * * * *", "UTC", MissedFirings.COALESCE, True, concurrency=Concurrency.ALLOW
     )
-    jobs = JobCatalog([rollup])
-    clock, published = Clock(NOW), Published()
-    held = HeldLetters([_cron_letter(run_id) for run_id in ("dead-1", "dead-2", "dead-3")])
-    dead_letters = CronDeadLetters(
+    jobs, clock = JobCatalog([rollup]), Clock(NOW)
+    return CronDeadLetters(
         cast(DeadLetterWalker, held),
         jobs=jobs,
         replay_run=partial(
@@ -89,7 +89,14 @@ async def test_a_cron_replay_by_run_ids_looks_them_up_in_a_set() -> None:
             owner="a",
         ),
         clock=clock,
+        replay_budget_s=replay_budget_s,
     )
+
+
+async def test_a_cron_replay_by_run_ids_looks_them_up_in_a_set() -> None:
+    published = Published()
+    held = HeldLetters([_cron_letter(run_id) for run_id in ("dead-1", "dead-2", "dead-3")])
+    dead_letters = _cron_dead_letters(held, published)
 
     replay = await dead_letters.replay(Unsearchable(["dead-3", "nowhere", "dead-1"]))
 
@@ -97,6 +104,23 @@ async def test_a_cron_replay_by_run_ids_looks_them_up_in_a_set() -> None:
     assert replay.not_found == ["nowhere"]
     assert [letter.message_id for letter in held.removed] == ["m-dead-1", "m-dead-3"]
     assert len(published.commands) == 2
+
+
+async def test_a_cron_replay_out_of_time_reports_the_runs_it_left_as_not_reached() -> None:
+    """A replay answers once its budget is spent (none here: one run, the least it
+    replays); the runs asked for that it left are `not_reached` (they were matched, so
+    neither replayed nor reported at all), and the answer is `truncated`."""
+    published = Published()
+    held = HeldLetters([_cron_letter(run_id) for run_id in ("dead-1", "dead-2", "dead-3")])
+    dead_letters = _cron_dead_letters(held, published, replay_budget_s=0)
+
+    replay = await dead_letters.replay(["dead-1", "dead-2", "dead-3", "nowhere"])
+
+    [done] = [letter.dead_run_id for letter in replay.replayed]
+    assert (replay.truncated, replay.not_found) == (True, [])
+    assert sorted(replay.not_reached) == sorted({"dead-1", "dead-2", "dead-3", "nowhere"} - {done})
+    assert [letter.message_id for letter in held.removed] == [f"m-{done}"]
+    assert len(published.commands) == 1
 
 
 class Resubmitted:

@@ -132,11 +132,14 @@ class BrokerActions:
     async def _confirmed(self, what: str, publish: Callable[[], Awaitable[object]]) -> None:
         await keep_publishing(publish, what=what)
 
-    async def carry_out(self, decision: Decision, message: Delivery) -> None:
+    async def carry_out(self, decision: Decision, message: Delivery) -> bool | None:
+        """Carry `decision` out; for a give-up that dead-letters, whether its letter is in
+        the DLQ (False: the broker refused it, see `dead_letter`), else None."""
+        lettered = None
         match decision:
             case Finish(event=event, dead_letter_error=error):
                 if error is not None:
-                    await self.dead_letter(message, error)
+                    lettered = await self.dead_letter(message, error)
                 await self._event(event)
             case Retry(event=event, next_command=next_command):
                 await self._confirmed(
@@ -148,6 +151,7 @@ class BrokerActions:
                 await self.resend(command, headers=_carried_headers(message))
             case Drop(reason=reason):
                 log.debug("dropping a delivery: %s", reason)
+        return lettered
 
     async def _event(self, event: TaskEvent) -> None:
         await self._confirmed(event.routing_key, lambda: self._events.publish(event))
@@ -262,8 +266,8 @@ def subscribe_scorer(
                 log.exception("scoring %s crashed", command.task_id)
                 await _after_crash(command, message, deps, actions, crash_limit=crash_limit)
         else:
-            deps.metrics.count_decision(decision)
-            await actions.carry_out(decision, message)
+            letter_in_dlq = await actions.carry_out(decision, message)
+            deps.metrics.count_decision(decision, lettered=letter_in_dlq)
         await message.ack()
 
 
@@ -358,8 +362,8 @@ async def _settle_or_give_up(
             return
         if recorded is not None:
             log.warning("%s given up on: carrying its recorded decision out", command.task_id)
-            await actions.carry_out(recorded, message)
-            deps.metrics.count_decision(recorded)
+            lettered = await actions.carry_out(recorded, message)
+            deps.metrics.count_decision(recorded, lettered=lettered)
             return
         if await _give_up(command, message, deps, actions, reason):
             return

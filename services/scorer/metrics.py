@@ -34,11 +34,11 @@ class ScorerMetrics:
             "What became of a delivery of score.requested: completed, failed, retry, defer "
             "(sent down the wait ladder: not due, or claimed elsewhere; or sent again at stop "
             "before a model slot), hold (a redelivery held while another claim lasts), drop (a "
-            "duplicate or superseded), dead_lettered (unreadable, or at the crash or delivery "
-            "limit: the task fails), letter_refused (given up so, but the broker refused the "
-            "DLQ copy: returned to its queue as failed, for RabbitMQ to dead-letter at its "
-            "delivery limit), resent (a database or scorer failure, tried again later; "
-            "or at the delivery limit, handed back at stop). "
+            "duplicate or superseded), dead_lettered (given up: unreadable, its retries spent, "
+            "or at the crash or delivery limit; the task fails), letter_refused (given up so, "
+            "but the broker refused the DLQ copy: returned to its queue as failed, for RabbitMQ "
+            "to dead-letter at its delivery limit), resent (a database or scorer failure, "
+            "tried again later; or at the delivery limit, handed back at stop). "
             "Per delivery: a redelivery that replays a recorded decision counts it again.",
             ["decision"],
             registry=registry,
@@ -81,8 +81,12 @@ class ScorerMetrics:
     def count_cancellation(self, outcome: str) -> None:
         self.cancellations.labels(outcome).inc()
 
-    def count_decision(self, decision: Decision) -> None:
-        self.decisions.labels(decision_label(decision)).inc()
+    def count_decision(self, decision: Decision, *, lettered: bool | None = None) -> None:
+        """`lettered`: for a give-up that dead-letters, whether its letter is in the DLQ."""
+        if lettered is not None:
+            self.count_dead_lettered(lettered)
+        else:
+            self.decisions.labels(decision_label(decision)).inc()
 
     def count_dead_lettered(self, lettered: bool) -> None:
         """A delivery given up: `lettered` once its copy is in the DLQ; else the broker

@@ -13,6 +13,7 @@ from typing import Any
 import aio_pika
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import MALFORMED_CONTENT, FakeLLM, FakeLLMConfig, start_fake_llm
@@ -42,6 +43,17 @@ class Flow:
     llm: FakeLLM
     amqp_url: str
     env: dict[str, str]
+    scorer: httpx.AsyncClient
+
+    async def decisions(self) -> dict[str, float]:
+        """The scorer's `scorebox_scorer_decisions_total` by decision."""
+        text = (await self.scorer.get("/metrics")).text
+        return {
+            sample.labels["decision"]: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "scorebox_scorer_decisions_total"
+        }
 
     async def submit(self, text: str) -> str:
         response = await self.api.post("/v1/scores", json={"text": text})
@@ -81,11 +93,11 @@ async def flow(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Flow]
     )
     scorer = create_scorer(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))
     status = create_status(StatusSettings.model_validate(env))
-    async with running(status) as status_client, running(scorer):
+    async with running(status) as status_client, running(scorer) as scorer_api:
         gateway = create_gateway(GatewaySettings.model_validate(env), status_http=status_client)
         async with running(gateway) as api:
             api.headers["Authorization"] = f"Bearer {API_KEY}"
-            yield Flow(api, llm, amqp_url, env)
+            yield Flow(api, llm, amqp_url, env, scorer_api)
     await llm.stop()
 
 
@@ -414,9 +426,15 @@ async def test_dead_letters_are_listed_replayed_with_fresh_attempts_and_purged(f
     await _dead_letters(flow.amqp_url)
     assert (await flow.api.get("/admin/v1/dead-letters")).status_code == 401
     marker = _marker()
+    before = await flow.decisions()
     task_id = await flow.submit(f"Flaky model [[id:{marker}]] [[fake:500x4]]")
     failed = await flow.finished(task_id)
     assert failed["error"]["dead_lettered"] is True
+    # Its retries spent, it is counted as what it became: a letter in the DLQ (it was counted
+    # `failed`, as a failure that leaves no letter is, and the DLQ's series never moved).
+    after = await flow.decisions()
+    assert after.get("dead_lettered", 0) - before.get("dead_lettered", 0) == 1
+    assert after.get("failed", 0) == before.get("failed", 0)
 
     listing = (await flow.api.get("/admin/v1/dead-letters", headers=ADMIN)).json()
     assert [item["task_id"] for item in listing["items"]] == [task_id]

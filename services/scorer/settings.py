@@ -32,8 +32,8 @@ class ScorerSettings(MetricsApiSettings):
     rate_limit_retries: int = Field(
         default=20, ge=0, le=1000, validation_alias="RATE_LIMIT_RETRIES"
     )
-    # The longest a delivery waits in hand for a rate-limit pause to end; a longer pause
-    # sends it down the wait ladder. Well under RabbitMQ's consumer timeout (30 min).
+    # The longest a delivery waits in hand for rate-limit pauses to end, in all; a longer
+    # wait sends it down the wait ladder. Well under RabbitMQ's consumer timeout (30 min).
     rate_limit_hold_s: float = Field(
         default=30.0, gt=0, le=600, validation_alias="RATE_LIMIT_HOLD_S"
     )

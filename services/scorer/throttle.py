@@ -7,9 +7,10 @@ consumed while the limit lasted spent its attempts in seconds and was dead-lette
 the provider recovered moments later. A pause is the provider's `Retry-After` when it gives
 one, or a back-off that doubles with each 429 in a row (jittered, up to `PAUSE_CAP_S`).
 Deliveries wait for their turn in their model slot, before their claim (the lease counts
-from the call); one whose wait would be longer than `hold_s` is put off down the wait ladder
-instead (`PutOff`), so that no delivery is held near RabbitMQ's consumer timeout. When the
-pause ends, one call goes first: its answer ends the pause for all, a 429 starts the next.
+from the call); one whose wait would end more than `hold_s` after it began, pause after pause
+or waiting on the probe's answer, is put off down the wait ladder instead (`PutOff`), so that
+no delivery is held near RabbitMQ's consumer timeout. When the pause ends, one call goes
+first: its answer ends the pause for all, a 429 starts the next.
 
 Calls already running when a 429 comes back are not stopped: their own answers count as they
 come. A pause begun while none lasted is told to the other replicas (`on_pause`, see
@@ -86,12 +87,17 @@ class ModelThrottle:
         return self._probe_due
 
     async def wait_turn(self, closing: asyncio.Event) -> Turn | PutOff:
-        """Wait until a model call may start; `SlotsClosed` when the scorer stops meanwhile."""
+        """Wait until a model call may start, for `hold_s` at most in all; `SlotsClosed` when
+        the scorer stops meanwhile. Bounding each pause alone held a delivery for ever with
+        `hold_s` above the longest back-off (`PAUSE_CAP_S`): pause after pause while the
+        limit lasted, until RabbitMQ's consumer timeout closed the channel."""
+        held_until = self._clock() + self.hold_s
         while True:
             if closing.is_set():
                 raise SlotsClosed
             left = self.pause_left_s()
-            if left > self.hold_s:
+            hold_left = held_until - self._clock()
+            if left > hold_left:
                 return PutOff(left)
             if left > 0:
                 await self._until_changed(closing, timeout_s=left)
@@ -100,8 +106,10 @@ class ModelThrottle:
             elif not self._probe_out:
                 self._probe_out = True
                 return PROBE
+            elif hold_left <= 0:
+                return PutOff(0.0)  # the probe's answer is late: back of the queue
             else:
-                await self._until_changed(closing, timeout_s=None)  # the probe's answer
+                await self._until_changed(closing, timeout_s=hold_left)  # the probe's answer
 
     def rate_limited(self, turn: Turn, retry_after_s: float | None) -> None:
         """A call came back 429: pause, or lengthen the pause. The back-off grows with each

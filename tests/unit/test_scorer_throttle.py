@@ -224,3 +224,40 @@ async def test_a_pause_told_by_another_replica_beyond_the_hold_puts_calls_off() 
     turn = await throttle.wait_turn(asyncio.Event())
     assert isinstance(turn, PutOff)
     assert turn.left_s == pytest.approx(120)
+
+
+async def test_a_delivery_waits_hold_s_in_all_not_per_pause() -> None:
+    """Each pause was checked against the hold alone: with `hold_s` above the longest
+    back-off, a delivery waited pause after pause for as long as the limit lasted (until
+    RabbitMQ's consumer timeout closed the channel). Two pauses of 3 s against a hold of 5 s:
+    the second puts it off."""
+    clock = Clock()
+    throttle = _throttle(clock, hold_s=5.0)
+    throttle.rate_limited(Turn(), retry_after_s=3)
+    closing = asyncio.Event()
+    waiter = asyncio.ensure_future(throttle.wait_turn(closing))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+
+    clock.now += 3.01  # the first pause is over; another delivery takes the probe first
+    probe = await throttle.wait_turn(closing)
+    assert probe == Turn(probe=True)
+    throttle.rate_limited(probe, retry_after_s=3)  # the limit lasts: a second pause
+    throttle.done(probe)
+
+    put_off = await asyncio.wait_for(waiter, 10)  # a hang guard: the pause is 3 s
+    assert isinstance(put_off, PutOff)
+    assert put_off.left_s == pytest.approx(3, abs=0.1)
+
+
+async def test_a_delivery_waiting_on_a_probe_that_never_answers_is_put_off_after_the_hold() -> None:
+    """The wait for the probe's answer was unbounded: a probe whose call hung held every
+    other delivery in hand with it."""
+    throttle = ModelThrottle(hold_s=0.2, base_s=0.01, rng=random.Random(0))  # the real clock
+    throttle.rate_limited(Turn(), retry_after_s=None)
+    closing = asyncio.Event()
+    waiters = [asyncio.ensure_future(throttle.wait_turn(closing)) for _ in range(2)]
+
+    await eventually(lambda: _all_done(waiters), what="the probe taken, the other put off")
+    turns = sorted((waiter.result() for waiter in waiters), key=lambda turn: str(type(turn)))
+    assert turns == [PutOff(0.0), Turn(probe=True)]

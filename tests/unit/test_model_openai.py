@@ -37,7 +37,7 @@ from services.scorer.model import (
     ScoringRequest,
     make_http_client,
 )
-from services.scorer.model.http_client import MAX_REPLY_BYTES
+from services.scorer.model.http_client import MAX_REPLY_BYTES, EnvProxy
 from shared.contracts import Usage
 from tests.support import serving
 
@@ -60,7 +60,15 @@ class Misbehaviour(Enum):
     HANG = "never answer"
 
 
-Reply = Answer | Misbehaviour
+@dataclass(frozen=True)
+class Slow:
+    """An answer the scripted provider gives only after `delay_s`."""
+
+    answer: Answer
+    delay_s: float
+
+
+Reply = Answer | Slow | Misbehaviour
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,9 @@ class ScriptedProvider:
         content = await request.read()
         self.requests.append(Sent(request.method, request.path, request.headers, content))
         reply = self.replies.pop(0)
+        if isinstance(reply, Slow):
+            await asyncio.sleep(reply.delay_s)
+            reply = reply.answer
         if isinstance(reply, Answer):
             return web.Response(status=reply.status, body=reply.body, headers=reply.headers)
         _misbehave(request, reply)
@@ -386,6 +397,47 @@ async def test_a_rate_limit_whose_message_mentions_billing_is_still_a_rate_limit
     assert caught.value.retry_after_s == 7
 
 
+TOO_LARGE_FOR_THE_TPM_LIMIT = (
+    "Request too large for gpt-4o in organization org-x on tokens per min (TPM): Limit 30000,"
+    " Requested 36278. The input or output tokens must be reduced in order to run"
+    " successfully. Visit https://platform.openai.com/account/rate-limits to learn more."
+)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        pytest.param(
+            json_answer(
+                429,
+                {
+                    "error": {
+                        "message": TOO_LARGE_FOR_THE_TPM_LIMIT,
+                        "type": "tokens",
+                        "param": None,
+                        "code": "rate_limit_exceeded",
+                    }
+                },
+                **{"Retry-After": "7"},
+            ),
+            id="status-429",
+        ),
+        pytest.param(
+            json_answer(200, {"error": {"code": 429, "message": TOO_LARGE_FOR_THE_TPM_LIMIT}}),
+            id="carried-by-a-200",
+        ),
+    ],
+)
+async def test_a_request_too_large_for_the_rate_limit_is_input_rejected(answer: Answer) -> None:
+    """OpenAI answers one request larger than the account's tokens-per-minute limit with a
+    429 that no wait lets through: read as a rate limit, the same text was retried some 24
+    times over an hour, each time pausing every scorer's model calls."""
+    provider = ScriptedProvider(answer)
+    with pytest.raises(InputRejected, match="Request too large") as caught:
+        await score_with(provider)
+    assert not caught.value.to_task_error().retryable
+
+
 @pytest.mark.parametrize(
     ("error", "expected"),
     [
@@ -633,10 +685,76 @@ async def test_a_hung_provider_hits_the_hard_deadline() -> None:
 
 
 async def test_the_deadline_covers_the_repair_call_too() -> None:
-    provider = ScriptedProvider(completion("not JSON"), Misbehaviour.HANG)
-    with pytest.raises(ModelTimeout):  # one deadline: the connect, both calls
-        await score_with(provider, LLM_TIMEOUT_S=1)
+    """Each call within aiohttp's own bound of a request, both together past LLM_TIMEOUT_S.
+    The test hung the repair instead, which that bound cut as well: it passed without the one
+    deadline over both calls, though a score could then take twice LLM_TIMEOUT_S and more."""
+    timeout_s = 1.0
+    unusable = Slow(completion("not JSON"), delay_s=0.6 * timeout_s)
+    repaired = Slow(completion(GOOD), delay_s=0.6 * timeout_s)
+    provider = ScriptedProvider(unusable, repaired)
+    with pytest.raises(ModelTimeout, match=r"within 1 s"):
+        await score_with(provider, LLM_TIMEOUT_S=timeout_s)
     assert len(provider.requests) == 2
+
+
+@asynccontextmanager
+async def refusing_proxy(status: int, reason: str) -> AsyncIterator[tuple[EnvProxy, list[bytes]]]:
+    """A proxy answering every request, CONNECT included, with `status`; yields it and the
+    request lines it received."""
+    request_lines: list[bytes] = []
+
+    async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        request_lines.append(head.split(b"\r\n", 1)[0])
+        writer.write(
+            f"HTTP/1.1 {status} {reason}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode()
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(refuse, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield EnvProxy(URL(f"http://127.0.0.1:{port}"), None), request_lines
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_proxy_refusing_our_credentials_is_misconfiguration() -> None:
+    """A proxy's 407 (wrong credentials in HTTP_PROXY) fails every call until the setting
+    changes: read as the provider being unavailable, each task was retried to its last
+    attempt."""
+    async with (
+        refusing_proxy(407, "Proxy Authentication Required") as (proxy, asked),
+        ProviderClient(concurrency=1, timeout_s=5, proxy=proxy) as http,
+    ):
+        model = OpenAIChatModel(http, settings(LLM_BASE_URL="http://llm.test/v1"))
+        with pytest.raises(ModelMisconfigured, match="407 from the proxy") as caught:
+            await model.score(request())
+    assert not caught.value.to_task_error().retryable
+    assert asked == [b"POST http://llm.test/v1/chat/completions HTTP/1.1"]
+
+
+@pytest.mark.parametrize(
+    ("status", "reason"), [(407, "Proxy Authentication Required"), (403, "Forbidden")]
+)
+async def test_a_proxy_refusing_the_tunnel_to_the_provider_is_misconfiguration(
+    status: int, reason: str
+) -> None:
+    """To an https provider the proxy refuses the CONNECT: wrong credentials in HTTPS_PROXY,
+    or a host it does not let through. Read as the provider being unavailable, each task was
+    retried to its last attempt, failing alike every time."""
+    async with (
+        refusing_proxy(status, reason) as (proxy, asked),
+        ProviderClient(concurrency=1, timeout_s=5, proxy=proxy) as http,
+    ):
+        model = OpenAIChatModel(http, settings(LLM_BASE_URL="https://llm.test/v1"))
+        with pytest.raises(ModelMisconfigured, match="the proxy") as caught:
+            await model.score(request())
+    assert not caught.value.to_task_error().retryable
+    assert str(proxy.url) in caught.value.message
+    assert asked == [b"CONNECT llm.test:443 HTTP/1.1"]
 
 
 @pytest.mark.parametrize(

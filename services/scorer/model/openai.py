@@ -70,9 +70,16 @@ _INPUT_PROBLEMS: Final = (
 # Read in the error's code and type only: a rate limit's message may point at a billing page
 # ("Need more tokens? Upgrade ... /settings/billing"), which no retry would have fixed.
 _CONFIG_PROBLEMS_429: Final = ("insufficient_quota", "billing")
+# A 429 for one request larger than the account's tokens-per-minute limit (OpenAI's "Request
+# too large ... must be reduced in order to run successfully"): no wait lets that text through.
+_TOO_LARGE_FOR_THE_RATE_LIMIT: Final = ("request too large", "must be reduced in order to run")
 # Statuses no retry changes: the key (401, 403), credit (402: OpenRouter and others), or
 # LLM_BASE_URL and LLM_MODEL naming no chat-completions endpoint (404, 405, 410, 415).
 _MISCONFIGURED: Final = frozenset({401, 402, 403, 404, 405, 410, 415})
+# A proxy refusing our credentials (407) or the tunnel to the provider (403) refuses every
+# call alike until its settings change.
+_PROXY_REFUSALS: Final = frozenset({403, 407})
+_PROXY_SETTINGS: Final = "HTTPS_PROXY/HTTP_PROXY"
 # Named in the failure of an answer cut at the token limit: the setting that raises it.
 MAX_OUTPUT_TOKENS_SETTING: Final = "LLM_MAX_OUTPUT_TOKENS"
 
@@ -312,6 +319,10 @@ def _transport_error(exc: Exception, url: URL) -> ScoringError:
     if isinstance(exc, aiohttp.ClientConnectorCertificateError):
         # The same certificate fails every retry until LLM_BASE_URL or the trust store changes.
         return ModelMisconfigured(f"{url} presented a certificate we do not trust: {exc}")
+    if isinstance(exc, aiohttp.ClientHttpProxyError) and exc.status in _PROXY_REFUSALS:
+        return ModelMisconfigured(
+            f"the proxy ({_PROXY_SETTINGS}) refused the connection to {url}: {exc}"
+        )
     reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return ModelUnavailable(f"cannot reach {url}: {reason}")
 
@@ -460,9 +471,9 @@ def error_for_response(response: ProviderReply, *, now: datetime) -> ScoringErro
     code = _error_code(response).lower()
     blames = f"{provider_says} {code}".lower()
     if status == 429:
-        if any(problem in code for problem in _CONFIG_PROBLEMS_429):
-            return ModelMisconfigured(detail)
-        return ModelRateLimited(detail, retry_after_s=retry_after_s(response.headers, now=now))
+        return _rate_limit_error(response, detail, code, now=now)
+    if status == 407:
+        return ModelMisconfigured(f"407 from the proxy ({_PROXY_SETTINGS}): {provider_says}")
     if status in _MISCONFIGURED or 300 <= status < 400:
         return ModelMisconfigured(detail)
     if status == 413 or (
@@ -473,6 +484,22 @@ def error_for_response(response: ProviderReply, *, now: datetime) -> ScoringErro
         # Our request is malformed for this server (e.g. an unsupported LLM_JSON_MODE).
         return ModelMisconfigured(detail)
     return ModelUnavailable(detail, retry_after_s=retry_after_s(response.headers, now=now))
+
+
+def _rate_limit_error(
+    response: ProviderReply, detail: str, code: str, *, now: datetime
+) -> ScoringError:
+    """The error of a 429, which no wait fixes when it blames the account or the text."""
+    if any(problem in code for problem in _CONFIG_PROBLEMS_429):
+        return ModelMisconfigured(detail)
+    if _too_large_for_the_rate_limit(response):
+        return InputRejected(detail)
+    return ModelRateLimited(detail, retry_after_s=retry_after_s(response.headers, now=now))
+
+
+def _too_large_for_the_rate_limit(response: ProviderReply) -> bool:
+    message = " ".join(_error_message(response).split()).lower()
+    return any(phrase in message for phrase in _TOO_LARGE_FOR_THE_RATE_LIMIT)
 
 
 def _embedded_error(response: ProviderReply, *, now: datetime) -> ScoringError | None:
@@ -498,11 +525,17 @@ def _billed_with_error(response: ProviderReply) -> Usage:
 
 
 def _provider_detail(response: ProviderReply) -> str:
-    error = _error_object(response)
-    message = error.get("message") if error else None
-    if isinstance(message, str) and message:
+    message = _error_message(response)
+    if message:
         return _trim(message)
     return _trim(response.text) or response.reason or "no detail"
+
+
+def _error_message(response: ProviderReply) -> str:
+    """The message of an OpenAI-style error body, whole; empty when there is none."""
+    error = _error_object(response)
+    message = error.get("message") if error else None
+    return message if isinstance(message, str) else ""
 
 
 def _error_code(response: ProviderReply) -> str:

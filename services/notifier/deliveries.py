@@ -341,12 +341,15 @@ async def _put_off(
     while it polled for a free one (new deliveries took the freed slots first), could wait
     past the broker's consumer timeout under a long saturation, and one refused the reserve
     kept for idle tenants filled that very reserve (found in review). The copy carries the
-    delivery count (`Send` of the same attempt), which holding was there to keep."""
-    deps.metrics.deferred.labels(why).inc()
+    delivery count (`Send` of the same attempt), which holding was there to keep.
+
+    Counted in `scorebox_webhook_deferred_total` only when a copy is put off: a redelivery
+    that carries out its recorded decision was counted too, as if put off (found in review)."""
     if redelivered:
         record = await deps.ledger.find(delivery.delivery_id)
         if record is not None and (decided := recorded_decision(delivery, record)) is not None:
             return decided
+    deps.metrics.deferred.labels(why).inc()
     wait = put_off_wait(delivery.deferrals, deps.rng)
     later = deps.clock() + wait  # from now: the ladder sends a past one at once
     deferred = delivery.model_copy(

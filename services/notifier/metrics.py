@@ -33,9 +33,10 @@ class NotifierMetrics:
             "had WEBHOOK_CONCURRENCY_PER_HOST POSTs in flight to its destination; tenant_busy: "
             "WEBHOOK_CONCURRENCY_PER_TENANT of its tenant; tenant_reserve: its tenant had a "
             "POST in flight and only the reserve kept for idle tenants was free; "
-            "lease_short: its claim had too "
-            "little of its lease left for a POST; sent down the wait ladder, or, for a "
-            "redelivery, held, each time counted).",
+            "lease_short: its claim had too little of its lease left for a POST). Counted "
+            "each time a copy is sent down the wait ladder (a redelivery's copy carrying its "
+            "delivery count); a redelivery whose attempt was already decided carries that "
+            "decision out instead and is not counted.",
             ["reason"],
             registry=registry,
         )

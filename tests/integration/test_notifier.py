@@ -18,6 +18,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -530,15 +531,24 @@ async def test_the_failure_alert_receives_every_failed_task(flow: Flow) -> None:
 
 
 async def test_retry_after_is_honoured_through_the_wait_ladder(flow: Flow) -> None:
-    url = flow.receiver.endpoint((429, {"Retry-After": "1"}), 200)
+    """With retries due at once here (WEBHOOK_RETRY_BASE_S=0.01), this passed as well when
+    the receiver's Retry-After was dropped on its way to the retry: the retry must be
+    scheduled at least the hinted second after the receiver answered."""
+    url, answer = flow.receiver.held_endpoint((429, {"Retry-After": "1"}), 200)
     task_id = new_id()
     await flow.publish(_completed(task_id, url))
+    try:
+        await _first_request_at(flow, url)
+        answered_at = utcnow()
+    finally:
+        answer.set()  # the 429 goes out only now
 
     record = await flow.settled(task_id, "delivered")
 
     assert len(flow.receiver.requests(url)) == 2
     assert record["attempt"] == 2
-    assert record["next_attempt_at"] is not None
+    # The database keeps milliseconds: the retry's due time may lose up to one.
+    assert record["next_attempt_at"] - answered_at >= timedelta(seconds=1, milliseconds=-1)
 
 
 async def test_a_duplicate_terminal_event_is_delivered_once(flow: Flow) -> None:

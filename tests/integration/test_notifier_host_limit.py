@@ -316,20 +316,26 @@ async def test_a_redelivery_to_a_busy_destination_goes_down_the_ladder_its_count
     assert _deferred(registry) == 1
 
 
+async def _delivered_elsewhere(ledger: Ledger, delivery: DeliverWebhook) -> DeliverWebhook:
+    """`delivery` recorded delivered by another process, as if its consumer died before
+    acking."""
+    now = datetime.now(UTC)
+    await ledger.register(delivery, now=now)
+    claim = await ledger.claim(
+        delivery, process="proc-b", owner="proc-b/1", now=now, lease=timedelta(seconds=60)
+    )
+    assert claim.won
+    await ledger.mark_delivered(delivery, now=now, status=200)
+    return delivery
+
+
 async def test_a_redelivery_put_off_carries_out_what_its_attempt_decided(
     make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
 ) -> None:
     """Its consumer died after the POST was recorded delivered, before the ack: nothing is
     sent again, busy destination or not."""
     deps, _ = _with_bound(make_deps("proc-a"))
-    delivery = _delivery(receiver[0])
-    await ledger.register(delivery, now=datetime.now(UTC))
-    claimed_at = datetime.now(UTC)
-    claim = await ledger.claim(
-        delivery, process="proc-b", owner="proc-b/1", now=claimed_at, lease=timedelta(seconds=60)
-    )
-    assert claim.won
-    await ledger.mark_delivered(delivery, now=claimed_at, status=200)
+    delivery = await _delivered_elsewhere(ledger, _delivery(receiver[0]))
     broker, handle = _handler(deps)
     message = HandedDelivery.redelivery(delivery.model_dump_json().encode())
 
@@ -339,6 +345,24 @@ async def test_a_redelivery_put_off_carries_out_what_its_attempt_decided(
     assert message.settled == ["ack"]
     assert broker.published == []
     assert receiver[0].requests(delivery.url) == []
+
+
+async def test_a_redelivery_carrying_out_its_decision_is_not_counted_deferred(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    """Counted before its recorded decision was checked, a redelivery of an attempt already
+    delivered, to a busy destination, added to scorebox_webhook_deferred_total though nothing
+    was put off."""
+    deps, registry = _with_bound(make_deps("proc-a"))
+    delivery = await _delivered_elsewhere(ledger, _delivery(receiver[0]))
+    broker, handle = _handler(deps)
+    message = HandedDelivery.redelivery(delivery.model_dump_json().encode())
+
+    with _all_slots_taken(deps.hosts, destination_of(delivery.url, deps.guard)):
+        await asyncio.wait_for(handle(message), timeout=30)
+
+    assert (message.settled, broker.published) == (["ack"], [])
+    assert _deferred(registry) == 0
 
 
 class _CrashingOnce:

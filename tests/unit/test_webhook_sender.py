@@ -9,6 +9,9 @@ stall before their first byte, so the old read always waited for them. The recei
 real TLS server on 127.0.0.1 writing raw HTTP bytes, reached through the SSRF guard the way
 the notifier reaches any receiver (its name exempted for the test, as the integration tests
 do).
+
+Nor does the sender go anywhere the guard did not check: it stops at a redirect (a 3xx is
+the answer) and takes no proxy from the environment.
 """
 
 from __future__ import annotations
@@ -72,6 +75,27 @@ class RawReceiver:
                 await writer.wait_closed()
 
 
+class Recorder:
+    """A plain HTTP server that records the head of each request and answers `reply`: where
+    a redirect points, or a proxy."""
+
+    def __init__(self, reply: bytes) -> None:
+        self.reply = reply
+        self.heads: list[bytes] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            self.heads.append(await reader.readuntil(b"\r\n\r\n"))
+            writer.write(self.reply)
+            await writer.drain()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[ssl.SSLContext, Path]:
     ca = trustme.CA()
@@ -94,6 +118,19 @@ async def receiving(
         yield receiver, await guard.vet(f"https://{HOST}:{port}/hook")
     finally:
         receiver.release.set()
+        server.close()
+        await server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def recording(host: str, reply: bytes) -> AsyncIterator[tuple[Recorder, str]]:
+    """A `Recorder` listening on `host`, and its base URL."""
+    recorder = Recorder(reply)
+    server = await asyncio.start_server(recorder.handle, host, 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield recorder, f"http://{host}:{port}"
+    finally:
         server.close()
         await server.wait_closed()
 
@@ -204,3 +241,44 @@ async def test_a_header_past_the_limit_is_no_answer(tls: tuple[ssl.SSLContext, P
     async with receiving(tls, reply) as (_, destination):
         with pytest.raises(ReceiverUnreachable):
             await _post(_sender(tls, timeout_s=10), destination)
+
+
+@pytest.mark.parametrize(("status", "reason"), [(302, "Found"), (307, "Temporary Redirect")])
+async def test_a_redirect_is_the_answer_and_is_not_followed(
+    tls: tuple[ssl.SSLContext, Path], status: int, reason: str
+) -> None:
+    """Nothing failed when `allow_redirects=False` was dropped: the webhook then went on to
+    the `Location`, an address the SSRF guard never checked (an IP literal is connected to
+    without the pinned resolver), here a second server on 127.0.0.2 standing for an internal
+    one."""
+    ok = _reply("200 OK", body=b"", content_length=0)
+    async with recording("127.0.0.2", ok) as (internal, internal_url):
+        location = f"{internal_url}/latest/meta-data/"
+        reply = _reply(f"{status} {reason}", body=b"", content_length=0, Location=location)
+        async with receiving(tls, reply) as (receiver, destination):
+            answer = await _post(_sender(tls, timeout_s=10), destination)
+
+    assert internal.heads == []
+    assert answer.status == status
+    assert receiver.posts == 1
+
+
+async def test_the_environments_proxy_is_not_used(
+    tls: tuple[ssl.SSLContext, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing failed when `trust_env=False` was dropped: the webhook then went through the
+    proxy HTTPS_PROXY named, which connects wherever it likes, not to the checked addresses.
+    """
+    refusal = _reply("502 Bad Gateway", body=b"", content_length=0)
+    async with recording("127.0.0.1", refusal) as (proxy, proxy_url):
+        for name in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY"):
+            monkeypatch.setenv(name, proxy_url)
+            monkeypatch.setenv(name.lower(), proxy_url)  # the lower-case ones win
+        for name in ("NO_PROXY", "no_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        ok = _reply("200 OK", body=b"", content_length=0)
+        async with receiving(tls, ok) as (receiver, destination):
+            answer = await _post(_sender(tls, timeout_s=10), destination)
+
+    assert proxy.heads == []
+    assert (answer.status, receiver.posts) == (200, 1)

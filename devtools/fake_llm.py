@@ -53,10 +53,12 @@ Routes
     (``max_in_flight`` restarts from the requests still in flight).
 ``POST /_control``
     JSON with any of ``latency_ms``, ``jitter_ms``, ``fail_rate``, ``rate_limited_calls``,
-    ``rate_limited_for_s``, ``rate_limit_retry_s``: updates the live config and answers it.
-    ``rate_limited_calls``: the next N completion requests, whatever their task, answer 429 (a
-    provider-wide rate limit); ``rate_limited_for_s``: every request does for the next S
-    seconds; either with ``Retry-After: rate_limit_retry_s`` when that is above 0.
+    ``rate_limited_for_s``, ``rate_limit_retry_s``, ``unavailable_for_s``: updates the live
+    config and answers it. ``rate_limited_calls``: the next N completion requests, whatever
+    their task, answer 429 (a provider-wide rate limit); ``rate_limited_for_s``: every request
+    does for the next S seconds; either with ``Retry-After: rate_limit_retry_s`` when that is
+    above 0. ``unavailable_for_s``: every request answers 503 (overloaded) for the next S
+    seconds (a provider restarting).
 
 What is judged
 --------------
@@ -156,6 +158,7 @@ _CONTROLLABLE: Final = frozenset(
         "rate_limited_calls",
         "rate_limited_for_s",
         "rate_limit_retry_s",
+        "unavailable_for_s",
     }
 )
 # A model name that already names its snapshot: `-2024-07-18`, or OpenAI's older `-0613`.
@@ -172,6 +175,7 @@ class FakeLLMConfig:
     rate_limited_calls: float = 0.0  # the next N calls answer 429, whatever their task
     rate_limited_until: float = 0.0  # every call answers 429 until then (`time.monotonic`)
     rate_limit_retry_s: float = 0.0  # their Retry-After (none when 0)
+    unavailable_until: float = 0.0  # every call answers 503 until then (`time.monotonic`)
     model: str = DEFAULT_MODEL
     seed: int | None = None
     # Appended (as `-<date>`) to the requested model name in answers; None answers the name
@@ -425,6 +429,8 @@ class ServerState:
         for name, value in changes.items():
             if name == "rate_limited_for_s":
                 self.config.rate_limited_until = time.monotonic() + float(value)
+            elif name == "unavailable_for_s":
+                self.config.unavailable_until = time.monotonic() + float(value)
             else:
                 setattr(self.config, name, float(value))
 
@@ -476,8 +482,11 @@ def _server_error(status: int = 500) -> web.Response:
     return _error(500, "The server had an error while processing your request.", "server_error")
 
 
-def _provider_rate_limit(config: FakeLLMConfig) -> web.Response | None:
-    """A 429 while `rate_limited_until` lasts, or `rate_limited_calls` (counted down)."""
+def _provider_wide_error(config: FakeLLMConfig) -> web.Response | None:
+    """A 503 while `unavailable_until` lasts; else a 429 while `rate_limited_until` lasts, or
+    `rate_limited_calls` (counted down)."""
+    if time.monotonic() < config.unavailable_until:
+        return _server_error(503)
     if time.monotonic() < config.rate_limited_until:
         return _rate_limited(config.rate_limit_retry_s)
     if config.rate_limited_calls < 1:
@@ -606,8 +615,8 @@ async def _answer_completion(request: web.Request, state: ServerState) -> web.Re
     except InvalidRequest as exc:
         return _error(400, str(exc), "invalid_request_error", param=exc.param)
 
-    # A provider-wide rate limit spends no task's fault budget.
-    error = _provider_rate_limit(state.config)
+    # A provider-wide rate limit or outage spends no task's fault budget.
+    error = _provider_wide_error(state.config)
     fault = None if error is not None else state.next_fault(task_key(text), parse_faults(text))
     kind = fault.kind if fault else None
     if fault is not None and error is None:

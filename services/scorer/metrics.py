@@ -51,12 +51,14 @@ class ScorerMetrics:
 
         self.model_calls_paused = Gauge(
             "scorebox_model_calls_paused",
-            "1 while the provider's rate limit (429) pauses this scorer's model calls.",
+            "1 while the provider's rate limit (429), or an outage (calls of several tasks in "
+            "a row found it unavailable), pauses this scorer's model calls.",
             registry=registry,
         )
         self.rate_limit_pauses = Counter(
             "scorebox_model_rate_limit_pauses",
-            "Rate-limit pauses of this scorer's model calls begun (a 429 while none lasted).",
+            "Pauses of this scorer's model calls begun while none lasted: a 429, or an outage "
+            "(the provider unavailable to the calls of several tasks in a row).",
             registry=registry,
         )
         self.shared_pauses = Counter(

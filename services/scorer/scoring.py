@@ -41,6 +41,7 @@ from services.scorer.decisions import (
 from services.scorer.detached import Detached
 from services.scorer.errors import (
     ModelRateLimited,
+    ModelUnavailable,
     PermanentError,
     ScoringError,
     TransientError,
@@ -436,7 +437,8 @@ async def _call_model(
 ) -> tuple[Finish | Retry, str | None]:
     """The attempt's decision; its outcome's usage counts in what `earlier` attempts of the
     generation were billed, a retry carries it on. A 429 pauses this process's model calls
-    (`deps.throttle`); any other answer tells the throttle the provider took the call."""
+    (`deps.throttle`), and so does the provider found unavailable several times in a row; any
+    other answer tells the throttle the provider took the call."""
     request = ScoringRequest(
         task_id=command.task_id, text=command.text, rubric=command.rubric, model=command.model
     )
@@ -447,6 +449,10 @@ async def _call_model(
         _count_call(deps.metrics, "transient", error.code, started)
         deps.throttle.rate_limited(turn, error.retry_after_s)
         return _retry_or_give_up(command, error, deps, earlier), None
+    except ModelUnavailable as error:
+        _count_call(deps.metrics, "transient", error.code, started)
+        outage = deps.throttle.unavailable(turn, error.retry_after_s, task_id=command.task_id)
+        return _retry_or_give_up(command, error, deps, earlier, outage=outage), None
     except TransientError as error:
         _count_call(deps.metrics, "transient", error.code, started)
         deps.throttle.answered(turn)
@@ -521,15 +527,21 @@ def _failed(
 
 
 def _retry_or_give_up(
-    command: ScoreText, error: TransientError, deps: ScorerDeps, earlier: Spent | None
+    command: ScoreText,
+    error: TransientError,
+    deps: ScorerDeps,
+    earlier: Spent | None,
+    *,
+    outage: bool = False,
 ) -> Finish | Retry:
     """The next attempt, or the task's failure once its attempts are spent. An attempt the
-    provider's rate limit ended is not counted against `max_attempts` while the scorer's
-    `RATE_LIMIT_RETRIES` last: the limit says nothing of the task, and a provider limited
-    for a minute spent every task's attempts in it. Its retry waits for the pause too."""
+    provider's rate limit ended, or an outage that pauses the calls (`outage`: the probes
+    that find it still down), is not counted against `max_attempts` while the scorer's
+    `RATE_LIMIT_RETRIES` last: they say nothing of the task, and a provider limited for a
+    minute spent every task's attempts in it. Its retry waits for the pause too."""
     now = deps.clock()
     policy = deps.retry_policy
-    free = isinstance(error, ModelRateLimited) and (
+    free = (outage or isinstance(error, ModelRateLimited)) and (
         command.rate_limited_retries < policy.rate_limit_retries
     )
     if not free and command.attempt - command.rate_limited_retries >= command.max_attempts:

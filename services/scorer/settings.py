@@ -27,8 +27,8 @@ class ScorerSettings(MetricsApiSettings):
     retry_cap_s: float = Field(
         default=300.0, gt=0, le=MAX_DURATION_S, validation_alias="RETRY_CAP_S"
     )
-    # Attempts the provider's rate limit (429) may end without counting against a task's
-    # SCORE_MAX_ATTEMPTS (services/scorer/throttle.py).
+    # Attempts the provider's rate limit (429), or an outage's pause (its probes), may end
+    # without counting against a task's SCORE_MAX_ATTEMPTS (services/scorer/throttle.py).
     rate_limit_retries: int = Field(
         default=20, ge=0, le=1000, validation_alias="RATE_LIMIT_RETRIES"
     )

@@ -1,5 +1,7 @@
 """Rate-limit pauses: after the provider answers 429, this process starts no model call until
-the pause ends, and then one call (a probe) before all the others.
+the pause ends, and then one call (a probe) before all the others. The provider found
+unavailable `TRIP_AFTER` times in a row (a 5xx, a refused connection: `unavailable`) pauses
+the calls the same way, as a circuit breaker does.
 
 Without it, a provider's rate limit of a few seconds met every model slot of every scorer at
 full speed: each 429 came back at once, the slot took the next delivery, and every task
@@ -19,6 +21,15 @@ come. A pause begun while none lasted is told to the other replicas (`on_pause`,
 provider account's, and without it each replica spent a round of 429s, all its model slots'
 worth, learning it. The longer pauses of a probe answered 429 are not told: by then each
 replica is paused and spends one probe per pause, whatever the others learn.
+
+An unavailable provider spends the attempts of the calls it fails (unlike a 429's), so
+without a pause an outage longer than the retries' back-off (about 14 s with the defaults)
+failed every task consumed during it, each after its four attempts, though the provider came
+back moments later (a self-hosted model restarting). With the pause, the calls stop once
+those of `TRIP_AFTER` tasks in a row found it unavailable (any other answer between them
+starts the count again, so a provider failing now and then is not paused, nor is one failing
+a single text), and the probes that find it still down spend no attempt (the scorer counts
+them as it counts a 429's, within `RATE_LIMIT_RETRIES`).
 """
 
 from __future__ import annotations
@@ -32,6 +43,9 @@ from dataclasses import dataclass
 from services.scorer.slots import SlotsClosed
 
 PAUSE_BASE_S = 1.0
+# Tasks whose calls found the provider unavailable in a row, no other answer between them,
+# that pause the calls.
+TRIP_AFTER = 3
 PAUSE_CAP_S = 60.0
 # The longest `Retry-After` a pause honours; longer hints are for the task's retry (the
 # scorer's `MAX_RETRY_AFTER_S`), the pause puts its deliveries off.
@@ -73,6 +87,8 @@ class ModelThrottle:
         self._clock = clock
         self._paused_until = 0.0
         self._rate_limits_in_a_row = 0
+        self._unavailable_tasks: set[str] = set()  # of the calls in a row found it so
+        self._outage = False  # the pause lasting began with the provider unavailable
         self._probe_due = False  # a pause ended and no call has answered since
         self._probe_out = False  # the probe's call is running
         self._changed = asyncio.Event()
@@ -126,6 +142,22 @@ class ModelThrottle:
         if first:
             self._on_pause(self.pause_left_s())
 
+    def unavailable(self, turn: Turn, retry_after_s: float | None, *, task_id: str) -> bool:
+        """A call of task `task_id` found the provider unavailable: a pause as after a 429
+        once calls of `TRIP_AFTER` tasks in a row did (an outage), or at once for a probe's
+        call or one running during a pause. Tasks, not calls: one text the provider fails
+        every time (its retries the only calls of a quiet hour) would pause every other
+        task's. True when the call is the outage's rather than its task's: it began the
+        outage's pause, or probed one and found the provider still down."""
+        self._unavailable_tasks.add(task_id)
+        began = len(self._unavailable_tasks) >= TRIP_AFTER and not self._probe_due
+        the_outages = began or (turn.probe and self._outage)
+        if began or turn.probe or self._probe_due:
+            self._unavailable_tasks.clear()
+            self.rate_limited(turn, retry_after_s)
+        self._outage = self._outage or began
+        return the_outages
+
     def paused_elsewhere(self, pause_s: float) -> bool:
         """Another replica calling the same provider was answered 429 and pauses `pause_s`
         more: pause as long, then probe. False when this process's pause already lasts as
@@ -144,8 +176,10 @@ class ModelThrottle:
         """A call came back with anything but a 429. The probe's answer ends the pause, unless
         another replica's pause heard meanwhile outlasts it (then another probe follows that
         one); a call started before the pause says nothing of it."""
+        self._unavailable_tasks.clear()
         if turn.probe:
             self._probe_due = self.pause_left_s() > 0
+            self._outage = self._outage and self._probe_due
             self._rate_limits_in_a_row = 0
             self._notify()
         elif not self._probe_due:

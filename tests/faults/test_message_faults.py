@@ -5,6 +5,9 @@
   or failed, dead-lettered only when retries ran out).
 - The provider rate-limits every call for a while (longer than a task's attempts take): no
   task fails; the scorer pauses its calls and the 429s spend no attempt.
+- The provider fails every call for a while (longer than a task's attempts take): no task
+  fails; after three failures in a row the scorer pauses its calls, and each pause costs one
+  attempt, its probe's.
 - The same `score.requested` delivered twice: one model call.
 - A body that is not a command (poison): dead-lettered with the reason, the consumer lives.
 """
@@ -45,6 +48,10 @@ DRAIN_TIMEOUT_S = 120.0
 # these tests' back-off (RETRY_BASE_S 0.2, RETRY_CAP_S 1), and a few of the default's.
 RATE_LIMIT_WINDOW_S = 20.0
 RATE_LIMITED_TASKS = 12
+# Every call answered 503 for this long (a provider restarting): a task's four attempts took
+# under 2 s with these tests' back-off, so every task consumed meanwhile failed.
+PROVIDER_DOWN_S = 8.0
+PROVIDER_DOWN_TASKS = 12
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +181,42 @@ async def test_a_provider_wide_rate_limit_fails_no_task(
             broker=labels[0],
             database=labels[1],
             notes=f"{limited} calls answered 429; at most "
+            f"{max(v['attempts'] for v in views.values())} attempts for a task",
+        )
+    )
+    assert statuses == ["completed"] * len(tasks), [view.get("error") for view in views.values()]
+    assert scored_twice == 0
+
+
+async def test_a_provider_down_for_longer_than_a_tasks_retries_fails_no_task(
+    box: Scorebox, llm: FakeLLM, figures: Figures, labels: tuple[str, str]
+) -> None:
+    box.answers.clear()
+    markers = [new_marker() for _ in range(PROVIDER_DOWN_TASKS)]
+    unavailable_before = llm.stats()["status_counts"].get("503", 0)
+    llm.config.unavailable_until = time.monotonic() + PROVIDER_DOWN_S
+    try:
+        tasks = [await box.submit(essay(marker)) for marker in markers]
+        views = await box.finish(tasks)
+    finally:
+        llm.config.unavailable_until = 0.0
+    statuses = [view["status"] for view in views.values()]
+    unavailable = llm.stats()["status_counts"].get("503", 0) - unavailable_before
+    # An outage spends no task's fault budget at the fake: a task's calls are those answered.
+    scored_twice = sum(max(0, box.calls(marker) - 1) for marker in markers)
+    figures.record(
+        Outcome(
+            name=f"model provider down (every call 503 for {PROVIDER_DOWN_S:g} s)",
+            accepted=len(tasks),
+            completed=statuses.count("completed"),
+            failed=statuses.count("failed"),
+            duplicate_model_calls=scored_twice,
+            http_5xx_seen=box.http_5xx(),
+            time_to_recover_s=None,
+            broker=labels[0],
+            database=labels[1],
+            notes=f"{unavailable} calls answered 503 for {len(tasks)} tasks (four attempts "
+            "take under 2 s here); at most "
             f"{max(v['attempts'] for v in views.values())} attempts for a task",
         )
     )

@@ -23,7 +23,7 @@ import pytest
 from devtools.fake_llm import FakeLLM
 from services.scorer.decisions import Decision, Defer, Finish, Retry
 from services.scorer.scoring import RetryPolicy, ScorerDeps, score_text
-from services.scorer.throttle import ModelThrottle
+from services.scorer.throttle import TRIP_AFTER, ModelThrottle
 from shared.contracts import ScoreText, TaskCompleted, TaskFailed, new_id, utcnow
 from tests.integration.scorer_parts import attempts_store, fake_model, scorer_deps
 
@@ -36,14 +36,16 @@ Deps = Callable[..., ScorerDeps]
 async def make_deps(fake_llm: FakeLLM, mongo: Any, db_prefix: str) -> AsyncIterator[Deps]:
     async with fake_model(fake_llm) as model, attempts_store(mongo.url, db_prefix) as attempts:
 
-        def deps(*, rate_limit_retries: int = 20, hold_s: float = 30) -> ScorerDeps:
+        def deps(
+            *, rate_limit_retries: int = 20, hold_s: float = 30, pause_base_s: float = 0.02
+        ) -> ScorerDeps:
             return scorer_deps(
                 attempts=attempts,
                 model=model,
                 retry_policy=RetryPolicy(
                     base_s=0.01, cap_s=0.05, rate_limit_retries=rate_limit_retries
                 ),
-                throttle=ModelThrottle(hold_s=hold_s, base_s=0.02, rng=random.Random(0)),
+                throttle=ModelThrottle(hold_s=hold_s, base_s=pause_base_s, rng=random.Random(0)),
             )
 
         yield deps
@@ -110,3 +112,56 @@ async def test_a_pause_beyond_the_hold_puts_deliveries_off_without_calling(
     assert put_off.command.not_before >= started + timedelta(seconds=119)
     assert put_off.command.attempt == 1  # no attempt spent
     assert fake_llm.stats()["calls"] == 1
+
+
+async def test_a_provider_unavailable_three_times_in_a_row_pauses_the_next_calls(
+    make_deps: Deps, fake_llm: FakeLLM
+) -> None:
+    """Every call failed (a provider restarting): each task's attempts were spent within the
+    retries' back-off and it was dead-lettered, though the provider was back moments later.
+    After three failures in a row the calls pause: the next delivery (the pause longer than
+    it may wait in hand here) is put off without a call, its attempt unspent, and the
+    retries of the three are due no sooner than the pause's end."""
+    fake_llm.config.fail_rate = 1.0
+    deps = make_deps(hold_s=1, pause_base_s=60)
+
+    retried = [
+        await score_text(ScoreText(task_id=new_id(), text=f"Essay {n}."), deps=deps)
+        for n in range(TRIP_AFTER)
+    ]
+    put_off = await score_text(ScoreText(task_id=new_id(), text="The next one."), deps=deps)
+
+    assert all(isinstance(decision, Retry) for decision in retried)
+    last = retried[-1]
+    assert isinstance(last, Retry)
+    assert last.next_command.not_before is not None
+    assert last.next_command.not_before >= utcnow() + timedelta(seconds=20)  # 30-60 s
+    assert isinstance(put_off, Defer)
+    assert put_off.command.attempt == 1
+    assert fake_llm.stats()["status_counts"] == {"500": TRIP_AFTER}
+    # The calls before the pause spent their attempts; the one that paused the calls did not.
+    spent = [
+        decision.next_command.rate_limited_retries
+        for decision in retried
+        if isinstance(decision, Retry)
+    ]
+    assert spent == [0] * (TRIP_AFTER - 1) + [1]
+
+
+async def test_a_probe_finding_the_provider_still_down_spends_no_attempt(
+    make_deps: Deps, fake_llm: FakeLLM
+) -> None:
+    """The probes of an outage went to whichever delivery came first, and a task that took
+    three of them was dead-lettered, the provider back moments later (seen in the fault
+    test): they are counted as a 429's are, within `RATE_LIMIT_RETRIES`."""
+    fake_llm.config.fail_rate = 1.0
+    deps = make_deps()
+    for n in range(TRIP_AFTER):
+        await score_text(ScoreText(task_id=new_id(), text=f"Essay {n}."), deps=deps)
+    command = ScoreText(task_id=new_id(), text="A task probing.", max_attempts=1)
+
+    probed = await score_text(command, deps=deps)  # waits out the short pause, then probes
+
+    assert isinstance(probed, Retry)  # its one attempt unspent: it was the probe's
+    assert probed.next_command.rate_limited_retries == 1
+    assert fake_llm.stats()["status_counts"] == {"500": TRIP_AFTER + 1}

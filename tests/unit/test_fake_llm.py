@@ -477,6 +477,7 @@ async def test_control_updates_the_live_config(llm: FakeLLM, client: httpx.Async
         "rate_limited_calls": 0.0,
         "rate_limited_until": 0.0,
         "rate_limit_retry_s": 0.0,
+        "unavailable_until": 0.0,
         "model": "fake-judge-1",
         "seed": 1,
         "model_date": "2024-07-18",
@@ -512,6 +513,20 @@ async def test_a_provider_wide_rate_limit_can_last_a_while(
 
     llm.config.rate_limited_until = 0.0  # the window ends
     assert (await complete(client, "essay 0")).status_code == 200
+
+
+async def test_a_provider_wide_outage_answers_503_and_spends_no_tasks_faults(
+    llm: FakeLLM, client: httpx.AsyncClient
+) -> None:
+    response = await client.post(f"{admin(llm)}/_control", json={"unavailable_for_s": 3600})
+    assert response.status_code == 200
+    outage = [await complete(client, text) for text in ("one [[fake:500x1]]", "another")]
+    assert [answer.status_code for answer in outage] == [503, 503]
+    assert outage[0].json()["error"]["type"] == "server_error"
+
+    llm.config.unavailable_until = 0.0  # the outage ends
+    assert (await complete(client, "one [[fake:500x1]]")).status_code == 500
+    assert (await complete(client, "another")).status_code == 200
 
 
 @pytest.mark.parametrize(

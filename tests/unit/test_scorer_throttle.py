@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import pytest
 
 from services.scorer.slots import SlotsClosed
-from services.scorer.throttle import PAUSE_CAP_S, ModelThrottle, PutOff, Turn
+from services.scorer.throttle import PAUSE_CAP_S, TRIP_AFTER, ModelThrottle, PutOff, Turn
 from tests.support import eventually
 
 
@@ -261,3 +261,91 @@ async def test_a_delivery_waiting_on_a_probe_that_never_answers_is_put_off_after
     await eventually(lambda: _all_done(waiters), what="the probe taken, the other put off")
     turns = sorted((waiter.result() for waiter in waiters), key=lambda turn: str(type(turn)))
     assert turns == [PutOff(0.0), Turn(probe=True)]
+
+
+def test_the_provider_unavailable_three_times_in_a_row_pauses_the_calls() -> None:
+    """An unavailable provider spent the attempts of every task consumed while it was down
+    (four within the retries' back-off of about 14 s, then the DLQ): it now pauses the calls
+    as a 429 does, once calls of `TRIP_AFTER` tasks in a row found it so."""
+    throttle = _throttle(Clock())
+    for n in range(TRIP_AFTER - 1):
+        throttle.unavailable(Turn(), retry_after_s=None, task_id=f"t{n}")
+        assert not throttle.paused
+    throttle.unavailable(Turn(), retry_after_s=None, task_id="t-last")
+    assert throttle.paused
+    assert 0.5 <= throttle.pause_left_s() <= 1.0
+
+
+def test_one_task_failing_again_and_again_pauses_nothing() -> None:
+    """A text the provider fails every time, its retries the only calls of a quiet hour,
+    would otherwise pause every other task's calls (and its own retries, as probes, the
+    pauses after)."""
+    throttle = _throttle(Clock())
+    for _ in range(10):
+        throttle.unavailable(Turn(), retry_after_s=None, task_id="poison")
+        throttle.unavailable(Turn(), retry_after_s=None, task_id="another")
+    assert not throttle.paused
+
+
+def test_any_other_answer_between_them_starts_the_count_again() -> None:
+    """A provider failing now and then, among answers, is not paused."""
+    throttle = _throttle(Clock())
+    for round_ in range(5):
+        for n in range(TRIP_AFTER - 1):
+            throttle.unavailable(Turn(), retry_after_s=None, task_id=f"t{round_}-{n}")
+        throttle.answered(Turn())
+    assert not throttle.paused
+
+
+async def test_a_probe_finding_the_provider_still_unavailable_starts_a_longer_pause() -> None:
+    clock = Clock()
+    throttle = _throttle(clock)
+    for n in range(TRIP_AFTER):
+        throttle.unavailable(Turn(), retry_after_s=None, task_id=f"t{n}")
+    first_pause = throttle.pause_left_s()
+    clock.now += first_pause + 0.01
+    probe = await throttle.wait_turn(asyncio.Event())
+    assert probe == Turn(probe=True)
+
+    throttle.unavailable(probe, retry_after_s=None, task_id="t0")
+    throttle.done(probe)
+    assert throttle.paused
+    assert throttle.pause_left_s() > first_pause  # doubled (within its jitter)
+
+    clock.now += throttle.pause_left_s() + 0.01
+    second = await throttle.wait_turn(asyncio.Event())
+    assert second == Turn(probe=True)
+    throttle.answered(second)  # back: the pause is over for all
+    throttle.done(second)
+    assert not throttle.paused
+
+
+async def test_only_the_calls_of_an_outage_are_its_own() -> None:
+    """The calls that began an outage's pause or probed it are the outage's (the scorer
+    spends no attempt of their tasks on them); a 5xx while a 429's pause lasts, or one of
+    the calls before the outage was taken for one, is its task's as before (the fault test
+    saw a task failing every call make six calls where four were due, its failures during
+    another task's rate-limit pause taken for an outage's)."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    throttle.rate_limited(Turn(), retry_after_s=1)  # a rate limit, not an outage
+    clock.now += 1.01
+    probe = await throttle.wait_turn(asyncio.Event())
+    assert isinstance(probe, Turn)
+    assert not throttle.unavailable(probe, retry_after_s=None, task_id="t0")
+    throttle.done(probe)
+
+    clock.now += throttle.pause_left_s() + 0.01
+    probe = await throttle.wait_turn(asyncio.Event())
+    assert isinstance(probe, Turn)
+    throttle.answered(probe)  # the provider answers: every pause over
+    throttle.done(probe)
+    owned = [
+        throttle.unavailable(Turn(), retry_after_s=None, task_id=f"t{n}") for n in range(TRIP_AFTER)
+    ]
+    assert owned == [False] * (TRIP_AFTER - 1) + [True]  # the last one began the outage
+    clock.now += throttle.pause_left_s() + 0.01
+    probe = await throttle.wait_turn(asyncio.Event())
+    assert isinstance(probe, Turn)
+    assert throttle.unavailable(probe, retry_after_s=None, task_id="t0")  # still down
+    throttle.done(probe)

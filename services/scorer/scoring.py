@@ -87,7 +87,8 @@ class RetryPolicy:
     rate_limit_retries: int = 20
 
     def delay_s(self, attempt: int, retry_after_s: float | None, rng: random.Random) -> float:
-        exponential: float = min(self.cap_s, self.base_s * 2.0 ** (attempt - 1))
+        # The exponent capped: an attempt past 1,024 (the contract allows 9,999) overflowed.
+        exponential: float = min(self.cap_s, self.base_s * 2.0 ** min(attempt - 1, 64))
         jittered = exponential * rng.uniform(0.5, 1.0)
         return max(jittered, min(retry_after_s or 0.0, MAX_RETRY_AFTER_S))
 

@@ -100,7 +100,10 @@ class ModelThrottle:
 
     @property
     def paused(self) -> bool:
-        return self._probe_due
+        """Whether calls are held back now: a pause lasts, or its probe's answer is awaited.
+        (`_probe_due` alone stayed true on a replica idle since a pause, which then showed
+        as paused for as long as it had no call to make.)"""
+        return self._probe_due and (self.pause_left_s() > 0 or self._probe_out)
 
     async def wait_turn(self, closing: asyncio.Event) -> Turn | PutOff:
         """Wait until a model call may start, for `hold_s` at most in all; `SlotsClosed` when

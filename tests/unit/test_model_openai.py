@@ -494,6 +494,24 @@ async def test_400_blaming_the_input_is_input_rejected(message: str, code: str |
     assert not caught.value.to_task_error().retryable
 
 
+async def test_an_error_object_in_a_list_is_read_as_one() -> None:
+    """Gemini's OpenAI-compatible endpoint sends its error as `[{"error": {...}}]`: read as
+    no error object, a text over its token limit was a misconfiguration, not the input's."""
+    body = [
+        {
+            "error": {
+                "code": 400,
+                "message": "The input token count exceeds the maximum "
+                "number of tokens allowed (1048576).",
+                "status": "INVALID_ARGUMENT",
+            }
+        }
+    ]
+    provider = ScriptedProvider(text_answer(400, json.dumps(body)))
+    with pytest.raises(InputRejected, match="exceeds the maximum number of tokens"):
+        await score_with(provider)
+
+
 async def test_413_is_input_rejected() -> None:
     provider = ScriptedProvider(text_answer(413, "Payload too large"))
     with pytest.raises(InputRejected):

@@ -58,3 +58,8 @@ def test_decisions_survive_storage_unchanged() -> None:
     )
     assert load(store(retry)) == retry
     assert load(store(finish)) == finish
+
+
+def test_an_attempt_far_past_the_cap_waits_the_cap() -> None:
+    """The contract allows attempts up to 9,999: past 1,024 the exponential overflowed."""
+    assert 30.0 <= POLICY.delay_s(9_999, None, random.Random(1)) <= 60.0

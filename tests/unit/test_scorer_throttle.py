@@ -349,3 +349,18 @@ async def test_only_the_calls_of_an_outage_are_its_own() -> None:
     assert isinstance(probe, Turn)
     assert throttle.unavailable(probe, retry_after_s=None, task_id="t0")  # still down
     throttle.done(probe)
+
+
+async def test_a_replica_idle_since_a_pause_does_not_show_as_paused() -> None:
+    """`paused` (the `scorebox_model_calls_paused` gauge) stayed true on a replica with no
+    call to make after its pause, for as long as it stayed idle."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    throttle.rate_limited(Turn(), retry_after_s=5)
+    assert throttle.paused
+    clock.now += 5.01  # over, and nobody called
+    assert not throttle.paused
+
+    probe = await throttle.wait_turn(asyncio.Event())
+    assert probe == Turn(probe=True)
+    assert throttle.paused  # the others wait for its answer

@@ -57,6 +57,7 @@ _INPUT_PROBLEMS: Final = (
     "context window",
     "maximum context",
     "too many tokens",
+    "input token count",  # Gemini: "The input token count exceeds the maximum number ..."
     "too long",
     "string_above_max_length",
     "content_policy",
@@ -550,6 +551,8 @@ def _error_object(response: ProviderReply) -> dict[str, Any] | None:
         body = orjson.loads(response.body)
     except orjson.JSONDecodeError:
         return None
+    if isinstance(body, list) and body and isinstance(body[0], dict):
+        body = body[0]  # Gemini's OpenAI-compatible endpoint: the error object in a list
     error = body.get("error") if isinstance(body, dict) else None
     if isinstance(error, str):
         return {"message": error}

@@ -22,7 +22,8 @@ class NotifierMetrics:
         self.failed = Counter(
             "scorebox_webhook_deliveries_failed",
             "Webhook deliveries given up, by purpose and why (rejected: the receiver refused "
-            "it; receiver_failing: it answered 5xx, 408 or 429 to the last of every attempt; "
+            "it; receiver_failing: it answered 5xx, 408 or 429 to the last of every attempt, or "
+            "DNS answered its host has no address (NXDOMAIN, NODATA); "
             "dead_lettered: no answer to the last attempt, or at the delivery limit).",
             ["purpose", "reason"],
             registry=registry,

@@ -109,6 +109,19 @@ class NotifierSettings(InternalApiSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _records_outlive_the_retries(self) -> NotifierSettings:
+        # A record expiring while its delivery still retries is registered again by the next
+        # try, and a duplicate copy of an attempt it had sent could then post it again.
+        longest = (self.max_attempts - 1) * self.retry_cap_s
+        if self.delivery_retention_s <= longest:
+            raise ValueError(
+                f"WEBHOOK_DELIVERY_RETENTION_S ({self.delivery_retention_s:g} s) must exceed "
+                f"the longest a delivery retries, (WEBHOOK_MAX_ATTEMPTS - 1) x "
+                f"WEBHOOK_RETRY_CAP_S ({longest:g} s)"
+            )
+        return self
+
     @property
     def per_host(self) -> int:
         """POSTs in flight at once to one destination: the default never above `concurrency`."""

@@ -197,3 +197,13 @@ def test_a_claims_lease_covers_the_post_and_the_database_calls_around_it() -> No
     settings = _settings(WEBHOOK_DNS_TIMEOUT_S="5", WEBHOOK_TIMEOUT_S="10", MONGO_TIMEOUT_S="20")
     assert settings.post_s == 15
     assert settings.lease_s == 15 + 3 * 20 + 30
+
+
+def test_delivery_records_that_could_expire_while_their_delivery_retries_are_refused() -> None:
+    """Nothing checked it: with a long back-off and many attempts, a record expired while its
+    delivery retried, and a duplicate copy of a sent attempt could post it again."""
+    assert _settings(WEBHOOK_MAX_ATTEMPTS="8", WEBHOOK_RETRY_CAP_S="3600")
+    with pytest.raises(ValidationError, match="WEBHOOK_DELIVERY_RETENTION_S"):
+        _settings(WEBHOOK_MAX_ATTEMPTS="50", WEBHOOK_RETRY_CAP_S="86400")
+    with pytest.raises(ValidationError, match="WEBHOOK_DELIVERY_RETENTION_S"):
+        _settings(WEBHOOK_DELIVERY_RETENTION_S="3600")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import re
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence, Set
@@ -368,6 +369,16 @@ def unmatched(
     walk that stopped short of the queue's end, an id no letter matched may still name one."""
     missing = [key for key in asked if key not in found]
     return ([], missing) if truncated else (missing, [])
+
+
+def letter_id(message: AbstractIncomingMessage) -> str:
+    """A letter's id: its message id, else one made of its body (`body-` and 16 hex digits of
+    its SHA-256). A letter published without a message id (by hand, or by a foreign
+    producer) was listed as `?` and could not be named to drop it; letters of one body
+    share the id, as copies of one letter share theirs."""
+    if message.message_id:
+        return message.message_id
+    return f"body-{hashlib.sha256(message.body).hexdigest()[:16]}"
 
 
 def reason(headers: Mapping[str, Any]) -> str:

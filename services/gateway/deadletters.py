@@ -34,6 +34,7 @@ from shared.dead_letters import (
     DeadLetterWalker,
     Dropped,
     dead_lettered_at,
+    letter_id,
     oldest_first,
     reason,
     unmatched,
@@ -43,7 +44,7 @@ from shared.topology import DEAD_LETTERED_FROM_HEADER, SCORE_REQUESTS
 
 @dataclass(frozen=True)
 class DeadLetter:
-    message_id: str | None
+    message_id: str  # `letter_id`: made of the body when the letter has none
     task_id: str | None
     tenant_id: str | None
     reason: str
@@ -66,7 +67,7 @@ def describe(message: AbstractIncomingMessage, now: datetime) -> DeadLetter:
         command = ScoreText.model_validate_json(message.body)
     when = dead_lettered_at(message, now)
     return DeadLetter(
-        message_id=message.message_id,
+        message_id=letter_id(message),
         task_id=command.task_id if command else message.correlation_id,
         tenant_id=command.tenant_id if command else None,
         reason=reason(headers),
@@ -165,7 +166,7 @@ class DeadLetterQueue:
                 try:
                     command = ScoreText.model_validate_json(message.body)
                 except ValidationError:
-                    skipped.append(letter.message_id or "?")
+                    skipped.append(letter.message_id)
                     continue
                 await self._resubmit(command)
                 await self._dlq.remove(message)

@@ -47,6 +47,7 @@ from shared.dead_letters import (
     DeadLetterWalker,
     Dropped,
     dead_lettered_at,
+    letter_id,
     oldest_first,
     reason,
     unmatched,
@@ -89,7 +90,7 @@ def describe(message: AbstractIncomingMessage, now: datetime, jobs: JobCatalog) 
     command = _read(message)
     headers = dict(message.headers)
     return CronDeadLetter(
-        message_id=message.message_id,
+        message_id=letter_id(message),
         run_id=command.run_id if command else message.correlation_id,
         job=command.job if command else None,
         job_configured=command is not None and command.job in jobs,
@@ -189,7 +190,7 @@ class CronDeadLetters:
                     continue
                 found.add(run_id or "")
                 if command is None:
-                    unreadable.append(message.message_id or "?")
+                    unreadable.append(letter_id(message))
                 else:
                     chosen.append((message, command))
             gone = {c.run_id: c.job for _, c in chosen if c.job not in self._jobs}
@@ -228,7 +229,7 @@ class CronDeadLetters:
         `cut_off`, only those known to have been dead-lettered before it (the others are
         `kept`)."""
         return await self._dlq.drop(
-            lambda message: run_id in (_run_id(message), message.message_id), cut_off=cut_off
+            lambda message: run_id in (_run_id(message), letter_id(message)), cut_off=cut_off
         )
 
     async def purge(self) -> int:

@@ -8,13 +8,16 @@ every letter of the DLQ. The ids here come as a list that refuses being searched
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any, cast
 
-from services.gateway.deadletters import DeadLetterQueue
+from aio_pika.abc import AbstractIncomingMessage
+
+from services.gateway.deadletters import DeadLetterQueue, describe
 from services.scheduler.config import Concurrency, MissedFirings
 from services.scheduler.dead_letters import CronDeadLetters
 from services.scheduler.dispatcher import fire_replay
@@ -38,7 +41,7 @@ class Letter:
     """What a walk reads of a held dead letter."""
 
     body: bytes
-    message_id: str
+    message_id: str | None
     correlation_id: str | None = None
     headers: dict[str, Any] = field(default_factory=dict)
     timestamp: datetime | None = NOW
@@ -158,7 +161,7 @@ async def test_a_score_replay_by_ids_looks_them_up_in_a_set() -> None:
     assert sorted(replay.replayed) == ["t-2", "t-3"]
     assert replay.not_found == ["nowhere"]
     assert sorted(command.task_id for command in resubmitted.commands) == ["t-2", "t-3"]
-    assert sorted(letter.message_id for letter in held.removed) == ["m-t-2", "m-t-3"]
+    assert sorted(str(letter.message_id) for letter in held.removed) == ["m-t-2", "m-t-3"]
 
 
 async def test_a_replay_starts_the_task_on_a_fresh_attempt_budget() -> None:
@@ -179,3 +182,27 @@ async def test_a_replay_starts_the_task_on_a_fresh_attempt_budget() -> None:
     [fresh] = resubmitted.commands
     assert (fresh.attempt, fresh.rate_limited_retries, fresh.not_before) == (1, 0, None)
     assert fresh.generation == 1
+
+
+async def test_a_letter_without_a_message_id_is_named_by_its_body() -> None:
+    """A letter published without a message id (by a client other than ours: aiormq gives
+    every message one) holding no command was reported as `?`, which no drop could name."""
+    nameless = Letter(body=b"not a command", message_id=None)
+    named = f"body-{hashlib.sha256(nameless.body).hexdigest()[:16]}"
+    held = HeldLetters([nameless, _score_letter("t-1")])
+    queue = DeadLetterQueue(
+        cast(Any, None),
+        cast(Any, Resubmitted()),
+        cast(Any, NoReplaysYet()),
+        Clock(NOW),
+        timeout_s=1.0,
+    )
+    queue._dlq = cast(DeadLetterWalker, held)
+
+    replay = await queue.replay(None)
+    cron = await _cron_dead_letters(HeldLetters([nameless]), Published()).replay(None)
+
+    assert replay.skipped_unreadable == [named]
+    assert cron.skipped_unreadable == [named]
+    letter = describe(cast(AbstractIncomingMessage, nameless), NOW)
+    assert (letter.message_id, letter.matches({named})) == (named, True)

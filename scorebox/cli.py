@@ -76,7 +76,7 @@ API_KEY_VARIABLE, ADMIN_KEY_VARIABLE = "SCOREBOX_API_KEY", "SCOREBOX_ADMIN_KEY"
 # What the services' walk of a dead-letter queue stops at (`shared.dead_letters.WALK_BOUND`).
 WALK_STOPPED = "the walk stopped at its bound (10,000 letters or 64 MiB of their bodies)"
 # What a replay stops at besides (`shared.dead_letters.REPLAY_BUDGET_S`).
-REPLAY_STOPPED = "the replay stopped at its bound (the walk's, or 20 s of replaying)"
+REPLAY_STOPPED = "the replay stopped at its time budget (20 s) with letters left in the queue"
 # The dead-letter queues `dlq purge` and `cron dlq purge` empty (`shared.topology`: those of
 # SCORE_REQUESTS and CRON_JOBS).
 SCORE_REQUESTS_DLQ, CRON_JOBS_DLQ = "scorebox.score-requests.dlq", "scorebox.cron-jobs.dlq"
@@ -487,29 +487,23 @@ def _replay_body(ids: list[str] | None, replay_all: bool, *, field: str) -> dict
     return {"all": True} if replay_all else {field: ids}
 
 
-def _note_truncated(
-    answer: dict[str, Any], consequence: str, *, stopped: str = WALK_STOPPED
-) -> None:
+def _note_truncated(answer: dict[str, Any], consequence: str) -> None:
     """One line on stderr when the service's walk of the DLQ stopped short of its end."""
     if answer.get("truncated") is True:
-        typer.echo(f"truncated: {stopped}; {consequence}", err=True)
+        typer.echo(f"truncated: {WALK_STOPPED}; {consequence}", err=True)
 
 
 def _exit_on_missed(replay: dict[str, Any], *, drop_command: str) -> None:
     """Say what a replay did not reach, and exit 1 when an id asked for was not replayed for
     want of a letter (not found, or past the end of a walk cut short) or a letter was left
     unreplayed because it is unreadable (kept: only `drop_command` removes it)."""
-    _note_truncated(
-        replay, "letters past it were not replayed: run again to reach them", stopped=REPLAY_STOPPED
-    )
+    _note_truncated(replay, "letters past it were not looked at: run again to reach them")
+    if replay.get("timed_out") is True:
+        typer.echo(f"timed out: {REPLAY_STOPPED}; run it again for the rest", err=True)
     if replay.get("not_found"):
         typer.echo(f"not found: {' '.join(replay['not_found'])}", err=True)
     if replay.get("not_reached"):
-        typer.echo(
-            f"not reached (they may lie past the walk: replay or drop the letters before "
-            f"them, then ask again): {' '.join(replay['not_reached'])}",
-            err=True,
-        )
+        typer.echo(f"{_not_reached_why(replay)}: {' '.join(replay['not_reached'])}", err=True)
     if replay.get("skipped_unreadable"):
         typer.echo(
             f"unreadable, kept (drop them with `{drop_command} ID`): "
@@ -518,6 +512,17 @@ def _exit_on_missed(replay: dict[str, Any], *, drop_command: str) -> None:
         )
     if any(replay.get(field) for field in ("not_found", "not_reached", "skipped_unreadable")):
         raise typer.Exit(code=1)
+
+
+def _not_reached_why(replay: dict[str, Any]) -> str:
+    """What the ids a replay did not reach wait for: a walk cut short, or its time budget."""
+    if replay.get("truncated") is not True:
+        return "not replayed yet (the replay ran out of time: run it again)"
+    ran_out = "; or the replay ran out of time: run it again" if replay.get("timed_out") else ""
+    return (
+        "not reached (they may lie past the walk: replay or drop the letters before them, then "
+        f"ask again{ran_out})"
+    )
 
 
 def _list_letters(path: str, client: httpx.Client) -> None:

@@ -38,7 +38,15 @@ import contextlib
 import hashlib
 import logging
 import re
-from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence, Set
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Collection,
+    Iterator,
+    Mapping,
+    Sequence,
+    Set,
+)
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any, Protocol
@@ -256,6 +264,34 @@ async def own_channel(
             log.warning("the channel of a look at %s not closed: %r", what, error)
 
 
+class WalkBusy(Exception):
+    """Another walk of the DLQ held it past a walk's deadline (a replay's budget)."""
+
+    retry_after_s = 5
+
+    def __init__(self, queue: str) -> None:
+        super().__init__(f"another look at {queue} is under way on this replica; try again shortly")
+
+
+@contextlib.contextmanager
+def busy_walks_are_503() -> Iterator[None]:
+    """A replay that could not take its turn within its budget: a 503 to retry shortly."""
+    try:
+        yield
+    except WalkBusy as error:
+        raise Problem(
+            503,
+            f"{str(error)[:1].upper()}{str(error)[1:]}.",
+            kind="dead-letters-busy",
+            headers={"Retry-After": str(WalkBusy.retry_after_s)},
+        ) from error
+
+
+def _past(deadline: float | None, held: HeldLetters) -> bool:
+    """Whether a walk with `deadline` has passed it (the first letter is always taken)."""
+    return deadline is not None and bool(held) and asyncio.get_running_loop().time() >= deadline
+
+
 class DeadLetterWalker:
     """The DLQ of one work queue, walked and purged with bounded broker calls."""
 
@@ -281,29 +317,45 @@ class DeadLetterWalker:
             )
 
     @contextlib.asynccontextmanager
-    async def walk(self) -> AsyncIterator[HeldLetters]:
+    async def walk(self, *, deadline: float | None = None) -> AsyncIterator[HeldLetters]:
         """Hold every dead letter unacknowledged, up to `MAX_WALK` letters and the walker's
         byte budget (`MAX_WALK_BYTES` of bodies unless told); return the ones not settled on
-        exit, then close the walk's channel: nothing it took stays held."""
-        async with (
-            self._walking,
-            own_channel(self._broker, timeout_s=self._timeout_s, what=self._name) as channel,
-        ):
-            held = HeldLetters()
-            past: list[AbstractIncomingMessage] = []
-            try:
-                queue = await channel.get_queue(self._name, ensure=False)
-                while (message := await self._get(queue)) is not None:
-                    if held.full(self._max_bytes):
-                        # One letter past the bound: there is more. Not held (the caller
-                        # never sees it), it goes back behind the others.
-                        past.append(message)
-                        held.truncated = True
-                        break
-                    held.take(message)
-                yield held
-            finally:
-                await self._give_back([*held, *past])
+        exit, then close the walk's channel: nothing it took stays held. Given a `deadline`
+        (the event loop's clock), the walk waits for its turn only until then (`WalkBusy`)
+        and takes no letter past it but the first (`truncated` when more were left)."""
+        await self._take_turn(deadline)
+        try:
+            async with own_channel(
+                self._broker, timeout_s=self._timeout_s, what=self._name
+            ) as channel:
+                held = HeldLetters()
+                past: list[AbstractIncomingMessage] = []
+                try:
+                    queue = await channel.get_queue(self._name, ensure=False)
+                    while (message := await self._get(queue)) is not None:
+                        if held.full(self._max_bytes) or _past(deadline, held):
+                            # One letter past the bound: there is more. Not held (the caller
+                            # never sees it), it goes back behind the others.
+                            past.append(message)
+                            held.truncated = True
+                            break
+                        held.take(message)
+                    yield held
+                finally:
+                    await self._give_back([*held, *past])
+        finally:
+            self._walking.release()
+
+    async def _take_turn(self, deadline: float | None) -> None:
+        """Walks through this walker take turns; one with a `deadline` waits until then."""
+        if deadline is None:
+            await self._walking.acquire()
+            return
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._walking.acquire()
+        except TimeoutError as error:
+            raise WalkBusy(self._name) from error
 
     async def _get(self, queue: AbstractQueue) -> AbstractIncomingMessage | None:
         async with asyncio.timeout(GET_TIMEOUT_S + self._timeout_s):
@@ -363,12 +415,14 @@ class DeadLetterWalker:
 
 
 def unmatched(
-    asked: Collection[str], found: Set[str], *, truncated: bool
+    asked: Collection[str], found: Set[str], *, truncated: bool, left: Set[str] = frozenset()
 ) -> tuple[list[str], list[str]]:
     """The ids `asked` that no letter of a walk matched, as (not found, not reached): past a
-    walk that stopped short of the queue's end, an id no letter matched may still name one."""
+    walk that stopped short of the queue's end, an id no letter matched may still name one.
+    Those of letters matched but `left` (a replay out of time) are not reached either."""
     missing = [key for key in asked if key not in found]
-    return ([], missing) if truncated else (missing, [])
+    stopped = [key for key in asked if key in left]
+    return ([], missing + stopped) if truncated else (missing, stopped)
 
 
 def letter_id(message: AbstractIncomingMessage) -> str:

@@ -21,6 +21,7 @@ from shared.dead_letters import (
     WALK_BOUND,
     CutOffQuery,
     PurgeReport,
+    busy_walks_are_503,
     nothing_dropped,
     purge_report,
     rfc3339,
@@ -71,14 +72,19 @@ class ReplayReport(BaseModel):
     )
     not_reached: list[str] = Field(
         description="Ids asked for that no letter matched before the walk stopped at its bound "
-        "(`truncated`): they may name letters past it. Replay or drop letters before them, "
-        "then ask again."
+        "(`truncated`): they may name letters past it (replay or drop letters before them, "
+        "then ask again); and those of letters the replay's budget left (`timed_out`: ask "
+        "again)."
     )
     truncated: bool = Field(
-        description=f"The walk stopped at its bound ({WALK_BOUND}), or the replay at its "
-        f"{REPLAY_BUDGET_S:.0f} s budget, with letters left behind it: `all` replayed only the "
-        "letters it reached (ask again for the rest); ids it did not match are "
+        description=f"The walk stopped at its bound ({WALK_BOUND}) with letters left behind "
+        "it: `all` replayed only the letters it reached; ids it did not match are "
         "`not_reached`, never `not_found`."
+    )
+    timed_out: bool = Field(
+        default=False,
+        description=f"The replay stopped at its {REPLAY_BUDGET_S:.0f} s budget with letters it "
+        "had matched left in the queue: ask again for the rest.",
     )
 
 
@@ -155,7 +161,7 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
     )
     async def replay_dead_letters(request: Request) -> ReplayReport:
         wanted = await read_model(request, ReplayRequest, what="replay", limit=ADMIN_BODY_LIMIT)
-        with _broker_away_is_503():
+        with busy_walks_are_503(), _broker_away_is_503():
             replay = await dead_letters.replay(None if wanted.all else wanted.ids)
         return ReplayReport(**asdict(replay))
 

@@ -95,8 +95,9 @@ class Replay:
     replayed: list[str]
     skipped_unreadable: list[str]
     not_found: list[str]  # ids no letter matched, the walk having reached the queue's end
-    not_reached: list[str]  # ids no letter matched before the walk stopped short of it
+    not_reached: list[str]  # ids of letters the walk or the budget left (see `unmatched`)
     truncated: bool  # the walk stopped with letters left behind it
+    timed_out: bool = False  # the budget ran out with letters matched and left
 
 
 def _oldest_first(letter: DeadLetter) -> tuple[bool, datetime]:
@@ -140,8 +141,9 @@ class DeadLetterQueue:
 
     async def replay(self, ids: Collection[str] | None) -> Replay:
         """Replay the dead letters named by `ids` (all when None), for up to the replay's
-        budget (`REPLAY_BUDGET_S`, the walk included): the letters left then stay, and the
-        answer says so as a walk cut short does (`truncated`, ids not matched `not_reached`).
+        budget (`REPLAY_BUDGET_S`, its turn and the walk included): the letters matched
+        then are left as they are and reported (`timed_out`; the ids they hold
+        `not_reached`), so the answer comes within a client's timeout.
 
         Matched as a set: looked up in a list, 10,000 ids against 10,000 letters were 10^8
         string comparisons on the event loop, every request of the replica stalled meanwhile.
@@ -152,17 +154,18 @@ class DeadLetterQueue:
         replayed: list[str] = []
         skipped: list[str] = []
         found: set[str] = set()
-        out_of_time = False
+        left: set[str] = set()  # ids of letters matched once the budget was spent
         now = self._clock()
-        async with self._dlq.walk() as held:
+        async with self._dlq.walk(deadline=stop_at) as held:
             for message in held:
-                if replayed and loop.time() >= stop_at:
-                    out_of_time = True
-                    break
                 letter = describe(message, now)
                 if wanted is not None and not letter.matches(wanted):
                     continue
-                found.update(key for key in (letter.message_id, letter.task_id) if key)
+                keys = {key for key in (letter.message_id, letter.task_id) if key}
+                found.update(keys)
+                if replayed and loop.time() >= stop_at:
+                    left.update(keys)
+                    continue
                 try:
                     command = ScoreText.model_validate_json(message.body)
                 except ValidationError:
@@ -171,9 +174,16 @@ class DeadLetterQueue:
                 await self._resubmit(command)
                 await self._dlq.remove(message)
                 replayed.append(command.task_id)
-        truncated = held.truncated or out_of_time
-        not_found, not_reached = unmatched(ids or [], found, truncated=truncated)
-        return Replay(replayed, skipped, not_found, not_reached, truncated=truncated)
+        left -= set(replayed)  # another copy of a task replayed: done
+        not_found, not_reached = unmatched(ids or [], found, truncated=held.truncated, left=left)
+        return Replay(
+            replayed,
+            skipped,
+            not_found,
+            not_reached,
+            truncated=held.truncated,
+            timed_out=bool(left),
+        )
 
     async def drop(self, letter_id: str, *, cut_off: CutOff | None = None) -> Dropped:
         """Remove every letter `letter_id` names (message or task id), nothing sent: each

@@ -65,6 +65,7 @@ from shared.dead_letters import (
     WALK_BOUND,
     CutOffQuery,
     PurgeReport,
+    busy_walks_are_503,
     nothing_dropped,
     purge_report,
 )
@@ -396,15 +397,20 @@ class CronReplayReport(_Out):
     not_reached: list[str] = Field(
         default_factory=list,
         description="Run ids asked for that no letter matched before the walk stopped at its "
-        "bound (`truncated`): they may name letters past it. Replay or drop letters before "
-        "them, then ask again.",
+        "bound (`truncated`): they may name letters past it (replay or drop letters before "
+        "them, then ask again); and those whose letters the replay's budget left "
+        "(`timed_out`: ask again).",
     )
     truncated: bool = Field(
         default=False,
-        description=f"The walk stopped at its bound ({WALK_BOUND}), or the replay at its "
-        f"{REPLAY_BUDGET_S:.0f} s budget, with letters left behind it: `all` replayed only the "
-        "letters it reached (ask again for the rest); run ids it did not match are "
+        description=f"The walk stopped at its bound ({WALK_BOUND}) with letters left behind "
+        "it: `all` replayed only the letters it reached; run ids it did not match are "
         "`not_reached`, never `not_found`.",
+    )
+    timed_out: bool = Field(
+        default=False,
+        description=f"The replay stopped at its {REPLAY_BUDGET_S:.0f} s budget with letters "
+        "it had chosen left in the queue: ask again for the rest.",
     )
 
 
@@ -477,7 +483,7 @@ def cron_dead_letter_routes(
         wanted = await read_model(
             request, CronReplayRequest, what="replay", limit=REPLAY_BODY_LIMIT
         )
-        with _broker_away_is_503():
+        with busy_walks_are_503(), _broker_away_is_503():
             try:
                 replay = await dead_letters.replay(None if wanted.all else wanted.run_ids)
             except ReplayRefused as error:
@@ -502,6 +508,7 @@ def cron_dead_letter_routes(
             skipped_in_progress=replay.skipped_in_progress,
             not_reached=replay.not_reached,
             truncated=replay.truncated,
+            timed_out=replay.timed_out,
         )
 
     @router.delete(

@@ -136,6 +136,7 @@ class CronReplay:
     # run ids no letter matched before the walk stopped short of the queue's end
     not_reached: list[str] = field(default_factory=list)
     truncated: bool = False  # the walk stopped with letters left behind it
+    timed_out: bool = False  # the budget ran out with letters chosen and left
 
 
 class CronDeadLetters:
@@ -163,8 +164,8 @@ class CronDeadLetters:
 
     async def replay(self, run_ids: Collection[str] | None) -> CronReplay:
         """Replay the letters of the runs `run_ids` (all when None), oldest first, for up to
-        the replay's budget (`REPLAY_BUDGET_S`, the walk included): the letters left then
-        stay, reported as a walk cut short reports them (`truncated`, `not_reached`).
+        the replay's budget (`REPLAY_BUDGET_S`, its turn and the walk included): the letters
+        left then stay and are reported (`timed_out`; their runs asked for `not_reached`).
 
         Raises `ReplayRefused` before anything is sent when one of the runs asked for by id
         names a job no longer configured; replaying all skips (and keeps) those letters, so
@@ -172,7 +173,7 @@ class CronDeadLetters:
         (letters replayed before the error have left the DLQ, the others are kept)."""
         loop = asyncio.get_running_loop()
         stop_at = loop.time() + self._replay_budget_s
-        out_of_time = False
+        left: set[str] = set()  # runs whose letters the budget left
         now = self._clock()
         # Looked up once per letter: in the list as asked for (up to 10,000 run ids), that
         # was up to 10,000 x 10,000 comparisons in one walk.
@@ -181,7 +182,7 @@ class CronDeadLetters:
         unreadable: list[str] = []
         found: set[str] = set()
         in_progress: list[str] = []
-        async with self._dlq.walk() as held:
+        async with self._dlq.walk(deadline=stop_at) as held:
             chosen: list[tuple[AbstractIncomingMessage, RunCronJob]] = []
             for message in sorted(held, key=lambda m: oldest_first(dead_lettered_at(m, now))):
                 command = _read(message)
@@ -199,10 +200,8 @@ class CronDeadLetters:
             chosen = [(message, c) for message, c in chosen if c.run_id not in gone]
             for index, (message, command) in enumerate(chosen):
                 if replayed and loop.time() >= stop_at:
-                    # Out of time: the rest stay, reported as a walk cut short reports them.
-                    out_of_time = True
                     done = {letter.dead_run_id for letter in replayed}
-                    found -= {c.run_id for _, c in chosen[index:]} - done
+                    left = {c.run_id for _, c in chosen[index:]} - done - set(in_progress)
                     break
                 try:
                     firing, started_now = await self._replay_run(command)
@@ -211,8 +210,9 @@ class CronDeadLetters:
                     continue
                 await self._dlq.remove(message)
                 replayed.append(ReplayedLetter(command.run_id, command.job, firing, started_now))
-        truncated = held.truncated or out_of_time
-        not_found, not_reached = unmatched(run_ids or [], found, truncated=truncated)
+        not_found, not_reached = unmatched(
+            run_ids or [], found, truncated=held.truncated, left=left
+        )
         return CronReplay(
             replayed,
             unreadable,
@@ -220,7 +220,8 @@ class CronDeadLetters:
             not_found,
             in_progress,
             not_reached=not_reached,
-            truncated=truncated,
+            truncated=held.truncated,
+            timed_out=bool(left),
         )
 
     async def drop(self, run_id: str, *, cut_off: CutOff | None = None) -> Dropped:

@@ -8,25 +8,32 @@ letters are counted, nothing is timed."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aio_pika
 import pytest
+from fastapi import FastAPI
 from faststream.rabbit import RabbitBroker
+from pydantic import SecretStr
 from pymongo import AsyncMongoClient
 
 from devtools.infra import Endpoint
+from services.gateway.admin_api import admin_routes
 from services.gateway.deadletters import DeadLetterQueue
 from services.gateway.publisher import TaskPublisher
 from services.gateway.submissions import Submissions
 from shared.contracts import ScoreText, new_id, utcnow
-from shared.dead_letters import MAX_WALK_BYTES, DeadLetterWalker
+from shared.dead_letters import MAX_WALK_BYTES, DeadLetterWalker, WalkBusy
+from shared.http import install_problem_handlers
 from shared.topology import CRON_JOBS, SCORE_REQUESTS, WorkQueue, declare_topology
+from tests.support import running
 
 LETTERS = 5
 TEXT_CHARS = 10_000
 TIMEOUT_S = 5.0
+ADMIN_KEY = "test-admin-key"
 
 
 def _letter_body() -> bytes:
@@ -104,3 +111,43 @@ async def test_a_listing_past_the_byte_budget_says_letters_are_left(
 
     assert (len(bounded.letters), bounded.truncated) == (2, True)
     assert (len(whole.letters), whole.truncated) == (LETTERS, False)
+
+
+async def test_a_walk_with_a_deadline_takes_its_turn_and_its_letters_only_until_then(
+    broker: RabbitBroker,
+) -> None:
+    """A replay's budget did not bound its walk: its wait for another walk's turn and the
+    taking of every letter came on top of it, so a second replay on a replica answered past
+    the CLI's timeout. A walk given a deadline waits for its turn only until then
+    (`WalkBusy`), and takes no letter past it but the first."""
+    loop = asyncio.get_running_loop()
+    walker = DeadLetterWalker(broker, CRON_JOBS, timeout_s=TIMEOUT_S)
+
+    async with walker.walk(deadline=loop.time()) as held:
+        assert (len(held), held.truncated) == (1, True)
+        with pytest.raises(WalkBusy):
+            async with walker.walk(deadline=loop.time() + 0.1):
+                pass
+
+    async with walker.walk() as held:  # every letter given back; the turn free again
+        assert (len(held), held.truncated) == (LETTERS, False)
+
+
+async def test_a_replay_that_cannot_take_its_turn_in_time_is_a_503(
+    broker: RabbitBroker, submissions: Submissions
+) -> None:
+    dead_letters = _dead_letters(broker, submissions, walk_bytes=MAX_WALK_BYTES)
+    dead_letters._replay_budget_s = 0.1
+    app = FastAPI()
+    install_problem_handlers(app)
+    app.include_router(admin_routes(dead_letters, SecretStr(ADMIN_KEY)))
+
+    async with dead_letters._dlq.walk(), running(app) as api:  # a look holds every letter
+        api.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
+        answer = await api.post("/admin/v1/dead-letters/replay", json={"all": True})
+
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["Retry-After"] == "5"
+    assert answer.json()["type"].endswith("/dead-letters-busy")
+    async with dead_letters._dlq.walk() as held:
+        assert len(held) == LETTERS  # nothing replayed

@@ -18,7 +18,7 @@ from tests.unit.test_cli_cron import FakeServer, _problem
 LETTERS = "/admin/v1/dead-letters"
 CRON_LETTERS = "/admin/v1/cron/dead-letters"
 WALK_STOPPED = "truncated: the walk stopped at its bound (10,000 letters or 64 MiB"
-REPLAY_STOPPED = "truncated: the replay stopped at its bound (the walk's, or 20 s of replaying)"
+TIMED_OUT = "timed out: the replay stopped at its time budget (20 s) with letters left"
 
 Json = dict[str, Any]
 
@@ -207,7 +207,7 @@ def test_a_replay_by_ids_cut_short_names_the_ids_not_reached_and_exits_1(
 
     assert result.exit_code == 1
     assert json.loads(result.stdout) == report
-    assert REPLAY_STOPPED in result.stderr
+    assert WALK_STOPPED in result.stderr
     assert "not reached" in result.stderr
     assert result.stderr.rstrip().endswith(": x y")
     assert "not found" not in result.stderr
@@ -220,14 +220,52 @@ def test_a_replay_of_all_cut_short_says_so_and_exits_0(server: FakeServer) -> No
     result = run_cli("dlq", "replay", "--all")
 
     assert result.exit_code == 0, result.output
-    assert REPLAY_STOPPED in result.stderr
+    assert WALK_STOPPED in result.stderr
     assert "run again to reach them" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "path"),
+    [(("dlq", "replay"), LETTERS), (("cron", "dlq", "replay"), CRON_LETTERS)],
+)
+def test_a_replay_out_of_time_says_to_run_it_again_not_to_replay_letters_before(
+    server: FakeServer, command: tuple[str, ...], path: str
+) -> None:
+    """Its ids were reached (the walk was whole): advice for a walk cut short (replay or
+    drop the letters before them) would send the operator the wrong way."""
+    report: Json = {
+        "replayed": ["w"],
+        "not_found": [],
+        "not_reached": ["x"],
+        "truncated": False,
+        "timed_out": True,
+    }
+    server.script("POST", f"{path}/replay", httpx.Response(200, json=report))
+
+    result = run_cli(*command, "w", "x")
+
+    assert result.exit_code == 1
+    assert TIMED_OUT in result.stderr
+    assert "not replayed yet (the replay ran out of time: run it again): x" in result.stderr
+    assert "past the walk" not in result.stderr
+    assert WALK_STOPPED not in result.stderr
+
+
+def test_a_replay_of_all_out_of_time_says_so_and_exits_0(server: FakeServer) -> None:
+    report: Json = {"replayed": ["t1"], "not_found": [], "not_reached": [], "timed_out": True}
+    server.script("POST", f"{LETTERS}/replay", httpx.Response(200, json=report))
+
+    result = run_cli("dlq", "replay", "--all")
+
+    assert result.exit_code == 0, result.output
+    assert TIMED_OUT in result.stderr
+    assert "run it again for the rest" in result.stderr
 
 
 def test_the_bounds_the_cli_names_are_the_services_own() -> None:
     """The CLI imports nothing of the services; its words for their bounds must not drift."""
     assert f"({MAX_WALK:,} letters or {MAX_WALK_BYTES // 2**20} MiB" in cli.WALK_STOPPED
-    assert f"or {REPLAY_BUDGET_S:.0f} s of replaying)" in cli.REPLAY_STOPPED
+    assert f"budget ({REPLAY_BUDGET_S:.0f} s)" in cli.REPLAY_STOPPED
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
+from types import SimpleNamespace
 from typing import Any, cast
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -21,6 +22,7 @@ from services.gateway.deadletters import DeadLetterQueue, describe
 from services.scheduler.config import Concurrency, MissedFirings
 from services.scheduler.dead_letters import CronDeadLetters
 from services.scheduler.dispatcher import fire_replay
+from services.scheduler.errors import RunInProgress
 from services.scheduler.schedule import JobCatalog, ScheduledJob
 from shared.contracts import RunCronJob, ScoreText
 from shared.dead_letters import REPLAY_BUDGET_S, DeadLetterWalker
@@ -60,8 +62,8 @@ class HeldLetters:
         self.removed: list[Letter] = []
 
     @contextlib.asynccontextmanager
-    async def walk(self) -> AsyncIterator[list[Letter]]:
-        yield Walked(self.letters)  # the queue's end reached
+    async def walk(self, *, deadline: float | None = None) -> AsyncIterator[list[Letter]]:
+        yield Walked(self.letters)  # the queue's end reached, whatever the deadline
 
     async def remove(self, message: Letter) -> None:
         self.removed.append(message)
@@ -72,14 +74,17 @@ def _cron_letter(run_id: str) -> Letter:
     return Letter(body=command.model_dump_json().encode(), message_id=f"m-{run_id}")
 
 
+def _rollup() -> ScheduledJob:
+    # Allowed to overlap: every replay starts although no run ends.
+    return ScheduledJob(
+        "rollup", "5 * * * *", "UTC", MissedFirings.COALESCE, True, concurrency=Concurrency.ALLOW
+    )
+
+
 def _cron_dead_letters(
     held: HeldLetters, published: Published, *, replay_budget_s: float = REPLAY_BUDGET_S
 ) -> CronDeadLetters:
-    # Allowed to overlap: every replay starts although no run ends.
-    rollup = ScheduledJob(
-        "rollup", "5 * * * *", "UTC", MissedFirings.COALESCE, True, concurrency=Concurrency.ALLOW
-    )
-    jobs, clock = JobCatalog([rollup]), Clock(NOW)
+    jobs, clock = JobCatalog([_rollup()]), Clock(NOW)
     return CronDeadLetters(
         cast(DeadLetterWalker, held),
         jobs=jobs,
@@ -112,7 +117,9 @@ async def test_a_cron_replay_by_run_ids_looks_them_up_in_a_set() -> None:
 async def test_a_cron_replay_out_of_time_reports_the_runs_it_left_as_not_reached() -> None:
     """A replay answers once its budget is spent (none here: one run, the least it
     replays); the runs asked for that it left are `not_reached` (they were matched, so
-    neither replayed nor reported at all), and the answer is `truncated`."""
+    neither replayed nor reported at all), `timed_out` says so, and a run no letter holds
+    is `not_found` (the walk reached the queue's end: it was `not_reached` too, and the
+    operator was told to run again for a typo)."""
     published = Published()
     held = HeldLetters([_cron_letter(run_id) for run_id in ("dead-1", "dead-2", "dead-3")])
     dead_letters = _cron_dead_letters(held, published, replay_budget_s=0)
@@ -120,10 +127,34 @@ async def test_a_cron_replay_out_of_time_reports_the_runs_it_left_as_not_reached
     replay = await dead_letters.replay(["dead-1", "dead-2", "dead-3", "nowhere"])
 
     [done] = [letter.dead_run_id for letter in replay.replayed]
-    assert (replay.truncated, replay.not_found) == (True, [])
-    assert sorted(replay.not_reached) == sorted({"dead-1", "dead-2", "dead-3", "nowhere"} - {done})
+    assert (replay.timed_out, replay.truncated, replay.not_found) == (True, False, ["nowhere"])
+    assert sorted(replay.not_reached) == sorted({"dead-1", "dead-2", "dead-3"} - {done})
     assert [letter.message_id for letter in held.removed] == [f"m-{done}"]
     assert len(published.commands) == 1
+
+
+async def test_a_cron_run_in_progress_is_not_also_reported_not_reached() -> None:
+    """Its first letter found its job's run in progress, its second was left by the budget:
+    it was reported both `skipped_in_progress` and `not_reached`."""
+    letters = [_cron_letter("dead-x"), _cron_letter("dead-y"), _cron_letter("dead-x")]
+
+    async def replay_run(command: RunCronJob) -> tuple[Any, bool]:
+        if command.run_id == "dead-x":
+            raise RunInProgress(command.job, "run-1", "running", None)
+        return SimpleNamespace(run_id=f"new-{command.run_id}"), True
+
+    dead_letters = CronDeadLetters(
+        cast(DeadLetterWalker, HeldLetters(letters)),
+        jobs=JobCatalog([_rollup()]),
+        replay_run=replay_run,
+        clock=Clock(NOW),
+        replay_budget_s=0,
+    )
+
+    replay = await dead_letters.replay(["dead-x", "dead-y"])
+
+    assert [letter.dead_run_id for letter in replay.replayed] == ["dead-y"]
+    assert (replay.skipped_in_progress, replay.not_reached) == (["dead-x"], [])
 
 
 class Resubmitted:

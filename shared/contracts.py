@@ -575,7 +575,8 @@ class DeadLetterAlert(Contract):
 
 
 class ModelCallsPaused(Contract):
-    """Event: the provider answered a scorer 429, and it pauses its model calls for `pause_s`
+    """Event: the provider answered a scorer 429 (or was found down: `outage`), and it pauses
+    its model calls for `pause_s`
     (`scorebox.events`, routing key `ops.model.paused`). Every other scorer replica calling the
     same `provider` pauses as long, less the event's age; the ops log keeps it for operators.
     `task_id` is the pause's own id."""
@@ -588,6 +589,12 @@ class ModelCallsPaused(Contract):
     )
     pause_s: float = Field(gt=0, le=3600, description="How long the pause lasts from occurred_at.")
     replica: str = Field(description="The scorer replica that was answered 429.")
+    outage: bool = Field(
+        default=False,
+        description="The pause is an outage's (the provider found unavailable by the calls of "
+        "several texts in a row), not a rate limit's: a probe finding it still down spends "
+        "no attempt of its task.",
+    )
 
 
 # The events of `ops.` routing keys: for operators (the ops log) and for the services' own

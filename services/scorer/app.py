@@ -107,9 +107,9 @@ def create_app(
         timeout_s=settings.broker_timeout_s,
     )
 
-    def pause_begun(pause_s: float) -> None:
+    def pause_begun(pause_s: float, outage: bool) -> None:
         metrics.rate_limit_pauses.inc()
-        pauses.announce(pause_s)
+        pauses.announce(pause_s, outage)
 
     deps = ScorerDeps(
         attempts=attempts,

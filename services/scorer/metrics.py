@@ -51,14 +51,15 @@ class ScorerMetrics:
 
         self.model_calls_paused = Gauge(
             "scorebox_model_calls_paused",
-            "1 while the provider's rate limit (429), or an outage (calls of several tasks in "
+            "1 while the provider's rate limit (429), or an outage (calls of several texts in "
             "a row found it unavailable), pauses this scorer's model calls.",
             registry=registry,
         )
         self.rate_limit_pauses = Counter(
             "scorebox_model_rate_limit_pauses",
-            "Pauses of this scorer's model calls begun while none lasted: a 429, or an outage "
-            "(the provider unavailable to the calls of several tasks in a row).",
+            "Pauses of this scorer's model calls begun while none lasted (a 429), and outages "
+            "taken for one (the provider found unavailable by the calls of several texts in a "
+            "row), a pause lasting included.",
             registry=registry,
         )
         self.shared_pauses = Counter(

@@ -41,6 +41,7 @@ from services.scorer.decisions import (
 from services.scorer.detached import Detached
 from services.scorer.errors import (
     ModelRateLimited,
+    ModelTimeout,
     ModelUnavailable,
     PermanentError,
     ScoringError,
@@ -438,8 +439,8 @@ async def _call_model(
 ) -> tuple[Finish | Retry, str | None]:
     """The attempt's decision; its outcome's usage counts in what `earlier` attempts of the
     generation were billed, a retry carries it on. A 429 pauses this process's model calls
-    (`deps.throttle`), and so does the provider found unavailable several times in a row; any
-    other answer tells the throttle the provider took the call."""
+    (`deps.throttle`), and so does the provider found unavailable (or silent) by the calls of
+    several texts in a row; any other answer tells the throttle the provider took the call."""
     request = ScoringRequest(
         task_id=command.task_id, text=command.text, rubric=command.rubric, model=command.model
     )
@@ -450,9 +451,10 @@ async def _call_model(
         _count_call(deps.metrics, "transient", error.code, started)
         deps.throttle.rate_limited(turn, error.retry_after_s)
         return _retry_or_give_up(command, error, deps, earlier), None
-    except ModelUnavailable as error:
+    except (ModelUnavailable, ModelTimeout) as error:
         _count_call(deps.metrics, "transient", error.code, started)
-        outage = deps.throttle.unavailable(turn, error.retry_after_s, task_id=command.task_id)
+        text_key = hash(command.text)
+        outage = deps.throttle.unavailable(turn, error.retry_after_s, text_key=text_key)
         return _retry_or_give_up(command, error, deps, earlier, outage=outage), None
     except TransientError as error:
         _count_call(deps.metrics, "transient", error.code, started)

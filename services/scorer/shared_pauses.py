@@ -56,7 +56,7 @@ class PauseAnnouncer:
         self._sending: set[asyncio.Task[None]] = set()
         self._closed = False
 
-    def announce(self, pause_s: float) -> None:
+    def announce(self, pause_s: float, outage: bool = False) -> None:
         """Publish in the background; never raises into the model call's 429 path."""
         if pause_s <= 0 or self._closed:
             return
@@ -65,6 +65,7 @@ class PauseAnnouncer:
             provider=self._provider,
             pause_s=min(pause_s, MAX_PAUSE_S),
             replica=self._replica,
+            outage=outage,
         )
         sending = asyncio.get_running_loop().create_task(self._send(event))
         self._sending.add(sending)
@@ -126,8 +127,11 @@ def subscribe_shared_pauses(
             log.warning("ignoring an unreadable pause announcement: %s", error)
             return
         left_s = peer_pause_left_s(event, replica=replica, provider=provider, now=clock())
-        if left_s > 0 and throttle.paused_elsewhere(left_s):
+        if left_s > 0 and throttle.paused_elsewhere(left_s, outage=event.outage):
             metrics.shared_pauses.inc()
             log.info(
-                "model calls paused %.1f s: replica %s was answered 429", left_s, event.replica
+                "model calls paused %.1f s: replica %s was answered 429%s",
+                left_s,
+                event.replica,
+                " (an outage)" if event.outage else "",
             )

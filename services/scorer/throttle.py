@@ -1,7 +1,7 @@
 """Rate-limit pauses: after the provider answers 429, this process starts no model call until
 the pause ends, and then one call (a probe) before all the others. The provider found
-unavailable `TRIP_AFTER` times in a row (a 5xx, a refused connection: `unavailable`) pauses
-the calls the same way, as a circuit breaker does.
+unavailable by the calls of `TRIP_AFTER` texts in a row (a 5xx, a refused connection, no
+answer in time: `unavailable`) pauses the calls the same way, as a circuit breaker does.
 
 Without it, a provider's rate limit of a few seconds met every model slot of every scorer at
 full speed: each 429 came back at once, the slot took the next delivery, and every task
@@ -26,10 +26,11 @@ An unavailable provider spends the attempts of the calls it fails (unlike a 429'
 without a pause an outage longer than the retries' back-off (about 14 s with the defaults)
 failed every task consumed during it, each after its four attempts, though the provider came
 back moments later (a self-hosted model restarting). With the pause, the calls stop once
-those of `TRIP_AFTER` tasks in a row found it unavailable (any other answer between them
+those of `TRIP_AFTER` texts in a row found it unavailable (any other answer between them
 starts the count again, so a provider failing now and then is not paused, nor is one failing
-a single text), and the probes that find it still down spend no attempt (the scorer counts
-them as it counts a 429's, within `RATE_LIMIT_RETRIES`).
+a single text, however many tasks hold it), and the probes that find it still down spend no
+attempt (the scorer counts them as it counts a 429's, within `RATE_LIMIT_RETRIES`), on every
+replica: an outage's pause is told to the others as one.
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ from dataclasses import dataclass
 from services.scorer.slots import SlotsClosed
 
 PAUSE_BASE_S = 1.0
-# Tasks whose calls found the provider unavailable in a row, no other answer between them,
-# that pause the calls.
+# Texts whose calls found the provider unavailable in a row, no other answer between them,
+# that pause the calls (an outage); failures further apart than the window are not in a row.
 TRIP_AFTER = 3
+TRIP_WINDOW_S = 120.0
 PAUSE_CAP_S = 60.0
 # The longest `Retry-After` a pause honours; longer hints are for the task's retry (the
 # scorer's `MAX_RETRY_AFTER_S`), the pause puts its deliveries off.
@@ -79,7 +81,7 @@ class ModelThrottle:
         base_s: float = PAUSE_BASE_S,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
-        on_pause: Callable[[float], object] = lambda _pause_s: None,
+        on_pause: Callable[[float, bool], object] = lambda _pause_s, _outage: None,
     ) -> None:
         self.hold_s = hold_s
         self._base_s = base_s
@@ -87,12 +89,14 @@ class ModelThrottle:
         self._clock = clock
         self._paused_until = 0.0
         self._rate_limits_in_a_row = 0
-        self._unavailable_tasks: set[str] = set()  # of the calls in a row found it so
+        # The texts whose calls found the provider unavailable in a row, and when.
+        self._unavailable: dict[int, float] = {}
         self._outage = False  # the pause lasting began with the provider unavailable
         self._probe_due = False  # a pause ended and no call has answered since
         self._probe_out = False  # the probe's call is running
         self._changed = asyncio.Event()
-        # Called with its length when a pause begins while none lasted.
+        # Called with its length when a pause begins while none lasted, and whether it is an
+        # outage's (also when a pause lasting turns into an outage's).
         self._on_pause = on_pause
 
     def pause_left_s(self) -> float:
@@ -134,37 +138,56 @@ class ModelThrottle:
         """A call came back 429: pause, or lengthen the pause. The back-off grows with each
         pause in a row (a probe answered 429), not with each call that was running when the
         limit came: those all come back 429 at once."""
+        first = not self._probe_due
+        self._lengthen(turn, retry_after_s)
+        if first:
+            self._on_pause(self.pause_left_s(), False)
+
+    def _lengthen(self, turn: Turn, retry_after_s: float | None) -> None:
         if turn.probe or not self._probe_due:
             self._rate_limits_in_a_row += 1
-        first = not self._probe_due
         # At 0 in a row: a call running when another replica's pause was heard.
         exponent = min(max(self._rate_limits_in_a_row - 1, 0), 30)
         backoff = min(PAUSE_CAP_S, self._base_s * 2.0**exponent) * self._rng.uniform(0.5, 1.0)
-        pause = max(backoff, min(retry_after_s or 0.0, MAX_PAUSE_S))
-        self._pause_for(pause)
-        if first:
-            self._on_pause(self.pause_left_s())
+        self._pause_for(max(backoff, min(retry_after_s or 0.0, MAX_PAUSE_S)))
 
-    def unavailable(self, turn: Turn, retry_after_s: float | None, *, task_id: str) -> bool:
-        """A call of task `task_id` found the provider unavailable: a pause as after a 429
-        once calls of `TRIP_AFTER` tasks in a row did (an outage), or at once for a probe's
-        call or one running during a pause. Tasks, not calls: one text the provider fails
-        every time (its retries the only calls of a quiet hour) would pause every other
-        task's. True when the call is the outage's rather than its task's: it began the
-        outage's pause, or probed one and found the provider still down."""
-        self._unavailable_tasks.add(task_id)
-        began = len(self._unavailable_tasks) >= TRIP_AFTER and not self._probe_due
-        the_outages = began or (turn.probe and self._outage)
+    def unavailable(self, turn: Turn, retry_after_s: float | None, *, text_key: int) -> bool:
+        """A call found the provider unavailable, or got no answer in time (its text's key
+        `text_key`): an outage once the calls of `TRIP_AFTER` texts in a row did, within
+        `TRIP_WINDOW_S` (texts, not tasks or calls: one text the provider fails every time,
+        scored as several tasks, its retries the only calls of a quiet hour, would pause
+        everyone's); the calls pause as after a 429, or a pause lasting (a 429's, another
+        replica's) turns into an outage's. A probe's call, or one running during a pause,
+        lengthens it. True when the call is the outage's rather than its task's: it began
+        the outage, or probed one and found the provider still down."""
+        probed_an_outage = turn.probe and self._outage
+        began = not self._outage and self._in_a_row(text_key) >= TRIP_AFTER
+        if began:
+            self._outage = True
+            self._unavailable.clear()
         if began or turn.probe or self._probe_due:
-            self._unavailable_tasks.clear()
-            self.rate_limited(turn, retry_after_s)
-        self._outage = self._outage or began
-        return the_outages
+            self._lengthen(turn, retry_after_s)
+        if began:
+            self._on_pause(self.pause_left_s(), True)
+        return began or probed_an_outage
 
-    def paused_elsewhere(self, pause_s: float) -> bool:
-        """Another replica calling the same provider was answered 429 and pauses `pause_s`
-        more: pause as long, then probe. False when this process's pause already lasts as
-        long (it heard of the limit itself, or from another replica first)."""
+    def _in_a_row(self, text_key: int) -> int:
+        """The texts whose calls found the provider unavailable in a row, this one's
+        included, within `TRIP_WINDOW_S`."""
+        now = self._clock()
+        self._unavailable = {
+            key: at for key, at in self._unavailable.items() if now - at < TRIP_WINDOW_S
+        }
+        self._unavailable[text_key] = now
+        return len(self._unavailable)
+
+    def paused_elsewhere(self, pause_s: float, *, outage: bool = False) -> bool:
+        """Another replica calling the same provider was answered 429 (or found it down:
+        `outage`) and pauses `pause_s` more: pause as long, then probe. False when this
+        process's pause already lasts as long (it heard of the limit itself, or from another
+        replica first); an outage is taken for one all the same, so that the probes here
+        that find the provider still down are the outage's too."""
+        self._outage = self._outage or outage
         if self._clock() + min(pause_s, MAX_PAUSE_S) <= self._paused_until:
             return False
         self._pause_for(pause_s)
@@ -179,7 +202,7 @@ class ModelThrottle:
         """A call came back with anything but a 429. The probe's answer ends the pause, unless
         another replica's pause heard meanwhile outlasts it (then another probe follows that
         one); a call started before the pause says nothing of it."""
-        self._unavailable_tasks.clear()
+        self._unavailable.clear()
         if turn.probe:
             self._probe_due = self.pause_left_s() > 0
             self._outage = self._outage and self._probe_due

@@ -165,3 +165,38 @@ async def test_a_probe_finding_the_provider_still_down_spends_no_attempt(
     assert isinstance(probed, Retry)  # its one attempt unspent: it was the probe's
     assert probed.next_command.rate_limited_retries == 1
     assert fake_llm.stats()["status_counts"] == {"500": TRIP_AFTER + 1}
+
+
+async def test_a_probe_getting_no_answer_in_time_keeps_the_outages_pause(
+    fake_llm: FakeLLM, mongo: Any, db_prefix: str
+) -> None:
+    """A timeout was taken for an answer: a probe that hung until the model's timeout ended
+    the outage's pause for every call (and reset its back-off), and timeouts between 5xx
+    kept the outage from being noticed at all. A call without an answer in time counts as
+    the provider found unavailable."""
+    async with (
+        fake_model(fake_llm, timeout_s=0.5) as model,
+        attempts_store(mongo.url, db_prefix) as attempts,
+    ):
+        throttle = ModelThrottle(hold_s=30, base_s=0.02, rng=random.Random(0))
+        deps = scorer_deps(
+            attempts=attempts,
+            model=model,
+            retry_policy=RetryPolicy(base_s=0.01, cap_s=0.05, rate_limit_retries=20),
+            throttle=throttle,
+        )
+        hung = [
+            await score_text(
+                ScoreText(task_id=new_id(), text=f"Essay {n}. [[fake:hang]]"), deps=deps
+            )
+            for n in range(TRIP_AFTER)
+        ]
+        assert throttle.paused  # three texts found it silent: an outage
+        probe = await score_text(
+            ScoreText(task_id=new_id(), text="Another. [[fake:hang]]", max_attempts=1), deps=deps
+        )
+
+    assert all(isinstance(decision, Retry) for decision in hung)
+    assert isinstance(probe, Retry)  # the outage's: its one attempt unspent
+    assert probe.next_command.rate_limited_retries == 1
+    assert throttle.paused  # the pause goes on, longer

@@ -14,7 +14,16 @@ from collections.abc import Sequence
 import pytest
 
 from services.scorer.slots import SlotsClosed
-from services.scorer.throttle import PAUSE_CAP_S, TRIP_AFTER, ModelThrottle, PutOff, Turn
+from services.scorer.throttle import (
+    GO,
+    PAUSE_CAP_S,
+    PROBE,
+    TRIP_AFTER,
+    TRIP_WINDOW_S,
+    ModelThrottle,
+    PutOff,
+    Turn,
+)
 from tests.support import eventually
 
 
@@ -145,7 +154,12 @@ async def test_a_pause_begun_while_none_lasted_is_told_once_with_its_length() ->
     replica is paused by then); the next pause after the limit ended is told again."""
     clock = Clock()
     begun: list[float] = []
-    throttle = ModelThrottle(base_s=1.0, rng=random.Random(0), clock=clock, on_pause=begun.append)
+    throttle = ModelThrottle(
+        base_s=1.0,
+        rng=random.Random(0),
+        clock=clock,
+        on_pause=lambda pause_s, _: begun.append(pause_s),
+    )
     throttle.rate_limited(Turn(), retry_after_s=20)
     for _ in range(10):
         throttle.rate_limited(Turn(), retry_after_s=20)
@@ -191,7 +205,12 @@ async def test_a_probe_answered_while_a_longer_pause_was_heard_is_followed_by_an
 async def test_a_pause_told_by_another_replica_holds_calls_until_its_end_then_a_probe() -> None:
     clock = Clock()
     begun: list[float] = []
-    throttle = ModelThrottle(base_s=1.0, rng=random.Random(0), clock=clock, on_pause=begun.append)
+    throttle = ModelThrottle(
+        base_s=1.0,
+        rng=random.Random(0),
+        clock=clock,
+        on_pause=lambda pause_s, _: begun.append(pause_s),
+    )
     assert throttle.paused_elsewhere(1.0)
     assert throttle.paused
     assert throttle.pause_left_s() == pytest.approx(1.0)
@@ -263,27 +282,40 @@ async def test_a_delivery_waiting_on_a_probe_that_never_answers_is_put_off_after
     assert turns == [PutOff(0.0), Turn(probe=True)]
 
 
-def test_the_provider_unavailable_three_times_in_a_row_pauses_the_calls() -> None:
+def _fails(throttle: ModelThrottle, *texts: int, turn: Turn = GO) -> list[bool]:
+    """Calls of the texts `texts` finding the provider unavailable, one after another;
+    whether each was the outage's."""
+    return [throttle.unavailable(turn, retry_after_s=None, text_key=text) for text in texts]
+
+
+def test_the_provider_unavailable_to_three_texts_in_a_row_pauses_the_calls() -> None:
     """An unavailable provider spent the attempts of every task consumed while it was down
     (four within the retries' back-off of about 14 s, then the DLQ): it now pauses the calls
-    as a 429 does, once calls of `TRIP_AFTER` tasks in a row found it so."""
+    as a 429 does, once calls of `TRIP_AFTER` texts in a row found it so."""
     throttle = _throttle(Clock())
-    for n in range(TRIP_AFTER - 1):
-        throttle.unavailable(Turn(), retry_after_s=None, task_id=f"t{n}")
-        assert not throttle.paused
-    throttle.unavailable(Turn(), retry_after_s=None, task_id="t-last")
+    assert _fails(throttle, *range(TRIP_AFTER - 1)) == [False] * (TRIP_AFTER - 1)
+    assert not throttle.paused
+    assert _fails(throttle, TRIP_AFTER) == [True]  # it began the outage: not its task's
     assert throttle.paused
     assert 0.5 <= throttle.pause_left_s() <= 1.0
 
 
-def test_one_task_failing_again_and_again_pauses_nothing() -> None:
-    """A text the provider fails every time, its retries the only calls of a quiet hour,
-    would otherwise pause every other task's calls (and its own retries, as probes, the
-    pauses after)."""
+def test_one_text_failing_again_and_again_pauses_nothing_however_many_tasks_hold_it() -> None:
+    """A text the provider fails every time, scored as several tasks (three rubrics, or a
+    client resubmitting it), their retries the only calls of a quiet hour, paused everyone's
+    calls (it counted tasks), and its retries then probed for free, twenty times each."""
     throttle = _throttle(Clock())
     for _ in range(10):
-        throttle.unavailable(Turn(), retry_after_s=None, task_id="poison")
-        throttle.unavailable(Turn(), retry_after_s=None, task_id="another")
+        _fails(throttle, 7, 8)
+    assert not throttle.paused
+
+
+def test_failures_further_apart_than_the_window_are_not_in_a_row() -> None:
+    clock = Clock()
+    throttle = _throttle(clock)
+    for text in range(TRIP_AFTER):
+        _fails(throttle, text)
+        clock.now += TRIP_WINDOW_S
     assert not throttle.paused
 
 
@@ -291,24 +323,22 @@ def test_any_other_answer_between_them_starts_the_count_again() -> None:
     """A provider failing now and then, among answers, is not paused."""
     throttle = _throttle(Clock())
     for round_ in range(5):
-        for n in range(TRIP_AFTER - 1):
-            throttle.unavailable(Turn(), retry_after_s=None, task_id=f"t{round_}-{n}")
+        _fails(throttle, *(round_ * 10 + n for n in range(TRIP_AFTER - 1)))
         throttle.answered(Turn())
     assert not throttle.paused
 
 
-async def test_a_probe_finding_the_provider_still_unavailable_starts_a_longer_pause() -> None:
+async def test_a_probe_finding_the_provider_still_down_is_the_outages_and_pauses_longer() -> None:
     clock = Clock()
     throttle = _throttle(clock)
-    for n in range(TRIP_AFTER):
-        throttle.unavailable(Turn(), retry_after_s=None, task_id=f"t{n}")
+    _fails(throttle, *range(TRIP_AFTER))
     first_pause = throttle.pause_left_s()
     clock.now += first_pause + 0.01
     probe = await throttle.wait_turn(asyncio.Event())
     assert probe == Turn(probe=True)
 
-    throttle.unavailable(probe, retry_after_s=None, task_id="t0")
-    throttle.done(probe)
+    assert _fails(throttle, 0, turn=PROBE) == [True]
+    throttle.done(PROBE)
     assert throttle.paused
     assert throttle.pause_left_s() > first_pause  # doubled (within its jitter)
 
@@ -318,37 +348,53 @@ async def test_a_probe_finding_the_provider_still_unavailable_starts_a_longer_pa
     throttle.answered(second)  # back: the pause is over for all
     throttle.done(second)
     assert not throttle.paused
+    assert _fails(throttle, 0, 1) == [False, False]  # counted afresh
 
 
-async def test_only_the_calls_of_an_outage_are_its_own() -> None:
-    """The calls that began an outage's pause or probed it are the outage's (the scorer
-    spends no attempt of their tasks on them); a 5xx while a 429's pause lasts, or one of
-    the calls before the outage was taken for one, is its task's as before (the fault test
-    saw a task failing every call make six calls where four were due, its failures during
-    another task's rate-limit pause taken for an outage's)."""
+async def test_a_429s_pause_turns_into_an_outages_when_three_texts_find_the_provider_down() -> None:
+    """Overloaded providers mix 429s and 503s: a pause begun by a 429 stayed a rate limit's,
+    and every probe finding the provider down was charged to its task; the other replicas
+    are told it is an outage now."""
+    clock = Clock()
+    told: list[tuple[float, bool]] = []
+    throttle = ModelThrottle(
+        base_s=1.0, rng=random.Random(0), clock=clock, on_pause=lambda s, o: told.append((s, o))
+    )
+    throttle.rate_limited(Turn(), retry_after_s=1)
+    owned = []
+    for text in range(TRIP_AFTER + 1):
+        clock.now += throttle.pause_left_s() + 0.01
+        probe = await throttle.wait_turn(asyncio.Event())
+        assert probe == PROBE
+        owned += _fails(throttle, text, turn=PROBE)
+        throttle.done(PROBE)
+    assert owned == [False] * (TRIP_AFTER - 1) + [True, True]
+    assert [outage for _, outage in told] == [False, True]
+
+
+async def test_an_outage_heard_from_another_replica_makes_the_probes_here_its_own() -> None:
+    """The outage was one process's: another replica paused by its announcement charged
+    every probe of the outage to its task."""
     clock = Clock()
     throttle = _throttle(clock)
-    throttle.rate_limited(Turn(), retry_after_s=1)  # a rate limit, not an outage
+    assert throttle.paused_elsewhere(2.0, outage=True)
+    clock.now += 2.01
+    probe = await throttle.wait_turn(asyncio.Event())
+    assert probe == PROBE
+    assert _fails(throttle, 5, turn=PROBE) == [True]
+
+
+async def test_a_5xx_during_a_rate_limits_pause_is_its_tasks() -> None:
+    """The fault test saw a task failing every call make six calls where four were due, its
+    failures during another task's rate-limit pause taken for an outage's."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    throttle.rate_limited(Turn(), retry_after_s=1)
     clock.now += 1.01
     probe = await throttle.wait_turn(asyncio.Event())
-    assert isinstance(probe, Turn)
-    assert not throttle.unavailable(probe, retry_after_s=None, task_id="t0")
-    throttle.done(probe)
-
-    clock.now += throttle.pause_left_s() + 0.01
-    probe = await throttle.wait_turn(asyncio.Event())
-    assert isinstance(probe, Turn)
-    throttle.answered(probe)  # the provider answers: every pause over
-    throttle.done(probe)
-    owned = [
-        throttle.unavailable(Turn(), retry_after_s=None, task_id=f"t{n}") for n in range(TRIP_AFTER)
-    ]
-    assert owned == [False] * (TRIP_AFTER - 1) + [True]  # the last one began the outage
-    clock.now += throttle.pause_left_s() + 0.01
-    probe = await throttle.wait_turn(asyncio.Event())
-    assert isinstance(probe, Turn)
-    assert throttle.unavailable(probe, retry_after_s=None, task_id="t0")  # still down
-    throttle.done(probe)
+    assert probe == PROBE
+    assert _fails(throttle, 0, turn=PROBE) == [False]
+    throttle.done(PROBE)
 
 
 async def test_a_replica_idle_since_a_pause_does_not_show_as_paused() -> None:

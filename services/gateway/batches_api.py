@@ -197,10 +197,13 @@ async def parse_batch(request: Request, settings: GatewaySettings) -> BatchSubmi
     payload = await read_json_object(request, what="batch", limit=settings.max_batch_body_bytes)
     items = payload.get("items")
     if isinstance(items, list) and len(items) > settings.max_batch_items:
+        message = f"a batch has at most {settings.max_batch_items} items, not {len(items)}"
         raise Problem(
             422,
-            f"items: a batch has at most {settings.max_batch_items} items, not {len(items)}.",
+            f"items: {message}.",
             kind="invalid-fields",
+            errors=[{"field": "items", "message": message}],
+            invalid_items=[],
         )
     _refuse_long_texts(items, settings.max_text_chars)
     try:

@@ -272,6 +272,17 @@ async def test_bad_batches_are_problems(batches: Batches, body: Any, status: int
     assert await batches.kept() == before
 
 
+async def test_too_many_items_names_the_field_as_every_422_does(batches: Batches) -> None:
+    """It was the one 422 of the route without `errors` (the README: each field named) or
+    `invalid_items`."""
+    answer = await batches.api.post("/v1/batches", json={"items": _items(MAX_ITEMS + 1)})
+    problem = _assert_problem(answer, 422)
+    assert problem["errors"] == [
+        {"field": "items", "message": f"a batch has at most {MAX_ITEMS} items, not {MAX_ITEMS + 1}"}
+    ]
+    assert problem["invalid_items"] == []
+
+
 async def test_wrong_content_type_and_bad_json(batches: Batches) -> None:
     _assert_problem(
         await batches.api.post(

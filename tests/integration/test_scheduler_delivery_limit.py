@@ -110,17 +110,23 @@ async def test_a_run_whose_scheduler_died_up_to_the_limit_is_failed_and_dead_let
     config = parse_config({"jobs": {JOB: {"cron": "0 3 * * *", "enabled": False}}}, {})
     calls = Calls()
 
+    gave_up = f'scorebox_cron_runs_total{{job="{JOB}",result="gave_up"}} 1.0'
     async with scheduler(env, config, handlers={JOB: calls}) as (api, _):
         run = await firing_state(api, command.run_id, "failed")
         [letter] = await _dead_letters(env.amqp_url)
-        exposition = (await api.get("/metrics")).text
+
+        async def counted() -> bool:
+            # Counted once the letter is recorded written on the run: after the letter's
+            # confirm and the run's failure this test saw (a flake in CI read it too soon).
+            return gave_up in (await api.get("/metrics")).text
+
+        await eventually(counted, timeout_s=10, what="the give-up counted")
 
     assert calls.runs == []  # not run again
     assert f"delivered {LIMIT} times without being settled" in run["error"]
     assert f"delivery limit {LIMIT} reached" in run["error"]
     assert str(letter.headers[ERROR_HEADER]) == run["error"]
     assert RunCronJob.model_validate_json(letter.body).run_id == command.run_id
-    assert f'scorebox_cron_runs_total{{job="{JOB}",result="gave_up"}} 1.0' in exposition
     # Acked: neither left in its queue nor dead-lettered again by RabbitMQ.
     assert await drain(env.amqp_url, CRON_JOBS.name) == []
     assert await drain(env.amqp_url, CRON_JOBS.dead_letter_routing_key) == []

@@ -457,6 +457,7 @@ async def test_dead_letters_are_listed_replayed_with_fresh_attempts_and_purged(f
         "not_found": [],
         "not_reached": [],
         "truncated": False,
+        "timed_out": False,
     }
     view = await flow.reaches(task_id, "completed")
     assert view["attempts"] == 1  # a fresh attempt budget
@@ -518,6 +519,7 @@ async def test_dead_letters_are_listed_whole_oldest_first_and_an_unknown_id_is_r
         "not_found": [unknown],
         "not_reached": [],
         "truncated": False,
+        "timed_out": False,
     }
     await _dead_letters(flow.amqp_url)
 

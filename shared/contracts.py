@@ -588,7 +588,9 @@ class ModelCallsPaused(Contract):
         examples=["https://api.openai.com/v1 key:3f2a9c1b0d4e"],
     )
     pause_s: float = Field(gt=0, le=3600, description="How long the pause lasts from occurred_at.")
-    replica: str = Field(description="The scorer replica that was answered 429.")
+    replica: str = Field(
+        description="The scorer replica that paused (answered 429, or found the provider down)."
+    )
     outage: bool = Field(
         default=False,
         description="The pause is an outage's (the provider found unavailable by the calls of "

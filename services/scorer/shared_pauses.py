@@ -130,8 +130,8 @@ def subscribe_shared_pauses(
         if left_s > 0 and throttle.paused_elsewhere(left_s, outage=event.outage):
             metrics.shared_pauses.inc()
             log.info(
-                "model calls paused %.1f s: replica %s was answered 429%s",
+                "model calls paused %.1f s: replica %s %s",
                 left_s,
                 event.replica,
-                " (an outage)" if event.outage else "",
+                "found the provider down" if event.outage else "was answered 429",
             )

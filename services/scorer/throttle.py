@@ -91,7 +91,10 @@ class ModelThrottle:
         self._rate_limits_in_a_row = 0
         # The texts whose calls found the provider unavailable in a row, and when.
         self._unavailable: dict[int, float] = {}
-        self._outage = False  # the pause lasting began with the provider unavailable
+        # Until when the provider is taken for down: the outage's pause, and `TRIP_WINDOW_S`
+        # after it for its probe (an outage kept past that, on a replica idle since, made a
+        # single text's 5xx at its next call the outage's: free, and pausing everyone).
+        self._outage_until = 0.0
         self._probe_due = False  # a pause ended and no call has answered since
         self._probe_out = False  # the probe's call is running
         self._changed = asyncio.Event()
@@ -115,6 +118,7 @@ class ModelThrottle:
         `hold_s` above the longest back-off (`PAUSE_CAP_S`): pause after pause while the
         limit lasted, until RabbitMQ's consumer timeout closed the channel."""
         held_until = self._clock() + self.hold_s
+        self._forget_a_stale_pause()
         while True:
             if closing.is_set():
                 raise SlotsClosed
@@ -133,6 +137,16 @@ class ModelThrottle:
                 return PutOff(0.0)  # the probe's answer is late: back of the queue
             else:
                 await self._until_changed(closing, timeout_s=hold_left)  # the probe's answer
+
+    def _forget_a_stale_pause(self) -> None:
+        """A pause over for `TRIP_WINDOW_S` with no probe since (the replica idle) is
+        forgotten: its probe would say nothing of it, and one text's own 5xx at the next
+        call would lengthen a pause long over, and everyone's wait with it."""
+        stale = self._clock() - self._paused_until > TRIP_WINDOW_S
+        if self._probe_due and not self._probe_out and stale:
+            self._probe_due = False
+            self._rate_limits_in_a_row = 0
+            self._outage_until = 0.0
 
     def rate_limited(self, turn: Turn, retry_after_s: float | None) -> None:
         """A call came back 429: pause, or lengthen the pause. The back-off grows with each
@@ -160,16 +174,25 @@ class ModelThrottle:
         replica's) turns into an outage's. A probe's call, or one running during a pause,
         lengthens it. True when the call is the outage's rather than its task's: it began
         the outage, or probed one and found the provider still down."""
-        probed_an_outage = turn.probe and self._outage
-        began = not self._outage and self._in_a_row(text_key) >= TRIP_AFTER
+        in_outage = self._in_outage()
+        probed_an_outage = turn.probe and in_outage
+        began = not in_outage and self._in_a_row(text_key) >= TRIP_AFTER
         if began:
-            self._outage = True
             self._unavailable.clear()
         if began or turn.probe or self._probe_due:
             self._lengthen(turn, retry_after_s)
+        if began or probed_an_outage:
+            self._outage_lasts(self.pause_left_s())
         if began:
             self._on_pause(self.pause_left_s(), True)
         return began or probed_an_outage
+
+    def _in_outage(self) -> bool:
+        return self._clock() < self._outage_until
+
+    def _outage_lasts(self, pause_s: float) -> None:
+        until = self._clock() + pause_s + TRIP_WINDOW_S
+        self._outage_until = max(self._outage_until, until)
 
     def _in_a_row(self, text_key: int) -> int:
         """The texts whose calls found the provider unavailable in a row, this one's
@@ -187,7 +210,8 @@ class ModelThrottle:
         process's pause already lasts as long (it heard of the limit itself, or from another
         replica first); an outage is taken for one all the same, so that the probes here
         that find the provider still down are the outage's too."""
-        self._outage = self._outage or outage
+        if outage:
+            self._outage_lasts(min(pause_s, MAX_PAUSE_S))
         if self._clock() + min(pause_s, MAX_PAUSE_S) <= self._paused_until:
             return False
         self._pause_for(pause_s)
@@ -205,7 +229,8 @@ class ModelThrottle:
         self._unavailable.clear()
         if turn.probe:
             self._probe_due = self.pause_left_s() > 0
-            self._outage = self._outage and self._probe_due
+            if not self._probe_due:
+                self._outage_until = 0.0
             self._rate_limits_in_a_row = 0
             self._notify()
         elif not self._probe_due:

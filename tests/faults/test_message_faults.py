@@ -6,8 +6,8 @@
 - The provider rate-limits every call for a while (longer than a task's attempts take): no
   task fails; the scorer pauses its calls and the 429s spend no attempt.
 - The provider fails every call for a while (longer than a task's attempts take): no task
-  fails; after three failures in a row the scorer pauses its calls, and each pause costs one
-  attempt, its probe's.
+  fails; after the calls of three texts in a row fail the scorer pauses its calls, and the
+  probes that find the provider still down spend no attempt.
 - The same `score.requested` delivered twice: one model call.
 - A body that is not a command (poison): dead-lettered with the reason, the consumer lives.
 """

@@ -410,3 +410,30 @@ async def test_a_replica_idle_since_a_pause_does_not_show_as_paused() -> None:
     probe = await throttle.wait_turn(asyncio.Event())
     assert probe == Turn(probe=True)
     assert throttle.paused  # the others wait for its answer
+
+
+async def test_an_outage_and_its_pause_long_over_are_forgotten_by_an_idle_replica() -> None:
+    """An outage heard from another replica was kept until a probe here was answered: on a
+    replica idle since, the next call, a probe, failing with one text's own 5xx was taken
+    for the outage's (free) and paused everyone's calls, its retries probing for free in
+    turn (24 attempts where 4 were due)."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    throttle.paused_elsewhere(5.0, outage=True)
+    clock.now += 5 + TRIP_WINDOW_S + 1  # idle since
+
+    turn = await throttle.wait_turn(asyncio.Event())
+
+    assert turn == GO  # no probe of a pause long over
+    assert _fails(throttle, 1, turn=turn) == [False]
+    assert not throttle.paused
+
+
+async def test_an_outage_is_the_probes_own_within_the_window_after_its_pause() -> None:
+    clock = Clock()
+    throttle = _throttle(clock)
+    throttle.paused_elsewhere(5.0, outage=True)
+    clock.now += 5 + TRIP_WINDOW_S - 1
+
+    assert await throttle.wait_turn(asyncio.Event()) == PROBE
+    assert _fails(throttle, 1, turn=PROBE) == [True]

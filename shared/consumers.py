@@ -375,6 +375,12 @@ class ScoreboxBroker(RabbitBroker):
     def add_consumer(self, subscription: _Subscription) -> None:
         self._subscriptions.append(subscription)
 
+    @property
+    def consumer_connection(self) -> AbstractRobustConnection | None:
+        """The connection deliveries come in on (None before `start()`, or when nothing
+        consumes): it never publishes, so a broker alarm never blocks it."""
+        return self._consumer_connection
+
     def consumed_queue(self, name: str) -> AbstractQueue | None:
         """The queue a consumer of this broker consumes, as declared on the connection that
         consumes it (None before `start()`, or when nothing consumes it)."""

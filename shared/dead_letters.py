@@ -51,12 +51,18 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any, Protocol
 
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractIncomingMessage,
+    AbstractQueue,
+    AbstractRobustConnection,
+)
 from fastapi import Depends, Query, Request
-from faststream.rabbit import QueueType, RabbitBroker, RabbitQueue
+from faststream.rabbit import RabbitBroker
 from pydantic import BaseModel, Field
 
 from shared.bus import BROKER_ERRORS
+from shared.consumers import ScoreboxBroker
 from shared.http import Problem
 from shared.topology import ERROR_HEADER, WorkQueue
 
@@ -85,10 +91,12 @@ _DATE_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d
 class HeldLetters(list[AbstractIncomingMessage]):
     """The letters one walk holds, in the order taken; `truncated` when the walk stopped at
     `MAX_WALK` letters or at its byte budget with a letter left behind them (letters past it
-    are reached by replaying or purging those before them); `bytes_held`, their bodies'
-    size."""
+    are reached by replaying or purging those before them), `timed_out` when it stopped at
+    its deadline with one left (they are reached by asking again); `bytes_held`, their
+    bodies' size."""
 
     truncated: bool = False
+    timed_out: bool = False
     bytes_held: int = 0
 
     def take(self, message: AbstractIncomingMessage) -> None:
@@ -236,6 +244,17 @@ def nothing_dropped(named: str, dropped: Dropped, *, out_of_sight: str) -> Probl
     )
 
 
+async def _looking_connection(broker: RabbitBroker) -> AbstractRobustConnection:
+    """The consuming connection, where the broker has one: it never publishes, so a memory or
+    disk alarm, which has RabbitMQ stop reading every connection that published, never blocks
+    a look (nor an operator's purge of the DLQ during an alarm the DLQ's letters raised); on
+    the publishing one, a listing, a replay's walk or a purge waited out the alarm and
+    answered 503. The broker's own connection otherwise."""
+    if isinstance(broker, ScoreboxBroker) and broker.consumer_connection is not None:
+        return broker.consumer_connection
+    return await broker.connect()
+
+
 @contextlib.asynccontextmanager
 async def own_channel(
     broker: RabbitBroker, *, timeout_s: float, what: str
@@ -247,7 +266,7 @@ async def own_channel(
     close, and a close that fails is left to the connection, whose loss (at worst by missed
     heartbeats) closes the channel too."""
     async with asyncio.timeout(timeout_s):
-        connection = await broker.connect()
+        connection = await _looking_connection(broker)
         await connection.ready()
         try:
             opening = connection.channel(publisher_confirms=False)
@@ -309,20 +328,13 @@ class DeadLetterWalker:
         self._max_bytes = max_bytes
         self._walking = asyncio.Lock()
 
-    async def _queue(self) -> AbstractQueue:
-        """The DLQ on the broker's own channel (a purge)."""
-        async with asyncio.timeout(self._timeout_s):
-            return await self._broker.declare_queue(
-                RabbitQueue(self._name, QueueType.QUORUM, declare=False)
-            )
-
     @contextlib.asynccontextmanager
     async def walk(self, *, deadline: float | None = None) -> AsyncIterator[HeldLetters]:
         """Hold every dead letter unacknowledged, up to `MAX_WALK` letters and the walker's
         byte budget (`MAX_WALK_BYTES` of bodies unless told); return the ones not settled on
         exit, then close the walk's channel: nothing it took stays held. Given a `deadline`
         (the event loop's clock), the walk waits for its turn only until then (`WalkBusy`)
-        and takes no letter past it but the first (`truncated` when more were left)."""
+        and takes no letter past it but the first (`timed_out` when more were left)."""
         await self._take_turn(deadline)
         try:
             async with own_channel(
@@ -337,7 +349,8 @@ class DeadLetterWalker:
                             # One letter past the bound: there is more. Not held (the caller
                             # never sees it), it goes back behind the others.
                             past.append(message)
-                            held.truncated = True
+                            held.truncated = held.full(self._max_bytes)
+                            held.timed_out = not held.truncated
                             break
                         held.take(message)
                     yield held
@@ -408,9 +421,10 @@ class DeadLetterWalker:
 
     async def purge(self) -> int:
         """Delete every letter not held by a walk; the number deleted."""
-        queue = await self._queue()
-        async with asyncio.timeout(self._timeout_s):
-            result = await queue.purge(timeout=self._timeout_s)
+        async with own_channel(self._broker, timeout_s=self._timeout_s, what=self._name) as channel:
+            async with asyncio.timeout(self._timeout_s):
+                queue = await channel.get_queue(self._name, ensure=False)
+                result = await queue.purge(timeout=self._timeout_s)
         return int(result.message_count or 0)
 
 

@@ -175,14 +175,16 @@ class DeadLetterQueue:
                 await self._dlq.remove(message)
                 replayed.append(command.task_id)
         left -= set(replayed)  # another copy of a task replayed: done
-        not_found, not_reached = unmatched(ids or [], found, truncated=held.truncated, left=left)
+        not_found, not_reached = unmatched(
+            ids or [], found, truncated=held.truncated or held.timed_out, left=left
+        )
         return Replay(
             replayed,
             skipped,
             not_found,
             not_reached,
             truncated=held.truncated,
-            timed_out=bool(left),
+            timed_out=held.timed_out or bool(left),
         )
 
     async def drop(self, letter_id: str, *, cut_off: CutOff | None = None) -> Dropped:

@@ -199,7 +199,9 @@ class CronDeadLetters:
                 raise ReplayRefused(gone)
             chosen = [(message, c) for message, c in chosen if c.run_id not in gone]
             for index, (message, command) in enumerate(chosen):
-                if replayed and loop.time() >= stop_at:
+                # Any letter tried counts (one whose run is in progress costs round trips
+                # too): the budget held only once a letter was replayed.
+                if index and loop.time() >= stop_at:
                     done = {letter.dead_run_id for letter in replayed}
                     left = {c.run_id for _, c in chosen[index:]} - done - set(in_progress)
                     break
@@ -211,7 +213,7 @@ class CronDeadLetters:
                 await self._dlq.remove(message)
                 replayed.append(ReplayedLetter(command.run_id, command.job, firing, started_now))
         not_found, not_reached = unmatched(
-            run_ids or [], found, truncated=held.truncated, left=left
+            run_ids or [], found, truncated=held.truncated or held.timed_out, left=left
         )
         return CronReplay(
             replayed,
@@ -221,7 +223,7 @@ class CronDeadLetters:
             in_progress,
             not_reached=not_reached,
             truncated=held.truncated,
-            timed_out=bool(left),
+            timed_out=held.timed_out or bool(left),
         )
 
     async def drop(self, run_id: str, *, cut_off: CutOff | None = None) -> Dropped:

@@ -44,6 +44,7 @@ from services.scorer.settings import ScorerSettings
 from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
 from shared.consumers import Delivery, consume
+from shared.dead_letters import DeadLetterWalker
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
 from shared.topology import (
@@ -256,13 +257,14 @@ async def _purged(amqp_url: str, work_queue: WorkQueue) -> None:
             await queue.purge(timeout=TIMEOUT_S)
 
 
-async def _put(amqp_url: str, work_queue: WorkQueue, body: bytes) -> None:
+async def _put(amqp_url: str, work_queue: WorkQueue, body: bytes, *, dlq: bool = False) -> None:
+    """`body` into the work queue, or into its DLQ."""
     connection = await aio_pika.connect(amqp_url, timeout=TIMEOUT_S)
     async with connection:
         channel = await connection.channel()
         await channel.default_exchange.publish(
             aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
-            routing_key=work_queue.name,
+            routing_key=work_queue.dead_letter_routing_key if dlq else work_queue.name,
             timeout=TIMEOUT_S,
         )
 
@@ -331,3 +333,42 @@ async def test_a_rescore_the_alarm_holds_back_goes_down_the_ladder_once_it_ends(
             what="the re-score request settled and its command queued",
         )
     assert await _depths(amqp_url, lambda d: d[RESCORE_REQUESTS.dead_letter_routing_key] == 0)
+
+
+async def test_the_dead_letters_can_be_looked_at_and_purged_while_an_alarm_blocks_publishes(
+    amqp_url: str, queue: tuple[aio_pika.abc.AbstractChannel, str]
+) -> None:
+    """A look at a DLQ (a listing, a replay's walk, the housekeeping's depth probe) and a
+    purge went through the service's publishing connection, which a memory alarm blocks once
+    the service has published: they waited out the alarm and answered 503, an operator's
+    purge of a DLQ whose letters raised the alarm included. They use the consuming
+    connection, which never publishes."""
+    _, name = queue
+    await _purged(amqp_url, SCORE_REQUESTS)
+    await _put(amqp_url, SCORE_REQUESTS, b"a letter", dlq=True)
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url, "BROKER_TIMEOUT_S": "5"})
+    broker = make_broker(settings, name="alarm-look-test")
+
+    @consume(broker, RabbitQueue(name, durable=True))
+    async def handle(delivery: Delivery) -> None:
+        await delivery.ack()
+
+    await broker.start()
+    walker = DeadLetterWalker(broker, SCORE_REQUESTS, timeout_s=5)
+    publishing: asyncio.Task[object] | None = None
+    try:
+        async with memory_alarm(timeout_s=TIMEOUT_S):
+            publishing = asyncio.create_task(broker.publish(b"during the alarm", queue=name))
+            await eventually(
+                lambda: _a_connection_blocked(amqp_url),
+                timeout_s=TIMEOUT_S,
+                what="a blocked publish",
+            )
+            async with walker.walk() as held:
+                assert [letter.body for letter in held] == [b"a letter"]
+            assert await walker.purge() == 1
+            assert not publishing.done()  # the publishing connection is still blocked
+    finally:
+        if publishing is not None:
+            await asyncio.wait_for(publishing, TIMEOUT_S)
+        await broker.stop()

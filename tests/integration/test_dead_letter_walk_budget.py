@@ -124,13 +124,13 @@ async def test_a_walk_with_a_deadline_takes_its_turn_and_its_letters_only_until_
     walker = DeadLetterWalker(broker, CRON_JOBS, timeout_s=TIMEOUT_S)
 
     async with walker.walk(deadline=loop.time()) as held:
-        assert (len(held), held.truncated) == (1, True)
+        assert (len(held), held.truncated, held.timed_out) == (1, False, True)
         with pytest.raises(WalkBusy):
             async with walker.walk(deadline=loop.time() + 0.1):
                 pass
 
     async with walker.walk() as held:  # every letter given back; the turn free again
-        assert (len(held), held.truncated) == (LETTERS, False)
+        assert (len(held), held.truncated, held.timed_out) == (LETTERS, False, False)
 
 
 async def test_a_replay_that_cannot_take_its_turn_in_time_is_a_503(

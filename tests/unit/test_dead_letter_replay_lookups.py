@@ -52,6 +52,7 @@ class Letter:
 
 class Walked(list[Letter]):
     truncated = False
+    timed_out = False
 
 
 class HeldLetters:
@@ -135,7 +136,8 @@ async def test_a_cron_replay_out_of_time_reports_the_runs_it_left_as_not_reached
 
 async def test_a_cron_run_in_progress_is_not_also_reported_not_reached() -> None:
     """Its first letter found its job's run in progress, its second was left by the budget:
-    it was reported both `skipped_in_progress` and `not_reached`."""
+    it was reported both `skipped_in_progress` and `not_reached` (the run left unseen,
+    dead-y, is `not_reached` alone)."""
     letters = [_cron_letter("dead-x"), _cron_letter("dead-y"), _cron_letter("dead-x")]
 
     async def replay_run(command: RunCronJob) -> tuple[Any, bool]:
@@ -153,8 +155,8 @@ async def test_a_cron_run_in_progress_is_not_also_reported_not_reached() -> None
 
     replay = await dead_letters.replay(["dead-x", "dead-y"])
 
-    assert [letter.dead_run_id for letter in replay.replayed] == ["dead-y"]
-    assert (replay.skipped_in_progress, replay.not_reached) == (["dead-x"], [])
+    assert replay.replayed == []  # out of time after the first try
+    assert (replay.skipped_in_progress, replay.not_reached) == (["dead-x"], ["dead-y"])
 
 
 class Resubmitted:
@@ -237,3 +239,49 @@ async def test_a_letter_without_a_message_id_is_named_by_its_body() -> None:
     assert cron.skipped_unreadable == [named]
     letter = describe(cast(AbstractIncomingMessage, nameless), NOW)
     assert (letter.message_id, letter.matches({named})) == (named, True)
+
+
+async def test_a_score_replay_out_of_time_leaves_what_it_matched_and_says_so() -> None:
+    """The walk whole, the replay's loop out of time after one letter: the ids of letters it
+    matched and left are `not_reached` ("run it again"), an id no letter holds `not_found`
+    (the walk reached the queue's end: it was `not_reached` too, and the operator was told
+    to run again for a typo), and the answer `timed_out`, not `truncated`."""
+    held = HeldLetters([_score_letter(task_id) for task_id in ("t-1", "t-2", "t-3")])
+    queue = DeadLetterQueue(
+        cast(Any, None),
+        cast(Any, Resubmitted()),
+        cast(Any, NoReplaysYet()),
+        Clock(NOW),
+        timeout_s=1.0,
+        replay_budget_s=0,
+    )
+    queue._dlq = cast(DeadLetterWalker, held)
+
+    replay = await queue.replay(["t-1", "t-2", "t-3", "nowhere"])
+
+    [done] = replay.replayed
+    assert (replay.timed_out, replay.truncated, replay.not_found) == (True, False, ["nowhere"])
+    assert sorted(replay.not_reached) == sorted({"t-1", "t-2", "t-3"} - {done})
+
+
+async def test_a_cron_replay_keeps_its_budget_while_every_run_it_tries_is_in_progress() -> None:
+    """The budget held only once a letter was replayed: letters whose job had a run in
+    progress (each tried at the cost of database round trips) were tried without end."""
+    tried: list[str] = []
+
+    async def replay_run(command: RunCronJob) -> tuple[Any, bool]:
+        tried.append(command.run_id)
+        raise RunInProgress(command.job, "run-1", "running", None)
+
+    dead_letters = CronDeadLetters(
+        cast(DeadLetterWalker, HeldLetters([_cron_letter(f"dead-{n}") for n in range(5)])),
+        jobs=JobCatalog([_rollup()]),
+        replay_run=replay_run,
+        clock=Clock(NOW),
+        replay_budget_s=0,
+    )
+
+    replay = await dead_letters.replay(None)
+
+    assert tried == ["dead-0"]
+    assert (replay.timed_out, replay.skipped_in_progress) == (True, ["dead-0"])

@@ -95,6 +95,7 @@ class ModelThrottle:
         # after it for its probe (an outage kept past that, on a replica idle since, made a
         # single text's 5xx at its next call the outage's: free, and pausing everyone).
         self._outage_until = 0.0
+        self._probe_in_outage = False  # the probe out was handed out during an outage
         self._probe_due = False  # a pause ended and no call has answered since
         self._probe_out = False  # the probe's call is running
         self._changed = asyncio.Event()
@@ -132,6 +133,7 @@ class ModelThrottle:
                 return GO
             elif not self._probe_out:
                 self._probe_out = True
+                self._probe_in_outage = self._in_outage()
                 return PROBE
             elif hold_left <= 0:
                 return PutOff(0.0)  # the probe's answer is late: back of the queue
@@ -175,14 +177,15 @@ class ModelThrottle:
         lengthens it. True when the call is the outage's rather than its task's: it began
         the outage, or probed one and found the provider still down."""
         in_outage = self._in_outage()
-        probed_an_outage = turn.probe and in_outage
+        # A probe handed out during the outage is its own however long its call took.
+        probed_an_outage = turn.probe and (in_outage or self._probe_in_outage)
         began = not in_outage and self._in_a_row(text_key) >= TRIP_AFTER
         if began:
             self._unavailable.clear()
         if began or turn.probe or self._probe_due:
             self._lengthen(turn, retry_after_s)
         if began or probed_an_outage:
-            self._outage_lasts(self.pause_left_s())
+            self._outage_lasts()
         if began:
             self._on_pause(self.pause_left_s(), True)
         return began or probed_an_outage
@@ -190,9 +193,9 @@ class ModelThrottle:
     def _in_outage(self) -> bool:
         return self._clock() < self._outage_until
 
-    def _outage_lasts(self, pause_s: float) -> None:
-        until = self._clock() + pause_s + TRIP_WINDOW_S
-        self._outage_until = max(self._outage_until, until)
+    def _outage_lasts(self) -> None:
+        """The outage lasts the pause that applies here, and `TRIP_WINDOW_S` after it."""
+        self._outage_until = max(self._outage_until, self._paused_until + TRIP_WINDOW_S)
 
     def _in_a_row(self, text_key: int) -> int:
         """The texts whose calls found the provider unavailable in a row, this one's
@@ -210,16 +213,19 @@ class ModelThrottle:
         process's pause already lasts as long (it heard of the limit itself, or from another
         replica first); an outage is taken for one all the same, so that the probes here
         that find the provider still down are the outage's too."""
+        longer = self._clock() + min(pause_s, MAX_PAUSE_S) > self._paused_until
+        if longer:
+            self._pause_for(pause_s)
         if outage:
-            self._outage_lasts(min(pause_s, MAX_PAUSE_S))
-        if self._clock() + min(pause_s, MAX_PAUSE_S) <= self._paused_until:
-            return False
-        self._pause_for(pause_s)
-        return True
+            self._outage_lasts()  # to this replica's own pause's end, should it be later
+        return longer
 
     def _pause_for(self, pause_s: float) -> None:
+        in_outage = self._in_outage()
         self._paused_until = max(self._paused_until, self._clock() + min(pause_s, MAX_PAUSE_S))
         self._probe_due = True
+        if in_outage:  # a 429's long Retry-After during an outage, say
+            self._outage_lasts()
         self._notify()
 
     def answered(self, turn: Turn) -> None:
@@ -241,6 +247,7 @@ class ModelThrottle:
         database error): a probe that did not answer lets another delivery probe."""
         if turn.probe and self._probe_out:
             self._probe_out = False
+            self._probe_in_outage = False
             self._notify()
 
     def _notify(self) -> None:

@@ -437,3 +437,47 @@ async def test_an_outage_is_the_probes_own_within_the_window_after_its_pause() -
 
     assert await throttle.wait_turn(asyncio.Event()) == PROBE
     assert _fails(throttle, 1, turn=PROBE) == [True]
+
+
+async def test_a_probe_whose_call_outlasts_the_window_is_still_the_outages() -> None:
+    """The outage ran out `TRIP_WINDOW_S` after its pause, while its probe's call could take
+    longer (`LLM_TIMEOUT_S` up to 540 s): a probe timing out after 150 s was charged to its
+    task, and every probe after it until three texts tripped the breaker again."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    _fails(throttle, *range(TRIP_AFTER))
+    clock.now += throttle.pause_left_s() + 0.01
+    assert await throttle.wait_turn(asyncio.Event()) == PROBE
+
+    clock.now += 150  # the probe's call times out
+    assert _fails(throttle, 0, turn=PROBE) == [True]
+    throttle.done(PROBE)
+    clock.now += throttle.pause_left_s() + 0.01
+    assert await throttle.wait_turn(asyncio.Event()) == PROBE
+    assert _fails(throttle, 1, turn=PROBE) == [True]  # the outage goes on
+
+
+async def test_an_outage_heard_during_a_longer_pause_here_lasts_as_long() -> None:
+    """An outage heard from another replica lasted the other's pause: this replica, waiting
+    out a 429's Retry-After of 300 s, charged its probe at the end of it to its task."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    throttle.rate_limited(Turn(), retry_after_s=300)
+    assert not throttle.paused_elsewhere(5.0, outage=True)  # shorter than the pause here
+    clock.now += 300.01
+
+    assert await throttle.wait_turn(asyncio.Event()) == PROBE
+    assert _fails(throttle, 1, turn=PROBE) == [True]
+
+
+async def test_a_pause_forgotten_by_an_idle_replica_leaves_no_back_off_behind() -> None:
+    """The next pause starts from the base again, not where a long-gone limit left it."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    for _ in range(5):  # a limit that lasted: its back-off grown to 16-32 s
+        throttle.rate_limited(PROBE, retry_after_s=None)
+    clock.now += throttle.pause_left_s() + TRIP_WINDOW_S + 1
+    assert await throttle.wait_turn(asyncio.Event()) == GO
+
+    throttle.rate_limited(Turn(), retry_after_s=None)
+    assert 0.5 <= throttle.pause_left_s() <= 1.0

@@ -153,25 +153,45 @@ async def test_model_api_faults_end_as_documented(
     assert box.answers[500] == 0
 
 
-async def test_a_provider_wide_rate_limit_fails_no_task(
-    box: Scorebox, llm: FakeLLM, figures: Figures, labels: tuple[str, str]
+@dataclass(frozen=True)
+class ProviderWide:
+    """A fault of every call for a while, whatever its task: the fake's `until` setting, the
+    status it answers, its duration and the tasks submitted during it."""
+
+    name: str
+    until: str  # the `FakeLLMConfig` field the fault lasts until
+    status: int
+    window_s: float
+    tasks: int
+
+
+async def _fails_no_task(
+    fault: ProviderWide,
+    box: Scorebox,
+    llm: FakeLLM,
+    figures: Figures,
+    labels: tuple[str, str],
+    *,
+    notes: str,
 ) -> None:
+    """Submit `fault.tasks` tasks while `fault` lasts; each must complete, scored once (the
+    fault spends no task's fault budget at the fake, so a task's calls are those answered)."""
     box.answers.clear()
-    markers = [new_marker() for _ in range(RATE_LIMITED_TASKS)]
-    limited_before = llm.stats()["status_counts"].get("429", 0)
-    llm.config.rate_limited_until = time.monotonic() + RATE_LIMIT_WINDOW_S
+    markers = [new_marker() for _ in range(fault.tasks)]
+    status = str(fault.status)
+    answered_before = llm.stats()["status_counts"].get(status, 0)
+    setattr(llm.config, fault.until, time.monotonic() + fault.window_s)
     try:
         tasks = [await box.submit(essay(marker)) for marker in markers]
         views = await box.finish(tasks)
     finally:
-        llm.config.rate_limited_until = 0.0
+        setattr(llm.config, fault.until, 0.0)
     statuses = [view["status"] for view in views.values()]
-    limited = llm.stats()["status_counts"].get("429", 0) - limited_before
-    # A 429 spends no task's fault budget, so a task's calls are those the provider answered.
+    answered = llm.stats()["status_counts"].get(status, 0) - answered_before
     scored_twice = sum(max(0, box.calls(marker) - 1) for marker in markers)
     figures.record(
         Outcome(
-            name=f"provider-wide rate limit (every call 429 for {RATE_LIMIT_WINDOW_S:g} s)",
+            name=f"{fault.name} (every call {status} for {fault.window_s:g} s)",
             accepted=len(tasks),
             completed=statuses.count("completed"),
             failed=statuses.count("failed"),
@@ -180,48 +200,35 @@ async def test_a_provider_wide_rate_limit_fails_no_task(
             time_to_recover_s=None,
             broker=labels[0],
             database=labels[1],
-            notes=f"{limited} calls answered 429; at most "
+            notes=f"{answered} calls answered {status}{notes}; at most "
             f"{max(v['attempts'] for v in views.values())} attempts for a task",
         )
     )
     assert statuses == ["completed"] * len(tasks), [view.get("error") for view in views.values()]
     assert scored_twice == 0
+
+
+async def test_a_provider_wide_rate_limit_fails_no_task(
+    box: Scorebox, llm: FakeLLM, figures: Figures, labels: tuple[str, str]
+) -> None:
+    limit = ProviderWide(
+        "provider-wide rate limit",
+        "rate_limited_until",
+        429,
+        RATE_LIMIT_WINDOW_S,
+        RATE_LIMITED_TASKS,
+    )
+    await _fails_no_task(limit, box, llm, figures, labels, notes="")
 
 
 async def test_a_provider_down_for_longer_than_a_tasks_retries_fails_no_task(
     box: Scorebox, llm: FakeLLM, figures: Figures, labels: tuple[str, str]
 ) -> None:
-    box.answers.clear()
-    markers = [new_marker() for _ in range(PROVIDER_DOWN_TASKS)]
-    unavailable_before = llm.stats()["status_counts"].get("503", 0)
-    llm.config.unavailable_until = time.monotonic() + PROVIDER_DOWN_S
-    try:
-        tasks = [await box.submit(essay(marker)) for marker in markers]
-        views = await box.finish(tasks)
-    finally:
-        llm.config.unavailable_until = 0.0
-    statuses = [view["status"] for view in views.values()]
-    unavailable = llm.stats()["status_counts"].get("503", 0) - unavailable_before
-    # An outage spends no task's fault budget at the fake: a task's calls are those answered.
-    scored_twice = sum(max(0, box.calls(marker) - 1) for marker in markers)
-    figures.record(
-        Outcome(
-            name=f"model provider down (every call 503 for {PROVIDER_DOWN_S:g} s)",
-            accepted=len(tasks),
-            completed=statuses.count("completed"),
-            failed=statuses.count("failed"),
-            duplicate_model_calls=scored_twice,
-            http_5xx_seen=box.http_5xx(),
-            time_to_recover_s=None,
-            broker=labels[0],
-            database=labels[1],
-            notes=f"{unavailable} calls answered 503 for {len(tasks)} tasks (four attempts "
-            "take under 2 s here); at most "
-            f"{max(v['attempts'] for v in views.values())} attempts for a task",
-        )
+    outage = ProviderWide(
+        "model provider down", "unavailable_until", 503, PROVIDER_DOWN_S, PROVIDER_DOWN_TASKS
     )
-    assert statuses == ["completed"] * len(tasks), [view.get("error") for view in views.values()]
-    assert scored_twice == 0
+    notes = f" for {PROVIDER_DOWN_TASKS} tasks (four attempts take under 2 s here)"
+    await _fails_no_task(outage, box, llm, figures, labels, notes=notes)
 
 
 async def _drained(box: Scorebox) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
@@ -134,6 +134,19 @@ async def test_a_cron_replay_out_of_time_reports_the_runs_it_left_as_not_reached
     assert len(published.commands) == 1
 
 
+def _out_of_time(
+    held: HeldLetters, replay_run: Callable[[RunCronJob], Awaitable[tuple[Any, bool]]]
+) -> CronDeadLetters:
+    """The cron DLQ over `held`, each run replayed by `replay_run`, with no time to spend."""
+    return CronDeadLetters(
+        cast(DeadLetterWalker, held),
+        jobs=JobCatalog([_rollup()]),
+        replay_run=replay_run,
+        clock=Clock(NOW),
+        replay_budget_s=0,
+    )
+
+
 async def test_a_cron_run_in_progress_is_not_also_reported_not_reached() -> None:
     """Its first letter found its job's run in progress, its second was left by the budget:
     it was reported both `skipped_in_progress` and `not_reached` (the run left unseen,
@@ -145,13 +158,7 @@ async def test_a_cron_run_in_progress_is_not_also_reported_not_reached() -> None
             raise RunInProgress(command.job, "run-1", "running", None)
         return SimpleNamespace(run_id=f"new-{command.run_id}"), True
 
-    dead_letters = CronDeadLetters(
-        cast(DeadLetterWalker, HeldLetters(letters)),
-        jobs=JobCatalog([_rollup()]),
-        replay_run=replay_run,
-        clock=Clock(NOW),
-        replay_budget_s=0,
-    )
+    dead_letters = _out_of_time(HeldLetters(letters), replay_run)
 
     replay = await dead_letters.replay(["dead-x", "dead-y"])
 
@@ -172,6 +179,25 @@ class NoReplaysYet:
         return None
 
 
+def _score_dead_letters(
+    held: HeldLetters,
+    resubmitted: Resubmitted | None = None,
+    *,
+    replay_budget_s: float = REPLAY_BUDGET_S,
+) -> DeadLetterQueue:
+    """The gateway's DLQ over `held` (in memory), its replays resubmitted to `resubmitted`."""
+    queue = DeadLetterQueue(
+        cast(Any, None),  # the broker: the walker below stands in for the one it makes
+        cast(Any, resubmitted or Resubmitted()),
+        cast(Any, NoReplaysYet()),
+        Clock(NOW),
+        timeout_s=1.0,
+        replay_budget_s=replay_budget_s,
+    )
+    queue._dlq = cast(DeadLetterWalker, held)  # the DLQ, held in memory
+    return queue
+
+
 def _score_letter(task_id: str) -> Letter:
     command = ScoreText(task_id=task_id, tenant_id="acme", text="some text to score")
     return Letter(body=command.model_dump_json().encode(), message_id=f"m-{task_id}")
@@ -180,14 +206,7 @@ def _score_letter(task_id: str) -> Letter:
 async def test_a_score_replay_by_ids_looks_them_up_in_a_set() -> None:
     held = HeldLetters([_score_letter(task_id) for task_id in ("t-1", "t-2", "t-3")])
     resubmitted = Resubmitted()
-    queue = DeadLetterQueue(
-        cast(Any, None),  # the broker: the walker below stands in for the one it makes
-        cast(Any, resubmitted),
-        cast(Any, NoReplaysYet()),
-        Clock(NOW),
-        timeout_s=1.0,
-    )
-    queue._dlq = cast(DeadLetterWalker, held)  # the DLQ, held in memory
+    queue = _score_dead_letters(held, resubmitted)
 
     replay = await queue.replay(Unsearchable(["t-3", "m-t-2", "nowhere"]))
 
@@ -205,10 +224,7 @@ async def test_a_replay_starts_the_task_on_a_fresh_attempt_budget() -> None:
     )
     letter = Letter(body=spent.model_dump_json().encode(), message_id="m-t-1")
     resubmitted = Resubmitted()
-    queue = DeadLetterQueue(
-        cast(Any, None), cast(Any, resubmitted), cast(Any, NoReplaysYet()), Clock(NOW), timeout_s=1
-    )
-    queue._dlq = cast(DeadLetterWalker, HeldLetters([letter]))
+    queue = _score_dead_letters(HeldLetters([letter]), resubmitted)
 
     await queue.replay(None)
 
@@ -223,14 +239,7 @@ async def test_a_letter_without_a_message_id_is_named_by_its_body() -> None:
     nameless = Letter(body=b"not a command", message_id=None)
     named = f"body-{hashlib.sha256(nameless.body).hexdigest()[:16]}"
     held = HeldLetters([nameless, _score_letter("t-1")])
-    queue = DeadLetterQueue(
-        cast(Any, None),
-        cast(Any, Resubmitted()),
-        cast(Any, NoReplaysYet()),
-        Clock(NOW),
-        timeout_s=1.0,
-    )
-    queue._dlq = cast(DeadLetterWalker, held)
+    queue = _score_dead_letters(held)
 
     replay = await queue.replay(None)
     cron = await _cron_dead_letters(HeldLetters([nameless]), Published()).replay(None)
@@ -247,15 +256,7 @@ async def test_a_score_replay_out_of_time_leaves_what_it_matched_and_says_so() -
     (the walk reached the queue's end: it was `not_reached` too, and the operator was told
     to run again for a typo), and the answer `timed_out`, not `truncated`."""
     held = HeldLetters([_score_letter(task_id) for task_id in ("t-1", "t-2", "t-3")])
-    queue = DeadLetterQueue(
-        cast(Any, None),
-        cast(Any, Resubmitted()),
-        cast(Any, NoReplaysYet()),
-        Clock(NOW),
-        timeout_s=1.0,
-        replay_budget_s=0,
-    )
-    queue._dlq = cast(DeadLetterWalker, held)
+    queue = _score_dead_letters(held, replay_budget_s=0)
 
     replay = await queue.replay(["t-1", "t-2", "t-3", "nowhere"])
 
@@ -273,12 +274,8 @@ async def test_a_cron_replay_keeps_its_budget_while_every_run_it_tries_is_in_pro
         tried.append(command.run_id)
         raise RunInProgress(command.job, "run-1", "running", None)
 
-    dead_letters = CronDeadLetters(
-        cast(DeadLetterWalker, HeldLetters([_cron_letter(f"dead-{n}") for n in range(5)])),
-        jobs=JobCatalog([_rollup()]),
-        replay_run=replay_run,
-        clock=Clock(NOW),
-        replay_budget_s=0,
+    dead_letters = _out_of_time(
+        HeldLetters([_cron_letter(f"dead-{n}") for n in range(5)]), replay_run
     )
 
     replay = await dead_letters.replay(None)

@@ -17,6 +17,7 @@ Readiness needs both connections: with only the consuming one down, a service is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -26,7 +27,7 @@ from typing import Any
 import aio_pika
 import pytest
 from fastapi import FastAPI
-from faststream.rabbit import RabbitQueue
+from faststream.rabbit import RabbitBroker, RabbitQueue
 from pymongo import AsyncMongoClient
 
 from devtools.infra import Endpoint
@@ -99,15 +100,8 @@ async def test_consumers_settle_while_the_broker_blocks_the_services_publishes(
         await delivery.ack()
 
     await broker.start()
-    publishing: asyncio.Task[object] | None = None
     try:
-        async with memory_alarm(timeout_s=TIMEOUT_S):
-            publishing = asyncio.create_task(broker.publish(b"during the alarm", queue=name))
-            await eventually(
-                lambda: _a_connection_blocked(amqp_url),
-                timeout_s=TIMEOUT_S,
-                what="a blocked publish",
-            )
+        async with _a_publish_held_back(broker, amqp_url, name) as publishing:
             publishes_blocked.set()
 
             await eventually(
@@ -118,9 +112,28 @@ async def test_consumers_settle_while_the_broker_blocks_the_services_publishes(
             )
             assert not publishing.done()  # the publish is still held back by the alarm
     finally:
+        await broker.stop()
+
+
+@contextlib.asynccontextmanager
+async def _a_publish_held_back(
+    broker: RabbitBroker, amqp_url: str, queue: str
+) -> AsyncIterator[asyncio.Task[object]]:
+    """A memory alarm, and a publish of `broker` to `queue` it holds back (the publishing
+    connection blocked); on the way out the alarm is lifted and the publish goes through."""
+    publishing: asyncio.Task[object] | None = None
+    try:
+        async with memory_alarm(timeout_s=TIMEOUT_S):
+            publishing = asyncio.create_task(broker.publish(b"during the alarm", queue=queue))
+            await eventually(
+                lambda: _a_connection_blocked(amqp_url),
+                timeout_s=TIMEOUT_S,
+                what="a blocked publish",
+            )
+            yield publishing
+    finally:
         if publishing is not None:
             await asyncio.wait_for(publishing, TIMEOUT_S)  # goes through once unblocked
-        await broker.stop()
 
 
 async def _a_connection_blocked(amqp_url: str) -> bool:
@@ -355,20 +368,11 @@ async def test_the_dead_letters_can_be_looked_at_and_purged_while_an_alarm_block
 
     await broker.start()
     walker = DeadLetterWalker(broker, SCORE_REQUESTS, timeout_s=5)
-    publishing: asyncio.Task[object] | None = None
     try:
-        async with memory_alarm(timeout_s=TIMEOUT_S):
-            publishing = asyncio.create_task(broker.publish(b"during the alarm", queue=name))
-            await eventually(
-                lambda: _a_connection_blocked(amqp_url),
-                timeout_s=TIMEOUT_S,
-                what="a blocked publish",
-            )
+        async with _a_publish_held_back(broker, amqp_url, name) as publishing:
             async with walker.walk() as held:
                 assert [letter.body for letter in held] == [b"a letter"]
             assert await walker.purge() == 1
             assert not publishing.done()  # the publishing connection is still blocked
     finally:
-        if publishing is not None:
-            await asyncio.wait_for(publishing, TIMEOUT_S)
         await broker.stop()

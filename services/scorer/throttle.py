@@ -91,11 +91,10 @@ class ModelThrottle:
         self._rate_limits_in_a_row = 0
         # The texts whose calls found the provider unavailable in a row, and when.
         self._unavailable: dict[int, float] = {}
-        # Until when the provider is taken for down: the outage's pause, and `TRIP_WINDOW_S`
-        # after it for its probe (an outage kept past that, on a replica idle since, made a
-        # single text's 5xx at its next call the outage's: free, and pausing everyone).
-        self._outage_until = 0.0
-        self._probe_in_outage = False  # the probe out was handed out during an outage
+        # The pause is an outage's: until a probe is answered, or the pause is forgotten as
+        # stale (kept past that on a replica idle since, an outage made a single text's 5xx
+        # at its next call the outage's: free, and pausing everyone).
+        self._outage = False
         self._probe_due = False  # a pause ended and no call has answered since
         self._probe_out = False  # the probe's call is running
         self._changed = asyncio.Event()
@@ -125,7 +124,7 @@ class ModelThrottle:
                 raise SlotsClosed
             left = self.pause_left_s()
             hold_left = held_until - self._clock()
-            if left > hold_left:
+            if left > 0 and left > hold_left:
                 return PutOff(left)
             if left > 0:
                 await self._until_changed(closing, timeout_s=left)
@@ -133,7 +132,6 @@ class ModelThrottle:
                 return GO
             elif not self._probe_out:
                 self._probe_out = True
-                self._probe_in_outage = self._in_outage()
                 return PROBE
             elif hold_left <= 0:
                 return PutOff(0.0)  # the probe's answer is late: back of the queue
@@ -148,12 +146,13 @@ class ModelThrottle:
         if self._probe_due and not self._probe_out and stale:
             self._probe_due = False
             self._rate_limits_in_a_row = 0
-            self._outage_until = 0.0
+            self._outage = False
 
     def rate_limited(self, turn: Turn, retry_after_s: float | None) -> None:
         """A call came back 429: pause, or lengthen the pause. The back-off grows with each
         pause in a row (a probe answered 429), not with each call that was running when the
         limit came: those all come back 429 at once."""
+        self._forget_a_stale_pause()
         first = not self._probe_due
         self._lengthen(turn, retry_after_s)
         if first:
@@ -176,26 +175,17 @@ class ModelThrottle:
         replica's) turns into an outage's. A probe's call, or one running during a pause,
         lengthens it. True when the call is the outage's rather than its task's: it began
         the outage, or probed one and found the provider still down."""
-        in_outage = self._in_outage()
-        # A probe handed out during the outage is its own however long its call took.
-        probed_an_outage = turn.probe and (in_outage or self._probe_in_outage)
-        began = not in_outage and self._in_a_row(text_key) >= TRIP_AFTER
+        self._forget_a_stale_pause()
+        probed_an_outage = turn.probe and self._outage
+        began = not self._outage and self._in_a_row(text_key) >= TRIP_AFTER
         if began:
             self._unavailable.clear()
-        if began or turn.probe or self._probe_due:
+        if began or self._probe_due:
             self._lengthen(turn, retry_after_s)
-        if began or probed_an_outage:
-            self._outage_lasts()
         if began:
+            self._outage = True
             self._on_pause(self.pause_left_s(), True)
         return began or probed_an_outage
-
-    def _in_outage(self) -> bool:
-        return self._clock() < self._outage_until
-
-    def _outage_lasts(self) -> None:
-        """The outage lasts the pause that applies here, and `TRIP_WINDOW_S` after it."""
-        self._outage_until = max(self._outage_until, self._paused_until + TRIP_WINDOW_S)
 
     def _in_a_row(self, text_key: int) -> int:
         """The texts whose calls found the provider unavailable in a row, this one's
@@ -213,19 +203,17 @@ class ModelThrottle:
         process's pause already lasts as long (it heard of the limit itself, or from another
         replica first); an outage is taken for one all the same, so that the probes here
         that find the provider still down are the outage's too."""
+        self._forget_a_stale_pause()
         longer = self._clock() + min(pause_s, MAX_PAUSE_S) > self._paused_until
         if longer:
             self._pause_for(pause_s)
         if outage:
-            self._outage_lasts()  # to this replica's own pause's end, should it be later
+            self._outage = True
         return longer
 
     def _pause_for(self, pause_s: float) -> None:
-        in_outage = self._in_outage()
         self._paused_until = max(self._paused_until, self._clock() + min(pause_s, MAX_PAUSE_S))
         self._probe_due = True
-        if in_outage:  # a 429's long Retry-After during an outage, say
-            self._outage_lasts()
         self._notify()
 
     def answered(self, turn: Turn) -> None:
@@ -235,8 +223,7 @@ class ModelThrottle:
         self._unavailable.clear()
         if turn.probe:
             self._probe_due = self.pause_left_s() > 0
-            if not self._probe_due:
-                self._outage_until = 0.0
+            self._outage = False
             self._rate_limits_in_a_row = 0
             self._notify()
         elif not self._probe_due:
@@ -247,7 +234,6 @@ class ModelThrottle:
         database error): a probe that did not answer lets another delivery probe."""
         if turn.probe and self._probe_out:
             self._probe_out = False
-            self._probe_in_outage = False
             self._notify()
 
     def _notify(self) -> None:

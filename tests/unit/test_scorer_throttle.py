@@ -481,3 +481,52 @@ async def test_a_pause_forgotten_by_an_idle_replica_leaves_no_back_off_behind() 
 
     throttle.rate_limited(Turn(), retry_after_s=None)
     assert 0.5 <= throttle.pause_left_s() <= 1.0
+
+
+async def test_a_peers_pause_heard_by_an_idle_replica_starts_from_the_base_back_off() -> None:
+    """A pause long over was forgotten only when a call came: a peer's pause heard first
+    made it recent again, and the next pause here began where a limit gone an hour before
+    had left the back-off (16-32 s for a 1 s one)."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    for _ in range(5):
+        throttle.rate_limited(PROBE, retry_after_s=None)
+    clock.now += throttle.pause_left_s() + TRIP_WINDOW_S + 3600  # idle for an hour
+    assert throttle.paused_elsewhere(1.0)
+    clock.now += 1.01
+    probe = await throttle.wait_turn(asyncio.Event())
+    assert probe == PROBE
+
+    throttle.rate_limited(probe, retry_after_s=None)  # the second pause in a row
+    throttle.done(probe)
+    assert throttle.pause_left_s() <= 2.0
+
+
+async def test_a_probe_answered_ends_the_outage_whatever_pause_goes_on() -> None:
+    """A peer's 429 pause heard while the outage's probe ran kept the outage after the
+    provider answered the probe: the next probe's own 5xx (one text's) was the outage's,
+    free, though a 5xx during a rate limit's pause is its task's."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    _fails(throttle, *range(TRIP_AFTER))
+    clock.now += throttle.pause_left_s() + 0.01
+    assert await throttle.wait_turn(asyncio.Event()) == PROBE
+    assert throttle.paused_elsewhere(5.0)  # a rate limit elsewhere, heard meanwhile
+    throttle.answered(PROBE)  # the provider is back
+    throttle.done(PROBE)
+
+    clock.now += 5.01
+    assert await throttle.wait_turn(asyncio.Event()) == PROBE
+    assert _fails(throttle, 99, turn=PROBE) == [False]
+
+
+async def test_a_pause_ending_as_the_hold_ends_lets_the_delivery_call() -> None:
+    """With `Retry-After` equal to the hold (30 s each by default), every delivery waiting
+    from the 429 on was put off at the pause's end, a timer's lateness making what was left
+    of its hold negative, and none of them probed."""
+    turns = []
+    for _ in range(20):
+        throttle = ModelThrottle(hold_s=0.05, base_s=0.001, rng=random.Random(0))  # real clock
+        throttle.rate_limited(GO, retry_after_s=0.05)
+        turns.append(await throttle.wait_turn(asyncio.Event()))
+    assert turns == [PROBE] * 20

@@ -70,6 +70,15 @@ class Expected:
     dead_lettered: bool
     attempts: int
     calls: int
+    # More attempts may come, free: this fault's calls, the burst's and the hang's, three
+    # texts in a row finding the provider down, can be taken for an outage's (the breaker),
+    # whose calls spend no attempt. Each attempt is still one call.
+    or_more: bool = False
+
+    @property
+    def repairs(self) -> int:
+        """Calls beyond one per attempt: a repair request after an unusable answer."""
+        return self.calls - self.attempts
 
 
 MODEL_FAULTS: dict[str, Expected] = {
@@ -84,6 +93,7 @@ MODEL_FAULTS: dict[str, Expected] = {
         True,
         attempts=MAX_ATTEMPTS,
         calls=MAX_ATTEMPTS,
+        or_more=True,
     ),
     "hang past the timeout, once": Expected(
         "[[fake:hangx1]]", "completed", None, False, attempts=2, calls=2
@@ -117,7 +127,8 @@ async def test_model_api_faults_end_as_documented(
             completed=statuses.count("completed"),
             failed=statuses.count("failed"),
             duplicate_model_calls=sum(
-                max(0, calls[kind] - expected.calls) for kind, expected in MODEL_FAULTS.items()
+                max(0, calls[kind] - views[tasks[kind]]["attempts"] - expected.repairs)
+                for kind, expected in MODEL_FAULTS.items()
             ),
             http_5xx_seen=box.http_5xx(),
             time_to_recover_s=None,
@@ -145,6 +156,9 @@ async def test_model_api_faults_end_as_documented(
             "attempts": expected.attempts,
             "calls": expected.calls,
         }
+        if expected.or_more and ended["attempts"] > expected.attempts:
+            assert ended["calls"] == ended["attempts"], kind
+            wanted |= {"attempts": ended["attempts"], "calls": ended["calls"]}
         assert ended == wanted, kind
     exhausted = tasks["500 on every call"].encode()
     dead = [d for d in await dead_letters(box.amqp_url) if exhausted in d.body]

@@ -95,6 +95,13 @@ class ModelThrottle:
         # stale (kept past that on a replica idle since, an outage made a single text's 5xx
         # at its next call the outage's: free, and pausing everyone).
         self._outage = False
+        # The texts whose calls the outage took for its own, once each: the one that began
+        # it, and each probe's that found the provider still down (one text failing every
+        # time, its retries the probes of a quiet pause, kept an outage going, free).
+        self._outage_texts: set[int] = set()
+        # Another replica's outage heard while this one's probe was out: that probe's answer
+        # does not end it (the other's news may be the newer).
+        self._outage_heard_while_probing = False
         self._probe_due = False  # a pause ended and no call has answered since
         self._probe_out = False  # the probe's call is running
         self._changed = asyncio.Event()
@@ -146,13 +153,15 @@ class ModelThrottle:
         if self._probe_due and not self._probe_out and stale:
             self._probe_due = False
             self._rate_limits_in_a_row = 0
-            self._outage = False
+            self._end_outage()
 
     def rate_limited(self, turn: Turn, retry_after_s: float | None) -> None:
         """A call came back 429: pause, or lengthen the pause. The back-off grows with each
         pause in a row (a probe answered 429), not with each call that was running when the
         limit came: those all come back 429 at once."""
         self._forget_a_stale_pause()
+        if turn.probe:
+            self._end_outage()  # the provider answers: a rate limit's pause from now on
         first = not self._probe_due
         self._lengthen(turn, retry_after_s)
         if first:
@@ -176,16 +185,23 @@ class ModelThrottle:
         lengthens it. True when the call is the outage's rather than its task's: it began
         the outage, or probed one and found the provider still down."""
         self._forget_a_stale_pause()
-        probed_an_outage = turn.probe and self._outage
+        probing = turn.probe and self._outage
+        probed_an_outage = probing and text_key not in self._outage_texts
         began = not self._outage and self._in_a_row(text_key) >= TRIP_AFTER
         if began:
+            self._outage, self._outage_texts = True, {text_key}
             self._unavailable.clear()
-        if began or self._probe_due:
-            self._lengthen(turn, retry_after_s)
+        if probed_an_outage:
+            self._outage_texts.add(text_key)
+        if began or (self._probe_due and probed_an_outage is probing):
+            self._lengthen(turn, retry_after_s)  # not for a text the outage took already
         if began:
-            self._outage = True
             self._on_pause(self.pause_left_s(), True)
         return began or probed_an_outage
+
+    def _end_outage(self) -> None:
+        self._outage = False
+        self._outage_texts.clear()
 
     def _in_a_row(self, text_key: int) -> int:
         """The texts whose calls found the provider unavailable in a row, this one's
@@ -209,6 +225,9 @@ class ModelThrottle:
             self._pause_for(pause_s)
         if outage:
             self._outage = True
+            self._outage_heard_while_probing = self._probe_out
+        else:
+            self._end_outage()  # the provider answered the other replica: a rate limit
         return longer
 
     def _pause_for(self, pause_s: float) -> None:
@@ -223,7 +242,8 @@ class ModelThrottle:
         self._unavailable.clear()
         if turn.probe:
             self._probe_due = self.pause_left_s() > 0
-            self._outage = False
+            if not self._outage_heard_while_probing:
+                self._end_outage()
             self._rate_limits_in_a_row = 0
             self._notify()
         elif not self._probe_due:
@@ -234,6 +254,7 @@ class ModelThrottle:
         database error): a probe that did not answer lets another delivery probe."""
         if turn.probe and self._probe_out:
             self._probe_out = False
+            self._outage_heard_while_probing = False
             self._notify()
 
     def _notify(self) -> None:

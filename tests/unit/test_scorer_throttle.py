@@ -530,3 +530,60 @@ async def test_a_pause_ending_as_the_hold_ends_lets_the_delivery_call() -> None:
         throttle.rate_limited(GO, retry_after_s=0.05)
         turns.append(await throttle.wait_turn(asyncio.Event()))
     assert turns == [PROBE] * 20
+
+
+async def _probe(throttle: ModelThrottle, clock: Clock) -> None:
+    """The pause waited out, the probe taken."""
+    clock.now += throttle.pause_left_s() + 0.01
+    assert await throttle.wait_turn(asyncio.Event()) == PROBE
+
+
+async def test_one_text_probing_again_and_again_does_not_keep_an_outage_going_for_free() -> None:
+    """Only the start of an outage needed three texts: one text failing every time, its retry
+    due at each pause's end and so the probe, was free at each probe, twenty times, and
+    doubled the pause for everyone each time. A text's call is the outage's once."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    _fails(throttle, *range(TRIP_AFTER))
+    await _probe(throttle, clock)
+    assert _fails(throttle, 7, turn=PROBE) == [True]
+    throttle.done(PROBE)
+    await _probe(throttle, clock)
+    pause_before = throttle.pause_left_s()
+
+    assert _fails(throttle, 7, turn=PROBE) == [False]  # again: its task's
+    throttle.done(PROBE)
+    assert throttle.pause_left_s() == pause_before  # and no longer pause for anyone
+
+
+@pytest.mark.parametrize("news", ["a 429 to the probe", "another replica's 429"])
+async def test_the_provider_answering_a_429_ends_the_outage(news: str) -> None:
+    """The outage outlived evidence that the provider was reachable: the next probe's own
+    5xx (one text's) was still the outage's, free."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    _fails(throttle, *range(TRIP_AFTER))
+    await _probe(throttle, clock)
+    if news == "a 429 to the probe":
+        throttle.rate_limited(PROBE, retry_after_s=None)
+    else:
+        throttle.paused_elsewhere(throttle.pause_left_s() + 5.0)
+    throttle.done(PROBE)
+
+    await _probe(throttle, clock)
+    assert _fails(throttle, 99, turn=PROBE) == [False]
+
+
+async def test_an_outage_heard_while_the_probe_was_out_outlives_its_answer() -> None:
+    """Another replica's outage heard while this one's probe ran was ended by that probe's
+    answer, though the pause it brought went on: its probe was charged."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    throttle.rate_limited(Turn(), retry_after_s=1)
+    await _probe(throttle, clock)
+    assert throttle.paused_elsewhere(5.0, outage=True)
+    throttle.answered(PROBE)
+    throttle.done(PROBE)
+
+    await _probe(throttle, clock)
+    assert _fails(throttle, 1, turn=PROBE) == [True]

@@ -150,6 +150,8 @@ class ModelThrottle:
         forgotten: its probe would say nothing of it, and one text's own 5xx at the next
         call would lengthen a pause long over, and everyone's wait with it."""
         stale = self._clock() - self._paused_until > TRIP_WINDOW_S
+        if self._outage and not self._probe_due:
+            self._end_outage()  # an outage is a pause's: none lasts
         if self._probe_due and not self._probe_out and stale:
             self._probe_due = False
             self._rate_limits_in_a_row = 0
@@ -185,16 +187,15 @@ class ModelThrottle:
         lengthens it. True when the call is the outage's rather than its task's: it began
         the outage, or probed one and found the provider still down."""
         self._forget_a_stale_pause()
-        probing = turn.probe and self._outage
-        probed_an_outage = probing and text_key not in self._outage_texts
+        probed_an_outage = turn.probe and self._outage and text_key not in self._outage_texts
         began = not self._outage and self._in_a_row(text_key) >= TRIP_AFTER
         if began:
             self._outage, self._outage_texts = True, {text_key}
             self._unavailable.clear()
         if probed_an_outage:
             self._outage_texts.add(text_key)
-        if began or (self._probe_due and probed_an_outage is probing):
-            self._lengthen(turn, retry_after_s)  # not for a text the outage took already
+        if began or self._probe_due:
+            self._lengthen(turn, retry_after_s)
         if began:
             self._on_pause(self.pause_left_s(), True)
         return began or probed_an_outage
@@ -202,6 +203,7 @@ class ModelThrottle:
     def _end_outage(self) -> None:
         self._outage = False
         self._outage_texts.clear()
+        self._outage_heard_while_probing = False
 
     def _in_a_row(self, text_key: int) -> int:
         """The texts whose calls found the provider unavailable in a row, this one's
@@ -226,7 +228,7 @@ class ModelThrottle:
         if outage:
             self._outage = True
             self._outage_heard_while_probing = self._probe_out
-        else:
+        elif longer:
             self._end_outage()  # the provider answered the other replica: a rate limit
         return longer
 
@@ -242,7 +244,8 @@ class ModelThrottle:
         self._unavailable.clear()
         if turn.probe:
             self._probe_due = self.pause_left_s() > 0
-            if not self._outage_heard_while_probing:
+            # An outage heard meanwhile stands while its pause does; the answer ends any other.
+            if not (self._outage_heard_while_probing and self._probe_due):
                 self._end_outage()
             self._rate_limits_in_a_row = 0
             self._notify()

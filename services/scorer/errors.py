@@ -12,7 +12,9 @@
     └── TransientError              retry later; .retry_after_s from Retry-After when known
         ├── ModelTimeout            LLM_TIMEOUT_S elapsed before an answer
         ├── ModelRateLimited        429
-        └── ModelUnavailable        5xx, connection refused or reset, other 4xx
+        └── ModelUnavailable        5xx, connection refused or reset
+            └── ModelReplyUnusable  the provider answered, not usably: another 4xx, a
+                                    reply over the size bound, a completion without a choice
 
 Configuration errors are permanent on purpose: retrying a wrong API key only hides it.
 """
@@ -96,6 +98,9 @@ class TransientError(ScoringError):
 
     code: ClassVar[str] = "transient_error"
     retryable: ClassVar[bool] = True
+    # Whether the failure says the provider is down or silent (what the scorer's circuit
+    # breaker counts), rather than that it answered this call amiss.
+    provider_down: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -113,6 +118,7 @@ class ModelTimeout(TransientError):
     """No answer within LLM_TIMEOUT_S."""
 
     code: ClassVar[str] = "model_timeout"
+    provider_down: ClassVar[bool] = True
 
 
 class ModelRateLimited(TransientError):
@@ -122,6 +128,16 @@ class ModelRateLimited(TransientError):
 
 
 class ModelUnavailable(TransientError):
-    """The provider cannot answer now: 5xx, connection refused or reset, other 4xx."""
+    """The provider cannot answer now: 5xx, connection refused or reset."""
 
     code: ClassVar[str] = "model_unavailable"
+    provider_down: ClassVar[bool] = True
+
+
+class ModelReplyUnusable(ModelUnavailable):
+    """The provider answered, but with nothing to use and no reason given that another class
+    names: a 4xx such as 409 or 408, a reply over the size bound, a completion without any
+    choice. Retried as `ModelUnavailable` (its code), yet the provider is up: three texts in
+    a row answered so paused every model call as an outage's would."""
+
+    provider_down: ClassVar[bool] = False

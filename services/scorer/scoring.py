@@ -41,8 +41,6 @@ from services.scorer.decisions import (
 from services.scorer.detached import Detached
 from services.scorer.errors import (
     ModelRateLimited,
-    ModelTimeout,
-    ModelUnavailable,
     PermanentError,
     ScoringError,
     TransientError,
@@ -447,19 +445,10 @@ async def _call_model(
     started = time.perf_counter()
     try:
         verdict = await deps.model.score(request)
-    except ModelRateLimited as error:
-        _count_call(deps.metrics, "transient", error.code, started)
-        deps.throttle.rate_limited(turn, error.retry_after_s)
-        return _retry_or_give_up(command, error, deps, earlier), None
-    except (ModelUnavailable, ModelTimeout) as error:
-        _count_call(deps.metrics, "transient", error.code, started)
-        text_key = hash(command.text)
-        outage = deps.throttle.unavailable(turn, error.retry_after_s, text_key=text_key)
-        return _retry_or_give_up(command, error, deps, earlier, outage=outage), None
     except TransientError as error:
         _count_call(deps.metrics, "transient", error.code, started)
-        deps.throttle.answered(turn)
-        return _retry_or_give_up(command, error, deps, earlier), None
+        outage = _tell_the_throttle(deps.throttle, turn, error, command.text)
+        return _retry_or_give_up(command, error, deps, earlier, outage=outage), None
     except PermanentError as error:
         _count_call(deps.metrics, "permanent", error.code, started)
         deps.throttle.answered(turn)
@@ -469,6 +458,21 @@ async def _call_model(
     _count_call(deps.metrics, "completed", "", started)
     deps.throttle.answered(turn)
     return _completed(command, verdict, deps.clock(), earlier), verdict.raw_output
+
+
+def _tell_the_throttle(
+    throttle: ModelThrottle, turn: Turn, error: TransientError, text: str
+) -> bool:
+    """What a call that failed found; True when the call is an outage's rather than its
+    task's. A provider that answered (a 429, a 4xx of no other class, a reply it could not
+    use) is up: that breaks a run of calls finding it down."""
+    if isinstance(error, ModelRateLimited):
+        throttle.rate_limited(turn, error.retry_after_s)
+        return False
+    if error.provider_down:
+        return throttle.unavailable(turn, error.retry_after_s, text_key=hash(text))
+    throttle.answered(turn)
+    return False
 
 
 def _count_call(metrics: ScorerMetrics, outcome: str, code: str, started: float) -> None:

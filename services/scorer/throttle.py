@@ -162,8 +162,9 @@ class ModelThrottle:
         pause in a row (a probe answered 429), not with each call that was running when the
         limit came: those all come back 429 at once."""
         self._forget_a_stale_pause()
+        self._unavailable.clear()  # the provider answers: no run of calls finding it down
         if turn.probe:
-            self._end_outage()  # the provider answers: a rate limit's pause from now on
+            self._end_outage()  # a rate limit's pause from now on
         first = not self._probe_due
         self._lengthen(turn, retry_after_s)
         if first:

@@ -148,6 +148,23 @@ async def test_a_provider_unavailable_three_times_in_a_row_pauses_the_next_calls
     assert spent == [0] * (TRIP_AFTER - 1) + [1]
 
 
+async def test_replies_the_provider_could_not_make_usable_pause_nothing(make_deps: Deps) -> None:
+    """A provider that answers, with a completion holding no choice (or a 4xx of no other
+    class, a reply over the size bound), is up: three such texts in a row were taken for an
+    outage, pausing every model call and the third call spending no attempt."""
+    throttle_deps = make_deps()
+    retried = [
+        await score_text(
+            ScoreText(task_id=new_id(), text=f"Essay {n}. [[fake:nochoices]]"), deps=throttle_deps
+        )
+        for n in range(TRIP_AFTER)
+    ]
+
+    assert not throttle_deps.throttle.paused
+    spent = [d.next_command.rate_limited_retries for d in retried if isinstance(d, Retry)]
+    assert spent == [0] * TRIP_AFTER  # each its task's attempt
+
+
 async def test_a_probe_finding_the_provider_still_down_spends_no_attempt(
     make_deps: Deps, fake_llm: FakeLLM
 ) -> None:

@@ -110,6 +110,7 @@ async def test_a_chat_completion_without_a_choice_is_retried_and_billed(answer: 
     provider = ScriptedProvider(answer)
     error = await raised_by(provider)
     assert isinstance(error, ModelUnavailable)
+    assert not error.provider_down  # it answered: no outage's
     assert error.to_task_error().code == "model_unavailable"
     assert error.retryable
     assert "chat completion without any choice" in error.message

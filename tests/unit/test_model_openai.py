@@ -458,11 +458,17 @@ async def test_an_error_carried_by_a_200_is_read_as_its_own_status(
         await score_with(provider)
 
 
-@pytest.mark.parametrize("status", [500, 502, 503, 504, 408, 409])
-async def test_server_errors_are_unavailability(status: int) -> None:
+@pytest.mark.parametrize(
+    ("status", "provider_down"),
+    [(500, True), (502, True), (503, True), (504, True), (408, False), (409, False)],
+)
+async def test_server_errors_are_unavailability(status: int, provider_down: bool) -> None:
+    """Retried alike; only a 5xx says the provider is down (what the scorer's breaker
+    counts): a 4xx of no other class is an answer."""
     provider = ScriptedProvider(provider_error(status, "The server had an error"))
-    with pytest.raises(ModelUnavailable, match=str(status)):
+    with pytest.raises(ModelUnavailable, match=str(status)) as caught:
         await score_with(provider)
+    assert caught.value.provider_down is provider_down
 
 
 async def test_503_keeps_its_retry_after_hint() -> None:
@@ -552,8 +558,9 @@ async def test_an_oversized_answer_is_unavailability_and_the_client_goes_on() ->
         configured = settings(LLM_BASE_URL=base_url)
         async with make_http_client(configured, concurrency=1) as http:
             model = OpenAIChatModel(http, configured, clock=lambda: NOW)
-            with pytest.raises(ModelUnavailable, match="answered too much"):
+            with pytest.raises(ModelUnavailable, match="answered too much") as caught:
                 await model.score(request())
+            assert not caught.value.provider_down  # it answered
             assert (await model.score(request())).result.score == 7.5
 
 

@@ -328,6 +328,15 @@ def test_any_other_answer_between_them_starts_the_count_again() -> None:
     assert not throttle.paused
 
 
+def test_a_429_between_them_starts_the_count_again() -> None:
+    """A provider answering 429 is up: two 5xx before it and one after were taken for three
+    in a row, an outage's, the third call free and the other replicas told of an outage."""
+    throttle = _throttle(Clock())
+    _fails(throttle, *range(TRIP_AFTER - 1))
+    throttle.rate_limited(Turn(), retry_after_s=None)
+    assert _fails(throttle, TRIP_AFTER) == [False]
+
+
 async def test_a_probe_finding_the_provider_still_down_is_the_outages_and_pauses_longer() -> None:
     clock = Clock()
     throttle = _throttle(clock)

@@ -27,6 +27,7 @@ from services.scorer.errors import (
     InputRejected,
     ModelMisconfigured,
     ModelRateLimited,
+    ModelReplyUnusable,
     ModelTimeout,
     ModelUnavailable,
     ScoringError,
@@ -272,7 +273,7 @@ class OpenAIChatModel:
         except (aiohttp.ClientError, OSError) as exc:
             raise _transport_error(exc, self._url) from exc
         except ReplyTooLarge as exc:
-            raise ModelUnavailable(f"{self._url} answered too much: {exc}") from exc
+            raise ModelReplyUnusable(f"{self._url} answered too much: {exc}") from exc
         if not response.is_success:
             raise error_for_response(response, now=self._clock())
         return _read_answer(response, model, now=self._clock())
@@ -431,7 +432,7 @@ def _no_choice_error(filtered: list[str]) -> ScoringError:
         return InputRejected(
             f"the provider's content filter stopped the prompt: {', '.join(filtered)}"
         )
-    return ModelUnavailable("the provider answered a chat completion without any choice")
+    return ModelReplyUnusable("the provider answered a chat completion without any choice")
 
 
 def _filtered_categories(prompt_filter_results: Any) -> list[str]:
@@ -484,7 +485,8 @@ def error_for_response(response: ProviderReply, *, now: datetime) -> ScoringErro
     if status in (400, 422):
         # Our request is malformed for this server (e.g. an unsupported LLM_JSON_MODE).
         return ModelMisconfigured(detail)
-    return ModelUnavailable(detail, retry_after_s=retry_after_s(response.headers, now=now))
+    unavailable = ModelUnavailable if status >= 500 else ModelReplyUnusable
+    return unavailable(detail, retry_after_s=retry_after_s(response.headers, now=now))
 
 
 def _rate_limit_error(

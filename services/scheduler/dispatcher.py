@@ -374,10 +374,18 @@ class Dispatcher:
         latest = await self._firings.last_scheduled(firing.job, not_after=now)
         if latest is not None and latest > firing.scheduled_for:
             return f"superseded by the firing for {latest.isoformat()} (never published)"
-        late = now - firing.scheduled_for > self._grace
-        if late and self._jobs.get(firing.job).missed is MissedFirings.SKIP:
+        if self._jobs.get(firing.job).missed is MissedFirings.SKIP and self._late(firing, now):
             return "late by more than the grace period, never published (policy skip)"
         return None
+
+    def _late(self, firing: Firing, now: datetime) -> bool:
+        """Whether a firing never published is late for a `skip` job: claimed late, or kept
+        from its publish for longer than the grace since its claim (the broker away). Judged
+        from its fire time alone, one claimed within the grace after a restart (40 s late)
+        whose publish failed once was dropped at its re-publish (`SCHEDULER_REDISPATCH_S`,
+        30 s, later): the policy had decided to run it."""
+        claimed_late = firing.fired_at - firing.scheduled_for > self._grace
+        return claimed_late or now - firing.fired_at > self._grace
 
 
 async def keep_dispatching(dispatcher: Dispatcher, *, interval_s: float) -> None:

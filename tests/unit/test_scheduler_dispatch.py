@@ -476,6 +476,24 @@ async def test_a_firing_never_published_is_published_again_when_still_the_latest
     assert [c.scheduled_for.hour for c in published.commands] == [10]
 
 
+async def test_a_skip_firing_claimed_within_the_grace_survives_one_failed_publish() -> None:
+    """Claimed 40 s late (a restart), within the grace, its one publish failed: judged late
+    from its fire time at the re-publish 30 s on, it was dropped, though the policy had
+    decided to run it (found in review)."""
+    firings, published, clock = FakeFirings(), Published(fail=True), Clock(ON_TIME)
+    clock.now = ON_TIME + timedelta(seconds=40)
+    dispatcher = _dispatcher(firings, published, clock, _jobs(MissedFirings.SKIP))
+    with contextlib.suppress(ConnectionError):
+        await dispatcher.tick()
+    published.fail = False
+    clock.now += timedelta(seconds=31)  # the claim is stale: published again
+
+    await dispatcher.tick()
+
+    assert [c.scheduled_for.hour for c in published.commands] == [10]
+    assert firings.of("rollup", FiringState.SKIPPED) == []
+
+
 async def test_disabled_jobs_are_not_fired_by_the_clock() -> None:
     firings, published, clock = FakeFirings(), Published(), Clock(START)
     dispatcher = _dispatcher(firings, published, clock, _jobs(enabled=False))

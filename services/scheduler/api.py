@@ -52,7 +52,7 @@ from services.scheduler.errors import (
     TriggeredTooOften,
     UnknownJob,
 )
-from services.scheduler.firings import Firing, FiringStore
+from services.scheduler.firings import Firing, FiringStore, LeaseTaken
 from services.scheduler.jobs import Clock
 from services.scheduler.metering import NANOS_PER_UNIT
 from services.scheduler.schedule import JobCatalog, ScheduledJob
@@ -245,9 +245,22 @@ RUN_PROBLEMS: dict[int | str, dict[str, Any]] = {
         "`broker-unavailable`: the broker refused the run and it was withdrawn (nothing "
         "runs; one that could not be withdrawn is answered 202 `claimed` instead); or "
         "`database-unavailable`: the database did not answer (the run may have been "
-        "recorded: read the job's `last_firing` before asking again).",
+        "recorded: read the job's `last_firing` before asking again); or `lease-contended`: "
+        "runs of the job took and gave up its lease at every try, nothing was started.",
     ),
 }
+
+
+def _lease_contended(error: LeaseTaken) -> Problem:
+    """The job's lease changed hands at every try (`LEASE_TRIES`): runs of it beginning
+    and ending all the while. Nothing was started; asking again shortly is the cure (it
+    was an unmapped error, a 500)."""
+    return Problem(
+        503,
+        f"{error}, its lease changing hands at every try: ask again shortly",
+        kind="lease-contended",
+        headers={"Retry-After": "1"},
+    )
 
 
 def cron_routes(
@@ -292,6 +305,8 @@ def cron_routes(
             raise Problem(
                 503, str(error), kind="broker-unavailable", headers=RETRY_AFTER_BROKER
             ) from error
+        except LeaseTaken as error:
+            raise _lease_contended(error) from error
         status_url = run_url(firing.run_id)
         response.headers["Location"] = status_url
         return RunAccepted(
@@ -490,6 +505,8 @@ def cron_dead_letter_routes(
                 raise Problem(409, str(error), kind="unknown-job", runs=error.runs) from error
             except TriggeredTooOften as error:
                 raise Problem(429, str(error), headers={"Retry-After": "1"}) from error
+            except LeaseTaken as error:
+                raise _lease_contended(error) from error
         return CronReplayReport(
             replayed=[
                 ReplayedRun(

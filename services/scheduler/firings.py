@@ -659,12 +659,15 @@ class Firings(FiringStore):
         return result.deleted_count == 1
 
     async def delete_finished_before(self, cutoff: datetime, *, keep: Sequence[str]) -> int:
-        """Delete final firings older than `cutoff`, except the run ids in `keep`."""
+        """Delete final firings older than `cutoff`, except the run ids in `keep` and runs
+        given up whose dead letter is still owed (deleted, the delivery that is to write it
+        found no run and was dropped: the give-up left no letter)."""
         result = await self._collection.delete_many(
             {
                 "state": {"$in": [state.value for state in FINAL_STATES]},
                 "scheduled_for": {"$lt": to_millis(cutoff)},
                 "_id": {"$nin": list(keep)},
+                "letter_owed": {"$ne": True},
             }
         )
         return result.deleted_count

@@ -20,7 +20,9 @@ sends `SCOREBOX_ADMIN_KEY` too: the scheduler's admin routes check the services'
 
 A dead-letter queue is walked up to a bound (10,000 letters or 64 MiB of their bodies): when
 a walk stopped there, `list`, `replay` and `drop` say so on stderr, and ids it did not reach
-exit 1 as ids not found do; so do letters a `replay` left unreadable (kept: drop them).
+exit 1 as ids not found do; so do letters a `replay` left unreadable (kept: drop them), and
+a `replay --all` that stopped short (that bound, or its time budget: run it again). Letters a
+later generation superseded, removed unsent, are named on stderr and change no exit code.
 `drop` and `purge` given `--before` a listing's `listed_at` remove only the letters
 dead-lettered before it, keeping those that came after the listing. `purge` asks on stderr:
 stdout carries its JSON alone.
@@ -493,13 +495,19 @@ def _note_truncated(answer: dict[str, Any], consequence: str) -> None:
         typer.echo(f"truncated: {WALK_STOPPED}; {consequence}", err=True)
 
 
-def _exit_on_missed(replay: dict[str, Any], *, drop_command: str) -> None:
+def _exit_on_missed(replay: dict[str, Any], *, drop_command: str, replay_all: bool) -> None:
     """Say what a replay did not reach, and exit 1 when an id asked for was not replayed for
-    want of a letter (not found, or past the end of a walk cut short) or a letter was left
-    unreplayed because it is unreadable (kept: only `drop_command` removes it)."""
+    want of a letter (not found, or past the end of a walk cut short), a letter was left
+    unreplayed because it is unreadable (kept: only `drop_command` removes it), or a replay
+    of all stopped short (letters left that a script would take as replayed)."""
     _note_truncated(replay, "letters past it were not looked at: run again to reach them")
     if replay.get("timed_out") is True:
         typer.echo(f"timed out: {REPLAY_STOPPED}; run it again for the rest", err=True)
+    if replay.get("superseded"):
+        typer.echo(
+            f"superseded by a later generation, removed: {' '.join(replay['superseded'])}",
+            err=True,
+        )
     if replay.get("not_found"):
         typer.echo(f"not found: {' '.join(replay['not_found'])}", err=True)
     if replay.get("not_reached"):
@@ -512,6 +520,13 @@ def _exit_on_missed(replay: dict[str, Any], *, drop_command: str) -> None:
         )
     if any(replay.get(field) for field in ("not_found", "not_reached", "skipped_unreadable")):
         raise typer.Exit(code=1)
+    if replay_all and _stopped_short(replay):
+        raise typer.Exit(code=1)
+
+
+def _stopped_short(replay: dict[str, Any]) -> bool:
+    """The replay left letters it did not look at: its walk's bound, or its time budget."""
+    return replay.get("truncated") is True or replay.get("timed_out") is True
 
 
 def _not_reached_why(replay: dict[str, Any]) -> str:
@@ -601,11 +616,12 @@ def dlq_replay(
 ) -> None:
     """Send dead letters back to the work queue with a fresh attempt budget.
 
-    Exits 1 when an id matched no letter, was not reached by a walk cut short, or a letter
-    was unreadable (kept: drop it)."""
+    Exits 1 when an id matched no letter, was not reached by a walk cut short, a letter
+    was unreadable (kept: drop it), or --all stopped short (run it again for the rest).
+    Letters a later generation superseded are removed unsent and named on stderr."""
     body = _replay_body(ids, replay_all, field="ids")
     replay = _admin_call("POST", "/admin/v1/dead-letters/replay", json=body)
-    _exit_on_missed(replay, drop_command="scorebox dlq drop")
+    _exit_on_missed(replay, drop_command="scorebox dlq drop", replay_all=replay_all)
 
 
 @dlq.command("drop")
@@ -820,13 +836,14 @@ def cron_dlq_replay(
     """Run each dead run's job again as a new run; prints the new runs and their status URLs.
 
     Exits 1 when a run id matched no letter or was not reached by a walk cut short, a letter
-    was unreadable (kept: drop it by its message id), or the scheduler refused (a job no
-    longer configured: 409, nothing replayed)."""
+    was unreadable (kept: drop it by its message id), --all stopped short (run it again for
+    the rest), or the scheduler refused (a job no longer configured: 409, nothing
+    replayed)."""
     body = _replay_body(run_ids, replay_all, field="run_ids")
     replay = _admin_call(
         "POST", f"{CRON_DEAD_LETTERS}/replay", client=_scheduler_client(), json=body
     )
-    _exit_on_missed(replay, drop_command="scorebox cron dlq drop")
+    _exit_on_missed(replay, drop_command="scorebox cron dlq drop", replay_all=replay_all)
 
 
 @cron_dlq.command("drop")

@@ -66,6 +66,12 @@ class ReplayReport(BaseModel):
     skipped_unreadable: list[str] = Field(
         description="Message ids of letters that hold no score request, kept."
     )
+    superseded: list[str] = Field(
+        default_factory=list,
+        description="Task ids of letters a later generation of their task superseded (a "
+        "re-score handed one out since), removed without being sent: replayed, each scored "
+        "its task once more. One per letter.",
+    )
     not_found: list[str] = Field(
         description="Ids asked for that no letter matched, the walk having reached the end of "
         f"the queue ({OUT_OF_SIGHT})."

@@ -5,7 +5,9 @@ returned with `basic.nack(requeue=True)` (`shared.dead_letters`), so looking nev
 dead letter. Replay sends a fresh command — next generation, attempt 1, a fresh attempt
 budget, queued now, to the scorer alone — and once the broker confirmed it, the status
 projection is told the task is queued again (`TaskPublisher.resubmit`); then the dead letter
-is acked. Drop acks the letters one id names (every copy) without sending anything.
+is acked. A letter a later generation superseded (a re-score of the task since) is acked
+without sending anything: replayed, it scored the task once more. Drop acks the letters one
+id names (every copy) without sending anything.
 
 A listing says when it was taken (`Walk.listed_at`, read before the walk); a drop or a purge
 given a cut-off (`shared.dead_letters.CutOff`, that time) removes only the letters known to have
@@ -17,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Collection, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -25,7 +27,7 @@ from faststream.rabbit import RabbitBroker
 from pydantic import ValidationError
 
 from services.gateway.rescore import Resubmitter
-from services.gateway.submissions import Submissions
+from services.gateway.submissions import ReplayRefused, Submissions
 from shared.contracts import ScoreText, new_id
 from shared.dead_letters import (
     MAX_WALK_BYTES,
@@ -98,6 +100,8 @@ class Replay:
     not_reached: list[str]  # ids of letters the walk or the budget left (see `unmatched`)
     truncated: bool  # the walk stopped with letters left behind it
     timed_out: bool = False  # the budget ran out with letters matched and left
+    # Task ids of letters a later generation superseded, removed unsent (one per letter).
+    superseded: list[str] = field(default_factory=list)
 
 
 def _oldest_first(letter: DeadLetter) -> tuple[bool, datetime]:
@@ -143,7 +147,8 @@ class DeadLetterQueue:
         """Replay the dead letters named by `ids` (all when None), for up to the replay's
         budget (`REPLAY_BUDGET_S`, its turn and the walk included): the letters matched
         then are left as they are and reported (`timed_out`; the ids they hold
-        `not_reached`), so the answer comes within a client's timeout.
+        `not_reached`), so the answer comes within a client's timeout. A letter a later
+        generation superseded is removed unsent (`superseded`).
 
         Matched as a set: looked up in a list, 10,000 ids against 10,000 letters were 10^8
         string comparisons on the event loop, every request of the replica stalled meanwhile.
@@ -153,6 +158,7 @@ class DeadLetterQueue:
         wanted = None if ids is None else frozenset(ids)
         replayed: list[str] = []
         skipped: list[str] = []
+        superseded: list[str] = []
         found: set[str] = set()
         left: set[str] = set()  # ids of letters matched once the budget was spent
         now = self._clock()
@@ -163,7 +169,8 @@ class DeadLetterQueue:
                     continue
                 keys = {key for key in (letter.message_id, letter.task_id) if key}
                 found.update(keys)
-                if replayed and loop.time() >= stop_at:
+                # Any letter tried counts: a superseded one costs round trips too.
+                if (replayed or superseded) and loop.time() >= stop_at:
                     left.update(keys)
                     continue
                 try:
@@ -171,10 +178,13 @@ class DeadLetterQueue:
                 except ValidationError:
                     skipped.append(letter.message_id)
                     continue
-                await self._resubmit(command)
-                await self._dlq.remove(message)
-                replayed.append(command.task_id)
-        left -= set(replayed)  # another copy of a task replayed: done
+                sent = await self._resubmit(command)
+                await self._dlq.remove(message)  # superseded: obsolete, removed as a drop does
+                if sent:
+                    replayed.append(command.task_id)
+                else:
+                    superseded.append(command.task_id)
+        left -= {*replayed, *superseded}  # another copy of a task replayed or superseded: done
         not_found, not_reached = unmatched(
             ids or [], found, truncated=held.truncated or held.timed_out, left=left
         )
@@ -185,6 +195,7 @@ class DeadLetterQueue:
             not_reached,
             truncated=held.truncated,
             timed_out=held.timed_out or bool(left),
+            superseded=superseded,
         )
 
     async def drop(self, letter_id: str, *, cut_off: CutOff | None = None) -> Dropped:
@@ -197,11 +208,15 @@ class DeadLetterQueue:
             lambda message: describe(message, now).matches(named), cut_off=cut_off
         )
 
-    async def _resubmit(self, command: ScoreText) -> None:
+    async def _resubmit(self, command: ScoreText) -> bool:
+        """Send `command` again as its replay's generation; False, nothing sent, when a later
+        generation superseded it."""
         # Taken from the submission, as a re-score takes its generation, so a re-score
         # requested before the replay's outcome arrives does not reuse the replay's; every
         # copy of one dead letter gets the same one.
         taken = await self._submissions.replay_generation(command.task_id, of=command.generation)
+        if taken is ReplayRefused.SUPERSEDED:
+            return False
         fresh = command.model_copy(
             update={
                 "generation": command.generation + 1 if taken is None else taken,
@@ -215,6 +230,7 @@ class DeadLetterQueue:
             }
         )
         await self._publisher.resubmit(fresh)
+        return True
 
     async def purge(self) -> int:
         return await self._dlq.purge()

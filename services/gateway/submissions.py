@@ -173,6 +173,14 @@ class RescoreRefused(StrEnum):
     ALREADY_REQUESTED = "already_requested"
 
 
+class ReplayRefused(StrEnum):
+    """Why a DLQ replay of a dead letter sends nothing."""
+
+    # A generation above the letter's was handed out since, by something other than a
+    # replay of this letter (a re-score): the letter is stale.
+    SUPERSEDED = "superseded"
+
+
 NO_GENERATION: Final = 0
 # The highest generation whose outcome the gateway applied (`Submission.finished_generation`).
 FINISHED_GENERATION: Final = "finished_generation"
@@ -453,40 +461,35 @@ class Submissions:
             return RescoreRefused.TEXT_NOT_KEPT
         return _earlier_rescore(current, rubric_version, may_resume=may_resume)
 
-    async def replay_generation(self, task_id: str, *, of: int) -> int | None:
-        """The generation a DLQ replay of generation `of` runs as: taken from the submission
-        the first time, above every generation handed out before (a re-score racing the
-        replay takes another), and the same for every later copy of that dead letter (the
-        DLQ may hold two; both must reach the scorer as one attempt). None when the
-        submission is gone (past its retention): nothing else hands its generations out."""
+    async def replay_generation(self, task_id: str, *, of: int) -> int | ReplayRefused | None:
+        """The generation a DLQ replay of generation `of` runs as: `of` + 1, taken from the
+        submission the first time (a re-score racing the replay takes the one after), and
+        the same for every later copy of that dead letter (the DLQ may hold two; both must
+        reach the scorer as one attempt). `SUPERSEDED` when a generation above `of` was
+        handed out by anything but a replay of this letter (a re-score): replayed, the stale
+        letter scored the task once more. None when the submission is gone (past its
+        retention): nothing else hands its generations out."""
         replay = f"replays.g{of}"
         try:
-            given = await self._replayed_as(task_id, of)
+            given = _replayed_as(await self._replays(task_id), of)
             if given is not None:
                 return given
-            # One write takes the generation and names it the replay's: taken in two, two
-            # copies replayed at once each took one, and the stored generation (the one a
-            # cancel targets) was one that never runs.
-            taken = await self._collection.find_one_and_update(
-                {"_id": task_id, replay: {"$exists": False}},
-                [
-                    {"$set": {"generation": {"$add": [{"$max": ["$generation", of]}, 1]}}},
-                    {"$set": {replay: "$generation"}},
-                ],
-                projection={"generation": True},
-                return_document=ReturnDocument.AFTER,
+            # One write finds none above `of` handed out, takes `of` + 1 and names it the
+            # replay's: in two writes, two copies replayed at once each took a generation (the
+            # stored one, which a cancel targets, never ran), and a re-score claiming one
+            # between a check and the take was scored again by the stale letter.
+            taken = await self._collection.update_one(
+                {"_id": task_id, replay: {"$exists": False}, **_none_above(of)},
+                {"$set": {"generation": of + 1, replay: of + 1}},
             )
-            if taken is not None:
-                return int(taken["generation"])
-            # Gone, or a copy replayed at the same moment took it first: its generation wins.
-            return await self._replayed_as(task_id, of)
+            if taken.matched_count:
+                return of + 1
+            return _not_taken(await self._replays(task_id), of)
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 
-    async def _replayed_as(self, task_id: str, of: int) -> int | None:
-        found = await self._collection.find_one({"_id": task_id}, projection={"replays": True})
-        given = ((found or {}).get("replays") or {}).get(f"g{of}")
-        return None if given is None else int(given)
+    async def _replays(self, task_id: str) -> Document | None:
+        return await self._collection.find_one({"_id": task_id}, projection={"replays": True})
 
     async def finish_rescore(self, task_id: str, *, rubric_version: str, now: datetime) -> None:
         """The re-score's command reached the broker: a duplicate request is now ignored."""
@@ -909,6 +912,26 @@ def _cancel_target_of(document: Document) -> CancelTarget:
         not_before=document.get("not_before"),
         completed_generation=_optional_int(document.get(COMPLETED_GENERATION)),
     )
+
+
+def _none_above(generation: int) -> Document:
+    """A filter: no generation above `generation` handed out (absent: none yet)."""
+    return {"$or": [{"generation": {"$lte": generation}}, {"generation": {"$exists": False}}]}
+
+
+def _replayed_as(submission: Document | None, of: int) -> int | None:
+    """The generation a replay of generation `of` took, if one did."""
+    return _optional_int(((submission or {}).get("replays") or {}).get(f"g{of}"))
+
+
+def _not_taken(submission: Document | None, of: int) -> int | ReplayRefused | None:
+    """Why a replay's take of generation `of` matched nothing: the submission is gone (None),
+    a copy of the letter replayed at the same moment took it first (its generation wins), or
+    a later generation superseded the letter."""
+    if submission is None:
+        return None
+    given = _replayed_as(submission, of)
+    return ReplayRefused.SUPERSEDED if given is None else given
 
 
 def _optional_int(value: Any) -> int | None:

@@ -311,9 +311,11 @@ async def test_a_resumed_rescore_keeps_its_generation_when_a_replay_took_the_nex
     refused = HandedDelivery(request.model_dump_json().encode())
     await env.consumer(ScriptedPublisher(refusals=1), env.submissions()).on_message(refused)
 
-    replayed_as = await env.submissions().replay_generation(command.task_id, of=0)
+    # A letter of the claim's generation (its command reached the broker after all): one of
+    # generation 0 is superseded by the claim, and sends nothing.
+    replayed_as = await env.submissions().replay_generation(command.task_id, of=1)
     assert replayed_as == 2
-    assert await env.submissions().replay_generation(command.task_id, of=0) == 2  # a copy
+    assert await env.submissions().replay_generation(command.task_id, of=1) == 2  # a copy
 
     async def came_back() -> list[aio_pika.abc.AbstractIncomingMessage] | None:
         return await env.take(RESCORE_REQUESTS.name) or None
@@ -343,7 +345,8 @@ async def test_a_claim_cut_short_keeps_its_generation_when_a_replay_took_the_nex
             now=utcnow(),
         )
 
-    assert await env.submissions().replay_generation(command.task_id, of=0) == 2
+    # A letter of the claim's generation (one of generation 0 is superseded by the claim).
+    assert await env.submissions().replay_generation(command.task_id, of=1) == 2
 
     publisher = ScriptedPublisher()
     redelivered = HandedDelivery(request.model_dump_json().encode(), redelivered=True)

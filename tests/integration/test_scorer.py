@@ -454,6 +454,7 @@ async def test_dead_letters_are_listed_replayed_with_fresh_attempts_and_purged(f
     assert replay.json() == {
         "replayed": [task_id],
         "skipped_unreadable": [],
+        "superseded": [],
         "not_found": [],
         "not_reached": [],
         "truncated": False,
@@ -516,6 +517,7 @@ async def test_dead_letters_are_listed_whole_oldest_first_and_an_unknown_id_is_r
     assert replay.json() == {
         "replayed": [],
         "skipped_unreadable": [],
+        "superseded": [],
         "not_found": [unknown],
         "not_reached": [],
         "truncated": False,

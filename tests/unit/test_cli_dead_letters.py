@@ -214,22 +214,64 @@ def test_a_replay_by_ids_cut_short_names_the_ids_not_reached_and_exits_1(
 
 
 @pytest.mark.parametrize(
+    ("command", "path"),
+    [(("dlq", "replay"), LETTERS), (("cron", "dlq", "replay"), CRON_LETTERS)],
+)
+@pytest.mark.parametrize(
     ("stopped", "said"),
     [
         ("truncated", (WALK_STOPPED, "run again to reach them")),
         ("timed_out", (TIMED_OUT, "run it again for the rest")),
     ],
 )
-def test_a_replay_of_all_stopped_short_says_so_and_exits_0(
-    server: FakeServer, stopped: str, said: tuple[str, str]
+def test_a_replay_of_all_stopped_short_says_so_and_exits_1(
+    server: FakeServer, command: tuple[str, ...], path: str, stopped: str, said: tuple[str, str]
 ) -> None:
+    """It exited 0: a script could not tell that letters were left unreplayed."""
     report: Json = {"replayed": ["t1"], "not_found": [], "not_reached": [], stopped: True}
+    server.script("POST", f"{path}/replay", httpx.Response(200, json=report))
+
+    result = run_cli(*command, "--all")
+
+    assert result.exit_code == 1, result.output
+    assert json.loads(result.stdout) == report
+    assert all(line in result.stderr for line in said), result.stderr
+
+
+def test_a_replay_by_ids_that_replayed_them_all_exits_0_though_its_walk_was_cut_short(
+    server: FakeServer,
+) -> None:
+    """Every id asked for was replayed: letters past the walk were not asked for."""
+    report: Json = {"replayed": ["t1"], "not_found": [], "not_reached": [], "truncated": True}
     server.script("POST", f"{LETTERS}/replay", httpx.Response(200, json=report))
 
-    result = run_cli("dlq", "replay", "--all")
+    result = run_cli("dlq", "replay", "t1")
 
     assert result.exit_code == 0, result.output
-    assert all(line in result.stderr for line in said), result.stderr
+    assert WALK_STOPPED in result.stderr
+
+
+@pytest.mark.parametrize("asked", [("t1", "t2", "t3"), ("--all",)], ids=["by-ids", "all"])
+def test_a_replay_names_the_letters_superseded_and_exits_0(
+    server: FakeServer, asked: tuple[str, ...]
+) -> None:
+    """Letters a later generation superseded were removed unsent: done, not missed."""
+    report: Json = {
+        "replayed": ["t1"],
+        "superseded": ["t2", "t3"],
+        "skipped_unreadable": [],
+        "not_found": [],
+        "not_reached": [],
+        "truncated": False,
+        "timed_out": False,
+    }
+    server.script("POST", f"{LETTERS}/replay", httpx.Response(200, json=report))
+
+    result = run_cli("dlq", "replay", *asked)
+
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == report
+    assert result.stderr.splitlines() == ["superseded by a later generation, removed: t2 t3"]
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from typing import Any, cast
 from aio_pika.abc import AbstractIncomingMessage
 
 from services.gateway.deadletters import DeadLetterQueue, describe
+from services.gateway.submissions import ReplayRefused
 from services.scheduler.config import Concurrency, MissedFirings
 from services.scheduler.dead_letters import CronDeadLetters
 from services.scheduler.dispatcher import fire_replay
@@ -175,8 +176,20 @@ class Resubmitted:
 
 
 class NoReplaysYet:
-    async def replay_generation(self, task_id: str, *, of: int) -> int | None:
+    async def replay_generation(self, task_id: str, *, of: int) -> int | ReplayRefused | None:
         return None
+
+
+@dataclass
+class Superseding:
+    """Submissions whose tasks named in `superseded` had a later generation handed out."""
+
+    superseded: set[str]
+    asked: list[str] = field(default_factory=list)
+
+    async def replay_generation(self, task_id: str, *, of: int) -> int | ReplayRefused | None:
+        self.asked.append(task_id)
+        return ReplayRefused.SUPERSEDED if task_id in self.superseded else of + 1
 
 
 def _score_dead_letters(
@@ -184,12 +197,13 @@ def _score_dead_letters(
     resubmitted: Resubmitted | None = None,
     *,
     replay_budget_s: float = REPLAY_BUDGET_S,
+    submissions: NoReplaysYet | Superseding | None = None,
 ) -> DeadLetterQueue:
     """The gateway's DLQ over `held` (in memory), its replays resubmitted to `resubmitted`."""
     queue = DeadLetterQueue(
         cast(Any, None),  # the broker: the walker below stands in for the one it makes
         cast(Any, resubmitted or Resubmitted()),
-        cast(Any, NoReplaysYet()),
+        cast(Any, submissions or NoReplaysYet()),
         Clock(NOW),
         timeout_s=1.0,
         replay_budget_s=replay_budget_s,
@@ -282,3 +296,30 @@ async def test_a_cron_replay_keeps_its_budget_while_every_run_it_tries_is_in_pro
 
     assert tried == ["dead-0"]
     assert (replay.timed_out, replay.skipped_in_progress) == (True, ["dead-0"])
+
+
+async def test_a_superseded_letter_is_removed_unsent_and_reported() -> None:
+    """A letter whose task a later generation superseded (a re-score since) was sent again:
+    the task scored once more, a model call nobody asked for."""
+    held = HeldLetters([_score_letter(task_id) for task_id in ("t-1", "t-2")])
+    resubmitted = Resubmitted()
+    queue = _score_dead_letters(held, resubmitted, submissions=Superseding({"t-1"}))
+
+    replay = await queue.replay(None)
+
+    assert (replay.replayed, replay.superseded) == (["t-2"], ["t-1"])
+    assert [command.task_id for command in resubmitted.commands] == ["t-2"]
+    assert sorted(str(letter.message_id) for letter in held.removed) == ["m-t-1", "m-t-2"]
+
+
+async def test_a_superseded_letter_counts_against_the_replays_budget() -> None:
+    """Only replayed letters counted: a DLQ of superseded letters (each costing database
+    round trips) was tried to its end, past the budget and the client's timeout."""
+    held = HeldLetters([_score_letter(f"t-{n}") for n in range(5)])
+    submissions = Superseding({f"t-{n}" for n in range(5)})
+    queue = _score_dead_letters(held, replay_budget_s=0, submissions=submissions)
+
+    replay = await queue.replay(None)
+
+    assert submissions.asked == ["t-0"]
+    assert (replay.superseded, replay.replayed, replay.timed_out) == (["t-0"], [], True)

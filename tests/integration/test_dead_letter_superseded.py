@@ -1,0 +1,158 @@
+"""A DLQ replay of a letter that a later generation superseded, on the real broker and
+database: a task dead-lettered at generation 0 and re-scored since (generation 1 handed out)
+was scored once more by the replay of its old letter, as generation 2: one model call that
+nobody asked for. Such a letter is now removed unsent and reported `superseded`. Two copies of
+one letter still replay as one generation, neither taken for superseded by the other's replay.
+
+The gateway's admin routes run in-process as in `test_dead_letter_drop.py`, the re-score
+through the gateway's own consumer; what reached the scorer is read off the score queue."""
+
+from __future__ import annotations
+
+import aio_pika
+import pytest
+from faststream.rabbit import RabbitBroker
+from pymongo import AsyncMongoClient
+
+from devtools.infra import Endpoint
+from services.gateway.publisher import TaskPublisher
+from services.gateway.rescore import RescoreRequests
+from services.gateway.submissions import ReplayRefused, Submissions
+from shared.contracts import ScoreText, utcnow
+from shared.topology import SCORE_REQUESTS
+from tests.integration import test_dead_letter_drop as gateway_dlq
+from tests.integration.test_dead_letter_drop import (
+    LETTERS,
+    TIMEOUT_S,
+    Json,
+    _admin,
+    _admin_app,
+    _dead_letter,
+    _drain,
+)
+from tests.support import HandedDelivery, accepted_submission, rescore_request
+
+pytestmark = pytest.mark.integration
+
+broker = gateway_dlq.broker  # fixtures
+submissions = gateway_dlq.submissions
+dlq = gateway_dlq.dlq
+
+
+async def _sent_to_the_scorer(amqp_url: str, task_id: str) -> list[ScoreText]:
+    """The commands of `task_id` in the score queue (every command taken off it)."""
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.get_queue(SCORE_REQUESTS.name, ensure=True)
+        sent = []
+        while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
+            sent.append(ScoreText.model_validate_json(message.body))
+    return [command for command in sent if command.task_id == task_id]
+
+
+async def _rescored(broker: RabbitBroker, submissions: Submissions, command: ScoreText) -> None:
+    """The task re-scored under a new rubric version, as the fan-out's request is handled."""
+    consumer = RescoreRequests(
+        submissions=submissions,
+        publisher=TaskPublisher(broker, timeout_s=TIMEOUT_S),
+        broker=broker,
+        clock=utcnow,
+        timeout_s=TIMEOUT_S,
+    )
+    delivery = HandedDelivery(rescore_request(command).model_dump_json().encode())
+    await consumer.on_message(delivery)
+    assert delivery.settled == ["ack"]
+
+
+async def _stored(mongo: Endpoint, db_prefix: str, task_id: str) -> Json:
+    client: AsyncMongoClient[Json] = AsyncMongoClient(mongo.url, tz_aware=True)
+    try:
+        stored = await client[f"{db_prefix}_gateway"]["submissions"].find_one({"_id": task_id})
+    finally:
+        await client.close()
+    assert stored is not None
+    return stored
+
+
+async def _replay_all(broker: RabbitBroker, submissions: Submissions) -> Json:
+    async with _admin(_admin_app(broker, submissions)) as api:
+        answer = await api.post(f"{LETTERS}/replay", json={"all": True})
+    assert answer.status_code == 200, answer.text
+    report: Json = answer.json()
+    return report
+
+
+async def test_a_letter_a_rescore_superseded_is_removed_unsent_and_reported(
+    dlq: str, broker: RabbitBroker, submissions: Submissions, mongo: Endpoint, db_prefix: str
+) -> None:
+    command = await accepted_submission(submissions)
+    await _dead_letter(dlq, [command])
+    await _rescored(broker, submissions, command)
+    [rescore] = await _sent_to_the_scorer(dlq, command.task_id)
+    assert rescore.generation == 1
+
+    report = await _replay_all(broker, submissions)
+
+    assert (report["replayed"], report["superseded"]) == ([], [command.task_id])
+    assert await _sent_to_the_scorer(dlq, command.task_id) == []
+    stored = await _stored(mongo, db_prefix, command.task_id)
+    assert (stored["generation"], stored.get("replays")) == (1, None)
+    assert await _drain(dlq) == []
+
+
+async def test_the_rescores_own_letter_is_replayed_beside_the_superseded_one(
+    dlq: str, broker: RabbitBroker, submissions: Submissions
+) -> None:
+    """Generation 1 dead-lettered too: its letter is the latest generation's, replayed as 2,
+    in whichever order the walk meets the two letters."""
+    command = await accepted_submission(submissions)
+    await _rescored(broker, submissions, command)
+    [rescore] = await _sent_to_the_scorer(dlq, command.task_id)
+    await _dead_letter(dlq, [command, rescore])
+
+    report = await _replay_all(broker, submissions)
+
+    assert (report["replayed"], report["superseded"]) == ([command.task_id], [command.task_id])
+    [replayed] = await _sent_to_the_scorer(dlq, command.task_id)
+    assert replayed.generation == 2
+    assert await _drain(dlq) == []
+
+
+async def test_two_copies_of_a_letter_replay_as_one_generation_neither_superseded(
+    dlq: str, broker: RabbitBroker, submissions: Submissions, mongo: Endpoint, db_prefix: str
+) -> None:
+    """The first copy's replay raises the submission's generation above the letter's: the
+    second copy must find that generation its own letter's, not a later one's."""
+    command = await accepted_submission(submissions)
+    await _dead_letter(dlq, [command, command])
+
+    report = await _replay_all(broker, submissions)
+
+    assert (report["replayed"], report["superseded"]) == ([command.task_id] * 2, [])
+    sent = await _sent_to_the_scorer(dlq, command.task_id)
+    assert [copy.generation for copy in sent] == [1, 1]
+    assert (await _stored(mongo, db_prefix, command.task_id))["generation"] == 1
+
+
+async def test_a_copy_replayed_after_a_rescore_keeps_its_letters_generation(
+    submissions: Submissions,
+) -> None:
+    """A generation above the letter's handed out by a replay of this very letter does not
+    supersede it, even once a re-score took the next (the copies must run as one attempt);
+    a letter whose submission is gone still replays as the next generation."""
+    command = await accepted_submission(submissions)
+    assert await submissions.replay_generation(command.task_id, of=0) == 1
+    claim = await submissions.claim_rescore(
+        command.task_id,
+        tenant_id=command.tenant_id,
+        rubric_version="v2",
+        request_id="r-1",
+        now=utcnow(),
+    )
+    assert getattr(claim, "generation", None) == 2
+
+    assert await submissions.replay_generation(command.task_id, of=0) == 1
+    assert await submissions.replay_generation(command.task_id, of=1) is ReplayRefused.SUPERSEDED
+    assert await submissions.replay_generation(command.task_id, of=2) == 3
+    assert await submissions.replay_generation("no-such-task", of=0) is None

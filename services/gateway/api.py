@@ -116,7 +116,11 @@ async def parse_submission(request: Request, settings: GatewaySettings) -> Score
         raise invalid_fields(error) from error
 
 
-def _check_idempotency_key(key: str | None) -> str | None:
+def _check_idempotency_key(key: str | None, request: Request) -> str | None:
+    """The request's one Idempotency-Key. Sent twice, the first was taken and the second
+    ignored: a retry carrying only the second was a new task, scored again."""
+    if len(request.headers.getlist("idempotency-key")) > 1:
+        raise Problem(400, "Idempotency-Key was sent more than once: send one.")
     if key is not None and not IDEMPOTENCY_KEY.match(key):
         raise Problem(400, "Idempotency-Key must be 1 to 255 visible ASCII characters.")
     return key
@@ -234,7 +238,7 @@ def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
             submitted = await submit_score(
                 submission,
                 tenant_id=caller.tenant_id,
-                idempotency_key=_check_idempotency_key(idempotency_key),
+                idempotency_key=_check_idempotency_key(idempotency_key, request),
                 submissions=deps.submissions,
                 publisher=deps.publisher,
                 cache=deps.cache,

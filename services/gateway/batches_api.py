@@ -309,7 +309,7 @@ def batch_routes(
                 batch,
                 tenant_id=caller.tenant_id,
                 api_key_id=caller.key_id,
-                idempotency_key=_check_idempotency_key(idempotency_key),
+                idempotency_key=_check_idempotency_key(idempotency_key, request),
                 batches=batches,
                 submissions=deps.submissions,
                 publisher=publisher,

@@ -247,6 +247,23 @@ async def test_bad_idempotency_key_is_400(stack: Stack) -> None:
     _assert_problem(response, 400)
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/scores", {"text": "hi"}), ("/v1/batches", {"items": [{"text": "hi"}]})],
+    ids=["score", "batch"],
+)
+async def test_two_idempotency_keys_are_400_and_keep_nothing(
+    stack: Stack, path: str, body: dict[str, object]
+) -> None:
+    """Sent twice, the first key was taken and the second ignored: a retry carrying only the
+    second was a new task, scored again (found in review)."""
+    await queued_commands(stack.amqp_url)
+    keys = [("Idempotency-Key", uuid.uuid4().hex), ("Idempotency-Key", uuid.uuid4().hex)]
+    response = await stack.api.post(path, json=body, headers=keys)
+    _assert_problem(response, 400)
+    assert await queued_commands(stack.amqp_url) == []
+
+
 async def test_unknown_task_is_404(stack: Stack) -> None:
     _assert_problem(await stack.api.get(f"/v1/scores/{uuid.uuid4().hex}"), 404)
     _assert_problem(await stack.api.get("/v1/scores/not%20an%20id"), 404)

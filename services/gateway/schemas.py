@@ -31,10 +31,15 @@ MAX_DELAY_S = 7 * 24 * 3600
 BLANK_TEXT = "text must contain something other than whitespace and control characters"
 # The status of a task the status service no longer holds (finished, then expired).
 EXPIRED = "expired"
-# A model's name as the provider takes it: surrounding blanks dropped, something left. A
-# blank name was accepted (202) and sent to the provider as it stood, a model no provider
-# has, and the task could only fail.
-ModelName = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=200)]
+# A model's name as the provider takes it: surrounding blanks dropped, something left, no
+# control character. A blank name, or one holding a NUL, was accepted (202) and sent to the
+# provider as it stood, a model no provider has, and the task could only fail.
+ModelName = Annotated[
+    str,
+    StringConstraints(
+        strip_whitespace=True, min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$"
+    ),
+]
 
 
 def checked_metadata(metadata: dict[str, Any]) -> dict[str, Any]:

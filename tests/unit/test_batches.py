@@ -570,9 +570,10 @@ def test_only_documents_already_there_let_a_batch_insert_pass(
     assert _only_duplicate_ids(BulkWriteError(details)) is already_there
 
 
-@pytest.mark.parametrize("model", ["", " ", "\t\n"])
+@pytest.mark.parametrize("model", ["", " ", "\t\n", "\u0000", "gpt\u00004o", "gpt-4o\x7f"])
 def test_a_blank_model_name_is_refused(model: str) -> None:
-    """It was accepted (202) and sent to the provider as it stood: a model no provider has."""
+    """It was accepted (202) and sent to the provider as it stood: a model no provider has;
+    so was one holding a control character (found in review)."""
     with pytest.raises(ValidationError) as error:
         ScoreSubmission.model_validate({"text": "a", "model": model})
     assert error.value.errors()[0]["loc"] == ("model",)

@@ -379,13 +379,14 @@ class Dispatcher:
         return None
 
     def _late(self, firing: Firing, now: datetime) -> bool:
-        """Whether a firing never published is late for a `skip` job: claimed late, or kept
-        from its publish for longer than the grace since its claim (the broker away). Judged
-        from its fire time alone, one claimed within the grace after a restart (40 s late)
-        whose publish failed once was dropped at its re-publish (`SCHEDULER_REDISPATCH_S`,
-        30 s, later): the policy had decided to run it."""
-        claimed_late = firing.fired_at - firing.scheduled_for > self._grace
-        return claimed_late or now - firing.fired_at > self._grace
+        """Whether a firing never published is late for a `skip` job: kept from its publish
+        for longer than the grace since its claim (the broker away). The plan refused it if
+        it was late when planned, so its lateness then is not asked again: judged from its
+        fire time, one claimed within the grace after a restart (40 s late) whose publish
+        failed once was dropped at its re-publish (`SCHEDULER_REDISPATCH_S`, 30 s, later),
+        and judged from its claim's stamp, one planned in time but claimed after the
+        publishes of others took a while."""
+        return now - firing.fired_at > self._grace
 
 
 async def keep_dispatching(dispatcher: Dispatcher, *, interval_s: float) -> None:

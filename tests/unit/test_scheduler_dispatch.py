@@ -494,6 +494,45 @@ async def test_a_skip_firing_claimed_within_the_grace_survives_one_failed_publis
     assert firings.of("rollup", FiringState.SKIPPED) == []
 
 
+class SlowToFail(Published):
+    """A broker away whose first refusal takes 40 s (a publish timing out)."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(fail=True)
+        self.clock = clock
+        self.timed_out = False
+
+    async def __call__(self, command: RunCronJob) -> None:
+        if self.fail and not self.timed_out:
+            self.timed_out = True
+            self.clock.now += timedelta(seconds=40)
+        await super().__call__(command)
+
+
+async def test_a_skip_firing_planned_within_the_grace_and_claimed_late_is_run() -> None:
+    """Planned 25 s late, claimed at 65 s behind another job's publish timing out, its own
+    publish failed: taken for one claimed late at its re-publish, it was dropped (found in
+    review of the fix above)."""
+    jobs = JobCatalog(
+        [
+            ScheduledJob(name, "5 * * * *", "UTC", MissedFirings.SKIP, enabled=True)
+            for name in ("first", "second")
+        ]
+    )
+    clock = Clock(ON_TIME + timedelta(seconds=25))
+    firings, published = FakeFirings(), SlowToFail(clock)
+    dispatcher = _dispatcher(firings, published, clock, jobs)
+    with contextlib.suppress(ConnectionError):
+        await dispatcher.tick()
+    published.fail = False
+    clock.now += timedelta(seconds=31)
+
+    await dispatcher.tick()
+
+    # The first has waited for its publish 71 s since its claim, past the grace: late.
+    assert [c.job for c in published.commands] == ["second"]
+
+
 async def test_disabled_jobs_are_not_fired_by_the_clock() -> None:
     firings, published, clock = FakeFirings(), Published(), Clock(START)
     dispatcher = _dispatcher(firings, published, clock, _jobs(enabled=False))

@@ -465,25 +465,31 @@ class Submissions:
         """The generation a DLQ replay of generation `of` runs as: `of` + 1, taken from the
         submission the first time (a re-score racing the replay takes the one after), and
         the same for every later copy of that dead letter (the DLQ may hold two; both must
-        reach the scorer as one attempt). `SUPERSEDED` when a generation above `of` was
-        handed out by anything but a replay of this letter (a re-score): replayed, the stale
-        letter scored the task once more. None when the submission is gone (past its
-        retention): nothing else hands its generations out."""
+        reach the scorer as one attempt); above a re-score's claim not sent, as the claim's
+        generation + 1. `SUPERSEDED` when a generation above `of` was sent by anything but a
+        replay of this letter (a re-score): replayed, the stale letter scored the task once
+        more. None when the submission is gone (past its retention): nothing else hands its
+        generations out."""
         replay = f"replays.g{of}"
         try:
             given = _replayed_as(await self._replays(task_id), of)
             if given is not None:
                 return given
-            # One write finds none above `of` handed out, takes `of` + 1 and names it the
+            # One write finds none above `of` sent, takes the next generation and names it the
             # replay's: in two writes, two copies replayed at once each took a generation (the
             # stored one, which a cancel targets, never ran), and a re-score claiming one
             # between a check and the take was scored again by the stale letter.
-            taken = await self._collection.update_one(
-                {"_id": task_id, replay: {"$exists": False}, **_none_above(of)},
-                {"$set": {"generation": of + 1, replay: of + 1}},
+            taken = await self._collection.find_one_and_update(
+                {"_id": task_id, replay: {"$exists": False}, **_none_sent_above(of)},
+                [
+                    {"$set": {"generation": {"$add": [{"$max": [_GENERATION, of]}, 1]}}},
+                    {"$set": {replay: "$generation"}},
+                ],
+                projection={"generation": True},
+                return_document=ReturnDocument.AFTER,
             )
-            if taken.matched_count:
-                return of + 1
+            if taken is not None:
+                return int(taken["generation"])
             return _not_taken(await self._replays(task_id), of)
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
@@ -914,9 +920,21 @@ def _cancel_target_of(document: Document) -> CancelTarget:
     )
 
 
-def _none_above(generation: int) -> Document:
-    """A filter: no generation above `generation` handed out (absent: none yet)."""
-    return {"$or": [{"generation": {"$lte": generation}}, {"generation": {"$exists": False}}]}
+_GENERATION: Final = {"$ifNull": ["$generation", NO_GENERATION]}
+
+
+def _none_sent_above(generation: int) -> Document:
+    """A filter: no generation above `generation` sent. The highest handed out is not, when
+    it is a re-score's claim whose command was never sent (its request given up to its DLQ):
+    counted, it superseded the dead letter, which was removed, and the task never scored."""
+    unsent_claim_on_top = {
+        "$and": [
+            {"$ne": ["$rescore.sent", True]},
+            {"$eq": ["$rescore.generation", _GENERATION]},
+        ]
+    }
+    highest_sent = {"$cond": [unsent_claim_on_top, {"$subtract": [_GENERATION, 1]}, _GENERATION]}
+    return {"$expr": {"$lte": [highest_sent, generation]}}
 
 
 def _replayed_as(submission: Document | None, of: int) -> int | None:

@@ -151,8 +151,34 @@ async def test_a_copy_replayed_after_a_rescore_keeps_its_letters_generation(
         now=utcnow(),
     )
     assert getattr(claim, "generation", None) == 2
+    await submissions.finish_rescore(command.task_id, rubric_version="v2", now=utcnow())
 
     assert await submissions.replay_generation(command.task_id, of=0) == 1
     assert await submissions.replay_generation(command.task_id, of=1) is ReplayRefused.SUPERSEDED
     assert await submissions.replay_generation(command.task_id, of=2) == 3
     assert await submissions.replay_generation("no-such-task", of=0) is None
+
+
+async def test_a_rescore_claim_never_sent_supersedes_nothing(
+    dlq: str, broker: RabbitBroker, submissions: Submissions
+) -> None:
+    """A re-score whose request was given up to its DLQ keeps its claim unsent: counted as a
+    later generation, it superseded the letter, which was removed, and the task was never
+    scored again (found in review). The replay runs above the claim's generation."""
+    command = await accepted_submission(submissions)
+    await _dead_letter(dlq, [command])
+    claim = await submissions.claim_rescore(
+        command.task_id,
+        tenant_id=command.tenant_id,
+        rubric_version="v2",
+        request_id="r-1",
+        now=utcnow(),
+    )
+    assert getattr(claim, "generation", None) == 1
+
+    report = await _replay_all(broker, submissions)
+
+    assert (report["replayed"], report["superseded"]) == ([command.task_id], [])
+    [replayed] = await _sent_to_the_scorer(dlq, command.task_id)
+    assert replayed.generation == 2
+    assert await _drain(dlq) == []

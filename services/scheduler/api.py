@@ -505,8 +505,6 @@ def cron_dead_letter_routes(
                 raise Problem(409, str(error), kind="unknown-job", runs=error.runs) from error
             except TriggeredTooOften as error:
                 raise Problem(429, str(error), headers={"Retry-After": "1"}) from error
-            except LeaseTaken as error:
-                raise _lease_contended(error) from error
         return CronReplayReport(
             replayed=[
                 ReplayedRun(

@@ -37,7 +37,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
 from services.scheduler.errors import ReplayRefused, RunInProgress
-from services.scheduler.firings import Firing
+from services.scheduler.firings import Firing, LeaseTaken
 from services.scheduler.jobs import Clock
 from services.scheduler.schedule import JobCatalog
 from shared.contracts import RunCronJob
@@ -207,7 +207,7 @@ class CronDeadLetters:
                     break
                 try:
                     firing, started_now = await self._replay_run(command)
-                except RunInProgress:
+                except (RunInProgress, LeaseTaken):  # its lease changing hands: in progress
                     in_progress.append(command.run_id)
                     continue
                 await self._dlq.remove(message)

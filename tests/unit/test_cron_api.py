@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import cast
 
 import pytest
 from fastapi import FastAPI
 from pydantic import SecretStr
 
-from services.scheduler.api import cron_dead_letter_routes, cron_routes
-from services.scheduler.dead_letters import CronDeadLetters
+from services.scheduler.api import cron_routes
 from services.scheduler.errors import DispatchFailed, RunInProgress, TriggeredTooOften
 from services.scheduler.firings import Firing, LeaseTaken
 from services.scheduler.schedule import JobCatalog
@@ -59,26 +57,3 @@ async def test_a_refused_manual_run_says_why(error: Exception, status: int, kind
     assert answer.json()["type"].endswith(kind)
     if status == 429 or kind == "lease-contended":
         assert answer.headers["retry-after"] == "1"
-
-
-class LeaseChangingHands:
-    """A replay whose run's claim met its job's lease changing hands at every try."""
-
-    async def replay(self, run_ids: list[str] | None) -> None:
-        raise LeaseTaken("rollup")
-
-
-async def test_a_replay_meeting_a_contended_lease_is_a_503_to_ask_again() -> None:
-    app = FastAPI()
-    install_problem_handlers(app)
-    dead_letters = cast(CronDeadLetters, LeaseChangingHands())
-    app.include_router(
-        cron_dead_letter_routes(dead_letters=dead_letters, admin_key=SecretStr("admin-key"))
-    )
-    async with running(app) as client:
-        answer = await client.post(
-            "/admin/v1/cron/dead-letters/replay", json={"all": True}, headers=ADMIN
-        )
-    assert answer.status_code == 503, answer.text
-    assert answer.json()["type"].endswith("lease-contended")
-    assert answer.headers["retry-after"] == "1"

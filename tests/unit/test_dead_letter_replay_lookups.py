@@ -24,6 +24,7 @@ from services.scheduler.config import Concurrency, MissedFirings
 from services.scheduler.dead_letters import CronDeadLetters
 from services.scheduler.dispatcher import fire_replay
 from services.scheduler.errors import RunInProgress
+from services.scheduler.firings import LeaseTaken
 from services.scheduler.schedule import JobCatalog, ScheduledJob
 from shared.contracts import RunCronJob, ScoreText
 from shared.dead_letters import REPLAY_BUDGET_S, DeadLetterWalker
@@ -165,6 +166,29 @@ async def test_a_cron_run_in_progress_is_not_also_reported_not_reached() -> None
 
     assert replay.replayed == []  # out of time after the first try
     assert (replay.skipped_in_progress, replay.not_reached) == (["dead-x"], ["dead-y"])
+
+
+async def test_a_cron_run_whose_lease_keeps_changing_hands_is_kept_and_the_rest_replayed() -> None:
+    """Its claim gave up (`LeaseTaken`, runs of the job beginning and ending all the while):
+    that ended the whole replay, the letters after it never reached (found in review)."""
+
+    async def replay_run(command: RunCronJob) -> tuple[Any, bool]:
+        if command.run_id == "dead-x":
+            raise LeaseTaken(command.job)
+        return SimpleNamespace(run_id=f"new-{command.run_id}"), True
+
+    dead_letters = CronDeadLetters(
+        cast(DeadLetterWalker, HeldLetters([_cron_letter("dead-x"), _cron_letter("dead-y")])),
+        jobs=JobCatalog([_rollup()]),
+        replay_run=replay_run,
+        clock=Clock(NOW),
+        replay_budget_s=60,
+    )
+
+    replay = await dead_letters.replay(None)
+
+    assert [letter.dead_run_id for letter in replay.replayed] == ["dead-y"]
+    assert replay.skipped_in_progress == ["dead-x"]
 
 
 class Resubmitted:

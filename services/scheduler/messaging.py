@@ -147,6 +147,10 @@ class SchedulerBus:
     async def dead_letter_depth(self, work_queue: WorkQueue) -> tuple[int, float | None]:
         """(depth, age in seconds of the oldest dead letter) of a work queue's DLQ.
 
+        Both on a channel of the consuming connection (`own_channel`): on the publishing
+        one, which a memory or disk alarm blocks once it has published, the depth read waited
+        out the alarm, and the report with it, when the letters raised the alarm.
+
         The head is read with `basic.get` and returned with `nack(requeue=True)`, which
         RabbitMQ 3.x and 4.0 to 4.2 count as a delivery: harmless against the DLQ's own limit
         (`DLQ_DELIVERY_LIMIT`, out of any look's reach). The head is held on a channel of its
@@ -155,12 +159,13 @@ class SchedulerBus:
         dead-letter walk's sight, until that channel closed.
         """
         name = work_queue.dead_letter_routing_key
-        _, depth = await self._declared(name)
-        if depth == 0:
-            return 0, None
         async with own_channel(self.broker, timeout_s=self.timeout_s, what=name) as channel:
             async with asyncio.timeout(self.timeout_s):
-                queue = await channel.get_queue(name, ensure=False)
+                queue = await channel.get_queue(name, ensure=False)  # a passive declare:
+                declared = await queue.declare(timeout=self.timeout_s)
+                depth = int(declared.message_count or 0)
+                if depth == 0:
+                    return 0, None
                 head = await queue.get(no_ack=False, fail=False, timeout=self.timeout_s)
             if head is None:
                 return depth, None

@@ -38,6 +38,7 @@ from services.notifier.app import create_app as create_notifier
 from services.notifier.settings import NotifierSettings
 from services.scheduler.app import create_app as create_scheduler
 from services.scheduler.config import parse_config
+from services.scheduler.messaging import SchedulerBus
 from services.scheduler.settings import SchedulerSettings
 from services.scorer.app import create_app as create_scorer
 from services.scorer.model.settings import ModelSettings
@@ -45,6 +46,7 @@ from services.scorer.settings import ScorerSettings
 from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
 from shared.consumers import Delivery, consume
+from shared.contracts import utcnow
 from shared.dead_letters import DeadLetterWalker
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
@@ -370,6 +372,8 @@ async def test_the_dead_letters_can_be_looked_at_and_purged_while_an_alarm_block
     walker = DeadLetterWalker(broker, SCORE_REQUESTS, timeout_s=5)
     try:
         async with _a_publish_held_back(broker, amqp_url, name) as publishing:
+            depth, _ = await SchedulerBus(broker, 5, utcnow).dead_letter_depth(SCORE_REQUESTS)
+            assert depth == 1
             async with walker.walk() as held:
                 assert [letter.body for letter in held] == [b"a letter"]
             assert await walker.purge() == 1

@@ -62,9 +62,11 @@ class Channel:
 
     def __init__(self, queue: DeadLetterQueue) -> None:
         self._queue = queue
+        self.asked: list[str] = []
         self.closed = False
 
     async def get_queue(self, name: str, *, ensure: bool) -> DeadLetterQueue:
+        self.asked.append(name)
         return self._queue
 
     async def close(self) -> None:
@@ -110,7 +112,8 @@ async def test_a_head_that_cannot_be_returned_leaves_the_reading_standing() -> N
     assert not guard.expired()
     assert (depth, age_s) == (3, 60.0)
     assert head.nacks == 1
-    assert broker.asked == [CRON_JOBS.dead_letter_routing_key]
+    # Depth and head both read on the look's own channel, none on the publishing connection.
+    assert (broker.asked, broker.channel.asked) == ([], [CRON_JOBS.dead_letter_routing_key])
     assert broker.channel.closed  # the broker takes the head back, were it still held
 
 

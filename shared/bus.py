@@ -36,6 +36,8 @@ from shared.topology import (
     DLX,
     ERROR_HEADER,
     EVENTS,
+    FIRST_ERROR_HEADER,
+    ROUTING_KEY_HEADER,
     TASKS,
     WAIT_TIERS,
     WorkQueue,
@@ -222,8 +224,11 @@ async def publish_dead_letter(
     timeout: float,
     message_id: str | None = None,
     correlation_id: str | None = None,
+    routing_key: str | None = None,
 ) -> None:
-    """Move a message to a work queue's DLQ ourselves, with the reason as a header."""
+    """Move a message to a work queue's DLQ ourselves, with the reason as a header
+    (`letter_headers`). `routing_key`: the key the message was published with, for headers
+    that do not name it already (a `Delivery`'s always do)."""
     await send_raw(
         broker,
         body,
@@ -232,12 +237,28 @@ async def publish_dead_letter(
         timeout=timeout,
         message_id=message_id,
         correlation_id=correlation_id,
-        headers={
-            **headers,
-            ERROR_HEADER: error[:1000],
-            DEAD_LETTERED_FROM_HEADER: work_queue.name,
-        },
+        headers=letter_headers(headers, error=error, queue=work_queue.name, key=routing_key),
     )
+
+
+# What a letter keeps of a reason.
+_REASON_MAX = 1000
+
+
+def letter_headers(
+    headers: Mapping[str, Any], *, error: str, queue: str, key: str | None = None
+) -> dict[str, Any]:
+    """A letter's headers: the message's own, its reason (`ERROR_HEADER`, 1,000 characters
+    at most) and the queue it left. A letter of a letter (moved back to its queue, and
+    dead-lettered again) keeps the first one's reason as `FIRST_ERROR_HEADER` (the reasons
+    between are in the logs), and the key the message was first published with
+    (`ROUTING_KEY_HEADER`): read back, it is that message again."""
+    letter = {**headers, ERROR_HEADER: error[:_REASON_MAX], DEAD_LETTERED_FROM_HEADER: queue}
+    if ERROR_HEADER in headers:
+        letter.setdefault(FIRST_ERROR_HEADER, str(headers[ERROR_HEADER])[:_REASON_MAX])
+    if key is not None:
+        letter.setdefault(ROUTING_KEY_HEADER, key)
+    return letter
 
 
 async def publish_delayed(

@@ -20,6 +20,11 @@ logging and acknowledgement middlewares), measured in docs/architecture.md ("Per
 A batch of events (`shared.event_batches`: completions that finished together) reaches the
 handler as one delivery per event (`BatchPart`), and is settled once every part is, as the
 strictest part asks (`_settle_batch`); at most the prefetch of parts are handled at once.
+A part's settlement that must not be repeated when the batch comes back (a copy to its DLQ)
+waits for the other parts (`Delivery.settle_last`).
+
+A delivery's `routing_key` is the key its message was published with, also when it is a
+letter moved back to its queue (`with_routing_key`).
 
 Settling is the handler's: it acks, nacks or rejects (settling twice is a no-op). Acks are
 sent at the end of the loop pass that asked for them, as few frames as is exact
@@ -47,7 +52,7 @@ from shared.acks import ChannelAcks
 from shared.event_batches import Part, UnreadableBatch, is_batch, split_batch
 from shared.log_context import correlated
 from shared.metrics import Metrics
-from shared.topology import Binding
+from shared.topology import ROUTING_KEY_HEADER, Binding
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -68,11 +73,12 @@ CANCEL_ON_CLOSED_S = 0.1
 class Delivery:
     """One delivery as a handler sees it: what it carries, and how to settle it."""
 
-    __slots__ = ("_acks", "_raw", "settlement")
+    __slots__ = ("_acks", "_keyed_headers", "_raw", "settlement")
 
     def __init__(self, raw: AbstractIncomingMessage, acks: ChannelAcks) -> None:
         self._raw = raw
         self._acks = acks
+        self._keyed_headers: dict[str, Any] | None = None
         # How the handler settled it: "ack", "nack", "reject" or "requeue"; None while not.
         self.settlement: str | None = None
 
@@ -82,11 +88,18 @@ class Delivery:
 
     @property
     def headers(self) -> dict[str, Any]:
-        return cast("dict[str, Any]", self._raw.headers)
+        """The message's headers, `ROUTING_KEY_HEADER` among them (added when they lack it):
+        a copy made of them, a dead letter, keeps the key the message was published with."""
+        if self._keyed_headers is None:
+            self._keyed_headers = with_routing_key(self._own_headers(), self._raw.routing_key or "")
+        return self._keyed_headers
 
     @property
     def routing_key(self) -> str:
-        return self._raw.routing_key or ""
+        """The key the message was published with. A letter moved back to its queue (by a
+        shovel, or the management UI's "move messages") arrives through the default exchange
+        under the queue's name: its headers name the key it had (`with_routing_key`)."""
+        return str(self.headers[ROUTING_KEY_HEADER])
 
     @property
     def redelivered(self) -> bool:
@@ -115,6 +128,11 @@ class Delivery:
             await self._raw.reject(requeue=requeue)
             self._acks.settled(self._tag)
 
+    async def settle_last(self, settle: Callable[[], Awaitable[None]]) -> None:
+        """Settle this delivery with `settle` (a copy to its DLQ, then an ack): at once, but
+        for a part of a batch only once its siblings are settled (`BatchPart`)."""
+        await settle()
+
     async def requeue_failed(self) -> None:
         """Return a delivery whose handling failed to its queue, counted as a failed delivery:
         `basic.reject` with requeue. RabbitMQ 4.3 and later count a reject towards a quorum
@@ -133,26 +151,59 @@ class Delivery:
         self.settlement = how
         return True
 
+    def _own_headers(self) -> dict[str, Any]:
+        return cast("dict[str, Any]", self._raw.headers or {})
+
+    @property
+    def settles_last(self) -> bool:
+        """Whether a settlement waits for the batch's other parts (`BatchPart.settle_last`)."""
+        return False
+
+
+def with_routing_key(headers: dict[str, Any], delivered_under: str) -> dict[str, Any]:
+    """`headers` with `ROUTING_KEY_HEADER`: the one a letter of ours carries, else the key of
+    RabbitMQ's latest dead-lettering of it (`x-death`), else the key it was delivered under."""
+    if ROUTING_KEY_HEADER in headers:
+        return headers
+    original = _key_when_dead_lettered(headers) or delivered_under
+    return {**headers, ROUTING_KEY_HEADER: original}
+
+
+def _key_when_dead_lettered(headers: dict[str, Any]) -> str | None:
+    """The routing key of the latest `x-death` (latest first) of a message published to an
+    exchange: a copy moved back through the default exchange, dead-lettered again, records
+    the queue's name as its key."""
+    deaths = headers.get("x-death")
+    for death in deaths if isinstance(deaths, list) else ():
+        if isinstance(death, dict) and death.get("exchange") and death.get("routing-keys"):
+            return str(death["routing-keys"][0])
+    return None
+
 
 class BatchPart(Delivery):
     """One event of a batch delivery, as a delivery of its own: its body, identifiers and
     headers are the event's; settling it only records how (`_settle_batch` settles the
-    batch once every part is)."""
+    batch once every part is).
 
-    __slots__ = ("_part",)
+    A settlement kept for last (`settle_last`) runs once every other part is settled, and
+    not at all when the batch comes back (`_comes_back`): the part comes back with it, and
+    is handled again. Run at once, a part's copy to its DLQ was made again at every
+    redelivery that a sibling returned as failed brought about (found in review)."""
+
+    __slots__ = ("_last", "_part")
 
     def __init__(self, raw: AbstractIncomingMessage, acks: ChannelAcks, part: Part) -> None:
         super().__init__(raw, acks)
         self._part = part
+        self._last: Callable[[], Awaitable[None]] | None = None
 
     @property
     @override
     def body(self) -> bytes:
         return self._part.body
 
-    @property
     @override
-    def headers(self) -> dict[str, Any]:
+    def _own_headers(self) -> dict[str, Any]:
         return self._part.headers
 
     @property
@@ -177,6 +228,37 @@ class BatchPart(Delivery):
     async def reject(self, *, requeue: bool = False) -> None:
         self._settle("requeue" if requeue else "reject")
 
+    @override
+    async def settle_last(self, settle: Callable[[], Awaitable[None]]) -> None:
+        self._last = settle
+
+    @property
+    @override
+    def settles_last(self) -> bool:
+        return self._last is not None
+
+    def take_last(self) -> Callable[[], Awaitable[None]]:
+        """The settlement kept for last, to run now (kept no more)."""
+        settle, self._last = self._last, None
+        assert settle is not None
+        return settle
+
+    def goes_back(self) -> None:
+        """The batch comes back: the settlement kept for last is left to its redelivery."""
+        self._last = None
+        self._settle("requeue")
+
+
+def _comes_back(batch: Delivery, parts: list[BatchPart]) -> bool:
+    """Whether `_settle_batch` will leave the batch for redelivery or return it: not acked
+    already (`ack_first`), and a part unsettled or returned as failed."""
+    if batch.settlement is not None:
+        return False
+    return any(
+        part.settlement == "requeue" or (part.settlement is None and not part.settles_last)
+        for part in parts
+    )
+
 
 async def _settle_batch(batch: Delivery, parts: list[BatchPart], raised: bool) -> None:
     """Settle a batch as the strictest of its parts asks. A part left unsettled (its handler
@@ -185,7 +267,8 @@ async def _settle_batch(batch: Delivery, parts: list[BatchPart], raised: bool) -
     dead-letters it whole: every consumer of events takes a repeat of an event it has
     handled as a no-op, so the parts already handled come back harmlessly, and none is
     lost. Otherwise (every part acked, including those a handler copied to its DLQ
-    itself) the batch is acked."""
+    itself) the batch is acked. A part whose settlement was kept for last and not run (the
+    batch comes back) counts as returned (`BatchPart.goes_back`)."""
     settled = {part.settlement for part in parts}
     if raised or None in settled:
         return
@@ -318,7 +401,8 @@ class _Consuming:
         if self.subscription.ack_first:
             await batch.ack()
         raised = await asyncio.gather(*(self._handle_part(part) for part in parts))
-        await _settle_batch(batch, parts, any(raised))
+        raised_last = await self._settle_kept_parts(batch, parts, raised)
+        await _settle_batch(batch, parts, any(raised) or raised_last)
 
     async def _handle_part(self, part: BatchPart) -> bool:
         if self._part_slots is None:
@@ -326,9 +410,45 @@ class _Consuming:
         async with self._part_slots:
             return await self._handle(part)
 
+    async def _settle_kept_parts(
+        self, batch: Delivery, parts: list[BatchPart], raised: list[bool]
+    ) -> bool:
+        """Run the parts' settlements kept for last (`BatchPart.settle_last`), or, when the
+        batch comes back, send those parts back with it; True when one of them raised."""
+        # A part whose handler raised is counted failed already, and its batch comes back.
+        kept = [p for p, failed in zip(parts, raised, strict=True) if p.settles_last and not failed]
+        if any(raised) or _comes_back(batch, parts):
+            for part in kept:
+                part.goes_back()
+                self._count(part, failed=False)
+            return False
+        return any(await asyncio.gather(*(self._settle_last(part) for part in kept)))
+
+    async def _settle_last(self, part: BatchPart) -> bool:
+        """Run a part's settlement kept for last; True when it raised (logged)."""
+        settle = part.take_last()
+        failed = False
+        with correlated(part.correlation_id):
+            try:
+                await settle()
+            except Exception:
+                failed = True
+                log.exception(
+                    "%s: settling message %s failed; its batch stays unacknowledged until the "
+                    "channel closes, then the broker redelivers it",
+                    self.subscription.queue.name,
+                    part.message_id,
+                )
+        self._count(part, failed=failed)
+        return failed
+
     def _record(self, delivery: Delivery, *, failed: bool, seconds: float) -> None:
-        self._settled["failed" if failed else (delivery.settlement or "unsettled")].inc()
+        if failed or not delivery.settles_last:  # else counted once settled
+            self._count(delivery, failed=failed)
         self._timed.observe(seconds)
+
+    def _count(self, delivery: Delivery, *, failed: bool) -> None:
+        self._settled["failed" if failed else (delivery.settlement or "unsettled")].inc()
 
 
 # How often the own queues' connection tries again after a loss (the others: every second).

@@ -82,6 +82,12 @@ WAIT_TIERS: tuple[tuple[str, int], ...] = (
 # The header that names the last error of a message we dead-letter ourselves
 # (RabbitMQ adds `x-death` on its own dead-lettering, but knows no reason beyond "rejected").
 ERROR_HEADER = "x-scorebox-error"
+# A letter of a letter (one moved back to its queue and dead-lettered again): the first
+# letter's reason, kept when `ERROR_HEADER` takes the new one.
+FIRST_ERROR_HEADER = "x-scorebox-first-error"
+# The routing key a message was published with, which a letter keeps: moved back to its queue
+# (through the default exchange, under the queue's name) it is read as that message again.
+ROUTING_KEY_HEADER = "x-scorebox-routing-key"
 ATTEMPTS_HEADER = "x-scorebox-attempts"
 # The routing key a task event had before it was sent on under another one (the usage meter's
 # retries): tells its contract.

@@ -110,16 +110,22 @@ def subscribe_projection(
 
     async def dead_letter(message: Delivery, error: str) -> None:
         """Copy to the DLQ, then ack; returned as failed instead, not acked, when the broker
-        refused the copy for `letter_deadline_s`."""
-        if await keep_dead_lettering(
-            broker,
-            STATUS_PROJECTION,
-            message,
-            error=error,
-            timeout=settings.broker_timeout_s,
-            letter_deadline_s=letter_deadline_s,
-        ):
-            await message.ack()
+        refused the copy for `letter_deadline_s`. A part of a batch is copied once its
+        siblings are settled, and not when one of them brings the batch back
+        (`Delivery.settle_last`): it was copied again at every redelivery."""
+
+        async def copy_then_ack() -> None:
+            if await keep_dead_lettering(
+                broker,
+                STATUS_PROJECTION,
+                message,
+                error=error,
+                timeout=settings.broker_timeout_s,
+                letter_deadline_s=letter_deadline_s,
+            ):
+                await message.ack()
+
+        await message.settle_last(copy_then_ack)
 
     @consume(broker, STATUS_PROJECTION.queue)
     async def record_task_event(message: Delivery) -> None:

@@ -1,0 +1,136 @@
+"""A dead letter moved back to its queue (a shovel, the management UI's "move messages":
+through the default exchange, under the queue's name) reads as the message it was: a
+delivery's `routing_key` is the key the message was published with, kept in the letter
+(`x-scorebox-routing-key`) or in RabbitMQ's `x-death`; and a letter of a letter keeps the
+first reason."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from services.notifier.consumer import event_key
+from services.scheduler.consumer import usage_event_key
+from shared.acks import ChannelAcks
+from shared.bus import letter_headers
+from shared.consumers import BatchPart, Delivery
+from shared.event_batches import split_batch
+from shared.topology import (
+    DEAD_LETTERED_FROM_HEADER,
+    ERROR_HEADER,
+    FIRST_ERROR_HEADER,
+    ROUTING_KEY_HEADER,
+    STATUS_PROJECTION,
+    USAGE_METER,
+)
+
+Json = dict[str, Any]
+
+
+def _delivered(routing_key: str, headers: Json | None = None) -> Delivery:
+    raw = SimpleNamespace(routing_key=routing_key, headers=headers, body=b"{}")
+    return Delivery(cast("Any", raw), cast("ChannelAcks", None))
+
+
+def _death(exchange: str, key: str, queue: str = "q") -> Json:
+    return {"exchange": exchange, "routing-keys": [key], "queue": queue, "reason": "rejected"}
+
+
+@pytest.mark.parametrize(
+    ("delivery", "key"),
+    [
+        (_delivered("task.completed"), "task.completed"),
+        (_delivered("task.completed", {"x-tenant-id": "acme"}), "task.completed"),
+        # A letter of ours, moved back.
+        (_delivered(USAGE_METER.name, {ROUTING_KEY_HEADER: "task.failed"}), "task.failed"),
+        # One of RabbitMQ's (a reject, the delivery limit), moved back.
+        (
+            _delivered(USAGE_METER.name, {"x-death": [_death("scorebox.events", "task.failed")]}),
+            "task.failed",
+        ),
+        # ... moved back, dead-lettered by RabbitMQ again, and moved back once more: the copy
+        # that came through the default exchange records the queue's name.
+        (
+            _delivered(
+                USAGE_METER.name,
+                {
+                    "x-death": [
+                        _death("", USAGE_METER.name),
+                        _death("scorebox.events", "task.failed"),
+                    ]
+                },
+            ),
+            "task.failed",
+        ),
+        # A wait on the ladder: RabbitMQ's death there names the key it is delivered under.
+        (
+            _delivered("5s.usage.retry", {"x-death": [_death("scorebox.delay", "5s.usage.retry")]}),
+            "5s.usage.retry",
+        ),
+        # Our letter of a message RabbitMQ dead-lettered before: ours names the first key.
+        (
+            _delivered(
+                USAGE_METER.name,
+                {ROUTING_KEY_HEADER: "task.completed", "x-death": [_death("", USAGE_METER.name)]},
+            ),
+            "task.completed",
+        ),
+    ],
+)
+def test_a_delivery_reads_the_key_its_message_was_published_with(
+    delivery: Delivery, key: str
+) -> None:
+    assert delivery.routing_key == key
+    assert delivery.headers[ROUTING_KEY_HEADER] == key  # what a letter made of them keeps
+
+
+def test_a_part_of_a_batch_moved_back_reads_the_batchs_key() -> None:
+    headers: Json = {"x-batch": 1, ROUTING_KEY_HEADER: "task.completed"}
+    batch_headers = headers | {"x-scorebox-batch": [[2, "m-1", "t-1", "acme"]]}
+    [part] = split_batch(b"[{}]", batch_headers)
+    raw = SimpleNamespace(routing_key=STATUS_PROJECTION.name, headers=batch_headers, body=b"[{}]")
+    delivery = BatchPart(cast("Any", raw), cast("ChannelAcks", None), part)
+    assert delivery.routing_key == "task.completed"
+    assert delivery.headers["x-tenant-id"] == "acme"
+
+
+def test_the_usage_meter_reads_a_moved_back_failure_as_a_failure() -> None:
+    """It read a key it did not know as a retry of a completion, and the failure's body as
+    an unreadable completion."""
+    letter = _delivered(USAGE_METER.name, {ROUTING_KEY_HEADER: "task.failed"})
+    assert usage_event_key(letter) == "task.failed"
+
+
+def test_the_notifier_reads_a_moved_back_event_of_the_ladder_without_its_tier() -> None:
+    letter = _delivered("scorebox.notifications", {ROUTING_KEY_HEADER: "1s.task.completed"})
+    assert event_key(letter.routing_key) == "task.completed"
+
+
+def test_a_letter_names_the_reason_the_queue_and_the_key() -> None:
+    headers = letter_headers(
+        {"x-tenant-id": "acme"}, error="refused", queue=STATUS_PROJECTION.name, key="task.failed"
+    )
+    assert headers == {
+        "x-tenant-id": "acme",
+        ERROR_HEADER: "refused",
+        DEAD_LETTERED_FROM_HEADER: STATUS_PROJECTION.name,
+        ROUTING_KEY_HEADER: "task.failed",
+    }
+
+
+def test_a_letter_of_a_letter_keeps_the_first_reason_and_the_first_key() -> None:
+    first = letter_headers({}, error="the first cause", queue="q", key="task.failed")
+    second = letter_headers(first, error="another cause", queue="q", key="q")
+    third = letter_headers(second, error="a third cause", queue="q", key="q")
+    assert second[ERROR_HEADER] == "another cause"
+    assert second[FIRST_ERROR_HEADER] == "the first cause"
+    assert (third[ERROR_HEADER], third[FIRST_ERROR_HEADER]) == ("a third cause", "the first cause")
+    assert third[ROUTING_KEY_HEADER] == "task.failed"
+
+
+def test_a_letters_reason_is_bounded() -> None:
+    headers = letter_headers({ERROR_HEADER: "x" * 5000}, error="y" * 5000, queue="q")
+    assert len(headers[ERROR_HEADER]) == 1000
+    assert headers[FIRST_ERROR_HEADER] == "x" * 1000

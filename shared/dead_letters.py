@@ -64,7 +64,7 @@ from pydantic import BaseModel, Field
 from shared.bus import BROKER_ERRORS
 from shared.consumers import ScoreboxBroker
 from shared.http import Problem
-from shared.topology import ERROR_HEADER, WorkQueue
+from shared.topology import ERROR_HEADER, FIRST_ERROR_HEADER, WorkQueue
 
 log = logging.getLogger("scorebox.dead_letters")
 
@@ -450,9 +450,13 @@ def letter_id(message: AbstractIncomingMessage) -> str:
 
 
 def reason(headers: Mapping[str, Any]) -> str:
-    """Why a letter was dead-lettered: our `x-scorebox-error`, else RabbitMQ's `x-death`."""
+    """Why a letter was dead-lettered: our `x-scorebox-error`, and the first letter's when it
+    was moved back and dead-lettered again (`x-scorebox-first-error`: the cause to mend is
+    often that one); else RabbitMQ's `x-death`."""
     if ERROR_HEADER in headers:
-        return str(headers[ERROR_HEADER])
+        latest = str(headers[ERROR_HEADER])
+        first = headers.get(FIRST_ERROR_HEADER)
+        return latest if first is None else f"{latest} (first dead-lettered for: {first})"
     deaths = headers.get("x-death") or []
     if deaths:
         death = deaths[0]

@@ -16,6 +16,7 @@ from services.scheduler.consumer import usage_event_key
 from shared.acks import ChannelAcks
 from shared.bus import letter_headers
 from shared.consumers import BatchPart, Delivery
+from shared.dead_letters import reason
 from shared.event_batches import split_batch
 from shared.topology import (
     DEAD_LETTERED_FROM_HEADER,
@@ -128,6 +129,15 @@ def test_a_letter_of_a_letter_keeps_the_first_reason_and_the_first_key() -> None
     assert second[FIRST_ERROR_HEADER] == "the first cause"
     assert (third[ERROR_HEADER], third[FIRST_ERROR_HEADER]) == ("a third cause", "the first cause")
     assert third[ROUTING_KEY_HEADER] == "task.failed"
+
+
+def test_a_letter_of_a_letter_is_listed_with_both_reasons() -> None:
+    """`scorebox dlq` and `cron dlq` listed the latest reason only: often the letter's own
+    handling of the move, not the cause to mend."""
+    first = letter_headers({}, error="the first cause", queue="q", key="task.failed")
+    assert reason(first) == "the first cause"
+    second = letter_headers(first, error="another cause", queue="q", key="q")
+    assert reason(second) == "another cause (first dead-lettered for: the first cause)"
 
 
 def test_a_letters_reason_is_bounded() -> None:

@@ -564,6 +564,15 @@ async def test_an_oversized_answer_is_unavailability_and_the_client_goes_on() ->
             assert (await model.score(request())).result.score == 7.5
 
 
+async def test_an_oversized_5xx_page_says_the_provider_is_down() -> None:
+    """A gateway's error page over the bound was taken for an answer (the provider up), and
+    broke the run of failures the scorer's breaker counts."""
+    provider = ScriptedProvider(text_answer(502, "x" * (MAX_REPLY_BYTES + 1)))
+    with pytest.raises(ModelUnavailable, match="answered too much") as caught:
+        await score_with(provider)
+    assert caught.value.provider_down
+
+
 async def test_the_api_key_never_appears_in_errors() -> None:
     provider = ScriptedProvider(provider_error(401, "Incorrect API key provided"))
     with pytest.raises(ModelMisconfigured) as caught:

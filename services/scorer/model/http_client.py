@@ -23,7 +23,12 @@ _BACKSTOP_MARGIN_S: Final = 1.0
 
 
 class ReplyTooLarge(Exception):
-    """The provider's answer went beyond `MAX_REPLY_BYTES`; the rest of it was not read."""
+    """The provider's answer went beyond `MAX_REPLY_BYTES`; the rest of it was not read.
+    `status`: the answer's HTTP status (a gateway's error page may be that large)."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +113,7 @@ class ProviderClient:
 async def _read_bounded(response: aiohttp.ClientResponse) -> bytes:
     announced = response.content_length
     if announced is not None and announced > MAX_REPLY_BYTES:
-        raise ReplyTooLarge(f"the provider announced {announced} bytes")
+        raise ReplyTooLarge(f"the provider announced {announced} bytes", status=response.status)
     if announced is not None and "Content-Encoding" not in response.headers:
         # The parser reads no more than the Content-Length announces; a compressed body is
         # counted as it inflates instead, below.
@@ -117,7 +122,9 @@ async def _read_bounded(response: aiohttp.ClientResponse) -> bytes:
     async for chunk in response.content.iter_any():
         content += chunk
         if len(content) > MAX_REPLY_BYTES:
-            raise ReplyTooLarge(f"the provider sent more than {MAX_REPLY_BYTES} bytes")
+            raise ReplyTooLarge(
+                f"the provider sent more than {MAX_REPLY_BYTES} bytes", status=response.status
+            )
     return bytes(content)
 
 

@@ -273,7 +273,9 @@ class OpenAIChatModel:
         except (aiohttp.ClientError, OSError) as exc:
             raise _transport_error(exc, self._url) from exc
         except ReplyTooLarge as exc:
-            raise ModelReplyUnusable(f"{self._url} answered too much: {exc}") from exc
+            # A 5xx page that large (a gateway's) says the provider is down like any 5xx.
+            too_much = ModelUnavailable if exc.status >= 500 else ModelReplyUnusable
+            raise too_much(f"{self._url} answered too much ({exc.status}): {exc}") from exc
         if not response.is_success:
             raise error_for_response(response, now=self._clock())
         return _read_answer(response, model, now=self._clock())

@@ -24,7 +24,7 @@ A part's settlement that must not be repeated when the batch comes back (a copy 
 waits for the other parts (`Delivery.settle_last`).
 
 A delivery's `routing_key` is the key its message was published with, also when it is a
-letter moved back to its queue (`with_routing_key`).
+letter moved back to its queue (`original_routing_key`).
 
 Settling is the handler's: it acks, nacks or rejects (settling twice is a no-op). Acks are
 sent at the end of the loop pass that asked for them, as few frames as is exact
@@ -73,12 +73,11 @@ CANCEL_ON_CLOSED_S = 0.1
 class Delivery:
     """One delivery as a handler sees it: what it carries, and how to settle it."""
 
-    __slots__ = ("_acks", "_keyed_headers", "_raw", "settlement")
+    __slots__ = ("_acks", "_raw", "settlement")
 
     def __init__(self, raw: AbstractIncomingMessage, acks: ChannelAcks) -> None:
         self._raw = raw
         self._acks = acks
-        self._keyed_headers: dict[str, Any] | None = None
         # How the handler settled it: "ack", "nack", "reject" or "requeue"; None while not.
         self.settlement: str | None = None
 
@@ -88,18 +87,20 @@ class Delivery:
 
     @property
     def headers(self) -> dict[str, Any]:
-        """The message's headers, `ROUTING_KEY_HEADER` among them (added when they lack it):
-        a copy made of them, a dead letter, keeps the key the message was published with."""
-        if self._keyed_headers is None:
-            self._keyed_headers = with_routing_key(self._own_headers(), self._raw.routing_key or "")
-        return self._keyed_headers
+        return cast("dict[str, Any]", self._raw.headers)
 
     @property
     def routing_key(self) -> str:
         """The key the message was published with. A letter moved back to its queue (by a
-        shovel, or the management UI's "move messages") arrives through the default exchange
-        under the queue's name: its headers name the key it had (`with_routing_key`)."""
-        return str(self.headers[ROUTING_KEY_HEADER])
+        shovel, or the management UI's "move messages") comes through the default exchange
+        under the queue's name: its key is the one it had (`original_routing_key`). Through
+        any other exchange, the key it came under is its own: a letter published again to
+        its exchange came under its event's key, while its headers name the one it had
+        before (on the wait ladder, say)."""
+        delivered_under = self._raw.routing_key or ""
+        if self._raw.exchange:
+            return delivered_under
+        return original_routing_key(self.headers) or delivered_under
 
     @property
     def redelivered(self) -> bool:
@@ -151,22 +152,19 @@ class Delivery:
         self.settlement = how
         return True
 
-    def _own_headers(self) -> dict[str, Any]:
-        return cast("dict[str, Any]", self._raw.headers or {})
-
     @property
     def settles_last(self) -> bool:
         """Whether a settlement waits for the batch's other parts (`BatchPart.settle_last`)."""
         return False
 
 
-def with_routing_key(headers: dict[str, Any], delivered_under: str) -> dict[str, Any]:
-    """`headers` with `ROUTING_KEY_HEADER`: the one a letter of ours carries, else the key of
-    RabbitMQ's latest dead-lettering of it (`x-death`), else the key it was delivered under."""
+def original_routing_key(headers: dict[str, Any]) -> str | None:
+    """The key a dead letter's message was published with: the one a letter of ours names
+    (`ROUTING_KEY_HEADER`), else that of RabbitMQ's latest dead-lettering of it (`x-death`);
+    None for a message that is neither."""
     if ROUTING_KEY_HEADER in headers:
-        return headers
-    original = _key_when_dead_lettered(headers) or delivered_under
-    return {**headers, ROUTING_KEY_HEADER: original}
+        return str(headers[ROUTING_KEY_HEADER])
+    return _key_when_dead_lettered(headers)
 
 
 def _key_when_dead_lettered(headers: dict[str, Any]) -> str | None:
@@ -202,8 +200,9 @@ class BatchPart(Delivery):
     def body(self) -> bytes:
         return self._part.body
 
+    @property
     @override
-    def _own_headers(self) -> dict[str, Any]:
+    def headers(self) -> dict[str, Any]:
         return self._part.headers
 
     @property

@@ -307,6 +307,7 @@ async def keep_dead_lettering(
                 timeout=timeout,
                 message_id=message.message_id,
                 correlation_id=message.correlation_id,
+                routing_key=message.routing_key,
             ),
             what=f"publishing a dead letter of {work_queue.name}",
             retry_on=BROKER_ERRORS,

@@ -25,6 +25,12 @@ dead-letter it unexplained if it came back once more), the database waited out w
 delivery held. A permanent database error is a crash (returned as failed, counted by the
 delivery limit): re-sent uncounted, or held at the limit, it never ended.
 
+A dead letter of this queue moved back to it (`is_moved_back_letter`: ours, with its reason
+in `x-scorebox-error`, or RabbitMQ's, its `x-death` from this queue) is tried again first
+(`try_moved_back_letter_again`), whatever delivery counts it carries (those of the copy
+it was made of); the database away then is waited out with the letter held, as a copy sent
+later would no longer be one.
+
 Every publish awaits its confirm; one the broker does not confirm (away, blocked by an alarm,
 a full queue) is tried again while the delivery is held (`keep_publishing`), then the
 delivery is acked; a copy to the DLQ only for `LETTER_DEADLINE_S`, after which the delivery
@@ -54,6 +60,7 @@ from services.notifier.deliveries import (
     Send,
     at_delivery_limit,
     deliver_once,
+    try_moved_back_letter_again,
 )
 from services.notifier.notifications import NotificationDeps, notify_about_task_event
 from shared.bus import publish_delayed
@@ -63,6 +70,7 @@ from shared.database_errors import transient_database_error
 from shared.failed_deliveries import return_failed
 from shared.runtime import HOLD_POLL_S, keep_dead_lettering, keep_publishing, wait_for_claim
 from shared.topology import (
+    ERROR_HEADER,
     EVENTS,
     NOTIFICATIONS,
     TASKS,
@@ -77,6 +85,9 @@ log = logging.getLogger("scorebox.notifier")
 Clock = Callable[[], datetime]
 DATABASE_RETRY_DELAY = timedelta(seconds=5)
 _TIERS = frozenset(tier for tier, _ in WAIT_TIERS)
+# Why RabbitMQ dead-letters a message of a work queue (`x-death`): its delivery limit, or a
+# reject without requeue. A retry's wait on the ladder dies too ("expired"), in a wait queue.
+_BROKER_LETTER_REASONS = frozenset({"delivery_limit", "rejected"})
 
 
 def database_retry_wait() -> timedelta:
@@ -169,6 +180,21 @@ async def _come_back_later(
     )
 
 
+def is_moved_back_letter(headers: Mapping[str, Any]) -> bool:
+    """Whether a webhook delivery is a dead letter of its queue moved back to it: one of ours
+    (its reason in `ERROR_HEADER`, which no delivery sent otherwise carries), or one of
+    RabbitMQ's from this queue (`x-death`)."""
+    if ERROR_HEADER in headers:
+        return True
+    deaths = headers.get("x-death")
+    return any(
+        isinstance(death, Mapping)
+        and death.get("queue") == WEBHOOK_DELIVERIES.name
+        and death.get("reason") in _BROKER_LETTER_REASONS
+        for death in (deaths if isinstance(deaths, list) else ())
+    )
+
+
 def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_s: float) -> None:
     @consume(broker, WEBHOOK_DELIVERIES.queue)
     async def when_webhook_due_deliver(message: Delivery) -> None:
@@ -187,6 +213,7 @@ def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_
         # one was dropped where that try still held the attempt, and when the try then
         # crashed, nothing was left to see the attempt through (found in review).
         redelivered = message.redelivered or deliveries > 0
+        moved_back = is_moved_back_letter(message.headers)
         limit_reason = None
         if deliveries >= WEBHOOK_DELIVERIES.delivery_limit:
             limit_reason = (
@@ -209,6 +236,7 @@ def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_
                     deps,
                     redelivered=redelivered,
                     limit_reason=limit_reason,
+                    moved_back=moved_back,
                     timeout_s=timeout_s,
                 )
             ),
@@ -232,19 +260,24 @@ async def _try_and_carry_out(
     *,
     redelivered: bool,
     limit_reason: str | None,
+    moved_back: bool,
     timeout_s: float,
 ) -> bool | Hold | None:
     """One try, its decision carried out; Hold to wait and try again, False when it
     crashed, None when it gave the delivery up and the broker refused its dead letter (the
     delivery returned as failed already, `keep_dead_lettering`). With `limit_reason` (the
     message is at its delivery limit), no POST: the attempt's recorded decision, or giving
-    it up (`at_delivery_limit`)."""
+    it up (`at_delivery_limit`). A letter `moved_back` is first tried again as a fresh
+    round (`try_moved_back_letter_again`)."""
     decision: DeliveryDecision
     try:
-        if limit_reason is None:
-            tried = await deliver_once(delivery, deps, redelivered)
-        else:
-            tried = await at_delivery_limit(delivery, deps, reason=limit_reason)
+        tried = await _try(
+            delivery,
+            deps,
+            redelivered=redelivered,
+            limit_reason=limit_reason,
+            moved_back=moved_back,
+        )
         if isinstance(tried, Hold):
             return tried
         decision = tried
@@ -252,12 +285,14 @@ async def _try_and_carry_out(
         if not transient_database_error(error):
             log.exception("delivering %s crashed", delivery.delivery_id)
             return False
-        if limit_reason is not None:
+        if limit_reason is not None or moved_back:
             # Waited out, the delivery held: a copy sent later would start its delivery count
-            # again, and taken for "nothing decided" it would drop a decided retry.
+            # again, and taken for "nothing decided" it would drop a decided retry; a copy of
+            # a letter moved back would lack the letter's headers, and be dropped as given up.
             log.warning(
-                "MongoDB unavailable for delivery %s at its delivery limit: %r",
+                "MongoDB unavailable for delivery %s (%s), held: %r",
                 delivery.delivery_id,
+                "at its delivery limit" if limit_reason is not None else "moved back",
                 error,
             )
             return Hold(deps.clock() + timedelta(seconds=HOLD_POLL_S))
@@ -270,6 +305,21 @@ async def _try_and_carry_out(
     if isinstance(decision, GiveUp):
         await _note_lettered(delivery, deps)
     return True
+
+
+async def _try(
+    delivery: DeliverWebhook,
+    deps: DeliveryDeps,
+    *,
+    redelivered: bool,
+    limit_reason: str | None,
+    moved_back: bool,
+) -> DeliveryDecision | Hold:
+    if moved_back and (tried_again := await try_moved_back_letter_again(delivery, deps)):
+        return tried_again
+    if limit_reason is None:
+        return await deliver_once(delivery, deps, redelivered)
+    return await at_delivery_limit(delivery, deps, reason=limit_reason)
 
 
 async def _note_lettered(delivery: DeliverWebhook, deps: DeliveryDeps) -> None:

@@ -22,6 +22,14 @@ recorded failed and ends (`Done`), the tenant's doing as a refusal is; one that 
 `at_delivery_limit` decides for a message its consumers kept dying or crashing on, instead of
 the broker dead-lettering it unexplained.
 
+A dead letter moved back to the queue (once its cause is mended) is tried again
+(`try_moved_back_letter_again`): when its delivery's record says its attempt was given up,
+the record is reopened for a fresh round of as many attempts as the last one had, numbered
+on from the next, with the back-off starting over; one whose record is gone (past
+retention) is sent as such a round too, as a delivery the ledger forgot is sent. One
+recorded delivered, or gone on since (another copy of the letter reopened it), is handled
+as any copy of its attempt: dropped, or the recorded decision carried out.
+
 A failure alert follows its tenant's setting at every attempt, not the URL its command
 carries: once removed, the delivery is cancelled unsent; once changed, it goes to the new URL.
 
@@ -280,6 +288,45 @@ async def at_delivery_limit(
         )
 
 
+async def try_moved_back_letter_again(letter: DeliverWebhook, deps: DeliveryDeps) -> Send | None:
+    """For a dead letter moved back to the queue: Send the first attempt of a fresh round
+    when the record says the letter's attempt was given up, or is gone; None otherwise, for
+    the letter to be handled as any copy of its attempt. The round is recorded first
+    (`Ledger.reopen`, `Ledger.reopen_forgotten`), which one copy of the letter wins: the
+    others, and a redelivery of the winner's, replay it as a recorded retry."""
+    record = await deps.ledger.find(letter.delivery_id)
+    now = deps.clock()
+    if record is None:
+        fresh = fresh_round(letter, round_from=1)
+        reopened = await deps.ledger.reopen_forgotten(letter, fresh=fresh, now=now)
+    elif record.state is DeliveryState.FAILED and record.attempt == letter.attempt:
+        fresh = fresh_round(letter, round_from=record.round_from)
+        reopened = await deps.ledger.reopen(letter, fresh=fresh, now=now)
+    else:
+        return None
+    if not reopened:
+        return None  # another copy of the letter did
+    attempts = fresh.max_attempts - fresh.attempt + 1
+    return Send(fresh, f"dead letter moved back: a fresh round of {attempts} attempt(s)")
+
+
+def fresh_round(letter: DeliverWebhook, *, round_from: int) -> DeliverWebhook:
+    """The first attempt of a fresh round after `letter`'s, whose round began at attempt
+    `round_from`: numbered on from the next attempt, with as many attempts as that round
+    had (`max_attempts` counts every round's)."""
+    per_round = letter.max_attempts - (round_from - 1)
+    first = letter.attempt + 1
+    return letter.model_copy(
+        update={
+            "attempt": first,
+            "max_attempts": letter.attempt + per_round,
+            "not_before": None,
+            "message_id": new_id(),
+            "deferrals": 0,
+        }
+    )
+
+
 async def _claim_and_send(
     delivery: DeliverWebhook, deps: DeliveryDeps, *, redelivered: bool
 ) -> DeliveryDecision | Hold:
@@ -325,7 +372,14 @@ async def _claim_and_post(
         return _without_claim(delivery, claim.record, now=now, redelivered=redelivered)
     if configured is None:
         return await _cancel(delivery, ALERT_REMOVED, owner=owner, deps=deps)
-    return await _send(configured, deps, now, owner=owner, redelivered=redelivered)
+    return await _send(
+        configured,
+        deps,
+        now,
+        owner=owner,
+        redelivered=redelivered,
+        round_from=claim.record.round_from,
+    )
 
 
 async def _put_off(
@@ -383,10 +437,17 @@ async def _as_configured_now(
 
 
 async def _send(
-    delivery: DeliverWebhook, deps: DeliveryDeps, now: datetime, *, owner: str, redelivered: bool
+    delivery: DeliverWebhook,
+    deps: DeliveryDeps,
+    now: datetime,
+    *,
+    owner: str,
+    redelivered: bool,
+    round_from: int,
 ) -> DeliveryDecision | Hold:
     """POST the attempt this process claimed (as `owner`, at `now`) and record what came of
-    it; put it off unsent when its lease could run out during the POST."""
+    it; put it off unsent when its lease could run out during the POST. `round_from`: the
+    first attempt of the delivery's current round (`DeliveryRecord.round_from`)."""
     secrets = await deps.keyring.in_force(delivery.tenant_id, now=now)
     if now + deps.lease - deps.clock() < deps.post_time:
         return await _put_off(delivery, deps, "lease_short", redelivered=redelivered)
@@ -416,7 +477,7 @@ async def _send(
     except TransientDeliveryError as error:
         deps.metrics.count_attempt(delivery.purpose, "unavailable", time.perf_counter() - started)
         return await _retry_or_give_up(
-            delivery, error, status, owner=owner, claimed_at=now, deps=deps
+            delivery, error, status, owner=owner, claimed_at=now, round_from=round_from, deps=deps
         )
     deps.metrics.count_attempt(delivery.purpose, "delivered", time.perf_counter() - started)
     await _while_leased(
@@ -555,6 +616,7 @@ async def _retry_or_give_up(
     *,
     owner: str,
     claimed_at: datetime,
+    round_from: int,
     deps: DeliveryDeps,
 ) -> DeliveryDecision:
     if delivery.attempt >= delivery.max_attempts:
@@ -577,7 +639,8 @@ async def _retry_or_give_up(
             deps=deps,
         )
     now = deps.clock()
-    delay = deps.policy.delay(delivery.attempt, retry_after_s=error.retry_after_s, rng=deps.rng)
+    in_round = delivery.attempt - round_from + 1  # a fresh round backs off from the start
+    delay = deps.policy.delay(in_round, retry_after_s=error.retry_after_s, rng=deps.rng)
     following = delivery.model_copy(
         update={
             "attempt": delivery.attempt + 1,

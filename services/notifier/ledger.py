@@ -5,12 +5,17 @@
                                                  |  \\--delivery limit---------> failed
                                                  |  \\--failure alert removed--> cancelled
                                                  \\--transient--> retrying --claimed--> sending
+    failed, or forgotten --its dead letter moved back to the queue (`reopen`)--> retrying
 
 A consumer claims a delivery (state, attempt and a lease in one conditional update) before it
 sends, so two copies of one message never POST at once and a delivered id is never sent
 again. Each decision (retry with the next command, or failure with the reason) is recorded
 before it is carried out on the broker; a redelivered message whose attempt was already
 decided carries out the same decision again instead of sending again.
+
+A delivery's attempts are numbered on across rounds: one given up and reopened goes on from
+the next attempt, so that every copy of an earlier round's attempts finds itself superseded;
+`round_from` tells where its current round began (its budget and back-off count from there).
 """
 
 from __future__ import annotations
@@ -57,6 +62,9 @@ class DeliveryRecord:
     # Its letter is in the DLQ (`mark_lettered`): later copies of its attempt drop, rather
     # than copy it there again.
     lettered: bool = False
+    # The first attempt of the delivery's current round of attempts: 1, or the one a
+    # moved-back letter reopened it at (`reopen`, `reopen_forgotten`).
+    round_from: int = 1
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,7 @@ def _record_of(document: Document) -> DeliveryRecord:
         triggers=document.get("triggers", 0),
         dead_letter=document.get("dead_letter", True),
         lettered=document.get("lettered_at") is not None,
+        round_from=document.get("round_from", 1),
     )
 
 
@@ -259,6 +268,64 @@ class Ledger:
             },
             {"$set": {"lettered_at": now}},
         )
+
+    async def reopen(self, letter: DeliverWebhook, *, fresh: DeliverWebhook, now: datetime) -> bool:
+        """Start a fresh round of attempts, `fresh` its first, for a delivery given up at the
+        attempt of `letter` (its dead letter, moved back to the queue): recorded `retrying`
+        with `fresh` as its next command, as a retry is, so that a copy of the letter that
+        comes later replays it. One conditional update: of copies of the letter moved back
+        at once, on any replica, one reopens it; False for the others (and once the delivery
+        went on)."""
+        result = await self._deliveries.update_one(
+            {
+                "_id": letter.delivery_id,
+                "state": DeliveryState.FAILED.value,
+                "attempt": letter.attempt,
+            },
+            {
+                "$set": self._reopened(fresh, now=now),
+                # The new round's give-up is lettered anew (`mark_lettered`).
+                "$unset": {"lettered_at": "", "failed_at": ""},
+            },
+        )
+        return result.matched_count == 1
+
+    async def reopen_forgotten(
+        self, letter: DeliverWebhook, *, fresh: DeliverWebhook, now: datetime
+    ) -> bool:
+        """`reopen` for a letter whose delivery the ledger has forgotten (past retention):
+        recorded anew, as reopened. One insert: False when a record is there."""
+        result = await self._deliveries.update_one(
+            {"_id": letter.delivery_id},
+            {
+                "$setOnInsert": {
+                    "tenant_id": letter.tenant_id,
+                    "task_id": letter.task_id,
+                    "purpose": letter.purpose.value,
+                    "url": letter.url,
+                    "event_type": letter.event_type,
+                    "created_at": now,
+                    **self._reopened(fresh, now=now),
+                }
+            },
+            upsert=True,
+        )
+        return result.upserted_id is not None
+
+    def _reopened(self, fresh: DeliverWebhook, *, now: datetime) -> Document:
+        """A reopened record's fields. It lives a retention from now: the new round may
+        outlast the old expiry."""
+        return {
+            "state": DeliveryState.RETRYING.value,
+            "attempt": fresh.attempt,
+            "round_from": fresh.attempt,
+            "next_delivery": fresh.model_dump_json(),
+            "next_attempt_at": fresh.not_before,
+            "lease_until": None,
+            "reopened_at": now,
+            "updated_at": now,
+            "expires_at": now + self._retention,
+        }
 
     async def mark_cancelled(
         self, delivery: DeliverWebhook, *, owner: str, now: datetime, reason: str

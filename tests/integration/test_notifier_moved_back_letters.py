@@ -1,0 +1,312 @@
+"""A webhook's dead letter moved back to its queue once the cause is mended is sent again.
+
+A delivery given up (its receiver never answered) is recorded failed and its command copied
+to `scorebox.webhook-deliveries.dlq`. Moved back (a shovel, the management UI's "move
+messages": through the default exchange, under the queue's name), the letter found its
+record `failed` and was dropped as "already given up": moving a webhook's letter back never
+sent it. Now its record is reopened (one conditional update, which one copy of the letter
+wins) for a fresh round of attempts; a delivery recorded delivered stays done.
+
+The first tests run the whole stack in-process on the real broker (`test_notifier.flow`),
+its receiver reached through a link that is down, then mended; the others run the delivery
+handler as a broker hands it a message (two notifier processes at once, too), on the real
+database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any
+
+import aio_pika
+import pytest
+
+from services.notifier.deliveries import RetryPolicy, fresh_round
+from services.notifier.ledger import DeliveryRecord, DeliveryState, Ledger
+from shared.contracts import DeliverWebhook, new_id, utcnow
+from shared.topology import ERROR_HEADER, TASKS, WEBHOOK_DELIVERIES
+from tests.faults.slow_link import SlowLink
+from tests.integration import test_notifier as whole_stack
+from tests.integration import test_notifier_own_claims as own_claims
+from tests.integration.test_notifier import RECEIVER_HOST, Flow, Receiver, _completed
+from tests.integration.test_notifier_delivery_limit import Published, _handler
+from tests.integration.test_notifier_own_claims import Deps, _delivery
+from tests.integration.test_projection_dead_letters import move_back
+from tests.support import HandedDelivery, eventually
+
+flow = whole_stack.flow  # fixtures
+receiver = own_claims.receiver
+ledger = own_claims.ledger
+make_deps = own_claims.make_deps
+Document = dict[str, Any]
+GAVE_UP = "gave up after 3 attempt(s); last: receiver.scorebox.test: ClientConnectorError"
+
+
+# --- The whole stack, on the real broker ------------------------------------------------------
+
+
+@pytest.fixture
+async def receiver_link(flow: Flow) -> AsyncIterator[SlowLink]:
+    """The test receiver as reached through a link of this test's own: down (every
+    connection closed at once, no answer) until the test mends it."""
+    async with SlowLink(("127.0.0.1", flow.receiver.port)).running() as link:
+        link.down = True
+        yield link
+
+
+@dataclass(frozen=True)
+class GivenUp:
+    url: str
+    record: Document
+    letter: aio_pika.abc.AbstractIncomingMessage
+
+
+async def _given_up_while_down(flow: Flow, link: SlowLink) -> GivenUp:
+    """A callback whose receiver never answered any attempt: recorded failed, in the DLQ."""
+    name = flow.receiver.endpoint(200).rsplit("/", 1)[1]
+    url = f"https://{RECEIVER_HOST}:{link.port}/hooks/{name}"
+    task_id = new_id()
+    await flow.publish(_completed(task_id, url))
+    record = await flow.settled(task_id, "failed")
+    letter = await flow.dead_letter_of(record["_id"])
+    assert "gave up after 4 attempt(s)" in str(letter.headers[ERROR_HEADER])
+    assert flow.receiver.requests(url) == []
+    return GivenUp(url, record, letter)
+
+
+async def _all_handled(flow: Flow) -> None:
+    """Wait for the webhook queue to be empty, and a little longer for what was taken from it
+    last: time for a POST that should not come to arrive."""
+
+    async def empty() -> bool:
+        connection = await aio_pika.connect(flow.amqp_url, timeout=10)
+        async with connection:
+            channel = await connection.channel()
+            queue = await channel.declare_queue(WEBHOOK_DELIVERIES.name, passive=True)
+            return queue.declaration_result.message_count == 0
+
+    await eventually(empty, what="the webhook queue drained")
+    await asyncio.sleep(1.0)
+
+
+async def test_a_letter_moved_back_once_its_receiver_is_mended_is_delivered_once(
+    flow: Flow, receiver_link: SlowLink
+) -> None:
+    given_up = await _given_up_while_down(flow, receiver_link)
+
+    receiver_link.down = False
+    await move_back(flow.amqp_url, given_up.letter, WEBHOOK_DELIVERIES.name)
+
+    record = await flow.settled(given_up.record["task_id"], "delivered")
+    [request] = flow.receiver.requests(given_up.url)
+    assert request.headers["webhook-id"] == record["_id"]
+    # A fresh round of the 4 attempts, numbered on from the last one given up.
+    assert (record["attempt"], record["round_from"]) == (5, 5)
+
+
+async def test_two_copies_of_a_letter_moved_back_at_once_are_delivered_once(
+    flow: Flow, receiver_link: SlowLink
+) -> None:
+    given_up = await _given_up_while_down(flow, receiver_link)
+
+    receiver_link.down = False
+    await asyncio.gather(
+        *(move_back(flow.amqp_url, given_up.letter, WEBHOOK_DELIVERIES.name) for _ in range(2))
+    )
+
+    await flow.settled(given_up.record["task_id"], "delivered")
+    await _all_handled(flow)
+    assert len(flow.receiver.requests(given_up.url)) == 1
+
+
+async def test_a_letter_moved_back_after_its_delivery_succeeded_is_not_sent_again(
+    flow: Flow, receiver_link: SlowLink
+) -> None:
+    given_up = await _given_up_while_down(flow, receiver_link)
+    receiver_link.down = False
+    await move_back(flow.amqp_url, given_up.letter, WEBHOOK_DELIVERIES.name)
+    await flow.settled(given_up.record["task_id"], "delivered")
+
+    await move_back(flow.amqp_url, given_up.letter, WEBHOOK_DELIVERIES.name)
+
+    await _all_handled(flow)
+    assert len(flow.receiver.requests(given_up.url)) == 1
+    record = await flow.delivery(_id=given_up.record["_id"])
+    assert record is not None
+    assert (record["state"], record["attempt"]) == ("delivered", 5)
+
+
+# --- The delivery handler and the ledger, on the real database --------------------------------
+
+
+def _last_attempt(receiver: Receiver) -> DeliverWebhook:
+    return _delivery(receiver).model_copy(update={"attempt": 3, "max_attempts": 3})
+
+
+async def _given_up(ledger: Ledger, delivery: DeliverWebhook) -> None:
+    """Recorded given up at the delivery's attempt and in the DLQ, by a process since gone."""
+    await ledger.register(delivery, now=utcnow())
+    claim = await ledger.claim(
+        delivery, process="proc-z", owner="proc-z/1", now=utcnow(), lease=own_claims.LEASE
+    )
+    assert claim.won
+    assert await ledger.mark_failed(
+        delivery, owner="proc-z/1", now=utcnow(), error=GAVE_UP, status=None, dead_letter=True
+    )
+    await ledger.mark_lettered(delivery, now=utcnow())
+
+
+def _our_letter(delivery: DeliverWebhook) -> HandedDelivery:
+    return HandedDelivery(delivery.model_dump_json().encode(), headers={ERROR_HEADER: GAVE_UP})
+
+
+def _commands(published: list[Published]) -> list[DeliverWebhook]:
+    return [DeliverWebhook.model_validate_json(p.message.body) for p in published]
+
+
+class ReadTogether(Ledger):
+    """The ledger, its first two reads of a record answered together: both copies of the
+    letter find it failed before either reopens it."""
+
+    def __init__(self, ledger: Ledger) -> None:  # shares the real one's collection
+        self.__dict__.update(ledger.__dict__)
+        self.together = asyncio.Barrier(2)
+        self.reads = 0
+
+    async def find(self, delivery_id: str) -> DeliveryRecord | None:
+        record = await super().find(delivery_id)
+        self.reads += 1
+        if self.reads <= 2:
+            await self.together.wait()
+        return record
+
+
+async def test_two_processes_given_copies_of_a_letter_at_once_post_it_once(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    """Both find the record failed; one reopens it, and the other, its update refused,
+    replays the recorded first attempt of the new round, which the claim lets one of the
+    two processes send."""
+    delivery = _last_attempt(receiver[0])
+    await _given_up(ledger, delivery)
+    shared = ReadTogether(ledger)
+    (broker_a, handle_a), (broker_b, handle_b) = (
+        _handler(replace(make_deps(owner), ledger=shared)) for owner in ("a", "b")
+    )
+    letters = [_our_letter(delivery), _our_letter(delivery)]
+
+    await asyncio.wait_for(asyncio.gather(handle_a(letters[0]), handle_b(letters[1])), timeout=30)
+
+    assert [letter.settled for letter in letters] == [["ack"], ["ack"]]
+    fresh = _commands(broker_a.published + broker_b.published)
+    assert {(command.attempt, command.max_attempts) for command in fresh} == {(4, 6)}
+    # Each copy of it, to both processes at once.
+    await asyncio.wait_for(
+        asyncio.gather(
+            *(
+                handle(HandedDelivery(command.model_dump_json().encode()))
+                for command in fresh
+                for handle in (handle_a, handle_b)
+            )
+        ),
+        timeout=30,
+    )
+    assert len(receiver[0].requests(delivery.url)) == 1
+    record = await ledger.find(delivery.delivery_id)
+    assert record is not None
+    assert (record.state, record.attempt) == (DeliveryState.DELIVERED, 4)
+
+
+async def test_of_copies_reopening_a_record_at_once_one_does(
+    ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    given_up, forgotten = _last_attempt(receiver[0]), _last_attempt(receiver[0])
+    await _given_up(ledger, given_up)
+    now = utcnow()
+
+    for letter, reopen in ((given_up, ledger.reopen), (forgotten, ledger.reopen_forgotten)):
+        fresh = [fresh_round(letter, round_from=1) for _ in range(3)]
+        won = await asyncio.gather(*(reopen(letter, fresh=f, now=now) for f in fresh))
+
+        assert sorted(won) == [False, False, True]
+        record = await ledger.find(letter.delivery_id)
+        assert record is not None
+        assert record.next_delivery == fresh[won.index(True)]
+        assert (record.state, record.attempt, record.round_from) == (
+            DeliveryState.RETRYING,
+            4,
+            4,
+        )
+
+
+async def test_a_letter_rabbitmq_made_at_the_delivery_limit_is_tried_again(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    """Given up at the limit, its copy to the DLQ refused by the broker: returned as failed,
+    RabbitMQ dead-lettered it without the reason (`x-death` from this queue)."""
+    delivery = _last_attempt(receiver[0])
+    await _given_up(ledger, delivery)
+    death = {
+        "queue": WEBHOOK_DELIVERIES.name,
+        "reason": "delivery_limit",
+        "count": 1,
+        "exchange": TASKS.name,
+        "routing-keys": [DeliverWebhook.routing_key],
+    }
+    letter = HandedDelivery(
+        delivery.model_dump_json().encode(), headers={"x-death": [death], "x-delivery-count": 0}
+    )
+    broker, handle = _handler(make_deps("a"))
+
+    await asyncio.wait_for(handle(letter), timeout=30)
+
+    [fresh] = _commands(broker.published)
+    assert (fresh.attempt, fresh.max_attempts) == (4, 6)
+    await asyncio.wait_for(handle(HandedDelivery(fresh.model_dump_json().encode())), timeout=30)
+    assert len(receiver[0].requests(delivery.url)) == 1
+
+
+async def test_a_letter_whose_record_is_gone_is_sent_as_a_fresh_round(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    """Past retention the ledger has forgotten the delivery: sent, as a delivery it never saw
+    is, with a round of attempts of its own."""
+    delivery = _last_attempt(receiver[0])
+    broker, handle = _handler(make_deps("a"))
+
+    await asyncio.wait_for(handle(_our_letter(delivery)), timeout=30)
+
+    [fresh] = _commands(broker.published)
+    assert (fresh.attempt, fresh.max_attempts) == (4, 6)
+    assert (broker.published[0].exchange, fresh.not_before) == (TASKS.name, None)  # sent now
+    await asyncio.wait_for(handle(HandedDelivery(fresh.model_dump_json().encode())), timeout=30)
+    assert len(receiver[0].requests(delivery.url)) == 1
+    record = await ledger.find(delivery.delivery_id)
+    assert record is not None
+    assert (record.state, record.round_from) == (DeliveryState.DELIVERED, 4)
+
+
+async def test_a_fresh_round_backs_off_from_the_start(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    """Numbered on from attempt 4, its first retry waits what a first retry waits (5 to 10 s
+    with a 10 s base), not what a fourth one does (40 to 80 s)."""
+    failing = receiver[0].endpoint(503)
+    delivery = _last_attempt(receiver[0]).model_copy(update={"url": failing})
+    await _given_up(ledger, delivery)
+    policy = RetryPolicy(base_s=10, cap_s=10_000)
+    broker, handle = _handler(replace(make_deps("a"), policy=policy))
+
+    await asyncio.wait_for(handle(_our_letter(delivery)), timeout=30)
+    [fresh] = _commands(broker.published)
+    broker.published.clear()
+    before = utcnow()
+    await asyncio.wait_for(handle(HandedDelivery(fresh.model_dump_json().encode())), timeout=30)
+
+    [retry] = _commands(broker.published)
+    assert retry.attempt == 5
+    assert retry.not_before is not None
+    assert timedelta(seconds=5) <= retry.not_before - before < timedelta(seconds=11)

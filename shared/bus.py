@@ -251,13 +251,16 @@ def letter_headers(
     """A letter's headers: the message's own, its reason (`ERROR_HEADER`, 1,000 characters
     at most) and the queue it left. A letter of a letter (moved back to its queue, and
     dead-lettered again) keeps the first one's reason as `FIRST_ERROR_HEADER` (the reasons
-    between are in the logs), and the key the message was first published with
-    (`ROUTING_KEY_HEADER`): read back, it is that message again."""
+    between are in the logs). `key`: the routing key the message was read under
+    (`ROUTING_KEY_HEADER`; a letter moved back reads under its first): read back, the
+    letter is that message again."""
     letter = {**headers, ERROR_HEADER: error[:_REASON_MAX], DEAD_LETTERED_FROM_HEADER: queue}
     if ERROR_HEADER in headers:
         letter.setdefault(FIRST_ERROR_HEADER, str(headers[ERROR_HEADER])[:_REASON_MAX])
     if key is not None:
-        letter.setdefault(ROUTING_KEY_HEADER, key)
+        # Set, not kept: the key the delivery was read under (a letter moved back already
+        # reads as its first key; one published again to its exchange, as the new one).
+        letter[ROUTING_KEY_HEADER] = key
     return letter
 
 

@@ -113,6 +113,7 @@ def create_app(
             hosts=Slots(settings.per_host),
             tenants=TenantSlots(settings.per_tenant, shared=settings.concurrency),
             post_time=timedelta(seconds=settings.post_s),
+            max_attempts=settings.max_attempts,
             metrics=NotifierMetrics(broker.metrics.registry),
         ),
         timeout_s=settings.broker_timeout_s,

@@ -193,6 +193,9 @@ class DeliveryDeps:
     # lease left does not POST.
     post_time: timedelta = DEFAULT_POST_TIME
     metrics: NotifierMetrics = field(default_factory=NotifierMetrics)
+    # The attempts of one round (`WEBHOOK_MAX_ATTEMPTS`): a fresh round of a delivery the
+    # ledger forgot has no more (its command counts every round's).
+    max_attempts: int = 8
 
 
 def encode_payload(payload: Mapping[str, Any]) -> bytes:
@@ -297,7 +300,10 @@ async def try_moved_back_letter_again(letter: DeliverWebhook, deps: DeliveryDeps
     record = await deps.ledger.find(letter.delivery_id)
     now = deps.clock()
     if record is None:
-        fresh = fresh_round(letter, round_from=1)
+        # Where its round began is forgotten with it: taken as a configured round's start,
+        # not 1 (a second round's letter then had twice the attempts, doubling with each).
+        round_from = max(1, letter.max_attempts - deps.max_attempts + 1)
+        fresh = fresh_round(letter, round_from=round_from)
         reopened = await deps.ledger.reopen_forgotten(letter, fresh=fresh, now=now)
     elif record.state is DeliveryState.FAILED and record.attempt == letter.attempt:
         fresh = fresh_round(letter, round_from=record.round_from)

@@ -289,6 +289,21 @@ async def test_a_letter_whose_record_is_gone_is_sent_as_a_fresh_round(
     assert (record.state, record.round_from) == (DeliveryState.DELIVERED, 4)
 
 
+async def test_a_forgotten_letter_of_a_later_round_gets_one_rounds_attempts(
+    make_deps: Deps, receiver: tuple[Receiver, Any]
+) -> None:
+    """Where its round began is forgotten with the record: taken as 1, a second round's
+    letter (attempts 4 to 6 of rounds of 3) got six attempts, doubling at each such round,
+    past the retention the settings are checked against (found in review)."""
+    delivery = _delivery(receiver[0]).model_copy(update={"attempt": 6, "max_attempts": 6})
+    broker, handle = _handler(replace(make_deps("a"), max_attempts=3))
+
+    await asyncio.wait_for(handle(_our_letter(delivery)), timeout=30)
+
+    [fresh] = _commands(broker.published)
+    assert (fresh.attempt, fresh.max_attempts) == (7, 9)
+
+
 async def test_a_fresh_round_backs_off_from_the_start(
     make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
 ) -> None:

@@ -148,12 +148,24 @@ def test_a_letter_names_the_reason_the_queue_and_the_key() -> None:
 
 def test_a_letter_of_a_letter_keeps_the_first_reason_and_the_first_key() -> None:
     first = letter_headers({}, error="the first cause", queue="q", key="task.failed")
-    second = letter_headers(first, error="another cause", queue="q", key="q")
-    third = letter_headers(second, error="a third cause", queue="q", key="q")
+    # Moved back, the letter is read under the key it names: its letter names that one.
+    moved_back = _delivered("q", first)
+    second = letter_headers(first, error="another cause", queue="q", key=moved_back.routing_key)
+    third = letter_headers(second, error="a third cause", queue="q", key="task.failed")
     assert second[ERROR_HEADER] == "another cause"
     assert second[FIRST_ERROR_HEADER] == "the first cause"
     assert (third[ERROR_HEADER], third[FIRST_ERROR_HEADER]) == ("a third cause", "the first cause")
     assert third[ROUTING_KEY_HEADER] == "task.failed"
+
+
+def test_a_letter_published_again_and_dead_lettered_names_the_key_it_came_under() -> None:
+    """Published again to its exchange under its event's key, then dead-lettered: its letter
+    kept the key it had on the wait ladder, and moved back it was an unknown event (found in
+    review)."""
+    stale = letter_headers({}, error="cause", queue="q", key="1s.task.failed")
+    republished = _delivered("task.failed", stale, through="scorebox.events")
+    again = letter_headers(stale, error="cause", queue="q", key=republished.routing_key)
+    assert _delivered("q", again).routing_key == "task.failed"
 
 
 def test_a_letter_of_a_letter_is_listed_with_both_reasons() -> None:

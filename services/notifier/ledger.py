@@ -26,6 +26,7 @@ from enum import StrEnum
 from typing import Any
 
 from pymongo import ASCENDING, AsyncMongoClient, ReturnDocument
+from pymongo.errors import DuplicateKeyError
 
 from shared.contracts import DeliverWebhook
 
@@ -294,22 +295,26 @@ class Ledger:
         self, letter: DeliverWebhook, *, fresh: DeliverWebhook, now: datetime
     ) -> bool:
         """`reopen` for a letter whose delivery the ledger has forgotten (past retention):
-        recorded anew, as reopened. One insert: False when a record is there."""
-        result = await self._deliveries.update_one(
-            {"_id": letter.delivery_id},
-            {
-                "$setOnInsert": {
-                    "tenant_id": letter.tenant_id,
-                    "task_id": letter.task_id,
-                    "purpose": letter.purpose.value,
-                    "url": letter.url,
-                    "event_type": letter.event_type,
-                    "created_at": now,
-                    **self._reopened(fresh, now=now),
-                }
-            },
-            upsert=True,
-        )
+        recorded anew, as reopened. One insert: False when a record is there, or another copy
+        inserted it at the same moment (two upserts at once may fail on `_id`)."""
+        try:
+            result = await self._deliveries.update_one(
+                {"_id": letter.delivery_id},
+                {
+                    "$setOnInsert": {
+                        "tenant_id": letter.tenant_id,
+                        "task_id": letter.task_id,
+                        "purpose": letter.purpose.value,
+                        "url": letter.url,
+                        "event_type": letter.event_type,
+                        "created_at": now,
+                        **self._reopened(fresh, now=now),
+                    }
+                },
+                upsert=True,
+            )
+        except DuplicateKeyError:
+            return False
         return result.upserted_id is not None
 
     def _reopened(self, fresh: DeliverWebhook, *, now: datetime) -> Document:

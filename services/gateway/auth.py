@@ -265,12 +265,12 @@ def _unauthorized(detail: str, *, invalid: bool) -> Problem:
     return Problem(401, detail, kind="unauthorized", headers={"WWW-Authenticate": challenge})
 
 
-def _unavailable(error: DatabaseUnavailable) -> Problem:
+def _unavailable(error: DatabaseUnavailable, *, what: str = "The key store") -> Problem:
     if refused_for_good(error):
         return database_refused(error)
     return Problem(
         503,
-        "The key store is unavailable; retry shortly.",
+        f"{what} is unavailable; retry shortly.",
         kind="unavailable",
         headers={"Retry-After": str(error.retry_after_s)},
     )
@@ -299,7 +299,7 @@ def caller_dependency(authenticator: Authenticator, rate_limiter: RateLimiter) -
         except LimitExceeded as error:
             raise limit_problem(error) from error
         except DatabaseUnavailable as error:
-            raise _unavailable(error) from error
+            raise _unavailable(error, what="The request rate counter") from error
         return caller
 
     return Depends(resolve_caller)

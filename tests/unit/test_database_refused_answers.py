@@ -66,6 +66,35 @@ async def test_a_key_store_away_is_a_503_with_retry_after() -> None:
     assert answer.headers["retry-after"] == "5"
 
 
+class KnownCaller:
+    async def authenticate(self, token: str, *, address: str | None = None) -> Caller | None:
+        return Caller(tenant_id="acme", key_id="k1")
+
+
+class RateCounterAway:
+    async def hit(self, key_id: str) -> None:
+        raise DatabaseUnavailable("connection reset") from AutoReconnect("connection reset")
+
+
+async def test_a_rate_counter_away_is_a_503_that_names_it() -> None:
+    """It was answered "the key store is unavailable", which sent operators to the key
+    store (found in review)."""
+    app = FastAPI()
+    install_problem_handlers(app)
+    caller = caller_dependency(
+        cast(Authenticator, KnownCaller()), cast(RateLimiter, RateCounterAway())
+    )
+
+    @app.get("/v1/scores/{task_id}")
+    async def read(task_id: str, who: Caller = caller) -> str:
+        return task_id
+
+    async with running(app) as client:
+        answer = await client.get("/v1/scores/abc", headers=TOKEN)
+    assert answer.status_code == 503
+    assert "rate counter" in answer.json()["detail"]
+
+
 def _failed(cause: PyMongoError) -> DatabaseUnavailable:
     """As the stores raise it: the PyMongo error as its cause."""
     error = DatabaseUnavailable(str(cause))

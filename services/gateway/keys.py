@@ -28,6 +28,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
 from services.gateway.errors import DatabaseUnavailable
+from services.gateway.refusals import may_have_been_written
 
 log = logging.getLogger("scorebox.gateway.keys")
 
@@ -153,11 +154,15 @@ class ApiKeys:
         """A new key for `tenant_id`: (the stored key, the token to show once).
 
         Raises `KeyNotIssued` when the database failed (an insert that timed out may have
-        landed all the same), after revoking whatever the attempt may have stored."""
+        landed all the same), after revoking whatever the attempt may have stored;
+        `DatabaseUnavailable` when the insert was never sent (no server selected): the answer
+        then told the admin a key might exist, and to revoke it."""
         issued = generate_key()
         try:
             key = await self._insert(issued, tenant_id=tenant_id, name=name, now=now)
         except DatabaseUnavailable as error:
+            if not may_have_been_written(error):
+                raise  # never sent: nothing stored, nothing to revoke
             key = _new_key(issued, tenant_id=tenant_id, name=name, now=now)
             withdrawn = await self._withdraw(key, now=now)
             raise KeyNotIssued(str(error), key_id=key.key_id, withdrawn=withdrawn) from error

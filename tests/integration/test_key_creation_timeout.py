@@ -140,3 +140,19 @@ async def test_a_key_that_could_not_be_revoked_either_is_named_for_the_admin(
     assert problem["key_id"] == stored.key_id
     assert "may have been created" in problem["detail"]
     assert f"DELETE /admin/v1/keys/{stored.key_id}" in problem["detail"]
+
+
+async def test_a_key_store_out_of_reach_changed_nothing_and_says_so() -> None:
+    """No server selected, the insert never left: the 503 told the admin a key might have
+    been created and to revoke it (found in review)."""
+    client: Mongo = AsyncMongoClient(
+        "mongodb://127.0.0.1:1/?directConnection=true", serverSelectionTimeoutMS=200
+    )
+    try:
+        answer = await _create(ApiKeys(client, "gateway"), new_id())
+    finally:
+        await client.close()
+
+    assert answer.status_code == 503
+    assert "nothing was changed" in answer.json()["detail"]
+    assert "key_id" not in answer.json()

@@ -247,7 +247,7 @@ async def _claim_and_decide(
     async with deps.model_slots.held():
         if lost is not None and lost.is_set():
             return Drop("its delivery was lost while it waited for a model slot")
-        turn = await deps.throttle.wait_turn(deps.model_slots.closing)
+        turn = await deps.throttle.wait_turn(deps.model_slots.closing, text_key=hash(command.text))
         if isinstance(turn, PutOff):
             return _put_off(command, turn, deps)
         try:

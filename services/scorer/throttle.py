@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -102,6 +103,11 @@ class ModelThrottle:
         # Another replica's outage heard while this one's probe was out: that probe's answer
         # does not end it (the other's news may be the newer).
         self._outage_heard_while_probing = False
+        # The texts seen failing since the outage began (those of the calls that began it
+        # too), and the texts of the deliveries waiting for their turn: a probe goes to a
+        # text not seen failing when one waits (`_may_probe`).
+        self._seen_failing: set[int] = set()
+        self._waiting_texts: Counter[int | None] = Counter()
         self._probe_due = False  # a pause ended and no call has answered since
         self._probe_out = False  # the probe's call is running
         self._changed = asyncio.Event()
@@ -113,18 +119,38 @@ class ModelThrottle:
         return max(0.0, self._paused_until - self._clock())
 
     @property
+    def waiting(self) -> int:
+        """The deliveries waiting for their turn now."""
+        return self._waiting_texts.total()
+
+    @property
     def paused(self) -> bool:
         """Whether calls are held back now: a pause lasts, or its probe's answer is awaited.
         (`_probe_due` alone stayed true on a replica idle since a pause, which then showed
         as paused for as long as it had no call to make.)"""
         return self._probe_due and (self.pause_left_s() > 0 or self._probe_out)
 
-    async def wait_turn(self, closing: asyncio.Event) -> Turn | PutOff:
-        """Wait until a model call may start, for `hold_s` at most in all; `SlotsClosed` when
-        the scorer stops meanwhile. Bounding each pause alone held a delivery for ever with
-        `hold_s` above the longest back-off (`PAUSE_CAP_S`): pause after pause while the
-        limit lasted, until RabbitMQ's consumer timeout closed the channel."""
-        held_until = self._clock() + self.hold_s
+    async def wait_turn(
+        self, closing: asyncio.Event, *, text_key: int | None = None
+    ) -> Turn | PutOff:
+        """Wait until a model call of the text `text_key` may start, for `hold_s` at most in
+        all; `SlotsClosed` when the scorer stops meanwhile. Bounding each pause alone held a
+        delivery for ever with `hold_s` above the longest back-off (`PAUSE_CAP_S`): pause
+        after pause while the limit lasted, until RabbitMQ's consumer timeout closed the
+        channel."""
+        self._waiting_texts[text_key] += 1
+        try:
+            return await self._turn_within(self._clock() + self.hold_s, closing, text_key)
+        finally:
+            self._waiting_texts[text_key] -= 1
+            if not self._waiting_texts[text_key]:
+                del self._waiting_texts[text_key]
+            if self._probe_due:
+                self._notify()  # one that gave way to it may probe now
+
+    async def _turn_within(
+        self, held_until: float, closing: asyncio.Event, text_key: int | None
+    ) -> Turn | PutOff:
         self._forget_a_stale_pause()
         while True:
             if closing.is_set():
@@ -137,13 +163,23 @@ class ModelThrottle:
                 await self._until_changed(closing, timeout_s=left)
             elif not self._probe_due:
                 return GO
-            elif not self._probe_out:
+            elif not self._probe_out and self._may_probe(text_key):
                 self._probe_out = True
                 return PROBE
             elif hold_left <= 0:
                 return PutOff(0.0)  # the probe's answer is late: back of the queue
             else:
                 await self._until_changed(closing, timeout_s=hold_left)  # the probe's answer
+
+    def _may_probe(self, text_key: int | None) -> bool:
+        """Whether this delivery may be the probe: its text not seen failing since the
+        outage began, or no delivery of another text waiting. A text failing on its own says
+        nothing of the provider: three such texts were taken for an outage, and their
+        retries, due at each pause's end, probed pause after pause, doubling it, while every
+        other task waited for minutes (found in an acceptance run)."""
+        if text_key not in self._seen_failing:
+            return True
+        return all(waiting in self._seen_failing for waiting in self._waiting_texts)
 
     def _forget_a_stale_pause(self) -> None:
         """A pause over for `TRIP_WINDOW_S` with no probe since (the replica idle) is
@@ -192,9 +228,12 @@ class ModelThrottle:
         began = not self._outage and self._in_a_row(text_key) >= TRIP_AFTER
         if began:
             self._outage, self._outage_texts = True, {text_key}
+            self._seen_failing = set(self._unavailable)
             self._unavailable.clear()
         if probed_an_outage:
             self._outage_texts.add(text_key)
+        if self._outage:
+            self._seen_failing.add(text_key)
         if began or self._probe_due:
             self._lengthen(turn, retry_after_s)
         if began:
@@ -204,6 +243,7 @@ class ModelThrottle:
     def _end_outage(self) -> None:
         self._outage = False
         self._outage_texts.clear()
+        self._seen_failing.clear()
         self._outage_heard_while_probing = False
 
     def _in_a_row(self, text_key: int) -> int:

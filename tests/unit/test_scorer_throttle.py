@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Sequence
+from functools import partial
 
 import pytest
 
@@ -25,6 +26,9 @@ from services.scorer.throttle import (
     Turn,
 )
 from tests.support import eventually
+
+# Only keeps a failing test from waiting for ever.
+GUARD_S = 10.0
 
 
 class Clock:
@@ -564,6 +568,40 @@ async def test_one_text_probing_again_and_again_does_not_keep_an_outage_going_fo
     assert _fails(throttle, 7, turn=PROBE) == [False]  # again: its task's
     throttle.done(PROBE)
     assert throttle.pause_left_s() > 0  # no probe before a new pause ends
+
+
+async def test_a_delivery_of_a_text_not_seen_failing_probes_first() -> None:
+    """Three texts failing on their own were taken for an outage; their retries, due at
+    each pause's end, probed pause after pause, doubling it, while every other task waited
+    for minutes (an acceptance run). The probe now goes to a text not seen failing when one
+    waits; a text seen failing waits for its answer."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    _fails(throttle, *range(TRIP_AFTER))
+    seen = asyncio.ensure_future(throttle.wait_turn(asyncio.Event(), text_key=0))
+
+    async def waiting(count: int) -> bool:
+        return throttle.waiting == count
+
+    await eventually(partial(waiting, 1), what="the retry of a text seen failing waiting")
+    fresh = asyncio.ensure_future(throttle.wait_turn(asyncio.Event(), text_key=99))
+    await eventually(partial(waiting, 2), what="another text waiting")
+    clock.now += throttle.pause_left_s() + 0.01  # the pause is over: each wakes at its end
+
+    assert await asyncio.wait_for(fresh, timeout=GUARD_S) == PROBE
+    assert not seen.done()  # gives way, waiting for the probe's answer
+    throttle.answered(PROBE)
+    throttle.done(PROBE)
+    assert await asyncio.wait_for(seen, timeout=GUARD_S) == GO
+
+
+async def test_a_text_seen_failing_probes_when_no_other_waits() -> None:
+    clock = Clock()
+    throttle = _throttle(clock)
+    _fails(throttle, *range(TRIP_AFTER))
+    clock.now += throttle.pause_left_s() + 0.01
+    turn = await asyncio.wait_for(throttle.wait_turn(asyncio.Event(), text_key=0), GUARD_S)
+    assert turn == PROBE
 
 
 @pytest.mark.parametrize("news", ["a 429 to the probe", "another replica's 429"])

@@ -36,6 +36,7 @@ replica: an outage's pause is told to the others as one.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections import Counter
@@ -43,6 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.scorer.slots import SlotsClosed
+
+log = logging.getLogger("scorebox.scorer.throttle")
 
 PAUSE_BASE_S = 1.0
 # Texts whose calls found the provider unavailable in a row, no other answer between them,
@@ -204,6 +207,9 @@ class ModelThrottle:
         first = not self._probe_due
         self._lengthen(turn, retry_after_s)
         if first:
+            log.warning(
+                "model calls paused for %.1f s: the provider answered 429", self.pause_left_s()
+            )
             self._on_pause(self.pause_left_s(), False)
 
     def _lengthen(self, turn: Turn, retry_after_s: float | None) -> None:
@@ -237,6 +243,12 @@ class ModelThrottle:
         if began or self._probe_due:
             self._lengthen(turn, retry_after_s)
         if began:
+            log.warning(
+                "model calls paused for %.1f s: the provider found unavailable by the calls of "
+                "%d texts in a row (an outage; one probe at the pause's end)",
+                self.pause_left_s(),
+                TRIP_AFTER,
+            )
             self._on_pause(self.pause_left_s(), True)
         return began or probed_an_outage
 
@@ -285,6 +297,8 @@ class ModelThrottle:
         self._unavailable.clear()
         if turn.probe:
             self._probe_due = self.pause_left_s() > 0
+            if not self._probe_due:
+                log.info("model calls resumed: the provider answered the probe")
             # An outage heard meanwhile stands while its pause does; the answer ends any other.
             if not (self._outage_heard_while_probing and self._probe_due):
                 self._end_outage()

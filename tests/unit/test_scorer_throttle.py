@@ -304,6 +304,21 @@ def test_the_provider_unavailable_to_three_texts_in_a_row_pauses_the_calls() -> 
     assert 0.5 <= throttle.pause_left_s() <= 1.0
 
 
+async def test_a_pause_and_its_end_are_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """Only a gauge showed that every model call was held back (an acceptance run)."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    with caplog.at_level("INFO", logger="scorebox.scorer.throttle"):
+        _fails(throttle, *range(TRIP_AFTER))
+        await _probe(throttle, clock)
+        throttle.answered(PROBE)
+        throttle.rate_limited(Turn(), retry_after_s=None)
+    messages = [record.getMessage() for record in caplog.records]
+    assert "an outage" in messages[0]
+    assert "resumed" in messages[1]
+    assert "429" in messages[2]
+
+
 def test_one_text_failing_again_and_again_pauses_nothing_however_many_tasks_hold_it() -> None:
     """A text the provider fails every time, scored as several tasks (three rubrics, or a
     client resubmitting it), their retries the only calls of a quiet hour, paused everyone's

@@ -683,26 +683,39 @@ def run(args: argparse.Namespace) -> int:
             return 0
 
 
-# The vhost of a `make run` on the local RabbitMQ whose database is the in-memory stand-in.
+# The vhost of a `make run` on the local RabbitMQ whose database is the in-memory stand-in,
+# one per gateway port (two runs at once on one broker never share one).
 RUN_VHOST = "scorebox-run"
 
 
+def run_vhost_name(gateway_port: int) -> str:
+    return f"{RUN_VHOST}-{gateway_port}"
+
+
 @contextlib.contextmanager
-def run_vhost(
-    amqp_url: str, *, vhost: str = RUN_VHOST, management_url: str | None = None
-) -> Iterator[str]:
+def run_vhost(amqp_url: str, *, vhost: str, management_url: str | None = None) -> Iterator[str]:
     """A vhost of this run's own, emptied at the start and deleted at the end: the stand-in's
     data is gone when the run stops, and the broker's went on in `/` (a next run inherited
     dead letters and queued tasks of a database that no longer held them, found in an
-    acceptance run). Its URL."""
-    from devtools.infra import create_vhost, delete_vhost  # noqa: PLC0415
+    acceptance run). Its URL; the broker as given, with a warning, where vhosts cannot be
+    managed from here (no `rabbitmqctl`, no management API)."""
+    from devtools.infra import InfraError, create_vhost, delete_vhost  # noqa: PLC0415
 
-    delete_vhost(amqp_url, vhost, management_url=management_url)  # a run killed outright's
-    url = create_vhost(amqp_url, vhost, management_url=management_url)
+    try:
+        delete_vhost(amqp_url, vhost, management_url=management_url)  # a run killed outright's
+        url = create_vhost(amqp_url, vhost, management_url=management_url)
+    except (InfraError, OSError) as error:
+        print(f"warning: no vhost of its own ({error}); the broker's as given", file=sys.stderr)
+        yield amqp_url
+        return
+    print(f"          RabbitMQ vhost {vhost}, gone with it", flush=True)
     try:
         yield url
     finally:
-        delete_vhost(amqp_url, vhost, management_url=management_url)
+        try:
+            delete_vhost(amqp_url, vhost, management_url=management_url)
+        except (InfraError, OSError) as error:
+            print(f"warning: RabbitMQ vhost {vhost} not deleted: {error}", file=sys.stderr)
 
 
 def start_and_supervise(
@@ -725,9 +738,12 @@ def start_and_supervise(
         print("          (in memory: its data is gone when this stops)")
         if "RABBITMQ_URL" not in os.environ:
             rabbitmq_url = resources.enter_context(
-                run_vhost(rabbitmq.url, management_url=rabbitmq.management_url)
+                run_vhost(
+                    rabbitmq.url,
+                    vhost=run_vhost_name(ports["gateway"]),
+                    management_url=rabbitmq.management_url,
+                )
             )
-            print(f"          RabbitMQ vhost {RUN_VHOST}, gone with it", flush=True)
     keys = DevKeys.from_environment()
     config = StackConfig(
         rabbitmq_url=rabbitmq_url,

@@ -11,7 +11,7 @@ import aiormq
 import pytest
 
 from devtools.infra import Endpoint, create_vhost, delete_vhost
-from devtools.stack import run_vhost
+from devtools.stack import run_vhost, run_vhost_name
 
 pytestmark = pytest.mark.integration
 
@@ -49,3 +49,20 @@ async def test_a_run_starts_on_an_empty_vhost_and_leaves_none(rabbitmq: Endpoint
             await aio_pika.connect(url, timeout=10)
     finally:
         delete_vhost(rabbitmq.url, vhost, **admin)
+
+
+def test_a_broker_whose_vhosts_cannot_be_managed_is_used_as_given(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """No `rabbitmqctl` for it (not this machine's node) and no management API: `make run`
+    died with a traceback (found in review); it runs on the broker as given, and says so."""
+    given = "amqp://guest:guest@127.0.0.1:1/"
+    with run_vhost(given, vhost="never", management_url="http://127.0.0.1:1") as url:
+        assert url == given
+    assert "no vhost of its own" in capsys.readouterr().err
+
+
+def test_two_runs_at_once_have_vhosts_of_their_own() -> None:
+    """One name for every run: a second run deleted the first one's vhost, and its queues and
+    connections with it (found in review)."""
+    assert run_vhost_name(8000) != run_vhost_name(9000)

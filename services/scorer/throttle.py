@@ -53,6 +53,9 @@ PAUSE_BASE_S = 1.0
 TRIP_AFTER = 3
 TRIP_WINDOW_S = 120.0
 PAUSE_CAP_S = 60.0
+# A steady rate limit pauses the calls every second or so: its pauses are logged once a
+# minute at most, each line with how many there were.
+PAUSE_LOG_EVERY_S = 60.0
 # The longest `Retry-After` a pause honours; longer hints are for the task's retry (the
 # scorer's `MAX_RETRY_AFTER_S`), the pause puts its deliveries off.
 MAX_PAUSE_S = 3600.0
@@ -113,6 +116,8 @@ class ModelThrottle:
         self._waiting_texts: Counter[int | None] = Counter()
         self._probe_due = False  # a pause ended and no call has answered since
         self._probe_out = False  # the probe's call is running
+        self._rate_limit_pauses_unlogged = 0
+        self._rate_limit_pause_logged_at = -PAUSE_LOG_EVERY_S
         self._changed = asyncio.Event()
         # Called with its length when a pause begins while none lasted, and whether it is an
         # outage's (also when a pause lasting turns into an outage's).
@@ -207,10 +212,21 @@ class ModelThrottle:
         first = not self._probe_due
         self._lengthen(turn, retry_after_s)
         if first:
-            log.warning(
-                "model calls paused for %.1f s: the provider answered 429", self.pause_left_s()
-            )
+            self._log_rate_limit_pause()
             self._on_pause(self.pause_left_s(), False)
+
+    def _log_rate_limit_pause(self) -> None:
+        self._rate_limit_pauses_unlogged += 1
+        now = self._clock()
+        if now - self._rate_limit_pause_logged_at < PAUSE_LOG_EVERY_S:
+            return
+        log.warning(
+            "model calls paused for %.1f s: the provider answered 429 (%d pause(s) since the "
+            "last such line)",
+            self.pause_left_s(),
+            self._rate_limit_pauses_unlogged,
+        )
+        self._rate_limit_pause_logged_at, self._rate_limit_pauses_unlogged = now, 0
 
     def _lengthen(self, turn: Turn, retry_after_s: float | None) -> None:
         if turn.probe or not self._probe_due:
@@ -297,8 +313,8 @@ class ModelThrottle:
         self._unavailable.clear()
         if turn.probe:
             self._probe_due = self.pause_left_s() > 0
-            if not self._probe_due:
-                log.info("model calls resumed: the provider answered the probe")
+            if not self._probe_due and self._outage:
+                log.info("model calls resumed: the provider answered the outage's probe")
             # An outage heard meanwhile stands while its pause does; the answer ends any other.
             if not (self._outage_heard_while_probing and self._probe_due):
                 self._end_outage()

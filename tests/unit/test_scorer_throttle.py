@@ -18,6 +18,7 @@ from services.scorer.slots import SlotsClosed
 from services.scorer.throttle import (
     GO,
     PAUSE_CAP_S,
+    PAUSE_LOG_EVERY_S,
     PROBE,
     TRIP_AFTER,
     TRIP_WINDOW_S,
@@ -317,6 +318,26 @@ async def test_a_pause_and_its_end_are_logged(caplog: pytest.LogCaptureFixture) 
     assert "an outage" in messages[0]
     assert "resumed" in messages[1]
     assert "429" in messages[2]
+
+
+async def test_a_steady_rate_limit_is_logged_once_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A limit that lets each probe through and answers the burst after it 429 paused the
+    calls every second or so: a line each time (a review counted 7,300 an hour)."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    with caplog.at_level("INFO", logger="scorebox.scorer.throttle"):
+        for _ in range(30):
+            throttle.rate_limited(Turn(), retry_after_s=None)
+            await _probe(throttle, clock)
+            throttle.answered(PROBE)
+            throttle.done(PROBE)
+        clock.now += PAUSE_LOG_EVERY_S
+        throttle.rate_limited(Turn(), retry_after_s=None)
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 2
+    assert "(30 pause(s) since the last such line)" in messages[1]
 
 
 def test_one_text_failing_again_and_again_pauses_nothing_however_many_tasks_hold_it() -> None:

@@ -76,6 +76,17 @@ class Claim:
     record: DeliveryRecord
 
 
+def _identity(delivery: DeliverWebhook) -> Document:
+    """What a delivery's record holds of it from its creation on."""
+    return {
+        "tenant_id": delivery.tenant_id,
+        "task_id": delivery.task_id,
+        "purpose": delivery.purpose.value,
+        "url": delivery.url,
+        "event_type": delivery.event_type,
+    }
+
+
 def _record_of(document: Document) -> DeliveryRecord:
     next_json = document.get("next_delivery")
     return DeliveryRecord(
@@ -110,11 +121,7 @@ class Ledger:
             {"_id": delivery.delivery_id},
             {
                 "$setOnInsert": {
-                    "tenant_id": delivery.tenant_id,
-                    "task_id": delivery.task_id,
-                    "purpose": delivery.purpose.value,
-                    "url": delivery.url,
-                    "event_type": delivery.event_type,
+                    **_identity(delivery),
                     "state": DeliveryState.PENDING.value,
                     "attempt": delivery.attempt,
                     "created_at": now,
@@ -302,11 +309,7 @@ class Ledger:
                 {"_id": letter.delivery_id},
                 {
                     "$setOnInsert": {
-                        "tenant_id": letter.tenant_id,
-                        "task_id": letter.task_id,
-                        "purpose": letter.purpose.value,
-                        "url": letter.url,
-                        "event_type": letter.event_type,
+                        **_identity(letter),
                         "created_at": now,
                         **self._reopened(fresh, now=now),
                     }

@@ -9,7 +9,6 @@ through the gateway's own consumer; what reached the scorer is read off the scor
 
 from __future__ import annotations
 
-import aio_pika
 import pytest
 from faststream.rabbit import RabbitBroker
 from pymongo import AsyncMongoClient
@@ -19,7 +18,6 @@ from services.gateway.publisher import TaskPublisher
 from services.gateway.rescore import RescoreRequests
 from services.gateway.submissions import ReplayRefused, Submissions
 from shared.contracts import ScoreText, utcnow
-from shared.topology import SCORE_REQUESTS
 from tests.integration import test_dead_letter_drop as gateway_dlq
 from tests.integration.test_dead_letter_drop import (
     LETTERS,
@@ -30,7 +28,7 @@ from tests.integration.test_dead_letter_drop import (
     _dead_letter,
     _drain,
 )
-from tests.support import HandedDelivery, accepted_submission, rescore_request
+from tests.support import HandedDelivery, accepted_submission, queued_commands, rescore_request
 
 pytestmark = pytest.mark.integration
 
@@ -41,14 +39,19 @@ dlq = gateway_dlq.dlq
 
 async def _sent_to_the_scorer(amqp_url: str, task_id: str) -> list[ScoreText]:
     """The commands of `task_id` in the score queue (every command taken off it)."""
-    connection = await aio_pika.connect(amqp_url, timeout=10)
-    async with connection:
-        channel = await connection.channel()
-        queue = await channel.get_queue(SCORE_REQUESTS.name, ensure=True)
-        sent = []
-        while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
-            sent.append(ScoreText.model_validate_json(message.body))
-    return [command for command in sent if command.task_id == task_id]
+    return [command for command in await queued_commands(amqp_url) if command.task_id == task_id]
+
+
+async def _claimed_unsent(submissions: Submissions, command: ScoreText) -> int | None:
+    """A re-score of the task under rubric v2 claimed, its command not sent: its generation."""
+    claim = await submissions.claim_rescore(
+        command.task_id,
+        tenant_id=command.tenant_id,
+        rubric_version="v2",
+        request_id="r-1",
+        now=utcnow(),
+    )
+    return getattr(claim, "generation", None)
 
 
 async def _rescored(broker: RabbitBroker, submissions: Submissions, command: ScoreText) -> None:
@@ -143,14 +146,7 @@ async def test_a_copy_replayed_after_a_rescore_keeps_its_letters_generation(
     a letter whose submission is gone still replays as the next generation."""
     command = await accepted_submission(submissions)
     assert await submissions.replay_generation(command.task_id, of=0) == 1
-    claim = await submissions.claim_rescore(
-        command.task_id,
-        tenant_id=command.tenant_id,
-        rubric_version="v2",
-        request_id="r-1",
-        now=utcnow(),
-    )
-    assert getattr(claim, "generation", None) == 2
+    assert await _claimed_unsent(submissions, command) == 2
     await submissions.finish_rescore(command.task_id, rubric_version="v2", now=utcnow())
 
     assert await submissions.replay_generation(command.task_id, of=0) == 1
@@ -167,14 +163,7 @@ async def test_a_rescore_claim_never_sent_supersedes_nothing(
     scored again (found in review). The replay runs above the claim's generation."""
     command = await accepted_submission(submissions)
     await _dead_letter(dlq, [command])
-    claim = await submissions.claim_rescore(
-        command.task_id,
-        tenant_id=command.tenant_id,
-        rubric_version="v2",
-        request_id="r-1",
-        now=utcnow(),
-    )
-    assert getattr(claim, "generation", None) == 1
+    assert await _claimed_unsent(submissions, command) == 1
 
     report = await _replay_all(broker, submissions)
 

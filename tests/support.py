@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, override
 
 import aio_pika
@@ -27,6 +28,15 @@ from shared.topology import EVENTS, SCORE_REQUESTS
 POLL_INTERVAL_S = 0.05
 # What the gateway keeps a submission the outbox sweep sends (its IDEMPOTENCY_TTL_S default).
 SWEEP_RETENTION = timedelta(days=1)
+
+
+def advancing_clock(start: datetime) -> Callable[[], datetime]:
+    """A clock that reads `start` now and goes on with real time. A service's clock frozen
+    at `start` never reaches a `not_before` it set itself: a scheduler delivery deferred for
+    a second (a run's next slice arriving before its hand-on was recorded) was deferred
+    again for ever."""
+    began = time.monotonic()
+    return lambda: start + timedelta(seconds=time.monotonic() - began)
 
 
 def stack_env(
@@ -76,6 +86,26 @@ async def eventually[T](
                 await asyncio.sleep(POLL_INTERVAL_S)
     except TimeoutError:
         raise AssertionError(f"{what} not reached within {timeout_s}s (last: {last!r})") from None
+
+
+async def run_cron_job_by_hand(api: httpx.AsyncClient, job: str) -> dict[str, Any]:
+    """Run `job` by hand through the scheduler's admin API (`api` carries the admin key) and
+    wait for its run to end: the run as the API shows it. A run that does not end fails
+    with the state it was last read in."""
+    accepted = await api.post(f"/admin/v1/cron/jobs/{job}/run")
+    assert accepted.status_code == 202, accepted.text
+    run_url = accepted.json()["status_url"]
+    last: list[dict[str, Any]] = []
+
+    async def ended() -> dict[str, Any] | None:
+        body: dict[str, Any] = (await api.get(run_url)).json()
+        last[:] = [body]
+        return body if body.get("state") in {"succeeded", "failed"} else None
+
+    try:
+        return await eventually(ended, what=f"the {job} run ended")
+    except AssertionError as error:
+        raise AssertionError(f"{error}; the run last read: {last}") from None
 
 
 @asynccontextmanager

@@ -23,7 +23,7 @@ from shared.bus import publish_event
 from shared.contracts import ScoreResult, TaskCompleted, Usage, new_id
 from shared.runtime import make_broker
 from tests.faults.slow_link import SlowLink
-from tests.support import eventually, running
+from tests.support import advancing_clock, eventually, running
 
 NOW = datetime(2030, 1, 10, 10, 31, 30, tzinfo=UTC)  # far from the rollup's fire time (:05)
 FAILED_WRITES = 3  # more than USAGE_METER_MAX_ATTEMPTS below
@@ -71,7 +71,7 @@ async def test_a_completion_during_a_database_outage_is_metered_once_it_is_back(
         return [record for record in caplog.records if task_id in record.getMessage()]
 
     records: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url)
-    scheduler = create_scheduler(settings, config=config, clock=lambda: NOW)
+    scheduler = create_scheduler(settings, config=config, clock=advancing_clock(NOW))
     async with running(scheduler):
         await database_link.cut()
         publisher = make_broker(settings)

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
 from pymongo import AsyncMongoClient, monitoring
 
@@ -50,7 +49,7 @@ from services.scheduler.usage_store import (
     UsageRecords,
 )
 from shared.contracts import new_id
-from tests.support import eventually, running
+from tests.support import advancing_clock, run_cron_job_by_hand, running
 
 if TYPE_CHECKING:
     from services.scheduler.usage_store import PendingBatch
@@ -719,18 +718,6 @@ async def test_every_query_of_a_roll_up_is_answered_from_an_index(
         await client.close()
 
 
-async def _run_by_hand(api: httpx.AsyncClient) -> dict[str, Any]:
-    accepted = await api.post(f"/admin/v1/cron/jobs/{USAGE_ROLLUP}/run")
-    assert accepted.status_code == 202, accepted.text
-    run_url = accepted.json()["status_url"]
-
-    async def finished() -> dict[str, Any] | None:
-        body: dict[str, Any] = (await api.get(run_url)).json()
-        return body if body.get("state") in {"succeeded", "failed"} else None
-
-    return await eventually(finished, what="the usage rollup finished")
-
-
 async def test_the_scheduler_rolls_a_backlog_up_in_slices_of_usage_rollup_batch(
     amqp_url: str, mongo: Endpoint, db_prefix: str
 ) -> None:
@@ -753,10 +740,10 @@ async def test_the_scheduler_rolls_a_backlog_up_in_slices_of_usage_rollup_batch(
     try:
         # 5 records: slices of 2, 2 and 1.
         await stores.store({("acme", "2030-01-05"): 3, ("acme", "2030-01-06"): 2})
-        app = create_app(settings, config=config, clock=lambda: NOW)
+        app = create_app(settings, config=config, clock=advancing_clock(NOW))
         async with running(app) as api:
             api.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
-            run = await _run_by_hand(api)
+            run = await run_cron_job_by_hand(api, USAGE_ROLLUP)
         assert run["state"] == "succeeded", run
         assert run["result"] == {"tagged": 1, "rolled_up": 1, "days": 1, "too_old": 0}
         assert await stores.rows() == stores.expected_rows()

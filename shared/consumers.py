@@ -52,7 +52,7 @@ from shared.acks import ChannelAcks
 from shared.event_batches import Part, UnreadableBatch, is_batch, split_batch
 from shared.log_context import correlated
 from shared.metrics import Metrics
-from shared.topology import ROUTING_KEY_HEADER, Binding
+from shared.topology import ROUTING_KEY_HEADER, Binding, x_deaths
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -171,10 +171,10 @@ def _key_when_dead_lettered(headers: dict[str, Any]) -> str | None:
     """The routing key of the latest `x-death` (latest first) of a message published to an
     exchange: a copy moved back through the default exchange, dead-lettered again, records
     the queue's name as its key."""
-    deaths = headers.get("x-death")
-    for death in deaths if isinstance(deaths, list) else ():
-        if isinstance(death, dict) and death.get("exchange") and death.get("routing-keys"):
-            return str(death["routing-keys"][0])
+    for death in x_deaths(headers):
+        keys = death.get("routing-keys")
+        if death.get("exchange") and isinstance(keys, list | tuple) and keys:
+            return str(keys[0])
     return None
 
 

@@ -64,7 +64,7 @@ from pydantic import BaseModel, Field
 from shared.bus import BROKER_ERRORS
 from shared.consumers import ScoreboxBroker
 from shared.http import Problem
-from shared.topology import ERROR_HEADER, FIRST_ERROR_HEADER, WorkQueue
+from shared.topology import ERROR_HEADER, FIRST_ERROR_HEADER, WorkQueue, x_deaths
 
 log = logging.getLogger("scorebox.dead_letters")
 
@@ -457,7 +457,7 @@ def reason(headers: Mapping[str, Any]) -> str:
         latest = str(headers[ERROR_HEADER])
         first = headers.get(FIRST_ERROR_HEADER)
         return latest if first is None else f"{latest} (first dead-lettered for: {first})"
-    deaths = headers.get("x-death") or []
+    deaths = x_deaths(headers)
     if deaths:
         death = deaths[0]
         why = death.get("reason", "dead-lettered")
@@ -469,10 +469,10 @@ def dead_lettered_at(message: AbstractIncomingMessage, now: datetime) -> datetim
     """When we dead-lettered it (a copy published with `x-scorebox-error`: its timestamp;
     an `x-death` it carries is an earlier death, a retry's wait on the ladder), else when
     RabbitMQ did (`x-death`); a time without a zone is taken in `now`'s."""
-    deaths: Any = message.headers.get("x-death") or []
+    deaths = x_deaths(message.headers)
     when = message.timestamp
     ours = ERROR_HEADER in message.headers and when is not None
-    death = deaths[0] if deaths and isinstance(deaths[0], dict) else {}
+    death = deaths[0] if deaths else {}
     if not ours and isinstance(death.get("time"), datetime):
         when = death["time"]
     if when is not None and when.tzinfo is None:

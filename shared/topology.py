@@ -101,6 +101,19 @@ DELIVERY_COUNT_HEADER = "x-delivery-count"
 # them. A consumer checks its queue's delivery limit on this and the copy's own count.
 EARLIER_DELIVERIES_HEADER = "x-scorebox-earlier-deliveries"
 
+# RabbitMQ's record of a message's dead-letterings, latest first: one table per (queue,
+# reason), with its `count`, `time`, `exchange` and `routing-keys`.
+X_DEATH_HEADER = "x-death"
+
+
+def x_deaths(headers: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The entries of a message's `x-death`, latest first; none when it has none, and only
+    the well-formed ones (tables) of one a publisher set by hand."""
+    deaths = headers.get(X_DEATH_HEADER)
+    if not isinstance(deaths, list | tuple):
+        return []
+    return [death for death in deaths if isinstance(death, Mapping)]
+
 
 def deliveries_lost(headers: Mapping[str, Any]) -> int:
     """How often consumers died (or lost their connection) holding this message: the broker's

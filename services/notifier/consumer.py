@@ -79,6 +79,7 @@ from shared.topology import (
     WorkQueue,
     carried_deliveries,
     deliveries_lost,
+    x_deaths,
 )
 
 log = logging.getLogger("scorebox.notifier")
@@ -186,12 +187,10 @@ def is_moved_back_letter(headers: Mapping[str, Any]) -> bool:
     RabbitMQ's from this queue (`x-death`)."""
     if ERROR_HEADER in headers:
         return True
-    deaths = headers.get("x-death")
     return any(
-        isinstance(death, Mapping)
-        and death.get("queue") == WEBHOOK_DELIVERIES.name
+        death.get("queue") == WEBHOOK_DELIVERIES.name
         and death.get("reason") in _BROKER_LETTER_REASONS
-        for death in (deaths if isinstance(deaths, list) else ())
+        for death in x_deaths(headers)
     )
 
 

@@ -6,17 +6,18 @@ first reason."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 
-from services.notifier.consumer import event_key
+from services.notifier.consumer import event_key, is_moved_back_letter
 from services.scheduler.consumer import usage_event_key
 from shared.acks import ChannelAcks
 from shared.bus import letter_headers
 from shared.consumers import BatchPart, Delivery
-from shared.dead_letters import reason
+from shared.dead_letters import dead_lettered_at, reason
 from shared.event_batches import split_batch
 from shared.topology import (
     DEAD_LETTERED_FROM_HEADER,
@@ -181,3 +182,26 @@ def test_a_letters_reason_is_bounded() -> None:
     headers = letter_headers({ERROR_HEADER: "x" * 5000}, error="y" * 5000, queue="q")
     assert len(headers[ERROR_HEADER]) == 1000
     assert headers[FIRST_ERROR_HEADER] == "x" * 1000
+
+
+# An `x-death` a publisher set by hand, not RabbitMQ's list of tables.
+MALFORMED_DEATHS = [
+    {"x-death": "rejected"},
+    {"x-death": ["rejected", 3]},
+    {"x-death": [{"exchange": "scorebox.events", "routing-keys": "task.failed"}]},
+    {"x-death": [{"exchange": "scorebox.events", "routing-keys": []}]},
+]
+
+
+@pytest.mark.parametrize("headers", MALFORMED_DEATHS)
+def test_a_malformed_x_death_reads_as_no_death(headers: Json) -> None:
+    """The DLQ listings and the consumers read it as a letter without a known death: the
+    listing of a queue holding one failed (a string's `.get`), and a delivery read the first
+    character of a key given as a string."""
+    raw = SimpleNamespace(
+        headers=headers, timestamp=None, message_id=None, body=b"{}", routing_key="q"
+    )
+    assert reason(headers) in {"unknown", "dead-lettered by RabbitMQ (x-death, from None)"}
+    assert dead_lettered_at(cast("Any", raw), datetime.now(UTC)) is None
+    assert _delivered("q", headers).routing_key == "q"
+    assert not is_moved_back_letter(headers)

@@ -47,6 +47,7 @@ from services.scheduler.cron import zone
 from services.scheduler.dead_letters import CronDeadLetters
 from services.scheduler.errors import (
     DispatchFailed,
+    JobNotRunnable,
     ReplayRefused,
     RunInProgress,
     TriggeredTooOften,
@@ -236,7 +237,9 @@ RUN_PROBLEMS: dict[int | str, dict[str, Any]] = {
     409: problem(
         409,
         "`run-in-progress`: the job forbids overlapping runs and one is in progress "
-        "(`run_id`, `status_url`); nothing was started. Ask again once it has ended.",
+        "(`run_id`, `status_url`); nothing was started. Ask again once it has ended. Or "
+        "`job-not-runnable`: the job's settings leave it unable to run here (the re-score "
+        "fan-out without `RUBRIC_VERSION`); nothing was started.",
     ),
     429: problem(429, "Runs of the job asked faster than their keys allow; try again."),
     500: DATABASE_REFUSED_PROBLEM,
@@ -291,6 +294,8 @@ def cron_routes(
             firing = await trigger(name)
         except UnknownJob as error:
             raise Problem(404, str(error), kind="unknown-job") from error
+        except JobNotRunnable as error:
+            raise Problem(409, str(error), kind="job-not-runnable") from error
         except TriggeredTooOften as error:
             raise Problem(429, str(error), headers={"Retry-After": "1"}) from error
         except RunInProgress as error:
@@ -398,7 +403,8 @@ class CronReplayReport(_Out):
     replayed: list[ReplayedRun]
     skipped_unreadable: list[str] = Field(description="Message ids of unreadable letters, kept.")
     skipped_unconfigured: list[str] = Field(
-        description="Run ids of jobs no longer configured, kept (a replay of all skips them)."
+        description="Run ids of jobs no longer configured, or that their settings leave unable "
+        "to run, kept (a replay of all skips them)."
     )
     not_found: list[str] = Field(
         description="Run ids asked for that no letter matched, the walk having reached the end "
@@ -488,8 +494,9 @@ def cron_dead_letter_routes(
             **problem_responses(400, 413, 415, 422, 429),
             409: problem(
                 409,
-                "`unknown-job`: letters of jobs no longer configured were named (`runs`); "
-                "nothing was replayed and every letter is kept.",
+                "`unknown-job`: letters of jobs no longer configured, or that their settings "
+                "leave unable to run, were named (`runs`); nothing was replayed and every "
+                "letter is kept.",
             ),
             500: DATABASE_REFUSED_PROBLEM,
         },

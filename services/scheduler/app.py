@@ -76,6 +76,14 @@ RUNS_SHARE_OF_STOP = 0.5
 HAND_BACK_SHARE = 0.9
 
 
+def jobs_unable_to_run(settings: SchedulerSettings) -> dict[str, str]:
+    """Why jobs, by name, cannot run with these settings: refused to start when enabled, and
+    refused when run by hand or replayed, not failed into the cron DLQ."""
+    if settings.rubric_version is None:
+        return {RESCORE_FANOUT: "RUBRIC_VERSION is not set (no current rubric version)"}
+    return {}
+
+
 def create_app(
     settings: SchedulerSettings,
     *,
@@ -105,7 +113,9 @@ def create_app(
         clock=clock,
         max_backlog=settings.fanout_max_backlog,
     )
-    jobs = JobCatalog.from_config(config.jobs)
+    jobs = JobCatalog.from_config(config.jobs, cannot_run=jobs_unable_to_run(settings))
+    if blocked := {job.name: job.cannot_run for job in jobs.enabled if job.cannot_run}:
+        raise ConfigurationError(f"enabled cron jobs that cannot run: {blocked}")
     usage_retention = timedelta(days=config.usage.raw_retention_days)
     owner = f"{socket.gethostname()}:{os.getpid()}:{new_id()[:6]}"
     stale_after = timedelta(seconds=settings.run_stale_s)

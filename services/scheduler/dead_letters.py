@@ -129,7 +129,8 @@ class ReplayedLetter:
 class CronReplay:
     replayed: list[ReplayedLetter]
     skipped_unreadable: list[str]  # message ids of letters that hold no `RunCronJob`
-    skipped_unconfigured: list[str]  # run ids of jobs no longer configured (replay of all)
+    # run ids of jobs no longer configured or unable to run here (replay of all)
+    skipped_unconfigured: list[str]
     not_found: list[str]  # run ids no letter matched, the walk having reached the queue's end
     # run ids of letters kept because their job has a run in progress that forbids overlap
     skipped_in_progress: list[str] = field(default_factory=list)
@@ -168,8 +169,9 @@ class CronDeadLetters:
         left then stay and are reported (`timed_out`; their runs asked for `not_reached`).
 
         Raises `ReplayRefused` before anything is sent when one of the runs asked for by id
-        names a job no longer configured; replaying all skips (and keeps) those letters, so
-        one retired job does not hold back the others. The errors of `fire_replay` otherwise
+        names a job no longer configured, or one its settings leave unable to run; replaying
+        all skips (and keeps) those letters, so one retired job does not hold back the
+        others. The errors of `fire_replay` otherwise
         (letters replayed before the error have left the DLQ, the others are kept)."""
         loop = asyncio.get_running_loop()
         stop_at = loop.time() + self._replay_budget_s
@@ -194,7 +196,7 @@ class CronDeadLetters:
                     unreadable.append(letter_id(message))
                 else:
                     chosen.append((message, command))
-            gone = {c.run_id: c.job for _, c in chosen if c.job not in self._jobs}
+            gone = {c.run_id: c.job for _, c in chosen if not self._jobs.runnable(c.job)}
             if gone and wanted is not None:
                 raise ReplayRefused(gone)
             chosen = [(message, c) for message, c in chosen if c.run_id not in gone]

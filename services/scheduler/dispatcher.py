@@ -26,7 +26,12 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 
 from services.scheduler.config import MissedFirings
-from services.scheduler.errors import DispatchFailed, RunInProgress, TriggeredTooOften
+from services.scheduler.errors import (
+    DispatchFailed,
+    JobNotRunnable,
+    RunInProgress,
+    TriggeredTooOften,
+)
 from services.scheduler.firings import Firing, FiringState, FiringStore, to_millis
 from services.scheduler.jobs import Clock
 from services.scheduler.overlap import Claim, Overlap, claim_unless_overlapping
@@ -78,7 +83,7 @@ async def fire_by_hand(
     """A manual firing of `name` (enabled or not), published now; the schedule is unaffected.
     `replay_of`: the dead-lettered run it replays (`fire_replay`).
 
-    Raises `UnknownJob`, `TriggeredTooOften`, `RunInProgress` when the job forbids
+    Raises `UnknownJob`, `JobNotRunnable`, `TriggeredTooOften`, `RunInProgress` when the job forbids
     overlapping runs and one is in progress, or `DispatchFailed` when the broker refused it
     (the firing is then withdrawn: nothing half-done is left behind). A refused run that
     goes ahead all the same is returned: `dispatched` when a consumer has started it (the
@@ -86,6 +91,8 @@ async def fire_by_hand(
     dispatcher publishes it after `SCHEDULER_REDISPATCH_S`).
     """
     job = jobs.get(name)
+    if job.cannot_run is not None:
+        raise JobNotRunnable(name, job.cannot_run)
     firing = await _claim_manual(
         job,
         firings=firings,

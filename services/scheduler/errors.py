@@ -2,10 +2,13 @@
 
     SchedulerError
     ├── ConfigurationError      refuse to start: a bad cron expression, time zone, policy,
-    │                           price, or a configured job without a handler
+    │                           price, a configured job without a handler, or an enabled
+    │                           job its settings leave unable to run
     ├── UnknownJob              404 on the admin routes; a `RunCronJob` naming it waits for
     │                           a replica that knows it (a rolling deploy), then is
     │                           dead-lettered (`runs.UNKNOWN_JOB_MAX_WAIT`)
+    ├── JobNotRunnable          a manual run of a job its settings leave unable to run (the
+    │                           fan-out without `RUBRIC_VERSION`): 409, nothing kept
     ├── DispatchFailed          a manual run could not be published: 503, nothing kept
     ├── TriggeredTooOften       manual runs of one job collide on their key: 429
     ├── RunInProgress           a manual run of a job that forbids overlapping runs while
@@ -43,6 +46,14 @@ class UnknownJob(SchedulerError):
         self.name = name
 
 
+class JobNotRunnable(SchedulerError):
+    """A job its settings leave unable to run (`ScheduledJob.cannot_run`) asked to run."""
+
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(f"Cron job {name!r} cannot run here: {why}. Nothing was started.")
+        self.name = name
+
+
 class DispatchFailed(SchedulerError):
     """A manual firing could not be published; it was withdrawn."""
 
@@ -74,7 +85,8 @@ class ReplayRefused(SchedulerError):
     def __init__(self, runs: dict[str, str]) -> None:
         listed = ", ".join(f"{run_id} ({job!r})" for run_id, job in runs.items())
         super().__init__(
-            f"Dead-lettered runs of jobs no longer configured cannot be run again: {listed}. "
+            "Dead-lettered runs of jobs no longer configured, or that their settings leave "
+            f"unable to run, cannot be run again: {listed}. "
             "Nothing was replayed and every letter is kept; replay the others by run id or "
             "all of them (which skips these), and drop these (`scorebox cron dlq drop RUN_ID`)."
         )

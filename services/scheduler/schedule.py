@@ -38,13 +38,17 @@ class ScheduledJob:
     enabled: bool
     description: str = ""
     concurrency: Concurrency = Concurrency.FORBID
+    # Why the job cannot run here (a setting it needs is missing); None when it can.
+    cannot_run: str | None = None
 
     @property
     def forbids_overlap(self) -> bool:
         return self.concurrency is Concurrency.FORBID
 
     @classmethod
-    def from_config(cls, name: str, config: JobConfig) -> ScheduledJob:
+    def from_config(
+        cls, name: str, config: JobConfig, *, cannot_run: str | None = None
+    ) -> ScheduledJob:
         return cls(
             name=name,
             cron=config.cron,
@@ -53,6 +57,7 @@ class ScheduledJob:
             enabled=config.enabled,
             description=config.description,
             concurrency=config.concurrency,
+            cannot_run=cannot_run,
         )
 
     def next_fire_time(self, after: datetime) -> datetime | None:
@@ -94,8 +99,15 @@ class JobCatalog:
         self._jobs = {job.name: job for job in jobs}
 
     @classmethod
-    def from_config(cls, jobs: Mapping[str, JobConfig]) -> JobCatalog:
-        return cls(ScheduledJob.from_config(name, config) for name, config in jobs.items())
+    def from_config(
+        cls, jobs: Mapping[str, JobConfig], *, cannot_run: Mapping[str, str] | None = None
+    ) -> JobCatalog:
+        """`cannot_run`: why jobs, by name, cannot run here (a setting they need missing)."""
+        why = cannot_run or {}
+        return cls(
+            ScheduledJob.from_config(name, config, cannot_run=why.get(name))
+            for name, config in jobs.items()
+        )
 
     def __iter__(self) -> Iterator[ScheduledJob]:
         return iter(self._jobs.values())
@@ -108,6 +120,11 @@ class JobCatalog:
             return self._jobs[name]
         except KeyError:
             raise UnknownJob(name) from None
+
+    def runnable(self, name: str) -> bool:
+        """Whether `name` is configured and its settings let it run."""
+        job = self._jobs.get(name)
+        return job is not None and job.cannot_run is None
 
     @property
     def names(self) -> list[str]:

@@ -27,6 +27,7 @@ from services.scheduler.app import create_app
 from services.scheduler.catalogue import Catalogue
 from services.scheduler.checkpoints import Checkpoints
 from services.scheduler.config import SchedulerConfig, load_config, parse_config
+from services.scheduler.errors import PermanentJobError
 from services.scheduler.firings import Firings, FiringState
 from services.scheduler.jobs import JobHandler, JobOutcome, JobRun
 from services.scheduler.jobs.fanout import fan_out_rescores
@@ -322,7 +323,11 @@ async def test_manual_run_routes_and_a_permanent_failure_is_dead_lettered(env: E
         load_config.__globals__["DEFAULT_CONFIG_PATH"], {"CRON_RESCORE_FANOUT_TZ": "UTC"}
     )
     await drain(env.amqp_url, CRON_JOBS.dead_letter_routing_key)
-    async with scheduler(env, config) as (api, _):
+
+    async def doomed(run: JobRun) -> JobOutcome:
+        raise PermanentJobError("the archive housekeeping writes to is gone")
+
+    async with scheduler(env, config, handlers={"housekeeping": doomed}) as (api, _):
         listed = (await api.get("/admin/v1/cron/jobs")).json()["jobs"]
         assert [job["name"] for job in listed] == ["usage-rollup", "rescore-fanout", "housekeeping"]
         rollup = listed[0]
@@ -347,17 +352,27 @@ async def test_manual_run_routes_and_a_permanent_failure_is_dead_lettered(env: E
         assert done["manual"] is True
         assert done["result"] == {"tagged": 0, "rolled_up": 0, "days": 0, "too_old": 0}
 
-        # The fan-out without RUBRIC_VERSION fails permanently: dead-lettered with the reason.
-        failed = (await api.post("/admin/v1/cron/jobs/rescore-fanout/run")).json()
+        # The fan-out without RUBRIC_VERSION cannot run: refused, nothing started (it ran and
+        # failed into the cron DLQ).
+        refused = await api.post("/admin/v1/cron/jobs/rescore-fanout/run")
+        assert refused.status_code == 409
+        assert refused.headers["content-type"].startswith("application/problem+json")
+        assert refused.json()["type"].endswith("job-not-runnable")
+        assert "RUBRIC_VERSION" in refused.json()["detail"]
+        listed = (await api.get("/admin/v1/cron/jobs")).json()["jobs"]
+        assert listed[1]["last_firing"] is None
+
+        # A permanent failure: dead-lettered with the reason.
+        failed = (await api.post("/admin/v1/cron/jobs/housekeeping/run")).json()
         run = await firing_state(api, failed["run_id"], "failed")
-        assert "RUBRIC_VERSION" in run["error"]
+        assert "archive" in run["error"]
 
         async def dead_lettered() -> list[Any] | None:
             found = await drain(env.amqp_url, CRON_JOBS.dead_letter_routing_key)
             return found or None
 
         (letter,) = await eventually(dead_lettered, what="the failed run in the DLQ")
-        assert "RUBRIC_VERSION" in str(letter.headers[ERROR_HEADER])
+        assert "archive" in str(letter.headers[ERROR_HEADER])
 
         exposition = (await api.get("/metrics")).text
         runs = {
@@ -366,7 +381,7 @@ async def test_manual_run_routes_and_a_permanent_failure_is_dead_lettered(env: E
             for sample in family.samples
             if sample.name == "scorebox_cron_runs_total"
         }
-        assert runs == {("usage-rollup", "finished"): 1, ("rescore-fanout", "gave_up"): 1}
+        assert runs == {("usage-rollup", "finished"): 1, ("housekeeping", "gave_up"): 1}
 
 
 # --- usage metering and rollup --------------------------------------------------------------
@@ -565,7 +580,11 @@ async def test_fanout_resumes_after_a_crash_without_skipping(env: Env) -> None:
             clock=env.clock,
         )
         async with scheduler(
-            env, config, handlers={"rescore-fanout": fanout}, SCHEDULER_RETRY_BASE_S=1
+            env,
+            config,
+            handlers={"rescore-fanout": fanout},
+            SCHEDULER_RETRY_BASE_S=1,
+            RUBRIC_VERSION="heuristic-v1",  # the fan-out runs only with one
         ) as (api, _):
             accepted = (await api.post("/admin/v1/cron/jobs/rescore-fanout/run")).json()
             await firing_state(api, accepted["run_id"], "retrying")

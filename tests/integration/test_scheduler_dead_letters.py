@@ -274,6 +274,37 @@ async def test_a_replay_of_all_skips_the_letters_of_jobs_no_longer_configured(en
     await drain(env.amqp_url, DLQ)
 
 
+async def test_the_letters_of_a_job_its_settings_leave_unable_to_run_are_kept(env: Env) -> None:
+    """The fan-out without `RUBRIC_VERSION`: asked for by id, the replay is refused and
+    nothing runs; a replay of all skips its letter and replays the others. Replayed, it
+    failed at once into the DLQ again."""
+    await drain(env.amqp_url, DLQ)
+    fanout, kept = _dead_run("rescore-fanout"), _dead_run()
+    await _dead_letter(env, fanout)
+    await _dead_letter(env, kept)
+    config = parse_config(
+        {
+            "jobs": {
+                JOB: {"cron": "0 3 * * *", "enabled": False},
+                "rescore-fanout": {"cron": "0 3 * * *", "enabled": False},
+            }
+        },
+        {},
+    )
+    job = Probe()
+    async with scheduler(env, config, handlers={JOB: job}) as (api, _):
+        refused = _assert_problem(await api.post(REPLAY, json={"run_ids": [fanout.run_id]}), 409)
+        assert refused["runs"] == {fanout.run_id: "rescore-fanout"}
+        assert (await _listed(api))["count"] == 2
+
+        report = (await api.post(REPLAY, json={"all": True})).json()
+        assert [r["dead_run_id"] for r in report["replayed"]] == [kept.run_id]
+        assert report["skipped_unconfigured"] == [fanout.run_id]
+        await firing_state(api, report["replayed"][0]["run_id"], "succeeded")
+        assert _run_ids(await _listed(api)) == [fanout.run_id]
+    await drain(env.amqp_url, DLQ)
+
+
 @pytest.mark.parametrize("selection", [{"all": "true"}, {"all": 1}], ids=["string", "number"])
 async def test_a_replay_of_all_needs_a_json_boolean_and_replays_nothing_otherwise(
     env: Env, selection: Json

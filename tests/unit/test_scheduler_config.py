@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from services.scheduler.app import create_app
 from services.scheduler.config import (
     DEFAULT_CONFIG_PATH,
     MissedFirings,
@@ -87,3 +88,20 @@ def test_missing_or_broken_file(tmp_path: Path) -> None:
     broken.write_text("[jobs.x\ncron = ")
     with pytest.raises(ConfigurationError, match="not valid TOML"):
         load_config(broken, {})
+
+
+@pytest.mark.parametrize(("rubric_version", "starts"), [(None, False), ("heuristic-v1", True)])
+def test_the_fan_out_enabled_without_a_rubric_version_refuses_to_start(
+    rubric_version: str | None, starts: bool
+) -> None:
+    """Each firing of it failed into the cron DLQ (`PermanentJobError`), every day."""
+    config = load_config(DEFAULT_CONFIG_PATH, {"CRON_RESCORE_FANOUT_ENABLED": "true"})
+    settings = SchedulerSettings.model_validate(
+        {"RABBITMQ_URL": "amqp://guest:guest@127.0.0.1:1/", "MONGO_URL": "mongodb://127.0.0.1:1"}
+        | ({} if rubric_version is None else {"RUBRIC_VERSION": rubric_version})
+    )
+    if starts:
+        create_app(settings, config=config)
+    else:
+        with pytest.raises(ConfigurationError, match=r"rescore-fanout.*RUBRIC_VERSION"):
+            create_app(settings, config=config)

@@ -28,11 +28,13 @@ letter moved back to its queue (`original_routing_key`).
 
 Settling is the handler's: it acks, nacks or rejects (settling twice is a no-op). Acks are
 sent at the end of the loop pass that asked for them, as few frames as is exact
-(`shared.acks`); nacks and rejects go at once. A handler
-that raises leaves its delivery unsettled; the broker redelivers it when the channel closes
-(a restart, a reconnection), which counts towards a quorum queue's delivery limit on RabbitMQ
-3.x and 4.x alike. It is never requeued at once: that would spin on a message that fails
-every time, and RabbitMQ 4.x does not count a requeue.
+(`shared.acks`); nacks and rejects go at once. A delivery whose handler raised before
+settling it goes back to its queue counted (`requeue_failed`, a `basic.reject`: counted
+towards a quorum queue's delivery limit on every RabbitMQ version) after a pause that
+doubles with its deliveries (`failed_pause_s`), so a message that fails every time reaches
+its DLQ within seconds. Left unsettled, as before, it came back only when its channel
+closed: at RabbitMQ's consumer timeout (30 minutes), which from 4.3 on returns it without
+counting, so it came back every half hour for ever, holding a prefetch slot each time.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from shared.acks import ChannelAcks
 from shared.event_batches import Part, UnreadableBatch, is_batch, split_batch
 from shared.log_context import correlated
 from shared.metrics import Metrics
-from shared.topology import ROUTING_KEY_HEADER, Binding, x_deaths
+from shared.topology import ROUTING_KEY_HEADER, Binding, deliveries_lost, x_deaths
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -66,6 +68,10 @@ if TYPE_CHECKING:
     )
 
 log = logging.getLogger("scorebox.consumers")
+# The pause before a delivery whose handler raised goes back to its queue: doubled with each
+# of its deliveries, capped (0.5, 1, 2, 4, 5 s: a queue's limit of 5 is met in 12.5 s).
+FAILED_PAUSE_BASE_S = 0.5
+FAILED_PAUSE_CAP_S = 5.0
 # How long a stop waits for a consumer to be cancelled on a channel being restored.
 CANCEL_ON_CLOSED_S = 0.1
 
@@ -259,9 +265,18 @@ def _comes_back(batch: Delivery, parts: list[BatchPart]) -> bool:
     )
 
 
-async def _settle_batch(batch: Delivery, parts: list[BatchPart], raised: bool) -> None:
+def failed_pause_s(headers: dict[str, Any]) -> float:
+    """How long a delivery whose handler raised waits before it goes back to its queue."""
+    try:
+        doublings = min(deliveries_lost(headers), 16)
+    except (TypeError, ValueError):  # counts a publisher set by hand
+        return FAILED_PAUSE_CAP_S
+    return min(FAILED_PAUSE_BASE_S * float(2 ** max(doublings, 0)), FAILED_PAUSE_CAP_S)
+
+
+async def _settle_batch(batch: Delivery, parts: list[BatchPart]) -> None:
     """Settle a batch as the strictest of its parts asks. A part left unsettled (its handler
-    raised, or kept it for the broker to redeliver) leaves the batch so; a part returned
+    kept it for the broker to redeliver) leaves the batch so; a part returned
     as failed returns the whole batch, counted (`requeue_failed`), and one dead-lettered
     dead-letters it whole: every consumer of events takes a repeat of an event it has
     handled as a no-op, so the parts already handled come back harmlessly, and none is
@@ -269,7 +284,7 @@ async def _settle_batch(batch: Delivery, parts: list[BatchPart], raised: bool) -
     itself) the batch is acked. A part whose settlement was kept for last and not run (the
     batch comes back) counts as returned (`BatchPart.goes_back`)."""
     settled = {part.settlement for part in parts}
-    if raised or None in settled:
+    if None in settled:
         return
     if "requeue" in settled:
         await batch.requeue_failed()
@@ -352,7 +367,9 @@ class _Consuming:
             if is_batch(raw.headers):
                 await self._handle_batch(raw, acks)
             else:
-                await self._handle(Delivery(raw, acks))
+                delivery = Delivery(raw, acks)
+                if await self._handle(delivery):
+                    await self._return_failed(delivery)
         finally:
             self.handling -= 1
             if self.handling == 0:
@@ -371,8 +388,7 @@ class _Consuming:
             except Exception:
                 failed = True
                 log.exception(
-                    "%s: handling message %s failed; it stays unacknowledged until the channel "
-                    "closes, then the broker redelivers it",
+                    "%s: handling message %s failed; it goes back to its queue, counted",
                     self.subscription.queue.name,
                     delivery.message_id,
                 )
@@ -401,7 +417,27 @@ class _Consuming:
             await batch.ack()
         raised = await asyncio.gather(*(self._handle_part(part) for part in parts))
         raised_last = await self._settle_kept_parts(batch, parts, raised)
-        await _settle_batch(batch, parts, any(raised) or raised_last)
+        if any(raised) or raised_last:
+            await self._return_failed(batch)
+        else:
+            await _settle_batch(batch, parts)
+
+    async def _return_failed(self, delivery: Delivery) -> None:
+        """Send a delivery whose handling raised back to its queue, counted, after its pause
+        (`failed_pause_s`); not one its handler settled before raising. A channel closed
+        meanwhile has returned it already."""
+        if delivery.settlement is not None:
+            return
+        await asyncio.sleep(failed_pause_s(delivery.headers))
+        try:
+            await delivery.requeue_failed()
+        except Exception as error:  # noqa: BLE001 - its channel's close returned it, counted
+            log.warning(
+                "%s: message %s not returned: %r",
+                self.subscription.queue.name,
+                delivery.message_id,
+                error,
+            )
 
     async def _handle_part(self, part: BatchPart) -> bool:
         if self._part_slots is None:
@@ -433,8 +469,7 @@ class _Consuming:
             except Exception:
                 failed = True
                 log.exception(
-                    "%s: settling message %s failed; its batch stays unacknowledged until the "
-                    "channel closes, then the broker redelivers it",
+                    "%s: settling message %s failed; its batch goes back to its queue, counted",
                     self.subscription.queue.name,
                     part.message_id,
                 )

@@ -28,7 +28,11 @@ from services.gateway.batches import Batches
 from services.gateway.batches_api import batch_routes
 from services.gateway.cache import ResultCache
 from services.gateway.cancels_api import cancel_routes
-from services.gateway.consumers import keep_outbox_swept, subscribe_task_outcomes
+from services.gateway.consumers import (
+    keep_outbox_swept,
+    subscribe_task_outcomes,
+    write_off_before_stopping,
+)
 from services.gateway.deadletters import DeadLetterQueue
 from services.gateway.events_api import event_routes
 from services.gateway.keys import ApiKeys, bootstrap_key
@@ -242,6 +246,7 @@ def gateway_lifespan(gateway: Gateway) -> Callable[[FastAPI], Any]:
         sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper
+        await write_off_before_stopping(gateway.deps, gateway.batches)
         await gateway.deps.live.stop_listening()
         await gateway.broker.stop()
         await gateway.close_clients()

@@ -96,18 +96,7 @@ async def keep_outbox_swept(deps: GatewayDeps, publisher: Publisher, batches: Ba
     grace = timedelta(seconds=settings.outbox_grace_s)
     retention = timedelta(seconds=settings.idempotency_ttl_s)
     while True:
-        written = await _step(
-            "writing off refused requests",
-            write_off(
-                deps.refusals,
-                submissions=deps.submissions,
-                batches=batches,
-                in_flight=counting(deps.in_flight),
-                now=deps.clock(),
-            ),
-        )
-        if written:
-            log.info("wrote off %d refused request(s)", written)
+        await write_off_refused(deps, batches)
         sent = await _step(
             "outbox sweep",
             sweep_outbox(
@@ -135,6 +124,45 @@ async def keep_outbox_swept(deps: GatewayDeps, publisher: Publisher, batches: Ba
         if held:
             log.info("held %d batch(es) with items still to send", held)
         await asyncio.sleep(settings.outbox_interval_s)
+
+
+async def write_off_refused(deps: GatewayDeps, batches: Batches) -> int:
+    """Write off the requests refused since the last pass (`refusals.write_off`); how many."""
+    written = await _step(
+        "writing off refused requests",
+        write_off(
+            deps.refusals,
+            submissions=deps.submissions,
+            batches=batches,
+            in_flight=counting(deps.in_flight),
+            now=deps.clock(),
+        ),
+    )
+    if written:
+        log.info("wrote off %d refused request(s)", written)
+    return written
+
+
+async def write_off_before_stopping(deps: GatewayDeps, batches: Batches) -> None:
+    """The stop's last write-off, bounded by the database's timeout (twice, for the batches'
+    and the submissions' writes): the refusals are kept in memory only, and a refusal not
+    written off leaves its submission to be sent by any replica's sweep, a request answered
+    503 then scored (twice, when its client sent it again without an `Idempotency-Key`)."""
+    try:
+        async with asyncio.timeout(2 * deps.settings.mongo_timeout_s):
+            await write_off_refused(deps, batches)
+    except TimeoutError:
+        pass
+    if left := deps.refusals.pending():
+        task_ids = [task_id for refusal in left for task_id in refusal.task_ids]
+        log.warning(
+            "stopping with %d refused request(s) not written off: the outbox sweep may send "
+            "their %d task(s) (%s%s)",
+            len(left),
+            len(task_ids),
+            ", ".join(task_ids[:10]),
+            ", ..." if len(task_ids) > 10 else "",
+        )
 
 
 async def _step(what: str, step: Awaitable[int]) -> int:

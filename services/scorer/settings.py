@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 from shared.settings import MAX_DURATION_S, MAX_PREFETCH, MetricsApiSettings
 
 MAX_LEASE_MARGIN_S = 120.0
+MIN_ATTEMPTS_RETENTION_S = 2 * 86_400
 
 
 class ScorerSettings(MetricsApiSettings):
@@ -57,9 +58,16 @@ class ScorerSettings(MetricsApiSettings):
     lease_margin_s: float = Field(
         default=30.0, gt=0, le=MAX_LEASE_MARGIN_S, validation_alias="LEASE_MARGIN_S"
     )
-    # How long a task's claim (with its decision and the raw model output) is kept.
+    # How long a task's claim (with its decision and the raw model output) is kept; at least
+    # two days. A retry the provider asked to wait for may be due a day later
+    # (`scoring.MAX_RETRY_AFTER_S`), and a late copy of a command (the outbox's, a DLQ's) may
+    # come as long after: a record expired before them is claimed anew, and the model called
+    # again, also for a task cancelled meanwhile (found in review, with an hour).
     attempts_retention_s: int = Field(
-        default=7 * 86_400, gt=0, le=MAX_DURATION_S, validation_alias="ATTEMPTS_RETENTION_S"
+        default=7 * 86_400,
+        ge=MIN_ATTEMPTS_RETENTION_S,
+        le=MAX_DURATION_S,
+        validation_alias="ATTEMPTS_RETENTION_S",
     )
 
     @model_validator(mode="after")

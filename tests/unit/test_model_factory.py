@@ -227,3 +227,17 @@ async def test_a_compressed_answer_is_counted_as_it_inflates(streaming_server: s
             await http.post(bomb, body=b"{}", headers={})
         fits = await http.post(bomb.update_query(size=1000), body=b"{}", headers={})
         assert fits.body == b"x" * 1000
+
+
+@pytest.mark.parametrize(("retention_s", "accepted"), [(86_400, False), (2 * 86_400, True)])
+def test_the_attempts_are_kept_at_least_as_long_as_a_retry_may_wait(
+    retention_s: int, accepted: bool
+) -> None:
+    """A retry the provider asked to wait a day for, claimed after its task's record expired,
+    called the model again, also for a task cancelled meanwhile (found in review)."""
+    settings = {"ATTEMPTS_RETENTION_S": retention_s}
+    if accepted:
+        assert ScorerSettings.model_validate(settings).attempts_retention_s == retention_s
+    else:
+        with pytest.raises(ValueError, match="ATTEMPTS_RETENTION_S"):
+            ScorerSettings.model_validate(settings)

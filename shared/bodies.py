@@ -1,10 +1,12 @@
 """Request bodies read by the handler, after the route's dependencies (its key check among
 them): a body declared as a route's parameter is read and parsed by FastAPI, whatever its
 size, before any dependency runs. Each reader bounds the body and answers problem+json: 415
-not JSON content, 413 over the limit, 400 not JSON, 422 naming each field that failed."""
+not JSON content (a `charset` other than UTF-8 or a `Content-Encoding` included), 413 over
+the limit, 400 not JSON, 422 naming each field that failed."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -17,6 +19,10 @@ from shared.http import Problem, validation_message
 JSON_TOO_DEEP = "depth limit exceeded"
 
 
+# `str.isdigit` takes `²` and other digits `int` refuses (a ValueError: a 500).
+_DECIMAL = re.compile(r"[0-9]+")
+
+
 def _is_json(content_type: str) -> bool:
     media = content_type.split(";", 1)[0].strip().lower()
     return media == "application/json" or (
@@ -24,9 +30,50 @@ def _is_json(content_type: str) -> bool:
     )
 
 
+def _charset(content_type: str) -> str | None:
+    """The `charset` parameter of a media type, lower-cased and unquoted; None without one."""
+    for parameter in content_type.split(";")[1:]:
+        name, _, value = parameter.partition("=")
+        if name.strip().lower() == "charset":
+            return value.strip().strip('"').lower()
+    return None
+
+
+def _content_codings(request: Request) -> list[str]:
+    """The codings of every `Content-Encoding` header, but `identity` (no coding)."""
+    codings = (
+        coding.strip().lower()
+        for header in request.headers.getlist("content-encoding")
+        for coding in header.split(",")
+    )
+    return [coding for coding in codings if coding and coding != "identity"]
+
+
+def _refuse_unreadable_content(request: Request, what: str) -> None:
+    """415 for a body this reader would misread: not JSON, not UTF-8 (JSON's only encoding,
+    RFC 8259 §8.1), or under a content coding (a gzip body was "not valid UTF-8", a plain one
+    mislabelled gzip accepted)."""
+    content_type = request.headers.get("content-type", "")
+    if not _is_json(content_type):
+        raise Problem(415, f"Send the {what} as JSON with 'Content-Type: application/json'.")
+    charset = _charset(content_type)
+    if charset not in (None, "utf-8"):
+        raise Problem(
+            415, f"The {what} must be UTF-8 JSON, not charset={charset[:40]!r}; send it as UTF-8."
+        )
+    codings = _content_codings(request)
+    if codings:
+        raise Problem(
+            415,
+            f"Content-Encoding {', '.join(codings)[:100]!r} is not supported; send the {what} "
+            "unencoded.",
+            headers={"Accept-Encoding": "identity"},
+        )
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and _DECIMAL.fullmatch(declared) and int(declared) > limit:
         raise Problem(413, f"The body is {declared} bytes; the limit is {limit} bytes.")
     body = bytearray()
     async for chunk in request.stream():
@@ -37,10 +84,9 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 async def read_json_object(request: Request, *, what: str, limit: int) -> dict[str, Any]:
-    """The body as a JSON object: 415 not JSON content, 413 over `limit`, 400 not JSON, 422 not
-    an object."""
-    if not _is_json(request.headers.get("content-type", "")):
-        raise Problem(415, f"Send the {what} as JSON with 'Content-Type: application/json'.")
+    """The body as a JSON object: 415 not UTF-8 JSON content or encoded, 413 over `limit`, 400
+    not JSON, 422 not an object."""
+    _refuse_unreadable_content(request, what)
     body = await _read_body(request, limit)
     try:
         payload: Any = orjson.loads(body)

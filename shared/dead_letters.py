@@ -63,7 +63,7 @@ from pydantic import BaseModel, Field
 
 from shared.bus import BROKER_ERRORS
 from shared.consumers import ScoreboxBroker
-from shared.http import Problem
+from shared.http import Problem, invalid_query, refuse_unexpected_query
 from shared.topology import ERROR_HEADER, FIRST_ERROR_HEADER, WorkQueue, x_deaths
 
 log = logging.getLogger("scorebox.dead_letters")
@@ -83,6 +83,7 @@ WALK_BOUND = f"{MAX_WALK:,} letters or {MAX_WALK_BYTES // (1024 * 1024)} MiB of 
 # The query parameter of a drop and a purge that keeps the letters not known to have been
 # dead-lettered before it; a listing's `listed_at` is one.
 CUT_OFF = "dead_lettered_before"
+NOTHING_REMOVED = "nothing was removed"
 # RFC 3339's date-time: a zone is required (`Z` or an offset), a space for `T` is not taken
 # (an unencoded `+` of an offset reaches the server as a space).
 _DATE_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)", re.ASCII)
@@ -177,10 +178,11 @@ def parse_cut_off(value: str) -> CutOff:
     if _DATE_TIME.fullmatch(text):
         with contextlib.suppress(ValueError, OverflowError):  # 2030-02-30, 0001-01-01...+01:00
             return CutOff.at(datetime.fromisoformat(text))
-    raise _invalid_query(
+    raise invalid_query(
         CUT_OFF,
         "must be an RFC 3339 date-time with a zone, such as a listing's `listed_at` "
         f"(2030-01-01T10:00:00Z; send the `+` of an offset as %2B), not {value!r}",
+        outcome=NOTHING_REMOVED,
     )
 
 
@@ -198,27 +200,12 @@ def _cut_off(
 ) -> CutOff | None:
     """The cut-off of a drop or a purge. Any other query parameter is refused (a misspelt
     cut-off, ignored, would have the purge remove every letter), and so is one given twice."""
-    unknown = sorted(set(request.query_params) - {CUT_OFF})
-    if unknown:
-        raise _invalid_query(unknown[0], f"is not a parameter of this route (only `{CUT_OFF}`)")
-    if len(request.query_params.getlist(CUT_OFF)) > 1:
-        raise _invalid_query(CUT_OFF, "must be given once")
+    refuse_unexpected_query(request, {CUT_OFF}, outcome=NOTHING_REMOVED)
     return None if dead_lettered_before is None else parse_cut_off(dead_lettered_before)
 
 
 # A route's cut-off (`CUT_OFF`), None without one; a 422 problem when it is malformed.
 CutOffQuery = Annotated[CutOff | None, Depends(_cut_off)]
-
-
-def _invalid_query(name: str, message: str) -> Problem:
-    """A 422 as the services answer invalid fields (`shared.http`), naming the parameter."""
-    field = f"query.{name[:100]}"
-    return Problem(
-        422,
-        f"{field}: {message}; nothing was removed.",
-        kind="invalid-fields",
-        errors=[{"field": field, "message": message}],
-    )
 
 
 def rfc3339(when: datetime) -> str:

@@ -7,7 +7,8 @@ import asyncio
 import hmac
 import logging
 import math
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Collection, Mapping, Sequence
 from datetime import UTC, date, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal
@@ -20,7 +21,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field, SecretStr
 from pymongo.errors import PyMongoError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
+from starlette.requests import ClientDisconnect, HTTPConnection
 
 from shared.database_errors import transient_database_error
 from shared.runtime import READINESS_DEADLINE_S, Check
@@ -334,23 +335,52 @@ async def _within_deadline(check: Check) -> bool:
         return False
 
 
-ADMIN_KEY_SCHEME = HTTPBearer(
+# `Authorization: Bearer <token>`: the scheme in any case (RFC 9110 §11.1), then one or more
+# spaces (tabs tolerated) before the token; blanks around the whole value are the server's
+# to strip.
+_BEARER_CREDENTIALS = re.compile(r"bearer[ \t]+(.+)", re.IGNORECASE)
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header; None without the header, for
+    another scheme, or without a token."""
+    if authorization is None:
+        return None
+    credentials = _BEARER_CREDENTIALS.fullmatch(authorization.strip(" \t"))
+    return None if credentials is None else credentials[1]
+
+
+class BearerScheme(HTTPBearer):
+    """FastAPI's bearer scheme (the OpenAPI security scheme it declares) reading the header
+    with `bearer_token`, the one reading of every key guard and the public routes: FastAPI's
+    took the scheme in any case, but not a tab before the token."""
+
+    async def __call__(self, request: HTTPConnection) -> HTTPAuthorizationCredentials | None:
+        token = bearer_token(request.headers.get("authorization"))
+        if token is None:
+            if self.auto_error:
+                raise self.make_not_authenticated_error()
+            return None
+        return HTTPAuthorizationCredentials(scheme="Bearer", credentials=token)
+
+
+ADMIN_KEY_SCHEME = BearerScheme(
     scheme_name="AdminKey",
     description="The admin key: `Authorization: Bearer <ADMIN_API_KEY>`.",
     auto_error=False,
 )
-METRICS_KEY_SCHEME = HTTPBearer(
+METRICS_KEY_SCHEME = BearerScheme(
     scheme_name="MetricsKey",
     description="`Authorization: Bearer <METRICS_API_KEY>` (or the admin key).",
     auto_error=False,
 )
 # The same scheme where no admin key is held (the status service, the scorer, the notifier).
-METRICS_ONLY_KEY_SCHEME = HTTPBearer(
+METRICS_ONLY_KEY_SCHEME = BearerScheme(
     scheme_name="MetricsKey",
     description="`Authorization: Bearer <METRICS_API_KEY>`.",
     auto_error=False,
 )
-INTERNAL_KEY_SCHEME = HTTPBearer(
+INTERNAL_KEY_SCHEME = BearerScheme(
     scheme_name="InternalKey",
     description="The services' internal key, which the gateway sends: "
     "`Authorization: Bearer <INTERNAL_API_KEY>`.",
@@ -472,7 +502,7 @@ def warn_if_internal_routes_open(internal_key: SecretStr | None, service: str) -
 def internal_key_headers(internal_key: SecretStr | None) -> dict[str, str]:
     """The headers a caller of the internal routes sends: none without a configured key."""
     configured = _configured([internal_key])
-    return {"Authorization": configured[0].decode()} if configured else {}
+    return {"Authorization": f"Bearer {configured[0].decode()}"} if configured else {}
 
 
 def log_if_internal_key_refused(status_code: int, service: str) -> None:
@@ -499,32 +529,31 @@ def problem_in(response: httpx.Response) -> dict[str, Any] | None:
 
 
 def _configured(keys: Sequence[SecretStr | None]) -> list[bytes]:
-    """The `Authorization` header each configured key is sent as; an empty key is no key."""
+    """Each configured key, as bytes; an empty key is no key."""
     return [
-        f"Bearer {key.get_secret_value()}".encode()
+        key.get_secret_value().encode()
         for key in keys
         if key is not None and key.get_secret_value()
     ]
 
 
 def _bearer_guard(
-    keys: Sequence[SecretStr | None], *, scheme: HTTPBearer, disabled: str, hint: str
+    keys: Sequence[SecretStr | None], *, scheme: BearerScheme, disabled: str, hint: str
 ) -> Any:
-    """`scheme` only documents the guard (its OpenAPI security scheme): the guard compares the
-    `Authorization` header whole, as sent."""
+    """A dependency admitting a request whose bearer token (as `scheme` reads it, which also
+    documents the guard) is one of `keys`."""
     configured = _configured(keys)
 
-    declared = Depends(scheme)  # the OpenAPI security scheme; its value is not read
+    # A default, not `Annotated`: with postponed annotations FastAPI reads an annotation in
+    # the module's globals, where `scheme` is not.
+    read_token = Depends(scheme)
 
-    async def require_key(
-        request: Request, _declared: HTTPAuthorizationCredentials | None = declared
-    ) -> None:
-        authorization = request.headers.get("authorization")
+    async def require_key(credentials: HTTPAuthorizationCredentials | None = read_token) -> None:
         if not configured:
             raise Problem(403, disabled)
         # As bytes: the server decodes header bytes as Latin-1, and `compare_digest` refuses
         # strings with other than ASCII in them (a TypeError: a 500 instead of a 401).
-        sent = None if authorization is None else authorization.encode("latin-1")
+        sent = None if credentials is None else credentials.credentials.encode("latin-1")
         # Every key compared, whichever matches: the time taken tells nothing.
         matched = [sent is not None and hmac.compare_digest(sent, key) for key in configured]
         if not any(matched):
@@ -533,14 +562,58 @@ def _bearer_guard(
     return Depends(require_key)
 
 
+# `date.fromisoformat` also takes ISO 8601's other forms (2025-W01-1, 20250101).
+_DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+# How much of a refused value a problem quotes: a query string may hold tens of kilobytes.
+_QUOTED_CHARS = 40
+
+
 def parse_day(value: str, name: str) -> date:
     """A query parameter `name` as a YYYY-MM-DD date; a 422 problem otherwise."""
-    try:
-        return date.fromisoformat(value)
-    except ValueError:
-        raise Problem(
-            422, f"`{name}` must be a date as YYYY-MM-DD, not {value!r}.", kind="invalid-fields"
-        ) from None
+    if _DAY.fullmatch(value):
+        try:
+            return date.fromisoformat(value)
+        except ValueError:  # 2025-02-30
+            pass
+    message = f"must be a date as YYYY-MM-DD, not {_quoted(value)}"
+    raise Problem(
+        422,
+        f"`{name}` {message}.",
+        kind="invalid-fields",
+        errors=[{"field": f"query.{name}", "message": message}],
+    )
+
+
+def _quoted(value: str) -> str:
+    if len(value) <= _QUOTED_CHARS:
+        return repr(value)
+    return f"{value[:_QUOTED_CHARS]!r}… ({len(value):,} characters)"
+
+
+def invalid_query(name: str, message: str, *, outcome: str | None = None) -> Problem:
+    """A 422 naming query parameter `name`, as the services answer invalid fields
+    (`install_problem_handlers`); `outcome` (such as "nothing was removed") ends the detail."""
+    field = f"query.{name[:100]}"
+    detail = f"{field}: {message}" + (f"; {outcome}." if outcome else ".")
+    return Problem(
+        422, detail, kind="invalid-fields", errors=[{"field": field, "message": message}]
+    )
+
+
+def refuse_unexpected_query(
+    request: Request, expected: Collection[str], *, outcome: str | None = None
+) -> None:
+    """A 422 (`invalid_query`) for a query parameter the route does not take, or one given
+    more than once: ignored, a misspelt filter widened the answer (`?tenant=` listed every
+    tenant's keys) and of two values the last was taken without a word."""
+    unknown = sorted(set(request.query_params) - set(expected))
+    if unknown:
+        taken = ", ".join(f"`{name}`" for name in sorted(expected)) or "none"
+        message = f"is not a parameter of this route (only {taken})"
+        raise invalid_query(unknown[0], message, outcome=outcome)
+    for name in sorted(expected):
+        if len(request.query_params.getlist(name)) > 1:
+            raise invalid_query(name, "must be given once", outcome=outcome)
 
 
 def parse_seconds(value: str | None) -> float | None:

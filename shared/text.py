@@ -2,9 +2,13 @@
 and the gateway applies when it accepts one (one rule, so the two can never disagree about
 whether a text is empty). Pure functions, no I/O.
 
-A text is blank when nothing is left of it once normalised: only whitespace (Unicode's, not
-just ASCII's) and control characters (U+0000-U+001F, U+007F-U+009F). The gateway refuses a
-blank text with a 422; the scorer would only fail its task (`InputRejected`).
+A text is blank when nothing is left of it once normalised but format characters: only
+whitespace (Unicode's, not just ASCII's), control characters (U+0000-U+001F, U+007F-U+009F)
+and format characters (Unicode category Cf: zero-width spaces and joiners, bidi marks, the
+byte order mark...). Normalisation keeps format characters (a zero-width joiner binds an emoji
+sequence, a soft hyphen marks where a word may break), but they are nobody's content: a text of
+them alone was accepted and scored as if it said something. The gateway refuses a blank text
+with a 422; the scorer would only fail its task (`InputRejected`).
 """
 
 from __future__ import annotations
@@ -25,11 +29,19 @@ _OTHER_SPACES = re.compile(f"[{_SPACES[1:]}]")
 _DOUBLE_SPACES = re.compile("  +")
 _TRAILING_SPACES = re.compile(r"[ \t]+\n")
 _BLANK_LINE_RUNS = re.compile(r"\n{3,}")
-# A character `normalise_text` always keeps something of: neither whitespace (`\s` is
-# `str.isspace`, what `strip` removes) nor a control character. Every step after NFC only
-# removes or rewrites such characters, and NFC maps none of the others to them (checked for
-# every code point in tests/unit/test_text.py).
-_CONTENT = re.compile(r"[^\s\x00-\x1f\x7f-\x9f]")
+# Unicode 15.1's format characters (category Cf), as ranges (checked against every code
+# point in tests/unit/test_text.py).
+FORMAT_CHARACTERS = (
+    r"\xad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e\u200b-\u200f"
+    r"\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb\U000110bd\U000110cd"
+    r"\U00013430-\U0001343f\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0001"
+    r"\U000e0020-\U000e007f"
+)
+# Content: neither whitespace (`\s` is `str.isspace`, what `strip` removes), nor a control
+# character, nor a format character. `normalise_text` keeps something of each such character
+# (every step after NFC only removes or rewrites the others), and NFC maps none of the others
+# to content (both checked for every code point in tests/unit/test_text.py).
+_CONTENT = re.compile(rf"[^\s\x00-\x1f\x7f-\x9f{FORMAT_CHARACTERS}]")
 # Every character `str.isspace` (and `\s`) accepts but the space and the newline, as ranges
 # (checked against every code point in tests/unit/test_text.py): re scans a class of plain
 # ranges many times faster than one built on `\s`, which it tests position by position.
@@ -75,9 +87,8 @@ def _is_canonical(text: str) -> bool:
 
 
 def is_blank(text: str) -> bool:
-    """Whether nothing of `text` is left to score once it is normalised: `not
-    normalise_text(text)`, but a text with content answers at its first content character
-    instead of being normalised whole (a batch may carry 16 MiB of text)."""
-    if _CONTENT.search(text) is not None:
-        return False
-    return not normalise_text(text)
+    """Whether nothing of `text` is left to score once it is normalised: no content character
+    in `normalise_text(text)`, which is so exactly when `text` has none (see `_CONTENT`), so
+    a text with content answers at its first content character instead of being normalised
+    whole (a batch may carry 16 MiB of text)."""
+    return _CONTENT.search(text) is None

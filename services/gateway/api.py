@@ -52,12 +52,15 @@ from shared.http import (
     database_refused,
     problem,
     problem_responses,
+    refuse_unexpected_query,
 )
 
 # `\Z`, not `$`: `$` also matches before a trailing newline.
 log = logging.getLogger("scorebox.gateway")
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}\Z")
 TASK_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
+# The query parameters of `GET /v1/scores/{task_id}`.
+READ_PARAMETERS = frozenset({"wait", "status"})
 
 LOCATION_HEADER = {
     "Location": {
@@ -299,7 +302,8 @@ def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
         summary="The task's status and, once completed, its score",
         description="With `wait=N` (long-poll, at most 60 s) an unfinished task is answered "
         "after its next state change or after N seconds, whichever comes first; at once when it "
-        "is finished or its status differs from `status` (the one the client already has).",
+        "is finished or its status differs from `status` (the one the client already has). "
+        "Any other query parameter, or one given twice, is refused (422).",
         responses=problem_responses(401, 404, 429, 503),
     )
     async def read(
@@ -309,6 +313,7 @@ def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
         wait: Annotated[float, Query(ge=0, le=60, description="Long-poll up to N s.")] = 0,
         status: Annotated[TaskStatus | None, Query(description="The status you have.")] = None,
     ) -> Response:
+        refuse_unexpected_query(request, READ_PARAMETERS)
         if wait > 0 and TASK_ID.match(task_id):
             try:
                 view = await unless_gone(

@@ -27,14 +27,14 @@ from datetime import datetime
 from typing import Annotated, Any, Protocol
 
 from fastapi import Depends, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPAuthorizationCredentials
 
 from services.gateway.errors import DatabaseUnavailable, refused_for_good
 from services.gateway.keys import ApiKey, parse_key, secret_matches
 from services.gateway.limits import LimitExceeded, RateLimiter, limit_problem
 from services.gateway.unknown_keys import UNKNOWN_ADDRESS, UnknownKeyBudget
 from shared.contracts import utcnow
-from shared.http import Problem, database_refused
+from shared.http import BearerScheme, Problem, database_refused
 
 log = logging.getLogger("scorebox.gateway.auth")
 
@@ -251,7 +251,7 @@ class Authenticator:
             self.remember(key_id)
 
 
-_bearer = HTTPBearer(
+_bearer = BearerScheme(
     auto_error=False,
     bearerFormat="sbx_<key_id>_<secret>",
     description="An API key: `Authorization: Bearer sbx_<key_id>_<secret>`.",

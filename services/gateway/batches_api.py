@@ -43,11 +43,18 @@ from services.gateway.schemas import EXPIRED
 from services.gateway.settings import GatewaySettings
 from shared.bodies import read_json_object
 from shared.contracts import ScoreResult, TaskFailure
-from shared.http import Problem, problem_responses, validation_message
+from shared.http import (
+    Problem,
+    problem_responses,
+    refuse_unexpected_query,
+    validation_message,
+)
 
 BATCH_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
-CURSOR = re.compile(r"^\d{1,7}\Z")
+# ASCII digits: `\d` takes any script's (U+0661, ARABIC-INDIC DIGIT ONE), which `int` reads.
+CURSOR = re.compile(r"^[0-9]{1,7}\Z")
 DEFAULT_PAGE = 100
+PAGE_PARAMETERS = frozenset({"cursor", "limit"})
 
 
 def batch_url(batch_id: str) -> str:
@@ -362,15 +369,18 @@ def batch_routes(
         summary="A batch's progress: counts per status and a page of its items with results",
         description="Items come in the request's order, `limit` per page; follow `next_cursor` "
         "until it is null to see every item exactly once. Right after the 202 the counts may "
-        "lag: tasks not yet seen by the status service count as `queued`.",
+        "lag: tasks not yet seen by the status service count as `queued`. Any other query "
+        "parameter, or one given twice, is refused (422).",
         responses=problem_responses(400, 401, 404, 429, 503),
     )
     async def read(
+        request: Request,
         batch_id: str,
         cursor: str | None = Query(default=None, description="`next_cursor` of the last page."),
         limit: int = Query(default=DEFAULT_PAGE, ge=1, le=1000, description="Items per page."),
         caller: Caller = authenticated,
     ) -> BatchView:
+        refuse_unexpected_query(request, PAGE_PARAMETERS)
         missing = unknown_batch(batch_id)
         if not BATCH_ID.match(batch_id):
             raise missing

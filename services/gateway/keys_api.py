@@ -24,6 +24,7 @@ from shared.http import (
     admin_guard,
     database_refused,
     problem_responses,
+    refuse_unexpected_query,
 )
 
 MAX_LISTED = 10_000  # keys one listing shows
@@ -116,10 +117,17 @@ def key_admin_routes(
         remember(key.key_id)
         return JSONResponse({**key.public(), "key": token}, status_code=201)
 
-    @router.get("/keys", summary="List API keys, of one tenant or all")
+    @router.get(
+        "/keys",
+        summary="List API keys, of one tenant or all",
+        description="Any query parameter but `tenant_id`, or `tenant_id` given twice, is "
+        "refused (422): a misspelt filter would list every tenant's keys.",
+    )
     async def list_keys(
+        request: Request,
         tenant_id: Annotated[str | None, Query(pattern=TENANT_ID_PATTERN)] = None,
     ) -> dict[str, Any]:
+        refuse_unexpected_query(request, {"tenant_id"})
         try:
             found = await keys.find_all(tenant_id=tenant_id, limit=MAX_LISTED + 1)
         except DatabaseUnavailable as error:

@@ -102,7 +102,10 @@ class SchedulerClient:
                 f"{self._base_url}/internal/v1/usage",
                 params={"tenant_id": tenant_id, "from": first_day, "to": last_day},
             )
-        except httpx.HTTPError as error:
+        # `InvalidURL` is no `HTTPError`: a URL httpx cannot build (over its length limit, once
+        # a 500) is not sent; the gateway checks what it puts in it, so it is left to
+        # `SCHEDULER_URL`.
+        except (httpx.HTTPError, httpx.InvalidURL) as error:
             raise SchedulerUnavailable(f"scheduler unreachable: {error!r}") from error
         if response.status_code == 422:
             raise UsageQueryRejected(_problem_detail(response))

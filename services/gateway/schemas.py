@@ -28,7 +28,10 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_DELAY_S = 7 * 24 * 3600
 # Why a text with nothing to score is refused (`shared.text.is_blank`); the scorer would only
 # fail its task.
-BLANK_TEXT = "text must contain something other than whitespace and control characters"
+BLANK_TEXT = (
+    "text must contain something other than whitespace, control characters and invisible "
+    "format characters (such as U+200B)"
+)
 # The status of a task the status service no longer holds (finished, then expired).
 EXPIRED = "expired"
 # A model's name as the provider takes it: surrounding blanks dropped, something left, no

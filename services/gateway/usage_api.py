@@ -11,7 +11,7 @@ from collections.abc import Callable
 from datetime import UTC, date, datetime, timedelta
 from typing import Annotated, Any, Final
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 
 from services.gateway.auth import Caller
 from services.gateway.scheduler_client import (
@@ -20,7 +20,7 @@ from services.gateway.scheduler_client import (
     UsageQueryRejected,
     UsageReport,
 )
-from shared.http import Problem, parse_day, problem_responses
+from shared.http import Problem, parse_day, problem_responses, refuse_unexpected_query
 
 Clock = Callable[[], datetime]
 DEFAULT_PERIOD_DAYS: Final = 30
@@ -55,17 +55,20 @@ _EXAMPLE = {
 def usage_period(first_day: str | None, last_day: str | None, *, today: date) -> tuple[str, str]:
     """The period to ask for: `to` defaults to today (UTC), `from` to 30 days before `to`.
 
-    Given dates are passed on as they are (the scheduler validates them); `to` is read here
-    only to compute a missing `from`.
+    Given dates must be YYYY-MM-DD (422 otherwise): unchecked, any text was sent on in the
+    scheduler's query string, and one too long for a URL was a 500. The scheduler checks the
+    range.
     """
-    last = last_day if last_day is not None else today.isoformat()
+    last = parse_day(last_day, "to") if last_day is not None else today
     if first_day is not None:
-        return first_day, last
+        return parse_day(first_day, "from").isoformat(), last.isoformat()
     try:
-        first = parse_day(last, "to") - timedelta(days=DEFAULT_PERIOD_DAYS)
+        first = last - timedelta(days=DEFAULT_PERIOD_DAYS)
     except OverflowError:
-        raise Problem(422, f"`to` is too early: {last!r}.", kind="invalid-fields") from None
-    return first.isoformat(), last
+        raise Problem(
+            422, f"`to` is too early: {last.isoformat()!r}.", kind="invalid-fields"
+        ) from None
+    return first.isoformat(), last.isoformat()
 
 
 def usage_routes(scheduler: SchedulerClient, authenticated: Any, *, clock: Clock) -> APIRouter:
@@ -79,13 +82,15 @@ def usage_routes(scheduler: SchedulerClient, authenticated: Any, *, clock: Clock
         description="Per UTC day with usage, and in total, over `from`..`to` (both included; at "
         "most 366 days). `to` defaults to today (UTC), `from` to 30 days before `to`. Usage is "
         "rolled up periodically (hourly by default), so the latest tasks may not be counted "
-        "yet. A re-scored task counts again. `cost` is null when no request had a priced model.",
+        "yet. A re-scored task counts again. `cost` is null when no request had a priced model. "
+        "Any other query parameter, or one given twice, is refused (422).",
         responses={
             200: {"content": {"application/json": {"example": _EXAMPLE}}},
             **problem_responses(401, 422, 429, 503),
         },
     )
     async def read_usage(
+        request: Request,
         caller: Caller = authenticated,
         first_day: Annotated[
             str | None,
@@ -96,6 +101,7 @@ def usage_routes(scheduler: SchedulerClient, authenticated: Any, *, clock: Clock
             Query(alias="to", description="Last UTC day, YYYY-MM-DD.", examples=["2025-01-31"]),
         ] = None,
     ) -> UsageReport:
+        refuse_unexpected_query(request, {"from", "to"})
         first, last = usage_period(first_day, last_day, today=clock().astimezone(UTC).date())
         try:
             return await scheduler.usage(caller.tenant_id, first_day=first, last_day=last)

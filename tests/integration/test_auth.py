@@ -293,6 +293,38 @@ async def test_admin_key_routes_need_the_admin_key(stack: Stack) -> None:
         _assert_unauthorized(await stack.api.delete(f"/admin/v1/keys/{'0' * 16}", headers=headers))
 
 
+@pytest.mark.parametrize("written", ["bearer {key}", "BEARER  {key}", "Bearer\t{key}"])
+async def test_every_key_is_taken_with_its_scheme_in_any_case_and_blanks_before_it(
+    stack: Stack, written: str
+) -> None:
+    """RFC 9110 §11.1: the scheme is case-insensitive. The admin guard compared the header
+    whole: `bearer <admin key>` was a 401 where the public routes took `bearer <API key>`."""
+    admin = {"Authorization": written.format(key=ADMIN_KEY)}
+    assert (await stack.api.get("/admin/v1/keys", headers=admin)).status_code == 200
+    created = await stack.new_key(_tenant("scheme"))
+    public = {"Authorization": written.format(key=created["key"])}
+    assert (await stack.api.get(f"/v1/scores/{SOME_ID}", headers=public)).status_code == 404
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "tenant=acme",  # misspelt: every tenant's keys were listed
+        "tenant_id=acme&tenant_id=other",  # twice: the last was taken
+        "tenant_id=acme&limit=5",
+    ],
+)
+async def test_a_key_listing_refuses_other_or_repeated_query_parameters(
+    stack: Stack, query: str
+) -> None:
+    await stack.new_key(_tenant("listed"))  # a key some listing would show
+    problem = _assert_problem(await stack.api.get(f"/admin/v1/keys?{query}", headers=ADMIN), 422)
+    assert problem["type"].endswith("/invalid-fields")
+    assert "items" not in problem
+    [error] = problem["errors"]
+    assert error["field"] in ("query.tenant", "query.tenant_id", "query.limit")
+
+
 # (service, method, path, the key that opens the route)
 GUARDED_BODIES = {
     "gateway-keys": ("gateway", "POST", "/admin/v1/keys", ADMIN),

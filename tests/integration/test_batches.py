@@ -319,6 +319,36 @@ async def test_another_tenants_batch_is_404(batches: Batches) -> None:
     _assert_problem(await batches.api.get(f"/v1/batches/{batch_id}?cursor=2"), 400)
 
 
+@pytest.mark.parametrize(
+    "cursor",
+    # U+0661 ARABIC-INDIC DIGIT ONE, U+FF11 FULLWIDTH DIGIT ONE, U+0967 DEVANAGARI DIGIT ONE
+    ["%D9%A1", "%EF%BC%91", "%E0%A5%A7"],
+)
+async def test_a_cursor_of_other_digits_than_ascii_is_400(batches: Batches, cursor: str) -> None:
+    """`\\d` took any script's digit, which `int` reads: U+0661 was the page after item 1."""
+    batch_id = (await batches.submit({"items": _items(3)})).json()["batch_id"]
+    page = await batches.api.get(f"/v1/batches/{batch_id}?limit=1&cursor={cursor}")
+    _assert_problem(page, 400)
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "limt=1",  # misspelt: was ignored, a page of 100 answered
+        "cursor=1&cursor=2",  # twice: the last was taken
+        "limit=1&limit=2",
+        "limit=1&tenant_id=other",
+    ],
+)
+async def test_a_batch_read_refuses_other_or_repeated_query_parameters(
+    batches: Batches, query: str
+) -> None:
+    batch_id = (await batches.submit({"items": _items(3)})).json()["batch_id"]
+    problem = _assert_problem(await batches.api.get(f"/v1/batches/{batch_id}?{query}"), 422)
+    assert problem["type"].endswith("/invalid-fields")
+    assert problem["errors"][0]["field"].startswith("query.")
+
+
 async def test_each_item_reaches_the_projection_with_its_batch_and_position(
     batches: Batches,
 ) -> None:

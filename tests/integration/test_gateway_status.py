@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from tests.integration.in_process import gateway_and_status
 from tests.support import eventually, queued_commands, running
 
 MAX_TEXT = 200
+GZIPPED_JSON = {"content-type": "application/json", "content-encoding": "gzip"}
 API_KEY = generate_key().token  # registered for the default tenant by BOOTSTRAP_API_KEY
 INTERNAL_KEY = "test-internal-key"
 
@@ -108,6 +110,40 @@ BAD_INPUTS = [
         400,
         id="not-json",
     ),
+    # A declared coding was ignored: a gzip body was "not valid UTF-8" (400), a plain one
+    # mislabelled gzip accepted.
+    pytest.param(
+        {"content": gzip.compress(b'{"text": "hi"}'), "headers": GZIPPED_JSON},
+        415,
+        id="gzip-encoded",
+    ),
+    pytest.param(
+        {"content": b'{"text": "hi"}', "headers": GZIPPED_JSON}, 415, id="mislabelled-gzip"
+    ),
+    pytest.param(
+        {
+            "content": b'{"text": "hi"}',
+            "headers": {"content-type": "application/json", "content-encoding": "identity, br"},
+        },
+        415,
+        id="brotli-after-identity",
+    ),
+    pytest.param(
+        {
+            "content": '{"text": "hi"}'.encode("utf-16"),
+            "headers": {"content-type": "application/json; charset=UTF-16"},
+        },
+        415,
+        id="utf-16-charset",
+    ),
+    pytest.param(
+        {
+            "content": b'{"text": "hi"}',
+            "headers": {"content-type": 'application/json; charset="latin-1"'},
+        },
+        415,
+        id="latin-1-charset",
+    ),
     pytest.param({"json": {"text": "x" * (MAX_TEXT + 1)}}, 413, id="text-too-long"),
     pytest.param(
         {
@@ -123,6 +159,8 @@ BAD_INPUTS = [
     # accepted, then failed by the scorer.
     pytest.param({"json": {"text": "\u0001"}}, 422, id="control-character-text"),
     pytest.param({"json": {"text": "\u0000\u0080 \t"}}, 422, id="controls-and-blanks-text"),
+    # Invisible format characters alone (category Cf) say nothing: were accepted and scored.
+    pytest.param({"json": {"text": "\u200b\u2060\ufeff"}}, 422, id="format-characters-text"),
     pytest.param({"json": {"text": "hi", "colour": "red"}}, 422, id="unknown-field"),
     pytest.param({"json": {"text": 42}}, 422, id="wrong-type"),
     pytest.param({"json": ["hi"]}, 422, id="not-an-object"),
@@ -213,7 +251,9 @@ async def test_numbers_within_64_bits_and_fractions_in_metadata_are_kept_as_sent
     assert [command.metadata for command in commands] == [metadata]
 
 
-@pytest.mark.parametrize("text", ["\u0001", "\u0000\u0080 \t", "\u0085\u2028\u00a0\u009f"])
+@pytest.mark.parametrize(
+    "text", ["\u0001", "\u0000\u0080 \t", "\u0085\u2028\u00a0\u009f", "\u200b \u2060\ufeff"]
+)
 async def test_a_text_of_only_blanks_and_control_characters_is_a_422_naming_the_field(
     stack: Stack, text: str
 ) -> None:
@@ -223,7 +263,7 @@ async def test_a_text_of_only_blanks_and_control_characters_is_a_422_naming_the_
     errors = problem["errors"]
     assert isinstance(errors, list)
     assert [error["field"] for error in errors] == ["text"]
-    assert "other than whitespace and control characters" in errors[0]["message"]
+    assert "other than whitespace, control characters and invisible format" in errors[0]["message"]
     assert str(problem["detail"]).startswith("text: ")
     assert await _submission_count(stack) == before
     assert await queued_commands(stack.amqp_url) == []
@@ -238,6 +278,49 @@ async def test_a_text_with_content_among_control_characters_is_accepted_as_sent(
     assert response.status_code == 202, response.text
     commands = await queued_commands(stack.amqp_url)
     assert [c.text for c in commands] == [text]  # the scorer normalises, not the gateway
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "\U0001f469\u200d\U0001f4bb",  # an emoji bound by a zero-width joiner
+        "Zero\u200bwidth\u200cnon\u200djoiners\u00ad in words.",
+    ],
+)
+async def test_a_text_with_format_characters_among_its_content_is_accepted_as_sent(
+    stack: Stack, text: str
+) -> None:
+    await queued_commands(stack.amqp_url)
+    response = await stack.api.post("/v1/scores", json={"text": text, "use_cache": False})
+    assert response.status_code == 202, response.text
+    commands = await queued_commands(stack.amqp_url)
+    assert [c.text for c in commands] == [text]
+
+
+@pytest.mark.parametrize(
+    ("headers"),
+    [
+        {"content-type": "application/json; charset=UTF-8", "content-encoding": "identity"},
+        {"content-type": 'application/json;charset="utf-8"'},
+    ],
+)
+async def test_utf_8_and_no_coding_said_out_loud_are_accepted(
+    stack: Stack, headers: dict[str, str]
+) -> None:
+    await queued_commands(stack.amqp_url)
+    body = b'{"text": "Declared as it is.", "use_cache": false}'
+    response = await stack.api.post("/v1/scores", content=body, headers=headers)
+    assert response.status_code == 202, response.text
+    assert len(await queued_commands(stack.amqp_url)) == 1
+
+
+async def test_a_415_for_a_content_coding_names_it_and_what_is_accepted(stack: Stack) -> None:
+    response = await stack.api.post(
+        "/v1/scores", content=gzip.compress(b'{"text": "hi"}'), headers=GZIPPED_JSON
+    )
+    problem = _assert_problem(response, 415)
+    assert "'gzip' is not supported" in str(problem["detail"])
+    assert response.headers["accept-encoding"] == "identity"
 
 
 async def test_bad_idempotency_key_is_400(stack: Stack) -> None:
@@ -267,6 +350,24 @@ async def test_two_idempotency_keys_are_400_and_keep_nothing(
 async def test_unknown_task_is_404(stack: Stack) -> None:
     _assert_problem(await stack.api.get(f"/v1/scores/{uuid.uuid4().hex}"), 404)
     _assert_problem(await stack.api.get("/v1/scores/not%20an%20id"), 404)
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "wiat=30",  # misspelt: was ignored, answered at once instead of long-polled
+        "wait=0&wait=30",  # twice: the last was taken
+        "status=queued&status=completed",
+        "wait=1&cursor=2",
+    ],
+)
+async def test_a_read_refuses_other_or_repeated_query_parameters(stack: Stack, query: str) -> None:
+    response = await stack.api.get(f"/v1/scores/{uuid.uuid4().hex}?{query}")
+    problem = _assert_problem(response, 422)
+    assert str(problem["type"]).endswith("/invalid-fields")
+    errors = problem["errors"]
+    assert isinstance(errors, list)
+    assert str(errors[0]["field"]).startswith("query.")
 
 
 async def test_accepted_submission_is_queued_and_readable_at_once(stack: Stack) -> None:

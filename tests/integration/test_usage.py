@@ -19,6 +19,7 @@ from pymongo import AsyncMongoClient
 
 from services.gateway.app import create_app as create_gateway
 from services.gateway.keys import generate_key
+from services.gateway.scheduler_client import SchedulerClient, SchedulerUnavailable
 from services.gateway.settings import GatewaySettings
 from services.scheduler.app import create_app as create_scheduler
 from services.scheduler.config import parse_config
@@ -238,6 +239,10 @@ async def test_the_period_defaults_to_the_30_days_up_to_today(stack: Stack) -> N
         ({"from": "2029-01-01", "to": "2030-06-01"}, "at most 366 days"),
         ({"to": "tomorrow"}, "`to` must be a date as YYYY-MM-DD"),
         ({"to": "0001-01-02"}, "`to` is too early"),
+        # ISO 8601's other forms, which `date.fromisoformat` takes: were answered 200.
+        ({"from": "2030-W01-1", "to": "2030-W02-1"}, "`to` must be a date as YYYY-MM-DD"),
+        ({"from": "20300101", "to": "2030-01-31"}, "`from` must be a date as YYYY-MM-DD"),
+        ({"from": "2030-01-01", "to": "2030-01-3\u0661"}, "`to` must be a date as YYYY-MM-DD"),
     ],
 )
 async def test_bad_dates_are_422_with_the_reason(
@@ -247,6 +252,54 @@ async def test_bad_dates_are_422_with_the_reason(
     assert response.status_code == 422, response.text
     assert response.headers["content-type"].startswith(PROBLEM_JSON)
     assert detail in response.json()["detail"]
+
+
+async def test_a_malformed_date_too_long_for_a_url_is_422_not_500(stack: Stack) -> None:
+    """Sent on unchecked, 30,000 `(` made the scheduler's URL too long for httpx (its
+    `InvalidURL` is no `HTTPError`): a 500. The refusal quotes only the start of it."""
+    response = await stack.gateway.get(
+        "/v1/usage?from=" + "(" * 30_000 + "&to=2030-01-01",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    assert response.status_code == 422, response.text
+    assert response.headers["content-type"].startswith(PROBLEM_JSON)
+    problem = response.json()
+    assert problem["type"].endswith("/invalid-fields")
+    assert [error["field"] for error in problem["errors"]] == ["query.from"]
+    assert "30,000 characters" in problem["detail"]
+    assert len(problem["detail"]) < 200
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "form=2030-01-01",  # misspelt: was ignored, the default period answered
+        "from=2030-01-01&from=2030-01-05",  # twice: the last was taken
+        "from=2030-01-01&tenant_id=someone-else",
+    ],
+)
+async def test_other_or_repeated_query_parameters_are_422(stack: Stack, query: str) -> None:
+    response = await stack.gateway.get(
+        f"/v1/usage?{query}", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
+    assert response.status_code == 422, response.text
+    assert response.headers["content-type"].startswith(PROBLEM_JSON)
+    assert response.json()["errors"][0]["field"].startswith("query.")
+
+
+async def test_a_url_the_scheduler_client_cannot_build_is_the_scheduler_unavailable() -> None:
+    """A defence behind the gateway's own checks: httpx's `InvalidURL` is no `HTTPError`."""
+    sent: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(200)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
+        client = SchedulerClient(http, base_url="http://scheduler")
+        with pytest.raises(SchedulerUnavailable):
+            await client.usage("acme", first_day="(" * 30_000, last_day="2030-01-01")
+    assert sent == []
 
 
 async def test_usage_needs_an_api_key(stack: Stack) -> None:

@@ -136,6 +136,49 @@ async def test_the_internal_key_does_not_open_the_admin_routes() -> None:
     assert admitted.json() == {"thing": "admin"}
 
 
+@pytest.mark.parametrize(
+    "written",
+    [
+        "bearer {key}",
+        "BEARER {key}",
+        "bEaReR {key}",
+        "Bearer   {key}",
+        "Bearer\t{key}",
+        "Bearer \t {key}",
+    ],
+)
+@pytest.mark.parametrize(
+    ("path", "key"),
+    [("/admin/v1/thing", ADMIN_KEY), ("/internal/v1/thing", INTERNAL_KEY)],
+    ids=["admin", "internal"],
+)
+async def test_the_guards_take_the_scheme_in_any_case_and_blanks_before_the_key(
+    written: str, path: str, key: str
+) -> None:
+    """RFC 9110 §11.1: the scheme is case-insensitive. The guards compared the header whole
+    and refused what the public routes' key check took."""
+    headers = {"Authorization": written.format(key=key)}
+    response = await _get(guarded_app(INTERNAL_KEY), path, headers)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    "written",
+    [
+        "Bearer",
+        "Bearer ",
+        "{key}",
+        "Basic {key}",
+        "Bearer{key}",
+        "Bearer {key} {key}",
+        "Bearer {key}x",
+    ],
+)
+async def test_the_guards_still_refuse_what_is_not_the_bearer_key(written: str) -> None:
+    headers = {"Authorization": written.format(key=ADMIN_KEY)}
+    _assert_refused(await _get(guarded_app(INTERNAL_KEY), "/admin/v1/thing", headers))
+
+
 async def test_without_an_internal_key_the_admin_routes_stay_shut_to_it() -> None:
     """Unset, the internal routes open; the admin routes still need the admin key."""
     app = guarded_app(None)

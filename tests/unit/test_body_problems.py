@@ -58,3 +58,38 @@ async def test_a_body_nested_too_deep_is_said_to_be_so(client: httpx.AsyncClient
 
     assert response.status_code == 400
     assert response.json()["detail"] == "The body's JSON nests deeper than 1,024 levels."
+
+
+@pytest.mark.parametrize("declared", [b"\xb2", b"\xb9\xb2"])  # `²`, `¹²` as a server decodes them
+async def test_a_content_length_of_other_digits_than_ascii_is_no_server_error(
+    client: httpx.AsyncClient, declared: bytes
+) -> None:
+    """`str.isdigit` takes `²`, which `int` refuses: a ValueError, a 500. Not a number, the
+    declared length is left aside and the body read within its limit, as for any other."""
+    headers = [(b"content-type", b"application/json"), (b"content-length", declared)]
+
+    response = await client.post("/even", content=b'{"number": 2}', headers=headers)
+
+    assert response.status_code == 200, response.text
+    assert response.json() == {"number": 2}
+
+
+@pytest.mark.parametrize(
+    ("headers", "named"),
+    [
+        ({"Content-Type": "application/json", "Content-Encoding": "gzip"}, "'gzip'"),
+        ({"Content-Type": "application/json", "Content-Encoding": "Deflate"}, "'deflate'"),
+        ({"Content-Type": "application/merge-patch+json; charset=utf-16"}, "'utf-16'"),
+        ({"Content-Type": "application/json; Charset=ISO-8859-1"}, "'iso-8859-1'"),
+    ],
+)
+async def test_a_body_encoded_or_not_utf_8_is_a_415_naming_why(
+    client: httpx.AsyncClient, headers: dict[str, str], named: str
+) -> None:
+    """Every service's JSON routes read bodies here: one declared encoded, or in a charset
+    other than UTF-8, was read as plain UTF-8 JSON."""
+    response = await client.post("/even", content=b'{"number": 2}', headers=headers)
+
+    assert response.status_code == 415, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    assert named in response.json()["detail"]

@@ -125,6 +125,12 @@ def test_extras_are_read_tolerantly() -> None:
         ("2025-02-01", "2025-01-31", "must not be before"),
         ("2025-13-01", "2025-12-31", "YYYY-MM-DD"),
         ("yesterday", "2025-01-01", "YYYY-MM-DD"),
+        # ISO 8601's other forms, which `date.fromisoformat` takes.
+        ("2025-W01-1", "2025-01-31", "YYYY-MM-DD"),
+        ("2025-01-01", "20250131", "YYYY-MM-DD"),
+        ("2025-001", "2025-01-31", "YYYY-MM-DD"),
+        ("2025-01-01", "2025-01-3\u0661", "YYYY-MM-DD"),  # an Arabic-Indic digit
+        ("2025-02-30", "2025-03-01", "YYYY-MM-DD"),
         ("2024-01-01", "2025-01-01", "at most 366 days"),
     ],
 )

@@ -18,10 +18,16 @@ from services.gateway.schemas import ScoreSubmission
 from services.scorer.errors import InputRejected
 from services.scorer.model import normalise, preparation
 from services.scorer.model.preparation import prepare_text
-from shared.text import OTHER_WHITESPACE, is_blank, normalise_text
+from shared.text import FORMAT_CHARACTERS, OTHER_WHITESPACE, is_blank, normalise_text
 
 # Whitespace (`str.isspace`) and control characters (category Cc).
 _BLANK_CHARACTER = re.compile(r"[\s\x00-\x1f\x7f-\x9f]")
+
+
+def _no_content(character: str) -> bool:
+    """Whitespace, a control character or a format character (category Cf)."""
+    return bool(_BLANK_CHARACTER.fullmatch(character)) or unicodedata.category(character) == "Cf"
+
 
 TRICKY = [
     "",
@@ -33,9 +39,17 @@ TRICKY = [
     "\r\n\x0b\x0c\x1c\x1d\x1e\x1f",
     "\u2000\u2001\u3000\u1680",  # two of them NFC-map to other spaces
     "\x7f" * 5 + "\n" * 5,
-    "\u200b",  # zero-width space: not whitespace to Python (category Cf), kept
-    "\ufeff",  # byte order mark: likewise
-    "\u180e",  # Mongolian vowel separator: no longer a space (Unicode 6.3)
+    # Format characters (category Cf): not whitespace to Python, kept by normalisation, but
+    # no content (a text of them alone was accepted and scored).
+    "\u200b",  # zero-width space
+    "\ufeff",  # byte order mark
+    "\u180e",  # Mongolian vowel separator: no longer a space (Unicode 6.3), a format character
+    "\u200b\u2060\ufeff",
+    "\u200d \u00ad\n\u202e\U000e0041",  # a joiner, a soft hyphen, a bidi override, a tag
+    # Format characters with content: kept as they are.
+    "\U0001f469\u200d\U0001f4bb",  # woman technologist: an emoji bound by a zero-width joiner
+    "\u0915\u094d\u200d\u0937",  # a Devanagari half form, by a zero-width joiner
+    "co\u00adoperate\u200b",
     "\u0301",  # a combining mark on its own
     "e\u0301",
     "\x00a\x00",
@@ -71,9 +85,9 @@ def test_the_gateway_refuses_exactly_the_texts_the_scorer_would_reject(value: st
 def test_the_gateway_and_the_scorer_use_the_same_functions() -> None:
     # What each module imported (mypy has it re-export nothing it imports).
     scorer = [vars(module)["normalise_text"] for module in (preparation, normalise)]
-    gateway = [vars(module)["is_blank"] for module in (schemas, batches)]
+    blank = [vars(module)["is_blank"] for module in (schemas, batches, preparation)]
     assert all(function is normalise_text for function in scorer)
-    assert all(function is is_blank for function in gateway)
+    assert all(function is is_blank for function in blank)
 
 
 @pytest.mark.parametrize("model", [ScoreSubmission, BatchItem])
@@ -84,24 +98,45 @@ def test_the_refusal_says_what_a_text_must_contain(
         model.model_validate({"text": "\x00\x80 \t"})
     (only,) = error.value.errors()
     assert only["loc"] == ("text",)
-    assert "other than whitespace and control characters" in only["msg"]
+    assert "other than whitespace, control characters and invisible format" in only["msg"]
 
 
 def test_is_blank_agrees_with_normalise_text_for_every_code_point() -> None:
-    """`is_blank` answers at the first character that is neither whitespace nor a control
-    character: normalisation must keep something of each such character, and NFC must
-    keep blankness (a character's full decomposition is blank exactly when the character
-    is), so no composition turns content into blanks or blanks into content."""
+    """`is_blank` answers at the first character that is neither whitespace, nor a control
+    character, nor a format character: normalisation must keep content of each such
+    character, and NFC must keep blankness (a character's full decomposition is blank
+    exactly when the character is), so no composition turns content into blanks or blanks
+    into content."""
     disagree, unstable = [], []
     for character in map(chr, range(sys.maxunicode + 1)):
-        blank = _BLANK_CHARACTER.fullmatch(character) is not None
-        if is_blank(character) != (not normalise_text(character)) or is_blank(character) != blank:
+        blank = _no_content(character)
+        normalised_blank = all(_no_content(part) for part in normalise_text(character))
+        if is_blank(character) != normalised_blank or is_blank(character) != blank:
             disagree.append(character)
         decomposed = unicodedata.normalize("NFD", character)
-        if all(_BLANK_CHARACTER.fullmatch(part) for part in decomposed) != blank:
+        if all(_no_content(part) for part in decomposed) != blank:
             unstable.append(character)
     assert disagree == []
     assert unstable == []
+
+
+def test_format_characters_are_every_character_of_category_cf() -> None:
+    listed = re.compile(f"[{FORMAT_CHARACTERS}]")
+    every = [chr(c) for c in range(sys.maxunicode + 1)]
+    assert [c for c in every if listed.fullmatch(c)] == [
+        c for c in every if unicodedata.category(c) == "Cf"
+    ]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["\U0001f469\u200d\U0001f4bb", "\u0915\u094d\u200d\u0937", "co\u00adoperate", "a\u200cb"],
+)
+def test_a_text_with_format_characters_among_its_content_is_scored_as_it_is(text: str) -> None:
+    """Only a text of format characters alone is blank: those among content are kept."""
+    assert not is_blank(text)
+    assert normalise_text(text) == text
+    assert prepare_text(text, max_chars=6000).text == text
 
 
 _STEPS = tuple(

@@ -8,7 +8,7 @@ from services.scorer.errors import InputRejected
 from services.scorer.model.base import FLAG_INSTRUCTION_IN_TEXT, FLAG_TRUNCATED
 from services.scorer.model.normalise import fit_to_budget
 from services.scorer.model.prompt import detect_instructions
-from shared.text import normalise_text
+from shared.text import is_blank, normalise_text
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,10 @@ def prepare_text(text: str, *, max_chars: int) -> PreparedText:
     included: an attempt to steer the judge is worth flagging anywhere.
     """
     normalised = normalise_text(text)
-    if not normalised:
-        raise InputRejected("the text is empty once blanks and control characters are removed")
+    if is_blank(normalised):
+        raise InputRejected(
+            "the text has nothing but blanks, control characters and format characters"
+        )
     fitted, truncated = fit_to_budget(normalised, max_chars)
     flags: list[str] = []
     if truncated:

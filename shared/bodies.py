@@ -30,6 +30,10 @@ def _is_json(content_type: str) -> bool:
     )
 
 
+# UTF-8 under the names clients send it by, and ASCII, a subset of it.
+UTF_8_CHARSETS = frozenset({"utf-8", "utf8", "us-ascii", "ascii"})
+
+
 def _charset(content_type: str) -> str | None:
     """The `charset` parameter of a media type, lower-cased and unquoted; None without one."""
     for parameter in content_type.split(";")[1:]:
@@ -57,7 +61,7 @@ def _refuse_unreadable_content(request: Request, what: str) -> None:
     if not _is_json(content_type):
         raise Problem(415, f"Send the {what} as JSON with 'Content-Type: application/json'.")
     charset = _charset(content_type)
-    if charset not in (None, "utf-8"):
+    if charset is not None and charset not in UTF_8_CHARSETS:
         raise Problem(
             415, f"The {what} must be UTF-8 JSON, not charset={charset[:40]!r}; send it as UTF-8."
         )

@@ -428,7 +428,8 @@ class _Consuming:
         meanwhile has returned it already."""
         if delivery.settlement is not None:
             return
-        await asyncio.sleep(failed_pause_s(delivery.headers))
+        if not self.cancelled:  # a stop waits for the deliveries in hand: not for this pause
+            await asyncio.sleep(failed_pause_s(delivery.headers))
         try:
             await delivery.requeue_failed()
         except Exception as error:  # noqa: BLE001 - its channel's close returned it, counted

@@ -243,12 +243,17 @@ def gateway_lifespan(gateway: Gateway) -> Callable[[FastAPI], Any]:
             keep_outbox_swept(gateway.deps, gateway.publisher, gateway.batches)
         )
         yield
+        # The write-off and the deliveries in hand share the stop's grace (`BROKER_TIMEOUT_S`):
+        # one after the other, a stop in a database outage outlasted compose's grace period.
+        stopping = asyncio.get_running_loop().time()
         sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper
-        await write_off_before_stopping(gateway.deps, gateway.batches)
+        await write_off_before_stopping(
+            gateway.deps, gateway.batches, within_s=settings.broker_timeout_s / 2
+        )
         await gateway.deps.live.stop_listening()
-        await gateway.broker.stop()
+        await gateway.broker.stop(begun_at=stopping)
         await gateway.close_clients()
 
     return lifespan

@@ -252,6 +252,7 @@ class Authenticator:
 
 
 _bearer = BearerScheme(
+    scheme_name="HTTPBearer",  # FastAPI's name for it before: clients generated from it keep it
     auto_error=False,
     bearerFormat="sbx_<key_id>_<secret>",
     description="An API key: `Authorization: Bearer sbx_<key_id>_<secret>`.",

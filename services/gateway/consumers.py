@@ -143,13 +143,15 @@ async def write_off_refused(deps: GatewayDeps, batches: Batches) -> int:
     return written
 
 
-async def write_off_before_stopping(deps: GatewayDeps, batches: Batches) -> None:
-    """The stop's last write-off, bounded by the database's timeout (twice, for the batches'
-    and the submissions' writes): the refusals are kept in memory only, and a refusal not
-    written off leaves its submission to be sent by any replica's sweep, a request answered
-    503 then scored (twice, when its client sent it again without an `Idempotency-Key`)."""
+async def write_off_before_stopping(
+    deps: GatewayDeps, batches: Batches, *, within_s: float
+) -> None:
+    """The stop's last write-off, bounded by `within_s`: the refusals are kept in memory
+    only, and a refusal not written off leaves its submission to be sent by any replica's
+    sweep, a request answered 503 then scored (twice, when its client sent it again without
+    an `Idempotency-Key`)."""
     try:
-        async with asyncio.timeout(2 * deps.settings.mongo_timeout_s):
+        async with asyncio.timeout(within_s):
             await write_off_refused(deps, batches)
     except TimeoutError:
         pass

@@ -21,6 +21,7 @@ from aio_pika.abc import AbstractRobustConnection
 from faststream.rabbit import ExchangeType, QueueType, RabbitExchange, RabbitQueue
 from faststream.rabbit.schemas.queue import QuorumQueueArgs
 
+from shared import consumers
 from shared.acks import ChannelAcks
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.log_context import CorrelationFilter
@@ -700,3 +701,32 @@ async def _took_exclusive(connection: aio_pika.abc.AbstractConnection, name: str
     except aiormq.exceptions.ChannelLockedResource:
         return False
     return True
+
+
+async def test_a_stop_does_not_wait_out_the_pause_of_a_delivery_that_failed(
+    amqp_url: str, queue: Queue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The handler fails once the stop has begun: its delivery goes back at once, and the
+    stop ends without waiting for its pause (an hour here), which would have taken the
+    deliveries' whole grace (a minute here)."""
+    monkeypatch.setattr(consumers, "FAILED_PAUSE_BASE_S", 3600.0)
+    monkeypatch.setattr(consumers, "FAILED_PAUSE_CAP_S", 3600.0)
+    broker = make_broker(
+        ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url, "BROKER_TIMEOUT_S": "60"})
+    )
+    started, stopping = asyncio.Event(), asyncio.Event()
+
+    @consume(broker, queue.declared)
+    async def fail_at_stop(delivery: Delivery) -> None:
+        started.set()
+        await stopping.wait()
+        raise RuntimeError("a bug met as the service stops")
+
+    await queue.put(b"in hand at the stop")
+    await broker.start()
+    await asyncio.wait_for(started.wait(), TIMEOUT_S)
+    stop = asyncio.create_task(broker.stop())
+    await eventually(lambda: _true_async(queue.consumers(), 0), timeout_s=TIMEOUT_S)
+    stopping.set()
+    await asyncio.wait_for(stop, TIMEOUT_S)
+    assert await queue.ready() == 1

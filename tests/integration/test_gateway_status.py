@@ -302,6 +302,8 @@ async def test_a_text_with_format_characters_among_its_content_is_accepted_as_se
     [
         {"content-type": "application/json; charset=UTF-8", "content-encoding": "identity"},
         {"content-type": 'application/json;charset="utf-8"'},
+        {"content-type": "application/json; charset=utf8"},  # what some clients send
+        {"content-type": "application/json; charset=us-ascii"},  # a subset of UTF-8
     ],
 )
 async def test_utf_8_and_no_coding_said_out_loud_are_accepted(

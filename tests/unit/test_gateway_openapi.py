@@ -201,3 +201,11 @@ def test_readiness_documents_both_answers(document: Json, status: str, state: st
     assert {"status", "checks"} <= set(readiness["required"])
     assert state in readiness["properties"]["status"]["enum"]
     assert set(responses) == {"200", "503"}
+
+
+def test_the_public_routes_name_their_key_scheme_as_before(document: Json) -> None:
+    """`HTTPBearer`, FastAPI's name for its bearer scheme: clients generated from the
+    document look the scheme up by it (it became `BearerScheme` with the one key parser)."""
+    assert document["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    (_, submit), *_ = operations(document, "/v1/scores")
+    assert submit["security"] == [{"HTTPBearer": []}]

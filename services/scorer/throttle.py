@@ -96,8 +96,10 @@ class ModelThrottle:
         self._clock = clock
         self._paused_until = 0.0
         self._rate_limits_in_a_row = 0
-        # The texts whose calls found the provider unavailable in a row, and when.
+        # The texts whose calls found the provider unavailable in a row, when last, and how
+        # many of their calls did.
         self._unavailable: dict[int, float] = {}
+        self._calls_found_down: Counter[int] = Counter()
         # The pause is an outage's: until a probe is answered, or the pause is forgotten as
         # stale (kept past that on a replica idle since, an outage made a single text's 5xx
         # at its next call the outage's: free, and pausing everyone).
@@ -106,6 +108,11 @@ class ModelThrottle:
         # it, and each probe's that found the provider still down (one text failing every
         # time, its retries the probes of a quiet pause, kept an outage going, free).
         self._outage_texts: set[int] = set()
+        # The calls of each text charged to its task before the outage could be told (three
+        # texts were needed): as many of its probes are the outage's too. A task submitted
+        # first, its retries failing while the next texts arrived, spent its attempts
+        # before and during the outage (a fault test under load).
+        self._refunds: Counter[int] = Counter()
         # Another replica's outage heard while this one's probe was out: that probe's answer
         # does not end it (the other's news may be the newer).
         self._outage_heard_while_probing = False
@@ -206,7 +213,7 @@ class ModelThrottle:
         pause in a row (a probe answered 429), not with each call that was running when the
         limit came: those all come back 429 at once."""
         self._forget_a_stale_pause()
-        self._unavailable.clear()  # the provider answers: no run of calls finding it down
+        self._forget_failures()  # the provider answers: no run of calls finding it down
         if turn.probe:
             self._end_outage()  # a rate limit's pause from now on
         first = not self._probe_due
@@ -246,14 +253,14 @@ class ModelThrottle:
         lengthens it. True when the call is the outage's rather than its task's: it began
         the outage, or probed one and found the provider still down."""
         self._forget_a_stale_pause()
-        probed_an_outage = turn.probe and self._outage and text_key not in self._outage_texts
+        probed_an_outage = turn.probe and self._outage and self._probe_is_free(text_key)
         began = not self._outage and self._in_a_row(text_key) >= TRIP_AFTER
         if began:
             self._outage, self._outage_texts = True, {text_key}
             self._seen_failing = set(self._unavailable)
-            self._unavailable.clear()
-        if probed_an_outage:
-            self._outage_texts.add(text_key)
+            self._refunds = self._calls_found_down.copy()
+            self._refunds[text_key] -= 1  # this call: the outage's already
+            self._forget_failures()
         if self._outage:
             self._seen_failing.add(text_key)
         if began or self._probe_due:
@@ -268,9 +275,27 @@ class ModelThrottle:
             self._on_pause(self.pause_left_s(), True)
         return began or probed_an_outage
 
+    def _probe_is_free(self, text_key: int) -> bool:
+        """Whether a probe of the text `text_key` that found the provider still down is the
+        outage's: a text's first, and one more for each of its calls charged before the
+        outage began (`_refunds`). Not more: one text failing every time, its retries the
+        probes of a quiet pause, kept an outage going for free."""
+        if text_key not in self._outage_texts:
+            self._outage_texts.add(text_key)
+            return True
+        if self._refunds[text_key] > 0:
+            self._refunds[text_key] -= 1
+            return True
+        return False
+
+    def _forget_failures(self) -> None:
+        self._unavailable.clear()
+        self._calls_found_down.clear()
+
     def _end_outage(self) -> None:
         self._outage = False
         self._outage_texts.clear()
+        self._refunds.clear()
         self._seen_failing.clear()
         self._outage_heard_while_probing = False
 
@@ -281,7 +306,10 @@ class ModelThrottle:
         self._unavailable = {
             key: at for key, at in self._unavailable.items() if now - at < TRIP_WINDOW_S
         }
+        for gone in self._calls_found_down.keys() - self._unavailable.keys():
+            del self._calls_found_down[gone]
         self._unavailable[text_key] = now
+        self._calls_found_down[text_key] += 1
         return len(self._unavailable)
 
     def paused_elsewhere(self, pause_s: float, *, outage: bool = False) -> bool:
@@ -310,7 +338,7 @@ class ModelThrottle:
         """A call came back with anything but a 429. The probe's answer ends the pause, unless
         another replica's pause heard meanwhile outlasts it (then another probe follows that
         one); a call started before the pause says nothing of it."""
-        self._unavailable.clear()
+        self._forget_failures()
         if turn.probe:
             self._probe_due = self.pause_left_s() > 0
             if not self._probe_due and self._outage:

@@ -606,6 +606,33 @@ async def test_one_text_probing_again_and_again_does_not_keep_an_outage_going_fo
     assert throttle.pause_left_s() > 0  # no probe before a new pause ends
 
 
+async def test_the_calls_a_text_was_charged_before_the_outage_began_are_refunded_by_probes() -> (
+    None
+):
+    """The first task of an outage, its retries failing while the next texts arrived, spent
+    three attempts before three texts had found the provider down, then the fourth on a
+    probe: failed, in an outage it should have waited out (a fault test under load). Each
+    call charged before the outage makes one more probe of its text the outage's; the text
+    that began it gets no more than its own calls before."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    assert _fails(throttle, 0, 0, 0, 1, 2) == [False, False, False, False, True]
+    outcomes = []
+    for _ in range(5):
+        await _probe(throttle, clock)
+        outcomes += _fails(throttle, 0, turn=PROBE)
+        throttle.done(PROBE)
+    assert outcomes == [True, True, True, True, False]  # its first, and three refunded
+
+    for text, free in ((1, 2), (2, 0)):  # charged once; the one that began it: its call free
+        outcomes = []
+        for _ in range(free + 1):
+            await _probe(throttle, clock)
+            outcomes += _fails(throttle, text, turn=PROBE)
+            throttle.done(PROBE)
+        assert outcomes == [True] * free + [False], text
+
+
 async def test_a_delivery_of_a_text_not_seen_failing_probes_first() -> None:
     """Three texts failing on their own were taken for an outage; their retries, due at
     each pause's end, probed pause after pause, doubling it, while every other task waited

@@ -447,7 +447,7 @@ async def _call_model(
         verdict = await deps.model.score(request)
     except TransientError as error:
         _count_call(deps.metrics, "transient", error.code, started)
-        outage = _tell_the_throttle(deps.throttle, turn, error, command.text)
+        outage = _tell_the_throttle(deps.throttle, turn, error, command)
         return _retry_or_give_up(command, error, deps, earlier, outage=outage), None
     except PermanentError as error:
         _count_call(deps.metrics, "permanent", error.code, started)
@@ -461,7 +461,7 @@ async def _call_model(
 
 
 def _tell_the_throttle(
-    throttle: ModelThrottle, turn: Turn, error: TransientError, text: str
+    throttle: ModelThrottle, turn: Turn, error: TransientError, command: ScoreText
 ) -> bool:
     """What a call that failed found; True when the call is an outage's rather than its
     task's. A provider that answered (a 429, a 4xx of no other class, a reply it could not
@@ -470,7 +470,9 @@ def _tell_the_throttle(
         throttle.rate_limited(turn, error.retry_after_s)
         return False
     if error.provider_down:
-        return throttle.unavailable(turn, error.retry_after_s, text_key=hash(text))
+        return throttle.unavailable(
+            turn, error.retry_after_s, text_key=hash(command.text), task_key=command.task_id
+        )
     throttle.answered(turn)
     return False
 

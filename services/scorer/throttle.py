@@ -96,10 +96,10 @@ class ModelThrottle:
         self._clock = clock
         self._paused_until = 0.0
         self._rate_limits_in_a_row = 0
-        # The texts whose calls found the provider unavailable in a row, when last, and how
-        # many of their calls did.
+        # The texts whose calls found the provider unavailable in a row, and when; and the
+        # tasks whose calls did, when last and how many.
         self._unavailable: dict[int, float] = {}
-        self._calls_found_down: Counter[int] = Counter()
+        self._tasks_found_down: dict[str, tuple[float, int]] = {}
         # The pause is an outage's: until a probe is answered, or the pause is forgotten as
         # stale (kept past that on a replica idle since, an outage made a single text's 5xx
         # at its next call the outage's: free, and pausing everyone).
@@ -108,11 +108,13 @@ class ModelThrottle:
         # it, and each probe's that found the provider still down (one text failing every
         # time, its retries the probes of a quiet pause, kept an outage going, free).
         self._outage_texts: set[int] = set()
-        # The calls of each text charged to its task before the outage could be told (three
-        # texts were needed): as many of its probes are the outage's too. A task submitted
-        # first, its retries failing while the next texts arrived, spent its attempts
-        # before and during the outage (a fault test under load).
-        self._refunds: Counter[int] = Counter()
+        # The calls of each task charged to it before the outage could be told (three texts
+        # were needed), or running when it began: as many of its probes are the outage's
+        # too. A task submitted first, its retries failing while the next texts arrived,
+        # spent its attempts before and during the outage (a fault test under load). By
+        # task, not text: a text's calls over its many tasks (and hours) made one task's
+        # probes free twenty times (a review of the first version).
+        self._refunds: Counter[str] = Counter()
         # Another replica's outage heard while this one's probe was out: that probe's answer
         # does not end it (the other's news may be the newer).
         self._outage_heard_while_probing = False
@@ -243,7 +245,9 @@ class ModelThrottle:
         backoff = min(PAUSE_CAP_S, self._base_s * 2.0**exponent) * self._rng.uniform(0.5, 1.0)
         self._pause_for(max(backoff, min(retry_after_s or 0.0, MAX_PAUSE_S)))
 
-    def unavailable(self, turn: Turn, retry_after_s: float | None, *, text_key: int) -> bool:
+    def unavailable(
+        self, turn: Turn, retry_after_s: float | None, *, text_key: int, task_key: str = ""
+    ) -> bool:
         """A call found the provider unavailable, or got no answer in time (its text's key
         `text_key`): an outage once the calls of `TRIP_AFTER` texts in a row did, within
         `TRIP_WINDOW_S` (texts, not tasks or calls: one text the provider fails every time,
@@ -253,14 +257,16 @@ class ModelThrottle:
         lengthens it. True when the call is the outage's rather than its task's: it began
         the outage, or probed one and found the provider still down."""
         self._forget_a_stale_pause()
-        probed_an_outage = turn.probe and self._outage and self._probe_is_free(text_key)
-        began = not self._outage and self._in_a_row(text_key) >= TRIP_AFTER
+        probed_an_outage = turn.probe and self._outage and self._probe_is_free(text_key, task_key)
+        was_on = self._outage
+        began = not was_on and self._in_a_row(text_key, task_key) >= TRIP_AFTER
         if began:
             self._outage, self._outage_texts = True, {text_key}
             self._seen_failing = set(self._unavailable)
-            self._refunds = self._calls_found_down.copy()
-            self._refunds[text_key] -= 1  # this call: the outage's already
-            self._forget_failures()
+            self._refund_the_calls_before()
+            self._refunds[task_key] -= 1  # this call: the outage's already
+        elif was_on and not turn.probe:
+            self._refunds[task_key] += 1  # running when the outage began: charged, refunded
         if self._outage:
             self._seen_failing.add(text_key)
         if began or self._probe_due:
@@ -275,22 +281,29 @@ class ModelThrottle:
             self._on_pause(self.pause_left_s(), True)
         return began or probed_an_outage
 
-    def _probe_is_free(self, text_key: int) -> bool:
-        """Whether a probe of the text `text_key` that found the provider still down is the
-        outage's: a text's first, and one more for each of its calls charged before the
-        outage began (`_refunds`). Not more: one text failing every time, its retries the
-        probes of a quiet pause, kept an outage going for free."""
+    def _probe_is_free(self, text_key: int, task_key: str) -> bool:
+        """Whether a probe of the text `text_key` (task `task_key`) that found the provider
+        still down is the outage's: a text's first, and one more for each call of the task
+        charged before the outage began (`_refunds`). Not more: one text failing every time,
+        its retries the probes of a quiet pause, kept an outage going for free."""
         if text_key not in self._outage_texts:
             self._outage_texts.add(text_key)
             return True
-        if self._refunds[text_key] > 0:
-            self._refunds[text_key] -= 1
+        if self._refunds[task_key] > 0:
+            self._refunds[task_key] -= 1
             return True
         return False
 
+    def _refund_the_calls_before(self) -> None:
+        """An outage begins: the calls charged in the run that told it become refunds."""
+        self._refunds = Counter(
+            {task: calls for task, (_, calls) in self._tasks_found_down.items()}
+        )
+        self._forget_failures()
+
     def _forget_failures(self) -> None:
         self._unavailable.clear()
-        self._calls_found_down.clear()
+        self._tasks_found_down.clear()
 
     def _end_outage(self) -> None:
         self._outage = False
@@ -299,17 +312,21 @@ class ModelThrottle:
         self._seen_failing.clear()
         self._outage_heard_while_probing = False
 
-    def _in_a_row(self, text_key: int) -> int:
+    def _in_a_row(self, text_key: int, task_key: str) -> int:
         """The texts whose calls found the provider unavailable in a row, this one's
-        included, within `TRIP_WINDOW_S`."""
+        included, within `TRIP_WINDOW_S` (and the task's calls that did, counted)."""
         now = self._clock()
         self._unavailable = {
             key: at for key, at in self._unavailable.items() if now - at < TRIP_WINDOW_S
         }
-        for gone in self._calls_found_down.keys() - self._unavailable.keys():
-            del self._calls_found_down[gone]
+        self._tasks_found_down = {
+            task: (at, calls)
+            for task, (at, calls) in self._tasks_found_down.items()
+            if now - at < TRIP_WINDOW_S
+        }
         self._unavailable[text_key] = now
-        self._calls_found_down[text_key] += 1
+        _, calls = self._tasks_found_down.get(task_key, (now, 0))
+        self._tasks_found_down[task_key] = (now, calls + 1)
         return len(self._unavailable)
 
     def paused_elsewhere(self, pause_s: float, *, outage: bool = False) -> bool:
@@ -323,6 +340,9 @@ class ModelThrottle:
         if longer:
             self._pause_for(pause_s)
         if outage:
+            if not self._outage:  # this replica's run of failures: charged before it was told
+                self._seen_failing = set(self._unavailable)
+                self._refund_the_calls_before()
             self._outage = True
             self._outage_heard_while_probing = self._probe_out
         elif longer:

@@ -287,10 +287,17 @@ async def test_a_delivery_waiting_on_a_probe_that_never_answers_is_put_off_after
     assert turns == [PutOff(0.0), Turn(probe=True)]
 
 
-def _fails(throttle: ModelThrottle, *texts: int, turn: Turn = GO) -> list[bool]:
-    """Calls of the texts `texts` finding the provider unavailable, one after another;
-    whether each was the outage's."""
-    return [throttle.unavailable(turn, retry_after_s=None, text_key=text) for text in texts]
+def _fails(
+    throttle: ModelThrottle, *texts: int, turn: Turn = GO, task: str | None = None
+) -> list[bool]:
+    """Calls of the texts `texts` finding the provider unavailable, one after another, each
+    of a task of its own text (or of `task`); whether each was the outage's."""
+    return [
+        throttle.unavailable(
+            turn, retry_after_s=None, text_key=text, task_key=task or f"task-{text}"
+        )
+        for text in texts
+    ]
 
 
 def test_the_provider_unavailable_to_three_texts_in_a_row_pauses_the_calls() -> None:
@@ -631,6 +638,49 @@ async def test_the_calls_a_text_was_charged_before_the_outage_began_are_refunded
             outcomes += _fails(throttle, text, turn=PROBE)
             throttle.done(PROBE)
         assert outcomes == [True] * free + [False], text
+
+
+async def _probes(
+    throttle: ModelThrottle, clock: Clock, text: int, task: str, n: int
+) -> list[bool]:
+    """`n` probes of task `task` (text `text`) finding the provider still down: whether each
+    was the outage's."""
+    outcomes = []
+    for _ in range(n):
+        await _probe(throttle, clock)
+        outcomes += _fails(throttle, text, turn=PROBE, task=task)
+        throttle.done(PROBE)
+    return outcomes
+
+
+async def test_the_calls_of_a_texts_other_tasks_refund_nothing() -> None:
+    """Refunds pooled by text: the calls of its earlier tasks (dead-lettered, say) made a new
+    task's probes free as many times, twenty and more (a review of the first version)."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    for earlier in "abcde":
+        _fails(throttle, 0, task=earlier)
+    _fails(throttle, 1, 2)
+
+    assert await _probes(throttle, clock, 0, "f", 2) == [True, False]  # the text's first only
+
+
+async def test_a_call_running_when_the_outage_began_is_refunded_by_a_probe() -> None:
+    clock = Clock()
+    throttle = _throttle(clock)
+    _fails(throttle, 1, 2, 3)  # the outage begins
+    assert _fails(throttle, 0, task="running") == [False]  # charged: it was no probe
+
+    assert await _probes(throttle, clock, 0, "running", 3) == [True, True, False]
+
+
+async def test_an_outage_heard_from_another_replica_refunds_the_calls_charged_here() -> None:
+    clock = Clock()
+    throttle = _throttle(clock)
+    assert _fails(throttle, 0, 0, 0) == [False, False, False]  # one text: no outage here
+    throttle.paused_elsewhere(1.0, outage=True)
+
+    assert await _probes(throttle, clock, 0, "task-0", 5) == [True] * 4 + [False]
 
 
 async def test_a_delivery_of_a_text_not_seen_failing_probes_first() -> None:

@@ -471,7 +471,10 @@ def _tell_the_throttle(
         return False
     if error.provider_down:
         return throttle.unavailable(
-            turn, error.retry_after_s, text_key=hash(command.text), task_key=command.task_id
+            turn,
+            error.retry_after_s,
+            text_key=hash(command.text),
+            task_key=f"{command.task_id}:{command.generation}",
         )
     throttle.answered(turn)
     return False

@@ -115,6 +115,7 @@ class ModelThrottle:
         # task, not text: a text's calls over its many tasks (and hours) made one task's
         # probes free twenty times (a review of the first version).
         self._refunds: Counter[str] = Counter()
+        self._probe_out_when_it_began = False
         # Another replica's outage heard while this one's probe was out: that probe's answer
         # does not end it (the other's news may be the newer).
         self._outage_heard_while_probing = False
@@ -246,7 +247,7 @@ class ModelThrottle:
         self._pause_for(max(backoff, min(retry_after_s or 0.0, MAX_PAUSE_S)))
 
     def unavailable(
-        self, turn: Turn, retry_after_s: float | None, *, text_key: int, task_key: str = ""
+        self, turn: Turn, retry_after_s: float | None, *, text_key: int, task_key: str
     ) -> bool:
         """A call found the provider unavailable, or got no answer in time (its text's key
         `text_key`): an outage once the calls of `TRIP_AFTER` texts in a row did, within
@@ -260,13 +261,15 @@ class ModelThrottle:
         probed_an_outage = turn.probe and self._outage and self._probe_is_free(text_key, task_key)
         was_on = self._outage
         began = not was_on and self._in_a_row(text_key, task_key) >= TRIP_AFTER
+        # Running when the outage began (started before it): the outage's. Charged and
+        # refunded by a later probe, it failed a task on its last attempt all the same.
+        running_when_it_began = was_on and not turn.probe
         if began:
             self._outage, self._outage_texts = True, {text_key}
             self._seen_failing = set(self._unavailable)
             self._refund_the_calls_before()
             self._refunds[task_key] -= 1  # this call: the outage's already
-        elif was_on and not turn.probe:
-            self._refunds[task_key] += 1  # running when the outage began: charged, refunded
+            self._probe_out_when_it_began = self._probe_out
         if self._outage:
             self._seen_failing.add(text_key)
         if began or self._probe_due:
@@ -279,13 +282,17 @@ class ModelThrottle:
                 TRIP_AFTER,
             )
             self._on_pause(self.pause_left_s(), True)
-        return began or probed_an_outage
+        return began or probed_an_outage or running_when_it_began
 
     def _probe_is_free(self, text_key: int, task_key: str) -> bool:
         """Whether a probe of the text `text_key` (task `task_key`) that found the provider
         still down is the outage's: a text's first, and one more for each call of the task
         charged before the outage began (`_refunds`). Not more: one text failing every time,
-        its retries the probes of a quiet pause, kept an outage going for free."""
+        its retries the probes of a quiet pause, kept an outage going for free. A probe out
+        when the outage began (a 429's) is the outage's too."""
+        if self._probe_out_when_it_began:
+            self._probe_out_when_it_began = False
+            return True
         if text_key not in self._outage_texts:
             self._outage_texts.add(text_key)
             return True
@@ -309,6 +316,7 @@ class ModelThrottle:
         self._outage = False
         self._outage_texts.clear()
         self._refunds.clear()
+        self._probe_out_when_it_began = False
         self._seen_failing.clear()
         self._outage_heard_while_probing = False
 
@@ -377,6 +385,7 @@ class ModelThrottle:
         if turn.probe and self._probe_out:
             self._probe_out = False
             self._outage_heard_while_probing = False
+            self._probe_out_when_it_began = False
             self._notify()
 
     def _notify(self) -> None:

@@ -14,6 +14,8 @@ from functools import partial
 
 import pytest
 
+from services.scorer.errors import ModelUnavailable
+from services.scorer.scoring import _tell_the_throttle
 from services.scorer.slots import SlotsClosed
 from services.scorer.throttle import (
     GO,
@@ -26,6 +28,7 @@ from services.scorer.throttle import (
     PutOff,
     Turn,
 )
+from shared.contracts import ScoreText
 from tests.support import eventually
 
 # Only keeps a failing test from waiting for ever.
@@ -665,13 +668,30 @@ async def test_the_calls_of_a_texts_other_tasks_refund_nothing() -> None:
     assert await _probes(throttle, clock, 0, "f", 2) == [True, False]  # the text's first only
 
 
-async def test_a_call_running_when_the_outage_began_is_refunded_by_a_probe() -> None:
+async def test_a_call_running_when_the_outage_began_is_the_outages() -> None:
+    """Charged and refunded by a later probe, it failed a task on its last attempt all the
+    same (a review)."""
     clock = Clock()
     throttle = _throttle(clock)
     _fails(throttle, 1, 2, 3)  # the outage begins
-    assert _fails(throttle, 0, task="running") == [False]  # charged: it was no probe
+    assert _fails(throttle, 0, task="running") == [True]
 
-    assert await _probes(throttle, clock, 0, "running", 3) == [True, True, False]
+    assert await _probes(throttle, clock, 0, "running", 2) == [True, False]
+
+
+async def test_a_probe_out_when_the_outage_began_is_the_outages() -> None:
+    """A 429's probe of text 7 is out; calls running meanwhile, one of them of text 7 too,
+    begin an outage: the probe's failure was charged, its text taken already (a review)."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    throttle.rate_limited(GO, retry_after_s=1)
+    await _probe(throttle, clock)
+    _fails(throttle, 1, 2)
+    assert _fails(throttle, 7, task="another of text 7") == [True]  # begins the outage
+
+    assert _fails(throttle, 7, turn=PROBE, task="probing") == [True]
+    throttle.done(PROBE)
+    assert await _probes(throttle, clock, 7, "probing", 1) == [False]
 
 
 async def test_an_outage_heard_from_another_replica_refunds_the_calls_charged_here() -> None:
@@ -766,3 +786,23 @@ async def test_an_outage_heard_during_a_probe_that_outlasts_its_pause_ends_with_
 
     clock.now += 3600
     assert _fails(throttle, *range(TRIP_AFTER)) == [False] * (TRIP_AFTER - 1) + [True]
+
+
+async def test_a_tasks_refunds_are_its_generations_own() -> None:
+    """Keyed by task id alone, a generation's refunds, left when it failed (its last attempt
+    charged), made the probes of its re-score or replay free (a review)."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    task = ScoreText(task_id="t-1", text="the same text")
+    down = ModelUnavailable("503 from the provider")
+    assert [_tell_the_throttle(throttle, GO, down, task) for _ in range(2)] == [False, False]
+    for text in ("one", "two"):  # the outage begins: generation 0 owed two probes
+        _tell_the_throttle(throttle, GO, down, ScoreText(task_id=f"other {text}", text=text))
+
+    rescore = task.model_copy(update={"generation": 1})
+    outcomes = []
+    for _ in range(2):
+        await _probe(throttle, clock)
+        outcomes.append(_tell_the_throttle(throttle, PROBE, down, rescore))
+        throttle.done(PROBE)
+    assert outcomes == [True, False]  # the text's first probe only

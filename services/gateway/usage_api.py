@@ -59,9 +59,9 @@ def usage_period(first_day: str | None, last_day: str | None, *, today: date) ->
     scheduler's query string, and one too long for a URL was a 500. The scheduler checks the
     range.
     """
-    last = parse_day(last_day, "to") if last_day is not None else today
-    if first_day is not None:
-        return parse_day(first_day, "from").isoformat(), last.isoformat()
+    first_given, last = _given_days(first_day, last_day, today=today)
+    if first_given is not None:
+        return first_given.isoformat(), last.isoformat()
     try:
         first = last - timedelta(days=DEFAULT_PERIOD_DAYS)
     except OverflowError:
@@ -69,6 +69,30 @@ def usage_period(first_day: str | None, last_day: str | None, *, today: date) ->
             422, f"`to` is too early: {last.isoformat()!r}.", kind="invalid-fields"
         ) from None
     return first.isoformat(), last.isoformat()
+
+
+def _given_days(
+    first_day: str | None, last_day: str | None, *, today: date
+) -> tuple[date | None, date]:
+    """`from` (None when not given) and `to` (today when not given) as dates; one 422 naming
+    every malformed one (it named the first only)."""
+    parsed: dict[str, date] = {}
+    refused: list[Problem] = []
+    for name, value in (("from", first_day), ("to", last_day)):
+        if value is None:
+            continue
+        try:
+            parsed[name] = parse_day(value, name)
+        except Problem as problem:
+            refused.append(problem)
+    if refused:
+        raise Problem(
+            422,
+            " ".join(problem.detail for problem in refused),
+            kind="invalid-fields",
+            errors=[error for problem in refused for error in problem.extensions["errors"]],
+        )
+    return parsed.get("from"), parsed.get("to", today)
 
 
 def usage_routes(scheduler: SchedulerClient, authenticated: Any, *, clock: Clock) -> APIRouter:

@@ -254,6 +254,14 @@ async def test_bad_dates_are_422_with_the_reason(
     assert detail in response.json()["detail"]
 
 
+async def test_both_dates_malformed_are_named_in_one_422(stack: Stack) -> None:
+    response = await stack.usage(**{"from": "2030-W01-1", "to": "20300131"})
+    assert response.status_code == 422, response.text
+    problem = response.json()
+    assert [error["field"] for error in problem["errors"]] == ["query.from", "query.to"]
+    assert "`from`" in problem["detail"] and "`to`" in problem["detail"]
+
+
 async def test_a_malformed_date_too_long_for_a_url_is_422_not_500(stack: Stack) -> None:
     """Sent on unchecked, 30,000 `(` made the scheduler's URL too long for httpx (its
     `InvalidURL` is no `HTTPError`): a 500. The refusal quotes only the start of it."""

@@ -259,7 +259,8 @@ async def test_both_dates_malformed_are_named_in_one_422(stack: Stack) -> None:
     assert response.status_code == 422, response.text
     problem = response.json()
     assert [error["field"] for error in problem["errors"]] == ["query.from", "query.to"]
-    assert "`from`" in problem["detail"] and "`to`" in problem["detail"]
+    assert "`from`" in problem["detail"]
+    assert "`to`" in problem["detail"]
 
 
 async def test_a_malformed_date_too_long_for_a_url_is_422_not_500(stack: Stack) -> None:

@@ -268,10 +268,10 @@ def _comes_back(batch: Delivery, parts: list[BatchPart]) -> bool:
 def failed_pause_s(headers: dict[str, Any]) -> float:
     """How long a delivery whose handler raised waits before it goes back to its queue."""
     try:
-        doublings = min(deliveries_lost(headers), 16)
+        doublings = min(max(deliveries_lost(headers), 0), 16)
     except (TypeError, ValueError):  # counts a publisher set by hand
         return FAILED_PAUSE_CAP_S
-    return min(FAILED_PAUSE_BASE_S * float(2 ** max(doublings, 0)), FAILED_PAUSE_CAP_S)
+    return min(FAILED_PAUSE_BASE_S * 2.0**doublings, FAILED_PAUSE_CAP_S)
 
 
 async def _settle_batch(batch: Delivery, parts: list[BatchPart]) -> None:

@@ -37,6 +37,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared.http import Problem, problem_response
+from shared.log_rate import Tally
 
 BACKOFF = 0.8
 RETRY_AFTER_S = 1
@@ -101,8 +102,7 @@ class SubmissionAdmission:
         self.limit = limit
         self.guarded = frozenset(guarded)
         self.clock = clock
-        self._refused = 0
-        self._reported_at = -math.inf
+        self._refusals = Tally(REPORT_INTERVAL_S, clock)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or (scope["method"], route_path(scope)) not in self.guarded:
@@ -147,19 +147,15 @@ class SubmissionAdmission:
 
     def _report_refusal(self) -> None:
         """Tell the operator that submissions are being shed, at most once per interval."""
-        self._refused += 1
-        now = self.clock()
-        if now - self._reported_at < REPORT_INTERVAL_S:
+        if (refused := self._refusals.count()) is None:
             return
         log.warning(
             "shedding submissions: %d refused with 503 since the last report; taking on %d at "
             "a time to finish them in %g s",
-            self._refused,
+            refused,
             int(self.limit.limit),
             self.limit.target_s,
         )
-        self._refused = 0
-        self._reported_at = now
 
 
 def route_path(scope: Scope) -> str:

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.scorer.slots import SlotsClosed
+from shared.log_rate import Tally
 
 log = logging.getLogger("scorebox.scorer.throttle")
 
@@ -126,8 +127,7 @@ class ModelThrottle:
         self._waiting_texts: Counter[int | None] = Counter()
         self._probe_due = False  # a pause ended and no call has answered since
         self._probe_out = False  # the probe's call is running
-        self._rate_limit_pauses_unlogged = 0
-        self._rate_limit_pause_logged_at = -PAUSE_LOG_EVERY_S
+        self._rate_limit_pauses = Tally(PAUSE_LOG_EVERY_S, clock)
         self._changed = asyncio.Event()
         # Called with its length when a pause begins while none lasted, and whether it is an
         # outage's (also when a pause lasting turns into an outage's).
@@ -226,17 +226,14 @@ class ModelThrottle:
             self._on_pause(self.pause_left_s(), False)
 
     def _log_rate_limit_pause(self) -> None:
-        self._rate_limit_pauses_unlogged += 1
-        now = self._clock()
-        if now - self._rate_limit_pause_logged_at < PAUSE_LOG_EVERY_S:
+        if (pauses := self._rate_limit_pauses.count()) is None:
             return
         log.warning(
             "model calls paused for %.1f s: the provider answered 429 (%d pause(s) since the "
             "last such line)",
             self.pause_left_s(),
-            self._rate_limit_pauses_unlogged,
+            pauses,
         )
-        self._rate_limit_pause_logged_at, self._rate_limit_pauses_unlogged = now, 0
 
     def _lengthen(self, turn: Turn, retry_after_s: float | None) -> None:
         if turn.probe or not self._probe_due:

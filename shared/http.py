@@ -292,8 +292,9 @@ READINESS_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 def health_router(checks: Mapping[str, Check]) -> APIRouter:
     """`/healthz` (the process answers) and `/readyz` (every dependency answers, each within
-    `READINESS_DEADLINE_S`, all at once), to GET and HEAD alike: load balancers that probe
-    with HEAD got 405 and took every replica out."""
+    `READINESS_DEADLINE_S`, all at once). HEAD is answered by the app's `HeadAsGet`
+    (`shared.head_requests`): load balancers that probe with HEAD got 405 and took every
+    replica out."""
     router = APIRouter(tags=["health"])
 
     async def healthz() -> dict[str, str]:
@@ -308,12 +309,6 @@ def health_router(checks: Mapping[str, Check]) -> APIRouter:
     router.add_api_route("/healthz", healthz, methods=["GET"])
     router.add_api_route(
         "/readyz", readyz, methods=["GET"], response_model=None, responses=READINESS_RESPONSES
-    )
-    # HEAD as routes of their own, left out of the OpenAPI document: one operation for both
-    # methods gave the document a duplicate operation id.
-    router.add_api_route("/healthz", healthz, methods=["HEAD"], include_in_schema=False)
-    router.add_api_route(
-        "/readyz", readyz, methods=["HEAD"], response_model=None, include_in_schema=False
     )
     return router
 

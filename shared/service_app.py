@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from pydantic import SecretStr
 
 from shared.consumers import ScoreboxBroker
+from shared.head_requests import answer_head_as_get
 from shared.http import (
     METRICS_PROBLEMS,
     health_router,
@@ -38,7 +39,7 @@ def internal_service_app(
     """A FastAPI app answering every error as problem+json, with `/metrics` (behind
     `METRICS_API_KEY`, or `admin_key` where the service holds one; `service` names it in the
     warning when the key is unset) and `/healthz` and `/readyz` on the broker and the
-    database. `options` go to FastAPI."""
+    database, and HEAD wherever GET is. `options` go to FastAPI."""
     app = FastAPI(title=title, lifespan=lifespan, **options)
     install_problem_handlers(app)
     access = internal_metrics_guard(settings.metrics_api_key, service, admin_key=admin_key)
@@ -48,4 +49,5 @@ def internal_service_app(
         "mongodb": mongo_ready(mongo, settings.mongo_timeout_s),
     }
     app.include_router(health_router(checks))
+    answer_head_as_get(app)
     return app

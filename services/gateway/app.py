@@ -56,6 +56,7 @@ from shared.aiohttp_transport import MappedAiohttpTransport
 from shared.asyncapi import build_document
 from shared.consumers import ScoreboxBroker
 from shared.contracts import DEFAULT_TENANT, new_id, utcnow
+from shared.head_requests import answer_head_as_get
 from shared.http import (
     GATEWAY_METRICS_PROBLEMS,
     health_router,
@@ -220,6 +221,7 @@ def create_app(settings: GatewaySettings, **overrides: Any) -> FastAPI:
     serve_metrics(
         app, gateway.broker.metrics, guard=metrics_access, responses=GATEWAY_METRICS_PROBLEMS
     )
+    answer_head_as_get(app)
     return app
 
 

@@ -8,6 +8,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from shared.head_requests import answer_head_as_get
 from shared.http import health_router
 
 
@@ -17,6 +18,7 @@ def _app(*, ready: bool) -> FastAPI:
 
     app = FastAPI()
     app.include_router(health_router({"database": check}))
+    answer_head_as_get(app)  # as every service's app does
     return app
 
 

@@ -51,6 +51,7 @@ import aio_pika
 from faststream.rabbit import RabbitBroker, RabbitQueue
 
 from shared.acks import ChannelAcks
+from shared.backoff import capped_exponential_s
 from shared.event_batches import Part, UnreadableBatch, is_batch, split_batch
 from shared.log_context import correlated
 from shared.metrics import Metrics
@@ -268,10 +269,10 @@ def _comes_back(batch: Delivery, parts: list[BatchPart]) -> bool:
 def failed_pause_s(headers: dict[str, Any]) -> float:
     """How long a delivery whose handler raised waits before it goes back to its queue."""
     try:
-        doublings = min(max(deliveries_lost(headers), 0), 16)
+        lost = deliveries_lost(headers)
     except (TypeError, ValueError):  # counts a publisher set by hand
         return FAILED_PAUSE_CAP_S
-    return min(FAILED_PAUSE_BASE_S * 2.0**doublings, FAILED_PAUSE_CAP_S)
+    return capped_exponential_s(lost + 1, base_s=FAILED_PAUSE_BASE_S, cap_s=FAILED_PAUSE_CAP_S)
 
 
 async def _settle_batch(batch: Delivery, parts: list[BatchPart]) -> None:

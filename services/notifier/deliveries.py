@@ -86,6 +86,7 @@ from services.notifier.registry import FailureAlerts
 from services.notifier.sender import ReceiverAnswer
 from services.notifier.signing import signed_headers
 from services.notifier.ssrf import Destination, WebhookGuard
+from shared.backoff import capped_exponential_s, jittered_s
 from shared.contracts import DeliverWebhook, WebhookPurpose, new_id
 from shared.http import parse_retry_after
 from shared.in_hand import InHand
@@ -163,8 +164,9 @@ class RetryPolicy:
     cap_s: float
 
     def delay(self, attempt: int, *, retry_after_s: float | None, rng: random.Random) -> timedelta:
-        ceiling = min(self.cap_s, self.base_s * 2 ** (attempt - 1))
-        backoff = ceiling * (0.5 + rng.random() / 2)
+        backoff = jittered_s(
+            capped_exponential_s(attempt, base_s=self.base_s, cap_s=self.cap_s), rng
+        )
         hinted = min(max(retry_after_s or 0.0, 0.0), self.cap_s)
         return timedelta(seconds=max(backoff, hinted))
 
@@ -422,8 +424,12 @@ def put_off_wait(deferrals: int, rng: random.Random) -> timedelta:
     """The wait of a delivery put off `deferrals` times already: doubling from
     PUT_OFF_DELAY up to PUT_OFF_MAX_DELAY, with up to half again of jitter so that a
     backlog put off together does not come back together."""
-    doubled = PUT_OFF_DELAY * (1 << min(deferrals, 16))
-    return min(PUT_OFF_MAX_DELAY, doubled) * (1 + rng.random() / 2)
+    doubled = capped_exponential_s(
+        deferrals + 1,
+        base_s=PUT_OFF_DELAY.total_seconds(),
+        cap_s=PUT_OFF_MAX_DELAY.total_seconds(),
+    )
+    return timedelta(seconds=doubled) * (1 + rng.random() / 2)
 
 
 async def _as_configured_now(

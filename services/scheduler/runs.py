@@ -68,7 +68,6 @@ its checkpoint had moved; a run that moved in every delivery was given up.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -81,6 +80,7 @@ from services.scheduler.errors import DownstreamFull, PermanentJobError
 from services.scheduler.firings import Firing, FiringState, FiringStore, Held, Hold
 from services.scheduler.in_hand import CronRunsInHand, CutShort
 from services.scheduler.jobs import Clock, JobHandler, JobRun
+from shared.backoff import capped_exponential_s
 from shared.contracts import RunCronJob, new_id
 
 log = logging.getLogger("scorebox.scheduler.runs")
@@ -112,20 +112,11 @@ class RetryPolicy:
     cap: timedelta
 
     def delay(self, attempt: int) -> timedelta:
-        """Back-off after the failed `attempt` (1-based): base, 2 x base, 4 x base... capped.
-
-        The exponent is capped before multiplying: `base * 2**(attempt - 1)` overflowed
-        `timedelta` from attempt 45 of a 5 s base, before the cap was applied."""
-        doublings = min(max(attempt - 1, 0), self._doublings_to_cap)
-        return min(self.cap, self.base * (1 << doublings))
-
-    @property
-    def _doublings_to_cap(self) -> int:
-        """How many doublings take `base` to `cap` or just past it (below twice the cap):
-        any more change nothing but the risk of overflow."""
-        if self.cap <= self.base:
-            return 0
-        return math.ceil(math.log2(self.cap / self.base))
+        """Back-off after the failed `attempt` (1-based): base, 2 x base, 4 x base... capped."""
+        backoff = capped_exponential_s(
+            attempt, base_s=self.base.total_seconds(), cap_s=self.cap.total_seconds()
+        )
+        return timedelta(seconds=backoff)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from services.scorer.metrics import ScorerMetrics
 from services.scorer.model import ModelVerdict, ScoreModel, ScoringRequest
 from services.scorer.slots import ModelSlots, SlotsClosed
 from services.scorer.throttle import ModelThrottle, PutOff, Turn
+from shared.backoff import capped_exponential_s, jittered_s
 from shared.contracts import (
     CancelTask,
     Phase,
@@ -86,10 +87,8 @@ class RetryPolicy:
     rate_limit_retries: int = 20
 
     def delay_s(self, attempt: int, retry_after_s: float | None, rng: random.Random) -> float:
-        # The exponent capped: an attempt past 1,024 (the contract allows 9,999) overflowed.
-        exponential: float = min(self.cap_s, self.base_s * 2.0 ** min(attempt - 1, 64))
-        jittered = exponential * rng.uniform(0.5, 1.0)
-        return max(jittered, min(retry_after_s or 0.0, MAX_RETRY_AFTER_S))
+        backoff = capped_exponential_s(attempt, base_s=self.base_s, cap_s=self.cap_s)
+        return max(jittered_s(backoff, rng), min(retry_after_s or 0.0, MAX_RETRY_AFTER_S))
 
 
 @dataclass(frozen=True)

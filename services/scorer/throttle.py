@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.scorer.slots import SlotsClosed
+from shared.backoff import capped_exponential_s, jittered_s
 from shared.log_rate import Tally
 
 log = logging.getLogger("scorebox.scorer.throttle")
@@ -238,10 +239,11 @@ class ModelThrottle:
     def _lengthen(self, turn: Turn, retry_after_s: float | None) -> None:
         if turn.probe or not self._probe_due:
             self._rate_limits_in_a_row += 1
-        # At 0 in a row: a call running when another replica's pause was heard.
-        exponent = min(max(self._rate_limits_in_a_row - 1, 0), 30)
-        backoff = min(PAUSE_CAP_S, self._base_s * 2.0**exponent) * self._rng.uniform(0.5, 1.0)
-        self._pause_for(max(backoff, min(retry_after_s or 0.0, MAX_PAUSE_S)))
+        # At 0 in a row (a call running when another replica's pause was heard): the base.
+        backoff = capped_exponential_s(
+            self._rate_limits_in_a_row, base_s=self._base_s, cap_s=PAUSE_CAP_S
+        )
+        self._pause_for(max(jittered_s(backoff, self._rng), min(retry_after_s or 0.0, MAX_PAUSE_S)))
 
     def unavailable(
         self, turn: Turn, retry_after_s: float | None, *, text_key: int, task_key: str

@@ -766,7 +766,7 @@ def start_and_supervise(
 
 def run_stop_grace_s(env: Mapping[str, str]) -> float:
     """How long `make run` lets its services finish on Ctrl-C before it SIGKILLs them: the
-    scorer's stop, the longest, under the timeouts it runs with (120 s by default).
+    scorer's stop, the longest, under the timeouts it runs with (130 s by default).
 
     That is uvicorn's wait for open requests, then the deliveries' grace period (the whole
     path of one that just took a model slot, `services.scorer.app.stop_grace_s`), then the

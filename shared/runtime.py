@@ -12,6 +12,7 @@ import logging
 import math
 import random
 import socket
+import sys
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, override
@@ -30,7 +31,7 @@ from shared.bus import BROKER_ERRORS, publish_dead_letter
 from shared.consumers import Delivery, ScoreboxBroker
 from shared.database_errors import transient_database_error
 from shared.log_context import CorrelationFilter
-from shared.settings import ServiceSettings, redact_url
+from shared.settings import ServiceSettings, StartupRefused, redact_url
 from shared.topology import WorkQueue, declare_topology
 
 if TYPE_CHECKING:
@@ -441,11 +442,17 @@ async def serve(
 
 
 def run_service(name: str, settings: ServiceSettings, make_app: Callable[[], FastAPI]) -> None:
-    """A service's entrypoint: log, build the app (no I/O until its lifespan), serve it."""
+    """A service's entrypoint: log, build the app (no I/O until its lifespan), serve it. An
+    app its configuration leaves unable to run (`StartupRefused`) stops the process with one
+    line on stderr and exit status 2."""
     configure_logging(settings, name)
 
     async def main() -> None:
-        app = make_app()
+        try:
+            app = make_app()
+        except StartupRefused as error:
+            print(f"{name}: cannot start: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
         settle_heap()
         await serve(
             app,

@@ -221,6 +221,12 @@ def _shown(url: str) -> str:
         return url if at < 0 else "***" + url[at:]
 
 
+class StartupRefused(Exception):
+    """A service's configuration beyond its settings variables (a schedule file, the
+    settings together) leaves it unable to run: `run_service` prints the reason in one line
+    and exits with status 2, as `settings_or_exit` does for a refused variable."""
+
+
 def settings_or_exit[S: BaseSettings](settings_class: type[S], service: str) -> S:
     """The service's settings read from its environment; a setting it refuses stops the
     process with one line per refusal naming the variable, and exit status 2 (a start-up
@@ -237,8 +243,16 @@ def settings_or_exit[S: BaseSettings](settings_class: type[S], service: str) -> 
 def refused_settings(service: str, error: ValidationError) -> str:
     """What `settings_or_exit` prints: the service, then each refused setting and why."""
     lines = [f"{service}: cannot start, {error.error_count()} setting(s) refused:"]
+    lines.extend(f"  {refusal}" for refusal in refusals(error))
+    return "\n".join(lines)
+
+
+def refusals(error: ValidationError) -> list[str]:
+    """Each refusal of `error` as `where: why`, without pydantic's input (some values are
+    keys) and links."""
+    described = []
     for refusal in error.errors(include_url=False, include_input=False):
         where = ".".join(str(part) for part in refusal["loc"])
         why = refusal["msg"].removeprefix("Value error, ")
-        lines.append(f"  {where}: {why}" if where else f"  {why}")
-    return "\n".join(lines)
+        described.append(f"{where}: {why}" if where else why)
+    return described

@@ -29,6 +29,7 @@ from pydantic import (
 
 from services.scheduler.cron import next_fire_time, validate_spec, zone
 from services.scheduler.errors import ConfigurationError
+from shared.settings import refusals
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "config" / "scheduler.toml"
 
@@ -147,7 +148,8 @@ def parse_config(data: Mapping[str, Any], environ: Mapping[str, str]) -> Schedul
     try:
         return SchedulerConfig.model_validate(_with_overrides(data, environ))
     except ValidationError as error:
-        raise ConfigurationError(f"invalid scheduler configuration: {error}") from error
+        described = "; ".join(refusals(error))
+        raise ConfigurationError(f"invalid scheduler configuration: {described}") from error
 
 
 def load_config(path: Path, environ: Mapping[str, str]) -> SchedulerConfig:

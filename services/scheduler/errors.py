@@ -29,12 +29,14 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from shared.settings import StartupRefused
+
 
 class SchedulerError(Exception):
     """Base of the scheduler's own errors."""
 
 
-class ConfigurationError(SchedulerError):
+class ConfigurationError(SchedulerError, StartupRefused):
     """The schedule or the job configuration is unusable; the service must not start."""
 
 

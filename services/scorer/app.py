@@ -42,7 +42,7 @@ log = logging.getLogger("scorebox.scorer")
 
 def stop_grace_s(settings: ScorerSettings, model_settings: ModelSettings) -> float:
     """How long the deliveries in hand get to finish at stop: the whole path of one that
-    just took a model slot, each step at its bound (75 s by default).
+    just took a model slot, each step at its bound (85 s by default).
 
     Cut short, the lifespan closed the model client and the database under a decision still
     running (it is shielded): a call thrown away, or recorded as a retry of an unavailable

@@ -70,3 +70,39 @@ def test_a_refused_url_is_shown_without_its_password(url: str) -> None:
 
     assert "STATUS_URL" in message
     assert "hunter2" not in message
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ({"CRON_USAGE_ROLLUP": "61 * * * *"}, "invalid cron expression '61 * * * *'"),
+        ({"CRON_RESCORE_FANOUT_ENABLED": "true"}, "enabled cron jobs that cannot run"),
+        ({"SCHEDULER_CONFIG": "/nonexistent/scheduler.toml"}, "/nonexistent/scheduler.toml"),
+    ],
+    ids=["cron-expression", "job-unable-to-run", "missing-file"],
+)
+def test_a_refused_schedule_stops_the_scheduler_in_one_line(
+    setting: dict[str, str], named: str
+) -> None:
+    """The schedule is checked as the app is built, after the settings: a refusal there
+    printed a traceback of 40 to 70 lines and exit status 1 (found in a review of the
+    README's promise of one line and status 2)."""
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith("CRON_") and name not in {"RUBRIC_VERSION", "SCHEDULER_CONFIG"}
+    }
+    stopped = subprocess.run(
+        [sys.executable, "-m", "services.scheduler"],
+        env=environment | setting,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+    assert stopped.returncode == 2, stopped.stderr
+    assert "Traceback" not in stopped.stderr
+    lines = stopped.stderr.strip().splitlines()
+    assert lines[-1].startswith("scheduler: cannot start: "), lines
+    assert named in lines[-1]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Annotated, Any
@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from services.gateway import schemas
-from services.gateway.auth import Caller
+from services.gateway.auth import Caller, revoked_while_waiting
 from services.gateway.cache import ResultCache
 from services.gateway.errors import (
     IdempotencyConflict,
@@ -202,8 +202,11 @@ def _cached_view(submitted: Submitted, now: datetime) -> TaskView:
     )
 
 
-def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
-    """The public score routes; `authenticated` is the dependency that yields a `Caller`."""
+def score_routes(
+    deps: GatewayDeps, authenticated: Any, still_valid: Callable[[Caller], Awaitable[bool]]
+) -> APIRouter:
+    """The public score routes; `authenticated` is the dependency that yields a `Caller`,
+    `still_valid` tells whether its key is still active when a long-poll ends."""
     router = APIRouter(prefix="/v1", tags=["scores"])
     policy = SubmitPolicy(
         max_attempts=deps.settings.max_attempts,
@@ -332,6 +335,8 @@ def score_routes(deps: GatewayDeps, authenticated: Any) -> APIRouter:
                 raise waiter_problem(error) from error
             except ClientGone:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
+            if not await still_valid(caller):
+                raise revoked_while_waiting()
         else:
             view = await _read(task_id, caller, deps)
         if view is None:

@@ -273,7 +273,7 @@ def gateway_routes(gateway: Gateway) -> list[APIRouter]:
     return [
         health_router(health),
         asyncapi_route(),
-        score_routes(deps, authenticated),
+        score_routes(deps, authenticated, gateway.authenticator.still_valid),
         cancel_routes(deps, gateway.publisher, authenticated, batches=gateway.batches),
         event_routes(
             deps, deps.live, gateway.status, authenticated, gateway.authenticator.still_valid

@@ -128,7 +128,8 @@ class Authenticator:
 
     async def still_valid(self, caller: Caller) -> bool:
         """Whether `caller`'s key is still active (cached as `authenticate` is): an open
-        stream asks at every heartbeat, so a revocation ends it as it ends new requests. A
+        stream asks at every heartbeat and before each change it sends, a long-poll as its
+        wait ends, so a revocation ends them as it ends new requests. A
         database away keeps the stream (it says nothing about the key)."""
         if caller.key_id is None:
             return True
@@ -264,6 +265,12 @@ def _unauthorized(detail: str, *, invalid: bool) -> Problem:
     if invalid:
         challenge += ', error="invalid_token"'
     return Problem(401, detail, kind="unauthorized", headers={"WWW-Authenticate": challenge})
+
+
+def revoked_while_waiting() -> Problem:
+    """The answer to a long-poll whose key was revoked while it waited: what a new request
+    with the key gets."""
+    return _unauthorized("The API key was revoked while the request waited.", invalid=True)
 
 
 def _unavailable(error: DatabaseUnavailable, *, what: str = "The key store") -> Problem:

@@ -273,8 +273,11 @@ async def _stream(
             elif event.sequence <= last:
                 continue
             settled = await _changes_after(last, event, read=read, settle_s=settle_s)
-            if settled is None:
-                return  # expired meanwhile: nothing more will come
+            # Expired meanwhile (nothing more will come), or its key revoked: the key is asked
+            # before changes are sent, not only at heartbeats (a task whose changes came within
+            # a heartbeat of each other streamed on, its result included, to a revoked key).
+            if settled is None or (settled.changes and not await authorised()):
+                return
             changes = settled.changes
             for change in changes:
                 yield _frame(task_id, change, resumable=change.sequence <= settled.recorded)

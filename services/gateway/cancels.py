@@ -175,6 +175,11 @@ async def cancel_batch(
         batch_id, tenant_id=tenant_id, expected=len(record.members)
     )
     open_targets = [target for target in targets if not known_finished(target)]
+    # Last item first: the items are queued, and scored, in their order, so cancellations in
+    # that order trailed the scoring and each found its item just scored; from the end they
+    # meet it, and every item they reach first is cancelled.
+    position = {member.task_id: index for index, member in enumerate(record.members)}
+    open_targets.sort(key=lambda target: position.get(target.task_id, 0), reverse=True)
     cancels = tuple(cancel_command(target, now=now) for target in open_targets)
     if cancels:
         await sender.cancel_many(cancels)

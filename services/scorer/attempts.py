@@ -145,6 +145,8 @@ class Attempts:
         self._spent_reads = GroupReader(
             self._collection, projection={"spent": True, CANCEL_REQUESTED: True}
         )
+        # A batch's cancellations come many at once, each reading its task first.
+        self._cancel_reads = GroupReader(self._collection)
         self._retention = retention
 
     async def ensure_indexes(self) -> None:
@@ -308,7 +310,7 @@ class Attempts:
         a collision (a claim or a decision landed in between) reads again. A cancellation
         found recorded already (a repeated cancel) stands: its event is published again."""
         for _ in range(CANCEL_TRIES):
-            held = await self.find(cancel.task_id)
+            held = await self._cancel_reads.find_by_id(cancel.task_id)
             cancellable = _cancellable(held, cancel, now=now)
             if isinstance(cancellable, _CallUnderWay):
                 if not await self._note_cancel_requested(cancellable, cancel):

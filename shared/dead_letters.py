@@ -57,13 +57,13 @@ from aio_pika.abc import (
     AbstractQueue,
     AbstractRobustConnection,
 )
-from fastapi import Depends, Query, Request
+from fastapi import Depends, Query
 from faststream.rabbit import RabbitBroker
 from pydantic import BaseModel, Field
 
 from shared.bus import BROKER_ERRORS
 from shared.consumers import ScoreboxBroker
-from shared.http import Problem, invalid_query, refuse_unexpected_query
+from shared.http import Problem, invalid_query
 from shared.topology import ERROR_HEADER, FIRST_ERROR_HEADER, WorkQueue, x_deaths
 
 log = logging.getLogger("scorebox.dead_letters")
@@ -187,7 +187,6 @@ def parse_cut_off(value: str) -> CutOff:
 
 
 def _cut_off(
-    request: Request,
     dead_lettered_before: Annotated[
         str | None,
         Query(
@@ -198,9 +197,9 @@ def _cut_off(
         ),
     ] = None,
 ) -> CutOff | None:
-    """The cut-off of a drop or a purge. Any other query parameter is refused (a misspelt
-    cut-off, ignored, would have the purge remove every letter), and so is one given twice."""
-    refuse_unexpected_query(request, {CUT_OFF}, outcome=NOTHING_REMOVED)
+    """The cut-off of a drop or a purge. Any other query parameter is refused, as on every
+    route (`shared.query_parameters`): a misspelt cut-off, ignored, would have the purge
+    remove every letter."""
     return None if dead_lettered_before is None else parse_cut_off(dead_lettered_before)
 
 

@@ -603,8 +603,10 @@ def refuse_unexpected_query(
     tenant's keys) and of two values the last was taken without a word."""
     unknown = sorted(set(request.query_params) - set(expected))
     if unknown:
-        taken = ", ".join(f"`{name}`" for name in sorted(expected)) or "none"
-        message = f"is not a parameter of this route (only {taken})"
+        taken = ", ".join(f"`{name}`" for name in sorted(expected))
+        message = "is not a parameter of this route " + (
+            f"(only {taken})" if taken else "(it takes none)"
+        )
         raise invalid_query(unknown[0], message, outcome=outcome)
     for name in sorted(expected):
         if len(request.query_params.getlist(name)) > 1:

@@ -19,6 +19,7 @@ from shared.http import (
     internal_metrics_guard,
 )
 from shared.metrics import serve_metrics
+from shared.query_parameters import only_known_query_parameters
 from shared.runtime import MongoClient, broker_ready, mongo_ready
 from shared.settings import MetricsApiSettings
 
@@ -39,8 +40,14 @@ def internal_service_app(
     """A FastAPI app answering every error as problem+json, with `/metrics` (behind
     `METRICS_API_KEY`, or `admin_key` where the service holds one; `service` names it in the
     warning when the key is unset) and `/healthz` and `/readyz` on the broker and the
-    database, and HEAD wherever GET is. `options` go to FastAPI."""
-    app = FastAPI(title=title, lifespan=lifespan, **options)
+    database, HEAD wherever GET is, and a 422 for a query parameter a route does not take.
+    `options` go to FastAPI."""
+    app = FastAPI(
+        title=title,
+        lifespan=lifespan,
+        dependencies=[only_known_query_parameters()],
+        **options,
+    )
     install_problem_handlers(app)
     access = internal_metrics_guard(settings.metrics_api_key, service, admin_key=admin_key)
     serve_metrics(app, broker.metrics, guard=access, responses=METRICS_PROBLEMS)

@@ -65,6 +65,7 @@ from shared.http import (
     metrics_guard,
 )
 from shared.metrics import serve_metrics
+from shared.query_parameters import only_known_query_parameters
 from shared.runtime import (
     MongoClient,
     broker_ready,
@@ -203,6 +204,7 @@ def create_app(settings: GatewaySettings, **overrides: Any) -> FastAPI:
         # No 307 from `/x/` to `/x`: `DELETE /admin/v1/dead-letters/` (a drop of an empty id)
         # was sent to the purge, method and key kept by a client following redirects.
         redirect_slashes=False,
+        dependencies=[only_known_query_parameters()],
     )
     install_problem_handlers(app)
     install_body_timeout(app, settings.request_body_timeout_s)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from datetime import UTC, date, datetime, timedelta
 from typing import Annotated, Any, Final
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 
 from services.gateway.auth import Caller
 from services.gateway.scheduler_client import (
@@ -20,7 +20,7 @@ from services.gateway.scheduler_client import (
     UsageQueryRejected,
     UsageReport,
 )
-from shared.http import Problem, parse_day, problem_responses, refuse_unexpected_query
+from shared.http import Problem, parse_day, problem_responses
 
 Clock = Callable[[], datetime]
 DEFAULT_PERIOD_DAYS: Final = 30
@@ -114,7 +114,6 @@ def usage_routes(scheduler: SchedulerClient, authenticated: Any, *, clock: Clock
         },
     )
     async def read_usage(
-        request: Request,
         caller: Caller = authenticated,
         first_day: Annotated[
             str | None,
@@ -125,7 +124,6 @@ def usage_routes(scheduler: SchedulerClient, authenticated: Any, *, clock: Clock
             Query(alias="to", description="Last UTC day, YYYY-MM-DD.", examples=["2025-01-31"]),
         ] = None,
     ) -> UsageReport:
-        refuse_unexpected_query(request, {"from", "to"})
         first, last = usage_period(first_day, last_day, today=clock().astimezone(UTC).date())
         try:
             return await scheduler.usage(caller.tenant_id, first_day=first, last_day=last)

@@ -32,6 +32,7 @@ from services.gateway.submissions import Submissions
 from shared.contracts import RunCronJob, ScoreText, new_id
 from shared.dead_letters import CUT_OFF, dead_lettered_at
 from shared.http import install_problem_handlers
+from shared.query_parameters import only_known_query_parameters
 from shared.topology import DLX, ERROR_HEADER
 from tests.integration import test_dead_letter_drop as gateway_dlq
 from tests.integration import test_scheduler
@@ -87,7 +88,7 @@ async def _gateway(
         lambda: now,
         timeout_s=TIMEOUT_S,
     )
-    app = FastAPI()
+    app = FastAPI(dependencies=[only_known_query_parameters()])  # as the services'
     install_problem_handlers(app)
     app.include_router(admin_routes(dead_letters, SecretStr(ADMIN_KEY)))
     async with running(app) as api:

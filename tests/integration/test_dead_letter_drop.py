@@ -34,6 +34,7 @@ from services.gateway.submissions import Submissions
 from shared.contracts import ScoreText, new_id, utcnow
 from shared.dead_letters import MAX_WALK_BYTES, REPLAY_BUDGET_S
 from shared.http import PROBLEM_JSON, install_problem_handlers
+from shared.query_parameters import only_known_query_parameters
 from shared.topology import DLX, ERROR_HEADER, SCORE_REQUESTS, declare_topology
 from tests.support import running
 
@@ -125,7 +126,7 @@ def _admin_app(
         walk_bytes=walk_bytes,
         replay_budget_s=replay_budget_s,
     )
-    app = FastAPI()
+    app = FastAPI(dependencies=[only_known_query_parameters()])  # as the services'
     install_problem_handlers(app)
     app.include_router(admin_routes(dead_letters, SecretStr(ADMIN_KEY)))
     return app

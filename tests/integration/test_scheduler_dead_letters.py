@@ -37,6 +37,7 @@ from shared.bus import publish_dead_letter
 from shared.contracts import RunCronJob, new_id
 from shared.dead_letters import DeadLetterWalker, dead_lettered_at
 from shared.http import PROBLEM_JSON, install_problem_handlers
+from shared.query_parameters import only_known_query_parameters
 from shared.runtime import make_broker
 from shared.topology import CRON_JOBS
 from tests.faults.slow_link import SlowLink
@@ -469,7 +470,7 @@ async def _walking_part_of_the_queue(
         )
         walker = DeadLetterWalker(broker, CRON_JOBS, timeout_s=10, max_bytes=max_bytes)
         dead_letters = CronDeadLetters(walker, jobs=jobs, replay_run=replay_run, clock=env.clock)
-        app = FastAPI()
+        app = FastAPI(dependencies=[only_known_query_parameters()])  # as the services'
         install_problem_handlers(app)
         app.include_router(
             cron_dead_letter_routes(dead_letters=dead_letters, admin_key=SecretStr(ADMIN_KEY))

@@ -12,6 +12,7 @@ from services.gateway.errors import DatabaseUnavailable
 from services.gateway.keys import ApiKey, ApiKeys
 from services.gateway.keys_api import MAX_LISTED, key_admin_routes
 from shared.http import install_problem_handlers
+from shared.query_parameters import only_known_query_parameters
 from tests.support import running
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
@@ -35,7 +36,7 @@ class StubKeys(ApiKeys):
 
 
 def app_with(keys: StubKeys, forgotten: list[str]) -> FastAPI:
-    app = FastAPI()
+    app = FastAPI(dependencies=[only_known_query_parameters()])  # as the services'
     install_problem_handlers(app)
     routes = key_admin_routes(
         keys,

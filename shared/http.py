@@ -11,6 +11,7 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from datetime import UTC, date, datetime
 from email.utils import parsedate_to_datetime
+from http import HTTPStatus
 from typing import Any, Literal
 
 import httpx
@@ -132,6 +133,35 @@ def database_refused(error: BaseException) -> Problem:
     )
 
 
+def _routing_detail(
+    request: Request, status: int, given: object, headers: Mapping[str, str] | None
+) -> str | None:
+    """What the router's own 404 and 405 say, in words a person can act on (they said only
+    "Not Found" and "Method Not Allowed"); None for any other error, or one a route raised
+    with words of its own."""
+    if given != HTTPStatus(status).phrase:
+        return None
+    if status == HTTPStatus.NOT_FOUND:
+        where = f"{request.method} {request.url.path}"
+        return f"No route answers {where}; the routes are listed at /docs and /openapi.json."
+    if status == HTTPStatus.METHOD_NOT_ALLOWED:
+        allowed = (headers or {}).get("Allow", "")
+        return f"{request.method} is not allowed on {request.url.path}; it takes {allowed}."
+    return None
+
+
+def _head_allowed_with_get(headers: Mapping[str, str] | None) -> Mapping[str, str] | None:
+    """A 405's `Allow` names HEAD wherever it names GET: every app answers HEAD there
+    (`shared.head_requests`), though its routes name GET alone."""
+    allowed = (headers or {}).get("Allow")
+    if allowed is None or headers is None:
+        return headers
+    methods = [method.strip() for method in allowed.split(",")]
+    if "GET" in methods and "HEAD" not in methods:
+        return {**headers, "Allow": ", ".join([*methods, "HEAD"])}
+    return headers
+
+
 def install_problem_handlers(app: FastAPI) -> None:
     """Make every error of `app` a problem+json answer."""
 
@@ -147,7 +177,9 @@ def install_problem_handlers(app: FastAPI) -> None:
 
     async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        problem = Problem(exc.status_code, str(exc.detail), headers=exc.headers)
+        headers = _head_allowed_with_get(exc.headers)
+        detail = _routing_detail(request, exc.status_code, exc.detail, headers)
+        problem = Problem(exc.status_code, detail or str(exc.detail), headers=headers)
         return problem_response(problem, request.url.path)
 
     async def on_client_gone(request: Request, exc: Exception) -> JSONResponse:

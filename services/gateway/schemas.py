@@ -61,20 +61,23 @@ def checked_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
     return metadata
 
 
-def _check_metadata_values(value: Any, path: str = "metadata", depth: int = 1) -> None:
+def _check_metadata_values(value: Any, path: str = "", depth: int = 1) -> None:
+    """Refuse what the database cannot keep; `path` is where within the metadata (pydantic
+    names the field itself: "metadata: metadata: key ..." read twice)."""
+    at = f"at {path}: " if path else ""
     if isinstance(value, dict | list) and depth > MAX_METADATA_DEPTH:
-        raise ValueError(f"{path}: metadata may nest at most {MAX_METADATA_DEPTH} levels deep")
+        raise ValueError(f"{at}metadata may nest at most {MAX_METADATA_DEPTH} levels deep")
     if isinstance(value, dict):
         for key, item in value.items():
             if key.startswith("$") or "." in key or "\x00" in key:
-                raise ValueError(f"{path}: key {key!r} may not start with '$' or contain '.'")
-            _check_metadata_values(item, f"{path}.{key}", depth + 1)
+                raise ValueError(f"{at}key {key!r} may not start with '$' or contain '.'")
+            _check_metadata_values(item, f"{path}.{key}" if path else key, depth + 1)
     elif isinstance(value, list):
         for index, item in enumerate(value):
             _check_metadata_values(item, f"{path}[{index}]", depth + 1)
     elif _beyond_int64(value):
         raise ValueError(
-            f"{path}: integers must fit in 64 bits (signed); send a larger one as a string"
+            f"{at}integers must fit in 64 bits (signed); send a larger one as a string"
         )
 
 

@@ -226,6 +226,17 @@ async def test_bad_input_is_a_problem_and_changes_nothing(
     assert await _submission_count(stack) == before
 
 
+async def test_a_metadata_key_refused_is_named_once_with_where_it_is(stack: Stack) -> None:
+    """The field was named twice ("metadata: metadata: key ..."), found in a walkthrough."""
+    top = {"text": "hi", "metadata": {"$x": 1}}
+    problem = _assert_problem(await stack.api.post("/v1/scores", json=top), 422)
+    assert "metadata: key '$x' may not start with '$'" in str(problem["detail"])
+    nested = {"text": "hi", "metadata": {"a": [{"b.c": 1}]}}
+    problem = _assert_problem(await stack.api.post("/v1/scores", json=nested), 422)
+    assert "metadata: at a[0]: key 'b.c' may not" in str(problem["detail"])
+    assert "metadata: metadata" not in str(problem["detail"])
+
+
 @pytest.mark.parametrize("number", [2**63, 2**70 + 1, -(2**70)])
 async def test_an_integer_past_64_bits_in_metadata_is_refused_for_one_reason(
     stack: Stack, number: int
@@ -234,7 +245,7 @@ async def test_an_integer_past_64_bits_in_metadata_is_refused_for_one_reason(
     check and was kept as 1.1805916207174113e+21, the client's value silently changed."""
     body = {"text": "hi", "metadata": {"n": number}}
     problem = _assert_problem(await stack.api.post("/v1/scores", json=body), 422)
-    assert "metadata.n: integers must fit in 64 bits" in str(problem["detail"])
+    assert "metadata: at n: integers must fit in 64 bits" in str(problem["detail"])
     assert "send a larger one as a string" in str(problem["detail"])
 
 

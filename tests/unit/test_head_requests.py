@@ -139,3 +139,16 @@ async def test_the_services_answer_head_where_they_answer_get(
         head = await client.head("/healthz")
     assert head.status_code == 200
     assert head.content == b""
+
+
+async def test_a_method_a_route_does_not_take_is_told_what_it_takes_head_included() -> None:
+    async with _served(_app(Stream())) as client:
+        refused = await client.delete("/things/a")
+        unknown = await client.get("/nowhere")
+    assert refused.status_code == 405
+    assert refused.headers["allow"] == "GET, HEAD"
+    assert refused.json()["detail"] == "DELETE is not allowed on /things/a; it takes GET, HEAD."
+    # The router's own words were "Not Found" and "Method Not Allowed" alone.
+    assert unknown.json()["detail"] == (
+        "No route answers GET /nowhere; the routes are listed at /docs and /openapi.json."
+    )

@@ -33,7 +33,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
-from shared.settings import MAX_PORT
+from shared.settings import DEFAULT_LLM_MODEL, MAX_PORT
 
 if TYPE_CHECKING:
     from devtools.infra import Endpoint
@@ -597,6 +597,16 @@ def scheduler_export(stack: Stack) -> list[str]:
     return [f"  export SCOREBOX_SCHEDULER_URL={stack.url('scheduler')}"]
 
 
+def model_line(stack_env: Mapping[str, str], environ: Mapping[str, str] = os.environ) -> str:
+    """Which model the scorers call (the stack's environment, then the process's): switching
+    between the built-in heuristic and a provider left the banner silent about which ran."""
+    env = {**environ, **stack_env}
+    if env.get("LLM_PROVIDER", "heuristic") != "openai":
+        return "Model:    built-in heuristic (LLM_PROVIDER=openai and LLM_BASE_URL for a model)"
+    base_url = env.get("LLM_BASE_URL", "https://api.openai.com/v1")
+    return f"Model:    {env.get('LLM_MODEL', DEFAULT_LLM_MODEL)} at {base_url} (OpenAI protocol)"
+
+
 def banner(stack: Stack, keys: DevKeys) -> str:
     lines = ["", "Scorebox is up."]
     for proc in stack.processes():
@@ -606,6 +616,7 @@ def banner(stack: Stack, keys: DevKeys) -> str:
         f"Gateway:  {stack.gateway_url}",
         f"API docs: {stack.gateway_url}/docs",
         f"Logs:     {stack.config.log_dir}/",
+        model_line(stack.config.env),
         "",
         "Keys (the API key belongs to the default tenant):",
         f"  export SCOREBOX_URL={stack.gateway_url}",
@@ -677,10 +688,13 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as resources:
         try:
             with stop_signals_interrupt():
-                return start_and_supervise(args, resources, host=host, ports=ports)
+                code = start_and_supervise(args, resources, host=host, ports=ports)
         except KeyboardInterrupt:
             print("\nStopping ...", flush=True)
-            return 0
+            code = 0
+    # The services' stops end with the resources: their output ended at "Stopping ...".
+    print("Stopped." if code == 0 else f"Stopped (exit status {code}).", flush=True)
+    return code
 
 
 # The vhost of a `make run` on the local RabbitMQ whose database is the in-memory stand-in,

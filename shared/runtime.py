@@ -46,8 +46,16 @@ MongoClient = AsyncMongoClient[dict[str, Any]]
 GC_YOUNG_THRESHOLD = 20_000
 
 
+# Libraries that log every request at INFO: the gateway's reads of the status service were a
+# line each (found in a walkthrough). Kept at WARNING unless the service logs at DEBUG.
+CHATTY_LOGGERS = ("httpx",)
+
+
 def configure_logging(settings: ServiceSettings, service: str) -> None:
     logging.captureWarnings(True)  # Python's warnings as records: JSON lines in json mode
+    if settings.log_level.upper() != "DEBUG":
+        for name in CHATTY_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
     if settings.log_format == "json":
         handler = logging.StreamHandler()
         handler.setFormatter(json_log_formatter(service))

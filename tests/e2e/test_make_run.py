@@ -53,7 +53,7 @@ def make_run(amqp_url: str, mongo: Any, db_prefix: str, tmp_path: Path) -> Any:
     output = LineCollector(process)
     try:
         banner = output.wait_for_text("Ctrl-C stops everything", timeout_s=120)
-        yield process, banner, ports, env["SCOREBOX_API_KEY"]
+        yield process, banner, ports, env["SCOREBOX_API_KEY"], output
     finally:
         if process.poll() is None:
             process.terminate()  # lets `make run` stop what it started
@@ -67,10 +67,11 @@ def make_run(amqp_url: str, mongo: Any, db_prefix: str, tmp_path: Path) -> Any:
 
 
 def test_make_run_serves_the_readme_example_and_stops_on_sigterm(make_run: Any) -> None:
-    process, banner, ports, api_key = make_run
+    process, banner, ports, api_key, output = make_run
     gateway = f"http://127.0.0.1:{ports['GATEWAY_PORT']}"
     auth = {"Authorization": f"Bearer {api_key}"}
     assert f"Gateway:  {gateway}" in banner
+    assert "Model:    built-in heuristic" in banner  # which model the scorers call
     assert f"-H 'Authorization: Bearer {api_key}'" in banner  # the curl example is ready to paste
     assert f"export SCOREBOX_API_KEY={api_key}" in banner
     # `scorebox cron` defaults to port 8003: with the port moved, the export points it here.
@@ -109,5 +110,6 @@ def test_make_run_serves_the_readme_example_and_stops_on_sigterm(make_run: Any) 
 
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=60) == 0
+    assert "Stopped." in output.wait_for_text("Stopped.", timeout_s=10)
     for port in ports.values():
         assert _port_free(int(port)), f"port {port} still served after make run stopped"

@@ -129,6 +129,7 @@ class ModelThrottle:
         self._probe_due = False  # a pause ended and no call has answered since
         self._probe_out = False  # the probe's call is running
         self._rate_limit_pauses = Tally(PAUSE_LOG_EVERY_S, clock)
+        self._outage_probes = Tally(PAUSE_LOG_EVERY_S, clock)
         self._changed = asyncio.Event()
         # Called with its length when a pause begins while none lasted, and whether it is an
         # outage's (also when a pause lasting turns into an outage's).
@@ -226,6 +227,20 @@ class ModelThrottle:
             self._log_rate_limit_pause()
             self._on_pause(self.pause_left_s(), False)
 
+    def _log_outage_going_on(self) -> None:
+        """The outage's probe found the provider still down: the pause is longer now. Only
+        its beginning was logged, and a pause that went on for minutes read as 0.6 s (found
+        in a walkthrough); a line at most once per `PAUSE_LOG_EVERY_S`."""
+        probes = self._outage_probes.count()
+        if probes is None:
+            return
+        log.warning(
+            "model calls stay paused for %.1f s: the outage's probe found the provider still "
+            "unavailable (%d probe(s) since the last such line)",
+            self.pause_left_s(),
+            probes,
+        )
+
     def _log_rate_limit_pause(self) -> None:
         if (pauses := self._rate_limit_pauses.count()) is None:
             return
@@ -273,6 +288,8 @@ class ModelThrottle:
             self._seen_failing.add(text_key)
         if began or self._probe_due:
             self._lengthen(turn, retry_after_s)
+        if was_on and turn.probe:
+            self._log_outage_going_on()
         if began:
             log.warning(
                 "model calls paused for %.1f s: the provider found unavailable by the calls of "

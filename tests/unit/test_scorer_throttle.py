@@ -350,6 +350,32 @@ async def test_a_steady_rate_limit_is_logged_once_a_minute(
     assert "(30 pause(s) since the last such line)" in messages[1]
 
 
+async def test_an_outage_going_on_is_logged_with_its_pause_once_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Only an outage's beginning was logged: a pause its probes kept going for minutes read
+    as 0.6 s in the log (found in a walkthrough)."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    with caplog.at_level("INFO", logger="scorebox.scorer.throttle"):
+        _fails(throttle, *range(TRIP_AFTER))
+        for text in range(10, 13):  # three probes, each finding the provider still down
+            await _probe(throttle, clock)
+            _fails(throttle, text, turn=PROBE)
+            throttle.done(PROBE)
+        clock.now += PAUSE_LOG_EVERY_S
+        await _probe(throttle, clock)
+        _fails(throttle, 13, turn=PROBE)
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 3, messages
+    assert "an outage" in messages[0]
+    assert "stay paused for" in messages[1]
+    assert "(1 probe(s) since the last such line)" in messages[1]
+    assert "(3 probe(s) since the last such line)" in messages[2]
+    left = float(messages[2].split("stay paused for ")[1].split(" s")[0])
+    assert left == pytest.approx(throttle.pause_left_s(), abs=0.1)
+
+
 def test_one_text_failing_again_and_again_pauses_nothing_however_many_tasks_hold_it() -> None:
     """A text the provider fails every time, scored as several tasks (three rubrics, or a
     client resubmitting it), their retries the only calls of a quiet hour, paused everyone's

@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field, SecretStr
 from pymongo.errors import PyMongoError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, HTTPConnection
+from starlette.routing import Match
 
 from shared.database_errors import transient_database_error
 from shared.runtime import READINESS_DEADLINE_S, Check
@@ -150,16 +151,22 @@ def _routing_detail(
     return None
 
 
-def _head_allowed_with_get(headers: Mapping[str, str] | None) -> Mapping[str, str] | None:
-    """A 405's `Allow` names HEAD wherever it names GET: every app answers HEAD there
-    (`shared.head_requests`), though its routes name GET alone."""
-    allowed = (headers or {}).get("Allow")
-    if allowed is None or headers is None:
+def _allowed(request: Request, headers: Mapping[str, str] | None) -> Mapping[str, str] | None:
+    """A 405's `Allow`: the methods of every route of the path, HEAD wherever GET is (every
+    app answers HEAD there: `shared.head_requests`). Starlette names the first route's
+    alone: `POST /v1/webhooks/failure-alert` was told "GET" where PUT and DELETE are taken
+    too (found in review)."""
+    if headers is None or "Allow" not in headers:
         return headers
-    methods = [method.strip() for method in allowed.split(",")]
-    if "GET" in methods and "HEAD" not in methods:
-        return {**headers, "Allow": ", ".join([*methods, "HEAD"])}
-    return headers
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if route.matches(request.scope)[0] is not Match.NONE:
+            methods.update(getattr(route, "methods", None) or ())
+    if "GET" in methods:
+        methods.add("HEAD")
+    if not methods:
+        return headers
+    return {**headers, "Allow": ", ".join(sorted(methods))}
 
 
 def install_problem_handlers(app: FastAPI) -> None:
@@ -177,7 +184,7 @@ def install_problem_handlers(app: FastAPI) -> None:
 
     async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        headers = _head_allowed_with_get(exc.headers)
+        headers = _allowed(request, exc.headers)
         detail = _routing_detail(request, exc.status_code, exc.detail, headers)
         problem = Problem(exc.status_code, detail or str(exc.detail), headers=headers)
         return problem_response(problem, request.url.path)

@@ -29,10 +29,10 @@ import asyncio
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Header, Request, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
@@ -130,8 +130,16 @@ def event_routes(
         request: Request,
         caller: Caller = authenticated,
         last_event_id: str | None = Header(default=None, alias="Last-Event-ID"),
+        last_event_id_query: Annotated[
+            str | None,
+            Query(
+                alias="lastEventId",
+                description="`Last-Event-ID` for clients that cannot send headers on a "
+                "reconnection (EventSource polyfills add it to the URL); the header wins.",
+            ),
+        ] = None,
     ) -> Response:
-        after = _after(last_event_id)
+        after = _after(last_event_id if last_event_id is not None else last_event_id_query)
         if not TASK_ID.match(task_id):
             raise Problem(404, f"No task {task_id!r} is known (or it has expired).")
 
@@ -216,9 +224,11 @@ def event_routes(
 
 def _reconnects_by_itself(request: Request) -> bool:
     """An `EventSource` (it asks for `text/event-stream`, and sends `Last-Event-ID` when it
-    reconnects): it stops for good on any answer but 200 or 204, a 503 included."""
+    reconnects, a polyfill as `?lastEventId=`): it stops for good on any answer but 200 or
+    204, a 503 included."""
     accepts = request.headers.get("accept", "")
-    return EVENT_STREAM in accepts or "last-event-id" in request.headers
+    reconnecting = "last-event-id" in request.headers or "lastEventId" in request.query_params
+    return EVENT_STREAM in accepts or reconnecting
 
 
 def _come_back_later(reason: str, retry_after_s: float) -> Response:

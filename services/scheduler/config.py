@@ -163,4 +163,8 @@ def load_config(path: Path, environ: Mapping[str, str]) -> SchedulerConfig:
         ) from error
     except tomllib.TOMLDecodeError as error:
         raise ConfigurationError(f"{path} is not valid TOML: {error}") from error
+    except UnicodeDecodeError as error:
+        raise ConfigurationError(f"{path} is not UTF-8 text (TOML is): {error}") from error
+    except OSError as error:  # a directory, a file it may not read
+        raise ConfigurationError(f"scheduler configuration {path} unreadable: {error}") from error
     return parse_config(data, environ)

@@ -232,6 +232,30 @@ async def test_reconnecting_with_last_event_id_gets_only_what_was_missed(push: P
     assert done.status_code == 204
 
 
+async def test_a_polyfill_reconnecting_with_last_event_id_in_the_url_resumes(push: Push) -> None:
+    """Browsers' EventSource cannot send `Authorization`; the polyfills that can send it give
+    the last id as `?lastEventId=` on a reconnection, and stop for good on anything but 200:
+    refused as a parameter the route did not take (422), every such stream died at its
+    first reconnection (found in review)."""
+    task_id = await push.submit(f"Resume me by URL [[id:{_marker()}]]")
+    everything, _ = await push.events(task_id)
+
+    path = f"/v1/scores/{task_id}/events?lastEventId={everything[0].id}"
+    async with push.api.stream("GET", path, timeout=60) as response:
+        assert response.status_code == 200, await response.aread()
+        rest, _ = await read_events(response.aiter_lines())
+    assert [event.id for event in rest] == [event.id for event in everything[1:]]
+
+    done = await push.api.get(f"/v1/scores/{task_id}/events?lastEventId={everything[-1].id}")
+    assert done.status_code == 204
+    # The header wins over the URL's.
+    both = await push.api.get(
+        f"/v1/scores/{task_id}/events?lastEventId=0",
+        headers={"Last-Event-ID": str(everything[-1].id)},
+    )
+    assert both.status_code == 204
+
+
 async def test_stream_of_a_waiting_task_sends_heartbeats(push: Push) -> None:
     task_id = await push.submit(f"Later [[id:{_marker()}]]", delay_seconds=600)
     async with push.api.stream("GET", f"/v1/scores/{task_id}/events") as response:

@@ -141,6 +141,26 @@ async def test_the_services_answer_head_where_they_answer_get(
     assert head.content == b""
 
 
+async def test_a_405_names_the_methods_of_every_route_of_the_path() -> None:
+    """Starlette's `Allow` named the first route's alone (`POST /v1/webhooks/failure-alert`
+    was told GET where PUT and DELETE are taken too; found in review)."""
+    app = _app(Stream())
+
+    @app.put("/things/{name}")
+    async def replace(name: str) -> dict[str, str]:
+        return {"name": name}
+
+    @app.delete("/things/{name}")
+    async def remove(name: str) -> dict[str, str]:
+        return {"name": name}
+
+    async with _served(app) as client:
+        refused = await client.post("/things/a")
+    assert refused.status_code == 405
+    assert refused.headers["allow"] == "DELETE, GET, HEAD, PUT"
+    assert refused.json()["detail"].endswith("it takes DELETE, GET, HEAD, PUT.")
+
+
 async def test_a_method_a_route_does_not_take_is_told_what_it_takes_head_included() -> None:
     async with _served(_app(Stream())) as client:
         refused = await client.delete("/things/a")

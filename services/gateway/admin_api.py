@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictBool, model_validator
 
-from services.gateway.deadletters import DeadLetterQueue, Walk
+from services.gateway.deadletters import DeadLetterQueue, ShownLetter, Walk
 from services.gateway.errors import DatabaseUnavailable, Unavailable, refused_for_good
 from services.gateway.keys_api import ADMIN_BODY_LIMIT
 from shared.bodies import json_body, read_model
@@ -147,16 +147,15 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
 
     @router.get(
         "/dead-letters/{letter_id}",
-        summary="One dead letter by message or task id",
+        summary="One dead letter by message or task id, with its whole body",
         responses=problem_responses(404),
     )
     async def show_dead_letter(letter_id: str) -> dict[str, Any]:
         with _broker_away_is_503():
-            walk = await dead_letters.letters()
-        for letter in walk.letters:
-            if letter.matches({letter_id}):
-                return asdict(letter)
-        raise Problem(404, f"No dead letter with message or task id {letter_id!r}{_unseen(walk)}.")
+            found = await dead_letters.shown(letter_id)
+        if isinstance(found, ShownLetter):
+            return {**asdict(found.letter), "body": found.body}
+        raise Problem(404, f"No dead letter with message or task id {letter_id!r}{_unseen(found)}.")
 
     @router.post(
         "/dead-letters/replay",

@@ -21,7 +21,9 @@ import contextlib
 from collections.abc import Callable, Collection, Set
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
+import orjson
 from aio_pika.abc import AbstractIncomingMessage
 from faststream.rabbit import RabbitBroker
 from pydantic import ValidationError
@@ -79,6 +81,23 @@ def describe(message: AbstractIncomingMessage, now: datetime) -> DeadLetter:
         age_s=(now - when).total_seconds() if when else None,
         body_preview=message.body[:200].decode("utf-8", "replace"),
     )
+
+
+@dataclass(frozen=True)
+class ShownLetter:
+    """A letter as `GET /admin/v1/dead-letters/{id}` shows it: what a listing says of it,
+    and its whole body (the command, its text included), JSON when it parses."""
+
+    letter: DeadLetter
+    body: Any
+
+
+def readable_body(body: bytes) -> Any:
+    """A letter's body as JSON when it is JSON, else as text (undecodable bytes replaced)."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body.decode("utf-8", "replace")
 
 
 @dataclass(frozen=True)
@@ -142,6 +161,19 @@ class DeadLetterQueue:
             letters = [describe(message, now) for message in held]
         letters.sort(key=_oldest_first)
         return Walk(letters, truncated=held.truncated, listed_at=now)
+
+    async def shown(self, letter_id: str) -> ShownLetter | Walk:
+        """The letter `letter_id` names (message or task id) with its whole body, which a
+        listing cuts to `body_preview`; else what the walk saw (it may have stopped short)."""
+        now = self._clock()
+        seen: list[DeadLetter] = []
+        async with self._dlq.walk() as held:
+            for message in held:
+                letter = describe(message, now)
+                if letter.matches({letter_id}):
+                    return ShownLetter(letter, readable_body(message.body))
+                seen.append(letter)
+        return Walk(seen, truncated=held.truncated, listed_at=now)
 
     async def replay(self, ids: Collection[str] | None) -> Replay:
         """Replay the dead letters named by `ids` (all when None), for up to the replay's

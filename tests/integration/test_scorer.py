@@ -442,8 +442,12 @@ async def test_dead_letters_are_listed_replayed_with_fresh_attempts_and_purged(f
     assert "model_unavailable" in item["reason"]
     assert item["attempts"] == 4
     assert item["age_s"] >= 0
-    shown = await flow.api.get(f"/admin/v1/dead-letters/{task_id}", headers=ADMIN)
-    assert shown.json()["task_id"] == task_id
+    shown = (await flow.api.get(f"/admin/v1/dead-letters/{task_id}", headers=ADMIN)).json()
+    assert shown["task_id"] == task_id
+    # Shown whole: the listing's preview is cut at 200 characters.
+    assert shown["body"]["task_id"] == task_id
+    assert shown["body"]["text"] == f"Flaky model [[id:{marker}]] [[fake:500x4]]"
+    assert shown["body_preview"] == item["body_preview"]
     # Looking does not consume: the letter is still there.
     again = (await flow.api.get("/admin/v1/dead-letters", headers=ADMIN)).json()
     assert again["count"] == 1

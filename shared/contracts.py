@@ -34,6 +34,12 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def to_millis(instant: datetime) -> datetime:
+    """`instant` in UTC at MongoDB's precision (milliseconds), so stored and sent times match."""
+    instant = instant.astimezone(UTC)
+    return instant.replace(microsecond=instant.microsecond // 1000 * 1000)
+
+
 # Any time up to here plus the longest retention (ten years, `MAX_DURATION_S`) stays inside
 # `datetime`'s range.
 MAX_YEAR: Final = 9000

@@ -44,7 +44,7 @@ from services.gateway.submit import (
     submit_score,
 )
 from shared.bodies import invalid_fields, read_json_object
-from shared.contracts import TaskStatus, TaskView
+from shared.contracts import CACHED_COMPLETION_SEQUENCE, TaskStatus, TaskView, to_millis
 from shared.http import (
     DATABASE_REFUSED_PROBLEM,
     RETRY_AFTER_HEADER,
@@ -190,13 +190,19 @@ def _view_json(view: TaskView, headers: dict[str, str] | None = None) -> JSONRes
 
 
 def _cached_view(submitted: Submitted, now: datetime) -> TaskView:
+    """A task answered from the result cache, as its status URL shows it once recorded: its
+    completion dated when it was submitted, at the database's precision, with the cached
+    completion's sequence (the POST said the moment of its answer, to the microsecond, and
+    no sequence: found in a walkthrough)."""
+    at = to_millis(submitted.submitted_at or now)
     return TaskView(
         task_id=submitted.task_id,
         status=submitted.status,
         attempts=0,
-        created_at=now,
-        updated_at=now,
+        created_at=at,
+        updated_at=at,
         result=submitted.cached_result,
+        sequence=CACHED_COMPLETION_SEQUENCE,
     )
 
 

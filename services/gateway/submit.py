@@ -90,6 +90,8 @@ class Submitted:
     status: TaskStatus
     created: bool  # False: an earlier request with the same Idempotency-Key
     cached_result: ScoreResult | None = None
+    # When the task was submitted (a cached result's completion is dated so too).
+    submitted_at: datetime | None = None
 
 
 async def submit_score(
@@ -214,7 +216,13 @@ async def _record_and_send(
     undo = _Undo(command, submissions, refusals)
     if cached is not None:
         await _announce_cached_or_discard(command, cached, publisher, undo)
-        return Submitted(command.task_id, TaskStatus.COMPLETED, created=True, cached_result=cached)
+        return Submitted(
+            command.task_id,
+            TaskStatus.COMPLETED,
+            created=True,
+            cached_result=cached,
+            submitted_at=command.submitted_at,
+        )
     await _admit_or_discard(command, in_flight=gate, undo=undo)
     await _publish_or_discard(command, publisher=publisher, in_flight=gate, undo=undo)
     return Submitted(command.task_id, _initial_status(command, now), created=True)
@@ -333,6 +341,7 @@ async def _earlier_submission(
         _status_as_recorded(earlier, now),
         created=False,
         cached_result=earlier.cached_result,
+        submitted_at=earlier.created_at,
     )
 
 

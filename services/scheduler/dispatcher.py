@@ -32,11 +32,11 @@ from services.scheduler.errors import (
     RunInProgress,
     TriggeredTooOften,
 )
-from services.scheduler.firings import Firing, FiringState, FiringStore, to_millis
+from services.scheduler.firings import Firing, FiringState, FiringStore
 from services.scheduler.jobs import Clock
 from services.scheduler.overlap import Claim, Overlap, claim_unless_overlapping
 from services.scheduler.schedule import JobCatalog, ScheduledJob, plan_firings
-from shared.contracts import RunCronJob
+from shared.contracts import RunCronJob, to_millis
 
 NEVER = datetime.max.replace(tzinfo=UTC)  # a job whose schedule has no later date
 

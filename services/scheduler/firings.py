@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -64,7 +64,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import DuplicateKeyError
 
 from services.scheduler.errors import SchedulerError
-from shared.contracts import new_id
+from shared.contracts import new_id, to_millis
 from shared.indexes import string_key
 
 Document = dict[str, Any]
@@ -105,12 +105,6 @@ def _collided_on_lease(error: DuplicateKeyError) -> bool:
     the dead run it replays)."""
     key_pattern = (error.details or {}).get("keyPattern") or {}
     return "active_job" in key_pattern or ACTIVE_RUN_INDEX in str(error)
-
-
-def to_millis(instant: datetime) -> datetime:
-    """`instant` in UTC at MongoDB's precision (milliseconds), so stored and sent times match."""
-    instant = instant.astimezone(UTC)
-    return instant.replace(microsecond=instant.microsecond // 1000 * 1000)
 
 
 @dataclass(frozen=True)

@@ -352,6 +352,10 @@ async def test_identical_text_is_answered_from_the_result_cache(
     polled = await flow.finished(body["task_id"])
     assert polled["result"]["cached"] is True
     assert flow.calls(marker) == 1
+    # The POST's answer is the task as its status URL shows it (it said the moment of the
+    # answer, to the microsecond, and no sequence).
+    same = ("created_at", "updated_at", "sequence", "attempts", "status")
+    assert {k: body[k] for k in same} == {k: polled[k] for k in same}
 
     # The request repeated is answered as it was the first time.
     repeated = await flow.api.post("/v1/scores", json=same_text, headers=key)

@@ -34,7 +34,6 @@ from services.scheduler.firings import (
     Held,
     Hold,
     LeaseTaken,
-    to_millis,
 )
 from services.scheduler.jobs import JobOutcome, JobRun
 from services.scheduler.runs import (
@@ -50,7 +49,7 @@ from services.scheduler.runs import (
     run_cron_job,
 )
 from services.scheduler.schedule import JobCatalog, ScheduledJob
-from shared.contracts import RunCronJob, new_id
+from shared.contracts import RunCronJob, new_id, to_millis
 
 GRACE = timedelta(seconds=60)
 START = datetime(2025, 1, 1, 10, 4, 50, tzinfo=UTC)

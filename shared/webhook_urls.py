@@ -21,6 +21,10 @@ MAX_URL_LENGTH = 2_048
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _LABEL = re.compile(r"^(?!-)[a-z0-9_-]{1,63}(?<!-)$")
 _NUMERIC_LABEL = re.compile(r"^(0x[0-9a-f]*|[0-9]+)$")
+# An authority holding a bracketed IPv6 literal: nothing but an optional port after `]`.
+# `urlsplit` ignores what follows (`[2606:4700::1]x` read as that address) where the HTTP
+# client refuses the URL, so such a callback was accepted and could never be delivered.
+_BRACKETED_AUTHORITY = re.compile(r"\[[0-9A-Fa-f:.]+\](?::[0-9]*)?")
 _LOCAL_SUFFIXES = ("localhost", "local", "internal", "localdomain", "home.arpa", "arpa")
 # IPv6 ranges that embed an IPv4 address a gateway may translate to (NAT64) or that
 # `is_global` does not flag (the deprecated IPv4-compatible ::a.b.c.d).
@@ -120,6 +124,10 @@ def webhook_host_and_port(
         raise UnsafeWebhookUrl("the URL must start with https://")
     if "@" in parts.netloc:
         raise UnsafeWebhookUrl("the URL may not contain credentials")
+    if ("[" in parts.netloc or "]" in parts.netloc) and not _BRACKETED_AUTHORITY.fullmatch(
+        parts.netloc
+    ):
+        raise UnsafeWebhookUrl("an IPv6 address in brackets may be followed only by :port")
     try:
         port = parts.port
     except ValueError as error:

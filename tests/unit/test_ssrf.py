@@ -25,6 +25,7 @@ SAFE_URLS = [
     "https://example.com./trailing-dot",
     "https://93.184.215.14/public-ipv4",
     "https://[2606:4700:4700::1111]/public-ipv6",
+    "https://[2606:4700:4700::1111]:8443/public-ipv6-port",
     "https://xn--bcher-kva.example/punycode",
     "https://receiver.scorebox.test/test-tld",
 ]
@@ -37,6 +38,11 @@ UNSAFE_URLS = [
     pytest.param("https:///path-only", id="no-host"),
     pytest.param("https://user:pw@example.com/", id="credentials"),
     pytest.param("https://user@example.com/", id="user-only"),
+    # After `]` only `:port`: `urlsplit` read the address and ignored the rest, the HTTP
+    # client refused the URL, and each such callback ended in the operators' DLQ (review).
+    pytest.param("https://[2606:4700::1]x/hook", id="text-after-bracket"),
+    pytest.param("https://[::ffff:8.8.8.8]`x//?`<", id="junk-after-bracket"),
+    pytest.param("https://[2606:4700::1]]/hook", id="two-brackets"),
     pytest.param("https://example.com:0/", id="port-zero"),
     pytest.param("https://example.com:99999/", id="port-out-of-range"),
     pytest.param("https://example.com/ spaced", id="whitespace"),

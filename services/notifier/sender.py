@@ -21,7 +21,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 
-from services.notifier.errors import ReceiverUnreachable
+from services.notifier.errors import ReceiverUnreachable, UnsafeDestination
 from services.notifier.ssrf import Destination
 
 USER_AGENT = "Scorebox-Webhooks/1"
@@ -132,6 +132,10 @@ class WebhookSender:
                 if not 200 <= response.status < 300:
                     excerpt = await self._excerpt(response, deadline=deadline)
                     answer = replace(answer, excerpt=excerpt)
+        except aiohttp.InvalidURL as error:
+            # The URL's doing, every attempt alike: the gateway's check refuses such URLs,
+            # and one that passed it anyway retried for nothing, then went to the DLQ.
+            raise UnsafeDestination(f"the URL cannot be sent: {error}") from error
         except (TimeoutError, aiohttp.ClientError, OSError) as error:
             if answer is not None:
                 return answer  # only closing the connection failed

@@ -29,7 +29,7 @@ import trustme
 
 from services.notifier import sender as sender_module
 from services.notifier.deliveries import judge_answer
-from services.notifier.errors import ReceiverUnavailable, ReceiverUnreachable
+from services.notifier.errors import ReceiverUnavailable, ReceiverUnreachable, UnsafeDestination
 from services.notifier.sender import WebhookSender, make_ssl_context
 from services.notifier.ssrf import Destination, WebhookGuard
 from shared.webhook_urls import IPAddress
@@ -282,3 +282,13 @@ async def test_the_environments_proxy_is_not_used(
 
     assert proxy.heads == []
     assert (answer.status, receiver.posts) == (200, 1)
+
+
+async def test_a_url_the_http_client_cannot_send_gives_the_delivery_up(
+    tls: tuple[ssl.SSLContext, Path],
+) -> None:
+    """No answer would ever come: retried as one, it ended in the operators' DLQ (review)."""
+    address = ipaddress.ip_address("2606:4700::1")
+    destination = Destination("https://[2606:4700::1]x/hook", "2606:4700::1", 443, (address,))
+    with pytest.raises(UnsafeDestination, match="cannot be sent"):
+        await _post(_sender(tls, timeout_s=5), destination)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 
 import pytest
 
@@ -16,9 +17,9 @@ from shared.settings import refused_settings
 SERVICES = ["gateway", "scorer", "status", "scheduler", "notifier"]
 
 
-@pytest.mark.parametrize("service", SERVICES)
-def test_a_refused_setting_stops_the_service_naming_it(service: str) -> None:
-    environment = os.environ | {"LOG_FORMAT": "xml", "BROKER_TIMEOUT_S": "nan"}
+def _refused_at_start(service: str, environment: Mapping[str, str]) -> list[str]:
+    """Start the service as a process: it must stop with status 2 and no traceback; the
+    lines it wrote to stderr."""
     stopped = subprocess.run(
         [sys.executable, "-m", f"services.{service}"],
         env=environment,
@@ -27,10 +28,16 @@ def test_a_refused_setting_stops_the_service_naming_it(service: str) -> None:
         timeout=60,
         check=False,
     )
-
     assert stopped.returncode == 2, stopped.stderr
     assert "Traceback" not in stopped.stderr
-    lines = stopped.stderr.strip().splitlines()
+    return stopped.stderr.strip().splitlines()
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_a_refused_setting_stops_the_service_naming_it(service: str) -> None:
+    lines = _refused_at_start(
+        service, os.environ | {"LOG_FORMAT": "xml", "BROKER_TIMEOUT_S": "nan"}
+    )
     assert lines[0] == f"{service}: cannot start, 2 setting(s) refused:"
     assert lines[1].startswith("  LOG_FORMAT: ")
     assert lines[2].startswith("  BROKER_TIMEOUT_S: ")
@@ -94,17 +101,6 @@ def test_a_refused_schedule_stops_the_scheduler_in_one_line(
         for name, value in os.environ.items()
         if not name.startswith("CRON_") and name not in {"RUBRIC_VERSION", "SCHEDULER_CONFIG"}
     }
-    stopped = subprocess.run(
-        [sys.executable, "-m", "services.scheduler"],
-        env=environment | setting,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-    assert stopped.returncode == 2, stopped.stderr
-    assert "Traceback" not in stopped.stderr
-    lines = stopped.stderr.strip().splitlines()
+    lines = _refused_at_start("scheduler", environment | setting)
     assert lines[-1].startswith("scheduler: cannot start: "), lines
     assert named in lines[-1]

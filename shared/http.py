@@ -4,6 +4,7 @@ bearer-key guards (admin, metrics, internal) and reading `Retry-After`."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import math
@@ -23,7 +24,7 @@ from pydantic import BaseModel, Field, SecretStr
 from pymongo.errors import PyMongoError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, HTTPConnection
-from starlette.routing import Match
+from starlette.routing import compile_path
 
 from shared.database_errors import transient_database_error
 from shared.runtime import READINESS_DEADLINE_S, Check
@@ -152,21 +153,34 @@ def _routing_detail(
 
 
 def _allowed(request: Request, headers: Mapping[str, str] | None) -> Mapping[str, str] | None:
-    """A 405's `Allow`: the methods of every route of the path, HEAD wherever GET is (every
-    app answers HEAD there: `shared.head_requests`). Starlette names the first route's
-    alone: `POST /v1/webhooks/failure-alert` was told "GET" where PUT and DELETE are taken
-    too (found in review)."""
+    """A 405's `Allow`: the methods of every documented operation of the path, HEAD wherever
+    GET is (every app answers HEAD there: `shared.head_requests`). Starlette names the first
+    route's alone: `POST /v1/webhooks/failure-alert` was told "GET" where PUT and DELETE are
+    taken too (found in review). Read from the app's OpenAPI document, whose paths are the
+    routes' templates (FastAPI keeps included routers as nodes of its own, not routes)."""
     if headers is None or "Allow" not in headers:
         return headers
-    methods: set[str] = set()
-    for route in request.app.router.routes:
-        if route.matches(request.scope)[0] is not Match.NONE:
-            methods.update(getattr(route, "methods", None) or ())
-    if "GET" in methods:
-        methods.add("HEAD")
+    methods = {
+        method
+        for pattern, operations in _operations_by_path(request.app)
+        if pattern.fullmatch(request.url.path)
+        for method in operations
+    }
     if not methods:
         return headers
+    if "GET" in methods:
+        methods.add("HEAD")
     return {**headers, "Allow": ", ".join(sorted(methods))}
+
+
+@functools.lru_cache(maxsize=16)
+def _operations_by_path(app: FastAPI) -> tuple[tuple[re.Pattern[str], frozenset[str]], ...]:
+    """Each documented path of `app` as a pattern, with its methods (built once per app)."""
+    paths = app.openapi().get("paths", {})
+    return tuple(
+        (compile_path(path)[0], frozenset(method.upper() for method in operations))
+        for path, operations in paths.items()
+    )
 
 
 def install_problem_handlers(app: FastAPI) -> None:

@@ -47,6 +47,7 @@ from services.scheduler.cron import zone
 from services.scheduler.dead_letters import CronDeadLetters
 from services.scheduler.errors import (
     DispatchFailed,
+    DispatchUnknown,
     JobNotRunnable,
     ReplayRefused,
     RunInProgress,
@@ -247,6 +248,9 @@ RUN_PROBLEMS: dict[int | str, dict[str, Any]] = {
         503,
         "`broker-unavailable`: the broker refused the run and it was withdrawn (nothing "
         "runs; one that could not be withdrawn is answered 202 `claimed` instead); or "
+        "`run-outcome-unknown`: refused, and neither withdrawn nor read back (a partition), "
+        "so it may still run: no Retry-After, `Location` names the run, read it before "
+        "asking again; or "
         "`database-unavailable`: the database did not answer (the run may have been "
         "recorded: read the job's `last_firing` before asking again); or `lease-contended`: "
         "runs of the job took and gave up its lease at every try, nothing was started.",
@@ -306,6 +310,14 @@ def cron_routes(
                 run_id=error.run_id,
                 status_url=run_url(error.run_id),
             ) from error
+        except DispatchUnknown as error:
+            # No Retry-After: the run may go ahead, and a retry would run the job twice.
+            raise Problem(
+                503,
+                f"{error}; read the run at its URL before running the job again.",
+                kind="run-outcome-unknown",
+                headers={"Location": run_url(error.run_id)},
+            ) from error
         except DispatchFailed as error:
             raise Problem(
                 503, str(error), kind="broker-unavailable", headers=RETRY_AFTER_BROKER
@@ -351,7 +363,9 @@ class CronDeadLetterView(_Out):
     run_id: str | None
     job: str | None
     job_configured: bool = Field(
-        description="False: a replay naming it is refused (409); drop it by its run id."
+        description="False: the job is not configured, or its settings leave it unable to "
+        "run (the fan-out without `RUBRIC_VERSION`); a replay naming it is refused (409): drop "
+        "it by its run id, or set what it lacks."
     )
     scheduled_for: datetime | None = Field(description="As the dead message carries it.")
     fired_at: datetime | None

@@ -93,7 +93,7 @@ def describe(message: AbstractIncomingMessage, now: datetime, jobs: JobCatalog) 
         message_id=letter_id(message),
         run_id=command.run_id if command else message.correlation_id,
         job=command.job if command else None,
-        job_configured=command is not None and command.job in jobs,
+        job_configured=command is not None and jobs.runnable(command.job),
         scheduled_for=command.scheduled_for if command else None,
         fired_at=command.fired_at if command else None,
         manual=command.manual if command else None,

@@ -28,6 +28,7 @@ from datetime import UTC, datetime, timedelta
 from services.scheduler.config import MissedFirings
 from services.scheduler.errors import (
     DispatchFailed,
+    DispatchUnknown,
     JobNotRunnable,
     RunInProgress,
     TriggeredTooOften,
@@ -210,10 +211,11 @@ async def _standing_after_failed_withdrawal(
     try:
         standing = await firings.find(firing.run_id)
     except Exception as read_error:  # noqa: BLE001 - unknown: refused, it may run later
-        raise DispatchFailed(
+        raise DispatchUnknown(
             f"the broker did not accept the run of {firing.job!r} ({error!r}), and it could "
             f"not be withdrawn ({forget_error!r}) nor read ({read_error!r}): run "
-            f"{firing.run_id} may still run later"
+            f"{firing.run_id} may still run later",
+            run_id=firing.run_id,
         ) from error
     if standing is None:
         return None

@@ -60,6 +60,15 @@ class DispatchFailed(SchedulerError):
     """A manual firing could not be published; it was withdrawn."""
 
 
+class DispatchUnknown(DispatchFailed):
+    """A manual firing could not be published, nor withdrawn, nor read back: it may run
+    later (the dispatcher publishes a claim left standing), so it must not be retried."""
+
+    def __init__(self, message: str, *, run_id: str) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+
+
 class TriggeredTooOften(SchedulerError):
     """Manual runs of one job came faster than their keys (a millisecond each) allow."""
 

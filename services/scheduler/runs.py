@@ -328,9 +328,13 @@ async def give_up_at_delivery_limit(
 
 async def _give_up(
     command: RunCronJob, reason: str, *, firings: FiringStore, clock: Clock
-) -> GiveUp:
-    await _record_given_up(command, reason, firings=firings, clock=clock)
-    return GiveUp(reason)
+) -> GiveUp | Drop:
+    """Give the run up; when it had ended already (another delivery of it finished it: a
+    replica's clock ahead, a loop stalled past the hold), its own end stands: a run that
+    succeeded was dead-lettered, alerted on and, replayed, run again (found in review)."""
+    if await _record_given_up(command, reason, firings=firings, clock=clock):
+        return GiveUp(reason)
+    return _ended(await firings.find(command.run_id), command)
 
 
 async def _record_given_up(
@@ -345,7 +349,7 @@ async def _record_given_up(
 
 async def _retry_or_give_up(
     command: RunCronJob, error: str, *, firings: FiringStore, retry: RetryPolicy, clock: Clock
-) -> Retry | GiveUp:
+) -> Retry | GiveUp | Drop:
     if command.attempt >= retry.max_attempts:
         reason = f"cron job {command.job!r} failed {command.attempt} times; last error: {error}"
         return await _give_up(command, reason, firings=firings, clock=clock)
@@ -360,7 +364,7 @@ async def _retry_or_give_up(
 
 async def _wait_for_room(
     command: RunCronJob, error: str, *, firings: FiringStore, retry: RetryPolicy, clock: Clock
-) -> Retry | GiveUp:
+) -> Retry | GiveUp | Drop:
     now = clock()
     if now - waiting_since(command) >= DOWNSTREAM_FULL_MAX_WAIT:
         reason = (

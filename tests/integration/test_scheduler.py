@@ -28,18 +28,21 @@ from services.scheduler.catalogue import Catalogue
 from services.scheduler.checkpoints import Checkpoints
 from services.scheduler.config import SchedulerConfig, load_config, parse_config
 from services.scheduler.errors import PermanentJobError
-from services.scheduler.firings import Firings, FiringState
+from services.scheduler.firings import Firings, FiringState, Hold
 from services.scheduler.jobs import JobHandler, JobOutcome, JobRun
 from services.scheduler.jobs.fanout import fan_out_rescores
 from services.scheduler.messaging import SchedulerBus
+from services.scheduler.runs import Drop, RetryPolicy, run_cron_job
 from services.scheduler.settings import SchedulerSettings
 from shared.bus import publish_dead_letter, publish_event
 from shared.contracts import (
     DeadLetterAlert,
     RescoreTask,
+    RunCronJob,
     ScoreResult,
     TaskCompleted,
     Usage,
+    new_id,
 )
 from shared.runtime import make_broker
 from shared.topology import (
@@ -281,6 +284,49 @@ async def test_a_duplicate_run_failing_after_another_succeeded_leaves_it_succeed
     await firings.retrying(firing.run_id, error="boom", next_attempt_at=at, now=at)
     await firings.finish(firing.run_id, state=FiringState.FAILED, now=at, error="boom")
 
+    stored = await firings.find(firing.run_id)
+    assert stored is not None
+    assert stored.state is FiringState.SUCCEEDED
+
+
+HOLD = timedelta(seconds=60)
+
+
+@pytest.mark.parametrize("last_attempt", [False, True], ids=["permanent", "retries-spent"])
+async def test_a_duplicate_run_giving_up_after_another_succeeded_owes_no_letter(
+    env: Env, last_attempt: bool
+) -> None:
+    """Given up while another delivery of its run had succeeded, a copy was decided GiveUp
+    all the same: a dead letter for a run that succeeded, the DLQ alert, and, replayed, the
+    job run again (found in review)."""
+    firings = Firings(env.mongo, env.database)
+    await firings.ensure_indexes()
+    now = env.clock()
+    firing = await firings.claim("rollup", now, now=now, owner="a", exclusive=True)
+    assert firing is not None
+    retry = RetryPolicy(4, timedelta(seconds=5), timedelta(seconds=600))
+    command = RunCronJob(
+        task_id=firing.run_id,
+        job="rollup",
+        scheduled_for=now,
+        fired_at=now,
+        step=0,
+        attempt=retry.max_attempts if last_attempt else 1,
+    )
+
+    async def job(run: JobRun) -> JobOutcome:
+        # Meanwhile the other delivery of this run succeeded.
+        await firings.finish(run.run_id, state=FiringState.SUCCEEDED, now=env.clock(), result={})
+        if last_attempt:
+            raise RuntimeError("a transient failure, the last attempt")
+        raise PermanentJobError("a permanent failure")
+
+    hold = Hold(handling=new_id(), message_id=command.message_id, step=0, until=now + HOLD)
+    decision = await run_cron_job(
+        command, handlers={"rollup": job}, firings=firings, retry=retry, clock=env.clock, hold=hold
+    )
+
+    assert isinstance(decision, Drop), decision
     stored = await firings.find(firing.run_id)
     assert stored is not None
     assert stored.state is FiringState.SUCCEEDED

@@ -296,7 +296,11 @@ async def test_the_letters_of_a_job_its_settings_leave_unable_to_run_are_kept(en
     async with scheduler(env, config, handlers={JOB: job}) as (api, _):
         refused = _assert_problem(await api.post(REPLAY, json={"run_ids": [fanout.run_id]}), 409)
         assert refused["runs"] == {fanout.run_id: "rescore-fanout"}
-        assert (await _listed(api))["count"] == 2
+        listed = await _listed(api)
+        assert listed["count"] == 2
+        # The listing says so: it said "configured" of a letter the replay refuses (review).
+        configured = {item["run_id"]: item["job_configured"] for item in listed["items"]}
+        assert configured == {fanout.run_id: False, kept.run_id: True}
 
         report = (await api.post(REPLAY, json={"all": True})).json()
         assert [r["dead_run_id"] for r in report["replayed"]] == [kept.run_id]

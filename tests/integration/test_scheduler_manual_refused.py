@@ -140,3 +140,33 @@ async def test_a_withdrawal_applied_with_its_answer_lost_is_answered_refused(env
     assert answer.status_code == 503
     assert answer.headers["Retry-After"] == "5"
     assert await firings.latest(JOB) is None
+
+
+class Partitioned(Firings):
+    """The firings in a partition once the run is claimed: neither withdrawn nor read."""
+
+    @override
+    async def forget_unpublished(self, run_id: str) -> bool:
+        raise ConnectionError("the database is away")
+
+    @override
+    async def find(self, run_id: str) -> Any:
+        raise ConnectionError("the database is away")
+
+
+async def test_a_refused_manual_run_neither_withdrawn_nor_read_is_not_to_be_retried(
+    env: Env,
+) -> None:
+    """It may still run (its claim stands, and the dispatcher publishes it): answered 503
+    with `Retry-After`, a client following it ran an `allow` job twice (found in review)."""
+    firings = Partitioned(env.mongo, env.database)
+    async with cron_api(env, firings) as api, cron_runs_unroutable(env.amqp_url):
+        answer = await api.post(f"/admin/v1/cron/jobs/{JOB}/run")
+    assert answer.status_code == 503
+    assert "Retry-After" not in answer.headers
+    problem = answer.json()
+    assert problem["type"].endswith("/run-outcome-unknown")
+    assert "may still run later" in problem["detail"]
+    latest = await Firings(env.mongo, env.database).latest(JOB)
+    assert latest is not None
+    assert answer.headers["Location"] == f"/admin/v1/cron/runs/{latest.run_id}"

@@ -335,6 +335,8 @@ class ModelThrottle:
         self._probe_out_when_it_began = False
         self._seen_failing.clear()
         self._outage_heard_while_probing = False
+        # The next outage's probes are its own: its first line comes at its first probe.
+        self._outage_probes = Tally(PAUSE_LOG_EVERY_S, self._clock)
 
     def _in_a_row(self, text_key: int, task_key: str) -> int:
         """The texts whose calls found the provider unavailable in a row, this one's

@@ -375,6 +375,19 @@ async def test_an_outage_going_on_is_logged_with_its_pause_once_a_minute(
     left = float(messages[2].split("stay paused for ")[1].split(" s")[0])
     assert left == pytest.approx(throttle.pause_left_s(), abs=0.1)
 
+    # The outage ends; the next one's first probe is its own line at once.
+    throttle.done(PROBE)
+    await _probe(throttle, clock)
+    throttle.answered(PROBE)
+    throttle.done(PROBE)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="scorebox.scorer.throttle"):
+        _fails(throttle, *range(20, 20 + TRIP_AFTER))
+        await _probe(throttle, clock)
+        _fails(throttle, 30, turn=PROBE)
+    later = [record.getMessage() for record in caplog.records]
+    assert "(1 probe(s) since the last such line)" in later[-1], later
+
 
 def test_one_text_failing_again_and_again_pauses_nothing_however_many_tasks_hold_it() -> None:
     """A text the provider fails every time, scored as several tasks (three rubrics, or a

@@ -429,24 +429,25 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-async def serve(
-    app: FastAPI, *, host: str, port: int, log_level: str, own_log_format: bool = True
-) -> None:
-    """Serve an app with uvicorn (uvloop where available) until SIGINT/SIGTERM.
+async def serve(app: FastAPI, settings: ServiceSettings) -> None:
+    """Serve an app with uvicorn (uvloop where available) until SIGINT/SIGTERM."""
+    await Server(server_config(app, settings), stopping_hooks(app)).serve()
 
-    `own_log_format=False` leaves uvicorn's loggers to the root handler (JSON logs)."""
-    config = uvicorn.Config(
+
+def server_config(app: FastAPI, settings: ServiceSettings) -> uvicorn.Config:
+    """uvicorn's configuration of a service: JSON logs leave uvicorn's loggers to the root
+    handler; an access line per request only with `ACCESS_LOG`."""
+    return uvicorn.Config(
         app,
-        host=host,
-        port=port,
-        log_config=LOGGING_CONFIG if own_log_format else None,
-        log_level=log_level.lower(),
-        access_log=False,
+        host=settings.http_host,
+        port=settings.port,
+        log_config=LOGGING_CONFIG if settings.log_format == "text" else None,
+        log_level=settings.log_level.lower(),
+        access_log=settings.access_log,
         lifespan="on",
         timeout_keep_alive=30,
         timeout_graceful_shutdown=HTTP_DRAIN_S,
     )
-    await Server(config, stopping_hooks(app)).serve()
 
 
 def run_service(name: str, settings: ServiceSettings, make_app: Callable[[], FastAPI]) -> None:
@@ -462,13 +463,7 @@ def run_service(name: str, settings: ServiceSettings, make_app: Callable[[], Fas
             print(f"{name}: cannot start: {error}", file=sys.stderr)
             raise SystemExit(2) from None
         settle_heap()
-        await serve(
-            app,
-            host=settings.http_host,
-            port=settings.port,
-            log_level=settings.log_level,
-            own_log_format=settings.log_format == "text",
-        )
+        await serve(app, settings)
 
     run(main)
 

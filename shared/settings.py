@@ -82,6 +82,9 @@ class ServiceSettings(BaseSettings):
     log_level: str = Field(default="INFO", validation_alias="LOG_LEVEL")
     # `json`: one JSON object per line, uvicorn's lines included, for a log collector.
     log_format: Literal["text", "json"] = Field(default="text", validation_alias="LOG_FORMAT")
+    # One line per HTTP request (uvicorn's access log), off by default: the metrics count and
+    # time every request by route, and a line each costs CPU on the submission path.
+    access_log: bool = Field(default=False, validation_alias="ACCESS_LOG")
     # Timeouts of the infrastructure calls (seconds).
     broker_timeout_s: float = Field(
         default=10.0,

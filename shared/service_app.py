@@ -19,7 +19,7 @@ from shared.http import (
     internal_metrics_guard,
 )
 from shared.metrics import serve_metrics
-from shared.query_parameters import only_known_query_parameters
+from shared.query_parameters import document_before_serving, only_known_query_parameters
 from shared.runtime import MongoClient, broker_ready, mongo_ready
 from shared.settings import MetricsApiSettings
 
@@ -44,7 +44,7 @@ def internal_service_app(
     `options` go to FastAPI."""
     app = FastAPI(
         title=title,
-        lifespan=lifespan,
+        lifespan=document_before_serving(lifespan),
         dependencies=[only_known_query_parameters()],
         **options,
     )

@@ -65,7 +65,7 @@ from shared.http import (
     metrics_guard,
 )
 from shared.metrics import serve_metrics
-from shared.query_parameters import only_known_query_parameters
+from shared.query_parameters import document_before_serving, only_known_query_parameters
 from shared.runtime import (
     MongoClient,
     broker_ready,
@@ -200,7 +200,7 @@ def create_app(settings: GatewaySettings, **overrides: Any) -> FastAPI:
         title="Scorebox",
         summary="Asynchronous LLM text scoring: submit a text, poll for its score.",
         version="1",
-        lifespan=gateway_lifespan(gateway),
+        lifespan=document_before_serving(gateway_lifespan(gateway)),
         # No 307 from `/x/` to `/x`: `DELETE /admin/v1/dead-letters/` (a drop of an empty id)
         # was sent to the purge, method and key kept by a client following redirects.
         redirect_slashes=False,

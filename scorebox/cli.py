@@ -6,7 +6,8 @@
     scorebox cancel-batch BATCH_ID                 cancel a batch's items not started yet
     scorebox dlq list | show ID | replay [ID...|--all] | drop ID... | purge   (drop and
                                                    purge: [--before LISTED_AT])
-    scorebox keys create --tenant T [--name N] | list [--tenant T] | revoke KEY_ID
+    scorebox keys create --tenant T [--name N] [--expires-in-days D]
+                | list [--tenant T] | revoke KEY_ID
     scorebox usage [--from YYYY-MM-DD] [--to YYYY-MM-DD]     your tenant's daily usage
     scorebox cron list | run JOB [--wait]                    the scheduler's cron jobs
     scorebox cron dlq list | replay [RUN_ID...|--all] | drop RUN_ID... | purge
@@ -668,10 +669,17 @@ app.add_typer(keys, name="keys")
 def keys_create(
     tenant: Annotated[str, typer.Option(help="The tenant the key acts for.")],
     name: Annotated[str, typer.Option(help="What the key is for.")] = "",
+    expires_in_days: Annotated[
+        int | None,
+        typer.Option(help="Days until the key stops opening requests (default: until revoked)."),
+    ] = None,
 ) -> None:
     """Create a key and print it: the `key` field is shown this once, never again."""
+    wanted: dict[str, Any] = {"tenant_id": tenant, "name": name}
+    if expires_in_days is not None:
+        wanted["expires_in_days"] = expires_in_days
     with _reaching(_client(admin=True)) as client:
-        response = client.post("/admin/v1/keys", json={"tenant_id": tenant, "name": name})
+        response = client.post("/admin/v1/keys", json=wanted)
         if response.status_code != 201:
             raise _fail(response)
         _show(_answer(response))

@@ -121,7 +121,9 @@ class Authenticator:
         key = read.key
         # Whether a key id exists is no secret (ids are listed and logged), so answering an
         # unknown id faster than a wrong secret reveals nothing worth hiding.
-        if key is None or not key.active or not secret_matches(issued.secret, key.secret_sha256):
+        if key is None or not secret_matches(issued.secret, key.secret_sha256):
+            return None
+        if not key.admits_at(self._clock()):  # revoked or expired
             return None
         await self._record_use(read, key.key_id)
         return Caller(tenant_id=key.tenant_id, key_id=key.key_id)
@@ -137,7 +139,7 @@ class Authenticator:
             read = await self._lookup(caller.key_id)
         except DatabaseUnavailable:
             return True
-        if read.key is None or not read.key.active:
+        if read.key is None or not read.key.admits_at(self._clock()):
             return False
         await self._record_use(read, caller.key_id)  # the stream was opened with its secret
         return True

@@ -99,10 +99,16 @@ class ApiKey:
     created_at: datetime
     revoked_at: datetime | None = None
     last_used_at: datetime | None = None
+    expires_at: datetime | None = None  # None: until revoked
 
     @property
     def active(self) -> bool:
+        """Not revoked (an expired key is not revoked: `admits` says whether it opens)."""
         return self.revoked_at is None
+
+    def admits_at(self, now: datetime) -> bool:
+        """Whether the key opens requests at `now`: not revoked, not expired."""
+        return self.active and (self.expires_at is None or now < self.expires_at)
 
     def public(self) -> dict[str, Any]:
         """What listings show: never the secret, never its hash."""
@@ -113,6 +119,7 @@ class ApiKey:
             "created_at": self.created_at.isoformat(),
             "revoked_at": self.revoked_at.isoformat() if self.revoked_at else None,
             "last_used_at": self.last_used_at.isoformat() if self.last_used_at else None,
+            "expires_at": self.expires_at.isoformat() if self.expires_at else None,
         }
 
 
@@ -150,7 +157,9 @@ class ApiKeys:
             [("tenant_id", ASCENDING), ("created_at", ASCENDING)], name="keys_per_tenant"
         )
 
-    async def create(self, *, tenant_id: str, name: str, now: datetime) -> tuple[ApiKey, str]:
+    async def create(
+        self, *, tenant_id: str, name: str, now: datetime, expires_at: datetime | None = None
+    ) -> tuple[ApiKey, str]:
         """A new key for `tenant_id`: (the stored key, the token to show once).
 
         Raises `KeyNotIssued` when the database failed (an insert that timed out may have
@@ -158,12 +167,12 @@ class ApiKeys:
         `DatabaseUnavailable` when the insert was never sent (no server selected): the answer
         then told the admin a key might exist, and to revoke it."""
         issued = generate_key()
+        key = _new_key(issued, tenant_id=tenant_id, name=name, now=now, expires_at=expires_at)
         try:
-            key = await self._insert(issued, tenant_id=tenant_id, name=name, now=now)
+            await self._insert(key)
         except DatabaseUnavailable as error:
             if not may_have_been_written(error):
                 raise  # never sent: nothing stored, nothing to revoke
-            key = _new_key(issued, tenant_id=tenant_id, name=name, now=now)
             withdrawn = await self._withdraw(key, now=now)
             raise KeyNotIssued(str(error), key_id=key.key_id, withdrawn=withdrawn) from error
         return key, issued.token
@@ -172,8 +181,9 @@ class ApiKeys:
         self, issued: IssuedKey, *, tenant_id: str, name: str, now: datetime
     ) -> ApiKey:
         """Store a key made elsewhere; registering the same key again changes nothing."""
+        key = _new_key(issued, tenant_id=tenant_id, name=name, now=now)
         try:
-            return await self._insert(issued, tenant_id=tenant_id, name=name, now=now)
+            await self._insert(key)
         except KeyConflict:
             existing = await self.find(issued.key_id)
             if (
@@ -183,6 +193,7 @@ class ApiKeys:
             ):
                 raise
             return existing
+        return key
 
     async def find(self, key_id: str) -> ApiKey | None:
         try:
@@ -251,26 +262,30 @@ class ApiKeys:
             return False
         return True
 
-    async def _insert(
-        self, issued: IssuedKey, *, tenant_id: str, name: str, now: datetime
-    ) -> ApiKey:
-        key = _new_key(issued, tenant_id=tenant_id, name=name, now=now)
+    async def _insert(self, key: ApiKey) -> None:
         try:
             await self._collection.insert_one(_document_of(key))
         except DuplicateKeyError as error:
-            raise KeyConflict(f"a key with id {issued.key_id} exists already") from error
+            raise KeyConflict(f"a key with id {key.key_id} exists already") from error
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
-        return key
 
 
-def _new_key(issued: IssuedKey, *, tenant_id: str, name: str, now: datetime) -> ApiKey:
+def _new_key(
+    issued: IssuedKey,
+    *,
+    tenant_id: str,
+    name: str,
+    now: datetime,
+    expires_at: datetime | None = None,
+) -> ApiKey:
     return ApiKey(
         key_id=issued.key_id,
         tenant_id=tenant_id,
         name=name,
         secret_sha256=hash_secret(issued.secret),
         created_at=now,
+        expires_at=expires_at,
     )
 
 
@@ -283,6 +298,7 @@ def _document_of(key: ApiKey) -> Document:
         "created_at": key.created_at,
         "revoked_at": key.revoked_at,
         "last_used_at": key.last_used_at,
+        "expires_at": key.expires_at,
     }
 
 
@@ -295,6 +311,7 @@ def _key_of(document: Document) -> ApiKey:
         created_at=document["created_at"],
         revoked_at=document.get("revoked_at"),
         last_used_at=document.get("last_used_at"),
+        expires_at=document.get("expires_at"),
     )
 
 

@@ -8,7 +8,7 @@ DELETE /admin/v1/keys/{key_id}    revoke (other replicas see it within the key c
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from services.gateway.errors import DatabaseUnavailable, refused_for_good
 from services.gateway.keys import KEY_ID, TENANT_ID_PATTERN, ApiKeys, KeyNotIssued
 from shared.bodies import json_body, read_model
+from shared.contracts import to_millis
 from shared.http import (
     ADMIN_PROBLEMS,
     Problem,
@@ -27,6 +28,7 @@ from shared.http import (
 )
 
 MAX_LISTED = 10_000  # keys one listing shows
+MAX_KEY_DAYS = 3650  # ten years, as every duration that ends up in a date
 # An admin body is small (a replay's 10,000 ids fit in well under this).
 ADMIN_BODY_LIMIT = 1024 * 1024
 
@@ -38,6 +40,13 @@ class KeyRequest(BaseModel):
 
     tenant_id: str = Field(pattern=TENANT_ID_PATTERN, description="1-64 of A-Z a-z 0-9 _ -.")
     name: str = Field(default="", max_length=200, description="What the key is for.")
+    expires_in_days: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_KEY_DAYS,
+        description="The key stops opening requests this many days after its creation "
+        "(401, as a revoked key); without it, it lasts until revoked.",
+    )
 
 
 def _unavailable(error: DatabaseUnavailable) -> Problem:
@@ -104,8 +113,14 @@ def key_admin_routes(
     async def create_key(request: Request) -> JSONResponse:
         wanted = await read_model(request, KeyRequest, what="key request", limit=ADMIN_BODY_LIMIT)
         try:
+            now = to_millis(clock())  # as stored: the answer and later listings agree
+            expires_at = (
+                None
+                if wanted.expires_in_days is None
+                else now + timedelta(days=wanted.expires_in_days)
+            )
             key, token = await keys.create(
-                tenant_id=wanted.tenant_id, name=wanted.name, now=clock()
+                tenant_id=wanted.tenant_id, name=wanted.name, now=now, expires_at=expires_at
             )
         except KeyNotIssued as error:
             if refused_for_good(error.__cause__ or error):

@@ -280,6 +280,7 @@ async def test_only_hashes_are_stored(stack: Stack) -> None:
         "created_at",
         "revoked_at",
         "last_used_at",
+        "expires_at",
     }
 
 

@@ -39,6 +39,15 @@ def test_create_posts_tenant_and_name_with_the_admin_key(gateway: FakeGateway) -
     assert json.loads(result.output)["key"] == "sbx_k_secret"
 
 
+def test_create_sends_the_expiry_when_given(gateway: FakeGateway) -> None:
+    gateway.answer = httpx.Response(201, json={"key_id": "k", "key": "sbx_k_secret"})
+    result = run_cli("keys", "create", "--tenant", "acme", "--expires-in-days", "30")
+    assert result.exit_code == 0, result.output
+    [request] = gateway.requests
+    body = json.loads(request.content)
+    assert body == {"tenant_id": "acme", "name": "", "expires_in_days": 30}
+
+
 def test_list_filters_by_tenant_when_asked(gateway: FakeGateway) -> None:
     gateway.answer = httpx.Response(200, json={"count": 0, "items": []})
     assert run_cli("keys", "list", "--tenant", "acme").exit_code == 0

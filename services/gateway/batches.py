@@ -659,7 +659,8 @@ def _commands(
             task_id=task_id,
             tenant_id=tenant_id,
             text=item.text,
-            rubric=item.rubric if item.rubric is not None else submission.rubric,
+            # A blank rubric names none, as the scorer reads it: the batch's applies.
+            rubric=item.rubric if item.rubric and item.rubric.strip() else submission.rubric,
             model=item.model if item.model is not None else submission.model,
             metadata=item.metadata,
             max_attempts=max_attempts,
@@ -697,11 +698,13 @@ async def _earlier_batch(
         raise ReplayUnfinished(idempotency_key) from error  # the key names a batch: kept
     if earlier is None:
         raise RequestInProgress(idempotency_key)  # discarded just now: the client may retry
+    # Another body first: a misused key is told so at once, not "retry shortly" for as long
+    # as the first request runs (found in review).
+    if earlier.request_hash != attempt.request_hash:
+        raise IdempotencyConflict(idempotency_key)
     in_progress = earlier.state == BatchState.ACCEPTING
     if in_progress and earlier.created_at > now - policy.in_progress_for:
         raise RequestInProgress(idempotency_key)
-    if earlier.request_hash != attempt.request_hash:
-        raise IdempotencyConflict(idempotency_key)
     return earlier
 
 

@@ -25,6 +25,7 @@ from services.gateway.errors import (
     BrokerUnavailable,
     DatabaseUnavailable,
     GatewayError,
+    IdempotencyConflict,
     ReplayUnfinished,
     RequestInProgress,
 )
@@ -186,6 +187,19 @@ async def test_a_replay_within_the_grace_period_is_told_to_wait_and_records_noth
     assert sorted(await _stored(gateway, batch_id)) == [0]
     batch = await gateway.raw["batches"].find_one({"_id": batch_id})
     assert batch["state"] == BatchState.ACCEPTING
+
+
+async def test_a_replay_with_another_body_is_a_conflict_even_while_the_first_runs(
+    gateway: Gateway,
+) -> None:
+    """Told "still being accepted, retry shortly", a client misusing its key retried for as
+    long as the first request ran, and only then learned of the conflict (found in review)."""
+    batch_id = await _interrupted(gateway, _request(3), recorded=1)
+
+    with pytest.raises(IdempotencyConflict):
+        await _submit(gateway, _request(4), Recorded(), T0 + GRACE - timedelta(seconds=1))
+
+    assert sorted(await _stored(gateway, batch_id)) == [0]
 
 
 async def _sent_by_sweeps(gateway: Gateway, refusals: Refusals) -> list[str]:

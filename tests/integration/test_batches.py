@@ -172,7 +172,9 @@ async def test_items_override_the_batch_rubric_and_the_failures_are_counted(
         {
             "rubric": "batch rubric",
             "items": [
-                {"text": f"Fine [[id:c{run}0]]"},
+                # A blank rubric names none: the batch's applies (it was kept, and the
+                # scorer's default rubric scored the text; found in review).
+                {"text": f"Fine [[id:c{run}0]]", "rubric": "  "},
                 {"text": f"Own rubric [[id:c{run}1]]", "rubric": "item rubric"},
                 {"text": f"Refused [[id:c{run}2]] [[fake:reject]]"},
             ],

@@ -332,10 +332,10 @@ async def _earlier_submission(
         earlier = await submissions.find_by_key(idempotency_key, tenant_id=tenant_id)
     except DatabaseUnavailable as error:
         raise ReplayUnfinished(idempotency_key) from error
+    if earlier is not None and earlier.request_hash != digest:
+        raise IdempotencyConflict(idempotency_key)  # at once, as for a batch
     if earlier is None or earlier.state is SubmissionState.ACCEPTING:
         raise RequestInProgress(idempotency_key)
-    if earlier.request_hash != digest:
-        raise IdempotencyConflict(idempotency_key)
     return Submitted(
         earlier.task_id,
         _status_as_recorded(earlier, now),

@@ -138,3 +138,23 @@ async def test_a_replay_whose_cache_lookup_fails_is_answered_with_the_earlier_ta
     assert replay.json()["task_id"] == task_id
     assert await stack.submissions.count_documents({}) == kept  # nothing new kept
     assert await queued_commands(stack.amqp_url) == []  # nor sent
+
+
+async def test_a_replay_with_another_body_is_a_conflict_even_while_the_first_is_accepted(
+    stack: Stack,
+) -> None:
+    """Checked after "still being accepted", a client misusing its key was told to retry
+    shortly (request-in-progress) instead of that the key was taken (found in review)."""
+    key = {"Idempotency-Key": f"conflict-{uuid.uuid4().hex}"}
+    first = await stack.api.post("/v1/scores", json={"text": "The first body."}, headers=key)
+    assert first.status_code == 202, first.text
+    await queued_commands(stack.amqp_url)
+    # As while its request still runs: recorded, not yet accepted.
+    task_id = first.json()["task_id"]
+    await stack.submissions.update_one({"_id": task_id}, {"$set": {"state": "accepting"}})
+
+    other = await stack.api.post("/v1/scores", json={"text": "Another body."}, headers=key)
+    assert other.status_code == 409, other.text
+    assert other.json()["type"].endswith("/idempotency-key-reused")
+    same = await stack.api.post("/v1/scores", json={"text": "The first body."}, headers=key)
+    assert same.json()["type"].endswith("/request-in-progress")

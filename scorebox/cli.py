@@ -832,7 +832,8 @@ CRON_DEAD_LETTERS = "/admin/v1/cron/dead-letters"
 @cron_dlq.command("list")
 def cron_dlq_list() -> None:
     """List the cron runs given up for good: job, run id, reason, and whether the job is
-    still configured (a replay of one that is not is refused: drop it)."""
+    still configured and able to run (a replay of one that is not is refused: drop it, or
+    set what its job lacks)."""
     _list_letters(CRON_DEAD_LETTERS, _scheduler_client())
 
 

@@ -160,17 +160,25 @@ def _allowed(request: Request, headers: Mapping[str, str] | None) -> Mapping[str
     routes' templates (FastAPI keeps included routers as nodes of its own, not routes)."""
     if headers is None or "Allow" not in headers:
         return headers
+    path = _route_path(request.scope)
     methods = {
         method
         for pattern, operations in _operations_by_path(request.app)
-        if pattern.fullmatch(request.url.path)
+        if pattern.fullmatch(path)
         for method in operations
     }
-    if not methods:
-        return headers
+    if not methods:  # a route left out of the document: Starlette's, HEAD added
+        methods = {method.strip() for method in headers["Allow"].split(",")}
     if "GET" in methods:
         methods.add("HEAD")
     return {**headers, "Allow": ", ".join(sorted(methods))}
+
+
+def _route_path(scope: Mapping[str, Any]) -> str:
+    """The request's path as the routes' templates read it: without the app's root path
+    (which the server's `path` includes)."""
+    path, root = str(scope["path"]), str(scope.get("root_path", ""))
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 @functools.lru_cache(maxsize=16)

@@ -164,15 +164,20 @@ class DeadLetterQueue:
 
     async def shown(self, letter_id: str) -> ShownLetter | Walk:
         """The letter `letter_id` names (message or task id) with its whole body, which a
-        listing cuts to `body_preview`; else what the walk saw (it may have stopped short)."""
+        listing cuts to `body_preview`: of several (a task's letters of several attempts),
+        the oldest, as the listing shows them first; else what the walk saw (it may have
+        stopped short)."""
         now = self._clock()
         seen: list[DeadLetter] = []
+        found: list[ShownLetter] = []
         async with self._dlq.walk() as held:
             for message in held:
                 letter = describe(message, now)
-                if letter.matches({letter_id}):
-                    return ShownLetter(letter, readable_body(message.body))
                 seen.append(letter)
+                if letter.matches({letter_id}):
+                    found.append(ShownLetter(letter, readable_body(message.body)))
+        if found:
+            return min(found, key=lambda shown: _oldest_first(shown.letter))
         return Walk(seen, truncated=held.truncated, listed_at=now)
 
     async def replay(self, ids: Collection[str] | None) -> Replay:

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictInt
 
 from services.gateway.errors import DatabaseUnavailable, refused_for_good
 from services.gateway.keys import KEY_ID, TENANT_ID_PATTERN, ApiKeys, KeyNotIssued
@@ -40,7 +40,7 @@ class KeyRequest(BaseModel):
 
     tenant_id: str = Field(pattern=TENANT_ID_PATTERN, description="1-64 of A-Z a-z 0-9 _ -.")
     name: str = Field(default="", max_length=200, description="What the key is for.")
-    expires_in_days: int | None = Field(
+    expires_in_days: StrictInt | None = Field(
         default=None,
         ge=1,
         le=MAX_KEY_DAYS,

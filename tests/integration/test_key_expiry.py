@@ -88,7 +88,7 @@ async def test_a_key_opens_requests_until_it_expires(
     )
 
 
-@pytest.mark.parametrize("days", [0, -1, 3651, 1.5, "seven"])
+@pytest.mark.parametrize("days", [0, -1, 3651, 1.5, "seven", "30", 30.0, True])
 async def test_an_expiry_out_of_bounds_is_refused_and_creates_nothing(
     api: httpx.AsyncClient, days: Any
 ) -> None:

@@ -19,6 +19,7 @@ import errno
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -615,7 +616,7 @@ def banner(stack: Stack, keys: DevKeys) -> str:
         "",
         f"Gateway:  {stack.gateway_url}",
         f"API docs: {stack.gateway_url}/docs",
-        f"Logs:     {stack.config.log_dir}/",
+        f"Logs:     {stack.config.log_dir}/ (the run before: {PREVIOUS_LOGS}/ in it)",
         model_line(stack.config.env),
         "",
         "Keys (the API key belongs to the default tenant):",
@@ -732,11 +733,30 @@ def run_vhost(amqp_url: str, *, vhost: str, management_url: str | None = None) -
             print(f"warning: RabbitMQ vhost {vhost} not deleted: {error}", file=sys.stderr)
 
 
+PREVIOUS_LOGS = "previous"
+
+
+def keep_previous_logs(log_dir: Path) -> None:
+    """Move the last run's logs to `<log_dir>/previous/` (replacing the run's before), so a
+    run started to look into a failure does not write over the logs of it (found in a
+    walkthrough: every `make run` started its logs afresh)."""
+    logs = sorted(log_dir.glob("*.log"))
+    if not logs:
+        return
+    previous = log_dir / PREVIOUS_LOGS
+    if previous.exists():
+        shutil.rmtree(previous)
+    previous.mkdir(parents=True)
+    for log in logs:
+        log.rename(previous / log.name)
+
+
 def start_and_supervise(
     args: argparse.Namespace, resources: contextlib.ExitStack, *, host: str, ports: dict[str, int]
 ) -> int:
     from devtools.infra import InfraError, redact, resolve_mongo, resolve_rabbitmq  # noqa: PLC0415
 
+    keep_previous_logs(args.log_dir)
     try:
         rabbitmq = resources.enter_context(resolve_infra("RabbitMQ", resolve_rabbitmq))
         print(f"RabbitMQ: {rabbitmq.kind}  {redact(rabbitmq.url)}", flush=True)

@@ -10,6 +10,7 @@ import logging
 import math
 import re
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from email.utils import parsedate_to_datetime
 from http import HTTPStatus
@@ -163,9 +164,9 @@ def _allowed(request: Request, headers: Mapping[str, str] | None) -> Mapping[str
     path = _route_path(request.scope)
     methods = {
         method
-        for pattern, operations in _operations_by_path(request.app)
-        if pattern.fullmatch(path)
-        for method in operations
+        for documented in documented_paths(request.app).values()
+        if documented.pattern.fullmatch(path)
+        for method in documented.query_parameters
     }
     if not methods:  # a route left out of the document: Starlette's, HEAD added
         methods = {method.strip() for method in headers["Allow"].split(",")}
@@ -181,14 +182,32 @@ def _route_path(scope: Mapping[str, Any]) -> str:
     return path[len(root) :] if root and path.startswith(root) else path
 
 
+@dataclass(frozen=True)
+class DocumentedPath:
+    """A path template of an app's OpenAPI document: its pattern, and the query parameters
+    of each of its operations by method (upper case)."""
+
+    pattern: re.Pattern[str]
+    query_parameters: Mapping[str, frozenset[str]]
+
+
 @functools.lru_cache(maxsize=16)
-def _operations_by_path(app: FastAPI) -> tuple[tuple[re.Pattern[str], frozenset[str]], ...]:
-    """Each documented path of `app` as a pattern, with its methods (built once per app)."""
-    paths = app.openapi().get("paths", {})
-    return tuple(
-        (compile_path(path)[0], frozenset(method.upper() for method in operations))
-        for path, operations in paths.items()
-    )
+def documented_paths(app: FastAPI) -> Mapping[str, DocumentedPath]:
+    """The paths of `app`'s OpenAPI document by template, read once per app: the one list of
+    what its routes take, which FastAPI builds from their signatures (the 405s' `Allow` and
+    `shared.query_parameters` read it)."""
+    documented: dict[str, DocumentedPath] = {}
+    for path, operations in app.openapi().get("paths", {}).items():
+        parameters = {
+            method.upper(): _query_names(operation) for method, operation in operations.items()
+        }
+        documented[path] = DocumentedPath(compile_path(path)[0], parameters)
+    return documented
+
+
+def _query_names(operation: Mapping[str, Any]) -> frozenset[str]:
+    parameters = operation.get("parameters", [])
+    return frozenset(each["name"] for each in parameters if each.get("in") == "query")
 
 
 def install_problem_handlers(app: FastAPI) -> None:

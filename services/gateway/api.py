@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from services.gateway import schemas
-from services.gateway.auth import Caller, revoked_while_waiting
+from services.gateway.auth import Caller, key_ended_while_waiting
 from services.gateway.cache import ResultCache
 from services.gateway.errors import (
     IdempotencyConflict,
@@ -339,7 +339,7 @@ def score_routes(
             except ClientGone:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             if not await still_valid(caller):
-                raise revoked_while_waiting()
+                raise key_ended_while_waiting()
         else:
             view = await _read(task_id, caller, deps)
         if view is None:

@@ -269,10 +269,12 @@ def _unauthorized(detail: str, *, invalid: bool) -> Problem:
     return Problem(401, detail, kind="unauthorized", headers={"WWW-Authenticate": challenge})
 
 
-def revoked_while_waiting() -> Problem:
-    """The answer to a long-poll whose key was revoked while it waited: what a new request
-    with the key gets."""
-    return _unauthorized("The API key was revoked while the request waited.", invalid=True)
+def key_ended_while_waiting() -> Problem:
+    """The answer to a long-poll whose key was revoked, or expired, while it waited: what a
+    new request with the key gets."""
+    return _unauthorized(
+        "The API key was revoked, or expired, while the request waited.", invalid=True
+    )
 
 
 def _unavailable(error: DatabaseUnavailable, *, what: str = "The key store") -> Problem:

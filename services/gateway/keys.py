@@ -103,7 +103,7 @@ class ApiKey:
 
     @property
     def active(self) -> bool:
-        """Not revoked (an expired key is not revoked: `admits` says whether it opens)."""
+        """Not revoked (an expired key is not revoked: `admits_at` says whether it opens)."""
         return self.revoked_at is None
 
     def admits_at(self, now: datetime) -> bool:

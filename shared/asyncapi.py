@@ -57,6 +57,10 @@ REPLICA_QUEUES: tuple[tuple[str, topology.Binding], ...] = (
         topology.Binding(topology.EVENTS, topology.LIVE_EVENTS_BINDING),
     ),
     (f"{topology.SCORER_PAUSES_PREFIX}<replica> (scorer)", topology.SCORER_PAUSES_BINDING),
+    (
+        f"{topology.SCORER_BATCH_CANCELS_PREFIX}<replica> (scorer)",
+        topology.SCORER_BATCH_CANCELS_BINDING,
+    ),
 )
 
 

@@ -19,6 +19,7 @@ import aiormq
 
 from shared.consumers import ScoreboxBroker
 from shared.contracts import (
+    BatchCancelling,
     CancelTask,
     Contract,
     OpsEvent,
@@ -161,6 +162,13 @@ async def publish_event(broker: RabbitBroker, event: TaskEvent, *, timeout: floa
 
 async def publish_ops_event(broker: RabbitBroker, event: OpsEvent, *, timeout: float) -> None:
     """An operations event (routing key `ops.…`) on `scorebox.events`, now."""
+    await _publish(broker, event, exchange=EVENTS, routing_key=event.routing_key, timeout=timeout)
+
+
+async def publish_batch_cancelling(
+    broker: RabbitBroker, event: BatchCancelling, *, timeout: float
+) -> None:
+    """A batch's cancellation announced to every scorer replica on `scorebox.events`, now."""
     await _publish(broker, event, exchange=EVENTS, routing_key=event.routing_key, timeout=timeout)
 
 

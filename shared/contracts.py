@@ -605,6 +605,28 @@ class ModelCallsPaused(Contract):
     )
 
 
+# Items of one batch a broadcast of its cancellation names: the gateway's largest batch.
+MAX_BATCH_CANCEL_ITEMS = 1000
+
+
+class BatchCancelling(Contract):
+    """Event: a client cancelled a batch, and the gateway is sending a `CancelTask` for each
+    of its items not known finished (`scorebox.events`, routing key `batch.cancelling`).
+    Every scorer replica hears it and, until those cancellations are recorded, cancels at
+    delivery any item it names at the generation named, instead of claiming it: the
+    cancellations trailed the items' scoring, and most of a batch was scored after its
+    client had cancelled it. `task_id` is the announcement's own id."""
+
+    routing_key: ClassVar[str] = "batch.cancelling"
+
+    batch_id: str = Field(description="The batch cancelled.")
+    requested_at: Instant = Field(description="When the client cancelled it.")
+    generations: dict[str, Annotated[int, Field(ge=0, le=MAX_GENERATION)]] = Field(
+        max_length=MAX_BATCH_CANCEL_ITEMS,
+        description="The generation being cancelled of each item (task id) not known finished.",
+    )
+
+
 # The events of `ops.` routing keys: for operators (the ops log) and for the services' own
 # coordination, never about one task's state.
 OpsEvent = HousekeepingRequested | DeadLetterAlert | ModelCallsPaused

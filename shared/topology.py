@@ -16,6 +16,7 @@
                       task.failed                      → scorebox.notifications (notifier)
                       task.completed                   → scorebox.callbacks (exchange)
                       ops.model.paused                 → scorebox.scorer-pauses.<replica> (scorer)
+                      batch.cancelling                 → scorebox.batch-cancels.<replica> (scorer)
     scorebox.callbacks x-scorebox-callback: yes        → scorebox.notifications (notifier)
                       ops.#                            → scorebox.ops-log (operators, recent only)
     scorebox.delay    <tier>.#                         → scorebox.wait.<tier> (TTL, then ↓)
@@ -567,9 +568,31 @@ SCORER_PAUSES_MAX_LENGTH = 100
 
 def scorer_pauses_queue(replica_id: str) -> RabbitQueue:
     """The exclusive queue on which one scorer replica hears the others' rate-limit pauses."""
+    return _short_replica_queue(f"{SCORER_PAUSES_PREFIX}{replica_id}", SCORER_PAUSES_MAX_LENGTH)
+
+
+def _short_replica_queue(name: str, max_length: int) -> RabbitQueue:
+    """Exclusive, auto-deleted, classic, the oldest message dropped past `max_length`."""
     return RabbitQueue(
-        f"{SCORER_PAUSES_PREFIX}{replica_id}",
+        name,
         exclusive=True,
         auto_delete=True,
-        arguments={"x-max-length": SCORER_PAUSES_MAX_LENGTH, "x-overflow": "drop-head"},
+        arguments={"x-max-length": max_length, "x-overflow": "drop-head"},
+    )
+
+
+# --- Batch cancellations heard by every scorer replica -----------------------------------------
+# The gateway announces a batch's cancellation (`BatchCancelling`) before it sends one
+# `CancelTask` per item, and each scorer replica hears it on a queue of its own, bound while it
+# runs, as the pauses are: a replica that starts later, or misses it, has the items'
+# cancellations, which are what records them.
+SCORER_BATCH_CANCELS_PREFIX = "scorebox.batch-cancels."
+SCORER_BATCH_CANCELS_BINDING = Binding(EVENTS, "batch.cancelling")
+SCORER_BATCH_CANCELS_MAX_LENGTH = 100
+
+
+def scorer_batch_cancels_queue(replica_id: str) -> RabbitQueue:
+    """The exclusive queue on which one scorer replica hears of batches cancelled."""
+    return _short_replica_queue(
+        f"{SCORER_BATCH_CANCELS_PREFIX}{replica_id}", SCORER_BATCH_CANCELS_MAX_LENGTH
     )

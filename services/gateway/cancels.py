@@ -27,6 +27,7 @@ flight together.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,7 +39,14 @@ from services.gateway.batches import Batches
 from services.gateway.errors import StatusUnavailable
 from services.gateway.submissions import CancelTarget, Submission, Submissions
 from services.gateway.submit import StatusReader
-from shared.contracts import CancelTask, TaskStatus, TaskView, generation_of
+from shared.contracts import (
+    BatchCancelling,
+    CancelTask,
+    TaskStatus,
+    TaskView,
+    generation_of,
+    new_id,
+)
 
 log = logging.getLogger("scorebox.gateway")
 
@@ -51,9 +59,12 @@ class CancelSender(Protocol):
 
 
 class BatchCancelSender(Protocol):
-    """Sends many cancellations, their confirms in flight together
-    (`services.gateway.publisher.TaskPublisher.cancel_many`); `BrokerUnavailable` unless every
-    one was confirmed (some may be queued all the same)."""
+    """Announces a batch's cancellation to the scorers, best effort, never raising
+    (`services.gateway.publisher.TaskPublisher.announce_batch_cancel`); sends many
+    cancellations, their confirms in flight together (`cancel_many`): `BrokerUnavailable`
+    unless every one was confirmed (some may be queued all the same)."""
+
+    async def announce_batch_cancel(self, event: BatchCancelling) -> None: ...
 
     async def cancel_many(self, cancels: Sequence[CancelTask]) -> None: ...
 
@@ -182,7 +193,26 @@ async def cancel_batch(
     open_targets.sort(key=lambda target: position.get(target.task_id, 0), reverse=True)
     cancels = tuple(cancel_command(target, now=now) for target in open_targets)
     if cancels:
-        await sender.cancel_many(cancels)
+        # Published first, in the same round as the cancels (a broker slow to confirm costs
+        # one timeout, not two), so the scorers cancel the items they are handed before each
+        # item's own cancellation reaches them (`services/scorer/batch_cancels.py`).
+        await asyncio.gather(
+            sender.announce_batch_cancel(_announcement(batch_id, tenant_id, cancels, now)),
+            sender.cancel_many(cancels),
+        )
     return BatchCancelled(
         batch_id=batch_id, sent=cancels, already_finished=len(targets) - len(cancels)
+    )
+
+
+def _announcement(
+    batch_id: str, tenant_id: str, cancels: Sequence[CancelTask], now: datetime
+) -> BatchCancelling:
+    return BatchCancelling(
+        task_id=new_id(),
+        tenant_id=tenant_id,
+        batch_id=batch_id,
+        requested_at=now,
+        generations={cancel.task_id: cancel.generation for cancel in cancels},
+        occurred_at=now,
     )

@@ -24,6 +24,7 @@ from faststream.rabbit import RabbitBroker
 from services.gateway.errors import BrokerUnavailable
 from shared.bus import (
     PublishUnconfirmed,
+    publish_batch_cancelling,
     publish_cancel,
     publish_command,
     publish_delayed,
@@ -32,6 +33,7 @@ from shared.bus import (
 )
 from shared.contracts import (
     CACHED_COMPLETION_SEQUENCE,
+    BatchCancelling,
     CancelTask,
     ScoreResult,
     ScoreText,
@@ -104,6 +106,14 @@ class TaskPublisher:
         except Exception as error:
             log.warning("score.cancel for %s not confirmed: %r", cancel.task_id, error)
             raise BrokerUnavailable(str(error) or type(error).__name__) from error
+
+    async def announce_batch_cancel(self, event: BatchCancelling) -> None:
+        """Tell every scorer replica of a batch's cancellation, best effort: never raises
+        (the items' own cancellations, sent next, are what records them)."""
+        try:
+            await publish_batch_cancelling(self._broker, event, timeout=self._timeout_s)
+        except Exception as error:  # noqa: BLE001 - the scorers then wait for each item's
+            log.warning("batch.cancelling for %s not confirmed: %r", event.batch_id, error)
 
     async def cancel_many(self, cancels: Sequence[CancelTask]) -> None:
         """Send a batch's cancellations with their confirms in flight together (one round, as

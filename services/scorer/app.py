@@ -15,6 +15,7 @@ from datetime import datetime, timedelta
 from fastapi import FastAPI
 
 from services.scorer.attempts import Attempts
+from services.scorer.batch_cancels import CancelledBatches, subscribe_batch_cancels
 from services.scorer.cancels import TaskCancels, subscribe_cancels
 from services.scorer.consumer import BrokerActions, subscribe_scorer
 from services.scorer.metrics import ScorerMetrics
@@ -111,6 +112,7 @@ def create_app(
         metrics.rate_limit_pauses.inc()
         pauses.announce(pause_s, outage)
 
+    cancelled_batches = CancelledBatches(clock=clock)
     deps = ScorerDeps(
         attempts=attempts,
         model=model,
@@ -132,6 +134,7 @@ def create_app(
         ),
         started_after=timedelta(seconds=settings.started_after_s),
         metrics=metrics,
+        cancelled_batches=cancelled_batches,
     )
     deps.metrics.slots_busy.set_function(lambda: deps.model_slots.busy)
     deps.metrics.model_calls_paused.set_function(lambda: float(deps.throttle.paused))
@@ -149,6 +152,7 @@ def create_app(
     subscribe_shared_pauses(
         broker, deps.throttle, metrics, replica=replica, provider=provider, clock=clock
     )
+    subscribe_batch_cancels(broker, cancelled_batches, metrics, replica=replica)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -68,6 +68,18 @@ class ScorerMetrics:
             "paused or lengthened this one's.",
             registry=registry,
         )
+        self.batch_cancels_heard = Counter(
+            "scorebox_scorer_batch_cancels_heard",
+            "Batch cancellations announced by the gateway (batch.cancelling) that this "
+            "replica holds, to cancel the batch's items at delivery.",
+            registry=registry,
+        )
+        self.cancelled_at_delivery = Counter(
+            "scorebox_scorer_cancelled_at_delivery",
+            "Deliveries of score.requested cancelled when they arrived, their batch's "
+            "cancellation heard before its items' own score.cancel were recorded.",
+            registry=registry,
+        )
 
         self.cancellations = Counter(
             "scorebox_scorer_cancellations",

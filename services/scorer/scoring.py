@@ -26,6 +26,7 @@ from services.scorer.attempts import (
     Decided,
     Superseded,
 )
+from services.scorer.batch_cancels import CancelledBatches
 from services.scorer.decisions import (
     Decision,
     Defer,
@@ -113,6 +114,8 @@ class ScorerDeps:
     # Every decision running, those whose delivery was lost included: the stop waits for them.
     decisions: Detached = field(default_factory=Detached)
     metrics: ScorerMetrics = field(default_factory=ScorerMetrics)
+    # The batches cancelled that this replica heard of: their items are cancelled at delivery.
+    cancelled_batches: CancelledBatches | None = None
 
 
 def _sequence(command: ScoreText, phase: Phase) -> int:
@@ -162,11 +165,38 @@ async def score_text(
             if redelivered:
                 return Hold(now + timedelta(seconds=HOLD_POLL_S))
             return Drop("another delivery in this process is working on this attempt")
+        if (cancelled_now := await _cancelled_with_its_batch(command, deps)) is not None:
+            return cancelled_now
         # Held by no other delivery here: a claim of this process on it is stale.
         try:
             return await _claim_and_decide(command, deps, redelivered, lost)
         except SlotsClosed:
             return _turned_away(command)
+
+
+async def _cancelled_with_its_batch(command: ScoreText, deps: ScorerDeps) -> Finish | None:
+    """The cancellation of the command's generation, recorded now, when its batch's
+    cancellation names it (`services/scorer/batch_cancels.py`); None to go on as usual: not
+    named, too late (`Attempts.cancel`), or the database away (its own `CancelTask` records
+    it, or finds it too late, as it would have without the announcement)."""
+    if deps.cancelled_batches is None:
+        return None
+    requested_at = deps.cancelled_batches.requested_at(command)
+    if requested_at is None:
+        return None
+    try:
+        outcome = await deps.attempts.cancel(
+            _cancel_requested(command, requested_at), now=deps.clock()
+        )
+    except (PyMongoError, CancelContended) as error:
+        log.warning(
+            "%s: its batch's cancellation not applied at delivery: %r", command.task_id, error
+        )
+        return None
+    if not isinstance(outcome, Cancelled):
+        return None
+    deps.metrics.cancelled_at_delivery.inc()
+    return outcome.decision
 
 
 def _turned_away(command: ScoreText) -> Defer:

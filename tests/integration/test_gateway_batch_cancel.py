@@ -5,17 +5,29 @@ the `score.cancel` it sends per item, and the one read of the items' submissions
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any
 
+import aio_pika
 import pytest
+from aio_pika.abc import AbstractQueue
 from pymongo import AsyncMongoClient, monitoring
 
 from services.gateway import publisher
 from services.gateway.keys import ApiKeys
 from services.gateway.submissions import CancelTarget, Submissions
 from shared.bus import publish_cancel
-from shared.contracts import CancelTask, ScoreText, TaskCompleted, new_id, utcnow
+from shared.contracts import (
+    BatchCancelling,
+    CancelTask,
+    ScoreText,
+    TaskCompleted,
+    new_id,
+    utcnow,
+)
+from shared.topology import SCORER_BATCH_CANCELS_BINDING, Binding
 from tests.integration import test_gateway_cancel as single
 from tests.integration.test_gateway_cancel import (
     Stack,
@@ -93,6 +105,45 @@ async def test_the_cancels_go_last_item_first(stack: Stack) -> None:
     assert response.status_code == 202, response.text
     sent = [cancel.task_id for cancel in await _sent_cancels(stack.amqp_url)]
     assert sent == items[::-1]
+
+
+async def test_the_scorers_are_told_of_the_cancellation_first_with_each_open_items_generation(
+    stack: Stack,
+) -> None:
+    """`batch.cancelling` names the items sent a cancel, at the generation each cancel names,
+    so a scorer cancels them at delivery (`services/scorer/batch_cancels.py`); it is
+    published before the cancels."""
+    batch_id, (first, done, last) = await _batch(stack)
+    command = await _command(stack, done)
+    await _published(stack, _terminal(TaskCompleted, done, submitted_at=command.submitted_at))
+    await _finished_generation_noted(stack, done, 0)
+    await stack.submissions.update_one({"_id": last}, {"$set": {"generation": 2}})
+    await _sent_cancels(stack.amqp_url)
+
+    async with _listening(stack.amqp_url, SCORER_BATCH_CANCELS_BINDING) as heard:
+        response = await stack.api.post(f"/v1/batches/{batch_id}/cancel")
+        assert response.status_code == 202, response.text
+        # Confirmed before the answer: routed to every bound queue by then.
+        message = await heard.get(no_ack=True, timeout=10)
+        assert await heard.get(no_ack=True, fail=False, timeout=10) is None
+
+    announced = BatchCancelling.model_validate_json(message.body)
+    assert (announced.batch_id, announced.tenant_id) == (batch_id, "default")
+    assert announced.generations == {first: 0, last: 2}
+    sent = {cancel.task_id: cancel for cancel in await _sent_cancels(stack.amqp_url)}
+    assert {task_id: cancel.generation for task_id, cancel in sent.items()} == {first: 0, last: 2}
+    assert announced.requested_at == sent[first].requested_at
+
+
+@asynccontextmanager
+async def _listening(amqp_url: str, binding: Binding) -> AsyncIterator[AbstractQueue]:
+    """A queue of the test's own, bound as the binding says."""
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(exclusive=True)
+        await queue.bind(binding.exchange.name, binding.routing_key)
+        yield queue
 
 
 async def test_another_tenants_batch_or_an_unknown_one_is_not_found(stack: Stack) -> None:

@@ -138,6 +138,22 @@ class Outcomes:
 
         return await eventually(arrived, timeout_s=60, what=f"{kind.__name__} of {task_id}")
 
+    async def first_of_each(self, task_ids: set[str]) -> dict[str, TaskEvent]:
+        """The first outcome of each task (the events of other tasks are passed over)."""
+        first: dict[str, TaskEvent] = {}
+
+        async def all_ended() -> bool:
+            while (
+                message := await self._queue.get(no_ack=True, fail=False, timeout=5)
+            ) is not None:
+                event = parse_task_event(message.routing_key or "", message.body)
+                if event.task_id in task_ids:
+                    first.setdefault(event.task_id, event)
+            return set(first) == task_ids
+
+        await eventually(all_ended, timeout_s=60, what="an outcome of every task")
+        return first
+
 
 @asynccontextmanager
 async def outcomes(amqp_url: str) -> AsyncIterator[Outcomes]:

@@ -1,0 +1,98 @@
+"""A batch's cancellation heard by a scorer cancels its items as they arrive, before any claim
+or model call (`services/scorer/batch_cancels.py`), without waiting for each item's own
+`score.cancel`: none is sent here, so each item cancelled is the announcement's doing.
+
+One scorer runs in process on the real broker and database against the fake model."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+
+from devtools.fake_llm import FakeLLM
+from shared.bus import publish_batch_cancelling, publish_command
+from shared.contracts import (
+    CANCELLED_CODE,
+    BatchCancelling,
+    ScoreText,
+    TaskCompleted,
+    TaskFailed,
+    new_id,
+    utcnow,
+)
+from shared.runtime import make_broker
+from shared.topology import declare_topology
+from tests.integration.in_process import scorer_over
+from tests.integration.test_scorer_usage_across_retries import outcomes
+from tests.support import eventually, metric_sum, running
+
+pytestmark = pytest.mark.integration
+
+
+def _item(batch_id: str, index: int, *, generation: int = 0) -> tuple[ScoreText, str]:
+    marker = f"b{uuid.uuid4().hex[:12]}"
+    command = ScoreText(
+        task_id=new_id(),
+        text=f"Item {index} of a batch cancelled [[id:{marker}]]",
+        batch_id=batch_id,
+        batch_index=index,
+        generation=generation,
+    )
+    return command, marker
+
+
+async def _metric(scorer: httpx.AsyncClient, name: str) -> float:
+    answer = await scorer.get("/metrics")
+    assert answer.status_code == 200, answer.text
+    return metric_sum(answer.text, name)
+
+
+async def test_the_items_a_batch_cancellation_names_are_cancelled_on_arrival_the_rest_scored(
+    fake_llm: FakeLLM, amqp_url: str, mongo: Any, db_prefix: str
+) -> None:
+    batch_id = new_id()
+    named = [_item(batch_id, index) for index in range(3)]
+    # Named at generation 0, sent at 1 (a DLQ replay since): not what was cancelled.
+    replayed = _item(batch_id, 3, generation=1)
+    elsewhere = _item(new_id(), 0)  # another batch's item
+    announcement = BatchCancelling(
+        task_id=new_id(),
+        batch_id=batch_id,
+        requested_at=utcnow(),
+        generations={command.task_id: 0 for command, _ in [*named, replayed]},
+    )
+    everything = [*named, replayed, elsewhere]
+    setup = scorer_over(fake_llm, amqp_url=amqp_url, mongo_url=mongo.url, db_prefix=db_prefix)
+
+    async with running(setup.app()) as scorer, outcomes(amqp_url) as seen:
+        publisher = make_broker(setup.settings)
+        async with publisher:
+            await publisher.connect()
+            await declare_topology(publisher)
+            await publish_batch_cancelling(publisher, announcement, timeout=10)
+
+            async def heard() -> bool:
+                return await _metric(scorer, "scorebox_scorer_batch_cancels_heard_total") == 1
+
+            await eventually(heard, what="the scorer heard the batch's cancellation")
+            for command, _ in everything:
+                await publish_command(publisher, command, timeout=10)
+
+        ended = await seen.first_of_each({command.task_id for command, _ in everything})
+        cancelled_here = await _metric(scorer, "scorebox_scorer_cancelled_at_delivery_total")
+
+    for command, _ in named:
+        failed = ended[command.task_id]
+        assert isinstance(failed, TaskFailed), failed
+        assert failed.error.code == CANCELLED_CODE
+        assert (failed.generation, failed.attempt) == (0, 1)
+    for command, _ in (replayed, elsewhere):
+        assert isinstance(ended[command.task_id], TaskCompleted), ended[command.task_id]
+
+    assert cancelled_here == len(named)
+    calls = fake_llm.stats()["by_id"]
+    assert [calls.get(marker, 0) for _, marker in named] == [0, 0, 0]
+    assert [calls.get(marker, 0) for _, marker in (replayed, elsewhere)] == [1, 1]

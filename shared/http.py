@@ -498,6 +498,7 @@ def admin_guard(admin_key: SecretStr | None) -> Any:
         scheme=ADMIN_KEY_SCHEME,
         disabled="The admin API is disabled: set ADMIN_API_KEY to enable it.",
         hint="Send the admin key as 'Authorization: Bearer <ADMIN_API_KEY>'.",
+        realm=ADMIN_REALM,
     )
 
 
@@ -512,6 +513,7 @@ def metrics_guard(metrics_key: SecretStr | None, admin_key: SecretStr | None) ->
         scheme=METRICS_KEY_SCHEME,
         disabled="Metrics are disabled: set METRICS_API_KEY (or ADMIN_API_KEY).",
         hint=f"{_METRICS_HINT} (or the admin key).",
+        realm=METRICS_REALM,
     )
 
 
@@ -539,6 +541,7 @@ def internal_metrics_guard(
         scheme=METRICS_ONLY_KEY_SCHEME,
         disabled="",  # never said: the key is configured
         hint=f"{_METRICS_HINT}.",
+        realm=METRICS_REALM,
     )
 
 
@@ -557,6 +560,7 @@ def internal_guard(internal_key: SecretStr | None) -> Any:
         scheme=INTERNAL_KEY_SCHEME,
         disabled="",  # never said: the key is configured
         hint="Send the internal key as 'Authorization: Bearer <INTERNAL_API_KEY>'.",
+        realm=INTERNAL_REALM,
     )
 
 
@@ -612,11 +616,31 @@ def _configured(keys: Sequence[SecretStr | None]) -> list[bytes]:
     ]
 
 
+# The realms of the operators' keys: a tenant's API key is challenged for "scorebox"
+# (`services/gateway/auth.py`), so a client sending one where another key is due is told.
+ADMIN_REALM = "scorebox-admin"
+METRICS_REALM = "scorebox-metrics"
+INTERNAL_REALM = "scorebox-internal"
+
+
+def bearer_challenge(realm: str, sent: object | None) -> str:
+    """`WWW-Authenticate` for a bearer token refused: `error="invalid_token"` when one was
+    sent (none sent: the challenge alone, as RFC 6750 section 3.1 asks)."""
+    challenge = f'Bearer realm="{realm}"'
+    return challenge if sent is None else f'{challenge}, error="invalid_token"'
+
+
 def _bearer_guard(
-    keys: Sequence[SecretStr | None], *, scheme: BearerScheme, disabled: str, hint: str
+    keys: Sequence[SecretStr | None],
+    *,
+    scheme: BearerScheme,
+    disabled: str,
+    hint: str,
+    realm: str,
 ) -> Any:
     """A dependency admitting a request whose bearer token (as `scheme` reads it, which also
-    documents the guard) is one of `keys`."""
+    documents the guard) is one of `keys`; a 401 challenges for `realm` (RFC 6750), with
+    `error="invalid_token"` when a token was sent."""
     configured = _configured(keys)
 
     # A default, not `Annotated`: with postponed annotations FastAPI reads an annotation in
@@ -632,7 +656,7 @@ def _bearer_guard(
         # Every key compared, whichever matches: the time taken tells nothing.
         matched = [sent is not None and hmac.compare_digest(sent, key) for key in configured]
         if not any(matched):
-            raise Problem(401, hint, headers={"WWW-Authenticate": "Bearer"})
+            raise Problem(401, hint, headers={"WWW-Authenticate": bearer_challenge(realm, sent)})
 
     return Depends(require_key)
 

@@ -34,10 +34,12 @@ from services.gateway.keys import ApiKey, parse_key, secret_matches
 from services.gateway.limits import LimitExceeded, RateLimiter, limit_problem
 from services.gateway.unknown_keys import UNKNOWN_ADDRESS, UnknownKeyBudget
 from shared.contracts import utcnow
-from shared.http import BearerScheme, Problem, database_refused
+from shared.http import BearerScheme, Problem, bearer_challenge, database_refused
 
 log = logging.getLogger("scorebox.gateway.auth")
 
+# The realm a tenant's API key is challenged for (the operators' keys have their own).
+TENANT_REALM = "scorebox"
 DEFAULT_CACHE_TTL_S = 5.0
 MAX_CACHED_KEYS = 10_000
 # Key ids seen to exist, which an address that spent its unknown-key budget may still use.
@@ -263,9 +265,7 @@ _bearer = BearerScheme(
 
 
 def _unauthorized(detail: str, *, invalid: bool) -> Problem:
-    challenge = 'Bearer realm="scorebox"'
-    if invalid:
-        challenge += ', error="invalid_token"'
+    challenge = bearer_challenge(TENANT_REALM, True if invalid else None)
     return Problem(401, detail, kind="unauthorized", headers={"WWW-Authenticate": challenge})
 
 

@@ -189,7 +189,7 @@ async def test_every_internal_route_refuses_a_call_without_the_internal_key(
         response = await bare.request(method, path, headers=headers)
     assert response.status_code == 401, response.text
     assert response.headers["content-type"].startswith(PROBLEM_JSON)
-    assert response.headers["www-authenticate"] == "Bearer"
+    assert response.headers["www-authenticate"].startswith('Bearer realm="scorebox-internal"')
     assert "INTERNAL_API_KEY" in response.json()["detail"]
 
 

@@ -5,6 +5,7 @@ OpenAPI documents that declare it."""
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -78,6 +79,7 @@ def guarded_app(internal_key: str | None, admin_key: str | None = ADMIN_KEY) -> 
 
 
 Headers = Mapping[str, str] | Mapping[bytes, bytes]
+REALM_CHALLENGE = re.compile(r'Bearer realm="scorebox-(admin|internal)"(, error="invalid_token")?')
 
 
 async def _get(app: FastAPI, path: str, headers: Headers | None = None) -> httpx.Response:
@@ -88,7 +90,7 @@ async def _get(app: FastAPI, path: str, headers: Headers | None = None) -> httpx
 def _assert_refused(response: httpx.Response) -> Json:
     assert response.status_code == 401, response.text
     assert response.headers["content-type"].startswith(PROBLEM_JSON)
-    assert response.headers["www-authenticate"] == "Bearer"
+    assert REALM_CHALLENGE.fullmatch(response.headers["www-authenticate"])
     body: Json = response.json()
     assert body["status"] == 401
     return body
@@ -359,3 +361,21 @@ def test_the_gateways_public_document_has_no_internal_route_or_key() -> None:
     document = create_gateway(GatewaySettings.model_validate(settings)).openapi()
     assert _operations(document, "/internal") == []
     assert "InternalKey" not in document["components"]["securitySchemes"]
+
+
+@pytest.mark.parametrize(
+    ("path", "realm"),
+    [("/admin/v1/thing", "scorebox-admin"), ("/internal/v1/thing", "scorebox-internal")],
+)
+async def test_a_refusal_names_the_realm_of_the_key_due_and_whether_a_token_was_sent(
+    path: str, realm: str
+) -> None:
+    """A tenant's API key is challenged for realm "scorebox": an operator's route names its
+    own, so a client sending the wrong kind of key is told which is due (RFC 6750)."""
+    app = guarded_app(INTERNAL_KEY)
+
+    without = await _get(app, path)
+    sent = await _get(app, path, _bearer("sbx_a_tenants_key"))
+
+    assert without.headers["www-authenticate"] == f'Bearer realm="{realm}"'
+    assert sent.headers["www-authenticate"] == f'Bearer realm="{realm}", error="invalid_token"'

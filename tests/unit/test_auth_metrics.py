@@ -92,7 +92,7 @@ async def _scrape(app: FastAPI, headers: dict[str, str] | None = None) -> httpx.
 def _refused(response: httpx.Response) -> Json:
     assert response.status_code == 401, response.text
     assert response.headers["content-type"].startswith(PROBLEM_JSON)
-    assert response.headers["www-authenticate"] == "Bearer"
+    assert response.headers["www-authenticate"].startswith('Bearer realm="scorebox-metrics"')
     body: Json = response.json()
     assert (body["status"], body["title"], body["instance"]) == (401, "Unauthorized", "/metrics")
     return body

@@ -17,7 +17,15 @@ from datetime import UTC, datetime
 from enum import IntEnum, StrEnum
 from typing import Annotated, Any, ClassVar, Final
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, computed_field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    WithJsonSchema,
+    computed_field,
+)
 
 # 2: outcomes carry `has_callback` and `callback_url`, and their publishers mark those with a
 # callback for the notifier (`shared.topology.CALLBACK_HEADER`). Version 1 messages still parse.
@@ -54,7 +62,20 @@ def _utc_instant(value: datetime) -> datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
-Instant = Annotated[datetime, AfterValidator(_utc_instant)]
+def rfc3339(instant: datetime) -> str:
+    """An instant as every answer and message writes it (RFC 3339): UTC, to the microsecond,
+    with `Z`. Left to pydantic, a whole second lost its fraction (cron times), and the keys'
+    and webhooks' `isoformat()` wrote `+00:00`: three shapes of one thing in one API."""
+    utc = _utc_instant(instant).astimezone(UTC).replace(tzinfo=None)
+    return f"{utc.isoformat(timespec='microseconds')}Z"
+
+
+Instant = Annotated[
+    datetime,
+    AfterValidator(_utc_instant),
+    PlainSerializer(rfc3339, when_used="json"),
+    WithJsonSchema({"type": "string", "format": "date-time"}, mode="serialization"),
+]
 
 
 class TaskStatus(StrEnum):

@@ -207,12 +207,6 @@ def _cut_off(
 CutOffQuery = Annotated[CutOff | None, Depends(_cut_off)]
 
 
-def rfc3339(when: datetime) -> str:
-    """`when` in UTC as RFC 3339 with `Z` (as pydantic writes it): usable as a cut-off in a
-    query string as it is, where the `+` of `+00:00` would be read as a space."""
-    return when.astimezone(UTC).isoformat().replace("+00:00", "Z")
-
-
 def nothing_dropped(named: str, dropped: Dropped, *, out_of_sight: str) -> Problem:
     """The answer of both admin APIs to a drop that removed nothing (`named`: the letter
     asked for): a 404 when the walk reached the end of the queue; a 409 when it stopped short

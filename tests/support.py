@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
@@ -28,6 +29,9 @@ from shared.topology import EVENTS, SCORE_REQUESTS
 POLL_INTERVAL_S = 0.05
 # What the gateway keeps a submission the outbox sweep sends (its IDEMPOTENCY_TTL_S default).
 SWEEP_RETENTION = timedelta(days=1)
+
+# A time as every answer writes one (`shared.contracts.rfc3339`).
+RFC3339_UTC = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6}Z")
 
 
 def advancing_clock(start: datetime) -> Callable[[], datetime]:

@@ -10,11 +10,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictBool, model_validator
 
-from services.gateway.deadletters import DeadLetterQueue, ShownLetter, Walk
+from services.gateway.deadletters import DeadLetter, DeadLetterQueue, ShownLetter, Walk
 from services.gateway.errors import DatabaseUnavailable, Unavailable, refused_for_good
 from services.gateway.keys_api import ADMIN_BODY_LIMIT
 from shared.bodies import json_body, read_model
 from shared.bus import BROKER_ERRORS
+from shared.contracts import rfc3339
 from shared.dead_letters import (
     CUT_OFF,
     REPLAY_BUDGET_S,
@@ -24,7 +25,6 @@ from shared.dead_letters import (
     busy_walks_are_503,
     nothing_dropped,
     purge_report,
-    rfc3339,
 )
 from shared.http import (
     ADMIN_PROBLEMS,
@@ -142,7 +142,7 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
             "truncated": walk.truncated,
             # A cut-off for a drop or a purge that keeps what this listing did not show.
             "listed_at": rfc3339(walk.listed_at),
-            "items": [asdict(letter) for letter in walk.letters],
+            "items": [_letter_view(letter) for letter in walk.letters],
         }
 
     @router.get(
@@ -154,7 +154,7 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
         with _broker_away_is_503():
             found = await dead_letters.shown(letter_id)
         if isinstance(found, ShownLetter):
-            return {**asdict(found.letter), "body": found.body}
+            return {**_letter_view(found.letter), "body": found.body}
         raise Problem(404, f"No dead letter with message or task id {letter_id!r}{_unseen(found)}.")
 
     @router.post(
@@ -205,6 +205,12 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
             return await purge_report(dead_letters, cut_off)
 
     return router
+
+
+def _letter_view(letter: DeadLetter) -> dict[str, Any]:
+    """A letter as the listing shows it, its time written as every answer writes one."""
+    when = letter.dead_lettered_at
+    return {**asdict(letter), "dead_lettered_at": None if when is None else rfc3339(when)}
 
 
 def _unseen(walk: Walk) -> str:

@@ -5,7 +5,7 @@ to `services.gateway.batches`, with the same body checks as single submissions (
 from __future__ import annotations
 
 import re
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from fastapi import APIRouter, Header, Query, Request
@@ -42,7 +42,7 @@ from services.gateway.limits import LimitExceeded, limit_problem
 from services.gateway.schemas import EXPIRED
 from services.gateway.settings import GatewaySettings
 from shared.bodies import read_json_object
-from shared.contracts import ScoreResult, TaskFailure
+from shared.contracts import Instant, ScoreResult, TaskFailure
 from shared.http import (
     Problem,
     problem_responses,
@@ -151,7 +151,7 @@ class BatchView(BaseModel):
 
     batch_id: str
     total: int
-    created_at: datetime
+    created_at: Instant
     counts: dict[str, int] = Field(
         examples=[
             {

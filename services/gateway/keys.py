@@ -29,6 +29,7 @@ from pymongo.errors import DuplicateKeyError, PyMongoError
 
 from services.gateway.errors import DatabaseUnavailable
 from services.gateway.refusals import may_have_been_written
+from shared.contracts import rfc3339
 
 log = logging.getLogger("scorebox.gateway.keys")
 
@@ -116,10 +117,10 @@ class ApiKey:
             "key_id": self.key_id,
             "tenant_id": self.tenant_id,
             "name": self.name,
-            "created_at": self.created_at.isoformat(),
-            "revoked_at": self.revoked_at.isoformat() if self.revoked_at else None,
-            "last_used_at": self.last_used_at.isoformat() if self.last_used_at else None,
-            "expires_at": self.expires_at.isoformat() if self.expires_at else None,
+            "created_at": rfc3339(self.created_at),
+            "revoked_at": rfc3339(self.revoked_at) if self.revoked_at else None,
+            "last_used_at": rfc3339(self.last_used_at) if self.last_used_at else None,
+            "expires_at": rfc3339(self.expires_at) if self.expires_at else None,
         }
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -24,6 +23,7 @@ from services.gateway.auth import Caller
 from services.gateway.errors import Unavailable
 from services.gateway.settings import GatewaySettings
 from shared.bodies import json_body, read_model
+from shared.contracts import Instant
 from shared.http import (
     PROBLEM_BASE,
     Problem,
@@ -56,8 +56,8 @@ class SigningSecret(BaseModel):
     """The secret that signs your webhooks (Standard Webhooks: `whsec_` + base64)."""
 
     secret: str = Field(examples=["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"])
-    created_at: datetime
-    previous_valid_until: datetime | None = Field(
+    created_at: Instant
+    previous_valid_until: Instant | None = Field(
         default=None,
         description="After a rotation, webhooks are signed with the old secret as well "
         "(a second `v1,` signature) until then.",

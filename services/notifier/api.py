@@ -15,6 +15,7 @@ from services.notifier.keyring import Keyring, TenantSecret
 from services.notifier.registry import FailureAlerts
 from services.notifier.ssrf import WebhookGuard
 from shared.bodies import json_body, read_model
+from shared.contracts import Instant
 from shared.http import INTERNAL_PROBLEMS, Problem, internal_guard, problem_responses
 from shared.webhook_urls import MAX_URL_LENGTH
 
@@ -30,8 +31,8 @@ class SigningSecret(BaseModel):
     """A tenant's webhook signing secret (Standard Webhooks `whsec_...`)."""
 
     secret: str
-    created_at: datetime
-    previous_valid_until: datetime | None = Field(
+    created_at: Instant
+    previous_valid_until: Instant | None = Field(
         default=None, description="Until when deliveries are also signed with the old secret."
     )
 

@@ -27,6 +27,7 @@ from shared.contracts import (
     TaskEvent,
     TaskFailed,
     WebhookPurpose,
+    rfc3339,
 )
 
 Clock = Callable[[], datetime]
@@ -59,7 +60,7 @@ def webhook_payload(event: TaskOutcome, purpose: WebhookPurpose) -> dict[str, An
         error = {**event.error.model_dump(mode="json"), "dead_lettered": event.dead_lettered}
     return {
         "type": event.routing_key,
-        "timestamp": event.occurred_at.isoformat(),
+        "timestamp": rfc3339(event.occurred_at),
         "data": {
             "task_id": event.task_id,
             "status": event.status.value,
@@ -69,8 +70,8 @@ def webhook_payload(event: TaskOutcome, purpose: WebhookPurpose) -> dict[str, An
             # and its outcome is POSTed too: the newer one has the higher sequence.
             "generation": event.generation,
             "sequence": event.sequence,
-            "submitted_at": event.submitted_at.isoformat(),
-            "finished_at": event.occurred_at.isoformat(),
+            "submitted_at": rfc3339(event.submitted_at),
+            "finished_at": rfc3339(event.occurred_at),
             "result": result,
             "error": error,
             "status_url": f"/v1/scores/{event.task_id}",

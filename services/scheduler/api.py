@@ -61,6 +61,7 @@ from services.scheduler.schedule import JobCatalog, ScheduledJob
 from services.scheduler.usage_store import DailyUsage, DailyUsageStore
 from shared.bodies import json_body, read_model
 from shared.bus import BROKER_ERRORS
+from shared.contracts import Instant
 from shared.dead_letters import (
     CUT_OFF,
     REPLAY_BUDGET_S,
@@ -100,14 +101,14 @@ class _Out(BaseModel):
 class FiringView(_Out):
     run_id: str
     job: str
-    scheduled_for: datetime
-    fired_at: datetime
+    scheduled_for: Instant
+    fired_at: Instant
     manual: bool
     state: str
     attempts: int
     missed: int = Field(description="Fire times folded into this one (coalesce) or skipped.")
-    finished_at: datetime | None
-    next_attempt_at: datetime | None
+    finished_at: Instant | None
+    next_attempt_at: Instant | None
     result: dict[str, Any] | None
     error: str | None
     replay_of: str | None = Field(description="The dead-lettered run this one replays.")
@@ -145,7 +146,7 @@ class JobView(_Out):
         description="forbid: no run starts while another is in progress; allow: every one."
     )
     enabled: bool
-    next_fire_at: datetime | None = Field(description="UTC; None when disabled.")
+    next_fire_at: Instant | None = Field(description="UTC; None when disabled.")
     next_fire_local: str | None = Field(description="The same instant on the job's wall clock.")
     last_firing: FiringView | None
 
@@ -162,7 +163,7 @@ class RunAccepted(_Out):
         "could not be withdrawn, so it is sent again after SCHEDULER_REDISPATCH_S and runs: "
         "asking again would start a second run."
     )
-    scheduled_for: datetime
+    scheduled_for: Instant
     status_url: str
 
 
@@ -367,21 +368,21 @@ class CronDeadLetterView(_Out):
         "run (the fan-out without `RUBRIC_VERSION`); a replay naming it is refused (409): drop "
         "it by its run id, or set what it lacks."
     )
-    scheduled_for: datetime | None = Field(description="As the dead message carries it.")
-    fired_at: datetime | None
+    scheduled_for: Instant | None = Field(description="As the dead message carries it.")
+    fired_at: Instant | None
     manual: bool | None
     attempt: int | None
     slice: int | None
     reason: str
     queue: str
-    dead_lettered_at: datetime | None
+    dead_lettered_at: Instant | None
     body_preview: str
 
 
 class CronDeadLetterList(_Out):
     count: int
     truncated: bool = Field(description="The walk stopped with letters left behind it.")
-    listed_at: datetime = Field(
+    listed_at: Instant = Field(
         description=f"When the listing was taken (before its walk): as `{CUT_OFF}`, a drop or "
         "a purge keeps the letters dead-lettered since."
     )

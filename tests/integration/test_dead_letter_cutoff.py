@@ -300,7 +300,7 @@ async def test_a_cron_drop_with_the_listings_cut_off_keeps_a_letter_dead_lettere
     other = await _cron_run_at(env, QUIET - 2 * SECOND)
     async with _cron_scheduler(env) as (api, _):
         listing = await cron_dlq._listed(api)
-        assert listing["listed_at"] == "2030-01-01T10:31:30Z"
+        assert listing["listed_at"] == "2030-01-01T10:31:30.000000Z"
         await _cron_run_at(env, QUIET + SECOND, run)  # dead-lettered again after the listing
         answer = await api.delete(
             f"{CRON_LETTERS}/{run.run_id}", params={CUT_OFF: listing["listed_at"]}

@@ -16,6 +16,7 @@ import pytest
 from services.gateway.keys import generate_key
 from shared.contracts import utcnow
 from tests.integration.in_process import gateway_and_status
+from tests.support import RFC3339_UTC
 
 ADMIN = {"Authorization": "Bearer key-expiry-admin-key"}
 SOME_TASK = "0" * 32
@@ -61,6 +62,8 @@ async def test_a_key_opens_requests_until_it_expires(
     api: httpx.AsyncClient, clock: MovableClock
 ) -> None:
     expiring, lasting = await _key(api, expires_in_days=1), await _key(api)
+    assert RFC3339_UTC.fullmatch(expiring["created_at"])  # not `+00:00` (`isoformat()`)
+    assert RFC3339_UTC.fullmatch(expiring["expires_at"])
     created_at = datetime.fromisoformat(expiring["created_at"])
     assert datetime.fromisoformat(expiring["expires_at"]) == created_at + timedelta(days=1)
     assert lasting["expires_at"] is None

@@ -30,7 +30,7 @@ from shared.bus import publish_command
 from shared.contracts import HEURISTIC_PROMPT_VERSION, ScoreText, TaskFailed, new_id
 from shared.runtime import make_broker
 from shared.topology import DLX, ERROR_HEADER, EVENTS, SCORE_REQUESTS, TASKS
-from tests.support import eventually, running, stack_env
+from tests.support import RFC3339_UTC, eventually, running, stack_env
 
 ADMIN_KEY = "test-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -446,7 +446,10 @@ async def test_dead_letters_are_listed_replayed_with_fresh_attempts_and_purged(f
     assert "model_unavailable" in item["reason"]
     assert item["attempts"] == 4
     assert item["age_s"] >= 0
+    assert RFC3339_UTC.fullmatch(listing["listed_at"])
+    assert RFC3339_UTC.fullmatch(item["dead_lettered_at"])  # whole seconds: `.000000Z`
     shown = (await flow.api.get(f"/admin/v1/dead-letters/{task_id}", headers=ADMIN)).json()
+    assert shown["dead_lettered_at"] == item["dead_lettered_at"]
     assert shown["task_id"] == task_id
     # Shown whole: the listing's preview is cut at 200 characters.
     assert shown["body"]["task_id"] == task_id

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import orjson
@@ -178,3 +178,29 @@ def test_a_retry_the_scorer_builds_from_any_valid_command_is_valid() -> None:
     assert retry.attempt == MAX_ATTEMPT_BUDGET * 2 + 1
     with pytest.raises(ValidationError):
         ScoreText(task_id="t1", text="x", max_attempts=MAX_ATTEMPT_BUDGET + 1)
+
+
+@pytest.mark.parametrize(
+    ("instant", "written"),
+    [
+        (datetime(2030, 1, 1, 10, 0, tzinfo=UTC), "2030-01-01T10:00:00.000000Z"),
+        (datetime(2030, 1, 1, 10, 0, 0, 537000, tzinfo=UTC), "2030-01-01T10:00:00.537000Z"),
+        (datetime(2030, 1, 1, 10, 0, 0, 1), "2030-01-01T10:00:00.000001Z"),  # noqa: DTZ001 - no offset: UTC
+        (
+            datetime(2030, 1, 1, 11, 30, tzinfo=timezone(timedelta(hours=1, minutes=30))),
+            "2030-01-01T10:00:00.000000Z",
+        ),
+    ],
+)
+def test_every_time_is_written_in_one_shape(instant: datetime, written: str) -> None:
+    """RFC 3339, UTC, to the microsecond, `Z`: a whole second kept no fraction, and the keys'
+    and webhooks' times read `+00:00` (three shapes in one API)."""
+
+    class Answer(BaseModel):
+        at: contracts.Instant
+
+    assert contracts.rfc3339(instant) == written
+    assert orjson.loads(Answer(at=instant).model_dump_json()) == {"at": written}
+    assert Answer.model_json_schema(mode="serialization")["properties"]["at"]["format"] == (
+        "date-time"
+    )

@@ -129,10 +129,15 @@ def test_payload_of_a_completed_task() -> None:
     payload = webhook_payload(_completed(), WebhookPurpose.CALLBACK)
 
     assert payload["type"] == "task.completed"
-    assert payload["timestamp"] == NOW.isoformat()
+    # RFC 3339 in UTC with `Z`, to the microsecond, as every answer of the API writes times.
+    assert payload["timestamp"] == "2026-03-01T12:00:00.000000Z"
     data = payload["data"]
     assert data["task_id"] == "t1"
     assert data["status"] == "completed"
+    assert (data["submitted_at"], data["finished_at"]) == (
+        "2026-03-01T11:59:57.000000Z",
+        "2026-03-01T12:00:00.000000Z",
+    )
     assert data["purpose"] == "callback"
     assert data["result"]["score"] == 7.5
     assert data["error"] is None

@@ -633,9 +633,9 @@ MAX_BATCH_CANCEL_ITEMS = 1000
 class BatchCancelling(Contract):
     """Event: a client cancelled a batch, and the gateway is sending a `CancelTask` for each
     of its items not known finished (`scorebox.events`, routing key `batch.cancelling`).
-    Every scorer replica hears it and, until those cancellations are recorded, cancels at
-    delivery any item it names at the generation named, instead of claiming it: the
-    cancellations trailed the items' scoring, and most of a batch was scored after its
+    Every scorer replica hears it and, for a while (`services/scorer/batch_cancels.py`),
+    cancels at delivery any item it names at the generation named, instead of claiming it:
+    the cancellations trailed the items' scoring, and most of a batch was scored after its
     client had cancelled it. `task_id` is the announcement's own id."""
 
     routing_key: ClassVar[str] = "batch.cancelling"

@@ -582,7 +582,7 @@ def _short_replica_queue(name: str, max_length: int) -> RabbitQueue:
 
 
 # --- Batch cancellations heard by every scorer replica -----------------------------------------
-# The gateway announces a batch's cancellation (`BatchCancelling`) before it sends one
+# The gateway announces a batch's cancellation (`BatchCancelling`) as it sends one
 # `CancelTask` per item, and each scorer replica hears it on a queue of its own, bound while it
 # runs, as the pauses are: a replica that starts later, or misses it, has the items'
 # cancellations, which are what records them.

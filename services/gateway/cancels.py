@@ -193,9 +193,10 @@ async def cancel_batch(
     open_targets.sort(key=lambda target: position.get(target.task_id, 0), reverse=True)
     cancels = tuple(cancel_command(target, now=now) for target in open_targets)
     if cancels:
-        # Published first, in the same round as the cancels (a broker slow to confirm costs
-        # one timeout, not two), so the scorers cancel the items they are handed before each
-        # item's own cancellation reaches them (`services/scorer/batch_cancels.py`).
+        # In the same round as the cancels (a broker slow to confirm costs one timeout, not
+        # two): the scorers cancel the items they are handed without waiting for each item's
+        # own cancellation, which comes through a queue of its own, one at a time
+        # (`services/scorer/batch_cancels.py`).
         await asyncio.gather(
             sender.announce_batch_cancel(_announcement(batch_id, tenant_id, cancels, now)),
             sender.cancel_many(cancels),

@@ -113,7 +113,9 @@ class TaskPublisher:
         try:
             await publish_batch_cancelling(self._broker, event, timeout=self._timeout_s)
         except Exception as error:  # noqa: BLE001 - the scorers then wait for each item's
-            log.warning("batch.cancelling for %s not confirmed: %r", event.batch_id, error)
+            # Not a warning: with no scorer running (a restart) nothing is bound to hear it
+            # and it comes back unroutable; the cancels, sent alongside, say what matters.
+            log.info("batch.cancelling for %s not heard: %r", event.batch_id, error)
 
     async def cancel_many(self, cancels: Sequence[CancelTask]) -> None:
         """Send a batch's cancellations with their confirms in flight together (one round, as

@@ -88,9 +88,11 @@ COMPLETION_STANDS: Final = "a re-score of a completed task is not cancelled: its
 
 @dataclass(frozen=True)
 class Cancelled:
-    """The cancellation stands as the generation's decision: publish its event."""
+    """The cancellation stands as the generation's decision: publish its event.
+    `recorded_now`: this call wrote it (False: found recorded, a repeat)."""
 
     decision: Finish
+    recorded_now: bool = True
 
 
 @dataclass(frozen=True)
@@ -438,7 +440,7 @@ def _cancellable_decided(
     if isinstance(decision, Retry):  # waiting down the ladder: the next attempt is decided
         return condition, attempt + 1
     if is_cancellation(decision):
-        return Cancelled(decision)
+        return Cancelled(decision, recorded_now=False)
     return TooLate(f"attempt {attempt} finished ({decision.event.routing_key})")
 
 

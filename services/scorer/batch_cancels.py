@@ -4,16 +4,22 @@ A batch's cancellation is one `CancelTask` per item (`services/gateway/cancels.p
 read, a write and a publish on `score.cancel`, racing the items' own deliveries on
 `score.requested`: they went at the pace of the scoring, and most of a batch cancelled at
 once was scored all the same (579 of 934 open items cancelled, in a walkthrough of `make
-run`). The gateway now announces the batch's cancellation first (`BatchCancelling`, with the
-generation of each item it cancels), every replica keeps it here for `KEEP_S`, and a
-delivery of an item it names, at that generation, is cancelled before it claims anything
-(`scoring.score_text`), through `Attempts.cancel` as its own `CancelTask` will be: that
-cancellation, when it comes, finds its decision recorded and publishes the failure again,
+run`). The gateway now announces the batch's cancellation alongside them (`BatchCancelling`,
+with the generation of each item it cancels), every replica keeps it here for `KEEP_S`, and
+a delivery of an item it names, at that generation, is cancelled before it claims anything
+(`scoring.score_text`), through `Attempts.cancel` as its own `CancelTask` is: that
+cancellation, coming first or after, finds it recorded and publishes the failure again,
 which every consumer of outcomes takes as a repeat.
+
+Applied at each delivery while it is kept: an item whose model call was under way when its
+`CancelTask` came (too late, then) and whose claim has since expired (its scorer died, and
+the delivery came back) is cancelled rather than called again. A 503 for the cancels (not
+all confirmed) may still cancel the items, as the cancels it did queue would.
 
 Best effort, as the shared pauses are: the items' cancellations record them whatever is
 heard or lost here (a replica that started later, or missed the announcement, or has
-forgotten it). Nothing is stored: memory holds at most `MAX_BATCHES` announcements.
+forgotten it). Nothing is stored: memory holds at most `MAX_BATCHES` announcements of any
+tenant, up to 1,000 items each (tens of MB at worst).
 """
 
 from __future__ import annotations

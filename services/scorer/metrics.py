@@ -77,7 +77,7 @@ class ScorerMetrics:
         self.cancelled_at_delivery = Counter(
             "scorebox_scorer_cancelled_at_delivery",
             "Deliveries of score.requested cancelled when they arrived, their batch's "
-            "cancellation heard before its items' own score.cancel were recorded.",
+            "cancellation heard, the item's own score.cancel not recorded yet.",
             registry=registry,
         )
 

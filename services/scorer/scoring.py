@@ -189,13 +189,16 @@ async def _cancelled_with_its_batch(command: ScoreText, deps: ScorerDeps) -> Fin
             _cancel_requested(command, requested_at), now=deps.clock()
         )
     except (PyMongoError, CancelContended) as error:
-        log.warning(
+        # At DEBUG: the claim below meets the same outage and reports it; a batch's items
+        # would each write a line of their own.
+        log.debug(
             "%s: its batch's cancellation not applied at delivery: %r", command.task_id, error
         )
         return None
     if not isinstance(outcome, Cancelled):
         return None
-    deps.metrics.cancelled_at_delivery.inc()
+    if outcome.recorded_now:  # not when the item's own cancel, or a copy, recorded it
+        deps.metrics.cancelled_at_delivery.inc()
     return outcome.decision
 
 

@@ -107,12 +107,12 @@ async def test_the_cancels_go_last_item_first(stack: Stack) -> None:
     assert sent == items[::-1]
 
 
-async def test_the_scorers_are_told_of_the_cancellation_first_with_each_open_items_generation(
+async def test_the_scorers_are_told_of_the_cancellation_with_each_open_items_generation(
     stack: Stack,
 ) -> None:
     """`batch.cancelling` names the items sent a cancel, at the generation each cancel names,
     so a scorer cancels them at delivery (`services/scorer/batch_cancels.py`); it is
-    published before the cancels."""
+    published in the same round as the cancels."""
     batch_id, (first, done, last) = await _batch(stack)
     command = await _command(stack, done)
     await _published(stack, _terminal(TaskCompleted, done, submitted_at=command.submitted_at))

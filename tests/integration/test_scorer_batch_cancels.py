@@ -13,10 +13,11 @@ import httpx
 import pytest
 
 from devtools.fake_llm import FakeLLM
-from shared.bus import publish_batch_cancelling, publish_command
+from shared.bus import publish_batch_cancelling, publish_cancel, publish_command
 from shared.contracts import (
     CANCELLED_CODE,
     BatchCancelling,
+    CancelTask,
     ScoreText,
     TaskCompleted,
     TaskFailed,
@@ -96,3 +97,60 @@ async def test_the_items_a_batch_cancellation_names_are_cancelled_on_arrival_the
     calls = fake_llm.stats()["by_id"]
     assert [calls.get(marker, 0) for _, marker in named] == [0, 0, 0]
     assert [calls.get(marker, 0) for _, marker in (replayed, elsewhere)] == [1, 1]
+
+
+async def test_an_item_cancelled_or_completed_already_is_carried_out_as_it_was_and_not_counted(
+    fake_llm: FakeLLM, amqp_url: str, mongo: Any, db_prefix: str
+) -> None:
+    """Named by the announcement, an item whose own cancel recorded its cancellation first
+    publishes that failure again (a repeat) without counting a cancellation at delivery, and
+    one that completed before is carried out completed again, never failed: the announcement
+    decides nothing `Attempts.cancel` would not."""
+    batch_id = new_id()
+    (cancelled, _), (completed, marker) = _item(batch_id, 0), _item(batch_id, 1)
+    announcement = BatchCancelling(
+        task_id=new_id(),
+        batch_id=batch_id,
+        requested_at=utcnow(),
+        generations={cancelled.task_id: 0, completed.task_id: 0},
+    )
+    setup = scorer_over(fake_llm, amqp_url=amqp_url, mongo_url=mongo.url, db_prefix=db_prefix)
+
+    async with running(setup.app()) as scorer, outcomes(amqp_url) as seen:
+        publisher = make_broker(setup.settings)
+        async with publisher:
+            await publisher.connect()
+            await declare_topology(publisher)
+            await publish_command(publisher, completed, timeout=10)
+            await seen.next_of(completed.task_id, TaskCompleted)
+            await publish_cancel(publisher, _own_cancel(cancelled), timeout=10)
+            await seen.next_of(cancelled.task_id, TaskFailed)
+            await publish_batch_cancelling(publisher, announcement, timeout=10)
+
+            async def heard() -> bool:
+                return await _metric(scorer, "scorebox_scorer_batch_cancels_heard_total") == 1
+
+            await eventually(heard, what="the scorer heard the batch's cancellation")
+            again = completed.model_copy(update={"message_id": new_id()})  # a stray copy
+            for command in (cancelled, again):
+                await publish_command(publisher, command, timeout=10)
+            repeated: TaskFailed = await seen.next_of(cancelled.task_id, TaskFailed)
+            recompleted = await seen.next_of(completed.task_id, TaskCompleted)
+        cancelled_here = await _metric(scorer, "scorebox_scorer_cancelled_at_delivery_total")
+
+    assert repeated.error.code == CANCELLED_CODE
+    # The same completion carried out again, and no failure of it.
+    first, second = seen.of(completed.task_id)
+    assert (first.sequence, second.sequence) == (recompleted.sequence,) * 2
+    assert isinstance(first, TaskCompleted)
+    assert cancelled_here == 0
+    assert fake_llm.stats()["by_id"].get(marker, 0) == 1
+
+
+def _own_cancel(command: ScoreText) -> CancelTask:
+    return CancelTask(
+        task_id=command.task_id,
+        tenant_id=command.tenant_id,
+        generation=command.generation,
+        submitted_at=command.submitted_at,
+    )

@@ -54,6 +54,7 @@ from shared.contracts import (
     parse_task_event,
     utcnow,
 )
+from shared.event_batches import is_batch, split_batch
 from shared.runtime import make_broker
 from shared.topology import EVENTS, SCORE_REQUESTS
 from tests.integration import test_scorer_own_claims as own_claims
@@ -116,43 +117,54 @@ async def scorer(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Sco
 
 class Outcomes:
     """The outcomes (retries included) the scorer publishes, as a queue bound to the events
-    exchange receives them."""
+    exchange receives them: `seen` holds those of the tasks asked about, in the order they
+    came; the others wait until they are asked about."""
 
     def __init__(self, queue: aio_pika.abc.AbstractQueue) -> None:
         self._queue = queue
+        self._received: list[TaskEvent] = []
         self.seen: list[TaskEvent] = []
+
+    def of(self, task_id: str, kind: type[TaskEvent] = TaskEvent) -> list[TaskEvent]:
+        """The events of `kind` seen for the task, in the order they came."""
+        return [e for e in self.seen if e.task_id == task_id and isinstance(e, kind)]
 
     async def next_of(self, task_id: str, kind: type[TaskEvent]) -> Any:
         """The next event of `kind` for the task, keeping every event seen on the way."""
-        taken = len([event for event in self.seen if isinstance(event, kind)])
+        taken = len(self.of(task_id, kind))
 
         async def arrived() -> TaskEvent | None:
-            while (
-                message := await self._queue.get(no_ack=True, fail=False, timeout=5)
-            ) is not None:
-                event = parse_task_event(message.routing_key or "", message.body)
-                if event.task_id == task_id:
-                    self.seen.append(event)
-            ours = [event for event in self.seen if isinstance(event, kind)]
+            await self._read(task_id)
+            ours = self.of(task_id, kind)
             return ours[taken] if len(ours) > taken else None
 
         return await eventually(arrived, timeout_s=60, what=f"{kind.__name__} of {task_id}")
 
     async def first_of_each(self, task_ids: set[str]) -> dict[str, TaskEvent]:
-        """The first outcome of each task (the events of other tasks are passed over)."""
-        first: dict[str, TaskEvent] = {}
+        """The first outcome of each task."""
 
-        async def all_ended() -> bool:
-            while (
-                message := await self._queue.get(no_ack=True, fail=False, timeout=5)
-            ) is not None:
-                event = parse_task_event(message.routing_key or "", message.body)
-                if event.task_id in task_ids:
-                    first.setdefault(event.task_id, event)
-            return set(first) == task_ids
+        async def all_ended() -> dict[str, TaskEvent] | None:
+            await self._read(*task_ids)
+            first = {task_id: self.of(task_id) for task_id in task_ids}
+            return {k: v[0] for k, v in first.items()} if all(first.values()) else None
 
-        await eventually(all_ended, timeout_s=60, what="an outcome of every task")
-        return first
+        return await eventually(all_ended, timeout_s=60, what="an outcome of every task")
+
+    async def _read(self, *task_ids: str) -> None:
+        while (message := await self._queue.get(no_ack=True, fail=False, timeout=5)) is not None:
+            self._received += _events_in(message)
+        asked = set(task_ids)
+        self.seen += [event for event in self._received if event.task_id in asked]
+        self._received = [event for event in self._received if event.task_id not in asked]
+
+
+def _events_in(message: aio_pika.abc.AbstractIncomingMessage) -> list[TaskEvent]:
+    """The events of one delivery: completions without a callback may come several to a
+    message (`shared/batched_publish.py`)."""
+    key = message.routing_key or ""
+    if not is_batch(message.headers):
+        return [parse_task_event(key, message.body)]
+    return [parse_task_event(key, part.body) for part in split_batch(message.body, message.headers)]
 
 
 @asynccontextmanager

@@ -88,6 +88,9 @@ Document = dict[str, Any]
 # While a batch may still have items to send, its record carries the time at which the outbox
 # sweep next looks at it, `hold_lead` before it would expire (`services/gateway/batch_expiry.py`).
 HOLD_CHECK_AT: Final = "hold_check_at"
+# Set on a batch whose items the outbox sweep sends (`Batches.outlive_sends`): no refusal
+# of its request deletes or tombstones it any more.
+SWEPT: Final = "swept"
 HOLD_LEAD: Final = timedelta(hours=1)
 
 MAX_BATCH_ITEMS = 1000
@@ -258,11 +261,13 @@ class Batches:
         return result.matched_count == 1
 
     async def discard(self, batch_id: str) -> bool:
-        """Delete a refused batch's record while it is `accepting`; False when it is not (a
-        replay of its request accepted it meanwhile: it stays, and so do its submissions)."""
+        """Delete a refused batch's record while it is `accepting` and the outbox sweep has
+        sent none of its items (`outlive_sends`); False otherwise (a replay of its request
+        accepted it meanwhile, or its items are being scored: it stays, and so do its
+        submissions)."""
         try:
             result = await self._collection.delete_one(
-                {"_id": batch_id, "state": BatchState.ACCEPTING}
+                {"_id": batch_id, "state": BatchState.ACCEPTING, SWEPT: {"$ne": True}}
             )
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
@@ -271,10 +276,15 @@ class Batches:
     async def abandon(self, batch_id: str, *, now: datetime) -> bool:
         """Turn a refused batch's record into a tombstone, whether or not its insert landed
         yet (`services/gateway/refusals.py`): the idempotency key is freed. False when the
-        batch was accepted after all (a replay of its request completed it): it stays."""
+        batch was accepted after all (a replay of its request completed it, or the outbox
+        sweep sent its items): it stays."""
         try:
             return await self._writes.guarded_upsert(
-                {"_id": batch_id, "state": {"$in": [BatchState.ACCEPTING, BatchState.ABANDONED]}},
+                {
+                    "_id": batch_id,
+                    "state": {"$in": [BatchState.ACCEPTING, BatchState.ABANDONED]},
+                    SWEPT: {"$ne": True},
+                },
                 {
                     "$set": {"state": BatchState.ABANDONED},
                     "$unset": {"idempotency_key": "", "members": "", HOLD_CHECK_AT: ""},
@@ -335,7 +345,13 @@ class Batches:
         there and expired about an hour after the send, its items perhaps still queued behind
         the outage's backlog: 404 reads, and a free key (a replay scored every item twice).
         A batch already settled gets a look again (`$max` on a missing field sets it), which
-        settles it once more if it has nothing left to send; tombstones are left alone."""
+        settles it once more if it has nothing left to send; tombstones are left alone.
+        Each is marked `swept` too: a refusal of it still running elsewhere (its request
+        outlasted the grace) then keeps it, and its items, rather than deleting the record
+        of items being scored and freeing the key for a replay that scored them twice
+        (found in review). Its state stays `accepting`: a replay still completes it
+        (`_complete_interrupted`) should its first request have died before recording
+        every item."""
         if not batch_ids:
             return
         expires_at = sent_at + retention
@@ -349,7 +365,8 @@ class Batches:
                     "$max": {
                         "expires_at": expires_at,
                         HOLD_CHECK_AT: expires_at - hold_lead(retention),
-                    }
+                    },
+                    "$set": {SWEPT: True},
                 },
             )
         except PyMongoError as error:

@@ -126,3 +126,26 @@ async def test_the_sweep_leaves_a_written_off_batch_record_alone(gateway: Gatewa
     # The look it would have had comes and goes: nothing held, nothing raised.
     assert await _hold(gateway, now + CHUNK_ALLOWANCE + RETENTION) == 0
     assert HOLD_CHECK_AT not in await _stored(gateway, batch_id)
+
+
+async def test_a_batch_whose_items_the_sweep_sends_outlives_a_refusal_still_running(
+    gateway: Gateway,
+) -> None:
+    """Broke before (found in review): a refusal that outlasted the outbox grace (its slots
+    released one round trip each) found its batch `accepting` after another replica's sweep
+    had sent every item, deleted the record (`discard`) and answered 503 "nothing was kept":
+    the tasks were scored, the batch read 404, and a replay with the key, free again,
+    scored every text twice. The sweep's `outlive_sends` now marks the batch, which neither
+    `discard` nor the write-off's `abandon` removes; it stays `accepting`, for a replay to
+    complete. A batch the sweep never touched is still discarded."""
+    now = _now()
+    swept, _ = await _batch(gateway, created_at=now, items=2, key="swept")
+    untouched, _ = await _batch(gateway, created_at=now, items=2, key="untouched")
+
+    await gateway.batches.outlive_sends([swept], sent_at=now + CHUNK_ALLOWANCE, retention=RETENTION)
+
+    assert not await gateway.batches.discard(swept)
+    assert not await gateway.batches.abandon(swept, now=now)
+    kept = await _stored(gateway, swept)
+    assert (kept["state"], kept["idempotency_key"]) == ("accepting", "swept")
+    assert await gateway.batches.discard(untouched)

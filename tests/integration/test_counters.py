@@ -16,6 +16,7 @@ from pymongo.errors import InvalidOperation
 
 from devtools.infra import Endpoint
 from services.gateway.counters import BoundedCounters, GuardedReleases
+from services.gateway.refusals import RELEASE_CHUNK, Refusal, release_slots
 from tests.support import CommandCounter, scratch_collection
 
 pytestmark = pytest.mark.integration
@@ -189,3 +190,22 @@ async def test_a_change_is_bounded_by_the_clients_timeout_queueing_included(
         assert GuardedReleases(collection, remembered=64).deadline_s == 1.5
     finally:
         await client.close()
+
+
+async def test_a_refused_batchs_slots_are_released_a_chunk_per_round_trip(
+    collection: AsyncCollection[Document], commands: CommandCounter
+) -> None:
+    """One at a time, a refused batch of 1,000 items released its slots in 1,000 round
+    trips and outlasted the outbox grace period on a slow database (another replica's sweep
+    then sent the items it was about to answer 503 for)."""
+    await collection.insert_one({"_id": "tenant", "count": 1_000, "recent_releases": []})
+    releases = GuardedReleases(collection, remembered=RELEASE_CHUNK)
+    refusal = Refusal("tenant", tuple(f"task{i}" for i in range(1_000)), counted=True)
+
+    await release_slots(refusal, releases)
+
+    assert await _count(collection, "tenant") == 0
+    assert refusal.released.count == 1_000
+    assert refusal.to_release() == ()
+    # 16 chunks of 64, each one update (or two: the first may go alone).
+    assert commands.statements <= 32, f"{commands.statements} updates for 1,000 releases"

@@ -216,6 +216,7 @@ def score_routes(
         max_attempts=deps.settings.max_attempts,
         retention=timedelta(seconds=deps.settings.idempotency_ttl_s),
         default_model=deps.settings.default_model,
+        in_progress_for=timedelta(seconds=deps.settings.outbox_grace_s),
     )
 
     @router.post(

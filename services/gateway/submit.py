@@ -82,6 +82,9 @@ class SubmitPolicy:
     max_attempts: int
     retention: timedelta
     default_model: str = ""  # what scores a submission naming no model (its cache key)
+    # How long a submission left `accepting` may still be its request's (`OUTBOX_GRACE_S`):
+    # past it, the outbox sweep sends it, and a replay of its key answers with it.
+    in_progress_for: timedelta = timedelta(seconds=60)
 
 
 @dataclass(frozen=True)
@@ -207,7 +210,12 @@ async def _record_and_send(
     except KeyTaken:
         assert idempotency_key is not None
         return await _earlier_submission(
-            idempotency_key, digest, command.tenant_id, submissions, now=now
+            idempotency_key,
+            digest,
+            command.tenant_id,
+            submissions,
+            in_progress=lambda earlier: _may_be_in_progress(earlier, policy, refusals, now),
+            now=now,
         )
     except DatabaseUnavailable as error:
         if may_have_been_written(error):
@@ -316,8 +324,23 @@ async def _publish_or_discard(
         log.warning("task %s left `accepting`; the outbox sweep re-sends it", command.task_id)
 
 
+def _may_be_in_progress(
+    earlier: Submission, policy: SubmitPolicy, refusals: Refusals, now: datetime
+) -> bool:
+    """Whether a submission left `accepting` may still be its request's: younger than the
+    grace, or held here (its request runs, or its refusal waits to be written off)."""
+    young = earlier.created_at > now - policy.in_progress_for
+    return young or refusals.holds(earlier.task_id)
+
+
 async def _earlier_submission(
-    idempotency_key: str, digest: str, tenant_id: str, submissions: Submissions, *, now: datetime
+    idempotency_key: str,
+    digest: str,
+    tenant_id: str,
+    submissions: Submissions,
+    *,
+    in_progress: Callable[[Submission], bool],
+    now: datetime,
 ) -> Submitted:
     """The submission the key names (its insert collided on the key), as recorded: answered
     from the result cache (its result), delayed, or queued. The route answers with the
@@ -327,14 +350,23 @@ async def _earlier_submission(
     A lookup the database fails is `ReplayUnfinished` (409, retry with the same key), not a
     503 ("nothing was kept"): the key's first request was received and may have been
     answered 202 and be being scored, and a client resubmitting without the key had its text
-    scored twice."""
+    scored twice.
+
+    A submission still `accepting` is the key's request in progress (409, retry shortly)
+    only while it may be (`in_progress`): past the outbox grace, the sweep sends it (its
+    request died after the send, or could not mark it), and the replay answers with it, as
+    a batch's does. A replay answered 409 for as long as the sweep could not send it (the
+    broker refusing it), and a client whose retries ran out resubmitted without the key
+    (found in review)."""
     try:
         earlier = await submissions.find_by_key(idempotency_key, tenant_id=tenant_id)
     except DatabaseUnavailable as error:
         raise ReplayUnfinished(idempotency_key) from error
     if earlier is not None and earlier.request_hash != digest:
         raise IdempotencyConflict(idempotency_key)  # at once, as for a batch
-    if earlier is None or earlier.state is SubmissionState.ACCEPTING:
+    if earlier is None:
+        raise RequestInProgress(idempotency_key)  # discarded just now: the client may retry
+    if earlier.state is SubmissionState.ACCEPTING and in_progress(earlier):
         raise RequestInProgress(idempotency_key)
     return Submitted(
         earlier.task_id,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -24,6 +24,7 @@ from tests.integration.in_process import gateway_and_status
 from tests.support import queued_commands
 
 API_KEY = generate_key().token
+OUTBOX_GRACE_S = 60  # the default, which the stack keeps
 
 Json = dict[str, Any]
 
@@ -158,3 +159,32 @@ async def test_a_replay_with_another_body_is_a_conflict_even_while_the_first_is_
     assert other.json()["type"].endswith("/idempotency-key-reused")
     same = await stack.api.post("/v1/scores", json={"text": "The first body."}, headers=key)
     assert same.json()["type"].endswith("/request-in-progress")
+
+
+async def test_a_replay_of_a_submission_left_accepting_past_the_grace_answers_with_it(
+    stack: Stack,
+) -> None:
+    """Its request was answered 202 but could not mark it sent (a database blip), or died
+    after the send: the outbox sweep sends it after `OUTBOX_GRACE_S`. A replay answered 409
+    "retry shortly" for as long as the sweep could not (the broker refusing it), and a
+    client whose retries ran out resubmitted without the key (found in review). Within the
+    grace it is still the request's own, as above."""
+    key = {"Idempotency-Key": f"left-{uuid.uuid4().hex}"}
+    body = {"text": f"An essay left accepting {uuid.uuid4().hex}.", "use_cache": False}
+    first = await stack.api.post("/v1/scores", json=body, headers=key)
+    assert first.status_code == 202, first.text
+    task_id = first.json()["task_id"]
+    await queued_commands(stack.amqp_url)
+    grace_ago = datetime.now(UTC) - timedelta(seconds=OUTBOX_GRACE_S + 1)
+    await stack.submissions.update_one(
+        {"_id": task_id}, {"$set": {"state": "accepting", "created_at": grace_ago}}
+    )
+
+    replay = await stack.api.post("/v1/scores", json=body, headers=key)
+
+    assert replay.status_code == 200, replay.text
+    assert replay.json()["task_id"] == task_id
+    assert [document["_id"] async for document in stack.submissions.find({"_id": task_id})] == [
+        task_id
+    ]
+    # (The sweep, running in this gateway, may send it meanwhile: that is its job.)

@@ -40,6 +40,7 @@ from services.gateway.submit import (
     StatusReader,
     SubmitPolicy,
     Submitted,
+    described_by,
     read_score,
     submit_score,
 )
@@ -203,6 +204,7 @@ def _cached_view(submitted: Submitted, now: datetime) -> TaskView:
         updated_at=at,
         result=submitted.cached_result,
         sequence=CACHED_COMPLETION_SEQUENCE,
+        **described_by(submitted.command),
     )
 
 

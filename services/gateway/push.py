@@ -668,11 +668,15 @@ def _cached_completion(cached: ScoreResult, created_at: datetime) -> StateChange
     )
 
 
-def _after_an_unrecorded_cache_hit(history: TaskHistory, after: int) -> bool:
-    """Whether the client asks for what follows a cache hit's completion the status service
-    has not recorded. Only then is the submission read: a stream whose live changes run ahead
-    of a lagging history re-reads it often, and nothing else ahead of it is the cache's."""
-    return after == CACHED_COMPLETION_SEQUENCE > history.sequence
+def _may_miss_a_cached_completion(history: TaskHistory, after: int) -> bool:
+    """Whether the status service's history may lack a result-cache hit's completion: the
+    client asks for what follows one it has not recorded, or the history holds only the
+    acceptance (the completion is a publish of its own, which may come later, or after the
+    outbox sweep's next pass: the stream showed `queued` and waited, found in review). Only
+    then is the submission read: a stream whose live changes run ahead of a lagging history
+    re-reads it often, and nothing else ahead of it is the cache's."""
+    at_acceptance = history.sequence == 0 and history.status is TaskStatus.QUEUED
+    return at_acceptance or after == CACHED_COMPLETION_SEQUENCE > history.sequence
 
 
 def _with_cached_completion(
@@ -707,7 +711,7 @@ async def read_history(
     acceptance the projection reads from the command), and a result-cache hit's completion
     until the status service has recorded it (a client that saw it asks for what follows)."""
     history = await status.history(task_id, tenant_id=tenant_id, after=after)
-    if history is not None and not _after_an_unrecorded_cache_hit(history, after):
+    if history is not None and not _may_miss_a_cached_completion(history, after):
         return history
     submission = await submissions.find(task_id, tenant_id=tenant_id)
     if history is not None:

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 from services.gateway.cache import ResultCache, cache_key, cacheable, scoring_model
 from services.gateway.errors import (
@@ -30,6 +30,7 @@ from services.gateway.submissions import (
     request_hash,
 )
 from shared.contracts import (
+    CACHED_COMPLETION_SEQUENCE,
     ScoreResult,
     ScoreText,
     TaskCompleted,
@@ -95,6 +96,8 @@ class Submitted:
     cached_result: ScoreResult | None = None
     # When the task was submitted (a cached result's completion is dated so too).
     submitted_at: datetime | None = None
+    # Its command, for what a view of it describes (None: a record of an earlier build).
+    command: ScoreText | None = None
 
 
 async def submit_score(
@@ -230,6 +233,7 @@ async def _record_and_send(
             created=True,
             cached_result=cached,
             submitted_at=command.submitted_at,
+            command=command,
         )
     await _admit_or_discard(command, in_flight=gate, undo=undo)
     await _publish_or_discard(command, publisher=publisher, in_flight=gate, undo=undo)
@@ -374,6 +378,7 @@ async def _earlier_submission(
         created=False,
         cached_result=earlier.cached_result,
         submitted_at=earlier.created_at,
+        command=earlier.command,
     )
 
 
@@ -399,13 +404,26 @@ async def read_score(
     as 404 rather than as queued again.
     """
     view = await status.find(task_id, tenant_id=tenant_id)
-    if view is not None:
+    now = clock()
+    if view is not None and not _may_await_a_cached_completion(view, now=now, window=window):
         return view
     submission = await submissions.find(task_id, tenant_id=tenant_id)
-    now = clock()
+    if view is not None:
+        cached = submission is not None and submission.cached_result is not None
+        return _view_of_submission(submission, now) if submission and cached else view
     if submission is None or not recently_due(submission, now=now, window=window):
         return None
     return _view_of_submission(submission, now)
+
+
+def _may_await_a_cached_completion(view: TaskView, *, now: datetime, window: timedelta) -> bool:
+    """Whether the status service shows only the acceptance of what may be a result-cache
+    hit, whose completion (a publish of its own) it has not applied: answered `completed`
+    by its POST, the task read `queued` with no result until the outbox sweep announced the
+    completion again (found in review). Only then is the submission read: a young task at
+    its acceptance."""
+    young = view.created_at > now - window
+    return young and view.sequence == 0 and view.status is TaskStatus.QUEUED
 
 
 def _status_as_recorded(submission: Submission, now: datetime) -> TaskStatus:
@@ -417,6 +435,10 @@ def _status_as_recorded(submission: Submission, now: datetime) -> TaskStatus:
 
 
 def _view_of_submission(submission: Submission, now: datetime) -> TaskView:
+    """The task as the gateway recorded it, as the status service shows it once it has heard
+    (what it describes included: the POST and the first polls showed no rubric, model nor
+    metadata, found in a walkthrough)."""
+    cached = submission.cached_result is not None
     return TaskView(
         task_id=submission.task_id,
         status=_status_as_recorded(submission, now),
@@ -425,7 +447,16 @@ def _view_of_submission(submission: Submission, now: datetime) -> TaskView:
         updated_at=submission.created_at,
         result=submission.cached_result,
         not_before=submission.not_before,
+        sequence=CACHED_COMPLETION_SEQUENCE if cached else None,
+        **described_by(submission.command),
     )
+
+
+def described_by(command: ScoreText | None) -> dict[str, Any]:
+    """What a task's view describes of its command (nothing for a record without one)."""
+    if command is None:
+        return {}
+    return {"rubric": command.rubric, "model": command.model, "metadata": command.metadata}
 
 
 class SweptBatches(Protocol):

@@ -328,7 +328,7 @@ def score_routes(
                 view = await unless_gone(
                     request,
                     read_when_changed(
-                        lambda: _read(task_id, caller, deps),
+                        lambda: _read_score(task_id, caller, deps),
                         live=deps.live,
                         task_id=task_id,
                         tenant_id=caller.tenant_id,
@@ -339,6 +339,8 @@ def score_routes(
                 )
             except WaiterLimitReached as error:
                 raise waiter_problem(error) from error
+            except Unavailable as error:  # the first read: no view to answer with
+                raise read_unavailable(error) from error
             except ClientGone:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             if not await still_valid(caller):

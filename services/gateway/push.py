@@ -485,6 +485,9 @@ async def read_when_changed(
     after the task's next state change, else after `wait_s` seconds (the view as it is). A
     scheduled task's coming due is a change too, though no event tells it (`ComingDue`).
 
+    The first read's `Unavailable` is the caller's to answer; any later one answers the
+    view held (`_next_news`).
+
     A change heard live that the status service has not recorded within `settle_s` is no
     answer yet (the view would show the client what it has): the wait goes on, reading again
     for it at growing intervals (`Unrecorded`), until a view shows it, a later change comes
@@ -525,7 +528,19 @@ class _Waiting:
 
 async def _next_news(waiting: _Waiting) -> TaskView | None:
     loop = asyncio.get_running_loop()
-    read, waiter, deadline = waiting.read, waiting.waiter, waiting.deadline
+    waiter, deadline = waiting.waiter, waiting.deadline
+
+    async def read() -> TaskView | None:
+        """A read past the first: the status service away (a blip, a full connection pool
+        as one event wakes many waiters), the view held is the answer. It was a 503 for a
+        client that had waited up to a minute, at the moment of its change (found in
+        review); told its old status, it polls again."""
+        try:
+            return await waiting.read()
+        except Unavailable as error:
+            log.warning("a long-poll answered with the view it held: %r", error)
+            return waiting.view
+
     unrecorded = Unrecorded(waiting.settle_s)
     coming_due = ComingDue(waiting.view, loop.time())
     while True:
@@ -670,13 +685,13 @@ def _cached_completion(cached: ScoreResult, created_at: datetime) -> StateChange
 
 def _may_miss_a_cached_completion(history: TaskHistory, after: int) -> bool:
     """Whether the status service's history may lack a result-cache hit's completion: the
-    client asks for what follows one it has not recorded, or the history holds only the
-    acceptance (the completion is a publish of its own, which may come later, or after the
-    outbox sweep's next pass: the stream showed `queued` and waited, found in review). Only
-    then is the submission read: a stream whose live changes run ahead of a lagging history
-    re-reads it often, and nothing else ahead of it is the cache's."""
-    at_acceptance = history.sequence == 0 and history.status is TaskStatus.QUEUED
-    return at_acceptance or after == CACHED_COMPLETION_SEQUENCE > history.sequence
+    client asks for what follows one it has not recorded, or, having seen nothing, gets
+    only the acceptance (the completion is a publish of its own, which may come later, or
+    after the outbox sweep's next pass: the stream showed `queued` and waited, found in
+    review). Only then is the submission read: a stream whose live changes run ahead of a
+    lagging history re-reads it often, and nothing else ahead of it is the cache's."""
+    first_look = after < 0 and history.sequence == 0 and history.status is TaskStatus.QUEUED
+    return first_look or after == CACHED_COMPLETION_SEQUENCE > history.sequence
 
 
 def _with_cached_completion(

@@ -293,6 +293,61 @@ async def test_the_next_change_answers_a_long_poll_with_the_settled_view() -> No
     assert len(live) == 0
 
 
+class FailingAfterFirst(Views):
+    """A status reader whose first read answers and every later one finds it away."""
+
+    async def __call__(self) -> TaskView | None:
+        if self.reads:
+            self.reads += 1
+            raise StatusUnavailable("a blip")
+        return await super().__call__()
+
+
+async def test_a_status_service_away_after_the_first_read_answers_the_view_held() -> None:
+    """One failed read past the first was a 503 for a client that had waited, at the moment
+    of its change (a full pool as one event woke many waiters; found in review). The wait
+    goes on, and its end answers the view held."""
+    live = LiveUpdates()
+    views = FailingAfterFirst(_view(TaskStatus.QUEUED, 0))
+    waiting = asyncio.create_task(
+        read_when_changed(
+            views,
+            live=live,
+            task_id="t1",
+            tenant_id="a",
+            wait_s=1,
+            known_status=TaskStatus.QUEUED,
+            settle_s=0.2,
+        )
+    )
+
+    async def registered() -> bool:
+        return len(live) == 1
+
+    await eventually(registered, what="the long-poll waiting")
+
+    live.deliver(_started())
+    view = await asyncio.wait_for(waiting, 10)
+
+    assert view == _view(TaskStatus.QUEUED, 0)
+    assert views.reads >= 2
+
+
+async def test_a_status_service_away_at_the_first_read_is_the_callers_to_answer() -> None:
+    views = FailingAfterFirst(_view(TaskStatus.QUEUED, 0))
+    views.reads = 1  # fails from the first read on
+    with pytest.raises(StatusUnavailable):
+        await read_when_changed(
+            views,
+            live=LiveUpdates(),
+            task_id="t1",
+            tenant_id="a",
+            wait_s=1,
+            known_status=None,
+            settle_s=0,
+        )
+
+
 async def test_a_long_poll_ignores_events_its_view_already_reflects() -> None:
     live = LiveUpdates()
     live.deliver(_started())  # heard just before the request: remembered, but not news

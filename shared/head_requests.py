@@ -11,9 +11,12 @@ client that expects no body, on a connection it would hold."""
 from __future__ import annotations
 
 from starlette.applications import Starlette
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _NO_BODY: Message = {"type": "http.response.body", "body": b"", "more_body": False}
+# Set in the scope of a HEAD run as a GET.
+HEAD_SCOPE_KEY = "scorebox.head"
 
 
 class HeadAsGet:
@@ -26,7 +29,14 @@ class HeadAsGet:
         if scope["type"] != "http" or scope["method"] != "HEAD":
             await self.app(scope, receive, send)
             return
-        await self.app({**scope, "method": "GET"}, receive, _HeadOnly(send).send)
+        head = {**scope, "method": "GET", HEAD_SCOPE_KEY: True}
+        await self.app(head, receive, _HeadOnly(send).send)
+
+
+def asked_head_only(request: Request) -> bool:
+    """Whether the GET being answered is a HEAD's: a route whose GET changes something (the
+    webhook secret, created at its first read) skips that for a HEAD, a safe method."""
+    return bool(request.scope.get(HEAD_SCOPE_KEY))
 
 
 class _HeadOnly:

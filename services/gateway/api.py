@@ -320,7 +320,9 @@ def score_routes(
         request: Request,
         task_id: str,
         caller: Caller = authenticated,
-        wait: Annotated[float, Query(ge=0, le=60, description="Long-poll up to N s.")] = 0,
+        wait: Annotated[
+            float, Query(ge=0, le=60, allow_inf_nan=False, description="Long-poll up to N s.")
+        ] = 0,
         status: Annotated[TaskStatus | None, Query(description="The status you have.")] = None,
     ) -> Response:
         if wait > 0 and TASK_ID.match(task_id):

@@ -60,7 +60,7 @@ EVENT_STREAM = "text/event-stream"
 RESYNC_S = 60.0
 # How long a stream's heartbeat waits for the live queue's binding when it is not bound.
 REBIND_WITHIN_S = 1.0
-LAST_EVENT_ID = re.compile(r"^\d{1,18}$")
+LAST_EVENT_ID = re.compile(r"^[0-9]{1,18}$")  # ASCII digits: `\d` takes any script's
 
 _EXAMPLE_STREAM = (
     "retry: 3000\n\n"

@@ -70,7 +70,9 @@ def _check_metadata_values(value: Any, path: str = "", depth: int = 1) -> None:
     if isinstance(value, dict):
         for key, item in value.items():
             if key.startswith("$") or "." in key or "\x00" in key:
-                raise ValueError(f"{at}key {key!r} may not start with '$' or contain '.'")
+                raise ValueError(
+                    f"{at}key {key!r} may not start with '$' nor contain '.' or a NUL character"
+                )
             _check_metadata_values(item, f"{path}.{key}" if path else key, depth + 1)
     elif isinstance(value, list):
         for index, item in enumerate(value):

@@ -24,6 +24,7 @@ from services.gateway.errors import Unavailable
 from services.gateway.settings import GatewaySettings
 from shared.bodies import json_body, read_model
 from shared.contracts import Instant
+from shared.head_requests import asked_head_only
 from shared.http import (
     PROBLEM_BASE,
     Problem,
@@ -202,9 +203,13 @@ def webhook_routes(notifier: NotifierClient, authenticated: Any) -> APIRouter:
         responses=problem_responses(401, 429, 503),
     )
     async def read_signing_secret(
-        response: Response, caller: Caller = authenticated
-    ) -> SigningSecret:
+        request: Request, response: Response, caller: Caller = authenticated
+    ) -> SigningSecret | Response:
         response.headers.update(NO_STORE)
+        if asked_head_only(request):
+            # A HEAD changes nothing: the GET creates the secret at its first read (found
+            # in a walkthrough: a HEAD created it).
+            return Response(status_code=200, headers=NO_STORE)
         try:
             return await notifier.signing_secret(caller.tenant_id)
         except NotifierUnavailable as error:

@@ -95,6 +95,8 @@ from shared.topology import wait_tier_for
 
 Clock = Callable[[], datetime]
 ALERT_REMOVED = "cancelled: the tenant removed its failure alert"
+# A delivery sent down the wait ladder again, not due yet: once for each tier it passes.
+NOT_YET_DUE = "not yet due"
 # How long a delivery put off (its destination or tenant busy) first waits: the wait ladder's
 # shortest tier, so a slot freed on a healthy receiver is taken again about as soon as it is.
 # Each deferral of the same attempt doubles it, up to PUT_OFF_MAX_DELAY: a backlog of
@@ -243,7 +245,7 @@ async def deliver_once(
     if delivery.not_before is not None and wait_tier_for(
         (delivery.not_before - now).total_seconds()
     ):
-        return Send(delivery, "not yet due")
+        return Send(delivery, NOT_YET_DUE)
     with deps.in_hand.holding((delivery.delivery_id, delivery.attempt)) as only_here:
         if not only_here:
             # No claim: it could land before the holder's, which would take it over as a

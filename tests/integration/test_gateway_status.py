@@ -235,6 +235,9 @@ async def test_a_metadata_key_refused_is_named_once_with_where_it_is(stack: Stac
     problem = _assert_problem(await stack.api.post("/v1/scores", json=nested), 422)
     assert "metadata: at a[0]: key 'b.c' may not" in str(problem["detail"])
     assert "metadata: metadata" not in str(problem["detail"])
+    nul = {"text": "hi", "metadata": {"a\u0000b": 1}}
+    problem = _assert_problem(await stack.api.post("/v1/scores", json=nul), 422)
+    assert "or a NUL character" in str(problem["detail"])  # it said only '$' and '.'
 
 
 @pytest.mark.parametrize("number", [2**63, 2**70 + 1, -(2**70)])

@@ -600,6 +600,22 @@ async def test_an_outcome_carrying_its_callback_needs_no_acceptance(flow: Flow) 
     assert await flow.notifier_db["task_callbacks"].find_one({"_id": task_id}) is None
 
 
+async def test_a_head_of_the_secret_creates_none_as_its_get_does(flow: Flow) -> None:
+    """HEAD is a safe method: run as the GET, it created the tenant's secret at its first
+    read (found in a walkthrough)."""
+    secrets = flow.notifier_db["signing_secrets"]
+    await secrets.delete_many({})  # as for a tenant that never read it
+
+    head = await flow.api.head("/v1/webhooks/secret")
+
+    assert head.status_code == 200, head.text
+    assert head.headers["cache-control"] == "no-store"
+    assert head.content == b""
+    assert await secrets.count_documents({}) == 0
+    await flow.secret()  # the GET creates it
+    assert await secrets.count_documents({}) == 1
+
+
 async def test_a_rotated_secret_signs_alongside_the_previous_one(flow: Flow) -> None:
     before = await flow.secret()
     rotated = await flow.api.post("/v1/webhooks/secret/rotate")

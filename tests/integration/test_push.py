@@ -338,6 +338,9 @@ async def test_another_tenants_task_is_404_before_streaming(push: Push) -> None:
     assert unknown.status_code == 404
     bad = await push.api.get(f"/v1/scores/{task_id}/events", headers={"Last-Event-ID": "x"})
     assert bad.status_code == 400
+    # Digits of another script are no event id (`\d` took "١٢٣" for 123).
+    arabic = await push.api.get(f"/v1/scores/{task_id}/events", params={"lastEventId": "١٢٣"})
+    assert arabic.status_code == 400, arabic.text
 
 
 async def test_a_last_event_id_ahead_of_the_task_is_refused(push: Push) -> None:
@@ -389,6 +392,9 @@ async def test_long_poll_answers_the_current_view_when_nothing_happens(push: Pus
     assert response.json()["status"] == "scheduled"
     bad = await push.api.get(f"/v1/scores/{task_id}", params={"wait": 61})
     assert bad.status_code == 422
+    nan = await push.api.get(f"/v1/scores/{task_id}", params={"wait": "nan"})
+    assert nan.status_code == 422
+    assert "finite number" in nan.text  # not "less than or equal to 60" (a walkthrough)
 
 
 async def test_history_keeps_each_change_once_and_in_order(push: Push) -> None:

@@ -280,10 +280,17 @@ def test_cron_dlq_replay_all(server: FakeServer) -> None:
     assert json.loads(server.requests[0].content) == {"all": True}
 
 
-@pytest.mark.parametrize("args", [(), ("r0", "--all")])
-def test_cron_dlq_replay_wants_ids_or_all(server: FakeServer, args: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [((), "give ids, or --all"), (("r0", "--all"), "ids and --all: give one or the other")],
+)
+def test_cron_dlq_replay_wants_ids_or_all(
+    server: FakeServer, args: tuple[str, ...], said: str
+) -> None:
+    """Given neither, it said "(not both)" (found in a walkthrough)."""
     result = run_cli("cron", "dlq", "replay", *args)
     assert result.exit_code == 2
+    assert said in result.stderr
     assert not server.requests
 
 

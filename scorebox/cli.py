@@ -55,7 +55,9 @@ from urllib.parse import quote
 import httpx
 import typer
 
-app = typer.Typer(help="Command line client of Scorebox.", no_args_is_help=True)
+app = typer.Typer(
+    help="Command line client of Scorebox.", no_args_is_help=True, rich_markup_mode="markdown"
+)
 dlq = typer.Typer(help="Operate the dead-letter queue (needs SCOREBOX_ADMIN_KEY).")
 app.add_typer(dlq, name="dlq")
 
@@ -339,18 +341,32 @@ def _retry_after(response: httpx.Response) -> float | None:
 @app.command()
 def submit(
     file: Annotated[Path, typer.Argument(help="The text to score; - reads stdin.")],
+    *,
     rubric: Annotated[str | None, typer.Option(help="What to judge the text on.")] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Poll until the task finishes.")] = False,
     timeout: Annotated[
         float, typer.Option(help="Seconds --wait takes at most, the submission included.")
     ] = 300.0,
     idempotency_key: Annotated[str | None, typer.Option(help="Idempotency-Key header.")] = None,
+    model: Annotated[str | None, typer.Option(help="The model to score with.")] = None,
+    metadata: Annotated[
+        str | None, typer.Option(help="A JSON object kept with the task, shown with it.")
+    ] = None,
+    callback_url: Annotated[
+        str | None, typer.Option(help="An https URL POSTed the outcome (a webhook).")
+    ] = None,
+    delay_seconds: Annotated[
+        int | None, typer.Option(min=0, help="Score no sooner than this many seconds from now.")
+    ] = None,
+    no_cache: Annotated[
+        bool, typer.Option("--no-cache", help="Score it even if the same text was scored.")
+    ] = False,
 ) -> None:
     """Submit a text for scoring and print the task (or, with --wait, its result).
 
     Exits 1 when the gateway refuses the text or cannot be reached, or --wait runs out
-    before the task finishes; 2 when the text cannot be read (nothing is sent) or the task
-    failed.
+    before the task finishes; 2 when the text or --metadata cannot be read (nothing is
+    sent) or the task failed.
     """
     _check_idempotency_key(idempotency_key)
     _check_duration(timeout, "--timeout")
@@ -358,6 +374,13 @@ def submit(
     payload: dict[str, Any] = {"text": text}
     if rubric:
         payload["rubric"] = rubric
+    payload |= _submission_options(
+        model=model,
+        metadata=metadata,
+        callback_url=callback_url,
+        delay_seconds=delay_seconds,
+        use_cache=not no_cache,
+    )
     headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else {}
     with _reaching(_client()) as client:
         deadline = time.monotonic() + timeout
@@ -415,6 +438,38 @@ def _post_submission(
         )
 
 
+def _submission_options(
+    *,
+    model: str | None,
+    metadata: str | None,
+    callback_url: str | None,
+    delay_seconds: int | None,
+    use_cache: bool,
+) -> dict[str, Any]:
+    """The body fields the options give (none for an option left out: the gateway's default
+    applies); exits 2 when --metadata is not a JSON object."""
+    fields: dict[str, Any] = {
+        "model": model,
+        "callback_url": callback_url,
+        "delay_seconds": delay_seconds,
+    }
+    if metadata is not None:
+        fields["metadata"] = _json_object(metadata, "--metadata")
+    if not use_cache:
+        fields["use_cache"] = False
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def _json_object(text: str, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        _usage_error(f"{what} is not JSON: {error}")
+    if not isinstance(value, dict):
+        _usage_error(f"{what} must be a JSON object")
+    return value
+
+
 def _check_idempotency_key(key: str | None) -> None:
     """The gateway's rule, checked before anything is sent: a key with other than ASCII in it
     raised a UnicodeEncodeError traceback, one with a space was sent to be refused."""
@@ -469,6 +524,79 @@ def cancel_batch(batch_id: str) -> None:
         if response.status_code != 202:
             raise _fail(response)
         _show(_answer(response, "batch_id", "cancelling", "already_finished"))
+
+
+@app.command("submit-batch")
+def submit_batch(
+    file: Annotated[
+        Path,
+        typer.Argument(
+            help="JSON Lines, one item per line: the text as a JSON string, or an object "
+            '{"text", "client_id"?, "rubric"?, "model"?, "metadata"?}; - reads stdin.'
+        ),
+    ],
+    rubric: Annotated[str | None, typer.Option(help="For the items that name none.")] = None,
+    model: Annotated[str | None, typer.Option(help="For the items that name none.")] = None,
+    idempotency_key: Annotated[str | None, typer.Option(help="Idempotency-Key header.")] = None,
+) -> None:
+    """Submit up to 1,000 texts as one batch and print it, each item's task id included
+    (`batch-status` shows its progress).
+
+    Exits 1 when the gateway refuses the batch or cannot be reached; 2 when the file cannot
+    be read or a line is not an item (nothing is sent).
+    """
+    _check_idempotency_key(idempotency_key)
+    items = _batch_items(_read_text(file))
+    payload: dict[str, Any] = {"items": items}
+    if rubric:
+        payload["rubric"] = rubric
+    if model:
+        payload["model"] = model
+    headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else {}
+    with _reaching(_client()) as client:
+        response = client.post("/v1/batches", json=payload, headers=headers)
+        if response.status_code not in (200, 202):
+            raise _fail(response)
+        _show(_answer(response, "batch_id", "items"))
+
+
+def _batch_items(text: str) -> list[dict[str, Any]]:
+    """The items of a JSON Lines file (blank lines skipped); exits 2 naming the first line
+    that is not one."""
+    items: list[dict[str, Any]] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as error:
+            _usage_error(f"line {number} is not JSON: {error}")
+        if isinstance(item, str):
+            item = {"text": item}
+        if not isinstance(item, dict):
+            _usage_error(f"line {number} is neither a text (a JSON string) nor an item (an object)")
+        items.append(item)
+    if not items:
+        _usage_error("no items: give one per line")
+    return items
+
+
+@app.command("batch-status")
+def batch_status(
+    batch_id: str,
+    limit: Annotated[int, typer.Option(min=1, max=1000, help="Items per page.")] = 100,
+    cursor: Annotated[str | None, typer.Option(help="The next_cursor of the page before.")] = None,
+) -> None:
+    """Show a batch's counts per status and a page of its items."""
+    path = f"/v1/batches/{_segment(batch_id, 'BATCH_ID')}"
+    params: dict[str, Any] = {"limit": limit}
+    if cursor is not None:
+        params["cursor"] = cursor
+    with _reaching(_client()) as client:
+        response = client.get(path, params=params)
+        if response.status_code != 200:
+            raise _fail(response)
+        _show(_answer(response, "batch_id", "counts"))
 
 
 def _admin_call(

@@ -1,0 +1,163 @@
+"""`scorebox submit-batch FILE`, `scorebox batch-status BATCH_ID`, and the options of `scorebox
+submit` that the API takes (the CLI had no batch command but `cancel-batch`, and `submit` no
+model, metadata, callback, delay nor cache option: found in a walkthrough). Against a fake
+gateway (httpx.MockTransport)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from scorebox import cli
+from tests.unit import test_cli_cancel
+from tests.unit.cli_support import run_cli
+
+environment = test_cli_cancel.environment  # autouse: SCOREBOX_URL and SCOREBOX_API_KEY set
+
+BATCH = {
+    "batch_id": "b1",
+    "items": [{"task_id": "t1", "client_id": None}, {"task_id": "t2", "client_id": "c2"}],
+    "status_url": "/v1/batches/b1",
+}
+PROGRESS: dict[str, Any] = {
+    "batch_id": "b1",
+    "counts": {"queued": 2},
+    "items": [],
+    "next_cursor": None,
+}
+
+
+def _gateway(
+    monkeypatch: pytest.MonkeyPatch, status: int, body: dict[str, Any]
+) -> list[httpx.Request]:
+    seen: list[httpx.Request] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        headers = {"content-type": "application/problem+json"} if status >= 400 else {}
+        return httpx.Response(status, json=body, headers=headers)
+
+    monkeypatch.setattr(cli, "transport", httpx.MockTransport(handle))
+    return seen
+
+
+def test_a_batch_is_read_one_item_per_line_and_posted_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen = _gateway(monkeypatch, 202, BATCH)
+    lines = '"A first text,\\nover two lines."\n\n{"text": "A second.", "client_id": "c2"}\n'
+
+    result = run_cli(
+        "submit-batch", "-", "--rubric", "clarity", "--idempotency-key", "k1", input=lines
+    )
+
+    assert result.exit_code == 0, result.output
+    [request] = seen
+    assert (request.method, request.url.path) == ("POST", "/v1/batches")
+    assert request.headers["idempotency-key"] == "k1"
+    assert json.loads(request.content) == {
+        "items": [
+            {"text": "A first text,\nover two lines."},
+            {"text": "A second.", "client_id": "c2"},
+        ],
+        "rubric": "clarity",
+    }
+    assert json.loads(result.stdout) == BATCH
+
+
+@pytest.mark.parametrize(
+    ("lines", "said"),
+    [
+        ('"one"\nnot json\n', "line 2 is not JSON"),
+        ("[1, 2]\n", "line 1 is neither a text"),
+        ("\n\n", "no items"),
+    ],
+)
+def test_a_file_that_is_not_items_exits_2_and_sends_nothing(
+    monkeypatch: pytest.MonkeyPatch, lines: str, said: str
+) -> None:
+    seen = _gateway(monkeypatch, 202, BATCH)
+
+    result = run_cli("submit-batch", "-", input=lines)
+
+    assert result.exit_code == 2
+    assert said in result.stderr
+    assert seen == []
+
+
+def test_a_refused_batch_exits_1_with_its_detail(monkeypatch: pytest.MonkeyPatch) -> None:
+    _gateway(monkeypatch, 422, {"status": 422, "detail": "items.0.text: too long"})
+
+    result = run_cli("submit-batch", "-", input='"x"\n')
+
+    assert result.exit_code == 1
+    assert "too long" in result.stderr
+
+
+def test_a_batchs_status_is_a_page_of_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _gateway(monkeypatch, 200, PROGRESS)
+
+    result = run_cli("batch-status", "b1", "--limit", "10", "--cursor", "20")
+
+    assert result.exit_code == 0, result.output
+    [request] = seen
+    assert request.url.path == "/v1/batches/b1"
+    assert dict(request.url.params) == {"limit": "10", "cursor": "20"}
+    assert json.loads(result.stdout) == PROGRESS
+
+
+def test_an_unknown_batch_exits_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    _gateway(monkeypatch, 404, {"status": 404, "detail": "No batch 'b9'."})
+
+    result = run_cli("batch-status", "b9")
+
+    assert result.exit_code == 1
+    assert "No batch" in result.stderr
+
+
+def test_submit_sends_the_options_given_and_only_those(monkeypatch: pytest.MonkeyPatch) -> None:
+    answer = {"task_id": "t1", "status": "scheduled", "status_url": "/v1/scores/t1"}
+    seen = _gateway(monkeypatch, 202, answer)
+    options = ["--model", "m1", "--metadata", '{"order": 42}', "--delay-seconds", "60"]
+    hook = ["--callback-url", "https://example.com/hook", "--no-cache"]
+
+    given = run_cli("submit", "-", *options, *hook, input="A text.")
+    bare = run_cli("submit", "-", input="A text.")
+
+    assert given.exit_code == 0, given.output
+    assert bare.exit_code == 0, bare.output
+    assert json.loads(seen[0].content) == {
+        "text": "A text.",
+        "model": "m1",
+        "metadata": {"order": 42},
+        "delay_seconds": 60,
+        "callback_url": "https://example.com/hook",
+        "use_cache": False,
+    }
+    assert json.loads(seen[1].content) == {"text": "A text."}
+
+
+@pytest.mark.parametrize("metadata", ["{order: 42}", "[1]"])
+def test_metadata_that_is_no_json_object_exits_2_and_sends_nothing(
+    monkeypatch: pytest.MonkeyPatch, metadata: str
+) -> None:
+    seen = _gateway(monkeypatch, 202, {})
+
+    result = run_cli("submit", "-", "--metadata", metadata, input="A text.")
+
+    assert result.exit_code == 2
+    assert "--metadata" in result.stderr
+    assert seen == []
+
+
+def test_help_reflows_a_docstrings_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The docstrings' own line breaks were kept, then wrapped again: "…or --wait runs" on
+    one line, "out" on the next (found in a walkthrough)."""
+    monkeypatch.setenv("COLUMNS", "200")
+
+    result = run_cli("submit", "--help")
+
+    assert "or --wait runs out before the task finishes" in result.stdout

@@ -68,6 +68,8 @@ class Busy:
 @dataclass(frozen=True)
 class Decided:
     decision: Finish | Retry
+    # A cancellation whose event its consumer published (`note_cancellation_published`).
+    published: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,9 @@ ClaimResult = Claimed | Busy | Decided | Superseded
 # The owner a cancellation leaves on the attempt it decides: no scorer's (they are named
 # host:pid:suffix), so a late decision of the claim it replaced is fenced out (`decide`).
 CANCEL_OWNER: Final = "cancelled-by-client"
+# Set in a cancellation's decision once its consumer published its event: a later delivery
+# of the command (a delayed task's, when due) drops it instead of publishing it again.
+PUBLISHED: Final = "published"
 # Reads and conditional writes a cancellation tries while other writes keep changing the task.
 CANCEL_TRIES: Final = 10
 # Why a cancellation of a newer generation (a re-score) finds an older one's completion stored.
@@ -337,6 +342,21 @@ class Attempts:
             return Cancelled(decision)
         raise CancelContended(cancel.task_id)
 
+    async def note_cancellation_published(self, cancel: CancelTask, decision: Finish) -> None:
+        """Mark the cancellation `decision` of the cancel's task as published, while it is
+        the decision stored (one conditional write)."""
+        event = decision.event
+        await self._collection.update_one(
+            {
+                "_id": cancel.task_id,
+                "generation": event.generation,
+                "attempt": event.attempt,
+                "state": "decided",
+                "owner": CANCEL_OWNER,
+            },
+            {"$set": {f"decision.{PUBLISHED}": True}},
+        )
+
     async def find(self, task_id: str) -> Document | None:
         return await self._collection.find_one({"_id": task_id})
 
@@ -520,7 +540,7 @@ def _standing(held: Document | None, command: ScoreText) -> ClaimResult:
     decision = decisions.load(held["decision"])
     if ahead and isinstance(decision, Retry):
         return Superseded()
-    return Decided(decision)
+    return Decided(decision, published=bool(held["decision"].get(PUBLISHED)))
 
 
 def _over_a_completion() -> Document:

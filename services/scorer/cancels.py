@@ -19,7 +19,9 @@ Each cancellation recorded (or found recorded) and each too late is counted
   every consumer of outcomes takes a repeat as a no-op.
 
 The score path needs nothing of its own: the generation's next command collides with the
-recorded decision and carries the failure out again instead of calling the model.
+recorded decision and carries the failure out again instead of calling the model, or, once
+this consumer noted the failure published (`Attempts.note_cancellation_published`), drops
+itself (a delayed task's command, when due).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pydantic import ValidationError
 from pymongo.errors import PyMongoError
 
 from services.scorer.attempts import Attempts, CancelContended, Cancelled, CancelResult
+from services.scorer.decisions import Finish
 from services.scorer.metrics import CANCELLED, TOO_LATE, ScorerMetrics
 from shared.bus import publish_event
 from shared.consumers import Delivery, ScoreboxBroker, consume
@@ -87,11 +90,20 @@ class TaskCancels:
                 lambda: publish_event(self.broker, event, timeout=self.timeout_s),
                 what=f"the cancellation of {cancel.task_id}",
             )
+            await self._note_published(cancel, outcome.decision)
         else:
             self.metrics.count_cancellation(TOO_LATE)
             # Counted; one line each at INFO was a thousand lines for a batch's cancel.
             log.debug("cancellation of %s too late: %s", cancel.task_id, outcome.reason)
         await message.ack()
+
+    async def _note_published(self, cancel: CancelTask, decision: Finish) -> None:
+        """Best effort: unnoted, the command's next delivery publishes the failure again,
+        which every consumer of outcomes takes as a repeat."""
+        try:
+            await self.attempts.note_cancellation_published(cancel, decision)
+        except PyMongoError as error:
+            log.debug("the cancellation of %s not noted as published: %r", cancel.task_id, error)
 
     async def _recorded(self, cancel: CancelTask) -> CancelResult:
         return await keep_trying_database(

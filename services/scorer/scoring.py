@@ -312,20 +312,8 @@ async def _claim_and_call(
     claim = await deps.attempts.claim(
         command, now=now, lease=deps.lease, owner=deps.owner, reclaim_own=True
     )
-    match claim:
-        case Superseded():
-            return Drop("a newer attempt of this task exists")
-        case Busy(until=until):
-            if redelivered:
-                return Hold(until)
-            # Past the slack a due copy is taken with: sent back early, by less than the
-            # shortest wait tier, it found the claim still held and spun until then.
-            due = until + DUE_SLACK
-            return Defer(command.model_copy(update={"not_before": due, "message_id": new_id()}))
-        case Decided(decision=decision):
-            return decision
-        case Claimed():
-            pass
+    if not isinstance(claim, Claimed):
+        return _not_claimed(claim, command, redelivered)
     # Read before the model is called: failing after it, the call would be made again.
     before = await deps.attempts.before_the_call(command)
     earlier = before.spent
@@ -337,6 +325,28 @@ async def _claim_and_call(
     started = TaskStarted.model_validate(_event_fields(command, Phase.STARTED, now))
     decision, raw_output = await _call_model_announcing(command, started, deps, earlier, turn)
     return Called(decision, raw_output, claimed_at=now)
+
+
+def _not_claimed(
+    claim: Superseded | Busy | Decided, command: ScoreText, redelivered: bool
+) -> Decision:
+    match claim:
+        case Superseded():
+            return Drop("a newer attempt of this task exists")
+        case Busy(until=until):
+            if redelivered:
+                return Hold(until)
+            # Past the slack a due copy is taken with: sent back early, by less than the
+            # shortest wait tier, it found the claim still held and spun until then.
+            due = until + DUE_SLACK
+            return Defer(command.model_copy(update={"not_before": due, "message_id": new_id()}))
+        case Decided(decision=decision, published=True) if is_cancellation(decision):
+            # Its consumer published it: published again when a delayed task came due (days
+            # later), it brought the task back into the status service after it had expired
+            # there, and its webhook perhaps a second time (found in review).
+            return Drop("its cancellation was published when it was recorded")
+        case Decided(decision=decision):
+            return decision
 
 
 async def _unless_cancelled_meanwhile(

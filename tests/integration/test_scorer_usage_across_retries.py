@@ -134,7 +134,7 @@ class Outcomes:
         taken = len(self.of(task_id, kind))
 
         async def arrived() -> TaskEvent | None:
-            await self._read(task_id)
+            await self.read_for(task_id)
             ours = self.of(task_id, kind)
             return ours[taken] if len(ours) > taken else None
 
@@ -144,13 +144,14 @@ class Outcomes:
         """The first outcome of each task."""
 
         async def all_ended() -> dict[str, TaskEvent] | None:
-            await self._read(*task_ids)
+            await self.read_for(*task_ids)
             first = {task_id: self.of(task_id) for task_id in task_ids}
             return {k: v[0] for k, v in first.items()} if all(first.values()) else None
 
         return await eventually(all_ended, timeout_s=60, what="an outcome of every task")
 
-    async def _read(self, *task_ids: str) -> None:
+    async def read_for(self, *task_ids: str) -> None:
+        """Take what has arrived, keeping the events of these tasks in `seen`."""
         while (message := await self._queue.get(no_ack=True, fail=False, timeout=5)) is not None:
             self._received += _events_in(message)
         asked = set(task_ids)

@@ -54,18 +54,22 @@ from services.gateway.limits import RECENT_RELEASES
 log = logging.getLogger("scorebox.gateway")
 
 MAX_PENDING_TASKS: Final = 100_000
-# Slots released together: as many as a tenant's counter remembers releases of, so that a
-# chunk tried again after a failure is still guarded against counting twice.
+# Slots released together (one round trip): as many as one merged release of a tenant's
+# counter takes.
 RELEASE_CHUNK: Final = RECENT_RELEASES
 
 
 @dataclass
 class Released:
-    """How many of a refusal's task ids, from the first, have had their slot released: a
-    release is idempotent only while the tenant's counter remembers the task among its
-    latest ones, so a release that succeeded is never repeated by a later pass."""
+    """The task ids of a refusal whose slot was released: a release is idempotent only while
+    the tenant's counter remembers the task among its latest ones, so a release that
+    succeeded is never repeated by a later pass."""
 
-    count: int = 0
+    ids: set[str] = field(default_factory=set)
+
+    @property
+    def count(self) -> int:
+        return len(self.ids)
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,9 @@ class Refusal:
     released: Released = field(default_factory=Released, compare=False)
 
     def to_release(self) -> tuple[str, ...]:
-        return self.task_ids[self.released.count :] if self.counted else ()
+        if not self.counted:
+            return ()
+        return tuple(task_id for task_id in self.task_ids if task_id not in self.released.ids)
 
 
 class Refusals:
@@ -204,9 +210,10 @@ async def write_off(
 
 async def release_slots(refusal: Refusal, in_flight: SlotReleaser) -> None:
     """Release the slots of `refusal` not yet released, `RELEASE_CHUNK` at a time, noting
-    each chunk done as it is: a failure part-way leaves the rest for the next try, never the
-    done chunks again (a release done twice in a failed chunk is a no-op: each task's is
-    guarded while among its tenant's last releases).
+    each one done as it is: a failure leaves the ones that failed for the next try, never
+    the done ones again (each is guarded while among its tenant's last releases only: a
+    chunk tried again whole, after other tasks' releases, counted some twice; found in
+    review).
 
     Together, so that a chunk's releases share one round trip (`GuardedReleases` merges
     them): one at a time, a refused batch of 1,000 items took a thousand round trips, and
@@ -215,8 +222,16 @@ async def release_slots(refusal: Refusal, in_flight: SlotReleaser) -> None:
     to_release = refusal.to_release()
     for start in range(0, len(to_release), RELEASE_CHUNK):
         chunk = to_release[start : start + RELEASE_CHUNK]
-        await asyncio.gather(*(in_flight.release(refusal.tenant_id, task) for task in chunk))
-        refusal.released.count += len(chunk)
+        outcomes = await asyncio.gather(
+            *(in_flight.release(refusal.tenant_id, task) for task in chunk),
+            return_exceptions=True,
+        )
+        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        refusal.released.ids.update(
+            task for task, outcome in zip(chunk, outcomes, strict=True) if outcome is None
+        )
+        if failures:
+            raise failures[0]
 
 
 async def _stands(refusal: Refusal, batches: BatchTombstones, now: datetime) -> bool:

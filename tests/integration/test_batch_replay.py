@@ -434,15 +434,15 @@ async def test_a_refused_batch_whose_slots_were_partly_released_releases_the_res
     gateway: Gateway,
 ) -> None:
     """The write-off used to release every slot of the batch again, the ones released
-    before the failure too (more than the counter remembers for a large batch). Now the
-    chunk that failed (`RELEASE_CHUNK`, here the whole batch of 3) is tried again, its
-    releases guarded: each task's slot is taken back once, the other task's kept."""
+    before the failure too (more than the counter remembers for a large batch). Only the
+    one that failed is tried again: each task's slot is taken back once, the other task's
+    kept."""
     in_flight = SecondReleaseFails(gateway)
     await in_flight.acquire(TENANT, 1)  # another task's, still in flight
     refusals = Refusals()
     await _refused_by_the_broker(gateway, refusals, in_flight)
     [refusal] = refusals.pending()
-    assert refusal.released.count == 0  # its one chunk failed
+    assert refusal.released.count == 2  # all but the one that failed
 
     await write_off(
         refusals,

@@ -183,11 +183,8 @@ async def test_a_slot_released_by_a_pass_that_failed_is_not_released_again(
         await _write_off(refusals, database)
 
     assert await _write_off(refusals, database) == 1
-    assert [subject for what, subject in database.writes if what == "release"] == [
-        "t1",
-        "t2",
-        "t3",
-    ]
+    released = [subject for what, subject in database.writes if what == "release"]
+    assert sorted(map(str, released)) == ["t1", "t2", "t3"]  # each once, whichever pass
     assert refusals.pending() == []
 
 

@@ -412,6 +412,20 @@ class Submissions:
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 
+    async def leave_to_the_sweep(self, task_id: str) -> bool:
+        """A submission left `accepting` past the outbox grace, which a replay of its key
+        answers as accepted: `unconfirmed` from now, which no refusal's write-off makes a
+        tombstone (another replica's may still be pending). False when it is `accepting` no
+        more (written off, or sent, meanwhile)."""
+        try:
+            result = await self._collection.update_one(
+                {"_id": task_id, "state": SubmissionState.ACCEPTING.value},
+                {"$set": {"state": SubmissionState.UNCONFIRMED.value}},
+            )
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+        return result.matched_count == 1
+
     async def mark_unconfirmed(self, task_id: str) -> None:
         """The command was written but not confirmed, and the client answered 202: a replay
         of its request is answered as accepted, and the outbox sweep sends it again."""

@@ -328,6 +328,21 @@ async def _publish_or_discard(
         log.warning("task %s left `accepting`; the outbox sweep re-sends it", command.task_id)
 
 
+async def _left_to_the_sweep(
+    earlier: Submission, submissions: Submissions, *, in_progress: bool, key: str
+) -> bool:
+    """Whether a replay may answer a submission left `accepting` as accepted: not while its
+    request may still run, and only once marked for the sweep, which another replica's
+    pending refusal then leaves alone (answered 200, the record was written off after all:
+    404, and the key free again; found in review)."""
+    if in_progress:
+        return False
+    try:
+        return await submissions.leave_to_the_sweep(earlier.task_id)
+    except DatabaseUnavailable as error:
+        raise ReplayUnfinished(key) from error
+
+
 def _may_be_in_progress(
     earlier: Submission, policy: SubmitPolicy, refusals: Refusals, now: datetime
 ) -> bool:
@@ -370,7 +385,9 @@ async def _earlier_submission(
         raise IdempotencyConflict(idempotency_key)  # at once, as for a batch
     if earlier is None:
         raise RequestInProgress(idempotency_key)  # discarded just now: the client may retry
-    if earlier.state is SubmissionState.ACCEPTING and in_progress(earlier):
+    if earlier.state is SubmissionState.ACCEPTING and not await _left_to_the_sweep(
+        earlier, submissions, in_progress=in_progress(earlier), key=idempotency_key
+    ):
         raise RequestInProgress(idempotency_key)
     return Submitted(
         earlier.task_id,

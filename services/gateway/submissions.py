@@ -576,6 +576,18 @@ class Submissions:
             {"_id": task_id, "tenant_id": tenant_id, "state": {"$ne": _ABANDONED}}
         )
 
+    async def cached_result(self, task_id: str, *, tenant_id: str) -> ScoreResult | None:
+        """The result-cache hit that answered the task, if one did: one read by `_id` of that
+        field alone (never the text)."""
+        try:
+            document = await self._collection.find_one(
+                {"_id": task_id, "tenant_id": tenant_id, "cached_result": {"$exists": True}},
+                projection={"cached_result": 1},
+            )
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+        return None if document is None else ScoreResult.model_validate(document["cached_result"])
+
     async def find_by_key(self, idempotency_key: str, *, tenant_id: str) -> Submission | None:
         return await self._find_one(
             {"tenant_id": tenant_id, "idempotency_key": string_key(idempotency_key)}

@@ -413,24 +413,48 @@ async def read_score(
     submissions: Submissions,
     clock: Clock,
     window: timedelta,
+    cache_window: timedelta | None = None,
 ) -> TaskView | None:
     """The task as the status service sees it, or as we recorded it if it has not yet heard.
 
     The fallback gives read-your-writes: a poll right after the 202 never answers 404. It is
     limited to young submissions, so a finished task that expired from the projection reads
-    as 404 rather than as queued again.
+    as 404 rather than as queued again. A young task the status service shows at its
+    acceptance may be a result-cache hit whose completion it has not applied
+    (`cache_window`, default `window`: until the outbox sweep has announced it again).
     """
     view = await status.find(task_id, tenant_id=tenant_id)
     now = clock()
-    if view is not None and not _may_await_a_cached_completion(view, now=now, window=window):
-        return view
-    submission = await submissions.find(task_id, tenant_id=tenant_id)
     if view is not None:
-        cached = submission is not None and submission.cached_result is not None
-        return _view_of_submission(submission, now) if submission and cached else view
+        young = cache_window or window
+        if not _may_await_a_cached_completion(view, now=now, window=young):
+            return view
+        return await _with_cached_completion(view, submissions, tenant_id=tenant_id)
+    submission = await submissions.find(task_id, tenant_id=tenant_id)
     if submission is None or not recently_due(submission, now=now, window=window):
         return None
     return _view_of_submission(submission, now)
+
+
+async def _with_cached_completion(
+    view: TaskView, submissions: Submissions, *, tenant_id: str
+) -> TaskView:
+    """The status service's view, completed by the cache hit that answered the task, if one
+    did. The gateway's own database away, the view is the answer: it was one before."""
+    try:
+        cached = await submissions.cached_result(view.task_id, tenant_id=tenant_id)
+    except DatabaseUnavailable as error:
+        log.warning("%s read without its submission: %r", view.task_id, error)
+        return view
+    if cached is None:
+        return view
+    return view.model_copy(
+        update={
+            "status": TaskStatus.COMPLETED,
+            "result": cached,
+            "sequence": CACHED_COMPLETION_SEQUENCE,
+        }
+    )
 
 
 def _may_await_a_cached_completion(view: TaskView, *, now: datetime, window: timedelta) -> bool:

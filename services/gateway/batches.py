@@ -652,7 +652,12 @@ async def _discard(
     assert refusal.batch_id is not None
     try:
         if not await batches.discard(refusal.batch_id):
-            log.warning("batch %s was accepted by a replay meanwhile; kept", refusal.batch_id)
+            log.warning(
+                "batch %s kept: accepted by a replay, or sent by the outbox sweep, meanwhile",
+                refusal.batch_id,
+            )
+            # Its items are scored, and each outcome would release its slot again.
+            await submissions.uncount(refusal.released.ids)
             return
         await submissions.discard_batch(refusal.batch_id)
     except DatabaseUnavailable:

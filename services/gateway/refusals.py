@@ -42,7 +42,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final, Protocol
@@ -169,6 +169,7 @@ class SlotReleaser(Protocol):
 
 class SubmissionTombstones(Protocol):
     async def abandon(self, task_ids: tuple[str, ...], *, now: datetime) -> None: ...
+    async def uncount(self, task_ids: Collection[str]) -> None: ...
 
 
 class BatchTombstones(Protocol):
@@ -203,6 +204,10 @@ async def write_off(
     task_ids = tuple(task_id for refusal in refused for task_id in refusal.task_ids)
     if task_ids:
         await submissions.abandon(task_ids, now=now)
+    # Kept after all, their items are scored, and each outcome would release its slot again.
+    kept = {task for refusal in pending if refusal not in refused for task in refusal.released.ids}
+    if kept:
+        await submissions.uncount(kept)
     for refusal in pending:
         refusals.written_off(refusal)
     return len(pending)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -570,6 +570,15 @@ class Submissions:
             update["$unset"] = {IN_FLIGHT_MARK: ""}
         if update:
             await self._update({"_id": task_id}, update)
+
+    async def uncount(self, task_ids: Collection[str]) -> None:
+        """Remove the in-flight mark of these submissions, whose slots a refusal released
+        though their batch was kept (a replay accepted it, or the outbox sweep sends it):
+        their outcomes then release nothing a second time."""
+        if task_ids:
+            await self._update_many(
+                {"_id": {"$in": sorted(task_ids)}}, {"$unset": {IN_FLIGHT_MARK: ""}}
+            )
 
     async def find(self, task_id: str, *, tenant_id: str) -> Submission | None:
         return await self._find_one(

@@ -195,10 +195,11 @@ async def _cancelled_with_its_batch(command: ScoreText, deps: ScorerDeps) -> Fin
             "%s: its batch's cancellation not applied at delivery: %r", command.task_id, error
         )
         return None
-    if not isinstance(outcome, Cancelled):
+    if not isinstance(outcome, Cancelled) or not outcome.recorded_now:
+        # Too late; or recorded before (by the item's own cancel, or a copy): the claim below
+        # meets it and carries it out, or drops it if its consumer published it already.
         return None
-    if outcome.recorded_now:  # not when the item's own cancel, or a copy, recorded it
-        deps.metrics.cancelled_at_delivery.inc()
+    deps.metrics.cancelled_at_delivery.inc()
     return outcome.decision
 
 

@@ -484,6 +484,28 @@ async def test_a_refused_batch_is_not_sent_by_a_sweep_while_its_slots_are_releas
     assert await in_flight.count(TENANT) == 0
 
 
+async def test_a_refused_batch_another_replica_sends_meanwhile_is_kept_and_uncounted(
+    gateway: Gateway,
+) -> None:
+    """The refusal outlasted the grace, and another replica's sweep (which holds nothing of
+    it) sent the items: the refusal keeps the batch rather than deleting the record of items
+    being scored (a replay with the key would have scored them twice), and removes their
+    in-flight marks, since it released their slots and each outcome would release it again
+    (found in review)."""
+    refusals = Refusals()
+    in_flight = SweepDuringRelease(gateway, Refusals())  # another replica's: holds nothing
+    await _refused_by_the_broker(gateway, refusals, in_flight)
+
+    assert in_flight.swept is not None
+    assert len(in_flight.swept) == 3
+    [batch] = await gateway.raw["batches"].find({}).to_list()
+    assert batch["state"] == "accepting"
+    items = await gateway.raw["submissions"].find({"batch_id": batch["_id"]}).to_list()
+    assert sorted(item["state"] for item in items) == ["accepted"] * 3
+    assert not any(item.get("in_flight") for item in items)
+    assert await in_flight.count(TENANT) == 0
+
+
 class SweepDuringWithdrawal(RefusingBatches):
     """The outbox sweep runs while the refused commands are withdrawn (a confirmed publish,
     up to `BROKER_TIMEOUT_S`)."""

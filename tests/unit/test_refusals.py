@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import UTC, datetime
 
 import pytest
@@ -40,6 +41,9 @@ class SubmissionTombstones:
 
     async def abandon(self, task_ids: tuple[str, ...], *, now: datetime) -> None:
         self.database._write("abandon", task_ids)
+
+    async def uncount(self, task_ids: Collection[str]) -> None:
+        self.database._write("uncount", tuple(sorted(task_ids)))
 
 
 class BatchTombstones:
@@ -137,6 +141,9 @@ async def test_the_submissions_of_a_batch_accepted_after_all_are_not_written_off
     refusals.note(Refusal("a", ("t3",)))
     assert await _write_off(refusals, database, accepted=frozenset({"b"})) == 2
     assert [subject for what, subject in database.writes if what == "abandon"] == [("t3",)]
+    # Its slots were released: its items' outcomes must not release them again (their
+    # in-flight marks go; found in review).
+    assert [subject for what, subject in database.writes if what == "uncount"] == [("t1", "t2")]
     assert refusals.pending() == []
 
 

@@ -626,8 +626,9 @@ class ModelCallsPaused(Contract):
     )
 
 
-# Items of one batch a broadcast of its cancellation names: the gateway's largest batch.
-MAX_BATCH_CANCEL_ITEMS = 1000
+# The most items a batch holds (`MAX_BATCH_ITEMS` may set fewer), and so the most a
+# broadcast of its cancellation names.
+MAX_BATCH_ITEMS = 1000
 
 
 class BatchCancelling(Contract):
@@ -643,7 +644,7 @@ class BatchCancelling(Contract):
     batch_id: str = Field(description="The batch cancelled.")
     requested_at: Instant = Field(description="When the client cancelled it.")
     generations: dict[str, Annotated[int, Field(ge=0, le=MAX_GENERATION)]] = Field(
-        max_length=MAX_BATCH_CANCEL_ITEMS,
+        max_length=MAX_BATCH_ITEMS,
         description="The generation being cancelled of each item (task id) not known finished.",
     )
 

@@ -70,6 +70,7 @@ from services.gateway.submissions import (
 )
 from services.gateway.submit import InFlightGate, counting
 from shared.contracts import (
+    MAX_BATCH_ITEMS,
     BatchItemProgress,
     BatchProgress,
     ScoreResult,
@@ -93,7 +94,6 @@ HOLD_CHECK_AT: Final = "hold_check_at"
 SWEPT: Final = "swept"
 HOLD_LEAD: Final = timedelta(hours=1)
 
-MAX_BATCH_ITEMS = 1000
 MAX_TEXT_CHARS_CONTEXT = "max_text_chars"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from services.gateway.keys import parse_key
-from shared.contracts import HEURISTIC_PROMPT_VERSION, known_rubric_version
+from shared.contracts import HEURISTIC_PROMPT_VERSION, MAX_BATCH_ITEMS, known_rubric_version
 from shared.settings import (
     DEFAULT_LLM_MODEL,
     MAX_DURATION_S,
@@ -74,7 +74,9 @@ class GatewaySettings(InternalApiSettings):
         default=10.0, gt=0, le=MAX_DURATION_S, validation_alias="OUTBOX_INTERVAL_S"
     )
     # Batches (`POST /v1/batches`): items per batch and the body limit of a batch request.
-    max_batch_items: int = Field(default=1000, ge=1, le=1000, validation_alias="MAX_BATCH_ITEMS")
+    max_batch_items: int = Field(
+        default=MAX_BATCH_ITEMS, ge=1, le=MAX_BATCH_ITEMS, validation_alias="MAX_BATCH_ITEMS"
+    )
     max_batch_body_bytes: int = Field(
         default=16 * 1_048_576, gt=0, validation_alias="MAX_BATCH_BODY_BYTES"
     )

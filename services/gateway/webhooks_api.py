@@ -209,7 +209,7 @@ def webhook_routes(notifier: NotifierClient, authenticated: Any) -> APIRouter:
         if asked_head_only(request):
             # A HEAD changes nothing: the GET creates the secret at its first read (found
             # in a walkthrough: a HEAD created it).
-            return Response(status_code=200, headers=NO_STORE)
+            return Response(status_code=200, headers=NO_STORE, media_type="application/json")
         try:
             return await notifier.signing_secret(caller.tenant_id)
         except NotifierUnavailable as error:

@@ -16,7 +16,6 @@ from pymongo.errors import BulkWriteError
 
 from services.gateway.api import in_progress_problem
 from services.gateway.batches import (
-    MAX_BATCH_ITEMS,
     MAX_TEXT_CHARS_CONTEXT,
     BatchMember,
     BatchPolicy,
@@ -37,6 +36,7 @@ from services.gateway.refusals import Refusals
 from services.gateway.schemas import EXPIRED, ScoreSubmission
 from services.gateway.submissions import BatchRow, _only_duplicate_ids
 from shared.contracts import (
+    MAX_BATCH_ITEMS,
     BatchItemProgress,
     BatchProgress,
     ScoreResult,

@@ -408,8 +408,4 @@ async def _read_score(task_id: str, caller: Caller, deps: GatewayDeps) -> TaskVi
         submissions=deps.submissions,
         clock=deps.clock,
         window=timedelta(seconds=deps.settings.read_your_writes_window_s),
-        # A cache hit's completion lost, the sweep's first pass after the grace sends it.
-        cache_window=timedelta(
-            seconds=deps.settings.outbox_grace_s + deps.settings.outbox_interval_s
-        ),
     )

@@ -656,8 +656,9 @@ async def _discard(
                 "batch %s kept: accepted by a replay, or sent by the outbox sweep, meanwhile",
                 refusal.batch_id,
             )
-            # Its items are scored, and each outcome would release its slot again.
-            await submissions.uncount(refusal.released.ids)
+            # Its items are scored, and each outcome would release a slot this refusal has
+            # released, or never took (a 429, an acquire never sent).
+            await submissions.uncount(refusal.task_ids)
             return
         await submissions.discard_batch(refusal.batch_id)
     except DatabaseUnavailable:

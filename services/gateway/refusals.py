@@ -204,10 +204,14 @@ async def write_off(
     task_ids = tuple(task_id for refusal in refused for task_id in refusal.task_ids)
     if task_ids:
         await submissions.abandon(task_ids, now=now)
-    # Kept after all, their items are scored, and each outcome would release its slot again.
-    kept = {task for refusal in pending if refusal not in refused for task in refusal.released.ids}
-    if kept:
-        await submissions.uncount(kept)
+    # Every slot of a request's own refusal is released by now, or was never taken (a 429, an
+    # acquire never sent): a submission of it kept after all (its batch accepted by a replay
+    # or sent by another replica's sweep, a single one left to the sweep by a replay) must
+    # not release one at its outcome. On a tombstone the write changes nothing. A replay's
+    # refusal is not the owner: its tasks' marks are their first request's.
+    owned = {task for refusal in pending if refusal.owns_batch for task in refusal.task_ids}
+    if owned:
+        await submissions.uncount(owned)
     for refusal in pending:
         refusals.written_off(refusal)
     return len(pending)

@@ -572,9 +572,9 @@ class Submissions:
             await self._update({"_id": task_id}, update)
 
     async def uncount(self, task_ids: Collection[str]) -> None:
-        """Remove the in-flight mark of these submissions, whose slots a refusal released
-        though their batch was kept (a replay accepted it, or the outbox sweep sends it):
-        their outcomes then release nothing a second time."""
+        """Remove the in-flight mark of these submissions, whose slots their refusal released
+        (or never took) though they were kept (a replay accepted their batch or left them to
+        the sweep, or the sweep sent them): their outcomes then release nothing."""
         if task_ids:
             await self._update_many(
                 {"_id": {"$in": sorted(task_ids)}}, {"$unset": {IN_FLIGHT_MARK: ""}}
@@ -590,7 +590,12 @@ class Submissions:
         field alone (never the text)."""
         try:
             document = await self._collection.find_one(
-                {"_id": task_id, "tenant_id": tenant_id, "cached_result": {"$exists": True}},
+                {
+                    "_id": task_id,
+                    "tenant_id": tenant_id,
+                    "state": {"$ne": _ABANDONED},
+                    "cached_result": {"$exists": True},
+                },
                 projection={"cached_result": 1},
             )
         except PyMongoError as error:

@@ -413,21 +413,20 @@ async def read_score(
     submissions: Submissions,
     clock: Clock,
     window: timedelta,
-    cache_window: timedelta | None = None,
 ) -> TaskView | None:
     """The task as the status service sees it, or as we recorded it if it has not yet heard.
 
     The fallback gives read-your-writes: a poll right after the 202 never answers 404. It is
     limited to young submissions, so a finished task that expired from the projection reads
-    as 404 rather than as queued again. A young task the status service shows at its
-    acceptance may be a result-cache hit whose completion it has not applied
-    (`cache_window`, default `window`: until the outbox sweep has announced it again).
+    as 404 rather than as queued again. A task the status service shows at its acceptance
+    within `window` may be a result-cache hit whose completion it has not applied (the
+    outbox sweep announces it again after `OUTBOX_GRACE_S`, later when the broker still
+    refuses it).
     """
     view = await status.find(task_id, tenant_id=tenant_id)
     now = clock()
     if view is not None:
-        young = cache_window or window
-        if not _may_await_a_cached_completion(view, now=now, window=young):
+        if not _may_await_a_cached_completion(view, now=now, window=window):
             return view
         return await _with_cached_completion(view, submissions, tenant_id=tenant_id)
     submission = await submissions.find(task_id, tenant_id=tenant_id)

@@ -29,7 +29,7 @@ from services.gateway.errors import (
     ReplayUnfinished,
     RequestInProgress,
 )
-from services.gateway.limits import InFlight
+from services.gateway.limits import InFlight, LimitExceeded
 from services.gateway.refusals import Refusal, Refusals, write_off
 from services.gateway.submissions import (
     BATCH_WRITE_CHUNK,
@@ -504,6 +504,47 @@ async def test_a_refused_batch_another_replica_sends_meanwhile_is_kept_and_uncou
     assert sorted(item["state"] for item in items) == ["accepted"] * 3
     assert not any(item.get("in_flight") for item in items)
     assert await in_flight.count(TENANT) == 0
+
+
+class FullWhileSwept(InFlight):
+    """The tenant's slots full (429), while another replica's sweep sends the batch."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        super().__init__(gateway.raw.client, gateway.name, max_per_tenant=100)
+        self.gateway = gateway
+        self.swept: list[str] = []
+
+    async def acquire(self, tenant_id: str, tasks: int) -> None:
+        self.swept = await _sent_by_sweeps(self.gateway, Refusals())
+        raise LimitExceeded("in_flight", "full", maximum=100, retry_after_s=1)
+
+
+async def test_a_batch_refused_429_and_kept_releases_no_slot_at_its_outcomes(
+    gateway: Gateway,
+) -> None:
+    """No slot was taken, yet its items were marked in flight at their insert: kept (sent
+    by another replica's sweep), each outcome released a slot never taken (found in
+    review)."""
+    in_flight = FullWhileSwept(gateway)
+    with pytest.raises(LimitExceeded):
+        await submit_batch(
+            _request(3),
+            tenant_id=TENANT,
+            api_key_id=None,
+            idempotency_key=None,
+            batches=gateway.batches,
+            submissions=gateway.submissions,
+            publisher=Recorded(),
+            policy=POLICY,
+            clock=lambda: T0,
+            refusals=Refusals(),
+            in_flight=in_flight,
+        )
+
+    assert len(in_flight.swept) == 3
+    items = await gateway.raw["submissions"].find({}).to_list()
+    assert [item["state"] for item in items] == ["accepted"] * 3
+    assert not any(item.get("in_flight") for item in items)
 
 
 class SweepDuringWithdrawal(RefusingBatches):

@@ -518,3 +518,43 @@ async def test_a_sweep_pass_started_during_a_refusal_does_not_send_it_once_it_is
     assert await gateway.submissions.interrupted(older_than=NOW + timedelta(days=2)) == []
     assert await gateway.raw["submissions"].count_documents({}) == 1  # the older one, sent
     assert refusals.pending() == []
+
+
+@pytest.mark.parametrize("counted", [True, False], ids=["slot-released", "slot-never-taken"])
+async def test_a_refused_submission_a_replay_left_to_the_sweep_releases_no_slot_at_its_outcome(
+    gateway: Gateway, counted: bool
+) -> None:
+    """Its refusal waits to be written off on one replica (its slot's release failed; or its
+    insert timed out and landed, no slot taken) when a replay on another, past the grace,
+    leaves it to the sweep: the tombstone is refused, the task is scored, and its outcome
+    released a slot that was released already, or never taken (found in review)."""
+    in_flight = InFlight(gateway.raw.client, gateway.name, max_per_tenant=1_000)
+    created = datetime.now(UTC) - timedelta(seconds=120)
+    command = ScoreText(task_id=new_id(), tenant_id="a", text="An essay.", submitted_at=created)
+    await gateway.submissions.insert(
+        command,
+        request_hash="h",
+        idempotency_key=f"k-{new_id()}",
+        retention=timedelta(days=1),
+        cache_key="c",
+        counted=True,
+    )
+    if counted:
+        await in_flight.acquire("a", 1)  # its slot
+    await in_flight.acquire("a", 1)  # another task's, still in flight
+    refusals = Refusals()
+    refusals.note(Refusal("a", (command.task_id,), counted=counted))
+    assert await gateway.submissions.leave_to_the_sweep(command.task_id)
+
+    await write_off(
+        refusals,
+        submissions=gateway.submissions,
+        batches=gateway.batches,
+        in_flight=in_flight,
+        now=datetime.now(UTC),
+    )
+
+    kept = await gateway.raw["submissions"].find_one({"_id": command.task_id})
+    assert kept["state"] == "unconfirmed"
+    assert "in_flight" not in kept  # its outcome releases nothing
+    assert await in_flight.count("a") == 1

@@ -11,8 +11,10 @@ from typing import Any
 
 import httpx
 import pytest
+from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import FakeLLM
+from services.scorer.attempts import PUBLISHED
 from shared.bus import publish_batch_cancelling, publish_cancel, publish_command
 from shared.contracts import (
     CANCELLED_CODE,
@@ -43,6 +45,21 @@ def _item(batch_id: str, index: int, *, generation: int = 0) -> tuple[ScoreText,
         generation=generation,
     )
     return command, marker
+
+
+async def _noted_published(setup: Any, mongo: Any, task_id: str) -> None:
+    """Wait for the cancel's consumer to note its cancellation published (after the event)."""
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
+    attempts = client[setup.settings.database_name("scorer")]["attempts"]
+
+    async def noted() -> bool:
+        held = await attempts.find_one({"_id": task_id}) or {}
+        return bool(held.get("decision", {}).get(PUBLISHED))
+
+    try:
+        await eventually(noted, what="the cancellation noted as published")
+    finally:
+        await client.close()
 
 
 async def _drops(scorer: httpx.AsyncClient) -> float:
@@ -130,6 +147,7 @@ async def test_an_item_cancelled_or_completed_already_is_carried_out_as_it_was_a
             await seen.next_of(completed.task_id, TaskCompleted)
             await publish_cancel(publisher, _own_cancel(cancelled), timeout=10)
             await seen.next_of(cancelled.task_id, TaskFailed)
+            await _noted_published(setup, mongo, cancelled.task_id)
             await publish_batch_cancelling(publisher, announcement, timeout=10)
 
             async def heard() -> bool:

@@ -57,7 +57,6 @@ async def _read(view: TaskView, submissions: CachedResults, *, now: datetime) ->
         submissions=cast(Submissions, submissions),
         clock=lambda: now,
         window=timedelta(seconds=300),
-        cache_window=timedelta(seconds=70),
     )
 
 
@@ -70,7 +69,7 @@ async def test_a_young_acceptance_answered_from_the_cache_reads_completed() -> N
 
 async def test_an_older_one_reads_nothing_more() -> None:
     submissions = CachedResults(RESULT)
-    view = await _read(_queued(T0), submissions, now=T0 + timedelta(seconds=71))
+    view = await _read(_queued(T0), submissions, now=T0 + timedelta(seconds=301))
     assert view == _queued(T0)
     assert submissions.reads == 0
 

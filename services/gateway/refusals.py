@@ -168,7 +168,7 @@ class SlotReleaser(Protocol):
 
 
 class SubmissionTombstones(Protocol):
-    async def abandon(self, task_ids: tuple[str, ...], *, now: datetime) -> None: ...
+    async def abandon(self, task_ids: tuple[str, ...], *, now: datetime) -> set[str]: ...
     async def uncount(self, task_ids: Collection[str]) -> None: ...
 
 
@@ -202,16 +202,21 @@ async def write_off(
     owners_first = sorted(pending, key=lambda refusal: not refusal.owns_batch)
     refused = [refusal for refusal in owners_first if await _stands(refusal, batches, now)]
     task_ids = tuple(task_id for refusal in refused for task_id in refusal.task_ids)
-    if task_ids:
-        await submissions.abandon(task_ids, now=now)
+    left = await submissions.abandon(task_ids, now=now) if task_ids else set()
     # Every slot of a request's own refusal is released by now, or was never taken (a 429, an
     # acquire never sent): a submission of it kept after all (its batch accepted by a replay
     # or sent by another replica's sweep, a single one left to the sweep by a replay) must
-    # not release one at its outcome. On a tombstone the write changes nothing. A replay's
-    # refusal is not the owner: its tasks' marks are their first request's.
-    owned = {task for refusal in pending if refusal.owns_batch for task in refusal.task_ids}
-    if owned:
-        await submissions.uncount(owned)
+    # not release one at its outcome. A tombstone keeps no mark; a replay's refusal is not
+    # the owner: its tasks' marks are their first request's.
+    kept = {
+        task
+        for refusal in pending
+        if refusal.owns_batch
+        for task in refusal.task_ids
+        if refusal not in refused or task in left
+    }
+    if kept:
+        await submissions.uncount(kept)
     for refusal in pending:
         refusals.written_off(refusal)
     return len(pending)

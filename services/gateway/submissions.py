@@ -203,6 +203,8 @@ CANCEL_FIELDS: Final = {
 # Set on a submission while it counts against its tenant's in-flight limit
 # (`services/gateway/limits.py`); removed once its outcome released the slot.
 IN_FLIGHT_MARK: Final = "in_flight"
+# Submissions uncounted by one write (`Submissions.uncount`).
+UNCOUNT_CHUNK: Final = 500
 # The model a submission's `cache_key` names, recorded with it (`Owner.cache_model`).
 CACHE_MODEL: Final = "cache_model"
 # What `Submissions.insert_batch` records of one item: its command, request hash, cache key
@@ -374,10 +376,11 @@ class Submissions:
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 
-    async def abandon(self, task_ids: tuple[str, ...], *, now: datetime) -> None:
+    async def abandon(self, task_ids: tuple[str, ...], *, now: datetime) -> set[str]:
         """Turn refused submissions into tombstones, whether or not their inserts landed yet
         (`services/gateway/refusals.py`): never sent, idempotency key freed, text dropped.
-        One upsert each, through the group writer (its round trips carry up to 500)."""
+        One upsert each, through the group writer (its round trips carry up to 500). The
+        ids of those kept instead (sent after all, or left to the sweep by a replay)."""
         outcomes = await asyncio.gather(
             *(self._abandon(task_id, now) for task_id in task_ids), return_exceptions=True
         )
@@ -386,11 +389,12 @@ class Submissions:
                 raise DatabaseUnavailable(str(outcome)) from outcome
             if isinstance(outcome, BaseException):
                 raise outcome
+        return {task_id for task_id, made in zip(task_ids, outcomes, strict=True) if not made}
 
-    async def _abandon(self, task_id: str, now: datetime) -> None:
+    async def _abandon(self, task_id: str, now: datetime) -> bool:
         # False: a record in another state, sent after all, which stays. The guarded upsert
         # tries twice: its insert also collides with the late insert landing at that moment.
-        await self._writes.guarded_upsert(*_tombstone(task_id, now))
+        return await self._writes.guarded_upsert(*_tombstone(task_id, now))
 
     async def mark_accepted(
         self, task_id: str, *, sent_at: datetime | None = None, retention: timedelta | None = None
@@ -575,9 +579,11 @@ class Submissions:
         """Remove the in-flight mark of these submissions, whose slots their refusal released
         (or never took) though they were kept (a replay accepted their batch or left them to
         the sweep, or the sweep sent them): their outcomes then release nothing."""
-        if task_ids:
+        ordered = sorted(task_ids)
+        for start in range(0, len(ordered), UNCOUNT_CHUNK):
             await self._update_many(
-                {"_id": {"$in": sorted(task_ids)}}, {"$unset": {IN_FLIGHT_MARK: ""}}
+                {"_id": {"$in": ordered[start : start + UNCOUNT_CHUNK]}},
+                {"$unset": {IN_FLIGHT_MARK: ""}},
             )
 
     async def find(self, task_id: str, *, tenant_id: str) -> Submission | None:

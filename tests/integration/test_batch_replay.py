@@ -468,7 +468,10 @@ class SweepDuringRelease(InFlight):
 
     async def release(self, tenant_id: str, task_id: str) -> None:
         if self.swept is None:
-            self.swept = await _sent_by_sweeps(*self._meanwhile)
+            # Set before the sweep: the releases of a chunk run together, and each ran a
+            # sweep of its own, the last to end overwriting what the others sent (a flake).
+            self.swept = []
+            self.swept += await _sent_by_sweeps(*self._meanwhile)
         await super().release(tenant_id, task_id)
 
 
@@ -738,11 +741,11 @@ class AbandonFailsOnce(WrittenOffMeanwhile):
 
     failures = 1
 
-    async def abandon(self, task_ids: tuple[str, ...], *, now: datetime) -> None:
+    async def abandon(self, task_ids: tuple[str, ...], *, now: datetime) -> set[str]:
         if self.failures:
             self.failures -= 1
             raise DatabaseUnavailable("timed out")
-        await super().abandon(task_ids, now=now)
+        return await super().abandon(task_ids, now=now)
 
 
 async def test_a_replay_that_cannot_forget_its_records_leaves_them_to_the_write_off(

@@ -36,11 +36,13 @@ class Database:
 
 
 class SubmissionTombstones:
-    def __init__(self, database: Database) -> None:
+    def __init__(self, database: Database, kept: frozenset[str] = frozenset()) -> None:
         self.database = database
+        self.kept = kept  # sent after all: no tombstone for them
 
-    async def abandon(self, task_ids: tuple[str, ...], *, now: datetime) -> None:
+    async def abandon(self, task_ids: tuple[str, ...], *, now: datetime) -> set[str]:
         self.database._write("abandon", task_ids)
+        return set(self.kept & set(task_ids))
 
     async def uncount(self, task_ids: Collection[str]) -> None:
         self.database._write("uncount", tuple(sorted(task_ids)))
@@ -129,9 +131,6 @@ async def test_slots_are_released_first_then_batches_then_submissions_in_one_wri
         ("abandon batch", "b"),
         ("abandon batch", "c"),
         ("abandon", ("t1", "t2", "t3")),
-        # Then every in-flight mark of the request's own tasks goes: a tombstone keeps none,
-        # a submission kept after all must release nothing at its outcome.
-        ("uncount", ("t1", "t2", "t3")),
     ]
     assert refusals.pending() == []
 
@@ -145,10 +144,26 @@ async def test_the_submissions_of_a_batch_accepted_after_all_are_not_written_off
     assert await _write_off(refusals, database, accepted=frozenset({"b"})) == 2
     assert [subject for what, subject in database.writes if what == "abandon"] == [("t3",)]
     # Its slots were released: its items' outcomes must not release them again (their
-    # in-flight marks go, found in review; t3's tombstone keeps none anyway).
+    # in-flight marks go, found in review; t3's tombstone keeps none).
     uncounted = [subject for what, subject in database.writes if what == "uncount"]
-    assert uncounted == [("t1", "t2", "t3")]
+    assert uncounted == [("t1", "t2")]
     assert refusals.pending() == []
+
+
+async def test_a_refused_submission_kept_after_all_loses_its_in_flight_mark() -> None:
+    """Its tombstone refused (a replay left it to the sweep): its slot released, its outcome
+    must not release it again; a tombstone keeps no mark to remove."""
+    refusals, database = Refusals(), Database()
+    refusals.note(Refusal("a", ("t1",), counted=True))
+    refusals.note(Refusal("a", ("t2",)))
+    await write_off(
+        refusals,
+        submissions=SubmissionTombstones(database, kept=frozenset({"t1"})),
+        batches=BatchTombstones(database),
+        in_flight=database,
+        now=NOW,
+    )
+    assert database.writes[-1] == ("uncount", ("t1",))
 
 
 async def test_a_replays_refusal_follows_its_batch_and_never_refuses_it() -> None:

@@ -74,6 +74,9 @@ QUOTED_CHARS = 300
 # What the gateway takes as an Idempotency-Key (`services.gateway.api.IDEMPOTENCY_KEY`), and
 # what an HTTP header can carry of a key at all: visible ASCII.
 IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
+# The most items any gateway takes in a batch (`shared.contracts.MAX_BATCH_ITEMS`, not
+# imported: the client loads none of the services' code); one set lower answers 422.
+MAX_BATCH_ITEMS = 1000
 VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 # Answers to poll again after (the gateway's Retry-After), not to give up on.
 RETRY_LATER = {429, 503}
@@ -564,7 +567,10 @@ def _batch_items(text: str) -> list[dict[str, Any]]:
     """The items of a JSON Lines file (blank lines skipped); exits 2 naming the first line
     that is not one."""
     items: list[dict[str, Any]] = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    # Lines end at "\n" alone: `splitlines` also broke at U+2028, U+2029 and U+0085, which
+    # JSON writes raw inside strings (found in a walkthrough).
+    lines = text.removeprefix("\ufeff").split("\n")
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
@@ -578,6 +584,8 @@ def _batch_items(text: str) -> list[dict[str, Any]]:
         items.append(item)
     if not items:
         _usage_error("no items: give one per line")
+    if len(items) > MAX_BATCH_ITEMS:
+        _usage_error(f"{len(items):,} items: a batch holds at most {MAX_BATCH_ITEMS:,}")
     return items
 
 

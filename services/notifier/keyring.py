@@ -15,6 +15,7 @@ from pymongo import AsyncMongoClient, ReturnDocument
 from pymongo.errors import DuplicateKeyError
 
 from services.notifier.signing import new_secret
+from shared.contracts import to_millis
 
 Document = dict[str, Any]
 
@@ -74,7 +75,8 @@ class Keyring:
         document = await self._secrets.find_one({"_id": tenant_id})
         if document is not None:
             return document
-        fresh = {"_id": tenant_id, "current": new_secret(), "created_at": now}
+        # At the database's precision: answered as stored, as every later read answers it.
+        fresh = {"_id": tenant_id, "current": new_secret(), "created_at": to_millis(now)}
         try:
             await self._secrets.insert_one(fresh)
         except DuplicateKeyError:  # another request created it first: theirs stands

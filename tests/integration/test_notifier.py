@@ -612,8 +612,11 @@ async def test_a_head_of_the_secret_creates_none_as_its_get_does(flow: Flow) -> 
     assert head.headers["cache-control"] == "no-store"
     assert head.content == b""
     assert await secrets.count_documents({}) == 0
-    await flow.secret()  # the GET creates it
+    first = await flow.api.get("/v1/webhooks/secret")  # the GET creates it
     assert await secrets.count_documents({}) == 1
+    again = await flow.api.get("/v1/webhooks/secret")
+    # As stored, to the millisecond: the first answer said the microseconds of its clock.
+    assert first.json()["created_at"] == again.json()["created_at"]
 
 
 async def test_a_rotated_secret_signs_alongside_the_previous_one(flow: Flow) -> None:

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from scorebox import cli
+from shared.contracts import MAX_BATCH_ITEMS
 from tests.unit import test_cli_cancel
 from tests.unit.cli_support import run_cli
 
@@ -161,3 +162,34 @@ def test_help_reflows_a_docstrings_lines(monkeypatch: pytest.MonkeyPatch) -> Non
     result = run_cli("submit", "--help")
 
     assert "or --wait runs out before the task finishes" in result.stdout
+
+
+def test_a_text_holding_a_unicode_line_separator_stays_one_item(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """JSON writes U+2028, U+2029 and U+0085 raw inside strings (jq does): split at them,
+    a valid line was refused as unterminated (found in a walkthrough). A BOM is skipped."""
+    seen = _gateway(monkeypatch, 202, BATCH)
+    lines = '\ufeff"a \u2029 paragraph"\n"a \u0085 next line"\r\n"a \u2028 line"\n'
+
+    result = run_cli("submit-batch", "-", input=lines.encode())
+
+    assert result.exit_code == 0, result.output
+    texts = [item["text"] for item in json.loads(seen[0].content)["items"]]
+    assert texts == ["a \u2029 paragraph", "a \u0085 next line", "a \u2028 line"]
+
+
+def test_more_items_than_any_gateway_takes_exit_2_and_send_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen = _gateway(monkeypatch, 202, BATCH)
+
+    result = run_cli("submit-batch", "-", input='"x"\n' * (cli.MAX_BATCH_ITEMS + 1))
+
+    assert result.exit_code == 2
+    assert "at most 1,000" in result.stderr
+    assert seen == []
+
+
+def test_the_clients_bound_is_the_gateways() -> None:
+    assert cli.MAX_BATCH_ITEMS == MAX_BATCH_ITEMS

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import SimpleNamespace
@@ -43,11 +44,15 @@ class UnreadableOnce:
         self.swept.set()
         return []
 
-    async def abandon(self, task_ids: tuple[str, ...], *, now: datetime) -> None:
+    async def abandon(self, task_ids: tuple[str, ...], *, now: datetime) -> set[str]:
         self.abandons += 1
         if self.abandons == 1:
             raise KeyError("state")
         self.abandoned.extend(task_ids)
+        return set()  # every tombstone applied
+
+    async def uncount(self, task_ids: Collection[str]) -> None:
+        """Nothing kept, nothing to uncount."""
 
 
 @dataclass

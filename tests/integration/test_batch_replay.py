@@ -399,19 +399,26 @@ async def _refused_by_the_broker(
 ) -> None:
     """A batch of 3, counted in flight, whose commands the broker refuses (503)."""
     with pytest.raises(BrokerUnavailable):
-        await submit_batch(
-            _request(3),
-            tenant_id=TENANT,
-            api_key_id=None,
-            idempotency_key=None,
-            batches=gateway.batches,
-            submissions=gateway.submissions,
-            publisher=publisher or RefusingBatches(),
-            policy=POLICY,
-            clock=lambda: T0,
-            refusals=refusals,
-            in_flight=in_flight,
-        )
+        await _submitted(gateway, refusals, in_flight, publisher or RefusingBatches())
+
+
+async def _submitted(
+    gateway: Gateway, refusals: Refusals, in_flight: InFlight, publisher: Recorded
+) -> None:
+    """A batch of 3, counted in flight, submitted at T0 without a key."""
+    await submit_batch(
+        _request(3),
+        tenant_id=TENANT,
+        api_key_id=None,
+        idempotency_key=None,
+        batches=gateway.batches,
+        submissions=gateway.submissions,
+        publisher=publisher,
+        policy=POLICY,
+        clock=lambda: T0,
+        refusals=refusals,
+        in_flight=in_flight,
+    )
 
 
 class SecondReleaseFails(InFlight):
@@ -530,19 +537,7 @@ async def test_a_batch_refused_429_and_kept_releases_no_slot_at_its_outcomes(
     review)."""
     in_flight = FullWhileSwept(gateway)
     with pytest.raises(LimitExceeded):
-        await submit_batch(
-            _request(3),
-            tenant_id=TENANT,
-            api_key_id=None,
-            idempotency_key=None,
-            batches=gateway.batches,
-            submissions=gateway.submissions,
-            publisher=Recorded(),
-            policy=POLICY,
-            clock=lambda: T0,
-            refusals=Refusals(),
-            in_flight=in_flight,
-        )
+        await _submitted(gateway, Refusals(), in_flight, Recorded())
 
     assert len(in_flight.swept) == 3
     items = await gateway.raw["submissions"].find({}).to_list()

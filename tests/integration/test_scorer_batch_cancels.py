@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from faststream.rabbit import RabbitBroker
 from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import FakeLLM
@@ -62,6 +63,18 @@ async def _noted_published(setup: Any, mongo: Any, task_id: str) -> None:
         await client.close()
 
 
+async def _heard(
+    publisher: RabbitBroker, scorer: httpx.AsyncClient, announcement: BatchCancelling
+) -> None:
+    """Announce the batch's cancellation and wait until the scorer holds it."""
+    await publish_batch_cancelling(publisher, announcement, timeout=10)
+
+    async def heard() -> bool:
+        return await _metric(scorer, "scorebox_scorer_batch_cancels_heard_total") == 1
+
+    await eventually(heard, what="the scorer heard the batch's cancellation")
+
+
 async def _drops(scorer: httpx.AsyncClient) -> float:
     answer = await scorer.get("/metrics")
     return metric_sum(answer.text, "scorebox_scorer_decisions_total", decision="drop")
@@ -95,12 +108,7 @@ async def test_the_items_a_batch_cancellation_names_are_cancelled_on_arrival_the
         async with publisher:
             await publisher.connect()
             await declare_topology(publisher)
-            await publish_batch_cancelling(publisher, announcement, timeout=10)
-
-            async def heard() -> bool:
-                return await _metric(scorer, "scorebox_scorer_batch_cancels_heard_total") == 1
-
-            await eventually(heard, what="the scorer heard the batch's cancellation")
+            await _heard(publisher, scorer, announcement)
             for command, _ in everything:
                 await publish_command(publisher, command, timeout=10)
 
@@ -148,12 +156,7 @@ async def test_an_item_cancelled_or_completed_already_is_carried_out_as_it_was_a
             await publish_cancel(publisher, _own_cancel(cancelled), timeout=10)
             await seen.next_of(cancelled.task_id, TaskFailed)
             await _noted_published(setup, mongo, cancelled.task_id)
-            await publish_batch_cancelling(publisher, announcement, timeout=10)
-
-            async def heard() -> bool:
-                return await _metric(scorer, "scorebox_scorer_batch_cancels_heard_total") == 1
-
-            await eventually(heard, what="the scorer heard the batch's cancellation")
+            await _heard(publisher, scorer, announcement)
             drops = await _drops(scorer)
             again = completed.model_copy(update={"message_id": new_id()})  # a stray copy
             for command in (cancelled, again):

@@ -258,16 +258,21 @@ async def test_a_status_other_than_the_clients_is_answered_at_once() -> None:
 
 
 async def _long_poll_waiting(
-    views: Views, live: LiveUpdates, *, known_status: TaskStatus, settle_s: float
+    views: Views,
+    live: LiveUpdates,
+    *,
+    known_status: TaskStatus,
+    settle_s: float,
+    wait_s: float = 60,
 ) -> asyncio.Task[TaskView | None]:
-    """A 60 s long-poll of task t1, once it waits for the task's next change."""
+    """A long-poll of task t1 (60 s by default), once it waits for the task's next change."""
     waiting = asyncio.create_task(
         read_when_changed(
             views,
             live=live,
             task_id="t1",
             tenant_id="a",
-            wait_s=60,
+            wait_s=wait_s,
             known_status=known_status,
             settle_s=settle_s,
         )
@@ -309,22 +314,9 @@ async def test_a_status_service_away_after_the_first_read_answers_the_view_held(
     goes on, and its end answers the view held."""
     live = LiveUpdates()
     views = FailingAfterFirst(_view(TaskStatus.QUEUED, 0))
-    waiting = asyncio.create_task(
-        read_when_changed(
-            views,
-            live=live,
-            task_id="t1",
-            tenant_id="a",
-            wait_s=1,
-            known_status=TaskStatus.QUEUED,
-            settle_s=0.2,
-        )
+    waiting = await _long_poll_waiting(
+        views, live, known_status=TaskStatus.QUEUED, settle_s=0.2, wait_s=1
     )
-
-    async def registered() -> bool:
-        return len(live) == 1
-
-    await eventually(registered, what="the long-poll waiting")
 
     live.deliver(_started())
     view = await asyncio.wait_for(waiting, 10)

@@ -15,8 +15,8 @@ projection all the same, from its copy of the command; the gateway's `score.with
 it again (`apply_withdrawal`).
 
 Batch progress: `task.accepted` (for a task sent now: read from its command) carries
-`batch_id`/`batch_index`, kept on the document and indexed, so a batch's counts are one
-aggregation and its items one keyset-paginated query.
+`batch_id`/`batch_index`, kept on the document and indexed, so a batch's counts and a page
+of its items, by `batch_index`, are one aggregation.
 
 A scheduled task reads `queued` once its `not_before` has come (`status_at`, at read time): no
 event says so (the command comes off the wait ladder to the scorer only, and a quick attempt
@@ -28,7 +28,6 @@ its `scheduled` change: no event made the other.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from datetime import datetime, timedelta
 from typing import Any, Final
 
@@ -360,33 +359,45 @@ async def find_batch(
 ) -> BatchProgress:
     """Counts per status of a batch's known tasks, and a page of them by `batch_index`.
 
-    A first page that holds every known task of the batch gives the counts itself: one query,
-    and counts that agree with the items (a second query could see a task change between
-    the two). A batch longer than its page is counted by an aggregation."""
+    One aggregation: each task is read once and both counted and, when on the page, listed,
+    so the counts agree with the items even while the batch's tasks change (two queries could
+    see a task change between them: a batch's cancel, read as it ran, answered items
+    cancelled that its counts still held queued)."""
     members = {"tenant_id": tenant_id, "batch_id": string_key(batch_id), **readable(now)}
-    page = (
-        tasks.find(
-            {**members, "batch_index": {"$gt": after}},
-            projection={"history": 0, "metadata": 0, "rubric": 0},
-        )
-        .sort("batch_index", ASCENDING)
-        .limit(limit)
+    counted_and_listed = await tasks.aggregate(
+        [
+            {"$match": members},
+            {"$project": dict.fromkeys(BATCH_ITEM_FIELDS, 1)},
+            {
+                "$facet": {
+                    "counts": [{"$group": {"_id": _status_expression(now), "count": {"$sum": 1}}}],
+                    "page": [
+                        {"$match": {"batch_index": {"$gt": after}}},
+                        {"$sort": {"batch_index": ASCENDING}},
+                        {"$limit": limit},
+                    ],
+                }
+            },
+        ]
     )
-    items = [_batch_item_of(document, now) async for document in page]
-    if after < 0 and len(items) < limit:
-        counts = dict(Counter(item.status for item in items))
-    else:
-        counts = await _counts_by_status(tasks, members, now)
-    return BatchProgress(batch_id=batch_id, counts=counts, items=items)
+    facets = await anext(counted_and_listed)
+    return BatchProgress(
+        batch_id=batch_id,
+        counts={TaskStatus(group["_id"]): group["count"] for group in facets["counts"]},
+        items=[_batch_item_of(document, now) for document in facets["page"]],
+    )
 
 
-async def _counts_by_status(
-    tasks: Tasks, members: Document, now: datetime
-) -> dict[TaskStatus, int]:
-    grouped = await tasks.aggregate(
-        [{"$match": members}, {"$group": {"_id": _status_expression(now), "count": {"$sum": 1}}}]
-    )
-    return {TaskStatus(group["_id"]): group["count"] async for group in grouped}
+# What a batch's page and counts read of each task (`_batch_item_of`, `status_at`).
+BATCH_ITEM_FIELDS = (
+    "batch_index",
+    "status",
+    "not_before",
+    "attempts",
+    "updated_at",
+    "result",
+    "error",
+)
 
 
 def status_at(document: Document, now: datetime) -> TaskStatus:

@@ -1,6 +1,6 @@
-"""A batch's progress (`find_batch`): a first page that holds the whole batch gives its counts
-from the items it read, in one query, so the two always agree; a batch longer than its page
-is counted by an aggregation, with the same answer."""
+"""A batch's progress (`find_batch`): its counts and a page of its items come from one
+aggregation, whichever the page, so the two always agree; a page that does not hold the
+whole batch counts the whole batch all the same."""
 
 from __future__ import annotations
 
@@ -66,15 +66,27 @@ async def _batch_of(tasks: AsyncCollection[Document], *, size: int, completed: i
     return batch_id
 
 
-async def test_a_batch_within_its_first_page_is_read_and_counted_in_one_query(
-    tasks: AsyncCollection[Document], reads: CommandCounter
+@pytest.mark.parametrize(("after", "limit"), [(-1, 10), (-1, 2), (0, 1)])
+async def test_a_batch_is_read_and_counted_in_one_query(
+    tasks: AsyncCollection[Document], reads: CommandCounter, after: int, limit: int
 ) -> None:
+    """Counts and items from one read, whether the page holds the whole batch or not."""
     batch_id = await _batch_of(tasks, size=3, completed=2)
     reads.sent = 0
     batch = await find_batch(
-        batch_id, tenant_id="acme", after=-1, limit=10, tasks=tasks, now=utcnow()
+        batch_id, tenant_id="acme", after=after, limit=limit, tasks=tasks, now=utcnow()
     )
     assert reads.sent == 1
+    assert batch.counts == {TaskStatus.COMPLETED: 2, TaskStatus.QUEUED: 1}
+
+
+async def test_a_batch_within_its_first_page_is_listed_in_order(
+    tasks: AsyncCollection[Document],
+) -> None:
+    batch_id = await _batch_of(tasks, size=3, completed=2)
+    batch = await find_batch(
+        batch_id, tenant_id="acme", after=-1, limit=10, tasks=tasks, now=utcnow()
+    )
     assert batch.counts == {TaskStatus.COMPLETED: 2, TaskStatus.QUEUED: 1}
     assert [item.status for item in batch.items] == [
         TaskStatus.COMPLETED,

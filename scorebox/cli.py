@@ -641,6 +641,8 @@ def _exit_on_missed(replay: dict[str, Any], *, drop_command: str, replay_all: bo
     _note_truncated(replay, "letters past it were not looked at: run again to reach them")
     if replay.get("timed_out") is True:
         typer.echo(f"timed out: {REPLAY_STOPPED}; run it again for the rest", err=True)
+    if isinstance(interrupted := replay.get("interrupted"), str):
+        typer.echo(f"interrupted: {interrupted} Run it again for the rest.", err=True)
     if replay.get("superseded"):
         typer.echo(
             f"superseded by a later generation, removed: {' '.join(replay['superseded'])}",
@@ -663,12 +665,19 @@ def _exit_on_missed(replay: dict[str, Any], *, drop_command: str, replay_all: bo
 
 
 def _stopped_short(replay: dict[str, Any]) -> bool:
-    """The replay left letters it did not look at: its walk's bound, or its time budget."""
-    return replay.get("truncated") is True or replay.get("timed_out") is True
+    """The replay left letters it did not look at: its walk's bound, its time budget, or the
+    broker or the database failing part-way."""
+    return (
+        replay.get("truncated") is True
+        or replay.get("timed_out") is True
+        or isinstance(replay.get("interrupted"), str)
+    )
 
 
 def _not_reached_why(replay: dict[str, Any]) -> str:
     """What the ids a replay did not reach wait for: a walk cut short, or its time budget."""
+    if isinstance(replay.get("interrupted"), str) and replay.get("truncated") is not True:
+        return "not replayed yet (the replay was interrupted: run it again)"
     if replay.get("truncated") is not True:
         return "not replayed yet (the replay ran out of time: run it again)"
     ran_out = "; or the replay ran out of time: run it again" if replay.get("timed_out") else ""

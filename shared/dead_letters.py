@@ -400,11 +400,20 @@ class DeadLetterWalker:
         return await self.drop(lambda _: True, cut_off=cut_off)
 
     async def purge(self) -> int:
-        """Delete every letter not held by a walk; the number deleted."""
-        async with own_channel(self._broker, timeout_s=self._timeout_s, what=self._name) as channel:
-            async with asyncio.timeout(self._timeout_s):
-                queue = await channel.get_queue(self._name, ensure=False)
-                result = await queue.purge(timeout=self._timeout_s)
+        """Delete every letter not held by a walk; the number deleted. It takes its turn
+        after this walker's walks: `queue.purge` skips the letters a walk holds (every one
+        of the queue's, up to its bound), and a purge during a listing or a replay answered
+        200 with those letters left, back in the queue when the walk ended."""
+        await self._take_turn(None)
+        try:
+            async with own_channel(
+                self._broker, timeout_s=self._timeout_s, what=self._name
+            ) as channel:
+                async with asyncio.timeout(self._timeout_s):
+                    queue = await channel.get_queue(self._name, ensure=False)
+                    result = await queue.purge(timeout=self._timeout_s)
+        finally:
+            self._walking.release()
         return int(result.message_count or 0)
 
 

@@ -261,7 +261,10 @@ def install_problem_handlers(app: FastAPI) -> None:
 def _document_validation_problems(app: FastAPI) -> None:
     """The OpenAPI document shows the 422 the service sends: FastAPI documents its own
     `HTTPValidationError` (`detail: [{loc, msg, type}]`, `application/json`), which no route
-    answers here (`on_validation` makes it problem+json with `errors: [{field, message}]`)."""
+    answers here (`on_validation` makes it problem+json with `errors: [{field, message}]`),
+    and only on a route that has parameters, though every route refuses a query parameter
+    it does not take (`shared.query_parameters`). And every operation documents the 500
+    every route may answer (`SERVER_PROBLEM`), unless it documents its own."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -270,9 +273,11 @@ def _document_validation_problems(app: FastAPI) -> None:
         schema = build()
         for operations in schema.get("paths", {}).values():
             for operation in operations.values():
-                responses = operation.get("responses", {})
+                responses = operation.setdefault("responses", {})
                 if "HTTPValidationError" in str(responses.get("422", "")):
                     responses["422"] = VALIDATION_PROBLEM
+                responses.setdefault("422", VALIDATION_PROBLEM)
+                responses.setdefault("500", SERVER_PROBLEM)
         schemas = schema.get("components", {}).get("schemas", {})
         for unused in ("HTTPValidationError", "ValidationError"):
             schemas.pop(unused, None)
@@ -342,6 +347,14 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """The `responses` of a route (or router) for the problem+json answers of `statuses`."""
     return {status: problem(status) for status in statuses}
 
+
+# The 500 any route may answer: an error of ours, or the database refusing an operation for
+# good (`database_refused`; a read, or the lookup of a key, may meet it too).
+SERVER_PROBLEM = problem(
+    500,
+    "An unexpected error (`internal-server-error`, logged), or `database-refused`: the "
+    "database refused an operation for good (a missing privilege, say); no Retry-After.",
+)
 
 # The 500 of `database_refused`, for the `responses` of a route whose write the database may
 # refuse for good (no `Retry-After`: retrying meets the same refusal).

@@ -10,8 +10,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictBool, model_validator
 
-from services.gateway.deadletters import DeadLetter, DeadLetterQueue, ShownLetter, Walk
-from services.gateway.errors import DatabaseUnavailable, Unavailable, refused_for_good
+from services.gateway.deadletters import (
+    DeadLetter,
+    DeadLetterQueue,
+    ShownLetter,
+    Walk,
+    unavailable_detail,
+)
+from services.gateway.errors import Unavailable, refused_for_good
 from services.gateway.keys_api import ADMIN_BODY_LIMIT
 from shared.bodies import json_body, read_model
 from shared.bus import BROKER_ERRORS
@@ -91,6 +97,13 @@ class ReplayReport(BaseModel):
         default=False,
         description=f"The replay stopped at its {REPLAY_BUDGET_S:.0f} s budget with letters it "
         "had matched left in the queue: ask again for the rest.",
+    )
+    interrupted: str | None = Field(
+        default=None,
+        description="Why the replay stopped early, null when it did not: the broker or the "
+        "database failed after some letters were handled (those above). The letters it "
+        "matched and did not handle are left in the queue, their ids `not_reached`: ask "
+        "again shortly for the rest. (A failure before any letter was handled answers 503.)",
     )
 
 
@@ -222,16 +235,15 @@ def _unseen(walk: Walk) -> str:
 @contextlib.contextmanager
 def _broker_away_is_503() -> Iterator[None]:
     """The broker (or, for a replay, the database) away, blocked or refusing: a 503 to retry,
-    not a 500. A replay cut short has sent some letters (each acked once its command was
-    confirmed) and left the rest."""
+    not a 500. A replay raises it only before it handled any letter (a failure after that
+    ends it with what it did, `interrupted`)."""
     try:
         yield
     except (*BROKER_ERRORS, Unavailable) as error:
         if refused_for_good(error):
             raise database_refused(error) from error
-        away = "The database" if isinstance(error, DatabaseUnavailable) else "The broker"
         raise Problem(
             503,
-            f"{away} is unavailable ({type(error).__name__}); try again shortly.",
+            unavailable_detail(error),
             headers={"Retry-After": "5"},
         ) from error

@@ -24,12 +24,15 @@ from datetime import datetime
 from typing import Any
 
 import orjson
+import pydantic_core
 from aio_pika.abc import AbstractIncomingMessage
 from faststream.rabbit import RabbitBroker
 from pydantic import ValidationError
 
+from services.gateway.errors import DatabaseUnavailable, Unavailable
 from services.gateway.rescore import Resubmitter
 from services.gateway.submissions import ReplayRefused, Submissions
+from shared.bus import BROKER_ERRORS
 from shared.contracts import ScoreText, new_id
 from shared.dead_letters import (
     MAX_WALK_BYTES,
@@ -65,12 +68,19 @@ class DeadLetter:
 
 
 def describe(message: AbstractIncomingMessage, now: datetime) -> DeadLetter:
+    return described(message, now)[0]
+
+
+def described(
+    message: AbstractIncomingMessage, now: datetime
+) -> tuple[DeadLetter, ScoreText | None]:
+    """The letter as a listing shows it, and the command it holds (None: unreadable)."""
     headers = dict(message.headers)
     command: ScoreText | None = None
     with contextlib.suppress(ValidationError):
         command = ScoreText.model_validate_json(message.body)
     when = dead_lettered_at(message, now)
-    return DeadLetter(
+    letter = DeadLetter(
         message_id=letter_id(message),
         task_id=command.task_id if command else message.correlation_id,
         tenant_id=command.tenant_id if command else None,
@@ -81,6 +91,7 @@ def describe(message: AbstractIncomingMessage, now: datetime) -> DeadLetter:
         age_s=(now - when).total_seconds() if when else None,
         body_preview=message.body[:200].decode("utf-8", "replace"),
     )
+    return letter, command
 
 
 @dataclass(frozen=True)
@@ -93,11 +104,16 @@ class ShownLetter:
 
 
 def readable_body(body: bytes) -> Any:
-    """A letter's body as JSON when it is JSON, else as text (undecodable bytes replaced)."""
+    """A letter's body as JSON when it is JSON the answer can hold, else as text (undecodable
+    bytes replaced). JSON nested deeper than the answer's serializer goes (about 250 levels:
+    orjson reads 1,024) is shown as text: as JSON, showing it was a 500, and an unreadable
+    body from a foreign or faulty producer is what the scorer dead-letters."""
     try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError:
+        parsed = orjson.loads(body)
+        pydantic_core.to_json([parsed])  # one level down, as the answer holds it
+    except (orjson.JSONDecodeError, pydantic_core.PydanticSerializationError):
         return body.decode("utf-8", "replace")
+    return parsed
 
 
 @dataclass(frozen=True)
@@ -121,6 +137,46 @@ class Replay:
     timed_out: bool = False  # the budget ran out with letters matched and left
     # Task ids of letters a later generation superseded, removed unsent (one per letter).
     superseded: list[str] = field(default_factory=list)
+    # Why the replay stopped before the letters `not_reached`: the broker or the database
+    # failed once some were handled (what was done is above).
+    interrupted: str | None = None
+
+
+@dataclass
+class _ReplayTally:
+    """What a replay did so far, and the letters it left: by (task, generation), for a
+    letter left is done when a copy of it (the same task and generation) was replayed or
+    superseded, and not when another generation's letter of its task was (a re-score's
+    letter beside the one it superseded)."""
+
+    replayed: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    superseded: list[str] = field(default_factory=list)
+    found: set[str] = field(default_factory=set)
+    interrupted: str | None = None
+    _handled: set[tuple[str, int]] = field(default_factory=set)
+    _left: list[tuple[set[str], tuple[str, int]]] = field(default_factory=list)
+
+    @property
+    def acted(self) -> bool:
+        return bool(self.replayed or self.superseded)
+
+    def done(self, command: ScoreText, *, sent: bool) -> None:
+        (self.replayed if sent else self.superseded).append(command.task_id)
+        self._handled.add((command.task_id, command.generation))
+
+    def leave(self, keys: set[str], command: ScoreText) -> None:
+        self._left.append((keys, (command.task_id, command.generation)))
+
+    def left_unhandled(self) -> set[str]:
+        """The ids of the letters left whose copies were not handled either."""
+        return {key for keys, copy in self._left if copy not in self._handled for key in keys}
+
+
+def unavailable_detail(error: BaseException) -> str:
+    """What a broker or database failure tells an operator, as a 503 says it."""
+    away = "The database" if isinstance(error, DatabaseUnavailable) else "The broker"
+    return f"{away} is unavailable ({type(error).__name__}); try again shortly."
 
 
 def _oldest_first(letter: DeadLetter) -> tuple[bool, datetime]:
@@ -182,10 +238,16 @@ class DeadLetterQueue:
 
     async def replay(self, ids: Collection[str] | None) -> Replay:
         """Replay the dead letters named by `ids` (all when None), for up to the replay's
-        budget (`REPLAY_BUDGET_S`, its turn and the walk included): the letters matched
-        then are left as they are and reported (`timed_out`; the ids they hold
+        budget (`REPLAY_BUDGET_S`, its turn and the walk included): the letters
+        matched then are left as they are and reported (`timed_out`; the ids they hold
         `not_reached`), so the answer comes within a client's timeout. A letter a later
         generation superseded is removed unsent (`superseded`).
+
+        The broker or the database failing once letters were replayed or removed stops the
+        replay there, the rest left as the budget leaves them (`interrupted` says why): a
+        503 would have hidden what was done, and the retry it asks for found those letters
+        gone (`not_found`). Failing before anything was done, it raises (a 503: nothing
+        changed).
 
         Matched as a set: looked up in a list, 10,000 ids against 10,000 letters were 10^8
         string comparisons on the event loop, every request of the replica stalled meanwhile.
@@ -193,46 +255,45 @@ class DeadLetterQueue:
         loop = asyncio.get_running_loop()
         stop_at = loop.time() + self._replay_budget_s
         wanted = None if ids is None else frozenset(ids)
-        replayed: list[str] = []
-        skipped: list[str] = []
-        superseded: list[str] = []
-        found: set[str] = set()
-        left: set[str] = set()  # ids of letters matched once the budget was spent
+        tally = _ReplayTally()
         now = self._clock()
         async with self._dlq.walk(deadline=stop_at) as held:
             for message in held:
-                letter = describe(message, now)
+                letter, command = described(message, now)
                 if wanted is not None and not letter.matches(wanted):
                     continue
                 keys = {key for key in (letter.message_id, letter.task_id) if key}
-                found.update(keys)
+                tally.found.update(keys)
+                if command is None:
+                    tally.skipped.append(letter.message_id)
+                    continue
                 # Any letter tried counts: a superseded one costs round trips too.
-                if (replayed or superseded) and loop.time() >= stop_at:
-                    left.update(keys)
+                if tally.interrupted or (tally.acted and loop.time() >= stop_at):
+                    tally.leave(keys, command)
                     continue
                 try:
-                    command = ScoreText.model_validate_json(message.body)
-                except ValidationError:
-                    skipped.append(letter.message_id)
+                    sent = await self._resubmit(command)
+                    await self._dlq.remove(message)  # superseded: obsolete, as a drop removes
+                except (*BROKER_ERRORS, Unavailable) as error:
+                    if not tally.acted:
+                        raise
+                    tally.interrupted = unavailable_detail(error)
+                    tally.leave(keys, command)
                     continue
-                sent = await self._resubmit(command)
-                await self._dlq.remove(message)  # superseded: obsolete, removed as a drop does
-                if sent:
-                    replayed.append(command.task_id)
-                else:
-                    superseded.append(command.task_id)
-        left -= {*replayed, *superseded}  # another copy of a task replayed or superseded: done
+                tally.done(command, sent=sent)
+        left = tally.left_unhandled()
         not_found, not_reached = unmatched(
-            ids or [], found, truncated=held.truncated or held.timed_out, left=left
+            ids or [], tally.found, truncated=held.truncated or held.timed_out, left=left
         )
         return Replay(
-            replayed,
-            skipped,
+            tally.replayed,
+            tally.skipped,
             not_found,
             not_reached,
             truncated=held.truncated,
-            timed_out=held.timed_out or bool(left),
-            superseded=superseded,
+            timed_out=held.timed_out or (bool(left) and tally.interrupted is None),
+            superseded=tally.superseded,
+            interrupted=tally.interrupted,
         )
 
     async def drop(self, letter_id: str, *, cut_off: CutOff | None = None) -> Dropped:

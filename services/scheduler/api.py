@@ -448,6 +448,14 @@ class CronReplayReport(_Out):
         description=f"The replay stopped at its {REPLAY_BUDGET_S:.0f} s budget with letters "
         "it had chosen left in the queue: ask again for the rest.",
     )
+    interrupted: str | None = Field(
+        default=None,
+        description="Why the replay stopped early, null when it did not: the broker or the "
+        "database failed, or the job was triggered too often, after some letters were "
+        "replayed (those in `replayed`). The letters it chose and did not replay are left in "
+        "the queue, their run ids `not_reached` when asked for: ask again shortly for the "
+        "rest. (Such a failure before any letter was replayed answers 503, or 429.)",
+    )
 
 
 class CronDropReport(_Out):
@@ -546,6 +554,7 @@ def cron_dead_letter_routes(
             not_reached=replay.not_reached,
             truncated=replay.truncated,
             timed_out=replay.timed_out,
+            interrupted=replay.interrupted,
         )
 
     @router.delete(
@@ -583,9 +592,9 @@ def cron_dead_letter_routes(
 
 @contextlib.contextmanager
 def _broker_away_is_503() -> Iterator[None]:
-    """The broker away, blocked or refusing a run: a 503 to retry. A replay cut short has
-    sent some letters (each acked once its run was confirmed) and kept the rest; asked
-    again, it does not run a replayed run twice."""
+    """The broker away, blocked or refusing a run: a 503 to retry. A replay raises it only
+    before it replayed any letter (a failure after that ends it with what it did,
+    `interrupted`); asked again, it does not run a replayed run twice."""
     try:
         yield
     except (*BROKER_ERRORS, DispatchFailed) as error:

@@ -35,11 +35,18 @@ from datetime import datetime
 
 from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
+from pymongo.errors import PyMongoError
 
-from services.scheduler.errors import ReplayRefused, RunInProgress
+from services.scheduler.errors import (
+    DispatchFailed,
+    ReplayRefused,
+    RunInProgress,
+    TriggeredTooOften,
+)
 from services.scheduler.firings import Firing, LeaseTaken
 from services.scheduler.jobs import Clock
 from services.scheduler.schedule import JobCatalog
+from shared.bus import BROKER_ERRORS
 from shared.contracts import RunCronJob
 from shared.dead_letters import (
     REPLAY_BUDGET_S,
@@ -138,6 +145,22 @@ class CronReplay:
     not_reached: list[str] = field(default_factory=list)
     truncated: bool = False  # the walk stopped with letters left behind it
     timed_out: bool = False  # the budget ran out with letters chosen and left
+    # Why the replay stopped before the letters left (their runs asked for `not_reached`):
+    # the broker or the database failed, or the job was triggered too often, once some
+    # letters were replayed (those in `replayed`).
+    interrupted: str | None = None
+
+
+# What ends a replay part-way once it replayed a letter (raised before that).
+INTERRUPTIONS = (*BROKER_ERRORS, DispatchFailed, TriggeredTooOften, PyMongoError)
+
+
+def interruption(error: BaseException) -> str:
+    """What stopped a replay, as the 503 or the 429 it would have answered says it."""
+    if isinstance(error, DispatchFailed | TriggeredTooOften):
+        return f"{str(error).rstrip('.;')}; try again shortly."
+    away = "The database" if isinstance(error, PyMongoError) else "The broker"
+    return f"{away} is unavailable ({type(error).__name__}); try again shortly."
 
 
 class CronDeadLetters:
@@ -171,8 +194,10 @@ class CronDeadLetters:
         Raises `ReplayRefused` before anything is sent when one of the runs asked for by id
         names a job no longer configured, or one its settings leave unable to run; replaying
         all skips (and keeps) those letters, so one retired job does not hold back the
-        others. The errors of `fire_replay` otherwise
-        (letters replayed before the error have left the DLQ, the others are kept)."""
+        others. The errors of `fire_replay` (`INTERRUPTIONS`) raise when no letter was
+        replayed yet; after one was, they end the replay with what it did, the letters left
+        kept and reported as the budget's are (`interrupted` says why): raised, a 503 hid the
+        runs started, and the retry it asked for found their letters gone (`not_found`)."""
         loop = asyncio.get_running_loop()
         stop_at = loop.time() + self._replay_budget_s
         left: set[str] = set()  # runs whose letters the budget left
@@ -184,6 +209,7 @@ class CronDeadLetters:
         unreadable: list[str] = []
         found: set[str] = set()
         in_progress: list[str] = []
+        interrupted: str | None = None
         async with self._dlq.walk(deadline=stop_at) as held:
             chosen: list[tuple[AbstractIncomingMessage, RunCronJob]] = []
             for message in sorted(held, key=lambda m: oldest_first(dead_lettered_at(m, now))):
@@ -209,10 +235,17 @@ class CronDeadLetters:
                     break
                 try:
                     firing, started_now = await self._replay_run(command)
+                    await self._dlq.remove(message)
                 except (RunInProgress, LeaseTaken):  # its lease changing hands: in progress
                     in_progress.append(command.run_id)
                     continue
-                await self._dlq.remove(message)
+                except INTERRUPTIONS as error:
+                    if not replayed:
+                        raise
+                    interrupted = interruption(error)
+                    done = {letter.dead_run_id for letter in replayed}
+                    left = {c.run_id for _, c in chosen[index:]} - done - set(in_progress)
+                    break
                 replayed.append(ReplayedLetter(command.run_id, command.job, firing, started_now))
         not_found, not_reached = unmatched(
             run_ids or [], found, truncated=held.truncated or held.timed_out, left=left
@@ -225,7 +258,8 @@ class CronDeadLetters:
             in_progress,
             not_reached=not_reached,
             truncated=held.truncated,
-            timed_out=held.timed_out or bool(left),
+            timed_out=held.timed_out or (bool(left) and interrupted is None),
+            interrupted=interrupted,
         )
 
     async def drop(self, run_id: str, *, cut_off: CutOff | None = None) -> Dropped:

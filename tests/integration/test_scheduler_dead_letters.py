@@ -26,7 +26,7 @@ from pydantic import SecretStr
 
 from services.scheduler.api import cron_dead_letter_routes
 from services.scheduler.config import parse_config
-from services.scheduler.dead_letters import CronDeadLetters
+from services.scheduler.dead_letters import CronDeadLetters, ReplayRun
 from services.scheduler.dispatcher import fire_replay
 from services.scheduler.errors import DispatchFailed, PermanentJobError
 from services.scheduler.firings import Firing, Firings
@@ -453,18 +453,19 @@ async def test_dropping_an_unknown_run_is_a_404_and_changes_nothing(env: Env) ->
 
 @asynccontextmanager
 async def _walking_part_of_the_queue(
-    env: Env, *, max_bytes: int
+    env: Env, *, max_bytes: int, failing_after: int | None = None
 ) -> AsyncIterator[httpx.AsyncClient]:
     """The cron dead-letter routes over a walk of `max_bytes` of letter bodies (the
     scheduler's own walks the service's bound), replaying as the scheduler does; the job may
-    overlap itself, so that every letter reached is replayed."""
+    overlap itself, so that every letter reached is replayed. Given `failing_after`, the
+    replays after that many fail as a broker refusing the run's publish does."""
     firings = Firings(env.mongo, env.database)
     await firings.ensure_indexes()
     jobs = JobCatalog.from_config(OVERLAPPING.jobs)
     broker = make_broker(env.settings())
     async with broker:
         await broker.connect()
-        replay_run = partial(
+        replay_run: ReplayRun = partial(
             fire_replay,
             jobs=jobs,
             firings=firings,
@@ -472,6 +473,8 @@ async def _walking_part_of_the_queue(
             clock=env.clock,
             owner="bounded",
         )
+        if failing_after is not None:
+            replay_run = _failing_after(replay_run, failing_after)
         walker = DeadLetterWalker(broker, CRON_JOBS, timeout_s=10, max_bytes=max_bytes)
         dead_letters = CronDeadLetters(walker, jobs=jobs, replay_run=replay_run, clock=env.clock)
         app = FastAPI(dependencies=[only_known_query_parameters()])  # as the services'
@@ -482,6 +485,49 @@ async def _walking_part_of_the_queue(
         async with running(app) as api:
             api.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
             yield api
+
+
+def _failing_after(replay_run: ReplayRun, replays: int) -> ReplayRun:
+    done = 0
+
+    async def replay(run: RunCronJob) -> tuple[Firing, bool]:
+        nonlocal done
+        if done == replays:
+            raise DispatchFailed("run not published: the broker did not confirm it")
+        done += 1
+        return await replay_run(run)
+
+    return replay
+
+
+async def test_a_replay_the_broker_fails_part_way_reports_what_it_did_and_what_it_left(
+    env: Env,
+) -> None:
+    """It answered 503 though a run had been replayed and its letter removed: the retry
+    the 503 asked for reported that run `not_found`."""
+    await drain(env.amqp_url, DLQ)
+    runs = [_dead_run() for _ in range(3)]
+    for run in runs:
+        await _dead_letter(env, run)
+    asked = [run.run_id for run in runs]
+    everything = 10 * _three_of_five_letters()
+    async with _walking_part_of_the_queue(env, max_bytes=everything, failing_after=1) as api:
+        answer = await api.post(REPLAY, json={"run_ids": asked})
+        assert answer.status_code == 200, answer.text
+        report = answer.json()
+        assert [letter["dead_run_id"] for letter in report["replayed"]] == asked[:1]
+        assert sorted(report["not_reached"]) == sorted(asked[1:])
+        assert (report["not_found"], report["timed_out"]) == ([], False)
+        assert report["interrupted"] == (
+            "run not published: the broker did not confirm it; try again shortly."
+        )
+        assert await _depth(env.amqp_url) == 2
+    async with _walking_part_of_the_queue(env, max_bytes=everything, failing_after=0) as api:
+        problem = _assert_problem(await api.post(REPLAY, json={"run_ids": asked}), 503)
+    assert "did not confirm" in problem["detail"]
+    assert await _depth(env.amqp_url) == 2  # failing before any replay: nothing changed
+    await drain(env.amqp_url, CRON_JOBS.name)
+    await drain(env.amqp_url, DLQ)
 
 
 def _three_of_five_letters() -> int:

@@ -301,6 +301,37 @@ def test_a_replay_out_of_time_says_to_run_it_again_not_to_replay_letters_before(
     assert WALK_STOPPED not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("command", "path"),
+    [(("dlq", "replay"), LETTERS), (("cron", "dlq", "replay"), CRON_LETTERS)],
+)
+@pytest.mark.parametrize("asked", [("w", "x"), ("--all",)], ids=["by-ids", "all"])
+def test_a_replay_interrupted_says_why_and_exits_1(
+    server: FakeServer, command: tuple[str, ...], path: str, asked: tuple[str, ...]
+) -> None:
+    """The broker failed after one letter was replayed: the rest are left, and a script
+    must not take the replay for done."""
+    why = "The broker is unavailable (PublishUnconfirmed); try again shortly."
+    report: Json = {
+        "replayed": ["w"],
+        "not_found": [],
+        "not_reached": ["x"] if asked != ("--all",) else [],
+        "truncated": False,
+        "timed_out": False,
+        "interrupted": why,
+    }
+    server.script("POST", f"{path}/replay", httpx.Response(200, json=report))
+
+    result = run_cli(*command, *asked)
+
+    assert result.exit_code == 1, result.output
+    assert json.loads(result.stdout) == report
+    assert f"interrupted: {why} Run it again for the rest." in result.stderr
+    if asked != ("--all",):
+        assert "not replayed yet (the replay was interrupted: run it again): x" in result.stderr
+    assert TIMED_OUT not in result.stderr
+
+
 def test_the_bounds_the_cli_names_are_the_services_own() -> None:
     """The CLI imports nothing of the services; its words for their bounds must not drift."""
     assert f"({MAX_WALK:,} letters or {MAX_WALK_BYTES // 2**20} MiB" in cli.WALK_STOPPED

@@ -88,3 +88,26 @@ def test_the_openapi_document_shows_the_422_the_service_sends() -> None:
     unprocessable = app.openapi()["paths"]["/items/{item_id}"]["get"]["responses"]["422"]
     assert list(unprocessable["content"]) == ["application/problem+json"]
     assert "HTTPValidationError" not in app.openapi()["components"]["schemas"]
+
+
+def test_every_operation_documents_the_422_and_the_500_every_route_may_answer() -> None:
+    """A route with no parameter documented neither, though it answers 422 for a query
+    parameter it does not take (`shared.query_parameters`), and any route may answer 500
+    (an error of ours, or `database-refused`); a route's own 500 is kept."""
+    app = FastAPI()
+    install_problem_handlers(app)
+    own = {"description": "A write refused.", "content": {"application/problem+json": {}}}
+
+    @app.get("/healthz")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/items", responses={500: own})
+    async def create() -> dict[str, str]:
+        return {}
+
+    paths = app.openapi()["paths"]
+    plain = paths["/healthz"]["get"]["responses"]
+    assert list(plain["422"]["content"]) == ["application/problem+json"]
+    assert "database-refused" in plain["500"]["description"]
+    assert paths["/items"]["post"]["responses"]["500"]["description"] == "A write refused."

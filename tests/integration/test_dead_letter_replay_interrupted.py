@@ -1,0 +1,147 @@
+"""A DLQ replay that the broker fails part-way, and one whose budget leaves a letter of a task
+it handled another letter of, on the real broker and database.
+
+A replay failing after it had sent letters answered 503 ("try again shortly; nothing was
+kept" is what a 503 means here): the letters it had replayed had left the DLQ, and the retry
+the 503 asked for reported them `not_found`. It now answers 200 with what it did and why it
+stopped (`interrupted`), the letters it did not reach left and named `not_reached`; failing
+before it did anything, it is still a 503 that changed nothing. And a letter the budget left
+was reported as handled when another letter of its task was, though that one was of another
+generation (a re-score's letter beside the one it superseded): the report said nothing was
+left while the later generation's letter stayed in the DLQ.
+
+The admin routes run in-process over the real broker (`test_dead_letter_drop.py`'s app, its
+publisher wrapped)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fastapi import FastAPI
+from faststream.rabbit import RabbitBroker
+from pydantic import SecretStr
+
+from services.gateway.admin_api import admin_routes
+from services.gateway.deadletters import DeadLetterQueue
+from services.gateway.errors import BrokerUnavailable
+from services.gateway.publisher import TaskPublisher
+from services.gateway.submissions import Submissions
+from shared.contracts import ScoreText, utcnow
+from shared.http import install_problem_handlers
+from shared.query_parameters import only_known_query_parameters
+from tests.integration import test_dead_letter_drop as gateway_dlq
+from tests.integration.test_dead_letter_drop import (
+    ADMIN_KEY,
+    LETTERS,
+    TIMEOUT_S,
+    _admin,
+    _commands,
+    _dead_letter,
+    _drain,
+)
+from tests.integration.test_dead_letter_superseded import _rescored, _sent_to_the_scorer
+from tests.support import accepted_submission, queued_commands
+
+pytestmark = pytest.mark.integration
+
+broker = gateway_dlq.broker  # fixtures
+submissions = gateway_dlq.submissions
+dlq = gateway_dlq.dlq
+
+BUDGET_S = 1.0
+
+
+class BrokerFailsAfter(TaskPublisher):
+    """The broker confirming `confirmed` resubmits, then refusing every one."""
+
+    def __init__(self, broker: RabbitBroker, *, confirmed: int) -> None:
+        super().__init__(broker, timeout_s=TIMEOUT_S)
+        self.left = confirmed
+
+    async def resubmit(self, command: ScoreText) -> None:
+        if self.left == 0:
+            raise BrokerUnavailable("the broker did not confirm the publish")
+        self.left -= 1
+        await super().resubmit(command)
+
+
+class SlowBroker(TaskPublisher):
+    """Each resubmit confirmed, then held past the replay's budget (`BUDGET_S`)."""
+
+    async def resubmit(self, command: ScoreText) -> None:
+        await super().resubmit(command)
+        await asyncio.sleep(BUDGET_S)  # a slow confirm, not a synchronisation
+
+
+def _app(broker: RabbitBroker, submissions: Submissions, publisher: TaskPublisher) -> FastAPI:
+    dead_letters = DeadLetterQueue(
+        broker, publisher, submissions, utcnow, timeout_s=TIMEOUT_S, replay_budget_s=BUDGET_S
+    )
+    app = FastAPI(dependencies=[only_known_query_parameters()])  # as the services'
+    install_problem_handlers(app)
+    app.include_router(admin_routes(dead_letters, SecretStr(ADMIN_KEY)))
+    return app
+
+
+async def test_a_replay_the_broker_fails_part_way_reports_what_it_did_and_what_it_left(
+    dlq: str, broker: RabbitBroker, submissions: Submissions
+) -> None:
+    commands = _commands(3)
+    await _dead_letter(dlq, commands)
+    ids = [command.task_id for command in commands]
+
+    async with _admin(_app(broker, submissions, BrokerFailsAfter(broker, confirmed=1))) as api:
+        answer = await api.post(f"{LETTERS}/replay", json={"ids": ids})
+    assert answer.status_code == 200, answer.text
+    report = answer.json()
+    assert report["replayed"] == ids[:1]
+    assert sorted(report["not_reached"]) == sorted(ids[1:])
+    assert report["not_found"] == []
+    assert report["interrupted"].startswith("The broker is unavailable (BrokerUnavailable)")
+    assert report["timed_out"] is False
+    assert [command.task_id for command in await queued_commands(dlq)] == ids[:1]
+
+    # Asked again, the letters left are replayed; the one replayed before is not found.
+    async with _admin(_app(broker, submissions, TaskPublisher(broker, timeout_s=TIMEOUT_S))) as api:
+        again = (await api.post(f"{LETTERS}/replay", json={"ids": ids})).json()
+    assert sorted(again["replayed"]) == sorted(ids[1:])
+    assert (again["not_found"], again["interrupted"]) == (ids[:1], None)
+    assert await _drain(dlq) == []
+    await queued_commands(dlq)
+
+
+async def test_a_replay_the_broker_fails_at_once_is_a_503_that_keeps_every_letter(
+    dlq: str, broker: RabbitBroker, submissions: Submissions
+) -> None:
+    commands = _commands(2)
+    await _dead_letter(dlq, commands)
+
+    async with _admin(_app(broker, submissions, BrokerFailsAfter(broker, confirmed=0))) as api:
+        answer = await api.post(f"{LETTERS}/replay", json={"all": True})
+    assert answer.status_code == 503, answer.text
+    assert "The broker is unavailable" in answer.json()["detail"]
+    left = [ScoreText.model_validate_json(letter.body) for letter in await _drain(dlq)]
+    assert sorted(command.task_id for command in left) == sorted(c.task_id for c in commands)
+
+
+async def test_a_letter_left_by_the_budget_is_reported_though_its_task_had_another_replayed(
+    dlq: str, broker: RabbitBroker, submissions: Submissions
+) -> None:
+    """The re-score's letter (generation 1) is met first and replayed, the budget spent on
+    it; the letter it superseded (generation 0) is left: its task is `not_reached`, not
+    taken for done because the task's other letter was."""
+    command = await accepted_submission(submissions)
+    await _rescored(broker, submissions, command)
+    [rescore] = await _sent_to_the_scorer(dlq, command.task_id)
+    await _dead_letter(dlq, [rescore, command])
+
+    async with _admin(_app(broker, submissions, SlowBroker(broker, timeout_s=TIMEOUT_S))) as api:
+        answer = await api.post(f"{LETTERS}/replay", json={"ids": [command.task_id]})
+    assert answer.status_code == 200, answer.text
+    report = answer.json()
+    assert (report["replayed"], report["superseded"]) == ([command.task_id], [])
+    assert (report["not_reached"], report["timed_out"]) == ([command.task_id], True)
+    [left] = await _drain(dlq)
+    assert ScoreText.model_validate_json(left.body).generation == 0
+    await queued_commands(dlq)

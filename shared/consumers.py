@@ -527,6 +527,10 @@ class ScoreboxBroker(RabbitBroker):
         self._own_queues_connection: AbstractRobustConnection | None = None
         self._shared_channel: AbstractChannel | None = None
         self._acks = _AcksByChannel()
+        # Set once the stop begins (`stop_consuming`): a handler waiting on something to
+        # try again later hands its delivery on rather than begin new work the stop would
+        # cut short.
+        self.stopping = False
 
     def add_consumer(self, subscription: _Subscription) -> None:
         self._subscriptions.append(subscription)
@@ -686,6 +690,7 @@ class ScoreboxBroker(RabbitBroker):
         """Cancel every consumer: no delivery arrives any more, and those in hand go on
         (`stop()` does this first; a service calls it earlier to settle what it holds in a
         way of its own before `stop()` waits for it)."""
+        self.stopping = True
         pending = [each for each in self._consuming if not each.cancelled]
         for each in pending:
             each.cancelled = True

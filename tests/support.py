@@ -282,6 +282,7 @@ class HandlerOnly:
     """Takes the handler a `subscribe_*` function registers, as a broker would to consume."""
 
     handler: Callable[[Delivery], Coroutine[Any, Any, None]]
+    stopping = False  # a `ScoreboxBroker`'s, set when its stop begins
 
     def add_consumer(self, subscription: Any) -> None:
         self.handler = subscription.handler

@@ -242,7 +242,17 @@ def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_
             ),
             Hold,
         ):
-            await wait_for_claim(settled.until, deps.clock)
+            if not await _still_held(broker, settled, deps.clock):
+                keeps_headers = limit_reason is not None or moved_back
+                settled = await _handed_on_at_stop(
+                    broker,
+                    settled,
+                    delivery,
+                    message,
+                    keeps_headers=keeps_headers,
+                    timeout_s=timeout_s,
+                )
+                break
             redelivered = True
         if settled is None:
             return  # given up, its dead letter refused: returned as failed already
@@ -250,6 +260,38 @@ def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_
             await message.ack()
         else:
             await message.requeue_failed()
+
+
+async def _still_held(broker: ScoreboxBroker, held: Hold, clock: Clock) -> bool:
+    """Wait for `held`'s turn to try again; False when the service is stopping (before the
+    wait or during it): a try then could claim the attempt and POST with seconds of the
+    stop's grace left, cut off before its outcome was recorded, and the next replica, once
+    the lease of this dead process ended, POSTed it again (found in review)."""
+    if broker.stopping:
+        return False
+    await wait_for_claim(held.until, clock)
+    return not broker.stopping
+
+
+async def _handed_on_at_stop(
+    broker: ScoreboxBroker,
+    held: Hold,
+    delivery: DeliverWebhook,
+    message: Delivery,
+    *,
+    keeps_headers: bool,
+    timeout_s: float,
+) -> bool | None:
+    """A held delivery at a stop: a copy of its attempt, due when it was to be tried again
+    (its lost deliveries carried), and this one acked (True); or, when the message itself
+    must come back (its headers say it is at its delivery limit or a moved-back letter, which
+    a copy would not carry), left unsettled (None), for the stop's close to return it."""
+    if keeps_headers:
+        return None
+    later = delivery.model_copy(update={"not_before": held.until, "message_id": new_id()})
+    return await _carry_out(
+        broker, Send(later, "held at a stop"), delivery, message, timeout_s=timeout_s
+    )
 
 
 async def _try_and_carry_out(

@@ -309,7 +309,7 @@ async def try_moved_back_letter_again(letter: DeliverWebhook, deps: DeliveryDeps
         round_from = max(1, letter.max_attempts - deps.max_attempts + 1)
         fresh = fresh_round(letter, round_from=round_from)
         reopened = await deps.ledger.reopen_forgotten(letter, fresh=fresh, now=now)
-    elif record.state is DeliveryState.FAILED and record.attempt == letter.attempt:
+    elif _given_up_to_the_dlq(record, letter):
         fresh = fresh_round(letter, round_from=record.round_from)
         reopened = await deps.ledger.reopen(letter, fresh=fresh, now=now)
     else:
@@ -318,6 +318,18 @@ async def try_moved_back_letter_again(letter: DeliverWebhook, deps: DeliveryDeps
         return None  # another copy of the letter did
     attempts = fresh.max_attempts - fresh.attempt + 1
     return Send(fresh, f"dead letter moved back: a fresh round of {attempts} attempt(s)")
+
+
+def _given_up_to_the_dlq(record: DeliveryRecord, letter: DeliverWebhook) -> bool:
+    """Whether the record says the letter's attempt was given up and dead-lettered: not a
+    receiver's refusal (recorded failed, never lettered), whose redelivery, still carrying a
+    moved-back letter's headers when only its ack was lost, reopened a fresh round against
+    the receiver that had refused it."""
+    return (
+        record.state is DeliveryState.FAILED
+        and record.attempt == letter.attempt
+        and record.dead_letter
+    )
 
 
 def fresh_round(letter: DeliverWebhook, *, round_from: int) -> DeliverWebhook:
@@ -494,10 +506,12 @@ async def _send(
             delivery, error, status, owner=owner, claimed_at=now, round_from=round_from, deps=deps
         )
     deps.metrics.count_attempt(delivery.purpose, "delivered", time.perf_counter() - started)
-    await _while_leased(
+    # Past the lease too, the delivery held meanwhile: given up at the lease's end, the error
+    # had the consumer send the attempt again as a copy, which claimed the lapsed lease once
+    # the database was back and POSTed a webhook known to be delivered. The write is
+    # unconditional and idempotent, and DELIVERED is final.
+    await keep_trying_database(
         lambda: deps.ledger.mark_delivered(delivery, now=deps.clock(), status=answer.status),
-        deps=deps,
-        claimed_at=now,
         what=f"recording delivery {delivery.delivery_id} as delivered",
     )
     return Done(f"delivered ({answer.status})")

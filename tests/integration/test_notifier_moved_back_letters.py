@@ -269,6 +269,32 @@ async def test_a_letter_rabbitmq_made_at_the_delivery_limit_is_tried_again(
     assert len(receiver[0].requests(delivery.url)) == 1
 
 
+async def test_a_moved_back_letter_its_receiver_refused_is_not_sent_again(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    """RabbitMQ's letter moved back is tried, its receiver refuses it (410: recorded failed,
+    never dead-lettered), and the ack is lost: the redelivery, still a moved-back letter by
+    its headers, found the record failed at its attempt and opened a fresh round against the
+    receiver that had refused it (found in review). It is dropped now, as any copy of a
+    delivery its receiver refused."""
+    endpoint = receiver[0]
+    delivery = _delivery(endpoint).model_copy(update={"url": endpoint.endpoint(410)})
+    await ledger.register(delivery, now=utcnow())
+    death = {"queue": WEBHOOK_DELIVERIES.name, "reason": "delivery_limit", "count": 1}
+    broker, handle = _handler(make_deps("a"))
+
+    for _ in range(2):  # the second: the same message again, its ack lost
+        letter = HandedDelivery(delivery.model_dump_json().encode(), headers={"x-death": [death]})
+        await asyncio.wait_for(handle(letter), timeout=30)
+        assert letter.settled == ["ack"]
+
+    assert broker.published == []
+    assert len(endpoint.requests(delivery.url)) == 1
+    record = await ledger.find(delivery.delivery_id)
+    assert record is not None
+    assert (record.state, record.dead_letter) == (DeliveryState.FAILED, False)
+
+
 async def test_a_letter_whose_record_is_gone_is_sent_as_a_fresh_round(
     make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
 ) -> None:

@@ -1,0 +1,57 @@
+"""A webhook redelivery held for another process's lease is handed on at a stop, not sent.
+
+A redelivery whose attempt another notifier holds waits in hand until that lease ends. During
+a stop's grace it kept waiting, then claimed the attempt and POSTed seconds before the stop
+cut it off: its outcome never recorded, the attempt stayed `sending` under this dead
+process's lease, and the next replica POSTed it again once that lease ended (found in
+review). Once the stop begins, such a delivery sends a copy of its attempt, due when it was
+to try again and carrying its lost deliveries, and is acked. The delivery handler runs as a
+broker hands it a message, on the real database."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from services.notifier.ledger import Ledger
+from shared.contracts import DeliverWebhook, utcnow
+from shared.topology import EARLIER_DELIVERIES_HEADER
+from tests.integration import test_notifier_own_claims as own_claims
+from tests.integration.test_notifier import Receiver
+from tests.integration.test_notifier_delivery_limit import _handler
+from tests.integration.test_notifier_own_claims import LEASE, Deps, _delivery
+from tests.support import HandedDelivery
+
+pytestmark = pytest.mark.integration
+
+receiver = own_claims.receiver  # fixtures
+ledger = own_claims.ledger
+make_deps = own_claims.make_deps
+
+
+async def test_a_redelivery_held_for_a_lease_is_handed_on_at_a_stop_unsent(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    delivery = _delivery(receiver[0])
+    await ledger.register(delivery, now=utcnow())
+    claim = await ledger.claim(
+        delivery, process="proc-b", owner="proc-b/1", now=utcnow(), lease=LEASE
+    )
+    assert claim.won
+    broker, handle = _handler(make_deps("proc-a"))
+    broker.stopping = True
+    message = HandedDelivery.redelivery(delivery.model_dump_json().encode(), count=2)
+
+    await asyncio.wait_for(handle(message), timeout=30)
+
+    assert message.settled == ["ack"]
+    [published] = broker.published
+    copy = DeliverWebhook.model_validate_json(published.message.body)
+    record = await ledger.find(delivery.delivery_id)
+    assert record is not None
+    assert record.lease_until is not None
+    assert (copy.attempt, copy.not_before) == (delivery.attempt, record.lease_until)
+    assert published.message.headers[EARLIER_DELIVERIES_HEADER] == 2
+    assert receiver[0].requests(delivery.url) == []

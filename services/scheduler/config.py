@@ -29,7 +29,7 @@ from pydantic import (
 
 from services.scheduler.cron import next_fire_time, validate_spec, zone
 from services.scheduler.errors import ConfigurationError
-from shared.settings import refusals
+from shared.settings import MAX_DURATION_S, refusals
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "config" / "scheduler.toml"
 
@@ -100,17 +100,23 @@ class Price(_Strict):
     completion_per_1k: Decimal = Field(ge=0)
 
 
+# The longest retention in days (`MAX_DURATION_S`, ten years): a million days was taken, and
+# `now - timedelta(days=...)` then raised OverflowError in every housekeeping run and every
+# usage rollup slice (each dead-lettered after its retries), and nothing expired again.
+MAX_RETENTION_DAYS = MAX_DURATION_S // 86_400
+
+
 class UsageConfig(_Strict):
     currency: str = "USD"
     # Raw usage records older than this (and already rolled up) are deleted by housekeeping;
     # a late record for a day older than this is not rolled up (its day can no longer be
     # recomputed in full).
-    raw_retention_days: int = Field(default=90, ge=2)
+    raw_retention_days: int = Field(default=90, ge=2, le=MAX_RETENTION_DAYS)
 
 
 class HousekeepingConfig(_Strict):
-    firing_retention_days: int = Field(default=30, ge=1)
-    catalogue_retention_days: int = Field(default=365, ge=1)
+    firing_retention_days: int = Field(default=30, ge=1, le=MAX_RETENTION_DAYS)
+    catalogue_retention_days: int = Field(default=365, ge=1, le=MAX_RETENTION_DAYS)
     dead_letter_threshold: int = Field(default=1, ge=1)
 
 

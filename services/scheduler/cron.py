@@ -10,7 +10,10 @@ Daylight-saving transitions follow croniter (checked against croniter 7):
   once (01:00 UTC); an hourly `0 * * * *` simply has no 02:00 that day.
 - Fall back, a wall-clock time that occurs twice fires twice, once per occurrence:
   `30 2 * * *` in Europe/Berlin fires at 02:30 CEST and at 02:30 CET (00:30 and 01:30 UTC) on
-  the last Sunday of October; the jobs are idempotent, so a second run is harmless.
+  the last Sunday of October; the jobs are idempotent, so a second run is harmless. Where the
+  clock goes back by less than an hour (Australia/Lord_Howe, 30 minutes), croniter steps over
+  the repeated times when it starts before the fall-back; `next_fire_time` asks it again
+  from just before it, so they fire too.
 - Zones without DST (Asia/Shanghai, UTC) are plain offsets: `0 3 * * *` in Asia/Shanghai is
   19:00 UTC of the previous day, every day.
 
@@ -31,6 +34,8 @@ from croniter import CroniterBadDateError, croniter
 from services.scheduler.errors import ConfigurationError
 
 _JUST_AFTER = timedelta(microseconds=1)
+_A_SECOND = timedelta(seconds=1)
+_A_DAY = timedelta(days=1)
 # A field croniter fills by a random draw (`R`) or a hash (`H`), with an optional range and
 # step: `R`, `H(0-29)`, `r/15` (croniter reads fields case-insensitively).
 _DRAWN_FIELD = re.compile(r"^[HR](\(\d+-\d+\))?(/\d+)?$", re.IGNORECASE | re.ASCII)
@@ -65,16 +70,58 @@ def _aware(instant: datetime) -> datetime:
 
 def next_fire_time(spec: str, tz: str, after: datetime) -> datetime | None:
     """The first fire time strictly after `after`, in UTC; None when there is none (a date
-    that never comes, such as `0 0 30 2 *`, or a year field already past)."""
-    iterator = croniter(spec, _aware(after).astimezone(zone(tz)))
-    return _next(iterator)
+    that never comes, such as `0 0 30 2 *`, or a year field already past).
+
+    croniter's answer depends on where it starts when a clock goes back by less than an
+    hour (Australia/Lord_Howe's 30 minutes): from before the fall-back it steps over the
+    repeated wall times (`*/20` from 01:40 +11 answered 02:00 +10:30, not 01:40 +10:30). So
+    croniter is asked again from just before each fall-back between `after` and its answer,
+    and the earlier of the two is taken."""
+    where = zone(tz)
+    found = _next_from(spec, where, _aware(after))
+    if found is None:
+        return None
+    for fall_back in _fall_backs(where, after, found):
+        earlier = _next_from(spec, where, fall_back)
+        if earlier is not None and after < earlier < found:
+            found = earlier
+    return found
 
 
-def _next(iterator: croniter) -> datetime | None:
+def _next_from(spec: str, where: ZoneInfo, after: datetime) -> datetime | None:
     try:
-        return iterator.get_next(datetime).astimezone(UTC)
+        return croniter(spec, after.astimezone(where)).get_next(datetime).astimezone(UTC)
     except CroniterBadDateError:
         return None
+
+
+def _fall_backs(where: ZoneInfo, start: datetime, end: datetime) -> list[datetime]:
+    """An instant just before each time the zone's clock goes back within `start`..`end`
+    (found a day at a time: no zone changes its offset twice within a day)."""
+    found = []
+    step = start
+    while step < end:
+        step_end = min(step + _A_DAY, end)
+        if _offset(where, step) > _offset(where, step_end):
+            found.append(_last_before_change(where, step, step_end))
+        step = step_end
+    return found
+
+
+def _last_before_change(where: ZoneInfo, before: datetime, after: datetime) -> datetime:
+    """An instant within a second before the zone's offset changes between the two."""
+    offset = _offset(where, before)
+    while after - before > _A_SECOND:
+        middle = before + (after - before) / 2
+        if _offset(where, middle) == offset:
+            before = middle
+        else:
+            after = middle
+    return before
+
+
+def _offset(where: ZoneInfo, instant: datetime) -> timedelta:
+    return instant.astimezone(where).utcoffset() or timedelta(0)
 
 
 def next_fire_times(
@@ -82,16 +129,21 @@ def next_fire_times(
 ) -> list[datetime]:
     """Fire times `t` with `after < t <= until`, ascending, in UTC; at most `limit` of them."""
     found: list[datetime] = []
-    iterator = croniter(spec, _aware(after).astimezone(zone(tz)))
+    last = _aware(after)
     while limit is None or len(found) < limit:
-        fire_time = _next(iterator)
+        fire_time = next_fire_time(spec, tz, last)
         if fire_time is None or fire_time > _aware(until):
             break
         found.append(fire_time)
+        last = fire_time
     return found
 
 
 def latest_fire_time(spec: str, tz: str, at_or_before: datetime) -> datetime:
-    """The last fire time `t <= at_or_before`, in UTC."""
+    """The last fire time `t <= at_or_before`, in UTC: croniter's, or a later one it stepped
+    over at a fall-back of less than an hour (`next_fire_time`)."""
     iterator = croniter(spec, (_aware(at_or_before) + _JUST_AFTER).astimezone(zone(tz)))
-    return iterator.get_prev(datetime).astimezone(UTC)
+    latest: datetime = iterator.get_prev(datetime).astimezone(UTC)
+    while (later := next_fire_time(spec, tz, latest)) is not None and later <= at_or_before:
+        latest = later
+    return latest

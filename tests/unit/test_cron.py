@@ -99,6 +99,23 @@ NEXT_FIRE_TIMES = [
         ["2025-11-02T05:30", "2025-11-02T06:30", "2025-11-03T06:30"],
         id="new-york-fall-back-twice",
     ),
+    # Australia/Lord_Howe, fall back by 30 minutes 2025-04-06 02:00 +11 -> 01:30 +10:30
+    # (15:00 UTC): 01:40 happens twice and fires twice. croniter, started before the fall-back,
+    # stepped over the second one (found in review).
+    pytest.param(
+        "*/20 * * * *",
+        "Australia/Lord_Howe",
+        "2025-04-05T14:30:00",
+        ["2025-04-05T14:40", "2025-04-05T15:10", "2025-04-05T15:30"],
+        id="lord-howe-half-hour-fall-back",
+    ),
+    pytest.param(
+        "*/20 * * * *",
+        "Australia/Lord_Howe",
+        "2025-04-05T14:40:00",
+        ["2025-04-05T15:10", "2025-04-05T15:30"],
+        id="lord-howe-from-the-last-fire-before-the-fall-back",
+    ),
 ]
 
 
@@ -127,6 +144,7 @@ def test_window_is_after_exclusive_until_inclusive_and_limited() -> None:
         ("5 * * * *", "UTC", "2025-01-01T10:04:59", "2025-01-01T09:05:00"),
         ("0 3 * * *", "Asia/Shanghai", "2025-06-01T18:59:59", "2025-05-31T19:00:00"),
         ("30 2 * * *", "Europe/Berlin", "2025-10-26T12:00:00", "2025-10-26T01:30:00"),
+        ("*/20 * * * *", "Australia/Lord_Howe", "2025-04-05T15:20:00", "2025-04-05T15:10:00"),
     ],
 )
 def test_latest_fire_time(spec: str, tz: str, at: str, expected: str) -> None:

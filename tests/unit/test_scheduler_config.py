@@ -72,6 +72,10 @@ def test_env_names() -> None:
         ({"jobs": {"j": {"cron": "5 * * * *"}}}, {"CRON_J": "0 0 30 2 *"}, "never fires"),
         ({"jobs": {"j": {"cron": "R * * * *"}}}, {}, "random or hashed fields"),
         ({"jobs": {"j": {"cron": "5 * * * *"}}}, {"CRON_J": "0 H * * *"}, "random or hashed"),
+        # Ten years at most: past it, `now - timedelta(days=...)` overflowed in every run.
+        ({"usage": {"raw_retention_days": 1_000_000}}, {}, "raw_retention_days"),
+        ({"housekeeping": {"firing_retention_days": 3651}}, {}, "firing_retention_days"),
+        ({"housekeeping": {"catalogue_retention_days": 10**10}}, {}, "catalogue_retention"),
     ],
 )
 def test_bad_configuration_refuses_to_start(

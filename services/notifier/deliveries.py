@@ -482,8 +482,12 @@ async def _send(
     try:
         destination = await deps.guard.vet(delivery.url)
         body = encode_payload(delivery.payload)
+        # Signed as sent, not as claimed: the claim, the keyring's read and the DNS check
+        # come between, up to minutes with slow ones, and a receiver refuses (for good, a
+        # 4xx) a timestamp older than its tolerance, five minutes in the usual libraries.
+        sent_at = int(deps.clock().timestamp())
         headers = signed_headers(
-            secrets, webhook_id=delivery.delivery_id, timestamp=int(now.timestamp()), body=body
+            secrets, webhook_id=delivery.delivery_id, timestamp=sent_at, body=body
         )
         answer = await deps.sender.post(destination, body=body, headers=headers)
         status = answer.status

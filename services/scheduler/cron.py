@@ -41,8 +41,19 @@ _A_DAY = timedelta(days=1)
 _DRAWN_FIELD = re.compile(r"^[HR](\(\d+-\d+\))?(/\d+)?$", re.IGNORECASE | re.ASCII)
 
 
+# Names a host's zoneinfo may hold that are not one zone everywhere: `localtime` is the
+# host's own (replicas on hosts of different zones each fired at their own instant, twice in
+# all), `posixrules` the host's default rules, `Factory` no zone at all.
+HOST_DEPENDENT_ZONES = frozenset({"localtime", "posixrules", "Factory"})
+
+
 def zone(name: str) -> ZoneInfo:
-    """The IANA time zone `name`; raises `ConfigurationError` for an unknown one."""
+    """The IANA time zone `name`; raises `ConfigurationError` for an unknown one, or one
+    whose meaning depends on the host (`HOST_DEPENDENT_ZONES`)."""
+    if name in HOST_DEPENDENT_ZONES:
+        raise ConfigurationError(
+            f"time zone {name!r} depends on the host; name the zone itself (such as Europe/Berlin)"
+        )
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError) as error:

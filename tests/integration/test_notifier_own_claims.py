@@ -13,8 +13,8 @@ import asyncio
 import contextlib
 import random
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import replace
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -36,6 +36,7 @@ from services.notifier.registry import FailureAlerts
 from services.notifier.sender import ReceiverAnswer, WebhookSender, make_ssl_context
 from services.notifier.ssrf import Destination, WebhookGuard
 from shared.contracts import DeliverWebhook, WebhookPurpose, new_id, utcnow
+from shared.webhook_urls import IPAddress
 from tests.integration.test_notifier import (
     RECEIVER_HOST,
     Receiver,
@@ -285,3 +286,43 @@ async def test_a_redelivery_after_the_connection_dropped_mid_post_posts_nothing_
     await eventually(delivered, what="the first attempt recorded as delivered")
     assert redelivery.settled == ["ack"]
     assert len(receiver[0].requests(delivery.url)) == 1
+
+
+class SlowDns(TableResolver):
+    """The test's DNS, each answer taking `minutes` of the test's clock."""
+
+    def __init__(self, clock: SteppedClock, minutes: int) -> None:
+        super().__init__({RECEIVER_HOST: ["127.0.0.1"]})
+        self._clock, self._minutes = clock, minutes
+
+    async def resolve(self, host: str, port: int) -> Sequence[IPAddress]:
+        self._clock.now += timedelta(minutes=self._minutes)
+        return await super().resolve(host, port)
+
+
+@dataclass
+class SteppedClock:
+    now: datetime
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+async def test_a_webhook_is_signed_with_the_time_it_is_sent_not_claimed(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    """It carried the claim's time: a DNS answer minutes late (or a slow claim, or keyring
+    read) made it older than a receiver's tolerance, which refuses it for good."""
+    endpoint = receiver[0]
+    delivery = _delivery(endpoint)
+    await ledger.register(delivery, now=utcnow())
+    clock = SteppedClock(utcnow())
+    claimed_at = clock.now
+    guard = WebhookGuard(SlowDns(clock, 6), allowed_test_hosts=frozenset({"127.0.0.1"}))
+    deps = replace(make_deps("proc-a"), clock=clock, guard=guard, lease=timedelta(hours=1))
+
+    assert await deliver_webhook(delivery, deps=deps) == Done("delivered (200)")
+
+    [received] = endpoint.requests(delivery.url)
+    sent_at = int(received.headers["webhook-timestamp"])
+    assert sent_at == int((claimed_at + timedelta(minutes=6)).timestamp())

@@ -735,10 +735,34 @@ async def _cancel(consuming: _Consuming, *, timeout: float) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(queue.cancel(tag, nowait=True), CANCEL_ON_CLOSED_S)
         return
-    try:
-        await queue.cancel(tag, timeout=timeout)
-    except Exception as error:  # noqa: BLE001 - the channel closes right after anyway
+    # Bounded here, never by aiormq: an RPC it times out or cancels closes its channel
+    # (`Channel.Close` 504), and every delivery in hand on it went back to its queue, counted,
+    # though the stop was to let them finish (a broker slow to answer was enough: the cancels
+    # of a shared channel wait for each other). One still unanswered is left to run; the
+    # connection's close ends it.
+    cancelling = asyncio.ensure_future(queue.cancel(tag))
+    done, _ = await asyncio.wait({cancelling}, timeout=timeout)
+    if not done:
+        log.warning(
+            "%s: the broker has not confirmed the consumer's cancel within %.1f s; the stop "
+            "goes on",
+            queue.name,
+            timeout,
+        )
+        _UNANSWERED_CANCELS.add(cancelling)
+        cancelling.add_done_callback(_forget_cancel)
+    elif (error := cancelling.exception()) is not None:
         log.warning("%s: cancelling the consumer failed: %r", queue.name, error)
+
+
+# Cancels left running by a stop (`_cancel`), held until they end.
+_UNANSWERED_CANCELS: set[asyncio.Future[Any]] = set()
+
+
+def _forget_cancel(cancelling: asyncio.Future[Any]) -> None:
+    _UNANSWERED_CANCELS.discard(cancelling)
+    if not cancelling.cancelled():
+        cancelling.exception()  # retrieved: the channel's close fails it, as expected
 
 
 def consume(

@@ -21,6 +21,8 @@ from shared.dead_letters import dead_lettered_at, reason
 from shared.event_batches import split_batch
 from shared.topology import (
     DEAD_LETTERED_FROM_HEADER,
+    DELIVERY_COUNT_HEADER,
+    EARLIER_DELIVERIES_HEADER,
     ERROR_HEADER,
     FIRST_ERROR_HEADER,
     ROUTING_KEY_HEADER,
@@ -145,6 +147,19 @@ def test_a_letter_names_the_reason_the_queue_and_the_key() -> None:
         DEAD_LETTERED_FROM_HEADER: STATUS_PROJECTION.name,
         ROUTING_KEY_HEADER: "task.failed",
     }
+
+
+def test_a_letter_leaves_the_brokers_delivery_count_behind_and_keeps_what_copies_lost() -> None:
+    """RabbitMQ 4.x keeps an `x-delivery-count` a publisher set: a letter carrying its
+    delivery's count, moved back, read as at its delivery limit at once."""
+    headers = letter_headers(
+        {DELIVERY_COUNT_HEADER: 4, EARLIER_DELIVERIES_HEADER: 1},
+        error="gave up",
+        queue="q",
+        key="task.failed",
+    )
+    assert DELIVERY_COUNT_HEADER not in headers
+    assert headers[EARLIER_DELIVERIES_HEADER] == 1
 
 
 def test_a_letter_of_a_letter_keeps_the_first_reason_and_the_first_key() -> None:

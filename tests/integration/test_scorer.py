@@ -470,6 +470,7 @@ async def test_dead_letters_are_listed_replayed_with_fresh_attempts_and_purged(f
         "not_reached": [],
         "truncated": False,
         "timed_out": False,
+        "interrupted": None,
     }
     view = await flow.reaches(task_id, "completed")
     assert view["attempts"] == 1  # a fresh attempt budget
@@ -533,6 +534,7 @@ async def test_dead_letters_are_listed_whole_oldest_first_and_an_unknown_id_is_r
         "not_reached": [],
         "truncated": False,
         "timed_out": False,
+        "interrupted": None,
     }
     await _dead_letters(flow.amqp_url)
 

@@ -6,7 +6,9 @@ One scorer runs in process on the real broker and database against the fake mode
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -16,6 +18,10 @@ from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import FakeLLM
 from services.scorer.attempts import PUBLISHED
+from services.scorer.batch_cancels import CancelledBatches
+from services.scorer.decisions import Finish
+from services.scorer.scoring import score_text
+from services.scorer.slots import ModelSlots
 from shared.bus import publish_batch_cancelling, publish_cancel, publish_command
 from shared.contracts import (
     CANCELLED_CODE,
@@ -29,11 +35,16 @@ from shared.contracts import (
 )
 from shared.runtime import make_broker
 from shared.topology import declare_topology
+from tests.integration import test_scorer_own_claims as own_claims
 from tests.integration.in_process import scorer_over
+from tests.integration.test_scorer_own_claims import Deps
 from tests.integration.test_scorer_usage_across_retries import outcomes
 from tests.support import eventually, metric_sum, running
 
 pytestmark = pytest.mark.integration
+
+attempts = own_claims.attempts  # fixtures
+make_deps = own_claims.make_deps
 
 
 def _item(batch_id: str, index: int, *, generation: int = 0) -> tuple[ScoreText, str]:
@@ -186,3 +197,39 @@ def _own_cancel(command: ScoreText) -> CancelTask:
         generation=command.generation,
         submitted_at=command.submitted_at,
     )
+
+
+async def test_an_item_waiting_for_a_model_slot_when_its_batch_is_cancelled_is_not_called(
+    fake_llm: FakeLLM, make_deps: Deps
+) -> None:
+    """In hand before the announcement was heard, it passed the check on arrival and waited
+    behind the calls under way (the prefetch is twice the slots); given a slot, it was
+    claimed and scored (found in a walkthrough: 16 items of a 1,000-item batch)."""
+    batch_id = new_id()
+    command, marker = _item(batch_id, 0)
+    slots = ModelSlots(1)
+    cancelled = CancelledBatches(clock=utcnow)
+    deps = replace(make_deps("scorer-a"), model_slots=slots, cancelled_batches=cancelled)
+
+    async with slots.held():  # a call under way holds the one slot
+        scoring = asyncio.create_task(score_text(command, deps=deps))
+
+        async def waiting_for_the_slot() -> bool:
+            # asyncio.Semaphore keeps its waiters there; nothing public tells them.
+            return bool(slots._free._waiters)
+
+        await eventually(waiting_for_the_slot, what="the item waited for a model slot")
+        cancelled.hear(
+            BatchCancelling(
+                task_id=new_id(),
+                batch_id=batch_id,
+                requested_at=utcnow(),
+                generations={command.task_id: 0},
+            )
+        )
+    decision = await asyncio.wait_for(scoring, 30)
+
+    assert isinstance(decision, Finish), decision
+    assert isinstance(decision.event, TaskFailed)
+    assert decision.event.error.code == CANCELLED_CODE
+    assert fake_llm.stats()["by_id"].get(marker, 0) == 0

@@ -667,18 +667,57 @@ def stop_signals_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def supervise(stack: Stack) -> int:
-    """Block until interrupted (0) or until a service dies (1, after printing its log)."""
+# A service that exits is started again, as an orchestrator would (a killed scorer, a
+# stopped notifier: the run's data lives on in the stand-in and the vhost); one that exits
+# this often within the window is broken, and the run stops.
+RESTARTS_ALLOWED = 5
+RESTART_WINDOW_S = 300.0
+
+
+def supervise(
+    stack: Stack,
+    *,
+    interval_s: float = SUPERVISE_INTERVAL_S,
+    clock: Callable[[], float] = time.monotonic,
+) -> int:
+    """Block until interrupted (KeyboardInterrupt), starting again every service that exits
+    (after printing its log's tail); 1 once one has exited `RESTARTS_ALLOWED` times within
+    `RESTART_WINDOW_S`, or could not be started again.
+
+    It stopped the whole run at the first exit, an operator's `kill` included, and the
+    stand-in's data and the run's vhost went with it: every task accepted was lost (found in
+    a walkthrough)."""
+    exits: dict[str, list[float]] = {}
     while True:
-        dead = stack.dead()
-        if dead:
-            for proc in dead:
-                code = proc.process.returncode if proc.process else None
-                print(f"\n{proc.name} died (exit code {code}); last lines of {proc.log_path}:")
-                print(read_tail(proc.log_path))
-            print("\nStopping everything.", file=sys.stderr)
-            return 1
-        time.sleep(SUPERVISE_INTERVAL_S)
+        for proc in stack.dead():
+            code = proc.process.returncode if proc.process else None
+            print(f"\n{proc.name} exited (exit code {code}); last lines of {proc.log_path}:")
+            print(read_tail(proc.log_path))
+            now = clock()
+            recent = [t for t in exits.get(proc.name, []) if now - t < RESTART_WINDOW_S]
+            exits[proc.name] = [*recent, now]
+            if len(exits[proc.name]) > RESTARTS_ALLOWED:
+                print(
+                    f"\n{proc.name} exited {len(recent) + 1} times within "
+                    f"{RESTART_WINDOW_S:.0f} s. Stopping everything.",
+                    file=sys.stderr,
+                )
+                return 1
+            if not _started_again(stack, proc):
+                return 1
+        time.sleep(interval_s)
+
+
+def _started_again(stack: Stack, proc: ServiceProcess) -> bool:
+    print(f"Starting {proc.name} again ...", flush=True)
+    try:
+        stack.restart(proc.service, proc.replica)
+    except StackError as error:
+        print(f"\n{proc.name} could not be started again: {error}", file=sys.stderr)
+        print("Stopping everything.", file=sys.stderr)
+        return False
+    print(f"{proc.name} is ready again.", flush=True)
+    return True
 
 
 def run(args: argparse.Namespace) -> int:

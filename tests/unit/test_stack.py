@@ -41,6 +41,7 @@ from devtools.stack import (
     ports_from_env,
     probe,
     stop_signals_interrupt,
+    supervise,
 )
 from services.gateway.keys import generate_key, parse_key
 
@@ -574,3 +575,45 @@ def _signal_self_and_wait(signum: signal.Signals) -> None:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def test_a_service_that_exits_is_started_again_and_one_that_cannot_be_stops_the_run(
+    tmp_path: Path,
+    fake_command: list[str],
+    stacks: list[Stack],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A service's exit stopped the whole run, and the stand-in's data with it: every task
+    accepted was lost to an operator's `kill` (found in a walkthrough)."""
+    config = make_config(tmp_path, fake_command)
+    stack = Stack(config)
+    stacks.append(stack)
+    stack.start(ready_timeout_s=30)
+    [first] = stack.pids()["scorer"]
+    outcome: list[int] = []
+    supervising = threading.Thread(
+        target=lambda: outcome.append(supervise(stack, interval_s=0.05)), daemon=True
+    )
+    supervising.start()
+
+    said: list[str] = []
+
+    def started_again() -> bool:
+        said.append(capsys.readouterr().out)
+        return "scorer is ready again." in "".join(said)
+
+    os.kill(first, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while not started_again() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert started_again()
+    [second] = stack.pids()["scorer"]
+    assert second != first
+    assert probe(f"{stack.url('scorer')}/readyz") == "200"
+
+    config.env["FAKE_MODE_SCORER"] = "crash"  # its next start fails
+    os.kill(second, signal.SIGKILL)
+    supervising.join(timeout=30)
+    assert outcome == [1]
+    log = stack.log_path("scorer").read_text()
+    assert "boom: the fake scorer gives up" in log

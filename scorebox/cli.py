@@ -681,6 +681,8 @@ def _not_reached_why(replay: dict[str, Any]) -> str:
     if replay.get("truncated") is not True:
         return "not replayed yet (the replay ran out of time: run it again)"
     ran_out = "; or the replay ran out of time: run it again" if replay.get("timed_out") else ""
+    if isinstance(replay.get("interrupted"), str):
+        ran_out = "; or the replay was interrupted: run it again"
     return (
         "not reached (they may lie past the walk: replay or drop the letters before them, then "
         f"ask again{ran_out})"

@@ -103,7 +103,10 @@ class ReplayReport(BaseModel):
         description="Why the replay stopped early, null when it did not: the broker or the "
         "database failed after some letters were handled (those above). The letters it "
         "matched and did not handle are left in the queue, their ids `not_reached`: ask "
-        "again shortly for the rest. (A failure before any letter was handled answers 503.)",
+        "again for the rest, shortly, or once a refusal for good is mended (it says which). "
+        "A letter sent whose ack failed counts as replayed and stays in the queue: replayed "
+        "again, it is sent as the same generation, scored once. (A failure before any letter "
+        "was handled answers 503, or 500 `database-refused`.)",
     )
 
 

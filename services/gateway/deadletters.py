@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable, Collection, Set
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -29,7 +30,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from faststream.rabbit import RabbitBroker
 from pydantic import ValidationError
 
-from services.gateway.errors import DatabaseUnavailable, Unavailable
+from services.gateway.errors import DatabaseUnavailable, Unavailable, refused_for_good
 from services.gateway.rescore import Resubmitter
 from services.gateway.submissions import ReplayRefused, Submissions
 from shared.bus import BROKER_ERRORS
@@ -47,6 +48,8 @@ from shared.dead_letters import (
     unmatched,
 )
 from shared.topology import DEAD_LETTERED_FROM_HEADER, SCORE_REQUESTS
+
+log = logging.getLogger("scorebox.gateway.dead_letters")
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,18 @@ class _ReplayTally:
         return {key for keys, copy in self._left if copy not in self._handled for key in keys}
 
 
+def _interruption(error: BaseException) -> str:
+    """Why a replay stopped part-way, for its answer (`Replay.interrupted`); logged."""
+    if refused_for_good(error):
+        log.error("a dead-letter replay stopped: the database refused for good", exc_info=error)
+        return (
+            f"The database refused an operation for good ({type(error).__name__}; the "
+            "gateway's log has it): asking again meets the same refusal until it is mended."
+        )
+    log.warning("a dead-letter replay stopped part-way: %r", error)
+    return unavailable_detail(error)
+
+
 def unavailable_detail(error: BaseException) -> str:
     """What a broker or database failure tells an operator, as a 503 says it."""
     away = "The database" if isinstance(error, DatabaseUnavailable) else "The broker"
@@ -273,14 +288,20 @@ class DeadLetterQueue:
                     continue
                 try:
                     sent = await self._resubmit(command)
-                    await self._dlq.remove(message)  # superseded: obsolete, as a drop removes
                 except (*BROKER_ERRORS, Unavailable) as error:
                     if not tally.acted:
                         raise
-                    tally.interrupted = unavailable_detail(error)
+                    tally.interrupted = _interruption(error)
                     tally.leave(keys, command)
                     continue
+                # Sent (or superseded): done, whatever becomes of the ack. A letter whose ack
+                # fails stays in the queue, and a replay sends it again as the same
+                # generation, which the scorer's claim takes once.
                 tally.done(command, sent=sent)
+                try:
+                    await self._dlq.remove(message)  # superseded: obsolete, as a drop removes
+                except BROKER_ERRORS as error:
+                    tally.interrupted = _interruption(error)
         left = tally.left_unhandled()
         not_found, not_reached = unmatched(
             ids or [], tally.found, truncated=held.truncated or held.timed_out, left=left

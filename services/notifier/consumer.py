@@ -242,15 +242,17 @@ def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_
             ),
             Hold,
         ):
-            if not await _still_held(broker, settled, deps.clock):
-                keeps_headers = limit_reason is not None or moved_back
-                settled = await _handed_on_at_stop(
-                    broker,
-                    settled,
-                    delivery,
-                    message,
-                    keeps_headers=keeps_headers,
-                    timeout_s=timeout_s,
+            # One at its delivery limit or moved back (held while the database is away) is
+            # never handed on: a copy would not carry its headers, and left unsettled at a
+            # stop's start it came back past the limit for the broker to dead-letter without
+            # a reason; it is held as before, for as long as the stop's grace lasts.
+            hands_on = limit_reason is None and not moved_back
+            if not await _still_held(broker, settled, deps.clock, hands_on=hands_on):
+                later = delivery.model_copy(
+                    update={"not_before": settled.until, "message_id": new_id()}
+                )
+                settled = await _carry_out(
+                    broker, Send(later, "held at a stop"), delivery, message, timeout_s=timeout_s
                 )
                 break
             redelivered = True
@@ -262,36 +264,17 @@ def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_
             await message.requeue_failed()
 
 
-async def _still_held(broker: ScoreboxBroker, held: Hold, clock: Clock) -> bool:
-    """Wait for `held`'s turn to try again; False when the service is stopping (before the
-    wait or during it): a try then could claim the attempt and POST with seconds of the
-    stop's grace left, cut off before its outcome was recorded, and the next replica, once
-    the lease of this dead process ended, POSTed it again (found in review)."""
-    if broker.stopping:
+async def _still_held(broker: ScoreboxBroker, held: Hold, clock: Clock, *, hands_on: bool) -> bool:
+    """Wait for `held`'s turn to try again; False, for a delivery that `hands_on`, when the
+    service is stopping (before the wait or during it): a try then could claim the attempt
+    and POST with seconds of the stop's grace left, cut off before its outcome was recorded,
+    and the next replica, once the lease of this dead process ended, POSTed it again (found
+    in review). It is handed on instead: a copy of its attempt, due when it was to try again
+    (its lost deliveries carried), and an ack."""
+    if hands_on and broker.stopping:
         return False
     await wait_for_claim(held.until, clock)
-    return not broker.stopping
-
-
-async def _handed_on_at_stop(
-    broker: ScoreboxBroker,
-    held: Hold,
-    delivery: DeliverWebhook,
-    message: Delivery,
-    *,
-    keeps_headers: bool,
-    timeout_s: float,
-) -> bool | None:
-    """A held delivery at a stop: a copy of its attempt, due when it was to be tried again
-    (its lost deliveries carried), and this one acked (True); or, when the message itself
-    must come back (its headers say it is at its delivery limit or a moved-back letter, which
-    a copy would not carry), left unsettled (None), for the stop's close to return it."""
-    if keeps_headers:
-        return None
-    later = delivery.model_copy(update={"not_before": held.until, "message_id": new_id()})
-    return await _carry_out(
-        broker, Send(later, "held at a stop"), delivery, message, timeout_s=timeout_s
-    )
+    return not (hands_on and broker.stopping)
 
 
 async def _try_and_carry_out(

@@ -91,6 +91,7 @@ from shared.contracts import DeliverWebhook, WebhookPurpose, new_id
 from shared.http import parse_retry_after
 from shared.in_hand import InHand
 from shared.runtime import HOLD_POLL_S, keep_trying_database, wait_for_claim
+from shared.settings import BROKER_CONSUMER_TIMEOUT_S
 from shared.topology import wait_tier_for
 
 Clock = Callable[[], datetime]
@@ -513,12 +514,19 @@ async def _send(
     # Past the lease too, the delivery held meanwhile: given up at the lease's end, the error
     # had the consumer send the attempt again as a copy, which claimed the lapsed lease once
     # the database was back and POSTed a webhook known to be delivered. The write is
-    # unconditional and idempotent, and DELIVERED is final.
+    # unconditional and idempotent, and DELIVERED is final. Bounded all the same, well inside
+    # the broker's consumer timeout, past which the channel closes and every delivery in
+    # hand on it comes back counted.
     await keep_trying_database(
         lambda: deps.ledger.mark_delivered(delivery, now=deps.clock(), status=answer.status),
         what=f"recording delivery {delivery.delivery_id} as delivered",
+        give_up_after_s=DELIVERED_RECORD_PATIENCE_S,
     )
     return Done(f"delivered ({answer.status})")
+
+
+# How long a 2xx's record is tried before the error goes to the consumer (`_send`).
+DELIVERED_RECORD_PATIENCE_S = BROKER_CONSUMER_TIMEOUT_S / 2
 
 
 async def _while_leased[T](

@@ -43,14 +43,17 @@ _DRAWN_FIELD = re.compile(r"^[HR](\(\d+-\d+\))?(/\d+)?$", re.IGNORECASE | re.ASC
 
 # Names a host's zoneinfo may hold that are not one zone everywhere: `localtime` is the
 # host's own (replicas on hosts of different zones each fired at their own instant, twice in
-# all), `posixrules` the host's default rules, `Factory` no zone at all.
+# all), `posixrules` the host's default rules, `Factory` no zone at all; and the `right/` and
+# `posix/` trees that some packagings add (a config loading on one replica and refused on
+# another; `right/` zones count leap seconds, their offsets about 27 s off).
 HOST_DEPENDENT_ZONES = frozenset({"localtime", "posixrules", "Factory"})
+HOST_DEPENDENT_TREES = ("right/", "posix/")
 
 
 def zone(name: str) -> ZoneInfo:
     """The IANA time zone `name`; raises `ConfigurationError` for an unknown one, or one
     whose meaning depends on the host (`HOST_DEPENDENT_ZONES`)."""
-    if name in HOST_DEPENDENT_ZONES:
+    if name in HOST_DEPENDENT_ZONES or name.startswith(HOST_DEPENDENT_TREES):
         raise ConfigurationError(
             f"time zone {name!r} depends on the host; name the zone itself (such as Europe/Berlin)"
         )

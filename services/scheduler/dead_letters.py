@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -48,6 +49,7 @@ from services.scheduler.jobs import Clock
 from services.scheduler.schedule import JobCatalog
 from shared.bus import BROKER_ERRORS
 from shared.contracts import RunCronJob
+from shared.database_errors import transient_database_error
 from shared.dead_letters import (
     REPLAY_BUDGET_S,
     CutOff,
@@ -151,16 +153,68 @@ class CronReplay:
     interrupted: str | None = None
 
 
+log = logging.getLogger("scorebox.scheduler.dead_letters")
+
 # What ends a replay part-way once it replayed a letter (raised before that).
 INTERRUPTIONS = (*BROKER_ERRORS, DispatchFailed, TriggeredTooOften, PyMongoError)
 
 
 def interruption(error: BaseException) -> str:
-    """What stopped a replay, as the 503 or the 429 it would have answered says it."""
+    """What stopped a replay, as the 503, 429 or 500 it would have answered says it; logged."""
+    if isinstance(error, PyMongoError) and not transient_database_error(error):
+        log.error(
+            "a cron dead-letter replay stopped: the database refused for good", exc_info=error
+        )
+        return (
+            f"The database refused an operation for good ({type(error).__name__}; the "
+            "scheduler's log has it): asking again meets the same refusal until it is mended."
+        )
+    log.warning("a cron dead-letter replay stopped part-way: %r", error)
     if isinstance(error, DispatchFailed | TriggeredTooOften):
         return f"{str(error).rstrip('.;')}; try again shortly."
     away = "The database" if isinstance(error, PyMongoError) else "The broker"
     return f"{away} is unavailable ({type(error).__name__}); try again shortly."
+
+
+@dataclass
+class _Chosen:
+    """The letters of a walk a replay asked for: readable ones, the message ids of the
+    unreadable, and every run id matched."""
+
+    letters: list[tuple[AbstractIncomingMessage, RunCronJob]] = field(default_factory=list)
+    unreadable: list[str] = field(default_factory=list)
+    found: set[str] = field(default_factory=set)
+
+
+def _chosen(
+    held: Collection[AbstractIncomingMessage], wanted: frozenset[str] | None, now: datetime
+) -> _Chosen:
+    chosen = _Chosen()
+    for message in sorted(held, key=lambda m: oldest_first(dead_lettered_at(m, now))):
+        command = _read(message)
+        run_id = command.run_id if command else message.correlation_id
+        if wanted is not None and run_id not in wanted:
+            continue
+        chosen.found.add(run_id or "")
+        if command is None:
+            chosen.unreadable.append(letter_id(message))
+        else:
+            chosen.letters.append((message, command))
+    return chosen
+
+
+@dataclass
+class _ReplayRun:
+    """What replaying the chosen letters did, and the runs of the letters it left."""
+
+    replayed: list[ReplayedLetter] = field(default_factory=list)
+    in_progress: list[str] = field(default_factory=list)
+    left: set[str] = field(default_factory=set)
+    interrupted: str | None = None
+
+    def leave(self, letters: list[tuple[AbstractIncomingMessage, RunCronJob]]) -> None:
+        done = {letter.dead_run_id for letter in self.replayed}
+        self.left = {c.run_id for _, c in letters} - done - set(self.in_progress)
 
 
 class CronDeadLetters:
@@ -198,69 +252,67 @@ class CronDeadLetters:
         replayed yet; after one was, they end the replay with what it did, the letters left
         kept and reported as the budget's are (`interrupted` says why): raised, a 503 hid the
         runs started, and the retry it asked for found their letters gone (`not_found`)."""
-        loop = asyncio.get_running_loop()
-        stop_at = loop.time() + self._replay_budget_s
-        left: set[str] = set()  # runs whose letters the budget left
+        stop_at = asyncio.get_running_loop().time() + self._replay_budget_s
         now = self._clock()
         # Looked up once per letter: in the list as asked for (up to 10,000 run ids), that
         # was up to 10,000 x 10,000 comparisons in one walk.
         wanted = None if run_ids is None else frozenset(run_ids)
-        replayed: list[ReplayedLetter] = []
-        unreadable: list[str] = []
-        found: set[str] = set()
-        in_progress: list[str] = []
-        interrupted: str | None = None
         async with self._dlq.walk(deadline=stop_at) as held:
-            chosen: list[tuple[AbstractIncomingMessage, RunCronJob]] = []
-            for message in sorted(held, key=lambda m: oldest_first(dead_lettered_at(m, now))):
-                command = _read(message)
-                run_id = command.run_id if command else message.correlation_id
-                if wanted is not None and run_id not in wanted:
-                    continue
-                found.add(run_id or "")
-                if command is None:
-                    unreadable.append(letter_id(message))
-                else:
-                    chosen.append((message, command))
-            gone = {c.run_id: c.job for _, c in chosen if not self._jobs.runnable(c.job)}
+            chosen = _chosen(held, wanted, now)
+            gone = {c.run_id: c.job for _, c in chosen.letters if not self._jobs.runnable(c.job)}
             if gone and wanted is not None:
                 raise ReplayRefused(gone)
-            chosen = [(message, c) for message, c in chosen if c.run_id not in gone]
-            for index, (message, command) in enumerate(chosen):
-                # Any letter tried counts (one whose run is in progress costs round trips
-                # too): the budget held only once a letter was replayed.
-                if index and loop.time() >= stop_at:
-                    done = {letter.dead_run_id for letter in replayed}
-                    left = {c.run_id for _, c in chosen[index:]} - done - set(in_progress)
-                    break
-                try:
-                    firing, started_now = await self._replay_run(command)
-                    await self._dlq.remove(message)
-                except (RunInProgress, LeaseTaken):  # its lease changing hands: in progress
-                    in_progress.append(command.run_id)
-                    continue
-                except INTERRUPTIONS as error:
-                    if not replayed:
-                        raise
-                    interrupted = interruption(error)
-                    done = {letter.dead_run_id for letter in replayed}
-                    left = {c.run_id for _, c in chosen[index:]} - done - set(in_progress)
-                    break
-                replayed.append(ReplayedLetter(command.run_id, command.job, firing, started_now))
+            runnable = [(message, c) for message, c in chosen.letters if c.run_id not in gone]
+            run = await self._replay_letters(runnable, stop_at)
         not_found, not_reached = unmatched(
-            run_ids or [], found, truncated=held.truncated or held.timed_out, left=left
+            run_ids or [], chosen.found, truncated=held.truncated or held.timed_out, left=run.left
         )
         return CronReplay(
-            replayed,
-            unreadable,
+            run.replayed,
+            chosen.unreadable,
             list(gone),
             not_found,
-            in_progress,
+            run.in_progress,
             not_reached=not_reached,
             truncated=held.truncated,
-            timed_out=held.timed_out or (bool(left) and interrupted is None),
-            interrupted=interrupted,
+            timed_out=held.timed_out or (bool(run.left) and run.interrupted is None),
+            interrupted=run.interrupted,
         )
+
+    async def _replay_letters(
+        self, chosen: list[tuple[AbstractIncomingMessage, RunCronJob]], stop_at: float
+    ) -> _ReplayRun:
+        """Replay `chosen` in order until done, out of budget (`stop_at`, the event loop's
+        clock), or interrupted; the runs left are those of the letters not reached."""
+        loop = asyncio.get_running_loop()
+        run = _ReplayRun()
+        for index, (message, command) in enumerate(chosen):
+            # Any letter tried counts (one whose run is in progress costs round trips
+            # too): the budget held only once a letter was replayed.
+            if index and loop.time() >= stop_at:
+                run.leave(chosen[index:])
+                break
+            try:
+                firing, started_now = await self._replay_run(command)
+            except (RunInProgress, LeaseTaken):  # its lease changing hands: in progress
+                run.in_progress.append(command.run_id)
+                continue
+            except INTERRUPTIONS as error:
+                if not run.replayed:
+                    raise
+                run.interrupted = interruption(error)
+                run.leave(chosen[index:])
+                break
+            # Run: replayed, whatever becomes of the ack (a letter whose ack fails stays,
+            # and its replay finds the run replayed already: `fire_replay`).
+            run.replayed.append(ReplayedLetter(command.run_id, command.job, firing, started_now))
+            try:
+                await self._dlq.remove(message)
+            except BROKER_ERRORS as error:
+                run.interrupted = interruption(error)
+                run.leave(chosen[index + 1 :])
+                break
+        return run
 
     async def drop(self, run_id: str, *, cut_off: CutOff | None = None) -> Dropped:
         """Remove every letter of the run `run_id` (each copy of it), or the letter whose

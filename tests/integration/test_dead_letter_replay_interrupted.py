@@ -18,16 +18,19 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from aio_pika.abc import AbstractIncomingMessage
 from fastapi import FastAPI
 from faststream.rabbit import RabbitBroker
 from pydantic import SecretStr
+from pymongo.errors import OperationFailure
 
 from services.gateway.admin_api import admin_routes
 from services.gateway.deadletters import DeadLetterQueue
-from services.gateway.errors import BrokerUnavailable
+from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
 from services.gateway.publisher import TaskPublisher
 from services.gateway.submissions import Submissions
 from shared.contracts import ScoreText, utcnow
+from shared.dead_letters import DeadLetterWalker
 from shared.http import install_problem_handlers
 from shared.query_parameters import only_known_query_parameters
 from tests.integration import test_dead_letter_drop as gateway_dlq
@@ -62,6 +65,21 @@ class BrokerFailsAfter(TaskPublisher):
     async def resubmit(self, command: ScoreText) -> None:
         if self.left == 0:
             raise BrokerUnavailable("the broker did not confirm the publish")
+        self.left -= 1
+        await super().resubmit(command)
+
+
+class RefusedAfter(TaskPublisher):
+    """The database refusing for good (a missing privilege) after `allowed` resubmits."""
+
+    def __init__(self, broker: RabbitBroker, *, allowed: int) -> None:
+        super().__init__(broker, timeout_s=TIMEOUT_S)
+        self.left = allowed
+
+    async def resubmit(self, command: ScoreText) -> None:
+        if self.left == 0:
+            refusal = OperationFailure("not authorized on gateway", code=13)
+            raise DatabaseUnavailable("replay_generation refused") from refusal
         self.left -= 1
         await super().resubmit(command)
 
@@ -145,3 +163,55 @@ async def test_a_letter_left_by_the_budget_is_reported_though_its_task_had_anoth
     [left] = await _drain(dlq)
     assert ScoreText.model_validate_json(left.body).generation == 0
     await queued_commands(dlq)
+
+
+async def test_a_refusal_for_good_part_way_says_asking_again_meets_it_too(
+    dlq: str, broker: RabbitBroker, submissions: Submissions
+) -> None:
+    """It said the database was unavailable, to try again shortly, and logged nothing."""
+    commands = _commands(2)
+    await _dead_letter(dlq, commands)
+    ids = [command.task_id for command in commands]
+
+    async with _admin(_app(broker, submissions, RefusedAfter(broker, allowed=1))) as api:
+        report = (await api.post(f"{LETTERS}/replay", json={"ids": ids})).json()
+
+    assert report["replayed"] == ids[:1]
+    assert report["not_reached"] == ids[1:]
+    assert "refused an operation for good" in report["interrupted"]
+    assert "try again shortly" not in report["interrupted"]
+    assert len(await _drain(dlq)) == 1
+    await queued_commands(dlq)
+
+
+async def test_a_letter_sent_whose_ack_failed_is_reported_replayed(
+    dlq: str, broker: RabbitBroker, submissions: Submissions
+) -> None:
+    """Its command was confirmed, then the walk's channel closed at its ack: it was
+    reported `not_reached`, "not replayed yet", though the scorer had it."""
+    commands = _commands(3)
+    await _dead_letter(dlq, commands)
+    ids = [command.task_id for command in commands]
+    dead_letters = DeadLetterQueue(
+        broker, TaskPublisher(broker, timeout_s=TIMEOUT_S), submissions, utcnow, timeout_s=TIMEOUT_S
+    )
+    walker = dead_letters._dlq
+    removes = 0
+
+    async def channel_lost_at_the_second(message: AbstractIncomingMessage) -> None:
+        nonlocal removes
+        removes += 1
+        if removes == 2:
+            await message.channel.close()
+        await DeadLetterWalker.remove(walker, message)
+
+    walker.remove = channel_lost_at_the_second  # type: ignore[method-assign]
+
+    report = await dead_letters.replay(ids)
+
+    assert report.replayed == ids[:2]
+    assert report.not_reached == ids[2:]
+    assert report.interrupted is not None
+    assert [command.task_id for command in await queued_commands(dlq)] == ids[:2]
+    left = [ScoreText.model_validate_json(letter.body).task_id for letter in await _drain(dlq)]
+    assert sorted(left) == sorted(ids[1:])  # the second's ack was lost: it stays

@@ -17,11 +17,12 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 from aio_pika.abc import AbstractIncomingMessage
+from pymongo.errors import AutoReconnect, OperationFailure
 
 from services.gateway.deadletters import DeadLetterQueue, describe
 from services.gateway.submissions import ReplayRefused
 from services.scheduler.config import Concurrency, MissedFirings
-from services.scheduler.dead_letters import CronDeadLetters
+from services.scheduler.dead_letters import CronDeadLetters, interruption
 from services.scheduler.dispatcher import fire_replay
 from services.scheduler.errors import RunInProgress
 from services.scheduler.firings import LeaseTaken
@@ -347,3 +348,11 @@ async def test_a_superseded_letter_counts_against_the_replays_budget() -> None:
 
     assert submissions.asked == ["t-0"]
     assert (replay.superseded, replay.replayed, replay.timed_out) == (["t-0"], [], True)
+
+
+def test_a_cron_replay_stopped_by_a_refusal_for_good_does_not_say_to_try_again_shortly() -> None:
+    """It said the database was unavailable, to try again shortly (found in review)."""
+    refused = interruption(OperationFailure("not authorized", code=13))
+    assert "refused an operation for good" in refused
+    assert "try again shortly" not in refused
+    assert interruption(AutoReconnect("gone")).startswith("The database is unavailable")

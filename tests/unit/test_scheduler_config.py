@@ -64,6 +64,8 @@ def test_env_names() -> None:
         ({"jobs": {"j": {"cron": "5 * * * *", "tz": "Nowhere/City"}}}, {}, "unknown time zone"),
         ({"jobs": {"j": {"cron": "5 * * * *", "tz": "localtime"}}}, {}, "depends on the host"),
         ({"jobs": {"j": {"cron": "5 * * * *", "tz": "posixrules"}}}, {}, "depends on the host"),
+        ({"jobs": {"j": {"cron": "5 * * * *", "tz": "right/UTC"}}}, {}, "depends on the host"),
+        ({"jobs": {"j": {"cron": "5 * * * *", "tz": "posix/Europe/Berlin"}}}, {}, "on the host"),
         ({"jobs": {"j": {"cron": "5 * * * *", "missed": "sometimes"}}}, {}, "missed"),
         ({"jobs": {"j": {"cron": "5 * * * *", "colour": "red"}}}, {}, "colour"),
         ({"jobs": {"j": {"cron": "5 * * * *"}}}, {"CRON_J_ENABLED": "maybe"}, "CRON_J_ENABLED"),

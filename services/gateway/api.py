@@ -133,7 +133,7 @@ def _unavailable(error: Unavailable) -> Problem:
         return database_refused(error)
     return Problem(
         503,
-        f"{type(error).__name__}: a dependency is unavailable and nothing was kept; retry shortly.",
+        f"{error.away}; nothing was kept. Retry shortly.",
         kind="unavailable",
         headers={"Retry-After": str(error.retry_after_s)},
     )
@@ -146,8 +146,8 @@ def read_unavailable(error: Unavailable) -> Problem:
         return database_refused(error)
     return Problem(
         503,
-        f"{type(error).__name__}: a dependency is unavailable, so this cannot be read right "
-        "now; nothing was changed (an accepted task is still being scored). Retry shortly.",
+        f"{error.away}, so this cannot be read right now; nothing was changed (an accepted "
+        "task is still being scored). Retry shortly.",
         kind="unavailable",
         headers={"Retry-After": str(error.retry_after_s)},
     )

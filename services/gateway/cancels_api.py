@@ -143,7 +143,7 @@ def _unconfirmed(error: BrokerUnavailable, unconfirmed: str = UNCONFIRMED) -> Pr
     the scorer records a cancellation once."""
     return Problem(
         503,
-        f"{type(error).__name__}: {unconfirmed}",
+        f"{error.away}. {unconfirmed}",
         kind="unavailable",
         headers={"Retry-After": str(error.retry_after_s)},
     )

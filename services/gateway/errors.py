@@ -43,16 +43,28 @@ class Unavailable(GatewayError):
     """A dependency is down; the request changed nothing."""
 
     retry_after_s = 5
+    # What is away, as a client's answer names it (`away`).
+    what = "A dependency"
+
+    @property
+    def away(self) -> str:
+        """`what` is unavailable, for a problem's detail: the class's name led it
+        ("StatusUnavailable: a dependency is unavailable"), a word of the code, not the API."""
+        return f"{self.what} is unavailable"
 
 
 class BrokerUnavailable(Unavailable):
     """RabbitMQ did not confirm the publish."""
+
+    what = "The message broker"
 
 
 class DatabaseUnavailable(Unavailable):
     """MongoDB did not answer, or refused the operation; the PyMongo error is its cause
     (`database_away` tells the two apart). A request answers an absence with a 503 and a
     refusal for good with a 500 (`refused_for_good`): retrying would meet it again."""
+
+    what = "The database"
 
 
 def database_away(error: BaseException) -> bool:
@@ -78,3 +90,5 @@ def refused_for_good(error: BaseException) -> bool:
 
 class StatusUnavailable(Unavailable):
     """The status service did not answer."""
+
+    what = "The status service"

@@ -20,6 +20,8 @@ MAX_CONNECTIONS = 32
 class SchedulerUnavailable(Unavailable):
     """The scheduler did not answer (or answered something unexpected)."""
 
+    what = "The scheduler"
+
 
 class UsageQueryRejected(GatewayError):
     """The scheduler refused the query (422): a malformed date or an unusable range."""

@@ -48,6 +48,8 @@ class NotifierUnavailable(Unavailable):
     """The notifier did not answer (or answered something unexpected). `maybe_applied`: the
     request reached it (no answer in time, or an error answer), so a change may be made."""
 
+    what = "The notifier"
+
     def __init__(self, message: str, *, maybe_applied: bool) -> None:
         super().__init__(message)
         self.maybe_applied = maybe_applied

@@ -695,6 +695,24 @@ def _list_letters(path: str, client: httpx.Client) -> None:
     _note_truncated(listing, f"{count} listed, the rest not reached (replay or drop some first)")
 
 
+def _rfc3339_or_none(value: str | None) -> str | None:
+    """`--before` as given, once it reads as an RFC 3339 date-time with a zone: checked here,
+    a purge asked its question first and the service refused the value only after a yes
+    (found in a walkthrough). The service checks it again, to the letter."""
+    if value is None:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.upper())
+    except ValueError:
+        parsed = None
+    if parsed is None or parsed.tzinfo is None or "T" not in value.upper():
+        raise typer.BadParameter(
+            f"{value!r} is not an RFC 3339 date-time with a zone, such as a listing's "
+            "listed_at (2030-01-01T10:00:00Z)"
+        )
+    return value
+
+
 # A drop's or a purge's cut-off: letters dead-lettered at or after it are kept.
 Before = Annotated[
     str | None,
@@ -703,6 +721,7 @@ Before = Annotated[
         metavar="LISTED_AT",
         help="Remove only letters dead-lettered before this RFC 3339 time (a listing's "
         "listed_at); those dead-lettered since are kept.",
+        callback=_rfc3339_or_none,
     ),
 ]
 

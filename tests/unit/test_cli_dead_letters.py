@@ -5,6 +5,7 @@ httpx.MockTransport injected through `cli.transport`)."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import httpx
@@ -424,6 +425,26 @@ def test_before_sends_the_listings_time_as_the_cut_off(
     [request] = server.requests
     assert dict(request.url.params) == {"dead_lettered_before": LISTED_AT}
     assert json.loads(result.stdout) == answer
+
+
+@pytest.mark.parametrize(
+    "command",
+    [("dlq", "purge"), ("cron", "dlq", "purge"), ("dlq", "drop", "t1")],
+    ids=["purge", "cron-purge", "drop"],
+)
+@pytest.mark.parametrize("before", ["garbage", "2030-01-01", "2030-01-01T10:00:00"])
+def test_a_cut_off_that_is_no_zoned_time_is_refused_before_asking_or_sending(
+    server: FakeServer, command: tuple[str, ...], before: str
+) -> None:
+    """A purge asked its question first; refused by the service only after a yes (found in
+    a walkthrough)."""
+    result = run_cli(*command, "--before", before, input="y\n")
+
+    assert result.exit_code == 2, result.output
+    assert "Delete every dead letter" not in result.stderr
+    said = " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.stderr).split())  # rich's box, unwrapped
+    assert "RFC 3339 date-time with a zone" in said
+    assert server.requests == []
 
 
 def test_a_purge_without_before_sends_no_cut_off(server: FakeServer) -> None:

@@ -622,7 +622,7 @@ def _admin_call(
 def _replay_body(ids: list[str] | None, replay_all: bool, *, field: str) -> dict[str, Any]:
     if replay_all == bool(ids):
         said = "ids and --all: give one or the other" if ids else "give ids, or --all"
-        typer.echo(said, err=True)
+        typer.echo(f"error: {said}", err=True)
         raise typer.Exit(code=2)
     return {"all": True} if replay_all else {field: ids}
 

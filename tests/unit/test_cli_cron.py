@@ -290,7 +290,7 @@ def test_cron_dlq_replay_wants_ids_or_all(
     """Given neither, it said "(not both)" (found in a walkthrough)."""
     result = run_cli("cron", "dlq", "replay", *args)
     assert result.exit_code == 2
-    assert said in result.stderr
+    assert result.stderr == f"error: {said}\n"  # as every other refusal says it
     assert not server.requests
 
 

@@ -642,7 +642,7 @@ def _exit_on_missed(replay: dict[str, Any], *, drop_command: str, replay_all: bo
     if replay.get("timed_out") is True:
         typer.echo(f"timed out: {REPLAY_STOPPED}; run it again for the rest", err=True)
     if isinstance(interrupted := replay.get("interrupted"), str):
-        typer.echo(f"interrupted: {interrupted} Run it again for the rest.", err=True)
+        typer.echo(f"interrupted: {interrupted}", err=True)  # it says what to do
     if replay.get("superseded"):
         typer.echo(
             f"superseded by a later generation, removed: {' '.join(replay['superseded'])}",
@@ -677,12 +677,12 @@ def _stopped_short(replay: dict[str, Any]) -> bool:
 def _not_reached_why(replay: dict[str, Any]) -> str:
     """What the ids a replay did not reach wait for: a walk cut short, or its time budget."""
     if isinstance(replay.get("interrupted"), str) and replay.get("truncated") is not True:
-        return "not replayed yet (the replay was interrupted: run it again)"
+        return "not replayed yet (the replay was interrupted, as said above)"
     if replay.get("truncated") is not True:
         return "not replayed yet (the replay ran out of time: run it again)"
     ran_out = "; or the replay ran out of time: run it again" if replay.get("timed_out") else ""
     if isinstance(replay.get("interrupted"), str):
-        ran_out = "; or the replay was interrupted: run it again"
+        ran_out = "; or the replay was interrupted, as said above"
     return (
         "not reached (they may lie past the walk: replay or drop the letters before them, then "
         f"ask again{ran_out})"

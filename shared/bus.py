@@ -10,9 +10,9 @@ Publishes go through aio-pika on the FastStream broker's own channel (`send_raw`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import weakref
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -125,23 +125,34 @@ async def send_raw(
     above it costs more CPU per message (`python -m bench.micro` compares the two) for
     nothing these publishes use."""
     target = await broker.declare_exchange(exchange)
+    deadline = asyncio.get_running_loop().time() + timeout
+    try:
+        turn = await _turn_of(broker, message_id, deadline)
+    except TimeoutError:
+        _count(broker, exchange, "not_sent")  # an earlier publish of its id still out
+        raise
+    try:
+        time_left = turn.time_left()
+    except TimeoutError:
+        turn.end()
+        _count(broker, exchange, "not_sent")
+        raise
     outcome = "unconfirmed"
     try:
-        async with _alone_with_its_id(broker, message_id, timeout):
-            await target.publish(
-                aio_pika.Message(
-                    body,
-                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                    content_type=JSON,
-                    message_id=message_id,
-                    correlation_id=correlation_id,
-                    timestamp=utcnow(),
-                    headers=headers,
-                ),
-                routing_key=routing_key,
-                mandatory=True,
-                timeout=timeout,
-            )
+        await target.publish(
+            aio_pika.Message(
+                body,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                content_type=JSON,
+                message_id=message_id,
+                correlation_id=correlation_id,
+                timestamp=utcnow(),
+                headers=headers,
+            ),
+            routing_key=routing_key,
+            mandatory=True,
+            timeout=time_left,
+        )
         outcome = "confirmed"
     except NOT_SENT:
         outcome = "not_sent"
@@ -156,40 +167,63 @@ async def send_raw(
     except Exception as error:
         raise PublishUnconfirmed(repr(error)) from error
     finally:
-        if isinstance(broker, ScoreboxBroker):
-            broker.metrics.publishes.labels(exchange.name or "(default)", outcome).inc()
+        turn.end()
+        _count(broker, exchange, outcome)
 
 
-# The message ids of each broker's publishes awaiting their confirm (`_alone_with_its_id`).
+def _count(broker: RabbitBroker, exchange: RabbitExchange, outcome: str) -> None:
+    if isinstance(broker, ScoreboxBroker):
+        broker.metrics.publishes.labels(exchange.name or "(default)", outcome).inc()
+
+
+# The message ids of each broker's publishes that may still be answered (`_turn_of`).
 _IN_FLIGHT: weakref.WeakKeyDictionary[RabbitBroker, dict[str, asyncio.Event]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-@contextlib.asynccontextmanager
-async def _alone_with_its_id(
-    broker: RabbitBroker, message_id: str | None, timeout: float
-) -> AsyncIterator[None]:
+@dataclass
+class _Turn:
+    """A publish's turn with its message id (`_turn_of`)."""
+
+    in_flight: dict[str, asyncio.Event] | None
+    message_id: str | None
+    deadline: float
+
+    def time_left(self) -> float:
+        left = self.deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise TimeoutError("no time left for the publish")
+        return left
+
+    def end(self) -> None:
+        """Free the id. A publish given up on unanswered (its timeout) frees it too, though
+        its return may yet come and be charged to the next publish of the id: kept for a
+        while, the id held every resend after a broker alarm back by as long, and such a
+        return needs an unroutable publish, which the declared topology leaves none of."""
+        if self.in_flight is None or self.message_id is None:
+            return
+        ours = self.in_flight.pop(self.message_id)
+        ours.set()
+
+
+async def _turn_of(broker: RabbitBroker, message_id: str | None, deadline: float) -> _Turn:
     """One publish of a message id in flight at a time on `broker`: aiormq matches a
     `basic.return` to its publish by message id, so of two in flight together, the first's
     return was charged to the second, and the first's `basic.ack` then confirmed it, an
     unroutable publish taken as confirmed (found in review). Such pairs are rare: two copies
     of one message handled at once, the outbox sweep sending again a command whose first
-    publish awaits its confirm, a re-score fan-out overlapping itself. Waiting for the
-    earlier one counts towards `timeout`."""
+    publish awaits its confirm, a re-score fan-out overlapping itself. The wait for the
+    earlier one counts towards the publish's `deadline` (the event loop's clock); past it,
+    TimeoutError, nothing sent."""
     if message_id is None:  # aiormq gives it a random one
-        yield
-        return
+        return _Turn(None, None, deadline)
     in_flight = _IN_FLIGHT.setdefault(broker, {})
-    async with asyncio.timeout(timeout):
+    async with asyncio.timeout_at(deadline):
         while (earlier := in_flight.get(message_id)) is not None:
             await earlier.wait()
-    done = in_flight[message_id] = asyncio.Event()
-    try:
-        yield
-    finally:
-        del in_flight[message_id]
-        done.set()
+    in_flight[message_id] = asyncio.Event()
+    return _Turn(in_flight, message_id, deadline)
 
 
 async def publish_event(broker: RabbitBroker, event: TaskEvent, *, timeout: float) -> None:

@@ -180,9 +180,10 @@ def _interruption(error: BaseException) -> str:
     """Why a replay stopped part-way, for its answer (`Replay.interrupted`); logged."""
     if refused_for_good(error):
         log.error("a dead-letter replay stopped: the database refused for good", exc_info=error)
+        refusal = type(error.__cause__ or error).__name__  # the driver's, not our wrapper's
         return (
-            f"The database refused an operation for good ({type(error).__name__}; the "
-            "gateway's log has it): asking again meets the same refusal until it is mended."
+            f"The database refused an operation for good ({refusal}; the gateway's log has "
+            "it): asking again meets the same refusal until it is mended."
         )
     log.warning("a dead-letter replay stopped part-way: %r", error)
     return unavailable_detail(error)

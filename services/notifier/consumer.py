@@ -242,17 +242,13 @@ def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_
             ),
             Hold,
         ):
-            # One at its delivery limit or moved back (held while the database is away) is
-            # never handed on: a copy would not carry its headers, and left unsettled at a
-            # stop's start it came back past the limit for the broker to dead-letter without
-            # a reason; it is held as before, for as long as the stop's grace lasts.
-            hands_on = limit_reason is None and not moved_back
+            # One at its delivery limit is held on, for as long as the stop's grace lasts: it
+            # makes no POST, and left unsettled it came back past the limit for the broker to
+            # dead-letter without a reason.
+            hands_on = limit_reason is None
             if not await _still_held(broker, settled, deps.clock, hands_on=hands_on):
-                later = delivery.model_copy(
-                    update={"not_before": settled.until, "message_id": new_id()}
-                )
-                settled = await _carry_out(
-                    broker, Send(later, "held at a stop"), delivery, message, timeout_s=timeout_s
+                settled = await _handed_on(
+                    broker, delivery, message, settled, moved_back=moved_back, timeout_s=timeout_s
                 )
                 break
             redelivered = True
@@ -275,6 +271,31 @@ async def _still_held(broker: ScoreboxBroker, held: Hold, clock: Clock, *, hands
         return False
     await wait_for_claim(held.until, clock)
     return not (hands_on and broker.stopping)
+
+
+async def _handed_on(
+    broker: RabbitBroker,
+    delivery: DeliverWebhook,
+    message: Delivery,
+    held: Hold,
+    *,
+    moved_back: bool,
+    timeout_s: float,
+) -> bool:
+    """A held delivery at a stop: a copy of its attempt, due when it was to try again,
+    carrying its lost deliveries, and (for a moved-back letter, which a copy must still read
+    as) the letter's reason (`ERROR_HEADER`); True, for this one to be acked."""
+    later = delivery.model_copy(update={"not_before": held.until, "message_id": new_id()})
+    headers = carried_deliveries(message.headers)
+    if moved_back:
+        headers[ERROR_HEADER] = str(message.headers.get(ERROR_HEADER, MOVED_BACK_REASON))
+    log.info("webhook %s attempt %d: held at a stop", delivery.delivery_id, delivery.attempt)
+    await send_delivery(broker, later, timeout=timeout_s, headers=headers)
+    return True
+
+
+# A letter of RabbitMQ's own (an `x-death`) names no reason of ours: its copy says this.
+MOVED_BACK_REASON = "a dead letter of RabbitMQ's, moved back"
 
 
 async def _try_and_carry_out(

@@ -278,20 +278,15 @@ async def _claim_and_decide(
     nothing: the slot goes to a delivery still in hand.
     """
     async with deps.model_slots.held():
-        if lost is not None and lost.is_set():
-            return Drop("its delivery was lost while it waited for a model slot")
-        # Again now: a delivery in hand waits here behind the calls under way (the prefetch
-        # is twice the slots), and a batch's cancellation heard meanwhile found it past the
-        # check on arrival; each such item of a cancelled batch was scored (found in a
-        # walkthrough: 16 of a 1,000-item batch cancelled a second after its 202).
-        if (cancelled_now := await _cancelled_with_its_batch(command, deps)) is not None:
-            return cancelled_now
+        if (instead := await _not_to_call(command, deps, lost, "for a model slot")) is not None:
+            return instead
         turn = await deps.throttle.wait_turn(deps.model_slots.closing, text_key=hash(command.text))
         if isinstance(turn, PutOff):
             return _put_off(command, turn, deps)
         try:
-            if lost is not None and lost.is_set():
-                return Drop("its delivery was lost while it waited out a rate-limit pause")
+            waited = "out a rate-limit pause"
+            if (instead := await _not_to_call(command, deps, lost, waited)) is not None:
+                return instead
             called = await _claim_and_call(command, deps, redelivered, turn)
         finally:
             deps.throttle.done(turn)
@@ -300,6 +295,20 @@ async def _claim_and_decide(
     return await _recorded(
         command, called.decision, called.raw_output, deps, held_until=called.claimed_at + deps.lease
     )
+
+
+async def _not_to_call(
+    command: ScoreText, deps: ScorerDeps, lost: asyncio.Event | None, waited: str
+) -> Decision | None:
+    """What a delivery that `waited` (for a slot, or out a rate-limit pause) does instead of
+    its call: nothing when its delivery was lost meanwhile, or its batch's cancellation, heard
+    meanwhile (the check on arrival found it not yet: a delivery in hand waits behind the
+    calls under way, the prefetch being twice the slots, and a pause holds every slot's
+    delivery in `wait_turn`; each item of a cancelled batch waiting so was scored, found in a
+    walkthrough: 16 of a 1,000-item batch cancelled a second after its 202). None: call."""
+    if lost is not None and lost.is_set():
+        return Drop(f"its delivery was lost while it waited {waited}")
+    return await _cancelled_with_its_batch(command, deps)
 
 
 @dataclass(frozen=True)

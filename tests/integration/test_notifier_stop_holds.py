@@ -11,13 +11,15 @@ broker hands it a message, on the real database."""
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 from typing import Any
 
 import pytest
 
+from services.notifier.consumer import MOVED_BACK_REASON, is_moved_back_letter
 from services.notifier.ledger import Ledger
 from shared.contracts import DeliverWebhook, utcnow
-from shared.topology import EARLIER_DELIVERIES_HEADER
+from shared.topology import EARLIER_DELIVERIES_HEADER, ERROR_HEADER, WEBHOOK_DELIVERIES
 from tests.integration import test_notifier_own_claims as own_claims
 from tests.integration.test_notifier import Receiver
 from tests.integration.test_notifier_delivery_limit import _handler
@@ -54,4 +56,48 @@ async def test_a_redelivery_held_for_a_lease_is_handed_on_at_a_stop_unsent(
     assert record.lease_until is not None
     assert (copy.attempt, copy.not_before) == (delivery.attempt, record.lease_until)
     assert published.message.headers[EARLIER_DELIVERIES_HEADER] == 2
+    assert receiver[0].requests(delivery.url) == []
+
+
+@pytest.mark.parametrize(
+    ("letter", "reason"),
+    [
+        ({ERROR_HEADER: "gave up earlier"}, "gave up earlier"),
+        (
+            {"x-death": [{"queue": WEBHOOK_DELIVERIES.name, "reason": "delivery_limit"}]},
+            MOVED_BACK_REASON,
+        ),
+    ],
+    ids=["ours", "rabbitmqs"],
+)
+async def test_a_moved_back_letter_held_at_a_stop_is_handed_on_as_a_letter_still(
+    make_deps: Deps,
+    ledger: Ledger,
+    receiver: tuple[Receiver, Any],
+    letter: dict[str, Any],
+    reason: str,
+) -> None:
+    """Held on through the stop (a first fix spared it, as it spares one at its delivery
+    limit), it claimed and POSTed once the lease ended, in the stop's grace (found in
+    review). Its copy carries the letter's reason, so that it is still read as one."""
+    delivery = _delivery(receiver[0])
+    await ledger.register(delivery, now=utcnow())
+    claim = await ledger.claim(
+        delivery, process="proc-b", owner="proc-b/1", now=utcnow(), lease=timedelta(seconds=3)
+    )
+    assert claim.won
+    broker, handle = _handler(make_deps("proc-a"))
+    broker.stopping = True
+    message = HandedDelivery(
+        delivery.model_dump_json().encode(),
+        headers={"x-delivery-count": 1, **letter},
+        redelivered=True,
+    )
+
+    await asyncio.wait_for(handle(message), timeout=30)
+
+    assert message.settled == ["ack"]
+    [published] = broker.published
+    assert is_moved_back_letter(published.message.headers)
+    assert published.message.headers[ERROR_HEADER] == reason
     assert receiver[0].requests(delivery.url) == []

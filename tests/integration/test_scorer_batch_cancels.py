@@ -22,6 +22,7 @@ from services.scorer.batch_cancels import CancelledBatches
 from services.scorer.decisions import Finish
 from services.scorer.scoring import score_text
 from services.scorer.slots import ModelSlots
+from services.scorer.throttle import ModelThrottle, Turn
 from shared.bus import publish_batch_cancelling, publish_cancel, publish_command
 from shared.contracts import (
     CANCELLED_CODE,
@@ -227,6 +228,44 @@ async def test_an_item_waiting_for_a_model_slot_when_its_batch_is_cancelled_is_n
                 generations={command.task_id: 0},
             )
         )
+    decision = await asyncio.wait_for(scoring, 30)
+
+    assert isinstance(decision, Finish), decision
+    assert isinstance(decision.event, TaskFailed)
+    assert decision.event.error.code == CANCELLED_CODE
+    assert fake_llm.stats()["by_id"].get(marker, 0) == 0
+
+
+async def test_an_item_waiting_out_a_rate_limit_pause_when_its_batch_is_cancelled_is_not_called(
+    fake_llm: FakeLLM, make_deps: Deps
+) -> None:
+    """Holding its slot, it waits for its turn while the provider's 429 pause lasts (up to a
+    minute): a cancellation heard then was not looked at again (found in review)."""
+    batch_id = new_id()
+    command, marker = _item(batch_id, 0)
+    cancelled = CancelledBatches(clock=utcnow)
+    throttle = ModelThrottle(base_s=1.0)
+    deps = replace(
+        make_deps("scorer-a"),
+        model_slots=ModelSlots(1),
+        cancelled_batches=cancelled,
+        throttle=throttle,
+    )
+    throttle.rate_limited(Turn(), retry_after_s=2)  # the provider said 429 just now
+    scoring = asyncio.create_task(score_text(command, deps=deps))
+
+    async def waiting_its_turn() -> bool:
+        return throttle.waiting == 1
+
+    await eventually(waiting_its_turn, what="the item waited out the pause in its slot")
+    cancelled.hear(
+        BatchCancelling(
+            task_id=new_id(),
+            batch_id=batch_id,
+            requested_at=utcnow(),
+            generations={command.task_id: 0},
+        )
+    )
     decision = await asyncio.wait_for(scoring, 30)
 
     assert isinstance(decision, Finish), decision

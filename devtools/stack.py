@@ -712,7 +712,7 @@ def _started_again(stack: Stack, proc: ServiceProcess) -> bool:
     print(f"Starting {proc.name} again ...", flush=True)
     try:
         stack.restart(proc.service, proc.replica)
-    except StackError as error:
+    except (StackError, OSError) as error:  # OSError: its command could not be run
         print(f"\n{proc.name} could not be started again: {error}", file=sys.stderr)
         print("Stopping everything.", file=sys.stderr)
         return False

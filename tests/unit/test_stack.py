@@ -27,8 +27,11 @@ import pytest
 from devtools.stack import (
     DEFAULT_PORTS,
     LOOPBACK_HOSTS,
+    RESTART_WINDOW_S,
+    RESTARTS_ALLOWED,
     DevKeys,
     PortInUseError,
+    ServiceProcess,
     Stack,
     StackConfig,
     StackError,
@@ -617,3 +620,41 @@ def test_a_service_that_exits_is_started_again_and_one_that_cannot_be_stops_the_
     assert outcome == [1]
     log = stack.log_path("scorer").read_text()
     assert "boom: the fake scorer gives up" in log
+
+
+class _CrashingStack:
+    """A stack whose scorer exits again as soon as it is started."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.proc = ServiceProcess("scorer", 0, 1, log_path)
+        self.restarts = 0
+
+    def dead(self) -> list[ServiceProcess]:
+        return [self.proc]
+
+    def restart(self, service: str, replica: int = 0) -> None:
+        self.restarts += 1
+
+
+@pytest.mark.parametrize(("seconds_apart", "stops"), [(1.0, True), (RESTART_WINDOW_S, False)])
+def test_a_service_exiting_again_and_again_within_the_window_stops_the_run(
+    tmp_path: Path, seconds_apart: float, stops: bool
+) -> None:
+    log = tmp_path / "scorer.log"
+    log.write_text("boom\n")
+    stack = _CrashingStack(log)
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += seconds_apart
+        if now[0] > 100 * RESTART_WINDOW_S:
+            raise KeyboardInterrupt  # spread out: it went on restarting; the test ends here
+        return now[0]
+
+    if stops:
+        assert supervise(stack, interval_s=0, clock=clock) == 1  # type: ignore[arg-type]
+        assert stack.restarts == RESTARTS_ALLOWED
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            supervise(stack, interval_s=0, clock=clock)  # type: ignore[arg-type]
+        assert stack.restarts > RESTARTS_ALLOWED

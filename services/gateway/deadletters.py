@@ -30,7 +30,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from faststream.rabbit import RabbitBroker
 from pydantic import ValidationError
 
-from services.gateway.errors import DatabaseUnavailable, Unavailable, refused_for_good
+from services.gateway.errors import BrokerUnavailable, Unavailable, refused_for_good
 from services.gateway.rescore import Resubmitter
 from services.gateway.submissions import ReplayRefused, Submissions
 from shared.bus import BROKER_ERRORS
@@ -190,9 +190,12 @@ def _interruption(error: BaseException) -> str:
 
 
 def unavailable_detail(error: BaseException) -> str:
-    """What a broker or database failure tells an operator, as a 503 says it."""
-    away = "The database" if isinstance(error, DatabaseUnavailable) else "The broker"
-    return f"{away} is unavailable ({type(error).__name__}); try again shortly."
+    """What a broker or database failure tells an operator, in words (`Unavailable.away`;
+    the broker's own errors are the message broker's), as a 503 says it."""
+    away = (
+        error.away if isinstance(error, Unavailable) else BrokerUnavailable.what + " is unavailable"
+    )
+    return f"{away}; try again shortly."
 
 
 def _oldest_first(letter: DeadLetter) -> tuple[bool, datetime]:

@@ -247,9 +247,7 @@ def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_
             # dead-letter without a reason.
             hands_on = limit_reason is None
             if not await _still_held(broker, settled, deps.clock, hands_on=hands_on):
-                settled = await _handed_on(
-                    broker, delivery, message, settled, moved_back=moved_back, timeout_s=timeout_s
-                )
+                settled = await _handed_on(broker, delivery, message, settled, timeout_s=timeout_s)
                 break
             redelivered = True
         if settled is None:
@@ -279,19 +277,26 @@ async def _handed_on(
     message: Delivery,
     held: Hold,
     *,
-    moved_back: bool,
     timeout_s: float,
 ) -> bool:
-    """A held delivery at a stop: a copy of its attempt, due when it was to try again,
-    carrying its lost deliveries, and (for a moved-back letter, which a copy must still read
-    as) the letter's reason (`ERROR_HEADER`); True, for this one to be acked."""
+    """A held delivery at a stop: a copy of its attempt, due when it was to try again
+    (`copy_headers`); True, for this one to be acked."""
     later = delivery.model_copy(update={"not_before": held.until, "message_id": new_id()})
-    headers = carried_deliveries(message.headers)
-    if moved_back:
-        headers[ERROR_HEADER] = str(message.headers.get(ERROR_HEADER, MOVED_BACK_REASON))
     log.info("webhook %s attempt %d: held at a stop", delivery.delivery_id, delivery.attempt)
-    await send_delivery(broker, later, timeout=timeout_s, headers=headers)
+    await send_delivery(broker, later, timeout=timeout_s, headers=copy_headers(message.headers))
     return True
+
+
+def copy_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
+    """What a copy of this very message (the same attempt, sent again: put off, not yet due,
+    held at a stop) takes along: the deliveries lost so far, and a moved-back letter's reason
+    (`ERROR_HEADER`, `MOVED_BACK_REASON` for one of RabbitMQ's), so that the copy is still
+    read as a letter: a copy without it, met by the record given up since, was dropped, and
+    the operator's move-back came to nothing (found in review)."""
+    carried = carried_deliveries(headers)
+    if is_moved_back_letter(headers):
+        carried[ERROR_HEADER] = str(headers.get(ERROR_HEADER, MOVED_BACK_REASON))
+    return carried
 
 
 # A letter of RabbitMQ's own (an `x-death`) names no reason of ours: its copy says this.
@@ -402,7 +407,7 @@ async def _carry_out(
             # A copy of this attempt (put off, the database away) carries the deliveries lost
             # so far; a next attempt is a new message.
             same = command.attempt == delivery.attempt
-            carried = carried_deliveries(message.headers) if same else None
+            carried = copy_headers(message.headers) if same else None
             await send_delivery(broker, command, timeout=timeout_s, headers=carried)
         case GiveUp(reason=reason):
             log.warning("webhook %s dead-lettered: %s", delivery.delivery_id, reason)

@@ -598,7 +598,7 @@ def _broker_away_is_503() -> Iterator[None]:
     try:
         yield
     except (*BROKER_ERRORS, DispatchFailed) as error:
-        detail = f"The broker is unavailable ({type(error).__name__}); try again shortly."
+        detail = "The message broker is unavailable; try again shortly."
         if isinstance(error, DispatchFailed):
             detail = f"{error}; try again shortly."
         raise Problem(503, detail, kind="broker-unavailable", headers=RETRY_AFTER_BROKER) from error

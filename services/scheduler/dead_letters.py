@@ -172,8 +172,8 @@ def interruption(error: BaseException) -> str:
     log.warning("a cron dead-letter replay stopped part-way: %r", error)
     if isinstance(error, DispatchFailed | TriggeredTooOften):
         return f"{str(error).rstrip('.;')}; try again shortly."
-    away = "The database" if isinstance(error, PyMongoError) else "The broker"
-    return f"{away} is unavailable ({type(error).__name__}); try again shortly."
+    away = "The database" if isinstance(error, PyMongoError) else "The message broker"
+    return f"{away} is unavailable; try again shortly."
 
 
 @dataclass

@@ -116,7 +116,7 @@ async def test_a_replay_the_broker_fails_part_way_reports_what_it_did_and_what_i
     assert report["replayed"] == ids[:1]
     assert sorted(report["not_reached"]) == sorted(ids[1:])
     assert report["not_found"] == []
-    assert report["interrupted"].startswith("The broker is unavailable (BrokerUnavailable)")
+    assert report["interrupted"] == "The message broker is unavailable; try again shortly."
     assert report["timed_out"] is False
     assert [command.task_id for command in await queued_commands(dlq)] == ids[:1]
 
@@ -138,7 +138,7 @@ async def test_a_replay_the_broker_fails_at_once_is_a_503_that_keeps_every_lette
     async with _admin(_app(broker, submissions, BrokerFailsAfter(broker, confirmed=0))) as api:
         answer = await api.post(f"{LETTERS}/replay", json={"all": True})
     assert answer.status_code == 503, answer.text
-    assert "The broker is unavailable" in answer.json()["detail"]
+    assert "The message broker is unavailable" in answer.json()["detail"]
     left = [ScoreText.model_validate_json(letter.body) for letter in await _drain(dlq)]
     assert sorted(command.task_id for command in left) == sorted(c.task_id for c in commands)
 

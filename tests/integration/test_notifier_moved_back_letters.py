@@ -351,3 +351,24 @@ async def test_a_fresh_round_backs_off_from_the_start(
     assert retry.attempt == 5
     assert retry.not_before is not None
     assert timedelta(seconds=5) <= retry.not_before - before < timedelta(seconds=11)
+
+
+async def test_a_moved_back_letter_sent_on_down_the_wait_ladder_is_still_a_letter(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    """Not due yet, a moved-back letter goes down the ladder again as a copy; the copy left
+    the letter's reason behind, and met by its record given up since, it was dropped as a
+    given-up delivery's copy: the move-back came to nothing (found in review)."""
+    delivery = _last_attempt(receiver[0]).model_copy(
+        update={"not_before": utcnow() + timedelta(minutes=5)}
+    )
+    await ledger.register(delivery, now=utcnow())
+    broker, handle = _handler(make_deps("a"))
+    letter = HandedDelivery(delivery.model_dump_json().encode(), headers={ERROR_HEADER: GAVE_UP})
+
+    await asyncio.wait_for(handle(letter), timeout=30)
+
+    assert letter.settled == ["ack"]
+    [hop] = broker.published
+    assert hop.message.headers[ERROR_HEADER] == GAVE_UP
+    assert DeliverWebhook.model_validate_json(hop.message.body).attempt == delivery.attempt

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from scorebox import cli
+from shared import dead_letters
 from shared.dead_letters import MAX_WALK, MAX_WALK_BYTES, REPLAY_BUDGET_S
 from tests.unit.cli_support import cli_answered_by, run_cli
 from tests.unit.test_cli_cron import FakeServer, _problem
@@ -312,7 +313,7 @@ def test_a_replay_interrupted_says_why_and_exits_1(
 ) -> None:
     """The broker failed after one letter was replayed: the rest are left, and a script
     must not take the replay for done."""
-    why = "The broker is unavailable (PublishUnconfirmed); try again shortly."
+    why = "The message broker is unavailable; try again shortly."
     report: Json = {
         "replayed": ["w"],
         "not_found": [],
@@ -331,6 +332,10 @@ def test_a_replay_interrupted_says_why_and_exits_1(
     if asked != ("--all",):
         assert "not replayed yet (the replay was interrupted, as said above): x" in result.stderr
     assert TIMED_OUT not in result.stderr
+
+
+def test_the_cli_checks_a_cut_off_as_the_service_does() -> None:
+    assert cli.CUT_OFF_DATE_TIME.pattern == dead_letters._DATE_TIME.pattern
 
 
 def test_the_bounds_the_cli_names_are_the_services_own() -> None:
@@ -432,7 +437,18 @@ def test_before_sends_the_listings_time_as_the_cut_off(
     [("dlq", "purge"), ("cron", "dlq", "purge"), ("dlq", "drop", "t1")],
     ids=["purge", "cron-purge", "drop"],
 )
-@pytest.mark.parametrize("before", ["garbage", "2030-01-01", "2030-01-01T10:00:00"])
+@pytest.mark.parametrize(
+    "before",
+    [
+        "garbage",
+        "2030-01-01",
+        "2030-01-01T10:00:00",
+        "2030-01-01T10:00Z",
+        "2030-01-01T10:00:00+0100",
+        "20300101T100000Z",
+        "2030-02-30T10:00:00Z",
+    ],
+)
 def test_a_cut_off_that_is_no_zoned_time_is_refused_before_asking_or_sending(
     server: FakeServer, command: tuple[str, ...], before: str
 ) -> None:

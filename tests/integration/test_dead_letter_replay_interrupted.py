@@ -16,6 +16,7 @@ publisher wrapped)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 from aio_pika.abc import AbstractIncomingMessage
@@ -55,33 +56,41 @@ dlq = gateway_dlq.dlq
 BUDGET_S = 1.0
 
 
-class BrokerFailsAfter(TaskPublisher):
-    """The broker confirming `confirmed` resubmits, then refusing every one."""
+class FailsAfter(TaskPublisher):
+    """`succeeding` resubmits confirmed, then every one failing as `failure` makes it."""
 
-    def __init__(self, broker: RabbitBroker, *, confirmed: int) -> None:
+    def __init__(
+        self, broker: RabbitBroker, *, succeeding: int, failure: Callable[[], Exception]
+    ) -> None:
         super().__init__(broker, timeout_s=TIMEOUT_S)
-        self.left = confirmed
+        self.left = succeeding
+        self.failure = failure
 
     async def resubmit(self, command: ScoreText) -> None:
         if self.left == 0:
-            raise BrokerUnavailable("the broker did not confirm the publish")
+            raise self.failure()
         self.left -= 1
         await super().resubmit(command)
 
 
-class RefusedAfter(TaskPublisher):
-    """The database refusing for good (a missing privilege) after `allowed` resubmits."""
+def broker_fails_after(broker: RabbitBroker, succeeding: int) -> FailsAfter:
+    """The broker confirming `succeeding` resubmits, then refusing every one."""
+    return FailsAfter(
+        broker,
+        succeeding=succeeding,
+        failure=lambda: BrokerUnavailable("the broker did not confirm the publish"),
+    )
 
-    def __init__(self, broker: RabbitBroker, *, allowed: int) -> None:
-        super().__init__(broker, timeout_s=TIMEOUT_S)
-        self.left = allowed
 
-    async def resubmit(self, command: ScoreText) -> None:
-        if self.left == 0:
-            refusal = OperationFailure("not authorized on gateway", code=13)
-            raise DatabaseUnavailable("replay_generation refused") from refusal
-        self.left -= 1
-        await super().resubmit(command)
+def refused_after(broker: RabbitBroker, succeeding: int) -> FailsAfter:
+    """The database refusing for good (a missing privilege) after `succeeding` resubmits."""
+
+    def refusal() -> Exception:
+        error = DatabaseUnavailable("replay_generation refused")
+        error.__cause__ = OperationFailure("not authorized on gateway", code=13)
+        return error
+
+    return FailsAfter(broker, succeeding=succeeding, failure=refusal)
 
 
 class SlowBroker(TaskPublisher):
@@ -109,7 +118,7 @@ async def test_a_replay_the_broker_fails_part_way_reports_what_it_did_and_what_i
     await _dead_letter(dlq, commands)
     ids = [command.task_id for command in commands]
 
-    async with _admin(_app(broker, submissions, BrokerFailsAfter(broker, confirmed=1))) as api:
+    async with _admin(_app(broker, submissions, broker_fails_after(broker, 1))) as api:
         answer = await api.post(f"{LETTERS}/replay", json={"ids": ids})
     assert answer.status_code == 200, answer.text
     report = answer.json()
@@ -135,7 +144,7 @@ async def test_a_replay_the_broker_fails_at_once_is_a_503_that_keeps_every_lette
     commands = _commands(2)
     await _dead_letter(dlq, commands)
 
-    async with _admin(_app(broker, submissions, BrokerFailsAfter(broker, confirmed=0))) as api:
+    async with _admin(_app(broker, submissions, broker_fails_after(broker, 0))) as api:
         answer = await api.post(f"{LETTERS}/replay", json={"all": True})
     assert answer.status_code == 503, answer.text
     assert "The message broker is unavailable" in answer.json()["detail"]
@@ -173,7 +182,7 @@ async def test_a_refusal_for_good_part_way_says_asking_again_meets_it_too(
     await _dead_letter(dlq, commands)
     ids = [command.task_id for command in commands]
 
-    async with _admin(_app(broker, submissions, RefusedAfter(broker, allowed=1))) as api:
+    async with _admin(_app(broker, submissions, refused_after(broker, 1))) as api:
         report = (await api.post(f"{LETTERS}/replay", json={"ids": ids})).json()
 
     assert report["replayed"] == ids[:1]

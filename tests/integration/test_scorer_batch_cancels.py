@@ -220,20 +220,8 @@ async def test_an_item_waiting_for_a_model_slot_when_its_batch_is_cancelled_is_n
             return bool(slots._free._waiters)
 
         await eventually(waiting_for_the_slot, what="the item waited for a model slot")
-        cancelled.hear(
-            BatchCancelling(
-                task_id=new_id(),
-                batch_id=batch_id,
-                requested_at=utcnow(),
-                generations={command.task_id: 0},
-            )
-        )
-    decision = await asyncio.wait_for(scoring, 30)
-
-    assert isinstance(decision, Finish), decision
-    assert isinstance(decision.event, TaskFailed)
-    assert decision.event.error.code == CANCELLED_CODE
-    assert fake_llm.stats()["by_id"].get(marker, 0) == 0
+        _hear_cancelled(cancelled, batch_id, command)
+    await _cancelled_uncalled(scoring, fake_llm, marker)
 
 
 async def test_an_item_waiting_out_a_rate_limit_pause_when_its_batch_is_cancelled_is_not_called(
@@ -258,16 +246,27 @@ async def test_an_item_waiting_out_a_rate_limit_pause_when_its_batch_is_cancelle
         return throttle.waiting == 1
 
     await eventually(waiting_its_turn, what="the item waited out the pause in its slot")
+    _hear_cancelled(cancelled, batch_id, command)
+    await _cancelled_uncalled(scoring, fake_llm, marker)
+
+
+def _hear_cancelled(cancelled: CancelledBatches, batch_id: str, command: ScoreText) -> None:
+    """The scorer hears that the batch of `command` was cancelled."""
     cancelled.hear(
         BatchCancelling(
             task_id=new_id(),
             batch_id=batch_id,
             requested_at=utcnow(),
-            generations={command.task_id: 0},
+            generations={command.task_id: command.generation},
         )
     )
-    decision = await asyncio.wait_for(scoring, 30)
 
+
+async def _cancelled_uncalled(
+    scoring: asyncio.Task[object], fake_llm: FakeLLM, marker: str
+) -> None:
+    """The item's decision is its cancellation, and the model was never called for it."""
+    decision = await asyncio.wait_for(scoring, 30)
     assert isinstance(decision, Finish), decision
     assert isinstance(decision.event, TaskFailed)
     assert decision.event.error.code == CANCELLED_CODE

@@ -8,7 +8,6 @@ ended. It now waits for the walk to end, then removes them."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import aio_pika
 import pytest
@@ -16,22 +15,16 @@ from faststream.rabbit import RabbitBroker
 
 from shared.contracts import new_id
 from shared.dead_letters import DeadLetterWalker
-from shared.topology import CRON_JOBS, declare_topology
+from shared.topology import CRON_JOBS
+from tests.integration import test_dead_letter_drop as gateway_dlq
 from tests.support import eventually
 
 pytestmark = pytest.mark.integration
 
+broker = gateway_dlq.broker  # fixtures
+
 LETTERS = 4
 TIMEOUT_S = 5.0
-
-
-@pytest.fixture(scope="module")
-async def broker(amqp_url: str) -> AsyncIterator[RabbitBroker]:
-    broker = RabbitBroker(amqp_url)
-    await broker.connect()
-    await declare_topology(broker)
-    yield broker
-    await broker.stop()
 
 
 async def _dead_letters(amqp_url: str, count: int) -> None:

@@ -131,3 +131,25 @@ def invalid_fields(error: ValidationError) -> Problem:
     ]
     detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
     return Problem(422, detail, kind="invalid-fields", errors=errors)
+
+
+# A body a route that takes none accepts all the same: what some clients send for "none".
+EMPTY_BODIES = frozenset({b"", b"{}", b"null"})
+
+
+async def refuse_a_body(request: Request, *, outcome: str) -> None:
+    """A 422 for a request body sent to a route that takes none, `outcome` (such as "nothing
+    was done") ending its detail. Ignored, a body meant for another route, or a malformed one,
+    went unnoticed while the request changed something (`{bad` fired a cron run, found in a
+    walkthrough). Called by each such route's handler, so after its key check: an app-wide
+    check ran before it, and answered a client without a key 422 rather than 401."""
+    body = (await request.body()).strip()
+    if body in EMPTY_BODIES:
+        return
+    message = "this route takes no request body; send none"
+    raise Problem(
+        422,
+        f"body: {message}; {outcome}.",
+        kind="invalid-fields",
+        errors=[{"field": "body", "message": message}],
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from services.gateway.api import LOCATION_HEADER, TASK_ID, GatewayDeps, _unavailable, status_url
@@ -21,6 +21,7 @@ from services.gateway.cancels import (
 )
 from services.gateway.errors import BrokerUnavailable, Unavailable
 from services.gateway.schemas import BatchCancelRequested, CancelRequested
+from shared.bodies import refuse_a_body
 from shared.http import Problem, problem, problem_responses
 
 UNAVAILABLE = "The database or the broker is unavailable."
@@ -62,7 +63,10 @@ def cancel_routes(
             503: problem(503, f"{UNAVAILABLE} {UNCONFIRMED}"),
         },
     )
-    async def cancel(task_id: str, caller: Caller = authenticated) -> JSONResponse:
+    async def cancel(
+        task_id: str, request: Request, caller: Caller = authenticated
+    ) -> JSONResponse:
+        await refuse_a_body(request, outcome="nothing was cancelled")
         if not TASK_ID.match(task_id):
             raise _unknown(task_id)
         try:
@@ -106,7 +110,10 @@ def cancel_routes(
             503: problem(503, f"{UNAVAILABLE} {BATCH_UNCONFIRMED}"),
         },
     )
-    async def cancel_a_batch(batch_id: str, caller: Caller = authenticated) -> JSONResponse:
+    async def cancel_a_batch(
+        batch_id: str, request: Request, caller: Caller = authenticated
+    ) -> JSONResponse:
+        await refuse_a_body(request, outcome="nothing was cancelled")
         if not BATCH_ID.match(batch_id):
             raise unknown_batch(batch_id)
         try:

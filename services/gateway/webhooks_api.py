@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from services.gateway.auth import Caller
 from services.gateway.errors import Unavailable
 from services.gateway.settings import GatewaySettings
-from shared.bodies import json_body, read_model
+from shared.bodies import json_body, read_model, refuse_a_body
 from shared.contracts import Instant
 from shared.head_requests import asked_head_only
 from shared.http import (
@@ -224,8 +224,9 @@ def webhook_routes(notifier: NotifierClient, authenticated: Any) -> APIRouter:
         responses=problem_responses(401, 429, 503),
     )
     async def rotate_signing_secret(
-        response: Response, caller: Caller = authenticated
+        request: Request, response: Response, caller: Caller = authenticated
     ) -> SigningSecret:
+        await refuse_a_body(request, outcome="nothing was changed")
         response.headers.update(NO_STORE)
         try:
             return await notifier.rotate_signing_secret(caller.tenant_id)

@@ -59,7 +59,7 @@ from services.scheduler.jobs import Clock
 from services.scheduler.metering import NANOS_PER_UNIT
 from services.scheduler.schedule import JobCatalog, ScheduledJob
 from services.scheduler.usage_store import DailyUsage, DailyUsageStore
-from shared.bodies import json_body, read_model
+from shared.bodies import json_body, read_model, refuse_a_body
 from shared.bus import BROKER_ERRORS
 from shared.contracts import Instant
 from shared.dead_letters import (
@@ -294,7 +294,8 @@ def cron_routes(
     @router.post(
         "/jobs/{name}/run", status_code=202, response_model=RunAccepted, responses=RUN_PROBLEMS
     )
-    async def run_job(name: str, response: Response) -> RunAccepted:
+    async def run_job(name: str, request: Request, response: Response) -> RunAccepted:
+        await refuse_a_body(request, outcome="nothing was run")
         try:
             firing = await trigger(name)
         except UnknownJob as error:

@@ -192,6 +192,31 @@ async def test_a_cancel_is_accepted_and_sends_the_tasks_latest_generation(stack:
     assert [cancel.generation for cancel in await _sent_cancels(stack.amqp_url)] == [2]
 
 
+@pytest.mark.parametrize("body", [b"{bad", b'{"reason": "a mistake"}'])
+async def test_a_cancel_sent_a_body_is_refused_and_cancels_nothing(
+    stack: Stack, body: bytes
+) -> None:
+    """A route that takes no body ignored one, a malformed one included, and cancelled (found
+    in a walkthrough, where `{bad` fired a cron run). Refused after the key check: without a
+    key, 401 first."""
+    task_id = await _submitted(stack)
+    await _sent_cancels(stack.amqp_url)
+    path = f"/v1/scores/{task_id}/cancel"
+    json_type = {"Content-Type": "application/json"}
+
+    refused = await stack.api.post(path, content=body, headers=json_type)
+    keyless = await stack.api.post(path, content=body, headers={**json_type, "Authorization": ""})
+    empty = await stack.api.post(path, content=b"{}", headers=json_type)
+
+    _assert_problem(refused, 422)
+    assert refused.json()["detail"] == (
+        "body: this route takes no request body; send none; nothing was cancelled."
+    )
+    assert keyless.status_code == 401
+    assert empty.status_code == 202, empty.text  # `{}`: what some clients send for none
+    assert len(await _sent_cancels(stack.amqp_url)) == 1  # the `{}` one's alone
+
+
 async def test_an_unknown_task_or_another_tenants_is_not_found(stack: Stack) -> None:
     task_id = await _submitted(stack)
     keys = ApiKeys(stack.mongo, f"{stack.db_prefix}_gateway")

@@ -389,6 +389,16 @@ async def test_manual_run_routes_and_a_permanent_failure_is_dead_lettered(env: E
         assert unknown.headers["content-type"].startswith("application/problem+json")
         assert (await api.get("/admin/v1/cron/runs/nope")).status_code == 404
 
+        # A body, which the route does not take: refused, nothing run (`{bad` fired a run,
+        # found in a walkthrough).
+        json_type = {"Content-Type": "application/json"}
+        malformed = await api.post(
+            "/admin/v1/cron/jobs/usage-rollup/run", content=b"{bad", headers=json_type
+        )
+        assert malformed.status_code == 422, malformed.text
+        assert malformed.json()["detail"].endswith("; nothing was run.")
+        assert (await api.get("/admin/v1/cron/jobs")).json()["jobs"][0]["last_firing"] is None
+
         accepted = await api.post("/admin/v1/cron/jobs/usage-rollup/run")
         assert accepted.status_code == 202, accepted.text
         body = accepted.json()

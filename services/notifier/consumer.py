@@ -247,7 +247,15 @@ def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_
             # dead-letter without a reason.
             hands_on = limit_reason is None
             if not await _still_held(broker, settled, deps.clock, hands_on=hands_on):
-                settled = await _handed_on(broker, delivery, message, settled, timeout_s=timeout_s)
+                # Handed on: a copy of its attempt (`copy_headers`), due when it was to try
+                # again, and this one acked.
+                later = delivery.model_copy(
+                    update={"not_before": settled.until, "message_id": new_id()}
+                )
+                handed_on = Send(later, "held at a stop")
+                settled = await _carry_out(
+                    broker, handed_on, delivery, message, timeout_s=timeout_s
+                )
                 break
             redelivered = True
         if settled is None:
@@ -269,22 +277,6 @@ async def _still_held(broker: ScoreboxBroker, held: Hold, clock: Clock, *, hands
         return False
     await wait_for_claim(held.until, clock)
     return not (hands_on and broker.stopping)
-
-
-async def _handed_on(
-    broker: RabbitBroker,
-    delivery: DeliverWebhook,
-    message: Delivery,
-    held: Hold,
-    *,
-    timeout_s: float,
-) -> bool:
-    """A held delivery at a stop: a copy of its attempt, due when it was to try again
-    (`copy_headers`); True, for this one to be acked."""
-    later = delivery.model_copy(update={"not_before": held.until, "message_id": new_id()})
-    log.info("webhook %s attempt %d: held at a stop", delivery.delivery_id, delivery.attempt)
-    await send_delivery(broker, later, timeout=timeout_s, headers=copy_headers(message.headers))
-    return True
 
 
 def copy_headers(headers: Mapping[str, Any]) -> dict[str, Any]:

@@ -116,10 +116,11 @@ def _admin_app(
     *,
     walk_bytes: int = MAX_WALK_BYTES,
     replay_budget_s: float = REPLAY_BUDGET_S,
+    publisher: TaskPublisher | None = None,
 ) -> FastAPI:
     dead_letters = DeadLetterQueue(
         broker,
-        TaskPublisher(broker, timeout_s=TIMEOUT_S),
+        publisher or TaskPublisher(broker, timeout_s=TIMEOUT_S),
         submissions,
         utcnow,
         timeout_s=TIMEOUT_S,

@@ -22,24 +22,20 @@ import pytest
 from aio_pika.abc import AbstractIncomingMessage
 from fastapi import FastAPI
 from faststream.rabbit import RabbitBroker
-from pydantic import SecretStr
 from pymongo.errors import OperationFailure
 
-from services.gateway.admin_api import admin_routes
 from services.gateway.deadletters import DeadLetterQueue
 from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
 from services.gateway.publisher import TaskPublisher
 from services.gateway.submissions import Submissions
 from shared.contracts import ScoreText, utcnow
 from shared.dead_letters import DeadLetterWalker
-from shared.http import install_problem_handlers
-from shared.query_parameters import only_known_query_parameters
 from tests.integration import test_dead_letter_drop as gateway_dlq
 from tests.integration.test_dead_letter_drop import (
-    ADMIN_KEY,
     LETTERS,
     TIMEOUT_S,
     _admin,
+    _admin_app,
     _commands,
     _dead_letter,
     _drain,
@@ -102,21 +98,20 @@ class SlowBroker(TaskPublisher):
 
 
 def _app(broker: RabbitBroker, submissions: Submissions, publisher: TaskPublisher) -> FastAPI:
-    dead_letters = DeadLetterQueue(
-        broker, publisher, submissions, utcnow, timeout_s=TIMEOUT_S, replay_budget_s=BUDGET_S
-    )
-    app = FastAPI(dependencies=[only_known_query_parameters()])  # as the services'
-    install_problem_handlers(app)
-    app.include_router(admin_routes(dead_letters, SecretStr(ADMIN_KEY)))
-    return app
+    return _admin_app(broker, submissions, replay_budget_s=BUDGET_S, publisher=publisher)
+
+
+async def _dead_lettered(dlq: str, count: int) -> list[str]:
+    """`count` letters in the DLQ, oldest first: their task ids."""
+    commands = _commands(count)
+    await _dead_letter(dlq, commands)
+    return [command.task_id for command in commands]
 
 
 async def test_a_replay_the_broker_fails_part_way_reports_what_it_did_and_what_it_left(
     dlq: str, broker: RabbitBroker, submissions: Submissions
 ) -> None:
-    commands = _commands(3)
-    await _dead_letter(dlq, commands)
-    ids = [command.task_id for command in commands]
+    ids = await _dead_lettered(dlq, 3)
 
     async with _admin(_app(broker, submissions, broker_fails_after(broker, 1))) as api:
         answer = await api.post(f"{LETTERS}/replay", json={"ids": ids})
@@ -141,15 +136,14 @@ async def test_a_replay_the_broker_fails_part_way_reports_what_it_did_and_what_i
 async def test_a_replay_the_broker_fails_at_once_is_a_503_that_keeps_every_letter(
     dlq: str, broker: RabbitBroker, submissions: Submissions
 ) -> None:
-    commands = _commands(2)
-    await _dead_letter(dlq, commands)
+    ids = await _dead_lettered(dlq, 2)
 
     async with _admin(_app(broker, submissions, broker_fails_after(broker, 0))) as api:
         answer = await api.post(f"{LETTERS}/replay", json={"all": True})
     assert answer.status_code == 503, answer.text
     assert "The message broker is unavailable" in answer.json()["detail"]
     left = [ScoreText.model_validate_json(letter.body) for letter in await _drain(dlq)]
-    assert sorted(command.task_id for command in left) == sorted(c.task_id for c in commands)
+    assert sorted(command.task_id for command in left) == sorted(ids)
 
 
 async def test_a_letter_left_by_the_budget_is_reported_though_its_task_had_another_replayed(
@@ -178,9 +172,7 @@ async def test_a_refusal_for_good_part_way_says_asking_again_meets_it_too(
     dlq: str, broker: RabbitBroker, submissions: Submissions
 ) -> None:
     """It said the database was unavailable, to try again shortly, and logged nothing."""
-    commands = _commands(2)
-    await _dead_letter(dlq, commands)
-    ids = [command.task_id for command in commands]
+    ids = await _dead_lettered(dlq, 2)
 
     async with _admin(_app(broker, submissions, refused_after(broker, 1))) as api:
         report = (await api.post(f"{LETTERS}/replay", json={"ids": ids})).json()
@@ -198,9 +190,7 @@ async def test_a_letter_sent_whose_ack_failed_is_reported_replayed(
 ) -> None:
     """Its command was confirmed, then the walk's channel closed at its ack: it was
     reported `not_reached`, "not replayed yet", though the scorer had it."""
-    commands = _commands(3)
-    await _dead_letter(dlq, commands)
-    ids = [command.task_id for command in commands]
+    ids = await _dead_lettered(dlq, 3)
     dead_letters = DeadLetterQueue(
         broker, TaskPublisher(broker, timeout_s=TIMEOUT_S), submissions, utcnow, timeout_s=TIMEOUT_S
     )

@@ -621,6 +621,13 @@ async def test_a_head_of_the_secret_creates_none_as_its_get_does(flow: Flow) -> 
 
 async def test_a_rotated_secret_signs_alongside_the_previous_one(flow: Flow) -> None:
     before = await flow.secret()
+    # A body, which the rotation does not take: refused, nothing rotated.
+    with_body = await flow.api.post(
+        "/v1/webhooks/secret/rotate", content=b"{bad", headers={"Content-Type": "application/json"}
+    )
+    assert with_body.status_code == 422, with_body.text
+    assert with_body.json()["detail"].endswith("; nothing was changed.")
+    assert await flow.secret() == before
     rotated = await flow.api.post("/v1/webhooks/secret/rotate")
     assert rotated.status_code == 200, rotated.text
     after = rotated.json()["secret"]

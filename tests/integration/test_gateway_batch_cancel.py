@@ -62,6 +62,14 @@ async def test_the_items_not_known_finished_are_each_sent_a_cancel(stack: Stack)
     await _published(stack, _terminal(TaskCompleted, done, submitted_at=command.submitted_at))
     await _finished_generation_noted(stack, done, 0)
     await _sent_cancels(stack.amqp_url)
+    # A body, which the route does not take: refused, nothing cancelled.
+    with_body = await stack.api.post(
+        f"/v1/batches/{batch_id}/cancel",
+        content=b"{bad",
+        headers={"Content-Type": "application/json"},
+    )
+    assert with_body.status_code == 422, with_body.text
+    assert await _sent_cancels(stack.amqp_url) == []
 
     response = await stack.api.post(f"/v1/batches/{batch_id}/cancel")
 

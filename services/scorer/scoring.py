@@ -402,10 +402,9 @@ def _cancel_requested(command: ScoreText, requested_at: datetime) -> CancelTask:
 
 
 def _put_off(command: ScoreText, put_off: PutOff, deps: ScorerDeps) -> Defer:
-    """Sent down the wait ladder until the rate-limit pause ends (spread over a tenth more,
-    so that the deliveries put off do not all come back at once); no attempt is spent."""
-    wait = timedelta(seconds=put_off.left_s * deps.rng.uniform(1.0, 1.1))
-    due = deps.clock() + wait
+    """Sent down the wait ladder until shortly before the rate-limit pause ends (spread, so
+    that the deliveries put off do not all come back at once); no attempt is spent."""
+    due = deps.clock() + timedelta(seconds=deps.throttle.back_in_s(put_off, deps.rng))
     return Defer(command.model_copy(update={"not_before": due, "message_id": new_id()}))
 
 

@@ -10,8 +10,9 @@ the provider recovered moments later. A pause is the provider's `Retry-After` wh
 one, or a back-off that doubles with each 429 in a row (jittered, up to `PAUSE_CAP_S`).
 Deliveries wait for their turn in their model slot, before their claim (the lease counts
 from the call); one whose wait would end more than `hold_s` after it began, pause after pause
-or waiting on the probe's answer, is put off down the wait ladder instead (`PutOff`), so that
-no delivery is held near RabbitMQ's consumer timeout. When the pause ends, one call goes
+or waiting on the probe's answer, is put off down the wait ladder instead (`PutOff`), back
+in hand shortly before the pause ends (`back_in_s`), so that no delivery is held near
+RabbitMQ's consumer timeout. When the pause ends, one call goes
 first: its answer ends the pause for all, a 429 starts the next.
 
 Calls already running when a 429 comes back are not stopped: their own answers count as they
@@ -135,6 +136,14 @@ class ModelThrottle:
         # outage's (also when a pause lasting turns into an outage's).
         self._on_pause = on_pause
 
+    def back_in_s(self, put_off: PutOff, rng: random.Random) -> float:
+        """How long a delivery put off waits down the ladder: until the pause has between a
+        half and nine tenths of `hold_s` left, so that it is back in hand, waiting, when the
+        probe is chosen. Brought back after the pause's end, it came second to the retries of
+        the texts failing on their own, due at that very end, and their probes went on while
+        it was put off again, pause after pause (a walkthrough)."""
+        return max(0.0, put_off.left_s - self.hold_s * rng.uniform(0.5, 0.9))
+
     def pause_left_s(self) -> float:
         return max(0.0, self._paused_until - self._clock())
 
@@ -251,8 +260,10 @@ class ModelThrottle:
             pauses,
         )
 
-    def _lengthen(self, turn: Turn, retry_after_s: float | None) -> None:
-        if turn.probe or not self._probe_due:
+    def _lengthen(self, turn: Turn, retry_after_s: float | None, *, grow: bool = True) -> None:
+        """Pause again; longer (the back-off a step further) when `grow` and the call was
+        the probe, or began the pause."""
+        if grow and (turn.probe or not self._probe_due):
             self._rate_limits_in_a_row += 1
         # At 0 in a row (a call running when another replica's pause was heard): the base.
         backoff = capped_exponential_s(
@@ -269,10 +280,15 @@ class ModelThrottle:
         scored as several tasks, its retries the only calls of a quiet hour, would pause
         everyone's); the calls pause as after a 429, or a pause lasting (a 429's, another
         replica's) turns into an outage's. A probe's call, or one running during a pause,
-        lengthens it. True when the call is the outage's rather than its task's: it began
-        the outage, or probed one and found the provider still down."""
+        lengthens it; the probe doubles it, unless its text was seen failing in this outage
+        already (`news`): that says nothing new of the provider, and three texts failing on
+        their own, their retries the probes of a quiet pause, doubled it to a minute while a
+        healthy task waited (seen 92 s and over 200 s in a walkthrough). True when the call
+        is the outage's rather than its task's: it began the outage, or probed one and found
+        the provider still down."""
         self._forget_a_stale_pause()
         probed_an_outage = turn.probe and self._outage and self._probe_is_free(text_key, task_key)
+        news = not (turn.probe and self._outage and text_key in self._seen_failing)
         was_on = self._outage
         began = not was_on and self._in_a_row(text_key, task_key) >= TRIP_AFTER
         # Running when the outage began (started before it): the outage's. Charged and
@@ -287,7 +303,7 @@ class ModelThrottle:
         if self._outage:
             self._seen_failing.add(text_key)
         if began or self._probe_due:
-            self._lengthen(turn, retry_after_s)
+            self._lengthen(turn, retry_after_s, grow=news)
         if was_on and turn.probe:
             self._log_outage_going_on()
         if began:

@@ -95,7 +95,8 @@ async def test_a_pause_beyond_the_hold_puts_deliveries_off_without_calling(
     make_deps: Deps, fake_llm: FakeLLM
 ) -> None:
     """`Retry-After: 120`, deliveries may wait 30 s in hand: the next one is sent down the
-    wait ladder until the pause ends, and the provider sees no call of it."""
+    wait ladder until the pause has 15 to 27 s left (back in hand before its end, waiting
+    for the probe), and the provider sees no call of it."""
     fake_llm.config.rate_limited_calls = 1
     fake_llm.config.rate_limit_retry_s = 120
     deps = make_deps(hold_s=30)
@@ -109,7 +110,8 @@ async def test_a_pause_beyond_the_hold_puts_deliveries_off_without_calling(
     assert retried.next_command.not_before >= started + timedelta(seconds=119)
     assert isinstance(put_off, Defer)
     assert put_off.command.not_before is not None
-    assert put_off.command.not_before >= started + timedelta(seconds=119)
+    assert started + timedelta(seconds=120 - 27 - 1) <= put_off.command.not_before
+    assert put_off.command.not_before <= utcnow() + timedelta(seconds=120 - 15)
     assert put_off.command.attempt == 1  # no attempt spent
     assert fake_llm.stats()["calls"] == 1
 

@@ -432,10 +432,10 @@ async def test_a_probe_finding_the_provider_still_down_is_the_outages_and_pauses
     _fails(throttle, *range(TRIP_AFTER))
     first_pause = throttle.pause_left_s()
     clock.now += first_pause + 0.01
-    probe = await throttle.wait_turn(asyncio.Event())
+    probe = await throttle.wait_turn(asyncio.Event(), text_key=7)
     assert probe == Turn(probe=True)
 
-    assert _fails(throttle, 0, turn=PROBE) == [True]
+    assert _fails(throttle, 7, turn=PROBE) == [True]  # a text not seen failing yet
     throttle.done(PROBE)
     assert throttle.paused
     assert throttle.pause_left_s() > first_pause  # doubled (within its jitter)
@@ -774,6 +774,59 @@ async def test_a_text_seen_failing_probes_when_no_other_waits() -> None:
     clock.now += throttle.pause_left_s() + 0.01
     turn = await asyncio.wait_for(throttle.wait_turn(asyncio.Event(), text_key=0), GUARD_S)
     assert turn == PROBE
+
+
+async def test_probes_of_the_texts_seen_failing_hold_the_pause_at_its_length() -> None:
+    """Three texts failing on their own began an outage, and their retries, the only calls,
+    probed pause after pause, each doubling it up to a minute while a healthy task submitted
+    meanwhile waited (92 s and over 200 s in a walkthrough). Their failures say nothing new
+    of the provider: the pause keeps its length; a text not seen failing doubles it."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    _fails(throttle, *range(TRIP_AFTER))
+    for _ in range(3):
+        for text in range(TRIP_AFTER):
+            await _probe(throttle, clock)
+            _fails(throttle, text, turn=PROBE)
+            throttle.done(PROBE)
+            assert throttle.pause_left_s() <= 1.0  # the first pause's length (base, jittered)
+
+    await _probe(throttle, clock)
+    _fails(throttle, 7, turn=PROBE)
+    throttle.done(PROBE)
+    assert throttle.pause_left_s() > 1.0  # doubled: 1-2 s
+
+
+async def test_a_delivery_put_off_is_back_in_hand_before_the_pause_ends_and_probes_first() -> None:
+    """Brought back after the pause's end, a healthy delivery put off came second to the
+    retries of texts failing on their own, due at that very end: one probed and failed, the
+    pause began again, and the healthy one was put off again (a walkthrough). It is now back
+    with part of the hold left, waiting, and the probe goes to it."""
+    clock = Clock()
+    throttle = _throttle(clock, hold_s=2.0)  # short: the waiter sleeps what is left for real
+    _fails(throttle, *range(TRIP_AFTER))
+    throttle.paused_elsewhere(6.0, outage=True)
+    put_off = await throttle.wait_turn(asyncio.Event(), text_key=99)
+    assert isinstance(put_off, PutOff)
+
+    clock.now += throttle.back_in_s(put_off, random.Random(0))
+    healthy = asyncio.ensure_future(throttle.wait_turn(asyncio.Event(), text_key=99))
+
+    async def waiting(count: int) -> bool:
+        return throttle.waiting == count
+
+    await eventually(partial(waiting, 1), what="the delivery back in hand, waiting")
+    assert not healthy.done()  # not put off again
+    clock.now += throttle.pause_left_s()  # the retry of a text seen failing, due at the end
+    retry = asyncio.ensure_future(throttle.wait_turn(asyncio.Event(), text_key=0))
+    await eventually(partial(waiting, 2), what="the retry waiting too")
+    clock.now += 0.01
+
+    assert await asyncio.wait_for(healthy, timeout=GUARD_S) == PROBE
+    assert not retry.done()
+    throttle.answered(PROBE)
+    throttle.done(PROBE)
+    assert await asyncio.wait_for(retry, timeout=GUARD_S) == GO
 
 
 @pytest.mark.parametrize("news", ["a 429 to the probe", "another replica's 429"])

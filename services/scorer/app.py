@@ -1,5 +1,6 @@
 """Composition root of the scorer: the `score.requested` consumer and its model, the
-`score.cancel` consumer, and the rate-limit pauses it shares with the other replicas."""
+`score.cancel` consumer, the batch cancellations it keeps, and the rate-limit pauses it
+shares with the other replicas."""
 
 from __future__ import annotations
 
@@ -15,7 +16,12 @@ from datetime import datetime, timedelta
 from fastapi import FastAPI
 
 from services.scorer.attempts import Attempts
-from services.scorer.batch_cancels import CancelledBatches, subscribe_batch_cancels
+from services.scorer.batch_cancels import (
+    BatchCancelRecords,
+    CancelledBatches,
+    recall_cancelled_batches,
+    subscribe_batch_cancels,
+)
 from services.scorer.cancels import TaskCancels, subscribe_cancels
 from services.scorer.consumer import BrokerActions, subscribe_scorer
 from services.scorer.metrics import ScorerMetrics
@@ -60,6 +66,20 @@ def stop_grace_s(settings: ScorerSettings, model_settings: ModelSettings) -> flo
     # in flight ahead of it (`shared.batched_publish`).
     after_the_call = mongo_s + 3 * broker_s
     return before_the_call + the_call + after_the_call
+
+
+async def _prepare_database(
+    attempts: Attempts,
+    cancelled_batches: CancelledBatches,
+    batch_cancel_records: BatchCancelRecords,
+    clock: Callable[[], datetime],
+) -> None:
+    """The indexes, then the batches cancelled in the last `KEEP_S`: before the broker
+    starts, as an item of a batch cancelled while this replica was away, delivered first,
+    would be claimed and scored."""
+    await attempts.ensure_indexes()
+    await batch_cancel_records.ensure_indexes()
+    await recall_cancelled_batches(cancelled_batches, batch_cancel_records, now=clock())
 
 
 def create_app(
@@ -113,6 +133,9 @@ def create_app(
         pauses.announce(pause_s, outage)
 
     cancelled_batches = CancelledBatches(clock=clock)
+    batch_cancel_records = BatchCancelRecords(
+        mongo, settings.database_name("scorer"), timeout_s=settings.mongo_timeout_s
+    )
     deps = ScorerDeps(
         attempts=attempts,
         model=model,
@@ -152,11 +175,16 @@ def create_app(
     subscribe_shared_pauses(
         broker, deps.throttle, metrics, replica=replica, provider=provider, clock=clock
     )
-    subscribe_batch_cancels(broker, cancelled_batches, metrics, replica=replica)
+    subscribe_batch_cancels(
+        broker, cancelled_batches, batch_cancel_records, metrics, replica=replica
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await prepare_database(attempts.ensure_indexes, deadline_s=settings.startup_timeout_s)
+        await prepare_database(
+            lambda: _prepare_database(attempts, cancelled_batches, batch_cancel_records, clock),
+            deadline_s=settings.startup_timeout_s,
+        )
         await start_broker(broker, settings)
         yield
         # No model call starts any more: the deliveries waiting for a slot, and any that

@@ -16,10 +16,16 @@ Applied at each delivery while it is kept: an item whose model call was under wa
 the delivery came back) is cancelled rather than called again. A 503 for the cancels (not
 all confirmed) may still cancel the items, as the cancels it did queue would.
 
-Best effort, as the shared pauses are: the items' cancellations record them whatever is
-heard or lost here (a replica that started later, or missed the announcement, or has
-forgotten it). Nothing is stored: memory holds at most `MAX_BATCHES` announcements of any
-tenant, up to 1,000 items each (tens of MB at worst).
+Kept in memory, where each delivery looks, and stored in the scorer's own database
+(`BatchCancelRecords`, the `batch_cancels` collection: one document per batch, written by
+every replica that hears it, gone `KEEP_S` after): the announcement goes to each replica's
+own queue once, so a replica killed after hearing it and started again (or one started
+since) never heard it, and the items' `CancelTask`s raced their deliveries again (92 of a
+1,000-item batch scored, in a walkthrough). A replica reads the records before it consumes
+anything (`recall_cancelled_batches`). Best effort still, as the shared pauses are: a record
+not written (the database away) leaves the memory's copy; the items' cancellations record
+them whatever is heard, stored or lost here. Memory holds at most `MAX_BATCHES`
+announcements of any tenant, up to 1,000 items each (tens of MB at worst).
 """
 
 from __future__ import annotations
@@ -27,10 +33,16 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
+import pymongo
 from pydantic import ValidationError
+from pymongo import ASCENDING, DESCENDING, AsyncMongoClient
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import DuplicateKeyError, PyMongoError
 
 from services.scorer.metrics import ScorerMetrics
 from shared.consumers import Delivery, ScoreboxBroker, consume
@@ -41,6 +53,7 @@ from shared.topology import (
     scorer_batch_cancels_queue,
 )
 
+Document = dict[str, Any]
 log = logging.getLogger("scorebox.scorer.batch_cancels")
 
 # How long an announcement is kept: its items' cancellations, sent right after it, are
@@ -76,16 +89,21 @@ class CancelledBatches:
     def __len__(self) -> int:
         return len(self._heard)
 
-    def hear(self, event: BatchCancelling) -> None:
-        self._heard.pop(event.batch_id, None)
-        self._heard[event.batch_id] = _Heard(
-            tenant_id=event.tenant_id,
-            requested_at=event.requested_at,
-            generations=dict(event.generations),
-            heard_at=self._clock(),
-        )
-        while len(self._heard) > self._max_batches:
-            self._heard.popitem(last=False)
+    def hear(self, event: BatchCancelling) -> datetime:
+        """Keep `event`, heard now; returns when (its record's `heard_at`)."""
+        heard_at = self._clock()
+        self._keep_heard(event, heard_at)
+        return heard_at
+
+    def recall(self, event: BatchCancelling, heard_at: datetime) -> None:
+        """Keep an announcement heard before (its record), unless it is too old or the
+        batch's kept one was requested as late already (a cancellation heard again)."""
+        kept = self._heard.get(event.batch_id)
+        if kept is not None and kept.requested_at >= event.requested_at:
+            return
+        if heard_at < self._clock() - self._keep:
+            return
+        self._keep_heard(event, heard_at)
 
     def requested_at(self, command: ScoreText) -> datetime | None:
         """When the command's batch was cancelled, if the announcement names this item at
@@ -97,9 +115,23 @@ class CancelledBatches:
         heard = self._heard.get(command.batch_id)
         if heard is None or heard.tenant_id != command.tenant_id:
             return None
+        # Its own age too: one recalled after a newer one was heard sits behind it.
+        if heard.heard_at < self._clock() - self._keep:
+            return None
         if heard.generations.get(command.task_id) != command.generation:
             return None
         return heard.requested_at
+
+    def _keep_heard(self, event: BatchCancelling, heard_at: datetime) -> None:
+        self._heard.pop(event.batch_id, None)
+        self._heard[event.batch_id] = _Heard(
+            tenant_id=event.tenant_id,
+            requested_at=event.requested_at,
+            generations=dict(event.generations),
+            heard_at=heard_at,
+        )
+        while len(self._heard) > self._max_batches:
+            self._heard.popitem(last=False)
 
     def _forget_old(self) -> None:
         oldest_kept = self._clock() - self._keep
@@ -110,15 +142,106 @@ class CancelledBatches:
             del self._heard[batch_id]
 
 
+@dataclass(frozen=True)
+class StoredCancel:
+    event: BatchCancelling
+    heard_at: datetime
+
+
+class BatchCancelRecords:
+    """The announcements heard, in the scorer's own database, for a replica that starts
+    after them: one document per batch, the same whichever replica writes it.
+
+        {_id: batch_id, requested_at, announcement (the event's JSON), heard_at, expires_at}
+
+    The announcement is kept as its JSON (its items are task ids, which a document's field
+    names need not accept) and read back through its contract."""
+
+    def __init__(
+        self,
+        client: AsyncMongoClient[Document],
+        database: str,
+        *,
+        timeout_s: float,
+        keep_s: float = KEEP_S,
+    ) -> None:
+        self._collection: AsyncCollection[Document] = client[database]["batch_cancels"]
+        self._timeout_s = timeout_s
+        self._keep = timedelta(seconds=keep_s)
+
+    async def ensure_indexes(self) -> None:
+        await self._collection.create_index([("expires_at", ASCENDING)], expireAfterSeconds=0)
+
+    async def record(self, event: BatchCancelling, *, heard_at: datetime) -> None:
+        """Upsert the batch's record, idempotent: every replica hearing the announcement
+        writes it, and a later cancellation of the batch (after a replay) replaces it, never
+        the reverse (a replica that heard the two late writes the earlier one last).
+
+        The filter names the batch and an earlier or equal request: a record of a later one
+        fails it, and the upsert's insert then collides on `_id`; so does one replica's
+        insert against another's of the same moment, which the second try updates."""
+        document = {
+            "requested_at": event.requested_at,
+            "announcement": event.model_dump_json(),
+            "heard_at": heard_at,
+            "expires_at": heard_at + self._keep,
+        }
+        earlier = {"_id": event.batch_id, "requested_at": {"$lte": event.requested_at}}
+        with pymongo.timeout(self._timeout_s):
+            try:
+                await self._collection.update_one(earlier, {"$set": document}, upsert=True)
+            except DuplicateKeyError:
+                # Stored meanwhile by another replica (updated now), or later (left alone).
+                with suppress(DuplicateKeyError):
+                    await self._collection.update_one(earlier, {"$set": document}, upsert=True)
+
+    async def recent(self, *, now: datetime, limit: int = MAX_BATCHES) -> list[StoredCancel]:
+        """The records not expired at `now`, the `limit` heard last, oldest first. Expired
+        ones linger until the TTL monitor's next pass (once a minute): the filter drops them."""
+        with pymongo.timeout(self._timeout_s):
+            cursor = self._collection.find(
+                {"expires_at": {"$gt": now}},
+                projection={"announcement": True, "heard_at": True},
+                sort=[("heard_at", DESCENDING)],
+                limit=limit,
+            )
+            documents = await cursor.to_list()
+        return [stored for document in reversed(documents) if (stored := _read(document))]
+
+
+def _read(document: Document) -> StoredCancel | None:
+    try:
+        event = BatchCancelling.model_validate_json(document["announcement"])
+    except ValidationError as error:
+        log.warning("ignoring an unreadable record of batch %s: %s", document["_id"], error)
+        return None
+    return StoredCancel(event=event, heard_at=document["heard_at"])
+
+
+async def recall_cancelled_batches(
+    batches: CancelledBatches, records: BatchCancelRecords, *, now: datetime
+) -> None:
+    """Keep the batch cancellations heard in the last `KEEP_S`, by this replica before it
+    was restarted or by the others (at start-up, before anything is consumed: an item of
+    such a batch delivered first would be claimed and scored)."""
+    stored = await records.recent(now=now)
+    for record in stored:
+        batches.recall(record.event, record.heard_at)
+    if stored:
+        log.info("%d batch cancellations recalled from the last %.0f s", len(stored), KEEP_S)
+
+
 def subscribe_batch_cancels(
     broker: ScoreboxBroker,
     batches: CancelledBatches,
+    records: BatchCancelRecords,
     metrics: ScorerMetrics,
     *,
     replica: str,
 ) -> None:
     """Hear the batches cancelled on this replica's own queue (auto-acknowledged: an
-    announcement lost costs only the items scored before their own cancellations come)."""
+    announcement lost costs only the items scored before their own cancellations come),
+    keep each in memory, then store it for the replicas that start later."""
 
     @consume(
         broker,
@@ -133,10 +256,25 @@ def subscribe_batch_cancels(
         except ValidationError as error:
             log.warning("ignoring an unreadable batch cancellation: %s", error)
             return
-        batches.hear(event)
+        heard_at = batches.hear(event)
         metrics.batch_cancels_heard.inc()
         log.info(
             "batch %s cancelled: its %d open items are cancelled when they arrive",
             event.batch_id,
             len(event.generations),
+        )
+        await _store(records, event, heard_at)
+
+
+async def _store(records: BatchCancelRecords, event: BatchCancelling, heard_at: datetime) -> None:
+    """Best effort: the copy in memory stands whatever happens here (a replica started later
+    misses a record not written, and the items' own cancellations still come)."""
+    try:
+        await records.record(event, heard_at=heard_at)
+    except PyMongoError as error:
+        log.warning(
+            "batch %s's cancellation not stored: a scorer starting before it is forgotten "
+            "will not know of it: %r",
+            event.batch_id,
+            error,
         )

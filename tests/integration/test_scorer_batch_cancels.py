@@ -2,7 +2,8 @@
 or model call (`services/scorer/batch_cancels.py`), without waiting for each item's own
 `score.cancel`: none is sent here, so each item cancelled is the announcement's doing.
 
-One scorer runs in process on the real broker and database against the fake model."""
+One scorer runs in process on the real broker and database against the fake model (two, one
+after the other, where a scorer is started again)."""
 
 from __future__ import annotations
 
@@ -189,6 +190,50 @@ async def test_an_item_cancelled_or_completed_already_is_carried_out_as_it_was_a
     assert isinstance(first, TaskCompleted)
     assert cancelled_here == 0
     assert fake_llm.stats()["by_id"].get(marker, 0) == 1
+
+
+async def test_a_scorer_started_again_knows_the_batches_cancelled_before_and_cancels_their_items(
+    fake_llm: FakeLLM, amqp_url: str, mongo: Any, db_prefix: str
+) -> None:
+    """The announcement goes to each running replica's own queue once: a scorer stopped
+    right after hearing it, and started again, never heard it, and the items' deliveries
+    raced their own cancels (found in a walkthrough: 92 of 1,000 items scored). It is
+    stored in the scorer's database as heard, and read at start, before any delivery."""
+    batch_id = new_id()
+    named = [_item(batch_id, index) for index in range(3)]
+    elsewhere = _item(new_id(), 0)  # another batch's item
+    announcement = BatchCancelling(
+        task_id=new_id(),
+        batch_id=batch_id,
+        requested_at=utcnow(),
+        generations={command.task_id: 0 for command, _ in named},
+    )
+    everything = [*named, elsewhere]
+    setup = scorer_over(fake_llm, amqp_url=amqp_url, mongo_url=mongo.url, db_prefix=db_prefix)
+    publisher = make_broker(setup.settings)
+    async with publisher:
+        await publisher.connect()
+        await declare_topology(publisher)
+        async with running(setup.app()) as before:
+            await _heard(publisher, before, announcement)
+        # The items wait in their queue for the scorer started again (a new replica: a
+        # queue of its own for announcements, with nothing in it).
+        for command, _ in everything:
+            await publish_command(publisher, command, timeout=10)
+        async with outcomes(amqp_url) as seen, running(setup.app()) as again:
+            ended = await seen.first_of_each({command.task_id for command, _ in everything})
+            heard_again = await _metric(again, "scorebox_scorer_batch_cancels_heard_total")
+            cancelled_here = await _metric(again, "scorebox_scorer_cancelled_at_delivery_total")
+
+    for command, _ in named:
+        failed = ended[command.task_id]
+        assert isinstance(failed, TaskFailed), failed
+        assert failed.error.code == CANCELLED_CODE
+    assert isinstance(ended[elsewhere[0].task_id], TaskCompleted), ended[elsewhere[0].task_id]
+    assert (heard_again, cancelled_here) == (0, len(named))
+    calls = fake_llm.stats()["by_id"]
+    assert [calls.get(marker, 0) for _, marker in named] == [0, 0, 0]
+    assert calls.get(elsewhere[1], 0) == 1
 
 
 def _own_cancel(command: ScoreText) -> CancelTask:

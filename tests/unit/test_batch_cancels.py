@@ -1,12 +1,25 @@
 """What a scorer replica keeps of the batch cancellations it hears (`CancelledBatches`): an
-item named at its generation, for its tenant, while the announcement is fresh."""
+item named at its generation, for its tenant, while the announcement is fresh; what it
+recalls of their records at start (`recall`), and what it keeps when its database is away
+as it hears one."""
 
 from __future__ import annotations
 
+import logging
+import socket
 from datetime import UTC, datetime, timedelta
 
-from services.scorer.batch_cancels import CancelledBatches
+import pytest
+from pymongo import AsyncMongoClient
+
+from services.scorer.batch_cancels import (
+    BatchCancelRecords,
+    CancelledBatches,
+    subscribe_batch_cancels,
+)
+from services.scorer.metrics import ScorerMetrics
 from shared.contracts import BatchCancelling, ScoreText, new_id
+from tests.support import HandedDelivery, HandlerOnly
 
 REQUESTED_AT = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
 
@@ -90,3 +103,72 @@ def test_heard_again_it_counts_as_new() -> None:
 
     assert batches.requested_at(_item("a", "b1", generation=1)) == REQUESTED_AT
     assert batches.requested_at(_item("b", "b2")) is None
+
+
+def test_a_recalled_announcement_is_kept_for_what_is_left_of_its_time() -> None:
+    """Recalled at start, it is as old as its record says, not heard anew: a restart does not
+    keep a batch's cancellation past `KEEP_S` from when it was heard."""
+    clock = Clock()
+    batches = CancelledBatches(clock=clock, keep_s=60)
+    clock.now += timedelta(seconds=50)
+    batches.recall(_announcement("b1", {"a": 0}), REQUESTED_AT)
+    batches.recall(_announcement("b2", {"x": 0}), REQUESTED_AT - timedelta(seconds=11))
+
+    assert batches.requested_at(_item("a", "b1")) == REQUESTED_AT
+    assert batches.requested_at(_item("x", "b2")) is None  # heard 61 s ago: not kept
+    clock.now += timedelta(seconds=11)
+    assert batches.requested_at(_item("a", "b1")) is None
+
+
+def test_a_record_does_not_replace_a_later_cancellation_of_the_batch() -> None:
+    clock = Clock()
+    batches = CancelledBatches(clock=clock)
+    later = _announcement("b1", {"a": 1})  # cancelled again, after a replay
+    later = later.model_copy(update={"requested_at": REQUESTED_AT + timedelta(seconds=5)})
+    batches.hear(later)
+    batches.recall(_announcement("b1", {"a": 0}), REQUESTED_AT)
+
+    assert batches.requested_at(_item("a", "b1", generation=1)) == later.requested_at
+    assert batches.requested_at(_item("a", "b1")) is None
+
+
+def test_one_recalled_behind_a_newer_one_still_expires_on_its_own_time() -> None:
+    clock = Clock()
+    batches = CancelledBatches(clock=clock, keep_s=60)
+    batches.hear(_announcement("b2", {"x": 0}))  # heard now
+    batches.recall(_announcement("b1", {"a": 0}), REQUESTED_AT - timedelta(seconds=30))
+
+    clock.now += timedelta(seconds=31)
+    assert batches.requested_at(_item("a", "b1")) is None
+    assert batches.requested_at(_item("x", "b2")) == REQUESTED_AT
+
+
+async def test_an_announcement_heard_while_the_database_is_away_is_kept_in_memory(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its record not written (the write times out), the consumer logs it and goes on: the
+    replica cancels the batch's items as before; only one started later misses it."""
+    unreachable: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(
+        f"mongodb://127.0.0.1:{_a_closed_port()}", tz_aware=True
+    )
+    batches = CancelledBatches(clock=Clock())
+    records = BatchCancelRecords(unreachable, "t_scorer", timeout_s=0.2)
+    broker = HandlerOnly()
+    subscribe_batch_cancels(broker, batches, records, ScorerMetrics(), replica="r1")  # type: ignore[arg-type]
+    announcement = _announcement("b1", {"a": 0})
+    try:
+        with caplog.at_level(logging.WARNING, logger="scorebox.scorer.batch_cancels"):
+            await broker.handler(HandedDelivery(announcement.model_dump_json().encode()))
+    finally:
+        await unreachable.close()
+
+    assert batches.requested_at(_item("a", "b1")) == REQUESTED_AT
+    assert "batch b1's cancellation not stored" in caplog.text
+
+
+def _a_closed_port() -> int:
+    """A local port nothing listens on (bound for a moment, then closed)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port

@@ -19,7 +19,7 @@ from services.gateway.deadletters import (
 )
 from services.gateway.errors import Unavailable, refused_for_good
 from services.gateway.keys_api import ADMIN_BODY_LIMIT
-from shared.bodies import json_body, read_model
+from shared.bodies import json_body, read_model, refuse_a_body
 from shared.bus import BROKER_ERRORS
 from shared.contracts import rfc3339
 from shared.dead_letters import (
@@ -193,7 +193,10 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
         response_model_exclude_none=True,
         responses={**DROP_PROBLEMS, **problem_responses(422)},
     )
-    async def drop_dead_letter(letter_id: str, cut_off: CutOffQuery) -> DropReport:
+    async def drop_dead_letter(
+        letter_id: str, cut_off: CutOffQuery, request: Request
+    ) -> DropReport:
+        await refuse_a_body(request, outcome="nothing was removed")
         with _broker_away_is_503():
             dropped = await dead_letters.drop(letter_id, cut_off=cut_off)
         if not dropped.removed and not dropped.kept:
@@ -216,7 +219,8 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
         response_model_exclude_none=True,
         responses=problem_responses(422),
     )
-    async def purge_dead_letters(cut_off: CutOffQuery) -> PurgeReport:
+    async def purge_dead_letters(cut_off: CutOffQuery, request: Request) -> PurgeReport:
+        await refuse_a_body(request, outcome="nothing was removed")
         with _broker_away_is_503():
             return await purge_report(dead_letters, cut_off)
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictInt
 
 from services.gateway.errors import DatabaseUnavailable, refused_for_good
 from services.gateway.keys import KEY_ID, TENANT_ID_PATTERN, ApiKeys, KeyNotIssued
-from shared.bodies import json_body, read_model
+from shared.bodies import json_body, read_model, refuse_a_body
 from shared.contracts import to_millis
 from shared.http import (
     ADMIN_PROBLEMS,
@@ -153,7 +153,8 @@ def key_admin_routes(
         }
 
     @router.delete("/keys/{key_id}", summary="Revoke an API key", responses=problem_responses(404))
-    async def revoke_key(key_id: str) -> dict[str, Any]:
+    async def revoke_key(key_id: str, request: Request) -> dict[str, Any]:
+        await refuse_a_body(request, outcome="nothing was revoked")
         if not KEY_ID.fullmatch(key_id):
             raise Problem(404, f"No API key {key_id!r}.")
         try:

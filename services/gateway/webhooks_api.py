@@ -271,7 +271,8 @@ def webhook_routes(notifier: NotifierClient, authenticated: Any) -> APIRouter:
         summary="Stop sending failure alerts",
         responses=problem_responses(401, 429, 503),
     )
-    async def remove_failure_alert(caller: Caller = authenticated) -> Response:
+    async def remove_failure_alert(request: Request, caller: Caller = authenticated) -> Response:
+        await refuse_a_body(request, outcome="nothing was removed")
         try:
             await notifier.remove_failure_alert(caller.tenant_id)
         except NotifierUnavailable as error:

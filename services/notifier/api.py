@@ -14,7 +14,7 @@ from services.notifier.errors import UnsafeDestination
 from services.notifier.keyring import Keyring, TenantSecret
 from services.notifier.registry import FailureAlerts
 from services.notifier.ssrf import WebhookGuard
-from shared.bodies import json_body, read_model
+from shared.bodies import json_body, read_model, refuse_a_body
 from shared.contracts import Instant
 from shared.http import INTERNAL_PROBLEMS, Problem, internal_guard, problem_responses
 from shared.webhook_urls import MAX_URL_LENGTH
@@ -76,7 +76,10 @@ def tenant_routes(
         return _answer(await keyring.current(tenant_id, now=clock()))
 
     @router.post("/webhook-secret/rotate", response_model=SigningSecret)
-    async def rotate_signing_secret(response: Response, tenant_id: str = TenantId) -> SigningSecret:
+    async def rotate_signing_secret(
+        request: Request, response: Response, tenant_id: str = TenantId
+    ) -> SigningSecret:
+        await refuse_a_body(request, outcome="nothing was changed")
         response.headers.update(NO_STORE)
         return _answer(await keyring.rotate(tenant_id, now=clock(), grace=rotation_grace))
 
@@ -108,7 +111,8 @@ def tenant_routes(
         return alert
 
     @router.delete("/failure-alert", status_code=204)
-    async def remove_failure_alert(tenant_id: str = TenantId) -> Response:
+    async def remove_failure_alert(request: Request, tenant_id: str = TenantId) -> Response:
+        await refuse_a_body(request, outcome="nothing was removed")
         await alerts.remove(tenant_id)
         return Response(status_code=204)
 

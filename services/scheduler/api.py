@@ -564,7 +564,10 @@ def cron_dead_letter_routes(
         response_model_exclude_none=True,
         responses={**CRON_DROP_PROBLEMS, **problem_responses(422)},
     )
-    async def drop_cron_dead_letter(run_id: str, cut_off: CutOffQuery) -> CronDropReport:
+    async def drop_cron_dead_letter(
+        run_id: str, cut_off: CutOffQuery, request: Request
+    ) -> CronDropReport:
+        await refuse_a_body(request, outcome="nothing was removed")
         with _broker_away_is_503():
             dropped = await dead_letters.drop(run_id, cut_off=cut_off)
         if not dropped.removed and not dropped.kept:
@@ -584,7 +587,8 @@ def cron_dead_letter_routes(
         response_model_exclude_none=True,
         responses=problem_responses(422),
     )
-    async def purge_cron_dead_letters(cut_off: CutOffQuery) -> PurgeReport:
+    async def purge_cron_dead_letters(cut_off: CutOffQuery, request: Request) -> PurgeReport:
+        await refuse_a_body(request, outcome="nothing was removed")
         with _broker_away_is_503():
             return await purge_report(dead_letters, cut_off)
 

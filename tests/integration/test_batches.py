@@ -300,6 +300,34 @@ async def test_wrong_content_type_and_bad_json(batches: Batches) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/scores", b'{"text": "Essay one.", "text": "Essay two."}', "text"),
+        (
+            "/v1/batches",
+            b'{"items": [{"client_id": "a", "text": "One.", "client_id": "b"}]}',
+            "items.0.client_id",
+        ),
+    ],
+)
+async def test_a_key_given_twice_is_a_422_naming_it_and_nothing_is_kept(
+    batches: Batches, path: str, body: bytes, field: str
+) -> None:
+    """The last of the two was taken without a word: `{"text": "a", "text": "b"}` scored
+    "b", which a client (or a proxy) reading the first did not send."""
+    before = await batches.kept()
+
+    answer = await batches.api.post(
+        path, content=body, headers={"content-type": "application/json"}
+    )
+
+    problem = _assert_problem(answer, 422)
+    message = "is given more than once in its object; give each key once"
+    assert problem["errors"] == [{"field": field, "message": message}]
+    assert await batches.kept() == before
+
+
 async def test_idempotency_key_returns_the_same_batch_or_409(batches: Batches) -> None:
     key = uuid.uuid4().hex
     items = _items(3)

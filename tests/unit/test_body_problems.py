@@ -5,14 +5,18 @@ JSON (both found in a walkthrough). A small app of the shared body readers, over
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, field_validator
 
-from shared.bodies import read_model
+from shared.bodies import read_json_object, read_model
 from shared.http import install_problem_handlers
+
+JSON_TYPE = {"Content-Type": "application/json"}
 
 
 class Even(BaseModel):
@@ -93,3 +97,83 @@ async def test_a_body_encoded_or_not_utf_8_is_a_415_naming_why(
     assert response.status_code == 415, response.text
     assert response.headers["content-type"] == "application/problem+json"
     assert named in response.json()["detail"]
+
+
+@dataclass
+class Objects:
+    """A route reading any JSON object, and the bodies it took."""
+
+    http: httpx.AsyncClient
+    taken: list[dict[str, Any]]
+
+    async def post(self, body: bytes) -> httpx.Response:
+        return await self.http.post("/object", content=body, headers=JSON_TYPE)
+
+
+@pytest.fixture
+async def objects() -> AsyncIterator[Objects]:
+    app = FastAPI()
+    install_problem_handlers(app)
+    taken: list[dict[str, Any]] = []
+
+    @app.post("/object")
+    async def read(request: Request) -> dict[str, Any]:
+        taken.append(await read_json_object(request, what="object", limit=1 << 20))
+        return taken[-1]
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        yield Objects(http, taken)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (b'{"text": "a", "text": "b"}', "text"),
+        (b'{"text": "a", "rubric": "r", "text": "a"}', "text"),  # the same value twice too
+        (b'{"text": "a", "metadata": {"source": 1, "source": 2}}', "metadata.source"),
+        (b'{"items": [{"text": "a"}, {"text": "b", "text": "c"}]}', "items.1.text"),
+        (b'{"\\u0074ext": "a", "text": "b"}', "text"),  # one of them escaped
+        (b'{"": 1, "": 2}', '""'),
+    ],
+)
+async def test_a_key_given_twice_in_an_object_is_a_422_naming_it(
+    objects: Objects, body: bytes, field: str
+) -> None:
+    """orjson keeps the last of two values of a key without a word (`{"text": "a", "text":
+    "b"}` scored "b"), where a parser keeping the first reads another request."""
+    response = await objects.post(body)
+
+    assert response.status_code == 422, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    problem = response.json()
+    message = "is given more than once in its object; give each key once"
+    assert problem["type"].endswith("/invalid-fields")
+    assert problem["detail"] == f"{field}: {message}."
+    assert problem["errors"] == [{"field": field, "message": message}]
+    assert objects.taken == []
+
+
+async def test_a_key_repeated_in_another_object_is_no_repetition(
+    objects: Objects,
+) -> None:
+    body = b'{"text": "a", "metadata": {"text": "a"}, "items": [{"text": 1}, {"text": 2}]}'
+
+    response = await objects.post(body)
+
+    assert response.status_code == 200, response.text
+    assert response.json()["metadata"] == {"text": "a"}
+    assert len(objects.taken) == 1
+
+
+async def test_a_repetition_nested_as_deep_as_a_body_may_is_named_not_a_server_error(
+    objects: Objects,
+) -> None:
+    """The refusal finds the key's path without recursion: 1,000 levels are within orjson's
+    limit, and past Python's."""
+    body = b'{"a": ' * 1000 + b'{"x": 1, "x": 2}' + b"}" * 1000
+
+    response = await objects.post(body)
+
+    assert response.status_code == 422, response.text
+    assert response.json()["errors"][0]["field"] == "a." * 1000 + "x"

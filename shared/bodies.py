@@ -91,7 +91,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 async def read_json_object(request: Request, *, what: str, limit: int) -> dict[str, Any]:
     """The body as a JSON object: 415 not UTF-8 JSON content or encoded, 413 over `limit`, 400
-    not JSON, 422 not an object or giving a key twice in one object."""
+    not UTF-8 or not JSON, 422 not an object or giving a key twice in one object."""
     _refuse_unreadable_content(request, what)
     body = await _read_body(request, limit)
     try:
@@ -100,11 +100,26 @@ async def read_json_object(request: Request, *, what: str, limit: int) -> dict[s
         if str(error).startswith(JSON_TOO_DEEP):
             # Valid JSON, maybe: said to be invalid, a client looked for a syntax error.
             raise Problem(400, "The body's JSON nests deeper than 1,024 levels.") from error
+        _refuse_invalid_utf_8(body, what)
         raise Problem(400, f"The body is not valid JSON: {error}.") from error
     if not isinstance(payload, dict):
         raise Problem(422, "The body must be a JSON object.", kind="invalid-fields")
     _refuse_repeated_keys(body)
     return payload
+
+
+def _refuse_invalid_utf_8(body: bytes, what: str) -> None:
+    """400 for a body that is not UTF-8, saying so and where: orjson's words were Python's
+    ("str is not valid UTF-8: surrogates not allowed: line 1 column 1 (char 0)", whatever
+    the byte's place). Decoded only once orjson refused the body: no cost to a good one."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise Problem(
+            400,
+            f"The body is not valid UTF-8 (at byte {error.start:,}, counting from 0); send "
+            f"the {what} encoded as UTF-8.",
+        ) from None
 
 
 class _RepeatedKey(Exception):

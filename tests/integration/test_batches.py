@@ -328,6 +328,24 @@ async def test_a_key_given_twice_is_a_422_naming_it_and_nothing_is_kept(
     assert await batches.kept() == before
 
 
+@pytest.mark.parametrize("path", ["/v1/scores", "/v1/batches"])
+async def test_a_body_not_utf_8_is_said_to_be_so_and_nothing_is_kept(
+    batches: Batches, path: str
+) -> None:
+    """Its 400 gave orjson's words: "str is not valid UTF-8: surrogates not allowed"."""
+    before = await batches.kept()
+    body = b'{"text": "Caf\xe9 au lait."}'  # Latin-1, sent as UTF-8
+
+    answer = await batches.api.post(
+        path, content=body, headers={"content-type": "application/json"}
+    )
+
+    problem = _assert_problem(answer, 400)
+    assert problem["detail"].startswith("The body is not valid UTF-8 (at byte 13, counting from 0)")
+    assert "surrogates" not in problem["detail"]
+    assert await batches.kept() == before
+
+
 async def test_idempotency_key_returns_the_same_batch_or_409(batches: Batches) -> None:
     key = uuid.uuid4().hex
     items = _items(3)

@@ -177,3 +177,28 @@ async def test_a_repetition_nested_as_deep_as_a_body_may_is_named_not_a_server_e
 
     assert response.status_code == 422, response.text
     assert response.json()["errors"][0]["field"] == "a." * 1000 + "x"
+
+
+@pytest.mark.parametrize(
+    ("body", "at"),
+    [
+        (b'{"text": "caf\xe9"}', 13),  # Latin-1, sent as UTF-8
+        (b"\xff", 0),
+        (b'{"text": "\xe2\x82"}', 10),  # cut short: two bytes of a three-byte character
+        (b'{"text": "\xed\xa0\x80"}', 10),  # a surrogate, which UTF-8 never encodes
+    ],
+)
+async def test_a_body_not_utf_8_is_said_to_be_so_and_where(
+    objects: Objects, body: bytes, at: int
+) -> None:
+    """It was orjson's words, Python's: "str is not valid UTF-8: surrogates not allowed:
+    line 1 column 1 (char 0)", whatever the byte's place."""
+    response = await objects.post(body)
+
+    assert response.status_code == 400, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    assert response.json()["detail"] == (
+        f"The body is not valid UTF-8 (at byte {at}, counting from 0); send the object "
+        "encoded as UTF-8."
+    )
+    assert objects.taken == []

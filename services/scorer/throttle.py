@@ -31,7 +31,10 @@ those of `TRIP_AFTER` texts in a row found it unavailable (any other answer betw
 starts the count again, so a provider failing now and then is not paused, nor is one failing
 a single text, however many tasks hold it), and the probes that find it still down spend no
 attempt (the scorer counts them as it counts a 429's, within `RATE_LIMIT_RETRIES`), on every
-replica: an outage's pause is told to the others as one.
+replica: an outage's pause is told to the others as one. Texts failing on their own look
+like an outage too; the probe goes to a text not seen failing when one waits, and one
+arriving during a pause that only such texts' probes began probes at once
+(`_may_cut_short`).
 """
 
 from __future__ import annotations
@@ -128,6 +131,12 @@ class ModelThrottle:
         self._seen_failing: set[int] = set()
         self._waiting_texts: Counter[int | None] = Counter()
         self._probe_due = False  # a pause ended and no call has answered since
+        # The outage's pause was begun by a probe of a text seen failing in it (no news of the
+        # provider): a delivery of a text not seen failing may probe before its end, once.
+        self._pause_unproven = False
+        # The end of the pause a probe cut short, while its answer is awaited: an answer ends
+        # that pause (unless a longer one was heard meanwhile).
+        self._cut_short_until: float | None = None
         self._probe_out = False  # the probe's call is running
         self._rate_limit_pauses = Tally(PAUSE_LOG_EVERY_S, clock)
         self._outage_probes = Tally(PAUSE_LOG_EVERY_S, clock)
@@ -186,6 +195,8 @@ class ModelThrottle:
                 raise SlotsClosed
             left = self.pause_left_s()
             hold_left = held_until - self._clock()
+            if left > 0 and self._may_cut_short(text_key):
+                return self._cut_short()
             if left > 0 and left > hold_left:
                 return PutOff(left)
             if left > 0:
@@ -199,6 +210,27 @@ class ModelThrottle:
                 return PutOff(0.0)  # the probe's answer is late: back of the queue
             else:
                 await self._until_changed(closing, timeout_s=hold_left)  # the probe's answer
+
+    def _may_cut_short(self, text_key: int | None) -> bool:
+        """Whether this delivery may probe before the pause ends: the pause is unproven
+        (begun by a probe of a text seen failing in the outage) and its text is not seen
+        failing. Three texts failing on their own were taken for an outage, and their
+        retries, the only calls of a quiet pause, probed it pause after pause, doubling it up
+        to a minute, while a healthy task submitted meanwhile waited (92 s and over 200 s in
+        a walkthrough). Their failures say nothing of the provider, but they do keep their
+        own tasks' retries apart in a real outage, so they still double the pause (holding it
+        at its length instead failed every task of a quiet outage within the retries'
+        back-off: a review). One such probe per unproven pause: in a real outage it fails,
+        and the pause it begins is proven."""
+        if not self._pause_unproven or self._probe_out or text_key is None:
+            return False
+        return text_key not in self._seen_failing
+
+    def _cut_short(self) -> Turn:
+        self._probe_out = True
+        self._pause_unproven = False
+        self._cut_short_until = self._paused_until
+        return PROBE
 
     def _may_probe(self, text_key: int | None) -> bool:
         """Whether this delivery may be the probe: its text not seen failing since the
@@ -230,6 +262,7 @@ class ModelThrottle:
         self._forget_failures()  # the provider answers: no run of calls finding it down
         if turn.probe:
             self._end_outage()  # a rate limit's pause from now on
+            self._cut_short_until = None
         first = not self._probe_due
         self._lengthen(turn, retry_after_s)
         if first:
@@ -260,10 +293,8 @@ class ModelThrottle:
             pauses,
         )
 
-    def _lengthen(self, turn: Turn, retry_after_s: float | None, *, grow: bool = True) -> None:
-        """Pause again; longer (the back-off a step further) when `grow` and the call was
-        the probe, or began the pause."""
-        if grow and (turn.probe or not self._probe_due):
+    def _lengthen(self, turn: Turn, retry_after_s: float | None) -> None:
+        if turn.probe or not self._probe_due:
             self._rate_limits_in_a_row += 1
         # At 0 in a row (a call running when another replica's pause was heard): the base.
         backoff = capped_exponential_s(
@@ -280,12 +311,11 @@ class ModelThrottle:
         scored as several tasks, its retries the only calls of a quiet hour, would pause
         everyone's); the calls pause as after a 429, or a pause lasting (a 429's, another
         replica's) turns into an outage's. A probe's call, or one running during a pause,
-        lengthens it; the probe doubles it, unless its text was seen failing in this outage
-        already (`news`): that says nothing new of the provider, and three texts failing on
-        their own, their retries the probes of a quiet pause, doubled it to a minute while a
-        healthy task waited (seen 92 s and over 200 s in a walkthrough). True when the call
-        is the outage's rather than its task's: it began the outage, or probed one and found
-        the provider still down."""
+        lengthens it; a probe doubles it. A probe of a text seen failing in this outage
+        already says nothing new of the provider (`news`): the pause it begins is unproven,
+        and a delivery of a text not seen failing may cut it short (`_may_cut_short`). True
+        when the call is the outage's rather than its task's: it began the outage, or probed
+        one and found the provider still down."""
         self._forget_a_stale_pause()
         probed_an_outage = turn.probe and self._outage and self._probe_is_free(text_key, task_key)
         news = not (turn.probe and self._outage and text_key in self._seen_failing)
@@ -303,7 +333,10 @@ class ModelThrottle:
         if self._outage:
             self._seen_failing.add(text_key)
         if began or self._probe_due:
-            self._lengthen(turn, retry_after_s, grow=news)
+            self._lengthen(turn, retry_after_s)
+        if turn.probe:
+            self._pause_unproven = self._outage and not news
+            self._cut_short_until = None
         if was_on and turn.probe:
             self._log_outage_going_on()
         if began:
@@ -346,6 +379,7 @@ class ModelThrottle:
 
     def _end_outage(self) -> None:
         self._outage = False
+        self._pause_unproven = False
         self._outage_texts.clear()
         self._refunds.clear()
         self._probe_out_when_it_began = False
@@ -381,6 +415,7 @@ class ModelThrottle:
         longer = self._clock() + min(pause_s, MAX_PAUSE_S) > self._paused_until
         if longer:
             self._pause_for(pause_s)
+            self._pause_unproven = False  # the other replica's news
         if outage:
             if not self._outage:  # this replica's run of failures: charged before it was told
                 self._seen_failing = set(self._unavailable)
@@ -402,6 +437,9 @@ class ModelThrottle:
         one); a call started before the pause says nothing of it."""
         self._forget_failures()
         if turn.probe:
+            if self._cut_short_until == self._paused_until:  # no longer pause heard meanwhile
+                self._paused_until = min(self._paused_until, self._clock())
+            self._cut_short_until = None
             self._probe_due = self.pause_left_s() > 0
             if not self._probe_due and self._outage:
                 log.info("model calls resumed: the provider answered the outage's probe")
@@ -417,6 +455,9 @@ class ModelThrottle:
         """The turn is over, whether or not it called the model (a claim held elsewhere, a
         database error): a probe that did not answer lets another delivery probe."""
         if turn.probe and self._probe_out:
+            if self._cut_short_until is not None:  # it never called: another may cut short
+                self._cut_short_until = None
+                self._pause_unproven = self._outage
             self._probe_out = False
             self._outage_heard_while_probing = False
             self._probe_out_when_it_began = False

@@ -432,10 +432,10 @@ async def test_a_probe_finding_the_provider_still_down_is_the_outages_and_pauses
     _fails(throttle, *range(TRIP_AFTER))
     first_pause = throttle.pause_left_s()
     clock.now += first_pause + 0.01
-    probe = await throttle.wait_turn(asyncio.Event(), text_key=7)
+    probe = await throttle.wait_turn(asyncio.Event())
     assert probe == Turn(probe=True)
 
-    assert _fails(throttle, 7, turn=PROBE) == [True]  # a text not seen failing yet
+    assert _fails(throttle, 0, turn=PROBE) == [True]
     throttle.done(PROBE)
     assert throttle.paused
     assert throttle.pause_left_s() > first_pause  # doubled (within its jitter)
@@ -776,25 +776,81 @@ async def test_a_text_seen_failing_probes_when_no_other_waits() -> None:
     assert turn == PROBE
 
 
-async def test_probes_of_the_texts_seen_failing_hold_the_pause_at_its_length() -> None:
-    """Three texts failing on their own began an outage, and their retries, the only calls,
-    probed pause after pause, each doubling it up to a minute while a healthy task submitted
-    meanwhile waited (92 s and over 200 s in a walkthrough). Their failures say nothing new
-    of the provider: the pause keeps its length; a text not seen failing doubles it."""
-    clock = Clock()
-    throttle = _throttle(clock)
-    _fails(throttle, *range(TRIP_AFTER))
-    for _ in range(3):
+async def _probes_of_texts_seen_failing(throttle: ModelThrottle, clock: Clock, rounds: int) -> None:
+    """The outage's three texts, each probing `rounds` times, each finding it still down."""
+    for _ in range(rounds):
         for text in range(TRIP_AFTER):
             await _probe(throttle, clock)
             _fails(throttle, text, turn=PROBE)
             throttle.done(PROBE)
-            assert throttle.pause_left_s() <= 1.0  # the first pause's length (base, jittered)
 
-    await _probe(throttle, clock)
-    _fails(throttle, 7, turn=PROBE)
+
+async def test_probes_of_the_texts_seen_failing_still_double_the_pause() -> None:
+    """A provider really down on a quiet system: the tasks that began the outage are the only
+    calls, their retries its probes. Holding the pause at its length for them (a first
+    mend of the case below) spent their attempts within the retries' back-off, every task
+    of a 60 s outage failed (a review's simulation); the pause doubles as before."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    _fails(throttle, *range(TRIP_AFTER))
+    await _probes_of_texts_seen_failing(throttle, clock, rounds=2)
+    assert throttle.pause_left_s() > 16.0  # six doublings from 0.5-1 s
+
+
+async def test_a_text_not_seen_failing_cuts_short_a_pause_only_texts_seen_failing_lengthened() -> (
+    None
+):
+    """Three texts failing on their own were taken for an outage; their retries, the only
+    calls of a quiet pause, probed it pause after pause, doubling it up to a minute, while a
+    healthy task submitted meanwhile was put off again and again (92 s and over 200 s in a
+    walkthrough). A delivery of a text not seen failing now probes at once, and its answer
+    ends the pause for all."""
+    clock = Clock()
+    throttle = _throttle(clock, hold_s=0.5)
+    _fails(throttle, *range(TRIP_AFTER))
+    await _probes_of_texts_seen_failing(throttle, clock, rounds=2)
+    assert throttle.pause_left_s() > 1.0
+
+    turn = await asyncio.wait_for(throttle.wait_turn(asyncio.Event(), text_key=99), GUARD_S)
+    assert turn == PROBE
+    throttle.answered(PROBE)
     throttle.done(PROBE)
-    assert throttle.pause_left_s() > 1.0  # doubled: 1-2 s
+    assert not throttle.paused
+    assert await asyncio.wait_for(throttle.wait_turn(asyncio.Event(), text_key=0), GUARD_S) == GO
+
+
+async def test_a_pause_is_cut_short_once_and_a_failing_probe_proves_the_next() -> None:
+    """In a real outage the text not seen failing fails too: the pause it begins stands for
+    the next texts (or each new text would call a provider that is down)."""
+    clock = Clock()
+    throttle = _throttle(clock, hold_s=0.5)
+    _fails(throttle, *range(TRIP_AFTER))
+    await _probes_of_texts_seen_failing(throttle, clock, rounds=1)
+    assert await throttle.wait_turn(asyncio.Event(), text_key=99) == PROBE
+    assert _fails(throttle, 99, turn=PROBE) == [True]  # the outage's: its first probe
+    throttle.done(PROBE)
+
+    assert isinstance(await throttle.wait_turn(asyncio.Event(), text_key=98), PutOff)
+
+
+async def test_the_pause_three_texts_began_is_not_cut_short() -> None:
+    """Three texts in a row are the outage's evidence: its first pause is waited out."""
+    clock = Clock()
+    throttle = _throttle(clock, hold_s=0.1)
+    _fails(throttle, *range(TRIP_AFTER))
+
+    assert isinstance(await throttle.wait_turn(asyncio.Event(), text_key=99), PutOff)
+
+
+async def test_a_probe_cutting_a_pause_short_that_never_called_lets_another_do_so() -> None:
+    clock = Clock()
+    throttle = _throttle(clock, hold_s=0.5)
+    _fails(throttle, *range(TRIP_AFTER))
+    await _probes_of_texts_seen_failing(throttle, clock, rounds=1)
+    assert await throttle.wait_turn(asyncio.Event(), text_key=99) == PROBE
+    throttle.done(PROBE)  # its claim was held elsewhere, say
+
+    assert await throttle.wait_turn(asyncio.Event(), text_key=98) == PROBE
 
 
 async def test_a_delivery_put_off_is_back_in_hand_before_the_pause_ends_and_probes_first() -> None:

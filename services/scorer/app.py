@@ -19,6 +19,7 @@ from services.scorer.attempts import Attempts
 from services.scorer.batch_cancels import (
     BatchCancelRecords,
     CancelledBatches,
+    recall_again,
     recall_cancelled_batches,
     subscribe_batch_cancels,
 )
@@ -186,6 +187,7 @@ def create_app(
             deadline_s=settings.startup_timeout_s,
         )
         await start_broker(broker, settings)
+        await recall_again(cancelled_batches, batch_cancel_records, now=clock())
         yield
         # No model call starts any more: the deliveries waiting for a slot, and any that
         # arrives before the consumer is cancelled, are sent again with their delivery counts

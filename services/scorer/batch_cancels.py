@@ -90,9 +90,13 @@ class CancelledBatches:
         return len(self._heard)
 
     def hear(self, event: BatchCancelling) -> datetime:
-        """Keep `event`, heard now; returns when (its record's `heard_at`)."""
+        """Keep `event`, heard now, unless the batch's kept cancellation was requested later
+        (the two heard out of order: the later generation's items went uncancelled here);
+        returns when (its record's `heard_at`)."""
         heard_at = self._clock()
-        self._keep_heard(event, heard_at)
+        kept = self._heard.get(event.batch_id)
+        if kept is None or kept.requested_at <= event.requested_at:
+            self._keep_heard(event, heard_at)
         return heard_at
 
     def recall(self, event: BatchCancelling, heard_at: datetime) -> None:
@@ -216,6 +220,18 @@ def _read(document: Document) -> StoredCancel | None:
         log.warning("ignoring an unreadable record of batch %s: %s", document["_id"], error)
         return None
     return StoredCancel(event=event, heard_at=document["heard_at"])
+
+
+async def recall_again(
+    batches: CancelledBatches, records: BatchCancelRecords, *, now: datetime
+) -> None:
+    """Read the records once more once this replica's own queue is bound (the broker's
+    start): an announcement sent between the first read and the binding reached only the
+    other replicas, which stored it. Best effort: the first read stands if this one fails."""
+    try:
+        await recall_cancelled_batches(batches, records, now=now)
+    except PyMongoError as error:
+        log.warning("batch cancellations not read again after the start: %r", error)
 
 
 async def recall_cancelled_batches(

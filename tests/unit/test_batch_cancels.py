@@ -15,6 +15,7 @@ from pymongo import AsyncMongoClient
 from services.scorer.batch_cancels import (
     BatchCancelRecords,
     CancelledBatches,
+    recall_again,
     subscribe_batch_cancels,
 )
 from services.scorer.metrics import ScorerMetrics
@@ -130,6 +131,40 @@ def test_a_record_does_not_replace_a_later_cancellation_of_the_batch() -> None:
 
     assert batches.requested_at(_item("a", "b1", generation=1)) == later.requested_at
     assert batches.requested_at(_item("a", "b1")) is None
+
+
+def test_an_earlier_cancellation_heard_after_a_later_one_leaves_it() -> None:
+    """Two cancellations of a batch (the second after a replay) heard out of order: the
+    earlier replaced the later in memory, and the later generation's items went uncancelled
+    here, though the records and `recall` kept the later (a review)."""
+    batches = CancelledBatches(clock=Clock())
+    later = _announcement("b1", {"a": 1})
+    later = later.model_copy(update={"requested_at": REQUESTED_AT + timedelta(seconds=5)})
+    batches.hear(later)
+    batches.hear(_announcement("b1", {"a": 0}))
+
+    assert batches.requested_at(_item("a", "b1", generation=1)) == later.requested_at
+
+
+async def test_reading_the_records_again_after_the_start_is_best_effort(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The second reading, once the replica's queue is bound, may meet a database gone
+    away since the first: it is logged, and the start goes on with what the first read."""
+    unreachable: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(
+        f"mongodb://127.0.0.1:{_a_closed_port()}", tz_aware=True
+    )
+    batches = CancelledBatches(clock=Clock())
+    batches.hear(_announcement("b1", {"a": 0}))
+    records = BatchCancelRecords(unreachable, "t_scorer", timeout_s=0.2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="scorebox.scorer.batch_cancels"):
+            await recall_again(batches, records, now=REQUESTED_AT)
+    finally:
+        await unreachable.close()
+
+    assert batches.requested_at(_item("a", "b1")) == REQUESTED_AT
+    assert "not read again after the start" in caplog.text
 
 
 def test_one_recalled_behind_a_newer_one_still_expires_on_its_own_time() -> None:

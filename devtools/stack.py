@@ -1,6 +1,7 @@
 """Run the services as local processes: `make run`, the e2e and fault tests, the benchmark.
 
     python -m devtools.stack run [--scorers N] [--ready-timeout S] [--log-dir DIR]
+                                 [--webhooks-local [--webhook-fail N]]
 
 Each service runs as `python -m services.<name>` in its own process group (Ctrl-C handling is
 ours), logs to `<log_dir>/<service>[-<replica>].log`, and is ready when `GET /readyz` answers
@@ -8,6 +9,9 @@ ours), logs to `<log_dir>/<service>[-<replica>].log`, and is ready when `GET /re
 `MONGO_URL`, `MONGO_DB_PREFIX`, `HTTP_HOST`, `<SERVICE>_PORT`, `STATUS_URL`, `NOTIFIER_URL`,
 `INTERNAL_API_KEY` and `METRICS_API_KEY` (a new one each per stack unless given), and whatever
 the caller adds (`LLM_*`, `SCORER_CONCURRENCY`, ...).
+
+`--webhooks-local` (`WEBHOOKS=local make run`) also starts `devtools.webhook_receiver` and
+gives the notifier the test-only settings that reach it (`local_webhook_receiver`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -64,6 +69,10 @@ LOG_TAIL_LINES = 40
 # The banner's CLI example scores this (the README, once suggested, is over MAX_TEXT_CHARS).
 CLI_EXAMPLE_TEXT = "Asynchronous scoring keeps the request fast and the model busy."
 SUPERVISE_INTERVAL_S = 0.5
+RECEIVER_LOG = "webhook-receiver.log"
+RECEIVER_READY_TIMEOUT_S = 30.0
+RECEIVER_STOP_S = 5.0
+WEBHOOKS_MODES = ("", "local")
 
 
 class StackError(RuntimeError):
@@ -548,7 +557,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     run.add_argument("--ready-timeout", type=float, default=90.0, metavar="SECONDS")
     run.add_argument("--log-dir", type=Path, default=Path(".run/logs"))
-    return parser.parse_args(argv)
+    webhooks = os.environ.get("WEBHOOKS", "").strip().lower()
+    run.add_argument(
+        "--webhooks-local",
+        action="store_true",
+        default=webhooks == "local",
+        help="start a local HTTPS webhook receiver and let the notifier reach it "
+        "(WEBHOOKS=local; test-only notifier settings)",
+    )
+    run.add_argument(
+        "--webhook-fail",
+        type=int,
+        default=int(os.environ.get("WEBHOOK_RECEIVER_FAIL", "0") or "0"),
+        metavar="N",
+        help="the local receiver answers 500 to its first N deliveries (WEBHOOK_RECEIVER_FAIL)",
+    )
+    args = parser.parse_args(argv)
+    if webhooks not in WEBHOOKS_MODES:
+        parser.error(f"WEBHOOKS={webhooks!r}: the one mode is WEBHOOKS=local")
+    if args.webhook_fail < 0:
+        parser.error("--webhook-fail (WEBHOOK_RECEIVER_FAIL) must be 0 or more")
+    return args
 
 
 def curl_examples(gateway_url: str, api_key: str) -> list[str]:
@@ -608,7 +637,147 @@ def model_line(stack_env: Mapping[str, str], environ: Mapping[str, str] = os.env
     return f"Model:    {env.get('LLM_MODEL', DEFAULT_LLM_MODEL)} at {base_url} (OpenAI protocol)"
 
 
-def banner(stack: Stack, keys: DevKeys) -> str:
+@dataclass(frozen=True)
+class LocalReceiver:
+    """The local webhook receiver of a `--webhooks-local` run, as it announced itself."""
+
+    url: str
+    log_path: Path
+    notifier_env: dict[str, str]
+    checks_signatures: bool
+    pid: int = 0
+
+
+@contextlib.contextmanager
+def local_webhook_receiver(
+    log_dir: Path,
+    *,
+    gateway_url: str | None,
+    api_key: str,
+    fail: int = 0,
+    ready_timeout_s: float = RECEIVER_READY_TIMEOUT_S,
+) -> Iterator[LocalReceiver]:
+    """`devtools.webhook_receiver` as a child process on a free port, logging to
+    `<log_dir>/webhook-receiver.log`, its CA in a temporary folder; stopped on the way out.
+
+    It checks signatures with the secret of `api_key`'s tenant, read from `gateway_url` at
+    its first delivery (none given: not checked). Its `notifier_env` is what the notifier
+    needs to reach it: the CA to trust, and its name exempt from the address check and
+    mapped to 127.0.0.1 (test-only settings, README "Configuration")."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / RECEIVER_LOG
+    with tempfile.TemporaryDirectory(prefix="scorebox-webhooks-") as folder:
+        command = [
+            sys.executable,
+            "-m",
+            "devtools.webhook_receiver",
+            "--ca-file",
+            str(Path(folder) / "ca.pem"),
+            "--fail",
+            str(fail),
+        ]
+        if gateway_url:
+            command += ["--gateway", gateway_url]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", SCOREBOX_API_KEY=api_key)
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,  # noqa: PLW1509 - only async-signal-safe work
+            )
+        proc = ServiceProcess("webhook-receiver", 0, 0, log_path, process)
+        try:
+            announcement = _receiver_announcement(proc, ready_timeout_s)
+            yield LocalReceiver(
+                url=str(announcement["url"]),
+                log_path=log_path,
+                notifier_env={str(k): str(v) for k, v in announcement["notifier_env"].items()},
+                checks_signatures=gateway_url is not None,
+                pid=process.pid,
+            )
+        finally:
+            signal_group(proc, signal.SIGTERM)
+            wait_or_kill(proc, RECEIVER_STOP_S)
+
+
+def _receiver_announcement(proc: ServiceProcess, timeout_s: float) -> dict[str, Any]:
+    """The receiver's first line (JSON), read from its log once it is written."""
+    import orjson  # noqa: PLC0415 - the services' dependency, only here
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        first = proc.log_path.read_bytes().split(b"\n", 1)
+        if len(first) == 2:  # the whole line is there
+            try:
+                announcement: dict[str, Any] = orjson.loads(first[0])
+            except orjson.JSONDecodeError:
+                raise StackError(
+                    f"the webhook receiver did not announce itself; {proc.log_path}:\n"
+                    f"{read_tail(proc.log_path)}"
+                ) from None
+            return announcement
+        if proc.process is not None and proc.process.poll() is not None:
+            raise StackError(
+                f"the webhook receiver exited with code {proc.process.returncode}; "
+                f"last lines of {proc.log_path}:\n{read_tail(proc.log_path)}"
+            )
+        if time.monotonic() >= deadline:
+            raise StackError(f"the webhook receiver did not start within {timeout_s:.0f}s")
+        time.sleep(READY_POLL_INTERVAL_S)
+
+
+def with_receiver_env(
+    service_env: Mapping[str, str],
+    receiver: LocalReceiver,
+    environ: Mapping[str, str] = os.environ,
+) -> dict[str, str]:
+    """The services' environment with the receiver's notifier settings: the test hosts and
+    their addresses added to any given (the stack's, then the process's), the CA file
+    replacing one (the notifier trusts one bundle)."""
+    env = dict(service_env)
+    for name, value in receiver.notifier_env.items():
+        given = service_env.get(name, environ.get(name, "")).strip()
+        if name == "WEBHOOK_CA_FILE" or not given:
+            env[name] = value
+        else:
+            env[name] = f"{given},{value}"
+    return env
+
+
+def gateway_url_before_start(host: str, port: int) -> str | None:
+    """The gateway's URL from its fixed port (None when the port is picked at start)."""
+    if port == 0:
+        return None
+    connect = WILDCARD_CONNECT_HOSTS.get(host, host)
+    return f"http://[{connect}]:{port}" if ":" in connect else f"http://{connect}:{port}"
+
+
+def webhook_lines(stack: Stack, keys: DevKeys, receiver: LocalReceiver | None) -> list[str]:
+    """How to have a task's outcome POSTed to the local receiver, and where to see it."""
+    if receiver is None:
+        return []
+    checked = (
+        "signatures checked with the default tenant's secret"
+        if receiver.checks_signatures
+        else "signatures not checked"
+    )
+    body = f'{{"text": "{CLI_EXAMPLE_TEXT}", "callback_url": "{receiver.url}"}}'
+    return [
+        f"Webhooks: a local receiver at {receiver.url} ({checked});",
+        f"  each delivery is a line of {receiver.log_path}:",
+        f"  tail -f {receiver.log_path}",
+        f"  curl -s -X POST {stack.gateway_url}/v1/scores -H 'Content-Type: application/json' "
+        f"-H 'Authorization: Bearer {keys.api_key}' -d '{body}'",
+        f"  echo '{CLI_EXAMPLE_TEXT}' | .venv/bin/scorebox submit - --callback-url {receiver.url}",
+        "",
+    ]
+
+
+def banner(stack: Stack, keys: DevKeys, receiver: LocalReceiver | None = None) -> str:
     lines = ["", "Scorebox is up."]
     for proc in stack.processes():
         lines.append(f"  {proc.name:<10} {stack.url(proc.service, proc.replica)}")
@@ -630,6 +799,7 @@ def banner(stack: Stack, keys: DevKeys) -> str:
         *(f"  {line}" for line in curl_examples(stack.gateway_url, keys.api_key)),
         f"  echo '{CLI_EXAMPLE_TEXT}' | .venv/bin/scorebox submit - --wait",
         "",
+        *webhook_lines(stack, keys, receiver),
         "Ctrl-C stops everything.",
     ]
     return "\n".join(lines)
@@ -818,6 +988,19 @@ def start_and_supervise(
                 )
             )
     keys = DevKeys.from_environment()
+    service_env = keys.service_env()
+    receiver: LocalReceiver | None = None
+    if args.webhooks_local:
+        receiver = resources.enter_context(
+            local_webhook_receiver(
+                args.log_dir,
+                gateway_url=gateway_url_before_start(host, ports["gateway"]),
+                api_key=keys.api_key,
+                fail=args.webhook_fail,
+            )
+        )
+        print(f"Webhooks: local receiver at {receiver.url} (log {receiver.log_path})", flush=True)
+        service_env = with_receiver_env(service_env, receiver)
     config = StackConfig(
         rabbitmq_url=rabbitmq_url,
         mongo_url=mongo.url,
@@ -827,13 +1010,13 @@ def start_and_supervise(
         ports=ports,
         scorer_replicas=args.scorers,
         log_dir=args.log_dir,
-        env=keys.service_env(),
+        env=service_env,
     )
     stack = Stack(config)
     resources.callback(stack.stop, grace_s=run_stop_grace_s(os.environ | config.env))
     print(f"Starting {', '.join(config.services)} (logs in {args.log_dir}/) ...", flush=True)
     stack.start(ready_timeout_s=args.ready_timeout)
-    print(banner(stack, keys), flush=True)
+    print(banner(stack, keys, receiver), flush=True)
     return supervise(stack)
 
 

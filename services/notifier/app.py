@@ -23,7 +23,7 @@ from services.notifier.notifications import NotificationDeps
 from services.notifier.registry import Callbacks, FailureAlerts
 from services.notifier.sender import WebhookSender, make_ssl_context
 from services.notifier.settings import NotifierSettings
-from services.notifier.ssrf import CaresResolver, Resolver, WebhookGuard
+from services.notifier.ssrf import CaresResolver, Resolver, TestHostAddresses, WebhookGuard
 from shared.consumers import ScoreboxBroker
 from shared.contracts import DeliverWebhook, new_id, utcnow
 from shared.http import (
@@ -71,7 +71,11 @@ def create_app(
     keyring = Keyring(mongo, database)
     ledger = Ledger(mongo, database, retention=timedelta(seconds=settings.delivery_retention_s))
     system_resolver = CaresResolver(timeout_s=settings.dns_timeout_s)
-    guard = WebhookGuard(resolver or system_resolver, allowed_test_hosts=settings.test_hosts)
+    lookups: Resolver = resolver or system_resolver
+    test_host_table = settings.test_host_table
+    if test_host_table:  # tests and `WEBHOOKS=local make run` only: before DNS
+        lookups = TestHostAddresses(test_host_table, lookups)
+    guard = WebhookGuard(lookups, allowed_test_hosts=settings.test_hosts)
 
     async def enqueue(delivery: DeliverWebhook) -> None:
         await send_delivery(broker, delivery, timeout=settings.broker_timeout_s)
@@ -130,6 +134,16 @@ def create_app(
                 "WEBHOOK_ALLOWED_TEST_HOSTS=%s: webhooks may reach these NON-PUBLIC hosts. "
                 "This is for tests only; unset it in any real deployment.",
                 ",".join(sorted(settings.test_hosts)),
+            )
+        if test_host_table:
+            log.warning(
+                "WEBHOOK_TEST_HOST_ADDRESSES=%s: these names are answered from this table, "
+                "not DNS. This is for tests only; unset it in any real deployment.",
+                ",".join(
+                    f"{name}={address}"
+                    for name, addresses in sorted(test_host_table.items())
+                    for address in addresses
+                ),
             )
         warn_if_internal_routes_open(settings.internal_api_key, "notifier")
         await prepare_database(ensure_indexes, deadline_s=settings.startup_timeout_s)

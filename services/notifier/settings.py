@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import Field, model_validator
 
 from shared.settings import MAX_DURATION_S, InternalApiSettings
+from shared.webhook_urls import IPAddress, UnsafeWebhookUrl, check_host_name, parse_ip_literal
 
 # The database calls a claim's holder makes under its lease (`NotifierSettings.lease_s`).
 CLAIM_DATABASE_CALLS = 3
@@ -87,6 +88,13 @@ class NotifierSettings(InternalApiSettings):
     # they are not public (a local test receiver on 127.0.0.1). Empty in any real deployment;
     # the notifier logs a warning at start-up when it is set.
     allowed_test_hosts: str = Field(default="", validation_alias="WEBHOOK_ALLOWED_TEST_HOSTS")
+    # TEST ONLY. Comma-separated `name=address` pairs the notifier's lookups answer from
+    # before DNS (a name given twice: both addresses), so a local receiver can be reached
+    # under a public-looking name (`receiver.scorebox.test=127.0.0.1`, as `WEBHOOKS=local
+    # make run` sets it). Every name must also be in WEBHOOK_ALLOWED_TEST_HOSTS: the
+    # exemption stays that one variable's to grant, and a mapping cannot quietly send a
+    # real domain's webhooks elsewhere. Empty in any real deployment; logged at start-up.
+    test_host_addresses: str = Field(default="", validation_alias="WEBHOOK_TEST_HOST_ADDRESSES")
     # A PEM file of CA certificates to trust instead of the system store (a test receiver's
     # self-signed CA). Unset: the system trust store.
     ca_file: Path | None = Field(default=None, validation_alias="WEBHOOK_CA_FILE")
@@ -107,6 +115,11 @@ class NotifierSettings(InternalApiSettings):
                 f"WEBHOOK_CONCURRENCY_PER_TENANT ({self.concurrency_per_tenant}) may not exceed "
                 f"WEBHOOK_CONCURRENCY ({self.concurrency})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _test_host_addresses_valid(self) -> NotifierSettings:
+        parse_test_host_addresses(self.test_host_addresses, allowed=self.test_hosts)
         return self
 
     @model_validator(mode="after")
@@ -152,6 +165,11 @@ class NotifierSettings(InternalApiSettings):
         )
 
     @property
+    def test_host_table(self) -> dict[str, tuple[IPAddress, ...]]:
+        """WEBHOOK_TEST_HOST_ADDRESSES as a table: name -> addresses (empty when unset)."""
+        return parse_test_host_addresses(self.test_host_addresses, allowed=self.test_hosts)
+
+    @property
     def post_s(self) -> float:
         """The longest one POST takes: its DNS check, then the whole request."""
         return self.dns_timeout_s + self.timeout_s
@@ -165,3 +183,50 @@ class NotifierSettings(InternalApiSettings):
         the POST and the recording of its outcome, with 30 s to spare. A lease that ran out
         before the POST let a second copy claim the attempt and POST it too."""
         return self.post_s + CLAIM_DATABASE_CALLS * self.mongo_timeout_s + 30.0
+
+
+def parse_test_host_addresses(
+    raw: str, *, allowed: frozenset[str]
+) -> dict[str, tuple[IPAddress, ...]]:
+    """`name=address[,name=address...]` as a table; `ValueError` naming the entry otherwise.
+
+    A name must be one the gateway accepts in a callback URL (no IP literal, no local or
+    single-label name: the mapping would never be used) and be in `allowed`
+    (WEBHOOK_ALLOWED_TEST_HOSTS); an address must be an IP literal. Names are compared in
+    lower case, as URL hosts are."""
+    table: dict[str, tuple[IPAddress, ...]] = {}
+    for entry in (part.strip() for part in raw.split(",")):
+        if not entry:
+            continue
+        name, sep, given = (text.strip() for text in entry.partition("="))
+        name = name.lower()
+        if not sep or not name or not given:
+            raise ValueError(
+                f"WEBHOOK_TEST_HOST_ADDRESSES: {entry!r} is not name=address "
+                "(e.g. receiver.scorebox.test=127.0.0.1)"
+            )
+        if parse_ip_literal(name.strip("[]")) is not None:
+            raise ValueError(
+                f"WEBHOOK_TEST_HOST_ADDRESSES: {name!r} is an address; map a host name"
+            )
+        try:
+            check_host_name(name)
+        except UnsafeWebhookUrl as error:
+            raise ValueError(
+                f"WEBHOOK_TEST_HOST_ADDRESSES: {error}; the gateway refuses callback URLs "
+                "naming it, so the mapping would never be used"
+            ) from None
+        address = parse_ip_literal(given.strip("[]"))
+        if address is None:
+            raise ValueError(
+                f"WEBHOOK_TEST_HOST_ADDRESSES: {given!r} (for {name}) is not an IP address"
+            )
+        if name not in allowed:
+            raise ValueError(
+                f"WEBHOOK_TEST_HOST_ADDRESSES maps {name}, which is not in "
+                "WEBHOOK_ALLOWED_TEST_HOSTS: add it there too (tests only: the exemption is "
+                "that variable's to grant)"
+            )
+        if address not in table.get(name, ()):
+            table[name] = (*table.get(name, ()), address)
+    return table

@@ -12,7 +12,9 @@ The URL and address rules are `shared.webhook_urls`, the same the gateway applie
 accepts a URL; this module adds the DNS step.
 
 `allowed_test_hosts` (WEBHOOK_ALLOWED_TEST_HOSTS) exempts named hosts or addresses, for a
-local test receiver only.
+local test receiver only; `TestHostAddresses` (WEBHOOK_TEST_HOST_ADDRESSES) answers the
+lookups of such names from a table before DNS, so a receiver on 127.0.0.1 can be reached
+under a public-looking name (`WEBHOOKS=local make run`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -98,6 +100,24 @@ class CaresResolver:
         return _unique(
             ipaddress.ip_address(node.addr[0].decode().split("%", 1)[0]) for node in answer.nodes
         )
+
+
+class TestHostAddresses:
+    """TEST ONLY: names answered from a table (WEBHOOK_TEST_HOST_ADDRESSES), others by
+    `fallback`. The guard still judges every answer: a table name passes only as a name of
+    WEBHOOK_ALLOWED_TEST_HOSTS, which the settings require of each."""
+
+    __test__ = False  # not a pytest class, whatever its name
+
+    def __init__(self, table: Mapping[str, Sequence[IPAddress]], fallback: Resolver) -> None:
+        self._table = {name.lower(): tuple(addresses) for name, addresses in table.items()}
+        self._fallback = fallback
+
+    async def resolve(self, host: str, port: int) -> Sequence[IPAddress]:
+        addresses = self._table.get(host.lower())
+        if addresses is not None:
+            return list(addresses)
+        return await self._fallback.resolve(host, port)
 
 
 def _lookup_error(host: str, error: aiodns.error.DNSError) -> ResolutionFailed:

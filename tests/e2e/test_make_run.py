@@ -33,10 +33,14 @@ def _port_free(port: int) -> bool:
 
 
 @pytest.fixture
-def make_run(amqp_url: str, mongo: Any, db_prefix: str, tmp_path: Path) -> Any:
+def make_run(
+    amqp_url: str, mongo: Any, db_prefix: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Any:
+    """`make run` started; `request.param` (indirect parametrisation) adds to its env."""
     ports = {f"{name}_PORT": str(_free_port()) for name in SERVICES}
     env = {
         **os.environ,
+        **getattr(request, "param", {}),
         **ports,
         "RABBITMQ_URL": amqp_url,
         "MONGO_URL": mongo.url,
@@ -72,6 +76,7 @@ def test_make_run_serves_the_readme_example_and_stops_on_sigterm(make_run: Any) 
     auth = {"Authorization": f"Bearer {api_key}"}
     assert f"Gateway:  {gateway}" in banner
     assert "Model:    built-in heuristic" in banner  # which model the scorers call
+    assert "Webhooks:" not in banner  # no local receiver unless asked (WEBHOOKS=local)
     assert f"-H 'Authorization: Bearer {api_key}'" in banner  # the curl example is ready to paste
     assert f"export SCOREBOX_API_KEY={api_key}" in banner
     # `scorebox cron` defaults to port 8003: with the port moved, the export points it here.
@@ -113,3 +118,43 @@ def test_make_run_serves_the_readme_example_and_stops_on_sigterm(make_run: Any) 
     assert "Stopped." in output.wait_for_text("Stopped.", timeout_s=10)
     for port in ports.values():
         assert _port_free(int(port)), f"port {port} still served after make run stopped"
+
+
+@pytest.mark.parametrize("make_run", [{"WEBHOOKS": "local"}], indirect=True)
+def test_make_run_with_local_webhooks_delivers_the_banners_callback_signed(
+    make_run: Any,
+) -> None:
+    process, banner, _ports, _api_key, output = make_run
+    assert "Webhooks: a local receiver at https://receiver.scorebox.test:" in banner
+    assert "signatures checked with the default tenant's secret" in banner
+    log_path = Path(
+        next(line for line in banner.splitlines() if "tail -f" in line).split("tail -f ", 1)[1]
+    )
+    example = next(line.strip() for line in banner.splitlines() if '"callback_url"' in line)
+    callback_url = example.split('"callback_url": "', 1)[1].split('"', 1)[0]
+    assert callback_url.startswith("https://receiver.scorebox.test:")
+
+    submitted = subprocess.run(
+        example,
+        shell=True,  # the banner's own line, run as a user pastes it
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    task_id = json.loads(submitted.stdout)["task_id"]
+
+    def delivered() -> str | None:
+        lines = [line for line in log_path.read_text().splitlines() if f"task={task_id}" in line]
+        return lines[0] if lines else None
+
+    line = wait_for(delivered, timeout_s=60, what=f"the receiver's line for {task_id}")
+    assert "task.completed" in line
+    assert "signature ok; answered 200" in line
+
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 0
+    assert "Stopped." in output.wait_for_text("Stopped.", timeout_s=10)
+    receiver_port = int(callback_url.rsplit(":", 1)[1].split("/", 1)[0])
+    assert _port_free(receiver_port), "the receiver still listens after make run stopped"

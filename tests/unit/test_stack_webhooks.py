@@ -1,0 +1,83 @@
+"""`WEBHOOKS=local make run` (`devtools.stack run --webhooks-local`): the receiver it starts,
+the notifier settings it adds, and nothing of it without the option."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from devtools.stack import (
+    LocalReceiver,
+    gateway_url_before_start,
+    local_webhook_receiver,
+    parse_args,
+    with_receiver_env,
+)
+
+RECEIVER = LocalReceiver(
+    url="https://receiver.scorebox.test:4443/hooks",
+    log_path=Path("logs/webhook-receiver.log"),
+    notifier_env={
+        "WEBHOOK_CA_FILE": "/tmp/run/ca.pem",
+        "WEBHOOK_ALLOWED_TEST_HOSTS": "receiver.scorebox.test",
+        "WEBHOOK_TEST_HOST_ADDRESSES": "receiver.scorebox.test=127.0.0.1",
+    },
+    checks_signatures=True,
+)
+
+
+def test_the_option_is_off_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WEBHOOKS", raising=False)
+    assert parse_args(["run"]).webhooks_local is False
+    assert parse_args(["run", "--webhooks-local"]).webhooks_local is True
+    monkeypatch.setenv("WEBHOOKS", "local")
+    monkeypatch.setenv("WEBHOOK_RECEIVER_FAIL", "2")
+    args = parse_args(["run"])
+    assert (args.webhooks_local, args.webhook_fail) == (True, 2)
+
+
+def test_an_unknown_webhooks_mode_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("WEBHOOKS", "public")
+    with pytest.raises(SystemExit):
+        parse_args(["run"])
+    assert "the one mode is WEBHOOKS=local" in capsys.readouterr().err
+
+
+def test_the_receivers_settings_join_those_given_and_replace_the_ca() -> None:
+    given = {"WEBHOOK_ALLOWED_TEST_HOSTS": "hooks.example.test", "WEBHOOK_CA_FILE": "/mine.pem"}
+
+    env = with_receiver_env({"BOOTSTRAP_API_KEY": "k"}, RECEIVER, environ=given)
+
+    assert env == {
+        "BOOTSTRAP_API_KEY": "k",
+        "WEBHOOK_CA_FILE": "/tmp/run/ca.pem",
+        "WEBHOOK_ALLOWED_TEST_HOSTS": "hooks.example.test,receiver.scorebox.test",
+        "WEBHOOK_TEST_HOST_ADDRESSES": "receiver.scorebox.test=127.0.0.1",
+    }
+
+
+def test_the_gateway_url_is_known_before_start_only_for_a_fixed_port() -> None:
+    assert gateway_url_before_start("127.0.0.1", 8100) == "http://127.0.0.1:8100"
+    assert gateway_url_before_start("0.0.0.0", 8100) == "http://127.0.0.1:8100"
+    assert gateway_url_before_start("::1", 8100) == "http://[::1]:8100"
+    assert gateway_url_before_start("127.0.0.1", 0) is None
+
+
+def test_the_receiver_runs_logs_to_the_run_and_stops_with_it(tmp_path: Path) -> None:
+    with local_webhook_receiver(tmp_path, gateway_url=None, api_key="", fail=1) as receiver:
+        assert receiver.url.startswith("https://receiver.scorebox.test:")
+        assert receiver.log_path == tmp_path / "webhook-receiver.log"
+        ca_file = Path(receiver.notifier_env["WEBHOOK_CA_FILE"])
+        assert ca_file.read_text().startswith("-----BEGIN CERTIFICATE-----")
+        assert receiver.notifier_env["WEBHOOK_TEST_HOST_ADDRESSES"] == (
+            "receiver.scorebox.test=127.0.0.1"
+        )
+        os.kill(receiver.pid, 0)  # running
+    assert not ca_file.exists()  # its folder goes with the run
+    with pytest.raises(ProcessLookupError):  # stopped (and waited for)
+        os.kill(receiver.pid, 0)
+    assert "answering 500 to the first 1, then 200" in receiver.log_path.read_text()

@@ -51,7 +51,7 @@ class WriteOutcomeUnknown(PyMongoError):
     """The write was sent in a round trip that failed part-way: it may have been applied."""
 
 
-def _run_of(queued: Queued[Write, None]) -> int:
+def _run_of(queued: Queued[Write, bool]) -> int:
     return _RUN_ORDER[type(queued.op.op)]
 
 
@@ -76,8 +76,9 @@ def _encoded_size(write: Write, options: CodecOptions[Any]) -> int | None:
     return None if max(sizes) > MAX_DOCUMENT_BYTES else sum(sizes)
 
 
-class GroupWriter(Coalescer[Write, None]):
-    """Single-document writes to `collection`, coalesced into `bulk_write`s."""
+class GroupWriter(Coalescer[Write, bool]):
+    """Single-document writes to `collection`, coalesced into `bulk_write`s. An update
+    answers whether its upsert inserted the document."""
 
     def __init__(self, collection: AsyncCollection[Document], *, max_batch: int = MAX_BATCH):
         client = collection.database.client
@@ -90,8 +91,9 @@ class GroupWriter(Coalescer[Write, None]):
 
     async def update_one(
         self, filter: Mapping[str, Any], update: Mapping[str, Any], *, upsert: bool = False
-    ) -> None:
-        await self.submit(Write(UpdateOne(filter, update, upsert=upsert), (filter, update)))
+    ) -> bool:
+        """True when the upsert inserted the document (none matched `filter`)."""
+        return await self.submit(Write(UpdateOne(filter, update, upsert=upsert), (filter, update)))
 
     async def guarded_upsert(self, filter: Mapping[str, Any], update: Mapping[str, Any]) -> bool:
         """Upsert `update` where `filter` (`_id` and a guard) matches; False when the document
@@ -117,13 +119,13 @@ class GroupWriter(Coalescer[Write, None]):
     async def delete_one(self, filter: Mapping[str, Any]) -> None:
         await self.submit(Write(DeleteOne(filter), (filter,)))
 
-    async def _send(self, batch: list[Queued[Write, None]]) -> None:
+    async def _send(self, batch: list[Queued[Write, bool]]) -> None:
         try:
             await self._bulk_write(batch)
         except ENCODING_ERRORS as error:
             await self._send_encodable(batch, error)
 
-    async def _send_encodable(self, batch: list[Queued[Write, None]], error: Exception) -> None:
+    async def _send_encodable(self, batch: list[Queued[Write, bool]], error: Exception) -> None:
         """A write the client cannot encode (an integer beyond 64 bits, an unknown type, a
         document over 16 MB) failed its batch: fail that write alone and send the others
         again, so one bad write never fails its neighbours.
@@ -156,20 +158,24 @@ class GroupWriter(Coalescer[Write, None]):
         if again:
             await self._bulk_write(again)
 
-    async def _bulk_write(self, batch: list[Queued[Write, None]]) -> None:
+    async def _bulk_write(self, batch: list[Queued[Write, bool]]) -> None:
         try:
-            await self.collection.bulk_write([queued.op.op for queued in batch], ordered=False)
+            result = await self.collection.bulk_write(
+                [queued.op.op for queued in batch], ordered=False
+            )
         except BulkWriteError as error:
             failures = _failures_by_index(error.details, size=len(batch))
+            upserted = {each["index"] for each in error.details.get("upserted", [])}
             for index, queued in enumerate(batch):
                 failure = failures.get(index)
                 if failure is None:
-                    settle(queued, None)
+                    settle(queued, index in upserted)
                 else:
                     fail(queued, failure)
         else:
-            for queued in batch:
-                settle(queued, None)
+            upserted = set(result.upserted_ids or {})
+            for index, queued in enumerate(batch):
+                settle(queued, index in upserted)
 
 
 def _failures_by_index(details: Mapping[str, Any], *, size: int) -> dict[int, Exception]:

@@ -57,7 +57,10 @@ log = logging.getLogger("scorebox.scorer")
 
 @dataclass(frozen=True)
 class Claimed:
-    pass
+    """The attempt is this worker's. `made_the_record`: the claim inserted the task's
+    document, so no earlier attempt, cancellation or note of one exists to be read."""
+
+    made_the_record: bool = False
 
 
 @dataclass(frozen=True)
@@ -209,7 +212,7 @@ class Attempts:
         }
         claimable = _claimable_in_generation(command, now=now, owner=owner, reclaim_own=reclaim_own)
         try:
-            await self._writes.update_one(
+            inserted = await self._writes.update_one(
                 claimable,
                 {"$set": claimed, "$unset": {"decision": "", "raw_output": ""}},
                 upsert=True,
@@ -219,7 +222,7 @@ class Attempts:
             if held is not None and held["generation"] < command.generation:
                 return await self._replace_generation(command, claimed)
             return _standing(held, command)
-        return Claimed()
+        return Claimed(made_the_record=inserted)
 
     async def _replace_generation(self, command: ScoreText, claimed: Document) -> ClaimResult:
         """Claim the command's attempt over an older generation, taking over its `spent` when
@@ -258,15 +261,24 @@ class Attempts:
         """What the earlier attempts of the command's generation were billed, as their retry
         decisions recorded it or its claim took it over from the generation it replaced
         (None: nothing). The first attempt of the first generation has none."""
-        return (await self.before_the_call(command)).spent
+        if command.attempt <= 1 and command.generation == 0:
+            return None
+        return (await self._read_before(command)).spent
 
-    async def before_the_call(self, command: ScoreText) -> BeforeTheCall:
+    async def before_the_call(self, command: ScoreText, claim: Claimed) -> BeforeTheCall:
         """What an attempt claimed needs of the earlier ones before its model call, in one
         read: what they were billed (`spent_before`) and the time a client's cancellation
-        came while one of them was calling the model (None: none came). The first attempt of
-        the first generation has neither, and reads nothing."""
-        if command.attempt <= 1 and command.generation == 0:
+        came while one of them was calling the model (None: none came). A claim that made
+        the task's record reads nothing: there is nothing before it. Any other does, the
+        first attempt's too: one taking over a claim whose worker died (its lease over) read
+        nothing, and a cancellation noted while the dead worker's call was under way went
+        unseen; the task was scored (a walkthrough: 32 of a batch cancelled while every
+        scorer was down)."""
+        if claim.made_the_record:
             return BeforeTheCall(spent=None, cancel_requested_at=None)
+        return await self._read_before(command)
+
+    async def _read_before(self, command: ScoreText) -> BeforeTheCall:
         held = await self._spent_reads.find_by_id(command.task_id) or {}
         spent = Spent.loaded(held.get("spent"))
         return BeforeTheCall(

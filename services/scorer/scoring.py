@@ -331,7 +331,7 @@ async def _claim_and_call(
     if not isinstance(claim, Claimed):
         return _not_claimed(claim, command, redelivered)
     # Read before the model is called: failing after it, the call would be made again.
-    before = await deps.attempts.before_the_call(command)
+    before = await deps.attempts.before_the_call(command, claim)
     earlier = before.spent
     if before.cancel_requested_at is not None:
         # The client cancelled while an earlier attempt called the model, which then ended in

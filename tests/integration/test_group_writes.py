@@ -48,6 +48,23 @@ async def test_concurrent_writes_share_round_trips_and_all_land(
     assert commands.sent < 200 / 4, f"{commands.sent} write commands for 200 concurrent writes"
 
 
+async def test_each_write_says_whether_it_inserted_its_document(
+    collection: AsyncCollection[Document],
+) -> None:
+    """A claim that made the task's record need not read what came before it (the scorer's
+    `Claimed.made_the_record`); one that matched a record must."""
+    await collection.insert_one({"_id": "there", "n": 0})
+    writer = GroupWriter(collection)
+
+    inserted = await asyncio.gather(
+        writer.update_one({"_id": "there"}, {"$set": {"n": 1}}, upsert=True),
+        writer.update_one({"_id": "new"}, {"$set": {"n": 1}}, upsert=True),
+        writer.update_one({"_id": "absent"}, {"$set": {"n": 1}}),
+    )
+
+    assert list(inserted) == [False, True, False]
+
+
 async def test_a_lone_write_is_sent_at_once(
     collection: AsyncCollection[Document], commands: CommandCounter
 ) -> None:
@@ -88,13 +105,15 @@ async def test_each_caller_gets_its_own_writes_error(
         ),
         writer.insert_one({"_id": "fresh"}),
         writer.update_one({"_id": "fresh-2"}, {"$inc": {"sequence": "not a number"}}, upsert=True),
+        writer.update_one({"_id": "fresh-3"}, {"$set": {"sequence": 1}}, upsert=True),
         return_exceptions=True,
     )
 
-    stale, newer, fresh, invalid = outcomes
+    stale, newer, fresh, invalid, upserted = outcomes
     assert isinstance(stale, DuplicateKeyError)
-    assert newer is None
-    assert fresh is None
+    assert newer is False  # it matched the document: nothing inserted
+    assert fresh is None  # an insert answers nothing
+    assert upserted is True  # in a round trip that failed for others, its insert is told
     assert isinstance(invalid, WriteError)
     assert not isinstance(invalid, DuplicateKeyError)
     assert await collection.find_one({"_id": "taken"}) == {"_id": "taken", "sequence": 7}
@@ -120,7 +139,7 @@ async def test_a_write_the_client_cannot_encode_fails_alone(
     too_big, unencodable_type, *fine = outcomes[1:]
     assert isinstance(too_big, InvalidDocument), too_big
     assert isinstance(unencodable_type, InvalidDocument), unencodable_type
-    assert fine == [None] * 6, fine
+    assert fine == [None] * 5 + [True], fine  # the inserts answer nothing; the upsert inserted
     ids = {doc["_id"] async for doc in collection.find()}
     assert ids == {"first", "fine-update", *(f"fine{i}" for i in range(5))}
 

@@ -47,12 +47,12 @@ class LosesTheFirstInsert(GroupWriter):
 
     async def update_one(
         self, filter: Mapping[str, Any], update: Mapping[str, Any], *, upsert: bool = False
-    ) -> None:
+    ) -> bool:
         rival, self._rival = self._rival, None
         if rival is not None and upsert:
             await rival()
             raise DuplicateKeyError("E11000 duplicate key error", code=DUPLICATE_KEY)
-        await super().update_one(filter, update, upsert=upsert)
+        return await super().update_one(filter, update, upsert=upsert)
 
 
 @pytest.fixture

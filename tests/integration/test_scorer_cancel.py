@@ -32,6 +32,7 @@ from services.scorer.attempts import (
     PUBLISHED,
     Attempts,
     Cancelled,
+    Claimed,
     TooLate,
 )
 from services.scorer.cancels import TaskCancels, subscribe_cancels
@@ -284,6 +285,29 @@ async def test_a_cancel_during_a_model_call_cancels_the_retry_it_decides(
     next_attempt = command.model_copy(update={"attempt": 2, "message_id": new_id()})
     assert await _carried_out(next_attempt, make_deps) == cancelled
     assert _calls(fake_llm, marker) == calls
+
+
+async def test_a_cancel_noted_while_a_dead_workers_call_was_under_way_cancels_the_takeover(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
+) -> None:
+    """A scorer claimed the first attempt and died in its model call; the client's cancel,
+    handled while that claim's lease still held, was noted on the attempt (too late for the
+    call under way). The delivery came back, took the claim over once the lease ended, and
+    called the model: the first attempt read nothing before its call, so the note went
+    unseen and the cancelled task was scored (32 of a batch cancelled while every scorer was
+    down, in a walkthrough)."""
+    command, marker = _task()
+    claimed_at = utcnow() - 2 * LEASE  # the dead worker's claim: its lease is over now
+    assert await attempts.claim(command, now=claimed_at, lease=LEASE, owner="dead-scorer") == (
+        Claimed(made_the_record=True)
+    )
+    noted = await attempts.cancel(_cancel_of(command), now=claimed_at + LEASE / 2)
+    assert isinstance(noted, TooLate)
+
+    cancelled = await _carried_out(command, make_deps)
+
+    assert (cancelled.generation, cancelled.attempt) == (0, 1)
+    assert _calls(fake_llm, marker) == 0
 
 
 class _NoteUnread(Attempts):

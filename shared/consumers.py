@@ -306,6 +306,8 @@ class _Subscription:
     ack_first: bool
     label: str  # the queue's name in metrics
     bindings: tuple[Binding, ...] = ()  # made at start, on the queue's consuming connection
+    # Awaited before this consumer starts, once the others have (see `consume`).
+    starts_after: Callable[[], Awaitable[object]] | None = None
 
 
 class _AcksByChannel:
@@ -566,7 +568,11 @@ class ScoreboxBroker(RabbitBroker):
                 f"{self._name} own queues", reconnect_interval_s=OWN_QUEUES_RECONNECT_S
             )
             connected.labels("own queues").set_function(lambda: _is_up(self._own_queues_connection))
-        for subscription in self._subscriptions:
+        # Those that wait for something (`starts_after`) start last, in their order.
+        waiting = [each for each in self._subscriptions if each.starts_after is not None]
+        for subscription in [*self._without(waiting), *waiting]:
+            if subscription.starts_after is not None:
+                await subscription.starts_after()
             consuming = _Consuming(
                 subscription,
                 self._acks,
@@ -596,6 +602,31 @@ class ScoreboxBroker(RabbitBroker):
                 consuming.on_delivery, no_ack=False, timeout=self._timeout
             )
             self._consuming.append(consuming)
+
+    def _without(self, waiting: list[_Subscription]) -> list[_Subscription]:
+        return [each for each in self._subscriptions if each not in waiting]
+
+    async def settled(self, queue_name: str, *, within_s: float, poll_s: float = 0.05) -> bool:
+        """Wait until this broker's consumer of `queue_name` has nothing left: no message
+        ready in the queue and none in its handlers, at two looks `poll_s` apart (one on its
+        way to this process shows in neither); False when `within_s` passes first, or
+        nothing here consumes the queue."""
+        consuming = next(
+            (c for c in self._consuming if c.queue and c.queue.name == queue_name), None
+        )
+        if consuming is None or consuming.queue is None:
+            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        quiet_looks = 0
+        while loop.time() < deadline:
+            declared = await consuming.queue.declare(timeout=self._timeout)
+            quiet = declared.message_count == 0 and consuming.handling == 0
+            quiet_looks = quiet_looks + 1 if quiet else 0
+            if quiet_looks == 2:
+                return True
+            await asyncio.sleep(poll_s)
+        return False
 
     async def _open_consuming_connection(
         self, name: str, *, reconnect_interval_s: float = 1.0
@@ -773,6 +804,7 @@ def consume(
     ack_first: bool = False,
     metric_label: str | None = None,
     bindings: tuple[Binding, ...] = (),
+    starts_after: Callable[[], Awaitable[object]] | None = None,
 ) -> Callable[[Handler], Handler]:
     """Subscribe `handler(delivery)`, a plain async function, to `queue` once `broker` starts.
 
@@ -782,12 +814,16 @@ def consume(
     queue in metrics where its name is one of a kind (a replica's own queue: a series per
     process started would pile up). `bindings` are made once the queue is declared, for a
     queue of one replica that the topology cannot declare (exclusive to this connection); the
-    topology's own queues are bound by `declare_topology`.
+    topology's own queues are bound by `declare_topology`. `starts_after` is awaited before
+    this consumer starts, once the others have: the scorer's work waits for the cancels
+    already queued to be handled (`ScoreboxBroker.settled`).
     """
 
     def register(handler: Handler) -> Handler:
         label = metric_label or queue.name
-        broker.add_consumer(_Subscription(queue, handler, prefetch, ack_first, label, bindings))
+        broker.add_consumer(
+            _Subscription(queue, handler, prefetch, ack_first, label, bindings, starts_after)
+        )
         return handler
 
     return register

@@ -9,7 +9,7 @@ import logging
 import os
 import random
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 
@@ -23,7 +23,12 @@ from services.scorer.batch_cancels import (
     recall_cancelled_batches,
     subscribe_batch_cancels,
 )
-from services.scorer.cancels import TaskCancels, subscribe_cancels
+from services.scorer.cancels import (
+    CANCELS_FIRST_S,
+    TaskCancels,
+    cancels_handled_first,
+    subscribe_cancels,
+)
 from services.scorer.consumer import BrokerActions, subscribe_scorer
 from services.scorer.metrics import ScorerMetrics
 from services.scorer.model import ProviderClient, ScoreModel, build_model, make_http_client
@@ -81,6 +86,26 @@ async def _prepare_database(
     await attempts.ensure_indexes()
     await batch_cancel_records.ensure_indexes()
     await recall_cancelled_batches(cancelled_batches, batch_cancel_records, now=clock())
+
+
+def _before_the_work(
+    broker: ScoreboxBroker,
+    settings: ScorerSettings,
+    batches: CancelledBatches,
+    records: BatchCancelRecords,
+    clock: Callable[[], datetime],
+) -> Callable[[], Awaitable[None]]:
+    """What `score.requested`'s consumer awaits before it starts, the scorer's other
+    consumers started: the batch cancellations stored are read again (this replica's own
+    queue is bound now: one announced before reached only the others, which stored it), and
+    the cancels queued are handled (`cancels_handled_first`), within half the start's time."""
+    within_s = min(CANCELS_FIRST_S, settings.startup_timeout_s / 2)
+
+    async def before_the_work() -> None:
+        await recall_again(batches, records, now=clock())
+        await cancels_handled_first(broker, within_s=within_s)
+
+    return before_the_work
 
 
 def create_app(
@@ -168,7 +193,15 @@ def create_app(
         clock=clock,
         outcome_batch_max=settings.outcome_batch_max,
     )
-    subscribe_scorer(broker, deps, actions, crash_limit=settings.crash_limit)
+    subscribe_scorer(
+        broker,
+        deps,
+        actions,
+        crash_limit=settings.crash_limit,
+        starts_after=_before_the_work(
+            broker, settings, cancelled_batches, batch_cancel_records, clock
+        ),
+    )
     cancels = TaskCancels(
         attempts, broker, clock, timeout_s=settings.broker_timeout_s, metrics=metrics
     )
@@ -187,7 +220,6 @@ def create_app(
             deadline_s=settings.startup_timeout_s,
         )
         await start_broker(broker, settings)
-        await recall_again(cancelled_batches, batch_cancel_records, now=clock())
         yield
         # No model call starts any more: the deliveries waiting for a slot, and any that
         # arrives before the consumer is cancelled, are sent again with their delivery counts

@@ -112,6 +112,25 @@ class TaskCancels:
         )
 
 
+# How long a starting scorer lets the cancellations queued before it consumes its work.
+CANCELS_FIRST_S = 15.0
+
+
+async def cancels_handled_first(broker: ScoreboxBroker, *, within_s: float) -> None:
+    """Wait, up to `within_s`, for the cancellations queued to be handled before this
+    scorer consumes `score.requested` (its `starts_after`). A scorer starting with both
+    queues full (every replica was down while clients cancelled) handed its first
+    deliveries to claims at once, and each cancellation that came after its claim found
+    the call under way: 16 of 60 tasks cancelled while the scorers were down were scored
+    (a walkthrough). Best effort: a cancellation sent as the wait ends still races."""
+    if not await broker.settled(TASK_CANCELS.queue.name, within_s=within_s):
+        log.warning(
+            "scoring starts with cancellations still queued after %.0f s: those arriving "
+            "after their task's claim are too late",
+            within_s,
+        )
+
+
 def subscribe_cancels(broker: ScoreboxBroker, cancels: TaskCancels) -> None:
     """Consume `scorebox.task-cancels`, `CANCEL_PREFETCH` deliveries at a time."""
 

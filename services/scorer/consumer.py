@@ -225,9 +225,14 @@ def _carried_headers(message: Delivery) -> dict[str, Any]:
 
 
 def subscribe_scorer(
-    broker: ScoreboxBroker, deps: ScorerDeps, actions: BrokerActions, *, crash_limit: int
+    broker: ScoreboxBroker,
+    deps: ScorerDeps,
+    actions: BrokerActions,
+    *,
+    crash_limit: int,
+    starts_after: Callable[[], Awaitable[object]] | None = None,
 ) -> None:
-    @consume(broker, SCORE_REQUESTS.queue)
+    @consume(broker, SCORE_REQUESTS.queue, starts_after=starts_after)
     async def on_score_requested(message: Delivery) -> None:
         try:
             command = ScoreText.model_validate_json(message.body)

@@ -40,7 +40,11 @@ Json = dict[str, Any]
 JSON_TYPE = {"Content-Type": "application/json"}
 GATEWAY_LETTERS = "/admin/v1/dead-letters"
 CRON_LETTERS = "/admin/v1/cron/dead-letters"
-REFUSED_BODIES = {"malformed": b"{bad", "cut-off": b'{"cut_off": "2030-01-01T00:00:00Z"}'}
+REFUSED_BODIES = {
+    "malformed": b"{bad",
+    "cut-off": b'{"cut_off": "2030-01-01T00:00:00Z"}',
+    "spaced-long": b"{}" + b" " * 100,  # past the 64 bytes read: a body, whatever it holds
+}
 NO_BODIES = {"empty": b"", "empty-object": b"{}", "null": b"null", "spaced": b" {} \n"}
 
 
@@ -299,3 +303,52 @@ async def test_what_clients_send_for_no_body_is_taken_as_none(
 
     assert answer.status_code in (200, 204), answer.text
     assert await target.done(), answer.text
+
+
+PIECE = 64 * 1024  # the streamed body's pieces
+
+
+@dataclass
+class Streamed:
+    """A body of `pieces` pieces of `PIECE` bytes (a JSON object's start, then its string),
+    counting the bytes the server pulled."""
+
+    pieces: int
+    pulled: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.pieces * PIECE
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        start = b'{"pad": "'
+        for index in range(self.pieces):
+            piece = start + b"x" * (PIECE - len(start)) if index == 0 else b"x" * PIECE
+            self.pulled += len(piece)
+            yield piece
+
+
+@pytest.mark.parametrize("route", ROUTES.values(), ids=ROUTES.keys())
+@pytest.mark.parametrize("declared", [True, False], ids=["declared", "chunked"])
+async def test_a_large_body_is_refused_unread_and_nothing_is_done(
+    parts: Parts, route: Route, declared: bool
+) -> None:
+    """The whole body was read to be refused: 300 MiB sent with a tenant's key to remove its
+    failure alert took the gateway's memory from 116 to 424 MB. Its declared length, or its
+    first piece past 64 bytes, refuses it now."""
+    target = await route.target(parts)
+    client = parts.clients[route.service]
+    body = Streamed(pieces=64)  # 4 MiB
+    headers = {**JSON_TYPE, "Authorization": f"Bearer {route.key}"}
+    if declared:
+        headers["Content-Length"] = str(body.size)
+
+    refused = await client.request(route.method, target.path, content=body, headers=headers)
+
+    assert refused.status_code == 422, refused.text
+    assert refused.json()["detail"] == (
+        f"body: this route takes no request body; send none; nothing was {route.outcome}."
+    )
+    read_at_most = 0 if declared else PIECE  # the piece that went past 64 bytes
+    assert body.pulled <= read_at_most, f"{body.pulled:,} bytes of {body.size:,} read"
+    assert await target.untouched(), "a refused request changed the store"

@@ -197,6 +197,9 @@ class ModelThrottle:
             hold_left = held_until - self._clock()
             if left > 0 and self._may_cut_short(text_key):
                 return self._cut_short()
+            if left > 0 and hold_left > 0 and self._cut_short_answer_awaited(text_key):
+                await self._until_changed(closing, timeout_s=hold_left)
+                continue
             if left > 0 and left > hold_left:
                 return PutOff(left)
             if left > 0:
@@ -223,6 +226,15 @@ class ModelThrottle:
         back-off: a review). One such probe per unproven pause: in a real outage it fails,
         and the pause it begins is proven."""
         if not self._pause_unproven or self._probe_out or text_key is None:
+            return False
+        return text_key not in self._seen_failing
+
+    def _cut_short_answer_awaited(self, text_key: int | None) -> bool:
+        """Whether this delivery waits in hand for the answer of a probe cutting the pause
+        short, its text not seen failing either: put off down the ladder, a burst of healthy
+        tasks came back half a minute later though the probe was answered in two seconds (a
+        review)."""
+        if self._cut_short_until is None or not self._probe_out or text_key is None:
             return False
         return text_key not in self._seen_failing
 
@@ -260,6 +272,7 @@ class ModelThrottle:
         limit came: those all come back 429 at once."""
         self._forget_a_stale_pause()
         self._forget_failures()  # the provider answers: no run of calls finding it down
+        self._pause_unproven = False  # its limit is news: a `Retry-After` stands
         if turn.probe:
             self._end_outage()  # a rate limit's pause from now on
             self._cut_short_until = None
@@ -413,9 +426,9 @@ class ModelThrottle:
         that find the provider still down are the outage's too."""
         self._forget_a_stale_pause()
         longer = self._clock() + min(pause_s, MAX_PAUSE_S) > self._paused_until
+        self._pause_unproven = False  # the other replica's news, longer or not
         if longer:
             self._pause_for(pause_s)
-            self._pause_unproven = False  # the other replica's news
         if outage:
             if not self._outage:  # this replica's run of failures: charged before it was told
                 self._seen_failing = set(self._unavailable)
@@ -455,9 +468,10 @@ class ModelThrottle:
         """The turn is over, whether or not it called the model (a claim held elsewhere, a
         database error): a probe that did not answer lets another delivery probe."""
         if turn.probe and self._probe_out:
-            if self._cut_short_until is not None:  # it never called: another may cut short
+            if self._cut_short_until is not None:  # it never called: another may cut short,
+                # unless the pause changed meanwhile (another replica's, a 429's: news)
+                self._pause_unproven = self._outage and self._cut_short_until == self._paused_until
                 self._cut_short_until = None
-                self._pause_unproven = self._outage
             self._probe_out = False
             self._outage_heard_while_probing = False
             self._probe_out_when_it_began = False

@@ -853,6 +853,67 @@ async def test_a_probe_cutting_a_pause_short_that_never_called_lets_another_do_s
     assert await throttle.wait_turn(asyncio.Event(), text_key=98) == PROBE
 
 
+async def _unproven(clock: Clock, *, hold_s: float = 0.5, rounds: int = 1) -> ModelThrottle:
+    """A throttle whose outage's pause only a text seen failing lengthened, last."""
+    throttle = _throttle(clock, hold_s=hold_s)
+    _fails(throttle, *range(TRIP_AFTER))
+    await _probes_of_texts_seen_failing(throttle, clock, rounds=rounds)
+    return throttle
+
+
+async def test_a_429_heard_during_an_unproven_pause_is_not_cut_short() -> None:
+    """A call running since before the outage came back 429, `Retry-After: 600`: a text not
+    seen failing still probed at once, and its answer ended the 600 s pause for all (a
+    review). A limit is news of the provider: the pause stands."""
+    clock = Clock()
+    throttle = await _unproven(clock)
+    throttle.rate_limited(GO, retry_after_s=600)
+
+    assert isinstance(await throttle.wait_turn(asyncio.Event(), text_key=99), PutOff)
+
+
+@pytest.mark.parametrize("outage", [False, True], ids=["a 429", "an outage"])
+async def test_a_pause_told_by_another_replica_is_not_cut_short(outage: bool) -> None:
+    """Shorter than this one's or not, the other replica's pause is news of the provider."""
+    clock = Clock()
+    throttle = await _unproven(clock)
+    throttle.paused_elsewhere(0.1, outage=outage)
+
+    assert isinstance(await throttle.wait_turn(asyncio.Event(), text_key=99), PutOff)
+
+
+async def test_a_cut_short_probe_that_never_called_does_not_reopen_a_pause_told_meanwhile() -> None:
+    """Another replica's outage was told while the probe was out; the probe then never
+    called (its claim held elsewhere), and the next text cut the 300 s pause short (a
+    review)."""
+    clock = Clock()
+    throttle = await _unproven(clock)
+    assert await throttle.wait_turn(asyncio.Event(), text_key=99) == PROBE
+    throttle.paused_elsewhere(300.0, outage=True)
+    throttle.done(PROBE)
+
+    assert isinstance(await throttle.wait_turn(asyncio.Event(), text_key=98), PutOff)
+
+
+async def test_healthy_deliveries_wait_in_hand_for_the_probe_cutting_the_pause_short() -> None:
+    """Put off down the ladder while that probe was out, a burst of healthy tasks came back
+    half a minute later though it was answered in two seconds (a review)."""
+    clock = Clock()
+    throttle = await _unproven(clock, hold_s=GUARD_S, rounds=2)
+    assert throttle.pause_left_s() > GUARD_S  # past the hold: a delivery would be put off
+    assert await throttle.wait_turn(asyncio.Event(), text_key=99) == PROBE
+    healthy = asyncio.ensure_future(throttle.wait_turn(asyncio.Event(), text_key=98))
+
+    async def waiting() -> bool:
+        return throttle.waiting == 1
+
+    await eventually(waiting, what="the healthy delivery waiting for the probe's answer")
+    assert not healthy.done()
+    throttle.answered(PROBE)
+    throttle.done(PROBE)
+    assert await asyncio.wait_for(healthy, timeout=GUARD_S) == GO
+
+
 async def test_a_delivery_put_off_is_back_in_hand_before_the_pause_ends_and_probes_first() -> None:
     """Brought back after the pause's end, a healthy delivery put off came second to the
     retries of texts failing on their own, due at that very end: one probed and failed, the

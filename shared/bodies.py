@@ -104,7 +104,13 @@ async def read_json_object(request: Request, *, what: str, limit: int) -> dict[s
         _refuse_invalid_utf_8(body, what)
         raise Problem(400, f"The body is not valid JSON: {error}.") from error
     if not isinstance(payload, dict):
-        raise Problem(422, "The body must be a JSON object.", kind="invalid-fields")
+        message = "must be a JSON object"
+        raise Problem(
+            422,
+            "The body must be a JSON object.",
+            kind="invalid-fields",
+            errors=[{"field": "body", "message": message}],
+        )
     _refuse_repeated_keys(body, payload)
     return payload
 

@@ -99,15 +99,17 @@ class CancelledBatches:
             self._keep_heard(event, heard_at)
         return heard_at
 
-    def recall(self, event: BatchCancelling, heard_at: datetime) -> None:
+    def recall(self, event: BatchCancelling, heard_at: datetime) -> bool:
         """Keep an announcement heard before (its record), unless it is too old or the
-        batch's kept one was requested as late already (a cancellation heard again)."""
+        batch's kept one was requested as late already (a cancellation heard again);
+        whether it was kept."""
         kept = self._heard.get(event.batch_id)
         if kept is not None and kept.requested_at >= event.requested_at:
-            return
+            return False
         if heard_at < self._clock() - self._keep:
-            return
+            return False
         self._keep_heard(event, heard_at)
+        return True
 
     def requested_at(self, command: ScoreText) -> datetime | None:
         """When the command's batch was cancelled, if the announcement names this item at
@@ -241,10 +243,9 @@ async def recall_cancelled_batches(
     was restarted or by the others (at start-up, before anything is consumed: an item of
     such a batch delivered first would be claimed and scored)."""
     stored = await records.recent(now=now)
-    for record in stored:
-        batches.recall(record.event, record.heard_at)
-    if stored:
-        log.info("%d batch cancellations recalled from the last %.0f s", len(stored), KEEP_S)
+    kept = sum(batches.recall(record.event, record.heard_at) for record in stored)
+    if kept:  # the second reading's, only those it found new (a walkthrough read two lines)
+        log.info("%d batch cancellations recalled from the last %.0f s", kept, KEEP_S)
 
 
 def subscribe_batch_cancels(

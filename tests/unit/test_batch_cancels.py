@@ -207,3 +207,13 @@ def _a_closed_port() -> int:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
     return port
+
+
+def test_a_record_recalled_again_is_not_counted_again() -> None:
+    """The second reading at start logged every record a second time, as if recalled anew
+    (a walkthrough): it counts those it keeps."""
+    batches = CancelledBatches(clock=Clock())
+    announcement = _announcement("b1", {"a": 0})
+
+    assert batches.recall(announcement, REQUESTED_AT)
+    assert not batches.recall(announcement, REQUESTED_AT)

@@ -251,3 +251,16 @@ async def test_a_body_not_utf_8_is_said_to_be_so_and_where(
         "encoded as UTF-8."
     )
     assert objects.taken == []
+
+
+@pytest.mark.parametrize("body", [b"[]", b'"text"', b"3", b"null"])
+async def test_a_body_not_an_object_names_the_body_as_the_other_422s_name_fields(
+    client: httpx.AsyncClient, body: bytes
+) -> None:
+    """Every other 422 lists its fields in `errors`; this one had none (a walkthrough)."""
+    response = await client.post("/even", content=body, headers=JSON_TYPE)
+
+    assert response.status_code == 422
+    problem = response.json()
+    assert problem["detail"] == "The body must be a JSON object."
+    assert problem["errors"] == [{"field": "body", "message": "must be a JSON object"}]

@@ -463,9 +463,41 @@ def _submission_options(
     return {name: value for name, value in fields.items() if value is not None}
 
 
+class _RepeatedKeyError(Exception):
+    """A key given twice in one object of the JSON read (`_strict_json`)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _object_refusing_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's members as a dict, raising `_RepeatedKeyError` on a key given twice."""
+    value: dict[str, Any] = {}
+    for key, member in pairs:
+        if key in value:
+            raise _RepeatedKeyError(key)
+        value[key] = member
+    return value
+
+
+def _strict_json(text: str) -> Any:
+    """`text` read as JSON, as the gateway reads a body: a key given twice in one object
+    (at any depth) is refused (`_RepeatedKeyError`), where `json.loads` kept the last value
+    without a word (`{"text": "a", "text": "b"}` was sent as "b"; the API answers 422)."""
+    return json.loads(text, object_pairs_hook=_object_refusing_repeats)
+
+
+def _repeated(key: str) -> str:
+    """A repeated key as an error line names it: quoted, at most `QUOTED_CHARS` long."""
+    return _quote(json.dumps(key, ensure_ascii=False))
+
+
 def _json_object(text: str, what: str) -> dict[str, Any]:
     try:
-        value = json.loads(text)
+        value = _strict_json(text)
+    except _RepeatedKeyError as error:
+        _usage_error(f"{what} gives the key {_repeated(error.key)} more than once; give it once")
     except ValueError as error:
         _usage_error(f"{what} is not JSON: {error}")
     if not isinstance(value, dict):
@@ -546,7 +578,7 @@ def submit_batch(
     (`batch-status` shows its progress).
 
     Exits 1 when the gateway refuses the batch or cannot be reached; 2 when the file cannot
-    be read or a line is not an item (nothing is sent).
+    be read or a line is not an item or gives a key twice in one object (nothing is sent).
     """
     _check_idempotency_key(idempotency_key)
     items = _batch_items(_read_text(file))
@@ -574,7 +606,12 @@ def _batch_items(text: str) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            item = json.loads(line)
+            item = _strict_json(line)
+        except _RepeatedKeyError as error:
+            _usage_error(
+                f"line {number} gives the key {_repeated(error.key)} more than once in one "
+                "object; give it once"
+            )
         except ValueError as error:
             _usage_error(f"line {number} is not JSON: {error}")
         if isinstance(item, str):

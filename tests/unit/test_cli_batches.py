@@ -89,6 +89,30 @@ def test_a_file_that_is_not_items_exits_2_and_sends_nothing(
     assert seen == []
 
 
+@pytest.mark.parametrize(
+    ("lines", "said"),
+    [
+        ('"one"\n{"text": "a", "text": "b"}\n', 'line 2 gives the key "text" more than once'),
+        ('{"text": "a", "metadata": {"k": 1, "k": 2}}\n', 'line 1 gives the key "k" more'),
+        ('{"text": "a", "\\u0074ext": "b"}\n', 'line 1 gives the key "text" more'),
+    ],
+)
+def test_a_key_given_twice_in_a_line_exits_2_naming_it_and_sends_nothing(
+    monkeypatch: pytest.MonkeyPatch, lines: str, said: str
+) -> None:
+    """The gateway refuses a key given twice (422); `json.loads` kept the last value without
+    a word, so the batch was sent and "b" scored (found in review)."""
+    seen = _gateway(monkeypatch, 202, BATCH)
+
+    result = run_cli("submit-batch", "-", input=lines)
+
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: ")
+    assert said in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert seen == []
+
+
 def test_a_refused_batch_exits_1_with_its_detail(monkeypatch: pytest.MonkeyPatch) -> None:
     _gateway(monkeypatch, 422, {"status": 422, "detail": "items.0.text: too long"})
 
@@ -151,6 +175,22 @@ def test_metadata_that_is_no_json_object_exits_2_and_sends_nothing(
 
     assert result.exit_code == 2
     assert "--metadata" in result.stderr
+    assert seen == []
+
+
+@pytest.mark.parametrize(
+    ("metadata", "key"), [('{"a": 1, "a": 2}', '"a"'), ('{"a": {"b": 1, "b": 2}}', '"b"')]
+)
+def test_metadata_giving_a_key_twice_exits_2_naming_it_and_sends_nothing(
+    monkeypatch: pytest.MonkeyPatch, metadata: str, key: str
+) -> None:
+    """Sent as `{"a": 2}` before (found in review): the gateway refuses such a body."""
+    seen = _gateway(monkeypatch, 202, {})
+
+    result = run_cli("submit", "-", "--metadata", metadata, input="A text.")
+
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"error: --metadata gives the key {key} more than once")
     assert seen == []
 
 

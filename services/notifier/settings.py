@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 from pydantic import Field, model_validator
@@ -14,6 +15,12 @@ CLAIM_DATABASE_CALLS = 3
 # The longest one step of a webhook POST may take (as LLM_TIMEOUT_S): the delivery is held
 # unacknowledged meanwhile, and RabbitMQ closes the channel of one held 30 minutes.
 MAX_WEBHOOK_TIMEOUT_S = 600.0
+# What WEBHOOK_TEST_HOST_ADDRESSES may map (`parse_test_host_addresses`): names under the TLDs
+# reserved for testing and examples, which no real domain is under (RFC 2606, RFC 6761;
+# `.localhost`, the fourth, the gateway refuses), to the loopback addresses.
+TEST_HOST_TLDS = ("test", "example", "invalid")
+_IPV4_LOOPBACK = ipaddress.IPv4Network("127.0.0.0/8")
+_IPV6_LOOPBACK = ipaddress.IPv6Address("::1")
 
 
 class NotifierSettings(InternalApiSettings):
@@ -91,9 +98,11 @@ class NotifierSettings(InternalApiSettings):
     # TEST ONLY. Comma-separated `name=address` pairs the notifier's lookups answer from
     # before DNS (a name given twice: both addresses), so a local receiver can be reached
     # under a public-looking name (`receiver.scorebox.test=127.0.0.1`, as `WEBHOOKS=local
-    # make run` sets it). Every name must also be in WEBHOOK_ALLOWED_TEST_HOSTS: the
-    # exemption stays that one variable's to grant, and a mapping cannot quietly send a
-    # real domain's webhooks elsewhere. Empty in any real deployment; logged at start-up.
+    # make run` sets it). Every name must be under a reserved test TLD (`.test`, `.example`,
+    # `.invalid`) and every address a loopback one (127.0.0.0/8, ::1), so no real domain's
+    # webhooks can be sent elsewhere and no other machine reached; and every name must also
+    # be in WEBHOOK_ALLOWED_TEST_HOSTS: the exemption stays that one variable's to grant.
+    # Empty in any real deployment; logged at start-up.
     test_host_addresses: str = Field(default="", validation_alias="WEBHOOK_TEST_HOST_ADDRESSES")
     # A PEM file of CA certificates to trust instead of the system store (a test receiver's
     # self-signed CA). Unset: the system trust store.
@@ -191,9 +200,11 @@ def parse_test_host_addresses(
     """`name=address[,name=address...]` as a table; `ValueError` naming the entry otherwise.
 
     A name must be one the gateway accepts in a callback URL (no IP literal, no local or
-    single-label name: the mapping would never be used) and be in `allowed`
-    (WEBHOOK_ALLOWED_TEST_HOSTS); an address must be an IP literal. Names are compared in
-    lower case, as URL hosts are."""
+    single-label name: the mapping would never be used), be under a reserved test TLD
+    (`TEST_HOST_TLDS`: a mapping of a real domain would send its webhooks elsewhere) and be
+    in `allowed` (WEBHOOK_ALLOWED_TEST_HOSTS); an address must be a loopback IP literal
+    (127.0.0.0/8 or ::1: the table reaches a receiver on this machine, nothing else). Names
+    are compared in lower case, as URL hosts are."""
     table: dict[str, tuple[IPAddress, ...]] = {}
     for entry in (part.strip() for part in raw.split(",")):
         if not entry:
@@ -216,10 +227,20 @@ def parse_test_host_addresses(
                 f"WEBHOOK_TEST_HOST_ADDRESSES: {error}; the gateway refuses callback URLs "
                 "naming it, so the mapping would never be used"
             ) from None
+        if name.removesuffix(".").rpartition(".")[2] not in TEST_HOST_TLDS:
+            raise ValueError(
+                f"WEBHOOK_TEST_HOST_ADDRESSES: {name!r} is not under a reserved test TLD; map "
+                "only names ending in .test, .example or .invalid (tests only)"
+            )
         address = parse_ip_literal(given.strip("[]"))
         if address is None:
             raise ValueError(
                 f"WEBHOOK_TEST_HOST_ADDRESSES: {given!r} (for {name}) is not an IP address"
+            )
+        if not _is_loopback(address):
+            raise ValueError(
+                f"WEBHOOK_TEST_HOST_ADDRESSES: {given!r} (for {name}) is not a loopback "
+                "address; map names only to 127.0.0.0/8 or ::1 (tests only)"
             )
         if name not in allowed:
             raise ValueError(
@@ -230,3 +251,11 @@ def parse_test_host_addresses(
         if address not in table.get(name, ()):
             table[name] = (*table.get(name, ()), address)
     return table
+
+
+def _is_loopback(address: IPAddress) -> bool:
+    """127.0.0.0/8 or ::1 itself: not an IPv4-mapped `::ffff:127.0.0.1` nor a scoped `::1%1`,
+    which `is_loopback` takes too."""
+    if isinstance(address, ipaddress.IPv4Address):
+        return address in _IPV4_LOOPBACK
+    return address == _IPV6_LOOPBACK

@@ -105,7 +105,8 @@ class CaresResolver:
 class TestHostAddresses:
     """TEST ONLY: names answered from a table (WEBHOOK_TEST_HOST_ADDRESSES), others by
     `fallback`. The guard still judges every answer: a table name passes only as a name of
-    WEBHOOK_ALLOWED_TEST_HOSTS, which the settings require of each."""
+    WEBHOOK_ALLOWED_TEST_HOSTS, which the settings require of each (with a name under a
+    reserved test TLD and a loopback address: `parse_test_host_addresses`)."""
 
     __test__ = False  # not a pytest class, whatever its name
 

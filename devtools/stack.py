@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from shared.settings import DEFAULT_LLM_MODEL, MAX_PORT
 
@@ -568,16 +568,46 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     run.add_argument(
         "--webhook-fail",
         type=int,
-        default=int(os.environ.get("WEBHOOK_RECEIVER_FAIL", "0") or "0"),
+        default=None,  # WEBHOOK_RECEIVER_FAIL, read only with --webhooks-local (`_webhook_fail`)
         metavar="N",
         help="the local receiver answers 500 to its first N deliveries (WEBHOOK_RECEIVER_FAIL)",
     )
     args = parser.parse_args(argv)
-    if webhooks not in WEBHOOKS_MODES:
-        parser.error(f"WEBHOOKS={webhooks!r}: the one mode is WEBHOOKS=local")
-    if args.webhook_fail < 0:
-        parser.error("--webhook-fail (WEBHOOK_RECEIVER_FAIL) must be 0 or more")
+    if args.command == "run":
+        # A mistyped mode (`WEBHOOKS=locl`) is refused rather than ignored: the run would
+        # start without the receiver asked for. One line, as the run's other errors.
+        if webhooks not in WEBHOOKS_MODES:
+            _refuse(f"WEBHOOKS={webhooks!r} is not a mode: set WEBHOOKS=local, or leave it unset")
+        args.webhook_fail = _webhook_fail(args.webhook_fail, local=args.webhooks_local)
     return args
+
+
+def _refuse(message: str) -> NoReturn:
+    """A setting `run` cannot start with: one `error:` line and exit 2, before anything starts
+    (argparse's `parser.error` printed its usage block first; an `int()` of a setting raised a
+    traceback)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _webhook_fail(given: int | None, *, local: bool) -> int:
+    """How many deliveries the local receiver fails: `--webhook-fail`, else
+    WEBHOOK_RECEIVER_FAIL (empty: 0). The variable is read only with a local receiver: set
+    without one it is ignored, whatever it holds (it raised a ValueError traceback while the
+    defaults were built, WEBHOOKS unset or not)."""
+    what = "--webhook-fail"
+    if given is None:
+        if not local:
+            return 0
+        raw = os.environ.get("WEBHOOK_RECEIVER_FAIL", "").strip()
+        what = f"WEBHOOK_RECEIVER_FAIL={raw!r}"
+        try:
+            given = int(raw or "0")
+        except ValueError:
+            _refuse(f"{what} is not a whole number: give the deliveries to fail, 0 or more")
+    if given < 0:
+        _refuse(f"{what} must be 0 or more")
+    return given
 
 
 def curl_examples(gateway_url: str, api_key: str) -> list[str]:

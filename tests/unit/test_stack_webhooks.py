@@ -38,13 +38,70 @@ def test_the_option_is_off_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None
     assert (args.webhooks_local, args.webhook_fail) == (True, 2)
 
 
-def test_an_unknown_webhooks_mode_is_refused(
+def _refused_in_one_line(
+    argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> str:
+    """`parse_args(argv)`'s refusal: exit 2 and a single `error:` line on stderr."""
+    monkeypatch.setenv("COLUMNS", "200")  # a usage block, if printed, on few lines
+    with pytest.raises(SystemExit) as exited:
+        parse_args(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ")
+    assert err.count("\n") == 1, err  # argparse's usage block came first (found in review)
+    return err
+
+
+def test_an_unknown_webhooks_mode_is_refused_in_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """A mistyped mode is refused, not ignored: the run would start without the receiver."""
     monkeypatch.setenv("WEBHOOKS", "public")
-    with pytest.raises(SystemExit):
-        parse_args(["run"])
-    assert "the one mode is WEBHOOKS=local" in capsys.readouterr().err
+
+    err = _refused_in_one_line(["run"], capsys, monkeypatch)
+
+    assert "WEBHOOKS='public' is not a mode: set WEBHOOKS=local" in err
+
+
+@pytest.mark.parametrize("fail", ["two", "1.5", "-1"])
+def test_a_receiver_fail_count_that_is_no_count_is_refused_in_one_line_with_the_receiver(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fail: str
+) -> None:
+    """`int()` of it raised a ValueError traceback while argparse's defaults were built."""
+    monkeypatch.setenv("WEBHOOKS", "local")
+    monkeypatch.setenv("WEBHOOK_RECEIVER_FAIL", fail)
+
+    err = _refused_in_one_line(["run"], capsys, monkeypatch)
+
+    assert f"WEBHOOK_RECEIVER_FAIL={fail!r}" in err
+
+
+def test_a_receiver_fail_count_is_ignored_without_the_receiver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The variable means nothing without a local receiver: whatever it holds, the run starts
+    (it raised a traceback with WEBHOOKS unset)."""
+    monkeypatch.delenv("WEBHOOKS", raising=False)
+    monkeypatch.setenv("WEBHOOK_RECEIVER_FAIL", "two")
+
+    args = parse_args(["run"])
+
+    assert (args.webhooks_local, args.webhook_fail) == (False, 0)
+    monkeypatch.setenv("WEBHOOK_RECEIVER_FAIL", "")
+    assert parse_args(["run", "--webhooks-local"]).webhook_fail == 0
+    assert parse_args(["run", "--webhooks-local", "--webhook-fail", "3"]).webhook_fail == 3
+
+
+def test_a_negative_fail_option_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("WEBHOOKS", raising=False)
+
+    err = _refused_in_one_line(
+        ["run", "--webhooks-local", "--webhook-fail", "-1"], capsys, monkeypatch
+    )
+
+    assert "--webhook-fail must be 0 or more" in err
 
 
 def test_the_receivers_settings_join_those_given_and_replace_the_ca() -> None:

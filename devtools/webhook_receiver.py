@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import binascii
 import contextlib
 import os
 import shutil
@@ -66,6 +68,31 @@ SECRET_TIMEOUT_S = 5.0
 SHUTDOWN_TIMEOUT_S = 2.0
 WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}
 STATE_KEY: web.AppKey[ReceiverState] = web.AppKey("state")
+SECRET_PREFIX = "whsec_"
+# `_verify`'s word for secrets none of which the library could take (`secret_problem`).
+NO_USABLE_SECRET = "no usable secret"
+
+
+def secret_problem(secret: str) -> str | None:
+    """Why `secret` cannot sign nor check a signature, or None when it can: Standard
+    Webhooks' `whsec_` (optional, as the library takes it) then the key in base64, padded or
+    not. Checked strictly: the library skips what is not base64 (`whsec_a b` is `ab`'s key,
+    every signature then FAILED) and raises `EmptyWebhookSecretError`, no `ValueError`, for
+    nothing left (`whsec_`, `whsec_!!`). Never quotes the secret."""
+    key = secret.removeprefix(SECRET_PREFIX)
+    if not key:
+        return "it is empty after whsec_" if secret else "it is empty"
+    try:
+        decoded = base64.b64decode(key + "=" * (-len(key) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        return "its key is not base64"
+    if not decoded:
+        return "it holds no key"
+    try:
+        Webhook(secret)
+    except Exception as error:  # noqa: BLE001 - whatever the library refuses it with
+        return f"the library refuses it ({type(error).__name__})"
+    return None
 
 
 class SecretSource:
@@ -93,6 +120,8 @@ class SecretSource:
             if not problem:
                 return "ok"
         if self._gateway_url is None:
+            if problem == NO_USABLE_SECRET:  # nothing to check with, not a forgery
+                return f"not checked ({NO_USABLE_SECRET})"
             return f"FAILED ({problem})"
         try:
             self._read = [await self._fetch()]  # first delivery, or a rotated secret
@@ -109,16 +138,25 @@ class SecretSource:
             )
         if response.status_code != 200:
             raise ValueError(f"GET /v1/webhooks/secret answered {response.status_code}")
-        secret: str = orjson.loads(response.content)["secret"]
+        secret = orjson.loads(response.content)["secret"]
+        if not isinstance(secret, str) or secret_problem(secret) is not None:
+            raise ValueError("GET /v1/webhooks/secret answered no usable secret")
         return secret
 
 
 def _verify(secrets: list[str], body: bytes, headers: dict[str, str]) -> str:
-    """Empty when a signature matches one of `secrets`, else why not."""
-    problem = "no secret"
+    """Empty when a signature matches one of `secrets`, else why not (`NO_USABLE_SECRET`
+    when none of them is one the library takes). Never raises for a secret: a malformed one
+    raised `EmptyWebhookSecretError` out of the handler, a 500 and no line for every
+    delivery."""
+    problem = NO_USABLE_SECRET if secrets else "no secret"
     for secret in secrets:
         try:
-            Webhook(secret).verify(body, headers, json_parse=False)
+            webhook = Webhook(secret)
+        except Exception:  # noqa: BLE001 - whatever the library refuses a secret with
+            continue
+        try:
+            webhook.verify(body, headers, json_parse=False)
         except WebhookVerificationError as error:
             problem = str(error)
         except ValueError as error:  # a body that is not UTF-8, a malformed header
@@ -264,6 +302,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.fail < 0:
         parser.error("--fail must be 0 or more")
+    if args.secret is not None and (problem := secret_problem(args.secret)) is not None:
+        parser.error(
+            f"--secret is not a usable signing secret ({SECRET_PREFIX} and the key in base64, "
+            f"as GET /v1/webhooks/secret gives it): {problem}"
+        )
     return args
 
 

@@ -1,5 +1,6 @@
 """`devtools.webhook_receiver` in-process: TLS under its name, each delivery described, the
-signature checked with the given secret, `--fail N` answering 500 first."""
+signature checked with the given secret (one it cannot use refused at start, and never a
+500), `--fail N` answering 500 first."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from devtools.webhook_receiver import (
     SecretSource,
     WebhookReceiver,
     describe,
+    parse_args,
     start_receiver,
 )
 from services.notifier.signing import new_secret, signed_headers
@@ -122,3 +124,63 @@ async def test_the_secret_is_read_from_the_gateway_and_again_after_a_rotation(
 
 def test_a_body_that_is_not_a_webhook_is_described_as_such() -> None:
     assert describe(b"\xff not json") == "a body that is not a webhook's JSON (10 bytes)"
+
+
+# Secrets the library cannot take: `EmptyWebhookSecretError` (no `ValueError`) for nothing
+# left once `whsec_` and what is not base64 are taken out, `binascii.Error` for a bad length;
+# and one it takes as another key (`whsec_a b` is `ab`'s).
+UNUSABLE_SECRETS = ["", "whsec_", "whsec_!!!", "whsec_a", "whsec_a b", "whsec_===="]
+
+
+@pytest.mark.parametrize("secret", UNUSABLE_SECRETS)
+def test_a_secret_it_cannot_use_is_refused_at_start_without_quoting_it(
+    capsys: pytest.CaptureFixture[str], secret: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--secret", secret])
+
+    assert exited.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert "error: --secret is not a usable signing secret" in error
+    assert len(secret) < len("whsec_!!!") or secret not in error
+
+
+def test_a_secret_as_the_gateway_gives_it_is_taken() -> None:
+    assert parse_args(["--secret", SECRET]).secret == SECRET
+    assert parse_args(["--secret", SECRET.rstrip("=")]).secret == SECRET.rstrip("=")
+
+
+@pytest.mark.parametrize("secret", ["whsec_", "whsec_!!!", "whsec_a"])
+async def test_a_secret_it_cannot_use_never_fails_a_delivery(tmp_path: Path, secret: str) -> None:
+    """Given past the start check (in-process), the library's `EmptyWebhookSecretError` came
+    out of the handler: every delivery answered 500 and no line was printed (found in a
+    walkthrough)."""
+    receiver = await _start(tmp_path, secrets=SecretSource(secret=secret))
+    try:
+        assert await _post(receiver, SECRET, BODY) == 200
+    finally:
+        await receiver.stop()
+
+    [line] = receiver.state.lines
+    assert "delivery 1: task.failed" in line
+    assert line.endswith("signature not checked (no usable secret); answered 200")
+
+
+async def test_a_secret_from_the_gateway_it_cannot_use_is_said_so(tmp_path: Path) -> None:
+    async def secret_route(request: web.Request) -> web.Response:
+        return web.json_response({"secret": "whsec_"})
+
+    gateway = web.Application()
+    gateway.router.add_get("/v1/webhooks/secret", secret_route)
+    async with serving(gateway) as gateway_url:
+        receiver = await _start(
+            tmp_path, secrets=SecretSource(gateway_url=gateway_url, api_key="k")
+        )
+        try:
+            assert await _post(receiver, SECRET, BODY) == 200
+        finally:
+            await receiver.stop()
+
+    [line] = receiver.state.lines
+    assert "signature not checked (the secret could not be read from the gateway" in line
+    assert "no usable secret" in line

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast, override
 
 import aio_pika
+import aiormq.exceptions
 from faststream.rabbit import RabbitBroker, RabbitQueue
 
 from shared.acks import ChannelAcks
@@ -308,6 +309,45 @@ class _Subscription:
     bindings: tuple[Binding, ...] = ()  # made at start, on the queue's consuming connection
     # Awaited before this consumer starts, once the others have (see `consume`).
     starts_after: Callable[[], Awaitable[object]] | None = None
+
+
+# What a look at a queue may meet: the connection lost, the channel closed, no answer
+# (aiormq raises a bare `RuntimeError` for a channel asked of a connection it closed).
+LOOK_ERRORS = (aiormq.exceptions.AMQPError, ConnectionError, TimeoutError, RuntimeError)
+# The most the looks' channel takes to close once they are over.
+LOOK_CLOSE_S = 1.0
+
+
+class _QueueLooks:
+    """Passive declarations of one queue on a channel of their own (`ScoreboxBroker.settled`),
+    opened at the first look and again after a look that failed."""
+
+    def __init__(self, connection: AbstractRobustConnection, queue_name: str) -> None:
+        self._connection = connection
+        self._queue_name = queue_name
+        self._channel: AbstractChannel | None = None
+
+    async def ready(self, *, within_s: float) -> int | None:
+        """The messages ready in the queue; None when the look failed or took `within_s`."""
+        try:
+            async with asyncio.timeout(within_s):
+                if self._channel is None or self._channel.is_closed:
+                    self._channel = await self._connection.channel(publisher_confirms=False)
+                queue = await self._channel.declare_queue(self._queue_name, passive=True)
+        except LOOK_ERRORS as error:
+            log.debug("a look at %s failed: %r", self._queue_name, error)
+            self._channel = None
+            return None
+        result = queue.declaration_result
+        return None if result is None else result.message_count
+
+    async def close(self, *, within_s: float) -> None:
+        channel, self._channel = self._channel, None
+        if channel is None or channel.is_closed:
+            return
+        with contextlib.suppress(*LOOK_ERRORS):
+            async with asyncio.timeout(within_s):
+                await channel.close()
 
 
 class _AcksByChannel:
@@ -610,23 +650,31 @@ class ScoreboxBroker(RabbitBroker):
         """Wait until this broker's consumer of `queue_name` has nothing left: no message
         ready in the queue and none in its handlers, at two looks `poll_s` apart (one on its
         way to this process shows in neither); False when `within_s` passes first, or
-        nothing here consumes the queue."""
+        nothing here consumes the queue. Never longer than `within_s`, whatever the broker
+        does: each look is bounded by what is left, and a look that fails (the connection
+        lost, no answer) counts as not settled. The looks go on a channel of their own, a
+        passive declaration each: on the consumer's channel, a look aiormq gave up on
+        closed it, and the deliveries in hand came back counted (a review)."""
         consuming = next(
             (c for c in self._consuming if c.queue and c.queue.name == queue_name), None
         )
-        if consuming is None or consuming.queue is None:
+        if consuming is None or self._consumer_connection is None:
             return False
+        looks = _QueueLooks(self._consumer_connection, queue_name)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within_s
         quiet_looks = 0
-        while loop.time() < deadline:
-            declared = await consuming.queue.declare(timeout=self._timeout)
-            quiet = declared.message_count == 0 and consuming.handling == 0
-            quiet_looks = quiet_looks + 1 if quiet else 0
-            if quiet_looks == 2:
-                return True
-            await asyncio.sleep(poll_s)
-        return False
+        try:
+            while (left := deadline - loop.time()) > 0:
+                ready = await looks.ready(within_s=min(left, self._timeout))
+                quiet = ready == 0 and consuming.handling == 0
+                quiet_looks = quiet_looks + 1 if quiet else 0
+                if quiet_looks == 2:
+                    return True
+                await asyncio.sleep(min(poll_s, max(0.0, deadline - loop.time())))
+            return False
+        finally:
+            await looks.close(within_s=min(self._timeout, LOOK_CLOSE_S))
 
     async def _open_consuming_connection(
         self, name: str, *, reconnect_interval_s: float = 1.0

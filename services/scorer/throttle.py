@@ -134,9 +134,13 @@ class ModelThrottle:
         # The outage's pause was begun by a probe of a text seen failing in it (no news of the
         # provider): a delivery of a text not seen failing may probe before its end, once.
         self._pause_unproven = False
-        # The end of the pause a probe cut short, while its answer is awaited: an answer ends
-        # that pause (unless a longer one was heard meanwhile).
-        self._cut_short_until: float | None = None
+        # A probe cutting the pause short is out, and whether news of the provider came
+        # since it went (a 429, another replica's pause): its answer ends the pause unless
+        # some did. Not a comparison of the pause's ends: a call running since before the
+        # pause, failing meanwhile, lengthened it, and the healthy answer was thrown away
+        # (a review).
+        self._cut_short_out = False
+        self._news_since_cut = False
         self._probe_out = False  # the probe's call is running
         self._rate_limit_pauses = Tally(PAUSE_LOG_EVERY_S, clock)
         self._outage_probes = Tally(PAUSE_LOG_EVERY_S, clock)
@@ -234,14 +238,15 @@ class ModelThrottle:
         short, its text not seen failing either: put off down the ladder, a burst of healthy
         tasks came back half a minute later though the probe was answered in two seconds (a
         review)."""
-        if self._cut_short_until is None or not self._probe_out or text_key is None:
+        if not self._cut_short_out or not self._probe_out or text_key is None:
             return False
         return text_key not in self._seen_failing
 
     def _cut_short(self) -> Turn:
         self._probe_out = True
         self._pause_unproven = False
-        self._cut_short_until = self._paused_until
+        self._cut_short_out = True
+        self._news_since_cut = False
         return PROBE
 
     def _may_probe(self, text_key: int | None) -> bool:
@@ -273,9 +278,10 @@ class ModelThrottle:
         self._forget_a_stale_pause()
         self._forget_failures()  # the provider answers: no run of calls finding it down
         self._pause_unproven = False  # its limit is news: a `Retry-After` stands
+        self._news_since_cut = True
         if turn.probe:
             self._end_outage()  # a rate limit's pause from now on
-            self._cut_short_until = None
+            self._cut_short_out = False
         first = not self._probe_due
         self._lengthen(turn, retry_after_s)
         if first:
@@ -325,13 +331,13 @@ class ModelThrottle:
         everyone's); the calls pause as after a 429, or a pause lasting (a 429's, another
         replica's) turns into an outage's. A probe's call, or one running during a pause,
         lengthens it; a probe doubles it. A probe of a text seen failing in this outage
-        already says nothing new of the provider (`news`): the pause it begins is unproven,
-        and a delivery of a text not seen failing may cut it short (`_may_cut_short`). True
-        when the call is the outage's rather than its task's: it began the outage, or probed
-        one and found the provider still down."""
+        already says nothing new of the provider (its text is not `fresh`): the pause it
+        begins is unproven, and a delivery of a text not seen failing may cut it short
+        (`_may_cut_short`). True when the call is the outage's rather than its task's: it
+        began the outage, or probed one and found the provider still down."""
         self._forget_a_stale_pause()
         probed_an_outage = turn.probe and self._outage and self._probe_is_free(text_key, task_key)
-        news = not (turn.probe and self._outage and text_key in self._seen_failing)
+        fresh = text_key not in self._seen_failing  # news of the provider, in an outage
         was_on = self._outage
         began = not was_on and self._in_a_row(text_key, task_key) >= TRIP_AFTER
         # Running when the outage began (started before it): the outage's. Charged and
@@ -348,8 +354,10 @@ class ModelThrottle:
         if began or self._probe_due:
             self._lengthen(turn, retry_after_s)
         if turn.probe:
-            self._pause_unproven = self._outage and not news
-            self._cut_short_until = None
+            self._pause_unproven = self._outage and not fresh
+            self._cut_short_out = False
+        elif fresh:
+            self._pause_unproven = False  # a call running since before, of another text
         if was_on and turn.probe:
             self._log_outage_going_on()
         if began:
@@ -427,6 +435,7 @@ class ModelThrottle:
         self._forget_a_stale_pause()
         longer = self._clock() + min(pause_s, MAX_PAUSE_S) > self._paused_until
         self._pause_unproven = False  # the other replica's news, longer or not
+        self._news_since_cut = True
         if longer:
             self._pause_for(pause_s)
         if outage:
@@ -450,9 +459,9 @@ class ModelThrottle:
         one); a call started before the pause says nothing of it."""
         self._forget_failures()
         if turn.probe:
-            if self._cut_short_until == self._paused_until:  # no longer pause heard meanwhile
+            if self._cut_short_out and not self._news_since_cut:
                 self._paused_until = min(self._paused_until, self._clock())
-            self._cut_short_until = None
+            self._cut_short_out = False
             self._probe_due = self.pause_left_s() > 0
             if not self._probe_due and self._outage:
                 log.info("model calls resumed: the provider answered the outage's probe")
@@ -468,10 +477,9 @@ class ModelThrottle:
         """The turn is over, whether or not it called the model (a claim held elsewhere, a
         database error): a probe that did not answer lets another delivery probe."""
         if turn.probe and self._probe_out:
-            if self._cut_short_until is not None:  # it never called: another may cut short,
-                # unless the pause changed meanwhile (another replica's, a 429's: news)
-                self._pause_unproven = self._outage and self._cut_short_until == self._paused_until
-                self._cut_short_until = None
+            if self._cut_short_out:  # it never called: another may cut short, unless news
+                self._pause_unproven = self._outage and not self._news_since_cut
+                self._cut_short_out = False
             self._probe_out = False
             self._outage_heard_while_probing = False
             self._probe_out_when_it_began = False

@@ -914,6 +914,29 @@ async def test_healthy_deliveries_wait_in_hand_for_the_probe_cutting_the_pause_s
     assert await asyncio.wait_for(healthy, timeout=GUARD_S) == GO
 
 
+async def test_a_call_failing_while_the_pause_is_cut_short_does_not_keep_it_going() -> None:
+    """A call of a text seen failing, running since before the pause, failed while the
+    healthy probe cutting it short was out: it lengthened the pause a little, and the
+    probe's answer, the provider up, no longer ended it; the deliveries waiting for that
+    answer waited the pause out or went down the ladder (a review)."""
+    clock = Clock()
+    throttle = await _unproven(clock, hold_s=GUARD_S, rounds=2)
+    assert await throttle.wait_turn(asyncio.Event(), text_key=99) == PROBE
+    healthy = asyncio.ensure_future(throttle.wait_turn(asyncio.Event(), text_key=98))
+
+    async def waiting() -> bool:
+        return throttle.waiting == 1
+
+    await eventually(waiting, what="the healthy delivery waiting for the probe's answer")
+    clock.now += throttle.pause_left_s() - 0.5  # near its end: the failure lengthens it
+    _fails(throttle, 0, task="running since before the pause")
+    throttle.answered(PROBE)
+    throttle.done(PROBE)
+
+    assert not throttle.paused
+    assert await asyncio.wait_for(healthy, timeout=GUARD_S) == GO
+
+
 async def test_a_delivery_put_off_is_back_in_hand_before_the_pause_ends_and_probes_first() -> None:
     """Brought back after the pause's end, a healthy delivery put off came second to the
     retries of texts failing on their own, due at that very end: one probed and failed, the

@@ -138,7 +138,8 @@ class SecretSource:
             )
         if response.status_code != 200:
             raise ValueError(f"GET /v1/webhooks/secret answered {response.status_code}")
-        secret = orjson.loads(response.content)["secret"]
+        answer = orjson.loads(response.content)
+        secret = answer.get("secret") if isinstance(answer, dict) else None
         if not isinstance(secret, str) or secret_problem(secret) is not None:
             raise ValueError("GET /v1/webhooks/secret answered no usable secret")
         return secret

@@ -66,6 +66,7 @@ if TYPE_CHECKING:
         AbstractChannel,
         AbstractIncomingMessage,
         AbstractQueue,
+        AbstractRobustChannel,
         AbstractRobustConnection,
     )
 
@@ -314,18 +315,22 @@ class _Subscription:
 # What a look at a queue may meet: the connection lost, the channel closed, no answer
 # (aiormq raises a bare `RuntimeError` for a channel asked of a connection it closed).
 LOOK_ERRORS = (aiormq.exceptions.AMQPError, ConnectionError, TimeoutError, RuntimeError)
-# The most the looks' channel takes to close once they are over.
+# The most the looks' channel takes to close, once they are over or one failed.
 LOOK_CLOSE_S = 1.0
 
 
 class _QueueLooks:
     """Passive declarations of one queue on a channel of their own (`ScoreboxBroker.settled`),
-    opened at the first look and again after a look that failed."""
+    opened at the first look and again after a look that failed. Not kept by aio-pika's
+    robust channel (`robust=False`): kept, a passive declaration of a name it holds is
+    answered from that copy, and every look after the first read the first one's count (a
+    review: a start with more cancels queued than the prefetch never settled). A channel
+    whose look failed is closed, or aio-pika reopens a channel that aiormq closed."""
 
     def __init__(self, connection: AbstractRobustConnection, queue_name: str) -> None:
         self._connection = connection
         self._queue_name = queue_name
-        self._channel: AbstractChannel | None = None
+        self._channel: AbstractRobustChannel | None = None
 
     async def ready(self, *, within_s: float) -> int | None:
         """The messages ready in the queue; None when the look failed or took `within_s`."""
@@ -333,10 +338,12 @@ class _QueueLooks:
             async with asyncio.timeout(within_s):
                 if self._channel is None or self._channel.is_closed:
                     self._channel = await self._connection.channel(publisher_confirms=False)
-                queue = await self._channel.declare_queue(self._queue_name, passive=True)
+                queue = await self._channel.declare_queue(
+                    self._queue_name, passive=True, robust=False
+                )
         except LOOK_ERRORS as error:
             log.debug("a look at %s failed: %r", self._queue_name, error)
-            self._channel = None
+            await self.close(within_s=LOOK_CLOSE_S)
             return None
         result = queue.declaration_result
         return None if result is None else result.message_count
@@ -651,8 +658,9 @@ class ScoreboxBroker(RabbitBroker):
         ready in the queue and none in its handlers, at two looks `poll_s` apart (one on its
         way to this process shows in neither); False when `within_s` passes first, or
         nothing here consumes the queue. Never longer than `within_s`, whatever the broker
-        does: each look is bounded by what is left, and a look that fails (the connection
-        lost, no answer) counts as not settled. The looks go on a channel of their own, a
+        does (but `LOOK_CLOSE_S` to close the channel of a look that failed): each look is
+        bounded by what is left, and a look that fails (the connection lost, no answer)
+        counts as not settled. The looks go on a channel of their own, a
         passive declaration each: on the consumer's channel, a look aiormq gave up on
         closed it, and the deliveries in hand came back counted (a review)."""
         consuming = next(

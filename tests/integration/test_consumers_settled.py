@@ -17,7 +17,7 @@ import aio_pika
 import pytest
 from faststream.rabbit import RabbitQueue
 
-from shared.consumers import Delivery, ScoreboxBroker, consume
+from shared.consumers import Delivery, ScoreboxBroker, _QueueLooks, consume
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
 from tests.faults.slow_link import SlowLink
@@ -104,3 +104,29 @@ async def test_a_broker_cut_or_slow_answers_not_settled_and_keeps_the_delivery_i
 
         await eventually(acked, what="the delivery acked, the queue settled")
         assert held.seen == [False]
+
+
+async def test_each_look_reads_the_queues_count_anew(amqp_url: str) -> None:
+    """aio-pika's robust channel answered a passive declaration of a queue it held from its
+    copy: every look after the first read the first one's count, and a scorer starting with
+    more cancels queued than its prefetch waited out the whole wait (a review)."""
+    name = f"test.looks.{uuid.uuid4().hex[:8]}"
+    connection = await aio_pika.connect_robust(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(name, durable=True, timeout=10)
+        for _ in range(3):
+            await channel.default_exchange.publish(aio_pika.Message(b"x"), routing_key=name)
+        looks = _QueueLooks(connection, name)
+        try:
+
+            async def three_ready() -> bool:
+                return await looks.ready(within_s=BROKER_TIMEOUT_S) == 3
+
+            await eventually(three_ready, what="three messages ready")
+            await queue.purge(timeout=10)
+
+            assert await looks.ready(within_s=BROKER_TIMEOUT_S) == 0
+        finally:
+            await looks.close(within_s=BROKER_TIMEOUT_S)
+            await channel.queue_delete(name, timeout=10)

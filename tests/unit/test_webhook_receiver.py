@@ -166,9 +166,15 @@ async def test_a_secret_it_cannot_use_never_fails_a_delivery(tmp_path: Path, sec
     assert line.endswith("signature not checked (no usable secret); answered 200")
 
 
-async def test_a_secret_from_the_gateway_it_cannot_use_is_said_so(tmp_path: Path) -> None:
+@pytest.mark.parametrize("answer", [{"secret": "whsec_"}, ["whsec_x"], None, "whsec_x"])
+async def test_a_secret_from_the_gateway_it_cannot_use_is_said_so(
+    tmp_path: Path, answer: object
+) -> None:
+    """JSON that is no object (a list, `null`, a string) raised `TypeError` out of the
+    handler: a 500 and no line (a review)."""
+
     async def secret_route(request: web.Request) -> web.Response:
-        return web.json_response({"secret": "whsec_"})
+        return web.json_response(answer)
 
     gateway = web.Application()
     gateway.router.add_get("/v1/webhooks/secret", secret_route)

@@ -159,9 +159,7 @@ def create_app(
         pauses.announce(pause_s, outage)
 
     cancelled_batches = CancelledBatches(clock=clock)
-    batch_cancel_records = BatchCancelRecords(
-        mongo, settings.database_name("scorer"), timeout_s=settings.mongo_timeout_s
-    )
+    batch_cancel_records = BatchCancelRecords(mongo, settings.database_name("scorer"))
     deps = ScorerDeps(
         attempts=attempts,
         model=model,

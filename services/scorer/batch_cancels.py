@@ -33,20 +33,19 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from contextlib import suppress
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-import pymongo
 from pydantic import ValidationError
 from pymongo import ASCENDING, DESCENDING, AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import DuplicateKeyError, PyMongoError
+from pymongo.errors import PyMongoError
 
 from services.scorer.metrics import ScorerMetrics
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import BatchCancelling, ScoreText
+from shared.group_writes import GroupWriter
 from shared.topology import (
     SCORER_BATCH_CANCELS_BINDING,
     SCORER_BATCH_CANCELS_PREFIX,
@@ -161,18 +160,14 @@ class BatchCancelRecords:
         {_id: batch_id, requested_at, announcement (the event's JSON), heard_at, expires_at}
 
     The announcement is kept as its JSON (its items are task ids, which a document's field
-    names need not accept) and read back through its contract."""
+    names need not accept) and read back through its contract. Each call is bounded by the
+    client's `timeoutMS`, as the attempts' are."""
 
     def __init__(
-        self,
-        client: AsyncMongoClient[Document],
-        database: str,
-        *,
-        timeout_s: float,
-        keep_s: float = KEEP_S,
+        self, client: AsyncMongoClient[Document], database: str, *, keep_s: float = KEEP_S
     ) -> None:
         self._collection: AsyncCollection[Document] = client[database]["batch_cancels"]
-        self._timeout_s = timeout_s
+        self._writes = GroupWriter(self._collection)
         self._keep = timedelta(seconds=keep_s)
 
     async def ensure_indexes(self) -> None:
@@ -181,11 +176,9 @@ class BatchCancelRecords:
     async def record(self, event: BatchCancelling, *, heard_at: datetime) -> None:
         """Upsert the batch's record, idempotent: every replica hearing the announcement
         writes it, and a later cancellation of the batch (after a replay) replaces it, never
-        the reverse (a replica that heard the two late writes the earlier one last).
-
-        The filter names the batch and an earlier or equal request: a record of a later one
-        fails it, and the upsert's insert then collides on `_id`; so does one replica's
-        insert against another's of the same moment, which the second try updates."""
+        the reverse (a replica that heard the two late writes the earlier one last): the
+        guard names the batch at an earlier or equal request (`guarded_upsert`, which also
+        tells a record of a later one from another replica's insert of the same moment)."""
         document = {
             "requested_at": event.requested_at,
             "announcement": event.model_dump_json(),
@@ -193,25 +186,18 @@ class BatchCancelRecords:
             "expires_at": heard_at + self._keep,
         }
         earlier = {"_id": event.batch_id, "requested_at": {"$lte": event.requested_at}}
-        with pymongo.timeout(self._timeout_s):
-            try:
-                await self._collection.update_one(earlier, {"$set": document}, upsert=True)
-            except DuplicateKeyError:
-                # Stored meanwhile by another replica (updated now), or later (left alone).
-                with suppress(DuplicateKeyError):
-                    await self._collection.update_one(earlier, {"$set": document}, upsert=True)
+        await self._writes.guarded_upsert(earlier, {"$set": document})
 
     async def recent(self, *, now: datetime, limit: int = MAX_BATCHES) -> list[StoredCancel]:
         """The records not expired at `now`, the `limit` heard last, oldest first. Expired
         ones linger until the TTL monitor's next pass (once a minute): the filter drops them."""
-        with pymongo.timeout(self._timeout_s):
-            cursor = self._collection.find(
-                {"expires_at": {"$gt": now}},
-                projection={"announcement": True, "heard_at": True},
-                sort=[("heard_at", DESCENDING)],
-                limit=limit,
-            )
-            documents = await cursor.to_list()
+        cursor = self._collection.find(
+            {"expires_at": {"$gt": now}},
+            projection={"announcement": True, "heard_at": True},
+            sort=[("heard_at", DESCENDING)],
+            limit=limit,
+        )
+        documents = await cursor.to_list()
         return [stored for document in reversed(documents) if (stored := _read(document))]
 
 

@@ -34,11 +34,11 @@ def heard_at() -> datetime:
 @pytest.fixture
 async def records(mongo: Any) -> AsyncIterator[BatchCancelRecords]:
     """On a database of this test's own: `recent` reads every record in it."""
-    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+        mongo.url, tz_aware=True, timeoutMS=10_000
+    )
     try:
-        stored = BatchCancelRecords(
-            client, f"t{new_id()[:10]}_scorer", timeout_s=10, keep_s=KEEP.total_seconds()
-        )
+        stored = BatchCancelRecords(client, f"t{new_id()[:10]}_scorer", keep_s=KEEP.total_seconds())
         await stored.ensure_indexes()
         yield stored
     finally:

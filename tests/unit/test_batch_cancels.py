@@ -152,11 +152,11 @@ async def test_reading_the_records_again_after_the_start_is_best_effort(
     """The second reading, once the replica's queue is bound, may meet a database gone
     away since the first: it is logged, and the start goes on with what the first read."""
     unreachable: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(
-        f"mongodb://127.0.0.1:{_a_closed_port()}", tz_aware=True
+        f"mongodb://127.0.0.1:{_a_closed_port()}", tz_aware=True, timeoutMS=200
     )
     batches = CancelledBatches(clock=Clock())
     batches.hear(_announcement("b1", {"a": 0}))
-    records = BatchCancelRecords(unreachable, "t_scorer", timeout_s=0.2)
+    records = BatchCancelRecords(unreachable, "t_scorer")
     try:
         with caplog.at_level(logging.WARNING, logger="scorebox.scorer.batch_cancels"):
             await recall_again(batches, records, now=REQUESTED_AT)
@@ -184,10 +184,10 @@ async def test_an_announcement_heard_while_the_database_is_away_is_kept_in_memor
     """Its record not written (the write times out), the consumer logs it and goes on: the
     replica cancels the batch's items as before; only one started later misses it."""
     unreachable: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(
-        f"mongodb://127.0.0.1:{_a_closed_port()}", tz_aware=True
+        f"mongodb://127.0.0.1:{_a_closed_port()}", tz_aware=True, timeoutMS=200
     )
     batches = CancelledBatches(clock=Clock())
-    records = BatchCancelRecords(unreachable, "t_scorer", timeout_s=0.2)
+    records = BatchCancelRecords(unreachable, "t_scorer")
     broker = HandlerOnly()
     subscribe_batch_cancels(broker, batches, records, ScorerMetrics(), replica="r1")  # type: ignore[arg-type]
     announcement = _announcement("b1", {"a": 0})

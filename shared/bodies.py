@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 import orjson
 from fastapi import Request
@@ -79,14 +79,25 @@ def _refuse_unreadable_content(request: Request, what: str) -> None:
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
+    body = await _read_at_most(request, limit)
+    if body is None:
+        declared = request.headers.get("content-length")
+        if declared is not None and _DECIMAL.fullmatch(declared) and int(declared) > limit:
+            raise Problem(413, f"The body is {declared} bytes; the limit is {limit} bytes.")
+        raise Problem(413, f"The body exceeds the limit of {limit} bytes.")
+    return body
+
+
+async def _read_at_most(request: Request, limit: int) -> bytes | None:
+    """The body, or None once it is declared or found longer than `limit` (the rest unread)."""
     declared = request.headers.get("content-length")
     if declared is not None and _DECIMAL.fullmatch(declared) and int(declared) > limit:
-        raise Problem(413, f"The body is {declared} bytes; the limit is {limit} bytes.")
+        return None
     body = bytearray()
     async for chunk in request.stream():
+        if len(body) + len(chunk) > limit:
+            return None
         body += chunk
-        if len(body) > limit:
-            raise Problem(413, f"The body exceeds the limit of {limit} bytes.")
     return bytes(body)
 
 
@@ -104,13 +115,7 @@ async def read_json_object(request: Request, *, what: str, limit: int) -> dict[s
         _refuse_invalid_utf_8(body, what)
         raise Problem(400, f"The body is not valid JSON: {error}.") from error
     if not isinstance(payload, dict):
-        message = "must be a JSON object"
-        raise Problem(
-            422,
-            "The body must be a JSON object.",
-            kind="invalid-fields",
-            errors=[{"field": "body", "message": message}],
-        )
+        raise _field_problem("body", "must be a JSON object", "The body must be a JSON object.")
     _refuse_repeated_keys(body, payload)
     return payload
 
@@ -147,13 +152,7 @@ def _refuse_repeated_keys(body: bytes, payload: dict[str, Any]) -> None:
     if body.count(b":") == keys or _members(body) == keys:
         return
     field = _repeated_key_path(body) or "body"
-    message = "is given more than once in its object; give each key once"
-    raise Problem(
-        422,
-        f"{field}: {message}.",
-        kind="invalid-fields",
-        errors=[{"field": field, "message": message}],
-    )
+    raise _field_problem(field, "is given more than once in its object; give each key once")
 
 
 # A JSON string literal once its escaped quotes are taken out (`_members`): its quotes and
@@ -316,23 +315,17 @@ async def refuse_a_body(request: Request, *, outcome: str) -> None:
     walkthrough). Called by each such route's handler, so after its key check: an app-wide
     check ran before it, and answered a client without a key 422 rather than 401. A body
     declared, or found, longer than `NO_BODY_READ` is refused at once, the rest unread."""
-    declared = request.headers.get("content-length")
-    if declared is not None and _DECIMAL.fullmatch(declared) and int(declared) > NO_BODY_READ:
-        _refuse_the_body(outcome)
-    head = b""
-    async for chunk in request.stream():
-        if len(head) + len(chunk) > NO_BODY_READ:
-            _refuse_the_body(outcome)
-        head += chunk
-    if head.strip() not in EMPTY_BODIES:
-        _refuse_the_body(outcome)
+    head = await _read_at_most(request, NO_BODY_READ)
+    if head is None or head.strip() not in EMPTY_BODIES:
+        message = "this route takes no request body; send none"
+        raise _field_problem("body", message, f"body: {message}; {outcome}.")
 
 
-def _refuse_the_body(outcome: str) -> NoReturn:
-    message = "this route takes no request body; send none"
-    raise Problem(
+def _field_problem(field: str, message: str, detail: str | None = None) -> Problem:
+    """A 422 naming one field, as `invalid_fields` names each of a model's."""
+    return Problem(
         422,
-        f"body: {message}; {outcome}.",
+        detail or f"{field}: {message}.",
         kind="invalid-fields",
-        errors=[{"field": "body", "message": message}],
+        errors=[{"field": field, "message": message}],
     )

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from shared.settings import DEFAULT_LLM_MODEL, MAX_PORT
 
@@ -321,15 +321,8 @@ class Stack:
             stamp = datetime.now(UTC).isoformat(timespec="seconds")
             log.write(f"=== {stamp} starting {proc.name}: {shlex.join(command)}\n".encode())
             log.flush()
-            proc.process = subprocess.Popen(
-                command,
-                env=self._environment(proc),
-                cwd=self.config.cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=die_with_parent,  # noqa: PLW1509 - only async-signal-safe work
+            proc.process = spawn_logged(
+                command, env=self._environment(proc), log=log, cwd=self.config.cwd
             )
 
     def _wait_ready(self, procs: Sequence[ServiceProcess], timeout_s: float) -> None:
@@ -386,6 +379,23 @@ def _stack_key(name: str, stack_env: Mapping[str, str], environ: Mapping[str, st
         if name in given:
             return given[name]
     return secrets.token_urlsafe(32)
+
+
+def spawn_logged(
+    command: list[str], *, env: Mapping[str, str], log: IO[bytes], cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """A child of the run in a session of its own (its group signalled as one), its output
+    into `log`, dying with this process."""
+    return subprocess.Popen(
+        command,
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=die_with_parent,  # noqa: PLW1509 - only async-signal-safe work
+    )
 
 
 def die_with_parent() -> None:
@@ -710,15 +720,7 @@ def local_webhook_receiver(
             command += ["--gateway", gateway_url]
         env = dict(os.environ, PYTHONUNBUFFERED="1", SCOREBOX_API_KEY=api_key)
         with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                command,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=die_with_parent,  # noqa: PLW1509 - only async-signal-safe work
-            )
+            process = spawn_logged(command, env=env, log=log)
         proc = ServiceProcess("webhook-receiver", 0, 0, log_path, process)
         try:
             announcement = _receiver_announcement(proc, ready_timeout_s)

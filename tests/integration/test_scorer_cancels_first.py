@@ -24,10 +24,11 @@ from services.scorer import decisions
 from services.scorer.decisions import is_cancellation
 from services.scorer.settings import ScorerSettings
 from shared.bus import publish_cancel, publish_command
-from shared.contracts import CancelTask, ScoreText, new_id
+from shared.contracts import ScoreText, new_id
 from shared.runtime import make_broker
 from shared.topology import declare_topology
 from tests.integration.in_process import scorer_over
+from tests.integration.test_scorer_cancel import _cancel_of
 from tests.support import eventually, running
 
 TASKS = 60
@@ -40,18 +41,6 @@ async def llm() -> AsyncIterator[FakeLLM]:
     server = await start_fake_llm(FakeLLMConfig())
     yield server
     await server.stop()
-
-
-def _cancel_of(command: ScoreText) -> CancelTask:
-    return CancelTask(
-        task_id=command.task_id,
-        tenant_id=command.tenant_id,
-        generation=command.generation,
-        submitted_at=command.submitted_at,
-        api_key_id=command.api_key_id,
-        callback_url=command.callback_url,
-        not_before=command.not_before,
-    )
 
 
 async def _queued_while_no_scorer_runs(amqp_url: str, commands: list[ScoreText]) -> None:

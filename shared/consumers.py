@@ -48,7 +48,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast, override
 
 import aio_pika
-import aiormq.exceptions
 from faststream.rabbit import RabbitBroker, RabbitQueue
 
 from shared.acks import ChannelAcks
@@ -66,7 +65,6 @@ if TYPE_CHECKING:
         AbstractChannel,
         AbstractIncomingMessage,
         AbstractQueue,
-        AbstractRobustChannel,
         AbstractRobustConnection,
     )
 
@@ -312,51 +310,6 @@ class _Subscription:
     starts_after: Callable[[], Awaitable[object]] | None = None
 
 
-# What a look at a queue may meet: the connection lost, the channel closed, no answer
-# (aiormq raises a bare `RuntimeError` for a channel asked of a connection it closed).
-LOOK_ERRORS = (aiormq.exceptions.AMQPError, ConnectionError, TimeoutError, RuntimeError)
-# The most the looks' channel takes to close, once they are over or one failed.
-LOOK_CLOSE_S = 1.0
-
-
-class _QueueLooks:
-    """Passive declarations of one queue on a channel of their own (`ScoreboxBroker.settled`),
-    opened at the first look and again after a look that failed. Not kept by aio-pika's
-    robust channel (`robust=False`): kept, a passive declaration of a name it holds is
-    answered from that copy, and every look after the first read the first one's count (a
-    review: a start with more cancels queued than the prefetch never settled). A channel
-    whose look failed is closed, or aio-pika reopens a channel that aiormq closed."""
-
-    def __init__(self, connection: AbstractRobustConnection, queue_name: str) -> None:
-        self._connection = connection
-        self._queue_name = queue_name
-        self._channel: AbstractRobustChannel | None = None
-
-    async def ready(self, *, within_s: float) -> int | None:
-        """The messages ready in the queue; None when the look failed or took `within_s`."""
-        try:
-            async with asyncio.timeout(within_s):
-                if self._channel is None or self._channel.is_closed:
-                    self._channel = await self._connection.channel(publisher_confirms=False)
-                queue = await self._channel.declare_queue(
-                    self._queue_name, passive=True, robust=False
-                )
-        except LOOK_ERRORS as error:
-            log.debug("a look at %s failed: %r", self._queue_name, error)
-            await self.close(within_s=LOOK_CLOSE_S)
-            return None
-        result = queue.declaration_result
-        return None if result is None else result.message_count
-
-    async def close(self, *, within_s: float) -> None:
-        channel, self._channel = self._channel, None
-        if channel is None or channel.is_closed:
-            return
-        with contextlib.suppress(*LOOK_ERRORS):
-            async with asyncio.timeout(within_s):
-                await channel.close()
-
-
 class _AcksByChannel:
     """One `ChannelAcks` per channel deliveries arrive on (a reconnection brings new ones)."""
 
@@ -593,7 +546,17 @@ class ScoreboxBroker(RabbitBroker):
     def consumed_queue(self, name: str) -> AbstractQueue | None:
         """The queue a consumer of this broker consumes, as declared on the connection that
         consumes it (None before `start()`, or when nothing consumes it)."""
-        return next((c.queue for c in self._consuming if c.queue and c.queue.name == name), None)
+        consuming = self._consuming_of(name)
+        return None if consuming is None else consuming.queue
+
+    def in_handlers(self, name: str) -> int | None:
+        """The deliveries of the queue `name` in this broker's handlers now (None before
+        `start()`, or when nothing consumes it)."""
+        consuming = self._consuming_of(name)
+        return None if consuming is None else consuming.handling
+
+    def _consuming_of(self, name: str) -> _Consuming | None:
+        return next((c for c in self._consuming if c.queue and c.queue.name == name), None)
 
     @override
     async def start(self) -> None:
@@ -652,37 +615,6 @@ class ScoreboxBroker(RabbitBroker):
 
     def _without(self, waiting: list[_Subscription]) -> list[_Subscription]:
         return [each for each in self._subscriptions if each not in waiting]
-
-    async def settled(self, queue_name: str, *, within_s: float, poll_s: float = 0.05) -> bool:
-        """Wait until this broker's consumer of `queue_name` has nothing left: no message
-        ready in the queue and none in its handlers, at two looks `poll_s` apart (one on its
-        way to this process shows in neither); False when `within_s` passes first, or
-        nothing here consumes the queue. Never longer than `within_s`, whatever the broker
-        does (but `LOOK_CLOSE_S` to close the channel of a look that failed): each look is
-        bounded by what is left, and a look that fails (the connection lost, no answer)
-        counts as not settled. The looks go on a channel of their own, a
-        passive declaration each: on the consumer's channel, a look aiormq gave up on
-        closed it, and the deliveries in hand came back counted (a review)."""
-        consuming = next(
-            (c for c in self._consuming if c.queue and c.queue.name == queue_name), None
-        )
-        if consuming is None or self._consumer_connection is None:
-            return False
-        looks = _QueueLooks(self._consumer_connection, queue_name)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + within_s
-        quiet_looks = 0
-        try:
-            while (left := deadline - loop.time()) > 0:
-                ready = await looks.ready(within_s=min(left, self._timeout))
-                quiet = ready == 0 and consuming.handling == 0
-                quiet_looks = quiet_looks + 1 if quiet else 0
-                if quiet_looks == 2:
-                    return True
-                await asyncio.sleep(min(poll_s, max(0.0, deadline - loop.time())))
-            return False
-        finally:
-            await looks.close(within_s=min(self._timeout, LOOK_CLOSE_S))
 
     async def _open_consuming_connection(
         self, name: str, *, reconnect_interval_s: float = 1.0
@@ -872,7 +804,7 @@ def consume(
     queue of one replica that the topology cannot declare (exclusive to this connection); the
     topology's own queues are bound by `declare_topology`. `starts_after` is awaited before
     this consumer starts, once the others have: the scorer's work waits for the cancels
-    already queued to be handled (`ScoreboxBroker.settled`).
+    already queued to be handled (`services/scorer/cancels.py`).
     """
 
     def register(handler: Handler) -> Handler:

@@ -103,7 +103,7 @@ def _before_the_work(
 
     async def before_the_work() -> None:
         await recall_again(batches, records, now=clock())
-        await cancels_handled_first(broker, within_s=within_s)
+        await cancels_handled_first(broker, within_s=within_s, timeout_s=settings.broker_timeout_s)
 
     return before_the_work
 

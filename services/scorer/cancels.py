@@ -26,6 +26,7 @@ itself (a delayed task's command, when due).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,9 +39,10 @@ from pymongo.errors import PyMongoError
 from services.scorer.attempts import Attempts, CancelContended, Cancelled, CancelResult
 from services.scorer.decisions import Finish
 from services.scorer.metrics import CANCELLED, TOO_LATE, ScorerMetrics
-from shared.bus import publish_event
+from shared.bus import BROKER_ERRORS, publish_event
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import CancelTask
+from shared.dead_letters import own_channel
 from shared.failed_deliveries import return_failed
 from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying_database
 from shared.topology import TASK_CANCELS
@@ -114,21 +116,65 @@ class TaskCancels:
 
 # How long a starting scorer lets the cancellations queued before it consumes its work.
 CANCELS_FIRST_S = 15.0
+# How often it looks whether they are handled.
+LOOK_EVERY_S = 0.05
 
 
-async def cancels_handled_first(broker: ScoreboxBroker, *, within_s: float) -> None:
+async def cancels_handled_first(
+    broker: ScoreboxBroker, *, within_s: float, timeout_s: float
+) -> None:
     """Wait, up to `within_s`, for the cancellations queued to be handled before this
     scorer consumes `score.requested` (its `starts_after`). A scorer starting with both
     queues full (every replica was down while clients cancelled) handed its first
     deliveries to claims at once, and each cancellation that came after its claim found
     the call under way: 16 of 60 tasks cancelled while the scorers were down were scored
     (a walkthrough). Best effort: a cancellation sent as the wait ends still races."""
-    if not await broker.settled(TASK_CANCELS.queue.name, within_s=within_s):
+    if not await queue_settled(
+        broker, TASK_CANCELS.queue.name, within_s=within_s, timeout_s=timeout_s
+    ):
         log.warning(
             "scoring starts with cancellations still queued after %.0f s: those arriving "
             "after their task's claim are too late",
             within_s,
         )
+
+
+async def queue_settled(
+    broker: ScoreboxBroker, queue_name: str, *, within_s: float, timeout_s: float
+) -> bool:
+    """Whether this process's consumer of `queue_name` has nothing left, within `within_s`:
+    no message ready in the queue and none in its handlers, at two looks `LOOK_EVERY_S`
+    apart (one on its way to this process shows in neither). Each look is a passive
+    declaration on a channel of its own (`own_channel`, as the DLQ looks are), bounded by
+    what is left of the wait and by `timeout_s`; one that fails counts as not settled. A
+    first version raised out of the scorer's start when the connection dropped, looked on
+    the consumer's own channel (aiormq closed it at a look's timeout, and the cancels in
+    hand came back counted), and kept its channel, whose robust copy of the queue answered
+    every look after the first with the first one's count (reviews)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    quiet_looks = 0
+    while (left := deadline - loop.time()) > 0:
+        ready = await _ready(broker, queue_name, within_s=min(left, timeout_s))
+        quiet = ready == 0 and broker.in_handlers(queue_name) == 0
+        quiet_looks = quiet_looks + 1 if quiet else 0
+        if quiet_looks == 2:
+            return True
+        await asyncio.sleep(min(LOOK_EVERY_S, max(0.0, deadline - loop.time())))
+    return False
+
+
+async def _ready(broker: ScoreboxBroker, queue_name: str, *, within_s: float) -> int | None:
+    """The messages ready in the queue; None when the look failed or took `within_s`."""
+    try:
+        async with own_channel(broker, timeout_s=within_s, what=queue_name) as channel:
+            async with asyncio.timeout(within_s):
+                queue = await channel.get_queue(queue_name, ensure=False)  # passive
+                declared = await queue.declare(timeout=within_s)
+    except (*BROKER_ERRORS, RuntimeError) as error:  # aiormq: a channel of a closed connection
+        log.debug("a look at %s failed: %r", queue_name, error)
+        return None
+    return int(declared.message_count or 0)
 
 
 def subscribe_cancels(broker: ScoreboxBroker, cancels: TaskCancels) -> None:

@@ -1,9 +1,10 @@
-"""`ScoreboxBroker.settled`, the scorer's wait at start for the cancels queued before its
-work (`services/scorer/cancels.py`): it answers within its time whatever the broker does,
-and its looks never disturb the deliveries in hand. A review found it raising out of the
-scorer's start when the connection dropped, closing the consumer's channel when a look got
-no answer in time (the cancels in hand came back counted), and waiting unbounded for a
-connection gone before its look began. Real broker, reached through a proxy to cut or slow.
+"""`queue_settled`, the scorer's wait at start for the cancels queued before its work
+(`services/scorer/cancels.py`): it answers within its time whatever the broker does, its
+looks never disturb the deliveries in hand, and each reads the queue anew. Reviews found it
+raising out of the scorer's start when the connection dropped, closing the consumer's
+channel when a look got no answer in time (the cancels in hand came back counted), waiting
+unbounded for a connection gone before its look began, and reading the first look's count
+for ever. Real broker, reached through a proxy to cut or slow.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import aio_pika
 import pytest
 from faststream.rabbit import RabbitQueue
 
-from shared.consumers import Delivery, ScoreboxBroker, _QueueLooks, consume
+from services.scorer.cancels import queue_settled
+from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
 from tests.faults.slow_link import SlowLink
@@ -37,6 +39,7 @@ class Held:
 
     broker: ScoreboxBroker
     queue: str
+    amqp_url: str
     release: asyncio.Event = field(default_factory=asyncio.Event)
     seen: list[bool] = field(default_factory=list)  # each delivery's redelivered flag
 
@@ -55,7 +58,7 @@ async def held(amqp_url: str, broker_link: SlowLink) -> AsyncIterator[Held]:
             }
         )
         broker = make_broker(settings, graceful_timeout_s=2.0)
-        held = Held(broker, name)
+        held = Held(broker, name, amqp_url)
 
         @consume(broker, RabbitQueue(name, durable=True), prefetch=4)
         async def hold(delivery: Delivery) -> None:
@@ -79,8 +82,14 @@ async def held(amqp_url: str, broker_link: SlowLink) -> AsyncIterator[Held]:
             await channel.queue_delete(name, timeout=10)
 
 
+async def _settled(held: Held) -> bool:
+    return await queue_settled(
+        held.broker, held.queue, within_s=WITHIN_S, timeout_s=BROKER_TIMEOUT_S
+    )
+
+
 async def test_a_delivery_in_hand_is_not_settled_and_the_wait_ends_on_time(held: Held) -> None:
-    assert not await asyncio.wait_for(held.broker.settled(held.queue, within_s=WITHIN_S), GUARD_S)
+    assert not await asyncio.wait_for(_settled(held), GUARD_S)
 
 
 @pytest.mark.parametrize("fault", ["cut", "slow"])
@@ -92,7 +101,7 @@ async def test_a_broker_cut_or_slow_answers_not_settled_and_keeps_the_delivery_i
     else:
         broker_link.reply_delay_s = 3 * BROKER_TIMEOUT_S
 
-    settled = await asyncio.wait_for(held.broker.settled(held.queue, within_s=WITHIN_S), GUARD_S)
+    settled = await asyncio.wait_for(_settled(held), GUARD_S)
     broker_link.down, broker_link.reply_delay_s = False, 0.0
     held.release.set()
 
@@ -100,33 +109,25 @@ async def test_a_broker_cut_or_slow_answers_not_settled_and_keeps_the_delivery_i
     if fault == "slow":  # the connection stands: its delivery is acked, never sent again
 
         async def acked() -> bool:
-            return await held.broker.settled(held.queue, within_s=WITHIN_S)
+            return await _settled(held)
 
         await eventually(acked, what="the delivery acked, the queue settled")
         assert held.seen == [False]
 
 
-async def test_each_look_reads_the_queues_count_anew(amqp_url: str) -> None:
-    """aio-pika's robust channel answered a passive declaration of a queue it held from its
-    copy: every look after the first read the first one's count, and a scorer starting with
-    more cancels queued than its prefetch waited out the whole wait (a review)."""
-    name = f"test.looks.{uuid.uuid4().hex[:8]}"
-    connection = await aio_pika.connect_robust(amqp_url, timeout=10)
+async def test_messages_ready_then_handled_settle(held: Held) -> None:
+    """Messages ready behind the one in hand (the consumer's prefetch is full), then handled:
+    settled. A look that kept aio-pika's copy of the queue read the first count for ever
+    (a review: a start with more cancels queued than the prefetch never settled)."""
+    connection = await aio_pika.connect(held.amqp_url, timeout=10)
     async with connection:
         channel = await connection.channel()
-        queue = await channel.declare_queue(name, durable=True, timeout=10)
-        for _ in range(3):
-            await channel.default_exchange.publish(aio_pika.Message(b"x"), routing_key=name)
-        looks = _QueueLooks(connection, name)
-        try:
+        for _ in range(6):
+            await channel.default_exchange.publish(aio_pika.Message(b"x"), routing_key=held.queue)
+    assert not await _settled(held)  # looked at with messages ready
+    held.release.set()
 
-            async def three_ready() -> bool:
-                return await looks.ready(within_s=BROKER_TIMEOUT_S) == 3
+    async def settled() -> bool:
+        return await _settled(held)
 
-            await eventually(three_ready, what="three messages ready")
-            await queue.purge(timeout=10)
-
-            assert await looks.ready(within_s=BROKER_TIMEOUT_S) == 0
-        finally:
-            await looks.close(within_s=BROKER_TIMEOUT_S)
-            await channel.queue_delete(name, timeout=10)
+    await eventually(settled, what="the queue settled once its messages were handled")

@@ -17,6 +17,8 @@
 7. The stand-in's (or MongoDB's) cost per update on documents of three sizes.
 8. How much of PyMongo's client CPU per round trip is its way of awaiting a reply
    (`bench.receive_path`).
+9. The gateway's repeated-key check of a JSON body against orjson's reading of it, on a
+   submission, batches and bodies of 16 MiB and 1,000 levels (`body_checks`).
 
 Everything runs on uvloop, as the services do.
 
@@ -31,17 +33,19 @@ import os
 import subprocess
 import sys
 import time
+import timeit
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
+import orjson
 import uvloop
 from pymongo import AsyncMongoClient, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
 
 from bench.delivery_cost import delivery_cost
 from bench.infra import local_broker_pid
-from bench.load import essay
+from bench.load import essay, submission_body
 from bench.model_call_cost import model_call_cost
 from bench.publish_cost import publish_cost
 from bench.receive_path import receive_path
@@ -50,8 +54,10 @@ from devtools.infra import read_first_line
 from services.gateway.cache import cache_key
 from services.scorer.model.preparation import prepare_text
 from services.scorer.model.prompt import detect_instructions
+from shared.bodies import _refuse_repeated_keys
 from shared.group_reads import GroupReader
 from shared.group_writes import GroupWriter
+from shared.http import Problem
 
 Document = dict[str, Any]
 WRITES = 4_000
@@ -179,6 +185,53 @@ def text_preparation(texts: int = 500) -> None:
         )
 
 
+def _bodies() -> list[tuple[str, bytes]]:
+    deep = b'{"a":' * 1000 + b"{" + b",".join(b'"k%d":0' % i for i in range(100_000)) + b"}"
+    items = [{"text": essay("micro", index), "use_cache": False} for index in range(50)]
+    noted = [{"text": "Note: " + essay("micro", index)} for index in range(50)]
+    empties = b",".join([b"{}"] * (16 * 1024 * 1024 // 3))
+    return [
+        ("a submission", submission_body(essay("micro", 0))),
+        ("a batch of 50", orjson.dumps({"items": items})),
+        ("a batch of 50, a colon in each text", orjson.dumps({"items": noted})),
+        ("16 MiB of {} items", b'{"items":[' + empties + b"]}"),
+        (
+            "16 MiB of {} items, a key repeated at the end (refused)",
+            b'{"items":[' + empties + b'],"z":{"d":1,"d":2}}',
+        ),
+        (
+            "1 MiB, 1,000 levels deep, a key repeated after (refused)",
+            deep + b"}" * 999 + b',"b":{"x":1,"x":2}}',
+        ),
+    ]
+
+
+def body_checks(bodies: list[tuple[str, bytes]] | None = None) -> None:
+    """The repeated-key check of every JSON body (`shared.bodies._refuse_repeated_keys`)
+    against orjson's reading of the same body, best of three runs each."""
+    for label, body in bodies or _bodies():
+        payload = orjson.loads(body)
+        number = 10_000 if len(body) < 100_000 else 1
+
+        def check(body: bytes = body, payload: Any = payload) -> None:
+            with contextlib.suppress(Problem):  # the refused bodies: the refusal is measured
+                _refuse_repeated_keys(body, payload)
+
+        def read(body: bytes = body) -> None:
+            orjson.loads(body)
+
+        reading = min(timeit.repeat(read, number=number, repeat=3))
+        checking = min(timeit.repeat(check, number=number, repeat=3))
+        print(
+            f"{label} ({len(body):,} bytes): orjson reads it in {_us(reading / number)}, "
+            f"the repeated-key check takes {_us(checking / number)}"
+        )
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:,.1f} µs" if seconds < 0.01 else f"{seconds * 1e3:,.0f} ms"
+
+
 @contextlib.contextmanager
 def announced_url(module: str, *args: str) -> Iterator[str]:
     """Start one of our dev servers (`devtools.<module>`) and give the URL it announces."""
@@ -193,6 +246,7 @@ def announced_url(module: str, *args: str) -> Iterator[str]:
 
 def main() -> int:
     text_preparation()
+    body_checks()
     with announced_url("devtools.fake_llm", "--latency-ms", "20", "--jitter-ms", "0") as model:
         print("Model: devtools.fake_llm, 20 ms per call")
         uvloop.run(model_call_cost(model))

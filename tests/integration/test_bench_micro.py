@@ -106,3 +106,10 @@ def test_text_preparation_measures_a_short_and_a_long_essay(
     ]
     assert len(sizes) == 2
     assert sizes[1] > 5 * sizes[0]
+
+
+def test_body_checks_measure_each_body_refused_or_not(capsys: pytest.CaptureFixture[str]) -> None:
+    micro.body_checks([("good", b'{"text": "a"}'), ("refused", b'{"text": "a", "text": "b"}')])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" (")[0] for line in lines] == ["good", "refused"]
+    assert all("the repeated-key check takes" in line for line in lines)

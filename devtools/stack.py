@@ -563,7 +563,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="RabbitMQ + MongoDB (or its stand-in) + the services")
     run.add_argument(
-        "--scorers", type=int, default=int(os.environ.get("SCORER_REPLICAS", "1")), metavar="N"
+        "--scorers", type=int, default=None, metavar="N", help="scorer processes (SCORER_REPLICAS)"
     )
     run.add_argument("--ready-timeout", type=float, default=90.0, metavar="SECONDS")
     run.add_argument("--log-dir", type=Path, default=Path(".run/logs"))
@@ -588,7 +588,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         # start without the receiver asked for. One line, as the run's other errors.
         if webhooks not in WEBHOOKS_MODES:
             _refuse(f"WEBHOOKS={webhooks!r} is not a mode: set WEBHOOKS=local, or leave it unset")
-        args.webhook_fail = _webhook_fail(args.webhook_fail, local=args.webhooks_local)
+        args.scorers = _count(args.scorers, "--scorers", "SCORER_REPLICAS", default=1, least=1)
+        # WEBHOOK_RECEIVER_FAIL means nothing without a local receiver: ignored then,
+        # whatever it holds.
+        fail_from = "WEBHOOK_RECEIVER_FAIL" if args.webhooks_local else None
+        args.webhook_fail = _count(args.webhook_fail, "--webhook-fail", fail_from, default=0)
     return args
 
 
@@ -600,23 +604,23 @@ def _refuse(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def _webhook_fail(given: int | None, *, local: bool) -> int:
-    """How many deliveries the local receiver fails: `--webhook-fail`, else
-    WEBHOOK_RECEIVER_FAIL (empty: 0). The variable is read only with a local receiver: set
-    without one it is ignored, whatever it holds (it raised a ValueError traceback while the
-    defaults were built, WEBHOOKS unset or not)."""
-    what = "--webhook-fail"
+def _count(
+    given: int | None, option: str, variable: str | None, *, default: int, least: int = 0
+) -> int:
+    """A count from its option, else its environment variable (empty or unset: `default`;
+    no variable: `default`), at least `least`; one `error:` line otherwise (an `int()` of
+    SCORER_REPLICAS or WEBHOOK_RECEIVER_FAIL raised a traceback while the defaults were
+    built, whatever the run asked for)."""
+    what = option
     if given is None:
-        if not local:
-            return 0
-        raw = os.environ.get("WEBHOOK_RECEIVER_FAIL", "").strip()
-        what = f"WEBHOOK_RECEIVER_FAIL={raw!r}"
+        raw = os.environ.get(variable, "").strip() if variable else ""
+        what = f"{variable}={raw!r}"
         try:
-            given = int(raw or "0")
+            given = int(raw) if raw else default
         except ValueError:
-            _refuse(f"{what} is not a whole number: give the deliveries to fail, 0 or more")
-    if given < 0:
-        _refuse(f"{what} must be 0 or more")
+            _refuse(f"{what} is not a whole number")
+    if given < least:
+        _refuse(f"{what} must be {least} or more")
     return given
 
 

@@ -138,3 +138,31 @@ def test_the_receiver_runs_logs_to_the_run_and_stops_with_it(tmp_path: Path) -> 
     with pytest.raises(ProcessLookupError):  # stopped (and waited for)
         os.kill(receiver.pid, 0)
     assert "answering 500 to the first 1, then 200" in receiver.log_path.read_text()
+
+
+@pytest.mark.parametrize(
+    ("replicas", "said"), [("two", "is not a whole number"), ("0", "1 or more")]
+)
+def test_a_scorer_count_that_is_no_count_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], replicas: str, said: str
+) -> None:
+    """SCORER_REPLICAS=two raised a ValueError traceback while the defaults were built, and 0
+    one from deep in the stack's start (a review)."""
+    monkeypatch.delenv("WEBHOOKS", raising=False)
+    monkeypatch.setenv("SCORER_REPLICAS", replicas)
+
+    err = _refused_in_one_line(["run"], capsys, monkeypatch)
+
+    assert f"SCORER_REPLICAS={replicas!r} " in err
+    assert said in err
+
+
+def test_the_scorer_count_comes_from_its_option_then_its_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("WEBHOOKS", raising=False)
+    monkeypatch.delenv("SCORER_REPLICAS", raising=False)
+    assert parse_args(["run"]).scorers == 1
+    monkeypatch.setenv("SCORER_REPLICAS", "3")
+    assert parse_args(["run"]).scorers == 3
+    assert parse_args(["run", "--scorers", "2"]).scorers == 2

@@ -195,6 +195,8 @@ async def apply_task_event(
     if not applied:
         if isinstance(event, TaskAccepted):
             await _describe_if_same_generation(writes, event)
+        if isinstance(event, TaskRetrying):
+            await _error_of_the_attempt_before(writes, event)
         # Stale or duplicate: the state stays, but a change never recorded enters the history.
         await writes.update_one(
             {"_id": event.task_id, "history.sequence": {"$ne": event.sequence}},
@@ -219,6 +221,21 @@ async def _describe_if_same_generation(writes: GroupWriter, event: TaskAccepted)
     await writes.update_one(
         {"_id": event.task_id, "sequence": same_generation},
         {"$set": _descriptive_fields(event)},
+    )
+
+
+async def _error_of_the_attempt_before(writes: GroupWriter, event: TaskRetrying) -> None:
+    """Set a late retry's error where the task holds the next attempt's start, errorless:
+    a start keeps the error its previous attempt retried after (`_apply_newer`), so the
+    same two events left a running task with or without it by the order they came in (a
+    late redelivery, a replay of the projection's DLQ; found in review)."""
+    next_start = event_sequence(
+        generation=event.generation, attempt=event.attempt + 1, phase=Phase.STARTED
+    )
+    error = _failure(event.error.model_dump(), dead_lettered=False)
+    await writes.update_one(
+        {"_id": event.task_id, "sequence": next_start, "error": None},
+        {"$set": {"error": error}},
     )
 
 

@@ -170,6 +170,55 @@ async def test_a_later_attempt_started_keeps_its_generations_latest_error(
     assert (view.error.code, view.error.dead_lettered) == (TRANSIENT.code, False)
 
 
+async def test_a_retry_applied_after_the_next_attempts_start_still_shows_its_error(
+    tasks: AsyncCollection[Document],
+) -> None:
+    """The same two events in the other order (attempt 1's `task.retrying` redelivered late,
+    or replayed from the projection's DLQ): the running attempt 2 shows attempt 1's error
+    all the same."""
+    command = await _accepted(tasks, "Started, then its retry.")
+    await _apply(tasks, TaskStarted(**_fields(command, 0, Phase.STARTED, attempt=2)))
+
+    assert not await _apply_late_retry(tasks, command, attempt=1)
+
+    view = await _view(tasks, command)
+    assert (view.status, view.attempts) == (TaskStatus.PROCESSING, 2)
+    assert view.error is not None
+    assert (view.error.code, view.error.dead_lettered) == (TRANSIENT.code, False)
+
+
+async def test_a_late_retry_of_an_attempt_before_the_last_shows_no_error(
+    tasks: AsyncCollection[Document],
+) -> None:
+    """Attempt 3 running, attempt 2's retry not come: attempt 1's late retry is not the
+    latest error, and the view shows none."""
+    command = await _accepted(tasks, "Started a third time, the first retry late.")
+    await _apply(tasks, TaskStarted(**_fields(command, 0, Phase.STARTED, attempt=3)))
+
+    assert not await _apply_late_retry(tasks, command, attempt=1)
+
+    view = await _view(tasks, command)
+    assert (view.status, view.attempts, view.error) == (TaskStatus.PROCESSING, 3, None)
+
+
+async def _accepted(tasks: AsyncCollection[Document], text: str) -> ScoreText:
+    command = ScoreText(task_id=new_id(), tenant_id="acme", text=text)
+    await _apply(tasks, accepted_event(command))
+    return command
+
+
+async def _apply_late_retry(
+    tasks: AsyncCollection[Document], command: ScoreText, *, attempt: int
+) -> bool:
+    due = utcnow() + timedelta(minutes=1)
+    retry = TaskRetrying(
+        **_fields(command, 0, Phase.RETRYING, attempt=attempt),
+        error=TRANSIENT,
+        next_attempt_at=due,
+    )
+    return await apply_projected(retry, writes=GroupWriter(tasks), finished_ttl=TTL)
+
+
 async def test_an_earlier_generations_late_acceptance_keeps_the_newer_ones_description(
     tasks: AsyncCollection[Document],
 ) -> None:

@@ -25,6 +25,8 @@ from services.status.projection import (
 from services.status.settings import StatusSettings
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import (
+    MAX_INT64,
+    MAX_SEQUENCE,
     BatchProgress,
     TaskHistory,
     TaskView,
@@ -199,7 +201,9 @@ def task_routes(tasks: Tasks, clock: Clock, *, internal_key: SecretStr | None) -
     async def read_task_history(
         task_id: str,
         tenant_id: str,
-        after: int = Query(default=-1, ge=-1, description="Only changes after this sequence."),
+        after: int = Query(
+            default=-1, ge=-1, le=MAX_SEQUENCE, description="Only changes after this sequence."
+        ),
     ) -> TaskHistory:
         history = await find_history(
             task_id, tenant_id=tenant_id, after=after, tasks=tasks, now=clock()
@@ -214,7 +218,9 @@ def task_routes(tasks: Tasks, clock: Clock, *, internal_key: SecretStr | None) -
     async def read_batch(
         batch_id: str,
         tenant_id: str,
-        after: int = Query(default=-1, ge=-1, description="Only items after this batch_index."),
+        after: int = Query(
+            default=-1, ge=-1, le=MAX_INT64, description="Only items after this batch_index."
+        ),
         limit: int = Query(default=100, ge=1, le=1000),
     ) -> BatchProgress:
         # A batch the projection has not heard of reads as empty, not 404: only the gateway

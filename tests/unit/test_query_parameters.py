@@ -84,3 +84,20 @@ async def test_the_document_is_built_before_the_first_request() -> None:
     async with app.router.lifespan_context(app):
         assert app.openapi_schema is not None
     assert started == [True]
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"/internal/v1/batches/{TASK}?tenant_id=a&after=9223372036854775808",
+        f"/internal/v1/tasks/{TASK}/history?tenant_id=a&after=9223372036854775808",
+    ],
+    ids=["batch", "history"],
+)
+async def test_a_cursor_beyond_int64_is_a_422_naming_it(url: str) -> None:
+    """A cursor no BSON integer holds failed the read with a 500 (a review's find)."""
+    answer = await _answer(_status(), "GET", url)
+
+    assert answer.status_code == 422, answer.text
+    assert answer.headers["content-type"] == "application/problem+json"
+    assert "after" in answer.text

@@ -55,6 +55,7 @@ from services.gateway.errors import (
     IdempotencyConflict,
     ReplayUnfinished,
     RequestInProgress,
+    in_progress_retry_after,
 )
 from services.gateway.limits import LimitExceeded
 from services.gateway.refusals import Refusal, Refusals, may_have_been_written, release_slots
@@ -726,8 +727,10 @@ async def _earlier_batch(
     if earlier.request_hash != attempt.request_hash:
         raise IdempotencyConflict(idempotency_key)
     in_progress = earlier.state == BatchState.ACCEPTING
-    if in_progress and earlier.created_at > now - policy.in_progress_for:
-        raise RequestInProgress(idempotency_key)
+    until = earlier.created_at + policy.in_progress_for
+    if in_progress and until > now:
+        retry_after_s = in_progress_retry_after(earlier.created_at, until=until, now=now)
+        raise RequestInProgress(idempotency_key, retry_after_s=retry_after_s)
     return earlier
 
 

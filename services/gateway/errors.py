@@ -13,6 +13,9 @@
 Only the HTTP adapter (`api.py`) turns these into problem+json answers.
 """
 
+import math
+from datetime import datetime
+
 from shared.database_errors import transient_database_error
 
 
@@ -25,9 +28,26 @@ class IdempotencyConflict(GatewayError):
 
 
 class RequestInProgress(GatewayError):
-    """The Idempotency-Key's first request has not finished being accepted."""
+    """The Idempotency-Key's first request has not finished being accepted. `retry_after_s`:
+    when to ask again (`in_progress_retry_after`; 1 by default)."""
 
     retry_after_s = 1
+
+    def __init__(self, idempotency_key: str, *, retry_after_s: int | None = None) -> None:
+        super().__init__(idempotency_key)
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
+
+
+def in_progress_retry_after(created_at: datetime, *, until: datetime, now: datetime) -> int:
+    """Seconds before a replay of a request still in progress may find it settled: as long as
+    the request has run, but no later than `until`, when a request still unfinished is taken
+    for dead (the outbox grace). A request alive ends within a second or two; the longer it
+    has run, the likelier it died, and the fixed second it said before had a client whose
+    gateway crashed mid-batch ask sixty times (a walkthrough). At least 1."""
+    ran = (now - created_at).total_seconds()
+    left = (until - now).total_seconds()
+    return max(1, math.ceil(min(ran, left)))
 
 
 class ReplayUnfinished(RequestInProgress):

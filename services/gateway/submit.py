@@ -16,6 +16,7 @@ from services.gateway.errors import (
     IdempotencyConflict,
     ReplayUnfinished,
     RequestInProgress,
+    in_progress_retry_after,
 )
 from services.gateway.limits import LimitExceeded
 from services.gateway.refusals import Refusal, Refusals, may_have_been_written
@@ -218,6 +219,7 @@ async def _record_and_send(
             command.tenant_id,
             submissions,
             in_progress=lambda earlier: _may_be_in_progress(earlier, policy, refusals, now),
+            in_progress_for=policy.in_progress_for,
             now=now,
         )
     except DatabaseUnavailable as error:
@@ -359,6 +361,7 @@ async def _earlier_submission(
     submissions: Submissions,
     *,
     in_progress: Callable[[Submission], bool],
+    in_progress_for: timedelta,
     now: datetime,
 ) -> Submitted:
     """The submission the key names (its insert collided on the key), as recorded: answered
@@ -388,7 +391,9 @@ async def _earlier_submission(
     if earlier.state is SubmissionState.ACCEPTING and not await _left_to_the_sweep(
         earlier, submissions, in_progress=in_progress(earlier), key=idempotency_key
     ):
-        raise RequestInProgress(idempotency_key)
+        until = earlier.created_at + in_progress_for
+        retry_after_s = in_progress_retry_after(earlier.created_at, until=until, now=now)
+        raise RequestInProgress(idempotency_key, retry_after_s=retry_after_s)
     return Submitted(
         earlier.task_id,
         _status_as_recorded(earlier, now),

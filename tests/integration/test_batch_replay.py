@@ -189,6 +189,21 @@ async def test_a_replay_within_the_grace_period_is_told_to_wait_and_records_noth
     assert batch["state"] == BatchState.ACCEPTING
 
 
+@pytest.mark.parametrize(("ran_s", "told_s"), [(0, 1), (5, 5), (25, 5)])
+async def test_a_replay_within_the_grace_period_is_told_to_wait_as_long_as_its_request_ran(
+    gateway: Gateway, ran_s: int, told_s: int
+) -> None:
+    """Up to the grace's end: a fixed second had a client whose gateway died mid-batch ask
+    sixty times before the replay could complete it (a walkthrough)."""
+    request = _request(3)
+    await _interrupted(gateway, request, recorded=1)
+
+    with pytest.raises(RequestInProgress) as replay:
+        await _submit(gateway, request, Recorded(), T0 + timedelta(seconds=ran_s))
+
+    assert replay.value.retry_after_s == told_s
+
+
 async def test_a_replay_with_another_body_is_a_conflict_even_while_the_first_runs(
     gateway: Gateway,
 ) -> None:

@@ -193,3 +193,27 @@ async def test_a_replay_of_a_submission_left_accepting_past_the_grace_answers_wi
     assert kept is not None
     assert kept["state"] in ("unconfirmed", "accepted")
     assert kept["command"]["task_id"] == task_id
+
+
+@pytest.mark.parametrize(("ran_s", "told_s"), [(0, 1), (20, 20), (OUTBOX_GRACE_S - 10, 10)])
+async def test_a_replay_while_its_request_runs_is_told_to_wait_as_long_as_it_ran(
+    stack: Stack, ran_s: int, told_s: int
+) -> None:
+    """`Retry-After` is as long as the first request has run, up to the grace's end: a fixed
+    second had a client whose gateway died mid-request ask sixty times (a walkthrough)."""
+    key = {"Idempotency-Key": f"running-{uuid.uuid4().hex}"}
+    body = {"text": f"An essay still running {uuid.uuid4().hex}.", "use_cache": False}
+    first = await stack.api.post("/v1/scores", json=body, headers=key)
+    assert first.status_code == 202, first.text
+    await queued_commands(stack.amqp_url)
+    started = datetime.now(UTC) - timedelta(seconds=ran_s)
+    await stack.submissions.update_one(
+        {"_id": first.json()["task_id"]}, {"$set": {"state": "accepting", "created_at": started}}
+    )
+
+    replay = await stack.api.post("/v1/scores", json=body, headers=key)
+
+    assert replay.status_code == 409, replay.text
+    assert replay.json()["type"].endswith("/request-in-progress")
+    # The clock moves between the write and the answer: a second more at most.
+    assert int(replay.headers["Retry-After"]) in (told_s, told_s + 1)

@@ -2,13 +2,18 @@
 and the gateway applies when it accepts one (one rule, so the two can never disagree about
 whether a text is empty). Pure functions, no I/O.
 
-A text is blank when nothing is left of it once normalised but format characters: only
-whitespace (Unicode's, not just ASCII's), control characters (U+0000-U+001F, U+007F-U+009F)
-and format characters (Unicode category Cf: zero-width spaces and joiners, bidi marks, the
-byte order mark...). Normalisation keeps format characters (a zero-width joiner binds an emoji
-sequence, a soft hyphen marks where a word may break), but they are nobody's content: a text of
-them alone was accepted and scored as if it said something. The gateway refuses a blank text
-with a 422; the scorer would only fail its task (`InputRejected`).
+A text is blank when nothing is left of it once normalised but invisible characters: only
+whitespace (Unicode's, not just ASCII's), control characters (U+0000-U+001F, U+007F-U+009F),
+format characters (Unicode category Cf: zero-width spaces and joiners, bidi marks, the
+byte order mark...), the other characters Unicode says to render as nothing when unsupported
+(Default_Ignorable_Code_Point: variation selectors, the Hangul fillers, the combining grapheme
+joiner...), the blank Braille pattern (U+2800), and combining marks, which mark a letter
+and are none. Normalisation keeps such characters among content (a zero-width joiner binds
+an emoji sequence, a variation selector picks its glyph, a soft hyphen marks where a word may
+break), but they are nobody's content: a text of them alone was accepted and scored as if it
+said something (a variation selector, a Hangul filler, a blank Braille cell or two accents
+alone, found in a walkthrough). The gateway refuses a blank text with a 422; the scorer
+would only fail its task (`InputRejected`).
 """
 
 from __future__ import annotations
@@ -37,11 +42,20 @@ FORMAT_CHARACTERS = (
     r"\U00013430-\U0001343f\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0001"
     r"\U000e0020-\U000e007f"
 )
-# Content: neither whitespace (`\s` is `str.isspace`, what `strip` removes), nor a control
-# character, nor a format character. `normalise_text` keeps something of each such character
-# (every step after NFC only removes or rewrites the others), and NFC maps none of the others
-# to content (both checked for every code point in tests/unit/test_text.py).
-_CONTENT = re.compile(rf"[^\s\x00-\x1f\x7f-\x9f{FORMAT_CHARACTERS}]")
+# Unicode 15.1's Default_Ignorable_Code_Point characters that are not format characters
+# (DerivedCoreProperties.txt: the combining grapheme joiner, the Hangul fillers, the Khmer
+# inherent vowels, the Mongolian and other variation selectors, the reserved U+FFF0-U+FFF8
+# and U+E0000-U+E0FFF), and the blank Braille pattern: what renders as nothing.
+INVISIBLE_CHARACTERS = (
+    r"\u034f\u115f\u1160\u17b4\u17b5\u180b-\u180d\u180f\u2065\u2800\u3164\ufe00-\ufe0f"
+    r"\uffa0\ufff0-\ufff8\U000e0000-\U000e0fff"
+)
+# Content, or a combining mark (a mark alone is none: `is_blank`): neither whitespace (`\s`
+# is `str.isspace`, what `strip` removes), nor a control character, nor a format or other
+# invisible character. `normalise_text` keeps something of each such character (every step
+# after NFC only removes or rewrites the others), and NFC maps none of the others to content
+# (both checked for every code point in tests/unit/test_text.py).
+_CONTENT = re.compile(rf"[^\s\x00-\x1f\x7f-\x9f{FORMAT_CHARACTERS}{INVISIBLE_CHARACTERS}]")
 # Every character `str.isspace` (and `\s`) accepts but the space and the newline, as ranges
 # (checked against every code point in tests/unit/test_text.py): re scans a class of plain
 # ranges many times faster than one built on `\s`, which it tests position by position.
@@ -90,5 +104,9 @@ def is_blank(text: str) -> bool:
     """Whether nothing of `text` is left to score once it is normalised: no content character
     in `normalise_text(text)`, which is so exactly when `text` has none (see `_CONTENT`), so
     a text with content answers at its first content character instead of being normalised
-    whole (a batch may carry 16 MiB of text)."""
-    return _CONTENT.search(text) is None
+    whole (a batch may carry 16 MiB of text). Combining marks (category M) are no content:
+    looked at one by one, as a class of them would be hundreds of ranges, and a text with
+    content meets its first letter before long."""
+    return all(
+        unicodedata.category(found.group()).startswith("M") for found in _CONTENT.finditer(text)
+    )

@@ -30,7 +30,8 @@ MAX_DELAY_S = 7 * 24 * 3600
 # fail its task.
 BLANK_TEXT = (
     "text must contain something other than whitespace, control characters and invisible "
-    "format characters (such as U+200B)"
+    "characters (format characters such as U+200B, fillers such as U+3164, variation "
+    "selectors, combining marks alone)"
 )
 # The status of a task the status service no longer holds (finished, then expired).
 EXPIRED = "expired"

@@ -161,6 +161,8 @@ BAD_INPUTS = [
     pytest.param({"json": {"text": "\u0000\u0080 \t"}}, 422, id="controls-and-blanks-text"),
     # Invisible format characters alone (category Cf) say nothing: were accepted and scored.
     pytest.param({"json": {"text": "\u200b\u2060\ufeff"}}, 422, id="format-characters-text"),
+    # A variation selector, a Hangul filler, a blank Braille cell, accents alone (a walkthrough).
+    pytest.param({"json": {"text": "\ufe0f\u3164\u2800\u0301"}}, 422, id="invisible-text"),
     pytest.param({"json": {"text": "hi", "colour": "red"}}, 422, id="unknown-field"),
     pytest.param({"json": {"text": 42}}, 422, id="wrong-type"),
     pytest.param({"json": ["hi"]}, 422, id="not-an-object"),
@@ -277,7 +279,8 @@ async def test_a_text_of_only_blanks_and_control_characters_is_a_422_naming_the_
     errors = problem["errors"]
     assert isinstance(errors, list)
     assert [error["field"] for error in errors] == ["text"]
-    assert "other than whitespace, control characters and invisible format" in errors[0]["message"]
+    message = errors[0]["message"]
+    assert "other than whitespace, control characters and invisible characters" in message
     assert str(problem["detail"]).startswith("text: ")
     assert await _submission_count(stack) == before
     assert await queued_commands(stack.amqp_url) == []

@@ -24,9 +24,26 @@ from shared.text import FORMAT_CHARACTERS, OTHER_WHITESPACE, is_blank, normalise
 _BLANK_CHARACTER = re.compile(r"[\s\x00-\x1f\x7f-\x9f]")
 
 
+# Unicode 15.1's Default_Ignorable_Code_Point (DerivedCoreProperties.txt), written out as
+# the file lists it, and the blank Braille pattern.
+_DEFAULT_IGNORABLE = re.compile(
+    "[\u00ad\u034f\u061c\u115f-\u1160\u17b4-\u17b5\u180b-\u180f\u200b-\u200f"
+    "\u202a-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff0-\ufff8"
+    "\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0000-\U000e0fff]"
+)
+_BLANK_BRAILLE = "\u2800"
+
+
 def _no_content(character: str) -> bool:
-    """Whitespace, a control character or a format character (category Cf)."""
-    return bool(_BLANK_CHARACTER.fullmatch(character)) or unicodedata.category(character) == "Cf"
+    """Whitespace, a control character, a format character (category Cf), a default
+    ignorable one, the blank Braille pattern or a combining mark (category M)."""
+    category = unicodedata.category(character)
+    return (
+        bool(_BLANK_CHARACTER.fullmatch(character) or _DEFAULT_IGNORABLE.fullmatch(character))
+        or character == _BLANK_BRAILLE
+        or category == "Cf"
+        or category.startswith("M")
+    )
 
 
 TRICKY = [
@@ -98,7 +115,7 @@ def test_the_refusal_says_what_a_text_must_contain(
         model.model_validate({"text": "\x00\x80 \t"})
     (only,) = error.value.errors()
     assert only["loc"] == ("text",)
-    assert "other than whitespace, control characters and invisible format" in only["msg"]
+    assert "other than whitespace, control characters and invisible characters" in only["msg"]
 
 
 def test_is_blank_agrees_with_normalise_text_for_every_code_point() -> None:
@@ -193,3 +210,24 @@ _PIECES = (
 @given(st.lists(st.sampled_from(_PIECES), max_size=12).map("".join))
 def test_normalise_text_agrees_with_its_definition(text: str) -> None:
     assert normalise_text(text) == _normalised_step_by_step(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["\ufe0f", "\u3164", "\u2800", "\u0301\u0301", "\u115f\u1160", "\uffa0", "\U000e0100"],
+    ids=["selector", "filler", "braille", "marks", "jamo-fillers", "half-filler", "tag-selector"],
+)
+def test_a_text_of_invisible_characters_or_marks_alone_is_refused(text: str) -> None:
+    """A walkthrough had four such texts accepted and a model call billed for each."""
+    assert is_blank(text)
+    assert _refused_fields(ScoreSubmission, text) == [("text",)]
+    assert _refused_fields(BatchItem, text) == [("text",)]
+    assert not _scorer_accepts(text)
+
+
+@pytest.mark.parametrize(
+    "text", ["e\u0301", "\u1100\u1161", "\u2801", "\u0301a", "\u2764\ufe0f", "\u3164x"]
+)
+def test_such_characters_among_content_are_scored(text: str) -> None:
+    assert not is_blank(text)
+    assert _scorer_accepts(text)

@@ -33,7 +33,7 @@ def prepare_text(text: str, *, max_chars: int) -> PreparedText:
     normalised = normalise_text(text)
     if is_blank(normalised):
         raise InputRejected(
-            "the text has nothing but blanks, control characters and format characters"
+            "the text has nothing but blanks, control characters and invisible characters"
         )
     fitted, truncated = fit_to_budget(normalised, max_chars)
     flags: list[str] = []

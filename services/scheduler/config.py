@@ -133,7 +133,11 @@ def env_name(job: str) -> str:
 
 
 def _with_overrides(data: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
-    jobs = {name: dict(job) for name, job in dict(data.get("jobs", {})).items()}
+    """`data` with the jobs' settings from the environment. A `jobs` that is no table of
+    tables (`[[jobs]]`, `usage-rollup = "5 * * * *"` under `[jobs]`) is refused naming what
+    it must be: copied as tables, it stopped the start with a traceback naming neither
+    (found in review)."""
+    jobs = {name: dict(job) for name, job in _job_tables(data.get("jobs", {})).items()}
     for name, job in jobs.items():
         prefix = env_name(name)
         if spec := environ.get(prefix):
@@ -147,6 +151,25 @@ def _with_overrides(data: Mapping[str, Any], environ: Mapping[str, str]) -> dict
         if concurrency := environ.get(f"{prefix}_CONCURRENCY"):
             job["concurrency"] = concurrency.strip().lower()
     return {**data, "jobs": jobs}
+
+
+def _job_tables(given: object) -> Mapping[str, Mapping[str, Any]]:
+    shape = '[jobs.<name>] tables, each with cron = "..."'
+    if not isinstance(given, Mapping):
+        raise ConfigurationError(
+            f"invalid scheduler configuration: jobs must be {shape}, not {_toml_kind(given)}"
+        )
+    for name, job in given.items():
+        if not isinstance(job, Mapping):
+            raise ConfigurationError(
+                f"invalid scheduler configuration: jobs.{name} must be one of the {shape}, "
+                f"not {_toml_kind(job)}"
+            )
+    return given
+
+
+def _toml_kind(value: object) -> str:
+    return "an array" if isinstance(value, list) else f"a {type(value).__name__} value"
 
 
 def parse_config(data: Mapping[str, Any], environ: Mapping[str, str]) -> SchedulerConfig:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +105,28 @@ def test_a_refused_schedule_stops_the_scheduler_in_one_line(
     lines = _refused_at_start("scheduler", environment | setting)
     assert lines[-1].startswith("scheduler: cannot start: "), lines
     assert named in lines[-1]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "named"),
+    [
+        ('[jobs]\nusage-rollup = "5 * * * *"\n', "jobs.usage-rollup must be one of the"),
+        ('[[jobs]]\nname = "usage-rollup"\ncron = "5 * * * *"\n', "jobs must be"),
+        ('jobs = ["usage-rollup"]\n', "jobs must be"),
+    ],
+    ids=["job-as-a-value", "array-of-tables", "list"],
+)
+def test_jobs_written_in_another_shape_stop_the_scheduler_in_one_line(
+    schedule: str, named: str, tmp_path: Path
+) -> None:
+    """Copied as tables before the validation, each stopped the start with a traceback that
+    named neither the file nor the key, and exit status 1 (found in review)."""
+    path = tmp_path / "scheduler.toml"
+    path.write_text(schedule)
+    environment = {
+        name: value for name, value in os.environ.items() if not name.startswith("CRON_")
+    }
+    lines = _refused_at_start("scheduler", environment | {"SCHEDULER_CONFIG": str(path)})
+    assert lines[-1].startswith("scheduler: cannot start: "), lines
+    assert named in lines[-1]
+    assert '[jobs.<name>] tables, each with cron = "..."' in lines[-1]

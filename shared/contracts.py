@@ -405,7 +405,13 @@ class TaskView(BaseModel):
 
     task_id: str
     status: TaskStatus
-    attempts: int = Field(ge=0, le=MAX_INT64, description="Attempts started so far.")
+    attempts: int = Field(
+        ge=0,
+        le=MAX_INT64,
+        description="The attempt the task is at (1 for the first), not a count of model calls: "
+        "a call made again after its scorer died stays in its attempt, and a cancellation is "
+        "decided as the next attempt.",
+    )
     created_at: Instant
     updated_at: Instant
     result: ScoreResult | None = None

@@ -24,11 +24,13 @@ class SchedulerUnavailable(Unavailable):
 
 
 class UsageQueryRejected(GatewayError):
-    """The scheduler refused the query (422): a malformed date or an unusable range."""
+    """The scheduler refused the query (422): a malformed date or an unusable range. `errors`:
+    the fields it named (`field`, `message`), passed on to the client."""
 
-    def __init__(self, detail: str) -> None:
+    def __init__(self, detail: str, errors: list[dict[str, str]]) -> None:
         super().__init__(detail)
         self.detail = detail
+        self.errors = errors
 
 
 class _Model(BaseModel):
@@ -84,12 +86,26 @@ def make_scheduler_http(settings: GatewaySettings) -> httpx.AsyncClient:
     )
 
 
-def _problem_detail(response: httpx.Response) -> str:
+def _rejection(response: httpx.Response) -> UsageQueryRejected:
+    """The scheduler's 422 as the gateway passes it on: its detail, and the fields it named
+    (a 422 without `errors` answered the client unlike every other one; a walkthrough)."""
     try:
-        detail = response.json().get("detail")
-    except (ValueError, AttributeError):
-        detail = None
-    return detail if isinstance(detail, str) else "The usage query is not valid."
+        problem = response.json()
+    except ValueError:
+        problem = None
+    if not isinstance(problem, dict):
+        problem = {}
+    detail = problem.get("detail")
+    if not isinstance(detail, str):
+        detail = "The usage query is not valid."
+    errors = [
+        {"field": error["field"], "message": error["message"]}
+        for error in problem.get("errors") or []
+        if isinstance(error, dict)
+        and isinstance(error.get("field"), str)
+        and isinstance(error.get("message"), str)
+    ]
+    return UsageQueryRejected(detail, errors or [{"field": "query", "message": detail}])
 
 
 class SchedulerClient:
@@ -110,7 +126,7 @@ class SchedulerClient:
         except (httpx.HTTPError, httpx.InvalidURL) as error:
             raise SchedulerUnavailable(f"scheduler unreachable: {error!r}") from error
         if response.status_code == 422:
-            raise UsageQueryRejected(_problem_detail(response))
+            raise _rejection(response)
         if response.status_code != 200:
             log_if_internal_key_refused(response.status_code, "scheduler")
             raise SchedulerUnavailable(f"scheduler answered {response.status_code}")

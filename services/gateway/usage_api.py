@@ -20,7 +20,7 @@ from services.gateway.scheduler_client import (
     UsageQueryRejected,
     UsageReport,
 )
-from shared.http import Problem, parse_day, problem_responses
+from shared.http import Problem, invalid_query, parse_day, problem_responses
 
 Clock = Callable[[], datetime]
 DEFAULT_PERIOD_DAYS: Final = 30
@@ -65,9 +65,7 @@ def usage_period(first_day: str | None, last_day: str | None, *, today: date) ->
     try:
         first = last - timedelta(days=DEFAULT_PERIOD_DAYS)
     except OverflowError:
-        raise Problem(
-            422, f"`to` is too early: {last.isoformat()!r}.", kind="invalid-fields"
-        ) from None
+        raise invalid_query("to", f"`to` is too early: {last.isoformat()!r}") from None
     return first.isoformat(), last.isoformat()
 
 
@@ -128,7 +126,7 @@ def usage_routes(scheduler: SchedulerClient, authenticated: Any, *, clock: Clock
         try:
             return await scheduler.usage(caller.tenant_id, first_day=first, last_day=last)
         except UsageQueryRejected as error:
-            raise Problem(422, error.detail, kind="invalid-fields") from error
+            raise Problem(422, error.detail, kind="invalid-fields", errors=error.errors) from error
         except SchedulerUnavailable as error:
             raise Problem(
                 503,

@@ -79,6 +79,7 @@ from shared.http import (
     Problem,
     admin_guard,
     internal_guard,
+    invalid_query,
     parse_day,
     problem,
     problem_responses,
@@ -613,13 +614,9 @@ def usage_range(first: str, last: str) -> tuple[date, date]:
     """The inclusive day range of a usage query; raises a 422 `Problem` when it is unusable."""
     first_day, last_day = parse_day(first, "from"), parse_day(last, "to")
     if last_day < first_day:
-        raise Problem(422, "`to` must not be before `from`.", kind="invalid-fields")
+        raise invalid_query("to", "must not be before `from`")
     if last_day - first_day >= timedelta(days=MAX_USAGE_RANGE_DAYS):
-        raise Problem(
-            422,
-            f"A usage query spans at most {MAX_USAGE_RANGE_DAYS} days.",
-            kind="invalid-fields",
-        )
+        raise invalid_query("to", f"a usage query spans at most {MAX_USAGE_RANGE_DAYS} days")
     return first_day, last_day
 
 

@@ -235,7 +235,7 @@ async def test_the_period_defaults_to_the_30_days_up_to_today(stack: Stack) -> N
     ("params", "detail"),
     [
         ({"from": "soon", "to": "2030-01-10"}, "`from` must be a date as YYYY-MM-DD"),
-        ({"from": "2030-01-10", "to": "2030-01-01"}, "`to` must not be before `from`"),
+        ({"from": "2030-01-10", "to": "2030-01-01"}, "query.to: must not be before `from`"),
         ({"from": "2029-01-01", "to": "2030-06-01"}, "at most 366 days"),
         ({"to": "tomorrow"}, "`to` must be a date as YYYY-MM-DD"),
         ({"to": "0001-01-02"}, "`to` is too early"),
@@ -251,7 +251,11 @@ async def test_bad_dates_are_422_with_the_reason(
     response = await stack.usage(**params)
     assert response.status_code == 422, response.text
     assert response.headers["content-type"].startswith(PROBLEM_JSON)
-    assert detail in response.json()["detail"]
+    problem = response.json()
+    assert detail in problem["detail"]
+    # Named as every 422 names its fields (those the scheduler refused had no `errors`).
+    assert problem["errors"]
+    assert all(error["field"] in ("query.from", "query.to") for error in problem["errors"])
 
 
 async def test_both_dates_malformed_are_named_in_one_422(stack: Stack) -> None:

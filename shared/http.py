@@ -15,6 +15,7 @@ from datetime import UTC, date, datetime
 from email.utils import parsedate_to_datetime
 from http import HTTPStatus
 from typing import Any, Literal
+from urllib.parse import quote
 
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -73,6 +74,20 @@ class Problem(Exception):
         self.kind = kind or _TITLES.get(status, "error").lower().replace(" ", "-")
         self.headers = dict(headers or {})
         self.extensions = extensions
+
+
+# An `instance` longer than this is left out: a path of thousands of characters echoed whole.
+MAX_INSTANCE_CHARS = 2_048
+
+
+def problem_instance(scope: Mapping[str, Any]) -> str | None:
+    """The problem's `instance`: the request's path as it was sent, percent-encoded (a URI
+    reference, as RFC 9457 has it), None when over `MAX_INSTANCE_CHARS`. The decoded path
+    echoed a NUL or a right-to-left override as the characters themselves, and a 5,000-
+    character id whole (a walkthrough)."""
+    raw = scope.get("raw_path")
+    path = raw.decode("latin-1") if isinstance(raw, bytes) else quote(str(scope.get("path", "")))
+    return path if len(path) <= MAX_INSTANCE_CHARS else None
 
 
 def problem_response(problem: Problem, instance: str | None = None) -> JSONResponse:
@@ -215,39 +230,41 @@ def install_problem_handlers(app: FastAPI) -> None:
 
     async def on_problem(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, Problem)
-        return problem_response(exc, request.url.path)
+        return problem_response(exc, problem_instance(request.scope))
 
     async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         detail, errors = _describe(list(exc.errors()))
         problem = Problem(422, detail, kind="invalid-fields", errors=errors)
-        return problem_response(problem, request.url.path)
+        return problem_response(problem, problem_instance(request.scope))
 
     async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         headers = _allowed(request, exc.headers)
         detail = _routing_detail(request, exc.status_code, exc.detail, headers)
         problem = Problem(exc.status_code, detail or str(exc.detail), headers=headers)
-        return problem_response(problem, request.url.path)
+        return problem_response(problem, problem_instance(request.scope))
 
     async def on_client_gone(request: Request, exc: Exception) -> JSONResponse:
         # The client hung up before its body was read (it timed out waiting): nothing was
         # done, and nobody will read an answer.
         log.info("client disconnected before %s %s was read", request.method, request.url.path)
         problem = Problem(400, "The client disconnected before its request was read.")
-        return problem_response(problem, request.url.path)
+        return problem_response(problem, problem_instance(request.scope))
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         problem = Problem(500, "An unexpected error occurred; it has been logged.")
-        return problem_response(problem, request.url.path)
+        return problem_response(problem, problem_instance(request.scope))
 
     async def on_database_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, PyMongoError)
         if not transient_database_error(exc):
-            return problem_response(database_refused(exc), request.url.path)
+            return problem_response(database_refused(exc), problem_instance(request.scope))
         log.warning("database unavailable on %s %s: %r", request.method, request.url.path, exc)
-        return problem_response(database_unavailable(request.method), request.url.path)
+        return problem_response(
+            database_unavailable(request.method), problem_instance(request.scope)
+        )
 
     app.add_exception_handler(Problem, on_problem)
     app.add_exception_handler(RequestValidationError, on_validation)
@@ -687,7 +704,7 @@ def parse_day(value: str, name: str) -> date:
             return date.fromisoformat(value)
         except ValueError:  # 2025-02-30
             pass
-    message = f"must be a date as YYYY-MM-DD, not {_quoted(value)}"
+    message = f"must be a date as YYYY-MM-DD, not {quoted(value)}"
     raise Problem(
         422,
         f"`{name}` {message}.",
@@ -696,7 +713,8 @@ def parse_day(value: str, name: str) -> date:
     )
 
 
-def _quoted(value: str) -> str:
+def quoted(value: str) -> str:
+    """`value` as a detail quotes it: its repr, cut after `_QUOTED_CHARS` characters."""
     if len(value) <= _QUOTED_CHARS:
         return repr(value)
     return f"{value[:_QUOTED_CHARS]!r}… ({len(value):,} characters)"

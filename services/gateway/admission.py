@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from shared.http import Problem, problem_response
+from shared.http import Problem, problem_instance, problem_response
 from shared.log_rate import Tally
 
 BACKOFF = 0.8
@@ -133,7 +133,7 @@ class SubmissionAdmission:
             if started:
                 raise
             # The application had no handler for it (the gateway's answers it as problem+json).
-            await problem_response(refused, scope["path"])(scope, receive, send)
+            await problem_response(refused, problem_instance(scope))(scope, receive, send)
         finally:
             if taken_at is not None:
                 self.limit.release(self.clock() - taken_at)

@@ -53,6 +53,7 @@ from shared.http import (
     database_refused,
     problem,
     problem_responses,
+    quoted,
 )
 
 # `\Z`, not `$`: `$` also matches before a trailing newline.
@@ -350,7 +351,7 @@ def score_routes(
         else:
             view = await _read(task_id, caller, deps)
         if view is None:
-            raise Problem(404, f"No task {task_id!r} is known (or it has expired).")
+            raise Problem(404, f"No task {quoted(task_id)} is known (or it has expired).")
         return _view_json(view)
 
     return router

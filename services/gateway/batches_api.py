@@ -46,6 +46,7 @@ from shared.contracts import Instant, ScoreResult, TaskFailure
 from shared.http import (
     Problem,
     problem_responses,
+    quoted,
     validation_message,
 )
 
@@ -61,7 +62,7 @@ def batch_url(batch_id: str) -> str:
 
 def unknown_batch(batch_id: str) -> Problem:
     """404: no such batch of the caller's (never revealing another tenant's)."""
-    return Problem(404, f"No batch {batch_id!r} is known (or it has expired).")
+    return Problem(404, f"No batch {quoted(batch_id)} is known (or it has expired).")
 
 
 class AcceptedItem(BaseModel):

@@ -22,7 +22,7 @@ from services.gateway.cancels import (
 from services.gateway.errors import BrokerUnavailable, Unavailable
 from services.gateway.schemas import BatchCancelRequested, CancelRequested
 from shared.bodies import refuse_a_body
-from shared.http import Problem, problem, problem_responses
+from shared.http import Problem, problem, problem_responses, quoted
 
 UNAVAILABLE = "The database or the broker is unavailable."
 # The broker did not confirm the cancel's publish: it may be queued all the same.
@@ -157,4 +157,4 @@ def _unconfirmed(error: BrokerUnavailable, unconfirmed: str = UNCONFIRMED) -> Pr
 
 
 def _unknown(task_id: str) -> Problem:
-    return Problem(404, f"No task {task_id!r} is known (or it has expired).")
+    return Problem(404, f"No task {quoted(task_id)} is known (or it has expired).")

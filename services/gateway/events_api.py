@@ -52,7 +52,7 @@ from services.gateway.push import (
     read_history,
 )
 from shared.contracts import StateChange, TaskEvent, TaskHistory
-from shared.http import Problem, problem_responses
+from shared.http import Problem, problem_responses, quoted
 
 EVENT_STREAM = "text/event-stream"
 # A stream re-reads the history this often even without a live event (a lost live event
@@ -141,7 +141,7 @@ def event_routes(
     ) -> Response:
         after = _after(last_event_id if last_event_id is not None else last_event_id_query)
         if not TASK_ID.match(task_id):
-            raise Problem(404, f"No task {task_id!r} is known (or it has expired).")
+            raise Problem(404, f"No task {quoted(task_id)} is known (or it has expired).")
 
         async def read(since: int) -> TaskHistory | None:
             return await read_history(
@@ -177,7 +177,7 @@ def event_routes(
             raise
         if first is None:
             live.close(waiter)
-            raise Problem(404, f"No task {task_id!r} is known (or it has expired).")
+            raise Problem(404, f"No task {quoted(task_id)} is known (or it has expired).")
         if after > first.sequence:  # no event of the task has that id: nothing would match
             live.close(waiter)
             raise Problem(

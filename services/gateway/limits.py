@@ -79,7 +79,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.counters import BoundedCounters, GuardedReleases
 from services.gateway.errors import DatabaseUnavailable, GatewayError
-from shared.http import Problem, problem_response
+from shared.http import Problem, problem_instance, problem_response
 
 log = logging.getLogger("scorebox.gateway.limits")
 
@@ -316,7 +316,7 @@ def install_body_timeout(app: FastAPI, timeout_s: float) -> None:
 
     async def on_body_timeout(request: Request, error: Exception) -> Response:
         assert isinstance(error, BodyTimeout)
-        return problem_response(_timeout_problem(error), request.url.path)
+        return problem_response(_timeout_problem(error), problem_instance(request.scope))
 
     app.add_middleware(RequestBodyTimeout, timeout_s=timeout_s)
     app.add_exception_handler(BodyTimeout, on_body_timeout)

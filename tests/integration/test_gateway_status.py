@@ -371,6 +371,21 @@ async def test_unknown_task_is_404(stack: Stack) -> None:
     _assert_problem(await stack.api.get("/v1/scores/not%20an%20id"), 404)
 
 
+@pytest.mark.parametrize("route", ["/v1/scores/{}", "/v1/scores/{}/events", "/v1/batches/{}"])
+async def test_a_404_names_an_id_as_sent_without_echoing_it_raw(stack: Stack, route: str) -> None:
+    """The instance is the path as sent, percent-encoded, and a long id is cut in the detail:
+    a NUL and a right-to-left override came back as the characters, and a 5,000-character
+    id whole, twice (a walkthrough)."""
+    path = route.format("%E2%80%AE%00x")
+    body = _assert_problem(await stack.api.get(path), 404)
+    assert body["instance"] == path
+
+    long = _assert_problem(await stack.api.get(route.format("a" * 5_000)), 404)
+    assert "(5,000 characters)" in str(long["detail"])
+    assert len(str(long["detail"])) < 200
+    assert "instance" not in long
+
+
 @pytest.mark.parametrize(
     "query",
     [

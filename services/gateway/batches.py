@@ -59,7 +59,7 @@ from services.gateway.errors import (
 )
 from services.gateway.limits import LimitExceeded
 from services.gateway.refusals import Refusal, Refusals, may_have_been_written, release_slots
-from services.gateway.schemas import BLANK_TEXT, EXPIRED, ModelName, checked_metadata
+from services.gateway.schemas import BLANK_TEXT, EXPIRED, ModelName, Rubric, checked_metadata
 from services.gateway.submissions import (
     BATCH_WRITE_CHUNK,
     TOMBSTONE_TTL,
@@ -116,7 +116,7 @@ class BatchItem(BaseModel):
         max_length=200,
         description="Your own id for the item, unique within the batch; echoed in the results.",
     )
-    rubric: str | None = Field(default=None, max_length=4_000, description="Batch's if unset.")
+    rubric: Rubric = Field(default=None, description="Batch's if unset or blank.")
     model: ModelName | None = Field(default=None, description="Batch's if unset.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Kept with the task.")
 
@@ -155,7 +155,7 @@ class BatchSubmission(BaseModel):
     )
 
     items: list[BatchItem] = Field(min_length=1, max_length=MAX_BATCH_ITEMS)
-    rubric: str | None = Field(default=None, max_length=4_000, description="Default of items.")
+    rubric: Rubric = Field(default=None, description="Default of items.")
     model: ModelName | None = Field(default=None, description="Default of items.")
 
     def duplicate_client_id(self) -> tuple[int, str] | None:

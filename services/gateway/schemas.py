@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import (
+    AfterValidator,
     AwareDatetime,
     BaseModel,
     ConfigDict,
@@ -44,6 +45,15 @@ ModelName = Annotated[
         strip_whitespace=True, min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$"
     ),
 ]
+
+
+def _none_if_blank(rubric: str | None) -> str | None:
+    return rubric if rubric is None or rubric.strip() else None
+
+
+# A blank rubric names none (the scorer applies its default), and reads so: kept as sent, the
+# task showed `"   "` for a rubric (a walkthrough), and its cache key differed from none's.
+Rubric = Annotated[str | None, Field(max_length=4_000), AfterValidator(_none_if_blank)]
 
 
 def checked_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
@@ -111,7 +121,7 @@ class ScoreSubmission(BaseModel):
         description="The text to score: more than whitespace and control characters (see "
         "MAX_TEXT_CHARS)."
     )
-    rubric: str | None = Field(default=None, max_length=4_000)
+    rubric: Rubric = None
     model: ModelName | None = None
     metadata: dict[str, Any] = Field(default_factory=dict, description="Kept with the task.")
     # Strict: JSON `true` was read as a one-second delay and "30" as 30.

@@ -430,6 +430,26 @@ async def test_accepted_submission_is_queued_and_readable_at_once(stack: Stack) 
     await eventually(projected, what="task.accepted applied by the status projection")
 
 
+async def test_a_blank_rubric_is_sent_and_read_as_none(stack: Stack) -> None:
+    """The scorer applies its default to a blank rubric; the task showed `"   "` for it, and
+    its cache key differed from none's (a walkthrough)."""
+    await queued_commands(stack.amqp_url)
+    body = {"text": "A text with a blank rubric.", "rubric": " \t ", "metadata": {"ref": "b"}}
+    response = await stack.api.post("/v1/scores", json=body)
+    assert response.status_code == 202, response.text
+    status_url = response.json()["status_url"]
+
+    (command,) = await queued_commands(stack.amqp_url)
+    assert command.rubric is None
+
+    async def projected() -> dict[str, object] | None:
+        view = (await stack.api.get(status_url)).json()
+        return view if view["metadata"] == {"ref": "b"} else None
+
+    view = await eventually(projected, what="task.accepted applied by the status projection")
+    assert view["rubric"] is None
+
+
 async def test_idempotency_key_returns_the_same_task_or_409(stack: Stack) -> None:
     key = uuid.uuid4().hex
     first = await stack.api.post(

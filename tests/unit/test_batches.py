@@ -585,3 +585,13 @@ def test_a_model_name_is_taken_without_surrounding_blanks() -> None:
     payload = {"items": [{"text": "a", "model": " m "}], "model": " d"}
     batch = BatchSubmission.model_validate(payload)
     assert (batch.items[0].model, batch.model) == ("m", "d")
+
+
+def test_a_blank_rubric_names_none_wherever_it_is_given() -> None:
+    """Kept as sent, a task showed `"   "` for a rubric its scorer read as none."""
+    single = ScoreSubmission.model_validate({"text": "hi", "rubric": "   "})
+    batch = BatchSubmission.model_validate(
+        {"rubric": "\n", "items": [{"text": "a", "rubric": " "}, {"text": "b", "rubric": "r"}]}
+    )
+    assert single.rubric is None
+    assert (batch.rubric, batch.items[0].rubric, batch.items[1].rubric) == (None, None, "r")

@@ -32,7 +32,12 @@ from services.gateway.errors import (
 from services.gateway.limits import InFlight, LimitExceeded, limit_problem
 from services.gateway.push import LiveUpdates, WaiterLimitReached, read_when_changed
 from services.gateway.refusals import Refusals
-from services.gateway.schemas import EXPIRED, ScoreSubmission, SubmissionAccepted
+from services.gateway.schemas import (
+    ALLOWED_MODELS_CONTEXT,
+    EXPIRED,
+    ScoreSubmission,
+    SubmissionAccepted,
+)
 from services.gateway.settings import GatewaySettings
 from services.gateway.submissions import Submissions
 from services.gateway.submit import (
@@ -114,7 +119,9 @@ async def parse_submission(request: Request, settings: GatewaySettings) -> Score
             kind="text-too-long",
         )
     try:
-        return ScoreSubmission.model_validate(payload)
+        return ScoreSubmission.model_validate(
+            payload, context={ALLOWED_MODELS_CONTEXT: settings.allowed_models}
+        )
     except ValidationError as error:
         raise invalid_fields(error) from error
 

@@ -39,7 +39,7 @@ from services.gateway.errors import (
     Unavailable,
 )
 from services.gateway.limits import LimitExceeded, limit_problem
-from services.gateway.schemas import EXPIRED
+from services.gateway.schemas import ALLOWED_MODELS_CONTEXT, EXPIRED
 from services.gateway.settings import GatewaySettings
 from shared.bodies import read_json_object
 from shared.contracts import Instant, ScoreResult, TaskFailure
@@ -213,9 +213,11 @@ async def parse_batch(request: Request, settings: GatewaySettings) -> BatchSubmi
         )
     _refuse_long_texts(items, settings.max_text_chars)
     try:
-        batch = BatchSubmission.model_validate(
-            payload, context={MAX_TEXT_CHARS_CONTEXT: settings.max_text_chars}
-        )
+        context = {
+            MAX_TEXT_CHARS_CONTEXT: settings.max_text_chars,
+            ALLOWED_MODELS_CONTEXT: settings.allowed_models,
+        }
+        batch = BatchSubmission.model_validate(payload, context=context)
     except ValidationError as error:
         errors = [
             {"field": _field(tuple(e["loc"])), "message": validation_message(e)}

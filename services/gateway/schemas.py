@@ -15,6 +15,7 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StringConstraints,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -39,11 +40,27 @@ EXPIRED = "expired"
 # A model's name as the provider takes it: surrounding blanks dropped, something left, no
 # control character. A blank name, or one holding a NUL, was accepted (202) and sent to the
 # provider as it stood, a model no provider has, and the task could only fail.
+# The validation context's models a submission may name (`LLM_ALLOWED_MODELS` and `LLM_MODEL`;
+# absent: any).
+ALLOWED_MODELS_CONTEXT = "allowed_models"
+
+
+def _offered(model: str, info: ValidationInfo) -> str:
+    """`model` when the gateway offers it: any, unless `LLM_ALLOWED_MODELS` lists them. A
+    name the provider does not serve was accepted and failed on its call, or, on the offline
+    scorer, scored and billed as unpriced (`../../etc`, a walkthrough)."""
+    allowed = (info.context or {}).get(ALLOWED_MODELS_CONTEXT)
+    if allowed and model not in allowed:
+        raise ValueError(f"model {model!r} is not offered; choose one of {', '.join(allowed)}")
+    return model
+
+
 ModelName = Annotated[
     str,
     StringConstraints(
         strip_whitespace=True, min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$"
     ),
+    AfterValidator(_offered),
 ]
 
 

@@ -47,6 +47,8 @@ class GatewaySettings(InternalApiSettings):
     # LLM_PROVIDER (or LLM_MODEL) served the old scorer's results for `RESULT_CACHE_TTL_S`.
     llm_provider: str = Field(default="heuristic", validation_alias="LLM_PROVIDER")
     llm_model: str = Field(default=DEFAULT_LLM_MODEL, validation_alias="LLM_MODEL")
+    # The models a submission may name, comma-separated, besides `LLM_MODEL` (empty: any).
+    llm_allowed_models: str = Field(default="", validation_alias="LLM_ALLOWED_MODELS")
 
     @field_validator("rubric_version")
     @classmethod
@@ -208,6 +210,14 @@ class GatewaySettings(InternalApiSettings):
     @classmethod
     def _service_url(cls, url: str) -> str:
         return http_url(url)
+
+    @property
+    def allowed_models(self) -> tuple[str, ...]:
+        """The models a submission may name, sorted; empty when any may be named."""
+        listed = {name.strip() for name in self.llm_allowed_models.split(",") if name.strip()}
+        if not listed:
+            return ()
+        return tuple(sorted(listed | {self.llm_model.strip() or DEFAULT_LLM_MODEL}))
 
     @property
     def default_model(self) -> str:

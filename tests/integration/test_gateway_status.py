@@ -69,6 +69,8 @@ async def stack(amqp_url: str, mongo: object, db_prefix: str) -> AsyncIterator[S
         "INTERNAL_API_KEY": INTERNAL_KEY,  # the gateway's reads of the status service carry it
         "MAX_TEXT_CHARS": str(MAX_TEXT),  # the gateway's (the status service reads neither)
         "BOOTSTRAP_API_KEY": API_KEY,
+        "LLM_MODEL": "judge-a",
+        "LLM_ALLOWED_MODELS": "judge-b, judge-c",
     }
     clock = MovableClock()
     async with gateway_and_status(env, api_key=API_KEY, clock=clock) as services:
@@ -448,6 +450,42 @@ async def test_a_blank_rubric_is_sent_and_read_as_none(stack: Stack) -> None:
 
     view = await eventually(projected, what="task.accepted applied by the status projection")
     assert view["rubric"] is None
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "field"),
+    [
+        ("/v1/scores", {"text": "hi", "model": "../../etc"}, "model"),
+        ("/v1/batches", {"model": "judge-z", "items": [{"text": "hi"}]}, "model"),
+        ("/v1/batches", {"items": [{"text": "a"}, {"text": "b", "model": "x"}]}, "items[1].model"),
+    ],
+    ids=["single", "batch", "item"],
+)
+async def test_a_model_not_offered_is_a_422_naming_it_and_keeps_nothing(
+    stack: Stack, route: str, body: dict[str, object], field: str
+) -> None:
+    """With `LLM_ALLOWED_MODELS` set, any other name was accepted, then failed at the
+    provider, or scored by the offline scorer and billed as unpriced (a walkthrough)."""
+    await queued_commands(stack.amqp_url)
+    before = await _submission_count(stack)
+
+    problem = _assert_problem(await stack.api.post(route, json=body), 422)
+
+    errors = problem["errors"]
+    assert isinstance(errors, list)
+    assert [error["field"] for error in errors] == [field]
+    assert "choose one of judge-a, judge-b, judge-c" in errors[0]["message"]
+    assert await _submission_count(stack) == before
+    assert await queued_commands(stack.amqp_url) == []
+
+
+@pytest.mark.parametrize("model", ["judge-a", " judge-c "])
+async def test_a_model_offered_is_accepted(stack: Stack, model: str) -> None:
+    await queued_commands(stack.amqp_url)
+    response = await stack.api.post("/v1/scores", json={"text": "Offered.", "model": model})
+    assert response.status_code == 202, response.text
+    (command,) = await queued_commands(stack.amqp_url)
+    assert command.model == model.strip()
 
 
 async def test_idempotency_key_returns_the_same_task_or_409(stack: Stack) -> None:

@@ -4,6 +4,7 @@
     scorebox status TASK_ID                        show a task
     scorebox cancel TASK_ID                        cancel a task not started yet
     scorebox cancel-batch BATCH_ID                 cancel a batch's items not started yet
+    scorebox batches [--limit N] [--cursor C]      your tenant's batches, newest first
     scorebox dlq list | show ID | replay [ID...|--all] | drop ID... | purge   (drop and
                                                    purge: [--before LISTED_AT])
     scorebox keys create --tenant T [--name N] [--expires-in-days D]
@@ -642,6 +643,23 @@ def batch_status(
         if response.status_code != 200:
             raise _fail(response)
         _show(_answer(response, "batch_id", "counts"))
+
+
+@app.command("batches")
+def list_batches(
+    limit: Annotated[int, typer.Option(min=1, max=100, help="Batches per page.")] = 20,
+    cursor: Annotated[str | None, typer.Option(help="The next_cursor of the page before.")] = None,
+) -> None:
+    """List your tenant's batches, newest first, a page at a time: each with its id, creation
+    time, item count and status URL (finds a batch whose answer was lost)."""
+    params: dict[str, Any] = {"limit": limit}
+    if cursor is not None:
+        params["cursor"] = cursor
+    with _reaching(_client()) as client:
+        response = client.get("/v1/batches", params=params)
+        if response.status_code != 200:
+            raise _fail(response)
+        _show(_answer(response, "items", "next_cursor"))
 
 
 def _admin_call(

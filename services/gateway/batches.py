@@ -44,7 +44,7 @@ from datetime import datetime, timedelta
 from typing import Any, Final, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
-from pymongo import ASCENDING, AsyncMongoClient
+from pymongo import ASCENDING, DESCENDING, AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
@@ -94,6 +94,10 @@ HOLD_CHECK_AT: Final = "hold_check_at"
 # of its request deletes or tombstones it any more.
 SWEPT: Final = "swept"
 HOLD_LEAD: Final = timedelta(hours=1)
+# The index `GET /v1/batches` reads a tenant's batches from, newest first; `_id` breaks ties
+# of a millisecond, so that a page ends at one batch and the next starts right after it.
+NEWEST_BATCHES: Final = "batches_by_tenant_newest"
+NEWEST_FIRST: Final = {"created_at": DESCENDING, "_id": DESCENDING}
 
 MAX_TEXT_CHARS_CONTEXT = "max_text_chars"
 
@@ -222,6 +226,9 @@ class Batches:
         await self._collection.create_index([("expires_at", ASCENDING)], expireAfterSeconds=0)
         await self._collection.create_index(
             [(HOLD_CHECK_AT, ASCENDING)], sparse=True, name="batch_hold_check"
+        )
+        await self._collection.create_index(
+            [("tenant_id", ASCENDING), *NEWEST_FIRST.items()], name=NEWEST_BATCHES
         )
 
     async def insert(
@@ -398,6 +405,27 @@ class Batches:
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 
+    async def newest(
+        self, tenant_id: str, *, now: datetime, after: ListPosition | None, limit: int
+    ) -> list[ListedBatch]:
+        """Up to `limit` of a tenant's batches, newest first, past `after` (the last one a
+        page listed): one read on `batches_by_tenant_newest`, each batch's item count taken
+        by the database (a batch holds up to 1,000 members, none of which is sent here)."""
+        pipeline: list[Document] = [
+            {"$match": newest_batches_query(tenant_id, now=now, after=after)},
+            {"$sort": NEWEST_FIRST},
+            {"$limit": limit},
+            {"$project": {"created_at": 1, "total": {"$size": "$members"}}},
+        ]
+        try:
+            cursor = await self._collection.aggregate(pipeline)
+            return [
+                ListedBatch(document["_id"], document["created_at"], document["total"])
+                async for document in cursor
+            ]
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
     async def find(self, batch_id: str, *, tenant_id: str) -> BatchRecord | None:
         return await self._find_one({"_id": batch_id, "tenant_id": tenant_id})
 
@@ -422,6 +450,42 @@ class Batches:
                 for member in document["members"]
             ),
         )
+
+
+@dataclass(frozen=True)
+class ListPosition:
+    """Where a page of a tenant's batches ended: its last batch's creation time and id."""
+
+    created_at: datetime
+    batch_id: str
+
+
+@dataclass(frozen=True)
+class ListedBatch:
+    batch_id: str
+    created_at: datetime
+    total: int  # its items
+
+    @property
+    def position(self) -> ListPosition:
+        return ListPosition(self.created_at, self.batch_id)
+
+
+def newest_batches_query(tenant_id: str, *, now: datetime, after: ListPosition | None) -> Document:
+    """The batches of a tenant a listing shows, past `after` in its order (`NEWEST_FIRST`):
+    tombstones and batches past their expiry (which the TTL monitor may not have removed
+    yet) left out; a batch still being accepted is in."""
+    query: Document = {
+        "tenant_id": tenant_id,
+        "state": {"$ne": BatchState.ABANDONED},
+        "expires_at": {"$gt": now},
+    }
+    if after is not None:
+        query["$or"] = [
+            {"created_at": {"$lt": after.created_at}},
+            {"created_at": after.created_at, "_id": {"$lt": after.batch_id}},
+        ]
+    return query
 
 
 def _record_of(document: Document, *, members: tuple[BatchMember, ...]) -> BatchRecord:

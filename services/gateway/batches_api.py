@@ -1,11 +1,14 @@
-"""The batch routes (`POST /v1/batches`, `GET /v1/batches/{batch_id}`): thin adapters from HTTP
-to `services.gateway.batches`, with the same body checks as single submissions (415, 413, 400,
-422 — an invalid item names its index, and nothing of the batch is kept)."""
+"""The batch routes (`POST /v1/batches`, `GET /v1/batches`, `GET /v1/batches/{batch_id}`): thin
+adapters from HTTP to `services.gateway.batches`, with the same body checks as single
+submissions (415, 413, 400, 422 — an invalid item names its index, and nothing of the batch is
+kept)."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import re
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from fastapi import APIRouter, Header, Query, Request
@@ -30,6 +33,8 @@ from services.gateway.batches import (
     BatchPublisher,
     BatchStatusReader,
     BatchSubmission,
+    ListedBatch,
+    ListPosition,
     read_batch,
     submit_batch,
 )
@@ -45,6 +50,7 @@ from shared.bodies import read_json_object
 from shared.contracts import Instant, ScoreResult, TaskFailure
 from shared.http import (
     Problem,
+    invalid_query,
     problem_responses,
     quoted,
     validation_message,
@@ -54,6 +60,13 @@ BATCH_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 # ASCII digits: `\d` takes any script's (U+0661, ARABIC-INDIC DIGIT ONE), which `int` reads.
 CURSOR = re.compile(r"^[0-9]{1,7}\Z")
 DEFAULT_PAGE = 100
+DEFAULT_LISTED, MAX_LISTED = 20, 100
+# A listing's cursor, base64url of "<created_at in ms>:<batch id>:<tenant tag>". 14 digits of
+# milliseconds reach the year 5138; more could pass `datetime`'s year 9999 (a 500).
+LIST_CURSOR = re.compile(r"^[A-Za-z0-9_-]{1,200}\Z")
+LIST_POSITION = re.compile(r"^([0-9]{1,14}):([A-Za-z0-9_-]{1,64}):([0-9a-f]{16})\Z")
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+MILLISECOND = timedelta(milliseconds=1)
 
 
 def batch_url(batch_id: str) -> str:
@@ -169,6 +182,94 @@ class BatchView(BaseModel):
     items: list[BatchItemView]
     next_cursor: str | None = Field(
         default=None, description="Pass as `cursor` for the next page; null on the last page."
+    )
+
+
+class ListedBatchView(BaseModel):
+    batch_id: str
+    created_at: Instant
+    total: int = Field(description="Items in the batch.")
+    status_url: str = Field(description="The batch's progress (`GET /v1/batches/{batch_id}`).")
+
+
+class BatchList(BaseModel):
+    """A page of the tenant's batches, newest first."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "count": 1,
+                    "items": [
+                        {
+                            "batch_id": "0b7f3c1e9d2a4b6f8e1d3c5a7b9f0e2d",
+                            "created_at": "2030-05-17T12:00:00.125000Z",
+                            "total": 2,
+                            "status_url": "/v1/batches/0b7f3c1e9d2a4b6f8e1d3c5a7b9f0e2d",
+                        }
+                    ],
+                    "next_cursor": "MTkwNTI0OTYwMDEyNTowYjdmM2MxZTlkMmE0YjZmOGUxZDNjNWE3Yjl"
+                    "mMGUyZDo4MjJiMzNhZDg3YzE0OGEw",
+                }
+            ]
+        }
+    )
+
+    count: int
+    items: list[ListedBatchView]
+    next_cursor: str | None = Field(
+        default=None, description="Pass as `cursor` for the next page; null on the last page."
+    )
+
+
+def _tenant_tag(tenant_id: str) -> str:
+    """What a listing's cursor carries of its tenant: another tenant's cursor is refused
+    (422) rather than taken as a position in this tenant's listing."""
+    return hashlib.sha256(tenant_id.encode()).hexdigest()[:16]
+
+
+def list_cursor(position: ListPosition, tenant_id: str) -> str:
+    millis = (position.created_at - EPOCH) // MILLISECOND
+    raw = f"{millis}:{position.batch_id}:{_tenant_tag(tenant_id)}"
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def listing_position(cursor: str, tenant_id: str) -> ListPosition:
+    """The position a listing's `next_cursor` names; a 422 naming `cursor` when it is none,
+    or another tenant's."""
+    found = LIST_POSITION.match(_decoded(cursor)) if LIST_CURSOR.match(cursor) else None
+    if found is None:
+        raise invalid_query("cursor", "is not a `next_cursor` of this listing")
+    millis, batch_id, tag = found.groups()
+    if tag != _tenant_tag(tenant_id):
+        raise invalid_query("cursor", "is the `next_cursor` of another tenant's listing")
+    return ListPosition(EPOCH + int(millis) * MILLISECOND, batch_id)
+
+
+def _decoded(cursor: str) -> str:
+    try:
+        return base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode("ascii")
+    except ValueError:  # binascii.Error, UnicodeDecodeError
+        return ""
+
+
+def _list_view(listed: list[ListedBatch], limit: int, tenant_id: str) -> BatchList:
+    """A page of `limit` batches out of `listed` (`limit + 1` read: one more says there is a
+    next page)."""
+    page = listed[:limit]
+    more = len(listed) > limit
+    return BatchList(
+        count=len(page),
+        items=[
+            ListedBatchView(
+                batch_id=batch.batch_id,
+                created_at=batch.created_at,
+                total=batch.total,
+                status_url=batch_url(batch.batch_id),
+            )
+            for batch in page
+        ],
+        next_cursor=list_cursor(page[-1].position, tenant_id) if more else None,
     )
 
 
@@ -363,6 +464,36 @@ def batch_routes(
             status_code=202 if submitted.created else 200,
             headers={"Location": batch_url(record.batch_id)},
         )
+
+    @router.get(
+        "/batches",
+        response_model=BatchList,
+        summary="Your tenant's batches, newest first",
+        description="Each batch with its creation time, item count and `status_url`, "
+        "`limit` per page; follow `next_cursor` until it is null to see every batch exactly "
+        "once. Finds a batch whose 202 was lost (no `batch_id` came back). A batch whose "
+        "request is still being accepted is listed like any other (its `status_url` tells "
+        "its items' progress); should that request be refused after all (429, 503: nothing "
+        "kept) it leaves the listing. Expired batches are not listed. A `cursor` that is not "
+        "a `next_cursor` of this listing (or is another tenant's), and any other query "
+        "parameter or one given twice, are refused (422).",
+        responses=problem_responses(401, 429, 503),
+    )
+    async def list_batches(
+        cursor: str | None = Query(default=None, description="`next_cursor` of the last page."),
+        limit: int = Query(
+            default=DEFAULT_LISTED, ge=1, le=MAX_LISTED, description="Batches per page."
+        ),
+        caller: Caller = authenticated,
+    ) -> BatchList:
+        after = None if cursor is None else listing_position(cursor, caller.tenant_id)
+        try:
+            listed = await batches.newest(
+                caller.tenant_id, now=deps.clock(), after=after, limit=limit + 1
+            )
+        except Unavailable as error:
+            raise read_unavailable(error) from error
+        return _list_view(listed, limit, caller.tenant_id)
 
     @router.get(
         "/batches/{batch_id}",

@@ -13,7 +13,14 @@ from pymongo import ASCENDING, AsyncMongoClient
 from pymongo.asynchronous.database import AsyncDatabase
 
 from devtools.infra import Endpoint
-from services.gateway.batches import HOLD_CHECK_AT, Batches
+from services.gateway.batches import (
+    HOLD_CHECK_AT,
+    NEWEST_BATCHES,
+    NEWEST_FIRST,
+    Batches,
+    ListPosition,
+    newest_batches_query,
+)
 from services.gateway.submissions import SENT_AT, Submissions, unsent_in_batch_query
 from services.scorer.attempts import Attempts
 from services.status.projection import ensure_indexes as ensure_projection_indexes
@@ -153,3 +160,43 @@ async def test_an_old_batchs_unsent_and_just_swept_items_are_read_through_indexe
     winning = str(plan["queryPlanner"]["winningPlan"])
     assert "COLLSCAN" not in winning, plan["queryPlanner"]
     assert "batch_swept" in winning, plan["queryPlanner"]
+
+
+async def test_the_gateway_creates_the_index_of_a_tenants_batches_newest_first(
+    client: AsyncMongoClient[Document], database: AsyncDatabase[Document]
+) -> None:
+    """`GET /v1/batches` reads from it (`Batches.newest`)."""
+    await Batches(client, database.name).ensure_indexes()
+    await Batches(client, database.name).ensure_indexes()  # start-up runs it every time
+
+    indexes = {index["name"]: index async for index in await database["batches"].list_indexes()}
+    assert dict(indexes[NEWEST_BATCHES]["key"]) == {"tenant_id": 1, "created_at": -1, "_id": -1}
+
+
+@pytest.mark.parametrize("first_page", [True, False])
+async def test_the_batch_listing_reads_its_index_in_order(
+    mongo: Endpoint,
+    client: AsyncMongoClient[Document],
+    database: AsyncDatabase[Document],
+    first_page: bool,
+) -> None:
+    """A tenant's batches, newest first, past a page's last (`$or` on the time and the id):
+    read from `batches_by_tenant_newest` in its order, neither scanned nor sorted in memory."""
+    if mongo.is_standin:
+        pytest.skip("the stand-in (mongoeco) does not plan queries; needs MONGO_URL=MongoDB")
+    await Batches(client, database.name).ensure_indexes()
+    now = utcnow()
+    await database["batches"].insert_many(
+        [
+            {"_id": f"b{i}", "tenant_id": "a", "idempotency_key": f"k{i}", "state": "accepted"}
+            | {"created_at": now, "expires_at": now + timedelta(days=1), "members": []}
+            for i in range(3)
+        ]
+    )
+    after = None if first_page else ListPosition(now, "b2")
+    query = newest_batches_query("a", now=now, after=after)
+    plan = await database["batches"].find(query).sort(list(NEWEST_FIRST.items())).explain()
+    winning = str(plan["queryPlanner"]["winningPlan"])
+    assert NEWEST_BATCHES in winning, plan["queryPlanner"]
+    assert "COLLSCAN" not in winning, plan["queryPlanner"]
+    assert "'stage': 'SORT'" not in winning, plan["queryPlanner"]

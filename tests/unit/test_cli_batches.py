@@ -1,7 +1,7 @@
-"""`scorebox submit-batch FILE`, `scorebox batch-status BATCH_ID`, and the options of `scorebox
-submit` that the API takes (the CLI had no batch command but `cancel-batch`, and `submit` no
-model, metadata, callback, delay nor cache option: found in a walkthrough). Against a fake
-gateway (httpx.MockTransport)."""
+"""`scorebox submit-batch FILE`, `scorebox batch-status BATCH_ID`, `scorebox batches`, and the
+options of `scorebox submit` that the API takes (the CLI had no batch command but
+`cancel-batch`, and `submit` no model, metadata, callback, delay nor cache option: found in a
+walkthrough). Against a fake gateway (httpx.MockTransport)."""
 
 from __future__ import annotations
 
@@ -141,6 +141,56 @@ def test_an_unknown_batch_exits_1(monkeypatch: pytest.MonkeyPatch) -> None:
 
     assert result.exit_code == 1
     assert "No batch" in result.stderr
+
+
+LISTING: dict[str, Any] = {
+    "count": 1,
+    "items": [
+        {
+            "batch_id": "b1",
+            "created_at": "2030-05-17T12:00:00.125000Z",
+            "total": 2,
+            "status_url": "/v1/batches/b1",
+        }
+    ],
+    "next_cursor": "c2",
+}
+
+
+def test_batches_lists_a_page_of_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _gateway(monkeypatch, 200, LISTING)
+
+    given = run_cli("batches", "--limit", "1", "--cursor", "c1")
+    bare = run_cli("batches")
+
+    assert given.exit_code == 0, given.output
+    assert bare.exit_code == 0, bare.output
+    assert [request.url.path for request in seen] == ["/v1/batches", "/v1/batches"]
+    assert dict(seen[0].url.params) == {"limit": "1", "cursor": "c1"}
+    assert dict(seen[1].url.params) == {"limit": "20"}
+    assert json.loads(given.stdout) == LISTING
+
+
+@pytest.mark.parametrize("limit", ["0", "101"])
+def test_batches_refuses_a_limit_the_gateway_refuses(
+    monkeypatch: pytest.MonkeyPatch, limit: str
+) -> None:
+    seen = _gateway(monkeypatch, 200, LISTING)
+
+    result = run_cli("batches", "--limit", limit)
+
+    assert result.exit_code == 2
+    assert seen == []
+
+
+def test_a_refused_listing_exits_1_with_its_detail(monkeypatch: pytest.MonkeyPatch) -> None:
+    detail = "query.cursor: is not a `next_cursor` of this listing."
+    _gateway(monkeypatch, 422, {"status": 422, "detail": detail})
+
+    result = run_cli("batches", "--cursor", "x")
+
+    assert result.exit_code == 1
+    assert "next_cursor" in result.stderr
 
 
 def test_submit_sends_the_options_given_and_only_those(monkeypatch: pytest.MonkeyPatch) -> None:

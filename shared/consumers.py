@@ -55,6 +55,7 @@ from shared.backoff import capped_exponential_s
 from shared.event_batches import Part, UnreadableBatch, is_batch, split_batch
 from shared.log_context import correlated
 from shared.metrics import Metrics
+from shared.reconnection_gates import ReconnectionGates
 from shared.topology import ROUTING_KEY_HEADER, Binding, deliveries_lost, x_deaths
 
 if TYPE_CHECKING:
@@ -342,8 +343,11 @@ class _Consuming:
         metrics: Metrics,
         *,
         prefetch: int | None,
+        opened: asyncio.Event | None = None,
     ) -> None:
         self.subscription = subscription
+        # Shut while what it starts after runs again after a reconnection (`ReconnectionGates`).
+        self._opened = opened
         self._acks = acks
         # Parts of batches handled at once: at most the prefetch (a prefetch of batches
         # alone would let prefetch x batch size events in at once). Single deliveries are
@@ -366,6 +370,8 @@ class _Consuming:
         self.handling += 1
         self.idle.clear()
         try:
+            if self._opened is not None and not self._opened.is_set():
+                await self._opened.wait()
             acks = self._acks.of(raw.channel)
             if is_batch(raw.headers):
                 await self._handle_batch(raw, acks)
@@ -529,6 +535,7 @@ class ScoreboxBroker(RabbitBroker):
         self._own_queues_connection: AbstractRobustConnection | None = None
         self._shared_channel: AbstractChannel | None = None
         self._acks = _AcksByChannel()
+        self._gates = ReconnectionGates()
         # Set once the stop begins (`stop_consuming`): a handler waiting on something to
         # try again later hands its delivery on rather than begin new work the stop would
         # cut short.
@@ -588,6 +595,7 @@ class ScoreboxBroker(RabbitBroker):
                 self._acks,
                 self.metrics,
                 prefetch=subscription.prefetch or self._prefetch,
+                opened=self._gate_of(subscription),
             )
             queue = subscription.queue
             channel = await self._channel_for(subscription.prefetch, own=queue.exclusive)
@@ -612,6 +620,12 @@ class ScoreboxBroker(RabbitBroker):
                 consuming.on_delivery, no_ack=False, timeout=self._timeout
             )
             self._consuming.append(consuming)
+        self._gates.watch(self._consumer_connection)
+
+    def _gate_of(self, subscription: _Subscription) -> asyncio.Event | None:
+        if subscription.starts_after is None:
+            return None
+        return self._gates.gate(subscription.queue.name, subscription.starts_after)
 
     def _without(self, waiting: list[_Subscription]) -> list[_Subscription]:
         return [each for each in self._subscriptions if each not in waiting]
@@ -710,6 +724,7 @@ class ScoreboxBroker(RabbitBroker):
         (`stop()` does this first; a service calls it earlier to settle what it holds in a
         way of its own before `stop()` waits for it)."""
         self.stopping = True
+        self._gates.stop()
         pending = [each for each in self._consuming if not each.cancelled]
         for each in pending:
             each.cancelled = True
@@ -804,8 +819,12 @@ def consume(
     queue of one replica that the topology cannot declare (exclusive to this connection); the
     topology's own queues are bound by `declare_topology`. `starts_after` is awaited before
     this consumer starts, once the others have: the scorer's work waits for the cancels
-    already queued to be handled (`services/scorer/cancels.py`).
+    already queued to be handled (`services/scorer/cancels.py`); and again after each
+    reconnection, its deliveries held meanwhile (`shared.reconnection_gates`). Not for an
+    exclusive queue, whose connection (the replica's own queues') is not watched.
     """
+    if starts_after is not None and queue.exclusive:
+        raise ValueError(f"{queue.name}: an exclusive queue's consumer cannot start after")
 
     def register(handler: Handler) -> Handler:
         label = metric_label or queue.name

@@ -1,0 +1,99 @@
+"""What a consumer waits for at start (`consume(..., starts_after=...)`), waited for again
+after each reconnection of its connection.
+
+aio-pika restores every consumer of a robust connection at once when the connection comes
+back, so a consumer that started only once something was done (the scorer's work, once the
+cancellations queued before it were handled) got its deliveries alongside the others again:
+a cancellation queued while the connection was down raced its task's delivery, and the task
+was claimed and scored. `ReconnectionGates` closes such a consumer's gate when its connection
+is lost, and opens it once the `starts_after` of each gated consumer, in their order, has run
+again after the connection is back: the deliveries that arrive meanwhile wait in hand (the
+prefetch bounds them). A `starts_after` that raises is logged and opens its gate all the
+same (at start it would have stopped the service; here the service runs on). A loss during
+the wait leaves the gates shut for the next reconnection's run; a stop opens them all, for
+the deliveries in hand to be handled as a stop handles them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aio_pika.abc import AbstractRobustConnection
+
+log = logging.getLogger("scorebox.consumers")
+
+StartsAfter = Callable[[], Awaitable[object]]
+
+
+@dataclass(frozen=True)
+class _Gate:
+    queue: str
+    starts_after: StartsAfter
+    opened: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class ReconnectionGates:
+    """The gates of the consumers of one connection that wait for something (see module)."""
+
+    def __init__(self) -> None:
+        self._gates: list[_Gate] = []
+        self._losses = 0
+        self._stopped = False
+        self._reopening: set[asyncio.Task[None]] = set()
+
+    def gate(self, queue: str, starts_after: StartsAfter) -> asyncio.Event:
+        """An open gate for the consumer of `queue`, in line after those made before."""
+        gate = _Gate(queue, starts_after)
+        gate.opened.set()
+        self._gates.append(gate)
+        return gate.opened
+
+    def watch(self, connection: AbstractRobustConnection) -> None:
+        """Shut the gates when `connection` is lost, reopen them once it is back."""
+        if self._gates:
+            connection.close_callbacks.add(self._lost)
+            connection.reconnect_callbacks.add(self._back)
+
+    def stop(self) -> None:
+        """Open every gate for good (the service stops)."""
+        self._stopped = True
+        for gate in self._gates:
+            gate.opened.set()
+        for reopening in self._reopening:
+            reopening.cancel()
+
+    def _lost(self, *_callback_args: object) -> None:
+        if self._stopped:
+            return
+        self._losses += 1
+        for gate in self._gates:
+            gate.opened.clear()
+
+    def _back(self, *_callback_args: object) -> None:
+        if self._stopped:
+            return
+        reopening = asyncio.get_running_loop().create_task(self._reopen(self._losses))
+        self._reopening.add(reopening)
+        reopening.add_done_callback(self._reopening.discard)
+
+    async def _reopen(self, loss: int) -> None:
+        for gate in self._gates:
+            began = time.perf_counter()
+            try:
+                await gate.starts_after()
+            except Exception:
+                log.exception("%s: what it waits for failed after a reconnection", gate.queue)
+            if loss != self._losses or self._stopped:
+                return  # lost again meanwhile: the next reconnection reopens it
+            gate.opened.set()
+            log.info(
+                "%s: consuming again after the reconnection, %.2f s later",
+                gate.queue,
+                time.perf_counter() - began,
+            )

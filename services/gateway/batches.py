@@ -59,7 +59,14 @@ from services.gateway.errors import (
 )
 from services.gateway.limits import LimitExceeded
 from services.gateway.refusals import Refusal, Refusals, may_have_been_written, release_slots
-from services.gateway.schemas import BLANK_TEXT, EXPIRED, ModelName, Rubric, checked_metadata
+from services.gateway.schemas import (
+    BLANK_TEXT,
+    EXPIRED,
+    ModelName,
+    Rubric,
+    checked_metadata,
+    named_rubric,
+)
 from services.gateway.submissions import (
     BATCH_WRITE_CHUNK,
     TOMBSTONE_TTL,
@@ -748,7 +755,7 @@ def _commands(
             tenant_id=tenant_id,
             text=item.text,
             # A blank rubric names none, as the scorer reads it: the batch's applies.
-            rubric=item.rubric if item.rubric and item.rubric.strip() else submission.rubric,
+            rubric=named_rubric(item.rubric) or named_rubric(submission.rubric),
             model=item.model if item.model is not None else submission.model,
             metadata=item.metadata,
             max_attempts=max_attempts,

@@ -64,13 +64,17 @@ ModelName = Annotated[
 ]
 
 
-def _none_if_blank(rubric: str | None) -> str | None:
-    return rubric if rubric is None or rubric.strip() else None
+# A rubric as sent (the request's hash, which a replay of its key must match, covers it as
+# sent: made of the normalised one, a key used before that normalisation conflicted with
+# its own replay; a review).
+Rubric = Annotated[str | None, Field(max_length=4_000)]
 
 
-# A blank rubric names none (the scorer applies its default), and reads so: kept as sent, the
-# task showed `"   "` for a rubric (a walkthrough), and its cache key differed from none's.
-Rubric = Annotated[str | None, Field(max_length=4_000), AfterValidator(_none_if_blank)]
+def named_rubric(rubric: str | None) -> str | None:
+    """The rubric a request names: none for a blank one, as the scorer reads it. Kept as
+    sent, the task showed `"   "` for a rubric (a walkthrough), and its result-cache key
+    differed from none's."""
+    return rubric if rubric is not None and rubric.strip() else None
 
 
 def checked_metadata(metadata: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from services.gateway.errors import (
 )
 from services.gateway.limits import LimitExceeded
 from services.gateway.refusals import Refusal, Refusals, may_have_been_written
-from services.gateway.schemas import ScoreSubmission
+from services.gateway.schemas import ScoreSubmission, named_rubric
 from services.gateway.submissions import (
     KeyTaken,
     Owner,
@@ -133,7 +133,7 @@ async def submit_score(
         task_id=new_id(),
         tenant_id=tenant_id,
         text=submission.text,
-        rubric=submission.rubric,
+        rubric=named_rubric(submission.rubric),
         model=submission.model,
         metadata=submission.metadata,
         max_attempts=policy.max_attempts,

@@ -19,7 +19,8 @@ from pymongo import AsyncMongoClient
 from services.gateway.cache import ResultCache
 from services.gateway.errors import DatabaseUnavailable
 from services.gateway.keys import generate_key
-from services.gateway.submissions import Submission, Submissions
+from services.gateway.schemas import ScoreSubmission
+from services.gateway.submissions import Submission, Submissions, request_hash
 from tests.integration.in_process import gateway_and_status
 from tests.support import queued_commands
 
@@ -217,3 +218,25 @@ async def test_a_replay_while_its_request_runs_is_told_to_wait_as_long_as_it_ran
     assert replay.json()["type"].endswith("/request-in-progress")
     # The clock moves between the write and the answer: a second more at most.
     assert int(replay.headers["Retry-After"]) in (told_s, told_s + 1)
+
+
+async def test_a_key_used_with_a_blank_rubric_before_it_named_none_is_replayed(
+    stack: Stack,
+) -> None:
+    """A blank rubric names none now, but the request's hash covers it as sent: a key used
+    before that change, its hash made of the rubric as sent, was a 409 conflict with its
+    own replay, and an interrupted batch could not be completed by its replay (a review)."""
+    key = {"Idempotency-Key": f"blank-rubric-{uuid.uuid4().hex}"}
+    body = {"text": f"An essay {uuid.uuid4().hex}.", "rubric": "   ", "use_cache": False}
+    first = await stack.api.post("/v1/scores", json=body, headers=key)
+    assert first.status_code == 202, first.text
+    await queued_commands(stack.amqp_url)
+    as_before = ScoreSubmission.model_validate(body).model_dump(mode="json") | {"rubric": "   "}
+    stored = await stack.submissions.find_one({"_id": first.json()["task_id"]})
+    assert stored is not None
+    assert stored["request_hash"] == request_hash(as_before)
+
+    replay = await stack.api.post("/v1/scores", json=body, headers=key)
+
+    assert replay.status_code == 200, replay.text
+    assert replay.json()["task_id"] == first.json()["task_id"]

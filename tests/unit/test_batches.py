@@ -33,7 +33,7 @@ from services.gateway.errors import (
 )
 from services.gateway.publisher import TaskPublisher
 from services.gateway.refusals import Refusals
-from services.gateway.schemas import EXPIRED, ScoreSubmission
+from services.gateway.schemas import EXPIRED, ScoreSubmission, named_rubric
 from services.gateway.submissions import BatchRow, _only_duplicate_ids
 from shared.contracts import (
     MAX_BATCH_ITEMS,
@@ -587,11 +587,12 @@ def test_a_model_name_is_taken_without_surrounding_blanks() -> None:
     assert (batch.items[0].model, batch.model) == ("m", "d")
 
 
-def test_a_blank_rubric_names_none_wherever_it_is_given() -> None:
-    """Kept as sent, a task showed `"   "` for a rubric its scorer read as none."""
+def test_a_blank_rubric_names_none_but_the_request_keeps_it_as_sent() -> None:
+    """The command names none (a task showed `"   "` for a rubric its scorer read as none);
+    the request keeps it as sent, for its hash, which a replay of its key must match."""
     single = ScoreSubmission.model_validate({"text": "hi", "rubric": "   "})
     batch = BatchSubmission.model_validate(
         {"rubric": "\n", "items": [{"text": "a", "rubric": " "}, {"text": "b", "rubric": "r"}]}
     )
-    assert single.rubric is None
-    assert (batch.rubric, batch.items[0].rubric, batch.items[1].rubric) == (None, None, "r")
+    assert (single.rubric, batch.rubric, batch.items[0].rubric) == ("   ", "\n", " ")
+    assert [named_rubric(each) for each in ("   ", "\n", None, " r ")] == [None, None, None, " r "]

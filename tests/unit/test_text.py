@@ -18,6 +18,8 @@ from services.gateway.schemas import ScoreSubmission
 from services.scorer.errors import InputRejected
 from services.scorer.model import normalise, preparation
 from services.scorer.model.preparation import prepare_text
+from shared import text as shared_text
+from shared.combining_marks import COMBINING_MARKS
 from shared.text import FORMAT_CHARACTERS, OTHER_WHITESPACE, is_blank, normalise_text
 
 # Whitespace (`str.isspace`) and control characters (category Cc).
@@ -135,6 +137,50 @@ def test_is_blank_agrees_with_normalise_text_for_every_code_point() -> None:
             unstable.append(character)
     assert disagree == []
     assert unstable == []
+
+
+def test_combining_marks_are_every_character_of_category_m() -> None:
+    listed = re.compile(f"[{COMBINING_MARKS}]")
+    every = [chr(c) for c in range(sys.maxunicode + 1)]
+    marks = [c for c in every if unicodedata.category(c).startswith("M")]
+    assert [c for c in every if listed.fullmatch(c)] == marks, _ranges(marks)
+
+
+def _ranges(characters: list[str]) -> str:
+    """The ranges of `characters` as `COMBINING_MARKS` writes them (to update it from)."""
+    points = [ord(c) for c in characters]
+    starts = [p for i, p in enumerate(points) if i == 0 or points[i - 1] != p - 1]
+    ends = [p for i, p in enumerate(points) if i == len(points) - 1 or points[i + 1] != p + 1]
+    return "".join(
+        _escaped(a) if a == b else f"{_escaped(a)}-{_escaped(b)}"
+        for a, b in zip(starts, ends, strict=True)
+    )
+
+
+def _escaped(point: int) -> str:
+    return f"\\u{point:04x}" if point <= 0xFFFF else f"\\U{point:08x}"
+
+
+def test_a_long_run_of_marks_is_one_regex_search() -> None:
+    """Looked at one by one after the search, 16 MiB of marks held the gateway's event loop
+    for three seconds (a review): `is_blank` is one search of `_CONTENT`, which now holds
+    the marks, so it stops at the first content character or the end, in the regex engine."""
+    text = "\u0301" * 100_000
+    calls: list[str] = []
+    original = shared_text._CONTENT
+
+    class Counting:
+        def search(self, value: str) -> object:
+            calls.append(value)
+            return original.search(value)
+
+    shared_text._CONTENT = Counting()  # type: ignore[assignment]
+    try:
+        assert is_blank(text)
+        assert not is_blank(text + "a")
+    finally:
+        shared_text._CONTENT = original
+    assert len(calls) == 2
 
 
 def test_format_characters_are_every_character_of_category_cf() -> None:

@@ -550,6 +550,12 @@ class ScoreboxBroker(RabbitBroker):
         consumes): it never publishes, so a broker alarm never blocks it."""
         return self._consumer_connection
 
+    @property
+    def own_queues_connection(self) -> AbstractRobustConnection | None:
+        """The connection a replica's exclusive queues are consumed on (None before
+        `start()`, or when it has none)."""
+        return self._own_queues_connection
+
     def consumed_queue(self, name: str) -> AbstractQueue | None:
         """The queue a consumer of this broker consumes, as declared on the connection that
         consumes it (None before `start()`, or when nothing consumes it)."""
@@ -620,7 +626,9 @@ class ScoreboxBroker(RabbitBroker):
                 consuming.on_delivery, no_ack=False, timeout=self._timeout
             )
             self._consuming.append(consuming)
-        self._gates.watch(self._consumer_connection)
+        for connection in (self._consumer_connection, self._own_queues_connection):
+            if connection is not None:
+                self._gates.watch(connection)
 
     def _gate_of(self, subscription: _Subscription) -> asyncio.Event | None:
         if subscription.starts_after is None:
@@ -820,11 +828,8 @@ def consume(
     topology's own queues are bound by `declare_topology`. `starts_after` is awaited before
     this consumer starts, once the others have: the scorer's work waits for the cancels
     already queued to be handled (`services/scorer/cancels.py`); and again after each
-    reconnection, its deliveries held meanwhile (`shared.reconnection_gates`). Not for an
-    exclusive queue, whose connection (the replica's own queues') is not watched.
+    reconnection, its deliveries held meanwhile (`shared.reconnection_gates`).
     """
-    if starts_after is not None and queue.exclusive:
-        raise ValueError(f"{queue.name}: an exclusive queue's consumer cannot start after")
 
     def register(handler: Handler) -> Handler:
         label = metric_label or queue.name

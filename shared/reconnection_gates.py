@@ -1,17 +1,21 @@
 """What a consumer waits for at start (`consume(..., starts_after=...)`), waited for again
-after each reconnection of its connection.
+after each reconnection.
 
 aio-pika restores every consumer of a robust connection at once when the connection comes
 back, so a consumer that started only once something was done (the scorer's work, once the
 cancellations queued before it were handled) got its deliveries alongside the others again:
 a cancellation queued while the connection was down raced its task's delivery, and the task
-was claimed and scored. `ReconnectionGates` closes such a consumer's gate when its connection
-is lost, and opens it once the `starts_after` of each gated consumer, in their order, has run
-again after the connection is back: the deliveries that arrive meanwhile wait in hand (the
-prefetch bounds them). A `starts_after` that raises is logged and opens its gate all the
-same (at start it would have stopped the service; here the service runs on). A loss during
-the wait leaves the gates shut for the next reconnection's run; a stop opens them all, for
-the deliveries in hand to be handled as a stop handles them.
+was claimed and scored. `ReconnectionGates` closes such a consumer's gate when any connection
+it watches is lost (the consuming one, and a replica's own queues', whose queue hears the
+batch cancellations), and opens it once every one is back and the `starts_after` of each
+gated consumer, in their order, has run again: the deliveries that arrive meanwhile wait in
+hand (the prefetch bounds them). A connection still down `OTHERS_GRACE_S` after another came
+back (the own queues' one after a partition, refused until the broker drops the lost one)
+holds the gates no longer: they reopen then, and again once it is back. A `starts_after`
+that raises is logged and opens its gate all the same (at start it would have stopped the
+service; here the service runs on). A loss during the wait leaves the gates shut for the
+next reconnection's run; a stop opens them all, for the deliveries in hand to be handled as
+a stop handles them.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -27,6 +31,8 @@ if TYPE_CHECKING:
     from aio_pika.abc import AbstractRobustConnection
 
 log = logging.getLogger("scorebox.consumers")
+# How long the gates wait for a watched connection still down once another is back.
+OTHERS_GRACE_S = 60.0
 
 StartsAfter = Callable[[], Awaitable[object]]
 
@@ -39,10 +45,13 @@ class _Gate:
 
 
 class ReconnectionGates:
-    """The gates of the consumers of one connection that wait for something (see module)."""
+    """The gates of the consumers that wait for something, and the connections that shut
+    them (see module)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, others_grace_s: float = OTHERS_GRACE_S) -> None:
         self._gates: list[_Gate] = []
+        self._others_grace_s = others_grace_s
+        self._down: set[int] = set()  # the watched connections lost, by id
         self._losses = 0
         self._stopped = False
         self._reopening: set[asyncio.Task[None]] = set()
@@ -68,19 +77,34 @@ class ReconnectionGates:
         for reopening in self._reopening:
             reopening.cancel()
 
-    def _lost(self, *_callback_args: object) -> None:
+    def _lost(self, connection: object, *_callback_args: object) -> None:
         if self._stopped:
             return
+        self._down.add(id(connection))
         self._losses += 1
         for gate in self._gates:
             gate.opened.clear()
 
-    def _back(self, *_callback_args: object) -> None:
+    def _back(self, connection: object, *_callback_args: object) -> None:
         if self._stopped:
             return
-        reopening = asyncio.get_running_loop().create_task(self._reopen(self._losses))
-        self._reopening.add(reopening)
-        reopening.add_done_callback(self._reopening.discard)
+        self._down.discard(id(connection))
+        loss = self._losses
+        self._spawn(self._reopen_after_grace(loss) if self._down else self._reopen(loss))
+
+    def _spawn(self, reopening: Coroutine[object, object, None]) -> None:
+        task = asyncio.get_running_loop().create_task(reopening)
+        self._reopening.add(task)
+        task.add_done_callback(self._reopening.discard)
+
+    async def _reopen_after_grace(self, loss: int) -> None:
+        await asyncio.sleep(self._others_grace_s)
+        if self._down and loss == self._losses and not self._stopped:
+            log.warning(
+                "a connection is still down %.0f s after another came back: consuming again",
+                self._others_grace_s,
+            )
+            await self._reopen(loss)
 
     async def _reopen(self, loss: int) -> None:
         for gate in self._gates:

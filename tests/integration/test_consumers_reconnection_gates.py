@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 
 import aio_pika
 import pytest
-from faststream.rabbit import RabbitQueue
+from faststream.rabbit import ExchangeType, RabbitExchange, RabbitQueue
 
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
+from shared.topology import Binding
 from tests.faults.slow_link import SlowLink
 from tests.support import eventually
 
@@ -129,6 +130,66 @@ async def test_a_stop_during_the_wait_lets_the_delivery_in_hand_through(
         return gated.heard == [b"held"]
 
     await eventually(handled, what="handled as the stop lets it")
+
+
+async def test_the_gate_waits_for_the_own_queues_connection_too(
+    amqp_url: str, broker_link: SlowLink
+) -> None:
+    """A replica's own queue (the scorer's batch cancellations) is on a connection of its
+    own, back seconds after the consuming one: the gate opened without it, and what was
+    announced before its queue was bound again was heard by no one (a review)."""
+    work, own = f"test.work.{uuid.uuid4().hex[:8]}", f"test.own.{uuid.uuid4().hex[:8]}"
+    fanout = RabbitExchange(f"test.ann.{uuid.uuid4().hex[:8]}", type=ExchangeType.FANOUT)
+    settings = ServiceSettings.model_validate(
+        {"RABBITMQ_URL": broker_link.url_through(amqp_url), "BROKER_TIMEOUT_S": "2"}
+    )
+    broker = make_broker(settings, graceful_timeout_s=2.0)
+    own_up_at_each_run: list[bool] = []
+    heard: list[bytes] = []
+
+    async def starts_after() -> None:
+        connection = broker.own_queues_connection
+        own_up_at_each_run.append(connection is not None and connection.connected.is_set())
+
+    @consume(broker, RabbitQueue(work, durable=True), starts_after=starts_after)
+    async def on_work(delivery: Delivery) -> None:
+        await delivery.ack()
+
+    @consume(
+        broker,
+        RabbitQueue(own, exclusive=True, auto_delete=True),
+        ack_first=True,
+        bindings=(Binding(fanout),),
+    )
+    async def on_own(delivery: Delivery) -> None:
+        heard.append(delivery.body)
+
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        await channel.declare_queue(work, durable=True, timeout=10)
+        exchange = await channel.declare_exchange(fanout.name, type="fanout", timeout=10)
+        await broker.start()
+        try:
+            await broker_link.cut()
+            await eventually(lambda: _not(broker.ping(1.0)), what="the connection lost")
+            broker_link.down = False
+            await eventually(
+                lambda: _true(len(own_up_at_each_run) == 2), what="run again", timeout_s=GUARD_S
+            )
+            await exchange.publish(aio_pika.Message(b"announced"), routing_key="", timeout=10)
+
+            assert own_up_at_each_run == [True, True]
+            await eventually(lambda: _true(heard == [b"announced"]), what="heard on its own queue")
+        finally:
+            broker_link.down = False
+            await asyncio.wait_for(broker.stop(), GUARD_S)
+            await channel.queue_delete(work, timeout=10)
+            await exchange.delete(timeout=10)
+
+
+async def _true(value: bool) -> bool:
+    return value
 
 
 async def _not(check: asyncio.Future[bool] | object) -> bool:

@@ -1,0 +1,127 @@
+"""`ReconnectionGates` across several connections, driven through aio-pika's own callback
+collections as a robust connection calls them (a loss: `close_callbacks`; back and restored:
+`reconnect_callbacks`). The broker-level behaviour is in
+tests/integration/test_consumers_reconnection_gates.py."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from aio_pika.tools import CallbackCollection
+
+from shared.reconnection_gates import ReconnectionGates
+from tests.support import eventually
+
+
+class Connection:
+    """What `ReconnectionGates.watch` uses of a robust connection."""
+
+    def __init__(self) -> None:
+        self.close_callbacks: CallbackCollection[Connection, [BaseException | None]] = (
+            CallbackCollection(self)
+        )
+        self.reconnect_callbacks: CallbackCollection[Connection, []] = CallbackCollection(self)
+
+    async def lose(self) -> None:
+        await self.close_callbacks(ConnectionError("lost"))
+
+    async def come_back(self) -> None:
+        await self.reconnect_callbacks()
+
+
+@dataclass
+class Waited:
+    """A `starts_after` that counts its runs and, once `hold` is cleared, waits for it."""
+
+    runs: int = 0
+    hold: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def __call__(self) -> None:
+        self.runs += 1
+        await self.hold.wait()
+
+
+def _gates(waited: Waited, *connections: Connection, grace_s: float = 60.0) -> asyncio.Event:
+    gates = ReconnectionGates(others_grace_s=grace_s)
+    opened = gates.gate("work", waited)
+    for connection in connections:
+        gates.watch(connection)  # type: ignore[arg-type]
+    return opened
+
+
+async def _ran(waited: Waited, times: int) -> None:
+    async def ran() -> bool:
+        return waited.runs == times
+
+    await eventually(ran, what=f"starts_after run {times} times", timeout_s=5)
+
+
+async def test_the_gate_stays_shut_until_every_watched_connection_is_back() -> None:
+    """The own queues' connection (a replica's batch-cancels queue) came back seconds after
+    the consuming one, and the gate had opened without it: a batch cancellation announced
+    meanwhile was heard by no one (a review)."""
+    waited, consuming, own = Waited(), Connection(), Connection()
+    waited.hold.set()
+    opened = _gates(waited, consuming, own)
+
+    await consuming.lose()
+    await own.lose()
+    await consuming.come_back()
+    await asyncio.sleep(0)  # a reopening spawned now would have run its first step
+
+    assert not opened.is_set()
+    assert waited.runs == 0
+    await own.come_back()
+    await eventually(lambda: _is(opened.is_set()), what="opened", timeout_s=5)
+    assert waited.runs == 1
+
+
+async def test_a_connection_still_down_holds_the_gate_no_longer_than_the_grace() -> None:
+    waited, consuming, own = Waited(), Connection(), Connection()
+    waited.hold.set()
+    opened = _gates(waited, consuming, own, grace_s=0.1)
+
+    await consuming.lose()
+    await own.lose()
+    await consuming.come_back()
+
+    await eventually(lambda: _is(opened.is_set()), what="opened after the grace", timeout_s=5)
+    await own.come_back()
+    await _ran(waited, 2)  # and again once it is back
+
+
+async def test_a_loss_while_reopening_leaves_the_gate_shut_for_the_next_reconnection() -> None:
+    waited, consuming = Waited(), Connection()
+    opened = _gates(waited, consuming)
+    await consuming.lose()
+    await consuming.come_back()
+    await _ran(waited, 1)
+
+    await consuming.lose()
+    waited.hold.set()
+    await asyncio.sleep(0)
+
+    assert not opened.is_set()
+    await consuming.come_back()
+    await eventually(lambda: _is(opened.is_set()), what="opened", timeout_s=5)
+    assert waited.runs == 2
+
+
+async def test_a_stop_opens_the_gate_for_good() -> None:
+    waited, consuming = Waited(), Connection()
+    gates = ReconnectionGates()
+    opened = gates.gate("work", waited)
+    gates.watch(consuming)  # type: ignore[arg-type]
+    await consuming.lose()
+    await consuming.come_back()
+    await _ran(waited, 1)
+
+    gates.stop()
+    await consuming.lose()
+
+    assert opened.is_set()
+
+
+async def _is(value: bool) -> bool:
+    return value

@@ -9,13 +9,13 @@ was claimed and scored. `ReconnectionGates` closes such a consumer's gate when a
 it watches is lost (the consuming one, and a replica's own queues', whose queue hears the
 batch cancellations), and opens it once every one is back and the `starts_after` of each
 gated consumer, in their order, has run again: the deliveries that arrive meanwhile wait in
-hand (the prefetch bounds them). A connection still down `OTHERS_GRACE_S` after another came
-back (the own queues' one after a partition, refused until the broker drops the lost one)
-holds the gates no longer: they reopen then, and again once it is back. A `starts_after`
-that raises is logged and opens its gate all the same (at start it would have stopped the
-service; here the service runs on). A loss during the wait leaves the gates shut for the
-next reconnection's run; a stop opens them all, for the deliveries in hand to be handled as
-a stop handles them.
+hand (the prefetch bounds them). A connection still down `OTHERS_GRACE_S` after the gates
+shut (the own queues' one after a partition, refused until the broker drops the lost one)
+holds them no longer: they reopen then, and shut and reopen once more when it is back. A
+`starts_after` that raises is logged and opens its gate all the same (at start it would
+have stopped the service; here the service runs on). A loss during the wait leaves the
+gates shut for the next reconnection's run; a stop opens them all, for the deliveries in
+hand to be handled as a stop handles them.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from aio_pika.abc import AbstractRobustConnection
 
 log = logging.getLogger("scorebox.consumers")
-# How long the gates wait for a watched connection still down once another is back.
+# How long a watched connection still down keeps the gates shut.
 OTHERS_GRACE_S = 60.0
 
 StartsAfter = Callable[[], Awaitable[object]]
@@ -55,6 +55,7 @@ class ReconnectionGates:
         self._losses = 0
         self._stopped = False
         self._reopening: set[asyncio.Task[None]] = set()
+        self._grace: asyncio.Task[None] | None = None
 
     def gate(self, queue: str, starts_after: StartsAfter) -> asyncio.Event:
         """An open gate for the consumer of `queue`, in line after those made before."""
@@ -81,30 +82,41 @@ class ReconnectionGates:
         if self._stopped:
             return
         self._down.add(id(connection))
+        self._shut()
+        if self._grace is None or self._grace.done():
+            self._grace = self._spawn(self._reopen_after_grace())
+
+    def _back(self, connection: object, *_callback_args: object) -> None:
+        """Shut again (a gate the grace opened must not let the restored consumers' first
+        deliveries through), and reopen once every watched connection is back."""
+        if self._stopped:
+            return
+        self._down.discard(id(connection))
+        self._shut()
+        if not self._down:
+            if self._grace is not None:
+                self._grace.cancel()
+            self._spawn(self._reopen(self._losses))
+
+    def _shut(self) -> None:
         self._losses += 1
         for gate in self._gates:
             gate.opened.clear()
 
-    def _back(self, connection: object, *_callback_args: object) -> None:
-        if self._stopped:
-            return
-        self._down.discard(id(connection))
-        loss = self._losses
-        self._spawn(self._reopen_after_grace(loss) if self._down else self._reopen(loss))
-
-    def _spawn(self, reopening: Coroutine[object, object, None]) -> None:
+    def _spawn(self, reopening: Coroutine[object, object, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(reopening)
         self._reopening.add(task)
         task.add_done_callback(self._reopening.discard)
+        return task
 
-    async def _reopen_after_grace(self, loss: int) -> None:
+    async def _reopen_after_grace(self) -> None:
         await asyncio.sleep(self._others_grace_s)
-        if self._down and loss == self._losses and not self._stopped:
+        if self._down and not self._stopped:
             log.warning(
-                "a connection is still down %.0f s after another came back: consuming again",
+                "a connection is still down %.0f s after the gates shut: consuming again",
                 self._others_grace_s,
             )
-            await self._reopen(loss)
+            await self._reopen(self._losses)
 
     async def _reopen(self, loss: int) -> None:
         for gate in self._gates:

@@ -78,17 +78,34 @@ async def test_the_gate_stays_shut_until_every_watched_connection_is_back() -> N
 
 
 async def test_a_connection_still_down_holds_the_gate_no_longer_than_the_grace() -> None:
+    """The own queues' connection alone lost and refused (a partition, until the broker
+    drops the lost one): the work waits no longer than the grace."""
     waited, consuming, own = Waited(), Connection(), Connection()
     waited.hold.set()
     opened = _gates(waited, consuming, own, grace_s=0.1)
 
-    await consuming.lose()
     await own.lose()
-    await consuming.come_back()
 
+    assert not opened.is_set()
     await eventually(lambda: _is(opened.is_set()), what="opened after the grace", timeout_s=5)
+    assert waited.runs == 1
+
+
+async def test_a_connection_back_after_the_grace_shuts_the_gate_until_it_ran_again() -> None:
+    """Its restored consumers' first deliveries must wait as after any reconnection."""
+    waited, consuming, own = Waited(), Connection(), Connection()
+    opened = _gates(waited, consuming, own, grace_s=0.1)
+    waited.hold.set()
+    await own.lose()
+    await eventually(lambda: _is(opened.is_set()), what="opened after the grace", timeout_s=5)
+    waited.hold.clear()
+
     await own.come_back()
-    await _ran(waited, 2)  # and again once it is back
+
+    assert not opened.is_set()
+    await _ran(waited, 2)
+    waited.hold.set()
+    await eventually(lambda: _is(opened.is_set()), what="opened again", timeout_s=5)
 
 
 async def test_a_loss_while_reopening_leaves_the_gate_shut_for_the_next_reconnection() -> None:

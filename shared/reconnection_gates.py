@@ -79,7 +79,10 @@ class ReconnectionGates:
             reopening.cancel()
 
     def _lost(self, connection: object, *_callback_args: object) -> None:
-        if self._stopped:
+        """A loss of a connection up. aio-pika calls it again at each failed attempt to
+        connect or restore: not new losses, or a connection refused for good would shut
+        the gates again each time the grace had opened them."""
+        if self._stopped or id(connection) in self._down:
             return
         self._down.add(id(connection))
         self._shut()

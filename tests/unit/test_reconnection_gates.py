@@ -91,6 +91,20 @@ async def test_a_connection_still_down_holds_the_gate_no_longer_than_the_grace()
     assert waited.runs == 1
 
 
+async def test_failed_attempts_to_reconnect_do_not_shut_the_gate_the_grace_opened() -> None:
+    """aio-pika calls the close callbacks again at each failed attempt (every 5 s for the
+    own queues' connection): each shut the gate anew for another grace."""
+    waited, consuming, own = Waited(), Connection(), Connection()
+    waited.hold.set()
+    opened = _gates(waited, consuming, own, grace_s=0.1)
+    await own.lose()
+    await eventually(lambda: _is(opened.is_set()), what="opened after the grace", timeout_s=5)
+
+    await own.lose()  # an attempt failed
+
+    assert opened.is_set()
+
+
 async def test_a_connection_back_after_the_grace_shuts_the_gate_until_it_ran_again() -> None:
     """Its restored consumers' first deliveries must wait as after any reconnection."""
     waited, consuming, own = Waited(), Connection(), Connection()

@@ -71,10 +71,10 @@ Rubric = Annotated[str | None, Field(max_length=4_000)]
 
 
 def named_rubric(rubric: str | None) -> str | None:
-    """The rubric a request names: none for a blank one, as the scorer reads it. Kept as
-    sent, the task showed `"   "` for a rubric (a walkthrough), and its result-cache key
-    differed from none's."""
-    return rubric if rubric is not None and rubric.strip() else None
+    """The rubric a request names: none for a blank one (`shared.text.is_blank`, as a text
+    is), as the scorer reads it. Kept as sent, the task showed `"   "` for a rubric (a
+    walkthrough), and its result-cache key differed from none's."""
+    return None if rubric is None or is_blank(rubric) else rubric
 
 
 def checked_metadata(metadata: dict[str, Any]) -> dict[str, Any]:

@@ -595,4 +595,5 @@ def test_a_blank_rubric_names_none_but_the_request_keeps_it_as_sent() -> None:
         {"rubric": "\n", "items": [{"text": "a", "rubric": " "}, {"text": "b", "rubric": "r"}]}
     )
     assert (single.rubric, batch.rubric, batch.items[0].rubric) == ("   ", "\n", " ")
-    assert [named_rubric(each) for each in ("   ", "\n", None, " r ")] == [None, None, None, " r "]
+    named = [named_rubric(each) for each in ("   ", "\n", "\u200b\ufe0f", None, " r ")]
+    assert named == [None, None, None, None, " r "]

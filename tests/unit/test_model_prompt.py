@@ -56,6 +56,7 @@ def test_the_rubric_is_escaped_too() -> None:
 def test_the_default_rubric_applies_without_one() -> None:
     assert DEFAULT_RUBRIC in _user_content("Essay.", None)
     assert DEFAULT_RUBRIC in _user_content("Essay.", "   ")
+    assert DEFAULT_RUBRIC in _user_content("Essay.", "\u200b\ufe0f")  # blank as a text is
     custom = _user_content("Essay.", "Judge only the spelling.")
     assert "Judge only the spelling." in custom
     assert DEFAULT_RUBRIC not in custom

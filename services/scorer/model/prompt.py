@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from shared.contracts import JUDGE_PROMPT_VERSION
-from shared.text import OTHER_WHITESPACE
+from shared.text import OTHER_WHITESPACE, is_blank
 
 PROMPT_VERSION: Final = JUDGE_PROMPT_VERSION
 
@@ -83,7 +83,7 @@ def build_messages(
     No rubric (or a blank one) means `DEFAULT_RUBRIC`. `truncated` tells the judge the text
     was cut at the length budget, so it does not mark down the missing ending.
     """
-    chosen_rubric = rubric.strip() if rubric and rubric.strip() else DEFAULT_RUBRIC
+    chosen_rubric = rubric.strip() if rubric and not is_blank(rubric) else DEFAULT_RUBRIC
     user = (
         f"<rubric>\n{escape_delimiters(chosen_rubric)}\n</rubric>\n\n"
         f"{_TRUNCATION_NOTE if truncated else ''}"

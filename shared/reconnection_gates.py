@@ -85,9 +85,12 @@ class ReconnectionGates:
         if self._stopped or id(connection) in self._down:
             return
         self._down.add(id(connection))
+        log.warning(
+            "%s: held until the broker connection is back and what it waits for ran again",
+            ", ".join(gate.queue for gate in self._gates),
+        )
         self._shut()
-        if self._grace is None or self._grace.done():
-            self._grace = self._spawn(self._reopen_after_grace())
+        self._keep_the_grace()
 
     def _back(self, connection: object, *_callback_args: object) -> None:
         """Shut again (a gate the grace opened must not let the restored consumers' first
@@ -96,10 +99,20 @@ class ReconnectionGates:
             return
         self._down.discard(id(connection))
         self._shut()
-        if not self._down:
-            if self._grace is not None:
-                self._grace.cancel()
-            self._spawn(self._reopen(self._losses))
+        if self._down:
+            self._keep_the_grace()
+            return
+        if self._grace is not None:
+            self._grace.cancel()
+        self._spawn(self._reopen(self._losses))
+
+    def _keep_the_grace(self) -> None:
+        """A grace timer sleeping while a connection is down. Its reopening runs apart: one
+        it began can be cut short by a loss, and a timer still inside it was taken for one
+        asleep, so a loss then started none and the gates stayed shut for as long as the
+        other connection was down (a walkthrough's simulation)."""
+        if self._grace is None or self._grace.done():
+            self._grace = self._spawn(self._reopen_after_grace())
 
     def _shut(self) -> None:
         self._losses += 1
@@ -119,7 +132,7 @@ class ReconnectionGates:
                 "a connection is still down %.0f s after the gates shut: consuming again",
                 self._others_grace_s,
             )
-            await self._reopen(self._losses)
+            self._spawn(self._reopen(self._losses))
 
     async def _reopen(self, loss: int) -> None:
         for gate in self._gates:

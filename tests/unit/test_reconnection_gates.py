@@ -105,6 +105,24 @@ async def test_failed_attempts_to_reconnect_do_not_shut_the_gate_the_grace_opene
     assert opened.is_set()
 
 
+async def test_a_loss_while_the_grace_reopens_starts_another_grace() -> None:
+    """The own queues' connection down, the grace reopening (its wait for the cancels runs
+    up to 15 s in the scorer), the consuming connection lost and back meanwhile: no grace
+    was left to reopen, and the gate stayed shut while the own queues' connection was down
+    (a walkthrough's simulation)."""
+    waited, consuming, own = Waited(), Connection(), Connection()
+    opened = _gates(waited, consuming, own, grace_s=0.1)
+    await own.lose()
+    await _ran(waited, 1)  # the grace reopening, held in what it waits for
+
+    await consuming.lose()
+    await consuming.come_back()
+    waited.hold.set()
+
+    await eventually(lambda: _is(opened.is_set()), what="opened by another grace", timeout_s=5)
+    assert waited.runs == 2
+
+
 async def test_a_connection_back_after_the_grace_shuts_the_gate_until_it_ran_again() -> None:
     """Its restored consumers' first deliveries must wait as after any reconnection."""
     waited, consuming, own = Waited(), Connection(), Connection()

@@ -30,3 +30,20 @@ class CorrelationFilter(logging.Filter):
         if correlation_id is not None and not hasattr(record, "correlation_id"):
             record.correlation_id = correlation_id
         return True
+
+
+class KnownLibraryNoise(logging.Filter):
+    """Drops the error aio-pika logs for each channel of a connection lost, whose robust
+    copy tries to reopen itself on a connection with no transport (`RobustChannel._on_close`:
+    "No active transport in channel", aio-pika#668): the connection's own restoration
+    reopens every channel, so the line and its traceback, two or three per connection lost,
+    told an operator of a failure that was none (a walkthrough)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (
+            "RobustChannel._on_close" in message and "No active transport in channel" in message
+        )
+
+
+KNOWN_LIBRARY_NOISE = KnownLibraryNoise()

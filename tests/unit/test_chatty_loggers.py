@@ -29,3 +29,28 @@ def test_httpx_logs_its_requests_only_when_the_service_logs_at_debug(
     logging.getLogger("httpx").setLevel(logging.NOTSET)
     configure_logging(GatewaySettings.model_validate({"LOG_LEVEL": log_level}), "gateway")
     assert logging.getLevelName(logging.getLogger("httpx").level) == httpx_level
+
+
+@pytest.mark.usefixtures("chatty_levels_restored")
+def test_aio_pikas_error_for_each_channel_of_a_lost_connection_is_dropped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """aio-pika#668: its robust channel's own attempt to reopen on a connection gone is
+    logged as an error, though the connection's restoration reopens it (a walkthrough saw
+    two or three per connection lost). Its other errors stay."""
+    configure_logging(GatewaySettings.model_validate({}), "gateway")
+    tools = logging.getLogger("aio_pika.tools")
+    callback = "<OneShotCallback: cb=<bound method RobustChannel._on_close of <channel>>>"
+
+    with caplog.at_level(logging.ERROR, logger="aio_pika.tools"):
+        tools.error(
+            "Callback %r error: %s: %s",
+            callback,
+            "ChannelInvalidStateError",
+            "No active transport in channel",
+        )
+        tools.error("Callback %r error: %s: %s", "<other>", "RuntimeError", "boom")
+
+    assert [record.getMessage() for record in caplog.records if record.name == tools.name] == [
+        "Callback '<other>' error: RuntimeError: boom"
+    ]

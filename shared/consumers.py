@@ -626,9 +626,10 @@ class ScoreboxBroker(RabbitBroker):
                 consuming.on_delivery, no_ack=False, timeout=self._timeout
             )
             self._consuming.append(consuming)
-        for connection in (self._consumer_connection, self._own_queues_connection):
-            if connection is not None:
-                self._gates.watch(connection)
+        if self._consumer_connection is not None:
+            self._gates.watch(self._consumer_connection, consuming=True)
+        if self._own_queues_connection is not None:
+            self._gates.watch(self._own_queues_connection, consuming=False)
 
     def _gate_of(self, subscription: _Subscription) -> asyncio.Event | None:
         if subscription.starts_after is None:

@@ -9,6 +9,8 @@ import logging
 from collections.abc import Iterator
 from contextvars import ContextVar
 
+from aiormq.exceptions import ConnectionClosed
+
 _CORRELATION_ID: ContextVar[str | None] = ContextVar("scorebox_correlation_id", default=None)
 
 
@@ -33,17 +35,37 @@ class CorrelationFilter(logging.Filter):
 
 
 class KnownLibraryNoise(logging.Filter):
-    """Drops the error aio-pika logs for each channel of a connection lost, whose robust
-    copy tries to reopen itself on a connection with no transport (`RobustChannel._on_close`:
-    "No active transport in channel", aio-pika#668): the connection's own restoration
-    reopens every channel, so the line and its traceback, two or three per connection lost,
-    told an operator of a failure that was none (a walkthrough)."""
+    """Drops two library records that tell of nothing but a broker connection lost, which
+    aiormq's own ERROR line ("Unexpected connection close from remote ...", with the
+    broker's reply code and text) and the reconnection gates' warning already report:
+
+    - aio-pika's error for each channel of the connection, whose robust copy tries to
+      reopen itself on the connection gone (`RobustChannel._on_close`: "No active transport
+      in channel", or the connection's own "... closed", aio-pika#668): the connection's
+      restoration reopens every channel, so the lines, two or three per connection lost,
+      told an operator of failures that were none (walkthroughs);
+    - aiormq's warning that its reader exited, with the traceback of the broker's
+      `Connection.Close` (a plain `ConnectionClosed`, such as a forced close). Its other
+      causes (a malformed frame, a socket error) keep their traceback.
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "aiormq.connection":
+            return not _reader_ended_by_the_brokers_close(record)
         message = record.getMessage()
         return not (
-            "RobustChannel._on_close" in message and "No active transport in channel" in message
+            "RobustChannel._on_close" in message
+            and ("No active transport in channel" in message or message.endswith(" closed"))
         )
 
 
+def _reader_ended_by_the_brokers_close(record: logging.LogRecord) -> bool:
+    exception = record.exc_info[1] if record.exc_info else None
+    return record.msg == READER_EXITED and type(exception) is ConnectionClosed
+
+
+# aiormq's message (`Connection._on_reader_done`) when its reader task ended with an error.
+READER_EXITED = "Cancelling cause reader exited abnormally"
+# The loggers whose records `KnownLibraryNoise` sifts.
+NOISY_LIBRARY_LOGGERS = ("aio_pika.tools", "aiormq.connection")
 KNOWN_LIBRARY_NOISE = KnownLibraryNoise()

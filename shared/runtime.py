@@ -30,7 +30,7 @@ from uvicorn.config import LOGGING_CONFIG
 from shared.bus import BROKER_ERRORS, publish_dead_letter
 from shared.consumers import Delivery, ScoreboxBroker
 from shared.database_errors import transient_database_error
-from shared.log_context import KNOWN_LIBRARY_NOISE, CorrelationFilter
+from shared.log_context import KNOWN_LIBRARY_NOISE, NOISY_LIBRARY_LOGGERS, CorrelationFilter
 from shared.settings import ServiceSettings, StartupRefused, redact_url
 from shared.topology import WorkQueue, declare_topology
 
@@ -53,7 +53,8 @@ CHATTY_LOGGERS = ("httpx",)
 
 def configure_logging(settings: ServiceSettings, service: str) -> None:
     logging.captureWarnings(True)  # Python's warnings as records: JSON lines in json mode
-    logging.getLogger("aio_pika.tools").addFilter(KNOWN_LIBRARY_NOISE)
+    for name in NOISY_LIBRARY_LOGGERS:
+        logging.getLogger(name).addFilter(KNOWN_LIBRARY_NOISE)
     if settings.log_level.upper() != "DEBUG":
         for name in CHATTY_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.gateway.errors import nothing_kept
 from shared.http import Problem, problem_instance, problem_response
 from shared.log_rate import Tally
 
@@ -118,7 +119,7 @@ class SubmissionAdmission:
             nonlocal taken_at
             message = await receive()
             if taken_at is None and _ends_body(message):
-                self._admit()
+                self._admit(scope)
                 taken_at = self.clock()
             return message
 
@@ -138,12 +139,12 @@ class SubmissionAdmission:
             if taken_at is not None:
                 self.limit.release(self.clock() - taken_at)
 
-    def _admit(self) -> None:
+    def _admit(self, scope: Scope) -> None:
         """Take a place for a submission whose body has arrived, or refuse it: `Overloaded`
         raised inside the application's read of its body, before the route acts on it."""
         if not self.limit.try_acquire():
             self._report_refusal()
-            raise overloaded(self.limit)
+            raise overloaded(self.limit, idempotency_key=_idempotency_key(scope))
 
     def _report_refusal(self) -> None:
         """Tell the operator that submissions are being shed, at most once per interval."""
@@ -182,6 +183,14 @@ def install_admission(app: FastAPI, *, target_ms: float, max_limit: int) -> Adap
     return limit
 
 
+def _idempotency_key(scope: Scope) -> str | None:
+    """The request's Idempotency-Key header as sent (checked later by the route, if at all)."""
+    for name, value in scope["headers"]:
+        if name == b"idempotency-key":
+            return str(value.decode("latin-1"))
+    return None
+
+
 def _ends_body(message: Message) -> bool:
     return message["type"] == "http.request" and not message.get("more_body", False)
 
@@ -191,12 +200,12 @@ class Overloaded(Problem):
     body, so the application's own `Problem` handler answers it (503 problem+json)."""
 
 
-def overloaded(limit: AdaptiveLimit) -> Overloaded:
+def overloaded(limit: AdaptiveLimit, *, idempotency_key: str | None = None) -> Overloaded:
     return Overloaded(
         503,
         f"This gateway is taking on as many submissions as it can finish in about "
-        f"{limit.target_s:g} s ({int(limit.limit)} at a time); nothing was kept. "
-        f"Retry after {RETRY_AFTER_S} s.",
+        f"{limit.target_s:g} s ({int(limit.limit)} at a time); "
+        f"{nothing_kept(idempotency_key, when=f'after {RETRY_AFTER_S} s')}",
         kind="overloaded",
         headers={"Retry-After": str(RETRY_AFTER_S)},
         limit="admission",

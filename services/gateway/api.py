@@ -27,6 +27,7 @@ from services.gateway.errors import (
     ReplayUnfinished,
     RequestInProgress,
     Unavailable,
+    nothing_kept,
     refused_for_good,
 )
 from services.gateway.limits import InFlight, LimitExceeded, limit_problem
@@ -136,12 +137,15 @@ def _check_idempotency_key(key: str | None, request: Request) -> str | None:
     return key
 
 
-def _unavailable(error: Unavailable) -> Problem:
+def _unavailable(error: Unavailable, *, idempotency_key: str | None = None) -> Problem:
+    """503: nothing of this request was kept. A submission's replay (`idempotency_key`) is
+    told that what its key's first request started goes on: "nothing was kept" told a client
+    whose first request was accepted that it was lost (a review)."""
     if refused_for_good(error):
         return database_refused(error)
     return Problem(
         503,
-        f"{error.away}; nothing was kept. Retry shortly.",
+        f"{error.away}; {nothing_kept(idempotency_key)}",
         kind="unavailable",
         headers={"Retry-After": str(error.retry_after_s)},
     )
@@ -286,7 +290,7 @@ def score_routes(
                 "retry shortly.",
             ) from error
         except Unavailable as error:
-            raise _unavailable(error) from error
+            raise _unavailable(error, idempotency_key=idempotency_key) from error
         location = {"Location": status_url(submitted.task_id)}
         if submitted.created and submitted.cached_result is not None:
             return _view_json(_cached_view(submitted, deps.clock()), headers=location)

@@ -435,7 +435,7 @@ def batch_routes(
                 pending="A batch with this Idempotency-Key is still being accepted; retry shortly.",
             ) from error
         except Unavailable as error:
-            raise _unavailable(error) from error
+            raise _unavailable(error, idempotency_key=idempotency_key) from error
         record = submitted.record
         accepted = BatchAccepted(
             batch_id=record.batch_id,

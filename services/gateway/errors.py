@@ -112,3 +112,15 @@ class StatusUnavailable(Unavailable):
     """The status service did not answer."""
 
     what = "The status service"
+
+
+def nothing_kept(idempotency_key: str | None, *, when: str = "shortly") -> str:
+    """The end of a refused submission's 503: what was kept, and when to retry. A replay is
+    told that what its key's first request started goes on: "nothing was kept" told a
+    client whose first request had been accepted that it was lost (a review)."""
+    if idempotency_key is None:
+        return f"nothing was kept. Retry {when}."
+    return (
+        "nothing of this request was kept, and a request accepted earlier under its "
+        f"Idempotency-Key is unaffected. Retry {when} with the same Idempotency-Key."
+    )

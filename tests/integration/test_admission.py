@@ -115,7 +115,13 @@ async def test_a_submission_over_the_limit_is_refused_at_once_and_keeps_nothing(
         problem = answer.json()
         assert problem["limit"] == "admission"
         assert problem["type"].endswith("/overloaded")
-        assert "nothing was kept" in problem["detail"]
+    assert "; nothing was kept. Retry after 1 s." in batch.json()["detail"]
+    # Keyed, a replay is told its key's first request, if any, goes on (it read "nothing was
+    # kept", which told a client whose first request had been accepted that it was lost).
+    assert refused.json()["detail"].endswith(
+        "; nothing of this request was kept, and a request accepted earlier under its "
+        "Idempotency-Key is unaffected. Retry after 1 s with the same Idempotency-Key."
+    )
     assert unknown.status_code == 404  # reads are not submissions: never refused by it
 
     # Nothing was kept of the refused submission: its Idempotency-Key starts a new task.

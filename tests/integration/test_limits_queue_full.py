@@ -131,7 +131,7 @@ async def test_a_full_queue_answers_503_and_keeps_nothing(stack: Stack) -> None:
     assert int(refused.headers["retry-after"]) > 0
     problem = refused.json()
     assert problem["status"] == 503
-    assert "nothing was kept" in problem["detail"]
+    assert "nothing of this request was kept" in problem["detail"]
 
     # Exactly the accepted submissions are kept, each counted once in flight.
     stored = [d["_id"] async for d in stack.db["submissions"].find({}, projection={"_id": 1})]

@@ -221,9 +221,9 @@ def create_app(
         yield
         # No model call starts any more: the deliveries waiting for a slot, and any that
         # arrives before the consumer is cancelled, are sent again with their delivery counts
-        # (`scoring._turned_away`), and so is one at its delivery limit waiting for another
-        # claim (`consumer._handed_back_at_stop`). Those in a slot finish within the grace
-        # period (`stop_grace_s`).
+        # (`scoring._turned_away`); one at its delivery limit never waits for another claim
+        # (`consumer._handed_back`). Those in a slot finish within the grace period
+        # (`stop_grace_s`).
         stopping = asyncio.get_running_loop().time()
         deps.model_slots.close()
         await broker.stop_consuming()

@@ -29,12 +29,16 @@ What each outcome means on the broker:
   is): finding the attempt held by another delivery of this process, it waits for it as a
   redelivery does, since the holder may be the lost predecessor still waiting for a model
   slot, which will start nothing.
-- the scorer stopping while a delivery at that limit waits for another claim's decision:
-  sent again, its count unchanged, then acked (see `_handed_back_at_stop`).
+- a delivery at that limit (or at the crash limit, its give-up refused) whose attempt another
+  claim still holds, or whose database is away for longer than `LIMIT_DATABASE_WAIT_S`: sent
+  again as a fresh copy carrying its count unchanged, due when that claim's lease ends (or
+  shortly), then acked; the copy comes back at the limit and looks again (`_handed_back`).
+  Held instead, it came back counted once more when its connection dropped, and RabbitMQ
+  dead-lettered it by its own count, without a reason.
 - a give-up is recorded as the attempt's decision first, under a claim of this process:
   a later copy of the command (the gateway's outbox sweep, a retry replayed) then carries
-  the failure out again instead of calling the model. Another worker's live claim is waited
-  for, and its decision carried out instead.
+  the failure out again instead of calling the model. Another worker's live claim is looked
+  at again once its lease ends (the copy above), and its decision carried out instead.
 - MongoDB unavailable (a transient error, `shared.database_errors`): re-sent after a delay
   without counting it as a crash. A permanent database error (a write refused for good: a
   failed validation, a document over 16 MiB) is a crash: re-sent uncounted, it came back
@@ -54,7 +58,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from faststream.rabbit import RabbitBroker
@@ -63,8 +67,7 @@ from pymongo.errors import PyMongoError
 
 from services.scorer.attempts import Busy, Claimed
 from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Retry, Spent
-from services.scorer.scoring import Clock, ScorerDeps, recorded_decision, score_text
-from services.scorer.slots import SlotsClosed
+from services.scorer.scoring import DUE_SLACK, Clock, ScorerDeps, recorded_decision, score_text
 from shared.batched_publish import EventBatcher
 from shared.bus import publish_command
 from shared.consumers import Delivery, ScoreboxBroker, consume
@@ -101,8 +104,10 @@ REPLACES_LOST_HEADER = "x-scorebox-replaces-lost"
 # Times a message whose attempt was never claimed reaches the delivery limit and is sent again
 # with its count cleared: with the default limit, 20 deliveries lost before a give-up.
 UNSTARTED_RESETS = 3
-# How often a delivery at its limit looks again at an attempt whose claim holds.
-LIMIT_POLL_S = 1.0
+# How long a delivery at a limit waits out a database that is away, each read or write,
+# before it is handed back (`_handed_back`): held for the outage, it came back counted once
+# more, past the limit, when its connection dropped or the broker's consumer timeout struck.
+LIMIT_DATABASE_WAIT_S = 10.0
 # Give-ups refused this many times (the attempt claimed or decided meanwhile, each time) go
 # ahead unrecorded: a message that kills its consumers must stop.
 GIVE_UP_TRIES = 3
@@ -247,6 +252,11 @@ def subscribe_scorer(
             await _at_delivery_limit(command, message, deps, actions, deliveries)
             await message.ack()
             return
+        if (crashes := _crashes_before(message)) >= crash_limit:
+            # A copy handed back at the crash limit: it looks again, never scores.
+            await _at_crash_limit(command, message, deps, actions, crashes=crashes)
+            await message.ack()
+            return
         redelivered = _handed_out_before(message)
         lost = asyncio.Event()
         try:
@@ -301,30 +311,39 @@ async def _at_delivery_limit(
 
     Giving up on a decided attempt published `task.failed` for a task whose result was
     stored, or next to the retry it had scheduled. Giving up on one never claimed failed
-    tasks that had only waited in the prefetch of a consumer whose connection dropped."""
-    resets = int(message.headers.get(UNSTARTED_RESETS_HEADER, 0))
-    if resets < UNSTARTED_RESETS and await _never_claimed(command, deps):
-        await _sent_again_afresh(command, message, deps, actions, resets=resets + 1)
-        return
-    carried = int(message.headers.get(EARLIER_DELIVERIES_HEADER, 0))
-    reason = (
-        f"its consumer died or lost its connection holding it {deliveries} times "
-        f"({carried} of them on earlier copies it was sent again as; "
-        f"delivery limit {SCORE_REQUESTS.delivery_limit})"
-    )
-    await _settle_or_give_up(command, message, deps, actions, reason)
+    tasks that had only waited in the prefetch of a consumer whose connection dropped.
+
+    Never held across an open-ended wait (another claim's lease, a database away): handed
+    back instead (`_handed_back`)."""
+    copy_headers = _carried_headers(message)
+    try:
+        resets = int(message.headers.get(UNSTARTED_RESETS_HEADER, 0))
+        if resets < UNSTARTED_RESETS and await _never_claimed(command, deps):
+            await _sent_again_afresh(command, message, deps, actions, resets=resets + 1)
+            return
+        carried = int(message.headers.get(EARLIER_DELIVERIES_HEADER, 0))
+        reason = (
+            f"its consumer died or lost its connection holding it {deliveries} times "
+            f"({carried} of them on earlier copies it was sent again as; "
+            f"delivery limit {SCORE_REQUESTS.delivery_limit})"
+        )
+        await _settle_or_give_up(command, message, deps, actions, reason, copy_headers=copy_headers)
+    except PyMongoError as error:
+        await _handed_back_while_database_away(command, deps, actions, copy_headers, error)
 
 
 async def _never_claimed(command: ScoreText, deps: ScorerDeps) -> bool:
     """Whether no claim of the command's attempt was ever written: nothing stored for the task,
-    or only an earlier attempt or generation. A database that cannot answer says no (the
-    limit's usual path, which waits it out)."""
+    or only an earlier attempt or generation. A database that refuses the read for good says
+    no (the limit's usual path); one away past `LIMIT_DATABASE_WAIT_S` raises."""
     try:
-        held = await keep_trying_database(
+        held = await _at_limit_database(
             lambda: deps.attempts.find(command.task_id),
             what=f"reading the claim of {command.task_id} at its delivery limit",
         )
-    except PyMongoError:
+    except PyMongoError as error:
+        if transient_database_error(error):
+            raise
         return False
     if held is None:
         return True
@@ -354,16 +373,23 @@ async def _sent_again_afresh(
 
 
 async def _settle_or_give_up(
-    command: ScoreText, message: Delivery, deps: ScorerDeps, actions: BrokerActions, reason: str
+    command: ScoreText,
+    message: Delivery,
+    deps: ScorerDeps,
+    actions: BrokerActions,
+    reason: str,
+    *,
+    copy_headers: dict[str, Any],
 ) -> None:
-    """Carry out the attempt's recorded decision once its claim no longer holds; give the
-    message up when nothing was decided. A give-up refused (the attempt was claimed or
-    decided in between) looks at the attempt again."""
+    """Carry out the attempt's recorded decision; give the message up when nothing was
+    decided; hand it back (`copy_headers` on its copy) while another claim holds the attempt.
+    A give-up refused (the attempt was claimed or decided in between) looks at the attempt
+    again."""
     for _ in range(GIVE_UP_TRIES):
-        try:
-            recorded = await _decision_once_settled(command, deps)
-        except SlotsClosed:
-            await _handed_back_at_stop(command, message, deps, actions)
+        recorded = await _settled_decision(command, deps)
+        if isinstance(recorded, Busy):
+            due = recorded.until + DUE_SLACK
+            await _handed_back(command, deps, actions, copy_headers, due=due, why="claimed")
             return
         if recorded is not None:
             log.warning("%s given up on: carrying its recorded decision out", command.task_id)
@@ -377,62 +403,91 @@ async def _settle_or_give_up(
     await _dead_letter_and_fail(message, deps, actions, unrecorded, reason)
 
 
-async def _decision_once_settled(
+async def _settled_decision(
     command: ScoreText, deps: ScorerDeps
-) -> Finish | Retry | Drop | None:
+) -> Finish | Retry | Drop | Busy | None:
     """The attempt's recorded decision at the delivery limit (or at the crash limit, another
-    claim holding the attempt), once its claim no longer holds.
+    claim holding the attempt); Busy while its claim holds, None once its lease ended with
+    nothing decided (its worker died).
 
     A claim that holds may be the shielded decision of a delivery whose connection dropped,
     with its model call still running: given up then, its decision was recorded a moment
-    later and carried out by nobody (the task read failed, its result stored). The delivery
-    is held until the decision lands or the lease ends (its worker died), unless the scorer
-    stops meanwhile (`SlotsClosed`): the lease may outlast the stop's grace period."""
-    while True:
-        standing = await _recorded_decision_at_limit(command, deps)
-        if not isinstance(standing, Busy):
-            return standing
-        left_s = (standing.until - deps.clock()).total_seconds()
-        if left_s <= 0:
-            return None
-        if deps.model_slots.closed:
-            raise SlotsClosed
-        await asyncio.sleep(min(left_s, LIMIT_POLL_S))
+    later and carried out by nobody (the task read failed, its result stored). Waited for
+    with the delivery held (up to the lease, 90 s by default), the delivery came back past
+    the limit if its connection dropped meanwhile: the caller hands it back instead."""
+    standing = await _recorded_decision_at_limit(command, deps)
+    if isinstance(standing, Busy) and standing.until <= deps.clock():
+        return None
+    return standing
 
 
 async def _recorded_decision_at_limit(
     command: ScoreText, deps: ScorerDeps
 ) -> Finish | Retry | Drop | Busy | None:
-    """`recorded_decision`, a database that is away waited out while the delivery is held:
-    taken for "nothing decided", a database away at that moment failed a task whose result
-    may be stored. A read the database refuses for good is taken for nothing decided: held,
-    the delivery stayed so for ever; given up, the message stops."""
+    """`recorded_decision`, a database that is away waited out up to `LIMIT_DATABASE_WAIT_S`
+    (then raised, for the delivery to be handed back): taken for "nothing decided", a
+    database away at that moment failed a task whose result may be stored. A read the
+    database refuses for good is taken for nothing decided: held, the delivery stayed so for
+    ever; given up, the message stops."""
     try:
-        return await keep_trying_database(
+        return await _at_limit_database(
             lambda: recorded_decision(command, deps=deps),
             what=f"reading the recorded decision of {command.task_id} at its delivery limit",
         )
-    except PyMongoError:
+    except PyMongoError as error:
+        if transient_database_error(error):
+            raise
         log.exception("%s: its recorded decision cannot be read; taken for none", command.task_id)
         return None
 
 
-async def _handed_back_at_stop(
-    command: ScoreText, message: Delivery, deps: ScorerDeps, actions: BrokerActions
+async def _handed_back(
+    command: ScoreText,
+    deps: ScorerDeps,
+    actions: BrokerActions,
+    copy_headers: dict[str, Any],
+    *,
+    due: datetime,
+    why: str,
 ) -> None:
-    """At stop, a delivery at its limit that waits for another claim's decision is sent again
-    as a fresh copy carrying its deliveries counted so far, unchanged; the caller acks it.
+    """A delivery at a limit that would wait (another claim holds its attempt, or the
+    database is away) is sent again as a fresh copy due at `due`, down the wait ladder,
+    carrying its deliveries counted so far unchanged (`copy_headers`); the caller acks it.
 
-    It used to wait on through the stop's grace period (a lease, 90 s by default, is longer)
-    and go back when the channel closed, one delivery more: a copy handed out at the limit by
-    RabbitMQ's own count was then dead-lettered by the queue's `x-delivery-limit`, without a
-    give-up recorded or `task.failed` published. Its copy finds the limit again on the next
-    scorer, which waits for the decision there. The delivery is held until the broker
-    confirms the copy: a stop that ends first leaves it to come back, never lost."""
-    log.info("%s: stopping at its delivery limit; sent again, its count kept", command.task_id)
-    again = command.model_copy(update={"message_id": new_id()})
-    await actions.resend(again, headers=_carried_headers(message))
+    It used to be held meanwhile: for the other claim's lease (90 s by default, longer than a
+    stop's grace period), for a database outage without end. A connection dropped under it
+    (or a stop, or the broker's consumer timeout closing its channel) returned it counted
+    once more, and a delivery at the limit by RabbitMQ's own count was dead-lettered by the
+    queue's `x-delivery-limit`, without a give-up recorded or `task.failed` published; the
+    other claim's decision, recorded a moment later, was carried out by nobody. The copy
+    comes back at the limit and looks again. The delivery is held until the broker confirms
+    the copy: a connection that drops first leaves it to come back, never lost."""
+    log.info("%s: at its limit, %s; sent again, its count kept", command.task_id, why)
+    again = command.model_copy(update={"not_before": due, "message_id": new_id()})
+    await actions.resend(again, headers=copy_headers)
     deps.metrics.count_resent()
+
+
+async def _handed_back_while_database_away(
+    command: ScoreText,
+    deps: ScorerDeps,
+    actions: BrokerActions,
+    copy_headers: dict[str, Any],
+    error: PyMongoError,
+) -> None:
+    """`_handed_back`, due shortly, for a database away past `LIMIT_DATABASE_WAIT_S`; any
+    other database error is raised (its callers took those for nothing decided already)."""
+    if not transient_database_error(error):
+        raise error
+    log.warning("MongoDB unavailable at the limit of %s: %r", command.task_id, error)
+    due = deps.clock() + CRASH_RETRY_DELAY
+    await _handed_back(command, deps, actions, copy_headers, due=due, why="the database away")
+
+
+async def _at_limit_database[T](action: Callable[[], Awaitable[T]], *, what: str) -> T:
+    """`keep_trying_database` for a delivery at a limit: the last error raised once the wait
+    would pass `LIMIT_DATABASE_WAIT_S`, for the delivery to be handed back."""
+    return await keep_trying_database(action, what=what, give_up_after_s=LIMIT_DATABASE_WAIT_S)
 
 
 async def _decide(
@@ -472,16 +527,35 @@ async def _after_crash(
     crash_limit: int,
 ) -> None:
     """Send the message again later, or give it up at the crash limit."""
-    crashes = int(message.headers.get(CRASHES_HEADER, 0)) + 1
+    crashes = _crashes_before(message) + 1
     if crashes < crash_limit:
         await _retry_later(command, message, actions, count_crash=True)
         deps.metrics.count_resent()
         return
+    await _at_crash_limit(command, message, deps, actions, crashes=crashes)
+
+
+def _crashes_before(message: Delivery) -> int:
+    return int(message.headers.get(CRASHES_HEADER, 0))
+
+
+async def _at_crash_limit(
+    command: ScoreText, message: Delivery, deps: ScorerDeps, actions: BrokerActions, *, crashes: int
+) -> None:
+    """Give the message up, or carry out the decision another claim recorded meanwhile. Its
+    copy handed back (another claim holding the attempt, the database away) carries
+    `crashes`, so that it comes back here rather than to the model."""
     reason = f"the scorer crashed {crashes} times on this message"
-    # The attempt's claim is this process's own, as a rule: given up at once, not once its
-    # lease has ended (which `_settle_or_give_up` waits for).
-    if not await _give_up(command, message, deps, actions, reason):
-        await _settle_or_give_up(command, message, deps, actions, reason)
+    copy_headers = _carried_headers(message) | {CRASHES_HEADER: crashes}
+    try:
+        # The attempt's claim is this process's own, as a rule: given up at once, not once
+        # its lease has ended (which `_settle_or_give_up` looks for).
+        if not await _give_up(command, message, deps, actions, reason):
+            await _settle_or_give_up(
+                command, message, deps, actions, reason, copy_headers=copy_headers
+            )
+    except PyMongoError as error:
+        await _handed_back_while_database_away(command, deps, actions, copy_headers, error)
 
 
 async def _give_up(
@@ -514,11 +588,14 @@ async def _dead_letter_and_fail(
 async def _recorded_give_up(command: ScoreText, deps: ScorerDeps, reason: str) -> Finish | None:
     """The give-up, once recorded as the attempt's decision (None: refused).
 
-    The database away is waited out, the delivery held. Any other failure to record it
-    gives the message up unrecorded: a message that crashes its handler must stop."""
+    The database away is waited out up to `LIMIT_DATABASE_WAIT_S`, then raised (the delivery
+    is handed back). Any other failure to record it gives the message up unrecorded: a
+    message that crashes its handler must stop."""
     try:
         return await _claimed_and_given_up(command, deps, reason)
-    except Exception:
+    except Exception as error:
+        if transient_database_error(error):
+            raise
         log.exception("%s: its give-up could not be recorded", command.task_id)
         return _given_up(command, reason, await _spent_before(command, deps))
 
@@ -530,7 +607,7 @@ async def _claimed_and_given_up(command: ScoreText, deps: ScorerDeps, reason: st
     reads it under the claim."""
     attempt = (command.task_id, command.generation, command.attempt)
     with deps.in_hand.holding(attempt) as only_here:
-        claim = await keep_trying_database(
+        claim = await _at_limit_database(
             lambda: deps.attempts.claim(
                 command, now=deps.clock(), lease=deps.lease, owner=deps.owner, reclaim_own=only_here
             ),
@@ -539,7 +616,7 @@ async def _claimed_and_given_up(command: ScoreText, deps: ScorerDeps, reason: st
         if not isinstance(claim, Claimed):
             return None
         given_up = _given_up(command, reason, await _spent_before(command, deps))
-        recorded = await keep_trying_database(
+        recorded = await _at_limit_database(
             lambda: deps.attempts.decide(
                 command, given_up, now=deps.clock(), raw_output=None, owner=deps.owner
             ),
@@ -549,13 +626,16 @@ async def _claimed_and_given_up(command: ScoreText, deps: ScorerDeps, reason: st
 
 
 async def _spent_before(command: ScoreText, deps: ScorerDeps) -> Spent | None:
-    """`Attempts.spent_before`, waited for while the database is away (the delivery is held,
-    as at the delivery limit); None should reading it fail otherwise."""
+    """`Attempts.spent_before`, waited for while the database is away, up to
+    `LIMIT_DATABASE_WAIT_S` (then raised: the delivery is handed back, as at the delivery
+    limit); None should reading it fail otherwise."""
     try:
-        return await keep_trying_database(
+        return await _at_limit_database(
             lambda: deps.attempts.spent_before(command),
             what=f"reading what earlier attempts of {command.task_id} were billed",
         )
-    except Exception:  # giving the task up must not fail on its metering
+    except Exception as error:  # giving the task up must not fail on its metering
+        if transient_database_error(error):
+            raise
         log.exception("%s: what its earlier attempts were billed is lost", command.task_id)
         return None

@@ -8,6 +8,11 @@ regardless published `task.failed` for a task whose result was stored (or next t
 it had scheduled). `recorded_decision` runs here on the real database (MongoDB or the
 stand-in); the delivery-limit path itself, with nothing decided, is the fault test
 `test_message_that_kills_the_scorer_every_time_stops_at_the_delivery_limit`.
+
+A delivery at the limit (or at the crash limit) never waits for another claim's lease or a
+database outage: held, it came back past the limit when its connection dropped, for RabbitMQ
+to dead-letter without a reason. It is handed back as a copy carrying its count, which
+comes back at the limit and looks again (the broker's side: `test_scorer_limit_hand_back.py`).
 """
 
 from __future__ import annotations
@@ -15,19 +20,29 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from datetime import datetime
 from typing import Any, cast
 
+import pytest
 from pymongo.errors import AutoReconnect
 
+from services.scorer import consumer
 from services.scorer.attempts import Attempts, Busy, ClaimResult
 from services.scorer.consumer import (
+    CRASHES_HEADER,
     UNSTARTED_RESETS,
     UNSTARTED_RESETS_HEADER,
     BrokerActions,
     _at_delivery_limit,
+    subscribe_scorer,
 )
 from services.scorer.decisions import Decision, Drop, Finish, Retry
-from services.scorer.scoring import ScorerDeps, recorded_decision, score_text
+from services.scorer.scoring import (
+    DUE_SLACK,
+    ScorerDeps,
+    recorded_decision,
+    score_text,
+)
 from shared.consumers import Delivery
 from shared.contracts import (
     Phase,
@@ -40,13 +55,17 @@ from shared.contracts import (
     event_sequence,
     utcnow,
 )
-from shared.topology import EARLIER_DELIVERIES_HEADER, SCORE_REQUESTS
+from shared.topology import EARLIER_DELIVERIES_HEADER, SCORE_REQUESTS, deliveries_lost
 from tests.integration import test_scorer_own_claims as own_claims
-from tests.integration.test_scorer_own_claims import LEASE, Deps, _command
-from tests.support import HandedDelivery
+from tests.integration.test_scorer_own_claims import LEASE, Deps, _calls, _command
+from tests.support import HandedDelivery, HandlerOnly
 
 attempts = own_claims.attempts  # fixtures
 make_deps = own_claims.make_deps
+
+CRASH_LIMIT = 3
+# Shorter than the other claims' lease (`LEASE`): a delivery held for it fails the test.
+HANG_GUARD_S = 30
 
 
 async def test_a_decided_attempt_is_carried_out_again(make_deps: Deps) -> None:
@@ -89,39 +108,104 @@ class DecidedAfterFirstLook(Attempts):
         return standing
 
 
-async def test_an_attempt_still_running_at_the_limit_is_waited_for_and_carried_out(
+async def test_an_attempt_still_running_at_the_limit_is_handed_back_and_its_copy_carries_it_out(
     make_deps: Deps, attempts: Attempts
 ) -> None:
     """Given up while the shielded call went on: its decision was recorded a moment later and
-    carried out by nobody, the task read failed with its result stored."""
+    carried out by nobody, the task read failed with its result stored. Waited for with the
+    delivery held (up to the lease), the delivery came back past the limit when its
+    connection dropped meanwhile, dead-lettered by RabbitMQ: no delivery was left to carry
+    the decision out (found in review). Its copy, due when the lease ends, does."""
     command, _ = _command("Still being scored when its last delivery came.")
     await attempts.claim(command, now=utcnow(), lease=LEASE, owner="proc-a:1:shielded")
-    deps = make_deps("proc-a")
-    decision = Finish(
-        TaskCompleted(
-            task_id=command.task_id,
-            sequence=1,
-            attempt=command.attempt,
-            generation=command.generation,
-            submitted_at=command.submitted_at,
-            occurred_at=utcnow(),
-            result=ScoreResult(score=5, comment="ok", model="m"),
-        )
+    deps, actions = make_deps("proc-a"), Recording()
+
+    await _at_limit(command, deps, actions)
+
+    [copy], [headers] = actions.resent, actions.resent_headers
+    assert actions.done == ["resent"]
+    assert headers[EARLIER_DELIVERIES_HEADER] == SCORE_REQUESTS.delivery_limit
+    assert copy.not_before == await _lease_until(attempts, command) + DUE_SLACK
+    assert (copy.task_id, copy.attempt) == (command.task_id, command.attempt)
+
+    await attempts.decide(
+        command, _completion(command), now=utcnow(), raw_output=None, owner="proc-a:1:shielded"
     )
+    await _at_limit(copy, deps, actions, headers=headers, count=0)
+
+    assert actions.done == ["resent", "Finish"]
+
+
+async def test_a_claim_decided_right_after_the_look_at_the_limit_is_carried_out_by_the_copy(
+    make_deps: Deps, attempts: Attempts
+) -> None:
+    """The race the hand-back leaves: the decision lands between the look and the copy."""
+    command, _ = _command("Decided right after its last delivery looked.")
+    await attempts.claim(command, now=utcnow(), lease=LEASE, owner="proc-a:1:shielded")
+    deps, actions = make_deps("proc-a"), Recording()
 
     async def shielded_call_ends() -> object:
         return await attempts.decide(
-            command, decision, now=utcnow(), raw_output=None, owner="proc-a:1:shielded"
+            command, _completion(command), now=utcnow(), raw_output=None, owner="proc-a:1:shielded"
         )
 
-    actions = Recording()
     await _at_limit(
         command,
         replace(deps, attempts=DecidedAfterFirstLook(attempts, shielded_call_ends)),
         actions,
     )
+    [copy], [headers] = actions.resent, actions.resent_headers
+    await _at_limit(copy, deps, actions, headers=headers, count=0)
 
-    assert actions.done == ["Finish"]
+    assert actions.done == ["resent", "Finish"]
+
+
+async def test_at_the_crash_limit_another_claim_hands_the_message_back_to_come_back_there(
+    make_deps: Deps, attempts: Attempts, fake_llm: Any
+) -> None:
+    """The give-up refused (another worker's claim holds the attempt), the delivery was held
+    for that claim's lease. Its copy carries the crashes that reached the limit: it looks
+    again there, and carries the other worker's decision out, never calling the model."""
+    command, marker = _command("Crashed on, while another worker calls the model.")
+    await attempts.claim(command, now=utcnow(), lease=LEASE, owner="proc-b:1:live")
+    deps, actions = make_deps("proc-a"), Recording()
+    handler = HandlerOnly()
+    crashing = replace(deps, attempts=CrashesOnClaim(attempts))
+    subscribe_scorer(handler, crashing, cast("BrokerActions", actions), crash_limit=CRASH_LIMIT)  # type: ignore[arg-type]
+    body = command.model_dump_json().encode()
+    last_crash = HandedDelivery(body, headers={CRASHES_HEADER: CRASH_LIMIT - 1})
+
+    async with asyncio.timeout(HANG_GUARD_S):
+        await handler.handler(last_crash)
+
+    [copy], [headers] = actions.resent, actions.resent_headers
+    assert (actions.done, last_crash.settled) == (["resent"], ["ack"])
+    assert headers[CRASHES_HEADER] == CRASH_LIMIT
+    assert copy.not_before == await _lease_until(attempts, command) + DUE_SLACK
+
+    await attempts.decide(
+        command, _completion(command), now=utcnow(), raw_output=None, owner="proc-b:1:live"
+    )
+    came_back = HandedDelivery(copy.model_dump_json().encode(), headers=headers)
+    async with asyncio.timeout(HANG_GUARD_S):
+        await handler.handler(came_back)
+
+    assert (actions.done, came_back.settled) == (["resent", "Finish"], ["ack"])
+    assert _calls(fake_llm, marker) == 0
+
+
+class CrashesOnClaim(Attempts):
+    """The scorer's attempts, its first claim crashing (a bug), the later ones real."""
+
+    def __init__(self, attempts: Attempts) -> None:
+        self.__dict__.update(attempts.__dict__)  # shares the real one's collections
+        self.crashed = False
+
+    async def claim(self, command: ScoreText, **kwargs: Any) -> ClaimResult:
+        if not self.crashed:
+            self.crashed = True
+            raise RuntimeError("a bug in the claim")
+        return await super().claim(command, **kwargs)
 
 
 async def test_a_newer_attempts_decision_at_the_limit_drops_the_message(
@@ -224,11 +308,14 @@ class Recording:
     """The scorer's broker actions, recorded instead of carried out."""
 
     def __init__(self) -> None:
+        self.clock = utcnow
         self.done: list[str] = []
+        self.resent: list[ScoreText] = []
         self.resent_headers: list[dict[str, Any]] = []
 
     async def resend(self, command: ScoreText, *, headers: dict[str, Any]) -> None:
         self.done.append("resent")
+        self.resent.append(command)
         self.resent_headers.append(headers)
 
     async def carry_out(self, decision: Decision, message: Delivery) -> None:
@@ -263,6 +350,59 @@ async def test_a_database_away_at_the_limit_is_waited_out_not_taken_for_nothing_
     assert actions.done == ["Finish"]
 
 
+class Away(Attempts):
+    """The scorer's attempts, the database away for every read."""
+
+    def __init__(self, attempts: Attempts) -> None:  # shares the real one's collections
+        self.__dict__.update(attempts.__dict__)
+
+    async def find(self, task_id: str) -> dict[str, Any] | None:
+        raise AutoReconnect("the database is away")
+
+    async def standing(self, command: ScoreText) -> ClaimResult:
+        raise AutoReconnect("the database is away")
+
+
+async def test_a_database_away_for_long_at_the_limit_hands_the_delivery_back(
+    make_deps: Deps, attempts: Attempts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Waited out with the delivery held for as long as the outage lasted: a connection
+    dropped meanwhile (or the broker's consumer timeout, 30 min) returned it past the limit,
+    for RabbitMQ to dead-letter without a reason (found in review)."""
+    monkeypatch.setattr(consumer, "LIMIT_DATABASE_WAIT_S", 0.5)
+    command, _ = _command("At its delivery limit, the database away.")
+    actions = Recording()
+
+    await _at_limit(command, replace(make_deps("proc-a"), attempts=Away(attempts)), actions)
+
+    [copy], [headers] = actions.resent, actions.resent_headers
+    assert actions.done == ["resent"]
+    assert headers[EARLIER_DELIVERIES_HEADER] == SCORE_REQUESTS.delivery_limit
+    assert copy.not_before is not None
+    assert copy.not_before > utcnow()
+
+
+def _completion(command: ScoreText) -> Finish:
+    return Finish(
+        TaskCompleted(
+            task_id=command.task_id,
+            sequence=1,
+            attempt=command.attempt,
+            generation=command.generation,
+            submitted_at=command.submitted_at,
+            occurred_at=utcnow(),
+            result=ScoreResult(score=5, comment="ok", model="m"),
+        )
+    )
+
+
+async def _lease_until(attempts: Attempts, command: ScoreText) -> datetime:
+    held = await attempts.find(command.task_id)
+    assert held is not None
+    lease_until: datetime = held["lease_until"]
+    return lease_until
+
+
 def _retrying(command: ScoreText) -> TaskRetrying:
     return TaskRetrying(
         task_id=command.task_id,
@@ -280,9 +420,14 @@ async def _at_limit(
     actions: Recording,
     *,
     headers: dict[str, Any] | None = None,
+    count: int = SCORE_REQUESTS.delivery_limit,
 ) -> None:
-    limit = SCORE_REQUESTS.delivery_limit
-    delivery = HandedDelivery.redelivery(command.model_dump_json().encode(), count=limit)
+    """`command` handled at the limit, handed out `count` times, with `headers` (those of a
+    copy handed back carry the count)."""
+    delivery = HandedDelivery.redelivery(command.model_dump_json().encode(), count=count)
     delivery.headers.update(headers or {})
-    async with asyncio.timeout(60):  # a hang guard: the lease is 60 s, decided at once here
-        await _at_delivery_limit(command, delivery, deps, cast("BrokerActions", actions), limit)
+    deliveries = deliveries_lost(delivery.headers)
+    async with asyncio.timeout(HANG_GUARD_S):  # the lease is 60 s, decided at once here
+        await _at_delivery_limit(
+            command, delivery, deps, cast("BrokerActions", actions), deliveries
+        )

@@ -221,17 +221,18 @@ async def recorded_decision(
     command: ScoreText, *, deps: ScorerDeps
 ) -> Finish | Retry | Drop | Busy | None:
     """For a delivery past the queue's delivery limit: the attempt's recorded decision to
-    carry out again (its effects may not have been), Drop when a newer attempt exists, Busy
-    while the attempt's claim holds (a decision may yet be recorded), None when nothing was
-    decided (the caller gives up on the message)."""
+    carry out again (its effects may not have been), Drop when a newer attempt exists or that
+    decision is a cancellation its consumer published, Busy while the attempt's claim holds
+    (a decision may yet be recorded), None when nothing was decided (the caller gives up on
+    the message)."""
     match await deps.attempts.standing(command):
-        case Decided(decision=decision) if _decides(decision, command) or _cancels_the_next(
+        case Decided(decision=decision, published=published) if _decides(
             decision, command
-        ):
+        ) or _cancels_the_next(decision, command):
             # The attempt's own; or the cancellation that replaced its retry (noted during
             # its call), which this very delivery carried out, perhaps with its publish lost:
             # dropped, nothing was left to carry it out (found in review). A repeat is a no-op.
-            return decision
+            return _unless_published_cancellation(decision, published=published)
         case Decided(decision=decision) if _is_newer(decision, command):
             # A later attempt completed or failed: its own delivery carried that out. Given
             # up, this one published a second, failed outcome next to it.
@@ -247,6 +248,18 @@ async def recorded_decision(
             return busy
         case _:
             return None
+
+
+def _unless_published_cancellation(
+    decision: Finish | Retry, *, published: bool
+) -> Finish | Retry | Drop:
+    """`decision`, or Drop for a cancellation its consumer published, as `_not_claimed` drops
+    it: carried out again by a command reaching its delivery limit after its task was
+    cancelled (days later, a delayed task's), it brought the task back into the status service
+    after it had expired there, its webhook perhaps a second time (found in review)."""
+    if published and is_cancellation(decision):
+        return Drop("its cancellation was published when it was recorded")
+    return decision
 
 
 def _cancels_the_next(decision: Finish | Retry, command: ScoreText) -> bool:

@@ -27,7 +27,7 @@ import pytest
 from pymongo.errors import AutoReconnect
 
 from services.scorer import consumer
-from services.scorer.attempts import Attempts, Busy, ClaimResult
+from services.scorer.attempts import Attempts, Busy, Cancelled, ClaimResult
 from services.scorer.consumer import (
     CRASHES_HEADER,
     UNSTARTED_RESETS,
@@ -40,6 +40,7 @@ from services.scorer.decisions import Decision, Drop, Finish, Retry
 from services.scorer.scoring import (
     DUE_SLACK,
     ScorerDeps,
+    _cancel_requested,
     recorded_decision,
     score_text,
 )
@@ -288,6 +289,24 @@ async def test_a_new_generation_at_the_limit_is_not_given_the_earlier_ones_decis
     rescore = command.model_copy(update={"generation": command.generation + 1, "attempt": 1})
 
     assert await recorded_decision(rescore, deps=deps) is None
+
+
+async def test_a_cancellation_published_already_is_dropped_at_the_limit(
+    make_deps: Deps, attempts: Attempts
+) -> None:
+    """Carried out again, a command reaching its limit after its task was cancelled
+    republished `task.failed` (cancelled), possibly days later, as a delayed task's command
+    did on the normal path until `_not_claimed` dropped it (found in review)."""
+    command, _ = _command("Cancelled, its failure published, then at its delivery limit.")
+    cancel = _cancel_requested(command, utcnow())
+    outcome = await attempts.cancel(cancel, now=utcnow())
+    assert isinstance(outcome, Cancelled)
+    await attempts.note_cancellation_published(cancel, outcome.decision)
+    actions = Recording()
+
+    await _at_limit(command, make_deps("proc-a"), actions)
+
+    assert actions.done == ["Drop"]
 
 
 class AwayOnce(Attempts):

@@ -55,8 +55,13 @@ class KnownLibraryNoise(logging.Filter):
         message = record.getMessage()
         return not (
             "RobustChannel._on_close" in message
-            and ("No active transport in channel" in message or message.endswith(" closed"))
+            and ("No active transport in channel" in message or _connection_closed(message))
         )
+
+
+def _connection_closed(message: str) -> bool:
+    """aiormq's `RuntimeError` for its connection closed (not a channel's own error)."""
+    return "RuntimeError: <Connection: " in message and message.endswith(" closed")
 
 
 def _reader_ended_by_the_brokers_close(record: logging.LogRecord) -> bool:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway.errors import nothing_kept
+from services.gateway.errors import IDEMPOTENCY_KEY, nothing_kept
 from shared.http import Problem, problem_instance, problem_response
 from shared.log_rate import Tally
 
@@ -184,11 +184,13 @@ def install_admission(app: FastAPI, *, target_ms: float, max_limit: int) -> Adap
 
 
 def _idempotency_key(scope: Scope) -> str | None:
-    """The request's Idempotency-Key header as sent (checked later by the route, if at all)."""
-    for name, value in scope["headers"]:
-        if name == b"idempotency-key":
-            return str(value.decode("latin-1"))
-    return None
+    """The request's one well-formed Idempotency-Key, or None: one the route would refuse
+    (malformed, sent twice) names no request to retry with."""
+    keys = [value for name, value in scope["headers"] if name == b"idempotency-key"]
+    if len(keys) != 1:
+        return None
+    key = str(keys[0].decode("latin-1"))
+    return key if IDEMPOTENCY_KEY.match(key) else None
 
 
 def _ends_body(message: Message) -> bool:

@@ -23,6 +23,7 @@ from services.gateway import schemas
 from services.gateway.auth import Caller, key_ended_while_waiting
 from services.gateway.cache import ResultCache
 from services.gateway.errors import (
+    IDEMPOTENCY_KEY,
     IdempotencyConflict,
     ReplayUnfinished,
     RequestInProgress,
@@ -64,7 +65,6 @@ from shared.http import (
 
 # `\Z`, not `$`: `$` also matches before a trailing newline.
 log = logging.getLogger("scorebox.gateway")
-IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}\Z")
 TASK_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 # The query parameters of `GET /v1/scores/{task_id}`.
 

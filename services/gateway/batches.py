@@ -889,12 +889,11 @@ class BatchStatusReader(Protocol):
     ) -> BatchProgress: ...
 
 
-class UnheardItems(Protocol):
-    """Which of a batch's tasks the status service may not have heard of: not sent yet, sent
-    by the outbox sweep at `sent_since` or later, or sent with no outcome noted
-    (`Submissions.unheard_in_batch`)."""
+class UnsentItems(Protocol):
+    """Which of a batch's tasks are not sent yet, or were sent by the outbox sweep at
+    `sent_since` or later (`Submissions.unsent_in_batch`)."""
 
-    async def unheard_in_batch(self, batch_id: str, *, sent_since: datetime) -> frozenset[str]: ...
+    async def unsent_in_batch(self, batch_id: str, *, sent_since: datetime) -> frozenset[str]: ...
 
 
 @dataclass(frozen=True)
@@ -926,7 +925,7 @@ async def read_batch(
     limit: int,
     batches: Batches,
     status: BatchStatusReader,
-    submissions: UnheardItems,
+    submissions: UnsentItems,
     clock: Clock,
     window: timedelta,
 ) -> BatchPage | None:
@@ -934,12 +933,11 @@ async def read_batch(
 
     Items the status service has not heard of read `queued` while the batch is young
     (read-your-writes), and later too while their submissions are not sent yet (`accepting`
-    or `unconfirmed`: a broker alarm, a crashed gateway, the outbox sweep to come), the
+    or `unconfirmed`: a broker alarm, a crashed gateway, the outbox sweep to come) or the
     sweep sent them within the window (the status service may read their copies behind an
-    alarm's backlog) or no outcome of theirs is noted (the projection behind), as a single
-    task does (`recently_due`); the others read `expired`. An item not sent yet, just sent,
-    or not yet applied by a projection behind, read `expired` once the batch was older than
-    the window, and a client resubmitting it had it scored twice."""
+    alarm's backlog), as a single task does (`recently_due`); the others read `expired`. An
+    item not sent yet, or just sent, read `expired` once the batch was older than the window,
+    and a client resubmitting it had it scored twice."""
     record = await batches.find(batch_id, tenant_id=tenant_id)
     if record is None:
         return None
@@ -959,7 +957,7 @@ async def read_batch(
     # Read after the status service answered: an item the sweep sends in between is in it.
     pending: frozenset[str] = frozenset()
     if not young and (unheard or not_heard):
-        pending = await submissions.unheard_in_batch(batch_id, sent_since=since)
+        pending = await submissions.unsent_in_batch(batch_id, sent_since=since)
     counts = {state.value: progress.counts.get(state, 0) for state in TaskStatus}
     waiting = unheard if young else _waiting(page, not_heard, unheard=unheard, pending=pending)
     counts[TaskStatus.QUEUED.value] += waiting

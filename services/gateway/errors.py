@@ -14,6 +14,7 @@ Only the HTTP adapter (`api.py`) turns these into problem+json answers.
 """
 
 import math
+import re
 from datetime import datetime
 
 from shared.database_errors import transient_database_error
@@ -112,6 +113,10 @@ class StatusUnavailable(Unavailable):
     """The status service did not answer."""
 
     what = "The status service"
+
+
+# A well-formed Idempotency-Key: 1 to 255 visible ASCII characters.
+IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}\Z")
 
 
 def nothing_kept(idempotency_key: str | None, *, when: str = "shortly") -> str:

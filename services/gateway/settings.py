@@ -59,8 +59,7 @@ class GatewaySettings(InternalApiSettings):
         default=86_400, gt=0, le=MAX_DURATION_S, validation_alias="IDEMPOTENCY_TTL_S"
     )
     # Polls answer from the gateway's own record while the status projection has not yet heard
-    # of a task this young (read-your-writes), or of one with no outcome noted however old
-    # (`recently_due`); an older unknown task that finished has expired there.
+    # of a task this young (read-your-writes); an older unknown task is expired or never was.
     read_your_writes_window_s: float = Field(
         default=300.0,
         gt=0,

@@ -23,7 +23,7 @@ none), written with the outcome's other changes (`note_outcome`): a cancellation
 generation at or below it is refused (`services/gateway/cancels.py`).
 `sent_at` is when the outbox sweep sent a submission (absent: sent by its own request, right
 after `created_at`, or by an earlier build): the status service may not have heard of the task
-for a while after, however old it is (`recently_due`, `unheard_in_batch`).
+for a while after, however old it is (`recently_due`, `unsent_in_batch`).
 """
 
 from __future__ import annotations
@@ -659,14 +659,13 @@ class Submissions:
             raise DatabaseUnavailable(str(error)) from error
         return result.modified_count
 
-    async def unheard_in_batch(self, batch_id: str, *, sent_since: datetime) -> frozenset[str]:
+    async def unsent_in_batch(self, batch_id: str, *, sent_since: datetime) -> frozenset[str]:
         """Task ids of a batch's submissions not known to be queued yet (`accepting` or
-        `unconfirmed`, which the outbox sweep sends), sent by the sweep at `sent_since` or
-        later, or sent with no outcome noted: tasks the status service may not have heard of
-        however old the batch (`read_batch`). One read, each branch on an index
-        (`batch_submissions`, `batch_swept`; their partial filters repeated, see
-        `string_key`)."""
-        query = unheard_in_batch_query(batch_id, sent_since=sent_since)
+        `unconfirmed`, which the outbox sweep sends) or sent by the sweep at `sent_since` or
+        later: tasks the status service may not have heard of however old the batch
+        (`read_batch`). One read, each branch on an index (`batch_submissions`,
+        `batch_swept`; their partial filters repeated, see `string_key`)."""
+        query = unsent_in_batch_query(batch_id, sent_since=sent_since)
         try:
             cursor = self._collection.find(query, projection={"_id": 1})
             return frozenset([document["_id"] async for document in cursor])
@@ -779,38 +778,25 @@ def _swept(sent_at: datetime, retention: timedelta) -> list[Document]:
     ]
 
 
-def unheard_in_batch_query(batch_id: str, *, sent_since: datetime) -> Document:
-    """A batch's submissions the status service may not have heard of (`recently_due`'s
-    rule, for a batch older than the window)."""
+def unsent_in_batch_query(batch_id: str, *, sent_since: datetime) -> Document:
     batch = string_key(batch_id)
     return {
         "$or": [
             {"batch_id": batch, "state": {"$in": _UNSENT}},
             {"batch_id": batch, SENT_AT: {"$gte": sent_since, "$type": "date"}},
-            {"batch_id": batch, "state": SubmissionState.ACCEPTED.value, "$expr": _UNFINISHED},
         ]
     }
 
 
-# The latest generation of a submission has no outcome noted (`recently_due`'s `finished`).
-_UNFINISHED: Final = {
-    "$lt": [{"$ifNull": [f"${FINISHED_GENERATION}", -1]}, {"$ifNull": ["$generation", 0]}]
-}
-
-
 def recently_due(submission: Submission, *, now: datetime, window: timedelta) -> bool:
-    """Whether the status service may not have heard of the task yet, so that a read the
-    projection cannot answer is answered from this record: submitted, due (a delayed task
-    reaches the projection with its first attempt when its announcement was lost), or sent by
-    the outbox sweep, within `window`. From the submission alone, a task delayed past the
-    window answered 404 until it ran, and one the sweep sent after a broker alarm longer than
-    the window answered 404 until the projection caught up. A task whose command is not known
-    to be queued yet (left `unconfirmed` by a broker alarm, or `accepting`, for the outbox
-    sweep) has not reached the projection either, however old: it read as 404 (a client
-    resubmitting then had its text scored twice). Nor, however old, has a task sent whose
-    latest generation has no outcome noted: a projection behind by more than the window (its
-    queue backed up) made it read 404 too (a review); only a finished task is known to the
-    projection, and only one of those, once its copy expired there, is unknown."""
+    """Whether the status service may not have heard of the task yet: submitted, due (a
+    delayed task reaches the projection with its first attempt when its announcement was
+    lost), or sent by the outbox sweep, within `window`. From the submission alone, a task
+    delayed past the window answered 404 until it ran, and one the sweep sent after a broker
+    alarm longer than the window answered 404 until the projection caught up. A task whose
+    command is not known to be queued yet (left `unconfirmed` by a broker alarm, or
+    `accepting`, for the outbox sweep) has not reached the projection either, however old: it
+    read as 404 (a client resubmitting then had its text scored twice)."""
     if submission.state in (SubmissionState.ACCEPTING, SubmissionState.UNCONFIRMED):
         return True
     # A task whose latest generation finished will not become due: a delayed task cancelled
@@ -818,8 +804,6 @@ def recently_due(submission: Submission, *, now: datetime, window: timedelta) ->
     finished = submission.finished_generation is not None and (
         submission.finished_generation >= submission.generation
     )
-    if not finished and submission.state is SubmissionState.ACCEPTED:
-        return True
     due = None if finished else submission.not_before
     times = (submission.created_at, due, submission.sent_at)
     return max(time for time in times if time is not None) >= now - window

@@ -130,6 +130,23 @@ async def test_a_submission_over_the_limit_is_refused_at_once_and_keeps_nothing(
     assert gateway.admission.in_flight == 0
 
 
+@pytest.mark.parametrize(
+    "keys",
+    [[("Idempotency-Key", "")], [("Idempotency-Key", "a"), ("Idempotency-Key", "b")]],
+    ids=["empty", "sent twice"],
+)
+async def test_a_key_the_route_would_refuse_is_not_named_in_the_overload_answer(
+    gateway: Gateway, keys: list[tuple[str, str]]
+) -> None:
+    """ "Retry with the same Idempotency-Key" would be answered 400: the plain words."""
+    async with _place_held(gateway):
+        refused = await gateway.api.post(
+            "/v1/scores", json={"text": "Turned away."}, headers=httpx.Headers(keys)
+        )
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["detail"].endswith("; nothing was kept. Retry after 1 s.")
+
+
 async def test_one_tenants_stalled_uploads_do_not_shut_out_another_tenants_submissions(
     gateway: Gateway,
 ) -> None:

@@ -78,11 +78,10 @@ async def test_items_not_sent_yet_or_just_swept_read_as_queued_however_old_their
     tasks = [member.task_id for member in submitted.record.members]
     read_at = T0 + timedelta(hours=1)
     # Item 0 stays `unconfirmed` (the alarm), item 1 was sent (the status service heard of
-    # it, and it finished), item 2 is `accepting` (its gateway died before it marked it). A
-    # sweep sent item 3 long ago (it finished, and its result has expired since) and item 4
-    # a second ago (the status service has not read its copy yet). Item 5 is marked sent
-    # with no time, as its request or an earlier build's sweep marks it: sent when
-    # submitted (and finished since).
+    # it), item 2 is `accepting` (its gateway died before it marked it). A sweep sent item 3
+    # long ago (its result has expired since) and item 4 a second ago (the status service
+    # has not read its copy yet). Item 5 is marked sent with no time, as its request or an
+    # earlier build's sweep marks it: sent when submitted.
     await gateway.submissions.mark_accepted(tasks[1])
     await gateway.raw["submissions"].update_one(
         {"_id": tasks[2]}, {"$set": {"state": SubmissionState.ACCEPTING.value}}
@@ -90,8 +89,6 @@ async def test_items_not_sent_yet_or_just_swept_read_as_queued_however_old_their
     await gateway.submissions.mark_accepted(tasks[3], sent_at=T0 + timedelta(minutes=1))
     await gateway.submissions.mark_accepted(tasks[4], sent_at=read_at - timedelta(seconds=1))
     await gateway.submissions.mark_accepted(tasks[5])
-    for finished in (tasks[1], tasks[3], tasks[5]):
-        await gateway.submissions.note_outcome(finished, generation=0, finished=0, uncount=False)
 
     async def read(start: int, limit: int) -> BatchPage:
         page = await read_batch(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import aio_pika
 import pytest
@@ -18,7 +18,7 @@ from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 from devtools.infra import Endpoint, create_vhost, delete_vhost
 from services.gateway.settings import GatewaySettings
 from shared.log_context import NOISY_LIBRARY_LOGGERS
-from shared.runtime import configure_logging
+from shared.runtime import CHATTY_LOGGERS, configure_logging
 from tests.support import eventually
 
 pytestmark = pytest.mark.integration
@@ -34,6 +34,17 @@ async def own_vhost(rabbitmq: Endpoint) -> AsyncIterator[tuple[str, str]]:
     delete_vhost(rabbitmq.url, vhost, management_url=rabbitmq.management_url)
 
 
+@pytest.fixture
+def logging_restored() -> Iterator[None]:
+    """`configure_logging` sets levels and takes Python's warnings: undone after the test."""
+    levels = {name: logging.getLogger(name).level for name in CHATTY_LOGGERS}
+    yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+    logging.captureWarnings(False)
+
+
+@pytest.mark.usefixtures("logging_restored")
 async def test_a_forced_close_is_one_error_line_and_the_channels_come_back(
     rabbitmq: Endpoint, own_vhost: tuple[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -21,7 +21,7 @@ from services.gateway.batches import (
     ListPosition,
     newest_batches_query,
 )
-from services.gateway.submissions import SENT_AT, Submissions, unheard_in_batch_query
+from services.gateway.submissions import SENT_AT, Submissions, unsent_in_batch_query
 from services.scorer.attempts import Attempts
 from services.status.projection import ensure_indexes as ensure_projection_indexes
 from shared.contracts import utcnow
@@ -142,7 +142,7 @@ async def test_the_batch_hold_reads_use_their_indexes(
 async def test_an_old_batchs_unsent_and_just_swept_items_are_read_through_indexes(
     mongo: Endpoint, client: AsyncMongoClient[Document], database: AsyncDatabase[Document]
 ) -> None:
-    """Each branch of the read (`unheard_in_batch`) on an index of its own: the one of the
+    """Each branch of the read (`unsent_in_batch`) on an index of its own: the one of the
     swept holds only what the outbox sweep sent, and a batch holds up to 1,000 items."""
     if mongo.is_standin:
         pytest.skip("the stand-in (mongoeco) does not plan queries; needs MONGO_URL=MongoDB")
@@ -155,7 +155,7 @@ async def test_an_old_batchs_unsent_and_just_swept_items_are_read_through_indexe
             {"_id": "t3", "batch_id": "b1", "state": "accepted"},
         ]
     )
-    query = unheard_in_batch_query("b1", sent_since=now - timedelta(minutes=5))
+    query = unsent_in_batch_query("b1", sent_since=now - timedelta(minutes=5))
     plan = await database["submissions"].find(query).explain()
     winning = str(plan["queryPlanner"]["winningPlan"])
     assert "COLLSCAN" not in winning, plan["queryPlanner"]

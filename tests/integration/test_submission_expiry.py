@@ -168,7 +168,7 @@ async def test_a_submission_expires_its_retention_after_it_was_due_once_sent(
     assert isinstance(claimed, RescoreClaim)
 
 
-async def test_a_batch_item_is_unheard_of_until_its_outcome_and_expires_once_sent(
+async def test_a_batch_item_is_unsent_without_expiry_and_expires_once_sent(
     gateway: Gateway,
 ) -> None:
     now = _now()
@@ -177,7 +177,7 @@ async def test_a_batch_item_is_unheard_of_until_its_outcome_and_expires_once_sen
     await gateway.submissions.insert_batch(
         [(old, "h1", "c1", "m"), (young, "h2", "c2", "m")], retention=RETENTION
     )
-    assert await gateway.submissions.unheard_in_batch(batch_id, sent_since=now) == {
+    assert await gateway.submissions.unsent_in_batch(batch_id, sent_since=now) == {
         old.task_id,
         young.task_id,
     }
@@ -192,15 +192,7 @@ async def test_a_batch_item_is_unheard_of_until_its_outcome_and_expires_once_sen
     assert unsent is not None
     assert unsent["state"] == SubmissionState.UNCONFIRMED
     assert "expires_at" not in unsent
-    # Sent, the young one may still be unheard of until its outcome is noted.
-    assert await gateway.submissions.unheard_in_batch(batch_id, sent_since=now) == {
-        old.task_id,
-        young.task_id,
-    }
-    await gateway.submissions.note_outcome(
-        young.task_id, generation=0, finished=0, uncount=False, completed=0
-    )
-    assert await gateway.submissions.unheard_in_batch(batch_id, sent_since=now) == {old.task_id}
+    assert await gateway.submissions.unsent_in_batch(batch_id, sent_since=now) == {old.task_id}
 
 
 async def test_a_written_off_submission_expires_as_a_tombstone(gateway: Gateway) -> None:

@@ -443,13 +443,13 @@ def _progress(*known: tuple[int, TaskStatus]) -> BatchProgress:
 
 
 class FakeUnsent:
-    """The batch's submissions not sent yet (`Submissions.unheard_in_batch`)."""
+    """The batch's submissions not sent yet (`Submissions.unsent_in_batch`)."""
 
     def __init__(self, *task_ids: str) -> None:
         self.task_ids = frozenset(task_ids)
         self.lookups = 0
 
-    async def unheard_in_batch(self, batch_id: str, *, sent_since: datetime) -> frozenset[str]:
+    async def unsent_in_batch(self, batch_id: str, *, sent_since: datetime) -> frozenset[str]:
         self.lookups += 1
         return self.task_ids
 

@@ -804,23 +804,11 @@ async def test_an_old_submission_not_yet_sent_reads_as_queued(state: SubmissionS
     assert history.status is TaskStatus.QUEUED
 
 
-async def test_an_old_finished_submission_unknown_to_the_status_service_reads_as_unknown() -> None:
-    """Its projection copy expired: not `queued` again."""
-    finished = Submission(T0)
-    finished.finished_generation = 0
-    history = await _read_history(
-        -1, NoHistory(), FakeSubmissions(finished), now=T0 + timedelta(hours=1)
-    )
-    assert history is None
-
-
-async def test_an_old_submission_with_no_outcome_noted_reads_as_queued() -> None:
-    """The projection behind by more than the window: it read 404 (a review)."""
+async def test_an_old_unknown_submission_reads_as_unknown() -> None:
     history = await _read_history(
         -1, NoHistory(), FakeSubmissions(Submission(T0)), now=T0 + timedelta(hours=1)
     )
-    assert history is not None
-    assert history.status is TaskStatus.QUEUED
+    assert history is None
 
 
 # --- The stream's route --------------------------------------------------------------------------

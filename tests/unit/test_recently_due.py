@@ -48,30 +48,3 @@ def test_a_young_task_that_finished_is_still_answered_from_its_record() -> None:
 def test_a_newer_generation_not_yet_finished_keeps_its_due_time() -> None:
     rescored = replace(_delayed(submitted_ago=timedelta(hours=2), finished=0), generation=1)
     assert recently_due(rescored, now=NOW, window=WINDOW)
-
-
-def _sent(*, submitted_ago: timedelta, finished: int | None) -> Submission:
-    return replace(_delayed(submitted_ago=submitted_ago, finished=finished), not_before=None)
-
-
-def test_a_sent_task_with_no_outcome_noted_is_answered_from_its_record_however_old() -> None:
-    """The projection behind by more than the window (its queue backed up): the task read
-    404, "unknown or expired", and a client resubmitting had its text scored twice."""
-    assert recently_due(
-        _sent(submitted_ago=timedelta(hours=2), finished=None), now=NOW, window=WINDOW
-    )
-
-
-def test_an_old_finished_task_is_not_answered_from_its_record() -> None:
-    """Its projection copy expired: 404, not `queued` again."""
-    assert not recently_due(
-        _sent(submitted_ago=timedelta(hours=2), finished=0), now=NOW, window=WINDOW
-    )
-
-
-def test_an_old_refused_task_is_not_answered_from_its_record() -> None:
-    """A tombstone has no outcome to wait for: the task never reached the projection."""
-    abandoned = replace(
-        _sent(submitted_ago=timedelta(hours=2), finished=None), state=SubmissionState.ABANDONED
-    )
-    assert not recently_due(abandoned, now=NOW, window=WINDOW)

@@ -41,7 +41,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import Any, Final, Protocol
+from typing import Any, Final, NoReturn, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pymongo import ASCENDING, DESCENDING, AsyncMongoClient
@@ -71,6 +71,7 @@ from services.gateway.submissions import (
     BATCH_WRITE_CHUNK,
     TOMBSTONE_TTL,
     BatchRow,
+    BatchSize,
     KeyTaken,
     Submissions,
     SubmissionState,
@@ -100,6 +101,10 @@ HOLD_CHECK_AT: Final = "hold_check_at"
 # Set on a batch whose items the outbox sweep sends (`Batches.outlive_sends`): no refusal
 # of its request deletes or tombstones it any more.
 SWEPT: Final = "swept"
+# Set on a batch once its request has recorded every item (`Batches.mark_recorded`): the
+# outbox sweep refuses a batch without it, left incomplete by a request that died
+# (`Batches.abandon_unrecorded`), and one of the two writes finds the other's done.
+RECORDED: Final = "recorded"
 HOLD_LEAD: Final = timedelta(hours=1)
 # The index `GET /v1/batches` reads a tenant's batches from, newest first; `_id` breaks ties
 # of a millisecond, so that a page ends at one batch and the next starts right after it.
@@ -275,6 +280,38 @@ class Batches:
             raise DatabaseUnavailable(str(error)) from error
         return result.matched_count == 1
 
+    async def mark_recorded(self, batch_id: str) -> bool:
+        """Note that the batch's request recorded every item; False when the outbox sweep
+        refused it meanwhile as left incomplete (`abandon_unrecorded`)."""
+        try:
+            result = await self._collection.update_one(
+                {"_id": batch_id, "state": BatchState.ACCEPTING}, {"$set": {RECORDED: True}}
+            )
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+        return result.matched_count == 1
+
+    async def abandon_unrecorded(self, batch_id: str, *, now: datetime) -> bool:
+        """Turn a batch whose request died before recording every item into a tombstone,
+        its key freed; False when it was recorded whole, accepted (a replay completed it) or
+        swept meanwhile: it stays."""
+        try:
+            result = await self._collection.update_one(
+                {
+                    "_id": batch_id,
+                    "state": BatchState.ACCEPTING,
+                    SWEPT: {"$ne": True},
+                    RECORDED: {"$ne": True},
+                },
+                {
+                    "$set": {"state": BatchState.ABANDONED, "expires_at": now + TOMBSTONE_TTL},
+                    "$unset": {"idempotency_key": "", "members": "", HOLD_CHECK_AT: ""},
+                },
+            )
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+        return result.modified_count == 1
+
     async def discard(self, batch_id: str) -> bool:
         """Delete a refused batch's record while it is `accepting` and the outbox sweep has
         sent none of its items (`outlive_sends`); False otherwise (a replay of its request
@@ -398,6 +435,31 @@ class Batches:
                 {"_id": {"$in": list(batch_ids)}}, projection={"state": 1}
             )
             return {document["_id"]: document["state"] async for document in cursor}
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
+    async def unsent_sizes(self, batch_ids: Sequence[str]) -> dict[str, BatchSize]:
+        """How many items each of these batches holds, and when it was made, for those still
+        `accepting` none of whose items the outbox sweep has sent: the ones whose request may
+        have died before it recorded them all (`sweep_outbox`). One `$in` read on `_id`."""
+        if not batch_ids:
+            return {}
+        pipeline: list[Document] = [
+            {
+                "$match": {
+                    "_id": {"$in": list(batch_ids)},
+                    "state": BatchState.ACCEPTING,
+                    SWEPT: {"$ne": True},
+                }
+            },
+            {"$project": {"created_at": 1, "items": {"$size": {"$ifNull": ["$members", []]}}}},
+        ]
+        try:
+            cursor = await self._collection.aggregate(pipeline)
+            return {
+                document["_id"]: BatchSize(document["items"], document["created_at"])
+                async for document in cursor
+            }
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 
@@ -614,6 +676,7 @@ async def submit_batch(
             refusal=refusal,
             refusals=refusals,
             gate=gate,
+            clock=clock,
         )
 
 
@@ -629,6 +692,7 @@ async def _record_and_send(
     refusal: Refusal,
     refusals: Refusals,
     gate: InFlightGate | None,
+    clock: Clock,
 ) -> BatchSubmitted:
     """Record the items of a batch whose record is in, send them, and mark them accepted; a
     refusal undoes what was recorded (what the database does not take now is written off)."""
@@ -639,10 +703,15 @@ async def _record_and_send(
             retention=policy.retention,
             counted=gate is not None,
         )
+        whole = await batches.mark_recorded(batch_id)
     except DatabaseUnavailable:
         # Some of its submissions may be recorded (earlier chunks), now or later.
         refusals.note(refusal)
         raise
+    if not whole:
+        await _refused_as_interrupted(
+            refusal, submissions=submissions, refusals=refusals, now=clock()
+        )
     counted = False  # from the first acquire on, slots may be counted: release them on failure
     try:
         if gate is not None:
@@ -675,6 +744,19 @@ async def _record_and_send(
     except DatabaseUnavailable:
         log.warning("batch %s left `accepting`; the outbox sweep re-sends it", batch_id)
     return BatchSubmitted(record, created=True)
+
+
+async def _refused_as_interrupted(
+    refusal: Refusal, *, submissions: Submissions, refusals: Refusals, now: datetime
+) -> NoReturn:
+    """A request that recorded its batch's items so slowly that the outbox sweep took it for
+    dead and refused the batch (`sweep_outbox`): its items go too, nothing was kept."""
+    log.warning("batch %s was refused while its request recorded it", refusal.batch_id)
+    try:
+        await submissions.abandon(refusal.task_ids, now=now)
+    except DatabaseUnavailable:
+        refusals.note(refusal)
+    raise DatabaseUnavailable(f"batch {refusal.batch_id} was refused; nothing was kept")
 
 
 async def _send_or_withdraw(publisher: BatchPublisher, commands: Sequence[ScoreText]) -> bool:

@@ -214,6 +214,14 @@ LEGACY_IN_FLIGHT_MARKERS: Final = "in_flight_tasks"
 
 
 @dataclass(frozen=True)
+class BatchSize:
+    """How many items a batch holds, and when it was made (`Batches.unsent_sizes`)."""
+
+    items: int
+    created_at: datetime
+
+
+@dataclass(frozen=True)
 class Owner:
     """What a task's outcome needs of its submission."""
 
@@ -669,6 +677,21 @@ class Submissions:
         try:
             cursor = self._collection.find(query, projection={"_id": 1})
             return frozenset([document["_id"] async for document in cursor])
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
+    async def recorded_per_batch(self, batch_ids: Sequence[str]) -> dict[str, int]:
+        """How many submissions each of these batches has recorded (tombstones included): one
+        aggregation on the `batch_submissions` index (its partial filter repeated)."""
+        if not batch_ids:
+            return {}
+        pipeline: list[Document] = [
+            {"$match": {"batch_id": {"$in": list(batch_ids), "$type": "string"}}},
+            {"$group": {"_id": "$batch_id", "recorded": {"$sum": 1}}},
+        ]
+        try:
+            cursor = await self._collection.aggregate(pipeline)
+            return {document["_id"]: document["recorded"] async for document in cursor}
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 

@@ -22,6 +22,7 @@ from services.gateway.limits import LimitExceeded
 from services.gateway.refusals import Refusal, Refusals, may_have_been_written
 from services.gateway.schemas import ScoreSubmission, named_rubric
 from services.gateway.submissions import (
+    BatchSize,
     KeyTaken,
     Owner,
     Submission,
@@ -53,6 +54,10 @@ RECORD_CLOCK_MARGIN = timedelta(minutes=15)
 # batches are extended to a retention past its start plus this, so that they outlive every
 # item sent within it (each kept a retention from its own send).
 CHUNK_ALLOWANCE = timedelta(minutes=5)
+# A batch whose request died before recording every item is refused this long after it was
+# made, two grace periods at least (`_incomplete_batches`): from the first one's end, a
+# replay with its key may complete it.
+INCOMPLETE_BATCH_HOLD = timedelta(minutes=10)
 
 
 class Publisher(Protocol):
@@ -508,6 +513,8 @@ class SweptBatches(Protocol):
     """The batch records the outbox sweep consults (`services.gateway.batches.Batches`)."""
 
     async def states(self, batch_ids: Sequence[str]) -> dict[str, str]: ...
+    async def unsent_sizes(self, batch_ids: Sequence[str]) -> dict[str, BatchSize]: ...
+    async def abandon_unrecorded(self, batch_id: str, *, now: datetime) -> bool: ...
     async def outlive_sends(
         self, batch_ids: Sequence[str], *, sent_at: datetime, retention: timedelta
     ) -> None: ...
@@ -551,7 +558,9 @@ async def sweep_outbox(
             continue
         unsent = await submissions.still_unsent([submission.task_id for submission in chunk])
         chunk = [submission for submission in chunk if submission.task_id in unsent]
-        chunk = await _without_refused_batch_items(chunk, batches, submissions, now=clock())
+        chunk = await _without_refused_batch_items(
+            chunk, batches, submissions, now=clock(), grace=grace
+        )
         # The chunk's batches outlive every send of it made within the allowance; a slower
         # send extends its own batch again.
         allowed_until = clock() + CHUNK_ALLOWANCE
@@ -600,6 +609,7 @@ async def _without_refused_batch_items(
     submissions: Submissions,
     *,
     now: datetime,
+    grace: timedelta,
 ) -> list[Submission]:
     """`chunk` less the items of refused batches, which are written off here (tombstones, as
     `refusals.write_off` makes them: never sent, key freed, in-flight mark dropped, their
@@ -619,7 +629,11 @@ async def _without_refused_batch_items(
     `RECORD_CLOCK_MARGIN` away. Measured by the retention now in force, a retention raised
     since (or a replica's clock behind the server's) wrote off the items of an accepted
     batch whose record had expired unheld: tasks answered 202, never scored. An item of an
-    earlier build without that expiry is sent as before."""
+    earlier build without that expiry is sent as before.
+
+    Nor are the items of a batch whose request died before it recorded them all
+    (`_incomplete_batches`): held while a replay of its request may still complete it,
+    refused after that, all or nothing."""
     candidates = {
         submission.command.batch_id
         for submission in chunk
@@ -635,6 +649,12 @@ async def _without_refused_batch_items(
         for batch_id in candidates
         if states.get(batch_id) == SubmissionState.ABANDONED.value
     }
+    accepting = sorted(b for b in candidates if states.get(b) == SubmissionState.ACCEPTING.value)
+    held, refused_now = await _incomplete_batches(
+        accepting, batches, submissions, now=now, grace=grace
+    )
+    refused |= refused_now
+    chunk = [s for s in chunk if s.command is None or s.command.batch_id not in held]
     missing = candidates - states.keys()
     orphans = tuple(
         submission.task_id
@@ -655,6 +675,45 @@ async def _without_refused_batch_items(
     await submissions.abandon(orphans, now=now)
     written_off = set(orphans)
     return [submission for submission in chunk if submission.task_id not in written_off]
+
+
+async def _incomplete_batches(
+    batch_ids: Sequence[str],
+    batches: SweptBatches,
+    submissions: Submissions,
+    *,
+    now: datetime,
+    grace: timedelta,
+) -> tuple[set[str], set[str]]:
+    """Of these batches still `accepting`, those whose request died before it recorded every
+    item: held (their items neither sent nor written off), and refused here (tombstones).
+
+    Such a request published nothing and answered nothing (it records all items before its
+    first publish), and only a replay with its `Idempotency-Key` can record the missing items
+    (`_complete_interrupted`, from the end of the grace period). The sweep sent the recorded
+    ones all the same: a walkthrough's batch of 1,000, its gateway killed while recording
+    it, was listed with 200 items scored and 800 `queued`, then `expired`, never to run, and
+    a client without a key could do nothing about it. Now the batch waits for a replay
+    (`INCOMPLETE_BATCH_HOLD`), then is refused as a whole, the record first, its key freed:
+    a replay after that records the batch anew. The refusal is one conditional write that
+    a replay's acceptance or the request's own `mark_recorded` (a request alive but slow
+    beyond the hold) excludes, whichever comes first. A batch the sweep has sent items of
+    (an earlier build) is sent on, as before."""
+    sizes = await batches.unsent_sizes(batch_ids)
+    recorded = await submissions.recorded_per_batch(sorted(sizes))
+    incomplete = {b: size for b, size in sizes.items() if recorded.get(b, 0) < size.items}
+    refused = set()
+    for batch_id, size in sorted(incomplete.items()):
+        held_until = size.created_at + max(INCOMPLETE_BATCH_HOLD, 2 * grace)
+        if held_until < now and await batches.abandon_unrecorded(batch_id, now=now):
+            log.warning(
+                "batch %s: its request died after recording %d of its %d items; refused",
+                batch_id,
+                recorded.get(batch_id, 0),
+                size.items,
+            )
+            refused.add(batch_id)
+    return set(incomplete) - refused, refused
 
 
 def _record_cannot_have_expired(item: Submission, now: datetime) -> bool:

@@ -13,6 +13,7 @@ from pymongo.errors import ServerSelectionTimeoutError
 
 from devtools.infra import Endpoint
 from services.gateway.batches import (
+    RECORDED,
     Batches,
     BatchPolicy,
     BatchState,
@@ -37,7 +38,7 @@ from services.gateway.submissions import (
     Submissions,
     SubmissionState,
 )
-from services.gateway.submit import settle_outcome, sweep_outbox
+from services.gateway.submit import INCOMPLETE_BATCH_HOLD, settle_outcome, sweep_outbox
 from shared.contracts import Phase, ScoreResult, ScoreText, TaskCompleted, event_sequence
 from tests.integration.gateway_records import GatewayRecords as Gateway
 from tests.integration.gateway_records import Recorded, gateway_records
@@ -107,6 +108,8 @@ async def _interrupted(gateway: Gateway, request: BatchSubmission, recorded: int
     await gateway.raw["submissions"].delete_many(
         {"batch_id": batch["_id"], "command.batch_index": {"$gte": recorded}}
     )
+    if recorded < len(request.items):  # it died before noting the batch recorded whole
+        await gateway.raw["batches"].update_one({"_id": batch["_id"]}, {"$unset": {RECORDED: ""}})
     return str(batch["_id"])
 
 
@@ -159,6 +162,101 @@ async def test_a_replay_records_what_the_interrupted_batch_had_not_and_all_is_se
     ):
         pass
     assert sorted(swept_before.sent + sweep.sent) == sorted(members)  # each sent exactly once
+
+
+async def _swept_at(gateway: Gateway, at: datetime) -> list[str]:
+    sweep = Recorded()
+    while await sweep_outbox(
+        submissions=gateway.submissions,
+        publisher=sweep,
+        clock=lambda: at,
+        grace=GRACE,
+        refusals=Refusals(),
+        retention=SWEEP_RETENTION,
+        batches=gateway.batches,
+    ):
+        pass
+    return sweep.sent
+
+
+async def _states(gateway: Gateway, task_ids: list[str]) -> list[str]:
+    found = gateway.raw["submissions"].find({"_id": {"$in": task_ids}}, projection={"state": 1})
+    return [document["state"] async for document in found]
+
+
+async def test_a_batch_its_request_left_incomplete_is_held_for_a_replay_then_refused_whole(
+    gateway: Gateway,
+) -> None:
+    """Its request died before it recorded every item: it published nothing and answered
+    nothing. The sweep sent the recorded items all the same, and the rest never ran (a
+    walkthrough: 200 of 1,000 scored, 800 read `queued`, then `expired`)."""
+    request = _request(5)
+    batch_id = await _interrupted(gateway, request, recorded=2)
+
+    # While a replay may complete it: neither sent nor refused.
+    assert await _swept_at(gateway, T0 + GRACE + timedelta(seconds=2)) == []
+    recorded = [document["_id"] for document in (await _stored(gateway, batch_id)).values()]
+    assert await _states(gateway, recorded) == [SubmissionState.ACCEPTING] * 2
+    assert (await gateway.raw["batches"].find_one({"_id": batch_id}))["state"] == "accepting"
+
+    # Then refused whole, its key freed: a replay records the batch anew.
+    later = T0 + INCOMPLETE_BATCH_HOLD + timedelta(seconds=1)
+    assert await _swept_at(gateway, later) == []
+    assert await _states(gateway, recorded) == [SubmissionState.ABANDONED] * 2
+    assert (await gateway.raw["batches"].find_one({"_id": batch_id}))["state"] == "abandoned"
+    replay = await _submit(gateway, request, Recorded(), later)
+    assert replay.created
+    assert replay.record.batch_id != batch_id
+
+
+async def test_a_batch_its_request_recorded_whole_before_dying_is_sent_by_the_sweep(
+    gateway: Gateway,
+) -> None:
+    """Recorded whole, it may have been published (and answered): the sweep sends it."""
+    request = _request(3)
+    batch_id = await _interrupted(gateway, request, recorded=3)
+    members = sorted(document["_id"] for document in (await _stored(gateway, batch_id)).values())
+
+    assert sorted(await _swept_at(gateway, T0 + GRACE + timedelta(seconds=2))) == members
+
+
+class SweptWhileRecording(Submissions):
+    """A request recording its batch so slowly that a sweep past the hold runs meanwhile
+    (on another replica, say), its items recorded but the batch not yet noted whole."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        super().__init__(gateway.raw.client, gateway.name)
+        self.gateway = gateway
+        self.swept: list[str] = []
+
+    async def insert_batch(
+        self,
+        commands: list[BatchRow],
+        *,
+        retention: timedelta,
+        counted: bool = False,
+    ) -> None:
+        await super().insert_batch(commands[:1], retention=retention, counted=counted)
+        self.swept += await _swept_at(self.gateway, T0 + INCOMPLETE_BATCH_HOLD * 2)
+        await super().insert_batch(commands[1:], retention=retention, counted=counted)
+
+
+async def test_a_request_whose_batch_the_sweep_refused_as_interrupted_keeps_nothing(
+    gateway: Gateway,
+) -> None:
+    """The sweep's refusal and the request's note that it recorded every item are one
+    conditional write each: whichever comes second fails, and the request answers 503."""
+    slow = SweptWhileRecording(gateway)
+    broker = Recorded()
+
+    with pytest.raises(DatabaseUnavailable, match="refused; nothing was kept"):
+        await _submit(gateway, _request(3), broker, T0, submissions=slow)
+
+    assert broker.sent == []
+    assert slow.swept == []
+    states = [d["state"] async for d in gateway.raw["submissions"].find({}, {"state": 1})]
+    assert states == [SubmissionState.ABANDONED] * 3
+    assert await _swept_at(gateway, T0 + INCOMPLETE_BATCH_HOLD * 3) == []
 
 
 async def test_a_second_replay_changes_nothing(gateway: Gateway) -> None:

@@ -185,15 +185,73 @@ def _scheduler_client() -> httpx.Client:
     return _http(base_url, _key(ADMIN_KEY_VARIABLE))
 
 
+# Failures of a request before any of it went out: the server never saw it.
+NOTHING_SENT = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.PoolTimeout,
+    httpx.ProxyError,
+    httpx.UnsupportedProtocol,
+)
+# Requests that change nothing: one unanswered was not done, however it ended.
+READS = {"GET", "HEAD"}
+MAY_HAVE_BEEN_DONE = "it may have been done: check before running it again"
+
+
 @contextlib.contextmanager
-def _reaching(client: httpx.Client) -> Iterator[httpx.Client]:
-    """Use `client`; a server that cannot be reached exits 1 with one line, not a traceback."""
+def _reaching(
+    client: httpx.Client, *, unanswered: str = MAY_HAVE_BEEN_DONE
+) -> Iterator[httpx.Client]:
+    """Use `client`; a request that failed exits 1 with one line, not a traceback, saying
+    which of two things happened.
+
+    Not sent (no connection, `NOTHING_SENT`): "unreachable (nothing was sent)", and running
+    the command again is safe. Sent and then unanswered (a read or write timeout, the
+    connection closed or reset before an answer): the server may have done it, and the line
+    says so with `unanswered`, what to do before running the command again (for a
+    submission: the same --idempotency-key, or where to look). Both were "unreachable":
+    a user retried, and a text was scored twice, a key created twice, a cron job fired
+    twice (found in review)."""
     try:
         with client:
             yield client
     except httpx.HTTPError as error:
-        typer.echo(f"error: {client.base_url} unreachable: {error}", err=True)
+        typer.echo(f"error: {_not_answered(client, error, unanswered)}", err=True)
         raise typer.Exit(code=1) from error
+
+
+def _not_answered(client: httpx.Client, error: httpx.HTTPError, unanswered: str) -> str:
+    """What an error line says of a request that got no answer (`_reaching`)."""
+    if isinstance(error, NOTHING_SENT):
+        return f"{client.base_url} unreachable (nothing was sent): {error}"
+    try:
+        request: httpx.Request | None = error.request
+    except RuntimeError:  # raised without its request
+        request = None
+    what = "the request" if request is None else f"{request.method} {request.url}"
+    line = f"{what} was sent, but no answer came ({type(error).__name__}: {error})"
+    if request is not None and request.method in READS:
+        return line
+    return f"{line}: {unanswered}"
+
+
+def _resubmit_advice(idempotency_key: str | None, *, batch: bool) -> str:
+    """What to do about a submission sent and never answered (it may have been taken)."""
+    what = "batch" if batch else "task"
+    if idempotency_key is not None:
+        return (
+            f"the gateway may have accepted it: submit it again with the same "
+            f"--idempotency-key, which answers with the {what} if it was"
+        )
+    if batch:
+        return (
+            "the gateway may have accepted it: look for it with `scorebox batches` (newest "
+            "first) before submitting it again, or it may be scored twice"
+        )
+    return (
+        "the gateway may have accepted it: submitted again, the text may be scored twice (an "
+        "--idempotency-key makes submitting again safe)"
+    )
 
 
 def _quote(text: str) -> str:
@@ -253,11 +311,15 @@ def _show(body: dict[str, Any]) -> None:
     typer.echo(json.dumps(body, indent=2, ensure_ascii=False))
 
 
-def _wait(client: httpx.Client, task_id: str, deadline: float) -> dict[str, Any]:
-    """Poll the task until it is final or the `deadline` passes (`_poll_until`'s rules)."""
+def _wait(
+    client: httpx.Client, task_id: str, deadline: float, accepted: dict[str, Any]
+) -> dict[str, Any]:
+    """Poll the task (`accepted` by the submission) until it is final or the `deadline`
+    passes (`_poll_until`'s rules)."""
     return _poll_until(
         client,
         f"/v1/scores/{_segment(task_id, 'task_id')}",
+        last=accepted,
         deadline=deadline,
         pauses=_backoff(),
         final=lambda body: body["status"] in TERMINAL,
@@ -278,6 +340,7 @@ def _poll_until(
     client: httpx.Client,
     path: str,
     *,
+    last: dict[str, Any],
     deadline: float,
     pauses: Iterator[float],
     final: Callable[[dict[str, Any]], bool],
@@ -290,15 +353,26 @@ def _poll_until(
     and never answered held a `--timeout 3` wait for the client's 30 s). A 429 or 503 (the
     server busy, its database away for a moment) is polled again after its Retry-After,
     while that falls before the deadline: it ended the wait at once with exit 1. Any other
-    answer but 200 exits 1."""
+    answer but 200 exits 1.
+
+    A poll that timed out when bounded by what was left of the wait (not by the client's
+    own bound) timed out because the wait ran out: it ends as a wait that ran out does, with
+    `last`, the last object read (the accepted one before any poll), not final. It said
+    "unreachable" (found in review)."""
     while True:
-        response = client.get(path, timeout=_request_bound(deadline))
+        bound = _request_bound(deadline)
+        try:
+            response = client.get(path, timeout=bound)
+        except httpx.TimeoutException:
+            if bound >= REQUEST_TIMEOUT_S:
+                raise  # the client's own bound ran out, with time left: no answer
+            return last
         if response.status_code in RETRY_LATER:
-            _pause_before_polling_again(response, next(pauses), deadline)
+            _pause_before_asking_again(response, next(pauses), deadline)
             continue
         if response.status_code != 200:
             raise _fail(response)
-        body = _answer(response, *fields)
+        body = last = _answer(response, *fields)
         if final(body) or time.monotonic() > deadline:
             return body
         # Never past the deadline: one more poll then tells how the wait ended.
@@ -311,7 +385,7 @@ def _request_bound(deadline: float) -> float:
     return min(REQUEST_TIMEOUT_S, max(deadline - time.monotonic(), MIN_POLL_S))
 
 
-def _pause_before_polling_again(response: httpx.Response, pause: float, deadline: float) -> None:
+def _pause_before_asking_again(response: httpx.Response, pause: float, deadline: float) -> None:
     """Wait out a busy answer's Retry-After (at least `pause`); exit 1 with that answer when
     it would end past the `deadline`."""
     pause = max(_retry_after(response) or 0.0, pause)
@@ -368,9 +442,11 @@ def submit(
 ) -> None:
     """Submit a text for scoring and print the task (or, with --wait, its result).
 
-    Exits 1 when the gateway refuses the text or cannot be reached, or --wait runs out
-    before the task finishes; 2 when the text or --metadata cannot be read (nothing is
-    sent) or the task failed.
+    Exits 1 when the gateway refuses the text, cannot be reached, or does not answer (it may
+    have accepted the text: the line says what to do), or --wait runs out before the task
+    finishes; 2 when the text or --metadata cannot be read (nothing is sent) or the task
+    failed under --wait. With --wait, a 429 or 503 to the submission or a poll is asked
+    again after its Retry-After, within --timeout.
     """
     _check_idempotency_key(idempotency_key)
     _check_duration(timeout, "--timeout")
@@ -386,10 +462,16 @@ def submit(
         use_cache=not no_cache,
     )
     headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else {}
-    with _reaching(_client()) as client:
+    unanswered = _resubmit_advice(idempotency_key, batch=False)
+    with _reaching(_client(), unanswered=unanswered) as client:
         deadline = time.monotonic() + timeout
         response = _post_submission(
-            client, payload, headers, wait_deadline=deadline if wait else None, timeout_s=timeout
+            client,
+            payload,
+            headers,
+            wait_deadline=deadline if wait else None,
+            timeout_s=timeout,
+            unanswered=unanswered,
         )
         if response.status_code not in (200, 202):
             raise _fail(response)
@@ -400,9 +482,11 @@ def submit(
             # submitting the text again would have it scored twice.
             task_id = body["task_id"]
             typer.echo(f"task {task_id} accepted; waiting up to {timeout:g} s for it", err=True)
-            body = _wait(client, task_id, deadline)
+            body = _wait(client, task_id, deadline, body)
         _show(body)
-        if body["status"] == "failed":
+        # Only under --wait: without it, a keyed submission answered with its earlier task,
+        # failed, exited 2 too, where `status` of that task exits 0 (found in review).
+        if wait and body["status"] == "failed":
             raise typer.Exit(code=2)
         if wait and body["status"] not in TERMINAL:
             typer.echo(
@@ -418,28 +502,35 @@ def _post_submission(
     *,
     wait_deadline: float | None,
     timeout_s: float,
+    unanswered: str,
 ) -> httpx.Response:
     """POST the text; with --wait, bounded by what is left of it (`wait_deadline`) as its
-    polls are: a gateway that accepted the connection and never answered held a
-    `--timeout 3` wait for the client's 30 s. When the wait's bound ran out, exits 1 saying
-    so; the client's own bound running out is `_reaching`'s "unreachable", as without --wait."""
+    polls are (a gateway that accepted the connection and never answered held a
+    `--timeout 3` wait for the client's 30 s), and asked again after a 429 or 503's
+    Retry-After while that falls before the deadline, as a poll is: the gateway answers
+    those having kept nothing of the request (it ended the wait with exit 1 however much of
+    --timeout was left; found in review).
+
+    When the wait's bound ran out before an answer, exits 1 saying so and what to do
+    (`unanswered`); the client's own bound running out, or the connection lost, is
+    `_reaching`'s "sent, but no answer came", as without --wait."""
     if wait_deadline is None:
         return client.post("/v1/scores", json=payload, headers=headers)
-    bound = _request_bound(wait_deadline)
-    try:
-        return client.post("/v1/scores", json=payload, headers=headers, timeout=bound)
-    except (httpx.ReadTimeout, httpx.WriteTimeout):
-        # Not a connect or pool timeout: then nothing was sent, and `_reaching` says
-        # "unreachable" (said to be unanswered, it was taken for maybe accepted; found in
-        # review).
-        if bound >= REQUEST_TIMEOUT_S:
-            raise
-        # Unanswered is not refused: the gateway may have recorded the text all the same.
-        _exit(
-            f"submission still unanswered after {timeout_s:g}s: the gateway may have "
-            "accepted it (submitted again, the text may be scored twice unless with the same "
-            "--idempotency-key)"
-        )
+    pauses = _backoff()
+    while True:
+        bound = _request_bound(wait_deadline)
+        try:
+            response = client.post("/v1/scores", json=payload, headers=headers, timeout=bound)
+        except (httpx.ReadTimeout, httpx.WriteTimeout):
+            # Not a connect or pool timeout: then nothing was sent, and `_reaching` says
+            # "unreachable" (said to be unanswered, it was taken for maybe accepted).
+            if bound >= REQUEST_TIMEOUT_S:
+                raise
+            # Unanswered is not refused: the gateway may have recorded the text all the same.
+            _exit(f"submission still unanswered after {timeout_s:g}s: {unanswered}")
+        if response.status_code not in RETRY_LATER:
+            return response
+        _pause_before_asking_again(response, next(pauses), wait_deadline)
 
 
 def _submission_options(
@@ -589,7 +680,8 @@ def submit_batch(
     if model:
         payload["model"] = model
     headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else {}
-    with _reaching(_client()) as client:
+    unanswered = _resubmit_advice(idempotency_key, batch=True)
+    with _reaching(_client(), unanswered=unanswered) as client:
         response = client.post("/v1/batches", json=payload, headers=headers)
         if response.status_code not in (200, 202):
             raise _fail(response)
@@ -906,7 +998,11 @@ def keys_create(
     wanted: dict[str, Any] = {"tenant_id": tenant, "name": name}
     if expires_in_days is not None:
         wanted["expires_in_days"] = expires_in_days
-    with _reaching(_client(admin=True)) as client:
+    unanswered = (
+        f"the key may have been created: look for it with `scorebox keys list --tenant "
+        f"{tenant}` before creating another (revoke one not wanted)"
+    )
+    with _reaching(_client(admin=True), unanswered=unanswered) as client:
         response = client.post("/admin/v1/keys", json=wanted)
         if response.status_code != 201:
             raise _fail(response)
@@ -1010,6 +1106,7 @@ def _await_run(
     run = _poll_until(
         client,
         accepted["status_url"],
+        last=accepted,
         deadline=time.monotonic() + timeout_s,
         pauses=itertools.repeat(poll_s),
         final=lambda body: body["state"] in FINAL_RUN_STATES,
@@ -1038,11 +1135,15 @@ def cron_run(
     """
     _check_duration(timeout, "--timeout")
     _check_duration(poll_s, "--poll-s")
-    with _reaching(_scheduler_client()) as client:
+    unanswered = (
+        "the job may have been fired: see its last firing in `scorebox cron list` before "
+        "running it again"
+    )
+    with _reaching(_scheduler_client(), unanswered=unanswered) as client:
         response = client.post(f"/admin/v1/cron/jobs/{_segment(job, 'JOB')}/run")
         if response.status_code != 202:
             raise _fail(response)
-        accepted = _answer(response, "run_id", "status_url") if wait else _answer(response)
+        accepted = _answer(response, "run_id", "state", "status_url") if wait else _answer(response)
         if not wait:
             _show(accepted)
             return

@@ -150,7 +150,7 @@ def test_a_long_html_page_is_quoted_short_on_one_line(monkeypatch: pytest.Monkey
         (("submit", "-"), 202, {"ok": True}, "task_id, status"),
         (("submit", "-", "--wait"), 202, {"task_id": "t1"}, "status"),
         (("cron", "list"), 200, {"ok": True}, "jobs"),
-        (("cron", "run", "usage-rollup", "--wait"), 202, {"run_id": "r1"}, "status_url"),
+        (("cron", "run", "usage-rollup", "--wait"), 202, {"run_id": "r1"}, "state, status_url"),
     ],
 )
 def test_an_object_without_the_fields_needed_is_one_line(

@@ -131,7 +131,10 @@ def test_cron_list_without_a_scheduler_fails_cleanly(
     monkeypatch.setattr(cli, "transport", httpx.MockTransport(refuse))
     result = run_cli("cron", "list")
     assert result.exit_code == 1
-    assert "error: http://scheduler.test unreachable: connection refused" in result.output
+    assert (
+        "error: http://scheduler.test unreachable (nothing was sent): connection refused"
+        in result.output
+    )
 
 
 # --- cron run ----------------------------------------------------------------------------

@@ -9,13 +9,21 @@ change heard live that the status service has not recorded yet (it lags by more 
 `LIVE_SETTLE_S`, or is away) is sent without an `id:` (its data carries its `sequence`): a
 reconnection resumes from the last recorded change and may see it again.
 
-When the status service is away as a stream starts, or the replica's or the tenant's waiters
-are at their limit, a client that reconnects by itself (an `EventSource`: it asks for
-`text/event-stream`, or sends `Last-Event-ID`) gets a 200 stream holding only `retry:` (the
-Retry-After) and no event, so that it comes back; a 503 or 429 would make it stop for good.
-Any other client gets the problem. When the replica stops, its streams end at once (the
-client resumes elsewhere with `Last-Event-ID`) rather than being cut off when the HTTP
-server's drain runs out.
+A client that reconnects by itself (an `EventSource`: it asks for `text/event-stream`, or
+sends `Last-Event-ID`) is never answered 429 or 503, which would make it stop for good: when
+the status service is away as a stream starts, the replica's or the tenant's waiters are at
+their limit, or the authentication in front of the route refuses the request for now (the
+key's request rate, the key store or rate counter away, too many unknown keys), it gets a 200
+stream holding only `retry:` and no event, so that it comes back (`EventSourceRoute`). Any
+other client gets the problem; a 401 or a refusal for good (500) reaches an `EventSource`
+too, which should stop. A `retry:`-only answer counts against the key's rate as any request
+that passed authentication does (a refused one does not count); its `retry:` is the
+Retry-After, at least `SSE_RETRY_MS` (a stream's own reconnection delay) and up to half as
+long again at random, so that the streams turned away together do not come back together,
+nor at the waiter limit's 1 s pace spend their key's budget.
+
+When the replica stops, its streams end at once (the client resumes elsewhere with
+`Last-Event-ID`) rather than being cut off when the HTTP server's drain runs out.
 
 Limits: a comment line every `SSE_HEARTBEAT_S` keeps proxies from closing an idle stream; a
 stream lasts at most `SSE_MAX_STREAM_S` (the client resumes with `Last-Event-ID`); the waiters
@@ -26,19 +34,21 @@ ends its stream at once (the ASGI server reports the disconnect and the stream i
 from __future__ import annotations
 
 import asyncio
+import random
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from datetime import timedelta
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import orjson
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.background import BackgroundTask
 
 from services.gateway.api import TASK_ID, GatewayDeps, read_unavailable, waiter_problem
 from services.gateway.auth import Caller
-from services.gateway.errors import Unavailable, refused_for_good
+from services.gateway.errors import Unavailable
 from services.gateway.push import (
     HistoryPolicy,
     HistoryReader,
@@ -101,8 +111,10 @@ def event_routes(
     still_valid: Callable[[Caller], Awaitable[bool]],
 ) -> APIRouter:
     """The SSE route; `history` is the status service's history reader."""
-    router = APIRouter(prefix="/v1", tags=["scores"])
     settings = deps.settings
+    router = APIRouter(
+        prefix="/v1", tags=["scores"], route_class=event_source_route(settings.sse_retry_ms)
+    )
     policy = HistoryPolicy(window=timedelta(seconds=settings.read_your_writes_window_s))
 
     @router.get(
@@ -127,7 +139,6 @@ def event_routes(
     )
     async def stream_task_events(
         task_id: str,
-        request: Request,
         caller: Caller = authenticated,
         last_event_id: str | None = Header(default=None, alias="Last-Event-ID"),
         last_event_id_query: Annotated[
@@ -157,10 +168,6 @@ def event_routes(
         try:
             waiter = live.open(task_id, caller.tenant_id)  # before the read: no event slips by
         except WaiterLimitReached as error:
-            if _reconnects_by_itself(request):
-                return _come_back_later(
-                    "too many requests wait for live updates", error.retry_after_s
-                )
             raise waiter_problem(error) from error
         try:
             # Bounded: a bind stuck on a broker away held the stream's headers (and its waiter
@@ -169,8 +176,6 @@ def event_routes(
             first = await read(after)
         except Unavailable as error:
             live.close(waiter)
-            if _reconnects_by_itself(request) and not refused_for_good(error):
-                return _come_back_later("the task's history is unavailable", error.retry_after_s)
             raise read_unavailable(error) from error
         except BaseException:
             live.close(waiter)
@@ -222,6 +227,41 @@ def event_routes(
     return router
 
 
+def event_source_route(min_retry_ms: int) -> type[APIRoute]:
+    """`EventSourceRoute` telling clients to come back after at least `min_retry_ms`."""
+
+    class Route(EventSourceRoute):
+        pass
+
+    Route.min_retry_ms = min_retry_ms
+    return Route
+
+
+class EventSourceRoute(APIRoute):
+    """The events route, whose refusals for now (429, 503) reach a client that reconnects by
+    itself as `_come_back_later`: those of the route (waiters at their limit, the status
+    service away) and those of the caller dependency in front of it (the key's request rate,
+    the key store or rate counter away, too many unknown keys). A dependency cannot catch
+    what a dependency of its own raises (FastAPI answers it first), hence a route class: one
+    rule, wherever the refusal comes from. A 401 and a refusal for good (500) pass as they are."""
+
+    min_retry_ms: ClassVar[int] = 0
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+        min_retry_ms = self.min_retry_ms
+
+        async def handle_or_come_back_later(request: Request) -> Response:
+            try:
+                return await handle(request)
+            except Problem as problem:
+                if problem.status not in {429, 503} or not _reconnects_by_itself(request):
+                    raise
+                return _come_back_later(problem, min_retry_ms=min_retry_ms)
+
+        return handle_or_come_back_later
+
+
 def _reconnects_by_itself(request: Request) -> bool:
     """An `EventSource` (it asks for `text/event-stream`, and sends `Last-Event-ID` when it
     reconnects, a polyfill as `?lastEventId=`): it stops for good on any answer but 200 or
@@ -231,16 +271,22 @@ def _reconnects_by_itself(request: Request) -> bool:
     return EVENT_STREAM in accepts or reconnecting
 
 
-def _come_back_later(reason: str, retry_after_s: float) -> Response:
-    """A stream with nothing in it but when to reconnect, for the length of an outage of the
-    status service or while the waiters are at their limit: the client comes back with the
-    same `Last-Event-ID`, as after any stream's end. It says nothing of the task (not even
-    whether it exists)."""
-    body = b": %s; reconnecting\nretry: %d\n\n" % (reason.encode(), int(retry_after_s * 1000))
+_jitter = random.Random()  # noqa: S311 - spreading reconnections out, not cryptography
+
+
+def _come_back_later(problem: Problem, *, min_retry_ms: int) -> Response:
+    """A stream with nothing in it but when to reconnect, instead of `problem` (a refusal for
+    now): the client comes back with the same `Last-Event-ID`, as after any stream's end. It
+    says nothing of the task (not even whether it exists). `retry:` is the problem's
+    Retry-After, at least `min_retry_ms`, and up to half as long again at random."""
+    retry_after = problem.headers.get("Retry-After", str(Unavailable.retry_after_s))
+    retry_ms = max(int(float(retry_after) * 1000), min_retry_ms)
+    retry_ms += int(retry_ms * _jitter.random() / 2)
+    body = b": %s; reconnecting\nretry: %d\n\n" % (problem.kind.encode(), retry_ms)
     return Response(
         body,
         media_type=EVENT_STREAM,
-        headers={"Cache-Control": "no-cache", "Retry-After": str(retry_after_s)},
+        headers={"Cache-Control": "no-cache", "Retry-After": retry_after},
     )
 
 

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from pydantic import ValidationError
 
-from services.gateway.errors import GatewayError, Unavailable
+from services.gateway.errors import DatabaseUnavailable, GatewayError, Unavailable
 from services.gateway.submissions import Submissions, recently_due
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import (
@@ -684,31 +684,79 @@ def _cached_completion(cached: ScoreResult, created_at: datetime) -> StateChange
     )
 
 
-def _may_miss_a_cached_completion(history: TaskHistory, after: int) -> bool:
-    """Whether the status service's history may lack a result-cache hit's completion: the
-    client asks for what follows one it has not recorded, or, having seen nothing, gets
-    only the acceptance (the completion is a publish of its own, which may come later, or
-    after the outbox sweep's next pass: the stream showed `queued` and waited, found in
-    review). Only then is the submission read: a stream whose live changes run ahead of a
-    lagging history re-reads it often, and nothing else ahead of it is the cache's."""
-    first_look = after < 0 and history.sequence == 0 and history.status is TaskStatus.QUEUED
-    return first_look or after == CACHED_COMPLETION_SEQUENCE > history.sequence
+def may_await_a_cached_completion(
+    status: TaskStatus,
+    sequence: int | None,
+    accepted_at: datetime,
+    *,
+    now: datetime,
+    window: timedelta,
+) -> bool:
+    """Whether the status service shows only the acceptance of what may be a result-cache hit,
+    whose completion (a publish of its own) it has not applied: a task accepted within
+    `window`, at sequence 0 and `queued`. Only then is the cache hit read; an older task's
+    completion was announced again by the outbox sweep long since. The long-poll's rule
+    (`submit._may_await_a_cached_completion`), for a stream's first read too."""
+    young = accepted_at > now - window
+    return young and sequence == 0 and status is TaskStatus.QUEUED
 
 
-def _with_cached_completion(
-    history: TaskHistory, cached: ScoreResult, created_at: datetime, *, after: int
+def _young_acceptance_alone(
+    history: TaskHistory, after: int, *, now: datetime, window: timedelta
+) -> StateChange | None:
+    """The acceptance, on a client's first look at a history that holds only that, of a task
+    accepted within `window` (`may_await_a_cached_completion`): a stream then reads whether
+    a cache hit answered the task (it showed `queued` and waited, found in review)."""
+    acceptance = next((c for c in history.changes if c.sequence == 0), None)
+    if after >= 0 or acceptance is None:
+        return None
+    young = may_await_a_cached_completion(
+        history.status, history.sequence, acceptance.occurred_at, now=now, window=window
+    )
+    return acceptance if young else None
+
+
+async def _completed_from_the_cache(
+    history: TaskHistory,
+    acceptance: StateChange,
+    submissions: Submissions,
+    *,
+    task_id: str,
+    tenant_id: str,
 ) -> TaskHistory:
-    """The status service's history, for a client that saw more than it has recorded: a
-    result-cache hit's completion, read from the submission before the status service heard
-    of the task, while it has applied only the acceptance (an `EventSource` reconnecting
-    after that completion). Anything else ahead of the history is left to the caller."""
-    completion = _cached_completion(cached, created_at)
+    """The acceptance the status service holds, followed by the cache hit's completion if one
+    answered the task (dated as its acceptance, as its own publish is). The gateway's own
+    database away, the history is the answer: a poll answers the status service's view then,
+    and a new stream was refused (503, or a `retry:`-only stream for the whole outage)."""
+    try:
+        cached = await submissions.cached_result(task_id, tenant_id=tenant_id)
+    except DatabaseUnavailable as error:
+        log.warning("%s streamed without its submission: %r", task_id, error)
+        return history
+    if cached is None:
+        return history
+    completion = _cached_completion(cached, acceptance.occurred_at)
     return history.model_copy(
         update={
             "status": TaskStatus.COMPLETED,
             "sequence": CACHED_COMPLETION_SEQUENCE,
-            "changes": [c for c in [*history.changes, completion] if c.sequence > after],
+            "changes": [*history.changes, completion],
         }
+    )
+
+
+async def _ended_by_the_cache(
+    history: TaskHistory, submissions: Submissions, *, task_id: str, tenant_id: str
+) -> TaskHistory:
+    """The history of a client that saw a result-cache hit's completion the status service
+    has not recorded (an `EventSource` reconnecting after it): completed, nothing after it.
+    Without the cache hit, the history as it is (the caller refuses the client's id as
+    ahead of it). The database away, `DatabaseUnavailable`: without it, the client's id
+    would be refused for good."""
+    if await submissions.cached_result(task_id, tenant_id=tenant_id) is None:
+        return history
+    return history.model_copy(
+        update={"status": TaskStatus.COMPLETED, "sequence": CACHED_COMPLETION_SEQUENCE}
     )
 
 
@@ -725,17 +773,44 @@ async def read_history(
     """The task's state changes after `after`, or — while the status service has not heard of
     a young submission — its acceptance as the gateway recorded it (sequence 0, like the
     acceptance the projection reads from the command), and a result-cache hit's completion
-    until the status service has recorded it (a client that saw it asks for what follows)."""
+    until the status service has recorded it (a client that saw it asks for what follows).
+
+    Of the submission, only its cached result is read while the status service has the
+    task, and only when the history may lack it: a client reconnecting after the cache
+    hit's completion, or a first look at a young task's acceptance. A stream whose live
+    changes run ahead of a lagging history re-reads it often, and nothing else ahead of it
+    is the cache's."""
     history = await status.history(task_id, tenant_id=tenant_id, after=after)
-    if history is not None and not _may_miss_a_cached_completion(history, after):
+    if history is None:
+        return await _as_recorded(
+            task_id,
+            tenant_id=tenant_id,
+            after=after,
+            submissions=submissions,
+            now=clock(),
+            policy=policy,
+        )
+    if after == CACHED_COMPLETION_SEQUENCE > history.sequence:
+        return await _ended_by_the_cache(history, submissions, task_id=task_id, tenant_id=tenant_id)
+    acceptance = _young_acceptance_alone(history, after, now=clock(), window=policy.window)
+    if acceptance is None:
         return history
+    return await _completed_from_the_cache(
+        history, acceptance, submissions, task_id=task_id, tenant_id=tenant_id
+    )
+
+
+async def _as_recorded(
+    task_id: str,
+    *,
+    tenant_id: str,
+    after: int,
+    submissions: Submissions,
+    now: datetime,
+    policy: HistoryPolicy,
+) -> TaskHistory | None:
+    """A young submission the status service has not heard of, as the gateway recorded it."""
     submission = await submissions.find(task_id, tenant_id=tenant_id)
-    if history is not None:
-        if submission is None or submission.cached_result is None:
-            return history
-        cached, created_at = submission.cached_result, submission.created_at
-        return _with_cached_completion(history, cached, created_at, after=after)
-    now = clock()
     if submission is None or not recently_due(submission, now=now, window=policy.window):
         return None
     scheduled = submission.not_before is not None and submission.not_before > now

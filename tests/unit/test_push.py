@@ -48,7 +48,7 @@ from shared.contracts import (
     event_sequence,
     utcnow,
 )
-from shared.http import install_problem_handlers
+from shared.http import Problem, install_problem_handlers
 from tests.support import eventually
 
 T0 = datetime(2030, 5, 17, 12, 0, 0, tzinfo=UTC)
@@ -658,6 +658,9 @@ class FakeSubmissions:
     async def find(self, task_id: str, *, tenant_id: str) -> Any:
         return self.submission
 
+    async def cached_result(self, task_id: str, *, tenant_id: str) -> ScoreResult | None:
+        return None if self.submission is None else self.submission.cached_result
+
 
 class NoHistory:
     async def history(self, task_id: str, *, tenant_id: str, after: int) -> TaskHistory | None:
@@ -754,6 +757,10 @@ class CountedSubmissions(FakeSubmissions):
         self.finds += 1
         return await super().find(task_id, tenant_id=tenant_id)
 
+    async def cached_result(self, task_id: str, *, tenant_id: str) -> ScoreResult | None:
+        self.finds += 1
+        return await super().cached_result(task_id, tenant_id=tenant_id)
+
 
 async def test_settling_a_live_event_while_the_status_lags_reads_no_submission() -> None:
     """A stream showed `task.started` live without an id, and the completion arrives while
@@ -791,6 +798,40 @@ async def test_a_last_event_id_ahead_of_a_task_without_a_cache_hit_is_still_refu
         answer = await client.get("/v1/scores/t1/events", headers=headers)
     assert answer.status_code == 400, answer.text
     assert answer.headers["content-type"] == "application/problem+json"
+
+
+async def test_a_first_look_at_an_old_acceptance_reads_no_submission() -> None:
+    """Past the read-your-writes window, a cache hit's completion was announced again long
+    since: the stream's first read read the whole submission, and a database away refused
+    it (found in review), while a poll answered from the status service."""
+    submissions = CountedSubmissions(Submission(T0, cached_result=CACHED))
+    history = await _read_history(
+        -1, AcceptedOnlyHistory(), submissions, now=T0 + timedelta(hours=1)
+    )
+    assert history is not None
+    assert (history.status, history.sequence) == (TaskStatus.QUEUED, 0)
+    assert submissions.finds == 0
+
+
+async def test_a_first_look_at_a_young_acceptance_shows_the_cache_hits_completion() -> None:
+    history = await _read_history(
+        -1, AcceptedOnlyHistory(), FakeSubmissions(Submission(T0, cached_result=CACHED))
+    )
+    assert history is not None
+    assert [(c.sequence, c.occurred_at) for c in history.changes] == [
+        (0, T0),
+        (CACHED_COMPLETION_SEQUENCE, T0),  # dated as its acceptance, as its publish is
+    ]
+    assert history.changes[-1].result == CACHED
+
+
+async def test_a_first_look_at_a_young_acceptance_with_the_database_away_is_the_history() -> None:
+    """As a poll answers then: the status service's view (a new stream was refused: 503,
+    or a `retry:`-only stream for the whole outage)."""
+    away = FailingSubmissions(AutoReconnect("connection reset"))
+    history = await _read_history(-1, AcceptedOnlyHistory(), away)
+    assert history is not None
+    assert (history.status, [c.sequence for c in history.changes]) == (TaskStatus.QUEUED, [0])
 
 
 @pytest.mark.parametrize("state", [SubmissionState.UNCONFIRMED, SubmissionState.ACCEPTING])
@@ -839,14 +880,18 @@ def _stream_client(
     live: LiveUpdates,
     history: HistorySource | None = None,
     submissions: object = None,
+    refusal: Problem | None = None,
 ) -> httpx.AsyncClient:
     """A client of the event routes over `live`, for `history` (by default a finished task's)
-    and `submissions` (what the route reads when the status service has not heard of it)."""
+    and `submissions` (what the route reads when the status service has not heard of it);
+    with `refusal`, the caller dependency in front of the route refuses every request."""
     deps = SimpleNamespace(
         settings=GatewaySettings.model_validate({}), submissions=submissions, clock=utcnow
     )
 
     async def caller() -> Caller:
+        if refusal is not None:
+            raise refusal
         return Caller(tenant_id="a", key_id="k")
 
     async def still_valid(_: Caller) -> bool:
@@ -902,8 +947,17 @@ class FailingSubmissions:
     async def find(self, task_id: str, *, tenant_id: str) -> Any:
         raise DatabaseUnavailable(str(self.cause)) from self.cause
 
+    async def cached_result(self, task_id: str, *, tenant_id: str) -> ScoreResult | None:
+        raise DatabaseUnavailable(str(self.cause)) from self.cause
+
 
 RECONNECTION = {"Accept": "text/event-stream", "Last-Event-ID": "0"}
+
+
+def _retry_ms(text: str) -> int:
+    """The `retry:` of a stream holding nothing else."""
+    (retry,) = [line for line in text.splitlines() if line.startswith("retry:")]
+    return int(retry.removeprefix("retry:"))
 
 
 @pytest.mark.parametrize(
@@ -939,7 +993,7 @@ async def test_an_eventsource_reconnecting_to_a_database_away_is_told_to_retry()
     assert answer.status_code == 200, answer.text
     assert answer.headers["content-type"].startswith("text/event-stream")
     assert answer.headers["retry-after"] == "5"
-    assert "retry: 5000" in answer.text.splitlines()
+    assert 5000 <= _retry_ms(answer.text) <= 7500  # up to half as long again
     assert "data:" not in answer.text
     assert len(live) == 0
 
@@ -956,10 +1010,61 @@ async def test_an_eventsource_finding_the_waiters_at_their_limit_is_told_to_retr
     assert answer.status_code == 200, answer.text
     assert answer.headers["content-type"].startswith("text/event-stream")
     assert answer.headers["retry-after"] == "1"
-    assert "retry: 1000" in answer.text.splitlines()
+    assert 3000 <= _retry_ms(answer.text) <= 4500  # at least SSE_RETRY_MS (3 s)
     assert "data:" not in answer.text
     assert plain.status_code == 503  # a client that does not reconnect by itself
     assert plain.headers["content-type"] == "application/problem+json"
+
+
+def _rate_limited() -> Problem:
+    return Problem(429, "Rate limit reached.", kind="rate-limited", headers={"Retry-After": "42"})
+
+
+def _key_store_away() -> Problem:
+    return Problem(503, "The key store is unavailable.", headers={"Retry-After": "5"})
+
+
+@pytest.mark.parametrize(
+    ("refusal", "least_ms"),
+    [(_rate_limited(), 42_000), (_key_store_away(), 5_000)],
+    ids=["rate-limited", "key-store-away"],
+)
+async def test_an_eventsource_the_caller_dependency_refuses_for_now_is_told_to_retry(
+    refusal: Problem, least_ms: int
+) -> None:
+    """The authentication in front of the route answered its 429 or 503 problem, on which an
+    `EventSource` stops for good (found in review): a stream holding only `retry:`, the
+    problem's Retry-After; a client that does not reconnect by itself still gets the problem."""
+    live = LiveUpdates()
+    async with _stream_client(live, refusal=refusal) as client:
+        answer = await client.get("/v1/scores/t1/events", headers=RECONNECTION)
+        plain = await client.get("/v1/scores/t1/events")
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["content-type"].startswith("text/event-stream")
+    assert answer.headers["retry-after"] == refusal.headers["Retry-After"]
+    assert least_ms <= _retry_ms(answer.text) <= least_ms * 3 // 2
+    assert "data:" not in answer.text
+    assert plain.status_code == refusal.status
+    assert plain.headers["content-type"] == "application/problem+json"
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        Problem(401, "The API key is malformed, unknown or revoked.", kind="unauthorized"),
+        Problem(500, "The database refused this operation for good.", kind="database-refused"),
+    ],
+    ids=["unauthorized", "refused-for-good"],
+)
+async def test_an_eventsource_the_caller_dependency_refuses_for_good_gets_the_problem(
+    refusal: Problem,
+) -> None:
+    """A bad key, or a refusal that recurs on every reconnection: the `EventSource` should
+    stop."""
+    async with _stream_client(LiveUpdates(), refusal=refusal) as client:
+        answer = await client.get("/v1/scores/t1/events", headers=RECONNECTION)
+    assert answer.status_code == refusal.status
+    assert answer.headers["content-type"] == "application/problem+json"
 
 
 # --- A bind that lands after a stream's read ---------------------------------------------------

@@ -19,6 +19,7 @@ from services.gateway.errors import (
     in_progress_retry_after,
 )
 from services.gateway.limits import LimitExceeded
+from services.gateway.push import may_await_a_cached_completion
 from services.gateway.refusals import Refusal, Refusals, may_have_been_written
 from services.gateway.schemas import ScoreSubmission, named_rubric
 from services.gateway.submissions import (
@@ -472,8 +473,9 @@ def _may_await_a_cached_completion(view: TaskView, *, now: datetime, window: tim
     by its POST, the task read `queued` with no result until the outbox sweep announced the
     completion again (found in review). Only then is the submission read: a young task at
     its acceptance."""
-    young = view.created_at > now - window
-    return young and view.sequence == 0 and view.status is TaskStatus.QUEUED
+    return may_await_a_cached_completion(
+        view.status, view.sequence, view.created_at, now=now, window=window
+    )
 
 
 def _status_as_recorded(submission: Submission, now: datetime) -> TaskStatus:

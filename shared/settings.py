@@ -12,6 +12,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from pymongo.errors import PyMongoError
+from pymongo.uri_parser import parse_uri
+from pymongo.uri_parser_shared import SRV_SCHEME, _validate_uri
+from yarl import URL
 
 MAX_PORT = 65_535
 # `LLM_MODEL` unset or blank: the model the scorer asks for, and the gateway's result-cache
@@ -55,6 +59,13 @@ MAX_INFRA_TIMEOUT_S = 300.0
 MAX_STARTUP_TIMEOUT_S = 3600.0
 # The characters of a bearer token a header can carry as is: `!` to `~`.
 VISIBLE_ASCII_MIN, VISIBLE_ASCII_MAX = 0x21, 0x7E
+# MongoDB's database names (`<MONGO_DB_PREFIX>_<service>`): at most 63 bytes, none of these
+# characters (PyMongo's own check, which raised `InvalidName` at the first use of the name;
+# a MongoDB on Windows refuses `*<>:|?` too: a deployment there sees its own refusal). The
+# longest service name is `scheduler`.
+MAX_DATABASE_NAME_BYTES = 63
+DATABASE_NAME_FORBIDDEN = frozenset(' ."$/\\\x00')
+LONGEST_SERVICE_NAME = "scheduler"
 
 
 class ServiceSettings(BaseSettings):
@@ -101,6 +112,21 @@ class ServiceSettings(BaseSettings):
     startup_timeout_s: float = Field(
         default=60.0, gt=0, le=MAX_STARTUP_TIMEOUT_S, validation_alias="STARTUP_TIMEOUT_S"
     )
+
+    @field_validator("rabbitmq_url")
+    @classmethod
+    def _an_amqp_url(cls, url: str) -> str:
+        return amqp_url(url)
+
+    @field_validator("mongo_url")
+    @classmethod
+    def _a_mongodb_uri(cls, url: str) -> str:
+        return mongodb_uri(url)
+
+    @field_validator("mongo_database_prefix")
+    @classmethod
+    def _a_database_prefix(cls, prefix: str) -> str:
+        return database_prefix(prefix)
 
     @field_validator("log_level")
     @classmethod
@@ -212,6 +238,71 @@ def http_url(url: str) -> str:
             f"an http(s) URL with a host is needed, e.g. http://status:8001, not {_shown(url)!r}"
         )
     return url
+
+
+def amqp_url(url: str) -> str:
+    """`url` if it is an amqp(s) URL with a host, and a port if it names one (`RABBITMQ_URL`).
+    A port that is no number raised a `ValueError` traceback at start, and `notaurl` was read
+    as the vhost `notaurl` on localhost: the start waited out `STARTUP_TIMEOUT_S` and ended
+    in a traceback with exit status 3 (found in a walkthrough)."""
+    try:
+        parts = URL(url)
+        port = parts.port  # raises on a port out of range
+    except ValueError as error:
+        raise ValueError(f"not a URL ({error}): {_shown(url)!r}") from None
+    if parts.scheme not in ("amqp", "amqps") or not parts.host or port == 0:
+        raise ValueError(
+            "an amqp(s) URL with a host (and a port from 1 to 65535 if any) is needed, "
+            f"e.g. amqp://guest:guest@127.0.0.1:5672/, not {_shown(url)!r}"
+        )
+    return url
+
+
+def mongodb_uri(url: str) -> str:
+    """`url` if PyMongo's own parser takes it (`MONGO_URL`): a URI it refused raised its
+    `InvalidURI` or `ValueError` traceback at start (found in a walkthrough). The parser does
+    no I/O but for a `mongodb+srv://` URI, whose hosts it looks up in DNS: that one is checked
+    by the same parser without the look-up (the DNS may not answer yet at start, and its
+    answer is the driver's to wait for)."""
+    try:
+        if url.startswith(SRV_SCHEME):
+            _validate_uri(url)
+        else:
+            parse_uri(url)
+    except (PyMongoError, ValueError) as error:
+        reason = _without_password(str(error), url)
+        raise ValueError(f"not a MongoDB URI ({reason}): {_shown(url)!r}") from None
+    return url
+
+
+def _without_password(message: str, url: str) -> str:
+    """`message` with the password of `url` (if it has one) hidden: a parser's message may
+    quote the part of the URL it refused."""
+    userinfo = url.partition("://")[2].partition("/")[0].rpartition("@")[0]
+    password = userinfo.partition(":")[2]
+    return message.replace(password, "***") if password else message
+
+
+def database_prefix(prefix: str) -> str:
+    """`prefix` if every database name made from it is one MongoDB takes (`MONGO_DB_PREFIX`):
+    `bad/prefix` passed, and the service stopped at start with PyMongo's `InvalidName`
+    traceback (found in a walkthrough)."""
+    if not prefix:
+        raise ValueError("must not be empty")
+    forbidden = sorted(set(prefix) & DATABASE_NAME_FORBIDDEN)
+    if forbidden:
+        shown = " ".join(repr(character) for character in forbidden)
+        raise ValueError(
+            f"must be a MongoDB database name's start, without the character(s) {shown}"
+        )
+    longest = f"{prefix}_{LONGEST_SERVICE_NAME}"
+    room = MAX_DATABASE_NAME_BYTES - len(longest.encode()) + len(prefix.encode())
+    if len(longest.encode()) > MAX_DATABASE_NAME_BYTES:
+        raise ValueError(
+            f"must be at most {room} bytes: the database names `<prefix>_<service>` "
+            f"are at most {MAX_DATABASE_NAME_BYTES}"
+        )
+    return prefix
 
 
 def _shown(url: str) -> str:

@@ -28,7 +28,12 @@ from shared.contracts import (
     new_id,
     utcnow,
 )
-from shared.settings import MAX_DURATION_S, READ_YOUR_WRITES_MAX_S, ServiceSettings
+from shared.settings import (
+    MAX_DURATION_S,
+    READ_YOUR_WRITES_MAX_S,
+    ServiceSettings,
+    refused_settings,
+)
 
 SETTINGS_CLASSES: list[type[BaseSettings]] = [
     GatewaySettings,
@@ -285,3 +290,61 @@ def test_a_finished_task_stays_readable_past_the_gateways_read_your_writes_windo
         {"READ_YOUR_WRITES_WINDOW_S": READ_YOUR_WRITES_MAX_S}
     )
     assert shortest_ttl.finished_task_ttl_s >= longest_window.read_your_writes_window_s
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("MONGO_URL", "bogus://x"),
+        ("MONGO_URL", "mongodb://127.0.0.1:notaport"),
+        ("MONGO_URL", "mongodb://127.0.0.1:99999"),
+        ("MONGO_URL", "mongodb://127.0.0.1/?noSuchOption=1"),
+        ("MONGO_URL", "mongodb+srv://cluster.example.invalid:27017/"),
+        ("MONGO_DB_PREFIX", "bad/prefix"),
+        ("MONGO_DB_PREFIX", "a.b"),
+        ("MONGO_DB_PREFIX", ""),
+        ("MONGO_DB_PREFIX", "p" * 54),
+        ("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:notaport/"),
+        ("RABBITMQ_URL", "amqp://127.0.0.1:70000/"),
+        ("RABBITMQ_URL", "notaurl"),
+        ("RABBITMQ_URL", "http://127.0.0.1:5672/"),
+        ("RABBITMQ_URL", "amqp:///"),
+    ],
+)
+def test_an_infrastructure_setting_the_drivers_cannot_use_is_refused(
+    variable: str, value: str
+) -> None:
+    """Each stopped the start with a driver's traceback (InvalidURI, ValueError,
+    InvalidName), or, `notaurl` read as a vhost on localhost, waited out STARTUP_TIMEOUT_S
+    first (found in a walkthrough)."""
+    with pytest.raises(ValidationError, match=variable):
+        StatusSettings.model_validate({variable: value})
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("MONGO_URL", "mongodb://u:p%40ss@db1:27017,db2/?replicaSet=rs&directConnection=false"),
+        ("MONGO_URL", "mongodb+srv://u:p@cluster.example.invalid/?tls=true"),
+        ("MONGO_DB_PREFIX", "p" * 53),
+        ("MONGO_DB_PREFIX", "scorebox-test_1"),
+        ("RABBITMQ_URL", "amqps://u:p@[::1]:5671/scorebox"),
+        ("RABBITMQ_URL", "amqp://rabbitmq/"),
+    ],
+)
+def test_an_infrastructure_setting_the_drivers_take_is_taken(variable: str, value: str) -> None:
+    """A `mongodb+srv://` URI is checked without its DNS look-up (`.invalid` never
+    resolves)."""
+    StatusSettings.model_validate({variable: value})
+
+
+def test_a_refused_infrastructure_url_is_shown_without_its_password() -> None:
+    for variable, url in [
+        ("MONGO_URL", "mongodb://u:hunter2@db:99999"),
+        ("RABBITMQ_URL", "amqp://u:hunter2@broker:notaport/"),
+    ]:
+        with pytest.raises(ValidationError) as refused:
+            StatusSettings.model_validate({variable: url})
+        message = refused_settings("status", refused.value)
+        assert variable in message
+        assert "hunter2" not in message

@@ -130,3 +130,24 @@ def test_jobs_written_in_another_shape_stop_the_scheduler_in_one_line(
     assert lines[-1].startswith("scheduler: cannot start: "), lines
     assert named in lines[-1]
     assert '[jobs.<name>] tables, each with cron = "..."' in lines[-1]
+
+
+@pytest.mark.parametrize(
+    ("service", "variable", "value"),
+    [
+        ("gateway", "MONGO_URL", "bogus://x"),
+        ("scorer", "MONGO_DB_PREFIX", "bad/prefix"),
+        ("status", "RABBITMQ_URL", "notaurl"),
+        ("notifier", "RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:notaport/"),
+    ],
+)
+def test_an_infrastructure_url_the_drivers_refuse_stops_the_service_in_one_line(
+    service: str, variable: str, value: str
+) -> None:
+    """Each stopped with a driver's traceback (exit status 1), or, `notaurl` read as a vhost
+    on localhost, waited out STARTUP_TIMEOUT_S and then stopped with one (exit status 3)
+    (found in a walkthrough)."""
+    lines = _refused_at_start(service, os.environ | {variable: value})
+    assert lines[0] == f"{service}: cannot start, 1 setting(s) refused:"
+    assert len(lines) == 2, lines
+    assert lines[1].startswith(f"  {variable}: ")

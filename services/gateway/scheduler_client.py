@@ -32,6 +32,16 @@ class UsageQueryRejected(GatewayError):
         self.detail = detail
         self.errors = errors
 
+    def naming(self, field: str, instead: str) -> UsageQueryRejected:
+        """The refusal with `field` named `instead` (the gateway's own name for it)."""
+        return UsageQueryRejected(
+            self.detail.replace(f"{field}:", f"{instead}:"),
+            [
+                error | {"field": instead} if error["field"] == field else error
+                for error in self.errors
+            ],
+        )
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
@@ -49,7 +59,9 @@ class DailyUsage(_Model):
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
     total_tokens: int = Field(ge=0)
-    cost: float | None = Field(description="None when no request of the day had a price.")
+    cost: float | None = Field(
+        description="Of the priced requests; None when the day's requests had no price."
+    )
     unpriced_requests: int = Field(ge=0, description="Requests whose model has no price.")
 
 
@@ -60,7 +72,10 @@ class UsageTotals(_Model):
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
     total_tokens: int = Field(ge=0)
-    cost: float | None = Field(description="None when no request of the period had a price.")
+    cost: float | None = Field(
+        description="Of the priced requests; None when the period's requests had no price, "
+        "0 when it had none."
+    )
     unpriced_requests: int = Field(ge=0)
 
 

@@ -61,6 +61,12 @@ def usage_period(first_day: str | None, last_day: str | None, *, today: date) ->
     """
     first_given, last = _given_days(first_day, last_day, today=today)
     if first_given is not None:
+        if last_day is None and first_given > last:
+            # The scheduler's refusal named `to`, which the client had not sent (found in a
+            # walkthrough).
+            raise invalid_query(
+                "from", f"must not be after today ({last.isoformat()}), where `to` defaults to"
+            )
         return first_given.isoformat(), last.isoformat()
     try:
         first = last - timedelta(days=DEFAULT_PERIOD_DAYS)
@@ -104,7 +110,8 @@ def usage_routes(scheduler: SchedulerClient, authenticated: Any, *, clock: Clock
         description="Per UTC day with usage, and in total, over `from`..`to` (both included; at "
         "most 366 days). `to` defaults to today (UTC), `from` to 30 days before `to`. Usage is "
         "rolled up periodically (hourly by default), so the latest tasks may not be counted "
-        "yet. A re-scored task counts again. `cost` is null when no request had a priced model. "
+        "yet. A re-scored task counts again. `cost` is null when there were requests and none "
+        "had a priced model (0 when there were none). "
         "Any other query parameter, or one given twice, is refused (422).",
         responses={
             200: {"content": {"application/json": {"example": _EXAMPLE}}},
@@ -126,7 +133,11 @@ def usage_routes(scheduler: SchedulerClient, authenticated: Any, *, clock: Clock
         try:
             return await scheduler.usage(caller.tenant_id, first_day=first, last_day=last)
         except UsageQueryRejected as error:
-            raise Problem(422, error.detail, kind="invalid-fields", errors=error.errors) from error
+            # `to` not sent: a range the scheduler refused (naming `to`) is one `from` made.
+            refused = error if last_day is not None else error.naming("query.to", "query.from")
+            raise Problem(
+                422, refused.detail, kind="invalid-fields", errors=refused.errors
+            ) from error
         except SchedulerUnavailable as error:
             raise Problem(
                 503,

@@ -174,7 +174,9 @@ class DailyUsageView(_Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    cost: float | None = Field(description="None when no request of the day had a price.")
+    cost: float | None = Field(
+        description="Of the priced requests; None when the day's requests had no price."
+    )
     unpriced_requests: int = Field(description="Requests whose model has no configured price.")
 
     @classmethod
@@ -185,9 +187,18 @@ class DailyUsageView(_Out):
             prompt_tokens=row.prompt_tokens,
             completion_tokens=row.completion_tokens,
             total_tokens=row.total_tokens,
-            cost=row.cost_nanos / NANOS_PER_UNIT if row.priced_requests else None,
+            cost=usage_cost(row.cost_nanos, requests=row.requests, priced=row.priced_requests),
             unpriced_requests=row.unpriced_requests,
         )
+
+
+def usage_cost(cost_nanos: int, *, requests: int, priced: int) -> float | None:
+    """The cost of `requests`, `priced` of them with a price: None (unknown) only when there
+    were requests and none had a price. A period without requests costs 0: its `cost` was
+    null, read as unknown (found in a walkthrough)."""
+    if requests and not priced:
+        return None
+    return cost_nanos / NANOS_PER_UNIT
 
 
 class UsageTotals(_Out):
@@ -195,7 +206,10 @@ class UsageTotals(_Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    cost: float | None
+    cost: float | None = Field(
+        description="Of the priced requests; None when the period's requests had no price, "
+        "0 when it had none."
+    )
     unpriced_requests: int
 
 
@@ -621,13 +635,17 @@ def usage_range(first: str, last: str) -> tuple[date, date]:
 
 
 def _totals(rows: list[DailyUsage]) -> UsageTotals:
-    priced = sum(row.priced_requests for row in rows)
+    requests = sum(row.requests for row in rows)
     return UsageTotals(
-        requests=sum(row.requests for row in rows),
+        requests=requests,
         prompt_tokens=sum(row.prompt_tokens for row in rows),
         completion_tokens=sum(row.completion_tokens for row in rows),
         total_tokens=sum(row.total_tokens for row in rows),
-        cost=sum(row.cost_nanos for row in rows) / NANOS_PER_UNIT if priced else None,
+        cost=usage_cost(
+            sum(row.cost_nanos for row in rows),
+            requests=requests,
+            priced=sum(row.priced_requests for row in rows),
+        ),
         unpriced_requests=sum(row.unpriced_requests for row in rows),
     )
 

@@ -570,7 +570,8 @@ async def test_usage_route_rejects_bad_ranges(env: Env) -> None:
             params={"tenant_id": "a", "from": "2030-01-01", "to": "2030-01-01"},
         )
         assert empty.json()["days"] == []
-        assert empty.json()["totals"]["cost"] is None
+        # Nothing to price costs 0; null is an unknown cost (requests none of which had one).
+        assert empty.json()["totals"]["cost"] == 0
 
 
 # --- fan-out --------------------------------------------------------------------------------

@@ -258,6 +258,37 @@ async def test_bad_dates_are_422_with_the_reason(
     assert all(error["field"] in ("query.from", "query.to") for error in problem["errors"])
 
 
+@pytest.mark.parametrize(
+    ("params", "detail"),
+    [
+        ({"from": "2030-01-11"}, "query.from: must not be after today (2030-01-10)"),
+        ({"from": "2028-01-01"}, "query.from: a usage query spans at most 366 days"),
+    ],
+    ids=["future-from", "from-too-early"],
+)
+async def test_a_range_refused_without_to_names_from(
+    stack: Stack, params: dict[str, str], detail: str
+) -> None:
+    """`to` defaults to today: the refusal named `query.to`, which the client had not sent
+    (found in a walkthrough)."""
+    response = await stack.usage(**params)
+    assert response.status_code == 422, response.text
+    problem = response.json()
+    assert detail in problem["detail"]
+    assert "query.to" not in problem["detail"]
+    assert [error["field"] for error in problem["errors"]] == ["query.from"]
+
+
+async def test_a_period_without_usage_costs_zero(stack: Stack) -> None:
+    """Its cost was null, which reads as unknown (as for requests without a price)."""
+    response = await stack.usage(**{"from": "2030-01-03", "to": "2030-01-07"})
+    assert response.status_code == 200, response.text
+    report = response.json()
+    assert report["days"] == []
+    assert report["totals"]["requests"] == 0
+    assert report["totals"]["cost"] == 0
+
+
 async def test_both_dates_malformed_are_named_in_one_422(stack: Stack) -> None:
     response = await stack.usage(**{"from": "2030-W01-1", "to": "20300131"})
     assert response.status_code == 422, response.text

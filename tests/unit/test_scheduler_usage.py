@@ -7,7 +7,7 @@ from decimal import Decimal
 
 import pytest
 
-from services.scheduler.api import DailyUsageView, usage_range
+from services.scheduler.api import DailyUsageView, _totals, usage_range
 from services.scheduler.config import Price
 from services.scheduler.metering import (
     Extras,
@@ -152,3 +152,15 @@ def test_daily_view_reports_cost_only_when_priced() -> None:
     unpriced = DailyUsageView.of(DailyUsage("acme", "2025-03-01", 2, 10, 1, 0, priced_requests=0))
     assert unpriced.cost is None
     assert unpriced.unpriced_requests == 2
+
+
+def test_the_cost_is_unknown_only_when_requests_had_no_price() -> None:
+    """A period without requests costs 0 (it was null, read as unknown); requests none of
+    which had a price cost null; priced ones their sum, unpriced ones counted apart."""
+    assert _totals([]).cost == 0
+    unpriced = DailyUsage("acme", "2025-01-02", 2, 10, 1, 0, priced_requests=0)
+    assert _totals([unpriced]).cost is None
+    assert DailyUsageView.of(unpriced).cost is None
+    priced = DailyUsage("acme", "2025-01-03", 1, 10, 1, 1_500_000, priced_requests=1)
+    both = _totals([unpriced, priced])
+    assert (both.cost, both.unpriced_requests) == (0.0015, 2)

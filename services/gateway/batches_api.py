@@ -229,6 +229,9 @@ def list_cursor(position: ListPosition) -> str:
     return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
 
 
+BATCH_CURSOR_REFUSED = "is not a `next_cursor` this batch returned"
+
+
 def listing_position(cursor: str) -> ListPosition:
     """The position a listing's `next_cursor` names; a 422 naming `cursor` when it is none."""
     found = LIST_POSITION.match(_decoded(cursor)) if LIST_CURSOR.match(cursor) else None
@@ -494,8 +497,9 @@ def batch_routes(
         description="Items come in the request's order, `limit` per page; follow `next_cursor` "
         "until it is null to see every item exactly once. Right after the 202 the counts may "
         "lag: tasks not yet seen by the status service count as `queued`. Any other query "
-        "parameter, or one given twice, is refused (422).",
-        responses=problem_responses(400, 401, 404, 429, 503),
+        "parameter, or one given twice, or a `cursor` that is no `next_cursor` of this batch, "
+        "is refused (422).",
+        responses=problem_responses(401, 404, 422, 429, 503),
     )
     async def read(
         batch_id: str,
@@ -506,8 +510,10 @@ def batch_routes(
         missing = unknown_batch(batch_id)
         if not BATCH_ID.match(batch_id):
             raise missing
+        # A 422 naming `query.cursor`, as the listing's and every invalid query parameter's:
+        # a 400 without `errors` (found in a walkthrough).
         if cursor is not None and not CURSOR.match(cursor):
-            raise Problem(400, "cursor must be a `next_cursor` this batch returned.")
+            raise invalid_query("cursor", BATCH_CURSOR_REFUSED)
         start = int(cursor or 0)
         try:
             page = await read_batch(
@@ -526,7 +532,7 @@ def batch_routes(
         if page is None:
             raise missing
         if start and start >= page.total:
-            raise Problem(400, "cursor must be a `next_cursor` this batch returned.")
+            raise invalid_query("cursor", BATCH_CURSOR_REFUSED)
         return _page_view(page)
 
     return router

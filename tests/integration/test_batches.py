@@ -363,8 +363,14 @@ async def test_another_tenants_batch_is_404(batches: Batches) -> None:
     batch_id = response.json()["batch_id"]
     _assert_problem(await batches.api.get(f"/v1/batches/{batch_id}", headers=batches.other), 404)
     _assert_problem(await batches.api.get(f"/v1/batches/{new_id()}"), 404)
-    _assert_problem(await batches.api.get(f"/v1/batches/{batch_id}?cursor=abc"), 400)
-    _assert_problem(await batches.api.get(f"/v1/batches/{batch_id}?cursor=2"), 400)
+    # A cursor that is none of the batch's: a 422 naming it, as the listing answers one (it
+    # was a 400 without `errors`; found in a walkthrough).
+    for cursor in ("abc", "2"):
+        refused = _assert_problem(
+            await batches.api.get(f"/v1/batches/{batch_id}?cursor={cursor}"), 422
+        )
+        assert refused["type"].endswith("/invalid-fields")
+        assert [error["field"] for error in refused["errors"]] == ["query.cursor"]
 
 
 @pytest.mark.parametrize(
@@ -372,11 +378,11 @@ async def test_another_tenants_batch_is_404(batches: Batches) -> None:
     # U+0661 ARABIC-INDIC DIGIT ONE, U+FF11 FULLWIDTH DIGIT ONE, U+0967 DEVANAGARI DIGIT ONE
     ["%D9%A1", "%EF%BC%91", "%E0%A5%A7"],
 )
-async def test_a_cursor_of_other_digits_than_ascii_is_400(batches: Batches, cursor: str) -> None:
+async def test_a_cursor_of_other_digits_than_ascii_is_422(batches: Batches, cursor: str) -> None:
     """`\\d` took any script's digit, which `int` reads: U+0661 was the page after item 1."""
     batch_id = (await batches.submit({"items": _items(3)})).json()["batch_id"]
     page = await batches.api.get(f"/v1/batches/{batch_id}?limit=1&cursor={cursor}")
-    _assert_problem(page, 400)
+    assert _assert_problem(page, 422)["errors"][0]["field"] == "query.cursor"
 
 
 @pytest.mark.parametrize(

@@ -85,8 +85,10 @@ def checked_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
     The JSON parser reads an integer literal past 64 bits as a float (2**70 + 1 arrives as
     1.1805916207174113e+21), so a float of magnitude 2**63 or more (every one of which is
     integral) is refused as that integer would be: it is no longer the client's value and
-    would not round-trip. A client who meant such a float (1e30) is refused too and can send
-    it as a string."""
+    would not round-trip. Parsed, a float literal (1.5e20) cannot be told from such an
+    integer, so it is refused too (BSON would keep it), with words for both: a client sends
+    either as a string. It was told "integers must fit in 64 bits", about a float (found in
+    a walkthrough)."""
     _check_metadata_values(metadata)
     if len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
         raise ValueError(f"metadata must serialise to at most {MAX_METADATA_BYTES} bytes")
@@ -109,17 +111,20 @@ def _check_metadata_values(value: Any, path: str = "", depth: int = 1) -> None:
     elif isinstance(value, list):
         for index, item in enumerate(value):
             _check_metadata_values(item, f"{path}[{index}]", depth + 1)
-    elif _beyond_int64(value):
+    elif isinstance(value, float) and abs(value) >= FLOAT_REFUSED_FROM:
+        raise ValueError(
+            f"{at}numbers of magnitude 2^63 or more must be sent as strings: an integer that "
+            "large does not fit in 64 bits and the JSON parser reads it as a float, so no "
+            "float that large is taken either"
+        )
+    elif isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
         raise ValueError(
             f"{at}integers must fit in 64 bits (signed); send a larger one as a string"
         )
 
 
-def _beyond_int64(value: Any) -> bool:
-    """An integer BSON cannot hold, or a float the JSON parser made of such an integer."""
-    if isinstance(value, float):  # every float this large is integral
-        return abs(value) >= 2.0**63
-    return isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX
+# Every float this large is integral: it may be an integer literal past 64 bits, parsed.
+FLOAT_REFUSED_FROM = 2.0**63
 
 
 class ScoreSubmission(BaseModel):

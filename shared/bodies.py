@@ -16,7 +16,7 @@ import orjson
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from shared.http import Problem, validation_message
+from shared.http import Problem, one_header, validation_message
 
 # orjson's error for nesting past its limit of 1,024 levels.
 JSON_TOO_DEEP = "depth limit exceeded"
@@ -38,12 +38,19 @@ UTF_8_CHARSETS = frozenset({"utf-8", "utf8", "us-ascii", "ascii"})
 
 
 def _charset(content_type: str) -> str | None:
-    """The `charset` parameter of a media type, lower-cased and unquoted; None without one."""
-    for parameter in content_type.split(";")[1:]:
-        name, _, value = parameter.partition("=")
-        if name.strip().lower() == "charset":
-            return value.strip().strip('"').lower()
-    return None
+    """The `charset` parameter of a media type, lower-cased and unquoted; None without one.
+    Given twice, a 400: the first was taken (`charset=utf-8; charset=latin-1` was read as
+    UTF-8), where another reader may take the last (found in a walkthrough)."""
+    charsets = [
+        value.strip().strip('"').lower()
+        for name, _, value in (
+            parameter.partition("=") for parameter in content_type.split(";")[1:]
+        )
+        if name.strip().lower() == "charset"
+    ]
+    if len(charsets) > 1:
+        raise Problem(400, "Content-Type gives its charset more than once: give one.")
+    return charsets[0] if charsets else None
 
 
 def _content_codings(request: Request) -> list[str]:
@@ -59,8 +66,9 @@ def _content_codings(request: Request) -> list[str]:
 def _refuse_unreadable_content(request: Request, what: str) -> None:
     """415 for a body this reader would misread: not JSON, not UTF-8 (JSON's only encoding,
     RFC 8259 §8.1), or under a content coding (a gzip body was "not valid UTF-8", a plain one
-    mislabelled gzip accepted)."""
-    content_type = request.headers.get("content-type", "")
+    mislabelled gzip accepted). 400 for a `Content-Type` sent twice, or a `charset` given
+    twice in it: of two, the first was taken without a word."""
+    content_type = one_header(request, "Content-Type") or ""
     if not _is_json(content_type):
         raise Problem(415, f"Send the {what} as JSON with 'Content-Type: application/json'.")
     charset = _charset(content_type)

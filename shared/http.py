@@ -455,13 +455,25 @@ def bearer_token(authorization: str | None) -> str | None:
     return None if credentials is None else credentials[1]
 
 
+def one_header(request: HTTPConnection, name: str) -> str | None:
+    """The value of header `name`, which the request must send at most once: 400 when it
+    sends it again. Of two, the first was taken without a word, and an intermediary taking
+    the last (or joining them) reads another request: for `Authorization`, another tenant
+    (found in a walkthrough), as a repeated `Idempotency-Key` was another task."""
+    values = request.headers.getlist(name)
+    if len(values) > 1:
+        raise Problem(400, f"{name} was sent more than once: send one.")
+    return values[0] if values else None
+
+
 class BearerScheme(HTTPBearer):
     """FastAPI's bearer scheme (the OpenAPI security scheme it declares) reading the header
     with `bearer_token`, the one reading of every key guard and the public routes: FastAPI's
-    took the scheme in any case, but not a tab before the token."""
+    took the scheme in any case, but not a tab before the token. A request that sends the
+    header twice is refused (400, `one_header`) before any key is looked at."""
 
     async def __call__(self, request: HTTPConnection) -> HTTPAuthorizationCredentials | None:
-        token = bearer_token(request.headers.get("authorization"))
+        token = bearer_token(one_header(request, "Authorization"))
         if token is None:
             if self.auto_error:
                 raise self.make_not_authenticated_error()

@@ -589,3 +589,26 @@ async def test_an_operator_shaped_idempotency_key_is_only_a_string(stack: Stack)
         assert first.status_code == 202, first.text
         assert again.status_code == 200
         assert again.json()["task_id"] == first.json()["task_id"]
+
+
+async def test_authorization_sent_twice_is_a_400_on_every_guarded_route(stack: Stack) -> None:
+    """Two tenants' keys in one request: the first was taken, and an intermediary taking the
+    last would have read the request as the other tenant's (found in a walkthrough)."""
+    first = await stack.auth(_tenant("first"))
+    second = await stack.auth(_tenant("second"))
+    for method, path in await _public_routes(stack.api):
+        headers = [
+            ("Authorization", first["Authorization"]),
+            ("Authorization", second["Authorization"]),
+        ]
+        async with asyncio.timeout(15):
+            response = await stack.api.request(
+                method, _fill(path), headers=headers, json={"text": "hi"}
+            )
+        problem = _assert_problem(response, 400)
+        assert "Authorization was sent more than once" in problem["detail"], (method, path)
+    admin_twice = [("Authorization", f"Bearer {ADMIN_KEY}")] * 2
+    problem = _assert_problem(await stack.api.get("/admin/v1/keys", headers=admin_twice), 400)
+    assert "Authorization was sent more than once" in problem["detail"]
+    # Sent once, each key is taken as before.
+    assert (await stack.api.get(f"/v1/scores/{SOME_ID}", headers=first)).status_code == 404

@@ -194,6 +194,23 @@ async def test_every_internal_route_refuses_a_call_without_the_internal_key(
 
 
 @pytest.mark.parametrize(
+    ("service", "method", "path"), INTERNAL_CALLS, ids=[" ".join(c) for c in INTERNAL_CALLS]
+)
+async def test_every_internal_route_refuses_the_internal_key_sent_twice(
+    services: Services, service: str, method: str, path: str
+) -> None:
+    """Of two `Authorization` headers the first was taken (found in a walkthrough): the
+    internal key and then any other was admitted. The admin and metrics guards read the
+    header alike (`shared.http.BearerScheme`; `tests/unit/test_repeated_headers.py`)."""
+    headers = [("Authorization", f"Bearer {INTERNAL_KEY}"), ("Authorization", "Bearer other")]
+    async with _in_process(services.apps[service]) as bare:
+        response = await bare.request(method, path, headers=headers)
+    assert response.status_code == 400, response.text
+    assert response.headers["content-type"].startswith(PROBLEM_JSON)
+    assert "Authorization was sent more than once" in response.json()["detail"]
+
+
+@pytest.mark.parametrize(
     ("service", "path"),
     [
         ("status", "/internal/v1/tasks/unknown?tenant_id=default"),

@@ -37,7 +37,7 @@ from services.scheduler.firings import Firing, FiringState, FiringStore
 from services.scheduler.jobs import Clock
 from services.scheduler.overlap import Claim, Overlap, claim_unless_overlapping
 from services.scheduler.schedule import JobCatalog, ScheduledJob, plan_firings
-from shared.contracts import RunCronJob, to_millis
+from shared.contracts import RunCronJob, rfc3339, to_millis
 
 NEVER = datetime.max.replace(tzinfo=UTC)  # a job whose schedule has no later date
 
@@ -382,7 +382,7 @@ class Dispatcher:
             return None
         latest = await self._firings.last_scheduled(firing.job, not_after=now)
         if latest is not None and latest > firing.scheduled_for:
-            return f"superseded by the firing for {latest.isoformat()} (never published)"
+            return f"superseded by the firing for {rfc3339(latest)} (never published)"
         if self._jobs.get(firing.job).missed is MissedFirings.SKIP and self._late(firing, now):
             return "late by more than the grace period, never published (policy skip)"
         return None

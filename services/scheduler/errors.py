@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from shared.contracts import rfc3339
 from shared.settings import StartupRefused
 
 
@@ -81,7 +82,7 @@ class RunInProgress(SchedulerError):
     """A job that forbids overlapping runs has one in progress (not silent for long)."""
 
     def __init__(self, job: str, run_id: str, state: str, since: datetime | None) -> None:
-        heard = "" if since is None else f", last heard of at {since.isoformat()}"
+        heard = "" if since is None else f", last heard of at {rfc3339(since)}"
         super().__init__(
             f"Cron job {job!r} forbids overlapping runs and run {run_id} is in progress "
             f"({state}{heard}); try again once it has ended."

@@ -35,6 +35,7 @@ from datetime import datetime, timedelta
 from services.scheduler.firings import Firing, FiringState, FiringStore, LeaseTaken
 from services.scheduler.jobs import Clock
 from services.scheduler.schedule import ScheduledJob
+from shared.contracts import rfc3339
 
 log = logging.getLogger("scorebox.scheduler.overlap")
 
@@ -52,7 +53,7 @@ class Overlap:
     @property
     def reason(self) -> str:
         heard = self.holder.heartbeat_at
-        since = "" if heard is None else f", last heard of at {heard.isoformat()}"
+        since = "" if heard is None else f", last heard of at {rfc3339(heard)}"
         return (
             f"overlap: run {self.holder.run_id} of this job is in progress "
             f"({self.holder.state.value}{since}); concurrency policy forbid"
@@ -104,7 +105,7 @@ async def _gave_way(
 ) -> bool:
     """Whether `holder` ended to let `claim` through: superseded, or abandoned as dead."""
     if _superseded_by(holder, claim):
-        reason = f"superseded by the firing for {claim.scheduled_for.isoformat()} (never published)"
+        reason = f"superseded by the firing for {rfc3339(claim.scheduled_for)} (never published)"
         if await firings.supersede(holder.run_id, now=clock(), reason=reason):
             log.warning("job %s: run %s skipped: %s", holder.job, holder.run_id, reason)
             return True
@@ -114,7 +115,7 @@ async def _gave_way(
     if holder.heartbeat_at is None or holder.heartbeat_at >= silent_since:
         return False
     reason = (
-        f"abandoned: no sign of progress since {holder.heartbeat_at.isoformat()} (longer "
+        f"abandoned: no sign of progress since {rfc3339(holder.heartbeat_at)} (longer "
         f"than SCHEDULER_RUN_STALE_S, {stale.total_seconds():g} s); its job's next run "
         "took its place"
     )

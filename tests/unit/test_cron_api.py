@@ -12,6 +12,7 @@ from services.scheduler.api import cron_routes
 from services.scheduler.errors import DispatchFailed, RunInProgress, TriggeredTooOften
 from services.scheduler.firings import Firing, LeaseTaken
 from services.scheduler.schedule import JobCatalog
+from shared.contracts import rfc3339
 from shared.http import install_problem_handlers
 from tests.support import running
 from tests.unit.test_scheduler_dispatch import FakeFirings
@@ -57,3 +58,11 @@ async def test_a_refused_manual_run_says_why(error: Exception, status: int, kind
     assert answer.json()["type"].endswith(kind)
     if status == 429 or kind == "lease-contended":
         assert answer.headers["retry-after"] == "1"
+
+
+async def test_a_run_in_progress_names_its_last_sign_of_life_as_every_time_is_written() -> None:
+    """RFC 3339 with `Z`, as the API's times: it read `+00:00` (a walkthrough)."""
+    async with running(app_raising(RunInProgress("rollup", "run-1", "running", NOW))) as client:
+        answer = await client.post("/admin/v1/cron/jobs/rollup/run", headers=ADMIN)
+    assert f"last heard of at {rfc3339(NOW)})" in answer.json()["detail"]
+    assert rfc3339(NOW).endswith("Z")

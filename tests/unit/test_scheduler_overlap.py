@@ -17,7 +17,7 @@ from services.scheduler.errors import ConfigurationError, RunInProgress
 from services.scheduler.firings import FiringState
 from services.scheduler.schedule import JobCatalog, ScheduledJob
 from services.scheduler.settings import SchedulerSettings
-from shared.contracts import RunCronJob
+from shared.contracts import RunCronJob, rfc3339
 from shared.dead_letters import DeadLetterWalker
 from tests.unit.test_dead_letter_replay_lookups import HeldLetters, Letter
 from tests.unit.test_scheduler_dispatch import (
@@ -87,6 +87,7 @@ async def test_a_run_silent_past_the_stale_limit_is_abandoned_for_the_next_fire_
     abandoned = firings.by_id[running]
     assert abandoned.state is FiringState.FAILED
     assert (abandoned.error or "").startswith("abandoned: no sign of progress since")
+    assert f"since {rfc3339(ON_TIME)} (longer" in (abandoned.error or "")
 
 
 async def test_a_manual_run_during_a_run_is_refused_and_allowed_after_it() -> None:

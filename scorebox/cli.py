@@ -47,6 +47,7 @@ import os
 import re
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -241,7 +242,7 @@ def _resubmit_advice(idempotency_key: str | None, *, batch: bool) -> str:
     if idempotency_key is not None:
         return (
             f"the gateway may have accepted it: submit it again with the same "
-            f"--idempotency-key, which answers with the {what} if it was"
+            f"--idempotency-key {idempotency_key}, which answers with the {what} if it was"
         )
     if batch:
         return (
@@ -451,6 +452,11 @@ def submit(
     _check_idempotency_key(idempotency_key)
     _check_duration(timeout, "--timeout")
     text = _read_text(file)
+    if wait and idempotency_key is None:
+        # Its submission is asked again after a 429 or 503: under a key of its own, for a
+        # 503 that kept the text (a proxy's, after forwarding it; the gateway's "may have
+        # taken effect") answers with that task rather than scoring it twice (a review).
+        idempotency_key = f"scorebox-cli-{uuid.uuid4().hex}"
     payload: dict[str, Any] = {"text": text}
     if rubric:
         payload["rubric"] = rubric
@@ -507,9 +513,10 @@ def _post_submission(
     """POST the text; with --wait, bounded by what is left of it (`wait_deadline`) as its
     polls are (a gateway that accepted the connection and never answered held a
     `--timeout 3` wait for the client's 30 s), and asked again after a 429 or 503's
-    Retry-After while that falls before the deadline, as a poll is: the gateway answers
-    those having kept nothing of the request (it ended the wait with exit 1 however much of
-    --timeout was left; found in review).
+    Retry-After while that falls before the deadline, as a poll is (it ended the wait with
+    exit 1 however much of --timeout was left; found in review): only under an
+    Idempotency-Key (`submit` gives --wait one of its own), for not every 503 kept nothing
+    of it (a proxy's after forwarding it; a review).
 
     When the wait's bound ran out before an answer, exits 1 saying so and what to do
     (`unanswered`); the client's own bound running out, or the connection lost, is
@@ -528,7 +535,7 @@ def _post_submission(
                 raise
             # Unanswered is not refused: the gateway may have recorded the text all the same.
             _exit(f"submission still unanswered after {timeout_s:g}s: {unanswered}")
-        if response.status_code not in RETRY_LATER:
+        if response.status_code not in RETRY_LATER or "Idempotency-Key" not in headers:
             return response
         _pause_before_asking_again(response, next(pauses), wait_deadline)
 

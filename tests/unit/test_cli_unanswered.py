@@ -55,7 +55,7 @@ CHANGES = [
     pytest.param(
         ("submit", "{essay}", "--wait", "--timeout", "300"),
         ("POST", "/v1/scores"),
-        "scored twice",
+        "submit it again with the same --idempotency-key scorebox-cli-",
         id="submit-wait-longer-than-the-client-bound",
     ),
     pytest.param(
@@ -195,11 +195,14 @@ def test_a_failed_task_exits_2_only_under_wait(
 # --- A busy answer to the submission of a wait ---------------------------------------------
 
 
+@pytest.mark.parametrize("key", [("--idempotency-key", "k-1"), ()], ids=["keyed", "keyless"])
 def test_a_wait_asks_again_after_a_busy_answer_to_its_submission(
-    server: StubServer, essay: Path, monkeypatch: pytest.MonkeyPatch
+    server: StubServer, essay: Path, monkeypatch: pytest.MonkeyPatch, key: tuple[str, ...]
 ) -> None:
-    """A 429 or 503 to the submission (nothing kept, `Retry-After`) ended `submit --wait`
-    with exit 1 however much of --timeout was left; only its polls were asked again."""
+    """A 429 or 503 to the submission (`Retry-After`) ended `submit --wait` with exit 1
+    however much of --timeout was left; only its polls were asked again. Asked again under
+    one key, its own when none is given: not every 503 kept nothing of it (a proxy's after
+    forwarding it), and a keyless retry had the text scored twice (a review)."""
     server.reply(
         "POST",
         "/v1/scores",
@@ -210,7 +213,7 @@ def test_a_wait_asks_again_after_a_busy_answer_to_its_submission(
     server.reply("GET", "/v1/scores/t1", Reply(200, {"task_id": "t1", "status": "completed"}))
     pauses: list[float] = []
     monkeypatch.setattr(time, "sleep", pauses.append)
-    result = run_cli("submit", str(essay), "--wait", "--idempotency-key", "k-1")
+    result = run_cli("submit", str(essay), "--wait", *key)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["status"] == "completed"
     assert pauses[:2] == [3, 2]

@@ -101,9 +101,11 @@ HOLD_CHECK_AT: Final = "hold_check_at"
 # Set on a batch whose items the outbox sweep sends (`Batches.outlive_sends`): no refusal
 # of its request deletes or tombstones it any more.
 SWEPT: Final = "swept"
-# Set on a batch once its request has recorded every item (`Batches.mark_recorded`): the
-# outbox sweep refuses a batch without it, left incomplete by a request that died
-# (`Batches.abandon_unrecorded`), and one of the two writes finds the other's done.
+# False from a batch's insert until its request has recorded every item, then True
+# (`Batches.mark_recorded`): the outbox sweep refuses a batch still False, left incomplete
+# by a request that died (`Batches.abandon_unrecorded`), and one of the two writes finds the
+# other's done. Records of earlier builds have none: never refused so (a slow request of
+# such a build, during a rolling upgrade, would publish a batch refused under it).
 RECORDED: Final = "recorded"
 HOLD_LEAD: Final = timedelta(hours=1)
 # The index `GET /v1/batches` reads a tenant's batches from, newest first; `_id` breaks ties
@@ -259,6 +261,7 @@ class Batches:
                 {"task_id": member.task_id, "client_id": member.client_id}
                 for member in record.members
             ],
+            RECORDED: False,
         }
         if idempotency_key is not None:
             document["idempotency_key"] = idempotency_key
@@ -282,10 +285,14 @@ class Batches:
 
     async def mark_recorded(self, batch_id: str) -> bool:
         """Note that the batch's request recorded every item; False when the outbox sweep
-        refused it meanwhile as left incomplete (`abandon_unrecorded`)."""
+        refused it meanwhile as left incomplete (`abandon_unrecorded`). A batch a replay of
+        the request accepted meanwhile (`_complete_interrupted`) is noted too: the request
+        goes on and sends it (refused instead, its items were tombstoned under a batch
+        answered 200; a review)."""
         try:
             result = await self._collection.update_one(
-                {"_id": batch_id, "state": BatchState.ACCEPTING}, {"$set": {RECORDED: True}}
+                {"_id": batch_id, "state": {"$in": [BatchState.ACCEPTING, BatchState.ACCEPTED]}},
+                {"$set": {RECORDED: True}},
             )
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
@@ -301,7 +308,7 @@ class Batches:
                     "_id": batch_id,
                     "state": BatchState.ACCEPTING,
                     SWEPT: {"$ne": True},
-                    RECORDED: {"$ne": True},
+                    RECORDED: False,
                 },
                 {
                     "$set": {"state": BatchState.ABANDONED, "expires_at": now + TOMBSTONE_TTL},
@@ -440,8 +447,9 @@ class Batches:
 
     async def unsent_sizes(self, batch_ids: Sequence[str]) -> dict[str, BatchSize]:
         """How many items each of these batches holds, and when it was made, for those still
-        `accepting` none of whose items the outbox sweep has sent: the ones whose request may
-        have died before it recorded them all (`sweep_outbox`). One `$in` read on `_id`."""
+        `accepting`, not noted recorded whole (`RECORDED`), none of whose items the outbox
+        sweep has sent: the ones whose request may have died before it recorded them all
+        (`sweep_outbox`). One `$in` read on `_id`."""
         if not batch_ids:
             return {}
         pipeline: list[Document] = [
@@ -450,6 +458,7 @@ class Batches:
                     "_id": {"$in": list(batch_ids)},
                     "state": BatchState.ACCEPTING,
                     SWEPT: {"$ne": True},
+                    RECORDED: False,
                 }
             },
             {"$project": {"created_at": 1, "items": {"$size": {"$ifNull": ["$members", []]}}}},

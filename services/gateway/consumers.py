@@ -16,6 +16,7 @@ from services.gateway.errors import DatabaseUnavailable, Unavailable, database_a
 from services.gateway.limits import OUTCOME_RETRY_DELAY_S
 from services.gateway.refusals import write_off
 from services.gateway.submit import (
+    HeldBatches,
     OutcomeProgress,
     Publisher,
     counting,
@@ -95,6 +96,7 @@ async def keep_outbox_swept(deps: GatewayDeps, publisher: Publisher, batches: Ba
     settings = deps.settings
     grace = timedelta(seconds=settings.outbox_grace_s)
     retention = timedelta(seconds=settings.idempotency_ttl_s)
+    held_for_replays = HeldBatches()
     while True:
         await write_off_refused(deps, batches)
         sent = await _step(
@@ -107,6 +109,7 @@ async def keep_outbox_swept(deps: GatewayDeps, publisher: Publisher, batches: Ba
                 refusals=deps.refusals,
                 retention=retention,
                 batches=batches,
+                held=held_for_replays,
             ),
         )
         if sent:

@@ -622,13 +622,21 @@ class Submissions:
         )
 
     async def interrupted(
-        self, *, older_than: datetime, limit: int = 500, now: datetime | None = None
+        self,
+        *,
+        older_than: datetime,
+        limit: int = 500,
+        now: datetime | None = None,
+        excluding_batches: Collection[str] = (),
     ) -> list[Submission]:
         """Submissions left `accepting` or `unconfirmed` before `older_than`: the outbox to
-        send. Unsent records of an earlier build whose `expires_at` comes within
-        `LEGACY_UNSENT_HOLD` of `now` (default: the time now) are held first, so that the
-        TTL index never removes one before it is sent."""
-        query = {"state": {"$in": _UNSENT}, "created_at": {"$lt": older_than}}
+        send, less the items of `excluding_batches` (held by the sweep). Unsent records of an
+        earlier build whose `expires_at` comes within `LEGACY_UNSENT_HOLD` of `now`
+        (default: the time now) are held first, so that the TTL index never removes one
+        before it is sent."""
+        query: Document = {"state": {"$in": _UNSENT}, "created_at": {"$lt": older_than}}
+        if excluding_batches:
+            query["batch_id"] = {"$nin": sorted(excluding_batches)}
         try:
             await self.hold_legacy_unsent(now=utcnow() if now is None else now)
             cursor = self._collection.find(query).sort("created_at", ASCENDING).limit(limit)

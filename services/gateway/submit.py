@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
@@ -531,6 +531,7 @@ async def sweep_outbox(
     refusals: Refusals,
     retention: timedelta,
     batches: SweptBatches,
+    held: HeldBatches | None = None,
 ) -> int:
     """Send submissions left `accepting` by an interrupted request, or `unconfirmed` by a
     publish the broker did not confirm; returns how many the broker confirmed (the others
@@ -546,10 +547,16 @@ async def sweep_outbox(
     send the broker does not confirm.
 
     Two more things per chunk: a batch item left `accepting` whose batch was refused is
-    written off, not sent (`_without_refused_batch_items`), and the batches of the items
-    about to be sent are let live a retention from then (`_outlive_the_chunk`)."""
+    written off, not sent, and one whose batch is held for a replay stays
+    (`_without_refused_batch_items`); the batches of the items about to be sent are let live
+    a retention from then (`_outlive_the_chunk`). The batches held are left out of the next
+    passes' lists (`held`, kept by the caller across passes): their items, the oldest unsent,
+    filled the list of 500 on every pass of the hold, and nothing else was sent (a review)."""
     sent = 0
-    listed = await submissions.interrupted(older_than=clock() - grace)
+    held = held or HeldBatches()
+    listed = await submissions.interrupted(
+        older_than=clock() - grace, excluding_batches=held.current(clock())
+    )
     for start in range(0, len(listed), SWEEP_RECHECK_CHUNK):
         chunk = [
             submission
@@ -561,7 +568,7 @@ async def sweep_outbox(
         unsent = await submissions.still_unsent([submission.task_id for submission in chunk])
         chunk = [submission for submission in chunk if submission.task_id in unsent]
         chunk = await _without_refused_batch_items(
-            chunk, batches, submissions, now=clock(), grace=grace
+            chunk, batches, submissions, now=clock(), grace=grace, held=held
         )
         # The chunk's batches outlive every send of it made within the allowance; a slower
         # send extends its own batch again.
@@ -612,6 +619,7 @@ async def _without_refused_batch_items(
     *,
     now: datetime,
     grace: timedelta,
+    held: HeldBatches,
 ) -> list[Submission]:
     """`chunk` less the items of refused batches, which are written off here (tombstones, as
     `refusals.write_off` makes them: never sent, key freed, in-flight mark dropped, their
@@ -652,11 +660,13 @@ async def _without_refused_batch_items(
         if states.get(batch_id) == SubmissionState.ABANDONED.value
     }
     accepting = sorted(b for b in candidates if states.get(b) == SubmissionState.ACCEPTING.value)
-    held, refused_now = await _incomplete_batches(
+    holding, refused_now = await _incomplete_batches(
         accepting, batches, submissions, now=now, grace=grace
     )
+    for batch_id, until in holding.items():
+        held.hold(batch_id, until=until)
     refused |= refused_now
-    chunk = [s for s in chunk if s.command is None or s.command.batch_id not in held]
+    chunk = [s for s in chunk if s.command is None or s.command.batch_id not in holding]
     missing = candidates - states.keys()
     orphans = tuple(
         submission.task_id
@@ -686,9 +696,10 @@ async def _incomplete_batches(
     *,
     now: datetime,
     grace: timedelta,
-) -> tuple[set[str], set[str]]:
+) -> tuple[dict[str, datetime], set[str]]:
     """Of these batches still `accepting`, those whose request died before it recorded every
-    item: held (their items neither sent nor written off), and refused here (tombstones).
+    item: held (their items neither sent nor written off), until when, and refused here
+    (tombstones).
 
     Such a request published nothing and answered nothing (it records all items before its
     first publish), and only a replay with its `Idempotency-Key` can record the missing items
@@ -705,9 +716,12 @@ async def _incomplete_batches(
     recorded = await submissions.recorded_per_batch(sorted(sizes))
     incomplete = {b: size for b, size in sizes.items() if recorded.get(b, 0) < size.items}
     refused = set()
+    holding = {}
     for batch_id, size in sorted(incomplete.items()):
         held_until = size.created_at + max(INCOMPLETE_BATCH_HOLD, 2 * grace)
-        if held_until < now and await batches.abandon_unrecorded(batch_id, now=now):
+        if held_until >= now:
+            holding[batch_id] = held_until
+        elif await batches.abandon_unrecorded(batch_id, now=now):
             log.warning(
                 "batch %s: its request died after recording %d of its %d items; refused",
                 batch_id,
@@ -715,7 +729,23 @@ async def _incomplete_batches(
                 size.items,
             )
             refused.add(batch_id)
-    return set(incomplete) - refused, refused
+    return holding, refused
+
+
+@dataclass
+class HeldBatches:
+    """The batches the outbox sweep holds for a replay (`_incomplete_batches`), until when,
+    in this process: left out of its lists meanwhile (`sweep_outbox`)."""
+
+    until: dict[str, datetime] = field(default_factory=dict)
+
+    def hold(self, batch_id: str, *, until: datetime) -> None:
+        self.until[batch_id] = until
+
+    def current(self, now: datetime) -> list[str]:
+        """The batches held at `now` (those whose hold ended are forgotten)."""
+        self.until = {batch_id: end for batch_id, end in self.until.items() if end >= now}
+        return sorted(self.until)
 
 
 def _record_cannot_have_expired(item: Submission, now: datetime) -> bool:

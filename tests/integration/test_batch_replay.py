@@ -38,10 +38,15 @@ from services.gateway.submissions import (
     Submissions,
     SubmissionState,
 )
-from services.gateway.submit import INCOMPLETE_BATCH_HOLD, settle_outcome, sweep_outbox
+from services.gateway.submit import (
+    INCOMPLETE_BATCH_HOLD,
+    HeldBatches,
+    settle_outcome,
+    sweep_outbox,
+)
 from shared.contracts import Phase, ScoreResult, ScoreText, TaskCompleted, event_sequence
 from tests.integration.gateway_records import GatewayRecords as Gateway
-from tests.integration.gateway_records import Recorded, gateway_records
+from tests.integration.gateway_records import Recorded, Unconfirmed, gateway_records
 from tests.support import SWEEP_RETENTION
 
 Document = dict[str, Any]
@@ -109,7 +114,7 @@ async def _interrupted(gateway: Gateway, request: BatchSubmission, recorded: int
         {"batch_id": batch["_id"], "command.batch_index": {"$gte": recorded}}
     )
     if recorded < len(request.items):  # it died before noting the batch recorded whole
-        await gateway.raw["batches"].update_one({"_id": batch["_id"]}, {"$unset": {RECORDED: ""}})
+        await gateway.raw["batches"].update_one({"_id": batch["_id"]}, {"$set": {RECORDED: False}})
     return str(batch["_id"])
 
 
@@ -164,7 +169,9 @@ async def test_a_replay_records_what_the_interrupted_batch_had_not_and_all_is_se
     assert sorted(swept_before.sent + sweep.sent) == sorted(members)  # each sent exactly once
 
 
-async def _swept_at(gateway: Gateway, at: datetime) -> list[str]:
+async def _swept_at(
+    gateway: Gateway, at: datetime, *, held: HeldBatches | None = None
+) -> list[str]:
     sweep = Recorded()
     while await sweep_outbox(
         submissions=gateway.submissions,
@@ -174,6 +181,7 @@ async def _swept_at(gateway: Gateway, at: datetime) -> list[str]:
         refusals=Refusals(),
         retention=SWEEP_RETENTION,
         batches=gateway.batches,
+        held=held,
     ):
         pass
     return sweep.sent
@@ -257,6 +265,87 @@ async def test_a_request_whose_batch_the_sweep_refused_as_interrupted_keeps_noth
     states = [d["state"] async for d in gateway.raw["submissions"].find({}, {"state": 1})]
     assert states == [SubmissionState.ABANDONED] * 3
     assert await _swept_at(gateway, T0 + INCOMPLETE_BATCH_HOLD * 3) == []
+
+
+class ReplayedWhileRecording(Submissions):
+    """The first request records its batch slowly (stalled past the grace period); its
+    client's retry with the same key completes and accepts the batch meanwhile."""
+
+    def __init__(self, gateway: Gateway, request: BatchSubmission) -> None:
+        super().__init__(gateway.raw.client, gateway.name)
+        self.gateway = gateway
+        self.request = request
+        self.replay: BatchSubmitted | None = None
+
+    async def insert_batch(
+        self,
+        commands: list[BatchRow],
+        *,
+        retention: timedelta,
+        counted: bool = False,
+    ) -> None:
+        await super().insert_batch(commands[:1], retention=retention, counted=counted)
+        later = T0 + GRACE + timedelta(seconds=1)
+        self.replay = await _submit(self.gateway, self.request, Recorded(), later)
+        await super().insert_batch(commands[1:], retention=retention, counted=counted)
+
+
+async def test_a_slow_request_whose_batch_a_replay_accepted_sends_it(gateway: Gateway) -> None:
+    """It took the replay's acceptance for the sweep's refusal and tombstoned every item of
+    a batch answered 200: nothing was ever sent (a review)."""
+    request = _request(3)
+    slow = ReplayedWhileRecording(gateway, request)
+    broker = Recorded()
+
+    answer = await _submit(gateway, request, broker, T0, submissions=slow)
+
+    assert slow.replay is not None
+    assert not slow.replay.created
+    assert answer.record.batch_id == slow.replay.record.batch_id
+    members = [member.task_id for member in answer.record.members]
+    assert sorted(broker.sent) == sorted(members)
+    assert await _states(gateway, members) == [SubmissionState.ACCEPTED] * 3
+
+
+async def test_a_batch_held_for_a_replay_keeps_no_other_submission_waiting(
+    gateway: Gateway,
+) -> None:
+    """Its items, the oldest unsent, filled the sweep's list (500 a pass) for the whole
+    hold: a batch answered 202 but not confirmed waited ten minutes (a review)."""
+    await _interrupted(gateway, _request(1000), recorded=600)
+    answered = await submit_batch(
+        _request(3),
+        tenant_id=TENANT,
+        api_key_id=None,
+        idempotency_key="another",
+        batches=gateway.batches,
+        submissions=gateway.submissions,
+        publisher=Unconfirmed(),
+        policy=POLICY,
+        clock=lambda: T0 + timedelta(seconds=1),
+        refusals=Refusals(),
+    )
+    held = HeldBatches()
+    at = T0 + GRACE + timedelta(seconds=2)
+
+    first = await _swept_at(gateway, at, held=held)  # learns which batch it holds
+    second = await _swept_at(gateway, at + timedelta(seconds=10), held=held)
+
+    assert first + second == [member.task_id for member in answered.record.members]
+
+
+async def test_a_batch_of_an_earlier_build_is_never_refused_as_interrupted(
+    gateway: Gateway,
+) -> None:
+    """An earlier build writes no `recorded`: its request, slow past the hold during a
+    rolling upgrade, would publish and answer 202 a batch refused under it (a review)."""
+    batch_id = await _interrupted(gateway, _request(3), recorded=2)
+    await gateway.raw["batches"].update_one({"_id": batch_id}, {"$unset": {RECORDED: ""}})
+
+    sent = await _swept_at(gateway, T0 + INCOMPLETE_BATCH_HOLD * 2)
+
+    assert len(sent) == 2  # its recorded items, as before
+    assert (await gateway.raw["batches"].find_one({"_id": batch_id}))["state"] == "accepting"
 
 
 async def test_a_second_replay_changes_nothing(gateway: Gateway) -> None:

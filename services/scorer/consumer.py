@@ -98,6 +98,10 @@ from shared.topology import (
 
 log = logging.getLogger("scorebox.scorer")
 CRASHES_HEADER = "x-scorebox-crashes"
+# Marks a copy handed back from the crash limit (`_at_crash_limit`): it comes back to the
+# give-up, never to the model. Its own mark, not its count against the limit: a limit
+# lowered in a deploy gave up at arrival copies that had one more try coming (a review).
+AT_CRASH_LIMIT_HEADER = "x-scorebox-at-crash-limit"
 UNSTARTED_RESETS_HEADER = "x-scorebox-unstarted-resets"
 # On the fresh copy of a never-claimed message sent at its delivery limit, that copy alone.
 REPLACES_LOST_HEADER = "x-scorebox-replaces-lost"
@@ -224,7 +228,13 @@ def _carried_headers(message: Delivery) -> dict[str, Any]:
     # The copy at the limit's marker too: sent on by a scorer stopping, a database away or a
     # rate-limit put-off, it lost it (and carries no count), and was dropped where its lost
     # predecessor still held the attempt (found in review).
-    keep = (CRASHES_HEADER, ATTEMPTS_HEADER, UNSTARTED_RESETS_HEADER, REPLACES_LOST_HEADER)
+    keep = (
+        CRASHES_HEADER,
+        AT_CRASH_LIMIT_HEADER,
+        ATTEMPTS_HEADER,
+        UNSTARTED_RESETS_HEADER,
+        REPLACES_LOST_HEADER,
+    )
     headers = {key: value for key, value in message.headers.items() if key in keep}
     return headers | carried_deliveries(message.headers)
 
@@ -252,9 +262,9 @@ def subscribe_scorer(
             await _at_delivery_limit(command, message, deps, actions, deliveries)
             await message.ack()
             return
-        if (crashes := _crashes_before(message)) >= crash_limit:
+        if message.headers.get(AT_CRASH_LIMIT_HEADER):
             # A copy handed back at the crash limit: it looks again, never scores.
-            await _at_crash_limit(command, message, deps, actions, crashes=crashes)
+            await _at_crash_limit(command, message, deps, actions, crashes=_crashes_before(message))
             await message.ack()
             return
         redelivered = _handed_out_before(message)
@@ -546,7 +556,7 @@ async def _at_crash_limit(
     copy handed back (another claim holding the attempt, the database away) carries
     `crashes`, so that it comes back here rather than to the model."""
     reason = f"the scorer crashed {crashes} times on this message"
-    copy_headers = _carried_headers(message) | {CRASHES_HEADER: crashes}
+    copy_headers = _carried_headers(message) | {CRASHES_HEADER: crashes, AT_CRASH_LIMIT_HEADER: 1}
     try:
         # The attempt's claim is this process's own, as a rule: given up at once, not once
         # its lease has ended (which `_settle_or_give_up` looks for).

@@ -29,6 +29,7 @@ from pymongo.errors import AutoReconnect
 from services.scorer import consumer
 from services.scorer.attempts import Attempts, Busy, Cancelled, ClaimResult
 from services.scorer.consumer import (
+    AT_CRASH_LIMIT_HEADER,
     CRASHES_HEADER,
     UNSTARTED_RESETS,
     UNSTARTED_RESETS_HEADER,
@@ -182,6 +183,7 @@ async def test_at_the_crash_limit_another_claim_hands_the_message_back_to_come_b
     [copy], [headers] = actions.resent, actions.resent_headers
     assert (actions.done, last_crash.settled) == (["resent"], ["ack"])
     assert headers[CRASHES_HEADER] == CRASH_LIMIT
+    assert headers[AT_CRASH_LIMIT_HEADER] == 1
     assert copy.not_before == await _lease_until(attempts, command) + DUE_SLACK
 
     await attempts.decide(
@@ -193,6 +195,27 @@ async def test_at_the_crash_limit_another_claim_hands_the_message_back_to_come_b
 
     assert (actions.done, came_back.settled) == (["resent", "Finish"], ["ack"])
     assert _calls(fake_llm, marker) == 0
+
+
+async def test_a_message_crashed_on_as_often_as_a_lowered_limit_gets_its_try(
+    make_deps: Deps, fake_llm: Any
+) -> None:
+    """Only a copy the crash limit handed back skips the model: one that counts as many
+    crashes as a limit lowered since (a deploy) was given up at arrival, though it had one
+    more try coming under the limit it crashed under (a review)."""
+    command, marker = _command("Crashed on under a higher limit.")
+    deps, actions = make_deps("proc-a"), Recording()
+    handler = HandlerOnly()
+    subscribe_scorer(handler, deps, cast("BrokerActions", actions), crash_limit=CRASH_LIMIT)  # type: ignore[arg-type]
+    delivery = HandedDelivery(
+        command.model_dump_json().encode(), headers={CRASHES_HEADER: CRASH_LIMIT}
+    )
+
+    async with asyncio.timeout(HANG_GUARD_S):
+        await handler.handler(delivery)
+
+    assert (actions.done, delivery.settled) == (["Finish"], ["ack"])
+    assert _calls(fake_llm, marker) == 1
 
 
 class CrashesOnClaim(Attempts):

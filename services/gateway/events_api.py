@@ -271,6 +271,9 @@ def _reconnects_by_itself(request: Request) -> bool:
     return EVENT_STREAM in accepts or reconnecting
 
 
+# The longest `retry:` a refusal tells an EventSource: it reconnects on its own, and a long
+# Retry-After (an HTTP date, a large number) must not leave it silent for hours.
+MAX_RETRY_MS = 60_000
 _jitter = random.Random()  # noqa: S311 - spreading reconnections out, not cryptography
 
 
@@ -280,7 +283,7 @@ def _come_back_later(problem: Problem, *, min_retry_ms: int) -> Response:
     says nothing of the task (not even whether it exists). `retry:` is the problem's
     Retry-After, at least `min_retry_ms`, and up to half as long again at random."""
     retry_after = problem.headers.get("Retry-After", str(Unavailable.retry_after_s))
-    retry_ms = max(int(float(retry_after) * 1000), min_retry_ms)
+    retry_ms = max(_delay_ms(retry_after), min_retry_ms)
     retry_ms += int(retry_ms * _jitter.random() / 2)
     body = b": %s; reconnecting\nretry: %d\n\n" % (problem.kind.encode(), retry_ms)
     return Response(
@@ -288,6 +291,14 @@ def _come_back_later(problem: Problem, *, min_retry_ms: int) -> Response:
         media_type=EVENT_STREAM,
         headers={"Cache-Control": "no-cache", "Retry-After": retry_after},
     )
+
+
+def _delay_ms(retry_after: str) -> int:
+    """A Retry-After of seconds in milliseconds, up to `MAX_RETRY_MS`; one that is no number
+    of seconds (an HTTP date) is 0, for the caller's least."""
+    if not retry_after.isdigit():
+        return 0
+    return min(int(retry_after) * 1000, MAX_RETRY_MS)
 
 
 async def _stream(

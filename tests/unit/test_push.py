@@ -16,7 +16,13 @@ from pymongo.errors import AutoReconnect, OperationFailure, PyMongoError
 from services.gateway.api import GatewayDeps
 from services.gateway.auth import Caller
 from services.gateway.errors import DatabaseUnavailable, StatusUnavailable
-from services.gateway.events_api import _bind_if_unbound, _changes_after, _stream, event_routes
+from services.gateway.events_api import (
+    _bind_if_unbound,
+    _changes_after,
+    _come_back_later,
+    _stream,
+    event_routes,
+)
 from services.gateway.push import (
     BIND_RETRY_S,
     RECENT_TASKS,
@@ -1190,3 +1196,22 @@ async def test_a_stopping_replica_answers_its_long_polls_and_any_that_arrive() -
     assert late is not None
     assert (view.status, late.status) == (TaskStatus.QUEUED, TaskStatus.QUEUED)
     assert len(live) == 0
+
+
+@pytest.mark.parametrize(
+    ("retry_after", "least_ms", "most_ms"),
+    [
+        ("Wed, 21 Oct 2015 07:28:00 GMT", 3_000, 4_500),  # a date: the least
+        ("nan", 3_000, 4_500),
+        ("86400", 60_000, 90_000),  # a day: a minute, the most
+        ("10", 10_000, 15_000),
+    ],
+)
+def test_the_retry_of_a_refusal_is_bounded_whatever_its_retry_after(
+    retry_after: str, least_ms: int, most_ms: int
+) -> None:
+    """`int(float(...))` of an HTTP date or `nan` raised (a 500 to an EventSource, which
+    stops for good), and a day's Retry-After left it silent for that long (a review)."""
+    problem = Problem(503, "away", kind="unavailable", headers={"Retry-After": retry_after})
+    answer = _come_back_later(problem, min_retry_ms=3_000)
+    assert least_ms <= _retry_ms(bytes(answer.body).decode()) <= most_ms

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
@@ -555,7 +555,7 @@ async def sweep_outbox(
     sent = 0
     held = held or HeldBatches()
     listed = await submissions.interrupted(
-        older_than=clock() - grace, excluding_batches=held.current(clock())
+        older_than=clock() - grace, excluding_batches=await _still_held(held, batches, clock())
     )
     for start in range(0, len(listed), SWEEP_RECHECK_CHUNK):
         chunk = [
@@ -732,6 +732,18 @@ async def _incomplete_batches(
     return holding, refused
 
 
+async def _still_held(held: HeldBatches, batches: SweptBatches, now: datetime) -> list[str]:
+    """The batches `held` holds that are still incomplete: one a replay completed and
+    accepted meanwhile (on any replica) is let go at once, for its items to be sent, not
+    left out until its hold ended (a review)."""
+    holding = held.current(now)
+    if not holding:
+        return []
+    still = await batches.unsent_sizes(holding)
+    held.let_go(set(holding) - still.keys())
+    return sorted(still)
+
+
 @dataclass
 class HeldBatches:
     """The batches the outbox sweep holds for a replay (`_incomplete_batches`), until when,
@@ -741,6 +753,10 @@ class HeldBatches:
 
     def hold(self, batch_id: str, *, until: datetime) -> None:
         self.until[batch_id] = until
+
+    def let_go(self, batch_ids: Collection[str]) -> None:
+        for batch_id in batch_ids:
+            self.until.pop(batch_id, None)
 
     def current(self, now: datetime) -> list[str]:
         """The batches held at `now` (those whose hold ended are forgotten)."""

@@ -334,6 +334,24 @@ async def test_a_batch_held_for_a_replay_keeps_no_other_submission_waiting(
     assert first + second == [member.task_id for member in answered.record.members]
 
 
+async def test_a_held_batch_a_replay_completed_is_sent_at_the_next_pass(
+    gateway: Gateway,
+) -> None:
+    """Left out of the sweep's lists until its hold ended, a batch answered 200 by its
+    replay waited up to ten minutes for its items to be sent (a review)."""
+    request = _request(4)
+    batch_id = await _interrupted(gateway, request, recorded=2)
+    held = HeldBatches()
+    at = T0 + GRACE + timedelta(seconds=2)
+    assert await _swept_at(gateway, at, held=held) == []  # held, and remembered so
+
+    replay = await _submit(gateway, request, Recorded(), at + timedelta(seconds=1))
+    sent = await _swept_at(gateway, at + timedelta(seconds=10), held=held)
+
+    assert replay.record.batch_id == batch_id
+    assert sorted(sent) == sorted(member.task_id for member in replay.record.members)
+
+
 async def test_a_batch_of_an_earlier_build_is_never_refused_as_interrupted(
     gateway: Gateway,
 ) -> None:

@@ -82,6 +82,8 @@ MAX_BATCH_ITEMS = 1000
 VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 # Answers to poll again after (the gateway's Retry-After), not to give up on.
 RETRY_LATER = {429, 503}
+# The problem type of a 409 whose key's first request is still being accepted.
+IN_PROGRESS = "/request-in-progress"
 API_KEY_VARIABLE, ADMIN_KEY_VARIABLE = "SCOREBOX_API_KEY", "SCOREBOX_ADMIN_KEY"
 # What the services' walk of a dead-letter queue stops at (`shared.dead_letters.WALK_BOUND`).
 WALK_STOPPED = "the walk stopped at its bound (10,000 letters or 64 MiB of their bodies)"
@@ -275,6 +277,16 @@ def _fail(response: httpx.Response) -> typer.Exit:
     hints = f"{_retry_after_hint(response)}{_no_key_hint(response)}"
     typer.echo(f"error {response.status_code}: {detail}{hints}", err=True)
     return typer.Exit(code=1)
+
+
+def _problem_type(response: httpx.Response) -> str:
+    """The problem+json `type` of `response`, or "" (not one, not JSON)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return ""
+    kind = body.get("type") if isinstance(body, dict) else None
+    return kind if isinstance(kind, str) else ""
 
 
 def _retry_after_hint(response: httpx.Response) -> str:
@@ -535,9 +547,18 @@ def _post_submission(
                 raise
             # Unanswered is not refused: the gateway may have recorded the text all the same.
             _exit(f"submission still unanswered after {timeout_s:g}s: {unanswered}")
-        if response.status_code not in RETRY_LATER or "Idempotency-Key" not in headers:
+        if not _to_ask_again(response) or "Idempotency-Key" not in headers:
             return response
         _pause_before_asking_again(response, next(pauses), wait_deadline)
+
+
+def _to_ask_again(response: httpx.Response) -> bool:
+    """A 429 or 503, or a 409 saying the key's first request is still being accepted (its
+    own answer, a retry's under the same key: the first went on behind a proxy's 503, and
+    the wait ended with exit 1 however much of it was left; a review)."""
+    if response.status_code in RETRY_LATER:
+        return True
+    return response.status_code == 409 and _problem_type(response).endswith(IN_PROGRESS)
 
 
 def _submission_options(

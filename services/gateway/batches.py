@@ -283,20 +283,21 @@ class Batches:
             raise DatabaseUnavailable(str(error)) from error
         return result.matched_count == 1
 
-    async def mark_recorded(self, batch_id: str) -> bool:
-        """Note that the batch's request recorded every item; False when the outbox sweep
-        refused it meanwhile as left incomplete (`abandon_unrecorded`). A batch a replay of
-        the request accepted meanwhile (`_complete_interrupted`) is noted too: the request
-        goes on and sends it (refused instead, its items were tombstoned under a batch
-        answered 200; a review)."""
+    async def mark_recorded(self, batch_id: str) -> str | None:
+        """Note that the batch's request recorded every item; the batch's state then, None
+        when the outbox sweep refused it meanwhile as left incomplete (`abandon_unrecorded`).
+        A batch a replay of the request accepted meanwhile (`_complete_interrupted`) is
+        noted too, and answers `accepted` (refused instead, its items were tombstoned under
+        a batch answered 200; a review)."""
         try:
-            result = await self._collection.update_one(
+            found = await self._collection.find_one_and_update(
                 {"_id": batch_id, "state": {"$in": [BatchState.ACCEPTING, BatchState.ACCEPTED]}},
                 {"$set": {RECORDED: True}},
+                projection={"state": 1},
             )
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
-        return result.matched_count == 1
+        return None if found is None else str(found["state"])
 
     async def abandon_unrecorded(self, batch_id: str, *, now: datetime) -> bool:
         """Turn a batch whose request died before recording every item into a tombstone,
@@ -712,15 +713,17 @@ async def _record_and_send(
             retention=policy.retention,
             counted=gate is not None,
         )
-        whole = await batches.mark_recorded(batch_id)
+        state = await batches.mark_recorded(batch_id)
     except DatabaseUnavailable:
         # Some of its submissions may be recorded (earlier chunks), now or later.
         refusals.note(refusal)
         raise
-    if not whole:
+    if state is None:
         await _refused_as_interrupted(
             refusal, submissions=submissions, refusals=refusals, now=clock()
         )
+    if state == BatchState.ACCEPTED:
+        return await _accepted_by_a_replay(record, refusal, submissions=submissions)
     counted = False  # from the first acquire on, slots may be counted: release them on failure
     try:
         if gate is not None:
@@ -753,6 +756,23 @@ async def _record_and_send(
     except DatabaseUnavailable:
         log.warning("batch %s left `accepting`; the outbox sweep re-sends it", batch_id)
     return BatchSubmitted(record, created=True)
+
+
+async def _accepted_by_a_replay(
+    record: BatchRecord, refusal: Refusal, *, submissions: Submissions
+) -> BatchSubmitted:
+    """A request so slow that its client's replay completed and accepted its batch meanwhile
+    (`_complete_interrupted`): answered as the replay was, the earlier batch, whose items
+    the outbox sweep sends. It counts nothing: the items the replay recorded carry no
+    in-flight mark, so slots taken for them were never released (a review); the marks of
+    its own items go too, as `_discard` does for a batch a replay kept."""
+    log.warning("batch %s was accepted by a replay while its request recorded it", record.batch_id)
+    try:
+        await submissions.uncount(refusal.task_ids)
+    except DatabaseUnavailable:
+        # Its outcomes then release slots never taken: the count errs low, never holds one.
+        log.warning("batch %s: in-flight marks left; the count may err low", record.batch_id)
+    return BatchSubmitted(record, created=False)
 
 
 async def _refused_as_interrupted(

@@ -284,7 +284,7 @@ def _come_back_later(problem: Problem, *, min_retry_ms: int) -> Response:
     Retry-After, at least `min_retry_ms`, and up to half as long again at random."""
     retry_after = problem.headers.get("Retry-After", str(Unavailable.retry_after_s))
     retry_ms = max(_delay_ms(retry_after), min_retry_ms)
-    retry_ms += int(retry_ms * _jitter.random() / 2)
+    retry_ms = min(retry_ms + int(retry_ms * _jitter.random() / 2), MAX_RETRY_MS)
     body = b": %s; reconnecting\nretry: %d\n\n" % (problem.kind.encode(), retry_ms)
     return Response(
         body,
@@ -296,7 +296,7 @@ def _come_back_later(problem: Problem, *, min_retry_ms: int) -> Response:
 def _delay_ms(retry_after: str) -> int:
     """A Retry-After of seconds in milliseconds, up to `MAX_RETRY_MS`; one that is no number
     of seconds (an HTTP date) is 0, for the caller's least."""
-    if not retry_after.isdigit():
+    if not (retry_after.isascii() and retry_after.isdigit()):
         return 0
     return min(int(retry_after) * 1000, MAX_RETRY_MS)
 

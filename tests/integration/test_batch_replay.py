@@ -290,21 +290,40 @@ class ReplayedWhileRecording(Submissions):
         await super().insert_batch(commands[1:], retention=retention, counted=counted)
 
 
-async def test_a_slow_request_whose_batch_a_replay_accepted_sends_it(gateway: Gateway) -> None:
+async def test_a_slow_request_whose_batch_a_replay_accepted_answers_it_and_counts_nothing(
+    gateway: Gateway,
+) -> None:
     """It took the replay's acceptance for the sweep's refusal and tombstoned every item of
-    a batch answered 200: nothing was ever sent (a review)."""
+    a batch answered 200 (a review); then, going on to count and send it, it took a slot for
+    each item though the replay's carry no in-flight mark, and those were never released
+    (its review). Now it answers the batch as the replay did, and the sweep sends it."""
     request = _request(3)
     slow = ReplayedWhileRecording(gateway, request)
     broker = Recorded()
+    in_flight = InFlight(gateway.raw.client, gateway.name, max_per_tenant=100)
 
-    answer = await _submit(gateway, request, broker, T0, submissions=slow)
+    answer = await submit_batch(
+        request,
+        tenant_id=TENANT,
+        api_key_id=None,
+        idempotency_key=KEY,
+        batches=gateway.batches,
+        submissions=slow,
+        publisher=broker,
+        policy=POLICY,
+        clock=lambda: T0,
+        refusals=Refusals(),
+        in_flight=in_flight,
+    )
 
     assert slow.replay is not None
-    assert not slow.replay.created
+    assert not answer.created
     assert answer.record.batch_id == slow.replay.record.batch_id
     members = [member.task_id for member in answer.record.members]
-    assert sorted(broker.sent) == sorted(members)
-    assert await _states(gateway, members) == [SubmissionState.ACCEPTED] * 3
+    assert broker.sent == []
+    assert sorted(await _swept_at(gateway, T0 + GRACE + timedelta(seconds=3))) == sorted(members)
+    await _scored(gateway, members, in_flight)
+    assert await in_flight.count(TENANT) == 0
 
 
 async def test_a_batch_held_for_a_replay_keeps_no_other_submission_waiting(

@@ -237,6 +237,45 @@ def test_a_busy_answer_to_a_submission_is_not_asked_again_past_the_wait(
     assert len(server.received) == 1
 
 
+IN_PROGRESS = {
+    "type": "https://scorebox.dev/problems/request-in-progress",
+    "detail": "A request with this Idempotency-Key is still being accepted; retry shortly.",
+}
+REUSED = {
+    "type": "https://scorebox.dev/problems/idempotency-key-reused",
+    "detail": "This Idempotency-Key was used with a different request body.",
+}
+
+
+def test_a_wait_asks_again_while_its_keys_first_request_is_being_accepted(
+    server: StubServer, essay: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A proxy's 503 after forwarding the submission, then the retry under the same key
+    told the first is still being accepted: the wait ended with exit 1 (a review)."""
+    server.reply(
+        "POST",
+        "/v1/scores",
+        Reply(503, {"detail": "upstream reset"}, {"Retry-After": "1"}),
+        Reply(409, IN_PROGRESS, {"Retry-After": "2"}),
+        Reply(200, {"task_id": "t1", "status": "completed"}),
+    )
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    result = run_cli("submit", str(essay), "--wait")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["status"] == "completed"
+    assert len(server.received) == 3
+
+
+def test_a_key_reused_with_another_body_ends_the_wait_at_once(
+    server: StubServer, essay: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server.reply("POST", "/v1/scores", Reply(409, REUSED))
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    result = run_cli("submit", str(essay), "--wait", "--idempotency-key", "k-1")
+    assert result.exit_code == 1, result.output
+    assert len(server.received) == 1
+
+
 # --- A wait whose last poll ran out of time --------------------------------------------------
 
 

@@ -270,6 +270,12 @@ class FakeBatches:
     async def mark_accepted(self, batch_id: str) -> None:
         self.accepted.append(batch_id)
 
+    async def mark_recorded(self, batch_id: str) -> str | None:
+        if "mark_recorded" in self.fail:
+            raise DatabaseUnavailable("no answer")
+        record = self.records.get(batch_id)
+        return None if record is None else record.state
+
     async def discard(self, batch_id: str) -> bool:
         if "discard" in self.fail:
             raise DatabaseUnavailable("no answer")

@@ -37,7 +37,9 @@ class UnreadableOnce:
     abandoned: list[str] = field(default_factory=list)
     abandons: int = 0
 
-    async def interrupted(self, *, older_than: datetime, limit: int = 500) -> list[Submission]:
+    async def interrupted(
+        self, *, older_than: datetime, limit: int = 500, excluding_batches: Collection[str] = ()
+    ) -> list[Submission]:
         self.reads += 1
         if self.reads == 1:
             ScoreText.model_validate({"task_id": "t-1"})  # raises ValidationError

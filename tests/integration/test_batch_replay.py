@@ -4,7 +4,7 @@ request: every item ends up recorded and sent once, none is lost. On the real da
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -89,18 +89,21 @@ async def _submit(
     *,
     batches: Batches | None = None,
     refusals: Refusals | None = None,
+    key: str = KEY,
+    in_flight: InFlight | None = None,
 ) -> BatchSubmitted:
     return await submit_batch(
         request,
         tenant_id=TENANT,
         api_key_id=None,
-        idempotency_key=KEY,
+        idempotency_key=key,
         batches=batches or gateway.batches,
         submissions=submissions or gateway.submissions,
         publisher=broker,
         policy=POLICY,
         clock=lambda: at,
         refusals=refusals or Refusals(),
+        in_flight=in_flight,
     )
 
 
@@ -228,14 +231,13 @@ async def test_a_batch_its_request_recorded_whole_before_dying_is_sent_by_the_sw
     assert sorted(await _swept_at(gateway, T0 + GRACE + timedelta(seconds=2))) == members
 
 
-class SweptWhileRecording(Submissions):
-    """A request recording its batch so slowly that a sweep past the hold runs meanwhile
-    (on another replica, say), its items recorded but the batch not yet noted whole."""
+class RecordedSlowly(Submissions):
+    """A request recording its batch so slowly that `meanwhile` runs between its first item
+    and the rest (on another replica, say, or its client's replay)."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, meanwhile: Callable[[], Awaitable[None]]) -> None:
         super().__init__(gateway.raw.client, gateway.name)
-        self.gateway = gateway
-        self.swept: list[str] = []
+        self._meanwhile = meanwhile
 
     async def insert_batch(
         self,
@@ -245,7 +247,7 @@ class SweptWhileRecording(Submissions):
         counted: bool = False,
     ) -> None:
         await super().insert_batch(commands[:1], retention=retention, counted=counted)
-        self.swept += await _swept_at(self.gateway, T0 + INCOMPLETE_BATCH_HOLD * 2)
+        await self._meanwhile()
         await super().insert_batch(commands[1:], retention=retention, counted=counted)
 
 
@@ -254,40 +256,22 @@ async def test_a_request_whose_batch_the_sweep_refused_as_interrupted_keeps_noth
 ) -> None:
     """The sweep's refusal and the request's note that it recorded every item are one
     conditional write each: whichever comes second fails, and the request answers 503."""
-    slow = SweptWhileRecording(gateway)
+    swept: list[str] = []
+
+    async def sweep_past_the_hold() -> None:
+        swept.extend(await _swept_at(gateway, T0 + INCOMPLETE_BATCH_HOLD * 2))
+
     broker = Recorded()
+    slow = RecordedSlowly(gateway, sweep_past_the_hold)
 
     with pytest.raises(DatabaseUnavailable, match="refused; nothing was kept"):
         await _submit(gateway, _request(3), broker, T0, submissions=slow)
 
     assert broker.sent == []
-    assert slow.swept == []
+    assert swept == []
     states = [d["state"] async for d in gateway.raw["submissions"].find({}, {"state": 1})]
     assert states == [SubmissionState.ABANDONED] * 3
     assert await _swept_at(gateway, T0 + INCOMPLETE_BATCH_HOLD * 3) == []
-
-
-class ReplayedWhileRecording(Submissions):
-    """The first request records its batch slowly (stalled past the grace period); its
-    client's retry with the same key completes and accepts the batch meanwhile."""
-
-    def __init__(self, gateway: Gateway, request: BatchSubmission) -> None:
-        super().__init__(gateway.raw.client, gateway.name)
-        self.gateway = gateway
-        self.request = request
-        self.replay: BatchSubmitted | None = None
-
-    async def insert_batch(
-        self,
-        commands: list[BatchRow],
-        *,
-        retention: timedelta,
-        counted: bool = False,
-    ) -> None:
-        await super().insert_batch(commands[:1], retention=retention, counted=counted)
-        later = T0 + GRACE + timedelta(seconds=1)
-        self.replay = await _submit(self.gateway, self.request, Recorded(), later)
-        await super().insert_batch(commands[1:], retention=retention, counted=counted)
 
 
 async def test_a_slow_request_whose_batch_a_replay_accepted_answers_it_and_counts_nothing(
@@ -298,27 +282,22 @@ async def test_a_slow_request_whose_batch_a_replay_accepted_answers_it_and_count
     each item though the replay's carry no in-flight mark, and those were never released
     (its review). Now it answers the batch as the replay did, and the sweep sends it."""
     request = _request(3)
-    slow = ReplayedWhileRecording(gateway, request)
+    replays: list[BatchSubmitted] = []
+
+    async def replayed_past_the_grace() -> None:
+        later = T0 + GRACE + timedelta(seconds=1)
+        replays.append(await _submit(gateway, request, Recorded(), later))
+
     broker = Recorded()
     in_flight = InFlight(gateway.raw.client, gateway.name, max_per_tenant=100)
+    slow = RecordedSlowly(gateway, replayed_past_the_grace)
 
-    answer = await submit_batch(
-        request,
-        tenant_id=TENANT,
-        api_key_id=None,
-        idempotency_key=KEY,
-        batches=gateway.batches,
-        submissions=slow,
-        publisher=broker,
-        policy=POLICY,
-        clock=lambda: T0,
-        refusals=Refusals(),
-        in_flight=in_flight,
-    )
+    answer = await _submit(gateway, request, broker, T0, slow, in_flight=in_flight)
 
-    assert slow.replay is not None
+    [replay] = replays
+    assert not replay.created
     assert not answer.created
-    assert answer.record.batch_id == slow.replay.record.batch_id
+    assert answer.record.batch_id == replay.record.batch_id
     members = [member.task_id for member in answer.record.members]
     assert broker.sent == []
     assert sorted(await _swept_at(gateway, T0 + GRACE + timedelta(seconds=3))) == sorted(members)
@@ -332,18 +311,8 @@ async def test_a_batch_held_for_a_replay_keeps_no_other_submission_waiting(
     """Its items, the oldest unsent, filled the sweep's list (500 a pass) for the whole
     hold: a batch answered 202 but not confirmed waited ten minutes (a review)."""
     await _interrupted(gateway, _request(1000), recorded=600)
-    answered = await submit_batch(
-        _request(3),
-        tenant_id=TENANT,
-        api_key_id=None,
-        idempotency_key="another",
-        batches=gateway.batches,
-        submissions=gateway.submissions,
-        publisher=Unconfirmed(),
-        policy=POLICY,
-        clock=lambda: T0 + timedelta(seconds=1),
-        refusals=Refusals(),
-    )
+    at_once = T0 + timedelta(seconds=1)
+    answered = await _submit(gateway, _request(3), Unconfirmed(), at_once, key="another")
     held = HeldBatches()
     at = T0 + GRACE + timedelta(seconds=2)
 

@@ -64,6 +64,9 @@ dlq = typer.Typer(help="Operate the dead-letter queue (needs SCOREBOX_ADMIN_KEY)
 app.add_typer(dlq, name="dlq")
 
 TERMINAL = {"completed", "failed"}
+# What a keyed submission's replay answers once its finished task has left the status
+# service: there is nothing left to wait for (a poll reads 404).
+EXPIRED = "expired"
 REQUEST_TIMEOUT_S = 30.0
 # The least time a poll of a wait (`submit --wait`, `cron run --wait`) is given, however
 # little of the wait is left.
@@ -84,6 +87,9 @@ VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 RETRY_LATER = {429, 503}
 # The problem type of a 409 whose key's first request is still being accepted.
 IN_PROGRESS = "/request-in-progress"
+# The problem types of the scheduler's 503s to `cron run` that started no run (the broker
+# refused it and it was withdrawn; the job's lease changed hands at every try).
+CRON_STARTED_NOTHING = ("/broker-unavailable", "/lease-contended")
 API_KEY_VARIABLE, ADMIN_KEY_VARIABLE = "SCOREBOX_API_KEY", "SCOREBOX_ADMIN_KEY"
 # What the services' walk of a dead-letter queue stops at (`shared.dead_letters.WALK_BOUND`).
 WALK_STOPPED = "the walk stopped at its bound (10,000 letters or 64 MiB of their bodies)"
@@ -457,9 +463,9 @@ def submit(
 
     Exits 1 when the gateway refuses the text, cannot be reached, or does not answer (it may
     have accepted the text: the line says what to do), or --wait runs out before the task
-    finishes; 2 when the text or --metadata cannot be read (nothing is sent) or the task
-    failed under --wait. With --wait, a 429 or 503 to the submission or a poll is asked
-    again after its Retry-After, within --timeout.
+    finishes or finds the key's task expired; 2 when the text or --metadata cannot be read
+    (nothing is sent) or the task failed under --wait. With --wait, a 429 or 503 to the
+    submission or a poll is asked again after its Retry-After, within --timeout.
     """
     _check_idempotency_key(idempotency_key)
     _check_duration(timeout, "--timeout")
@@ -494,6 +500,13 @@ def submit(
         if response.status_code not in (200, 202):
             raise _fail(response)
         body = _answer(response, "task_id", "status")
+        if wait and body["status"] == EXPIRED:
+            _show(body)
+            _exit(
+                f"task {body['task_id']} of this Idempotency-Key finished earlier and has "
+                "expired: its result can no longer be read (submit the text under another "
+                "key, or none, to have it scored again)"
+            )
         if wait and body["status"] not in TERMINAL:
             # Named before the wait, so that however the wait ends (the status service away,
             # the gateway gone, Ctrl-C), the accepted task is known: it is being scored, and
@@ -1122,11 +1135,47 @@ def _jobs(response: httpx.Response) -> list[dict[str, Any]]:
     _exit(f"{response.request.url} answered a job list without jobs: {_quote(response.text)}")
 
 
+def _fire(
+    client: httpx.Client, path: str, deadline: float, *, timeout_s: float, unanswered: str
+) -> httpx.Response:
+    """`cron run --wait`'s POST, bounded by what is left of the wait (`deadline`) as its
+    polls are, and asked again after its Retry-After, while that falls before the deadline,
+    when the scheduler answered that it started nothing (`_started_nothing`): the wait ended
+    with exit 1 at a broker's moment away however much of it was left."""
+    pauses = _backoff()
+    while True:
+        bound = _request_bound(deadline)
+        try:
+            response = client.post(path, timeout=bound)
+        except (httpx.ReadTimeout, httpx.WriteTimeout):
+            if bound >= REQUEST_TIMEOUT_S:
+                raise  # `_reaching`'s "sent, but no answer came"
+            _exit(f"run still unanswered after {timeout_s:g}s: {unanswered}")
+        if not _started_nothing(response):
+            return response
+        _pause_before_asking_again(response, next(pauses), deadline)
+
+
+def _started_nothing(response: httpx.Response) -> bool:
+    """A refusal of `cron run` to ask again: a 429, or a 503 whose problem type says no run
+    was started (`CRON_STARTED_NOTHING`). Not the database's 503 (the run may have been
+    recorded), `run-outcome-unknown`, nor a 503 of no type of ours (a proxy's, maybe after
+    forwarding the request): asked again, the job could run twice."""
+    if response.status_code == 429:
+        return True
+    return response.status_code == 503 and _problem_type(response).endswith(CRON_STARTED_NOTHING)
+
+
 def _await_run(
-    client: httpx.Client, accepted: dict[str, Any], *, timeout_s: float, poll_s: float
+    client: httpx.Client,
+    accepted: dict[str, Any],
+    *,
+    deadline: float,
+    timeout_s: float,
+    poll_s: float,
 ) -> dict[str, Any]:
     """Poll the `accepted` run until it is final (`_poll_until`'s rules); exits 1 when it
-    cannot be read or `timeout_s` passes.
+    cannot be read or the `deadline` (`timeout_s` after the command began) passes.
 
     The run is named before the wait: however the wait ends (the scheduler away, Ctrl-C), it
     was fired and goes on, and running the command again would fire the job a second time."""
@@ -1135,7 +1184,7 @@ def _await_run(
         client,
         accepted["status_url"],
         last=accepted,
-        deadline=time.monotonic() + timeout_s,
+        deadline=deadline,
         pauses=itertools.repeat(poll_s),
         final=lambda body: body["state"] in FINAL_RUN_STATES,
         fields=("run_id", "state"),
@@ -1151,15 +1200,17 @@ def _await_run(
 def cron_run(
     job: Annotated[str, typer.Argument(help="The job's name (see `scorebox cron list`).")],
     wait: Annotated[bool, typer.Option("--wait", help="Poll until the run finishes.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds --wait polls at most.")] = 600.0,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds --wait takes at most, firing the run included.")
+    ] = 600.0,
     poll_s: Annotated[float, typer.Option(help="Seconds between polls.")] = 1.0,
 ) -> None:
     """Fire a job by hand and print the run; with --wait, the run once finished (the run's
     id goes to stderr before the wait, however it ends).
 
     Exits 1 when the job is unknown (404), the scheduler unavailable (503) or the wait timed
-    out, and 2 when the run failed. While waiting, a 429 or 503 is polled again after its
-    Retry-After, within --timeout.
+    out, and 2 when the run failed. With --wait, a 429, or a 503 saying no run was started,
+    is asked again after its Retry-After, as is a 429 or 503 to a poll, within --timeout.
     """
     _check_duration(timeout, "--timeout")
     _check_duration(poll_s, "--poll-s")
@@ -1167,15 +1218,20 @@ def cron_run(
         "the job may have been fired: see its last firing in `scorebox cron list` before "
         "running it again"
     )
+    path = f"/admin/v1/cron/jobs/{_segment(job, 'JOB')}/run"
     with _reaching(_scheduler_client(), unanswered=unanswered) as client:
-        response = client.post(f"/admin/v1/cron/jobs/{_segment(job, 'JOB')}/run")
+        if not wait:
+            response = client.post(path)
+            if response.status_code != 202:
+                raise _fail(response)
+            _show(_answer(response))
+            return
+        deadline = time.monotonic() + timeout
+        response = _fire(client, path, deadline, timeout_s=timeout, unanswered=unanswered)
         if response.status_code != 202:
             raise _fail(response)
-        accepted = _answer(response, "run_id", "state", "status_url") if wait else _answer(response)
-        if not wait:
-            _show(accepted)
-            return
-        run = _await_run(client, accepted, timeout_s=timeout, poll_s=poll_s)
+        accepted = _answer(response, "run_id", "state", "status_url")
+        run = _await_run(client, accepted, deadline=deadline, timeout_s=timeout, poll_s=poll_s)
     _show(run)
     if run["state"] == "failed":
         raise typer.Exit(code=2)

@@ -4,6 +4,7 @@ injected through `cli.transport`): what they send, what they show, their exit co
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -183,6 +184,79 @@ def test_cron_run_refused_exits_1(server: FakeServer, status: int) -> None:
     result = run_cli("cron", "run", "nope", "--wait")
     assert result.exit_code == 1
     assert f"error {status}: no such job" in result.output
+
+
+def _typed_problem(status: int, kind: str, retry_after: str | None = "0") -> httpx.Response:
+    body = {"type": f"https://scorebox.dev/problems/{kind}", "status": status, "detail": kind}
+    headers = {"content-type": "application/problem+json"}
+    if retry_after is not None:
+        headers["Retry-After"] = retry_after
+    return httpx.Response(status, json=body, headers=headers)
+
+
+def test_cron_run_wait_fires_again_after_a_refusal_that_started_nothing(
+    server: FakeServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker away for a moment (the run withdrawn), the job's lease contended, or too
+    many runs asked: nothing was started, and the wait ended with exit 1 however much of
+    --timeout was left."""
+    server.script(
+        "POST",
+        "/admin/v1/cron/jobs/usage-rollup/run",
+        _typed_problem(503, "broker-unavailable", retry_after="3"),
+        _typed_problem(503, "lease-contended"),
+        _typed_problem(429, "too-many-requests"),
+        httpx.Response(202, json=ACCEPTED),
+    )
+    server.script("GET", RUN_URL, httpx.Response(200, json=_run_state("succeeded")))
+    pauses: list[float] = []
+    monkeypatch.setattr(time, "sleep", pauses.append)
+
+    result = run_cli("cron", "run", "usage-rollup", "--wait", "--poll-s", "0")
+
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["state"] == "succeeded"
+    assert len([r for r in server.requests if r.method == "POST"]) == 4
+    assert pauses[0] == 3
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        _typed_problem(503, "database-unavailable"),
+        _typed_problem(503, "run-outcome-unknown", retry_after=None),
+        httpx.Response(503, text="upstream reset", headers={"Retry-After": "0"}),
+    ],
+    ids=["database-away", "outcome-unknown", "a-proxy's"],
+)
+@pytest.mark.parametrize(
+    "wait", [("--wait", "--timeout", "2"), ()], ids=["under-wait", "without-wait"]
+)
+def test_cron_run_never_fires_again_after_a_refusal_that_may_have_started_a_run(
+    server: FakeServer,
+    monkeypatch: pytest.MonkeyPatch,
+    refusal: httpx.Response,
+    wait: tuple[str, ...],
+) -> None:
+    """Those may have recorded or dispatched the run: fired again, the job runs twice."""
+    server.script("POST", "/admin/v1/cron/jobs/usage-rollup/run", refusal)
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    result = run_cli("cron", "run", "usage-rollup", *wait)
+    assert result.exit_code == 1, result.output
+    assert "error 503" in result.stderr
+    assert len(server.requests) == 1
+
+
+def test_cron_run_without_wait_fires_once_whatever_the_refusal(
+    server: FakeServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server.script(
+        "POST", "/admin/v1/cron/jobs/usage-rollup/run", _typed_problem(503, "broker-unavailable")
+    )
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    result = run_cli("cron", "run", "usage-rollup")
+    assert result.exit_code == 1
+    assert len(server.requests) == 1
 
 
 def test_cron_run_wait_exits_1_when_the_run_is_gone(server: FakeServer) -> None:

@@ -192,6 +192,19 @@ def test_a_failed_task_exits_2_only_under_wait(
     assert json.loads(result.stdout)["status"] == "failed"
 
 
+def test_a_wait_whose_key_answers_an_expired_task_ends_saying_so(
+    server: StubServer, essay: Path
+) -> None:
+    """A keyed replay of a task finished and gone answers `expired`: the wait polled it,
+    read 404, and said "unknown or expired task" as if the submission had gone wrong."""
+    server.reply("POST", "/v1/scores", Reply(200, {"task_id": "t1", "status": "expired"}))
+    result = run_cli("submit", str(essay), "--idempotency-key", "k-1", "--wait")
+    assert result.exit_code == 1, result.output
+    assert json.loads(result.stdout)["status"] == "expired"
+    assert "finished earlier and has expired" in result.stderr
+    assert [request.method for request in server.received] == ["POST"]
+
+
 # --- A busy answer to the submission of a wait ---------------------------------------------
 
 

@@ -39,6 +39,7 @@ from shared.http import (
     database_refused,
     problem,
     problem_responses,
+    quoted,
 )
 
 # What no walk sees: the letters another walk holds at that moment (each walk holds every
@@ -171,7 +172,9 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
             found = await dead_letters.shown(letter_id)
         if isinstance(found, ShownLetter):
             return {**_letter_view(found.letter), "body": found.body}
-        raise Problem(404, f"No dead letter with message or task id {letter_id!r}{_unseen(found)}.")
+        raise Problem(
+            404, f"No dead letter with message or task id {quoted(letter_id)}{_unseen(found)}."
+        )
 
     @router.post(
         "/dead-letters/replay",
@@ -201,7 +204,7 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
             dropped = await dead_letters.drop(letter_id, cut_off=cut_off)
         if not dropped.removed and not dropped.kept:
             raise nothing_dropped(
-                f"No dead letter with message or task id {letter_id!r}",
+                f"No dead letter with message or task id {quoted(letter_id)}",
                 dropped,
                 out_of_sight=OUT_OF_SIGHT,
             )

@@ -85,7 +85,9 @@ def cancel_routes(
         if sent is CancelRefused.UNKNOWN_TASK:
             raise _unknown(task_id)
         if sent is CancelRefused.ALREADY_FINISHED:
-            raise Problem(409, f"Task {task_id!r} has already finished.", kind="already-finished")
+            raise Problem(
+                409, f"Task {quoted(task_id)} has already finished.", kind="already-finished"
+            )
         body = CancelRequested(task_id=task_id, status_url=status_url(task_id))
         return JSONResponse(
             body.model_dump(), status_code=202, headers={"Location": status_url(task_id)}

@@ -25,6 +25,7 @@ from shared.http import (
     admin_guard,
     database_refused,
     problem_responses,
+    quoted,
 )
 
 MAX_LISTED = 10_000  # keys one listing shows
@@ -156,7 +157,7 @@ def key_admin_routes(
     async def revoke_key(key_id: str, request: Request) -> dict[str, Any]:
         await refuse_a_body(request, outcome="nothing was revoked")
         if not KEY_ID.fullmatch(key_id):
-            raise Problem(404, f"No API key {key_id!r}.")
+            raise Problem(404, f"No API key {quoted(key_id)}.")
         try:
             key = await keys.revoke(key_id, now=clock())
         except DatabaseUnavailable as error:
@@ -173,7 +174,7 @@ def key_admin_routes(
                 headers={"Retry-After": str(error.retry_after_s)},
             ) from error
         if key is None:
-            raise Problem(404, f"No API key {key_id!r}.")
+            raise Problem(404, f"No API key {quoted(key_id)}.")
         forget(key_id)
         return key.public()
 

@@ -69,6 +69,7 @@ from services.notifier.errors import (
     NoSuchHost,
     PermanentDeliveryError,
     ReceiverUnavailable,
+    ReceiverUnreachable,
     TransientDeliveryError,
 )
 from services.notifier.hosts import (
@@ -213,6 +214,10 @@ def judge_answer(answer: ReceiverAnswer, *, now: datetime) -> None:
     status = answer.status
     if 200 <= status < 300:
         return
+    if not 300 <= status < 600:
+        # A final 1xx (a proxy's 101) or a code past 5xx is no answer to a POST: it gave a
+        # webhook up at once as a refusal (1xx), or was retried as a 5xx (a review).
+        raise ReceiverUnreachable(f"the receiver answered {status}, no HTTP answer to a POST")
     if status in (408, 429) or status >= 500:
         raise ReceiverUnavailable(
             f"the receiver answered {status}",

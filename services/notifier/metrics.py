@@ -14,7 +14,8 @@ class NotifierMetrics:
             "scorebox_webhook_attempts",
             "Webhook attempts made, by purpose (callback, failure_alert) and outcome "
             "(delivered: a 2xx; unavailable: the receiver did not answer or answered 5xx, "
-            "408 or 429, retried while attempts are left; rejected: refused at once). "
+            "408 or 429, retried while attempts are left; rejected: given up at once, "
+            "refused by the receiver or by the address check before any request was sent). "
             "Deliveries given up are scorebox_webhook_deliveries_failed.",
             ["purpose", "outcome"],
             registry=registry,

@@ -135,15 +135,14 @@ class WebhookSender:
         except aiohttp.InvalidURL as error:
             # The URL's doing, every attempt alike: the gateway's check refuses such URLs,
             # and one that passed it anyway retried for nothing, then went to the DLQ.
-            raise UnsafeDestination(f"the URL cannot be sent: {error}") from error
+            why = f": {error.description}" if error.description else ""
+            raise UnsafeDestination(f"the URL cannot be sent{why}") from error
         except (TimeoutError, aiohttp.ClientError, OSError) as error:
             if answer is not None:
                 return answer  # only closing the connection failed
             if isinstance(error, TimeoutError):
                 raise ReceiverUnreachable(f"no answer from {destination.host} in time") from error
-            raise ReceiverUnreachable(
-                f"{destination.host}: {type(error).__name__}: {error}"
-            ) from error
+            raise ReceiverUnreachable(f"{destination.host}: {_without_url(error)}") from error
         return answer
 
     async def _excerpt(self, response: aiohttp.ClientResponse, *, deadline: float) -> str:
@@ -157,3 +156,12 @@ class WebhookSender:
         except (TimeoutError, aiohttp.ClientError, OSError):
             return ""
         return excerpt.decode(errors="replace")
+
+
+def _without_url(error: BaseException) -> str:
+    """What went wrong, for the logs, the ledger and the DLQ, without the callback URL: an
+    aiohttp error about the answer (a malformed header, status line or chunk) spells the
+    whole URL out, and a tenant's webhook token often lives in its path or query."""
+    if isinstance(error, aiohttp.ClientResponseError):
+        return f"malformed answer: {error.message}"
+    return f"{type(error).__name__}: {error}"

@@ -83,6 +83,7 @@ from shared.http import (
     parse_day,
     problem,
     problem_responses,
+    quoted,
 )
 
 log = logging.getLogger("scorebox.scheduler.api")
@@ -355,7 +356,7 @@ def cron_routes(
     async def read_run(run_id: str) -> FiringView:
         firing = await firings.find(run_id)
         if firing is None:
-            raise Problem(404, f"No cron run {run_id!r} is known (or it has expired).")
+            raise Problem(404, f"No cron run {quoted(run_id)} is known (or it has expired).")
         replay = await firings.replayed_as(run_id)
         return FiringView.of(firing, replayed_as=None if replay is None else replay.run_id)
 
@@ -587,7 +588,7 @@ def cron_dead_letter_routes(
             dropped = await dead_letters.drop(run_id, cut_off=cut_off)
         if not dropped.removed and not dropped.kept:
             raise nothing_dropped(
-                f"No dead letter of cron run {run_id!r}", dropped, out_of_sight=OUT_OF_SIGHT
+                f"No dead letter of cron run {quoted(run_id)}", dropped, out_of_sight=OUT_OF_SIGHT
             )
         return CronDropReport(
             run_id=run_id,

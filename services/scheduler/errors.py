@@ -30,6 +30,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from shared.contracts import rfc3339
+from shared.http import quoted
 from shared.settings import StartupRefused
 
 
@@ -45,7 +46,7 @@ class UnknownJob(SchedulerError):
     """No job of that name is configured."""
 
     def __init__(self, name: str) -> None:
-        super().__init__(f"No cron job named {name!r} is configured.")
+        super().__init__(f"No cron job named {quoted(name)} is configured.")
         self.name = name
 
 

@@ -39,6 +39,7 @@ from shared.http import (
     TASK_UNKNOWN,
     Problem,
     internal_guard,
+    quoted,
     warn_if_internal_routes_open,
 )
 from shared.runtime import (
@@ -193,7 +194,7 @@ def task_routes(tasks: Tasks, clock: Clock, *, internal_key: SecretStr | None) -
         view = await find_task(task_id, tenant_id=tenant_id, tasks=tasks, now=clock())
         if view is None:
             raise Problem(
-                404, f"No task {task_id!r} is known (or it has expired).", kind=TASK_UNKNOWN
+                404, f"No task {quoted(task_id)} is known (or it has expired).", kind=TASK_UNKNOWN
             )
         return view
 
@@ -210,7 +211,7 @@ def task_routes(tasks: Tasks, clock: Clock, *, internal_key: SecretStr | None) -
         )
         if history is None:
             raise Problem(
-                404, f"No task {task_id!r} is known (or it has expired).", kind=TASK_UNKNOWN
+                404, f"No task {quoted(task_id)} is known (or it has expired).", kind=TASK_UNKNOWN
             )
         return history
 

@@ -388,6 +388,14 @@ async def test_manual_run_routes_and_a_permanent_failure_is_dead_lettered(env: E
         assert unknown.status_code == 404
         assert unknown.headers["content-type"].startswith("application/problem+json")
         assert (await api.get("/admin/v1/cron/runs/nope")).status_code == 404
+        # A long name or run id is cut in the detail, not echoed whole (a review).
+        for long in (
+            await api.post(f"/admin/v1/cron/jobs/{'j' * 5_000}/run"),
+            await api.get(f"/admin/v1/cron/runs/{'r' * 5_000}"),
+        ):
+            assert long.status_code == 404
+            assert "(5,000 characters)" in long.json()["detail"]
+            assert len(long.json()["detail"]) < 200
 
         # A body, which the route does not take: refused, nothing run (`{bad` fired a run,
         # found in a walkthrough).

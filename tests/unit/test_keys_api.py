@@ -60,6 +60,15 @@ async def test_a_revocation_the_store_may_have_applied_drops_the_key_from_the_ca
     assert forgotten == [KEY_ID]
 
 
+async def test_an_unknown_key_id_is_cut_in_the_404() -> None:
+    """A 5,000-character id came back whole in the detail (a review)."""
+    async with running(app_with(StubKeys(), [])) as client:
+        answer = await client.delete(f"/admin/v1/keys/{'k' * 5_000}", headers=ADMIN)
+    assert answer.status_code == 404
+    assert "(5,000 characters)" in answer.json()["detail"]
+    assert len(answer.json()["detail"]) < 200
+
+
 async def test_a_listing_past_its_limit_says_it_is_truncated() -> None:
     async with running(app_with(StubKeys(MAX_LISTED + 5), [])) as client:
         over = (await client.get("/admin/v1/keys", headers=ADMIN)).json()

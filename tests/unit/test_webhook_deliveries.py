@@ -12,7 +12,7 @@ from services.gateway.schemas import ScoreSubmission
 from services.gateway.webhooks_api import FailureAlert
 from services.notifier.consumer import event_key
 from services.notifier.deliveries import RetryPolicy, judge_answer
-from services.notifier.errors import DeliveryRejected, ReceiverUnavailable
+from services.notifier.errors import DeliveryRejected, ReceiverUnavailable, ReceiverUnreachable
 from services.notifier.notifications import delivery_id, webhook_payload
 from services.notifier.sender import ReceiverAnswer
 from shared.contracts import (
@@ -43,6 +43,14 @@ def test_408_429_and_5xx_are_retried(status: int) -> None:
     with pytest.raises(ReceiverUnavailable) as raised:
         judge_answer(ReceiverAnswer(status=status, retry_after="7"), now=NOW)
     assert raised.value.retry_after_s == 7.0
+
+
+@pytest.mark.parametrize("status", [0, 99, 101, 103, 199, 600, 999])
+def test_a_status_outside_2xx_to_5xx_is_no_answer(status: int) -> None:
+    """As a malformed answer is (docs/webhooks.md): retried, then dead-lettered, never taken
+    for the receiver's refusal (a final 101 gave the webhook up at once) nor its 5xx."""
+    with pytest.raises(ReceiverUnreachable, match=str(status)):
+        judge_answer(ReceiverAnswer(status=status), now=NOW)
 
 
 @pytest.mark.parametrize(

@@ -108,14 +108,18 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[ssl.SSLContext, Path]
 
 @contextlib.asynccontextmanager
 async def receiving(
-    tls: tuple[ssl.SSLContext, Path], reply: bytes, *, hold_open: bool = False
+    tls: tuple[ssl.SSLContext, Path],
+    reply: bytes,
+    *,
+    hold_open: bool = False,
+    path: str = "/hook",
 ) -> AsyncIterator[tuple[RawReceiver, Destination]]:
     receiver = RawReceiver(reply, hold_open=hold_open)
     server = await asyncio.start_server(receiver.handle, "127.0.0.1", 0, ssl=tls[0])
     port = server.sockets[0].getsockname()[1]
     guard = WebhookGuard(Loopback(), allowed_test_hosts=frozenset({"127.0.0.1"}))
     try:
-        yield receiver, await guard.vet(f"https://{HOST}:{port}/hook")
+        yield receiver, await guard.vet(f"https://{HOST}:{port}{path}")
     finally:
         receiver.release.set()
         server.close()
@@ -243,6 +247,30 @@ async def test_a_header_past_the_limit_is_no_answer(tls: tuple[ssl.SSLContext, P
             await _post(_sender(tls, timeout_s=10), destination)
 
 
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: ten\r\n\r\n",
+        b"SMTP ready\r\n\r\n",
+    ],
+    ids=["nul-in-a-header", "bad-content-length", "not-http"],
+)
+async def test_a_malformed_answer_is_reported_without_the_urls_path_or_query(
+    tls: tuple[ssl.SSLContext, Path], reply: bytes
+) -> None:
+    """aiohttp's error for an answer it cannot parse spells the whole URL out, and the reason
+    goes to the logs, the delivery ledger and the DLQ's `x-scorebox-error`: a Slack-style
+    webhook's token, in its path, or one in its query, was written to all three (review)."""
+    path = "/services/T0/B0/SECRET-IN-PATH?token=SECRET-IN-QUERY"
+    async with receiving(tls, reply, path=path) as (_, destination):
+        with pytest.raises(ReceiverUnreachable) as caught:
+            await _post(_sender(tls, timeout_s=10), destination)
+
+    assert "SECRET" not in caught.value.reason
+    assert caught.value.reason.startswith(f"{HOST}: ")
+
+
 @pytest.mark.parametrize(("status", "reason"), [(302, "Found"), (307, "Temporary Redirect")])
 async def test_a_redirect_is_the_answer_and_is_not_followed(
     tls: tuple[ssl.SSLContext, Path], status: int, reason: str
@@ -289,6 +317,8 @@ async def test_a_url_the_http_client_cannot_send_gives_the_delivery_up(
 ) -> None:
     """No answer would ever come: retried as one, it ended in the operators' DLQ (review)."""
     address = ipaddress.ip_address("2606:4700::1")
-    destination = Destination("https://[2606:4700::1]x/hook", "2606:4700::1", 443, (address,))
-    with pytest.raises(UnsafeDestination, match="cannot be sent"):
+    url = "https://[2606:4700::1]x/hook?token=SECRET"
+    destination = Destination(url, "2606:4700::1", 443, (address,))
+    with pytest.raises(UnsafeDestination, match="cannot be sent") as caught:
         await _post(_sender(tls, timeout_s=5), destination)
+    assert "SECRET" not in caught.value.reason

@@ -35,7 +35,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Protocol
 
-from services.gateway.batches import Batches
+from services.gateway.batches import Batches, BatchState
 from services.gateway.errors import StatusUnavailable
 from services.gateway.submissions import CancelTarget, Submission, Submissions
 from services.gateway.submit import StatusReader
@@ -153,6 +153,17 @@ def _shows_the_end_of(view: TaskView, generation: int) -> bool:
     return view.status is TaskStatus.COMPLETED
 
 
+class BatchBeingRecorded(Exception):
+    """The batch's request (or its replay) has not recorded every item yet: cancelling those
+    it has would leave the rest to be sent and scored after a 202."""
+
+    def __init__(self, batch_id: str, *, recorded: int, total: int) -> None:
+        super().__init__(
+            f"Batch {batch_id} is still being accepted ({recorded} of its {total} items "
+            "recorded); nothing was cancelled. Ask again shortly."
+        )
+
+
 @dataclass(frozen=True)
 class BatchCancelled:
     """What a batch's cancellation sent: one `CancelTask` per item not known to be finished."""
@@ -175,7 +186,8 @@ async def cancel_batch(
     finished (`known_finished`: the gateway's own record, never the status service, one
     request per item), all sent in one round of confirms; None for a batch the tenant has not
     (unknown, expired, refused, or another tenant's). Two reads: the batch, then its items'
-    submissions without their texts. `DatabaseUnavailable`, and `BrokerUnavailable` when not
+    submissions without their texts. `BatchBeingRecorded` while its request has not recorded
+    every item, nothing sent. `DatabaseUnavailable`, and `BrokerUnavailable` when not
     every cancellation was confirmed (some may be queued: sending it again is harmless, the
     scorer records a task's cancellation once). An item whose submission is gone (expired)
     counts as neither sent nor finished."""
@@ -185,6 +197,11 @@ async def cancel_batch(
     targets = await submissions.cancel_targets(
         batch_id, tenant_id=tenant_id, expected=len(record.members)
     )
+    if record.state == BatchState.ACCEPTING and len(targets) < len(record.members):
+        # Listed, and found, from its record's insert on; its items recorded after this
+        # read would be sent uncancelled (a review). An accepted batch has every item
+        # recorded; one missing now expired.
+        raise BatchBeingRecorded(batch_id, recorded=len(targets), total=len(record.members))
     open_targets = [target for target in targets if not known_finished(target)]
     # Last item first: the items are queued, and scored, in their order, so cancellations in
     # that order trailed the scoring and each found its item just scored; from the end they

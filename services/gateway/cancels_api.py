@@ -13,6 +13,7 @@ from services.gateway.auth import Caller
 from services.gateway.batches import Batches
 from services.gateway.batches_api import BATCH_ID, batch_url, unknown_batch
 from services.gateway.cancels import (
+    BatchBeingRecorded,
     BatchCancelSender,
     CancelRefused,
     CancelSender,
@@ -32,6 +33,10 @@ BATCH_UNCONFIRMED = (
     "Some of the batch's cancellations may have been queued, not all were confirmed; send it "
     "again (each task's cancellation is recorded once)."
 )
+
+
+# The problem type of a batch cancel refused while the batch's items are being recorded.
+BATCH_BEING_ACCEPTED = "batch-being-accepted"
 
 
 class Canceller(CancelSender, BatchCancelSender, Protocol):
@@ -109,6 +114,11 @@ def cancel_routes(
         responses={
             202: {"headers": LOCATION_HEADER},
             **problem_responses(401, 404, 429, 503),
+            409: problem(
+                409,
+                f"`{BATCH_BEING_ACCEPTED}`: the batch's request (or its replay) is still "
+                "recording its items; nothing was cancelled. Ask again after Retry-After.",
+            ),
             503: problem(503, f"{UNAVAILABLE} {BATCH_UNCONFIRMED}"),
         },
     )
@@ -127,6 +137,10 @@ def cancel_routes(
                 sender=sender,
                 now=deps.clock(),
             )
+        except BatchBeingRecorded as error:
+            raise Problem(
+                409, str(error), kind=BATCH_BEING_ACCEPTED, headers={"Retry-After": "1"}
+            ) from error
         except BrokerUnavailable as error:
             raise _unconfirmed(error, BATCH_UNCONFIRMED) from error
         except Unavailable as error:

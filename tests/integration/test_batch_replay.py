@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -22,6 +23,7 @@ from services.gateway.batches import (
     submit_batch,
 )
 from services.gateway.cache import ResultCache
+from services.gateway.cancels import BatchBeingRecorded, cancel_batch
 from services.gateway.errors import (
     BrokerUnavailable,
     DatabaseUnavailable,
@@ -44,7 +46,15 @@ from services.gateway.submit import (
     settle_outcome,
     sweep_outbox,
 )
-from shared.contracts import Phase, ScoreResult, ScoreText, TaskCompleted, event_sequence
+from shared.contracts import (
+    BatchCancelling,
+    CancelTask,
+    Phase,
+    ScoreResult,
+    ScoreText,
+    TaskCompleted,
+    event_sequence,
+)
 from tests.integration.gateway_records import GatewayRecords as Gateway
 from tests.integration.gateway_records import Recorded, Unconfirmed, gateway_records
 from tests.support import SWEEP_RETENTION
@@ -303,6 +313,67 @@ async def test_a_slow_request_whose_batch_a_replay_accepted_answers_it_and_count
     assert sorted(await _swept_at(gateway, T0 + GRACE + timedelta(seconds=3))) == sorted(members)
     await _scored(gateway, members, in_flight)
     assert await in_flight.count(TENANT) == 0
+
+
+@dataclass
+class Cancels:
+    """A broker taking a batch's cancellations (`BatchCancelSender`), confirming them all."""
+
+    cancelled: list[str] = field(default_factory=list)
+
+    async def announce_batch_cancel(self, event: BatchCancelling) -> None:
+        pass
+
+    async def cancel_many(self, cancels: Sequence[CancelTask]) -> None:
+        self.cancelled.extend(cancel.task_id for cancel in cancels)
+
+
+async def _cancel(gateway: Gateway, batch_id: str, sender: Cancels) -> None:
+    await cancel_batch(
+        batch_id,
+        tenant_id=TENANT,
+        batches=gateway.batches,
+        submissions=gateway.submissions,
+        sender=sender,
+        now=T0,
+    )
+
+
+async def test_a_batch_cancelled_while_its_items_are_recorded_is_refused_until_they_are(
+    gateway: Gateway,
+) -> None:
+    """The batch is listed, and found, from its record's insert on: a cancel then sent its
+    recorded items' cancellations only and answered 202, and the request went on to send
+    the rest, scored (a review). Now nothing is cancelled until every item is recorded."""
+    cancels = Cancels()
+    refusals: list[BatchBeingRecorded] = []
+
+    async def cancelled_meanwhile() -> None:
+        [batch] = await gateway.batches.newest(TENANT, now=T0, after=None, limit=10)
+        with pytest.raises(BatchBeingRecorded) as refused:
+            await _cancel(gateway, batch.batch_id, cancels)
+        refusals.append(refused.value)
+
+    broker = Recorded()
+    answer = await _submit(
+        gateway, _request(3), broker, T0, RecordedSlowly(gateway, cancelled_meanwhile)
+    )
+
+    assert "1 of its 3 items recorded" in str(refusals[0])
+    assert cancels.cancelled == []
+    await _cancel(gateway, answer.record.batch_id, cancels)
+    assert sorted(cancels.cancelled) == sorted(broker.sent)
+    assert len(cancels.cancelled) == 3
+
+
+async def test_a_batch_held_for_its_replay_is_not_cancelled_in_part(gateway: Gateway) -> None:
+    """Its request died after recording two of five items: a cancel of those two, then the
+    replay recording and sending the other three, scored them after a 202."""
+    batch_id = await _interrupted(gateway, _request(5), recorded=2)
+    cancels = Cancels()
+    with pytest.raises(BatchBeingRecorded, match="2 of its 5 items"):
+        await _cancel(gateway, batch_id, cancels)
+    assert cancels.cancelled == []
 
 
 async def test_a_batch_held_for_a_replay_keeps_no_other_submission_waiting(

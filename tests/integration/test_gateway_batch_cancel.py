@@ -174,6 +174,27 @@ async def test_another_tenants_batch_or_an_unknown_one_is_not_found(stack: Stack
     assert await _sent_cancels(stack.amqp_url) == []
 
 
+async def test_a_batch_whose_items_are_still_being_recorded_is_409_and_nothing_is_cancelled(
+    stack: Stack,
+) -> None:
+    """Its request (or its replay) has recorded two of its three items: cancelling those two
+    answered 202 and left the third to be sent and scored (a review)."""
+    batch_id, (_, _, last) = await _batch(stack)
+    batches = stack.mongo[f"{stack.db_prefix}_gateway"]["batches"]
+    await batches.update_one({"_id": batch_id}, {"$set": {"state": "accepting"}})
+    await stack.submissions.delete_one({"_id": last})
+    await _sent_cancels(stack.amqp_url)
+
+    response = await stack.api.post(f"/v1/batches/{batch_id}/cancel")
+
+    _assert_problem(response, 409)
+    body = response.json()
+    assert body["type"].endswith("/batch-being-accepted")
+    assert "2 of its 3 items recorded" in body["detail"]
+    assert response.headers["Retry-After"] == "1"
+    assert await _sent_cancels(stack.amqp_url) == []
+
+
 async def test_cancels_the_broker_did_not_all_confirm_are_503_and_may_have_been_queued(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -636,6 +636,16 @@ def log_if_internal_key_refused(status_code: int, service: str) -> None:
         )
 
 
+def database_refused_answer(response: httpx.Response) -> bool:
+    """Whether a service of ours answered `database_refused`'s 500: its database refuses the
+    operation for good, and a caller passing it on as a 503 "retry shortly" had clients
+    retry for ever (a review)."""
+    if response.status_code != 500:
+        return False
+    problem = problem_in(response) or {}
+    return problem.get("type") == PROBLEM_BASE + "database-refused"
+
+
 def problem_in(response: httpx.Response) -> dict[str, Any] | None:
     """The problem+json object a service answered with; None for any other body (a proxy's
     page, a wrong port's answer)."""

@@ -66,6 +66,9 @@ class Unavailable(GatewayError):
     retry_after_s = 5
     # What is away, as a client's answer names it (`away`).
     what = "A dependency"
+    # The dependency (a service of ours) answered that its database refuses the operation
+    # for good (its 500 `database-refused`): retrying meets it again (`refused_for_good`).
+    for_good = False
 
     @property
     def away(self) -> str:
@@ -105,7 +108,10 @@ def database_away(error: BaseException) -> bool:
 
 def refused_for_good(error: BaseException) -> bool:
     """A `DatabaseUnavailable` whose operation the database refuses whatever the retry (a
-    failed validation, a document over 16 MiB, a missing privilege)."""
+    failed validation, a document over 16 MiB, a missing privilege), or a service of ours
+    that answered so of its own database (`Unavailable.for_good`)."""
+    if isinstance(error, Unavailable) and error.for_good:
+        return True
     return isinstance(error, DatabaseUnavailable) and not database_away(error)
 
 
@@ -113,6 +119,12 @@ class StatusUnavailable(Unavailable):
     """The status service did not answer."""
 
     what = "The status service"
+
+
+class StatusRefused(StatusUnavailable):
+    """The status service answered that its database refuses the read for good."""
+
+    for_good = True
 
 
 # A well-formed Idempotency-Key: 1 to 255 visible ASCII characters.

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from services.gateway.errors import GatewayError, Unavailable
 from services.gateway.settings import GatewaySettings
 from shared.aiohttp_transport import MappedAiohttpTransport
-from shared.http import log_if_internal_key_refused
+from shared.http import database_refused_answer, log_if_internal_key_refused
 
 MAX_CONNECTIONS = 32
 
@@ -21,6 +21,12 @@ class SchedulerUnavailable(Unavailable):
     """The scheduler did not answer (or answered something unexpected)."""
 
     what = "The scheduler"
+
+
+class SchedulerRefused(SchedulerUnavailable):
+    """The scheduler answered that its database refuses the read for good."""
+
+    for_good = True
 
 
 class UsageQueryRejected(GatewayError):
@@ -142,6 +148,8 @@ class SchedulerClient:
             raise SchedulerUnavailable(f"scheduler unreachable: {error!r}") from error
         if response.status_code == 422:
             raise _rejection(response)
+        if database_refused_answer(response):
+            raise SchedulerRefused("the scheduler's database refused the read for good")
         if response.status_code != 200:
             log_if_internal_key_refused(response.status_code, "scheduler")
             raise SchedulerUnavailable(f"scheduler answered {response.status_code}")

@@ -2,7 +2,9 @@
 
 Anything but a readable answer — the service unreachable, an answer that is not HTTP (see
 `shared.aiohttp_transport`), a status other than 200 or the service's own 404, a body that
-is not the service's — is `StatusUnavailable` (503, retry shortly), never a 500.
+is not the service's — is `StatusUnavailable` (503, retry shortly), never a 500; but the
+service's own 500 `database-refused` (its database refuses the read for good) is
+`StatusRefused`, answered as that 500, without Retry-After.
 
 Only the status service's "task unknown" problem (`TASK_UNKNOWN`) means unknown: any 404
 counted, and a proxy's page during a redeploy or a `STATUS_URL` with a wrong path made the
@@ -15,9 +17,15 @@ from __future__ import annotations
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from services.gateway.errors import StatusUnavailable
+from services.gateway.errors import StatusRefused, StatusUnavailable
 from shared.contracts import BatchProgress, TaskHistory, TaskView
-from shared.http import PROBLEM_BASE, TASK_UNKNOWN, log_if_internal_key_refused, problem_in
+from shared.http import (
+    PROBLEM_BASE,
+    TASK_UNKNOWN,
+    database_refused_answer,
+    log_if_internal_key_refused,
+    problem_in,
+)
 
 
 class StatusClient:
@@ -59,6 +67,8 @@ class StatusClient:
             raise StatusUnavailable(f"status service unreachable: {error!r}") from error
         if response.status_code == 404 and _says_task_unknown(response):
             return None
+        if database_refused_answer(response):
+            raise StatusRefused("the status service's database refused the read for good")
         if response.status_code != 200:
             log_if_internal_key_refused(response.status_code, "status service")
             raise StatusUnavailable(f"status service answered {response.status_code}")

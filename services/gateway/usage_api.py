@@ -14,13 +14,21 @@ from typing import Annotated, Any, Final
 from fastapi import APIRouter, Query
 
 from services.gateway.auth import Caller
+from services.gateway.errors import refused_for_good
 from services.gateway.scheduler_client import (
     SchedulerClient,
     SchedulerUnavailable,
     UsageQueryRejected,
     UsageReport,
 )
-from shared.http import Problem, invalid_query, parse_day, problem_responses
+from shared.http import (
+    DATABASE_REFUSED_PROBLEM,
+    Problem,
+    database_refused,
+    invalid_query,
+    parse_day,
+    problem_responses,
+)
 
 Clock = Callable[[], datetime]
 DEFAULT_PERIOD_DAYS: Final = 30
@@ -116,6 +124,7 @@ def usage_routes(scheduler: SchedulerClient, authenticated: Any, *, clock: Clock
         responses={
             200: {"content": {"application/json": {"example": _EXAMPLE}}},
             **problem_responses(401, 422, 429, 503),
+            500: DATABASE_REFUSED_PROBLEM,
         },
     )
     async def read_usage(
@@ -139,6 +148,8 @@ def usage_routes(scheduler: SchedulerClient, authenticated: Any, *, clock: Clock
                 422, refused.detail, kind="invalid-fields", errors=refused.errors
             ) from error
         except SchedulerUnavailable as error:
+            if refused_for_good(error):
+                raise database_refused(error) from error
             raise Problem(
                 503,
                 "Usage is unavailable right now; retry shortly.",

@@ -33,7 +33,7 @@ from shared.contracts import (
     TaskFailed,
     Usage,
 )
-from shared.http import PROBLEM_JSON
+from shared.http import PROBLEM_BASE, PROBLEM_JSON
 from shared.runtime import make_broker
 from tests.support import eventually, publish_together, running
 
@@ -374,3 +374,23 @@ async def test_an_unreachable_scheduler_is_503_with_retry_after(stack: Stack) ->
     assert response.status_code == 503, response.text
     assert response.headers["content-type"].startswith(PROBLEM_JSON)
     assert int(response.headers["retry-after"]) > 0
+
+
+async def test_a_scheduler_whose_database_refuses_for_good_is_500_without_retry_after(
+    stack: Stack,
+) -> None:
+    """It was a 503 "retry shortly" with Retry-After, retried for ever (a review)."""
+    refused = {"type": f"{PROBLEM_BASE}database-refused", "status": 500, "detail": "for good"}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(500, json=refused, headers={"content-type": PROBLEM_JSON})
+
+    async with httpx.AsyncClient(
+        transport=httpx.MockTransport(answer), base_url="http://scheduler"
+    ) as http:
+        gateway = create_gateway(GatewaySettings.model_validate(stack.env), scheduler_http=http)
+        async with running(gateway) as api:
+            response = await api.get("/v1/usage", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == 500, response.text
+    assert response.json()["type"].endswith("/database-refused")
+    assert "retry-after" not in response.headers

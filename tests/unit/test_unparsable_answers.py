@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from services.gateway.app import make_status_http
-from services.gateway.errors import StatusUnavailable, Unavailable
+from services.gateway.errors import StatusUnavailable, Unavailable, refused_for_good
 from services.gateway.scheduler_client import (
     SchedulerClient,
     SchedulerUnavailable,
@@ -41,8 +41,12 @@ Ask = Callable[[httpx.AsyncClient, str], Awaitable[object]]
 
 
 def _problem_404(problem: dict[str, object]) -> bytes:
+    return _problem(404, "Not Found", problem)
+
+
+def _problem(status: int, reason: str, problem: dict[str, object]) -> bytes:
     body = json.dumps(problem).encode()
-    head = "HTTP/1.1 404 Not Found\r\nContent-Type: application/problem+json\r\n"
+    head = f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/problem+json\r\n"
     return head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
 
 
@@ -175,3 +179,43 @@ async def test_the_status_services_own_404_is_a_task_unknown(answering: str, ask
         assert await ask(http, answering) is None
     finally:
         await http.aclose()
+
+
+REFUSED_FOR_GOOD = _problem(
+    500,
+    "Internal Server Error",
+    {"type": PROBLEM_BASE + "database-refused", "status": 500, "detail": "refused for good"},
+)
+ERRED = _problem(
+    500,
+    "Internal Server Error",
+    {"type": PROBLEM_BASE + "internal-server-error", "status": 500, "detail": "a bug"},
+)
+
+
+@pytest.mark.parametrize("answering", [REFUSED_FOR_GOOD], ids=["database-refused"], indirect=True)
+@pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
+async def test_a_service_whose_database_refuses_for_good_is_passed_on_as_such(
+    answering: str, call: Call
+) -> None:
+    """Taken for the service away, a 503 with Retry-After: clients that obey it retried for
+    ever what the database refuses every time (a missing privilege; a review)."""
+    http = call.make_http(SETTINGS)
+    try:
+        with pytest.raises(call.unavailable) as raised:
+            await call.ask(http, answering)
+    finally:
+        await http.aclose()
+    assert refused_for_good(raised.value)
+
+
+@pytest.mark.parametrize("answering", [ERRED], ids=["internal-server-error"], indirect=True)
+@pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
+async def test_any_other_500_of_a_service_is_it_unavailable(answering: str, call: Call) -> None:
+    http = call.make_http(SETTINGS)
+    try:
+        with pytest.raises(call.unavailable) as raised:
+            await call.ask(http, answering)
+    finally:
+        await http.aclose()
+    assert not refused_for_good(raised.value)

@@ -22,6 +22,9 @@ from shared.settings import (
 from shared.topology import SCORE_QUEUE_MAX_LENGTH
 
 MAX_JOB_ATTEMPTS = 20
+# Pages of the re-score fan-out one delivery reads at most: with pages of 10,000, already far
+# past what `SCHEDULER_JOB_DB_TIMEOUT_S` lets one delivery do.
+MAX_FANOUT_PAGES = 1_000
 
 
 class SchedulerSettings(InternalApiSettings):
@@ -87,7 +90,9 @@ class SchedulerSettings(InternalApiSettings):
     )
     # Attempts to store one usage event before it is dead-lettered, when storing fails other
     # than by MongoDB being unavailable (which is waited out, the delivery held).
-    meter_max_attempts: int = Field(default=5, ge=1, validation_alias="USAGE_METER_MAX_ATTEMPTS")
+    meter_max_attempts: int = Field(
+        default=5, ge=1, le=MAX_JOB_ATTEMPTS, validation_alias="USAGE_METER_MAX_ATTEMPTS"
+    )
     meter_retry_s: float = Field(
         default=5.0, gt=0, le=MAX_DURATION_S, validation_alias="USAGE_METER_RETRY_S"
     )
@@ -172,7 +177,7 @@ class SchedulerSettings(InternalApiSettings):
     # Pages one delivery of a fan-out run walks before it continues in a new message, so no
     # single delivery stays unacknowledged for long (RabbitMQ's consumer timeout).
     fanout_pages_per_delivery: int = Field(
-        default=50, ge=1, validation_alias="FANOUT_PAGES_PER_DELIVERY"
+        default=50, ge=1, le=MAX_FANOUT_PAGES, validation_alias="FANOUT_PAGES_PER_DELIVERY"
     )
     # Score and re-score requests waiting above which the fan-out waits before its next page
     # (its run waits it out as for a full queue): half the score queue, the rest left to

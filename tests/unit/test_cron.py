@@ -99,6 +99,24 @@ NEXT_FIRE_TIMES = [
         ["2025-11-02T05:30", "2025-11-02T06:30", "2025-11-03T06:30"],
         id="new-york-fall-back-twice",
     ),
+    # Australia/Lord_Howe, spring forward by 30 minutes 2026-10-04 02:00 +10:30 -> 02:30 +11
+    # (15:30 UTC): as in Berlin, a time in the gap of a job naming its hours fires at the
+    # gap's end, once; one of every hour has none there (no 02:00, no 02:20; a review
+    # read the rule as shifting those too).
+    pytest.param(
+        "10 1-3 * * *",
+        "Australia/Lord_Howe",
+        "2026-10-03T14:00:00",
+        ["2026-10-03T14:40", "2026-10-03T15:30", "2026-10-03T16:10"],
+        id="lord-howe-half-hour-spring-forward-shifted",
+    ),
+    pytest.param(
+        "*/20 * * * *",
+        "Australia/Lord_Howe",
+        "2026-10-03T15:00:00",
+        ["2026-10-03T15:10", "2026-10-03T15:40", "2026-10-03T16:00"],
+        id="lord-howe-half-hour-spring-forward-every-hour",
+    ),
     # Australia/Lord_Howe, fall back by 30 minutes 2025-04-06 02:00 +11 -> 01:30 +10:30
     # (15:00 UTC): 01:40 happens twice and fires twice. croniter, started before the fall-back,
     # stepped over the second one (found in review).

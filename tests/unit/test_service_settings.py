@@ -149,6 +149,16 @@ def test_a_prefetch_amqp_cannot_carry_is_refused(settings: Any, variable: str) -
         settings.model_validate({variable: "70000"})
 
 
+@pytest.mark.parametrize(
+    ("variable", "over"),
+    [("USAGE_METER_MAX_ATTEMPTS", "21"), ("FANOUT_PAGES_PER_DELIVERY", "1001")],
+)
+def test_counts_of_the_scheduler_past_their_bound_are_refused(variable: str, over: str) -> None:
+    """Unbounded where every other count is bounded (a review): any number was taken."""
+    with pytest.raises(ValidationError, match=variable):
+        SchedulerSettings.model_validate({variable: over})
+
+
 @pytest.mark.parametrize("timeout", ["inf", "2000"])
 def test_a_model_timeout_beyond_what_claims_and_the_broker_allow_is_refused(timeout: str) -> None:
     """`inf` crashed the scorer at start; beyond the broker's consumer timeout a held

@@ -138,6 +138,7 @@ def _with_overrides(data: Mapping[str, Any], environ: Mapping[str, str]) -> dict
     it must be: copied as tables, it stopped the start with a traceback naming neither
     (found in review)."""
     jobs = {name: dict(job) for name, job in _job_tables(data.get("jobs", {})).items()}
+    _refuse_shared_variables(jobs)
     for name, job in jobs.items():
         prefix = env_name(name)
         if spec := environ.get(prefix):
@@ -151,6 +152,19 @@ def _with_overrides(data: Mapping[str, Any], environ: Mapping[str, str]) -> dict
         if concurrency := environ.get(f"{prefix}_CONCURRENCY"):
             job["concurrency"] = concurrency.strip().lower()
     return {**data, "jobs": jobs}
+
+
+def _refuse_shared_variables(jobs: Mapping[str, object]) -> None:
+    """Two jobs whose names differ only by `-`, `_`, `.` or case would take each other's
+    `CRON_<JOB>` overrides: one variable set meant for one moved both (a review)."""
+    named: dict[str, str] = {}
+    for name in jobs:
+        other = named.setdefault(env_name(name), name)
+        if other != name:
+            raise ConfigurationError(
+                f"invalid scheduler configuration: jobs {other!r} and {name!r} would share "
+                f"the variables {env_name(name)}, {env_name(name)}_TZ, ...; rename one"
+            )
 
 
 def _job_tables(given: object) -> Mapping[str, Mapping[str, Any]]:

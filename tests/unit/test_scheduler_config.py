@@ -80,6 +80,17 @@ def test_env_names() -> None:
         ({"usage": {"raw_retention_days": 1_000_000}}, {}, "raw_retention_days"),
         ({"housekeeping": {"firing_retention_days": 3651}}, {}, "firing_retention_days"),
         ({"housekeeping": {"catalogue_retention_days": 10**10}}, {}, "catalogue_retention"),
+        # Their overrides would be one set of variables (a review).
+        (
+            {
+                "jobs": {
+                    "nightly-report": {"cron": "5 * * * *"},
+                    "nightly_report": {"cron": "6 * * * *"},
+                }
+            },
+            {},
+            "'nightly-report' and 'nightly_report' would share the variables CRON_NIGHTLY_REPORT",
+        ),
     ],
 )
 def test_bad_configuration_refuses_to_start(

@@ -212,6 +212,10 @@ class BatchRecord:
     members: tuple[BatchMember, ...]
     # When it expires as stored (None: not read from the store, or not set).
     expires_at: datetime | None = None
+    # Its request noted every item recorded (`RECORDED`); None on records of earlier builds.
+    recorded: bool | None = False
+    # The outbox sweep sends its items (`SWEPT`).
+    swept: bool = False
 
     def item_retention(self, retention: timedelta) -> timedelta:
         """The retention to record this batch's items with: `retention`, but never past the
@@ -576,6 +580,8 @@ def _record_of(document: Document, *, members: tuple[BatchMember, ...]) -> Batch
         created_at=document["created_at"],
         members=members,
         expires_at=document.get("expires_at"),
+        recorded=document.get(RECORDED),
+        swept=document.get(SWEPT) is True,
     )
 
 

@@ -31,14 +31,14 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Protocol
 
-from services.gateway.batches import Batches, BatchState
-from services.gateway.errors import StatusUnavailable
+from services.gateway.batches import Batches, BatchRecord, BatchState
+from services.gateway.errors import StatusUnavailable, in_progress_retry_after
 from services.gateway.submissions import CancelTarget, Submission, Submissions
-from services.gateway.submit import StatusReader
+from services.gateway.submit import StatusReader, incomplete_batch_held_until
 from shared.contracts import (
     BatchCancelling,
     CancelTask,
@@ -46,6 +46,7 @@ from shared.contracts import (
     TaskView,
     generation_of,
     new_id,
+    rfc3339,
 )
 
 log = logging.getLogger("scorebox.gateway")
@@ -155,13 +156,26 @@ def _shows_the_end_of(view: TaskView, generation: int) -> bool:
 
 class BatchBeingRecorded(Exception):
     """The batch's request (or its replay) has not recorded every item yet: cancelling those
-    it has would leave the rest to be sent and scored after a 202."""
+    it has would leave the rest to be sent and scored after a 202. `retry_after_s`: as long
+    as the request has run, no later than the end of the batch's hold (`in_progress_retry_after`:
+    a fixed second had a client ask some 600 times over a held batch; a review)."""
 
-    def __init__(self, batch_id: str, *, recorded: int, total: int) -> None:
-        super().__init__(
-            f"Batch {batch_id} is still being accepted ({recorded} of its {total} items "
-            "recorded); nothing was cancelled. Ask again shortly."
-        )
+    def __init__(
+        self, record: BatchRecord, *, recorded: int, now: datetime, grace: timedelta
+    ) -> None:
+        held_until = incomplete_batch_held_until(record.created_at, grace=grace)
+        self.retry_after_s = in_progress_retry_after(record.created_at, until=held_until, now=now)
+        counted = f"{recorded} of its {len(record.members)} items recorded"
+        if now - record.created_at <= grace:
+            why = f"is still being accepted ({counted}); nothing was cancelled. Ask again shortly."
+        else:
+            # Its request died: only a replay under its Idempotency-Key completes it.
+            why = (
+                f"was left incomplete by its request ({counted}): a replay of it with its "
+                f"Idempotency-Key completes it, else it is refused whole at {rfc3339(held_until)}; "
+                "nothing was cancelled."
+            )
+        super().__init__(f"Batch {record.batch_id} {why}")
 
 
 @dataclass(frozen=True)
@@ -181,6 +195,7 @@ async def cancel_batch(
     submissions: Submissions,
     sender: BatchCancelSender,
     now: datetime,
+    grace: timedelta,
 ) -> BatchCancelled | None:
     """Cancel every item of the tenant's batch whose latest generation is not known to be
     finished (`known_finished`: the gateway's own record, never the status service, one
@@ -197,11 +212,10 @@ async def cancel_batch(
     targets = await submissions.cancel_targets(
         batch_id, tenant_id=tenant_id, expected=len(record.members)
     )
-    if record.state == BatchState.ACCEPTING and len(targets) < len(record.members):
+    if _being_recorded(record) and len(targets) < len(record.members):
         # Listed, and found, from its record's insert on; its items recorded after this
-        # read would be sent uncancelled (a review). An accepted batch has every item
-        # recorded; one missing now expired.
-        raise BatchBeingRecorded(batch_id, recorded=len(targets), total=len(record.members))
+        # read would be sent uncancelled (a review).
+        raise BatchBeingRecorded(record, recorded=len(targets), now=now, grace=grace)
     open_targets = [target for target in targets if not known_finished(target)]
     # Last item first: the items are queued, and scored, in their order, so cancellations in
     # that order trailed the scoring and each found its item just scored; from the end they
@@ -221,6 +235,14 @@ async def cancel_batch(
     return BatchCancelled(
         batch_id=batch_id, sent=cancels, already_finished=len(targets) - len(cancels)
     )
+
+
+def _being_recorded(record: BatchRecord) -> bool:
+    """Whether items of the batch may still be recorded: `accepting`, not noted recorded
+    whole (records of earlier builds note nothing: taken for whole) and not sent by the
+    outbox sweep. Not the item count alone: a batch the sweep sent stays `accepting`, and
+    its first items' submissions expire before its record (a review)."""
+    return record.state == BatchState.ACCEPTING and record.recorded is False and not record.swept
 
 
 def _announcement(

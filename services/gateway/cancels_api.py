@@ -3,6 +3,7 @@ adapters of `services/gateway/cancels.py`."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Protocol
 
 from fastapi import APIRouter, Request
@@ -136,10 +137,14 @@ def cancel_routes(
                 submissions=deps.submissions,
                 sender=sender,
                 now=deps.clock(),
+                grace=timedelta(seconds=deps.settings.outbox_grace_s),
             )
         except BatchBeingRecorded as error:
             raise Problem(
-                409, str(error), kind=BATCH_BEING_ACCEPTED, headers={"Retry-After": "1"}
+                409,
+                str(error),
+                kind=BATCH_BEING_ACCEPTED,
+                headers={"Retry-After": str(error.retry_after_s)},
             ) from error
         except BrokerUnavailable as error:
             raise _unconfirmed(error, BATCH_UNCONFIRMED) from error

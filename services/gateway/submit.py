@@ -61,6 +61,12 @@ CHUNK_ALLOWANCE = timedelta(minutes=5)
 INCOMPLETE_BATCH_HOLD = timedelta(minutes=10)
 
 
+def incomplete_batch_held_until(created_at: datetime, *, grace: timedelta) -> datetime:
+    """Until when a batch created at `created_at` whose request died before recording every
+    item waits for a replay to complete it, before the outbox sweep refuses it whole."""
+    return created_at + max(INCOMPLETE_BATCH_HOLD, 2 * grace)
+
+
 class Publisher(Protocol):
     async def send(self, command: ScoreText) -> bool: ...
     async def withdraw(self, commands: Sequence[ScoreText]) -> None: ...
@@ -718,7 +724,7 @@ async def _incomplete_batches(
     refused = set()
     holding = {}
     for batch_id, size in sorted(incomplete.items()):
-        held_until = size.created_at + max(INCOMPLETE_BATCH_HOLD, 2 * grace)
+        held_until = incomplete_batch_held_until(size.created_at, grace=grace)
         if held_until >= now:
             holding[batch_id] = held_until
         elif await batches.abandon_unrecorded(batch_id, now=now):

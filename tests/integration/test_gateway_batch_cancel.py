@@ -181,7 +181,7 @@ async def test_a_batch_whose_items_are_still_being_recorded_is_409_and_nothing_i
     answered 202 and left the third to be sent and scored (a review)."""
     batch_id, (_, _, last) = await _batch(stack)
     batches = stack.mongo[f"{stack.db_prefix}_gateway"]["batches"]
-    await batches.update_one({"_id": batch_id}, {"$set": {"state": "accepting"}})
+    await batches.update_one({"_id": batch_id}, {"$set": {"state": "accepting", "recorded": False}})
     await stack.submissions.delete_one({"_id": last})
     await _sent_cancels(stack.amqp_url)
 

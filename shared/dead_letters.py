@@ -63,7 +63,7 @@ from pydantic import BaseModel, Field
 
 from shared.bus import BROKER_ERRORS
 from shared.consumers import ScoreboxBroker
-from shared.http import Problem, invalid_query
+from shared.http import Problem, invalid_query, quoted
 from shared.topology import ERROR_HEADER, FIRST_ERROR_HEADER, WorkQueue, x_deaths
 
 log = logging.getLogger("scorebox.dead_letters")
@@ -181,7 +181,7 @@ def parse_cut_off(value: str) -> CutOff:
     raise invalid_query(
         CUT_OFF,
         "must be an RFC 3339 date-time with a zone, such as a listing's `listed_at` "
-        f"(2030-01-01T10:00:00Z; send the `+` of an offset as %2B), not {value!r}",
+        f"(2030-01-01T10:00:00Z; send the `+` of an offset as %2B), not {quoted(value)}",
         outcome=NOTHING_REMOVED,
     )
 

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from services.gateway.auth import Caller
-from services.gateway.errors import Unavailable
+from services.gateway.errors import Unavailable, refused_for_good
 from services.gateway.settings import GatewaySettings
 from shared.bodies import json_body, read_model, refuse_a_body
 from shared.contracts import Instant
@@ -28,6 +28,8 @@ from shared.head_requests import asked_head_only
 from shared.http import (
     PROBLEM_BASE,
     Problem,
+    database_refused,
+    database_refused_answer,
     log_if_internal_key_refused,
     problem_in,
     problem_responses,
@@ -53,6 +55,16 @@ class NotifierUnavailable(Unavailable):
     def __init__(self, message: str, *, maybe_applied: bool) -> None:
         super().__init__(message)
         self.maybe_applied = maybe_applied
+
+
+class NotifierRefused(NotifierUnavailable):
+    """The notifier answered that its database refuses the operation for good (its 500
+    `database-refused`): nothing was changed, and retrying meets the same refusal."""
+
+    for_good = True
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, maybe_applied=False)
 
 
 class SigningSecret(BaseModel):
@@ -165,6 +177,8 @@ class NotifierClient:
             ) from error
         if response.is_success or (none_ok and _says_no_failure_alert(response)):
             return response
+        if database_refused_answer(response):
+            raise NotifierRefused("the notifier's database refused the operation for good")
         log_if_internal_key_refused(response.status_code, "notifier")
         raise NotifierUnavailable(
             f"notifier answered {response.status_code}", maybe_applied=response.status_code >= 500
@@ -174,7 +188,11 @@ class NotifierClient:
 def _unavailable(error: NotifierUnavailable, *, changes: bool = False) -> Problem:
     """503. For a change the notifier may have made (it got the request, no answer came
     back): say so, with a type of its own, since trying again blindly is not safe for every
-    change (a second rotation retires the secret your receivers hold)."""
+    change (a second rotation retires the secret your receivers hold). The notifier's
+    database refusing it for good is its 500 instead: a 503 had clients retry for ever, and
+    a change be said maybe made (a review)."""
+    if refused_for_good(error):
+        return database_refused(error)
     headers = {"Retry-After": str(error.retry_after_s)}
     if changes and error.maybe_applied:
         return Problem(

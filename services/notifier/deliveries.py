@@ -69,7 +69,6 @@ from services.notifier.errors import (
     NoSuchHost,
     PermanentDeliveryError,
     ReceiverUnavailable,
-    ReceiverUnreachable,
     TransientDeliveryError,
 )
 from services.notifier.hosts import (
@@ -214,11 +213,10 @@ def judge_answer(answer: ReceiverAnswer, *, now: datetime) -> None:
     status = answer.status
     if 200 <= status < 300:
         return
-    if not 300 <= status < 600:
-        # A final 1xx (a proxy's 101) or a code past 5xx is no answer to a POST: it gave a
-        # webhook up at once as a refusal (1xx), or was retried as a 5xx (a review).
-        raise ReceiverUnreachable(f"the receiver answered {status}, no HTTP answer to a POST")
-    if status in (408, 429) or status >= 500:
+    if status in (408, 429) or not 300 <= status < 500:
+        # A final 1xx (a proxy's 101) or a code past 5xx is no usable answer to a POST, yet
+        # the receiver's: retried as its 5xx, ending as it does (not in our DLQ). A 1xx gave
+        # the webhook up at once as a refusal (a review).
         raise ReceiverUnavailable(
             f"the receiver answered {status}",
             retry_after_s=parse_retry_after(answer.retry_after, now=now),

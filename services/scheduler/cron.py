@@ -6,12 +6,13 @@ wall clock of the job's time zone (IANA name, default UTC) and every instant ret
 
 Daylight-saving transitions follow croniter (checked against croniter 7):
 - Spring forward, a wall-clock time that does not exist is shifted to the first instant after
-  the gap when the expression names its hours (a value, a list or a range in the hour
-  field): `30 2 * * *` in Europe/Berlin fires at 03:00 CEST on the last Sunday of March,
-  once (01:00 UTC). A job of every hour (`*` or a step in the hour field) has no run in the
-  gap, as cron's own wildcard jobs have none: `0 * * * *` has no 02:00 that day, and in
-  Australia/Lord_Howe, whose clock skips 02:00-02:30, `*/20 * * * *` has no 02:00 or 02:20
-  (its next run is 02:40) and `0 * * * *` none between 01:00 and 03:00.
+  the gap when the hour field leaves some hour out (a value, a list, a range or a step such
+  as `*/2`): `30 2 * * *` in Europe/Berlin fires at 03:00 CEST on the last Sunday of March,
+  once (01:00 UTC), as does `30 */2 * * *`. A job whose hour field matches every hour (`*`,
+  `*/1`, `0-23`) has no run in the gap, as cron's own wildcard jobs have none: `0 * * * *`
+  has no 02:00 that day, and in Australia/Lord_Howe, whose clock skips 02:00-02:30,
+  `*/20 * * * *` has no 02:00 or 02:20 (its next run is 02:40) and `0 * * * *` none between
+  01:00 and 03:00.
 - Fall back, a wall-clock time that occurs twice fires twice, once per occurrence:
   `30 2 * * *` in Europe/Berlin fires at 02:30 CEST and at 02:30 CET (00:30 and 01:30 UTC) on
   the last Sunday of October; the jobs are idempotent, so a second run is harmless. Where the

@@ -72,6 +72,7 @@ MALFORMED = [
     "2030-01-01 00:00:01Z",
     "2030-02-30T00:00:00Z",
     "1893456000",  # Unix time
+    "x" * 5_000,  # echoed whole in the detail and the field's message (a review)
 ]
 
 
@@ -124,6 +125,7 @@ def _assert_invalid_cut_off(answer: httpx.Response, field: str = CUT_OFF) -> Non
     assert problem["type"].endswith("/invalid-fields")
     assert [error["field"] for error in problem["errors"]] == [f"query.{field}"]
     assert "nothing was removed" in problem["detail"]
+    assert len(problem["detail"]) < 500, "the value is cut, not echoed whole"
 
 
 async def test_a_drop_with_the_listings_cut_off_keeps_a_letter_dead_lettered_after_it(
@@ -347,3 +349,20 @@ async def test_a_malformed_cron_cut_off_is_a_422_and_removes_nothing(env: Env) -
             _assert_invalid_cut_off(await api.delete(CRON_LETTERS, params={CUT_OFF: value}))
         assert cron_dlq._run_ids(await cron_dlq._listed(api)) == [run.run_id]
     assert await _cron_run_ids_and_times(env) == [(run.run_id, QUIET - SECOND)]
+
+
+async def test_a_long_letter_or_run_id_is_cut_in_the_404(
+    env: Env, broker: RabbitBroker, submissions: Submissions
+) -> None:
+    """A 5,000-character id came back whole in the detail (a review)."""
+    async with _gateway(broker, submissions) as api:
+        answers = [
+            await api.get(f"{LETTERS}/{'m' * 5_000}"),
+            await api.delete(f"{LETTERS}/{'m' * 5_000}"),
+        ]
+    async with _cron_scheduler(env) as (cron_api, _):
+        answers.append(await cron_api.delete(f"{CRON_LETTERS}/{'r' * 5_000}"))
+    for answer in answers:
+        problem = _problem(answer, 404)
+        assert "(5,000 characters)" in problem["detail"]
+        assert len(problem["detail"]) < 500

@@ -59,6 +59,22 @@ NEXT_FIRE_TIMES = [
         ["2025-03-29T01:30", "2025-03-30T01:00", "2025-03-31T00:30"],
         id="berlin-spring-forward-shifted",
     ),
+    # What the hour field matches draws the line, not how it is written: a step that leaves
+    # hours out shifts (02:30 to 03:00 CEST), a range of every hour does not (a review).
+    pytest.param(
+        "30 */2 * * *",
+        "Europe/Berlin",
+        "2025-03-29T23:00:00",
+        ["2025-03-29T23:30", "2025-03-30T01:00", "2025-03-30T02:30"],
+        id="berlin-spring-forward-step-shifted",
+    ),
+    pytest.param(
+        "30 0-23 * * *",
+        "Europe/Berlin",
+        "2025-03-29T23:00:00",
+        ["2025-03-29T23:30", "2025-03-30T00:30", "2025-03-30T01:30"],
+        id="berlin-spring-forward-every-hour-range",
+    ),
     # ...and an hourly job simply has no 02:00 that day.
     pytest.param(
         "0 * * * *",

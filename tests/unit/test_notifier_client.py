@@ -5,20 +5,23 @@ failure alert registered" only when it is the notifier's own answer saying so.""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import cast
 
 import httpx
 import pytest
 from aiohttp import web
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
+from pymongo.errors import OperationFailure
 
+from services.gateway.auth import Caller
 from services.gateway.settings import GatewaySettings
 from services.gateway.webhooks_api import (
     NO_FAILURE_ALERT_TYPE,
     NotifierClient,
     NotifierUnavailable,
     make_notifier_http,
+    webhook_routes,
 )
 from services.notifier.api import NO_FAILURE_ALERT, tenant_routes
 from services.notifier.keyring import Keyring
@@ -162,3 +165,77 @@ async def test_the_notifier_reached_under_a_wrong_path_prefix_is_unavailable() -
 
 def test_the_gateway_knows_the_notifiers_no_alert_type() -> None:
     assert NO_FAILURE_ALERT_TYPE == PROBLEM_BASE + NO_FAILURE_ALERT
+
+
+# --- The notifier's database refusing for good ---------------------------------------------
+
+NOT_AUTHORIZED = OperationFailure("not authorized on scorebox_notifier", code=13)
+
+
+class RefusingKeyring:
+    async def current(self, tenant_id: str, *, now: datetime) -> None:
+        raise NOT_AUTHORIZED
+
+    async def rotate(self, tenant_id: str, *, now: datetime, grace: timedelta) -> None:
+        raise NOT_AUTHORIZED
+
+
+class RefusingAlerts:
+    async def url_of(self, tenant_id: str) -> str | None:
+        raise NOT_AUTHORIZED
+
+    async def register(self, tenant_id: str, url: str, *, now: datetime) -> None:
+        raise NOT_AUTHORIZED
+
+    async def remove(self, tenant_id: str) -> bool:
+        raise NOT_AUTHORIZED
+
+
+class PassingGuard:
+    def check(self, url: str) -> tuple[str, int]:
+        return ("example.com", 443)
+
+
+def _refusing_notifier() -> NotifierClient:
+    """The notifier's real tenant routes over stores its database refuses (a missing
+    privilege): each answers its 500 `database-refused`."""
+    app = FastAPI()
+    install_problem_handlers(app)
+    app.include_router(
+        tenant_routes(
+            keyring=cast(Keyring, RefusingKeyring()),
+            alerts=cast(FailureAlerts, RefusingAlerts()),
+            guard=cast(WebhookGuard, PassingGuard()),
+            clock=utcnow,
+            rotation_grace=timedelta(hours=1),
+            internal_key=None,
+        )
+    )
+    return client_of(app, "http://notifier")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("GET", "/v1/webhooks/secret", None),
+        ("POST", "/v1/webhooks/secret/rotate", None),
+        ("GET", "/v1/webhooks/failure-alert", None),
+        ("PUT", "/v1/webhooks/failure-alert", {"url": "https://example.com/hook"}),
+        ("DELETE", "/v1/webhooks/failure-alert", None),
+    ],
+)
+async def test_the_notifiers_refusal_for_good_is_passed_on_as_a_500_without_retry_after(
+    method: str, path: str, body: dict[str, str] | None
+) -> None:
+    """It was a 503 "retry shortly", or for a change 503 `change-unconfirmed` ("it may have
+    been made"), though the database refused it and will again (a review)."""
+    gateway = FastAPI()
+    install_problem_handlers(gateway)
+    gateway.include_router(webhook_routes(_refusing_notifier(), Depends(lambda: Caller("acme"))))
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=gateway), base_url="http://gateway"
+    ) as client:
+        answer = await client.request(method, path, json=body)
+    assert answer.status_code == 500, answer.text
+    assert answer.json()["type"] == PROBLEM_BASE + "database-refused"
+    assert "retry-after" not in answer.headers

@@ -4,7 +4,9 @@ with the count since the last one, is due."""
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Callable
 
 
@@ -27,3 +29,35 @@ class Tally:
             return None
         counted, self._count, self._reported_at = self._count, 0, now
         return counted
+
+
+# How often at most `FailedCalls` writes its line.
+FAILED_CALLS_REPORT_S = 60.0
+
+
+class FailedCalls:
+    """A WARNING line about the failed calls to a service, at most once a `every_s`, with
+    their count and the latest reason: a gateway answering its clients 503 for a service
+    away (or at a wrong URL) said nothing of it in its own log (a review)."""
+
+    def __init__(
+        self,
+        service: str,
+        log: logging.Logger,
+        *,
+        every_s: float = FAILED_CALLS_REPORT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._service = service
+        self._log = log
+        self._tally = Tally(every_s, clock)
+
+    def note(self, error: BaseException) -> None:
+        if (count := self._tally.count()) is None:
+            return
+        self._log.warning(
+            "calls to the %s failed: %d since the last line, the latest: %s",
+            self._service,
+            count,
+            error,
+        )

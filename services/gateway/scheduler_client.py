@@ -6,6 +6,8 @@ below are the gateway's own (tolerant) reading of it, and what `GET /v1/usage` a
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -13,6 +15,9 @@ from services.gateway.errors import GatewayError, Unavailable
 from services.gateway.settings import GatewaySettings
 from shared.aiohttp_transport import MappedAiohttpTransport
 from shared.http import database_refused_answer, log_if_internal_key_refused
+from shared.log_rate import FailedCalls
+
+log = logging.getLogger("scorebox.gateway")
 
 MAX_CONNECTIONS = 32
 
@@ -133,9 +138,18 @@ class SchedulerClient:
     def __init__(self, http: httpx.AsyncClient, *, base_url: str) -> None:
         self._http = http
         self._base_url = base_url.rstrip("/")
+        self._failed = FailedCalls("scheduler", log)
 
     async def usage(self, tenant_id: str, *, first_day: str, last_day: str) -> UsageReport:
-        """The tenant's daily usage from `first_day` to `last_day` (YYYY-MM-DD, inclusive)."""
+        """The tenant's daily usage from `first_day` to `last_day` (YYYY-MM-DD, inclusive);
+        every failure noted for the log (`FailedCalls`) as it is raised."""
+        try:
+            return await self._usage(tenant_id, first_day=first_day, last_day=last_day)
+        except SchedulerUnavailable as error:
+            self._failed.note(error)
+            raise
+
+    async def _usage(self, tenant_id: str, *, first_day: str, last_day: str) -> UsageReport:
         try:
             response = await self._http.get(
                 f"{self._base_url}/internal/v1/usage",

@@ -14,6 +14,8 @@ clients take for lost and submit again (found in review).
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 from pydantic import BaseModel, ValidationError
 
@@ -26,41 +28,52 @@ from shared.http import (
     log_if_internal_key_refused,
     problem_in,
 )
+from shared.log_rate import FailedCalls
+
+log = logging.getLogger("scorebox.gateway")
 
 
 class StatusClient:
     def __init__(self, http: httpx.AsyncClient, *, base_url: str) -> None:
         self._http = http
         self._base_url = base_url.rstrip("/")
+        self._failed = FailedCalls("status service", log)
 
     async def find(self, task_id: str, *, tenant_id: str) -> TaskView | None:
-        response = await self._get(f"/internal/v1/tasks/{task_id}", {"tenant_id": tenant_id})
-        if response is None:
-            return None
-        return _read(TaskView, response)
+        return await self._get(TaskView, f"/internal/v1/tasks/{task_id}", {"tenant_id": tenant_id})
 
     async def history(self, task_id: str, *, tenant_id: str, after: int) -> TaskHistory | None:
         """The task's state changes after sequence `after`; None when unknown or expired."""
-        response = await self._get(
-            f"/internal/v1/tasks/{task_id}/history", {"tenant_id": tenant_id, "after": after}
+        return await self._get(
+            TaskHistory,
+            f"/internal/v1/tasks/{task_id}/history",
+            {"tenant_id": tenant_id, "after": after},
         )
-        if response is None:
-            return None
-        return _read(TaskHistory, response)
 
     async def batch(
         self, batch_id: str, *, tenant_id: str, after: int, limit: int
     ) -> BatchProgress:
         """Counts and a page (by `batch_index` after `after`) of the tasks the status knows."""
-        response = await self._get(
+        progress = await self._get(
+            BatchProgress,
             f"/internal/v1/batches/{batch_id}",
             {"tenant_id": tenant_id, "after": after, "limit": limit},
         )
-        if response is None:
-            return BatchProgress(batch_id=batch_id)
-        return _read(BatchProgress, response)
+        return BatchProgress(batch_id=batch_id) if progress is None else progress
 
-    async def _get(self, path: str, params: dict[str, str | int]) -> httpx.Response | None:
+    async def _get[Model: BaseModel](
+        self, model: type[Model], path: str, params: dict[str, str | int]
+    ) -> Model | None:
+        """The answer as `model`; None for the service's own "task unknown". Every failure
+        is noted for the log (`FailedCalls`) as it is raised."""
+        try:
+            response = await self._answered(path, params)
+            return None if response is None else _read(model, response)
+        except StatusUnavailable as error:
+            self._failed.note(error)
+            raise
+
+    async def _answered(self, path: str, params: dict[str, str | int]) -> httpx.Response | None:
         try:
             response = await self._http.get(f"{self._base_url}{path}", params=params)
         except httpx.HTTPError as error:

@@ -11,6 +11,7 @@ caller's tenant; it never reads the notifier's database.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
@@ -34,7 +35,10 @@ from shared.http import (
     problem_in,
     problem_responses,
 )
+from shared.log_rate import FailedCalls
 from shared.webhook_urls import MAX_URL_LENGTH, validate_webhook_url
+
+log = logging.getLogger("scorebox.gateway")
 
 NO_STORE = {"Cache-Control": "no-store"}
 ALERT_BODY_LIMIT = 16 * 1024  # a URL of at most MAX_URL_LENGTH characters, as JSON
@@ -128,6 +132,7 @@ class NotifierClient:
     def __init__(self, http: httpx.AsyncClient, *, base_url: str) -> None:
         self._http = http
         self._base_url = base_url.rstrip("/")
+        self._failed = FailedCalls("notifier", log)
 
     async def signing_secret(self, tenant_id: str) -> SigningSecret:
         response = await self._call("GET", tenant_id, "webhook-secret")
@@ -163,7 +168,22 @@ class NotifierClient:
         none_ok: bool = False,
     ) -> httpx.Response:
         """The notifier's answer, a success or (`none_ok`) its 404 "no failure alert"; any
-        other answer, or none, raises `NotifierUnavailable`."""
+        other answer, or none, raises `NotifierUnavailable`, noted for the log."""
+        try:
+            return await self._answered(method, tenant_id, path, json=json, none_ok=none_ok)
+        except NotifierUnavailable as error:
+            self._failed.note(error)
+            raise
+
+    async def _answered(
+        self,
+        method: str,
+        tenant_id: str,
+        path: str,
+        *,
+        json: dict[str, Any] | None,
+        none_ok: bool,
+    ) -> httpx.Response:
         url = f"{self._base_url}/internal/v1/tenants/{quote(tenant_id, safe='')}/{path}"
         try:
             response = await self._http.request(method, url, json=json)

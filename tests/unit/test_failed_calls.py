@@ -1,0 +1,63 @@
+"""A service's failed calls, told in the log at most once a minute with their count: the
+gateway answered 503 for a service away, or at a wrong URL, and said nothing of it."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import httpx
+import pytest
+
+from services.gateway.errors import StatusUnavailable
+from services.gateway.scheduler_client import SchedulerClient, SchedulerUnavailable
+from services.gateway.status_client import StatusClient
+from services.gateway.webhooks_api import NotifierClient, NotifierUnavailable
+from shared.log_rate import FailedCalls
+
+log = logging.getLogger("tests.failed_calls")
+
+
+def test_the_first_failure_is_told_at_once_then_one_line_a_minute_with_the_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    failed = FailedCalls("scheduler", log, every_s=60, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        failed.note(RuntimeError("first"))
+        for second in (1.0, 30.0, 59.0):
+            now[0] = second
+            failed.note(RuntimeError(f"at {second}"))
+        now[0] = 61.0
+        failed.note(RuntimeError("latest"))
+    assert [record.getMessage() for record in caplog.records] == [
+        "calls to the scheduler failed: 1 since the last line, the latest: first",
+        "calls to the scheduler failed: 4 since the last line, the latest: latest",
+    ]
+    assert {record.levelno for record in caplog.records} == {logging.WARNING}
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+async def test_each_service_client_tells_its_failed_calls(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    base_url = f"http://127.0.0.1:{_closed_port()}"  # nothing listens
+    async with httpx.AsyncClient() as http:
+        with caplog.at_level(logging.WARNING, logger="scorebox.gateway"):
+            with pytest.raises(StatusUnavailable):
+                await StatusClient(http, base_url=base_url).find("t1", tenant_id="acme")
+            with pytest.raises(SchedulerUnavailable):
+                await SchedulerClient(http, base_url=base_url).usage(
+                    "acme", first_day="2030-01-01", last_day="2030-01-02"
+                )
+            with pytest.raises(NotifierUnavailable):
+                await NotifierClient(http, base_url=base_url).signing_secret("acme")
+    told = [record.getMessage() for record in caplog.records]
+    for service in ("status service", "scheduler", "notifier"):
+        assert any(f"calls to the {service} failed: 1" in line for line in told), told

@@ -29,8 +29,11 @@ Routes
 ------
 ``POST /v1/chat/completions``
     OpenAI chat-completions request (``model``, ``messages``; ``response_format``,
-    ``temperature`` ... are accepted and ignored, ``max_tokens`` too but by the ``length``
-    fault; ``stream: true`` is refused).
+    ``temperature`` ... are accepted and ignored, ``max_tokens`` (or
+    ``max_completion_tokens``) too but by the ``length`` fault; ``stream: true`` is refused).
+    A reasoning model's name (``o1``..., ``gpt-5``...) refuses ``max_tokens`` and a
+    ``temperature`` other than 1 with OpenAI's 400s (``unsupported_parameter``,
+    ``unsupported_value``).
     Needs ``Authorization: Bearer <non-empty>``, else 401. A body that is not a valid request
     gets 400. Errors always carry an OpenAI-style body
     ``{"error": {"message": ..., "type": ..., "param": null, "code": ...}}``.
@@ -204,9 +207,15 @@ class CompletionRequest:
 class InvalidRequest(Exception):
     """The request body is not a chat-completions request this server can answer."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
+
+
+# The names of OpenAI's reasoning models (o1, o3-mini, o4-mini, gpt-5...), which refuse
+# `max_tokens` (they take `max_completion_tokens`) and any `temperature` but 1, as OpenAI does.
+REASONING_MODEL = re.compile(r"^(o\d|gpt-5)")
 
 
 # --- the judge -------------------------------------------------------------------------------
@@ -550,11 +559,31 @@ def _parse_completion_request(raw: bytes) -> CompletionRequest:
         raise InvalidRequest("each message must be an object with a 'role'", "messages")
     if body.get("stream"):
         raise InvalidRequest("streaming is not supported by the fake model", "stream")
+    if REASONING_MODEL.match(model):
+        _refuse_what_reasoning_models_refuse(body)
     return CompletionRequest(model, messages, _token_limit(body))
 
 
+def _refuse_what_reasoning_models_refuse(body: dict[str, Any]) -> None:
+    """OpenAI's answers (400) to a reasoning model asked with `max_tokens` or a temperature."""
+    if "max_tokens" in body:
+        raise InvalidRequest(
+            "Unsupported parameter: 'max_tokens' is not supported with this model. Use "
+            "'max_completion_tokens' instead.",
+            "max_tokens",
+            "unsupported_parameter",
+        )
+    if "temperature" in body and body["temperature"] != 1:
+        raise InvalidRequest(
+            f"Unsupported value: 'temperature' does not support {body['temperature']} with "
+            "this model. Only the default (1) value is supported.",
+            "temperature",
+            "unsupported_value",
+        )
+
+
 def _token_limit(body: dict[str, Any]) -> int | None:
-    limit = body.get("max_tokens")
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
     return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
 
 
@@ -613,7 +642,7 @@ async def _answer_completion(request: web.Request, state: ServerState) -> web.Re
         asked = _parse_completion_request(await request.read())
         text = extract_judged_text(asked.messages)
     except InvalidRequest as exc:
-        return _error(400, str(exc), "invalid_request_error", param=exc.param)
+        return _error(400, str(exc), "invalid_request_error", param=exc.param, code=exc.code)
 
     # A provider-wide rate limit or outage spends no task's fault budget.
     error = _provider_wide_error(state.config)

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 
 from pydantic import ValidationError
+from yarl import URL
 
 from services.scorer.metrics import ScorerMetrics
 from services.scorer.model.settings import ModelSettings
@@ -38,11 +39,16 @@ Publish = Callable[[ModelCallsPaused], Awaitable[None]]
 
 def provider_of(settings: ModelSettings) -> str:
     """What a rate limit applies to: the provider's URL and the account's API key, as a
-    fingerprint (a short digest of the key, never the key)."""
+    fingerprint (a short digest of the key, never the key; the credentials a URL may carry
+    stand for it, digested too: their password went out on the broker; a review)."""
     if settings.llm_provider != "openai":
         return settings.llm_provider
-    digest = hashlib.sha256(settings.llm_api_key.get_secret_value().encode()).hexdigest()
-    return f"{settings.llm_base_url.rstrip('/')} key:{digest[:12]}"
+    url = URL(settings.llm_base_url)
+    account = settings.llm_api_key.get_secret_value()
+    if not account and url.raw_user is not None:
+        account = f"{url.raw_user}:{url.raw_password or ''}"
+    digest = hashlib.sha256(account.encode()).hexdigest()
+    return f"{str(url.with_user(None)).rstrip('/')} key:{digest[:12]}"
 
 
 class PauseAnnouncer:

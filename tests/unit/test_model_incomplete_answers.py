@@ -19,12 +19,13 @@ import pytest
 from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
 from services.scorer.errors import (
     InputRejected,
+    ModelMisconfigured,
     ModelRateLimited,
     ModelUnavailable,
     ScoringError,
     UnusableOutput,
 )
-from services.scorer.model import OpenAIChatModel, make_http_client
+from services.scorer.model import OpenAIChatModel, ScoringRequest, make_http_client
 from shared.contracts import Usage
 from tests.unit.test_model_openai import (
     GOOD,
@@ -343,3 +344,22 @@ async def test_an_answer_cut_inside_a_character_is_repaired_and_billed(content: 
     assert verdict.result.score == 7.5
     assert verdict.result.usage == Usage(prompt_tokens=240, completion_tokens=320)
     assert len(provider.requests) == 2
+
+
+async def test_a_reasoning_model_is_scored_once_its_limit_field_and_temperature_are_set(
+    fake: FakeLLM,
+) -> None:
+    """The fake refuses, as OpenAI does, `max_tokens` and a temperature of 0 for a model
+    such as gpt-5-mini: with the adapter's defaults every task failed as misconfigured (a
+    review); with `LLM_TOKEN_LIMIT_FIELD` and a blank `LLM_TEMPERATURE` it is scored."""
+    asked = ScoringRequest(task_id="t-1", text="A short essay.", rubric=None, model="gpt-5-mini")
+    refused = settings(LLM_BASE_URL=fake.url)
+    async with make_http_client(refused, concurrency=1) as http:
+        with pytest.raises(ModelMisconfigured, match="max_completion_tokens"):
+            await OpenAIChatModel(http, refused).score(asked)
+    fitting = settings(
+        LLM_BASE_URL=fake.url, LLM_TOKEN_LIMIT_FIELD="max_completion_tokens", LLM_TEMPERATURE=""
+    )
+    async with make_http_client(fitting, concurrency=1) as http:
+        verdict = await OpenAIChatModel(http, fitting).score(asked)
+    assert 0 <= verdict.result.score <= 10

@@ -79,6 +79,7 @@ class Sent:
     path: str
     headers: Mapping[str, str]
     content: bytes
+    query: str = ""
 
 
 class ScriptedProvider:
@@ -91,7 +92,9 @@ class ScriptedProvider:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         content = await request.read()
-        self.requests.append(Sent(request.method, request.path, request.headers, content))
+        self.requests.append(
+            Sent(request.method, request.path, request.headers, content, request.query_string)
+        )
         reply = self.replies.pop(0)
         if isinstance(reply, Slow):
             await asyncio.sleep(reply.delay_s)
@@ -652,6 +655,82 @@ async def test_an_unreadable_usage_block_loses_no_verdict(usage: Any) -> None:
     verdict = await score_with(ScriptedProvider(answer))
     assert verdict.result.score == 7.5
     assert verdict.result.usage.prompt_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("usage", "metered"),
+    [
+        ({"prompt_tokens": 812, "completion_tokens": None, "total_tokens": 812}, (812, 0)),
+        ({"prompt_tokens": 812.0, "completion_tokens": "n/a"}, (812, 0)),
+        # Reasoning tokens some gateways report only in the total.
+        ({"prompt_tokens": 21, "completion_tokens": 0, "total_tokens": 81}, (21, 60)),
+        ({"prompt_tokens": 21, "completion_tokens": 5, "total_tokens": 20}, (21, 5)),
+    ],
+)
+async def test_each_token_count_is_read_on_its_own(
+    usage: dict[str, Any], metered: tuple[int, int]
+) -> None:
+    """One null count metered the whole block as none, and tokens reported only in
+    `total_tokens` went unmetered (a review)."""
+    answer = json_answer(
+        200,
+        {"choices": [{"message": {"content": GOOD}, "finish_reason": "stop"}], "usage": usage},
+    )
+    verdict = await score_with(ScriptedProvider(answer))
+    assert (verdict.result.usage.prompt_tokens, verdict.result.usage.completion_tokens) == metered
+
+
+async def test_an_answer_nested_past_the_interpreters_depth_is_no_crash() -> None:
+    """Its lenient reading raised RecursionError, which left the adapter as a crash: the
+    model was called again on each crash delivery, each call billed (a review)."""
+    provider = ScriptedProvider(Answer(200, b"[" * 100_000, {"Content-Type": "application/json"}))
+    with pytest.raises(ModelMisconfigured):
+        await score_with(provider)
+
+
+async def test_the_token_limit_field_and_the_temperature_are_settings() -> None:
+    """OpenAI's reasoning models refuse `max_tokens` and any temperature but their own: with
+    both fixed, every task of such a model failed as misconfigured (a review)."""
+    provider = ScriptedProvider(completion(GOOD))
+    await score_with(provider, LLM_TOKEN_LIMIT_FIELD="max_completion_tokens", LLM_TEMPERATURE="")
+    body = provider.body()
+    assert body["max_completion_tokens"] == 300
+    assert "max_tokens" not in body
+    assert "temperature" not in body
+
+
+async def test_a_base_urls_query_is_kept() -> None:
+    """Azure's `?api-version=`: `/chat/completions` was glued onto the query, and every call
+    was a 404, a misconfiguration saying nothing of why (a review)."""
+    provider = ScriptedProvider(completion(GOOD))
+    async with provider.serving() as base_url:
+        configured = settings(LLM_BASE_URL=f"{base_url}/?api-version=2024-10-21")
+        async with make_http_client(configured, concurrency=1) as http:
+            await OpenAIChatModel(http, configured, clock=lambda: NOW).score(request())
+    sent = provider.requests[0]
+    assert (sent.path, sent.query) == ("/v1/chat/completions", "api-version=2024-10-21")
+
+
+def test_credentials_in_the_base_url_and_an_api_key_are_refused_at_start_up() -> None:
+    """aiohttp refuses to send both, with a ValueError that crashed every attempt (a review)."""
+    with pytest.raises(ValidationError, match="carries credentials"):
+        settings(LLM_BASE_URL="http://proxy:s3cret@llm.test/v1")
+
+
+async def test_credentials_in_the_base_url_are_sent_and_never_shown() -> None:
+    """Basic auth to a proxy in front of the model: its password was in every error message
+    naming the URL, which a task's error, the logs and the broker carry (a review)."""
+    provider = ScriptedProvider(Misbehaviour.DISCONNECT)
+    async with provider.serving() as base_url:
+        with_credentials = base_url.replace("http://", "http://proxy:s3cret@")
+        configured = settings(LLM_BASE_URL=with_credentials, LLM_API_KEY="")
+        async with make_http_client(configured, concurrency=1) as http:
+            model = OpenAIChatModel(http, configured, clock=lambda: NOW)
+            with pytest.raises(ModelUnavailable) as caught:
+                await model.score(request())
+    assert provider.requests[0].headers["authorization"].startswith("Basic ")
+    assert "s3cret" not in caught.value.message
+    assert "proxy@" not in caught.value.message
 
 
 # --- transport failures -----------------------------------------------------------------------

@@ -4,6 +4,7 @@ replica announces, and what it makes of another's announcement."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from datetime import timedelta
 
 import pytest
@@ -33,6 +34,20 @@ def test_the_provider_is_its_url_and_a_fingerprint_of_the_key_never_the_key() ->
     assert provider_of(_settings(LLM_API_KEY="sk-two")) != one
     assert provider_of(_settings(LLM_BASE_URL="https://other.example/v1")) != one
     assert provider_of(_settings(LLM_PROVIDER="heuristic")) == "heuristic"
+
+
+def test_credentials_in_the_url_are_fingerprinted_as_a_key_is_never_shown() -> None:
+    """The URL went out whole on the broker, its password in it (a review)."""
+    one = provider_of(_settings(LLM_BASE_URL="https://proxy:s3cret@llm.example/v1", LLM_API_KEY=""))
+    other = provider_of(
+        _settings(LLM_BASE_URL="https://proxy:other@llm.example/v1", LLM_API_KEY="")
+    )
+    assert one.startswith("https://llm.example/v1 key:")
+    assert "s3cret" not in one
+    assert "proxy" not in one
+    assert one != other
+    keyless = provider_of(_settings(LLM_API_KEY=""))
+    assert keyless == "https://llm.example/v1 key:" + hashlib.sha256(b"").hexdigest()[:12]
 
 
 def _event(

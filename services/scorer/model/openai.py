@@ -118,13 +118,6 @@ class _Choice(BaseModel):
 _MAX_TOKENS_PER_CALL = 2**30
 
 
-class _Usage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    prompt_tokens: int = Field(default=0, ge=0, le=_MAX_TOKENS_PER_CALL)
-    completion_tokens: int = Field(default=0, ge=0, le=_MAX_TOKENS_PER_CALL)
-
-
 class _ChatCompletion(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -190,7 +183,9 @@ class OpenAIChatModel:
         self._settings = settings
         self._clock = clock
         # Parsed once: a URL given as a string is parsed again on every request.
-        self._url = URL(settings.llm_base_url.rstrip("/") + "/chat/completions")
+        self._url = completions_url(settings.llm_base_url)
+        # As errors name it (task errors, logs): without the credentials a URL may carry.
+        self._shown = self._url.with_user(None)
         self._request_headers = _request_headers(settings)
 
     async def score(self, request: ScoringRequest) -> ModelVerdict:
@@ -271,11 +266,11 @@ class OpenAIChatModel:
                 headers=self._request_headers,
             )
         except (aiohttp.ClientError, OSError) as exc:
-            raise _transport_error(exc, self._url) from exc
+            raise _transport_error(exc, self._shown) from exc
         except ReplyTooLarge as exc:
             # A 5xx page that large (a gateway's) says the provider is down like any 5xx.
             too_much = ModelUnavailable if exc.status >= 500 else ModelReplyUnusable
-            raise too_much(f"{self._url} answered too much ({exc.status}): {exc}") from exc
+            raise too_much(f"{self._shown} answered too much ({exc.status}): {exc}") from exc
         if not response.is_success:
             raise error_for_response(response, now=self._clock())
         return _read_answer(response, model, now=self._clock())
@@ -284,9 +279,10 @@ class OpenAIChatModel:
         body: dict[str, Any] = {
             "model": model,
             "messages": messages,
-            "temperature": 0,
-            "max_tokens": self._settings.llm_max_output_tokens,
+            self._settings.llm_token_limit_field: self._settings.llm_max_output_tokens,
         }
+        if self._settings.llm_temperature is not None:
+            body["temperature"] = self._settings.llm_temperature
         match self._settings.llm_json_mode:
             case "json_schema":
                 body["response_format"] = {
@@ -298,6 +294,13 @@ class OpenAIChatModel:
             case "none":
                 pass
         return body
+
+
+def completions_url(base_url: str) -> URL:
+    """`base_url` + `/chat/completions`, its query kept (Azure's `?api-version=`): glued on
+    as text, the path went into the query and every call was a 404 (a review)."""
+    base = URL(base_url)
+    return base.with_path(base.path.rstrip("/") + "/chat/completions", keep_query=True)
 
 
 def _request_headers(settings: ModelSettings) -> dict[str, str]:
@@ -374,7 +377,7 @@ def _leniently_decoded(body: bytes) -> Any:
     """`body` as JSON, invalid UTF-8 and lone surrogates replaced; None when it is no JSON."""
     try:
         return _without_lone_surrogates(json.loads(body.decode("utf-8", errors="replace")))
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the interpreter's depth: a crash
         return None
 
 
@@ -459,12 +462,26 @@ def _filtered(verdict: Any) -> bool:
 
 
 def _usage_of(reported: Any) -> Usage:
-    """The token counts the provider reported; none when they are missing or unreadable."""
-    try:
-        counts = _Usage.model_validate(reported or {})
-    except ValidationError:
+    """The token counts the provider reported, each read on its own: a count missing, null
+    or unreadable is none, not the whole block's (`"completion_tokens": null` metered the
+    prompt's 812 tokens as none; a review). A `total_tokens` above their sum counts its
+    surplus as completion tokens: the reasoning tokens some gateways report only there."""
+    if not isinstance(reported, dict):
         return Usage()
-    return Usage(prompt_tokens=counts.prompt_tokens, completion_tokens=counts.completion_tokens)
+    prompt = _count(reported.get("prompt_tokens"))
+    completion = _count(reported.get("completion_tokens"))
+    surplus = max(0, _count(reported.get("total_tokens")) - prompt - completion)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion + surplus)
+
+
+def _count(value: Any) -> int:
+    """A token count as reported: a whole number from 0 to `_MAX_TOKENS_PER_CALL` (a float
+    of one included), else none."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        return 0
+    return value if 0 <= value <= _MAX_TOKENS_PER_CALL else 0
 
 
 def error_for_response(response: ProviderReply, *, now: datetime) -> ScoringError:

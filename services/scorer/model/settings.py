@@ -6,11 +6,13 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from yarl import URL
 
 from shared.settings import DEFAULT_LLM_MODEL, http_url
 
 Provider = Literal["heuristic", "openai"]
 JsonMode = Literal["json_schema", "json_object", "none"]
+TokenLimitField = Literal["max_tokens", "max_completion_tokens"]
 
 
 # A redelivery held while another worker's claim lasts (2 x this + LEASE_MARGIN_S, at most
@@ -43,19 +45,42 @@ class ModelSettings(BaseSettings):
     llm_max_input_chars: int = Field(default=6000, ge=100, validation_alias="LLM_MAX_INPUT_CHARS")
     llm_max_output_tokens: int = Field(default=300, ge=16, validation_alias="LLM_MAX_OUTPUT_TOKENS")
     llm_json_mode: JsonMode = Field(default="json_schema", validation_alias="LLM_JSON_MODE")
+    # The field the output limit is sent as: OpenAI's reasoning models (o1, o3, o4-mini,
+    # gpt-5) refuse `max_tokens` with a 400, and every task failed as misconfigured.
+    llm_token_limit_field: TokenLimitField = Field(
+        default="max_tokens", validation_alias="LLM_TOKEN_LIMIT_FIELD"
+    )
+    # Sent as `temperature` unless blank: those models refuse any but their default.
+    llm_temperature: float | None = Field(
+        default=0.0, ge=0, le=2, validation_alias="LLM_TEMPERATURE"
+    )
 
     @model_validator(mode="after")
     def _an_http_url_to_call(self) -> ModelSettings:
         """For a provider called over HTTP, an http(s) URL with a host: found wrong at
         start-up rather than at every task (one without a scheme was retried as an
-        unreachable provider; one that is no URL crashed the attempt)."""
+        unreachable provider; one that is no URL crashed the attempt). Credentials in it
+        (basic auth to a proxy in front of the model) and `LLM_API_KEY` both: aiohttp
+        refuses to send two, and every attempt crashed (a review)."""
         if self.llm_provider != "openai":
             return self
         try:
             http_url(self.llm_base_url)
         except ValueError as error:
             raise ValueError(f"LLM_BASE_URL: {error}") from None
+        if URL(self.llm_base_url).user is not None and self.llm_api_key.get_secret_value():
+            raise ValueError(
+                "LLM_BASE_URL carries credentials (user:password@) and LLM_API_KEY is set: "
+                "both would be the Authorization header; keep one"
+            )
         return self
+
+    @field_validator("llm_temperature", mode="before")
+    @classmethod
+    def _blank_sends_none(cls, temperature: object) -> object:
+        if isinstance(temperature, str) and not temperature.strip():
+            return None
+        return temperature
 
     @field_validator("llm_model", mode="before")
     @classmethod

@@ -59,9 +59,9 @@ Routes
     ``rate_limited_for_s``, ``rate_limit_retry_s``, ``unavailable_for_s``: updates the live
     config and answers it. ``rate_limited_calls``: the next N completion requests, whatever
     their task, answer 429 (a provider-wide rate limit); ``rate_limited_for_s``: every request
-    does for the next S seconds; either with ``Retry-After: rate_limit_retry_s`` when that is
-    above 0. ``unavailable_for_s``: every request answers 503 (overloaded) for the next S
-    seconds (a provider restarting).
+    does for the next S seconds; either with ``Retry-After`` (``rate_limit_retry_s`` in whole
+    seconds, rounded up) and ``retry-after-ms`` when that is above 0. ``unavailable_for_s``:
+    every request answers 503 (overloaded) for the next S seconds (a provider restarting).
 
 What is judged
 --------------
@@ -113,6 +113,7 @@ import asyncio
 import contextlib
 import hashlib
 import itertools
+import math
 import random
 import re
 import secrets
@@ -510,8 +511,17 @@ def _rate_limited(retry_after_s: float) -> web.Response:
         "Rate limit reached for requests. Please try again later.",
         "rate_limit_error",
         code="rate_limit_exceeded",
-        headers={"Retry-After": f"{retry_after_s:g}"} if retry_after_s > 0 else None,
+        headers=_retry_after_headers(retry_after_s) if retry_after_s > 0 else None,
     )
+
+
+def _retry_after_headers(retry_after_s: float) -> dict[str, str]:
+    """As OpenAI answers a 429: `Retry-After` in whole seconds (delta-seconds has no
+    fraction: `0.5` was sent) and the exact wait in `retry-after-ms`."""
+    return {
+        "Retry-After": str(math.ceil(retry_after_s)),
+        "retry-after-ms": str(round(retry_after_s * 1000)),
+    }
 
 
 def _fault_error(fault: Fault) -> web.Response | None:

@@ -498,6 +498,7 @@ async def test_a_provider_wide_rate_limit_answers_the_next_calls_429_whatever_th
     second = await complete(client, "another")
     assert [first.status_code, second.status_code] == [429, 429]
     assert first.headers["Retry-After"] == "3"
+    assert first.headers["retry-after-ms"] == "3000"
     assert first.json()["error"]["type"] == "rate_limit_error"
     # Over: normal answers, and the task's own fault budget was not spent by the 429.
     assert (await complete(client, "one [[fake:500x1]]")).status_code == 500

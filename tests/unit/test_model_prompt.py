@@ -85,6 +85,16 @@ def test_repair_messages_append_the_bad_answer_and_the_problem() -> None:
     assert original == build_messages("Essay.", None)  # the original list is left alone
 
 
+@pytest.mark.parametrize("blank", ["", "  \n"])
+def test_a_blank_answer_is_left_out_of_the_repair(blank: str) -> None:
+    """An assistant turn without content is refused by several OpenAI-compatible servers
+    (a 400, the task failed for good as misconfigured; a review)."""
+    original = build_messages("Essay.", None)
+    repair = build_repair_messages(original, blank, "no answer")
+    assert [message["role"] for message in repair] == ["system", "user", "user"]
+    assert "no answer" in repair[-1]["content"]
+
+
 def test_repair_messages_bound_the_echoed_answer() -> None:
     repair = build_repair_messages(build_messages("Essay.", None), "x" * 50_000, "too long")
     assert len(repair[-2]["content"]) <= 2000

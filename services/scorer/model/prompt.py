@@ -96,18 +96,18 @@ def build_messages(
 def build_repair_messages(
     original: list[dict[str, str]], bad_output: str, problem: str
 ) -> list[dict[str, str]]:
-    """`original` followed by the unusable answer and a request to answer again, correctly."""
+    """`original` followed by the unusable answer and a request to answer again, correctly.
+    A blank answer (none, cut at the token limit before any text) is left out: several
+    OpenAI-compatible servers refuse an assistant turn without content with a 400, which
+    failed the task for good as misconfigured (a review)."""
     echoed = bad_output[:_MAX_ECHOED_OUTPUT]
     correction = (
         f"Your answer could not be used: {problem}\n"
         'Answer again with only the JSON object {"score": <number from 0 to 10>, '
         '"comment": "<one to three sentences>"} and nothing else.'
     )
-    return [
-        *original,
-        {"role": "assistant", "content": echoed},
-        {"role": "user", "content": correction},
-    ]
+    answered = [{"role": "assistant", "content": echoed}] if echoed.strip() else []
+    return [*original, *answered, {"role": "user", "content": correction}]
 
 
 _JUDGE = r"(?:ai|llm|model|grader|judge|evaluator|scorer|assistant|examiner|marker)"

@@ -10,6 +10,7 @@ Publishes go through aio-pika on the FastStream broker's own channel (`send_raw`
 from __future__ import annotations
 
 import asyncio
+import re
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -74,6 +75,20 @@ BROKER_ERRORS = (
     ConnectionError,
     TimeoutError,
 )
+
+
+# An object's default repr in an error's text, `<aio_pika.robust_channel.RobustChannel object
+# at 0x7f85...>`: its class name says as much.
+_OBJECT_REPR = re.compile(r"<(?:\S*\.)?(\w+) object at 0x[0-9a-fA-F]+>")
+
+
+def error_words(error: BaseException) -> str:
+    """`error` as a line an operator or a client reads: its type and text, an object's
+    repr in it named by its class (a cron run's 503 told the client
+    `ChannelInvalidStateError('<aio_pika.robust_channel.RobustChannel object at 0x7f28...>
+    closed')`; a walkthrough)."""
+    text = _OBJECT_REPR.sub(r"\1", str(error))
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def message_headers(message: Contract, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -255,5 +255,6 @@ def _broker_away_is_503() -> Iterator[None]:
         raise Problem(
             503,
             unavailable_detail(error),
+            kind="unavailable",  # as every other 503 of a dependency away
             headers={"Retry-After": "5"},
         ) from error

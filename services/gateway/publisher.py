@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from faststream.rabbit import RabbitBroker
 from services.gateway.errors import BrokerUnavailable
 from shared.bus import (
     PublishUnconfirmed,
+    error_words,
     publish_batch_cancelling,
     publish_cancel,
     publish_command,
@@ -41,9 +43,12 @@ from shared.contracts import (
     TaskCompleted,
     accepted_event,
 )
+from shared.log_rate import Tally
 from shared.topology import TASKS
 
 log = logging.getLogger("scorebox.gateway.publisher")
+# How often at most the commands the broker did not take are logged, with their count.
+NOT_SENT_LOG_EVERY_S = 60.0
 
 
 class TaskPublisher:
@@ -58,6 +63,10 @@ class TaskPublisher:
     def __init__(self, broker: RabbitBroker, *, timeout_s: float) -> None:
         self._broker = broker
         self._timeout_s = timeout_s
+        # A line per refused submission flooded the log while the broker was away (318 for
+        # 159 refusals in 14 s; a walkthrough): one a minute at most, with the count.
+        self._not_sent = Tally(NOT_SENT_LOG_EVERY_S, time.monotonic)
+        self._not_withdrawn = Tally(NOT_SENT_LOG_EVERY_S, time.monotonic)
 
     async def send(self, command: ScoreText) -> bool:
         """True when the broker confirmed the command; False when it was written but not
@@ -65,10 +74,10 @@ class TaskPublisher:
         try:
             sent_now = await publish_command(self._broker, command, timeout=self._timeout_s)
         except PublishUnconfirmed as error:
-            log.warning("score.requested for %s unconfirmed: %s", command.task_id, error)
+            self._log_not_sent("unconfirmed", command, error)
             return False
         except Exception as error:
-            log.warning("score.requested for %s not taken: %r", command.task_id, error)
+            self._log_not_sent("not taken", command, error)
             raise BrokerUnavailable(str(error) or type(error).__name__) from error
         if not sent_now:
             await self._announce_accepted([command])
@@ -213,13 +222,26 @@ class TaskPublisher:
             )
             for command in commands
         )
-        if published.failures:
+        if published.failures and (lines := self._not_withdrawn.count()) is not None:
             log.warning(
-                "%d of %d withdrawals not confirmed: %r",
+                "withdrawals not confirmed (%d time(s) since the last line), the latest %d of "
+                "%d: %s",
+                lines,
                 len(published.failures),
                 len(commands),
-                published.first,
+                error_words(published.first) if published.first else "no error",
             )
+
+    def _log_not_sent(self, how: str, command: ScoreText, error: BaseException) -> None:
+        if (count := self._not_sent.count()) is None:
+            return
+        log.warning(
+            "score.requested %s (%d since the last line), the latest for %s: %s",
+            how,
+            count,
+            command.task_id,
+            error_words(error),
+        )
 
     async def _announce_accepted(self, commands: Sequence[ScoreText]) -> None:
         if not commands:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 
@@ -37,7 +38,10 @@ from services.scheduler.firings import Firing, FiringState, FiringStore
 from services.scheduler.jobs import Clock
 from services.scheduler.overlap import Claim, Overlap, claim_unless_overlapping
 from services.scheduler.schedule import JobCatalog, ScheduledJob, plan_firings
+from shared.bus import BROKER_ERRORS, error_words
 from shared.contracts import RunCronJob, rfc3339, to_millis
+from shared.database_errors import transient_database_error
+from shared.log_rate import Tally
 
 NEVER = datetime.max.replace(tzinfo=UTC)  # a job whose schedule has no later date
 
@@ -108,7 +112,7 @@ async def fire_by_hand(
         going_ahead = await _withdraw(firing, firings=firings, error=error)
         if going_ahead is None:
             raise DispatchFailed(
-                f"the broker did not accept the run of {name!r}: {error!r}"
+                f"the broker did not accept the run of {name!r}: {error_words(error)}"
             ) from error
         log.warning(
             "job %s: run %s goes ahead (%s) although its publish failed: %r",
@@ -212,8 +216,9 @@ async def _standing_after_failed_withdrawal(
         standing = await firings.find(firing.run_id)
     except Exception as read_error:  # noqa: BLE001 - unknown: refused, it may run later
         raise DispatchUnknown(
-            f"the broker did not accept the run of {firing.job!r} ({error!r}), and it could "
-            f"not be withdrawn ({forget_error!r}) nor read ({read_error!r}): run "
+            f"the broker did not accept the run of {firing.job!r} ({error_words(error)}), and "
+            f"it could not be withdrawn ({error_words(forget_error)}) nor read "
+            f"({error_words(read_error)}): run "
             f"{firing.run_id} may still run later",
             run_id=firing.run_id,
         ) from error
@@ -398,11 +403,34 @@ class Dispatcher:
         return now - firing.fired_at > self._grace
 
 
-async def keep_dispatching(dispatcher: Dispatcher, *, interval_s: float) -> None:
-    """Tick forever; a failed tick (database or broker unavailable) is logged and retried."""
+# How often at most a tick failing for a dependency away is logged.
+AWAY_LOG_EVERY_S = 60.0
+# How much of the error a line about a dependency away quotes (a server selection's names
+# every server of the topology).
+AWAY_ERROR_CHARS = 300
+
+
+async def keep_dispatching(
+    dispatcher: Dispatcher, *, interval_s: float, clock: Callable[[], float] = time.monotonic
+) -> None:
+    """Tick forever; a failed tick is logged and retried. The database or the broker away
+    is one WARNING line a minute at most, with the count: an ERROR with a traceback of
+    50-110 lines every few seconds of a database stop buried the rest of the log (a
+    walkthrough). Any other error keeps its traceback."""
+    away = Tally(AWAY_LOG_EVERY_S, clock)
     while True:
         try:
             await dispatcher.tick()
-        except Exception:
-            log.exception("scheduler tick failed; retrying in %.1fs", interval_s)
+        except Exception as error:
+            if not (transient_database_error(error) or isinstance(error, BROKER_ERRORS)):
+                log.exception("scheduler tick failed; retrying in %.1fs", interval_s)
+            elif (count := away.count()) is not None:
+                log.warning(
+                    "scheduler ticks failed, a dependency away (%d since the last line), "
+                    "retrying every %.1fs: %s: %s",
+                    count,
+                    interval_s,
+                    type(error).__name__,
+                    str(error)[:AWAY_ERROR_CHARS],
+                )
         await asyncio.sleep(interval_s)

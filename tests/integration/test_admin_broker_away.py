@@ -52,4 +52,6 @@ async def test_dead_letter_routes_answer_503_while_the_broker_is_away(
             assert answer.status_code == 503, answer.text
             assert answer.headers["content-type"].startswith(PROBLEM_JSON)
             assert "Retry-After" in answer.headers
+            # The type every other 503 of a dependency away has (it was service-unavailable).
+            assert answer.json()["type"].endswith("/unavailable"), answer.json()
         link.down = False  # the gateway stops on a broker that is back

@@ -4,13 +4,16 @@ and a run's outcome maps to the right decision. No broker, no database, no sleep
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import logging
 from datetime import UTC, datetime, timedelta
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import pytest
+from pymongo.errors import AutoReconnect
 
 from services.scheduler.config import Concurrency, MissedFirings
 from services.scheduler.dispatcher import (
@@ -18,6 +21,7 @@ from services.scheduler.dispatcher import (
     Dispatcher,
     fire_by_hand,
     fire_replay,
+    keep_dispatching,
 )
 from services.scheduler.errors import (
     DispatchFailed,
@@ -999,3 +1003,45 @@ async def test_a_long_job_continues_in_the_next_slice() -> None:
         )
     assert slices == [1, 2]
     assert isinstance(decision, Finished)
+
+
+class FailingTicks:
+    """A dispatcher whose ticks fail: the database away `away` times, then a bug, then none
+    returns until the test ends."""
+
+    def __init__(self, away: int) -> None:
+        self.away = away
+        self.ended = asyncio.Event()
+
+    async def tick(self) -> None:
+        if self.away:
+            self.away -= 1
+            raise AutoReconnect("connection refused")
+        if not self.ended.is_set():
+            self.ended.set()
+            raise ValueError("a bug")
+        await asyncio.Event().wait()
+
+
+async def test_ticks_failing_for_a_dependency_away_are_one_line_a_minute_a_bug_its_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A database stop logged an ERROR with 50-110 lines of traceback every few seconds
+    (a walkthrough)."""
+    ticks = FailingTicks(away=5)
+    with caplog.at_level(logging.WARNING, logger="scorebox.scheduler"):
+        running = asyncio.create_task(
+            keep_dispatching(cast(Dispatcher, ticks), interval_s=0, clock=lambda: 0.0)
+        )
+        await asyncio.wait_for(ticks.ended.wait(), timeout=10)
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+    away = [r for r in caplog.records if r.levelno == logging.WARNING]
+    bugs = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(away) == 1
+    assert "(1 since the last line)" in away[0].getMessage()
+    assert "AutoReconnect: connection refused" in away[0].getMessage()
+    assert away[0].exc_info is None
+    assert len(bugs) == 1
+    assert bugs[0].exc_info is not None

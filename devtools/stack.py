@@ -39,7 +39,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
-from shared.settings import DEFAULT_LLM_MODEL, MAX_PORT
+from shared.settings import DEFAULT_LLM_MODEL, MAX_PORT, url_shown
 
 if TYPE_CHECKING:
     from devtools.infra import Endpoint
@@ -677,7 +677,7 @@ def model_line(stack_env: Mapping[str, str], environ: Mapping[str, str] = os.env
     env = {**environ, **stack_env}
     if env.get("LLM_PROVIDER", "heuristic") != "openai":
         return "Model:    built-in heuristic (LLM_PROVIDER=openai and LLM_BASE_URL for a model)"
-    base_url = env.get("LLM_BASE_URL", "https://api.openai.com/v1")
+    base_url = url_shown(env.get("LLM_BASE_URL", "https://api.openai.com/v1"))
     return f"Model:    {env.get('LLM_MODEL', DEFAULT_LLM_MODEL)} at {base_url} (OpenAI protocol)"
 
 

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, ValidationError
 from pymongo.errors import PyMongoError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, HTTPConnection
@@ -634,6 +634,19 @@ def log_if_internal_key_refused(status_code: int, service: str) -> None:
             "the %s refused this service's internal key (401): both need the same INTERNAL_API_KEY",
             service,
         )
+
+
+def unreadable(error: Exception) -> str:
+    """Why a service's answer could not be read, in words that quote none of it: a
+    ValidationError's text quotes the input (a signing secret, a task's text), and a
+    failed call is logged (`shared.log_rate.FailedCalls`; a review)."""
+    if not isinstance(error, ValidationError):
+        return type(error).__name__
+    found = error.errors(include_input=False, include_url=False)
+    return "; ".join(
+        f"{'.'.join(str(part) for part in found_error['loc']) or 'body'}: {found_error['msg']}"
+        for found_error in found[:3]
+    )
 
 
 def database_refused_answer(response: httpx.Response) -> bool:

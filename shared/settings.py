@@ -216,6 +216,12 @@ class InternalApiSettings(MetricsApiSettings):
         return self
 
 
+def url_shown(url: str) -> str:
+    """`url` as logs, errors and banners name it: without the credentials or the query it
+    may carry (a key in `?subscription-key=` as well as in `user:password@`)."""
+    return str(URL(url).with_user(None).with_query(None).with_fragment(None))
+
+
 def redact_url(url: str) -> str:
     """The URL with its password replaced, fit for logs."""
     parts = urlsplit(url)

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from services.gateway.errors import GatewayError, Unavailable
 from services.gateway.settings import GatewaySettings
 from shared.aiohttp_transport import MappedAiohttpTransport
-from shared.http import database_refused_answer, log_if_internal_key_refused
+from shared.http import database_refused_answer, log_if_internal_key_refused, unreadable
 from shared.log_rate import FailedCalls
 
 log = logging.getLogger("scorebox.gateway")
@@ -171,5 +171,5 @@ class SchedulerClient:
             return UsageReport.model_validate_json(response.content)
         except ValidationError as error:
             raise SchedulerUnavailable(
-                f"scheduler answered an unreadable report: {error}"
+                f"scheduler answered an unreadable report: {unreadable(error)}"
             ) from error

@@ -27,6 +27,7 @@ from shared.http import (
     database_refused_answer,
     log_if_internal_key_refused,
     problem_in,
+    unreadable,
 )
 from shared.log_rate import FailedCalls
 
@@ -94,7 +95,9 @@ def _read[Model: BaseModel](model: type[Model], response: httpx.Response) -> Mod
     try:
         return model.model_validate_json(response.content)
     except ValidationError as error:
-        raise StatusUnavailable(f"status service answered an unreadable body: {error}") from error
+        raise StatusUnavailable(
+            f"status service answered an unreadable body: {unreadable(error)}"
+        ) from error
 
 
 # What status services before `TASK_UNKNOWN` answered for an unknown task (a rolling upgrade).

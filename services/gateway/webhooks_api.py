@@ -34,6 +34,7 @@ from shared.http import (
     log_if_internal_key_refused,
     problem_in,
     problem_responses,
+    unreadable,
 )
 from shared.log_rate import FailedCalls
 from shared.webhook_urls import MAX_URL_LENGTH, validate_webhook_url
@@ -96,20 +97,6 @@ class FailureAlert(BaseModel):
         return validate_webhook_url(url)
 
 
-@contextlib.contextmanager
-def _unreadable_is_unavailable() -> Iterator[None]:
-    """An answer of the notifier this gateway cannot read (a proxy's page, a changed schema in
-    a rolling upgrade) is a 503 saying a change may have been made, as a lost answer is: it
-    was a 500, and a client retrying a rotation after it retired the secret its receivers
-    had just been given."""
-    try:
-        yield
-    except (ValidationError, ValueError, KeyError, TypeError) as error:
-        raise NotifierUnavailable(
-            f"unreadable answer from the notifier: {error!r}", maybe_applied=True
-        ) from error
-
-
 def _says_no_failure_alert(response: httpx.Response) -> bool:
     """Whether a 404 is the notifier's own "no failure alert" problem+json."""
     problem = problem_in(response) if response.status_code == 404 else None
@@ -134,14 +121,30 @@ class NotifierClient:
         self._base_url = base_url.rstrip("/")
         self._failed = FailedCalls("notifier", log)
 
+    @contextlib.contextmanager
+    def _unreadable_is_unavailable(self) -> Iterator[None]:
+        """An answer of the notifier this gateway cannot read (a proxy's page, a changed
+        schema in a rolling upgrade) is a 503 saying a change may have been made, as a lost
+        answer is: it was a 500, and a client retrying a rotation after it retired the
+        secret its receivers had just been given. Noted for the log, in words that quote
+        none of it (its body may hold the signing secret)."""
+        try:
+            yield
+        except (ValidationError, ValueError, KeyError, TypeError) as error:
+            unavailable = NotifierUnavailable(
+                f"unreadable answer from the notifier: {unreadable(error)}", maybe_applied=True
+            )
+            self._failed.note(unavailable)
+            raise unavailable from error
+
     async def signing_secret(self, tenant_id: str) -> SigningSecret:
         response = await self._call("GET", tenant_id, "webhook-secret")
-        with _unreadable_is_unavailable():
+        with self._unreadable_is_unavailable():
             return SigningSecret.model_validate_json(response.content)
 
     async def rotate_signing_secret(self, tenant_id: str) -> SigningSecret:
         response = await self._call("POST", tenant_id, "webhook-secret/rotate")
-        with _unreadable_is_unavailable():
+        with self._unreadable_is_unavailable():
             return SigningSecret.model_validate_json(response.content)
 
     async def failure_alert(self, tenant_id: str) -> FailureAlert | None:
@@ -149,7 +152,7 @@ class NotifierClient:
         if response.status_code == 404:
             return None
         # As registered: a URL checked again here would fail a read once a rule is tightened.
-        with _unreadable_is_unavailable():
+        with self._unreadable_is_unavailable():
             return FailureAlert.model_construct(url=str(response.json()["url"]))
 
     async def register_failure_alert(self, tenant_id: str, alert: FailureAlert) -> None:

@@ -30,6 +30,7 @@ from services.scorer.model.settings import ModelSettings
 from services.scorer.throttle import MAX_PAUSE_S, ModelThrottle
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import ModelCallsPaused, new_id
+from shared.settings import url_shown
 from shared.topology import SCORER_PAUSES_BINDING, SCORER_PAUSES_PREFIX, scorer_pauses_queue
 
 log = logging.getLogger("scorebox.scorer.pauses")
@@ -45,10 +46,16 @@ def provider_of(settings: ModelSettings) -> str:
         return settings.llm_provider
     url = URL(settings.llm_base_url)
     account = settings.llm_api_key.get_secret_value()
-    if not account and url.raw_user is not None:
-        account = f"{url.raw_user}:{url.raw_password or ''}"
+    if url.raw_user is None and not url.raw_query_string:
+        # As earlier builds name it, character for character: replicas of two builds
+        # heard each other's pauses through a rolling upgrade (a review).
+        shown = settings.llm_base_url.rstrip("/")
+    else:
+        # Its credentials and query (a key may be there) stand for the account, digested.
+        account += f" {url.raw_user or ''}:{url.raw_password or ''}?{url.raw_query_string}"
+        shown = url_shown(settings.llm_base_url).rstrip("/")
     digest = hashlib.sha256(account.encode()).hexdigest()
-    return f"{str(url.with_user(None)).rstrip('/')} key:{digest[:12]}"
+    return f"{shown} key:{digest[:12]}"
 
 
 class PauseAnnouncer:

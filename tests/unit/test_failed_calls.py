@@ -61,3 +61,23 @@ async def test_each_service_client_tells_its_failed_calls(
     told = [record.getMessage() for record in caplog.records]
     for service in ("status service", "scheduler", "notifier"):
         assert any(f"calls to the {service} failed: 1" in line for line in told), told
+
+
+async def test_an_unreadable_answer_is_told_without_quoting_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A notifier's 200 the gateway cannot read went unlogged; and a ValidationError's text,
+    which quotes the body, would have put a signing secret in the log (a review)."""
+    leaked = {"secret": 12345678, "created_at": "whsec_THE_SECRET"}
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, json=leaked))
+    async with httpx.AsyncClient(transport=transport) as http:
+        with (
+            caplog.at_level(logging.WARNING, logger="scorebox.gateway"),
+            pytest.raises(NotifierUnavailable) as raised,
+        ):
+            await NotifierClient(http, base_url="http://notifier").signing_secret("acme")
+    told = [record.getMessage() for record in caplog.records]
+    assert any("calls to the notifier failed: 1" in line for line in told), told
+    assert "THE_SECRET" not in " ".join(told)
+    assert "12345678" not in " ".join(told)
+    assert "THE_SECRET" not in str(raised.value)

@@ -38,6 +38,7 @@ from services.scorer.model import (
     make_http_client,
 )
 from services.scorer.model.http_client import MAX_REPLY_BYTES, EnvProxy
+from services.scorer.model.openai import completions_url
 from shared.contracts import Usage
 from tests.support import serving
 
@@ -665,6 +666,9 @@ async def test_an_unreadable_usage_block_loses_no_verdict(usage: Any) -> None:
         # Reasoning tokens some gateways report only in the total.
         ({"prompt_tokens": 21, "completion_tokens": 0, "total_tokens": 81}, (21, 60)),
         ({"prompt_tokens": 21, "completion_tokens": 5, "total_tokens": 20}, (21, 5)),
+        # A surplus beside a count unread could be the prompt's: none (a review).
+        ({"prompt_tokens": None, "completion_tokens": 5, "total_tokens": 805}, (0, 5)),
+        ({"total_tokens": 805}, (0, 0)),
     ],
 )
 async def test_each_token_count_is_read_on_its_own(
@@ -699,6 +703,23 @@ async def test_the_token_limit_field_and_the_temperature_are_settings() -> None:
     assert "temperature" not in body
 
 
+@pytest.mark.parametrize(
+    ("base_url", "called"),
+    [
+        ("http://llm.test/v1", "http://llm.test/v1/chat/completions"),
+        ("http://llm.test/v1/", "http://llm.test/v1/chat/completions"),
+        (
+            "http://llm.test/models/acme%2Fjudge",
+            "http://llm.test/models/acme%2Fjudge/chat/completions",
+        ),
+        ("http://llm.test/d/?api-version=1", "http://llm.test/d/chat/completions?api-version=1"),
+    ],
+)
+def test_the_completions_url_is_the_base_urls_path_extended(base_url: str, called: str) -> None:
+    """Its query kept (it was glued onto it), an encoded `/` left encoded (a review)."""
+    assert str(completions_url(base_url)) == called
+
+
 async def test_a_base_urls_query_is_kept() -> None:
     """Azure's `?api-version=`: `/chat/completions` was glued onto the query, and every call
     was a 404, a misconfiguration saying nothing of why (a review)."""
@@ -731,6 +752,20 @@ async def test_credentials_in_the_base_url_are_sent_and_never_shown() -> None:
     assert provider.requests[0].headers["authorization"].startswith("Basic ")
     assert "s3cret" not in caught.value.message
     assert "proxy@" not in caught.value.message
+
+
+async def test_a_key_in_the_base_urls_query_is_sent_and_never_shown() -> None:
+    """Azure API Management's `?subscription-key=`: kept and sent, it was in every error
+    naming the URL, which a task's error carries to its tenant (a review)."""
+    provider = ScriptedProvider(Misbehaviour.DISCONNECT)
+    async with provider.serving() as base_url:
+        configured = settings(LLM_BASE_URL=f"{base_url}?subscription-key=s3cret")
+        async with make_http_client(configured, concurrency=1) as http:
+            model = OpenAIChatModel(http, configured, clock=lambda: NOW)
+            with pytest.raises(ModelUnavailable) as caught:
+                await model.score(request())
+    assert provider.requests[0].query == "subscription-key=s3cret"
+    assert "s3cret" not in caught.value.message
 
 
 # --- transport failures -----------------------------------------------------------------------

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from services.scorer.model import prompt
 from services.scorer.model.prompt import (
+    BLANK_ANSWER,
     DEFAULT_RUBRIC,
     VERDICT_JSON_SCHEMA,
     build_messages,
@@ -86,12 +87,14 @@ def test_repair_messages_append_the_bad_answer_and_the_problem() -> None:
 
 
 @pytest.mark.parametrize("blank", ["", "  \n"])
-def test_a_blank_answer_is_left_out_of_the_repair(blank: str) -> None:
-    """An assistant turn without content is refused by several OpenAI-compatible servers
-    (a 400, the task failed for good as misconfigured; a review)."""
+def test_a_blank_answer_is_echoed_as_one_that_had_none(blank: str) -> None:
+    """An assistant turn without content is refused by several OpenAI-compatible servers,
+    and two user turns in a row by the chat templates of others (Mistral-Instruct,
+    Llama-2): each a 400, the task failed for good as misconfigured (two reviews)."""
     original = build_messages("Essay.", None)
     repair = build_repair_messages(original, blank, "no answer")
-    assert [message["role"] for message in repair] == ["system", "user", "user"]
+    assert [message["role"] for message in repair] == ["system", "user", "assistant", "user"]
+    assert repair[-2]["content"] == BLANK_ANSWER
     assert "no answer" in repair[-1]["content"]
 
 

@@ -48,6 +48,21 @@ def test_credentials_in_the_url_are_fingerprinted_as_a_key_is_never_shown() -> N
     assert one != other
     keyless = provider_of(_settings(LLM_API_KEY=""))
     assert keyless == "https://llm.example/v1 key:" + hashlib.sha256(b"").hexdigest()[:12]
+    with_query = provider_of(_settings(LLM_BASE_URL="https://llm.example/v1?subscription-key=k1"))
+    assert with_query.startswith("https://llm.example/v1 key:")
+    assert "k1" not in with_query
+    assert with_query != provider_of(
+        _settings(LLM_BASE_URL="https://llm.example/v1?subscription-key=k2")
+    )
+
+
+@pytest.mark.parametrize(
+    "url", ["https://LiteLLM.internal/v1", "https://llm.example:443/v1", "http://h/my models/v1"]
+)
+def test_a_plain_url_is_named_as_earlier_builds_name_it(url: str) -> None:
+    """Re-written by yarl (host lower-cased, the default port dropped, a space encoded),
+    replicas of two builds did not hear each other's pauses through an upgrade (a review)."""
+    assert provider_of(_settings(LLM_BASE_URL=url)).startswith(f"{url} key:")
 
 
 def _event(

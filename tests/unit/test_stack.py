@@ -40,6 +40,7 @@ from devtools.stack import (
     internal_key_of,
     metrics_key_of,
     metrics_lines,
+    model_line,
     no_proxy_with_loopback,
     ports_from_env,
     probe,
@@ -658,3 +659,15 @@ def test_a_service_exiting_again_and_again_within_the_window_stops_the_run(
         with pytest.raises(KeyboardInterrupt):
             supervise(stack, interval_s=0, clock=clock)  # type: ignore[arg-type]
         assert stack.restarts > RESTARTS_ALLOWED
+
+
+def test_the_banner_names_the_model_url_without_its_credentials_or_query() -> None:
+    """It printed `LLM_BASE_URL` whole, a basic-auth password or a query key in it (a
+    review)."""
+    line = model_line(
+        {"LLM_PROVIDER": "openai", "LLM_BASE_URL": "https://proxy:s3cret@llm.example/v1?key=k"},
+        {},
+    )
+    assert "at https://llm.example/v1 (OpenAI protocol)" in line
+    assert "s3cret" not in line
+    assert "key=k" not in line

@@ -46,6 +46,7 @@ from services.scorer.model.prompt import (
 from services.scorer.model.settings import ModelSettings
 from shared.contracts import ScoreResult, Usage
 from shared.http import parse_retry_after, parse_seconds
+from shared.settings import url_shown
 
 Messages = list[dict[str, str]]
 
@@ -185,7 +186,7 @@ class OpenAIChatModel:
         # Parsed once: a URL given as a string is parsed again on every request.
         self._url = completions_url(settings.llm_base_url)
         # As errors name it (task errors, logs): without the credentials a URL may carry.
-        self._shown = self._url.with_user(None)
+        self._shown = url_shown(str(self._url))
         self._request_headers = _request_headers(settings)
 
     async def score(self, request: ScoringRequest) -> ModelVerdict:
@@ -300,7 +301,8 @@ def completions_url(base_url: str) -> URL:
     """`base_url` + `/chat/completions`, its query kept (Azure's `?api-version=`): glued on
     as text, the path went into the query and every call was a 404 (a review)."""
     base = URL(base_url)
-    return base.with_path(base.path.rstrip("/") + "/chat/completions", keep_query=True)
+    path = base.raw_path.rstrip("/") + "/chat/completions"  # `%2F` in it stays encoded
+    return base.with_path(path, encoded=True, keep_query=True)
 
 
 def _request_headers(settings: ModelSettings) -> dict[str, str]:
@@ -318,7 +320,7 @@ def _add(first: Usage, second: Usage) -> Usage:
     )
 
 
-def _transport_error(exc: Exception, url: URL) -> ScoringError:
+def _transport_error(exc: Exception, url: str) -> ScoringError:
     # A provider that cannot be connected to is unavailable, not slow: only a request that
     # got through and then took too long counts as the model being slow.
     if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError):
@@ -470,18 +472,20 @@ def _usage_of(reported: Any) -> Usage:
         return Usage()
     prompt = _count(reported.get("prompt_tokens"))
     completion = _count(reported.get("completion_tokens"))
-    surplus = max(0, _count(reported.get("total_tokens")) - prompt - completion)
+    if prompt is None or completion is None:  # a surplus could be the prompt's: none
+        return Usage(prompt_tokens=prompt or 0, completion_tokens=completion or 0)
+    surplus = max(0, (_count(reported.get("total_tokens")) or 0) - prompt - completion)
     return Usage(prompt_tokens=prompt, completion_tokens=completion + surplus)
 
 
-def _count(value: Any) -> int:
+def _count(value: Any) -> int | None:
     """A token count as reported: a whole number from 0 to `_MAX_TOKENS_PER_CALL` (a float
-    of one included), else none."""
+    of one included), else None."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        return 0
-    return value if 0 <= value <= _MAX_TOKENS_PER_CALL else 0
+        return None
+    return value if 0 <= value <= _MAX_TOKENS_PER_CALL else None
 
 
 def error_for_response(response: ProviderReply, *, now: datetime) -> ScoringError:

@@ -93,21 +93,31 @@ def build_messages(
     return [{"role": "system", "content": _SYSTEM_PROMPT}, {"role": "user", "content": user}]
 
 
+# What the repair echoes of an answer that had no text.
+BLANK_ANSWER: Final = "(no answer)"
+
+
 def build_repair_messages(
     original: list[dict[str, str]], bad_output: str, problem: str
 ) -> list[dict[str, str]]:
     """`original` followed by the unusable answer and a request to answer again, correctly.
-    A blank answer (none, cut at the token limit before any text) is left out: several
-    OpenAI-compatible servers refuse an assistant turn without content with a 400, which
-    failed the task for good as misconfigured (a review)."""
+    A blank answer (none, cut at the token limit before any text) is echoed as
+    `BLANK_ANSWER`: several OpenAI-compatible servers refuse an assistant turn without
+    content, and the chat templates of others (Mistral-Instruct, Llama-2) refuse two user
+    turns in a row, each with a 400 that failed the task for good as misconfigured (two
+    reviews)."""
     echoed = bad_output[:_MAX_ECHOED_OUTPUT]
     correction = (
         f"Your answer could not be used: {problem}\n"
         'Answer again with only the JSON object {"score": <number from 0 to 10>, '
         '"comment": "<one to three sentences>"} and nothing else.'
     )
-    answered = [{"role": "assistant", "content": echoed}] if echoed.strip() else []
-    return [*original, *answered, {"role": "user", "content": correction}]
+    answered = echoed if echoed.strip() else BLANK_ANSWER
+    return [
+        *original,
+        {"role": "assistant", "content": answered},
+        {"role": "user", "content": correction},
+    ]
 
 
 _JUDGE = r"(?:ai|llm|model|grader|judge|evaluator|scorer|assistant|examiner|marker)"

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import aio_pika
 import aiormq
+from faststream.exceptions import IncorrectState
 
 from shared.consumers import ScoreboxBroker
 from shared.contracts import (
@@ -80,6 +81,10 @@ BROKER_ERRORS = (
 # An object's default repr in an error's text, `<aio_pika.robust_channel.RobustChannel object
 # at 0x7f85...>`: its class name says as much.
 _OBJECT_REPR = re.compile(r"<(?:\S*\.)?(\w+) object at 0x[0-9a-fA-F]+>")
+# Any other repr naming an address (`<coroutine object f at 0x...>`, `<function f at 0x...>`).
+_ADDRESSED_REPR = re.compile(r"<([^<>]*?) at 0x[0-9a-fA-F]+>")
+# How much of an error's text `error_words` keeps (a server selection's names the topology).
+ERROR_WORDS_CHARS = 300
 
 
 def error_words(error: BaseException) -> str:
@@ -87,8 +92,15 @@ def error_words(error: BaseException) -> str:
     repr in it named by its class (a cron run's 503 told the client
     `ChannelInvalidStateError('<aio_pika.robust_channel.RobustChannel object at 0x7f28...>
     closed')`; a walkthrough)."""
-    text = _OBJECT_REPR.sub(r"\1", str(error))
+    text = _ADDRESSED_REPR.sub(r"\1", _OBJECT_REPR.sub(r"\1", str(error)))
+    if len(text) > ERROR_WORDS_CHARS:
+        text = text[:ERROR_WORDS_CHARS] + "…"
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+# What a log line may take for the broker away rather than a bug: `BROKER_ERRORS`, and a
+# broker not connected (yet, or any more) as FastStream says it.
+BROKER_AWAY = (*BROKER_ERRORS, IncorrectState)
 
 
 def message_headers(message: Contract, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:

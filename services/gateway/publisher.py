@@ -24,6 +24,7 @@ from faststream.rabbit import RabbitBroker
 
 from services.gateway.errors import BrokerUnavailable
 from shared.bus import (
+    BROKER_AWAY,
     PublishUnconfirmed,
     error_words,
     publish_batch_cancelling,
@@ -65,7 +66,8 @@ class TaskPublisher:
         self._timeout_s = timeout_s
         # A line per refused submission flooded the log while the broker was away (318 for
         # 159 refusals in 14 s; a walkthrough): one a minute at most, with the count.
-        self._not_sent = Tally(NOT_SENT_LOG_EVERY_S, time.monotonic)
+        self._unconfirmed = Tally(NOT_SENT_LOG_EVERY_S, time.monotonic)
+        self._not_taken = Tally(NOT_SENT_LOG_EVERY_S, time.monotonic)
         self._not_withdrawn = Tally(NOT_SENT_LOG_EVERY_S, time.monotonic)
 
     async def send(self, command: ScoreText) -> bool:
@@ -74,10 +76,13 @@ class TaskPublisher:
         try:
             sent_now = await publish_command(self._broker, command, timeout=self._timeout_s)
         except PublishUnconfirmed as error:
-            self._log_not_sent("unconfirmed", command, error)
+            self._log_not_sent(self._unconfirmed, "unconfirmed", command, error)
             return False
         except Exception as error:
-            self._log_not_sent("not taken", command, error)
+            if isinstance(error, BROKER_AWAY):
+                self._log_not_sent(self._not_taken, "not taken", command, error)
+            else:  # a bug, not the broker: its traceback, every time
+                log.exception("score.requested for %s not sent", command.task_id)
             raise BrokerUnavailable(str(error) or type(error).__name__) from error
         if not sent_now:
             await self._announce_accepted([command])
@@ -232,8 +237,12 @@ class TaskPublisher:
                 error_words(published.first) if published.first else "no error",
             )
 
-    def _log_not_sent(self, how: str, command: ScoreText, error: BaseException) -> None:
-        if (count := self._not_sent.count()) is None:
+    def _log_not_sent(
+        self, tally: Tally, how: str, command: ScoreText, error: BaseException
+    ) -> None:
+        """One line a minute at most for each kind (`how`): a line for the refused ones
+        hid the unconfirmed, and the other way round, under one count (a review)."""
+        if (count := tally.count()) is None:
             return
         log.warning(
             "score.requested %s (%d since the last line), the latest for %s: %s",

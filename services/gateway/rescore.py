@@ -55,7 +55,7 @@ from pydantic import ValidationError
 
 from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable, database_away
 from services.gateway.submissions import RescoreClaim, RescoreRefused, Submissions
-from shared.bus import publish_delayed
+from shared.bus import error_words, publish_delayed
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import RescoreTask, ScoreText, new_id
 from shared.failed_deliveries import return_failed
@@ -255,7 +255,7 @@ class RescoreRequests:
     async def _dead_letter(
         self, request: RescoreTask, message: Delivery, error: BrokerUnavailable
     ) -> bool:
-        reason = f"re-score not sent after {request.attempt} attempts: {error!r}"
+        reason = f"re-score not sent after {request.attempt} attempts: {error_words(error)}"
         log.error("dead-lettering the re-score of %s: %s", request.task_id, reason)
         return await keep_dead_lettering(
             self.broker, RESCORE_REQUESTS, message, error=reason, timeout=self.timeout_s

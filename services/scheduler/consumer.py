@@ -100,7 +100,7 @@ from services.scheduler.runs import (
     run_cron_job,
 )
 from services.scheduler.usage_store import UsageRecords
-from shared.bus import BROKER_ERRORS
+from shared.bus import BROKER_ERRORS, error_words
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import RunCronJob, TaskCompleted, TaskFailed, new_id
 from shared.database_errors import transient_database_error
@@ -473,7 +473,7 @@ class UsageMeter:
             log.error(
                 "usage of task %s not stored after %d attempts: %r", event.task_id, attempts, error
             )
-            reason = f"usage not stored after {attempts} attempts: {error!r}"
+            reason = f"usage not stored after {attempts} attempts: {error_words(error)}"
             return await _dead_letter(self.bus, USAGE_METER, message, reason)
         log.warning("usage of task %s not stored (%r); retrying", event.task_id, error)
         await keep_publishing(

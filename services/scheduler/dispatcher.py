@@ -38,7 +38,7 @@ from services.scheduler.firings import Firing, FiringState, FiringStore
 from services.scheduler.jobs import Clock
 from services.scheduler.overlap import Claim, Overlap, claim_unless_overlapping
 from services.scheduler.schedule import JobCatalog, ScheduledJob, plan_firings
-from shared.bus import BROKER_ERRORS, error_words
+from shared.bus import BROKER_AWAY, error_words
 from shared.contracts import RunCronJob, rfc3339, to_millis
 from shared.database_errors import transient_database_error
 from shared.log_rate import Tally
@@ -267,11 +267,13 @@ class Dispatcher:
         self._next_due: dict[str, datetime] = {}
         self._last_tick_at: datetime | None = None
         self.ticks = 0
+        self.away = DependencyAway()
 
     async def tick(self) -> list[Firing]:
         """One pass over the enabled jobs; returns the firings this replica dispatched."""
         now = self._clock()
         self._notice_clock_going_back(now)
+        failures_before = self.away.failures
         dispatched = []
         for job in self._jobs.enabled:
             next_due = self._next_due.get(job.name)
@@ -279,14 +281,17 @@ class Dispatcher:
                 continue
             try:
                 firing = await self._fire_if_due(job, now)
-            except Exception:  # one job's trouble must not stop the others
-                log.exception("job %s: could not fire; trying again next tick", job.name)
+            except Exception as error:  # one job's trouble must not stop the others
+                if not self.away.failed(f"job {job.name}: firing", error):
+                    log.exception("job %s: could not fire; trying again next tick", job.name)
                 continue
             self._next_due[job.name] = job.next_fire_time(now) or NEVER
             if firing is not None:
                 dispatched.append(firing)
         dispatched.extend(await self._redispatch_stale(self._clock()))
         self.ticks += 1
+        if self.away.failures == failures_before:
+            self.away.recovered()
         return dispatched
 
     def _notice_clock_going_back(self, now: datetime) -> None:
@@ -403,34 +408,55 @@ class Dispatcher:
         return now - firing.fired_at > self._grace
 
 
-# How often at most a tick failing for a dependency away is logged.
+# How often at most ticks failing for a dependency away, with one kind of error, are logged.
 AWAY_LOG_EVERY_S = 60.0
-# How much of the error a line about a dependency away quotes (a server selection's names
-# every server of the topology).
-AWAY_ERROR_CHARS = 300
 
 
-async def keep_dispatching(
-    dispatcher: Dispatcher, *, interval_s: float, clock: Callable[[], float] = time.monotonic
-) -> None:
-    """Tick forever; a failed tick is logged and retried. The database or the broker away
-    is one WARNING line a minute at most, with the count: an ERROR with a traceback of
-    50-110 lines every few seconds of a database stop buried the rest of the log (a
-    walkthrough). Any other error keeps its traceback."""
-    away = Tally(AWAY_LOG_EVERY_S, clock)
+class DependencyAway:
+    """The log of ticks failing for the database or the broker away: one WARNING a minute
+    at most for each kind of error (a kind new to the outage at once), and a line when the
+    ticks succeed again. An ERROR with a traceback of 50-110 lines for every due job at
+    every tick of a database stop buried the rest of the log (a walkthrough; its review
+    found the per-job path, and one count hiding a new kind of error for a minute)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._tallies: dict[str, Tally] = {}
+        self.failures = 0
+
+    def failed(self, what: str, error: BaseException) -> bool:
+        """Log `what` failing for `error` when a dependency away explains it; False (not
+        logged) for any other error: a bug, the caller's to log with its traceback."""
+        if not (transient_database_error(error) or isinstance(error, BROKER_AWAY)):
+            return False
+        self.failures += 1
+        kind = type(error).__name__
+        tally = self._tallies.setdefault(kind, Tally(AWAY_LOG_EVERY_S, self._clock))
+        if (count := tally.count()) is not None:
+            log.warning(
+                "%s failed, a dependency away (%d %s since the last such line): %s",
+                what,
+                count,
+                kind,
+                error_words(error),
+            )
+        return True
+
+    def recovered(self) -> None:
+        """A tick went through: say so when ticks had failed."""
+        if self.failures:
+            log.warning("scheduler ticks go through again after %d failure(s)", self.failures)
+        self.failures = 0
+        self._tallies.clear()
+
+
+async def keep_dispatching(dispatcher: Dispatcher, *, interval_s: float) -> None:
+    """Tick forever; a failed tick is logged (`DependencyAway`, or its traceback for a bug)
+    and retried."""
     while True:
         try:
             await dispatcher.tick()
         except Exception as error:
-            if not (transient_database_error(error) or isinstance(error, BROKER_ERRORS)):
+            if not dispatcher.away.failed("scheduler tick", error):
                 log.exception("scheduler tick failed; retrying in %.1fs", interval_s)
-            elif (count := away.count()) is not None:
-                log.warning(
-                    "scheduler ticks failed, a dependency away (%d since the last line), "
-                    "retrying every %.1fs: %s: %s",
-                    count,
-                    interval_s,
-                    type(error).__name__,
-                    str(error)[:AWAY_ERROR_CHARS],
-                )
         await asyncio.sleep(interval_s)

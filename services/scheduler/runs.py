@@ -81,6 +81,7 @@ from services.scheduler.firings import Firing, FiringState, FiringStore, Held, H
 from services.scheduler.in_hand import CronRunsInHand, CutShort
 from services.scheduler.jobs import Clock, JobHandler, JobRun
 from shared.backoff import capped_exponential_s
+from shared.bus import error_words
 from shared.contracts import RunCronJob, new_id
 
 log = logging.getLogger("scorebox.scheduler.runs")
@@ -157,7 +158,7 @@ RunDecision = Finished | Continue | Retry | Defer | GiveUp | Drop
 
 
 def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"[:1000]
+    return error_words(error)
 
 
 async def run_cron_job(

@@ -23,6 +23,7 @@ from services.status.projection import (
     tasks_collection,
 )
 from services.status.settings import StatusSettings
+from shared.bus import error_words
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import (
     MAX_INT64,
@@ -159,7 +160,7 @@ def subscribe_projection(
                 event.task_id,
                 error,
             )
-            await dead_letter(message, f"{routing_key!r} cannot be applied: {error!r}")
+            await dead_letter(message, f"{routing_key!r} cannot be applied: {error_words(error)}")
             return
         except PyMongoError as error:
             # Refused for good (a failed validation, a document over 16 MiB): waited out like an

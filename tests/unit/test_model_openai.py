@@ -669,6 +669,8 @@ async def test_an_unreadable_usage_block_loses_no_verdict(usage: Any) -> None:
         # A surplus beside a count unread could be the prompt's: none (a review).
         ({"prompt_tokens": None, "completion_tokens": 5, "total_tokens": 805}, (0, 5)),
         ({"total_tokens": 805}, (0, 0)),
+        # Beside a prompt count read, the surplus is the completion's (a review).
+        ({"prompt_tokens": 21, "completion_tokens": None, "total_tokens": 81}, (21, 60)),
     ],
 )
 async def test_each_token_count_is_read_on_its_own(

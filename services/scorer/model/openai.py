@@ -467,13 +467,15 @@ def _usage_of(reported: Any) -> Usage:
     """The token counts the provider reported, each read on its own: a count missing, null
     or unreadable is none, not the whole block's (`"completion_tokens": null` metered the
     prompt's 812 tokens as none; a review). A `total_tokens` above their sum counts its
-    surplus as completion tokens: the reasoning tokens some gateways report only there."""
+    surplus as completion tokens (the reasoning tokens some gateways report only there, or
+    the completion whose own count was unread), unless the prompt's count was unread."""
     if not isinstance(reported, dict):
         return Usage()
     prompt = _count(reported.get("prompt_tokens"))
     completion = _count(reported.get("completion_tokens"))
-    if prompt is None or completion is None:  # a surplus could be the prompt's: none
-        return Usage(prompt_tokens=prompt or 0, completion_tokens=completion or 0)
+    if prompt is None:  # a surplus could be the prompt's: none
+        return Usage(prompt_tokens=0, completion_tokens=completion or 0)
+    completion = completion or 0
     surplus = max(0, (_count(reported.get("total_tokens")) or 0) - prompt - completion)
     return Usage(prompt_tokens=prompt, completion_tokens=completion + surplus)
 

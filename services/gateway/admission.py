@@ -72,9 +72,12 @@ class AdaptiveLimit:
         self.in_flight += 1
         return True
 
-    def release(self, took_s: float | None) -> None:
+    def release(self, took_s: float | None, *, accepted: bool = True) -> None:
         """Free a place; `took_s` is how long the submission took, None when it says nothing
-        of the load (its body never arrived in full)."""
+        of the load (its body never arrived in full). Only an `accepted` one (a 2xx: it
+        did the work the limit guards) grows the limit when quick: a malformed body refused
+        at once grew it place by place during an overload, and let every slow submission
+        in again (a review); a slow answer of any kind cuts it."""
         self.in_flight -= 1
         if took_s is None:
             return
@@ -83,7 +86,7 @@ class AdaptiveLimit:
             if now - self._last_decrease >= self.target_s:
                 self.limit = max(float(self.min_limit), self.limit * BACKOFF)
                 self._last_decrease = now
-        elif took_s <= self.target_s / 2 and (self.in_flight + 1) * 2 >= self.limit:
+        elif accepted and took_s <= self.target_s / 2 and (self.in_flight + 1) * 2 >= self.limit:
             self.limit = min(float(self.max_limit), self.limit + 1)
 
 
@@ -114,6 +117,7 @@ class SubmissionAdmission:
         # request answered before its body was read (401, 415, 413, a timeout) takes none.
         taken_at: float | None = None
         started = False
+        status: int | None = None
 
         async def admitting_receive() -> Message:
             nonlocal taken_at
@@ -124,8 +128,9 @@ class SubmissionAdmission:
             return message
 
         async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            nonlocal started, status
+            if message["type"] == "http.response.start":
+                started, status = True, message["status"]
             await send(message)
 
         try:
@@ -137,7 +142,8 @@ class SubmissionAdmission:
             await problem_response(refused, problem_instance(scope))(scope, receive, send)
         finally:
             if taken_at is not None:
-                self.limit.release(self.clock() - taken_at)
+                accepted = status is not None and 200 <= status < 300
+                self.limit.release(self.clock() - taken_at, accepted=accepted)
 
     def _admit(self, scope: Scope) -> None:
         """Take a place for a submission whose body has arrived, or refuse it: `Overloaded`

@@ -282,3 +282,29 @@ async def test_a_request_answered_before_its_body_takes_no_place() -> None:
     await middleware(SUBMISSION, receive, statuses_into(sent))
     assert sent == [401]  # not 503: it asked nothing of what the limit protects
     assert adaptive.in_flight == 4
+
+
+@pytest.mark.parametrize(
+    ("status", "grows"), [(202, True), (200, True), (422, False), (409, False)]
+)
+async def test_only_an_accepted_submission_grows_the_limit(status: int, grows: bool) -> None:
+    """A malformed body refused at once was a quick submission too: during an overload it
+    grew the limit place by place, and every slow submission was let in again (a review)."""
+    adaptive = limit(initial=4)
+    adaptive.try_acquire()  # another submission in hand: half the limit in use
+
+    async def route(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    middleware = SubmissionAdmission(route, limit=adaptive, guarded=[("POST", "/v1/scores")])
+    await middleware(SUBMISSION, receive, statuses_into([]))
+    assert adaptive.limit == (5 if grows else 4)
+
+
+def test_a_slow_refusal_still_cuts_the_limit() -> None:
+    adaptive = limit(initial=10)
+    fill(adaptive)
+    adaptive.release(took_s=TARGET_S * 2, accepted=False)
+    assert adaptive.limit == 10 * BACKOFF

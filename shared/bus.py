@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 import aio_pika
 import aiormq
-from faststream.exceptions import IncorrectState
 
 from shared.consumers import ScoreboxBroker
 from shared.contracts import (
@@ -96,11 +95,6 @@ def error_words(error: BaseException) -> str:
     if len(text) > ERROR_WORDS_CHARS:
         text = text[:ERROR_WORDS_CHARS] + "…"
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
-# What a log line may take for the broker away rather than a bug: `BROKER_ERRORS`, and a
-# broker not connected (yet, or any more) as FastStream says it.
-BROKER_AWAY = (*BROKER_ERRORS, IncorrectState)
 
 
 def message_headers(message: Contract, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:

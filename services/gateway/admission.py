@@ -32,6 +32,7 @@ import math
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from http import HTTPStatus
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -74,10 +75,10 @@ class AdaptiveLimit:
 
     def release(self, took_s: float | None, *, accepted: bool = True) -> None:
         """Free a place; `took_s` is how long the submission took, None when it says nothing
-        of the load (its body never arrived in full). Only an `accepted` one (a 2xx: it
-        did the work the limit guards) grows the limit when quick: a malformed body refused
-        at once grew it place by place during an overload, and let every slow submission
-        in again (a review); a slow answer of any kind cuts it."""
+        of the load (its body never arrived in full). Only an `accepted` one (a 202: it did
+        the work the limit guards) grows the limit when quick: a malformed body refused at
+        once, or a replay's 200, grew it place by place during an overload, and let every
+        slow submission in again (two reviews); a slow answer of any kind cuts it."""
         self.in_flight -= 1
         if took_s is None:
             return
@@ -142,7 +143,7 @@ class SubmissionAdmission:
             await problem_response(refused, problem_instance(scope))(scope, receive, send)
         finally:
             if taken_at is not None:
-                accepted = status is not None and 200 <= status < 300
+                accepted = status == HTTPStatus.ACCEPTED
                 self.limit.release(self.clock() - taken_at, accepted=accepted)
 
     def _admit(self, scope: Scope) -> None:

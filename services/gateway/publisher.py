@@ -24,7 +24,7 @@ from faststream.rabbit import RabbitBroker
 
 from services.gateway.errors import BrokerUnavailable
 from shared.bus import (
-    BROKER_AWAY,
+    BROKER_ERRORS,
     PublishUnconfirmed,
     error_words,
     publish_batch_cancelling,
@@ -79,7 +79,7 @@ class TaskPublisher:
             self._log_not_sent(self._unconfirmed, "unconfirmed", command, error)
             return False
         except Exception as error:
-            if isinstance(error, BROKER_AWAY):
+            if isinstance(error, BROKER_ERRORS):
                 self._log_not_sent(self._not_taken, "not taken", command, error)
             else:  # a bug, not the broker: its traceback, every time
                 log.exception("score.requested for %s not sent", command.task_id)

@@ -38,7 +38,7 @@ from services.scheduler.firings import Firing, FiringState, FiringStore
 from services.scheduler.jobs import Clock
 from services.scheduler.overlap import Claim, Overlap, claim_unless_overlapping
 from services.scheduler.schedule import JobCatalog, ScheduledJob, plan_firings
-from shared.bus import BROKER_AWAY, error_words
+from shared.bus import BROKER_ERRORS, error_words
 from shared.contracts import RunCronJob, rfc3339, to_millis
 from shared.database_errors import transient_database_error
 from shared.log_rate import Tally
@@ -273,7 +273,6 @@ class Dispatcher:
         """One pass over the enabled jobs; returns the firings this replica dispatched."""
         now = self._clock()
         self._notice_clock_going_back(now)
-        failures_before = self.away.failures
         dispatched = []
         for job in self._jobs.enabled:
             next_due = self._next_due.get(job.name)
@@ -290,8 +289,6 @@ class Dispatcher:
                 dispatched.append(firing)
         dispatched.extend(await self._redispatch_stale(self._clock()))
         self.ticks += 1
-        if self.away.failures == failures_before:
-            self.away.recovered()
         return dispatched
 
     def _notice_clock_going_back(self, now: datetime) -> None:
@@ -414,10 +411,11 @@ AWAY_LOG_EVERY_S = 60.0
 
 class DependencyAway:
     """The log of ticks failing for the database or the broker away: one WARNING a minute
-    at most for each kind of error (a kind new to the outage at once), and a line when the
-    ticks succeed again. An ERROR with a traceback of 50-110 lines for every due job at
-    every tick of a database stop buried the rest of the log (a walkthrough; its review
-    found the per-job path, and one count hiding a new kind of error for a minute)."""
+    at most for each kind of error (a kind new to the outage at once). An ERROR with a
+    traceback of 50-110 lines for every due job at every tick of a database stop buried the
+    rest of the log (a walkthrough; its review found the per-job path, and one count hiding
+    a new kind of error for a minute). No line says the ticks go through again: a tick
+    that needs neither dependency goes through while both are away (a review)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -427,7 +425,7 @@ class DependencyAway:
     def failed(self, what: str, error: BaseException) -> bool:
         """Log `what` failing for `error` when a dependency away explains it; False (not
         logged) for any other error: a bug, the caller's to log with its traceback."""
-        if not (transient_database_error(error) or isinstance(error, BROKER_AWAY)):
+        if not (transient_database_error(error) or isinstance(error, BROKER_ERRORS)):
             return False
         self.failures += 1
         kind = type(error).__name__
@@ -441,13 +439,6 @@ class DependencyAway:
                 error_words(error),
             )
         return True
-
-    def recovered(self) -> None:
-        """A tick went through: say so when ticks had failed."""
-        if self.failures:
-            log.warning("scheduler ticks go through again after %d failure(s)", self.failures)
-        self.failures = 0
-        self._tallies.clear()
 
 
 async def keep_dispatching(dispatcher: Dispatcher, *, interval_s: float) -> None:

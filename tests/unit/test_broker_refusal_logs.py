@@ -27,10 +27,13 @@ def test_an_objects_repr_in_an_error_is_named_by_its_class() -> None:
 
 
 async def test_submissions_the_broker_does_not_take_are_one_line_with_their_count(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    broker = RabbitBroker("amqp://guest:guest@127.0.0.1:1/")  # never connected
-    publisher = TaskPublisher(broker, timeout_s=1)
+    async def refused(*args: object, **kwargs: object) -> bool:
+        raise aiormq.exceptions.ChannelInvalidStateError("<RobustChannel object at 0x7f01> closed")
+
+    monkeypatch.setattr(publisher_module, "publish_command", refused)
+    publisher = TaskPublisher(RabbitBroker("amqp://guest:guest@127.0.0.1:1/"), timeout_s=1)
     with caplog.at_level(logging.WARNING, logger="scorebox.gateway.publisher"):
         for i in range(5):
             with pytest.raises(BrokerUnavailable):

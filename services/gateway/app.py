@@ -24,6 +24,7 @@ from services.gateway.admin_api import admin_routes
 from services.gateway.admission import install_admission
 from services.gateway.api import GatewayDeps, score_routes
 from services.gateway.auth import Authenticator, caller_dependency
+from services.gateway.away_gate import AwayGate
 from services.gateway.batches import Batches
 from services.gateway.batches_api import batch_routes
 from services.gateway.cache import ResultCache
@@ -54,6 +55,7 @@ from services.gateway.usage_api import usage_routes
 from services.gateway.webhooks_api import NotifierClient, make_notifier_http, webhook_routes
 from shared.aiohttp_transport import MappedAiohttpTransport
 from shared.asyncapi import build_document
+from shared.coalescing import server_watch
 from shared.consumers import ScoreboxBroker
 from shared.contracts import DEFAULT_TENANT, new_id, utcnow
 from shared.head_requests import answer_head_as_get
@@ -163,6 +165,8 @@ def build_gateway(
         in_flight=InFlight(mongo, database, max_per_tenant=settings.max_in_flight_per_tenant),
         live=live_updates(broker, settings),
     )
+    # One for the key store and the rate counters: both the gateway's database.
+    away = AwayGate(known=server_watch(mongo).known)
     return Gateway(
         settings=settings,
         broker=broker,
@@ -176,9 +180,10 @@ def build_gateway(
             cache_ttl_s=settings.api_key_cache_ttl_s,
             clock=clock,
             unknown_keys=UnknownKeyBudget(settings.unknown_keys_per_min),
+            gate=away,
         ),
         rate_limiter=RateLimiter(
-            mongo, database, per_minute=settings.rate_limit_per_min, clock=clock
+            mongo, database, per_minute=settings.rate_limit_per_min, clock=clock, gate=away
         ),
         batches=Batches(mongo, database),
         publisher=publisher,

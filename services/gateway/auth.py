@@ -29,6 +29,7 @@ from typing import Annotated, Any, Protocol
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials
 
+from services.gateway.away_gate import AwayGate, found_no_server
 from services.gateway.errors import DatabaseUnavailable, refused_for_good
 from services.gateway.keys import ApiKey, parse_key, secret_matches
 from services.gateway.limits import LimitExceeded, RateLimiter, limit_problem
@@ -102,8 +103,10 @@ class Authenticator:
         clock: Callable[[], datetime] = utcnow,
         max_cached: int = MAX_CACHED_KEYS,
         unknown_keys: UnknownKeyBudget | None = None,
+        gate: AwayGate | None = None,
     ) -> None:
         self._keys = keys
+        self._gate = gate or AwayGate(known=lambda: True)
         self._ttl = cache_ttl_s
         self._monotonic = monotonic
         self._clock = clock
@@ -166,6 +169,7 @@ class Authenticator:
         # read the key before a revocation the period is the documented bound of.
         if under_way is not None and under_way.started > now - self._ttl:
             return await asyncio.shield(under_way.task)
+        self._gate.check()  # the database known away: the 503 now, not in 5 s
         charged = self._charge(key_id, address)
         loading = asyncio.create_task(self._load(key_id))
         self._loading[key_id] = _Loading(loading, now)
@@ -173,8 +177,10 @@ class Authenticator:
         try:
             # Shielded: a request that goes away does not cancel the lookup others wait for.
             read = await asyncio.shield(loading)
-        except Exception:
-            if charged is not None:  # a failed read says nothing of the key
+        except Exception as error:
+            # A failed read says nothing of the key; but one no server took keeps its token,
+            # or made-up keys went unlimited while the database was away (a review).
+            if charged is not None and not found_no_server(error):
                 self._unknown_keys.give_back(charged)
             raise
         # A request cancelled meanwhile keeps its token: its read went on.
@@ -199,7 +205,13 @@ class Authenticator:
         return address
 
     async def _load(self, key_id: str) -> _Read:
-        return _Read(await self._keys.find(key_id))
+        try:
+            key = await self._keys.find(key_id)
+        except DatabaseUnavailable as error:
+            self._gate.note(error)
+            raise
+        self._gate.answered()
+        return _Read(key)
 
     async def _record_use(self, read: _Read, key_id: str) -> None:
         """Write the key's `last_used_at`, once per read: on a request that showed its secret,

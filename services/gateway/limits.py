@@ -77,6 +77,7 @@ from pymongo.errors import PyMongoError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.gateway.away_gate import AwayGate
 from services.gateway.counters import BoundedCounters, GuardedReleases
 from services.gateway.errors import DatabaseUnavailable, GatewayError
 from shared.http import Problem, problem_instance, problem_response
@@ -186,9 +187,11 @@ class RateLimiter:
         *,
         per_minute: int,
         clock: Callable[[], datetime],
+        gate: AwayGate | None = None,
     ) -> None:
         self._collection: AsyncCollection[Document] = client[database]["rate_windows"]
         self._counters = BoundedCounters(self._collection)
+        self._gate = gate or AwayGate(known=lambda: True)
         self._full = FullWindows()
         self._per_minute = per_minute
         self._clock = clock
@@ -203,6 +206,7 @@ class RateLimiter:
         now = self._clock()
         window = fixed_window(now, RATE_WINDOW_S)
         if not self._full.is_full(key_id, window):
+            self._gate.check()  # the database known away: the 503 now, not in 5 s
             if await self._count_one(rate_counter_id(key_id, window), window):
                 return
             self._full.mark_full(key_id, window)
@@ -218,14 +222,17 @@ class RateLimiter:
     async def _count_one(self, counter_id: str, window: Window) -> bool:
         """True when the request fits in its window (and is counted)."""
         try:
-            return await self._counters.add(
+            fits = await self._counters.add(
                 counter_id,
                 1,
                 ceiling=self._per_minute,
                 on_insert={"expires_at": window.end + RATE_DOCUMENT_GRACE},
             )
         except PyMongoError as error:
+            self._gate.note(error)
             raise DatabaseUnavailable(str(error)) from error
+        self._gate.answered()
+        return fits
 
 
 # --------------------------------------------------------------------------- tasks in flight

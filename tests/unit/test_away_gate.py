@@ -1,0 +1,111 @@
+"""The gateway's database known away: key lookups and rate counts answer 503 at once, one a
+second going through to find it back, rather than each waiting the whole server selection
+(5 s) for the same 503 (a walkthrough and a review)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, cast
+
+import pytest
+from pymongo import AsyncMongoClient
+from pymongo.errors import OperationFailure, ServerSelectionTimeoutError
+
+from services.gateway.auth import Authenticator, KeyStore
+from services.gateway.away_gate import AwayGate
+from services.gateway.errors import DatabaseUnavailable
+from services.gateway.keys import ApiKey, generate_key
+from services.gateway.limits import LimitExceeded, RateLimiter
+from services.gateway.unknown_keys import UnknownKeyBudget
+from tests.unit.test_auth_keys import Ticker
+
+NOW = datetime(2030, 1, 1, tzinfo=UTC)
+
+
+def _no_server() -> DatabaseUnavailable:
+    """As the stores raise it: the PyMongo error its cause."""
+    error = ServerSelectionTimeoutError("127.0.0.1:27017: [Errno 111] Connection refused")
+    unavailable = DatabaseUnavailable(str(error))
+    unavailable.__cause__ = error
+    return unavailable
+
+
+@dataclass
+class Known:
+    server: bool = False
+
+    def __call__(self) -> bool:
+        return self.server
+
+
+def test_once_no_server_was_found_it_refuses_at_once_but_one_a_second() -> None:
+    ticker, known = Ticker(), Known()
+    gate = AwayGate(known=known, clock=ticker)
+    gate.check()  # nothing known against the database yet
+    gate.note(_no_server())
+    with pytest.raises(DatabaseUnavailable):
+        gate.check()
+    ticker.now += 1.0
+    gate.check()  # the second's probe
+    with pytest.raises(DatabaseUnavailable):
+        gate.check()
+    known.server = True  # the driver found a server: everyone goes
+    gate.check()
+    gate.check()
+
+
+def test_an_error_that_is_not_a_missing_server_closes_nothing() -> None:
+    gate = AwayGate(known=Known(), clock=Ticker())
+    gate.note(DatabaseUnavailable("refused"))
+    gate.note(OperationFailure("not authorized", code=13))
+    gate.check()
+
+
+@dataclass
+class AwayKeys:
+    """A key store whose database no server answers, counting its reads."""
+
+    finds: int = 0
+
+    async def find(self, key_id: str) -> ApiKey | None:
+        self.finds += 1
+        raise _no_server()
+
+
+async def test_a_lookup_while_the_database_is_known_away_is_refused_without_a_read() -> None:
+    ticker, store = Ticker(), AwayKeys()
+    authenticator = Authenticator(
+        cast(KeyStore, store),
+        monotonic=ticker,
+        unknown_keys=UnknownKeyBudget(1, monotonic=ticker),
+        gate=AwayGate(known=Known(), clock=ticker),
+    )
+    for _ in range(3):
+        with pytest.raises(DatabaseUnavailable):
+            await authenticator.authenticate(generate_key().token, address="203.0.113.7")
+    assert store.finds == 1
+    # A second later one goes through, and the token of the read no server took was kept:
+    # made-up keys went unlimited while the database was away.
+    ticker.now += 1.0
+    with pytest.raises(LimitExceeded):
+        await authenticator.authenticate(generate_key().token, address="203.0.113.7")
+
+
+async def test_a_rate_count_while_the_database_is_known_away_is_refused_without_a_write() -> None:
+    """Its client would wait a minute to select a server that is not there: the gate
+    answers first, and the count never reaches the driver."""
+    ticker = Ticker()
+    gate = AwayGate(known=Known(), clock=ticker)
+    gate.note(_no_server())
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+        "mongodb://127.0.0.1:9/?serverSelectionTimeoutMS=60000", connect=False
+    )
+    limiter = RateLimiter(client, "gate", per_minute=10, clock=lambda: NOW, gate=gate)
+    try:
+        async with asyncio.timeout(30):  # far inside the client's own minute
+            with pytest.raises(DatabaseUnavailable, match="did not answer a moment ago"):
+                await limiter.hit("k1")
+    finally:
+        await client.close()

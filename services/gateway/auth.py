@@ -115,6 +115,8 @@ class Authenticator:
         self._loading: dict[str, _Loading] = {}
         self._unknown_keys = unknown_keys or UnknownKeyBudget(0)
         self._known: OrderedDict[str, None] = OrderedDict()  # least recently seen first
+        # Tokens kept on reads no server took, by key id (`_keep_token`).
+        self._kept: OrderedDict[str, list[str]] = OrderedDict()
 
     async def authenticate(self, token: str, *, address: str | None = None) -> Caller | None:
         """The caller `token` names, or None; `address` (the client's) spends its unknown-key
@@ -169,8 +171,15 @@ class Authenticator:
         # read the key before a revocation the period is the documented bound of.
         if under_way is not None and under_way.started > now - self._ttl:
             return await asyncio.shield(under_way.task)
-        self._gate.check()  # the database known away: the 503 now, not in 5 s
         charged = self._charge(key_id, address)
+        try:
+            # After the charge: a probe of the gate spent on a request refused for its
+            # address never reached the database (a review).
+            self._gate.check()  # the database known away: the 503 now, not in 5 s
+        except DatabaseUnavailable:
+            if charged is not None:
+                self._unknown_keys.give_back(charged)
+            raise
         loading = asyncio.create_task(self._load(key_id))
         self._loading[key_id] = _Loading(loading, now)
         loading.add_done_callback(functools.partial(self._loaded, key_id, now + self._ttl))
@@ -179,14 +188,29 @@ class Authenticator:
             read = await asyncio.shield(loading)
         except Exception as error:
             # A failed read says nothing of the key; but one no server took keeps its token,
-            # or made-up keys went unlimited while the database was away (a review).
-            if charged is not None and not found_no_server(error):
+            # or made-up keys went unlimited while the database was away (a review), until
+            # a later read finds the key (`_kept`).
+            if charged is not None and found_no_server(error):
+                self._keep_token(key_id, charged)
+            elif charged is not None:
                 self._unknown_keys.give_back(charged)
             raise
         # A request cancelled meanwhile keeps its token: its read went on.
         if read.key is not None and charged is not None:
             self._unknown_keys.give_back(charged)
+        if read.key is not None:
+            for kept in self._kept.pop(key_id, ()):
+                self._unknown_keys.give_back(kept)
         return read
+
+    def _keep_token(self, key_id: str, address: str) -> None:
+        """Note the token `address` spent on reading `key_id` when no server took the read:
+        given back once a read finds the key (a real key's lookups during an outage left its
+        clients' address out of tokens after it; a review). Bounded as the cache is."""
+        self._kept.setdefault(key_id, []).append(address)
+        self._kept.move_to_end(key_id)
+        while len(self._kept) > self._max_cached:
+            self._kept.popitem(last=False)
 
     def _charge(self, key_id: str, address: str | None) -> str | None:
         """Take the token of `address` for reading `key_id` (the address charged, or None

@@ -16,7 +16,7 @@ from pymongo.errors import OperationFailure, ServerSelectionTimeoutError
 from services.gateway.auth import Authenticator, KeyStore
 from services.gateway.away_gate import AwayGate
 from services.gateway.errors import DatabaseUnavailable
-from services.gateway.keys import ApiKey, generate_key
+from services.gateway.keys import ApiKey, generate_key, hash_secret
 from services.gateway.limits import LimitExceeded, RateLimiter
 from services.gateway.unknown_keys import UnknownKeyBudget
 from tests.unit.test_auth_keys import Ticker
@@ -82,15 +82,67 @@ async def test_a_lookup_while_the_database_is_known_away_is_refused_without_a_re
         unknown_keys=UnknownKeyBudget(1, monotonic=ticker),
         gate=AwayGate(known=Known(), clock=ticker),
     )
-    for _ in range(3):
+    for address in ("203.0.113.1", "203.0.113.2", "203.0.113.3"):
         with pytest.raises(DatabaseUnavailable):
-            await authenticator.authenticate(generate_key().token, address="203.0.113.7")
+            await authenticator.authenticate(generate_key().token, address=address)
     assert store.finds == 1
-    # A second later one goes through, and the token of the read no server took was kept:
-    # made-up keys went unlimited while the database was away.
     ticker.now += 1.0
+    # The token of the read no server took was kept: made-up keys went unlimited while the
+    # database was away. Refused for its address, the request spends no probe (it took the
+    # second's probe and never reached the database: a review); the next one reads.
     with pytest.raises(LimitExceeded):
-        await authenticator.authenticate(generate_key().token, address="203.0.113.7")
+        await authenticator.authenticate(generate_key().token, address="203.0.113.1")
+    with pytest.raises(DatabaseUnavailable):
+        await authenticator.authenticate(generate_key().token, address="203.0.113.4")
+    assert store.finds == 2
+
+
+@dataclass
+class BackKeys:
+    """A key store whose database no server answers until `back`, then finds its keys."""
+
+    keys: dict[str, ApiKey]
+    back: bool = False
+
+    async def find(self, key_id: str) -> ApiKey | None:
+        if not self.back:
+            raise _no_server()
+        return self.keys.get(key_id)
+
+    async def touch(self, key_id: str, *, now: datetime) -> None:
+        pass
+
+
+async def test_a_real_keys_tokens_kept_in_an_outage_are_given_back_once_it_is_found() -> None:
+    """Its lookups during the outage left its clients' address without tokens after it,
+    refused as an address naming unknown keys (a review)."""
+    ticker = Ticker()
+    issued = generate_key()
+    key = ApiKey(
+        key_id=issued.key_id,
+        tenant_id="acme",
+        name="",
+        secret_sha256=hash_secret(issued.secret),
+        created_at=NOW,
+    )
+    store = BackKeys({issued.key_id: key})
+    authenticator = Authenticator(
+        cast(KeyStore, store),
+        monotonic=ticker,
+        unknown_keys=UnknownKeyBudget(2, monotonic=ticker),
+        gate=AwayGate(known=Known(), clock=ticker),
+    )
+    proxy = "198.51.100.9"  # every client behind one address
+    with pytest.raises(DatabaseUnavailable):
+        await authenticator.authenticate(issued.token, address=proxy)
+    ticker.now += 1.0
+    store.back = True
+    assert await authenticator.authenticate(issued.token, address=proxy) is not None
+    # Both tokens back: two made-up keys of this minute are still read, not refused.
+    store.keys = {}
+    authenticator.forget(issued.key_id)
+    for _ in range(2):
+        assert await authenticator.authenticate(generate_key().token, address=proxy) is None
 
 
 async def test_a_rate_count_while_the_database_is_known_away_is_refused_without_a_write() -> None:

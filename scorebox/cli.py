@@ -548,21 +548,47 @@ def _post_submission(
     `_reaching`'s "sent, but no answer came", as without --wait."""
     if wait_deadline is None:
         return client.post("/v1/scores", json=payload, headers=headers)
+    keyed = "Idempotency-Key" in headers
+    return _post_within(
+        client,
+        "/v1/scores",
+        wait_deadline,
+        ask_again=lambda response: keyed and _to_ask_again(response),
+        # Unanswered is not refused: the gateway may have recorded the text all the same.
+        unanswered=f"submission still unanswered after {timeout_s:g}s: {unanswered}",
+        json=payload,
+        headers=headers,
+    )
+
+
+def _post_within(
+    client: httpx.Client,
+    path: str,
+    deadline: float,
+    *,
+    ask_again: Callable[[httpx.Response], bool],
+    unanswered: str,
+    **request: Any,
+) -> httpx.Response:
+    """POST `path` for a wait that ends at `deadline`: bounded by what is left of it, as its
+    polls are, and asked again after the Retry-After of an answer `ask_again` accepts, while
+    that falls before the deadline. When the wait's bound ran out before an answer, exits 1
+    with `unanswered`; the client's own bound running out, or the connection lost, is
+    `_reaching`'s "sent, but no answer came"."""
     pauses = _backoff()
     while True:
-        bound = _request_bound(wait_deadline)
+        bound = _request_bound(deadline)
         try:
-            response = client.post("/v1/scores", json=payload, headers=headers, timeout=bound)
+            response = client.post(path, timeout=bound, **request)
         except (httpx.ReadTimeout, httpx.WriteTimeout):
             # Not a connect or pool timeout: then nothing was sent, and `_reaching` says
             # "unreachable" (said to be unanswered, it was taken for maybe accepted).
             if bound >= REQUEST_TIMEOUT_S:
                 raise
-            # Unanswered is not refused: the gateway may have recorded the text all the same.
-            _exit(f"submission still unanswered after {timeout_s:g}s: {unanswered}")
-        if not _to_ask_again(response) or "Idempotency-Key" not in headers:
+            _exit(unanswered)
+        if not ask_again(response):
             return response
-        _pause_before_asking_again(response, next(pauses), wait_deadline)
+        _pause_before_asking_again(response, next(pauses), deadline)
 
 
 def _to_ask_again(response: httpx.Response) -> bool:
@@ -1135,27 +1161,6 @@ def _jobs(response: httpx.Response) -> list[dict[str, Any]]:
     _exit(f"{response.request.url} answered a job list without jobs: {_quote(response.text)}")
 
 
-def _fire(
-    client: httpx.Client, path: str, deadline: float, *, timeout_s: float, unanswered: str
-) -> httpx.Response:
-    """`cron run --wait`'s POST, bounded by what is left of the wait (`deadline`) as its
-    polls are, and asked again after its Retry-After, while that falls before the deadline,
-    when the scheduler answered that it started nothing (`_started_nothing`): the wait ended
-    with exit 1 at a broker's moment away however much of it was left."""
-    pauses = _backoff()
-    while True:
-        bound = _request_bound(deadline)
-        try:
-            response = client.post(path, timeout=bound)
-        except (httpx.ReadTimeout, httpx.WriteTimeout):
-            if bound >= REQUEST_TIMEOUT_S:
-                raise  # `_reaching`'s "sent, but no answer came"
-            _exit(f"run still unanswered after {timeout_s:g}s: {unanswered}")
-        if not _started_nothing(response):
-            return response
-        _pause_before_asking_again(response, next(pauses), deadline)
-
-
 def _started_nothing(response: httpx.Response) -> bool:
     """A refusal of `cron run` to ask again: a 429, or a 503 whose problem type says no run
     was started (`CRON_STARTED_NOTHING`). Not the database's 503 (the run may have been
@@ -1227,7 +1232,15 @@ def cron_run(
             _show(_answer(response))
             return
         deadline = time.monotonic() + timeout
-        response = _fire(client, path, deadline, timeout_s=timeout, unanswered=unanswered)
+        # Asked again only when the scheduler said it started nothing: the wait ended with
+        # exit 1 at a broker's moment away however much of it was left.
+        response = _post_within(
+            client,
+            path,
+            deadline,
+            ask_again=_started_nothing,
+            unanswered=f"run still unanswered after {timeout:g}s: {unanswered}",
+        )
         if response.status_code != 202:
             raise _fail(response)
         accepted = _answer(response, "run_id", "state", "status_url")

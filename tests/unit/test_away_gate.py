@@ -16,10 +16,10 @@ from pymongo.errors import OperationFailure, ServerSelectionTimeoutError
 from services.gateway.auth import Authenticator, KeyStore
 from services.gateway.away_gate import AwayGate
 from services.gateway.errors import DatabaseUnavailable
-from services.gateway.keys import ApiKey, generate_key, hash_secret
+from services.gateway.keys import ApiKey, generate_key
 from services.gateway.limits import LimitExceeded, RateLimiter
 from services.gateway.unknown_keys import UnknownKeyBudget
-from tests.unit.test_auth_keys import Ticker
+from tests.unit.test_auth_keys import FakeKeys, Ticker
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
 
@@ -98,34 +98,22 @@ async def test_a_lookup_while_the_database_is_known_away_is_refused_without_a_re
 
 
 @dataclass
-class BackKeys:
-    """A key store whose database no server answers until `back`, then finds its keys."""
+class BackKeys(FakeKeys):
+    """The key store, its database answered by no server until `back`."""
 
-    keys: dict[str, ApiKey]
     back: bool = False
 
     async def find(self, key_id: str) -> ApiKey | None:
         if not self.back:
             raise _no_server()
-        return self.keys.get(key_id)
-
-    async def touch(self, key_id: str, *, now: datetime) -> None:
-        pass
+        return await super().find(key_id)
 
 
 async def test_a_real_keys_tokens_kept_in_an_outage_are_given_back_once_it_is_found() -> None:
     """Its lookups during the outage left its clients' address without tokens after it,
     refused as an address naming unknown keys (a review)."""
-    ticker = Ticker()
-    issued = generate_key()
-    key = ApiKey(
-        key_id=issued.key_id,
-        tenant_id="acme",
-        name="",
-        secret_sha256=hash_secret(issued.secret),
-        created_at=NOW,
-    )
-    store = BackKeys({issued.key_id: key})
+    ticker, store = Ticker(), BackKeys()
+    token = store.add()
     authenticator = Authenticator(
         cast(KeyStore, store),
         monotonic=ticker,
@@ -134,13 +122,11 @@ async def test_a_real_keys_tokens_kept_in_an_outage_are_given_back_once_it_is_fo
     )
     proxy = "198.51.100.9"  # every client behind one address
     with pytest.raises(DatabaseUnavailable):
-        await authenticator.authenticate(issued.token, address=proxy)
+        await authenticator.authenticate(token, address=proxy)
     ticker.now += 1.0
     store.back = True
-    assert await authenticator.authenticate(issued.token, address=proxy) is not None
+    assert await authenticator.authenticate(token, address=proxy) is not None
     # Both tokens back: two made-up keys of this minute are still read, not refused.
-    store.keys = {}
-    authenticator.forget(issued.key_id)
     for _ in range(2):
         assert await authenticator.authenticate(generate_key().token, address=proxy) is None
 

@@ -107,12 +107,18 @@ async def answering(request: pytest.FixtureRequest) -> AsyncIterator[str]:
 @pytest.mark.parametrize("answering", ANSWERS.values(), ids=ANSWERS.keys(), indirect=True)
 @pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
 async def test_an_unparsable_answer_is_the_service_unavailable(answering: str, call: Call) -> None:
+    await _unavailable_raised(call, answering)
+
+
+async def _unavailable_raised(call: Call, url: str) -> Unavailable:
+    """What `call` raises asking the server at `url`: its service's `Unavailable`."""
     http = call.make_http(SETTINGS)
     try:
-        with pytest.raises(call.unavailable):
-            await call.ask(http, answering)
+        with pytest.raises(call.unavailable) as raised:
+            await call.ask(http, url)
     finally:
         await http.aclose()
+    return raised.value
 
 
 @pytest.mark.parametrize("answering", NOT_HTTP.values(), ids=NOT_HTTP.keys(), indirect=True)
@@ -200,22 +206,10 @@ async def test_a_service_whose_database_refuses_for_good_is_passed_on_as_such(
 ) -> None:
     """Taken for the service away, a 503 with Retry-After: clients that obey it retried for
     ever what the database refuses every time (a missing privilege; a review)."""
-    http = call.make_http(SETTINGS)
-    try:
-        with pytest.raises(call.unavailable) as raised:
-            await call.ask(http, answering)
-    finally:
-        await http.aclose()
-    assert refused_for_good(raised.value)
+    assert refused_for_good(await _unavailable_raised(call, answering))
 
 
 @pytest.mark.parametrize("answering", [ERRED], ids=["internal-server-error"], indirect=True)
 @pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
 async def test_any_other_500_of_a_service_is_it_unavailable(answering: str, call: Call) -> None:
-    http = call.make_http(SETTINGS)
-    try:
-        with pytest.raises(call.unavailable) as raised:
-            await call.ask(http, answering)
-    finally:
-        await http.aclose()
-    assert not refused_for_good(raised.value)
+    assert not refused_for_good(await _unavailable_raised(call, answering))

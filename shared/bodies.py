@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 import orjson
@@ -109,11 +109,20 @@ async def _read_at_most(request: Request, limit: int) -> bytes | None:
     return bytes(body)
 
 
-async def read_json_object(request: Request, *, what: str, limit: int) -> dict[str, Any]:
+async def read_json_object(
+    request: Request,
+    *,
+    what: str,
+    limit: int,
+    arrived: Callable[[], Awaitable[None]] | None = None,
+) -> dict[str, Any]:
     """The body as a JSON object: 415 not UTF-8 JSON content or encoded, 413 over `limit`, 400
-    not UTF-8 or not JSON, 422 not an object or giving a key twice in one object."""
+    not UTF-8 or not JSON, 422 not an object or giving a key twice in one object. `arrived` is
+    awaited once the body is in, before it is read as JSON (a submission's rate count)."""
     _refuse_unreadable_content(request, what)
     body = await _read_body(request, limit)
+    if arrived is not None:
+        await arrived()
     try:
         payload: Any = orjson.loads(body)
     except orjson.JSONDecodeError as error:

@@ -12,8 +12,10 @@ Had it taken its place before, one client sending `limit` bodies slowly, or stal
 would hold every place until the body timeout (`REQUEST_BODY_TIMEOUT_S`) and every other
 tenant's submissions would be shed; a stalled upload measures nothing either, so the limit
 would not adapt. A submission refused at the end of its body is refused before the route does
-anything with it: it is authenticated and counted in its key's rate window (as every
-authenticated request is), and nothing else.
+anything with it: it is authenticated, and nothing else. It is not counted in its key's rate
+window, which a submission's route counts once admission has taken it (`Callers` in
+`services/gateway/auth.py`): a client obeying `Retry-After` through an overload would
+otherwise find its key's minute spent on refusals.
 
 The limit adapts to what the submissions take (AIMD, as TCP's congestion window): a
 submission that took longer than `SUBMIT_LATENCY_TARGET_MS` cuts the limit by a fifth, at most

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from services.gateway import schemas
-from services.gateway.auth import Caller, key_ended_while_waiting
+from services.gateway.auth import Caller, Callers, key_ended_while_waiting
 from services.gateway.cache import ResultCache
 from services.gateway.errors import (
     IDEMPOTENCY_KEY,
@@ -110,8 +110,15 @@ def status_url(task_id: str) -> str:
     return f"/v1/scores/{task_id}"
 
 
-async def parse_submission(request: Request, settings: GatewaySettings) -> ScoreSubmission:
-    payload = await read_json_object(request, what="submission", limit=settings.max_body_bytes)
+async def parse_submission(
+    request: Request,
+    settings: GatewaySettings,
+    *,
+    arrived: Callable[[], Awaitable[None]] | None = None,
+) -> ScoreSubmission:
+    payload = await read_json_object(
+        request, what="submission", limit=settings.max_body_bytes, arrived=arrived
+    )
     text = payload.get("text")
     if isinstance(text, str) and len(text) > settings.max_text_chars:
         raise Problem(
@@ -221,11 +228,12 @@ def _cached_view(submitted: Submitted, now: datetime) -> TaskView:
 
 
 def score_routes(
-    deps: GatewayDeps, authenticated: Any, still_valid: Callable[[Caller], Awaitable[bool]]
+    deps: GatewayDeps, callers: Callers, still_valid: Callable[[Caller], Awaitable[bool]]
 ) -> APIRouter:
-    """The public score routes; `authenticated` is the dependency that yields a `Caller`,
-    `still_valid` tells whether its key is still active when a long-poll ends."""
+    """The public score routes; `callers` the dependencies that yield a `Caller`, `still_valid`
+    tells whether its key is still active when a long-poll ends."""
     router = APIRouter(prefix="/v1", tags=["scores"])
+    authenticated = callers.authenticated
     policy = SubmitPolicy(
         max_attempts=deps.settings.max_attempts,
         retention=timedelta(seconds=deps.settings.idempotency_ttl_s),
@@ -256,9 +264,9 @@ def score_routes(
     async def submit(
         request: Request,
         idempotency_key: str | None = Header(default=None, alias="Idempotency-Key"),
-        caller: Caller = authenticated,
+        caller: Caller = callers.identified,
     ) -> JSONResponse:
-        submission = await parse_submission(request, deps.settings)
+        submission = await callers.read_counted(caller, parse_submission, request, deps.settings)
         try:
             submitted = await submit_score(
                 submission,

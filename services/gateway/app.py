@@ -23,7 +23,7 @@ from fastapi import APIRouter, FastAPI
 from services.gateway.admin_api import admin_routes
 from services.gateway.admission import install_admission
 from services.gateway.api import GatewayDeps, score_routes
-from services.gateway.auth import Authenticator, caller_dependency
+from services.gateway.auth import Authenticator, caller_dependencies
 from services.gateway.away_gate import AwayGate
 from services.gateway.batches import Batches
 from services.gateway.batches_api import batch_routes
@@ -270,8 +270,9 @@ def gateway_lifespan(gateway: Gateway) -> Callable[[FastAPI], Any]:
 
 def gateway_routes(gateway: Gateway) -> list[APIRouter]:
     settings, deps = gateway.settings, gateway.deps
-    # Every public route takes its `Caller` from this dependency (API key, then rate limit).
-    authenticated = caller_dependency(gateway.authenticator, gateway.rate_limiter)
+    # Every public route takes its `Caller` from these dependencies (API key, then rate limit).
+    callers = caller_dependencies(gateway.authenticator, gateway.rate_limiter)
+    authenticated = callers.authenticated
     notifier = NotifierClient(gateway.notifier_http, base_url=settings.notifier_url)
     health = {
         "rabbitmq": broker_ready(gateway.broker, settings.broker_timeout_s),
@@ -280,7 +281,7 @@ def gateway_routes(gateway: Gateway) -> list[APIRouter]:
     return [
         health_router(health),
         asyncapi_route(),
-        score_routes(deps, authenticated, gateway.authenticator.still_valid),
+        score_routes(deps, callers, gateway.authenticator.still_valid),
         cancel_routes(deps, gateway.publisher, authenticated, batches=gateway.batches),
         event_routes(
             deps, deps.live, gateway.status, authenticated, gateway.authenticator.still_valid
@@ -290,7 +291,7 @@ def gateway_routes(gateway: Gateway) -> list[APIRouter]:
             batches=gateway.batches,
             publisher=gateway.publisher,
             status=gateway.status,
-            authenticated=authenticated,
+            callers=callers,
         ),
         webhook_routes(notifier, authenticated),
         usage_routes(

@@ -1,10 +1,11 @@
 """Who is calling: the tenant (and API key) behind a request.
 
-Every public route takes a `Caller` through the dependency built by `caller_dependency`;
+Every public route takes a `Caller` through a dependency built by `caller_dependencies`;
 handlers only ever see `caller.tenant_id` and `caller.key_id`, never a raw key. The dependency
 authenticates `Authorization: Bearer <key>` (401 problem+json with `WWW-Authenticate: Bearer`
 when the key is missing, malformed, unknown or revoked) and then counts the request against
-the key's rate limit (429). Health (`/healthz`, `/readyz`), `/docs` and `/openapi.json` do not
+the key's rate limit (429); a submission is counted once its body has arrived and admission
+control has taken it (`Callers`). Health (`/healthz`, `/readyz`), `/docs` and `/openapi.json` do not
 take a `Caller` and stay open.
 
 Keys are looked up by id and cached in-process for `API_KEY_CACHE_TTL_S` seconds (default 5),
@@ -21,14 +22,15 @@ import functools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, Protocol
 
-from fastapi import Depends, Request
+from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials
 
+from services.gateway.admission import Overloaded
 from services.gateway.away_gate import AwayGate, found_no_server
 from services.gateway.errors import DatabaseUnavailable, refused_for_good
 from services.gateway.keys import ApiKey, parse_key, secret_matches
@@ -324,8 +326,57 @@ def _unavailable(error: DatabaseUnavailable, *, what: str = "The key store") -> 
     )
 
 
-def caller_dependency(authenticator: Authenticator, rate_limiter: RateLimiter) -> Any:
-    """The FastAPI dependency that authenticates the caller and counts the request."""
+@dataclass(frozen=True)
+class Callers:
+    """The dependencies that yield a `Caller`. `authenticated`: the key checked, then the
+    request counted in the key's rate window, for every public route but the submissions.
+    `identified`: the key checked only, for the submission routes, which read their bodies
+    through `read_counted`. Admission control refuses a submission at the end of its body,
+    and one it sheds is not counted: counted before, a client that obeyed `Retry-After: 1`
+    through an overload spent its key's minute on 503s and was answered 429 once the gateway
+    took submissions again, and each shed submission cost a database write when the database
+    was what was slow."""
+
+    authenticated: Any
+    identified: Any
+    count: Callable[[Caller], Awaitable[None]]
+
+    async def read_counted[T](
+        self, caller: Caller, read: Callable[..., Awaitable[T]], *args: Any
+    ) -> T:
+        """`read(*args, arrived=...)`, the request counted once its body is in (`arrived`), or
+        when its body is refused unread (415, 413, 408: every other refusal counts too), not
+        when admission control sheds it."""
+        counted = False
+
+        async def count() -> None:
+            nonlocal counted
+            counted = True
+            await self.count(caller)
+
+        try:
+            return await read(*args, arrived=count)
+        except Overloaded:
+            raise
+        except (Problem, HTTPException):
+            if not counted:
+                await count()
+            raise
+
+
+def caller_dependencies(authenticator: Authenticator, rate_limiter: RateLimiter) -> Callers:
+    return Callers(
+        authenticated=caller_dependency(authenticator, rate_limiter),
+        identified=caller_dependency(authenticator, rate_limiter, counted=False),
+        count=functools.partial(count_request, rate_limiter),
+    )
+
+
+def caller_dependency(
+    authenticator: Authenticator, rate_limiter: RateLimiter, *, counted: bool = True
+) -> Any:
+    """The FastAPI dependency that authenticates the caller and, when `counted`, counts the
+    request."""
 
     async def resolve_caller(
         request: Request,
@@ -342,12 +393,21 @@ def caller_dependency(authenticator: Authenticator, rate_limiter: RateLimiter) -
             raise limit_problem(error) from error
         if caller is None or caller.key_id is None:
             raise _unauthorized("The API key is malformed, unknown or revoked.", invalid=True)
-        try:
-            await rate_limiter.hit(caller.key_id)
-        except LimitExceeded as error:
-            raise limit_problem(error) from error
-        except DatabaseUnavailable as error:
-            raise _unavailable(error, what="The request rate counter") from error
+        if counted:
+            await count_request(rate_limiter, caller)
         return caller
 
     return Depends(resolve_caller)
+
+
+async def count_request(rate_limiter: RateLimiter, caller: Caller) -> None:
+    """Count the request in its key's rate window: 429 when it is one too many, 503 when the
+    counter cannot be reached."""
+    if caller.key_id is None:
+        return  # not a key's request (none reaches a route): nothing to count it against
+    try:
+        await rate_limiter.hit(caller.key_id)
+    except LimitExceeded as error:
+        raise limit_problem(error) from error
+    except DatabaseUnavailable as error:
+        raise _unavailable(error, what="The request rate counter") from error

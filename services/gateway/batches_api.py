@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import re
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -23,7 +24,7 @@ from services.gateway.api import (
     status_url,
     submission_responses,
 )
-from services.gateway.auth import Caller
+from services.gateway.auth import Caller, Callers
 from services.gateway.batches import (
     MAX_TEXT_CHARS_CONTEXT,
     Batches,
@@ -295,8 +296,15 @@ def _refuse_long_texts(items: Any, limit: int) -> None:
         )
 
 
-async def parse_batch(request: Request, settings: GatewaySettings) -> BatchSubmission:
-    payload = await read_json_object(request, what="batch", limit=settings.max_batch_body_bytes)
+async def parse_batch(
+    request: Request,
+    settings: GatewaySettings,
+    *,
+    arrived: Callable[[], Awaitable[None]] | None = None,
+) -> BatchSubmission:
+    payload = await read_json_object(
+        request, what="batch", limit=settings.max_batch_body_bytes, arrived=arrived
+    )
     items = payload.get("items")
     if isinstance(items, list) and len(items) > settings.max_batch_items:
         message = f"a batch has at most {settings.max_batch_items} items, not {len(items)}"
@@ -368,10 +376,12 @@ def batch_routes(
     batches: Batches,
     publisher: BatchPublisher,
     status: BatchStatusReader,
-    authenticated: Any,
+    callers: Callers,
 ) -> APIRouter:
-    """The batch routes; `status` reads batch progress from the status service."""
+    """The batch routes; `status` reads batch progress from the status service, `callers`
+    are the dependencies that yield a `Caller`."""
     router = APIRouter(prefix="/v1", tags=["batches"])
+    authenticated = callers.authenticated
     settings = deps.settings
     policy = BatchPolicy(
         max_attempts=settings.max_attempts,
@@ -405,9 +415,9 @@ def batch_routes(
     async def submit(
         request: Request,
         idempotency_key: str | None = Header(default=None, alias="Idempotency-Key"),
-        caller: Caller = authenticated,
+        caller: Caller = callers.identified,
     ) -> JSONResponse:
-        batch = await parse_batch(request, settings)
+        batch = await callers.read_counted(caller, parse_batch, request, settings)
         try:
             submitted = await submit_batch(
                 batch,

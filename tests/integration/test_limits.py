@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -17,6 +18,7 @@ from fastapi import FastAPI
 from pymongo import AsyncMongoClient
 
 from devtools.infra import Endpoint
+from services.gateway.admission import AdaptiveLimit
 from services.gateway.app import create_app as create_gateway
 from services.gateway.limits import LimitExceeded, RateLimiter, fixed_window, rate_counter_id
 from services.gateway.settings import GatewaySettings
@@ -53,6 +55,7 @@ class Stack:
     clock: FrozenClock
     mongo: AsyncMongoClient[Json]
     db_prefix: str
+    admission: AdaptiveLimit
 
     async def auth(self, tenant_id: str | None = None) -> dict[str, str]:
         tenant_id = tenant_id or f"t-{uuid.uuid4().hex[:8]}"
@@ -86,7 +89,9 @@ async def stack(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Stac
     gateway = create_gateway(settings, status_http=_status_http(status), clock=clock)
     async with running(status), running(gateway) as api:
         client: AsyncMongoClient[Json] = AsyncMongoClient(mongo.url, tz_aware=True)
-        yield Stack(api, status, settings, clock, client, db_prefix)
+        admission = gateway.state.submission_admission
+        assert isinstance(admission, AdaptiveLimit)
+        yield Stack(api, status, settings, clock, client, db_prefix, admission)
         await client.close()
 
 
@@ -132,6 +137,59 @@ async def test_a_key_over_its_rate_gets_429_until_the_window_ends(stack: Stack) 
 
     stack.clock.advance(60)
     assert (await stack.api.get(_unknown(), headers=key)).status_code == 404
+
+
+@contextmanager
+def _every_place_taken(admission: AdaptiveLimit) -> Iterator[None]:
+    """Admission control with no place free, as in an overload, until the block ends."""
+    taken = 0
+    while admission.try_acquire():
+        taken += 1
+    try:
+        yield
+    finally:
+        for _ in range(taken):
+            admission.release(took_s=None)
+
+
+async def test_submissions_shed_by_admission_do_not_count_in_the_rate_window(
+    stack: Stack,
+) -> None:
+    """A client obeying the 503's `Retry-After: 1` through an overload spent its key's minute
+    on refusals, each counted before its body was read, and met 429 once the gateway took
+    submissions again."""
+    key = await stack.auth()
+    with _every_place_taken(stack.admission):
+        for _ in range(RATE + 1):
+            for path, body in (("/v1/scores", {"text": "shed"}), ("/v1/batches", _BATCH)):
+                shed = await stack.api.post(path, json=body, headers=key)
+                assert _assert_problem(shed, 503)["limit"] == "admission"
+
+    accepted = await stack.api.post("/v1/scores", json={"text": "taken now"}, headers=key)
+    assert accepted.status_code == 202, accepted.text
+    batch = await stack.api.post("/v1/batches", json=_BATCH, headers=key)
+    assert batch.status_code == 202, batch.text
+
+
+@pytest.mark.parametrize("path", ["/v1/scores", "/v1/batches"])
+async def test_a_submission_taken_in_and_refused_for_its_body_counts(
+    stack: Stack, path: str
+) -> None:
+    """Counted once its body is in, not once it is found valid, and counted when its body is
+    refused unread: such requests fill the window as any request does, and the submission
+    after them is answered 429."""
+    key = await stack.auth()
+    refusals = [("text/plain", 415)] * (RATE - 1) + [("application/json", 400)]
+    for content_type, status in refusals:
+        refused = await stack.api.post(
+            path, content=b"{not json", headers={**key, "Content-Type": content_type}
+        )
+        _assert_problem(refused, status)
+    limited = await stack.api.post(path, json=_BATCH, headers=key)
+    assert _assert_problem(limited, 429)["limit"] == "rate"
+
+
+_BATCH = {"items": [{"text": "a batch's one text"}]}
 
 
 async def test_replicas_share_one_rate(stack: Stack) -> None:

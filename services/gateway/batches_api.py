@@ -15,6 +15,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from services.gateway.admission import weigh
 from services.gateway.api import (
     GatewayDeps,
     _check_idempotency_key,
@@ -418,6 +419,7 @@ def batch_routes(
         caller: Caller = callers.identified,
     ) -> JSONResponse:
         batch = await callers.read_counted(caller, parse_batch, request, settings)
+        weigh(request, len(batch.items))
         try:
             submitted = await submit_batch(
                 batch,

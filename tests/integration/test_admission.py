@@ -13,7 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.types import Scope
 
+from services.gateway import admission
 from services.gateway.admission import AdaptiveLimit
 from services.gateway.keys import generate_key
 from tests.integration.in_process import gateway_and_status
@@ -167,3 +169,23 @@ async def test_one_tenants_stalled_uploads_do_not_shut_out_another_tenants_submi
         upload.text for upload in finished
     ]
     assert gateway.admission.in_flight == 0
+
+
+async def test_a_batch_tells_admission_control_how_many_tasks_it_took_on(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through every middleware of the real gateway, the route's word reaches the limit: a
+    batch is timed per task (`tests/unit/test_admission.py` for what that changes)."""
+    weighed: list[int] = []
+    tasks_taken = admission._tasks_taken
+
+    def recorded(scope: Scope) -> int:
+        weighed.append(tasks_taken(scope))
+        return weighed[-1]
+
+    monkeypatch.setattr(admission, "_tasks_taken", recorded)
+    items = [{"text": f"Item {number} of a weighed batch."} for number in range(3)]
+    answer = await gateway.api.post("/v1/batches", json={"items": items})
+    single = await gateway.api.post("/v1/scores", json={"text": "A single text, weighed."})
+    assert (answer.status_code, single.status_code) == (202, 202), answer.text + single.text
+    assert weighed == [3, 1]

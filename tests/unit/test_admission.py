@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 
 import pytest
+from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
 from services.gateway.admission import (
@@ -15,6 +16,7 @@ from services.gateway.admission import (
     AdaptiveLimit,
     SubmissionAdmission,
     route_path,
+    weigh,
 )
 from tests.support import eventually
 
@@ -309,3 +311,24 @@ def test_a_slow_refusal_still_cuts_the_limit() -> None:
     fill(adaptive)
     adaptive.release(took_s=TARGET_S * 2, accepted=False)
     assert adaptive.limit == 10 * BACKOFF
+
+
+@pytest.mark.parametrize(("tasks", "cut"), [(1, True), (10, False)])
+async def test_a_batch_is_timed_per_task_it_takes_on(tasks: int, cut: bool) -> None:
+    """A batch of many items takes longer than one text: timed whole, each large batch cut
+    every tenant's limit."""
+    clock = Clock()
+    adaptive = limit(initial=10, clock=clock)
+
+    async def batch_route(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        weigh(Request(scope), tasks)
+        clock.now += TARGET_S * 3  # three times the target in all
+        await send({"type": "http.response.start", "status": 202, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    middleware = SubmissionAdmission(
+        batch_route, limit=adaptive, guarded=[("POST", "/v1/batches")], clock=clock
+    )
+    await middleware({**SUBMISSION, "path": "/v1/batches"}, receive, statuses_into([]))
+    assert adaptive.limit == (10 * BACKOFF if cut else 10)

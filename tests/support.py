@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
@@ -32,6 +33,15 @@ SWEEP_RETENTION = timedelta(days=1)
 
 # A time as every answer writes one (`shared.contracts.rfc3339`).
 RFC3339_UTC = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6}Z")
+
+
+def closed_port() -> int:
+    """A local port nothing listens on (bound, then released): a connection to it is
+    refused at once."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
 
 
 def advancing_clock(start: datetime) -> Callable[[], datetime]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import socket
 import ssl
 import uuid
 from collections import defaultdict
@@ -64,7 +63,7 @@ from shared.http import install_problem_handlers
 from shared.runtime import make_broker
 from shared.topology import ERROR_HEADER, EVENTS, NOTIFICATIONS, WEBHOOK_DELIVERIES
 from shared.webhook_urls import IPAddress
-from tests.support import eventually, running, stack_env
+from tests.support import closed_port, eventually, running, stack_env
 
 API_KEY = generate_key().token  # registered for the default tenant by BOOTSTRAP_API_KEY
 RECEIVER_HOST = "receiver.scorebox.test"
@@ -429,7 +428,7 @@ async def test_a_receiver_never_reached_is_dead_lettered_after_the_last_attempt(
 ) -> None:
     """No answer at all (here a refused connection) may be ours, an egress or resolver
     outage: the operators' DLQ keeps it."""
-    url = f"https://{RECEIVER_HOST}:{_closed_port()}/hooks/{new_id()}"
+    url = f"https://{RECEIVER_HOST}:{closed_port()}/hooks/{new_id()}"
     task_id = new_id()
     await flow.publish(_completed(task_id, url))
 
@@ -465,14 +464,6 @@ async def test_a_callback_host_that_does_not_exist_is_given_up_unlettered(
     await flow._drain_dead_letters()
     lettered = [DeliverWebhook.model_validate_json(m.body) for m in flow.dead_letters]
     assert record["_id"] not in {letter.delivery_id for letter in lettered}
-
-
-def _closed_port() -> int:
-    """A local port nothing listens on (bound, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
 
 
 async def test_a_name_resolving_to_a_private_address_is_never_contacted(flow: Flow) -> None:

@@ -6,7 +6,6 @@ Both services read one frozen clock, so the default period is known and no job f
 
 from __future__ import annotations
 
-import socket
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from shared.contracts import (
 )
 from shared.http import PROBLEM_BASE, PROBLEM_JSON
 from shared.runtime import make_broker
-from tests.support import eventually, publish_together, running
+from tests.support import closed_port, eventually, publish_together, running
 
 ADMIN_KEY = "test-admin-key"
 INTERNAL_KEY = "test-internal-key"
@@ -359,15 +358,8 @@ async def test_usage_is_documented(stack: Stack) -> None:
     assert example["totals"]["requests"] == example["days"][0]["requests"]
 
 
-def _closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
-
-
 async def test_an_unreachable_scheduler_is_503_with_retry_after(stack: Stack) -> None:
-    env = {**stack.env, "SCHEDULER_URL": f"http://127.0.0.1:{_closed_port()}"}
+    env = {**stack.env, "SCHEDULER_URL": f"http://127.0.0.1:{closed_port()}"}
     gateway = create_gateway(GatewaySettings.model_validate(env))
     async with running(gateway) as api:
         response = await api.get("/v1/usage", headers={"Authorization": f"Bearer {API_KEY}"})

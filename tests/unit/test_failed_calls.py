@@ -4,7 +4,6 @@ gateway answered 503 for a service away, or at a wrong URL, and said nothing of 
 from __future__ import annotations
 
 import logging
-import socket
 
 import httpx
 import pytest
@@ -14,6 +13,7 @@ from services.gateway.scheduler_client import SchedulerClient, SchedulerUnavaila
 from services.gateway.status_client import StatusClient
 from services.gateway.webhooks_api import NotifierClient, NotifierUnavailable
 from shared.log_rate import FailedCalls
+from tests.support import closed_port
 
 log = logging.getLogger("tests.failed_calls")
 
@@ -37,17 +37,10 @@ def test_the_first_failure_is_told_at_once_then_one_line_a_minute_with_the_count
     assert {record.levelno for record in caplog.records} == {logging.WARNING}
 
 
-def _closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
-
-
 async def test_each_service_client_tells_its_failed_calls(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    base_url = f"http://127.0.0.1:{_closed_port()}"  # nothing listens
+    base_url = f"http://127.0.0.1:{closed_port()}"  # nothing listens
     async with httpx.AsyncClient() as http:
         with caplog.at_level(logging.WARNING, logger="scorebox.gateway"):
             with pytest.raises(StatusUnavailable):

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 
 from aiormq.exceptions import ConnectionClosed
+
+from shared.log_rate import Tally
 
 _CORRELATION_ID: ContextVar[str | None] = ContextVar("scorebox_correlation_id", default=None)
 
@@ -67,6 +70,47 @@ def _connection_closed(message: str) -> bool:
 def _reader_ended_by_the_brokers_close(record: logging.LogRecord) -> bool:
     exception = record.exc_info[1] if record.exc_info else None
     return record.msg == READER_EXITED and type(exception) is ConnectionClosed
+
+
+class RepeatedReconnectAttempts(logging.Filter):
+    """Lets through the libraries' line for a failed reconnection attempt once per
+    `every_s` for each kind of line, with how many were not shown since. While the broker
+    is away, aiormq logs an ERROR "error when creating transport", and aio-pika a WARNING
+    "Connection attempt ... failed" and an INFO "Connection to ... closed", for every
+    attempt of every connection (one a second each): about six lines a second per service
+    at WARNING and above, for the whole outage (a walkthrough). The first of a kind goes
+    out at once, so the outage's beginning is seen."""
+
+    def __init__(self, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self._every_s = every_s
+        self._clock = clock
+        self._tallies: dict[tuple[str, str], Tally] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg not in RECONNECT_ATTEMPT_LINES or not isinstance(record.args, tuple):
+            return True
+        key = (record.name, record.msg)
+        tally = self._tallies.setdefault(key, Tally(self._every_s, self._clock))
+        if (attempts := tally.count()) is None:
+            return False
+        if attempts > 1:
+            record.msg = f"{record.msg} (%d such lines since the last shown, not shown)"
+            record.args = (*record.args, attempts - 1)
+        return True
+
+
+# The libraries' lines for a failed attempt to connect again: aiormq's (`Connection.connect`)
+# and aio-pika's (`RobustConnection`'s connection factory loop).
+AIORMQ_TRANSPORT_FAILED = "error when creating transport: %r"
+AIO_PIKA_ATTEMPT_FAILED = 'Connection attempt to "%s" failed: %s. Reconnecting after %r seconds.'
+# aio-pika's INFO for the connection closed, logged after each failed attempt too.
+AIO_PIKA_CLOSED = "Connection to %s closed. Reconnecting after %r seconds."
+RECONNECT_ATTEMPT_LINES = frozenset(
+    {AIORMQ_TRANSPORT_FAILED, AIO_PIKA_ATTEMPT_FAILED, AIO_PIKA_CLOSED}
+)
+# The loggers whose records `RepeatedReconnectAttempts` thins out.
+RECONNECTING_LOGGERS = ("aiormq.connection", "aio_pika.robust_connection")
 
 
 # aiormq's message (`Connection._on_reader_done`) when its reader task ended with an error.

@@ -30,7 +30,13 @@ from uvicorn.config import LOGGING_CONFIG
 from shared.bus import BROKER_ERRORS, publish_dead_letter
 from shared.consumers import Delivery, ScoreboxBroker
 from shared.database_errors import transient_database_error
-from shared.log_context import KNOWN_LIBRARY_NOISE, NOISY_LIBRARY_LOGGERS, CorrelationFilter
+from shared.log_context import (
+    KNOWN_LIBRARY_NOISE,
+    NOISY_LIBRARY_LOGGERS,
+    RECONNECTING_LOGGERS,
+    CorrelationFilter,
+    RepeatedReconnectAttempts,
+)
 from shared.settings import ServiceSettings, StartupRefused, redact_url
 from shared.topology import WorkQueue, declare_topology
 
@@ -55,6 +61,8 @@ def configure_logging(settings: ServiceSettings, service: str) -> None:
     logging.captureWarnings(True)  # Python's warnings as records: JSON lines in json mode
     for name in NOISY_LIBRARY_LOGGERS:
         logging.getLogger(name).addFilter(KNOWN_LIBRARY_NOISE)
+    for name in RECONNECTING_LOGGERS:
+        _filter_once(logging.getLogger(name), RepeatedReconnectAttempts)
     if settings.log_level.upper() != "DEBUG":
         for name in CHATTY_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
@@ -68,6 +76,13 @@ def configure_logging(settings: ServiceSettings, service: str) -> None:
         level=settings.log_level,
         format=f"%(asctime)s %(levelname)s [{service}] %(name)s: %(message)s",
     )
+
+
+def _filter_once(logger: logging.Logger, kind: type[logging.Filter]) -> None:
+    """Add a `kind` filter to `logger` unless it has one (services built side by side in
+    one process, as the tests build them, configure logging each)."""
+    if not any(isinstance(existing, kind) for existing in logger.filters):
+        logger.addFilter(kind())
 
 
 def json_log_formatter(service: str) -> logging.Formatter:

@@ -38,9 +38,9 @@ from shared.topology import (
     WEBHOOK_DELIVERIES,
 )
 from tests.integration import test_notifier_own_claims as own_claims
-from tests.integration.test_notifier import RECEIVER_HOST, Receiver, _closed_port
+from tests.integration.test_notifier import RECEIVER_HOST, Receiver
 from tests.integration.test_notifier_own_claims import LEASE, Deps, _delivery
-from tests.support import HandedDelivery, HandlerOnly
+from tests.support import HandedDelivery, HandlerOnly, closed_port
 
 receiver = own_claims.receiver  # fixtures
 ledger = own_claims.ledger
@@ -253,7 +253,7 @@ async def test_a_delivery_its_receiver_refuses_is_recorded_failed_and_not_dead_l
 
 
 def _unanswered_last_attempt(receiver: Receiver) -> DeliverWebhook:
-    unreachable = f"https://{RECEIVER_HOST}:{_closed_port()}/hooks/never"  # no answer
+    unreachable = f"https://{RECEIVER_HOST}:{closed_port()}/hooks/never"  # no answer
     return _delivery(receiver).model_copy(
         update={"url": unreachable, "attempt": 3, "max_attempts": 3}
     )

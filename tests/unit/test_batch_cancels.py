@@ -6,7 +6,6 @@ as it hears one."""
 from __future__ import annotations
 
 import logging
-import socket
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -20,7 +19,7 @@ from services.scorer.batch_cancels import (
 )
 from services.scorer.metrics import ScorerMetrics
 from shared.contracts import BatchCancelling, ScoreText, new_id
-from tests.support import HandedDelivery, HandlerOnly
+from tests.support import HandedDelivery, HandlerOnly, closed_port
 
 REQUESTED_AT = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
 
@@ -152,7 +151,7 @@ async def test_reading_the_records_again_after_the_start_is_best_effort(
     """The second reading, once the replica's queue is bound, may meet a database gone
     away since the first: it is logged, and the start goes on with what the first read."""
     unreachable: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(
-        f"mongodb://127.0.0.1:{_a_closed_port()}", tz_aware=True, timeoutMS=200
+        f"mongodb://127.0.0.1:{closed_port()}", tz_aware=True, timeoutMS=200
     )
     batches = CancelledBatches(clock=Clock())
     batches.hear(_announcement("b1", {"a": 0}))
@@ -184,7 +183,7 @@ async def test_an_announcement_heard_while_the_database_is_away_is_kept_in_memor
     """Its record not written (the write times out), the consumer logs it and goes on: the
     replica cancels the batch's items as before; only one started later misses it."""
     unreachable: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(
-        f"mongodb://127.0.0.1:{_a_closed_port()}", tz_aware=True, timeoutMS=200
+        f"mongodb://127.0.0.1:{closed_port()}", tz_aware=True, timeoutMS=200
     )
     batches = CancelledBatches(clock=Clock())
     records = BatchCancelRecords(unreachable, "t_scorer")
@@ -199,14 +198,6 @@ async def test_an_announcement_heard_while_the_database_is_away_is_kept_in_memor
 
     assert batches.requested_at(_item("a", "b1")) == REQUESTED_AT
     assert "batch b1's cancellation not stored" in caplog.text
-
-
-def _a_closed_port() -> int:
-    """A local port nothing listens on (bound for a moment, then closed)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
 
 
 def test_a_record_recalled_again_is_not_counted_again() -> None:

@@ -1,6 +1,8 @@
 """A batch's record outlives its unsent items.
 
-A batch record expires `IDEMPOTENCY_TTL_S` after its creation. Its items' submissions do not
+A batch record expires `IDEMPOTENCY_TTL_S` after its creation. A batch whose request died
+before it noted every item recorded is looked at earlier, at the end of its wait for a replay,
+and refused whole then (`_without_unrecorded`). Its items' submissions do not
 expire while unsent (`services/gateway/submissions.py`), so after a broker outage longer than
 that the record went first: the batch read 404 while its items were still to be scored, and
 its idempotency key was free again, so a client replaying the request had every item scored
@@ -16,10 +18,14 @@ there and expired about an hour after the send.
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timedelta
 
-from services.gateway.batches import Batches, BatchState
+from services.gateway.batches import Batches, BatchRecord, BatchState
 from services.gateway.submissions import Submissions
+from services.gateway.submit import incomplete_batch_held_until
+
+log = logging.getLogger("scorebox.gateway.batch_expiry")
 
 HOLD_CHECK_CHUNK = 200
 MAX_CHUNKS_PER_PASS = 10  # the rest waits for the next pass, the most urgent first
@@ -36,9 +42,10 @@ async def hold_unsent_batches(
     """Hold the batches due for a look that still have items to send; how many were held."""
     held = 0
     for _ in range(MAX_CHUNKS_PER_PASS):
-        due = await batches.due_for_hold_check(now=now, limit=HOLD_CHECK_CHUNK)
-        if not due:
+        listed = await batches.due_for_hold_check(now=now, limit=HOLD_CHECK_CHUNK)
+        if not listed:
             break
+        due = await _without_unrecorded(listed, batches, now=now, grace=in_progress_for)
         unsent = await submissions.batches_with_unsent([batch.batch_id for batch in due])
         hold = {
             batch.batch_id
@@ -49,6 +56,35 @@ async def hold_unsent_batches(
         await batches.hold(sorted(hold), now=now, retention=retention)
         await batches.settle([batch.batch_id for batch in due if batch.batch_id not in hold])
         held += len(hold)
-        if len(due) < HOLD_CHECK_CHUNK:
+        if len(listed) < HOLD_CHECK_CHUNK:
             break
     return held
+
+
+async def _without_unrecorded(
+    due: list[BatchRecord], batches: Batches, *, now: datetime, grace: timedelta
+) -> list[BatchRecord]:
+    """`due` less the batches whose request has not noted every item recorded (`recorded`
+    False, still `accepting`, none of their items sent) and whose wait for a replay is over:
+    each is refused whole (`abandon_unrecorded`, as the outbox sweep refuses one with items
+    recorded), or left for a later pass when a write noted it recorded, or a replay
+    accepted it, since it was read.
+
+    The outbox sweep finds an incomplete batch by its recorded items, so one whose request
+    died before its first chunk of items landed (a gateway killed, an insert timed out and
+    its refusal lost with the process) was never refused: it was listed, its items read
+    `expired` as if scored, a cancel was told to wait for a refusal due long before, for a
+    day (a review). Its look now comes at the end of that wait (`Batches.insert`)."""
+    kept = []
+    for batch in due:
+        unrecorded = (
+            batch.state == BatchState.ACCEPTING and batch.recorded is False and not batch.swept
+        )
+        if not unrecorded or incomplete_batch_held_until(batch.created_at, grace=grace) > now:
+            kept.append(batch)  # a short retention's look within the wait: held as before
+        elif await batches.abandon_unrecorded(batch.batch_id, now=now):
+            log.warning(
+                "batch %s: its request died before recording every item; refused",
+                batch.batch_id,
+            )
+    return kept

@@ -77,7 +77,7 @@ from services.gateway.submissions import (
     SubmissionState,
     request_hash,
 )
-from services.gateway.submit import InFlightGate, counting
+from services.gateway.submit import InFlightGate, counting, incomplete_batch_held_until
 from shared.contracts import (
     MAX_BATCH_ITEMS,
     BatchItemProgress,
@@ -216,6 +216,8 @@ class BatchRecord:
     recorded: bool | None = False
     # The outbox sweep sends its items (`SWEPT`).
     swept: bool = False
+    # It was submitted under an Idempotency-Key, which a replay may complete it with.
+    keyed: bool = False
 
     def item_retention(self, retention: timedelta) -> timedelta:
         """The retention to record this batch's items with: `retention`, but never past the
@@ -250,9 +252,21 @@ class Batches:
         )
 
     async def insert(
-        self, record: BatchRecord, *, idempotency_key: str | None, retention: timedelta
+        self,
+        record: BatchRecord,
+        *,
+        idempotency_key: str | None,
+        retention: timedelta,
+        unrecorded_look_at: datetime | None = None,
     ) -> None:
-        """Record a new batch as `accepting`; `KeyTaken` for a used idempotency key."""
+        """Record a new batch as `accepting`; `KeyTaken` for a used idempotency key. Its
+        expiry look (`hold_unsent_batches`) comes at `unrecorded_look_at` (the end of the
+        wait for a replay of a request that died before recording every item), unless its
+        request notes every item recorded (`mark_recorded`), which moves the look to its
+        usual time."""
+        look_at = usual_hold_check(record.created_at, retention)
+        if unrecorded_look_at is not None:
+            look_at = min(look_at, unrecorded_look_at)
         document: Document = {
             "_id": record.batch_id,
             "tenant_id": record.tenant_id,
@@ -260,7 +274,7 @@ class Batches:
             "request_hash": record.request_hash,
             "created_at": record.created_at,
             "expires_at": record.created_at + retention,
-            HOLD_CHECK_AT: record.created_at + retention - hold_lead(retention),
+            HOLD_CHECK_AT: look_at,
             "members": [
                 {"task_id": member.task_id, "client_id": member.client_id}
                 for member in record.members
@@ -287,8 +301,9 @@ class Batches:
             raise DatabaseUnavailable(str(error)) from error
         return result.matched_count == 1
 
-    async def mark_recorded(self, batch_id: str) -> str | None:
-        """Note that the batch's request recorded every item; the batch's state then, None
+    async def mark_recorded(self, batch_id: str, *, look_at: datetime) -> str | None:
+        """Note that the batch's request recorded every item, its expiry look moved to
+        `look_at` (its usual time, never earlier: `insert`); the batch's state then, None
         when the outbox sweep refused it meanwhile as left incomplete (`abandon_unrecorded`).
         A batch a replay of the request accepted meanwhile (`_complete_interrupted`) is
         noted too, and answers `accepted` (refused instead, its items were tombstoned under
@@ -296,7 +311,7 @@ class Batches:
         try:
             found = await self._collection.find_one_and_update(
                 {"_id": batch_id, "state": {"$in": [BatchState.ACCEPTING, BatchState.ACCEPTED]}},
-                {"$set": {RECORDED: True}},
+                {"$set": {RECORDED: True}, "$max": {HOLD_CHECK_AT: look_at}},
                 projection={"state": 1},
             )
         except PyMongoError as error:
@@ -582,12 +597,19 @@ def _record_of(document: Document, *, members: tuple[BatchMember, ...]) -> Batch
         expires_at=document.get("expires_at"),
         recorded=document.get(RECORDED),
         swept=document.get(SWEPT) is True,
+        keyed="idempotency_key" in document,
     )
 
 
 def hold_lead(retention: timedelta) -> timedelta:
     """How long before a batch's expiry the sweep looks whether it must be held."""
     return min(HOLD_LEAD, retention / 2)
+
+
+def usual_hold_check(created_at: datetime, retention: timedelta) -> datetime:
+    """When the expiry look of a batch created at `created_at` comes, its request having
+    recorded every item: its hold lead before its expiry."""
+    return created_at + retention - hold_lead(retention)
 
 
 # --- Accepting a batch ---------------------------------------------------------------------------
@@ -656,7 +678,12 @@ async def submit_batch(
     )
     refusal = Refusal(tenant_id, tuple(c.task_id for c in commands), batch_id=batch_id)
     try:
-        await batches.insert(record, idempotency_key=idempotency_key, retention=policy.retention)
+        await batches.insert(
+            record,
+            idempotency_key=idempotency_key,
+            retention=policy.retention,
+            unrecorded_look_at=incomplete_batch_held_until(now, grace=policy.in_progress_for),
+        )
     except KeyTaken:
         assert idempotency_key is not None
         earlier = await _earlier_batch(idempotency_key, record, batches, policy, now)
@@ -719,7 +746,9 @@ async def _record_and_send(
             retention=policy.retention,
             counted=gate is not None,
         )
-        state = await batches.mark_recorded(batch_id)
+        state = await batches.mark_recorded(
+            batch_id, look_at=usual_hold_check(record.created_at, policy.retention)
+        )
     except DatabaseUnavailable:
         # Some of its submissions may be recorded (earlier chunks), now or later.
         refusals.note(refusal)

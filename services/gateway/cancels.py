@@ -168,12 +168,17 @@ class BatchBeingRecorded(Exception):
         counted = f"{recorded} of its {len(record.members)} items recorded"
         if now - record.created_at <= grace:
             why = f"is still being accepted ({counted}); nothing was cancelled. Ask again shortly."
-        else:
+        elif record.keyed:
             # Its request died: only a replay under its Idempotency-Key completes it.
             why = (
                 f"was left incomplete by its request ({counted}): a replay of it with its "
                 f"Idempotency-Key completes it, else it is refused whole at {rfc3339(held_until)}; "
                 "nothing was cancelled."
+            )
+        else:  # no key: nothing can complete it (a review found the replay offered)
+            why = (
+                f"was left incomplete by its request ({counted}) and is refused whole at "
+                f"{rfc3339(held_until)}, none of its items scored; nothing was cancelled."
             )
         super().__init__(f"Batch {record.batch_id} {why}")
 

@@ -20,7 +20,14 @@ import pytest
 from devtools.infra import Endpoint
 from services.gateway import batch_expiry
 from services.gateway.batch_expiry import hold_unsent_batches
-from services.gateway.batches import HOLD_CHECK_AT, HOLD_LEAD, BatchMember, BatchRecord, BatchState
+from services.gateway.batches import (
+    HOLD_CHECK_AT,
+    HOLD_LEAD,
+    BatchMember,
+    BatchRecord,
+    BatchState,
+    usual_hold_check,
+)
 from shared.contracts import ScoreText, new_id, utcnow
 from tests.integration.gateway_records import GatewayRecords as Gateway
 from tests.integration.gateway_records import gateway_records
@@ -74,9 +81,12 @@ async def _batch(
         members=tuple(BatchMember(command.task_id, None) for command in commands),
     )
     await gateway.batches.insert(record, idempotency_key=key, retention=retention)
-    if commands:
+    if commands:  # its request recorded every item, and noted so
         await gateway.submissions.insert_batch(
             [(command, "h", "c", "m") for command in commands], retention=retention
+        )
+        await gateway.batches.mark_recorded(
+            batch_id, look_at=usual_hold_check(created_at, retention)
         )
     return batch_id, [command.task_id for command in commands]
 

@@ -13,7 +13,10 @@ import pytest
 from pymongo.errors import ServerSelectionTimeoutError
 
 from devtools.infra import Endpoint
+from services.gateway.batch_expiry import hold_unsent_batches
 from services.gateway.batches import (
+    HOLD_CHECK_AT,
+    HOLD_LEAD,
     RECORDED,
     Batches,
     BatchPolicy,
@@ -99,7 +102,7 @@ async def _submit(
     *,
     batches: Batches | None = None,
     refusals: Refusals | None = None,
-    key: str = KEY,
+    key: str | None = KEY,
     in_flight: InFlight | None = None,
 ) -> BatchSubmitted:
     return await submit_batch(
@@ -228,6 +231,69 @@ async def test_a_batch_its_request_left_incomplete_is_held_for_a_replay_then_ref
     replay = await _submit(gateway, request, Recorded(), later)
     assert replay.created
     assert replay.record.batch_id != batch_id
+
+
+class DiesRecordingItems(Submissions):
+    """Submissions whose process ends at the batch's first chunk of items: the batch's record
+    is in, none of its items (`batch_id` notes which batch)."""
+
+    batch_id: str | None = None
+
+    async def insert_batch(self, commands: list[BatchRow], *_: Any, **__: Any) -> None:
+        self.batch_id = commands[0][0].batch_id
+        raise ProcessDied
+
+
+async def _expiry_look(gateway: Gateway, at: datetime) -> None:
+    await hold_unsent_batches(
+        batches=gateway.batches,
+        submissions=gateway.submissions,
+        now=at,
+        retention=POLICY.retention,
+        in_progress_for=GRACE,
+    )
+
+
+async def test_a_batch_its_request_left_without_any_item_is_refused_whole_after_the_hold(
+    gateway: Gateway,
+) -> None:
+    """The sweep finds an incomplete batch by its recorded items: one whose request died
+    before the first of them landed was never refused. It was listed, its items read
+    `expired` as if scored, and a cancel was told to wait for a refusal due long before,
+    for a day (a review). Its expiry look now comes at the end of its hold."""
+    request = _request(3)
+    with pytest.raises(ProcessDied):
+        await _submit(
+            gateway, request, Recorded(), T0, DiesRecordingItems(gateway.raw.client, gateway.name)
+        )
+    batch = await gateway.raw["batches"].find_one({"idempotency_key": KEY})
+    held_until = T0 + INCOMPLETE_BATCH_HOLD
+
+    await _expiry_look(gateway, held_until - timedelta(seconds=1))  # a replay may come yet
+    assert (await gateway.raw["batches"].find_one({"_id": batch["_id"]}))["state"] == "accepting"
+
+    await _expiry_look(gateway, held_until + timedelta(seconds=1))
+    refused = await gateway.raw["batches"].find_one({"_id": batch["_id"]})
+    assert refused["state"] == "abandoned"
+    assert "idempotency_key" not in refused
+    replay = await _submit(gateway, request, Recorded(), held_until + timedelta(seconds=2))
+    assert replay.created  # its key free: the batch recorded anew, and sent
+    assert replay.record.batch_id != batch["_id"]
+
+
+async def test_a_batch_its_request_recorded_whole_is_not_looked_at_before_its_expiry(
+    gateway: Gateway,
+) -> None:
+    submitted = await _submit(gateway, _request(2), Recorded(), T0)
+    stored = await gateway.raw["batches"].find_one({"_id": submitted.record.batch_id})
+    assert stored[HOLD_CHECK_AT] == T0 + POLICY.retention - HOLD_LEAD
+
+    await _expiry_look(gateway, T0 + INCOMPLETE_BATCH_HOLD + timedelta(seconds=1))
+    stored = await gateway.raw["batches"].find_one({"_id": submitted.record.batch_id})
+    assert (stored["state"], stored[HOLD_CHECK_AT]) == (
+        "accepted",
+        T0 + POLICY.retention - HOLD_LEAD,
+    )
 
 
 async def test_a_batch_its_request_recorded_whole_before_dying_is_sent_by_the_sweep(
@@ -380,7 +446,22 @@ async def test_a_batch_held_for_its_replay_is_not_cancelled_in_part(gateway: Gat
     with pytest.raises(BatchBeingRecorded, match="left incomplete by its request") as held:
         await _cancel(gateway, batch_id, cancels, at=T0 + GRACE * 2)
     assert held.value.retry_after_s == (GRACE * 2).total_seconds()
+    assert "a replay of it with its Idempotency-Key completes it" in str(held.value)
     assert cancels.cancelled == []
+
+
+async def test_a_keyless_batch_left_incomplete_is_not_offered_a_replay(gateway: Gateway) -> None:
+    """Nothing can complete a batch submitted without a key: the cancel's 409 offered "a
+    replay of it with its Idempotency-Key" all the same (a review)."""
+    dying = DiesRecordingItems(gateway.raw.client, gateway.name)
+    with pytest.raises(ProcessDied):
+        await _submit(gateway, _request(3), Recorded(), T0, dying, key=None)
+    assert dying.batch_id is not None
+    with pytest.raises(BatchBeingRecorded) as held:
+        await _cancel(gateway, dying.batch_id, Cancels(), at=T0 + GRACE * 2)
+    assert "left incomplete by its request (0 of its 3 items recorded)" in str(held.value)
+    assert "is refused whole at 2030-05-17T12:10:00" in str(held.value)
+    assert "Idempotency-Key" not in str(held.value)
 
 
 @pytest.mark.parametrize("swept", [False, True], ids=["recorded-whole", "swept"])

@@ -270,7 +270,7 @@ class FakeBatches:
     async def mark_accepted(self, batch_id: str) -> None:
         self.accepted.append(batch_id)
 
-    async def mark_recorded(self, batch_id: str) -> str | None:
+    async def mark_recorded(self, batch_id: str, **_: Any) -> str | None:
         if "mark_recorded" in self.fail:
             raise DatabaseUnavailable("no answer")
         record = self.records.get(batch_id)

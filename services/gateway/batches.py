@@ -1074,6 +1074,7 @@ async def read_batch(
     submissions: UnsentItems,
     clock: Clock,
     window: timedelta,
+    grace: timedelta,
 ) -> BatchPage | None:
     """Counts per status and the items `start`..`start+limit` of a tenant's batch.
 
@@ -1083,7 +1084,10 @@ async def read_batch(
     sweep sent them within the window (the status service may read their copies behind an
     alarm's backlog), as a single task does (`recently_due`); the others read `expired`. An
     item not sent yet, or just sent, read `expired` once the batch was older than the window,
-    and a client resubmitting it had it scored twice."""
+    and a client resubmitting it had it scored twice. So do all of them while the batch is
+    held for a replay of its request, which died before recording every item
+    (`held_for_replay`): its items never recorded read `expired`, as if scored, from the
+    window's end to its refusal (a review)."""
     record = await batches.find(batch_id, tenant_id=tenant_id)
     if record is None:
         return None
@@ -1098,8 +1102,9 @@ async def read_batch(
     not_heard = [
         member for index, member in enumerate(page, start) if not _heard(member, known.get(index))
     ]
-    since = clock() - window
-    young = record.created_at >= since
+    now = clock()
+    since = now - window
+    young = record.created_at >= since or held_for_replay(record, now=now, grace=grace)
     # Read after the status service answered: an item the sweep sends in between is in it.
     pending: frozenset[str] = frozenset()
     if not young and (unheard or not_heard):
@@ -1119,6 +1124,17 @@ async def read_batch(
         counts=counts,
         items=items,
         next_cursor=end if end < total else None,
+    )
+
+
+def held_for_replay(record: BatchRecord, *, now: datetime, grace: timedelta) -> bool:
+    """Whether the batch's request has not noted every item recorded and a replay of it may
+    still complete it (the outbox sweep and the expiry look refuse it after that)."""
+    return (
+        record.state == BatchState.ACCEPTING
+        and record.recorded is False
+        and not record.swept
+        and now < incomplete_batch_held_until(record.created_at, grace=grace)
     )
 
 

@@ -538,6 +538,7 @@ def batch_routes(
                 submissions=deps.submissions,
                 clock=deps.clock,
                 window=window,
+                grace=policy.in_progress_for,
             )
         except Unavailable as error:
             raise read_unavailable(error) from error

@@ -9,6 +9,8 @@ The cancels run through the gateway in-process against the real broker and datab
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
 from services.gateway.batches import HOLD_CHECK_AT, read_batch
@@ -93,6 +95,7 @@ async def test_a_row_at_an_items_index_for_another_task_is_not_shown_on_the_item
         submissions=gateway.submissions,
         clock=lambda: now,
         window=WINDOW,
+        grace=timedelta(seconds=30),
     )
 
     assert page is not None

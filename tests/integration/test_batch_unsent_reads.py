@@ -101,6 +101,7 @@ async def test_items_not_sent_yet_or_just_swept_read_as_queued_however_old_their
             submissions=gateway.submissions,
             clock=lambda: read_at,
             window=WINDOW,
+            grace=timedelta(seconds=30),
         )
         assert page is not None
         return page

@@ -115,6 +115,7 @@ async def _read(
         submissions=gateway.submissions,
         clock=lambda: at,
         window=WINDOW,
+        grace=timedelta(seconds=30),
     )
     assert page is not None
     return page

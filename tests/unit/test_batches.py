@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -481,6 +482,7 @@ async def _read(
         submissions=unsent or FakeUnsent(),
         clock=lambda: now,
         window=timedelta(minutes=5),
+        grace=timedelta(seconds=30),
     )
 
 
@@ -528,6 +530,22 @@ async def test_unknown_items_of_an_old_batch_not_sent_yet_read_as_queued() -> No
     assert unsent.lookups == 1
 
 
+@pytest.mark.parametrize(
+    ("minutes", "unheard_as"), [(6, "queued"), (11, EXPIRED)], ids=["held", "past the hold"]
+)
+async def test_the_items_of_a_batch_held_for_a_replay_read_as_queued(
+    minutes: int, unheard_as: str
+) -> None:
+    """Its request died after recording one of its three items: the two never recorded read
+    `expired`, as if scored, from the read-your-writes window's end (5 min) until the batch
+    was refused (10 min; a review)."""
+    held = dataclasses.replace(_record(3), state="accepting", recorded=False)
+    progress = _progress((0, TaskStatus.QUEUED))
+    page = await _read(held, progress, start=0, limit=3, now=T0 + timedelta(minutes=minutes))
+    assert [i.status for i in page.items] == ["queued", unheard_as, unheard_as]
+    assert page.counts[EXPIRED] == (2 if unheard_as == EXPIRED else 0)
+
+
 async def test_a_young_or_wholly_heard_batch_reads_no_submission() -> None:
     unsent = FakeUnsent("t0")
     young = await _read(
@@ -555,6 +573,7 @@ async def test_another_tenants_batch_reads_as_none() -> None:
         submissions=FakeUnsent(),
         clock=lambda: T0,
         window=timedelta(minutes=5),
+        grace=timedelta(seconds=30),
     )
     assert page is None
 

@@ -308,6 +308,11 @@ class TaskStarted(TaskEvent):
 
 
 class TaskRetrying(TaskEvent):
+    """An attempt failed and the next is due at `next_attempt_at` (status `retrying`). Told
+    again, under the same sequence and with a later `next_attempt_at`, when a pause of the
+    scorer's model calls (a provider's rate limit or outage) puts that next attempt off past
+    it: a reader keeps the latest time for the state it holds, never an earlier one."""
+
     routing_key: ClassVar[str] = "task.retrying"
     status: ClassVar[TaskStatus] = TaskStatus.RETRYING
 

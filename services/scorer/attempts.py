@@ -42,7 +42,7 @@ from pymongo.errors import DuplicateKeyError, OperationFailure
 
 from services.scorer import decisions
 from services.scorer.decisions import Finish, Retry, Spent, cancelled, is_cancellation
-from shared.contracts import CancelTask, ScoreText, TaskCompleted
+from shared.contracts import CancelTask, ScoreText, TaskCompleted, TaskRetrying
 from shared.group_reads import GroupReader
 from shared.group_writes import GroupWriter, Write
 from shared.indexes import drop_retired_indexes
@@ -157,6 +157,10 @@ class Attempts:
         )
         # A batch's cancellations come many at once, each reading its task first.
         self._cancel_reads = GroupReader(self._collection)
+        # The retries of the deliveries a pause of the model calls puts off, many at once.
+        self._retry_reads = GroupReader(
+            self._collection, projection={"generation": True, "attempt": True, "decision": True}
+        )
         self._retention = retention
 
     async def ensure_indexes(self) -> None:
@@ -368,6 +372,20 @@ class Attempts:
             },
             {"$set": {f"decision.{PUBLISHED}": True}},
         )
+
+    async def retry_before(self, command: ScoreText) -> TaskRetrying | None:
+        """The `task.retrying` of the retry the command's attempt is (the decision of the
+        attempt before it, in its generation), while that decision stands: None for a first
+        attempt, or when the attempt has been claimed, cancelled, or replaced since."""
+        if command.attempt <= 1:
+            return None
+        held = await self._retry_reads.find_by_id(command.task_id)
+        if held is None or held.get("decision") is None:
+            return None
+        if (held["generation"], held["attempt"]) != (command.generation, command.attempt - 1):
+            return None
+        decision = decisions.load(held["decision"])
+        return decision.event if isinstance(decision, Retry) else None
 
     async def find(self, task_id: str) -> Document | None:
         return await self._collection.find_one({"_id": task_id})

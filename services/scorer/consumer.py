@@ -5,6 +5,8 @@ What each outcome means on the broker:
   the DLQ with the reason in a header; then ack.
 - retry: next attempt sent down the wait ladder, `task.retrying` published, then ack.
 - not due / claimed elsewhere: sent down the wait ladder again, then ack.
+- put off by a pause of the model calls: sent down the wait ladder again; a retry's attempt
+  then tells its `task.retrying` again with the later due time (best effort), then ack.
 - the scorer stopping before the delivery reached a model slot: sent again, then acked (a
   redelivery's copy carries its count, unchanged: a stop is no consumer death).
 - unreadable body (poison): copied to the DLQ with the validation error, then ack.
@@ -156,14 +158,26 @@ class BrokerActions:
                     lambda: publish_command(self.broker, next_command, timeout=self.timeout_s),
                 )
                 await self._event(event)
-            case Defer(command=command):
+            case Defer(command=command, retry_due_later=later):
                 await self.resend(command, headers=_carried_headers(message))
+                if later is not None:
+                    await self._told_best_effort(later)
             case Drop(reason=reason):
                 log.debug("dropping a delivery: %s", reason)
         return lettered
 
     async def _event(self, event: TaskEvent) -> None:
         await self._confirmed(event.routing_key, lambda: self._events.publish(event))
+
+    async def _told_best_effort(self, event: TaskEvent) -> None:
+        """Publish `event` once, unconfirmed publishes logged: a later due time told again
+        (`Defer.retry_due_later`) corrects a status, and holding the delivery for it while
+        the broker refuses publishes would hold the copy's put-off for nothing; the status
+        then reads the earlier time, as it did before it was told."""
+        try:
+            await self._events.publish(event)
+        except Exception as error:  # noqa: BLE001 - best effort: the status reads the old time
+            log.warning("%s of %s not published: %r", event.routing_key, event.task_id, error)
 
     async def resend(self, command: ScoreText, *, headers: dict[str, Any]) -> None:
         await self._confirmed(
@@ -406,7 +420,11 @@ async def _settle_or_give_up(
             lettered = await actions.carry_out(recorded, message)
             deps.metrics.count_decision(recorded, lettered=lettered)
             return
-        if await _give_up(command, message, deps, actions, reason):
+        try:
+            if await _give_up(command, message, deps, actions, reason):
+                return
+        except HeldHere:
+            await _handed_back_while_held_here(command, deps, actions, copy_headers)
             return
     log.error("%s: its give-up was refused %d times; not recorded", command.task_id, GIVE_UP_TRIES)
     unrecorded = _given_up(command, reason, await _spent_before(command, deps))
@@ -476,6 +494,23 @@ async def _handed_back(
     again = command.model_copy(update={"not_before": due, "message_id": new_id()})
     await actions.resend(again, headers=copy_headers)
     deps.metrics.count_resent()
+
+
+class HeldHere(Exception):
+    """Another delivery of this process holds the attempt a limit would give up: its copy
+    is handed back to look again (`_handed_back_while_held_here`)."""
+
+
+async def _handed_back_while_held_here(
+    command: ScoreText, deps: ScorerDeps, actions: BrokerActions, copy_headers: dict[str, Any]
+) -> None:
+    """`_handed_back`, due shortly, while another delivery of this process holds the attempt
+    (waiting for a model slot or its turn, or calling): not counted as a refused give-up,
+    whose last try gave the message up unrecorded, `task.failed` next to the holder's call.
+    Back, it finds the holder's claim (`Busy`), its decision, or the attempt let go."""
+    due = deps.clock() + CRASH_RETRY_DELAY
+    why = "another delivery of this process holds its attempt"
+    await _handed_back(command, deps, actions, copy_headers, due=due, why=why)
 
 
 async def _handed_back_while_database_away(
@@ -564,6 +599,8 @@ async def _at_crash_limit(
             await _settle_or_give_up(
                 command, message, deps, actions, reason, copy_headers=copy_headers
             )
+    except HeldHere:
+        await _handed_back_while_held_here(command, deps, actions, copy_headers)
     except PyMongoError as error:
         await _handed_back_while_database_away(command, deps, actions, copy_headers, error)
 
@@ -603,6 +640,8 @@ async def _recorded_give_up(command: ScoreText, deps: ScorerDeps, reason: str) -
     message that crashes its handler must stop."""
     try:
         return await _claimed_and_given_up(command, deps, reason)
+    except HeldHere:
+        raise
     except Exception as error:
         if transient_database_error(error):
             raise
@@ -614,12 +653,18 @@ async def _claimed_and_given_up(command: ScoreText, deps: ScorerDeps, reason: st
     """Claim the attempt as `score_text` does (claimable, or a claim of ours none of our
     deliveries works on), then record the give-up under that claim. The claim takes over
     what an older generation it replaces was billed (`Attempts.claim`), and `spent_before`
-    reads it under the claim."""
+    reads it under the claim. `HeldHere` when another delivery of this process holds the
+    attempt: it claimed all the same, and the holder, claiming its own way after it, took
+    that claim over as a stale one of this process's, called the model, and both decisions
+    were recorded and carried out (`task.failed` dead-lettered, then `task.completed`; a
+    review)."""
     attempt = (command.task_id, command.generation, command.attempt)
     with deps.in_hand.holding(attempt) as only_here:
+        if not only_here:
+            raise HeldHere
         claim = await _at_limit_database(
             lambda: deps.attempts.claim(
-                command, now=deps.clock(), lease=deps.lease, owner=deps.owner, reclaim_own=only_here
+                command, now=deps.clock(), lease=deps.lease, owner=deps.owner, reclaim_own=True
             ),
             what=f"claiming {command.task_id} to give it up",
         )

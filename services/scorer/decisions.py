@@ -136,9 +136,15 @@ class Retry:
 
 @dataclass(frozen=True)
 class Defer:
-    """Not now: send this command down the wait ladder (not yet due, or claimed elsewhere)."""
+    """Not now: send this command down the wait ladder (not yet due, or claimed elsewhere).
+
+    `retry_due_later`: for a retry's attempt put off by a pause of the model calls, its
+    `task.retrying` told again with the later `next_attempt_at` (the copy's `not_before`),
+    published best effort once the copy is confirmed, so that the task's status does not
+    read a next attempt long past (`scoring._put_off`)."""
 
     command: ScoreText
+    retry_due_later: TaskRetrying | None = None
 
 
 @dataclass(frozen=True)

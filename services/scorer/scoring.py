@@ -291,23 +291,36 @@ async def _claim_and_decide(
     nothing: the slot goes to a delivery still in hand.
     """
     async with deps.model_slots.held():
-        if (instead := await _not_to_call(command, deps, lost, "for a model slot")) is not None:
-            return instead
-        turn = await deps.throttle.wait_turn(deps.model_slots.closing, text_key=hash(command.text))
-        if isinstance(turn, PutOff):
-            return _put_off(command, turn, deps)
-        try:
-            waited = "out a rate-limit pause"
-            if (instead := await _not_to_call(command, deps, lost, waited)) is not None:
-                return instead
-            called = await _claim_and_call(command, deps, redelivered, turn)
-        finally:
-            deps.throttle.done(turn)
+        called = await _in_its_turn(command, deps, redelivered, lost)
+    if isinstance(called, PutOff):
+        return await _put_off(command, called, deps)
     if not isinstance(called, Called):
         return called
     return await _recorded(
         command, called.decision, called.raw_output, deps, held_until=called.claimed_at + deps.lease
     )
+
+
+async def _in_its_turn(
+    command: ScoreText, deps: ScorerDeps, redelivered: bool, lost: asyncio.Event | None
+) -> Called | Decision | PutOff:
+    """In a model slot: the call once the throttle gives the delivery its turn, or PutOff
+    when a pause outlasts what it may wait in hand (put off once the slot is let go: telling
+    the status reads the database, `_put_off`)."""
+    if (instead := await _not_to_call(command, deps, lost, "for a model slot")) is not None:
+        return instead
+    turn = await deps.throttle.wait_turn(
+        deps.model_slots.closing, text_key=hash(command.text), tenant_key=command.tenant_id
+    )
+    if isinstance(turn, PutOff):
+        return turn
+    try:
+        waited = "out a rate-limit pause"
+        if (instead := await _not_to_call(command, deps, lost, waited)) is not None:
+            return instead
+        return await _claim_and_call(command, deps, redelivered, turn)
+    finally:
+        deps.throttle.done(turn)
 
 
 async def _not_to_call(
@@ -374,6 +387,13 @@ def _not_claimed(
             # later), it brought the task back into the status service after it had expired
             # there, and its webhook perhaps a second time (found in review).
             return Drop("its cancellation was published when it was recorded")
+        case Decided(decision=decision) if _is_newer(decision, command) and not (
+            _cancels_the_next(decision, command)
+        ):
+            # A later attempt's outcome, which its own delivery carries out: a stale copy of
+            # an earlier attempt carried it out again, a given-up one dead-lettered once more
+            # (a review), as `recorded_decision` drops it at the limit.
+            return Drop("a newer attempt of this task decided")
         case Decided(decision=decision):
             return decision
 
@@ -414,11 +434,39 @@ def _cancel_requested(command: ScoreText, requested_at: datetime) -> CancelTask:
     )
 
 
-def _put_off(command: ScoreText, put_off: PutOff, deps: ScorerDeps) -> Defer:
+async def _put_off(command: ScoreText, put_off: PutOff, deps: ScorerDeps) -> Defer:
     """Sent down the wait ladder until shortly before the rate-limit pause ends (spread, so
-    that the deliveries put off do not all come back at once); no attempt is spent."""
+    that the deliveries put off do not all come back at once); no attempt is spent.
+
+    A retry's attempt put off past the time its `task.retrying` told (`next_attempt_at`)
+    tells it again with the copy's due time (`_retry_due_later`): the task's status read
+    that first time, long past, for as long as the pause lasted, and a client polling could
+    not tell when the next attempt would come."""
     due = deps.clock() + timedelta(seconds=deps.throttle.back_in_s(put_off, deps.rng))
-    return Defer(command.model_copy(update={"not_before": due, "message_id": new_id()}))
+    copy = command.model_copy(update={"not_before": due, "message_id": new_id()})
+    return Defer(copy, retry_due_later=await _retry_due_later(command, due, deps))
+
+
+async def _retry_due_later(
+    command: ScoreText, due: datetime, deps: ScorerDeps
+) -> TaskRetrying | None:
+    """The `task.retrying` whose next attempt `command` is, with `due` as its next attempt's
+    time; None for a first attempt (its task reads `queued`, with no time to correct), when
+    the retry told a time no earlier than `due`, or when it no longer stands (a cancellation
+    recorded over it, a newer generation). The same event under the same sequence: a status
+    service applies it only as a later due time of the state it holds (`apply_task_event`),
+    one of an earlier build as a duplicate (nothing). Best effort: a database away tells
+    nothing (the put-off goes ahead; the claim meets the outage when the copy is back)."""
+    if command.attempt <= 1:
+        return None
+    try:
+        retry = await deps.attempts.retry_before(command)
+    except Exception as error:  # noqa: BLE001 - best effort: an odd record must not crash it
+        log.debug("%s: its later due time not told: %r", command.task_id, error)
+        return None
+    if retry is None or retry.next_attempt_at >= due:
+        return None
+    return retry.model_copy(update={"next_attempt_at": due, "message_id": new_id()})
 
 
 async def _recorded(
@@ -545,6 +593,7 @@ def _tell_the_throttle(
             error.retry_after_s,
             text_key=hash(command.text),
             task_key=f"{command.task_id}:{command.generation}",
+            tenant_key=command.tenant_id,
         )
     throttle.answered(turn)
     return False

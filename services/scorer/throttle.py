@@ -32,9 +32,10 @@ starts the count again, so a provider failing now and then is not paused, nor is
 a single text, however many tasks hold it), and the probes that find it still down spend no
 attempt (the scorer counts them as it counts a 429's, within `RATE_LIMIT_RETRIES`), on every
 replica: an outage's pause is told to the others as one. Texts failing on their own look
-like an outage too; the probe goes to a text not seen failing when one waits, and one
-arriving during a pause that only such texts' probes began probes at once
-(`_may_cut_short`).
+like an outage too; the probe goes to a text not seen failing when one waits (of a tenant not
+seen failing first), and one arriving during a pause that only such texts' probes began
+probes at once, as does one of another tenant during a pause that only fresh texts of tenants
+seen failing began (`_may_cut_short`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 from services.scorer.slots import SlotsClosed
 from shared.backoff import capped_exponential_s, jittered_s
@@ -79,6 +81,13 @@ GO = Turn()
 PROBE = Turn(probe=True)
 
 
+class Unproven(Enum):
+    """Whom a pause begun by a probe is no news of the provider to (`_may_cut_short`)."""
+
+    TO_OTHER_TEXTS = "texts"  # its text was seen failing in the outage
+    TO_OTHER_TENANTS = "tenants"  # a fresh text, but of a tenant seen failing in it
+
+
 @dataclass(frozen=True)
 class PutOff:
     """The pause outlasts what a delivery may wait in hand: send it down the wait ladder."""
@@ -106,6 +115,8 @@ class ModelThrottle:
         # tasks whose calls did, when last and how many.
         self._unavailable: dict[int, float] = {}
         self._tasks_found_down: dict[str, tuple[float, int]] = {}
+        # The tenants of those texts, and when last (`_tenants_seen_failing` once an outage).
+        self._tenants_found_down: dict[str, float] = {}
         # The pause is an outage's: until a probe is answered, or the pause is forgotten as
         # stale (kept past that on a replica idle since, an outage made a single text's 5xx
         # at its next call the outage's: free, and pausing everyone).
@@ -129,11 +140,17 @@ class ModelThrottle:
         # too), and the texts of the deliveries waiting for their turn: a probe goes to a
         # text not seen failing when one waits (`_may_probe`).
         self._seen_failing: set[int] = set()
-        self._waiting_texts: Counter[int | None] = Counter()
+        # The tenants of the texts seen failing since the outage began: a fresh text of one of
+        # them failing says nothing of the provider to the other tenants (`_may_cut_short`).
+        self._tenants_seen_failing: set[str] = set()
+        self._waiting: Counter[tuple[int | None, str | None]] = Counter()
         self._probe_due = False  # a pause ended and no call has answered since
-        # The outage's pause was begun by a probe of a text seen failing in it (no news of the
-        # provider): a delivery of a text not seen failing may probe before its end, once.
-        self._pause_unproven = False
+        # Whom the outage's pause is no news to, when a probe that says nothing new of the
+        # provider began it: one of a text seen failing in it (the other texts), or a fresh
+        # text of a tenant seen failing (the other tenants). A delivery of theirs may probe
+        # before its end, once (`_may_cut_short`); and what the probe out cut short.
+        self._unproven: Unproven | None = None
+        self._cut_short_of: Unproven | None = None
         # A probe cutting the pause short is out, and whether news of the provider came
         # since it went (a 429, another replica's pause): its answer ends the pause unless
         # some did. Not a comparison of the pause's ends: a call running since before the
@@ -163,7 +180,7 @@ class ModelThrottle:
     @property
     def waiting(self) -> int:
         """The deliveries waiting for their turn now."""
-        return self._waiting_texts.total()
+        return self._waiting.total()
 
     @property
     def paused(self) -> bool:
@@ -173,33 +190,35 @@ class ModelThrottle:
         return self._probe_due and (self.pause_left_s() > 0 or self._probe_out)
 
     async def wait_turn(
-        self, closing: asyncio.Event, *, text_key: int | None = None
+        self, closing: asyncio.Event, *, text_key: int | None = None, tenant_key: str | None = None
     ) -> Turn | PutOff:
-        """Wait until a model call of the text `text_key` may start, for `hold_s` at most in
-        all; `SlotsClosed` when the scorer stops meanwhile. Bounding each pause alone held a
-        delivery for ever with `hold_s` above the longest back-off (`PAUSE_CAP_S`): pause
-        after pause while the limit lasted, until RabbitMQ's consumer timeout closed the
-        channel."""
-        self._waiting_texts[text_key] += 1
+        """Wait until a model call of the text `text_key` (of the tenant `tenant_key`) may
+        start, for `hold_s` at most in all; `SlotsClosed` when the scorer stops meanwhile.
+        Bounding each pause alone held a delivery for ever with `hold_s` above the longest
+        back-off (`PAUSE_CAP_S`): pause after pause while the limit lasted, until RabbitMQ's
+        consumer timeout closed the channel."""
+        waiter = (text_key, tenant_key)
+        self._waiting[waiter] += 1
         try:
-            return await self._turn_within(self._clock() + self.hold_s, closing, text_key)
+            return await self._turn_within(self._clock() + self.hold_s, closing, waiter)
         finally:
-            self._waiting_texts[text_key] -= 1
-            if not self._waiting_texts[text_key]:
-                del self._waiting_texts[text_key]
+            self._waiting[waiter] -= 1
+            if not self._waiting[waiter]:
+                del self._waiting[waiter]
             if self._probe_due:
                 self._notify()  # one that gave way to it may probe now
 
     async def _turn_within(
-        self, held_until: float, closing: asyncio.Event, text_key: int | None
+        self, held_until: float, closing: asyncio.Event, waiter: tuple[int | None, str | None]
     ) -> Turn | PutOff:
+        text_key, tenant_key = waiter
         self._forget_a_stale_pause()
         while True:
             if closing.is_set():
                 raise SlotsClosed
             left = self.pause_left_s()
             hold_left = held_until - self._clock()
-            if left > 0 and self._may_cut_short(text_key):
+            if left > 0 and self._may_cut_short(text_key, tenant_key):
                 return self._cut_short()
             if left > 0 and hold_left > 0 and self._cut_short_answer_awaited(text_key):
                 await self._until_changed(closing, timeout_s=hold_left)
@@ -210,7 +229,7 @@ class ModelThrottle:
                 await self._until_changed(closing, timeout_s=left)
             elif not self._probe_due:
                 return GO
-            elif not self._probe_out and self._may_probe(text_key):
+            elif not self._probe_out and self._may_probe(waiter):
                 self._probe_out = True
                 return PROBE
             elif hold_left <= 0:
@@ -218,7 +237,7 @@ class ModelThrottle:
             else:
                 await self._until_changed(closing, timeout_s=hold_left)  # the probe's answer
 
-    def _may_cut_short(self, text_key: int | None) -> bool:
+    def _may_cut_short(self, text_key: int | None, tenant_key: str | None) -> bool:
         """Whether this delivery may probe before the pause ends: the pause is unproven
         (begun by a probe of a text seen failing in the outage) and its text is not seen
         failing. Three texts failing on their own were taken for an outage, and their
@@ -228,10 +247,24 @@ class ModelThrottle:
         own tasks' retries apart in a real outage, so they still double the pause (holding it
         at its length instead failed every task of a quiet outage within the retries'
         back-off: a review). One such probe per unproven pause: in a real outage it fails,
-        and the pause it begins is proven."""
-        if not self._pause_unproven or self._probe_out or text_key is None:
+        and the pause it begins is proven.
+
+        The same between tenants: a pause begun by a fresh text of a tenant seen failing in the
+        outage is no news to the other tenants, and a delivery of one not seen failing may
+        cut it short. A batch of 60 texts each failing on its own, all fresh, proved the
+        outage 60 times, doubling the pause to a minute, and another tenant's 100 healthy
+        texts finished after 152 and 209 s (session 46's walkthrough). In a real outage each
+        tenant's first delivery so probes once, and fails: its tenant is seen failing too. A
+        single tenant's pauses are never cut short so: its tenant is seen failing."""
+        if self._probe_out or text_key is None or text_key in self._seen_failing:
             return False
-        return text_key not in self._seen_failing
+        if self._unproven is Unproven.TO_OTHER_TEXTS:
+            return True
+        return (
+            self._unproven is Unproven.TO_OTHER_TENANTS
+            and tenant_key is not None
+            and tenant_key not in self._tenants_seen_failing
+        )
 
     def _cut_short_answer_awaited(self, text_key: int | None) -> bool:
         """Whether this delivery waits in hand for the answer of a probe cutting the pause
@@ -244,20 +277,30 @@ class ModelThrottle:
 
     def _cut_short(self) -> Turn:
         self._probe_out = True
-        self._pause_unproven = False
+        self._cut_short_of, self._unproven = self._unproven, None
         self._cut_short_out = True
         self._news_since_cut = False
         return PROBE
 
-    def _may_probe(self, text_key: int | None) -> bool:
-        """Whether this delivery may be the probe: its text not seen failing since the
-        outage began, or no delivery of another text waiting. A text failing on its own says
+    def _may_probe(self, waiter: tuple[int | None, str | None]) -> bool:
+        """Whether this delivery may be the probe: none waiting ranks above it. A text not
+        seen failing since the outage began ranks above one seen failing, and among those a
+        tenant not seen failing above one seen failing. A text failing on its own says
         nothing of the provider: three such texts were taken for an outage, and their
         retries, due at each pause's end, probed pause after pause, doubling it, while every
-        other task waited for minutes (found in an acceptance run)."""
-        if text_key not in self._seen_failing:
-            return True
-        return all(waiting in self._seen_failing for waiting in self._waiting_texts)
+        other task waited for minutes (found in an acceptance run); and a batch of texts
+        failing on their own, all fresh, probed one after another (session 46's
+        walkthrough)."""
+        rank = self._probe_rank(waiter)
+        return all(self._probe_rank(other) <= rank for other in self._waiting)
+
+    def _probe_rank(self, waiter: tuple[int | None, str | None]) -> int:
+        text_key, tenant_key = waiter
+        if text_key in self._seen_failing:
+            return 0
+        if tenant_key is None or tenant_key in self._tenants_seen_failing:
+            return 1
+        return 2
 
     def _forget_a_stale_pause(self) -> None:
         """A pause over for `TRIP_WINDOW_S` with no probe since (the replica idle) is
@@ -277,7 +320,7 @@ class ModelThrottle:
         limit came: those all come back 429 at once."""
         self._forget_a_stale_pause()
         self._forget_failures()  # the provider answers: no run of calls finding it down
-        self._pause_unproven = False  # its limit is news: a `Retry-After` stands
+        self._unproven = None  # its limit is news: a `Retry-After` stands
         self._news_since_cut = True
         if turn.probe:
             self._end_outage()  # a rate limit's pause from now on
@@ -322,7 +365,13 @@ class ModelThrottle:
         self._pause_for(max(jittered_s(backoff, self._rng), min(retry_after_s or 0.0, MAX_PAUSE_S)))
 
     def unavailable(
-        self, turn: Turn, retry_after_s: float | None, *, text_key: int, task_key: str
+        self,
+        turn: Turn,
+        retry_after_s: float | None,
+        *,
+        text_key: int,
+        task_key: str,
+        tenant_key: str | None = None,
     ) -> bool:
         """A call found the provider unavailable, or got no answer in time (its text's key
         `text_key`): an outage once the calls of `TRIP_AFTER` texts in a row did, within
@@ -333,31 +382,39 @@ class ModelThrottle:
         lengthens it; a probe doubles it. A probe of a text seen failing in this outage
         already says nothing new of the provider (its text is not `fresh`): the pause it
         begins is unproven, and a delivery of a text not seen failing may cut it short
-        (`_may_cut_short`). True when the call is the outage's rather than its task's: it
-        began the outage, or probed one and found the provider still down."""
+        (`_may_cut_short`); so does one of a fresh text of a tenant (`tenant_key`) seen
+        failing in it, to the other tenants. True when the call is the outage's rather than
+        its task's: it began the outage, or probed one and found the provider still down."""
         self._forget_a_stale_pause()
         probed_an_outage = turn.probe and self._outage and self._probe_is_free(text_key, task_key)
         fresh = text_key not in self._seen_failing  # news of the provider, in an outage
+        # News to the other tenants too (a call of no known tenant is taken for news to all).
+        tenant_fresh = tenant_key is None or tenant_key not in self._tenants_seen_failing
         was_on = self._outage
-        began = not was_on and self._in_a_row(text_key, task_key) >= TRIP_AFTER
+        began = not was_on and self._in_a_row(text_key, task_key, tenant_key) >= TRIP_AFTER
         # Running when the outage began (started before it): the outage's. Charged and
         # refunded by a later probe, it failed a task on its last attempt all the same.
         running_when_it_began = was_on and not turn.probe
         if began:
             self._outage, self._outage_texts = True, {text_key}
             self._seen_failing = set(self._unavailable)
+            self._tenants_seen_failing = set(self._tenants_found_down)
             self._refund_the_calls_before()
             self._refunds[task_key] -= 1  # this call: the outage's already
             self._probe_out_when_it_began = self._probe_out
         if self._outage:
             self._seen_failing.add(text_key)
+            if tenant_key is not None:
+                self._tenants_seen_failing.add(tenant_key)
         if began or self._probe_due:
             self._lengthen(turn, retry_after_s)
         if turn.probe:
-            self._pause_unproven = self._outage and not fresh
+            self._unproven = self._unproven_by(fresh=fresh, tenant_fresh=tenant_fresh)
             self._cut_short_out = False
+        elif fresh and (tenant_fresh or self._unproven is None):
+            self._unproven = None  # a call running since before, of another text
         elif fresh:
-            self._pause_unproven = False  # a call running since before, of another text
+            self._unproven = Unproven.TO_OTHER_TENANTS  # of another text of a tenant seen failing
         if was_on and turn.probe:
             self._log_outage_going_on()
         if began:
@@ -369,6 +426,14 @@ class ModelThrottle:
             )
             self._on_pause(self.pause_left_s(), True)
         return began or probed_an_outage or running_when_it_began
+
+    def _unproven_by(self, *, fresh: bool, tenant_fresh: bool) -> Unproven | None:
+        """Whom the pause a probe found the provider still down in is no news to."""
+        if not self._outage:
+            return None
+        if not fresh:
+            return Unproven.TO_OTHER_TEXTS
+        return None if tenant_fresh else Unproven.TO_OTHER_TENANTS
 
     def _probe_is_free(self, text_key: int, task_key: str) -> bool:
         """Whether a probe of the text `text_key` (task `task_key`) that found the provider
@@ -397,21 +462,24 @@ class ModelThrottle:
     def _forget_failures(self) -> None:
         self._unavailable.clear()
         self._tasks_found_down.clear()
+        self._tenants_found_down.clear()
 
     def _end_outage(self) -> None:
         self._outage = False
-        self._pause_unproven = False
+        self._unproven = None
         self._outage_texts.clear()
         self._refunds.clear()
         self._probe_out_when_it_began = False
         self._seen_failing.clear()
+        self._tenants_seen_failing.clear()
         self._outage_heard_while_probing = False
         # The next outage's probes are its own: its first line comes at its first probe.
         self._outage_probes = Tally(PAUSE_LOG_EVERY_S, self._clock)
 
-    def _in_a_row(self, text_key: int, task_key: str) -> int:
+    def _in_a_row(self, text_key: int, task_key: str, tenant_key: str | None) -> int:
         """The texts whose calls found the provider unavailable in a row, this one's
-        included, within `TRIP_WINDOW_S` (and the task's calls that did, counted)."""
+        included, within `TRIP_WINDOW_S` (and the task's calls that did, counted; and their
+        tenants)."""
         now = self._clock()
         self._unavailable = {
             key: at for key, at in self._unavailable.items() if now - at < TRIP_WINDOW_S
@@ -421,7 +489,14 @@ class ModelThrottle:
             for task, (at, calls) in self._tasks_found_down.items()
             if now - at < TRIP_WINDOW_S
         }
+        self._tenants_found_down = {
+            tenant: at
+            for tenant, at in self._tenants_found_down.items()
+            if now - at < TRIP_WINDOW_S
+        }
         self._unavailable[text_key] = now
+        if tenant_key is not None:
+            self._tenants_found_down[tenant_key] = now
         _, calls = self._tasks_found_down.get(task_key, (now, 0))
         self._tasks_found_down[task_key] = (now, calls + 1)
         return len(self._unavailable)
@@ -434,13 +509,14 @@ class ModelThrottle:
         that find the provider still down are the outage's too."""
         self._forget_a_stale_pause()
         longer = self._clock() + min(pause_s, MAX_PAUSE_S) > self._paused_until
-        self._pause_unproven = False  # the other replica's news, longer or not
+        self._unproven = None  # the other replica's news, longer or not
         self._news_since_cut = True
         if longer:
             self._pause_for(pause_s)
         if outage:
             if not self._outage:  # this replica's run of failures: charged before it was told
                 self._seen_failing = set(self._unavailable)
+                self._tenants_seen_failing = set(self._tenants_found_down)
                 self._refund_the_calls_before()
             self._outage = True
             self._outage_heard_while_probing = self._probe_out
@@ -478,7 +554,10 @@ class ModelThrottle:
         database error): a probe that did not answer lets another delivery probe."""
         if turn.probe and self._probe_out:
             if self._cut_short_out:  # it never called: another may cut short, unless news
-                self._pause_unproven = self._outage and not self._news_since_cut
+                self._unproven = (
+                    self._cut_short_of if self._outage and not self._news_since_cut else None
+                )
+                self._cut_short_of = None
                 self._cut_short_out = False
             self._probe_out = False
             self._outage_heard_while_probing = False

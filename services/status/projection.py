@@ -18,6 +18,10 @@ Batch progress: `task.accepted` (for a task sent now: read from its command) car
 `batch_id`/`batch_index`, kept on the document and indexed, so a batch's counts and a page
 of its items, by `batch_index`, are one aggregation.
 
+A retrying task's `task.retrying` may come again under its sequence with a later
+`next_attempt_at` (a pause of the model calls put the attempt off): that moves the due time
+later, never earlier, while the task still holds the retry (`_due_later`).
+
 A scheduled task reads `queued` once its `not_before` has come (`status_at`, at read time): no
 event says so (the command comes off the wait ladder to the scorer only, and a quick attempt
 publishes no `task.started`), so it read `scheduled` until its first attempt's outcome, while
@@ -197,6 +201,7 @@ async def apply_task_event(
             await _describe_if_same_generation(writes, event)
         if isinstance(event, TaskRetrying):
             await _error_of_the_attempt_before(writes, event)
+            await _due_later(writes, event)
         # Stale or duplicate: the state stays, but a change never recorded enters the history.
         await writes.update_one(
             {"_id": event.task_id, "history.sequence": {"$ne": event.sequence}},
@@ -236,6 +241,29 @@ async def _error_of_the_attempt_before(writes: GroupWriter, event: TaskRetrying)
     await writes.update_one(
         {"_id": event.task_id, "sequence": next_start, "error": None},
         {"$set": {"error": error}},
+    )
+
+
+async def _due_later(writes: GroupWriter, event: TaskRetrying) -> None:
+    """Move the task's next attempt to the later time a retry told again, where the task
+    still holds that very retry (its sequence) and a time before it. The scorer tells it so
+    when a pause of the model calls puts the attempt off past the first time
+    (`scoring._put_off`): a poll read that time, long past, for as long as the pause lasted.
+    Only later, and only on that state: a copy of an earlier telling, redelivered late,
+    never moves the time back, and once the attempt has started (or the task moved on) the
+    time is gone and stays so. The history keeps the state change as first told: a due
+    time put off is no change of state."""
+    due = max(event.occurred_at, event.next_attempt_at)
+    await writes.update_one(
+        {
+            "_id": event.task_id,
+            "sequence": event.sequence,
+            "next_attempt_at": {"$lt": event.next_attempt_at},
+        },
+        {
+            "$set": {"next_attempt_at": event.next_attempt_at},
+            "$max": {"expires_at": due + UNFINISHED_RETENTION},
+        },
     )
 
 

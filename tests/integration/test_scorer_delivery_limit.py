@@ -26,6 +26,7 @@ from typing import Any, cast
 import pytest
 from pymongo.errors import AutoReconnect
 
+from devtools.fake_llm import FakeLLM
 from services.scorer import consumer
 from services.scorer.attempts import Attempts, Busy, Cancelled, ClaimResult
 from services.scorer.consumer import (
@@ -45,6 +46,7 @@ from services.scorer.scoring import (
     recorded_decision,
     score_text,
 )
+from services.scorer.slots import ModelSlots
 from shared.consumers import Delivery
 from shared.contracts import (
     Phase,
@@ -60,7 +62,7 @@ from shared.contracts import (
 from shared.topology import EARLIER_DELIVERIES_HEADER, SCORE_REQUESTS, deliveries_lost
 from tests.integration import test_scorer_own_claims as own_claims
 from tests.integration.test_scorer_own_claims import LEASE, Deps, _calls, _command
-from tests.support import HandedDelivery, HandlerOnly
+from tests.support import HandedDelivery, HandlerOnly, eventually
 
 attempts = own_claims.attempts  # fixtures
 make_deps = own_claims.make_deps
@@ -473,3 +475,34 @@ async def _at_limit(
         await _at_delivery_limit(
             command, delivery, deps, cast("BrokerActions", actions), deliveries
         )
+
+
+async def test_a_give_up_never_claims_an_attempt_another_delivery_here_holds(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
+) -> None:
+    """A live copy of the attempt waits here for a model slot when a copy reaches the
+    delivery limit (its consumer died holding it: a claim whose lease is over). The give-up
+    claimed it all the same; the holder, claiming as its process's own, took that claim
+    over and called the model, and both decisions were recorded and carried out: the task
+    dead-lettered and failed, then completed (a review). Now the copy is handed back, and
+    back it carries out the holder's decision."""
+    command, marker = _command("Its consumer died holding it, and a copy waits here.")
+    await attempts.claim(command, now=utcnow() - 2 * LEASE, lease=LEASE, owner="proc-b:1:dead")
+    deps = replace(make_deps("proc-a"), model_slots=ModelSlots(1))
+    actions = Recording()
+    async with deps.model_slots.held():  # the one model slot busy with another task's call
+        holder = asyncio.create_task(score_text(command, deps=deps))
+
+        async def held_here() -> bool:
+            return len(deps.in_hand) == 1
+
+        await eventually(held_here, what="the live copy in hand, waiting for the slot")
+        await _at_limit(command, deps, actions)
+    assert actions.done == ["resent"]  # handed back, due shortly: nothing given up
+
+    decided = await asyncio.wait_for(holder, HANG_GUARD_S)
+    assert isinstance(decided, Finish)
+    assert isinstance(decided.event, TaskCompleted)
+    await _at_limit(command, deps, actions, headers=actions.resent_headers[0])
+    assert actions.done == ["resent", "Finish"]  # the completion, carried out again
+    assert _calls(fake_llm, marker) == 1

@@ -29,10 +29,14 @@ from services.scorer.slots import ModelSlots
 from services.scorer.throttle import ModelThrottle, Turn
 from shared.consumers import Delivery
 from shared.contracts import (
+    Phase,
     ScoreResult,
     ScoreText,
     TaskCompleted,
+    TaskError,
     TaskEvent,
+    TaskFailed,
+    event_sequence,
     new_id,
     utcnow,
 )
@@ -376,3 +380,30 @@ async def test_a_decision_landing_after_the_attempt_was_taken_over_gives_way(
     assert not await attempts.decide(
         command, finish, now=utcnow(), raw_output=None, owner="scorer-a"
     )
+
+
+async def test_a_stale_copy_of_an_earlier_attempt_drops_a_later_attempts_outcome(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
+) -> None:
+    """Attempt 2 was given up and dead-lettered; a copy of attempt 1 then arrives (sent
+    again, or swept): it carried attempt 2's outcome out once more, its message
+    dead-lettered again with attempt 2's reason (a review). Its own delivery carries an
+    outcome out; at the limit such a copy was dropped already."""
+    first, marker = _command("An essay whose attempt 2 was given up.")
+    second = first.model_copy(update={"attempt": 2})
+    await attempts.claim(second, now=utcnow(), lease=LEASE, owner="scorer-b")
+    failed = TaskFailed(
+        task_id=second.task_id,
+        sequence=event_sequence(generation=0, attempt=2, phase=Phase.TERMINAL),
+        attempt=2,
+        submitted_at=second.submitted_at,
+        error=TaskError(code="model_unavailable", message="down", retryable=True),
+        dead_lettered=True,
+    )
+    given_up = Finish(failed, dead_letter_error="model_unavailable: down (attempts spent)")
+    assert await attempts.decide(second, given_up, now=utcnow(), raw_output=None, owner="scorer-b")
+
+    stale = await score_text(first, deps=make_deps("scorer-a"))
+
+    assert isinstance(stale, Drop)
+    assert _calls(fake_llm, marker) == 0

@@ -1038,3 +1038,160 @@ async def test_a_tasks_refunds_are_its_generations_own() -> None:
         outcomes.append(_tell_the_throttle(throttle, PROBE, down, rescore))
         throttle.done(PROBE)
     assert outcomes == [True, False]  # the text's first probe only
+
+
+def _fails_of(throttle: ModelThrottle, tenant: str, *texts: int, turn: Turn = GO) -> list[bool]:
+    """Calls of the texts `texts` of the tenant `tenant` finding the provider unavailable,
+    each of a task of its own text; whether each was the outage's."""
+    return [
+        throttle.unavailable(
+            turn, retry_after_s=None, text_key=text, task_key=f"task-{text}", tenant_key=tenant
+        )
+        for text in texts
+    ]
+
+
+async def _turn_of(throttle: ModelThrottle, tenant: str, text: int) -> Turn | PutOff:
+    waiting = throttle.wait_turn(asyncio.Event(), text_key=text, tenant_key=tenant)
+    return await asyncio.wait_for(waiting, timeout=GUARD_S)
+
+
+async def _one_tenants_batch_failing(clock: Clock, *, probes: int) -> ModelThrottle:
+    """Tenant a's batch of texts each failing on its own: three of them trip the outage, and
+    each probe after it is a fresh text of the batch, failing too."""
+    throttle = _throttle(clock, hold_s=0.5)
+    _fails_of(throttle, "a", *range(TRIP_AFTER))
+    for text in range(100, 100 + probes):
+        clock.now += throttle.pause_left_s() + 0.01
+        assert await _turn_of(throttle, "a", text) == PROBE
+        assert _fails_of(throttle, "a", text, turn=PROBE) == [True]
+        throttle.done(PROBE)
+    return throttle
+
+
+async def test_another_tenant_cuts_short_a_pause_one_tenants_fresh_texts_lengthened() -> None:
+    """A batch of 60 texts each answered 500, all fresh, proved the outage at each probe,
+    doubling the pause to a minute, and another tenant's 100 healthy texts, submitted a
+    second later, finished after 152 and 209 s (session 46's walkthrough). A fresh text of a
+    tenant seen failing is no news to the other tenants: a delivery of one not seen failing
+    probes at once, and its answer ends the pause for all."""
+    clock = Clock()
+    throttle = await _one_tenants_batch_failing(clock, probes=4)
+    assert throttle.pause_left_s() > 1.0  # past the hold: a delivery would be put off
+
+    assert await _turn_of(throttle, "b", 999) == PROBE
+    throttle.answered(PROBE)
+    throttle.done(PROBE)
+    assert not throttle.paused
+    assert await _turn_of(throttle, "a", 200) == GO
+
+
+async def test_a_tenants_own_fresh_texts_do_not_cut_short_the_pause_its_fresh_text_began() -> None:
+    """A single tenant's deployment behaves as before: the pause a fresh text of its own
+    began stands for its other texts (each would call a provider that is down)."""
+    clock = Clock()
+    throttle = await _one_tenants_batch_failing(clock, probes=1)
+
+    assert isinstance(await _turn_of(throttle, "a", 300), PutOff)
+
+
+async def test_in_a_real_outage_each_tenant_cuts_a_pause_short_once() -> None:
+    """Another tenant's probe that fails is news of the provider: the pause it begins stands
+    for every tenant, until a probe of a tenant seen failing begins the next."""
+    clock = Clock()
+    throttle = await _one_tenants_batch_failing(clock, probes=1)
+    assert await _turn_of(throttle, "b", 999) == PROBE
+    assert _fails_of(throttle, "b", 999, turn=PROBE) == [True]  # the outage's: its first
+    throttle.done(PROBE)
+
+    assert isinstance(await _turn_of(throttle, "b", 998), PutOff)
+    assert isinstance(await _turn_of(throttle, "c", 997), PutOff)
+    clock.now += throttle.pause_left_s() + 0.01
+    assert await _turn_of(throttle, "a", 301) == PROBE
+    _fails_of(throttle, "a", 301, turn=PROBE)
+    throttle.done(PROBE)
+    assert isinstance(await _turn_of(throttle, "b", 998), PutOff)  # seen failing now
+    assert await _turn_of(throttle, "c", 997) == PROBE
+
+
+async def test_the_tenants_of_the_texts_that_began_the_outage_are_seen_failing() -> None:
+    clock = Clock()
+    throttle = _throttle(clock, hold_s=0.5)
+    _fails_of(throttle, "a", 0)
+    _fails_of(throttle, "b", 1)
+    _fails_of(throttle, "a", 2)
+    clock.now += throttle.pause_left_s() + 0.01
+    assert await _turn_of(throttle, "a", 100) == PROBE
+    _fails_of(throttle, "a", 100, turn=PROBE)
+    throttle.done(PROBE)
+
+    assert isinstance(await _turn_of(throttle, "b", 999), PutOff)
+    assert await _turn_of(throttle, "c", 998) == PROBE
+
+
+async def test_a_delivery_of_a_tenant_not_seen_failing_probes_first() -> None:
+    """At the pause's end a fresh text of the failing batch's tenant probed as readily as
+    another tenant's text: failing, it doubled the pause for all."""
+    clock = Clock()
+    throttle = _throttle(clock, hold_s=GUARD_S)
+    _fails_of(throttle, "a", *range(TRIP_AFTER))
+    batch = asyncio.ensure_future(throttle.wait_turn(asyncio.Event(), text_key=100, tenant_key="a"))
+
+    async def waiting(count: int) -> bool:
+        return throttle.waiting == count
+
+    await eventually(partial(waiting, 1), what="a fresh text of tenant a waiting")
+    other = asyncio.ensure_future(throttle.wait_turn(asyncio.Event(), text_key=999, tenant_key="b"))
+    await eventually(partial(waiting, 2), what="tenant b's text waiting")
+    clock.now += throttle.pause_left_s() + 0.01  # the pause is over: each wakes at its end
+
+    assert await asyncio.wait_for(other, timeout=GUARD_S) == PROBE
+    assert not batch.done()  # gives way, waiting for the probe's answer
+    throttle.answered(PROBE)
+    throttle.done(PROBE)
+    assert await asyncio.wait_for(batch, timeout=GUARD_S) == GO
+
+
+async def test_a_probe_cutting_a_tenants_pause_short_that_never_called_lets_another_do_so() -> None:
+    """The pause it cut short is again no news to the other tenants, and only to them."""
+    clock = Clock()
+    throttle = await _one_tenants_batch_failing(clock, probes=1)
+    assert await _turn_of(throttle, "b", 999) == PROBE
+    throttle.done(PROBE)  # its claim was held elsewhere, say
+
+    assert isinstance(await _turn_of(throttle, "a", 400), PutOff)
+    assert await _turn_of(throttle, "c", 998) == PROBE
+
+
+async def test_a_fresh_text_of_a_tenant_seen_failing_is_news_to_that_tenant_only() -> None:
+    """A call running since before the pause, of a fresh text of a tenant seen failing,
+    fails during a pause a text seen failing began: its tenant's other texts now wait the
+    pause out, another tenant's may still cut it short."""
+    clock = Clock()
+    throttle = _throttle(clock, hold_s=0.5)
+    _fails_of(throttle, "a", *range(TRIP_AFTER))
+    clock.now += throttle.pause_left_s() + 0.01
+    assert await _turn_of(throttle, "a", 0) == PROBE
+    _fails_of(throttle, "a", 0, turn=PROBE)  # a text seen failing: news to nobody
+    throttle.done(PROBE)
+    _fails_of(throttle, "a", 500)
+
+    assert isinstance(await _turn_of(throttle, "a", 501), PutOff)
+    assert await _turn_of(throttle, "b", 999) == PROBE
+
+
+async def test_the_scorer_tells_the_throttle_the_tasks_tenant() -> None:
+    clock = Clock()
+    throttle = _throttle(clock, hold_s=0.5)
+    down = ModelUnavailable("500 from the provider")
+    for n in range(TRIP_AFTER):
+        task = ScoreText(task_id=f"a-{n}", text=f"text {n}", tenant_id="a")
+        _tell_the_throttle(throttle, GO, down, task)
+    clock.now += throttle.pause_left_s() + 0.01
+    assert await _turn_of(throttle, "a", hash("text 9")) == PROBE
+    _tell_the_throttle(
+        throttle, PROBE, down, ScoreText(task_id="a-9", text="text 9", tenant_id="a")
+    )
+    throttle.done(PROBE)
+
+    assert await _turn_of(throttle, "b", hash("another text")) == PROBE

@@ -232,7 +232,8 @@ async def recorded_decision(
             # The attempt's own; or the cancellation that replaced its retry (noted during
             # its call), which this very delivery carried out, perhaps with its publish lost:
             # dropped, nothing was left to carry it out (found in review). A repeat is a no-op.
-            return _unless_published_cancellation(decision, published=published)
+            kept = _unless_published_cancellation(decision, published=published)
+            return await _replayed(kept, command, deps)
         case Decided(decision=decision) if _is_newer(decision, command):
             # A later attempt completed or failed: its own delivery carried that out. Given
             # up, this one published a second, failed outcome next to it.
@@ -355,7 +356,7 @@ async def _claim_and_call(
         command, now=now, lease=deps.lease, owner=deps.owner, reclaim_own=True
     )
     if not isinstance(claim, Claimed):
-        return _not_claimed(claim, command, redelivered)
+        return await _replayed(_not_claimed(claim, command, redelivered), command, deps)
     # Read before the model is called: failing after it, the call would be made again.
     before = await deps.attempts.before_the_call(command, claim)
     earlier = before.spent
@@ -396,6 +397,18 @@ def _not_claimed(
             return Drop("a newer attempt of this task decided")
         case Decided(decision=decision):
             return decision
+
+
+async def _replayed[D: Decision](decision: D, command: ScoreText, deps: ScorerDeps) -> D | Finish:
+    """A recorded decision about to be carried out again: the attempt's own retry is looked at
+    for a cancellation noted meanwhile, as when it was decided (`_unless_cancelled_meanwhile`).
+    A process that died between recording the retry and that look left it to every replay,
+    and the task read `retrying`, its tenant's slot held until the retry was due (a day,
+    after a long `Retry-After`), after a cancel answered 202 (a review)."""
+    if isinstance(decision, Retry) and _decides(decision, command):
+        checked = await _unless_cancelled_meanwhile(command, decision, deps)
+        return checked if isinstance(checked, Finish) else decision
+    return decision
 
 
 async def _unless_cancelled_meanwhile(

@@ -21,10 +21,10 @@ import pytest
 from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import FakeLLM
-from services.scorer.attempts import Attempts, Claimed, ClaimResult
+from services.scorer.attempts import Attempts, Claimed, ClaimResult, TooLate
 from services.scorer.consumer import CRASHES_HEADER, BrokerActions, subscribe_scorer
-from services.scorer.decisions import Decision, Defer, Drop, Finish
-from services.scorer.scoring import ScorerDeps, score_text
+from services.scorer.decisions import Decision, Defer, Drop, Finish, Retry, is_cancellation
+from services.scorer.scoring import ScorerDeps, _cancel_requested, recorded_decision, score_text
 from services.scorer.slots import ModelSlots
 from services.scorer.throttle import ModelThrottle, Turn
 from shared.consumers import Delivery
@@ -36,6 +36,7 @@ from shared.contracts import (
     TaskError,
     TaskEvent,
     TaskFailed,
+    TaskRetrying,
     event_sequence,
     new_id,
     utcnow,
@@ -406,4 +407,42 @@ async def test_a_stale_copy_of_an_earlier_attempt_drops_a_later_attempts_outcome
     stale = await score_text(first, deps=make_deps("scorer-a"))
 
     assert isinstance(stale, Drop)
+    assert _calls(fake_llm, marker) == 0
+
+
+@pytest.mark.parametrize("path", ["redelivered", "at the limit"])
+async def test_a_replayed_retry_is_cancelled_by_a_cancel_noted_while_it_was_decided(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM, path: str
+) -> None:
+    """A client cancelled while the attempt called the model, which answered 429 with a
+    day's `Retry-After`; the retry was recorded and its process died before it looked for
+    the cancel. Its redelivery carried the retry out as recorded: the task read `retrying`,
+    its tenant's slot held for the day, after a cancel answered 202 (a review)."""
+    command, marker = _command("An essay cancelled while its call ran into a 429.")
+    now = utcnow()
+    await attempts.claim(command, now=now, lease=LEASE, owner="scorer-dead")
+    assert isinstance(await attempts.cancel(_cancel_requested(command, now), now=now), TooLate)
+    due = now + timedelta(hours=24)
+    retry = Retry(
+        event=TaskRetrying(
+            task_id=command.task_id,
+            sequence=event_sequence(generation=0, attempt=1, phase=Phase.TERMINAL),
+            attempt=1,
+            submitted_at=command.submitted_at,
+            error=TaskError(code="model_rate_limited", message="429", retryable=True),
+            next_attempt_at=due,
+        ),
+        next_command=command.model_copy(update={"attempt": 2, "not_before": due}),
+    )
+    assert await attempts.decide(command, retry, now=now, raw_output=None, owner="scorer-dead")
+
+    deps = make_deps("scorer-a")
+    replayed: object
+    if path == "redelivered":
+        replayed = await score_text(command, deps=deps, redelivered=True)
+    else:
+        replayed = await recorded_decision(command, deps=deps)
+
+    assert isinstance(replayed, Finish)
+    assert is_cancellation(replayed)
     assert _calls(fake_llm, marker) == 0

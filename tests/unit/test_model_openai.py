@@ -547,6 +547,28 @@ async def test_configuration_errors_are_permanent(status: int, message: str) -> 
     assert not caught.value.to_task_error().retryable
 
 
+@pytest.mark.parametrize(
+    "error",
+    [
+        {
+            "code": 403,
+            "message": "gpt-4o requires moderation on OpenRouter. Your input was flagged.",
+            "metadata": {"reasons": ["harassment"], "flagged_input": "...", "model_slug": "x"},
+        },
+        {"code": 403, "message": "Blocked", "metadata": {"reasons": ["violence"]}},
+        {"code": "content_policy_violation", "message": "Request refused by the filter"},
+    ],
+    ids=["openrouter", "metadata only", "code"],
+)
+async def test_a_403_of_a_text_moderation_flagged_is_input_rejected(error: dict[str, Any]) -> None:
+    """OpenRouter's 403 for an input its moderation flagged was a misconfiguration: the task
+    failed telling the operator to mend settings that were right (a review)."""
+    provider = ScriptedProvider(json_answer(403, {"error": error}))
+    with pytest.raises(InputRejected, match="403") as caught:
+        await score_with(provider)
+    assert not caught.value.to_task_error().retryable
+
+
 async def test_a_redirect_is_not_followed() -> None:
     moved = Answer(307, b"", {"Location": "/v1/chat/completions"})
     provider = ScriptedProvider(moved, completion(GOOD))

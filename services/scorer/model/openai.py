@@ -70,6 +70,8 @@ _INPUT_PROBLEMS: Final = (
     "flagged",
     "invalid_prompt",
 )
+# A 403's words for a text a moderation layer refused (not a key without access).
+_MODERATION_WORDS: Final = ("flagged", "moderation", "content_policy", "content policy")
 # Read in the error's code and type only: a rate limit's message may point at a billing page
 # ("Need more tokens? Upgrade ... /settings/billing"), which no retry would have fixed.
 _CONFIG_PROBLEMS_429: Final = ("insufficient_quota", "billing")
@@ -501,17 +503,36 @@ def error_for_response(response: ProviderReply, *, now: datetime) -> ScoringErro
         return _rate_limit_error(response, detail, code, now=now)
     if status == 407:
         return ModelMisconfigured(f"407 from the proxy ({_PROXY_SETTINGS}): {provider_says}")
+    if _blames_the_text(response, blames):
+        return InputRejected(detail)
     if status in _MISCONFIGURED or 300 <= status < 400:
         return ModelMisconfigured(detail)
-    if status == 413 or (
-        status in (400, 422) and any(problem in blames for problem in _INPUT_PROBLEMS)
-    ):
-        return InputRejected(detail)
     if status in (400, 422):
         # Our request is malformed for this server (e.g. an unsupported LLM_JSON_MODE).
         return ModelMisconfigured(detail)
     unavailable = ModelUnavailable if status >= 500 else ModelReplyUnusable
     return unavailable(detail, retry_after_s=retry_after_s(response.headers, now=now))
+
+
+def _blames_the_text(response: ProviderReply, blames: str) -> bool:
+    """Whether an error status says the text itself is refused, which no retry changes."""
+    if response.status == 403:
+        return _flagged_by_moderation(response, blames)
+    return response.status == 413 or (
+        response.status in (400, 422) and any(problem in blames for problem in _INPUT_PROBLEMS)
+    )
+
+
+def _flagged_by_moderation(response: ProviderReply, blames: str) -> bool:
+    """Whether a 403 refuses the text rather than the key: OpenRouter answers 403 for an input
+    its moderation flagged (`error.metadata` with `reasons` or `flagged_input`), and such a
+    text failed as a misconfiguration, telling the operator to mend settings that were
+    right (a review)."""
+    error = _error_object(response) or {}
+    metadata = error.get("metadata")
+    if isinstance(metadata, dict) and ("flagged_input" in metadata or "reasons" in metadata):
+        return True
+    return any(word in blames for word in _MODERATION_WORDS)
 
 
 def _rate_limit_error(

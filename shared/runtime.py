@@ -28,6 +28,7 @@ from pythonjsonlogger.json import JsonFormatter
 from uvicorn.config import LOGGING_CONFIG
 
 from shared.bus import BROKER_ERRORS, publish_dead_letter
+from shared.clock_offset import check_clock
 from shared.consumers import Delivery, ScoreboxBroker
 from shared.database_errors import transient_database_error
 from shared.log_context import (
@@ -210,6 +211,19 @@ async def prepare_database(action: Callable[[], Awaitable[Any]], *, deadline_s: 
     """
     with pymongo.timeout(0):  # 0: no deadline, so no `maxTimeMS`
         await retry_until(action, what="MongoDB", deadline_s=deadline_s)
+
+
+async def prepare_service_database(
+    mongo: MongoClient,
+    settings: ServiceSettings,
+    action: Callable[[], Awaitable[Any]],
+    *,
+    service: str,
+) -> None:
+    """A service's start-up with its database: `action` run as `prepare_database` runs it,
+    then its clock checked against the database server's (`shared/clock_offset.py`)."""
+    await prepare_database(action, deadline_s=settings.startup_timeout_s)
+    await check_clock(mongo, max_offset_s=settings.max_clock_offset_s, service=service)
 
 
 async def keep_trying[T](

@@ -74,7 +74,7 @@ from shared.runtime import (
     make_broker,
     make_mongo,
     mongo_ready,
-    prepare_database,
+    prepare_service_database,
     start_broker,
     when_stopping,
 )
@@ -239,7 +239,9 @@ def gateway_lifespan(gateway: Gateway) -> Callable[[FastAPI], Any]:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if warning := settings.outbox_grace_warning():
             log.warning(warning)
-        await prepare_database(gateway.ensure_indexes, deadline_s=settings.startup_timeout_s)
+        await prepare_service_database(
+            gateway.mongo, settings, gateway.ensure_indexes, service="gateway"
+        )
         token = settings.bootstrap_api_key.get_secret_value() if settings.bootstrap_api_key else ""
         # Empty means unset (compose passes `${SCOREBOX_API_KEY:-}`); a token that is no key
         # was refused with the settings, before the database was waited for.

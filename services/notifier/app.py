@@ -33,7 +33,7 @@ from shared.runtime import (
     MongoClient,
     make_broker,
     make_mongo,
-    prepare_database,
+    prepare_service_database,
     start_broker,
 )
 from shared.service_app import internal_service_app
@@ -146,7 +146,7 @@ def create_app(
                 ),
             )
         warn_if_internal_routes_open(settings.internal_api_key, "notifier")
-        await prepare_database(ensure_indexes, deadline_s=settings.startup_timeout_s)
+        await prepare_service_database(mongo, settings, ensure_indexes, service="notifier")
         await start_broker(broker, settings)
         yield
         await broker.stop()

@@ -57,7 +57,7 @@ from shared.runtime import (
     MongoClient,
     make_broker,
     make_mongo,
-    prepare_database,
+    prepare_service_database,
     start_broker,
 )
 from shared.service_app import internal_service_app
@@ -237,7 +237,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         warn_if_internal_routes_open(settings.internal_api_key, "scheduler")
-        await prepare_database(ensure_indexes, deadline_s=settings.startup_timeout_s)
+        await prepare_service_database(mongo, settings, ensure_indexes, service="scheduler")
         await start_broker(broker, settings)
         ticking = asyncio.create_task(keep_dispatching(dispatcher, interval_s=settings.tick_s))
         yield

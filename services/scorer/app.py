@@ -45,7 +45,7 @@ from shared.runtime import (
     MongoClient,
     make_broker,
     make_mongo,
-    prepare_database,
+    prepare_service_database,
     start_broker,
 )
 from shared.service_app import internal_service_app
@@ -213,9 +213,11 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await prepare_database(
+        await prepare_service_database(
+            mongo,
+            settings,
             lambda: _prepare_database(attempts, cancelled_batches, batch_cancel_records, clock),
-            deadline_s=settings.startup_timeout_s,
+            service="scorer",
         )
         await start_broker(broker, settings)
         yield

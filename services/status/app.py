@@ -50,7 +50,7 @@ from shared.runtime import (
     keep_trying_database,
     make_broker,
     make_mongo,
-    prepare_database,
+    prepare_service_database,
     start_broker,
 )
 from shared.service_app import internal_service_app
@@ -76,7 +76,9 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         warn_if_internal_routes_open(settings.internal_api_key, "status service")
-        await prepare_database(lambda: ensure_indexes(tasks), deadline_s=settings.startup_timeout_s)
+        await prepare_service_database(
+            mongo, settings, lambda: ensure_indexes(tasks), service="status"
+        )
         await start_broker(broker, settings)
         yield
         await broker.stop()

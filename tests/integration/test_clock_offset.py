@@ -1,0 +1,47 @@
+"""A service whose clock is far from its database server's does not start: replicas judge
+each other's records by their clocks (a review: a replica 90 s behind had the requests it
+was refusing swept and scored by another). On the real database's `hello`."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient
+
+from services.status.app import create_app as create_status
+from services.status.settings import StatusSettings
+from shared import clock_offset
+from shared.clock_offset import ClockOffsetTooLarge, clock_offset_s
+from tests.support import running
+
+
+async def test_the_offset_is_measured_against_the_servers_clock(mongo: Any) -> None:
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
+    try:
+        in_step = await clock_offset_s(client)
+        behind = await clock_offset_s(client, now=lambda: datetime.now(UTC) - timedelta(seconds=90))
+    finally:
+        await client.close()
+    assert abs(in_step) < 5  # one machine
+    assert 85 < behind < 95
+
+
+async def test_a_service_whose_clock_is_behind_does_not_start(
+    mongo: Any, amqp_url: str, db_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    behind = lambda: datetime.now(UTC) - timedelta(seconds=90)  # noqa: E731
+    monkeypatch.setattr(clock_offset, "_wall_clock", behind)
+    env = {"RABBITMQ_URL": amqp_url, "MONGO_URL": mongo.url, "MONGO_DB_PREFIX": db_prefix}
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
+    try:
+        status = create_status(StatusSettings.model_validate(env), mongo=client)
+        with pytest.raises(ClockOffsetTooLarge, match=r"status's clock is 9\d\.\d s behind"):
+            async with running(status):
+                pass
+        allowed = StatusSettings.model_validate({**env, "MAX_CLOCK_OFFSET_S": "120"})
+        async with running(create_status(allowed, mongo=client)) as api:
+            assert (await api.get("/healthz")).status_code == 200
+    finally:
+        await client.close()

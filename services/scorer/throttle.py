@@ -67,6 +67,11 @@ PAUSE_LOG_EVERY_S = 60.0
 # The longest `Retry-After` a pause honours; longer hints are for the task's retry (the
 # scorer's `MAX_RETRY_AFTER_S`), the pause puts its deliveries off.
 MAX_PAUSE_S = 3600.0
+# How long the others wait for the answer of a rate limit's probe: a provider still limiting
+# answers 429 at once, so a probe not answered by then is being scored, and the limit is
+# over. Waited for in full, one slow or hung text taken as the probe held every other call
+# of the scorer for up to `hold_s` (30 s) after a 1 s pause (a walkthrough).
+PROBE_PATIENCE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,7 @@ class ModelThrottle:
         self._cut_short_out = False
         self._news_since_cut = False
         self._probe_out = False  # the probe's call is running
+        self._probe_sent_at = 0.0
         self._rate_limit_pauses = Tally(PAUSE_LOG_EVERY_S, clock)
         self._outage_probes = Tally(PAUSE_LOG_EVERY_S, clock)
         self._changed = asyncio.Event()
@@ -230,12 +236,24 @@ class ModelThrottle:
             elif not self._probe_due:
                 return GO
             elif not self._probe_out and self._may_probe(waiter):
-                self._probe_out = True
+                self._probe_out, self._probe_sent_at = True, self._clock()
                 return PROBE
+            elif self._rate_limit_probe_unanswered_s() >= PROBE_PATIENCE_S:
+                return GO  # no 429 back at once: the limit is over (`PROBE_PATIENCE_S`)
             elif hold_left <= 0:
                 return PutOff(0.0)  # the probe's answer is late: back of the queue
             else:
-                await self._until_changed(closing, timeout_s=hold_left)  # the probe's answer
+                patience_left = PROBE_PATIENCE_S - self._rate_limit_probe_unanswered_s()
+                # The probe's answer, or the end of the patience a rate limit's probe is given.
+                await self._until_changed(closing, timeout_s=min(hold_left, patience_left))
+
+    def _rate_limit_probe_unanswered_s(self) -> float:
+        """How long the probe of a rate limit's pause has been out unanswered; 0 for an
+        outage's, whose probe is waited for (a provider that does not answer in time is
+        down, and each call sent to it would spend its task's attempt)."""
+        if not self._probe_out or self._outage:
+            return 0.0
+        return self._clock() - self._probe_sent_at
 
     def _may_cut_short(self, text_key: int | None, tenant_key: str | None) -> bool:
         """Whether this delivery may probe before the pause ends: the pause is unproven
@@ -276,7 +294,7 @@ class ModelThrottle:
         return text_key not in self._seen_failing
 
     def _cut_short(self) -> Turn:
-        self._probe_out = True
+        self._probe_out, self._probe_sent_at = True, self._clock()
         self._cut_short_of, self._unproven = self._unproven, None
         self._cut_short_out = True
         self._news_since_cut = False

@@ -22,6 +22,7 @@ from services.scorer.throttle import (
     PAUSE_CAP_S,
     PAUSE_LOG_EVERY_S,
     PROBE,
+    PROBE_PATIENCE_S,
     TRIP_AFTER,
     TRIP_WINDOW_S,
     ModelThrottle,
@@ -288,6 +289,49 @@ async def test_a_delivery_waiting_on_a_probe_that_never_answers_is_put_off_after
     await eventually(lambda: _all_done(waiters), what="the probe taken, the other put off")
     turns = sorted((waiter.result() for waiter in waiters), key=lambda turn: str(type(turn)))
     assert turns == [PutOff(0.0), Turn(probe=True)]
+
+
+async def test_a_rate_limits_probe_unanswered_for_a_while_lets_the_others_through() -> None:
+    """A provider still limiting answers 429 at once: a probe not answered by then is being
+    scored. Waited for in full, one slow text taken as the probe held every other call for
+    up to the hold (30 s) after a 1 s pause (a walkthrough)."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    throttle.rate_limited(Turn(), retry_after_s=None)
+    clock.now += 2
+    closing = asyncio.Event()
+    probe = await asyncio.wait_for(throttle.wait_turn(closing), GUARD_S)
+    assert probe == PROBE
+    others = [asyncio.ensure_future(throttle.wait_turn(closing)) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert not any(other.done() for other in others)  # the probe just went: awaited
+
+    clock.now += PROBE_PATIENCE_S
+    await eventually(lambda: _all_done(others), what="the others let through")
+    assert [other.result() for other in others] == [GO] * 3
+    throttle.answered(probe)
+    throttle.done(probe)
+    assert not throttle.paused
+
+
+async def test_an_outages_probe_is_waited_for_however_long_it_takes() -> None:
+    """A provider that does not answer in time is down: calls sent next to its probe would
+    each spend their task's attempt."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    assert _fails(throttle, 1, 2, 3)[-1]  # an outage
+    clock.now += PAUSE_CAP_S
+    closing = asyncio.Event()
+    probe = await asyncio.wait_for(throttle.wait_turn(closing, text_key=4), GUARD_S)
+    assert probe == PROBE
+    other = asyncio.ensure_future(throttle.wait_turn(closing, text_key=5))
+    clock.now += PROBE_PATIENCE_S * 5
+    # Its wake-up past the patience (real time) finds it still waiting on the probe.
+    done, _ = await asyncio.wait({other}, timeout=PROBE_PATIENCE_S + 0.5)
+    assert not done
+    throttle.answered(probe)
+    throttle.done(probe)
+    assert await asyncio.wait_for(other, GUARD_S) == GO
 
 
 def _fails(

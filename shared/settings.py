@@ -115,7 +115,7 @@ class ServiceSettings(BaseSettings):
     # How far this process's clock may be from the database server's at start-up (0: not
     # checked; `shared/clock_offset.py`).
     max_clock_offset_s: float = Field(
-        default=10.0, ge=0, le=3600, validation_alias="MAX_CLOCK_OFFSET_S"
+        default=5.0, ge=0, le=3600, validation_alias="MAX_CLOCK_OFFSET_S"
     )
 
     @field_validator("rabbitmq_url")

@@ -75,16 +75,18 @@ class AdaptiveLimit:
         self.in_flight += 1
         return True
 
-    def release(self, took_s: float | None, *, accepted: bool = True) -> None:
+    def release(self, took_s: float | None, *, accepted: bool = True, tasks: int = 1) -> None:
         """Free a place; `took_s` is how long the submission took, None when it says nothing
         of the load (its body never arrived in full). Only an `accepted` one (a 202: it did
         the work the limit guards) grows the limit when quick: a malformed body refused at
         once, or a replay's 200, grew it place by place during an overload, and let every
-        slow submission in again (two reviews); a slow answer of any kind cuts it."""
+        slow submission in again (two reviews); a slow answer of any kind cuts it. A batch
+        of `tasks` items cuts it only when slow per item, and grows it only when quick as a
+        whole: measured per item for both, slow batches grew it (a review)."""
         self.in_flight -= 1
         if took_s is None:
             return
-        if took_s > self.target_s:
+        if took_s / max(1, tasks) > self.target_s:
             now = self.clock()
             if now - self._last_decrease >= self.target_s:
                 self.limit = max(float(self.min_limit), self.limit * BACKOFF)
@@ -146,8 +148,8 @@ class SubmissionAdmission:
         finally:
             if taken_at is not None:
                 accepted = status == HTTPStatus.ACCEPTED
-                took_s = (self.clock() - taken_at) / _tasks_taken(scope)
-                self.limit.release(took_s, accepted=accepted)
+                took_s = self.clock() - taken_at
+                self.limit.release(took_s, accepted=accepted, tasks=_tasks_taken(scope))
 
     def _admit(self, scope: Scope) -> None:
         """Take a place for a submission whose body has arrived, or refuse it: `Overloaded`
@@ -204,17 +206,17 @@ def _idempotency_key(scope: Scope) -> str | None:
 
 
 # The key in a request's `state` (`scope["state"]`) under which a submission route tells how
-# many tasks it took on: a batch's time is measured per task (`weigh`).
+# many tasks it took on: a batch's time is measured per task for a cut (`weigh`).
 TASKS_TAKEN = "admission_tasks_taken"
 
 
 def weigh(request: Request, tasks: int) -> None:
     """Tell admission control that this submission takes on `tasks` tasks (a batch's items):
-    its time counts per task against the target. Measured whole, a batch of a thousand
-    items took longer than the 2 s a single submission is given, cut the limit of every
-    tenant's submissions by a fifth each time, and one tenant's steady large batches left
-    the gateway shedding everyone's single submissions at a load it absorbed with room to
-    spare (a review of the limits)."""
+    its time counts per task when it would cut the limit (`AdaptiveLimit.release`). Measured
+    whole, a batch of a thousand items took longer than the 2 s a single submission is
+    given, cut the limit of every tenant's submissions by a fifth each time, and one
+    tenant's steady large batches left the gateway shedding everyone's single submissions at
+    a load it absorbed with room to spare (a review of the limits)."""
     request.scope.setdefault("state", {})[TASKS_TAKEN] = max(1, tasks)
 
 

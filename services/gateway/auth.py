@@ -340,13 +340,16 @@ class Callers:
     authenticated: Any
     identified: Any
     count: Callable[[Caller], Awaitable[None]]
+    refuse_if_full: Callable[[Caller], None]
 
     async def read_counted[T](
         self, caller: Caller, read: Callable[..., Awaitable[T]], *args: Any
     ) -> T:
         """`read(*args, arrived=...)`, the request counted once its body is in (`arrived`), or
         when its body is refused unread (415, 413, 408: every other refusal counts too), not
-        when admission control sheds it."""
+        when admission control sheds it. A key whose window this replica has seen full is
+        answered 429 before its body is read."""
+        self.refuse_if_full(caller)
         counted = False
 
         async def count() -> None:
@@ -369,6 +372,7 @@ def caller_dependencies(authenticator: Authenticator, rate_limiter: RateLimiter)
         authenticated=caller_dependency(authenticator, rate_limiter),
         identified=caller_dependency(authenticator, rate_limiter, counted=False),
         count=functools.partial(count_request, rate_limiter),
+        refuse_if_full=functools.partial(refuse_if_full, rate_limiter),
     )
 
 
@@ -398,6 +402,16 @@ def caller_dependency(
         return caller
 
     return Depends(resolve_caller)
+
+
+def refuse_if_full(rate_limiter: RateLimiter, caller: Caller) -> None:
+    """429, from memory, for a key whose current window this replica has seen full."""
+    if caller.key_id is None:
+        return
+    try:
+        rate_limiter.refuse_if_full(caller.key_id)
+    except LimitExceeded as error:
+        raise limit_problem(error) from error
 
 
 async def count_request(rate_limiter: RateLimiter, caller: Caller) -> None:

@@ -210,8 +210,22 @@ class RateLimiter:
             if await self._count_one(rate_counter_id(key_id, window), window):
                 return
             self._full.mark_full(key_id, window)
+        raise self._exceeded(now, window)
+
+    def refuse_if_full(self, key_id: str) -> None:
+        """`LimitExceeded` when this replica has seen the key's current window full, from
+        memory: a submission is counted only once its body is in, and a key over its limit
+        had every body read, up to 16 MiB a batch, before its 429 (a review)."""
+        if self._per_minute <= 0:
+            return
+        now = self._clock()
+        window = fixed_window(now, RATE_WINDOW_S)
+        if self._full.is_full(key_id, window):
+            raise self._exceeded(now, window)
+
+    def _exceeded(self, now: datetime, window: Window) -> LimitExceeded:
         wait = retry_after_s(now, window.end)
-        raise LimitExceeded(
+        return LimitExceeded(
             "rate",
             f"Rate limit reached: this API key may make {self._per_minute} requests per "
             f"minute; retry in {wait} s.",

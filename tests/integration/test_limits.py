@@ -189,6 +189,31 @@ async def test_a_submission_taken_in_and_refused_for_its_body_counts(
     assert _assert_problem(limited, 429)["limit"] == "rate"
 
 
+async def test_a_key_seen_over_its_rate_is_refused_before_its_body_is_read(
+    stack: Stack,
+) -> None:
+    """A submission is counted once its body is in: a key past its limit had every body
+    read, up to the body limit, before its 429 (a review). Once this replica has seen the
+    key's window full, the 429 comes first."""
+    key = await stack.auth()
+    for _ in range(RATE):
+        assert (await stack.api.get(_unknown(), headers=key)).status_code == 404
+    assert (await stack.api.get(_unknown(), headers=key)).status_code == 429  # seen full
+    pulled = 0
+
+    async def body() -> AsyncIterator[bytes]:
+        nonlocal pulled
+        for _ in range(8):
+            pulled += 1
+            yield b" " * 1000
+
+    refused = await stack.api.post(
+        "/v1/scores", content=body(), headers={**key, "Content-Type": "application/json"}
+    )
+    assert _assert_problem(refused, 429)["limit"] == "rate"
+    assert pulled <= 1  # the transport's first piece at most, never the body
+
+
 _BATCH = {"items": [{"text": "a batch's one text"}]}
 
 

@@ -332,3 +332,14 @@ async def test_a_batch_is_timed_per_task_it_takes_on(tasks: int, cut: bool) -> N
     )
     await middleware({**SUBMISSION, "path": "/v1/batches"}, receive, statuses_into([]))
     assert adaptive.limit == (10 * BACKOFF if cut else 10)
+
+
+def test_a_slow_batch_never_grows_the_limit() -> None:
+    """Quick per item, a batch slow as a whole grew the limit: ten batches each taking 30
+    times the target moved it from 10 to 14 (a review). It grows only when quick whole."""
+    adaptive = limit(initial=10)
+    fill(adaptive)
+    adaptive.release(took_s=TARGET_S * 30, accepted=True, tasks=1000)
+    assert adaptive.limit == 10
+    adaptive.release(took_s=TARGET_S / 4, accepted=True, tasks=1000)
+    assert adaptive.limit == 11

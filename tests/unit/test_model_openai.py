@@ -557,8 +557,9 @@ async def test_configuration_errors_are_permanent(status: int, message: str) -> 
         },
         {"code": 403, "message": "Blocked", "metadata": {"reasons": ["violence"]}},
         {"code": "content_policy_violation", "message": "Request refused by the filter"},
+        {"code": 403, "message": "This model requires moderation; the input was refused"},
     ],
-    ids=["openrouter", "metadata only", "code"],
+    ids=["openrouter", "metadata only", "code", "openrouter's words"],
 )
 async def test_a_403_of_a_text_moderation_flagged_is_input_rejected(error: dict[str, Any]) -> None:
     """OpenRouter's 403 for an input its moderation flagged was a misconfiguration: the task
@@ -567,6 +568,13 @@ async def test_a_403_of_a_text_moderation_flagged_is_input_rejected(error: dict[
     with pytest.raises(InputRejected, match="403") as caught:
         await score_with(provider)
     assert not caught.value.to_task_error().retryable
+
+
+async def test_a_403_whose_message_says_flagged_of_the_account_is_misconfigured() -> None:
+    """Words in a 403's free text may be the key's: its account "flagged for review"."""
+    provider = ScriptedProvider(provider_error(403, "Your account has been flagged for review"))
+    with pytest.raises(ModelMisconfigured, match="403"):
+        await score_with(provider)
 
 
 async def test_a_redirect_is_not_followed() -> None:

@@ -517,22 +517,26 @@ def error_for_response(response: ProviderReply, *, now: datetime) -> ScoringErro
 def _blames_the_text(response: ProviderReply, blames: str) -> bool:
     """Whether an error status says the text itself is refused, which no retry changes."""
     if response.status == 403:
-        return _flagged_by_moderation(response, blames)
+        return _flagged_by_moderation(response)
     return response.status == 413 or (
         response.status in (400, 422) and any(problem in blames for problem in _INPUT_PROBLEMS)
     )
 
 
-def _flagged_by_moderation(response: ProviderReply, blames: str) -> bool:
+def _flagged_by_moderation(response: ProviderReply) -> bool:
     """Whether a 403 refuses the text rather than the key: OpenRouter answers 403 for an input
-    its moderation flagged (`error.metadata` with `reasons` or `flagged_input`), and such a
-    text failed as a misconfiguration, telling the operator to mend settings that were
-    right (a review)."""
+    its moderation flagged (`error.metadata` with `reasons` or `flagged_input`, "... requires
+    moderation ..."), and such a text failed as a misconfiguration, telling the operator to
+    mend settings that were right (a review). Words are read in the error's code and type
+    only, and OpenRouter's phrase in its message: "account flagged for review" in a 403's
+    message is the key's."""
     error = _error_object(response) or {}
     metadata = error.get("metadata")
     if isinstance(metadata, dict) and ("flagged_input" in metadata or "reasons" in metadata):
         return True
-    return any(word in blames for word in _MODERATION_WORDS)
+    kinds = f"{error.get('code')} {error.get('type')}".lower()
+    message = str(error.get("message", "")).lower()
+    return any(word in kinds for word in _MODERATION_WORDS) or "requires moderation" in message
 
 
 def _rate_limit_error(

@@ -45,7 +45,10 @@ async def hold_unsent_batches(
         listed = await batches.due_for_hold_check(now=now, limit=HOLD_CHECK_CHUNK)
         if not listed:
             break
-        due = await _without_unrecorded(listed, batches, now=now, grace=in_progress_for)
+        due, waiting = await _without_unrecorded(
+            listed, batches, now=now, grace=in_progress_for, retention=retention
+        )
+        held += waiting
         unsent = await submissions.batches_with_unsent([batch.batch_id for batch in due])
         hold = {
             batch.batch_id
@@ -62,29 +65,41 @@ async def hold_unsent_batches(
 
 
 async def _without_unrecorded(
-    due: list[BatchRecord], batches: Batches, *, now: datetime, grace: timedelta
-) -> list[BatchRecord]:
+    due: list[BatchRecord],
+    batches: Batches,
+    *,
+    now: datetime,
+    grace: timedelta,
+    retention: timedelta,
+) -> tuple[list[BatchRecord], int]:
     """`due` less the batches whose request has not noted every item recorded (`recorded`
-    False, still `accepting`, none of their items sent) and whose wait for a replay is over:
-    each is refused whole (`abandon_unrecorded`, as the outbox sweep refuses one with items
-    recorded), or left for a later pass when a write noted it recorded, or a replay
-    accepted it, since it was read.
+    False, still `accepting`, none of their items sent), and how many of those wait for a
+    replay. Once its wait is over, each is refused whole (`abandon_unrecorded`, as the
+    outbox sweep refuses one with items recorded), or left for a later pass when a write
+    noted it recorded, or a replay accepted it, since it was read. Looked at within its wait
+    (a retention short enough to bring its usual look first), it is held to the wait's end
+    and looked at then: passed on, it was settled once past the grace, and never refused
+    (the review of this change).
 
     The outbox sweep finds an incomplete batch by its recorded items, so one whose request
     died before its first chunk of items landed (a gateway killed, an insert timed out and
     its refusal lost with the process) was never refused: it was listed, its items read
     `expired` as if scored, a cancel was told to wait for a refusal due long before, for a
     day (a review). Its look now comes at the end of that wait (`Batches.insert`)."""
-    kept = []
+    kept, waiting = [], 0
     for batch in due:
         unrecorded = (
             batch.state == BatchState.ACCEPTING and batch.recorded is False and not batch.swept
         )
-        if not unrecorded or incomplete_batch_held_until(batch.created_at, grace=grace) > now:
-            kept.append(batch)  # a short retention's look within the wait: held as before
+        held_until = incomplete_batch_held_until(batch.created_at, grace=grace)
+        if not unrecorded:
+            kept.append(batch)
+        elif held_until > now:
+            await batches.hold_for_replay(batch.batch_id, until=held_until, retention=retention)
+            waiting += 1
         elif await batches.abandon_unrecorded(batch.batch_id, now=now):
             log.warning(
                 "batch %s: its request died before recording every item; refused",
                 batch.batch_id,
             )
-    return kept
+    return kept, waiting

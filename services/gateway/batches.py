@@ -413,6 +413,22 @@ class Batches:
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 
+    async def hold_for_replay(
+        self, batch_id: str, *, until: datetime, retention: timedelta
+    ) -> None:
+        """A batch waiting for a replay of its request until `until`: looked at again then,
+        and kept at least its hold lead past it."""
+        try:
+            await self._collection.update_one(
+                {"_id": batch_id, HOLD_CHECK_AT: {"$exists": True}},
+                {
+                    "$set": {HOLD_CHECK_AT: until},
+                    "$max": {"expires_at": until + hold_lead(retention)},
+                },
+            )
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+
     async def outlive_sends(
         self, batch_ids: Sequence[str], *, sent_at: datetime, retention: timedelta
     ) -> None:

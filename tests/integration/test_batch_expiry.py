@@ -28,6 +28,7 @@ from services.gateway.batches import (
     BatchState,
     usual_hold_check,
 )
+from services.gateway.submit import INCOMPLETE_BATCH_HOLD
 from shared.contracts import ScoreText, new_id, utcnow
 from tests.integration.gateway_records import GatewayRecords as Gateway
 from tests.integration.gateway_records import gateway_records
@@ -165,7 +166,9 @@ async def test_an_accepting_batch_is_held_only_while_its_request_may_still_run(
     gateway: Gateway,
 ) -> None:
     """A batch whose request is still recording it has no unsent item yet; one whose request
-    died before recording any has none ever, and is not held for good."""
+    died before recording any has none ever: held to the end of its wait for a replay, then
+    refused, not held for good. With a retention this short its usual look comes within
+    that wait; passed on, it was settled and never refused (a review)."""
     now = _now()
     retention = timedelta(minutes=2)  # a look is due after half of it (`hold_lead`)
     created = now - timedelta(seconds=90)
@@ -173,11 +176,16 @@ async def test_an_accepting_batch_is_held_only_while_its_request_may_still_run(
     assert (await _stored(gateway, batch_id))[HOLD_CHECK_AT] == created + retention / 2
 
     assert await _hold(gateway, now, retention=retention, grace=timedelta(minutes=5)) == 1
-    assert (await _stored(gateway, batch_id))["expires_at"] == now + retention
+    held_until = created + INCOMPLETE_BATCH_HOLD
+    stored = await _stored(gateway, batch_id)
+    assert stored[HOLD_CHECK_AT] == held_until
+    assert stored["expires_at"] == held_until + retention / 2
 
-    gone = now + timedelta(minutes=10)  # its request has long stopped
+    gone = now + timedelta(minutes=10)  # its request has long stopped, its wait is over
     assert await _hold(gateway, gone, retention=retention, grace=GRACE) == 0
-    assert HOLD_CHECK_AT not in await _stored(gateway, batch_id)
+    refused = await _stored(gateway, batch_id)
+    assert refused["state"] == BatchState.ABANDONED
+    assert HOLD_CHECK_AT not in refused
 
 
 async def test_a_written_off_batch_is_never_held(gateway: Gateway) -> None:

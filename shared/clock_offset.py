@@ -22,7 +22,12 @@ from typing import Any
 from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 
+from shared.contracts import utcnow
+
 log = logging.getLogger("scorebox.clock")
+# This machine's clock, not a service's injected one (tests run services on clocks of their
+# own); a module attribute so that a test can set it back or ahead.
+wall_clock: Callable[[], datetime] = utcnow
 
 WARN_CLOCK_OFFSET_S = 1.0
 
@@ -36,17 +41,13 @@ class ClockOffsetTooLarge(RuntimeError):
     """The service's clock is further from the database's than `MAX_CLOCK_OFFSET_S`."""
 
 
-def _wall_clock() -> datetime:
-    return datetime.now(UTC)
-
-
 async def clock_offset_s(
     client: AsyncMongoClient[Any], *, now: Callable[[], datetime] | None = None
 ) -> float:
     """How far the database server's clock is ahead of this process's wall clock (`now`;
     negative: behind), to within half the round trip and the millisecond `localTime` keeps.
     The wall clock, not a service's injected one: tests run services on clocks of their own."""
-    now = now or _wall_clock
+    now = now or wall_clock
     before = now()
     answer = await client.admin.command("hello")
     after = now()

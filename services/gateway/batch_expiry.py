@@ -88,11 +88,8 @@ async def _without_unrecorded(
     day (a review). Its look now comes at the end of that wait (`Batches.insert`)."""
     kept, waiting = [], 0
     for batch in due:
-        unrecorded = (
-            batch.state == BatchState.ACCEPTING and batch.recorded is False and not batch.swept
-        )
         held_until = incomplete_batch_held_until(batch.created_at, grace=grace)
-        if not unrecorded:
+        if not batch.left_unrecorded:
             kept.append(batch)
         elif held_until > now:
             await batches.hold_for_replay(batch.batch_id, until=held_until, retention=retention)

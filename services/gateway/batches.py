@@ -219,6 +219,13 @@ class BatchRecord:
     # It was submitted under an Idempotency-Key, which a replay may complete it with.
     keyed: bool = False
 
+    @property
+    def left_unrecorded(self) -> bool:
+        """Whether its request has not noted every item recorded and the outbox sweep sent
+        none: a request still recording it, or one that died part-way, which a replay may
+        complete until the batch is refused (`incomplete_batch_held_until`)."""
+        return self.state == BatchState.ACCEPTING and self.recorded is False and not self.swept
+
     def item_retention(self, retention: timedelta) -> timedelta:
         """The retention to record this batch's items with: `retention`, but never past the
         record's own expiry, which the outbox sweep takes an item's insert-time expiry for
@@ -1146,11 +1153,8 @@ async def read_batch(
 def held_for_replay(record: BatchRecord, *, now: datetime, grace: timedelta) -> bool:
     """Whether the batch's request has not noted every item recorded and a replay of it may
     still complete it (the outbox sweep and the expiry look refuse it after that)."""
-    return (
-        record.state == BatchState.ACCEPTING
-        and record.recorded is False
-        and not record.swept
-        and now < incomplete_batch_held_until(record.created_at, grace=grace)
+    return record.left_unrecorded and now < incomplete_batch_held_until(
+        record.created_at, grace=grace
     )
 
 

@@ -35,7 +35,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Protocol
 
-from services.gateway.batches import Batches, BatchRecord, BatchState
+from services.gateway.batches import Batches, BatchRecord
 from services.gateway.errors import StatusUnavailable, in_progress_retry_after
 from services.gateway.submissions import CancelTarget, Submission, Submissions
 from services.gateway.submit import StatusReader, incomplete_batch_held_until
@@ -247,7 +247,7 @@ def _being_recorded(record: BatchRecord) -> bool:
     whole (records of earlier builds note nothing: taken for whole) and not sent by the
     outbox sweep. Not the item count alone: a batch the sweep sent stays `accepting`, and
     its first items' submissions expire before its record (a review)."""
-    return record.state == BatchState.ACCEPTING and record.recorded is False and not record.swept
+    return record.left_unrecorded
 
 
 def _announcement(

@@ -32,7 +32,7 @@ async def test_a_service_whose_clock_is_behind_does_not_start(
     mongo: Any, amqp_url: str, db_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     behind = lambda: datetime.now(UTC) - timedelta(seconds=90)  # noqa: E731
-    monkeypatch.setattr(clock_offset, "_wall_clock", behind)
+    monkeypatch.setattr(clock_offset, "wall_clock", behind)
     env = {"RABBITMQ_URL": amqp_url, "MONGO_URL": mongo.url, "MONGO_DB_PREFIX": db_prefix}
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
     try:

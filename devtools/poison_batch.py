@@ -1,0 +1,108 @@
+"""How long one tenant's healthy texts wait behind another tenant's batch of texts that each
+fail on their own (docs/architecture.md, "Texts failing on their own").
+
+Against a running stack whose model is the fake one, started as:
+
+    python -m devtools.fake_llm --port 8090 --latency-ms 200 &
+    LLM_PROVIDER=openai LLM_BASE_URL=http://127.0.0.1:8090/v1 LLM_API_KEY=x make run
+
+then, with the variables `make run` prints exported (`SCOREBOX_URL`, `SCOREBOX_API_KEY`,
+`SCOREBOX_ADMIN_KEY`):
+
+    python -m devtools.poison_batch
+
+The default tenant submits a batch of texts the fake model answers 500 every time
+(`[[fake:500]]`); a second later a tenant of its own (a key made with the admin key)
+submits healthy texts. Prints the seconds until the healthy batch's first and last items
+were finished, counted from its submission.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+import uuid
+from typing import Any
+
+import httpx
+
+FINISHED = frozenset({"completed", "failed", "expired"})
+POLL_S = 1.0
+TIMEOUT_S = 600.0
+
+
+def finished(counts: dict[str, int]) -> int:
+    return sum(count for status, count in counts.items() if status in FINISHED)
+
+
+async def _batch(api: httpx.AsyncClient, key: str, texts: list[str]) -> str:
+    answer = await api.post(
+        "/v1/batches",
+        json={"items": [{"text": text} for text in texts]},
+        headers={"Authorization": f"Bearer {key}"},
+    )
+    answer.raise_for_status()
+    batch_id: str = answer.json()["batch_id"]
+    return batch_id
+
+
+async def _counts(api: httpx.AsyncClient, key: str, batch_id: str) -> dict[str, int]:
+    answer = await api.get(
+        f"/v1/batches/{batch_id}", params={"limit": 1}, headers={"Authorization": f"Bearer {key}"}
+    )
+    answer.raise_for_status()
+    counts: dict[str, int] = answer.json()["counts"]
+    return counts
+
+
+async def measure(
+    api: httpx.AsyncClient, *, tenant_key: str, admin_key: str, failing: int, healthy: int
+) -> dict[str, Any]:
+    """Seconds until the other tenant's first and last healthy items were finished."""
+    run = uuid.uuid4().hex[:8]
+    made = await api.post(
+        "/admin/v1/keys",
+        json={"tenant_id": f"other-{run}"},
+        headers={"Authorization": f"Bearer {admin_key}"},
+    )
+    made.raise_for_status()
+    other_key: str = made.json()["key"]
+    await _batch(api, tenant_key, [f"[[fake:500]] {run} failing text {i}." for i in range(failing)])
+    await asyncio.sleep(1.0)  # the scenario's own gap, as a client would leave it
+    started = time.monotonic()
+    batch_id = await _batch(api, other_key, [f"{run}: healthy text {i}." for i in range(healthy)])
+    first: float | None = None
+    while (elapsed := time.monotonic() - started) < TIMEOUT_S:
+        done = finished(await _counts(api, other_key, batch_id))
+        if done and first is None:
+            first = elapsed
+        if done >= healthy:
+            return {"first_done_s": round(first or elapsed, 1), "all_done_s": round(elapsed, 1)}
+        await asyncio.sleep(POLL_S)  # polling a client's way, not synchronising a test
+    return {"first_done_s": first, "all_done_s": None, "timed_out_s": TIMEOUT_S}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--failing", type=int, default=60, help="texts failing on their own")
+    parser.add_argument("--healthy", type=int, default=100, help="the other tenant's texts")
+    args = parser.parse_args(argv)
+    url = os.environ.get("SCOREBOX_URL", "http://127.0.0.1:8000")
+
+    async def run() -> dict[str, Any]:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as api:
+            return await measure(
+                api,
+                tenant_key=os.environ["SCOREBOX_API_KEY"],
+                admin_key=os.environ["SCOREBOX_ADMIN_KEY"],
+                failing=args.failing,
+                healthy=args.healthy,
+            )
+
+    print(asyncio.run(run()))
+
+
+if __name__ == "__main__":
+    main()

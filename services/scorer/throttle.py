@@ -72,6 +72,10 @@ MAX_PAUSE_S = 3600.0
 # over. Waited for in full, one slow or hung text taken as the probe held every other call
 # of the scorer for up to `hold_s` (30 s) after a 1 s pause (a walkthrough).
 PROBE_PATIENCE_S = 2.0
+# The share of `hold_s` a delivery may wait in hand during a pause that others may cut short
+# but it may not (`_gives_way`): a sixth, so that it is back down the ladder long before the
+# pause ends, and the deliveries behind it in the queue reach a model slot.
+GIVING_WAY_SHARE = 1 / 6
 
 
 @dataclass(frozen=True)
@@ -95,9 +99,11 @@ class Unproven(Enum):
 
 @dataclass(frozen=True)
 class PutOff:
-    """The pause outlasts what a delivery may wait in hand: send it down the wait ladder."""
+    """The pause outlasts what a delivery may wait in hand: send it down the wait ladder.
+    `giving_way`: it was held the shorter time of a delivery giving way (`_gives_way`)."""
 
     left_s: float
+    giving_way: bool = False
 
 
 class ModelThrottle:
@@ -177,8 +183,10 @@ class ModelThrottle:
         half and nine tenths of `hold_s` left, so that it is back in hand, waiting, when the
         probe is chosen. Brought back after the pause's end, it came second to the retries of
         the texts failing on their own, due at that very end, and their probes went on while
-        it was put off again, pause after pause (a walkthrough)."""
-        return max(0.0, put_off.left_s - self.hold_s * rng.uniform(0.5, 0.9))
+        it was put off again, pause after pause (a walkthrough). One giving way comes back
+        within its own shorter hold of the end."""
+        hold_s = self.hold_s * (GIVING_WAY_SHARE if put_off.giving_way else 1.0)
+        return max(0.0, put_off.left_s - hold_s * rng.uniform(0.5, 0.9))
 
     def pause_left_s(self) -> float:
         return max(0.0, self._paused_until - self._clock())
@@ -206,7 +214,7 @@ class ModelThrottle:
         waiter = (text_key, tenant_key)
         self._waiting[waiter] += 1
         try:
-            return await self._turn_within(self._clock() + self.hold_s, closing, waiter)
+            return await self._turn_within(self._clock(), closing, waiter)
         finally:
             self._waiting[waiter] -= 1
             if not self._waiting[waiter]:
@@ -215,7 +223,7 @@ class ModelThrottle:
                 self._notify()  # one that gave way to it may probe now
 
     async def _turn_within(
-        self, held_until: float, closing: asyncio.Event, waiter: tuple[int | None, str | None]
+        self, began: float, closing: asyncio.Event, waiter: tuple[int | None, str | None]
     ) -> Turn | PutOff:
         text_key, tenant_key = waiter
         self._forget_a_stale_pause()
@@ -223,14 +231,15 @@ class ModelThrottle:
             if closing.is_set():
                 raise SlotsClosed
             left = self.pause_left_s()
-            hold_left = held_until - self._clock()
+            giving_way = left > 0 and self._gives_way(text_key, tenant_key)
+            hold_left = began + self._hold_s(giving_way=giving_way) - self._clock()
             if left > 0 and self._may_cut_short(text_key, tenant_key):
                 return self._cut_short()
             if left > 0 and hold_left > 0 and self._cut_short_answer_awaited(text_key):
                 await self._until_changed(closing, timeout_s=hold_left)
                 continue
             if left > 0 and left > hold_left:
-                return PutOff(left)
+                return PutOff(left, giving_way=giving_way)
             if left > 0:
                 await self._until_changed(closing, timeout_s=left)
             elif not self._probe_due:
@@ -246,6 +255,23 @@ class ModelThrottle:
                 patience_left = PROBE_PATIENCE_S - self._rate_limit_probe_unanswered_s()
                 # The probe's answer, or the end of the patience a rate limit's probe is given.
                 await self._until_changed(closing, timeout_s=min(hold_left, patience_left))
+
+    def _hold_s(self, *, giving_way: bool) -> float:
+        return self.hold_s * (GIVING_WAY_SHARE if giving_way else 1.0)
+
+    def _gives_way(self, text_key: int | None, tenant_key: str | None) -> bool:
+        """Whether this delivery waits out a pause that other deliveries may cut short but
+        it may not (its text, or its tenant, seen failing in an unproven pause): it is held
+        a sixth of `hold_s` (`GIVING_WAY_SHARE`). Held the whole `hold_s`, a tenant's batch
+        of texts each failing on its own kept every model slot and the whole prefetch in
+        hand for the last half minute of each pause, and another tenant's texts, which
+        would have ended it, reached the scorer only once those were put off: they waited
+        about 45 s (`python -m devtools.poison_batch`, session 47). A single tenant's
+        deliveries give way too, with nobody to give way to: in a long outage each is put
+        off twice per pause instead of once, and is back in hand when the pause ends."""
+        if self._unproven is None:
+            return False
+        return not self._pause_is_no_news_to(text_key, tenant_key)
 
     def _rate_limit_probe_unanswered_s(self) -> float:
         """How long the probe of a rate limit's pause has been out unanswered; 0 for an
@@ -274,7 +300,11 @@ class ModelThrottle:
         texts finished after 152 and 209 s (session 46's walkthrough). In a real outage each
         tenant's first delivery so probes once, and fails: its tenant is seen failing too. A
         single tenant's pauses are never cut short so: its tenant is seen failing."""
-        if self._probe_out or text_key is None or text_key in self._seen_failing:
+        return not self._probe_out and self._pause_is_no_news_to(text_key, tenant_key)
+
+    def _pause_is_no_news_to(self, text_key: int | None, tenant_key: str | None) -> bool:
+        """Whether the pause is unproven to this delivery: a probe of it would be news."""
+        if text_key is None or text_key in self._seen_failing:
             return False
         if self._unproven is Unproven.TO_OTHER_TEXTS:
             return True

@@ -10,15 +10,26 @@ compares its wall clock with the database server's (`hello`'s `localTime`, the m
 the round trip taken for its own time) and refuses to start when they differ by more than
 `MAX_CLOCK_OFFSET_S`, as CockroachDB refuses a node whose clock is past its maximum offset;
 a smaller offset over `WARN_CLOCK_OFFSET_S` is logged.
+
+While it runs, the service measures the offset again every `CLOCK_RECHECK_S` (`ClockWatch`):
+a clock that drifts after the start (NTP stopped, a VM resumed) is exported as the gauge
+`scorebox_clock_offset_seconds` and logged when it crosses either bound. It does not stop
+the service: measured against one server, a database host whose clock alone drifted would
+stop every replica at once, where an alert on the gauge or the error line lets an operator
+see which clock it is.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Gauge
 from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 
@@ -30,6 +41,10 @@ log = logging.getLogger("scorebox.clock")
 wall_clock: Callable[[], datetime] = utcnow
 
 WARN_CLOCK_OFFSET_S = 1.0
+# How often a running service measures the offset again.
+CLOCK_RECHECK_S = 60.0
+# While the offset stays past the maximum, how often its error line is repeated.
+OFFSET_RELOG_S = 600.0
 
 
 class ClockNotTold(Exception):
@@ -80,21 +95,119 @@ def check_clock_offset(offset_s: float, *, max_offset_s: float, service: str) ->
         )
 
 
-async def check_clock(client: AsyncMongoClient[Any], *, max_offset_s: float, service: str) -> None:
+async def check_clock(
+    client: AsyncMongoClient[Any], *, max_offset_s: float, service: str
+) -> float | None:
     """Measure the offset and check it (`check_clock_offset`); logged as an error first when
-    it stops the service, for the operator reading the service's log."""
+    it stops the service, for the operator reading the service's log. The offset, or None
+    when it was not measured."""
     if max_offset_s <= 0:
-        return
+        return None
     try:
         offset_s = await clock_offset_s(client)
     except (PyMongoError, ClockNotTold) as error:  # it just answered the start-up's writes
         log.warning("%s: its clock not checked against the database's: %r", service, error)
-        return
+        return None
     try:
         check_clock_offset(offset_s, max_offset_s=max_offset_s, service=service)
     except ClockOffsetTooLarge as refused:
         log.error("%s", refused)  # noqa: TRY400 - the reason, not a traceback of ours
         raise
+    return offset_s
+
+
+class ClockWatch:
+    """The offset measured again every `interval_s` (`CLOCK_RECHECK_S`) while the service
+    runs (module docstring); `start()` once the start-up's check passed, `stop()` at the
+    service's stop. With `max_offset_s` 0 (not checked) it measures nothing."""
+
+    def __init__(
+        self,
+        client: AsyncMongoClient[Any],
+        *,
+        max_offset_s: float,
+        service: str,
+        registry: CollectorRegistry,
+        interval_s: float | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._client = client
+        self._max_offset_s = max_offset_s
+        self._service = service
+        self._interval_s = CLOCK_RECHECK_S if interval_s is None else interval_s
+        self._monotonic = monotonic
+        self._level = 0  # 0 within the warning bound, 1 past it, 2 past the maximum
+        self._last_error_at: float | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.offset = Gauge(
+            "scorebox_clock_offset_seconds",
+            "The database server's clock minus this process's wall clock, as last measured "
+            "(positive: this clock is behind); measured every minute.",
+            registry=registry,
+        )
+
+    def start(self, checked_offset_s: float | None) -> None:
+        """Measure from now on; `checked_offset_s`, the start-up's measure, already logged."""
+        if checked_offset_s is not None:
+            self.offset.set(checked_offset_s)
+            self._level = self._level_of(checked_offset_s)
+        if self._max_offset_s > 0 and self._task is None:
+            self._task = asyncio.create_task(self._keep_measuring())
+
+    def _level_of(self, offset_s: float) -> int:
+        if abs(offset_s) > self._max_offset_s:
+            return 2
+        return int(abs(offset_s) > WARN_CLOCK_OFFSET_S)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _keep_measuring(self) -> None:
+        while True:
+            try:
+                self.observe(await clock_offset_s(self._client))
+            except (PyMongoError, ClockNotTold) as error:  # the database's own trouble
+                log.debug("%s: its clock not measured: %r", self._service, error)
+            await asyncio.sleep(self._interval_s)
+
+    def observe(self, offset_s: float) -> None:
+        """Export `offset_s`; log it when it crosses a bound, or back within them, and
+        again every `OFFSET_RELOG_S` while it stays past the maximum."""
+        self.offset.set(offset_s)
+        level = self._level_of(offset_s)
+        now = self._monotonic()
+        if level == 2 and (
+            self._level < 2
+            or self._last_error_at is None
+            or now - self._last_error_at >= OFFSET_RELOG_S
+        ):
+            self._last_error_at = now
+            log.error(
+                "%s's clock is %s the database server's, more than MAX_CLOCK_OFFSET_S (%g s), "
+                "while it runs: its outbox sweeps, claims' leases and rate windows misjudge "
+                "other replicas' records; synchronise the machines' clocks (NTP)",
+                self._service,
+                _words(offset_s),
+                self._max_offset_s,
+            )
+        elif level == 1 and self._level != 1:
+            log.warning(
+                "%s's clock is %s the database server's (MAX_CLOCK_OFFSET_S: %g s)",
+                self._service,
+                _words(offset_s),
+                self._max_offset_s,
+            )
+        elif level == 0 and self._level != 0:
+            log.info(
+                "%s's clock is back within %g s of the database server's",
+                self._service,
+                WARN_CLOCK_OFFSET_S,
+            )
+        self._level = level
 
 
 def _words(offset_s: float) -> str:

@@ -28,7 +28,7 @@ from pythonjsonlogger.json import JsonFormatter
 from uvicorn.config import LOGGING_CONFIG
 
 from shared.bus import BROKER_ERRORS, publish_dead_letter
-from shared.clock_offset import check_clock
+from shared.clock_offset import ClockWatch, check_clock
 from shared.consumers import Delivery, ScoreboxBroker
 from shared.database_errors import transient_database_error
 from shared.log_context import (
@@ -38,6 +38,7 @@ from shared.log_context import (
     CorrelationFilter,
     RepeatedReconnectAttempts,
 )
+from shared.metrics import Metrics
 from shared.settings import ServiceSettings, StartupRefused, redact_url
 from shared.topology import WorkQueue, declare_topology
 
@@ -219,11 +220,17 @@ async def prepare_service_database(
     action: Callable[[], Awaitable[Any]],
     *,
     service: str,
-) -> None:
+    metrics: Metrics,
+) -> ClockWatch:
     """A service's start-up with its database: `action` run as `prepare_database` runs it,
-    then its clock checked against the database server's (`shared/clock_offset.py`)."""
+    then its clock checked against the database server's (`shared/clock_offset.py`). The
+    clock's watch, measuring it again while the service runs: the service stops it."""
     await prepare_database(action, deadline_s=settings.startup_timeout_s)
-    await check_clock(mongo, max_offset_s=settings.max_clock_offset_s, service=service)
+    max_offset_s = settings.max_clock_offset_s
+    offset_s = await check_clock(mongo, max_offset_s=max_offset_s, service=service)
+    watch = ClockWatch(mongo, max_offset_s=max_offset_s, service=service, registry=metrics.registry)
+    watch.start(offset_s)
+    return watch
 
 
 async def keep_trying[T](

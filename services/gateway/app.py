@@ -239,8 +239,12 @@ def gateway_lifespan(gateway: Gateway) -> Callable[[FastAPI], Any]:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if warning := settings.outbox_grace_warning():
             log.warning(warning)
-        await prepare_service_database(
-            gateway.mongo, settings, gateway.ensure_indexes, service="gateway"
+        clock_watch = await prepare_service_database(
+            gateway.mongo,
+            settings,
+            gateway.ensure_indexes,
+            service="gateway",
+            metrics=gateway.broker.metrics,
         )
         token = settings.bootstrap_api_key.get_secret_value() if settings.bootstrap_api_key else ""
         # Empty means unset (compose passes `${SCOREBOX_API_KEY:-}`); a token that is no key
@@ -265,6 +269,7 @@ def gateway_lifespan(gateway: Gateway) -> Callable[[FastAPI], Any]:
         )
         await gateway.deps.live.stop_listening()
         await gateway.broker.stop(begun_at=stopping)
+        await clock_watch.stop()
         await gateway.close_clients()
 
     return lifespan

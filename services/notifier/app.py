@@ -146,10 +146,13 @@ def create_app(
                 ),
             )
         warn_if_internal_routes_open(settings.internal_api_key, "notifier")
-        await prepare_service_database(mongo, settings, ensure_indexes, service="notifier")
+        clock_watch = await prepare_service_database(
+            mongo, settings, ensure_indexes, service="notifier", metrics=broker.metrics
+        )
         await start_broker(broker, settings)
         yield
         await broker.stop()
+        await clock_watch.stop()
         await mongo.close()
         await system_resolver.close()
 

@@ -21,10 +21,11 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from functools import partial
+from typing import Protocol
 
 from fastapi import FastAPI
 
@@ -82,6 +83,15 @@ def jobs_unable_to_run(settings: SchedulerSettings) -> dict[str, str]:
     if settings.rubric_version is None:
         return {RESCORE_FANOUT: "RUBRIC_VERSION is not set (no current rubric version)"}
     return {}
+
+
+class _Indexed(Protocol):
+    async def ensure_indexes(self) -> None: ...
+
+
+async def _ensure_indexes(stores: Sequence[_Indexed]) -> None:
+    for store in stores:
+        await store.ensure_indexes()
 
 
 def create_app(
@@ -230,14 +240,14 @@ def create_app(
         clock=clock,
     )
 
-    async def ensure_indexes() -> None:
-        for store in (firings, records, daily, catalogue, checkpoints):
-            await store.ensure_indexes()
+    ensure_indexes = partial(_ensure_indexes, (firings, records, daily, catalogue, checkpoints))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         warn_if_internal_routes_open(settings.internal_api_key, "scheduler")
-        await prepare_service_database(mongo, settings, ensure_indexes, service="scheduler")
+        clock_watch = await prepare_service_database(
+            mongo, settings, ensure_indexes, service="scheduler", metrics=broker.metrics
+        )
         await start_broker(broker, settings)
         ticking = asyncio.create_task(keep_dispatching(dispatcher, interval_s=settings.tick_s))
         yield
@@ -252,6 +262,7 @@ def create_app(
         ):
             log.warning("stopping: %d cron runs cut short and handed back", cut_short)
         await broker.stop(begun_at=stopping)
+        await clock_watch.stop()
         await mongo.close()
 
     # No 307 from `/x/` to `/x`: `DELETE /admin/v1/cron/dead-letters/` (a drop of an empty

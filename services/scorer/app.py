@@ -213,11 +213,12 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await prepare_service_database(
+        clock_watch = await prepare_service_database(
             mongo,
             settings,
             lambda: _prepare_database(attempts, cancelled_batches, batch_cancel_records, clock),
             service="scorer",
+            metrics=broker.metrics,
         )
         await start_broker(broker, settings)
         yield
@@ -237,6 +238,7 @@ def create_app(
             log.warning("stopping with %d decisions still running past the grace", unfinished)
         await pauses.close()
         await broker.stop(begun_at=stopping)
+        await clock_watch.stop()
         if http is not None:
             await http.aclose()
         await mongo.close()

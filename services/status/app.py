@@ -76,12 +76,17 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         warn_if_internal_routes_open(settings.internal_api_key, "status service")
-        await prepare_service_database(
-            mongo, settings, lambda: ensure_indexes(tasks), service="status"
+        clock_watch = await prepare_service_database(
+            mongo,
+            settings,
+            lambda: ensure_indexes(tasks),
+            service="status",
+            metrics=broker.metrics,
         )
         await start_broker(broker, settings)
         yield
         await broker.stop()
+        await clock_watch.stop()
         await mongo.close()
 
     app = internal_service_app(

@@ -4,6 +4,7 @@ was refusing swept and scored by another). On the real database's `hello`."""
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -14,7 +15,7 @@ from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
 from shared import clock_offset
 from shared.clock_offset import ClockOffsetTooLarge, clock_offset_s
-from tests.support import running
+from tests.support import eventually, metric_sum, running
 
 
 async def test_the_offset_is_measured_against_the_servers_clock(mongo: Any) -> None:
@@ -45,3 +46,38 @@ async def test_a_service_whose_clock_is_behind_does_not_start(
             assert (await api.get("/healthz")).status_code == 200
     finally:
         await client.close()
+
+
+async def test_a_clock_that_drifts_while_the_service_runs_is_exported_and_logged(
+    mongo: Any,
+    amqp_url: str,
+    db_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Checked at start-up only, a clock that drifted afterwards (NTP stopped, a machine
+    resumed) went unseen for as long as the service ran. The service goes on: measured
+    against one server, a database host whose clock alone drifted would stop them all."""
+    monkeypatch.setattr(clock_offset, "CLOCK_RECHECK_S", 0.05)
+    env = {"RABBITMQ_URL": amqp_url, "MONGO_URL": mongo.url, "MONGO_DB_PREFIX": db_prefix}
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
+    try:
+        status = create_status(StatusSettings.model_validate(env), mongo=client)
+        with caplog.at_level(logging.WARNING, logger="scorebox.clock"):
+            async with running(status) as api:
+                behind = lambda: datetime.now(UTC) - timedelta(seconds=90)  # noqa: E731
+                monkeypatch.setattr(clock_offset, "wall_clock", behind)
+
+                async def offset_exported() -> float | None:
+                    answer = await api.get("/metrics")
+                    offset = metric_sum(answer.text, "scorebox_clock_offset_seconds")
+                    return offset if offset > 60 else None
+
+                assert 85 < await eventually(offset_exported, what="the offset exported") < 95
+                assert (await api.get("/healthz")).status_code == 200
+    finally:
+        await client.close()
+    errors = [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]
+    assert len(errors) == 1  # once, not at every measure
+    assert "status's clock is 9" in errors[0]
+    assert "s behind the database server's" in errors[0]

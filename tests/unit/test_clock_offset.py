@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
+from pymongo import AsyncMongoClient
 
-from shared.clock_offset import ClockOffsetTooLarge, check_clock_offset
+from shared.clock_offset import ClockOffsetTooLarge, ClockWatch, check_clock_offset
 
 
 @pytest.mark.parametrize(
@@ -35,3 +38,60 @@ def test_a_smaller_offset_is_a_warning_and_a_tiny_one_nothing(
 
 def test_no_maximum_checks_nothing() -> None:
     check_clock_offset(86_400.0, max_offset_s=0, service="status")
+
+
+class Monotonic:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _watch(monotonic: Monotonic) -> ClockWatch:
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(connect=False)
+    return ClockWatch(
+        client,
+        max_offset_s=5.0,
+        service="scorer",
+        registry=CollectorRegistry(),
+        monotonic=monotonic,
+    )
+
+
+def test_a_running_services_offset_is_logged_when_it_crosses_a_bound(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monotonic = Monotonic()
+    watch = _watch(monotonic)
+    with caplog.at_level(logging.INFO, logger="scorebox.clock"):
+        for offset_s in (0.2, 0.3, 2.0, 2.5, 7.0, 8.0, 2.0, 0.1, 0.1):
+            monotonic.now += 60
+            watch.observe(offset_s)
+    assert [
+        (record.levelname, record.getMessage().split(" the database")[0])
+        for record in caplog.records
+    ] == [
+        ("WARNING", "scorer's clock is 2.0 s behind"),
+        ("ERROR", "scorer's clock is 7.0 s behind"),
+        ("WARNING", "scorer's clock is 2.0 s behind"),
+        ("INFO", "scorer's clock is back within 1 s of"),
+    ]
+    assert watch.offset._value.get() == 0.1
+
+
+async def test_an_offset_past_the_maximum_is_logged_again_every_ten_minutes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monotonic = Monotonic()
+    watch = _watch(monotonic)
+    watch.start(-6.0)  # the start-up's measure, which it logged (`check_clock`)
+    try:
+        with caplog.at_level(logging.ERROR, logger="scorebox.clock"):
+            for _ in range(20):  # twenty minutes
+                monotonic.now += 60
+                watch.observe(-6.0)
+    finally:
+        await watch.stop()
+    assert len(caplog.records) == 2
+    assert "6.0 s ahead of the database server's" in caplog.records[0].getMessage()

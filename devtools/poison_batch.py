@@ -15,6 +15,11 @@ The default tenant submits a batch of texts the fake model answers 500 every tim
 (`[[fake:500]]`); a second later a tenant of its own (a key made with the admin key)
 submits healthy texts. Prints the seconds until the healthy batch's first and last items
 were finished, counted from its submission.
+
+The other tenant has one text scored just before the failing batch, as a tenant already
+using the system has: the scorer gives way to tenants it saw lately (`_gives_way` in
+`services/scorer/throttle.py`). `--other-tenant-new` leaves that out: a tenant the scorer
+has not seen waits behind the failing batch's deliveries.
 """
 
 from __future__ import annotations
@@ -57,8 +62,23 @@ async def _counts(api: httpx.AsyncClient, key: str, batch_id: str) -> dict[str, 
     return counts
 
 
+async def _finished_batch(api: httpx.AsyncClient, key: str, texts: list[str]) -> None:
+    batch_id = await _batch(api, key, texts)
+    deadline = time.monotonic() + TIMEOUT_S
+    while finished(await _counts(api, key, batch_id)) < len(texts):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"batch {batch_id} not finished in {TIMEOUT_S} s")
+        await asyncio.sleep(POLL_S)  # polling a client's way, not synchronising a test
+
+
 async def measure(
-    api: httpx.AsyncClient, *, tenant_key: str, admin_key: str, failing: int, healthy: int
+    api: httpx.AsyncClient,
+    *,
+    tenant_key: str,
+    admin_key: str,
+    failing: int,
+    healthy: int,
+    other_tenant_new: bool = False,
 ) -> dict[str, Any]:
     """Seconds until the other tenant's first and last healthy items were finished."""
     run = uuid.uuid4().hex[:8]
@@ -69,6 +89,8 @@ async def measure(
     )
     made.raise_for_status()
     other_key: str = made.json()["key"]
+    if not other_tenant_new:
+        await _finished_batch(api, other_key, [f"{run}: the other tenant's earlier text."])
     await _batch(api, tenant_key, [f"[[fake:500]] {run} failing text {i}." for i in range(failing)])
     await asyncio.sleep(1.0)  # the scenario's own gap, as a client would leave it
     started = time.monotonic()
@@ -88,6 +110,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--failing", type=int, default=60, help="texts failing on their own")
     parser.add_argument("--healthy", type=int, default=100, help="the other tenant's texts")
+    parser.add_argument(
+        "--other-tenant-new",
+        action="store_true",
+        help="no text of the other tenant scored before the failing batch",
+    )
     args = parser.parse_args(argv)
     url = os.environ.get("SCOREBOX_URL", "http://127.0.0.1:8000")
 
@@ -99,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                 admin_key=os.environ["SCOREBOX_ADMIN_KEY"],
                 failing=args.failing,
                 healthy=args.healthy,
+                other_tenant_new=args.other_tenant_new,
             )
 
     print(asyncio.run(run()))

@@ -35,7 +35,9 @@ replica: an outage's pause is told to the others as one. Texts failing on their 
 like an outage too; the probe goes to a text not seen failing when one waits (of a tenant not
 seen failing first), and one arriving during a pause that only such texts' probes began
 probes at once, as does one of another tenant during a pause that only fresh texts of tenants
-seen failing began (`_may_cut_short`).
+seen failing began (`_may_cut_short`). While another tenant is active, the deliveries that
+may not cut such a pause short give way: put off at once, back shortly before it ends
+(`_gives_way`).
 """
 
 from __future__ import annotations
@@ -72,10 +74,13 @@ MAX_PAUSE_S = 3600.0
 # over. Waited for in full, one slow or hung text taken as the probe held every other call
 # of the scorer for up to `hold_s` (30 s) after a 1 s pause (a walkthrough).
 PROBE_PATIENCE_S = 2.0
-# The share of `hold_s` a delivery may wait in hand during a pause that others may cut short
-# but it may not (`_gives_way`): a sixth, so that it is back down the ladder long before the
-# pause ends, and the deliveries behind it in the queue reach a model slot.
+# The share of `hold_s` within which a delivery giving way (`_gives_way`) is back in hand
+# before the pause ends: a sixth, so that it is down the ladder for most of the pause, and
+# the deliveries behind it in the queue reach a model slot.
 GIVING_WAY_SHARE = 1 / 6
+# The least time a delivery giving way spends down the ladder: put off for less, it came
+# straight back (the ladder's shortest wait is 0.5 s) and was put off again (a review).
+GIVING_WAY_LEAST_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,7 @@ class Unproven(Enum):
 @dataclass(frozen=True)
 class PutOff:
     """The pause outlasts what a delivery may wait in hand: send it down the wait ladder.
-    `giving_way`: it was held the shorter time of a delivery giving way (`_gives_way`)."""
+    `giving_way`: it gives way to other tenants' deliveries (`_gives_way`)."""
 
     left_s: float
     giving_way: bool = False
@@ -155,6 +160,9 @@ class ModelThrottle:
         # them failing says nothing of the provider to the other tenants (`_may_cut_short`).
         self._tenants_seen_failing: set[str] = set()
         self._waiting: Counter[tuple[int | None, str | None]] = Counter()
+        # When each tenant's delivery last waited for its turn (`_gives_way`).
+        self._tenants_active: dict[str, float] = {}
+        self._tenants_pruned_at = clock()
         self._probe_due = False  # a pause ended and no call has answered since
         # Whom the outage's pause is no news to, when a probe that says nothing new of the
         # provider began it: one of a text seen failing in it (the other texts), or a fresh
@@ -184,7 +192,7 @@ class ModelThrottle:
         probe is chosen. Brought back after the pause's end, it came second to the retries of
         the texts failing on their own, due at that very end, and their probes went on while
         it was put off again, pause after pause (a walkthrough). One giving way comes back
-        within its own shorter hold of the end."""
+        within `GIVING_WAY_SHARE` of the hold before the end."""
         hold_s = self.hold_s * (GIVING_WAY_SHARE if put_off.giving_way else 1.0)
         return max(0.0, put_off.left_s - hold_s * rng.uniform(0.5, 0.9))
 
@@ -214,7 +222,10 @@ class ModelThrottle:
         waiter = (text_key, tenant_key)
         self._waiting[waiter] += 1
         try:
-            return await self._turn_within(self._clock(), closing, waiter)
+            now = self._clock()
+            if tenant_key is not None:
+                self._note_active(tenant_key, now)
+            return await self._turn_within(now + self.hold_s, closing, waiter)
         finally:
             self._waiting[waiter] -= 1
             if not self._waiting[waiter]:
@@ -223,7 +234,7 @@ class ModelThrottle:
                 self._notify()  # one that gave way to it may probe now
 
     async def _turn_within(
-        self, began: float, closing: asyncio.Event, waiter: tuple[int | None, str | None]
+        self, held_until: float, closing: asyncio.Event, waiter: tuple[int | None, str | None]
     ) -> Turn | PutOff:
         text_key, tenant_key = waiter
         self._forget_a_stale_pause()
@@ -231,15 +242,14 @@ class ModelThrottle:
             if closing.is_set():
                 raise SlotsClosed
             left = self.pause_left_s()
-            giving_way = left > 0 and self._gives_way(text_key, tenant_key)
-            hold_left = began + self._hold_s(giving_way=giving_way) - self._clock()
+            hold_left = held_until - self._clock()
             if left > 0 and self._may_cut_short(text_key, tenant_key):
                 return self._cut_short()
             if left > 0 and hold_left > 0 and self._cut_short_answer_awaited(text_key):
                 await self._until_changed(closing, timeout_s=hold_left)
                 continue
-            if left > 0 and left > hold_left:
-                return PutOff(left, giving_way=giving_way)
+            if left > 0 and (left > hold_left or self._gives_way(text_key, tenant_key, left)):
+                return PutOff(left, giving_way=left <= hold_left)
             if left > 0:
                 await self._until_changed(closing, timeout_s=left)
             elif not self._probe_due:
@@ -256,22 +266,43 @@ class ModelThrottle:
                 # The probe's answer, or the end of the patience a rate limit's probe is given.
                 await self._until_changed(closing, timeout_s=min(hold_left, patience_left))
 
-    def _hold_s(self, *, giving_way: bool) -> float:
-        return self.hold_s * (GIVING_WAY_SHARE if giving_way else 1.0)
-
-    def _gives_way(self, text_key: int | None, tenant_key: str | None) -> bool:
-        """Whether this delivery waits out a pause that other deliveries may cut short but
-        it may not (its text, or its tenant, seen failing in an unproven pause): it is held
-        a sixth of `hold_s` (`GIVING_WAY_SHARE`). Held the whole `hold_s`, a tenant's batch
-        of texts each failing on its own kept every model slot and the whole prefetch in
-        hand for the last half minute of each pause, and another tenant's texts, which
-        would have ended it, reached the scorer only once those were put off: they waited
-        about 45 s (`python -m devtools.poison_batch`, session 47). A single tenant's
-        deliveries give way too, with nobody to give way to: in a long outage each is put
-        off twice per pause instead of once, and is back in hand when the pause ends."""
-        if self._unproven is None:
+    def _gives_way(self, text_key: int | None, tenant_key: str | None, left_s: float) -> bool:
+        """Whether this delivery is put off at once, to come back shortly before the pause
+        ends (`GIVING_WAY_SHARE` of the hold), rather than held in hand up to `hold_s`: the
+        pause is one it may not cut short (its text, or its tenant, seen failing in an
+        unproven pause), and a tenant not seen failing, whose deliveries may, was active
+        within `TRIP_WINDOW_S`. Held the whole hold, a tenant's batch of texts each failing
+        on its own kept every model slot and the prefetch for the last half minute of each
+        pause, and another tenant's texts, which would have ended it, waited about 45 s
+        behind them in the queue (`python -m devtools.poison_batch`, session 47). With no
+        such tenant (a single tenant's outage) nobody is given way to: put off at once, its
+        whole backlog went down the ladder and back in each pause of 5 to 30 s, which
+        before it waited out in the queue (a review)."""
+        if self._unproven is None or self._pause_is_no_news_to(text_key, tenant_key):
             return False
-        return not self._pause_is_no_news_to(text_key, tenant_key)
+        share_s = self.hold_s * GIVING_WAY_SHARE
+        return left_s - 0.9 * share_s >= GIVING_WAY_LEAST_S and self._another_tenant_active()
+
+    def _note_active(self, tenant_key: str, now: float) -> None:
+        """A delivery of `tenant_key` waits for its turn; tenants idle for `TRIP_WINDOW_S`
+        are forgotten, at most once per window."""
+        self._tenants_active[tenant_key] = now
+        if now - self._tenants_pruned_at >= TRIP_WINDOW_S:
+            self._tenants_active = {
+                tenant: at
+                for tenant, at in self._tenants_active.items()
+                if now - at < TRIP_WINDOW_S
+            }
+            self._tenants_pruned_at = now
+
+    def _another_tenant_active(self) -> bool:
+        """Whether a tenant not seen failing had a delivery wait for its turn within
+        `TRIP_WINDOW_S`: one whose deliveries may cut an unproven pause short."""
+        now = self._clock()
+        return any(
+            now - at < TRIP_WINDOW_S and tenant not in self._tenants_seen_failing
+            for tenant, at in self._tenants_active.items()
+        )
 
     def _rate_limit_probe_unanswered_s(self) -> float:
         """How long the probe of a rate limit's pause has been out unanswered; 0 for an

@@ -18,6 +18,7 @@ from services.scorer.errors import ModelUnavailable
 from services.scorer.scoring import _tell_the_throttle
 from services.scorer.slots import SlotsClosed
 from services.scorer.throttle import (
+    GIVING_WAY_LEAST_S,
     GIVING_WAY_SHARE,
     GO,
     PAUSE_CAP_S,
@@ -1106,11 +1107,20 @@ async def _turn_of(throttle: ModelThrottle, tenant: str, text: int) -> Turn | Pu
 
 
 async def _one_tenants_batch_failing(
-    clock: Clock, *, probes: int, hold_s: float = 0.5
+    clock: Clock,
+    *,
+    probes: int,
+    hold_s: float = 0.5,
+    active: Sequence[str] = (),
+    idle_s: float = 0.0,
 ) -> ModelThrottle:
     """Tenant a's batch of texts each failing on its own: three of them trip the outage, and
-    each probe after it is a fresh text of the batch, failing too."""
+    each probe after it is a fresh text of the batch, failing too. The `active` tenants'
+    deliveries were called `idle_s` before."""
     throttle = _throttle(clock, hold_s=hold_s)
+    for text, tenant in enumerate(active, start=900):
+        assert await _turn_of(throttle, tenant, text) == GO
+    clock.now += idle_s
     _fails_of(throttle, "a", *range(TRIP_AFTER))
     for text in range(100, 100 + probes):
         clock.now += throttle.pause_left_s() + 0.01
@@ -1137,14 +1147,14 @@ async def test_another_tenant_cuts_short_a_pause_one_tenants_fresh_texts_lengthe
     assert await _turn_of(throttle, "a", 200) == GO
 
 
-async def test_a_tenant_seen_failing_gives_way_in_a_pause_another_tenant_may_cut_short() -> None:
+async def test_a_tenant_seen_failing_gives_way_to_another_tenant_active_meanwhile() -> None:
     """Held the whole hold, the failing batch's deliveries kept every model slot and the
     prefetch for the last half minute of each pause, and the other tenant's texts, which
     would end it, reached the scorer after about 45 s (`devtools.poison_batch`, session 47).
-    A delivery that may not cut the pause short is held a sixth of the hold, and comes back
-    within that of the pause's end."""
+    While a tenant not seen failing is active, a delivery that may not cut the pause short
+    is put off at once, and comes back within a sixth of the hold of the pause's end."""
     clock = Clock()
-    throttle = await _one_tenants_batch_failing(clock, probes=4, hold_s=30.0)
+    throttle = await _one_tenants_batch_failing(clock, probes=4, hold_s=30.0, active=["b"])
     left = throttle.pause_left_s()
     assert 30.0 * GIVING_WAY_SHARE < left < 30.0  # within the whole hold, past the share
 
@@ -1155,19 +1165,84 @@ async def test_a_tenant_seen_failing_gives_way_in_a_pause_another_tenant_may_cut
     assert await _turn_of(throttle, "b", 999) == PROBE
 
 
+async def test_a_single_tenants_deliveries_give_way_to_nobody() -> None:
+    """Put off at once with nobody to give way to, a single tenant's whole backlog went down
+    the ladder and back in each pause of 5 to 30 s, which it waited out in the queue before
+    (a review). So does a tenant idle for longer than the trip window count for nobody."""
+    clock = Clock()
+    throttle = await _one_tenants_batch_failing(
+        clock, probes=4, hold_s=30.0, active=["b"], idle_s=TRIP_WINDOW_S
+    )
+    await _in_hand_until_the_scorer_stops(throttle, "a", 300)
+
+
+async def test_a_tenant_idle_for_the_trip_window_is_given_way_to_no_longer() -> None:
+    clock = Clock()
+    throttle = _throttle(clock, hold_s=30.0)
+    clock.now += TRIP_WINDOW_S * 0.8
+    assert await _turn_of(throttle, "b", 900) == GO
+    clock.now += TRIP_WINDOW_S * 0.4
+    assert await _turn_of(throttle, "a", 901) == GO  # tenants idle forgotten now, b kept
+    clock.now += TRIP_WINDOW_S * 0.7  # b idle for 1.1 windows, the next forgetting not due
+    _fails_of(throttle, "a", *range(TRIP_AFTER))
+    for text in range(100, 104):
+        clock.now += throttle.pause_left_s() + 0.01
+        assert await _turn_of(throttle, "a", text) == PROBE
+        _fails_of(throttle, "a", text, turn=PROBE)
+        throttle.done(PROBE)
+    assert 30.0 * GIVING_WAY_SHARE * 0.9 + GIVING_WAY_LEAST_S < throttle.pause_left_s() < 30.0
+
+    await _in_hand_until_the_scorer_stops(throttle, "a", 300)
+
+
+async def _in_hand_until_the_scorer_stops(throttle: ModelThrottle, tenant: str, text: int) -> None:
+    """The delivery waits in hand (not put off) until the scorer stops."""
+    closing = asyncio.Event()
+    waiting = asyncio.ensure_future(throttle.wait_turn(closing, text_key=text, tenant_key=tenant))
+    await eventually(partial(_waiting, throttle, 1), what="the delivery in hand")
+    closing.set()
+    with pytest.raises(SlotsClosed):
+        await asyncio.wait_for(waiting, timeout=GUARD_S)
+
+
 async def test_a_text_seen_failing_gives_way_in_a_pause_a_fresh_text_may_cut_short() -> None:
     clock = Clock()
-    throttle = _throttle(clock, hold_s=6.0)
+    throttle = _throttle(clock, hold_s=3.0)
+    assert await _turn_of(throttle, "c", 900) == GO
     _fails_of(throttle, "a", *range(TRIP_AFTER))
     clock.now += throttle.pause_left_s() + 0.01
     assert await _turn_of(throttle, "a", 0) == PROBE
     _fails_of(throttle, "a", 0, turn=PROBE)  # a text seen failing: news to nobody
     throttle.done(PROBE)
     left = throttle.pause_left_s()
-    assert 6.0 * GIVING_WAY_SHARE < left < 6.0
+    assert 3.0 * GIVING_WAY_SHARE * 0.9 + GIVING_WAY_LEAST_S < left < 3.0
 
     assert await _turn_of(throttle, "a", 1) == PutOff(left, giving_way=True)
     assert await _turn_of(throttle, "a", 500) == PROBE
+
+
+async def test_a_delivery_giving_way_is_never_put_off_for_less_than_a_second() -> None:
+    """Waiting in hand for the outage's probe, deliveries gave way when it failed, their
+    share of the hold long spent: each put off for nothing, straight back to the queue, and
+    put off again while the pause was just over the share (a review)."""
+    clock = Clock()
+    throttle = _throttle(clock, hold_s=10.0)
+    share_s = 10.0 * GIVING_WAY_SHARE
+    assert await _turn_of(throttle, "b", 900) == GO
+    _fails_of(throttle, "a", *range(TRIP_AFTER))
+    clock.now += throttle.pause_left_s() + 0.01
+    assert await _turn_of(throttle, "a", 100) == PROBE
+    waiting = asyncio.ensure_future(
+        throttle.wait_turn(asyncio.Event(), text_key=101, tenant_key="a")
+    )
+    await eventually(partial(_waiting, throttle, 1), what="tenant a's delivery in hand")
+    _fails_of(throttle, "a", 100, turn=PROBE)
+    throttle.done(PROBE)
+    left = throttle.pause_left_s()
+    assert share_s < left < share_s * 0.9 + GIVING_WAY_LEAST_S  # past the share, barely
+    clock.now += left + 0.01  # it wakes at the pause's end, read from the real clock
+
+    assert await asyncio.wait_for(waiting, timeout=GUARD_S) == PROBE
 
 
 async def test_a_delivery_that_may_cut_the_pause_short_later_is_held_the_whole_hold() -> None:

@@ -170,6 +170,29 @@ HEURISTIC_PROMPT_VERSION: Final = "heuristic-v1"
 PROMPT_VERSIONS: Final = frozenset({JUDGE_PROMPT_VERSION, HEURISTIC_PROMPT_VERSION})
 
 
+# The prompt version each scorer provider's results carry (`LLM_PROVIDER`).
+PROVIDER_PROMPT_VERSIONS: Final = {
+    "heuristic": HEURISTIC_PROMPT_VERSION,
+    "openai": JUDGE_PROMPT_VERSION,
+}
+
+
+def rubric_version_of_provider(rubric_version: str | None, provider: str | None) -> None:
+    """Refuse a `RUBRIC_VERSION` that the scorer's `LLM_PROVIDER` (when known) never
+    produces: every result of it was stale, so the result cache served nothing and each
+    run of the re-score fan-out called the model again for every task, billed, whose new
+    result was stale again (a walkthrough: `heuristic-v1` with `openai`)."""
+    if rubric_version is None or provider is None:
+        return
+    produced = PROVIDER_PROMPT_VERSIONS.get(provider.strip())
+    if produced is not None and produced != rubric_version:
+        raise ValueError(
+            f"RUBRIC_VERSION={rubric_version} is not what LLM_PROVIDER={provider.strip()} "
+            f"scores under ({produced}): no result would ever be current; set "
+            f"RUBRIC_VERSION={produced}, or leave it unset"
+        )
+
+
 def known_rubric_version(value: str | None) -> str | None:
     """`RUBRIC_VERSION` as a setting: unset (or blank) is None; else one of `PROMPT_VERSIONS`."""
     if value is None or not value.strip():

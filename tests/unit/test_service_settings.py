@@ -20,6 +20,7 @@ from services.status.projection import _fields_of
 from services.status.settings import StatusSettings
 from shared.contracts import (
     PROMPT_VERSIONS,
+    PROVIDER_PROMPT_VERSIONS,
     Phase,
     ScoreResult,
     StateChange,
@@ -175,6 +176,23 @@ def test_a_rubric_version_no_result_carries_is_refused(settings: Any) -> None:
     assert settings.model_validate({"RUBRIC_VERSION": ""}).rubric_version is None
     for version in PROMPT_VERSIONS:
         assert settings.model_validate({"RUBRIC_VERSION": version}).rubric_version == version
+
+
+@pytest.mark.parametrize("settings", [GatewaySettings, SchedulerSettings])
+def test_a_rubric_version_the_scorers_provider_never_scores_under_is_refused(
+    settings: Any,
+) -> None:
+    """`heuristic-v1` with `LLM_PROVIDER=openai` started: every result stale, the cache off,
+    and each fan-out run called the model again for every task (a walkthrough)."""
+    with pytest.raises(ValidationError, match=r"LLM_PROVIDER=openai scores under \(judge-2025-1\)"):
+        settings.model_validate({"RUBRIC_VERSION": "heuristic-v1", "LLM_PROVIDER": "openai"})
+    with pytest.raises(ValidationError, match="RUBRIC_VERSION=judge-2025-1 is not what"):
+        settings.model_validate({"RUBRIC_VERSION": "judge-2025-1", "LLM_PROVIDER": "heuristic"})
+    for provider, version in PROVIDER_PROMPT_VERSIONS.items():
+        told = settings.model_validate({"RUBRIC_VERSION": version, "LLM_PROVIDER": provider})
+        assert told.rubric_version == version
+    # Not told the provider, each takes the version it is given.
+    assert settings.model_validate({"RUBRIC_VERSION": "judge-2025-1"}).rubric_version
 
 
 def test_the_scorers_versions_are_the_ones_settings_accept() -> None:

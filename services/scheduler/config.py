@@ -139,6 +139,7 @@ def _with_overrides(data: Mapping[str, Any], environ: Mapping[str, str]) -> dict
     (found in review)."""
     jobs = {name: dict(job) for name, job in _job_tables(data.get("jobs", {})).items()}
     _refuse_shared_variables(jobs)
+    _refuse_unknown_variables(jobs, environ)
     for name, job in jobs.items():
         prefix = env_name(name)
         if spec := environ.get(prefix):
@@ -165,6 +166,30 @@ def _refuse_shared_variables(jobs: Mapping[str, object]) -> None:
                 f"invalid scheduler configuration: jobs {other!r} and {name!r} would share "
                 f"the variables {env_name(name)}, {env_name(name)}_TZ, ...; rename one"
             )
+
+
+# The variables each job may be overridden by: `CRON_<JOB>` and these suffixes.
+_OVERRIDE_SUFFIXES = ("", "_TZ", "_ENABLED", "_CONCURRENCY")
+
+
+def _refuse_unknown_variables(jobs: Mapping[str, object], environ: Mapping[str, str]) -> None:
+    """A `CRON_` variable, not empty, that overrides no configured job is refused: a typo
+    (`CRON_USAGE_ROLLUP_ENABLE=false`, `CRON_USAGEROLLUP=5 * * * *`) started the scheduler
+    with the job as configured, and the operator took it for disabled or moved (a
+    walkthrough). Empty ones are let be: compose passes unset variables through so."""
+    known = {env_name(name) + suffix for name in jobs for suffix in _OVERRIDE_SUFFIXES}
+    unknown = sorted(
+        name
+        for name, value in environ.items()
+        if name.startswith("CRON_") and value.strip() and name not in known
+    )
+    if unknown:
+        raise ConfigurationError(
+            f"{', '.join(unknown)}: no configured job has such a variable (the jobs: "
+            f"{', '.join(sorted(jobs)) or 'none'}; each takes {env_name('<job>')}, "
+            f"..._TZ, ..._ENABLED and ..._CONCURRENCY, <JOB> its name upper-cased with "
+            "'-' and '.' as '_')"
+        )
 
 
 def _job_tables(given: object) -> Mapping[str, Mapping[str, Any]]:

@@ -124,3 +124,20 @@ def test_the_fan_out_enabled_without_a_rubric_version_refuses_to_start(
     else:
         with pytest.raises(ConfigurationError, match=r"rescore-fanout.*RUBRIC_VERSION"):
             create_app(settings, config=config)
+
+
+@pytest.mark.parametrize(
+    "variable",
+    ["CRON_USAGE_ROLLUP_ENABLE", "CRON_USAGEROLLUP", "CRON_NOSUCHJOB", "CRON_HOUSEKEEPING_ZONE"],
+)
+def test_a_variable_that_overrides_no_job_refuses_to_start(variable: str) -> None:
+    """A typo started the scheduler with the job as configured, the operator taking it for
+    disabled or moved (a walkthrough)."""
+    with pytest.raises(ConfigurationError, match=f"{variable}: no configured job has such"):
+        load_config(DEFAULT_CONFIG_PATH, {variable: "false"})
+
+
+def test_an_empty_cron_variable_is_let_be() -> None:
+    """Compose passes variables the operator left unset through, empty."""
+    config = load_config(DEFAULT_CONFIG_PATH, {"CRON_NOSUCHJOB": " ", "CRON_HOUSEKEEPING": ""})
+    assert config.jobs["housekeeping"].cron == "*/10 * * * *"

@@ -182,22 +182,37 @@ def make_mongo(settings: ServiceSettings, **options: Any) -> MongoClient:
     )
 
 
+class DependencyUnreachable(TimeoutError):
+    """A dependency (RabbitMQ, MongoDB) did not answer within `STARTUP_TIMEOUT_S`."""
+
+
 async def retry_until(
     action: Callable[[], Awaitable[Any]], *, what: str, deadline_s: float
 ) -> None:
-    """Run `action` until it succeeds or `deadline_s` passes (start-up only)."""
+    """Run `action` until it succeeds or `deadline_s` passes (start-up only); then
+    `DependencyUnreachable` naming `what` and its last error. A start whose deadline cut
+    its first attempt short (`STARTUP_TIMEOUT_S` under `MONGO_TIMEOUT_S`) logged nothing,
+    and ended on a bare `TimeoutError` naming no dependency (a walkthrough)."""
     delay = 0.2
-    async with asyncio.timeout(deadline_s):
-        while True:
-            try:
-                await action()
-            except Exception as error:  # noqa: BLE001 - any failure at start-up means "not yet"
-                # %r: a timeout's message is empty, and read "not reachable yet ()".
-                log.warning("%s not reachable yet (%r); retrying in %.1fs", what, error, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-            else:
-                return
+    last: Exception | None = None
+    try:
+        async with asyncio.timeout(deadline_s):
+            while True:
+                try:
+                    await action()
+                except Exception as error:  # noqa: BLE001 - any failure at start-up means "not yet"
+                    last = error
+                    # %r: a timeout's message is empty, and read "not reachable yet ()".
+                    log.warning("%s not reachable yet (%r); retrying in %.1fs", what, error, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+                else:
+                    return
+    except TimeoutError:
+        why = f"its last error: {last!r}" if last else "its first attempt had no answer yet"
+        message = f"{what} not reachable within STARTUP_TIMEOUT_S ({deadline_s:g} s); {why}"
+        log.error("%s", message)  # noqa: TRY400 - the reason, not a traceback of ours
+        raise DependencyUnreachable(message) from None
 
 
 async def prepare_database(action: Callable[[], Awaitable[Any]], *, deadline_s: float) -> None:

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
 
-from shared.runtime import retry_until
+from shared.runtime import DependencyUnreachable, retry_until
 
 
 async def test_a_start_up_retry_names_an_error_without_a_message(
@@ -27,3 +28,34 @@ async def test_a_start_up_retry_names_an_error_without_a_message(
     # Only this logger's: other tests' connections still retrying log here too.
     [warning] = [r.getMessage() for r in caplog.records if r.name == "scorebox.runtime"]
     assert "not reachable yet (TimeoutError())" in warning
+
+
+async def test_a_start_up_past_its_deadline_names_the_dependency_and_its_last_error() -> None:
+    async def refused() -> None:
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    with pytest.raises(DependencyUnreachable) as unreachable:
+        await retry_until(refused, what="RabbitMQ at amqp://broker", deadline_s=0.3)
+    assert str(unreachable.value).startswith(
+        "RabbitMQ at amqp://broker not reachable within STARTUP_TIMEOUT_S (0.3 s); its last "
+        "error: ConnectionRefusedError(111, 'Connection refused')"
+    )
+
+
+async def test_a_first_attempt_cut_short_by_the_deadline_still_names_the_dependency(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`STARTUP_TIMEOUT_S` under `MONGO_TIMEOUT_S`: the first attempt was still waiting when
+    the deadline came, nothing was logged, and the start ended on a bare `TimeoutError`
+    (a walkthrough)."""
+
+    async def unanswered() -> None:
+        await asyncio.Event().wait()
+
+    with (
+        caplog.at_level(logging.ERROR, logger="scorebox.runtime"),
+        pytest.raises(DependencyUnreachable, match="its first attempt had no answer yet"),
+    ):
+        await retry_until(unanswered, what="MongoDB", deadline_s=0.1)
+    [error] = [r.getMessage() for r in caplog.records if r.name == "scorebox.runtime"]
+    assert error.startswith("MongoDB not reachable within STARTUP_TIMEOUT_S (0.1 s)")

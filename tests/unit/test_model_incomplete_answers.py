@@ -11,6 +11,8 @@ scripted HTTP server plays the provider; the fake model server then plays it for
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -346,20 +348,67 @@ async def test_an_answer_cut_inside_a_character_is_repaired_and_billed(content: 
     assert len(provider.requests) == 2
 
 
-async def test_a_reasoning_model_is_scored_once_its_limit_field_and_temperature_are_set(
-    fake: FakeLLM,
+async def test_a_reasoning_model_is_scored_in_the_dialect_its_refusals_ask_for(
+    fake: FakeLLM, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The fake refuses, as OpenAI does, `max_tokens` and a temperature of 0 for a model
-    such as gpt-5-mini: with the adapter's defaults every task failed as misconfigured (a
-    review); with `LLM_TOKEN_LIMIT_FIELD` and a blank `LLM_TEMPERATURE` it is scored."""
+    such as gpt-5-mini. The settings are one for all models: where a request may name
+    another model than `LLM_MODEL`, every task of the other kind failed as misconfigured,
+    whichever way they were set. Each refusal of one of the two is answered by sending the
+    call again as it asks, and the model's later calls are sent so from the start."""
     asked = ScoringRequest(task_id="t-1", text="A short essay.", rubric=None, model="gpt-5-mini")
-    refused = settings(LLM_BASE_URL=fake.url)
-    async with make_http_client(refused, concurrency=1) as http:
-        with pytest.raises(ModelMisconfigured, match="max_completion_tokens"):
-            await OpenAIChatModel(http, refused).score(asked)
-    fitting = settings(
-        LLM_BASE_URL=fake.url, LLM_TOKEN_LIMIT_FIELD="max_completion_tokens", LLM_TEMPERATURE=""
+    defaults = settings(LLM_BASE_URL=fake.url)
+    async with make_http_client(defaults, concurrency=1) as http:
+        model = OpenAIChatModel(http, defaults)
+        with caplog.at_level(logging.WARNING, logger="scorebox.scorer.model"):
+            verdict = await model.score(asked)
+        assert 0 <= verdict.result.score <= 10
+        assert fake.stats()["status_counts"] == {"400": 2, "200": 1}
+        assert "gpt-5-mini refused a parameter" in caplog.records[-1].getMessage()
+
+        fake.reset()
+        await model.score(dataclasses.replace(asked, task_id="t-2", text="Another."))
+        assert fake.stats()["status_counts"] == {"200": 1}  # learnt: sent so at once
+        await model.score(dataclasses.replace(asked, task_id="t-3", model=None))
+        assert fake.stats()["status_counts"] == {"200": 2}  # the default model as configured
+
+
+def _unsupported(param: str) -> Answer:
+    return json_answer(
+        400,
+        {
+            "error": {
+                "message": f"Unsupported parameter: '{param}' is not supported with this model.",
+                "type": "invalid_request_error",
+                "param": param,
+                "code": "unsupported_parameter",
+            }
+        },
     )
-    async with make_http_client(fitting, concurrency=1) as http:
-        verdict = await OpenAIChatModel(http, fitting).score(asked)
-    assert 0 <= verdict.result.score <= 10
+
+
+@pytest.mark.parametrize(
+    ("param", "overrides"),
+    [
+        pytest.param("response_format", {}, id="another-parameter"),
+        pytest.param("temperature", {"LLM_TEMPERATURE": ""}, id="a-parameter-not-sent"),
+    ],
+)
+async def test_a_refusal_of_anything_else_is_still_the_settings_failure(
+    param: str, overrides: dict[str, str]
+) -> None:
+    """Only the output limit's field and a temperature sent are a question of dialect: any
+    other 400 is the settings' (an unsupported `LLM_JSON_MODE`, say), and is not sent again."""
+    provider = ScriptedProvider(_unsupported(param), finished(GOOD, "stop"))
+    with pytest.raises(ModelMisconfigured, match=f"'{param}' is not supported"):
+        await score_with(provider, None, **overrides)
+    assert len(provider.requests) == 1
+
+
+async def test_a_server_refusing_both_limit_fields_is_sent_each_once() -> None:
+    provider = ScriptedProvider(
+        _unsupported("max_tokens"), _unsupported("max_completion_tokens"), finished(GOOD, "stop")
+    )
+    with pytest.raises(ModelMisconfigured, match="max_completion_tokens"):
+        await score_with(provider, LLM_TEMPERATURE="")
+    assert len(provider.requests) == 2

@@ -34,6 +34,7 @@ from services.scorer.errors import (
     UnusableOutput,
 )
 from services.scorer.model.base import FLAG_REPAIRED, ModelVerdict, ScoringRequest
+from services.scorer.model.dialects import MAX_ADAPTATIONS, Dialect, Dialects
 from services.scorer.model.http_client import ProviderClient, ProviderReply, ReplyTooLarge
 from services.scorer.model.parsing import Verdict, parse_verdict
 from services.scorer.model.preparation import prepare_text
@@ -190,6 +191,9 @@ class OpenAIChatModel:
         # As errors name it (task errors, logs): without the credentials a URL may carry.
         self._shown = url_shown(str(self._url))
         self._request_headers = _request_headers(settings)
+        self._dialects = Dialects(
+            Dialect(settings.llm_token_limit_field, temperature=settings.llm_temperature)
+        )
 
     async def score(self, request: ScoringRequest) -> ModelVerdict:
         prepared = prepare_text(request.text, max_chars=self._settings.llm_max_input_chars)
@@ -262,11 +266,29 @@ class OpenAIChatModel:
         )
 
     async def _complete(self, messages: Messages, model: str) -> _Answer:
+        """The model's answer; a refusal of the output limit's field or of the temperature
+        is answered by sending the call again in the dialect it asks for (`dialects.py`)."""
+        dialect = self._dialects.of(model)
+        refused: frozenset[str] = frozenset()
+        for _ in range(MAX_ADAPTATIONS):
+            response = await self._post(self._body(messages, model, dialect))
+            if response.is_success:
+                return _read_answer(response, model, now=self._clock())
+            error = _error_object(response) if response.status == 400 else None
+            adapted = dialect.adapted_to(error, refused=refused)
+            if adapted is None:
+                raise error_for_response(response, now=self._clock())
+            refused |= {dialect.token_limit_field} - {adapted.token_limit_field}
+            dialect = self._dialects.learn(model, adapted, refused=_provider_detail(response))
+        response = await self._post(self._body(messages, model, dialect))
+        if not response.is_success:
+            raise error_for_response(response, now=self._clock())
+        return _read_answer(response, model, now=self._clock())
+
+    async def _post(self, body: dict[str, Any]) -> ProviderReply:
         try:
-            response = await self._http.post(
-                self._url,
-                body=orjson.dumps(self._body(messages, model)),
-                headers=self._request_headers,
+            return await self._http.post(
+                self._url, body=orjson.dumps(body), headers=self._request_headers
             )
         except (aiohttp.ClientError, OSError) as exc:
             raise _transport_error(exc, self._shown) from exc
@@ -274,18 +296,15 @@ class OpenAIChatModel:
             # A 5xx page that large (a gateway's) says the provider is down like any 5xx.
             too_much = ModelUnavailable if exc.status >= 500 else ModelReplyUnusable
             raise too_much(f"{self._shown} answered too much ({exc.status}): {exc}") from exc
-        if not response.is_success:
-            raise error_for_response(response, now=self._clock())
-        return _read_answer(response, model, now=self._clock())
 
-    def _body(self, messages: Messages, model: str) -> dict[str, Any]:
+    def _body(self, messages: Messages, model: str, dialect: Dialect) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": model,
             "messages": messages,
-            self._settings.llm_token_limit_field: self._settings.llm_max_output_tokens,
+            dialect.token_limit_field: self._settings.llm_max_output_tokens,
         }
-        if self._settings.llm_temperature is not None:
-            body["temperature"] = self._settings.llm_temperature
+        if dialect.temperature is not None:
+            body["temperature"] = dialect.temperature
         match self._settings.llm_json_mode:
             case "json_schema":
                 body["response_format"] = {

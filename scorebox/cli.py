@@ -26,7 +26,8 @@ exit 1 as ids not found do; so do letters a `replay` left unreadable (kept: drop
 a `replay --all` that stopped short (that bound, or its time budget: run it again). Letters a
 later generation superseded, removed unsent, are named on stderr and change no exit code.
 `drop` and `purge` given `--before` a listing's `listed_at` remove only the letters
-dead-lettered before it, keeping those that came after the listing. `purge` asks on stderr:
+dead-lettered before it, keeping those that came after the listing (a `drop` that so kept
+every copy of a letter exits 1). `purge` asks on stderr:
 stdout carries its JSON alone.
 
 Proxy variables (`HTTPS_PROXY`, `NO_PROXY`, ...) apply to a remote URL, never to a loopback
@@ -959,7 +960,8 @@ def _drop(
     before: str | None = None,
 ) -> None:
     """DELETE each letter in turn, every id tried; exits 1 when one was not dropped (a 404,
-    or a 409: the walk stopped before reaching it) or got no answer (a timeout, a connection
+    a 409: the walk stopped before reaching it, or every copy kept, dead-lettered at or after
+    `before`) or got no answer (a timeout, a connection
     refused or reset: one line for that id, and the next is tried all the same; a drop whose
     answer was lost may have happened, and asked again is a 404)."""
     paths = [f"{path}/{_segment(letter_id, name)}" for letter_id in ids]
@@ -981,6 +983,14 @@ def _drop(
             dropped = _answer(response, "removed")
             _show(dropped)
             _note_truncated(dropped, "copies past it, if any, are still there")
+            if not dropped.get("removed") and dropped.get("kept"):
+                # Printed `removed: 0, kept: 1` and exited 0: read as done (a walkthrough).
+                typer.echo(
+                    f"{dropped.get('letter_id', '')}: kept, dead-lettered at or after --before "
+                    "(the cut-off); nothing removed",
+                    err=True,
+                )
+                missed = typer.Exit(code=1)
     if missed is not None:
         raise missed
 

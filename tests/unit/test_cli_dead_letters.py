@@ -140,6 +140,19 @@ def test_a_drop_cut_short_says_copies_may_be_left(server: FakeServer) -> None:
     assert "copies past it, if any, are still there" in result.stderr
 
 
+def test_a_drop_that_kept_every_copy_past_its_cut_off_says_so_and_exits_1(
+    server: FakeServer,
+) -> None:
+    """It printed `removed: 0, kept: 1` and exited 0, read as done (a walkthrough)."""
+    kept = {"letter_id": "t1", "removed": 0, "kept": 1, "truncated": False}
+    server.script("DELETE", f"{LETTERS}/t1", httpx.Response(200, json=kept))
+
+    result = run_cli("dlq", "drop", "t1", "--before", "2026-12-06T10:00:00Z")
+
+    assert result.exit_code == 1
+    assert "t1: kept, dead-lettered at or after --before" in result.stderr
+
+
 @pytest.mark.parametrize("command", [("dlq", "drop"), ("cron", "dlq", "drop")])
 def test_a_drop_with_an_empty_id_sends_nothing(
     server: FakeServer, command: tuple[str, ...]

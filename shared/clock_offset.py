@@ -22,8 +22,8 @@ see which clock it is.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -45,6 +45,8 @@ WARN_CLOCK_OFFSET_S = 1.0
 CLOCK_RECHECK_S = 60.0
 # While the offset stays past the maximum, how often its error line is repeated.
 OFFSET_RELOG_S = 600.0
+# A level of the offset is left downwards only below this share of its bound.
+CALMER_SHARE = 0.8
 
 
 class ClockNotTold(Exception):
@@ -118,8 +120,12 @@ async def check_clock(
 
 class ClockWatch:
     """The offset measured again every `interval_s` (`CLOCK_RECHECK_S`) while the service
-    runs (module docstring); `start()` once the start-up's check passed, `stop()` at the
-    service's stop. With `max_offset_s` 0 (not checked) it measures nothing."""
+    runs (module docstring). Built with the service, so that its gauge is registered once;
+    `checked()` takes the start-up's measure, `start()` is the start's last step (a start
+    that fails before it leaves nothing running), `stop()` the stop's. With
+    `MAX_CLOCK_OFFSET_S` 0 it still measures and exports, and logs nothing: the gauge is
+    what tells the operator whose clock is off. The gauge is NaN until measured and while
+    measuring fails (0 read as "in step")."""
 
     def __init__(
         self,
@@ -142,48 +148,62 @@ class ClockWatch:
         self.offset = Gauge(
             "scorebox_clock_offset_seconds",
             "The database server's clock minus this process's wall clock, as last measured "
-            "(positive: this clock is behind); measured every minute.",
+            "(positive: this clock is behind); measured every minute, NaN while it cannot be.",
             registry=registry,
         )
+        self.offset.set(math.nan)
 
-    def start(self, checked_offset_s: float | None) -> None:
-        """Measure from now on; `checked_offset_s`, the start-up's measure, already logged."""
-        if checked_offset_s is not None:
-            self.offset.set(checked_offset_s)
-            self._level = self._level_of(checked_offset_s)
-        if self._max_offset_s > 0 and self._task is None:
+    def checked(self, offset_s: float | None) -> None:
+        """The start-up's measure, which `check_clock` logged (None: not measured)."""
+        if offset_s is not None:
+            self.offset.set(offset_s)
+            self._level = self._level_of(offset_s)
+
+    def start(self) -> None:
+        if self._task is None:
             self._task = asyncio.create_task(self._keep_measuring())
 
-    def _level_of(self, offset_s: float) -> int:
-        if abs(offset_s) > self._max_offset_s:
-            return 2
-        return int(abs(offset_s) > WARN_CLOCK_OFFSET_S)
-
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        """Cancel the measuring; never raises what the task did (a stop goes on to close the
+        clients)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
 
     async def _keep_measuring(self) -> None:
         while True:
             try:
                 self.observe(await clock_offset_s(self._client))
             except (PyMongoError, ClockNotTold) as error:  # the database's own trouble
+                self.offset.set(math.nan)
                 log.debug("%s: its clock not measured: %r", self._service, error)
+            except Exception as error:  # noqa: BLE001 - the watch must outlive any answer
+                self.offset.set(math.nan)
+                log.warning("%s: its clock not measured: %r", self._service, error)
             await asyncio.sleep(self._interval_s)
+
+    def _level_of(self, offset_s: float) -> int:
+        """0 within `WARN_CLOCK_OFFSET_S`, 1 past it, 2 past the maximum; a level is left
+        downwards only below `CALMER_SHARE` of its bound, so that an offset hovering at one
+        logs once, not at every other measure."""
+        size = abs(offset_s)
+        level = 2 if size > self._max_offset_s else int(size > WARN_CLOCK_OFFSET_S)
+        if level >= self._level:
+            return level
+        bound = self._max_offset_s if self._level == 2 else WARN_CLOCK_OFFSET_S
+        return level if size < CALMER_SHARE * bound else self._level
 
     def observe(self, offset_s: float) -> None:
         """Export `offset_s`; log it when it crosses a bound, or back within them, and
-        again every `OFFSET_RELOG_S` while it stays past the maximum."""
+        past the maximum once every `OFFSET_RELOG_S` at most."""
         self.offset.set(offset_s)
+        if self._max_offset_s <= 0:
+            return
         level = self._level_of(offset_s)
         now = self._monotonic()
         if level == 2 and (
-            self._level < 2
-            or self._last_error_at is None
-            or now - self._last_error_at >= OFFSET_RELOG_S
+            self._last_error_at is None or now - self._last_error_at >= OFFSET_RELOG_S
         ):
             self._last_error_at = now
             log.error(

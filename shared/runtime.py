@@ -13,7 +13,7 @@ import math
 import random
 import socket
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, override
 
@@ -235,17 +235,23 @@ async def prepare_service_database(
     action: Callable[[], Awaitable[Any]],
     *,
     service: str,
-    metrics: Metrics,
-) -> ClockWatch:
+    clock_watch: ClockWatch,
+) -> None:
     """A service's start-up with its database: `action` run as `prepare_database` runs it,
-    then its clock checked against the database server's (`shared/clock_offset.py`). The
-    clock's watch, measuring it again while the service runs: the service stops it."""
+    then its clock checked against the database server's (`shared/clock_offset.py`), the
+    measure handed to the service's `clock_watch`, which it starts once up."""
     await prepare_database(action, deadline_s=settings.startup_timeout_s)
     max_offset_s = settings.max_clock_offset_s
-    offset_s = await check_clock(mongo, max_offset_s=max_offset_s, service=service)
-    watch = ClockWatch(mongo, max_offset_s=max_offset_s, service=service, registry=metrics.registry)
-    watch.start(offset_s)
-    return watch
+    clock_watch.checked(await check_clock(mongo, max_offset_s=max_offset_s, service=service))
+
+
+def clock_watch_of(
+    mongo: MongoClient, settings: ServiceSettings, metrics: Metrics, *, service: str
+) -> ClockWatch:
+    """The service's clock watch, built with it (its gauge registered once per app)."""
+    return ClockWatch(
+        mongo, max_offset_s=settings.max_clock_offset_s, service=service, registry=metrics.registry
+    )
 
 
 async def keep_trying[T](
@@ -391,19 +397,30 @@ async def keep_dead_lettering(
 async def start_broker(broker: RabbitBroker, settings: ServiceSettings) -> None:
     """Connect (waiting for RabbitMQ if it is still starting), declare topology, consume;
     connecting, declaring and starting the consumers each take at most `STARTUP_TIMEOUT_S`."""
-    await retry_until(
-        broker.connect,
-        what=f"RabbitMQ at {redact_url(settings.rabbitmq_url)}",
-        deadline_s=settings.startup_timeout_s,
-    )
+    rabbitmq = f"RabbitMQ at {redact_url(settings.rabbitmq_url)}"
+    deadline_s = settings.startup_timeout_s
+    await retry_until(broker.connect, what=rabbitmq, deadline_s=deadline_s)
     # The declarations are round trips of their own (some on channels FastStream does not
     # bound): a broker that stops answering must not hold the service's start for ever.
-    async with asyncio.timeout(settings.startup_timeout_s):
+    async with _named_on_timeout(f"{rabbitmq} (declaring the topology)", deadline_s):
         await declare_topology(broker)
     # Starting opens the consuming connection and, per consumer, a channel, its prefetch, a
     # declaration and the consume: each bounded by BROKER_TIMEOUT_S, all by this.
-    async with asyncio.timeout(settings.startup_timeout_s):
+    async with _named_on_timeout(f"{rabbitmq} (starting the consumers)", deadline_s):
         await broker.start()
+
+
+@contextlib.asynccontextmanager
+async def _named_on_timeout(what: str, deadline_s: float) -> AsyncIterator[None]:
+    """The block within `deadline_s`, else `DependencyUnreachable` naming `what`, logged
+    first: a stall there ended the start on a bare `TimeoutError` (a review)."""
+    try:
+        async with asyncio.timeout(deadline_s):
+            yield
+    except TimeoutError:
+        message = f"{what} not answering within STARTUP_TIMEOUT_S ({deadline_s:g} s)"
+        log.error("%s", message)  # noqa: TRY400 - the reason, not a traceback of ours
+        raise DependencyUnreachable(message) from None
 
 
 # The longest a readiness check waits for its dependency (`timeout`, when shorter): `/readyz`

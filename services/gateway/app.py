@@ -71,6 +71,7 @@ from shared.query_parameters import document_before_serving, only_known_query_pa
 from shared.runtime import (
     MongoClient,
     broker_ready,
+    clock_watch_of,
     make_broker,
     make_mongo,
     mongo_ready,
@@ -235,16 +236,18 @@ def create_app(settings: GatewaySettings, **overrides: Any) -> FastAPI:
 def gateway_lifespan(gateway: Gateway) -> Callable[[FastAPI], Any]:
     settings = gateway.settings
 
+    clock_watch = clock_watch_of(gateway.mongo, settings, gateway.broker.metrics, service="gateway")
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if warning := settings.outbox_grace_warning():
             log.warning(warning)
-        clock_watch = await prepare_service_database(
+        await prepare_service_database(
             gateway.mongo,
             settings,
             gateway.ensure_indexes,
             service="gateway",
-            metrics=gateway.broker.metrics,
+            clock_watch=clock_watch,
         )
         token = settings.bootstrap_api_key.get_secret_value() if settings.bootstrap_api_key else ""
         # Empty means unset (compose passes `${SCOREBOX_API_KEY:-}`); a token that is no key
@@ -257,6 +260,7 @@ def gateway_lifespan(gateway: Gateway) -> Callable[[FastAPI], Any]:
         sweeper = asyncio.create_task(
             keep_outbox_swept(gateway.deps, gateway.publisher, gateway.batches)
         )
+        clock_watch.start()
         yield
         # The write-off and the deliveries in hand share the stop's grace (`BROKER_TIMEOUT_S`):
         # one after the other, a stop in a database outage outlasted compose's grace period.

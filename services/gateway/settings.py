@@ -5,12 +5,7 @@ from __future__ import annotations
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from services.gateway.keys import parse_key
-from shared.contracts import (
-    HEURISTIC_PROMPT_VERSION,
-    MAX_BATCH_ITEMS,
-    known_rubric_version,
-    rubric_version_of_provider,
-)
+from shared.contracts import HEURISTIC_PROMPT_VERSION, MAX_BATCH_ITEMS, known_rubric_version
 from shared.settings import (
     DEFAULT_LLM_MODEL,
     MAX_DURATION_S,
@@ -59,14 +54,6 @@ class GatewaySettings(InternalApiSettings):
     @classmethod
     def _a_prompt_version(cls, value: str | None) -> str | None:
         return known_rubric_version(value)
-
-    @model_validator(mode="after")
-    def _a_rubric_version_the_scorer_makes(self) -> GatewaySettings:
-        """Checked when `LLM_PROVIDER` is given: a gateway not told it assumes the default
-        for the cache key only, and must not refuse the scorer's real version."""
-        if "llm_provider" in self.model_fields_set:
-            rubric_version_of_provider(self.rubric_version, self.llm_provider)
-        return self
 
     idempotency_ttl_s: int = Field(
         default=86_400, gt=0, le=MAX_DURATION_S, validation_alias="IDEMPOTENCY_TTL_S"

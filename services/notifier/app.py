@@ -31,6 +31,7 @@ from shared.http import (
 )
 from shared.runtime import (
     MongoClient,
+    clock_watch_of,
     make_broker,
     make_mongo,
     prepare_service_database,
@@ -127,6 +128,8 @@ def create_app(
         await callbacks.ensure_indexes()
         await ledger.ensure_indexes()
 
+    clock_watch = clock_watch_of(mongo, settings, broker.metrics, service="notifier")
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if settings.test_hosts:
@@ -146,10 +149,15 @@ def create_app(
                 ),
             )
         warn_if_internal_routes_open(settings.internal_api_key, "notifier")
-        clock_watch = await prepare_service_database(
-            mongo, settings, ensure_indexes, service="notifier", metrics=broker.metrics
+        await prepare_service_database(
+            mongo,
+            settings,
+            ensure_indexes,
+            service="notifier",
+            clock_watch=clock_watch,
         )
         await start_broker(broker, settings)
+        clock_watch.start()
         yield
         await broker.stop()
         await clock_watch.stop()

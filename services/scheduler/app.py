@@ -56,6 +56,7 @@ from shared.http import (
 )
 from shared.runtime import (
     MongoClient,
+    clock_watch_of,
     make_broker,
     make_mongo,
     prepare_service_database,
@@ -83,6 +84,14 @@ def jobs_unable_to_run(settings: SchedulerSettings) -> dict[str, str]:
     if settings.rubric_version is None:
         return {RESCORE_FANOUT: "RUBRIC_VERSION is not set (no current rubric version)"}
     return {}
+
+
+async def _cut_short_runs(runner: CronJobRunner, *, stopping: float, stop_s: float) -> None:
+    """The runs still in hand at a stop get their share of its grace, then are handed back."""
+    if cut_short := await runner.in_hand.cut_short_by(
+        stopping + stop_s * RUNS_SHARE_OF_STOP, hand_back_by=stopping + stop_s * HAND_BACK_SHARE
+    ):
+        log.warning("stopping: %d cron runs cut short and handed back", cut_short)
 
 
 class _Indexed(Protocol):
@@ -242,25 +251,28 @@ def create_app(
 
     ensure_indexes = partial(_ensure_indexes, (firings, records, daily, catalogue, checkpoints))
 
+    clock_watch = clock_watch_of(mongo, settings, broker.metrics, service="scheduler")
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         warn_if_internal_routes_open(settings.internal_api_key, "scheduler")
-        clock_watch = await prepare_service_database(
-            mongo, settings, ensure_indexes, service="scheduler", metrics=broker.metrics
+        await prepare_service_database(
+            mongo,
+            settings,
+            ensure_indexes,
+            service="scheduler",
+            clock_watch=clock_watch,
         )
         await start_broker(broker, settings)
         ticking = asyncio.create_task(keep_dispatching(dispatcher, interval_s=settings.tick_s))
+        clock_watch.start()
         yield
         stopping = asyncio.get_running_loop().time()
         ticking.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await ticking
         await broker.stop_consuming()
-        stop_s = settings.broker_timeout_s
-        if cut_short := await runner.in_hand.cut_short_by(
-            stopping + stop_s * RUNS_SHARE_OF_STOP, hand_back_by=stopping + stop_s * HAND_BACK_SHARE
-        ):
-            log.warning("stopping: %d cron runs cut short and handed back", cut_short)
+        await _cut_short_runs(runner, stopping=stopping, stop_s=settings.broker_timeout_s)
         await broker.stop(begun_at=stopping)
         await clock_watch.stop()
         await mongo.close()

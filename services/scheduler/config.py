@@ -10,6 +10,8 @@ a bad expression, zone, policy or price refuses to start (`ConfigurationError`).
 
 from __future__ import annotations
 
+import logging
+import re
 import tomllib
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -30,6 +32,8 @@ from pydantic import (
 from services.scheduler.cron import next_fire_time, validate_spec, zone
 from services.scheduler.errors import ConfigurationError
 from shared.settings import MAX_DURATION_S, refusals
+
+log = logging.getLogger("scorebox.scheduler.config")
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "config" / "scheduler.toml"
 
@@ -139,7 +143,7 @@ def _with_overrides(data: Mapping[str, Any], environ: Mapping[str, str]) -> dict
     (found in review)."""
     jobs = {name: dict(job) for name, job in _job_tables(data.get("jobs", {})).items()}
     _refuse_shared_variables(jobs)
-    _refuse_unknown_variables(jobs, environ)
+    _warn_of_unknown_variables(jobs, environ)
     for name, job in jobs.items():
         prefix = env_name(name)
         if spec := environ.get(prefix):
@@ -170,25 +174,33 @@ def _refuse_shared_variables(jobs: Mapping[str, object]) -> None:
 
 # The variables each job may be overridden by: `CRON_<JOB>` and these suffixes.
 _OVERRIDE_SUFFIXES = ("", "_TZ", "_ENABLED", "_CONCURRENCY")
+# What Kubernetes sets in every pod for a Service named `cron` (or `cron-...`): no override.
+_SERVICE_LINKS = re.compile(r"^CRON(_[A-Z0-9_]+)?_(SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT(_\w+)?)$")
 
 
-def _refuse_unknown_variables(jobs: Mapping[str, object], environ: Mapping[str, str]) -> None:
-    """A `CRON_` variable, not empty, that overrides no configured job is refused: a typo
-    (`CRON_USAGE_ROLLUP_ENABLE=false`, `CRON_USAGEROLLUP=5 * * * *`) started the scheduler
-    with the job as configured, and the operator took it for disabled or moved (a
-    walkthrough). Empty ones are let be: compose passes unset variables through so."""
+def _warn_of_unknown_variables(jobs: Mapping[str, object], environ: Mapping[str, str]) -> None:
+    """A `CRON_` variable, not empty, that overrides no configured job is named in a warning:
+    a typo (`CRON_USAGE_ROLLUP_ENABLE=false`, `CRON_USAGEROLLUP=5 * * * *`) started the
+    scheduler with the job as configured, and the operator took it for disabled or moved (a
+    walkthrough). Not refused: compose passes `CRON_RESCORE_FANOUT_ENABLED=false` to a
+    schedule that may have no such job, and Kubernetes sets `CRON_SERVICE_HOST` and the like
+    for a Service named `cron` (a review); those are not named either."""
     known = {env_name(name) + suffix for name in jobs for suffix in _OVERRIDE_SUFFIXES}
     unknown = sorted(
         name
         for name, value in environ.items()
-        if name.startswith("CRON_") and value.strip() and name not in known
+        if name.startswith("CRON_")
+        and value.strip()
+        and name not in known
+        and not _SERVICE_LINKS.match(name)
     )
     if unknown:
-        raise ConfigurationError(
-            f"{', '.join(unknown)}: no configured job has such a variable (the jobs: "
-            f"{', '.join(sorted(jobs)) or 'none'}; each takes {env_name('<job>')}, "
-            f"..._TZ, ..._ENABLED and ..._CONCURRENCY, <JOB> its name upper-cased with "
-            "'-' and '.' as '_')"
+        log.warning(
+            "%s: no configured job has such a variable, so it changes nothing (the jobs: %s; "
+            "each takes CRON_<JOB>, ..._TZ, ..._ENABLED and ..._CONCURRENCY, <JOB> its name "
+            "upper-cased with '-' and '.' as '_')",
+            ", ".join(unknown),
+            ", ".join(sorted(jobs)) or "none",
         )
 
 

@@ -12,7 +12,7 @@ from typing import Self
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from services.scheduler.config import DEFAULT_CONFIG_PATH
-from shared.contracts import known_rubric_version, rubric_version_of_provider
+from shared.contracts import known_rubric_version
 from shared.settings import (
     BROKER_CONSUMER_TIMEOUT_S,
     MAX_DURATION_S,
@@ -99,9 +99,6 @@ class SchedulerSettings(InternalApiSettings):
     # The current rubric/prompt version; tasks scored with another (or an unknown) version are
     # re-scored by the fan-out. Unset: the fan-out refuses to run.
     rubric_version: str | None = Field(default=None, validation_alias="RUBRIC_VERSION")
-    # The scorer's provider, when this service is told it: a RUBRIC_VERSION it never scores
-    # under is refused (`rubric_version_of_provider`).
-    llm_provider: str | None = Field(default=None, validation_alias="LLM_PROVIDER")
 
     @model_validator(mode="after")
     def _grace_outlasts_the_clock_loop(self) -> Self:
@@ -171,11 +168,6 @@ class SchedulerSettings(InternalApiSettings):
     @classmethod
     def _a_prompt_version(cls, value: str | None) -> str | None:
         return known_rubric_version(value)
-
-    @model_validator(mode="after")
-    def _a_rubric_version_the_scorer_makes(self) -> Self:
-        rubric_version_of_provider(self.rubric_version, self.llm_provider)
-        return self
 
     # Catalogue entries one page of the re-score fan-out reads, in `_id` order; it publishes
     # those of them due a re-score (all, at most).

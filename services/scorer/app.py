@@ -12,6 +12,7 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
+from functools import partial
 
 from fastapi import FastAPI
 
@@ -40,9 +41,10 @@ from services.scorer.slots import ModelSlots
 from services.scorer.throttle import ModelThrottle
 from shared.bus import publish_event, publish_ops_event
 from shared.consumers import ScoreboxBroker
-from shared.contracts import ModelCallsPaused, TaskEvent, new_id, utcnow
+from shared.contracts import new_id, utcnow
 from shared.runtime import (
     MongoClient,
+    clock_watch_of,
     make_broker,
     make_mongo,
     prepare_service_database,
@@ -136,19 +138,15 @@ def create_app(
         retention=timedelta(seconds=settings.attempts_retention_s),
     )
 
-    async def announce(event: TaskEvent) -> None:
-        await publish_event(broker, event, timeout=settings.broker_timeout_s)
+    announce = partial(publish_event, broker, timeout=settings.broker_timeout_s)
 
     jitter = rng or random.Random()  # noqa: S311 - jitter, not cryptography
     metrics = ScorerMetrics(broker.metrics.registry)
     replica = f"{socket.gethostname()}:{os.getpid()}:{new_id()[:8]}"
     provider = provider_of(model_settings)
 
-    async def announce_pause(event: ModelCallsPaused) -> None:
-        await publish_ops_event(broker, event, timeout=settings.broker_timeout_s)
-
     pauses = PauseAnnouncer(
-        publish=announce_pause,
+        publish=partial(publish_ops_event, broker, timeout=settings.broker_timeout_s),
         replica=replica,
         provider=provider,
         timeout_s=settings.broker_timeout_s,
@@ -211,16 +209,19 @@ def create_app(
         broker, cancelled_batches, batch_cancel_records, metrics, replica=replica
     )
 
+    clock_watch = clock_watch_of(mongo, settings, broker.metrics, service="scorer")
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        clock_watch = await prepare_service_database(
+        await prepare_service_database(
             mongo,
             settings,
             lambda: _prepare_database(attempts, cancelled_batches, batch_cancel_records, clock),
             service="scorer",
-            metrics=broker.metrics,
+            clock_watch=clock_watch,
         )
         await start_broker(broker, settings)
+        clock_watch.start()
         yield
         # No model call starts any more: the deliveries waiting for a slot, and any that
         # arrives before the consumer is cancelled, are sent again with their delivery counts

@@ -281,7 +281,9 @@ class ModelThrottle:
         if self._unproven is None or self._pause_is_no_news_to(text_key, tenant_key):
             return False
         share_s = self.hold_s * GIVING_WAY_SHARE
-        return left_s - 0.9 * share_s >= GIVING_WAY_LEAST_S and self._another_tenant_active()
+        return left_s - 0.9 * share_s >= GIVING_WAY_LEAST_S and self._another_tenant_active(
+            besides=tenant_key
+        )
 
     def _note_active(self, tenant_key: str, now: float) -> None:
         """A delivery of `tenant_key` waits for its turn; tenants idle for `TRIP_WINDOW_S`
@@ -295,13 +297,16 @@ class ModelThrottle:
             }
             self._tenants_pruned_at = now
 
-    def _another_tenant_active(self) -> bool:
-        """Whether a tenant not seen failing had a delivery wait for its turn within
-        `TRIP_WINDOW_S`: one whose deliveries may cut an unproven pause short."""
+    def _another_tenant_active(self, *, besides: str | None) -> bool:
+        """Whether a tenant not seen failing, other than `besides`, had a delivery wait for
+        its turn within `TRIP_WINDOW_S`: one whose deliveries may cut an unproven pause
+        short. Not the delivery's own: a tenant's text another tenant failed first cannot
+        cut the pause short, and it gave way to its own tenant (a review)."""
         now = self._clock()
         return any(
             now - at < TRIP_WINDOW_S and tenant not in self._tenants_seen_failing
             for tenant, at in self._tenants_active.items()
+            if tenant != besides
         )
 
     def _rate_limit_probe_unanswered_s(self) -> float:

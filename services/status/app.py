@@ -46,6 +46,7 @@ from shared.http import (
 from shared.runtime import (
     LETTER_DEADLINE_S,
     MongoClient,
+    clock_watch_of,
     keep_dead_lettering,
     keep_trying_database,
     make_broker,
@@ -73,17 +74,20 @@ def create_app(
     tasks = tasks_collection(mongo, settings.database_name("status"))
     subscribe_projection(broker, GroupWriter(tasks), settings)
 
+    clock_watch = clock_watch_of(mongo, settings, broker.metrics, service="status")
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         warn_if_internal_routes_open(settings.internal_api_key, "status service")
-        clock_watch = await prepare_service_database(
+        await prepare_service_database(
             mongo,
             settings,
             lambda: ensure_indexes(tasks),
             service="status",
-            metrics=broker.metrics,
+            clock_watch=clock_watch,
         )
         await start_broker(broker, settings)
+        clock_watch.start()
         yield
         await broker.stop()
         await clock_watch.stop()

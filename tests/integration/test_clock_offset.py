@@ -4,6 +4,7 @@ was refusing swept and scored by another). On the real database's `hello`."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -15,7 +16,8 @@ from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
 from shared import clock_offset
 from shared.clock_offset import ClockOffsetTooLarge, clock_offset_s
-from tests.support import eventually, metric_sum, running
+from shared.runtime import DependencyUnreachable
+from tests.support import closed_port, eventually, metric_sum, running
 
 
 async def test_the_offset_is_measured_against_the_servers_clock(mongo: Any) -> None:
@@ -81,3 +83,29 @@ async def test_a_clock_that_drifts_while_the_service_runs_is_exported_and_logged
     assert len(errors) == 1  # once, not at every measure
     assert "status's clock is 9" in errors[0]
     assert "s behind the database server's" in errors[0]
+
+
+async def test_a_start_that_fails_after_the_clock_check_leaves_no_watch_running(
+    mongo: Any, db_prefix: str
+) -> None:
+    """Started with the database's check, the watch outlived a start that then failed on the
+    broker, measuring every minute for the life of the loop, and a second start of the same
+    app registered its gauge twice (a review). It starts once the service is up."""
+    env = {
+        "RABBITMQ_URL": f"amqp://guest:guest@127.0.0.1:{closed_port()}/",
+        "MONGO_URL": mongo.url,
+        "MONGO_DB_PREFIX": db_prefix,
+        "STARTUP_TIMEOUT_S": "1",
+    }
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
+    try:
+        status = create_status(StatusSettings.model_validate(env), mongo=client)
+        for _ in range(2):
+            with pytest.raises(DependencyUnreachable, match="RabbitMQ at"):
+                async with running(status):
+                    pass
+            assert not [
+                task for task in asyncio.all_tasks() if "_keep_measuring" in repr(task.get_coro())
+            ]
+    finally:
+        await client.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import pytest
@@ -80,18 +81,41 @@ def test_a_running_services_offset_is_logged_when_it_crosses_a_bound(
     assert watch.offset._value.get() == 0.1
 
 
-async def test_an_offset_past_the_maximum_is_logged_again_every_ten_minutes(
+def test_an_offset_past_the_maximum_is_logged_again_every_ten_minutes(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     monotonic = Monotonic()
     watch = _watch(monotonic)
-    watch.start(-6.0)  # the start-up's measure, which it logged (`check_clock`)
-    try:
-        with caplog.at_level(logging.ERROR, logger="scorebox.clock"):
-            for _ in range(20):  # twenty minutes
-                monotonic.now += 60
-                watch.observe(-6.0)
-    finally:
-        await watch.stop()
+    with caplog.at_level(logging.ERROR, logger="scorebox.clock"):
+        for _ in range(20):  # twenty minutes
+            monotonic.now += 60
+            watch.observe(-6.0)
     assert len(caplog.records) == 2
     assert "6.0 s ahead of the database server's" in caplog.records[0].getMessage()
+
+
+def test_an_offset_hovering_at_a_bound_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Alternating 5.05 and 4.95 s logged five errors and five warnings in ten minutes (a
+    review): a level is left downwards only well within its bound."""
+    monotonic = Monotonic()
+    watch = _watch(monotonic)
+    with caplog.at_level(logging.INFO, logger="scorebox.clock"):
+        for minute in range(10):
+            monotonic.now += 60
+            watch.observe(5.05 if minute % 2 == 0 else 4.95)
+    assert [record.levelname for record in caplog.records] == ["ERROR"]
+
+
+def test_unchecked_the_offset_is_still_exported_and_nothing_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`MAX_CLOCK_OFFSET_S=0` is the way out when the database host's clock alone is off:
+    the gauge is what then tells whose clock it is. Until measured it reads NaN, not 0 (in
+    step)."""
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(connect=False)
+    watch = ClockWatch(client, max_offset_s=0, service="gateway", registry=CollectorRegistry())
+    assert math.isnan(watch.offset._value.get())
+    with caplog.at_level(logging.DEBUG, logger="scorebox.clock"):
+        watch.observe(90.0)
+    assert watch.offset._value.get() == 90.0
+    assert caplog.records == []

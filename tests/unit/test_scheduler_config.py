@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from decimal import Decimal
 from pathlib import Path
 
@@ -130,14 +131,34 @@ def test_the_fan_out_enabled_without_a_rubric_version_refuses_to_start(
     "variable",
     ["CRON_USAGE_ROLLUP_ENABLE", "CRON_USAGEROLLUP", "CRON_NOSUCHJOB", "CRON_HOUSEKEEPING_ZONE"],
 )
-def test_a_variable_that_overrides_no_job_refuses_to_start(variable: str) -> None:
+def test_a_variable_that_overrides_no_job_is_named_in_a_warning(
+    variable: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """A typo started the scheduler with the job as configured, the operator taking it for
-    disabled or moved (a walkthrough)."""
-    with pytest.raises(ConfigurationError, match=f"{variable}: no configured job has such"):
-        load_config(DEFAULT_CONFIG_PATH, {variable: "false"})
+    disabled or moved, and nothing said so (a walkthrough)."""
+    with caplog.at_level(logging.WARNING, logger="scorebox.scheduler.config"):
+        config = load_config(DEFAULT_CONFIG_PATH, {variable: "false"})
+    assert config.jobs["usage-rollup"].enabled
+    [warning] = [record.getMessage() for record in caplog.records]
+    assert warning.startswith(f"{variable}: no configured job has such a variable")
 
 
-def test_an_empty_cron_variable_is_let_be() -> None:
-    """Compose passes variables the operator left unset through, empty."""
-    config = load_config(DEFAULT_CONFIG_PATH, {"CRON_NOSUCHJOB": " ", "CRON_HOUSEKEEPING": ""})
+@pytest.mark.parametrize(
+    "environ",
+    [
+        pytest.param({"CRON_NOSUCHJOB": " ", "CRON_HOUSEKEEPING": ""}, id="empty"),
+        pytest.param(
+            {"CRON_SERVICE_HOST": "10.0.0.7", "CRON_PORT_80_TCP": "tcp://10.0.0.7:80"},
+            id="kubernetes-service-links",
+        ),
+    ],
+)
+def test_variables_no_operator_set_for_the_schedule_are_let_be(
+    environ: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Compose passes variables left unset through, empty; Kubernetes sets a Service named
+    `cron`'s address in every pod (refused at first, a review found that)."""
+    with caplog.at_level(logging.WARNING, logger="scorebox.scheduler.config"):
+        config = load_config(DEFAULT_CONFIG_PATH, environ)
     assert config.jobs["housekeeping"].cron == "*/10 * * * *"
+    assert caplog.records == []

@@ -1176,6 +1176,16 @@ async def test_a_single_tenants_deliveries_give_way_to_nobody() -> None:
     await _in_hand_until_the_scorer_stops(throttle, "a", 300)
 
 
+async def test_a_tenant_gives_way_to_no_tenant_but_itself() -> None:
+    """Tenant b's text that tenant a failed first may not cut the pause short, b itself not
+    seen failing: counted as the other tenant active, b gave way to itself (a review)."""
+    clock = Clock()
+    throttle = await _one_tenants_batch_failing(clock, probes=4, hold_s=30.0, active=["b"])
+    assert 30.0 * GIVING_WAY_SHARE * 0.9 + GIVING_WAY_LEAST_S < throttle.pause_left_s() < 30.0
+
+    await _in_hand_until_the_scorer_stops(throttle, "b", 0)  # text 0: a's, seen failing
+
+
 async def test_a_tenant_idle_for_the_trip_window_is_given_way_to_no_longer() -> None:
     clock = Clock()
     throttle = _throttle(clock, hold_s=30.0)

@@ -178,21 +178,30 @@ def test_a_rubric_version_no_result_carries_is_refused(settings: Any) -> None:
         assert settings.model_validate({"RUBRIC_VERSION": version}).rubric_version == version
 
 
-@pytest.mark.parametrize("settings", [GatewaySettings, SchedulerSettings])
-def test_a_rubric_version_the_scorers_provider_never_scores_under_is_refused(
-    settings: Any,
-) -> None:
+def _model(**values: str) -> ModelSettings:
+    return ModelSettings.model_validate({"LLM_BASE_URL": "https://llm.test/v1", **values})
+
+
+def test_a_rubric_version_the_scorers_provider_never_scores_under_is_refused() -> None:
     """`heuristic-v1` with `LLM_PROVIDER=openai` started: every result stale, the cache off,
-    and each fan-out run called the model again for every task (a walkthrough)."""
+    and each fan-out run called the model again for every task (a walkthrough). The scorer
+    refuses it, the one service that knows its provider for certain."""
     with pytest.raises(ValidationError, match=r"LLM_PROVIDER=openai scores under \(judge-2025-1\)"):
-        settings.model_validate({"RUBRIC_VERSION": "heuristic-v1", "LLM_PROVIDER": "openai"})
+        _model(RUBRIC_VERSION="heuristic-v1", LLM_PROVIDER="openai")
     with pytest.raises(ValidationError, match="RUBRIC_VERSION=judge-2025-1 is not what"):
-        settings.model_validate({"RUBRIC_VERSION": "judge-2025-1", "LLM_PROVIDER": "heuristic"})
+        _model(RUBRIC_VERSION="judge-2025-1", LLM_PROVIDER="heuristic")
     for provider, version in PROVIDER_PROMPT_VERSIONS.items():
-        told = settings.model_validate({"RUBRIC_VERSION": version, "LLM_PROVIDER": provider})
+        told = _model(RUBRIC_VERSION=version, LLM_PROVIDER=provider)
         assert told.rubric_version == version
-    # Not told the provider, each takes the version it is given.
-    assert settings.model_validate({"RUBRIC_VERSION": "judge-2025-1"}).rubric_version
+    assert _model(LLM_PROVIDER="openai").rubric_version is None
+
+
+@pytest.mark.parametrize("settings", [GatewaySettings, SchedulerSettings])
+def test_the_gateway_and_the_scheduler_do_not_judge_the_scorers_provider(settings: Any) -> None:
+    """Given every service's `LLM_PROVIDER` by compose, with the scorer's alone overridden,
+    they refused the version the scorer makes (a review): theirs is not the scorer's."""
+    given = {"RUBRIC_VERSION": "judge-2025-1", "LLM_PROVIDER": "heuristic"}
+    assert settings.model_validate(given).rubric_version == "judge-2025-1"
 
 
 def test_the_scorers_versions_are_the_ones_settings_accept() -> None:

@@ -85,7 +85,6 @@ def test_a_refused_url_is_shown_without_its_password(url: str) -> None:
     [
         ({"CRON_USAGE_ROLLUP": "61 * * * *"}, "invalid cron expression '61 * * * *'"),
         ({"CRON_RESCORE_FANOUT_ENABLED": "true"}, "enabled cron jobs that cannot run"),
-        ({"CRON_USAGE_ROLLUP_ENABLE": "false"}, "CRON_USAGE_ROLLUP_ENABLE: no configured job"),
         ({"SCHEDULER_CONFIG": "/nonexistent/scheduler.toml"}, "/nonexistent/scheduler.toml"),
         ({"SCHEDULER_CONFIG": "/"}, "scheduler configuration / unreadable"),
         ({"SCHEDULER_CONFIG": sys.executable}, "is not UTF-8 text"),
@@ -93,7 +92,6 @@ def test_a_refused_url_is_shown_without_its_password(url: str) -> None:
     ids=[
         "cron-expression",
         "job-unable-to-run",
-        "unknown-variable",
         "missing-file",
         "a-directory",
         "not-text",

@@ -8,6 +8,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from yarl import URL
 
+from shared.contracts import known_rubric_version, rubric_version_of_provider
 from shared.settings import DEFAULT_LLM_MODEL, http_url
 
 Provider = Literal["heuristic", "openai"]
@@ -54,6 +55,9 @@ class ModelSettings(BaseSettings):
     llm_temperature: float | None = Field(
         default=0.0, ge=0, le=2, validation_alias="LLM_TEMPERATURE"
     )
+    # The current rubric version (the gateway's and the scheduler's setting): checked against
+    # the version this provider's results carry.
+    rubric_version: str | None = Field(default=None, validation_alias="RUBRIC_VERSION")
 
     @model_validator(mode="after")
     def _an_http_url_to_call(self) -> ModelSettings:
@@ -73,6 +77,19 @@ class ModelSettings(BaseSettings):
                 "LLM_BASE_URL carries credentials (user:password@) and LLM_API_KEY is set: "
                 "both would be the Authorization header; keep one"
             )
+        return self
+
+    @field_validator("rubric_version")
+    @classmethod
+    def _a_prompt_version(cls, value: str | None) -> str | None:
+        return known_rubric_version(value)
+
+    @model_validator(mode="after")
+    def _a_rubric_version_this_provider_scores_under(self) -> ModelSettings:
+        """`RUBRIC_VERSION` (the gateway's and the scheduler's setting, which a deployment
+        passes every service) names results this scorer never makes: refused here, where
+        the provider is known for certain."""
+        rubric_version_of_provider(self.rubric_version, self.llm_provider)
         return self
 
     @field_validator("llm_temperature", mode="before")

@@ -181,6 +181,8 @@ class ModelThrottle:
         self._probe_sent_at = 0.0
         self._rate_limit_pauses = Tally(PAUSE_LOG_EVERY_S, clock)
         self._outage_probes = Tally(PAUSE_LOG_EVERY_S, clock)
+        self._outages_begun = Tally(PAUSE_LOG_EVERY_S, clock)
+        self._outages_ended = Tally(PAUSE_LOG_EVERY_S, clock)
         self._changed = asyncio.Event()
         # Called with its length when a pause begins while none lasted, and whether it is an
         # outage's (also when a pause lasting turns into an outage's).
@@ -429,6 +431,30 @@ class ModelThrottle:
             probes,
         )
 
+    def _log_outage_begun(self) -> None:
+        """Once a `PAUSE_LOG_EVERY_S` at most, with the count: texts failing on their own
+        among another tenant's healthy ones began an "outage" about once a second, each
+        line followed by its "resumed" (a walkthrough: 106 lines in 110 s)."""
+        if (outages := self._outages_begun.count()) is None:
+            return
+        log.warning(
+            "model calls paused for %.1f s: the provider found unavailable by the calls of "
+            "%d texts in a row (an outage; one probe at the pause's end; %d outage(s) since "
+            "the last such line)",
+            self.pause_left_s(),
+            TRIP_AFTER,
+            outages,
+        )
+
+    def _log_outage_over(self) -> None:
+        if (ended := self._outages_ended.count()) is None:
+            return
+        log.info(
+            "model calls resumed: the provider answered the outage's probe (%d outage(s) "
+            "ended since the last such line)",
+            ended,
+        )
+
     def _log_rate_limit_pause(self) -> None:
         if (pauses := self._rate_limit_pauses.count()) is None:
             return
@@ -502,12 +528,7 @@ class ModelThrottle:
         if was_on and turn.probe:
             self._log_outage_going_on()
         if began:
-            log.warning(
-                "model calls paused for %.1f s: the provider found unavailable by the calls of "
-                "%d texts in a row (an outage; one probe at the pause's end)",
-                self.pause_left_s(),
-                TRIP_AFTER,
-            )
+            self._log_outage_begun()
             self._on_pause(self.pause_left_s(), True)
         return began or probed_an_outage or running_when_it_began
 
@@ -624,7 +645,7 @@ class ModelThrottle:
             self._cut_short_out = False
             self._probe_due = self.pause_left_s() > 0
             if not self._probe_due and self._outage:
-                log.info("model calls resumed: the provider answered the outage's probe")
+                self._log_outage_over()
             # An outage heard meanwhile stands while its pause does; the answer ends any other.
             if not (self._outage_heard_while_probing and self._probe_due):
                 self._end_outage()

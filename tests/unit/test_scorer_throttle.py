@@ -8,6 +8,7 @@ report)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import Sequence
 from functools import partial
@@ -1382,3 +1383,28 @@ async def test_the_scorer_tells_the_throttle_the_tasks_tenant() -> None:
     throttle.done(PROBE)
 
     assert await _turn_of(throttle, "b", hash("another text")) == PROBE
+
+
+async def test_outages_begun_and_ended_again_and_again_are_a_line_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Texts failing on their own among another tenant's healthy ones began an "outage"
+    about once a second, each line followed by its "resumed" (a walkthrough: 106 lines in
+    110 s, while the provider answered all along)."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    with caplog.at_level(logging.INFO, logger="scorebox.scorer.throttle"):
+        for round_ in range(10):
+            _fails_of(throttle, "a", *range(round_ * 10, round_ * 10 + TRIP_AFTER))
+            clock.now += throttle.pause_left_s() + 0.01
+            assert await _turn_of(throttle, "b", 1000 + round_) == PROBE
+            throttle.answered(PROBE)
+            throttle.done(PROBE)
+            clock.now += 1
+        clock.now += PAUSE_LOG_EVERY_S
+        _fails_of(throttle, "a", *range(500, 500 + TRIP_AFTER))
+    lines = [record.getMessage() for record in caplog.records]
+    begun = [line for line in lines if "(an outage;" in line]
+    assert len(begun) == 2
+    assert "10 outage(s) since the last such line" in begun[1]
+    assert len([line for line in lines if line.startswith("model calls resumed")]) == 1

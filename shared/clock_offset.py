@@ -196,14 +196,18 @@ class ClockWatch:
 
     def observe(self, offset_s: float) -> None:
         """Export `offset_s`; log it when it crosses a bound, or back within them, and
-        past the maximum once every `OFFSET_RELOG_S` at most."""
+        while it stays past the maximum again every `OFFSET_RELOG_S` (an offset held at its
+        level by the hysteresis, within the maximum now, is not called past it)."""
         self.offset.set(offset_s)
         if self._max_offset_s <= 0:
             return
         level = self._level_of(offset_s)
         now = self._monotonic()
-        if level == 2 and (
-            self._last_error_at is None or now - self._last_error_at >= OFFSET_RELOG_S
+        past_the_maximum = abs(offset_s) > self._max_offset_s
+        if past_the_maximum and (
+            self._level < 2
+            or self._last_error_at is None
+            or now - self._last_error_at >= OFFSET_RELOG_S
         ):
             self._last_error_at = now
             log.error(

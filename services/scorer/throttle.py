@@ -182,7 +182,10 @@ class ModelThrottle:
         self._rate_limit_pauses = Tally(PAUSE_LOG_EVERY_S, clock)
         self._outage_probes = Tally(PAUSE_LOG_EVERY_S, clock)
         self._outages_begun = Tally(PAUSE_LOG_EVERY_S, clock)
-        self._outages_ended = Tally(PAUSE_LOG_EVERY_S, clock)
+        # Whether the outage's begin line was written: its end line is then written too,
+        # and an outage whose begin line was not, ends unsaid (counted in the next).
+        self._outage_begin_logged = False
+        self._outages_ended_unsaid = 0
         self._changed = asyncio.Event()
         # Called with its length when a pause begins while none lasted, and whether it is an
         # outage's (also when a pause lasting turns into an outage's).
@@ -435,7 +438,9 @@ class ModelThrottle:
         """Once a `PAUSE_LOG_EVERY_S` at most, with the count: texts failing on their own
         among another tenant's healthy ones began an "outage" about once a second, each
         line followed by its "resumed" (a walkthrough: 106 lines in 110 s)."""
-        if (outages := self._outages_begun.count()) is None:
+        outages = self._outages_begun.count()
+        self._outage_begin_logged = outages is not None
+        if outages is None:
             return
         log.warning(
             "model calls paused for %.1f s: the provider found unavailable by the calls of "
@@ -447,8 +452,14 @@ class ModelThrottle:
         )
 
     def _log_outage_over(self) -> None:
-        if (ended := self._outages_ended.count()) is None:
+        """The end of an outage whose begin line was written, with the ends unsaid since:
+        limited apart, one outage's begin line was written and its end line dropped, the
+        log ending on "paused" (a review)."""
+        self._outages_ended_unsaid += 1
+        if not self._outage_begin_logged:
             return
+        ended, self._outages_ended_unsaid = self._outages_ended_unsaid, 0
+        self._outage_begin_logged = False
         log.info(
             "model calls resumed: the provider answered the outage's probe (%d outage(s) "
             "ended since the last such line)",

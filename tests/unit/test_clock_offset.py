@@ -119,3 +119,25 @@ def test_unchecked_the_offset_is_still_exported_and_nothing_logged(
         watch.observe(90.0)
     assert watch.offset._value.get() == 90.0
     assert caplog.records == []
+
+
+def test_an_offset_past_the_maximum_again_is_logged_again_and_one_within_it_never_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Past it, back in step, past it again within ten minutes: the last line said "back
+    within 1 s". Held at its level by the hysteresis, 4.5 s was logged as "more than
+    MAX_CLOCK_OFFSET_S (5 s)" ten minutes on (a review)."""
+    monotonic = Monotonic()
+    watch = _watch(monotonic)
+    with caplog.at_level(logging.INFO, logger="scorebox.clock"):
+        for offset_s in (7.0, 0.1, 7.0, *[4.5] * 15):
+            monotonic.now += 60
+            watch.observe(offset_s)
+    assert [
+        (record.levelname, record.getMessage().split(" the database")[0])
+        for record in caplog.records
+    ] == [
+        ("ERROR", "scorer's clock is 7.0 s behind"),
+        ("INFO", "scorer's clock is back within 1 s of"),
+        ("ERROR", "scorer's clock is 7.0 s behind"),
+    ]

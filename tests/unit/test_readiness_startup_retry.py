@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from shared.runtime import DependencyUnreachable, retry_until
+from shared.runtime import DependencyUnreachable, _named_on_timeout, retry_until
 
 
 async def test_a_start_up_retry_names_an_error_without_a_message(
@@ -59,3 +59,17 @@ async def test_a_first_attempt_cut_short_by_the_deadline_still_names_the_depende
         await retry_until(unanswered, what="MongoDB", deadline_s=0.1)
     [error] = [r.getMessage() for r in caplog.records if r.name == "scorebox.runtime"]
     assert error.startswith("MongoDB not reachable within STARTUP_TIMEOUT_S (0.1 s)")
+
+
+async def test_a_timeout_of_a_step_s_own_bound_is_not_taken_for_the_start_up_s() -> None:
+    """A consumer's start bounded by `BROKER_TIMEOUT_S` inside the start-up's deadline was
+    reported as "not answering within STARTUP_TIMEOUT_S", naming the wrong bound (a
+    review)."""
+    with pytest.raises(TimeoutError, match="the consumer's own") as raised:
+        async with _named_on_timeout("RabbitMQ at amqp://broker", 30):
+            raise TimeoutError("the consumer's own")
+    assert not isinstance(raised.value, DependencyUnreachable)
+
+    with pytest.raises(DependencyUnreachable, match="not answering within STARTUP_TIMEOUT_S"):
+        async with _named_on_timeout("RabbitMQ at amqp://broker", 0.05):
+            await asyncio.Event().wait()

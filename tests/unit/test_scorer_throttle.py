@@ -1408,3 +1408,36 @@ async def test_outages_begun_and_ended_again_and_again_are_a_line_a_minute(
     assert len(begun) == 2
     assert "10 outage(s) since the last such line" in begun[1]
     assert len([line for line in lines if line.startswith("model calls resumed")]) == 1
+
+
+async def test_an_outage_whose_begin_was_logged_has_its_end_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Limited apart, an outage's begin line came a minute after the last one, its end
+    line less than a minute after the last end line, and was dropped: the log ended on
+    "paused" (a review)."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    began = clock.now
+    with caplog.at_level(logging.INFO, logger="scorebox.scorer.throttle"):
+        _fails_of(throttle, "a", *range(TRIP_AFTER))  # a first outage, ended seconds later
+        for text in (100, 101, 102):
+            clock.now += throttle.pause_left_s() + 0.01
+            assert await _turn_of(throttle, "a", text) == PROBE
+            _fails_of(throttle, "a", text, turn=PROBE)
+            throttle.done(PROBE)
+        clock.now += throttle.pause_left_s() + 0.01
+        assert await _turn_of(throttle, "b", 900) == PROBE
+        throttle.answered(PROBE)
+        throttle.done(PROBE)
+        ended_first = clock.now
+        clock.now = began + PAUSE_LOG_EVERY_S  # the next begin line is due, the end line not
+        _fails_of(throttle, "a", *range(200, 200 + TRIP_AFTER))
+        clock.now += throttle.pause_left_s() + 0.01
+        assert clock.now < ended_first + PAUSE_LOG_EVERY_S
+        assert await _turn_of(throttle, "b", 901) == PROBE
+        throttle.answered(PROBE)
+        throttle.done(PROBE)
+    lines = [record.getMessage() for record in caplog.records]
+    assert len([line for line in lines if "(an outage;" in line]) == 2
+    assert len([line for line in lines if line.startswith("model calls resumed")]) == 2

@@ -89,12 +89,7 @@ def check_clock_offset(offset_s: float, *, max_offset_s: float, service: str) ->
             "start; synchronise the machines' clocks (NTP)"
         )
     if abs(offset_s) > WARN_CLOCK_OFFSET_S:
-        log.warning(
-            "%s's clock is %s the database server's (MAX_CLOCK_OFFSET_S: %g s)",
-            service,
-            _words(offset_s),
-            max_offset_s,
-        )
+        _warn_of(offset_s, max_offset_s=max_offset_s, service=service)
 
 
 async def check_clock(
@@ -219,12 +214,7 @@ class ClockWatch:
                 self._max_offset_s,
             )
         elif level == 1 and self._level != 1:
-            log.warning(
-                "%s's clock is %s the database server's (MAX_CLOCK_OFFSET_S: %g s)",
-                self._service,
-                _words(offset_s),
-                self._max_offset_s,
-            )
+            _warn_of(offset_s, max_offset_s=self._max_offset_s, service=self._service)
         elif level == 0 and self._level != 0:
             log.info(
                 "%s's clock is back within %g s of the database server's",
@@ -232,6 +222,15 @@ class ClockWatch:
                 WARN_CLOCK_OFFSET_S,
             )
         self._level = level
+
+
+def _warn_of(offset_s: float, *, max_offset_s: float, service: str) -> None:
+    log.warning(
+        "%s's clock is %s the database server's (MAX_CLOCK_OFFSET_S: %g s)",
+        service,
+        _words(offset_s),
+        max_offset_s,
+    )
 
 
 def _words(offset_s: float) -> str:

@@ -186,6 +186,13 @@ class DependencyUnreachable(TimeoutError):
     """A dependency (RabbitMQ, MongoDB) did not answer within `STARTUP_TIMEOUT_S`."""
 
 
+def _given_up(message: str) -> DependencyUnreachable:
+    """The start-up's giving up, logged first as one line for the operator (uvicorn's
+    traceback follows it)."""
+    log.error("%s", message)
+    return DependencyUnreachable(message)
+
+
 async def retry_until(
     action: Callable[[], Awaitable[Any]], *, what: str, deadline_s: float
 ) -> None:
@@ -210,9 +217,9 @@ async def retry_until(
                     return
     except TimeoutError:
         why = f"its last error: {last!r}" if last else "its first attempt had no answer yet"
-        message = f"{what} not reachable within STARTUP_TIMEOUT_S ({deadline_s:g} s); {why}"
-        log.error("%s", message)  # noqa: TRY400 - the reason, not a traceback of ours
-        raise DependencyUnreachable(message) from None
+        raise _given_up(
+            f"{what} not reachable within STARTUP_TIMEOUT_S ({deadline_s:g} s); {why}"
+        ) from None
 
 
 async def prepare_database(action: Callable[[], Awaitable[Any]], *, deadline_s: float) -> None:
@@ -421,9 +428,9 @@ async def _named_on_timeout(what: str, deadline_s: float) -> AsyncIterator[None]
     except TimeoutError:
         if not within.expired():
             raise  # a bound of its own inside (`BROKER_TIMEOUT_S`), named by its error
-        message = f"{what} not answering within STARTUP_TIMEOUT_S ({deadline_s:g} s)"
-        log.error("%s", message)  # noqa: TRY400 - the reason, not a traceback of ours
-        raise DependencyUnreachable(message) from None
+        raise _given_up(
+            f"{what} not answering within STARTUP_TIMEOUT_S ({deadline_s:g} s)"
+        ) from None
 
 
 # The longest a readiness check waits for its dependency (`timeout`, when shorter): `/readyz`

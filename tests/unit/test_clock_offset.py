@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -60,19 +61,31 @@ def _watch(monotonic: Monotonic) -> ClockWatch:
     )
 
 
+def _logged_once_a_minute(
+    watch: ClockWatch,
+    monotonic: Monotonic,
+    offsets_s: Iterable[float],
+    caplog: pytest.LogCaptureFixture,
+) -> list[tuple[str, str]]:
+    """The lines the watch logs measuring `offsets_s` a minute apart: level, and the words
+    before "the database"."""
+    with caplog.at_level(logging.INFO, logger="scorebox.clock"):
+        for offset_s in offsets_s:
+            monotonic.now += 60
+            watch.observe(offset_s)
+    return [
+        (record.levelname, record.getMessage().split(" the database")[0])
+        for record in caplog.records
+    ]
+
+
 def test_a_running_services_offset_is_logged_when_it_crosses_a_bound(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     monotonic = Monotonic()
     watch = _watch(monotonic)
-    with caplog.at_level(logging.INFO, logger="scorebox.clock"):
-        for offset_s in (0.2, 0.3, 2.0, 2.5, 7.0, 8.0, 2.0, 0.1, 0.1):
-            monotonic.now += 60
-            watch.observe(offset_s)
-    assert [
-        (record.levelname, record.getMessage().split(" the database")[0])
-        for record in caplog.records
-    ] == [
+    offsets_s = (0.2, 0.3, 2.0, 2.5, 7.0, 8.0, 2.0, 0.1, 0.1)
+    assert _logged_once_a_minute(watch, monotonic, offsets_s, caplog) == [
         ("WARNING", "scorer's clock is 2.0 s behind"),
         ("ERROR", "scorer's clock is 7.0 s behind"),
         ("WARNING", "scorer's clock is 2.0 s behind"),
@@ -86,12 +99,11 @@ def test_an_offset_past_the_maximum_is_logged_again_every_ten_minutes(
 ) -> None:
     monotonic = Monotonic()
     watch = _watch(monotonic)
-    with caplog.at_level(logging.ERROR, logger="scorebox.clock"):
-        for _ in range(20):  # twenty minutes
-            monotonic.now += 60
-            watch.observe(-6.0)
-    assert len(caplog.records) == 2
-    assert "6.0 s ahead of the database server's" in caplog.records[0].getMessage()
+    twenty_minutes = [-6.0] * 20
+    assert _logged_once_a_minute(watch, monotonic, twenty_minutes, caplog) == [
+        ("ERROR", "scorer's clock is 6.0 s ahead of"),
+        ("ERROR", "scorer's clock is 6.0 s ahead of"),
+    ]
 
 
 def test_an_offset_hovering_at_a_bound_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
@@ -99,11 +111,10 @@ def test_an_offset_hovering_at_a_bound_is_logged_once(caplog: pytest.LogCaptureF
     review): a level is left downwards only well within its bound."""
     monotonic = Monotonic()
     watch = _watch(monotonic)
-    with caplog.at_level(logging.INFO, logger="scorebox.clock"):
-        for minute in range(10):
-            monotonic.now += 60
-            watch.observe(5.05 if minute % 2 == 0 else 4.95)
-    assert [record.levelname for record in caplog.records] == ["ERROR"]
+    hovering = [5.05, 4.95] * 5
+    assert _logged_once_a_minute(watch, monotonic, hovering, caplog) == [
+        ("ERROR", "scorer's clock is 5.0 s behind")
+    ]
 
 
 def test_unchecked_the_offset_is_still_exported_and_nothing_logged(
@@ -129,14 +140,8 @@ def test_an_offset_past_the_maximum_again_is_logged_again_and_one_within_it_neve
     MAX_CLOCK_OFFSET_S (5 s)" ten minutes on (a review)."""
     monotonic = Monotonic()
     watch = _watch(monotonic)
-    with caplog.at_level(logging.INFO, logger="scorebox.clock"):
-        for offset_s in (7.0, 0.1, 7.0, *[4.5] * 15):
-            monotonic.now += 60
-            watch.observe(offset_s)
-    assert [
-        (record.levelname, record.getMessage().split(" the database")[0])
-        for record in caplog.records
-    ] == [
+    offsets_s = (7.0, 0.1, 7.0, *[4.5] * 15)
+    assert _logged_once_a_minute(watch, monotonic, offsets_s, caplog) == [
         ("ERROR", "scorer's clock is 7.0 s behind"),
         ("INFO", "scorer's clock is back within 1 s of"),
         ("ERROR", "scorer's clock is 7.0 s behind"),

@@ -803,12 +803,11 @@ async def test_a_delivery_of_a_text_not_seen_failing_probes_first() -> None:
     _fails(throttle, *range(TRIP_AFTER))
     seen = asyncio.ensure_future(throttle.wait_turn(asyncio.Event(), text_key=0))
 
-    async def waiting(count: int) -> bool:
-        return throttle.waiting == count
-
-    await eventually(partial(waiting, 1), what="the retry of a text seen failing waiting")
+    await eventually(
+        partial(_waiting, throttle, 1), what="the retry of a text seen failing waiting"
+    )
     fresh = asyncio.ensure_future(throttle.wait_turn(asyncio.Event(), text_key=99))
-    await eventually(partial(waiting, 2), what="another text waiting")
+    await eventually(partial(_waiting, throttle, 2), what="another text waiting")
     clock.now += throttle.pause_left_s() + 0.01  # the pause is over: each wakes at its end
 
     assert await asyncio.wait_for(fresh, timeout=GUARD_S) == PROBE
@@ -1003,14 +1002,11 @@ async def test_a_delivery_put_off_is_back_in_hand_before_the_pause_ends_and_prob
     clock.now += throttle.back_in_s(put_off, random.Random(0))
     healthy = asyncio.ensure_future(throttle.wait_turn(asyncio.Event(), text_key=99))
 
-    async def waiting(count: int) -> bool:
-        return throttle.waiting == count
-
-    await eventually(partial(waiting, 1), what="the delivery back in hand, waiting")
+    await eventually(partial(_waiting, throttle, 1), what="the delivery back in hand, waiting")
     assert not healthy.done()  # not put off again
     clock.now += throttle.pause_left_s()  # the retry of a text seen failing, due at the end
     retry = asyncio.ensure_future(throttle.wait_turn(asyncio.Event(), text_key=0))
-    await eventually(partial(waiting, 2), what="the retry waiting too")
+    await eventually(partial(_waiting, throttle, 2), what="the retry waiting too")
     clock.now += 0.01
 
     assert await asyncio.wait_for(healthy, timeout=GUARD_S) == PROBE
@@ -1107,6 +1103,24 @@ async def _turn_of(throttle: ModelThrottle, tenant: str, text: int) -> Turn | Pu
     return await asyncio.wait_for(waiting, timeout=GUARD_S)
 
 
+async def _probe_fails(throttle: ModelThrottle, clock: Clock, tenant: str, text: int) -> bool:
+    """The pause waited out, a delivery of `text` probes and finds the provider down;
+    whether the call was the outage's."""
+    clock.now += throttle.pause_left_s() + 0.01
+    assert await _turn_of(throttle, tenant, text) == PROBE
+    [outages] = _fails_of(throttle, tenant, text, turn=PROBE)
+    throttle.done(PROBE)
+    return outages
+
+
+async def _probe_answered(throttle: ModelThrottle, clock: Clock, tenant: str, text: int) -> None:
+    """The pause waited out, a delivery of `text` probes and is answered: the pause ends."""
+    clock.now += throttle.pause_left_s() + 0.01
+    assert await _turn_of(throttle, tenant, text) == PROBE
+    throttle.answered(PROBE)
+    throttle.done(PROBE)
+
+
 async def _one_tenants_batch_failing(
     clock: Clock,
     *,
@@ -1124,10 +1138,7 @@ async def _one_tenants_batch_failing(
     clock.now += idle_s
     _fails_of(throttle, "a", *range(TRIP_AFTER))
     for text in range(100, 100 + probes):
-        clock.now += throttle.pause_left_s() + 0.01
-        assert await _turn_of(throttle, "a", text) == PROBE
-        assert _fails_of(throttle, "a", text, turn=PROBE) == [True]
-        throttle.done(PROBE)
+        assert await _probe_fails(throttle, clock, "a", text)  # a fresh text's: the outage's
     return throttle
 
 
@@ -1197,10 +1208,7 @@ async def test_a_tenant_idle_for_the_trip_window_is_given_way_to_no_longer() -> 
     clock.now += TRIP_WINDOW_S * 0.7  # b idle for 1.1 windows, the next forgetting not due
     _fails_of(throttle, "a", *range(TRIP_AFTER))
     for text in range(100, 104):
-        clock.now += throttle.pause_left_s() + 0.01
-        assert await _turn_of(throttle, "a", text) == PROBE
-        _fails_of(throttle, "a", text, turn=PROBE)
-        throttle.done(PROBE)
+        await _probe_fails(throttle, clock, "a", text)
     assert 30.0 * GIVING_WAY_SHARE * 0.9 + GIVING_WAY_LEAST_S < throttle.pause_left_s() < 30.0
 
     await _in_hand_until_the_scorer_stops(throttle, "a", 300)
@@ -1325,12 +1333,9 @@ async def test_a_delivery_of_a_tenant_not_seen_failing_probes_first() -> None:
     _fails_of(throttle, "a", *range(TRIP_AFTER))
     batch = asyncio.ensure_future(throttle.wait_turn(asyncio.Event(), text_key=100, tenant_key="a"))
 
-    async def waiting(count: int) -> bool:
-        return throttle.waiting == count
-
-    await eventually(partial(waiting, 1), what="a fresh text of tenant a waiting")
+    await eventually(partial(_waiting, throttle, 1), what="a fresh text of tenant a waiting")
     other = asyncio.ensure_future(throttle.wait_turn(asyncio.Event(), text_key=999, tenant_key="b"))
-    await eventually(partial(waiting, 2), what="tenant b's text waiting")
+    await eventually(partial(_waiting, throttle, 2), what="tenant b's text waiting")
     clock.now += throttle.pause_left_s() + 0.01  # the pause is over: each wakes at its end
 
     assert await asyncio.wait_for(other, timeout=GUARD_S) == PROBE
@@ -1396,10 +1401,7 @@ async def test_outages_begun_and_ended_again_and_again_are_a_line_a_minute(
     with caplog.at_level(logging.INFO, logger="scorebox.scorer.throttle"):
         for round_ in range(10):
             _fails_of(throttle, "a", *range(round_ * 10, round_ * 10 + TRIP_AFTER))
-            clock.now += throttle.pause_left_s() + 0.01
-            assert await _turn_of(throttle, "b", 1000 + round_) == PROBE
-            throttle.answered(PROBE)
-            throttle.done(PROBE)
+            await _probe_answered(throttle, clock, "b", 1000 + round_)
             clock.now += 1
         clock.now += PAUSE_LOG_EVERY_S
         _fails_of(throttle, "a", *range(500, 500 + TRIP_AFTER))
@@ -1422,14 +1424,8 @@ async def test_an_outage_whose_begin_was_logged_has_its_end_logged(
     with caplog.at_level(logging.INFO, logger="scorebox.scorer.throttle"):
         _fails_of(throttle, "a", *range(TRIP_AFTER))  # a first outage, ended seconds later
         for text in (100, 101, 102):
-            clock.now += throttle.pause_left_s() + 0.01
-            assert await _turn_of(throttle, "a", text) == PROBE
-            _fails_of(throttle, "a", text, turn=PROBE)
-            throttle.done(PROBE)
-        clock.now += throttle.pause_left_s() + 0.01
-        assert await _turn_of(throttle, "b", 900) == PROBE
-        throttle.answered(PROBE)
-        throttle.done(PROBE)
+            await _probe_fails(throttle, clock, "a", text)
+        await _probe_answered(throttle, clock, "b", 900)
         ended_first = clock.now
         clock.now = began + PAUSE_LOG_EVERY_S  # the next begin line is due, the end line not
         _fails_of(throttle, "a", *range(200, 200 + TRIP_AFTER))

@@ -25,8 +25,6 @@ _REFUSALS: Final = frozenset({"unsupported_parameter", "unsupported_value"})
 # Models whose dialect is kept; the oldest learnt is forgotten past it (any model may be
 # named where `LLM_ALLOWED_MODELS` is empty).
 MAX_MODELS_KEPT: Final = 256
-# Adaptations one call may need: the token limit's field and the temperature.
-MAX_ADAPTATIONS: Final = 2
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from services.scorer.errors import (
     UnusableOutput,
 )
 from services.scorer.model.base import FLAG_REPAIRED, ModelVerdict, ScoringRequest
-from services.scorer.model.dialects import MAX_ADAPTATIONS, Dialect, Dialects
+from services.scorer.model.dialects import Dialect, Dialects
 from services.scorer.model.http_client import ProviderClient, ProviderReply, ReplyTooLarge
 from services.scorer.model.parsing import Verdict, parse_verdict
 from services.scorer.model.preparation import prepare_text
@@ -270,7 +270,8 @@ class OpenAIChatModel:
         is answered by sending the call again in the dialect it asks for (`dialects.py`)."""
         dialect = self._dialects.of(model)
         refused: frozenset[str] = frozenset()
-        for _ in range(MAX_ADAPTATIONS):
+        # Ends: the temperature is dropped once, and the field never goes back to one refused.
+        while True:
             response = await self._post(self._body(messages, model, dialect))
             if response.is_success:
                 return _read_answer(response, model, now=self._clock())
@@ -280,10 +281,6 @@ class OpenAIChatModel:
                 raise error_for_response(response, now=self._clock())
             refused |= {dialect.token_limit_field} - {adapted.token_limit_field}
             dialect = self._dialects.learn(model, adapted, refused=_provider_detail(response))
-        response = await self._post(self._body(messages, model, dialect))
-        if not response.is_success:
-            raise error_for_response(response, now=self._clock())
-        return _read_answer(response, model, now=self._clock())
 
     async def _post(self, body: dict[str, Any]) -> ProviderReply:
         try:

@@ -13,8 +13,9 @@ then, with the variables `make run` prints exported (`SCOREBOX_URL`, `SCOREBOX_A
 
 The default tenant submits a batch of texts the fake model answers 500 every time
 (`[[fake:500]]`); a second later a tenant of its own (a key made with the admin key)
-submits healthy texts. Prints the seconds until the healthy batch's first and last items
-were finished, counted from its submission.
+submits healthy texts. Prints the seconds until each batch's first and last items were
+finished (the failing ones dead-lettered), counted from its own submission; `--healthy 0`
+submits the failing batch alone.
 
 The other tenant has one text scored just before the failing batch, as a tenant already
 using the system has: the scorer gives way to tenants it saw lately (`_gives_way` in
@@ -64,11 +65,22 @@ async def _counts(api: httpx.AsyncClient, key: str, batch_id: str) -> dict[str, 
 
 async def _finished_batch(api: httpx.AsyncClient, key: str, texts: list[str]) -> None:
     batch_id = await _batch(api, key, texts)
-    deadline = time.monotonic() + TIMEOUT_S
-    while finished(await _counts(api, key, batch_id)) < len(texts):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"batch {batch_id} not finished in {TIMEOUT_S} s")
+    await _finished_after(api, key, batch_id, len(texts), time.monotonic())
+
+
+async def _finished_after(
+    api: httpx.AsyncClient, key: str, batch_id: str, size: int, started: float
+) -> dict[str, Any]:
+    """Seconds from `started` until the batch's first and last items were finished."""
+    first: float | None = None
+    while (elapsed := time.monotonic() - started) < TIMEOUT_S:
+        done = finished(await _counts(api, key, batch_id))
+        if done and first is None:
+            first = elapsed
+        if done >= size:
+            return {"first_done_s": round(first or elapsed, 1), "all_done_s": round(elapsed, 1)}
         await asyncio.sleep(POLL_S)  # polling a client's way, not synchronising a test
+    return {"first_done_s": first, "all_done_s": None, "timed_out_s": TIMEOUT_S}
 
 
 async def measure(
@@ -80,36 +92,45 @@ async def measure(
     healthy: int,
     other_tenant_new: bool = False,
 ) -> dict[str, Any]:
-    """Seconds until the other tenant's first and last healthy items were finished."""
+    """Seconds until the other tenant's first and last healthy items were finished, counted
+    from their batch's submission, and until the failing batch's were (dead-lettered),
+    from its own; with `healthy` 0, the failing batch alone."""
     run = uuid.uuid4().hex[:8]
+    other_key = await _other_tenants_key(api, admin_key, run) if healthy else None
+    if other_key is not None and not other_tenant_new:
+        await _finished_batch(api, other_key, [f"{run}: the other tenant's earlier text."])
+    started = time.monotonic()
+    failing_id = await _batch(
+        api, tenant_key, [f"[[fake:500]] {run} failing text {i}." for i in range(failing)]
+    )
+    waits = [_finished_after(api, tenant_key, failing_id, failing, started)]
+    if other_key is not None:
+        await asyncio.sleep(1.0)  # the scenario's own gap, as a client would leave it
+        texts = [f"{run}: healthy text {i}." for i in range(healthy)]
+        healthy_started = time.monotonic()
+        healthy_id = await _batch(api, other_key, texts)
+        waits.append(_finished_after(api, other_key, healthy_id, healthy, healthy_started))
+    failing_done, *healthy_done = await asyncio.gather(*waits)
+    return {"failing": failing_done, **({"healthy": healthy_done[0]} if healthy_done else {})}
+
+
+async def _other_tenants_key(api: httpx.AsyncClient, admin_key: str, run: str) -> str:
     made = await api.post(
         "/admin/v1/keys",
         json={"tenant_id": f"other-{run}"},
         headers={"Authorization": f"Bearer {admin_key}"},
     )
     made.raise_for_status()
-    other_key: str = made.json()["key"]
-    if not other_tenant_new:
-        await _finished_batch(api, other_key, [f"{run}: the other tenant's earlier text."])
-    await _batch(api, tenant_key, [f"[[fake:500]] {run} failing text {i}." for i in range(failing)])
-    await asyncio.sleep(1.0)  # the scenario's own gap, as a client would leave it
-    started = time.monotonic()
-    batch_id = await _batch(api, other_key, [f"{run}: healthy text {i}." for i in range(healthy)])
-    first: float | None = None
-    while (elapsed := time.monotonic() - started) < TIMEOUT_S:
-        done = finished(await _counts(api, other_key, batch_id))
-        if done and first is None:
-            first = elapsed
-        if done >= healthy:
-            return {"first_done_s": round(first or elapsed, 1), "all_done_s": round(elapsed, 1)}
-        await asyncio.sleep(POLL_S)  # polling a client's way, not synchronising a test
-    return {"first_done_s": first, "all_done_s": None, "timed_out_s": TIMEOUT_S}
+    key: str = made.json()["key"]
+    return key
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--failing", type=int, default=60, help="texts failing on their own")
-    parser.add_argument("--healthy", type=int, default=100, help="the other tenant's texts")
+    parser.add_argument(
+        "--healthy", type=int, default=100, help="the other tenant's texts (0: none, no tenant)"
+    )
     parser.add_argument(
         "--other-tenant-new",
         action="store_true",

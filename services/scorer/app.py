@@ -34,6 +34,7 @@ from services.scorer.consumer import BrokerActions, subscribe_scorer
 from services.scorer.metrics import ScorerMetrics
 from services.scorer.model import ProviderClient, ScoreModel, build_model, make_http_client
 from services.scorer.model.settings import ModelSettings
+from services.scorer.provider_checks import provider_checks
 from services.scorer.scoring import RetryPolicy, ScorerDeps
 from services.scorer.settings import ScorerSettings
 from services.scorer.shared_pauses import PauseAnnouncer, provider_of, subscribe_shared_pauses
@@ -176,6 +177,7 @@ def create_app(
             hold_s=settings.rate_limit_hold_s,
             rng=jitter,
             on_pause=pause_begun,
+            check_provider=provider_checks(model, metrics),
         ),
         started_after=timedelta(seconds=settings.started_after_s),
         metrics=metrics,

@@ -62,6 +62,14 @@ class ScorerMetrics:
             "row), a pause lasting included.",
             registry=registry,
         )
+        self.provider_checks = Counter(
+            "scorebox_model_provider_checks",
+            "Calls of the provider that are no text's, made as an outage's probe when only "
+            "texts (or tenants) seen failing wait, by what they found: answered (the outage "
+            "is over), rate_limited, unavailable.",
+            ["found"],
+            registry=registry,
+        )
         self.shared_pauses = Counter(
             "scorebox_model_rate_limit_pauses_shared",
             "Rate-limit pauses of another scorer replica (same provider and API key) that "

@@ -37,7 +37,10 @@ seen failing first), and one arriving during a pause that only such texts' probe
 probes at once, as does one of another tenant during a pause that only fresh texts of tenants
 seen failing began (`_may_cut_short`). While another tenant is active, the deliveries that
 may not cut such a pause short give way: put off at once, back shortly before it ends
-(`_gives_way`).
+(`_gives_way`). When only texts, or tenants, seen failing wait, a check of the provider that
+is no text's call probes instead (`check_provider`, `_checks_first`); a probe's answer ending
+an outage makes the texts seen failing in it suspects, whose failures are their tasks' and
+tell no outage (`_suspects`).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -111,6 +114,24 @@ class PutOff:
     giving_way: bool = False
 
 
+class ProviderFound(Enum):
+    """What a check of the provider (`ProviderCheck`) found."""
+
+    ANSWERED = "answered"  # any answer but a 429: the provider is up
+    RATE_LIMITED = "rate_limited"
+    UNAVAILABLE = "unavailable"  # a 5xx, a refused connection, no answer in time
+
+
+@dataclass(frozen=True)
+class ProviderCheck:
+    found: ProviderFound
+    retry_after_s: float | None = None
+
+
+# A call of the provider that is no text's (`services/scorer/provider_checks.py`).
+CheckProvider = Callable[[], Awaitable[ProviderCheck]]
+
+
 class ModelThrottle:
     def __init__(
         self,
@@ -120,6 +141,7 @@ class ModelThrottle:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_pause: Callable[[float, bool], object] = lambda _pause_s, _outage: None,
+        check_provider: CheckProvider | None = None,
     ) -> None:
         self.hold_s = hold_s
         self._base_s = base_s
@@ -190,6 +212,12 @@ class ModelThrottle:
         # Called with its length when a pause begins while none lasted, and whether it is an
         # outage's (also when a pause lasting turns into an outage's).
         self._on_pause = on_pause
+        # The outage's probe when no text that would be news waits (`_checks_first`).
+        self._check_provider = check_provider
+        # Texts seen failing in an outage a probe's answer ended, when last they failed: their
+        # failures were their own, or the outage's, which is over. Until one is answered,
+        # its calls are charged to its task and neither tell nor prove an outage (`_suspect`).
+        self._suspects: dict[int, float] = {}
 
     def back_in_s(self, put_off: PutOff, rng: random.Random) -> float:
         """How long a delivery put off waits down the ladder: until the pause has between a
@@ -260,6 +288,9 @@ class ModelThrottle:
             elif not self._probe_due:
                 return GO
             elif not self._probe_out and self._may_probe(waiter):
+                if self._check_provider is not None and self._checks_first(waiter):
+                    await self._probe_by_check(self._check_provider)
+                    continue
                 self._probe_out, self._probe_sent_at = True, self._clock()
                 return PROBE
             elif self._rate_limit_probe_unanswered_s() >= PROBE_PATIENCE_S:
@@ -270,6 +301,38 @@ class ModelThrottle:
                 patience_left = PROBE_PATIENCE_S - self._rate_limit_probe_unanswered_s()
                 # The probe's answer, or the end of the patience a rate limit's probe is given.
                 await self._until_changed(closing, timeout_s=min(hold_left, patience_left))
+
+    def _checks_first(self, waiter: tuple[int | None, str | None]) -> bool:
+        """Whether the outage is probed by a check of the provider (`check_provider`) rather
+        than by this delivery's call: its text, or its tenant, was seen failing, and the
+        delivery is the best probe there is (`_may_probe`). Such a text's call says nothing
+        of the provider: with no other traffic, a batch of texts each failing on its own was
+        taken for an outage, and their calls, one per pause of up to a minute shared by them
+        all, would have taken an hour or more to spend their attempts (session 48's
+        walkthrough). A check answered ends the pause, and those texts become suspects."""
+        return self._outage and self._probe_rank(waiter) < 2
+
+    async def _probe_by_check(self, check_provider: CheckProvider) -> None:
+        """The outage's probe, made by a call of the provider that is no text's."""
+        self._probe_out, self._probe_sent_at = True, self._clock()
+        try:
+            check = await check_provider()
+            match check.found:
+                case ProviderFound.ANSWERED:
+                    self.answered(PROBE)
+                case ProviderFound.RATE_LIMITED:
+                    self.rate_limited(PROBE, check.retry_after_s)
+                case ProviderFound.UNAVAILABLE:
+                    self._still_unavailable(check.retry_after_s)
+        finally:
+            self.done(PROBE)
+
+    def _still_unavailable(self, retry_after_s: float | None) -> None:
+        """A check found the provider still down: news of it, to every text and tenant."""
+        self._unproven = None
+        self._news_since_cut = True
+        self._lengthen(PROBE, retry_after_s)
+        self._log_outage_going_on()
 
     def _gives_way(self, text_key: int | None, tenant_key: str | None, left_s: float) -> bool:
         """Whether this delivery is put off at once, to come back shortly before the pause
@@ -345,7 +408,7 @@ class ModelThrottle:
 
     def _pause_is_no_news_to(self, text_key: int | None, tenant_key: str | None) -> bool:
         """Whether the pause is unproven to this delivery: a probe of it would be news."""
-        if text_key is None or text_key in self._seen_failing:
+        if text_key is None or self._known_failing(text_key):
             return False
         if self._unproven is Unproven.TO_OTHER_TEXTS:
             return True
@@ -362,7 +425,11 @@ class ModelThrottle:
         review)."""
         if not self._cut_short_out or not self._probe_out or text_key is None:
             return False
-        return text_key not in self._seen_failing
+        return not self._known_failing(text_key)
+
+    def _known_failing(self, text_key: int | None) -> bool:
+        """Whether the text was seen failing in this outage, or is a suspect."""
+        return text_key in self._seen_failing or text_key in self._suspects
 
     def _cut_short(self) -> Turn:
         self._probe_out, self._probe_sent_at = True, self._clock()
@@ -385,7 +452,7 @@ class ModelThrottle:
 
     def _probe_rank(self, waiter: tuple[int | None, str | None]) -> int:
         text_key, tenant_key = waiter
-        if text_key in self._seen_failing:
+        if self._known_failing(text_key):
             return 0
         if tenant_key is None or tenant_key in self._tenants_seen_failing:
             return 1
@@ -507,12 +574,20 @@ class ModelThrottle:
         failing in it, to the other tenants. True when the call is the outage's rather than
         its task's: it began the outage, or probed one and found the provider still down."""
         self._forget_a_stale_pause()
-        probed_an_outage = turn.probe and self._outage and self._probe_is_free(text_key, task_key)
-        fresh = text_key not in self._seen_failing  # news of the provider, in an outage
+        suspect = self._suspect(text_key)
+        probed_an_outage = (
+            not suspect and turn.probe and self._outage and self._probe_is_free(text_key, task_key)
+        )
+        # News of the provider, in an outage.
+        fresh = text_key not in self._seen_failing and not suspect
         # News to the other tenants too (a call of no known tenant is taken for news to all).
         tenant_fresh = tenant_key is None or tenant_key not in self._tenants_seen_failing
         was_on = self._outage
-        began = not was_on and self._in_a_row(text_key, task_key, tenant_key) >= TRIP_AFTER
+        began = (
+            not was_on
+            and not suspect
+            and self._in_a_row(text_key, task_key, tenant_key) >= TRIP_AFTER
+        )
         # Running when the outage began (started before it): the outage's. Charged and
         # refunded by a later probe, it failed a task on its last attempt all the same.
         running_when_it_began = was_on and not turn.probe
@@ -541,7 +616,22 @@ class ModelThrottle:
         if began:
             self._log_outage_begun()
             self._on_pause(self.pause_left_s(), True)
-        return began or probed_an_outage or running_when_it_began
+        return not suspect and (began or probed_an_outage or running_when_it_began)
+
+    def _suspect(self, text_key: int) -> bool:
+        """Whether the text that failed now is a suspect (`_suspects`): it stays one for
+        `TRIP_WINDOW_S` after its last failure, until answered."""
+        now = self._clock()
+        self._suspects = {key: at for key, at in self._suspects.items() if now - at < TRIP_WINDOW_S}
+        if text_key not in self._suspects:
+            return False
+        self._suspects[text_key] = now
+        return True
+
+    def _suspect_the_texts_seen_failing(self) -> None:
+        """A probe's answer ends the outage: the texts seen failing in it become suspects."""
+        now = self._clock()
+        self._suspects.update(dict.fromkeys(self._seen_failing, now))
 
     def _unproven_by(self, *, fresh: bool, tenant_fresh: bool) -> Unproven | None:
         """Whom the pause a probe found the provider still down in is no news to."""
@@ -645,11 +735,14 @@ class ModelThrottle:
         self._probe_due = True
         self._notify()
 
-    def answered(self, turn: Turn) -> None:
-        """A call came back with anything but a 429. The probe's answer ends the pause, unless
-        another replica's pause heard meanwhile outlasts it (then another probe follows that
-        one); a call started before the pause says nothing of it."""
+    def answered(self, turn: Turn, *, text_key: int | None = None) -> None:
+        """A call (of the text `text_key`) came back with anything but a 429. The probe's
+        answer ends the pause, unless another replica's pause heard meanwhile outlasts it
+        (then another probe follows that one); a call started before the pause says nothing
+        of it. A suspect answered is one no more."""
         self._forget_failures()
+        if text_key is not None:
+            self._suspects.pop(text_key, None)
         if turn.probe:
             if self._cut_short_out and not self._news_since_cut:
                 self._paused_until = min(self._paused_until, self._clock())
@@ -659,6 +752,7 @@ class ModelThrottle:
                 self._log_outage_over()
             # An outage heard meanwhile stands while its pause does; the answer ends any other.
             if not (self._outage_heard_while_probing and self._probe_due):
+                self._suspect_the_texts_seen_failing()
                 self._end_outage()
             self._rate_limits_in_a_row = 0
             self._notify()

@@ -8,6 +8,8 @@
 - The provider fails every call for a while (longer than a task's attempts take): no task
   fails; after the calls of three texts in a row fail the scorer pauses its calls, and the
   probes that find the provider still down spend no attempt.
+- A batch of texts each failing on its own, with no other traffic: each task is
+  dead-lettered after its own attempts (a check of the provider probes the "outage").
 - The same `score.requested` delivered twice: one model call.
 - A body that is not a command (poison): dead-lettered with the reason, the consumer lives.
 """
@@ -52,6 +54,9 @@ RATE_LIMITED_TASKS = 12
 # under 2 s with these tests' back-off, so every task consumed meanwhile failed.
 PROVIDER_DOWN_S = 8.0
 PROVIDER_DOWN_TASKS = 12
+# Texts the provider fails every time, submitted together with nothing else: more than the
+# three in a row an outage is taken for.
+FAILING_ALONE_TASKS = 8
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +247,49 @@ async def test_a_provider_down_for_longer_than_a_tasks_retries_fails_no_task(
     )
     notes = f" for {PROVIDER_DOWN_TASKS} tasks (four attempts take under 2 s here)"
     await _fails_no_task(outage, box, llm, figures, labels, notes=notes)
+
+
+async def test_texts_failing_on_their_own_with_no_other_traffic_spend_their_attempts(
+    box: Scorebox, figures: Figures, labels: tuple[str, str]
+) -> None:
+    """Texts the provider fails every time, the only calls: taken for an outage, their calls
+    were its probes, one per pause of up to a minute for them all, and a batch of them took
+    an hour or more to be dead-lettered (session 48). The outage is probed by a check of the
+    provider instead, which it answers; each task then ends after its own attempts, one
+    more at most (free: its call running when an outage began)."""
+    box.answers.clear()
+    markers = [new_marker() for _ in range(FAILING_ALONE_TASKS)]
+    tasks = {await box.submit(essay(marker, "[[fake:500]]")): marker for marker in markers}
+    views = await box.finish(tasks)
+    attempts = [views[task]["attempts"] for task in tasks]
+    figures.record(
+        Outcome(
+            name="texts failing on their own, no other traffic (every call of each 500)",
+            accepted=len(tasks),
+            completed=0,
+            failed=[view["status"] for view in views.values()].count("failed"),
+            duplicate_model_calls=sum(
+                box.calls(marker) - views[task]["attempts"] for task, marker in tasks.items()
+            ),
+            http_5xx_seen=box.http_5xx(),
+            time_to_recover_s=None,
+            broker=labels[0],
+            database=labels[1],
+            notes=f"{len(tasks)} texts at once; each dead-lettered after {min(attempts)} to "
+            f"{max(attempts)} attempts (SCORE_MAX_ATTEMPTS {MAX_ATTEMPTS}, one more when "
+            "free), its calls one per attempt",
+        )
+    )
+    for task, marker in tasks.items():
+        view = views[task]
+        error = view["error"] or {}
+        assert (view["status"], error.get("code"), error.get("dead_lettered")) == (
+            "failed",
+            "model_unavailable",
+            True,
+        )
+        assert MAX_ATTEMPTS <= view["attempts"] <= MAX_ATTEMPTS + 1
+        assert box.calls(marker) == view["attempts"]
 
 
 async def _drained(box: Scorebox) -> bool:

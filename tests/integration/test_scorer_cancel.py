@@ -244,6 +244,9 @@ class _HeldModel:
         await self.answer.wait()
         return await self.inner.score(request)
 
+    async def check(self) -> None:
+        await self.inner.check()
+
 
 async def _cancelled_during_the_call(
     command: ScoreText, deps: ScorerDeps, attempts: Attempts

@@ -75,6 +75,9 @@ class BuggyModel:
     async def score(self, request: ScoringRequest) -> ModelVerdict:
         raise RuntimeError("a bug in the model adapter")
 
+    async def check(self) -> None:
+        return None
+
 
 async def test_a_copy_of_an_attempt_given_up_at_the_crash_limit_replays_the_failure(
     scorer: Scorer, make_deps: Deps, fake_llm: FakeLLM, amqp_url: str

@@ -13,6 +13,7 @@ back when due."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
@@ -22,6 +23,8 @@ import pytest
 
 from devtools.fake_llm import FakeLLM
 from services.scorer.decisions import Decision, Defer, Finish, Retry
+from services.scorer.metrics import ScorerMetrics
+from services.scorer.provider_checks import provider_checks
 from services.scorer.scoring import RetryPolicy, ScorerDeps, score_text
 from services.scorer.throttle import TRIP_AFTER, ModelThrottle
 from shared.contracts import ScoreText, TaskCompleted, TaskFailed, new_id, utcnow
@@ -30,6 +33,7 @@ from tests.integration.scorer_parts import attempts_store, fake_model, scorer_de
 pytestmark = pytest.mark.integration
 
 Deps = Callable[..., ScorerDeps]
+SLOTS_OF_SCORER_DEPS = 4  # `scorer_deps`'s model slots
 
 
 @pytest.fixture
@@ -37,15 +41,27 @@ async def make_deps(fake_llm: FakeLLM, mongo: Any, db_prefix: str) -> AsyncItera
     async with fake_model(fake_llm) as model, attempts_store(mongo.url, db_prefix) as attempts:
 
         def deps(
-            *, rate_limit_retries: int = 20, hold_s: float = 30, pause_base_s: float = 0.02
+            *,
+            rate_limit_retries: int = 20,
+            hold_s: float = 30,
+            pause_base_s: float = 0.02,
+            checks: bool = False,
         ) -> ScorerDeps:
+            metrics = ScorerMetrics()
+            check_provider = provider_checks(model, metrics) if checks else None
             return scorer_deps(
                 attempts=attempts,
                 model=model,
                 retry_policy=RetryPolicy(
                     base_s=0.01, cap_s=0.05, rate_limit_retries=rate_limit_retries
                 ),
-                throttle=ModelThrottle(hold_s=hold_s, base_s=pause_base_s, rng=random.Random(0)),
+                throttle=ModelThrottle(
+                    hold_s=hold_s,
+                    base_s=pause_base_s,
+                    rng=random.Random(0),
+                    check_provider=check_provider,
+                ),
+                metrics=metrics,
             )
 
         yield deps
@@ -148,6 +164,34 @@ async def test_a_provider_unavailable_three_times_in_a_row_pauses_the_next_calls
         if isinstance(decision, Retry)
     ]
     assert spent == [0] * (TRIP_AFTER - 1) + [1]
+
+
+async def test_texts_failing_on_their_own_with_no_other_traffic_spend_their_attempts(
+    make_deps: Deps, fake_llm: FakeLLM
+) -> None:
+    """Texts each failing on their own, the only calls, were taken for an outage, and their
+    calls were its probes: one per pause, shared by them all, the pause doubling up to a
+    minute; a batch of them took an hour or more to be dead-lettered (session 48's
+    walkthrough). The outage is probed by a check of the provider instead, which it answers;
+    the texts seen failing become suspects, whose calls are charged and tell no outage, and
+    each task ends after its own attempts. Held in hand 1 s at most, a delivery finding a
+    longer pause would be put off (`Defer`), as every one was here before."""
+    deps = make_deps(hold_s=1, checks=True)
+    commands = [
+        ScoreText(task_id=new_id(), text=f"Essay {n}. [[fake:500]]", max_attempts=3)
+        for n in range(2 * TRIP_AFTER)
+    ]
+
+    ended = await asyncio.gather(*(_until_decided(command, deps) for command in commands))
+
+    assert all(isinstance(decision.event, TaskFailed) for decision, _ in ended)
+    # Not one free call each: at most those running when the one outage began.
+    free = sum(last.rate_limited_retries for _, last in ended)
+    assert free <= SLOTS_OF_SCORER_DEPS
+    checks = deps.metrics.provider_checks.labels("answered")._value.get()
+    assert checks >= 1
+    assert fake_llm.stats()["status_counts"]["200"] == checks
+    assert not deps.throttle.paused
 
 
 async def test_replies_the_provider_could_not_make_usable_pause_nothing(make_deps: Deps) -> None:

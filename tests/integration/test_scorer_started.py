@@ -124,6 +124,9 @@ class RefusingModel:
             model="refusing-1",
         )
 
+    async def check(self) -> None:
+        return None
+
 
 async def test_a_refused_text_fails_with_the_tokens_its_answer_used(make_deps: Deps) -> None:
     """Only an unusable answer carried its usage into `task.failed`: a refusal's tokens,

@@ -38,7 +38,7 @@ from services.scorer.model import (
     make_http_client,
 )
 from services.scorer.model.http_client import MAX_REPLY_BYTES, EnvProxy
-from services.scorer.model.openai import completions_url
+from services.scorer.model.openai import CHECK_MESSAGES, completions_url
 from shared.contracts import Usage
 from tests.support import serving
 
@@ -996,3 +996,51 @@ async def test_a_netrc_entry_for_the_provider_takes_nothing_from_the_api_key(
             verdict = await OpenAIChatModel(http, chosen).score(request())
     assert verdict.result.score == 7.5
     assert provider.requests[0].headers["Authorization"] == "Bearer sk-test"
+
+
+async def check_with(provider: ScriptedProvider, **overrides: Any) -> None:
+    async with provider.serving() as base_url:
+        configured = settings(LLM_BASE_URL=base_url, **overrides)
+        async with make_http_client(configured, concurrency=4) as http:
+            await OpenAIChatModel(http, configured, clock=lambda: NOW).check()
+
+
+async def test_a_check_asks_the_default_model_for_one_token_of_no_text() -> None:
+    provider = ScriptedProvider(completion("OK"))
+    await check_with(provider)
+    body = provider.body()
+    assert body == {"model": "gpt-4o-mini", "messages": CHECK_MESSAGES, "max_tokens": 1}
+    assert provider.requests[0].headers["authorization"] == "Bearer sk-test"
+
+
+@pytest.mark.parametrize(
+    ("answer", "raised"),
+    [
+        (provider_error(400, "max_tokens is too small", "invalid_value"), ModelMisconfigured),
+        (provider_error(404, "The model does not exist", "model_not_found"), ModelMisconfigured),
+    ],
+)
+async def test_a_check_refused_raises_what_a_call_would(
+    answer: Answer, raised: type[Exception]
+) -> None:
+    """Taken for an answer by the throttle's checks (`provider_checks`): the provider is up."""
+    provider = ScriptedProvider(answer)
+    with pytest.raises(raised):
+        await check_with(provider)
+    assert len(provider.requests) == 1
+
+
+@pytest.mark.parametrize(
+    ("answer", "raised"),
+    [
+        (text_answer(502, "Bad gateway"), ModelUnavailable),
+        (provider_error(429, "Rate limit reached", "rate_limit_exceeded"), ModelRateLimited),
+        (Misbehaviour.DISCONNECT, ModelUnavailable),
+        (Slow(completion("OK"), delay_s=5), ModelTimeout),
+    ],
+)
+async def test_a_check_the_provider_does_not_answer_raises_as_a_call_would(
+    answer: Reply, raised: type[Exception]
+) -> None:
+    with pytest.raises(raised):
+        await check_with(ScriptedProvider(answer), LLM_TIMEOUT_S=0.2)

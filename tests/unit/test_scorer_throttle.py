@@ -29,6 +29,8 @@ from services.scorer.throttle import (
     TRIP_AFTER,
     TRIP_WINDOW_S,
     ModelThrottle,
+    ProviderCheck,
+    ProviderFound,
     PutOff,
     Turn,
 )
@@ -1437,3 +1439,125 @@ async def test_an_outage_whose_begin_was_logged_has_its_end_logged(
     lines = [record.getMessage() for record in caplog.records]
     assert len([line for line in lines if "(an outage;" in line]) == 2
     assert len([line for line in lines if line.startswith("model calls resumed")]) == 2
+
+
+class Checks:
+    """A `check_provider` answering what it is told, each call counted."""
+
+    def __init__(self, *found: ProviderCheck) -> None:
+        self._found = list(found)
+        self.made = 0
+
+    async def __call__(self) -> ProviderCheck:
+        self.made += 1
+        return self._found.pop(0)
+
+
+def _checking(clock: Clock, checks: Checks, *, hold_s: float = 30.0) -> ModelThrottle:
+    return ModelThrottle(
+        hold_s=hold_s, base_s=1.0, rng=random.Random(0), clock=clock, check_provider=checks
+    )
+
+
+ANSWERED = ProviderCheck(ProviderFound.ANSWERED)
+STILL_DOWN = ProviderCheck(ProviderFound.UNAVAILABLE)
+
+
+async def test_an_outage_only_texts_seen_failing_wait_on_is_probed_by_a_check() -> None:
+    """Their calls say nothing of the provider: a batch of texts each failing on its own, the
+    only calls, probed one pause after another, up to a minute apart (session 48). A check
+    of the provider probes instead; answered, it ends the pause, and they all go."""
+    clock, checks = Clock(), Checks(ANSWERED)
+    throttle = _checking(clock, checks)
+    assert _fails_of(throttle, "a", 1, 2, 3)[-1]  # an outage
+    clock.now += throttle.pause_left_s() + 0.01
+
+    turns = await asyncio.gather(*(_turn_of(throttle, "a", text) for text in (1, 2, 3)))
+
+    assert turns == [GO, GO, GO]
+    assert checks.made == 1
+    assert not throttle.paused
+
+
+async def test_a_check_finding_the_provider_still_down_doubles_the_pause() -> None:
+    clock, checks = Clock(), Checks(STILL_DOWN, ANSWERED)
+    throttle = _checking(clock, checks, hold_s=600)
+    _fails_of(throttle, "a", 1, 2, 3)
+    first = throttle.pause_left_s()
+    clock.now += first + 0.01
+    waiting = asyncio.ensure_future(_turn_of(throttle, "a", 1))
+
+    await eventually(lambda: _checks_made(checks, 1), what="the first check")
+    assert throttle.pause_left_s() > first  # doubled, within its jitter
+    assert not waiting.done()
+    clock.now += throttle.pause_left_s() + 0.01  # seen at the waiter's wake-up
+    assert await asyncio.wait_for(waiting, GUARD_S) == GO
+    assert checks.made == 2
+
+
+async def _checks_made(checks: Checks, count: int) -> bool:
+    return checks.made >= count
+
+
+async def test_a_fresh_text_of_another_tenant_probes_with_its_own_call() -> None:
+    """Its call is news of the provider, and scores its text: no check is made."""
+    clock, checks = Clock(), Checks()
+    throttle = _checking(clock, checks)
+    _fails_of(throttle, "a", 1, 2, 3)
+    clock.now += throttle.pause_left_s() + 0.01
+
+    assert await _turn_of(throttle, "b", 4) == PROBE
+    assert checks.made == 0
+
+
+async def test_a_check_answered_429_turns_the_outage_into_a_rate_limits_pause() -> None:
+    clock = Clock()
+    checks = Checks(ProviderCheck(ProviderFound.RATE_LIMITED, retry_after_s=5))
+    throttle = _checking(clock, checks, hold_s=1)
+    _fails_of(throttle, "a", 1, 2, 3)
+    clock.now += throttle.pause_left_s() + 0.01
+
+    put_off = await _turn_of(throttle, "a", 1)
+
+    assert isinstance(put_off, PutOff)
+    assert put_off.left_s == pytest.approx(5)
+    # A rate limit's pause: the texts' next failures start a count of their own.
+    assert _fails_of(throttle, "a", 5, 6) == [False, False]
+    assert checks.made == 1
+
+
+async def _suspects(clock: Clock, *texts: int) -> ModelThrottle:
+    """A throttle whose outage `texts` began a check ended: they are suspects."""
+    throttle = _checking(clock, Checks(ANSWERED))
+    _fails_of(throttle, "a", *texts)
+    clock.now += throttle.pause_left_s() + 0.01
+    assert await _turn_of(throttle, "a", texts[0]) == GO  # the check answered
+    return throttle
+
+
+async def test_texts_seen_failing_in_an_outage_a_probe_ended_tell_no_outage() -> None:
+    """Suspects: their failures are charged to their tasks and count towards no outage,
+    until each is answered."""
+    clock = Clock()
+    throttle = await _suspects(clock, 1, 2, 3)
+
+    assert _fails_of(throttle, "a", 1, 2, 3, 1, 2, 3) == [False] * 6
+    assert not throttle.paused
+    throttle.answered(GO, text_key=1)  # no suspect any more
+    assert _fails_of(throttle, "a", 2, 3, 1, 4) == [False] * 4  # 1 and 4: two in a row
+    assert not throttle.paused
+    assert _fails_of(throttle, "a", 5) == [True]
+    assert throttle.paused
+    # A suspect's call running when an outage began: charged all the same.
+    assert _fails_of(throttle, "a", 2) == [False]
+
+
+async def test_a_suspect_not_failing_for_the_trip_window_is_one_no_more() -> None:
+    clock = Clock()
+    throttle = await _suspects(clock, 1, 2, 3)
+    clock.now += TRIP_WINDOW_S - 1
+    assert _fails_of(throttle, "a", 1) == [False]  # a suspect still, from now on
+
+    clock.now += TRIP_WINDOW_S - 1
+    assert _fails_of(throttle, "a", 2, 3, 1, 4) == [False, False, False, True]
+    assert throttle.paused  # 2, 3 and 4 in a row

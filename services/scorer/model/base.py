@@ -47,3 +47,8 @@ class ScoreModel(Protocol):
     name: str
 
     async def score(self, request: ScoringRequest) -> ModelVerdict: ...
+
+    async def check(self) -> None:
+        """Whether the provider answers now, by a call that is no text's: returns when it
+        answers with a success, raises the `score` errors otherwise."""
+        ...

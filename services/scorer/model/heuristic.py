@@ -237,3 +237,6 @@ class HeuristicModel:
         raw_output = json.dumps({name: round(value, 3) for name, value in ratings.items()})
         # Whatever the request named: the gateway keys the heuristic's results by its name.
         return ModelVerdict(result=result, raw_output=raw_output, requested_model=self.name)
+
+    async def check(self) -> None:
+        """Offline: always there."""

@@ -88,6 +88,8 @@ _PROXY_REFUSALS: Final = frozenset({403, 407})
 _PROXY_SETTINGS: Final = "HTTPS_PROXY/HTTP_PROXY"
 # Named in the failure of an answer cut at the token limit: the setting that raises it.
 MAX_OUTPUT_TOKENS_SETTING: Final = "LLM_MAX_OUTPUT_TOKENS"
+# A check of the provider (`OpenAIChatModel.check`): short, and no text's.
+CHECK_MESSAGES: Final[Messages] = [{"role": "user", "content": "Answer OK."}]
 
 
 class _Message(BaseModel):
@@ -225,6 +227,22 @@ class OpenAIChatModel:
         return ModelVerdict(
             result=result, raw_output=judgement.final.content, requested_model=model
         )
+
+    async def check(self) -> None:
+        """A call of the default model asking for one token of an answer to a fixed
+        message (`CHECK_MESSAGES`), no text's: returns on a 2xx, raises as `score` would on
+        anything else (a 4xx too, which `provider_checks` takes for the provider up)."""
+        dialect = self._dialects.of(self.name)
+        body = {"model": self.name, "messages": CHECK_MESSAGES, dialect.token_limit_field: 1}
+        try:
+            async with asyncio.timeout(self._settings.llm_timeout_s):
+                response = await self._post(body)
+        except TimeoutError as exc:
+            raise ModelTimeout(
+                f"no answer from {self.name} within {self._settings.llm_timeout_s:g} s"
+            ) from exc
+        if not response.is_success:
+            raise error_for_response(response, now=self._clock())
 
     async def _judge(self, messages: Messages, model: str, answered: list[_Answer]) -> _Judgement:
         """The verdict; `answered` collects the answers that came back, for a deadline that

@@ -1,0 +1,64 @@
+"""What a check of the provider found (`services/scorer/provider_checks.py`): the answer the
+model's `check` gives, or the error it raises, as the throttle reads it."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scorer.errors import (
+    InputRejected,
+    ModelMisconfigured,
+    ModelRateLimited,
+    ModelReplyUnusable,
+    ModelTimeout,
+    ModelUnavailable,
+    ScoringError,
+)
+from services.scorer.metrics import ScorerMetrics
+from services.scorer.model import ModelVerdict, ScoringRequest
+from services.scorer.provider_checks import provider_checks
+from services.scorer.throttle import ProviderCheck, ProviderFound
+
+
+class CheckedModel:
+    """A model whose check raises `raises` (or returns, when None)."""
+
+    name = "checked-1"
+
+    def __init__(self, raises: ScoringError | None) -> None:
+        self._raises = raises
+
+    async def score(self, request: ScoringRequest) -> ModelVerdict:
+        raise NotImplementedError
+
+    async def check(self) -> None:
+        if self._raises is not None:
+            raise self._raises
+
+
+@pytest.mark.parametrize(
+    ("raises", "found"),
+    [
+        (None, ProviderCheck(ProviderFound.ANSWERED)),
+        (ModelMisconfigured("404 from the provider"), ProviderCheck(ProviderFound.ANSWERED)),
+        (InputRejected("400 from the provider"), ProviderCheck(ProviderFound.ANSWERED)),
+        (ModelReplyUnusable("no choices"), ProviderCheck(ProviderFound.ANSWERED)),
+        (
+            ModelRateLimited("429", retry_after_s=7),
+            ProviderCheck(ProviderFound.RATE_LIMITED, retry_after_s=7),
+        ),
+        (
+            ModelUnavailable("503", retry_after_s=3),
+            ProviderCheck(ProviderFound.UNAVAILABLE, retry_after_s=3),
+        ),
+        (ModelTimeout("no answer"), ProviderCheck(ProviderFound.UNAVAILABLE)),
+    ],
+)
+async def test_a_check_is_found_answered_unless_the_provider_is_down_or_limiting(
+    raises: ScoringError | None, found: ProviderCheck
+) -> None:
+    metrics = ScorerMetrics()
+    check = provider_checks(CheckedModel(raises), metrics)
+
+    assert await check() == found
+    assert metrics.provider_checks.labels(found.found.value)._value.get() == 1

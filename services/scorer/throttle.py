@@ -7,7 +7,8 @@ Without it, a provider's rate limit of a few seconds met every model slot of eve
 full speed: each 429 came back at once, the slot took the next delivery, and every task
 consumed while the limit lasted spent its attempts in seconds and was dead-lettered, though
 the provider recovered moments later. A pause is the provider's `Retry-After` when it gives
-one, or a back-off that doubles with each 429 in a row (jittered, up to `PAUSE_CAP_S`).
+one, or a back-off that doubles with each 429 in a row (jittered, up to `PAUSE_CAP_S`; an
+outage's up to `OUTAGE_PAUSE_CAP_S`).
 Deliveries wait for their turn in their model slot, before their claim (the lease counts
 from the call); one whose wait would end more than `hold_s` after it began, pause after pause
 or waiting on the probe's answer, is put off down the wait ladder instead (`PutOff`), back
@@ -66,6 +67,10 @@ PAUSE_BASE_S = 1.0
 TRIP_AFTER = 3
 TRIP_WINDOW_S = 120.0
 PAUSE_CAP_S = 60.0
+# An outage's pauses grow to a quarter of that at most: its probe is a text's first call,
+# free, or a check of one token, and a provider back after 40 s was found back 80 s in, a
+# probe just before its recovery having doubled the pause (session 48's walkthrough).
+OUTAGE_PAUSE_CAP_S = 15.0
 # A steady rate limit pauses the calls every second or so: its pauses are logged once a
 # minute at most, each line with how many there were.
 PAUSE_LOG_EVERY_S = 60.0
@@ -547,9 +552,8 @@ class ModelThrottle:
         if turn.probe or not self._probe_due:
             self._rate_limits_in_a_row += 1
         # At 0 in a row (a call running when another replica's pause was heard): the base.
-        backoff = capped_exponential_s(
-            self._rate_limits_in_a_row, base_s=self._base_s, cap_s=PAUSE_CAP_S
-        )
+        cap_s = OUTAGE_PAUSE_CAP_S if self._outage else PAUSE_CAP_S
+        backoff = capped_exponential_s(self._rate_limits_in_a_row, base_s=self._base_s, cap_s=cap_s)
         self._pause_for(max(jittered_s(backoff, self._rng), min(retry_after_s or 0.0, MAX_PAUSE_S)))
 
     def unavailable(

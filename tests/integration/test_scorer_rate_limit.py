@@ -26,7 +26,7 @@ from services.scorer.decisions import Decision, Defer, Finish, Retry
 from services.scorer.metrics import ScorerMetrics
 from services.scorer.provider_checks import provider_checks
 from services.scorer.scoring import RetryPolicy, ScorerDeps, score_text
-from services.scorer.throttle import TRIP_AFTER, ModelThrottle
+from services.scorer.throttle import OUTAGE_PAUSE_CAP_S, TRIP_AFTER, ModelThrottle
 from shared.contracts import ScoreText, TaskCompleted, TaskFailed, new_id, utcnow
 from tests.integration.scorer_parts import attempts_store, fake_model, scorer_deps
 
@@ -153,7 +153,8 @@ async def test_a_provider_unavailable_three_times_in_a_row_pauses_the_next_calls
     last = retried[-1]
     assert isinstance(last, Retry)
     assert last.next_command.not_before is not None
-    assert last.next_command.not_before >= utcnow() + timedelta(seconds=20)  # 30-60 s
+    # The base of 60 s capped at an outage's 15 s, jittered: 7.5 to 15 s.
+    assert last.next_command.not_before >= utcnow() + timedelta(seconds=OUTAGE_PAUSE_CAP_S / 4)
     assert isinstance(put_off, Defer)
     assert put_off.command.attempt == 1
     assert fake_llm.stats()["status_counts"] == {"500": TRIP_AFTER}

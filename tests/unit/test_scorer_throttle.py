@@ -22,6 +22,7 @@ from services.scorer.throttle import (
     GIVING_WAY_LEAST_S,
     GIVING_WAY_SHARE,
     GO,
+    OUTAGE_PAUSE_CAP_S,
     PAUSE_CAP_S,
     PAUSE_LOG_EVERY_S,
     PROBE,
@@ -846,7 +847,7 @@ async def test_probes_of_the_texts_seen_failing_still_double_the_pause() -> None
     throttle = _throttle(clock)
     _fails(throttle, *range(TRIP_AFTER))
     await _probes_of_texts_seen_failing(throttle, clock, rounds=2)
-    assert throttle.pause_left_s() > 16.0  # six doublings from 0.5-1 s
+    assert throttle.pause_left_s() > OUTAGE_PAUSE_CAP_S / 2  # doubled up to its cap
 
 
 async def test_a_text_not_seen_failing_cuts_short_a_pause_only_texts_seen_failing_lengthened() -> (
@@ -1561,3 +1562,26 @@ async def test_a_suspect_not_failing_for_the_trip_window_is_one_no_more() -> Non
     clock.now += TRIP_WINDOW_S - 1
     assert _fails_of(throttle, "a", 2, 3, 1, 4) == [False, False, False, True]
     assert throttle.paused  # 2, 3 and 4 in a row
+
+
+async def test_an_outages_pause_grows_to_a_quarter_of_a_rate_limits() -> None:
+    """Probed by a text's first call or a one-token check, an outage is probed every 15 s at
+    most: its pause doubling to a minute, a provider back after 40 s was found back after
+    80 (session 48's walkthrough). A rate limit's pause still grows to `PAUSE_CAP_S`."""
+    clock, checks = Clock(), Checks(*[STILL_DOWN] * 8)
+    throttle = _checking(clock, checks, hold_s=600)
+    _fails_of(throttle, "a", 1, 2, 3)
+    pauses = []
+    for made in range(1, 9):
+        clock.now += throttle.pause_left_s() + 0.01
+        waiting = asyncio.ensure_future(_turn_of(throttle, "a", 1))
+        await eventually(partial(_checks_made, checks, made), what=f"check {made}")
+        pauses.append(throttle.pause_left_s())
+        waiting.cancel()
+
+    assert max(pauses) <= OUTAGE_PAUSE_CAP_S < PAUSE_CAP_S
+    assert max(pauses) > OUTAGE_PAUSE_CAP_S / 2  # grown to it
+    limited = _throttle(clock)
+    for _ in range(8):
+        limited.rate_limited(PROBE, retry_after_s=None)
+    assert limited.pause_left_s() > OUTAGE_PAUSE_CAP_S

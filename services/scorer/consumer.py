@@ -150,6 +150,8 @@ class BrokerActions:
         match decision:
             case Finish(event=event, dead_letter_error=error):
                 if error is not None:
+                    # Only the metrics and `scorebox dlq list` told of it (a walkthrough).
+                    log.warning("%s dead-lettered: %s", event.task_id, error)
                     lettered = await self.dead_letter(message, error)
                 await self._event(event)
             case Retry(event=event, next_command=next_command):

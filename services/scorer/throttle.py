@@ -39,9 +39,7 @@ probes at once, as does one of another tenant during a pause that only fresh tex
 seen failing began (`_may_cut_short`). While another tenant is active, the deliveries that
 may not cut such a pause short give way: put off at once, back shortly before it ends
 (`_gives_way`). When only texts, or tenants, seen failing wait, a check of the provider that
-is no text's call probes instead (`check_provider`, `_checks_first`); a probe's answer ending
-an outage makes the texts seen failing in it suspects, whose failures are their tasks' and
-tell no outage (`_suspects`).
+is no text's call probes instead (`check_provider`, `_checks_first`).
 """
 
 from __future__ import annotations
@@ -133,8 +131,9 @@ class ProviderCheck:
     retry_after_s: float | None = None
 
 
-# A call of the provider that is no text's (`services/scorer/provider_checks.py`).
-CheckProvider = Callable[[], Awaitable[ProviderCheck]]
+# A call of the provider that is no text's, of the model named (None: the default), from
+# `services/scorer/provider_checks.py`.
+CheckProvider = Callable[[str | None], Awaitable[ProviderCheck]]
 
 
 class ModelThrottle:
@@ -219,10 +218,6 @@ class ModelThrottle:
         self._on_pause = on_pause
         # The outage's probe when no text that would be news waits (`_checks_first`).
         self._check_provider = check_provider
-        # Texts seen failing in an outage a probe's answer ended, when last they failed: their
-        # failures were their own, or the outage's, which is over. Until one is answered,
-        # its calls are charged to its task and neither tell nor prove an outage (`_suspect`).
-        self._suspects: dict[int, float] = {}
 
     def back_in_s(self, put_off: PutOff, rng: random.Random) -> float:
         """How long a delivery put off waits down the ladder: until the pause has between a
@@ -250,10 +245,16 @@ class ModelThrottle:
         return self._probe_due and (self.pause_left_s() > 0 or self._probe_out)
 
     async def wait_turn(
-        self, closing: asyncio.Event, *, text_key: int | None = None, tenant_key: str | None = None
+        self,
+        closing: asyncio.Event,
+        *,
+        text_key: int | None = None,
+        tenant_key: str | None = None,
+        model: str | None = None,
     ) -> Turn | PutOff:
-        """Wait until a model call of the text `text_key` (of the tenant `tenant_key`) may
-        start, for `hold_s` at most in all; `SlotsClosed` when the scorer stops meanwhile.
+        """Wait until a model call of the text `text_key` (of the tenant `tenant_key`, to the
+        model `model`, None for the default) may start, for `hold_s` at most in all;
+        `SlotsClosed` when the scorer stops meanwhile.
         Bounding each pause alone held a delivery for ever with `hold_s` above the longest
         back-off (`PAUSE_CAP_S`): pause after pause while the limit lasted, until RabbitMQ's
         consumer timeout closed the channel."""
@@ -263,7 +264,7 @@ class ModelThrottle:
             now = self._clock()
             if tenant_key is not None:
                 self._note_active(tenant_key, now)
-            return await self._turn_within(now + self.hold_s, closing, waiter)
+            return await self._turn_within(now + self.hold_s, closing, waiter, model)
         finally:
             self._waiting[waiter] -= 1
             if not self._waiting[waiter]:
@@ -272,7 +273,11 @@ class ModelThrottle:
                 self._notify()  # one that gave way to it may probe now
 
     async def _turn_within(
-        self, held_until: float, closing: asyncio.Event, waiter: tuple[int | None, str | None]
+        self,
+        held_until: float,
+        closing: asyncio.Event,
+        waiter: tuple[int | None, str | None],
+        model: str | None,
     ) -> Turn | PutOff:
         text_key, tenant_key = waiter
         self._forget_a_stale_pause()
@@ -294,7 +299,7 @@ class ModelThrottle:
                 return GO
             elif not self._probe_out and self._may_probe(waiter):
                 if self._check_provider is not None and self._checks_first(waiter):
-                    await self._probe_by_check(self._check_provider)
+                    await self._probe_by_check(self._check_provider, model)
                     continue
                 self._probe_out, self._probe_sent_at = True, self._clock()
                 return PROBE
@@ -314,14 +319,17 @@ class ModelThrottle:
         of the provider: with no other traffic, a batch of texts each failing on its own was
         taken for an outage, and their calls, one per pause of up to a minute shared by them
         all, would have taken an hour or more to spend their attempts (session 48's
-        walkthrough). A check answered ends the pause, and those texts become suspects."""
+        walkthrough). A check answered ends the pause for all."""
         return self._outage and self._probe_rank(waiter) < 2
 
-    async def _probe_by_check(self, check_provider: CheckProvider) -> None:
-        """The outage's probe, made by a call of the provider that is no text's."""
+    async def _probe_by_check(self, check_provider: CheckProvider, model: str | None) -> None:
+        """The outage's probe, made by a call of the provider that is no text's, to the
+        waiting delivery's model: one model down while the default answered, a check of the
+        default ended that model's outage at each pause, its tasks' calls failing again (a
+        review). Waited for as a text's probe is, the check's own timeout bounding it."""
         self._probe_out, self._probe_sent_at = True, self._clock()
         try:
-            check = await check_provider()
+            check = await check_provider(model)
             match check.found:
                 case ProviderFound.ANSWERED:
                     self.answered(PROBE)
@@ -413,7 +421,7 @@ class ModelThrottle:
 
     def _pause_is_no_news_to(self, text_key: int | None, tenant_key: str | None) -> bool:
         """Whether the pause is unproven to this delivery: a probe of it would be news."""
-        if text_key is None or self._known_failing(text_key):
+        if text_key is None or text_key in self._seen_failing:
             return False
         if self._unproven is Unproven.TO_OTHER_TEXTS:
             return True
@@ -430,11 +438,7 @@ class ModelThrottle:
         review)."""
         if not self._cut_short_out or not self._probe_out or text_key is None:
             return False
-        return not self._known_failing(text_key)
-
-    def _known_failing(self, text_key: int | None) -> bool:
-        """Whether the text was seen failing in this outage, or is a suspect."""
-        return text_key in self._seen_failing or text_key in self._suspects
+        return text_key not in self._seen_failing
 
     def _cut_short(self) -> Turn:
         self._probe_out, self._probe_sent_at = True, self._clock()
@@ -457,7 +461,7 @@ class ModelThrottle:
 
     def _probe_rank(self, waiter: tuple[int | None, str | None]) -> int:
         text_key, tenant_key = waiter
-        if self._known_failing(text_key):
+        if text_key in self._seen_failing:
             return 0
         if tenant_key is None or tenant_key in self._tenants_seen_failing:
             return 1
@@ -495,10 +499,14 @@ class ModelThrottle:
     def _log_outage_going_on(self) -> None:
         """The outage's probe found the provider still down: the pause is longer now. Only
         its beginning was logged, and a pause that went on for minutes read as 0.6 s (found
-        in a walkthrough); a line at most once per `PAUSE_LOG_EVERY_S`."""
+        in a walkthrough); a line at most once per `PAUSE_LOG_EVERY_S`, whatever the outages
+        (counted afresh for each, a provider down and up every few seconds wrote one with each
+        outage, and the log ended on "stay paused", the line of an outage whose begin line was
+        not written: a walkthrough). An outage with a line written has its end line too."""
         probes = self._outage_probes.count()
         if probes is None:
             return
+        self._outage_begin_logged = True
         log.warning(
             "model calls stay paused for %.1f s: the outage's probe found the provider still "
             "unavailable (%d probe(s) since the last such line)",
@@ -578,20 +586,12 @@ class ModelThrottle:
         failing in it, to the other tenants. True when the call is the outage's rather than
         its task's: it began the outage, or probed one and found the provider still down."""
         self._forget_a_stale_pause()
-        suspect = self._suspect(text_key)
-        probed_an_outage = (
-            not suspect and turn.probe and self._outage and self._probe_is_free(text_key, task_key)
-        )
-        # News of the provider, in an outage.
-        fresh = text_key not in self._seen_failing and not suspect
+        probed_an_outage = turn.probe and self._outage and self._probe_is_free(text_key, task_key)
+        fresh = text_key not in self._seen_failing  # news of the provider, in an outage
         # News to the other tenants too (a call of no known tenant is taken for news to all).
         tenant_fresh = tenant_key is None or tenant_key not in self._tenants_seen_failing
         was_on = self._outage
-        began = (
-            not was_on
-            and not suspect
-            and self._in_a_row(text_key, task_key, tenant_key) >= TRIP_AFTER
-        )
+        began = not was_on and self._in_a_row(text_key, task_key, tenant_key) >= TRIP_AFTER
         # Running when the outage began (started before it): the outage's. Charged and
         # refunded by a later probe, it failed a task on its last attempt all the same.
         running_when_it_began = was_on and not turn.probe
@@ -620,22 +620,7 @@ class ModelThrottle:
         if began:
             self._log_outage_begun()
             self._on_pause(self.pause_left_s(), True)
-        return not suspect and (began or probed_an_outage or running_when_it_began)
-
-    def _suspect(self, text_key: int) -> bool:
-        """Whether the text that failed now is a suspect (`_suspects`): it stays one for
-        `TRIP_WINDOW_S` after its last failure, until answered."""
-        now = self._clock()
-        self._suspects = {key: at for key, at in self._suspects.items() if now - at < TRIP_WINDOW_S}
-        if text_key not in self._suspects:
-            return False
-        self._suspects[text_key] = now
-        return True
-
-    def _suspect_the_texts_seen_failing(self) -> None:
-        """A probe's answer ends the outage: the texts seen failing in it become suspects."""
-        now = self._clock()
-        self._suspects.update(dict.fromkeys(self._seen_failing, now))
+        return began or probed_an_outage or running_when_it_began
 
     def _unproven_by(self, *, fresh: bool, tenant_fresh: bool) -> Unproven | None:
         """Whom the pause a probe found the provider still down in is no news to."""
@@ -683,8 +668,6 @@ class ModelThrottle:
         self._seen_failing.clear()
         self._tenants_seen_failing.clear()
         self._outage_heard_while_probing = False
-        # The next outage's probes are its own: its first line comes at its first probe.
-        self._outage_probes = Tally(PAUSE_LOG_EVERY_S, self._clock)
 
     def _in_a_row(self, text_key: int, task_key: str, tenant_key: str | None) -> int:
         """The texts whose calls found the provider unavailable in a row, this one's
@@ -739,14 +722,11 @@ class ModelThrottle:
         self._probe_due = True
         self._notify()
 
-    def answered(self, turn: Turn, *, text_key: int | None = None) -> None:
-        """A call (of the text `text_key`) came back with anything but a 429. The probe's
-        answer ends the pause, unless another replica's pause heard meanwhile outlasts it
-        (then another probe follows that one); a call started before the pause says nothing
-        of it. A suspect answered is one no more."""
+    def answered(self, turn: Turn) -> None:
+        """A call came back with anything but a 429. The probe's answer ends the pause, unless
+        another replica's pause heard meanwhile outlasts it (then another probe follows that
+        one); a call started before the pause says nothing of it."""
         self._forget_failures()
-        if text_key is not None:
-            self._suspects.pop(text_key, None)
         if turn.probe:
             if self._cut_short_out and not self._news_since_cut:
                 self._paused_until = min(self._paused_until, self._clock())
@@ -756,7 +736,6 @@ class ModelThrottle:
                 self._log_outage_over()
             # An outage heard meanwhile stands while its pause does; the answer ends any other.
             if not (self._outage_heard_while_probing and self._probe_due):
-                self._suspect_the_texts_seen_failing()
                 self._end_outage()
             self._rate_limits_in_a_row = 0
             self._notify()

@@ -149,7 +149,9 @@ async def test_rate_limited_call_is_retried_after_retry_after(flow: Flow) -> Non
     assert flow.calls(marker) == 3
 
 
-async def test_exhausted_retries_dead_letter_the_task(flow: Flow) -> None:
+async def test_exhausted_retries_dead_letter_the_task(
+    flow: Flow, caplog: pytest.LogCaptureFixture
+) -> None:
     await _dead_letters(flow.amqp_url)
     marker = _marker()
     task_id = await flow.submit(f"Broken model [[id:{marker}]] [[fake:500]]")
@@ -162,6 +164,7 @@ async def test_exhausted_retries_dead_letter_the_task(flow: Flow) -> None:
     dead = await _dead_letters(flow.amqp_url)
     assert [ScoreText.model_validate_json(m.body).task_id for m in dead] == [task_id]
     assert "model_unavailable" in str(dead[0].headers[ERROR_HEADER])
+    assert f"{task_id} dead-lettered: " in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -244,8 +244,8 @@ class _HeldModel:
         await self.answer.wait()
         return await self.inner.score(request)
 
-    async def check(self) -> None:
-        await self.inner.check()
+    async def check(self, model: str | None = None) -> None:
+        await self.inner.check(model)
 
 
 async def _cancelled_during_the_call(

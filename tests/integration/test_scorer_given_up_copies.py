@@ -75,7 +75,7 @@ class BuggyModel:
     async def score(self, request: ScoringRequest) -> ModelVerdict:
         raise RuntimeError("a bug in the model adapter")
 
-    async def check(self) -> None:
+    async def check(self, model: str | None = None) -> None:
         return None
 
 

@@ -26,14 +26,13 @@ from services.scorer.decisions import Decision, Defer, Finish, Retry
 from services.scorer.metrics import ScorerMetrics
 from services.scorer.provider_checks import provider_checks
 from services.scorer.scoring import RetryPolicy, ScorerDeps, score_text
-from services.scorer.throttle import OUTAGE_PAUSE_CAP_S, TRIP_AFTER, ModelThrottle
+from services.scorer.throttle import OUTAGE_PAUSE_CAP_S, TRIP_AFTER, ModelThrottle, ProviderCheck
 from shared.contracts import ScoreText, TaskCompleted, TaskFailed, new_id, utcnow
 from tests.integration.scorer_parts import attempts_store, fake_model, scorer_deps
 
 pytestmark = pytest.mark.integration
 
 Deps = Callable[..., ScorerDeps]
-SLOTS_OF_SCORER_DEPS = 4  # `scorer_deps`'s model slots
 
 
 @pytest.fixture
@@ -45,10 +44,18 @@ async def make_deps(fake_llm: FakeLLM, mongo: Any, db_prefix: str) -> AsyncItera
             rate_limit_retries: int = 20,
             hold_s: float = 30,
             pause_base_s: float = 0.02,
-            checks: bool = False,
+            checked: list[str | None] | None = None,
         ) -> ScorerDeps:
+            """`checked`: the outage is probed by checks of the provider, each noting there
+            the model it named."""
             metrics = ScorerMetrics()
-            check_provider = provider_checks(model, metrics) if checks else None
+            checks = provider_checks(model, metrics)
+
+            async def check_provider(named: str | None) -> ProviderCheck:
+                assert checked is not None
+                checked.append(named)
+                return await checks(named)
+
             return scorer_deps(
                 attempts=attempts,
                 model=model,
@@ -59,7 +66,7 @@ async def make_deps(fake_llm: FakeLLM, mongo: Any, db_prefix: str) -> AsyncItera
                     hold_s=hold_s,
                     base_s=pause_base_s,
                     rng=random.Random(0),
-                    check_provider=check_provider,
+                    check_provider=check_provider if checked is not None else None,
                 ),
                 metrics=metrics,
             )
@@ -173,25 +180,26 @@ async def test_texts_failing_on_their_own_with_no_other_traffic_spend_their_atte
     """Texts each failing on their own, the only calls, were taken for an outage, and their
     calls were its probes: one per pause, shared by them all, the pause doubling up to a
     minute; a batch of them took an hour or more to be dead-lettered (session 48's
-    walkthrough). The outage is probed by a check of the provider instead, which it answers;
-    the texts seen failing become suspects, whose calls are charged and tell no outage, and
-    each task ends after its own attempts. Held in hand 1 s at most, a delivery finding a
-    longer pause would be put off (`Defer`), as every one was here before."""
-    deps = make_deps(hold_s=1, checks=True)
+    walkthrough). The outage is probed by a check of the provider instead, of the model the
+    texts ask for; it answers, every text calls again, and each task ends within its
+    attempts and the free calls of `RATE_LIMIT_RETRIES`. Held in hand 1 s at most, a
+    delivery finding a longer pause would be put off (`Defer`), as every one was here."""
+    checked: list[str | None] = []
+    deps = make_deps(hold_s=1, checked=checked)
     commands = [
-        ScoreText(task_id=new_id(), text=f"Essay {n}. [[fake:500]]", max_attempts=3)
+        ScoreText(
+            task_id=new_id(), text=f"Essay {n}. [[fake:500]]", model="judge-2", max_attempts=3
+        )
         for n in range(2 * TRIP_AFTER)
     ]
 
     ended = await asyncio.gather(*(_until_decided(command, deps) for command in commands))
 
-    assert all(isinstance(decision.event, TaskFailed) for decision, _ in ended)
-    # Not one free call each: at most those running when the one outage began.
-    free = sum(last.rate_limited_retries for _, last in ended)
-    assert free <= SLOTS_OF_SCORER_DEPS
-    checks = deps.metrics.provider_checks.labels("answered")._value.get()
-    assert checks >= 1
-    assert fake_llm.stats()["status_counts"]["200"] == checks
+    failures = [decision.event for decision, _ in ended]
+    assert all(isinstance(event, TaskFailed) and event.dead_lettered for event in failures)
+    assert checked
+    assert set(checked) == {"judge-2"}
+    assert fake_llm.stats()["status_counts"]["200"] == len(checked)
     assert not deps.throttle.paused
 
 

@@ -124,7 +124,7 @@ class RefusingModel:
             model="refusing-1",
         )
 
-    async def check(self) -> None:
+    async def check(self, model: str | None = None) -> None:
         return None
 
 

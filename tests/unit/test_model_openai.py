@@ -998,11 +998,13 @@ async def test_a_netrc_entry_for_the_provider_takes_nothing_from_the_api_key(
     assert provider.requests[0].headers["Authorization"] == "Bearer sk-test"
 
 
-async def check_with(provider: ScriptedProvider, **overrides: Any) -> None:
+async def check_with(
+    provider: ScriptedProvider, model: str | None = None, **overrides: Any
+) -> None:
     async with provider.serving() as base_url:
         configured = settings(LLM_BASE_URL=base_url, **overrides)
         async with make_http_client(configured, concurrency=4) as http:
-            await OpenAIChatModel(http, configured, clock=lambda: NOW).check()
+            await OpenAIChatModel(http, configured, clock=lambda: NOW).check(model)
 
 
 async def test_a_check_asks_the_default_model_for_one_token_of_no_text() -> None:
@@ -1011,6 +1013,14 @@ async def test_a_check_asks_the_default_model_for_one_token_of_no_text() -> None
     body = provider.body()
     assert body == {"model": "gpt-4o-mini", "messages": CHECK_MESSAGES, "max_tokens": 1}
     assert provider.requests[0].headers["authorization"] == "Bearer sk-test"
+
+
+async def test_a_check_asks_the_model_named_in_its_dialect() -> None:
+    provider = ScriptedProvider(completion("OK"))
+    await check_with(provider, "o3-mini", LLM_TOKEN_LIMIT_FIELD="max_completion_tokens")
+    body = provider.body()
+    assert (body["model"], body["max_completion_tokens"]) == ("o3-mini", 1)
+    assert "max_tokens" not in body
 
 
 @pytest.mark.parametrize(
@@ -1037,6 +1047,9 @@ async def test_a_check_refused_raises_what_a_call_would(
         (provider_error(429, "Rate limit reached", "rate_limit_exceeded"), ModelRateLimited),
         (Misbehaviour.DISCONNECT, ModelUnavailable),
         (Slow(completion("OK"), delay_s=5), ModelTimeout),
+        # A gateway's 200 carrying its upstream's failure (OpenRouter): what it says.
+        (json_answer(200, {"error": {"code": 502, "message": "upstream down"}}), ModelUnavailable),
+        (json_answer(200, {"error": {"code": 429, "message": "slow down"}}), ModelRateLimited),
     ],
 )
 async def test_a_check_the_provider_does_not_answer_raises_as_a_call_would(

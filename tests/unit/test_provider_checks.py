@@ -21,17 +21,19 @@ from services.scorer.throttle import ProviderCheck, ProviderFound
 
 
 class CheckedModel:
-    """A model whose check raises `raises` (or returns, when None)."""
+    """A model whose check raises `raises` (or returns, when None), noting the model named."""
 
     name = "checked-1"
 
-    def __init__(self, raises: ScoringError | None) -> None:
+    def __init__(self, raises: Exception | None) -> None:
         self._raises = raises
+        self.checked: str | None = None
 
     async def score(self, request: ScoringRequest) -> ModelVerdict:
         raise NotImplementedError
 
-    async def check(self) -> None:
+    async def check(self, model: str | None = None) -> None:
+        self.checked = model
         if self._raises is not None:
             raise self._raises
 
@@ -60,5 +62,21 @@ async def test_a_check_is_found_answered_unless_the_provider_is_down_or_limiting
     metrics = ScorerMetrics()
     check = provider_checks(CheckedModel(raises), metrics)
 
-    assert await check() == found
+    assert await check(None) == found
     assert metrics.provider_checks.labels(found.found.value)._value.get() == 1
+
+
+async def test_the_check_is_of_the_model_named() -> None:
+    model = CheckedModel(None)
+    await provider_checks(model, ScorerMetrics())("other-model")
+    assert model.checked == "other-model"
+
+
+async def test_a_check_failing_for_a_defect_of_its_own_is_taken_as_answered(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Not news of the provider: the texts' own calls tell. Taken for the provider down, a
+    defect would hold every call for as long as it lasted."""
+    check = provider_checks(CheckedModel(RuntimeError("a bug")), ScorerMetrics())
+    assert await check(None) == ProviderCheck(ProviderFound.ANSWERED)
+    assert "a check of the provider failed" in caplog.text

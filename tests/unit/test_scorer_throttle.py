@@ -429,7 +429,8 @@ async def test_an_outage_going_on_is_logged_with_its_pause_once_a_minute(
     left = float(messages[2].split("stay paused for ")[1].split(" s")[0])
     assert left == pytest.approx(throttle.pause_left_s(), abs=0.1)
 
-    # The outage ends; the next one's first probe is its own line at once.
+    # The outage ends; the next one's probes share the minute with the last ones' line: a
+    # provider down and up every few seconds wrote one with each outage (a walkthrough).
     throttle.done(PROBE)
     await _probe(throttle, clock)
     throttle.answered(PROBE)
@@ -439,8 +440,39 @@ async def test_an_outage_going_on_is_logged_with_its_pause_once_a_minute(
         _fails(throttle, *range(20, 20 + TRIP_AFTER))
         await _probe(throttle, clock)
         _fails(throttle, 30, turn=PROBE)
-    later = [record.getMessage() for record in caplog.records]
-    assert "(1 probe(s) since the last such line)" in later[-1], later
+        throttle.done(PROBE)
+        clock.now += PAUSE_LOG_EVERY_S
+        await _probe(throttle, clock)
+        _fails(throttle, 31, turn=PROBE)
+    later = [record.getMessage() for record in caplog.records if "stay paused" in record.message]
+    assert len(later) == 1, later
+    assert "(2 probe(s) since the last such line)" in later[0]
+
+
+async def test_an_outage_whose_only_line_says_it_goes_on_has_its_end_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its begin line left out (a minute's limit), its "stay paused" written: the log ended
+    there while the calls went on (a walkthrough)."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    _fails(throttle, *range(TRIP_AFTER))  # the minute's begin line
+    await _probe(throttle, clock)
+    throttle.answered(PROBE)
+    throttle.done(PROBE)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="scorebox.scorer.throttle"):
+        _fails(throttle, *range(10, 10 + TRIP_AFTER))  # no line: within the minute
+        clock.now += PAUSE_LOG_EVERY_S
+        await _probe(throttle, clock)
+        _fails(throttle, 20, turn=PROBE)  # "stay paused"
+        throttle.done(PROBE)
+        await _probe(throttle, clock)
+        throttle.answered(PROBE)
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 2, messages
+    assert "stay paused" in messages[0]
+    assert "model calls resumed" in messages[1]
 
 
 def test_one_text_failing_again_and_again_pauses_nothing_however_many_tasks_hold_it() -> None:
@@ -1448,9 +1480,11 @@ class Checks:
     def __init__(self, *found: ProviderCheck) -> None:
         self._found = list(found)
         self.made = 0
+        self.models: list[str | None] = []
 
-    async def __call__(self) -> ProviderCheck:
+    async def __call__(self, model: str | None) -> ProviderCheck:
         self.made += 1
+        self.models.append(model)
         return self._found.pop(0)
 
 
@@ -1527,41 +1561,33 @@ async def test_a_check_answered_429_turns_the_outage_into_a_rate_limits_pause() 
     assert checks.made == 1
 
 
-async def _suspects(clock: Clock, *texts: int) -> ModelThrottle:
-    """A throttle whose outage `texts` began a check ended: they are suspects."""
-    throttle = _checking(clock, Checks(ANSWERED))
-    _fails_of(throttle, "a", *texts)
+async def test_the_texts_of_an_outage_a_check_ended_tell_the_next_one() -> None:
+    """A provider flapping: its texts' failures are news again once the check answered, and
+    three in a row pause the calls, those calls the outage's, spending no attempt. (Taken
+    for texts failing on their own instead, their calls charged and counting towards no
+    outage, every task of a second outage with no fresh text spent its attempts within
+    the retries' back-off: a review.)"""
+    clock, checks = Clock(), Checks(ANSWERED)
+    throttle = _checking(clock, checks)
+    _fails_of(throttle, "a", 1, 2, 3)
     clock.now += throttle.pause_left_s() + 0.01
-    assert await _turn_of(throttle, "a", texts[0]) == GO  # the check answered
-    return throttle
+    assert await _turn_of(throttle, "a", 1) == GO  # the check answered
 
-
-async def test_texts_seen_failing_in_an_outage_a_probe_ended_tell_no_outage() -> None:
-    """Suspects: their failures are charged to their tasks and count towards no outage,
-    until each is answered."""
-    clock = Clock()
-    throttle = await _suspects(clock, 1, 2, 3)
-
-    assert _fails_of(throttle, "a", 1, 2, 3, 1, 2, 3) == [False] * 6
-    assert not throttle.paused
-    throttle.answered(GO, text_key=1)  # no suspect any more
-    assert _fails_of(throttle, "a", 2, 3, 1, 4) == [False] * 4  # 1 and 4: two in a row
-    assert not throttle.paused
-    assert _fails_of(throttle, "a", 5) == [True]
+    assert _fails_of(throttle, "a", 1, 2, 3) == [False, False, True]
     assert throttle.paused
-    # A suspect's call running when an outage began: charged all the same.
-    assert _fails_of(throttle, "a", 2) == [False]
 
 
-async def test_a_suspect_not_failing_for_the_trip_window_is_one_no_more() -> None:
-    clock = Clock()
-    throttle = await _suspects(clock, 1, 2, 3)
-    clock.now += TRIP_WINDOW_S - 1
-    assert _fails_of(throttle, "a", 1) == [False]  # a suspect still, from now on
+async def test_the_check_is_of_the_model_the_waiting_delivery_calls() -> None:
+    """One model down while the default answered: a check of the default ended that
+    model's outage at each pause (a review)."""
+    clock, checks = Clock(), Checks(ANSWERED)
+    throttle = _checking(clock, checks)
+    _fails_of(throttle, "a", 1, 2, 3)
+    clock.now += throttle.pause_left_s() + 0.01
 
-    clock.now += TRIP_WINDOW_S - 1
-    assert _fails_of(throttle, "a", 2, 3, 1, 4) == [False, False, False, True]
-    assert throttle.paused  # 2, 3 and 4 in a row
+    waiting = throttle.wait_turn(asyncio.Event(), text_key=1, tenant_key="a", model="other-1")
+    assert await asyncio.wait_for(waiting, GUARD_S) == GO
+    assert checks.models == ["other-1"]
 
 
 async def test_an_outages_pause_grows_to_a_quarter_of_a_rate_limits() -> None:

@@ -48,7 +48,8 @@ class ScoreModel(Protocol):
 
     async def score(self, request: ScoringRequest) -> ModelVerdict: ...
 
-    async def check(self) -> None:
-        """Whether the provider answers now, by a call that is no text's: returns when it
-        answers with a success, raises the `score` errors otherwise."""
+    async def check(self, model: str | None = None) -> None:
+        """Whether the provider answers now for `model` (None: the default), by a call that
+        is no text's: returns when it answers with a success, raises the `score` errors
+        otherwise."""
         ...

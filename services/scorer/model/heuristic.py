@@ -238,5 +238,5 @@ class HeuristicModel:
         # Whatever the request named: the gateway keys the heuristic's results by its name.
         return ModelVerdict(result=result, raw_output=raw_output, requested_model=self.name)
 
-    async def check(self) -> None:
+    async def check(self, model: str | None = None) -> None:
         """Offline: always there."""

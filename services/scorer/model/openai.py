@@ -228,21 +228,24 @@ class OpenAIChatModel:
             result=result, raw_output=judgement.final.content, requested_model=model
         )
 
-    async def check(self) -> None:
-        """A call of the default model asking for one token of an answer to a fixed
-        message (`CHECK_MESSAGES`), no text's: returns on a 2xx, raises as `score` would on
-        anything else (a 4xx too, which `provider_checks` takes for the provider up)."""
-        dialect = self._dialects.of(self.name)
-        body = {"model": self.name, "messages": CHECK_MESSAGES, dialect.token_limit_field: 1}
+    async def check(self, model: str | None = None) -> None:
+        """A call of `model` (None: LLM_MODEL) asking for one token of an answer to a fixed
+        message (`CHECK_MESSAGES`), no text's: returns on a completion, raises as `score`
+        would on anything else (a 4xx too, which `provider_checks` takes for the provider
+        up; a 200 carrying the upstream's error, as OpenRouter sends, for what it says)."""
+        model = model or self._settings.llm_model
+        dialect = self._dialects.of(model)
+        body = {"model": model, "messages": CHECK_MESSAGES, dialect.token_limit_field: 1}
         try:
             async with asyncio.timeout(self._settings.llm_timeout_s):
                 response = await self._post(body)
         except TimeoutError as exc:
             raise ModelTimeout(
-                f"no answer from {self.name} within {self._settings.llm_timeout_s:g} s"
+                f"no answer from {model} within {self._settings.llm_timeout_s:g} s"
             ) from exc
         if not response.is_success:
             raise error_for_response(response, now=self._clock())
+        _read_answer(response, model, now=self._clock())
 
     async def _judge(self, messages: Messages, model: str, answered: list[_Answer]) -> _Judgement:
         """The verdict; `answered` collects the answers that came back, for a deadline that

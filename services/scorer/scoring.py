@@ -585,12 +585,12 @@ async def _call_model(
         return _retry_or_give_up(command, error, deps, earlier, outage=outage), None
     except PermanentError as error:
         _count_call(deps.metrics, "permanent", error.code, started)
-        deps.throttle.answered(turn)
+        deps.throttle.answered(turn, text_key=hash(command.text))
         # An unusable answer's text is the one most worth auditing.
         failed = _failed(command, error, deps.clock(), dead_letter=False, earlier=earlier)
         return failed, getattr(error, "raw_output", None)
     _count_call(deps.metrics, "completed", "", started)
-    deps.throttle.answered(turn)
+    deps.throttle.answered(turn, text_key=hash(command.text))
     return _completed(command, verdict, deps.clock(), earlier), verdict.raw_output
 
 
@@ -611,7 +611,7 @@ def _tell_the_throttle(
             task_key=f"{command.task_id}:{command.generation}",
             tenant_key=command.tenant_id,
         )
-    throttle.answered(turn)
+    throttle.answered(turn, text_key=hash(command.text))
     return False
 
 

@@ -87,6 +87,9 @@ GIVING_WAY_SHARE = 1 / 6
 # The least time a delivery giving way spends down the ladder: put off for less, it came
 # straight back (the ladder's shortest wait is 0.5 s) and was put off again (a review).
 GIVING_WAY_LEAST_S = 1.0
+# The outages a text is seen failing in, each ended by a probe's answer, that make it a
+# suspect (`_is_suspect`): a batch of texts each failing on its own is each such outage's.
+SUSPECT_AFTER = 2
 
 
 @dataclass(frozen=True)
@@ -172,8 +175,12 @@ class ModelThrottle:
         # too. A task submitted first, its retries failing while the next texts arrived,
         # spent its attempts before and during the outage (a fault test under load). By
         # task, not text: a text's calls over its many tasks (and hours) made one task's
-        # probes free twenty times (a review of the first version).
+        # probes free twenty times (a review of the first version). Kept past the outage,
+        # until `_refunds_until`: an outage a check ended gave its texts no probe to spend
+        # them on, and a provider flapping dead-lettered tasks with the calls charged before
+        # each of its outages was told (`_refunded`).
         self._refunds: Counter[str] = Counter()
+        self._refunds_until = 0.0
         self._probe_out_when_it_began = False
         # Another replica's outage heard while this one's probe was out: that probe's answer
         # does not end it (the other's news may be the newer).
@@ -218,6 +225,9 @@ class ModelThrottle:
         self._on_pause = on_pause
         # The outage's probe when no text that would be news waits (`_checks_first`).
         self._check_provider = check_provider
+        # For each text seen failing in outages a probe's answer ended since it was last
+        # answered: how many, and when the last ended (`_is_suspect`).
+        self._disproven: dict[int, tuple[int, float]] = {}
 
     def back_in_s(self, put_off: PutOff, rng: random.Random) -> float:
         """How long a delivery put off waits down the ladder: until the pause has between a
@@ -341,7 +351,10 @@ class ModelThrottle:
             self.done(PROBE)
 
     def _still_unavailable(self, retry_after_s: float | None) -> None:
-        """A check found the provider still down: news of it, to every text and tenant."""
+        """A check found the provider still down: news of it, to every text and tenant. The
+        outage is proven: the outages ended before it say nothing of its texts
+        (`_disproven`)."""
+        self._disproven.clear()
         self._unproven = None
         self._news_since_cut = True
         self._lengthen(PROBE, retry_after_s)
@@ -586,7 +599,10 @@ class ModelThrottle:
         failing in it, to the other tenants. True when the call is the outage's rather than
         its task's: it began the outage, or probed one and found the provider still down."""
         self._forget_a_stale_pause()
-        probed_an_outage = turn.probe and self._outage and self._probe_is_free(text_key, task_key)
+        suspect = self._is_suspect(text_key)
+        probed_an_outage = (
+            not suspect and turn.probe and self._outage and self._probe_is_free(text_key, task_key)
+        )
         fresh = text_key not in self._seen_failing  # news of the provider, in an outage
         # News to the other tenants too (a call of no known tenant is taken for news to all).
         tenant_fresh = tenant_key is None or tenant_key not in self._tenants_seen_failing
@@ -595,6 +611,9 @@ class ModelThrottle:
         # Running when the outage began (started before it): the outage's. Charged and
         # refunded by a later probe, it failed a task on its last attempt all the same.
         running_when_it_began = was_on and not turn.probe
+        refunded = not (
+            suspect or began or probed_an_outage or running_when_it_began
+        ) and self._refunded(task_key)
         if began:
             self._outage, self._outage_texts = True, {text_key}
             self._seen_failing = set(self._unavailable)
@@ -616,11 +635,55 @@ class ModelThrottle:
         elif fresh:
             self._unproven = Unproven.TO_OTHER_TENANTS  # of another text of a tenant seen failing
         if was_on and turn.probe:
+            if fresh and tenant_fresh:
+                self._disproven.clear()  # a probe that is news proves the outage
             self._log_outage_going_on()
         if began:
             self._log_outage_begun()
             self._on_pause(self.pause_left_s(), True)
-        return began or probed_an_outage or running_when_it_began
+        return not suspect and (began or probed_an_outage or running_when_it_began or refunded)
+
+    def _refunded(self, task_key: str) -> bool:
+        """Whether a call of the task is given back one charged before the last outage was
+        told (`_refunds`), within `TRIP_WINDOW_S` of it."""
+        if self._clock() >= self._refunds_until:
+            self._refunds.clear()
+            return False
+        if self._refunds[task_key] <= 0:
+            return False
+        self._refunds[task_key] -= 1
+        return True
+
+    def _is_suspect(self, text_key: int) -> bool:
+        """Whether the text was seen failing in `SUSPECT_AFTER` outages a probe's answer ended
+        (the last within `TRIP_WINDOW_S`), and not answered since: its calls are charged to
+        its task, though they count towards an outage as any text's do. A batch of texts each
+        failing on its own, the only calls, tripped an outage every few seconds, each ended by
+        a check; their calls, each the outage's, spent only free calls, and 40 such tasks
+        were not all dead-lettered in ten minutes (`python -m devtools.poison_batch`). Taken
+        for suspects after one such outage, and their failures counting towards none, the
+        tasks of a provider down again as a check answered spent every attempt within the
+        retries' back-off (a review, and a walkthrough: 8 to 13 of 60 healthy tasks
+        dead-lettered); now a second outage must be ended so too, and a suspect's failure
+        still trips the next, paying an attempt for the calls under way when it does."""
+        disproven = self._disproven.get(text_key)
+        if disproven is None:
+            return False
+        outages, last_at = disproven
+        return outages >= SUSPECT_AFTER and self._clock() - last_at < TRIP_WINDOW_S
+
+    def _disproved(self) -> None:
+        """A probe's answer ends the outage: each text seen failing in it is counted
+        (`_disproven`), and texts counted longer than `TRIP_WINDOW_S` ago are forgotten."""
+        now = self._clock()
+        self._disproven = {
+            text: (outages, at)
+            for text, (outages, at) in self._disproven.items()
+            if now - at < TRIP_WINDOW_S
+        }
+        for text in self._seen_failing:
+            outages, _ = self._disproven.get(text, (0, now))
+            self._disproven[text] = (outages + 1, now)
 
     def _unproven_by(self, *, fresh: bool, tenant_fresh: bool) -> Unproven | None:
         """Whom the pause a probe found the provider still down in is no news to."""
@@ -652,6 +715,7 @@ class ModelThrottle:
         self._refunds = Counter(
             {task: calls for task, (_, calls) in self._tasks_found_down.items()}
         )
+        self._refunds_until = self._clock() + TRIP_WINDOW_S
         self._forget_failures()
 
     def _forget_failures(self) -> None:
@@ -663,7 +727,6 @@ class ModelThrottle:
         self._outage = False
         self._unproven = None
         self._outage_texts.clear()
-        self._refunds.clear()
         self._probe_out_when_it_began = False
         self._seen_failing.clear()
         self._tenants_seen_failing.clear()
@@ -722,11 +785,14 @@ class ModelThrottle:
         self._probe_due = True
         self._notify()
 
-    def answered(self, turn: Turn) -> None:
-        """A call came back with anything but a 429. The probe's answer ends the pause, unless
-        another replica's pause heard meanwhile outlasts it (then another probe follows that
-        one); a call started before the pause says nothing of it."""
+    def answered(self, turn: Turn, *, text_key: int | None = None) -> None:
+        """A call (of the text `text_key`) came back with anything but a 429. The probe's
+        answer ends the pause, unless another replica's pause heard meanwhile outlasts it
+        (then another probe follows that one); a call started before the pause says nothing
+        of it. A text answered is no suspect (`_is_suspect`)."""
         self._forget_failures()
+        if text_key is not None:
+            self._disproven.pop(text_key, None)
         if turn.probe:
             if self._cut_short_out and not self._news_since_cut:
                 self._paused_until = min(self._paused_until, self._clock())
@@ -736,6 +802,7 @@ class ModelThrottle:
                 self._log_outage_over()
             # An outage heard meanwhile stands while its pause does; the answer ends any other.
             if not (self._outage_heard_while_probing and self._probe_due):
+                self._disproved()
                 self._end_outage()
             self._rate_limits_in_a_row = 0
             self._notify()

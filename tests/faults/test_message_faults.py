@@ -9,8 +9,8 @@
   fails; after the calls of three texts in a row fail the scorer pauses its calls, and the
   probes that find the provider still down spend no attempt.
 - A batch of texts each failing on its own, with no other traffic: each task is
-  dead-lettered within its attempts and an outage's free calls (a check of the provider
-  probes the "outage").
+  dead-lettered after its attempts and two free calls at most (a check of the provider
+  probes the "outage"; a text seen failing in two outages so ended is a suspect).
 - The same `score.requested` delivered twice: one model call.
 - A body that is not a command (poison): dead-lettered with the reason, the consumer lives.
 """
@@ -26,6 +26,7 @@ import pytest
 
 from devtools.fake_llm import FakeLLM
 from services.scorer.settings import ScorerSettings
+from services.scorer.throttle import SUSPECT_AFTER
 from shared.bus import publish_command
 from shared.contracts import ScoreText, new_id
 from shared.runtime import make_broker
@@ -58,7 +59,6 @@ PROVIDER_DOWN_TASKS = 12
 # Texts the provider fails every time, submitted together with nothing else: more than the
 # three in a row an outage is taken for.
 FAILING_ALONE_TASKS = 8
-RATE_LIMIT_RETRIES = 20  # the scorer's default: the calls an outage may take for its own
 
 
 @pytest.fixture(scope="module")
@@ -257,8 +257,9 @@ async def test_texts_failing_on_their_own_with_no_other_traffic_spend_their_atte
     """Texts the provider fails every time, the only calls: taken for an outage, their calls
     were its probes, one per pause of up to a minute for them all, and a batch of them took
     an hour or more to be dead-lettered (session 48). The outage is probed by a check of the
-    provider instead, which it answers; every text calls again, and each task ends after
-    its attempts and, at most, the free calls of its outages (`RATE_LIMIT_RETRIES`)."""
+    provider instead, which it answers; every text calls again, and a text seen failing in
+    two such outages is a suspect, its calls charged: each task ends after its attempts and
+    a free call at most in each of those outages."""
     box.answers.clear()
     markers = [new_marker() for _ in range(FAILING_ALONE_TASKS)]
     tasks = {await box.submit(essay(marker, "[[fake:500]]")): marker for marker in markers}
@@ -278,8 +279,8 @@ async def test_texts_failing_on_their_own_with_no_other_traffic_spend_their_atte
             broker=labels[0],
             database=labels[1],
             notes=f"{len(tasks)} texts at once; each dead-lettered after {min(attempts)} to "
-            f"{max(attempts)} attempts (SCORE_MAX_ATTEMPTS {MAX_ATTEMPTS}, and those an "
-            "outage took for its own), its calls one per attempt",
+            f"{max(attempts)} attempts (SCORE_MAX_ATTEMPTS {MAX_ATTEMPTS}, and those the "
+            "outages before it was a suspect took for their own), its calls one per attempt",
         )
     )
     for task, marker in tasks.items():
@@ -290,7 +291,7 @@ async def test_texts_failing_on_their_own_with_no_other_traffic_spend_their_atte
             "model_unavailable",
             True,
         )
-        assert MAX_ATTEMPTS <= view["attempts"] <= MAX_ATTEMPTS + RATE_LIMIT_RETRIES
+        assert MAX_ATTEMPTS <= view["attempts"] <= MAX_ATTEMPTS + SUSPECT_AFTER
         assert box.calls(marker) == view["attempts"]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from typing import Any
@@ -26,13 +27,23 @@ from services.scorer.decisions import Decision, Defer, Finish, Retry
 from services.scorer.metrics import ScorerMetrics
 from services.scorer.provider_checks import provider_checks
 from services.scorer.scoring import RetryPolicy, ScorerDeps, score_text
-from services.scorer.throttle import OUTAGE_PAUSE_CAP_S, TRIP_AFTER, ModelThrottle, ProviderCheck
+from services.scorer.throttle import (
+    OUTAGE_PAUSE_CAP_S,
+    SUSPECT_AFTER,
+    TRIP_AFTER,
+    ModelThrottle,
+    ProviderCheck,
+    ProviderFound,
+)
 from shared.contracts import ScoreText, TaskCompleted, TaskFailed, new_id, utcnow
 from tests.integration.scorer_parts import attempts_store, fake_model, scorer_deps
 
 pytestmark = pytest.mark.integration
 
 Deps = Callable[..., ScorerDeps]
+# The provider flapping: down this long, again each time a check finds it back, so often.
+FLAP_DOWN_S = 0.3
+FLAPS = 4
 
 
 @pytest.fixture
@@ -45,16 +56,19 @@ async def make_deps(fake_llm: FakeLLM, mongo: Any, db_prefix: str) -> AsyncItera
             hold_s: float = 30,
             pause_base_s: float = 0.02,
             checked: list[str | None] | None = None,
+            after_check: Callable[[ProviderCheck], None] = lambda _check: None,
         ) -> ScorerDeps:
             """`checked`: the outage is probed by checks of the provider, each noting there
-            the model it named."""
+            the model it named, then handed to `after_check`."""
             metrics = ScorerMetrics()
             checks = provider_checks(model, metrics)
 
             async def check_provider(named: str | None) -> ProviderCheck:
                 assert checked is not None
                 checked.append(named)
-                return await checks(named)
+                check = await checks(named)
+                after_check(check)
+                return check
 
             return scorer_deps(
                 attempts=attempts,
@@ -181,9 +195,9 @@ async def test_texts_failing_on_their_own_with_no_other_traffic_spend_their_atte
     calls were its probes: one per pause, shared by them all, the pause doubling up to a
     minute; a batch of them took an hour or more to be dead-lettered (session 48's
     walkthrough). The outage is probed by a check of the provider instead, of the model the
-    texts ask for; it answers, every text calls again, and each task ends within its
-    attempts and the free calls of `RATE_LIMIT_RETRIES`. Held in hand 1 s at most, a
-    delivery finding a longer pause would be put off (`Defer`), as every one was here."""
+    texts ask for; it answers, every text calls again, and a text seen failing in two such
+    outages is a suspect, its calls charged. Held in hand 1 s at most, a delivery finding a
+    longer pause would be put off (`Defer`), as every one was here."""
     checked: list[str | None] = []
     deps = make_deps(hold_s=1, checked=checked)
     commands = [
@@ -197,10 +211,44 @@ async def test_texts_failing_on_their_own_with_no_other_traffic_spend_their_atte
 
     failures = [decision.event for decision, _ in ended]
     assert all(isinstance(event, TaskFailed) and event.dead_lettered for event in failures)
+    # Free calls: those of the outages before each text was a suspect, one each at most.
+    assert max(last.rate_limited_retries for _, last in ended) <= SUSPECT_AFTER
     assert checked
     assert set(checked) == {"judge-2"}
     assert fake_llm.stats()["status_counts"]["200"] == len(checked)
     assert not deps.throttle.paused
+
+
+async def test_a_provider_down_again_as_each_check_answers_fails_no_task(
+    make_deps: Deps, fake_llm: FakeLLM
+) -> None:
+    """A provider flapping at the worst moments: each check that finds it back is followed at
+    once by the next outage, and only the texts of the last outage call. Taken for texts
+    failing on their own after one such check, their calls charged and telling no outage,
+    they spent every attempt within the retries' back-off (a review; a walkthrough saw 8 to
+    13 of 60 healthy tasks dead-lettered). Each outage still trips on them, and the
+    suspects' attempts are the calls under way as it does."""
+    outages_left = [FLAPS]
+
+    def down_again(check: ProviderCheck) -> None:
+        if check.found is ProviderFound.ANSWERED and outages_left[0] > 0:
+            outages_left[0] -= 1
+            fake_llm.config.unavailable_until = time.monotonic() + FLAP_DOWN_S
+
+    deps = make_deps(checked=[], after_check=down_again)
+    fake_llm.config.unavailable_until = time.monotonic() + FLAP_DOWN_S
+    commands = [
+        ScoreText(task_id=new_id(), text=f"Healthy essay {n}.") for n in range(2 * TRIP_AFTER)
+    ]
+
+    ended = await asyncio.gather(*(_until_decided(command, deps) for command in commands))
+
+    assert outages_left == [0]  # every outage came
+    events = [decision.event for decision, _ in ended]
+    assert all(isinstance(event, TaskCompleted) for event in events), [
+        (type(event).__name__, event.attempt, last.rate_limited_retries)
+        for event, (_, last) in zip(events, ended, strict=True)
+    ]
 
 
 async def test_replies_the_provider_could_not_make_usable_pause_nothing(make_deps: Deps) -> None:

@@ -532,7 +532,7 @@ async def test_a_probe_finding_the_provider_still_down_is_the_outages_and_pauses
     throttle.answered(second)  # back: the pause is over for all
     throttle.done(second)
     assert not throttle.paused
-    assert _fails(throttle, 0, 1) == [False, False]  # counted afresh
+    assert _fails(throttle, 5, 6) == [False, False]  # counted afresh
 
 
 async def test_a_429s_pause_turns_into_an_outages_when_three_texts_find_the_provider_down() -> None:
@@ -1561,20 +1561,112 @@ async def test_a_check_answered_429_turns_the_outage_into_a_rate_limits_pause() 
     assert checks.made == 1
 
 
-async def test_the_texts_of_an_outage_a_check_ended_tell_the_next_one() -> None:
-    """A provider flapping: its texts' failures are news again once the check answered, and
-    three in a row pause the calls, those calls the outage's, spending no attempt. (Taken
-    for texts failing on their own instead, their calls charged and counting towards no
-    outage, every task of a second outage with no fresh text spent its attempts within
-    the retries' back-off: a review.)"""
-    clock, checks = Clock(), Checks(ANSWERED)
-    throttle = _checking(clock, checks)
-    _fails_of(throttle, "a", 1, 2, 3)
+async def _disproved(throttle: ModelThrottle, clock: Clock, *texts: int) -> None:
+    """An outage `texts` begin, ended by a check answered."""
+    assert _fails_of(throttle, "a", *texts)[-1]
     clock.now += throttle.pause_left_s() + 0.01
-    assert await _turn_of(throttle, "a", 1) == GO  # the check answered
+    assert await _turn_of(throttle, "a", texts[0]) == GO  # the check answered
 
-    assert _fails_of(throttle, "a", 1, 2, 3) == [False, False, True]
+
+async def test_the_texts_of_an_outage_a_check_ended_tell_the_next_one() -> None:
+    """A provider flapping: its texts' failures are news again once a check answered, and
+    three in a row pause the calls, those calls the outage's, spending no attempt. (Taken
+    for texts failing on their own at once, their calls charged and counting towards no
+    outage, the tasks of a provider down again as a check answered spent every attempt
+    within the retries' back-off: a review, and a walkthrough.) The calls charged before
+    the first outage was told are given back at their tasks' next failures."""
+    clock = Clock()
+    throttle = _checking(clock, Checks(ANSWERED))
+    await _disproved(throttle, clock, 1, 2, 3)
+
+    assert _fails_of(throttle, "a", 1, 2, 3) == [True, True, True]  # given back; the outage's
     assert throttle.paused
+
+
+async def test_a_call_charged_before_an_outage_was_told_is_given_back_within_the_window() -> None:
+    """An outage a check ended gave its texts no probe to spend their refunds on: a task's
+    call charged before the outage was told is given back at its next failure, within
+    `TRIP_WINDOW_S` of the outage."""
+    clock = Clock()
+    throttle = _checking(clock, Checks(ANSWERED, ANSWERED))
+    await _disproved(throttle, clock, 1, 2, 3)  # the calls of 1 and 2 charged
+    assert _fails_of(throttle, "a", 1) == [True]
+    assert _fails_of(throttle, "a", 1) == [False]  # one call given back, not two
+    clock.now += TRIP_WINDOW_S
+    assert _fails_of(throttle, "a", 2) == [False]  # too late
+
+
+async def test_texts_of_two_outages_checks_ended_are_suspects_charged_for_their_calls() -> None:
+    """A batch failing on its own, the only calls, tripped an outage every few seconds, each
+    ended by a check, its calls the outages' (free): 40 such tasks were not all
+    dead-lettered in ten minutes. A text seen failing in two such outages is a suspect: its
+    calls are charged, and still tell the next outage (a provider down again)."""
+    clock = Clock()
+    throttle = _checking(clock, Checks(ANSWERED, ANSWERED))
+    await _disproved(throttle, clock, 1, 2, 3)
+    await _disproved(throttle, clock, 1, 2, 3)
+
+    assert _fails_of(throttle, "a", 1, 2, 4) == [False, False, True]  # 4: the outage's
+    assert throttle.paused
+    assert _fails_of(throttle, "a", 3, 5) == [False, True]  # running when it began
+
+
+async def _suspects(clock: Clock, *texts: int) -> ModelThrottle:
+    throttle = _checking(clock, Checks(ANSWERED, ANSWERED))
+    await _disproved(throttle, clock, *texts)
+    await _disproved(throttle, clock, *texts)
+    return throttle
+
+
+async def test_a_suspect_answered_is_one_no_more() -> None:
+    clock = Clock()
+    throttle = await _suspects(clock, 1, 2, 3)
+    throttle.answered(GO, text_key=1)
+    assert _fails_of(throttle, "a", 2, 4, 1) == [False, False, True]  # 1's call the outage's
+
+
+@pytest.mark.parametrize(
+    ("elapsed_s", "suspect"), [(TRIP_WINDOW_S - 1, True), (TRIP_WINDOW_S, False)]
+)
+async def test_a_suspect_is_one_for_the_trip_window_after_its_last_outage(
+    elapsed_s: float, suspect: bool
+) -> None:
+    clock = Clock()
+    throttle = await _suspects(clock, 1, 2, 3)
+    clock.now += elapsed_s
+    # 1 the third in a row: it trips the outage either way, its call the outage's unless
+    # a suspect's.
+    assert _fails_of(throttle, "a", 4, 5, 1) == [False, False, not suspect]
+    assert throttle.paused
+
+
+async def test_an_outage_a_check_finds_going_on_makes_its_suspects_none() -> None:
+    """A check finding the provider still down proves the outage: the outages ended before
+    say nothing of its texts, whose calls are the outage's again."""
+    clock = Clock()
+    checks = Checks(ANSWERED, ANSWERED, STILL_DOWN)
+    throttle = _checking(clock, checks)
+    await _disproved(throttle, clock, 1, 2, 3)
+    await _disproved(throttle, clock, 1, 2, 3)
+    assert _fails_of(throttle, "a", 4, 5, 6)[-1]
+    clock.now += throttle.pause_left_s() + 0.01
+    waiting = asyncio.ensure_future(_turn_of(throttle, "a", 4))
+    await eventually(partial(_checks_made, checks, 3), what="the check finding it down")
+    waiting.cancel()
+
+    assert _fails_of(throttle, "a", 1) == [True]  # running during the outage: its own
+
+
+async def test_an_outage_a_fresh_texts_probe_finds_going_on_makes_its_suspects_none() -> None:
+    clock = Clock()
+    throttle = await _suspects(clock, 1, 2, 3)
+    assert _fails_of(throttle, "a", 4, 5, 6)[-1]
+    clock.now += throttle.pause_left_s() + 0.01
+    assert await _turn_of(throttle, "b", 7) == PROBE  # a tenant not seen failing
+    _fails_of(throttle, "b", 7, turn=PROBE)
+    throttle.done(PROBE)
+
+    assert _fails_of(throttle, "a", 1) == [True]
 
 
 async def test_the_check_is_of_the_model_the_waiting_delivery_calls() -> None:

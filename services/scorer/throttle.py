@@ -501,6 +501,8 @@ class ModelThrottle:
         self._unproven = None  # its limit is news: a `Retry-After` stands
         self._news_since_cut = True
         if turn.probe:
+            if self._outage:
+                self._log_outage_over(rate_limited=True)
             self._end_outage()  # a rate limit's pause from now on
             self._cut_short_out = False
         first = not self._probe_due
@@ -544,15 +546,25 @@ class ModelThrottle:
             outages,
         )
 
-    def _log_outage_over(self) -> None:
+    def _log_outage_over(self, *, rate_limited: bool = False) -> None:
         """The end of an outage whose begin line was written, with the ends unsaid since:
         limited apart, one outage's begin line was written and its end line dropped, the
-        log ending on "paused" (a review)."""
+        log ending on "paused" (a review). Its probe answered 429 (`rate_limited`), the log
+        ended on "paused" as well, the rate limit's pause going unsaid (a review)."""
         self._outages_ended_unsaid += 1
         if not self._outage_begin_logged:
             return
         ended, self._outages_ended_unsaid = self._outages_ended_unsaid, 0
         self._outage_begin_logged = False
+        if rate_limited:
+            log.warning(
+                "the outage is over: the provider answered its probe 429; model calls stay "
+                "paused for %.1f s, a rate limit's pause (%d outage(s) ended since the last "
+                "such line)",
+                self.pause_left_s(),
+                ended,
+            )
+            return
         log.info(
             "model calls resumed: the provider answered the outage's probe (%d outage(s) "
             "ended since the last such line)",
@@ -644,8 +656,9 @@ class ModelThrottle:
         return not suspect and (began or probed_an_outage or running_when_it_began or refunded)
 
     def _refunded(self, task_key: str) -> bool:
-        """Whether a call of the task is given back one charged before the last outage was
-        told (`_refunds`), within `TRIP_WINDOW_S` of it."""
+        """Whether a call of the task is given back one charged before an outage was told
+        (`_refunds`), within `TRIP_WINDOW_S` of the outage's end (counted from its
+        beginning, an outage probed by checks for longer kept none: a review)."""
         if self._clock() >= self._refunds_until:
             self._refunds.clear()
             return False
@@ -711,11 +724,14 @@ class ModelThrottle:
         return False
 
     def _refund_the_calls_before(self) -> None:
-        """An outage begins: the calls charged in the run that told it become refunds."""
-        self._refunds = Counter(
-            {task: calls for task, (_, calls) in self._tasks_found_down.items()}
-        )
-        self._refunds_until = self._clock() + TRIP_WINDOW_S
+        """An outage begins: the calls charged in the run that told it become refunds, added
+        to those of the outages before not yet given back (replaced, a task's refunds of one
+        outage were lost at the next, begun before it failed again: a review)."""
+        now = self._clock()
+        if now >= self._refunds_until:
+            self._refunds.clear()
+        self._refunds.update({task: calls for task, (_, calls) in self._tasks_found_down.items()})
+        self._refunds_until = now + TRIP_WINDOW_S  # and again from its end (`_end_outage`)
         self._forget_failures()
 
     def _forget_failures(self) -> None:
@@ -724,6 +740,8 @@ class ModelThrottle:
         self._tenants_found_down.clear()
 
     def _end_outage(self) -> None:
+        if self._outage:
+            self._refunds_until = self._clock() + TRIP_WINDOW_S
         self._outage = False
         self._unproven = None
         self._outage_texts.clear()

@@ -1669,6 +1669,53 @@ async def test_an_outage_a_fresh_texts_probe_finds_going_on_makes_its_suspects_n
     assert _fails_of(throttle, "a", 1) == [True]
 
 
+async def test_refunds_not_given_back_are_kept_through_the_next_outage() -> None:
+    """Replaced at each outage, a task's refunds were lost when the next began before it
+    failed again (a review)."""
+    clock = Clock()
+    throttle = _checking(clock, Checks(ANSWERED, ANSWERED))
+    _fails_of(throttle, "a", 1)
+    await _disproved(throttle, clock, 1, 2, 3)  # task-1: two calls charged before
+    await _disproved(throttle, clock, 7, 8, 9)
+
+    assert _fails_of(throttle, "a", 1, 1, 1) == [True, True, False]
+
+
+async def test_refunds_last_through_a_long_outage_and_the_window_after_it() -> None:
+    """Counted from its beginning, an outage probed by checks for over two minutes kept none
+    (a review)."""
+    clock = Clock()
+    checks = Checks(STILL_DOWN, ANSWERED)
+    throttle = _checking(clock, checks, hold_s=600)
+    assert _fails_of(throttle, "a", 1, 2, 3)[-1]  # task-1 and task-2: charged before
+    clock.now += TRIP_WINDOW_S - 1  # the outage goes on
+    waiting = asyncio.ensure_future(_turn_of(throttle, "a", 1))
+    await eventually(partial(_checks_made, checks, 1), what="the check finding it down")
+    clock.now += throttle.pause_left_s() + 0.01  # seen at the waiter's wake-up
+    assert await asyncio.wait_for(waiting, GUARD_S) == GO  # back
+
+    clock.now += TRIP_WINDOW_S - 1
+    assert _fails_of(throttle, "a", 1) == [True]
+    clock.now += 1
+    assert _fails_of(throttle, "a", 2) == [False]
+
+
+async def test_an_outage_whose_probe_is_answered_429_logs_its_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The log ended on "paused": the outage over, the rate limit's pause went unsaid, its
+    own line being for a pause begun while none lasted (a review)."""
+    clock = Clock()
+    throttle = _checking(clock, Checks(ProviderCheck(ProviderFound.RATE_LIMITED, 5)), hold_s=1)
+    with caplog.at_level("INFO", logger="scorebox.scorer.throttle"):
+        _fails_of(throttle, "a", 1, 2, 3)
+        clock.now += throttle.pause_left_s() + 0.01
+        await _turn_of(throttle, "a", 1)
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 2, messages
+    assert "the outage is over: the provider answered its probe 429" in messages[1]
+
+
 async def test_the_check_is_of_the_model_the_waiting_delivery_calls() -> None:
     """One model down while the default answered: a check of the default ended that
     model's outage at each pause (a review)."""

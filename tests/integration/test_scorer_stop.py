@@ -122,8 +122,10 @@ async def test_a_decision_held_up_by_the_database_shares_the_grace_with_the_brok
 async def _published_and_called(
     settings: ScorerSettings, command: ScoreText, llm: FakeLLM, marker: str
 ) -> None:
-    """`command` published (with `settings`' broker URL), then its model call under way."""
-    publisher = make_broker(settings)
+    """`command` published (with `settings`' broker URL), then its model call under way.
+    The publisher is the test's, with a timeout of its own: with the scorer's 0.5 s, its
+    connection timed out on a loaded CI host."""
+    publisher = make_broker(settings.model_copy(update={"broker_timeout_s": 10.0}))
     async with publisher:
         await publisher.connect()
         await publish_command(publisher, command, timeout=10)

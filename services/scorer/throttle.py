@@ -309,7 +309,7 @@ class ModelThrottle:
                 return GO
             elif not self._probe_out and self._may_probe(waiter):
                 if self._check_provider is not None and self._checks_first(waiter):
-                    await self._probe_by_check(self._check_provider, model)
+                    await self._probe_by_check(self._check_provider, model, closing)
                     continue
                 self._probe_out, self._probe_sent_at = True, self._clock()
                 return PROBE
@@ -332,14 +332,20 @@ class ModelThrottle:
         walkthrough). A check answered ends the pause for all."""
         return self._outage and self._probe_rank(waiter) < 2
 
-    async def _probe_by_check(self, check_provider: CheckProvider, model: str | None) -> None:
+    async def _probe_by_check(
+        self, check_provider: CheckProvider, model: str | None, closing: asyncio.Event
+    ) -> None:
         """The outage's probe, made by a call of the provider that is no text's, to the
         waiting delivery's model: one model down while the default answered, a check of the
         default ended that model's outage at each pause, its tasks' calls failing again (a
-        review). Waited for as a text's probe is, the check's own timeout bounding it."""
+        review). Waited for as a text's probe is, the check's own timeout bounding it; a stop
+        of the scorer cuts it short, and a check cut short proves nothing (waited for, a stop
+        took up to `LLM_TIMEOUT_S`)."""
         self._probe_out, self._probe_sent_at = True, self._clock()
         try:
-            check = await check_provider(model)
+            check = await _unless_closing(check_provider(model), closing)
+            if check is None:
+                return
             match check.found:
                 case ProviderFound.ANSWERED:
                     self.answered(PROBE)
@@ -856,3 +862,17 @@ class ModelThrottle:
         finally:
             changed.cancel()
             stopping.cancel()
+
+
+async def _unless_closing(
+    check: Awaitable[ProviderCheck], closing: asyncio.Event
+) -> ProviderCheck | None:
+    """What the check found; None, the check cancelled, when the scorer stops first."""
+    checking = asyncio.ensure_future(check)
+    stopping = asyncio.ensure_future(closing.wait())
+    try:
+        await asyncio.wait({checking, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        return checking.result() if checking.done() else None
+    finally:
+        checking.cancel()
+        stopping.cancel()

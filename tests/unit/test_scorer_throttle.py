@@ -1750,3 +1750,54 @@ async def test_an_outages_pause_grows_to_a_quarter_of_a_rate_limits() -> None:
     for _ in range(8):
         limited.rate_limited(PROBE, retry_after_s=None)
     assert limited.pause_left_s() > OUTAGE_PAUSE_CAP_S
+
+
+class CheckHanging:
+    """A `check_provider` whose first check never answers (until cancelled); those after it
+    answer."""
+
+    def __init__(self) -> None:
+        self.made = 0
+        self.in_flight = asyncio.Event()
+        self.cancelled = False
+        self._never = asyncio.Event()
+
+    async def __call__(self, _model: str | None) -> ProviderCheck:
+        self.made += 1
+        if self.made == 1:
+            self.in_flight.set()
+            try:
+                await self._never.wait()
+            except asyncio.CancelledError:
+                self.cancelled = True
+                raise
+        return ANSWERED
+
+
+async def test_a_stop_cuts_a_check_short_and_it_proves_nothing() -> None:
+    """Waited for, a check in flight held a stopping scorer for up to `LLM_TIMEOUT_S`. Now
+    the stop cancels the check and turns its delivery away at once; the pause and the
+    outage stand as they were, and the next delivery's check probes again."""
+    clock, checks = Clock(), CheckHanging()
+    throttle = ModelThrottle(
+        hold_s=600, base_s=1.0, rng=random.Random(0), clock=clock, check_provider=checks
+    )
+    _fails_of(throttle, "a", 1, 2, 3)
+    clock.now += throttle.pause_left_s() + 0.01
+    closing = asyncio.Event()
+    waiting = asyncio.ensure_future(throttle.wait_turn(closing, text_key=1, tenant_key="a"))
+    await asyncio.wait_for(checks.in_flight.wait(), GUARD_S)
+
+    closing.set()
+
+    with pytest.raises(SlotsClosed):
+        await asyncio.wait_for(waiting, timeout=5)
+    await eventually(partial(_cancelled, checks), what="the check cancelled")
+    assert throttle.pause_left_s() == 0  # not found still down: the pause not lengthened
+    assert not throttle.paused  # the probe no longer out
+    assert await _turn_of(throttle, "a", 1) == GO  # not answered: the next check probes
+    assert checks.made == 2
+
+
+async def _cancelled(checks: CheckHanging) -> bool:
+    return checks.cancelled

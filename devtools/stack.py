@@ -663,12 +663,16 @@ class DevKeys:
         return {"BOOTSTRAP_API_KEY": self.api_key, "ADMIN_API_KEY": self.admin_key}
 
 
-def scheduler_export(stack: Stack) -> list[str]:
-    """What `scorebox cron` reads to reach this stack's scheduler (its default is port 8003:
-    with `SCHEDULER_PORT` moved, the banner's exports left `cron` unreachable)."""
-    if "scheduler" not in stack.config.services:
-        return []
-    return [f"  export SCOREBOX_SCHEDULER_URL={stack.url('scheduler')}"]
+def service_exports(stack: Stack) -> list[str]:
+    """What `scorebox cron` and `scorebox webhooks` read to reach this stack's scheduler and
+    notifier (their defaults are ports 8003 and 8004: with `SCHEDULER_PORT` moved, the
+    banner's exports left `cron` unreachable)."""
+    variables = {"scheduler": "SCOREBOX_SCHEDULER_URL", "notifier": "SCOREBOX_NOTIFIER_URL"}
+    return [
+        f"  export {variable}={stack.url(service)}"
+        for service, variable in variables.items()
+        if service in stack.config.services
+    ]
 
 
 def model_line(stack_env: Mapping[str, str], environ: Mapping[str, str] = os.environ) -> str:
@@ -828,7 +832,7 @@ def banner(stack: Stack, keys: DevKeys, receiver: LocalReceiver | None = None) -
         f"  export SCOREBOX_URL={stack.gateway_url}",
         f"  export SCOREBOX_API_KEY={keys.api_key}",
         f"  export SCOREBOX_ADMIN_KEY={keys.admin_key}",
-        *scheduler_export(stack),
+        *service_exports(stack),
         "",
         *metrics_lines(stack),
         "Try it:",

@@ -13,12 +13,16 @@
     scorebox cron list | run JOB [--wait]                    the scheduler's cron jobs
     scorebox cron dlq list | replay [RUN_ID...|--all] | drop RUN_ID... | purge
                                                              its dead runs
+    scorebox webhooks dlq list | replay [ID...|--all] | drop ID... | purge
+                                                             webhooks given up (notifier)
 
 The gateway is `SCOREBOX_URL` (default http://127.0.0.1:8000); `SCOREBOX_API_KEY`, when set,
 is sent as a bearer token; admin commands (`dlq`, `keys`) send `SCOREBOX_ADMIN_KEY` instead.
 `cron` talks to the scheduler at `SCOREBOX_SCHEDULER_URL` (default http://127.0.0.1:8003) and
 sends `SCOREBOX_ADMIN_KEY` too: the scheduler's admin routes check the services'
 `ADMIN_API_KEY` as the gateway's do (401 without it, 403 when the service has none set).
+`webhooks` talks to the notifier at `SCOREBOX_NOTIFIER_URL` (default http://127.0.0.1:8004),
+with `SCOREBOX_ADMIN_KEY` as well.
 
 A dead-letter queue is walked up to a bound (10,000 letters or 64 MiB of their bodies): when
 a walk stopped there, `list`, `replay` and `drop` say so on stderr, and ids it did not reach
@@ -74,6 +78,7 @@ REQUEST_TIMEOUT_S = 30.0
 MIN_POLL_S = 1.0
 DEFAULT_GATEWAY_URL = "http://127.0.0.1:8000"
 DEFAULT_SCHEDULER_URL = "http://127.0.0.1:8003"
+DEFAULT_NOTIFIER_URL = "http://127.0.0.1:8004"
 MAX_PORT = 65_535
 # How much of an answer that is not what was expected an error line quotes.
 QUOTED_CHARS = 300
@@ -96,9 +101,10 @@ API_KEY_VARIABLE, ADMIN_KEY_VARIABLE = "SCOREBOX_API_KEY", "SCOREBOX_ADMIN_KEY"
 WALK_STOPPED = "the walk stopped at its bound (10,000 letters or 64 MiB of their bodies)"
 # What a replay stops at besides (`shared.dead_letters.REPLAY_BUDGET_S`).
 REPLAY_STOPPED = "the replay stopped at its time budget (20 s) with letters left in the queue"
-# The dead-letter queues `dlq purge` and `cron dlq purge` empty (`shared.topology`: those of
-# SCORE_REQUESTS and CRON_JOBS).
+# The dead-letter queues `dlq purge`, `cron dlq purge` and `webhooks dlq purge` empty
+# (`shared.topology`: those of SCORE_REQUESTS, CRON_JOBS and WEBHOOK_DELIVERIES).
 SCORE_REQUESTS_DLQ, CRON_JOBS_DLQ = "scorebox.score-requests.dlq", "scorebox.cron-jobs.dlq"
+WEBHOOK_DELIVERIES_DLQ = "scorebox.webhook-deliveries.dlq"
 
 # The seam for tests: every client uses this transport when set (e.g. an httpx.MockTransport),
 # the network otherwise.
@@ -192,6 +198,11 @@ def _client(*, admin: bool = False) -> httpx.Client:
 
 def _scheduler_client() -> httpx.Client:
     base_url = _base_url("SCOREBOX_SCHEDULER_URL", DEFAULT_SCHEDULER_URL)
+    return _http(base_url, _key(ADMIN_KEY_VARIABLE))
+
+
+def _notifier_client() -> httpx.Client:
+    base_url = _base_url("SCOREBOX_NOTIFIER_URL", DEFAULT_NOTIFIER_URL)
     return _http(base_url, _key(ADMIN_KEY_VARIABLE))
 
 
@@ -1316,6 +1327,70 @@ def cron_dlq_purge(
     if not yes:
         _confirm_purge(CRON_JOBS_DLQ, before)
     _admin_call("DELETE", CRON_DEAD_LETTERS, client=_scheduler_client(), params=_cut_off(before))
+
+
+webhooks = typer.Typer(
+    help="The notifier's webhooks (SCOREBOX_NOTIFIER_URL; needs SCOREBOX_ADMIN_KEY).",
+    no_args_is_help=True,
+)
+app.add_typer(webhooks, name="webhooks")
+webhooks_dlq = typer.Typer(
+    help="Operate the dead-letter queue of webhooks given up (on the notifier).",
+    no_args_is_help=True,
+)
+webhooks.add_typer(webhooks_dlq, name="dlq")
+WEBHOOK_DEAD_LETTERS = "/admin/v1/webhooks/dead-letters"
+
+
+@webhooks_dlq.command("list")
+def webhooks_dlq_list() -> None:
+    """List the webhooks given up: delivery id (the receiver's webhook-id), task, tenant,
+    destination, the attempt given up and the reason."""
+    _list_letters(WEBHOOK_DEAD_LETTERS, _notifier_client())
+
+
+@webhooks_dlq.command("replay")
+def webhooks_dlq_replay(
+    ids: Annotated[
+        list[str] | None, typer.Argument(help="Delivery ids (or a letter's message id).")
+    ] = None,
+    replay_all: Annotated[bool, typer.Option("--all", help="Replay every letter.")] = False,
+) -> None:
+    """Move dead letters back to the webhook queue: each delivery gets a fresh round of
+    attempts (one delivered since is not sent again).
+
+    Exits 1 when an id matched no letter, was not reached by a walk cut short, a letter was
+    unreadable (kept: drop it by its message id), or --all stopped short (run it again for
+    the rest)."""
+    body = _replay_body(ids, replay_all, field="ids")
+    replay = _admin_call(
+        "POST", f"{WEBHOOK_DEAD_LETTERS}/replay", client=_notifier_client(), json=body
+    )
+    _exit_on_missed(replay, drop_command="scorebox webhooks dlq drop", replay_all=replay_all)
+
+
+@webhooks_dlq.command("drop")
+def webhooks_dlq_drop(
+    ids: Annotated[list[str], typer.Argument(help="Delivery ids (or a letter's message id).")],
+    before: Before = None,
+) -> None:
+    """Delete the dead letters named (every copy of a delivery's), sending nothing.
+
+    Exits 1 when an id matched no letter, was not reached by a walk cut short, or got no
+    answer (the other ids are dropped all the same)."""
+    _drop(WEBHOOK_DEAD_LETTERS, ids, "ID", _notifier_client, before=before)
+
+
+@webhooks_dlq.command("purge")
+def webhooks_dlq_purge(
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask.")] = False,
+    before: Before = None,
+) -> None:
+    """Delete every webhook dead letter (with --before, those dead-lettered before it). Asks
+    first, on stderr: stdout carries the answer's JSON alone."""
+    if not yes:
+        _confirm_purge(WEBHOOK_DELIVERIES_DLQ, before)
+    _admin_call("DELETE", WEBHOOK_DEAD_LETTERS, client=_notifier_client(), params=_cut_off(before))
 
 
 def main() -> None:

@@ -59,7 +59,7 @@ from aio_pika.abc import (
 )
 from fastapi import Depends, Query
 from faststream.rabbit import RabbitBroker
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from shared.bus import BROKER_ERRORS
 from shared.consumers import ScoreboxBroker
@@ -137,6 +137,52 @@ class PurgeReport(BaseModel):
         description=f"Only with `{CUT_OFF}`, whose purge walks the queue: the walk stopped at "
         f"its bound ({WALK_BOUND}) with letters left behind it, not looked at and kept.",
     )
+
+
+class ReplayRequest(BaseModel):
+    """Which dead letters to replay: `ids` (message ids, or the ids the queue's letters are
+    known by: a task's, a webhook delivery's) or `all`. Unknown fields are refused: an option
+    this server does not know (`dry_run`) was ignored and the replay ran for real. `all` is
+    strict: "false" is not a boolean."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ids: list[str] = Field(default_factory=list, max_length=MAX_WALK)
+    all: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_selection(self) -> ReplayRequest:
+        if self.all == bool(self.ids):
+            raise ValueError("give either a non-empty `ids` or `all: true`")
+        return self
+
+
+class DropReport(BaseModel):
+    """What a drop of one letter removed (`DELETE .../dead-letters/{letter_id}`)."""
+
+    letter_id: str
+    removed: int = Field(
+        description="Letters removed: every copy of the letter(s) the id names that the walk "
+        "reached."
+    )
+    truncated: bool = Field(
+        description=f"The walk stopped at its bound ({WALK_BOUND}) with letters left behind "
+        "it: a copy past it, if any, is still there."
+    )
+    kept: int | None = Field(
+        default=None,
+        description=f"Only with `{CUT_OFF}`: letters the id names that were kept, not known "
+        "to have been dead-lettered before it (of its second or later, or of unknown time).",
+    )
+
+    @classmethod
+    def of(cls, letter_id: str, dropped: Dropped, cut_off: CutOff | None) -> DropReport:
+        return cls(
+            letter_id=letter_id,
+            removed=dropped.removed,
+            truncated=dropped.truncated,
+            kept=None if cut_off is None else dropped.kept,
+        )
 
 
 class Purgeable(Protocol):

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictBool, model_validator
+from pydantic import BaseModel, Field, SecretStr
 
 from services.gateway.deadletters import (
     DeadLetter,
@@ -19,25 +19,21 @@ from services.gateway.deadletters import (
 )
 from services.gateway.errors import Unavailable, refused_for_good
 from services.gateway.keys_api import ADMIN_BODY_LIMIT
-from shared.bodies import json_body, read_model, refuse_a_body
+from shared.bodies import json_body, read_model
 from shared.bus import BROKER_ERRORS
 from shared.contracts import rfc3339
+from shared.dead_letter_routes import add_removal_routes
 from shared.dead_letters import (
-    CUT_OFF,
     REPLAY_BUDGET_S,
     WALK_BOUND,
-    CutOffQuery,
-    PurgeReport,
+    ReplayRequest,
     busy_walks_are_503,
-    nothing_dropped,
-    purge_report,
 )
 from shared.http import (
     ADMIN_PROBLEMS,
     Problem,
     admin_guard,
     database_refused,
-    problem,
     problem_responses,
     quoted,
 )
@@ -49,23 +45,6 @@ OUT_OF_SIGHT = (
     "replica, or the scheduler's dead-letter depth probe, which takes the head of the "
     "queue for a moment"
 )
-
-
-class ReplayRequest(BaseModel):
-    """Which dead letters to replay: `ids` (message or task ids) or `all`. Unknown fields are
-    refused: an option this server does not know (`dry_run`) was ignored and the replay ran
-    for real. `all` is strict: "false" is not a boolean."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    ids: list[str] = Field(default_factory=list, max_length=10_000)
-    all: StrictBool = False
-
-    @model_validator(mode="after")
-    def _one_selection(self) -> ReplayRequest:
-        if self.all == bool(self.ids):
-            raise ValueError("give either a non-empty `ids` or `all: true`")
-        return self
 
 
 class ReplayReport(BaseModel):
@@ -109,37 +88,6 @@ class ReplayReport(BaseModel):
         "again, it is sent as the same generation, scored once. (A failure before any letter "
         "was handled answers 503, or 500 `database-refused`.)",
     )
-
-
-class DropReport(BaseModel):
-    letter_id: str
-    removed: int = Field(
-        description="Letters removed: every copy of the letter(s) the message or task id names "
-        "that the walk reached."
-    )
-    truncated: bool = Field(
-        description=f"The walk stopped at its bound ({WALK_BOUND}) with letters left behind "
-        "it: a copy past it, if any, is still there."
-    )
-    kept: int | None = Field(
-        default=None,
-        description=f"Only with `{CUT_OFF}`: letters the id names that were kept, not known "
-        "to have been dead-lettered before it (of its second or later, or of unknown time).",
-    )
-
-
-DROP_PROBLEMS: dict[int | str, dict[str, Any]] = {
-    404: problem(
-        404,
-        "No letter has that id, the walk having reached the end of the queue; nothing was removed "
-        f"({OUT_OF_SIGHT}; ask again to be sure).",
-    ),
-    409: problem(
-        409,
-        "No letter with that id among those the walk reached before its bound (`not-reached`): "
-        "it may lie past it. Nothing was removed.",
-    ),
-}
 
 
 def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> APIRouter:
@@ -189,44 +137,14 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
             replay = await dead_letters.replay(None if wanted.all else wanted.ids)
         return ReplayReport(**asdict(replay))
 
-    @router.delete(
-        "/dead-letters/{letter_id}",
-        summary="Drop one dead letter (every copy of it) by message or task id",
-        response_model=DropReport,
-        response_model_exclude_none=True,
-        responses={**DROP_PROBLEMS, **problem_responses(422)},
+    add_removal_routes(
+        router,
+        dead_letters,
+        path="/dead-letters",
+        named_by="message or task id",
+        out_of_sight=OUT_OF_SIGHT,
+        unavailable=_broker_away_is_503,
     )
-    async def drop_dead_letter(
-        letter_id: str, cut_off: CutOffQuery, request: Request
-    ) -> DropReport:
-        await refuse_a_body(request, outcome="nothing was removed")
-        with _broker_away_is_503():
-            dropped = await dead_letters.drop(letter_id, cut_off=cut_off)
-        if not dropped.removed and not dropped.kept:
-            raise nothing_dropped(
-                f"No dead letter with message or task id {quoted(letter_id)}",
-                dropped,
-                out_of_sight=OUT_OF_SIGHT,
-            )
-        return DropReport(
-            letter_id=letter_id,
-            removed=dropped.removed,
-            truncated=dropped.truncated,
-            kept=None if cut_off is None else dropped.kept,
-        )
-
-    @router.delete(
-        "/dead-letters",
-        summary="Purge the dead-letter queue (with a cut-off: the letters dead-lettered before it)",
-        response_model=PurgeReport,
-        response_model_exclude_none=True,
-        responses=problem_responses(422),
-    )
-    async def purge_dead_letters(cut_off: CutOffQuery, request: Request) -> PurgeReport:
-        await refuse_a_body(request, outcome="nothing was removed")
-        with _broker_away_is_503():
-            return await purge_report(dead_letters, cut_off)
-
     return router
 
 

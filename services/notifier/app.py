@@ -12,8 +12,10 @@ from datetime import datetime, timedelta
 
 from fastapi import FastAPI
 
+from services.notifier.admin_api import webhook_dead_letter_routes
 from services.notifier.api import tenant_routes
 from services.notifier.consumer import send_delivery, subscribe_deliveries, subscribe_notifications
+from services.notifier.dead_letters import WebhookDeadLetters
 from services.notifier.deliveries import DeliveryDeps, RetryPolicy, Sender
 from services.notifier.hosts import Slots, TenantSlots
 from services.notifier.keyring import Keyring
@@ -26,6 +28,7 @@ from services.notifier.settings import NotifierSettings
 from services.notifier.ssrf import CaresResolver, Resolver, TestHostAddresses, WebhookGuard
 from shared.consumers import ScoreboxBroker
 from shared.contracts import DeliverWebhook, new_id, utcnow
+from shared.dead_letters import DeadLetterWalker
 from shared.http import (
     warn_if_internal_routes_open,
 )
@@ -38,6 +41,7 @@ from shared.runtime import (
     start_broker,
 )
 from shared.service_app import internal_service_app
+from shared.topology import WEBHOOK_DELIVERIES
 
 log = logging.getLogger("scorebox.notifier")
 
@@ -124,6 +128,13 @@ def create_app(
         timeout_s=settings.broker_timeout_s,
     )
 
+    dead_letters = WebhookDeadLetters(
+        DeadLetterWalker(broker, WEBHOOK_DELIVERIES, timeout_s=settings.broker_timeout_s),
+        broker,
+        clock=clock,
+        timeout_s=settings.broker_timeout_s,
+    )
+
     async def ensure_indexes() -> None:
         await callbacks.ensure_indexes()
         await ledger.ensure_indexes()
@@ -171,6 +182,7 @@ def create_app(
         broker=broker,
         mongo=mongo,
         lifespan=lifespan,
+        admin_key=settings.admin_api_key,
     )
     app.include_router(
         tenant_routes(
@@ -181,5 +193,8 @@ def create_app(
             rotation_grace=timedelta(seconds=settings.secret_rotation_grace_s),
             internal_key=settings.internal_api_key,
         )
+    )
+    app.include_router(
+        webhook_dead_letter_routes(dead_letters=dead_letters, admin_key=settings.admin_api_key)
     )
     return app

@@ -82,6 +82,8 @@ def test_make_run_serves_the_readme_example_and_stops_on_sigterm(make_run: Any) 
     # `scorebox cron` defaults to port 8003: with the port moved, the export points it here.
     scheduler = f"http://127.0.0.1:{ports['SCHEDULER_PORT']}"
     assert f"export SCOREBOX_SCHEDULER_URL={scheduler}" in banner
+    notifier = f"http://127.0.0.1:{ports['NOTIFIER_PORT']}"
+    assert f"export SCOREBOX_NOTIFIER_URL={notifier}" in banner
 
     submitted = httpx.post(
         f"{gateway}/v1/scores",
@@ -112,12 +114,33 @@ def test_make_run_serves_the_readme_example_and_stops_on_sigterm(make_run: Any) 
     )
     assert cli.returncode == 0, cli.stderr
     assert json.loads(cli.stdout)["status"] == "completed"
+    # The webhook DLQ, on the notifier, with the banner's exports and admin key as pasted.
+    listing = subprocess.run(
+        [sys.executable, "-m", "scorebox.cli", "webhooks", "dlq", "list"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **_exports(banner)},
+        check=False,
+    )
+    assert listing.returncode == 0, listing.stderr
+    assert json.loads(listing.stdout)["truncated"] is False
 
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=60) == 0
     assert "Stopped." in output.wait_for_text("Stopped.", timeout_s=10)
     for port in ports.values():
         assert _port_free(int(port)), f"port {port} still served after make run stopped"
+
+
+def _exports(banner: str) -> dict[str, str]:
+    """The banner's `export NAME=VALUE` lines."""
+    exports = {}
+    for line in banner.splitlines():
+        if line.strip().startswith("export "):
+            name, _, value = line.strip().removeprefix("export ").partition("=")
+            exports[name] = value
+    return exports
 
 
 @pytest.mark.parametrize("make_run", [{"WEBHOOKS": "local"}], indirect=True)

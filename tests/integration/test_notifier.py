@@ -66,6 +66,7 @@ from shared.webhook_urls import IPAddress
 from tests.support import closed_port, eventually, running, stack_env
 
 API_KEY = generate_key().token  # registered for the default tenant by BOOTSTRAP_API_KEY
+ADMIN_KEY = generate_key().token  # the services' ADMIN_API_KEY
 RECEIVER_HOST = "receiver.scorebox.test"
 INTRANET_HOST = "intranet.scorebox.test"  # resolves to a private address: always refused
 Document = dict[str, Any]
@@ -248,6 +249,7 @@ async def flow(
         db_prefix=db_prefix,
         llm_url=llm.url,
         api_key=API_KEY,
+        admin_key=ADMIN_KEY,
         WEBHOOK_ALLOWED_TEST_HOSTS="127.0.0.1",
         WEBHOOK_CA_FILE=str(ca_file),
         WEBHOOK_RETRY_BASE_S="0.01",  # retries go out at once (below the 1 s wait tier)

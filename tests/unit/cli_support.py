@@ -20,6 +20,7 @@ from scorebox import cli
 
 GATEWAY_URL = "http://gateway.test"
 SCHEDULER_URL = "http://scheduler.test"
+NOTIFIER_URL = "http://notifier.test"
 ADMIN_KEY = "the-admin-key"
 
 
@@ -35,11 +36,12 @@ def cli_answered_by(
     api_key: str | None = None,
 ) -> None:
     """The CLI's requests answered by `answer`, the gateway at `GATEWAY_URL`, the scheduler at
-    `SCHEDULER_URL`, the admin key `ADMIN_KEY`, and `SCOREBOX_API_KEY` set to `api_key` when
-    one is given (left as it is otherwise)."""
+    `SCHEDULER_URL`, the notifier at `NOTIFIER_URL`, the admin key `ADMIN_KEY`, and
+    `SCOREBOX_API_KEY` set to `api_key` when one is given (left as it is otherwise)."""
     monkeypatch.setattr(cli, "transport", httpx.MockTransport(answer))
     monkeypatch.setenv("SCOREBOX_URL", GATEWAY_URL)
     monkeypatch.setenv("SCOREBOX_SCHEDULER_URL", SCHEDULER_URL)
+    monkeypatch.setenv("SCOREBOX_NOTIFIER_URL", NOTIFIER_URL)
     monkeypatch.setenv("SCOREBOX_ADMIN_KEY", ADMIN_KEY)
     if api_key is not None:
         monkeypatch.setenv("SCOREBOX_API_KEY", api_key)

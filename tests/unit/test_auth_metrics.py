@@ -66,7 +66,7 @@ INTERNAL_SERVICES = [
     pytest.param(_status, "status service", False, id="status"),
     pytest.param(_scorer, "scorer", False, id="scorer"),
     pytest.param(_scheduler, "scheduler", True, id="scheduler"),
-    pytest.param(_notifier, "notifier", False, id="notifier"),
+    pytest.param(_notifier, "notifier", True, id="notifier"),
 ]
 EVERY_SETTINGS: list[type[MetricsApiSettings]] = [
     StatusSettings,
@@ -183,7 +183,7 @@ GUARDED_DOCUMENTS = [
     pytest.param(_status, "", id="status"),
     pytest.param(_scorer, "", id="scorer"),
     pytest.param(_scheduler, " (or the admin key)", id="scheduler"),
-    pytest.param(_notifier, "", id="notifier"),
+    pytest.param(_notifier, " (or the admin key)", id="notifier"),
     pytest.param(_gateway, " (or the admin key)", id="gateway"),
 ]
 

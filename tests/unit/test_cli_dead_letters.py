@@ -1,6 +1,6 @@
-"""`scorebox dlq drop` and `scorebox cron dlq drop`, and what the dead-letter commands say
-when the service's walk of the queue stopped at its bound, against fake servers (an
-httpx.MockTransport injected through `cli.transport`)."""
+"""`scorebox dlq drop`, `scorebox cron dlq drop` and `scorebox webhooks dlq drop`, and what
+the dead-letter commands say when the service's walk of the queue stopped at its bound,
+against fake servers (an httpx.MockTransport injected through `cli.transport`)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from tests.unit.test_cli_cron import FakeServer, _problem
 
 LETTERS = "/admin/v1/dead-letters"
 CRON_LETTERS = "/admin/v1/cron/dead-letters"
+WEBHOOK_LETTERS = "/admin/v1/webhooks/dead-letters"
 WALK_STOPPED = "truncated: the walk stopped at its bound (10,000 letters or 64 MiB"
 TIMED_OUT = "timed out: the replay stopped at its time budget (20 s) with letters left"
 
@@ -86,6 +87,7 @@ def test_dlq_drop_tries_every_id_and_exits_1_when_one_was_not_dropped(
     [
         (("dlq", "drop"), LETTERS, "gateway.test"),
         (("cron", "dlq", "drop"), CRON_LETTERS, "scheduler.test"),
+        (("webhooks", "dlq", "drop"), WEBHOOK_LETTERS, "notifier.test"),
     ],
 )
 def test_a_drop_that_does_not_get_an_answer_is_reported_and_the_other_ids_are_tried(
@@ -153,7 +155,9 @@ def test_a_drop_that_kept_every_copy_past_its_cut_off_says_so_and_exits_1(
     assert "t1: kept, dead-lettered at or after --before" in result.stderr
 
 
-@pytest.mark.parametrize("command", [("dlq", "drop"), ("cron", "dlq", "drop")])
+@pytest.mark.parametrize(
+    "command", [("dlq", "drop"), ("cron", "dlq", "drop"), ("webhooks", "dlq", "drop")]
+)
 def test_a_drop_with_an_empty_id_sends_nothing(
     server: FakeServer, command: tuple[str, ...]
 ) -> None:
@@ -162,7 +166,9 @@ def test_a_drop_with_an_empty_id_sends_nothing(
     assert not server.requests
 
 
-@pytest.mark.parametrize("command", [("dlq", "drop"), ("cron", "dlq", "drop")])
+@pytest.mark.parametrize(
+    "command", [("dlq", "drop"), ("cron", "dlq", "drop"), ("webhooks", "dlq", "drop")]
+)
 def test_a_drop_needs_an_id(server: FakeServer, command: tuple[str, ...]) -> None:
     assert run_cli(*command).exit_code == 2
     assert not server.requests
@@ -188,7 +194,12 @@ def test_cron_dlq_drop_asks_the_scheduler(server: FakeServer) -> None:
 
 
 @pytest.mark.parametrize(
-    ("command", "path"), [(("dlq", "list"), LETTERS), (("cron", "dlq", "list"), CRON_LETTERS)]
+    ("command", "path"),
+    [
+        (("dlq", "list"), LETTERS),
+        (("cron", "dlq", "list"), CRON_LETTERS),
+        (("webhooks", "dlq", "list"), WEBHOOK_LETTERS),
+    ],
 )
 @pytest.mark.parametrize("truncated", [True, False])
 def test_a_listing_says_when_its_walk_was_cut_short(
@@ -210,7 +221,11 @@ def test_a_listing_says_when_its_walk_was_cut_short(
 
 @pytest.mark.parametrize(
     ("command", "path"),
-    [(("dlq", "replay"), LETTERS), (("cron", "dlq", "replay"), CRON_LETTERS)],
+    [
+        (("dlq", "replay"), LETTERS),
+        (("cron", "dlq", "replay"), CRON_LETTERS),
+        (("webhooks", "dlq", "replay"), WEBHOOK_LETTERS),
+    ],
 )
 def test_a_replay_by_ids_cut_short_names_the_ids_not_reached_and_exits_1(
     server: FakeServer, command: tuple[str, ...], path: str
@@ -230,7 +245,11 @@ def test_a_replay_by_ids_cut_short_names_the_ids_not_reached_and_exits_1(
 
 @pytest.mark.parametrize(
     ("command", "path"),
-    [(("dlq", "replay"), LETTERS), (("cron", "dlq", "replay"), CRON_LETTERS)],
+    [
+        (("dlq", "replay"), LETTERS),
+        (("cron", "dlq", "replay"), CRON_LETTERS),
+        (("webhooks", "dlq", "replay"), WEBHOOK_LETTERS),
+    ],
 )
 @pytest.mark.parametrize(
     ("stopped", "said"),
@@ -291,7 +310,11 @@ def test_a_replay_names_the_letters_superseded_and_exits_0(
 
 @pytest.mark.parametrize(
     ("command", "path"),
-    [(("dlq", "replay"), LETTERS), (("cron", "dlq", "replay"), CRON_LETTERS)],
+    [
+        (("dlq", "replay"), LETTERS),
+        (("cron", "dlq", "replay"), CRON_LETTERS),
+        (("webhooks", "dlq", "replay"), WEBHOOK_LETTERS),
+    ],
 )
 def test_a_replay_out_of_time_says_to_run_it_again_not_to_replay_letters_before(
     server: FakeServer, command: tuple[str, ...], path: str
@@ -318,7 +341,11 @@ def test_a_replay_out_of_time_says_to_run_it_again_not_to_replay_letters_before(
 
 @pytest.mark.parametrize(
     ("command", "path"),
-    [(("dlq", "replay"), LETTERS), (("cron", "dlq", "replay"), CRON_LETTERS)],
+    [
+        (("dlq", "replay"), LETTERS),
+        (("cron", "dlq", "replay"), CRON_LETTERS),
+        (("webhooks", "dlq", "replay"), WEBHOOK_LETTERS),
+    ],
 )
 @pytest.mark.parametrize("asked", [("w", "x"), ("--all",)], ids=["by-ids", "all"])
 def test_a_replay_interrupted_says_why_and_exits_1(
@@ -362,6 +389,7 @@ def test_the_bounds_the_cli_names_are_the_services_own() -> None:
     [
         (("dlq", "replay"), LETTERS, "scorebox dlq drop"),
         (("cron", "dlq", "replay"), CRON_LETTERS, "scorebox cron dlq drop"),
+        (("webhooks", "dlq", "replay"), WEBHOOK_LETTERS, "scorebox webhooks dlq drop"),
     ],
 )
 @pytest.mark.parametrize("asked", [("m1", "t2"), ("--all",)], ids=["by-ids", "all"])
@@ -387,6 +415,7 @@ def test_a_replay_that_left_letters_unreadable_names_them_and_exits_1(
     [
         (("dlq", "purge"), LETTERS, "scorebox.score-requests.dlq"),
         (("cron", "dlq", "purge"), CRON_LETTERS, "scorebox.cron-jobs.dlq"),
+        (("webhooks", "dlq", "purge"), WEBHOOK_LETTERS, "scorebox.webhook-deliveries.dlq"),
     ],
 )
 @pytest.mark.parametrize(
@@ -428,8 +457,14 @@ LISTED_AT = "2026-12-05T02:00:00.123456Z"
         (("dlq", "purge", "--yes"), LETTERS, {"purged": 2, "kept": 1, "truncated": False}),
         (("cron", "dlq", "drop", "r1"), f"{CRON_LETTERS}/r1", {"run_id": "r1", "removed": 1}),
         (("cron", "dlq", "purge", "--yes"), CRON_LETTERS, {"purged": 0, "kept": 3}),
+        (
+            ("webhooks", "dlq", "drop", "msg_1"),
+            f"{WEBHOOK_LETTERS}/msg_1",
+            {"letter_id": "msg_1", "removed": 2},
+        ),
+        (("webhooks", "dlq", "purge", "--yes"), WEBHOOK_LETTERS, {"purged": 1, "kept": 0}),
     ],
-    ids=["drop", "purge", "cron-drop", "cron-purge"],
+    ids=["drop", "purge", "cron-drop", "cron-purge", "webhooks-drop", "webhooks-purge"],
 )
 def test_before_sends_the_listings_time_as_the_cut_off(
     server: FakeServer, command: tuple[str, ...], path: str, answer: Json
@@ -447,8 +482,13 @@ def test_before_sends_the_listings_time_as_the_cut_off(
 
 @pytest.mark.parametrize(
     "command",
-    [("dlq", "purge"), ("cron", "dlq", "purge"), ("dlq", "drop", "t1")],
-    ids=["purge", "cron-purge", "drop"],
+    [
+        ("dlq", "purge"),
+        ("cron", "dlq", "purge"),
+        ("webhooks", "dlq", "purge"),
+        ("dlq", "drop", "t1"),
+    ],
+    ids=["purge", "cron-purge", "webhooks-purge", "drop"],
 )
 @pytest.mark.parametrize(
     "before",

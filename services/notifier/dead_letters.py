@@ -60,6 +60,7 @@ from shared.topology import (
 )
 
 Clock = Callable[[], datetime]
+UNPARSEABLE_URL = "(a URL that does not parse)"
 
 
 @dataclass(frozen=True)
@@ -97,13 +98,22 @@ def describe(message: AbstractIncomingMessage, now: datetime) -> WebhookDeadLett
         tenant_id=None if delivery is None else delivery.tenant_id,
         purpose=None if delivery is None else delivery.purpose.value,
         event_type=None if delivery is None else delivery.event_type,
-        url=None if delivery is None else url_shown(delivery.url),
+        url=None if delivery is None else _shown(delivery.url),
         attempt=None if delivery is None else delivery.attempt,
         max_attempts=None if delivery is None else delivery.max_attempts,
         reason=reason(message.headers),
         queue=str(message.headers.get(DEAD_LETTERED_FROM_HEADER, WEBHOOK_DELIVERIES.name)),
         dead_lettered_at=dead_lettered_at(message, now),
     )
+
+
+def _shown(url: str) -> str:
+    """The URL without credentials or query; one that does not parse (a letter of another
+    producer's) as a placeholder: it made the whole listing a 500."""
+    try:
+        return url_shown(url)
+    except ValueError:
+        return UNPARSEABLE_URL
 
 
 def moved_back_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
@@ -235,8 +245,7 @@ class WebhookDeadLetters:
         report: WebhookReplay,
     ) -> set[str]:
         """Move `letters` back in order until done, out of budget or interrupted; the ids
-        naming the letters left (those of a delivery some of whose copies were moved are
-        not: they were replayed)."""
+        naming the letters left (`_left`)."""
         loop = asyncio.get_running_loop()
         for index, (message, delivery) in enumerate(letters):
             if index and loop.time() >= stop_at:
@@ -288,10 +297,9 @@ class WebhookDeadLetters:
 def _left(
     letters: list[tuple[AbstractIncomingMessage, DeliverWebhook]], report: WebhookReplay
 ) -> set[str]:
+    """The ids naming the letters left: each one's message id, and its delivery id unless
+    another copy of that delivery was moved back (the delivery is reopened)."""
     moved = {letter.delivery_id for letter in report.replayed}
-    return {
-        name
-        for message, delivery in letters
-        if delivery.delivery_id not in moved
-        for name in _names(message, delivery)
+    return {letter_id(message) for message, _ in letters} | {
+        delivery.delivery_id for _, delivery in letters if delivery.delivery_id not in moved
     }

@@ -9,15 +9,23 @@ with RabbitMQ's tools only.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aio_pika
 import httpx
 import pytest
+from aio_pika.abc import AbstractIncomingMessage
+from faststream.rabbit import RabbitBroker
 
 from scorebox import cli
-from shared.contracts import new_id
-from shared.topology import DLX, WEBHOOK_DELIVERIES
+from services.notifier.dead_letters import WebhookDeadLetters
+from services.notifier.settings import NotifierSettings
+from shared.contracts import DeliverWebhook, WebhookPurpose, new_id, utcnow
+from shared.dead_letters import DeadLetterWalker
+from shared.runtime import make_broker
+from shared.topology import DLX, ERROR_HEADER, WEBHOOK_DELIVERIES
 from tests.faults.slow_link import SlowLink
 from tests.integration import test_notifier as whole_stack
 from tests.integration import test_notifier_moved_back_letters as moved_back
@@ -181,3 +189,88 @@ def test_the_cli_and_the_routes_name_the_same_path() -> None:
     assert cli.WEBHOOK_DEAD_LETTERS == LETTERS
     assert WEBHOOK_DELIVERIES.dead_letter_routing_key == cli.WEBHOOK_DELIVERIES_DLQ
     assert httpx.URL(cli.DEFAULT_NOTIFIER_URL).port == 8004
+
+
+# --- A replay the broker fails, its letters put in the DLQ as the notifier puts them --------
+
+
+class SendsFailing(WebhookDeadLetters):
+    """The routes' replay over the real walker and broker, its moves back failing from the
+    `fail_from`-th on, as a broker gone away fails them."""
+
+    def __init__(self, broker: RabbitBroker, *, fail_from: int) -> None:
+        walker = DeadLetterWalker(broker, WEBHOOK_DELIVERIES, timeout_s=10)
+        super().__init__(walker, broker, clock=utcnow, timeout_s=10)
+        self.fail_from, self.sent = fail_from, 0
+
+    async def _send_back(self, message: AbstractIncomingMessage) -> None:
+        if self.sent >= self.fail_from:
+            raise ConnectionError("the broker went away")
+        self.sent += 1
+        await super()._send_back(message)
+
+
+@contextlib.asynccontextmanager
+async def _broker(flow: Flow) -> AsyncIterator[RabbitBroker]:
+    broker = make_broker(NotifierSettings.model_validate({"RABBITMQ_URL": flow.amqp_url}))
+    async with broker:
+        await broker.connect()
+        yield broker
+
+
+async def _given_up_letter(flow: Flow) -> str:
+    """A delivery's letter as the notifier leaves one given up (its reason in our header); the
+    delivery's id. Its URL answers 200 once moved back."""
+    delivery = DeliverWebhook(
+        task_id=new_id(),
+        delivery_id=f"msg_{new_id()}",
+        purpose=WebhookPurpose.CALLBACK,
+        url=flow.receiver.endpoint(200),
+        event_type="task.completed",
+        payload={"type": "task.completed"},
+        attempt=4,
+        max_attempts=4,
+    )
+    connection = await aio_pika.connect(flow.amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        exchange = await channel.get_exchange(DLX.name, ensure=False)
+        letter = aio_pika.Message(
+            delivery.model_dump_json().encode(),
+            message_id=delivery.message_id,
+            headers={ERROR_HEADER: "gave up after 4 attempt(s)"},
+        )
+        await exchange.publish(
+            letter, routing_key=WEBHOOK_DELIVERIES.dead_letter_routing_key, timeout=10
+        )
+    return delivery.delivery_id
+
+
+async def test_a_replay_the_broker_fails_at_once_answers_with_the_error_and_keeps_the_letter(
+    flow: Flow,
+) -> None:
+    """A letter is acked only once its move back was confirmed: failing first, nothing left
+    the DLQ, and the route's 503 (`BROKER_ERRORS`) says to try again."""
+    delivery_id = await _given_up_letter(flow)
+
+    async with _broker(flow) as broker:
+        with pytest.raises(ConnectionError):
+            await SendsFailing(broker, fail_from=0).replay([delivery_id])
+
+    assert len(await _letters_of(flow, delivery_id)) == 1
+
+
+async def test_a_replay_the_broker_fails_part_way_reports_what_it_moved_and_keeps_the_rest(
+    flow: Flow,
+) -> None:
+    first, second = await _given_up_letter(flow), await _given_up_letter(flow)
+
+    async with _broker(flow) as broker:
+        replay = await SendsFailing(broker, fail_from=1).replay([first, second])
+
+    assert [moved.delivery_id for moved in replay.replayed] == [first]
+    assert replay.interrupted is not None
+    assert "the broker went away" in replay.interrupted
+    assert (replay.not_reached, replay.not_found, replay.timed_out) == ([second], [], False)
+    assert await _letters_of(flow, first) == []
+    assert len(await _letters_of(flow, second)) == 1

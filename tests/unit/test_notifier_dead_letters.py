@@ -1,8 +1,10 @@
 """What a webhook letter moved back by a replay carries (`moved_back_headers`): read by the
-notifier as a letter moved back, whoever dead-lettered it, and as a fresh delivery count."""
+notifier as a letter moved back, whoever dead-lettered it, and as a fresh delivery count; and
+how the listing shows a letter's URL."""
 
 from __future__ import annotations
 
+from services.notifier import dead_letters
 from services.notifier.consumer import MOVED_BACK_REASON, is_moved_back_letter
 from services.notifier.dead_letters import moved_back_headers
 from shared.topology import (
@@ -45,3 +47,9 @@ def test_the_delivery_counts_of_its_earlier_copy_are_dropped() -> None:
 
     assert deliveries_lost(moved) == 0
     assert moved == {ERROR_HEADER: "at its delivery limit"}
+
+
+def test_a_url_that_does_not_parse_is_listed_as_a_placeholder() -> None:
+    """One such letter (another producer's) made the whole listing a 500."""
+    assert dead_letters._shown("https://h.example:99999/x") == dead_letters.UNPARSEABLE_URL
+    assert dead_letters._shown("https://u:p@h.example/x?token=t") == "https://h.example/x"

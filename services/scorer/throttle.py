@@ -311,7 +311,7 @@ class ModelThrottle:
                 if self._check_provider is not None and self._checks_first(waiter):
                     await self._probe_by_check(self._check_provider, model, closing)
                     continue
-                self._probe_out, self._probe_sent_at = True, self._clock()
+                self._probe_sent()
                 return PROBE
             elif self._rate_limit_probe_unanswered_s() >= PROBE_PATIENCE_S:
                 return GO  # no 429 back at once: the limit is over (`PROBE_PATIENCE_S`)
@@ -341,7 +341,7 @@ class ModelThrottle:
         review). Waited for as a text's probe is, the check's own timeout bounding it; a stop
         of the scorer cuts it short, and a check cut short proves nothing (waited for, a stop
         took up to `LLM_TIMEOUT_S`)."""
-        self._probe_out, self._probe_sent_at = True, self._clock()
+        self._probe_sent()
         try:
             check = await _unless_closing(check_provider(model), closing)
             if check is None:
@@ -459,8 +459,11 @@ class ModelThrottle:
             return False
         return text_key not in self._seen_failing
 
-    def _cut_short(self) -> Turn:
+    def _probe_sent(self) -> None:
         self._probe_out, self._probe_sent_at = True, self._clock()
+
+    def _cut_short(self) -> Turn:
+        self._probe_sent()
         self._cut_short_of, self._unproven = self._unproven, None
         self._cut_short_out = True
         self._news_since_cut = False

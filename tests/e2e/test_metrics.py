@@ -112,12 +112,12 @@ def test_the_gateways_metrics_need_the_metrics_or_the_admin_key(stack: Stack, ap
 
 
 def test_every_services_metrics_need_the_stacks_metrics_key(stack: Stack, api_key: str) -> None:
-    """One key for the whole stack; the admin key opens only the scheduler's besides the
-    gateway's (the others do not hold it)."""
+    """One key for the whole stack; the admin key opens only the scheduler's and the
+    notifier's besides the gateway's (the others do not hold it)."""
     assert stack.metrics_key == METRICS_KEY
     for service in SERVICES[1:]:
         refused = (_metrics_answer(stack, service), _metrics_answer(stack, service, api_key))
         assert refused == (401, 401), service
         assert _metrics_answer(stack, service, METRICS_KEY) == 200, service
         admin = _metrics_answer(stack, service, ADMIN_KEY)
-        assert admin == (200 if service == "scheduler" else 401), service
+        assert admin == (200 if service in ("scheduler", "notifier") else 401), service

@@ -332,6 +332,7 @@ GUARDED_BODIES = {
     "gateway-replay": ("gateway", "POST", "/admin/v1/dead-letters/replay", ADMIN),
     "scheduler-replay": ("scheduler", "POST", "/admin/v1/cron/dead-letters/replay", ADMIN),
     "notifier-alert": ("notifier", "PUT", "/internal/v1/tenants/acme/failure-alert", INTERNAL),
+    "notifier-replay": ("notifier", "POST", "/admin/v1/webhooks/dead-letters/replay", ADMIN),
 }
 
 

@@ -13,7 +13,7 @@
     scorebox cron list | run JOB [--wait]                    the scheduler's cron jobs
     scorebox cron dlq list | replay [RUN_ID...|--all] | drop RUN_ID... | purge
                                                              its dead runs
-    scorebox webhooks dlq list | replay [ID...|--all] | drop ID... | purge
+    scorebox webhooks dlq list | show ID | replay [ID...|--all] | drop ID... | purge
                                                              webhooks given up (notifier)
 
 The gateway is `SCOREBOX_URL` (default http://127.0.0.1:8000); `SCOREBOX_API_KEY`, when set,
@@ -1347,6 +1347,15 @@ def webhooks_dlq_list() -> None:
     """List the webhooks given up: delivery id (the receiver's webhook-id), task, tenant,
     destination, the attempt given up and the reason."""
     _list_letters(WEBHOOK_DEAD_LETTERS, _notifier_client())
+
+
+@webhooks_dlq.command("show")
+def webhooks_dlq_show(
+    letter_id: Annotated[str, typer.Argument(help="A delivery id (or a letter's message id).")],
+) -> None:
+    """Show one dead letter with the JSON its webhook POSTs."""
+    path = f"{WEBHOOK_DEAD_LETTERS}/{_segment(letter_id, 'ID')}"
+    _admin_call("GET", path, client=_notifier_client())
 
 
 @webhooks_dlq.command("replay")

@@ -51,6 +51,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any, Protocol
 
+import orjson
+import pydantic_core
 from aio_pika.abc import (
     AbstractChannel,
     AbstractIncomingMessage,
@@ -482,6 +484,19 @@ def letter_id(message: AbstractIncomingMessage) -> str:
     if message.message_id:
         return message.message_id
     return f"body-{hashlib.sha256(message.body).hexdigest()[:16]}"
+
+
+def readable_body(body: bytes) -> Any:
+    """A letter's body as JSON when it is JSON the answer can hold, else as text (undecodable
+    bytes replaced). JSON nested deeper than the answer's serializer goes (about 250 levels:
+    orjson reads 1,024) is shown as text: as JSON, showing it was a 500, and an unreadable
+    body from a foreign or faulty producer is what the scorer dead-letters."""
+    try:
+        parsed = orjson.loads(body)
+        pydantic_core.to_json([parsed])  # one level down, as the answer holds it
+    except (orjson.JSONDecodeError, pydantic_core.PydanticSerializationError):
+        return body.decode("utf-8", "replace")
+    return parsed
 
 
 def reason(headers: Mapping[str, Any]) -> str:

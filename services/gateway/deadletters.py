@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-import orjson
-import pydantic_core
 from aio_pika.abc import AbstractIncomingMessage
 from faststream.rabbit import RabbitBroker
 from pydantic import ValidationError
@@ -44,6 +42,7 @@ from shared.dead_letters import (
     dead_lettered_at,
     letter_id,
     oldest_first,
+    readable_body,
     reason,
     unmatched,
 )
@@ -104,19 +103,6 @@ class ShownLetter:
 
     letter: DeadLetter
     body: Any
-
-
-def readable_body(body: bytes) -> Any:
-    """A letter's body as JSON when it is JSON the answer can hold, else as text (undecodable
-    bytes replaced). JSON nested deeper than the answer's serializer goes (about 250 levels:
-    orjson reads 1,024) is shown as text: as JSON, showing it was a 500, and an unreadable
-    body from a foreign or faulty producer is what the scorer dead-letters."""
-    try:
-        parsed = orjson.loads(body)
-        pydantic_core.to_json([parsed])  # one level down, as the answer holds it
-    except (orjson.JSONDecodeError, pydantic_core.PydanticSerializationError):
-        return body.decode("utf-8", "replace")
-    return parsed
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 scheduler's admin routes are (unset: 403).
 
     GET    /admin/v1/webhooks/dead-letters            the DLQ, oldest first (not consumed)
+    GET    /admin/v1/webhooks/dead-letters/{id}       one letter, with what its webhook POSTs
     POST   /admin/v1/webhooks/dead-letters/replay     {ids: [...]} | {all: true}: each letter
                                                       moved back to its queue, for a fresh
                                                       round of attempts
@@ -18,11 +19,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import asdict
+from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from services.notifier.dead_letters import WebhookDeadLetters
+from services.notifier.dead_letters import WebhookDeadLetters, WebhookWalk
 from shared.bodies import json_body, read_model
 from shared.bus import BROKER_ERRORS
 from shared.contracts import Instant
@@ -34,7 +36,7 @@ from shared.dead_letters import (
     ReplayRequest,
     busy_walks_are_503,
 )
-from shared.http import ADMIN_PROBLEMS, Problem, admin_guard, problem_responses
+from shared.http import ADMIN_PROBLEMS, Problem, admin_guard, problem_responses, quoted
 
 PREFIX = "/admin/v1/webhooks/dead-letters"
 REPLAY_BODY_LIMIT = 1024 * 1024
@@ -66,6 +68,13 @@ class WebhookDeadLetterView(_Out):
     reason: str
     queue: str
     dead_lettered_at: Instant | None
+
+
+class ShownWebhookDeadLetter(WebhookDeadLetterView):
+    body: Any = Field(
+        description="The JSON the webhook POSTs, as signed and sent; for a letter that holds "
+        "no webhook delivery, its whole body (JSON when it parses, else text)."
+    )
 
 
 class WebhookDeadLetterList(_Out):
@@ -135,6 +144,26 @@ def webhook_dead_letter_routes(
         return WebhookDeadLetterList(
             count=len(items), truncated=walk.truncated, listed_at=walk.listed_at, items=items
         )
+
+    @router.get(
+        "/{letter_id}",
+        response_model=ShownWebhookDeadLetter,
+        summary="One dead letter by delivery or message id, with what its webhook POSTs",
+        responses=problem_responses(404),
+    )
+    async def show_webhook_dead_letter(letter_id: str) -> ShownWebhookDeadLetter:
+        with _broker_away_is_503():
+            found = await dead_letters.shown(letter_id)
+        if isinstance(found, WebhookWalk):
+            unseen = (
+                f" among the first {len(found.letters)} (the queue holds more)"
+                if found.truncated
+                else f" ({OUT_OF_SIGHT})"
+            )
+            raise Problem(
+                404, f"No dead letter with delivery or message id {quoted(letter_id)}{unseen}."
+            )
+        return ShownWebhookDeadLetter(**asdict(found.letter), body=found.body)
 
     @router.post(
         "/replay",

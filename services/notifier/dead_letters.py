@@ -46,6 +46,7 @@ from shared.dead_letters import (
     dead_lettered_at,
     letter_id,
     oldest_first,
+    readable_body,
     reason,
     unmatched,
 )
@@ -116,6 +117,13 @@ def _shown(url: str) -> str:
         return UNPARSEABLE_URL
 
 
+def _body(message: AbstractIncomingMessage) -> Any:
+    """What a letter's webhook POSTs; the whole body of one that holds no delivery. Not the
+    whole command: its URL is shown as the listing shows it."""
+    delivery = _read(message)
+    return readable_body(message.body) if delivery is None else delivery.payload
+
+
 def moved_back_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
     """The headers of a letter moved back to its queue: its own, its reason kept (the
     notifier reads a message carrying one as a letter moved back), its delivery counts
@@ -127,6 +135,15 @@ def moved_back_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
     }
     moved.setdefault(ERROR_HEADER, MOVED_BACK_REASON)
     return moved
+
+
+@dataclass(frozen=True)
+class ShownWebhookLetter:
+    """A letter as `GET .../dead-letters/{id}` shows it: what a listing says of it, and the
+    JSON its webhook POSTs (an unreadable letter: its whole body, JSON when it parses)."""
+
+    letter: WebhookDeadLetter
+    body: Any
 
 
 @dataclass(frozen=True)
@@ -217,6 +234,23 @@ class WebhookDeadLetters:
             letters = [describe(message, now) for message in held]
         letters.sort(key=lambda letter: oldest_first(letter.dead_lettered_at))
         return WebhookWalk(letters, truncated=held.truncated, listed_at=now)
+
+    async def shown(self, name: str) -> ShownWebhookLetter | WebhookWalk:
+        """The letter `name` names (a delivery or message id) with what it POSTs; of several
+        (copies of one delivery), the oldest, as the listing shows them first; else what the
+        walk saw (it may have stopped short)."""
+        now = self._clock()
+        async with self._dlq.walk() as held:
+            letters = [(describe(message, now), message) for message in held]
+        found = [
+            ShownWebhookLetter(letter, _body(message))
+            for letter, message in letters
+            if name in (letter.delivery_id, letter.message_id)
+        ]
+        if found:
+            return min(found, key=lambda shown: oldest_first(shown.letter.dead_lettered_at))
+        listed = [letter for letter, _ in letters]
+        return WebhookWalk(listed, truncated=held.truncated, listed_at=now)
 
     async def replay(self, ids: Collection[str] | None) -> WebhookReplay:
         """Move the letters `ids` names (delivery or message ids; all when None) back to the

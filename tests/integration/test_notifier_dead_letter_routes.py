@@ -81,6 +81,10 @@ async def test_a_webhook_given_up_is_listed_then_replayed_and_delivered_once(
     assert letter["attempt"] == letter["max_attempts"] == 4
     assert "gave up after 4 attempt(s)" in letter["reason"]
     assert flow.receiver.requests(url) == []
+    shown = await flow.notifier.get(f"{LETTERS}/{letter['delivery_id']}", headers=ADMIN)
+    assert shown.status_code == 200, shown.text
+    assert shown.json()["body"]["data"]["task_id"] == letter["task_id"]  # what it POSTs
+    assert shown.json()["url"] == letter["url"]  # not the command's, with its query
 
     receiver_link.down = False
     response = await flow.notifier.post(
@@ -94,6 +98,8 @@ async def test_a_webhook_given_up_is_listed_then_replayed_and_delivered_once(
     record = await flow.settled(letter["task_id"], "delivered")
     assert record["_id"] == letter["delivery_id"]
     assert await _letters_of(flow, letter["delivery_id"]) == []
+    gone = await flow.notifier.get(f"{LETTERS}/{letter['delivery_id']}", headers=ADMIN)
+    assert gone.status_code == 404, gone.text
     # Asked again, the letter is gone: nothing is moved back twice.
     again = await flow.notifier.post(
         f"{LETTERS}/replay", json={"ids": [letter["delivery_id"]]}, headers=ADMIN
@@ -149,6 +155,9 @@ async def test_an_unreadable_letter_is_kept_by_a_replay_and_dropped_by_its_messa
     message_id = await _unreadable_letter(flow)
     [shown] = [item for item in (await _listing(flow))["items"] if item["message_id"] == message_id]
     assert shown["delivery_id"] is None
+    whole = await flow.notifier.get(f"{LETTERS}/{message_id}", headers=ADMIN)
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["body"] == "not a delivery"
 
     replay = await flow.notifier.post(f"{LETTERS}/replay", json={"all": True}, headers=ADMIN)
 
@@ -175,7 +184,13 @@ async def test_a_purge_empties_the_queue(flow: Flow) -> None:
 
 @pytest.mark.parametrize(
     ("method", "path"),
-    [("GET", LETTERS), ("POST", f"{LETTERS}/replay"), ("DELETE", LETTERS)],
+    [
+        ("GET", LETTERS),
+        ("GET", f"{LETTERS}/msg_1"),
+        ("POST", f"{LETTERS}/replay"),
+        ("DELETE", f"{LETTERS}/msg_1"),
+        ("DELETE", LETTERS),
+    ],
 )
 async def test_the_routes_take_the_admin_key_alone(flow: Flow, method: str, path: str) -> None:
     """The internal routes' callers (the gateway) hold no admin key; nor does a tenant."""

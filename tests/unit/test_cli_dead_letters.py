@@ -524,3 +524,18 @@ def test_a_purge_without_before_sends_no_cut_off(server: FakeServer) -> None:
     assert result.exit_code == 0, result.output
     [request] = server.requests
     assert not request.url.params
+
+
+def test_webhooks_dlq_show_asks_the_notifier_for_one_letter(server: FakeServer) -> None:
+    shown = {"delivery_id": "msg/1", "body": {"type": "task.completed"}}
+    server.script("GET", f"{WEBHOOK_LETTERS}/msg/1", httpx.Response(200, json=shown))  # decoded
+
+    result = run_cli("webhooks", "dlq", "show", "msg/1")
+
+    assert result.exit_code == 0, result.output
+    [request] = server.requests
+    assert (request.url.host, request.url.raw_path) == (
+        "notifier.test",
+        b"/admin/v1/webhooks/dead-letters/msg%2F1",
+    )
+    assert json.loads(result.stdout) == shown

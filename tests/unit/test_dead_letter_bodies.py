@@ -1,4 +1,4 @@
-"""How the gateway shows a dead letter's body (`readable_body`): JSON as JSON, and as text
+"""How the admin routes show a dead letter's body (`readable_body`): JSON as JSON, and as text
 whatever the answer could not hold (showing a letter of JSON nested about 300 deep was a 500,
 orjson reading what the answer's serializer refused)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pydantic_core
 import pytest
 
-from services.gateway.deadletters import readable_body
+from shared.dead_letters import readable_body
 
 
 def _nested(depth: int) -> bytes:

@@ -998,7 +998,7 @@ def _drop(
                 # Printed `removed: 0, kept: 1` and exited 0: read as done (a walkthrough).
                 typer.echo(
                     f"{dropped.get('letter_id', '')}: kept, dead-lettered at or after --before "
-                    "(the cut-off); nothing removed",
+                    "(the cut-off), or at a time the letter does not say; nothing removed",
                     err=True,
                 )
                 missed = typer.Exit(code=1)

@@ -63,8 +63,11 @@ class WebhookDeadLetterView(_Out):
     purpose: str | None = Field(description="`callback` or `failure_alert`.")
     event_type: str | None
     url: str | None = Field(description="The destination, without credentials or query.")
-    attempt: int | None = Field(description="The attempt given up.")
-    max_attempts: int | None
+    attempt: int | None = Field(
+        description="The attempt given up. Numbered on across rounds: a letter moved back "
+        "gets a fresh round of `WEBHOOK_MAX_ATTEMPTS`, from the attempt after this one."
+    )
+    max_attempts: int | None = Field(description="The last attempt of its round.")
     reason: str
     queue: str
     dead_lettered_at: Instant | None

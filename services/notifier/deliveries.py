@@ -652,6 +652,16 @@ async def _give_up(
     return GiveUp(reason) if dead_letter else Done(f"failed, its receiver's doing: {reason}")
 
 
+def _attempts_made(delivery: DeliverWebhook, round_from: int) -> str:
+    """The attempts a give-up names: those of its round too, once its letter was moved back
+    (attempts are numbered on across rounds, and "gave up after 4 attempt(s)" with
+    `WEBHOOK_MAX_ATTEMPTS` 2 read as the setting ignored: a walkthrough)."""
+    made = f"{delivery.attempt} attempt(s)"
+    if round_from <= 1:
+        return made
+    return f"{made}, {delivery.attempt - round_from + 1} since its dead letter was moved back"
+
+
 async def _retry_or_give_up(
     delivery: DeliverWebhook,
     error: TransientDeliveryError,
@@ -663,7 +673,7 @@ async def _retry_or_give_up(
     deps: DeliveryDeps,
 ) -> DeliveryDecision:
     if delivery.attempt >= delivery.max_attempts:
-        reason = f"gave up after {delivery.attempt} attempt(s); last: {error.reason}"
+        reason = f"gave up after {_attempts_made(delivery, round_from)}; last: {error.reason}"
         # Its receiver answered the last attempt (5xx, 408, 429), or DNS answered that its
         # host does not exist or has no address (NXDOMAIN, NODATA): the tenant's doing, as a
         # refusal is, recorded and not an operator's alert (a misspelt callback domain, or

@@ -110,6 +110,27 @@ async def test_a_webhook_given_up_is_listed_then_replayed_and_delivered_once(
     assert request.headers["webhook-id"] == letter["delivery_id"]
 
 
+async def test_a_replayed_webhook_given_up_again_names_the_attempts_of_its_round(
+    flow: Flow, receiver_link: SlowLink
+) -> None:
+    """Attempts are numbered on across rounds: "gave up after 8 attempt(s)" alone, with
+    `WEBHOOK_MAX_ATTEMPTS` 4, read as the setting ignored (a walkthrough)."""
+    _, letter = await _given_up(flow, receiver_link)
+
+    response = await flow.notifier.post(
+        f"{LETTERS}/replay", json={"ids": [letter["delivery_id"]]}, headers=ADMIN
+    )
+    assert response.status_code == 200, response.text
+
+    async def given_up_again() -> Json | None:
+        letters = await _letters_of(flow, letter["delivery_id"])
+        return letters[0] if letters and letters[0]["attempt"] == 8 else None
+
+    again = await eventually(given_up_again, what="the fresh round given up too")
+    assert again["max_attempts"] == 8
+    assert "gave up after 8 attempt(s), 4 since its dead letter was moved back" in again["reason"]
+
+
 async def test_a_dropped_letter_leaves_the_queue_and_its_webhook_is_not_sent(
     flow: Flow, receiver_link: SlowLink
 ) -> None:

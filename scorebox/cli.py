@@ -875,7 +875,12 @@ def _exit_on_missed(replay: dict[str, Any], *, drop_command: str, replay_all: bo
             err=True,
         )
     if replay.get("not_found"):
-        typer.echo(f"not found: {' '.join(replay['not_found'])}", err=True)
+        typer.echo(
+            f"not found: {' '.join(replay['not_found'])} (no letter of the queue has it: "
+            "replayed or dropped since, perhaps by another operator, or held a moment by "
+            "another look at the queue; list again)",
+            err=True,
+        )
     if replay.get("not_reached"):
         typer.echo(f"{_not_reached_why(replay)}: {' '.join(replay['not_reached'])}", err=True)
     if replay.get("skipped_unreadable"):

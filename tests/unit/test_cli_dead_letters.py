@@ -539,3 +539,23 @@ def test_webhooks_dlq_show_asks_the_notifier_for_one_letter(server: FakeServer) 
         b"/admin/v1/webhooks/dead-letters/msg%2F1",
     )
     assert json.loads(result.stdout) == shown
+
+
+@pytest.mark.parametrize(
+    ("command", "path"),
+    [(("dlq", "replay"), LETTERS), (("webhooks", "dlq", "replay"), WEBHOOK_LETTERS)],
+)
+def test_a_replay_of_an_id_not_found_says_it_may_be_gone_since(
+    server: FakeServer, command: tuple[str, ...], path: str
+) -> None:
+    """The loser of two replays at once read `not found: ID` as a mistyped id (a
+    walkthrough): the other one had just moved the letter."""
+    report: Json = {"replayed": [], "not_found": ["x"], "not_reached": [], "truncated": False}
+    server.script("POST", f"{path}/replay", httpx.Response(200, json=report))
+
+    result = run_cli(*command, "x")
+
+    assert result.exit_code == 1
+    assert "not found: x (no letter of the queue has it: replayed or dropped since" in (
+        " ".join(result.stderr.split())
+    )

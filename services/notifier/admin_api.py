@@ -65,7 +65,8 @@ class WebhookDeadLetterView(_Out):
     url: str | None = Field(description="The destination, without credentials or query.")
     attempt: int | None = Field(
         description="The attempt given up. Numbered on across rounds: a letter moved back "
-        "gets a fresh round of `WEBHOOK_MAX_ATTEMPTS`, from the attempt after this one."
+        "gets a fresh round of as many attempts as its last round had, from the attempt after "
+        "this one."
     )
     max_attempts: int | None = Field(description="The last attempt of its round.")
     reason: str

@@ -1,5 +1,5 @@
 """Operating the webhook deliveries' dead-letter queue (`scorebox.webhook-deliveries.dlq`):
-list, replay, drop, purge.
+list, show, replay, drop, purge.
 
 A delivery lands there when its retries ran out without an answer (a DNS, connect, TLS or
 timeout error may be ours), at the queue's delivery limit, or unreadable; a receiver's own
@@ -118,10 +118,17 @@ def _shown(url: str) -> str:
 
 
 def _body(message: AbstractIncomingMessage) -> Any:
-    """What a letter's webhook POSTs; the whole body of one that holds no delivery. Not the
-    whole command: its URL is shown as the listing shows it."""
+    """What a letter's webhook POSTs: not the whole command, whose URL the listing shows
+    without its query. A letter that holds no delivery shows its whole body, its `url` shown
+    as the listing's (one of another build, say, with a purpose this one does not know,
+    showed its URL whole: a review)."""
     delivery = _read(message)
-    return readable_body(message.body) if delivery is None else delivery.payload
+    if delivery is not None:
+        return delivery.payload
+    body = readable_body(message.body)
+    if isinstance(body, dict) and isinstance(body.get("url"), str):
+        return {**body, "url": _shown(body["url"])}
+    return body
 
 
 def moved_back_headers(headers: Mapping[str, Any]) -> dict[str, Any]:

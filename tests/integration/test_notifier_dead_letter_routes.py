@@ -1,5 +1,5 @@
 """The webhook DLQ's admin routes on the notifier (`/admin/v1/webhooks/dead-letters`): list,
-replay, drop, purge, on the real broker with the whole stack in-process
+show, replay, drop, purge, on the real broker with the whole stack in-process
 (`test_notifier.flow`).
 
 A callback whose receiver never answered is given up: recorded failed, its command copied to
@@ -10,6 +10,7 @@ with RabbitMQ's tools only.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -155,15 +156,17 @@ async def test_a_dropped_letter_leaves_the_queue_and_its_webhook_is_not_sent(
     assert record["state"] == "failed"
 
 
-async def _unreadable_letter(flow: Flow) -> str:
+async def _unreadable_letter(
+    flow: Flow, body: bytes = b"not a delivery", message_id: str | None = None
+) -> str:
     """A letter that holds no webhook delivery, as a foreign producer could leave."""
-    message_id = f"junk-{new_id()}"
+    message_id = message_id or f"junk-{new_id()}"
     connection = await aio_pika.connect(flow.amqp_url, timeout=10)
     async with connection:
         channel = await connection.channel(publisher_confirms=True)
         exchange = await channel.get_exchange(DLX.name, ensure=False)
         await exchange.publish(
-            aio_pika.Message(b"not a delivery", message_id=message_id),
+            aio_pika.Message(body, message_id=message_id),
             routing_key=WEBHOOK_DELIVERIES.dead_letter_routing_key,
             timeout=10,
         )
@@ -190,6 +193,28 @@ async def test_an_unreadable_letter_is_kept_by_a_replay_and_dropped_by_its_messa
     assert dropped.status_code == 200, dropped.text
     assert dropped.json()["removed"] == 1
     assert message_id not in [item["message_id"] for item in (await _listing(flow))["items"]]
+
+
+async def test_a_letter_of_another_build_is_shown_without_its_urls_query(flow: Flow) -> None:
+    """A command this build cannot read (a purpose it does not know) is shown whole, but its
+    URL as the listing shows it: the query carries the tenant's token."""
+    message_id = f"future-{new_id()}"
+    command = {
+        "delivery_id": f"msg_{new_id()}",
+        "task_id": new_id(),
+        "purpose": "a-purpose-of-a-later-build",
+        "url": "https://u:pw@hooks.example/in?token=secret",
+        "event_type": "task.completed",
+        "payload": {},
+    }
+    await _unreadable_letter(flow, json.dumps(command).encode(), message_id)
+
+    shown = await flow.notifier.get(f"{LETTERS}/{message_id}", headers=ADMIN)
+
+    assert shown.status_code == 200, shown.text
+    assert shown.json()["body"]["url"] == "https://hooks.example/in"
+    assert "secret" not in shown.text
+    assert "u:pw@" not in shown.text
 
 
 async def test_a_purge_empties_the_queue(flow: Flow) -> None:

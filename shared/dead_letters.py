@@ -66,6 +66,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from shared.bus import BROKER_ERRORS
 from shared.consumers import ScoreboxBroker
 from shared.http import Problem, invalid_query, quoted
+from shared.settings import url_shown
 from shared.topology import ERROR_HEADER, FIRST_ERROR_HEADER, WorkQueue, x_deaths
 
 log = logging.getLogger("scorebox.dead_letters")
@@ -86,6 +87,7 @@ WALK_BOUND = f"{MAX_WALK:,} letters or {MAX_WALK_BYTES // (1024 * 1024)} MiB of 
 # dead-lettered before it; a listing's `listed_at` is one.
 CUT_OFF = "dead_lettered_before"
 NOTHING_REMOVED = "nothing was removed"
+UNPARSEABLE_URL = "(a URL that does not parse)"
 # RFC 3339's date-time: a zone is required (`Z` or an offset), a space for `T` is not taken
 # (an unencoded `+` of an offset reaches the server as a space).
 _DATE_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)", re.ASCII)
@@ -497,6 +499,23 @@ def readable_body(body: bytes) -> Any:
     except (orjson.JSONDecodeError, pydantic_core.PydanticSerializationError):
         return body.decode("utf-8", "replace")
     return parsed
+
+
+def shown_url(url: str) -> str:
+    """A letter's URL as an admin route shows it: without credentials or query (a callback's
+    query often carries the tenant's token); one that does not parse as a placeholder (it
+    made a whole listing a 500)."""
+    try:
+        return url_shown(url)
+    except ValueError:
+        return UNPARSEABLE_URL
+
+
+def with_url_shown(body: Any, field: str) -> Any:
+    """A letter's body as shown whole: its URL at `field`, when it has one, as `shown_url`."""
+    if isinstance(body, dict) and isinstance(body.get(field), str):
+        return {**body, field: shown_url(body[field])}
+    return body
 
 
 def reason(headers: Mapping[str, Any]) -> str:

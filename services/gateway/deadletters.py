@@ -45,6 +45,7 @@ from shared.dead_letters import (
     readable_body,
     reason,
     unmatched,
+    with_url_shown,
 )
 from shared.topology import DEAD_LETTERED_FROM_HEADER, SCORE_REQUESTS
 
@@ -236,7 +237,8 @@ class DeadLetterQueue:
                 letter = describe(message, now)
                 seen.append(letter)
                 if letter.matches({letter_id}):
-                    found.append(ShownLetter(letter, readable_body(message.body)))
+                    body = with_url_shown(readable_body(message.body), "callback_url")
+                    found.append(ShownLetter(letter, body))
         if found:
             return min(found, key=lambda shown: _oldest_first(shown.letter))
         return Walk(seen, truncated=held.truncated, listed_at=now)

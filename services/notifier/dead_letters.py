@@ -48,9 +48,10 @@ from shared.dead_letters import (
     oldest_first,
     readable_body,
     reason,
+    shown_url,
     unmatched,
+    with_url_shown,
 )
-from shared.settings import url_shown
 from shared.topology import (
     DEAD_LETTERED_FROM_HEADER,
     DELIVERY_COUNT_HEADER,
@@ -61,7 +62,6 @@ from shared.topology import (
 )
 
 Clock = Callable[[], datetime]
-UNPARSEABLE_URL = "(a URL that does not parse)"
 
 
 @dataclass(frozen=True)
@@ -99,22 +99,13 @@ def describe(message: AbstractIncomingMessage, now: datetime) -> WebhookDeadLett
         tenant_id=None if delivery is None else delivery.tenant_id,
         purpose=None if delivery is None else delivery.purpose.value,
         event_type=None if delivery is None else delivery.event_type,
-        url=None if delivery is None else _shown(delivery.url),
+        url=None if delivery is None else shown_url(delivery.url),
         attempt=None if delivery is None else delivery.attempt,
         max_attempts=None if delivery is None else delivery.max_attempts,
         reason=reason(message.headers),
         queue=str(message.headers.get(DEAD_LETTERED_FROM_HEADER, WEBHOOK_DELIVERIES.name)),
         dead_lettered_at=dead_lettered_at(message, now),
     )
-
-
-def _shown(url: str) -> str:
-    """The URL without credentials or query; one that does not parse (a letter of another
-    producer's) as a placeholder: it made the whole listing a 500."""
-    try:
-        return url_shown(url)
-    except ValueError:
-        return UNPARSEABLE_URL
 
 
 def _body(message: AbstractIncomingMessage) -> Any:
@@ -125,10 +116,7 @@ def _body(message: AbstractIncomingMessage) -> Any:
     delivery = _read(message)
     if delivery is not None:
         return delivery.payload
-    body = readable_body(message.body)
-    if isinstance(body, dict) and isinstance(body.get("url"), str):
-        return {**body, "url": _shown(body["url"])}
-    return body
+    return with_url_shown(readable_body(message.body), "url")
 
 
 def moved_back_headers(headers: Mapping[str, Any]) -> dict[str, Any]:

@@ -343,3 +343,25 @@ async def test_a_drop_with_an_empty_id_never_reaches_the_purge(
     assert answer.history == []
     assert [item["task_id"] for item in listed.json()["items"]] == [c.task_id for c in commands]
     assert [message.message_id for message in await _drain(dlq)] == [c.message_id for c in commands]
+
+
+async def test_a_letter_is_shown_whole_but_its_callback_urls_query(
+    dlq: str, broker: RabbitBroker, submissions: Submissions
+) -> None:
+    """The admin routes show a callback URL without its query, which often carries the
+    tenant's token (as the notifier's webhook letters are shown); replayed, the letter is
+    sent as it was."""
+    command = ScoreText(
+        task_id=new_id(), text="A letter.", callback_url="https://hooks.example/in?token=secret"
+    )
+    await _dead_letter(dlq, [command])
+
+    async with _admin(_admin_app(broker, submissions)) as api:
+        shown = await api.get(f"{LETTERS}/{command.task_id}")
+
+    assert shown.status_code == 200, shown.text
+    assert shown.json()["body"]["callback_url"] == "https://hooks.example/in"
+    assert shown.json()["body"]["text"] == "A letter."
+    assert "secret" not in shown.text
+    [left] = await _drain(dlq)
+    assert left.body == command.model_dump_json().encode()

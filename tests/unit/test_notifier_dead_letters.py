@@ -4,9 +4,9 @@ how the listing shows a letter's URL."""
 
 from __future__ import annotations
 
-from services.notifier import dead_letters
 from services.notifier.consumer import MOVED_BACK_REASON, is_moved_back_letter
 from services.notifier.dead_letters import moved_back_headers
+from shared.dead_letters import UNPARSEABLE_URL, shown_url
 from shared.topology import (
     DELIVERY_COUNT_HEADER,
     EARLIER_DELIVERIES_HEADER,
@@ -51,5 +51,5 @@ def test_the_delivery_counts_of_its_earlier_copy_are_dropped() -> None:
 
 def test_a_url_that_does_not_parse_is_listed_as_a_placeholder() -> None:
     """One such letter (another producer's) made the whole listing a 500."""
-    assert dead_letters._shown("https://h.example:99999/x") == dead_letters.UNPARSEABLE_URL
-    assert dead_letters._shown("https://u:p@h.example/x?token=t") == "https://h.example/x"
+    assert shown_url("https://h.example:99999/x") == UNPARSEABLE_URL
+    assert shown_url("https://u:p@h.example/x?token=t") == "https://h.example/x"

@@ -88,6 +88,8 @@ WALK_BOUND = f"{MAX_WALK:,} letters or {MAX_WALK_BYTES // (1024 * 1024)} MiB of 
 CUT_OFF = "dead_lettered_before"
 NOTHING_REMOVED = "nothing was removed"
 UNPARSEABLE_URL = "(a URL that does not parse)"
+# A replay's body: it names at most `MAX_WALK` ids, far less than this.
+REPLAY_BODY_LIMIT = 1024 * 1024
 # RFC 3339's date-time: a zone is required (`Z` or an offset), a space for `T` is not taken
 # (an unencoded `+` of an offset reaches the server as a space).
 _DATE_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)", re.ASCII)

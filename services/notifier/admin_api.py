@@ -24,13 +24,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from services.notifier.dead_letters import WebhookDeadLetters, WebhookWalk
+from services.notifier.dead_letters import BROKER_AWAY, WebhookDeadLetters, WebhookWalk
 from shared.bodies import json_body, read_model
 from shared.bus import BROKER_ERRORS
 from shared.contracts import Instant
 from shared.dead_letter_routes import add_removal_routes
 from shared.dead_letters import (
     CUT_OFF,
+    REPLAY_BODY_LIMIT,
     REPLAY_BUDGET_S,
     WALK_BOUND,
     ReplayRequest,
@@ -39,7 +40,6 @@ from shared.dead_letters import (
 from shared.http import ADMIN_PROBLEMS, Problem, admin_guard, problem_responses, quoted
 
 PREFIX = "/admin/v1/webhooks/dead-letters"
-REPLAY_BODY_LIMIT = 1024 * 1024
 # What no walk sees: the letters another walk holds at that moment.
 OUT_OF_SIGHT = (
     "a letter another walk holds at that moment is out of sight: a walk of another notifier "
@@ -202,7 +202,7 @@ def _broker_away_is_503() -> Iterator[None]:
     except BROKER_ERRORS as error:
         raise Problem(
             503,
-            "The message broker is unavailable; try again shortly.",
+            BROKER_AWAY,
             kind="broker-unavailable",
             headers={"Retry-After": "5"},
         ) from error

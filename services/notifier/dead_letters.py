@@ -26,8 +26,9 @@ only the letters known to have been dead-lettered before it.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -61,7 +62,9 @@ from shared.topology import (
     WEBHOOK_DELIVERIES,
 )
 
+log = logging.getLogger("scorebox.notifier")
 Clock = Callable[[], datetime]
+BROKER_AWAY = "The message broker is unavailable; try again shortly."
 
 
 @dataclass(frozen=True)
@@ -70,17 +73,17 @@ class WebhookDeadLetter:
     not a readable `DeliverWebhook`. `url` is shown without credentials or query."""
 
     message_id: str
-    delivery_id: str | None
-    task_id: str | None
-    tenant_id: str | None
-    purpose: str | None
-    event_type: str | None
-    url: str | None
-    attempt: int | None
-    max_attempts: int | None
     reason: str
     queue: str
     dead_lettered_at: datetime | None
+    delivery_id: str | None = None
+    task_id: str | None = None
+    tenant_id: str | None = None
+    purpose: str | None = None
+    event_type: str | None = None
+    url: str | None = None
+    attempt: int | None = None
+    max_attempts: int | None = None
 
 
 def _read(message: AbstractIncomingMessage) -> DeliverWebhook | None:
@@ -91,20 +94,25 @@ def _read(message: AbstractIncomingMessage) -> DeliverWebhook | None:
 
 
 def describe(message: AbstractIncomingMessage, now: datetime) -> WebhookDeadLetter:
-    delivery = _read(message)
-    return WebhookDeadLetter(
+    letter = WebhookDeadLetter(
         message_id=letter_id(message),
-        delivery_id=None if delivery is None else delivery.delivery_id,
-        task_id=None if delivery is None else delivery.task_id,
-        tenant_id=None if delivery is None else delivery.tenant_id,
-        purpose=None if delivery is None else delivery.purpose.value,
-        event_type=None if delivery is None else delivery.event_type,
-        url=None if delivery is None else shown_url(delivery.url),
-        attempt=None if delivery is None else delivery.attempt,
-        max_attempts=None if delivery is None else delivery.max_attempts,
         reason=reason(message.headers),
         queue=str(message.headers.get(DEAD_LETTERED_FROM_HEADER, WEBHOOK_DELIVERIES.name)),
         dead_lettered_at=dead_lettered_at(message, now),
+    )
+    delivery = _read(message)
+    if delivery is None:
+        return letter
+    return replace(
+        letter,
+        delivery_id=delivery.delivery_id,
+        task_id=delivery.task_id,
+        tenant_id=delivery.tenant_id,
+        purpose=delivery.purpose.value,
+        event_type=delivery.event_type,
+        url=shown_url(delivery.url),
+        attempt=delivery.attempt,
+        max_attempts=delivery.max_attempts,
     )
 
 
@@ -201,10 +209,10 @@ def _chosen(
 
 
 def interruption(error: BaseException) -> str:
-    return (
-        f"the message broker failed part-way ({type(error).__name__}: {error}); the letters "
-        "not replayed are still in the queue: ask again shortly"
-    )
+    """Why a replay stopped part-way, in the words its 503 would have had (as the other
+    DLQs' replays say it); logged."""
+    log.warning("a webhook dead-letter replay stopped part-way: %r", error)
+    return BROKER_AWAY
 
 
 class WebhookDeadLetters:

@@ -64,6 +64,7 @@ from shared.bus import BROKER_ERRORS
 from shared.contracts import Instant
 from shared.dead_letters import (
     CUT_OFF,
+    REPLAY_BODY_LIMIT,
     REPLAY_BUDGET_S,
     WALK_BOUND,
     CutOffQuery,
@@ -89,8 +90,6 @@ from shared.http import (
 log = logging.getLogger("scorebox.scheduler.api")
 
 MAX_USAGE_RANGE_DAYS = 366
-# A replay names at most 10,000 run ids: far less than this.
-REPLAY_BODY_LIMIT = 1024 * 1024
 TriggerJob = Callable[[str], Awaitable[Firing]]
 # When a client may ask again after the broker refused a request.
 RETRY_AFTER_BROKER = {"Retry-After": "5"}

@@ -856,26 +856,21 @@ class ModelThrottle:
         self._changed = asyncio.Event()
 
     async def _until_changed(self, closing: asyncio.Event, *, timeout_s: float | None) -> None:
-        changed = asyncio.ensure_future(self._changed.wait())
-        stopping = asyncio.ensure_future(closing.wait())
-        try:
-            await asyncio.wait(
-                {changed, stopping}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            changed.cancel()
-            stopping.cancel()
+        await _unless_closing(self._changed.wait(), closing, timeout_s=timeout_s)
 
 
-async def _unless_closing(
-    check: Awaitable[ProviderCheck], closing: asyncio.Event
-) -> ProviderCheck | None:
-    """What the check found; None, the check cancelled, when the scorer stops first."""
-    checking = asyncio.ensure_future(check)
+async def _unless_closing[T](
+    work: Awaitable[T], closing: asyncio.Event, *, timeout_s: float | None = None
+) -> T | None:
+    """What `work` gives; None, `work` cancelled, when the scorer stops first or `timeout_s`
+    passes."""
+    working = asyncio.ensure_future(work)
     stopping = asyncio.ensure_future(closing.wait())
     try:
-        await asyncio.wait({checking, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        return checking.result() if checking.done() else None
+        await asyncio.wait(
+            {working, stopping}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        return working.result() if working.done() else None
     finally:
-        checking.cancel()
+        working.cancel()
         stopping.cancel()

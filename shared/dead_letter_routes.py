@@ -1,6 +1,6 @@
 """The routes that remove dead letters, alike on every service that owns a DLQ whose letters
 are named by one id (the gateway's score requests, the notifier's webhooks): drop one letter
-(every copy), and purge."""
+(every copy), and purge; and what their show routes refuse alike."""
 
 from __future__ import annotations
 
@@ -22,7 +22,22 @@ from shared.dead_letters import (
     nothing_dropped,
     purge_report,
 )
-from shared.http import problem, problem_responses, quoted
+from shared.http import Problem, problem, problem_responses, quoted
+
+# The replay route's last segment, which the show route's `{letter_id}` also fits.
+REPLAY_SEGMENT = "replay"
+
+
+def refuse_a_read_of_the_replay(request: Request, letter_id: str) -> None:
+    """A 405 for `GET .../dead-letters/replay`: the show route took it for a letter named
+    `replay`, walked the queue for it and answered 404, as if the replay route were not
+    there (a review)."""
+    if letter_id == REPLAY_SEGMENT:
+        raise Problem(
+            405,
+            f"{request.method} is not allowed on {request.url.path}; it takes POST.",
+            headers={"Allow": "POST"},
+        )
 
 
 class Removable(Purgeable, Protocol):

@@ -22,7 +22,7 @@ from services.gateway.keys_api import ADMIN_BODY_LIMIT
 from shared.bodies import json_body, read_model
 from shared.bus import BROKER_ERRORS
 from shared.contracts import rfc3339
-from shared.dead_letter_routes import add_removal_routes
+from shared.dead_letter_routes import add_removal_routes, refuse_a_read_of_the_replay
 from shared.dead_letters import (
     REPLAY_BUDGET_S,
     WALK_BOUND,
@@ -113,9 +113,10 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
     @router.get(
         "/dead-letters/{letter_id}",
         summary="One dead letter by message or task id, with its whole body",
-        responses=problem_responses(404),
+        responses=problem_responses(404, 405),
     )
-    async def show_dead_letter(letter_id: str) -> dict[str, Any]:
+    async def show_dead_letter(request: Request, letter_id: str) -> dict[str, Any]:
+        refuse_a_read_of_the_replay(request, letter_id)
         with _broker_away_is_503():
             found = await dead_letters.shown(letter_id)
         if isinstance(found, ShownLetter):

@@ -28,7 +28,7 @@ from services.notifier.dead_letters import BROKER_AWAY, WebhookDeadLetters, Webh
 from shared.bodies import json_body, read_model
 from shared.bus import BROKER_ERRORS
 from shared.contracts import Instant
-from shared.dead_letter_routes import add_removal_routes
+from shared.dead_letter_routes import add_removal_routes, refuse_a_read_of_the_replay
 from shared.dead_letters import (
     CUT_OFF,
     REPLAY_BODY_LIMIT,
@@ -153,9 +153,10 @@ def webhook_dead_letter_routes(
         "/{letter_id}",
         response_model=ShownWebhookDeadLetter,
         summary="One dead letter by delivery or message id, with what its webhook POSTs",
-        responses=problem_responses(404),
+        responses=problem_responses(404, 405),
     )
-    async def show_webhook_dead_letter(letter_id: str) -> ShownWebhookDeadLetter:
+    async def show_webhook_dead_letter(request: Request, letter_id: str) -> ShownWebhookDeadLetter:
+        refuse_a_read_of_the_replay(request, letter_id)
         with _broker_away_is_503():
             found = await dead_letters.shown(letter_id)
         if isinstance(found, WebhookWalk):

@@ -365,3 +365,17 @@ async def test_a_letter_is_shown_whole_but_its_callback_urls_query(
     assert "secret" not in shown.text
     [left] = await _drain(dlq)
     assert left.body == command.model_dump_json().encode()
+
+
+async def test_a_get_of_the_replay_route_is_a_405_not_a_letter_looked_for(
+    dlq: str, broker: RabbitBroker, submissions: Submissions
+) -> None:
+    """`GET .../dead-letters/replay` fits the show route's id too; it is the replay's path,
+    which takes POST alone, and says so rather than walking the queue for a letter named
+    `replay` to answer 404."""
+    async with _admin(_admin_app(broker, submissions)) as api:
+        answer = await api.get(f"{LETTERS}/replay")
+
+    problem = _problem(answer, 405)
+    assert answer.headers["allow"] == "POST"
+    assert "it takes POST" in problem["detail"]

@@ -334,3 +334,12 @@ async def test_a_replay_the_broker_fails_part_way_reports_what_it_moved_and_keep
     assert (replay.not_reached, replay.not_found, replay.timed_out) == ([second], [], False)
     assert await _letters_of(flow, first) == []
     assert len(await _letters_of(flow, second)) == 1
+
+
+async def test_a_get_of_the_replay_route_is_a_405_not_a_letter_looked_for(flow: Flow) -> None:
+    """As on the gateway: `GET .../replay` is the replay's path, not a letter's id."""
+    answer = await flow.notifier.get(f"{LETTERS}/replay", headers=ADMIN)
+
+    assert answer.status_code == 405, answer.text
+    assert answer.headers["allow"] == "POST"
+    assert answer.headers["content-type"].startswith("application/problem+json")

@@ -221,6 +221,34 @@ class InternalApiSettings(MetricsApiSettings):
         return self
 
 
+class AdminApiSettings(InternalApiSettings):
+    """Settings of a service that serves admin routes (the gateway, the scheduler, the
+    notifier)."""
+
+    # The operators' bearer token, the same on every such service. Unset (or empty), the
+    # admin routes answer 403.
+    admin_api_key: SecretStr | None = Field(default=None, validation_alias="ADMIN_API_KEY")
+
+    @field_validator("admin_api_key")
+    @classmethod
+    def _an_admin_token(cls, key: SecretStr | None) -> SecretStr | None:
+        return bearer_token(key, "ADMIN_API_KEY")
+
+    @model_validator(mode="after")
+    def _not_the_scrapers_key(self) -> Self:
+        """The metrics key exists so that a scraper need not hold the admin key; one value
+        for both gave the scraper the admin API (minting keys, purging dead letters), and
+        was taken (found in review)."""
+        admin, metrics = self.admin_api_key, self.metrics_api_key
+        if (
+            admin is not None
+            and metrics is not None
+            and admin.get_secret_value() == metrics.get_secret_value()
+        ):
+            raise ValueError("METRICS_API_KEY must differ from ADMIN_API_KEY")
+        return self
+
+
 def url_shown(url: str) -> str:
     """`url` as logs, errors and banners name it: without the credentials or the query it
     may carry (a key in `?subscription-key=` as well as in `user:password@`)."""

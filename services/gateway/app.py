@@ -36,7 +36,7 @@ from services.gateway.consumers import (
 )
 from services.gateway.deadletters import DeadLetterQueue
 from services.gateway.events_api import event_routes
-from services.gateway.keys import ApiKeys, bootstrap_key
+from services.gateway.keys import ApiKeys, bootstrap_key, retire_replaced_bootstrap_keys
 from services.gateway.keys_api import key_admin_routes
 from services.gateway.limits import (
     InFlight,
@@ -254,7 +254,8 @@ def gateway_lifespan(gateway: Gateway) -> Callable[[FastAPI], Any]:
         # was refused with the settings, before the database was waited for.
         if token:
             now = gateway.deps.clock()
-            await bootstrap_key(gateway.keys, token, tenant_id=DEFAULT_TENANT, now=now)
+            key = await bootstrap_key(gateway.keys, token, tenant_id=DEFAULT_TENANT, now=now)
+            await retire_replaced_bootstrap_keys(gateway.keys, key, now=now)
         await gateway.authenticator.learn_keys()
         await start_broker(gateway.broker, settings)
         sweeper = asyncio.create_task(

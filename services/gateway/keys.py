@@ -233,6 +233,29 @@ class ApiKeys:
             raise DatabaseUnavailable(str(error)) from error
         return await self.find(key_id)
 
+    async def revoke_named_before(
+        self, *, tenant_id: str, name: str, created_before: datetime, now: datetime
+    ) -> list[str]:
+        """Revoke the active keys of `tenant_id` named `name` created before
+        `created_before`; their ids (those this call revoked, or another replica's at the
+        same moment)."""
+        earlier: Document = {
+            "tenant_id": tenant_id,
+            "name": name,
+            "revoked_at": None,
+            "created_at": {"$lt": created_before},
+        }
+        try:
+            found = self._collection.find(earlier, projection={"_id": True})
+            ids = [str(document["_id"]) async for document in found]
+            if ids:
+                await self._collection.update_many(
+                    {"_id": {"$in": ids}, "revoked_at": None}, {"$set": {"revoked_at": now}}
+                )
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+        return ids
+
     async def touch(self, key_id: str, *, now: datetime) -> None:
         """Record that the key was used (as often as the key cache reloads it)."""
         try:
@@ -336,6 +359,30 @@ async def bootstrap_key(keys: ApiKeys, token: str, *, tenant_id: str, now: datet
     if not key.active:
         log.warning("BOOTSTRAP_API_KEY %s was revoked; it stays revoked", key.key_id)
     return key
+
+
+async def retire_replaced_bootstrap_keys(keys: ApiKeys, key: ApiKey, *, now: datetime) -> None:
+    """Revoke the bootstrap keys of `key`'s tenant registered before it: a new
+    `BOOTSTRAP_API_KEY` replaces the earlier value, whose key stayed active for good on a
+    database that outlives the gateway (compose's volume; found in review). Only earlier
+    ones, so that a replica still started with the old value (a rolling change) revokes
+    nothing of the new one, and registering a revoked key does not revive it: the change
+    goes one way. A key made for the tenant by the admin API has another name and stays."""
+    if not key.active:
+        return
+    retired = await keys.revoke_named_before(
+        tenant_id=key.tenant_id,
+        name=BOOTSTRAP_KEY_NAME,
+        created_before=key.created_at,
+        now=now,
+    )
+    if retired:
+        log.warning(
+            "BOOTSTRAP_API_KEY %s replaced the earlier bootstrap key(s) %s of tenant %s: revoked",
+            key.key_id,
+            ", ".join(retired),
+            key.tenant_id,
+        )
 
 
 def main(argv: list[str]) -> int:

@@ -130,7 +130,10 @@ def key_admin_routes(
         except DatabaseUnavailable as error:
             raise _unavailable(error) from error
         remember(key.key_id)
-        return JSONResponse({**key.public(), "key": token}, status_code=201)
+        # The only answer that holds the key: no cache along the way keeps it.
+        return JSONResponse(
+            {**key.public(), "key": token}, status_code=201, headers={"Cache-Control": "no-store"}
+        )
 
     @router.get(
         "/keys",

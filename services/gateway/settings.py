@@ -10,14 +10,16 @@ from shared.settings import (
     DEFAULT_LLM_MODEL,
     MAX_DURATION_S,
     READ_YOUR_WRITES_MAX_S,
-    InternalApiSettings,
+    AdminApiSettings,
     http_url,
 )
 
+# The longest a revoked key may still be taken by another replica.
+MAX_KEY_CACHE_TTL_S = 60.0
 
-class GatewaySettings(InternalApiSettings):
+
+class GatewaySettings(AdminApiSettings):
     port: int = Field(default=8000, validation_alias="GATEWAY_PORT")
-    admin_api_key: SecretStr | None = Field(default=None, validation_alias="ADMIN_API_KEY")
     status_url: str = Field(default="http://127.0.0.1:8001", validation_alias="STATUS_URL")
     status_timeout_s: float = Field(default=5.0, gt=0, validation_alias="STATUS_TIMEOUT_S")
     # The notifier keeps each tenant's webhook secret and failure-alert URL (`/v1/webhooks`).
@@ -95,9 +97,12 @@ class GatewaySettings(InternalApiSettings):
     live_settle_s: float = Field(default=2.0, ge=0, validation_alias="LIVE_SETTLE_S")
     # API keys (`services/gateway/keys.py`): a key registered for the default tenant at start-up
     # (idempotent; `make run` sets it), and how long a key lookup is cached in-process, which
-    # is how long a revoked key may keep working on other replicas (0 = no cache).
+    # is how long a revoked key may keep working on other replicas, open streams included
+    # (0 = no cache; bounded, found in review).
     bootstrap_api_key: SecretStr | None = Field(default=None, validation_alias="BOOTSTRAP_API_KEY")
-    api_key_cache_ttl_s: float = Field(default=5.0, ge=0, validation_alias="API_KEY_CACHE_TTL_S")
+    api_key_cache_ttl_s: float = Field(
+        default=5.0, ge=0, le=MAX_KEY_CACHE_TTL_S, validation_alias="API_KEY_CACHE_TTL_S"
+    )
     # Lookups that find no key each client address may cause per minute, per replica
     # (`services/gateway/unknown_keys.py`; 0 = no bound): each costs a database read.
     unknown_keys_per_min: int = Field(

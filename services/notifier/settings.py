@@ -5,9 +5,9 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, model_validator
 
-from shared.settings import MAX_DURATION_S, InternalApiSettings
+from shared.settings import MAX_DURATION_S, AdminApiSettings
 from shared.webhook_urls import IPAddress, UnsafeWebhookUrl, check_host_name, parse_ip_literal
 
 # The database calls a claim's holder makes under its lease (`NotifierSettings.lease_s`).
@@ -23,10 +23,8 @@ _IPV4_LOOPBACK = ipaddress.IPv4Network("127.0.0.0/8")
 _IPV6_LOOPBACK = ipaddress.IPv6Address("::1")
 
 
-class NotifierSettings(InternalApiSettings):
+class NotifierSettings(AdminApiSettings):
     port: int = Field(default=8004, validation_alias="NOTIFIER_PORT")
-    # Guards `/admin/v1/webhooks/*` like the gateway's admin routes (unset: they answer 403).
-    admin_api_key: SecretStr | None = Field(default=None, validation_alias="ADMIN_API_KEY")
     # Notification events and deliveries in flight per notifier process, and a reserve on
     # top kept for tenants with nothing in flight (`tenant_reserve`, hosts.py).
     concurrency: int = Field(default=32, ge=1, le=1024, validation_alias="WEBHOOK_CONCURRENCY")

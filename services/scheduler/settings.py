@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Self
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.scheduler.config import DEFAULT_CONFIG_PATH
 from shared.contracts import known_rubric_version
@@ -17,7 +17,7 @@ from shared.settings import (
     BROKER_CONSUMER_TIMEOUT_S,
     MAX_DURATION_S,
     MAX_PREFETCH,
-    InternalApiSettings,
+    AdminApiSettings,
 )
 from shared.topology import SCORE_QUEUE_MAX_LENGTH
 
@@ -27,10 +27,8 @@ MAX_JOB_ATTEMPTS = 20
 MAX_FANOUT_PAGES = 1_000
 
 
-class SchedulerSettings(InternalApiSettings):
+class SchedulerSettings(AdminApiSettings):
     port: int = Field(default=8003, validation_alias="SCHEDULER_PORT")
-    # Guards `/admin/v1/cron/*` like the gateway's admin routes (unset: they answer 403).
-    admin_api_key: SecretStr | None = Field(default=None, validation_alias="ADMIN_API_KEY")
     config_path: Path = Field(default=DEFAULT_CONFIG_PATH, validation_alias="SCHEDULER_CONFIG")
     # How often the dispatcher looks for due firings.
     tick_s: float = Field(default=1.0, gt=0, le=MAX_DURATION_S, validation_alias="SCHEDULER_TICK_S")

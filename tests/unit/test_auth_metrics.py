@@ -256,3 +256,33 @@ def test_every_service_refuses_an_internal_key_equal_to_the_metrics_key(
         settings.model_validate({"INTERNAL_API_KEY": INTERNAL_KEY, "METRICS_API_KEY": INTERNAL_KEY})
     apart = settings.model_validate({"INTERNAL_API_KEY": INTERNAL_KEY, **KEYED})
     assert isinstance(apart, MetricsApiSettings)
+
+
+ADMIN_SETTINGS = [GatewaySettings, SchedulerSettings, NotifierSettings]
+
+
+@pytest.mark.parametrize("settings", ADMIN_SETTINGS, ids=lambda settings: settings.__name__)
+def test_every_admin_service_refuses_a_metrics_key_equal_to_the_admin_key(
+    settings: type[BaseSettings],
+) -> None:
+    """The metrics key exists so that the scraper need not hold the admin key: one value for
+    both handed it the admin API (found in review)."""
+    with pytest.raises(ValidationError, match="METRICS_API_KEY must differ from ADMIN_API_KEY"):
+        settings.model_validate({"ADMIN_API_KEY": ADMIN_KEY, "METRICS_API_KEY": ADMIN_KEY})
+    with pytest.raises(ValidationError, match="METRICS_API_KEY must differ from ADMIN_API_KEY"):
+        settings.model_validate({"ADMIN_API_KEY": f"{ADMIN_KEY}\n", "METRICS_API_KEY": ADMIN_KEY})
+    settings.model_validate(KEYED)
+
+
+@pytest.mark.parametrize("settings", ADMIN_SETTINGS, ids=lambda settings: settings.__name__)
+@pytest.mark.parametrize(
+    "value", ["two words", "line\nbreak", "clé-admin"], ids=["space", "newline", "not-ascii"]
+)
+def test_an_admin_key_no_header_can_carry_is_refused_at_start(
+    settings: type[BaseSettings], value: str
+) -> None:
+    with pytest.raises(ValidationError, match="ADMIN_API_KEY") as refused:
+        settings.model_validate({"ADMIN_API_KEY": value})
+    assert value not in str(refused.value)
+    blank = settings.model_validate({"ADMIN_API_KEY": "  "})
+    assert getattr(blank, "admin_api_key", "missing") is None

@@ -70,3 +70,11 @@ def test_a_bootstrap_key_equal_to_a_guard_key_is_refused(other: str) -> None:
     assert f"BOOTSTRAP_API_KEY must differ from {other}" in str(refused.value)
     assert token not in str(refused.value)
     GatewaySettings.model_validate({"BOOTSTRAP_API_KEY": "", other: ""})
+
+
+def test_the_key_cache_is_bounded_as_a_revocation_is_promised_to_reach_every_replica() -> None:
+    """A revoked key works on the other replicas for as long as their cache keeps it: a year
+    was taken (found in review)."""
+    with pytest.raises(ValidationError, match="API_KEY_CACHE_TTL_S"):
+        GatewaySettings.model_validate({"API_KEY_CACHE_TTL_S": "31536000"})
+    assert GatewaySettings.model_validate({"API_KEY_CACHE_TTL_S": "60"}).api_key_cache_ttl_s == 60

@@ -24,7 +24,6 @@ from services.gateway.admin_api import admin_routes
 from services.gateway.admission import install_admission
 from services.gateway.api import GatewayDeps, score_routes
 from services.gateway.auth import Authenticator, caller_dependencies
-from services.gateway.away_gate import AwayGate
 from services.gateway.batches import Batches
 from services.gateway.batches_api import batch_routes
 from services.gateway.cache import ResultCache
@@ -35,6 +34,7 @@ from services.gateway.consumers import (
     write_off_before_stopping,
 )
 from services.gateway.deadletters import DeadLetterQueue
+from services.gateway.errors import database_known_away
 from services.gateway.events_api import event_routes
 from services.gateway.keys import ApiKeys, bootstrap_key, retire_replaced_bootstrap_keys
 from services.gateway.keys_api import key_admin_routes
@@ -55,6 +55,7 @@ from services.gateway.usage_api import usage_routes
 from services.gateway.webhooks_api import NotifierClient, make_notifier_http, webhook_routes
 from shared.aiohttp_transport import MappedAiohttpTransport
 from shared.asyncapi import build_document
+from shared.away_gate import AwayGate
 from shared.coalescing import server_watch
 from shared.consumers import ScoreboxBroker
 from shared.contracts import DEFAULT_TENANT, new_id, utcnow
@@ -167,7 +168,7 @@ def build_gateway(
         live=live_updates(broker, settings),
     )
     # One for the key store and the rate counters: both the gateway's database.
-    away = AwayGate(known=server_watch(mongo).known)
+    away = AwayGate(known=server_watch(mongo).known, refusal=database_known_away)
     return Gateway(
         settings=settings,
         broker=broker,

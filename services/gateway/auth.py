@@ -31,11 +31,11 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials
 
 from services.gateway.admission import Overloaded
-from services.gateway.away_gate import AwayGate, found_no_server
-from services.gateway.errors import DatabaseUnavailable, refused_for_good
+from services.gateway.errors import DatabaseUnavailable, database_known_away, refused_for_good
 from services.gateway.keys import ApiKey, parse_key, secret_matches
 from services.gateway.limits import LimitExceeded, RateLimiter, limit_problem
 from services.gateway.unknown_keys import UNKNOWN_ADDRESS, UnknownKeyBudget
+from shared.away_gate import AwayGate, found_no_server
 from shared.contracts import utcnow
 from shared.http import BearerScheme, Problem, bearer_challenge, database_refused
 
@@ -108,7 +108,7 @@ class Authenticator:
         gate: AwayGate | None = None,
     ) -> None:
         self._keys = keys
-        self._gate = gate or AwayGate(known=lambda: True)
+        self._gate = gate or AwayGate(known=lambda: True, refusal=database_known_away)
         self._ttl = cache_ttl_s
         self._monotonic = monotonic
         self._clock = clock

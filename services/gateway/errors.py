@@ -17,6 +17,7 @@ import math
 import re
 from datetime import datetime
 
+from shared.away_gate import AWAY_REASON
 from shared.database_errors import transient_database_error
 
 
@@ -89,6 +90,11 @@ class DatabaseUnavailable(Unavailable):
     refusal for good with a 500 (`refused_for_good`): retrying would meet it again."""
 
     what = "The database"
+
+
+def database_known_away() -> DatabaseUnavailable:
+    """What the gateway's `AwayGate` raises while its database is known away."""
+    return DatabaseUnavailable(AWAY_REASON)
 
 
 def database_away(error: BaseException) -> bool:

@@ -77,9 +77,9 @@ from pymongo.errors import PyMongoError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway.away_gate import AwayGate
 from services.gateway.counters import BoundedCounters, GuardedReleases
-from services.gateway.errors import DatabaseUnavailable, GatewayError
+from services.gateway.errors import DatabaseUnavailable, GatewayError, database_known_away
+from shared.away_gate import AwayGate
 from shared.http import Problem, problem_instance, problem_response
 
 log = logging.getLogger("scorebox.gateway.limits")
@@ -191,7 +191,7 @@ class RateLimiter:
     ) -> None:
         self._collection: AsyncCollection[Document] = client[database]["rate_windows"]
         self._counters = BoundedCounters(self._collection)
-        self._gate = gate or AwayGate(known=lambda: True)
+        self._gate = gate or AwayGate(known=lambda: True, refusal=database_known_away)
         self._full = FullWindows()
         self._per_minute = per_minute
         self._clock = clock

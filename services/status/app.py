@@ -23,7 +23,9 @@ from services.status.projection import (
     tasks_collection,
 )
 from services.status.settings import StatusSettings
+from shared.away_gate import AwayGate
 from shared.bus import error_words
+from shared.coalescing import server_watch
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import (
     MAX_INT64,
@@ -39,6 +41,7 @@ from shared.http import (
     INTERNAL_PROBLEMS,
     TASK_UNKNOWN,
     Problem,
+    database_unavailable,
     internal_guard,
     quoted,
     warn_if_internal_routes_open,
@@ -67,8 +70,10 @@ def create_app(
     broker: ScoreboxBroker | None = None,
     mongo: MongoClient | None = None,
     clock: Clock = utcnow,
+    away: AwayGate | None = None,
 ) -> FastAPI:
-    """Wire the status service: broker + database + HTTP app, opened and closed in lifespan."""
+    """Wire the status service: broker + database + HTTP app, opened and closed in lifespan.
+    `away`: the reads' gate (`shared.away_gate`), one over `mongo` unless given."""
     broker = broker or make_broker(settings, prefetch=settings.projection_prefetch, name="status")
     mongo = mongo or make_mongo(settings)
     tasks = tasks_collection(mongo, settings.database_name("status"))
@@ -101,7 +106,11 @@ def create_app(
         mongo=mongo,
         lifespan=lifespan,
     )
-    app.include_router(task_routes(tasks, clock, internal_key=settings.internal_api_key))
+    # Reads answer 503 at once while the database is known away.
+    away = away or AwayGate(
+        known=server_watch(mongo).known, refusal=lambda: database_unavailable("GET")
+    )
+    app.include_router(task_routes(tasks, clock, internal_key=settings.internal_api_key, away=away))
     return app
 
 
@@ -192,8 +201,11 @@ def subscribe_projection(
         await message.ack()
 
 
-def task_routes(tasks: Tasks, clock: Clock, *, internal_key: SecretStr | None) -> APIRouter:
-    """The gateway's reads of the projection, guarded by `INTERNAL_API_KEY` when it is set."""
+def task_routes(
+    tasks: Tasks, clock: Clock, *, internal_key: SecretStr | None, away: AwayGate
+) -> APIRouter:
+    """The gateway's reads of the projection, guarded by `INTERNAL_API_KEY` when it is set,
+    each through `away`."""
     router = APIRouter(
         prefix="/internal/v1",
         tags=["tasks"],
@@ -203,7 +215,9 @@ def task_routes(tasks: Tasks, clock: Clock, *, internal_key: SecretStr | None) -
 
     @router.get("/tasks/{task_id}", response_model=TaskView)
     async def read_task(task_id: str, tenant_id: str) -> TaskView:
-        view = await find_task(task_id, tenant_id=tenant_id, tasks=tasks, now=clock())
+        view = await away.through(
+            lambda: find_task(task_id, tenant_id=tenant_id, tasks=tasks, now=clock())
+        )
         if view is None:
             raise Problem(
                 404, f"No task {quoted(task_id)} is known (or it has expired).", kind=TASK_UNKNOWN
@@ -218,8 +232,10 @@ def task_routes(tasks: Tasks, clock: Clock, *, internal_key: SecretStr | None) -
             default=-1, ge=-1, le=MAX_SEQUENCE, description="Only changes after this sequence."
         ),
     ) -> TaskHistory:
-        history = await find_history(
-            task_id, tenant_id=tenant_id, after=after, tasks=tasks, now=clock()
+        history = await away.through(
+            lambda: find_history(
+                task_id, tenant_id=tenant_id, after=after, tasks=tasks, now=clock()
+            )
         )
         if history is None:
             raise Problem(
@@ -238,8 +254,10 @@ def task_routes(tasks: Tasks, clock: Clock, *, internal_key: SecretStr | None) -
     ) -> BatchProgress:
         # A batch the projection has not heard of reads as empty, not 404: only the gateway
         # knows which batches exist.
-        return await find_batch(
-            batch_id, tenant_id=tenant_id, after=after, limit=limit, tasks=tasks, now=clock()
+        return await away.through(
+            lambda: find_batch(
+                batch_id, tenant_id=tenant_id, after=after, limit=limit, tasks=tasks, now=clock()
+            )
         )
 
     return router

@@ -14,11 +14,11 @@ from pymongo import AsyncMongoClient
 from pymongo.errors import OperationFailure, ServerSelectionTimeoutError
 
 from services.gateway.auth import Authenticator, KeyStore
-from services.gateway.away_gate import AwayGate
-from services.gateway.errors import DatabaseUnavailable
+from services.gateway.errors import DatabaseUnavailable, database_known_away
 from services.gateway.keys import ApiKey, generate_key
 from services.gateway.limits import LimitExceeded, RateLimiter
 from services.gateway.unknown_keys import UnknownKeyBudget
+from shared.away_gate import AwayGate
 from tests.unit.test_auth_keys import FakeKeys, Ticker
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
@@ -42,7 +42,7 @@ class Known:
 
 def test_once_no_server_was_found_it_refuses_at_once_but_one_a_second() -> None:
     ticker, known = Ticker(), Known()
-    gate = AwayGate(known=known, clock=ticker)
+    gate = AwayGate(known=known, refusal=database_known_away, clock=ticker)
     gate.check()  # nothing known against the database yet
     gate.note(_no_server())
     with pytest.raises(DatabaseUnavailable):
@@ -57,7 +57,7 @@ def test_once_no_server_was_found_it_refuses_at_once_but_one_a_second() -> None:
 
 
 def test_an_error_that_is_not_a_missing_server_closes_nothing() -> None:
-    gate = AwayGate(known=Known(), clock=Ticker())
+    gate = AwayGate(known=Known(), refusal=database_known_away, clock=Ticker())
     gate.note(DatabaseUnavailable("refused"))
     gate.note(OperationFailure("not authorized", code=13))
     gate.check()
@@ -80,7 +80,7 @@ async def test_a_lookup_while_the_database_is_known_away_is_refused_without_a_re
         cast(KeyStore, store),
         monotonic=ticker,
         unknown_keys=UnknownKeyBudget(1, monotonic=ticker),
-        gate=AwayGate(known=Known(), clock=ticker),
+        gate=AwayGate(known=Known(), refusal=database_known_away, clock=ticker),
     )
     for address in ("203.0.113.1", "203.0.113.2", "203.0.113.3"):
         with pytest.raises(DatabaseUnavailable):
@@ -118,7 +118,7 @@ async def test_a_real_keys_tokens_kept_in_an_outage_are_given_back_once_it_is_fo
         cast(KeyStore, store),
         monotonic=ticker,
         unknown_keys=UnknownKeyBudget(2, monotonic=ticker),
-        gate=AwayGate(known=Known(), clock=ticker),
+        gate=AwayGate(known=Known(), refusal=database_known_away, clock=ticker),
     )
     proxy = "198.51.100.9"  # every client behind one address
     with pytest.raises(DatabaseUnavailable):
@@ -135,7 +135,7 @@ async def test_a_rate_count_while_the_database_is_known_away_is_refused_without_
     """Its client would wait a minute to select a server that is not there: the gate
     answers first, and the count never reaches the driver."""
     ticker = Ticker()
-    gate = AwayGate(known=Known(), clock=ticker)
+    gate = AwayGate(known=Known(), refusal=database_known_away, clock=ticker)
     gate.note(_no_server())
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
         "mongodb://127.0.0.1:9/?serverSelectionTimeoutMS=60000", connect=False

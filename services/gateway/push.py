@@ -496,12 +496,16 @@ async def read_when_changed(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s  # binding counts against the wait
     with live.waiting(task_id, tenant_id) as waiter:  # before the read: no event slips by
-        if wait_s > 0:
-            await listen_within(live, wait_s)
-        view = await read()
-        if view is None or view.status.is_terminal or wait_s <= 0 or waiter.stopped:
-            return view
-        if known_status is not None and view.status != known_status:
+
+        def answers_at_once(view: TaskView | None) -> bool:
+            if view is None or view.status.is_terminal or waiter.stopped:
+                return True
+            return known_status is not None and view.status != known_status
+
+        if wait_s <= 0:
+            return await read()
+        view = await _first_read(read, live, wait_s, answers_at_once)
+        if view is None or answers_at_once(view):
             return view
         waiting = _Waiting(read, waiter, view, deadline, settle_s)
         bound = asyncio.timeout_at(deadline + LONG_POLL_MARGIN_S)
@@ -512,6 +516,40 @@ async def read_when_changed(
             if not bound.expired():
                 raise
             return waiting.view
+
+
+async def _first_read(
+    read: ViewReader,
+    live: LiveUpdates,
+    wait_s: float,
+    answers_at_once: Callable[[TaskView | None], bool],
+) -> TaskView | None:
+    """The view a long-poll starts from, read once the live binding is in place, so that no
+    event slips between the read and the binding. While it is not in place yet, the view is
+    read meanwhile too, and one that answers at once is answered without waiting for the
+    bind: with the broker away, a finished task's long-poll waited a whole bind attempt
+    (`BROKER_TIMEOUT_S`, 10 s) for what a poll answered at once (a review). Otherwise the
+    view is read again once the bind has ended."""
+    if live.listening:
+        await listen_within(live, wait_s)  # marks the binding wanted
+        return await read()
+    binding = asyncio.create_task(listen_within(live, wait_s))
+    try:
+        view = await read()
+    except BaseException:
+        await _cancelled(binding)
+        raise
+    if answers_at_once(view):
+        await _cancelled(binding)  # the shared bind goes on for later waiters
+        return view
+    await binding
+    return await read()
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 @dataclass

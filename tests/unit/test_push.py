@@ -1215,3 +1215,61 @@ def test_the_retry_of_a_refusal_is_bounded_whatever_its_retry_after(
     problem = Problem(503, "away", kind="unavailable", headers={"Retry-After": retry_after})
     answer = _come_back_later(problem, min_retry_ms=3_000)
     assert least_ms <= _retry_ms(bytes(answer.body).decode()) <= most_ms
+
+
+async def test_a_finished_tasks_long_poll_is_answered_while_the_bind_hangs() -> None:
+    """The long-poll waited for the live queue's bind before its first read: with the broker
+    away, a finished task's long-poll waited a whole bind attempt (`BROKER_TIMEOUT_S`) for
+    what a plain poll answered at once (a review)."""
+    binding = StuckBinding()
+    live = LiveUpdates(binding=binding)
+    views = Views(_view(TaskStatus.COMPLETED, 190))
+    async with asyncio.timeout(20):  # a hang guard only: the bind never ends on its own
+        view = await read_when_changed(
+            views,
+            live=live,
+            task_id="t1",
+            tenant_id="a",
+            wait_s=3600,
+            known_status=TaskStatus.QUEUED,
+            settle_s=0,
+        )
+    assert view is not None
+    assert view.status is TaskStatus.COMPLETED
+    assert (views.reads, len(live), live.listening) == (1, 0, False)
+    binding.done.set()
+    await live.stop_listening()
+
+
+async def test_a_long_poll_reads_again_once_a_bind_it_read_before_has_ended() -> None:
+    """Read while the bind was under way, the view may miss a change published before the
+    bind reached the broker, which no event will tell: once bound, the long-poll reads again
+    and answers the change it finds."""
+    binding = StuckBinding()
+    binding.failing = False
+    live = LiveUpdates(binding=binding)
+    views = Views(_view(TaskStatus.QUEUED, 0))
+    waiting = asyncio.create_task(
+        read_when_changed(
+            views,
+            live=live,
+            task_id="t1",
+            tenant_id="a",
+            wait_s=3600,
+            known_status=TaskStatus.QUEUED,
+            settle_s=0,
+        )
+    )
+
+    async def read_once() -> bool:
+        return views.reads == 1
+
+    await eventually(read_once, what="the first read, the bind under way")
+    views.views = [_view(TaskStatus.COMPLETED, 190)]  # finished before the bind, unheard
+    binding.done.set()
+    async with asyncio.timeout(20):  # a hang guard only: no event comes
+        view = await waiting
+    assert view is not None
+    assert view.status is TaskStatus.COMPLETED
+    assert views.reads == 2
+    await live.stop_listening()

@@ -44,9 +44,11 @@ def compose_command() -> list[str] | None:
 
 
 def clean_env() -> dict[str, str]:
-    """The environment minus variables the compose file interpolates, for stable output."""
+    """The environment minus variables the compose file interpolates, for stable output,
+    but the internal key it requires."""
     interpolated = ("GATEWAY_PORT", "LOG_LEVEL", "LLM_", "SCOREBOX_", "COMPOSE_")
-    return {k: v for k, v in os.environ.items() if not k.startswith(interpolated)}
+    kept = {k: v for k, v in os.environ.items() if not k.startswith(interpolated)}
+    return {**kept, "SCOREBOX_INTERNAL_KEY": "compose-test-internal-key"}
 
 
 def compose_config(*args: str) -> subprocess.CompletedProcess[str]:
@@ -148,11 +150,12 @@ def test_app_services_get_the_infrastructure_env_of_the_design(
 def test_the_services_of_the_internal_api_share_the_internal_key(
     compose: dict[str, Any], name: str
 ) -> None:
-    """The gateway sends it; the others' internal routes (the scheduler's port is published)
-    refuse a request without it. Empty (SCOREBOX_INTERNAL_KEY unset) leaves them open."""
+    """The gateway sends it; the others' internal routes (the scheduler's port is published,
+    the notifier's serve the signing secrets) refuse a request without it. Required: unset,
+    Compose stops rather than start them open (a review)."""
     env = services(compose)[name]["environment"]
 
-    assert env["INTERNAL_API_KEY"] == "${SCOREBOX_INTERNAL_KEY:-}"
+    assert env["INTERNAL_API_KEY"].startswith("${SCOREBOX_INTERNAL_KEY:?")
 
 
 @pytest.mark.parametrize("name", APP_SERVICES)
@@ -214,3 +217,22 @@ def test_the_build_context_keeps_what_pip_install_needs() -> None:
 def test_the_image_installs_the_versions_the_tests_ran_with() -> None:
     """It installed the newest versions pyproject's ranges allow, never tested together."""
     assert "-c /tmp/constraints.txt" in DOCKERFILE.read_text()
+
+
+def test_compose_stops_without_the_internal_key_and_says_which() -> None:
+    command = compose_command()
+    if command is None:
+        pytest.skip(HOW_TO_INSTALL)
+    without = {k: v for k, v in clean_env().items() if k != "SCOREBOX_INTERNAL_KEY"}
+    result = subprocess.run(
+        [*command, "-f", str(COMPOSE_FILE), "config", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=without,
+        check=False,
+    )
+
+    assert result.returncode != 0
+    assert "set SCOREBOX_INTERNAL_KEY to a random token" in result.stderr

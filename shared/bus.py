@@ -364,10 +364,11 @@ def letter_headers(
     (`ROUTING_KEY_HEADER`; a letter moved back reads under its first): read back, the
     letter is that message again."""
     letter = {**headers, ERROR_HEADER: error[:_REASON_MAX], DEAD_LETTERED_FROM_HEADER: queue}
-    # The broker's count of this delivery, not the letter's: RabbitMQ 3.x sets it afresh on
-    # each delivery, but 4.x keeps one a publisher set, and a letter moved back would have
-    # read as at its delivery limit on its first delivery (found in review, unverifiable
-    # here). What earlier copies lost is carried apart (`EARLIER_DELIVERIES_HEADER`).
+    # The broker's count of this delivery, not the letter's: RabbitMQ keeps one a publisher
+    # set on a message's first delivery (3.10 too), and a letter moved back would have read
+    # as at its delivery limit (consumers now read the count only on a redelivery:
+    # `topology.counted_headers`). What earlier copies lost is carried apart
+    # (`EARLIER_DELIVERIES_HEADER`).
     letter.pop(DELIVERY_COUNT_HEADER, None)
     if ERROR_HEADER in headers:
         letter.setdefault(FIRST_ERROR_HEADER, str(headers[ERROR_HEADER])[:_REASON_MAX])

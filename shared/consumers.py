@@ -56,7 +56,13 @@ from shared.event_batches import Part, UnreadableBatch, is_batch, split_batch
 from shared.log_context import correlated
 from shared.metrics import Metrics
 from shared.reconnection_gates import ReconnectionGates
-from shared.topology import ROUTING_KEY_HEADER, Binding, deliveries_lost, x_deaths
+from shared.topology import (
+    ROUTING_KEY_HEADER,
+    Binding,
+    counted_headers,
+    deliveries_lost,
+    x_deaths,
+)
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -81,11 +87,12 @@ CANCEL_ON_CLOSED_S = 0.1
 class Delivery:
     """One delivery as a handler sees it: what it carries, and how to settle it."""
 
-    __slots__ = ("_acks", "_raw", "settlement")
+    __slots__ = ("_acks", "_headers", "_raw", "settlement")
 
     def __init__(self, raw: AbstractIncomingMessage, acks: ChannelAcks) -> None:
         self._raw = raw
         self._acks = acks
+        self._headers = _counted_headers(raw)
         # How the handler settled it: "ack", "nack", "reject" or "requeue"; None while not.
         self.settlement: str | None = None
 
@@ -95,7 +102,7 @@ class Delivery:
 
     @property
     def headers(self) -> dict[str, Any]:
-        return cast("dict[str, Any]", self._raw.headers)
+        return self._headers
 
     @property
     def routing_key(self) -> str:
@@ -184,6 +191,11 @@ def _key_when_dead_lettered(headers: dict[str, Any]) -> str | None:
         if death.get("exchange") and isinstance(keys, list | tuple) and keys:
             return str(keys[0])
     return None
+
+
+def _counted_headers(raw: AbstractIncomingMessage) -> dict[str, Any]:
+    headers = cast("dict[str, Any]", raw.headers)
+    return counted_headers(headers, redelivered=bool(raw.redelivered))
 
 
 class BatchPart(Delivery):
@@ -411,7 +423,9 @@ class _Consuming:
         (`_settle_batch`)."""
         batch = Delivery(raw, acks)
         try:
-            parts = [BatchPart(raw, acks, part) for part in split_batch(raw.body, raw.headers)]
+            parts = [
+                BatchPart(raw, acks, part) for part in split_batch(raw.body, _counted_headers(raw))
+            ]
         except UnreadableBatch as error:
             log.warning(
                 "%s: dead-lettering an unreadable batch %s: %s",

@@ -278,10 +278,11 @@ async def keep_trying[T](
     tells a database that is away from a write it refuses for good).
 
     For consumers: the message stays unacknowledged meanwhile (back-pressure through the
-    prefetch), and is neither nacked with requeue (RabbitMQ 4.x does not count that, 3.x
-    counts it towards the delivery limit) nor lost. Cancellation (shutdown, a lost broker
-    connection) stops it; the broker then redelivers the message. With `give_up_after_s`,
-    the last error is raised instead of a wait that would end past that many seconds.
+    prefetch), and is neither nacked with requeue (RabbitMQ 4.3 and later do not count that,
+    earlier versions count it towards the delivery limit) nor lost. Cancellation (shutdown,
+    a lost broker connection) stops it; the broker then redelivers the message. With
+    `give_up_after_s`, the last error is raised instead of a wait that would end past that
+    many seconds.
     """
     loop = asyncio.get_running_loop()
     deadline = None if give_up_after_s is None else loop.time() + give_up_after_s
@@ -335,8 +336,8 @@ async def keep_publishing(publish: Callable[[], Awaitable[object]], *, what: str
 
     The handler holds its delivery meanwhile and settles it afterwards: a handler that gave
     up would leave the delivery unacknowledged, holding a prefetch slot, until its channel
-    closed; one that nacked it with requeue would spin through the delivery limit on
-    RabbitMQ 3.x and without end on 4.x. A repeated publish may arrive twice or more (each
+    closed; one that nacked it with requeue would spin through the delivery limit before
+    RabbitMQ 4.3 and without end from 4.3. A repeated publish may arrive twice or more (each
     unconfirmed send may still be delivered), under the same message id: its consumer must
     take the repeats as no-ops (the cron consumer fences them by the run's hold,
     `services.scheduler.firings`).

@@ -116,6 +116,19 @@ def x_deaths(headers: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [death for death in deaths if isinstance(death, Mapping)]
 
 
+def counted_headers(headers: dict[str, Any], *, redelivered: bool) -> dict[str, Any]:
+    """A delivery's headers as its consumer reads them: the broker's `x-delivery-count` only
+    on a redelivery. On a first delivery the count came with the message from whoever
+    published it: a letter moved back by a shovel or the management UI carries its DLQ's
+    count (RabbitMQ 4.0-4.2's at-least-once dead-lettering writes the source queue's
+    failures into the letter, and each look at the DLQ adds one), and read as the broker's it
+    had a letter taken for one at its queue's limit at its first delivery (session 51's
+    review of RabbitMQ 4.x). `EARLIER_DELIVERIES_HEADER`, our own, is kept."""
+    if redelivered or DELIVERY_COUNT_HEADER not in headers:
+        return headers
+    return {name: value for name, value in headers.items() if name != DELIVERY_COUNT_HEADER}
+
+
 def deliveries_lost(headers: Mapping[str, Any]) -> int:
     """How often consumers died (or lost their connection) holding this message: the broker's
     count of this copy plus the one carried from earlier copies."""

@@ -25,7 +25,7 @@ from shared.contracts import ScoreResult, TaskCompleted, new_id, utcnow
 from shared.event_batches import BATCH_HEADER, OneEvent, encode_batch, split_batch
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
-from shared.topology import CALLBACK_HEADER, EVENTS
+from shared.topology import CALLBACK_HEADER, DELIVERY_COUNT_HEADER, EVENTS, deliveries_lost
 from tests.support import completion_ids, eventually, publish_together, watching_completions
 
 pytestmark = pytest.mark.integration
@@ -79,8 +79,10 @@ class LimitedQueue:
         )
         return body
 
-    async def put_raw(self, body: bytes, headers: dict[str, Any]) -> None:
-        message = aio_pika.Message(body, headers=headers)
+    async def put_raw(
+        self, body: bytes, headers: dict[str, Any], *, message_id: str | None = None
+    ) -> None:
+        message = aio_pika.Message(body, headers=headers, message_id=message_id)
         await self.channel.default_exchange.publish(
             message, routing_key=self.name, timeout=TIMEOUT_S
         )
@@ -438,3 +440,33 @@ async def test_the_benchmark_times_every_completion_of_a_batch(amqp_url: str) ->
     assert {task: seen.status for task, seen in listener.seen.items()} == {
         event.task_id: "completed" for event in completions
     }
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["event", "batch"])
+async def test_a_count_a_moved_back_letter_carries_is_read_only_once_the_broker_counts(
+    amqp_url: str, limited: LimitedQueue, batched: bool
+) -> None:
+    """A letter moved back by a shovel or the management UI carries its DLQ's
+    `x-delivery-count` (RabbitMQ 4.0-4.2 write the source queue's failures into it): read as
+    the broker's on its first delivery, it had the letter taken for one at its limit and
+    dead-lettered at its first failure (session 51's review of RabbitMQ 4.x). Returned, the
+    broker's own count is read."""
+    counts: list[int] = []
+
+    async def fail_once(delivery: Delivery) -> None:
+        if delivery.message_id == "m-1":
+            counts.append(deliveries_lost(delivery.headers))
+        if len(counts) == 1:
+            await delivery.requeue_failed()
+        else:
+            await delivery.ack()
+
+    carried = {DELIVERY_COUNT_HEADER: LIMIT}
+    if batched:
+        body, parts = encode_batch(THREE)
+        await limited.put_raw(body, {BATCH_HEADER: parts, **carried})
+    else:
+        await limited.put_raw(b'{"n":1}', carried, message_id="m-1")
+    async with _consuming(amqp_url, limited, fail_once):
+        await _seen(counts, 2, "the letter handed twice")
+    assert counts[:2] == [0, 1]

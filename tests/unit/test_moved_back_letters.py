@@ -36,7 +36,11 @@ Json = dict[str, Any]
 def _delivered(routing_key: str, headers: Json | None = None, *, through: str = "") -> Delivery:
     """A delivery that came through exchange `through` (the default exchange: moved back)."""
     raw = SimpleNamespace(
-        routing_key=routing_key, headers=headers or {}, body=b"{}", exchange=through
+        routing_key=routing_key,
+        headers=headers or {},
+        body=b"{}",
+        exchange=through,
+        redelivered=False,
     )
     return Delivery(cast("Any", raw), cast("ChannelAcks", None))
 
@@ -118,7 +122,11 @@ def test_a_part_of_a_batch_moved_back_reads_the_batchs_key() -> None:
     batch_headers = headers | {"x-scorebox-batch": [[2, "m-1", "t-1", "acme"]]}
     [part] = split_batch(b"[{}]", batch_headers)
     raw = SimpleNamespace(
-        routing_key=STATUS_PROJECTION.name, headers=batch_headers, body=b"[{}]", exchange=""
+        routing_key=STATUS_PROJECTION.name,
+        headers=batch_headers,
+        body=b"[{}]",
+        exchange="",
+        redelivered=False,
     )
     delivery = BatchPart(cast("Any", raw), cast("ChannelAcks", None), part)
     assert delivery.routing_key == "task.completed"

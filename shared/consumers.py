@@ -89,10 +89,18 @@ class Delivery:
 
     __slots__ = ("_acks", "_headers", "_raw", "settlement")
 
-    def __init__(self, raw: AbstractIncomingMessage, acks: ChannelAcks) -> None:
+    def __init__(
+        self,
+        raw: AbstractIncomingMessage,
+        acks: ChannelAcks,
+        *,
+        headers: dict[str, Any] | None = None,
+    ) -> None:
+        """`headers`: what the handler reads as the delivery's, `raw`'s when None (as
+        `topology.counted_headers` leaves them)."""
         self._raw = raw
         self._acks = acks
-        self._headers = _counted_headers(raw)
+        self._headers = _counted_headers(raw) if headers is None else headers
         # How the handler settled it: "ack", "nack", "reject" or "requeue"; None while not.
         self.settlement: str | None = None
 
@@ -211,7 +219,7 @@ class BatchPart(Delivery):
     __slots__ = ("_last", "_part")
 
     def __init__(self, raw: AbstractIncomingMessage, acks: ChannelAcks, part: Part) -> None:
-        super().__init__(raw, acks)
+        super().__init__(raw, acks, headers=part.headers)
         self._part = part
         self._last: Callable[[], Awaitable[None]] | None = None
 
@@ -219,11 +227,6 @@ class BatchPart(Delivery):
     @override
     def body(self) -> bytes:
         return self._part.body
-
-    @property
-    @override
-    def headers(self) -> dict[str, Any]:
-        return self._part.headers
 
     @property
     @override

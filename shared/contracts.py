@@ -546,8 +546,8 @@ class RescoreTask(Contract):
     """Command: score this completed task again (`scorebox.tasks`, routing key `score.rescore`).
 
     Sent by the scheduler's re-score fan-out; consumed by the gateway, which owns the texts.
-    `message_id` is derived from (task, rubric version), so a consumer can drop duplicates of
-    the same request across fan-out runs.
+    `message_id` is derived from (task, rubric version, generation), so a consumer can drop
+    duplicates of the same request across fan-out runs.
     """
 
     routing_key: ClassVar[str] = "score.rescore"
@@ -564,6 +564,15 @@ class RescoreTask(Contract):
     model: str | None = Field(default=None, description="The model of the last result.")
     run_id: str = Field(description="The fan-out run that requested it.")
     attempt: int = Field(default=1, ge=1, le=MAX_INT64)
+    generation: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_INT64,
+        description="The task's generation the fan-out found completed: the re-score is "
+        "taken only while it is the task's latest, so that a version switched back to is "
+        "scored again and a stale request is not (None, an earlier scheduler's: once per "
+        "version).",
+    )
 
     @classmethod
     def for_task(
@@ -575,8 +584,11 @@ class RescoreTask(Contract):
         previous_rubric_version: str | None,
         model: str | None,
         run_id: str,
+        generation: int | None = None,
     ) -> RescoreTask:
         key = f"rescore:{task_id}:{rubric_version}"
+        if generation is not None:
+            key += f":g{generation}"
         return cls(
             message_id=uuid.uuid5(uuid.NAMESPACE_URL, key).hex,
             task_id=task_id,
@@ -585,6 +597,7 @@ class RescoreTask(Contract):
             previous_rubric_version=previous_rubric_version,
             model=model,
             run_id=run_id,
+            generation=generation,
         )
 
 

@@ -123,6 +123,7 @@ async def rescore_task(
             request_id=request.message_id,
             now=now,
             may_resume=resume,
+            generation=request.generation,
         )
 
     claim = await keep_trying(

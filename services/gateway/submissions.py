@@ -455,19 +455,29 @@ class Submissions:
         request_id: str,
         now: datetime,
         may_resume: bool = False,
+        generation: int | None = None,
     ) -> RescoreClaim | RescoreRefused:
-        """Take the next generation of a submission for `rubric_version`, once per version.
+        """Take the next generation of a submission for `rubric_version`: while `generation`
+        (the one the fan-out found completed) is its latest, or, for a request that names
+        none (an earlier scheduler's), once per version. Once per version, a version
+        switched back to (A, then B, then A again) was refused as a duplicate and never
+        scored again, though the fan-out counted it sent (a walkthrough).
 
         With `may_resume` (a retried or redelivered request), a claim whose command was not
         recorded as sent (`finish_rescore`) is handed out again with the same generation, so
         the request resumes instead of being dropped; without it, that claim is a duplicate
         in progress.
         """
+        latest: Document = (
+            {"rescored_for": {"$ne": rubric_version}}
+            if generation is None
+            else {"$expr": {"$eq": [_GENERATION, generation]}}
+        )
         claimable = {
             "_id": task_id,
             "tenant_id": tenant_id,
             "command": {"$type": "object"},
-            "rescored_for": {"$ne": rubric_version},
+            **latest,
             # No `expires_at`: not sent yet, so kept however old (its text with it).
             "$or": [{"expires_at": {"$gt": now}}, {"expires_at": {"$exists": False}}],
         }
@@ -485,7 +495,9 @@ class Submissions:
             # Past its retention, not yet removed (the TTL monitor runs about once a minute,
             # later under load): its text is no longer ours to send to the model.
             return RescoreRefused.TEXT_NOT_KEPT
-        return _earlier_rescore(current, rubric_version, may_resume=may_resume)
+        return _earlier_rescore(
+            current, rubric_version, may_resume=may_resume, generation=generation
+        )
 
     async def replay_generation(self, task_id: str, *, of: int) -> int | ReplayRefused | None:
         """The generation a DLQ replay of generation `of` runs as: `of` + 1, taken from the
@@ -931,15 +943,22 @@ def _expired(document: Document, now: datetime) -> bool:
 
 
 def _earlier_rescore(
-    document: Document | None, rubric_version: str, *, may_resume: bool
+    document: Document | None,
+    rubric_version: str,
+    *,
+    may_resume: bool,
+    generation: int | None = None,
 ) -> RescoreClaim | RescoreRefused:
-    """Why `claim_rescore` matched nothing, or the unsent claim to resume."""
+    """Why `claim_rescore` matched nothing, or the unsent claim to resume (the one a request
+    naming `generation` took: the next)."""
     if document is None:
         return RescoreRefused.UNKNOWN_TASK
     if not isinstance(document.get("command"), dict):
         return RescoreRefused.TEXT_NOT_KEPT
     latest = document.get("rescore") or {}
     unsent = latest.get("rubric_version") == rubric_version and not latest.get("sent")
+    if generation is not None and latest.get("generation") != generation + 1:
+        unsent = False
     if unsent and may_resume:
         return _rescore_claim(document, resumed=True)
     return RescoreRefused.ALREADY_REQUESTED

@@ -147,7 +147,13 @@ def _marker() -> str:
     return f"t{uuid.uuid4().hex[:12]}"
 
 
-def _rescore(task_id: str, *, tenant_id: str = DEFAULT_TENANT, version: str = "v2") -> RescoreTask:
+def _rescore(
+    task_id: str,
+    *,
+    tenant_id: str = DEFAULT_TENANT,
+    version: str = "v2",
+    generation: int | None = None,
+) -> RescoreTask:
     return RescoreTask.for_task(
         task_id=task_id,
         tenant_id=tenant_id,
@@ -155,6 +161,7 @@ def _rescore(task_id: str, *, tenant_id: str = DEFAULT_TENANT, version: str = "v
         previous_rubric_version=None,
         model="fake-judge-1",
         run_id=new_id(),
+        generation=generation,
     )
 
 
@@ -233,6 +240,34 @@ async def test_a_new_rubric_version_scores_the_task_again(
     stored = await flow.submissions.find_one({"_id": task_id})
     assert stored["generation"] == 2
     assert flow.calls(marker) == 3
+
+
+async def test_a_version_switched_back_to_is_scored_again_and_a_stale_request_is_not(
+    flow: Flow, rescore_log: pytest.LogCaptureFixture
+) -> None:
+    """A fan-out names the generation it found completed: v2, then v3, then v2 again (a
+    rubric rolled back) is scored each time. Once per version, the third was refused as a
+    duplicate and the task kept v3's result, though the fan-out counted it sent (a
+    walkthrough). A request of a generation no longer the latest (late, or a duplicate) is
+    refused."""
+    marker = _marker()
+    task_id = await flow.submit(f"Scored, rolled forward and back [[id:{marker}]].")
+    await flow.completed_generation(task_id, 0)
+    await flow.request_rescores(_rescore(task_id, version="v2", generation=0))
+    await flow.completed_generation(task_id, 1)
+    await flow.request_rescores(_rescore(task_id, version="v3", generation=1))
+    await flow.completed_generation(task_id, 2)
+    back = _rescore(task_id, version="v2", generation=2)
+    await flow.request_rescores(back, back)  # the second one is a duplicate
+    await flow.completed_generation(task_id, 3)
+    await flow.request_rescores(_rescore(task_id, version="v3", generation=1))  # a late one
+
+    lines = await _handled(rescore_log, task_id, 5)
+    assert sum("ignored: a duplicate request" in line for line in lines) == 2
+    stored = await flow.submissions.find_one({"_id": task_id})
+    assert stored["generation"] == 3
+    assert stored["rescore"]["rubric_version"] == "v2"
+    assert flow.calls(marker) == 4
 
 
 async def test_a_rescore_of_an_unknown_or_foreign_task_changes_nothing(

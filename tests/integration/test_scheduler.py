@@ -666,6 +666,7 @@ async def test_fanout_resumes_after_a_crash_without_skipping(env: Env) -> None:
     assert len(stale) == stale_count
     assert len(task_ids) - len(stale) == page_size // 2  # only the crashed half-page twice
     assert {task.rubric_version for task in published} == {"v2"}
+    assert {task.generation for task in published} == {0}  # as the catalogue holds it
     assert {m.message_id for m in messages} == {
         RescoreTask.for_task(
             task_id=t,
@@ -674,9 +675,10 @@ async def test_fanout_resumes_after_a_crash_without_skipping(env: Env) -> None:
             previous_rubric_version=None,
             model=None,
             run_id="x",
+            generation=0,
         ).message_id
         for t in stale
-    }  # one message id per (task, version): consumers can drop the duplicates
+    }  # one message id per (task, version, generation): consumers can drop the duplicates
     checkpoint = await checkpoints.find(accepted["run_id"])
     assert checkpoint is not None
     assert checkpoint.finished_at is not None

@@ -140,6 +140,7 @@ class _PageWalk:
                         previous_rubric_version=task.rubric_version,
                         model=task.model,
                         run_id=self.run.run_id,
+                        generation=task.generation,
                     )
                     for task in page.due
                 ]

@@ -859,11 +859,23 @@ def _note_truncated(answer: dict[str, Any], consequence: str) -> None:
         typer.echo(f"truncated: {WALK_STOPPED}; {consequence}", err=True)
 
 
+# The fields of a replay's report that name letters left in the queue, unreplayed.
+_NOT_REPLAYED = (
+    "not_found",
+    "not_reached",
+    "skipped_unreadable",
+    "skipped_in_progress",
+    "skipped_unconfigured",
+)
+
+
 def _exit_on_missed(replay: dict[str, Any], *, drop_command: str, replay_all: bool) -> None:
     """Say what a replay did not reach, and exit 1 when an id asked for was not replayed for
     want of a letter (not found, or past the end of a walk cut short), a letter was left
-    unreplayed because it is unreadable (kept: only `drop_command` removes it), or a replay
-    of all stopped short (letters left that a script would take as replayed)."""
+    unreplayed because it is unreadable (kept: only `drop_command` removes it) or, for a
+    cron run, because its job has a run in progress or is no longer configured (a
+    walkthrough found those exiting 0, silent), or a replay of all stopped short (letters
+    left that a script would take as replayed)."""
     _note_truncated(replay, "letters past it were not looked at: run again to reach them")
     if replay.get("timed_out") is True:
         typer.echo(f"timed out: {REPLAY_STOPPED}; run it again for the rest", err=True)
@@ -889,7 +901,19 @@ def _exit_on_missed(replay: dict[str, Any], *, drop_command: str, replay_all: bo
             f"{' '.join(replay['skipped_unreadable'])}",
             err=True,
         )
-    if any(replay.get(field) for field in ("not_found", "not_reached", "skipped_unreadable")):
+    if replay.get("skipped_in_progress"):
+        typer.echo(
+            "kept, their job has a run in progress (replay them once it ends): "
+            f"{' '.join(replay['skipped_in_progress'])}",
+            err=True,
+        )
+    if replay.get("skipped_unconfigured"):
+        typer.echo(
+            f"kept, their job is no longer configured (drop them with `{drop_command} ID`): "
+            f"{' '.join(replay['skipped_unconfigured'])}",
+            err=True,
+        )
+    if any(replay.get(field) for field in _NOT_REPLAYED):
         raise typer.Exit(code=1)
     if replay_all and _stopped_short(replay):
         raise typer.Exit(code=1)

@@ -379,6 +379,25 @@ def test_cron_dlq_replay_exits_1_on_a_run_not_found(server: FakeServer) -> None:
     assert "not found: r7" in result.output
 
 
+@pytest.mark.parametrize(
+    ("field", "said"),
+    [
+        ("skipped_in_progress", "kept, their job has a run in progress"),
+        ("skipped_unconfigured", "kept, their job is no longer configured"),
+    ],
+)
+def test_cron_dlq_replay_that_kept_letters_says_why_and_exits_1(
+    server: FakeServer, field: str, said: str
+) -> None:
+    """It exited 0 and said nothing, the letter still in the queue (a walkthrough)."""
+    report = {"replayed": [], "not_found": [], field: ["r3"]}
+    server.script("POST", f"{CRON_DLQ}/replay", httpx.Response(200, json=report))
+    result = run_cli("cron", "dlq", "replay", "--all")
+    assert result.exit_code == 1
+    assert f"{said}" in result.stderr
+    assert "r3" in result.stderr
+
+
 def test_cron_dlq_replay_refused_for_a_job_gone_exits_1(server: FakeServer) -> None:
     refused = _problem(409, "job no longer configured: old-job (run r0)")
     server.script("POST", f"{CRON_DLQ}/replay", refused)

@@ -67,6 +67,11 @@ class Endpoint:
     management_url: str | None = None
     _closer: Callable[[], None] | None = field(default=None, repr=False)
 
+    @property
+    def started_here(self) -> bool:
+        """Whether we started it (and `close` stops it): not one given by URL."""
+        return self._closer is not None
+
     def close(self) -> None:
         """Stop what we started (container, stand-in subprocess); a no-op otherwise."""
         closer, self._closer = self._closer, None

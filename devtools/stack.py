@@ -1017,7 +1017,10 @@ def start_and_supervise(
         print(f"error: {error}", file=sys.stderr)
         return 2
     rabbitmq_url = rabbitmq.url
-    if mongo.is_standin:
+    # Only a stand-in this run started loses its data at the stop: one given as MONGO_URL
+    # outlives the run, and its tasks' queued messages must too (a walkthrough found a
+    # delayed task stuck for good, its message deleted with the run's vhost).
+    if mongo.is_standin and mongo.started_here:
         print("          (in memory: its data is gone when this stops)")
         if "RABBITMQ_URL" not in os.environ:
             rabbitmq_url = resources.enter_context(

@@ -166,6 +166,7 @@ def test_standin_endpoint_close_stops_the_process() -> None:
     endpoint = start_mongo_standin()
     port = int(endpoint.url.split(":")[2].split("/")[0])
     assert endpoint.is_standin
+    assert endpoint.started_here  # `make run` gives it a vhost of its own, gone with it
 
     endpoint.close()
 
@@ -183,6 +184,7 @@ def test_mongo_url_pointing_at_a_standin_is_labelled_as_one(
 
         assert endpoint.url == standin.url
         assert endpoint.is_standin
+        assert not endpoint.started_here  # its data outlives the run: so do its queues
         assert "from MONGO_URL" in endpoint.kind
 
 

@@ -51,7 +51,10 @@ def clean_env() -> dict[str, str]:
     return {**kept, "SCOREBOX_INTERNAL_KEY": "compose-test-internal-key"}
 
 
-def compose_config(*args: str) -> subprocess.CompletedProcess[str]:
+def compose_config(
+    *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`compose config` of the file, in `env` (`clean_env()` when None)."""
     command = compose_command()
     if command is None:
         pytest.skip(HOW_TO_INSTALL)
@@ -61,7 +64,7 @@ def compose_config(*args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=60,
         cwd=ROOT,
-        env=clean_env(),
+        env=clean_env() if env is None else env,
         check=False,
     )
 
@@ -220,19 +223,8 @@ def test_the_image_installs_the_versions_the_tests_ran_with() -> None:
 
 
 def test_compose_stops_without_the_internal_key_and_says_which() -> None:
-    command = compose_command()
-    if command is None:
-        pytest.skip(HOW_TO_INSTALL)
     without = {k: v for k, v in clean_env().items() if k != "SCOREBOX_INTERNAL_KEY"}
-    result = subprocess.run(
-        [*command, "-f", str(COMPOSE_FILE), "config", "-q"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        env=without,
-        check=False,
-    )
+    result = compose_config("-q", env=without)
 
     assert result.returncode != 0
     assert "set SCOREBOX_INTERNAL_KEY to a random token" in result.stderr

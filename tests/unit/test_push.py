@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Coroutine
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any, cast
@@ -1217,6 +1218,19 @@ def test_the_retry_of_a_refusal_is_bounded_whatever_its_retry_after(
     assert least_ms <= _retry_ms(bytes(answer.body).decode()) <= most_ms
 
 
+def _an_hours_long_poll(views: Views, live: LiveUpdates) -> Coroutine[Any, Any, TaskView | None]:
+    """A long-poll of task t1 by a client that has it `queued`, waiting up to an hour."""
+    return read_when_changed(
+        views,
+        live=live,
+        task_id="t1",
+        tenant_id="a",
+        wait_s=3600,
+        known_status=TaskStatus.QUEUED,
+        settle_s=0,
+    )
+
+
 async def test_a_finished_tasks_long_poll_is_answered_while_the_bind_hangs() -> None:
     """The long-poll waited for the live queue's bind before its first read: with the broker
     away, a finished task's long-poll waited a whole bind attempt (`BROKER_TIMEOUT_S`) for
@@ -1225,15 +1239,7 @@ async def test_a_finished_tasks_long_poll_is_answered_while_the_bind_hangs() -> 
     live = LiveUpdates(binding=binding)
     views = Views(_view(TaskStatus.COMPLETED, 190))
     async with asyncio.timeout(20):  # a hang guard only: the bind never ends on its own
-        view = await read_when_changed(
-            views,
-            live=live,
-            task_id="t1",
-            tenant_id="a",
-            wait_s=3600,
-            known_status=TaskStatus.QUEUED,
-            settle_s=0,
-        )
+        view = await _an_hours_long_poll(views, live)
     assert view is not None
     assert view.status is TaskStatus.COMPLETED
     assert (views.reads, len(live), live.listening) == (1, 0, False)
@@ -1249,17 +1255,7 @@ async def test_a_long_poll_reads_again_once_a_bind_it_read_before_has_ended() ->
     binding.failing = False
     live = LiveUpdates(binding=binding)
     views = Views(_view(TaskStatus.QUEUED, 0))
-    waiting = asyncio.create_task(
-        read_when_changed(
-            views,
-            live=live,
-            task_id="t1",
-            tenant_id="a",
-            wait_s=3600,
-            known_status=TaskStatus.QUEUED,
-            settle_s=0,
-        )
-    )
+    waiting = asyncio.create_task(_an_hours_long_poll(views, live))
 
     async def read_once() -> bool:
         return views.reads == 1

@@ -1321,9 +1321,9 @@ def cron_dlq_replay(
     """Run each dead run's job again as a new run; prints the new runs and their status URLs.
 
     Exits 1 when a run id matched no letter or was not reached by a walk cut short, a letter
-    was unreadable (kept: drop it by its message id), --all stopped short (run it again for
-    the rest), or the scheduler refused (a job no longer configured: 409, nothing
-    replayed)."""
+    was unreadable (kept: drop it by its message id), a letter was kept because its job has
+    a run in progress or is no longer configured, --all stopped short (run it again for the
+    rest), or the scheduler refused (a job no longer configured: 409, nothing replayed)."""
     body = _replay_body(run_ids, replay_all, field="run_ids")
     replay = _admin_call(
         "POST", f"{CRON_DEAD_LETTERS}/replay", client=_scheduler_client(), json=body

@@ -13,10 +13,16 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictInt, field_validator
 
 from services.gateway.errors import DatabaseUnavailable, refused_for_good
-from services.gateway.keys import KEY_ID, TENANT_ID_PATTERN, ApiKeys, KeyNotIssued
+from services.gateway.keys import (
+    BOOTSTRAP_KEY_NAME,
+    KEY_ID,
+    TENANT_ID_PATTERN,
+    ApiKeys,
+    KeyNotIssued,
+)
 from shared.bodies import json_body, read_model, refuse_a_body
 from shared.contracts import to_millis
 from shared.http import (
@@ -40,7 +46,12 @@ class KeyRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tenant_id: str = Field(pattern=TENANT_ID_PATTERN, description="1-64 of A-Z a-z 0-9 _ -.")
-    name: str = Field(default="", max_length=200, description="What the key is for.")
+    name: str = Field(
+        default="",
+        max_length=200,
+        description=f"What the key is for; not `{BOOTSTRAP_KEY_NAME}`, which names the keys "
+        "`BOOTSTRAP_API_KEY` registers (a new one revokes those before it).",
+    )
     expires_in_days: StrictInt | None = Field(
         default=None,
         ge=1,
@@ -48,6 +59,17 @@ class KeyRequest(BaseModel):
         description="The key stops opening requests this many days after its creation "
         "(401, as a revoked key); without it, it lasts until revoked.",
     )
+
+    @field_validator("name")
+    @classmethod
+    def _not_a_bootstrap_keys(cls, name: str) -> str:
+        """A key of that name would be revoked by the next `BOOTSTRAP_API_KEY` (a review)."""
+        if name.strip().casefold() == BOOTSTRAP_KEY_NAME:
+            raise ValueError(
+                f"{BOOTSTRAP_KEY_NAME!r} names the keys BOOTSTRAP_API_KEY registers: "
+                "choose another name"
+            )
+        return name
 
 
 def _unavailable(error: DatabaseUnavailable) -> Problem:

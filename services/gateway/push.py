@@ -547,9 +547,10 @@ async def _first_read(
 
 
 async def _cancelled(task: asyncio.Task[None]) -> None:
+    """Cancel `task` and wait for it to end; a cancellation of the caller meanwhile is not
+    swallowed (`asyncio.wait` raises none of the task's)."""
     task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    await asyncio.wait([task])
 
 
 @dataclass

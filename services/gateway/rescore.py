@@ -8,8 +8,11 @@ fresh message id, queued now; the command is published with a confirm, to the sc
 and announced to the projection once confirmed (`TaskPublisher.resubmit`): a re-score the full
 score queue refuses leaves the task's earlier outcome in view.
 
-A submission is re-scored at most once per rubric version (`Submissions.claim_rescore`), so
-duplicate requests (a fan-out run repeated, the same request twice) score nothing twice. A
+A submission is re-scored once per generation a request names: the one the fan-out found
+completed, taken only while it is the task's latest outcome (`Submissions.claim_rescore`),
+so duplicate requests (a fan-out run repeated, the same request twice) and late ones score
+nothing twice, and a version switched back to is scored again; a request naming none (a
+scheduler of an earlier build) is taken once per rubric version. A
 request that is retried (`attempt` > 1) or redelivered may resume a claim whose command was
 not recorded as sent, with the same generation (the scorer claims each generation once).
 
@@ -17,7 +20,7 @@ Each delivery is acknowledged by hand:
 
 - unreadable body: rejected without requeue (the queue's DLQ keeps it);
 - unknown task (expired after `IDEMPOTENCY_TTL_S`, never existed, another tenant's), a text
-  not kept (accepted before texts were kept) or a version already re-scored: logged, acked;
+  not kept (accepted before texts were kept) or a duplicate request: logged, acked;
 - MongoDB unavailable: retried in place (`keep_trying`); the delivery is held meanwhile;
 - an operation MongoDB refuses for good (`database_away`: a failed validation, say):
   returned as failed (`Delivery.requeue_failed`), for the queue's delivery limit to

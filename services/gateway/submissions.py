@@ -471,7 +471,7 @@ class Submissions:
         latest: Document = (
             {"rescored_for": {"$ne": rubric_version}}
             if generation is None
-            else {"$expr": {"$eq": [_GENERATION, generation]}}
+            else _latest_done_at(generation)
         )
         claimable = {
             "_id": task_id,
@@ -496,7 +496,10 @@ class Submissions:
             # later under load): its text is no longer ours to send to the model.
             return RescoreRefused.TEXT_NOT_KEPT
         return _earlier_rescore(
-            current, rubric_version, may_resume=may_resume, generation=generation
+            current,
+            rubric_version,
+            may_resume=may_resume,
+            request_id=None if generation is None else request_id,
         )
 
     async def replay_generation(self, task_id: str, *, of: int) -> int | ReplayRefused | None:
@@ -947,17 +950,18 @@ def _earlier_rescore(
     rubric_version: str,
     *,
     may_resume: bool,
-    generation: int | None = None,
+    request_id: str | None = None,
 ) -> RescoreClaim | RescoreRefused:
-    """Why `claim_rescore` matched nothing, or the unsent claim to resume (the one a request
-    naming `generation` took: the next)."""
+    """Why `claim_rescore` matched nothing, or the unsent claim to resume: with
+    `request_id` (a request naming its generation, whose message id is its own), only the
+    claim that request took."""
     if document is None:
         return RescoreRefused.UNKNOWN_TASK
     if not isinstance(document.get("command"), dict):
         return RescoreRefused.TEXT_NOT_KEPT
     latest = document.get("rescore") or {}
     unsent = latest.get("rubric_version") == rubric_version and not latest.get("sent")
-    if generation is not None and latest.get("generation") != generation + 1:
+    if request_id is not None and latest.get("request_id") != request_id:
         unsent = False
     if unsent and may_resume:
         return _rescore_claim(document, resumed=True)
@@ -1017,6 +1021,23 @@ def _cancel_target_of(document: Document) -> CancelTarget:
 
 
 _GENERATION: Final = {"$ifNull": ["$generation", NO_GENERATION]}
+
+
+def _latest_done_at(generation: int) -> Document:
+    """A filter: `generation` (a completed one) is the task's latest outcome, and no later
+    generation is running: it is the latest handed out, or every later one finished without
+    completing (a re-score that failed). A duplicate of a request, or a late one of an
+    earlier run, finds the next generation taken and running (or completed)."""
+    completed = {"$ifNull": [f"${COMPLETED_GENERATION}", NO_GENERATION]}
+    finished = {"$ifNull": [f"${FINISHED_GENERATION}", NO_GENERATION - 1]}
+    return {
+        "$expr": {
+            "$and": [
+                {"$lte": [completed, generation]},
+                {"$or": [{"$eq": [_GENERATION, generation]}, {"$gte": [finished, _GENERATION]}]},
+            ]
+        }
+    }
 
 
 def _none_sent_above(generation: int) -> Document:

@@ -270,6 +270,27 @@ async def test_a_version_switched_back_to_is_scored_again_and_a_stale_request_is
     assert flow.calls(marker) == 4
 
 
+async def test_a_generation_that_failed_since_does_not_hold_the_next_versions_rescore(
+    flow: Flow, rescore_log: pytest.LogCaptureFixture
+) -> None:
+    """The catalogue knows completions only: after a re-score that failed (its generation
+    finished, not completed), the next version's request names the generation that last
+    completed, and is taken; it was refused for good as a duplicate (a review)."""
+    marker = _marker()
+    task_id = await flow.submit(f"Re-scored, then a re-score failed [[id:{marker}]].")
+    await flow.completed_generation(task_id, 0)
+    await flow.request_rescores(_rescore(task_id, version="v2", generation=0))
+    await flow.completed_generation(task_id, 1)
+    await flow.submissions.update_one(  # generation 2 handed out, and failed
+        {"_id": task_id}, {"$set": {"generation": 2, "finished_generation": 2}}
+    )
+    await flow.request_rescores(_rescore(task_id, version="v3", generation=1))
+
+    await flow.completed_generation(task_id, 3)
+    lines = await _handled(rescore_log, task_id, 2)
+    assert sum("queued as generation 3" in line for line in lines) == 1
+
+
 async def test_a_rescore_of_an_unknown_or_foreign_task_changes_nothing(
     flow: Flow, rescore_log: pytest.LogCaptureFixture
 ) -> None:

@@ -213,6 +213,34 @@ async def test_a_first_delivery_never_resumes_a_claim_being_sent(env: Env) -> No
     assert [command.generation for command in publisher.sent] == [claim.generation]
 
 
+async def test_a_retried_request_naming_its_generation_resumes_only_its_own_claim(
+    env: Env,
+) -> None:
+    """The fan-out's requests name the generation they found completed (their message id
+    with it): a retry resumes the claim that request took, unsent; another request for the
+    same version (a late one of an earlier run) does not."""
+    command = await accepted_submission(env.submissions())
+    submissions = env.submissions()
+
+    async def claim(request_id: str) -> RescoreClaim | RescoreRefused:
+        return await submissions.claim_rescore(
+            command.task_id,
+            tenant_id=command.tenant_id,
+            rubric_version="v2",
+            request_id=request_id,
+            now=utcnow(),
+            may_resume=True,
+            generation=0,
+        )
+
+    first = await claim("request-a")
+    assert isinstance(first, RescoreClaim)
+    again = await claim("request-a")
+    assert isinstance(again, RescoreClaim)
+    assert (again.generation, again.resumed) == (first.generation, True)
+    assert await claim("request-b") is RescoreRefused.ALREADY_REQUESTED
+
+
 async def test_the_last_attempt_goes_to_the_dead_letter_queue(env: Env) -> None:
     await env.take(RESCORE_REQUESTS.dead_letter_routing_key)
     command = await accepted_submission(env.submissions())

@@ -105,3 +105,14 @@ async def test_a_database_away_is_still_a_503_with_retry_after() -> None:
         answer = await client.get("/admin/v1/keys", headers=ADMIN)
     assert answer.status_code == 503
     assert answer.headers["retry-after"] == "5"
+
+
+async def test_a_key_may_not_take_the_bootstrap_keys_name() -> None:
+    """A new BOOTSTRAP_API_KEY revokes the default tenant's keys of that name registered
+    before it: an admin's key named so would have been revoked with them (a review)."""
+    async with running(app_with(StubKeys(), [])) as client:
+        answer = await client.post(
+            "/admin/v1/keys", json={"tenant_id": "default", "name": " Bootstrap"}, headers=ADMIN
+        )
+    assert answer.status_code == 422, answer.text
+    assert "BOOTSTRAP_API_KEY" in answer.text

@@ -192,6 +192,12 @@ async def _claim_manual(
     raise TriggeredTooOften(job.name)
 
 
+class FireTimeUndecided(Exception):
+    """A fire time whose job's lease a run by hand holds while it is being published: asked
+    again at the next tick, when that run has gone ahead (an overlap, recorded skipped) or
+    been withdrawn (the fire time runs)."""
+
+
 async def _withdraw(
     firing: Firing, *, firings: FiringStore, error: Exception
 ) -> FiringState | None:
@@ -280,6 +286,9 @@ class Dispatcher:
                 continue
             try:
                 firing = await self._fire_if_due(job, now)
+            except FireTimeUndecided as undecided:
+                log.debug("job %s: asked again next tick: %s", job.name, undecided)
+                continue
             except Exception as error:  # one job's trouble must not stop the others
                 if not self.away.failed(f"job {job.name}: firing", error):
                     log.exception("job %s: could not fire; trying again next tick", job.name)
@@ -324,6 +333,8 @@ class Dispatcher:
             claim, firings=self._firings, clock=self._clock, stale_after=self._stale_after
         )
         if isinstance(firing, Overlap):
+            if firing.undecided:
+                raise FireTimeUndecided(firing.reason)
             await self._skip_overlapping(claim, firing)
             return None
         if firing is None:

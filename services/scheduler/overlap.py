@@ -14,6 +14,10 @@ lease held is not started:
   of a dead letter keeps the letter (reported `skipped_in_progress`): an operator's run
   beside a chain is the duplicate work this prevents, and the operator can see why.
 
+A fire time that finds the lease held by a run by hand still being published (`claimed`)
+waits instead: it is asked again at the next tick, when that run has gone ahead or been
+withdrawn (`Overlap.undecided`).
+
 Two holders give way instead:
 
 - a scheduled firing still `claimed` (never published: the broker was away) to a later fire
@@ -49,6 +53,13 @@ class Overlap:
     """A firing not started because `holder` is in progress."""
 
     holder: Firing
+
+    @property
+    def undecided(self) -> bool:
+        """Whether the holder is a run by hand still being published: it may yet be withdrawn
+        (the broker refused it), and a fire time skipped for it then ran nowhere (a
+        walkthrough lost a minute's run so; a daily job with `skip` loses its day)."""
+        return self.holder.manual and self.holder.state is FiringState.CLAIMED
 
     @property
     def reason(self) -> str:

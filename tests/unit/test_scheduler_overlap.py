@@ -105,6 +105,53 @@ async def test_a_manual_run_during_a_run_is_refused_and_allowed_after_it() -> No
     assert (await by_hand(owner="a")).manual
 
 
+async def _claimed_by_hand(firings: FakeFirings, clock: Clock) -> str:
+    """A run by hand of the hourly job, claimed a moment before its 10:05 fire time and not
+    yet published (its publish under way, or refused by the broker)."""
+    claimed = await firings.claim(
+        "rollup",
+        clock.now - timedelta(seconds=1),
+        now=clock.now - timedelta(seconds=1),
+        owner="by-hand",
+        manual=True,
+        exclusive=True,
+    )
+    assert claimed is not None
+    return claimed.run_id
+
+
+async def test_a_fire_time_behind_a_run_by_hand_being_published_runs_if_it_is_withdrawn() -> None:
+    """The fire time found the lease held by a run by hand whose publish the broker then
+    refused: recorded skipped as an overlap, and the run withdrawn, nothing ran for that
+    fire time (a walkthrough)."""
+    firings, published, clock = FakeFirings(), Published(), Clock(ON_TIME)
+    dispatcher = _dispatcher(firings, published, clock, _jobs())
+    by_hand = await _claimed_by_hand(firings, clock)
+
+    await dispatcher.tick()
+    assert firings.of("rollup", FiringState.SKIPPED) == []
+    assert published.commands == []
+
+    assert await firings.forget_unpublished(by_hand)  # the broker refused it: withdrawn
+    clock.now += timedelta(seconds=1)
+    await dispatcher.tick()
+    assert [c.scheduled_for.hour for c in published.commands] == [10]
+
+
+async def test_a_fire_time_behind_a_run_by_hand_that_went_ahead_is_skipped_as_an_overlap() -> None:
+    firings, published, clock = FakeFirings(), Published(), Clock(ON_TIME)
+    dispatcher = _dispatcher(firings, published, clock, _jobs())
+    by_hand = await _claimed_by_hand(firings, clock)
+    await dispatcher.tick()
+
+    await firings.mark_dispatched(by_hand, now=clock.now)
+    clock.now += timedelta(seconds=1)
+    await dispatcher.tick()
+    (skipped,) = firings.of("rollup", FiringState.SKIPPED)
+    assert (skipped.error or "").startswith(f"overlap: run {by_hand} of this job")
+    assert published.commands == []
+
+
 async def test_a_job_that_allows_overlap_runs_every_firing() -> None:
     firings, published, clock = FakeFirings(), Published(), Clock(ON_TIME)
     jobs = _jobs(concurrency=Concurrency.ALLOW)

@@ -176,6 +176,21 @@ def bearer_token(key: SecretStr | None, name: str) -> SecretStr | None:
     return SecretStr(value)
 
 
+def require_distinct_keys(settings: object, name: str, others: tuple[str, ...]) -> None:
+    """Refuse the key setting `name` where one of `others` (settings of the same object,
+    absent ones passed over) holds the same value: each key opens its own routes, and the
+    guards compare the whole header, so one value for two opened both. The error names the
+    two variables, never the value."""
+    key: SecretStr | None = getattr(settings, name, None)
+    value = "" if key is None else key.get_secret_value().strip()
+    if not value:
+        return
+    for other_name in others:
+        other: SecretStr | None = getattr(settings, other_name, None)
+        if other is not None and other.get_secret_value().strip() == value:
+            raise ValueError(f"{name.upper()} must differ from {other_name.upper()}")
+
+
 class MetricsApiSettings(ServiceSettings):
     """Settings of a service that serves `GET /metrics` (every one)."""
 
@@ -208,16 +223,7 @@ class InternalApiSettings(MetricsApiSettings):
         """The internal key is held by every service; the admin key opens the admin API, and
         the metrics key is a scraper's. One value for two gave anyone holding a service's
         settings the admin API, or a scraper every tenant's data."""
-        internal = self.internal_api_key
-        if internal is None:
-            return self
-        for name in ("admin_api_key", "metrics_api_key"):
-            other: SecretStr | None = getattr(self, name, None)
-            if (
-                other is not None
-                and other.get_secret_value().strip() == internal.get_secret_value()
-            ):
-                raise ValueError(f"INTERNAL_API_KEY must differ from {name.upper()}")
+        require_distinct_keys(self, "internal_api_key", ("admin_api_key", "metrics_api_key"))
         return self
 
 
@@ -239,13 +245,7 @@ class AdminApiSettings(InternalApiSettings):
         """The metrics key exists so that a scraper need not hold the admin key; one value
         for both gave the scraper the admin API (minting keys, purging dead letters), and
         was taken (found in review)."""
-        admin, metrics = self.admin_api_key, self.metrics_api_key
-        if (
-            admin is not None
-            and metrics is not None
-            and admin.get_secret_value() == metrics.get_secret_value()
-        ):
-            raise ValueError("METRICS_API_KEY must differ from ADMIN_API_KEY")
+        require_distinct_keys(self, "metrics_api_key", ("admin_api_key",))
         return self
 
 

@@ -12,6 +12,7 @@ from shared.settings import (
     READ_YOUR_WRITES_MAX_S,
     AdminApiSettings,
     http_url,
+    require_distinct_keys,
 )
 
 # The longest a revoked key may still be taken by another replica.
@@ -187,14 +188,9 @@ class GatewaySettings(AdminApiSettings):
         """The admin, metrics and internal guards compare the whole `Authorization` header:
         one of their keys shaped like a Scorebox key and also given as the bootstrap key
         made the default tenant's API key open their routes too."""
-        bootstrap = self.bootstrap_api_key
-        token = "" if bootstrap is None else bootstrap.get_secret_value().strip()
-        if not token:
-            return self
-        for name in ("admin_api_key", "metrics_api_key", "internal_api_key"):
-            other: SecretStr | None = getattr(self, name, None)
-            if other is not None and other.get_secret_value().strip() == token:
-                raise ValueError(f"BOOTSTRAP_API_KEY must differ from {name.upper()}")
+        require_distinct_keys(
+            self, "bootstrap_api_key", ("admin_api_key", "metrics_api_key", "internal_api_key")
+        )
         return self
 
     @field_validator("bootstrap_api_key")

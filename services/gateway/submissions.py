@@ -960,9 +960,8 @@ def _earlier_rescore(
     if not isinstance(document.get("command"), dict):
         return RescoreRefused.TEXT_NOT_KEPT
     latest = document.get("rescore") or {}
-    unsent = latest.get("rubric_version") == rubric_version and not latest.get("sent")
-    if request_id is not None and latest.get("request_id") != request_id:
-        unsent = False
+    own = request_id is None or latest.get("request_id") == request_id
+    unsent = own and latest.get("rubric_version") == rubric_version and not latest.get("sent")
     if unsent and may_resume:
         return _rescore_claim(document, resumed=True)
     return RescoreRefused.ALREADY_REQUESTED

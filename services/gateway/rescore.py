@@ -29,8 +29,10 @@ Each delivery is acknowledged by hand:
   the next `attempt`, after 5 s, 30 s, 2 min and 10 min, and then to the DLQ with the error;
   acked either way (a copy to the DLQ the broker refuses for `LETTER_DEADLINE_S` returns the
   delivery as failed instead, `keep_dead_lettering`). Its claim stays unsent, so the retry
-  resumes it with the same generation. That publish is tried until the broker confirms it,
-  the delivery held meanwhile (`keep_publishing`).
+  resumes it with the same generation; given up to the DLQ, the claim is marked so, and the
+  next request that finds the task's completed generation the latest (the next fan-out's, or
+  the letter's replay) takes that generation again. That publish is tried until the broker
+  confirms it, the delivery held meanwhile (`keep_publishing`).
 - the command refused by the broker (a negative confirm: the score queue full): the same
   ladder, and then every 10 min for as long as the queue refuses, never to the DLQ. A full
   queue is back-pressure (clients' submissions filling it, a slow scorer) that outlasts the
@@ -261,9 +263,24 @@ class RescoreRequests:
     ) -> bool:
         reason = f"re-score not sent after {request.attempt} attempts: {error_words(error)}"
         log.error("dead-lettering the re-score of %s: %s", request.task_id, reason)
+        await self._give_up_claim(request)
         return await keep_dead_lettering(
             self.broker, RESCORE_REQUESTS, message, error=reason, timeout=self.timeout_s
         )
+
+    async def _give_up_claim(self, request: RescoreTask) -> None:
+        """Free the request's unsent claim for the next fan-out's request. Tried once: the
+        letter goes to the DLQ either way, and its replay resumes the claim."""
+        try:
+            await self.submissions.give_up_rescore(
+                request.task_id, request_id=request.message_id, now=self.clock()
+            )
+        except DatabaseUnavailable as error:
+            log.warning(
+                "the re-score claim of %s stays taken until its letter is replayed: %s",
+                request.task_id,
+                error,
+            )
 
 
 def subscribe_rescore_requests(

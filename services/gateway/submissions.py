@@ -538,6 +538,17 @@ class Submissions:
     async def _replays(self, task_id: str) -> Document | None:
         return await self._collection.find_one({"_id": task_id}, projection={"replays": True})
 
+    async def give_up_rescore(self, task_id: str, *, request_id: str, now: datetime) -> None:
+        """The request that took the claim goes to its DLQ with its command unsent: the
+        claim's generation is handed out again to the next request that finds the task's
+        completed generation the latest (`_latest_done_at`), the letter's replay included.
+        Left blocking, it refused every later fan-out's request until the letter was
+        replayed."""
+        await self._update(
+            {"_id": task_id, "rescore.request_id": request_id, "rescore.sent": {"$ne": True}},
+            {"$set": {"rescore.given_up": True, "rescore.given_up_at": now}},
+        )
+
     async def finish_rescore(self, task_id: str, *, rubric_version: str, now: datetime) -> None:
         """The re-score's command reached the broker: a duplicate request is now ignored."""
         await self._update(
@@ -897,10 +908,11 @@ def _tombstone(task_id: str, now: datetime) -> tuple[Document, Document]:
 def _claim_next_generation(
     rubric_version: str, *, request_id: str, now: datetime
 ) -> list[Document]:
-    """The update of a re-score claim: the next generation, recorded with the claim in the
-    same write (an update pipeline, so `rescore.generation` can be computed from the
-    generation it takes). A resumed claim runs as the generation it took, not as one a DLQ
-    replay took from the submission meanwhile; as two writes, a claim whose second write
+    """The update of a re-score claim: the next generation (a claim's given up unsent is
+    taken again, `_HANDED_OUT`), recorded with the claim in the same write (an update
+    pipeline, so `rescore.generation` can be computed from the generation it takes). A
+    resumed claim runs as the generation it took, not as one a DLQ replay took from the
+    submission meanwhile; as two writes, a claim whose second write
     failed fell back to the submission's generation, and a replay raising it in between
     had the re-score sent as the replay's generation, which the scorer dropped as a
     duplicate. `$literal` keeps the values from being read as field paths or operators;
@@ -915,7 +927,7 @@ def _claim_next_generation(
     return [
         {
             "$set": {
-                "generation": {"$add": [{"$ifNull": ["$generation", NO_GENERATION]}, 1]},
+                "generation": {"$add": [_HANDED_OUT, 1]},
                 "rescored_for": {
                     "$concatArrays": [
                         {"$ifNull": ["$rescored_for", []]},
@@ -1020,20 +1032,33 @@ def _cancel_target_of(document: Document) -> CancelTarget:
 
 
 _GENERATION: Final = {"$ifNull": ["$generation", NO_GENERATION]}
+# The highest generation handed out to anything still able to send it: a re-score's claim
+# on top whose request was given up to its DLQ unsent (`give_up_rescore`) does not count,
+# and the next claim takes its generation again.
+_GIVEN_UP_CLAIM_ON_TOP: Final = {
+    "$and": [
+        {"$eq": ["$rescore.given_up", True]},
+        {"$ne": ["$rescore.sent", True]},
+        {"$eq": ["$rescore.generation", _GENERATION]},
+    ]
+}
+_HANDED_OUT: Final = {
+    "$cond": [_GIVEN_UP_CLAIM_ON_TOP, {"$subtract": [_GENERATION, 1]}, _GENERATION]
+}
 
 
 def _latest_done_at(generation: int) -> Document:
     """A filter: `generation` (a completed one) is the task's latest outcome, and no later
-    generation is running: it is the latest handed out, or every later one finished without
-    completing (a re-score that failed). A duplicate of a request, or a late one of an
-    earlier run, finds the next generation taken and running (or completed)."""
+    generation is running: it is the latest handed out (`_HANDED_OUT`), or every later one
+    finished without completing (a re-score that failed). A duplicate of a request, or a late
+    one of an earlier run, finds the next generation taken and running (or completed)."""
     completed = {"$ifNull": [f"${COMPLETED_GENERATION}", NO_GENERATION]}
     finished = {"$ifNull": [f"${FINISHED_GENERATION}", NO_GENERATION - 1]}
     return {
         "$expr": {
             "$and": [
                 {"$lte": [completed, generation]},
-                {"$or": [{"$eq": [_GENERATION, generation]}, {"$gte": [finished, _GENERATION]}]},
+                {"$or": [{"$eq": [_HANDED_OUT, generation]}, {"$gte": [finished, _HANDED_OUT]}]},
             ]
         }
     }

@@ -25,7 +25,7 @@ from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
 from services.gateway.rescore import RescoreRequests
 from services.gateway.settings import GatewaySettings
 from services.gateway.submissions import RescoreClaim, RescoreRefused, Submissions
-from shared.contracts import RescoreTask, ScoreText, utcnow
+from shared.contracts import RescoreTask, ScoreText, new_id, utcnow
 from shared.runtime import make_broker
 from shared.topology import ERROR_HEADER, RESCORE_REQUESTS, declare_topology
 from tests.support import HandedDelivery, accepted_submission, eventually, rescore_request
@@ -255,6 +255,61 @@ async def test_the_last_attempt_goes_to_the_dead_letter_queue(env: Env) -> None:
     assert RescoreTask.model_validate_json(letter.body).task_id == command.task_id
     assert (letter.message_id, letter.correlation_id) == (request.message_id, command.task_id)
     assert "not sent after 5 attempts" in str(letter.headers[ERROR_HEADER])
+
+
+def fan_out_request(command: ScoreText, *, version: str, attempt: int = 1) -> RescoreTask:
+    """A fan-out's request naming the generation it found completed (the first)."""
+    request = RescoreTask.for_task(
+        task_id=command.task_id,
+        tenant_id=command.tenant_id,
+        rubric_version=version,
+        previous_rubric_version=None,
+        model=None,
+        run_id=new_id(),
+        generation=0,
+    )
+    return request.model_copy(update={"attempt": attempt})
+
+
+async def test_a_claim_given_up_to_the_dead_letter_queue_is_taken_by_the_next_request(
+    env: Env,
+) -> None:
+    """The request's claim stayed taken and unsent: every later fan-out's request found the
+    task's completed generation no longer the latest and was dropped as a duplicate, until
+    the letter was replayed. The next request takes the same generation, and the replayed
+    letter then finds it sent."""
+    await env.take(RESCORE_REQUESTS.dead_letter_routing_key)
+    command = await accepted_submission(env.submissions())
+    given_up = fan_out_request(command, version=f"v{new_id()[:6]}", attempt=5)
+    await env.consumer(ScriptedPublisher(refusals=1), env.submissions()).on_message(
+        HandedDelivery(given_up.model_dump_json().encode())
+    )
+    [letter] = await env.take(RESCORE_REQUESTS.dead_letter_routing_key)
+
+    publisher = ScriptedPublisher()
+    consumer = env.consumer(publisher, env.submissions())
+    next_run = fan_out_request(command, version=f"v{new_id()[:6]}")
+    await consumer.on_message(HandedDelivery(next_run.model_dump_json().encode()))
+    assert [(sent.generation, sent.task_id) for sent in publisher.sent] == [(1, command.task_id)]
+
+    replayed = HandedDelivery(letter.body, redelivered=True)
+    await consumer.on_message(replayed)
+    assert replayed.settled == ["ack"]
+    assert len(publisher.sent) == 1
+
+
+async def test_a_replayed_letter_takes_its_given_up_claims_generation_again(env: Env) -> None:
+    command = await accepted_submission(env.submissions())
+    given_up = fan_out_request(command, version=f"v{new_id()[:6]}", attempt=5)
+    await env.consumer(ScriptedPublisher(refusals=1), env.submissions()).on_message(
+        HandedDelivery(given_up.model_dump_json().encode())
+    )
+    publisher = ScriptedPublisher()
+
+    replayed = given_up.model_dump_json().encode()
+    await env.consumer(publisher, env.submissions()).on_message(HandedDelivery(replayed))
+
+    assert [sent.generation for sent in publisher.sent] == [1]
 
 
 async def test_a_request_the_full_score_queue_refuses_is_never_given_up(env: Env) -> None:

@@ -25,7 +25,7 @@ from shared.batched_publish import EventBatcher
 from shared.consumers import Delivery, ScoreboxBroker
 from shared.contracts import RescoreTask, ScoreText, TaskEvent, new_id
 from shared.event_batches import BATCH_HEADER, split_batch
-from shared.topology import EVENTS, SCORE_REQUESTS
+from shared.topology import EVENTS, SCORE_REQUESTS, counted_headers
 
 POLL_INTERVAL_S = 0.05
 # What the gateway keeps a submission the outbox sweep sends (its IDEMPOTENCY_TTL_S default).
@@ -234,7 +234,8 @@ class HandedDelivery(Delivery):
         # No raw message to wrap: every member a handler uses is answered here.
         self._body = body
         self._routing_key = routing_key
-        self._headers = headers or {}
+        # As `shared.consumers.Delivery` reads a broker's: a count only on a redelivery.
+        self._headers = counted_headers(headers or {}, redelivered=redelivered)
         self._redelivered = redelivered
         self._message_id = message_id
         self._correlation_id = correlation_id

@@ -11,10 +11,10 @@ would otherwise get a tombstone for every request refused meanwhile), and `write
 settles all that is noted once the database takes writes again:
 
 1. the in-flight slots it may hold are released (idempotent per task, `limits.InFlight`);
-2. each of its submissions becomes an `abandoned` tombstone (`Submissions.abandon`, those of
-   every pending refusal together, through the group writer), an upsert by task id: it holds whether
-   it lands before or after a late insert (which then fails on its `_id`); it frees the
-   idempotency key and keeps no text;
+2. each of its submissions becomes an `abandoned` tombstone (`Submissions.abandon`, with
+   those of the refusals written off with it, a round trip's worth at a time, through the
+   group writer), an upsert by task id: it holds whether it lands before or after a late
+   insert (which then fails on its `_id`); it frees the idempotency key and keeps no text;
 3. its batch record becomes one as well (`Batches.abandon`).
 
 A replay of a batch's request that fails on the database is noted too (unless its one write
@@ -50,6 +50,7 @@ from typing import Final, Protocol
 from pymongo.errors import ServerSelectionTimeoutError
 
 from services.gateway.limits import RECENT_RELEASES
+from shared.group_writes import MAX_BATCH as GROUP_WRITE_BATCH
 
 log = logging.getLogger("scorebox.gateway")
 
@@ -57,6 +58,8 @@ MAX_PENDING_TASKS: Final = 100_000
 # Slots released together (one round trip): as many as one merged release of a tenant's
 # counter takes.
 RELEASE_CHUNK: Final = RECENT_RELEASES
+# Tombstones queued together: one round trip of the group writer (`shared.group_writes`).
+TOMBSTONE_CHUNK: Final = GROUP_WRITE_BATCH
 
 
 @dataclass
@@ -185,24 +188,64 @@ async def write_off(
     in_flight: SlotReleaser | None,
     now: datetime,
 ) -> int:
-    """Settle every pending refusal: release the slots, write the tombstones of their batches,
-    then of their submissions together (group-committed); returns how many were written off.
-    A `DatabaseUnavailable` leaves them all pending for the next call (each step may be
-    repeated: releases and tombstones are idempotent).
+    """Settle the pending refusals, a group at a time (`_groups`): release the slots, write
+    the tombstones of the group's batches, then of its submissions together
+    (group-committed); returns how many were written off. Each group is forgotten as soon as
+    it is settled; a `DatabaseUnavailable` leaves it and the groups after it pending for the
+    next call (each step may be repeated: releases and tombstones are idempotent).
+
+    A group at a time because all at once, a backlog of refusals (a slow database under
+    load notes thousands) queued every tombstone in the submissions' group writer together:
+    those still queued after `MONGO_TIMEOUT_S` failed, the pass with them, and the next
+    pass queued the whole backlog again, never done, and each holding back every
+    submission's write queued behind it (found in review).
 
     A batch goes first: a replay of its request (after `OUTBOX_GRACE_S`, perhaps on another
     replica) may have completed and accepted it meanwhile, and then its submissions stay, to
     be sent. The other way round, an accepted batch lost its submissions to tombstones, and a
     replay answered 200 for items never scored. A replay's refusal follows its batch, so it
-    is settled after every batch's own refusal."""
-    pending = refusals.pending()
+    is settled after every batch's own refusal (in a later group, or later in the same)."""
+    owners_first = sorted(refusals.pending(), key=lambda refusal: not refusal.owns_batch)
+    written = 0
+    for group in _groups(owners_first):
+        await _settle(group, submissions=submissions, batches=batches, in_flight=in_flight, now=now)
+        for refusal in group:
+            refusals.written_off(refusal)
+        written += len(group)
+    return written
+
+
+def _groups(refusals: list[Refusal]) -> Iterator[list[Refusal]]:
+    """Consecutive refusals holding up to `TOMBSTONE_CHUNK` task ids together (a larger
+    refusal alone)."""
+    group: list[Refusal] = []
+    size = 0
+    for refusal in refusals:
+        if group and size + len(refusal.task_ids) > TOMBSTONE_CHUNK:
+            yield group
+            group, size = [], 0
+        group.append(refusal)
+        size += len(refusal.task_ids)
+    if group:
+        yield group
+
+
+async def _settle(
+    group: list[Refusal],
+    *,
+    submissions: SubmissionTombstones,
+    batches: BatchTombstones,
+    in_flight: SlotReleaser | None,
+    now: datetime,
+) -> None:
     if in_flight is not None:
-        for refusal in pending:
+        for refusal in group:
             await release_slots(refusal, in_flight)
-    owners_first = sorted(pending, key=lambda refusal: not refusal.owns_batch)
-    refused = [refusal for refusal in owners_first if await _stands(refusal, batches, now)]
+    refused = [refusal for refusal in group if await _stands(refusal, batches, now)]
     task_ids = tuple(task_id for refusal in refused for task_id in refusal.task_ids)
-    left = await submissions.abandon(task_ids, now=now) if task_ids else set()
+    left: set[str] = set()
+    for start in range(0, len(task_ids), TOMBSTONE_CHUNK):
+        left |= await submissions.abandon(task_ids[start : start + TOMBSTONE_CHUNK], now=now)
     # Every slot of a request's own refusal is released by now, or was never taken (a 429, an
     # acquire never sent): a submission of it kept after all (its batch accepted by a replay
     # or sent by another replica's sweep, a single one left to the sweep by a replay) must
@@ -210,16 +253,13 @@ async def write_off(
     # the owner: its tasks' marks are their first request's.
     kept = {
         task
-        for refusal in pending
+        for refusal in group
         if refusal.owns_batch
         for task in refusal.task_ids
         if refusal not in refused or task in left
     }
     if kept:
         await submissions.uncount(kept)
-    for refusal in pending:
-        refusals.written_off(refusal)
-    return len(pending)
 
 
 async def release_slots(refusal: Refusal, in_flight: SlotReleaser) -> None:

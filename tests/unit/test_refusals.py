@@ -10,7 +10,13 @@ import pytest
 from pymongo.errors import AutoReconnect, NetworkTimeout, ServerSelectionTimeoutError
 
 from services.gateway.errors import DatabaseUnavailable
-from services.gateway.refusals import Refusal, Refusals, may_have_been_written, write_off
+from services.gateway.refusals import (
+    TOMBSTONE_CHUNK,
+    Refusal,
+    Refusals,
+    may_have_been_written,
+    write_off,
+)
 
 NOW = datetime(2030, 5, 17, 12, 0, tzinfo=UTC)
 
@@ -177,6 +183,45 @@ async def test_a_replays_refusal_follows_its_batch_and_never_refuses_it() -> Non
     assert await _write_off(refusals, database) == 3
     assert database.writes == [("abandon batch", "b"), ("abandon", ("t1",))]
     assert not refusals.holds("t2")
+    assert refusals.pending() == []
+
+
+def _abandoned(database: Database) -> list[tuple[str, ...]]:
+    return [subject for what, subject in database.writes if what == "abandon"]  # type: ignore[misc]
+
+
+async def test_a_backlog_is_written_off_a_round_trips_worth_at_a_time() -> None:
+    """All at once, every tombstone of a backlog went into the group writer together, and
+    those still queued at the deadline failed the whole pass, for ever."""
+    refusals, database = Refusals(), Database()
+    for index in range(1_200):
+        refusals.note(Refusal("a", (f"t{index}",)))
+    refusals.note(Refusal("a", tuple(f"b{index}" for index in range(1_200)), batch_id="b"))
+
+    assert await _write_off(refusals, database) == 1_201
+
+    chunks = _abandoned(database)
+    assert max(map(len, chunks)) == TOMBSTONE_CHUNK
+    written = [task for chunk in chunks for task in chunk]
+    assert sorted(written) == sorted(
+        [f"t{i}" for i in range(1_200)] + [f"b{i}" for i in range(1_200)]
+    )
+
+
+async def test_the_groups_settled_before_a_failure_stay_written_off() -> None:
+    refusals, database = Refusals(), Database()
+    for index in range(1_200):
+        refusals.note(Refusal("a", (f"t{index}",)))
+    second = tuple(f"t{index}" for index in range(TOMBSTONE_CHUNK, 2 * TOMBSTONE_CHUNK))
+    database.fails_once.add(("abandon", second))
+
+    with pytest.raises(DatabaseUnavailable):
+        await _write_off(refusals, database)
+    assert not refusals.holds("t0")
+    assert refusals.holds(second[0])
+    assert len(refusals.pending()) == 1_200 - TOMBSTONE_CHUNK
+
+    assert await _write_off(refusals, database) == 1_200 - TOMBSTONE_CHUNK
     assert refusals.pending() == []
 
 

@@ -15,7 +15,8 @@ import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, override
+from typing import TYPE_CHECKING, Any, Final, override
+from urllib.parse import parse_qs, urlsplit
 
 import pymongo
 import uvicorn
@@ -160,8 +161,24 @@ def make_broker(
     )
 
 
+# Every consumer acknowledges its delivery once its write is acknowledged, and the gateway
+# answers 202 once its submission is: a write acknowledged before its journal commit (a
+# standalone server's default, `w: 1`, commits every 100 ms) or by the primary alone (lost
+# in a failover's rollback) was gone for good with the message already settled (review of
+# the status projection). `MONGO_URL`'s own `w` or `journal` is used as given.
+DURABLE_WRITES: Final[Mapping[str, Any]] = {"w": "majority", "journal": True}
+
+
+def durable_write_options(mongo_url: str) -> dict[str, Any]:
+    """`DURABLE_WRITES` but the options `mongo_url` sets itself (names are case-insensitive
+    in a MongoDB URL)."""
+    given = {name.lower() for name in parse_qs(urlsplit(mongo_url).query)}
+    return {name: value for name, value in DURABLE_WRITES.items() if name.lower() not in given}
+
+
 def make_mongo(settings: ServiceSettings, **options: Any) -> MongoClient:
-    """An async PyMongo client whose every operation is bounded by `MONGO_TIMEOUT_S`.
+    """An async PyMongo client whose every operation is bounded by `MONGO_TIMEOUT_S`, and
+    whose writes are acknowledged once durable (`DURABLE_WRITES`).
 
     `timeoutMS` (client-side operation timeout) bounds an operation as a whole: server
     selection, a new connection, the driver's own retry and the reply. The socket and connect
@@ -178,6 +195,7 @@ def make_mongo(settings: ServiceSettings, **options: Any) -> MongoClient:
         socketTimeoutMS=timeout_ms,
         tz_aware=True,
         uuidRepresentation="standard",
+        **durable_write_options(settings.mongo_url),
         **options,  # more client options (`event_listeners`, for one)
     )
 

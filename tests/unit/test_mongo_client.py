@@ -30,3 +30,23 @@ async def test_the_shortest_mongo_timeout_still_bounds_every_operation() -> None
         assert client.options.pool_options.socket_timeout == MIN_INFRA_TIMEOUT_S
     finally:
         await client.close()
+
+
+async def test_writes_are_acknowledged_once_journaled_by_a_majority() -> None:
+    """A consumer settles its delivery once its write is acknowledged: acknowledged before
+    the journal commit (a standalone server's default) or by the primary alone, the write
+    could be lost with the message already gone."""
+    client = make_mongo(ServiceSettings.model_validate({}))
+    try:
+        assert client.write_concern.document == {"w": "majority", "j": True}
+    finally:
+        await client.close()
+
+
+async def test_a_write_concern_of_the_url_is_used_as_given() -> None:
+    url = "mongodb://127.0.0.1:27017/?W=1&Journal=false"
+    client = make_mongo(ServiceSettings.model_validate({"MONGO_URL": url}))
+    try:
+        assert client.write_concern.document == {"w": 1, "j": False}
+    finally:
+        await client.close()

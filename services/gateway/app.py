@@ -89,7 +89,7 @@ log = logging.getLogger("scorebox.gateway")
 def make_status_http(settings: GatewaySettings) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     return httpx.AsyncClient(
-        transport=MappedAiohttpTransport(limits=limits),
+        transport=MappedAiohttpTransport(limits=limits, total_timeout_s=settings.status_timeout_s),
         timeout=httpx.Timeout(settings.status_timeout_s),
         limits=limits,
     )

@@ -106,7 +106,9 @@ def make_scheduler_http(settings: GatewaySettings) -> httpx.AsyncClient:
         max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS
     )
     return httpx.AsyncClient(
-        transport=MappedAiohttpTransport(limits=limits),
+        transport=MappedAiohttpTransport(
+            limits=limits, total_timeout_s=settings.scheduler_timeout_s
+        ),
         timeout=httpx.Timeout(settings.scheduler_timeout_s),
         limits=limits,
     )

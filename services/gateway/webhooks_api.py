@@ -10,6 +10,7 @@ caller's tenant; it never reads the notifier's database.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator
@@ -189,7 +190,15 @@ class NotifierClient:
     ) -> httpx.Response:
         url = f"{self._base_url}/internal/v1/tenants/{quote(tenant_id, safe='')}/{path}"
         try:
-            response = await self._http.request(method, url, json=json)
+            # The client's timeout bounds each wait (a connect, a read); this the exchange
+            # as a whole: an answer sent a few bytes at a time held the request for as long
+            # as it went on.
+            async with asyncio.timeout(self._http.timeout.read):
+                response = await self._http.request(method, url, json=json)
+        except TimeoutError as error:
+            raise NotifierUnavailable(
+                "notifier did not answer in time", maybe_applied=True
+            ) from error
         except (httpx.ConnectError, httpx.ConnectTimeout) as error:
             raise NotifierUnavailable(
                 f"notifier unreachable: {error!r}", maybe_applied=False

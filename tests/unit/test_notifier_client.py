@@ -4,6 +4,7 @@ failure alert registered" only when it is the notifier's own answer saying so.""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 from typing import cast
@@ -239,3 +240,28 @@ async def test_the_notifiers_refusal_for_good_is_passed_on_as_a_500_without_retr
     assert answer.status_code == 500, answer.text
     assert answer.json()["type"] == PROBLEM_BASE + "database-refused"
     assert "retry-after" not in answer.headers
+
+
+async def _trickled_secret(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "application/json"})
+    response.content_length = 1_000_000
+    await response.prepare(request)
+    while True:  # each byte within the read timeout, the whole never
+        await response.write(b" ")
+        await asyncio.sleep(0.05)  # the fault: a peer that never finishes
+
+
+async def test_an_answer_that_never_ends_is_the_notifier_unavailable() -> None:
+    """The client's timeout bounds each read: an answer sent a byte at a time held the
+    request for as long as it went on (the deadline here only keeps the test from hanging)."""
+    app = web.Application()
+    app.router.add_get("/internal/v1/tenants/acme/webhook-secret", _trickled_secret)
+    async with serving(app) as base_url:
+        settings = GatewaySettings.model_validate(
+            {"NOTIFIER_URL": base_url, "NOTIFIER_TIMEOUT_S": "0.5"}
+        )
+        async with make_notifier_http(settings) as http, asyncio.timeout(60):
+            with pytest.raises(NotifierUnavailable) as raised:
+                await NotifierClient(http, base_url=base_url).signing_secret("acme")
+    assert raised.value.maybe_applied
+    assert "in time" in str(raised.value)

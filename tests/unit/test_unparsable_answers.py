@@ -5,6 +5,7 @@ shortly), never a raw aiohttp error (a 500). The peer is a real local TCP server
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -213,3 +214,54 @@ async def test_a_service_whose_database_refuses_for_good_is_passed_on_as_such(
 @pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
 async def test_any_other_500_of_a_service_is_it_unavailable(answering: str, call: Call) -> None:
     assert not refused_for_good(await _unavailable_raised(call, answering))
+
+
+TRICKLED = {
+    # each byte well within the read timeout, the whole never
+    "headers a byte at a time": (b"HTTP/1.1 200 OK\r\nX-Slow: ", b"a"),
+    "a body a byte at a time": (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n",
+        b" ",
+    ),
+}
+QUICK = GatewaySettings.model_validate({"STATUS_TIMEOUT_S": "0.5", "SCHEDULER_TIMEOUT_S": "0.5"})
+
+
+@pytest.fixture
+async def trickling(request: pytest.FixtureRequest) -> AsyncIterator[str]:
+    """A local TCP server that answers `request.param`'s head, then its filler byte every
+    50 ms for as long as the client stays."""
+    head, filler = request.param
+
+    async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(head)
+        with contextlib.suppress(ConnectionError):
+            while not reader.at_eof():
+                await writer.drain()
+                writer.write(filler)
+                await asyncio.sleep(0.05)  # the fault: a peer that never finishes
+        writer.close()
+
+    server = await asyncio.start_server(reply, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("trickling", TRICKLED.values(), ids=TRICKLED.keys(), indirect=True)
+@pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
+async def test_an_answer_that_never_ends_is_the_service_unavailable(
+    trickling: str, call: Call
+) -> None:
+    """httpx's timeouts reach aiohttp as a connect and a read timeout, each bounding one
+    wait: an answer sent a byte at a time held the request for as long as it went on (the
+    client's own deadline only keeps this test from hanging)."""
+    http = call.make_http(QUICK)
+    try:
+        async with asyncio.timeout(60):
+            with pytest.raises(call.unavailable) as raised:
+                await call.ask(http, trickling)
+    finally:
+        await http.aclose()
+    assert "ReadTimeout" in repr(raised.value.__cause__)

@@ -131,7 +131,6 @@ def _fields_of(
             fields |= {
                 "result": None,
                 "error": None,
-                "not_before": event.not_before,
                 "expires_at": due + UNFINISHED_RETENTION,
                 **_descriptive_fields(event),
             }
@@ -161,7 +160,9 @@ def _fields_of(
 
 
 def _descriptive_fields(event: TaskAccepted) -> Document:
+    """What only an acceptance tells of its generation, set even when it comes late."""
     return {
+        "not_before": event.not_before,
         "rubric": event.rubric,
         "model": event.model,
         "metadata": event.metadata,
@@ -211,7 +212,8 @@ async def apply_task_event(
 
 
 async def _describe_if_same_generation(writes: GroupWriter, event: TaskAccepted) -> None:
-    """Set a late acceptance's descriptive fields (rubric, model, metadata, batch) where
+    """Set a late acceptance's descriptive fields (rubric, model, metadata, batch, the
+    scheduled time) where
     the task still holds the acceptance's generation: a later event of that generation
     overtook it, and they still belong. An earlier generation's acceptance, redelivered
     after a re-score or DLQ replay was accepted, overwrote the newer generation's rubric
@@ -230,17 +232,18 @@ async def _describe_if_same_generation(writes: GroupWriter, event: TaskAccepted)
 
 
 async def _error_of_the_attempt_before(writes: GroupWriter, event: TaskRetrying) -> None:
-    """Set a late retry's error where the task holds the next attempt's start, errorless:
-    a start keeps the error its previous attempt retried after (`_apply_newer`), so the
-    same two events left a running task with or without it by the order they came in (a
-    late redelivery, a replay of the projection's DLQ; found in review)."""
+    """Set a late retry's error where the task holds the next attempt's start: a start
+    keeps the latest error applied before it (`_apply_newer`), so the same events left a
+    running task with or without this one by the order they came in (a late redelivery, a
+    replay of the projection's DLQ; found in review). Whatever error that start holds is
+    replaced: it can only be this retry's, or an earlier attempt's of the generation (a
+    quick attempt in between sends no start; found in review), never a later one's."""
     next_start = event_sequence(
         generation=event.generation, attempt=event.attempt + 1, phase=Phase.STARTED
     )
     error = _failure(event.error.model_dump(), dead_lettered=False)
     await writes.update_one(
-        {"_id": event.task_id, "sequence": next_start, "error": None},
-        {"$set": {"error": error}},
+        {"_id": event.task_id, "sequence": next_start}, {"$set": {"error": error}}
     )
 
 

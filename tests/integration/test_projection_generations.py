@@ -201,6 +201,32 @@ async def test_a_late_retry_of_an_attempt_before_the_last_shows_no_error(
     assert (view.status, view.attempts, view.error) == (TaskStatus.PROCESSING, 3, None)
 
 
+async def test_a_late_retry_of_the_attempt_before_replaces_an_older_attempts_error(
+    tasks: AsyncCollection[Document],
+) -> None:
+    """Attempt 1's retry applied, attempt 3 started (attempt 2 quick: no start of its own)
+    keeping attempt 1's error, then attempt 2's retry late: the view showed attempt 1's
+    error while attempt 3 ran, where the events in order show attempt 2's (review)."""
+    command = await _accepted(tasks, "Retried twice, the second retry late.")
+    first = TaskError(code="provider_unavailable", message="First.", retryable=True)
+    second = TaskError(code="rate_limited", message="Second.", retryable=True)
+    due = utcnow() + timedelta(minutes=1)
+    await _apply(
+        tasks,
+        TaskRetrying(**_fields(command, 0, Phase.RETRYING), error=first, next_attempt_at=due),
+        TaskStarted(**_fields(command, 0, Phase.STARTED, attempt=3)),
+    )
+    late = TaskRetrying(
+        **_fields(command, 0, Phase.RETRYING, attempt=2), error=second, next_attempt_at=due
+    )
+
+    assert not await apply_projected(late, writes=GroupWriter(tasks), finished_ttl=TTL)
+
+    view = await _view(tasks, command)
+    assert (view.status, view.attempts) == (TaskStatus.PROCESSING, 3)
+    assert view.error is not None and view.error.code == second.code
+
+
 async def _accepted(tasks: AsyncCollection[Document], text: str) -> ScoreText:
     command = ScoreText(task_id=new_id(), tenant_id="acme", text=text)
     await _apply(tasks, accepted_event(command))
@@ -260,8 +286,14 @@ async def test_a_late_acceptance_of_the_tasks_own_generation_still_describes_it(
     tasks: AsyncCollection[Document],
 ) -> None:
     """Overtaken by its own generation's start, the acceptance's description still lands."""
+    scheduled = utcnow().replace(microsecond=0) + timedelta(minutes=5)  # BSON keeps ms
     command = ScoreText(
-        task_id=new_id(), tenant_id="acme", text="Started first.", rubric="v1", model="m"
+        task_id=new_id(),
+        tenant_id="acme",
+        text="Started first.",
+        rubric="v1",
+        model="m",
+        not_before=scheduled,
     )
     await _apply(tasks, TaskStarted(**_fields(command, 0, Phase.STARTED)))
 
@@ -273,3 +305,6 @@ async def test_a_late_acceptance_of_the_tasks_own_generation_still_describes_it(
     document = await tasks.find_one({"_id": command.task_id})
     assert document is not None
     assert (document["rubric"], document["model"]) == ("v1", "m")
+    # The scheduled time too: a view's `not_before` depended on the order events came in.
+    view = await find_task(command.task_id, tenant_id="acme", tasks=tasks, now=utcnow())
+    assert view is not None and view.not_before == scheduled

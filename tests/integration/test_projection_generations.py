@@ -224,7 +224,8 @@ async def test_a_late_retry_of_the_attempt_before_replaces_an_older_attempts_err
 
     view = await _view(tasks, command)
     assert (view.status, view.attempts) == (TaskStatus.PROCESSING, 3)
-    assert view.error is not None and view.error.code == second.code
+    assert view.error is not None
+    assert view.error.code == second.code
 
 
 async def _accepted(tasks: AsyncCollection[Document], text: str) -> ScoreText:
@@ -307,4 +308,5 @@ async def test_a_late_acceptance_of_the_tasks_own_generation_still_describes_it(
     assert (document["rubric"], document["model"]) == ("v1", "m")
     # The scheduled time too: a view's `not_before` depended on the order events came in.
     view = await find_task(command.task_id, tenant_id="acme", tasks=tasks, now=utcnow())
-    assert view is not None and view.not_before == scheduled
+    assert view is not None
+    assert view.not_before == scheduled

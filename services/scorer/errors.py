@@ -121,6 +121,14 @@ class ModelTimeout(TransientError):
     provider_down: ClassVar[bool] = True
 
 
+class RepairCutShort(ModelTimeout):
+    """The provider answered, unusably, and LLM_TIMEOUT_S ran out during the repair call: a
+    slow provider, not a silent one. Counted as one that answered, three such texts in a
+    row tripped the outage breaker and paused every replica's calls (review)."""
+
+    provider_down: ClassVar[bool] = False
+
+
 class ModelRateLimited(TransientError):
     """The provider throttles us (429)."""
 

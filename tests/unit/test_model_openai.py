@@ -872,9 +872,18 @@ async def test_the_deadline_covers_the_repair_call_too() -> None:
     unusable = Slow(completion("not JSON"), delay_s=0.6 * timeout_s)
     repaired = Slow(completion(GOOD), delay_s=0.6 * timeout_s)
     provider = ScriptedProvider(unusable, repaired)
-    with pytest.raises(ModelTimeout, match=r"within 1 s"):
+    with pytest.raises(ModelTimeout, match=r"within 1 s") as raised:
         await score_with(provider, LLM_TIMEOUT_S=timeout_s)
     assert len(provider.requests) == 2
+    # The provider answered: slow, not down (the outage breaker counts only the silent).
+    assert not raised.value.provider_down
+
+
+async def test_a_call_with_no_answer_in_time_finds_the_provider_down() -> None:
+    provider = ScriptedProvider(Slow(completion(GOOD), delay_s=2.0))
+    with pytest.raises(ModelTimeout) as raised:
+        await score_with(provider, LLM_TIMEOUT_S=0.5)
+    assert raised.value.provider_down
 
 
 @asynccontextmanager

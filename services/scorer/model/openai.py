@@ -30,6 +30,7 @@ from services.scorer.errors import (
     ModelReplyUnusable,
     ModelTimeout,
     ModelUnavailable,
+    RepairCutShort,
     ScoringError,
     UnusableOutput,
 )
@@ -207,7 +208,9 @@ class OpenAIChatModel:
             async with asyncio.timeout(self._settings.llm_timeout_s):
                 judgement = await self._judge(messages, model, answered)
         except TimeoutError as exc:
-            timeout = ModelTimeout(
+            # An answer came back: the deadline cut its repair short, the provider is up.
+            cut_short = RepairCutShort if answered else ModelTimeout
+            timeout = cut_short(
                 f"no usable answer from {model} within {self._settings.llm_timeout_s:g} s"
             )
             for answer in answered:  # an unusable first answer, its repair cut short

@@ -259,3 +259,23 @@ def test_a_verdict_in_a_looser_form_beside_a_quoted_one_is_unusable(own: str) ->
 )
 def test_prose_about_scores_beside_one_verdict_is_usable(answer: str) -> None:
     assert parse_verdict(answer).score == 7.0
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        '{"score": 2, "score": 9, "comment": "Repeated."}',
+        '{"Score": 3, "score": 8, "comment": "Two cases."}',
+        'My verdict: {"score": 2, "comment": "x", " SCORE ": 9} as asked.',
+    ],
+    ids=["repeated", "two cases", "embedded, spaced"],
+)
+def test_an_object_naming_its_score_twice_is_unusable(answer: str) -> None:
+    """json keeps the last of a repeated key: two verdicts in one object read as the last."""
+    with pytest.raises(UnusableOutput, match='names "score" twice'):
+        parse_verdict(answer)
+
+
+def test_a_repeated_key_other_than_the_score_is_read_as_json_reads_it() -> None:
+    verdict = parse_verdict('{"score": 6, "comment": "First.", "comment": "Second."}')
+    assert (verdict.score, verdict.comment) == (6, "Second.")

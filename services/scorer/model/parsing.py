@@ -4,8 +4,9 @@ Accepted shapes: a bare JSON object, or one JSON object with a `score` key embed
 (a Markdown code fence included; else the first object at all). An answer holding two
 different verdicts, or a score key outside every object that parses (a verdict of its own
 broken around one it quotes from the text, or not strict JSON: `{'score': 2}`, `score: 2`,
-`Score = 2`), is unusable: which verdict is the judge's is not for the parser to guess, and
-the first one found was often the one the text planted. A key that only labels an object
+`Score = 2`), or one object naming `score` twice (`{"score": 2, "score": 9}`), is unusable:
+which verdict is the judge's is not for the parser to guess, and the first one found was
+often the one the text planted. A key that only labels an object
 (`Score: {"score": 7, ...}`) is not one. Only the first `_MAX_SEARCHED_CHARS` are searched,
 so an answer with a score key past them (a long deliberation that quoted the planted verdict
 first) is unusable too.
@@ -95,7 +96,13 @@ class Verdict(BaseModel):
 def parse_verdict(content: str) -> Verdict:
     """The verdict in a model's answer; raises `UnusableOutput` saying what is wrong."""
     _refuse_a_score_beyond_the_search(content)
-    candidate = _find_json_object(content[:_MAX_SEARCHED_CHARS])
+    try:
+        candidate = _find_json_object(content[:_MAX_SEARCHED_CHARS])
+    except _ScoreNamedTwice:
+        raise UnusableOutput(
+            'the answer names "score" twice in one object; answer with exactly one',
+            raw_output=content,
+        ) from None
     if candidate is None:
         raise UnusableOutput(
             'the answer holds no JSON object like {"score": 7, "comment": "..."}',
@@ -195,6 +202,19 @@ def _within(spans: list[tuple[int, int]], position: int) -> bool:
     return index >= 0 and position < spans[index][1]
 
 
+class _ScoreNamedTwice(Exception):
+    """An object whose `score` key comes twice (repeated, or in two cases)."""
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's members as a dict, refusing two `score` keys: json keeps the last of a
+    repeated key, and `{"score": 2, "score": 9}` or `{"Score": 3, "score": 8}` read as 9
+    and 8, two verdicts in one (review)."""
+    if sum(key.strip().lower() == "score" for key, _ in pairs) > 1:
+        raise _ScoreNamedTwice
+    return dict(pairs)
+
+
 # What reading a candidate as JSON may raise: not JSON, or nested deeper than the parser's
 # recursion allows (an answer of thousands of `[`, which crashed the attempt).
 _NOT_JSON = (ValueError, RecursionError)
@@ -202,7 +222,7 @@ _NOT_JSON = (ValueError, RecursionError)
 
 def _loads_object(candidate: str) -> dict[str, Any] | None:
     try:
-        value = json.loads(candidate)
+        value = json.loads(candidate, object_pairs_hook=_pairs)
     except _NOT_JSON:
         return None
     return value if isinstance(value, dict) else None
@@ -210,7 +230,7 @@ def _loads_object(candidate: str) -> dict[str, Any] | None:
 
 def _embedded_objects(content: str) -> list[tuple[int, int, dict[str, Any]]]:
     """The JSON objects in `content` that parse, outermost only, with their spans."""
-    decoder = json.JSONDecoder()
+    decoder = json.JSONDecoder(object_pairs_hook=_pairs)
     found: list[tuple[int, int, dict[str, Any]]] = []
     broken_chars_read = 0
     start = content.find("{")

@@ -52,6 +52,7 @@ from shared.runtime import (
     start_broker,
 )
 from shared.service_app import internal_service_app
+from shared.settings import BROKER_CONSUMER_TIMEOUT_S, StartupRefused
 
 log = logging.getLogger("scorebox.scorer")
 
@@ -75,6 +76,62 @@ def stop_grace_s(settings: ScorerSettings, model_settings: ModelSettings) -> flo
     # in flight ahead of it (`shared.batched_publish`).
     after_the_call = mongo_s + 3 * broker_s
     return before_the_call + the_call + after_the_call
+
+
+def lease_s(settings: ScorerSettings, model_settings: ModelSettings) -> float:
+    """How long a claim holds an attempt: its call and the repair's, and the margin."""
+    return model_settings.llm_timeout_s * 2 + settings.lease_margin_s
+
+
+def longest_hold_s(settings: ScorerSettings, model_settings: ModelSettings) -> float:
+    """The longest a delivery is held unacknowledged: a redelivery waits out another
+    worker's claim, then its turn under a rate limit's pause (`RATE_LIMIT_HOLD_S`), then
+    takes the whole path of a delivery that just took a model slot (`stop_grace_s`)."""
+    return (
+        lease_s(settings, model_settings)
+        + settings.rate_limit_hold_s
+        + stop_grace_s(settings, model_settings)
+    )
+
+
+def refuse_a_hold_past_the_consumer_timeout(
+    settings: ScorerSettings, model_settings: ModelSettings
+) -> None:
+    """Past RabbitMQ's consumer timeout the broker closes the channel and takes back every
+    delivery in hand (from 4.3, the message comes back while its handler still runs).
+    `LLM_TIMEOUT_S` alone was bounded, leaving out the hold and the steps around the call
+    (review of the scorer)."""
+    held_s = longest_hold_s(settings, model_settings)
+    if held_s >= BROKER_CONSUMER_TIMEOUT_S:
+        raise StartupRefused(
+            f"a redelivery could be held {held_s:g} s, past RabbitMQ's consumer timeout "
+            f"({BROKER_CONSUMER_TIMEOUT_S:g} s): lower LLM_TIMEOUT_S, LEASE_MARGIN_S, "
+            "RATE_LIMIT_HOLD_S, MONGO_TIMEOUT_S or BROKER_TIMEOUT_S"
+        )
+
+
+def lease_warning(settings: ScorerSettings, model_settings: ModelSettings) -> str | None:
+    """What to warn of when the lease may end before its decision is written: under the
+    claim come a read, the call, a confirm and the decision's write, and the replicas'
+    clocks may differ by twice `MAX_CLOCK_OFFSET_S`; a redelivery then takes the attempt
+    over and calls the model again (one outcome all the same, two calls billed)."""
+    steps_s = 2 * settings.mongo_timeout_s + settings.broker_timeout_s
+    needed_s = steps_s + 2 * settings.max_clock_offset_s
+    if model_settings.llm_timeout_s + settings.lease_margin_s >= needed_s:
+        return None
+    return (
+        f"LEASE_MARGIN_S ({settings.lease_margin_s:g}) with LLM_TIMEOUT_S "
+        f"({model_settings.llm_timeout_s:g}) may let a claim end before its decision is "
+        f"written (up to {needed_s:g} s beyond the call); a redelivery would then call the "
+        f"model again: set LEASE_MARGIN_S to at least {needed_s - model_settings.llm_timeout_s:g}"
+    )
+
+
+def check_the_holds(settings: ScorerSettings, model_settings: ModelSettings) -> None:
+    """Refuse a hold past the consumer timeout; warn of a lease too short."""
+    refuse_a_hold_past_the_consumer_timeout(settings, model_settings)
+    if warning := lease_warning(settings, model_settings):
+        log.warning(warning)
 
 
 async def _prepare_database(
@@ -123,6 +180,7 @@ def create_app(
 ) -> FastAPI:
     """Wire the scorer: broker (prefetch: the deliveries in hand) + database + model (at most
     `concurrency` calls at once) + HTTP health."""
+    check_the_holds(settings, model_settings)
     grace_s = stop_grace_s(settings, model_settings)
     broker = broker or make_broker(
         settings, prefetch=settings.deliveries_in_hand, name="scorer", graceful_timeout_s=grace_s
@@ -164,7 +222,7 @@ def create_app(
         model=model,
         announce=announce,
         clock=clock,
-        lease=timedelta(seconds=model_settings.llm_timeout_s * 2 + settings.lease_margin_s),
+        lease=timedelta(seconds=lease_s(settings, model_settings)),
         retry_policy=RetryPolicy(
             base_s=settings.retry_base_s,
             cap_s=settings.retry_cap_s,

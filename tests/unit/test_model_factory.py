@@ -7,6 +7,11 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
+from services.scorer.app import (
+    lease_warning,
+    longest_hold_s,
+    refuse_a_hold_past_the_consumer_timeout,
+)
 from services.scorer.errors import ModelUnavailable
 from services.scorer.model import (
     HeuristicModel,
@@ -21,7 +26,7 @@ from services.scorer.model import (
 from services.scorer.model.http_client import MAX_REPLY_BYTES, ReplyTooLarge
 from services.scorer.model.settings import MAX_LLM_TIMEOUT_S
 from services.scorer.settings import MAX_LEASE_MARGIN_S, ScorerSettings
-from shared.settings import BROKER_CONSUMER_TIMEOUT_S
+from shared.settings import BROKER_CONSUMER_TIMEOUT_S, StartupRefused
 from tests.support import serving
 
 LLM_VARIABLES = [
@@ -79,16 +84,47 @@ def test_settings_refuse_unknown_values(
         ModelSettings()
 
 
-def test_a_held_redelivery_at_the_longest_timeouts_stays_inside_the_consumer_timeout() -> None:
-    """A redelivery waits out another worker's claim (2 x LLM_TIMEOUT_S + LEASE_MARGIN_S),
-    then makes its own call, unacknowledged all along: past RabbitMQ's consumer timeout the
-    broker takes back every delivery of the channel. At LLM_TIMEOUT_S 600 it took 1,830 s."""
-    longest_hold_s = 3 * MAX_LLM_TIMEOUT_S + MAX_LEASE_MARGIN_S
-    assert longest_hold_s < BROKER_CONSUMER_TIMEOUT_S
+def test_each_timeout_of_a_held_redelivery_is_bounded() -> None:
     with pytest.raises(ValueError, match="LLM_TIMEOUT_S"):
         ModelSettings(LLM_TIMEOUT_S=MAX_LLM_TIMEOUT_S + 1)
     with pytest.raises(ValueError, match="LEASE_MARGIN_S"):
         ScorerSettings.model_validate({"LEASE_MARGIN_S": MAX_LEASE_MARGIN_S + 1})
+
+
+def test_the_longest_timeout_with_the_other_defaults_holds_inside_the_consumer_timeout() -> None:
+    settings = ScorerSettings.model_validate({})
+    model_settings = ModelSettings(LLM_TIMEOUT_S=MAX_LLM_TIMEOUT_S)
+    refuse_a_hold_past_the_consumer_timeout(settings, model_settings)
+    assert longest_hold_s(settings, model_settings) < BROKER_CONSUMER_TIMEOUT_S
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"LEASE_MARGIN_S": MAX_LEASE_MARGIN_S},
+        {"RATE_LIMIT_HOLD_S": 600},
+    ],
+    ids=["the longest margin", "the longest rate-limit hold"],
+)
+def test_settings_that_hold_a_redelivery_past_the_consumer_timeout_are_refused(
+    values: dict[str, float],
+) -> None:
+    """A redelivery waits out another worker's claim, then its turn under a rate limit's
+    pause, then takes a delivery's whole path, unacknowledged all along: past RabbitMQ's
+    consumer timeout the broker takes back every delivery of the channel. Only
+    LLM_TIMEOUT_S was bounded, with the claim and the call alone counted (review)."""
+    settings = ScorerSettings.model_validate(values)
+    model_settings = ModelSettings(LLM_TIMEOUT_S=MAX_LLM_TIMEOUT_S)
+    with pytest.raises(StartupRefused, match="consumer timeout"):
+        refuse_a_hold_past_the_consumer_timeout(settings, model_settings)
+
+
+def test_a_lease_too_short_for_the_steps_under_the_claim_is_warned_of() -> None:
+    settings = ScorerSettings.model_validate({"LEASE_MARGIN_S": "1"})
+    warning = lease_warning(settings, ModelSettings(LLM_TIMEOUT_S=5))
+    assert warning is not None
+    assert "LEASE_MARGIN_S to at least 25" in warning
+    assert lease_warning(ScorerSettings.model_validate({}), ModelSettings()) is None
 
 
 def _settings(**values: Any) -> ModelSettings:

@@ -16,10 +16,10 @@ JsonMode = Literal["json_schema", "json_object", "none"]
 TokenLimitField = Literal["max_tokens", "max_completion_tokens"]
 
 
-# A redelivery held while another worker's claim lasts (2 x this + LEASE_MARGIN_S, at most
-# 120 s) then makes its own call: 3 x 540 + 120 = 1,740 s, inside RabbitMQ's consumer timeout
-# (30 min), past which the broker takes back every delivery of the channel. At 600 it was
-# 1,830 s.
+# A redelivery held while another worker's claim lasts (2 x this + LEASE_MARGIN_S) then makes
+# its own call, inside RabbitMQ's consumer timeout (30 min), past which the broker takes back
+# every delivery of the channel: at 600 the claim and the call alone took 1,830 s. The whole
+# hold, with the other settings, is checked at start (`scorer.app.longest_hold_s`).
 MAX_LLM_TIMEOUT_S = 540.0
 
 

@@ -52,6 +52,7 @@ from faststream.rabbit import RabbitBroker, RabbitQueue
 
 from shared.acks import ChannelAcks
 from shared.backoff import capped_exponential_s
+from shared.broker_probe import RoundTrips
 from shared.event_batches import Part, UnreadableBatch, is_batch, split_batch
 from shared.log_context import correlated
 from shared.metrics import Metrics
@@ -70,6 +71,7 @@ if TYPE_CHECKING:
     import aiormq.abc
     from aio_pika.abc import (
         AbstractChannel,
+        AbstractConnection,
         AbstractIncomingMessage,
         AbstractQueue,
         AbstractRobustConnection,
@@ -553,6 +555,7 @@ class ScoreboxBroker(RabbitBroker):
         self._shared_channel: AbstractChannel | None = None
         self._acks = _AcksByChannel()
         self._gates = ReconnectionGates()
+        self._round_trips = RoundTrips()
         # Set once the stop begins (`stop_consuming`): a handler waiting on something to
         # try again later hands its delivery on rather than begin new work the stop would
         # cut short.
@@ -689,14 +692,23 @@ class ScoreboxBroker(RabbitBroker):
 
     @override
     async def ping(self, timeout: float | None) -> bool:
-        """Both connections up (the consuming one only when something consumes). Not the own
+        """Both connections up and answering a round trip (the consuming one only when
+        something consumes). Not the own
         queues' one: what they carry (live events, a peer's rate-limit pause) is help, not
         the service's work, and it may stay refused until the broker drops a lost
         connection; it logs its attempts meanwhile."""
-        if not await super().ping(timeout):
+        began = time.monotonic()
+        if not await super().ping(timeout) or self._connection is None:
             return False
-        connection = self._consumer_connection
-        return not self._subscriptions or (connection is not None and connection.connected.is_set())
+        connections: list[AbstractConnection] = [self._connection]
+        if self._subscriptions:
+            connection = self._consumer_connection
+            if connection is None or not connection.connected.is_set():
+                return False
+            connections.append(connection)
+        # Each connection answering a round trip, not only flagged up (`shared.broker_probe`).
+        left_s = (timeout or self._timeout) - (time.monotonic() - began)
+        return await self._round_trips.answered(connections, max(left_s, 0.0))
 
     @override
     async def stop(

@@ -24,6 +24,7 @@ from tests.support import eventually, running
 
 PROBE_TIMEOUT_S = 3.0
 HELD_S = 3600.0  # how long the database link holds each reply: for ever, for the test
+STALL_S = 5.0  # how long the broker link holds each reply in a stall
 
 
 async def _probe(api: httpx.AsyncClient) -> httpx.Response:
@@ -87,4 +88,35 @@ async def test_the_broker_check_answers_within_a_probe_while_its_connection_is_r
         await eventually(seen_away, what="the check saying the broker is away")
     finally:
         broker_link.down = False
+        await broker.stop()
+
+
+async def test_the_broker_check_says_no_while_the_link_stalls_and_yes_once_it_answers(
+    amqp_url: str, broker_link: SlowLink
+) -> None:
+    """A stalled link leaves the connection flagged up until the heartbeat gives up (60 s):
+    `/readyz` said "rabbitmq: true" through a 150-second stall, every publish timing out (a
+    walkthrough). The check is a round trip now."""
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": broker_link.url_through(amqp_url)})
+    broker = make_broker(settings)
+    await broker.connect()
+    check = broker_ready(broker, settings.broker_timeout_s)
+    try:
+        assert await check() is True
+        # Longer than the check's deadline, short of the heartbeat; held replies stay held
+        # this long once the stall ends, in order.
+        broker_link.reply_delay_s = STALL_S
+
+        async def seen_stalled() -> bool:
+            return not await check()
+
+        await eventually(seen_stalled, what="the check saying the stalled broker is away")
+        broker_link.reply_delay_s = 0.0
+
+        async def seen_back() -> bool:
+            return await check()
+
+        await eventually(seen_back, what="the check saying the broker answers again")
+    finally:
+        broker_link.reply_delay_s = 0.0
         await broker.stop()

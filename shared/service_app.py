@@ -40,12 +40,17 @@ def internal_service_app(
     """A FastAPI app answering every error as problem+json, with `/metrics` (behind
     `METRICS_API_KEY`, or `admin_key` where the service holds one; `service` names it in the
     warning when the key is unset) and `/healthz` and `/readyz` on the broker and the
-    database, HEAD wherever GET is, and a 422 for a query parameter a route does not take.
-    `options` go to FastAPI."""
+    database, HEAD wherever GET is, a 422 for a query parameter a route does not take, and
+    no redirect of a path with a trailing slash. `options` go to FastAPI."""
     app = FastAPI(
         title=title,
         lifespan=document_before_serving(lifespan),
         dependencies=[only_known_query_parameters()],
+        # No 307 from `/x/` to `/x`: a drop of an empty id (`DELETE .../dead-letters/`) was
+        # sent to the purge, method and key kept by a client following redirects. The
+        # notifier's dead-letter routes came after the gateway's and the scheduler's were
+        # mended, without it (review of the notifier).
+        redirect_slashes=False,
         **options,
     )
     install_problem_handlers(app)

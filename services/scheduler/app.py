@@ -277,8 +277,6 @@ def create_app(
         await clock_watch.stop()
         await mongo.close()
 
-    # No 307 from `/x/` to `/x`: `DELETE /admin/v1/cron/dead-letters/` (a drop of an empty
-    # run id) was sent to the purge, method and key kept by a client following redirects.
     app = internal_service_app(
         "Scorebox scheduler",
         service="scheduler",
@@ -287,7 +285,6 @@ def create_app(
         mongo=mongo,
         lifespan=lifespan,
         admin_key=settings.admin_api_key,
-        redirect_slashes=False,
     )
     app.state.dispatcher = dispatcher
     app.include_router(

@@ -228,6 +228,20 @@ async def test_a_purge_empties_the_queue(flow: Flow) -> None:
     assert (await _listing(flow))["count"] == 0
 
 
+async def test_a_drop_with_an_empty_id_never_reaches_the_purge(flow: Flow) -> None:
+    """`DELETE .../dead-letters/` (a script's drop of an empty id) was redirected (307) to
+    the purge, and a client following redirects keeps the method and the key: every
+    webhook dead letter was deleted (review of the notifier)."""
+    await _unreadable_letter(flow)
+    before = (await _listing(flow))["count"]
+
+    answer = await flow.notifier.delete(f"{LETTERS}/", headers=ADMIN, follow_redirects=True)
+
+    assert answer.status_code in (404, 405), answer.text
+    assert answer.history == []
+    assert (await _listing(flow))["count"] == before
+
+
 @pytest.mark.parametrize(
     ("method", "path"),
     [

@@ -478,13 +478,16 @@ async def _send(
     """POST the attempt this process claimed (as `owner`, at `now`) and record what came of
     it; put it off unsent when its lease could run out during the POST. `round_from`: the
     first attempt of the delivery's current round (`DeliveryRecord.round_from`)."""
-    secrets = await deps.keyring.in_force(delivery.tenant_id, now=now)
-    if now + deps.lease - deps.clock() < deps.post_time:
-        return await _put_off(delivery, deps, "lease_short", redelivered=redelivered)
     status: int | None = None
     started = time.perf_counter()
     try:
         destination = await deps.guard.vet(delivery.url)
+        # The secrets read after the DNS check, just before signing: read first, a rotation
+        # during the check had the receiver, already holding the new secret, refuse the
+        # old one's signature for good, a 4xx (review of the notifier).
+        secrets = await deps.keyring.in_force(delivery.tenant_id, now=deps.clock())
+        if now + deps.lease - deps.clock() < deps.post_time:
+            return await _put_off(delivery, deps, "lease_short", redelivered=redelivered)
         body = encode_payload(delivery.payload)
         # Signed as sent, not as claimed: the claim, the keyring's read and the DNS check
         # come between, up to minutes with slow ones, and a receiver refuses (for good, a

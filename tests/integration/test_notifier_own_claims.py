@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from pymongo import AsyncMongoClient
+from standardwebhooks import Webhook
 
 from services.notifier.consumer import subscribe_deliveries
 from services.notifier.deliveries import (
@@ -326,3 +327,38 @@ async def test_a_webhook_is_signed_with_the_time_it_is_sent_not_claimed(
     [received] = endpoint.requests(delivery.url)
     sent_at = int(received.headers["webhook-timestamp"])
     assert sent_at == int((claimed_at + timedelta(minutes=6)).timestamp())
+
+
+class RotatingDns(TableResolver):
+    """The receiver's address, answered once the tenant has rotated its signing secret."""
+
+    def __init__(self, keyring: Keyring, tenant_id: str) -> None:
+        super().__init__({RECEIVER_HOST: ["127.0.0.1"]})
+        self._keyring, self._tenant_id = keyring, tenant_id
+        self.rotated: list[str] = []
+
+    async def resolve(self, host: str, port: int) -> Sequence[IPAddress]:
+        rotated = await self._keyring.rotate(self._tenant_id, now=utcnow(), grace=timedelta(1))
+        self.rotated.append(rotated.secret)
+        return await super().resolve(host, port)
+
+
+async def test_a_secret_rotated_during_the_dns_check_signs_the_webhook(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    """The secrets were read before the DNS check: a receiver that took the new secret from
+    the rotation's answer refused the old one's signature for good (a 4xx; review)."""
+    endpoint = receiver[0]
+    delivery = _delivery(endpoint)
+    await ledger.register(delivery, now=utcnow())
+    deps = make_deps("proc-a")
+    await deps.keyring.in_force(delivery.tenant_id, now=utcnow())  # the secret before
+    dns = RotatingDns(deps.keyring, delivery.tenant_id)
+    guard = WebhookGuard(dns, allowed_test_hosts=frozenset({"127.0.0.1"}))
+
+    assert await deliver_webhook(delivery, deps=replace(deps, guard=guard)) == Done(
+        "delivered (200)"
+    )
+
+    [received] = endpoint.requests(delivery.url)
+    Webhook(dns.rotated[-1]).verify(received.body, received.headers)

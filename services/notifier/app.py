@@ -17,7 +17,7 @@ from services.notifier.api import tenant_routes
 from services.notifier.consumer import send_delivery, subscribe_deliveries, subscribe_notifications
 from services.notifier.dead_letters import WebhookDeadLetters
 from services.notifier.deliveries import DeliveryDeps, RetryPolicy, Sender
-from services.notifier.hosts import Slots, TenantSlots
+from services.notifier.hosts import Slots, TenantSlots, host_share
 from services.notifier.keyring import Keyring
 from services.notifier.ledger import Ledger
 from services.notifier.metrics import NotifierMetrics
@@ -120,6 +120,7 @@ def create_app(
             owner=f"{socket.gethostname()}:{os.getpid()}:{new_id()[:8]}",
             lease=timedelta(seconds=settings.lease_s),
             hosts=Slots(settings.per_host),
+            host_shares=Slots(host_share(settings.per_host)),
             tenants=TenantSlots(settings.per_tenant, shared=settings.concurrency),
             post_time=timedelta(seconds=settings.post_s),
             max_attempts=settings.max_attempts,

@@ -78,6 +78,8 @@ from services.notifier.hosts import (
     Slots,
     TenantSlots,
     destination_of,
+    host_share,
+    share_key,
 )
 from services.notifier.keyring import Keyring
 from services.notifier.ledger import DeliveryRecord, DeliveryState, Ledger
@@ -108,6 +110,7 @@ PUT_OFF_MAX_DELAY = timedelta(seconds=60)
 # Why a delivery is put off unsent: its label in `scorebox_webhook_deferred_total`, and why.
 PUT_OFF_BECAUSE = {
     "host_busy": "its destination has no slot free",
+    "host_share_busy": "its tenant holds its share of its destination's slots",
     "tenant_busy": "its tenant has no slot free",
     "tenant_reserve": "its tenant has a slot, and only those kept for idle tenants are free",
     "lease_short": "too little of its claim's lease is left for a POST",
@@ -191,6 +194,8 @@ class DeliveryDeps:
     # The POSTs of this process in flight per destination and per tenant, each bounded;
     # the tenants' also keep the slots beyond WEBHOOK_CONCURRENCY for idle tenants.
     hosts: Slots = field(default_factory=lambda: Slots(DEFAULT_PER_HOST))
+    # Per tenant and destination: one tenant's share of a destination (`hosts.host_share`).
+    host_shares: Slots = field(default_factory=lambda: Slots(host_share(DEFAULT_PER_HOST)))
     tenants: Slots = field(
         default_factory=lambda: TenantSlots(DEFAULT_PER_TENANT, shared=DEFAULT_CONCURRENCY)
     )
@@ -362,15 +367,17 @@ async def _claim_and_send(
     configured = await _as_configured_now(delivery, deps.alerts)
     if configured is None:  # cancelled unsent: no POST, no slot
         return await _claim_and_post(delivery, None, deps, redelivered=redelivered)
+    destination = destination_of(configured.url, deps.guard)
     bounds = (
-        (deps.hosts, destination_of(configured.url, deps.guard), "host"),
+        (deps.hosts, destination, "host"),
+        (deps.host_shares, share_key(configured.tenant_id, destination), "host_share"),
         (deps.tenants, configured.tenant_id, "tenant"),
     )
     with ExitStack() as held:
         for slots, key, bound in bounds:
             if (refused := slots.refusal(key)) is not None:
                 held.close()  # put off holding no slot
-                why = f"{bound}_{refused}"  # host_busy, tenant_busy, tenant_reserve
+                why = f"{bound}_{refused}"  # host_busy, host_share_busy, tenant_busy, ...
                 return await _put_off(delivery, deps, why, redelivered=redelivered)
             held.enter_context(slots.taking(key))  # taken: nothing ran since `refusal`
         return await _claim_and_post(delivery, configured, deps, redelivered=redelivered)

@@ -25,6 +25,14 @@ flight; a tenant holding none may always take one (its bound is at least 1). Bus
 never hold more than `WEBHOOK_CONCURRENCY` slots between them, and the reserve goes one
 slot per tenant: `reserve` more tenants must get stuck too before a quiet one waits.
 
+A destination's bound alone let one tenant hold all of it: a tenant whose own path on a
+host many tenants share (an automation service's hooks) hangs kept every slot of that host
+with its many cycling copies, and the other tenants' webhooks to it waited for minutes
+(review of the notifier). One tenant holds at most `host_share` of a destination's slots,
+the bound less a quarter of it (at least 1): the rest is left to its other tenants, as the
+tenants' reserve is to idle tenants (so a destination a single tenant uses runs at most
+that many of its POSTs at once).
+
 The counts are this process's own, kept in memory: each notifier replica bounds its own
 deliveries, so N replicas allow up to N times a bound at once.
 """
@@ -108,6 +116,17 @@ class TenantSlots(Slots):
         if (busy := super().refusal(key)) is not None:
             return busy
         return RESERVE if self.in_flight(key) and self.total >= self.shared else None
+
+
+def host_share(per_host: int) -> int:
+    """The slots of a destination one tenant may hold: all but a quarter of them (at least
+    one left to the others), and always at least one."""
+    return max(1, per_host - max(1, per_host // 4))
+
+
+def share_key(tenant_id: str, destination: str) -> str:
+    """The key a tenant's POSTs to one destination count against (`host_share`)."""
+    return f"{tenant_id}\x00{destination}"
 
 
 def destination_of(url: str, guard: WebhookGuard) -> str:

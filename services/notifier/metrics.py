@@ -32,7 +32,8 @@ class NotifierMetrics:
         self.deferred = Counter(
             "scorebox_webhook_deferred",
             "Webhook deliveries put off without an attempt, by why (host_busy: this notifier "
-            "had WEBHOOK_CONCURRENCY_PER_HOST POSTs in flight to its destination; tenant_busy: "
+            "had WEBHOOK_CONCURRENCY_PER_HOST POSTs in flight to its destination; "
+            "host_share_busy: its tenant held its share of them; tenant_busy: "
             "WEBHOOK_CONCURRENCY_PER_TENANT of its tenant; tenant_reserve: its tenant had a "
             "POST in flight and only the reserve kept for idle tenants was free; "
             "lease_short: its claim had too little of its lease left for a POST). Counted "

@@ -31,7 +31,7 @@ from pymongo import AsyncMongoClient
 from services.notifier.app import create_app as create_notifier
 from services.notifier.consumer import send_delivery
 from services.notifier.deliveries import DeliveryDeps, Sender
-from services.notifier.hosts import Slots, destination_of
+from services.notifier.hosts import Slots, destination_of, host_share, share_key
 from services.notifier.ledger import DeliveryState, Ledger
 from services.notifier.metrics import NotifierMetrics
 from services.notifier.sender import ReceiverAnswer
@@ -93,8 +93,11 @@ class Notifier:
     fast: Receiver
     deliveries: Any  # the notifier's `deliveries` collection
 
-    async def publish(self, urls: list[str]) -> list[DeliverWebhook]:
-        commands = [_callback(url) for url in urls]
+    async def publish(
+        self, urls: list[str], *, tenants: tuple[str, ...] = ("acme",)
+    ) -> list[DeliverWebhook]:
+        """A webhook to each of `urls`, of `tenants` in turn."""
+        commands = [_callback(url, tenants[index % len(tenants)]) for index, url in enumerate(urls)]
         broker = make_broker(self.settings)
         async with broker:
             await broker.connect()
@@ -118,9 +121,10 @@ class Notifier:
         )
 
 
-def _callback(url: str) -> DeliverWebhook:
+def _callback(url: str, tenant_id: str = "acme") -> DeliverWebhook:
     return DeliverWebhook(
         task_id=new_id(),
+        tenant_id=tenant_id,
         delivery_id=f"msg_{uuid.uuid4().hex}",
         purpose=WebhookPurpose.CALLBACK,
         url=url,
@@ -188,7 +192,10 @@ async def test_a_slow_host_at_its_bound_leaves_the_other_hosts_their_slots(
     notifier: Notifier,
 ) -> None:
     slow, fast = notifier.slow, notifier.fast
-    slow_commands = await notifier.publish([slow.held() for _ in range(SLOW_WEBHOOKS)])
+    # Two tenants': one tenant holds at most its share of a destination (`host_share`).
+    slow_commands = await notifier.publish(
+        [slow.held() for _ in range(SLOW_WEBHOOKS)], tenants=("acme", "globex")
+    )
 
     async def saturated() -> bool:
         return slow.in_flight >= PER_HOST
@@ -215,6 +222,33 @@ async def test_a_slow_host_at_its_bound_leaves_the_other_hosts_their_slots(
     assert {(r["attempt"], r["last_error"]) for r in delivered} == {(1, None)}
     unavailable = {"purpose": "callback", "outcome": "unavailable"}
     assert await notifier.metric("scorebox_webhook_attempts_total", unavailable) == 0
+
+
+async def test_a_tenant_holding_its_share_of_a_destination_leaves_the_rest_to_others(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    """A tenant whose path on a host many tenants share hangs held every slot of that host,
+    and the other tenants' webhooks to it waited for minutes (review of the notifier)."""
+    deps, registry = _with_bound(make_deps("proc-a"))
+    deps = replace(deps, hosts=Slots(4), host_shares=Slots(host_share(4)))
+    ours = _delivery(receiver[0]).model_copy(update={"tenant_id": "tenant-a"})
+    theirs = _delivery(receiver[0]).model_copy(update={"tenant_id": "tenant-b"})
+    destination = destination_of(ours.url, deps.guard)
+    _, handle = _handler(deps)
+
+    with contextlib.ExitStack() as in_flight:
+        for _ in range(host_share(4)):  # tenant-a's POSTs hanging on the shared host
+            assert in_flight.enter_context(deps.hosts.taking(destination))
+            key = share_key("tenant-a", destination)
+            assert in_flight.enter_context(deps.host_shares.taking(key))
+        mine = HandedDelivery(ours.model_dump_json().encode())
+        await asyncio.wait_for(handle(mine), timeout=30)
+        other = HandedDelivery(theirs.model_dump_json().encode())
+        await asyncio.wait_for(handle(other), timeout=30)
+
+    assert receiver[0].requests(ours.url) == []
+    assert len(receiver[0].requests(theirs.url)) == 1
+    assert (_deferred(registry, "host_share_busy"), _deferred(registry)) == (1, 0)
 
 
 @contextlib.contextmanager

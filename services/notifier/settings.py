@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from shared.settings import MAX_DURATION_S, AdminApiSettings
+from shared.settings import BROKER_CONSUMER_TIMEOUT_S, MAX_DURATION_S, AdminApiSettings
 from shared.webhook_urls import IPAddress, UnsafeWebhookUrl, check_host_name, parse_ip_literal
 
 # The database calls a claim's holder makes under its lease (`NotifierSettings.lease_s`).
@@ -127,6 +127,22 @@ class NotifierSettings(AdminApiSettings):
         return self
 
     @model_validator(mode="after")
+    def _held_within_the_consumer_timeout(self) -> NotifierSettings:
+        """A redelivery waits out another replica's lease, then claims and POSTs under its
+        own, unacknowledged all along: past RabbitMQ's consumer timeout the broker closes
+        the channel both notifier consumers share and takes back every delivery in hand.
+        Each timeout alone was bounded, and 600 s of DNS with 600 s of request held a
+        redelivery 2,500 s (review of the notifier)."""
+        held_s = 2 * self.lease_s
+        if held_s >= BROKER_CONSUMER_TIMEOUT_S:
+            raise ValueError(
+                f"a redelivery could be held {held_s:g} s, past RabbitMQ's consumer timeout "
+                f"({BROKER_CONSUMER_TIMEOUT_S:g} s): lower WEBHOOK_DNS_TIMEOUT_S, "
+                "WEBHOOK_TIMEOUT_S, MONGO_TIMEOUT_S or MAX_CLOCK_OFFSET_S"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _test_host_addresses_valid(self) -> NotifierSettings:
         parse_test_host_addresses(self.test_host_addresses, allowed=self.test_hosts)
         return self
@@ -189,9 +205,16 @@ class NotifierSettings(AdminApiSettings):
 
         The POST, and the database calls of the claim's holder, each up to `MONGO_TIMEOUT_S`:
         the claim's own write (the lease counts from before it), the keyring read before
-        the POST and the recording of its outcome, with 30 s to spare. A lease that ran out
-        before the POST let a second copy claim the attempt and POST it too."""
-        return self.post_s + CLAIM_DATABASE_CALLS * self.mongo_timeout_s + 30.0
+        the POST and the recording of its outcome, with 30 s to spare, and twice
+        `MAX_CLOCK_OFFSET_S`: another replica's clock may run ahead of this one's by that
+        much (review of the notifier). A lease that ran out before the POST let a second
+        copy claim the attempt and POST it too."""
+        return (
+            self.post_s
+            + CLAIM_DATABASE_CALLS * self.mongo_timeout_s
+            + 2 * self.max_clock_offset_s  # a replica whose clock runs ahead reads it ended
+            + 30.0
+        )
 
 
 def parse_test_host_addresses(

@@ -194,9 +194,24 @@ def test_a_tenant_bound_below_one_or_above_the_concurrency_is_refused(
 def test_a_claims_lease_covers_the_post_and_the_database_calls_around_it() -> None:
     """DNS check + request, then the claim's write, the keyring read and the recording of
     the outcome, each up to MONGO_TIMEOUT_S, and 30 s to spare."""
-    settings = _settings(WEBHOOK_DNS_TIMEOUT_S="5", WEBHOOK_TIMEOUT_S="10", MONGO_TIMEOUT_S="20")
+    settings = _settings(
+        WEBHOOK_DNS_TIMEOUT_S="5",
+        WEBHOOK_TIMEOUT_S="10",
+        MONGO_TIMEOUT_S="20",
+        MAX_CLOCK_OFFSET_S="7",
+    )
     assert settings.post_s == 15
-    assert settings.lease_s == 15 + 3 * 20 + 30
+    # And twice the clocks' offset: a replica whose clock runs ahead read a live lease ended.
+    assert settings.lease_s == 15 + 3 * 20 + 2 * 7 + 30
+
+
+def test_timeouts_that_hold_a_redelivery_past_the_consumer_timeout_are_refused() -> None:
+    """Each was bounded alone: 600 s of DNS and 600 s of request held a redelivery (another
+    replica's lease waited out, then its own POST) about 2,500 s, past the broker's 30
+    minutes, and the channel both consumers share was closed (review)."""
+    assert _settings(WEBHOOK_DNS_TIMEOUT_S="300", WEBHOOK_TIMEOUT_S="300")
+    with pytest.raises(ValidationError, match="consumer timeout"):
+        _settings(WEBHOOK_DNS_TIMEOUT_S="600", WEBHOOK_TIMEOUT_S="600")
 
 
 def test_delivery_records_that_could_expire_while_their_delivery_retries_are_refused() -> None:

@@ -30,6 +30,12 @@ class Tally:
         counted, self._count, self._reported_at = self._count, 0, now
         return counted
 
+    def report(self) -> int:
+        """Report now, whenever the last report was: how many since it (this one included,
+        once counted)."""
+        counted, self._count, self._reported_at = self._count, 0, self._clock()
+        return counted
+
 
 # How often at most `FailedCalls` writes its line.
 FAILED_CALLS_REPORT_S = 60.0

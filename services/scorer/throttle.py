@@ -581,8 +581,14 @@ class ModelThrottle:
         )
 
     def _log_rate_limit_pause(self) -> None:
-        if (pauses := self._rate_limit_pauses.count()) is None:
-            return
+        pauses = self._rate_limit_pauses.count()
+        if pauses is None:
+            # A pause that outlasts the next line's due time is logged all the same: a
+            # Retry-After of two minutes within a minute of the last line stopped every
+            # call unlogged (a walkthrough).
+            if self.pause_left_s() < PAUSE_LOG_EVERY_S:
+                return
+            pauses = self._rate_limit_pauses.report()
         log.warning(
             "model calls paused for %.1f s: the provider answered 429 (%d pause(s) since the "
             "last such line)",

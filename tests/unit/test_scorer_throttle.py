@@ -404,6 +404,24 @@ async def test_a_steady_rate_limit_is_logged_once_a_minute(
     assert "(30 pause(s) since the last such line)" in messages[1]
 
 
+async def test_a_pause_longer_than_a_minute_is_logged_whenever_it_begins(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A 429 asking for two minutes, within a minute of the last line, paused every call
+    unlogged (a walkthrough: the log's last line was a 1 s pause)."""
+    clock = Clock()
+    throttle = _throttle(clock)
+    with caplog.at_level("INFO", logger="scorebox.scorer.throttle"):
+        throttle.rate_limited(Turn(), retry_after_s=1.0)
+        await _probe(throttle, clock)
+        throttle.answered(PROBE)
+        throttle.done(PROBE)
+        throttle.rate_limited(Turn(), retry_after_s=120.0)
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 2, messages
+    assert "paused for 120.0 s" in messages[1]
+
+
 async def test_an_outage_going_on_is_logged_with_its_pause_once_a_minute(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -447,8 +447,12 @@ async def _named_on_timeout(what: str, deadline_s: float) -> AsyncIterator[None]
     except TimeoutError:
         if not within.expired():
             raise  # a bound of its own inside (`BROKER_TIMEOUT_S`), named by its error
+        # "Not answering" sent an operator looking for a dead broker when each of the
+        # round trips had its answer, slowly (a walkthrough over a 0.5 s link).
         raise _given_up(
-            f"{what} not answering within STARTUP_TIMEOUT_S ({deadline_s:g} s)"
+            f"{what} not done within STARTUP_TIMEOUT_S ({deadline_s:g} s): it stopped "
+            "answering, or answers too slowly for all its round trips (over a slow link, "
+            "raise STARTUP_TIMEOUT_S)"
         ) from None
 
 

@@ -63,13 +63,13 @@ async def test_a_first_attempt_cut_short_by_the_deadline_still_names_the_depende
 
 async def test_a_timeout_of_a_step_s_own_bound_is_not_taken_for_the_start_up_s() -> None:
     """A consumer's start bounded by `BROKER_TIMEOUT_S` inside the start-up's deadline was
-    reported as "not answering within STARTUP_TIMEOUT_S", naming the wrong bound (a
+    reported as "not done within STARTUP_TIMEOUT_S", naming the wrong bound (a
     review)."""
     with pytest.raises(TimeoutError, match="the consumer's own") as raised:
         async with _named_on_timeout("RabbitMQ at amqp://broker", 30):
             raise TimeoutError("the consumer's own")
     assert not isinstance(raised.value, DependencyUnreachable)
 
-    with pytest.raises(DependencyUnreachable, match="not answering within STARTUP_TIMEOUT_S"):
+    with pytest.raises(DependencyUnreachable, match="not done within STARTUP_TIMEOUT_S"):
         async with _named_on_timeout("RabbitMQ at amqp://broker", 0.05):
             await asyncio.Event().wait()

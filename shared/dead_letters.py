@@ -82,6 +82,11 @@ GET_TIMEOUT_S = 5.0
 # 10,000 letters in one request took about a minute, and a client's timeout (the CLI's
 # 30 s) took a replay that went on for one that failed. At least one letter is always sent.
 REPLAY_BUDGET_S = 20.0
+# How long any walk takes letters (a listing, a show, a drop, a purge with a cut-off): one
+# round trip each, so over a slow link (0.2 s) or a full queue a listing outlasted the CLI's
+# 30 s, which gave up while the drop it had asked for went on and was applied (a
+# walkthrough). Past it the walk stops with letters left (`timed_out`).
+WALK_BUDGET_S = REPLAY_BUDGET_S
 WALK_BOUND = f"{MAX_WALK:,} letters or {MAX_WALK_BYTES // (1024 * 1024)} MiB of their bodies"
 # The query parameter of a drop and a purge that keeps the letters not known to have been
 # dead-lettered before it; a listing's `listed_at` is one.
@@ -105,6 +110,11 @@ class HeldLetters(list[AbstractIncomingMessage]):
     truncated: bool = False
     timed_out: bool = False
     bytes_held: int = 0
+
+    @property
+    def stopped_short(self) -> bool:
+        """Whether letters were left behind the walk, at its bounds or its deadline."""
+        return self.truncated or self.timed_out
 
     def take(self, message: AbstractIncomingMessage) -> None:
         self.append(message)
@@ -141,7 +151,8 @@ class PurgeReport(BaseModel):
     truncated: bool | None = Field(
         default=None,
         description=f"Only with `{CUT_OFF}`, whose purge walks the queue: the walk stopped at "
-        f"its bound ({WALK_BOUND}) with letters left behind it, not looked at and kept.",
+        f"its bound ({WALK_BOUND}) or its {WALK_BUDGET_S:.0f} s budget with letters left "
+        "behind it, not looked at and kept.",
     )
 
 
@@ -172,8 +183,8 @@ class DropReport(BaseModel):
         "reached."
     )
     truncated: bool = Field(
-        description=f"The walk stopped at its bound ({WALK_BOUND}) with letters left behind "
-        "it: a copy past it, if any, is still there."
+        description=f"The walk stopped at its bound ({WALK_BOUND}) or its {WALK_BUDGET_S:.0f} "
+        "s budget with letters left behind it: a copy past it, if any, is still there."
     )
     kept: int | None = Field(
         default=None,
@@ -338,9 +349,9 @@ def busy_walks_are_503() -> Iterator[None]:
         ) from error
 
 
-def _past(deadline: float | None, held: HeldLetters) -> bool:
+def _past(deadline: float, held: HeldLetters) -> bool:
     """Whether a walk with `deadline` has passed it (the first letter is always taken)."""
-    return deadline is not None and bool(held) and asyncio.get_running_loop().time() >= deadline
+    return bool(held) and asyncio.get_running_loop().time() >= deadline
 
 
 class DeadLetterWalker:
@@ -353,11 +364,13 @@ class DeadLetterWalker:
         *,
         timeout_s: float,
         max_bytes: int = MAX_WALK_BYTES,
+        budget_s: float = WALK_BUDGET_S,
     ) -> None:
         self._broker = broker
         self._name = work_queue.dead_letter_routing_key
         self._timeout_s = timeout_s
         self._max_bytes = max_bytes
+        self._budget_s = budget_s
         self._walking = asyncio.Lock()
 
     @contextlib.asynccontextmanager
@@ -365,9 +378,13 @@ class DeadLetterWalker:
         """Hold every dead letter unacknowledged, up to `MAX_WALK` letters and the walker's
         byte budget (`MAX_WALK_BYTES` of bodies unless told); return the ones not settled on
         exit, then close the walk's channel: nothing it took stays held. Given a `deadline`
-        (the event loop's clock), the walk waits for its turn only until then (`WalkBusy`)
-        and takes no letter past it but the first (`timed_out` when more were left)."""
+        (the event loop's clock), the walk waits for its turn only until then (`WalkBusy`);
+        with or without one, it takes no letter past it or the walker's budget
+        (`WALK_BUDGET_S` from its turn) but the first (`timed_out` when more were left)."""
         await self._take_turn(deadline)
+        # Without a deadline it waits for its turn, and takes letters for its budget.
+        stop_at = asyncio.get_running_loop().time() + self._budget_s
+        stop_at = stop_at if deadline is None else min(stop_at, deadline)
         try:
             async with own_channel(
                 self._broker, timeout_s=self._timeout_s, what=self._name
@@ -377,7 +394,7 @@ class DeadLetterWalker:
                 try:
                     queue = await channel.get_queue(self._name, ensure=False)
                     while (message := await self._get(queue)) is not None:
-                        if held.full(self._max_bytes) or _past(deadline, held):
+                        if held.full(self._max_bytes) or _past(stop_at, held):
                             # One letter past the bound: there is more. Not held (the caller
                             # never sees it), it goes back behind the others.
                             past.append(message)
@@ -443,7 +460,7 @@ class DeadLetterWalker:
             for message in due:
                 await self.remove(message)
         return Dropped(
-            len(due), walked=len(held), truncated=held.truncated, kept=len(chosen) - len(due)
+            len(due), walked=len(held), truncated=held.stopped_short, kept=len(chosen) - len(due)
         )
 
     async def purge_before(self, cut_off: CutOff) -> Dropped:

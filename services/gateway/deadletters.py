@@ -222,7 +222,7 @@ class DeadLetterQueue:
         async with self._dlq.walk() as held:
             letters = [describe(message, now) for message in held]
         letters.sort(key=_oldest_first)
-        return Walk(letters, truncated=held.truncated, listed_at=now)
+        return Walk(letters, truncated=held.stopped_short, listed_at=now)
 
     async def shown(self, letter_id: str) -> ShownLetter | Walk:
         """The letter `letter_id` names (message or task id) with its whole body, which a
@@ -241,7 +241,7 @@ class DeadLetterQueue:
                     found.append(ShownLetter(letter, body))
         if found:
             return min(found, key=lambda shown: _oldest_first(shown.letter))
-        return Walk(seen, truncated=held.truncated, listed_at=now)
+        return Walk(seen, truncated=held.stopped_short, listed_at=now)
 
     async def replay(self, ids: Collection[str] | None) -> Replay:
         """Replay the dead letters named by `ids` (all when None), for up to the replay's
@@ -296,7 +296,7 @@ class DeadLetterQueue:
                     tally.interrupted = _interruption(error)
         left = tally.left_unhandled()
         not_found, not_reached = unmatched(
-            ids or [], tally.found, truncated=held.truncated or held.timed_out, left=left
+            ids or [], tally.found, truncated=held.stopped_short, left=left
         )
         return Replay(
             tally.replayed,

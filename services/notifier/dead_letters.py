@@ -236,7 +236,7 @@ class WebhookDeadLetters:
         async with self._dlq.walk() as held:
             letters = [describe(message, now) for message in held]
         letters.sort(key=lambda letter: oldest_first(letter.dead_lettered_at))
-        return WebhookWalk(letters, truncated=held.truncated, listed_at=now)
+        return WebhookWalk(letters, truncated=held.stopped_short, listed_at=now)
 
     async def shown(self, name: str) -> ShownWebhookLetter | WebhookWalk:
         """The letter `name` names (a delivery or message id) with what it POSTs; of several
@@ -253,7 +253,7 @@ class WebhookDeadLetters:
         if found:
             return min(found, key=lambda shown: oldest_first(shown.letter.dead_lettered_at))
         listed = [letter for letter, _ in letters]
-        return WebhookWalk(listed, truncated=held.truncated, listed_at=now)
+        return WebhookWalk(listed, truncated=held.stopped_short, listed_at=now)
 
     async def replay(self, ids: Collection[str] | None) -> WebhookReplay:
         """Move the letters `ids` names (delivery or message ids; all when None) back to the
@@ -269,7 +269,7 @@ class WebhookDeadLetters:
             left = await self._move_back(chosen.letters, stop_at, report)
         report.skipped_unreadable = chosen.unreadable
         report.not_found, report.not_reached = unmatched(
-            ids or [], chosen.found, truncated=held.truncated or held.timed_out, left=left
+            ids or [], chosen.found, truncated=held.stopped_short, left=left
         )
         report.truncated = held.truncated
         report.timed_out = held.timed_out or (bool(left) and report.interrupted is None)

@@ -67,6 +67,7 @@ from shared.dead_letters import (
     REPLAY_BODY_LIMIT,
     REPLAY_BUDGET_S,
     WALK_BOUND,
+    WALK_BUDGET_S,
     CutOffQuery,
     PurgeReport,
     busy_walks_are_503,
@@ -481,8 +482,8 @@ class CronDropReport(_Out):
         "letter with that message id)."
     )
     truncated: bool = Field(
-        description=f"The walk stopped at its bound ({WALK_BOUND}) with letters left behind "
-        "it: a copy past it, if any, is still there."
+        description=f"The walk stopped at its bound ({WALK_BOUND}) or its {WALK_BUDGET_S:.0f} "
+        "s budget with letters left behind it: a copy past it, if any, is still there."
     )
     kept: int | None = Field(
         default=None,

@@ -238,7 +238,7 @@ class CronDeadLetters:
         async with self._dlq.walk() as held:
             letters = [describe(message, now, self._jobs) for message in held]
         letters.sort(key=lambda letter: oldest_first(letter.dead_lettered_at))
-        return CronWalk(letters, truncated=held.truncated, listed_at=now)
+        return CronWalk(letters, truncated=held.stopped_short, listed_at=now)
 
     async def replay(self, run_ids: Collection[str] | None) -> CronReplay:
         """Replay the letters of the runs `run_ids` (all when None), oldest first, for up to
@@ -265,7 +265,7 @@ class CronDeadLetters:
             runnable = [(message, c) for message, c in chosen.letters if c.run_id not in gone]
             run = await self._replay_letters(runnable, stop_at)
         not_found, not_reached = unmatched(
-            run_ids or [], chosen.found, truncated=held.truncated or held.timed_out, left=run.left
+            run_ids or [], chosen.found, truncated=held.stopped_short, left=run.left
         )
         return CronReplay(
             run.replayed,

@@ -133,6 +133,23 @@ async def test_a_walk_with_a_deadline_takes_its_turn_and_its_letters_only_until_
         assert (len(held), held.truncated, held.timed_out) == (LETTERS, False, False)
 
 
+async def test_a_walk_without_a_deadline_takes_letters_only_for_its_budget(
+    broker: RabbitBroker,
+) -> None:
+    """A listing, a show or a drop took every letter, one round trip each: over a slow
+    link it outlasted the CLI's 30 s, which gave up while the drop went on and was
+    applied (a walkthrough). Every walk now stops at the walker's budget, letters left."""
+    walker = DeadLetterWalker(broker, CRON_JOBS, timeout_s=TIMEOUT_S, budget_s=0.0)
+
+    async with walker.walk() as held:
+        assert (len(held), held.timed_out, held.stopped_short) == (1, True, True)
+
+    dropped = await walker.drop(lambda _: False)
+    assert (dropped.walked, dropped.truncated) == (1, True)
+    async with DeadLetterWalker(broker, CRON_JOBS, timeout_s=TIMEOUT_S).walk() as held:
+        assert (len(held), held.stopped_short) == (LETTERS, False)  # every letter kept
+
+
 async def test_a_replay_that_cannot_take_its_turn_in_time_is_a_503(
     broker: RabbitBroker, submissions: Submissions
 ) -> None:

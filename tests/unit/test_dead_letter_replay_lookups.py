@@ -56,6 +56,7 @@ class Letter:
 class Walked(list[Letter]):
     truncated = False
     timed_out = False
+    stopped_short = False
 
 
 class HeldLetters:

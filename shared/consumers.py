@@ -555,7 +555,7 @@ class ScoreboxBroker(RabbitBroker):
         self._shared_channel: AbstractChannel | None = None
         self._acks = _AcksByChannel()
         self._gates = ReconnectionGates()
-        self._round_trips = RoundTrips()
+        self._round_trips = RoundTrips(stall_s=timeout)
         # Set once the stop begins (`stop_consuming`): a handler waiting on something to
         # try again later hands its delivery on rather than begin new work the stop would
         # cut short.
@@ -729,6 +729,7 @@ class ScoreboxBroker(RabbitBroker):
         timeout counts from then, so the two waits share it instead of taking one each."""
         loop = asyncio.get_running_loop()
         deadline = (loop.time() if begun_at is None else begun_at) + self._graceful_timeout
+        self._round_trips.stop()
         await self.stop_consuming()
         consuming, self._consuming = self._consuming, []
         await _wait_idle(consuming, timeout=_until(deadline))

@@ -25,6 +25,7 @@ from tests.support import eventually, running
 PROBE_TIMEOUT_S = 3.0
 HELD_S = 3600.0  # how long the database link holds each reply: for ever, for the test
 STALL_S = 5.0  # how long the broker link holds each reply in a stall
+SLOW_S = 0.3  # a slow link's delay of each reply: past the readiness deadline in three
 
 
 async def _probe(api: httpx.AsyncClient) -> httpx.Response:
@@ -96,15 +97,18 @@ async def test_the_broker_check_says_no_while_the_link_stalls_and_yes_once_it_an
 ) -> None:
     """A stalled link leaves the connection flagged up until the heartbeat gives up (60 s):
     `/readyz` said "rabbitmq: true" through a 150-second stall, every publish timing out (a
-    walkthrough). The check is a round trip now."""
-    settings = ServiceSettings.model_validate({"RABBITMQ_URL": broker_link.url_through(amqp_url)})
+    walkthrough). The check is a round trip now: one out past `BROKER_TIMEOUT_S` is a
+    stall."""
+    settings = ServiceSettings.model_validate(
+        {"RABBITMQ_URL": broker_link.url_through(amqp_url), "BROKER_TIMEOUT_S": "1"}
+    )
     broker = make_broker(settings)
     await broker.connect()
     check = broker_ready(broker, settings.broker_timeout_s)
     try:
         assert await check() is True
-        # Longer than the check's deadline, short of the heartbeat; held replies stay held
-        # this long once the stall ends, in order.
+        # Longer than the stall bound, short of the heartbeat; held replies stay held this
+        # long once the stall ends, in order.
         broker_link.reply_delay_s = STALL_S
 
         async def seen_stalled() -> bool:
@@ -117,6 +121,25 @@ async def test_the_broker_check_says_no_while_the_link_stalls_and_yes_once_it_an
             return await check()
 
         await eventually(seen_back, what="the check saying the broker answers again")
+    finally:
+        broker_link.reply_delay_s = 0.0
+        await broker.stop()
+
+
+async def test_the_broker_check_says_yes_over_a_slow_link(
+    amqp_url: str, broker_link: SlowLink
+) -> None:
+    """A slow link is not a stalled one: cut at the readiness deadline, a probe needing
+    three round trips of 0.3 s (the channel's opening and the declare) never passed
+    (review)."""
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": broker_link.url_through(amqp_url)})
+    broker_link.reply_delay_s = SLOW_S
+    broker = make_broker(settings)
+    await broker.connect()
+    check = broker_ready(broker, settings.broker_timeout_s)
+    try:
+        verdicts = [await check() for _ in range(5)]
+        assert verdicts == [True] * 5
     finally:
         broker_link.reply_delay_s = 0.0
         await broker.stop()

@@ -11,12 +11,13 @@ import gc
 import logging
 import math
 import random
+import re
 import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Final, override
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
 import pymongo
 import uvicorn
@@ -169,11 +170,17 @@ def make_broker(
 DURABLE_WRITES: Final[Mapping[str, Any]] = {"w": "majority", "journal": True}
 
 
+# A URL setting any of these has chosen its write concern: none of `DURABLE_WRITES` is added
+# (`journal` beside `w=0` or `fsync`, say, PyMongo refuses).
+WRITE_CONCERN_OPTIONS: Final = frozenset({"w", "journal", "fsync", "wtimeoutms"})
+
+
 def durable_write_options(mongo_url: str) -> dict[str, Any]:
-    """`DURABLE_WRITES` but the options `mongo_url` sets itself (names are case-insensitive
-    in a MongoDB URL)."""
-    given = {name.lower() for name in parse_qs(urlsplit(mongo_url).query)}
-    return {name: value for name, value in DURABLE_WRITES.items() if name.lower() not in given}
+    """`DURABLE_WRITES`, unless `mongo_url` sets a write concern option itself (names are
+    case-insensitive in a MongoDB URL, and options may be separated by `;` as by `&`)."""
+    query = urlsplit(mongo_url).query
+    given = {option.split("=", 1)[0].strip().lower() for option in re.split("[&;]", query)}
+    return {} if given & WRITE_CONCERN_OPTIONS else dict(DURABLE_WRITES)
 
 
 def make_mongo(settings: ServiceSettings, **options: Any) -> MongoClient:

@@ -122,7 +122,7 @@ def create_app(
             hosts=Slots(settings.per_host),
             host_shares=Slots(host_share(settings.per_host)),
             tenants=TenantSlots(settings.per_tenant, shared=settings.concurrency),
-            post_time=timedelta(seconds=settings.post_s),
+            post_time=timedelta(seconds=settings.timeout_s),
             max_attempts=settings.max_attempts,
             metrics=NotifierMetrics(broker.metrics.registry),
         ),

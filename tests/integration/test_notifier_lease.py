@@ -35,8 +35,8 @@ from tests.integration.test_notifier_own_claims import LEASE, Deps, _delivery
 receiver = own_claims.receiver  # fixtures
 ledger = own_claims.ledger
 make_deps = own_claims.make_deps
-# Moved on while the keyring is read: 5 s of the lease left, less than the longest POST
-# (DNS check and request, 15 s by default).
+# Moved on while the keyring is read: 5 s of the lease left, less than the longest request
+# (10 s by default).
 LATE = LEASE - timedelta(seconds=5)
 
 

@@ -362,3 +362,33 @@ async def test_a_secret_rotated_during_the_dns_check_signs_the_webhook(
 
     [received] = endpoint.requests(delivery.url)
     Webhook(dns.rotated[-1]).verify(received.body, received.headers)
+
+
+class SecondsOfDns(TableResolver):
+    """The receiver's address, answered `seconds` later on `clock`."""
+
+    def __init__(self, clock: SteppedClock, seconds: float) -> None:
+        super().__init__({RECEIVER_HOST: ["127.0.0.1"]})
+        self._clock, self._seconds = clock, seconds
+
+    async def resolve(self, host: str, port: int) -> Sequence[IPAddress]:
+        self._clock.now += timedelta(seconds=self._seconds)
+        return await super().resolve(host, port)
+
+
+async def test_a_slow_dns_check_leaving_the_request_its_time_still_posts(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    """The lease left is compared with the request's time once the DNS check is done: with
+    the check's time counted again, a resolver taking most of the lease had every try put
+    off for good (the re-read of that change)."""
+    endpoint = receiver[0]
+    delivery = _delivery(endpoint)
+    await ledger.register(delivery, now=utcnow())
+    clock = SteppedClock(utcnow())
+    guard = WebhookGuard(SecondsOfDns(clock, 47), allowed_test_hosts=frozenset({"127.0.0.1"}))
+    # 13 s left after the check: more than a request's 10, less than the check's 5 and 10.
+    deps = replace(make_deps("proc-a"), clock=clock, guard=guard, lease=timedelta(seconds=60))
+
+    assert await deliver_webhook(delivery, deps=deps) == Done("delivered (200)")
+    assert len(endpoint.requests(delivery.url)) == 1

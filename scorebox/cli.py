@@ -24,11 +24,12 @@ sends `SCOREBOX_ADMIN_KEY` too: the scheduler's admin routes check the services'
 `webhooks` talks to the notifier at `SCOREBOX_NOTIFIER_URL` (default http://127.0.0.1:8004),
 with `SCOREBOX_ADMIN_KEY` as well.
 
-A dead-letter queue is walked up to a bound (10,000 letters or 64 MiB of their bodies): when
-a walk stopped there, `list`, `replay` and `drop` say so on stderr, and ids it did not reach
-exit 1 as ids not found do; so do letters a `replay` left unreadable (kept: drop them), and
-a `replay --all` that stopped short (that bound, or its time budget: run it again). Letters a
-later generation superseded, removed unsent, are named on stderr and change no exit code.
+A dead-letter queue is walked up to a bound (10,000 letters or 64 MiB of their bodies) and
+for 20 s at most: when a walk stopped there, `list`, `replay` and `drop` say so on stderr,
+and ids it did not reach exit 1 as ids not found do; so do letters a `replay` left
+unreadable (kept: drop them), and a `replay --all` that stopped short (that bound, or its
+time budget: run it again). Letters a later generation superseded, removed unsent, are named
+on stderr and change no exit code.
 `drop` and `purge` given `--before` a listing's `listed_at` remove only the letters
 dead-lettered before it, keeping those that came after the listing (a `drop` that so kept
 every copy of a letter exits 1). `purge` asks on stderr:
@@ -98,7 +99,10 @@ IN_PROGRESS = "/request-in-progress"
 CRON_STARTED_NOTHING = ("/broker-unavailable", "/lease-contended")
 API_KEY_VARIABLE, ADMIN_KEY_VARIABLE = "SCOREBOX_API_KEY", "SCOREBOX_ADMIN_KEY"
 # What the services' walk of a dead-letter queue stops at (`shared.dead_letters.WALK_BOUND`).
-WALK_STOPPED = "the walk stopped at its bound (10,000 letters or 64 MiB of their bodies)"
+WALK_STOPPED = (
+    "the walk stopped at its bound (10,000 letters or 64 MiB of their bodies) or its time "
+    "budget (20 s)"
+)
 # What a replay stops at besides (`shared.dead_letters.REPLAY_BUDGET_S`).
 REPLAY_STOPPED = "the replay stopped at its time budget (20 s) with letters left in the queue"
 # The dead-letter queues `dlq purge`, `cron dlq purge` and `webhooks dlq purge` empty
@@ -947,7 +951,9 @@ def _not_reached_why(replay: dict[str, Any]) -> str:
 def _list_letters(path: str, client: httpx.Client) -> None:
     listing = _admin_call("GET", path, client=client)
     count = listing.get("count")
-    _note_truncated(listing, f"{count} listed, the rest not reached (replay or drop some first)")
+    _note_truncated(
+        listing, f"{count} listed, the rest not reached (replay or drop some first, or ask again)"
+    )
 
 
 # The service's own check of a cut-off (`shared.dead_letters._DATE_TIME`, which the CLI does

@@ -65,7 +65,7 @@ def add_removal_routes(
         409: problem(
             409,
             f"No letter with that {named_by} among those the walk reached before its bound "
-            "(`not-reached`): it may lie past it. Nothing was removed.",
+            "or its time budget (`not-reached`): it may lie past it. Nothing was removed.",
         ),
     }
 

@@ -279,9 +279,9 @@ def nothing_dropped(named: str, dropped: Dropped, *, out_of_sight: str) -> Probl
         return Problem(404, f"{named}; nothing was removed ({out_of_sight}; ask again to be sure).")
     return Problem(
         409,
-        f"{named} among the first {dropped.walked}: the walk stops at {WALK_BOUND} and the "
-        "queue holds more, so it may lie past them. Nothing was removed; replay or drop "
-        "letters before it, then ask again.",
+        f"{named} among the first {dropped.walked}: the walk stops at {WALK_BOUND} or after "
+        f"{WALK_BUDGET_S:.0f} s, and the queue holds more, so it may lie past them. Nothing "
+        "was removed; ask again, or replay or drop letters before it first.",
         kind="not-reached",
         walked=dropped.walked,
     )
@@ -326,27 +326,26 @@ async def own_channel(
             log.warning("the channel of a look at %s not closed: %r", what, error)
 
 
-class WalkBusy(Exception):
-    """Another walk of the DLQ held it past a walk's deadline (a replay's budget)."""
+class WalkBusy(Problem):
+    """Another walk of the DLQ held it past a walk's deadline (a replay's budget, or any
+    other walk's `WALK_BUDGET_S`): a 503 to retry shortly, whichever route raised it."""
 
     retry_after_s = 5
 
     def __init__(self, queue: str) -> None:
-        super().__init__(f"another look at {queue} is under way on this replica; try again shortly")
+        super().__init__(
+            503,
+            f"Another look at {queue} is under way on this replica; try again shortly.",
+            kind="dead-letters-busy",
+            headers={"Retry-After": str(self.retry_after_s)},
+        )
 
 
 @contextlib.contextmanager
 def busy_walks_are_503() -> Iterator[None]:
-    """A replay that could not take its turn within its budget: a 503 to retry shortly."""
-    try:
-        yield
-    except WalkBusy as error:
-        raise Problem(
-            503,
-            f"{str(error)[:1].upper()}{str(error)[1:]}.",
-            kind="dead-letters-busy",
-            headers={"Retry-After": str(WalkBusy.retry_after_s)},
-        ) from error
+    """A replay that could not take its turn within its budget: a 503 to retry shortly
+    (`WalkBusy` is that answer)."""
+    yield
 
 
 def _past(deadline: float, held: HeldLetters) -> bool:
@@ -378,13 +377,15 @@ class DeadLetterWalker:
         """Hold every dead letter unacknowledged, up to `MAX_WALK` letters and the walker's
         byte budget (`MAX_WALK_BYTES` of bodies unless told); return the ones not settled on
         exit, then close the walk's channel: nothing it took stays held. Given a `deadline`
-        (the event loop's clock), the walk waits for its turn only until then (`WalkBusy`);
-        with or without one, it takes no letter past it or the walker's budget
-        (`WALK_BUDGET_S` from its turn) but the first (`timed_out` when more were left)."""
-        await self._take_turn(deadline)
-        # Without a deadline it waits for its turn, and takes letters for its budget.
-        stop_at = asyncio.get_running_loop().time() + self._budget_s
-        stop_at = stop_at if deadline is None else min(stop_at, deadline)
+        (the event loop's clock), else the walker's budget from now (`WALK_BUDGET_S`), the
+        walk waits for its turn only until then (`WalkBusy`, a 503) and takes no letter past
+        it but the first (`timed_out` when more were left)."""
+        # Without a deadline, its turn and its letters are taken within its budget: waiting
+        # for its turn without one, a drop queued behind a replay outlasted the CLI's 30 s
+        # and was applied after it had given up (the re-read of that change).
+        loop = asyncio.get_running_loop()
+        stop_at = loop.time() + self._budget_s if deadline is None else deadline
+        await self._take_turn(stop_at)
         try:
             async with own_channel(
                 self._broker, timeout_s=self._timeout_s, what=self._name
@@ -408,11 +409,8 @@ class DeadLetterWalker:
         finally:
             self._walking.release()
 
-    async def _take_turn(self, deadline: float | None) -> None:
-        """Walks through this walker take turns; one with a `deadline` waits until then."""
-        if deadline is None:
-            await self._walking.acquire()
-            return
+    async def _take_turn(self, deadline: float) -> None:
+        """Walks through this walker take turns, each waiting until its `deadline`."""
         try:
             async with asyncio.timeout_at(deadline):
                 await self._walking.acquire()
@@ -470,10 +468,11 @@ class DeadLetterWalker:
 
     async def purge(self) -> int:
         """Delete every letter not held by a walk; the number deleted. It takes its turn
-        after this walker's walks: `queue.purge` skips the letters a walk holds (every one
-        of the queue's, up to its bound), and a purge during a listing or a replay answered
-        200 with those letters left, back in the queue when the walk ended."""
-        await self._take_turn(None)
+        after this walker's walks (waiting the walker's budget at most, `WalkBusy`):
+        `queue.purge` skips the letters a walk holds (every one of the queue's, up to its
+        bound), and a purge during a listing or a replay answered 200 with those letters
+        left, back in the queue when the walk ended."""
+        await self._take_turn(asyncio.get_running_loop().time() + self._budget_s)
         try:
             async with own_channel(
                 self._broker, timeout_s=self._timeout_s, what=self._name

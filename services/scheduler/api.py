@@ -500,8 +500,8 @@ CRON_DROP_PROBLEMS: dict[int | str, dict[str, Any]] = {
     ),
     409: problem(
         409,
-        "No letter of that run among those the walk reached before its bound (`not-reached`): "
-        "it may lie past it. Nothing was removed.",
+        "No letter of that run among those the walk reached before its bound or its time "
+        "budget (`not-reached`): it may lie past it. Nothing was removed.",
     ),
     **problem_responses(503),
 }

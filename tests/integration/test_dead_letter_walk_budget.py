@@ -150,6 +150,25 @@ async def test_a_walk_without_a_deadline_takes_letters_only_for_its_budget(
         assert (len(held), held.stopped_short) == (LETTERS, False)  # every letter kept
 
 
+async def test_a_walk_without_a_deadline_waits_for_its_turn_only_for_its_budget(
+    broker: RabbitBroker,
+) -> None:
+    """A listing, a show or a drop waited for its turn without end: behind a replay it
+    outlasted the CLI's 30 s, and the drop was applied after the CLI gave up (the re-read
+    of that change). It waits its budget, then answers 503 `dead-letters-busy`."""
+    loop = asyncio.get_running_loop()
+    holder = DeadLetterWalker(broker, CRON_JOBS, timeout_s=TIMEOUT_S)
+    walker = DeadLetterWalker(broker, CRON_JOBS, timeout_s=TIMEOUT_S, budget_s=0.1)
+    walker._walking = holder._walking  # one replica's walker: one turn at a time
+
+    async with holder.walk(deadline=loop.time() + 60):
+        with pytest.raises(WalkBusy) as busy:
+            async with asyncio.timeout(30), walker.walk():  # the timeout: no hang if broken
+                pass
+    assert (busy.value.status, busy.value.kind) == (503, "dead-letters-busy")
+    assert busy.value.headers == {"Retry-After": "5"}
+
+
 async def test_a_replay_that_cannot_take_its_turn_in_time_is_a_503(
     broker: RabbitBroker, submissions: Submissions
 ) -> None:

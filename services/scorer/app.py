@@ -86,7 +86,8 @@ def lease_s(settings: ScorerSettings, model_settings: ModelSettings) -> float:
 def longest_hold_s(settings: ScorerSettings, model_settings: ModelSettings) -> float:
     """The longest a delivery is held unacknowledged: a redelivery waits out another
     worker's claim, then its turn under a rate limit's pause (`RATE_LIMIT_HOLD_S`), then
-    takes the whole path of a delivery that just took a model slot (`stop_grace_s`)."""
+    takes the whole path of a delivery that just took a model slot (`stop_grace_s`). Not
+    counted: its wait for a model slot when more deliveries are in hand than slots."""
     return (
         lease_s(settings, model_settings)
         + settings.rate_limit_hold_s

@@ -218,8 +218,8 @@ async def test_a_backlog_is_written_off_a_round_trips_worth_at_a_time() -> None:
     assert written == 1_201
     assert tombstones.most_in_flight == TOMBSTONE_CHUNK  # a round trip's worth at a time
     chunks = _abandoned(database)
-    written = [task for chunk in chunks for task in chunk]
-    assert sorted(written) == sorted(
+    tombstoned = [task for chunk in chunks for task in chunk]
+    assert sorted(tombstoned) == sorted(
         [f"t{i}" for i in range(1_200)] + [f"b{i}" for i in range(1_200)]
     )
 

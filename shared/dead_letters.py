@@ -42,7 +42,6 @@ from collections.abc import (
     AsyncIterator,
     Callable,
     Collection,
-    Iterator,
     Mapping,
     Sequence,
     Set,
@@ -339,13 +338,6 @@ class WalkBusy(Problem):
             kind="dead-letters-busy",
             headers={"Retry-After": str(self.retry_after_s)},
         )
-
-
-@contextlib.contextmanager
-def busy_walks_are_503() -> Iterator[None]:
-    """A replay that could not take its turn within its budget: a 503 to retry shortly
-    (`WalkBusy` is that answer)."""
-    yield
 
 
 def _past(deadline: float, held: HeldLetters) -> bool:

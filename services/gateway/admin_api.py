@@ -27,7 +27,6 @@ from shared.dead_letters import (
     REPLAY_BUDGET_S,
     WALK_BOUND,
     ReplayRequest,
-    busy_walks_are_503,
 )
 from shared.http import (
     ADMIN_PROBLEMS,
@@ -134,7 +133,7 @@ def admin_routes(dead_letters: DeadLetterQueue, admin_key: SecretStr | None) -> 
     )
     async def replay_dead_letters(request: Request) -> ReplayReport:
         wanted = await read_model(request, ReplayRequest, what="replay", limit=ADMIN_BODY_LIMIT)
-        with busy_walks_are_503(), _broker_away_is_503():
+        with _broker_away_is_503():
             replay = await dead_letters.replay(None if wanted.all else wanted.ids)
         return ReplayReport(**asdict(replay))
 

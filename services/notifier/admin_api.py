@@ -35,7 +35,6 @@ from shared.dead_letters import (
     REPLAY_BUDGET_S,
     WALK_BOUND,
     ReplayRequest,
-    busy_walks_are_503,
 )
 from shared.http import ADMIN_PROBLEMS, Problem, admin_guard, problem_responses, quoted
 
@@ -178,7 +177,7 @@ def webhook_dead_letter_routes(
     )
     async def replay_webhook_dead_letters(request: Request) -> WebhookReplayReport:
         wanted = await read_model(request, ReplayRequest, what="replay", limit=REPLAY_BODY_LIMIT)
-        with busy_walks_are_503(), _broker_away_is_503():
+        with _broker_away_is_503():
             replay = await dead_letters.replay(None if wanted.all else wanted.ids)
         return WebhookReplayReport.model_validate(asdict(replay))
 

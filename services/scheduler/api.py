@@ -70,7 +70,6 @@ from shared.dead_letters import (
     WALK_BUDGET_S,
     CutOffQuery,
     PurgeReport,
-    busy_walks_are_503,
     nothing_dropped,
     purge_report,
 )
@@ -545,7 +544,7 @@ def cron_dead_letter_routes(
         wanted = await read_model(
             request, CronReplayRequest, what="replay", limit=REPLAY_BODY_LIMIT
         )
-        with busy_walks_are_503(), _broker_away_is_503():
+        with _broker_away_is_503():
             try:
                 replay = await dead_letters.replay(None if wanted.all else wanted.run_ids)
             except ReplayRefused as error:

@@ -290,14 +290,14 @@ async def test_a_redelivery_after_the_connection_dropped_mid_post_posts_nothing_
 
 
 class SlowDns(TableResolver):
-    """The test's DNS, each answer taking `minutes` of the test's clock."""
+    """The test's DNS, each answer taking `delay` of the test's clock."""
 
-    def __init__(self, clock: SteppedClock, minutes: int) -> None:
+    def __init__(self, clock: SteppedClock, delay: timedelta) -> None:
         super().__init__({RECEIVER_HOST: ["127.0.0.1"]})
-        self._clock, self._minutes = clock, minutes
+        self._clock, self._delay = clock, delay
 
     async def resolve(self, host: str, port: int) -> Sequence[IPAddress]:
-        self._clock.now += timedelta(minutes=self._minutes)
+        self._clock.now += self._delay
         return await super().resolve(host, port)
 
 
@@ -319,7 +319,9 @@ async def test_a_webhook_is_signed_with_the_time_it_is_sent_not_claimed(
     await ledger.register(delivery, now=utcnow())
     clock = SteppedClock(utcnow())
     claimed_at = clock.now
-    guard = WebhookGuard(SlowDns(clock, 6), allowed_test_hosts=frozenset({"127.0.0.1"}))
+    guard = WebhookGuard(
+        SlowDns(clock, timedelta(minutes=6)), allowed_test_hosts=frozenset({"127.0.0.1"})
+    )
     deps = replace(make_deps("proc-a"), clock=clock, guard=guard, lease=timedelta(hours=1))
 
     assert await deliver_webhook(delivery, deps=deps) == Done("delivered (200)")
@@ -364,18 +366,6 @@ async def test_a_secret_rotated_during_the_dns_check_signs_the_webhook(
     Webhook(dns.rotated[-1]).verify(received.body, received.headers)
 
 
-class SecondsOfDns(TableResolver):
-    """The receiver's address, answered `seconds` later on `clock`."""
-
-    def __init__(self, clock: SteppedClock, seconds: float) -> None:
-        super().__init__({RECEIVER_HOST: ["127.0.0.1"]})
-        self._clock, self._seconds = clock, seconds
-
-    async def resolve(self, host: str, port: int) -> Sequence[IPAddress]:
-        self._clock.now += timedelta(seconds=self._seconds)
-        return await super().resolve(host, port)
-
-
 async def test_a_slow_dns_check_leaving_the_request_its_time_still_posts(
     make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
 ) -> None:
@@ -386,7 +376,9 @@ async def test_a_slow_dns_check_leaving_the_request_its_time_still_posts(
     delivery = _delivery(endpoint)
     await ledger.register(delivery, now=utcnow())
     clock = SteppedClock(utcnow())
-    guard = WebhookGuard(SecondsOfDns(clock, 47), allowed_test_hosts=frozenset({"127.0.0.1"}))
+    guard = WebhookGuard(
+        SlowDns(clock, timedelta(seconds=47)), allowed_test_hosts=frozenset({"127.0.0.1"})
+    )
     # 13 s left after the check: more than a request's 10, less than the check's 5 and 10.
     deps = replace(make_deps("proc-a"), clock=clock, guard=guard, lease=timedelta(seconds=60))
 

@@ -11,13 +11,15 @@ services' own timeouts (their defaults here)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
 from services.gateway.app import create_app as create_gateway
 from services.gateway.settings import GatewaySettings
-from shared.runtime import broker_ready, make_broker
+from shared.runtime import Check, broker_ready, make_broker
 from shared.settings import ServiceSettings
 from tests.faults.slow_link import SlowLink
 from tests.support import eventually, running
@@ -66,16 +68,26 @@ async def test_readyz_answers_503_within_a_probe_while_the_broker_and_database_a
         broker_link.down, database_link.reply_delay_s = False, 0.0
 
 
+@contextlib.asynccontextmanager
+async def _broker_check(link: SlowLink, amqp_url: str, **env: str) -> AsyncIterator[Check]:
+    """The readiness check of a broker connected through `link`; on exit the link is mended
+    (up, no delay) and the broker stopped."""
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": link.url_through(amqp_url), **env})
+    broker = make_broker(settings)
+    await broker.connect()
+    try:
+        yield broker_ready(broker, settings.broker_timeout_s)
+    finally:
+        link.down, link.reply_delay_s = False, 0.0
+        await broker.stop()
+
+
 async def test_the_broker_check_answers_within_a_probe_while_its_connection_is_restored(
     amqp_url: str, broker_link: SlowLink
 ) -> None:
     """FastStream's ping polls a connection being restored until its timeout passes: the
     check waited `BROKER_TIMEOUT_S` (10 s) to say no."""
-    settings = ServiceSettings.model_validate({"RABBITMQ_URL": broker_link.url_through(amqp_url)})
-    broker = make_broker(settings)
-    await broker.connect()
-    check = broker_ready(broker, settings.broker_timeout_s)
-    try:
+    async with _broker_check(broker_link, amqp_url) as check:
         assert await check() is True
         await broker_link.cut()
 
@@ -87,9 +99,6 @@ async def test_the_broker_check_answers_within_a_probe_while_its_connection_is_r
                 raise AssertionError(f"no answer within {PROBE_TIMEOUT_S} s") from None
 
         await eventually(seen_away, what="the check saying the broker is away")
-    finally:
-        broker_link.down = False
-        await broker.stop()
 
 
 async def test_the_broker_check_says_no_while_the_link_stalls_and_yes_once_it_answers(
@@ -99,13 +108,7 @@ async def test_the_broker_check_says_no_while_the_link_stalls_and_yes_once_it_an
     `/readyz` said "rabbitmq: true" through a 150-second stall, every publish timing out (a
     walkthrough). The check is a round trip now: one out past `BROKER_TIMEOUT_S` is a
     stall."""
-    settings = ServiceSettings.model_validate(
-        {"RABBITMQ_URL": broker_link.url_through(amqp_url), "BROKER_TIMEOUT_S": "1"}
-    )
-    broker = make_broker(settings)
-    await broker.connect()
-    check = broker_ready(broker, settings.broker_timeout_s)
-    try:
+    async with _broker_check(broker_link, amqp_url, BROKER_TIMEOUT_S="1") as check:
         assert await check() is True
         # Longer than the stall bound, short of the heartbeat; held replies stay held this
         # long once the stall ends, in order.
@@ -121,9 +124,6 @@ async def test_the_broker_check_says_no_while_the_link_stalls_and_yes_once_it_an
             return await check()
 
         await eventually(seen_back, what="the check saying the broker answers again")
-    finally:
-        broker_link.reply_delay_s = 0.0
-        await broker.stop()
 
 
 async def test_the_broker_check_says_yes_over_a_slow_link(
@@ -132,14 +132,7 @@ async def test_the_broker_check_says_yes_over_a_slow_link(
     """A slow link is not a stalled one: cut at the readiness deadline, a probe needing
     three round trips of 0.3 s (the channel's opening and the declare) never passed
     (review)."""
-    settings = ServiceSettings.model_validate({"RABBITMQ_URL": broker_link.url_through(amqp_url)})
     broker_link.reply_delay_s = SLOW_S
-    broker = make_broker(settings)
-    await broker.connect()
-    check = broker_ready(broker, settings.broker_timeout_s)
-    try:
+    async with _broker_check(broker_link, amqp_url) as check:
         verdicts = [await check() for _ in range(5)]
-        assert verdicts == [True] * 5
-    finally:
-        broker_link.reply_delay_s = 0.0
-        await broker.stop()
+    assert verdicts == [True] * 5

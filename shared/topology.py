@@ -36,18 +36,20 @@ consumer that receives a message not yet due sends it down the ladder again.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 import aiormq
-from faststream.rabbit import ExchangeType, QueueType, RabbitExchange, RabbitQueue
+from faststream.rabbit import Channel, ExchangeType, QueueType, RabbitExchange, RabbitQueue
 
 if TYPE_CHECKING:
     from aio_pika import RobustExchange
     from aio_pika.abc import AbstractQueue
     from faststream.rabbit import RabbitBroker
+    from faststream.rabbit.helpers.declarer import RabbitDeclarer
 
 log = logging.getLogger("scorebox.topology")
 
@@ -411,33 +413,91 @@ def delay_routing_key(tier: str, target_routing_key: str) -> str:
     return f"{tier}.{target_routing_key}"
 
 
+# One channel per chain of declarations that depend on each other, so that the chains run side
+# by side: one after another, the topology took about 130 round trips, and a broker 0.5 s
+# away did not let a service start within the default `STARTUP_TIMEOUT_S` (a walkthrough).
+# Each is a robust channel of the publishing connection, kept open, so that its declarations
+# are made again after a reconnection, as the default channel's were.
+_DECLARING_CHANNELS: Final = tuple(
+    Channel(publisher_confirms=False) for _ in range(len(WORK_QUEUES) + 1 + len(WAIT_TIERS))
+)
+
+
 async def declare_topology(broker: RabbitBroker) -> None:
     """Declare every exchange, queue and binding; idempotent, run by each service at start."""
-    exchanges = {exchange.name: await broker.declare_exchange(exchange) for exchange in EXCHANGES}
+    declarer: RabbitDeclarer = broker.config.declarer
+    declared = await _side_by_side(
+        declarer.declare_exchange(exchange, channel=channel)
+        for exchange, channel in zip(EXCHANGES, _DECLARING_CHANNELS, strict=False)
+    )
+    exchanges = {exchange.name: each for exchange, each in zip(EXCHANGES, declared, strict=True)}
     await exchanges[CALLBACKS.name].bind(exchanges[EVENTS.name], routing_key=CALLBACK_EVENT_KEY)
-    for work_queue in WORK_QUEUES:
-        dlq = await _declare_dead_letter_queue(broker, work_queue, exchanges[DLX.name])
-        await dlq.bind(exchanges[DLX.name], routing_key=work_queue.dead_letter_routing_key)
-        queue = await broker.declare_queue(work_queue.queue)
-        for binding in work_queue.bindings:
-            await queue.bind(
-                exchanges[binding.exchange.name],
-                routing_key=binding.routing_key,
-                arguments=dict(binding.arguments) if binding.arguments else None,
-            )
-        for exchange, routing_key in RETIRED_BINDINGS.get(work_queue.name, ()):
-            await queue.unbind(exchanges[exchange.name], routing_key=routing_key)
-    ops_log = await broker.declare_queue(OPS_LOG.queue)
-    for binding in OPS_LOG.bindings:
-        await ops_log.bind(exchanges[binding.exchange.name], routing_key=binding.routing_key)
-    for tier, seconds in WAIT_TIERS:
-        waiting = await broker.declare_queue(wait_queue(tier, seconds))
-        await waiting.bind(exchanges[DELAY.name], routing_key=f"{tier}.#")
-    await _delete_retired_queues(broker)
+    channels = iter(_DECLARING_CHANNELS)
+    work_queues = (
+        _declare_work_queue(declarer, work_queue, exchanges, next(channels))
+        for work_queue in WORK_QUEUES
+    )
+    ops_log = _declare_bound(declarer, OPS_LOG.queue, OPS_LOG.bindings, exchanges, next(channels))
+    wait_queues = (
+        _declare_bound(
+            declarer,
+            wait_queue(tier, seconds),
+            (Binding(DELAY, f"{tier}.#"),),
+            exchanges,
+            next(channels),
+        )
+        for tier, seconds in WAIT_TIERS
+    )
+    retired = (_delete_if_retired_and_idle(exchanges[DLX.name], name) for name in RETIRED_QUEUES)
+    await _side_by_side([*work_queues, ops_log, *wait_queues, *retired])
+
+
+async def _side_by_side[T](declarations: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
+    """Every one of `declarations` at once, their results in order. The first failure is
+    raised as it is, the others cancelled, as when they ran one after another."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(each) for each in declarations]
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return [task.result() for task in tasks]
+
+
+async def _declare_work_queue(
+    declarer: RabbitDeclarer,
+    work_queue: WorkQueue,
+    exchanges: Mapping[str, RobustExchange],
+    channel: Channel,
+) -> None:
+    """A work queue, its DLQ and their bindings; the bindings of earlier versions removed."""
+    dlq = await _declare_dead_letter_queue(declarer, work_queue, exchanges[DLX.name], channel)
+    await dlq.bind(exchanges[DLX.name], routing_key=work_queue.dead_letter_routing_key)
+    queue = await _declare_bound(
+        declarer, work_queue.queue, work_queue.bindings, exchanges, channel
+    )
+    for exchange, routing_key in RETIRED_BINDINGS.get(work_queue.name, ()):
+        await queue.unbind(exchanges[exchange.name], routing_key=routing_key)
+
+
+async def _declare_bound(
+    declarer: RabbitDeclarer,
+    queue: RabbitQueue,
+    bindings: Iterable[Binding],
+    exchanges: Mapping[str, RobustExchange],
+    channel: Channel,
+) -> AbstractQueue:
+    declared = await declarer.declare_queue(queue, channel=channel)
+    for binding in bindings:
+        await declared.bind(
+            exchanges[binding.exchange.name],
+            routing_key=binding.routing_key,
+            arguments=dict(binding.arguments) if binding.arguments else None,
+        )
+    return declared
 
 
 async def _declare_dead_letter_queue(
-    broker: RabbitBroker, work_queue: WorkQueue, dlx: RobustExchange
+    declarer: RabbitDeclarer, work_queue: WorkQueue, dlx: RobustExchange, channel: Channel
 ) -> AbstractQueue:
     """The work queue's DLQ, with its delivery limit; an earlier version's DLQ as it is.
 
@@ -448,7 +508,7 @@ async def _declare_dead_letter_queue(
     """
     wanted = work_queue.dead_letter_queue
     if await _declares_cleanly(dlx, wanted):
-        return await broker.declare_queue(wanted)
+        return await declarer.declare_queue(wanted, channel=channel)
     log.warning(
         "%s was declared without a delivery limit by an earlier version; on RabbitMQ 4.0 to "
         "4.2 a dead letter looked at 20 times is dropped. Give it one with a policy: "
@@ -457,8 +517,8 @@ async def _declare_dead_letter_queue(
         wanted.name,
         DLQ_DELIVERY_LIMIT,
     )
-    return await broker.declare_queue(
-        RabbitQueue(wanted.name, queue_type=QueueType.QUORUM, declare=False)
+    return await declarer.declare_queue(
+        RabbitQueue(wanted.name, queue_type=QueueType.QUORUM, declare=False), channel=channel
     )
 
 
@@ -482,8 +542,8 @@ async def _declares_cleanly(on: RobustExchange, queue: RabbitQueue) -> bool:
     return True
 
 
-async def _delete_retired_queues(broker: RabbitBroker) -> None:
-    """Delete the queues an earlier version declared, those that are empty and unused.
+async def _delete_if_retired_and_idle(on: RobustExchange, name: str) -> None:
+    """Delete `name`, a queue an earlier version declared, if it is empty and unused.
 
     A retired queue may still hold messages, dead letters among them (the retired
     `scorebox.result-cache.dlq`): deleted regardless, they were lost on upgrade. One that
@@ -494,24 +554,22 @@ async def _delete_retired_queues(broker: RabbitBroker) -> None:
     depth is read first: a message arriving between the read and the deletion is lost, as
     before, but nothing routes to a retired queue any more.
     """
-    declared = await broker.declare_queue(WORK_QUEUES[0].queue)  # for its connection
-    connection = (await declared.channel.get_underlay_channel()).connection
-    for name in RETIRED_QUEUES:
-        found = await _passively_declared(connection, name)
-        if found is None:
-            continue  # absent: nothing to delete
-        if found.message_count or found.consumer_count:
-            log.warning(
-                "%s is retired but still holds %d message(s) (%d consumer(s)): it is left in "
-                "place. Drain it (e.g. shovel its messages to where they belong), then "
-                "delete it: rabbitmqctl delete_queue %s",
-                name,
-                found.message_count or 0,
-                found.consumer_count or 0,
-                name,
-            )
-            continue
-        await _delete_queue(connection, name)
+    connection = (await on.channel.get_underlay_channel()).connection
+    found = await _passively_declared(connection, name)
+    if found is None:
+        return  # absent: nothing to delete
+    if found.message_count or found.consumer_count:
+        log.warning(
+            "%s is retired but still holds %d message(s) (%d consumer(s)): it is left in "
+            "place. Drain it (e.g. shovel its messages to where they belong), then "
+            "delete it: rabbitmqctl delete_queue %s",
+            name,
+            found.message_count or 0,
+            found.consumer_count or 0,
+            name,
+        )
+        return
+    await _delete_queue(connection, name)
 
 
 async def _passively_declared(

@@ -24,11 +24,17 @@ class SlowLink:
     While `reply_delay_s` is above zero every chunk the server sends is held back that long
     before it is passed on (in order, per connection). While `down`, every connection is
     closed at once: the server is unreachable (`cut` also ends the open ones).
+
+    `latency_s` is a long link instead: each reply arrives that long after the server sent
+    it, replies in flight together arriving together. `rounds` counts the replies that found
+    none of their connection's in flight: the round trips a client made one after another.
     """
 
     upstream: tuple[str, int]
     reply_delay_s: float = 0.0
+    latency_s: float = 0.0
     down: bool = False
+    rounds: int = field(default=0, init=False)
     _server: asyncio.Server | None = field(default=None, init=False)
     _pipes: set[asyncio.Task[None]] = field(default_factory=set, init=False)
     _writers: set[asyncio.StreamWriter] = field(default_factory=set, init=False)
@@ -106,7 +112,11 @@ class SlowLink:
         writers = {server_out, client_out}
         self._writers |= writers
         requests = asyncio.create_task(self._pipe(client_in, server_out, held=False))
-        replies = asyncio.create_task(self._pipe(server_in, client_out, held=True))
+        replies = asyncio.create_task(
+            self._late(server_in, client_out)
+            if self.latency_s > 0
+            else self._pipe(server_in, client_out, held=True)
+        )
         self._pipes |= {requests, replies}
         await asyncio.wait({requests, replies}, return_when=asyncio.FIRST_COMPLETED)
         for pipe in (requests, replies):
@@ -125,6 +135,35 @@ class SlowLink:
                     await asyncio.sleep(self.reply_delay_s)  # the injected fault itself
                 sink.write(chunk)
                 await sink.drain()
+
+    async def _late(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        """Every chunk passed on `latency_s` after it was read, in order."""
+        loop = asyncio.get_running_loop()
+        in_flight: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+        unsent = 0  # chunks read and not passed on yet
+
+        async def arrive() -> None:
+            nonlocal unsent
+            while (next_one := await in_flight.get()) is not None:
+                due, chunk = next_one
+                await asyncio.sleep(due - loop.time())
+                sink.write(chunk)
+                await sink.drain()
+                unsent -= 1
+
+        arriving = asyncio.create_task(arrive())
+        try:
+            with contextlib.suppress(ConnectionError):
+                while chunk := await source.read(CHUNK):
+                    if unsent == 0:
+                        self.rounds += 1
+                    unsent += 1
+                    in_flight.put_nowait((loop.time() + self.latency_s, chunk))
+                in_flight.put_nowait(None)
+                await arriving
+        finally:
+            arriving.cancel()
+            await asyncio.gather(arriving, return_exceptions=True)
 
 
 async def _closed(writers: set[asyncio.StreamWriter]) -> None:

@@ -1,0 +1,43 @@
+"""Declaring the topology over a long link: its declarations go side by side, so a service
+starts over a broker far away within its start-up timeout."""
+
+from __future__ import annotations
+
+import contextlib
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+from shared.runtime import make_broker
+from shared.settings import ServiceSettings
+from shared.topology import EXCHANGES, WAIT_TIERS, WORK_QUEUES, declare_topology
+from tests.faults.slow_link import SlowLink
+
+pytestmark = pytest.mark.integration
+
+# One after another, the declarations took about 130 round trips: a broker 0.5 s away held
+# the start past the default `STARTUP_TIMEOUT_S` (60 s).
+IN_SEQUENCE_AT_LEAST = len(EXCHANGES) + 4 * len(WORK_QUEUES) + 2 * len(WAIT_TIERS)
+LONGEST_CHAIN = 25
+
+
+async def test_the_topology_is_declared_in_a_few_rounds_of_round_trips(amqp_url: str) -> None:
+    target = urlsplit(amqp_url)
+    link = SlowLink((target.hostname or "127.0.0.1", target.port or 5672), latency_s=0.05)
+    async with link.running():
+        through = target._replace(netloc=f"{target.netloc.rsplit(':', 1)[0]}:{link.port}")
+        broker = make_broker(ServiceSettings.model_validate({"RABBITMQ_URL": urlunsplit(through)}))
+        await broker.connect()
+        try:
+            link.rounds = 0
+            await declare_topology(broker)
+            first = link.rounds
+            link.rounds = 0
+            await declare_topology(broker)  # a restart's: everything there already
+            again = link.rounds
+        finally:
+            with contextlib.suppress(Exception):
+                await broker.stop()
+    assert IN_SEQUENCE_AT_LEAST > LONGEST_CHAIN
+    assert first <= LONGEST_CHAIN, f"{first} round trips one after another"
+    assert again <= LONGEST_CHAIN, f"{again} round trips one after another, declared again"

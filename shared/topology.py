@@ -424,14 +424,15 @@ _DECLARING_CHANNELS: Final = tuple(
 
 
 async def declare_topology(broker: RabbitBroker) -> None:
-    """Declare every exchange, queue and binding; idempotent, run by each service at start."""
-    declarer: RabbitDeclarer = broker.config.declarer
-    declared = await _side_by_side(
-        declarer.declare_exchange(exchange, channel=channel)
-        for exchange, channel in zip(EXCHANGES, _DECLARING_CHANNELS, strict=False)
-    )
-    exchanges = {exchange.name: each for exchange, each in zip(EXCHANGES, declared, strict=True)}
+    """Declare every exchange, queue and binding; idempotent, run by each service at start.
+
+    The exchanges are declared on the broker's own channel, one after another: every
+    publish goes through the exchange object the broker keeps from this declaration
+    (`shared.bus.send_raw`), on that channel's confirms and returns. Declared on a channel
+    of their own, the publishes went out unconfirmed (the re-read of that change)."""
+    exchanges = {exchange.name: await broker.declare_exchange(exchange) for exchange in EXCHANGES}
     await exchanges[CALLBACKS.name].bind(exchanges[EVENTS.name], routing_key=CALLBACK_EVENT_KEY)
+    declarer: RabbitDeclarer = broker.config.declarer
     channels = iter(_DECLARING_CHANNELS)
     work_queues = (
         _declare_work_queue(declarer, work_queue, exchanges, next(channels))

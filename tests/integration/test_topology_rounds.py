@@ -6,11 +6,13 @@ from __future__ import annotations
 import contextlib
 from urllib.parse import urlsplit, urlunsplit
 
+import aiormq
 import pytest
 
+from shared.bus import send_raw
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
-from shared.topology import EXCHANGES, WAIT_TIERS, WORK_QUEUES, declare_topology
+from shared.topology import EVENTS, EXCHANGES, WAIT_TIERS, WORK_QUEUES, declare_topology
 from tests.faults.slow_link import SlowLink
 
 pytestmark = pytest.mark.integration
@@ -41,3 +43,27 @@ async def test_the_topology_is_declared_in_a_few_rounds_of_round_trips(amqp_url:
     assert IN_SEQUENCE_AT_LEAST > LONGEST_CHAIN
     assert first <= LONGEST_CHAIN, f"{first} round trips one after another"
     assert again <= LONGEST_CHAIN, f"{again} round trips one after another, declared again"
+
+
+async def test_publishes_after_the_declarations_are_confirmed_and_returned(amqp_url: str) -> None:
+    """Every publish goes through the exchange object the declaration left with the broker:
+    declared on a channel of its own, without confirms, an unroutable publish was taken as
+    sent (the re-read of the change above)."""
+    broker = make_broker(ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url}))
+    await broker.connect()
+    try:
+        await declare_topology(broker)
+        with pytest.raises(aiormq.exceptions.PublishError, match="NO_ROUTE"):
+            await send_raw(
+                broker,
+                b"{}",
+                exchange=EVENTS,
+                routing_key="nothing.is.bound.to.this",
+                timeout=10,
+                message_id=None,
+                correlation_id=None,
+                headers={},
+            )
+    finally:
+        with contextlib.suppress(Exception):
+            await broker.stop()

@@ -7,16 +7,18 @@ among them)."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import re
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import orjson
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from shared.http import Problem, one_header, validation_message
+from shared.http import MAX_ERRORS_SHOWN, Problem, described_errors, one_header
 
 # orjson's error for nesting past its limit of 1,024 levels.
 JSON_TOO_DEEP = "depth limit exceeded"
@@ -290,10 +292,15 @@ def _name(label: str | int) -> str:
 async def read_model[M: BaseModel](request: Request, model: type[M], *, what: str, limit: int) -> M:
     """`read_json_object`, then the model's checks (422 naming each field)."""
     payload = await read_json_object(request, what=what, limit=limit)
+    refuse_many_unknown_fields(unknown_fields(payload, model), dotted_field)
     try:
         return model.model_validate(payload)
     except ValidationError as error:
         raise invalid_fields(error) from error
+
+
+def dotted_field(location: Location) -> str:
+    return ".".join(map(str, location))
 
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:
@@ -307,13 +314,59 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
 
 
 def invalid_fields(error: ValidationError) -> Problem:
-    """422 naming each field a body failed on."""
-    errors = [
-        {"field": ".".join(map(str, e["loc"])) or "body", "message": validation_message(e)}
-        for e in error.errors(include_url=False)
-    ]
-    detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
+    """422 naming each field a body failed on (`MAX_ERRORS_SHOWN` at most)."""
+    detail, errors = described_errors(
+        error.errors(include_url=False), lambda e: ".".join(map(str, e["loc"])) or "body"
+    )
     return Problem(422, detail, kind="invalid-fields", errors=errors)
+
+
+# Where in a body an error is, as pydantic locates it.
+type Location = tuple[str | int, ...]
+
+# What pydantic says of a key a model does not know (`extra="forbid"`).
+UNKNOWN_FIELD = "Extra inputs are not permitted"
+
+
+def unknown_fields(
+    payload: Mapping[str, Any], model: type[BaseModel], at: Location = ()
+) -> Iterator[Location]:
+    """Where `payload` has a key `model` refuses (`extra="forbid"`), as pydantic locates it
+    under `at`."""
+    if model.model_config.get("extra") != "forbid":
+        return iter(())
+    known = _field_names(model)
+    return ((*at, key) for key in payload if key not in known)
+
+
+def refuse_many_unknown_fields(
+    unknown: Iterable[Location],
+    field_of: Callable[[Location], str],
+    extensions: Callable[[list[Location]], dict[str, Any]] = lambda _: {},
+) -> None:
+    """422 naming the first `MAX_ERRORS_SHOWN` of `unknown` when there are more, before the
+    model's checks: pydantic makes an error of each unknown key, and a body of a few MiB
+    holds a million (see `MAX_ERRORS_SHOWN`). Fewer go to the model's checks, which name
+    them with the body's other errors. `extensions`: the problem's, from those named."""
+    first = list(itertools.islice(unknown, MAX_ERRORS_SHOWN + 1))
+    if len(first) <= MAX_ERRORS_SHOWN:
+        return
+    named = first[:MAX_ERRORS_SHOWN]
+    errors = [{"loc": location, "msg": UNKNOWN_FIELD} for location in named]
+    detail, described = described_errors(errors, lambda error: field_of(error["loc"]))
+    detail += f"; and more unknown fields, not listed (at most {MAX_ERRORS_SHOWN} are)"
+    raise Problem(422, detail, kind="invalid-fields", errors=described, **extensions(named))
+
+
+@functools.cache
+def _field_names(model: type[BaseModel]) -> frozenset[str]:
+    names: set[str] = set()
+    for name, field in model.model_fields.items():
+        names.add(name)
+        names.update(
+            alias for alias in (field.alias, field.validation_alias) if isinstance(alias, str)
+        )
+    return frozenset(names)
 
 
 # A body a route that takes none accepts all the same: what some clients send for "none".

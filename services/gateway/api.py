@@ -51,7 +51,13 @@ from services.gateway.submit import (
     read_score,
     submit_score,
 )
-from shared.bodies import invalid_fields, read_json_object
+from shared.bodies import (
+    dotted_field,
+    invalid_fields,
+    read_json_object,
+    refuse_many_unknown_fields,
+    unknown_fields,
+)
 from shared.contracts import CACHED_COMPLETION_SEQUENCE, TaskStatus, TaskView, to_millis
 from shared.http import (
     DATABASE_REFUSED_PROBLEM,
@@ -119,6 +125,7 @@ async def parse_submission(
     payload = await read_json_object(
         request, what="submission", limit=settings.max_body_bytes, arrived=arrived
     )
+    refuse_many_unknown_fields(unknown_fields(payload, ScoreSubmission), dotted_field)
     text = payload.get("text")
     if isinstance(text, str) and len(text) > settings.max_text_chars:
         raise Problem(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import base64
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -29,6 +29,7 @@ from services.gateway.auth import Caller, Callers
 from services.gateway.batches import (
     MAX_TEXT_CHARS_CONTEXT,
     Batches,
+    BatchItem,
     BatchPage,
     BatchPolicy,
     BatchPublisher,
@@ -47,14 +48,19 @@ from services.gateway.errors import (
 from services.gateway.limits import LimitExceeded, limit_problem
 from services.gateway.schemas import ALLOWED_MODELS_CONTEXT, EXPIRED
 from services.gateway.settings import GatewaySettings
-from shared.bodies import read_json_object
+from shared.bodies import (
+    Location,
+    read_json_object,
+    refuse_many_unknown_fields,
+    unknown_fields,
+)
 from shared.contracts import Instant, ScoreResult, TaskFailure
 from shared.http import (
     Problem,
+    described_errors,
     invalid_query,
     problem_responses,
     quoted,
-    validation_message,
 )
 
 BATCH_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
@@ -277,6 +283,18 @@ def _field(location: tuple[int | str, ...]) -> str:
     return field or "body"
 
 
+def _unknown_fields_of_batch(payload: dict[str, Any]) -> Iterator[Location]:
+    yield from unknown_fields(payload, BatchSubmission)
+    items = payload.get("items")
+    for index, item in enumerate(items if isinstance(items, list) else ()):
+        if isinstance(item, dict):
+            yield from unknown_fields(item, BatchItem, ("items", index))
+
+
+def _items_named(locations: list[Location]) -> dict[str, Any]:
+    return {"invalid_items": sorted({at[1] for at in locations if at[0] == "items"})}
+
+
 def _refuse_long_texts(items: Any, limit: int) -> None:
     """413, as for a single submission, naming the items whose text is over `limit`."""
     if not isinstance(items, list):
@@ -316,6 +334,7 @@ async def parse_batch(
             errors=[{"field": "items", "message": message}],
             invalid_items=[],
         )
+    refuse_many_unknown_fields(_unknown_fields_of_batch(payload), _field, _items_named)
     _refuse_long_texts(items, settings.max_text_chars)
     try:
         context = {
@@ -324,14 +343,11 @@ async def parse_batch(
         }
         batch = BatchSubmission.model_validate(payload, context=context)
     except ValidationError as error:
-        errors = [
-            {"field": _field(tuple(e["loc"])), "message": validation_message(e)}
-            for e in error.errors(include_url=False)
-        ]
+        found = error.errors(include_url=False)
+        detail, errors = described_errors(found, lambda e: _field(tuple(e["loc"])))
         invalid = sorted(
-            {e["loc"][1] for e in error.errors() if len(e["loc"]) > 1 and e["loc"][0] == "items"}
+            {e["loc"][1] for e in found if len(e["loc"]) > 1 and e["loc"][0] == "items"}
         )
-        detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
         raise Problem(
             422, detail, kind="invalid-fields", errors=errors, invalid_items=invalid
         ) from error

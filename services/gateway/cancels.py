@@ -35,7 +35,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Protocol
 
-from services.gateway.batches import Batches, BatchRecord
+from services.gateway.batches import Batches, BatchRecord, BatchState
 from services.gateway.errors import StatusUnavailable, in_progress_retry_after
 from services.gateway.submissions import CancelTarget, Submission, Submissions
 from services.gateway.submit import StatusReader, incomplete_batch_held_until
@@ -217,9 +217,10 @@ async def cancel_batch(
     targets = await submissions.cancel_targets(
         batch_id, tenant_id=tenant_id, expected=len(record.members)
     )
-    if _being_recorded(record) and len(targets) < len(record.members):
-        # Listed, and found, from its record's insert on; its items recorded after this
-        # read would be sent uncancelled (a review).
+    # Listed, and found, from its record's insert on: its items recorded after this read
+    # would be sent uncancelled (a review), and those recorded may not be counted yet.
+    unrecorded = _being_recorded(record) and len(targets) < len(record.members)
+    if unrecorded or _may_be_sending(record, now=now, grace=grace):
         raise BatchBeingRecorded(record, recorded=len(targets), now=now, grace=grace)
     open_targets = [target for target in targets if not known_finished(target)]
     # Last item first: the items are queued, and scored, in their order, so cancellations in
@@ -239,6 +240,19 @@ async def cancel_batch(
         )
     return BatchCancelled(
         batch_id=batch_id, sent=cancels, already_finished=len(targets) - len(cancels)
+    )
+
+
+def _may_be_sending(record: BatchRecord, *, now: datetime, grace: timedelta) -> bool:
+    """Whether the batch's request may still be between recording its items and sending
+    them: `accepting`, not sent by the outbox sweep, within the grace. Its items' outcomes
+    (cancelled before they were sent) then gave their in-flight slots back before the
+    request took them, and the tenant's count stayed that much too high for good (review
+    of batches)."""
+    return (
+        record.state == BatchState.ACCEPTING
+        and not record.swept
+        and now - record.created_at <= grace
     )
 
 

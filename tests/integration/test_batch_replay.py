@@ -433,6 +433,46 @@ async def test_a_batch_cancelled_while_its_items_are_recorded_is_refused_until_t
     assert len(cancels.cancelled) == 3
 
 
+class CancelledBeforeSending(Recorded):
+    """A broker whose first `send_many` waits for `meanwhile` (a cancel of the batch, from a
+    client that lists its batches) before it takes the commands."""
+
+    def __init__(self, meanwhile: Callable[[], Awaitable[None]]) -> None:
+        super().__init__()
+        self._meanwhile: Callable[[], Awaitable[None]] | None = meanwhile
+
+    async def send_many(self, commands: Sequence[ScoreText]) -> bool:
+        if self._meanwhile is not None:
+            meanwhile, self._meanwhile = self._meanwhile, None
+            await meanwhile()
+        return await super().send_many(commands)
+
+
+async def test_a_batch_recorded_whole_is_not_cancelled_while_its_request_sends_it(
+    gateway: Gateway,
+) -> None:
+    """Between recording its items and sending them, a request took their in-flight slots:
+    a cancel then had every item's outcome give its slot back first, and the tenant's count
+    stayed three too high for good (review of batches)."""
+    cancels = Cancels()
+    refusals: list[BatchBeingRecorded] = []
+
+    async def cancelled_meanwhile() -> None:
+        [batch] = await gateway.batches.newest(TENANT, now=T0, after=None, limit=10)
+        with pytest.raises(BatchBeingRecorded) as refused:
+            await _cancel(gateway, batch.batch_id, cancels)
+        refusals.append(refused.value)
+
+    broker = CancelledBeforeSending(cancelled_meanwhile)
+    in_flight = InFlight(gateway.raw.client, gateway.name, max_per_tenant=100)
+    answer = await _submit(gateway, _request(3), broker, T0, in_flight=in_flight)
+
+    assert "is still being accepted (3 of its 3 items recorded)" in str(refusals[0])
+    assert cancels.cancelled == []
+    await _cancel(gateway, answer.record.batch_id, cancels)
+    assert sorted(cancels.cancelled) == sorted(broker.sent)
+
+
 async def test_a_batch_held_for_its_replay_is_not_cancelled_in_part(gateway: Gateway) -> None:
     """Its request died after recording two of five items: a cancel of those two, then the
     replay recording and sending the other three, scored them after a 202. Past the grace
@@ -479,7 +519,7 @@ async def test_a_batch_recorded_whole_is_cancelled_though_an_item_has_expired(
     stored = await _stored(gateway, batch_id)
     await gateway.raw["submissions"].delete_one({"_id": stored[0]["_id"]})
     cancels = Cancels()
-    await _cancel(gateway, batch_id, cancels)
+    await _cancel(gateway, batch_id, cancels, at=T0 + GRACE * 2)  # its request is over
     assert sorted(cancels.cancelled) == sorted(stored[i]["_id"] for i in (1, 2))
 
 

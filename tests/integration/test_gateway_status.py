@@ -28,6 +28,7 @@ from shared.contracts import (
     new_id,
     utcnow,
 )
+from shared.http import MAX_ERRORS_SHOWN
 from shared.runtime import make_broker
 from tests.integration.in_process import gateway_and_status
 from tests.support import eventually, queued_commands, running
@@ -242,6 +243,20 @@ async def test_a_metadata_key_refused_is_named_once_with_where_it_is(stack: Stac
     nul = {"text": "hi", "metadata": {"a\u0000b": 1}}
     problem = _assert_problem(await stack.api.post("/v1/scores", json=nul), 422)
     assert "or a NUL character" in str(problem["detail"])  # it said only '$' and '.'
+
+
+async def test_a_body_of_many_unknown_fields_names_a_few(stack: Stack) -> None:
+    """A megabyte of unknown keys was 100,000 errors, each described in the answer."""
+    before = await _submission_count(stack)
+    body = {"text": "hi", **{f"k{key}": 0 for key in range(1_000)}}
+    problem = _assert_problem(await stack.api.post("/v1/scores", json=body), 422)
+    assert len(problem["errors"]) == MAX_ERRORS_SHOWN
+    assert problem["errors"][0] == {"field": "k0", "message": "Extra inputs are not permitted"}
+    assert "more unknown fields, not listed" in str(problem["detail"])
+    assert await _submission_count(stack) == before
+    few = {"text": " ", "colour": "red"}
+    problem = _assert_problem(await stack.api.post("/v1/scores", json=few), 422)
+    assert {each["field"] for each in problem["errors"]} == {"text", "colour"}
 
 
 async def test_an_integer_past_64_bits_in_metadata_is_refused(stack: Stack) -> None:

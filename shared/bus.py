@@ -288,11 +288,16 @@ async def publish_command(
     timeout: float,
     now: datetime | None = None,
     headers: Mapping[str, Any] | None = None,
+    sent_again: bool = False,
 ) -> bool:
     """Send a command now, or down the wait ladder when its `not_before` lies ahead.
 
     True when it went straight to its work queue (through `scorebox.tasks`, where the status
-    projection also takes its copy), False when it waits on the ladder."""
+    projection also takes its copy), False when it waits on the ladder. `sent_again`: a
+    command the scorer sends itself (a copy, a retry), whose task the projection has taken
+    already; sent now, it goes to the scorer alone (`score.resubmitted`). A copy of a first
+    attempt sent after its task's record had expired, a cancelled task's among them, made
+    the projection record the task afresh, `queued` for seven days (review of cancellation)."""
     remaining = 0.0
     if command.not_before is not None:
         remaining = (command.not_before - (now or utcnow())).total_seconds()
@@ -302,7 +307,7 @@ async def publish_command(
             broker,
             command,
             exchange=TASKS,
-            routing_key=command.routing_key,
+            routing_key=command.resubmission_routing_key if sent_again else command.routing_key,
             timeout=timeout,
             headers=headers,
         )

@@ -157,7 +157,9 @@ class BrokerActions:
             case Retry(event=event, next_command=next_command):
                 await self._confirmed(
                     "the next attempt",
-                    lambda: publish_command(self.broker, next_command, timeout=self.timeout_s),
+                    lambda: publish_command(
+                        self.broker, next_command, timeout=self.timeout_s, sent_again=True
+                    ),
                 )
                 await self._event(event)
             case Defer(command=command, retry_due_later=later):
@@ -184,7 +186,9 @@ class BrokerActions:
     async def resend(self, command: ScoreText, *, headers: dict[str, Any]) -> None:
         await self._confirmed(
             "a command",
-            lambda: publish_command(self.broker, command, timeout=self.timeout_s, headers=headers),
+            lambda: publish_command(
+                self.broker, command, timeout=self.timeout_s, headers=headers, sent_again=True
+            ),
         )
 
     async def dead_letter(self, message: Delivery, error: str) -> bool:

@@ -139,6 +139,7 @@ async def sent_commands(amqp_url: str) -> AsyncIterator[SentCommands]:
         channel = await connection.channel()
         queue = await channel.declare_queue(exclusive=True, timeout=10)
         await queue.bind(TASKS.name, routing_key="score.requested", timeout=10)
+        await queue.bind(TASKS.name, routing_key="score.resubmitted", timeout=10)
         await queue.bind(DELAY.name, routing_key="*.score.requested", timeout=10)
         yield SentCommands(queue)
 

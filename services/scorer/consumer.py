@@ -69,7 +69,14 @@ from pymongo.errors import PyMongoError
 
 from services.scorer.attempts import Busy, Claimed
 from services.scorer.decisions import Decision, Defer, Drop, Finish, Hold, Retry, Spent
-from services.scorer.scoring import DUE_SLACK, Clock, ScorerDeps, recorded_decision, score_text
+from services.scorer.scoring import (
+    DUE_SLACK,
+    Clock,
+    ScorerDeps,
+    cancelled_as_noted,
+    recorded_decision,
+    score_text,
+)
 from shared.batched_publish import EventBatcher
 from shared.bus import publish_command
 from shared.consumers import Delivery, ScoreboxBroker, consume
@@ -632,6 +639,14 @@ async def _give_up(
 async def _dead_letter_and_fail(
     message: Delivery, deps: ScorerDeps, actions: BrokerActions, given_up: Finish, reason: str
 ) -> None:
+    if given_up.dead_letter_error is None:  # its client cancelled it: nothing to replay
+        log.error(
+            "%s given up, cancelled by its client, not dead-lettered: %s",
+            given_up.event.task_id,
+            reason,
+        )
+        await actions.fail_task(given_up.event)
+        return
     log.error("dead-lettering %s: %s", given_up.event.task_id, reason)
     lettered = await actions.dead_letter(message, reason)
     await actions.fail_task(given_up.event)
@@ -676,7 +691,7 @@ async def _claimed_and_given_up(command: ScoreText, deps: ScorerDeps, reason: st
         )
         if not isinstance(claim, Claimed):
             return None
-        given_up = _given_up(command, reason, await _spent_before(command, deps))
+        given_up = await _given_up_unless_cancelled(command, claim, reason, deps)
         recorded = await _at_limit_database(
             lambda: deps.attempts.decide(
                 command, given_up, now=deps.clock(), raw_output=None, owner=deps.owner
@@ -684,6 +699,31 @@ async def _claimed_and_given_up(command: ScoreText, deps: ScorerDeps, reason: st
             what=f"recording the give-up of {command.task_id}",
         )
     return given_up if recorded else None
+
+
+async def _given_up_unless_cancelled(
+    command: ScoreText, claim: Claimed, reason: str, deps: ScorerDeps
+) -> Finish:
+    """The give-up of a claimed attempt; its cancellation, without a dead letter, when a
+    client cancelled while an earlier delivery called the model. Given up to the DLQ, it
+    was scored after all by a replay of it (review of cancellation). One read, waited for
+    while the database is away as `_spent_before` is; should it fail otherwise, a give-up
+    unmetered."""
+    try:
+        before = await _at_limit_database(
+            lambda: deps.attempts.before_the_call(command, claim),
+            what=f"reading what earlier attempts of {command.task_id} were billed",
+        )
+    except Exception as error:  # giving the task up must not fail on its metering
+        if transient_database_error(error):
+            raise
+        log.exception("%s: what its earlier attempts were billed is lost", command.task_id)
+        return _given_up(command, reason, None)
+    if before.cancel_requested_at is None:
+        return _given_up(command, reason, before.spent)
+    return cancelled_as_noted(
+        command, before.cancel_requested_at, spent=before.spent, now=deps.clock()
+    )
 
 
 async def _spent_before(command: ScoreText, deps: ScorerDeps) -> Spent | None:

@@ -366,8 +366,8 @@ async def _claim_and_call(
     if before.cancel_requested_at is not None:
         # The client cancelled while an earlier attempt called the model, which then ended in
         # a retry: this attempt's call has not started, so it is cancelled, not made.
-        cancel = _cancel_requested(command, before.cancel_requested_at)
-        return Called(cancelled(cancel, attempt=command.attempt, spent=earlier, now=now), None, now)
+        cancel = cancelled_as_noted(command, before.cancel_requested_at, spent=earlier, now=now)
+        return Called(cancel, None, now)
     started = TaskStarted.model_validate(_event_fields(command, Phase.STARTED, now))
     decision, raw_output = await _call_model_announcing(command, started, deps, earlier, turn)
     return Called(decision, raw_output, claimed_at=now)
@@ -435,6 +435,36 @@ async def _unless_cancelled_meanwhile(
     return cancel.decision if isinstance(cancel, Cancelled) else retry
 
 
+async def _unlettered_if_cancelled_meanwhile(
+    command: ScoreText, decision: Finish | Retry, deps: ScorerDeps
+) -> Finish | Retry:
+    """A give-up to the DLQ of an attempt whose call a client's cancellation came during:
+    the failure stands, without its dead letter. Lettered, it was scored and billed after
+    all by a replay of the DLQ (after an outage, say), as a generation the cancellation did
+    not name (review of cancellation). The database away letters it, as before."""
+    if not isinstance(decision, Finish) or decision.dead_letter_error is None:
+        return decision
+    try:
+        requested_at = await deps.attempts.cancel_requested_at(command)
+    except PyMongoError as error:
+        log.warning("%s: a cancellation noted meanwhile not looked at: %r", command.task_id, error)
+        return decision
+    if requested_at is None:
+        return decision
+    log.info("%s: given up, cancelled during its call: not dead-lettered", command.task_id)
+    return Finish(decision.event.model_copy(update={"dead_lettered": False}))
+
+
+def cancelled_as_noted(
+    command: ScoreText, requested_at: datetime, *, spent: Spent | None, now: datetime
+) -> Finish:
+    """The cancellation of `command`'s attempt that a client asked for at `requested_at`,
+    while an earlier attempt called the model."""
+    return cancelled(
+        _cancel_requested(command, requested_at), attempt=command.attempt, spent=spent, now=now
+    )
+
+
 def _cancel_requested(command: ScoreText, requested_at: datetime) -> CancelTask:
     """The client's cancellation of the command's generation, as the gateway sent it."""
     return CancelTask(
@@ -494,6 +524,7 @@ async def _recorded(
     held_until: datetime,
 ) -> Decision:
     """The decision once recorded; a Drop when the attempt was taken over meanwhile."""
+    decision = await _unlettered_if_cancelled_meanwhile(command, decision, deps)
     if await _record(command, decision, raw_output, deps, held_until=held_until):
         if isinstance(decision, Retry):
             return await _unless_cancelled_meanwhile(command, decision, deps)

@@ -290,6 +290,27 @@ async def test_a_cancel_during_a_model_call_cancels_the_retry_it_decides(
     assert _calls(fake_llm, marker) == calls
 
 
+async def test_a_cancel_during_the_last_attempts_call_keeps_its_give_up_out_of_the_dlq(
+    make_deps: Deps, attempts: Attempts
+) -> None:
+    """The call failed with the task's attempts spent: its give-up was dead-lettered, and a
+    replay of the DLQ (after an outage, say) scored and billed the task its client had
+    cancelled (review of cancellation). The failure stands, without its dead letter."""
+    command, _ = _task("[[fake:500]]")
+    command = command.model_copy(update={"max_attempts": 1})
+    outcome, decision = await _cancelled_during_the_call(command, make_deps("scorer-a"), attempts)
+
+    assert isinstance(outcome, TooLate)
+    assert isinstance(decision, Finish), decision
+    assert decision.dead_letter_error is None
+    failed = decision.event
+    assert isinstance(failed, TaskFailed)
+    assert failed.error.code != CANCELLED_CODE  # the call had started: its own failure
+    assert failed.dead_lettered is False
+    recorded = await recorded_decision(command, deps=make_deps("scorer-b"))
+    assert recorded == decision  # carried out again as it was decided
+
+
 async def test_a_cancel_noted_while_a_dead_workers_call_was_under_way_cancels_the_takeover(
     make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
 ) -> None:

@@ -28,7 +28,7 @@ from pymongo.errors import AutoReconnect
 
 from devtools.fake_llm import FakeLLM
 from services.scorer import consumer
-from services.scorer.attempts import Attempts, Busy, Cancelled, ClaimResult
+from services.scorer.attempts import Attempts, Busy, Cancelled, ClaimResult, TooLate
 from services.scorer.consumer import (
     AT_CRASH_LIMIT_HEADER,
     CRASHES_HEADER,
@@ -49,12 +49,14 @@ from services.scorer.scoring import (
 from services.scorer.slots import ModelSlots
 from shared.consumers import Delivery
 from shared.contracts import (
+    CANCELLED_CODE,
     Phase,
     ScoreResult,
     ScoreText,
     TaskCompleted,
     TaskError,
     TaskEvent,
+    TaskFailed,
     TaskRetrying,
     event_sequence,
     utcnow,
@@ -93,6 +95,30 @@ async def test_an_attempt_claimed_but_not_decided_is_given_up_once_its_lease_end
     await _at_limit(command, make_deps("proc-a"), actions)
 
     assert actions.done == ["dead-lettered", "failed"]
+
+
+async def test_an_attempt_cancelled_during_its_dead_workers_call_is_cancelled_at_the_limit(
+    make_deps: Deps,
+    attempts: Attempts,
+) -> None:
+    """Its give-up was dead-lettered as an internal error, and a replay of the DLQ scored
+    the task its client had cancelled (review of cancellation)."""
+    command, _ = _command("Its consumer died calling the model; its client cancelled it.")
+    await attempts.claim(command, now=utcnow(), lease=LEASE, owner="proc-b:1:dead")
+    assert isinstance(
+        await attempts.cancel(_cancel_requested(command, utcnow()), now=utcnow()), TooLate
+    )
+    later = replace(make_deps("proc-a"), clock=lambda: utcnow() + 2 * LEASE)  # its lease over
+    actions = Recording()
+
+    await _at_limit(command, later, actions)
+
+    assert actions.done == ["failed"]
+    decided = await recorded_decision(command, deps=later)
+    assert isinstance(decided, Finish), decided
+    assert isinstance(decided.event, TaskFailed)
+    assert decided.event.error.code == CANCELLED_CODE
+    assert decided.dead_letter_error is None
 
 
 class DecidedAfterFirstLook(Attempts):

@@ -77,7 +77,12 @@ from services.gateway.submissions import (
     SubmissionState,
     request_hash,
 )
-from services.gateway.submit import InFlightGate, counting, incomplete_batch_held_until
+from services.gateway.submit import (
+    InFlightGate,
+    counting,
+    incomplete_batch_held_until,
+    refuse_before_recording,
+)
 from shared.contracts import (
     MAX_BATCH_ITEMS,
     BatchItemProgress,
@@ -700,6 +705,13 @@ async def submit_batch(
         ),
     )
     refusal = Refusal(tenant_id, tuple(c.task_id for c in commands), batch_id=batch_id)
+    await refuse_before_recording(
+        gate,
+        tenant_id,
+        len(commands),
+        idempotency_key=idempotency_key,
+        earlier=lambda key: batches.find_by_key(key, tenant_id=tenant_id),
+    )
     try:
         await batches.insert(
             record,

@@ -65,6 +65,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -95,6 +97,13 @@ RATE_WINDOW_S = 60
 RATE_DOCUMENT_GRACE = timedelta(minutes=15)
 # Nobody knows when a tenant's tasks will finish; a short, fixed hint keeps clients polite.
 IN_FLIGHT_RETRY_AFTER_S = 5
+# A tenant refused for its in-flight limit has its counter read before its next submissions
+# are recorded, for this long (`InFlight.refuse_if_full`): a 429 came only after the
+# submission (a batch: its record and every item, texts and all) was written and deleted
+# again, the dearest answer at the moment the tenant was over its limit (review of
+# admission). Remembered per replica, for this many tenants at most.
+RECENTLY_FULL_S = 60.0
+RECENTLY_FULL_TENANTS = 10_000
 RECENT_RELEASES = 64
 OUTCOME_RETRY_DELAY_S = 1.0
 
@@ -266,6 +275,7 @@ class InFlight:
         self._max = max_per_tenant
         self._counts = BoundedCounters(self._counters)
         self._releases = GuardedReleases(self._counters, remembered=RECENT_RELEASES)
+        self._refused_at: OrderedDict[str, float] = OrderedDict()  # tenant: monotonic time
 
     @property
     def enabled(self) -> bool:
@@ -290,7 +300,32 @@ class InFlight:
             raise DatabaseUnavailable(str(error)) from error
         if admitted:
             return
-        raise LimitExceeded(
+        self._refused_at.pop(tenant_id, None)
+        self._refused_at[tenant_id] = time.monotonic()
+        while len(self._refused_at) > RECENTLY_FULL_TENANTS:
+            self._refused_at.popitem(last=False)
+        raise self._exceeded(tasks)
+
+    async def refuse_if_full(self, tenant_id: str, tasks: int) -> None:
+        """`LimitExceeded` before anything is recorded, when a tenant refused within
+        `RECENTLY_FULL_S` still has no room for `tasks`: one read of its counter, for those
+        tenants only. `acquire` stays the check that counts; a read the database fails says
+        nothing."""
+        refused_at = self._refused_at.get(tenant_id)
+        if not self.enabled or refused_at is None:
+            return
+        if time.monotonic() - refused_at > RECENTLY_FULL_S:
+            del self._refused_at[tenant_id]
+            return
+        try:
+            count = await self.count(tenant_id)
+        except DatabaseUnavailable:
+            return
+        if count + tasks > self._max:
+            raise self._exceeded(tasks)
+
+    def _exceeded(self, tasks: int) -> LimitExceeded:
+        return LimitExceeded(
             "in_flight",
             f"This tenant may have at most {self._max} tasks in flight; "
             f"{'this one does' if tasks == 1 else f'these {tasks} do'} not fit now. "

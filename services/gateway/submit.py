@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
@@ -83,12 +83,40 @@ class InFlightGate(Protocol):
     @property
     def enabled(self) -> bool: ...
     async def acquire(self, tenant_id: str, tasks: int) -> None: ...
+    async def refuse_if_full(self, tenant_id: str, tasks: int) -> None: ...
     async def release(self, tenant_id: str, task_id: str) -> None: ...
 
 
 def counting(in_flight: InFlightGate | None) -> InFlightGate | None:
     """The gate when it counts tasks, else None (nothing to acquire, mark or release)."""
     return in_flight if in_flight is not None and in_flight.enabled else None
+
+
+async def refuse_before_recording(
+    gate: InFlightGate | None,
+    tenant_id: str,
+    tasks: int,
+    *,
+    idempotency_key: str | None,
+    earlier: Callable[[str], Awaitable[object | None]],
+) -> None:
+    """`LimitExceeded` before a submission of `tasks` is recorded, when its tenant was
+    refused lately and still has no room (`InFlight.refuse_if_full`). A request whose
+    Idempotency-Key its tenant used already (`earlier` finds it) goes on, to be answered as
+    its first request was; a lookup the database fails leaves that to the insert too."""
+    if gate is None:
+        return
+    try:
+        await gate.refuse_if_full(tenant_id, tasks)
+    except LimitExceeded:
+        if idempotency_key is None:
+            raise
+        try:
+            found = await earlier(idempotency_key)
+        except DatabaseUnavailable:
+            return
+        if found is None:
+            raise
 
 
 @dataclass(frozen=True)
@@ -161,6 +189,13 @@ async def submit_score(
     if submission.use_cache and command.not_before is None:
         cached = await _cached_result(cache, tenant_id=tenant_id, key=key, now=now)
     gate = None if cached is not None else counting(in_flight)
+    await refuse_before_recording(
+        gate,
+        tenant_id,
+        1,
+        idempotency_key=idempotency_key,
+        earlier=lambda key: submissions.find_by_key(key, tenant_id=tenant_id),
+    )
     # The sweep of this process keeps off the task while its request runs here: it sends what
     # an interrupted request left, and this one may yet refuse what it recorded
     # (withdrawing, releasing and deleting take round trips that may outlast its grace).

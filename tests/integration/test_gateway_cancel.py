@@ -363,6 +363,9 @@ class NoSlots:
     async def acquire(self, tenant_id: str, tasks: int) -> None:
         return None
 
+    async def refuse_if_full(self, tenant_id: str, tasks: int) -> None:
+        return None
+
     async def release(self, tenant_id: str, task_id: str) -> None:
         return None
 

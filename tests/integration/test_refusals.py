@@ -407,6 +407,9 @@ class SlowRelease:
     async def acquire(self, tenant_id: str, tasks: int) -> None:
         return None
 
+    async def refuse_if_full(self, tenant_id: str, tasks: int) -> None:
+        return None
+
     async def release(self, tenant_id: str, task_id: str) -> None:
         if self.release_step is not None:
             await self.release_step()

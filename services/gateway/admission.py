@@ -147,7 +147,7 @@ class SubmissionAdmission:
             await problem_response(refused, problem_instance(scope))(scope, receive, send)
         finally:
             if taken_at is not None:
-                accepted = status == HTTPStatus.ACCEPTED
+                accepted = status == HTTPStatus.ACCEPTED or _created(scope, status)
                 took_s = self.clock() - taken_at
                 self.limit.release(took_s, accepted=accepted, tasks=_tasks_taken(scope))
 
@@ -208,6 +208,7 @@ def _idempotency_key(scope: Scope) -> str | None:
 # The key in a request's `state` (`scope["state"]`) under which a submission route tells how
 # many tasks it took on: a batch's time is measured per task for a cut (`weigh`).
 TASKS_TAKEN = "admission_tasks_taken"
+CREATED = "admission_created"
 
 
 def weigh(request: Request, tasks: int) -> None:
@@ -220,10 +221,22 @@ def weigh(request: Request, tasks: int) -> None:
     request.scope.setdefault("state", {})[TASKS_TAKEN] = max(1, tasks)
 
 
+def created(request: Request) -> None:
+    """Tell admission control that this submission created a task although its answer is
+    not a 202 (a result-cache hit, 200): it did the work the limit guards, so a quick one
+    grows the limit. Counted as a replay's 200, the limit cut by a slow spell stayed at its
+    floor while the traffic was mostly texts answered from the cache (review of admission)."""
+    request.scope.setdefault("state", {})[CREATED] = True
+
+
 def _tasks_taken(scope: Scope) -> int:
     state = scope.get("state") or {}
     tasks = state.get(TASKS_TAKEN, 1)
     return tasks if isinstance(tasks, int) and tasks > 0 else 1
+
+
+def _created(scope: Scope, status: int | None) -> bool:
+    return status == HTTPStatus.OK and (scope.get("state") or {}).get(CREATED) is True
 
 
 def _ends_body(message: Message) -> bool:

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from services.gateway import schemas
+from services.gateway import admission, schemas
 from services.gateway.auth import Caller, Callers, key_ended_while_waiting
 from services.gateway.cache import ResultCache
 from services.gateway.errors import (
@@ -308,6 +308,7 @@ def score_routes(
             raise _unavailable(error, idempotency_key=idempotency_key) from error
         location = {"Location": status_url(submitted.task_id)}
         if submitted.created and submitted.cached_result is not None:
+            admission.created(request)
             return _view_json(_cached_view(submitted, deps.clock()), headers=location)
         status = submitted.status.value
         if not submitted.created:

@@ -4,6 +4,7 @@ database (no scorer: outcomes are published by hand)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import pytest
 from fastapi import FastAPI
 from pymongo import AsyncMongoClient
 
+from services.gateway.admission import AdaptiveLimit
 from services.gateway.app import create_app as create_gateway
 from services.gateway.cache import ResultCache
 from services.gateway.errors import DatabaseUnavailable
@@ -56,6 +58,7 @@ class Stack:
     amqp_url: str
     mongo: AsyncMongoClient[Json]
     db_prefix: str
+    admission: AdaptiveLimit
 
     @property
     def db(self) -> Any:
@@ -122,7 +125,9 @@ async def stack(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Stac
     gateway = create_gateway(settings, status_http=_status_http(status))
     async with running(status), running(gateway) as api:
         client: AsyncMongoClient[Json] = AsyncMongoClient(mongo.url, tz_aware=True)
-        yield Stack(api, status, settings, amqp_url, client, db_prefix)
+        admission = gateway.state.submission_admission
+        assert isinstance(admission, AdaptiveLimit)
+        yield Stack(api, status, settings, amqp_url, client, db_prefix, admission)
         await client.close()
 
 
@@ -309,6 +314,20 @@ async def test_a_result_from_the_cache_takes_no_slot(stack: Stack) -> None:
         assert hit.json()["result"]["cached"] is True
     assert await stack.in_flight(tenant) == 0
     assert await stack.markers(tenant) == 0
+    # It did the work admission control guards (a record, an announcement): quick, with
+    # half the limit in use, it grows the limit as a 202 does (review of admission).
+    admission = stack.admission
+    before = admission.limit
+    others = math.ceil(before / 2) - 1
+    for _ in range(others):
+        assert admission.try_acquire()
+    try:
+        hit = await stack.api.post("/v1/scores", json={"text": text}, headers=key)
+        assert hit.status_code == 200, hit.text
+    finally:
+        for _ in range(others):
+            admission.release(None, accepted=False)
+    assert admission.limit == before + 1
 
 
 async def test_an_outcome_after_its_submission_expired_still_frees_its_slot(

@@ -15,6 +15,7 @@ from services.gateway.admission import (
     REPORT_INTERVAL_S,
     AdaptiveLimit,
     SubmissionAdmission,
+    created,
     route_path,
     weigh,
 )
@@ -298,6 +299,27 @@ async def test_only_an_accepted_submission_grows_the_limit(status: int, grows: b
 
     async def route(scope: Scope, receive: Receive, send: Send) -> None:
         await receive()
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    middleware = SubmissionAdmission(route, limit=adaptive, guarded=[("POST", "/v1/scores")])
+    await middleware(SUBMISSION, receive, statuses_into([]))
+    assert adaptive.limit == (5 if grows else 4)
+
+
+@pytest.mark.parametrize(("status", "grows"), [(200, True), (422, False)])
+async def test_a_submission_answered_from_the_cache_grows_the_limit(
+    status: int, grows: bool
+) -> None:
+    """A result-cache hit creates a task (a record, its announcement) and is answered 200:
+    taken for a replay's, it never grew the limit, which a slow spell had cut to its floor
+    while the traffic was mostly texts answered from the cache (review of admission)."""
+    adaptive = limit(initial=4)
+    adaptive.try_acquire()
+
+    async def route(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        created(Request(scope))
         await send({"type": "http.response.start", "status": status, "headers": []})
         await send({"type": "http.response.body", "body": b""})
 

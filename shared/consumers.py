@@ -555,6 +555,7 @@ class ScoreboxBroker(RabbitBroker):
         self._shared_channel: AbstractChannel | None = None
         self._acks = _AcksByChannel()
         self._gates = ReconnectionGates()
+        self._own_queues_restored: list[Callable[[], object]] = []
         self._round_trips = RoundTrips(stall_s=timeout)
         # Set once the stop begins (`stop_consuming`): a handler waiting on something to
         # try again later hands its delivery on rather than begin new work the stop would
@@ -563,6 +564,15 @@ class ScoreboxBroker(RabbitBroker):
 
     def add_consumer(self, subscription: _Subscription) -> None:
         self._subscriptions.append(subscription)
+
+    def when_own_queues_restored(self, callback: Callable[[], object]) -> None:
+        """Call `callback` each time the own queues' connection is back, its queues and
+        bindings restored: what they carried while it was down is lost."""
+        self._own_queues_restored.append(callback)
+
+    def _own_queues_back(self, *_callback_args: object) -> None:
+        for callback in self._own_queues_restored:
+            callback()
 
     @property
     def consumer_connection(self) -> AbstractRobustConnection | None:
@@ -611,6 +621,7 @@ class ScoreboxBroker(RabbitBroker):
                 f"{self._name} own queues", reconnect_interval_s=OWN_QUEUES_RECONNECT_S
             )
             connected.labels("own queues").set_function(lambda: _is_up(self._own_queues_connection))
+            self._own_queues_connection.reconnect_callbacks.add(self._own_queues_back)
         # Those that wait for something (`starts_after`) start last, in their order.
         waiting = [each for each in self._subscriptions if each.starts_after is not None]
         for subscription in [*self._without(waiting), *waiting]:

@@ -102,6 +102,7 @@ class Waiter:
         self.tenant_id = tenant_id
         self.missed = False
         self.stopped = False
+        self._nudged = False  # a None of `nudge` waits in `_events`
         # None: wakes a reader to see that the waiter stopped.
         self._events: asyncio.Queue[TaskEvent | None] = asyncio.Queue(maxsize=size)
 
@@ -116,6 +117,16 @@ class Waiter:
         with contextlib.suppress(asyncio.QueueFull):  # full: its reader is not blocked
             self._events.put_nowait(None)
 
+    def nudge(self) -> None:
+        """Events may have been missed: its reader re-reads at once (`next` gives None, once
+        however often it is nudged before it reads)."""
+        self.missed = True
+        if self._nudged:
+            return
+        with contextlib.suppress(asyncio.QueueFull):  # full: its reader is not blocked
+            self._events.put_nowait(None)
+            self._nudged = True
+
     async def next(self, timeout: float) -> TaskEvent | None:
         """The next event, or None when `timeout` seconds pass without one or the waiter
         stopped."""
@@ -123,9 +134,12 @@ class Waiter:
             return None
         try:
             async with asyncio.timeout(timeout):
-                return await self._events.get()
+                event = await self._events.get()
         except TimeoutError:
             return None
+        if event is None:
+            self._nudged = False
+        return event
 
 
 class LiveUpdates:
@@ -203,9 +217,17 @@ class LiveUpdates:
     def note_bound(self) -> None:
         """The live queue was just bound: every waiter may have missed an event published
         before, which reached no queue of this replica; a stream re-reads at its next
-        heartbeat."""
+        heartbeat (a long-poll reads after the bind)."""
         for waiter in self._waiters():
             waiter.missed = True
+
+    def note_restored(self) -> None:
+        """The live queue's connection is back, its queue and binding restored: every waiter
+        may have missed an event published while it was down, and re-reads at once. A
+        stream heard of it at its next periodic re-read (`RESYNC_S`), a long-poll at its
+        deadline (review of live updates)."""
+        for waiter in self._waiters():
+            waiter.nudge()
 
     def _waiters(self) -> Iterator[Waiter]:
         for waiters in self._by_task.values():
@@ -227,7 +249,12 @@ class LiveUpdates:
     @property
     def listening(self) -> bool:
         """Whether task events may reach this replica: bound, or its unbinding not done."""
-        return self._binding is None or self._binding.bound or self._binding.unbinding
+        return self.bound or (self._binding is not None and self._binding.unbinding)
+
+    @property
+    def bound(self) -> bool:
+        """Whether task events reach this replica and will until no request waits."""
+        return self._binding is None or self._binding.bound
 
     async def stop_listening(self) -> None:
         """Stop keeping the binding (at shutdown, before the broker stops)."""
@@ -409,7 +436,9 @@ class LiveQueueUnavailable(Exception):
 
 def subscribe_live_updates(broker: ScoreboxBroker, live: LiveUpdates, *, replica_id: str) -> None:
     """Consume this replica's live queue (auto-acknowledged: a lost event costs only latency).
-    The queue receives events only while `live` binds it (`BrokerLiveBinding`)."""
+    The queue receives events only while `live` binds it (`BrokerLiveBinding`); what it
+    missed while its connection was down, the waiters re-read once it is back."""
+    broker.when_own_queues_restored(live.note_restored)
 
     @consume(
         broker,
@@ -529,8 +558,10 @@ async def _first_read(
     read meanwhile too, and one that answers at once is answered without waiting for the
     bind: with the broker away, a finished task's long-poll waited a whole bind attempt
     (`BROKER_TIMEOUT_S`, 10 s) for what a poll answered at once (a review). Otherwise the
-    view is read again once the bind has ended."""
-    if live.listening:
+    view is read again once the bind has ended. While the binding is being removed, it is
+    not in place either: a bind waits for the removal, over a stalled broker up to
+    `BROKER_TIMEOUT_S`, then for its own attempt (review of live updates)."""
+    if live.bound:
         await listen_within(live, wait_s)  # marks the binding wanted
         return await read()
     binding = asyncio.create_task(listen_within(live, wait_s))
@@ -590,6 +621,12 @@ async def _next_news(waiting: _Waiting) -> TaskView | None:
         if waiter.stopped:
             return await read()  # the replica is stopping
         settling = waiting.settle_s
+        if event is None and waiter.missed and loop.time() < deadline:
+            waiter.missed = False  # events were lost (`LiveUpdates.note_restored`)
+            fresh = await read()
+            if fresh is None or _news(waiting.view, fresh):
+                return fresh
+            continue
         if event is None:
             if coming_due.recheck_at <= loop.time() < deadline:
                 due = await read()

@@ -137,3 +137,41 @@ async def test_a_waiter_goes_on_while_the_broker_connection_is_being_restored(
         await live.stop_listening()
         async with asyncio.timeout(60):
             await broker.stop()
+
+
+async def test_waiters_are_told_when_the_live_queues_connection_is_back(
+    amqp_url: str, broker_link: SlowLink
+) -> None:
+    """An event published while the live queue's connection was down reached no queue of
+    the replica, and nothing told its waiters: a stream heard of it at its next periodic
+    re-read, a long-poll at its deadline (review of live updates). They are nudged to
+    read again once the connection, its queue and binding are back."""
+    link = broker_link
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": link.url_through(amqp_url)})
+    broker = make_broker(settings)
+    replica_id = new_id()[:16]
+    live = LiveUpdates(binding=BrokerLiveBinding(broker, replica_id, timeout_s=TIMEOUT_S))
+    subscribe_live_updates(broker, live, replica_id=replica_id)
+    await start_broker(broker, settings)
+    try:
+        with live.waiting(new_id(), "tenant-a") as waiter:
+            await live.listen()
+            waiter.missed = False  # what its bind may have missed, read again
+            await link.cut()
+
+            async def reconnecting() -> bool:
+                return not await broker.ping(1.0)
+
+            await eventually(reconnecting, what="the broker connection lost")
+            link.down = False
+
+            async def told() -> bool:
+                return waiter.missed
+
+            await eventually(told, timeout_s=60, what="the waiter told of the reconnection")
+            assert await waiter.next(TIMEOUT_S) is None  # woken, to read again
+    finally:
+        link.down = False
+        await live.stop_listening()
+        async with asyncio.timeout(60):
+            await broker.stop()

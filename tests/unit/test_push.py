@@ -1247,6 +1247,80 @@ async def test_a_finished_tasks_long_poll_is_answered_while_the_bind_hangs() -> 
     await live.stop_listening()
 
 
+async def test_a_long_poll_reads_again_at_once_when_its_events_may_have_been_lost() -> None:
+    """The live queue's connection lost and restored: an event published meanwhile reached
+    no queue of this replica, and the long-poll answered it only at its deadline (review of
+    live updates). Told (`note_restored`), it reads again at once."""
+    live = LiveUpdates()
+    views = Views(_view(TaskStatus.QUEUED, 0))
+    waiting = asyncio.create_task(_an_hours_long_poll(views, live))
+
+    async def first_read_done() -> bool:
+        return views.reads == 1 and len(live) == 1
+
+    await eventually(first_read_done, what="the long-poll waiting")
+    live.note_restored()  # nothing was lost: it reads again, and waits on
+
+    async def read_again() -> bool:
+        return views.reads == 2
+
+    await eventually(read_again, what="the long-poll reading again")
+    assert not waiting.done()
+    views.views = [_view(TaskStatus.COMPLETED, 190)]  # its event lost
+    live.note_restored()
+    async with asyncio.timeout(20):  # a hang guard only: no event comes
+        view = await waiting
+    assert view is not None
+    assert view.status is TaskStatus.COMPLETED
+
+
+async def test_a_waiter_nudged_twice_before_it_reads_wakes_once() -> None:
+    """Each nudge a wake-up of its own: a long-poll took the second for its deadline and
+    answered its unchanged view early."""
+    waiter = Waiter("t1", "a")
+    waiter.nudge()
+    waiter.nudge()
+    waiter.offer(_started())
+    assert await waiter.next(1) is None
+    assert waiter.missed
+    assert await waiter.next(1) is not None
+
+
+class StuckUnbinding:
+    """A binding whose removal waits for `done` (a stalled broker)."""
+
+    def __init__(self) -> None:
+        self.done = asyncio.Event()
+
+    async def bind(self) -> None:
+        pass
+
+    async def unbind(self) -> None:
+        await self.done.wait()
+
+
+async def test_a_finished_tasks_long_poll_is_answered_while_the_unbinding_hangs() -> None:
+    """While nobody waited, the binding was being removed over a stalled broker: a finished
+    task's long-poll waited for the removal, then for a bind, up to 20 s, for what a plain
+    poll answered at once (review of live updates)."""
+    binding = StuckUnbinding()
+    live = LiveUpdates(binding=binding, linger_s=0.01)
+    await live.listen()
+
+    async def unbinding() -> bool:
+        return live.listening and not live.bound
+
+    await eventually(unbinding, what="the binding being removed")
+    views = Views(_view(TaskStatus.COMPLETED, 190))
+    async with asyncio.timeout(20):  # a hang guard only: the removal never ends on its own
+        view = await _an_hours_long_poll(views, live)
+    assert view is not None
+    assert view.status is TaskStatus.COMPLETED
+    assert views.reads == 1
+    binding.done.set()
+    await live.stop_listening()
+
+
 async def test_a_long_poll_reads_again_once_a_bind_it_read_before_has_ended() -> None:
     """Read while the bind was under way, the view may miss a change published before the
     bind reached the broker, which no event will tell: once bound, the long-poll reads again

@@ -25,6 +25,9 @@ MAX_JOB_ATTEMPTS = 20
 # Pages of the re-score fan-out one delivery reads at most: with pages of 10,000, already far
 # past what `SCHEDULER_JOB_DB_TIMEOUT_S` lets one delivery do.
 MAX_FANOUT_PAGES = 1_000
+# Ticks a firing may lose between its fire time and being seen stale, whose publish failed:
+# claimed up to a tick late, seen stale up to a tick late, and their work.
+REDISPATCH_TICKS = 3
 
 
 class SchedulerSettings(AdminApiSettings):
@@ -108,12 +111,16 @@ class SchedulerSettings(AdminApiSettings):
                 f"({self.tick_s}): fire times would be late by the time a tick sees them"
             )
         # A never-published firing is published again only while it is within the grace;
-        # later, a `skip` job's firing is dropped, so it would never run.
-        if self.redispatch_after_s >= self.grace_s:
+        # later, a `skip` job's firing is dropped, so it would never run. It is claimed up
+        # to a tick after its fire time and seen stale up to a tick after it became so,
+        # each tick's work besides: 59.5 s against a grace of 60 s was accepted, and the
+        # firing dropped as late (review of the scheduler).
+        if self.redispatch_after_s + REDISPATCH_TICKS * self.tick_s > self.grace_s:
             raise ValueError(
-                f"SCHEDULER_REDISPATCH_S ({self.redispatch_after_s}) must be below "
-                f"SCHEDULER_GRACE_S ({self.grace_s}): a firing whose publish failed would be "
-                "late by the time it is published again, and dropped under policy skip"
+                f"SCHEDULER_REDISPATCH_S ({self.redispatch_after_s:g}) plus "
+                f"{REDISPATCH_TICKS} SCHEDULER_TICK_S ({self.tick_s:g}) must be within "
+                f"SCHEDULER_GRACE_S ({self.grace_s:g}): a firing whose publish failed would "
+                "be late by the time it is published again, and dropped under policy skip"
             )
         return self
 

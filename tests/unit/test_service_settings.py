@@ -239,6 +239,9 @@ def test_fewer_deliveries_in_hand_than_model_slots_are_refused() -> None:
         ({"SCHEDULER_TICK_S": "40"}, "SCHEDULER_GRACE_S"),
         ({"SCHEDULER_REDISPATCH_S": "60"}, "SCHEDULER_REDISPATCH_S"),
         ({"SCHEDULER_GRACE_S": "20"}, "SCHEDULER_REDISPATCH_S"),
+        # Claimed a tick late, seen stale a tick late: 59.5 s left no room (a review).
+        ({"SCHEDULER_REDISPATCH_S": "59.5"}, "SCHEDULER_REDISPATCH_S"),
+        ({"SCHEDULER_REDISPATCH_S": "55", "SCHEDULER_TICK_S": "2"}, "SCHEDULER_TICK_S"),
     ],
 )
 def test_a_grace_the_clock_loop_cannot_keep_is_refused(
@@ -248,7 +251,7 @@ def test_a_grace_the_clock_loop_cannot_keep_is_refused(
     delay beyond it, a `skip` job's firing whose publish failed was dropped."""
     with pytest.raises(ValidationError, match=variable):
         SchedulerSettings.model_validate(given)
-    assert SchedulerSettings.model_validate({"SCHEDULER_TICK_S": "30"}).grace_s == 60
+    assert SchedulerSettings.model_validate({"SCHEDULER_TICK_S": "10"}).grace_s == 60  # 30 + 3 x 10
 
 
 @pytest.mark.parametrize(("settings", "variable"), DURATIONS_ADDED_TO_A_DATE)

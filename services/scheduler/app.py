@@ -166,6 +166,7 @@ def create_app(
             catalogue=catalogue,
             checkpoints=checkpoints,
             job_names=jobs.names,
+            scheduled_jobs=[job.name for job in jobs.enabled],
             work_queues=WORK_QUEUES,
             probe=bus.dead_letter_depth,
             announce=bus.announce,

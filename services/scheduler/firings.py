@@ -53,7 +53,7 @@ than dropped (`Firing.owes_letter`). A firing of an earlier build has no flag: o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -608,22 +608,28 @@ class Firings(FiringStore):
         )
         return result.modified_count == 1
 
-    async def abandon_silent_unleased(
-        self, *, silent_since: datetime, now: datetime, reason: str
+    async def abandon_silent(
+        self, *, silent_since: datetime, now: datetime, reason: str, scheduled: Collection[str]
     ) -> int:
-        """Record as failed (`reason`) every run of a job that allows overlapping runs (it
-        holds no lease) that has shown no sign of life since `silent_since`; how many. Such a
-        run is never taken over by its job's next run, as a leased one is (`abandon`), so one
-        whose message was lost stayed `running` for good, kept by the firings' cleanup, which
-        deletes final ones only (found in review). Claimed ones are the dispatcher's, which
-        publishes them again. A later delivery of one is then dropped (`begin`)."""
+        """Record as failed (`reason`) every run that has shown no sign of life since
+        `silent_since` and that no next run of its job will take over; how many. A run that
+        holds no lease (its job allows overlapping runs) is never taken over, as a leased
+        one is by its job's next run (`abandon`), so one whose message was lost stayed
+        `running` for good, kept by the firings' cleanup, which deletes final ones only
+        (found in review). Neither is a leased one of a job no longer `scheduled` (removed
+        from the configuration, or disabled), which also held its job's lease for good
+        (review of the scheduler). Claimed ones are the dispatcher's, which publishes them
+        again. A later delivery of one is then dropped (`begin`)."""
         result = await self._collection.update_many(
             {
-                "active_job": {"$not": {"$type": "string"}},
+                "$or": [
+                    {"active_job": {"$not": {"$type": "string"}}},
+                    {"job": {"$nin": list(scheduled)}},
+                ],
                 "state": {"$nin": [*_FINAL, FiringState.CLAIMED.value]},
                 "heartbeat_at": {"$lt": to_millis(silent_since)},
             },
-            {"$set": _failed(now, reason)},
+            {"$set": _failed(now, reason), **_RELEASE},
         )
         return int(result.modified_count)
 

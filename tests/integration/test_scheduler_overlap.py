@@ -160,22 +160,30 @@ async def test_housekeeping_ends_silent_runs_of_jobs_that_allow_overlapping_runs
 
     silent = await dispatched("burst", at, now=at, leased=False)
     leased = await dispatched("rollup", at, now=at, leased=True)  # its job's next run's to end
+    # A leased run of a job taken out of the schedule: no next run ends it, and it held the
+    # job's lease for good (review of the scheduler).
+    unscheduled = await dispatched("retired", at, now=at, leased=True)
     lively = await dispatched("burst", at + step, now=at + timedelta(hours=2), leased=False)
     claimed = await firings.claim("burst", at + 2 * step, now=at, owner="a")  # the dispatcher's
     assert claimed is not None
 
-    abandoned = await firings.abandon_silent_unleased(
-        silent_since=at + timedelta(hours=1), now=at + timedelta(hours=2), reason="abandoned"
+    abandoned = await firings.abandon_silent(
+        silent_since=at + timedelta(hours=1),
+        now=at + timedelta(hours=2),
+        reason="abandoned",
+        scheduled=["burst", "rollup"],
     )
 
-    assert abandoned == 1
+    assert abandoned == 2
     states = {
         run_id: (await firings.find(run_id)).state  # type: ignore[union-attr]
-        for run_id in (silent, leased, lively, claimed.run_id)
+        for run_id in (silent, leased, unscheduled, lively, claimed.run_id)
     }
     assert states == {
         silent: FiringState.FAILED,
         leased: FiringState.DISPATCHED,
+        unscheduled: FiringState.FAILED,
         lively: FiringState.DISPATCHED,
         claimed.run_id: FiringState.CLAIMED,
     }
+    assert await firings.active_run("retired") is None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -30,8 +30,8 @@ class NoFirings(Firings):
     async def delete_finished_before(self, cutoff: datetime, *, keep: Sequence[str]) -> int:
         return 0
 
-    async def abandon_silent_unleased(
-        self, *, silent_since: datetime, now: datetime, reason: str
+    async def abandon_silent(
+        self, *, silent_since: datetime, now: datetime, reason: str, scheduled: Collection[str]
     ) -> int:
         return 0
 
@@ -75,6 +75,7 @@ async def test_dead_letters_are_reported_even_when_deleting_fails() -> None:
             catalogue=Catalogue.__new__(Catalogue),
             checkpoints=NoCheckpoints(),
             job_names=["housekeeping"],
+            scheduled_jobs=["housekeeping"],
             work_queues=[SCORE_REQUESTS],
             probe=_depth,
             announce=announce,

@@ -63,6 +63,7 @@ async def keep_house(
     catalogue: Catalogue,
     checkpoints: Checkpoints,
     job_names: Sequence[str],
+    scheduled_jobs: Sequence[str],
     work_queues: Sequence[WorkQueue],
     probe: DepthProbe,
     announce: Announce,
@@ -84,11 +85,12 @@ async def keep_house(
             ", ".join(f"{entry.dead_letter_queue}={entry.depth}" for entry in over),
         )
         await announce(DeadLetterAlert(task_id=run.run_id, queues=over))
-    abandoned = await firings.abandon_silent_unleased(
+    abandoned = await firings.abandon_silent(
         silent_since=now - stale_after,
         now=now,
         reason=f"abandoned: no sign of progress for longer than SCHEDULER_RUN_STALE_S "
         f"({stale_after.total_seconds():g} s); its message was lost",
+        scheduled=scheduled_jobs,
     )
     firing_cutoff = now - timedelta(days=config.firing_retention_days)
     cursors = await firings.last_scheduled_ids(job_names, not_after=now)

@@ -32,7 +32,7 @@ from fastapi import FastAPI
 from services.scheduler.api import cron_dead_letter_routes, cron_routes, usage_routes
 from services.scheduler.catalogue import Catalogue
 from services.scheduler.checkpoints import Checkpoints
-from services.scheduler.config import SchedulerConfig, load_config
+from services.scheduler.config import SchedulerConfig, catalogue_retention, load_config
 from services.scheduler.consumer import CronJobRunner, UsageMeter, subscribe_scheduler
 from services.scheduler.dead_letters import CronDeadLetters
 from services.scheduler.dispatcher import Dispatcher, fire_by_hand, fire_replay, keep_dispatching
@@ -172,6 +172,9 @@ def create_app(
             announce=bus.announce,
             config=config.housekeeping,
             usage_retention=usage_retention,
+            catalogue_retention=catalogue_retention(
+                config.housekeeping, horizon=timedelta(seconds=settings.fanout_horizon_s)
+            ),
             stale_after=timedelta(seconds=settings.run_stale_s),
             clock=clock,
         ),

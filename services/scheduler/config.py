@@ -14,7 +14,7 @@ import logging
 import re
 import tomllib
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from enum import StrEnum
 from pathlib import Path
@@ -120,8 +120,23 @@ class UsageConfig(_Strict):
 
 class HousekeepingConfig(_Strict):
     firing_retention_days: int = Field(default=30, ge=1, le=MAX_RETENTION_DAYS)
-    catalogue_retention_days: int = Field(default=365, ge=1, le=MAX_RETENTION_DAYS)
+    # Unset: the fan-out horizon (`FANOUT_HORIZON_S`) and a day, `catalogue_retention`.
+    catalogue_retention_days: int | None = Field(default=None, ge=1, le=MAX_RETENTION_DAYS)
     dead_letter_threshold: int = Field(default=1, ge=1)
+
+
+# What the catalogue keeps past the fan-out horizon by default: a task completed within the
+# horizon when a run started is still there when its page is read.
+CATALOGUE_MARGIN = timedelta(days=1)
+
+
+def catalogue_retention(housekeeping: HousekeepingConfig, *, horizon: timedelta) -> timedelta:
+    """How long the re-score catalogue keeps a completed task. Only the fan-out reads it,
+    and only tasks completed within its horizon are due: kept a year by default, each daily
+    run walked 365 times the entries it could use (review of the scheduler)."""
+    if housekeeping.catalogue_retention_days is None:
+        return horizon + CATALOGUE_MARGIN
+    return timedelta(days=housekeeping.catalogue_retention_days)
 
 
 class SchedulerConfig(_Strict):

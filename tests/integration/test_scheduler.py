@@ -799,6 +799,22 @@ async def test_housekeeping_expires_own_records_and_reports_dead_letters(env: En
     # Given up, its dead letter not yet written: deleted, a later copy of the run was
     # dropped with no letter at all (found in review).
     await _history(env, "housekeeping", old + timedelta(minutes=5), letter_owed=True)
+    # The re-score catalogue keeps the fan-out's horizon (a day) and a day: kept a year, each
+    # daily run walked 365 times the entries it could use (review of the scheduler).
+    catalogued = {"within-the-horizon": timedelta(hours=30), "past-it": timedelta(hours=50)}
+    await env.collection("completed_tasks").insert_many(
+        [
+            {
+                "_id": f"{name}-{uuid.uuid4().hex}",
+                "tenant_id": "acme",
+                "generation": 0,
+                "completed_at": QUIET - age,
+                "model": "m",
+                "rubric_version": None,
+            }
+            for name, age in catalogued.items()
+        ]
+    )
     await drain(env.amqp_url, OPS_LOG.name)
     broker = make_broker(env.settings())
     async with broker:
@@ -815,6 +831,9 @@ async def test_housekeeping_expires_own_records_and_reports_dead_letters(env: En
         run = await _run_job(api, "housekeeping")
 
     assert run["result"]["deleted"]["firings"] == 2
+    left = {d["_id"].rsplit("-", 1)[0] async for d in env.collection("completed_tasks").find()}
+    assert "within-the-horizon" in left
+    assert "past-it" not in left
     assert await env.collection("firings").count_documents({"job": "yearly"}) == 1
     kept = env.collection("firings").find({"job": "housekeeping", "manual": False})
     assert sorted([f["scheduled_for"] async for f in kept]) == [

@@ -81,6 +81,7 @@ async def test_dead_letters_are_reported_even_when_deleting_fails() -> None:
             announce=announce,
             config=HousekeepingConfig(dead_letter_threshold=1),
             usage_retention=timedelta(days=90),
+            catalogue_retention=timedelta(days=2),
             stale_after=timedelta(hours=1),
             clock=lambda: NOW,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
 
@@ -11,7 +12,9 @@ import pytest
 from services.scheduler.app import create_app
 from services.scheduler.config import (
     DEFAULT_CONFIG_PATH,
+    HousekeepingConfig,
     MissedFirings,
+    catalogue_retention,
     env_name,
     load_config,
     parse_config,
@@ -162,3 +165,12 @@ def test_variables_no_operator_set_for_the_schedule_are_let_be(
         config = load_config(DEFAULT_CONFIG_PATH, environ)
     assert config.jobs["housekeeping"].cron == "*/10 * * * *"
     assert caplog.records == []
+
+
+def test_the_catalogue_keeps_the_fanout_horizon_and_a_day_unless_told_otherwise() -> None:
+    """Only the fan-out reads it, and only tasks within its horizon are due: kept a year,
+    each daily run walked 365 times the entries it could use (review of the scheduler)."""
+    horizon = timedelta(days=1)
+    assert catalogue_retention(HousekeepingConfig(), horizon=horizon) == timedelta(days=2)
+    told = HousekeepingConfig(catalogue_retention_days=30)
+    assert catalogue_retention(told, horizon=horizon) == timedelta(days=30)

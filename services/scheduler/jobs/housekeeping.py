@@ -69,6 +69,7 @@ async def keep_house(
     announce: Announce,
     config: HousekeepingConfig,
     usage_retention: timedelta,
+    catalogue_retention: timedelta,
     stale_after: timedelta,
     clock: Clock,
 ) -> JobOutcome:
@@ -98,9 +99,7 @@ async def keep_house(
         "firings": await firings.delete_finished_before(firing_cutoff, keep=cursors),
         "fanout_checkpoints": await checkpoints.delete_finished_before(firing_cutoff),
         "usage_records": await records.delete_rolled_up_before(day_of(now - usage_retention)),
-        "completed_tasks": await catalogue.delete_completed_before(
-            now - timedelta(days=config.catalogue_retention_days)
-        ),
+        "completed_tasks": await catalogue.delete_completed_before(now - catalogue_retention),
     }
     await announce(HousekeepingRequested(task_id=run.run_id, scheduled_for=run.scheduled_for))
     return JobOutcome(

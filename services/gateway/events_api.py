@@ -325,14 +325,19 @@ async def _stream(
         if first.status.is_terminal:
             return
         ends_at, resync_at = clock() + max_stream_s, clock() + RESYNC_S
-        while (remaining := ends_at - clock()) > 0:
-            event = await waiter.next(min(heartbeat_s, remaining))
+        # Every `heartbeat_s`, whatever came meanwhile: each event restarted the wait, and a
+        # stream hearing events it skipped (seen already) more often than that sent no
+        # keep-alive and never asked after its key (review of live updates).
+        beat_at = clock() + heartbeat_s
+        while ends_at - clock() > 0:
+            event = await waiter.next(min(beat_at, ends_at) - clock())
             if waiter.stopped:
                 return  # the replica is stopping: the client resumes on another
             if event is None:
                 if not await authorised():
                     return  # its key was revoked
                 yield b": keep-alive\n\n"
+                beat_at = clock() + heartbeat_s
                 await _bind_if_unbound(live)
                 if not waiter.missed and clock() < resync_at:
                     continue

@@ -1160,6 +1160,33 @@ async def test_a_stream_whose_bind_lands_after_its_read_rereads() -> None:
     await live.stop_listening()
 
 
+async def test_a_stream_hearing_events_it_has_seen_still_beats() -> None:
+    """Each event restarted the heartbeat's wait: a stream hearing events it skips (seen
+    already: a retry's put-off told again, the outbox sweep's re-announcements) more often
+    than its heartbeat sent no keep-alive and never asked after its key (review of live
+    updates)."""
+    live = LiveUpdates()
+    waiter = live.open("t1", "a")
+    histories = Histories(_history(_accepted(), _started()))
+    first = await histories(-1)
+    assert first is not None
+    stream = _open_stream(live, waiter, histories, first, heartbeat_s=0.05)
+    await anext(stream), await anext(stream), await anext(stream)  # retry, queued, started
+
+    async def told_again() -> None:
+        while True:
+            waiter.offer(_started())
+            await asyncio.sleep(0.005)  # the traffic itself, not a wait for a condition
+
+    feeding = asyncio.create_task(told_again())
+    try:
+        async with asyncio.timeout(20):  # a hang guard only
+            assert await anext(stream) == b": keep-alive\n\n"
+    finally:
+        feeding.cancel()
+    await stream.aclose()
+
+
 # --- The replica stopping ----------------------------------------------------------------------
 
 

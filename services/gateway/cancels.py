@@ -37,7 +37,12 @@ from typing import Protocol
 
 from services.gateway.batches import Batches, BatchRecord, BatchState
 from services.gateway.errors import StatusUnavailable, in_progress_retry_after
-from services.gateway.submissions import CancelTarget, Submission, Submissions
+from services.gateway.submissions import (
+    CancelTarget,
+    Submission,
+    Submissions,
+    SubmissionState,
+)
 from services.gateway.submit import StatusReader, incomplete_batch_held_until
 from shared.contracts import (
     BatchCancelling,
@@ -70,6 +75,23 @@ class BatchCancelSender(Protocol):
     async def cancel_many(self, cancels: Sequence[CancelTask]) -> None: ...
 
 
+class TaskBeingAccepted(Exception):
+    """The task's request (a batch's, whose items are listed from its insert on) may still be
+    between recording it and sending it: a cancellation then had its outcome give the
+    task's in-flight slot back before the request took it, and the tenant's count stayed
+    one too high for good (re-read of the batch cancel's fix). `retry_after_s`: as long as
+    the request has run, no later than the end of the outbox grace."""
+
+    def __init__(self, submission: Submission, *, now: datetime, grace: timedelta) -> None:
+        self.retry_after_s = in_progress_retry_after(
+            submission.created_at, until=submission.created_at + grace, now=now
+        )
+        super().__init__(
+            f"Task {submission.task_id} is still being accepted; nothing was cancelled. "
+            "Ask again shortly."
+        )
+
+
 class CancelRefused(StrEnum):
     UNKNOWN_TASK = "unknown_task"  # expired, never existed, refused, or another tenant's
     ALREADY_FINISHED = "already_finished"
@@ -83,12 +105,16 @@ async def cancel_task(
     status: StatusReader,
     sender: CancelSender,
     now: datetime,
+    grace: timedelta,
 ) -> CancelTask | CancelRefused:
     """The cancellation sent, or why none was; `DatabaseUnavailable` and `BrokerUnavailable`
-    when the submission cannot be read or the broker did not confirm."""
+    when the submission cannot be read or the broker did not confirm; `TaskBeingAccepted`
+    while its request may still be sending it."""
     submission = await submissions.find(task_id, tenant_id=tenant_id)
     if submission is None:
         return CancelRefused.UNKNOWN_TASK
+    if _being_accepted(submission, now=now, grace=grace):
+        raise TaskBeingAccepted(submission, now=now, grace=grace)
     if await _finished(submission, status):
         return CancelRefused.ALREADY_FINISHED
     cancel = cancel_command(CancelTarget.of(submission), now=now)
@@ -155,8 +181,10 @@ def _shows_the_end_of(view: TaskView, generation: int) -> bool:
 
 
 class BatchBeingRecorded(Exception):
-    """The batch's request (or its replay) has not recorded every item yet: cancelling those
-    it has would leave the rest to be sent and scored after a 202. `retry_after_s`: as long
+    """The batch's request (or its replay) has not recorded every item yet, or may still be
+    sending them: cancelling those it has would leave the rest to be sent and scored after a
+    202, and cancelling any before its request took their slots left the tenant's count too
+    high for good. `retry_after_s`: as long
     as the request has run, no later than the end of the batch's hold (`in_progress_retry_after`:
     a fixed second had a client ask some 600 times over a held batch; a review)."""
 
@@ -240,6 +268,16 @@ async def cancel_batch(
         )
     return BatchCancelled(
         batch_id=batch_id, sent=cancels, already_finished=len(targets) - len(cancels)
+    )
+
+
+def _being_accepted(submission: Submission, *, now: datetime, grace: timedelta) -> bool:
+    """`accepting`, not sent by the outbox sweep, within the grace: its request may not have
+    taken its slot yet (see `TaskBeingAccepted`)."""
+    return (
+        submission.state == SubmissionState.ACCEPTING
+        and submission.sent_at is None
+        and now - submission.created_at <= grace
     )
 
 

@@ -18,6 +18,7 @@ from services.gateway.cancels import (
     BatchCancelSender,
     CancelRefused,
     CancelSender,
+    TaskBeingAccepted,
     cancel_batch,
     cancel_task,
 )
@@ -38,6 +39,7 @@ BATCH_UNCONFIRMED = (
 
 # The problem type of a batch cancel refused while the batch's items are being recorded.
 BATCH_BEING_ACCEPTED = "batch-being-accepted"
+TASK_BEING_ACCEPTED = "task-being-accepted"
 
 
 class Canceller(CancelSender, BatchCancelSender, Protocol):
@@ -65,7 +67,13 @@ def cancel_routes(
         responses={
             202: {"headers": LOCATION_HEADER},
             **problem_responses(401, 404, 409, 429, 503),
-            409: problem(409, "The task has finished (completed or failed)."),
+            409: problem(
+                409,
+                "The task has finished (completed or failed); or, "
+                f"`{TASK_BEING_ACCEPTED}`, its request (a batch's, listed from its start) is "
+                "still recording and sending it: nothing was cancelled, ask again after "
+                "Retry-After.",
+            ),
             503: problem(503, f"{UNAVAILABLE} {UNCONFIRMED}"),
         },
     )
@@ -83,7 +91,15 @@ def cancel_routes(
                 status=deps.status,
                 sender=sender,
                 now=deps.clock(),
+                grace=timedelta(seconds=deps.settings.outbox_grace_s),
             )
+        except TaskBeingAccepted as error:
+            raise Problem(
+                409,
+                str(error),
+                kind=TASK_BEING_ACCEPTED,
+                headers={"Retry-After": str(error.retry_after_s)},
+            ) from error
         except BrokerUnavailable as error:
             raise _unconfirmed(error) from error
         except Unavailable as error:
@@ -118,7 +134,8 @@ def cancel_routes(
             409: problem(
                 409,
                 f"`{BATCH_BEING_ACCEPTED}`: the batch's request (or its replay) is still "
-                "recording its items; nothing was cancelled. Ask again after Retry-After.",
+                "recording or sending its items; nothing was cancelled. Ask again after "
+                "Retry-After.",
             ),
             503: problem(503, f"{UNAVAILABLE} {BATCH_UNCONFIRMED}"),
         },

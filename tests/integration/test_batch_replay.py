@@ -26,7 +26,12 @@ from services.gateway.batches import (
     submit_batch,
 )
 from services.gateway.cache import ResultCache
-from services.gateway.cancels import BatchBeingRecorded, cancel_batch
+from services.gateway.cancels import (
+    BatchBeingRecorded,
+    TaskBeingAccepted,
+    cancel_batch,
+    cancel_task,
+)
 from services.gateway.errors import (
     BrokerUnavailable,
     DatabaseUnavailable,
@@ -56,6 +61,7 @@ from shared.contracts import (
     ScoreResult,
     ScoreText,
     TaskCompleted,
+    TaskView,
     event_sequence,
 )
 from tests.integration.gateway_records import GatewayRecords as Gateway
@@ -471,6 +477,63 @@ async def test_a_batch_recorded_whole_is_not_cancelled_while_its_request_sends_i
     assert cancels.cancelled == []
     await _cancel(gateway, answer.record.batch_id, cancels)
     assert sorted(cancels.cancelled) == sorted(broker.sent)
+
+
+class NoStatus:
+    """A status service that knows no task (`StatusReader`)."""
+
+    async def find(self, task_id: str, *, tenant_id: str) -> TaskView | None:
+        return None
+
+
+class OneCancel:
+    """A broker taking single cancellations (`CancelSender`)."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+
+    async def cancel(self, cancel: CancelTask) -> None:
+        self.cancelled.append(cancel.task_id)
+
+
+async def test_an_item_is_not_cancelled_while_its_batchs_request_sends_it(
+    gateway: Gateway,
+) -> None:
+    """The batch's items are listed from its insert on: an item's own cancel sent between
+    its record and its slot had its outcome give the slot back before the request took
+    it, and the tenant's count stayed one too high for good (re-read of the batch cancel's
+    fix)."""
+    sender = OneCancel()
+    refusals: list[TaskBeingAccepted] = []
+
+    async def cancel(task_id: str) -> object:
+        return await cancel_task(
+            task_id,
+            tenant_id=TENANT,
+            submissions=gateway.submissions,
+            status=NoStatus(),
+            sender=sender,
+            now=T0,
+            grace=GRACE,
+        )
+
+    async def item_cancelled_meanwhile() -> None:
+        [batch] = await gateway.batches.newest(TENANT, now=T0, after=None, limit=10)
+        record = await gateway.batches.find(batch.batch_id, tenant_id=TENANT)
+        assert record is not None
+        with pytest.raises(TaskBeingAccepted) as refused:
+            await cancel(record.members[0].task_id)
+        refusals.append(refused.value)
+
+    broker = CancelledBeforeSending(item_cancelled_meanwhile)
+    in_flight = InFlight(gateway.raw.client, gateway.name, max_per_tenant=100)
+    answer = await _submit(gateway, _request(3), broker, T0, in_flight=in_flight)
+
+    assert "still being accepted" in str(refusals[0])
+    assert sender.cancelled == []
+    first = answer.record.members[0].task_id
+    assert isinstance(await cancel(first), CancelTask)
+    assert sender.cancelled == [first]
 
 
 async def test_a_batch_held_for_its_replay_is_not_cancelled_in_part(gateway: Gateway) -> None:

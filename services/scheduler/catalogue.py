@@ -22,7 +22,7 @@ answered "unknown task" after two round trips to the gateway's database.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -34,6 +34,8 @@ from shared.group_writes import GroupWriter
 
 Document = dict[str, Any]
 MARK_CHUNK = 250
+# Entries one housekeeping delete removes at most (by `_id`, found through `completed_at`).
+DELETE_CHUNK = 10_000
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,21 @@ class Catalogue:
                 {"_id": {"$in": chunk}}, {"$set": {"rescore_requested_for": version}}
             )
 
-    async def delete_completed_before(self, cutoff: datetime) -> int:
-        result = await self._collection.delete_many({"completed_at": {"$lt": cutoff}})
-        return result.deleted_count
+    async def delete_completed_before(
+        self, cutoff: datetime, *, stop: Callable[[], bool], chunk: int = DELETE_CHUNK
+    ) -> int:
+        """Delete the entries completed before `cutoff`, `chunk` at a time, until none is
+        left or `stop` says so (the rest is the next run's); how many. One delete of them
+        all outlasted the job's deadline where a year of entries was due at once (upgrading
+        from the year's retention), and each housekeeping run failed until dead-lettered
+        (re-read of the retention's change)."""
+        deleted = 0
+        expired = {"completed_at": {"$lt": cutoff}}
+        while True:
+            found = self._collection.find(expired, {"_id": 1}).limit(chunk)
+            ids = [document["_id"] async for document in found]
+            if ids:
+                result = await self._collection.delete_many({"_id": {"$in": ids}, **expired})
+                deleted += result.deleted_count
+            if len(ids) < chunk or stop():
+                return deleted

@@ -198,7 +198,8 @@ class SchedulerSettings(AdminApiSettings):
     # submission, kept that long from when the task was due (at or before its completion),
     # and answers a request for an older one "unknown task", after two round trips to its
     # database, each request counted against FANOUT_MAX_BACKLOG meanwhile.
-    # (At most ten years, beyond any retention of the catalogue.)
+    # (At most ten years.) The catalogue keeps a task this long and a day, unless
+    # `catalogue_retention_days` says otherwise (`config.catalogue_retention`).
     fanout_horizon_s: int = Field(
         default=86_400, gt=0, le=MAX_DURATION_S, validation_alias="FANOUT_HORIZON_S"
     )

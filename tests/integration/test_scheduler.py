@@ -858,6 +858,41 @@ async def test_housekeeping_expires_own_records_and_reports_dead_letters(env: En
     await drain(env.amqp_url, STATUS_PROJECTION.dead_letter_routing_key)
 
 
+async def test_the_catalogue_is_expired_a_chunk_at_a_time_until_told_to_stop(env: Env) -> None:
+    """One delete of every expired entry outlasted the job's deadline where a year of them
+    was due at once (upgrading from the year's retention), and housekeeping failed until
+    dead-lettered (re-read). What `stop` leaves is the next run's."""
+    catalogue = Catalogue(env.mongo, env.database)
+    prefix = f"chunked-{uuid.uuid4().hex}"
+    cutoff = datetime(2029, 6, 1, tzinfo=UTC)
+    await env.collection("completed_tasks").insert_many(
+        [
+            {
+                "_id": f"{prefix}-{i}",
+                "tenant_id": "acme",
+                "generation": 0,
+                "completed_at": cutoff - timedelta(days=400 + i),
+                "model": "m",
+                "rubric_version": None,
+            }
+            for i in range(25)
+        ]
+    )
+
+    chunks: list[int] = []
+
+    def after_the_first() -> bool:
+        chunks.append(1)
+        return True
+
+    assert await catalogue.delete_completed_before(cutoff, stop=after_the_first, chunk=10) == 10
+    assert await catalogue.delete_completed_before(cutoff, stop=lambda: False, chunk=10) >= 15
+    left = await env.collection("completed_tasks").count_documents(
+        {"_id": {"$regex": f"^{prefix}"}}
+    )
+    assert (left, chunks) == (0, [1])
+
+
 async def test_housekeeping_deletes_the_checkpoints_of_runs_given_up_too(env: Env) -> None:
     """A run given up (its attempts spent, or 6 hours of waiting for room) never finishes:
     its checkpoint was kept for ever, one per failed run."""

@@ -99,7 +99,9 @@ async def keep_house(
         "firings": await firings.delete_finished_before(firing_cutoff, keep=cursors),
         "fanout_checkpoints": await checkpoints.delete_finished_before(firing_cutoff),
         "usage_records": await records.delete_rolled_up_before(day_of(now - usage_retention)),
-        "completed_tasks": await catalogue.delete_completed_before(now - catalogue_retention),
+        "completed_tasks": await catalogue.delete_completed_before(
+            now - catalogue_retention, stop=lambda: run.out_of_time(clock())
+        ),
     }
     await announce(HousekeepingRequested(task_id=run.run_id, scheduled_for=run.scheduled_for))
     return JobOutcome(

@@ -67,6 +67,8 @@ WAITER_QUEUE_SIZE = 32
 RECENT_TASKS = 4_096  # tasks whose latest events are remembered
 RECENT_EVENTS_PER_TASK = 8
 RECENT_S = 30.0
+# Over how long the waiters re-read once the live queue's connection is restored.
+RESTORED_SPREAD_S = 1.0
 # Pauses between the reads of `read_settled`/`history_settled`: the first after 20 ms (the
 # status service usually lags by less), then twice as long each time up to 400 ms, each up to
 # a quarter shorter at random so that the waiters one event woke spread their reads out. Over
@@ -157,6 +159,7 @@ class LiveUpdates:
         linger_s: float = LIVE_LINGER_S,
     ) -> None:
         self._binding = OnDemandBinding(binding, linger_s, self, monotonic) if binding else None
+        self._spread = random.Random()  # noqa: S311 - spreading reads out, not cryptography
         self._max_waiters = max_waiters
         self._max_per_tenant = max_per_tenant
         self._queue_size = queue_size
@@ -223,11 +226,14 @@ class LiveUpdates:
 
     def note_restored(self) -> None:
         """The live queue's connection is back, its queue and binding restored: every waiter
-        may have missed an event published while it was down, and re-reads at once. A
-        stream heard of it at its next periodic re-read (`RESYNC_S`), a long-poll at its
-        deadline (review of live updates)."""
+        may have missed an event published while it was down, and re-reads, within
+        `RESTORED_SPREAD_S`. A stream heard of it at its next periodic re-read (`RESYNC_S`),
+        a long-poll at its deadline (review of live updates). Spread, so that a replica's
+        thousands of waiters do not all read the status service at once as it, too, comes
+        back from the broker's restart (its re-read)."""
+        loop = asyncio.get_running_loop()
         for waiter in self._waiters():
-            waiter.nudge()
+            loop.call_later(self._spread.uniform(0, RESTORED_SPREAD_S), waiter.nudge)
 
     def _waiters(self) -> Iterator[Waiter]:
         for waiters in self._by_task.values():

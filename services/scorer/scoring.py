@@ -528,7 +528,10 @@ async def _recorded(
     if await _record(command, decision, raw_output, deps, held_until=held_until):
         if isinstance(decision, Retry):
             return await _unless_cancelled_meanwhile(command, decision, deps)
-        return decision
+        # Again once recorded: a cancellation noted between the look and the record (the
+        # call still `running`) was lettered all the same (re-read). The decision recorded
+        # keeps its letter, for a replay after a crash in between only.
+        return await _unlettered_if_cancelled_meanwhile(command, decision, deps)
     log.warning("%s: the attempt was taken over before its decision landed", command.task_id)
     return Drop("the attempt was taken over by another worker, whose decision stands")
 

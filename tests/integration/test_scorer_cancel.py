@@ -311,6 +311,37 @@ async def test_a_cancel_during_the_last_attempts_call_keeps_its_give_up_out_of_t
     assert recorded == decision  # carried out again as it was decided
 
 
+class CancelledAsItDecides(Attempts):
+    """The scorer's attempts, a client's cancellation noted just before the first decision
+    is recorded (its call still `running`)."""
+
+    def __init__(self, attempts: Attempts) -> None:  # shares the real one's collections
+        self.__dict__.update(attempts.__dict__)
+        self.outcomes: list[object] = []
+
+    async def decide(self, command: ScoreText, decision: Finish | Retry, **kwargs: Any) -> bool:
+        if not self.outcomes:
+            self.outcomes.append(await self.cancel(_cancel_of(command), now=utcnow()))
+        return await super().decide(command, decision, **kwargs)
+
+
+async def test_a_cancel_noted_as_the_last_attempts_give_up_is_recorded_keeps_it_unlettered(
+    make_deps: Deps, attempts: Attempts
+) -> None:
+    """The note was looked for before the record only: noted in between, the give-up was
+    dead-lettered all the same, for a replay to score (re-read)."""
+    command, _ = _task("[[fake:500]]")
+    command = command.model_copy(update={"max_attempts": 1})
+    racing = CancelledAsItDecides(attempts)
+    decision = await score_text(command, deps=replace(make_deps("scorer-a"), attempts=racing))
+
+    assert [type(outcome) for outcome in racing.outcomes] == [TooLate]
+    assert isinstance(decision, Finish), decision
+    assert decision.dead_letter_error is None
+    assert isinstance(decision.event, TaskFailed)
+    assert decision.event.dead_lettered is False
+
+
 async def test_a_cancel_noted_while_a_dead_workers_call_was_under_way_cancels_the_takeover(
     make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
 ) -> None:

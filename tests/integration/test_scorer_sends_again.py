@@ -9,12 +9,21 @@ import aio_pika
 import pytest
 
 from services.scorer.consumer import BrokerActions
+from services.scorer.decisions import Retry
 from shared.bus import publish_command
-from shared.contracts import ScoreText, new_id, utcnow
+from shared.contracts import (
+    Phase,
+    ScoreText,
+    TaskError,
+    TaskRetrying,
+    event_sequence,
+    new_id,
+    utcnow,
+)
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
 from shared.topology import SCORE_REQUESTS, STATUS_PROJECTION, declare_topology
-from tests.support import eventually
+from tests.support import HandedDelivery, eventually
 
 pytestmark = pytest.mark.integration
 
@@ -63,5 +72,25 @@ async def test_a_command_the_scorer_sends_again_reaches_the_scorer_alone(amqp_ur
             return depths if depths[0] == 2 else None
 
         assert await eventually(the_copy_queued, what="the copy in the score queue") == (2, 1)
+        retrying = TaskRetrying(
+            task_id=command.task_id,
+            tenant_id=command.tenant_id,
+            sequence=event_sequence(generation=0, attempt=1, phase=Phase.RETRYING),
+            attempt=1,
+            submitted_at=command.submitted_at,
+            error=TaskError(code="model_unavailable", message="down", retryable=True),
+            next_attempt_at=utcnow(),
+        )
+        following = command.model_copy(update={"attempt": 2, "message_id": new_id()})
+        retry = Retry(event=retrying, next_command=following)
+        await actions.carry_out(retry, HandedDelivery(command.model_dump_json().encode()))
+
+        async def the_next_attempt_queued() -> tuple[int, int] | None:
+            depths = await _depths(amqp_url)
+            return depths if depths[0] == 3 and depths[1] >= 2 else None
+
+        # The projection takes the `task.retrying`, not the next attempt's command.
+        await eventually(the_next_attempt_queued, what="the next attempt and its event")
+        assert await _depths(amqp_url) == (3, 2)
     finally:
         await broker.stop()

@@ -20,7 +20,9 @@ pytestmark = pytest.mark.integration
 # One after another, the declarations took about 130 round trips: a broker 0.5 s away held
 # the start past the default `STARTUP_TIMEOUT_S` (60 s).
 IN_SEQUENCE_AT_LEAST = len(EXCHANGES) + 4 * len(WORK_QUEUES) + 2 * len(WAIT_TIERS)
-LONGEST_CHAIN = 25
+# Side by side, the longest chain is about 26 round trips, seen as 13 to 14 waits when each
+# chain's replies overlap another's; the bound leaves room for a machine that is busy.
+LONGEST_CHAIN = 50
 
 
 async def test_the_topology_is_declared_in_a_few_rounds_of_round_trips(amqp_url: str) -> None:
@@ -28,21 +30,20 @@ async def test_the_topology_is_declared_in_a_few_rounds_of_round_trips(amqp_url:
     link = SlowLink((target.hostname or "127.0.0.1", target.port or 5672), latency_s=0.05)
     async with link.running():
         through = target._replace(netloc=f"{target.netloc.rsplit(':', 1)[0]}:{link.port}")
-        broker = make_broker(ServiceSettings.model_validate({"RABBITMQ_URL": urlunsplit(through)}))
-        await broker.connect()
-        try:
-            link.rounds = 0
-            await declare_topology(broker)
-            first = link.rounds
-            link.rounds = 0
-            await declare_topology(broker)  # a restart's: everything there already
-            again = link.rounds
-        finally:
-            with contextlib.suppress(Exception):
-                await broker.stop()
+        settings = ServiceSettings.model_validate({"RABBITMQ_URL": urlunsplit(through)})
+        rounds = []
+        for _ in ("first start", "a restart: everything there already"):
+            broker = make_broker(settings)
+            await broker.connect()
+            try:
+                link.rounds = 0
+                await declare_topology(broker)
+                rounds.append(link.rounds)
+            finally:
+                with contextlib.suppress(Exception):
+                    await broker.stop()
     assert IN_SEQUENCE_AT_LEAST > LONGEST_CHAIN
-    assert first <= LONGEST_CHAIN, f"{first} round trips one after another"
-    assert again <= LONGEST_CHAIN, f"{again} round trips one after another, declared again"
+    assert all(each <= LONGEST_CHAIN for each in rounds), f"{rounds} waits one after another"
 
 
 async def test_publishes_after_the_declarations_are_confirmed_and_returned(amqp_url: str) -> None:

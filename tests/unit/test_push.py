@@ -1301,6 +1301,20 @@ async def test_a_long_poll_reads_again_at_once_when_its_events_may_have_been_los
     assert view.status is TaskStatus.COMPLETED
 
 
+async def test_the_waiters_told_of_a_restored_connection_reread_spread_out() -> None:
+    """All at once, a replica's thousands of waiters read the status service together as
+    it came back from the broker's restart too (re-read)."""
+    live = LiveUpdates()
+    waiters = [live.open(f"t{i}", "a") for i in range(100)]
+    live.note_restored()
+    assert sum(waiter.missed for waiter in waiters) < len(waiters)
+
+    async def every_one_told() -> bool:
+        return all(waiter.missed for waiter in waiters)
+
+    await eventually(every_one_told, what="every waiter nudged")
+
+
 async def test_a_waiter_nudged_twice_before_it_reads_wakes_once() -> None:
     """Each nudge a wake-up of its own: a long-poll took the second for its deadline and
     answered its unchanged view early."""

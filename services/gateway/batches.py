@@ -1088,6 +1088,17 @@ class BatchPageItem:
     error: TaskFailure | None = None
 
 
+class Acceptance:
+    """Where a batch stands as a whole (`acceptance_of`)."""
+
+    ACCEPTED = "accepted"
+    # Its request may still be recording or sending its items.
+    ACCEPTING = "accepting"
+    # Its request died before recording every item: a replay with its Idempotency-Key may
+    # complete it until `refused_at`; then it is refused whole, none of its items scored.
+    INCOMPLETE = "incomplete"
+
+
 @dataclass(frozen=True)
 class BatchPage:
     batch_id: str
@@ -1096,6 +1107,23 @@ class BatchPage:
     counts: dict[str, int]
     items: list[BatchPageItem]
     next_cursor: int | None
+    acceptance: str = Acceptance.ACCEPTED
+    refused_at: datetime | None = None  # an `incomplete` batch's, unless a replay completes it
+
+
+def acceptance_of(
+    record: BatchRecord, *, now: datetime, grace: timedelta
+) -> tuple[str, datetime | None]:
+    """Where the batch stands as a whole, and when an incomplete one is refused. Its items
+    read `queued` in each case: a batch its request died in read as a thousand tasks queued
+    for ten minutes, then was gone, none of them scored (a walkthrough)."""
+    if record.state != BatchState.ACCEPTING or record.swept:
+        return Acceptance.ACCEPTED, None
+    if now - record.created_at <= grace:
+        return Acceptance.ACCEPTING, None
+    if record.left_unrecorded:
+        return Acceptance.INCOMPLETE, incomplete_batch_held_until(record.created_at, grace=grace)
+    return Acceptance.ACCEPTED, None  # recorded whole: the outbox sweep sends what is unsent
 
 
 async def read_batch(
@@ -1152,6 +1180,7 @@ async def read_batch(
     for index, member in enumerate(page, start):
         unheard_as = TaskStatus.QUEUED.value if young or member.task_id in pending else EXPIRED
         items.append(_page_item(index, member, known.get(index), unheard_as))
+    acceptance, refused_at = acceptance_of(record, now=now, grace=grace)
     return BatchPage(
         batch_id=batch_id,
         total=total,
@@ -1159,6 +1188,8 @@ async def read_batch(
         counts=counts,
         items=items,
         next_cursor=end if end < total else None,
+        acceptance=acceptance,
+        refused_at=refused_at,
     )
 
 

@@ -9,7 +9,7 @@ import base64
 import re
 from collections.abc import Awaitable, Callable, Iterator
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse
@@ -192,6 +192,16 @@ class BatchView(BaseModel):
     items: list[BatchItemView]
     next_cursor: str | None = Field(
         default=None, description="Pass as `cursor` for the next page; null on the last page."
+    )
+    acceptance: Literal["accepted", "accepting", "incomplete"] = Field(
+        default="accepted",
+        description="`accepting`: its request may still be recording or sending its items "
+        "(they read `queued`). `incomplete`: its request ended before recording every item "
+        "(its answer lost); a replay of it with its Idempotency-Key completes it until "
+        "`refused_at`, when it is refused whole and none of its items is scored.",
+    )
+    refused_at: Instant | None = Field(
+        default=None, description="When an `incomplete` batch is refused, unless replayed."
     )
 
 
@@ -384,6 +394,8 @@ def _page_view(page: BatchPage) -> BatchView:
             for item in page.items
         ],
         next_cursor=None if page.next_cursor is None else str(page.next_cursor),
+        acceptance=page.acceptance,
+        refused_at=page.refused_at,
     )
 
 

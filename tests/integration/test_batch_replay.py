@@ -23,6 +23,7 @@ from services.gateway.batches import (
     BatchState,
     BatchSubmission,
     BatchSubmitted,
+    read_batch,
     submit_batch,
 )
 from services.gateway.cache import ResultCache
@@ -51,11 +52,13 @@ from services.gateway.submissions import (
 from services.gateway.submit import (
     INCOMPLETE_BATCH_HOLD,
     HeldBatches,
+    incomplete_batch_held_until,
     settle_outcome,
     sweep_outbox,
 )
 from shared.contracts import (
     BatchCancelling,
+    BatchProgress,
     CancelTask,
     Phase,
     ScoreResult,
@@ -534,6 +537,46 @@ async def test_an_item_is_not_cancelled_while_its_batchs_request_sends_it(
     first = answer.record.members[0].task_id
     assert isinstance(await cancel(first), CancelTask)
     assert sender.cancelled == [first]
+
+
+class NothingHeard:
+    """A status service that has heard of no item (`BatchStatusReader`)."""
+
+    async def batch(
+        self, batch_id: str, *, tenant_id: str, after: int, limit: int
+    ) -> BatchProgress:
+        return BatchProgress(batch_id=batch_id)
+
+
+async def _acceptance(gateway: Gateway, batch_id: str, at: datetime) -> tuple[str, object]:
+    page = await read_batch(
+        batch_id,
+        tenant_id=TENANT,
+        start=0,
+        limit=10,
+        batches=gateway.batches,
+        status=NothingHeard(),
+        submissions=gateway.submissions,
+        clock=lambda: at,
+        window=timedelta(minutes=5),
+        grace=GRACE,
+    )
+    assert page is not None
+    return page.acceptance, page.refused_at
+
+
+async def test_a_batch_its_request_died_in_reads_incomplete_until_it_is_refused(
+    gateway: Gateway,
+) -> None:
+    """It read as every item `queued` until, at the end of its hold, it was refused whole
+    and gone, none of them scored (a walkthrough: a gateway killed under a batch of 1,000)."""
+    batch_id = await _interrupted(gateway, _request(3), recorded=1)
+
+    assert await _acceptance(gateway, batch_id, T0 + GRACE / 2) == ("accepting", None)
+    held_until = incomplete_batch_held_until(T0, grace=GRACE)
+    assert await _acceptance(gateway, batch_id, T0 + GRACE * 2) == ("incomplete", held_until)
+    accepted = await _submit(gateway, _request(2), Recorded(), T0, key="another-key")
+    assert await _acceptance(gateway, accepted.record.batch_id, T0) == ("accepted", None)
 
 
 async def test_a_batch_held_for_its_replay_is_not_cancelled_in_part(gateway: Gateway) -> None:

@@ -44,6 +44,9 @@ log = logging.getLogger("scorebox.gateway.auth")
 # The realm a tenant's API key is challenged for (the operators' keys have their own).
 TENANT_REALM = "scorebox"
 DEFAULT_CACHE_TTL_S = 5.0
+# How long a long-poll or a stream waits for its key's look (`still_valid`) before taking
+# the key as still valid, as it does when the database is away.
+STILL_VALID_WAIT_S = 1.0
 MAX_CACHED_KEYS = 10_000
 # Key ids seen to exist, which an address that spent its unknown-key budget may still use.
 MAX_KNOWN_KEYS = 100_000
@@ -141,16 +144,20 @@ class Authenticator:
         """Whether `caller`'s key is still active (cached as `authenticate` is): an open
         stream asks at every heartbeat and before each change it sends, a long-poll as its
         wait ends, so a revocation ends them as it ends new requests. A
-        database away keeps the stream (it says nothing about the key)."""
+        database away keeps the stream (it says nothing about the key), and so does one
+        slower than `STILL_VALID_WAIT_S`: waiting `MONGO_TIMEOUT_S` for it, a long-poll
+        answered seconds past its deadline, and a stream's heartbeats came late (a
+        walkthrough; the read and the write are shielded, and go on for the next ask)."""
         if caller.key_id is None:
             return True
         try:
-            read = await self._lookup(caller.key_id)
-        except DatabaseUnavailable:
+            async with asyncio.timeout(STILL_VALID_WAIT_S):
+                read = await self._lookup(caller.key_id)
+                if read.key is None or not read.key.admits_at(self._clock()):
+                    return False
+                await self._record_use(read, caller.key_id)  # opened with its secret
+        except (DatabaseUnavailable, TimeoutError):
             return True
-        if read.key is None or not read.key.admits_at(self._clock()):
-            return False
-        await self._record_use(read, caller.key_id)  # the stream was opened with its secret
         return True
 
     def forget(self, key_id: str) -> None:

@@ -521,3 +521,31 @@ async def test_a_request_that_goes_away_keeps_its_token_spent() -> None:
         await gone
     with pytest.raises(LimitExceeded):
         await authenticator.authenticate(generate_key().token, address="203.0.113.7")
+
+
+class StalledKeys(FakeKeys):
+    """A key store whose lookups wait for `answer` (a database stalled)."""
+
+    answer: asyncio.Event
+
+    async def find(self, key_id: str) -> ApiKey | None:
+        await self.answer.wait()
+        return await super().find(key_id)
+
+
+async def test_a_key_looked_at_over_a_stalled_database_is_taken_as_still_valid() -> None:
+    """Waiting `MONGO_TIMEOUT_S` for the look, a long-poll answered seconds past its
+    deadline and a stream's heartbeats came late (a walkthrough, the database stopped)."""
+    store = StalledKeys()
+    store.answer = asyncio.Event()
+    token = store.add("acme")
+    ticker = Ticker()
+    authenticator = _authenticator(store, ticker)
+    store.answer.set()
+    caller = await authenticator.authenticate(token)
+    assert caller is not None
+    store.answer.clear()
+    ticker.now += 60  # its cached read is stale: the next look goes to the store
+    async with asyncio.timeout(30):  # a hang guard only
+        assert await authenticator.still_valid(caller)
+    store.answer.set()

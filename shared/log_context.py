@@ -39,8 +39,9 @@ class CorrelationFilter(logging.Filter):
 
 class KnownLibraryNoise(logging.Filter):
     """Drops two library records that tell of nothing but a broker connection lost, which
-    aiormq's own ERROR line ("Unexpected connection close from remote ...", with the
-    broker's reply code and text) and the reconnection gates' warning already report:
+    aiormq's own line ("Unexpected connection close from remote ...", with the broker's
+    reply code and text; made a WARNING here) and the reconnection gates' warning already
+    report:
 
     - aio-pika's error for each channel of the connection, whose robust copy tries to
       reopen itself on the connection gone (`RobustChannel._on_close`: "No active transport
@@ -54,12 +55,21 @@ class KnownLibraryNoise(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.name == "aiormq.connection":
+            if isinstance(record.msg, str) and record.msg.startswith(AIORMQ_CLOSED_BY_THE_BROKER):
+                _as_a_warning(record)
             return not _reader_ended_by_the_brokers_close(record)
         message = record.getMessage()
         return not (
             "RobustChannel._on_close" in message
             and ("No active transport in channel" in message or _connection_closed(message))
         )
+
+
+def _as_a_warning(record: logging.LogRecord) -> None:
+    """aiormq's ERROR for a connection the broker closed, a WARNING: the service rides it out
+    (its connections come back, its consumers resume), as it does every other outage, each
+    a WARNING; at ERROR it read as a failure to act on (a walkthrough of forced closes)."""
+    record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
 
 
 def _connection_closed(message: str) -> bool:
@@ -113,6 +123,8 @@ RECONNECT_ATTEMPT_LINES = frozenset(
 RECONNECTING_LOGGERS = ("aiormq.connection", "aio_pika.robust_connection")
 
 
+# aiormq's message (`Connection.__handle_close`) for a `Connection.Close` from the broker.
+AIORMQ_CLOSED_BY_THE_BROKER = "Unexpected connection close from remote"
 # aiormq's message (`Connection._on_reader_done`) when its reader task ended with an error.
 READER_EXITED = "Cancelling cause reader exited abnormally"
 # The loggers whose records `KnownLibraryNoise` sifts.

@@ -113,10 +113,10 @@ async def cancel_task(
     submission = await submissions.find(task_id, tenant_id=tenant_id)
     if submission is None:
         return CancelRefused.UNKNOWN_TASK
+    if await _finished(submission, status):
+        return CancelRefused.ALREADY_FINISHED  # a result-cache hit's answer included
     if _being_accepted(submission, now=now, grace=grace):
         raise TaskBeingAccepted(submission, now=now, grace=grace)
-    if await _finished(submission, status):
-        return CancelRefused.ALREADY_FINISHED
     cancel = cancel_command(CancelTarget.of(submission), now=now)
     await sender.cancel(cancel)
     return cancel

@@ -56,6 +56,8 @@ class KnownLibraryNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.name == "aiormq.connection":
             if isinstance(record.msg, str) and record.msg.startswith(AIORMQ_CLOSED_BY_THE_BROKER):
+                if not logging.getLogger(record.name).isEnabledFor(logging.WARNING):
+                    return False  # the level the line now has is not logged
                 _as_a_warning(record)
             return not _reader_ended_by_the_brokers_close(record)
         message = record.getMessage()

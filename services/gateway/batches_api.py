@@ -197,11 +197,14 @@ class BatchView(BaseModel):
         default="accepted",
         description="`accepting`: its request may still be recording or sending its items "
         "(they read `queued`). `incomplete`: its request ended before recording every item "
-        "(its answer lost); a replay of it with its Idempotency-Key completes it until "
-        "`refused_at`, when it is refused whole and none of its items is scored.",
+        "(its answer lost); a batch sent with an Idempotency-Key is completed by a replay of "
+        "it with that key until `refused_at`; otherwise it is refused whole then, none of "
+        "its items scored.",
     )
     refused_at: Instant | None = Field(
-        default=None, description="When an `incomplete` batch is refused, unless replayed."
+        default=None,
+        description="When an `incomplete` batch is refused (unless a replay completes it); "
+        "it may read a moment past, until the refusal's pass comes.",
     )
 
 

@@ -272,10 +272,14 @@ async def cancel_batch(
 
 
 def _being_accepted(submission: Submission, *, now: datetime, grace: timedelta) -> bool:
-    """`accepting`, not sent by the outbox sweep, within the grace: its request may not have
-    taken its slot yet (see `TaskBeingAccepted`)."""
+    """A batch's item `accepting`, not sent by the outbox sweep, within the grace: its
+    request may not have taken its slot yet (see `TaskBeingAccepted`). Not a task of its
+    own: its id is known only from its 202, its slot taken before (one left `accepting` by
+    a database blip after its 202 was refused a cancel; the re-read)."""
     return (
-        submission.state == SubmissionState.ACCEPTING
+        submission.command is not None
+        and submission.command.batch_id is not None
+        and submission.state == SubmissionState.ACCEPTING
         and submission.sent_at is None
         and now - submission.created_at <= grace
     )

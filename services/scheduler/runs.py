@@ -251,6 +251,7 @@ async def _run_handler(
     in_hand: CronRunsInHand,
     key: str | None,
 ) -> RunDecision:
+    started = clock()
     run = JobRun(
         run_id=command.run_id,
         job=command.job,
@@ -259,7 +260,7 @@ async def _run_handler(
         manual=command.manual,
         attempt=command.attempt,
         slice=command.slice,
-        work_until=_work_until(clock(), db_timeout_s),
+        work_until=_work_until(started, db_timeout_s),
     )
     try:
         with pymongo.timeout(db_timeout_s):
@@ -274,9 +275,13 @@ async def _run_handler(
             command, _describe(error), firings=firings, retry=retry, clock=clock
         )
     except Exception as error:
-        if transient_database_error(error):
+        outlasted = db_timeout_s is not None and clock() - started >= timedelta(
+            seconds=db_timeout_s
+        )
+        if transient_database_error(error) and not outlasted:
             # An outage of the database is no bug of the job: a line, not a traceback (a
-            # walkthrough found one for a stand-in stalled under load).
+            # walkthrough found one for a stand-in stalled under load). A job that outlasts
+            # its deadline keeps its traceback, which says which step ran out (the re-read).
             log.warning(
                 "cron job %s (run %s) failed, its database unavailable: %r",
                 command.job,

@@ -411,6 +411,11 @@ async def _replayed[D: Decision](decision: D, command: ScoreText, deps: ScorerDe
     if isinstance(decision, Retry) and _decides(decision, command):
         checked = await _unless_cancelled_meanwhile(command, decision, deps)
         return checked if isinstance(checked, Finish) else decision
+    if isinstance(decision, Finish) and decision.dead_letter_error and _decides(decision, command):
+        # Its give-up, lettered as a cancellation was noted (see `_recorded`): a redelivery
+        # carried the letter out again (a re-read).
+        unlettered = await _unlettered_if_cancelled_meanwhile(command, decision, deps)
+        return unlettered if isinstance(unlettered, Finish) else decision
     return decision
 
 
@@ -530,7 +535,7 @@ async def _recorded(
             return await _unless_cancelled_meanwhile(command, decision, deps)
         # Again once recorded: a cancellation noted between the look and the record (the
         # call still `running`) was lettered all the same (re-read). The decision recorded
-        # keeps its letter, for a replay after a crash in between only.
+        # keeps its letter; a replay of it looks again (`_replayed`).
         return await _unlettered_if_cancelled_meanwhile(command, decision, deps)
     log.warning("%s: the attempt was taken over before its decision landed", command.task_id)
     return Drop("the attempt was taken over by another worker, whose decision stands")

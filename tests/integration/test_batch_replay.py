@@ -66,6 +66,7 @@ from shared.contracts import (
     TaskCompleted,
     TaskView,
     event_sequence,
+    new_id,
 )
 from tests.integration.gateway_records import GatewayRecords as Gateway
 from tests.integration.gateway_records import Recorded, Unconfirmed, gateway_records
@@ -537,6 +538,13 @@ async def test_an_item_is_not_cancelled_while_its_batchs_request_sends_it(
     first = answer.record.members[0].task_id
     assert isinstance(await cancel(first), CancelTask)
     assert sender.cancelled == [first]
+    # A task of its own left `accepting` (a database blip after its 202): its id came with
+    # its 202, its slot was taken before, and its cancel goes ahead (the re-read).
+    single = ScoreText(task_id=new_id(), tenant_id=TENANT, text="One text.", submitted_at=T0)
+    await gateway.submissions.insert(
+        single, request_hash="h", idempotency_key=None, retention=timedelta(days=1), cache_key="k"
+    )
+    assert isinstance(await cancel(single.task_id), CancelTask)
 
 
 class NothingHeard:

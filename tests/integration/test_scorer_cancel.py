@@ -340,6 +340,10 @@ async def test_a_cancel_noted_as_the_last_attempts_give_up_is_recorded_keeps_it_
     assert decision.dead_letter_error is None
     assert isinstance(decision.event, TaskFailed)
     assert decision.event.dead_lettered is False
+    # Recorded with its letter: a redelivery carrying it out again looks again (re-read).
+    replayed = await recorded_decision(command, deps=make_deps("scorer-b"))
+    assert isinstance(replayed, Finish), replayed
+    assert replayed.dead_letter_error is None
 
 
 async def test_a_cancel_noted_while_a_dead_workers_call_was_under_way_cancels_the_takeover(

@@ -22,6 +22,7 @@ from services.gateway.keys import (
 )
 from services.gateway.limits import LimitExceeded
 from services.gateway.unknown_keys import UnknownKeyBudget
+from tests.support import eventually
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
 TOKEN_SHAPE = re.compile(r"^sbx_[0-9a-f]{16}_[A-Za-z0-9_-]{43}$")
@@ -548,4 +549,17 @@ async def test_a_key_looked_at_over_a_stalled_database_is_taken_as_still_valid()
     ticker.now += 60  # its cached read is stale: the next look goes to the store
     async with asyncio.timeout(30):  # a hang guard only
         assert await authenticator.still_valid(caller)
+    # Revoked meanwhile: the read given up on comes back (slow, not away) and says so; the
+    # next look, given up on too, goes by it (a re-read: revoked keys kept their streams).
+    store.revoke(token)
+    store.answer.set()
+
+    async def read_back() -> bool:
+        return store.finds == 2
+
+    await eventually(read_back, what="the slow read back")
+    store.answer.clear()
+    ticker.now += 60
+    async with asyncio.timeout(30):  # a hang guard only
+        assert not await authenticator.still_valid(caller)
     store.answer.set()

@@ -18,6 +18,7 @@ from shared.log_context import (
     AIO_PIKA_CLOSED,
     AIORMQ_TRANSPORT_FAILED,
     RECONNECTING_LOGGERS,
+    KnownLibraryNoise,
     RepeatedReconnectAttempts,
 )
 from shared.runtime import CHATTY_LOGGERS, configure_logging
@@ -146,3 +147,42 @@ def test_every_service_thins_out_the_reconnection_attempts_once(
         for _ in range(5):
             _attempt_failed(logging.getLogger("aiormq.connection"), AIORMQ_TRANSPORT_FAILED)
     assert len([r for r in caplog.records if r.name == "aiormq.connection"]) <= 1
+
+
+class Collected(logging.Handler):
+    """A handler of every level (as `basicConfig`'s), keeping what reaches it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.NOTSET)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.mark.parametrize(("level", "shown"), [(logging.WARNING, True), (logging.ERROR, False)])
+def test_the_brokers_close_of_a_connection_is_a_warning_shown_as_one(
+    level: int, shown: bool
+) -> None:
+    """aiormq logs it as an ERROR; the service rides it out, as it does every outage, each a
+    WARNING (a walkthrough). Made a WARNING after the logger let it through as an ERROR, it
+    must not reach a handler where warnings are not logged (`LOG_LEVEL=ERROR`; the re-read)."""
+    logger = logging.getLogger("aiormq.connection")
+    noise, collected = KnownLibraryNoise(), Collected()
+    logger.addFilter(noise)
+    logger.addHandler(collected)
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        logger.error(
+            'Unexpected connection close from remote "%s", '
+            "Connection.Close(reply_code=%r, reply_text=%r)",
+            "amqp://guest:******@127.0.0.1:5672/",
+            320,
+            "CONNECTION_FORCED - broker forced connection closure",
+        )
+    finally:
+        logger.removeFilter(noise)
+        logger.removeHandler(collected)
+        logger.setLevel(before)
+    assert [record.levelname for record in collected.records] == (["WARNING"] if shown else [])

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -429,13 +429,26 @@ async def declare_topology(broker: RabbitBroker) -> None:
     The exchanges are declared on the broker's own channel, one after another: every
     publish goes through the exchange object the broker keeps from this declaration
     (`shared.bus.send_raw`), on that channel's confirms and returns. Declared on a channel
-    of their own, the publishes went out unconfirmed (the re-read of that change)."""
+    of their own, the publishes went out unconfirmed (the re-read of that change).
+
+    No channel is opened while the broker may be closing another: aiormq frees the number of
+    a channel the broker closes (a passive declaration of an absent queue, a declaration
+    with other arguments) before its `Close-Ok` is written, a channel opened meanwhile takes
+    that number, and the broker closes the whole connection ("second 'channel.open' seen";
+    the first version of this change, found by CI). So the chains' channels are opened
+    first, together; the declarations the broker may refuse go one at a time, the DLQs'
+    before the chains, the retired queues' beside them, which open no channel.
+    """
     exchanges = {exchange.name: await broker.declare_exchange(exchange) for exchange in EXCHANGES}
     await exchanges[CALLBACKS.name].bind(exchanges[EVENTS.name], routing_key=CALLBACK_EVENT_KEY)
-    declarer: RabbitDeclarer = broker.config.declarer
+    config = broker.config
+    await _side_by_side(config.channel_manager.get_channel(each) for each in _DECLARING_CHANNELS)
+    connection = (await exchanges[DLX.name].channel.get_underlay_channel()).connection
+    clean = await _dead_letter_queues_declaring_cleanly(connection)
+    declarer: RabbitDeclarer = config.declarer
     channels = iter(_DECLARING_CHANNELS)
     work_queues = (
-        _declare_work_queue(declarer, work_queue, exchanges, next(channels))
+        _declare_work_queue(declarer, work_queue, exchanges, next(channels), clean=clean)
         for work_queue in WORK_QUEUES
     )
     ops_log = _declare_bound(declarer, OPS_LOG.queue, OPS_LOG.bindings, exchanges, next(channels))
@@ -449,8 +462,8 @@ async def declare_topology(broker: RabbitBroker) -> None:
         )
         for tier, seconds in WAIT_TIERS
     )
-    retired = (_delete_if_retired_and_idle(exchanges[DLX.name], name) for name in RETIRED_QUEUES)
-    await _side_by_side([*work_queues, ops_log, *wait_queues, *retired])
+    retired = _delete_retired_queues(connection)
+    await _side_by_side([*work_queues, ops_log, *wait_queues, retired])
 
 
 async def _side_by_side[T](declarations: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
@@ -469,9 +482,13 @@ async def _declare_work_queue(
     work_queue: WorkQueue,
     exchanges: Mapping[str, RobustExchange],
     channel: Channel,
+    *,
+    clean: Collection[str],
 ) -> None:
     """A work queue, its DLQ and their bindings; the bindings of earlier versions removed."""
-    dlq = await _declare_dead_letter_queue(declarer, work_queue, exchanges[DLX.name], channel)
+    dlq = await _declare_dead_letter_queue(
+        declarer, work_queue, channel, clean=work_queue.dead_letter_queue.name in clean
+    )
     await dlq.bind(exchanges[DLX.name], routing_key=work_queue.dead_letter_routing_key)
     queue = await _declare_bound(
         declarer, work_queue.queue, work_queue.bindings, exchanges, channel
@@ -498,17 +515,13 @@ async def _declare_bound(
 
 
 async def _declare_dead_letter_queue(
-    declarer: RabbitDeclarer, work_queue: WorkQueue, dlx: RobustExchange, channel: Channel
+    declarer: RabbitDeclarer, work_queue: WorkQueue, channel: Channel, *, clean: bool
 ) -> AbstractQueue:
-    """The work queue's DLQ, with its delivery limit; an earlier version's DLQ as it is.
-
-    RabbitMQ refuses to declare an existing queue with other arguments, and closes the channel
-    that tried: the declaration is tried on a channel of its own first, and a DLQ declared
-    without the limit (before this version) is then taken as it is, with a warning naming the
-    policy that gives it one.
-    """
+    """The work queue's DLQ, with its delivery limit when it declares `clean`ly; else an
+    earlier version's DLQ, declared without the limit, taken as it is, with a warning naming
+    the policy that gives it one."""
     wanted = work_queue.dead_letter_queue
-    if await _declares_cleanly(dlx, wanted):
+    if clean:
         return await declarer.declare_queue(wanted, channel=channel)
     log.warning(
         "%s was declared without a delivery limit by an earlier version; on RabbitMQ 4.0 to "
@@ -523,28 +536,40 @@ async def _declare_dead_letter_queue(
     )
 
 
-async def _declares_cleanly(on: RobustExchange, queue: RabbitQueue) -> bool:
-    """Whether `queue` can be declared as it is (absent, or present with equal arguments)."""
-    connection = (await on.channel.get_underlay_channel()).connection
-    channel = await connection.channel()
+async def _dead_letter_queues_declaring_cleanly(
+    connection: aiormq.abc.AbstractConnection,
+) -> frozenset[str]:
+    """The DLQs that can be declared as they are (absent, or present with equal arguments),
+    tried one after another on a channel of their own. RabbitMQ refuses to declare an
+    existing queue with other arguments, and closes the channel that tried: a DLQ of an
+    earlier version (without the delivery limit) is not in the set, and the next one is
+    tried on a channel opened anew."""
+    clean: set[str] = set()
+    channel: aiormq.abc.AbstractChannel | None = None
     try:
-        await channel.queue_declare(
-            queue.name,
-            durable=queue.durable,
-            exclusive=queue.exclusive,
-            auto_delete=queue.auto_delete,
-            arguments=queue.arguments,
-        )
-    except aiormq.exceptions.ChannelPreconditionFailed:
-        return False  # the broker closed that channel
+        for work_queue in WORK_QUEUES:
+            wanted = work_queue.dead_letter_queue
+            if channel is None or channel.is_closed:
+                channel = await connection.channel()
+            try:
+                await channel.queue_declare(
+                    wanted.name,
+                    durable=wanted.durable,
+                    exclusive=wanted.exclusive,
+                    auto_delete=wanted.auto_delete,
+                    arguments=wanted.arguments,
+                )
+            except aiormq.exceptions.ChannelPreconditionFailed:
+                continue  # the broker closed that channel
+            clean.add(wanted.name)
     finally:
-        if not channel.is_closed:
+        if channel is not None and not channel.is_closed:
             await channel.close()
-    return True
+    return frozenset(clean)
 
 
-async def _delete_if_retired_and_idle(on: RobustExchange, name: str) -> None:
-    """Delete `name`, a queue an earlier version declared, if it is empty and unused.
+async def _delete_retired_queues(connection: aiormq.abc.AbstractConnection) -> None:
+    """Delete the queues an earlier version declared, those that are empty and unused.
 
     A retired queue may still hold messages, dead letters among them (the retired
     `scorebox.result-cache.dlq`): deleted regardless, they were lost on upgrade. One that
@@ -553,24 +578,25 @@ async def _delete_if_retired_and_idle(on: RobustExchange, name: str) -> None:
     (or shovel) and delete; the next start-up deletes it once it is empty. Quorum queues
     refuse `queue.delete` with `if-empty` (NOT_IMPLEMENTED, closing the connection), so the
     depth is read first: a message arriving between the read and the deletion is lost, as
-    before, but nothing routes to a retired queue any more.
+    before, but nothing routes to a retired queue any more. One after another: the broker
+    closes the channel of each absent one (see `declare_topology`).
     """
-    connection = (await on.channel.get_underlay_channel()).connection
-    found = await _passively_declared(connection, name)
-    if found is None:
-        return  # absent: nothing to delete
-    if found.message_count or found.consumer_count:
-        log.warning(
-            "%s is retired but still holds %d message(s) (%d consumer(s)): it is left in "
-            "place. Drain it (e.g. shovel its messages to where they belong), then "
-            "delete it: rabbitmqctl delete_queue %s",
-            name,
-            found.message_count or 0,
-            found.consumer_count or 0,
-            name,
-        )
-        return
-    await _delete_queue(connection, name)
+    for name in RETIRED_QUEUES:
+        found = await _passively_declared(connection, name)
+        if found is None:
+            continue  # absent: nothing to delete
+        if found.message_count or found.consumer_count:
+            log.warning(
+                "%s is retired but still holds %d message(s) (%d consumer(s)): it is left in "
+                "place. Drain it (e.g. shovel its messages to where they belong), then "
+                "delete it: rabbitmqctl delete_queue %s",
+                name,
+                found.message_count or 0,
+                found.consumer_count or 0,
+                name,
+            )
+            continue
+        await _delete_queue(connection, name)
 
 
 async def _passively_declared(

@@ -77,6 +77,8 @@ REQUEST_TIMEOUT_S = 30.0
 # The least time a poll of a wait (`submit --wait`, `cron run --wait`) is given, however
 # little of the wait is left.
 MIN_POLL_S = 1.0
+# The least pause between two polls of `cron run --wait`.
+MIN_POLL_PAUSE_S = 0.2
 DEFAULT_GATEWAY_URL = "http://127.0.0.1:8000"
 DEFAULT_SCHEDULER_URL = "http://127.0.0.1:8003"
 DEFAULT_NOTIFIER_URL = "http://127.0.0.1:8004"
@@ -285,8 +287,21 @@ def _quote(text: str) -> str:
     return line if len(line) <= QUOTED_CHARS else line[: QUOTED_CHARS - 3] + "..."
 
 
-def _fail(response: httpx.Response) -> typer.Exit:
-    """The exit for an unwanted status: the problem's `detail`, else the body, on one line."""
+def _submission_failed(response: httpx.Response, unanswered: str) -> typer.Exit:
+    """`_fail` for a submission's answer; one that may have kept it (a 5xx: a proxy's
+    after forwarding it, a gateway's "may have taken effect"; a 409 saying its key's first
+    request is still being accepted) says what to do, `unanswered`: the key `--wait` makes
+    for itself was shown on no other path, and a run again under a new one scored the text
+    twice (a review of the CLI)."""
+    kept = response.status_code >= 500 or (
+        response.status_code == 409 and _problem_type(response).endswith(IN_PROGRESS)
+    )
+    return _fail(response, advice=unanswered if kept else None)
+
+
+def _fail(response: httpx.Response, *, advice: str | None = None) -> typer.Exit:
+    """The exit for an unwanted status: the problem's `detail`, else the body, on one line
+    (and `advice`, when given)."""
     try:
         body = response.json()
     except ValueError:  # not JSON, or not UTF-8
@@ -297,7 +312,8 @@ def _fail(response: httpx.Response) -> typer.Exit:
     elif not isinstance(detail, str):
         detail = json.dumps(detail, ensure_ascii=False)
     hints = f"{_retry_after_hint(response)}{_no_key_hint(response)}"
-    typer.echo(f"error {response.status_code}: {detail}{hints}", err=True)
+    advised = f"; {advice}" if advice else ""
+    typer.echo(f"error {response.status_code}: {detail}{hints}{advised}", err=True)
     return typer.Exit(code=1)
 
 
@@ -420,12 +436,18 @@ def _request_bound(deadline: float) -> float:
     return min(REQUEST_TIMEOUT_S, max(deadline - time.monotonic(), MIN_POLL_S))
 
 
-def _pause_before_asking_again(response: httpx.Response, pause: float, deadline: float) -> None:
-    """Wait out a busy answer's Retry-After (at least `pause`); exit 1 with that answer when
-    it would end past the `deadline`."""
+def _pause_before_asking_again(
+    response: httpx.Response,
+    pause: float,
+    deadline: float,
+    *,
+    refused: Callable[[httpx.Response], typer.Exit] = _fail,
+) -> None:
+    """Wait out a busy answer's Retry-After (at least `pause`); exit 1 with that answer
+    (`refused` says it) when it would end past the `deadline`."""
     pause = max(_retry_after(response) or 0.0, pause)
     if time.monotonic() + pause > deadline:
-        raise _fail(response)
+        raise refused(response)
     time.sleep(pause)
 
 
@@ -514,7 +536,7 @@ def submit(
             unanswered=unanswered,
         )
         if response.status_code not in (200, 202):
-            raise _fail(response)
+            raise _submission_failed(response, unanswered)
         body = _answer(response, "task_id", "status")
         if wait and body["status"] == EXPIRED:
             _show(body)
@@ -572,6 +594,7 @@ def _post_submission(
         ask_again=lambda response: keyed and _to_ask_again(response),
         # Unanswered is not refused: the gateway may have recorded the text all the same.
         unanswered=f"submission still unanswered after {timeout_s:g}s: {unanswered}",
+        refused=lambda response: _submission_failed(response, unanswered),
         json=payload,
         headers=headers,
     )
@@ -584,6 +607,7 @@ def _post_within(
     *,
     ask_again: Callable[[httpx.Response], bool],
     unanswered: str,
+    refused: Callable[[httpx.Response], typer.Exit] = _fail,
     **request: Any,
 ) -> httpx.Response:
     """POST `path` for a wait that ends at `deadline`: bounded by what is left of it, as its
@@ -604,7 +628,7 @@ def _post_within(
             _exit(unanswered)
         if not ask_again(response):
             return response
-        _pause_before_asking_again(response, next(pauses), deadline)
+        _pause_before_asking_again(response, next(pauses), deadline, refused=refused)
 
 
 def _to_ask_again(response: httpx.Response) -> bool:
@@ -660,7 +684,25 @@ def _strict_json(text: str) -> Any:
     """`text` read as JSON, as the gateway reads a body: a key given twice in one object
     (at any depth) is refused (`_RepeatedKeyError`), where `json.loads` kept the last value
     without a word (`{"text": "a", "text": "b"}` was sent as "b"; the API answers 422)."""
-    return json.loads(text, object_pairs_hook=_object_refusing_repeats)
+    return json.loads(
+        text,
+        object_pairs_hook=_object_refusing_repeats,
+        parse_constant=_no_constant,
+        parse_float=_finite_float,
+    )
+
+
+def _no_constant(name: str) -> Any:
+    """`NaN` and `Infinity`, which `json.loads` takes and no JSON body may carry: sent, the
+    client raised a traceback where a line and exit 2 were due (a review of the CLI)."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(literal: str) -> float:
+    number = float(literal)
+    if not math.isfinite(number):
+        raise ValueError(f"{literal} is beyond what a JSON number can carry here")
+    return number
 
 
 def _repeated(key: str) -> str:
@@ -767,7 +809,7 @@ def submit_batch(
     with _reaching(_client(), unanswered=unanswered) as client:
         response = client.post("/v1/batches", json=payload, headers=headers)
         if response.status_code not in (200, 202):
-            raise _fail(response)
+            raise _submission_failed(response, unanswered)
         _show(_answer(response, "batch_id", "items"))
 
 
@@ -1010,10 +1052,10 @@ def _drop(
     `before`) or got no answer (a timeout, a connection
     refused or reset: one line for that id, and the next is tried all the same; a drop whose
     answer was lost may have happened, and asked again is a 404)."""
-    paths = [f"{path}/{_segment(letter_id, name)}" for letter_id in ids]
+    paths = [(letter_id, f"{path}/{_segment(letter_id, name)}") for letter_id in ids]
     missed: typer.Exit | None = None
     with _reaching(client()) as reached:
-        for letter_path in paths:
+        for letter_id, letter_path in paths:
             try:
                 response = reached.delete(letter_path, params=_cut_off(before))
             except httpx.HTTPError as error:
@@ -1032,7 +1074,8 @@ def _drop(
             if not dropped.get("removed") and dropped.get("kept"):
                 # Printed `removed: 0, kept: 1` and exited 0: read as done (a walkthrough).
                 typer.echo(
-                    f"{dropped.get('letter_id', '')}: kept, dead-lettered at or after --before "
+                    f"{letter_id}: kept, "
+                    "dead-lettered at or after --before "
                     "(the cut-off), or at a time the letter does not say; nothing removed",
                     err=True,
                 )
@@ -1086,10 +1129,21 @@ def dlq_purge(
     before: Before = None,
 ) -> None:
     """Delete every dead letter of the score queue (with --before, those dead-lettered before
-    it). Asks first, on stderr: stdout carries the answer's JSON alone."""
+    it). Asks first, on stderr: stdout carries the answer's JSON alone.
+    Exits 1 when the walk stopped short of the queue's end (`truncated`): purge again."""
     if not yes:
         _confirm_purge(SCORE_REQUESTS_DLQ, before)
-    _admin_call("DELETE", "/admin/v1/dead-letters", params=_cut_off(before))
+    _purge("/admin/v1/dead-letters", before)
+
+
+def _purge(path: str, before: str | None, client: httpx.Client | None = None) -> None:
+    """DELETE `path` (with the cut-off `before`); exits 1 when the service's walk stopped
+    short of the queue's end: letters before the cut-off it did not reach are still there
+    (it exited 0 with `truncated: true` in its JSON alone; a review of the CLI)."""
+    purged = _admin_call("DELETE", path, client=client, params=_cut_off(before))
+    if purged.get("truncated") is True:
+        _note_truncated(purged, "letters past it are still there: purge again")
+        raise typer.Exit(code=1)
 
 
 def _confirm_purge(queue: str, before: str | None) -> None:
@@ -1246,7 +1300,9 @@ def _await_run(
         accepted["status_url"],
         last=accepted,
         deadline=deadline,
-        pauses=itertools.repeat(poll_s),
+        # At least `MIN_POLL_PAUSE_S`: `--poll-s 0` asked the scheduler back to back for as
+        # long as the run took, up to ten minutes (a review of the CLI).
+        pauses=itertools.repeat(max(poll_s, MIN_POLL_PAUSE_S)),
         final=lambda body: body["state"] in FINAL_RUN_STATES,
         fields=("run_id", "state"),
     )
@@ -1358,10 +1414,11 @@ def cron_dlq_purge(
     before: Before = None,
 ) -> None:
     """Delete every cron dead letter (with --before, those dead-lettered before it). Asks
-    first, on stderr: stdout carries the answer's JSON alone."""
+    first, on stderr: stdout carries the answer's JSON alone.
+    Exits 1 when the walk stopped short of the queue's end (`truncated`): purge again."""
     if not yes:
         _confirm_purge(CRON_JOBS_DLQ, before)
-    _admin_call("DELETE", CRON_DEAD_LETTERS, client=_scheduler_client(), params=_cut_off(before))
+    _purge(CRON_DEAD_LETTERS, before, _scheduler_client())
 
 
 webhooks = typer.Typer(
@@ -1431,10 +1488,11 @@ def webhooks_dlq_purge(
     before: Before = None,
 ) -> None:
     """Delete every webhook dead letter (with --before, those dead-lettered before it). Asks
-    first, on stderr: stdout carries the answer's JSON alone."""
+    first, on stderr: stdout carries the answer's JSON alone.
+    Exits 1 when the walk stopped short of the queue's end (`truncated`): purge again."""
     if not yes:
         _confirm_purge(WEBHOOK_DELIVERIES_DLQ, before)
-    _admin_call("DELETE", WEBHOOK_DEAD_LETTERS, client=_notifier_client(), params=_cut_off(before))
+    _purge(WEBHOOK_DEAD_LETTERS, before, _notifier_client())
 
 
 def main() -> None:

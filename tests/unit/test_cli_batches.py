@@ -75,6 +75,10 @@ def test_a_batch_is_read_one_item_per_line_and_posted_whole(
         ('"one"\nnot json\n', "line 2 is not JSON"),
         ("[1, 2]\n", "line 1 is neither a text"),
         ("\n\n", "no items"),
+        # `json.loads` takes these, and the client raised a traceback sending them (a review).
+        ('{"text": "a", "metadata": {"x": NaN}}\n', "line 1 is not JSON: NaN"),
+        ('{"text": "a", "metadata": {"x": 1e999}}\n', "line 1 is not JSON: 1e999"),
+        ('{"text": "a", "metadata": {"x": -Infinity}}\n', "line 1 is not JSON: -Infinity"),
     ],
 )
 def test_a_file_that_is_not_items_exits_2_and_sends_nothing(

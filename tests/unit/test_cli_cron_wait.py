@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from scorebox import cli
+from scorebox.cli import MIN_POLL_PAUSE_S
 from tests.unit.cli_support import run_cli
 
 RUN_ID = "run-42"
@@ -134,6 +135,20 @@ def test_a_run_wait_polls_on_through_busy_answers_after_their_retry_after(
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["state"] == "succeeded"
     assert pauses == [1, 2]
+
+
+def test_a_run_wait_of_no_pause_between_polls_still_pauses_a_little(
+    scheduler: StubScheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--poll-s 0` asked the scheduler back to back for as long as the run took (a review
+    of the CLI)."""
+    scheduler.polls = [_run("running"), _run("running"), _run("succeeded")]
+    pauses: list[float] = []
+    monkeypatch.setattr(time, "sleep", pauses.append)
+    result = run_cli("cron", "run", "housekeeping", "--wait", "--poll-s", "0")
+    assert result.exit_code == 0, result.output
+    assert pauses
+    assert min(pauses) >= MIN_POLL_PAUSE_S
 
 
 @pytest.mark.parametrize(

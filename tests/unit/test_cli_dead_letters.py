@@ -447,9 +447,46 @@ def test_a_purge_asks_on_stderr_naming_the_queue_and_prints_only_json(
     assert result.stderr.startswith(f"Delete every dead letter in {queue}{asked}? [y/N]")
 
 
-# --- a cut-off -----------------------------------------------------------------------------
-
 LISTED_AT = "2026-12-05T02:00:00.123456Z"
+
+
+@pytest.mark.parametrize(
+    ("command", "path"),
+    [
+        (("dlq", "purge", "--yes"), LETTERS),
+        (("cron", "dlq", "purge", "--yes"), CRON_LETTERS),
+        (("webhooks", "dlq", "purge", "--yes"), WEBHOOK_LETTERS),
+    ],
+    ids=["dlq", "cron", "webhooks"],
+)
+def test_a_purge_whose_walk_stopped_short_says_so_and_exits_1(
+    server: FakeServer, command: tuple[str, ...], path: str
+) -> None:
+    """It exited 0, `truncated: true` in its JSON alone: a script read the purge as done
+    with letters before the cut-off still there (a review of the CLI)."""
+    answer = {"purged": 3, "kept": 0, "truncated": True}
+    server.script("DELETE", path, httpx.Response(200, json=answer))
+
+    result = run_cli(*command, "--before", LISTED_AT)
+
+    assert result.exit_code == 1, result.output
+    assert json.loads(result.stdout) == answer
+    assert "truncated" in result.stderr
+    assert "purge again" in result.stderr
+
+
+def test_a_cron_drop_that_kept_its_letter_names_the_run(server: FakeServer) -> None:
+    """The line read `: kept, ...`: a cron letter's answer names it `run_id` (a review)."""
+    kept = {"run_id": "r1", "removed": 0, "kept": 1, "truncated": False}
+    server.script("DELETE", f"{CRON_LETTERS}/r1", httpx.Response(200, json=kept))
+
+    result = run_cli("cron", "dlq", "drop", "r1", "--before", LISTED_AT)
+
+    assert result.exit_code == 1, result.output
+    assert "r1: kept, dead-lettered at or after --before" in result.stderr
+
+
+# --- a cut-off -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -241,13 +241,31 @@ def test_a_wait_asks_again_after_a_busy_answer_to_its_submission(
 def test_a_busy_answer_to_a_submission_is_not_asked_again_past_the_wait(
     server: StubServer, essay: Path, monkeypatch: pytest.MonkeyPatch, wait: tuple[str, ...]
 ) -> None:
-    """Its Retry-After past the wait's deadline, or no wait at all: one line and exit 1."""
+    """Its Retry-After past the wait's deadline, or no wait at all: one line and exit 1,
+    which says the 503 may have kept the text, and under which key to send it again: the
+    key `--wait` made for itself was shown nowhere, and a run again under a new one scored
+    the text twice (a review of the CLI)."""
     server.reply("POST", "/v1/scores", Reply(503, {"detail": "Queue full."}, {"Retry-After": "60"}))
     monkeypatch.setattr(time, "sleep", lambda seconds: None)
     result = run_cli("submit", str(essay), *wait)
     assert result.exit_code == 1, result.output
-    assert result.stderr.strip() == "error 503: Queue full. (retry after 60 s)"
+    line = result.stderr.strip()
+    assert line.startswith("error 503: Queue full. (retry after 60 s); the gateway may have ")
     assert len(server.received) == 1
+    if wait:
+        key = server.received[0].headers["Idempotency-Key"]
+        assert f"--idempotency-key {key}" in line
+    else:
+        assert "an --idempotency-key makes submitting again safe" in line
+
+
+def test_a_refusal_that_kept_nothing_gives_no_advice_to_submit_again(
+    server: StubServer, essay: Path
+) -> None:
+    server.reply("POST", "/v1/scores", Reply(422, {"detail": "text: blank."}))
+    result = run_cli("submit", str(essay))
+    assert result.exit_code == 1, result.output
+    assert result.stderr.strip() == "error 422: text: blank."
 
 
 IN_PROGRESS = {

@@ -42,6 +42,11 @@ BATCH_BEING_ACCEPTED = "batch-being-accepted"
 TASK_BEING_ACCEPTED = "task-being-accepted"
 
 
+def _ask_again_later(error: TaskBeingAccepted | BatchBeingRecorded, kind: str) -> Problem:
+    """409 `kind`: its request may still be recording or sending it; nothing was cancelled."""
+    return Problem(409, str(error), kind=kind, headers={"Retry-After": str(error.retry_after_s)})
+
+
 class Canceller(CancelSender, BatchCancelSender, Protocol):
     """Sends one cancellation or a batch's (`services.gateway.publisher.TaskPublisher`)."""
 
@@ -94,12 +99,7 @@ def cancel_routes(
                 grace=timedelta(seconds=deps.settings.outbox_grace_s),
             )
         except TaskBeingAccepted as error:
-            raise Problem(
-                409,
-                str(error),
-                kind=TASK_BEING_ACCEPTED,
-                headers={"Retry-After": str(error.retry_after_s)},
-            ) from error
+            raise _ask_again_later(error, TASK_BEING_ACCEPTED) from error
         except BrokerUnavailable as error:
             raise _unconfirmed(error) from error
         except Unavailable as error:
@@ -157,12 +157,7 @@ def cancel_routes(
                 grace=timedelta(seconds=deps.settings.outbox_grace_s),
             )
         except BatchBeingRecorded as error:
-            raise Problem(
-                409,
-                str(error),
-                kind=BATCH_BEING_ACCEPTED,
-                headers={"Retry-After": str(error.retry_after_s)},
-            ) from error
+            raise _ask_again_later(error, BATCH_BEING_ACCEPTED) from error
         except BrokerUnavailable as error:
             raise _unconfirmed(error, BATCH_UNCONFIRMED) from error
         except Unavailable as error:

@@ -416,6 +416,21 @@ async def _cancel(gateway: Gateway, batch_id: str, sender: Cancels, at: datetime
     )
 
 
+def _cancel_refused(
+    gateway: Gateway, cancels: Cancels, refusals: list[BatchBeingRecorded]
+) -> Callable[[], Awaitable[None]]:
+    """A cancel of the tenant's newest batch, from a client that lists its batches, which
+    must be refused (kept in `refusals`)."""
+
+    async def cancelled_meanwhile() -> None:
+        [batch] = await gateway.batches.newest(TENANT, now=T0, after=None, limit=10)
+        with pytest.raises(BatchBeingRecorded) as refused:
+            await _cancel(gateway, batch.batch_id, cancels)
+        refusals.append(refused.value)
+
+    return cancelled_meanwhile
+
+
 async def test_a_batch_cancelled_while_its_items_are_recorded_is_refused_until_they_are(
     gateway: Gateway,
 ) -> None:
@@ -424,12 +439,7 @@ async def test_a_batch_cancelled_while_its_items_are_recorded_is_refused_until_t
     the rest, scored (a review). Now nothing is cancelled until every item is recorded."""
     cancels = Cancels()
     refusals: list[BatchBeingRecorded] = []
-
-    async def cancelled_meanwhile() -> None:
-        [batch] = await gateway.batches.newest(TENANT, now=T0, after=None, limit=10)
-        with pytest.raises(BatchBeingRecorded) as refused:
-            await _cancel(gateway, batch.batch_id, cancels)
-        refusals.append(refused.value)
+    cancelled_meanwhile = _cancel_refused(gateway, cancels, refusals)
 
     broker = Recorded()
     answer = await _submit(
@@ -466,12 +476,7 @@ async def test_a_batch_recorded_whole_is_not_cancelled_while_its_request_sends_i
     stayed three too high for good (review of batches)."""
     cancels = Cancels()
     refusals: list[BatchBeingRecorded] = []
-
-    async def cancelled_meanwhile() -> None:
-        [batch] = await gateway.batches.newest(TENANT, now=T0, after=None, limit=10)
-        with pytest.raises(BatchBeingRecorded) as refused:
-            await _cancel(gateway, batch.batch_id, cancels)
-        refusals.append(refused.value)
+    cancelled_meanwhile = _cancel_refused(gateway, cancels, refusals)
 
     broker = CancelledBeforeSending(cancelled_meanwhile)
     in_flight = InFlight(gateway.raw.client, gateway.name, max_per_tenant=100)

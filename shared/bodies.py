@@ -316,7 +316,7 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
 def invalid_fields(error: ValidationError) -> Problem:
     """422 naming each field a body failed on (`MAX_ERRORS_SHOWN` at most)."""
     detail, errors = described_errors(
-        error.errors(include_url=False), lambda e: ".".join(map(str, e["loc"])) or "body"
+        error.errors(include_url=False), lambda e: dotted_field(tuple(e["loc"])) or "body"
     )
     return Problem(422, detail, kind="invalid-fields", errors=errors)
 

@@ -912,6 +912,7 @@ _NOT_REPLAYED = (
     "skipped_unreadable",
     "skipped_in_progress",
     "skipped_unconfigured",
+    "skipped_being_rescored",
 )
 
 
@@ -951,6 +952,12 @@ def _exit_on_missed(replay: dict[str, Any], *, drop_command: str, replay_all: bo
         typer.echo(
             "kept, their job has a run in progress (replay them once it ends): "
             f"{' '.join(replay['skipped_in_progress'])}",
+            err=True,
+        )
+    if replay.get("skipped_being_rescored"):
+        typer.echo(
+            "kept, a re-score of their task was being sent (replay them again shortly): "
+            f"{' '.join(replay['skipped_being_rescored'])}",
             err=True,
         )
     if replay.get("skipped_unconfigured"):

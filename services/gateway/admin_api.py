@@ -57,6 +57,12 @@ class ReplayReport(BaseModel):
         "re-score handed one out since), removed without being sent: replayed, each scored "
         "its task once more. One per letter.",
     )
+    skipped_being_rescored: list[str] = Field(
+        default_factory=list,
+        description="Task ids of letters kept because a re-score of their task was being "
+        "sent at that moment: replayed beside it, each scored its task twice. Replay them "
+        "again shortly (once the re-score is sent, they are superseded). One per letter.",
+    )
     not_found: list[str] = Field(
         description="Ids asked for that no letter matched, the walk having reached the end of "
         f"the queue ({OUT_OF_SIGHT})."

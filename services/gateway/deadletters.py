@@ -6,8 +6,9 @@ dead letter. Replay sends a fresh command — next generation, attempt 1, a fres
 budget, queued now, to the scorer alone — and once the broker confirmed it, the status
 projection is told the task is queued again (`TaskPublisher.resubmit`); then the dead letter
 is acked. A letter a later generation superseded (a re-score of the task since) is acked
-without sending anything: replayed, it scored the task once more. Drop acks the letters one
-id names (every copy) without sending anything.
+without sending anything: replayed, it scored the task once more; one whose task has a
+re-score being sent at that moment is kept, for a later replay. Drop acks the letters one id
+names (every copy) without sending anything.
 
 A listing says when it was taken (`Walk.listed_at`, read before the walk); a drop or a purge
 given a cut-off (`shared.dead_letters.CutOff`, that time) removes only the letters known to have
@@ -127,6 +128,8 @@ class Replay:
     timed_out: bool = False  # the budget ran out with letters matched and left
     # Task ids of letters a later generation superseded, removed unsent (one per letter).
     superseded: list[str] = field(default_factory=list)
+    # Task ids of letters kept because a re-score of their task is being sent (one per letter).
+    skipped_being_rescored: list[str] = field(default_factory=list)
     # Why the replay stopped before the letters `not_reached`: the broker or the database
     # failed once some were handled (what was done is above).
     interrupted: str | None = None
@@ -142,6 +145,7 @@ class _ReplayTally:
     replayed: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     superseded: list[str] = field(default_factory=list)
+    being_rescored: list[str] = field(default_factory=list)
     found: set[str] = field(default_factory=set)
     interrupted: str | None = None
     _handled: set[tuple[str, int]] = field(default_factory=set)
@@ -279,17 +283,20 @@ class DeadLetterQueue:
                     tally.leave(keys, command)
                     continue
                 try:
-                    sent = await self._resubmit(command)
+                    refused = await self._resubmit(command)
                 except (*BROKER_ERRORS, Unavailable) as error:
                     if not tally.acted:
                         raise
                     tally.interrupted = _interruption(error)
                     tally.leave(keys, command)
                     continue
+                if refused is ReplayRefused.RESCORE_BEING_SENT:
+                    tally.being_rescored.append(command.task_id)  # kept for a later replay
+                    continue
                 # Sent (or superseded): done, whatever becomes of the ack. A letter whose ack
                 # fails stays in the queue, and a replay sends it again as the same
                 # generation, which the scorer's claim takes once.
-                tally.done(command, sent=sent)
+                tally.done(command, sent=refused is None)
                 try:
                     await self._dlq.remove(message)  # superseded: obsolete, as a drop removes
                 except BROKER_ERRORS as error:
@@ -306,6 +313,7 @@ class DeadLetterQueue:
             truncated=held.truncated,
             timed_out=held.timed_out or (bool(left) and tally.interrupted is None),
             superseded=tally.superseded,
+            skipped_being_rescored=tally.being_rescored,
             interrupted=tally.interrupted,
         )
 
@@ -319,15 +327,16 @@ class DeadLetterQueue:
             lambda message: describe(message, now).matches(named), cut_off=cut_off
         )
 
-    async def _resubmit(self, command: ScoreText) -> bool:
-        """Send `command` again as its replay's generation; False, nothing sent, when a later
-        generation superseded it."""
+    async def _resubmit(self, command: ScoreText) -> ReplayRefused | None:
+        """Send `command` again as its replay's generation (None); why nothing was sent
+        otherwise: a later generation superseded it, or a re-score's claim above it is being
+        sent."""
         # Taken from the submission, as a re-score takes its generation, so a re-score
         # requested before the replay's outcome arrives does not reuse the replay's; every
         # copy of one dead letter gets the same one.
         taken = await self._submissions.replay_generation(command.task_id, of=command.generation)
-        if taken is ReplayRefused.SUPERSEDED:
-            return False
+        if isinstance(taken, ReplayRefused):
+            return taken
         fresh = command.model_copy(
             update={
                 "generation": command.generation + 1 if taken is None else taken,
@@ -341,7 +350,7 @@ class DeadLetterQueue:
             }
         )
         await self._publisher.resubmit(fresh)
-        return True
+        return None
 
     async def purge(self) -> int:
         return await self._dlq.purge()

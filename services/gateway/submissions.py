@@ -179,6 +179,11 @@ class ReplayRefused(StrEnum):
     # A generation above the letter's was handed out since, by something other than a
     # replay of this letter (a re-score): the letter is stale.
     SUPERSEDED = "superseded"
+    # A re-score's claim above the letter's generation is being sent at this moment (its
+    # command not confirmed yet, its request not given up): replayed beside it, the task was
+    # scored twice. Kept: once the claim is sent the letter is superseded; given up, the
+    # letter replays above it.
+    RESCORE_BEING_SENT = "rescore-being-sent"
 
 
 NO_GENERATION: Final = 0
@@ -506,10 +511,11 @@ class Submissions:
         """The generation a DLQ replay of generation `of` runs as: `of` + 1, taken from the
         submission the first time (a re-score racing the replay takes the one after), and
         the same for every later copy of that dead letter (the DLQ may hold two; both must
-        reach the scorer as one attempt); above a re-score's claim not sent, as the claim's
-        generation + 1. `SUPERSEDED` when a generation above `of` was sent by anything but a
-        replay of this letter (a re-score): replayed, the stale letter scored the task once
-        more. None when the submission is gone (past its retention): nothing else hands its
+        reach the scorer as one attempt); above a re-score's claim given up unsent, as the
+        claim's generation + 1. `SUPERSEDED` when a generation above `of` was sent by
+        anything but a replay of this letter (a re-score): replayed, the stale letter scored
+        the task once more. `RESCORE_BEING_SENT` while a re-score's claim above it is being
+        sent. None when the submission is gone (past its retention): nothing else hands its
         generations out."""
         replay = f"replays.g{of}"
         try:
@@ -521,7 +527,7 @@ class Submissions:
             # stored one, which a cancel targets, never ran), and a re-score claiming one
             # between a check and the take was scored again by the stale letter.
             taken = await self._collection.find_one_and_update(
-                {"_id": task_id, replay: {"$exists": False}, **_none_sent_above(of)},
+                {"_id": task_id, replay: {"$exists": False}, **_none_handed_out_above(of)},
                 [
                     {"$set": {"generation": {"$add": [{"$max": [_GENERATION, of]}, 1]}}},
                     {"$set": {replay: "$generation"}},
@@ -536,7 +542,9 @@ class Submissions:
             raise DatabaseUnavailable(str(error)) from error
 
     async def _replays(self, task_id: str) -> Document | None:
-        return await self._collection.find_one({"_id": task_id}, projection={"replays": True})
+        return await self._collection.find_one(
+            {"_id": task_id}, projection={"replays": True, "rescore": True, "generation": True}
+        )
 
     async def give_up_rescore(self, task_id: str, *, request_id: str, now: datetime) -> None:
         """The request that took the claim goes to its DLQ with its command unsent: the
@@ -1064,18 +1072,25 @@ def _latest_done_at(generation: int) -> Document:
     }
 
 
-def _none_sent_above(generation: int) -> Document:
-    """A filter: no generation above `generation` sent. The highest handed out is not, when
-    it is a re-score's claim whose command was never sent (its request given up to its DLQ):
-    counted, it superseded the dead letter, which was removed, and the task never scored."""
-    unsent_claim_on_top = {
-        "$and": [
-            {"$ne": ["$rescore.sent", True]},
-            {"$eq": ["$rescore.generation", _GENERATION]},
-        ]
-    }
-    highest_sent = {"$cond": [unsent_claim_on_top, {"$subtract": [_GENERATION, 1]}, _GENERATION]}
-    return {"$expr": {"$lte": [highest_sent, generation]}}
+def _none_handed_out_above(generation: int) -> Document:
+    """A filter: no generation above `generation` handed out to anything still able to send
+    it (`_HANDED_OUT`). A re-score's claim on top whose request was given up to its DLQ
+    unsent does not count: counted, it superseded the dead letter, which was removed, and
+    the task never scored. One still being sent does (review): replayed above it, the
+    letter's generation was scored beside the claim's."""
+    return {"$expr": {"$lte": [_HANDED_OUT, generation]}}
+
+
+def _rescore_being_sent(submission: Document, above: int) -> bool:
+    """A re-score's claim above generation `above` is on top, neither sent nor given up."""
+    rescore = submission.get("rescore") or {}
+    on_top = submission.get("generation", NO_GENERATION)
+    return (
+        rescore.get("sent") is not True
+        and rescore.get("given_up") is not True
+        and rescore.get("generation") == on_top
+        and on_top > above
+    )
 
 
 def _replayed_as(submission: Document | None, of: int) -> int | None:
@@ -1085,12 +1100,16 @@ def _replayed_as(submission: Document | None, of: int) -> int | None:
 
 def _not_taken(submission: Document | None, of: int) -> int | ReplayRefused | None:
     """Why a replay's take of generation `of` matched nothing: the submission is gone (None),
-    a copy of the letter replayed at the same moment took it first (its generation wins), or
-    a later generation superseded the letter."""
+    a copy of the letter replayed at the same moment took it first (its generation wins), a
+    re-score's claim above it is being sent, or a later generation superseded the letter."""
     if submission is None:
         return None
     given = _replayed_as(submission, of)
-    return ReplayRefused.SUPERSEDED if given is None else given
+    if given is not None:
+        return given
+    if _rescore_being_sent(submission, of):
+        return ReplayRefused.RESCORE_BEING_SENT
+    return ReplayRefused.SUPERSEDED
 
 
 def _optional_int(value: Any) -> int | None:

@@ -164,10 +164,35 @@ async def test_a_rescore_claim_never_sent_supersedes_nothing(
     command = await accepted_submission(submissions)
     await _dead_letter(dlq, [command])
     assert await _claimed_unsent(submissions, command) == 1
+    await submissions.give_up_rescore(command.task_id, request_id="r-1", now=utcnow())
 
     report = await _replay_all(broker, submissions)
 
     assert (report["replayed"], report["superseded"]) == ([command.task_id], [])
     [replayed] = await _sent_to_the_scorer(dlq, command.task_id)
     assert replayed.generation == 2
+    assert await _drain(dlq) == []
+
+
+async def test_a_letter_is_kept_while_a_rescore_of_its_task_is_being_sent(
+    dlq: str, broker: RabbitBroker, submissions: Submissions
+) -> None:
+    """A re-score's claim taken and not yet sent (its publish in flight): replayed above it,
+    the letter's generation was scored beside the claim's, the task twice (review). The
+    letter is kept and reported; once the claim is sent, it is superseded."""
+    command = await accepted_submission(submissions)
+    await _dead_letter(dlq, [command])
+    assert await _claimed_unsent(submissions, command) == 1
+
+    report = await _replay_all(broker, submissions)
+
+    assert (report["replayed"], report["superseded"]) == ([], [])
+    assert report["skipped_being_rescored"] == [command.task_id]
+    assert await _sent_to_the_scorer(dlq, command.task_id) == []
+
+    await submissions.finish_rescore(command.task_id, rubric_version="v2", now=utcnow())
+    report = await _replay_all(broker, submissions)
+
+    assert (report["superseded"], report["skipped_being_rescored"]) == ([command.task_id], [])
+    assert await _sent_to_the_scorer(dlq, command.task_id) == []
     assert await _drain(dlq) == []

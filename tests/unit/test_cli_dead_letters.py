@@ -310,6 +310,29 @@ def test_a_replay_names_the_letters_superseded_and_exits_0(
     assert result.stderr.splitlines() == ["superseded by a later generation, removed: t2 t3"]
 
 
+def test_a_replay_that_kept_letters_being_rescored_says_so_and_exits_1(
+    server: FakeServer,
+) -> None:
+    """Kept, not replayed: a script must not take them for done."""
+    report: Json = {
+        "replayed": ["t1"],
+        "skipped_being_rescored": ["t2"],
+        "skipped_unreadable": [],
+        "not_found": [],
+        "not_reached": [],
+        "truncated": False,
+        "timed_out": False,
+    }
+    server.script("POST", f"{LETTERS}/replay", httpx.Response(200, json=report))
+
+    result = run_cli("dlq", "replay", "--all")
+
+    assert result.exit_code == 1, result.output
+    assert result.stderr.splitlines() == [
+        "kept, a re-score of their task was being sent (replay them again shortly): t2"
+    ]
+
+
 @pytest.mark.parametrize(
     ("command", "path"),
     [

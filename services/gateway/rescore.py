@@ -25,20 +25,16 @@ Each delivery is acknowledged by hand:
 - an operation MongoDB refuses for good (`database_away`: a failed validation, say):
   returned as failed (`Delivery.requeue_failed`), for the queue's delivery limit to
   dead-letter; waited out, it held the delivery for ever;
-- the command not confirmed (broker trouble): the request goes down the wait ladder with
-  the next `attempt`, after 5 s, 30 s, 2 min and 10 min, and then to the DLQ with the error;
-  acked either way (a copy to the DLQ the broker refuses for `LETTER_DEADLINE_S` returns the
-  delivery as failed instead, `keep_dead_lettering`). Its claim stays unsent, so the retry
-  resumes it with the same generation; given up to the DLQ, the claim is marked so, and the
-  next request that finds the task's completed generation the latest (the next fan-out's, or
-  the letter's replay) takes that generation again. That publish is tried until the broker
-  confirms it, the delivery held meanwhile (`keep_publishing`).
-- the command refused by the broker (a negative confirm: the score queue full): the same
-  ladder, and then every 10 min for as long as the queue refuses, never to the DLQ. A full
-  queue is back-pressure (clients' submissions filling it, a slow scorer) that outlasts the
-  ladder; given up, the request was lost for good: its task is marked re-scored for the
-  version both here and in the scheduler's catalogue, so no later run asks again, and
-  nothing replays that DLQ.
+- the command not sent (no confirm, a negative one when the score queue is full, an
+  unroutable message): the request goes down the wait ladder with the next `attempt`, after
+  5 s, 30 s, 2 min and 10 min, and then every 10 min for as long as sending fails, never to
+  the DLQ; acked each time. Its claim stays unsent, so the retry resumes it with the same
+  generation. Given up to the DLQ (as before session 54, for every failure but a full
+  queue), the request was lost for good: its task is marked requested for the version in
+  the scheduler's catalogue, so no later run asks again, and nothing replays that DLQ. A
+  claim an earlier build gave up (`rescore.given_up`) is taken again by the next request
+  that finds the task's completed generation the latest. Sending the retry itself is tried
+  until the broker confirms it, the delivery held meanwhile (`keep_publishing`).
 
 Why the wait ladder rather than leaving the delivery unacknowledged: a full score queue is
 back-pressure that lasts minutes; an unacknowledged delivery would hold a prefetch slot until
@@ -53,9 +49,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Final, Protocol
 
-import aiormq
 from faststream.rabbit import RabbitBroker
-from pamqp.commands import Basic
 from pydantic import ValidationError
 
 from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable, database_away
@@ -64,7 +58,7 @@ from shared.bus import error_words, publish_delayed
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import RescoreTask, ScoreText, new_id
 from shared.failed_deliveries import return_failed
-from shared.runtime import keep_dead_lettering, keep_publishing, keep_trying
+from shared.runtime import keep_publishing, keep_trying
 from shared.topology import RESCORE_REQUESTS, TASKS
 
 log = logging.getLogger("scorebox.gateway.rescore")
@@ -166,16 +160,6 @@ def _log_outcome(request: RescoreTask, outcome: RescoreOutcome) -> None:
             log.info("re-score of %s ignored: a duplicate request", where)
 
 
-def refused_for_room(error: BrokerUnavailable) -> bool:
-    """Whether the broker answered the publish with a negative confirm: with the score
-    queue's `reject-publish` overflow, a full queue (rather than an unroutable message, a
-    timeout or a lost connection)."""
-    cause = error.__cause__
-    return isinstance(cause, aiormq.exceptions.DeliveryError) and isinstance(
-        cause.frame, Basic.Nack
-    )
-
-
 def may_resume(request: RescoreTask, message: Delivery) -> bool:
     """Only a retry or a redelivery may resume an unsent claim: a first delivery meeting one
     is a duplicate whose twin is being sent right now."""
@@ -208,8 +192,7 @@ class RescoreRequests:
                 may_resume=may_resume(request, message),
             )
         except BrokerUnavailable as error:
-            if not await self._retry_later(request, message, error):
-                return  # returned as failed already: its dead letter refused
+            await self._retry_later(request, error)
         except DatabaseUnavailable as error:  # refused for good: `rescore_task` waits out the rest
             log.exception("the database refused the re-score of %s", request.task_id)
             await return_failed(
@@ -224,16 +207,17 @@ class RescoreRequests:
             _log_outcome(request, outcome)
         await message.ack()
 
-    async def _retry_later(
-        self, request: RescoreTask, message: Delivery, error: BrokerUnavailable
-    ) -> bool:
-        """Send the request down the wait ladder, or to the DLQ after its last attempt unless
-        the broker refused it for want of room. True when the caller is to ack the delivery,
-        False when it was returned as failed already (its dead letter refused)."""
-        if request.attempt > len(RETRY_DELAYS_S) and not refused_for_room(error):
-            return await self._dead_letter(request, message, error)
+    async def _retry_later(self, request: RescoreTask, error: BrokerUnavailable) -> None:
+        """Send the request down the wait ladder, and every 10 min past it."""
+        if request.attempt > len(RETRY_DELAYS_S):
+            log.error(
+                "re-score of %s still not sent after %d attempts (%s); trying every %d s",
+                request.task_id,
+                request.attempt,
+                error_words(error),
+                RETRY_DELAYS_S[-1],
+            )
         await self._send_again(request, error)
-        return True
 
     async def _send_again(self, request: RescoreTask, error: BrokerUnavailable) -> None:
         delay = timedelta(seconds=RETRY_DELAYS_S[min(request.attempt, len(RETRY_DELAYS_S)) - 1])
@@ -257,30 +241,6 @@ class RescoreRequests:
             ),
             what=f"the re-score retry of {request.task_id}",
         )
-
-    async def _dead_letter(
-        self, request: RescoreTask, message: Delivery, error: BrokerUnavailable
-    ) -> bool:
-        reason = f"re-score not sent after {request.attempt} attempts: {error_words(error)}"
-        log.error("dead-lettering the re-score of %s: %s", request.task_id, reason)
-        await self._give_up_claim(request)
-        return await keep_dead_lettering(
-            self.broker, RESCORE_REQUESTS, message, error=reason, timeout=self.timeout_s
-        )
-
-    async def _give_up_claim(self, request: RescoreTask) -> None:
-        """Free the request's unsent claim for the next fan-out's request. Tried once: the
-        letter goes to the DLQ either way, and its replay resumes the claim."""
-        try:
-            await self.submissions.give_up_rescore(
-                request.task_id, request_id=request.message_id, now=self.clock()
-            )
-        except DatabaseUnavailable as error:
-            log.warning(
-                "the re-score claim of %s stays taken until its letter is replayed: %s",
-                request.task_id,
-                error,
-            )
 
 
 def subscribe_rescore_requests(

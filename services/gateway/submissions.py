@@ -546,17 +546,6 @@ class Submissions:
             {"_id": task_id}, projection={"replays": True, "rescore": True, "generation": True}
         )
 
-    async def give_up_rescore(self, task_id: str, *, request_id: str, now: datetime) -> None:
-        """The request that took the claim goes to its DLQ with its command unsent: the
-        claim's generation is handed out again to the next request that finds the task's
-        completed generation the latest (`_latest_done_at`), the letter's replay included.
-        Left blocking, it refused every later fan-out's request until the letter was
-        replayed."""
-        await self._update(
-            {"_id": task_id, "rescore.request_id": request_id, "rescore.sent": {"$ne": True}},
-            {"$set": {"rescore.given_up": True, "rescore.given_up_at": now}},
-        )
-
     async def finish_rescore(self, task_id: str, *, rubric_version: str, now: datetime) -> None:
         """The re-score's command reached the broker: a duplicate request is now ignored."""
         await self._update(
@@ -1041,7 +1030,8 @@ def _cancel_target_of(document: Document) -> CancelTarget:
 
 _GENERATION: Final = {"$ifNull": ["$generation", NO_GENERATION]}
 # The highest generation handed out to anything still able to send it: a re-score's claim
-# on top whose request was given up to its DLQ unsent (`give_up_rescore`) does not count,
+# on top whose request an earlier build gave up to its DLQ unsent (`rescore.given_up`;
+# this one never gives a re-score up, `services.gateway.rescore`) does not count,
 # and the next claim takes its generation again.
 _GIVEN_UP_CLAIM_ON_TOP: Final = {
     "$and": [

@@ -78,6 +78,18 @@ async def _stored(mongo: Endpoint, db_prefix: str, task_id: str) -> Json:
     return stored
 
 
+async def _given_up_by_an_earlier_build(mongo: Endpoint, db_prefix: str, task_id: str) -> None:
+    """The re-score claim's request given up to its DLQ, as builds before session 54 did."""
+    client: AsyncMongoClient[Json] = AsyncMongoClient(mongo.url, tz_aware=True)
+    try:
+        marked = await client[f"{db_prefix}_gateway"]["submissions"].update_one(
+            {"_id": task_id, "rescore.request_id": "r-1"}, {"$set": {"rescore.given_up": True}}
+        )
+    finally:
+        await client.close()
+    assert marked.modified_count == 1
+
+
 async def _replay_all(broker: RabbitBroker, submissions: Submissions) -> Json:
     async with _admin(_admin_app(broker, submissions)) as api:
         answer = await api.post(f"{LETTERS}/replay", json={"all": True})
@@ -156,15 +168,15 @@ async def test_a_copy_replayed_after_a_rescore_keeps_its_letters_generation(
 
 
 async def test_a_rescore_claim_never_sent_supersedes_nothing(
-    dlq: str, broker: RabbitBroker, submissions: Submissions
+    dlq: str, broker: RabbitBroker, submissions: Submissions, mongo: Endpoint, db_prefix: str
 ) -> None:
-    """A re-score whose request was given up to its DLQ keeps its claim unsent: counted as a
-    later generation, it superseded the letter, which was removed, and the task was never
-    scored again (found in review). The replay runs above the claim's generation."""
+    """A re-score whose request an earlier build gave up to its DLQ keeps its claim unsent:
+    counted as a later generation, it superseded the letter, which was removed, and the task
+    was never scored again (found in review). The replay runs above the claim's generation."""
     command = await accepted_submission(submissions)
     await _dead_letter(dlq, [command])
     assert await _claimed_unsent(submissions, command) == 1
-    await submissions.give_up_rescore(command.task_id, request_id="r-1", now=utcnow())
+    await _given_up_by_an_earlier_build(mongo, db_prefix, command.task_id)
 
     report = await _replay_all(broker, submissions)
 

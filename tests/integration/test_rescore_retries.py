@@ -1,6 +1,7 @@
 """The re-score consumer when its dependencies fail, on the real broker and database: an
-unconfirmed command goes down the wait ladder and resumes its claim (same generation), the
-last attempt goes to the DLQ, a database outage is waited out, an unreadable body rejected.
+unconfirmed command goes down the wait ladder and resumes its claim (same generation), and
+past it goes on waiting, never to the DLQ; a database outage is waited out, an unreadable
+body rejected.
 
 The consumer's `on_message` is called directly with a stand-in delivery; the publisher of
 commands is scripted to refuse, everything else is real."""
@@ -27,7 +28,7 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.submissions import RescoreClaim, RescoreRefused, Submissions
 from shared.contracts import RescoreTask, ScoreText, new_id, utcnow
 from shared.runtime import make_broker
-from shared.topology import ERROR_HEADER, RESCORE_REQUESTS, declare_topology
+from shared.topology import RESCORE_REQUESTS, declare_topology
 from tests.support import HandedDelivery, accepted_submission, eventually, rescore_request
 
 Mongo = AsyncMongoClient[dict[str, Any]]
@@ -241,22 +242,6 @@ async def test_a_retried_request_naming_its_generation_resumes_only_its_own_clai
     assert await claim("request-b") is RescoreRefused.ALREADY_REQUESTED
 
 
-async def test_the_last_attempt_goes_to_the_dead_letter_queue(env: Env) -> None:
-    await env.take(RESCORE_REQUESTS.dead_letter_routing_key)
-    command = await accepted_submission(env.submissions())
-    request = rescore_request(command, attempt=5)
-    body = request.model_dump_json().encode()
-    delivery = HandedDelivery(body, message_id=request.message_id, correlation_id=request.task_id)
-
-    await env.consumer(ScriptedPublisher(refusals=1), env.submissions()).on_message(delivery)
-
-    assert delivery.settled == ["ack"]
-    [letter] = await env.take(RESCORE_REQUESTS.dead_letter_routing_key)
-    assert RescoreTask.model_validate_json(letter.body).task_id == command.task_id
-    assert (letter.message_id, letter.correlation_id) == (request.message_id, command.task_id)
-    assert "not sent after 5 attempts" in str(letter.headers[ERROR_HEADER])
-
-
 def fan_out_request(command: ScoreText, *, version: str, attempt: int = 1) -> RescoreTask:
     """A fan-out's request naming the generation it found completed (the first)."""
     request = RescoreTask.for_task(
@@ -271,20 +256,29 @@ def fan_out_request(command: ScoreText, *, version: str, attempt: int = 1) -> Re
     return request.model_copy(update={"attempt": attempt})
 
 
-async def test_a_claim_given_up_to_the_dead_letter_queue_is_taken_by_the_next_request(
+async def _given_up_by_an_earlier_build(env: Env, request: RescoreTask) -> None:
+    """The request's claim taken, its command not sent, and the request given up to the DLQ
+    as builds before session 54 did (`rescore.given_up`)."""
+    await env.consumer(ScriptedPublisher(refusals=1), env.submissions()).on_message(
+        HandedDelivery(request.model_dump_json().encode())
+    )
+    marked = await env.mongo[env.database]["submissions"].update_one(
+        {"_id": request.task_id, "rescore.request_id": request.message_id},
+        {"$set": {"rescore.given_up": True, "rescore.given_up_at": utcnow()}},
+    )
+    assert marked.modified_count == 1
+
+
+async def test_a_claim_an_earlier_build_gave_up_is_taken_by_the_next_request(
     env: Env,
 ) -> None:
     """The request's claim stayed taken and unsent: every later fan-out's request found the
     task's completed generation no longer the latest and was dropped as a duplicate, until
     the letter was replayed. The next request takes the same generation, and the replayed
     letter then finds it sent."""
-    await env.take(RESCORE_REQUESTS.dead_letter_routing_key)
     command = await accepted_submission(env.submissions())
     given_up = fan_out_request(command, version=f"v{new_id()[:6]}", attempt=5)
-    await env.consumer(ScriptedPublisher(refusals=1), env.submissions()).on_message(
-        HandedDelivery(given_up.model_dump_json().encode())
-    )
-    [letter] = await env.take(RESCORE_REQUESTS.dead_letter_routing_key)
+    await _given_up_by_an_earlier_build(env, given_up)
 
     publisher = ScriptedPublisher()
     consumer = env.consumer(publisher, env.submissions())
@@ -292,7 +286,7 @@ async def test_a_claim_given_up_to_the_dead_letter_queue_is_taken_by_the_next_re
     await consumer.on_message(HandedDelivery(next_run.model_dump_json().encode()))
     assert [(sent.generation, sent.task_id) for sent in publisher.sent] == [(1, command.task_id)]
 
-    replayed = HandedDelivery(letter.body, redelivered=True)
+    replayed = HandedDelivery(given_up.model_dump_json().encode(), redelivered=True)
     await consumer.on_message(replayed)
     assert replayed.settled == ["ack"]
     assert len(publisher.sent) == 1
@@ -301,9 +295,7 @@ async def test_a_claim_given_up_to_the_dead_letter_queue_is_taken_by_the_next_re
 async def test_a_replayed_letter_takes_its_given_up_claims_generation_again(env: Env) -> None:
     command = await accepted_submission(env.submissions())
     given_up = fan_out_request(command, version=f"v{new_id()[:6]}", attempt=5)
-    await env.consumer(ScriptedPublisher(refusals=1), env.submissions()).on_message(
-        HandedDelivery(given_up.model_dump_json().encode())
-    )
+    await _given_up_by_an_earlier_build(env, given_up)
     publisher = ScriptedPublisher()
 
     replayed = given_up.model_dump_json().encode()
@@ -312,16 +304,19 @@ async def test_a_replayed_letter_takes_its_given_up_claims_generation_again(env:
     assert [sent.generation for sent in publisher.sent] == [1]
 
 
-async def test_a_request_the_full_score_queue_refuses_is_never_given_up(env: Env) -> None:
-    """Past its ladder, a re-score the full score queue refuses goes on waiting (every 10 min):
-    dead-lettered, it was lost for good, its task marked re-scored for the version."""
+@pytest.mark.parametrize("full", [True, False], ids=["queue-full", "no-confirm"])
+async def test_a_request_not_sent_past_its_ladder_is_never_given_up(env: Env, full: bool) -> None:
+    """Past its ladder, a re-score not sent goes on waiting (every 10 min): dead-lettered, it
+    was lost for good, its task marked requested for the version in the catalogue and never
+    asked for again; nothing replays that DLQ (a review in session 54 for the unconfirmed
+    one; the full score queue's, an earlier one). Its claim stays unsent, for the retry."""
     await env.take(RESCORE_REQUESTS.dead_letter_routing_key)
     await env.take("scorebox.wait.10m")
     command = await accepted_submission(env.submissions())
     request = rescore_request(command, attempt=5)
     delivery = HandedDelivery(request.model_dump_json().encode())
 
-    await env.consumer(ScriptedPublisher(refusals=1, full=True), env.submissions()).on_message(
+    await env.consumer(ScriptedPublisher(refusals=1, full=full), env.submissions()).on_message(
         delivery
     )
 
@@ -330,6 +325,9 @@ async def test_a_request_the_full_score_queue_refuses_is_never_given_up(env: Env
     [waiting] = await env.take("scorebox.wait.10m")
     again = RescoreTask.model_validate_json(waiting.body)
     assert (again.task_id, again.attempt) == (command.task_id, 6)
+    publisher = ScriptedPublisher()
+    await env.consumer(publisher, env.submissions()).on_message(HandedDelivery(waiting.body))
+    assert [sent.generation for sent in publisher.sent] == [1]
 
 
 async def test_a_database_outage_is_waited_out(env: Env) -> None:

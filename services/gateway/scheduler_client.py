@@ -64,8 +64,9 @@ class DailyUsage(_Model):
     date: str = Field(description="The UTC day, YYYY-MM-DD.", examples=["2025-01-31"])
     requests: int = Field(
         ge=0,
-        description="Completed tasks (re-scores count again), and failed ones whose unusable "
-        "answers used tokens.",
+        description="Completed tasks (re-scores count again), and failed ones whose model "
+        "calls used tokens (an unusable answer, a retry's billed call before a give-up or a "
+        "cancellation).",
     )
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)

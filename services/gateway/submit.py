@@ -163,7 +163,7 @@ async def submit_score(
     A command written but not confirmed may still be queued: the submission is kept for the
     outbox sweep and the task accepted.
     A result-cache hit completes the task at once (its announcement unconfirmed: answered all
-    the same, and kept for the outbox sweep, which has the task scored).
+    the same, and kept for the outbox sweep, which announces it again; never scored).
     A task to score counts against its tenant's `in_flight` limit (`LimitExceeded`: 429,
     nothing kept) until its outcome reaches the gateway.
     """

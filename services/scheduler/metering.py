@@ -101,7 +101,8 @@ def usage_record_of(
         model=result.model,
         prompt_tokens=spent.prompt_tokens,
         completion_tokens=spent.completion_tokens,
-        cost_nanos=cost_nanos(spent, price_of(result.model, prices)),
+        # Known to be nothing, priced or not: an unpriced model's hits read "unpriced".
+        cost_nanos=0 if result.cached else cost_nanos(spent, price_of(result.model, prices)),
         cached=result.cached,
         day=day_of(event.occurred_at),
         completed_at=event.occurred_at,

@@ -106,6 +106,11 @@ def test_a_result_cache_hit_is_a_request_without_tokens_or_cost() -> None:
     )
     assert record.cached
     assert (record.prompt_tokens, record.completion_tokens, record.cost_nanos) == (0, 0, 0)
+    # Of a model without a price too: it cost nothing, which is known (it read "unpriced").
+    unpriced = usage_record_of(
+        _completed(cached=True, model="other"), extras=Extras(), prices={}, recorded_at=recorded_at
+    )
+    assert unpriced.cost_nanos == 0
 
 
 def test_extras_are_read_tolerantly() -> None:

@@ -64,6 +64,26 @@ REPLICA_QUEUES: tuple[tuple[str, topology.Binding], ...] = (
 )
 
 
+# Contracts also published under another routing key than their own: (contract, key, what).
+SECOND_ROUTES: tuple[tuple[type[contracts.Contract], str, str], ...] = (
+    (
+        contracts.ScoreText,
+        contracts.ScoreText.resubmission_routing_key,
+        "Sent again (a re-score, a dead-letter replay, a scorer's own re-send or retry): to "
+        "the scorer alone.",
+    ),
+    *(
+        (
+            event,
+            topology.USAGE_RETRY_ROUTING_KEY,
+            "A usage event the scheduler's meter could not store, sent back to it through "
+            "the wait ladder.",
+        )
+        for event in (contracts.TaskCompleted, contracts.TaskFailed)
+    ),
+)
+
+
 def _routes(routing_key: str) -> list[tuple[RabbitExchange, str]]:
     """(exchange, queue) pairs a message with this routing key reaches."""
     routes = [
@@ -97,18 +117,32 @@ def build_broker() -> RabbitBroker:
     broker = RabbitBroker()
     for contract in message_contracts():
         routing_key: str = contract.routing_key  # type: ignore[attr-defined]
-        exchanges = {exchange.name: exchange for exchange, _ in _routes(routing_key)}
-        queues = ", ".join(sorted(queue for _, queue in _routes(routing_key)))
-        summary = (contract.__doc__ or "").strip()
-        for exchange in exchanges.values():
-            broker.publisher(
-                exchange=exchange,
-                routing_key=routing_key,
-                schema=contract,
-                title=f"{exchange.name}:{routing_key}",
-                description=f"{summary} Consumed from: {queues}.",
-            )
+        _describe(broker, contract, routing_key, (contract.__doc__ or "").strip())
+    for contract, routing_key, what in SECOND_ROUTES:
+        # One channel per contract: the two events of `usage.retry` would share a name.
+        _describe(broker, contract, routing_key, what, named=f" ({contract.__name__})")
     return broker
+
+
+def _describe(
+    broker: RabbitBroker,
+    contract: type[contracts.Contract],
+    routing_key: str,
+    summary: str,
+    *,
+    named: str = "",
+) -> None:
+    routes = _routes(routing_key)
+    exchanges = {exchange.name: exchange for exchange, _ in routes}
+    queues = ", ".join(sorted(queue for _, queue in routes))
+    for exchange in exchanges.values():
+        broker.publisher(
+            exchange=exchange,
+            routing_key=routing_key,
+            schema=contract,
+            title=f"{exchange.name}:{routing_key}{named}",
+            description=f"{summary} Consumed from: {queues}.",
+        )
 
 
 def build_document() -> dict[str, Any]:

@@ -375,6 +375,9 @@ class TaskCompleted(TaskEvent):
 
 
 class TaskFailed(TaskEvent):
+    """A task's end without a result: its error (cancelled, attempts spent, unusable input),
+    whether its command was dead-lettered, and the tokens its calls used."""
+
     routing_key: ClassVar[str] = "task.failed"
     status: ClassVar[TaskStatus] = TaskStatus.FAILED
 

@@ -361,17 +361,27 @@ RETRY_AFTER_HEADER: dict[str, Any] = {
 _RETRY_LATER = frozenset({429, 503})
 
 
-def problem(status: int, description: str | None = None) -> dict[str, Any]:
+def problem(
+    status: int,
+    description: str | None = None,
+    *,
+    retry_after: bool | None = None,
+    headers: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The OpenAPI response of a problem+json answer of `status`, with its `Retry-After`
-    header when it has one."""
+    header when it may have one (429 and 503 unless `retry_after` says otherwise) and any
+    other `headers` it may carry."""
     if status == 422:
         return VALIDATION_PROBLEM
     documented: dict[str, Any] = {
         "description": description or f"{_TITLES.get(status, 'Error')} (RFC 9457 problem details).",
         "content": {PROBLEM_JSON: {"schema": PROBLEM_SCHEMA}},
     }
-    if status in _RETRY_LATER:
-        documented["headers"] = {"Retry-After": RETRY_AFTER_HEADER}
+    declared = dict(headers or {})
+    if status in _RETRY_LATER if retry_after is None else retry_after:
+        declared["Retry-After"] = RETRY_AFTER_HEADER
+    if declared:
+        documented["headers"] = declared
     return documented
 
 

@@ -61,7 +61,6 @@ from shared.bodies import (
 from shared.contracts import CACHED_COMPLETION_SEQUENCE, TaskStatus, TaskView, to_millis
 from shared.http import (
     DATABASE_REFUSED_PROBLEM,
-    RETRY_AFTER_HEADER,
     Problem,
     database_refused,
     problem,
@@ -102,12 +101,13 @@ def submission_responses(replayed: dict[str, Any]) -> dict[int | str, dict[str, 
         409,
         "The Idempotency-Key was used with another body, or its first request is still being "
         "accepted (`request-in-progress`, with `Retry-After`).",
+        retry_after=True,
     )
     return {
         202: {"headers": LOCATION_HEADER},
         200: {**replayed, "headers": LOCATION_HEADER},
         **problem_responses(400, 401, 408, 409, 413, 415, 422, 429, 503),
-        409: {**in_progress, "headers": {"Retry-After": RETRY_AFTER_HEADER}},
+        409: in_progress,
         500: DATABASE_REFUSED_PROBLEM,
     }
 

@@ -78,6 +78,7 @@ def cancel_routes(
                 f"`{TASK_BEING_ACCEPTED}`, its request (a batch's, listed from its start) is "
                 "still recording and sending it: nothing was cancelled, ask again after "
                 "Retry-After.",
+                retry_after=True,
             ),
             503: problem(503, f"{UNAVAILABLE} {UNCONFIRMED}"),
         },
@@ -136,6 +137,7 @@ def cancel_routes(
                 f"`{BATCH_BEING_ACCEPTED}`: the batch's request (or its replay) is still "
                 "recording or sending its items; nothing was cancelled. Ask again after "
                 "Retry-After.",
+                retry_after=True,
             ),
             503: problem(503, f"{UNAVAILABLE} {BATCH_UNCONFIRMED}"),
         },

@@ -38,7 +38,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict
 from datetime import date, datetime, timedelta
-from typing import Annotated, Any
+from typing import Annotated, Any, Final
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictBool, model_validator
@@ -249,7 +249,11 @@ CRON_PROBLEMS: dict[int | str, dict[str, Any]] = {
         "Retry-After.",
     ),
 }
+RUN_LOCATION: Final = {
+    "Location": {"description": "The run's URL, to read its state.", "schema": {"type": "string"}}
+}
 RUN_PROBLEMS: dict[int | str, dict[str, Any]] = {
+    202: {"headers": RUN_LOCATION},
     404: problem(404, "`unknown-job`: no cron job of that name is configured."),
     409: problem(
         409,
@@ -270,6 +274,7 @@ RUN_PROBLEMS: dict[int | str, dict[str, Any]] = {
         "`database-unavailable`: the database did not answer (the run may have been "
         "recorded: read the job's `last_firing` before asking again); or `lease-contended`: "
         "runs of the job took and gave up its lease at every try, nothing was started.",
+        headers=RUN_LOCATION,
     ),
 }
 

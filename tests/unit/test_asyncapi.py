@@ -9,6 +9,7 @@ import pytest
 
 from shared.asyncapi import build_document, message_contracts, topic_matches
 from shared.contracts import ModelCallsPaused, TaskCompleted
+from shared.topology import EVENTS, TASKS, WORK_QUEUES
 
 COMMITTED = Path(__file__).parents[2] / "docs" / "asyncapi.json"
 
@@ -54,3 +55,18 @@ def test_the_queues_of_single_replicas_are_named_among_a_messages_consumers() ->
     assert "scorebox.scorer-pauses.<replica>" in descriptions[ModelCallsPaused.routing_key]
     assert "scorebox.ops-log" in descriptions[ModelCallsPaused.routing_key]
     assert "scorebox.live.<replica>" in descriptions[TaskCompleted.routing_key]
+
+
+def test_every_routing_key_a_work_queue_binds_by_name_has_a_channel() -> None:
+    """A key a queue is bound to by name is published by someone: `score.resubmitted` and
+    `usage.retry` were missing, each contract named under its own key alone (review)."""
+    channel_keys = {name.split(":", 1)[1].split(" ", 1)[0] for name in build_document()["channels"]}
+    by_name = {
+        binding.routing_key
+        for queue in WORK_QUEUES
+        for binding in queue.bindings
+        if binding.exchange.name in (TASKS.name, EVENTS.name)
+        and not {"*", "#"} & set(binding.routing_key.split("."))
+    }
+    assert by_name
+    assert by_name <= channel_keys, by_name - channel_keys

@@ -158,6 +158,7 @@ def test_the_cancel_route_documents_its_location_and_problems(document: Json) ->
     }
     for status in ("401", "404", "409", "429", "503"):
         assert is_problem(responses[status]), status
+    assert "Retry-After" in responses["409"]["headers"]  # `task-being-accepted` sends it
     # A repeat is answered 202 only until the outcome is applied; a 503 may have queued it.
     description = document["paths"]["/v1/scores/{task_id}/cancel"]["post"]["description"]
     assert "Idempotent" not in description
@@ -173,8 +174,9 @@ def test_the_batch_cancel_route_documents_its_location_and_problems(document: Js
     assert responses["202"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/BatchCancelRequested"
     }
-    for status in ("401", "404", "429", "503"):
+    for status in ("401", "404", "409", "429", "503"):
         assert is_problem(responses[status]), status
+    assert "Retry-After" in responses["409"]["headers"]  # `batch-being-accepted` sends it
     # Not the 503 of a request that kept nothing: some cancellations may be queued.
     assert "may have been queued" in responses["503"]["description"]
     assert "send it again" in responses["503"]["description"]

@@ -93,6 +93,9 @@ def test_a_run_by_hand_documents_every_answer(document: Json) -> None:
     assert "database-unavailable" in responses["503"]["description"]
     for status in ("429", "503"):
         assert "Retry-After" in responses[status]["headers"], status
+    # The run's URL: of the run started, and of one whose outcome is unknown.
+    assert "Location" in responses["202"]["headers"]
+    assert "Location" in responses["503"]["headers"]
 
 
 def test_a_run_read_documents_an_unknown_run(document: Json) -> None:

@@ -38,7 +38,7 @@ from typing import Any, Final
 
 from pymongo import AsyncMongoClient, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import DuplicateKeyError, OperationFailure
+from pymongo.errors import DuplicateKeyError, OperationFailure, PyMongoError
 
 from services.scorer import decisions
 from services.scorer.decisions import Finish, Retry, Spent, cancelled, is_cancellation
@@ -122,6 +122,9 @@ CANCEL_REQUESTED: Final = "cancel_requested"
 # field, which then names another generation than the document's and says nothing (found
 # in review).
 OVER_COMPLETION: Final = "over_completion"
+# Set on `spent` once a give-up the database would not record published it: a later
+# generation's claim, or a cancellation of one, takes `spent` over only while unpublished.
+SPENT_PUBLISHED: Final = "spent.published"
 
 
 @dataclass(frozen=True)
@@ -260,6 +263,25 @@ class Attempts:
         """Where the command's attempt stands, without claiming it: decided (and how), behind
         a newer attempt, or not decided yet (Busy, until its claim's lease ends)."""
         return _standing(await self.find(command.task_id), command)
+
+    async def note_spent_published(self, command: ScoreText) -> bool:
+        """Mark what the command's generation was billed as published by an outcome that is
+        not recorded (a give-up the database refused to record): unmarked, a DLQ replay's
+        claim took it over and the replay's outcome billed it a second time (review of
+        usage). False when the mark was not written (the database refusing this too)."""
+        try:
+            marked = await self._collection.update_one(
+                {
+                    "_id": command.task_id,
+                    "generation": command.generation,
+                    "spent.generation": command.generation,
+                },
+                {"$set": {SPENT_PUBLISHED: True}},
+            )
+        except PyMongoError:
+            log.exception("%s: its billed tokens not marked published", command.task_id)
+            return False
+        return marked.matched_count == 1
 
     async def spent_before(self, command: ScoreText) -> Spent | None:
         """What the earlier attempts of the command's generation were billed, as their retry
@@ -501,7 +523,8 @@ def _unpublished_spent(held: Document | None, generation: int) -> Spent | None:
         return None
     spent = Spent.loaded(held.get("spent"))
     no_outcome = held["state"] == "running" or held["decision"]["kind"] == "retry"
-    if spent is None or spent.generation != held["generation"] or not no_outcome:
+    published = (held.get("spent") or {}).get("published") is True
+    if spent is None or spent.generation != held["generation"] or not no_outcome or published:
         return None
     return Spent(generation, spent.usage, spent.model)
 
@@ -590,11 +613,13 @@ def _over_a_completion() -> Document:
 def _spent_taken_over(generation: int) -> Document:
     """`spent` as a claim of `generation` leaves it (an aggregation expression on the stored
     document): tagged with `generation` when the claim replaces an older generation that
-    published no outcome, as it stands otherwise."""
+    published no outcome (none recorded, and `spent` not marked published by one that was
+    not: `Attempts.note_spent_published`), as it stands otherwise."""
     replaces_no_outcome = {
         "$and": [
             {"$lt": ["$generation", generation]},
             {"$eq": ["$spent.generation", "$generation"]},
+            {"$ne": [f"${SPENT_PUBLISHED}", True]},
             {"$or": [{"$eq": ["$state", "running"]}, {"$eq": ["$decision.kind", "retry"]}]},
         ]
     }

@@ -440,7 +440,7 @@ async def _settle_or_give_up(
             await _handed_back_while_held_here(command, deps, actions, copy_headers)
             return
     log.error("%s: its give-up was refused %d times; not recorded", command.task_id, GIVE_UP_TRIES)
-    unrecorded = _given_up(command, reason, await _spent_before(command, deps))
+    unrecorded = await _unrecorded_give_up(command, deps, reason)
     await _dead_letter_and_fail(message, deps, actions, unrecorded, reason)
 
 
@@ -667,7 +667,20 @@ async def _recorded_give_up(command: ScoreText, deps: ScorerDeps, reason: str) -
         if transient_database_error(error):
             raise
         log.exception("%s: its give-up could not be recorded", command.task_id)
-        return _given_up(command, reason, await _spent_before(command, deps))
+        return await _unrecorded_give_up(command, deps, reason)
+
+
+async def _unrecorded_give_up(command: ScoreText, deps: ScorerDeps, reason: str) -> Finish:
+    """A give-up the database would not record. It carries what the generation's earlier
+    attempts were billed only once that is marked published: left unmarked, the record
+    still read "no outcome", a DLQ replay's claim took the tokens over, and the replay's
+    outcome billed them again (review of usage). Unmarked, it carries none, and a replay
+    bills them once; without a replay they go unbilled (at most once)."""
+    spent = await _spent_before(command, deps)
+    if spent is not None and not await deps.attempts.note_spent_published(command):
+        log.warning("%s: its earlier attempts' tokens left to a replay", command.task_id)
+        spent = None
+    return _given_up(command, reason, spent)
 
 
 async def _claimed_and_given_up(command: ScoreText, deps: ScorerDeps, reason: str) -> Finish | None:

@@ -12,6 +12,7 @@ here on the real database and calls the fake model server over HTTP.
 from __future__ import annotations
 
 import pytest
+from pymongo.errors import OperationFailure
 
 from services.scorer.attempts import Attempts
 from services.scorer.consumer import UNSTARTED_RESETS, UNSTARTED_RESETS_HEADER, _at_delivery_limit
@@ -120,3 +121,38 @@ async def test_a_generation_given_up_before_its_claim_reports_the_replaced_ones_
     assert len(actions.dead_lettered) == 1
     assert (failed.generation, failed.dead_lettered) == (1, True)
     assert failed.usage == _billed(command.text, unusable=True)
+
+
+async def test_a_give_up_the_database_would_not_record_bills_earlier_tokens_once(
+    make_deps: Deps, attempts: Attempts, amqp_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Generation 0 retried (billed), its next attempt given up at the delivery limit, the
+    give-up refused for good by the database: its failure carries generation 0's tokens,
+    and the record still read "no outcome", so the DLQ replay's claim (generation 1) took
+    them over and its completion billed them a second time (review of usage)."""
+    command, _ = _task(RETRIED)
+    deps = make_deps("scorer-a")
+    last = _due((await _retried(command, deps)).next_command)
+
+    async def refused(*_args: object, **_kwargs: object) -> bool:
+        raise OperationFailure("Document failed validation", code=121)
+
+    monkeypatch.setattr(attempts, "decide", refused)
+    limit = SCORE_REQUESTS.delivery_limit
+    at_limit = HandedDelivery.redelivery(last.model_dump_json().encode(), count=limit)
+    at_limit.headers[UNSTARTED_RESETS_HEADER] = UNSTARTED_RESETS  # given up, not sent again
+    broker = make_broker(ScorerSettings.model_validate({"RABBITMQ_URL": amqp_url}))
+    async with broker:
+        await broker.connect()
+        await declare_topology(broker)
+        async with outcomes(amqp_url) as published:
+            await _at_delivery_limit(last, at_limit, deps, PublishingFailures(broker), limit)
+            failed: TaskFailed = await published.next_of(command.task_id, TaskFailed)
+    monkeypatch.undo()
+    assert failed.usage == _billed(command.text, unusable=True)
+
+    replayed = await score_text(_next_generation(command), deps=deps)
+
+    assert isinstance(replayed, Finish)
+    assert isinstance(replayed.event, TaskCompleted)
+    assert replayed.event.result.usage == _billed(command.text, unusable=False)

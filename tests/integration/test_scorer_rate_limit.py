@@ -298,7 +298,10 @@ async def test_a_probe_getting_no_answer_in_time_keeps_the_outages_pause(
         fake_model(fake_llm, timeout_s=0.5) as model,
         attempts_store(mongo.url, db_prefix) as attempts,
     ):
-        throttle = ModelThrottle(hold_s=30, base_s=0.02, rng=random.Random(0))
+        # The throttle's own clock, moved by hand: read on the machine's, a pause of tens of
+        # milliseconds could end before it was looked at on a busy machine.
+        now = [0.0]
+        throttle = ModelThrottle(hold_s=30, base_s=0.02, rng=random.Random(0), clock=lambda: now[0])
         deps = scorer_deps(
             attempts=attempts,
             model=model,
@@ -312,6 +315,7 @@ async def test_a_probe_getting_no_answer_in_time_keeps_the_outages_pause(
             for n in range(TRIP_AFTER)
         ]
         assert throttle.paused  # three texts found it silent: an outage
+        now[0] += 60  # the pause over: the next call is its probe
         probe = await score_text(
             ScoreText(task_id=new_id(), text="Another. [[fake:hang]]", max_attempts=1), deps=deps
         )

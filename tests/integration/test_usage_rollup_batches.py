@@ -27,13 +27,14 @@ import asyncio
 import copy
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import pytest
 from pymongo import AsyncMongoClient, monitoring
+from pymongo.errors import AutoReconnect
 
 from devtools.infra import Endpoint
 from services.scheduler.app import USAGE_ROLLUP, create_app
@@ -751,3 +752,32 @@ async def test_the_scheduler_rolls_a_backlog_up_in_slices_of_usage_rollup_batch(
     finally:
         await client.drop_database(database)
         await client.close()
+
+
+class FailsSettling(CountsRecounts):
+    """A slice whose database fails as it forgets the debts it recounted, after marking."""
+
+    async def settle(self, owed: Mapping[TenantDay, str]) -> int:
+        raise AutoReconnect("connection closed")
+
+
+async def test_a_slice_whose_debts_are_not_forgotten_reports_what_it_rolled_up(
+    stores: Stores,
+) -> None:
+    """The debts' deletion failed after the records were marked: the slice failed, its retry
+    found nothing pending, and the run reported `rolled_up: 0` (a walkthrough: 4,286 records
+    rolled up). The slice now reports them; the debt it leaves is settled by a later run."""
+    await stores.store({(BIG_DAY.tenant_id, BIG_DAY.day): 25})
+    run = _run()
+    first = await stores.roll_up(run, batch=SMALL_BATCH)
+    assert first.more  # the day goes on past the slice: owed a recount
+
+    outcomes = await stores.roll_up_to_the_end(
+        _next_slice(run, 1), batch=SMALL_BATCH, records=FailsSettling(stores)
+    )
+
+    assert sum(outcome.summary["rolled_up"] for outcome in [first, *outcomes]) == 25
+    assert await stores.rows() == stores.expected_rows()
+    assert (await stores.pending(), await stores.debts()) == (0, 1)
+    await stores.roll_up_to_the_end(_run(), batch=SMALL_BATCH)
+    assert await stores.debts() == 0

@@ -60,11 +60,14 @@ records was read 50 times at 20,000 a slice: n² / batch.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from datetime import timedelta
+
+from pymongo.errors import PyMongoError
 
 from services.scheduler.jobs import Clock, JobOutcome, JobRun
 from services.scheduler.metering import day_of
-from services.scheduler.usage_store import DailyUsageStore, UsageRecords
+from services.scheduler.usage_store import DailyUsageStore, TenantDay, UsageRecords
 from shared.contracts import new_id
 
 log = logging.getLogger("scorebox.scheduler.usage")
@@ -108,7 +111,7 @@ async def roll_up_usage(
     rows = await records.totals(recount)
     await daily.save(rows, now=clock())
     marked = await records.mark_rolled_up(pending.ids, by=execution)
-    await records.settle(owed)
+    await _settled(records, owed, run)
     summary = {
         # The records this slice took (the name the rollup's results have always used).
         "tagged": len(pending.ids),
@@ -121,3 +124,20 @@ async def roll_up_usage(
         note = f" (a full batch ending inside {continued.tenant_id} {continued.day}: more to come)"
     log.info("usage rollup %s, slice %d: %s%s", run.run_id, run.slice, summary, note)
     return JobOutcome(summary=summary, more=more)
+
+
+async def _settled(records: UsageRecords, owed: Mapping[TenantDay, str], run: JobRun) -> None:
+    """Forget the debts recounted, best effort: a failure leaves them owed, and a later slice
+    recounts those days again, harmlessly. Raised, it failed a slice whose records were
+    marked already: its retry found none pending and the run reported nothing rolled up
+    (a walkthrough: 4,286 records rolled up, `rolled_up: 0`)."""
+    try:
+        await records.settle(owed)
+    except PyMongoError as error:
+        log.warning(
+            "usage rollup %s, slice %d: %d recounted day(s) stay owed a recount: %r",
+            run.run_id,
+            run.slice,
+            len(owed),
+            error,
+        )

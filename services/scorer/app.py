@@ -237,6 +237,7 @@ def create_app(
             rng=jitter,
             on_pause=pause_begun,
             check_provider=provider_checks(model, metrics),
+            probe_first=True,
         ),
         started_after=timedelta(seconds=settings.started_after_s),
         metrics=metrics,

@@ -149,6 +149,7 @@ class ModelThrottle:
         clock: Callable[[], float] = time.monotonic,
         on_pause: Callable[[float, bool], object] = lambda _pause_s, _outage: None,
         check_provider: CheckProvider | None = None,
+        probe_first: bool = False,
     ) -> None:
         self.hold_s = hold_s
         self._base_s = base_s
@@ -228,6 +229,17 @@ class ModelThrottle:
         # For each text seen failing in outages a probe's answer ended since it was last
         # answered: how many, and when the last ended (`_is_suspect`).
         self._disproven: dict[int, tuple[int, float]] = {}
+        # Starting, the first call goes alone, as a pause's probe: the other replicas may be
+        # paused since before this one started, and it did not hear of it (a pause is
+        # announced as it begins). Every slot called at once, and a provider's rate limit
+        # answered a round of 429s as wide as the slots, each counted against the account
+        # (a walkthrough: 16 at each restart of a replica during a limit). A 429 pauses the
+        # rest before they call; any other answer lets them through, and so does its
+        # patience running out (`PROBE_PATIENCE_S`). Forgotten, as a pause is, when no call
+        # comes within `TRIP_WINDOW_S`.
+        self._starting = probe_first
+        if probe_first:
+            self._paused_until, self._probe_due = clock(), True
 
     def back_in_s(self, put_off: PutOff, rng: random.Random) -> float:
         """How long a delivery put off waits down the ladder: until the pause has between a
@@ -252,7 +264,9 @@ class ModelThrottle:
         """Whether calls are held back now: a pause lasts, or its probe's answer is awaited.
         (`_probe_due` alone stayed true on a replica idle since a pause, which then showed
         as paused for as long as it had no call to make.)"""
-        return self._probe_due and (self.pause_left_s() > 0 or self._probe_out)
+        return (
+            self._probe_due and not self._starting and (self.pause_left_s() > 0 or self._probe_out)
+        )
 
     async def wait_turn(
         self,
@@ -497,7 +511,7 @@ class ModelThrottle:
         if self._outage and not self._probe_due:
             self._end_outage()  # an outage is a pause's: none lasts
         if self._probe_due and not self._probe_out and stale:
-            self._probe_due = False
+            self._probe_due = self._starting = False
             self._rate_limits_in_a_row = 0
             self._end_outage()
 
@@ -514,7 +528,8 @@ class ModelThrottle:
                 self._log_outage_over(rate_limited=True)
             self._end_outage()  # a rate limit's pause from now on
             self._cut_short_out = False
-        first = not self._probe_due
+        first = not self._probe_due or self._starting
+        self._starting = False
         self._lengthen(turn, retry_after_s)
         if first:
             self._log_rate_limit_pause()
@@ -652,7 +667,9 @@ class ModelThrottle:
             self._seen_failing.add(text_key)
             if tenant_key is not None:
                 self._tenants_seen_failing.add(tenant_key)
-        if began or self._probe_due:
+        if self._starting and turn.probe and not began and self.pause_left_s() <= 0:
+            self._started()  # a start's probe failing says nothing of a pause
+        elif began or self._probe_due:
             self._lengthen(turn, retry_after_s)
         if turn.probe:
             self._unproven = self._unproven_by(fresh=fresh, tenant_fresh=tenant_fresh)
@@ -815,7 +832,7 @@ class ModelThrottle:
 
     def _pause_for(self, pause_s: float) -> None:
         self._paused_until = max(self._paused_until, self._clock() + min(pause_s, MAX_PAUSE_S))
-        self._probe_due = True
+        self._probe_due, self._starting = True, False  # a pause of its own now
         self._notify()
 
     def answered(self, turn: Turn, *, text_key: int | None = None) -> None:
@@ -827,6 +844,7 @@ class ModelThrottle:
         if text_key is not None:
             self._disproven.pop(text_key, None)
         if turn.probe:
+            self._starting = False
             if self._cut_short_out and not self._news_since_cut:
                 self._paused_until = min(self._paused_until, self._clock())
             self._cut_short_out = False
@@ -856,6 +874,10 @@ class ModelThrottle:
             self._outage_heard_while_probing = False
             self._probe_out_when_it_began = False
             self._notify()
+
+    def _started(self) -> None:
+        self._starting = self._probe_due = False
+        self._notify()
 
     def _notify(self) -> None:
         self._changed.set()

@@ -61,6 +61,87 @@ async def test_without_a_rate_limit_every_call_goes_at_once() -> None:
     assert not throttle.paused
 
 
+def _starting(clock: Clock) -> ModelThrottle:
+    return ModelThrottle(
+        hold_s=30.0, base_s=1.0, rng=random.Random(0), clock=clock, probe_first=True
+    )
+
+
+async def _start_probe_out(
+    throttle: ModelThrottle, count: int
+) -> tuple[Turn | PutOff, list[asyncio.Future[Turn | PutOff]]]:
+    """`count` deliveries asking for a turn at once on a replica that just started: the
+    first goes alone, the others wait for its answer."""
+    closing = asyncio.Event()
+    waiters: list[asyncio.Future[Turn | PutOff]] = [
+        asyncio.ensure_future(throttle.wait_turn(closing)) for _ in range(count)
+    ]
+    await eventually(lambda: _any_done(waiters), what="the start's probe")
+    [probe] = [waiter for waiter in waiters if waiter.done()]
+    others = [waiter for waiter in waiters if waiter is not probe]
+    await eventually(partial(_waiting, throttle, count - 1), what="the others waiting")
+    assert not any(waiter.done() for waiter in others)
+    assert not throttle.paused  # not a pause: the probe of one
+    return probe.result(), others
+
+
+async def test_a_replica_starting_during_a_rate_limit_sends_one_call_not_a_slot_each() -> None:
+    """Another replica's pause began before this one started and was not heard: every slot
+    called at once and the provider answered a round of 429s as wide as the slots (a
+    walkthrough: 16 at each restart during a limit). The first call goes alone; its 429
+    pauses the others before they call."""
+    clock = Clock()
+    throttle = _starting(clock)
+    probe, others = await _start_probe_out(throttle, 4)
+    assert probe == PROBE
+
+    throttle.rate_limited(probe, retry_after_s=20)
+    throttle.done(probe)
+
+    assert throttle.paused
+    assert throttle.pause_left_s() == pytest.approx(20)
+    await asyncio.sleep(0)
+    assert not any(waiter.done() for waiter in others)
+    for waiter in others:
+        waiter.cancel()
+
+
+@pytest.mark.parametrize("answer", ["answered", "failed on its own"])
+async def test_a_start_probe_not_answered_429_lets_the_others_through(answer: str) -> None:
+    """A text's own 5xx says nothing of a pause: it neither pauses the others nor counts
+    as an outage's probe."""
+    throttle = _starting(Clock())
+    probe, others = await _start_probe_out(throttle, 3)
+    assert isinstance(probe, Turn)
+
+    if answer == "answered":
+        throttle.answered(probe, text_key=1)
+    else:
+        assert _fails(throttle, 1, turn=probe) == [False]
+    throttle.done(probe)
+
+    assert await asyncio.wait_for(asyncio.gather(*others), GUARD_S) == [GO, GO]
+    assert not throttle.paused
+    assert throttle.pause_left_s() == 0
+
+
+async def test_a_start_left_idle_past_the_trip_window_is_forgotten() -> None:
+    """No call for `TRIP_WINDOW_S` after the start: the next ones go at once, as after a
+    pause long over; and a later pause's probe failing lengthens that pause as usual."""
+    clock = Clock()
+    throttle = _starting(clock)
+    clock.now += TRIP_WINDOW_S + 1
+    turns = await asyncio.gather(*(throttle.wait_turn(asyncio.Event()) for _ in range(3)))
+    assert turns == [GO] * 3
+
+    assert throttle.paused_elsewhere(5.0, outage=False)  # another replica's 429
+    clock.now += 6
+    probe = await asyncio.wait_for(throttle.wait_turn(asyncio.Event()), GUARD_S)
+    assert probe == PROBE
+    _fails(throttle, 1, turn=probe)
+    assert throttle.pause_left_s() > 0
+
+
 async def test_after_a_429_one_probe_goes_first_and_its_answer_lets_the_others_through() -> None:
     clock = Clock()
     throttle = _throttle(clock)

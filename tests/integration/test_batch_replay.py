@@ -1151,7 +1151,7 @@ async def test_a_refused_batch_is_not_sent_by_a_sweep_pass_started_before_it_was
     the batch and its items, answered 503 and let go of them, and the pass sent them from
     its list all the same: scored, though the client was told nothing was kept."""
     if chunk is not None:
-        monkeypatch.setattr("services.gateway.submit.SWEEP_RECHECK_CHUNK", chunk, raising=False)
+        monkeypatch.setattr("services.gateway.submit.SWEEP_RECHECK_CHUNK", chunk)
     older = ScoreText(
         task_id="older-task", text="Interrupted earlier.", submitted_at=T0 - timedelta(minutes=1)
     )

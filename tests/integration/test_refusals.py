@@ -485,7 +485,7 @@ async def test_a_sweep_pass_started_during_a_refusal_does_not_send_it_once_it_is
     scored, though its client was told nothing was kept. With a chunk per record, the
     refused one is no longer held when its chunk comes: only reading it again keeps it."""
     if chunk is not None:
-        monkeypatch.setattr("services.gateway.submit.SWEEP_RECHECK_CHUNK", chunk, raising=False)
+        monkeypatch.setattr("services.gateway.submit.SWEEP_RECHECK_CHUNK", chunk)
     older = _command(NOW - timedelta(minutes=1))
     await _record(gateway.submissions, older)
     pause, refusals = Pause(), Refusals()

@@ -26,7 +26,7 @@ from pymongo.errors import ExecutionTimeout
 from services.scheduler.catalogue import Catalogue, ScannedPage
 from services.scheduler.checkpoints import Checkpoint, Checkpoints
 from services.scheduler.errors import TransientJobError
-from services.scheduler.firings import FiringState
+from services.scheduler.firings import Firings, FiringState
 from services.scheduler.jobs import JobOutcome, JobRun
 from services.scheduler.jobs.fanout import fan_out_rescores
 from services.scheduler.runs import (
@@ -38,7 +38,7 @@ from services.scheduler.runs import (
     run_cron_job,
 )
 from shared.contracts import RescoreTask, RunCronJob
-from tests.unit.test_scheduler_dispatch import Clock, FakeFirings
+from tests.unit.test_scheduler_dispatch import Clock
 
 NOW = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
 VERSION = "v2"
@@ -183,14 +183,23 @@ def _fanout(
     )
 
 
+async def _firings(client: Mongo, database: str) -> Firings:
+    """The scheduler's firings, in the test's database."""
+    firings = Firings(client, database)
+    await firings.ensure_indexes()
+    return firings
+
+
 class Deliveries:
     """Runs one firing of the fan-out delivery after delivery, as the job consumer does."""
 
-    def __init__(self, fanout: partial[Any], deadline: ClockDeadline, clock: Clock) -> None:
+    def __init__(
+        self, fanout: partial[Any], deadline: ClockDeadline, clock: Clock, firings: Firings
+    ) -> None:
         self._fanout = fanout
         self._deadline = deadline
         self._clock = clock
-        self.firings = FakeFirings()
+        self.firings = firings
         self.decisions: list[RunDecision] = []
 
     async def _handler(self, run: JobRun) -> JobOutcome:
@@ -241,7 +250,12 @@ async def test_a_delivery_behind_a_slow_broker_stops_taking_pages_before_its_dea
     clock = Clock(NOW)
     deadline = ClockDeadline(clock, DB_TIMEOUT_S)
     broker = SlowBroker(clock)
-    deliveries = Deliveries(_fanout(client, name, deadline, broker, clock), deadline, clock)
+    deliveries = Deliveries(
+        _fanout(client, name, deadline, broker, clock),
+        deadline,
+        clock,
+        await _firings(client, name),
+    )
 
     ended = await deliveries.run_to_its_end(retry=RETRY, db_timeout_s=DB_TIMEOUT_S)
 
@@ -263,14 +277,21 @@ async def test_a_delivery_that_fails_after_moving_the_checkpoint_ends_as_a_conti
     clock = Clock(NOW)
     deadline = ClockDeadline(clock, None)
     broker = SlowBroker(clock, failing_every=3)
-    deliveries = Deliveries(_fanout(client, name, deadline, broker, clock), deadline, clock)
+    deliveries = Deliveries(
+        _fanout(client, name, deadline, broker, clock),
+        deadline,
+        clock,
+        await _firings(client, name),
+    )
 
     ended = await deliveries.run_to_its_end(retry=RETRY, db_timeout_s=None)
 
     assert isinstance(ended, Finished), deliveries.kinds
     assert "Retry" not in deliveries.kinds
     assert broker.task_ids == task_ids  # each once, in order
-    assert [f.state for f in deliveries.firings.of(JOB)] == [FiringState.SUCCEEDED]
+    latest = await deliveries.firings.latest(JOB)
+    assert latest is not None
+    assert latest.state is FiringState.SUCCEEDED
 
 
 async def test_a_delivery_that_fails_before_moving_anything_is_a_counted_attempt(
@@ -281,7 +302,12 @@ async def test_a_delivery_that_fails_before_moving_anything_is_a_counted_attempt
     clock = Clock(NOW)
     deadline = ClockDeadline(clock, None)
     broker = SlowBroker(clock, failing_every=1)  # no page is ever confirmed
-    deliveries = Deliveries(_fanout(client, name, deadline, broker, clock), deadline, clock)
+    deliveries = Deliveries(
+        _fanout(client, name, deadline, broker, clock),
+        deadline,
+        clock,
+        await _firings(client, name),
+    )
 
     ended = await deliveries.run_to_its_end(retry=RETRY, db_timeout_s=None)
 

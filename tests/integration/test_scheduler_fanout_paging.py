@@ -25,6 +25,7 @@ from pymongo import AsyncMongoClient, monitoring
 from services.scheduler.catalogue import Catalogue
 from services.scheduler.checkpoints import Checkpoints
 from services.scheduler.errors import DownstreamFull
+from services.scheduler.firings import Firings
 from services.scheduler.jobs import JobOutcome, JobRun
 from services.scheduler.jobs.fanout import fan_out_rescores
 from services.scheduler.runs import (
@@ -36,7 +37,7 @@ from services.scheduler.runs import (
     run_cron_job,
 )
 from shared.contracts import RescoreTask, RunCronJob
-from tests.unit.test_scheduler_dispatch import Clock, FakeFirings
+from tests.unit.test_scheduler_dispatch import Clock
 
 NOW = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
 VERSION = "v2"
@@ -294,7 +295,8 @@ async def test_a_rescore_that_keeps_moving_behind_a_slow_scorer_is_not_given_up(
     checkpoints, published = NotedCheckpoints(client, name), Published(room=1)
     fanout = _delivery(client, name, checkpoints, published, page_size=1, max_pages=50, clock=clock)
     policy = RetryPolicy(max_attempts=4, base=timedelta(seconds=5), cap=timedelta(minutes=10))
-    firings = FakeFirings()
+    firings = Firings(client, name)
+    await firings.ensure_indexes()
     firing = await firings.claim(JOB, NOW, now=NOW, owner="a")
     assert firing is not None
     command = RunCronJob(task_id=firing.run_id, job=JOB, scheduled_for=NOW, fired_at=NOW)

@@ -340,7 +340,6 @@ def rescore_requests(gateway: Gateway) -> RescoreRequests:
         broker=gateway.broker,
         clock=gateway.deps.clock,
         timeout_s=gateway.settings.broker_timeout_s,
-        cache=gateway.deps.cache,
     )
 
 

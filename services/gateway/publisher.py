@@ -19,7 +19,6 @@ import logging
 import time
 from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 
 from faststream.rabbit import RabbitBroker
 
@@ -39,13 +38,11 @@ from shared.contracts import (
     CACHED_COMPLETION_SEQUENCE,
     BatchCancelling,
     CancelTask,
-    Phase,
     ScoreResult,
     ScoreText,
     ScoreWithdrawn,
     TaskCompleted,
     accepted_event,
-    event_sequence,
 )
 from shared.log_rate import Tally
 from shared.topology import TASKS
@@ -160,8 +157,16 @@ class TaskPublisher:
         """A task answered from the result cache: accepted and completed at once. True when
         both events were confirmed; False when some may have been written without a confirm
         (keep the submission for the outbox); `BrokerUnavailable` when none was taken."""
-        completed = _completed_from_cache(
-            command, result, sequence=CACHED_COMPLETION_SEQUENCE, at=command.submitted_at
+        completed = TaskCompleted(
+            task_id=command.task_id,
+            tenant_id=command.tenant_id,
+            sequence=CACHED_COMPLETION_SEQUENCE,
+            submitted_at=command.submitted_at,
+            occurred_at=command.submitted_at,
+            api_key_id=command.api_key_id,
+            result=result,
+            has_callback=command.callback_url is not None,
+            callback_url=command.callback_url,
         )
         published = await _together(
             publish_event(self._broker, event, timeout=self._timeout_s)
@@ -173,24 +178,6 @@ class TaskPublisher:
         if published.none_taken:
             raise published.refusal()
         return False
-
-    async def rescore_from_cache(self, command: ScoreText, result: ScoreResult) -> None:
-        """A re-score answered from the result cache: the command's generation accepted and
-        completed at once, nothing sent to the scorer; `BrokerUnavailable` unless both events
-        were confirmed (sending them again is harmless: their sequences are the same)."""
-        completed = _completed_from_cache(
-            command,
-            result,
-            sequence=event_sequence(generation=command.generation, attempt=0, phase=Phase.TERMINAL),
-            at=command.occurred_at,
-        )
-        published = await _together(
-            publish_event(self._broker, event, timeout=self._timeout_s)
-            for event in (accepted_event(command), completed)
-        )
-        if published.failures:
-            log.warning("cached re-score of %s not confirmed: %r", command.task_id, published.first)
-            raise published.refusal()
 
     async def send_many(self, commands: Sequence[ScoreText]) -> bool:
         """Send a batch's commands with their confirms in flight together (one round): True
@@ -307,21 +294,3 @@ class _Round:
 
 async def _together(publishes: Iterable[Awaitable[object]]) -> _Round:
     return _Round(list(await asyncio.gather(*publishes, return_exceptions=True)))
-
-
-def _completed_from_cache(
-    command: ScoreText, result: ScoreResult, *, sequence: int, at: datetime
-) -> TaskCompleted:
-    """The completion of the command's generation with a result from the cache."""
-    return TaskCompleted(
-        task_id=command.task_id,
-        tenant_id=command.tenant_id,
-        sequence=sequence,
-        generation=command.generation,
-        submitted_at=command.submitted_at,
-        occurred_at=at,
-        api_key_id=command.api_key_id,
-        result=result,
-        has_callback=command.callback_url is not None,
-        callback_url=command.callback_url,
-    )

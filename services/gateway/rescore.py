@@ -56,7 +56,7 @@ from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable, data
 from services.gateway.submissions import RescoreClaim, RescoreRefused, Submissions
 from shared.bus import error_words, publish_delayed
 from shared.consumers import Delivery, ScoreboxBroker, consume
-from shared.contracts import RescoreTask, ScoreResult, ScoreText, new_id
+from shared.contracts import RescoreTask, ScoreText, new_id
 from shared.failed_deliveries import return_failed
 from shared.runtime import keep_publishing, keep_trying
 from shared.topology import RESCORE_REQUESTS, TASKS
@@ -75,24 +75,10 @@ class Resubmitter(Protocol):
     async def resubmit(self, command: ScoreText) -> None: ...
 
 
-class RescoreSender(Resubmitter, Protocol):
-    """Sends a re-score to the scorer, or answers it from the result cache, confirmed
-    (`services.gateway.publisher.TaskPublisher`)."""
-
-    async def rescore_from_cache(self, command: ScoreText, result: ScoreResult) -> None: ...
-
-
-class CachedResults(Protocol):
-    """The result cache's lookup (`services.gateway.cache.ResultCache.find`)."""
-
-    async def find(self, *, tenant_id: str, key: str, now: datetime) -> ScoreResult | None: ...
-
-
 @dataclass(frozen=True)
 class Rescored:
     command: ScoreText
     resumed: bool
-    cached: bool = False  # answered from the result cache, nothing sent to the scorer
 
 
 RescoreOutcome = Rescored | RescoreRefused
@@ -116,15 +102,12 @@ async def rescore_task(
     request: RescoreTask,
     *,
     submissions: Submissions,
-    publisher: RescoreSender,
+    publisher: Resubmitter,
     now: datetime,
     may_resume: bool = False,
-    cache: CachedResults | None = None,
 ) -> RescoreOutcome:
-    """Claim the task's next generation and send it, or answer it from the result cache
-    when that holds a result of the same text scored under the version asked for
-    (`_cached_for`); raises `BrokerUnavailable` when that is not confirmed (the claim then
-    stays unsent and a retry resumes it)."""
+    """Claim the task's next generation and send it; raises `BrokerUnavailable` when the
+    command is not confirmed (the claim then stays unsent and a retry resumes it)."""
     tried = False
 
     async def claim_once() -> RescoreClaim | RescoreRefused:
@@ -151,11 +134,7 @@ async def rescore_task(
     if isinstance(claim, RescoreRefused):
         return claim
     command = rescore_command(claim, now=now)
-    cached = await _cached_for(claim, request, cache, now=now)
-    if cached is None:
-        await publisher.resubmit(command)
-    else:
-        await publisher.rescore_from_cache(command, cached)
+    await publisher.resubmit(command)
     await keep_trying(
         lambda: submissions.finish_rescore(
             request.task_id, rubric_version=request.rubric_version, now=now
@@ -164,33 +143,14 @@ async def rescore_task(
         retry_on=(DatabaseUnavailable,),
         retry_if=database_away,
     )
-    return Rescored(command, resumed=claim.resumed, cached=cached is not None)
-
-
-async def _cached_for(
-    claim: RescoreClaim, request: RescoreTask, cache: CachedResults | None, *, now: datetime
-) -> ScoreResult | None:
-    """A result the cache holds for the task's text, rubric and model, scored under the
-    version the re-score is for. Sent to the scorer regardless, each task a result of the
-    cache had answered cost a model call of its own at every rubric change, where their
-    submissions had cost one (review of the cache). A lookup that fails is a miss."""
-    if cache is None or claim.cache_key is None:
-        return None
-    try:
-        found = await cache.find(tenant_id=request.tenant_id, key=claim.cache_key, now=now)
-    except DatabaseUnavailable as error:
-        log.warning("result-cache lookup for the re-score of %s failed: %r", request.task_id, error)
-        return None
-    if found is None or found.prompt_version != request.rubric_version:
-        return None
-    return found.model_copy(update={"cached": True})
+    return Rescored(command, resumed=claim.resumed)
 
 
 def _log_outcome(request: RescoreTask, outcome: RescoreOutcome) -> None:
     where = f"task {request.task_id} (tenant {request.tenant_id}, {request.rubric_version})"
     match outcome:
-        case Rescored(command=command, resumed=resumed, cached=cached):
-            how = "answered from the cache" if cached else "resumed" if resumed else "queued"
+        case Rescored(command=command, resumed=resumed):
+            how = "resumed" if resumed else "queued"
             log.info("re-score of %s %s as generation %d", where, how, command.generation)
         case RescoreRefused.UNKNOWN_TASK:
             log.info("re-score of %s ignored: no such submission (expired?)", where)
@@ -211,11 +171,10 @@ class RescoreRequests:
     """The consumer of `scorebox.rescore-requests` (see the module docstring)."""
 
     submissions: Submissions
-    publisher: RescoreSender
+    publisher: Resubmitter
     broker: RabbitBroker
     clock: Clock
     timeout_s: float
-    cache: CachedResults | None = None
 
     async def on_message(self, message: Delivery) -> None:
         try:
@@ -231,7 +190,6 @@ class RescoreRequests:
                 publisher=self.publisher,
                 now=self.clock(),
                 may_resume=may_resume(request, message),
-                cache=self.cache,
             )
         except BrokerUnavailable as error:
             await self._retry_later(request, error)

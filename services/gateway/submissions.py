@@ -162,7 +162,6 @@ class RescoreClaim:
     command: ScoreText
     generation: int
     resumed: bool  # True: claimed earlier, but its command may not have been sent
-    cache_key: str | None = None  # the submission's result-cache key, if it has one
 
 
 class RescoreRefused(StrEnum):
@@ -188,8 +187,6 @@ class ReplayRefused(StrEnum):
 
 
 NO_GENERATION: Final = 0
-# Stored as false on a submission whose client bypassed the result cache; absent otherwise.
-USE_CACHE: Final = "use_cache"
 # The highest generation whose outcome the gateway applied (`Submission.finished_generation`).
 FINISHED_GENERATION: Final = "finished_generation"
 # The highest generation that completed (`Submission.completed_generation`).
@@ -300,14 +297,11 @@ class Submissions:
         state: SubmissionState = SubmissionState.ACCEPTING,
         counted: bool = False,
         cached_result: ScoreResult | None = None,
-        use_cache: bool = True,
     ) -> None:
         """Record a new submission (`accepting` unless told), marked as counted in flight
         when it will be, with the result it is answered with from the result cache;
         `KeyTaken` for a used key. `cache_model` is the model `cache_key` names: only a
-        completion by that model fills the cache (`settle_outcome`). Without `use_cache`
-        (the client's `use_cache: false`), its re-scores are not answered from the cache
-        either."""
+        completion by that model fills the cache (`settle_outcome`)."""
         document = _new_document(
             command,
             request_hash=request_hash,
@@ -315,8 +309,6 @@ class Submissions:
             cache_key=cache_key,
             cache_model=cache_model,
         )
-        if not use_cache:
-            document[USE_CACHE] = False
         if counted:
             document[IN_FLIGHT_MARK] = True
         if cached_result is not None:
@@ -954,18 +946,7 @@ def _rescore_claim(document: Document, *, resumed: bool) -> RescoreClaim:
         command=ScoreText.model_validate(document["command"]),
         generation=int(claimed_as),
         resumed=resumed,
-        cache_key=_cache_key_for_rescores(document),
     )
-
-
-def _cache_key_for_rescores(document: Document) -> str | None:
-    """The key a re-score of the submission may be answered from the cache by: none for a
-    submission whose client bypassed the cache (`use_cache: false`), or a batch's item (a
-    batch does not consult it)."""
-    if document.get(USE_CACHE) is False or document.get("batch_id") is not None:
-        return None
-    key = document.get("cache_key")
-    return key if isinstance(key, str) else None
 
 
 def _expired(document: Document, now: datetime) -> bool:

@@ -213,7 +213,6 @@ async def submit_score(
             now=now,
             key=key,
             key_model=model,
-            use_cache=submission.use_cache,
         )
 
 
@@ -247,7 +246,6 @@ async def _record_and_send(
     now: datetime,
     key: str,
     key_model: str,
-    use_cache: bool = True,
 ) -> Submitted:
     try:
         await submissions.insert(
@@ -259,7 +257,6 @@ async def _record_and_send(
             cache_model=key_model,
             counted=gate is not None,
             cached_result=cached,
-            use_cache=use_cache,
         )
     except KeyTaken:
         assert idempotency_key is not None

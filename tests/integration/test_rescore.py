@@ -225,41 +225,6 @@ async def test_a_rescore_queues_the_task_again_once_and_shows_the_new_result(
     assert (await flow.view(task_id))["sequence"] == again["sequence"]
 
 
-async def test_a_rescore_for_the_version_the_cache_holds_is_answered_from_it(
-    flow: Flow, rescore_log: pytest.LogCaptureFixture
-) -> None:
-    """A task the result cache answered cost no model call, yet its re-score made one at
-    every rubric change: a text submitted n times was billed n times (review of the cache).
-    A re-score for the version the cache holds a result of its text under takes that
-    result, its generation completed at once, nothing sent to the scorer."""
-    marker = _marker()
-    text = f"Scored once and answered from the cache after [[id:{marker}]]."
-    scored = await flow.completed_generation(await flow.submit(text), 0)
-    answered = await flow.api.post("/v1/scores", json={"text": text})
-    assert answered.status_code == 200, answered.text  # the cache's answer
-    twin: str = answered.json()["task_id"]
-
-    await flow.request_rescores(_rescore(twin, version=scored["result"]["prompt_version"]))
-
-    again = await flow.completed_generation(twin, 1)
-    assert again["result"]["cached"] is True
-    assert again["result"]["score"] == scored["result"]["score"]
-    [line] = await _handled(rescore_log, twin, 1)
-    assert "answered from the cache as generation 1" in line
-    assert flow.calls(marker) == 1
-    # A version the cache holds nothing under is scored: the fake judge's results carry one.
-    await flow.request_rescores(_rescore(twin, version="v2", generation=1))
-    await flow.completed_generation(twin, 2)
-    assert flow.calls(marker) == 2
-    # A submission that bypassed the cache is re-scored by the model too.
-    bypassed = await flow.api.post("/v1/scores", json={"text": text, "use_cache": False})
-    assert bypassed.status_code == 202, bypassed.text
-    own = await flow.completed_generation(bypassed.json()["task_id"], 0)
-    await flow.request_rescores(_rescore(own["task_id"], version=own["result"]["prompt_version"]))
-    await flow.completed_generation(own["task_id"], 1)
-    assert flow.calls(marker) == 4
-
-
 async def test_a_new_rubric_version_scores_the_task_again(
     flow: Flow, rescore_log: pytest.LogCaptureFixture
 ) -> None:

@@ -26,7 +26,7 @@ from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
 from services.gateway.rescore import RescoreRequests
 from services.gateway.settings import GatewaySettings
 from services.gateway.submissions import RescoreClaim, RescoreRefused, Submissions
-from shared.contracts import RescoreTask, ScoreResult, ScoreText, new_id, utcnow
+from shared.contracts import RescoreTask, ScoreText, new_id, utcnow
 from shared.runtime import make_broker
 from shared.topology import RESCORE_REQUESTS, declare_topology
 from tests.support import HandedDelivery, accepted_submission, eventually, rescore_request
@@ -52,9 +52,6 @@ class ScriptedPublisher:
                 raise BrokerUnavailable("negative confirm: the score queue is full") from nack
             raise BrokerUnavailable("no confirm within the timeout")
         self.sent.append(command)
-
-    async def rescore_from_cache(self, command: ScoreText, result: ScoreResult) -> None:
-        raise AssertionError(f"{command.task_id} answered from a cache these tests have not")
 
 
 class OutageOnce(Submissions):

@@ -956,7 +956,8 @@ def _exit_on_missed(replay: dict[str, Any], *, drop_command: str, replay_all: bo
         )
     if replay.get("skipped_being_rescored"):
         typer.echo(
-            "kept, a re-score of their task was being sent (replay them again shortly): "
+            "kept, a re-score of their task was being sent (replay them again shortly; "
+            "one quiet for an hour keeps them no longer): "
             f"{' '.join(replay['skipped_being_rescored'])}",
             err=True,
         )

@@ -61,7 +61,9 @@ class ReplayReport(BaseModel):
         default_factory=list,
         description="Task ids of letters kept because a re-score of their task was being "
         "sent at that moment: replayed beside it, each scored its task twice. Replay them "
-        "again shortly (once the re-score is sent, they are superseded). One per letter.",
+        "again shortly: once the re-score is sent they are superseded, and one that has not "
+        "tried to send for an hour (its request dead-lettered) no longer keeps them. One per "
+        "letter.",
     )
     not_found: list[str] = Field(
         description="Ids asked for that no letter matched, the walk having reached the end of "

@@ -334,7 +334,9 @@ class DeadLetterQueue:
         # Taken from the submission, as a re-score takes its generation, so a re-score
         # requested before the replay's outcome arrives does not reuse the replay's; every
         # copy of one dead letter gets the same one.
-        taken = await self._submissions.replay_generation(command.task_id, of=command.generation)
+        taken = await self._submissions.replay_generation(
+            command.task_id, of=command.generation, now=self._clock()
+        )
         if isinstance(taken, ReplayRefused):
             return taken
         fresh = command.model_copy(

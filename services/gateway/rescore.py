@@ -133,6 +133,8 @@ async def rescore_task(
     )
     if isinstance(claim, RescoreRefused):
         return claim
+    if claim.resumed:
+        await _note_tried(submissions, request, now=now)
     command = rescore_command(claim, now=now)
     await publisher.resubmit(command)
     await keep_trying(
@@ -144,6 +146,17 @@ async def rescore_task(
         retry_if=database_away,
     )
     return Rescored(command, resumed=claim.resumed)
+
+
+async def _note_tried(submissions: Submissions, request: RescoreTask, *, now: datetime) -> None:
+    """Best effort: unnoted for an hour (`RESCORE_ORPHANED_AFTER`), the claim is taken for
+    orphaned and a DLQ replay of the task runs above it."""
+    try:
+        await submissions.note_rescore_tried(
+            request.task_id, request_id=request.message_id, now=now
+        )
+    except DatabaseUnavailable as error:
+        log.warning("the re-score of %s not noted as tried again: %r", request.task_id, error)
 
 
 def _log_outcome(request: RescoreTask, outcome: RescoreOutcome) -> None:

@@ -507,7 +507,9 @@ class Submissions:
             request_id=None if generation is None else request_id,
         )
 
-    async def replay_generation(self, task_id: str, *, of: int) -> int | ReplayRefused | None:
+    async def replay_generation(
+        self, task_id: str, *, of: int, now: datetime | None = None
+    ) -> int | ReplayRefused | None:
         """The generation a DLQ replay of generation `of` runs as: `of` + 1, taken from the
         submission the first time (a re-score racing the replay takes the one after), and
         the same for every later copy of that dead letter (the DLQ may hold two; both must
@@ -515,8 +517,10 @@ class Submissions:
         claim's generation + 1. `SUPERSEDED` when a generation above `of` was sent by
         anything but a replay of this letter (a re-score): replayed, the stale letter scored
         the task once more. `RESCORE_BEING_SENT` while a re-score's claim above it is being
-        sent. None when the submission is gone (past its retention): nothing else hands its
-        generations out."""
+        sent (its request tried within `RESCORE_ORPHANED_AFTER`; one quiet for longer is
+        taken for given up). None when the submission is gone (past its retention): nothing
+        else hands its generations out."""
+        now = utcnow() if now is None else now
         replay = f"replays.g{of}"
         try:
             given = _replayed_as(await self._replays(task_id), of)
@@ -527,7 +531,7 @@ class Submissions:
             # stored one, which a cancel targets, never ran), and a re-score claiming one
             # between a check and the take was scored again by the stale letter.
             taken = await self._collection.find_one_and_update(
-                {"_id": task_id, replay: {"$exists": False}, **_none_handed_out_above(of)},
+                {"_id": task_id, replay: {"$exists": False}, **_none_handed_out_above(of, now)},
                 [
                     {"$set": {"generation": {"$add": [{"$max": [_GENERATION, of]}, 1]}}},
                     {"$set": {replay: "$generation"}},
@@ -537,13 +541,21 @@ class Submissions:
             )
             if taken is not None:
                 return int(taken["generation"])
-            return _not_taken(await self._replays(task_id), of)
+            return _not_taken(await self._replays(task_id), of, now)
         except PyMongoError as error:
             raise DatabaseUnavailable(str(error)) from error
 
     async def _replays(self, task_id: str) -> Document | None:
         return await self._collection.find_one(
             {"_id": task_id}, projection={"replays": True, "rescore": True, "generation": True}
+        )
+
+    async def note_rescore_tried(self, task_id: str, *, request_id: str, now: datetime) -> None:
+        """The request of an unsent claim tries to send it again (a retry, a redelivery): a
+        DLQ replay keeps the task's letters while it does (`RESCORE_ORPHANED_AFTER`)."""
+        await self._update(
+            {"_id": task_id, "rescore.request_id": request_id, "rescore.sent": {"$ne": True}},
+            {"$set": {"rescore.tried_at": now}},
         )
 
     async def finish_rescore(self, task_id: str, *, rubric_version: str, now: datetime) -> None:
@@ -1040,6 +1052,11 @@ _GIVEN_UP_CLAIM_ON_TOP: Final = {
         {"$eq": ["$rescore.generation", _GENERATION]},
     ]
 }
+# A re-score's claim whose request has not tried to send it for this long has none that will
+# (dead-lettered for a crash or the database's refusal): a DLQ replay runs above it. A live
+# request tries at least every `services.gateway.rescore.RETRY_DELAYS_S[-1]` (10 min).
+RESCORE_ORPHANED_AFTER: Final = timedelta(hours=1)
+_RESCORE_LAST_TRIED: Final = {"$max": ["$rescore.requested_at", "$rescore.tried_at"]}
 _HANDED_OUT: Final = {
     "$cond": [_GIVEN_UP_CLAIM_ON_TOP, {"$subtract": [_GENERATION, 1]}, _GENERATION]
 }
@@ -1062,24 +1079,39 @@ def _latest_done_at(generation: int) -> Document:
     }
 
 
-def _none_handed_out_above(generation: int) -> Document:
+def _none_handed_out_above(generation: int, now: datetime) -> Document:
     """A filter: no generation above `generation` handed out to anything still able to send
-    it (`_HANDED_OUT`). A re-score's claim on top whose request was given up to its DLQ
-    unsent does not count: counted, it superseded the dead letter, which was removed, and
-    the task never scored. One still being sent does (review): replayed above it, the
-    letter's generation was scored beside the claim's."""
-    return {"$expr": {"$lte": [_HANDED_OUT, generation]}}
+    it. A re-score's claim on top whose request was given up to its DLQ unsent does not
+    count: counted, it superseded the dead letter, which was removed, and the task never
+    scored. Nor does one whose request has not tried to send it for `RESCORE_ORPHANED_AFTER`
+    (dead-lettered for a crash or a refusal of the database, it never will). One still being
+    sent does (review): replayed above it, the letter's generation was scored beside the
+    claim's."""
+    orphaned = {"$lt": [_RESCORE_LAST_TRIED, now - RESCORE_ORPHANED_AFTER]}
+    unsendable_on_top = {
+        "$and": [
+            {"$ne": ["$rescore.sent", True]},
+            {"$eq": ["$rescore.generation", _GENERATION]},
+            {"$or": [{"$eq": ["$rescore.given_up", True]}, orphaned]},
+        ]
+    }
+    highest = {"$cond": [unsendable_on_top, {"$subtract": [_GENERATION, 1]}, _GENERATION]}
+    return {"$expr": {"$lte": [highest, generation]}}
 
 
-def _rescore_being_sent(submission: Document, above: int) -> bool:
-    """A re-score's claim above generation `above` is on top, neither sent nor given up."""
+def _rescore_being_sent(submission: Document, above: int, now: datetime) -> bool:
+    """A re-score's claim above generation `above` is on top, neither sent nor given up, and
+    its request tried to send it within `RESCORE_ORPHANED_AFTER`."""
     rescore = submission.get("rescore") or {}
     on_top = submission.get("generation", NO_GENERATION)
+    tried = [at for at in (rescore.get("requested_at"), rescore.get("tried_at")) if at]
     return (
         rescore.get("sent") is not True
         and rescore.get("given_up") is not True
         and rescore.get("generation") == on_top
         and on_top > above
+        and bool(tried)
+        and max(tried) >= now - RESCORE_ORPHANED_AFTER
     )
 
 
@@ -1088,7 +1120,7 @@ def _replayed_as(submission: Document | None, of: int) -> int | None:
     return _optional_int(((submission or {}).get("replays") or {}).get(f"g{of}"))
 
 
-def _not_taken(submission: Document | None, of: int) -> int | ReplayRefused | None:
+def _not_taken(submission: Document | None, of: int, now: datetime) -> int | ReplayRefused | None:
     """Why a replay's take of generation `of` matched nothing: the submission is gone (None),
     a copy of the letter replayed at the same moment took it first (its generation wins), a
     re-score's claim above it is being sent, or a later generation superseded the letter."""
@@ -1097,7 +1129,7 @@ def _not_taken(submission: Document | None, of: int) -> int | ReplayRefused | No
     given = _replayed_as(submission, of)
     if given is not None:
         return given
-    if _rescore_being_sent(submission, of):
+    if _rescore_being_sent(submission, of, now):
         return ReplayRefused.RESCORE_BEING_SENT
     return ReplayRefused.SUPERSEDED
 

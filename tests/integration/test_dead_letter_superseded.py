@@ -9,6 +9,8 @@ through the gateway's own consumer; what reached the scorer is read off the scor
 
 from __future__ import annotations
 
+from datetime import datetime
+
 import pytest
 from faststream.rabbit import RabbitBroker
 from pymongo import AsyncMongoClient
@@ -16,7 +18,7 @@ from pymongo import AsyncMongoClient
 from devtools.infra import Endpoint
 from services.gateway.publisher import TaskPublisher
 from services.gateway.rescore import RescoreRequests
-from services.gateway.submissions import ReplayRefused, Submissions
+from services.gateway.submissions import RESCORE_ORPHANED_AFTER, ReplayRefused, Submissions
 from shared.contracts import ScoreText, utcnow
 from tests.integration import test_dead_letter_drop as gateway_dlq
 from tests.integration.test_dead_letter_drop import (
@@ -42,14 +44,17 @@ async def _sent_to_the_scorer(amqp_url: str, task_id: str) -> list[ScoreText]:
     return [command for command in await queued_commands(amqp_url) if command.task_id == task_id]
 
 
-async def _claimed_unsent(submissions: Submissions, command: ScoreText) -> int | None:
-    """A re-score of the task under rubric v2 claimed, its command not sent: its generation."""
+async def _claimed_unsent(
+    submissions: Submissions, command: ScoreText, *, at: datetime | None = None
+) -> int | None:
+    """A re-score of the task under rubric v2 claimed (`at`, else now), its command not sent:
+    its generation."""
     claim = await submissions.claim_rescore(
         command.task_id,
         tenant_id=command.tenant_id,
         rubric_version="v2",
         request_id="r-1",
-        now=utcnow(),
+        now=at or utcnow(),
     )
     return getattr(claim, "generation", None)
 
@@ -208,3 +213,29 @@ async def test_a_letter_is_kept_while_a_rescore_of_its_task_is_being_sent(
     assert (report["superseded"], report["skipped_being_rescored"]) == ([command.task_id], [])
     assert await _sent_to_the_scorer(dlq, command.task_id) == []
     assert await _drain(dlq) == []
+
+
+@pytest.mark.parametrize("tried_again", [False, True], ids=["quiet", "tried-again"])
+async def test_a_claim_its_request_left_for_an_hour_keeps_no_letter(
+    dlq: str, broker: RabbitBroker, submissions: Submissions, tried_again: bool
+) -> None:
+    """A claim whose request was dead-lettered (a crash, the database refusing it) is never
+    sent: kept for it, the task's letter was kept for ever, each replay answered "replay
+    them again shortly" (the re-read). Its request quiet past `RESCORE_ORPHANED_AFTER`, the
+    replay runs above it; one still trying (a retry every 10 min at most) keeps it."""
+    command = await accepted_submission(submissions)
+    await _dead_letter(dlq, [command])
+    claimed_at = utcnow() - RESCORE_ORPHANED_AFTER * 2
+    assert await _claimed_unsent(submissions, command, at=claimed_at) == 1
+    if tried_again:
+        await submissions.note_rescore_tried(command.task_id, request_id="r-1", now=utcnow())
+
+    report = await _replay_all(broker, submissions)
+
+    if tried_again:
+        assert (report["replayed"], report["skipped_being_rescored"]) == ([], [command.task_id])
+        assert await _sent_to_the_scorer(dlq, command.task_id) == []
+    else:
+        assert (report["replayed"], report["skipped_being_rescored"]) == ([command.task_id], [])
+        [replayed] = await _sent_to_the_scorer(dlq, command.task_id)
+        assert replayed.generation == 2

@@ -187,6 +187,9 @@ async def test_an_unconfirmed_rescore_is_retried_later_and_resumes_its_generatio
     stored = await env.mongo[env.database]["submissions"].find_one({"_id": command.task_id})
     assert stored is not None
     assert (stored["generation"], stored["rescore"]["sent"]) == (1, True)
+    # Noted as tried again: a DLQ replay keeps the task's letters while it is (an hour quiet,
+    # the claim is taken for orphaned).
+    assert stored["rescore"]["tried_at"] >= stored["rescore"]["requested_at"]
 
     # The original request delivered once more: a duplicate, nothing sent.
     await consumer.on_message(HandedDelivery(request.model_dump_json().encode(), redelivered=True))

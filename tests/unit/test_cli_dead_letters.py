@@ -329,7 +329,8 @@ def test_a_replay_that_kept_letters_being_rescored_says_so_and_exits_1(
 
     assert result.exit_code == 1, result.output
     assert result.stderr.splitlines() == [
-        "kept, a re-score of their task was being sent (replay them again shortly): t2"
+        "kept, a re-score of their task was being sent (replay them again shortly; "
+        "one quiet for an hour keeps them no longer): t2"
     ]
 
 

@@ -90,8 +90,9 @@ class TaskPublisher:
 
     async def resubmit(self, command: ScoreText) -> None:
         """Send a task again (re-score, DLQ replay), due now, for callers that settle only
-        what the broker confirmed (they send again on failure): anything else is
-        `BrokerUnavailable`.
+        what the broker confirmed (they send again on failure): a failure of the broker is
+        `BrokerUnavailable`; any other error is raised as it is (a re-score's request took it
+        for the broker's and retried it every 10 minutes for ever).
 
         It goes to the scorer alone (`score.resubmitted`): the status projection holds the
         task's earlier outcome, and its copy of a command the full score queue refused would
@@ -107,7 +108,7 @@ class TaskPublisher:
                 not_before=None,
                 timeout=self._timeout_s,
             )
-        except Exception as error:
+        except BROKER_ERRORS as error:  # anything else is no broker's doing: raised as it is
             log.warning("score.resubmitted for %s not confirmed: %r", command.task_id, error)
             raise BrokerUnavailable(str(error) or type(error).__name__) from error
         await self._announce_accepted([command])

@@ -103,7 +103,7 @@ async def rescore_task(
     *,
     submissions: Submissions,
     publisher: Resubmitter,
-    now: datetime,
+    clock: Clock,
     may_resume: bool = False,
 ) -> RescoreOutcome:
     """Claim the task's next generation and send it; raises `BrokerUnavailable` when the
@@ -120,7 +120,7 @@ async def rescore_task(
             tenant_id=request.tenant_id,
             rubric_version=request.rubric_version,
             request_id=request.message_id,
-            now=now,
+            now=clock(),  # read again at each try: a database outage may have lasted hours
             may_resume=resume,
             generation=request.generation,
         )
@@ -134,12 +134,12 @@ async def rescore_task(
     if isinstance(claim, RescoreRefused):
         return claim
     if claim.resumed:
-        await _note_tried(submissions, request, now=now)
-    command = rescore_command(claim, now=now)
+        await _note_tried(submissions, request, claim, now=clock())
+    command = rescore_command(claim, now=clock())
     await publisher.resubmit(command)
     await keep_trying(
         lambda: submissions.finish_rescore(
-            request.task_id, rubric_version=request.rubric_version, now=now
+            request.task_id, rubric_version=request.rubric_version, now=clock()
         ),
         what=f"recording the re-score of {request.task_id} as sent",
         retry_on=(DatabaseUnavailable,),
@@ -148,12 +148,15 @@ async def rescore_task(
     return Rescored(command, resumed=claim.resumed)
 
 
-async def _note_tried(submissions: Submissions, request: RescoreTask, *, now: datetime) -> None:
+async def _note_tried(
+    submissions: Submissions, request: RescoreTask, claim: RescoreClaim, *, now: datetime
+) -> None:
     """Best effort: unnoted for an hour (`RESCORE_ORPHANED_AFTER`), the claim is taken for
-    orphaned and a DLQ replay of the task runs above it."""
+    orphaned and a DLQ replay of the task runs above it. Under the claim's own request id: a
+    request naming no generation (a scheduler of an earlier build) resumes another's."""
     try:
         await submissions.note_rescore_tried(
-            request.task_id, request_id=request.message_id, now=now
+            request.task_id, request_id=claim.request_id or request.message_id, now=now
         )
     except DatabaseUnavailable as error:
         log.warning("the re-score of %s not noted as tried again: %r", request.task_id, error)
@@ -201,7 +204,7 @@ class RescoreRequests:
                 request,
                 submissions=self.submissions,
                 publisher=self.publisher,
-                now=self.clock(),
+                clock=self.clock,
                 may_resume=may_resume(request, message),
             )
         except BrokerUnavailable as error:

@@ -162,6 +162,7 @@ class RescoreClaim:
     command: ScoreText
     generation: int
     resumed: bool  # True: claimed earlier, but its command may not have been sent
+    request_id: str | None = None  # the request that took the claim
 
 
 class RescoreRefused(StrEnum):
@@ -958,6 +959,7 @@ def _rescore_claim(document: Document, *, resumed: bool) -> RescoreClaim:
         command=ScoreText.model_validate(document["command"]),
         generation=int(claimed_as),
         resumed=resumed,
+        request_id=(document.get("rescore") or {}).get("request_id"),
     )
 
 

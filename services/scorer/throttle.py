@@ -237,9 +237,7 @@ class ModelThrottle:
         # rest before they call; any other answer lets them through, and so does its
         # patience running out (`PROBE_PATIENCE_S`). Forgotten, as a pause is, when no call
         # comes within `TRIP_WINDOW_S`.
-        self._starting = probe_first
-        if probe_first:
-            self._paused_until, self._probe_due = clock(), True
+        self._starting = self._probe_due = probe_first  # its time: the first `wait_turn`
 
     def back_in_s(self, put_off: PutOff, rng: random.Random) -> float:
         """How long a delivery put off waits down the ladder: until the pause has between a
@@ -286,6 +284,10 @@ class ModelThrottle:
         self._waiting[waiter] += 1
         try:
             now = self._clock()
+            if self._starting and not self._paused_until:
+                # From the first delivery, not the construction: a start that waited for its
+                # broker or database past `TRIP_WINDOW_S` had its probe forgotten (re-read).
+                self._paused_until = now
             if tenant_key is not None:
                 self._note_active(tenant_key, now)
             return await self._turn_within(now + self.hold_s, closing, waiter, model)
@@ -328,7 +330,7 @@ class ModelThrottle:
                 self._probe_sent()
                 return PROBE
             elif self._rate_limit_probe_unanswered_s() >= PROBE_PATIENCE_S:
-                return GO  # no 429 back at once: the limit is over (`PROBE_PATIENCE_S`)
+                return self._past_patience()
             elif hold_left <= 0:
                 return PutOff(0.0)  # the probe's answer is late: back of the queue
             else:
@@ -874,6 +876,13 @@ class ModelThrottle:
             self._outage_heard_while_probing = False
             self._probe_out_when_it_began = False
             self._notify()
+
+    def _past_patience(self) -> Turn:
+        """No 429 back at once: the limit is over (`PROBE_PATIENCE_S`). A start's slow first
+        answer ends the start: its others' calls are calls, not a pause's probes."""
+        if self._starting:
+            self._started()
+        return GO
 
     def _started(self) -> None:
         self._starting = self._probe_due = False

@@ -344,6 +344,28 @@ async def test_a_database_outage_is_waited_out(env: Env) -> None:
     assert [sent.generation for sent in publisher.sent] == [1]
 
 
+async def test_a_claim_taken_after_an_outage_is_stamped_when_it_is_taken(env: Env) -> None:
+    """The time was read as the request arrived: a claim taken after an outage of hours was
+    stamped hours old, taken for orphaned at once, and a DLQ replay ran beside it (the
+    re-read). Each try reads the clock again."""
+    command = await accepted_submission(env.submissions())
+    arrived = utcnow() - timedelta(hours=3)
+    readings = iter([arrived, *[utcnow()] * 10])
+    consumer = RescoreRequests(
+        submissions=env.submissions(OutageOnce),
+        publisher=ScriptedPublisher(refusals=1),
+        broker=env.broker,
+        clock=lambda: next(readings),
+        timeout_s=10,
+    )
+
+    await consumer.on_message(HandedDelivery(rescore_request(command).model_dump_json().encode()))
+
+    stored = await env.mongo[env.database]["submissions"].find_one({"_id": command.task_id})
+    assert stored is not None
+    assert stored["rescore"]["requested_at"] > arrived + timedelta(hours=2)
+
+
 async def test_an_unreadable_request_is_rejected_without_requeue(env: Env) -> None:
     publisher = ScriptedPublisher()
     delivery = HandedDelivery(b"{not json")
@@ -454,3 +476,29 @@ async def test_two_copies_of_a_letter_replayed_at_once_take_one_generation(env: 
     stored = await env.submissions().find(command.task_id, tenant_id=command.tenant_id)
     assert stored is not None
     assert first == second == stored.generation == 1
+
+
+async def test_a_request_naming_no_generation_notes_the_claim_it_resumes_as_tried(
+    env: Env,
+) -> None:
+    """A scheduler of an earlier build names no generation: its requests resume each other's
+    claim. The try was noted under the request's own id, which matched nothing, and the
+    claim, tried all along, was taken for orphaned after an hour (the re-read)."""
+    command = await accepted_submission(env.submissions())
+    first = rescore_request(command)
+    await env.consumer(ScriptedPublisher(refusals=1), env.submissions()).on_message(
+        HandedDelivery(first.model_dump_json().encode())
+    )
+    other = rescore_request(command, attempt=2).model_copy(
+        update={"rubric_version": first.rubric_version}
+    )
+    assert other.message_id != first.message_id
+    assert other.generation is None
+    await env.consumer(ScriptedPublisher(refusals=1), env.submissions()).on_message(
+        HandedDelivery(other.model_dump_json().encode())
+    )
+
+    stored = await env.mongo[env.database]["submissions"].find_one({"_id": command.task_id})
+    assert stored is not None
+    assert stored["rescore"]["request_id"] == first.message_id
+    assert stored["rescore"]["tried_at"] >= stored["rescore"]["requested_at"]

@@ -202,7 +202,9 @@ class Resubmitted:
 
 
 class NoReplaysYet:
-    async def replay_generation(self, task_id: str, *, of: int) -> int | ReplayRefused | None:
+    async def replay_generation(
+        self, task_id: str, *, of: int, now: datetime | None = None
+    ) -> int | ReplayRefused | None:
         return None
 
 
@@ -213,7 +215,9 @@ class Superseding:
     superseded: set[str]
     asked: list[str] = field(default_factory=list)
 
-    async def replay_generation(self, task_id: str, *, of: int) -> int | ReplayRefused | None:
+    async def replay_generation(
+        self, task_id: str, *, of: int, now: datetime | None = None
+    ) -> int | ReplayRefused | None:
         self.asked.append(task_id)
         return ReplayRefused.SUPERSEDED if task_id in self.superseded else of + 1
 

@@ -125,20 +125,56 @@ async def test_a_start_probe_not_answered_429_lets_the_others_through(answer: st
     assert throttle.pause_left_s() == 0
 
 
-async def test_a_start_left_idle_past_the_trip_window_is_forgotten() -> None:
-    """No call for `TRIP_WINDOW_S` after the start: the next ones go at once, as after a
-    pause long over; and a later pause's probe failing lengthens that pause as usual."""
+async def test_a_slow_start_probe_lets_the_others_go_as_calls_not_probes() -> None:
+    """The first answer slower than the patience: the others went, the start still "due",
+    and one text's own 5xx among them paused the whole replica (the re-read: 30 s with a
+    `Retry-After`). Past the patience the start is over; a 5xx then pauses nothing."""
     clock = Clock()
     throttle = _starting(clock)
-    clock.now += TRIP_WINDOW_S + 1
-    turns = await asyncio.gather(*(throttle.wait_turn(asyncio.Event()) for _ in range(3)))
-    assert turns == [GO] * 3
+    probe, others = await _start_probe_out(throttle, 3)
+    clock.now += PROBE_PATIENCE_S + 1
+
+    assert await asyncio.wait_for(asyncio.gather(*others), GUARD_S) == [GO, GO]
+    throttle.unavailable(GO, retry_after_s=30, text_key=7, task_key="task-7")
+
+    assert not throttle.paused
+    assert throttle.pause_left_s() == 0
+    assert isinstance(probe, Turn)
+    throttle.rate_limited(probe, retry_after_s=None)  # the slow probe's 429 still pauses
+    assert throttle.paused
+
+
+async def test_a_start_waiting_for_its_broker_keeps_its_probe() -> None:
+    """Marked when the throttle was built, a start that waited past `TRIP_WINDOW_S` for its
+    database or broker had its probe forgotten, every slot calling at once (the re-read).
+    It counts from the first delivery's wait."""
+    clock = Clock()
+    throttle = _starting(clock)
+    clock.now += TRIP_WINDOW_S * 2
+
+    probe, others = await _start_probe_out(throttle, 2)
+
+    assert probe == PROBE
+    for waiter in others:
+        waiter.cancel()
+
+
+async def test_once_started_a_pauses_probe_failing_lengthens_it_as_usual() -> None:
+    """The start over (its probe answered), a later pause is a pause: its probe failing
+    lengthens it, not taken for the start's."""
+    clock = Clock()
+    throttle = _starting(clock)
+    start = await asyncio.wait_for(throttle.wait_turn(asyncio.Event()), GUARD_S)
+    assert start == PROBE
+    throttle.answered(start, text_key=1)
+    throttle.done(start)
+    assert await asyncio.wait_for(throttle.wait_turn(asyncio.Event()), GUARD_S) == GO
 
     assert throttle.paused_elsewhere(5.0, outage=False)  # another replica's 429
     clock.now += 6
     probe = await asyncio.wait_for(throttle.wait_turn(asyncio.Event()), GUARD_S)
     assert probe == PROBE
-    _fails(throttle, 1, turn=probe)
+    _fails(throttle, 2, turn=probe)
     assert throttle.pause_left_s() > 0
 
 

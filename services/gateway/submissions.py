@@ -477,7 +477,7 @@ class Submissions:
         latest: Document = (
             {"rescored_for": {"$ne": rubric_version}}
             if generation is None
-            else _latest_done_at(generation)
+            else _latest_done_at(generation, now)
         )
         claimable = {
             "_id": task_id,
@@ -919,7 +919,7 @@ def _claim_next_generation(
     rubric_version: str, *, request_id: str, now: datetime
 ) -> list[Document]:
     """The update of a re-score claim: the next generation (a claim's given up unsent is
-    taken again, `_HANDED_OUT`), recorded with the claim in the same write (an update
+    taken again, `_handed_out`), recorded with the claim in the same write (an update
     pipeline, so `rescore.generation` can be computed from the generation it takes). A
     resumed claim runs as the generation it took, not as one a DLQ replay took from the
     submission meanwhile; as two writes, a claim whose second write
@@ -937,7 +937,7 @@ def _claim_next_generation(
     return [
         {
             "$set": {
-                "generation": {"$add": [_HANDED_OUT, 1]},
+                "generation": {"$add": [_handed_out(now), 1]},
                 "rescored_for": {
                     "$concatArrays": [
                         {"$ifNull": ["$rescored_for", []]},
@@ -1043,39 +1043,49 @@ def _cancel_target_of(document: Document) -> CancelTarget:
 
 
 _GENERATION: Final = {"$ifNull": ["$generation", NO_GENERATION]}
-# The highest generation handed out to anything still able to send it: a re-score's claim
-# on top whose request an earlier build gave up to its DLQ unsent (`rescore.given_up`;
-# this one never gives a re-score up, `services.gateway.rescore`) does not count,
-# and the next claim takes its generation again.
-_GIVEN_UP_CLAIM_ON_TOP: Final = {
-    "$and": [
-        {"$eq": ["$rescore.given_up", True]},
-        {"$ne": ["$rescore.sent", True]},
-        {"$eq": ["$rescore.generation", _GENERATION]},
-    ]
-}
 # A re-score's claim whose request has not tried to send it for this long has none that will
-# (dead-lettered for a crash or the database's refusal): a DLQ replay runs above it. A live
-# request tries at least every `services.gateway.rescore.RETRY_DELAYS_S[-1]` (10 min).
+# (dead-lettered for a crash or the database's refusal). A live request tries at least every
+# `services.gateway.rescore.RETRY_DELAYS_S[-1]` (10 min).
 RESCORE_ORPHANED_AFTER: Final = timedelta(hours=1)
 _RESCORE_LAST_TRIED: Final = {"$max": ["$rescore.requested_at", "$rescore.tried_at"]}
-_HANDED_OUT: Final = {
-    "$cond": [_GIVEN_UP_CLAIM_ON_TOP, {"$subtract": [_GENERATION, 1]}, _GENERATION]
-}
 
 
-def _latest_done_at(generation: int) -> Document:
+def _handed_out(now: datetime) -> Document:
+    """The highest generation handed out to anything still able to send it (an aggregation
+    expression). A re-score's claim on top never sent does not count when its request was
+    given up to its DLQ (by an earlier build: `rescore.given_up`; this one gives none up,
+    `services.gateway.rescore`) or has not tried to send it for `RESCORE_ORPHANED_AFTER`:
+    the next claim takes its generation again, and a DLQ replay runs above it. One still
+    being sent counts (review): replayed above it, the letter's generation was scored
+    beside the claim's."""
+    unsendable_on_top = {
+        "$and": [
+            {"$ne": ["$rescore.sent", True]},
+            {"$eq": ["$rescore.generation", _GENERATION]},
+            {
+                "$or": [
+                    {"$eq": ["$rescore.given_up", True]},
+                    {"$lt": [_RESCORE_LAST_TRIED, now - RESCORE_ORPHANED_AFTER]},
+                ]
+            },
+        ]
+    }
+    return {"$cond": [unsendable_on_top, {"$subtract": [_GENERATION, 1]}, _GENERATION]}
+
+
+def _latest_done_at(generation: int, now: datetime) -> Document:
     """A filter: `generation` (a completed one) is the task's latest outcome, and no later
-    generation is running: it is the latest handed out (`_HANDED_OUT`), or every later one
+    generation is running: it is the latest handed out (`_handed_out`), or every later one
     finished without completing (a re-score that failed). A duplicate of a request, or a late
     one of an earlier run, finds the next generation taken and running (or completed)."""
     completed = {"$ifNull": [f"${COMPLETED_GENERATION}", NO_GENERATION]}
     finished = {"$ifNull": [f"${FINISHED_GENERATION}", NO_GENERATION - 1]}
+    handed_out = _handed_out(now)
     return {
         "$expr": {
             "$and": [
                 {"$lte": [completed, generation]},
-                {"$or": [{"$eq": [_HANDED_OUT, generation]}, {"$gte": [finished, _HANDED_OUT]}]},
+                {"$or": [{"$eq": [handed_out, generation]}, {"$gte": [finished, handed_out]}]},
             ]
         }
     }
@@ -1083,22 +1093,8 @@ def _latest_done_at(generation: int) -> Document:
 
 def _none_handed_out_above(generation: int, now: datetime) -> Document:
     """A filter: no generation above `generation` handed out to anything still able to send
-    it. A re-score's claim on top whose request was given up to its DLQ unsent does not
-    count: counted, it superseded the dead letter, which was removed, and the task never
-    scored. Nor does one whose request has not tried to send it for `RESCORE_ORPHANED_AFTER`
-    (dead-lettered for a crash or a refusal of the database, it never will). One still being
-    sent does (review): replayed above it, the letter's generation was scored beside the
-    claim's."""
-    orphaned = {"$lt": [_RESCORE_LAST_TRIED, now - RESCORE_ORPHANED_AFTER]}
-    unsendable_on_top = {
-        "$and": [
-            {"$ne": ["$rescore.sent", True]},
-            {"$eq": ["$rescore.generation", _GENERATION]},
-            {"$or": [{"$eq": ["$rescore.given_up", True]}, orphaned]},
-        ]
-    }
-    highest = {"$cond": [unsendable_on_top, {"$subtract": [_GENERATION, 1]}, _GENERATION]}
-    return {"$expr": {"$lte": [highest, generation]}}
+    it (`_handed_out`)."""
+    return {"$expr": {"$lte": [_handed_out(now), generation]}}
 
 
 def _rescore_being_sent(submission: Document, above: int, now: datetime) -> bool:

@@ -233,10 +233,9 @@ class ModelThrottle:
         # paused since before this one started, and it did not hear of it (a pause is
         # announced as it begins). Every slot called at once, and a provider's rate limit
         # answered a round of 429s as wide as the slots, each counted against the account
-        # (a walkthrough: 16 at each restart of a replica during a limit). A 429 pauses the
+        # (a walkthrough, at each restart of a replica during a limit). A 429 pauses the
         # rest before they call; any other answer lets them through, and so does its
-        # patience running out (`PROBE_PATIENCE_S`). Forgotten, as a pause is, when no call
-        # comes within `TRIP_WINDOW_S`.
+        # patience running out (`PROBE_PATIENCE_S`). Counted from the first delivery.
         self._starting = self._probe_due = probe_first  # its time: the first `wait_turn`
 
     def back_in_s(self, put_off: PutOff, rng: random.Random) -> float:

@@ -23,7 +23,6 @@ from services.gateway.batches import (
     BatchState,
     BatchSubmission,
     BatchSubmitted,
-    read_batch,
     submit_batch,
 )
 from services.gateway.cache import ResultCache
@@ -58,7 +57,6 @@ from services.gateway.submit import (
 )
 from shared.contracts import (
     BatchCancelling,
-    BatchProgress,
     CancelTask,
     Phase,
     ScoreResult,
@@ -70,6 +68,7 @@ from shared.contracts import (
 )
 from tests.integration.gateway_records import GatewayRecords as Gateway
 from tests.integration.gateway_records import Recorded, Unconfirmed, gateway_records
+from tests.integration.test_swept_reads import read_at
 from tests.support import SWEEP_RETENTION
 
 Document = dict[str, Any]
@@ -552,29 +551,10 @@ async def test_an_item_is_not_cancelled_while_its_batchs_request_sends_it(
     assert isinstance(await cancel(single.task_id), CancelTask)
 
 
-class NothingHeard:
-    """A status service that has heard of no item (`BatchStatusReader`)."""
-
-    async def batch(
-        self, batch_id: str, *, tenant_id: str, after: int, limit: int
-    ) -> BatchProgress:
-        return BatchProgress(batch_id=batch_id)
-
-
 async def _acceptance(gateway: Gateway, batch_id: str, at: datetime) -> tuple[str, object]:
-    page = await read_batch(
-        batch_id,
-        tenant_id=TENANT,
-        start=0,
-        limit=10,
-        batches=gateway.batches,
-        status=NothingHeard(),
-        submissions=gateway.submissions,
-        clock=lambda: at,
-        window=timedelta(minutes=5),
-        grace=GRACE,
-    )
-    assert page is not None
+    """How the batch's read says it was accepted, at `at`, the status service having heard
+    of none of its items."""
+    page = await read_at(gateway, batch_id, at)
     return page.acceptance, page.refused_at
 
 

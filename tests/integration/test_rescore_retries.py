@@ -25,7 +25,12 @@ from pymongo.errors import AutoReconnect
 from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
 from services.gateway.rescore import RescoreRequests
 from services.gateway.settings import GatewaySettings
-from services.gateway.submissions import RescoreClaim, RescoreRefused, Submissions
+from services.gateway.submissions import (
+    RESCORE_ORPHANED_AFTER,
+    RescoreClaim,
+    RescoreRefused,
+    Submissions,
+)
 from shared.contracts import RescoreTask, ScoreText, new_id, utcnow
 from shared.runtime import make_broker
 from shared.topology import RESCORE_REQUESTS, declare_topology
@@ -502,3 +507,31 @@ async def test_a_request_naming_no_generation_notes_the_claim_it_resumes_as_trie
     assert stored is not None
     assert stored["rescore"]["request_id"] == first.message_id
     assert stored["rescore"]["tried_at"] >= stored["rescore"]["requested_at"]
+
+
+async def test_a_claim_its_request_left_for_an_hour_is_taken_by_the_next_request(
+    env: Env,
+) -> None:
+    """Its request dead-lettered (a crash, the database's refusal), the claim was never sent,
+    and every later request found the task's completed generation no longer the latest: as
+    for a claim given up, the next request takes the same generation again."""
+    command = await accepted_submission(env.submissions())
+    orphaned = await env.submissions().claim_rescore(
+        command.task_id,
+        tenant_id=command.tenant_id,
+        rubric_version=f"v{new_id()[:6]}",
+        request_id=new_id(),
+        now=utcnow() - RESCORE_ORPHANED_AFTER * 2,
+        generation=0,
+    )
+    assert isinstance(orphaned, RescoreClaim)
+    publisher = ScriptedPublisher()
+
+    next_run = fan_out_request(command, version=f"v{new_id()[:6]}")
+    await env.consumer(publisher, env.submissions()).on_message(
+        HandedDelivery(next_run.model_dump_json().encode())
+    )
+
+    assert [(sent.generation, sent.task_id) for sent in publisher.sent] == [
+        (orphaned.generation, command.task_id)
+    ]

@@ -102,9 +102,10 @@ async def _unconfirmed_batch(gateway: Gateway, items: int) -> str:
     return submitted.record.batch_id
 
 
-async def _read(
+async def read_at(
     gateway: Gateway, batch_id: str, at: datetime, status: NotHeardYet | None = None
 ) -> BatchPage:
+    """The batch's read at `at`; by default the status service has heard of no item."""
     page = await read_batch(
         batch_id,
         tenant_id=TENANT,
@@ -132,12 +133,12 @@ async def test_batch_items_the_sweep_just_sent_read_queued_until_the_window_ends
     alarm_over = T0 + ALARM
     assert await _sweep(gateway, alarm_over) == 4
 
-    just_sent = await _read(gateway, batch_id, alarm_over + timedelta(seconds=1))
+    just_sent = await read_at(gateway, batch_id, alarm_over + timedelta(seconds=1))
     assert [item.status for item in just_sent.items] == ["queued"] * 4
     assert _nonzero(just_sent) == {"queued": 4}
 
     # Still unheard of a window after they were sent: expired, as a young batch's would be.
-    later = await _read(gateway, batch_id, alarm_over + WINDOW + timedelta(seconds=1))
+    later = await read_at(gateway, batch_id, alarm_over + WINDOW + timedelta(seconds=1))
     assert [item.status for item in later.items] == [EXPIRED] * 4
     assert _nonzero(later) == {EXPIRED: 4}
 
@@ -150,7 +151,7 @@ async def test_batch_items_the_sweep_sends_while_the_status_service_answers_read
     batch_id = await _unconfirmed_batch(gateway, items=3)
     at = T0 + ALARM
 
-    page = await _read(gateway, batch_id, at, status=SweptWhileAnswering(gateway, at))
+    page = await read_at(gateway, batch_id, at, status=SweptWhileAnswering(gateway, at))
 
     assert [item.status for item in page.items] == ["queued"] * 3
     assert _nonzero(page) == {"queued": 3}

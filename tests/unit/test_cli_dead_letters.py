@@ -287,20 +287,25 @@ def test_a_replay_by_ids_that_replayed_them_all_exits_0_though_its_walk_was_cut_
     assert WALK_STOPPED in result.stderr
 
 
-@pytest.mark.parametrize("asked", [("t1", "t2", "t3"), ("--all",)], ids=["by-ids", "all"])
-def test_a_replay_names_the_letters_superseded_and_exits_0(
-    server: FakeServer, asked: tuple[str, ...]
-) -> None:
-    """Letters a later generation superseded were removed unsent: done, not missed."""
-    report: Json = {
+def _replayed_t1(**lists: list[str]) -> Json:
+    """A whole replay report: `t1` replayed, the walk whole, and `lists` besides."""
+    return {
         "replayed": ["t1"],
-        "superseded": ["t2", "t3"],
         "skipped_unreadable": [],
         "not_found": [],
         "not_reached": [],
         "truncated": False,
         "timed_out": False,
+        **lists,
     }
+
+
+@pytest.mark.parametrize("asked", [("t1", "t2", "t3"), ("--all",)], ids=["by-ids", "all"])
+def test_a_replay_names_the_letters_superseded_and_exits_0(
+    server: FakeServer, asked: tuple[str, ...]
+) -> None:
+    """Letters a later generation superseded were removed unsent: done, not missed."""
+    report = _replayed_t1(superseded=["t2", "t3"])
     server.script("POST", f"{LETTERS}/replay", httpx.Response(200, json=report))
 
     result = run_cli("dlq", "replay", *asked)
@@ -314,15 +319,7 @@ def test_a_replay_that_kept_letters_being_rescored_says_so_and_exits_1(
     server: FakeServer,
 ) -> None:
     """Kept, not replayed: a script must not take them for done."""
-    report: Json = {
-        "replayed": ["t1"],
-        "skipped_being_rescored": ["t2"],
-        "skipped_unreadable": [],
-        "not_found": [],
-        "not_reached": [],
-        "truncated": False,
-        "timed_out": False,
-    }
+    report = _replayed_t1(skipped_being_rescored=["t2"])
     server.script("POST", f"{LETTERS}/replay", httpx.Response(200, json=report))
 
     result = run_cli("dlq", "replay", "--all")

@@ -130,7 +130,7 @@ async def _settled(records: UsageRecords, owed: Mapping[TenantDay, str], run: Jo
     """Forget the debts recounted, best effort: a failure leaves them owed, and a later slice
     recounts those days again, harmlessly. Raised, it failed a slice whose records were
     marked already: its retry found none pending and the run reported nothing rolled up
-    (a walkthrough: 4,286 records rolled up, `rolled_up: 0`)."""
+    (found by a walkthrough)."""
     try:
         await records.settle(owed)
     except PyMongoError as error:

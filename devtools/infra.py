@@ -18,6 +18,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import selectors
 import shutil
 import socket
@@ -323,6 +324,32 @@ def delete_vhost(amqp_url: str, vhost: str, *, management_url: str | None = None
     _vhost_admin(amqp_url, management_url).delete(vhost)
 
 
+def set_queue_policy(
+    amqp_url: str,
+    name: str,
+    queue: str,
+    definition: dict[str, Any],
+    *,
+    management_url: str | None = None,
+) -> None:
+    """Give `queue` of `amqp_url`'s vhost the policy `name` (`definition`, e.g.
+    `{"max-length": 0}`), as `create_vhost` reaches the broker. A broker applies it a moment
+    later, not when this returns."""
+    pattern = "^" + re.escape(queue) + "$"
+    _vhost_admin(amqp_url, management_url).set_policy(
+        _vhost_of(amqp_url), name, pattern, definition
+    )
+
+
+def clear_queue_policy(amqp_url: str, name: str, *, management_url: str | None = None) -> None:
+    """Remove the policy `name` of `amqp_url`'s vhost."""
+    _vhost_admin(amqp_url, management_url).clear_policy(_vhost_of(amqp_url), name)
+
+
+def _vhost_of(amqp_url: str) -> str:
+    return unquote(urlsplit(amqp_url).path[1:]) or "/"
+
+
 class _Rabbitmqctl:
     def create(self, vhost: str, user: str) -> None:
         _run(["rabbitmqctl", "add_vhost", vhost], timeout=RABBITMQCTL_TIMEOUT_S)
@@ -337,6 +364,13 @@ class _Rabbitmqctl:
         )
         if result.returncode != 0 and "does not exist" not in result.stdout + result.stderr:
             raise InfraError(f"rabbitmqctl delete_vhost {vhost} failed: {_output(result)}")
+
+    def set_policy(self, vhost: str, name: str, pattern: str, definition: dict[str, Any]) -> None:
+        command = ["rabbitmqctl", "set_policy", "-p", vhost, "--apply-to", "queues", name]
+        _run([*command, pattern, json.dumps(definition)], timeout=RABBITMQCTL_TIMEOUT_S)
+
+    def clear_policy(self, vhost: str, name: str) -> None:
+        _run(["rabbitmqctl", "clear_policy", "-p", vhost, name], timeout=RABBITMQCTL_TIMEOUT_S)
 
 
 @dataclass
@@ -358,6 +392,13 @@ class _ManagementApi:
             if error.code != 404:
                 raise
 
+    def set_policy(self, vhost: str, name: str, pattern: str, definition: dict[str, Any]) -> None:
+        body = {"pattern": pattern, "definition": definition, "apply-to": "queues"}
+        self._request("PUT", _policy_path(vhost, name), body)
+
+    def clear_policy(self, vhost: str, name: str) -> None:
+        self._request("DELETE", _policy_path(vhost, name), None)
+
     def reachable(self) -> bool:
         try:
             self._request("GET", "/api/overview", None)
@@ -365,7 +406,7 @@ class _ManagementApi:
             return False
         return True
 
-    def _request(self, method: str, path: str, body: dict[str, str] | None) -> None:
+    def _request(self, method: str, path: str, body: dict[str, Any] | None) -> None:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.base_url.rstrip("/") + path, data, method=method)
         token = base64.b64encode(f"{self.user}:{self.password}".encode()).decode()
@@ -373,6 +414,10 @@ class _ManagementApi:
         request.add_header("Content-Type", "application/json")
         with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
             response.read()
+
+
+def _policy_path(vhost: str, name: str) -> str:
+    return f"/api/policies/{quote(vhost, safe='')}/{quote(name, safe='')}"
 
 
 def is_local_node(amqp_url: str) -> bool:
@@ -403,6 +448,10 @@ def _vhost_admin(amqp_url: str, management_url: str | None) -> _VhostAdmin:
 class _VhostAdmin(Protocol):
     def create(self, vhost: str, user: str) -> None: ...
     def delete(self, vhost: str) -> None: ...
+    def set_policy(
+        self, vhost: str, name: str, pattern: str, definition: dict[str, Any]
+    ) -> None: ...
+    def clear_policy(self, vhost: str, name: str) -> None: ...
 
 
 @dataclass
@@ -417,6 +466,12 @@ class _FirstThatWorks:
 
     def delete(self, vhost: str) -> None:
         self._either(lambda admin: admin.delete(vhost))
+
+    def set_policy(self, vhost: str, name: str, pattern: str, definition: dict[str, Any]) -> None:
+        self._either(lambda admin: admin.set_policy(vhost, name, pattern, definition))
+
+    def clear_policy(self, vhost: str, name: str) -> None:
+        self._either(lambda admin: admin.clear_policy(vhost, name))
 
     def _either(self, action: Callable[[_VhostAdmin], None]) -> None:
         try:

@@ -1,5 +1,6 @@
 """Fixtures: the real RabbitMQ and MongoDB (or the labelled stand-in), one vhost and one set
-of databases per test module, the fake model server, and in-process services."""
+of databases per test module, brokers on the module's vhost (`task_broker`, and
+`stalled_broker` that never confirms), the fake model server, and in-process services."""
 
 from __future__ import annotations
 
@@ -8,10 +9,15 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from faststream.rabbit import RabbitBroker
 
 from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
 from devtools.infra import Endpoint, create_vhost, delete_vhost, resolve_mongo, resolve_rabbitmq
+from shared.runtime import make_broker, start_broker
+from shared.settings import ServiceSettings
 from tests.faults.slow_link import SlowLink
+
+STALLED_S = 3600.0  # a broker's frames held back that long: it answers nothing
 
 _MARKERS = {"integration": "integration", "e2e": "e2e", "faults": "faults"}
 # Keys a developer's shell may export: each changes what the services under test admit.
@@ -88,3 +94,32 @@ async def broker_link(amqp_url: str) -> AsyncIterator[SlowLink]:
     """A TCP proxy of this test's own to the test broker, to slow or cut (`SlowLink`)."""
     async with SlowLink.to(amqp_url).running() as link:
         yield link
+
+
+@pytest.fixture(scope="module")
+async def task_broker(amqp_url: str) -> AsyncIterator[RabbitBroker]:
+    """The module's vhost, its topology declared, as the services connect to it (a publish no
+    queue takes raises); nothing consumes the commands sent."""
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url})
+    broker = make_broker(settings, graceful_timeout_s=1.0)
+    await start_broker(broker, settings)
+    yield broker
+    await broker.stop()
+
+
+@pytest.fixture
+async def stalled_broker(amqp_url: str, broker_link: SlowLink) -> AsyncIterator[RabbitBroker]:
+    """The module's vhost, its topology declared, reached through `broker_link`, which holds
+    every frame of the broker back from the moment the fixture hands it over: publishes reach
+    the queues, their confirms never come (as under a memory alarm)."""
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": broker_link.url_through(amqp_url)})
+    broker = make_broker(settings, graceful_timeout_s=1.0)
+    await start_broker(broker, settings)
+    broker_link.reply_delay_s = STALLED_S
+    try:
+        yield broker
+    finally:
+        # Cut, not healed: frames held back and then let through mid-stop reopened channels
+        # (a teardown error, `second 'channel.open' seen`); a cut connection just closes.
+        await broker_link.cut()
+        await broker.stop()

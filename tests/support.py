@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pymongo import AsyncMongoClient, monitoring
 from pymongo.asynchronous.collection import AsyncCollection
 
+from devtools.infra import clear_queue_policy, set_queue_policy
 from services.gateway.submissions import Submissions
 from shared.batched_publish import EventBatcher
 from shared.consumers import Delivery, ScoreboxBroker
@@ -299,17 +300,66 @@ class HandlerOnly:
         self.handler = subscription.handler
 
 
-async def queued_commands(amqp_url: str) -> list[ScoreText]:
-    """Drain the score-requests queue of the vhost at `amqp_url`: the commands sent to the
-    scorer so far (none runs in the tests that read them: they wait in its queue)."""
+@asynccontextmanager
+async def queue_made_full(
+    amqp_url: str,
+    queue: str,
+    *,
+    policy: str,
+    timeout_s: float = 60.0,
+    management_url: str | None = None,
+) -> AsyncIterator[None]:
+    """`queue` of `amqp_url`'s vhost (a quorum queue with `reject-publish`) refusing every
+    publish with a negative confirm, as a full queue does, for the block: a policy gives it
+    `max-length` 0 (the lower of policy and argument applies), and fillers go in until it
+    refuses one (a quorum queue refuses once over its limit, not at it, and a policy applies
+    a moment after it is set). On the way out, the policy is removed and the queue emptied."""
+    await asyncio.to_thread(
+        set_queue_policy, amqp_url, policy, queue, {"max-length": 0}, management_url=management_url
+    )
+    try:
+        connection = await aio_pika.connect(amqp_url, timeout=timeout_s)
+        async with connection:
+            channel = await connection.channel()  # with publisher confirms
+
+            async def refused() -> bool:
+                try:
+                    await channel.default_exchange.publish(
+                        aio_pika.Message(b"filler"), routing_key=queue, timeout=timeout_s
+                    )
+                except aio_pika.exceptions.DeliveryError:
+                    return True
+                return False
+
+            await eventually(refused, timeout_s=timeout_s, what=f"{queue} refusing publishes")
+        yield
+    finally:
+        await asyncio.to_thread(clear_queue_policy, amqp_url, policy, management_url=management_url)
+        connection = await aio_pika.connect(amqp_url, timeout=timeout_s)
+        async with connection:
+            channel = await connection.channel()
+            await (await channel.get_queue(queue, ensure=True)).purge(timeout=timeout_s)
+
+
+async def drain(amqp_url: str, queue_name: str) -> list[aio_pika.abc.AbstractIncomingMessage]:
+    """Every message of `queue_name` in the vhost at `amqp_url`, taken off it in its order."""
     connection = await aio_pika.connect(amqp_url, timeout=10)
     async with connection:
         channel = await connection.channel()
-        queue = await channel.get_queue(SCORE_REQUESTS.name, ensure=True)
-        commands = []
+        queue = await channel.get_queue(queue_name, ensure=True)
+        found = []
         while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
-            commands.append(ScoreText.model_validate_json(message.body))
-        return commands
+            found.append(message)
+        return found
+
+
+async def queued_commands(amqp_url: str) -> list[ScoreText]:
+    """Drain the score-requests queue of the vhost at `amqp_url`: the commands sent to the
+    scorer so far (none runs in the tests that read them: they wait in its queue)."""
+    return [
+        ScoreText.model_validate_json(message.body)
+        for message in await drain(amqp_url, SCORE_REQUESTS.name)
+    ]
 
 
 @asynccontextmanager

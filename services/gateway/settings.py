@@ -5,7 +5,12 @@ from __future__ import annotations
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from services.gateway.keys import parse_key
-from shared.contracts import HEURISTIC_PROMPT_VERSION, MAX_BATCH_ITEMS, known_rubric_version
+from shared.contracts import (
+    HEURISTIC_PROMPT_VERSION,
+    MAX_BATCH_ITEMS,
+    PROVIDER_PROMPT_VERSIONS,
+    known_rubric_version,
+)
 from shared.settings import (
     DEFAULT_LLM_MODEL,
     MAX_DURATION_S,
@@ -41,9 +46,9 @@ class GatewaySettings(AdminApiSettings):
     result_cache_ttl_s: int = Field(
         default=86_400, gt=0, le=MAX_DURATION_S, validation_alias="RESULT_CACHE_TTL_S"
     )
-    # The current rubric/prompt version (the scheduler's setting too): when set, the result
-    # cache answers only with results scored under it, so a new rubric is not bypassed by
-    # the cache for `RESULT_CACHE_TTL_S`.
+    # The current rubric/prompt version (the scheduler's setting too): the result cache
+    # answers only with results scored under it (`cached_prompt_version`), so a new rubric is
+    # not bypassed by the cache for `RESULT_CACHE_TTL_S`.
     rubric_version: str | None = Field(default=None, validation_alias="RUBRIC_VERSION")
     # The scorer's own settings, read for the result cache: a submission naming no model is
     # scored by the scorer's default, which is part of its cache key. Without it, switching
@@ -219,6 +224,15 @@ class GatewaySettings(AdminApiSettings):
         if not listed:
             return ()
         return tuple(sorted(listed | {self.llm_model.strip() or DEFAULT_LLM_MODEL}))
+
+    @property
+    def cached_prompt_version(self) -> str | None:
+        """The prompt version whose results the result cache keeps and serves: `RUBRIC_VERSION`,
+        or unset, the one `LLM_PROVIDER`'s results carry (this build's prompt). Unset, any was
+        served: after a deploy that changed the prompt, the old prompt's scores answered
+        identical texts for `RESULT_CACHE_TTL_S` (a review). None (any) for a provider this
+        build does not know."""
+        return self.rubric_version or PROVIDER_PROMPT_VERSIONS.get(self.llm_provider.strip())
 
     @property
     def default_model(self) -> str:

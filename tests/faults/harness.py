@@ -513,38 +513,3 @@ async def memory_alarm(*, timeout_s: float) -> AsyncIterator[MemoryAlarm]:
 async def _broker_status() -> dict[str, Any]:
     status: dict[str, Any] = json.loads(await rabbitmqctl("status", "--formatter", "json"))
     return status
-
-
-@contextlib.asynccontextmanager
-async def queue_made_full(
-    amqp_url: str, queue: str, *, policy: str, timeout_s: float
-) -> AsyncIterator[None]:
-    """`queue` (a quorum queue with `reject-publish`) refusing publishes: a policy gives it
-    `max-length` 0 (the lower of policy and argument applies) and one message over it; on
-    the way out, the policy is removed and the queue emptied."""
-    vhost = vhost_of(amqp_url)
-    pattern = f"^{queue.replace('.', '[.]')}$"
-    await rabbitmqctl(
-        "set_policy", "-p", vhost, "--apply-to", "queues", policy, pattern,
-        json.dumps({"max-length": 0}),
-    )  # fmt: skip
-
-    async def applied() -> bool:
-        listed = await rabbitmqctl(
-            "list_queues", "-q", "-p", vhost, "name", "policy", "--formatter", "json"
-        )
-        return any(q["name"] == queue and q["policy"] == policy for q in json.loads(listed))
-
-    try:
-        await eventually(applied, timeout_s=timeout_s, what="the policy applied")
-        # A quorum queue refuses publishes once it is over its limit, not at it.
-        connection = await aio_pika.connect(amqp_url, timeout=timeout_s)
-        async with connection:
-            channel = await connection.channel()
-            await channel.default_exchange.publish(
-                aio_pika.Message(b"filler"), routing_key=queue, timeout=timeout_s
-            )
-        yield
-    finally:
-        await rabbitmqctl("clear_policy", "-p", vhost, policy)
-        await rabbitmqctl("purge_queue", "-p", vhost, queue)

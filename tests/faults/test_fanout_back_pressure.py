@@ -20,8 +20,8 @@ from shared.consumers import ScoreboxBroker
 from shared.contracts import RescoreTask, ScoreText, new_id, utcnow
 from shared.runtime import make_broker
 from shared.topology import RESCORE_REQUESTS, SCORE_REQUESTS, declare_topology
-from tests.faults.harness import queue_made_full, rabbitmqctl_available
-from tests.support import rescore_request
+from tests.faults.harness import rabbitmqctl_available
+from tests.support import queue_made_full, rescore_request
 
 POLICY = "scorebox-test-rescore-queue-full"
 TIMEOUT_S = 30.0

@@ -44,8 +44,8 @@ from shared.contracts import (
 )
 from shared.http import PROBLEM_JSON
 from shared.topology import EVENTS, SCORE_REQUESTS, STATUS_PROJECTION, TASKS
-from tests.faults.harness import queue_made_full, rabbitmqctl, rabbitmqctl_available, vhost_of
-from tests.support import eventually, rescore_request, running
+from tests.faults.harness import rabbitmqctl, rabbitmqctl_available, vhost_of
+from tests.support import eventually, queue_made_full, rescore_request, running
 
 API_KEY = generate_key().token
 POLICY = "scorebox-test-score-queue-full"

@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
+from faststream.rabbit import RabbitBroker
 
 from devtools.infra import Endpoint
 from services.gateway import batch_expiry
@@ -41,8 +42,10 @@ GRACE = timedelta(seconds=30)  # an OUTBOX_GRACE_S: how long a request may still
 
 
 @pytest.fixture
-async def gateway(mongo: Endpoint, db_prefix: str) -> AsyncIterator[Gateway]:
-    async with gateway_records(mongo.url, db_prefix) as records:
+async def gateway(
+    mongo: Endpoint, db_prefix: str, task_broker: RabbitBroker
+) -> AsyncIterator[Gateway]:
+    async with gateway_records(mongo.url, db_prefix, task_broker) as records:
         yield records
 
 

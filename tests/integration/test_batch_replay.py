@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from faststream.rabbit import RabbitBroker
 from pymongo.errors import ServerSelectionTimeoutError
 
 from devtools.infra import Endpoint
@@ -41,6 +41,7 @@ from services.gateway.errors import (
     RequestInProgress,
 )
 from services.gateway.limits import InFlight, LimitExceeded
+from services.gateway.publisher import TaskPublisher
 from services.gateway.refusals import Refusal, Refusals, write_off
 from services.gateway.submissions import (
     BATCH_WRITE_CHUNK,
@@ -56,7 +57,6 @@ from services.gateway.submit import (
     sweep_outbox,
 )
 from shared.contracts import (
-    BatchCancelling,
     CancelTask,
     Phase,
     ScoreResult,
@@ -66,10 +66,15 @@ from shared.contracts import (
     event_sequence,
     new_id,
 )
+from tests.integration.gateway_records import (
+    PUBLISH_TIMEOUT_S,
+    Recorded,
+    Unconfirmed,
+    gateway_records,
+)
 from tests.integration.gateway_records import GatewayRecords as Gateway
-from tests.integration.gateway_records import Recorded, Unconfirmed, gateway_records
 from tests.integration.test_swept_reads import read_at
-from tests.support import SWEEP_RETENTION
+from tests.support import SWEEP_RETENTION, queued_commands
 
 Document = dict[str, Any]
 T0 = datetime(2030, 5, 17, 12, 0, tzinfo=UTC)
@@ -91,8 +96,10 @@ class Dying(Recorded):
 
 
 @pytest.fixture
-async def gateway(mongo: Endpoint, db_prefix: str) -> AsyncIterator[Gateway]:
-    async with gateway_records(mongo.url, db_prefix) as records:
+async def gateway(
+    mongo: Endpoint, db_prefix: str, task_broker: RabbitBroker
+) -> AsyncIterator[Gateway]:
+    async with gateway_records(mongo.url, db_prefix, task_broker) as records:
         yield records
 
 
@@ -133,7 +140,7 @@ async def _interrupted(gateway: Gateway, request: BatchSubmission, recorded: int
     """The records of a request whose process died after recording the batch and only its
     first `recorded` submissions; returns the batch's id."""
     with pytest.raises(ProcessDied):
-        await _submit(gateway, request, Dying(), T0)
+        await _submit(gateway, request, Dying(gateway.broker), T0)
     batch = await gateway.raw["batches"].find_one({"idempotency_key": KEY})
     await gateway.raw["submissions"].delete_many(
         {"batch_id": batch["_id"], "command.batch_index": {"$gte": recorded}}
@@ -149,17 +156,20 @@ async def _stored(gateway: Gateway, batch_id: str) -> dict[int, Document]:
 
 
 async def test_a_replay_records_what_the_interrupted_batch_had_not_and_all_is_sent_once(
-    gateway: Gateway,
+    gateway: Gateway, amqp_url: str
 ) -> None:
+    await queued_commands(amqp_url)  # what the module's earlier tests sent
     count = BATCH_WRITE_CHUNK + 50  # it died between two chunks of its submissions
     request = _request(count)
     batch_id = await _interrupted(gateway, request, recorded=BATCH_WRITE_CHUNK)
-    swept_before = Recorded()  # a sweep during the grace period already sent one of them
+    swept_before = Recorded(gateway.broker)  # a sweep during the grace period sent one of them
     first = (await _stored(gateway, batch_id))[0]
+    await swept_before.send(ScoreText.model_validate(first["command"]))
     await gateway.submissions.mark_accepted(first["_id"])
-    swept_before.sent.append(first["_id"])
 
-    replay = await _submit(gateway, request, Recorded(), T0 + GRACE + timedelta(seconds=1))
+    replay = await _submit(
+        gateway, request, Recorded(gateway.broker), T0 + GRACE + timedelta(seconds=1)
+    )
 
     assert not replay.created
     assert replay.record.batch_id == batch_id
@@ -180,7 +190,7 @@ async def test_a_replay_records_what_the_interrupted_batch_had_not_and_all_is_se
     batch = await gateway.raw["batches"].find_one({"_id": batch_id})
     assert batch["state"] == BatchState.ACCEPTED
 
-    sweep = Recorded()
+    sweep = Recorded(gateway.broker)
     while await sweep_outbox(
         submissions=gateway.submissions,
         publisher=sweep,
@@ -192,12 +202,14 @@ async def test_a_replay_records_what_the_interrupted_batch_had_not_and_all_is_se
     ):
         pass
     assert sorted(swept_before.sent + sweep.sent) == sorted(members)  # each sent exactly once
+    # And each reached the scorer's queue once, the replay's request sending none of them.
+    assert sorted(command.task_id for command in await queued_commands(amqp_url)) == sorted(members)
 
 
 async def _swept_at(
     gateway: Gateway, at: datetime, *, held: HeldBatches | None = None
 ) -> list[str]:
-    sweep = Recorded()
+    sweep = Recorded(gateway.broker)
     while await sweep_outbox(
         submissions=gateway.submissions,
         publisher=sweep,
@@ -237,7 +249,7 @@ async def test_a_batch_its_request_left_incomplete_is_held_for_a_replay_then_ref
     assert await _swept_at(gateway, later) == []
     assert await _states(gateway, recorded) == [SubmissionState.ABANDONED] * 2
     assert (await gateway.raw["batches"].find_one({"_id": batch_id}))["state"] == "abandoned"
-    replay = await _submit(gateway, request, Recorded(), later)
+    replay = await _submit(gateway, request, Recorded(gateway.broker), later)
     assert replay.created
     assert replay.record.batch_id != batch_id
 
@@ -273,7 +285,11 @@ async def test_a_batch_its_request_left_without_any_item_is_refused_whole_after_
     request = _request(3)
     with pytest.raises(ProcessDied):
         await _submit(
-            gateway, request, Recorded(), T0, DiesRecordingItems(gateway.raw.client, gateway.name)
+            gateway,
+            request,
+            Recorded(gateway.broker),
+            T0,
+            DiesRecordingItems(gateway.raw.client, gateway.name),
         )
     batch = await gateway.raw["batches"].find_one({"idempotency_key": KEY})
     held_until = T0 + INCOMPLETE_BATCH_HOLD
@@ -285,7 +301,9 @@ async def test_a_batch_its_request_left_without_any_item_is_refused_whole_after_
     refused = await gateway.raw["batches"].find_one({"_id": batch["_id"]})
     assert refused["state"] == "abandoned"
     assert "idempotency_key" not in refused
-    replay = await _submit(gateway, request, Recorded(), held_until + timedelta(seconds=2))
+    replay = await _submit(
+        gateway, request, Recorded(gateway.broker), held_until + timedelta(seconds=2)
+    )
     assert replay.created  # its key free: the batch recorded anew, and sent
     assert replay.record.batch_id != batch["_id"]
 
@@ -293,7 +311,7 @@ async def test_a_batch_its_request_left_without_any_item_is_refused_whole_after_
 async def test_a_batch_its_request_recorded_whole_is_not_looked_at_before_its_expiry(
     gateway: Gateway,
 ) -> None:
-    submitted = await _submit(gateway, _request(2), Recorded(), T0)
+    submitted = await _submit(gateway, _request(2), Recorded(gateway.broker), T0)
     stored = await gateway.raw["batches"].find_one({"_id": submitted.record.batch_id})
     assert stored[HOLD_CHECK_AT] == T0 + POLICY.retention - HOLD_LEAD
 
@@ -346,7 +364,7 @@ async def test_a_request_whose_batch_the_sweep_refused_as_interrupted_keeps_noth
     async def sweep_past_the_hold() -> None:
         swept.extend(await _swept_at(gateway, T0 + INCOMPLETE_BATCH_HOLD * 2))
 
-    broker = Recorded()
+    broker = Recorded(gateway.broker)
     slow = RecordedSlowly(gateway, sweep_past_the_hold)
 
     with pytest.raises(DatabaseUnavailable, match="refused; nothing was kept"):
@@ -371,9 +389,9 @@ async def test_a_slow_request_whose_batch_a_replay_accepted_answers_it_and_count
 
     async def replayed_past_the_grace() -> None:
         later = T0 + GRACE + timedelta(seconds=1)
-        replays.append(await _submit(gateway, request, Recorded(), later))
+        replays.append(await _submit(gateway, request, Recorded(gateway.broker), later))
 
-    broker = Recorded()
+    broker = Recorded(gateway.broker)
     in_flight = InFlight(gateway.raw.client, gateway.name, max_per_tenant=100)
     slow = RecordedSlowly(gateway, replayed_past_the_grace)
 
@@ -390,16 +408,21 @@ async def test_a_slow_request_whose_batch_a_replay_accepted_answers_it_and_count
     assert await in_flight.count(TENANT) == 0
 
 
-@dataclass
-class Cancels:
-    """A broker taking a batch's cancellations (`BatchCancelSender`), confirming them all."""
+class Cancels(TaskPublisher):
+    """The gateway's publisher on the test's broker, remembering the task ids of the
+    cancellations it sent, a batch's (`cancel_many`) or a single task's (`cancel`), once the
+    broker confirmed them (the vhost's task-cancels queue takes them; no scorer reads it)."""
 
-    cancelled: list[str] = field(default_factory=list)
+    def __init__(self, broker: RabbitBroker) -> None:
+        super().__init__(broker, timeout_s=PUBLISH_TIMEOUT_S)
+        self.cancelled: list[str] = []
 
-    async def announce_batch_cancel(self, event: BatchCancelling) -> None:
-        pass
+    async def cancel(self, cancel: CancelTask) -> None:
+        await super().cancel(cancel)
+        self.cancelled.append(cancel.task_id)
 
     async def cancel_many(self, cancels: Sequence[CancelTask]) -> None:
+        await super().cancel_many(cancels)
         self.cancelled.extend(cancel.task_id for cancel in cancels)
 
 
@@ -436,11 +459,11 @@ async def test_a_batch_cancelled_while_its_items_are_recorded_is_refused_until_t
     """The batch is listed, and found, from its record's insert on: a cancel then sent its
     recorded items' cancellations only and answered 202, and the request went on to send
     the rest, scored (a review). Now nothing is cancelled until every item is recorded."""
-    cancels = Cancels()
+    cancels = Cancels(gateway.broker)
     refusals: list[BatchBeingRecorded] = []
     cancelled_meanwhile = _cancel_refused(gateway, cancels, refusals)
 
-    broker = Recorded()
+    broker = Recorded(gateway.broker)
     answer = await _submit(
         gateway, _request(3), broker, T0, RecordedSlowly(gateway, cancelled_meanwhile)
     )
@@ -456,8 +479,8 @@ class CancelledBeforeSending(Recorded):
     """A broker whose first `send_many` waits for `meanwhile` (a cancel of the batch, from a
     client that lists its batches) before it takes the commands."""
 
-    def __init__(self, meanwhile: Callable[[], Awaitable[None]]) -> None:
-        super().__init__()
+    def __init__(self, broker: RabbitBroker, meanwhile: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(broker)
         self._meanwhile: Callable[[], Awaitable[None]] | None = meanwhile
 
     async def send_many(self, commands: Sequence[ScoreText]) -> bool:
@@ -473,11 +496,11 @@ async def test_a_batch_recorded_whole_is_not_cancelled_while_its_request_sends_i
     """Between recording its items and sending them, a request took their in-flight slots:
     a cancel then had every item's outcome give its slot back first, and the tenant's count
     stayed three too high for good (review of batches)."""
-    cancels = Cancels()
+    cancels = Cancels(gateway.broker)
     refusals: list[BatchBeingRecorded] = []
     cancelled_meanwhile = _cancel_refused(gateway, cancels, refusals)
 
-    broker = CancelledBeforeSending(cancelled_meanwhile)
+    broker = CancelledBeforeSending(gateway.broker, cancelled_meanwhile)
     in_flight = InFlight(gateway.raw.client, gateway.name, max_per_tenant=100)
     answer = await _submit(gateway, _request(3), broker, T0, in_flight=in_flight)
 
@@ -494,16 +517,6 @@ class NoStatus:
         return None
 
 
-class OneCancel:
-    """A broker taking single cancellations (`CancelSender`)."""
-
-    def __init__(self) -> None:
-        self.cancelled: list[str] = []
-
-    async def cancel(self, cancel: CancelTask) -> None:
-        self.cancelled.append(cancel.task_id)
-
-
 async def test_an_item_is_not_cancelled_while_its_batchs_request_sends_it(
     gateway: Gateway,
 ) -> None:
@@ -511,7 +524,7 @@ async def test_an_item_is_not_cancelled_while_its_batchs_request_sends_it(
     its record and its slot had its outcome give the slot back before the request took
     it, and the tenant's count stayed one too high for good (re-read of the batch cancel's
     fix)."""
-    sender = OneCancel()
+    sender = Cancels(gateway.broker)
     refusals: list[TaskBeingAccepted] = []
 
     async def cancel(task_id: str) -> object:
@@ -533,7 +546,7 @@ async def test_an_item_is_not_cancelled_while_its_batchs_request_sends_it(
             await cancel(record.members[0].task_id)
         refusals.append(refused.value)
 
-    broker = CancelledBeforeSending(item_cancelled_meanwhile)
+    broker = CancelledBeforeSending(gateway.broker, item_cancelled_meanwhile)
     in_flight = InFlight(gateway.raw.client, gateway.name, max_per_tenant=100)
     answer = await _submit(gateway, _request(3), broker, T0, in_flight=in_flight)
 
@@ -568,7 +581,7 @@ async def test_a_batch_its_request_died_in_reads_incomplete_until_it_is_refused(
     assert await _acceptance(gateway, batch_id, T0 + GRACE / 2) == ("accepting", None)
     held_until = incomplete_batch_held_until(T0, grace=GRACE)
     assert await _acceptance(gateway, batch_id, T0 + GRACE * 2) == ("incomplete", held_until)
-    accepted = await _submit(gateway, _request(2), Recorded(), T0, key="another-key")
+    accepted = await _submit(gateway, _request(2), Recorded(gateway.broker), T0, key="another-key")
     assert await _acceptance(gateway, accepted.record.batch_id, T0) == ("accepted", None)
 
 
@@ -578,7 +591,7 @@ async def test_a_batch_held_for_its_replay_is_not_cancelled_in_part(gateway: Gat
     the refusal says why, and asks again no sooner than the request has run (a fixed second
     had a client ask some 600 times over the hold; a review)."""
     batch_id = await _interrupted(gateway, _request(5), recorded=2)
-    cancels = Cancels()
+    cancels = Cancels(gateway.broker)
     with pytest.raises(BatchBeingRecorded, match="2 of its 5 items") as young:
         await _cancel(gateway, batch_id, cancels)
     assert young.value.retry_after_s == 1
@@ -594,10 +607,10 @@ async def test_a_keyless_batch_left_incomplete_is_not_offered_a_replay(gateway: 
     replay of it with its Idempotency-Key" all the same (a review)."""
     dying = DiesRecordingItems(gateway.raw.client, gateway.name)
     with pytest.raises(ProcessDied):
-        await _submit(gateway, _request(3), Recorded(), T0, dying, key=None)
+        await _submit(gateway, _request(3), Recorded(gateway.broker), T0, dying, key=None)
     assert dying.batch_id is not None
     with pytest.raises(BatchBeingRecorded) as held:
-        await _cancel(gateway, dying.batch_id, Cancels(), at=T0 + GRACE * 2)
+        await _cancel(gateway, dying.batch_id, Cancels(gateway.broker), at=T0 + GRACE * 2)
     assert "left incomplete by its request (0 of its 3 items recorded)" in str(held.value)
     assert "is refused whole at 2030-05-17T12:10:00" in str(held.value)
     assert "Idempotency-Key" not in str(held.value)
@@ -617,19 +630,21 @@ async def test_a_batch_recorded_whole_is_cancelled_though_an_item_has_expired(
         )
     stored = await _stored(gateway, batch_id)
     await gateway.raw["submissions"].delete_one({"_id": stored[0]["_id"]})
-    cancels = Cancels()
+    cancels = Cancels(gateway.broker)
     await _cancel(gateway, batch_id, cancels, at=T0 + GRACE * 2)  # its request is over
     assert sorted(cancels.cancelled) == sorted(stored[i]["_id"] for i in (1, 2))
 
 
 async def test_a_batch_held_for_a_replay_keeps_no_other_submission_waiting(
-    gateway: Gateway,
+    gateway: Gateway, stalled_broker: RabbitBroker
 ) -> None:
     """Its items, the oldest unsent, filled the sweep's list (500 a pass) for the whole
     hold: a batch answered 202 but not confirmed waited ten minutes (a review)."""
     await _interrupted(gateway, _request(1000), recorded=600)
     at_once = T0 + timedelta(seconds=1)
-    answered = await _submit(gateway, _request(3), Unconfirmed(), at_once, key="another")
+    answered = await _submit(
+        gateway, _request(3), Unconfirmed(stalled_broker), at_once, key="another"
+    )
     held = HeldBatches()
     at = T0 + GRACE + timedelta(seconds=2)
 
@@ -650,7 +665,7 @@ async def test_a_held_batch_a_replay_completed_is_sent_at_the_next_pass(
     at = T0 + GRACE + timedelta(seconds=2)
     assert await _swept_at(gateway, at, held=held) == []  # held, and remembered so
 
-    replay = await _submit(gateway, request, Recorded(), at + timedelta(seconds=1))
+    replay = await _submit(gateway, request, Recorded(gateway.broker), at + timedelta(seconds=1))
     sent = await _swept_at(gateway, at + timedelta(seconds=10), held=held)
 
     assert replay.record.batch_id == batch_id
@@ -675,10 +690,10 @@ async def test_a_second_replay_changes_nothing(gateway: Gateway) -> None:
     request = _request(3)
     batch_id = await _interrupted(gateway, request, recorded=1)
     later = T0 + GRACE + timedelta(seconds=1)
-    await _submit(gateway, request, Recorded(), later)
+    await _submit(gateway, request, Recorded(gateway.broker), later)
     before = await _stored(gateway, batch_id)
 
-    again = await _submit(gateway, request, Recorded(), later + timedelta(seconds=5))
+    again = await _submit(gateway, request, Recorded(gateway.broker), later + timedelta(seconds=5))
 
     assert again.record.batch_id == batch_id
     assert not again.created
@@ -692,7 +707,7 @@ async def test_a_replay_within_the_grace_period_is_told_to_wait_and_records_noth
     batch_id = await _interrupted(gateway, request, recorded=1)
 
     with pytest.raises(RequestInProgress):
-        await _submit(gateway, request, Recorded(), T0 + GRACE - timedelta(seconds=1))
+        await _submit(gateway, request, Recorded(gateway.broker), T0 + GRACE - timedelta(seconds=1))
 
     assert sorted(await _stored(gateway, batch_id)) == [0]
     batch = await gateway.raw["batches"].find_one({"_id": batch_id})
@@ -709,7 +724,7 @@ async def test_a_replay_within_the_grace_period_is_told_to_wait_as_long_as_its_r
     await _interrupted(gateway, request, recorded=1)
 
     with pytest.raises(RequestInProgress) as replay:
-        await _submit(gateway, request, Recorded(), T0 + timedelta(seconds=ran_s))
+        await _submit(gateway, request, Recorded(gateway.broker), T0 + timedelta(seconds=ran_s))
 
     assert replay.value.retry_after_s == told_s
 
@@ -722,13 +737,15 @@ async def test_a_replay_with_another_body_is_a_conflict_even_while_the_first_run
     batch_id = await _interrupted(gateway, _request(3), recorded=1)
 
     with pytest.raises(IdempotencyConflict):
-        await _submit(gateway, _request(4), Recorded(), T0 + GRACE - timedelta(seconds=1))
+        await _submit(
+            gateway, _request(4), Recorded(gateway.broker), T0 + GRACE - timedelta(seconds=1)
+        )
 
     assert sorted(await _stored(gateway, batch_id)) == [0]
 
 
 async def _sent_by_sweeps(gateway: Gateway, refusals: Refusals) -> list[str]:
-    sweep = Recorded()
+    sweep = Recorded(gateway.broker)
     while await sweep_outbox(
         submissions=gateway.submissions,
         publisher=sweep,
@@ -770,7 +787,9 @@ async def test_a_refused_batch_a_replay_accepted_before_its_write_off_is_sent(
     write-off that comes after it."""
     request = _request(3)
     batch_id, refusals = await _refused(gateway, request)
-    replay = await _submit(gateway, request, Recorded(), T0 + GRACE + timedelta(seconds=1))
+    replay = await _submit(
+        gateway, request, Recorded(gateway.broker), T0 + GRACE + timedelta(seconds=1)
+    )
 
     await _write_off(gateway, refusals)
 
@@ -806,7 +825,7 @@ async def test_a_replay_of_a_batch_written_off_meanwhile_is_refused(gateway: Gat
         await _submit(
             gateway,
             request,
-            Recorded(),
+            Recorded(gateway.broker),
             T0 + GRACE + timedelta(seconds=1),
             submissions=WrittenOffMeanwhile(gateway, refusals),
         )
@@ -831,7 +850,7 @@ async def test_a_replay_of_a_batch_whose_insert_timed_out_and_was_written_off_ke
         await _submit(
             gateway,
             request,
-            Recorded(),
+            Recorded(gateway.broker),
             T0 + GRACE + timedelta(seconds=1),
             submissions=WrittenOffMeanwhile(gateway, refusals),
         )
@@ -861,7 +880,7 @@ async def test_a_replay_that_cannot_mark_its_batch_accepted_leaves_it_to_the_swe
         await _submit(
             gateway,
             request,
-            Recorded(),
+            Recorded(gateway.broker),
             T0 + GRACE + timedelta(seconds=1),
             batches=AcceptanceLost(gateway.raw.client, gateway.name),
             refusals=refusals,
@@ -872,7 +891,9 @@ async def test_a_replay_that_cannot_mark_its_batch_accepted_leaves_it_to_the_swe
     assert batch["state"] == BatchState.ACCEPTING
     members = sorted(member["task_id"] for member in batch["members"])
     assert sorted(await _sent_by_sweeps(gateway, refusals)) == members  # each once
-    later = await _submit(gateway, request, Recorded(), T0 + GRACE + timedelta(seconds=3))
+    later = await _submit(
+        gateway, request, Recorded(gateway.broker), T0 + GRACE + timedelta(seconds=3)
+    )
     assert (later.created, later.record.batch_id) == (False, batch_id)
 
 
@@ -892,7 +913,7 @@ async def test_a_replay_failing_after_its_batch_was_written_off_leaves_its_recor
         await _submit(
             gateway,
             request,
-            Recorded(),
+            Recorded(gateway.broker),
             T0 + GRACE + timedelta(seconds=1),
             submissions=WrittenOffMeanwhile(gateway, meanwhile),
             batches=AcceptanceLost(gateway.raw.client, gateway.name),
@@ -907,13 +928,15 @@ async def test_a_replay_failing_after_its_batch_was_written_off_leaves_its_recor
 
 
 class RefusingBatches(Recorded):
-    """A broker that takes none of a batch's commands."""
+    """A broker that takes none of a batch's commands; their withdrawal is the real one."""
 
     async def send_many(self, commands: Sequence[ScoreText]) -> bool:
         raise BrokerUnavailable("refused")
 
     async def withdraw(self, commands: Sequence[ScoreText]) -> None:
-        return None
+        # `Recorded` expects no withdrawal; a refused batch's request makes one: the real
+        # publisher's `score.withdrawn`, to the status projection's queue.
+        await TaskPublisher.withdraw(self, commands)
 
 
 async def _refused_by_the_broker(
@@ -924,7 +947,7 @@ async def _refused_by_the_broker(
 ) -> None:
     """A batch of 3, counted in flight, whose commands the broker refuses (503)."""
     with pytest.raises(BrokerUnavailable):
-        await _submitted(gateway, refusals, in_flight, publisher or RefusingBatches())
+        await _submitted(gateway, refusals, in_flight, publisher or RefusingBatches(gateway.broker))
 
 
 async def _submitted(
@@ -1062,7 +1085,7 @@ async def test_a_batch_refused_429_and_kept_releases_no_slot_at_its_outcomes(
     review)."""
     in_flight = FullWhileSwept(gateway)
     with pytest.raises(LimitExceeded):
-        await _submitted(gateway, Refusals(), in_flight, Recorded())
+        await _submitted(gateway, Refusals(), in_flight, Recorded(gateway.broker))
 
     assert len(in_flight.swept) == 3
     items = await gateway.raw["submissions"].find({}).to_list()
@@ -1075,12 +1098,13 @@ class SweepDuringWithdrawal(RefusingBatches):
     up to `BROKER_TIMEOUT_S`)."""
 
     def __init__(self, gateway: Gateway, refusals: Refusals) -> None:
-        super().__init__()
+        super().__init__(gateway.broker)
         self._meanwhile = (gateway, refusals)
         self.swept: list[str] = []
 
     async def withdraw(self, commands: Sequence[ScoreText]) -> None:
         self.swept += await _sent_by_sweeps(*self._meanwhile)
+        await super().withdraw(commands)
 
 
 async def test_a_refused_batch_is_not_sent_by_a_sweep_while_its_commands_are_withdrawn(
@@ -1098,26 +1122,33 @@ async def test_a_refused_batch_is_not_sent_by_a_sweep_while_its_commands_are_wit
 class WithdrawnWhenLetGo(RefusingBatches):
     """A broker that takes none of a batch's commands; withdrawing them waits for `go`."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, broker: RabbitBroker) -> None:
+        super().__init__(broker)
         self.reached, self.go = asyncio.Event(), asyncio.Event()
 
     async def withdraw(self, commands: Sequence[ScoreText]) -> None:
         self.reached.set()
         await self.go.wait()
+        await super().withdraw(commands)
 
 
 class RefusalFinishesMeanwhile(Recorded):
     """A sweep's publisher: sending `first` takes as long as the refused batch's request
     needs to finish (its withdrawal let go)."""
 
-    def __init__(self, first: str, broker: WithdrawnWhenLetGo, refused: asyncio.Task[Any]):
-        super().__init__()
-        self._first, self._broker, self._refused = first, broker, refused
+    def __init__(
+        self,
+        broker: RabbitBroker,
+        first: str,
+        refusing: WithdrawnWhenLetGo,
+        refused: asyncio.Task[Any],
+    ) -> None:
+        super().__init__(broker)
+        self._first, self._refusing, self._refused = first, refusing, refused
 
     async def send(self, command: ScoreText) -> bool:
         if command.task_id == self._first:
-            self._broker.go.set()
+            self._refusing.go.set()
             await asyncio.wait_for(asyncio.wait({self._refused}), timeout=10)
         return await super().send(command)
 
@@ -1138,12 +1169,12 @@ async def test_a_refused_batch_is_not_sent_by_a_sweep_pass_started_before_it_was
     await gateway.submissions.insert(
         older, request_hash="h", idempotency_key=None, retention=POLICY.retention, cache_key="c"
     )
-    broker, refusals = WithdrawnWhenLetGo(), Refusals()
+    broker, refusals = WithdrawnWhenLetGo(gateway.broker), Refusals()
     refused = asyncio.create_task(
         _submit(gateway, _request(3), broker, T0, refusals=refusals), name="refused batch"
     )
     await asyncio.wait_for(broker.reached.wait(), timeout=10)
-    publisher = RefusalFinishesMeanwhile(older.task_id, broker, refused)
+    publisher = RefusalFinishesMeanwhile(gateway.broker, older.task_id, broker, refused)
 
     swept = await sweep_outbox(
         submissions=gateway.submissions,
@@ -1177,7 +1208,7 @@ class ReplayDuringRelease(InFlight):
         if self.replay is None:
             gateway, request = self._meanwhile
             later = T0 + GRACE + timedelta(seconds=1)
-            self.replay = await _submit(gateway, request, Recorded(), later)
+            self.replay = await _submit(gateway, request, Recorded(gateway.broker), later)
         await super().release(tenant_id, task_id)
 
 
@@ -1199,7 +1230,7 @@ async def test_a_refused_batch_a_replay_accepted_while_its_slots_were_released_k
             idempotency_key=KEY,
             batches=gateway.batches,
             submissions=gateway.submissions,
-            publisher=RefusingBatches(),
+            publisher=RefusingBatches(gateway.broker),
             policy=POLICY,
             clock=lambda: T0,
             refusals=refusals,
@@ -1243,7 +1274,7 @@ async def test_a_replay_whose_insert_was_never_sent_keeps_no_sweep_off_its_batch
         await _submit(
             gateway,
             request,
-            Recorded(),
+            Recorded(gateway.broker),
             T0 + GRACE + timedelta(seconds=1),
             NeverSent(gateway.raw.client, gateway.name),
             refusals=refusals,
@@ -1281,7 +1312,7 @@ async def test_a_replay_that_cannot_forget_its_records_leaves_them_to_the_write_
         await _submit(
             gateway,
             request,
-            Recorded(),
+            Recorded(gateway.broker),
             T0 + GRACE + timedelta(seconds=1),
             submissions=AbandonFailsOnce(gateway, meanwhile),
             refusals=refusals,
@@ -1332,7 +1363,7 @@ async def _accepted_without_marks(
 ) -> BatchSubmitted:
     """The batch, counted in flight, sent and answered 202, whose acceptance marks (its
     submissions' and its own) the database did not take: it is left `accepting`."""
-    broker = Recorded()
+    broker = Recorded(gateway.broker)
     accepted = await submit_batch(
         request,
         tenant_id=TENANT,
@@ -1394,7 +1425,7 @@ async def test_a_batch_answered_202_is_kept_when_a_replay_fails_on_the_database_
         await _submit(
             gateway,
             request,
-            Recorded(),
+            Recorded(gateway.broker),
             T0 + GRACE + timedelta(seconds=1),
             submissions(gateway.raw.client, gateway.name),
             batches=batches(gateway.raw.client, gateway.name),
@@ -1410,7 +1441,9 @@ async def test_a_batch_answered_202_is_kept_when_a_replay_fails_on_the_database_
     assert await gateway.batches.find(batch_id, tenant_id=TENANT) is not None  # not a 404
     # Sent again, as any batch left `accepting` is: the scorer claims each task once.
     assert sorted(await _sent_by_sweeps(gateway, refusals)) == sorted(members)
-    later = await _submit(gateway, request, Recorded(), T0 + GRACE + timedelta(seconds=3))
+    later = await _submit(
+        gateway, request, Recorded(gateway.broker), T0 + GRACE + timedelta(seconds=3)
+    )
 
     assert (later.created, later.record.batch_id) == (False, batch_id)  # not created again
     batch = await gateway.raw["batches"].find_one({"_id": batch_id})

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import datetime, timedelta
 
 import pytest
+from faststream.rabbit import RabbitBroker
 
 from devtools.infra import Endpoint
 from services.gateway.batch_expiry import hold_unsent_batches
@@ -49,6 +50,7 @@ from tests.integration.test_batch_replay import (
     _submit,
     _write_off,
 )
+from tests.support import queued_commands
 
 pytestmark = pytest.mark.integration
 
@@ -56,14 +58,16 @@ SWEPT_AT = T0 + GRACE + timedelta(seconds=2)
 
 
 @pytest.fixture
-async def gateway(mongo: Endpoint, db_prefix: str) -> AsyncIterator[Gateway]:
-    async with gateway_records(mongo.url, db_prefix) as records:
+async def gateway(
+    mongo: Endpoint, db_prefix: str, task_broker: RabbitBroker
+) -> AsyncIterator[Gateway]:
+    async with gateway_records(mongo.url, db_prefix, task_broker) as records:
         yield records
 
 
 async def _swept(gateway: Gateway, refusals: Refusals, at: datetime = SWEPT_AT) -> list[str]:
     """What this replica's sweep passes send, as the gateway runs them (its batches given)."""
-    sweep = Recorded()
+    sweep = Recorded(gateway.broker)
     while await sweep_outbox(
         submissions=gateway.submissions,
         publisher=sweep,
@@ -111,7 +115,7 @@ async def test_a_batch_swept_just_before_its_look_lives_a_retention_from_the_sen
 
     sent = await sweep_outbox(
         submissions=gateway.submissions,
-        publisher=Recorded(),
+        publisher=Recorded(gateway.broker),
         clock=lambda: now,
         grace=GRACE,
         refusals=Refusals(),
@@ -187,7 +191,7 @@ async def test_a_replay_completing_a_batch_keeps_its_own_sweep_off_the_items(
         await _submit(
             gateway,
             request,
-            Recorded(),
+            Recorded(gateway.broker),
             T0 + GRACE + timedelta(seconds=1),
             submissions,
             refusals=refusals,
@@ -208,17 +212,18 @@ class DiesInDiscard(Submissions):
 
 
 async def test_items_left_by_a_process_dead_inside_a_discard_are_written_off_not_sent(
-    gateway: Gateway,
+    gateway: Gateway, amqp_url: str
 ) -> None:
     """Its batch record gone (the key free), the items stayed `accepting` and the sweep sent
     them; the client, answered nothing, retried with its key and created the batch anew:
     every text scored twice."""
+    await queued_commands(amqp_url)  # what the module's earlier tests sent
     request = _request(3)
     with pytest.raises(ProcessDied):
         await _submit(
             gateway,
             request,
-            RefusingBatches(),
+            RefusingBatches(gateway.broker),
             T0,
             DiesInDiscard(gateway.raw.client, gateway.name),
         )
@@ -226,15 +231,19 @@ async def test_items_left_by_a_process_dead_inside_a_discard_are_written_off_not
     orphans = [document["_id"] async for document in gateway.raw["submissions"].find({})]
     assert len(orphans) == 3
 
-    retried = Recorded()
+    retried = Recorded(gateway.broker)
     retry = await _submit(gateway, request, retried, T0 + GRACE + timedelta(seconds=1))
     swept = await _swept(gateway, Refusals())
 
     assert retry.created  # the key was free: the batch is created again, its items sent
     assert swept == []
-    assert len(set(retried.sent)) == 3  # each text scored once
+    assert len(set(retried.sent)) == 3
     assert await _states(gateway, orphans) == {SubmissionState.ABANDONED}
     assert await _swept(gateway, Refusals(), SWEPT_AT + timedelta(minutes=5)) == []
+    # Each text reached the scorer once: the retry's commands, none of the orphans'.
+    queued = await queued_commands(amqp_url)
+    assert sorted(command.task_id for command in queued) == sorted(retried.sent)
+    assert sorted(command.text for command in queued) == sorted(i.text for i in request.items)
 
 
 async def _drop_batch(gateway: Gateway, batch_id: str) -> None:
@@ -302,10 +311,11 @@ async def test_a_batch_expired_under_a_shorter_retention_is_sent_not_written_off
 
 
 class FailingAfter(Recorded):
-    """A broker confirming `confirmed` commands, then gone (a connection reset)."""
+    """The publisher on `broker`, whose first `confirmed` commands it sends and the broker
+    confirms; then the broker is gone (a connection reset: it refuses the next)."""
 
-    def __init__(self, confirmed: int) -> None:
-        super().__init__()
+    def __init__(self, broker: RabbitBroker, confirmed: int) -> None:
+        super().__init__(broker)
         self.confirmed = confirmed
 
     async def send(self, command: ScoreText) -> bool:
@@ -319,7 +329,7 @@ async def test_commands_sent_before_a_broker_error_are_marked_sent(gateway: Gate
     of the two sent, and the next pass sent them again."""
     now = _now()
     await _batch(gateway, created_at=now - timedelta(minutes=5), items=3)
-    broker = FailingAfter(confirmed=2)
+    broker = FailingAfter(gateway.broker, confirmed=2)
 
     with pytest.raises(BrokerUnavailable):
         await sweep_outbox(
@@ -361,7 +371,7 @@ async def test_a_replays_items_never_outlive_their_batch_record(gateway: Gateway
     key = f"replay-{T0.timestamp()}-{id(request)}"
     short = BatchPolicy(max_attempts=4, retention=timedelta(hours=1), in_progress_for=GRACE)
     with pytest.raises(ProcessDied):
-        await _submit_as(gateway, request, Dying(), T0, short, key)
+        await _submit_as(gateway, request, Dying(gateway.broker), T0, short, key)
     batch = await gateway.raw["batches"].find_one({"idempotency_key": key})
     assert batch is not None
     await gateway.raw["submissions"].delete_many(
@@ -369,7 +379,7 @@ async def test_a_replays_items_never_outlive_their_batch_record(gateway: Gateway
     )
     longer = BatchPolicy(max_attempts=4, retention=timedelta(days=7), in_progress_for=GRACE)
 
-    await _submit_as(gateway, request, Recorded(), T0 + GRACE * 2, longer, key)
+    await _submit_as(gateway, request, Recorded(gateway.broker), T0 + GRACE * 2, longer, key)
 
     cursor = gateway.raw["submissions"].find({"batch_id": batch["_id"]})
     expiries = [
@@ -391,7 +401,7 @@ async def test_a_chunk_slower_than_its_allowance_extends_its_batch_from_each_lat
 
     await sweep_outbox(
         submissions=gateway.submissions,
-        publisher=Recorded(),
+        publisher=Recorded(gateway.broker),
         clock=lambda: next(ticks),
         grace=GRACE,
         refusals=Refusals(),

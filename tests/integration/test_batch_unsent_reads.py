@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from faststream.rabbit import RabbitBroker
 
 from devtools.infra import Endpoint
 from services.gateway.batches import (
@@ -51,13 +52,15 @@ class Heard:
 
 
 @pytest.fixture
-async def gateway(mongo: Endpoint, db_prefix: str) -> AsyncIterator[Gateway]:
-    async with gateway_records(mongo.url, db_prefix) as records:
+async def gateway(
+    mongo: Endpoint, db_prefix: str, task_broker: RabbitBroker
+) -> AsyncIterator[Gateway]:
+    async with gateway_records(mongo.url, db_prefix, task_broker) as records:
         yield records
 
 
 async def test_items_not_sent_yet_or_just_swept_read_as_queued_however_old_their_batch(
-    gateway: Gateway,
+    gateway: Gateway, stalled_broker: RabbitBroker
 ) -> None:
     request = BatchSubmission.model_validate(
         {"items": [{"text": f"Essay number {i}."} for i in range(6)]}
@@ -69,7 +72,7 @@ async def test_items_not_sent_yet_or_just_swept_read_as_queued_however_old_their
         idempotency_key=None,
         batches=gateway.batches,
         submissions=gateway.submissions,
-        publisher=Unconfirmed(),
+        publisher=Unconfirmed(stalled_broker),
         policy=BatchPolicy(max_attempts=4, retention=timedelta(days=1), in_progress_for=WINDOW),
         clock=lambda: T0,
         refusals=Refusals(),

@@ -25,6 +25,7 @@ from shared.bus import publish_event
 from shared.contracts import (
     CACHED_COMPLETION_SEQUENCE,
     DEFAULT_TENANT,
+    HEURISTIC_PROMPT_VERSION,
     Phase,
     ScoreResult,
     ScoreText,
@@ -41,7 +42,13 @@ from tests.integration.in_process import GatewayAndStatus, gateway_and_status
 from tests.support import eventually
 
 API_KEY = generate_key().token
-RESULT = ScoreResult(score=6.5, comment="From the cache.", model="heuristic-v1", cached=True)
+RESULT = ScoreResult(
+    score=6.5,
+    comment="From the cache.",
+    model=HEURISTIC_PROMPT_VERSION,
+    prompt_version=HEURISTIC_PROMPT_VERSION,  # the prompt of the gateway's LLM_PROVIDER
+    cached=True,
+)
 
 pytestmark = pytest.mark.integration
 

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any, cast, override
 
 import pytest
+from faststream.rabbit import RabbitBroker
 from pymongo import AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import AutoReconnect, BulkWriteError, PyMongoError, WriteError
@@ -149,36 +150,40 @@ class DecisionsRefused(Attempts):
 
 
 class Crashes(CarriedOut):
-    """The scorer's broker actions, recorded: what it sends again, dead-letters and fails."""
+    """The scorer's broker actions on `broker`, remembering what they sent again,
+    dead-lettered and failed once the broker took it."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, broker: RabbitBroker) -> None:
+        super().__init__(broker)
         self.resent: list[dict[str, Any]] = []
         self.dead_lettered: list[str] = []
         self.failed: list[str] = []
 
     @override
     async def resend(self, command: ScoreText, *, headers: dict[str, Any]) -> None:
+        await super().resend(command, headers=headers)
         self.resent.append(headers)
 
     @override
     async def dead_letter(self, message: Any, error: str) -> bool:
+        lettered = await super().dead_letter(message, error)
         self.dead_lettered.append(error)
-        return True
+        return lettered
 
     @override
     async def fail_task(self, failed: TaskEvent) -> None:
+        await super().fail_task(failed)
         self.failed.append(failed.task_id)
 
 
 async def test_a_decision_the_database_refuses_for_good_is_a_crash_given_up_at_the_limit(
-    make_deps: Deps, attempts: Attempts
+    make_deps: Deps, attempts: Attempts, task_broker: RabbitBroker
 ) -> None:
     """Repeated until the claim's lease ended, then re-sent uncounted: each copy called the
     model again and was refused again, for ever."""
     refused = Refused()
     deps = replace(make_deps("scorer-a"), attempts=DecisionsRefused(attempts, refused))
-    broker, actions = HandlerOnly(), Crashes()
+    broker, actions = HandlerOnly(), Crashes(task_broker)
     subscribe_scorer(cast(ScoreboxBroker, broker), deps, actions, crash_limit=2)
     command, _ = _command("An essay whose decision the database refuses.")
     body = command.model_dump_json().encode()

@@ -48,8 +48,8 @@ from tests.integration.test_dead_letter_drop import (
     _drain,
     _problem,
 )
-from tests.integration.test_scheduler import QUIET, Env, drain, scheduler
-from tests.support import running
+from tests.integration.test_scheduler import QUIET, Env, scheduler
+from tests.support import drain, running
 
 broker = gateway_dlq.broker  # fixtures
 submissions = gateway_dlq.submissions

@@ -36,7 +36,7 @@ from shared.dead_letters import MAX_WALK_BYTES, REPLAY_BUDGET_S
 from shared.http import PROBLEM_JSON, install_problem_handlers
 from shared.query_parameters import only_known_query_parameters
 from shared.topology import DLX, ERROR_HEADER, SCORE_REQUESTS, declare_topology
-from tests.support import running
+from tests.support import drain, running
 
 DLQ = SCORE_REQUESTS.dead_letter_routing_key
 LETTERS = "/admin/v1/dead-letters"
@@ -72,14 +72,7 @@ async def dlq(amqp_url: str, broker: RabbitBroker) -> str:
 
 async def _drain(amqp_url: str) -> list[AbstractIncomingMessage]:
     """Every letter of the DLQ, taken off it in the queue's order."""
-    connection = await aio_pika.connect(amqp_url, timeout=10)
-    async with connection:
-        channel = await connection.channel()
-        queue = await channel.get_queue(DLQ, ensure=True)
-        taken = []
-        while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
-            taken.append(message)
-        return taken
+    return await drain(amqp_url, DLQ)
 
 
 def _commands(count: int, *, task_id: str | None = None) -> list[ScoreText]:

@@ -27,7 +27,7 @@ from services.scheduler.messaging import SchedulerBus
 from shared.contracts import ScoreText, new_id, utcnow
 from shared.dead_letters import DeadLetterWalker
 from shared.topology import SCORE_REQUESTS, declare_topology
-from tests.support import eventually
+from tests.support import drain, eventually
 
 DLQ = SCORE_REQUESTS.dead_letter_routing_key
 TIMEOUT_S = 5.0
@@ -51,13 +51,7 @@ async def dlq(amqp_url: str, broker: RabbitBroker) -> str:
 
 async def _drain(amqp_url: str) -> list[str | None]:
     """The message ids of every letter of the DLQ, taken off it in the queue's order."""
-    async with await aio_pika.connect(amqp_url, timeout=10) as connection:
-        channel = await connection.channel()
-        queue = await channel.get_queue(DLQ, ensure=True)
-        taken = []
-        while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
-            taken.append(message.message_id)
-        return taken
+    return [message.message_id for message in await drain(amqp_url, DLQ)]
 
 
 # Every letter's body (told apart by their message ids): a walk's byte budget is counted in it.

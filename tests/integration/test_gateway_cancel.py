@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
-import aio_pika
 import httpx
 import pytest
 from pymongo import AsyncMongoClient
@@ -22,6 +21,7 @@ from services.gateway.submissions import Submissions
 from services.gateway.submit import settle_outcome
 from shared.bus import publish_delayed, publish_event
 from shared.contracts import (
+    HEURISTIC_PROMPT_VERSION,
     CancelTask,
     Phase,
     RescoreTask,
@@ -39,10 +39,12 @@ from shared.contracts import (
 from shared.runtime import make_broker
 from shared.topology import TASK_CANCELS, TASKS
 from tests.integration.in_process import gateway_and_status
-from tests.support import CommandCounter, eventually
+from tests.support import CommandCounter, drain, eventually
 
 API_KEY = generate_key().token  # registered for the default tenant by BOOTSTRAP_API_KEY
 CALLBACK = "https://example.com/hook"
+# As the scorer of the gateway's LLM_PROVIDER (the heuristic, unset) sends it: cached.
+RESULT = ScoreResult(score=7.5, comment="fine", model="m", prompt_version=HEURISTIC_PROMPT_VERSION)
 
 
 @dataclass
@@ -90,15 +92,11 @@ async def stack(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Stac
 
 async def _sent_cancels(amqp_url: str) -> list[CancelTask]:
     """Drain `scorebox.task-cancels` (no scorer consumes it here)."""
-    connection = await aio_pika.connect(amqp_url, timeout=10)
-    async with connection:
-        channel = await connection.channel()
-        queue = await channel.get_queue(TASK_CANCELS.name, ensure=True)
-        cancels = []
-        while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
-            assert message.routing_key == CancelTask.routing_key
-            cancels.append(CancelTask.model_validate_json(message.body))
-        return cancels
+    cancels = []
+    for message in await drain(amqp_url, TASK_CANCELS.name):
+        assert message.routing_key == CancelTask.routing_key
+        cancels.append(CancelTask.model_validate_json(message.body))
+    return cancels
 
 
 async def _submitted(stack: Stack, text: str = "A task to cancel.") -> str:
@@ -127,7 +125,7 @@ def _terminal(
         "sequence": event_sequence(generation=generation, attempt=1, phase=Phase.TERMINAL),
     }
     if kind is TaskCompleted:
-        return TaskCompleted(**fields, result=ScoreResult(score=7.5, comment="fine", model="m"))
+        return TaskCompleted(**fields, result=RESULT)
     error = TaskError(code="model_refused", message="refused", retryable=False)
     return TaskFailed(**fields, error=error, dead_lettered=False)
 

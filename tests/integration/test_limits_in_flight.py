@@ -28,6 +28,7 @@ from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
 from shared.bus import publish_event
 from shared.contracts import (
+    HEURISTIC_PROMPT_VERSION,
     Phase,
     ScoreResult,
     ScoreText,
@@ -169,7 +170,9 @@ def _completed(task_id: str, tenant_id: str, score: float = 6.0) -> TaskComplete
         attempt=1,
         submitted_at=utcnow(),
         sequence=event_sequence(generation=0, attempt=1, phase=Phase.TERMINAL),
-        result=ScoreResult(score=score, comment="ok", model="m"),
+        result=ScoreResult(
+            score=score, comment="ok", model="m", prompt_version=HEURISTIC_PROMPT_VERSION
+        ),
     )
 
 

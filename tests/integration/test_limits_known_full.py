@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from faststream.rabbit import RabbitBroker
 
 from devtools.infra import Endpoint
 from services.gateway.batches import BatchItem, BatchPolicy, BatchSubmission, submit_batch
@@ -44,8 +45,10 @@ class CountedSubmissions(Submissions):
 
 
 @pytest.fixture
-async def gateway(mongo: Endpoint, db_prefix: str) -> AsyncIterator[GatewayRecords]:
-    async with gateway_records(mongo.url, db_prefix) as records:
+async def gateway(
+    mongo: Endpoint, db_prefix: str, task_broker: RabbitBroker
+) -> AsyncIterator[GatewayRecords]:
+    async with gateway_records(mongo.url, db_prefix, task_broker) as records:
         yield records
 
 
@@ -62,7 +65,7 @@ async def _submit(
         tenant_id=TENANT,
         idempotency_key=key,
         submissions=submissions,
-        publisher=Recorded(),
+        publisher=Recorded(gateway.broker),
         cache=ResultCache(gateway.raw.client, gateway.name, timedelta(hours=1)),
         policy=SubmitPolicy(max_attempts=3, retention=RETENTION),
         clock=lambda: NOW,
@@ -91,7 +94,7 @@ async def test_a_tenant_refused_lately_is_refused_again_before_anything_is_writt
             idempotency_key=None,
             batches=gateway.batches,
             submissions=submissions,
-            publisher=Recorded(),
+            publisher=Recorded(gateway.broker),
             policy=BatchPolicy(max_attempts=3, retention=RETENTION, in_progress_for=RETENTION),
             clock=lambda: NOW,
             refusals=Refusals(),

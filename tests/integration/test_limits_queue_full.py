@@ -3,23 +3,17 @@ vhost, no scorer running) answers 503 with Retry-After and keeps nothing half-wr
 
 from __future__ import annotations
 
-import base64
-import json
-import shutil
-import subprocess
-import urllib.request
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit
 
 import aio_pika
 import httpx
 import pytest
 from pymongo import AsyncMongoClient
 
-from devtools.infra import Endpoint
+from devtools.infra import Endpoint, InfraError, set_queue_policy
 from services.gateway.keys import generate_key
 from shared.topology import SCORE_REQUESTS
 from tests.integration.in_process import gateway_and_status
@@ -33,41 +27,15 @@ Json = dict[str, Any]
 
 
 def _apply_tiny_queue_policy(amqp_url: str, rabbitmq: Endpoint) -> None:
-    """`rabbitmqctl set_policy` on this machine's broker, else the management API."""
-    parts = urlsplit(amqp_url)
-    vhost = unquote(parts.path.lstrip("/"))
-    pattern = "^" + SCORE_REQUESTS.name.replace(".", r"\.") + "$"
-    if parts.hostname in {"127.0.0.1", "localhost"} and shutil.which("rabbitmqctl"):
-        subprocess.run(
-            [
-                "rabbitmqctl",
-                "set_policy",
-                "-p",
-                vhost,
-                "tiny-queue",
-                pattern,
-                json.dumps(POLICY),
-                "--apply-to",
-                "queues",
-            ],
-            check=True,
-            capture_output=True,
-            timeout=60,
-        )
-        return
-    base = rabbitmq.management_url or f"http://{parts.hostname}:15672"
-    request = urllib.request.Request(
-        f"{base.rstrip('/')}/api/policies/{quote(vhost, safe='')}/tiny-queue",
-        data=json.dumps({"pattern": pattern, "definition": POLICY, "apply-to": "queues"}).encode(),
-        method="PUT",
-    )
-    credentials = f"{unquote(parts.username or 'guest')}:{unquote(parts.password or 'guest')}"
-    request.add_header("Authorization", "Basic " + base64.b64encode(credentials.encode()).decode())
-    request.add_header("Content-Type", "application/json")
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            response.read()
-    except OSError as error:
+        set_queue_policy(
+            amqp_url,
+            "tiny-queue",
+            SCORE_REQUESTS.name,
+            POLICY,
+            management_url=rabbitmq.management_url,
+        )
+    except InfraError as error:
         pytest.skip(f"cannot apply a queue policy (no rabbitmqctl, no management API): {error}")
 
 

@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from faststream.rabbit import RabbitBroker
 from pymongo import AsyncMongoClient
 from pymongo.errors import DuplicateKeyError
 
@@ -20,14 +21,15 @@ from services.gateway.batches import BatchMember, BatchRecord, BatchState
 from services.gateway.cache import ResultCache
 from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
 from services.gateway.limits import InFlight
+from services.gateway.publisher import TaskPublisher
 from services.gateway.refusals import Refusal, Refusals, write_off
 from services.gateway.schemas import ScoreSubmission
 from services.gateway.submissions import Submissions, SubmissionState
 from services.gateway.submit import SubmitPolicy, submit_score, sweep_outbox
 from shared.contracts import ScoreResult, ScoreText, new_id
 from tests.faults.slow_link import SlowLink
+from tests.integration.gateway_records import PUBLISH_TIMEOUT_S, Recorded, gateway_records
 from tests.integration.gateway_records import GatewayRecords as Gateway
-from tests.integration.gateway_records import Recorded, gateway_records
 from tests.support import SWEEP_RETENTION, eventually
 
 Document = dict[str, Any]
@@ -37,26 +39,25 @@ TIMEOUT_MS = 2_000  # well above a loaded stand-in's slowest reply
 HELD_S = 5.0  # past TIMEOUT_MS: the gateway gives up on every reply
 
 
-@dataclass
-class Refusing:
-    """A broker that refuses every command, and the database turning slow as it does."""
+class Refusing(TaskPublisher):
+    """The publisher on `broker`, which refuses every command, and the database (reached
+    through `link`) turning slow as it does. The refusal is raised here, as the publisher
+    raises one the broker nacked; the withdrawal is the publisher's own."""
 
-    link: SlowLink
+    def __init__(self, broker: RabbitBroker, link: SlowLink) -> None:
+        super().__init__(broker, timeout_s=PUBLISH_TIMEOUT_S)
+        self.link = link
 
     async def send(self, command: ScoreText) -> bool:
         self.link.reply_delay_s = HELD_S
         raise BrokerUnavailable("refused")
 
-    async def withdraw(self, commands: Sequence[ScoreText]) -> None:
-        return None
-
-    async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool:
-        raise AssertionError("nothing is cached here")
-
 
 @pytest.fixture
-async def gateway(mongo: Endpoint, db_prefix: str) -> AsyncIterator[Gateway]:
-    async with gateway_records(mongo.url, db_prefix) as records:
+async def gateway(
+    mongo: Endpoint, db_prefix: str, task_broker: RabbitBroker
+) -> AsyncIterator[Gateway]:
+    async with gateway_records(mongo.url, db_prefix, task_broker) as records:
         yield records
 
 
@@ -178,7 +179,7 @@ async def test_the_sweep_does_not_send_a_refusal_until_it_is_written_off(
         await _record(gateway.submissions, command)
     refusals = Refusals()
     refusals.note(Refusal(refused.tenant_id, (refused.task_id,)))
-    publisher = Recorded()
+    publisher = Recorded(gateway.broker)
 
     async def sweep() -> int:
         return await sweep_outbox(
@@ -250,7 +251,7 @@ async def test_the_sweep_announces_an_unmarked_cache_hit_again_and_never_scores_
         cached_result=ScoreResult(score=7, comment="Cached.", model="m"),
     )
     await _record(gateway.submissions, plain)
-    publisher = Recorded()
+    publisher = Recorded(gateway.broker)
 
     swept = await sweep_outbox(
         submissions=gateway.submissions,
@@ -279,7 +280,7 @@ async def test_a_refusal_the_database_cannot_undo_at_once_is_written_off_later(
                 tenant_id="default",
                 idempotency_key=None,
                 submissions=Submissions(client, gateway.name),
-                publisher=Refusing(link),
+                publisher=Refusing(gateway.broker, link),
                 cache=ResultCache(client, gateway.name, timedelta(hours=1)),
                 policy=SubmitPolicy(max_attempts=3, retention=RETENTION),
                 clock=lambda: NOW,
@@ -301,7 +302,8 @@ async def test_a_submission_recorded_after_its_503_is_written_off_not_scored(
     mongo: Endpoint, gateway: Gateway
 ) -> None:
     async with _slow_client(mongo) as (link, client):
-        submissions, refusals, publisher = Submissions(client, gateway.name), Refusals(), Recorded()
+        submissions, refusals = Submissions(client, gateway.name), Refusals()
+        publisher = Recorded(gateway.broker)
         link.reply_delay_s = HELD_S
         with pytest.raises(DatabaseUnavailable):
             await submit_score(
@@ -341,7 +343,9 @@ async def test_a_submission_recorded_after_its_503_is_written_off_not_scored(
         assert await gateway.submissions.find_by_key("late-1", tenant_id="default") is None
 
 
-async def test_a_submission_never_sent_to_the_database_needs_no_writing_off() -> None:
+async def test_a_submission_never_sent_to_the_database_needs_no_writing_off(
+    task_broker: RabbitBroker,
+) -> None:
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))  # a port nothing listens on
     port = closed.getsockname()[1]
@@ -356,7 +360,7 @@ async def test_a_submission_never_sent_to_the_database_needs_no_writing_off() ->
                 tenant_id="default",
                 idempotency_key=None,
                 submissions=Submissions(client, "down_gateway"),
-                publisher=Recorded(),
+                publisher=Recorded(task_broker),
                 cache=ResultCache(client, "down_gateway", timedelta(hours=1)),
                 policy=SubmitPolicy(max_attempts=3, retention=RETENTION),
                 clock=lambda: NOW,
@@ -380,11 +384,14 @@ class Pause:
         await self.go.wait()
 
 
-@dataclass
-class RefusingBroker:
-    """A broker that refuses every command; withdrawing it takes `withdrawal`."""
+class RefusingBroker(TaskPublisher):
+    """The publisher on `broker`, which refuses every command (raised here, as the publisher
+    raises one the broker nacked); withdrawing it takes `withdrawal` before the publisher's
+    own withdrawal is sent."""
 
-    withdrawal: Pause | None = None
+    def __init__(self, broker: RabbitBroker, *, withdrawal: Pause | None = None) -> None:
+        super().__init__(broker, timeout_s=PUBLISH_TIMEOUT_S)
+        self.withdrawal = withdrawal
 
     async def send(self, command: ScoreText) -> bool:
         raise BrokerUnavailable("refused")
@@ -392,9 +399,7 @@ class RefusingBroker:
     async def withdraw(self, commands: Sequence[ScoreText]) -> None:
         if self.withdrawal is not None:
             await self.withdrawal()
-
-    async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool:
-        raise AssertionError("nothing is cached here")
+        await super().withdraw(commands)
 
 
 @dataclass
@@ -422,8 +427,8 @@ async def test_the_sweep_keeps_off_a_refusal_while_it_is_undone(
     """A refusal undone more slowly than the grace period (the command's withdrawal, a
     confirmed publish; the slot's release and the record's deletion, database round trips)
     was sent by the sweep meanwhile: scored, though its client was told nothing was kept."""
-    pause, publisher, refusals = Pause(), Recorded(), Refusals()
-    broker = RefusingBroker(withdrawal=pause if slow == "withdrawal" else None)
+    pause, publisher, refusals = Pause(), Recorded(gateway.broker), Refusals()
+    broker = RefusingBroker(gateway.broker, withdrawal=pause if slow == "withdrawal" else None)
     gate = SlowRelease(release_step=pause if slow == "release" else None)
     refused = asyncio.create_task(
         submit_score(
@@ -459,17 +464,18 @@ async def test_the_sweep_keeps_off_a_refusal_while_it_is_undone(
     assert refusals.pending() == []
 
 
-@dataclass
 class FinishingMeanwhile(Recorded):
-    """A sweep's publisher: sending `first` takes as long as `refused` needs to finish (its
-    pause let go)."""
+    """A sweep's publisher on `broker`: sending `first` takes as long as `refused` needs to
+    finish (its pause let go)."""
 
-    first: str = ""
-    pause: Pause | None = None
-    refused: asyncio.Task[Any] | None = None
+    def __init__(
+        self, broker: RabbitBroker, *, first: str, pause: Pause, refused: asyncio.Task[Any]
+    ) -> None:
+        super().__init__(broker)
+        self.first, self.pause, self.refused = first, pause, refused
 
     async def send(self, command: ScoreText) -> bool:
-        if command.task_id == self.first and self.pause is not None and self.refused is not None:
+        if command.task_id == self.first:
             self.pause.go.set()
             await asyncio.wait_for(asyncio.wait({self.refused}), timeout=10)
         return await super().send(command)
@@ -495,7 +501,7 @@ async def test_a_sweep_pass_started_during_a_refusal_does_not_send_it_once_it_is
             tenant_id="default",
             idempotency_key=None,
             submissions=gateway.submissions,
-            publisher=RefusingBroker(withdrawal=pause),
+            publisher=RefusingBroker(gateway.broker, withdrawal=pause),
             cache=ResultCache(gateway.raw.client, gateway.name, timedelta(hours=1)),
             policy=SubmitPolicy(max_attempts=3, retention=RETENTION),
             clock=lambda: NOW,
@@ -503,7 +509,9 @@ async def test_a_sweep_pass_started_during_a_refusal_does_not_send_it_once_it_is
         )
     )
     await asyncio.wait_for(pause.reached.wait(), timeout=10)
-    publisher = FinishingMeanwhile(first=older.task_id, pause=pause, refused=refused)
+    publisher = FinishingMeanwhile(
+        gateway.broker, first=older.task_id, pause=pause, refused=refused
+    )
 
     swept = await sweep_outbox(
         submissions=gateway.submissions,

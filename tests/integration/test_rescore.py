@@ -29,7 +29,7 @@ from shared.bus import publish_delayed
 from shared.contracts import DEFAULT_TENANT, RescoreTask, new_id
 from shared.runtime import make_broker
 from shared.topology import RESCORE_REQUESTS, SCORE_REQUESTS, TASKS
-from tests.support import eventually, running, stack_env
+from tests.support import drain, eventually, running, stack_env
 
 API_KEY = generate_key().token  # registered for the default tenant by BOOTSTRAP_API_KEY
 ADMIN_KEY = "rescore-admin-key"
@@ -180,14 +180,7 @@ async def _handled(caplog: pytest.LogCaptureFixture, task_id: str, count: int) -
 
 
 async def _dead_letters(amqp_url: str) -> list[aio_pika.abc.AbstractIncomingMessage]:
-    connection = await aio_pika.connect(amqp_url, timeout=10)
-    async with connection:
-        channel = await connection.channel()
-        queue = await channel.get_queue(RESCORE_REQUESTS.dead_letter_routing_key, ensure=True)
-        found = []
-        while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
-            found.append(message)
-        return found
+    return await drain(amqp_url, RESCORE_REQUESTS.dead_letter_routing_key)
 
 
 async def test_a_rescore_queues_the_task_again_once_and_shows_the_new_result(

@@ -3,8 +3,12 @@ unconfirmed command goes down the wait ladder and resumes its claim (same genera
 past it goes on waiting, never to the DLQ; a database outage is waited out, an unreadable
 body rejected.
 
-The consumer's `on_message` is called directly with a stand-in delivery; the publisher of
-commands is scripted to refuse, everything else is real."""
+The consumer's `on_message` is called directly with a stand-in delivery; the commands go
+through the gateway's own publisher on the broker, everything else is real too. The broker
+refuses them as it does in production: taking them without a confirm (`stalled_broker`, as in
+a memory alarm; the command may reach the score queue all the same), or with a negative
+confirm, the score queue full (a policy of this module's vhost). What the scorer was sent is
+read from its queue."""
 
 from __future__ import annotations
 
@@ -15,14 +19,14 @@ from datetime import timedelta
 from typing import Any
 
 import aio_pika
-import aiormq
 import pytest
 from faststream.rabbit import RabbitBroker
-from pamqp.commands import Basic
 from pymongo import AsyncMongoClient
 from pymongo.errors import AutoReconnect
 
-from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
+from devtools.infra import Endpoint
+from services.gateway.errors import DatabaseUnavailable
+from services.gateway.publisher import TaskPublisher
 from services.gateway.rescore import RescoreRequests
 from services.gateway.settings import GatewaySettings
 from services.gateway.submissions import (
@@ -33,30 +37,25 @@ from services.gateway.submissions import (
 )
 from shared.contracts import RescoreTask, ScoreText, new_id, utcnow
 from shared.runtime import make_broker
-from shared.topology import RESCORE_REQUESTS, declare_topology
-from tests.support import HandedDelivery, accepted_submission, eventually, rescore_request
+from shared.topology import RESCORE_REQUESTS, SCORE_REQUESTS, declare_topology
+from tests.integration.gateway_records import PUBLISH_TIMEOUT_S, UNCONFIRMED_AFTER_S
+from tests.support import (
+    HandedDelivery,
+    accepted_submission,
+    drain,
+    eventually,
+    queue_made_full,
+    rescore_request,
+)
 
 Mongo = AsyncMongoClient[dict[str, Any]]
 
+FULL_POLICY = "scorebox-test-score-queue-full"
 
-class ScriptedPublisher:
-    """Refuses the first `refusals` commands, then confirms; records what it sent. A refusal
-    is the broker's negative confirm (a full score queue) when `full`, else a confirm that
-    never came."""
 
-    def __init__(self, refusals: int = 0, *, full: bool = False) -> None:
-        self.refusals = refusals
-        self.full = full
-        self.sent: list[ScoreText] = []
-
-    async def resubmit(self, command: ScoreText) -> None:
-        if self.refusals > 0:
-            self.refusals -= 1
-            if self.full:
-                nack = aiormq.exceptions.DeliveryError(None, Basic.Nack(delivery_tag=1))
-                raise BrokerUnavailable("negative confirm: the score queue is full") from nack
-            raise BrokerUnavailable("no confirm within the timeout")
-        self.sent.append(command)
+def _unconfirming(stalled_broker: RabbitBroker) -> TaskPublisher:
+    """The gateway's publisher on a broker that takes commands without confirming them."""
+    return TaskPublisher(stalled_broker, timeout_s=UNCONFIRMED_AFTER_S)
 
 
 class OutageOnce(Submissions):
@@ -123,7 +122,11 @@ class Env:
     def submissions(self, kind: type[Submissions] = Submissions) -> Submissions:
         return kind(self.mongo, self.database)
 
-    def consumer(self, publisher: ScriptedPublisher, submissions: Submissions) -> RescoreRequests:
+    def publisher(self) -> TaskPublisher:
+        """The gateway's publisher on the broker, which confirms."""
+        return TaskPublisher(self.broker, timeout_s=PUBLISH_TIMEOUT_S)
+
+    def consumer(self, publisher: TaskPublisher, submissions: Submissions) -> RescoreRequests:
         return RescoreRequests(
             submissions=submissions,
             publisher=publisher,
@@ -133,14 +136,43 @@ class Env:
         )
 
     async def take(self, queue_name: str) -> list[aio_pika.abc.AbstractIncomingMessage]:
-        connection = await aio_pika.connect(self.amqp_url, timeout=10)
-        async with connection:
-            channel = await connection.channel()
-            queue = await channel.get_queue(queue_name, ensure=True)
-            found = []
-            while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
-                found.append(message)
-            return found
+        return await drain(self.amqp_url, queue_name)
+
+    async def sent(self, task_id: str) -> list[ScoreText]:
+        """The commands of `task_id` in the score queue, what the scorer was sent (drained,
+        with every other test's): each routed as a resubmission, to the scorer alone."""
+        commands = []
+        for message in await self.take(SCORE_REQUESTS.name):
+            command = ScoreText.model_validate_json(message.body)
+            if command.task_id == task_id:
+                assert message.routing_key == ScoreText.resubmission_routing_key
+                commands.append(command)
+        return commands
+
+    async def sent_unconfirmed(self, task_id: str) -> ScoreText:
+        """The command of `task_id` a stalled broker took without confirming it, waited for
+        in the score queue (where it lands all the same) and drained, so that what the test
+        reads next is only what is sent after it."""
+
+        async def queued() -> list[ScoreText] | None:
+            return await self.sent(task_id) or None
+
+        [command] = await eventually(queued, what="the unconfirmed command in the score queue")
+        return command
+
+    async def retry_of(self, task_id: str) -> bytes:
+        """The request of `task_id` back from the 5 s wait queue (other tests' drained)."""
+
+        async def came_back() -> list[bytes] | None:
+            bodies = [
+                message.body
+                for message in await self.take(RESCORE_REQUESTS.name)
+                if RescoreTask.model_validate_json(message.body).task_id == task_id
+            ]
+            return bodies or None
+
+        [body] = await eventually(came_back, what="the request back from the 5 s wait queue")
+        return body
 
 
 @pytest.fixture(scope="module")
@@ -155,33 +187,29 @@ async def env(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Env]:
 
 
 async def test_an_unconfirmed_rescore_is_retried_later_and_resumes_its_generation(
-    env: Env,
+    env: Env, stalled_broker: RabbitBroker
 ) -> None:
-    await env.take(RESCORE_REQUESTS.name)
     command = await accepted_submission(env.submissions())
     request = rescore_request(command)
-    refusing = ScriptedPublisher(refusals=1)
 
     delivery = HandedDelivery(request.model_dump_json().encode())
-    await env.consumer(refusing, env.submissions()).on_message(delivery)
+    await env.consumer(_unconfirming(stalled_broker), env.submissions()).on_message(delivery)
 
     assert delivery.settled == ["ack"]
-    assert refusing.sent == []
     stored = await env.mongo[env.database]["submissions"].find_one({"_id": command.task_id})
     assert stored is not None
     assert (stored["generation"], stored["rescore"]["sent"]) == (1, False)
+    # Unconfirmed, it may be queued all the same: the retry must send the same generation,
+    # which the scorer claims once.
+    assert (await env.sent_unconfirmed(command.task_id)).generation == 1
 
-    async def came_back() -> list[aio_pika.abc.AbstractIncomingMessage] | None:
-        return await env.take(RESCORE_REQUESTS.name) or None
-
-    [retry] = await eventually(came_back, what="the request back from the 5 s wait queue")
-    again = RescoreTask.model_validate_json(retry.body)
+    retry = await env.retry_of(command.task_id)
+    again = RescoreTask.model_validate_json(retry)
     assert (again.message_id, again.attempt) == (request.message_id, 2)
 
-    confirming = ScriptedPublisher()
-    consumer = env.consumer(confirming, env.submissions())
-    await consumer.on_message(HandedDelivery(retry.body))
-    [sent] = confirming.sent
+    consumer = env.consumer(env.publisher(), env.submissions())
+    await consumer.on_message(HandedDelivery(retry))
+    [sent] = await env.sent(command.task_id)
     assert (sent.task_id, sent.generation, sent.attempt, sent.text) == (
         command.task_id,
         1,
@@ -198,7 +226,7 @@ async def test_an_unconfirmed_rescore_is_retried_later_and_resumes_its_generatio
 
     # The original request delivered once more: a duplicate, nothing sent.
     await consumer.on_message(HandedDelivery(request.model_dump_json().encode(), redelivered=True))
-    assert len(confirming.sent) == 1
+    assert await env.sent(command.task_id) == []
 
 
 async def test_a_first_delivery_never_resumes_a_claim_being_sent(env: Env) -> None:
@@ -213,13 +241,12 @@ async def test_a_first_delivery_never_resumes_a_claim_being_sent(env: Env) -> No
         now=utcnow(),
     )
     assert isinstance(claim, RescoreClaim)
-    publisher = ScriptedPublisher()
-    consumer = env.consumer(publisher, submissions)
+    consumer = env.consumer(env.publisher(), submissions)
 
     await consumer.on_message(HandedDelivery(request.model_dump_json().encode()))
-    assert publisher.sent == []
+    assert await env.sent(command.task_id) == []
     await consumer.on_message(HandedDelivery(request.model_dump_json().encode(), redelivered=True))
-    assert [command.generation for command in publisher.sent] == [claim.generation]
+    assert [sent.generation for sent in await env.sent(command.task_id)] == [claim.generation]
 
 
 async def test_a_retried_request_naming_its_generation_resumes_only_its_own_claim(
@@ -264,12 +291,15 @@ def fan_out_request(command: ScoreText, *, version: str, attempt: int = 1) -> Re
     return request.model_copy(update={"attempt": attempt})
 
 
-async def _given_up_by_an_earlier_build(env: Env, request: RescoreTask) -> None:
-    """The request's claim taken, its command not sent, and the request given up to the DLQ
-    as builds before session 54 did (`rescore.given_up`)."""
-    await env.consumer(ScriptedPublisher(refusals=1), env.submissions()).on_message(
+async def _given_up_by_an_earlier_build(
+    env: Env, stalled_broker: RabbitBroker, request: RescoreTask
+) -> None:
+    """The request's claim taken, its command not confirmed, and the request given up to the
+    DLQ as builds before session 54 did (`rescore.given_up`)."""
+    await env.consumer(_unconfirming(stalled_broker), env.submissions()).on_message(
         HandedDelivery(request.model_dump_json().encode())
     )
+    await env.sent_unconfirmed(request.task_id)
     marked = await env.mongo[env.database]["submissions"].update_one(
         {"_id": request.task_id, "rescore.request_id": request.message_id},
         {"$set": {"rescore.given_up": True, "rescore.given_up_at": utcnow()}},
@@ -278,7 +308,7 @@ async def _given_up_by_an_earlier_build(env: Env, request: RescoreTask) -> None:
 
 
 async def test_a_claim_an_earlier_build_gave_up_is_taken_by_the_next_request(
-    env: Env,
+    env: Env, stalled_broker: RabbitBroker
 ) -> None:
     """The request's claim stayed taken and unsent: every later fan-out's request found the
     task's completed generation no longer the latest and was dropped as a duplicate, until
@@ -286,34 +316,38 @@ async def test_a_claim_an_earlier_build_gave_up_is_taken_by_the_next_request(
     letter then finds it sent."""
     command = await accepted_submission(env.submissions())
     given_up = fan_out_request(command, version=f"v{new_id()[:6]}", attempt=5)
-    await _given_up_by_an_earlier_build(env, given_up)
+    await _given_up_by_an_earlier_build(env, stalled_broker, given_up)
 
-    publisher = ScriptedPublisher()
-    consumer = env.consumer(publisher, env.submissions())
+    consumer = env.consumer(env.publisher(), env.submissions())
     next_run = fan_out_request(command, version=f"v{new_id()[:6]}")
     await consumer.on_message(HandedDelivery(next_run.model_dump_json().encode()))
-    assert [(sent.generation, sent.task_id) for sent in publisher.sent] == [(1, command.task_id)]
+    assert [(sent.generation, sent.task_id) for sent in await env.sent(command.task_id)] == [
+        (1, command.task_id)
+    ]
 
     replayed = HandedDelivery(given_up.model_dump_json().encode(), redelivered=True)
     await consumer.on_message(replayed)
     assert replayed.settled == ["ack"]
-    assert len(publisher.sent) == 1
+    assert await env.sent(command.task_id) == []
 
 
-async def test_a_replayed_letter_takes_its_given_up_claims_generation_again(env: Env) -> None:
+async def test_a_replayed_letter_takes_its_given_up_claims_generation_again(
+    env: Env, stalled_broker: RabbitBroker
+) -> None:
     command = await accepted_submission(env.submissions())
     given_up = fan_out_request(command, version=f"v{new_id()[:6]}", attempt=5)
-    await _given_up_by_an_earlier_build(env, given_up)
-    publisher = ScriptedPublisher()
+    await _given_up_by_an_earlier_build(env, stalled_broker, given_up)
 
     replayed = given_up.model_dump_json().encode()
-    await env.consumer(publisher, env.submissions()).on_message(HandedDelivery(replayed))
+    await env.consumer(env.publisher(), env.submissions()).on_message(HandedDelivery(replayed))
 
-    assert [sent.generation for sent in publisher.sent] == [1]
+    assert [sent.generation for sent in await env.sent(command.task_id)] == [1]
 
 
 @pytest.mark.parametrize("full", [True, False], ids=["queue-full", "no-confirm"])
-async def test_a_request_not_sent_past_its_ladder_is_never_given_up(env: Env, full: bool) -> None:
+async def test_a_request_not_sent_past_its_ladder_is_never_given_up(
+    env: Env, stalled_broker: RabbitBroker, rabbitmq: Endpoint, full: bool
+) -> None:
     """Past its ladder, a re-score not sent goes on waiting (every 10 min): dead-lettered, it
     was lost for good, its task marked requested for the version in the catalogue and never
     asked for again; nothing replays that DLQ (a review in session 54 for the unconfirmed
@@ -324,32 +358,40 @@ async def test_a_request_not_sent_past_its_ladder_is_never_given_up(env: Env, fu
     request = rescore_request(command, attempt=5)
     delivery = HandedDelivery(request.model_dump_json().encode())
 
-    await env.consumer(ScriptedPublisher(refusals=1, full=full), env.submissions()).on_message(
-        delivery
-    )
+    if full:
+        async with queue_made_full(
+            env.amqp_url,
+            SCORE_REQUESTS.name,
+            policy=FULL_POLICY,
+            management_url=rabbitmq.management_url,
+        ):
+            await env.consumer(env.publisher(), env.submissions()).on_message(delivery)
+    else:
+        await env.consumer(_unconfirming(stalled_broker), env.submissions()).on_message(delivery)
+        await env.sent_unconfirmed(command.task_id)
 
     assert delivery.settled == ["ack"]
     assert await env.take(RESCORE_REQUESTS.dead_letter_routing_key) == []
     [waiting] = await env.take("scorebox.wait.10m")
     again = RescoreTask.model_validate_json(waiting.body)
     assert (again.task_id, again.attempt) == (command.task_id, 6)
-    publisher = ScriptedPublisher()
-    await env.consumer(publisher, env.submissions()).on_message(HandedDelivery(waiting.body))
-    assert [sent.generation for sent in publisher.sent] == [1]
+    await env.consumer(env.publisher(), env.submissions()).on_message(HandedDelivery(waiting.body))
+    assert [sent.generation for sent in await env.sent(command.task_id)] == [1]
 
 
 async def test_a_database_outage_is_waited_out(env: Env) -> None:
     command = await accepted_submission(env.submissions())
-    publisher = ScriptedPublisher()
     delivery = HandedDelivery(rescore_request(command).model_dump_json().encode())
 
-    await env.consumer(publisher, env.submissions(OutageOnce)).on_message(delivery)
+    await env.consumer(env.publisher(), env.submissions(OutageOnce)).on_message(delivery)
 
     assert delivery.settled == ["ack"]
-    assert [sent.generation for sent in publisher.sent] == [1]
+    assert [sent.generation for sent in await env.sent(command.task_id)] == [1]
 
 
-async def test_a_claim_taken_after_an_outage_is_stamped_when_it_is_taken(env: Env) -> None:
+async def test_a_claim_taken_after_an_outage_is_stamped_when_it_is_taken(
+    env: Env, stalled_broker: RabbitBroker
+) -> None:
     """The time was read as the request arrived: a claim taken after an outage of hours was
     stamped hours old, taken for orphaned at once, and a DLQ replay ran beside it (the
     re-read). Each try reads the clock again."""
@@ -358,13 +400,14 @@ async def test_a_claim_taken_after_an_outage_is_stamped_when_it_is_taken(env: En
     readings = iter([arrived, *[utcnow()] * 10])
     consumer = RescoreRequests(
         submissions=env.submissions(OutageOnce),
-        publisher=ScriptedPublisher(refusals=1),
+        publisher=_unconfirming(stalled_broker),
         broker=env.broker,
         clock=lambda: next(readings),
         timeout_s=10,
     )
 
     await consumer.on_message(HandedDelivery(rescore_request(command).model_dump_json().encode()))
+    await env.sent_unconfirmed(command.task_id)
 
     stored = await env.mongo[env.database]["submissions"].find_one({"_id": command.task_id})
     assert stored is not None
@@ -372,11 +415,11 @@ async def test_a_claim_taken_after_an_outage_is_stamped_when_it_is_taken(env: En
 
 
 async def test_an_unreadable_request_is_rejected_without_requeue(env: Env) -> None:
-    publisher = ScriptedPublisher()
+    await env.take(SCORE_REQUESTS.name)
     delivery = HandedDelivery(b"{not json")
-    await env.consumer(publisher, env.submissions()).on_message(delivery)
+    await env.consumer(env.publisher(), env.submissions()).on_message(delivery)
     assert delivery.settled == ["reject(requeue=False)"]
-    assert publisher.sent == []
+    assert await env.take(SCORE_REQUESTS.name) == []
 
 
 async def test_a_submission_past_its_retention_is_not_rescored(env: Env) -> None:
@@ -401,26 +444,25 @@ async def test_a_claim_whose_answer_was_lost_is_resumed_by_the_next_try(env: Env
     """The next try found the request's own claim unsent and dropped it as a duplicate's:
     the re-score was never sent, and nothing would send it."""
     command = await accepted_submission(env.submissions())
-    publisher = ScriptedPublisher()
     delivery = HandedDelivery(rescore_request(command).model_dump_json().encode())
 
-    await env.consumer(publisher, env.submissions(AnswerLostOnce)).on_message(delivery)
+    await env.consumer(env.publisher(), env.submissions(AnswerLostOnce)).on_message(delivery)
 
     assert delivery.settled == ["ack"]
-    assert [sent.generation for sent in publisher.sent] == [1]
+    assert [sent.generation for sent in await env.sent(command.task_id)] == [1]
 
 
 async def test_a_resumed_rescore_keeps_its_generation_when_a_replay_took_the_next(
-    env: Env,
+    env: Env, stalled_broker: RabbitBroker
 ) -> None:
     """A DLQ replay taking a generation while the re-score waited for room: the re-score's
     retry used to resume as the replay's generation (which the scorer took for the replay's
     attempt: the re-score never ran)."""
     command = await accepted_submission(env.submissions())
     request = rescore_request(command)
-    await env.take(RESCORE_REQUESTS.name)
     refused = HandedDelivery(request.model_dump_json().encode())
-    await env.consumer(ScriptedPublisher(refusals=1), env.submissions()).on_message(refused)
+    await env.consumer(_unconfirming(stalled_broker), env.submissions()).on_message(refused)
+    await env.sent_unconfirmed(command.task_id)
 
     # A letter of the claim's generation (its command reached the broker after all): one of
     # generation 0 is superseded by the claim, and sends nothing.
@@ -428,13 +470,9 @@ async def test_a_resumed_rescore_keeps_its_generation_when_a_replay_took_the_nex
     assert replayed_as == 2
     assert await env.submissions().replay_generation(command.task_id, of=1) == 2  # a copy
 
-    async def came_back() -> list[aio_pika.abc.AbstractIncomingMessage] | None:
-        return await env.take(RESCORE_REQUESTS.name) or None
-
-    [retry] = await eventually(came_back, what="the request back from the 5 s wait queue")
-    confirming = ScriptedPublisher()
-    await env.consumer(confirming, env.submissions()).on_message(HandedDelivery(retry.body))
-    assert [sent.generation for sent in confirming.sent] == [1]
+    retry = await env.retry_of(command.task_id)
+    await env.consumer(env.publisher(), env.submissions()).on_message(HandedDelivery(retry))
+    assert [sent.generation for sent in await env.sent(command.task_id)] == [1]
 
 
 async def test_a_claim_cut_short_keeps_its_generation_when_a_replay_took_the_next(
@@ -459,11 +497,10 @@ async def test_a_claim_cut_short_keeps_its_generation_when_a_replay_took_the_nex
     # A letter of the claim's generation (one of generation 0 is superseded by the claim).
     assert await env.submissions().replay_generation(command.task_id, of=1) == 2
 
-    publisher = ScriptedPublisher()
     redelivered = HandedDelivery(request.model_dump_json().encode(), redelivered=True)
-    await env.consumer(publisher, env.submissions()).on_message(redelivered)
+    await env.consumer(env.publisher(), env.submissions()).on_message(redelivered)
     assert redelivered.settled == ["ack"]
-    assert [sent.generation for sent in publisher.sent] == [1]
+    assert [sent.generation for sent in await env.sent(command.task_id)] == [1]
 
 
 async def test_two_copies_of_a_letter_replayed_at_once_take_one_generation(env: Env) -> None:
@@ -484,24 +521,26 @@ async def test_two_copies_of_a_letter_replayed_at_once_take_one_generation(env: 
 
 
 async def test_a_request_naming_no_generation_notes_the_claim_it_resumes_as_tried(
-    env: Env,
+    env: Env, stalled_broker: RabbitBroker
 ) -> None:
     """A scheduler of an earlier build names no generation: its requests resume each other's
     claim. The try was noted under the request's own id, which matched nothing, and the
     claim, tried all along, was taken for orphaned after an hour (the re-read)."""
     command = await accepted_submission(env.submissions())
     first = rescore_request(command)
-    await env.consumer(ScriptedPublisher(refusals=1), env.submissions()).on_message(
+    await env.consumer(_unconfirming(stalled_broker), env.submissions()).on_message(
         HandedDelivery(first.model_dump_json().encode())
     )
+    await env.sent_unconfirmed(command.task_id)
     other = rescore_request(command, attempt=2).model_copy(
         update={"rubric_version": first.rubric_version}
     )
     assert other.message_id != first.message_id
     assert other.generation is None
-    await env.consumer(ScriptedPublisher(refusals=1), env.submissions()).on_message(
+    await env.consumer(_unconfirming(stalled_broker), env.submissions()).on_message(
         HandedDelivery(other.model_dump_json().encode())
     )
+    await env.sent_unconfirmed(command.task_id)
 
     stored = await env.mongo[env.database]["submissions"].find_one({"_id": command.task_id})
     assert stored is not None
@@ -525,13 +564,12 @@ async def test_a_claim_its_request_left_for_an_hour_is_taken_by_the_next_request
         generation=0,
     )
     assert isinstance(orphaned, RescoreClaim)
-    publisher = ScriptedPublisher()
 
     next_run = fan_out_request(command, version=f"v{new_id()[:6]}")
-    await env.consumer(publisher, env.submissions()).on_message(
+    await env.consumer(env.publisher(), env.submissions()).on_message(
         HandedDelivery(next_run.model_dump_json().encode())
     )
 
-    assert [(sent.generation, sent.task_id) for sent in publisher.sent] == [
+    assert [(sent.generation, sent.task_id) for sent in await env.sent(command.task_id)] == [
         (orphaned.generation, command.task_id)
     ]

@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 import pytest
+from faststream.rabbit import RabbitBroker
 from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import FakeLLM
@@ -72,7 +73,7 @@ class Gateway:
             tenant_id=TENANT,
             idempotency_key=None,
             submissions=self.records.submissions,
-            publisher=Recorded(),
+            publisher=Recorded(self.records.broker),
             cache=self.cache,
             policy=SubmitPolicy(
                 max_attempts=3, retention=timedelta(days=1), default_model=default_model
@@ -103,8 +104,8 @@ class Gateway:
 
 
 @pytest.fixture
-async def gateway(mongo: Any, db_prefix: str) -> AsyncIterator[Gateway]:
-    async with gateway_records(mongo.url, db_prefix) as records:
+async def gateway(mongo: Any, db_prefix: str, task_broker: RabbitBroker) -> AsyncIterator[Gateway]:
+    async with gateway_records(mongo.url, db_prefix, task_broker) as records:
         cache = ResultCache(records.raw.client, records.name, timedelta(hours=1))
         await cache.ensure_indexes()
         try:

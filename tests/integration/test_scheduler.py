@@ -54,7 +54,7 @@ from shared.topology import (
     STATUS_PROJECTION,
     declare_topology,
 )
-from tests.support import eventually, running
+from tests.support import drain, eventually, running
 
 Mongo = AsyncMongoClient[dict[str, Any]]
 # Frozen far from any real fire time: jobs fire only when a test moves the clock.
@@ -134,17 +134,6 @@ async def scheduler(
     async with running(app) as client:
         client.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
         yield client, app.state.dispatcher
-
-
-async def drain(amqp_url: str, queue_name: str) -> list[aio_pika.abc.AbstractIncomingMessage]:
-    connection = await aio_pika.connect(amqp_url, timeout=10)
-    async with connection:
-        channel = await connection.channel()
-        queue = await channel.get_queue(queue_name, ensure=True)
-        found = []
-        while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
-            found.append(message)
-        return found
 
 
 class Calls:

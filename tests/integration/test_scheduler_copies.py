@@ -38,8 +38,8 @@ from shared.contracts import RunCronJob
 from shared.runtime import make_broker
 from shared.topology import CRON_JOBS
 from tests.integration import test_scheduler
-from tests.integration.test_scheduler import Env, MovableClock, drain, scheduler
-from tests.support import HandedDelivery, eventually
+from tests.integration.test_scheduler import Env, MovableClock, scheduler
+from tests.support import HandedDelivery, drain, eventually
 
 mongo_client = test_scheduler.mongo_client  # fixtures
 topology = test_scheduler.topology

@@ -42,8 +42,8 @@ from shared.runtime import make_broker
 from shared.topology import CRON_JOBS
 from tests.faults.slow_link import SlowLink
 from tests.integration import test_scheduler
-from tests.integration.test_scheduler import ADMIN_KEY, QUIET, Env, drain, firing_state, scheduler
-from tests.support import eventually, running
+from tests.integration.test_scheduler import ADMIN_KEY, QUIET, Env, firing_state, scheduler
+from tests.support import drain, eventually, running
 
 mongo_client = test_scheduler.mongo_client  # fixtures
 topology = test_scheduler.topology

@@ -47,8 +47,8 @@ from shared.topology import (
 )
 from tests.integration import test_scheduler
 from tests.integration.test_failed_deliveries import _delete_queue
-from tests.integration.test_scheduler import QUIET, Calls, Env, drain, firing_state, scheduler
-from tests.support import HandedDelivery, eventually
+from tests.integration.test_scheduler import QUIET, Calls, Env, firing_state, scheduler
+from tests.support import HandedDelivery, drain, eventually
 
 mongo_client = test_scheduler.mongo_client  # fixtures
 topology = test_scheduler.topology

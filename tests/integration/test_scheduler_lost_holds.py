@@ -2,15 +2,19 @@
 renewal finds the hold gone: dropped, the other carries the run on), or about to lapse while
 its renewals fail (a copy would take it the moment it lapses: sent again, for perhaps nobody
 else holds it). It went on running, and two deliveries ran the run at once. On the real
-database (MongoDB or the stand-in); the renewals' failures are played."""
+database (MongoDB or the stand-in) and broker, what the delivery sends read from the broker;
+the renewals' failures are played."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
+import aio_pika
 import pytest
+from faststream.rabbit import RabbitBroker
 from prometheus_client import CollectorRegistry
 from pymongo.errors import AutoReconnect
 
@@ -18,9 +22,11 @@ from services.scheduler.consumer import CronJobRunner
 from services.scheduler.dispatcher import run_command_for
 from services.scheduler.firings import Firing, Firings
 from services.scheduler.jobs import JobOutcome, JobRun
+from services.scheduler.messaging import SchedulerBus
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.runs import RetryPolicy
 from shared.contracts import RunCronJob, new_id
+from shared.topology import CRON, DELAY
 from tests.integration import test_scheduler
 from tests.integration.test_scheduler import Env, MovableClock
 from tests.support import HandedDelivery
@@ -52,12 +58,31 @@ class RenewalsHang(Firings):
         return True
 
 
-class Sent:
-    def __init__(self) -> None:
-        self.commands: list[RunCronJob] = []
+class Published:
+    """What `watching_runs` caught."""
 
-    async def publish_run(self, command: RunCronJob, *, headers: Any = None) -> None:
-        self.commands.append(command)
+    def __init__(self, queue: aio_pika.abc.AbstractQueue) -> None:
+        self._queue = queue
+
+    async def commands(self) -> list[RunCronJob]:
+        """Those published so far (each confirmed publish is in the queue by then)."""
+        found = []
+        while (message := await self._queue.get(no_ack=True, fail=False, timeout=10)) is not None:
+            found.append(RunCronJob.model_validate_json(message.body))
+        return found
+
+
+@asynccontextmanager
+async def watching_runs(amqp_url: str) -> AsyncIterator[Published]:
+    """Every `cron.run` published while the block lasts, sent now (`scorebox.cron`) or down
+    the wait ladder (`scorebox.delay`): a queue of its own, bound to both."""
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(exclusive=True, timeout=10)
+        await queue.bind(CRON.name, RunCronJob.routing_key, timeout=10)
+        await queue.bind(DELAY.name, f"*.{RunCronJob.routing_key}", timeout=10)
+        yield Published(queue)
 
 
 class Stoppable:
@@ -77,12 +102,14 @@ class Stoppable:
         return JobOutcome()
 
 
-def _runner(firings: Firings, job: Stoppable, clock: MovableClock, sent: Sent) -> CronJobRunner:
+def _runner(
+    firings: Firings, job: Stoppable, clock: MovableClock, broker: RabbitBroker
+) -> CronJobRunner:
     return CronJobRunner(
         handlers={JOB: job},
         firings=firings,
         retry=RETRY,
-        bus=sent,  # type: ignore[arg-type]  # records what would be published
+        bus=SchedulerBus(broker, timeout_s=10, clock=clock),
         clock=clock,
         job_db_timeout_s=30,
         metrics=SchedulerMetrics(CollectorRegistry()),
@@ -104,28 +131,29 @@ async def _claimed(firings: Firings) -> Firing:
     ids=["taken-over", "renewals-fail", "renewals-hang"],
 )
 async def test_a_delivery_that_may_have_lost_its_hold_stops_its_job(
-    env: Env, store: type[Firings]
+    env: Env, task_broker: RabbitBroker, store: type[Firings]
 ) -> None:
     firings = store(env.mongo, env.database)
     firing = await _claimed(firings)
     clock = MovableClock(NOW)
     job = Stoppable()
     body = run_command_for(firing).model_dump_json().encode()
-    sent = Sent()
-    runner = _runner(firings, job, clock, sent)
-    handling = asyncio.create_task(runner.on_message(HandedDelivery(body)))
-    await asyncio.wait_for(job.started.wait(), timeout=30)
+    runner = _runner(firings, job, clock, task_broker)
+    async with watching_runs(env.amqp_url) as published:
+        handling = asyncio.create_task(runner.on_message(HandedDelivery(body)))
+        await asyncio.wait_for(job.started.wait(), timeout=30)
 
-    if store is Firings:  # another delivery took the hold (its lease lapsed, say)
-        taken = {"$set": {"hold.by": new_id(), "hold.message_id": new_id()}}
-        await env.collection("firings").update_one({"_id": firing.run_id}, taken)
-    else:  # renewals failing, its hold about to lapse
-        clock.now = NOW + LEASE
+        if store is Firings:  # another delivery took the hold (its lease lapsed, say)
+            taken = {"$set": {"hold.by": new_id(), "hold.message_id": new_id()}}
+            await env.collection("firings").update_one({"_id": firing.run_id}, taken)
+        else:  # renewals failing, its hold about to lapse
+            clock.now = NOW + LEASE
 
-    await asyncio.wait_for(job.cancelled.wait(), timeout=30)
-    await asyncio.wait_for(handling, timeout=30)
+        await asyncio.wait_for(job.cancelled.wait(), timeout=30)
+        await asyncio.wait_for(handling, timeout=30)
+        sent = await published.commands()
     if store is Firings:
-        assert sent.commands == []  # dropped: the delivery that took the hold carries it on
+        assert sent == []  # dropped: the delivery that took the hold carries it on
     else:
-        [again] = sent.commands  # nobody else may hold it: sent again, its step kept
+        [again] = sent  # nobody else may hold it: sent again, its step kept
         assert (again.run_id, again.step) == (firing.run_id, 0)

@@ -16,8 +16,8 @@ from services.scheduler.firings import Firing, Firings, FiringState
 from services.scheduler.jobs import JobOutcome, JobRun
 from shared.topology import CRON_JOBS
 from tests.integration import test_scheduler
-from tests.integration.test_scheduler import Env, drain, scheduler
-from tests.support import eventually
+from tests.integration.test_scheduler import Env, scheduler
+from tests.support import drain, eventually
 
 mongo_client = test_scheduler.mongo_client  # fixtures
 topology = test_scheduler.topology

@@ -27,10 +27,16 @@ from services.scorer.settings import ScorerSettings
 from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
 from shared.bus import publish_command
-from shared.contracts import HEURISTIC_PROMPT_VERSION, ScoreText, TaskFailed, new_id
+from shared.contracts import (
+    HEURISTIC_PROMPT_VERSION,
+    PROVIDER_PROMPT_VERSIONS,
+    ScoreText,
+    TaskFailed,
+    new_id,
+)
 from shared.runtime import make_broker
 from shared.topology import DLX, ERROR_HEADER, EVENTS, SCORE_REQUESTS, TASKS
-from tests.support import RFC3339_UTC, eventually, running, stack_env
+from tests.support import RFC3339_UTC, drain, eventually, running, stack_env
 
 ADMIN_KEY = "test-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -102,14 +108,7 @@ async def flow(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Flow]
 
 
 async def _dead_letters(amqp_url: str) -> list[aio_pika.abc.AbstractIncomingMessage]:
-    connection = await aio_pika.connect(amqp_url, timeout=10)
-    async with connection:
-        channel = await connection.channel()
-        queue = await channel.get_queue(SCORE_REQUESTS.dead_letter_routing_key, ensure=True)
-        found = []
-        while (message := await queue.get(no_ack=True, fail=False, timeout=5)) is not None:
-            found.append(message)
-        return found
+    return await drain(amqp_url, SCORE_REQUESTS.dead_letter_routing_key)
 
 
 def _marker() -> str:
@@ -404,6 +403,32 @@ async def test_a_cached_result_of_another_default_model_is_not_served(
     same_model = await flow.api.post("/v1/scores", json={"text": text})
     assert same_model.status_code == 200, same_model.text
     assert same_model.json()["result"]["cached"] is True
+
+
+async def test_a_cached_result_of_another_prompt_is_not_served_without_a_rubric_version(
+    flow: Flow, mongo: Any, db_prefix: str
+) -> None:
+    """With `RUBRIC_VERSION` unset (as here) the cache served results of any prompt: after a
+    deploy that changed the prompt, the old prompt's scores answered identical texts for
+    `RESULT_CACHE_TTL_S`. It serves those its provider's prompt makes (a review)."""
+    marker = _marker()
+    text = f"Cache me for one prompt [[id:{marker}]]"
+    first = await flow.finished(await flow.submit(text))
+    await _result_cached(mongo.url, db_prefix, first["task_id"])
+    assert first["result"]["prompt_version"] == PROVIDER_PROMPT_VERSIONS["openai"]
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url)
+    try:  # the entry as the build before the prompt's change cached it
+        earlier = {"$set": {"result.prompt_version": "judge-2024-1"}}
+        entries = client[f"{db_prefix}_gateway"]["result_cache"]
+        assert (await entries.update_one({"task_id": first["task_id"]}, earlier)).modified_count
+    finally:
+        await client.close()
+
+    again = await flow.api.post("/v1/scores", json={"text": text})
+
+    assert again.status_code == 202, again.text
+    assert (await flow.finished(again.json()["task_id"]))["result"]["cached"] is False
+    assert flow.calls(marker) == 2
 
 
 async def test_a_submission_to_the_heuristic_is_keyed_by_the_heuristic_whatever_it_names(

@@ -9,7 +9,8 @@ decision gave up its turn, and no copy of the command was left anywhere (found i
 The copy now waits for the holder, as a redelivery does, and scores the task.
 
 The scorer's handler runs in process on the real database and the fake model over HTTP; its
-broker actions are recorded instead of published.
+broker actions are carried out on the real broker, and the copies it sends again are read
+back from it.
 """
 
 from __future__ import annotations
@@ -21,19 +22,28 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, override
 
+import aio_pika
 import pytest
+from faststream.rabbit import RabbitBroker
 
 from devtools.fake_llm import FakeLLM
-from services.scorer.consumer import REPLACES_LOST_HEADER, BrokerActions, subscribe_scorer
-from services.scorer.decisions import Decision, Finish
+from services.scorer.consumer import REPLACES_LOST_HEADER, subscribe_scorer
+from services.scorer.decisions import Finish
 from services.scorer.scoring import ScorerDeps
 from services.scorer.slots import ModelSlots
-from shared.consumers import Delivery
-from shared.contracts import ScoreText, TaskCompleted, new_id, utcnow
+from shared.contracts import ScoreText, TaskCompleted, new_id
 from shared.in_hand import InHand
 from shared.topology import EARLIER_DELIVERIES_HEADER, SCORE_REQUESTS
 from tests.integration.scorer_parts import attempts_store, fake_model, scorer_deps
-from tests.support import HandedDelivery, HandlerOnly, eventually
+from tests.integration.test_scorer_own_claims import (
+    CarriedOut,
+    Commands,
+    completion_seen,
+    watching_commands,
+)
+from tests.support import HandedDelivery, HandlerOnly, eventually, watching_completions
+
+Watched = list[aio_pika.abc.AbstractIncomingMessage]
 
 pytestmark = pytest.mark.integration
 
@@ -53,24 +63,21 @@ class LookedUp(InHand[tuple[str, int, int]]):
             yield only_here
 
 
-class Recorded(BrokerActions):
-    def __init__(self) -> None:
-        super().__init__(broker=None, timeout_s=10, clock=utcnow)  # type: ignore[arg-type]
-        self.decisions: list[Decision] = []
-        self.resent: list[tuple[ScoreText, dict[str, Any]]] = []
-
-    @override
-    async def carry_out(self, decision: Decision, message: Delivery) -> None:
-        self.decisions.append(decision)
-
-    @override
-    async def resend(self, command: ScoreText, *, headers: dict[str, Any]) -> None:
-        self.resent.append((command, headers))
+async def _sent_again(commands: Commands) -> HandedDelivery:
+    """The one copy of a command sent again, as the broker hands it out: its body and the
+    headers it carried through the broker."""
+    [copy] = await commands.taken()
+    return HandedDelivery(copy.command.model_dump_json().encode(), headers=copy.headers)
 
 
 @pytest.mark.parametrize("through_a_stopping_scorer", [False, True], ids=["direct", "sent-on"])
 async def test_the_copy_sent_at_the_limit_waits_for_its_lost_predecessor_and_scores(
-    fake_llm: FakeLLM, mongo: Any, db_prefix: str, through_a_stopping_scorer: bool
+    fake_llm: FakeLLM,
+    mongo: Any,
+    db_prefix: str,
+    amqp_url: str,
+    task_broker: RabbitBroker,
+    through_a_stopping_scorer: bool,
 ) -> None:
     """`sent-on`: the copy first reaches a scorer that is stopping, which sends it on; that
     copy lost the marker (and carries no count) and was dropped here (found in review)."""
@@ -79,32 +86,36 @@ async def test_the_copy_sent_at_the_limit_waits_for_its_lost_predecessor_and_sco
     body = command.model_dump_json().encode()
     limit = SCORE_REQUESTS.delivery_limit
     in_hand = LookedUp()
-    async with attempts_store(mongo.url, db_prefix) as attempts, fake_model(fake_llm) as model:
-        deps, handler, actions = _scorer_with_one_slot(attempts, model, in_hand)
+    async with (
+        attempts_store(mongo.url, db_prefix) as attempts,
+        fake_model(fake_llm) as model,
+        watching_commands(amqp_url) as commands,
+        watching_completions(amqp_url) as completions,
+    ):
+        deps, handler, actions = _scorer_with_one_slot(attempts, model, in_hand, task_broker)
 
         async with deps.model_slots.held():  # the only slot, busy with another task's call
             waiting = HandedDelivery.redelivery(body, count=limit - 1)
             await _lost_waiting_for_the_slot(handler, deps, waiting)
             at_limit = HandedDelivery.redelivery(body, count=limit)
             await asyncio.wait_for(handler.handler(at_limit), timeout=30)
-            [(again, headers)] = actions.resent  # sent again afresh, then acked
+            fresh = await _sent_again(commands)  # sent again afresh, then acked
             if through_a_stopping_scorer:
-                again, headers = await _sent_on_at_a_stop(again, headers, attempts, model)
-            fresh = HandedDelivery(again.model_dump_json().encode(), headers=headers)
+                fresh = await _sent_on_at_a_stop(fresh, commands, attempts, model, task_broker)
             copy = asyncio.create_task(handler.handler(fresh))
             await eventually(lambda: _looked(in_hand, 2), what="the copy finding it held")
         # The slot free: the lost decision gives up its turn, and the copy takes the attempt.
         await asyncio.wait_for(copy, timeout=60)
+        await _scored_once(actions, fake_llm, marker, completions, command.task_id)
 
-    assert headers[REPLACES_LOST_HEADER] is True
+    assert fresh.headers[REPLACES_LOST_HEADER] is True
     assert at_limit.settled == ["ack"]
     assert fresh.settled == ["ack"]
-    _scored_once(actions, fake_llm, marker)
 
 
 async def _sent_on_at_a_stop(
-    command: ScoreText, headers: dict[str, Any], attempts: Any, model: Any
-) -> tuple[ScoreText, dict[str, Any]]:
+    copy: HandedDelivery, commands: Commands, attempts: Any, model: Any, broker: RabbitBroker
+) -> HandedDelivery:
     """The copy as another scorer, stopping (its model slots closed), sends it on."""
     stopping = scorer_deps(
         attempts=attempts,
@@ -114,26 +125,16 @@ async def _sent_on_at_a_stop(
         model_slots=ModelSlots(1),
     )
     stopping.model_slots.close()
-    handler, actions = HandlerOnly(), _SendingOn()
-    subscribe_scorer(handler, stopping, actions, crash_limit=3)  # type: ignore[arg-type]
-    copy = HandedDelivery(command.model_dump_json().encode(), headers=headers)
+    handler = HandlerOnly()
+    subscribe_scorer(handler, stopping, CarriedOut(broker), crash_limit=3)  # type: ignore[arg-type]
     await asyncio.wait_for(handler.handler(copy), timeout=30)
-    [sent_on] = actions.resent
-    return sent_on
-
-
-class _SendingOn(Recorded):
-    """Carries a decision out as the scorer does (a `Defer` is sent again through `resend`)."""
-
-    @override
-    async def carry_out(self, decision: Decision, message: Delivery) -> None:
-        await BrokerActions.carry_out(self, decision, message)
+    return await _sent_again(commands)
 
 
 def _scorer_with_one_slot(
-    attempts: Any, model: Any, in_hand: LookedUp
-) -> tuple[ScorerDeps, HandlerOnly, Recorded]:
-    """A scorer's handler with one model slot, its broker actions recorded."""
+    attempts: Any, model: Any, in_hand: LookedUp, broker: RabbitBroker
+) -> tuple[ScorerDeps, HandlerOnly, CarriedOut]:
+    """A scorer's handler with one model slot, its broker actions on `broker`."""
     deps = scorer_deps(
         attempts=attempts,
         model=model,
@@ -143,7 +144,7 @@ def _scorer_with_one_slot(
         started_after=timedelta(seconds=30),
         in_hand=in_hand,
     )
-    handler, actions = HandlerOnly(), Recorded()
+    handler, actions = HandlerOnly(), CarriedOut(broker)
     subscribe_scorer(handler, deps, actions, crash_limit=3)  # type: ignore[arg-type]
     return deps, handler, actions
 
@@ -160,11 +161,16 @@ async def _lost_waiting_for_the_slot(
         await predecessor
 
 
-def _scored_once(actions: Recorded, fake_llm: FakeLLM, marker: str) -> None:
+async def _scored_once(
+    actions: CarriedOut, fake_llm: FakeLLM, marker: str, completions: Watched, task_id: str
+) -> None:
     [decision] = actions.decisions
     assert isinstance(decision, Finish)
     assert isinstance(decision.event, TaskCompleted)
     assert int(fake_llm.stats()["by_id"].get(marker, 0)) == 1
+    await eventually(
+        lambda: completion_seen(completions, task_id), what="the task.completed published"
+    )
 
 
 async def _held(deps: ScorerDeps, count: int) -> bool:
@@ -176,7 +182,7 @@ async def _looked(in_hand: LookedUp, times: int) -> bool:
 
 
 async def test_a_copy_carrying_a_lost_delivery_waits_for_its_predecessor_and_scores(
-    fake_llm: FakeLLM, mongo: Any, db_prefix: str
+    fake_llm: FakeLLM, mongo: Any, db_prefix: str, amqp_url: str, task_broker: RabbitBroker
 ) -> None:
     """The delivery lost here came back to another scorer, which sent it again as a copy
     carrying that lost delivery (its database away, or stopping). Arriving here while the
@@ -186,8 +192,12 @@ async def test_a_copy_carrying_a_lost_delivery_waits_for_its_predecessor_and_sco
     command = ScoreText(task_id=new_id(), text=f"An essay sent again. [[id:{marker}]]")
     body = command.model_dump_json().encode()
     in_hand = LookedUp()
-    async with attempts_store(mongo.url, db_prefix) as attempts, fake_model(fake_llm) as model:
-        deps, handler, actions = _scorer_with_one_slot(attempts, model, in_hand)
+    async with (
+        attempts_store(mongo.url, db_prefix) as attempts,
+        fake_model(fake_llm) as model,
+        watching_completions(amqp_url) as completions,
+    ):
+        deps, handler, actions = _scorer_with_one_slot(attempts, model, in_hand, task_broker)
 
         async with deps.model_slots.held():  # the only slot, busy with another task's call
             await _lost_waiting_for_the_slot(handler, deps, HandedDelivery(body))
@@ -195,6 +205,6 @@ async def test_a_copy_carrying_a_lost_delivery_waits_for_its_predecessor_and_sco
             copy = asyncio.create_task(handler.handler(fresh))
             await eventually(lambda: _looked(in_hand, 2), what="the copy finding it held")
         await asyncio.wait_for(copy, timeout=60)
+        await _scored_once(actions, fake_llm, marker, completions, command.task_id)
 
     assert fresh.settled == ["ack"]
-    _scored_once(actions, fake_llm, marker)

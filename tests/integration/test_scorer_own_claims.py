@@ -4,7 +4,8 @@ When the database answers slowly, a claim's write can reach it after the scorer 
 the answer; the scorer sends the message again, and its next delivery finds the attempt
 claimed by this very process, which works on nothing of it. It used to wait for the claim's
 lease to expire (`LLM_TIMEOUT_S` * 2 + `LEASE_MARGIN_S`: 90 s by default) before scoring the
-task. `score_text` runs here on the real database and calls the fake model over HTTP.
+task. `score_text` runs here on the real database and calls the fake model over HTTP; the
+handler's decisions are carried out on the real broker.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, override
 
+import aio_pika
 import pytest
+from faststream.rabbit import RabbitBroker
 from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import FakeLLM
@@ -34,16 +38,22 @@ from shared.contracts import (
     ScoreText,
     TaskCompleted,
     TaskError,
-    TaskEvent,
     TaskFailed,
     TaskRetrying,
     event_sequence,
     new_id,
     utcnow,
 )
-from shared.topology import wait_tier_for
+from shared.topology import DELAY, ERROR_HEADER, SCORE_REQUESTS, TASKS, wait_tier_for
 from tests.integration.scorer_parts import attempts_store, fake_model, scorer_deps
-from tests.support import HandedDelivery, HandlerOnly, eventually
+from tests.support import (
+    HandedDelivery,
+    HandlerOnly,
+    completion_ids,
+    drain,
+    eventually,
+    watching_completions,
+)
 
 LEASE = timedelta(seconds=60)
 Deps = Callable[[str], ScorerDeps]
@@ -78,6 +88,51 @@ def _command(text: str) -> tuple[ScoreText, str]:
 
 def _calls(fake_llm: FakeLLM, marker: str) -> int:
     return int(fake_llm.stats()["by_id"].get(marker, 0))
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A score command as the broker took it: the command, and the headers it carries."""
+
+    command: ScoreText
+    headers: dict[str, Any]
+
+
+class Commands:
+    """What `watching_commands` caught."""
+
+    def __init__(self, queue: aio_pika.abc.AbstractQueue) -> None:
+        self._queue = queue
+
+    async def taken(self) -> list[Copy]:
+        """Those published since the last look (each confirmed publish is in the queue by
+        then; one the broker took without a confirm, soon after)."""
+        found = []
+        while (message := await self._queue.get(no_ack=True, fail=False, timeout=10)) is not None:
+            found.append(Copy(ScoreText.model_validate_json(message.body), dict(message.headers)))
+        return found
+
+
+@asynccontextmanager
+async def watching_commands(amqp_url: str) -> AsyncIterator[Commands]:
+    """Every score command published while the block lasts, sent now (`scorebox.tasks`, as
+    submitted or sent again) or down the wait ladder (`scorebox.delay`): a queue of its own,
+    bound to both."""
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(exclusive=True, timeout=10)
+        for key in (ScoreText.routing_key, ScoreText.resubmission_routing_key):
+            await queue.bind(TASKS.name, key, timeout=10)
+        await queue.bind(DELAY.name, f"*.{ScoreText.routing_key}", timeout=10)
+        yield Commands(queue)
+
+
+async def completion_seen(
+    watched: list[aio_pika.abc.AbstractIncomingMessage], task_id: str
+) -> bool:
+    """Whether `watching_completions` saw the task's `task.completed`."""
+    return any(task_id in completion_ids(message) for message in watched)
 
 
 async def test_a_claim_of_ours_whose_answer_was_lost_is_taken_over_at_once(
@@ -201,35 +256,44 @@ async def test_a_copy_deferred_near_the_lease_end_waits_past_it(
 
 
 class CarriedOut(BrokerActions):
-    """Records the decisions the handler carries out instead of publishing them."""
+    """The scorer's broker actions on `broker`, remembering the decisions they carried out
+    (the broker confirmed each)."""
 
-    def __init__(self) -> None:
-        super().__init__(broker=None, timeout_s=10, clock=utcnow)  # type: ignore[arg-type]
+    def __init__(self, broker: RabbitBroker) -> None:
+        super().__init__(broker=broker, timeout_s=10, clock=utcnow)
         self.decisions: list[Decision] = []
 
     @override
-    async def carry_out(self, decision: Decision, message: Delivery) -> None:
+    async def carry_out(self, decision: Decision, message: Delivery) -> bool | None:
+        lettered = await super().carry_out(decision, message)
         self.decisions.append(decision)
+        return lettered
 
 
 async def test_a_redelivery_after_the_connection_dropped_carries_the_decision_out(
-    make_deps: Deps, fake_llm: FakeLLM
+    make_deps: Deps, fake_llm: FakeLLM, amqp_url: str, task_broker: RabbitBroker
 ) -> None:
     """The connection dropping cancels the handler while its shielded decision goes on (and
     holds the attempt here); the broker redelivers the message to this process. It used to
     be dropped as a second copy: the decision, recorded, was carried out by nobody."""
-    broker, actions = HandlerOnly(), CarriedOut()
+    broker, actions = HandlerOnly(), CarriedOut(task_broker)
     subscribe_scorer(broker, make_deps("scorer-a"), actions, crash_limit=3)  # type: ignore[arg-type]
     command, marker = _command("An essay whose connection dropped [[fake:slow]].")
-    first = asyncio.create_task(broker.handler(HandedDelivery(command.model_dump_json().encode())))
-    async with asyncio.timeout(30):
-        await fake_llm.wait_for_stats(lambda stats: stats["by_id"].get(marker, 0) >= 1)
-    first.cancel()  # as aiormq cancels a closed channel's consumers
-    with contextlib.suppress(asyncio.CancelledError):
-        await first
+    async with watching_completions(amqp_url) as watched:
+        first = asyncio.create_task(
+            broker.handler(HandedDelivery(command.model_dump_json().encode()))
+        )
+        async with asyncio.timeout(30):
+            await fake_llm.wait_for_stats(lambda stats: stats["by_id"].get(marker, 0) >= 1)
+        first.cancel()  # as aiormq cancels a closed channel's consumers
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
 
-    redelivery = HandedDelivery.redelivery(command.model_dump_json().encode())
-    await asyncio.wait_for(broker.handler(redelivery), timeout=30)
+        redelivery = HandedDelivery.redelivery(command.model_dump_json().encode())
+        await asyncio.wait_for(broker.handler(redelivery), timeout=30)
+        await eventually(
+            lambda: completion_seen(watched, command.task_id), what="the task.completed published"
+        )
 
     assert [type(decision) for decision in actions.decisions] == [Finish]
     assert redelivery.settled == ["ack"]
@@ -237,12 +301,12 @@ async def test_a_redelivery_after_the_connection_dropped_carries_the_decision_ou
 
 
 async def test_a_delivery_lost_while_it_waited_for_a_model_slot_starts_nothing(
-    make_deps: Deps, fake_llm: FakeLLM, mongo: Any, db_prefix: str
+    make_deps: Deps, fake_llm: FakeLLM, mongo: Any, db_prefix: str, task_broker: RabbitBroker
 ) -> None:
     """Its decision is shielded from the lost connection like any other; it used to take
     the slot once one was free, and claim and call for a delivery already redelivered."""
     deps = replace(make_deps("scorer-a"), model_slots=ModelSlots(1))
-    broker, actions = HandlerOnly(), CarriedOut()
+    broker, actions = HandlerOnly(), CarriedOut(task_broker)
     subscribe_scorer(broker, deps, actions, crash_limit=3)  # type: ignore[arg-type]
     command, marker = _command("An essay whose delivery was lost while it waited.")
     async with deps.model_slots.held():  # every slot busy
@@ -269,13 +333,13 @@ async def test_a_delivery_lost_while_it_waited_for_a_model_slot_starts_nothing(
 
 
 async def test_a_delivery_lost_while_it_waited_out_a_rate_limit_pause_starts_nothing(
-    make_deps: Deps, fake_llm: FakeLLM
+    make_deps: Deps, fake_llm: FakeLLM, task_broker: RabbitBroker
 ) -> None:
     """The pause (`services/scorer/throttle.py`) is waited out inside the model slot, after
     the check for a lost delivery: it claimed and called for a delivery redelivered since."""
     deps = replace(make_deps("scorer-a"), throttle=ModelThrottle(base_s=1.0))
     deps.throttle.rate_limited(Turn(), retry_after_s=2)  # the provider said 429 just now
-    broker, actions = HandlerOnly(), CarriedOut()
+    broker, actions = HandlerOnly(), CarriedOut(task_broker)
     subscribe_scorer(broker, deps, actions, crash_limit=3)  # type: ignore[arg-type]
     command, marker = _command("An essay whose delivery was lost during a rate-limit pause.")
     first = asyncio.create_task(broker.handler(HandedDelivery(command.model_dump_json().encode())))
@@ -296,24 +360,18 @@ async def _is_in_hand(deps: ScorerDeps, *, expected: bool = True) -> bool:
 
 
 class GivesUp(CarriedOut):
-    """Records what the handler dead-letters and resends instead of publishing it."""
+    """Also remembers the reasons of what the handler dead-lettered (the broker confirmed
+    each letter)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, broker: RabbitBroker) -> None:
+        super().__init__(broker)
         self.given_up: list[str] = []
 
     @override
     async def dead_letter(self, message: Delivery, error: str) -> bool:
+        lettered = await super().dead_letter(message, error)
         self.given_up.append(error)
-        return True
-
-    @override
-    async def fail_task(self, failed: TaskEvent) -> None:
-        pass
-
-    @override
-    async def resend(self, command: ScoreText, *, headers: dict[str, Any]) -> None:
-        pass
+        return lettered
 
 
 class Crashing(Attempts):
@@ -322,27 +380,38 @@ class Crashing(Attempts):
         raise RuntimeError("a bug in the claim")
 
 
+async def _letters(amqp_url: str, *bodies: bytes) -> list[aio_pika.abc.AbstractIncomingMessage]:
+    """The letters in the score queue's DLQ whose body is one of `bodies` (all drained)."""
+    letters = await drain(amqp_url, SCORE_REQUESTS.dead_letter_routing_key)
+    return [letter for letter in letters if letter.body in bodies]
+
+
 async def test_deliveries_given_up_are_counted_as_dead_lettered(
-    make_deps: Deps, mongo: Any, db_prefix: str
+    make_deps: Deps, mongo: Any, db_prefix: str, amqp_url: str, task_broker: RabbitBroker
 ) -> None:
     """The failures that matter most (unreadable, at the crash limit) were never counted:
     an alert on the decisions metric missed every dead-lettered task."""
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
     crashing = Crashing(client, f"{db_prefix}_scorer", retention=timedelta(hours=1))
     deps = replace(make_deps("scorer-a"), attempts=crashing)
-    broker, actions = HandlerOnly(), GivesUp()
+    broker, actions = HandlerOnly(), GivesUp(task_broker)
     subscribe_scorer(broker, deps, actions, crash_limit=3)  # type: ignore[arg-type]
     command, _ = _command("An essay the scorer crashes on.")
-    body = command.model_dump_json().encode()
+    body, unreadable = command.model_dump_json().encode(), b'{"not": "a command"}'
     try:
-        await broker.handler(HandedDelivery(b'{"not": "a command"}'))
-        await broker.handler(HandedDelivery(body, headers={CRASHES_HEADER: 1}))  # resent
-        await broker.handler(HandedDelivery(body, headers={CRASHES_HEADER: 2}))  # given up
+        async with watching_commands(amqp_url) as commands:
+            await broker.handler(HandedDelivery(unreadable))
+            await broker.handler(HandedDelivery(body, headers={CRASHES_HEADER: 1}))  # resent
+            await broker.handler(HandedDelivery(body, headers={CRASHES_HEADER: 2}))  # given up
+            [resent] = await commands.taken()
     finally:
         await client.close()
     counted = deps.metrics.decisions.labels
-    assert len(actions.given_up) == 2
     assert (counted("dead_lettered")._value.get(), counted("resent")._value.get()) == (2, 1)
+    letters = await _letters(amqp_url, unreadable, body)
+    assert [letter.headers[ERROR_HEADER] for letter in letters] == actions.given_up
+    assert len(actions.given_up) == 2
+    assert (resent.command.task_id, resent.headers[CRASHES_HEADER]) == (command.task_id, 2)
 
 
 async def test_a_decision_landing_after_the_attempt_was_taken_over_gives_way(

@@ -15,6 +15,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
+from faststream.rabbit import RabbitBroker
 
 from devtools.infra import Endpoint
 from services.gateway.refusals import Refusals
@@ -43,8 +44,10 @@ SLACK = timedelta(minutes=5)  # the test's own run time, between `utcnow()` and 
 
 
 @pytest.fixture
-async def gateway(mongo: Endpoint, db_prefix: str) -> AsyncIterator[Gateway]:
-    async with gateway_records(mongo.url, db_prefix) as records:
+async def gateway(
+    mongo: Endpoint, db_prefix: str, task_broker: RabbitBroker
+) -> AsyncIterator[Gateway]:
+    async with gateway_records(mongo.url, db_prefix, task_broker) as records:
         yield records
 
 
@@ -125,7 +128,7 @@ async def test_an_unsent_submission_outlives_its_retention_and_is_sent_by_the_sw
     assert view is not None
     assert view.status == "queued"
 
-    publisher = Recorded()
+    publisher = Recorded(gateway.broker)
     sent = await sweep_outbox(
         submissions=gateway.submissions,
         publisher=publisher,
@@ -267,7 +270,7 @@ async def test_a_submission_swept_after_its_retention_is_kept_a_retention_from_t
 
     sent = await sweep_outbox(
         submissions=gateway.submissions,
-        publisher=Recorded(),
+        publisher=Recorded(gateway.broker),
         clock=utcnow,
         grace=timedelta(seconds=30),
         refusals=Refusals(),
@@ -309,7 +312,7 @@ async def test_a_delayed_submission_swept_keeps_its_later_expiry(gateway: Gatewa
 
 
 async def test_a_sweep_pass_ends_at_the_first_send_the_broker_does_not_confirm(
-    gateway: Gateway,
+    gateway: Gateway, stalled_broker: RabbitBroker
 ) -> None:
     """Under an alarm every send waits out its timeout: a pass sending on through 500 records
     took over an hour, and the batch holds after it came too late (a batch record expired
@@ -318,7 +321,7 @@ async def test_a_sweep_pass_ends_at_the_first_send_the_broker_does_not_confirm(
     commands = [_command(now - timedelta(hours=1)) for _ in range(3)]
     for command in commands:
         await _record(gateway.submissions, command, SubmissionState.UNCONFIRMED)
-    alarm = Unconfirmed()
+    alarm = Unconfirmed(stalled_broker)
 
     sent = await sweep_outbox(
         submissions=gateway.submissions,
@@ -331,7 +334,7 @@ async def test_a_sweep_pass_ends_at_the_first_send_the_broker_does_not_confirm(
     )
 
     assert (sent, len(alarm.sent)) == (0, 1)
-    later = Recorded()
+    later = Recorded(gateway.broker)
     sent = await sweep_outbox(
         submissions=gateway.submissions,
         publisher=later,

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from faststream.rabbit import RabbitBroker
 
 from devtools.infra import Endpoint
 from services.gateway.batches import (
@@ -66,15 +67,17 @@ class NoCache:
 
 
 @pytest.fixture
-async def gateway(mongo: Endpoint, db_prefix: str) -> AsyncIterator[Gateway]:
-    async with gateway_records(mongo.url, db_prefix) as records:
+async def gateway(
+    mongo: Endpoint, db_prefix: str, task_broker: RabbitBroker
+) -> AsyncIterator[Gateway]:
+    async with gateway_records(mongo.url, db_prefix, task_broker) as records:
         yield records
 
 
 async def _sweep(gateway: Gateway, at: datetime) -> int:
     return await sweep_outbox(
         submissions=gateway.submissions,
-        publisher=Recorded(),
+        publisher=Recorded(gateway.broker),
         clock=lambda: at,
         grace=GRACE,
         refusals=Refusals(),
@@ -83,7 +86,7 @@ async def _sweep(gateway: Gateway, at: datetime) -> int:
     )
 
 
-async def _unconfirmed_batch(gateway: Gateway, items: int) -> str:
+async def _unconfirmed_batch(gateway: Gateway, stalled: RabbitBroker, items: int) -> str:
     """A batch answered 202 during a broker alarm: its items `unconfirmed`."""
     submitted = await submit_batch(
         BatchSubmission.model_validate(
@@ -94,7 +97,7 @@ async def _unconfirmed_batch(gateway: Gateway, items: int) -> str:
         idempotency_key=None,
         batches=gateway.batches,
         submissions=gateway.submissions,
-        publisher=Unconfirmed(),
+        publisher=Unconfirmed(stalled),
         policy=BatchPolicy(max_attempts=4, retention=timedelta(days=1), in_progress_for=WINDOW),
         clock=lambda: T0,
         refusals=Refusals(),
@@ -127,9 +130,9 @@ def _nonzero(page: BatchPage) -> dict[str, int]:
 
 
 async def test_batch_items_the_sweep_just_sent_read_queued_until_the_window_ends(
-    gateway: Gateway,
+    gateway: Gateway, stalled_broker: RabbitBroker
 ) -> None:
-    batch_id = await _unconfirmed_batch(gateway, items=4)
+    batch_id = await _unconfirmed_batch(gateway, stalled_broker, items=4)
     alarm_over = T0 + ALARM
     assert await _sweep(gateway, alarm_over) == 4
 
@@ -144,11 +147,11 @@ async def test_batch_items_the_sweep_just_sent_read_queued_until_the_window_ends
 
 
 async def test_batch_items_the_sweep_sends_while_the_status_service_answers_read_queued(
-    gateway: Gateway,
+    gateway: Gateway, stalled_broker: RabbitBroker
 ) -> None:
     """No backlog: the sweep sends and marks the items between the status service's answer
     and the read of the batch's submissions."""
-    batch_id = await _unconfirmed_batch(gateway, items=3)
+    batch_id = await _unconfirmed_batch(gateway, stalled_broker, items=3)
     at = T0 + ALARM
 
     page = await read_at(gateway, batch_id, at, status=SweptWhileAnswering(gateway, at))
@@ -158,14 +161,14 @@ async def test_batch_items_the_sweep_sends_while_the_status_service_answers_read
 
 
 async def test_a_single_task_the_sweep_just_sent_reads_queued_until_the_window_ends(
-    gateway: Gateway,
+    gateway: Gateway, stalled_broker: RabbitBroker
 ) -> None:
     submitted = await submit_score(
         ScoreSubmission.model_validate({"text": "An essay.", "use_cache": False}),
         tenant_id=TENANT,
         idempotency_key=None,
         submissions=gateway.submissions,
-        publisher=Unconfirmed(),
+        publisher=Unconfirmed(stalled_broker),
         cache=NoCache(),  # type: ignore[arg-type]
         policy=SubmitPolicy(max_attempts=4, retention=timedelta(days=1)),
         clock=lambda: T0,

@@ -17,6 +17,8 @@ gives the notifier the test-only settings that reach it (`local_webhook_receiver
 from __future__ import annotations
 
 import argparse
+import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
 import errno
@@ -66,6 +68,7 @@ KILL_WAIT_S = 10.0
 # period, up to BROKER_TIMEOUT_S each (as compose's `stop_grace_period` counts them).
 STOP_BROKER_STEPS = 3
 LOG_TAIL_LINES = 40
+TOPOLOGY_FIRST_TIMEOUT_S = 15.0
 # The banner's CLI example scores this (the README, once suggested, is over MAX_TEXT_CHARS).
 CLI_EXAMPLE_TEXT = "Asynchronous scoring keeps the request fast and the model busy."
 SUPERVISE_INTERVAL_S = 0.5
@@ -195,6 +198,7 @@ class Stack:
             raise StackError("the stack is already started")
         self._processes = self._plan()
         ensure_ports_free(self.config.host, self._fixed_ports())
+        declare_topology_first(self.config.rabbitmq_url)
         try:
             for proc in self._processes:
                 self._spawn(proc, append=False)
@@ -356,6 +360,40 @@ class Stack:
 
 
 # ---------------------------------------------------------------------- process helpers
+
+
+def declare_topology_first(rabbitmq_url: str, timeout_s: float = TOPOLOGY_FIRST_TIMEOUT_S) -> bool:
+    """Declare the topology once, before the services start and declare it each, at once;
+    best effort (False when it could not: each service declares it all the same).
+
+    RabbitMQ 3.10 answers a quorum queue's declaration as done while another client's
+    declaration of it is still starting the queue's Raft member; a `basic.consume` on it
+    then crashes the channel (`{badmatch,{error,noproc}}` in its log, `INTERNAL_ERROR` to
+    the client, which closes the connection), and the service whose consumer it was ended
+    its start: services started together on a fresh vhost failed now and then (CI, a
+    `make run` and two fault-test stacks of one run). Under compose or Kubernetes a restart
+    takes the service up again; here the stack would have failed."""
+
+    async def declare() -> None:
+        from faststream.rabbit import RabbitBroker  # noqa: PLC0415 - only when starting
+
+        from shared.topology import declare_topology  # noqa: PLC0415
+
+        broker = RabbitBroker(rabbitmq_url)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await broker.connect()
+                await declare_topology(broker)
+        finally:
+            await broker.stop()
+
+    # A thread of its own: the caller may be running an event loop of its own (a test).
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        try:
+            pool.submit(asyncio.run, declare()).result()
+        except Exception:  # noqa: BLE001 - best effort: the services declare it anyway
+            return False
+    return True
 
 
 def internal_key_of(stack_env: Mapping[str, str], environ: Mapping[str, str] = os.environ) -> str:

@@ -111,7 +111,8 @@ async def task_broker(amqp_url: str) -> AsyncIterator[RabbitBroker]:
 async def stalled_broker(amqp_url: str, broker_link: SlowLink) -> AsyncIterator[RabbitBroker]:
     """The module's vhost, its topology declared, reached through `broker_link`, which holds
     every frame of the broker back from the moment the fixture hands it over: publishes reach
-    the queues, their confirms never come (as under a memory alarm)."""
+    the queues, their confirms never come (a confirm lost: under a memory alarm a publish
+    would not land at all)."""
     settings = ServiceSettings.model_validate({"RABBITMQ_URL": broker_link.url_through(amqp_url)})
     broker = make_broker(settings, graceful_timeout_s=1.0)
     await start_broker(broker, settings)

@@ -313,32 +313,52 @@ async def queue_made_full(
     publish with a negative confirm, as a full queue does, for the block: a policy gives it
     `max-length` 0 (the lower of policy and argument applies), and fillers go in until it
     refuses one (a quorum queue refuses once over its limit, not at it, and a policy applies
-    a moment after it is set). On the way out, the policy is removed and the queue emptied."""
+    a moment after it is set). On the way out, the policy is removed, and once the queue takes
+    a publish again (the removal applies a moment later too: the block's next publishes would
+    be refused meanwhile), emptied."""
     await asyncio.to_thread(
         set_queue_policy, amqp_url, policy, queue, {"max-length": 0}, management_url=management_url
     )
     try:
-        connection = await aio_pika.connect(amqp_url, timeout=timeout_s)
-        async with connection:
-            channel = await connection.channel()  # with publisher confirms
-
-            async def refused() -> bool:
-                try:
-                    await channel.default_exchange.publish(
-                        aio_pika.Message(b"filler"), routing_key=queue, timeout=timeout_s
-                    )
-                except aio_pika.exceptions.DeliveryError:
-                    return True
-                return False
-
-            await eventually(refused, timeout_s=timeout_s, what=f"{queue} refusing publishes")
+        async with _publishing_to(amqp_url, queue, timeout_s) as publish:
+            await eventually(
+                lambda: _not(publish()), timeout_s=timeout_s, what=f"{queue} refusing publishes"
+            )
         yield
     finally:
         await asyncio.to_thread(clear_queue_policy, amqp_url, policy, management_url=management_url)
+        async with _publishing_to(amqp_url, queue, timeout_s) as publish:
+            await eventually(publish, timeout_s=timeout_s, what=f"{queue} taking publishes again")
         connection = await aio_pika.connect(amqp_url, timeout=timeout_s)
         async with connection:
             channel = await connection.channel()
             await (await channel.get_queue(queue, ensure=True)).purge(timeout=timeout_s)
+
+
+async def _not(taken: Awaitable[bool]) -> bool:
+    return not await taken
+
+
+@asynccontextmanager
+async def _publishing_to(
+    amqp_url: str, queue: str, timeout_s: float
+) -> AsyncIterator[Callable[[], Awaitable[bool]]]:
+    """A publish of a filler to `queue`, confirmed (True) or refused with a negative confirm
+    (False)."""
+    connection = await aio_pika.connect(amqp_url, timeout=timeout_s)
+    async with connection:
+        channel = await connection.channel()  # with publisher confirms
+
+        async def publish() -> bool:
+            try:
+                await channel.default_exchange.publish(
+                    aio_pika.Message(b"filler"), routing_key=queue, timeout=timeout_s
+                )
+            except aio_pika.exceptions.DeliveryError:
+                return False
+            return True
+
+        yield publish
 
 
 async def drain(amqp_url: str, queue_name: str) -> list[aio_pika.abc.AbstractIncomingMessage]:
@@ -360,6 +380,22 @@ async def queued_commands(amqp_url: str) -> list[ScoreText]:
         ScoreText.model_validate_json(message.body)
         for message in await drain(amqp_url, SCORE_REQUESTS.name)
     ]
+
+
+@asynccontextmanager
+async def watching(
+    amqp_url: str, *routes: tuple[str, str]
+) -> AsyncIterator[aio_pika.abc.AbstractQueue]:
+    """A queue of its own for the block, bound to each `(exchange, routing key)` of `routes`:
+    what is published to them meanwhile, sent now or, with the wait ladder's
+    `(scorebox.delay, "*.<key>")`, down the ladder."""
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(exclusive=True, timeout=10)
+        for exchange, routing_key in routes:
+            await queue.bind(exchange, routing_key, timeout=10)
+        yield queue
 
 
 @asynccontextmanager

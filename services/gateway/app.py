@@ -159,7 +159,7 @@ def build_gateway(
             mongo,
             database,
             timedelta(seconds=settings.result_cache_ttl_s),
-            rubric_version=settings.cached_prompt_version,
+            prompt_versions=settings.cached_prompt_versions,
         ),
         publisher=publisher,
         status=status,

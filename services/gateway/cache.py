@@ -12,6 +12,7 @@ under the new one.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Collection
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -60,11 +61,11 @@ class ResultCache:
         database: str,
         ttl: timedelta,
         *,
-        rubric_version: str | None = None,
+        prompt_versions: Collection[str] | None = None,
     ) -> None:
         self._collection: AsyncCollection[Document] = client[database]["result_cache"]
         self._ttl = ttl
-        self._rubric_version = rubric_version
+        self._prompt_versions = prompt_versions
         self._writes = GroupWriter(self._collection)
         self._reads = GroupReader(self._collection)
 
@@ -83,8 +84,8 @@ class ResultCache:
         return result if self._current(result) else None
 
     def _current(self, result: ScoreResult) -> bool:
-        """Scored under the current rubric version (any, when none is configured)."""
-        return self._rubric_version is None or result.prompt_version == self._rubric_version
+        """Scored under a current prompt version (any, when none is given)."""
+        return self._prompt_versions is None or result.prompt_version in self._prompt_versions
 
     async def remember(
         self, *, tenant_id: str, key: str, result: ScoreResult, task_id: str, now: datetime

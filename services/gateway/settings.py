@@ -8,7 +8,7 @@ from services.gateway.keys import parse_key
 from shared.contracts import (
     HEURISTIC_PROMPT_VERSION,
     MAX_BATCH_ITEMS,
-    PROVIDER_PROMPT_VERSIONS,
+    PROMPT_VERSIONS,
     known_rubric_version,
 )
 from shared.settings import (
@@ -47,7 +47,7 @@ class GatewaySettings(AdminApiSettings):
         default=86_400, gt=0, le=MAX_DURATION_S, validation_alias="RESULT_CACHE_TTL_S"
     )
     # The current rubric/prompt version (the scheduler's setting too): the result cache
-    # answers only with results scored under it (`cached_prompt_version`), so a new rubric is
+    # answers only with results scored under it (`cached_prompt_versions`), so a new rubric is
     # not bypassed by the cache for `RESULT_CACHE_TTL_S`.
     rubric_version: str | None = Field(default=None, validation_alias="RUBRIC_VERSION")
     # The scorer's own settings, read for the result cache: a submission naming no model is
@@ -226,13 +226,17 @@ class GatewaySettings(AdminApiSettings):
         return tuple(sorted(listed | {self.llm_model.strip() or DEFAULT_LLM_MODEL}))
 
     @property
-    def cached_prompt_version(self) -> str | None:
-        """The prompt version whose results the result cache keeps and serves: `RUBRIC_VERSION`,
-        or unset, the one `LLM_PROVIDER`'s results carry (this build's prompt). Unset, any was
-        served: after a deploy that changed the prompt, the old prompt's scores answered
-        identical texts for `RESULT_CACHE_TTL_S` (a review). None (any) for a provider this
-        build does not know."""
-        return self.rubric_version or PROVIDER_PROMPT_VERSIONS.get(self.llm_provider.strip())
+    def cached_prompt_versions(self) -> frozenset[str]:
+        """The prompt versions whose results the result cache keeps and serves:
+        `RUBRIC_VERSION`, or unset, those this build's scorers make (`PROMPT_VERSIONS`; the
+        cache key names the model, so one provider's results never answer for another's).
+        Unset, any was served: after a deploy that changed the prompt, the old prompt's
+        scores answered identical texts for `RESULT_CACHE_TTL_S` (a review). Not the version
+        of this service's `LLM_PROVIDER`: only the scorer knows its provider for certain,
+        and a scorer's override alone would have kept every result out (the re-read)."""
+        if self.rubric_version is not None:
+            return frozenset({self.rubric_version})
+        return PROMPT_VERSIONS
 
     @property
     def default_model(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -61,11 +62,13 @@ from shared.contracts import (
     Phase,
     ScoreResult,
     ScoreText,
+    ScoreWithdrawn,
     TaskCompleted,
     TaskView,
     event_sequence,
     new_id,
 )
+from shared.topology import SCORE_REQUESTS, STATUS_PROJECTION
 from tests.integration.gateway_records import (
     PUBLISH_TIMEOUT_S,
     Recorded,
@@ -74,7 +77,7 @@ from tests.integration.gateway_records import (
 )
 from tests.integration.gateway_records import GatewayRecords as Gateway
 from tests.integration.test_swept_reads import read_at
-from tests.support import SWEEP_RETENTION, queued_commands
+from tests.support import SWEEP_RETENTION, drain, queue_made_full, queued_commands
 
 Document = dict[str, Any]
 T0 = datetime(2030, 5, 17, 12, 0, tzinfo=UTC)
@@ -82,6 +85,9 @@ GRACE = timedelta(seconds=30)
 POLICY = BatchPolicy(max_attempts=4, retention=timedelta(days=1), in_progress_for=GRACE)
 TENANT = "tenant-a"
 KEY = "batch-key-1"
+FULL_POLICY = "scorebox-test-score-queue-full"
+# The module's score queue refusing every publish for a block.
+ScoreQueueFull = Callable[[], AbstractAsyncContextManager[None]]
 
 
 class ProcessDied(BaseException):
@@ -759,6 +765,16 @@ async def _sent_by_sweeps(gateway: Gateway, refusals: Refusals) -> list[str]:
     return sweep.sent
 
 
+async def _projections_copies(amqp_url: str, task_ids: Sequence[str]) -> dict[str, list[str]]:
+    """The routing keys of what the status projection's queue holds of each of `task_ids`, in
+    order (the queue drained: nothing consumes it here)."""
+    copies: dict[str, list[str]] = {task_id: [] for task_id in task_ids}
+    for message in await drain(amqp_url, STATUS_PROJECTION.name):
+        if message.correlation_id in copies:
+            copies[message.correlation_id].append(message.routing_key or "")
+    return copies
+
+
 async def _refused(gateway: Gateway, request: BatchSubmission) -> tuple[str, Refusals]:
     """A batch refused part-way (503) whose write-off has not run yet (the database was away
     for longer than the grace period): its records and its pending refusal."""
@@ -927,27 +943,46 @@ async def test_a_replay_failing_after_its_batch_was_written_off_leaves_its_recor
     assert states == [SubmissionState.ABANDONED]
 
 
+@pytest.fixture
+def score_queue_full(amqp_url: str, rabbitmq: Endpoint) -> ScoreQueueFull:
+    """The module's score queue made full for a block: every publish to it refused with a
+    negative confirm; cleared and emptied after."""
+    return lambda: queue_made_full(
+        amqp_url, SCORE_REQUESTS.name, policy=FULL_POLICY, management_url=rabbitmq.management_url
+    )
+
+
 class RefusingBatches(Recorded):
-    """A broker that takes none of a batch's commands; their withdrawal is the real one."""
+    """The publisher on `broker`, whose batch's commands the broker refuses: the score queue
+    is full (`full`) for the batch's publish, each command refused with a negative confirm.
+    For that publish alone, not around the request: the other replicas' sweeps and replays
+    these tests run while the refused request is undone (in a slot's release, in the
+    withdrawal) publish to the same queue, and must be taken, as they were. The withdrawal
+    is the real one."""
+
+    def __init__(self, broker: RabbitBroker, full: ScoreQueueFull) -> None:
+        super().__init__(broker)
+        self._full = full
 
     async def send_many(self, commands: Sequence[ScoreText]) -> bool:
-        raise BrokerUnavailable("refused")
+        async with self._full():
+            return await super().send_many(commands)
 
     async def withdraw(self, commands: Sequence[ScoreText]) -> None:
         # `Recorded` expects no withdrawal; a refused batch's request makes one: the real
         # publisher's `score.withdrawn`, to the status projection's queue.
         await TaskPublisher.withdraw(self, commands)
 
+    async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool:
+        raise AssertionError("nothing is cached here")
+
 
 async def _refused_by_the_broker(
-    gateway: Gateway,
-    refusals: Refusals,
-    in_flight: InFlight,
-    publisher: RefusingBatches | None = None,
+    gateway: Gateway, refusals: Refusals, in_flight: InFlight, publisher: RefusingBatches
 ) -> None:
     """A batch of 3, counted in flight, whose commands the broker refuses (503)."""
     with pytest.raises(BrokerUnavailable):
-        await _submitted(gateway, refusals, in_flight, publisher or RefusingBatches(gateway.broker))
+        await _submitted(gateway, refusals, in_flight, publisher)
 
 
 async def _submitted(
@@ -986,7 +1021,7 @@ class SecondReleaseFails(InFlight):
 
 
 async def test_a_refused_batch_whose_slots_were_partly_released_releases_the_rest_once(
-    gateway: Gateway,
+    gateway: Gateway, score_queue_full: ScoreQueueFull
 ) -> None:
     """The write-off used to release every slot of the batch again, the ones released
     before the failure too (more than the counter remembers for a large batch). Only the
@@ -995,7 +1030,9 @@ async def test_a_refused_batch_whose_slots_were_partly_released_releases_the_res
     in_flight = SecondReleaseFails(gateway)
     await in_flight.acquire(TENANT, 1)  # another task's, still in flight
     refusals = Refusals()
-    await _refused_by_the_broker(gateway, refusals, in_flight)
+    await _refused_by_the_broker(
+        gateway, refusals, in_flight, RefusingBatches(gateway.broker, score_queue_full)
+    )
     [refusal] = refusals.pending()
     assert refusal.released.count == 2  # all but the one that failed
 
@@ -1031,11 +1068,13 @@ class SweepDuringRelease(InFlight):
 
 
 async def test_a_refused_batch_is_not_sent_by_a_sweep_while_its_slots_are_released(
-    gateway: Gateway,
+    gateway: Gateway, score_queue_full: ScoreQueueFull
 ) -> None:
     refusals = Refusals()
     in_flight = SweepDuringRelease(gateway, refusals)
-    await _refused_by_the_broker(gateway, refusals, in_flight)
+    await _refused_by_the_broker(
+        gateway, refusals, in_flight, RefusingBatches(gateway.broker, score_queue_full)
+    )
 
     assert in_flight.swept == []
     assert await _sent_by_sweeps(gateway, refusals) == []
@@ -1043,7 +1082,7 @@ async def test_a_refused_batch_is_not_sent_by_a_sweep_while_its_slots_are_releas
 
 
 async def test_a_refused_batch_another_replica_sends_meanwhile_is_kept_and_uncounted(
-    gateway: Gateway,
+    gateway: Gateway, score_queue_full: ScoreQueueFull
 ) -> None:
     """The refusal outlasted the grace, and another replica's sweep (which holds nothing of
     it) sent the items: the refusal keeps the batch rather than deleting the record of items
@@ -1052,7 +1091,9 @@ async def test_a_refused_batch_another_replica_sends_meanwhile_is_kept_and_uncou
     (found in review)."""
     refusals = Refusals()
     in_flight = SweepDuringRelease(gateway, Refusals())  # another replica's: holds nothing
-    await _refused_by_the_broker(gateway, refusals, in_flight)
+    await _refused_by_the_broker(
+        gateway, refusals, in_flight, RefusingBatches(gateway.broker, score_queue_full)
+    )
 
     assert in_flight.swept is not None
     assert len(in_flight.swept) == 3
@@ -1095,35 +1136,44 @@ async def test_a_batch_refused_429_and_kept_releases_no_slot_at_its_outcomes(
 
 class SweepDuringWithdrawal(RefusingBatches):
     """The outbox sweep runs while the refused commands are withdrawn (a confirmed publish,
-    up to `BROKER_TIMEOUT_S`)."""
+    up to `BROKER_TIMEOUT_S`); the tasks withdrawn are remembered."""
 
-    def __init__(self, gateway: Gateway, refusals: Refusals) -> None:
-        super().__init__(gateway.broker)
+    def __init__(self, gateway: Gateway, refusals: Refusals, full: ScoreQueueFull) -> None:
+        super().__init__(gateway.broker, full)
         self._meanwhile = (gateway, refusals)
         self.swept: list[str] = []
+        self.withdrawn: list[str] = []
 
     async def withdraw(self, commands: Sequence[ScoreText]) -> None:
         self.swept += await _sent_by_sweeps(*self._meanwhile)
+        self.withdrawn += [command.task_id for command in commands]
         await super().withdraw(commands)
 
 
 async def test_a_refused_batch_is_not_sent_by_a_sweep_while_its_commands_are_withdrawn(
-    gateway: Gateway,
+    gateway: Gateway, amqp_url: str, score_queue_full: ScoreQueueFull
 ) -> None:
     refusals = Refusals()
-    publisher = SweepDuringWithdrawal(gateway, refusals)
+    publisher = SweepDuringWithdrawal(gateway, refusals, score_queue_full)
     in_flight = InFlight(gateway.raw.client, gateway.name, max_per_tenant=100)
     await _refused_by_the_broker(gateway, refusals, in_flight, publisher)
 
     assert publisher.swept == []
     assert await _sent_by_sweeps(gateway, refusals) == []
+    # The projection took its copy of each refused command, and then its withdrawal.
+    assert len(publisher.withdrawn) == 3
+    copies = await _projections_copies(amqp_url, publisher.withdrawn)
+    assert copies == {
+        task_id: [ScoreText.routing_key, ScoreWithdrawn.routing_key]
+        for task_id in publisher.withdrawn
+    }
 
 
 class WithdrawnWhenLetGo(RefusingBatches):
     """A broker that takes none of a batch's commands; withdrawing them waits for `go`."""
 
-    def __init__(self, broker: RabbitBroker) -> None:
-        super().__init__(broker)
+    def __init__(self, broker: RabbitBroker, full: ScoreQueueFull) -> None:
+        super().__init__(broker, full)
         self.reached, self.go = asyncio.Event(), asyncio.Event()
 
     async def withdraw(self, commands: Sequence[ScoreText]) -> None:
@@ -1155,7 +1205,10 @@ class RefusalFinishesMeanwhile(Recorded):
 
 @pytest.mark.parametrize("chunk", [None, 1], ids=["one chunk", "a chunk per record"])
 async def test_a_refused_batch_is_not_sent_by_a_sweep_pass_started_before_it_was_discarded(
-    gateway: Gateway, monkeypatch: pytest.MonkeyPatch, chunk: int | None
+    gateway: Gateway,
+    score_queue_full: ScoreQueueFull,
+    monkeypatch: pytest.MonkeyPatch,
+    chunk: int | None,
 ) -> None:
     """The pass read its list (an older interrupted submission, then the batch's items) while
     the batch's refusal was undone; by the time it reached the items, the refusal had deleted
@@ -1169,7 +1222,7 @@ async def test_a_refused_batch_is_not_sent_by_a_sweep_pass_started_before_it_was
     await gateway.submissions.insert(
         older, request_hash="h", idempotency_key=None, retention=POLICY.retention, cache_key="c"
     )
-    broker, refusals = WithdrawnWhenLetGo(gateway.broker), Refusals()
+    broker, refusals = WithdrawnWhenLetGo(gateway.broker, score_queue_full), Refusals()
     refused = asyncio.create_task(
         _submit(gateway, _request(3), broker, T0, refusals=refusals), name="refused batch"
     )
@@ -1213,7 +1266,7 @@ class ReplayDuringRelease(InFlight):
 
 
 async def test_a_refused_batch_a_replay_accepted_while_its_slots_were_released_keeps_its_items(
-    gateway: Gateway,
+    gateway: Gateway, score_queue_full: ScoreQueueFull
 ) -> None:
     """The replay answered 200: the batch's items must be sent. The refused request's discard
     deleted the batch's `accepting` submissions before it tried the batch, which it left (it
@@ -1230,7 +1283,7 @@ async def test_a_refused_batch_a_replay_accepted_while_its_slots_were_released_k
             idempotency_key=KEY,
             batches=gateway.batches,
             submissions=gateway.submissions,
-            publisher=RefusingBatches(gateway.broker),
+            publisher=RefusingBatches(gateway.broker, score_queue_full),
             policy=POLICY,
             clock=lambda: T0,
             refusals=refusals,

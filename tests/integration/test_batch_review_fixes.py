@@ -34,7 +34,12 @@ from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable
 from services.gateway.refusals import Refusal, Refusals
 from services.gateway.submissions import BatchRow, Submissions, SubmissionState
 from services.gateway.submit import CHUNK_ALLOWANCE, SWEEP_RECHECK_CHUNK, sweep_outbox
-from shared.contracts import ScoreText
+from shared.contracts import ScoreResult, ScoreText
+from shared.runtime import make_broker
+from shared.settings import ServiceSettings
+from shared.topology import TASKS
+from tests.faults.slow_link import SlowLink
+from tests.integration import test_batch_replay as batch_replay
 from tests.integration.gateway_records import GatewayRecords as Gateway
 from tests.integration.gateway_records import Recorded, gateway_records
 from tests.integration.test_batch_expiry import RETENTION, _batch, _now
@@ -45,14 +50,16 @@ from tests.integration.test_batch_replay import (
     Dying,
     ProcessDied,
     RefusingBatches,
+    ScoreQueueFull,
     _interrupted,
     _request,
     _submit,
     _write_off,
 )
-from tests.support import queued_commands
+from tests.support import eventually, queued_commands
 
 pytestmark = pytest.mark.integration
+score_queue_full = batch_replay.score_queue_full  # a fixture
 
 SWEPT_AT = T0 + GRACE + timedelta(seconds=2)
 
@@ -212,7 +219,7 @@ class DiesInDiscard(Submissions):
 
 
 async def test_items_left_by_a_process_dead_inside_a_discard_are_written_off_not_sent(
-    gateway: Gateway, amqp_url: str
+    gateway: Gateway, amqp_url: str, score_queue_full: ScoreQueueFull
 ) -> None:
     """Its batch record gone (the key free), the items stayed `accepting` and the sweep sent
     them; the client, answered nothing, retried with its key and created the batch anew:
@@ -223,7 +230,7 @@ async def test_items_left_by_a_process_dead_inside_a_discard_are_written_off_not
         await _submit(
             gateway,
             request,
-            RefusingBatches(gateway.broker),
+            RefusingBatches(gateway.broker, score_queue_full),
             T0,
             DiesInDiscard(gateway.raw.client, gateway.name),
         )
@@ -310,26 +317,59 @@ async def test_a_batch_expired_under_a_shorter_retention_is_sent_not_written_off
     assert await _states(gateway, task_ids) == {SubmissionState.ACCEPTED}
 
 
-class FailingAfter(Recorded):
-    """The publisher on `broker`, whose first `confirmed` commands it sends and the broker
-    confirms; then the broker is gone (a connection reset: it refuses the next)."""
+@pytest.fixture
+async def linked_broker(
+    amqp_url: str, broker_link: SlowLink, task_broker: RabbitBroker
+) -> AsyncIterator[RabbitBroker]:
+    """A broker on the module's vhost (its topology declared by `task_broker`), as the
+    gateway connects, reached through `broker_link`: cutting the link resets its
+    connection."""
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": broker_link.url_through(amqp_url)})
+    broker = make_broker(settings, graceful_timeout_s=1.0)
+    await broker.connect()
+    try:
+        yield broker
+    finally:
+        await broker_link.cut()  # a cut connection just closes (see `stalled_broker`)
+        await broker.stop()
 
-    def __init__(self, broker: RabbitBroker, confirmed: int) -> None:
+
+async def _channel_closed(broker: RabbitBroker) -> bool:
+    """Whether the broker's publishing channel is known to be closed (its connection lost):
+    a publish on it is then refused before anything is written."""
+    exchange = await broker.declare_exchange(TASKS)  # declared already: no round trip
+    return exchange.channel.is_closed
+
+
+class FailingAfter(Recorded):
+    """The publisher on `broker` (reached through `link`), whose first `confirmed` commands
+    it sends and the broker confirms; then the connection is reset (`link` cut) and the next
+    send finds it gone, once the publisher has seen it close: a reset it has not seen yet
+    makes that send unconfirmed instead (it may have been written), which the sweep reports
+    without an error, and this test is about the error."""
+
+    def __init__(self, broker: RabbitBroker, link: SlowLink, confirmed: int) -> None:
         super().__init__(broker)
-        self.confirmed = confirmed
+        self.broker, self.link, self.confirmed = broker, link, confirmed
 
     async def send(self, command: ScoreText) -> bool:
-        if len(self.sent) == self.confirmed:
-            raise BrokerUnavailable("connection reset")
+        if len(self.sent) == self.confirmed and not self.link.down:
+            await self.link.cut()
+            await eventually(lambda: _channel_closed(self.broker), what="the reset seen")
         return await super().send(command)
 
+    async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool:
+        raise AssertionError("nothing is cached here")
 
-async def test_commands_sent_before_a_broker_error_are_marked_sent(gateway: Gateway) -> None:
+
+async def test_commands_sent_before_a_broker_error_are_marked_sent(
+    gateway: Gateway, linked_broker: RabbitBroker, broker_link: SlowLink
+) -> None:
     """The marks of a chunk waited for its last send: an error on the third lost the marks
     of the two sent, and the next pass sent them again."""
     now = _now()
     await _batch(gateway, created_at=now - timedelta(minutes=5), items=3)
-    broker = FailingAfter(gateway.broker, confirmed=2)
+    broker = FailingAfter(linked_broker, broker_link, confirmed=2)
 
     with pytest.raises(BrokerUnavailable):
         await sweep_outbox(

@@ -20,6 +20,7 @@ from services.gateway.settings import GatewaySettings
 from shared.bus import publish_event
 from shared.contracts import (
     DEFAULT_TENANT,
+    HEURISTIC_PROMPT_VERSION,
     Phase,
     ScoreResult,
     TaskCompleted,
@@ -708,7 +709,10 @@ async def test_a_replayed_key_of_a_cached_answer_reads_the_task_as_it_is_now(
     assert again.json()["result"]["score"] == 9.0
 
 
-RESULT_KEPT = ScoreResult(score=6.5, comment="kept", model="m")
+# As the scorer of the gateway's LLM_PROVIDER (the heuristic, unset) makes it: cached.
+RESULT_KEPT = ScoreResult(
+    score=6.5, comment="kept", model="m", prompt_version=HEURISTIC_PROMPT_VERSION
+)
 
 
 async def _cached(stack: Stack, settings: GatewaySettings, text: str, result: ScoreResult) -> None:
@@ -718,7 +722,7 @@ async def _cached(stack: Stack, settings: GatewaySettings, text: str, result: Sc
         stack.mongo,
         settings.database_name("gateway"),
         timedelta(hours=1),
-        rubric_version=settings.rubric_version,
+        prompt_versions=settings.cached_prompt_versions,
     )
     key = cache_key(text, None, model)
     await cache.remember(

@@ -9,29 +9,35 @@ dead-letters it with the reason. A receiver's 3xx/4xx (or an unsafe destination)
 dead-lettered too, into a DLQ nothing drains and operators are alerted on at depth 1.
 
 The delivery handler runs here as a broker hands it a message (`HandedDelivery`), on the
-real database, posting to an https receiver of the test; what it publishes is recorded.
+real database, posting to an https receiver of the test, and publishing on the real broker:
+what it sent is read from a queue bound to the delivery commands' routes, its dead letters
+from the queue's real DLQ.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
 import aio_pika
-from faststream.rabbit import RabbitExchange
+import pytest
+from faststream.rabbit import RabbitBroker
 from pymongo.errors import AutoReconnect
 
 from services.notifier.consumer import subscribe_deliveries
 from services.notifier.deliveries import DeliveryDeps
 from services.notifier.ledger import Claim, DeliveryState, Ledger
-from shared.consumers import Delivery
+from shared.consumers import Delivery, ScoreboxBroker
 from shared.contracts import DeliverWebhook, new_id, utcnow
+from shared.runtime import make_broker
+from shared.settings import ServiceSettings
 from shared.topology import (
+    DELAY,
     DELIVERY_COUNT_HEADER,
-    DLX,
     EARLIER_DELIVERIES_HEADER,
     ERROR_HEADER,
     TASKS,
@@ -40,49 +46,70 @@ from shared.topology import (
 from tests.integration import test_notifier_own_claims as own_claims
 from tests.integration.test_notifier import RECEIVER_HOST, Receiver
 from tests.integration.test_notifier_own_claims import LEASE, Deps, _delivery
-from tests.support import HandedDelivery, HandlerOnly, closed_port
+from tests.support import HandedDelivery, closed_port, drain, watching
 
 receiver = own_claims.receiver  # fixtures
 ledger = own_claims.ledger
 make_deps = own_claims.make_deps
 LIMIT = WEBHOOK_DELIVERIES.delivery_limit
+Handler = Callable[[Delivery], Awaitable[None]]
+Message = aio_pika.abc.AbstractIncomingMessage
 
 
-@dataclass(frozen=True)
-class Published:
-    exchange: str
-    routing_key: str
-    message: aio_pika.Message
+class Notifier:
+    """The notifier's delivery handler on a broker built as the notifier builds its own, and
+    what that broker took from it."""
+
+    def __init__(
+        self, broker: ScoreboxBroker, amqp_url: str, sends: aio_pika.abc.AbstractQueue
+    ) -> None:
+        self._broker, self._amqp_url, self._sends = broker, amqp_url, sends
+
+    def handler(self, deps: DeliveryDeps) -> Handler:
+        """The handler `subscribe_deliveries` registers with `deps`, called here as the
+        queue's consumer would call it (nothing consumes the queue)."""
+        subscribe_deliveries(self._broker, deps, timeout_s=10)
+        return self._broker._subscriptions[-1].handler
+
+    async def sent(self) -> list[Message]:
+        """The delivery commands published since the last look, now (`scorebox.tasks`) or
+        down the wait ladder (`scorebox.delay`); each confirmed publish is in the queue by the
+        time the handler returns."""
+        found = []
+        while (message := await self._sends.get(no_ack=True, fail=False, timeout=10)) is not None:
+            found.append(message)
+        return found
+
+    async def letters(self, delivery: DeliverWebhook) -> list[Message]:
+        """The letters of `delivery` in the webhook queue's DLQ (the DLQ drained: the
+        module's earlier tests' letters go with it)."""
+        letters = await drain(self._amqp_url, WEBHOOK_DELIVERIES.dead_letter_routing_key)
+        return [
+            letter
+            for letter in letters
+            if DeliverWebhook.model_validate_json(letter.body).delivery_id == delivery.delivery_id
+        ]
 
 
-@dataclass
-class RecordingExchange:
-    name: str
-    published: list[Published]
-
-    async def publish(self, message: aio_pika.Message, routing_key: str, **_: Any) -> None:
-        self.published.append(Published(self.name, routing_key, message))
-
-
-class RecordingBroker(HandlerOnly):
-    """Takes the handler as a broker would, and records what it publishes (all confirmed)."""
-
-    def __init__(self) -> None:
-        self.published: list[Published] = []
-
-    async def declare_exchange(self, exchange: RabbitExchange) -> RecordingExchange:
-        return RecordingExchange(exchange.name, self.published)
-
-    def dead_letters(self) -> list[Published]:
-        return [p for p in self.published if p.exchange == DLX.name]
+@asynccontextmanager
+async def _watching_sends(amqp_url: str) -> AsyncIterator[aio_pika.abc.AbstractQueue]:
+    """A queue of its own, for the block, bound to every route of a delivery command."""
+    key = DeliverWebhook.routing_key
+    async with watching(amqp_url, (TASKS.name, key), (DELAY.name, f"*.{key}")) as queue:
+        yield queue
 
 
-def _handler(
-    deps: DeliveryDeps,
-) -> tuple[RecordingBroker, Callable[[Delivery], Coroutine[Any, Any, None]]]:
-    broker = RecordingBroker()
-    subscribe_deliveries(broker, deps, timeout_s=10)  # type: ignore[arg-type]
-    return broker, broker.handler
+@pytest.fixture
+async def notifier(amqp_url: str, task_broker: RabbitBroker) -> AsyncIterator[Notifier]:
+    """On the module's vhost, whose topology `task_broker` declared."""
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url})
+    broker = make_broker(settings, name="notifier", graceful_timeout_s=1.0)
+    await broker.connect()
+    try:
+        async with _watching_sends(amqp_url) as sends:
+            yield Notifier(broker, amqp_url, sends)
+    finally:
+        await broker.stop()
 
 
 def _at_the_limit(delivery: DeliverWebhook) -> HandedDelivery:
@@ -97,24 +124,21 @@ async def _claimed_by_a_dead_process(ledger: Ledger, delivery: DeliverWebhook) -
 
 
 async def test_an_undecided_attempt_at_the_limit_is_dead_lettered_with_its_reason_unsent(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], notifier: Notifier
 ) -> None:
     delivery = _delivery(receiver[0])
     await _claimed_by_a_dead_process(ledger, delivery)
-    broker, handle = _handler(make_deps("proc-a"))
+    handle = notifier.handler(make_deps("proc-a"))
     message = _at_the_limit(delivery)
 
     await asyncio.wait_for(handle(message), timeout=30)
 
     assert message.settled == ["ack"]
     assert receiver[0].requests(delivery.url) == []
-    [dead] = broker.published
-    assert (dead.exchange, dead.routing_key) == (
-        DLX.name,
-        WEBHOOK_DELIVERIES.dead_letter_routing_key,
-    )
-    assert dead.message.body == message.body
-    reason = str(dead.message.headers[ERROR_HEADER])
+    assert await notifier.sent() == []
+    [dead] = await notifier.letters(delivery)
+    assert dead.body == message.body
+    reason = str(dead.headers[ERROR_HEADER])
     assert f"delivery limit {LIMIT}" in reason
     record = await ledger.find(delivery.delivery_id)
     assert record is not None
@@ -126,7 +150,7 @@ async def test_an_undecided_attempt_at_the_limit_is_dead_lettered_with_its_reaso
 
 
 async def test_a_retry_recorded_before_the_limit_is_published_at_it(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], notifier: Notifier
 ) -> None:
     """The attempt recorded `retrying` with its next command, and its consumer died before
     publishing it, every time: at the limit the next attempt goes out, and nothing is POSTed
@@ -140,29 +164,30 @@ async def test_a_retry_recorded_before_the_limit_is_published_at_it(
     assert await ledger.mark_retrying(
         delivery, owner="proc-b/1", now=utcnow(), next_delivery=following, error="503", status=503
     )
-    broker, handle = _handler(make_deps("proc-a"))
+    handle = notifier.handler(make_deps("proc-a"))
     message = _at_the_limit(delivery)
 
     await asyncio.wait_for(handle(message), timeout=30)
 
     assert message.settled == ["ack"]
     assert receiver[0].requests(delivery.url) == []
-    [sent] = broker.published
+    [sent] = await notifier.sent()
     assert (sent.exchange, sent.routing_key) == (TASKS.name, DeliverWebhook.routing_key)
-    assert DeliverWebhook.model_validate_json(sent.message.body) == following
+    assert DeliverWebhook.model_validate_json(sent.body) == following
+    assert await notifier.letters(delivery) == []
 
 
 async def test_a_limit_reached_while_another_process_holds_the_attempt_waits_for_its_decision(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], notifier: Notifier
 ) -> None:
     """Another process's live lease: its decision (here, a retry) is carried out, not overruled
     by giving the delivery up under it."""
     delivery = _delivery(receiver[0])
     await ledger.register(delivery, now=utcnow())
     await ledger.claim(delivery, process="proc-b", owner="proc-b/1", now=utcnow(), lease=LEASE)
-    broker, handle = _handler(make_deps("proc-a"))
+    handle = notifier.handler(make_deps("proc-a"))
     message = _at_the_limit(delivery)
-    handling = asyncio.create_task(handle(message))
+    handling = asyncio.ensure_future(handle(message))
     following = delivery.model_copy(
         update={"attempt": delivery.attempt + 1, "not_before": utcnow(), "message_id": new_id()}
     )
@@ -174,9 +199,9 @@ async def test_a_limit_reached_while_another_process_holds_the_attempt_waits_for
     await asyncio.wait_for(handling, timeout=30)
 
     assert message.settled == ["ack"]
-    assert broker.dead_letters() == []
-    [sent] = broker.published
-    assert DeliverWebhook.model_validate_json(sent.message.body) == following
+    assert await notifier.letters(delivery) == []
+    [sent] = await notifier.sent()
+    assert DeliverWebhook.model_validate_json(sent.body) == following
 
 
 class AwayOnce(Ledger):
@@ -205,33 +230,33 @@ class AwayOnce(Ledger):
 
 
 async def test_a_database_away_at_the_limit_is_waited_out_with_the_delivery_held(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], notifier: Notifier
 ) -> None:
     """A copy sent later, as for a database error before the limit, would start its delivery
     count again: the limit would never be reached."""
     delivery = _delivery(receiver[0])
     await _claimed_by_a_dead_process(ledger, delivery)
     away = AwayOnce(ledger)
-    broker, handle = _handler(replace(make_deps("proc-a"), ledger=away))
+    handle = notifier.handler(replace(make_deps("proc-a"), ledger=away))
     message = _at_the_limit(delivery)
 
     await asyncio.wait_for(handle(message), timeout=30)
 
     assert away.failed
     assert message.settled == ["ack"]
-    assert [(p.exchange, p.routing_key) for p in broker.published] == [
-        (DLX.name, WEBHOOK_DELIVERIES.dead_letter_routing_key)
-    ]
+    assert await notifier.sent() == []  # no copy sent later
+    [dead] = await notifier.letters(delivery)
+    assert dead.body == message.body
 
 
 async def test_a_delivery_its_receiver_refuses_is_recorded_failed_and_not_dead_lettered(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], notifier: Notifier
 ) -> None:
     """A 3xx/4xx (or an unsafe destination) is the tenant's business: recorded with its
     reason, acked, and kept out of the DLQ, which nothing drains and whose depth alerts the
     operators. A copy of the attempt that comes later does not dead-letter it either."""
     delivery = _delivery(receiver[0]).model_copy(update={"url": receiver[0].endpoint(404)})
-    broker, handle = _handler(make_deps("proc-a"))
+    handle = notifier.handler(make_deps("proc-a"))
     body = delivery.model_dump_json().encode()
     first = HandedDelivery(body)
 
@@ -248,7 +273,8 @@ async def test_a_delivery_its_receiver_refuses_is_recorded_failed_and_not_dead_l
     redelivery = HandedDelivery.redelivery(body)
     await asyncio.wait_for(handle(redelivery), timeout=30)
     assert first.settled == redelivery.settled == ["ack"]
-    assert broker.published == []
+    assert await notifier.sent() == []
+    assert await notifier.letters(delivery) == []
     assert len(receiver[0].requests(delivery.url)) == 1
 
 
@@ -260,7 +286,7 @@ def _unanswered_last_attempt(receiver: Receiver) -> DeliverWebhook:
 
 
 async def test_a_given_up_delivery_of_ours_is_dead_lettered_again_by_a_later_copy(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], notifier: Notifier
 ) -> None:
     """Retries spent (or the delivery limit) stay ours: a copy that finds the attempt given up
     and not yet in the DLQ carries the dead-lettering out (its consumer died before it)."""
@@ -275,27 +301,27 @@ async def test_a_given_up_delivery_of_ours_is_dead_lettered_again_by_a_later_cop
         delivery, owner="proc-b/1", now=utcnow(), error=given_up, status=None, dead_letter=True
     )
     assert failed  # and proc-b died before its letter
-    broker, handle = _handler(make_deps("proc-a"))
+    handle = notifier.handler(make_deps("proc-a"))
 
     await asyncio.wait_for(
         handle(HandedDelivery.redelivery(delivery.model_dump_json().encode())), timeout=30
     )
 
-    [dead] = broker.dead_letters()
-    assert str(dead.message.headers[ERROR_HEADER]) == given_up
+    [dead] = await notifier.letters(delivery)
+    assert str(dead.headers[ERROR_HEADER]) == given_up
     record = await ledger.find(delivery.delivery_id)
     assert record is not None
     assert (record.state, record.dead_letter, record.lettered) == (DeliveryState.FAILED, True, True)
 
 
 async def test_a_given_up_delivery_is_dead_lettered_once_however_many_copies_follow(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], notifier: Notifier
 ) -> None:
     """Every copy of the given-up attempt copied it to the DLQ again, a fresh duplicate too
     (the enqueue race, a copy put off, a replayed retry): one operators' alert per copy for
     one delivery (found in review)."""
     delivery = _unanswered_last_attempt(receiver[0])
-    broker, handle = _handler(make_deps("proc-a"))
+    handle = notifier.handler(make_deps("proc-a"))
     body = delivery.model_dump_json().encode()
     duplicate = delivery.model_copy(update={"message_id": new_id()}).model_dump_json().encode()
 
@@ -307,12 +333,12 @@ async def test_a_given_up_delivery_is_dead_lettered_once_however_many_copies_fol
         await asyncio.wait_for(handle(message), timeout=30)
         assert message.settled == ["ack"]
 
-    [dead] = broker.dead_letters()
-    assert "gave up after 3 attempt(s)" in str(dead.message.headers[ERROR_HEADER])
+    [dead] = await notifier.letters(delivery)
+    assert "gave up after 3 attempt(s)" in str(dead.headers[ERROR_HEADER])
 
 
 async def test_a_redelivery_sent_again_on_a_database_error_carries_its_count(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], notifier: Notifier
 ) -> None:
     """A fresh copy starts its `x-delivery-count` at zero: sent again without the count, a
     delivery that kills its consumer would loop for ever whenever a database error fell on one
@@ -320,7 +346,7 @@ async def test_a_redelivery_sent_again_on_a_database_error_carries_its_count(
     delivery = _delivery(receiver[0])
     await _claimed_by_a_dead_process(ledger, delivery)
     away = AwayOnce(ledger)
-    broker, handle = _handler(replace(make_deps("proc-a"), ledger=away))
+    handle = notifier.handler(replace(make_deps("proc-a"), ledger=away))
     message = HandedDelivery(
         delivery.model_dump_json().encode(),
         headers={DELIVERY_COUNT_HEADER: 2, EARLIER_DELIVERIES_HEADER: 1},
@@ -332,17 +358,19 @@ async def test_a_redelivery_sent_again_on_a_database_error_carries_its_count(
     assert away.failed
     assert message.settled == ["ack"]
     assert receiver[0].requests(delivery.url) == []
-    [copy] = broker.published
-    assert DeliverWebhook.model_validate_json(copy.message.body).attempt == delivery.attempt
-    assert copy.message.headers[EARLIER_DELIVERIES_HEADER] == 3  # carried 1, and 2 on it
+    [copy] = await notifier.sent()  # down the wait ladder, a little later
+    assert copy.exchange == DELAY.name
+    assert DeliverWebhook.model_validate_json(copy.body).attempt == delivery.attempt
+    assert copy.headers[EARLIER_DELIVERIES_HEADER] == 3  # carried 1, and 2 on it
+    assert await notifier.letters(delivery) == []
 
 
 async def test_the_limit_counts_the_deliveries_carried_from_earlier_copies(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], notifier: Notifier
 ) -> None:
     delivery = _delivery(receiver[0])
     await _claimed_by_a_dead_process(ledger, delivery)
-    broker, handle = _handler(make_deps("proc-a"))
+    handle = notifier.handler(make_deps("proc-a"))
     message = HandedDelivery(
         delivery.model_dump_json().encode(),
         headers={DELIVERY_COUNT_HEADER: 1, EARLIER_DELIVERIES_HEADER: LIMIT - 1},
@@ -353,5 +381,5 @@ async def test_the_limit_counts_the_deliveries_carried_from_earlier_copies(
 
     assert message.settled == ["ack"]
     assert receiver[0].requests(delivery.url) == []  # nothing POSTed
-    [dead] = broker.dead_letters()
-    assert f"delivery limit {LIMIT}" in str(dead.message.headers[ERROR_HEADER])
+    [dead] = await notifier.letters(delivery)
+    assert f"delivery limit {LIMIT}" in str(dead.headers[ERROR_HEADER])

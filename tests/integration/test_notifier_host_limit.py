@@ -7,7 +7,9 @@ are in flight to one destination (scheme, host, port); a delivery whose destinat
 its bound is deferred down the wait ladder, unclaimed and not counted as an attempt.
 
 The notifier runs in-process on the real broker and database and posts to two https
-receivers of the test, on two ports of 127.0.0.1: two destinations.
+receivers of the test, on two ports of 127.0.0.1: two destinations. The other tests run its
+delivery handler as a broker hands it a message, on the real database and a real broker
+(`on_broker`): what it sent is read from a queue bound to the delivery commands' routes.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from shared.contracts import DeliverWebhook, WebhookPurpose, new_id
 from shared.in_hand import InHand
 from shared.runtime import make_broker
 from shared.topology import DELAY, EARLIER_DELIVERIES_HEADER
+from tests.integration import test_notifier_delivery_limit as delivery_limit
 from tests.integration import test_notifier_own_claims as own_claims
 from tests.integration.test_notifier import (
     RECEIVER_HOST,
@@ -48,13 +51,15 @@ from tests.integration.test_notifier import (
     TableResolver,
     _tls,
 )
-from tests.integration.test_notifier_delivery_limit import _handler
+from tests.integration.test_notifier_delivery_limit import Notifier as OnBroker
 from tests.integration.test_notifier_own_claims import Deps, _delivery
 from tests.support import HandedDelivery, eventually, running
 
 receiver = own_claims.receiver  # fixtures
 ledger = own_claims.ledger
 make_deps = own_claims.make_deps
+# The delivery handler on a real broker; `notifier` here is the whole notifier, running.
+on_broker = delivery_limit.notifier
 CONCURRENCY = 4
 PER_HOST = 2
 SLOW_WEBHOOKS = 6  # more than the notifier's slots: unbounded, they would take them all
@@ -225,7 +230,7 @@ async def test_a_slow_host_at_its_bound_leaves_the_other_hosts_their_slots(
 
 
 async def test_a_tenant_holding_its_share_of_a_destination_leaves_the_rest_to_others(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], on_broker: OnBroker
 ) -> None:
     """A tenant whose path on a host many tenants share hangs held every slot of that host,
     and the other tenants' webhooks to it waited for minutes (review of the notifier)."""
@@ -234,7 +239,7 @@ async def test_a_tenant_holding_its_share_of_a_destination_leaves_the_rest_to_ot
     ours = _delivery(receiver[0]).model_copy(update={"tenant_id": "tenant-a"})
     theirs = _delivery(receiver[0]).model_copy(update={"tenant_id": "tenant-b"})
     destination = destination_of(ours.url, deps.guard)
-    _, handle = _handler(deps)
+    handle = on_broker.handler(deps)
 
     with contextlib.ExitStack() as in_flight:
         for _ in range(host_share(4)):  # tenant-a's POSTs hanging on the shared host
@@ -277,11 +282,11 @@ def _deferred(registry: CollectorRegistry, reason: str = "host_busy") -> float:
 
 
 async def test_a_delivery_to_a_busy_destination_is_sent_again_later_unclaimed_and_unsent(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], on_broker: OnBroker
 ) -> None:
     deps, registry = _with_bound(make_deps("proc-a"))
     delivery = _delivery(receiver[0])
-    broker, handle = _handler(deps)
+    handle = on_broker.handler(deps)
     message = HandedDelivery(delivery.model_dump_json().encode())
 
     with _all_slots_taken(deps.hosts, destination_of(delivery.url, deps.guard)):
@@ -290,9 +295,9 @@ async def test_a_delivery_to_a_busy_destination_is_sent_again_later_unclaimed_an
     assert message.settled == ["ack"]
     assert receiver[0].requests(delivery.url) == []
     assert await ledger.find(delivery.delivery_id) is None  # never claimed
-    [sent] = broker.published
+    [sent] = await on_broker.sent()
     assert (sent.exchange, sent.routing_key) == (DELAY.name, "1s.webhook.deliver")
-    again = DeliverWebhook.model_validate_json(sent.message.body)
+    again = DeliverWebhook.model_validate_json(sent.body)
     assert again.not_before is not None
     assert again.message_id != delivery.message_id
     assert again.deferrals == 1
@@ -302,21 +307,21 @@ async def test_a_delivery_to_a_busy_destination_is_sent_again_later_unclaimed_an
 
 
 async def test_a_delivery_put_off_again_and_again_waits_longer_each_time(
-    make_deps: Deps, receiver: tuple[Receiver, Any]
+    make_deps: Deps, receiver: tuple[Receiver, Any], on_broker: OnBroker
 ) -> None:
     """Put off a second apart for ever, a backlog of thousands for a receiver that hangs
     went through the broker thousands of times a second."""
     deps, _ = _with_bound(make_deps("proc-a"))
     delivery = _delivery(receiver[0]).model_copy(update={"deferrals": 5})
-    broker, handle = _handler(deps)
+    handle = on_broker.handler(deps)
     message = HandedDelivery(delivery.model_dump_json().encode())
 
     with _all_slots_taken(deps.hosts, destination_of(delivery.url, deps.guard)):
         before = datetime.now(UTC)
         await asyncio.wait_for(handle(message), timeout=30)
 
-    [sent] = broker.published
-    again = DeliverWebhook.model_validate_json(sent.message.body)
+    [sent] = await on_broker.sent()
+    again = DeliverWebhook.model_validate_json(sent.body)
     assert again.deferrals == 6
     assert again.not_before is not None
     assert again.not_before - before >= timedelta(seconds=32)  # 1 s doubled five times
@@ -325,7 +330,7 @@ async def test_a_delivery_put_off_again_and_again_waits_longer_each_time(
 
 
 async def test_a_redelivery_to_a_busy_destination_goes_down_the_ladder_its_count_carried(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], on_broker: OnBroker
 ) -> None:
     """Held until a slot freed, it kept its consumer slot and polled while new deliveries
     took the freed slots first, and could outwait the broker's consumer timeout. It is acked,
@@ -333,7 +338,7 @@ async def test_a_redelivery_to_a_busy_destination_goes_down_the_ladder_its_count
     message that keeps killing its consumers."""
     deps, registry = _with_bound(make_deps("proc-a"))
     delivery = _delivery(receiver[0])
-    broker, handle = _handler(deps)
+    handle = on_broker.handler(deps)
     message = HandedDelivery.redelivery(delivery.model_dump_json().encode(), count=2)
 
     with _all_slots_taken(deps.hosts, destination_of(delivery.url, deps.guard)):
@@ -342,10 +347,10 @@ async def test_a_redelivery_to_a_busy_destination_goes_down_the_ladder_its_count
     assert message.settled == ["ack"]
     assert receiver[0].requests(delivery.url) == []
     assert await ledger.find(delivery.delivery_id) is None  # never claimed
-    [sent] = broker.published
+    [sent] = await on_broker.sent()
     assert (sent.exchange, sent.routing_key) == (DELAY.name, "1s.webhook.deliver")
-    assert sent.message.headers[EARLIER_DELIVERIES_HEADER] == 2
-    again = DeliverWebhook.model_validate_json(sent.message.body)
+    assert sent.headers[EARLIER_DELIVERIES_HEADER] == 2
+    again = DeliverWebhook.model_validate_json(sent.body)
     assert (again.attempt, again.deferrals) == (delivery.attempt, 1)
     assert _deferred(registry) == 1
 
@@ -364,21 +369,22 @@ async def _delivered_elsewhere(ledger: Ledger, delivery: DeliverWebhook) -> Deli
 
 
 async def test_a_redelivery_put_off_carries_out_what_its_attempt_decided(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], on_broker: OnBroker
 ) -> None:
     """Its consumer died after the POST was recorded delivered, before the ack: nothing is
     sent again, busy destination or not, and nothing counted deferred (it was counted before
     its recorded decision was checked, though nothing was put off)."""
     deps, registry = _with_bound(make_deps("proc-a"))
     delivery = await _delivered_elsewhere(ledger, _delivery(receiver[0]))
-    broker, handle = _handler(deps)
+    handle = on_broker.handler(deps)
     message = HandedDelivery.redelivery(delivery.model_dump_json().encode())
 
     with _all_slots_taken(deps.hosts, destination_of(delivery.url, deps.guard)):
         await asyncio.wait_for(handle(message), timeout=30)
 
     assert message.settled == ["ack"]
-    assert broker.published == []
+    assert await on_broker.sent() == []
+    assert await on_broker.letters(delivery) == []
     assert receiver[0].requests(delivery.url) == []
     assert _deferred(registry) == 0
 
@@ -420,7 +426,7 @@ class _WatchedInHand(InHand[tuple[str, int]]):
 
 
 async def test_the_copy_of_a_put_off_redelivery_waits_for_its_attempt_held_here(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], on_broker: OnBroker
 ) -> None:
     """A handler cancelled mid-POST (its connection lost) leaves its try running, shielded,
     holding the attempt; the broker hands the message to another process, which finds the
@@ -434,25 +440,27 @@ async def test_the_copy_of_a_put_off_redelivery_waits_for_its_attempt_held_here(
     sender = _CrashingOnce(first_process.sender)
     in_hand = _WatchedInHand()
     first_process = replace(first_process, sender=sender, in_hand=in_hand)
-    _, handle_here = _handler(first_process)
-    first = asyncio.create_task(handle_here(HandedDelivery(body)))
+    handle_here = on_broker.handler(first_process)
+    first = asyncio.ensure_future(handle_here(HandedDelivery(body)))
     await asyncio.wait_for(sender.posting.wait(), timeout=30)
     first.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await first
 
     elsewhere, _ = _with_bound(make_deps("proc-b"))
-    broker_elsewhere, handle_elsewhere = _handler(elsewhere)
+    # The other process: its own slots and attempts in hand (its publishes share the first
+    # one's connection, which sends nothing here).
+    handle_elsewhere = on_broker.handler(elsewhere)
     with _all_slots_taken(elsewhere.hosts, destination_of(delivery.url, elsewhere.guard)):
         await asyncio.wait_for(handle_elsewhere(HandedDelivery.redelivery(body)), timeout=30)
-    [put_off] = broker_elsewhere.published
+    [put_off] = await on_broker.sent()
     # The copy as the wait ladder hands it back once due, to the first process.
-    due = DeliverWebhook.model_validate_json(put_off.message.body)
+    due = DeliverWebhook.model_validate_json(put_off.body)
     copy = HandedDelivery(
         due.model_copy(update={"not_before": None}).model_dump_json().encode(),
-        headers=dict(put_off.message.headers or {}),
+        headers=dict(put_off.headers or {}),
     )
-    handling = asyncio.create_task(handle_here(copy))
+    handling = asyncio.ensure_future(handle_here(copy))
     await asyncio.wait_for(in_hand.refused.wait(), timeout=30)
     sender.crash.set()
     await asyncio.wait_for(handling, timeout=30)
@@ -465,14 +473,14 @@ async def test_the_copy_of_a_put_off_redelivery_waits_for_its_attempt_held_here(
 
 
 async def test_the_slots_are_per_destination_and_given_back(
-    make_deps: Deps, receiver: tuple[Receiver, Any]
+    make_deps: Deps, receiver: tuple[Receiver, Any], on_broker: OnBroker
 ) -> None:
     """A busy destination leaves another port of the same host its own slots."""
     deps, registry = _with_bound(make_deps("proc-a"))
     delivery = _delivery(receiver[0])
     destination = destination_of(delivery.url, deps.guard)
     elsewhere = destination.rsplit(":", 1)[0] + f":{receiver[0].port + 1}"
-    _, handle = _handler(deps)
+    handle = on_broker.handler(deps)
 
     with _all_slots_taken(deps.hosts, elsewhere):
         message = HandedDelivery(delivery.model_dump_json().encode())
@@ -485,12 +493,12 @@ async def test_the_slots_are_per_destination_and_given_back(
 
 
 async def test_a_delivery_of_a_busy_tenant_is_sent_again_later_unclaimed_and_unsent(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], on_broker: OnBroker
 ) -> None:
     """Its destination has slots free: the tenant's bound puts it off all the same."""
     deps, registry = _with_bound(make_deps("proc-a"))
     delivery = _delivery(receiver[0])
-    broker, handle = _handler(deps)
+    handle = on_broker.handler(deps)
     message = HandedDelivery(delivery.model_dump_json().encode())
 
     with _all_slots_taken(deps.tenants, delivery.tenant_id):
@@ -500,18 +508,18 @@ async def test_a_delivery_of_a_busy_tenant_is_sent_again_later_unclaimed_and_uns
     assert message.settled == ["ack"]
     assert receiver[0].requests(delivery.url) == []
     assert await ledger.find(delivery.delivery_id) is None  # never claimed
-    [sent] = broker.published
-    again = DeliverWebhook.model_validate_json(sent.message.body)
+    [sent] = await on_broker.sent()
+    again = DeliverWebhook.model_validate_json(sent.body)
     assert (again.attempt, again.deferrals) == (1, 1)
     assert (_deferred(registry, "tenant_busy"), _deferred(registry)) == (1, 0)
 
 
 async def test_another_tenants_delivery_keeps_its_slots(
-    make_deps: Deps, receiver: tuple[Receiver, Any]
+    make_deps: Deps, receiver: tuple[Receiver, Any], on_broker: OnBroker
 ) -> None:
     deps, registry = _with_bound(make_deps("proc-a"))
     delivery = _delivery(receiver[0]).model_copy(update={"tenant_id": "tenant-b"})
-    _, handle = _handler(deps)
+    handle = on_broker.handler(deps)
 
     with _all_slots_taken(deps.tenants, "tenant-a"):
         message = HandedDelivery(delivery.model_dump_json().encode())

@@ -10,13 +10,15 @@ wins) for a fresh round of attempts; a delivery recorded delivered stays done.
 The first tests run the whole stack in-process on the real broker (`test_notifier.flow`),
 its receiver reached through a link that is down, then mended; the others run the delivery
 handler as a broker hands it a message (two notifier processes at once, too), on the real
-database.
+database and a real broker: what it sent is read from a queue bound to the delivery commands'
+routes.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -25,15 +27,19 @@ import aio_pika
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from devtools.infra import Endpoint, create_vhost, delete_vhost
 from services.notifier.deliveries import RetryPolicy, fresh_round
 from services.notifier.ledger import DeliveryRecord, DeliveryState, Ledger
 from shared.contracts import DeliverWebhook, new_id, utcnow
-from shared.topology import ERROR_HEADER, TASKS, WEBHOOK_DELIVERIES
+from shared.runtime import make_broker, start_broker
+from shared.settings import ServiceSettings
+from shared.topology import DELAY, ERROR_HEADER, TASKS, WEBHOOK_DELIVERIES
 from tests.faults.slow_link import SlowLink
 from tests.integration import test_notifier as whole_stack
+from tests.integration import test_notifier_delivery_limit as delivery_limit
 from tests.integration import test_notifier_own_claims as own_claims
 from tests.integration.test_notifier import RECEIVER_HOST, Flow, Receiver, _completed
-from tests.integration.test_notifier_delivery_limit import Published, _handler
+from tests.integration.test_notifier_delivery_limit import Notifier
 from tests.integration.test_notifier_own_claims import Deps, _delivery
 from tests.integration.test_projection_dead_letters import move_back
 from tests.support import HandedDelivery, eventually
@@ -155,6 +161,33 @@ async def test_a_letter_moved_back_after_its_delivery_succeeded_is_not_sent_agai
 # --- The delivery handler and the ledger, on the real database --------------------------------
 
 
+@pytest.fixture(scope="module")
+def handlers_amqp_url(rabbitmq: Endpoint) -> Iterator[str]:
+    """A vhost of the handler tests' own. On the module's, the whole stack's notifier (`flow`,
+    up until the module's last test) consumes the webhook deliveries: it would take every
+    command these tests' handlers send, and POST and decide on it by itself."""
+    vhost = f"scorebox-test-{uuid.uuid4().hex[:10]}"
+    url = create_vhost(rabbitmq.url, vhost, management_url=rabbitmq.management_url)
+    yield url
+    delete_vhost(rabbitmq.url, vhost, management_url=rabbitmq.management_url)
+
+
+@pytest.fixture
+async def notifier(handlers_amqp_url: str) -> AsyncIterator[Notifier]:
+    """As `test_notifier_delivery_limit.notifier`, on the handler tests' vhost: the topology
+    declared as a service starts (nothing consumes), what the handlers send read from a queue
+    bound to the delivery commands' routes."""
+    url = handlers_amqp_url
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": url})
+    broker = make_broker(settings, name="notifier", graceful_timeout_s=1.0)
+    await start_broker(broker, settings)
+    try:
+        async with delivery_limit._watching_sends(url) as sends:
+            yield Notifier(broker, url, sends)
+    finally:
+        await broker.stop()
+
+
 def _last_attempt(receiver: Receiver) -> DeliverWebhook:
     return _delivery(receiver).model_copy(update={"attempt": 3, "max_attempts": 3})
 
@@ -176,8 +209,8 @@ def _our_letter(delivery: DeliverWebhook) -> HandedDelivery:
     return HandedDelivery(delivery.model_dump_json().encode(), headers={ERROR_HEADER: GAVE_UP})
 
 
-def _commands(published: list[Published]) -> list[DeliverWebhook]:
-    return [DeliverWebhook.model_validate_json(p.message.body) for p in published]
+def _commands(sent: list[aio_pika.abc.AbstractIncomingMessage]) -> list[DeliverWebhook]:
+    return [DeliverWebhook.model_validate_json(message.body) for message in sent]
 
 
 class ReadTogether(Ledger):
@@ -198,7 +231,7 @@ class ReadTogether(Ledger):
 
 
 async def test_two_processes_given_copies_of_a_letter_at_once_post_it_once(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], notifier: Notifier
 ) -> None:
     """Both find the record failed; one reopens it, and the other, its update refused,
     replays the recorded first attempt of the new round, which the claim lets one of the
@@ -206,15 +239,16 @@ async def test_two_processes_given_copies_of_a_letter_at_once_post_it_once(
     delivery = _last_attempt(receiver[0])
     await _given_up(ledger, delivery)
     shared = ReadTogether(ledger)
-    (broker_a, handle_a), (broker_b, handle_b) = (
-        _handler(replace(make_deps(owner), ledger=shared)) for owner in ("a", "b")
+    # Each with its own process name and attempts in hand; their publishes on one connection.
+    handle_a, handle_b = (
+        notifier.handler(replace(make_deps(owner), ledger=shared)) for owner in ("a", "b")
     )
     letters = [_our_letter(delivery), _our_letter(delivery)]
 
     await asyncio.wait_for(asyncio.gather(handle_a(letters[0]), handle_b(letters[1])), timeout=30)
 
     assert [letter.settled for letter in letters] == [["ack"], ["ack"]]
-    fresh = _commands(broker_a.published + broker_b.published)
+    fresh = _commands(await notifier.sent())
     assert {(command.attempt, command.max_attempts) for command in fresh} == {(4, 6)}
     # Each copy of it, to both processes at once.
     await asyncio.wait_for(
@@ -256,7 +290,7 @@ async def test_of_copies_reopening_a_record_at_once_one_does(
 
 
 async def test_a_letter_rabbitmq_made_at_the_delivery_limit_is_tried_again(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], notifier: Notifier
 ) -> None:
     """Given up at the limit, its copy to the DLQ refused by the broker: returned as failed,
     RabbitMQ dead-lettered it without the reason (`x-death` from this queue)."""
@@ -272,18 +306,18 @@ async def test_a_letter_rabbitmq_made_at_the_delivery_limit_is_tried_again(
     letter = HandedDelivery(
         delivery.model_dump_json().encode(), headers={"x-death": [death], "x-delivery-count": 0}
     )
-    broker, handle = _handler(make_deps("a"))
+    handle = notifier.handler(make_deps("a"))
 
     await asyncio.wait_for(handle(letter), timeout=30)
 
-    [fresh] = _commands(broker.published)
+    [fresh] = _commands(await notifier.sent())
     assert (fresh.attempt, fresh.max_attempts) == (4, 6)
     await asyncio.wait_for(handle(HandedDelivery(fresh.model_dump_json().encode())), timeout=30)
     assert len(receiver[0].requests(delivery.url)) == 1
 
 
 async def test_a_moved_back_letter_its_receiver_refused_is_not_sent_again(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], notifier: Notifier
 ) -> None:
     """RabbitMQ's letter moved back is tried, its receiver refuses it (410: recorded failed,
     never dead-lettered), and the ack is lost: the redelivery, still a moved-back letter by
@@ -294,14 +328,15 @@ async def test_a_moved_back_letter_its_receiver_refused_is_not_sent_again(
     delivery = _delivery(endpoint).model_copy(update={"url": endpoint.endpoint(410)})
     await ledger.register(delivery, now=utcnow())
     death = {"queue": WEBHOOK_DELIVERIES.name, "reason": "delivery_limit", "count": 1}
-    broker, handle = _handler(make_deps("a"))
+    handle = notifier.handler(make_deps("a"))
 
     for _ in range(2):  # the second: the same message again, its ack lost
         letter = HandedDelivery(delivery.model_dump_json().encode(), headers={"x-death": [death]})
         await asyncio.wait_for(handle(letter), timeout=30)
         assert letter.settled == ["ack"]
 
-    assert broker.published == []
+    assert await notifier.sent() == []
+    assert await notifier.letters(delivery) == []
     assert len(endpoint.requests(delivery.url)) == 1
     record = await ledger.find(delivery.delivery_id)
     assert record is not None
@@ -309,18 +344,19 @@ async def test_a_moved_back_letter_its_receiver_refused_is_not_sent_again(
 
 
 async def test_a_letter_whose_record_is_gone_is_sent_as_a_fresh_round(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], notifier: Notifier
 ) -> None:
     """Past retention the ledger has forgotten the delivery: sent, as a delivery it never saw
     is, with a round of attempts of its own."""
     delivery = _last_attempt(receiver[0])
-    broker, handle = _handler(make_deps("a"))
+    handle = notifier.handler(make_deps("a"))
 
     await asyncio.wait_for(handle(_our_letter(delivery)), timeout=30)
 
-    [fresh] = _commands(broker.published)
+    [sent] = await notifier.sent()
+    fresh = DeliverWebhook.model_validate_json(sent.body)
     assert (fresh.attempt, fresh.max_attempts) == (4, 6)
-    assert (broker.published[0].exchange, fresh.not_before) == (TASKS.name, None)  # sent now
+    assert (sent.exchange, fresh.not_before) == (TASKS.name, None)  # sent now
     await asyncio.wait_for(handle(HandedDelivery(fresh.model_dump_json().encode())), timeout=30)
     assert len(receiver[0].requests(delivery.url)) == 1
     record = await ledger.find(delivery.delivery_id)
@@ -329,22 +365,22 @@ async def test_a_letter_whose_record_is_gone_is_sent_as_a_fresh_round(
 
 
 async def test_a_forgotten_letter_of_a_later_round_gets_one_rounds_attempts(
-    make_deps: Deps, receiver: tuple[Receiver, Any]
+    make_deps: Deps, receiver: tuple[Receiver, Any], notifier: Notifier
 ) -> None:
     """Where its round began is forgotten with the record: taken as 1, a second round's
     letter (attempts 4 to 6 of rounds of 3) got six attempts, doubling at each such round,
     past the retention the settings are checked against (found in review)."""
     delivery = _delivery(receiver[0]).model_copy(update={"attempt": 6, "max_attempts": 6})
-    broker, handle = _handler(replace(make_deps("a"), max_attempts=3))
+    handle = notifier.handler(replace(make_deps("a"), max_attempts=3))
 
     await asyncio.wait_for(handle(_our_letter(delivery)), timeout=30)
 
-    [fresh] = _commands(broker.published)
+    [fresh] = _commands(await notifier.sent())
     assert (fresh.attempt, fresh.max_attempts) == (7, 9)
 
 
 async def test_a_fresh_round_backs_off_from_the_start(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], notifier: Notifier
 ) -> None:
     """Numbered on from attempt 4, its first retry waits what a first retry waits (5 to 10 s
     with a 10 s base), not what a fourth one does (40 to 80 s)."""
@@ -352,22 +388,21 @@ async def test_a_fresh_round_backs_off_from_the_start(
     delivery = _last_attempt(receiver[0]).model_copy(update={"url": failing})
     await _given_up(ledger, delivery)
     policy = RetryPolicy(base_s=10, cap_s=10_000)
-    broker, handle = _handler(replace(make_deps("a"), policy=policy))
+    handle = notifier.handler(replace(make_deps("a"), policy=policy))
 
     await asyncio.wait_for(handle(_our_letter(delivery)), timeout=30)
-    [fresh] = _commands(broker.published)
-    broker.published.clear()
+    [fresh] = _commands(await notifier.sent())
     before = utcnow()
     await asyncio.wait_for(handle(HandedDelivery(fresh.model_dump_json().encode())), timeout=30)
 
-    [retry] = _commands(broker.published)
+    [retry] = _commands(await notifier.sent())
     assert retry.attempt == 5
     assert retry.not_before is not None
     assert timedelta(seconds=5) <= retry.not_before - before < timedelta(seconds=11)
 
 
 async def test_a_moved_back_letter_sent_on_down_the_wait_ladder_is_still_a_letter(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], notifier: Notifier
 ) -> None:
     """Not due yet, a moved-back letter goes down the ladder again as a copy; the copy left
     the letter's reason behind, and met by its record given up since, it was dropped as a
@@ -376,12 +411,13 @@ async def test_a_moved_back_letter_sent_on_down_the_wait_ladder_is_still_a_lette
         update={"not_before": utcnow() + timedelta(minutes=5)}
     )
     await ledger.register(delivery, now=utcnow())
-    broker, handle = _handler(make_deps("a"))
+    handle = notifier.handler(make_deps("a"))
     letter = HandedDelivery(delivery.model_dump_json().encode(), headers={ERROR_HEADER: GAVE_UP})
 
     await asyncio.wait_for(handle(letter), timeout=30)
 
     assert letter.settled == ["ack"]
-    [hop] = broker.published
-    assert hop.message.headers[ERROR_HEADER] == GAVE_UP
-    assert DeliverWebhook.model_validate_json(hop.message.body).attempt == delivery.attempt
+    [hop] = await notifier.sent()
+    assert hop.exchange == DELAY.name
+    assert hop.headers[ERROR_HEADER] == GAVE_UP
+    assert DeliverWebhook.model_validate_json(hop.body).attempt == delivery.attempt

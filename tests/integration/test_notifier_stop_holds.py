@@ -6,7 +6,8 @@ cut it off: its outcome never recorded, the attempt stayed `sending` under this 
 process's lease, and the next replica POSTed it again once that lease ended (found in
 review). Once the stop begins, such a delivery sends a copy of its attempt, due when it was
 to try again and carrying its lost deliveries, and is acked. The delivery handler runs as a
-broker hands it a message, on the real database."""
+broker hands it a message, on the real database and a real broker whose stop has begun: the
+copy is read from a queue bound to the delivery commands' routes."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ import pytest
 from services.notifier.consumer import MOVED_BACK_REASON, is_moved_back_letter
 from services.notifier.ledger import Ledger
 from shared.contracts import DeliverWebhook, utcnow
-from shared.topology import EARLIER_DELIVERIES_HEADER, ERROR_HEADER, WEBHOOK_DELIVERIES
+from shared.topology import DELAY, EARLIER_DELIVERIES_HEADER, ERROR_HEADER, WEBHOOK_DELIVERIES
+from tests.integration import test_notifier_delivery_limit as delivery_limit
 from tests.integration import test_notifier_own_claims as own_claims
 from tests.integration.test_notifier import Receiver
-from tests.integration.test_notifier_delivery_limit import _handler
+from tests.integration.test_notifier_delivery_limit import Notifier
 from tests.integration.test_notifier_own_claims import LEASE, Deps, _delivery
 from tests.support import HandedDelivery
 
@@ -31,10 +33,18 @@ pytestmark = pytest.mark.integration
 receiver = own_claims.receiver  # fixtures
 ledger = own_claims.ledger
 make_deps = own_claims.make_deps
+notifier = delivery_limit.notifier
+
+
+async def _stop_begun(notifier: Notifier) -> None:
+    """The notifier's broker stopping as a service's stop begins (`stop_consuming`, the
+    first step of its `stop()`): consumers cancelled, the deliveries in hand going on, and
+    publishing still open to them."""
+    await notifier._broker.stop_consuming()
 
 
 async def test_a_redelivery_held_for_a_lease_is_handed_on_at_a_stop_unsent(
-    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], notifier: Notifier
 ) -> None:
     delivery = _delivery(receiver[0])
     await ledger.register(delivery, now=utcnow())
@@ -42,20 +52,21 @@ async def test_a_redelivery_held_for_a_lease_is_handed_on_at_a_stop_unsent(
         delivery, process="proc-b", owner="proc-b/1", now=utcnow(), lease=LEASE
     )
     assert claim.won
-    broker, handle = _handler(make_deps("proc-a"))
-    broker.stopping = True
+    handle = notifier.handler(make_deps("proc-a"))
+    await _stop_begun(notifier)
     message = HandedDelivery.redelivery(delivery.model_dump_json().encode(), count=2)
 
     await asyncio.wait_for(handle(message), timeout=30)
 
     assert message.settled == ["ack"]
-    [published] = broker.published
-    copy = DeliverWebhook.model_validate_json(published.message.body)
+    [published] = await notifier.sent()
+    assert published.exchange == DELAY.name  # due when the lease ends
+    copy = DeliverWebhook.model_validate_json(published.body)
     record = await ledger.find(delivery.delivery_id)
     assert record is not None
     assert record.lease_until is not None
     assert (copy.attempt, copy.not_before) == (delivery.attempt, record.lease_until)
-    assert published.message.headers[EARLIER_DELIVERIES_HEADER] == 2
+    assert published.headers[EARLIER_DELIVERIES_HEADER] == 2
     assert receiver[0].requests(delivery.url) == []
 
 
@@ -76,6 +87,7 @@ async def test_a_moved_back_letter_held_at_a_stop_is_handed_on_as_a_letter_still
     receiver: tuple[Receiver, Any],
     letter: dict[str, Any],
     reason: str,
+    notifier: Notifier,
 ) -> None:
     """Held on through the stop (a first fix spared it, as it spares one at its delivery
     limit), it claimed and POSTed once the lease ended, in the stop's grace (found in
@@ -86,8 +98,8 @@ async def test_a_moved_back_letter_held_at_a_stop_is_handed_on_as_a_letter_still
         delivery, process="proc-b", owner="proc-b/1", now=utcnow(), lease=timedelta(seconds=3)
     )
     assert claim.won
-    broker, handle = _handler(make_deps("proc-a"))
-    broker.stopping = True
+    handle = notifier.handler(make_deps("proc-a"))
+    await _stop_begun(notifier)
     message = HandedDelivery(
         delivery.model_dump_json().encode(),
         headers={"x-delivery-count": 1, **letter},
@@ -97,7 +109,7 @@ async def test_a_moved_back_letter_held_at_a_stop_is_handed_on_as_a_letter_still
     await asyncio.wait_for(handle(message), timeout=30)
 
     assert message.settled == ["ack"]
-    [published] = broker.published
-    assert is_moved_back_letter(published.message.headers)
-    assert published.message.headers[ERROR_HEADER] == reason
+    [published] = await notifier.sent()
+    assert is_moved_back_letter(published.headers)
+    assert published.headers[ERROR_HEADER] == reason
     assert receiver[0].requests(delivery.url) == []

@@ -1,12 +1,17 @@
 """Refused requests are written off, not sent: tombstones on the real database, and a submission
-whose insert landed after the gateway answered 503 (its reply held back by a slow link)."""
+whose insert landed after the gateway answered 503 (its reply held back by a slow link).
+
+The broker's refusals are real: the score queue made full (`queue_made_full`) answers the
+gateway's publish with a negative confirm, and the real publisher makes of it what the
+gateway answers 503 with (`BrokerUnavailable`), withdrawing the command from the status
+projection, whose queue took its copy all the same."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -26,23 +31,27 @@ from services.gateway.refusals import Refusal, Refusals, write_off
 from services.gateway.schemas import ScoreSubmission
 from services.gateway.submissions import Submissions, SubmissionState
 from services.gateway.submit import SubmitPolicy, submit_score, sweep_outbox
-from shared.contracts import ScoreResult, ScoreText, new_id
+from shared.contracts import ScoreResult, ScoreText, ScoreWithdrawn, new_id
+from shared.topology import SCORE_REQUESTS, STATUS_PROJECTION
 from tests.faults.slow_link import SlowLink
 from tests.integration.gateway_records import PUBLISH_TIMEOUT_S, Recorded, gateway_records
 from tests.integration.gateway_records import GatewayRecords as Gateway
-from tests.support import SWEEP_RETENTION, eventually
+from tests.support import SWEEP_RETENTION, drain, eventually, queue_made_full
 
 Document = dict[str, Any]
 NOW = datetime(2030, 5, 17, 12, 0, tzinfo=UTC)
 RETENTION = timedelta(days=1)
 TIMEOUT_MS = 2_000  # well above a loaded stand-in's slowest reply
 HELD_S = 5.0  # past TIMEOUT_MS: the gateway gives up on every reply
+FULL_POLICY = "scorebox-test-score-queue-full"
+# The module's score queue refusing every publish for a block.
+ScoreQueueFull = Callable[[], contextlib.AbstractAsyncContextManager[None]]
 
 
 class Refusing(TaskPublisher):
-    """The publisher on `broker`, which refuses every command, and the database (reached
-    through `link`) turning slow as it does. The refusal is raised here, as the publisher
-    raises one the broker nacked; the withdrawal is the publisher's own."""
+    """The publisher on `broker`, whose command the broker refuses (the test makes the score
+    queue full around the request), and the database (reached through `link`) turning slow
+    as it does; the send and the withdrawal are the publisher's own."""
 
     def __init__(self, broker: RabbitBroker, link: SlowLink) -> None:
         super().__init__(broker, timeout_s=PUBLISH_TIMEOUT_S)
@@ -50,7 +59,10 @@ class Refusing(TaskPublisher):
 
     async def send(self, command: ScoreText) -> bool:
         self.link.reply_delay_s = HELD_S
-        raise BrokerUnavailable("refused")
+        return await super().send(command)
+
+    async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool:
+        raise AssertionError("nothing is cached here")
 
 
 @pytest.fixture
@@ -59,6 +71,22 @@ async def gateway(
 ) -> AsyncIterator[Gateway]:
     async with gateway_records(mongo.url, db_prefix, task_broker) as records:
         yield records
+
+
+@pytest.fixture
+def score_queue_full(amqp_url: str, rabbitmq: Endpoint) -> ScoreQueueFull:
+    """The module's score queue made full for a block: every publish to it refused with a
+    negative confirm; cleared and emptied after."""
+    return lambda: queue_made_full(
+        amqp_url, SCORE_REQUESTS.name, policy=FULL_POLICY, management_url=rabbitmq.management_url
+    )
+
+
+async def _projections_copies(amqp_url: str, task_id: str) -> list[str]:
+    """The routing keys of what the status projection's queue holds of `task_id`, in order
+    (the queue drained: nothing consumes it here)."""
+    messages = await drain(amqp_url, STATUS_PROJECTION.name)
+    return [message.routing_key or "" for message in messages if message.correlation_id == task_id]
 
 
 def _command(created: datetime = NOW) -> ScoreText:
@@ -269,27 +297,35 @@ async def test_the_sweep_announces_an_unmarked_cache_hit_again_and_never_scores_
 
 @pytest.mark.parametrize("counted", [False, True], ids=["not counted", "counted in flight"])
 async def test_a_refusal_the_database_cannot_undo_at_once_is_written_off_later(
-    mongo: Endpoint, gateway: Gateway, counted: bool
+    mongo: Endpoint,
+    gateway: Gateway,
+    amqp_url: str,
+    score_queue_full: ScoreQueueFull,
+    counted: bool,
 ) -> None:
     async with _slow_client(mongo) as (link, client):
         refusals = Refusals()
         in_flight = InFlight(client, gateway.name, max_per_tenant=10 if counted else 0)
-        with pytest.raises(BrokerUnavailable):
-            await submit_score(
-                ScoreSubmission(text="Refused by the broker.", use_cache=False),
-                tenant_id="default",
-                idempotency_key=None,
-                submissions=Submissions(client, gateway.name),
-                publisher=Refusing(gateway.broker, link),
-                cache=ResultCache(client, gateway.name, timedelta(hours=1)),
-                policy=SubmitPolicy(max_attempts=3, retention=RETENTION),
-                clock=lambda: NOW,
-                refusals=refusals,
-                in_flight=in_flight,
-            )
+        async with score_queue_full():
+            with pytest.raises(BrokerUnavailable):
+                await submit_score(
+                    ScoreSubmission(text="Refused by the broker.", use_cache=False),
+                    tenant_id="default",
+                    idempotency_key=None,
+                    submissions=Submissions(client, gateway.name),
+                    publisher=Refusing(gateway.broker, link),
+                    cache=ResultCache(client, gateway.name, timedelta(hours=1)),
+                    policy=SubmitPolicy(max_attempts=3, retention=RETENTION),
+                    clock=lambda: NOW,
+                    refusals=refusals,
+                    in_flight=in_flight,
+                )
         [refusal] = refusals.pending()
         assert refusal.counted is counted
         [task_id] = refusal.task_ids
+        # The projection's copy of the refused command, then the withdrawal that undoes it.
+        copies = await _projections_copies(amqp_url, task_id)
+        assert copies == [ScoreText.routing_key, ScoreWithdrawn.routing_key]
         link.reply_delay_s = 0
         counter = InFlight(gateway.raw.client, gateway.name, max_per_tenant=10)
         await _written_off(refusals, gateway, counter)
@@ -385,21 +421,21 @@ class Pause:
 
 
 class RefusingBroker(TaskPublisher):
-    """The publisher on `broker`, which refuses every command (raised here, as the publisher
-    raises one the broker nacked); withdrawing it takes `withdrawal` before the publisher's
-    own withdrawal is sent."""
+    """The publisher on `broker`, whose command the broker refuses (the test makes the score
+    queue full until the refusal is being undone); withdrawing it takes `withdrawal` before
+    the publisher's own withdrawal is sent."""
 
     def __init__(self, broker: RabbitBroker, *, withdrawal: Pause | None = None) -> None:
         super().__init__(broker, timeout_s=PUBLISH_TIMEOUT_S)
         self.withdrawal = withdrawal
 
-    async def send(self, command: ScoreText) -> bool:
-        raise BrokerUnavailable("refused")
-
     async def withdraw(self, commands: Sequence[ScoreText]) -> None:
         if self.withdrawal is not None:
             await self.withdrawal()
         await super().withdraw(commands)
+
+    async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool:
+        raise AssertionError("nothing is cached here")
 
 
 @dataclass
@@ -422,29 +458,32 @@ class SlowRelease:
 
 @pytest.mark.parametrize("slow", ["withdrawal", "release"])
 async def test_the_sweep_keeps_off_a_refusal_while_it_is_undone(
-    gateway: Gateway, slow: str
+    gateway: Gateway, score_queue_full: ScoreQueueFull, slow: str
 ) -> None:
     """A refusal undone more slowly than the grace period (the command's withdrawal, a
     confirmed publish; the slot's release and the record's deletion, database round trips)
-    was sent by the sweep meanwhile: scored, though its client was told nothing was kept."""
+    was sent by the sweep meanwhile: scored, though its client was told nothing was kept.
+    The score queue takes publishes again by the time the sweep runs: one it made of the
+    refused command would be taken, as it was."""
     pause, publisher, refusals = Pause(), Recorded(gateway.broker), Refusals()
     broker = RefusingBroker(gateway.broker, withdrawal=pause if slow == "withdrawal" else None)
     gate = SlowRelease(release_step=pause if slow == "release" else None)
-    refused = asyncio.create_task(
-        submit_score(
-            ScoreSubmission(text="Refused by the broker.", use_cache=False),
-            tenant_id="default",
-            idempotency_key=None,
-            submissions=gateway.submissions,
-            publisher=broker,
-            cache=ResultCache(gateway.raw.client, gateway.name, timedelta(hours=1)),
-            policy=SubmitPolicy(max_attempts=3, retention=RETENTION),
-            clock=lambda: NOW,
-            refusals=refusals,
-            in_flight=gate,
+    async with score_queue_full():
+        refused = asyncio.create_task(
+            submit_score(
+                ScoreSubmission(text="Refused by the broker.", use_cache=False),
+                tenant_id="default",
+                idempotency_key=None,
+                submissions=gateway.submissions,
+                publisher=broker,
+                cache=ResultCache(gateway.raw.client, gateway.name, timedelta(hours=1)),
+                policy=SubmitPolicy(max_attempts=3, retention=RETENTION),
+                clock=lambda: NOW,
+                refusals=refusals,
+                in_flight=gate,
+            )
         )
-    )
-    await asyncio.wait_for(pause.reached.wait(), timeout=10)
+        await asyncio.wait_for(pause.reached.wait(), timeout=10)
 
     swept = await sweep_outbox(
         submissions=gateway.submissions,
@@ -483,7 +522,10 @@ class FinishingMeanwhile(Recorded):
 
 @pytest.mark.parametrize("chunk", [None, 1], ids=["one chunk", "a chunk per record"])
 async def test_a_sweep_pass_started_during_a_refusal_does_not_send_it_once_it_is_done(
-    gateway: Gateway, monkeypatch: pytest.MonkeyPatch, chunk: int | None
+    gateway: Gateway,
+    score_queue_full: ScoreQueueFull,
+    monkeypatch: pytest.MonkeyPatch,
+    chunk: int | None,
 ) -> None:
     """The pass read its list (an older interrupted submission, then the refused one) while
     the refusal was undone; by the time it reached the refused one, the refusal had deleted
@@ -495,20 +537,21 @@ async def test_a_sweep_pass_started_during_a_refusal_does_not_send_it_once_it_is
     older = _command(NOW - timedelta(minutes=1))
     await _record(gateway.submissions, older)
     pause, refusals = Pause(), Refusals()
-    refused = asyncio.create_task(
-        submit_score(
-            ScoreSubmission(text="Refused by the broker.", use_cache=False),
-            tenant_id="default",
-            idempotency_key=None,
-            submissions=gateway.submissions,
-            publisher=RefusingBroker(gateway.broker, withdrawal=pause),
-            cache=ResultCache(gateway.raw.client, gateway.name, timedelta(hours=1)),
-            policy=SubmitPolicy(max_attempts=3, retention=RETENTION),
-            clock=lambda: NOW,
-            refusals=refusals,
+    async with score_queue_full():  # until the refusal is being undone: `older` is sent
+        refused = asyncio.create_task(
+            submit_score(
+                ScoreSubmission(text="Refused by the broker.", use_cache=False),
+                tenant_id="default",
+                idempotency_key=None,
+                submissions=gateway.submissions,
+                publisher=RefusingBroker(gateway.broker, withdrawal=pause),
+                cache=ResultCache(gateway.raw.client, gateway.name, timedelta(hours=1)),
+                policy=SubmitPolicy(max_attempts=3, retention=RETENTION),
+                clock=lambda: NOW,
+                refusals=refusals,
+            )
         )
-    )
-    await asyncio.wait_for(pause.reached.wait(), timeout=10)
+        await asyncio.wait_for(pause.reached.wait(), timeout=10)
     publisher = FinishingMeanwhile(
         gateway.broker, first=older.task_id, pause=pause, refused=refused
     )

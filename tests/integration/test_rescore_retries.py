@@ -5,8 +5,8 @@ body rejected.
 
 The consumer's `on_message` is called directly with a stand-in delivery; the commands go
 through the gateway's own publisher on the broker, everything else is real too. The broker
-refuses them as it does in production: taking them without a confirm (`stalled_broker`, as in
-a memory alarm; the command may reach the score queue all the same), or with a negative
+refuses them as it does in production: taking them without a confirm (`stalled_broker`, a
+confirm lost; the command may reach the score queue all the same), or with a negative
 confirm, the score queue full (a policy of this module's vhost). What the scorer was sent is
 read from its queue."""
 

@@ -68,7 +68,7 @@ async def test_with_a_rubric_version_only_its_results_answer(
     earlier = RESULT.model_copy(update={"prompt_version": "rubric-1"})
     current = RESULT.model_copy(update={"score": 3.0, "prompt_version": "rubric-2"})
     unversioned = ResultCache(*database, TTL)  # as a gateway without RUBRIC_VERSION keeps it
-    versioned = ResultCache(*database, TTL, rubric_version="rubric-2")
+    versioned = ResultCache(*database, TTL, prompt_versions={"rubric-2"})
     await unversioned.remember(tenant_id="t", key="old", result=earlier, task_id="1", now=NOW)
 
     assert await versioned.find(tenant_id="t", key="old", now=NOW) is None

@@ -29,7 +29,7 @@ from shared.contracts import RunCronJob, new_id
 from shared.topology import CRON, DELAY
 from tests.integration import test_scheduler
 from tests.integration.test_scheduler import Env, MovableClock
-from tests.support import HandedDelivery
+from tests.support import HandedDelivery, watching
 
 mongo_client = test_scheduler.mongo_client  # fixtures
 topology = test_scheduler.topology
@@ -76,12 +76,8 @@ class Published:
 async def watching_runs(amqp_url: str) -> AsyncIterator[Published]:
     """Every `cron.run` published while the block lasts, sent now (`scorebox.cron`) or down
     the wait ladder (`scorebox.delay`): a queue of its own, bound to both."""
-    connection = await aio_pika.connect(amqp_url, timeout=10)
-    async with connection:
-        channel = await connection.channel()
-        queue = await channel.declare_queue(exclusive=True, timeout=10)
-        await queue.bind(CRON.name, RunCronJob.routing_key, timeout=10)
-        await queue.bind(DELAY.name, f"*.{RunCronJob.routing_key}", timeout=10)
+    key = RunCronJob.routing_key
+    async with watching(amqp_url, (CRON.name, key), (DELAY.name, f"*.{key}")) as queue:
         yield Published(queue)
 
 

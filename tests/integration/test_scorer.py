@@ -410,7 +410,7 @@ async def test_a_cached_result_of_another_prompt_is_not_served_without_a_rubric_
 ) -> None:
     """With `RUBRIC_VERSION` unset (as here) the cache served results of any prompt: after a
     deploy that changed the prompt, the old prompt's scores answered identical texts for
-    `RESULT_CACHE_TTL_S`. It serves those its provider's prompt makes (a review)."""
+    `RESULT_CACHE_TTL_S`. It serves those this build's prompts make (a review)."""
     marker = _marker()
     text = f"Cache me for one prompt [[id:{marker}]]"
     first = await flow.finished(await flow.submit(text))

@@ -3,8 +3,9 @@ started its model call (`Attempts.cancel`), and carried out by the score path li
 recorded finish: the generation's next command publishes the failure again and calls no model.
 
 `Attempts.cancel` and `score_text` run on the test database and call the fake model server
-over HTTP; the consumer of `score.cancel` is handed deliveries without a broker; the
-end-to-end tests run the whole scorer on the real broker.
+over HTTP; the consumer of `score.cancel` is handed its deliveries directly and publishes on
+the real broker (its dead letters read from the DLQ); the end-to-end tests run the whole
+scorer on the real broker.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from datetime import datetime, timedelta
-from typing import Any, cast
+from typing import Any, cast, override
 
 import aio_pika
 import httpx
 import pytest
 from bson import Int64
+from faststream.rabbit import RabbitBroker
 from pymongo import AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import AutoReconnect
@@ -66,7 +68,14 @@ from tests.integration.test_database_refusals import (
 )
 from tests.integration.test_scorer_own_claims import LEASE, Deps
 from tests.integration.test_scorer_usage_across_retries import _billed, outcomes
-from tests.support import HandedDelivery, HandlerOnly, eventually, metric_sum, running
+from tests.support import (
+    HandedDelivery,
+    HandlerOnly,
+    drain,
+    eventually,
+    metric_sum,
+    running,
+)
 
 attempts = own_claims.attempts  # fixtures
 make_deps = own_claims.make_deps
@@ -514,46 +523,55 @@ async def test_a_newer_generation_is_cancelled_over_a_retrying_one_with_its_toke
     assert _calls(fake_llm, marker) == 2
 
 
-# --- The consumer of score.cancel, handed deliveries without a broker ----------------------
+# --- The consumer of score.cancel, handed deliveries directly, on the real broker -----------
 
 
-class DeadLetterRecorder(HandlerOnly):
-    """Takes the handler as a broker would; what it publishes (all confirmed) is recorded, in
-    order with how the delivery was settled: both go to `happened`."""
-
-    def __init__(self, happened: list[str]) -> None:
-        self.happened = happened
-        self.published: list[tuple[str, str, aio_pika.Message]] = []
-
-    async def declare_exchange(self, exchange: Any) -> DeadLetterRecorder:
-        self._exchange = exchange.name
-        return self
-
-    async def publish(self, message: aio_pika.Message, routing_key: str, **_: Any) -> None:
-        self.published.append((self._exchange, routing_key, message))
-        self.happened.append(f"published to {self._exchange}")
-
-
-async def _handled(attempts: Attempts, delivery: HandedDelivery) -> DeadLetterRecorder:
-    broker = DeadLetterRecorder(delivery.settled)
-    cancels = TaskCancels(attempts=attempts, broker=cast(Any, broker), clock=utcnow, timeout_s=5)
-    subscribe_cancels(cast(ScoreboxBroker, broker), cancels)
+async def _handled(attempts: Attempts, broker: RabbitBroker, delivery: HandedDelivery) -> None:
+    """`delivery` handled by the consumer of `score.cancel`, which publishes on `broker`."""
+    handler = HandlerOnly()
+    cancels = TaskCancels(attempts=attempts, broker=broker, clock=utcnow, timeout_s=5)
+    subscribe_cancels(cast(ScoreboxBroker, handler), cancels)
     async with asyncio.timeout(HANDLER_DEADLINE_S):
-        await broker.handler(delivery)
-    return broker
+        await handler.handler(delivery)
+
+
+async def _cancel_letters(amqp_url: str, body: bytes) -> list[aio_pika.abc.AbstractIncomingMessage]:
+    """The letters in the cancels' DLQ whose body is `body` (all drained)."""
+    letters = await drain(amqp_url, TASK_CANCELS.dead_letter_routing_key)
+    return [letter for letter in letters if letter.body == body]
+
+
+class AckedAfterItsLetter(HandedDelivery):
+    """A delivery that, when acked, takes its letters off the cancels' DLQ (`letters_at_ack`):
+    acked before the broker confirmed its letter, it finds none there."""
+
+    def __init__(self, amqp_url: str, body: bytes, **kwargs: Any) -> None:
+        super().__init__(body, **kwargs)
+        self._amqp_url = amqp_url
+        self.letters_at_ack: list[aio_pika.abc.AbstractIncomingMessage] | None = None
+
+    @override
+    async def ack(self) -> None:
+        self.letters_at_ack = await _cancel_letters(self._amqp_url, self.body)
+        await super().ack()
 
 
 async def test_an_unreadable_cancel_is_dead_lettered_with_its_error_then_acked(
-    attempts: Attempts,
+    attempts: Attempts, amqp_url: str, task_broker: RabbitBroker
 ) -> None:
+    """The letter goes through the DLX to the cancels' DLQ, where a broken binding would
+    return it unroutable; the delivery is acked once it is there."""
     body = b'{"task_id": "not a cancellation"}'
-    delivery = HandedDelivery(body, routing_key=CancelTask.routing_key, message_id="m-1")
+    delivery = AckedAfterItsLetter(
+        amqp_url, body, routing_key=CancelTask.routing_key, message_id="m-1"
+    )
 
-    broker = await _handled(attempts, delivery)
+    await _handled(attempts, task_broker, delivery)
 
-    assert delivery.settled == [f"published to {DLX.name}", "ack"]
-    [(exchange, routing_key, letter)] = broker.published
-    assert (exchange, routing_key) == (DLX.name, TASK_CANCELS.dead_letter_routing_key)
+    assert delivery.settled == ["ack"]
+    assert delivery.letters_at_ack is not None, "acked"
+    [letter] = delivery.letters_at_ack
+    assert (letter.exchange, letter.routing_key) == (DLX.name, TASK_CANCELS.dead_letter_routing_key)
     assert (letter.body, letter.message_id) == (body, "m-1")
     assert letter.headers[DEAD_LETTERED_FROM_HEADER] == TASK_CANCELS.name
     error = str(letter.headers[ERROR_HEADER])
@@ -562,7 +580,7 @@ async def test_an_unreadable_cancel_is_dead_lettered_with_its_error_then_acked(
 
 
 async def test_a_cancellation_the_database_refuses_for_good_is_returned_as_failed(
-    attempts: Attempts,
+    attempts: Attempts, amqp_url: str, task_broker: RabbitBroker
 ) -> None:
     """Not waited out as an outage (which held the delivery for ever): returned as failed,
     for the queue's delivery limit to dead-letter it."""
@@ -570,13 +588,17 @@ async def test_a_cancellation_the_database_refuses_for_good_is_returned_as_faile
     # The store's own group writer, over the refusing collection.
     refusing = RefusingCollection(attempts._collection)
     attempts._writes = GroupWriter(cast("AsyncCollection[dict[str, Any]]", refusing))
-    delivery = HandedDelivery(_cancel_of(command).model_dump_json().encode())
+    body = _cancel_of(command).model_dump_json().encode()
+    delivery = HandedDelivery(body)
 
-    broker = await _handled(attempts, delivery)
+    async with outcomes(amqp_url) as published:
+        await _handled(attempts, task_broker, delivery)
+        await published.read_for(command.task_id)  # a confirmed event is in the queue by now
 
     assert refusing.bulk_writes == 1
     assert delivery.settled == RETURNED_AS_FAILED
-    assert broker.published == []
+    assert published.of(command.task_id) == []  # no failure published
+    assert await _cancel_letters(amqp_url, body) == []  # left to the queue's delivery limit
     assert await attempts.find(command.task_id) is None
 
 

@@ -6,7 +6,9 @@ Each loss of the connection while a delivery is in hand counts towards the limit
 one possibly after the decision was recorded and before it was carried out. Giving up
 regardless published `task.failed` for a task whose result was stored (or next to the retry
 it had scheduled). `recorded_decision` runs here on the real database (MongoDB or the
-stand-in); the delivery-limit path itself, with nothing decided, is the fault test
+stand-in), and the scorer's broker actions publish on the real broker: a copy handed back is
+read from a queue bound where it is sent, a dead letter from the score queue's DLQ. The
+delivery-limit path itself, with nothing decided, is the fault test
 `test_message_that_kills_the_scorer_every_time_stops_at_the_delivery_limit`.
 
 A delivery at the limit (or at the crash limit) never waits for another claim's lease or a
@@ -21,9 +23,10 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import datetime
-from typing import Any, cast
+from typing import Any, override
 
 import pytest
+from faststream.rabbit import RabbitBroker
 from pymongo.errors import AutoReconnect
 
 from devtools.fake_llm import FakeLLM
@@ -31,10 +34,10 @@ from services.scorer import consumer
 from services.scorer.attempts import Attempts, Busy, Cancelled, ClaimResult, TooLate
 from services.scorer.consumer import (
     AT_CRASH_LIMIT_HEADER,
+    CRASH_RETRY_DELAY,
     CRASHES_HEADER,
     UNSTARTED_RESETS,
     UNSTARTED_RESETS_HEADER,
-    BrokerActions,
     _at_delivery_limit,
     subscribe_scorer,
 )
@@ -61,9 +64,23 @@ from shared.contracts import (
     event_sequence,
     utcnow,
 )
-from shared.topology import EARLIER_DELIVERIES_HEADER, SCORE_REQUESTS, deliveries_lost
+from shared.topology import (
+    DEAD_LETTERED_FROM_HEADER,
+    EARLIER_DELIVERIES_HEADER,
+    ERROR_HEADER,
+    SCORE_REQUESTS,
+    deliveries_lost,
+)
 from tests.integration import test_scorer_own_claims as own_claims
-from tests.integration.test_scorer_own_claims import LEASE, Deps, _calls, _command
+from tests.integration.test_scorer_own_claims import (
+    LEASE,
+    CarriedOut,
+    Deps,
+    _calls,
+    _command,
+    _letters,
+    watching_commands,
+)
 from tests.support import HandedDelivery, HandlerOnly, eventually
 
 attempts = own_claims.attempts  # fixtures
@@ -84,22 +101,25 @@ async def test_a_decided_attempt_is_carried_out_again(make_deps: Deps) -> None:
 
 
 async def test_an_attempt_claimed_but_not_decided_is_given_up_once_its_lease_ended(
-    make_deps: Deps,
-    attempts: Attempts,
+    make_deps: Deps, attempts: Attempts, amqp_url: str, task_broker: RabbitBroker
 ) -> None:
     command, _ = _command("Its consumer died holding it, every time.")
     await attempts.claim(command, now=utcnow() - 2 * LEASE, lease=LEASE, owner="proc-b:1:dead")
     assert isinstance(await recorded_decision(command, deps=make_deps("proc-a")), Busy)
-    actions = Recording()
+    actions = Recording(task_broker)
 
     await _at_limit(command, make_deps("proc-a"), actions)
 
     assert actions.done == ["dead-lettered", "failed"]
+    [letter] = await _letters(amqp_url, command.model_dump_json().encode())
+    assert letter.headers[DEAD_LETTERED_FROM_HEADER] == SCORE_REQUESTS.name
+    assert str(letter.headers[ERROR_HEADER]).startswith(
+        "its consumer died or lost its connection holding it"
+    )
 
 
 async def test_an_attempt_cancelled_during_its_dead_workers_call_is_cancelled_at_the_limit(
-    make_deps: Deps,
-    attempts: Attempts,
+    make_deps: Deps, attempts: Attempts, amqp_url: str, task_broker: RabbitBroker
 ) -> None:
     """Its give-up was dead-lettered as an internal error, and a replay of the DLQ scored
     the task its client had cancelled (review of cancellation)."""
@@ -109,11 +129,12 @@ async def test_an_attempt_cancelled_during_its_dead_workers_call_is_cancelled_at
         await attempts.cancel(_cancel_requested(command, utcnow()), now=utcnow()), TooLate
     )
     later = replace(make_deps("proc-a"), clock=lambda: utcnow() + 2 * LEASE)  # its lease over
-    actions = Recording()
+    actions = Recording(task_broker)
 
     await _at_limit(command, later, actions)
 
     assert actions.done == ["failed"]
+    assert await _letters(amqp_url, command.model_dump_json().encode()) == []  # nothing to replay
     decided = await recorded_decision(command, deps=later)
     assert isinstance(decided, Finish), decided
     assert isinstance(decided.event, TaskFailed)
@@ -139,7 +160,7 @@ class DecidedAfterFirstLook(Attempts):
 
 
 async def test_an_attempt_still_running_at_the_limit_is_handed_back_and_its_copy_carries_it_out(
-    make_deps: Deps, attempts: Attempts
+    make_deps: Deps, attempts: Attempts, amqp_url: str, task_broker: RabbitBroker
 ) -> None:
     """Given up while the shielded call went on: its decision was recorded a moment later and
     carried out by nobody, the task read failed with its result stored. Waited for with the
@@ -148,76 +169,79 @@ async def test_an_attempt_still_running_at_the_limit_is_handed_back_and_its_copy
     the decision out (found in review). Its copy, due when the lease ends, does."""
     command, _ = _command("Still being scored when its last delivery came.")
     await attempts.claim(command, now=utcnow(), lease=LEASE, owner="proc-a:1:shielded")
-    deps, actions = make_deps("proc-a"), Recording()
+    deps, actions = make_deps("proc-a"), Recording(task_broker)
 
-    await _at_limit(command, deps, actions)
+    async with watching_commands(amqp_url) as commands:
+        await _at_limit(command, deps, actions)
+        [copy] = await commands.taken()
 
-    [copy], [headers] = actions.resent, actions.resent_headers
     assert actions.done == ["resent"]
-    assert headers[EARLIER_DELIVERIES_HEADER] == SCORE_REQUESTS.delivery_limit
-    assert copy.not_before == await _lease_until(attempts, command) + DUE_SLACK
-    assert (copy.task_id, copy.attempt) == (command.task_id, command.attempt)
+    assert copy.headers[EARLIER_DELIVERIES_HEADER] == SCORE_REQUESTS.delivery_limit
+    assert copy.command.not_before == await _lease_until(attempts, command) + DUE_SLACK
+    assert (copy.command.task_id, copy.command.attempt) == (command.task_id, command.attempt)
 
     await attempts.decide(
         command, _completion(command), now=utcnow(), raw_output=None, owner="proc-a:1:shielded"
     )
-    await _at_limit(copy, deps, actions, headers=headers, count=0)
+    await _at_limit(copy.command, deps, actions, headers=copy.headers, count=0)
 
     assert actions.done == ["resent", "Finish"]
 
 
 async def test_a_claim_decided_right_after_the_look_at_the_limit_is_carried_out_by_the_copy(
-    make_deps: Deps, attempts: Attempts
+    make_deps: Deps, attempts: Attempts, amqp_url: str, task_broker: RabbitBroker
 ) -> None:
     """The race the hand-back leaves: the decision lands between the look and the copy."""
     command, _ = _command("Decided right after its last delivery looked.")
     await attempts.claim(command, now=utcnow(), lease=LEASE, owner="proc-a:1:shielded")
-    deps, actions = make_deps("proc-a"), Recording()
+    deps, actions = make_deps("proc-a"), Recording(task_broker)
 
     async def shielded_call_ends() -> object:
         return await attempts.decide(
             command, _completion(command), now=utcnow(), raw_output=None, owner="proc-a:1:shielded"
         )
 
-    await _at_limit(
-        command,
-        replace(deps, attempts=DecidedAfterFirstLook(attempts, shielded_call_ends)),
-        actions,
-    )
-    [copy], [headers] = actions.resent, actions.resent_headers
-    await _at_limit(copy, deps, actions, headers=headers, count=0)
+    async with watching_commands(amqp_url) as commands:
+        await _at_limit(
+            command,
+            replace(deps, attempts=DecidedAfterFirstLook(attempts, shielded_call_ends)),
+            actions,
+        )
+        [copy] = await commands.taken()
+    await _at_limit(copy.command, deps, actions, headers=copy.headers, count=0)
 
     assert actions.done == ["resent", "Finish"]
 
 
 async def test_at_the_crash_limit_another_claim_hands_the_message_back_to_come_back_there(
-    make_deps: Deps, attempts: Attempts, fake_llm: Any
+    make_deps: Deps, attempts: Attempts, fake_llm: Any, amqp_url: str, task_broker: RabbitBroker
 ) -> None:
     """The give-up refused (another worker's claim holds the attempt), the delivery was held
     for that claim's lease. Its copy carries the crashes that reached the limit: it looks
     again there, and carries the other worker's decision out, never calling the model."""
     command, marker = _command("Crashed on, while another worker calls the model.")
     await attempts.claim(command, now=utcnow(), lease=LEASE, owner="proc-b:1:live")
-    deps, actions = make_deps("proc-a"), Recording()
+    deps, actions = make_deps("proc-a"), Recording(task_broker)
     handler = HandlerOnly()
     crashing = replace(deps, attempts=CrashesOnClaim(attempts))
-    subscribe_scorer(handler, crashing, cast("BrokerActions", actions), crash_limit=CRASH_LIMIT)  # type: ignore[arg-type]
+    subscribe_scorer(handler, crashing, actions, crash_limit=CRASH_LIMIT)  # type: ignore[arg-type]
     body = command.model_dump_json().encode()
     last_crash = HandedDelivery(body, headers={CRASHES_HEADER: CRASH_LIMIT - 1})
 
-    async with asyncio.timeout(HANG_GUARD_S):
-        await handler.handler(last_crash)
+    async with watching_commands(amqp_url) as commands:
+        async with asyncio.timeout(HANG_GUARD_S):
+            await handler.handler(last_crash)
+        [copy] = await commands.taken()
 
-    [copy], [headers] = actions.resent, actions.resent_headers
     assert (actions.done, last_crash.settled) == (["resent"], ["ack"])
-    assert headers[CRASHES_HEADER] == CRASH_LIMIT
-    assert headers[AT_CRASH_LIMIT_HEADER] == 1
-    assert copy.not_before == await _lease_until(attempts, command) + DUE_SLACK
+    assert copy.headers[CRASHES_HEADER] == CRASH_LIMIT
+    assert copy.headers[AT_CRASH_LIMIT_HEADER] == 1
+    assert copy.command.not_before == await _lease_until(attempts, command) + DUE_SLACK
 
     await attempts.decide(
         command, _completion(command), now=utcnow(), raw_output=None, owner="proc-b:1:live"
     )
-    came_back = HandedDelivery(copy.model_dump_json().encode(), headers=headers)
+    came_back = HandedDelivery(copy.command.model_dump_json().encode(), headers=copy.headers)
     async with asyncio.timeout(HANG_GUARD_S):
         await handler.handler(came_back)
 
@@ -226,15 +250,15 @@ async def test_at_the_crash_limit_another_claim_hands_the_message_back_to_come_b
 
 
 async def test_a_message_crashed_on_as_often_as_a_lowered_limit_gets_its_try(
-    make_deps: Deps, fake_llm: Any
+    make_deps: Deps, fake_llm: Any, task_broker: RabbitBroker
 ) -> None:
     """Only a copy the crash limit handed back skips the model: one that counts as many
     crashes as a limit lowered since (a deploy) was given up at arrival, though it had one
     more try coming under the limit it crashed under (a review)."""
     command, marker = _command("Crashed on under a higher limit.")
-    deps, actions = make_deps("proc-a"), Recording()
+    deps, actions = make_deps("proc-a"), Recording(task_broker)
     handler = HandlerOnly()
-    subscribe_scorer(handler, deps, cast("BrokerActions", actions), crash_limit=CRASH_LIMIT)  # type: ignore[arg-type]
+    subscribe_scorer(handler, deps, actions, crash_limit=CRASH_LIMIT)  # type: ignore[arg-type]
     delivery = HandedDelivery(
         command.model_dump_json().encode(), headers={CRASHES_HEADER: CRASH_LIMIT}
     )
@@ -274,47 +298,61 @@ async def test_a_newer_attempts_decision_at_the_limit_drops_the_message(
 
 
 async def test_an_attempt_never_claimed_is_sent_again_with_its_count_cleared(
-    make_deps: Deps,
+    make_deps: Deps, amqp_url: str, task_broker: RabbitBroker
 ) -> None:
     """Its deliveries were lost waiting in a prefetch (each drop of the connection returns
     every delivery in hand), not working: given up, a task that never started failed."""
     command, _ = _command("Waited in a prefetch through five dropped connections.")
-    actions = Recording()
+    actions = Recording(task_broker)
 
-    await _at_limit(command, make_deps("proc-a"), actions, headers={EARLIER_DELIVERIES_HEADER: 2})
+    async with watching_commands(amqp_url) as commands:
+        await _at_limit(
+            command, make_deps("proc-a"), actions, headers={EARLIER_DELIVERIES_HEADER: 2}
+        )
+        [copy] = await commands.taken()
 
     assert actions.done == ["resent"]
-    (headers,) = actions.resent_headers
-    assert headers[UNSTARTED_RESETS_HEADER] == 1
-    assert EARLIER_DELIVERIES_HEADER not in headers
+    assert (copy.command.task_id, copy.command.attempt) == (command.task_id, command.attempt)
+    assert copy.headers[UNSTARTED_RESETS_HEADER] == 1
+    assert EARLIER_DELIVERIES_HEADER not in copy.headers
+    assert await _letters(amqp_url, command.model_dump_json().encode()) == []
 
 
 async def test_a_next_attempt_never_claimed_is_sent_again_with_its_count_cleared(
-    make_deps: Deps,
+    make_deps: Deps, amqp_url: str, task_broker: RabbitBroker
 ) -> None:
     deps = make_deps("proc-a")
     command, _ = _command("Retried, and the retry waited through dropped connections.")
     retry = Retry(_retrying(command), command.model_copy(update={"attempt": 2}))
     await deps.attempts.claim(command, now=utcnow(), lease=LEASE, owner=deps.owner)
     await deps.attempts.decide(command, retry, now=utcnow(), raw_output=None, owner=deps.owner)
-    actions = Recording()
+    actions = Recording(task_broker)
 
-    await _at_limit(retry.next_command, deps, actions)
+    async with watching_commands(amqp_url) as commands:
+        await _at_limit(retry.next_command, deps, actions)
+        [copy] = await commands.taken()
 
     assert actions.done == ["resent"]
+    assert (copy.command.task_id, copy.command.attempt) == (command.task_id, 2)
+    assert copy.headers[UNSTARTED_RESETS_HEADER] == 1
+    assert EARLIER_DELIVERIES_HEADER not in copy.headers
 
 
 async def test_an_attempt_never_claimed_is_given_up_once_its_resets_are_spent(
-    make_deps: Deps,
+    make_deps: Deps, amqp_url: str, task_broker: RabbitBroker
 ) -> None:
     """A message that kills the scorer before its claim must stop too."""
     command, _ = _command("Killed the scorer before its claim, every time.")
-    actions = Recording()
+    actions = Recording(task_broker)
     spent = {UNSTARTED_RESETS_HEADER: UNSTARTED_RESETS}
 
     await _at_limit(command, make_deps("proc-a"), actions, headers=spent)
 
     assert actions.done == ["dead-lettered", "failed"]
+    [letter] = await _letters(amqp_url, command.model_dump_json().encode())
+    assert letter.headers[DEAD_LETTERED_FROM_HEADER] == SCORE_REQUESTS.name
+    assert letter.headers[UNSTARTED_RESETS_HEADER] == UNSTARTED_RESETS
+    assert letter.headers[EARLIER_DELIVERIES_HEADER] == SCORE_REQUESTS.delivery_limit
 
 
 async def test_an_attempt_a_newer_one_superseded_is_dropped(
@@ -343,7 +381,7 @@ async def test_a_new_generation_at_the_limit_is_not_given_the_earlier_ones_decis
 
 
 async def test_a_cancellation_published_already_is_dropped_at_the_limit(
-    make_deps: Deps, attempts: Attempts
+    make_deps: Deps, attempts: Attempts, task_broker: RabbitBroker
 ) -> None:
     """Carried out again, a command reaching its limit after its task was cancelled
     republished `task.failed` (cancelled), possibly days later, as a delayed task's command
@@ -353,7 +391,7 @@ async def test_a_cancellation_published_already_is_dropped_at_the_limit(
     outcome = await attempts.cancel(cancel, now=utcnow())
     assert isinstance(outcome, Cancelled)
     await attempts.note_cancellation_published(cancel, outcome.decision)
-    actions = Recording()
+    actions = Recording(task_broker)
 
     await _at_limit(command, make_deps("proc-a"), actions)
 
@@ -374,46 +412,55 @@ class AwayOnce(Attempts):
         return await super().standing(command)
 
 
-class Recording:
-    """The scorer's broker actions, recorded instead of carried out."""
+class Recording(CarriedOut):
+    """The scorer's broker actions (`BrokerActions`) on `broker`, noting in `done`, in order,
+    what each one carried out once the broker confirmed it. What they published (a copy, a
+    dead letter) is read from the broker's queues: recorded alone, a letter sent to the
+    wrong queue passed."""
 
-    def __init__(self) -> None:
-        self.clock = utcnow
+    def __init__(self, broker: RabbitBroker) -> None:
+        super().__init__(broker)
         self.done: list[str] = []
-        self.resent: list[ScoreText] = []
-        self.resent_headers: list[dict[str, Any]] = []
 
+    @override
     async def resend(self, command: ScoreText, *, headers: dict[str, Any]) -> None:
+        await super().resend(command, headers=headers)
         self.done.append("resent")
-        self.resent.append(command)
-        self.resent_headers.append(headers)
 
-    async def carry_out(self, decision: Decision, message: Delivery) -> None:
+    @override
+    async def carry_out(self, decision: Decision, message: Delivery) -> bool | None:
+        lettered = await super().carry_out(decision, message)
         self.done.append(type(decision).__name__)
+        return lettered
 
-    async def dead_letter(self, message: Delivery, error: str) -> None:
-        self.done.append("dead-lettered")
+    @override
+    async def dead_letter(self, message: Delivery, error: str) -> bool:
+        lettered = await super().dead_letter(message, error)
+        self.done.append("dead-lettered" if lettered else "returned as failed")
+        return lettered
 
+    @override
     async def fail_task(self, failed: TaskEvent) -> None:
+        await super().fail_task(failed)
         self.done.append("failed")
 
 
 async def test_a_database_away_at_the_limit_is_waited_out_not_taken_for_nothing_decided(
-    make_deps: Deps, attempts: Attempts
+    make_deps: Deps, attempts: Attempts, task_broker: RabbitBroker
 ) -> None:
     """The task of a decided attempt was dead-lettered and failed when the database did not
     answer at that moment, though its result was stored."""
     deps = make_deps("proc-a")
     command, _ = _command("Decided, then the database blinked.")
     assert isinstance(await score_text(command, deps=deps), Finish)
-    actions = Recording()
+    actions = Recording(task_broker)
     limit = SCORE_REQUESTS.delivery_limit
 
     await _at_delivery_limit(
         command,
         HandedDelivery.redelivery(command.model_dump_json().encode(), count=limit),
         replace(deps, attempts=AwayOnce(attempts)),
-        cast("BrokerActions", actions),
+        actions,
         limit,
     )
 
@@ -434,22 +481,30 @@ class Away(Attempts):
 
 
 async def test_a_database_away_for_long_at_the_limit_hands_the_delivery_back(
-    make_deps: Deps, attempts: Attempts, monkeypatch: pytest.MonkeyPatch
+    make_deps: Deps,
+    attempts: Attempts,
+    monkeypatch: pytest.MonkeyPatch,
+    amqp_url: str,
+    task_broker: RabbitBroker,
 ) -> None:
     """Waited out with the delivery held for as long as the outage lasted: a connection
     dropped meanwhile (or the broker's consumer timeout, 30 min) returned it past the limit,
     for RabbitMQ to dead-letter without a reason (found in review)."""
     monkeypatch.setattr(consumer, "LIMIT_DATABASE_WAIT_S", 0.5)
     command, _ = _command("At its delivery limit, the database away.")
-    actions = Recording()
+    actions = Recording(task_broker)
+    sent_at = utcnow()
 
-    await _at_limit(command, replace(make_deps("proc-a"), attempts=Away(attempts)), actions)
+    async with watching_commands(amqp_url) as commands:
+        await _at_limit(command, replace(make_deps("proc-a"), attempts=Away(attempts)), actions)
+        [copy] = await commands.taken()
 
-    [copy], [headers] = actions.resent, actions.resent_headers
     assert actions.done == ["resent"]
-    assert headers[EARLIER_DELIVERIES_HEADER] == SCORE_REQUESTS.delivery_limit
-    assert copy.not_before is not None
-    assert copy.not_before > utcnow()
+    assert (copy.command.task_id, copy.command.attempt) == (command.task_id, command.attempt)
+    assert copy.headers[EARLIER_DELIVERIES_HEADER] == SCORE_REQUESTS.delivery_limit
+    assert copy.command.not_before is not None
+    assert copy.command.not_before >= sent_at + CRASH_RETRY_DELAY  # due shortly, not now
+    assert await _letters(amqp_url, command.model_dump_json().encode()) == []
 
 
 def _completion(command: ScoreText) -> Finish:
@@ -498,13 +553,15 @@ async def _at_limit(
     delivery.headers.update(headers or {})
     deliveries = deliveries_lost(delivery.headers)
     async with asyncio.timeout(HANG_GUARD_S):  # the lease is 60 s, decided at once here
-        await _at_delivery_limit(
-            command, delivery, deps, cast("BrokerActions", actions), deliveries
-        )
+        await _at_delivery_limit(command, delivery, deps, actions, deliveries)
 
 
 async def test_a_give_up_never_claims_an_attempt_another_delivery_here_holds(
-    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
+    make_deps: Deps,
+    attempts: Attempts,
+    fake_llm: FakeLLM,
+    amqp_url: str,
+    task_broker: RabbitBroker,
 ) -> None:
     """A live copy of the attempt waits here for a model slot when a copy reaches the
     delivery limit (its consumer died holding it: a claim whose lease is over). The give-up
@@ -515,8 +572,9 @@ async def test_a_give_up_never_claims_an_attempt_another_delivery_here_holds(
     command, marker = _command("Its consumer died holding it, and a copy waits here.")
     await attempts.claim(command, now=utcnow() - 2 * LEASE, lease=LEASE, owner="proc-b:1:dead")
     deps = replace(make_deps("proc-a"), model_slots=ModelSlots(1))
-    actions = Recording()
-    async with deps.model_slots.held():  # the one model slot busy with another task's call
+    actions = Recording(task_broker)
+    # The one model slot busy with another task's call.
+    async with deps.model_slots.held(), watching_commands(amqp_url) as commands:
         holder = asyncio.create_task(score_text(command, deps=deps))
 
         async def held_here() -> bool:
@@ -524,11 +582,14 @@ async def test_a_give_up_never_claims_an_attempt_another_delivery_here_holds(
 
         await eventually(held_here, what="the live copy in hand, waiting for the slot")
         await _at_limit(command, deps, actions)
+        [copy] = await commands.taken()
     assert actions.done == ["resent"]  # handed back, due shortly: nothing given up
+    assert (copy.command.task_id, copy.command.attempt) == (command.task_id, command.attempt)
+    assert await _letters(amqp_url, command.model_dump_json().encode()) == []
 
     decided = await asyncio.wait_for(holder, HANG_GUARD_S)
     assert isinstance(decided, Finish)
     assert isinstance(decided.event, TaskCompleted)
-    await _at_limit(command, deps, actions, headers=actions.resent_headers[0])
+    await _at_limit(copy.command, deps, actions, headers=copy.headers)
     assert actions.done == ["resent", "Finish"]  # the completion, carried out again
     assert _calls(fake_llm, marker) == 1

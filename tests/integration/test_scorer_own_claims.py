@@ -52,6 +52,7 @@ from tests.support import (
     completion_ids,
     drain,
     eventually,
+    watching,
     watching_completions,
 )
 
@@ -118,13 +119,12 @@ async def watching_commands(amqp_url: str) -> AsyncIterator[Commands]:
     """Every score command published while the block lasts, sent now (`scorebox.tasks`, as
     submitted or sent again) or down the wait ladder (`scorebox.delay`): a queue of its own,
     bound to both."""
-    connection = await aio_pika.connect(amqp_url, timeout=10)
-    async with connection:
-        channel = await connection.channel()
-        queue = await channel.declare_queue(exclusive=True, timeout=10)
-        for key in (ScoreText.routing_key, ScoreText.resubmission_routing_key):
-            await queue.bind(TASKS.name, key, timeout=10)
-        await queue.bind(DELAY.name, f"*.{ScoreText.routing_key}", timeout=10)
+    routes = (
+        (TASKS.name, ScoreText.routing_key),
+        (TASKS.name, ScoreText.resubmission_routing_key),
+        (DELAY.name, f"*.{ScoreText.routing_key}"),
+    )
+    async with watching(amqp_url, *routes) as queue:
         yield Commands(queue)
 
 

@@ -114,7 +114,7 @@ async def test_at_stop_with_the_broker_away_a_redelivery_is_left_to_come_back(
     make_deps: Deps, amqp_url: str, stalled_broker: RabbitBroker
 ) -> None:
     """Its copy never confirmed, it is never acked: the closing channel returns it (counted,
-    but not lost). The broker takes each copy without confirming it, as in a memory alarm:
+    but not lost). The broker takes each copy without confirming it (a confirm lost):
     tried again for as long as the handler runs (`keep_publishing`)."""
     deps = make_deps("scorer-a")
     handler = _stopping(deps, Published(stalled_broker, timeout_s=UNCONFIRMED_AFTER_S))

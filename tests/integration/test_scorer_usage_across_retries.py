@@ -15,10 +15,11 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, override
 
 import aio_pika
 import pytest
+from faststream.rabbit import RabbitBroker
 
 from devtools.fake_llm import (
     CHARS_PER_TOKEN,
@@ -56,10 +57,10 @@ from shared.contracts import (
 )
 from shared.event_batches import is_batch, split_batch
 from shared.runtime import make_broker
-from shared.topology import EVENTS, SCORE_REQUESTS
+from shared.topology import DEAD_LETTERED_FROM_HEADER, ERROR_HEADER, EVENTS, SCORE_REQUESTS
 from tests.integration import test_scorer_own_claims as own_claims
 from tests.integration.in_process import scorer_over
-from tests.integration.test_scorer_own_claims import Deps
+from tests.integration.test_scorer_own_claims import Deps, _letters
 from tests.support import HandedDelivery, eventually, running
 
 attempts = own_claims.attempts  # fixtures
@@ -265,20 +266,25 @@ async def test_an_answer_without_a_choice_is_retried_and_its_tokens_billed(
 
 
 class PublishingFailures(BrokerActions):
-    """The scorer's broker actions on the real broker; dead letters are only counted, to
-    leave the queue's dead-letter queue alone."""
+    """The scorer's broker actions on `broker`, remembering the reasons of the dead letters
+    the broker confirmed (`dead_lettered`); the letters themselves are in the score queue's
+    DLQ (`_letters` reads them). Counted without being sent, a letter routed nowhere, or to
+    the wrong queue, passed."""
 
-    def __init__(self, broker: Any) -> None:
+    def __init__(self, broker: RabbitBroker) -> None:
         super().__init__(broker=broker, timeout_s=10, clock=utcnow)
         self.dead_lettered: list[str] = []
 
+    @override
     async def dead_letter(self, message: Delivery, error: str) -> bool:
-        self.dead_lettered.append(error)
-        return True
+        lettered = await super().dead_letter(message, error)
+        if lettered:
+            self.dead_lettered.append(error)
+        return lettered
 
 
 async def test_a_retried_attempt_given_up_at_the_delivery_limit_reports_earlier_tokens(
-    make_deps: Deps, amqp_url: str
+    make_deps: Deps, amqp_url: str, task_broker: RabbitBroker
 ) -> None:
     """Attempt 2 killed its consumers before its claim until the delivery limit, as often
     as it is sent again for that, deciding nothing: the task fails without a model answer
@@ -295,14 +301,14 @@ async def test_a_retried_attempt_given_up_at_the_delivery_limit_reports_earlier_
     )
     at_limit.headers[UNSTARTED_RESETS_HEADER] = UNSTARTED_RESETS
 
-    broker = make_broker(ScorerSettings.model_validate({"RABBITMQ_URL": amqp_url}))
-    async with broker, outcomes(amqp_url) as published:
-        await broker.connect()
-        actions = PublishingFailures(broker)
+    async with outcomes(amqp_url) as published:
+        actions = PublishingFailures(task_broker)
         await _at_delivery_limit(second, at_limit, deps, actions, SCORE_REQUESTS.delivery_limit)
         failed: TaskFailed = await published.next_of(command.task_id, TaskFailed)
 
-    assert len(actions.dead_lettered) == 1
+    [letter] = await _letters(amqp_url, second.model_dump_json().encode())  # attempt 2's
+    assert [letter.headers[ERROR_HEADER]] == actions.dead_lettered
+    assert letter.headers[DEAD_LETTERED_FROM_HEADER] == SCORE_REQUESTS.name
     assert (failed.attempt, failed.dead_lettered) == (2, True)
     assert failed.usage == _billed(command.text, unusable=True)
     assert failed.model == ANSWERED_MODEL

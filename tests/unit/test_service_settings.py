@@ -204,15 +204,14 @@ def test_the_gateway_and_the_scheduler_do_not_judge_the_scorers_provider(setting
     assert settings.model_validate(given).rubric_version == "judge-2025-1"
 
 
-def test_the_gateway_caches_its_providers_prompt_unless_told_a_rubric_version() -> None:
-    """Unset, the cache served results of any prompt, an earlier deploy's among them."""
-    for provider, version in PROVIDER_PROMPT_VERSIONS.items():
+def test_the_gateway_caches_this_builds_prompts_unless_told_a_rubric_version() -> None:
+    """Unset, the cache served results of any prompt, an earlier deploy's among them; and not
+    only its own `LLM_PROVIDER`'s: a scorer's override alone would have kept every result out."""
+    for provider in (*PROVIDER_PROMPT_VERSIONS, "another"):
         given = GatewaySettings.model_validate({"LLM_PROVIDER": provider})
-        assert given.cached_prompt_version == version
+        assert given.cached_prompt_versions == PROMPT_VERSIONS
     told = {"LLM_PROVIDER": "heuristic", "RUBRIC_VERSION": "judge-2025-1"}
-    assert GatewaySettings.model_validate(told).cached_prompt_version == "judge-2025-1"
-    unknown = GatewaySettings.model_validate({"LLM_PROVIDER": "another"})
-    assert unknown.cached_prompt_version is None
+    assert GatewaySettings.model_validate(told).cached_prompt_versions == {"judge-2025-1"}
 
 
 def test_the_scorers_versions_are_the_ones_settings_accept() -> None:

@@ -17,8 +17,6 @@ gives the notifier the test-only settings that reach it (`local_webhook_receiver
 from __future__ import annotations
 
 import argparse
-import asyncio
-import concurrent.futures
 import contextlib
 import ctypes
 import errno
@@ -69,6 +67,7 @@ KILL_WAIT_S = 10.0
 STOP_BROKER_STEPS = 3
 LOG_TAIL_LINES = 40
 TOPOLOGY_FIRST_TIMEOUT_S = 15.0
+TOPOLOGY_FIRST_MARGIN_S = 10.0  # the process's start and its bounded stop
 # The banner's CLI example scores this (the README, once suggested, is over MAX_TEXT_CHARS).
 CLI_EXAMPLE_TEXT = "Asynchronous scoring keeps the request fast and the model busy."
 SUPERVISE_INTERVAL_S = 0.5
@@ -109,6 +108,8 @@ class StackConfig:
     ports: dict[str, int] = field(default_factory=dict)
     commands: dict[str, list[str]] | None = None
     cwd: Path | None = None
+    # Declare the topology before the services start (`declare_topology_first`).
+    declare_topology_first: bool = True
 
 
 @dataclass
@@ -198,7 +199,8 @@ class Stack:
             raise StackError("the stack is already started")
         self._processes = self._plan()
         ensure_ports_free(self.config.host, self._fixed_ports())
-        declare_topology_first(self.config.rabbitmq_url)
+        if self.config.declare_topology_first:
+            declare_topology_first(self.config.rabbitmq_url)
         try:
             for proc in self._processes:
                 self._spawn(proc, append=False)
@@ -364,7 +366,8 @@ class Stack:
 
 def declare_topology_first(rabbitmq_url: str, timeout_s: float = TOPOLOGY_FIRST_TIMEOUT_S) -> bool:
     """Declare the topology once, before the services start and declare it each, at once;
-    best effort (False when it could not: each service declares it all the same).
+    best effort (False when it could not: each service declares it all the same), in a
+    process of its own (`devtools.declare_topology`), killed past `timeout_s` and a margin.
 
     RabbitMQ 3.10 answers a quorum queue's declaration as done while another client's
     declaration of it is still starting the queue's Raft member; a `basic.consume` on it
@@ -372,28 +375,23 @@ def declare_topology_first(rabbitmq_url: str, timeout_s: float = TOPOLOGY_FIRST_
     the client, which closes the connection), and the service whose consumer it was ended
     its start: services started together on a fresh vhost failed now and then (CI, a
     `make run` and two fault-test stacks of one run). Under compose or Kubernetes a restart
-    takes the service up again; here the stack would have failed."""
-
-    async def declare() -> None:
-        from faststream.rabbit import RabbitBroker  # noqa: PLC0415 - only when starting
-
-        from shared.topology import declare_topology  # noqa: PLC0415
-
-        broker = RabbitBroker(rabbitmq_url)
-        try:
-            async with asyncio.timeout(timeout_s):
-                await broker.connect()
-                await declare_topology(broker)
-        finally:
-            await broker.stop()
-
-    # A thread of its own: the caller may be running an event loop of its own (a test).
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        try:
-            pool.submit(asyncio.run, declare()).result()
-        except Exception:  # noqa: BLE001 - best effort: the services declare it anyway
-            return False
-    return True
+    takes the service up again; here the stack would have failed. In this process, a broker
+    that accepted the connection and never answered hung the start for good: aio-pika's
+    robust connection goes on trying after a cancellation (a review)."""
+    command = [sys.executable, "-m", "devtools.declare_topology", str(timeout_s)]
+    env = {**os.environ, "RABBITMQ_URL": rabbitmq_url}  # not on the command line (`ps`)
+    try:
+        done = subprocess.run(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=timeout_s + TOPOLOGY_FIRST_MARGIN_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return False
+    return done.returncode == 0
 
 
 def internal_key_of(stack_env: Mapping[str, str], environ: Mapping[str, str] = os.environ) -> str:

@@ -326,13 +326,19 @@ async def queue_made_full(
             )
         yield
     finally:
-        await asyncio.to_thread(clear_queue_policy, amqp_url, policy, management_url=management_url)
-        async with _publishing_to(amqp_url, queue, timeout_s) as publish:
-            await eventually(publish, timeout_s=timeout_s, what=f"{queue} taking publishes again")
-        connection = await aio_pika.connect(amqp_url, timeout=timeout_s)
-        async with connection:
-            channel = await connection.channel()
-            await (await channel.get_queue(queue, ensure=True)).purge(timeout=timeout_s)
+        try:
+            await asyncio.to_thread(
+                clear_queue_policy, amqp_url, policy, management_url=management_url
+            )
+            async with _publishing_to(amqp_url, queue, timeout_s) as publish:
+                await eventually(
+                    publish, timeout_s=timeout_s, what=f"{queue} taking publishes again"
+                )
+        finally:  # the fillers go whatever happened: later readers of the queue meet none
+            connection = await aio_pika.connect(amqp_url, timeout=timeout_s)
+            async with connection:
+                channel = await connection.channel()
+                await (await channel.get_queue(queue, ensure=True)).purge(timeout=timeout_s)
 
 
 async def _not(taken: Awaitable[bool]) -> bool:

@@ -232,8 +232,8 @@ class GatewaySettings(AdminApiSettings):
         cache key names the model, so one provider's results never answer for another's).
         Unset, any was served: after a deploy that changed the prompt, the old prompt's
         scores answered identical texts for `RESULT_CACHE_TTL_S` (a review). Not the version
-        of this service's `LLM_PROVIDER`: only the scorer knows its provider for certain,
-        and a scorer's override alone would have kept every result out (the re-read)."""
+        of this service's `LLM_PROVIDER` alone: only the scorer knows its provider for
+        certain, and this filter is no place to judge it (the cache key's model is)."""
         if self.rubric_version is not None:
             return frozenset({self.rubric_version})
         return PROMPT_VERSIONS

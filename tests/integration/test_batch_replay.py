@@ -1199,7 +1199,7 @@ class RefusalFinishesMeanwhile(Recorded):
     async def send(self, command: ScoreText) -> bool:
         if command.task_id == self._first:
             self._refusing.go.set()
-            await asyncio.wait_for(asyncio.wait({self._refused}), timeout=10)
+            await asyncio.wait_for(asyncio.wait({self._refused}), timeout=120)  # a hang guard
         return await super().send(command)
 
 
@@ -1226,7 +1226,8 @@ async def test_a_refused_batch_is_not_sent_by_a_sweep_pass_started_before_it_was
     refused = asyncio.create_task(
         _submit(gateway, _request(3), broker, T0, refusals=refusals), name="refused batch"
     )
-    await asyncio.wait_for(broker.reached.wait(), timeout=10)
+    # A hang guard: the refusal sets a queue policy and fills the queue first.
+    await asyncio.wait_for(broker.reached.wait(), timeout=120)
     publisher = RefusalFinishesMeanwhile(gateway.broker, older.task_id, broker, refused)
 
     swept = await sweep_outbox(

@@ -5,6 +5,8 @@ service ended its start (CI)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import aio_pika
 import pytest
 
@@ -12,6 +14,8 @@ from devtools.stack import declare_topology_first
 from shared.topology import SCORE_REQUESTS
 
 pytestmark = pytest.mark.integration
+
+HANG_GUARD_S = 120.0
 
 
 async def test_the_topology_is_declared_before_any_service_starts(amqp_url: str) -> None:
@@ -28,3 +32,25 @@ def test_a_broker_out_of_reach_leaves_it_to_the_services() -> None:
     """Best effort: a stack started while the broker is away (a fault test) starts its
     services all the same, which wait for it themselves."""
     assert not declare_topology_first("amqp://guest:guest@127.0.0.1:1/", timeout_s=2.0)
+
+
+async def test_a_broker_that_never_answers_does_not_hold_the_start() -> None:
+    """One that accepts the connection and says nothing held the start for good: aio-pika's
+    robust connection went on trying after the deadline's cancellation (a review)."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)  # accepted, never answered
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with asyncio.timeout(HANG_GUARD_S):  # a hang guard, far above the bound
+            declared = await asyncio.to_thread(
+                declare_topology_first, f"amqp://guest:guest@127.0.0.1:{port}/", timeout_s=2.0
+            )
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+    assert not declared

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+import devtools.stack
 from devtools.stack import (
     DEFAULT_PORTS,
     LOOPBACK_HOSTS,
@@ -113,6 +114,7 @@ def make_config(tmp_path: Path, fake_command: list[str], **overrides: object) ->
         gateway_port=0,
         log_dir=tmp_path / "logs",
         commands=dict.fromkeys(DEFAULT_PORTS, fake_command),
+        declare_topology_first=False,  # no broker here (`test_the_topology_is_declared_*`)
     )
     for name, value in overrides.items():
         setattr(config, name, value)
@@ -173,6 +175,26 @@ def test_start_waits_for_readiness_on_free_ports_and_stop_ends_everything(
 
     assert stack.pids() == {}
     assert all(probe(f"{url}/healthz", timeout_s=1) != "200" for url in urls)
+
+
+def test_the_topology_is_declared_before_any_service_is_spawned(
+    tmp_path: Path, fake_command: list[str], stacks: list[Stack], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Services declaring a fresh vhost's quorum queues at once met RabbitMQ 3.10's race
+    between one's declaration and another's consume (`declare_topology_first`)."""
+    stack = Stack(make_config(tmp_path, fake_command, declare_topology_first=True))
+    stacks.append(stack)
+    spawned_before: list[dict[str, list[int]]] = []
+
+    def declared(rabbitmq_url: str) -> bool:
+        assert rabbitmq_url == stack.config.rabbitmq_url
+        spawned_before.append(stack.pids())
+        return True
+
+    monkeypatch.setattr(devtools.stack, "declare_topology_first", declared, raising=True)
+    stack.start(ready_timeout_s=30)
+
+    assert spawned_before == [{}]
 
 
 def test_every_service_gets_the_environment_contract(

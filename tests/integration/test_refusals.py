@@ -420,6 +420,30 @@ class Pause:
         await self.go.wait()
 
 
+def _submitted_refused(
+    gateway: Gateway,
+    publisher: RefusingBroker,
+    refusals: Refusals,
+    *,
+    in_flight: SlowRelease | None = None,
+) -> asyncio.Task[Any]:
+    """A submission whose command the (full) score queue refuses, running as a task."""
+    return asyncio.create_task(
+        submit_score(
+            ScoreSubmission(text="Refused by the broker.", use_cache=False),
+            tenant_id="default",
+            idempotency_key=None,
+            submissions=gateway.submissions,
+            publisher=publisher,
+            cache=ResultCache(gateway.raw.client, gateway.name, timedelta(hours=1)),
+            policy=SubmitPolicy(max_attempts=3, retention=RETENTION),
+            clock=lambda: NOW,
+            refusals=refusals,
+            in_flight=in_flight,
+        )
+    )
+
+
 class RefusingBroker(TaskPublisher):
     """The publisher on `broker`, whose command the broker refuses (the test makes the score
     queue full until the refusal is being undone); withdrawing it takes `withdrawal` before
@@ -469,20 +493,7 @@ async def test_the_sweep_keeps_off_a_refusal_while_it_is_undone(
     broker = RefusingBroker(gateway.broker, withdrawal=pause if slow == "withdrawal" else None)
     gate = SlowRelease(release_step=pause if slow == "release" else None)
     async with score_queue_full():
-        refused = asyncio.create_task(
-            submit_score(
-                ScoreSubmission(text="Refused by the broker.", use_cache=False),
-                tenant_id="default",
-                idempotency_key=None,
-                submissions=gateway.submissions,
-                publisher=broker,
-                cache=ResultCache(gateway.raw.client, gateway.name, timedelta(hours=1)),
-                policy=SubmitPolicy(max_attempts=3, retention=RETENTION),
-                clock=lambda: NOW,
-                refusals=refusals,
-                in_flight=gate,
-            )
-        )
+        refused = _submitted_refused(gateway, broker, refusals, in_flight=gate)
         await asyncio.wait_for(pause.reached.wait(), timeout=10)
 
     swept = await sweep_outbox(
@@ -538,18 +549,8 @@ async def test_a_sweep_pass_started_during_a_refusal_does_not_send_it_once_it_is
     await _record(gateway.submissions, older)
     pause, refusals = Pause(), Refusals()
     async with score_queue_full():  # until the refusal is being undone: `older` is sent
-        refused = asyncio.create_task(
-            submit_score(
-                ScoreSubmission(text="Refused by the broker.", use_cache=False),
-                tenant_id="default",
-                idempotency_key=None,
-                submissions=gateway.submissions,
-                publisher=RefusingBroker(gateway.broker, withdrawal=pause),
-                cache=ResultCache(gateway.raw.client, gateway.name, timedelta(hours=1)),
-                policy=SubmitPolicy(max_attempts=3, retention=RETENTION),
-                clock=lambda: NOW,
-                refusals=refusals,
-            )
+        refused = _submitted_refused(
+            gateway, RefusingBroker(gateway.broker, withdrawal=pause), refusals
         )
         await asyncio.wait_for(pause.reached.wait(), timeout=10)
     publisher = FinishingMeanwhile(

@@ -9,7 +9,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
-from services.gateway.cache import ResultCache, cache_key, cacheable, scoring_model
+from services.gateway.cache import (
+    ResultCache,
+    cache_key,
+    cacheable,
+    scored_by_key_model,
+    scoring_model,
+)
 from services.gateway.errors import (
     BrokerUnavailable,
     DatabaseUnavailable,
@@ -25,7 +31,6 @@ from services.gateway.schemas import ScoreSubmission, named_rubric
 from services.gateway.submissions import (
     BatchSize,
     KeyTaken,
-    Owner,
     Submission,
     Submissions,
     SubmissionState,
@@ -845,7 +850,7 @@ async def settle_outcome(
     in-flight slot if it holds one; note the generation that finished (`cancel_task` refuses
     it from then on); for a completion also note the task's generation and put its result
     into the cache under its submission's key, when the scorer asked for the model that key
-    names (`_scored_by_key_model`). Idempotent: redeliveries and duplicates change nothing
+    names (`scored_by_key_model`). Idempotent: redeliveries and duplicates change nothing
     more (see `limits` for the slot).
 
     `progress` carries what a failed try did to the next: a try that released the slot and
@@ -875,12 +880,15 @@ async def settle_outcome(
     )
     if completed is None or owner.cache_key is None or not cacheable(completed.result):
         return
-    if not _scored_by_key_model(completed, owner):
-        log.debug(
-            "task %s: scored by %s, keyed by %s: not cached",
+    if not scored_by_key_model(
+        requested_model=completed.requested_model,
+        result=completed.result,
+        key_model=owner.cache_model,
+    ):
+        cache.other_model.note(
             event.task_id,
-            completed.requested_model,
-            owner.cache_model,
+            scored_by=completed.requested_model or completed.result.model,
+            keyed_by=owner.cache_model,
         )
         return
     await cache.remember(
@@ -890,14 +898,3 @@ async def settle_outcome(
         task_id=event.task_id,
         now=now,
     )
-
-
-def _scored_by_key_model(completed: TaskCompleted, owner: Owner) -> bool:
-    """Whether the model the scorer asked for is the one the submission's cache key names.
-    A scorer switched to another `LLM_MODEL` after the submission was accepted (or a gateway
-    whose default still names the old one) filled the old model's key with the new one's
-    results. Unknown on either side (a scorer or a submission of an earlier build): as
-    before, it is."""
-    if completed.requested_model is None or owner.cache_model is None:
-        return True
-    return completed.requested_model == owner.cache_model

@@ -125,7 +125,8 @@ def _terminal(
         "sequence": event_sequence(generation=generation, attempt=1, phase=Phase.TERMINAL),
     }
     if kind is TaskCompleted:
-        return TaskCompleted(**fields, result=RESULT)
+        # The stack's scorer is the offline one, which asks for its own name.
+        return TaskCompleted(**fields, result=RESULT, requested_model=HEURISTIC_PROMPT_VERSION)
     error = TaskError(code="model_refused", message="refused", retryable=False)
     return TaskFailed(**fields, error=error, dead_lettered=False)
 

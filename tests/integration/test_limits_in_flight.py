@@ -173,6 +173,7 @@ def _completed(task_id: str, tenant_id: str, score: float = 6.0) -> TaskComplete
         result=ScoreResult(
             score=score, comment="ok", model="m", prompt_version=HEURISTIC_PROMPT_VERSION
         ),
+        requested_model=HEURISTIC_PROMPT_VERSION,  # the stack's scorer is the offline one
     )
 
 

@@ -5,8 +5,9 @@ only when the scorer asked for the model that key names (`task.completed`'s
 Tasks accepted before a switch and scored after it filled the old model's key with the new
 model's results (and a gateway still defaulting to the old model keyed the new model's
 results by the old name): later submissions for the old model were answered with another
-model's score. An event without the field (a scorer of an earlier build) or a submission
-without the model (a gateway of an earlier build) fills the cache as before.
+model's score. An event without the field (a scorer of an earlier build) fills the key its
+answer's model names, dated or not; a submission without the model (a gateway of an earlier
+build) fills the cache as before.
 
 The gateway's part runs `submit_score` and `settle_outcome` on the real database; the
 scorer's, `score_text` against the fake model server; the last test runs both services on
@@ -15,6 +16,7 @@ the real broker.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -119,17 +121,24 @@ def _text() -> str:
 
 
 async def test_a_completion_by_another_model_than_the_key_names_is_not_cached(
-    gateway: Gateway,
+    gateway: Gateway, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Accepted under the old default, scored by a scorer already switched: its result is
-    not the old model's, so it answers no later submission for the old model."""
+    not the old model's, so it answers no later submission for the old model. A warning
+    names the settings to align: the gateway keyed by another default than the scorer's
+    never fills the cache, and said so at debug only."""
     text = _text()
     first = await gateway.submit(text, default_model=OLD_MODEL)
     recorded = await gateway.records.raw["submissions"].find_one({"_id": first.task_id})
     assert recorded is not None
     assert recorded["cache_model"] == OLD_MODEL  # recorded with the key, in the same insert
 
-    await gateway.complete(first.task_id, requested_model=NEW_MODEL)
+    with caplog.at_level(logging.WARNING, logger="scorebox.gateway.cache"):
+        await gateway.complete(first.task_id, requested_model=NEW_MODEL)
+
+    [warning] = [each.getMessage() for each in caplog.records]
+    assert f"task {first.task_id}, scored by {NEW_MODEL}, keyed by {OLD_MODEL}" in warning
+    assert "LLM_PROVIDER and LLM_MODEL" in warning
 
     assert await gateway.cached_entries(first.task_id) == 0
     old_model = await gateway.submit(text, default_model=OLD_MODEL)
@@ -174,16 +183,33 @@ async def test_a_completion_of_a_named_model_fills_that_models_key(gateway: Gate
     assert named.status is TaskStatus.COMPLETED
 
 
-async def test_a_completion_that_does_not_say_its_model_still_fills_the_cache(
+async def test_a_completion_that_does_not_say_its_model_fills_the_key_its_answer_names(
     gateway: Gateway,
 ) -> None:
-    """A scorer of an earlier build, during a rolling upgrade: as before."""
+    """A scorer of an earlier build, during a rolling upgrade: the provider's answer names
+    the key's model with its snapshot's date (`judge-2-2030-01-01`), and it is cached."""
     text = _text()
-    first = await gateway.submit(text, default_model=OLD_MODEL)
+    first = await gateway.submit(text, default_model=NEW_MODEL)
     await gateway.complete(first.task_id, requested_model=None)
 
-    again = await gateway.submit(text, default_model=OLD_MODEL)
+    again = await gateway.submit(text, default_model=NEW_MODEL)
     assert again.cached_result == RESULT.model_copy(update={"cached": True})
+
+
+async def test_a_completion_that_does_not_say_its_model_fills_no_other_models_key(
+    gateway: Gateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Taken as the key's model, an earlier build's completion of another provider (or
+    model) filled the key with its results during a rolling upgrade."""
+    text = _text()
+    first = await gateway.submit(text, default_model=OLD_MODEL)
+    with caplog.at_level(logging.WARNING, logger="scorebox.gateway.cache"):
+        await gateway.complete(first.task_id, requested_model=None)
+
+    assert await gateway.cached_entries(first.task_id) == 0
+    assert (await gateway.submit(text, default_model=OLD_MODEL)).cached_result is None
+    [warning] = [each.getMessage() for each in caplog.records]
+    assert f"scored by {RESULT.model}, keyed by {OLD_MODEL}" in warning
 
 
 async def test_a_submission_recorded_without_its_model_still_fills_the_cache(

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gateway.cache import cache_key, cacheable, scoring_model
+from services.gateway.cache import (
+    OtherModelCompletions,
+    cache_key,
+    cacheable,
+    scored_by_key_model,
+    scoring_model,
+)
 from services.gateway.settings import GatewaySettings
 from shared.contracts import ScoreResult
 from shared.text import normalise_text
@@ -84,3 +92,44 @@ _PIECES = (
 def test_the_key_is_that_of_the_text_the_scorer_sends(text: str) -> None:
     expected = hashlib.sha256(orjson.dumps([normalise_text(text), "", ""])).hexdigest()
     assert cache_key(text, None, None) == expected
+
+
+def _answered_by(model: str) -> ScoreResult:
+    return ScoreResult(score=5.0, comment="ok", model=model)
+
+
+@pytest.mark.parametrize(
+    ("requested", "answered", "key", "cached"),
+    [
+        ("gpt-4o-mini", "gpt-4o-mini-2024-07-18", "gpt-4o-mini", True),
+        ("gpt-4o", "gpt-4o-2024-08-06", "gpt-4o-mini", False),  # what was asked decides
+        (None, "gpt-4o-mini-2024-07-18", "gpt-4o-mini", True),  # an earlier build's scorer
+        (None, "claude-3-5-haiku-20241022", "claude-3-5-haiku", True),
+        (None, "gpt-4o-mini", "gpt-4o-mini", True),
+        (None, "heuristic-v1", "gpt-4o-mini", False),  # another provider's answer
+        (None, "gpt-4o-mini-2024-07-18", "gpt-4o", False),  # another model, not a date
+        (None, "gpt-4o-mini", "gpt-4o-mini-2024-07-18", False),
+        ("judge-2", "judge-2", None, True),  # an earlier build's submission
+    ],
+)
+def test_a_completion_fills_only_the_key_of_the_model_that_scored_it(
+    requested: str | None, answered: str, key: str | None, cached: bool
+) -> None:
+    result = _answered_by(answered)
+    assert scored_by_key_model(requested_model=requested, result=result, key_model=key) is cached
+
+
+def test_completions_not_cached_for_another_model_are_warned_of_once_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    other_model = OtherModelCompletions(every_s=60.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="scorebox.gateway.cache"):
+        for task in ("t1", "t2", "t3"):
+            other_model.note(task, scored_by="judge-2", keyed_by="judge-1")
+        now[0] = 61.0
+        other_model.note("t4", scored_by="judge-2", keyed_by="judge-1")
+
+    first, second = (each.getMessage() for each in caplog.records)
+    assert "not cached: 1 since the last line, the latest task t1," in first
+    assert "not cached: 3 since the last line, the latest task t4," in second

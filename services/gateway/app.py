@@ -181,7 +181,10 @@ def build_gateway(
             keys,
             cache_ttl_s=settings.api_key_cache_ttl_s,
             clock=clock,
-            unknown_keys=UnknownKeyBudget(settings.unknown_keys_per_min),
+            unknown_keys=UnknownKeyBudget(
+                settings.unknown_keys_per_min,
+                replica_per_minute=settings.unknown_keys_per_min_per_replica,
+            ),
             gate=away,
         ),
         rate_limiter=RateLimiter(

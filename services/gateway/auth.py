@@ -235,16 +235,17 @@ class Authenticator:
         when nothing was: no address, or an id seen to exist); `LimitExceeded` when spent."""
         if address is None or key_id in self._known:
             return None
-        retry_after_s = self._unknown_keys.take(address)
-        if retry_after_s is not None:
-            raise LimitExceeded(
-                "unknown_keys",
-                "Too many requests from this address named API keys this gateway does not "
-                f"know; retry in {retry_after_s} s.",
-                maximum=self._unknown_keys.per_minute,
-                retry_after_s=retry_after_s,
-            )
-        return address
+        spent = self._unknown_keys.take(address)
+        if spent is None:
+            return address
+        whose = "this gateway's clients" if spent.replica_wide else "this address"
+        raise LimitExceeded(
+            "unknown_keys",
+            f"Too many requests from {whose} named API keys this gateway does not know; "
+            f"retry in {spent.retry_after_s} s.",
+            maximum=spent.per_minute,
+            retry_after_s=spent.retry_after_s,
+        )
 
     async def _load(self, key_id: str) -> _Read:
         try:

@@ -114,6 +114,11 @@ class GatewaySettings(AdminApiSettings):
     unknown_keys_per_min: int = Field(
         default=60, ge=0, validation_alias="UNKNOWN_KEYS_PER_MIN_PER_ADDRESS"
     )
+    # And all addresses together (0 = no bound): clients with many addresses each within its
+    # budget, or more than the addresses remembered, had no ceiling.
+    unknown_keys_per_min_per_replica: int = Field(
+        default=6_000, ge=0, validation_alias="UNKNOWN_KEYS_PER_MIN_PER_REPLICA"
+    )
     # Limits (`services/gateway/limits.py`), shared by every replica; 0 switches one off.
     rate_limit_per_min: int = Field(default=600, ge=0, validation_alias="RATE_LIMIT_PER_MIN")
     max_in_flight_per_tenant: int = Field(

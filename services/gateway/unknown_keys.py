@@ -13,6 +13,10 @@ their ids, read at start-up and learnt since): a reverse proxy that does not for
 client's address (uvicorn trusts `X-Forwarded-For` only from `FORWARDED_ALLOW_IPS`) shows
 every client as one address, and one client flooding made-up keys through it must not lock
 the others out. IPv6 addresses count by their /64, which one host usually holds whole.
+
+The replica's lookups that find no key are bounded too, all addresses together
+(`replica_per_minute`): past it, a key id not seen to exist is refused from every address
+until a token is back, while the keys seen to exist keep working.
 """
 
 from __future__ import annotations
@@ -30,65 +34,103 @@ IPV6_HOST_PREFIX = 64
 UNKNOWN_ADDRESS = "unknown"
 
 
-@dataclass
 class _Bucket:
-    tokens: float
-    updated: float
+    """A token bucket of `per_minute` tokens, refilled evenly over a minute; a zero one
+    bounds nothing."""
+
+    def __init__(self, per_minute: int, now: float) -> None:
+        self.per_minute = per_minute
+        self._capacity = float(per_minute)
+        self._refill_per_s = per_minute / 60.0
+        self._tokens = self._capacity
+        self._updated = now
+
+    def left(self, now: float) -> float:
+        elapsed = max(0.0, now - self._updated)
+        self._tokens = min(self._capacity, self._tokens + elapsed * self._refill_per_s)
+        self._updated = now
+        return self._tokens if self.per_minute else math.inf
+
+    def until_one_s(self) -> int:
+        """The seconds until a token is back, at least 1 (read after `left`)."""
+        return max(1, math.ceil((1.0 - self._tokens) / self._refill_per_s))
+
+    def take(self) -> None:
+        self._tokens -= 1.0
+
+    def give_back(self, now: float) -> None:
+        self._tokens = min(self._capacity, self.left(now) + 1.0)
+
+
+@dataclass(frozen=True)
+class Spent:
+    """A budget is spent: `retry_after_s` until a token is back, and whose budget it was,
+    of `per_minute` tokens."""
+
+    retry_after_s: int
+    per_minute: int
+    replica_wide: bool
 
 
 class UnknownKeyBudget:
-    """Per client address, how many lookups that find no key it may still cause.
+    """Per client address, how many lookups that find no key it may still cause; and how
+    many this replica may make in all (`replica_per_minute`).
 
     Per process (each gateway replica counts its own); at most `max_addresses` addresses are
-    remembered, the least recently seen dropped first (a dropped one starts afresh)."""
+    remembered, the least recently seen dropped first (a dropped one starts afresh). So
+    past that many addresses (an IPv6 /48 holds 65,536 /64s) the addresses' budgets bound
+    nothing, and the replica's does: without it, many addresses each within their own
+    budget had the replica read MongoDB without a ceiling (a review)."""
 
     def __init__(
         self,
         per_minute: int,
         *,
+        replica_per_minute: int = 0,
         monotonic: Callable[[], float] = time.monotonic,
         max_addresses: int = MAX_ADDRESSES,
     ) -> None:
         self.per_minute = per_minute
-        self._capacity = float(per_minute)
-        self._refill_per_s = per_minute / 60.0
         self._monotonic = monotonic
         self._max_addresses = max_addresses
         self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
+        self._replica = _Bucket(replica_per_minute, monotonic())
 
     @property
     def enabled(self) -> bool:
-        return self._capacity > 0
+        return self.per_minute > 0 or self._replica.per_minute > 0
 
-    def take(self, address: str) -> int | None:
-        """Take a token for a lookup `address` is about to cause: None when taken, else the
-        seconds until one is back (nothing taken)."""
+    def take(self, address: str) -> Spent | None:
+        """Take a token for a lookup `address` is about to cause, from its budget and the
+        replica's: None when taken, else which budget is spent and until when (nothing
+        taken from either)."""
         if not self.enabled:
             return None
-        bucket = self._bucket(address_key(address))
-        if bucket.tokens < 1.0:
-            return max(1, math.ceil((1.0 - bucket.tokens) / self._refill_per_s))
-        bucket.tokens -= 1.0
+        now = self._monotonic()
+        own = self._bucket(address_key(address), now)
+        if own.left(now) < 1.0:
+            return Spent(own.until_one_s(), own.per_minute, replica_wide=False)
+        if self._replica.left(now) < 1.0:
+            return Spent(self._replica.until_one_s(), self._replica.per_minute, replica_wide=True)
+        own.take()
+        self._replica.take()
         return None
 
     def give_back(self, address: str) -> None:
         """The lookup a token was taken for found a key, or failed: it costs nothing."""
         if not self.enabled:
             return
-        bucket = self._bucket(address_key(address))
-        bucket.tokens = min(self._capacity, bucket.tokens + 1.0)
-
-    def _bucket(self, key: str) -> _Bucket:
-        bucket = self._buckets.get(key)
         now = self._monotonic()
+        self._bucket(address_key(address), now).give_back(now)
+        self._replica.give_back(now)
+
+    def _bucket(self, key: str, now: float) -> _Bucket:
+        bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = self._buckets[key] = _Bucket(self._capacity, now)
+            bucket = self._buckets[key] = _Bucket(self.per_minute, now)
             while len(self._buckets) > self._max_addresses:
                 self._buckets.popitem(last=False)
             return bucket
-        elapsed = max(0.0, now - bucket.updated)
-        bucket.tokens = min(self._capacity, bucket.tokens + elapsed * self._refill_per_s)
-        bucket.updated = now
         self._buckets.move_to_end(key)
         return bucket
 

@@ -1,10 +1,12 @@
-"""The budget of unknown API keys per client address, through the gateway on the real
-broker and database: past it, a made-up key is a 429 problem; keys in use go on working."""
+"""The budget of unknown API keys per client address, and the replica's for all addresses
+together, through the gateway on the real broker and database: past either, a made-up key
+is a 429 problem; keys in use go on working."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +42,10 @@ class Gateway:
         return token
 
 
-@pytest.fixture(scope="module")
-async def gateway(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Gateway]:
+@asynccontextmanager
+async def _gateway(
+    amqp_url: str, mongo: Any, db_prefix: str, **budgets: int
+) -> AsyncIterator[Gateway]:
     env = {
         "RABBITMQ_URL": amqp_url,
         "MONGO_URL": mongo.url,
@@ -49,11 +53,20 @@ async def gateway(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Ga
         "ADMIN_API_KEY": "test-admin-key",
         "UNKNOWN_KEYS_PER_MIN_PER_ADDRESS": str(BUDGET),
         "API_KEY_CACHE_TTL_S": "0",  # every request reads its key: nothing hides in a cache
+        **{name: str(value) for name, value in budgets.items()},
     }
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
-    async with gateway_and_status(env) as services:
-        yield Gateway(services.gateway, services.api, ApiKeys(client, f"{db_prefix}_gateway"))
-    await client.close()
+    try:
+        async with gateway_and_status(env) as services:
+            yield Gateway(services.gateway, services.api, ApiKeys(client, f"{db_prefix}_gateway"))
+    finally:
+        await client.close()
+
+
+@pytest.fixture(scope="module")
+async def gateway(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Gateway]:
+    async with _gateway(amqp_url, mongo, db_prefix) as gateway:
+        yield gateway
 
 
 def _bearer(token: str) -> dict[str, str]:
@@ -107,3 +120,34 @@ async def test_a_submission_past_the_budget_is_refused_too(gateway: Gateway) -> 
         )
     assert refused.status_code == 429, refused.text
     assert refused.json()["limit"] == "unknown_keys"
+
+
+async def test_addresses_each_within_their_budget_meet_the_replicas_ceiling(
+    amqp_url: str, mongo: Any, db_prefix: str
+) -> None:
+    """Many addresses, each within its own budget (an IPv6 /48 holds 65,536 /64s), had the
+    replica read MongoDB without a ceiling."""
+    ceiling = BUDGET + 1
+    async with _gateway(
+        amqp_url, mongo, db_prefix, UNKNOWN_KEYS_PER_MIN_PER_REPLICA=ceiling
+    ) as gateway:
+        in_use = await gateway.new_token()
+        async with (
+            gateway.client_at("2001:db8:1:1::1") as first,
+            gateway.client_at("2001:db8:1:2::1") as second,
+            gateway.client_at("2001:db8:1:3::1") as third,
+        ):
+            for client, lookups in ((first, BUDGET), (second, ceiling - BUDGET)):
+                for _ in range(lookups):
+                    answer = await _poll_unknown_task(client, generate_key().token)
+                    assert answer.status_code == 401, answer.text
+
+            refused = await _poll_unknown_task(third, generate_key().token)
+            assert refused.status_code == 429, refused.text
+            assert refused.headers["content-type"].startswith("application/problem+json")
+            assert int(refused.headers["retry-after"]) >= 1
+            problem = refused.json()
+            assert (problem["limit"], problem["maximum"]) == ("unknown_keys", ceiling)
+            assert "this gateway's clients" in problem["detail"]
+            # Keys seen to exist still work from every address.
+            assert (await _poll_unknown_task(third, in_use)).status_code == 404

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.unknown_keys import UnknownKeyBudget, address_key
+from services.gateway.unknown_keys import Spent, UnknownKeyBudget, address_key
 
 
 class Ticker:
@@ -20,19 +20,25 @@ def _spend(budget: UnknownKeyBudget, address: str, times: int) -> None:
         assert budget.take(address) is None
 
 
+def _retry_after(budget: UnknownKeyBudget, address: str) -> int:
+    spent = budget.take(address)
+    assert spent is not None
+    return spent.retry_after_s
+
+
 def test_an_address_has_a_minute_of_budget_refilled_evenly() -> None:
     ticker = Ticker()
     budget = UnknownKeyBudget(6, monotonic=ticker)
     _spend(budget, "192.0.2.1", 6)
-    assert budget.take("192.0.2.1") == 10  # one back every 60 / 6 s
+    assert _retry_after(budget, "192.0.2.1") == 10  # one back every 60 / 6 s
     ticker.now += 4
-    assert budget.take("192.0.2.1") == 6
+    assert _retry_after(budget, "192.0.2.1") == 6
     ticker.now += 6
     _spend(budget, "192.0.2.1", 1)
-    assert budget.take("192.0.2.1") == 10
+    assert _retry_after(budget, "192.0.2.1") == 10
     ticker.now += 3600  # refilled to the minute's budget, not beyond
     _spend(budget, "192.0.2.1", 6)
-    assert budget.take("192.0.2.1") == 10
+    assert _retry_after(budget, "192.0.2.1") == 10
 
 
 def test_a_token_given_back_is_there_again_up_to_the_budget() -> None:
@@ -80,3 +86,43 @@ def test_the_addresses_remembered_stay_bounded_dropping_the_least_recent() -> No
     assert len(budget._buckets) == 3
     assert budget.take("192.0.2.4") is not None
     assert budget.take("192.0.2.1") is None  # forgotten: starts afresh
+
+
+def test_the_replica_bounds_all_addresses_together() -> None:
+    """Each address within its own budget: the replica's lookups still have a ceiling."""
+    ticker = Ticker()
+    budget = UnknownKeyBudget(2, replica_per_minute=3, monotonic=ticker)
+    _spend(budget, "192.0.2.1", 2)
+    _spend(budget, "192.0.2.2", 1)
+    assert budget.take("192.0.2.3") == Spent(retry_after_s=20, per_minute=3, replica_wide=True)
+    # Refused by the replica's budget, the address's own token was not taken.
+    ticker.now += 20
+    _spend(budget, "192.0.2.2", 1)
+    spent = budget.take("192.0.2.2")
+    assert spent is not None
+    assert not spent.replica_wide
+    again = budget.take("192.0.2.3")
+    assert again is not None
+    assert again.replica_wide
+
+
+def test_a_token_given_back_returns_to_the_replica_too() -> None:
+    budget = UnknownKeyBudget(5, replica_per_minute=1, monotonic=Ticker())
+    _spend(budget, "192.0.2.1", 1)
+    budget.give_back("192.0.2.1")
+    _spend(budget, "192.0.2.2", 1)
+
+
+def test_the_replicas_budget_holds_past_the_addresses_remembered() -> None:
+    """Each address forgotten starts afresh: alone, the addresses' budgets bounded nothing
+    for a client with more addresses than are remembered."""
+    budget = UnknownKeyBudget(1, replica_per_minute=4, monotonic=Ticker(), max_addresses=2)
+    taken = sum(budget.take(f"192.0.2.{last}") is None for last in range(1, 100))
+    assert taken == 4
+
+
+def test_a_replica_budget_alone_bounds_every_address() -> None:
+    budget = UnknownKeyBudget(0, replica_per_minute=2, monotonic=Ticker())
+    assert budget.enabled
+    _spend(budget, "192.0.2.1", 2)
+    assert budget.take("192.0.2.1") is not None

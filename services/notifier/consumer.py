@@ -65,7 +65,7 @@ from services.notifier.deliveries import (
 )
 from services.notifier.notifications import NotificationDeps, notify_about_task_event
 from shared.bus import publish_delayed
-from shared.consumers import Delivery, ScoreboxBroker, consume
+from shared.consumers import Delivery, Handler, ScoreboxBroker, consume
 from shared.contracts import Contract, DeliverWebhook, new_id, parse_task_event
 from shared.database_errors import transient_database_error
 from shared.failed_deliveries import return_failed
@@ -195,7 +195,12 @@ def is_moved_back_letter(headers: Mapping[str, Any]) -> bool:
     )
 
 
-def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_s: float) -> None:
+def subscribe_deliveries(
+    broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_s: float
+) -> Handler:
+    """Consume the webhook deliveries; the handler registered is returned (a test calls it
+    as the queue's consumer would)."""
+
     @consume(broker, WEBHOOK_DELIVERIES.queue)
     async def when_webhook_due_deliver(message: Delivery) -> None:
         try:
@@ -264,6 +269,8 @@ def subscribe_deliveries(broker: ScoreboxBroker, deps: DeliveryDeps, *, timeout_
             await message.ack()
         else:
             await message.requeue_failed()
+
+    return when_webhook_due_deliver
 
 
 async def _still_held(broker: ScoreboxBroker, held: Hold, clock: Clock, *, hands_on: bool) -> bool:

@@ -26,7 +26,7 @@ from services.status.settings import StatusSettings
 from shared.away_gate import AwayGate
 from shared.bus import error_words
 from shared.coalescing import server_watch
-from shared.consumers import Delivery, ScoreboxBroker, consume
+from shared.consumers import Delivery, Handler, ScoreboxBroker, consume
 from shared.contracts import (
     MAX_INT64,
     MAX_SEQUENCE,
@@ -127,9 +127,10 @@ def subscribe_projection(
     settings: StatusSettings,
     *,
     letter_deadline_s: float = LETTER_DEADLINE_S,
-) -> None:
-    """Consume the projection's events. A copy to the DLQ is tried for `letter_deadline_s`
-    at most, then the delivery is returned as failed (`keep_dead_lettering`)."""
+) -> Handler:
+    """Consume the projection's events, returning the handler registered. A copy to the DLQ
+    is tried for `letter_deadline_s` at most, then the delivery is returned as failed
+    (`keep_dead_lettering`)."""
     finished_ttl = timedelta(seconds=settings.finished_task_ttl_s)
 
     async def dead_letter(message: Delivery, error: str) -> None:
@@ -199,6 +200,8 @@ def subscribe_projection(
             )
             return
         await message.ack()
+
+    return record_task_event
 
 
 def task_routes(

@@ -129,10 +129,10 @@ async def test_a_delivery_whose_copy_is_refused_is_returned_as_failed_not_acked(
     """Both of the projection's dead-letter paths: returned as failed once the deadline
     passes, and that is its only settlement (an ack after it would say it was lettered)."""
     broker = make_broker(ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url}))
-    subscribe_projection(
+    # Called here as the consumer would: the broker is connected, never started.
+    handler = subscribe_projection(
         broker, GroupWriter(tasks), StatusSettings(), letter_deadline_s=LETTER_DEADLINE_S
     )
-    [subscription] = broker._subscriptions  # the handler, called here as the consumer would
     delivery = HandedDelivery(body, routing_key=routing_key, message_id=new_id())
     caplog.set_level(logging.WARNING, logger="scorebox")
     await broker.connect()
@@ -140,7 +140,7 @@ async def test_a_delivery_whose_copy_is_refused_is_returned_as_failed_not_acked(
         await declare_topology(broker)
         await _delete_queue(amqp_url, STATUS_PROJECTION.dead_letter_routing_key)
         async with asyncio.timeout(60):  # held while the broker refuses the copy: the bug
-            await subscription.handler(delivery)
+            await handler(delivery)
         await declare_topology(broker)  # the DLQ back
     finally:
         await broker.stop()
@@ -151,5 +151,5 @@ async def test_a_delivery_whose_copy_is_refused_is_returned_as_failed_not_acked(
 
 def _settled(broker: ScoreboxBroker, how: str) -> float:
     """How many deliveries of the projection's queue its handler left `how`."""
-    counter = broker.metrics.deliveries.labels(STATUS_PROJECTION.name, how)
-    return float(counter._value.get())
+    labels = {"queue": STATUS_PROJECTION.name, "settled": how}
+    return broker.metrics.registry.get_sample_value("scorebox_deliveries_total", labels) or 0.0

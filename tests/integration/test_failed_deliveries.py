@@ -99,7 +99,7 @@ def _completion() -> TaskCompleted:
 
 @asynccontextmanager
 async def _topology_broker(
-    amqp_url: str, *, consuming: Callable[[ScoreboxBroker], None] | None = None
+    amqp_url: str, *, consuming: Callable[[ScoreboxBroker], object] | None = None
 ) -> AsyncIterator[ScoreboxBroker]:
     """A broker connected to the test's vhost with the topology declared; with `consuming`,
     its consumers subscribed and started on outcome queues emptied of earlier tests' events."""

@@ -7,9 +7,11 @@ are in flight to one destination (scheme, host, port); a delivery whose destinat
 its bound is deferred down the wait ladder, unclaimed and not counted as an attempt.
 
 The notifier runs in-process on the real broker and database and posts to two https
-receivers of the test, on two ports of 127.0.0.1: two destinations. The other tests run its
-delivery handler as a broker hands it a message, on the real database and a real broker
-(`on_broker`): what it sent is read from a queue bound to the delivery commands' routes.
+receivers of the test, on two ports of 127.0.0.1: two destinations; on a vhost of its own
+(`notifier_amqp_url`). The other tests run its delivery handler as a broker hands it a
+message, on the real database and a real broker (`on_broker`): the commands it sent are read
+from a queue bound to the delivery commands' routes, and every publish it made from the
+broker's publish counter.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from pymongo import AsyncMongoClient
 
+from devtools.infra import Endpoint, create_vhost, delete_vhost
 from services.notifier.app import create_app as create_notifier
 from services.notifier.consumer import send_delivery
 from services.notifier.deliveries import DeliveryDeps, Sender
@@ -153,11 +156,26 @@ async def _serving(receiver: Receiver, tls: Any) -> AsyncIterator[Receiver]:
 
 
 @pytest.fixture
+def notifier_amqp_url(rabbitmq: Endpoint) -> Iterator[str]:
+    """A vhost of the running notifier's own. On the module's, the handler tests
+    (`on_broker`) leave copies of their deliveries, in the webhook queue and down the wait
+    ladder: it would take them, and POST and decide on them beside its own test's
+    webhooks."""
+    vhost = f"scorebox-test-{uuid.uuid4().hex[:10]}"
+    url = create_vhost(rabbitmq.url, vhost, management_url=rabbitmq.management_url)
+    yield url
+    delete_vhost(rabbitmq.url, vhost, management_url=rabbitmq.management_url)
+
+
+@pytest.fixture
 async def notifier(
-    amqp_url: str, mongo: Any, db_prefix: str, tmp_path_factory: pytest.TempPathFactory
+    notifier_amqp_url: str,
+    mongo: Any,
+    db_prefix: str,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[Notifier]:
     server_tls, ca_file = _tls(tmp_path_factory.mktemp("host-limit"))
-    settings = _settings(amqp_url, mongo.url, db_prefix, ca_file)
+    settings = _settings(notifier_amqp_url, mongo.url, db_prefix, ca_file)
     app = create_notifier(settings, resolver=TableResolver({RECEIVER_HOST: ["127.0.0.1"]}))
     database: AsyncMongoClient[Document] = AsyncMongoClient(mongo.url, tz_aware=True)
     slow = CountingReceiver()
@@ -383,7 +401,7 @@ async def test_a_redelivery_put_off_carries_out_what_its_attempt_decided(
         await asyncio.wait_for(handle(message), timeout=30)
 
     assert message.settled == ["ack"]
-    assert await on_broker.sent() == []
+    assert on_broker.published() == {}
     assert await on_broker.letters(delivery) == []
     assert receiver[0].requests(delivery.url) == []
     assert _deferred(registry) == 0

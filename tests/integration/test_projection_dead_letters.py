@@ -76,7 +76,7 @@ async def tasks(mongo: Any, db_prefix: str) -> AsyncIterator[AsyncCollection[Jso
 
 def _projection(
     collection: MendableCollection | AsyncCollection[Json],
-) -> Callable[[ScoreboxBroker], None]:
+) -> Callable[[ScoreboxBroker], object]:
     writes = GroupWriter(cast("AsyncCollection[Json]", collection))
     return lambda broker: subscribe_projection(broker, writes, StatusSettings())
 

@@ -13,7 +13,7 @@ read from its queue."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -344,21 +344,12 @@ async def test_a_replayed_letter_takes_its_given_up_claims_generation_again(
     assert [sent.generation for sent in await env.sent(command.task_id)] == [1]
 
 
-@pytest.mark.parametrize("full", [True, False], ids=["queue-full", "no-confirm"])
-async def test_a_request_not_sent_past_its_ladder_is_never_given_up(
-    env: Env, stalled_broker: RabbitBroker, rabbitmq: Endpoint, full: bool
+async def test_a_request_the_full_score_queue_refuses_past_its_ladder_is_never_given_up(
+    env: Env, rabbitmq: Endpoint
 ) -> None:
-    """Past its ladder, a re-score not sent goes on waiting (every 10 min): dead-lettered, it
-    was lost for good, its task marked requested for the version in the catalogue and never
-    asked for again; nothing replays that DLQ (a review in session 54 for the unconfirmed
-    one; the full score queue's, an earlier one). Its claim stays unsent, for the retry."""
-    await env.take(RESCORE_REQUESTS.dead_letter_routing_key)
-    await env.take("scorebox.wait.10m")
-    command = await accepted_submission(env.submissions())
-    request = rescore_request(command, attempt=5)
-    delivery = HandedDelivery(request.model_dump_json().encode())
+    """Its command refused with a negative confirm (an earlier review)."""
 
-    if full:
+    async def refused(delivery: HandedDelivery) -> None:
         async with queue_made_full(
             env.amqp_url,
             SCORE_REQUESTS.name,
@@ -366,9 +357,36 @@ async def test_a_request_not_sent_past_its_ladder_is_never_given_up(
             management_url=rabbitmq.management_url,
         ):
             await env.consumer(env.publisher(), env.submissions()).on_message(delivery)
-    else:
+
+    await _never_given_up_past_its_ladder(env, refused)
+
+
+async def test_a_request_unconfirmed_past_its_ladder_is_never_given_up(
+    env: Env, stalled_broker: RabbitBroker
+) -> None:
+    """Its command taken without a confirm (a review in session 54)."""
+
+    async def unconfirmed(delivery: HandedDelivery) -> None:
         await env.consumer(_unconfirming(stalled_broker), env.submissions()).on_message(delivery)
-        await env.sent_unconfirmed(command.task_id)
+        await env.sent_unconfirmed(RescoreTask.model_validate_json(delivery.body).task_id)
+
+    await _never_given_up_past_its_ladder(env, unconfirmed)
+
+
+async def _never_given_up_past_its_ladder(
+    env: Env, handled_unsent: Callable[[HandedDelivery], Awaitable[None]]
+) -> None:
+    """Past its ladder, a re-score not sent goes on waiting (every 10 min): dead-lettered, it
+    was lost for good, its task marked requested for the version in the catalogue and never
+    asked for again; nothing replays that DLQ. Its claim stays unsent, for the retry.
+    `handled_unsent` hands the request to the consumer while the broker refuses its command."""
+    await env.take(RESCORE_REQUESTS.dead_letter_routing_key)
+    await env.take("scorebox.wait.10m")
+    command = await accepted_submission(env.submissions())
+    request = rescore_request(command, attempt=5)
+    delivery = HandedDelivery(request.model_dump_json().encode())
+
+    await handled_unsent(delivery)
 
     assert delivery.settled == ["ack"]
     assert await env.take(RESCORE_REQUESTS.dead_letter_routing_key) == []

@@ -16,6 +16,7 @@ import aio_pika
 import httpx
 from aiohttp import web
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from pymongo import AsyncMongoClient, monitoring
 from pymongo.asynchronous.collection import AsyncCollection
@@ -454,3 +455,11 @@ def metric_sum(exposition: str, name: str, **labels: str) -> float:
         for sample in family.samples
         if sample.name == name and labels.items() <= sample.labels.items()
     )
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    """The value of the sample `name` with exactly these labels in `registry`, read as
+    `/metrics` would export it; 0 for a series never recorded (a labelled counter exports
+    none until it is first counted)."""
+    value = registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value

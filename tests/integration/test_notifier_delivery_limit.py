@@ -74,6 +74,12 @@ class Notifier:
         queue's consumer would call it (nothing consumes the queue)."""
         return subscribe_deliveries(self._broker, deps, timeout_s=10)
 
+    async def stop_consuming(self) -> None:
+        """The broker stopping as a service's stop begins (`stop_consuming`, the first step
+        of its `stop()`): consumers cancelled, the deliveries in hand going on, and
+        publishing still open to them."""
+        await self._broker.stop_consuming()
+
     def published(self) -> dict[str, int]:
         """Every publish of the broker since the last look, by exchange (`(default)` for the
         default one), whatever the broker answered: its `scorebox_publishes_total`, counted

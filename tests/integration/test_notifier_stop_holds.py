@@ -36,13 +36,6 @@ make_deps = own_claims.make_deps
 notifier = delivery_limit.notifier
 
 
-async def _stop_begun(notifier: Notifier) -> None:
-    """The notifier's broker stopping as a service's stop begins (`stop_consuming`, the
-    first step of its `stop()`): consumers cancelled, the deliveries in hand going on, and
-    publishing still open to them."""
-    await notifier._broker.stop_consuming()
-
-
 async def test_a_redelivery_held_for_a_lease_is_handed_on_at_a_stop_unsent(
     make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any], notifier: Notifier
 ) -> None:
@@ -53,7 +46,7 @@ async def test_a_redelivery_held_for_a_lease_is_handed_on_at_a_stop_unsent(
     )
     assert claim.won
     handle = notifier.handler(make_deps("proc-a"))
-    await _stop_begun(notifier)
+    await notifier.stop_consuming()
     message = HandedDelivery.redelivery(delivery.model_dump_json().encode(), count=2)
 
     await asyncio.wait_for(handle(message), timeout=30)
@@ -99,7 +92,7 @@ async def test_a_moved_back_letter_held_at_a_stop_is_handed_on_as_a_letter_still
     )
     assert claim.won
     handle = notifier.handler(make_deps("proc-a"))
-    await _stop_begun(notifier)
+    await notifier.stop_consuming()
     message = HandedDelivery(
         delivery.model_dump_json().encode(),
         headers={"x-delivery-count": 1, **letter},

@@ -4,6 +4,7 @@ model's `check` gives, or the error it raises, as the throttle reads it."""
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from services.scorer.errors import (
     InputRejected,
@@ -18,6 +19,7 @@ from services.scorer.metrics import ScorerMetrics
 from services.scorer.model import ModelVerdict, ScoringRequest
 from services.scorer.provider_checks import provider_checks
 from services.scorer.throttle import ProviderCheck, ProviderFound
+from tests.support import sample
 
 
 class CheckedModel:
@@ -59,11 +61,12 @@ class CheckedModel:
 async def test_a_check_is_found_answered_unless_the_provider_is_down_or_limiting(
     raises: ScoringError | None, found: ProviderCheck
 ) -> None:
-    metrics = ScorerMetrics()
-    check = provider_checks(CheckedModel(raises), metrics)
+    registry = CollectorRegistry()
+    check = provider_checks(CheckedModel(raises), ScorerMetrics(registry))
 
     assert await check(None) == found
-    assert metrics.provider_checks.labels(found.found.value)._value.get() == 1
+    checks = "scorebox_model_provider_checks_total"
+    assert sample(registry, checks, found=found.found.value) == 1
 
 
 async def test_the_check_is_of_the_model_named() -> None:

@@ -134,6 +134,12 @@ def generation_of(sequence: int) -> int:
 CACHED_COMPLETION_SEQUENCE: Final = event_sequence(generation=0, attempt=0, phase=Phase.TERMINAL)
 
 
+def cached_completion_sequence(generation: int) -> int:
+    """The completion of a generation answered from the result cache (generation 0: a
+    submission; above: a re-score), ordered as `CACHED_COMPLETION_SEQUENCE` is."""
+    return event_sequence(generation=generation, attempt=0, phase=Phase.TERMINAL)
+
+
 class Contract(BaseModel):
     """Base of every message: frozen, tolerant of unknown fields. Every contract refuses a
     float that is not a number (`allow_inf_nan`: `Infinity` passed `ge=0` and left a
@@ -576,6 +582,12 @@ class RescoreTask(Contract):
         "scored again and a stale request is not (None, an earlier scheduler's: once per "
         "version).",
     )
+    answered_from_cache: bool = Field(
+        default=False,
+        description="The task's result came from the result cache: the gateway answers the "
+        "re-score from the cache too when the same text was scored under `rubric_version` "
+        "since (the fan-out sends these requests after the others); otherwise it is scored.",
+    )
 
     @classmethod
     def for_task(
@@ -588,6 +600,7 @@ class RescoreTask(Contract):
         model: str | None,
         run_id: str,
         generation: int | None = None,
+        answered_from_cache: bool = False,
     ) -> RescoreTask:
         key = f"rescore:{task_id}:{rubric_version}"
         if generation is not None:
@@ -601,6 +614,7 @@ class RescoreTask(Contract):
             model=model,
             run_id=run_id,
             generation=generation,
+            answered_from_cache=answered_from_cache,
         )
 
 

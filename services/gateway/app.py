@@ -343,6 +343,7 @@ def rescore_requests(gateway: Gateway) -> RescoreRequests:
         broker=gateway.broker,
         clock=gateway.deps.clock,
         timeout_s=gateway.settings.broker_timeout_s,
+        cache=gateway.deps.cache,
     )
 
 

@@ -35,7 +35,6 @@ from shared.bus import (
     publish_events,
 )
 from shared.contracts import (
-    CACHED_COMPLETION_SEQUENCE,
     BatchCancelling,
     CancelTask,
     ScoreResult,
@@ -43,6 +42,7 @@ from shared.contracts import (
     ScoreWithdrawn,
     TaskCompleted,
     accepted_event,
+    cached_completion_sequence,
 )
 from shared.log_rate import Tally
 from shared.topology import TASKS
@@ -155,15 +155,17 @@ class TaskPublisher:
             raise published.refusal()
 
     async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool:
-        """A task answered from the result cache: accepted and completed at once. True when
-        both events were confirmed; False when some may have been written without a confirm
-        (keep the submission for the outbox); `BrokerUnavailable` when none was taken."""
+        """A task (or a re-score's generation) answered from the result cache: accepted and
+        completed at once. True when both events were confirmed; False when some may have
+        been written without a confirm (keep the submission for the outbox);
+        `BrokerUnavailable` when none was taken."""
         completed = TaskCompleted(
             task_id=command.task_id,
             tenant_id=command.tenant_id,
-            sequence=CACHED_COMPLETION_SEQUENCE,
+            generation=command.generation,
+            sequence=cached_completion_sequence(command.generation),
             submitted_at=command.submitted_at,
-            occurred_at=command.submitted_at,
+            occurred_at=command.occurred_at,
             api_key_id=command.api_key_id,
             result=result,
             has_callback=command.callback_url is not None,

@@ -16,6 +16,16 @@ scheduler of an earlier build) is taken once per rubric version. A
 request that is retried (`attempt` > 1) or redelivered may resume a claim whose command was
 not recorded as sent, with the same generation (the scorer claims each generation once).
 
+A task the result cache answered (`RescoreTask.answered_from_cache`, sent by the fan-out
+after the others) is answered from the cache again when its text was scored under the
+request's version since, most often by the re-score of the task the cache answered it from:
+its new generation is announced accepted and completed at once (`cached: true`, no model
+call), as a submission the cache answers is. How a claim is answered is decided once
+(`Submissions.answer_rescore`), and a retry of the claim repeats it: decided again, a claim
+announced from the cache, its confirms lost, and sent to the scorer at its retry, had its
+generation both answered and scored. Each such task made a model call of its own at a
+rubric change, where the submissions cost one (a review in session 54).
+
 Each delivery is acknowledged by hand:
 
 - unreadable body: rejected without requeue (the queue's DLQ keeps it);
@@ -52,11 +62,12 @@ from typing import Final, Protocol
 from faststream.rabbit import RabbitBroker
 from pydantic import ValidationError
 
+from services.gateway.cache import ResultCache
 from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable, database_away
-from services.gateway.submissions import RescoreClaim, RescoreRefused, Submissions
+from services.gateway.submissions import RescoreAnswer, RescoreClaim, RescoreRefused, Submissions
 from shared.bus import error_words, publish_delayed
 from shared.consumers import Delivery, ScoreboxBroker, consume
-from shared.contracts import RescoreTask, ScoreText, new_id
+from shared.contracts import RescoreTask, ScoreResult, ScoreText, new_id
 from shared.failed_deliveries import return_failed
 from shared.runtime import keep_publishing, keep_trying
 from shared.topology import RESCORE_REQUESTS, TASKS
@@ -70,15 +81,22 @@ RETRY_DELAYS_S: Final = (5, 30, 120, 600)
 
 
 class Resubmitter(Protocol):
-    """Sends a task again, confirmed (`services.gateway.publisher.TaskPublisher.resubmit`)."""
+    """Sends a task again, confirmed (`services.gateway.publisher.TaskPublisher.resubmit`),
+    or announces it answered from the cache (`announce_cached`)."""
 
     async def resubmit(self, command: ScoreText) -> None: ...
+
+    async def announce_cached(self, command: ScoreText, result: ScoreResult) -> bool: ...
+
+
+SCORER: Final = RescoreAnswer()
 
 
 @dataclass(frozen=True)
 class Rescored:
     command: ScoreText
     resumed: bool
+    cached: bool = False  # answered from the result cache, not sent to the scorer
 
 
 RescoreOutcome = Rescored | RescoreRefused
@@ -105,9 +123,11 @@ async def rescore_task(
     publisher: Resubmitter,
     clock: Clock,
     may_resume: bool = False,
+    cache: ResultCache | None = None,
 ) -> RescoreOutcome:
-    """Claim the task's next generation and send it; raises `BrokerUnavailable` when the
-    command is not confirmed (the claim then stays unsent and a retry resumes it)."""
+    """Claim the task's next generation and send it, or answer it from `cache` (see
+    `_answer`); raises `BrokerUnavailable` when the command, or the answer's events, are
+    not confirmed (the claim then stays unsent and a retry resumes it)."""
     tried = False
 
     async def claim_once() -> RescoreClaim | RescoreRefused:
@@ -136,7 +156,16 @@ async def rescore_task(
     if claim.resumed:
         await _note_tried(submissions, request, claim, now=clock())
     command = rescore_command(claim, now=clock())
-    await publisher.resubmit(command)
+    answer = await keep_trying(
+        lambda: _answer(request, claim, submissions=submissions, cache=cache, now=clock()),
+        what=f"answering the re-score of {request.task_id}",
+        retry_on=(DatabaseUnavailable,),
+        retry_if=database_away,
+    )
+    if answer.cached is None:
+        await publisher.resubmit(command)
+    elif not await publisher.announce_cached(command, answer.cached):
+        raise BrokerUnavailable(f"the cached answer of {request.task_id} was not confirmed")
     await keep_trying(
         lambda: submissions.finish_rescore(
             request.task_id, rubric_version=request.rubric_version, now=clock()
@@ -145,7 +174,36 @@ async def rescore_task(
         retry_on=(DatabaseUnavailable,),
         retry_if=database_away,
     )
-    return Rescored(command, resumed=claim.resumed)
+    return Rescored(command, resumed=claim.resumed, cached=answer.cached is not None)
+
+
+async def _answer(
+    request: RescoreTask,
+    claim: RescoreClaim,
+    *,
+    submissions: Submissions,
+    cache: ResultCache | None,
+    now: datetime,
+) -> RescoreAnswer:
+    """How the claim is answered, decided once (`Submissions.answer_rescore`): a task the
+    cache answered (`answered_from_cache`, sent by the fan-out after the others) is
+    answered from it when its text was scored under the request's version since, by
+    another task's re-score most often; anything else goes to the scorer. Not consulted
+    for a task that was scored: it may have been submitted with `use_cache: false`."""
+    if claim.answer is not None:
+        return claim.answer
+    if not request.answered_from_cache or cache is None or claim.cache_key is None:
+        return SCORER
+    found = await cache.find(tenant_id=request.tenant_id, key=claim.cache_key, now=now)
+    if found is None or found.prompt_version != request.rubric_version:
+        return await submissions.answer_rescore(
+            request.task_id, generation=claim.generation, answer=SCORER
+        )
+    return await submissions.answer_rescore(
+        request.task_id,
+        generation=claim.generation,
+        answer=RescoreAnswer(cached=found.model_copy(update={"cached": True})),
+    )
 
 
 async def _note_tried(
@@ -165,8 +223,10 @@ async def _note_tried(
 def _log_outcome(request: RescoreTask, outcome: RescoreOutcome) -> None:
     where = f"task {request.task_id} (tenant {request.tenant_id}, {request.rubric_version})"
     match outcome:
-        case Rescored(command=command, resumed=resumed):
+        case Rescored(command=command, resumed=resumed, cached=cached):
             how = "resumed" if resumed else "queued"
+            if cached:
+                how = f"answered from the result cache{' (resumed)' if resumed else ''}"
             log.info("re-score of %s %s as generation %d", where, how, command.generation)
         case RescoreRefused.UNKNOWN_TASK:
             log.info("re-score of %s ignored: no such submission (expired?)", where)
@@ -191,6 +251,7 @@ class RescoreRequests:
     broker: RabbitBroker
     clock: Clock
     timeout_s: float
+    cache: ResultCache | None = None
 
     async def on_message(self, message: Delivery) -> None:
         try:
@@ -206,6 +267,7 @@ class RescoreRequests:
                 publisher=self.publisher,
                 clock=self.clock,
                 may_resume=may_resume(request, message),
+                cache=self.cache,
             )
         except BrokerUnavailable as error:
             await self._retry_later(request, error)

@@ -156,6 +156,18 @@ class KeyTaken(Exception):
 
 
 @dataclass(frozen=True)
+class RescoreAnswer:
+    """How a claimed re-score is answered, decided once per claim: with a result of the
+    result cache (`cached`), or by the scorer (None)."""
+
+    cached: ScoreResult | None = None
+
+
+# A claim's answer, stored with it (`rescore.answer`).
+RESCORE_ANSWER: Final = "rescore.answer"
+
+
+@dataclass(frozen=True)
 class RescoreClaim:
     """A re-score to send: the command as submitted, and the generation to score it as."""
 
@@ -163,6 +175,8 @@ class RescoreClaim:
     generation: int
     resumed: bool  # True: claimed earlier, but its command may not have been sent
     request_id: str | None = None  # the request that took the claim
+    cache_key: str | None = None  # the submission's result-cache key
+    answer: RescoreAnswer | None = None  # decided by an earlier try of the claim
 
 
 class RescoreRefused(StrEnum):
@@ -558,6 +572,38 @@ class Submissions:
             {"_id": task_id, "rescore.request_id": request_id, "rescore.sent": {"$ne": True}},
             {"$set": {"rescore.tried_at": now}},
         )
+
+    async def answer_rescore(
+        self, task_id: str, *, generation: int, answer: RescoreAnswer
+    ) -> RescoreAnswer:
+        """Record how the claim of `generation` is answered, unless a try of it recorded an
+        answer already: the answer recorded, which every later try of the claim repeats
+        (`answer` when the claim has moved on, and nothing is recorded). Decided again at a
+        retry, a claim announced from the cache, its confirm lost, and then sent to the
+        scorer, had its generation both answered and scored."""
+        stored = {
+            "cached": None if answer.cached is None else answer.cached.model_dump(mode="json")
+        }
+        try:
+            claimed = await self._collection.find_one_and_update(
+                {"_id": task_id, "rescore.generation": generation},
+                [
+                    {
+                        "$set": {
+                            RESCORE_ANSWER: {
+                                "$ifNull": [f"${RESCORE_ANSWER}", {"$literal": stored}]
+                            }
+                        }
+                    }
+                ],
+                projection={RESCORE_ANSWER: True},
+                return_document=ReturnDocument.AFTER,
+            )
+        except PyMongoError as error:
+            raise DatabaseUnavailable(str(error)) from error
+        if claimed is None:
+            return answer
+        return _answer_of(claimed["rescore"]["answer"])
 
     async def finish_rescore(self, task_id: str, *, rubric_version: str, now: datetime) -> None:
         """The re-score's command reached the broker: a duplicate request is now ignored."""
@@ -955,12 +1001,20 @@ def _rescore_claim(document: Document, *, resumed: bool) -> RescoreClaim:
     claimed_as = (document.get("rescore") or {}).get("generation")
     if claimed_as is None:  # a claim of an earlier build, which kept no generation of its own
         claimed_as = document.get("generation", NO_GENERATION)
+    answer = (document.get("rescore") or {}).get("answer")
     return RescoreClaim(
         command=ScoreText.model_validate(document["command"]),
         generation=int(claimed_as),
         resumed=resumed,
         request_id=(document.get("rescore") or {}).get("request_id"),
+        cache_key=document.get("cache_key"),
+        answer=None if answer is None else _answer_of(answer),
     )
+
+
+def _answer_of(stored: Document) -> RescoreAnswer:
+    cached = stored.get("cached")
+    return RescoreAnswer(None if cached is None else ScoreResult.model_validate(cached))
 
 
 def _expired(document: Document, now: datetime) -> bool:

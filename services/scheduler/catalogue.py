@@ -1,7 +1,7 @@
 """The scheduler's catalogue of completed tasks, built from `task.completed` events.
 
     completed_tasks {_id: task_id, tenant_id, generation, completed_at, model,
-                     rubric_version | null, rescore_requested_for}
+                     rubric_version | null, cached, rescore_requested_for}
 
 It is what the re-score fan-out walks (keyset pagination on `_id`). A task is stale when it
 was scored with another rubric version than the current one, or an unknown one (today's
@@ -46,6 +46,7 @@ class CompletedTask:
     completed_at: datetime
     model: str | None
     rubric_version: str | None
+    cached: bool = False  # its result came from the result cache
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ def _completed_task(document: Document) -> CompletedTask:
         completed_at=document["completed_at"],
         model=document.get("model"),
         rubric_version=document.get("rubric_version"),
+        cached=bool(document.get("cached")),
     )
 
 
@@ -102,6 +104,7 @@ class Catalogue:
                     "completed_at": task.completed_at,
                     "model": task.model,
                     "rubric_version": task.rubric_version,
+                    "cached": task.cached,
                 }
             },
         )

@@ -2,7 +2,8 @@
 
 - `publish_run`: a `RunCronJob` to `scorebox.cron` (or down the wait ladder when it is a retry
   not yet due).
-- `publish_rescore_page`: one `RescoreTask` per entry of a page, all confirms awaited together.
+- `publish_rescore_page`: one `RescoreTask` per entry of a page, all confirms awaited together;
+  those of tasks the result cache answered down the wait ladder (`CACHED_RESCORES_AFTER`).
 - `announce`: an operations event on `scorebox.events` under the event's own routing key.
 - `dead_letter_depth`: a DLQ's depth by passive declare (no side effect on the queue).
 
@@ -17,7 +18,7 @@ import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import aiormq
@@ -40,6 +41,13 @@ from shared.topology import (
 )
 
 log = logging.getLogger("scorebox.scheduler.messaging")
+
+# The requests of tasks the result cache answered reach the gateway this much later than the
+# others (a wait tier's own TTL: one hop): by then the task scored with the same text most
+# often has its new result, and the gateway answers them from the cache instead of the
+# model. Sent together, the copies were looked up before that result existed, and nearly
+# all missed (session 54).
+CACHED_RESCORES_AFTER = timedelta(minutes=10)
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,7 @@ class SchedulerBus:
         retries in minutes and ended in a dead-letter queue, marked as requested, never
         scored, while every client submission met a full queue too."""
         await self._make_sure_of_room(len(page))
+        now = self.clock()
         try:
             async with asyncio.timeout(self.timeout_s):
                 await asyncio.gather(
@@ -87,7 +96,10 @@ class SchedulerBus:
                             task,
                             exchange=TASKS,
                             routing_key=task.routing_key,
-                            not_before=None,
+                            not_before=now + CACHED_RESCORES_AFTER
+                            if task.answered_from_cache
+                            else None,
+                            now=now,
                             timeout=self.timeout_s,
                         )
                         for task in page

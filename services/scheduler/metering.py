@@ -138,6 +138,7 @@ def completed_task_of(event: TaskCompleted, *, extras: Extras) -> CompletedTask:
         completed_at=event.occurred_at,
         model=event.result.model,
         rubric_version=extras.prompt_version,
+        cached=event.result.cached,
     )
 
 

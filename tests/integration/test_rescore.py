@@ -46,6 +46,7 @@ class Flow:
     llm: FakeLLM
     amqp_url: str
     submissions: Any
+    cache: Any  # the gateway's result cache
 
     async def submit(self, text: str) -> str:
         response = await self.api.post("/v1/scores", json={"text": text})
@@ -130,8 +131,9 @@ async def flow(amqp_url: str, mongo: Any, db_prefix: str) -> AsyncIterator[Flow]
         gateway = create_gateway(GatewaySettings.model_validate(env), status_http=status_client)
         async with running(gateway) as api:
             api.headers["Authorization"] = f"Bearer {API_KEY}"
+            database = client[f"{db_prefix}_gateway"]
             yield Flow(
-                api, status_client, llm, amqp_url, client[f"{db_prefix}_gateway"]["submissions"]
+                api, status_client, llm, amqp_url, database["submissions"], database["result_cache"]
             )
     await client.close()
     await llm.stop()
@@ -153,6 +155,7 @@ def _rescore(
     tenant_id: str = DEFAULT_TENANT,
     version: str = "v2",
     generation: int | None = None,
+    answered_from_cache: bool = False,
 ) -> RescoreTask:
     return RescoreTask.for_task(
         task_id=task_id,
@@ -162,6 +165,7 @@ def _rescore(
         model="fake-judge-1",
         run_id=new_id(),
         generation=generation,
+        answered_from_cache=answered_from_cache,
     )
 
 
@@ -282,6 +286,82 @@ async def test_a_generation_that_failed_since_does_not_hold_the_next_versions_re
     await flow.completed_generation(task_id, 3)
     lines = await _handled(rescore_log, task_id, 2)
     assert sum("queued as generation 3" in line for line in lines) == 1
+
+
+async def _answered_from_the_cache(flow: Flow, text: str) -> tuple[str, str, str]:
+    """A task scored, and a copy of its text the cache answered, both as generation 0, the
+    cache's entry then of an earlier rubric version (as after a change of the prompt):
+    their ids, and the version results carry now."""
+    scored = await flow.submit(text)
+    first = await flow.completed_generation(scored, 0)
+    copy = await flow.api.post("/v1/scores", json={"text": text})
+    assert copy.status_code == 200, copy.text
+    assert copy.json()["result"]["cached"] is True
+    version: str = first["result"]["prompt_version"]
+    changed = await flow.cache.update_one(
+        {"task_id": scored}, {"$set": {"result.prompt_version": "judge-earlier"}}
+    )
+    assert changed.modified_count == 1
+    return scored, copy.json()["task_id"], version
+
+
+async def test_a_task_the_cache_answered_is_answered_from_it_again_once_its_text_is_rescored(
+    flow: Flow, rescore_log: pytest.LogCaptureFixture
+) -> None:
+    """Each task the cache answered made a model call of its own at a rubric change, where
+    the submissions cost one (a review in session 54). Its request, sent after the others,
+    finds the text scored under the new version by then, and is answered from the cache."""
+    marker = _marker()
+    text = f"Scored once, answered from the cache since [[id:{marker}]]."
+    scored, copy, version = await _answered_from_the_cache(flow, text)
+
+    await flow.request_rescores(_rescore(scored, version=version, generation=0))
+    rescored = await flow.completed_generation(scored, 1)
+
+    async def cached_under_the_new_version() -> bool:
+        entry = await flow.cache.find_one({"task_id": scored})
+        return entry is not None and entry["result"]["prompt_version"] == version
+
+    await eventually(cached_under_the_new_version, what="the new result cached")
+    await flow.request_rescores(
+        _rescore(copy, version=version, generation=0, answered_from_cache=True)
+    )
+
+    answered = await flow.completed_generation(copy, 1)
+    assert answered["result"]["cached"] is True
+    assert answered["result"]["score"] == rescored["result"]["score"]
+    assert answered["result"]["prompt_version"] == version
+    changes = await flow.history(copy, after=GENERATION_SPAN - 1)
+    assert [status for _, status in changes] == ["queued", "completed"]
+    assert all(sequence // GENERATION_SPAN == 1 for sequence, _ in changes)
+    [line] = await _handled(rescore_log, copy, 1)
+    assert "answered from the result cache as generation 1" in line
+    stored = await flow.submissions.find_one({"_id": copy})
+    assert stored["rescore"]["sent"] is True
+    assert stored["rescore"]["answer"]["cached"]["score"] == rescored["result"]["score"]
+    assert flow.calls(marker) == 2  # the scored task's two calls; none for the copy
+
+
+async def test_a_task_the_cache_answered_is_scored_when_its_text_was_not_rescored_yet(
+    flow: Flow, rescore_log: pytest.LogCaptureFixture
+) -> None:
+    """The cache holds the text's result of the earlier version only: the copy is scored
+    under the new one, as before."""
+    marker = _marker()
+    text = f"Answered from the cache, its text not scored again yet [[id:{marker}]]."
+    _, copy, version = await _answered_from_the_cache(flow, text)
+
+    await flow.request_rescores(
+        _rescore(copy, version=version, generation=0, answered_from_cache=True)
+    )
+
+    scored_again = await flow.completed_generation(copy, 1)
+    assert scored_again["result"]["cached"] is False
+    assert flow.calls(marker) == 2
+    [line] = await _handled(rescore_log, copy, 1)
+    assert "queued as generation 1" in line
+    stored = await flow.submissions.find_one({"_id": copy})
+    assert stored["rescore"]["answer"] == {"cached": None}
 
 
 async def test_a_rescore_of_an_unknown_or_foreign_task_changes_nothing(

@@ -25,6 +25,7 @@ from pymongo import AsyncMongoClient
 from pymongo.errors import AutoReconnect
 
 from devtools.infra import Endpoint
+from services.gateway.cache import ResultCache
 from services.gateway.errors import DatabaseUnavailable
 from services.gateway.publisher import TaskPublisher
 from services.gateway.rescore import RescoreRequests
@@ -35,7 +36,7 @@ from services.gateway.submissions import (
     RescoreRefused,
     Submissions,
 )
-from shared.contracts import RescoreTask, ScoreText, new_id, utcnow
+from shared.contracts import RescoreTask, ScoreResult, ScoreText, TaskCompleted, new_id, utcnow
 from shared.runtime import make_broker
 from shared.topology import RESCORE_REQUESTS, SCORE_REQUESTS, declare_topology
 from tests.integration.gateway_records import PUBLISH_TIMEOUT_S, UNCONFIRMED_AFTER_S
@@ -46,6 +47,7 @@ from tests.support import (
     eventually,
     queue_made_full,
     rescore_request,
+    watching_completions,
 )
 
 Mongo = AsyncMongoClient[dict[str, Any]]
@@ -126,13 +128,16 @@ class Env:
         """The gateway's publisher on the broker, which confirms."""
         return TaskPublisher(self.broker, timeout_s=PUBLISH_TIMEOUT_S)
 
-    def consumer(self, publisher: TaskPublisher, submissions: Submissions) -> RescoreRequests:
+    def consumer(
+        self, publisher: TaskPublisher, submissions: Submissions, cache: ResultCache | None = None
+    ) -> RescoreRequests:
         return RescoreRequests(
             submissions=submissions,
             publisher=publisher,
             broker=self.broker,
             clock=utcnow,
             timeout_s=10,
+            cache=cache,
         )
 
     async def take(self, queue_name: str) -> list[aio_pika.abc.AbstractIncomingMessage]:
@@ -591,3 +596,44 @@ async def test_a_claim_its_request_left_for_an_hour_is_taken_by_the_next_request
     assert [(sent.generation, sent.task_id) for sent in await env.sent(command.task_id)] == [
         (orphaned.generation, command.task_id)
     ]
+
+
+async def test_a_resumed_claim_repeats_its_answer_from_the_cache(
+    env: Env, stalled_broker: RabbitBroker
+) -> None:
+    """A claim answered from the result cache whose events were not confirmed is answered
+    from the cache again at its retry, though the entry is gone by then: decided again, it
+    was sent to the scorer too, its generation both answered and scored."""
+    command = await accepted_submission(env.submissions())  # cache key "k"
+    request = rescore_request(command).model_copy(update={"answered_from_cache": True})
+    cache = ResultCache(env.mongo, env.database, timedelta(hours=1))
+    result = ScoreResult(
+        score=6.5,
+        comment="Scored under the new rubric.",
+        model="m",
+        prompt_version=request.rubric_version,
+    )
+    await cache.remember(tenant_id="acme", key="k", result=result, task_id="other", now=utcnow())
+    await env.take(SCORE_REQUESTS.name)
+
+    first = HandedDelivery(request.model_dump_json().encode())
+    await env.consumer(_unconfirming(stalled_broker), env.submissions(), cache).on_message(first)
+    assert first.settled == ["ack"]  # down the wait ladder, to be tried again
+    await env.mongo[env.database]["result_cache"].delete_many({})  # expired meanwhile
+    async with watching_completions(env.amqp_url) as completions:
+        retry = HandedDelivery(request.model_copy(update={"attempt": 2}).model_dump_json().encode())
+        await env.consumer(env.publisher(), env.submissions(), cache).on_message(retry)
+
+        async def completed() -> TaskCompleted | None:
+            mine = [m for m in completions if m.correlation_id == command.task_id]
+            return TaskCompleted.model_validate_json(mine[0].body) if mine else None
+
+        answered = await eventually(completed, what="the cached answer announced again")
+
+    assert retry.settled == ["ack"]
+    assert (answered.generation, answered.result.cached) == (1, True)
+    assert answered.result.score == result.score
+    assert await env.take(SCORE_REQUESTS.name) == []  # never sent to the scorer
+    stored = await env.mongo[env.database]["submissions"].find_one({"_id": command.task_id})
+    assert stored is not None
+    assert stored["rescore"]["sent"] is True

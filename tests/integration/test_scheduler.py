@@ -725,6 +725,46 @@ async def test_the_fanout_requests_only_tasks_the_gateway_still_knows(
     assert run["result"]["scanned"] == 3  # read, not requested
 
 
+async def test_the_fanout_sends_the_requests_of_tasks_the_cache_answered_after_the_others(
+    env: Env,
+) -> None:
+    """Sent together, the copies of a text the cache answered were looked up before the
+    scored task's new result existed, and nearly all were scored again: theirs go down the
+    wait ladder (`CACHED_RESCORES_AFTER`, the 10 min tier), marked for the gateway to look
+    the text up."""
+    await env.collection("completed_tasks").insert_many(
+        [
+            {
+                "_id": task_id,
+                "tenant_id": "acme",
+                "generation": 0,
+                "completed_at": QUIET - timedelta(hours=1),
+                "model": "m",
+                "rubric_version": None,
+                "cached": cached,
+            }
+            for task_id, cached in (("scored", False), ("answered-from-cache", True))
+        ]
+    )
+    await drain(env.amqp_url, RESCORE_REQUESTS.name)
+    await drain(env.amqp_url, "scorebox.wait.10m")
+    config = parse_config({"jobs": {"rescore-fanout": {"cron": "0 3 * * *", "enabled": False}}}, {})
+    async with scheduler(env, config, handlers=None, RUBRIC_VERSION="heuristic-v1") as (api, _):
+        run = await _run_job(api, "rescore-fanout")
+
+    [now] = [
+        RescoreTask.model_validate_json(m.body)
+        for m in await drain(env.amqp_url, RESCORE_REQUESTS.name)
+    ]
+    [later] = [
+        RescoreTask.model_validate_json(m.body)
+        for m in await drain(env.amqp_url, "scorebox.wait.10m")
+    ]
+    assert (now.task_id, now.answered_from_cache) == ("scored", False)
+    assert (later.task_id, later.answered_from_cache) == ("answered-from-cache", True)
+    assert run["result"]["published"] == 2
+
+
 # --- housekeeping ---------------------------------------------------------------------------
 
 

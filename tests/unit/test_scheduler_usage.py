@@ -122,6 +122,13 @@ def test_extras_are_read_tolerantly() -> None:
     assert Extras.of({"result": "garbage", "api_key_id": "k1"}) == Extras(api_key_id="k1")
     task = completed_task_of(_completed(), extras=Extras(prompt_version="judge-2025-1"))
     assert (task.task_id, task.generation, task.rubric_version) == ("t1", 2, "judge-2025-1")
+    assert not task.cached
+
+
+def test_the_catalogue_notes_a_result_the_cache_answered() -> None:
+    """The fan-out sends its re-score after the others, for the cache to answer it."""
+    task = completed_task_of(_completed(cached=True), extras=Extras(prompt_version="v1"))
+    assert task.cached
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,11 @@ the catalogue. A run resumes from its checkpoint, so a crash re-publishes at mos
 was on and never skips one. A run walks at most `max_pages` pages per delivery and then
 continues in a new message, so no delivery stays unacknowledged for long.
 
+A task the result cache answered (the catalogue's `cached`) is requested marked
+`answered_from_cache` and reaches the gateway `CACHED_RESCORES_AFTER` later
+(`services.scheduler.messaging`): by then the task its text was scored for has most often
+been scored again, and the gateway answers it from the cache without a model call.
+
 Only tasks completed within `horizon` are due (`FANOUT_HORIZON_S`, the gateway's
 `IDEMPOTENCY_TTL_S`): the gateway re-scores a task from its submission, kept that long from
 when the task was due, so a request for an older one was answered "unknown task" after two
@@ -141,6 +146,7 @@ class _PageWalk:
                         model=task.model,
                         run_id=self.run.run_id,
                         generation=task.generation,
+                        answered_from_cache=task.cached,
                     )
                     for task in page.due
                 ]

@@ -685,8 +685,9 @@ class ModelCallsPaused(Contract):
     outage: bool = Field(
         default=False,
         description="The pause is an outage's (the provider found unavailable by the calls of "
-        "several texts in a row), not a rate limit's: a probe finding it still down spends "
-        "no attempt of its task.",
+        "several texts in a row, or by a starting replica's first call and a check of the "
+        "provider), not a rate limit's: a probe finding it still down spends no attempt of "
+        "its task.",
     )
 
 

@@ -59,14 +59,15 @@ class ScorerMetrics:
             "scorebox_model_rate_limit_pauses",
             "Pauses of this scorer's model calls begun while none lasted (a 429), and outages "
             "taken for one (the provider found unavailable by the calls of several texts in a "
-            "row), a pause lasting included.",
+            "row, or by its first call and a check), a pause lasting included.",
             registry=registry,
         )
         self.provider_checks = Counter(
             "scorebox_model_provider_checks",
             "Calls of the provider that are no text's, made as an outage's probe when only "
-            "texts (or tenants) seen failing wait, by what they found: answered (the outage "
-            "is over), rate_limited, unavailable.",
+            "texts (or tenants) seen failing wait, or to confirm a starting replica's first "
+            "call found it unavailable, by what they found: answered (the outage is over, or "
+            "was none), rate_limited, unavailable.",
             ["found"],
             registry=registry,
         )

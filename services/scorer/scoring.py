@@ -620,7 +620,9 @@ async def _call_model(
         verdict = await deps.model.score(request)
     except TransientError as error:
         _count_call(deps.metrics, "transient", error.code, started)
-        outage = _tell_the_throttle(deps.throttle, turn, error, command)
+        outage = await _tell_the_throttle(
+            deps.throttle, turn, error, command, deps.model_slots.closing
+        )
         return _retry_or_give_up(command, error, deps, earlier, outage=outage), None
     except PermanentError as error:
         _count_call(deps.metrics, "permanent", error.code, started)
@@ -633,22 +635,30 @@ async def _call_model(
     return _completed(command, verdict, deps.clock(), earlier), verdict.raw_output
 
 
-def _tell_the_throttle(
-    throttle: ModelThrottle, turn: Turn, error: TransientError, command: ScoreText
+async def _tell_the_throttle(
+    throttle: ModelThrottle,
+    turn: Turn,
+    error: TransientError,
+    command: ScoreText,
+    closing: asyncio.Event | None = None,
 ) -> bool:
     """What a call that failed found; True when the call is an outage's rather than its
     task's. A provider that answered (a 429, a 4xx of no other class, a reply it could not
-    use) is up: that breaks a run of calls finding it down."""
+    use) is up: that breaks a run of calls finding it down. A start's first call finding it
+    down waits for a check of the provider (`ModelThrottle.found_unavailable`; `closing`,
+    the scorer stopping, cuts it short)."""
     if isinstance(error, ModelRateLimited):
         throttle.rate_limited(turn, error.retry_after_s)
         return False
     if error.provider_down:
-        return throttle.unavailable(
+        return await throttle.found_unavailable(
             turn,
             error.retry_after_s,
             text_key=hash(command.text),
             task_key=f"{command.task_id}:{command.generation}",
             tenant_key=command.tenant_id,
+            model=command.model,
+            closing=closing,
         )
     throttle.answered(turn, text_key=hash(command.text))
     return False

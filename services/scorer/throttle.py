@@ -40,6 +40,12 @@ seen failing began (`_may_cut_short`). While another tenant is active, the deliv
 may not cut such a pause short give way: put off at once, back shortly before it ends
 (`_gives_way`). When only texts, or tenants, seen failing wait, a check of the provider that
 is no text's call probes instead (`check_provider`, `_checks_first`).
+
+A replica starting calls the model once, alone, before the others (`probe_first`): a pause
+of the other replicas, announced before it listened, is found so. A 429 pauses the rest; a
+5xx is confirmed by a check of the provider first (`found_unavailable`): found down too, the
+outage begins at once, told to the others, rather than after the calls of `TRIP_AFTER` texts
+let through; answered, the text failed on its own, and the others go.
 """
 
 from __future__ import annotations
@@ -234,7 +240,9 @@ class ModelThrottle:
         # announced as it begins). Every slot called at once, and a provider's rate limit
         # answered a round of 429s as wide as the slots, each counted against the account
         # (a walkthrough, at each restart of a replica during a limit). A 429 pauses the
-        # rest before they call; any other answer lets them through, and so does its
+        # rest before they call; a 5xx (or no answer in time) is confirmed by a check of the
+        # provider while they wait, and found down too begins an outage
+        # (`found_unavailable`); any other answer lets them through, and so does its
         # patience running out (`PROBE_PATIENCE_S`). Counted from the first delivery.
         self._starting = self._probe_due = probe_first  # its time: the first `wait_turn`
 
@@ -554,20 +562,25 @@ class ModelThrottle:
             probes,
         )
 
-    def _log_outage_begun(self) -> None:
+    def _log_outage_begun(self, *, confirmed: bool = False) -> None:
         """Once a `PAUSE_LOG_EVERY_S` at most, with the count: texts failing on their own
         among another tenant's healthy ones began an "outage" about once a second, each
-        line followed by its "resumed" (a walkthrough: 106 lines in 110 s)."""
+        line followed by its "resumed" (a walkthrough: 106 lines in 110 s). `confirmed`: a
+        start's probe and a check told it (`found_unavailable`), not three texts."""
         outages = self._outages_begun.count()
         self._outage_begin_logged = outages is not None
         if outages is None:
             return
+        told_by = (
+            "this scorer's first call and a check of it"
+            if confirmed
+            else f"the calls of {TRIP_AFTER} texts in a row"
+        )
         log.warning(
-            "model calls paused for %.1f s: the provider found unavailable by the calls of "
-            "%d texts in a row (an outage; one probe at the pause's end; %d outage(s) since "
-            "the last such line)",
+            "model calls paused for %.1f s: the provider found unavailable by %s (an outage; "
+            "one probe at the pause's end; %d outage(s) since the last such line)",
             self.pause_left_s(),
-            TRIP_AFTER,
+            told_by,
             outages,
         )
 
@@ -641,6 +654,79 @@ class ModelThrottle:
         (`_may_cut_short`); so does one of a fresh text of a tenant (`tenant_key`) seen
         failing in it, to the other tenants. True when the call is the outage's rather than
         its task's: it began the outage, or probed one and found the provider still down."""
+        return self._call_found_down(
+            turn, retry_after_s, text_key=text_key, task_key=task_key, tenant_key=tenant_key
+        )
+
+    async def found_unavailable(
+        self,
+        turn: Turn,
+        retry_after_s: float | None,
+        *,
+        text_key: int,
+        task_key: str,
+        tenant_key: str | None = None,
+        model: str | None = None,
+        closing: asyncio.Event | None = None,
+    ) -> bool:
+        """`unavailable`, a start's probe first confirmed by a check of the provider that is
+        no text's (`check_provider`, of the call's `model`). A replica starting into an
+        outage the others knew of (told as it began, before this one listened) let every slot
+        through at its probe's 5xx, and learnt it from `TRIP_AFTER` texts, spending their
+        attempts (the gap the start probe left). The check found it down too: the outage
+        begins at once, the start's call its own as the call that begins one is, and told to
+        the others; answered (the text failed on its own, or the check was cut short by a
+        stop), all goes on as `unavailable` says; answered 429, the start pauses as on its
+        probe's 429. The others wait for the check as for the probe's answer, its patience
+        (`PROBE_PATIENCE_S`) counted afresh: a provider down answers both at once. A start
+        whose patience ran out before its probe failed is over: no check."""
+        check_provider = self._check_provider
+        if check_provider is None or not self._start_probe_out(turn):
+            return self._call_found_down(
+                turn, retry_after_s, text_key=text_key, task_key=task_key, tenant_key=tenant_key
+            )
+        self._probe_sent_at = self._clock()
+        check = await _unless_closing(check_provider(model), closing or asyncio.Event())
+        found = None if check is None else check.found
+        if check is not None and found is ProviderFound.UNAVAILABLE:
+            return self._call_found_down(
+                turn,
+                _longest(retry_after_s, check.retry_after_s),
+                text_key=text_key,
+                task_key=task_key,
+                tenant_key=tenant_key,
+                confirmed=True,
+            )
+        owned = self._call_found_down(
+            turn, retry_after_s, text_key=text_key, task_key=task_key, tenant_key=tenant_key
+        )
+        if check is not None and found is ProviderFound.RATE_LIMITED:
+            self.rate_limited(PROBE, check.retry_after_s)
+        return owned
+
+    def _start_probe_out(self, turn: Turn) -> bool:
+        """Whether `turn` is the start's probe, out, the start not over (no pause since, its
+        patience not run out)."""
+        return (
+            turn.probe
+            and self._starting
+            and self._probe_out
+            and not self._outage
+            and self.pause_left_s() <= 0
+        )
+
+    def _call_found_down(
+        self,
+        turn: Turn,
+        retry_after_s: float | None,
+        *,
+        text_key: int,
+        task_key: str,
+        tenant_key: str | None,
+        confirmed: bool = False,
+    ) -> bool:
+        """`unavailable`; `confirmed`: a check found the provider down too, and the call
+        begins an outage unless one lasts (`found_unavailable`)."""
         self._forget_a_stale_pause()
         suspect = self._is_suspect(text_key)
         probed_an_outage = (
@@ -650,7 +736,9 @@ class ModelThrottle:
         # News to the other tenants too (a call of no known tenant is taken for news to all).
         tenant_fresh = tenant_key is None or tenant_key not in self._tenants_seen_failing
         was_on = self._outage
-        began = not was_on and self._in_a_row(text_key, task_key, tenant_key) >= TRIP_AFTER
+        began = not was_on and (
+            self._in_a_row(text_key, task_key, tenant_key) >= TRIP_AFTER or confirmed
+        )
         # Running when the outage began (started before it): the outage's. Charged and
         # refunded by a later probe, it failed a task on its last attempt all the same.
         running_when_it_began = was_on and not turn.probe
@@ -664,6 +752,8 @@ class ModelThrottle:
             self._refund_the_calls_before()
             self._refunds[task_key] -= 1  # this call: the outage's already
             self._probe_out_when_it_began = self._probe_out
+            if confirmed:
+                self._disproven.clear()  # proven by the check, as `_still_unavailable` says
         if self._outage:
             self._seen_failing.add(text_key)
             if tenant_key is not None:
@@ -684,7 +774,7 @@ class ModelThrottle:
                 self._disproven.clear()  # a probe that is news proves the outage
             self._log_outage_going_on()
         if began:
-            self._log_outage_begun()
+            self._log_outage_begun(confirmed=confirmed)
             self._on_pause(self.pause_left_s(), True)
         return not suspect and (began or probed_an_outage or running_when_it_began or refunded)
 
@@ -893,6 +983,12 @@ class ModelThrottle:
 
     async def _until_changed(self, closing: asyncio.Event, *, timeout_s: float | None) -> None:
         await _unless_closing(self._changed.wait(), closing, timeout_s=timeout_s)
+
+
+def _longest(*waits_s: float | None) -> float | None:
+    """The longest of the `Retry-After`s given; None when none is."""
+    given = [wait_s for wait_s in waits_s if wait_s is not None]
+    return max(given) if given else None
 
 
 async def _unless_closing[T](

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 
 import pytest
@@ -68,13 +68,19 @@ def _starting(clock: Clock) -> ModelThrottle:
 
 
 async def _start_probe_out(
-    throttle: ModelThrottle, count: int
+    throttle: ModelThrottle, count: int, *, tenant: str | None = None
 ) -> tuple[Turn | PutOff, list[asyncio.Future[Turn | PutOff]]]:
     """`count` deliveries asking for a turn at once on a replica that just started: the
-    first goes alone, the others wait for its answer."""
+    first goes alone, the others wait for its answer. Of no text, or of texts of their own
+    (100, 101, ...) of `tenant` when given."""
     closing = asyncio.Event()
     waiters: list[asyncio.Future[Turn | PutOff]] = [
-        asyncio.ensure_future(throttle.wait_turn(closing)) for _ in range(count)
+        asyncio.ensure_future(
+            throttle.wait_turn(closing)
+            if tenant is None
+            else throttle.wait_turn(closing, text_key=100 + n, tenant_key=tenant)
+        )
+        for n in range(count)
     ]
     await eventually(lambda: _any_done(waiters), what="the start's probe")
     [probe] = [waiter for waiter in waiters if waiter.done()]
@@ -1245,15 +1251,18 @@ async def test_a_tasks_refunds_are_its_generations_own() -> None:
     throttle = _throttle(clock)
     task = ScoreText(task_id="t-1", text="the same text")
     down = ModelUnavailable("503 from the provider")
-    assert [_tell_the_throttle(throttle, GO, down, task) for _ in range(2)] == [False, False]
+    assert [await _tell_the_throttle(throttle, GO, down, task) for _ in range(2)] == [
+        False,
+        False,
+    ]
     for text in ("one", "two"):  # the outage begins: generation 0 owed two probes
-        _tell_the_throttle(throttle, GO, down, ScoreText(task_id=f"other {text}", text=text))
+        await _tell_the_throttle(throttle, GO, down, ScoreText(task_id=f"other {text}", text=text))
 
     rescore = task.model_copy(update={"generation": 1})
     outcomes = []
     for _ in range(2):
         await _probe(throttle, clock)
-        outcomes.append(_tell_the_throttle(throttle, PROBE, down, rescore))
+        outcomes.append(await _tell_the_throttle(throttle, PROBE, down, rescore))
         throttle.done(PROBE)
     assert outcomes == [True, False]  # the text's first probe only
 
@@ -1550,10 +1559,10 @@ async def test_the_scorer_tells_the_throttle_the_tasks_tenant() -> None:
     down = ModelUnavailable("500 from the provider")
     for n in range(TRIP_AFTER):
         task = ScoreText(task_id=f"a-{n}", text=f"text {n}", tenant_id="a")
-        _tell_the_throttle(throttle, GO, down, task)
+        await _tell_the_throttle(throttle, GO, down, task)
     clock.now += throttle.pause_left_s() + 0.01
     assert await _turn_of(throttle, "a", hash("text 9")) == PROBE
-    _tell_the_throttle(
+    await _tell_the_throttle(
         throttle, PROBE, down, ScoreText(task_id="a-9", text="text 9", tenant_id="a")
     )
     throttle.done(PROBE)
@@ -1937,3 +1946,199 @@ async def test_a_stop_cuts_a_check_short_and_it_proves_nothing() -> None:
 
 async def _cancelled(checks: CheckHanging) -> bool:
     return checks.cancelled
+
+
+# A replica starting into an outage (`ModelThrottle.found_unavailable`).
+
+START_TASK = ScoreText(task_id="t-start", text="The start's text.", model="judge-2")
+
+
+def _nothing_told() -> list[tuple[float, bool]]:
+    """The pauses a throttle told the other replicas of (`on_pause`): none yet."""
+    return []
+
+
+def _starting_checked(
+    clock: Clock,
+    checks: Callable[[str | None], Awaitable[ProviderCheck]] | None,
+    told: list[tuple[float, bool]],
+) -> ModelThrottle:
+    """A replica just started, its outages' probes made by `checks`, its pauses `told`."""
+    return ModelThrottle(
+        hold_s=30.0,
+        base_s=1.0,
+        rng=random.Random(0),
+        clock=clock,
+        on_pause=lambda pause_s, outage: told.append((pause_s, outage)),
+        check_provider=checks,
+        probe_first=True,
+    )
+
+
+async def _start_fails(
+    throttle: ModelThrottle, probe: Turn | PutOff, closing: asyncio.Event | None = None
+) -> bool:
+    """The start's probe finds the provider unavailable (a 503), told as the scorer tells it;
+    whether its call was the outage's."""
+    assert probe == PROBE
+    down = ModelUnavailable("503 from the provider")
+    return await _tell_the_throttle(throttle, PROBE, down, START_TASK, closing)
+
+
+async def test_a_replica_starting_into_an_outage_pauses_after_its_first_call_and_a_check(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The other replicas' outage was told as it began, before this one listened: its start
+    probe's 5xx let every slot through, and the calls of `TRIP_AFTER` texts, their attempts
+    spent, told it. A check of the provider confirms the 5xx: the outage begins at once, the
+    start's call the outage's (free, as the call beginning any outage is), the others paused
+    before they call, and the other replicas told."""
+    clock, checks, told = Clock(), Checks(STILL_DOWN), _nothing_told()
+    throttle = _starting_checked(clock, checks, told)
+    probe, others = await _start_probe_out(throttle, 4, tenant="a")
+
+    with caplog.at_level("WARNING", logger="scorebox.scorer.throttle"):
+        owned = await _start_fails(throttle, probe)
+    throttle.done(PROBE)
+
+    assert owned  # the outage's, not its task's
+    assert checks.models == ["judge-2"]  # of the model its text asked for
+    assert throttle.paused
+    assert told == [(throttle.pause_left_s(), True)]
+    assert "this scorer's first call and a check" in caplog.records[0].getMessage()
+    await asyncio.sleep(0)
+    assert not any(waiter.done() for waiter in others)
+
+    clock.now += throttle.pause_left_s() + 0.01  # seen at their wake-up
+    await eventually(lambda: _any_done(others), what="the outage's probe")
+    [first] = [waiter for waiter in others if waiter.done()]
+    assert first.result() == PROBE  # an outage's pause: one probe, the others wait on it
+    # The start's text probing again is charged: its call was the outage's once, as the
+    # call of any text beginning one is, and no call of its task was charged before.
+    assert _fails(throttle, hash(START_TASK.text), turn=PROBE, task="t-start:0") == [False]
+    throttle.done(PROBE)
+    for waiter in others:
+        waiter.cancel()
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["check-answered", "no-check"])
+async def test_a_start_probes_5xx_with_the_provider_up_lets_the_others_through(
+    checked: bool,
+) -> None:
+    """A text failing on its own is no outage: the check answered (or, with none to make,
+    as before it), the others go, nothing pauses, and the call is its task's."""
+    clock, checks, told = Clock(), Checks(ANSWERED), _nothing_told()
+    throttle = _starting_checked(clock, checks if checked else None, told)
+    probe, others = await _start_probe_out(throttle, 3)
+
+    owned = await _start_fails(throttle, probe)
+    throttle.done(PROBE)
+
+    assert not owned
+    assert await asyncio.wait_for(asyncio.gather(*others), GUARD_S) == [GO, GO]
+    assert not throttle.paused
+    assert throttle.pause_left_s() == 0
+    assert told == []
+    assert checks.made == (1 if checked else 0)
+
+
+async def test_a_start_probes_5xx_with_a_check_answered_429_pauses_as_its_429_would() -> None:
+    clock, told = Clock(), _nothing_told()
+    checks = Checks(ProviderCheck(ProviderFound.RATE_LIMITED, retry_after_s=20))
+    throttle = _starting_checked(clock, checks, told)
+    probe, others = await _start_probe_out(throttle, 3)
+
+    owned = await _start_fails(throttle, probe)
+    throttle.done(PROBE)
+
+    assert not owned  # its own 5xx: the provider answered the check
+    assert throttle.paused
+    assert throttle.pause_left_s() == pytest.approx(20)
+    [(told_s, outage)] = told
+    assert told_s == pytest.approx(20)
+    assert not outage  # a rate limit's pause, told as one
+    await asyncio.sleep(0)
+    assert not any(waiter.done() for waiter in others)
+    for waiter in others:
+        waiter.cancel()
+
+
+class CheckHeld:
+    """A `check_provider` answering what the test gives it, when it does."""
+
+    def __init__(self) -> None:
+        self.made = 0
+        self.in_flight = asyncio.Event()
+        self.answer: asyncio.Future[ProviderCheck] = asyncio.get_running_loop().create_future()
+
+    async def __call__(self, _model: str | None) -> ProviderCheck:
+        self.made += 1
+        self.in_flight.set()
+        return await self.answer
+
+
+async def test_the_others_wait_for_a_start_probes_check_within_a_patience_of_its_own() -> None:
+    """The probe's 5xx came late in its patience: the others wait for the check as for the
+    probe's answer, the patience counted again from the check (a provider down answers
+    both at once). A check slower than that lets them go, as a slow probe does; found down
+    then, the outage begins all the same, and their calls running then are its own."""
+    clock, checks, told = Clock(), CheckHeld(), _nothing_told()
+    throttle = _starting_checked(clock, checks, told)
+    probe, others = await _start_probe_out(throttle, 2)
+    clock.now += PROBE_PATIENCE_S - 0.1  # the start's 5xx, late
+    failing = asyncio.ensure_future(_start_fails(throttle, probe))
+    await asyncio.wait_for(checks.in_flight.wait(), GUARD_S)
+
+    clock.now += 0.5  # the probe out past its patience, the check within its own
+    late = asyncio.ensure_future(throttle.wait_turn(asyncio.Event()))
+    await asyncio.sleep(0)
+    assert not late.done()  # waits for the check's answer
+    clock.now += PROBE_PATIENCE_S  # the check out past its patience: seen at their wake-up
+    assert await asyncio.wait_for(asyncio.gather(*others, late), GUARD_S) == [GO, GO]
+    assert not throttle.paused
+
+    checks.answer.set_result(STILL_DOWN)
+    assert await asyncio.wait_for(failing, GUARD_S)  # the outage's
+    throttle.done(PROBE)
+    assert throttle.paused
+    assert [outage for _, outage in told] == [True]
+    assert _fails(throttle, 2, 3) == [True, True]  # the calls let through, running then
+
+
+async def test_a_stop_cuts_a_start_probes_check_short_and_nothing_pauses() -> None:
+    """Cut short, the check says nothing of the provider: as with none to make."""
+    clock, checks, told = Clock(), CheckHanging(), _nothing_told()
+    throttle = _starting_checked(clock, checks, told)
+    probe, others = await _start_probe_out(throttle, 2)
+    closing = asyncio.Event()
+    failing = asyncio.ensure_future(_start_fails(throttle, probe, closing))
+    await asyncio.wait_for(checks.in_flight.wait(), GUARD_S)
+
+    closing.set()
+
+    assert not await asyncio.wait_for(failing, GUARD_S)
+    throttle.done(PROBE)
+    assert checks.cancelled
+    assert await asyncio.wait_for(asyncio.gather(*others), GUARD_S) == [GO]
+    assert not throttle.paused
+    assert told == []
+
+
+async def test_once_started_a_5xx_makes_no_check() -> None:
+    """Only the start's probe is confirmed: once started, one text's 5xx is one in a row, as
+    ever, and needs no call of the provider to say so."""
+    clock, checks, told = Clock(), Checks(), _nothing_told()
+    throttle = _starting_checked(clock, checks, told)
+    start = await asyncio.wait_for(throttle.wait_turn(asyncio.Event()), GUARD_S)
+    assert start == PROBE
+    throttle.answered(start, text_key=1)
+    throttle.done(start)
+    turn = await asyncio.wait_for(throttle.wait_turn(asyncio.Event()), GUARD_S)
+    assert turn == GO
+
+    down = ModelUnavailable("503 from the provider")
+    assert not await _tell_the_throttle(throttle, turn, down, START_TASK)
+
+    assert checks.made == 0
+    assert not throttle.paused
+    assert told == []

@@ -129,15 +129,15 @@ def generation_of(sequence: int) -> int:
     return sequence // _GENERATION_SPAN
 
 
-# A result-cache hit's completion: no attempt ran (a scoring attempt of the task, should its
-# command be sent after all, supersedes it).
-CACHED_COMPLETION_SEQUENCE: Final = event_sequence(generation=0, attempt=0, phase=Phase.TERMINAL)
-
-
 def cached_completion_sequence(generation: int) -> int:
     """The completion of a generation answered from the result cache (generation 0: a
-    submission; above: a re-score), ordered as `CACHED_COMPLETION_SEQUENCE` is."""
+    submission; above: a re-score): no attempt ran (a scoring attempt of that generation,
+    should its command be sent after all, supersedes it)."""
     return event_sequence(generation=generation, attempt=0, phase=Phase.TERMINAL)
+
+
+# A submission's result-cache hit.
+CACHED_COMPLETION_SEQUENCE: Final = cached_completion_sequence(0)
 
 
 class Contract(BaseModel):

@@ -56,7 +56,8 @@ class _Bucket:
         return max(1, math.ceil((1.0 - self._tokens) / self._refill_per_s))
 
     def take(self) -> None:
-        self._tokens -= 1.0
+        if self.per_minute:
+            self._tokens -= 1.0
 
     def give_back(self, now: float) -> None:
         self._tokens = min(self._capacity, self.left(now) + 1.0)
@@ -102,16 +103,19 @@ class UnknownKeyBudget:
 
     def take(self, address: str) -> Spent | None:
         """Take a token for a lookup `address` is about to cause, from its budget and the
-        replica's: None when taken, else which budget is spent and until when (nothing
-        taken from either)."""
+        replica's: None when taken, else the spent budget whose token is back last, and
+        when (nothing taken from either)."""
         if not self.enabled:
             return None
         now = self._monotonic()
         own = self._bucket(address_key(address), now)
-        if own.left(now) < 1.0:
-            return Spent(own.until_one_s(), own.per_minute, replica_wide=False)
-        if self._replica.left(now) < 1.0:
-            return Spent(self._replica.until_one_s(), self._replica.per_minute, replica_wide=True)
+        spent = [
+            Spent(bucket.until_one_s(), bucket.per_minute, replica_wide=bucket is self._replica)
+            for bucket in (own, self._replica)
+            if bucket.left(now) < 1.0
+        ]
+        if spent:
+            return max(spent, key=lambda each: each.retry_after_s)
         own.take()
         self._replica.take()
         return None

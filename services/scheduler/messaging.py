@@ -19,7 +19,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Final
 
 import aiormq
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
@@ -38,6 +38,7 @@ from shared.topology import (
     TASKS,
     USAGE_RETRY_ROUTING_KEY,
     WorkQueue,
+    wait_queue,
 )
 
 log = logging.getLogger("scorebox.scheduler.messaging")
@@ -47,7 +48,13 @@ log = logging.getLogger("scorebox.scheduler.messaging")
 # often has its new result, and the gateway answers them from the cache instead of the
 # model. Sent together, the copies were looked up before that result existed, and nearly
 # all missed (session 54).
-CACHED_RESCORES_AFTER = timedelta(minutes=10)
+CACHED_RESCORES_TIER: Final = ("10m", 600)  # one of `WAIT_TIERS`
+CACHED_RESCORES_AFTER: Final = timedelta(seconds=CACHED_RESCORES_TIER[1])
+# The wait queue they spend that time in, counted against `FANOUT_MAX_BACKLOG` with the
+# requests waiting for the scorers: each comes back as one, unless the cache answers it.
+# Not counted, the fan-out's bound let a large run put any number of them on the ladder
+# (the re-read of that change). Other delayed work in that tier counts too, on the safe side.
+CACHED_RESCORES_WAIT: Final = wait_queue(*CACHED_RESCORES_TIER).name
 
 
 @dataclass(frozen=True)
@@ -135,13 +142,13 @@ class SchedulerBus:
     async def _make_sure_of_room(self, wanted: int) -> None:
         if self.max_backlog is None:
             return
-        waiting = await self._waiting(SCORE_REQUESTS.name) + await self._waiting(
-            RESCORE_REQUESTS.name
-        )
+        waiting = 0
+        for queue_name in (SCORE_REQUESTS.name, RESCORE_REQUESTS.name, CACHED_RESCORES_WAIT):
+            waiting += await self._waiting(queue_name)
         if waiting + wanted > self.max_backlog:
             raise DownstreamFull(
-                f"{waiting} score and re-score requests wait for the scorers "
-                f"(FANOUT_MAX_BACKLOG {self.max_backlog})"
+                f"{waiting} score and re-score requests wait for the scorers, or down the "
+                f"wait ladder (FANOUT_MAX_BACKLOG {self.max_backlog})"
             )
 
     async def _waiting(self, queue_name: str) -> int:

@@ -245,6 +245,9 @@ class ModelThrottle:
         # (`found_unavailable`); any other answer lets them through, and so does its
         # patience running out (`PROBE_PATIENCE_S`). Counted from the first delivery.
         self._starting = self._probe_due = probe_first  # its time: the first `wait_turn`
+        # Calls answered so far (`answered`): a start probe's check confirms an outage only
+        # if none was meanwhile (`found_unavailable`).
+        self._answers = 0
 
     def back_in_s(self, put_off: PutOff, rng: random.Random) -> float:
         """How long a delivery put off waits down the ladder: until the pause has between a
@@ -680,27 +683,29 @@ class ModelThrottle:
         probe's 429. The others wait for the check as for the probe's answer, its patience
         (`PROBE_PATIENCE_S`) counted afresh: a provider down answers both at once. A start
         whose patience ran out before its probe failed is over: no check."""
-        check_provider = self._check_provider
-        if check_provider is None or not self._start_probe_out(turn):
-            return self._call_found_down(
-                turn, retry_after_s, text_key=text_key, task_key=task_key, tenant_key=tenant_key
-            )
-        self._probe_sent_at = self._clock()
-        check = await _unless_closing(check_provider(model), closing or asyncio.Event())
-        found = None if check is None else check.found
-        if check is not None and found is ProviderFound.UNAVAILABLE:
-            return self._call_found_down(
-                turn,
-                _longest(retry_after_s, check.retry_after_s),
-                text_key=text_key,
-                task_key=task_key,
-                tenant_key=tenant_key,
-                confirmed=True,
+        confirmed, check = False, None
+        if self._check_provider is not None and self._start_probe_out(turn):
+            answers = self._answers
+            self._probe_sent_at = self._clock()
+            check = await _unless_closing(self._check_provider(model), closing or asyncio.Event())
+            # Only while nothing else was learnt meanwhile: a call answered (which starts the
+            # count again), a pause begun (the re-read of this change).
+            confirmed = (
+                check is not None
+                and check.found is ProviderFound.UNAVAILABLE
+                and self._answers == answers
+                and not self._outage
+                and self.pause_left_s() <= 0
             )
         owned = self._call_found_down(
-            turn, retry_after_s, text_key=text_key, task_key=task_key, tenant_key=tenant_key
+            turn,
+            _longest(retry_after_s, check.retry_after_s) if confirmed and check else retry_after_s,
+            text_key=text_key,
+            task_key=task_key,
+            tenant_key=tenant_key,
+            confirmed=confirmed,
         )
-        if check is not None and found is ProviderFound.RATE_LIMITED:
+        if check is not None and check.found is ProviderFound.RATE_LIMITED:
             self.rate_limited(PROBE, check.retry_after_s)
         return owned
 
@@ -931,6 +936,7 @@ class ModelThrottle:
         answer ends the pause, unless another replica's pause heard meanwhile outlasts it
         (then another probe follows that one); a call started before the pause says nothing
         of it. A text answered is no suspect (`_is_suspect`)."""
+        self._answers += 1
         self._forget_failures()
         if text_key is not None:
             self._disproven.pop(text_key, None)

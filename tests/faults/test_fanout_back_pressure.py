@@ -13,7 +13,7 @@ import pytest
 from faststream.rabbit import RabbitQueue
 
 from services.scheduler.errors import DownstreamFull
-from services.scheduler.messaging import SchedulerBus
+from services.scheduler.messaging import CACHED_RESCORES_WAIT, SchedulerBus
 from services.scheduler.settings import SchedulerSettings
 from shared.bus import publish_command
 from shared.consumers import ScoreboxBroker
@@ -53,7 +53,7 @@ async def test_a_backlog_for_the_scorers_holds_the_next_page_back(amqp_url: str)
         await broker.connect()
         await declare_topology(broker)
         bus = SchedulerBus(broker, timeout_s=TIMEOUT_S, clock=utcnow, max_backlog=6)
-        await purge(broker, SCORE_REQUESTS.name, RESCORE_REQUESTS.name)
+        await purge(broker, SCORE_REQUESTS.name, RESCORE_REQUESTS.name, CACHED_RESCORES_WAIT)
         for _ in range(3):  # waiting for a scorer that does not come
             await publish_command(broker, ScoreText(task_id=new_id(), text="Slow."), timeout=10)
 
@@ -66,8 +66,33 @@ async def test_a_backlog_for_the_scorers_holds_the_next_page_back(amqp_url: str)
         assert await waiting(broker, RESCORE_REQUESTS.name) == 4
 
 
-def _page(size: int) -> list[RescoreTask]:
-    return [rescore_request(ScoreText(task_id=new_id(), text="Again.")) for _ in range(size)]
+async def test_requests_sent_after_the_others_count_against_the_backlog(amqp_url: str) -> None:
+    """The requests of tasks the cache answered wait down the ladder before they reach the
+    gateway, and each then waits for a scorer unless the cache answers it: uncounted, a
+    large run put any number of them there (the re-read of that change)."""
+    broker = make_broker(SchedulerSettings.model_validate({"RABBITMQ_URL": amqp_url}))
+    async with broker:
+        await broker.connect()
+        await declare_topology(broker)
+        bus = SchedulerBus(broker, timeout_s=TIMEOUT_S, clock=utcnow, max_backlog=6)
+        await purge(broker, SCORE_REQUESTS.name, RESCORE_REQUESTS.name, CACHED_RESCORES_WAIT)
+        try:
+            await bus.publish_rescore_page(_page(4, answered_from_cache=True))
+            assert await waiting(broker, CACHED_RESCORES_WAIT) == 4
+            assert await waiting(broker, RESCORE_REQUESTS.name) == 0
+            with pytest.raises(DownstreamFull, match="4 score and re-score requests wait"):
+                await bus.publish_rescore_page(_page(3))  # 4 + 3 > 6
+        finally:
+            await purge(broker, CACHED_RESCORES_WAIT)
+
+
+def _page(size: int, *, answered_from_cache: bool = False) -> list[RescoreTask]:
+    return [
+        rescore_request(ScoreText(task_id=new_id(), text="Again.")).model_copy(
+            update={"answered_from_cache": answered_from_cache}
+        )
+        for _ in range(size)
+    ]
 
 
 async def waiting(broker: ScoreboxBroker, name: str) -> int:

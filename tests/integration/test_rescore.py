@@ -26,7 +26,7 @@ from services.scorer.settings import ScorerSettings
 from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
 from shared.bus import publish_delayed
-from shared.contracts import DEFAULT_TENANT, RescoreTask, new_id
+from shared.contracts import DEFAULT_TENANT, HEURISTIC_PROMPT_VERSION, RescoreTask, new_id
 from shared.runtime import make_broker
 from shared.topology import RESCORE_REQUESTS, SCORE_REQUESTS, TASKS
 from tests.support import drain, eventually, running, stack_env
@@ -290,16 +290,17 @@ async def test_a_generation_that_failed_since_does_not_hold_the_next_versions_re
 
 async def _answered_from_the_cache(flow: Flow, text: str) -> tuple[str, str, str]:
     """A task scored, and a copy of its text the cache answered, both as generation 0, the
-    cache's entry then of an earlier rubric version (as after a change of the prompt):
-    their ids, and the version results carry now."""
+    cache's entry then of another rubric version, one the gateway keeps (as after a change
+    of the prompt): their ids, and the version results carry now."""
     scored = await flow.submit(text)
     first = await flow.completed_generation(scored, 0)
     copy = await flow.api.post("/v1/scores", json={"text": text})
     assert copy.status_code == 200, copy.text
     assert copy.json()["result"]["cached"] is True
     version: str = first["result"]["prompt_version"]
+    assert version != HEURISTIC_PROMPT_VERSION  # scored by the model, not the offline scorer
     changed = await flow.cache.update_one(
-        {"task_id": scored}, {"$set": {"result.prompt_version": "judge-earlier"}}
+        {"task_id": scored}, {"$set": {"result.prompt_version": HEURISTIC_PROMPT_VERSION}}
     )
     assert changed.modified_count == 1
     return scored, copy.json()["task_id"], version

@@ -32,6 +32,7 @@ from services.gateway.rescore import RescoreRequests
 from services.gateway.settings import GatewaySettings
 from services.gateway.submissions import (
     RESCORE_ORPHANED_AFTER,
+    RescoreAnswer,
     RescoreClaim,
     RescoreRefused,
     Submissions,
@@ -234,10 +235,10 @@ async def test_an_unconfirmed_rescore_is_retried_later_and_resumes_its_generatio
     assert await env.sent(command.task_id) == []
 
 
-async def test_a_first_delivery_never_resumes_a_claim_being_sent(env: Env) -> None:
-    command = await accepted_submission(env.submissions())
-    request = rescore_request(command)
-    submissions = env.submissions()
+async def _claimed(
+    submissions: Submissions, command: ScoreText, request: RescoreTask
+) -> RescoreClaim:
+    """The re-score claim `request` takes, as the consumer takes it."""
     claim = await submissions.claim_rescore(
         command.task_id,
         tenant_id=command.tenant_id,
@@ -246,6 +247,14 @@ async def test_a_first_delivery_never_resumes_a_claim_being_sent(env: Env) -> No
         now=utcnow(),
     )
     assert isinstance(claim, RescoreClaim)
+    return claim
+
+
+async def test_a_first_delivery_never_resumes_a_claim_being_sent(env: Env) -> None:
+    command = await accepted_submission(env.submissions())
+    request = rescore_request(command)
+    submissions = env.submissions()
+    claim = await _claimed(submissions, command, request)
     consumer = env.consumer(env.publisher(), submissions)
 
     await consumer.on_message(HandedDelivery(request.model_dump_json().encode()))
@@ -637,3 +646,28 @@ async def test_a_resumed_claim_repeats_its_answer_from_the_cache(
     stored = await env.mongo[env.database]["submissions"].find_one({"_id": command.task_id})
     assert stored is not None
     assert stored["rescore"]["sent"] is True
+
+
+async def test_the_first_answer_recorded_on_a_claim_stands(env: Env) -> None:
+    """Two tries of one claim decided apart (the cache's entry gone, or come, between them)
+    record the first one's answer, and each is told it."""
+    submissions = env.submissions()
+    command = await accepted_submission(submissions)
+    request = rescore_request(command)
+    claim = await _claimed(submissions, command, request)
+    cached = RescoreAnswer(
+        cached=ScoreResult(score=6.5, comment="From the cache.", model="m", cached=True)
+    )
+
+    first = await submissions.answer_rescore(
+        command.task_id, generation=claim.generation, answer=cached
+    )
+    second = await submissions.answer_rescore(
+        command.task_id, generation=claim.generation, answer=RescoreAnswer()
+    )
+
+    assert first == second == cached
+    other_generation = await submissions.answer_rescore(
+        command.task_id, generation=claim.generation + 1, answer=RescoreAnswer()
+    )
+    assert other_generation == RescoreAnswer()  # not this claim's: nothing recorded

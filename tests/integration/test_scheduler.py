@@ -37,11 +37,13 @@ from services.scheduler.settings import SchedulerSettings
 from shared.bus import publish_dead_letter, publish_event
 from shared.contracts import (
     DeadLetterAlert,
+    Phase,
     RescoreTask,
     RunCronJob,
     ScoreResult,
     TaskCompleted,
     Usage,
+    event_sequence,
     new_id,
 )
 from shared.runtime import make_broker
@@ -729,27 +731,38 @@ async def test_the_fanout_sends_the_requests_of_tasks_the_cache_answered_after_t
     env: Env,
 ) -> None:
     """Sent together, the copies of a text the cache answered were looked up before the
-    scored task's new result existed, and nearly all were scored again: theirs go down the
+    scored task's new result existed, and nearly all were scored again: the catalogue keeps
+    from their `task.completed` that the cache answered them, and their requests go down the
     wait ladder (`CACHED_RESCORES_AFTER`, the 10 min tier), marked for the gateway to look
     the text up."""
-    await env.collection("completed_tasks").insert_many(
-        [
-            {
-                "_id": task_id,
-                "tenant_id": "acme",
-                "generation": 0,
-                "completed_at": QUIET - timedelta(hours=1),
-                "model": "m",
-                "rubric_version": None,
-                "cached": cached,
-            }
-            for task_id, cached in (("scored", False), ("answered-from-cache", True))
-        ]
-    )
+    completed = [
+        TaskCompleted(
+            task_id=task_id,
+            tenant_id="acme",
+            sequence=event_sequence(generation=0, attempt=attempt, phase=Phase.TERMINAL),
+            attempt=attempt,
+            submitted_at=QUIET - timedelta(hours=1),
+            occurred_at=QUIET - timedelta(hours=1),
+            result=ScoreResult(score=5, comment="ok", model="m", cached=not attempt),
+        )
+        for task_id, attempt in (("scored", 1), ("answered-from-cache", 0))
+    ]
     await drain(env.amqp_url, RESCORE_REQUESTS.name)
     await drain(env.amqp_url, "scorebox.wait.10m")
     config = parse_config({"jobs": {"rescore-fanout": {"cron": "0 3 * * *", "enabled": False}}}, {})
-    async with scheduler(env, config, handlers=None, RUBRIC_VERSION="heuristic-v1") as (api, _):
+    async with scheduler(env, config, RUBRIC_VERSION="heuristic-v1") as (api, _):
+        await _publish_events(env, completed)
+
+        async def catalogued() -> dict[str, bool] | None:
+            found = {
+                d["_id"]: d.get("cached") async for d in env.collection("completed_tasks").find()
+            }
+            return found if {"scored", "answered-from-cache"} <= found.keys() else None
+
+        assert (await eventually(catalogued, what="both catalogued")) == {
+            "scored": False,
+            "answered-from-cache": True,
+        }
         run = await _run_job(api, "rescore-fanout")
 
     [now] = [

@@ -2105,6 +2105,29 @@ async def test_the_others_wait_for_a_start_probes_check_within_a_patience_of_its
     assert _fails(throttle, 2, 3) == [True, True]  # the calls let through, running then
 
 
+async def test_a_call_answered_while_a_start_probes_check_is_out_keeps_it_from_an_outage() -> None:
+    """The others let through past the check's patience, one of them answered: the provider
+    answers, and the check's "down" after that is no outage (any other answer starts the
+    count again; the re-read of that change)."""
+    clock, checks, told = Clock(), CheckHeld(), _nothing_told()
+    throttle = _starting_checked(clock, checks, told)
+    probe, _ = await _start_probe_out(throttle, 1)
+    failing = asyncio.ensure_future(_start_fails(throttle, probe))
+    await asyncio.wait_for(checks.in_flight.wait(), GUARD_S)
+    clock.now += 2 * PROBE_PATIENCE_S  # the check out past its patience
+    late = asyncio.ensure_future(throttle.wait_turn(asyncio.Event()))
+    [other] = await asyncio.wait_for(asyncio.gather(late), GUARD_S)
+    assert other == GO
+    throttle.answered(GO, text_key=7)
+
+    checks.answer.set_result(STILL_DOWN)
+
+    assert not await asyncio.wait_for(failing, GUARD_S)  # its task's, as a text's own 5xx
+    throttle.done(PROBE)
+    assert not throttle.paused
+    assert told == []
+
+
 async def test_a_stop_cuts_a_start_probes_check_short_and_nothing_pauses() -> None:
     """Cut short, the check says nothing of the provider: as with none to make."""
     clock, checks, told = Clock(), CheckHanging(), _nothing_told()

@@ -89,21 +89,24 @@ def test_the_addresses_remembered_stay_bounded_dropping_the_least_recent() -> No
 
 
 def test_the_replica_bounds_all_addresses_together() -> None:
-    """Each address within its own budget: the replica's lookups still have a ceiling."""
+    """Each address within its own budget: the replica's lookups still have a ceiling, and a
+    refusal takes nothing from the address's own budget."""
     ticker = Ticker()
     budget = UnknownKeyBudget(2, replica_per_minute=3, monotonic=ticker)
     _spend(budget, "192.0.2.1", 2)
     _spend(budget, "192.0.2.2", 1)
+    assert budget.take("192.0.2.2") == Spent(retry_after_s=20, per_minute=3, replica_wide=True)
     assert budget.take("192.0.2.3") == Spent(retry_after_s=20, per_minute=3, replica_wide=True)
-    # Refused by the replica's budget, the address's own token was not taken.
-    ticker.now += 20
-    _spend(budget, "192.0.2.2", 1)
-    spent = budget.take("192.0.2.2")
-    assert spent is not None
-    assert not spent.replica_wide
-    again = budget.take("192.0.2.3")
-    assert again is not None
-    assert again.replica_wide
+    ticker.now += 20  # one token back for the replica; 2/3 of one for each address
+    _spend(budget, "192.0.2.2", 1)  # its second token, not taken by the refusals
+
+
+def test_both_budgets_spent_the_later_one_is_told() -> None:
+    budget = UnknownKeyBudget(1, replica_per_minute=2, monotonic=Ticker())
+    _spend(budget, "192.0.2.1", 1)  # its own spent: back in 60 s
+    _spend(budget, "192.0.2.2", 1)  # the replica's spent: back in 30 s
+    assert budget.take("192.0.2.1") == Spent(retry_after_s=60, per_minute=1, replica_wide=False)
+    assert budget.take("192.0.2.3") == Spent(retry_after_s=30, per_minute=2, replica_wide=True)
 
 
 def test_a_token_given_back_returns_to_the_replica_too() -> None:

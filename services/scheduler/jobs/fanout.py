@@ -12,8 +12,9 @@ continues in a new message, so no delivery stays unacknowledged for long.
 
 A task the result cache answered (the catalogue's `cached`) is requested marked
 `answered_from_cache` and reaches the gateway `CACHED_RESCORES_AFTER` later
-(`services.scheduler.messaging`): by then the task its text was scored for has most often
-been scored again, and the gateway answers it from the cache without a model call.
+(`services.scheduler.messaging`, counted against the backlog meanwhile): by then the task
+its text was scored for has been scored again unless the scorers' backlog is longer, and
+the gateway answers it from the cache without a model call.
 
 Only tasks completed within `horizon` are due (`FANOUT_HORIZON_S`, the gateway's
 `IDEMPOTENCY_TTL_S`): the gateway re-scores a task from its submission, kept that long from

@@ -2128,6 +2128,23 @@ async def test_a_call_answered_while_a_start_probes_check_is_out_keeps_it_from_a
     assert told == []
 
 
+async def test_a_pause_heard_while_a_start_probes_check_is_out_keeps_it_from_an_outage() -> None:
+    """Another replica's rate-limit pause heard meanwhile: the provider answered it, and the
+    check's "down" after that begins no outage."""
+    clock, checks, told = Clock(), CheckHeld(), _nothing_told()
+    throttle = _starting_checked(clock, checks, told)
+    probe, _ = await _start_probe_out(throttle, 1)
+    failing = asyncio.ensure_future(_start_fails(throttle, probe))
+    await asyncio.wait_for(checks.in_flight.wait(), GUARD_S)
+    throttle.paused_elsewhere(5.0)
+
+    checks.answer.set_result(STILL_DOWN)
+
+    await asyncio.wait_for(failing, GUARD_S)
+    throttle.done(PROBE)
+    assert [outage for _, outage in told if outage] == []
+
+
 async def test_a_stop_cuts_a_start_probes_check_short_and_nothing_pauses() -> None:
     """Cut short, the check says nothing of the provider: as with none to make."""
     clock, checks, told = Clock(), CheckHanging(), _nothing_told()

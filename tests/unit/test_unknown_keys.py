@@ -107,6 +107,15 @@ def test_both_budgets_spent_the_later_one_is_told() -> None:
     _spend(budget, "192.0.2.2", 1)  # the replica's spent: back in 30 s
     assert budget.take("192.0.2.1") == Spent(retry_after_s=60, per_minute=1, replica_wide=False)
     assert budget.take("192.0.2.3") == Spent(retry_after_s=30, per_minute=2, replica_wide=True)
+    ticker = Ticker()
+    sooner = UnknownKeyBudget(2, replica_per_minute=3, monotonic=ticker)
+    _spend(sooner, "192.0.2.1", 2)
+    ticker.now += 29  # its own nearly back; the replica's spent by another address now
+    _spend(sooner, "192.0.2.2", 2)
+    spent = sooner.take("192.0.2.1")
+    assert spent is not None
+    assert spent.replica_wide
+    assert spent.retry_after_s > 2
 
 
 def test_a_token_given_back_returns_to_the_replica_too() -> None:

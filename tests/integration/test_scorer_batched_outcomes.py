@@ -32,17 +32,42 @@ async def _batched_events(scorer: httpx.AsyncClient) -> float:
     return metric_sum(answer.text, "scorebox_events_per_batch_sum")
 
 
+# Runs of the scenario at most, for the completions to finish together: on a loaded machine
+# (the whole suite in CI) they reached the batcher a few ms apart once, each publish confirmed
+# before the next, and none could go out together. Batching never working fails every run.
+RUNS = 3
+
+
 @pytest.mark.parametrize("batch_max", [64, 1])
 async def test_completions_finishing_together_are_published_in_batches_each_once(
     amqp_url: str, mongo: Any, db_prefix: str, batch_max: int
 ) -> None:
+    for run in range(RUNS):
+        received, batched = await _scored_together(
+            amqp_url, mongo, f"{db_prefix}{batch_max}r{run}", batch_max
+        )
+        if batch_max == 1:
+            assert batched == 0
+            assert len(received) == TASKS
+            return
+        if batched > 0:
+            assert len(received) < TASKS
+            return
+    pytest.fail(f"no two completions went out together in {RUNS} runs")
+
+
+async def _scored_together(
+    amqp_url: str, mongo: Any, db_prefix: str, batch_max: int
+) -> tuple[list[Any], float]:
+    """`TASKS` texts scored at once, each completion published once: the messages that
+    carried them, and how many events went out in batches."""
     # Every call answers after the same latency: the completions finish together.
     llm = await start_fake_llm(FakeLLMConfig(latency_ms=300))
     setup = scorer_over(
         llm,
         amqp_url=amqp_url,
         mongo_url=mongo.url,
-        db_prefix=f"{db_prefix}{batch_max}",
+        db_prefix=db_prefix,
         SCORER_CONCURRENCY=str(TASKS),
         SCORER_OUTCOME_BATCH_MAX=str(batch_max),
     )
@@ -70,9 +95,4 @@ async def test_completions_finishing_together_are_published_in_batches_each_once
 
     published = [task for message in received for task in completion_ids(message)]
     assert sorted(map(str, published)) == sorted(c.task_id for c in commands)  # each once
-    if batch_max == 1:
-        assert batched == 0
-        assert len(received) == TASKS
-    else:
-        assert batched > 0, "no two completions went out together"
-        assert len(received) < TASKS
+    return list(received), batched

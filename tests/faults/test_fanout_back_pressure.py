@@ -9,6 +9,9 @@ of the queue filling.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import pytest
 from faststream.rabbit import RabbitQueue
 
@@ -48,12 +51,7 @@ async def test_a_backlog_for_the_scorers_holds_the_next_page_back(amqp_url: str)
     """Behind a slow scorer the score queue fills, not the re-score queue (the gateway drains
     that one at its own pace): the fan-out waits for the requests already waiting, score and
     re-score ones together, to fall under `FANOUT_MAX_BACKLOG`."""
-    broker = make_broker(SchedulerSettings.model_validate({"RABBITMQ_URL": amqp_url}))
-    async with broker:
-        await broker.connect()
-        await declare_topology(broker)
-        bus = SchedulerBus(broker, timeout_s=TIMEOUT_S, clock=utcnow, max_backlog=6)
-        await purge(broker, SCORE_REQUESTS.name, RESCORE_REQUESTS.name, CACHED_RESCORES_WAIT)
+    async with _backlog_of_six(amqp_url) as (broker, bus):
         for _ in range(3):  # waiting for a scorer that does not come
             await publish_command(broker, ScoreText(task_id=new_id(), text="Slow."), timeout=10)
 
@@ -70,18 +68,26 @@ async def test_requests_sent_after_the_others_count_against_the_backlog(amqp_url
     """The requests of tasks the cache answered wait down the ladder before they reach the
     gateway, and each then waits for a scorer unless the cache answers it: uncounted, a
     large run put any number of them there (the re-read of that change)."""
+    async with _backlog_of_six(amqp_url) as (broker, bus):
+        await bus.publish_rescore_page(_page(4, answered_from_cache=True))
+        assert await waiting(broker, CACHED_RESCORES_WAIT) == 4
+        assert await waiting(broker, RESCORE_REQUESTS.name) == 0
+        with pytest.raises(DownstreamFull, match="4 score and re-score requests wait"):
+            await bus.publish_rescore_page(_page(3))  # 4 + 3 > 6
+
+
+@asynccontextmanager
+async def _backlog_of_six(amqp_url: str) -> AsyncIterator[tuple[ScoreboxBroker, SchedulerBus]]:
+    """The scheduler's bus with `FANOUT_MAX_BACKLOG` 6, the queues it counts empty; the
+    wait queue emptied afterwards too (its messages would reach the re-score queue)."""
+    counted = (SCORE_REQUESTS.name, RESCORE_REQUESTS.name, CACHED_RESCORES_WAIT)
     broker = make_broker(SchedulerSettings.model_validate({"RABBITMQ_URL": amqp_url}))
     async with broker:
         await broker.connect()
         await declare_topology(broker)
-        bus = SchedulerBus(broker, timeout_s=TIMEOUT_S, clock=utcnow, max_backlog=6)
-        await purge(broker, SCORE_REQUESTS.name, RESCORE_REQUESTS.name, CACHED_RESCORES_WAIT)
+        await purge(broker, *counted)
         try:
-            await bus.publish_rescore_page(_page(4, answered_from_cache=True))
-            assert await waiting(broker, CACHED_RESCORES_WAIT) == 4
-            assert await waiting(broker, RESCORE_REQUESTS.name) == 0
-            with pytest.raises(DownstreamFull, match="4 score and re-score requests wait"):
-                await bus.publish_rescore_page(_page(3))  # 4 + 3 > 6
+            yield broker, SchedulerBus(broker, timeout_s=TIMEOUT_S, clock=utcnow, max_backlog=6)
         finally:
             await purge(broker, CACHED_RESCORES_WAIT)
 

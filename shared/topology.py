@@ -37,8 +37,17 @@ consumer that receives a message not yet due sends it down the ladder again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterable, Mapping
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Coroutine,
+    Iterable,
+    Mapping,
+)
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -422,6 +431,10 @@ _DECLARING_CHANNELS: Final = tuple(
     Channel(publisher_confirms=False) for _ in range(len(WORK_QUEUES) + 1 + len(WAIT_TIERS))
 )
 
+# Connecting the probing connection: the whole declaration is bounded by its caller's deadline
+# (`STARTUP_TIMEOUT_S`); this bounds the one connect that nothing beneath it bounds.
+PROBE_CONNECT_TIMEOUT_S: Final = 10.0
+
 
 async def declare_topology(broker: RabbitBroker) -> None:
     """Declare every exchange, queue and binding; idempotent, run by each service at start.
@@ -431,21 +444,37 @@ async def declare_topology(broker: RabbitBroker) -> None:
     (`shared.bus.send_raw`), on that channel's confirms and returns. Declared on a channel
     of their own, the publishes went out unconfirmed (the re-read of that change).
 
-    No channel is opened while the broker may be closing another: aiormq frees the number of
-    a channel the broker closes (a passive declaration of an absent queue, a declaration
-    with other arguments) before its `Close-Ok` is written, a channel opened meanwhile takes
-    that number, and the broker closes the whole connection ("second 'channel.open' seen";
-    the first version of this change, found by CI). So the chains' channels are opened
-    first, together; the declarations the broker may refuse go one at a time, the DLQs'
-    before the chains, the retired queues' beside them, which open no channel.
+    The declarations the broker may refuse, by closing the channel that made them (a DLQ of
+    an earlier version, a passive declaration of an absent retired queue), are made on a
+    connection of their own, one at a time. aiormq frees a channel's number when the broker
+    closes it, but drops the `Close-Ok` it owes when its connection's write queue is full;
+    the next channel opened under that number closed the whole connection ("second
+    'channel.open' seen"; CI, twice). The publishing connection is busy meanwhile: the
+    chains' channels are opened first, together (the probing connection beside them), and
+    then the chains run side by side.
     """
     exchanges = {exchange.name: await broker.declare_exchange(exchange) for exchange in EXCHANGES}
     await exchanges[CALLBACKS.name].bind(exchanges[EVENTS.name], routing_key=CALLBACK_EVENT_KEY)
     config = broker.config
-    await _side_by_side(config.channel_manager.get_channel(each) for each in _DECLARING_CHANNELS)
-    connection = (await exchanges[DLX.name].channel.get_underlay_channel()).connection
-    clean = await _dead_letter_queues_declaring_cleanly(connection)
-    declarer: RabbitDeclarer = config.declarer
+    publishing = (await exchanges[DLX.name].channel.get_underlay_channel()).connection
+    async with contextlib.AsyncExitStack() as stack:
+        connecting = stack.enter_async_context(_probing_connection(publishing))
+        channels = (config.channel_manager.get_channel(each) for each in _DECLARING_CHANNELS)
+        probing = (await _side_by_side([connecting, *channels]))[0]
+        assert isinstance(probing, aiormq.abc.AbstractConnection)
+        clean = await _dead_letter_queues_declaring_cleanly(probing)
+        await _declare_chains(config.declarer, exchanges, clean=clean, probing=probing)
+
+
+async def _declare_chains(
+    declarer: RabbitDeclarer,
+    exchanges: Mapping[str, RobustExchange],
+    *,
+    clean: Collection[str],
+    probing: aiormq.abc.AbstractConnection,
+) -> None:
+    """Every queue and its bindings, each chain on a declaring channel of its own; the
+    retired queues deleted beside them, on the `probing` connection."""
     channels = iter(_DECLARING_CHANNELS)
     work_queues = (
         _declare_work_queue(declarer, work_queue, exchanges, next(channels), clean=clean)
@@ -462,8 +491,23 @@ async def declare_topology(broker: RabbitBroker) -> None:
         )
         for tier, seconds in WAIT_TIERS
     )
-    retired = _delete_retired_queues(connection)
+    retired = _delete_retired_queues(probing)
     await _side_by_side([*work_queues, ops_log, *wait_queues, retired])
+
+
+@contextlib.asynccontextmanager
+async def _probing_connection(
+    publishing: aiormq.abc.AbstractConnection,
+) -> AsyncIterator[aiormq.abc.AbstractConnection]:
+    """A connection to `publishing`'s broker and vhost, with its TLS context, closed after."""
+    context = publishing.ssl_context if isinstance(publishing, aiormq.Connection) else None
+    connection = aiormq.Connection(publishing.url, context=context)
+    try:
+        async with asyncio.timeout(PROBE_CONNECT_TIMEOUT_S):
+            await connection.connect({"connection_name": "scorebox topology probes"})
+        yield connection
+    finally:
+        await connection.close()
 
 
 async def _side_by_side[T](declarations: Iterable[Coroutine[Any, Any, T]]) -> list[T]:

@@ -15,7 +15,15 @@ from shared import topology
 from shared.bus import send_raw
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
-from shared.topology import EVENTS, EXCHANGES, WAIT_TIERS, WORK_QUEUES, declare_topology
+from shared.topology import (
+    EVENTS,
+    EXCHANGES,
+    RETIRED_QUEUES,
+    SCORE_REQUESTS,
+    WAIT_TIERS,
+    WORK_QUEUES,
+    declare_topology,
+)
 from tests.faults.slow_link import SlowLink
 
 pytestmark = pytest.mark.integration
@@ -73,14 +81,15 @@ async def test_publishes_after_the_declarations_are_confirmed_and_returned(amqp_
             await broker.stop()
 
 
-async def test_no_channel_is_opened_while_the_broker_may_be_closing_one(
+async def test_no_channel_is_opened_beside_a_probe_on_its_connection(
     amqp_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """aiormq frees the number of a channel the broker closes (the passive declaration of an
-    absent retired queue) before its `Close-Ok` is written: a channel opened meanwhile took
-    that number, and the broker closed the whole connection, "second 'channel.open' seen"
-    (CI, at about one start in thirty, with every declaration side by side)."""
-    probing: set[asyncio.Task[Any]] = set()
+    absent retired queue) before its `Close-Ok` is written: a channel opened meanwhile on
+    that connection took that number, and the broker closed the whole connection, "second
+    'channel.open' seen" (CI, at about one start in thirty, with every declaration side by
+    side). The probes go one at a time on a connection of their own."""
+    probing: dict[asyncio.Task[Any], Any] = {}
     opened_meanwhile: list[str] = []
     passively_declared = topology._passively_declared
     open_channel = aiormq.Connection.channel
@@ -88,14 +97,15 @@ async def test_no_channel_is_opened_while_the_broker_may_be_closing_one(
     async def probe(connection: Any, name: str) -> Any:
         task = asyncio.current_task()
         assert task is not None
-        probing.add(task)
+        probing[task] = connection
         try:
             return await passively_declared(connection, name)
         finally:
-            probing.discard(task)
+            del probing[task]
 
     async def channel(self: aiormq.Connection, *args: Any, **kwargs: Any) -> Any:
-        if probing - {asyncio.current_task()}:
+        others = {task: on for task, on in probing.items() if task is not asyncio.current_task()}
+        if self in others.values():
             opened_meanwhile.append(repr(asyncio.current_task()))
         return await open_channel(self, *args, **kwargs)
 
@@ -109,3 +119,45 @@ async def test_no_channel_is_opened_while_the_broker_may_be_closing_one(
         with contextlib.suppress(Exception):
             await broker.stop()
     assert opened_meanwhile == []
+
+
+async def test_the_broker_closes_no_channel_of_the_publishing_connection_while_declaring(
+    amqp_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker closes the channel of a passive declaration of an absent queue (each
+    retired one) and of a DLQ declared with other arguments. aiormq drops the `Close-Ok` it
+    owes when its connection's write queue is full, and frees the channel's number all the
+    same: the next channel opened under that number closed the whole connection ("second
+    'channel.open' seen", CI twice), and the publishing connection is busy with the other
+    declarations meanwhile. Those the broker may refuse are made on a connection of their
+    own."""
+    closed_by_the_broker: list[aiormq.abc.AbstractConnection] = []
+    on_close_frame = aiormq.Channel._on_close_frame
+
+    async def seen(channel: aiormq.Channel, frame: aiormq.spec.Channel.Close) -> None:
+        closed_by_the_broker.append(channel.connection)
+        await on_close_frame(channel, frame)
+
+    monkeypatch.setattr(aiormq.Channel, "_on_close_frame", seen)
+    await _declare_an_earlier_versions_dlq(amqp_url)
+    broker = make_broker(ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url}))
+    await broker.connect()
+    try:
+        await declare_topology(broker)
+        default_channel = await broker.config.channel_manager.get_channel()
+        publishing = (await default_channel.get_underlay_channel()).connection
+    finally:
+        await broker.stop()
+
+    assert len(closed_by_the_broker) == 1 + len(RETIRED_QUEUES)  # the DLQ, each absent queue
+    assert publishing not in closed_by_the_broker
+
+
+async def _declare_an_earlier_versions_dlq(amqp_url: str) -> None:
+    """The score requests' DLQ as versions before its delivery limit declared it."""
+    async with asyncio.timeout(10):
+        async with aiormq.connect(amqp_url) as connection:
+            channel = await connection.channel()
+            dlq = SCORE_REQUESTS.dead_letter_routing_key
+            await channel.queue_delete(dlq)  # this module's vhost is shared
+            await channel.queue_declare(dlq, durable=True, arguments={"x-queue-type": "quorum"})

@@ -104,6 +104,21 @@ async def eventually[T](
         raise AssertionError(f"{what} not reached within {timeout_s}s (last: {last!r})") from None
 
 
+async def loop_turns(turns: int = 50) -> None:
+    """Let the event loop go round `turns` times: before checking that something did not
+    happen, where nothing else runs (a fake clock, no I/O). One turn let what happens only
+    a few steps later pass for what does not happen."""
+    for _ in range(turns):
+        await asyncio.sleep(0)
+
+
+async def none_done(*waiters: asyncio.Future[Any], turns: int = 50) -> bool:
+    """Whether none of `waiters` is done once the event loop has gone round `turns` times
+    (`loop_turns`)."""
+    await loop_turns(turns)
+    return not any(waiter.done() for waiter in waiters)
+
+
 async def run_cron_job_by_hand(api: httpx.AsyncClient, job: str) -> dict[str, Any]:
     """Run `job` by hand through the scheduler's admin API (`api` carries the admin key) and
     wait for its run to end: the run as the API shows it. A run that does not end fails

@@ -33,7 +33,7 @@ from tests.integration.test_failed_deliveries import (
     _publish_body,
     _ready,
 )
-from tests.support import HandedDelivery, eventually
+from tests.support import HandedDelivery, eventually, sample
 
 pytestmark = pytest.mark.integration
 
@@ -151,5 +151,5 @@ async def test_a_delivery_whose_copy_is_refused_is_returned_as_failed_not_acked(
 
 def _settled(broker: ScoreboxBroker, how: str) -> float:
     """How many deliveries of the projection's queue its handler left `how`."""
-    labels = {"queue": STATUS_PROJECTION.name, "settled": how}
-    return broker.metrics.registry.get_sample_value("scorebox_deliveries_total", labels) or 0.0
+    registry = broker.metrics.registry
+    return sample(registry, "scorebox_deliveries_total", queue=STATUS_PROJECTION.name, settled=how)

@@ -17,6 +17,7 @@ from shared.contracts import ScoreText, new_id
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
 from shared.topology import TASKS
+from tests import support
 from tests.support import eventually
 
 pytestmark = pytest.mark.integration
@@ -25,7 +26,7 @@ TIMEOUT_S = 10.0
 
 
 def sample(broker: ScoreboxBroker, name: str, labels: dict[str, str]) -> float:
-    return broker.metrics.registry.get_sample_value(name, labels) or 0.0
+    return support.sample(broker.metrics.registry, name, **labels)
 
 
 @pytest.fixture

@@ -56,7 +56,7 @@ from tests.integration.test_notifier import (
 )
 from tests.integration.test_notifier_delivery_limit import Notifier as OnBroker
 from tests.integration.test_notifier_own_claims import Deps, _delivery
-from tests.support import HandedDelivery, eventually, running
+from tests.support import HandedDelivery, eventually, running, sample
 
 receiver = own_claims.receiver  # fixtures
 ledger = own_claims.ledger
@@ -295,8 +295,7 @@ def _with_bound(deps: DeliveryDeps) -> tuple[DeliveryDeps, CollectorRegistry]:
 
 
 def _deferred(registry: CollectorRegistry, reason: str = "host_busy") -> float:
-    labels = {"reason": reason}
-    return registry.get_sample_value("scorebox_webhook_deferred_total", labels) or 0.0
+    return sample(registry, "scorebox_webhook_deferred_total", reason=reason)
 
 
 async def test_a_delivery_to_a_busy_destination_is_sent_again_later_unclaimed_and_unsent(

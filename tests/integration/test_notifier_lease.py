@@ -31,6 +31,7 @@ from shared.contracts import WebhookPurpose, utcnow
 from tests.integration import test_notifier_own_claims as own_claims
 from tests.integration.test_notifier import Receiver
 from tests.integration.test_notifier_own_claims import LEASE, Deps, _delivery
+from tests.support import sample
 
 receiver = own_claims.receiver  # fixtures
 ledger = own_claims.ledger
@@ -93,8 +94,7 @@ class LeaseAtPost:
 
 
 def _lease_short(registry: CollectorRegistry) -> float:
-    labels = {"reason": "lease_short"}
-    return registry.get_sample_value("scorebox_webhook_deferred_total", labels) or 0.0
+    return sample(registry, "scorebox_webhook_deferred_total", reason="lease_short")
 
 
 async def test_an_attempt_whose_lease_ran_short_before_the_post_is_put_off_unsent(

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared.http import Problem, admin_guard, install_problem_handlers
 from shared.metrics import Metrics, serve_metrics
-from tests.support import running
+from tests.support import running, sample
 
 
 def app_with_metrics(metrics: Metrics, *, admin_key: str | None = None) -> FastAPI:
@@ -36,8 +36,13 @@ def app_with_metrics(metrics: Metrics, *, admin_key: str | None = None) -> FastA
 
 
 def requests_counted(metrics: Metrics, method: str, route: str, status: str) -> float:
-    labels = {"method": method, "route": route, "status": status}
-    return metrics.registry.get_sample_value("scorebox_http_request_seconds_count", labels) or 0.0
+    return sample(
+        metrics.registry,
+        "scorebox_http_request_seconds_count",
+        method=method,
+        route=route,
+        status=status,
+    )
 
 
 async def test_requests_are_counted_by_route_template_and_status() -> None:

@@ -12,7 +12,7 @@ import pytest
 from aio_pika.tools import CallbackCollection
 
 from shared.reconnection_gates import ReconnectionGates
-from tests.support import eventually
+from tests.support import eventually, loop_turns
 
 
 class Connection:
@@ -72,7 +72,7 @@ async def test_the_gate_stays_shut_until_every_watched_connection_is_back() -> N
     await consuming.lose()
     await own.lose()
     await consuming.come_back()
-    await asyncio.sleep(0)  # a reopening spawned now would have run its first step
+    await loop_turns()  # a reopening spawned now would have run its first steps
 
     assert not opened.is_set()
     assert waited.runs == 0
@@ -153,7 +153,7 @@ async def test_a_loss_while_reopening_leaves_the_gate_shut_for_the_next_reconnec
 
     await consuming.lose()
     waited.hold.set()
-    await asyncio.sleep(0)
+    await loop_turns()
 
     assert not opened.is_set()
     await consuming.come_back()
@@ -195,7 +195,7 @@ async def test_the_grace_does_not_reopen_while_the_consuming_connection_is_down(
         timeout_s=5,
     )
 
-    await _turns(10)  # a reopening the grace began would have run through by now
+    await loop_turns()  # a reopening the grace began would have run through by now
     assert (opened.is_set(), waited.runs) == (False, 0)
     await consuming.come_back()
     await eventually(lambda: _is(opened.is_set()), what="opened after the grace", timeout_s=5)
@@ -214,12 +214,6 @@ async def test_a_stop_opens_the_gate_for_good() -> None:
     await consuming.lose()
 
     assert opened.is_set()
-
-
-async def _turns(count: int) -> None:
-    """Let the event loop run `count` turns (no time passes: nothing here waits on a clock)."""
-    for _ in range(count):
-        await asyncio.sleep(0)
 
 
 async def _is(value: bool) -> bool:

@@ -12,7 +12,7 @@ import pytest
 from services.scorer.model.settings import ModelSettings
 from services.scorer.shared_pauses import PauseAnnouncer, peer_pause_left_s, provider_of
 from shared.contracts import ModelCallsPaused, new_id, utcnow
-from tests.support import eventually
+from tests.support import eventually, loop_turns
 
 PROVIDER = "https://llm.example/v1 key:0123456789ab"
 
@@ -158,5 +158,5 @@ async def test_no_announcement_is_made_once_the_scorer_stops() -> None:
     announcer = PauseAnnouncer(publish=publish, replica="a", provider=PROVIDER, timeout_s=5)
     await announcer.close()
     announcer.announce(10)  # a call still finishing in its slot met a 429
-    await asyncio.sleep(0)  # one pass of the loop: an announcement made would be published
+    await loop_turns()  # an announcement made would be published by now
     assert published == []

@@ -36,7 +36,7 @@ from services.scorer.throttle import (
     Turn,
 )
 from shared.contracts import ScoreText
-from tests.support import eventually
+from tests.support import eventually, none_done
 
 # Only keeps a failing test from waiting for ever.
 GUARD_S = 10.0
@@ -106,8 +106,7 @@ async def test_a_replica_starting_during_a_rate_limit_sends_one_call_not_a_slot_
 
     assert throttle.paused
     assert throttle.pause_left_s() == pytest.approx(20)
-    await asyncio.sleep(0)
-    assert not any(waiter.done() for waiter in others)
+    assert await none_done(*others)
     for waiter in others:
         waiter.cancel()
 
@@ -193,8 +192,7 @@ async def test_after_a_429_one_probe_goes_first_and_its_answer_lets_the_others_t
 
     closing = asyncio.Event()
     waiters = [asyncio.ensure_future(throttle.wait_turn(closing)) for _ in range(4)]
-    await asyncio.sleep(0)
-    assert not any(waiter.done() for waiter in waiters)  # paused: nobody calls
+    assert await none_done(*waiters)  # paused: nobody calls
 
     clock.now += 2  # the pause is over; the waiters find out at their wake-up
     await eventually(lambda: _any_done(waiters), what="a probe")
@@ -259,8 +257,7 @@ async def test_a_probe_that_never_called_lets_another_delivery_probe() -> None:
     probe = await throttle.wait_turn(asyncio.Event())
     assert isinstance(probe, Turn)
     waiter = asyncio.ensure_future(throttle.wait_turn(asyncio.Event()))
-    await asyncio.sleep(0)
-    assert not waiter.done()  # waits for the probe's answer
+    assert await none_done(waiter)  # waits for the probe's answer
 
     throttle.done(probe)
     assert await asyncio.wait_for(waiter, timeout=10) == Turn(probe=True)
@@ -272,7 +269,7 @@ async def test_a_stop_turns_the_waiting_deliveries_away() -> None:
     throttle.rate_limited(Turn(), retry_after_s=25)
     closing = asyncio.Event()
     waiter = asyncio.ensure_future(throttle.wait_turn(closing))
-    await asyncio.sleep(0)
+    await eventually(lambda: _waiting(throttle, 1), what="the delivery waiting")
 
     closing.set()
     with pytest.raises(SlotsClosed):
@@ -359,8 +356,7 @@ async def test_a_pause_told_by_another_replica_holds_calls_until_its_end_then_a_
     assert begun == []  # not told back: the replica that began it told everyone
 
     waiters = [asyncio.ensure_future(throttle.wait_turn(asyncio.Event())) for _ in range(3)]
-    await asyncio.sleep(0)
-    assert not any(waiter.done() for waiter in waiters)
+    assert await none_done(*waiters)
     clock.now += 2  # the pause is over; the waiters find out at their wake-up
     await eventually(lambda: _any_done(waiters), what="a probe")
     assert [waiter.result() for waiter in waiters if waiter.done()] == [Turn(probe=True)]
@@ -397,8 +393,7 @@ async def test_a_delivery_waits_hold_s_in_all_not_per_pause() -> None:
     throttle.rate_limited(Turn(), retry_after_s=3)
     closing = asyncio.Event()
     waiter = asyncio.ensure_future(throttle.wait_turn(closing))
-    await asyncio.sleep(0)
-    assert not waiter.done()
+    assert await none_done(waiter)
 
     clock.now += 3.01  # the first pause is over; another delivery takes the probe first
     probe = await throttle.wait_turn(closing)
@@ -436,8 +431,7 @@ async def test_a_rate_limits_probe_unanswered_for_a_while_lets_the_others_throug
     probe = await asyncio.wait_for(throttle.wait_turn(closing), GUARD_S)
     assert probe == PROBE
     others = [asyncio.ensure_future(throttle.wait_turn(closing)) for _ in range(3)]
-    await asyncio.sleep(0)
-    assert not any(other.done() for other in others)  # the probe just went: awaited
+    assert await none_done(*others)  # the probe just went: awaited
 
     clock.now += PROBE_PATIENCE_S
     await eventually(lambda: _all_done(others), what="the others let through")
@@ -2006,8 +2000,7 @@ async def test_a_replica_starting_into_an_outage_pauses_after_its_first_call_and
     assert throttle.paused
     assert told == [(throttle.pause_left_s(), True)]
     assert "this scorer's first call and a check" in caplog.records[0].getMessage()
-    await asyncio.sleep(0)
-    assert not any(waiter.done() for waiter in others)
+    assert await none_done(*others)
 
     clock.now += throttle.pause_left_s() + 0.01  # seen at their wake-up
     await eventually(lambda: _any_done(others), what="the outage's probe")
@@ -2057,8 +2050,7 @@ async def test_a_start_probes_5xx_with_a_check_answered_429_pauses_as_its_429_wo
     [(told_s, outage)] = told
     assert told_s == pytest.approx(20)
     assert not outage  # a rate limit's pause, told as one
-    await asyncio.sleep(0)
-    assert not any(waiter.done() for waiter in others)
+    assert await none_done(*others)
     for waiter in others:
         waiter.cancel()
 
@@ -2091,8 +2083,7 @@ async def test_the_others_wait_for_a_start_probes_check_within_a_patience_of_its
 
     clock.now += 0.5  # the probe out past its patience, the check within its own
     late = asyncio.ensure_future(throttle.wait_turn(asyncio.Event()))
-    await asyncio.sleep(0)
-    assert not late.done()  # waits for the check's answer
+    assert await none_done(late)  # waits for the check's answer
     clock.now += PROBE_PATIENCE_S  # the check out past its patience: seen at their wake-up
     assert await asyncio.wait_for(asyncio.gather(*others, late), GUARD_S) == [GO, GO]
     assert not throttle.paused

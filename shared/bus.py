@@ -420,11 +420,28 @@ async def publish_delayed(
             headers=headers,
         )
         return
+    await publish_through_wait_queue(
+        broker, message, tier=tier[0], routing_key=routing_key, timeout=timeout, headers=headers
+    )
+
+
+async def publish_through_wait_queue(
+    broker: RabbitBroker,
+    message: Contract,
+    *,
+    tier: str,
+    routing_key: str,
+    timeout: float,
+    headers: Mapping[str, Any] | None = None,
+) -> None:
+    """Publish to the wait queue of `tier` (a ladder's tier, or one apart such as
+    `CACHED_RESCORES_TIER`'s), from which it reaches the queue bound to `scorebox.due` with
+    `*.<routing_key>` once the tier's TTL is over."""
     await _publish(
         broker,
         message,
         exchange=DELAY,
-        routing_key=delay_routing_key(tier[0], routing_key),
+        routing_key=delay_routing_key(tier, routing_key),
         timeout=timeout,
         headers=headers,
     )

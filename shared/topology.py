@@ -20,6 +20,7 @@
     scorebox.callbacks x-scorebox-callback: yes        → scorebox.notifications (notifier)
                       ops.#                            → scorebox.ops-log (operators, recent only)
     scorebox.delay    <tier>.#                         → scorebox.wait.<tier> (TTL, then ↓)
+                      cached-rescores.#                → scorebox.wait.cached-rescores (↓)
     scorebox.due      *.<key of a delayed target>      → that target's queue
     scorebox.dlx      <queue>.dlq                      → <queue>.dlq (operators)
 
@@ -90,6 +91,14 @@ WAIT_TIERS: tuple[tuple[str, int], ...] = (
     ("10m", 600),
     ("1h", 3600),
 )
+# A wait queue apart from the ladder, never chosen for a delay: the re-score requests of tasks
+# the result cache answered spend its 10 minutes there, and the re-score fan-out counts its
+# depth alone against its backlog bound. In the ladder's `10m` tier they were counted with
+# its other delayed work: webhook retries of a receiver down for long, or submissions
+# scheduled far ahead, held the fan-out back (the second re-read of that change).
+CACHED_RESCORES_TIER: Final = ("cached-rescores", 600)
+# Every wait queue declared: the ladder's tiers and the ones apart.
+WAIT_QUEUE_TIERS: Final = (*WAIT_TIERS, CACHED_RESCORES_TIER)
 
 # The header that names the last error of a message we dead-letter ourselves
 # (RabbitMQ adds `x-death` on its own dead-lettering, but knows no reason beyond "rejected").
@@ -428,7 +437,7 @@ def delay_routing_key(tier: str, target_routing_key: str) -> str:
 # Each is a robust channel of the publishing connection, kept open, so that its declarations
 # are made again after a reconnection, as the default channel's were.
 _DECLARING_CHANNELS: Final = tuple(
-    Channel(publisher_confirms=False) for _ in range(len(WORK_QUEUES) + 1 + len(WAIT_TIERS))
+    Channel(publisher_confirms=False) for _ in range(len(WORK_QUEUES) + 1 + len(WAIT_QUEUE_TIERS))
 )
 
 # Connecting the probing connection: the whole declaration is bounded by its caller's deadline
@@ -489,7 +498,7 @@ async def _declare_chains(
             exchanges,
             next(channels),
         )
-        for tier, seconds in WAIT_TIERS
+        for tier, seconds in WAIT_QUEUE_TIERS
     )
     retired = _delete_retired_queues(probing)
     await _side_by_side([*work_queues, ops_log, *wait_queues, retired])

@@ -3,7 +3,8 @@
 - `publish_run`: a `RunCronJob` to `scorebox.cron` (or down the wait ladder when it is a retry
   not yet due).
 - `publish_rescore_page`: one `RescoreTask` per entry of a page, all confirms awaited together;
-  those of tasks the result cache answered down the wait ladder (`CACHED_RESCORES_AFTER`).
+  those of tasks the result cache answered through a wait queue of their own
+  (`CACHED_RESCORES_AFTER`).
 - `announce`: an operations event on `scorebox.events` under the event's own routing key.
 - `dead_letter_depth`: a DLQ's depth by passive declare (no side effect on the queue).
 
@@ -28,10 +29,16 @@ from pamqp.commands import Basic
 
 from services.scheduler.errors import DownstreamFull, TransientJobError
 from services.scheduler.jobs import Clock
-from shared.bus import BROKER_ERRORS, publish_delayed, publish_ops_event
+from shared.bus import (
+    BROKER_ERRORS,
+    publish_delayed,
+    publish_ops_event,
+    publish_through_wait_queue,
+)
 from shared.contracts import Contract, OpsEvent, RescoreTask, RunCronJob
 from shared.dead_letters import dead_lettered_at, own_channel
 from shared.topology import (
+    CACHED_RESCORES_TIER,
     CRON,
     RESCORE_REQUESTS,
     SCORE_REQUESTS,
@@ -44,16 +51,15 @@ from shared.topology import (
 log = logging.getLogger("scorebox.scheduler.messaging")
 
 # The requests of tasks the result cache answered reach the gateway this much later than the
-# others (a wait tier's own TTL: one hop): by then the task scored with the same text most
-# often has its new result, and the gateway answers them from the cache instead of the
+# others (the TTL of a wait queue of their own): by then the task scored with the same text
+# most often has its new result, and the gateway answers them from the cache instead of the
 # model. Sent together, the copies were looked up before that result existed, and nearly
 # all missed (session 54).
-CACHED_RESCORES_TIER: Final = ("10m", 600)  # one of `WAIT_TIERS`
 CACHED_RESCORES_AFTER: Final = timedelta(seconds=CACHED_RESCORES_TIER[1])
 # The wait queue they spend that time in, counted against `FANOUT_MAX_BACKLOG` with the
 # requests waiting for the scorers: each comes back as one, unless the cache answers it.
 # Not counted, the fan-out's bound let a large run put any number of them on the ladder
-# (the re-read of that change). Other delayed work in that tier counts too, on the safe side.
+# (the re-read of that change).
 CACHED_RESCORES_WAIT: Final = wait_queue(*CACHED_RESCORES_TIER).name
 
 
@@ -93,25 +99,9 @@ class SchedulerBus:
         retries in minutes and ended in a dead-letter queue, marked as requested, never
         scored, while every client submission met a full queue too."""
         await self._make_sure_of_room(len(page))
-        now = self.clock()
         try:
             async with asyncio.timeout(self.timeout_s):
-                await asyncio.gather(
-                    *(
-                        publish_delayed(
-                            self.broker,
-                            task,
-                            exchange=TASKS,
-                            routing_key=task.routing_key,
-                            not_before=now + CACHED_RESCORES_AFTER
-                            if task.answered_from_cache
-                            else None,
-                            now=now,
-                            timeout=self.timeout_s,
-                        )
-                        for task in page
-                    )
-                )
+                await asyncio.gather(*(self._publish_rescore(task) for task in page))
         except aiormq.exceptions.DeliveryError as error:
             if refused_for_room(error):
                 raise DownstreamFull(
@@ -120,6 +110,25 @@ class SchedulerBus:
             raise TransientJobError(
                 f"a re-score request ({RescoreTask.routing_key!r}) reached no queue: {error!r}"
             ) from error
+
+    async def _publish_rescore(self, task: RescoreTask) -> None:
+        if task.answered_from_cache:
+            await publish_through_wait_queue(
+                self.broker,
+                task,
+                tier=CACHED_RESCORES_TIER[0],
+                routing_key=task.routing_key,
+                timeout=self.timeout_s,
+            )
+        else:
+            await publish_delayed(
+                self.broker,
+                task,
+                exchange=TASKS,
+                routing_key=task.routing_key,
+                not_before=None,
+                timeout=self.timeout_s,
+            )
 
     async def announce(self, event: OpsEvent) -> None:
         await publish_ops_event(self.broker, event, timeout=self.timeout_s)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import timedelta
 
 import pytest
 from faststream.rabbit import RabbitQueue
@@ -22,11 +23,18 @@ from shared.bus import publish_command
 from shared.consumers import ScoreboxBroker
 from shared.contracts import RescoreTask, ScoreText, new_id, utcnow
 from shared.runtime import make_broker
-from shared.topology import RESCORE_REQUESTS, SCORE_REQUESTS, declare_topology
+from shared.topology import (
+    RESCORE_REQUESTS,
+    SCORE_REQUESTS,
+    WAIT_TIERS,
+    declare_topology,
+    wait_queue,
+)
 from tests.faults.harness import rabbitmqctl_available
 from tests.support import queue_made_full, rescore_request
 
 POLICY = "scorebox-test-rescore-queue-full"
+[TEN_MINUTES] = [tier for tier in WAIT_TIERS if tier[0] == "10m"]
 TIMEOUT_S = 30.0
 
 
@@ -65,7 +73,7 @@ async def test_a_backlog_for_the_scorers_holds_the_next_page_back(amqp_url: str)
 
 
 async def test_requests_sent_after_the_others_count_against_the_backlog(amqp_url: str) -> None:
-    """The requests of tasks the cache answered wait down the ladder before they reach the
+    """The requests of tasks the cache answered wait 10 minutes before they reach the
     gateway, and each then waits for a scorer unless the cache answers it: uncounted, a
     large run put any number of them there (the re-read of that change)."""
     async with _backlog_of_six(amqp_url) as (broker, bus):
@@ -76,10 +84,28 @@ async def test_requests_sent_after_the_others_count_against_the_backlog(amqp_url
             await bus.publish_rescore_page(_page(3))  # 4 + 3 > 6
 
 
+async def test_other_delayed_work_does_not_hold_the_fan_out_back(amqp_url: str) -> None:
+    """Those requests wait in a queue of their own: in the ladder's 10-minute tier they were
+    counted with its other delayed work, and webhook retries of a receiver down for long, or
+    submissions scheduled far ahead, held the fan-out back (the second re-read)."""
+    async with _backlog_of_six(amqp_url) as (broker, bus):
+        ten_minutes_ahead = utcnow() + timedelta(minutes=15)
+        for _ in range(6):  # a client's submissions scheduled for later
+            scheduled = ScoreText(task_id=new_id(), text="Later.", not_before=ten_minutes_ahead)
+            assert not await publish_command(broker, scheduled, timeout=10)  # on the ladder
+
+        await bus.publish_rescore_page(_page(3, answered_from_cache=True))
+        await bus.publish_rescore_page(_page(3))
+
+        assert await waiting(broker, CACHED_RESCORES_WAIT) == 3
+        assert await waiting(broker, RESCORE_REQUESTS.name) == 3
+        assert await waiting(broker, wait_queue(*TEN_MINUTES).name) == 6
+
+
 @asynccontextmanager
 async def _backlog_of_six(amqp_url: str) -> AsyncIterator[tuple[ScoreboxBroker, SchedulerBus]]:
-    """The scheduler's bus with `FANOUT_MAX_BACKLOG` 6, the queues it counts empty; the
-    wait queue emptied afterwards too (its messages would reach the re-score queue)."""
+    """The scheduler's bus with `FANOUT_MAX_BACKLOG` 6, the queues it counts empty; the wait
+    queues emptied afterwards too (their messages would reach the work queues)."""
     counted = (SCORE_REQUESTS.name, RESCORE_REQUESTS.name, CACHED_RESCORES_WAIT)
     broker = make_broker(SchedulerSettings.model_validate({"RABBITMQ_URL": amqp_url}))
     async with broker:
@@ -89,7 +115,7 @@ async def _backlog_of_six(amqp_url: str) -> AsyncIterator[tuple[ScoreboxBroker, 
         try:
             yield broker, SchedulerBus(broker, timeout_s=TIMEOUT_S, clock=utcnow, max_backlog=6)
         finally:
-            await purge(broker, CACHED_RESCORES_WAIT)
+            await purge(broker, CACHED_RESCORES_WAIT, wait_queue(*TEN_MINUTES).name)
 
 
 def _page(size: int, *, answered_from_cache: bool = False) -> list[RescoreTask]:

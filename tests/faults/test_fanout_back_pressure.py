@@ -9,13 +9,16 @@ of the queue filling.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
 
 import pytest
+from aio_pika.abc import AbstractIncomingMessage
 from faststream.rabbit import RabbitQueue
 
+from devtools.infra import clear_queue_policy, set_queue_policy
 from services.scheduler.errors import DownstreamFull
 from services.scheduler.messaging import CACHED_RESCORES_WAIT, SchedulerBus
 from services.scheduler.settings import SchedulerSettings
@@ -31,9 +34,10 @@ from shared.topology import (
     wait_queue,
 )
 from tests.faults.harness import rabbitmqctl_available
-from tests.support import queue_made_full, rescore_request
+from tests.support import eventually, queue_made_full, rescore_request
 
 POLICY = "scorebox-test-rescore-queue-full"
+TTL_POLICY = "scorebox-test-cached-rescores-wait-short"
 [TEN_MINUTES] = [tier for tier in WAIT_TIERS if tier[0] == "10m"]
 TIMEOUT_S = 30.0
 
@@ -102,6 +106,33 @@ async def test_other_delayed_work_does_not_hold_the_fan_out_back(amqp_url: str) 
         assert await waiting(broker, wait_queue(*TEN_MINUTES).name) == 6
 
 
+async def test_a_request_sent_after_the_others_reaches_the_gateway_at_its_wait_s_end(
+    amqp_url: str,
+) -> None:
+    """Out of its wait queue, a request goes through `scorebox.due` to the re-score queue,
+    as one out of a ladder's tier does. A policy makes the wait 100 ms (the lower of policy
+    and argument applies); a policy applies a moment after it is set, so requests are sent
+    until one arrives."""
+    if not rabbitmqctl_available(amqp_url):
+        pytest.skip("needs rabbitmqctl for a broker on this machine")
+    async with _backlog_of_six(amqp_url) as (broker, bus):
+        await asyncio.to_thread(
+            set_queue_policy, amqp_url, TTL_POLICY, CACHED_RESCORES_WAIT, {"message-ttl": 100}
+        )
+        try:
+
+            async def arrived() -> bool:
+                await bus.publish_rescore_page(_page(1, answered_from_cache=True))
+                return await waiting(broker, RESCORE_REQUESTS.name) > 0
+
+            await eventually(arrived, timeout_s=TIMEOUT_S, what="a request out of its wait")
+        finally:
+            await asyncio.to_thread(clear_queue_policy, amqp_url, TTL_POLICY)
+        [message] = await _take(broker, RESCORE_REQUESTS.name, 1)
+        assert RescoreTask.model_validate_json(message.body).answered_from_cache
+        await purge(broker, RESCORE_REQUESTS.name)
+
+
 @asynccontextmanager
 async def _backlog_of_six(amqp_url: str) -> AsyncIterator[tuple[ScoreboxBroker, SchedulerBus]]:
     """The scheduler's bus with `FANOUT_MAX_BACKLOG` 6, the queues it counts empty; the wait
@@ -136,3 +167,13 @@ async def purge(broker: ScoreboxBroker, *names: str) -> None:
     for name in names:
         queue = await broker.declare_queue(RabbitQueue(name, declare=False))
         await queue.purge(timeout=TIMEOUT_S)
+
+
+async def _take(broker: ScoreboxBroker, name: str, count: int) -> list[AbstractIncomingMessage]:
+    queue = await broker.declare_queue(RabbitQueue(name, declare=False))
+    taken: list[AbstractIncomingMessage] = []
+    for _ in range(count):
+        message = await queue.get(fail=True, timeout=TIMEOUT_S)
+        await message.ack()
+        taken.append(message)
+    return taken

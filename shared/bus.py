@@ -435,7 +435,7 @@ async def publish_through_wait_queue(
     headers: Mapping[str, Any] | None = None,
 ) -> None:
     """Publish to the wait queue of `tier` (a ladder's tier, or one apart such as
-    `CACHED_RESCORES_TIER`'s), from which it reaches the queue bound to `scorebox.due` with
+    `RESCORES_WAIT_TIER`'s), from which it reaches the queue bound to `scorebox.due` with
     `*.<routing_key>` once the tier's TTL is over."""
     await _publish(
         broker,

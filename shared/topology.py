@@ -20,7 +20,7 @@
     scorebox.callbacks x-scorebox-callback: yes        → scorebox.notifications (notifier)
                       ops.#                            → scorebox.ops-log (operators, recent only)
     scorebox.delay    <tier>.#                         → scorebox.wait.<tier> (TTL, then ↓)
-                      cached-rescores.#                → scorebox.wait.cached-rescores (↓)
+                      rescores.#                       → scorebox.wait.rescores (TTL, then ↓)
     scorebox.due      *.<key of a delayed target>      → that target's queue
     scorebox.dlx      <queue>.dlq                      → <queue>.dlq (operators)
 
@@ -54,6 +54,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 import aiormq
 from faststream.rabbit import Channel, ExchangeType, QueueType, RabbitExchange, RabbitQueue
+
+from shared.settings import redact_url
 
 if TYPE_CHECKING:
     from aio_pika import RobustExchange
@@ -91,14 +93,17 @@ WAIT_TIERS: tuple[tuple[str, int], ...] = (
     ("10m", 600),
     ("1h", 3600),
 )
-# A wait queue apart from the ladder, never chosen for a delay: the re-score requests of tasks
-# the result cache answered spend its 10 minutes there, and the re-score fan-out counts its
-# depth alone against its backlog bound. In the ladder's `10m` tier they were counted with
-# its other delayed work: webhook retries of a receiver down for long, or submissions
-# scheduled far ahead, held the fan-out back (the second re-read of that change).
-CACHED_RESCORES_TIER: Final = ("cached-rescores", 600)
-# Every wait queue declared: the ladder's tiers and the ones apart.
-WAIT_QUEUE_TIERS: Final = (*WAIT_TIERS, CACHED_RESCORES_TIER)
+# A wait queue apart from the ladder, never chosen for a delay, where re-score requests spend
+# 10 minutes: those of tasks the result cache answered, sent after the others, and the
+# gateway's retries of re-scores it could not send, at their 10-minute steps. The re-score
+# fan-out counts its depth alone against its backlog bound, as requests that each come back
+# as one. Counted as the ladder's `10m` tier, with its other delayed work, webhook retries
+# of a receiver down for long or submissions scheduled far ahead held the fan-out back (the
+# second re-read of the cache's re-scores).
+RESCORES_WAIT_TIER: Final = ("rescores", 600)
+RESCORES_WAIT: Final = f"scorebox.wait.{RESCORES_WAIT_TIER[0]}"
+# Every wait queue declared: the ladder's tiers and the one apart.
+WAIT_QUEUE_TIERS: Final = (*WAIT_TIERS, RESCORES_WAIT_TIER)
 
 # The header that names the last error of a message we dead-letter ourselves
 # (RabbitMQ adds `x-death` on its own dead-lettering, but knows no reason beyond "rejected").
@@ -440,10 +445,6 @@ _DECLARING_CHANNELS: Final = tuple(
     Channel(publisher_confirms=False) for _ in range(len(WORK_QUEUES) + 1 + len(WAIT_QUEUE_TIERS))
 )
 
-# Connecting the probing connection: the whole declaration is bounded by its caller's deadline
-# (`STARTUP_TIMEOUT_S`); this bounds the one connect that nothing beneath it bounds.
-PROBE_CONNECT_TIMEOUT_S: Final = 10.0
-
 
 async def declare_topology(broker: RabbitBroker) -> None:
     """Declare every exchange, queue and binding; idempotent, run by each service at start.
@@ -504,16 +505,29 @@ async def _declare_chains(
     await _side_by_side([*work_queues, ops_log, *wait_queues, retired])
 
 
+class TopologyProbesUnreachable(ConnectionError):
+    """The connection for the declarations the broker may refuse could not be opened."""
+
+
 @contextlib.asynccontextmanager
 async def _probing_connection(
     publishing: aiormq.abc.AbstractConnection,
 ) -> AsyncIterator[aiormq.abc.AbstractConnection]:
-    """A connection to `publishing`'s broker and vhost, with its TLS context, closed after."""
-    context = publishing.ssl_context if isinstance(publishing, aiormq.Connection) else None
-    connection = aiormq.Connection(publishing.url, context=context)
+    """A connection to `publishing`'s broker and vhost, as `publishing` with its TLS context,
+    closed after. Bounded by the caller's deadline, as every declaration here is
+    (`start_broker`): a fixed bound of its own ended a start on a bare `TimeoutError`, named
+    nowhere, before the configured deadline (the re-read)."""
+    if not isinstance(publishing, aiormq.Connection):  # its TLS context would be lost
+        raise TypeError(f"not an aiormq connection: {type(publishing).__name__}")
+    connection = aiormq.Connection(publishing.url, context=publishing.ssl_context)
     try:
-        async with asyncio.timeout(PROBE_CONNECT_TIMEOUT_S):
+        try:
             await connection.connect({"connection_name": "scorebox topology probes"})
+        except (OSError, aiormq.exceptions.AMQPError) as error:
+            where = redact_url(str(publishing.url))
+            raise TopologyProbesUnreachable(
+                f"the topology probes' connection to {where} was not opened: {error!r}"
+            ) from error
         yield connection
     finally:
         await connection.close()

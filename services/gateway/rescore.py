@@ -38,13 +38,15 @@ Each delivery is acknowledged by hand:
 - the command not sent (no confirm, a negative one when the score queue is full, an
   unroutable message): the request goes down the wait ladder with the next `attempt`, after
   5 s, 30 s, 2 min and 10 min, and then every 10 min for as long as sending fails, never to
-  the DLQ; acked each time. Its claim stays unsent, so the retry resumes it with the same
-  generation. Given up to the DLQ (as before session 54, for every failure but a full
-  queue), the request was lost for good: its task is marked requested for the version in
-  the scheduler's catalogue, so no later run asks again, and nothing replays that DLQ. A
-  claim an earlier build gave up (`rescore.given_up`) is taken again by the next request
-  that finds the task's completed generation the latest. Sending the retry itself is tried
-  until the broker confirms it, the delivery held meanwhile (`keep_publishing`).
+  the DLQ; acked each time. The 10-minute waits are spent in `scorebox.wait.rescores`,
+  which the scheduler's fan-out counts against its backlog bound. Its claim stays unsent,
+  so the retry resumes it with the same generation. Given up to the DLQ (as before session
+  54, for every failure but a full queue), the request was lost for good: its task is
+  marked requested for the version in the scheduler's catalogue, so no later run asks
+  again, and nothing replays that DLQ. A claim an earlier build gave up
+  (`rescore.given_up`) is taken again by the next request that finds the task's completed
+  generation the latest. Sending the retry itself is tried until the broker confirms it,
+  the delivery held meanwhile (`keep_publishing`).
 
 Why the wait ladder rather than leaving the delivery unacknowledged: a full score queue is
 back-pressure that lasts minutes; an unacknowledged delivery would hold a prefetch slot until
@@ -65,19 +67,21 @@ from pydantic import ValidationError
 from services.gateway.cache import ResultCache
 from services.gateway.errors import BrokerUnavailable, DatabaseUnavailable, database_away
 from services.gateway.submissions import RescoreAnswer, RescoreClaim, RescoreRefused, Submissions
-from shared.bus import error_words, publish_delayed
+from shared.bus import error_words, publish_delayed, publish_through_wait_queue
 from shared.consumers import Delivery, ScoreboxBroker, consume
 from shared.contracts import RescoreTask, ScoreResult, ScoreText, new_id
 from shared.failed_deliveries import return_failed
 from shared.runtime import keep_publishing, keep_trying
-from shared.topology import RESCORE_REQUESTS, TASKS
+from shared.topology import RESCORE_REQUESTS, RESCORES_WAIT_TIER, TASKS
 
 log = logging.getLogger("scorebox.gateway.rescore")
 
 Clock = Callable[[], datetime]
 # Each delay is a wait tier's own TTL, so a retry arrives due after one hop (a `RescoreTask`
-# has no `not_before` to send it down the ladder again by).
-RETRY_DELAYS_S: Final = (5, 30, 120, 600)
+# has no `not_before` to send it down the ladder again by). The last, repeated for as long as
+# sending fails, is spent in the re-score requests' own wait queue (`RESCORES_WAIT`), which
+# the scheduler's fan-out counts against its backlog bound: they come back as re-scores.
+RETRY_DELAYS_S: Final = (5, 30, 120, RESCORES_WAIT_TIER[1])
 
 
 class Resubmitter(Protocol):
@@ -306,18 +310,32 @@ class RescoreRequests:
             request.attempt + 1,
             delay,
         )
-        now = self.clock()
         await keep_publishing(
-            lambda: publish_delayed(
-                self.broker,
-                request.model_copy(update={"attempt": request.attempt + 1}),
-                exchange=TASKS,
-                routing_key=request.routing_key,
-                not_before=now + delay,
-                now=now,
-                timeout=self.timeout_s,
+            lambda: self._publish_retry(
+                request.model_copy(update={"attempt": request.attempt + 1}), delay
             ),
             what=f"the re-score retry of {request.task_id}",
+        )
+
+    async def _publish_retry(self, request: RescoreTask, delay: timedelta) -> None:
+        if delay.total_seconds() == RESCORES_WAIT_TIER[1]:
+            await publish_through_wait_queue(
+                self.broker,
+                request,
+                tier=RESCORES_WAIT_TIER[0],
+                routing_key=request.routing_key,
+                timeout=self.timeout_s,
+            )
+            return
+        now = self.clock()
+        await publish_delayed(
+            self.broker,
+            request,
+            exchange=TASKS,
+            routing_key=request.routing_key,
+            not_before=now + delay,
+            now=now,
+            timeout=self.timeout_s,
         )
 
 

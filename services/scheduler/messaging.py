@@ -3,7 +3,7 @@
 - `publish_run`: a `RunCronJob` to `scorebox.cron` (or down the wait ladder when it is a retry
   not yet due).
 - `publish_rescore_page`: one `RescoreTask` per entry of a page, all confirms awaited together;
-  those of tasks the result cache answered through a wait queue of their own
+  those of tasks the result cache answered through the re-score requests' wait queue
   (`CACHED_RESCORES_AFTER`).
 - `announce`: an operations event on `scorebox.events` under the event's own routing key.
 - `dead_letter_depth`: a DLQ's depth by passive declare (no side effect on the queue).
@@ -38,29 +38,29 @@ from shared.bus import (
 from shared.contracts import Contract, OpsEvent, RescoreTask, RunCronJob
 from shared.dead_letters import dead_lettered_at, own_channel
 from shared.topology import (
-    CACHED_RESCORES_TIER,
     CRON,
     RESCORE_REQUESTS,
+    RESCORES_WAIT,
+    RESCORES_WAIT_TIER,
     SCORE_REQUESTS,
     TASKS,
     USAGE_RETRY_ROUTING_KEY,
     WorkQueue,
-    wait_queue,
 )
 
 log = logging.getLogger("scorebox.scheduler.messaging")
 
 # The requests of tasks the result cache answered reach the gateway this much later than the
-# others (the TTL of a wait queue of their own): by then the task scored with the same text
-# most often has its new result, and the gateway answers them from the cache instead of the
-# model. Sent together, the copies were looked up before that result existed, and nearly
-# all missed (session 54).
-CACHED_RESCORES_AFTER: Final = timedelta(seconds=CACHED_RESCORES_TIER[1])
-# The wait queue they spend that time in, counted against `FANOUT_MAX_BACKLOG` with the
-# requests waiting for the scorers: each comes back as one, unless the cache answers it.
-# Not counted, the fan-out's bound let a large run put any number of them on the ladder
-# (the re-read of that change).
-CACHED_RESCORES_WAIT: Final = wait_queue(*CACHED_RESCORES_TIER).name
+# others (the TTL of the re-score requests' wait queue, `RESCORES_WAIT`): by then the task
+# scored with the same text most often has its new result, and the gateway answers them from
+# the cache instead of the model. Sent together, the copies were looked up before that
+# result existed, and nearly all missed (session 54).
+CACHED_RESCORES_AFTER: Final = timedelta(seconds=RESCORES_WAIT_TIER[1])
+# The queues counted against `FANOUT_MAX_BACKLOG`: the requests waiting for the scorers, and
+# the re-score requests waiting to come back as such (each one, unless the cache answers
+# it). Not counted, the fan-out's bound let a large run put any number of the cache's
+# re-scores on the ladder (the re-read of that change).
+COUNTED_AS_BACKLOG: Final = (SCORE_REQUESTS.name, RESCORE_REQUESTS.name, RESCORES_WAIT)
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class SchedulerBus:
             await publish_through_wait_queue(
                 self.broker,
                 task,
-                tier=CACHED_RESCORES_TIER[0],
+                tier=RESCORES_WAIT_TIER[0],
                 routing_key=task.routing_key,
                 timeout=self.timeout_s,
             )
@@ -152,12 +152,12 @@ class SchedulerBus:
         if self.max_backlog is None:
             return
         waiting = 0
-        for queue_name in (SCORE_REQUESTS.name, RESCORE_REQUESTS.name, CACHED_RESCORES_WAIT):
+        for queue_name in COUNTED_AS_BACKLOG:
             waiting += await self._waiting(queue_name)
         if waiting + wanted > self.max_backlog:
             raise DownstreamFull(
-                f"{waiting} score and re-score requests wait for the scorers, or down the "
-                f"wait ladder (FANOUT_MAX_BACKLOG {self.max_backlog})"
+                f"{waiting} score and re-score requests wait for the scorers, or in "
+                f"{RESCORES_WAIT} (FANOUT_MAX_BACKLOG {self.max_backlog})"
             )
 
     async def _waiting(self, queue_name: str) -> int:

@@ -39,7 +39,7 @@ from services.gateway.submissions import (
 )
 from shared.contracts import RescoreTask, ScoreResult, ScoreText, TaskCompleted, new_id, utcnow
 from shared.runtime import make_broker
-from shared.topology import RESCORE_REQUESTS, SCORE_REQUESTS, declare_topology
+from shared.topology import RESCORE_REQUESTS, RESCORES_WAIT, SCORE_REQUESTS, declare_topology
 from tests.integration.gateway_records import PUBLISH_TIMEOUT_S, UNCONFIRMED_AFTER_S
 from tests.support import (
     HandedDelivery,
@@ -395,7 +395,7 @@ async def _never_given_up_past_its_ladder(
     asked for again; nothing replays that DLQ. Its claim stays unsent, for the retry.
     `handled_unsent` hands the request to the consumer while the broker refuses its command."""
     await env.take(RESCORE_REQUESTS.dead_letter_routing_key)
-    await env.take("scorebox.wait.10m")
+    await env.take(RESCORES_WAIT)
     command = await accepted_submission(env.submissions())
     request = rescore_request(command, attempt=5)
     delivery = HandedDelivery(request.model_dump_json().encode())
@@ -404,7 +404,7 @@ async def _never_given_up_past_its_ladder(
 
     assert delivery.settled == ["ack"]
     assert await env.take(RESCORE_REQUESTS.dead_letter_routing_key) == []
-    [waiting] = await env.take("scorebox.wait.10m")
+    [waiting] = await env.take(RESCORES_WAIT)
     again = RescoreTask.model_validate_json(waiting.body)
     assert (again.task_id, again.attempt) == (command.task_id, 6)
     await env.consumer(env.publisher(), env.submissions()).on_message(HandedDelivery(waiting.body))

@@ -31,7 +31,7 @@ from services.scheduler.errors import PermanentJobError
 from services.scheduler.firings import Firings, FiringState, Hold
 from services.scheduler.jobs import JobHandler, JobOutcome, JobRun
 from services.scheduler.jobs.fanout import fan_out_rescores
-from services.scheduler.messaging import CACHED_RESCORES_WAIT, SchedulerBus
+from services.scheduler.messaging import SchedulerBus
 from services.scheduler.runs import Drop, RetryPolicy, run_cron_job
 from services.scheduler.settings import SchedulerSettings
 from shared.bus import publish_dead_letter, publish_event
@@ -53,6 +53,7 @@ from shared.topology import (
     EVENTS,
     OPS_LOG,
     RESCORE_REQUESTS,
+    RESCORES_WAIT,
     STATUS_PROJECTION,
     declare_topology,
 )
@@ -733,7 +734,7 @@ async def test_the_fanout_sends_the_requests_of_tasks_the_cache_answered_after_t
     """Sent together, the copies of a text the cache answered were looked up before the
     scored task's new result existed, and nearly all were scored again: the catalogue keeps
     from their `task.completed` that the cache answered them, and their requests wait 10
-    minutes in a wait queue of their own (`CACHED_RESCORES_WAIT`), marked for the gateway to
+    minutes in a wait queue of their own (`RESCORES_WAIT`), marked for the gateway to
     look the text up."""
     completed = [
         TaskCompleted(
@@ -748,7 +749,7 @@ async def test_the_fanout_sends_the_requests_of_tasks_the_cache_answered_after_t
         for task_id, attempt in (("scored", 1), ("answered-from-cache", 0))
     ]
     await drain(env.amqp_url, RESCORE_REQUESTS.name)
-    await drain(env.amqp_url, CACHED_RESCORES_WAIT)
+    await drain(env.amqp_url, RESCORES_WAIT)
     config = parse_config({"jobs": {"rescore-fanout": {"cron": "0 3 * * *", "enabled": False}}}, {})
     async with scheduler(env, config, RUBRIC_VERSION="heuristic-v1") as (api, _):
         await _publish_events(env, completed)
@@ -770,8 +771,7 @@ async def test_the_fanout_sends_the_requests_of_tasks_the_cache_answered_after_t
         for m in await drain(env.amqp_url, RESCORE_REQUESTS.name)
     ]
     [later] = [
-        RescoreTask.model_validate_json(m.body)
-        for m in await drain(env.amqp_url, CACHED_RESCORES_WAIT)
+        RescoreTask.model_validate_json(m.body) for m in await drain(env.amqp_url, RESCORES_WAIT)
     ]
     assert (now.task_id, now.answered_from_cache) == ("scored", False)
     assert (later.task_id, later.answered_from_cache) == ("answered-from-cache", True)

@@ -22,8 +22,10 @@ from shared.topology import (
     SCORE_REQUESTS,
     WAIT_TIERS,
     WORK_QUEUES,
+    TopologyProbesUnreachable,
     declare_topology,
 )
+from tests.faults.harness import rabbitmqctl, rabbitmqctl_available, vhost_of
 from tests.faults.slow_link import SlowLink
 
 pytestmark = pytest.mark.integration
@@ -161,3 +163,24 @@ async def _declare_an_earlier_versions_dlq(amqp_url: str) -> None:
             dlq = SCORE_REQUESTS.dead_letter_routing_key
             await channel.queue_delete(dlq)  # this module's vhost is shared
             await channel.queue_declare(dlq, durable=True, arguments={"x-queue-type": "quorum"})
+
+
+async def test_a_probing_connection_the_broker_refuses_is_named(amqp_url: str) -> None:
+    """The broker refusing the probing connection (here the vhost's connection limit, which
+    the publishing connection reaches) ends the declaration with an error naming it, not a
+    bare frame error."""
+    if not rabbitmqctl_available(amqp_url):
+        pytest.skip("needs rabbitmqctl for a broker on this machine")
+    vhost = vhost_of(amqp_url)
+    broker = make_broker(ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url}))
+    await broker.connect()
+    try:
+        await rabbitmqctl("set_vhost_limits", "-p", vhost, '{"max-connections": 1}')
+        try:
+            with pytest.raises(TopologyProbesUnreachable, match="topology probes' connection"):
+                await declare_topology(broker)
+        finally:
+            await rabbitmqctl("clear_vhost_limits", "-p", vhost)
+    finally:
+        with contextlib.suppress(Exception):
+            await broker.stop()

@@ -8,10 +8,13 @@ from shared.contracts import ScoreText
 from shared.topology import (
     DLX,
     EVENTS,
+    RESCORES_WAIT,
+    RESCORES_WAIT_TIER,
     SCORE_REQUESTS,
     STATUS_PROJECTION,
     TASKS,
     USAGE_METER,
+    WAIT_QUEUE_TIERS,
     WAIT_TIERS,
     WORK_QUEUES,
     WorkQueue,
@@ -70,7 +73,8 @@ def test_every_work_queue_is_quorum_with_limit_and_at_least_once_dead_lettering(
 
 
 def test_wait_queues_dead_letter_back_to_the_due_exchange() -> None:
-    for tier, seconds in WAIT_TIERS:
+    for tier, seconds in WAIT_QUEUE_TIERS:
+        assert "." not in tier  # one word of a topic key: `*.<target key>` in `scorebox.due`
         arguments = wait_queue(tier, seconds).arguments
         assert arguments["x-message-ttl"] == seconds * 1000
         assert arguments["x-dead-letter-exchange"] == "scorebox.due"
@@ -79,6 +83,14 @@ def test_wait_queues_dead_letter_back_to_the_due_exchange() -> None:
         b.routing_key for b in SCORE_REQUESTS.bindings if b.exchange.name == "scorebox.due"
     ]
     assert due_binding == ["*.score.requested"]
+
+
+def test_the_re_score_requests_wait_queue_is_chosen_for_no_delay() -> None:
+    """It is counted by the re-score fan-out as re-score requests alone."""
+    assert wait_queue(*RESCORES_WAIT_TIER).name == RESCORES_WAIT
+    assert RESCORES_WAIT_TIER not in WAIT_TIERS
+    delays = [seconds + offset for _, seconds in WAIT_QUEUE_TIERS for offset in (-0.4, 0, 1)]
+    assert all(wait_tier_for(delay) in (*WAIT_TIERS, None) for delay in delays)
 
 
 def _keys(queue: WorkQueue) -> set[tuple[str, str]]:

@@ -74,11 +74,13 @@ def _is_due(document: Document, current_version: str, completed_since: datetime)
 
 
 def _completed_task(document: Document) -> CompletedTask:
+    completed_at: datetime = document["completed_at"]
     return CompletedTask(
         task_id=document["_id"],
         tenant_id=document["tenant_id"],
         generation=document.get("generation", 0),
-        completed_at=document["completed_at"],
+        # A client without `tz_aware` reads BSON dates (UTC) naive.
+        completed_at=completed_at if completed_at.tzinfo else completed_at.replace(tzinfo=UTC),
         model=document.get("model"),
         rubric_version=document.get("rubric_version"),
         cached=bool(document.get("cached")),

@@ -83,6 +83,7 @@ class Published:
 
     def __init__(self, room: int | None = None) -> None:
         self.pages: list[list[str]] = []
+        self.sent_later: list[str] = []  # marked `answered_from_cache`
         self.room = room
 
     async def __call__(self, page: Sequence[RescoreTask]) -> None:
@@ -91,6 +92,7 @@ class Published:
                 raise DownstreamFull("the scorers' backlog is full")
             self.room -= 1
         self.pages.append([task.task_id for task in page])
+        self.sent_later += [task.task_id for task in page if task.answered_from_cache]
 
     @property
     def task_ids(self) -> list[str]:
@@ -259,6 +261,48 @@ async def test_tasks_completed_before_the_horizon_are_not_requested(
     assert outcomes[-1].summary["scanned"] == len(ages)
     requested = client[name]["completed_tasks"].find({"rescore_requested_for": VERSION})
     assert [document["_id"] async for document in requested] == ["d-a-day-old", "e-an-hour-old"]
+
+
+async def test_a_task_the_cache_answered_leaving_the_horizon_in_its_wait_goes_now(
+    database: tuple[Mongo, str, CatalogueReads],
+) -> None:
+    """The request of a task the cache answered is sent 10 minutes after the others: one
+    leaving the horizon meanwhile reached the gateway after its submission expired, "unknown
+    task", and was never re-scored. It goes with the others, to the scorer."""
+    client, name, _ = database
+    ages = {
+        "a-leaving-in-five-minutes": timedelta(days=1) - timedelta(minutes=5),
+        "b-leaving-in-an-hour": timedelta(hours=23),
+    }
+    await client[name]["completed_tasks"].insert_many(
+        [
+            {
+                "_id": task_id,
+                "tenant_id": "acme",
+                "generation": 0,
+                "completed_at": NOW - age,
+                "model": "m",
+                "rubric_version": None,
+                "cached": True,
+            }
+            for task_id, age in ages.items()
+        ]
+    )
+    published = Published()
+    fanout = _delivery(
+        client,
+        name,
+        NotedCheckpoints(client, name),
+        published,
+        page_size=10,
+        max_pages=10,
+        clock=Clock(NOW),
+    )
+
+    await _run_to_the_end(fanout, JobRun("leaving", JOB, NOW, NOW, True, 1))
+
+    assert published.task_ids == list(ages)
+    assert published.sent_later == ["b-leaving-in-an-hour"]
 
 
 async def test_no_room_after_progress_continues_the_run_and_none_at_all_waits(

@@ -14,7 +14,9 @@ A task the result cache answered (the catalogue's `cached`) is requested marked
 `answered_from_cache` and reaches the gateway `CACHED_RESCORES_AFTER` later
 (`services.scheduler.messaging`, counted against the backlog meanwhile): by then the task
 its text was scored for has been scored again unless the scorers' backlog is longer, and
-the gateway answers it from the cache without a model call.
+the gateway answers it from the cache without a model call. Not one leaving the horizon
+within that wait: it would reach the gateway after its submission expired ("unknown task",
+never re-scored), so it goes with the others, to the scorer.
 
 Only tasks completed within `horizon` are due (`FANOUT_HORIZON_S`, the gateway's
 `IDEMPOTENCY_TTL_S`): the gateway re-scores a task from its submission, kept that long from
@@ -42,12 +44,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
-from services.scheduler.catalogue import Catalogue, ScannedPage
+from services.scheduler.catalogue import Catalogue, CompletedTask, ScannedPage
 from services.scheduler.checkpoints import Checkpoint, Checkpoints
 from services.scheduler.errors import DownstreamFull, PermanentJobError
 from services.scheduler.jobs import Clock, JobOutcome, JobRun
+from services.scheduler.messaging import CACHED_RESCORES_AFTER
 from shared.contracts import RescoreTask
 
 log = logging.getLogger("scorebox.scheduler.fanout")
@@ -130,10 +133,11 @@ class _PageWalk:
         """Read the page after `position`, request a re-score of its entries due one (the
         version the run started with), and mark them requested."""
         version = position.rubric_version
+        completed_since = self.clock() - self.horizon
         page = await self.catalogue.scan_page(
             after=position.last_id,
             current_version=version,
-            completed_since=self.clock() - self.horizon,
+            completed_since=completed_since,
             limit=self.page_size,
         )
         if page.due:
@@ -147,7 +151,7 @@ class _PageWalk:
                         model=task.model,
                         run_id=self.run.run_id,
                         generation=task.generation,
-                        answered_from_cache=task.cached,
+                        answered_from_cache=_sent_later(task, completed_since=completed_since),
                     )
                     for task in page.due
                 ]
@@ -173,3 +177,10 @@ class _PageWalk:
         finished = await self.checkpoints.finish(self.run.run_id, now=self.clock())
         log.info("fan-out %s finished: %s", self.run.run_id, finished.summary())
         return JobOutcome(summary=finished.summary())
+
+
+def _sent_later(task: CompletedTask, *, completed_since: datetime) -> bool:
+    """Whether the task's request is sent after the others (`answered_from_cache`): one the
+    cache answered, unless it leaves the horizon (completed before `completed_since`) within
+    that wait."""
+    return task.cached and task.completed_at >= completed_since + CACHED_RESCORES_AFTER

@@ -42,7 +42,7 @@ from shared.log_context import (
 )
 from shared.metrics import Metrics
 from shared.settings import ServiceSettings, StartupRefused, redact_url
-from shared.topology import WorkQueue, declare_topology
+from shared.topology import TopologyProbesUnreachable, WorkQueue, declare_topology
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -436,11 +436,28 @@ async def start_broker(broker: RabbitBroker, settings: ServiceSettings) -> None:
     # The declarations are round trips of their own (some on channels FastStream does not
     # bound): a broker that stops answering must not hold the service's start for ever.
     async with _named_on_timeout(f"{rabbitmq} (declaring the topology)", deadline_s):
-        await declare_topology(broker)
+        await _declare_topology_probed(broker)
     # Starting opens the consuming connection and, per consumer, a channel, its prefetch, a
     # declaration and the consume: each bounded by BROKER_TIMEOUT_S, all by this.
     async with _named_on_timeout(f"{rabbitmq} (starting the consumers)", deadline_s):
         await broker.start()
+
+
+async def _declare_topology_probed(broker: RabbitBroker) -> None:
+    """`declare_topology`, declared again while the broker refuses its probing connection
+    (`TopologyProbesUnreachable`: a connection limit reached while old replicas' connections
+    linger in a rolling restart, say), as the first connection is waited for; the deadline is
+    the caller's. Refused once, the start ended at once (the re-read)."""
+    delay = 0.2
+    while True:
+        try:
+            await declare_topology(broker)
+        except TopologyProbesUnreachable as error:
+            log.warning("%s; declaring the topology again in %.1fs", error, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+        else:
+            return
 
 
 @contextlib.asynccontextmanager

@@ -318,7 +318,9 @@ class RescoreRequests:
         )
 
     async def _publish_retry(self, request: RescoreTask, delay: timedelta) -> None:
-        if delay.total_seconds() == RESCORES_WAIT_TIER[1]:
+        """`request` (the next attempt) after `delay`: the ladder's last step, and every one
+        past it, in `RESCORES_WAIT`."""
+        if request.attempt > len(RETRY_DELAYS_S):
             await publish_through_wait_queue(
                 self.broker,
                 request,

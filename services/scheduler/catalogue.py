@@ -1,7 +1,7 @@
 """The scheduler's catalogue of completed tasks, built from `task.completed` events.
 
-    completed_tasks {_id: task_id, tenant_id, generation, completed_at, model,
-                     rubric_version | null, cached, rescore_requested_for}
+    completed_tasks {_id: task_id, tenant_id, generation, completed_at, first_completed_at,
+                     model, rubric_version | null, cached, rescore_requested_for}
 
 It is what the re-score fan-out walks (keyset pagination on `_id`). A task is stale when it
 was scored with another rubric version than the current one, or an unknown one (today's
@@ -15,9 +15,14 @@ by the entries it reads, not by the stale ones it finds. Asked for the next `lim
 entries (`_id > after` with the staleness filter, sorted by `_id`), MongoDB could only walk
 the `_id` index and test each entry, so where stale entries were sparse (the daily run after
 a full pass) one page read the whole catalogue, beyond any deadline, and the run never got
-past it. A page is also due only for tasks the gateway still knows: those completed within
-the horizon (`FANOUT_HORIZON_S`, the gateway's `IDEMPOTENCY_TTL_S`); an older one would be
-answered "unknown task" after two round trips to the gateway's database.
+past it. A page is also due only for tasks the gateway still knows: those first completed
+within the horizon (`FANOUT_HORIZON_S`, the gateway's `IDEMPOTENCY_TTL_S`); an older one
+would be answered "unknown task" after two round trips to the gateway's database. The
+gateway keeps a submission from when its task was due, at or before its first completion,
+and a re-score does not extend it: counted from the latest generation's completion, as first
+built, the horizon let a task re-scored late in its life be requested for up to a day
+after the gateway had let it go (the re-read in session 57). An entry recorded before
+`first_completed_at` was kept counts from `completed_at`.
 """
 
 from __future__ import annotations
@@ -47,6 +52,13 @@ class CompletedTask:
     model: str | None
     rubric_version: str | None
     cached: bool = False  # its result came from the result cache
+    # Its first generation's completion (`completed_at` where none was recorded, or for an
+    # entry being recorded): the horizon counts from it.
+    first_completed_at: datetime | None = None
+
+    @property
+    def horizon_counts_from(self) -> datetime:
+        return self.first_completed_at or self.completed_at
 
 
 @dataclass(frozen=True)
@@ -65,22 +77,27 @@ def _is_due(document: Document, current_version: str, completed_since: datetime)
         return False
     if document.get("rescore_requested_for") == current_version:
         return False
-    completed_at = document.get("completed_at")
-    if not isinstance(completed_at, datetime):
-        return False
-    if completed_at.tzinfo is None:  # a client without `tz_aware`: BSON dates are UTC
-        completed_at = completed_at.replace(tzinfo=UTC)
-    return completed_at >= completed_since
+    first_completed_at = _aware(document.get("first_completed_at") or document.get("completed_at"))
+    return first_completed_at is not None and first_completed_at >= completed_since
+
+
+def _aware(value: object) -> datetime | None:
+    """A date of a document, aware; None for anything else. A client without `tz_aware`
+    reads BSON dates (UTC) naive."""
+    if not isinstance(value, datetime):
+        return None
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
 def _completed_task(document: Document) -> CompletedTask:
-    completed_at: datetime = document["completed_at"]
+    completed_at = _aware(document["completed_at"])
+    assert completed_at is not None  # `_is_due` read it first
     return CompletedTask(
         task_id=document["_id"],
         tenant_id=document["tenant_id"],
         generation=document.get("generation", 0),
-        # A client without `tz_aware` reads BSON dates (UTC) naive.
-        completed_at=completed_at if completed_at.tzinfo else completed_at.replace(tzinfo=UTC),
+        completed_at=completed_at,
+        first_completed_at=_aware(document.get("first_completed_at")),
         model=document.get("model"),
         rubric_version=document.get("rubric_version"),
         cached=bool(document.get("cached")),
@@ -107,7 +124,8 @@ class Catalogue:
                     "model": task.model,
                     "rubric_version": task.rubric_version,
                     "cached": task.cached,
-                }
+                },
+                "$min": {"first_completed_at": task.completed_at},
             },
         )
 

@@ -193,9 +193,10 @@ class SchedulerSettings(AdminApiSettings):
         le=SCORE_QUEUE_MAX_LENGTH,
         validation_alias="FANOUT_MAX_BACKLOG",
     )
-    # How far back the re-score fan-out reaches: tasks completed longer ago are not requested.
-    # Set it to the gateway's IDEMPOTENCY_TTL_S: the gateway re-scores a task from its
-    # submission, kept that long from when the task was due (at or before its completion),
+    # How far back the re-score fan-out reaches: tasks first completed longer ago are not
+    # requested. Set it to the gateway's IDEMPOTENCY_TTL_S: the gateway re-scores a task from
+    # its submission, kept that long from when the task was due (at or before its first
+    # completion; a re-score does not extend it),
     # and answers a request for an older one "unknown task", after two round trips to its
     # database, each request counted against FANOUT_MAX_BACKLOG meanwhile.
     # (At most ten years.) The catalogue keeps a task this long and a day, unless

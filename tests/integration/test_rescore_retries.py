@@ -375,6 +375,30 @@ async def test_a_request_the_full_score_queue_refuses_past_its_ladder_is_never_g
     await _never_given_up_past_its_ladder(env, refused)
 
 
+@pytest.mark.parametrize(("attempt", "waits_in"), [(3, "scorebox.wait.2m"), (4, RESCORES_WAIT)])
+async def test_the_ladder_s_10_minute_steps_wait_where_the_fan_out_counts_them(
+    env: Env, rabbitmq: Endpoint, attempt: int, waits_in: str
+) -> None:
+    """The ladder's last step, and each past it, waits in the re-score requests' own queue,
+    which the scheduler's fan-out counts against its backlog bound: they come back as
+    re-score requests. The earlier steps wait on the ladder."""
+    await env.take(waits_in)
+    command = await accepted_submission(env.submissions())
+    delivery = HandedDelivery(rescore_request(command, attempt=attempt).model_dump_json().encode())
+
+    async with queue_made_full(
+        env.amqp_url,
+        SCORE_REQUESTS.name,
+        policy=FULL_POLICY,
+        management_url=rabbitmq.management_url,
+    ):
+        await env.consumer(env.publisher(), env.submissions()).on_message(delivery)
+
+    assert delivery.settled == ["ack"]
+    [waiting] = await env.take(waits_in)
+    assert RescoreTask.model_validate_json(waiting.body).attempt == attempt + 1
+
+
 async def test_a_request_unconfirmed_past_its_ladder_is_never_given_up(
     env: Env, stalled_broker: RabbitBroker
 ) -> None:

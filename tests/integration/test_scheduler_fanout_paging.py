@@ -22,12 +22,13 @@ from typing import Any
 import pytest
 from pymongo import AsyncMongoClient, monitoring
 
-from services.scheduler.catalogue import Catalogue
+from services.scheduler.catalogue import Catalogue, CompletedTask
 from services.scheduler.checkpoints import Checkpoints
 from services.scheduler.errors import DownstreamFull
 from services.scheduler.firings import Firings
 from services.scheduler.jobs import JobOutcome, JobRun
-from services.scheduler.jobs.fanout import fan_out_rescores
+from services.scheduler.jobs.fanout import SENT_LATER_MARGIN, fan_out_rescores
+from services.scheduler.messaging import CACHED_RESCORES_AFTER
 from services.scheduler.runs import (
     DOWNSTREAM_FULL_MAX_WAIT,
     Continue,
@@ -40,6 +41,7 @@ from shared.contracts import RescoreTask, RunCronJob
 from tests.unit.test_scheduler_dispatch import Clock
 
 NOW = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
+HORIZON = timedelta(days=1)
 VERSION = "v2"
 JOB = "rescore-fanout"
 Mongo = AsyncMongoClient[dict[str, Any]]
@@ -145,7 +147,7 @@ def _delivery(
         rubric_version=VERSION,
         page_size=page_size,
         max_pages=max_pages,
-        horizon=timedelta(days=1),
+        horizon=HORIZON,
         clock=clock,
     )
 
@@ -268,41 +270,99 @@ async def test_a_task_the_cache_answered_leaving_the_horizon_in_its_wait_goes_no
 ) -> None:
     """The request of a task the cache answered is sent 10 minutes after the others: one
     leaving the horizon meanwhile reached the gateway after its submission expired, "unknown
-    task", and was never re-scored. It goes with the others, to the scorer."""
+    task", and was never re-scored. One leaving within the wait and `SENT_LATER_MARGIN` (it
+    may wait again, behind the backlog) goes with the others, to the scorer; the horizon
+    counts from a task's first completion, a re-score's being later."""
     client, name, _ = database
-    ages = {
-        "a-leaving-in-five-minutes": timedelta(days=1) - timedelta(minutes=5),
-        "b-leaving-in-an-hour": timedelta(hours=23),
+    leaves_in = CACHED_RESCORES_AFTER + SENT_LATER_MARGIN
+    first_completed = {
+        "a-leaving-within-the-wait-and-margin": NOW - HORIZON + leaves_in - timedelta(minutes=1),
+        "b-leaving-after-them": NOW - HORIZON + leaves_in + timedelta(minutes=1),
+        "c-re-scored-an-hour-ago-leaving-soon": NOW - HORIZON + timedelta(minutes=5),
     }
-    await client[name]["completed_tasks"].insert_many(
+    await _insert(
+        client,
+        name,
         [
             {
                 "_id": task_id,
-                "tenant_id": "acme",
-                "generation": 0,
-                "completed_at": NOW - age,
-                "model": "m",
-                "rubric_version": None,
                 "cached": True,
+                "completed_at": NOW - timedelta(hours=1) if task_id.startswith("c") else first,
+                "first_completed_at": first,
             }
-            for task_id, age in ages.items()
-        ]
+            for task_id, first in first_completed.items()
+        ],
     )
     published = Published()
-    fanout = _delivery(
+
+    await _run_to_the_end(_fan_out(client, name, published), JobRun("w", JOB, NOW, NOW, True, 1))
+
+    assert published.task_ids == list(first_completed)
+    assert published.sent_later == ["b-leaving-after-them"]
+
+
+async def test_a_re_scored_task_leaves_the_horizon_with_its_submission(
+    database: tuple[Mongo, str, CatalogueReads],
+) -> None:
+    """The gateway keeps a submission from when its task was due, at or before its first
+    completion, and a re-score does not extend it: counted from the latest generation's
+    completion, a task re-scored late in its life was requested for up to a day after the
+    gateway had let it go. An entry recorded before the first completion was kept counts
+    from its completion."""
+    client, name, _ = database
+    await _insert(
         client,
         name,
-        NotedCheckpoints(client, name),
-        published,
-        page_size=10,
-        max_pages=10,
-        clock=Clock(NOW),
+        [
+            {
+                "_id": "a-re-scored-first-completed-before-the-horizon",
+                "completed_at": NOW - timedelta(hours=1),
+                "first_completed_at": NOW - HORIZON - timedelta(minutes=1),
+            },
+            {
+                "_id": "b-re-scored-first-completed-within-it",
+                "completed_at": NOW - timedelta(hours=1),
+                "first_completed_at": NOW - HORIZON + timedelta(minutes=1),
+            },
+            {"_id": "c-recorded-by-an-earlier-build", "completed_at": NOW - timedelta(hours=1)},
+        ],
     )
+    published = Published()
 
-    await _run_to_the_end(fanout, JobRun("leaving", JOB, NOW, NOW, True, 1))
+    await _run_to_the_end(_fan_out(client, name, published), JobRun("h", JOB, NOW, NOW, True, 1))
 
-    assert published.task_ids == list(ages)
-    assert published.sent_later == ["b-leaving-in-an-hour"]
+    assert published.task_ids == [
+        "b-re-scored-first-completed-within-it",
+        "c-recorded-by-an-earlier-build",
+    ]
+
+
+async def test_the_catalogue_keeps_a_task_s_first_completion(
+    database: tuple[Mongo, str, CatalogueReads],
+) -> None:
+    client, name, _ = database
+    catalogue = Catalogue(client, name)
+    first, rescored = NOW - timedelta(hours=20), NOW - timedelta(hours=1)
+    for generation, completed_at in ((0, first), (1, rescored)):
+        task = CompletedTask("t", "acme", generation, completed_at, "m", None, cached=True)
+        assert await catalogue.record(task)
+
+    [entry] = [d async for d in client[name]["completed_tasks"].find()]
+    assert (entry["generation"], entry["completed_at"]) == (1, rescored)
+    assert entry["first_completed_at"] == first
+
+
+async def _insert(client: Mongo, database: str, entries: Sequence[dict[str, Any]]) -> None:
+    """Catalogue entries of stale tasks: each `entries` item over the defaults."""
+    defaults = {"tenant_id": "acme", "generation": 0, "model": "m", "rubric_version": None}
+    await client[database]["completed_tasks"].insert_many([defaults | entry for entry in entries])
+
+
+def _fan_out(client: Mongo, database: str, published: Published) -> partial[Any]:
+    checkpoints = NotedCheckpoints(client, database)
+    return _delivery(
+        client, database, checkpoints, published, page_size=10, max_pages=10, clock=Clock(NOW)
+    )
 
 
 async def test_no_room_after_progress_continues_the_run_and_none_at_all_waits(

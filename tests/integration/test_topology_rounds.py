@@ -13,7 +13,7 @@ import pytest
 
 from shared import topology
 from shared.bus import send_raw
-from shared.runtime import make_broker
+from shared.runtime import make_broker, start_broker
 from shared.settings import ServiceSettings
 from shared.topology import (
     EVENTS,
@@ -27,6 +27,7 @@ from shared.topology import (
 )
 from tests.faults.harness import rabbitmqctl, rabbitmqctl_available, vhost_of
 from tests.faults.slow_link import SlowLink
+from tests.support import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -181,6 +182,35 @@ async def test_a_probing_connection_the_broker_refuses_is_named(amqp_url: str) -
                 await declare_topology(broker)
         finally:
             await rabbitmqctl("clear_vhost_limits", "-p", vhost)
+    finally:
+        with contextlib.suppress(Exception):
+            await broker.stop()
+
+
+async def test_a_start_declares_again_while_the_probing_connection_is_refused(
+    amqp_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Refused once (a connection limit reached while old replicas' connections linger, say),
+    the start ended at once, where its first connection is waited for: it declares again,
+    within its deadline, until the broker takes the probing connection."""
+    if not rabbitmqctl_available(amqp_url):
+        pytest.skip("needs rabbitmqctl for a broker on this machine")
+    vhost = vhost_of(amqp_url)
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url})
+    broker = make_broker(settings)
+    await rabbitmqctl("set_vhost_limits", "-p", vhost, '{"max-connections": 1}')
+    try:
+        starting = asyncio.ensure_future(start_broker(broker, settings))
+
+        async def refused() -> bool:
+            assert not starting.done(), starting
+            return "declaring the topology again" in caplog.text
+
+        await eventually(refused, what="the probing connection refused")
+    finally:
+        await rabbitmqctl("clear_vhost_limits", "-p", vhost)
+    try:
+        await asyncio.wait_for(starting, 60)
     finally:
         with contextlib.suppress(Exception):
             await broker.stop()

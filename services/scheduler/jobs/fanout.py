@@ -15,13 +15,14 @@ A task the result cache answered (the catalogue's `cached`) is requested marked
 (`services.scheduler.messaging`, counted against the backlog meanwhile): by then the task
 its text was scored for has been scored again unless the scorers' backlog is longer, and
 the gateway answers it from the cache without a model call. Not one leaving the horizon
-within that wait: it would reach the gateway after its submission expired ("unknown task",
-never re-scored), so it goes with the others, to the scorer.
+within that wait (and `SENT_LATER_MARGIN`): it would reach the gateway after its submission
+expired ("unknown task", never re-scored), so it goes with the others, to the scorer.
 
-Only tasks completed within `horizon` are due (`FANOUT_HORIZON_S`, the gateway's
+Only tasks first completed within `horizon` are due (`FANOUT_HORIZON_S`, the gateway's
 `IDEMPOTENCY_TTL_S`): the gateway re-scores a task from its submission, kept that long from
-when the task was due, so a request for an older one was answered "unknown task" after two
-round trips to the gateway's database, and counted against `FANOUT_MAX_BACKLOG` meanwhile.
+when the task was due (at or before its first completion; a re-score does not extend it),
+so a request for an older one was answered "unknown task" after two round trips to the
+gateway's database, and counted against `FANOUT_MAX_BACKLOG` meanwhile.
 
 A delivery also stops taking pages once its time for them is spent (`JobRun.work_until`,
 half its database deadline `SCHEDULER_JOB_DB_TIMEOUT_S`, which covers the broker's waits
@@ -56,6 +57,11 @@ from shared.contracts import RescoreTask
 log = logging.getLogger("scorebox.scheduler.fanout")
 
 PublishPage = Callable[[Sequence[RescoreTask]], Awaitable[None]]
+# Out of its 10-minute wait, a request sent after the others may wait again: behind the
+# score and re-score requests the fan-out's bound admits, and down the gateway's retries
+# while the score queue is full. One leaving the horizon within the wait and this much more
+# is sent with the others (about one in 20 of the cache's copies, with the default horizon).
+SENT_LATER_MARGIN = timedelta(hours=1)
 
 
 async def fan_out_rescores(
@@ -181,6 +187,7 @@ class _PageWalk:
 
 def _sent_later(task: CompletedTask, *, completed_since: datetime) -> bool:
     """Whether the task's request is sent after the others (`answered_from_cache`): one the
-    cache answered, unless it leaves the horizon (completed before `completed_since`) within
-    that wait."""
-    return task.cached and task.completed_at >= completed_since + CACHED_RESCORES_AFTER
+    cache answered, unless it leaves the horizon (first completed before `completed_since`)
+    within that wait and `SENT_LATER_MARGIN`."""
+    leaves_at = task.horizon_counts_from
+    return task.cached and leaves_at >= completed_since + CACHED_RESCORES_AFTER + SENT_LATER_MARGIN

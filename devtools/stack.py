@@ -393,12 +393,17 @@ def declare_topology_first(rabbitmq_url: str, timeout_s: float = TOPOLOGY_FIRST_
         _declared_by_each(f"no answer within {timeout_s:g} s")
         return False
     if done.returncode != 0:
-        _declared_by_each(done.stderr.decode(errors="replace").strip() or f"exit {done.returncode}")
+        said = done.stderr.decode(errors="replace").strip().splitlines()
+        _declared_by_each(said[-1] if said else f"exit code {done.returncode}")
     return done.returncode == 0
 
 
 def _declared_by_each(why: str) -> None:
-    print(f"warning: the topology was not declared first ({why}); each service declares it")
+    """One line: the child's last (its error; aiormq's log lines come before it)."""
+    print(
+        f"warning: the topology was not declared first ({why}); each service declares it",
+        file=sys.stderr,
+    )
 
 
 def internal_key_of(stack_env: Mapping[str, str], environ: Mapping[str, str] = os.environ) -> str:

@@ -15,7 +15,7 @@ which concurrent callers never could.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,10 @@ def _run_of(queued: Queued[Write, bool]) -> int:
 MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
 
 
+# An update document, or an update pipeline: its stages.
+Update = Mapping[str, Any] | Sequence[Mapping[str, Any]]
+
+
 @dataclass(frozen=True, slots=True)
 class Write:
     """A write and the documents it sends (to tell, should encoding fail, which write did)."""
@@ -90,12 +94,14 @@ class GroupWriter(Coalescer[Write, bool]):
         self.collection = collection
 
     async def update_one(
-        self, filter: Mapping[str, Any], update: Mapping[str, Any], *, upsert: bool = False
+        self, filter: Mapping[str, Any], update: Update, *, upsert: bool = False
     ) -> bool:
-        """True when the upsert inserted the document (none matched `filter`)."""
-        return await self.submit(Write(UpdateOne(filter, update, upsert=upsert), (filter, update)))
+        """True when the upsert inserted the document (none matched `filter`); `update` an
+        update document or an update pipeline (its stages)."""
+        parts = (update,) if isinstance(update, Mapping) else tuple(update)
+        return await self.submit(Write(UpdateOne(filter, update, upsert=upsert), (filter, *parts)))
 
-    async def guarded_upsert(self, filter: Mapping[str, Any], update: Mapping[str, Any]) -> bool:
+    async def guarded_upsert(self, filter: Mapping[str, Any], update: Update) -> bool:
         """Upsert `update` where `filter` (`_id` and a guard) matches; False when the document
         exists and the guard refuses it.
 

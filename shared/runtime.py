@@ -435,24 +435,31 @@ async def start_broker(broker: RabbitBroker, settings: ServiceSettings) -> None:
     await retry_until(broker.connect, what=rabbitmq, deadline_s=deadline_s)
     # The declarations are round trips of their own (some on channels FastStream does not
     # bound): a broker that stops answering must not hold the service's start for ever.
-    async with _named_on_timeout(f"{rabbitmq} (declaring the topology)", deadline_s):
-        await _declare_topology_probed(broker)
+    declaring = f"{rabbitmq} (declaring the topology)"
+    async with _named_on_timeout(declaring, deadline_s):
+        await _declare_topology_probed(broker, what=declaring, deadline_s=deadline_s)
     # Starting opens the consuming connection and, per consumer, a channel, its prefetch, a
     # declaration and the consume: each bounded by BROKER_TIMEOUT_S, all by this.
     async with _named_on_timeout(f"{rabbitmq} (starting the consumers)", deadline_s):
         await broker.start()
 
 
-async def _declare_topology_probed(broker: RabbitBroker) -> None:
+async def _declare_topology_probed(broker: RabbitBroker, *, what: str, deadline_s: float) -> None:
     """`declare_topology`, declared again while the broker refuses its probing connection
     (`TopologyProbesUnreachable`: a connection limit reached while old replicas' connections
-    linger in a rolling restart, say), as the first connection is waited for; the deadline is
-    the caller's. Refused once, the start ended at once (the re-read)."""
+    linger in a rolling restart, say), as the first connection is waited for, until
+    `deadline_s` (the caller's too); then `DependencyUnreachable` naming `what` and the
+    refusal. Refused once, the start ended at once (the re-read); refused to the end, it
+    ended on the caller's "answers too slowly" (the next re-read)."""
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + deadline_s
     delay = 0.2
     while True:
         try:
             await declare_topology(broker)
         except TopologyProbesUnreachable as error:
+            if loop.time() + delay >= give_up_at:
+                raise _given_up(f"{what} not done within STARTUP_TIMEOUT_S: {error}") from error
             log.warning("%s; declaring the topology again in %.1fs", error, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)

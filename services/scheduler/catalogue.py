@@ -77,8 +77,13 @@ def _is_due(document: Document, current_version: str, completed_since: datetime)
         return False
     if document.get("rescore_requested_for") == current_version:
         return False
-    first_completed_at = _aware(document.get("first_completed_at") or document.get("completed_at"))
-    return first_completed_at is not None and first_completed_at >= completed_since
+    completed_at = _aware(document.get("completed_at"))
+    first_completed_at = _aware(document.get("first_completed_at")) or completed_at
+    return (
+        completed_at is not None
+        and first_completed_at is not None
+        and (first_completed_at >= completed_since)
+    )
 
 
 def _aware(value: object) -> datetime | None:
@@ -87,6 +92,25 @@ def _aware(value: object) -> datetime | None:
     if not isinstance(value, datetime):
         return None
     return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def _recorded_fields(task: CompletedTask) -> Document:
+    """The fields `record` sets, as an update pipeline's stage: every value a literal (a
+    string starting with `$` would be read as a field), and the first completion the
+    earliest of the one kept, the entry's `completed_at` where an earlier build kept none,
+    and this one."""
+    earliest_kept = {"$ifNull": ["$first_completed_at", "$completed_at"]}
+    fields = {
+        "tenant_id": task.tenant_id,
+        "generation": task.generation,
+        "completed_at": task.completed_at,
+        "model": task.model,
+        "rubric_version": task.rubric_version,
+        "cached": task.cached,
+    }
+    return {name: {"$literal": value} for name, value in fields.items()} | {
+        "first_completed_at": {"$min": [earliest_kept, {"$literal": task.completed_at}]}
+    }
 
 
 def _completed_task(document: Document) -> CompletedTask:
@@ -113,21 +137,18 @@ class Catalogue:
         await self._collection.create_index([("completed_at", ASCENDING)])
 
     async def record(self, task: CompletedTask) -> bool:
-        """Keep the latest generation of a task; False for an older (or same) one."""
-        return await self._writes.guarded_upsert(
+        """Keep the latest generation of a task, and its earliest completion seen; False for
+        an older generation (its completion still lowers the first one: events may arrive
+        out of order)."""
+        recorded = await self._writes.guarded_upsert(
             {"_id": task.task_id, "generation": {"$lte": task.generation}},
-            {
-                "$set": {
-                    "tenant_id": task.tenant_id,
-                    "generation": task.generation,
-                    "completed_at": task.completed_at,
-                    "model": task.model,
-                    "rubric_version": task.rubric_version,
-                    "cached": task.cached,
-                },
-                "$min": {"first_completed_at": task.completed_at},
-            },
+            [{"$set": _recorded_fields(task)}],
         )
+        if not recorded:
+            await self._collection.update_one(
+                {"_id": task.task_id}, {"$min": {"first_completed_at": task.completed_at}}
+            )
+        return recorded
 
     async def scan_page(
         self, *, after: str | None, current_version: str, completed_since: datetime, limit: int

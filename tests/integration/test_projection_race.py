@@ -30,7 +30,7 @@ from shared.contracts import (
     new_id,
     utcnow,
 )
-from shared.group_writes import DUPLICATE_KEY, GroupWriter
+from shared.group_writes import DUPLICATE_KEY, GroupWriter, Update
 from tests.support import CommandCounter, scratch_collection
 
 Document = dict[str, Any]
@@ -46,7 +46,7 @@ class LosesTheFirstInsert(GroupWriter):
         self._rival: Callable[[], Awaitable[None]] | None = rival
 
     async def update_one(
-        self, filter: Mapping[str, Any], update: Mapping[str, Any], *, upsert: bool = False
+        self, filter: Mapping[str, Any], update: Update, *, upsert: bool = False
     ) -> bool:
         rival, self._rival = self._rival, None
         if rival is not None and upsert:

@@ -340,16 +340,29 @@ async def test_a_re_scored_task_leaves_the_horizon_with_its_submission(
 async def test_the_catalogue_keeps_a_task_s_first_completion(
     database: tuple[Mongo, str, CatalogueReads],
 ) -> None:
+    """Whatever the order its generations' events arrive in (an older one recorded after a
+    newer one is refused, but its completion still counts), and for an entry an earlier
+    build recorded (its `completed_at` the first). Every value is stored as given: a model
+    named like a field path (`$…`) is no path in the update pipeline."""
     client, name, _ = database
     catalogue = Catalogue(client, name)
     first, rescored = NOW - timedelta(hours=20), NOW - timedelta(hours=1)
-    for generation, completed_at in ((0, first), (1, rescored)):
-        task = CompletedTask("t", "acme", generation, completed_at, "m", None, cached=True)
-        assert await catalogue.record(task)
 
-    [entry] = [d async for d in client[name]["completed_tasks"].find()]
-    assert (entry["generation"], entry["completed_at"]) == (1, rescored)
-    assert entry["first_completed_at"] == first
+    def generation(n: int, task_id: str) -> CompletedTask:
+        return CompletedTask(task_id, "acme", n, (first, rescored)[n], "$model", None, True)
+
+    assert await catalogue.record(generation(0, "in-order"))
+    assert await catalogue.record(generation(1, "in-order"))
+    assert await catalogue.record(generation(1, "out-of-order"))
+    assert not await catalogue.record(generation(0, "out-of-order"))
+    await _insert(client, name, [{"_id": "earlier-build", "completed_at": first}])
+    assert await catalogue.record(generation(1, "earlier-build"))
+
+    entries = [d async for d in client[name]["completed_tasks"].find().sort("_id")]
+    assert [e["_id"] for e in entries] == ["earlier-build", "in-order", "out-of-order"]
+    for entry in entries:
+        assert (entry["generation"], entry["completed_at"]) == (1, rescored)
+        assert (entry["first_completed_at"], entry["model"]) == (first, "$model")
 
 
 async def _insert(client: Mongo, database: str, entries: Sequence[dict[str, Any]]) -> None:

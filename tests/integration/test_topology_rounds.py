@@ -13,7 +13,7 @@ import pytest
 
 from shared import topology
 from shared.bus import send_raw
-from shared.runtime import make_broker, start_broker
+from shared.runtime import DependencyUnreachable, make_broker, start_broker
 from shared.settings import ServiceSettings
 from shared.topology import (
     EVENTS,
@@ -199,18 +199,38 @@ async def test_a_start_declares_again_while_the_probing_connection_is_refused(
     settings = ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url})
     broker = make_broker(settings)
     await rabbitmqctl("set_vhost_limits", "-p", vhost, '{"max-connections": 1}')
+    starting = asyncio.ensure_future(start_broker(broker, settings))
     try:
-        starting = asyncio.ensure_future(start_broker(broker, settings))
+        try:
 
-        async def refused() -> bool:
-            assert not starting.done(), starting
-            return "declaring the topology again" in caplog.text
+            async def refused() -> bool:
+                assert not starting.done(), starting
+                return "declaring the topology again" in caplog.text
 
-        await eventually(refused, what="the probing connection refused")
-    finally:
-        await rabbitmqctl("clear_vhost_limits", "-p", vhost)
-    try:
+            await eventually(refused, what="the probing connection refused")
+        finally:
+            await rabbitmqctl("clear_vhost_limits", "-p", vhost)
         await asyncio.wait_for(starting, 60)
     finally:
+        starting.cancel()
+        with contextlib.suppress(Exception):
+            await broker.stop()
+
+
+async def test_a_start_refused_its_probing_connection_to_the_end_says_so(amqp_url: str) -> None:
+    """Refused to the end, the start ended on "answers too slowly (raise
+    STARTUP_TIMEOUT_S)", the wrong advice for a connection limit."""
+    if not rabbitmqctl_available(amqp_url):
+        pytest.skip("needs rabbitmqctl for a broker on this machine")
+    vhost = vhost_of(amqp_url)
+    # Its last try at about 6 s: room for a slow one before the caller's own deadline.
+    settings = ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url, "STARTUP_TIMEOUT_S": 10})
+    broker = make_broker(settings)
+    await rabbitmqctl("set_vhost_limits", "-p", vhost, '{"max-connections": 1}')
+    try:
+        with pytest.raises(DependencyUnreachable, match="topology probes' connection"):
+            await start_broker(broker, settings)
+    finally:
+        await rabbitmqctl("clear_vhost_limits", "-p", vhost)
         with contextlib.suppress(Exception):
             await broker.stop()

@@ -189,5 +189,7 @@ def _sent_later(task: CompletedTask, *, completed_since: datetime) -> bool:
     """Whether the task's request is sent after the others (`answered_from_cache`): one the
     cache answered, unless it leaves the horizon (first completed before `completed_since`)
     within that wait and `SENT_LATER_MARGIN`."""
-    leaves_at = task.horizon_counts_from
-    return task.cached and leaves_at >= completed_since + CACHED_RESCORES_AFTER + SENT_LATER_MARGIN
+    counted_from = task.horizon_counts_from
+    return (
+        task.cached and counted_from >= completed_since + CACHED_RESCORES_AFTER + SENT_LATER_MARGIN
+    )

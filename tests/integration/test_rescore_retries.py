@@ -364,13 +364,7 @@ async def test_a_request_the_full_score_queue_refuses_past_its_ladder_is_never_g
     """Its command refused with a negative confirm (an earlier review)."""
 
     async def refused(delivery: HandedDelivery) -> None:
-        async with queue_made_full(
-            env.amqp_url,
-            SCORE_REQUESTS.name,
-            policy=FULL_POLICY,
-            management_url=rabbitmq.management_url,
-        ):
-            await env.consumer(env.publisher(), env.submissions()).on_message(delivery)
+        await _handled_with_the_score_queue_full(env, rabbitmq, delivery)
 
     await _never_given_up_past_its_ladder(env, refused)
 
@@ -386,6 +380,17 @@ async def test_the_ladder_s_10_minute_steps_wait_where_the_fan_out_counts_them(
     command = await accepted_submission(env.submissions())
     delivery = HandedDelivery(rescore_request(command, attempt=attempt).model_dump_json().encode())
 
+    await _handled_with_the_score_queue_full(env, rabbitmq, delivery)
+
+    assert delivery.settled == ["ack"]
+    [waiting] = await env.take(waits_in)
+    assert RescoreTask.model_validate_json(waiting.body).attempt == attempt + 1
+
+
+async def _handled_with_the_score_queue_full(
+    env: Env, rabbitmq: Endpoint, delivery: HandedDelivery
+) -> None:
+    """The gateway's consumer handles `delivery` while the score queue refuses every command."""
     async with queue_made_full(
         env.amqp_url,
         SCORE_REQUESTS.name,
@@ -393,10 +398,6 @@ async def test_the_ladder_s_10_minute_steps_wait_where_the_fan_out_counts_them(
         management_url=rabbitmq.management_url,
     ):
         await env.consumer(env.publisher(), env.submissions()).on_message(delivery)
-
-    assert delivery.settled == ["ack"]
-    [waiting] = await env.take(waits_in)
-    assert RescoreTask.model_validate_json(waiting.body).attempt == attempt + 1
 
 
 async def test_a_request_unconfirmed_past_its_ladder_is_never_given_up(

@@ -50,7 +50,7 @@ from collections.abc import (
     Mapping,
 )
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import aiormq
 from faststream.rabbit import Channel, ExchangeType, QueueType, RabbitExchange, RabbitQueue
@@ -470,8 +470,8 @@ async def declare_topology(broker: RabbitBroker) -> None:
     async with contextlib.AsyncExitStack() as stack:
         connecting = stack.enter_async_context(_probing_connection(publishing))
         channels = (config.channel_manager.get_channel(each) for each in _DECLARING_CHANNELS)
-        probing = (await _side_by_side([connecting, *channels]))[0]
-        assert isinstance(probing, aiormq.abc.AbstractConnection)
+        opened = await _side_by_side([connecting, *channels])
+        probing = cast("aiormq.abc.AbstractConnection", opened[0])
         clean = await _dead_letter_queues_declaring_cleanly(probing)
         await _declare_chains(config.declarer, exchanges, clean=clean, probing=probing)
 

@@ -78,12 +78,10 @@ def _is_due(document: Document, current_version: str, completed_since: datetime)
     if document.get("rescore_requested_for") == current_version:
         return False
     completed_at = _aware(document.get("completed_at"))
+    if completed_at is None:
+        return False
     first_completed_at = _aware(document.get("first_completed_at")) or completed_at
-    return (
-        completed_at is not None
-        and first_completed_at is not None
-        and (first_completed_at >= completed_since)
-    )
+    return first_completed_at >= completed_since
 
 
 def _aware(value: object) -> datetime | None:

@@ -221,26 +221,30 @@ def _given_up(message: str) -> DependencyUnreachable:
 async def retry_until(
     action: Callable[[], Awaitable[Any]], *, what: str, deadline_s: float
 ) -> None:
-    """Run `action` until it succeeds or `deadline_s` passes (start-up only); then
-    `DependencyUnreachable` naming `what` and its last error. A start whose deadline cut
-    its first attempt short (`STARTUP_TIMEOUT_S` under `MONGO_TIMEOUT_S`) logged nothing,
-    and ended on a bare `TimeoutError` naming no dependency (a walkthrough)."""
-    delay = 0.2
-    last: Exception | None = None
+    """Run `action` until it succeeds or `deadline_s` passes (start-up only; any error means
+    "not yet", backed off by `keep_trying`); then `DependencyUnreachable` naming `what` and
+    its last error. A start whose deadline cut its first attempt short (`STARTUP_TIMEOUT_S`
+    under `MONGO_TIMEOUT_S`) logged nothing, and ended on a bare `TimeoutError` naming no
+    dependency (a walkthrough)."""
+    failures: list[Exception] = []
+
+    async def attempt() -> None:
+        try:
+            await action()
+        except Exception as error:
+            failures.append(error)
+            raise
+
     try:
         async with asyncio.timeout(deadline_s):
-            while True:
-                try:
-                    await action()
-                except Exception as error:  # noqa: BLE001 - any failure at start-up means "not yet"
-                    last = error
-                    # %r: a timeout's message is empty, and read "not reachable yet ()".
-                    log.warning("%s not reachable yet (%r); retrying in %.1fs", what, error, delay)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
-                else:
-                    return
-    except TimeoutError:
+            await keep_trying(
+                attempt,
+                what=f"reaching {what}",
+                retry_on=(Exception,),
+                give_up_after_s=deadline_s,
+            )
+    except Exception:  # noqa: BLE001 - the deadline passed: every error is named below
+        last = failures[-1] if failures else None
         why = f"its last error: {last!r}" if last else "its first attempt had no answer yet"
         raise _given_up(
             f"{what} not reachable within STARTUP_TIMEOUT_S ({deadline_s:g} s); {why}"
@@ -451,20 +455,15 @@ async def _declare_topology_probed(broker: RabbitBroker, *, what: str, deadline_
     `deadline_s` (the caller's too); then `DependencyUnreachable` naming `what` and the
     refusal. Refused once, the start ended at once (the re-read); refused to the end, it
     ended on the caller's "answers too slowly" (the next re-read)."""
-    loop = asyncio.get_running_loop()
-    give_up_at = loop.time() + deadline_s
-    delay = 0.2
-    while True:
-        try:
-            await declare_topology(broker)
-        except TopologyProbesUnreachable as error:
-            if loop.time() + delay >= give_up_at:
-                raise _given_up(f"{what} not done within STARTUP_TIMEOUT_S: {error}") from error
-            log.warning("%s; declaring the topology again in %.1fs", error, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
-        else:
-            return
+    try:
+        await keep_trying(
+            lambda: declare_topology(broker),
+            what="declaring the topology",
+            retry_on=(TopologyProbesUnreachable,),
+            give_up_after_s=deadline_s,
+        )
+    except TopologyProbesUnreachable as error:
+        raise _given_up(f"{what} not done within STARTUP_TIMEOUT_S: {error}") from error
 
 
 @contextlib.asynccontextmanager

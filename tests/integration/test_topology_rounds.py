@@ -205,7 +205,7 @@ async def test_a_start_declares_again_while_the_probing_connection_is_refused(
 
             async def refused() -> bool:
                 assert not starting.done(), starting
-                return "declaring the topology again" in caplog.text
+                return "declaring the topology failed (TopologyProbesUnreachable" in caplog.text
 
             await eventually(refused, what="the probing connection refused")
         finally:

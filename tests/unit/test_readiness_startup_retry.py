@@ -27,7 +27,7 @@ async def test_a_start_up_retry_names_an_error_without_a_message(
 
     # Only this logger's: other tests' connections still retrying log here too.
     [warning] = [r.getMessage() for r in caplog.records if r.name == "scorebox.runtime"]
-    assert "not reachable yet (TimeoutError())" in warning
+    assert "reaching RabbitMQ at amqp://broker failed (TimeoutError())" in warning
 
 
 async def test_a_start_up_past_its_deadline_names_the_dependency_and_its_last_error() -> None:

@@ -57,6 +57,7 @@ from shared.event_batches import Part, UnreadableBatch, is_batch, split_batch
 from shared.log_context import correlated
 from shared.metrics import Metrics
 from shared.reconnection_gates import ReconnectionGates
+from shared.side_by_side import side_by_side
 from shared.topology import (
     ROUTING_KEY_HEADER,
     Binding,
@@ -622,45 +623,58 @@ class ScoreboxBroker(RabbitBroker):
             )
             connected.labels("own queues").set_function(lambda: _is_up(self._own_queues_connection))
             self._own_queues_connection.reconnect_callbacks.add(self._own_queues_back)
-        # Those that wait for something (`starts_after`) start last, in their order.
+        # Those that wait for something (`starts_after`) start last, in their order; the
+        # others side by side: one after another, each consumer's channel, prefetch,
+        # declaration, bindings and consume added their round trips to the start.
         waiting = [each for each in self._subscriptions if each.starts_after is not None]
-        for subscription in [*self._without(waiting), *waiting]:
-            if subscription.starts_after is not None:
-                await subscription.starts_after()
-            consuming = _Consuming(
-                subscription,
-                self._acks,
-                self.metrics,
-                prefetch=subscription.prefetch or self._prefetch,
-                opened=self._gate_of(subscription),
-            )
-            queue = subscription.queue
-            channel = await self._channel_for(subscription.prefetch, own=queue.exclusive)
-            consuming.queue = await channel.declare_queue(
-                name=queue.name,
-                durable=queue.durable,
-                exclusive=queue.exclusive,
-                passive=not queue.declare,
-                auto_delete=queue.auto_delete,
-                arguments=queue.arguments,
-                timeout=queue.timeout or self._timeout,
-            )
-            for binding in subscription.bindings:
-                # Through the robust queue, which binds again after a reconnection.
-                await consuming.queue.bind(
-                    binding.exchange.name,
-                    routing_key=binding.routing_key,
-                    arguments=dict(binding.arguments) if binding.arguments else None,
-                    timeout=self._timeout,
-                )
-            consuming.tag = await consuming.queue.consume(
-                consuming.on_delivery, no_ack=False, timeout=self._timeout
-            )
-            self._consuming.append(consuming)
+        at_once = self._without(waiting)
+        if any(each.prefetch is None and not each.queue.exclusive for each in at_once):
+            await self._channel_for(None)  # the shared channel, opened once for them all
+        await side_by_side(self._start_consuming(each) for each in at_once)
+        for subscription in waiting:
+            assert subscription.starts_after is not None
+            await subscription.starts_after()
+            await self._start_consuming(subscription)
         if self._consumer_connection is not None:
             self._gates.watch(self._consumer_connection, consuming=True)
         if self._own_queues_connection is not None:
             self._gates.watch(self._own_queues_connection, consuming=False)
+
+    async def _start_consuming(self, subscription: _Subscription) -> None:
+        """Start the consumer of `subscription`: its channel, its queue declared (or
+        passively, when the topology declares it) and bound, its `basic.consume`; counted
+        among the broker's consumers once consuming, for a stop to drain it even when
+        another consumer's start failed."""
+        consuming = _Consuming(
+            subscription,
+            self._acks,
+            self.metrics,
+            prefetch=subscription.prefetch or self._prefetch,
+            opened=self._gate_of(subscription),
+        )
+        queue = subscription.queue
+        channel = await self._channel_for(subscription.prefetch, own=queue.exclusive)
+        consuming.queue = await channel.declare_queue(
+            name=queue.name,
+            durable=queue.durable,
+            exclusive=queue.exclusive,
+            passive=not queue.declare,
+            auto_delete=queue.auto_delete,
+            arguments=queue.arguments,
+            timeout=queue.timeout or self._timeout,
+        )
+        for binding in subscription.bindings:
+            # Through the robust queue, which binds again after a reconnection.
+            await consuming.queue.bind(
+                binding.exchange.name,
+                routing_key=binding.routing_key,
+                arguments=dict(binding.arguments) if binding.arguments else None,
+                timeout=self._timeout,
+            )
+        consuming.tag = await consuming.queue.consume(
+            consuming.on_delivery, no_ack=False, timeout=self._timeout
+        )
+        self._consuming.append(consuming)
 
     def _gate_of(self, subscription: _Subscription) -> asyncio.Event | None:
         if subscription.starts_after is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import itertools
 import logging
 import math
 import random
@@ -29,6 +30,7 @@ from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 from uvicorn.config import LOGGING_CONFIG
 
+from shared.backoff import capped_exponential_s, jittered_s
 from shared.bus import BROKER_ERRORS, publish_dead_letter
 from shared.clock_offset import ClockWatch, check_clock
 from shared.consumers import Delivery, ScoreboxBroker
@@ -290,6 +292,10 @@ def clock_watch_of(
     )
 
 
+# The jitter of `keep_trying`'s waits (not cryptography).
+_JITTER = random.Random()  # noqa: S311
+
+
 async def keep_trying[T](
     action: Callable[[], Awaitable[T]],
     *,
@@ -315,20 +321,20 @@ async def keep_trying[T](
     """
     loop = asyncio.get_running_loop()
     deadline = None if give_up_after_s is None else loop.time() + give_up_after_s
-    delay = first_delay_s
-    while True:
+    for attempt in itertools.count(1):
         try:
             return await action()
         except retry_on as error:
             if retry_if is not None and not retry_if(error):
                 raise
             # Jittered: writes that failed together (one grouped round trip) retry apart.
-            wait = delay * random.uniform(0.5, 1.0)  # noqa: S311 - jitter, not cryptography
+            delay = capped_exponential_s(attempt, base_s=first_delay_s, cap_s=max_delay_s)
+            wait = jittered_s(delay, _JITTER)
             if deadline is not None and loop.time() + wait > deadline:
                 raise
             log.warning("%s failed (%r); retrying in %.1fs", what, error, wait)
             await asyncio.sleep(wait)
-            delay = min(delay * 2, max_delay_s)
+    raise AssertionError("unreachable: the attempts never run out")
 
 
 # How often a held redelivery (one kept unacknowledged while another claim on its work lasts)

@@ -37,7 +37,6 @@ consumer that receives a message not yet due sends it down the ladder again.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import (
@@ -45,7 +44,6 @@ from collections.abc import (
     Awaitable,
     Callable,
     Collection,
-    Coroutine,
     Iterable,
     Mapping,
 )
@@ -56,6 +54,7 @@ import aiormq
 from faststream.rabbit import Channel, ExchangeType, QueueType, RabbitExchange, RabbitQueue
 
 from shared.settings import redact_url
+from shared.side_by_side import side_by_side
 
 if TYPE_CHECKING:
     from aio_pika import RobustExchange
@@ -470,7 +469,7 @@ async def declare_topology(broker: RabbitBroker) -> None:
     async with contextlib.AsyncExitStack() as stack:
         connecting = stack.enter_async_context(_probing_connection(publishing))
         channels = (config.channel_manager.get_channel(each) for each in _DECLARING_CHANNELS)
-        opened = await _side_by_side([connecting, *channels])
+        opened = await side_by_side([connecting, *channels])
         probing = cast("aiormq.abc.AbstractConnection", opened[0])
         clean = await _dead_letter_queues_declaring_cleanly(probing)
         await _declare_chains(config.declarer, exchanges, clean=clean, probing=probing)
@@ -502,7 +501,7 @@ async def _declare_chains(
         for tier, seconds in WAIT_QUEUE_TIERS
     )
     retired = _delete_retired_queues(probing)
-    await _side_by_side([*work_queues, ops_log, *wait_queues, retired])
+    await side_by_side([*work_queues, ops_log, *wait_queues, retired])
 
 
 class TopologyProbesUnreachable(ConnectionError):
@@ -531,17 +530,6 @@ async def _probing_connection(
         yield connection
     finally:
         await connection.close()
-
-
-async def _side_by_side[T](declarations: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
-    """Every one of `declarations` at once, their results in order. The first failure is
-    raised as it is, the others cancelled, as when they ran one after another."""
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(each) for each in declarations]
-    except BaseExceptionGroup as failed:
-        raise failed.exceptions[0] from None
-    return [task.result() for task in tasks]
 
 
 async def _declare_work_queue(

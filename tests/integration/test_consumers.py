@@ -730,3 +730,46 @@ async def test_a_stop_does_not_wait_out_the_pause_of_a_delivery_that_failed(
     stopping.set()
     await asyncio.wait_for(stop, TIMEOUT_S)
     assert await queue.ready() == 1
+
+
+# A consumer with a channel of its own takes five round trips to start (its channel, its
+# prefetch, the declaration and the consume among them): one after another, these many took
+# 40 where one took 5.
+SIDE_BY_SIDE = 8
+
+
+async def test_consumers_start_side_by_side(amqp_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A service's consumers started one after another, each adding its round trips to the
+    start: over a broker far away, many consumers start in about the round trips of one."""
+    link = SlowLink.to(amqp_url)
+    link.latency_s = 0.05
+    connect_robust = aio_pika.connect_robust
+
+    async def counted_once_connected(url: str, **options: Any) -> AbstractRobustConnection:
+        connection: AbstractRobustConnection = await connect_robust(url, **options)
+        link.rounds = 0  # from here on: the consumers' own round trips
+        return connection
+
+    monkeypatch.setattr(aio_pika, "connect_robust", counted_once_connected)
+
+    async def rounds_to_start(consumers: int) -> int:
+        broker = new_broker(link.url_through(amqp_url))
+        for _ in range(consumers):
+            queue = RabbitQueue(f"test.start.{uuid.uuid4().hex[:8]}", auto_delete=True)
+
+            @consume(broker, queue, prefetch=4)
+            async def handle(delivery: Delivery) -> None:
+                await delivery.ack()
+
+        await broker.connect()
+        try:
+            await broker.start()
+            return link.rounds
+        finally:
+            await asyncio.wait_for(broker.stop(), TIMEOUT_S)
+
+    async with link.running():
+        one = await rounds_to_start(1)
+        many = await rounds_to_start(SIDE_BY_SIDE)
+    # Slack for replies a busy machine sends apart; one after another adds 35.
+    assert many < one + SIDE_BY_SIDE, f"{one} round trips for one consumer, {many} for many"

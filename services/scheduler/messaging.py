@@ -23,8 +23,8 @@ from datetime import datetime, timedelta
 from typing import Any, Final
 
 import aiormq
-from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
-from faststream.rabbit import RabbitBroker, RabbitQueue
+from aio_pika.abc import AbstractIncomingMessage
+from faststream.rabbit import RabbitBroker
 from pamqp.commands import Basic
 
 from services.scheduler.errors import DownstreamFull, TransientJobError
@@ -151,26 +151,28 @@ class SchedulerBus:
     async def _make_sure_of_room(self, wanted: int) -> None:
         if self.max_backlog is None:
             return
-        waiting = 0
-        for queue_name in COUNTED_AS_BACKLOG:
-            waiting += await self._waiting(queue_name)
+        waiting = await self._waiting(COUNTED_AS_BACKLOG)
         if waiting + wanted > self.max_backlog:
             raise DownstreamFull(
                 f"{waiting} score and re-score requests wait for the scorers, or in "
                 f"{RESCORES_WAIT} (FANOUT_MAX_BACKLOG {self.max_backlog})"
             )
 
-    async def _waiting(self, queue_name: str) -> int:
-        """The messages ready in a queue (a passive declaration: fresh counts on each call)."""
-        _, ready = await self._declared(queue_name)
+    async def _waiting(self, queue_names: Sequence[str]) -> int:
+        """The messages ready in these queues, by passive declarations (fresh counts on each
+        call) on a channel of the consuming connection (`own_channel`), as the DLQ looks
+        go. On the publishing connection's channel, a queue an operator deleted had the
+        broker close the channel every publish goes through; and a publishing connection
+        blocked by an alarm held the look until the alarm cleared."""
+        what = ", ".join(queue_names)
+        async with own_channel(self.broker, timeout_s=self.timeout_s, what=what) as channel:
+            async with asyncio.timeout(self.timeout_s):
+                ready = 0
+                for name in queue_names:
+                    queue = await channel.get_queue(name, ensure=False)  # a passive declare
+                    declared = await queue.declare(timeout=self.timeout_s)
+                    ready += int(declared.message_count or 0)
         return ready
-
-    async def _declared(self, queue_name: str) -> tuple[AbstractQueue, int]:
-        """An existing queue and the messages ready in it (fresh counts on each call)."""
-        async with asyncio.timeout(self.timeout_s):
-            queue = await self.broker.declare_queue(RabbitQueue(queue_name, declare=False))
-            declared = await queue.declare(timeout=self.timeout_s)
-        return queue, int(declared.message_count or 0)
 
     async def dead_letter_depth(self, work_queue: WorkQueue) -> tuple[int, float | None]:
         """(depth, age in seconds of the oldest dead letter) of a work queue's DLQ.

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
 
+import aiormq
 import pytest
 from aio_pika.abc import AbstractIncomingMessage
 from faststream.rabbit import RabbitQueue
@@ -141,6 +142,47 @@ async def test_a_request_sent_after_the_others_reaches_the_gateway_at_its_wait_s
         [message] = await _take(broker, RESCORE_REQUESTS.name, 1)
         assert RescoreTask.model_validate_json(message.body).answered_from_cache
         await purge(broker, RESCORE_REQUESTS.name)
+
+
+async def test_a_counted_queue_an_operator_deleted_closes_no_channel_publishes_go_through(
+    amqp_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backlog's look at a queue an operator deleted is refused by the broker closing its
+    channel: made on the channel every publish goes through, it closed that one (and the
+    `Close-Ok` aiormq may drop, `shared.topology`, could then close the whole publishing
+    connection). It goes on a channel of its own, and the page fails as refused."""
+    closed_by_the_broker: list[aiormq.Channel] = []
+    on_close_frame = aiormq.Channel._on_close_frame
+
+    async def seen(channel: aiormq.Channel, frame: aiormq.spec.Channel.Close) -> None:
+        closed_by_the_broker.append(channel)
+        await on_close_frame(channel, frame)
+
+    monkeypatch.setattr(aiormq.Channel, "_on_close_frame", seen)
+    async with _backlog_of_six(amqp_url) as (broker, bus):
+        default_channel = await broker.config.channel_manager.get_channel()
+        publishing = await default_channel.get_underlay_channel()
+        async with aiormq.connect(amqp_url) as operator:
+            await (await operator.channel()).queue_delete(RESCORES_WAIT)
+        closed_by_the_broker.clear()  # the topology's own probes
+        try:
+            with pytest.raises(aiormq.exceptions.ChannelNotFoundEntity):
+                await bus.publish_rescore_page(_page(1))
+        finally:
+            refused = list(closed_by_the_broker)
+            await _declared_again(amqp_url)
+        assert refused, "the look was not refused"
+        assert publishing not in refused
+        await bus.publish_rescore_page(_page(1))
+
+
+async def _declared_again(amqp_url: str) -> None:
+    """The topology declared by a broker of its own (one that declared it already keeps the
+    queues it declared as they were, and declares none of them again)."""
+    broker = make_broker(SchedulerSettings.model_validate({"RABBITMQ_URL": amqp_url}))
+    async with broker:
+        await broker.connect()
+        await declare_topology(broker)
 
 
 @asynccontextmanager

@@ -17,6 +17,12 @@ a clock that drifts after the start (NTP stopped, a VM resumed) is exported as t
 the service: measured against one server, a database host whose clock alone drifted would
 stop every replica at once, where an alert on the gauge or the error line lets an operator
 see which clock it is.
+
+Nor does such a drift make a replica misjudge the others' records: a service keeps time by
+the database's clock (`DatabaseClock`), as each measure found it, advanced since by a clock
+that no step of the wall clock moves. Checked only at the start, a scorer whose wall clock
+was stepped 5 s ahead while it ran took over another replica's live claim, and the model was
+called twice for one task (a re-read, shown with two scorers and a 3 s lease).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
@@ -47,6 +53,47 @@ CLOCK_RECHECK_S = 60.0
 OFFSET_RELOG_S = 600.0
 # A level of the offset is left downwards only below this share of its bound.
 CALMER_SHARE = 0.8
+
+
+# A measure moves the database clock only when it finds it this far off: each measure is
+# off by up to half its round trip, and re-anchored at every one the clock would jitter.
+ANCHOR_TOLERANCE_S = 0.05
+
+
+def _ticks() -> float:
+    """Seconds on a clock that no step of the wall clock moves; counting the time a suspended
+    machine slept where the platform tells it (Linux's `CLOCK_BOOTTIME`), so that a resumed
+    VM does not read the time it went to sleep."""
+    if hasattr(time, "CLOCK_BOOTTIME"):
+        return time.clock_gettime(time.CLOCK_BOOTTIME)
+    return time.monotonic()
+
+
+class DatabaseClock:
+    """The database server's time, as this process last measured it (`anchor`, by its
+    `ClockWatch`), advanced since by `ticks`; the wall clock until a first measure (a
+    database that does not tell its time leaves it there). A service's clock: a step of
+    this machine's wall clock while the service runs moves nothing the service judges."""
+
+    def __init__(self, *, ticks: Callable[[], float] = _ticks) -> None:
+        self._ticks = ticks
+        self._anchor: tuple[datetime, float] | None = None
+
+    def __call__(self) -> datetime:
+        if self._anchor is None:
+            return wall_clock()
+        anchored_at, ticked = self._anchor
+        return anchored_at + timedelta(seconds=self._ticks() - ticked)
+
+    def anchor(self, offset_s: float) -> None:
+        """Take a measure: the database's clock is `offset_s` ahead of the wall clock now.
+        Within `ANCHOR_TOLERANCE_S` of what this clock reads, it is kept as it is."""
+        server_now = wall_clock() + timedelta(seconds=offset_s)
+        if self._anchor is not None:
+            drift_s = (server_now - self()).total_seconds()
+            if abs(drift_s) <= ANCHOR_TOLERANCE_S:
+                return
+        self._anchor = (server_now, self._ticks())
 
 
 class ClockNotTold(Exception):
@@ -131,8 +178,11 @@ class ClockWatch:
         registry: CollectorRegistry,
         interval_s: float | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        keeping: Callable[[], datetime] | None = None,
     ) -> None:
         self._client = client
+        # The service's clock, anchored at each measure when it is the database's.
+        self._keeping = keeping if isinstance(keeping, DatabaseClock) else None
         self._max_offset_s = max_offset_s
         self._service = service
         self._interval_s = CLOCK_RECHECK_S if interval_s is None else interval_s
@@ -153,6 +203,8 @@ class ClockWatch:
         if offset_s is not None:
             self.offset.set(offset_s)
             self._level = self._level_of(offset_s)
+            if self._keeping is not None:
+                self._keeping.anchor(offset_s)
 
     def start(self) -> None:
         if self._task is None:
@@ -194,6 +246,8 @@ class ClockWatch:
         while it stays past the maximum again every `OFFSET_RELOG_S` (an offset held at its
         level by the hysteresis, within the maximum now, is not called past it)."""
         self.offset.set(offset_s)
+        if self._keeping is not None:
+            self._keeping.anchor(offset_s)
         if self._max_offset_s <= 0:
             return
         level = self._level_of(offset_s)
@@ -207,8 +261,8 @@ class ClockWatch:
             self._last_error_at = now
             log.error(
                 "%s's clock is %s the database server's, more than MAX_CLOCK_OFFSET_S (%g s), "
-                "while it runs: its outbox sweeps, claims' leases and rate windows misjudge "
-                "other replicas' records; synchronise the machines' clocks (NTP)",
+                "while it runs: it keeps time by the database's clock, but its log lines "
+                "are stamped by its own; synchronise the machines' clocks (NTP)",
                 self._service,
                 _words(offset_s),
                 self._max_offset_s,

@@ -284,11 +284,21 @@ async def prepare_service_database(
 
 
 def clock_watch_of(
-    mongo: MongoClient, settings: ServiceSettings, metrics: Metrics, *, service: str
+    mongo: MongoClient,
+    settings: ServiceSettings,
+    metrics: Metrics,
+    *,
+    service: str,
+    clock: Callable[[], datetime],
 ) -> ClockWatch:
-    """The service's clock watch, built with it (its gauge registered once per app)."""
+    """The service's clock watch, built with it (its gauge registered once per app); it
+    anchors the service's `clock` at each measure when that is a `DatabaseClock`."""
     return ClockWatch(
-        mongo, max_offset_s=settings.max_clock_offset_s, service=service, registry=metrics.registry
+        mongo,
+        max_offset_s=settings.max_clock_offset_s,
+        service=service,
+        registry=metrics.registry,
+        keeping=clock,
     )
 
 

@@ -56,9 +56,10 @@ from services.gateway.webhooks_api import NotifierClient, make_notifier_http, we
 from shared.aiohttp_transport import MappedAiohttpTransport
 from shared.asyncapi import build_document
 from shared.away_gate import AwayGate
+from shared.clock_offset import DatabaseClock
 from shared.coalescing import server_watch
 from shared.consumers import ScoreboxBroker
-from shared.contracts import DEFAULT_TENANT, new_id, utcnow
+from shared.contracts import DEFAULT_TENANT, new_id
 from shared.head_requests import answer_head_as_get
 from shared.http import (
     GATEWAY_METRICS_PROBLEMS,
@@ -139,8 +140,9 @@ def build_gateway(
     status_http: httpx.AsyncClient | None = None,
     notifier_http: httpx.AsyncClient | None = None,
     scheduler_http: httpx.AsyncClient | None = None,
-    clock: Clock = utcnow,
+    clock: Clock | None = None,
 ) -> Gateway:
+    clock = clock or DatabaseClock()  # the time its records are judged by
     broker = broker or make_broker(settings, prefetch=settings.outcome_prefetch, name="gateway")
     mongo = mongo or make_mongo(settings)
     status_http = status_http or make_status_http(settings)
@@ -240,7 +242,13 @@ def create_app(settings: GatewaySettings, **overrides: Any) -> FastAPI:
 def gateway_lifespan(gateway: Gateway) -> Callable[[FastAPI], Any]:
     settings = gateway.settings
 
-    clock_watch = clock_watch_of(gateway.mongo, settings, gateway.broker.metrics, service="gateway")
+    clock_watch = clock_watch_of(
+        gateway.mongo,
+        settings,
+        gateway.broker.metrics,
+        service="gateway",
+        clock=gateway.deps.clock,
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -26,8 +26,9 @@ from services.notifier.registry import Callbacks, FailureAlerts
 from services.notifier.sender import WebhookSender, make_ssl_context
 from services.notifier.settings import NotifierSettings
 from services.notifier.ssrf import CaresResolver, Resolver, TestHostAddresses, WebhookGuard
+from shared.clock_offset import DatabaseClock
 from shared.consumers import ScoreboxBroker
-from shared.contracts import DeliverWebhook, new_id, utcnow
+from shared.contracts import DeliverWebhook, new_id
 from shared.dead_letters import DeadLetterWalker
 from shared.http import (
     warn_if_internal_routes_open,
@@ -53,13 +54,14 @@ def create_app(
     mongo: MongoClient | None = None,
     resolver: Resolver | None = None,
     sender: Sender | None = None,
-    clock: Callable[[], datetime] = utcnow,
+    clock: Callable[[], datetime] | None = None,
     rng: random.Random | None = None,
 ) -> FastAPI:
     """Wire the notifier: broker (both consumers) + database + webhook sender + internal API.
 
     `resolver` and `sender` replace DNS and the HTTP client (tests); the SSRF guard stays.
     """
+    clock = clock or DatabaseClock()  # the time its records are judged by
     # At stop, a delivery in hand may be resolving its host, posting, then recording and
     # publishing what it decided: cut short, its redelivery would post again.
     graceful_s = settings.dns_timeout_s + settings.timeout_s + 2 * settings.broker_timeout_s
@@ -140,7 +142,7 @@ def create_app(
         await callbacks.ensure_indexes()
         await ledger.ensure_indexes()
 
-    clock_watch = clock_watch_of(mongo, settings, broker.metrics, service="notifier")
+    clock_watch = clock_watch_of(mongo, settings, broker.metrics, service="notifier", clock=clock)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -48,8 +48,9 @@ from services.scheduler.runs import RetryPolicy
 from services.scheduler.schedule import JobCatalog
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.usage_store import DailyUsageStore, UsageRecords
+from shared.clock_offset import DatabaseClock
 from shared.consumers import ScoreboxBroker
-from shared.contracts import RunCronJob, new_id, utcnow
+from shared.contracts import RunCronJob, new_id
 from shared.dead_letters import DeadLetterWalker
 from shared.http import (
     warn_if_internal_routes_open,
@@ -109,7 +110,7 @@ def create_app(
     config: SchedulerConfig | None = None,
     broker: ScoreboxBroker | None = None,
     mongo: MongoClient | None = None,
-    clock: Clock = utcnow,
+    clock: Clock | None = None,
     handlers: Mapping[str, JobHandler] | None = None,
 ) -> FastAPI:
     """Wire the scheduler: broker + database + jobs + HTTP app, opened and closed in lifespan.
@@ -117,6 +118,7 @@ def create_app(
     `config` defaults to the file at `SCHEDULER_CONFIG` with the process environment's
     overrides; `handlers` adds or replaces job handlers by job name (tests).
     """
+    clock = clock or DatabaseClock()  # the time its records are judged by
     config = config or load_config(settings.config_path, os.environ)
     broker = broker or make_broker(settings, name="scheduler")
     mongo = mongo or make_mongo(settings)
@@ -253,9 +255,7 @@ def create_app(
         clock=clock,
     )
 
-    ensure_indexes = partial(_ensure_indexes, (firings, records, daily, catalogue, checkpoints))
-
-    clock_watch = clock_watch_of(mongo, settings, broker.metrics, service="scheduler")
+    clock_watch = clock_watch_of(mongo, settings, broker.metrics, service="scheduler", clock=clock)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -263,7 +263,7 @@ def create_app(
         await prepare_service_database(
             mongo,
             settings,
-            ensure_indexes,
+            partial(_ensure_indexes, (firings, records, daily, catalogue, checkpoints)),
             service="scheduler",
             clock_watch=clock_watch,
         )

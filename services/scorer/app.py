@@ -41,8 +41,9 @@ from services.scorer.shared_pauses import PauseAnnouncer, provider_of, subscribe
 from services.scorer.slots import ModelSlots
 from services.scorer.throttle import ModelThrottle
 from shared.bus import publish_event, publish_ops_event
+from shared.clock_offset import DatabaseClock
 from shared.consumers import ScoreboxBroker
-from shared.contracts import new_id, utcnow
+from shared.contracts import new_id
 from shared.runtime import (
     MongoClient,
     clock_watch_of,
@@ -176,11 +177,12 @@ def create_app(
     broker: ScoreboxBroker | None = None,
     mongo: MongoClient | None = None,
     model: ScoreModel | None = None,
-    clock: Callable[[], datetime] = utcnow,
+    clock: Callable[[], datetime] | None = None,
     rng: random.Random | None = None,
 ) -> FastAPI:
     """Wire the scorer: broker (prefetch: the deliveries in hand) + database + model (at most
     `concurrency` calls at once) + HTTP health."""
+    clock = clock or DatabaseClock()  # the time its records are judged by
     check_the_holds(settings, model_settings)
     grace_s = stop_grace_s(settings, model_settings)
     broker = broker or make_broker(
@@ -197,8 +199,6 @@ def create_app(
         settings.database_name("scorer"),
         retention=timedelta(seconds=settings.attempts_retention_s),
     )
-
-    announce = partial(publish_event, broker, timeout=settings.broker_timeout_s)
 
     jitter = rng or random.Random()  # noqa: S311 - jitter, not cryptography
     metrics = ScorerMetrics(broker.metrics.registry)
@@ -221,7 +221,7 @@ def create_app(
     deps = ScorerDeps(
         attempts=attempts,
         model=model,
-        announce=announce,
+        announce=partial(publish_event, broker, timeout=settings.broker_timeout_s),
         clock=clock,
         lease=timedelta(seconds=lease_s(settings, model_settings)),
         retry_policy=RetryPolicy(
@@ -271,7 +271,7 @@ def create_app(
         broker, cancelled_batches, batch_cancel_records, metrics, replica=replica
     )
 
-    clock_watch = clock_watch_of(mongo, settings, broker.metrics, service="scorer")
+    clock_watch = clock_watch_of(mongo, settings, broker.metrics, service="scorer", clock=clock)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

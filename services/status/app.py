@@ -25,6 +25,7 @@ from services.status.projection import (
 from services.status.settings import StatusSettings
 from shared.away_gate import AwayGate
 from shared.bus import error_words
+from shared.clock_offset import DatabaseClock
 from shared.coalescing import server_watch
 from shared.consumers import Delivery, Handler, ScoreboxBroker, consume
 from shared.contracts import (
@@ -33,7 +34,6 @@ from shared.contracts import (
     BatchProgress,
     TaskHistory,
     TaskView,
-    utcnow,
 )
 from shared.failed_deliveries import return_failed
 from shared.group_writes import GroupWriter
@@ -69,17 +69,18 @@ def create_app(
     *,
     broker: ScoreboxBroker | None = None,
     mongo: MongoClient | None = None,
-    clock: Clock = utcnow,
+    clock: Clock | None = None,
     away: AwayGate | None = None,
 ) -> FastAPI:
     """Wire the status service: broker + database + HTTP app, opened and closed in lifespan.
     `away`: the reads' gate (`shared.away_gate`), one over `mongo` unless given."""
+    clock = clock or DatabaseClock()  # the time its records are judged by
     broker = broker or make_broker(settings, prefetch=settings.projection_prefetch, name="status")
     mongo = mongo or make_mongo(settings)
     tasks = tasks_collection(mongo, settings.database_name("status"))
     subscribe_projection(broker, GroupWriter(tasks), settings)
 
-    clock_watch = clock_watch_of(mongo, settings, broker.metrics, service="status")
+    clock_watch = clock_watch_of(mongo, settings, broker.metrics, service="status", clock=clock)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -10,12 +10,15 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from fastapi import FastAPI
 from pymongo import AsyncMongoClient
 
+from services.gateway.app import build_gateway, gateway_lifespan
+from services.gateway.settings import GatewaySettings
 from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
 from shared import clock_offset
-from shared.clock_offset import ClockOffsetTooLarge, clock_offset_s
+from shared.clock_offset import ClockOffsetTooLarge, DatabaseClock, clock_offset_s
 from shared.runtime import DependencyUnreachable
 from tests.support import closed_port, eventually, metric_sum, running
 
@@ -109,3 +112,30 @@ async def test_a_start_that_fails_after_the_clock_check_leaves_no_watch_running(
             ]
     finally:
         await client.close()
+
+
+async def test_a_service_keeps_time_by_the_databases_clock(
+    mongo: Any, amqp_url: str, db_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built without a clock, a service judges its records by the database's time, as its
+    watch measures it (`DatabaseClock`): a scorer whose wall clock stepped ahead while it ran
+    took over another replica's live claim (`test_scorer_clock_step.py`). Here this
+    machine's wall clock is an hour ahead (`MAX_CLOCK_OFFSET_S` 0: not refused)."""
+    an_hour_ahead = lambda: datetime.now(UTC) + timedelta(hours=1)  # noqa: E731
+    monkeypatch.setattr(clock_offset, "wall_clock", an_hour_ahead)
+    env = {
+        "RABBITMQ_URL": amqp_url,
+        "MONGO_URL": mongo.url,
+        "MONGO_DB_PREFIX": db_prefix,
+        "MAX_CLOCK_OFFSET_S": "0",
+    }
+    gateway = build_gateway(GatewaySettings.model_validate(env))
+    clock = gateway.deps.clock
+    assert isinstance(clock, DatabaseClock)
+    assert clock() - datetime.now(UTC) > timedelta(minutes=59)  # not measured yet: the wall's
+    async with running(FastAPI(lifespan=gateway_lifespan(gateway))):
+
+        async def measured() -> bool:
+            return abs(clock() - datetime.now(UTC)) < timedelta(seconds=5)
+
+        await eventually(measured, what="the gateway's clock on the database's time")

@@ -1,7 +1,7 @@
 """Claims on tasks, in the scorer's own database: one document per task.
 
     {_id: task_id, generation, attempt, state: "running" | "decided",
-     lease_until, owner, decision, raw_output, updated_at, spent}
+     lease_until, owner, claim, decision, raw_output, updated_at, spent}
 
 `spent` ({generation, prompt_tokens, completion_tokens, model}) is what the provider billed
 the retried attempts of a generation (`decisions.Spent`): written with a retry decision,
@@ -27,6 +27,13 @@ write landed but its answer was lost). Anything else collides on `_id`; a newer 
 upsert (the one that carries `spent` over). What still collides is classified: the same
 attempt running elsewhere (busy), already decided (replay the decision), or older than what
 is stored (superseded).
+
+Each claim writes a token of its own (`claim`), and a decision is recorded only under the
+token of the claim it was made under (`decide`): fenced by the owner alone, a decision write
+of this process that its deadline had given up, landing after a later delivery of the same
+process re-claimed the attempt (`reclaim_own`), was taken for that claim's, and a copy
+arriving between the two replayed an outcome the re-claim then overwrote with another (a
+re-read of the scoring path).
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from pymongo.errors import DuplicateKeyError, OperationFailure, PyMongoError
 
 from services.scorer import decisions
 from services.scorer.decisions import Finish, Retry, Spent, cancelled, is_cancellation
-from shared.contracts import CancelTask, ScoreText, TaskCompleted, TaskRetrying
+from shared.contracts import CancelTask, ScoreText, TaskCompleted, TaskRetrying, new_id
 from shared.group_reads import GroupReader
 from shared.group_writes import GroupWriter, Write
 from shared.indexes import drop_retired_indexes
@@ -57,9 +64,11 @@ log = logging.getLogger("scorebox.scorer")
 
 @dataclass(frozen=True)
 class Claimed:
-    """The attempt is this worker's. `made_the_record`: the claim inserted the task's
-    document, so no earlier attempt, cancellation or note of one exists to be read."""
+    """The attempt is this worker's, under the claim `token` (what `decide` is fenced by).
+    `made_the_record`: the claim inserted the task's document, so no earlier attempt,
+    cancellation or note of one exists to be read."""
 
+    token: str
     made_the_record: bool = False
 
 
@@ -208,6 +217,7 @@ class Attempts:
     ) -> ClaimResult:
         """Claim the command's attempt; with `reclaim_own`, also when `owner` holds it already
         and none of the caller's deliveries works on it (a claim whose answer was lost)."""
+        token = new_id()
         claimed = {
             "tenant_id": command.tenant_id,
             "generation": command.generation,
@@ -215,6 +225,7 @@ class Attempts:
             "state": "running",
             "lease_until": now + lease,
             "owner": owner,
+            "claim": token,
             "updated_at": now,
         }
         claimable = _claimable_in_generation(command, now=now, owner=owner, reclaim_own=reclaim_own)
@@ -227,11 +238,13 @@ class Attempts:
         except DuplicateKeyError:
             held = await self.find(command.task_id)
             if held is not None and held["generation"] < command.generation:
-                return await self._replace_generation(command, claimed)
+                return await self._replace_generation(command, claimed, token)
             return _standing(held, command)
-        return Claimed(made_the_record=inserted)
+        return Claimed(token, made_the_record=inserted)
 
-    async def _replace_generation(self, command: ScoreText, claimed: Document) -> ClaimResult:
+    async def _replace_generation(
+        self, command: ScoreText, claimed: Document, token: str
+    ) -> ClaimResult:
         """Claim the command's attempt over an older generation, taking over its `spent` when
         it published no outcome (`_spent_taken_over`).
 
@@ -257,7 +270,7 @@ class Attempts:
             )
         except DuplicateKeyError:
             return await self.standing(command)
-        return Claimed()
+        return Claimed(token)
 
     async def standing(self, command: ScoreText) -> ClaimResult:
         """Where the command's attempt stands, without claiming it: decided (and how), behind
@@ -320,16 +333,19 @@ class Attempts:
         now: datetime,
         raw_output: str | None,
         owner: str,
+        claim: Claimed,
     ) -> bool:
-        """Record the decision of the attempt `owner` holds; False when another worker has
-        taken it over (our lease ended while the model answered or the database was slow):
-        its decision is the one that stands. Writing it anyway overwrote that worker's
-        claim, and both carried out their own decision, two outcomes of one attempt.
+        """Record the decision of the attempt `owner` holds under `claim`; False when
+        another worker, or another delivery of this process, has taken it over since (our
+        lease ended while the model answered or the database was slow): its decision is the
+        one that stands. Writing it anyway overwrote that worker's claim, and both carried
+        out their own decision, two outcomes of one attempt.
 
-        Fenced by the owner in the filter; a refused filter shows as the upsert colliding on
-        `_id` (a bulk write reports no match count per write). Writing again what already
-        landed (an answer lost) matches: it is still ours. A retry's `spent` lands with it,
-        or not at all: a refused decision's tokens are not carried on."""
+        Fenced by the owner and the claim's token in the filter; a refused filter shows as
+        the upsert colliding on `_id` (a bulk write reports no match count per write).
+        Writing again what already landed (an answer lost) matches: it is still ours. A
+        retry's `spent` lands with it, or not at all: a refused decision's tokens are not
+        carried on."""
         decided: Document = {
             "state": "decided",
             "decision": decisions.store(decision),
@@ -344,6 +360,7 @@ class Attempts:
                 "generation": command.generation,
                 "attempt": command.attempt,
                 "owner": owner,
+                "claim": claim.token,
             },
             {"$set": decided, "$unset": {"lease_until": ""}},
         )

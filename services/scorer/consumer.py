@@ -707,7 +707,12 @@ async def _claimed_and_given_up(command: ScoreText, deps: ScorerDeps, reason: st
         given_up = await _given_up_unless_cancelled(command, claim, reason, deps)
         recorded = await _at_limit_database(
             lambda: deps.attempts.decide(
-                command, given_up, now=deps.clock(), raw_output=None, owner=deps.owner
+                command,
+                given_up,
+                now=deps.clock(),
+                raw_output=None,
+                owner=deps.owner,
+                claim=claim,
             ),
             what=f"recording the give-up of {command.task_id}",
         )

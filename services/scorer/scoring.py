@@ -12,7 +12,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from pymongo.errors import PyMongoError
@@ -297,9 +297,7 @@ async def _claim_and_decide(
         return await _put_off(command, called, deps)
     if not isinstance(called, Called):
         return called
-    return await _recorded(
-        command, called.decision, called.raw_output, deps, held_until=called.claimed_at + deps.lease
-    )
+    return await _recorded(command, called, deps)
 
 
 async def _in_its_turn(
@@ -349,6 +347,7 @@ class Called:
     decision: Finish | Retry
     raw_output: str | None
     claimed_at: datetime
+    claim: Claimed
 
 
 async def _claim_and_call(
@@ -367,10 +366,10 @@ async def _claim_and_call(
         # The client cancelled while an earlier attempt called the model, which then ended in
         # a retry: this attempt's call has not started, so it is cancelled, not made.
         cancel = cancelled_as_noted(command, before.cancel_requested_at, spent=earlier, now=now)
-        return Called(cancel, None, now)
+        return Called(cancel, None, now, claim)
     started = TaskStarted.model_validate(_event_fields(command, Phase.STARTED, now))
     decision, raw_output = await _call_model_announcing(command, started, deps, earlier, turn)
-    return Called(decision, raw_output, claimed_at=now)
+    return Called(decision, raw_output, claimed_at=now, claim=claim)
 
 
 def _not_claimed(
@@ -520,17 +519,10 @@ async def _retry_due_later(
     return retry.model_copy(update={"next_attempt_at": due, "message_id": new_id()})
 
 
-async def _recorded(
-    command: ScoreText,
-    decision: Finish | Retry,
-    raw_output: str | None,
-    deps: ScorerDeps,
-    *,
-    held_until: datetime,
-) -> Decision:
+async def _recorded(command: ScoreText, called: Called, deps: ScorerDeps) -> Decision:
     """The decision once recorded; a Drop when the attempt was taken over meanwhile."""
-    decision = await _unlettered_if_cancelled_meanwhile(command, decision, deps)
-    if await _record(command, decision, raw_output, deps, held_until=held_until):
+    decision = await _unlettered_if_cancelled_meanwhile(command, called.decision, deps)
+    if await _record(command, replace(called, decision=decision), deps):
         if isinstance(decision, Retry):
             return await _unless_cancelled_meanwhile(command, decision, deps)
         # Again once recorded: a cancellation noted between the look and the record (the
@@ -541,14 +533,7 @@ async def _recorded(
     return Drop("the attempt was taken over by another worker, whose decision stands")
 
 
-async def _record(
-    command: ScoreText,
-    decision: Finish | Retry,
-    raw_output: str | None,
-    deps: ScorerDeps,
-    *,
-    held_until: datetime,
-) -> bool:
+async def _record(command: ScoreText, called: Called, deps: ScorerDeps) -> bool:
     """Record the decision, trying again while our claim holds.
 
     The model has been called: a decision lost to a slow or absent database would cost a
@@ -561,9 +546,15 @@ async def _record(
     consumer at once, as a crash. False when the attempt was taken over meanwhile
     (`Attempts.decide`).
     """
+    held_until = called.claimed_at + deps.lease
     return await keep_trying_database(
         lambda: deps.attempts.decide(
-            command, decision, now=deps.clock(), raw_output=raw_output, owner=deps.owner
+            command,
+            called.decision,
+            now=deps.clock(),
+            raw_output=called.raw_output,
+            owner=deps.owner,
+            claim=called.claim,
         ),
         what=f"recording the decision of {command.task_id}",
         give_up_after_s=(held_until - deps.clock()).total_seconds(),

@@ -204,7 +204,8 @@ async def test_an_attempt_whose_lease_expired_is_cancelled_and_its_late_decision
 ) -> None:
     command, marker = _task()
     now = utcnow()
-    await attempts.claim(command, now=now - LEASE * 2, lease=LEASE, owner="dead-worker")
+    claim = await attempts.claim(command, now=now - LEASE * 2, lease=LEASE, owner="dead-worker")
+    assert isinstance(claim, Claimed)
 
     _cancellation(await attempts.cancel(_cancel_of(command), now=now), generation=0, attempt=1)
 
@@ -217,7 +218,9 @@ async def test_an_attempt_whose_lease_expired_is_cancelled_and_its_late_decision
             result=ScoreResult(score=5, comment="late", model="m"),
         )
     )
-    late = await attempts.decide(command, completed, now=now, raw_output=None, owner="dead-worker")
+    late = await attempts.decide(
+        command, completed, now=now, raw_output=None, owner="dead-worker", claim=claim
+    )
     assert late is False
     await _carried_out(_due(command), make_deps)
     assert _calls(fake_llm, marker) == 0
@@ -366,9 +369,9 @@ async def test_a_cancel_noted_while_a_dead_workers_call_was_under_way_cancels_th
     down, in a walkthrough)."""
     command, marker = _task()
     claimed_at = utcnow() - 2 * LEASE  # the dead worker's claim: its lease is over now
-    assert await attempts.claim(command, now=claimed_at, lease=LEASE, owner="dead-scorer") == (
-        Claimed(made_the_record=True)
-    )
+    claim = await attempts.claim(command, now=claimed_at, lease=LEASE, owner="dead-scorer")
+    assert isinstance(claim, Claimed)
+    assert claim.made_the_record
     noted = await attempts.cancel(_cancel_of(command), now=claimed_at + LEASE / 2)
     assert isinstance(noted, TooLate)
 

@@ -31,7 +31,7 @@ from pymongo.errors import AutoReconnect
 
 from devtools.fake_llm import FakeLLM
 from services.scorer import consumer
-from services.scorer.attempts import Attempts, Busy, Cancelled, ClaimResult, TooLate
+from services.scorer.attempts import Attempts, Busy, Cancelled, Claimed, ClaimResult, TooLate
 from services.scorer.consumer import (
     AT_CRASH_LIMIT_HEADER,
     CRASH_RETRY_DELAY,
@@ -168,7 +168,7 @@ async def test_an_attempt_still_running_at_the_limit_is_handed_back_and_its_copy
     connection dropped meanwhile, dead-lettered by RabbitMQ: no delivery was left to carry
     the decision out (found in review). Its copy, due when the lease ends, does."""
     command, _ = _command("Still being scored when its last delivery came.")
-    await attempts.claim(command, now=utcnow(), lease=LEASE, owner="proc-a:1:shielded")
+    claim = await _claimed(attempts, command, owner="proc-a:1:shielded")
     deps, actions = make_deps("proc-a"), Recording(task_broker)
 
     async with watching_commands(amqp_url) as commands:
@@ -180,9 +180,7 @@ async def test_an_attempt_still_running_at_the_limit_is_handed_back_and_its_copy
     assert copy.command.not_before == await _lease_until(attempts, command) + DUE_SLACK
     assert (copy.command.task_id, copy.command.attempt) == (command.task_id, command.attempt)
 
-    await attempts.decide(
-        command, _completion(command), now=utcnow(), raw_output=None, owner="proc-a:1:shielded"
-    )
+    await _decided(attempts, command, _completion(command), claim, owner="proc-a:1:shielded")
     await _at_limit(copy.command, deps, actions, headers=copy.headers, count=0)
 
     assert actions.done == ["resent", "Finish"]
@@ -193,12 +191,12 @@ async def test_a_claim_decided_right_after_the_look_at_the_limit_is_carried_out_
 ) -> None:
     """The race the hand-back leaves: the decision lands between the look and the copy."""
     command, _ = _command("Decided right after its last delivery looked.")
-    await attempts.claim(command, now=utcnow(), lease=LEASE, owner="proc-a:1:shielded")
+    claim = await _claimed(attempts, command, owner="proc-a:1:shielded")
     deps, actions = make_deps("proc-a"), Recording(task_broker)
 
     async def shielded_call_ends() -> object:
-        return await attempts.decide(
-            command, _completion(command), now=utcnow(), raw_output=None, owner="proc-a:1:shielded"
+        return await _decided(
+            attempts, command, _completion(command), claim, owner="proc-a:1:shielded"
         )
 
     async with watching_commands(amqp_url) as commands:
@@ -220,7 +218,7 @@ async def test_at_the_crash_limit_another_claim_hands_the_message_back_to_come_b
     for that claim's lease. Its copy carries the crashes that reached the limit: it looks
     again there, and carries the other worker's decision out, never calling the model."""
     command, marker = _command("Crashed on, while another worker calls the model.")
-    await attempts.claim(command, now=utcnow(), lease=LEASE, owner="proc-b:1:live")
+    claim = await _claimed(attempts, command, owner="proc-b:1:live")
     deps, actions = make_deps("proc-a"), Recording(task_broker)
     handler = HandlerOnly()
     crashing = replace(deps, attempts=CrashesOnClaim(attempts))
@@ -238,9 +236,7 @@ async def test_at_the_crash_limit_another_claim_hands_the_message_back_to_come_b
     assert copy.headers[AT_CRASH_LIMIT_HEADER] == 1
     assert copy.command.not_before == await _lease_until(attempts, command) + DUE_SLACK
 
-    await attempts.decide(
-        command, _completion(command), now=utcnow(), raw_output=None, owner="proc-b:1:live"
-    )
+    await _decided(attempts, command, _completion(command), claim, owner="proc-b:1:live")
     came_back = HandedDelivery(copy.command.model_dump_json().encode(), headers=copy.headers)
     async with asyncio.timeout(HANG_GUARD_S):
         await handler.handler(came_back)
@@ -324,8 +320,8 @@ async def test_a_next_attempt_never_claimed_is_sent_again_with_its_count_cleared
     deps = make_deps("proc-a")
     command, _ = _command("Retried, and the retry waited through dropped connections.")
     retry = Retry(_retrying(command), command.model_copy(update={"attempt": 2}))
-    await deps.attempts.claim(command, now=utcnow(), lease=LEASE, owner=deps.owner)
-    await deps.attempts.decide(command, retry, now=utcnow(), raw_output=None, owner=deps.owner)
+    claim = await _claimed(deps.attempts, command, owner=deps.owner)
+    await _decided(deps.attempts, command, retry, claim, owner=deps.owner)
     actions = Recording(task_broker)
 
     async with watching_commands(amqp_url) as commands:
@@ -593,3 +589,22 @@ async def test_a_give_up_never_claims_an_attempt_another_delivery_here_holds(
     await _at_limit(copy.command, deps, actions, headers=copy.headers)
     assert actions.done == ["resent", "Finish"]  # the completion, carried out again
     assert _calls(fake_llm, marker) == 1
+
+
+async def _claimed(attempts: Attempts, command: ScoreText, *, owner: str) -> Claimed:
+    claim = await attempts.claim(command, now=utcnow(), lease=LEASE, owner=owner)
+    assert isinstance(claim, Claimed), claim
+    return claim
+
+
+async def _decided(
+    attempts: Attempts,
+    command: ScoreText,
+    decision: Finish | Retry,
+    claim: Claimed,
+    *,
+    owner: str,
+) -> bool:
+    return await attempts.decide(
+        command, decision, now=utcnow(), raw_output=None, owner=owner, claim=claim
+    )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -430,9 +430,9 @@ async def test_a_decision_landing_after_the_attempt_was_taken_over_gives_way(
     async with asyncio.timeout(30):
         await fake_llm.wait_for_stats(lambda stats: stats["by_id"].get(marker, 0) >= 1)
     taken_over_at = utcnow() + 2 * LEASE  # as scorer-b sees it: scorer-a's lease has ended
-    assert await attempts.claim(command, now=taken_over_at, lease=LEASE, owner="scorer-b") == (
-        Claimed()
-    )
+    taken_over = await attempts.claim(command, now=taken_over_at, lease=LEASE, owner="scorer-b")
+    assert isinstance(taken_over, Claimed)
+    assert not taken_over.made_the_record
 
     decision = await asyncio.wait_for(scoring, timeout=30)
 
@@ -450,11 +450,52 @@ async def test_a_decision_landing_after_the_attempt_was_taken_over_gives_way(
             result=ScoreResult(score=5, comment="ok", model="m"),
         )
     )
-    assert await attempts.decide(command, finish, now=utcnow(), raw_output=None, owner="scorer-b")
-    assert await attempts.decide(command, finish, now=utcnow(), raw_output=None, owner="scorer-b")
-    assert not await attempts.decide(
-        command, finish, now=utcnow(), raw_output=None, owner="scorer-a"
+
+    def decided_by(owner: str) -> Awaitable[bool]:
+        return attempts.decide(
+            command, finish, now=utcnow(), raw_output=None, owner=owner, claim=taken_over
+        )
+
+    assert await decided_by("scorer-b")
+    assert await decided_by("scorer-b")
+    assert not await decided_by("scorer-a")
+
+
+async def test_a_decision_of_an_earlier_claim_of_this_process_gives_way_to_its_claim_again(
+    attempts: Attempts,
+) -> None:
+    """A delivery's decision write failed at its deadline while still on its way; the message
+    was sent again, and its next delivery in the same process claimed the attempt again
+    (`reclaim_own`) and called the model. Fenced by the owner alone, the late write landed as
+    that claim's decision, and a copy arriving then replayed an outcome the re-claim
+    overwrote with another (a re-read). Each claim's own token fences it out."""
+    command, _ = _command("An essay whose first decision landed late.")
+    first = await attempts.claim(command, now=utcnow(), lease=LEASE, owner="scorer-a")
+    again = await attempts.claim(
+        command, now=utcnow(), lease=LEASE, owner="scorer-a", reclaim_own=True
     )
+    assert isinstance(first, Claimed)
+    assert isinstance(again, Claimed)
+    finish = Finish(
+        TaskCompleted(
+            task_id=command.task_id,
+            sequence=1,
+            submitted_at=command.submitted_at,
+            occurred_at=utcnow(),
+            result=ScoreResult(score=5, comment="ok", model="m"),
+        )
+    )
+
+    def decided_under(claim: Claimed) -> Awaitable[bool]:
+        return attempts.decide(
+            command, finish, now=utcnow(), raw_output=None, owner="scorer-a", claim=claim
+        )
+
+    assert not await decided_under(first)
+    held = await attempts.find(command.task_id)
+    assert held is not None
+    assert held["state"] == "running"
+    assert await decided_under(again)
 
 
 async def test_a_stale_copy_of_an_earlier_attempt_drops_a_later_attempts_outcome(
@@ -466,7 +507,8 @@ async def test_a_stale_copy_of_an_earlier_attempt_drops_a_later_attempts_outcome
     outcome out; at the limit such a copy was dropped already."""
     first, marker = _command("An essay whose attempt 2 was given up.")
     second = first.model_copy(update={"attempt": 2})
-    await attempts.claim(second, now=utcnow(), lease=LEASE, owner="scorer-b")
+    claim = await attempts.claim(second, now=utcnow(), lease=LEASE, owner="scorer-b")
+    assert isinstance(claim, Claimed)
     failed = TaskFailed(
         task_id=second.task_id,
         sequence=event_sequence(generation=0, attempt=2, phase=Phase.TERMINAL),
@@ -476,7 +518,9 @@ async def test_a_stale_copy_of_an_earlier_attempt_drops_a_later_attempts_outcome
         dead_lettered=True,
     )
     given_up = Finish(failed, dead_letter_error="model_unavailable: down (attempts spent)")
-    assert await attempts.decide(second, given_up, now=utcnow(), raw_output=None, owner="scorer-b")
+    assert await attempts.decide(
+        second, given_up, now=utcnow(), raw_output=None, owner="scorer-b", claim=claim
+    )
 
     stale = await score_text(first, deps=make_deps("scorer-a"))
 
@@ -494,7 +538,8 @@ async def test_a_replayed_retry_is_cancelled_by_a_cancel_noted_while_it_was_deci
     its tenant's slot held for the day, after a cancel answered 202 (a review)."""
     command, marker = _command("An essay cancelled while its call ran into a 429.")
     now = utcnow()
-    await attempts.claim(command, now=now, lease=LEASE, owner="scorer-dead")
+    claim = await attempts.claim(command, now=now, lease=LEASE, owner="scorer-dead")
+    assert isinstance(claim, Claimed)
     assert isinstance(await attempts.cancel(_cancel_requested(command, now), now=now), TooLate)
     due = now + timedelta(hours=24)
     retry = Retry(
@@ -508,7 +553,9 @@ async def test_a_replayed_retry_is_cancelled_by_a_cancel_noted_while_it_was_deci
         ),
         next_command=command.model_copy(update={"attempt": 2, "not_before": due}),
     )
-    assert await attempts.decide(command, retry, now=now, raw_output=None, owner="scorer-dead")
+    assert await attempts.decide(
+        command, retry, now=now, raw_output=None, owner="scorer-dead", claim=claim
+    )
 
     deps = make_deps("scorer-a")
     replayed: object

@@ -85,6 +85,18 @@ async def make_deps(fake_llm: FakeLLM, attempts: Attempts) -> AsyncIterator[Deps
         yield deps
 
 
+def _completed(command: ScoreText) -> Finish:
+    return Finish(
+        TaskCompleted(
+            task_id=command.task_id,
+            sequence=1,
+            submitted_at=command.submitted_at,
+            occurred_at=utcnow(),
+            result=ScoreResult(score=5, comment="ok", model="m"),
+        )
+    )
+
+
 def _command(text: str) -> tuple[ScoreText, str]:
     marker = f"o{uuid.uuid4().hex[:12]}"
     return ScoreText(task_id=new_id(), text=f"{text} [[id:{marker}]]"), marker
@@ -441,15 +453,7 @@ async def test_a_decision_landing_after_the_attempt_was_taken_over_gives_way(
     assert held is not None
     assert (held["owner"], held["state"]) == ("scorer-b", "running")
     # Its own decision, written again after an answer was lost, is still its own.
-    finish = Finish(
-        TaskCompleted(
-            task_id=command.task_id,
-            sequence=1,
-            submitted_at=command.submitted_at,
-            occurred_at=utcnow(),
-            result=ScoreResult(score=5, comment="ok", model="m"),
-        )
-    )
+    finish = _completed(command)
 
     def decided_by(owner: str) -> Awaitable[bool]:
         return attempts.decide(
@@ -476,15 +480,7 @@ async def test_a_decision_of_an_earlier_claim_of_this_process_gives_way_to_its_c
     )
     assert isinstance(first, Claimed)
     assert isinstance(again, Claimed)
-    finish = Finish(
-        TaskCompleted(
-            task_id=command.task_id,
-            sequence=1,
-            submitted_at=command.submitted_at,
-            occurred_at=utcnow(),
-            result=ScoreResult(score=5, comment="ok", model="m"),
-        )
-    )
+    finish = _completed(command)
 
     def decided_under(claim: Claimed) -> Awaitable[bool]:
         return attempts.decide(

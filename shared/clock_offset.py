@@ -181,8 +181,9 @@ class ClockWatch:
         keeping: Callable[[], datetime] | None = None,
     ) -> None:
         self._client = client
-        # The service's clock, anchored at each measure when it is the database's.
-        self._keeping = keeping if isinstance(keeping, DatabaseClock) else None
+        # The service's clock, anchored at each measure when it is the database's; not with
+        # the check off (0), which is how an operator says the database host's clock is off.
+        self._keeping = keeping if isinstance(keeping, DatabaseClock) and max_offset_s > 0 else None
         self._max_offset_s = max_offset_s
         self._service = service
         self._interval_s = CLOCK_RECHECK_S if interval_s is None else interval_s

@@ -120,19 +120,20 @@ async def test_a_service_keeps_time_by_the_databases_clock(
     """Built without a clock, a service judges its records by the database's time, as its
     watch measures it (`DatabaseClock`): a scorer whose wall clock stepped ahead while it ran
     took over another replica's live claim (`test_scorer_clock_step.py`). Here this
-    machine's wall clock is an hour ahead (`MAX_CLOCK_OFFSET_S` 0: not refused)."""
-    an_hour_ahead = lambda: datetime.now(UTC) + timedelta(hours=1)  # noqa: E731
-    monkeypatch.setattr(clock_offset, "wall_clock", an_hour_ahead)
+    machine's wall clock is half an hour ahead (`MAX_CLOCK_OFFSET_S` an hour: not
+    refused)."""
+    half_an_hour_ahead = lambda: datetime.now(UTC) + timedelta(minutes=30)  # noqa: E731
+    monkeypatch.setattr(clock_offset, "wall_clock", half_an_hour_ahead)
     env = {
         "RABBITMQ_URL": amqp_url,
         "MONGO_URL": mongo.url,
         "MONGO_DB_PREFIX": db_prefix,
-        "MAX_CLOCK_OFFSET_S": "0",
+        "MAX_CLOCK_OFFSET_S": "3600",
     }
     gateway = build_gateway(GatewaySettings.model_validate(env))
     clock = gateway.deps.clock
     assert isinstance(clock, DatabaseClock)
-    assert clock() - datetime.now(UTC) > timedelta(minutes=59)  # not measured yet: the wall's
+    assert clock() - datetime.now(UTC) > timedelta(minutes=29)  # not measured yet: the wall's
     async with running(FastAPI(lifespan=gateway_lifespan(gateway))):
 
         async def measured() -> bool:

@@ -5,11 +5,13 @@ another replica's live claim (a re-read)."""
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any, cast
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from shared import clock_offset
-from shared.clock_offset import ANCHOR_TOLERANCE_S, DatabaseClock
+from shared.clock_offset import ANCHOR_TOLERANCE_S, ClockWatch, DatabaseClock
 
 T0 = datetime(2026, 12, 7, 12, 0, tzinfo=UTC)
 
@@ -65,3 +67,22 @@ def test_a_measure_within_its_error_keeps_the_clock_as_it_runs(machine: Machine)
     assert clock() == T0
     clock.anchor(offset_s=1.0)  # the database's clock moved: followed
     assert clock() == T0 + timedelta(seconds=1)
+
+
+@pytest.mark.parametrize(("max_offset_s", "kept"), [(5.0, T0), (0.0, T0 + timedelta(hours=1))])
+def test_a_watch_anchors_its_services_clock_unless_the_check_is_off(
+    machine: Machine, max_offset_s: float, kept: datetime
+) -> None:
+    """`MAX_CLOCK_OFFSET_S` 0 is how an operator says the database host's clock alone is off:
+    followed, every time a client reads or sends (`not_before`) would be off with it."""
+    clock = DatabaseClock(ticks=lambda: machine.ticks)
+    watch = ClockWatch(
+        cast(Any, None),  # measures are handed in here, not taken
+        max_offset_s=max_offset_s,
+        service="test",
+        registry=CollectorRegistry(),
+        keeping=clock,
+    )
+    machine.wall += timedelta(hours=1)
+    watch.observe(-3600.0)
+    assert clock() == kept

@@ -286,7 +286,7 @@ async def publish_command(
     command: ScoreText,
     *,
     timeout: float,
-    now: datetime | None = None,
+    now: datetime,
     headers: Mapping[str, Any] | None = None,
     sent_again: bool = False,
 ) -> bool:
@@ -297,10 +297,15 @@ async def publish_command(
     command the scorer sends itself (a copy, a retry), whose task the projection has taken
     already; sent now, it goes to the scorer alone (`score.resubmitted`). A copy of a first
     attempt sent after its task's record had expired, a cancelled task's among them, made
-    the projection record the task afresh, `queued` for seven days (review of cancellation)."""
+    the projection record the task afresh, `queued` for seven days (review of cancellation).
+
+    `now`: the sender's clock, the one its consumer judges `not_before` by (a service's
+    `DatabaseClock`). It read the wall clock by default, and a scorer whose wall clock ran
+    ahead of the database's sent a command not yet due straight back to itself, over and
+    over, for the last seconds of every wait (a re-read: 1,709 rounds in 2 s)."""
     remaining = 0.0
     if command.not_before is not None:
-        remaining = (command.not_before - (now or utcnow())).total_seconds()
+        remaining = (command.not_before - now).total_seconds()
     tier = wait_tier_for(remaining)
     if tier is None:
         await _publish(
@@ -392,7 +397,7 @@ async def publish_delayed(
     routing_key: str,
     not_before: datetime | None,
     timeout: float,
-    now: datetime | None = None,
+    now: datetime,
     headers: Mapping[str, Any] | None = None,
     through_ladder: bool = False,
 ) -> None:
@@ -408,7 +413,7 @@ async def publish_delayed(
     """
     remaining = 0.0
     if not_before is not None:
-        remaining = (not_before - (now or utcnow())).total_seconds()
+        remaining = (not_before - now).total_seconds()
     tier = wait_tier_for(max(remaining, WAIT_TIERS[0][1]) if through_ladder else remaining)
     if tier is None:
         await _publish(

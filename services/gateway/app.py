@@ -152,7 +152,7 @@ def build_gateway(
         internal_http.headers.update(internal_key_headers(settings.internal_api_key))
     database = settings.database_name("gateway")
     keys = ApiKeys(mongo, database)
-    publisher = TaskPublisher(broker, timeout_s=settings.broker_timeout_s)
+    publisher = TaskPublisher(broker, timeout_s=settings.broker_timeout_s, clock=clock)
     status = StatusClient(status_http, base_url=settings.status_url)
     deps = GatewayDeps(
         settings=settings,

@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 from faststream.rabbit import RabbitBroker
 
@@ -61,9 +62,12 @@ class TaskPublisher:
     learns of the task's generation when it starts, and polls of a new task meanwhile answer
     from the gateway's own record."""
 
-    def __init__(self, broker: RabbitBroker, *, timeout_s: float) -> None:
+    def __init__(
+        self, broker: RabbitBroker, *, timeout_s: float, clock: Callable[[], datetime]
+    ) -> None:
         self._broker = broker
         self._timeout_s = timeout_s
+        self._clock = clock  # what a delayed command's `not_before` is judged by
         # A line per refused submission flooded the log while the broker was away (318 for
         # 159 refusals in 14 s; a walkthrough): one a minute at most, with the count.
         self._unconfirmed = Tally(NOT_SENT_LOG_EVERY_S, time.monotonic)
@@ -74,7 +78,9 @@ class TaskPublisher:
         """True when the broker confirmed the command; False when it was written but not
         confirmed (it may be queued: keep its submission for the outbox)."""
         try:
-            sent_now = await publish_command(self._broker, command, timeout=self._timeout_s)
+            sent_now = await publish_command(
+                self._broker, command, timeout=self._timeout_s, now=self._clock()
+            )
         except PublishUnconfirmed as error:
             self._log_not_sent(self._unconfirmed, "unconfirmed", command, error)
             return False
@@ -107,6 +113,7 @@ class TaskPublisher:
                 routing_key=command.resubmission_routing_key,
                 not_before=None,
                 timeout=self._timeout_s,
+                now=self._clock(),
             )
         except BROKER_ERRORS as error:  # anything else is no broker's doing: raised as it is
             log.warning("score.resubmitted for %s not confirmed: %r", command.task_id, error)
@@ -190,7 +197,9 @@ class TaskPublisher:
         try:
             async with asyncio.timeout(self._timeout_s * 2):
                 published = await _together(
-                    publish_command(self._broker, command, timeout=self._timeout_s)
+                    publish_command(
+                        self._broker, command, timeout=self._timeout_s, now=self._clock()
+                    )
                     for command in commands
                 )
         except TimeoutError:
@@ -227,6 +236,7 @@ class TaskPublisher:
                 routing_key=ScoreWithdrawn.routing_key,
                 not_before=None,
                 timeout=self._timeout_s,
+                now=self._clock(),
             )
             for command in commands
         )

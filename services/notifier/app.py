@@ -85,7 +85,7 @@ def create_app(
     guard = WebhookGuard(lookups, allowed_test_hosts=settings.test_hosts)
 
     async def enqueue(delivery: DeliverWebhook) -> None:
-        await send_delivery(broker, delivery, timeout=settings.broker_timeout_s)
+        await send_delivery(broker, delivery, timeout=settings.broker_timeout_s, now=clock())
 
     subscribe_notifications(
         broker,

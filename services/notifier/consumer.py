@@ -110,10 +110,12 @@ async def send_delivery(
     delivery: DeliverWebhook,
     *,
     timeout: float,
+    now: datetime,
     headers: Mapping[str, Any] | None = None,
 ) -> None:
-    """Publish a delivery command now, or down the wait ladder until its `not_before`,
-    trying again until the broker confirms it."""
+    """Publish a delivery command now, or down the wait ladder until its `not_before` (by
+    `now`, the clock the delivery is judged due by), trying again until the broker confirms
+    it."""
     await keep_publishing(
         lambda: publish_delayed(
             broker,
@@ -122,6 +124,7 @@ async def send_delivery(
             routing_key=DeliverWebhook.routing_key,
             not_before=delivery.not_before,
             timeout=timeout,
+            now=now,
             headers=headers,
         ),
         what=f"webhook delivery {delivery.delivery_id}",
@@ -176,6 +179,7 @@ async def _come_back_later(
             routing_key=routing_key,
             not_before=later,
             timeout=timeout_s,
+            now=clock(),
             through_ladder=True,  # a retry of the publish may find it due: still not to all
         ),
         what=f"{routing_key} for a later try",
@@ -259,7 +263,7 @@ def subscribe_deliveries(
                 )
                 handed_on = Send(later, "held at a stop")
                 settled = await _carry_out(
-                    broker, handed_on, delivery, message, timeout_s=timeout_s
+                    broker, handed_on, delivery, message, clock=deps.clock, timeout_s=timeout_s
                 )
                 break
             redelivered = True
@@ -350,7 +354,9 @@ async def _try_and_carry_out(
         later = deps.clock() + database_retry_wait()
         update = {"not_before": later, "message_id": new_id()}
         decision = Send(delivery.model_copy(update=update), "database unavailable")
-    if not await _carry_out(broker, decision, delivery, message, timeout_s=timeout_s):
+    if not await _carry_out(
+        broker, decision, delivery, message, clock=deps.clock, timeout_s=timeout_s
+    ):
         return None  # not noted as lettered: a copy that comes back letters it again
     if isinstance(decision, GiveUp):
         await _note_lettered(delivery, deps)
@@ -389,6 +395,7 @@ async def _carry_out(
     delivery: DeliverWebhook,
     message: Delivery,
     *,
+    clock: Clock,
     timeout_s: float,
 ) -> bool:
     """Carry a decision out: True, or False when a give-up's dead letter was refused and the
@@ -407,7 +414,7 @@ async def _carry_out(
             # so far; a next attempt is a new message.
             same = command.attempt == delivery.attempt
             carried = copy_headers(message.headers) if same else None
-            await send_delivery(broker, command, timeout=timeout_s, headers=carried)
+            await send_delivery(broker, command, timeout=timeout_s, now=clock(), headers=carried)
         case GiveUp(reason=reason):
             log.warning("webhook %s dead-lettered: %s", delivery.delivery_id, reason)
             return await _dead_letter(broker, WEBHOOK_DELIVERIES, message, reason, timeout_s)

@@ -128,6 +128,7 @@ class SchedulerBus:
                 routing_key=task.routing_key,
                 not_before=None,
                 timeout=self.timeout_s,
+                now=self.clock(),
             )
 
     async def announce(self, event: OpsEvent) -> None:

@@ -165,7 +165,11 @@ class BrokerActions:
                 await self._confirmed(
                     "the next attempt",
                     lambda: publish_command(
-                        self.broker, next_command, timeout=self.timeout_s, sent_again=True
+                        self.broker,
+                        next_command,
+                        timeout=self.timeout_s,
+                        now=self.clock(),
+                        sent_again=True,
                     ),
                 )
                 await self._event(event)
@@ -194,7 +198,12 @@ class BrokerActions:
         await self._confirmed(
             "a command",
             lambda: publish_command(
-                self.broker, command, timeout=self.timeout_s, headers=headers, sent_again=True
+                self.broker,
+                command,
+                timeout=self.timeout_s,
+                now=self.clock(),
+                headers=headers,
+                sent_again=True,
             ),
         )
 

@@ -69,7 +69,9 @@ async def test_a_backlog_for_the_scorers_holds_the_next_page_back(amqp_url: str)
     re-score ones together, to fall under `FANOUT_MAX_BACKLOG`."""
     async with _backlog_of_six(amqp_url) as (broker, bus):
         for _ in range(3):  # waiting for a scorer that does not come
-            await publish_command(broker, ScoreText(task_id=new_id(), text="Slow."), timeout=10)
+            await publish_command(
+                broker, ScoreText(task_id=new_id(), text="Slow."), now=utcnow(), timeout=10
+            )
 
         await bus.publish_rescore_page(_page(2))  # 3 + 2 waiting: room
         with pytest.raises(DownstreamFull, match="5 score and re-score requests wait"):
@@ -100,7 +102,9 @@ async def test_other_delayed_work_does_not_hold_the_fan_out_back(amqp_url: str) 
         ten_minutes_ahead = utcnow() + timedelta(minutes=15)
         for _ in range(6):  # a client's submissions scheduled for later
             scheduled = ScoreText(task_id=new_id(), text="Later.", not_before=ten_minutes_ahead)
-            assert not await publish_command(broker, scheduled, timeout=10)  # on the ladder
+            assert not await publish_command(
+                broker, scheduled, now=utcnow(), timeout=10
+            )  # on the ladder
 
         await bus.publish_rescore_page(_page(3, answered_from_cache=True))
         await bus.publish_rescore_page(_page(3))

@@ -28,7 +28,7 @@ from devtools.fake_llm import FakeLLM
 from services.scorer.settings import ScorerSettings
 from services.scorer.throttle import SUSPECT_AFTER
 from shared.bus import publish_command
-from shared.contracts import ScoreText, new_id
+from shared.contracts import ScoreText, new_id, utcnow
 from shared.runtime import make_broker
 from shared.topology import ERROR_HEADER, SCORE_REQUESTS, TASKS, WAIT_TIERS
 from tests.faults.harness import (
@@ -314,7 +314,7 @@ async def _publish(box: Scorebox, command: ScoreText, times: int) -> None:
     async with broker:
         await broker.connect()
         for _ in range(times):
-            await publish_command(broker, command, timeout=30)
+            await publish_command(broker, command, now=utcnow(), timeout=30)
 
 
 async def test_a_message_delivered_twice_calls_the_model_once(

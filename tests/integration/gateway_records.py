@@ -15,7 +15,7 @@ from pymongo import AsyncMongoClient
 from services.gateway.batches import Batches
 from services.gateway.publisher import TaskPublisher
 from services.gateway.submissions import Submissions
-from shared.contracts import ScoreResult, ScoreText, new_id
+from shared.contracts import ScoreResult, ScoreText, new_id, utcnow
 
 PUBLISH_TIMEOUT_S = 10.0  # the broker here answers in milliseconds
 UNCONFIRMED_AFTER_S = 0.5  # a stalled broker's publishes are given up that soon
@@ -51,7 +51,7 @@ class Recorded(TaskPublisher):
     (confirmed or not: `send` returned) and of the cached results it announced."""
 
     def __init__(self, broker: RabbitBroker, *, timeout_s: float = PUBLISH_TIMEOUT_S) -> None:
-        super().__init__(broker, timeout_s=timeout_s)
+        super().__init__(broker, clock=utcnow, timeout_s=timeout_s)
         self.sent: list[str] = []
         self.announced: list[str] = []
 

@@ -67,6 +67,7 @@ from shared.contracts import (
     TaskView,
     event_sequence,
     new_id,
+    utcnow,
 )
 from shared.topology import SCORE_REQUESTS, STATUS_PROJECTION
 from tests.integration.gateway_records import (
@@ -420,7 +421,7 @@ class Cancels(TaskPublisher):
     broker confirmed them (the vhost's task-cancels queue takes them; no scorer reads it)."""
 
     def __init__(self, broker: RabbitBroker) -> None:
-        super().__init__(broker, timeout_s=PUBLISH_TIMEOUT_S)
+        super().__init__(broker, clock=utcnow, timeout_s=PUBLISH_TIMEOUT_S)
         self.cancelled: list[str] = []
 
     async def cancel(self, cancel: CancelTask) -> None:

@@ -29,7 +29,7 @@ from services.gateway.admin_api import admin_routes
 from services.gateway.deadletters import DeadLetterQueue
 from services.gateway.publisher import TaskPublisher
 from services.gateway.submissions import Submissions
-from shared.contracts import RunCronJob, ScoreText, new_id
+from shared.contracts import RunCronJob, ScoreText, new_id, utcnow
 from shared.dead_letters import CUT_OFF, dead_lettered_at
 from shared.http import install_problem_handlers
 from shared.query_parameters import only_known_query_parameters
@@ -84,7 +84,7 @@ async def _gateway(
     `now`, with a client sending the admin key."""
     dead_letters = DeadLetterQueue(
         broker,
-        TaskPublisher(broker, timeout_s=TIMEOUT_S),
+        TaskPublisher(broker, clock=utcnow, timeout_s=TIMEOUT_S),
         submissions,
         lambda: now,
         timeout_s=TIMEOUT_S,

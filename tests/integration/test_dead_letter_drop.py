@@ -113,7 +113,7 @@ def _admin_app(
 ) -> FastAPI:
     dead_letters = DeadLetterQueue(
         broker,
-        publisher or TaskPublisher(broker, timeout_s=TIMEOUT_S),
+        publisher or TaskPublisher(broker, clock=utcnow, timeout_s=TIMEOUT_S),
         submissions,
         utcnow,
         timeout_s=TIMEOUT_S,

@@ -62,7 +62,7 @@ async def dead_letters(
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(mongo.url, tz_aware=True)
     yield DeadLetterQueue(
         broker,
-        TaskPublisher(broker, timeout_s=TIMEOUT_S),
+        TaskPublisher(broker, clock=utcnow, timeout_s=TIMEOUT_S),
         Submissions(client, f"{db_prefix}_gateway"),
         utcnow,
         timeout_s=TIMEOUT_S,

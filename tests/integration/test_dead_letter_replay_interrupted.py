@@ -58,7 +58,7 @@ class FailsAfter(TaskPublisher):
     def __init__(
         self, broker: RabbitBroker, *, succeeding: int, failure: Callable[[], Exception]
     ) -> None:
-        super().__init__(broker, timeout_s=TIMEOUT_S)
+        super().__init__(broker, clock=utcnow, timeout_s=TIMEOUT_S)
         self.left = succeeding
         self.failure = failure
 
@@ -125,7 +125,9 @@ async def test_a_replay_the_broker_fails_part_way_reports_what_it_did_and_what_i
     assert [command.task_id for command in await queued_commands(dlq)] == ids[:1]
 
     # Asked again, the letters left are replayed; the one replayed before is not found.
-    async with _admin(_app(broker, submissions, TaskPublisher(broker, timeout_s=TIMEOUT_S))) as api:
+    async with _admin(
+        _app(broker, submissions, TaskPublisher(broker, clock=utcnow, timeout_s=TIMEOUT_S))
+    ) as api:
         again = (await api.post(f"{LETTERS}/replay", json={"ids": ids})).json()
     assert sorted(again["replayed"]) == sorted(ids[1:])
     assert (again["not_found"], again["interrupted"]) == (ids[:1], None)
@@ -157,7 +159,9 @@ async def test_a_letter_left_by_the_budget_is_reported_though_its_task_had_anoth
     [rescore] = await _sent_to_the_scorer(dlq, command.task_id)
     await _dead_letter(dlq, [rescore, command])
 
-    async with _admin(_app(broker, submissions, SlowBroker(broker, timeout_s=TIMEOUT_S))) as api:
+    async with _admin(
+        _app(broker, submissions, SlowBroker(broker, clock=utcnow, timeout_s=TIMEOUT_S))
+    ) as api:
         answer = await api.post(f"{LETTERS}/replay", json={"ids": [command.task_id]})
     assert answer.status_code == 200, answer.text
     report = answer.json()
@@ -192,7 +196,11 @@ async def test_a_letter_sent_whose_ack_failed_is_reported_replayed(
     reported `not_reached`, "not replayed yet", though the scorer had it."""
     ids = await _dead_lettered(dlq, 3)
     dead_letters = DeadLetterQueue(
-        broker, TaskPublisher(broker, timeout_s=TIMEOUT_S), submissions, utcnow, timeout_s=TIMEOUT_S
+        broker,
+        TaskPublisher(broker, clock=utcnow, timeout_s=TIMEOUT_S),
+        submissions,
+        utcnow,
+        timeout_s=TIMEOUT_S,
     )
     walker = dead_letters._dlq
     removes = 0

@@ -63,7 +63,7 @@ async def _rescored(broker: RabbitBroker, submissions: Submissions, command: Sco
     """The task re-scored under a new rubric version, as the fan-out's request is handled."""
     consumer = RescoreRequests(
         submissions=submissions,
-        publisher=TaskPublisher(broker, timeout_s=TIMEOUT_S),
+        publisher=TaskPublisher(broker, clock=utcnow, timeout_s=TIMEOUT_S),
         broker=broker,
         clock=utcnow,
         timeout_s=TIMEOUT_S,

@@ -77,7 +77,7 @@ def _dead_letters(
 ) -> DeadLetterQueue:
     return DeadLetterQueue(
         broker,
-        TaskPublisher(broker, timeout_s=TIMEOUT_S),
+        TaskPublisher(broker, clock=utcnow, timeout_s=TIMEOUT_S),
         submissions,
         utcnow,
         timeout_s=TIMEOUT_S,

@@ -459,6 +459,7 @@ async def test_a_rescore_the_status_service_shows_queued_is_refused_with_409(
             exchange=TASKS,
             routing_key=request.routing_key,
             not_before=None,
+            now=utcnow(),
             timeout=10,
         )
 

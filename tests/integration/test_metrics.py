@@ -13,7 +13,7 @@ from faststream.rabbit import RabbitQueue
 
 from shared.bus import publish_command
 from shared.consumers import Delivery, ScoreboxBroker, consume
-from shared.contracts import ScoreText, new_id
+from shared.contracts import ScoreText, new_id, utcnow
 from shared.runtime import make_broker
 from shared.settings import ServiceSettings
 from shared.topology import TASKS
@@ -125,12 +125,12 @@ async def test_publishes_are_counted_by_what_the_broker_answered(amqp_url: str) 
         command = ScoreText(task_id=new_id(), tenant_id="acme", text="An essay.")
         # No queue is bound in this vhost yet: the broker returns the message.
         with pytest.raises(aiormq.exceptions.DeliveryError):
-            await publish_command(broker, command, timeout=TIMEOUT_S)
+            await publish_command(broker, command, now=utcnow(), timeout=TIMEOUT_S)
         queue = await broker.declare_queue(
             RabbitQueue(f"test.metrics.{uuid.uuid4().hex[:8]}", exclusive=True)
         )
         await queue.bind(TASKS.name, routing_key=command.routing_key)
-        await publish_command(broker, command, timeout=TIMEOUT_S)
+        await publish_command(broker, command, now=utcnow(), timeout=TIMEOUT_S)
     finally:
         await broker.stop()
     outcomes = {

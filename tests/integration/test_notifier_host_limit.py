@@ -42,7 +42,7 @@ from services.notifier.metrics import NotifierMetrics
 from services.notifier.sender import ReceiverAnswer
 from services.notifier.settings import NotifierSettings
 from services.notifier.ssrf import Destination
-from shared.contracts import DeliverWebhook, WebhookPurpose, new_id
+from shared.contracts import DeliverWebhook, WebhookPurpose, new_id, utcnow
 from shared.in_hand import InHand
 from shared.runtime import make_broker
 from shared.topology import DELAY, EARLIER_DELIVERIES_HEADER
@@ -110,7 +110,7 @@ class Notifier:
         async with broker:
             await broker.connect()
             for command in commands:
-                await send_delivery(broker, command, timeout=10)
+                await send_delivery(broker, command, now=utcnow(), timeout=10)
         return commands
 
     async def all_delivered(self, commands: list[DeliverWebhook]) -> list[Document] | None:

@@ -133,7 +133,7 @@ async def _send(setup: Setup, url: str) -> DeliverWebhook:
     broker = make_broker(setup.settings)
     async with broker:
         await broker.connect()
-        await send_delivery(broker, command, timeout=10)
+        await send_delivery(broker, command, now=utcnow(), timeout=10)
     return command
 
 

@@ -25,7 +25,7 @@ from pymongo import AsyncMongoClient
 from services.notifier.app import create_app as create_notifier
 from services.notifier.consumer import send_delivery
 from services.notifier.settings import NotifierSettings
-from shared.contracts import DeliverWebhook
+from shared.contracts import DeliverWebhook, utcnow
 from shared.runtime import make_broker
 from tests.integration.test_notifier import RECEIVER_HOST, Receiver, TableResolver, _tls
 from tests.integration.test_notifier_host_limit import (
@@ -55,7 +55,7 @@ class Tenants:
         async with broker:
             await broker.connect()
             for command in commands:
-                await send_delivery(broker, command, timeout=10)
+                await send_delivery(broker, command, now=utcnow(), timeout=10)
         return commands
 
 

@@ -31,7 +31,7 @@ from services.gateway.refusals import Refusal, Refusals, write_off
 from services.gateway.schemas import ScoreSubmission
 from services.gateway.submissions import Submissions, SubmissionState
 from services.gateway.submit import SubmitPolicy, submit_score, sweep_outbox
-from shared.contracts import ScoreResult, ScoreText, ScoreWithdrawn, new_id
+from shared.contracts import ScoreResult, ScoreText, ScoreWithdrawn, new_id, utcnow
 from shared.topology import SCORE_REQUESTS, STATUS_PROJECTION
 from tests.faults.slow_link import SlowLink
 from tests.integration.gateway_records import PUBLISH_TIMEOUT_S, Recorded, gateway_records
@@ -54,7 +54,7 @@ class Refusing(TaskPublisher):
     as it does; the send and the withdrawal are the publisher's own."""
 
     def __init__(self, broker: RabbitBroker, link: SlowLink) -> None:
-        super().__init__(broker, timeout_s=PUBLISH_TIMEOUT_S)
+        super().__init__(broker, clock=utcnow, timeout_s=PUBLISH_TIMEOUT_S)
         self.link = link
 
     async def send(self, command: ScoreText) -> bool:
@@ -450,7 +450,7 @@ class RefusingBroker(TaskPublisher):
     the publisher's own withdrawal is sent."""
 
     def __init__(self, broker: RabbitBroker, *, withdrawal: Pause | None = None) -> None:
-        super().__init__(broker, timeout_s=PUBLISH_TIMEOUT_S)
+        super().__init__(broker, clock=utcnow, timeout_s=PUBLISH_TIMEOUT_S)
         self.withdrawal = withdrawal
 
     async def withdraw(self, commands: Sequence[ScoreText]) -> None:

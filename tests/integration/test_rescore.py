@@ -26,7 +26,7 @@ from services.scorer.settings import ScorerSettings
 from services.status.app import create_app as create_status
 from services.status.settings import StatusSettings
 from shared.bus import publish_delayed
-from shared.contracts import DEFAULT_TENANT, HEURISTIC_PROMPT_VERSION, RescoreTask, new_id
+from shared.contracts import DEFAULT_TENANT, HEURISTIC_PROMPT_VERSION, RescoreTask, new_id, utcnow
 from shared.runtime import make_broker
 from shared.topology import RESCORE_REQUESTS, SCORE_REQUESTS, TASKS
 from tests.support import drain, eventually, running, stack_env
@@ -101,6 +101,7 @@ class Flow:
                     exchange=TASKS,
                     routing_key=request.routing_key,
                     not_before=None,
+                    now=utcnow(),
                     timeout=10,
                 )
 

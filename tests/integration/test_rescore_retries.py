@@ -58,7 +58,7 @@ FULL_POLICY = "scorebox-test-score-queue-full"
 
 def _unconfirming(stalled_broker: RabbitBroker) -> TaskPublisher:
     """The gateway's publisher on a broker that takes commands without confirming them."""
-    return TaskPublisher(stalled_broker, timeout_s=UNCONFIRMED_AFTER_S)
+    return TaskPublisher(stalled_broker, clock=utcnow, timeout_s=UNCONFIRMED_AFTER_S)
 
 
 class OutageOnce(Submissions):
@@ -127,7 +127,7 @@ class Env:
 
     def publisher(self) -> TaskPublisher:
         """The gateway's publisher on the broker, which confirms."""
-        return TaskPublisher(self.broker, timeout_s=PUBLISH_TIMEOUT_S)
+        return TaskPublisher(self.broker, clock=utcnow, timeout_s=PUBLISH_TIMEOUT_S)
 
     def consumer(
         self, publisher: TaskPublisher, submissions: Submissions, cache: ResultCache | None = None

@@ -154,7 +154,7 @@ async def test_the_status_of_a_retry_a_pause_put_off_reads_its_later_due_time(
         async with publisher:
             await publisher.connect()
             await declare_topology(publisher)
-            await publish_command(publisher, command, timeout=10)
+            await publish_command(publisher, command, now=utcnow(), timeout=10)
 
             async def retrying() -> dict[str, Any] | None:
                 view = await _view(status, command.task_id)

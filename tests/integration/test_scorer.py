@@ -33,6 +33,7 @@ from shared.contracts import (
     ScoreText,
     TaskFailed,
     new_id,
+    utcnow,
 )
 from shared.runtime import make_broker
 from shared.topology import DLX, ERROR_HEADER, EVENTS, SCORE_REQUESTS, TASKS
@@ -280,7 +281,7 @@ async def test_duplicate_delivery_calls_the_model_once(flow: Flow) -> None:
     async with broker:
         await broker.connect()
         for _ in range(3):
-            await publish_command(broker, command, timeout=10)
+            await publish_command(broker, command, now=utcnow(), timeout=10)
     view = await flow.finished(command.task_id)
     assert view["status"] == "completed"
 

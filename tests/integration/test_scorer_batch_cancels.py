@@ -123,7 +123,7 @@ async def test_the_items_a_batch_cancellation_names_are_cancelled_on_arrival_the
             await declare_topology(publisher)
             await _heard(publisher, scorer, announcement)
             for command, _ in everything:
-                await publish_command(publisher, command, timeout=10)
+                await publish_command(publisher, command, now=utcnow(), timeout=10)
 
         ended = await seen.first_of_each({command.task_id for command, _ in everything})
         cancelled_here = await _metric(scorer, "scorebox_scorer_cancelled_at_delivery_total")
@@ -164,7 +164,7 @@ async def test_an_item_cancelled_or_completed_already_is_carried_out_as_it_was_a
         async with publisher:
             await publisher.connect()
             await declare_topology(publisher)
-            await publish_command(publisher, completed, timeout=10)
+            await publish_command(publisher, completed, now=utcnow(), timeout=10)
             await seen.next_of(completed.task_id, TaskCompleted)
             await publish_cancel(publisher, _own_cancel(cancelled), timeout=10)
             await seen.next_of(cancelled.task_id, TaskFailed)
@@ -173,7 +173,7 @@ async def test_an_item_cancelled_or_completed_already_is_carried_out_as_it_was_a
             drops = await _drops(scorer)
             again = completed.model_copy(update={"message_id": new_id()})  # a stray copy
             for command in (cancelled, again):
-                await publish_command(publisher, command, timeout=10)
+                await publish_command(publisher, command, now=utcnow(), timeout=10)
             recompleted = await seen.next_of(completed.task_id, TaskCompleted)
 
             async def dropped() -> bool:  # published by its own cancel's consumer already
@@ -219,7 +219,7 @@ async def test_a_scorer_started_again_knows_the_batches_cancelled_before_and_can
         # The items wait in their queue for the scorer started again (a new replica: a
         # queue of its own for announcements, with nothing in it).
         for command, _ in everything:
-            await publish_command(publisher, command, timeout=10)
+            await publish_command(publisher, command, now=utcnow(), timeout=10)
         async with outcomes(amqp_url) as seen, running(setup.app()) as again:
             ended = await seen.first_of_each({command.task_id for command, _ in everything})
             heard_again = await _metric(again, "scorebox_scorer_batch_cancels_heard_total")

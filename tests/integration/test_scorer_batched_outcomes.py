@@ -14,7 +14,7 @@ import pytest
 
 from devtools.fake_llm import FakeLLMConfig, start_fake_llm
 from shared.bus import publish_command
-from shared.contracts import ScoreText, new_id
+from shared.contracts import ScoreText, new_id, utcnow
 from shared.runtime import make_broker
 from shared.topology import declare_topology
 from tests.integration.in_process import scorer_over
@@ -82,7 +82,10 @@ async def _scored_together(
                 await publisher.connect()
                 await declare_topology(publisher)
                 await asyncio.gather(
-                    *(publish_command(publisher, c, timeout=TIMEOUT_S) for c in commands)
+                    *(
+                        publish_command(publisher, c, now=utcnow(), timeout=TIMEOUT_S)
+                        for c in commands
+                    )
                 )
 
             async def all_completed() -> bool:

@@ -632,7 +632,7 @@ class Scorer:
             if isinstance(message, CancelTask):
                 await publish_cancel(broker, message, timeout=10)
             else:
-                await publish_command(broker, message, timeout=10)
+                await publish_command(broker, message, now=utcnow(), timeout=10)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from services.scorer import decisions
 from services.scorer.decisions import is_cancellation
 from services.scorer.settings import ScorerSettings
 from shared.bus import publish_cancel, publish_command
-from shared.contracts import ScoreText, new_id
+from shared.contracts import ScoreText, new_id, utcnow
 from shared.runtime import make_broker
 from shared.topology import declare_topology
 from tests.integration.in_process import scorer_over
@@ -50,7 +50,7 @@ async def _queued_while_no_scorer_runs(amqp_url: str, commands: list[ScoreText])
         await broker.connect()
         await declare_topology(broker)
         for command in commands:
-            await publish_command(broker, command, timeout=10)
+            await publish_command(broker, command, now=utcnow(), timeout=10)
         for command in commands:
             await publish_cancel(broker, _cancel_of(command), timeout=10)
 

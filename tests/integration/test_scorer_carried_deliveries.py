@@ -73,7 +73,8 @@ async def _published(
     async with broker:
         await broker.connect()
         await declare_topology(broker)
-        await publish_command(broker, command, timeout=10, now=command.not_before, headers=headers)
+        now = command.not_before or utcnow()  # due as far as the sender knows
+        await publish_command(broker, command, timeout=10, now=now, headers=headers)
 
 
 async def _held_by_a_scorer_that_dies(amqp_url: str, command: ScoreText) -> int:

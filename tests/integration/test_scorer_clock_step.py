@@ -13,14 +13,19 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
+from faststream.rabbit import RabbitBroker, RabbitQueue
 from pymongo import AsyncMongoClient
 
 from devtools.fake_llm import FakeLLM
+from services.scorer.consumer import BrokerActions
 from services.scorer.decisions import Finish
 from services.scorer.scoring import score_text
+from services.scorer.settings import ScorerSettings
 from shared import clock_offset
 from shared.clock_offset import DatabaseClock, clock_offset_s
 from shared.contracts import ScoreText, new_id, utcnow
+from shared.runtime import make_broker
+from shared.topology import SCORE_REQUESTS, WAIT_TIERS, declare_topology, wait_queue
 from tests.integration.scorer_parts import attempts_store, fake_model, scorer_deps
 from tests.support import eventually
 
@@ -72,3 +77,37 @@ async def _database_clock_then_a_step(
     clock.anchor(await clock_offset_s(client))
     monkeypatch.setattr(clock_offset, "wall_clock", lambda: utcnow() + STEP)
     return clock
+
+
+async def test_a_command_not_yet_due_on_the_scorers_clock_waits_whatever_the_wall_clock_says(
+    amqp_url: str,
+) -> None:
+    """The scorer judged a command due on its clock (the database's), and sent one not yet
+    due down the ladder by the wall clock: a wall clock ahead sent it straight back, and the
+    scorer put it off again, round after round (a re-read: 1,709 rounds in 2 s). Here the
+    scorer's clock is an hour behind the wall clock, and the command is due in 20 minutes on
+    it: it waits in the 10-minute tier, not in the score queue."""
+
+    def behind() -> datetime:
+        return utcnow() - STEP
+
+    [ten_minutes] = [tier for tier in WAIT_TIERS if tier[0] == "10m"]
+    broker = make_broker(ScorerSettings.model_validate({"RABBITMQ_URL": amqp_url}))
+    async with broker:
+        await broker.connect()
+        await declare_topology(broker)
+        actions = BrokerActions(broker=broker, timeout_s=10, clock=behind)
+        due = behind() + timedelta(minutes=20)
+        command = ScoreText(task_id=new_id(), text="Not due yet.", not_before=due)
+        await actions.resend(command, headers={})
+
+        async def waiting() -> bool:
+            return await _ready(broker, wait_queue(*ten_minutes).name) == 1
+
+        await eventually(waiting, what="the command in the 10-minute tier")
+        assert await _ready(broker, SCORE_REQUESTS.name) == 0
+
+
+async def _ready(broker: RabbitBroker, name: str) -> int:
+    queue = await broker.declare_queue(RabbitQueue(name, declare=False))
+    return int((await queue.declare(timeout=10)).message_count or 0)

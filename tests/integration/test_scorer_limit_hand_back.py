@@ -94,7 +94,7 @@ async def _published(settings: ScorerSettings, command: ScoreText) -> None:
     async with publisher:
         await publisher.connect()
         await declare_topology(publisher)
-        await publish_command(publisher, command, timeout=10)
+        await publish_command(publisher, command, now=utcnow(), timeout=10)
 
 
 async def _returned_unsettled(amqp_url: str, *, times: int) -> None:

@@ -57,7 +57,9 @@ async def test_a_command_the_scorer_sends_again_reaches_the_scorer_alone(amqp_ur
         command = ScoreText(
             task_id=new_id(), tenant_id="t", text="Sent again.", submitted_at=utcnow()
         )
-        await publish_command(broker, command, timeout=10)  # the gateway's: both take it
+        await publish_command(
+            broker, command, now=utcnow(), timeout=10
+        )  # the gateway's: both take it
 
         async def both_have_the_first() -> tuple[int, int] | None:
             depths = await _depths(amqp_url)

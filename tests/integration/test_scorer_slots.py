@@ -20,7 +20,7 @@ from pymongo import AsyncMongoClient
 from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
 from services.scorer.settings import ScorerSettings
 from shared.bus import publish_command
-from shared.contracts import ScoreText, new_id
+from shared.contracts import ScoreText, new_id, utcnow
 from shared.runtime import make_broker
 from shared.topology import (
     DELIVERY_COUNT_HEADER,
@@ -90,7 +90,7 @@ async def _publish(settings: ScorerSettings, commands: list[ScoreText]) -> None:
         await publisher.connect()
         await declare_topology(publisher)
         for command in commands:
-            await publish_command(publisher, command, timeout=10)
+            await publish_command(publisher, command, now=utcnow(), timeout=10)
 
 
 @asynccontextmanager

@@ -24,7 +24,7 @@ import pytest
 
 from devtools.fake_llm import FakeLLM
 from shared.bus import publish_command
-from shared.contracts import ScoreText, TaskCompleted, TaskEvent, TaskFailed, new_id
+from shared.contracts import ScoreText, TaskCompleted, TaskEvent, TaskFailed, new_id, utcnow
 from shared.runtime import make_broker
 from shared.topology import declare_topology
 from tests.integration.in_process import scorer_over
@@ -82,7 +82,7 @@ async def test_a_scorer_starting_into_an_outage_pauses_after_its_first_call(
         await declare_topology(publisher)
         async with outcomes(amqp_url) as published:
             for command in commands:  # in the queue before the scorer starts
-                await publish_command(publisher, command, timeout=10)
+                await publish_command(publisher, command, now=utcnow(), timeout=10)
             async with running(setup.app()) as scorer:
                 await eventually(lambda: _paused(scorer), what="the scorer's calls paused")
                 during = fake_llm.stats()

@@ -20,7 +20,7 @@ from devtools.fake_llm import FakeLLM, FakeLLMConfig, start_fake_llm
 from services.scorer.app import stop_grace_s
 from services.scorer.settings import ScorerSettings
 from shared.bus import publish_command
-from shared.contracts import ScoreText, new_id
+from shared.contracts import ScoreText, new_id, utcnow
 from shared.runtime import make_broker
 from tests.faults.slow_link import SlowLink
 from tests.integration.in_process import scorer_over
@@ -128,7 +128,7 @@ async def _published_and_called(
     publisher = make_broker(settings.model_copy(update={"broker_timeout_s": 10.0}))
     async with publisher:
         await publisher.connect()
-        await publish_command(publisher, command, timeout=10)
+        await publish_command(publisher, command, now=utcnow(), timeout=10)
     await llm.wait_for_stats(lambda stats: stats["by_id"].get(marker, 0) >= 1)
 
 

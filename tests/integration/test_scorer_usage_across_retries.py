@@ -99,7 +99,7 @@ class Scorer:
         broker = make_broker(ScorerSettings.model_validate({"RABBITMQ_URL": self.amqp_url}))
         async with broker:
             await broker.connect()
-            await publish_command(broker, command, timeout=10)
+            await publish_command(broker, command, now=utcnow(), timeout=10)
 
     def calls(self, marker: str) -> int:
         return int(self.llm.stats()["by_id"].get(marker, 0))

@@ -15,7 +15,7 @@ import pytest
 
 from devtools.fake_llm import FakeLLM
 from shared.bus import publish_command
-from shared.contracts import ModelCallsPaused, ScoreText, new_id
+from shared.contracts import ModelCallsPaused, ScoreText, new_id, utcnow
 from shared.runtime import make_broker
 from shared.topology import OPS_LOG, declare_topology
 from tests.integration.in_process import scorer_over
@@ -63,7 +63,7 @@ async def test_a_429_answered_to_one_scorer_pauses_the_other_without_a_call_of_i
         async with publisher:
             await publisher.connect()
             await declare_topology(publisher)
-            await publish_command(publisher, command, timeout=10)
+            await publish_command(publisher, command, now=utcnow(), timeout=10)
         await eventually(lambda: _both_paused([one, two]), what="both scorers paused")
 
         own = [await _metric(s, "scorebox_model_rate_limit_pauses_total") for s in (one, two)]

@@ -82,6 +82,7 @@ async def test_a_delay_of_five_seconds_from_now_waits_five_seconds(
         exchange=EVENTS,
         routing_key="task.failed",
         not_before=utcnow() + timedelta(seconds=5),
+        now=utcnow(),
         timeout=10,
     )
     assert await _depth(amqp_url, "scorebox.wait.5s") == 1

@@ -44,6 +44,7 @@ from shared.contracts import (
     ScoreText,
     TaskAccepted,
     TaskStatus,
+    utcnow,
 )
 
 T0 = datetime(2030, 5, 17, 12, 0, 0, tzinfo=UTC)
@@ -186,7 +187,7 @@ def _commands(count: int) -> list[ScoreText]:
 
 async def test_a_batch_is_published_with_all_confirms_in_flight_together() -> None:
     broker = ConcurrentBroker(expected=25)
-    publisher = TaskPublisher(broker, timeout_s=5)  # type: ignore[arg-type]
+    publisher = TaskPublisher(broker, clock=utcnow, timeout_s=5)  # type: ignore[arg-type]
     await publisher.send_many(_commands(25))
     assert len(broker.published) == 25
     assert {key for key, _ in broker.published} == {"score.requested"}
@@ -198,7 +199,7 @@ async def test_only_commands_that_wait_are_announced_and_all_in_one_round() -> N
     due = datetime.now(UTC) + timedelta(hours=1)
     waiting = [c.model_copy(update={"not_before": due}) for c in _commands(25)]
     broker = ConcurrentBroker(expected=25)
-    await TaskPublisher(broker, timeout_s=5).send_many(waiting)  # type: ignore[arg-type]
+    await TaskPublisher(broker, clock=utcnow, timeout_s=5).send_many(waiting)  # type: ignore[arg-type]
     keys = [key for key, _ in broker.published]
     assert all(key.endswith(".score.requested") for key in keys[:25])  # down the ladder
     assert keys[25:] == ["task.accepted"] * 25
@@ -208,12 +209,12 @@ async def test_only_commands_that_wait_are_announced_and_all_in_one_round() -> N
 async def test_a_single_command_is_announced_only_when_it_waits() -> None:
     now_broker, later_broker = ConcurrentBroker(expected=1), ConcurrentBroker(expected=1)
     [command] = _commands(1)
-    await TaskPublisher(now_broker, timeout_s=5).send(command)  # type: ignore[arg-type]
+    await TaskPublisher(now_broker, clock=utcnow, timeout_s=5).send(command)  # type: ignore[arg-type]
     assert [key for key, _ in now_broker.published] == ["score.requested"]
 
     due = datetime.now(UTC) + timedelta(minutes=5)
     waiting = command.model_copy(update={"not_before": due})
-    await TaskPublisher(later_broker, timeout_s=5).send(waiting)  # type: ignore[arg-type]
+    await TaskPublisher(later_broker, clock=utcnow, timeout_s=5).send(waiting)  # type: ignore[arg-type]
     [(ladder_key, _), (announced_key, body)] = later_broker.published
     assert ladder_key.endswith(".score.requested")
     assert announced_key == "task.accepted"
@@ -223,7 +224,7 @@ async def test_a_single_command_is_announced_only_when_it_waits() -> None:
 async def test_a_batch_the_broker_took_none_of_is_refused_after_every_publish_ended() -> None:
     broker = ConcurrentBroker(expected=10, fail_routing_key="score.requested", failures=10)
     with pytest.raises(BrokerUnavailable):
-        await TaskPublisher(broker, timeout_s=5).send_many(_commands(10))  # type: ignore[arg-type]
+        await TaskPublisher(broker, clock=utcnow, timeout_s=5).send_many(_commands(10))  # type: ignore[arg-type]
     assert len(broker.published) == 10  # none left running behind the 503
 
 
@@ -240,7 +241,7 @@ async def test_a_batch_partly_taken_is_reported_unconfirmed_not_refused(
     """Some commands may be queued: refusing the batch would leave them to be scored for a
     batch the client was told was not kept. The caller keeps it for the outbox instead."""
     broker = ConcurrentBroker(expected=10, fail_routing_key="score.requested", failure=failure)
-    confirmed = await TaskPublisher(broker, timeout_s=5).send_many(_commands(10))  # type: ignore[arg-type]
+    confirmed = await TaskPublisher(broker, clock=utcnow, timeout_s=5).send_many(_commands(10))  # type: ignore[arg-type]
     assert confirmed is False
     assert len(broker.published) == 10
 
@@ -248,10 +249,10 @@ async def test_a_batch_partly_taken_is_reported_unconfirmed_not_refused(
 async def test_a_single_command_written_but_unconfirmed_is_reported_not_refused() -> None:
     broker = ConcurrentBroker(expected=1, fail_routing_key="score.requested", failure=TimeoutError)
     [command] = _commands(1)
-    assert await TaskPublisher(broker, timeout_s=5).send(command) is False  # type: ignore[arg-type]
+    assert await TaskPublisher(broker, clock=utcnow, timeout_s=5).send(command) is False  # type: ignore[arg-type]
     refused = ConcurrentBroker(expected=1, fail_routing_key="score.requested")
     with pytest.raises(BrokerUnavailable):
-        await TaskPublisher(refused, timeout_s=5).send(command)  # type: ignore[arg-type]
+        await TaskPublisher(refused, clock=utcnow, timeout_s=5).send(command)  # type: ignore[arg-type]
 
 
 # --- Accepting -----------------------------------------------------------------------------------

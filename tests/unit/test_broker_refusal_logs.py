@@ -14,7 +14,7 @@ from services.gateway import publisher as publisher_module
 from services.gateway.errors import BrokerUnavailable
 from services.gateway.publisher import TaskPublisher
 from shared.bus import PublishUnconfirmed, error_words
-from shared.contracts import ScoreText
+from shared.contracts import ScoreText, utcnow
 
 
 def test_an_objects_repr_in_an_error_is_named_by_its_class() -> None:
@@ -33,7 +33,9 @@ async def test_submissions_the_broker_does_not_take_are_one_line_with_their_coun
         raise aiormq.exceptions.ChannelInvalidStateError("<RobustChannel object at 0x7f01> closed")
 
     monkeypatch.setattr(publisher_module, "publish_command", refused)
-    publisher = TaskPublisher(RabbitBroker("amqp://guest:guest@127.0.0.1:1/"), timeout_s=1)
+    publisher = TaskPublisher(
+        RabbitBroker("amqp://guest:guest@127.0.0.1:1/"), clock=utcnow, timeout_s=1
+    )
     with caplog.at_level(logging.WARNING, logger="scorebox.gateway.publisher"):
         for i in range(5):
             with pytest.raises(BrokerUnavailable):
@@ -62,7 +64,9 @@ async def test_each_kind_of_send_failure_has_its_own_line_and_a_bug_its_tracebac
         raise failures.pop(0)
 
     monkeypatch.setattr(publisher_module, "publish_command", publish)
-    publisher = TaskPublisher(RabbitBroker("amqp://guest:guest@127.0.0.1:1/"), timeout_s=1)
+    publisher = TaskPublisher(
+        RabbitBroker("amqp://guest:guest@127.0.0.1:1/"), clock=utcnow, timeout_s=1
+    )
     with caplog.at_level(logging.WARNING, logger="scorebox.gateway.publisher"):
         assert await publisher.send(ScoreText(task_id="t0", text="hello")) is False
         for i in range(1, 5):

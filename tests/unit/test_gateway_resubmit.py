@@ -13,7 +13,7 @@ from services.gateway import publisher as publisher_module
 from services.gateway.errors import BrokerUnavailable
 from services.gateway.publisher import TaskPublisher
 from shared.bus import PublishUnconfirmed
-from shared.contracts import ScoreText, new_id
+from shared.contracts import ScoreText, new_id, utcnow
 
 
 def _failing_with(error: Exception) -> Any:
@@ -26,7 +26,7 @@ def _failing_with(error: Exception) -> Any:
 async def test_a_broker_failure_is_broker_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     unconfirmed = PublishUnconfirmed("no confirm within 5 s")
     monkeypatch.setattr(publisher_module, "publish_delayed", _failing_with(unconfirmed))
-    sender = TaskPublisher(RabbitBroker(), timeout_s=5)
+    sender = TaskPublisher(RabbitBroker(), clock=utcnow, timeout_s=5)
 
     with pytest.raises(BrokerUnavailable):
         await sender.resubmit(ScoreText(task_id=new_id(), text="An essay."))
@@ -34,7 +34,7 @@ async def test_a_broker_failure_is_broker_unavailable(monkeypatch: pytest.Monkey
 
 async def test_any_other_error_is_raised_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(publisher_module, "publish_delayed", _failing_with(ValueError("a bug")))
-    sender = TaskPublisher(RabbitBroker(), timeout_s=5)
+    sender = TaskPublisher(RabbitBroker(), clock=utcnow, timeout_s=5)
 
     with pytest.raises(ValueError, match="a bug"):
         await sender.resubmit(ScoreText(task_id=new_id(), text="An essay."))

@@ -57,7 +57,7 @@ from shared.event_batches import Part, UnreadableBatch, is_batch, split_batch
 from shared.log_context import correlated
 from shared.metrics import Metrics
 from shared.reconnection_gates import ReconnectionGates
-from shared.side_by_side import side_by_side
+from shared.side_by_side import all_through
 from shared.topology import (
     ROUTING_KEY_HEADER,
     Binding,
@@ -630,7 +630,7 @@ class ScoreboxBroker(RabbitBroker):
         at_once = self._without(waiting)
         if any(each.prefetch is None and not each.queue.exclusive for each in at_once):
             await self._channel_for(None)  # the shared channel, opened once for them all
-        await side_by_side(self._start_consuming(each) for each in at_once)
+        await all_through(self._start_consuming(each) for each in at_once)
         for subscription in waiting:
             assert subscription.starts_after is not None
             await subscription.starts_after()

@@ -239,13 +239,10 @@ async def retry_until(
 
     try:
         async with asyncio.timeout(deadline_s):
-            await keep_trying(
-                attempt,
-                what=f"reaching {what}",
-                retry_on=(Exception,),
-                give_up_after_s=deadline_s,
-            )
-    except Exception:  # noqa: BLE001 - the deadline passed: every error is named below
+            # No `give_up_after_s`: it gives up before a wait that would pass it, up to
+            # 5 s short of the deadline this message names (a re-read).
+            await keep_trying(attempt, what=f"reaching {what}", retry_on=(Exception,))
+    except TimeoutError:
         last = failures[-1] if failures else None
         why = f"its last error: {last!r}" if last else "its first attempt had no answer yet"
         raise _given_up(

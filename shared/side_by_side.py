@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine, Iterable
-from typing import Any
+from typing import Any, cast
 
 
 async def side_by_side[T](steps: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
@@ -18,3 +18,16 @@ async def side_by_side[T](steps: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
     except BaseExceptionGroup as failed:
         raise failed.exceptions[0] from None
     return [task.result() for task in tasks]
+
+
+async def all_through[T](steps: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
+    """Every one of `steps` at once, each left to finish; then the first failure raised as it
+    is, else their results in order. For steps whose cancellation would do harm of its own:
+    a consumer's start cancelled during its `basic.consume` was left consuming, uncounted,
+    and aiormq closes the channel of an RPC it cancels, the shared consuming channel
+    included (a re-read of `side_by_side` there)."""
+    settled = await asyncio.gather(*steps, return_exceptions=True)
+    for each in settled:
+        if isinstance(each, BaseException):
+            raise each
+    return cast("list[T]", settled)

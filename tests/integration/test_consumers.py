@@ -773,3 +773,37 @@ async def test_consumers_start_side_by_side(amqp_url: str, monkeypatch: pytest.M
         many = await rounds_to_start(SIDE_BY_SIDE)
     # Slack for replies a busy machine sends apart; one after another adds 35.
     assert many < one + SIDE_BY_SIDE, f"{one} round trips for one consumer, {many} for many"
+
+
+async def test_a_failed_start_leaves_every_consumer_that_started_counted(
+    amqp_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One consumer's start failed (its queue missing) and the others' were cancelled where
+    they stood: one whose `basic.consume` had reached the broker went on consuming, uncounted,
+    its deliveries out of the stop's reach, and aiormq closed the channel of each RPC it
+    cancelled (a re-read: the shared one too). Each start now finishes first."""
+    link = SlowLink.to(amqp_url)
+    link.latency_s = 0.05
+    names = [f"test.failed-start.{uuid.uuid4().hex[:8]}" for _ in range(3)]
+    async with link.running():
+        broker = new_broker(link.url_through(amqp_url))
+        for name in names:
+            queue = RabbitQueue(name, auto_delete=True)
+
+            @consume(broker, queue, prefetch=4)
+            async def handle(delivery: Delivery) -> None:
+                await delivery.ack()
+
+        missing = RabbitQueue(f"test.missing.{uuid.uuid4().hex[:8]}", declare=False)
+
+        @consume(broker, missing)
+        async def never(delivery: Delivery) -> None:
+            await delivery.ack()
+
+        await broker.connect()
+        try:
+            with pytest.raises(aiormq.exceptions.ChannelNotFoundEntity):
+                await broker.start()
+            assert [name for name in names if broker.in_handlers(name) is None] == []
+        finally:
+            await asyncio.wait_for(broker.stop(), TIMEOUT_S)

@@ -32,6 +32,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -55,12 +56,15 @@ OFFSET_RELOG_S = 600.0
 CALMER_SHARE = 0.8
 
 
-# A measure moves the database clock only when it finds it this far off: each measure is
-# off by up to half its round trip, and re-anchored at every one the clock would jitter.
+# A measure moves the database clock only when it finds it this far off, beyond the
+# measure's own error (half its round trip, which includes any time the event loop was
+# busy): re-anchored at every one, the clock would jitter, and go back now and then.
 ANCHOR_TOLERANCE_S = 0.05
+# Round trips taken per measure; the shortest one's reading is kept (the least error).
+MEASURE_SAMPLES = 3
 
 
-def _ticks() -> float:
+def ticks_s() -> float:
     """Seconds on a clock that no step of the wall clock moves; counting the time a suspended
     machine slept where the platform tells it (Linux's `CLOCK_BOOTTIME`), so that a resumed
     VM does not read the time it went to sleep."""
@@ -69,31 +73,65 @@ def _ticks() -> float:
     return time.monotonic()
 
 
+@dataclass(frozen=True)
+class Measure:
+    """The database server's time (`server`) at the mid-point of a round trip, with this
+    machine's wall clock (`wall`) and `ticks_s` there, and the round trip's length."""
+
+    server: datetime
+    wall: datetime
+    ticks: float
+    round_trip_s: float
+
+    @property
+    def offset_s(self) -> float:
+        """How far the server's clock is ahead of the wall clock (negative: behind)."""
+        return (self.server - self.wall).total_seconds()
+
+
 class DatabaseClock:
     """The database server's time, as this process last measured it (`anchor`, by its
     `ClockWatch`), advanced since by `ticks`; the wall clock until a first measure (a
     database that does not tell its time leaves it there). A service's clock: a step of
     this machine's wall clock while the service runs moves nothing the service judges."""
 
-    def __init__(self, *, ticks: Callable[[], float] = _ticks) -> None:
-        self._ticks = ticks
+    def __init__(self, *, ticks: Callable[[], float] = ticks_s) -> None:
+        self.ticks = ticks
         self._anchor: tuple[datetime, float] | None = None
 
     def __call__(self) -> datetime:
         if self._anchor is None:
             return wall_clock()
-        anchored_at, ticked = self._anchor
-        return anchored_at + timedelta(seconds=self._ticks() - ticked)
+        return self._at(self.ticks())
 
-    def anchor(self, offset_s: float) -> None:
-        """Take a measure: the database's clock is `offset_s` ahead of the wall clock now.
-        Within `ANCHOR_TOLERANCE_S` of what this clock reads, it is kept as it is."""
-        server_now = wall_clock() + timedelta(seconds=offset_s)
-        if self._anchor is not None:
-            drift_s = (server_now - self()).total_seconds()
-            if abs(drift_s) <= ANCHOR_TOLERANCE_S:
-                return
-        self._anchor = (server_now, self._ticks())
+    def _at(self, ticks: float) -> datetime:
+        assert self._anchor is not None
+        anchored_at, ticked = self._anchor
+        return anchored_at + timedelta(seconds=ticks - ticked)
+
+    def anchor(self, measure: Measure, *, max_step_s: float | None = None) -> bool:
+        """Take `measure` (its `ticks` read on this clock's `ticks`): the first always; a
+        later one only when it finds this clock further off than its own error and
+        `ANCHOR_TOLERANCE_S`, and not further than `max_step_s`. False when it refused one
+        for that: a step of the database host's clock, which the replicas would otherwise
+        follow each at its next measure, a minute apart (scorers taking each other's live
+        claims over meanwhile, the scheduler's firings an hour early after an hour's step)."""
+        if self._anchor is None:
+            self._anchor = (measure.server, measure.ticks)
+            return True
+        drift_s = abs((measure.server - self._at(measure.ticks)).total_seconds())
+        if drift_s <= ANCHOR_TOLERANCE_S + measure.round_trip_s / 2:
+            return True
+        if max_step_s is not None and drift_s > max_step_s:
+            return False
+        self._anchor = (measure.server, measure.ticks)
+        return True
+
+    def off_by_s(self, measure: Measure) -> float:
+        """How far `measure` finds this clock behind the database's (0 before a first)."""
+        if self._anchor is None:
+            return 0.0
+        return (measure.server - self._at(measure.ticks)).total_seconds()
 
 
 class ClockNotTold(Exception):
@@ -105,22 +143,42 @@ class ClockOffsetTooLarge(RuntimeError):
     """The service's clock is further from the database's than `MAX_CLOCK_OFFSET_S`."""
 
 
+async def measure_clock(
+    client: AsyncMongoClient[Any],
+    *,
+    now: Callable[[], datetime] | None = None,
+    ticks: Callable[[], float] = ticks_s,
+    samples: int = MEASURE_SAMPLES,
+) -> Measure:
+    """The database server's clock against this machine's (`now`, the wall clock; `ticks`),
+    by `hello`'s `localTime`: of `samples` round trips, the shortest one's reading, to
+    within half of it and the millisecond `localTime` keeps. The wall clock, not a
+    service's injected one: tests run services on clocks of their own."""
+    now = now or wall_clock
+    best: Measure | None = None
+    for _ in range(samples):
+        wall_before, ticks_before = now(), ticks()
+        answer = await client.admin.command("hello")
+        wall_after, ticks_after = now(), ticks()
+        server = answer.get("localTime")
+        if not isinstance(server, datetime):
+            raise ClockNotTold(f"the server's `hello` gave no localTime: {server!r}")
+        if server.tzinfo is None:
+            server = server.replace(tzinfo=UTC)
+        round_trip_s = ticks_after - ticks_before
+        if best is None or round_trip_s < best.round_trip_s:
+            wall = wall_before + (wall_after - wall_before) / 2
+            best = Measure(server, wall, ticks_before + round_trip_s / 2, round_trip_s)
+    assert best is not None, "no sample taken"
+    return best
+
+
 async def clock_offset_s(
     client: AsyncMongoClient[Any], *, now: Callable[[], datetime] | None = None
 ) -> float:
     """How far the database server's clock is ahead of this process's wall clock (`now`;
-    negative: behind), to within half the round trip and the millisecond `localTime` keeps.
-    The wall clock, not a service's injected one: tests run services on clocks of their own."""
-    now = now or wall_clock
-    before = now()
-    answer = await client.admin.command("hello")
-    after = now()
-    server = answer.get("localTime")
-    if not isinstance(server, datetime):
-        raise ClockNotTold(f"the server's `hello` gave no localTime: {server!r}")
-    if server.tzinfo is None:
-        server = server.replace(tzinfo=UTC)
-    return (server - (before + (after - before) / 2)).total_seconds()
+    negative: behind), as `measure_clock` finds it."""
+    return (await measure_clock(client, now=now)).offset_s
 
 
 def check_clock_offset(offset_s: float, *, max_offset_s: float, service: str) -> None:
@@ -140,24 +198,28 @@ def check_clock_offset(offset_s: float, *, max_offset_s: float, service: str) ->
 
 
 async def check_clock(
-    client: AsyncMongoClient[Any], *, max_offset_s: float, service: str
-) -> float | None:
+    client: AsyncMongoClient[Any],
+    *,
+    max_offset_s: float,
+    service: str,
+    ticks: Callable[[], float] = ticks_s,
+) -> Measure | None:
     """Measure the offset and check it (`check_clock_offset`); logged as an error first when
-    it stops the service, for the operator reading the service's log. The offset, or None
-    when it was not measured."""
+    it stops the service, for the operator reading the service's log. The measure, or None
+    when it was not taken."""
     if max_offset_s <= 0:
         return None
     try:
-        offset_s = await clock_offset_s(client)
+        measure = await measure_clock(client, ticks=ticks)
     except (PyMongoError, ClockNotTold) as error:  # it just answered the start-up's writes
         log.warning("%s: its clock not checked against the database's: %r", service, error)
         return None
     try:
-        check_clock_offset(offset_s, max_offset_s=max_offset_s, service=service)
+        check_clock_offset(measure.offset_s, max_offset_s=max_offset_s, service=service)
     except ClockOffsetTooLarge as refused:
         log.error("%s", refused)  # noqa: TRY400 - the reason, not a traceback of ours
         raise
-    return offset_s
+    return measure
 
 
 class ClockWatch:
@@ -190,6 +252,7 @@ class ClockWatch:
         self._monotonic = monotonic
         self._level = 0  # 0 within the warning bound, 1 past it, 2 past the maximum
         self._last_error_at: float | None = None
+        self._refusing_a_step = False
         self._task: asyncio.Task[None] | None = None
         self.offset = Gauge(
             "scorebox_clock_offset_seconds",
@@ -199,13 +262,41 @@ class ClockWatch:
         )
         self.offset.set(math.nan)
 
-    def checked(self, offset_s: float | None) -> None:
-        """The start-up's measure, which `check_clock` logged (None: not measured)."""
-        if offset_s is not None:
-            self.offset.set(offset_s)
-            self._level = self._level_of(offset_s)
+    @property
+    def ticks(self) -> Callable[[], float]:
+        """What the service's clock counts by: the one its measures are read on."""
+        return self._keeping.ticks if self._keeping is not None else ticks_s
+
+    def checked(self, measure: Measure | None) -> None:
+        """The start-up's measure, which `check_clock` logged (None: not taken)."""
+        if measure is not None:
+            self.offset.set(measure.offset_s)
+            self._level = self._level_of(measure.offset_s)
             if self._keeping is not None:
-                self._keeping.anchor(offset_s)
+                self._keeping.anchor(measure)
+
+    def measured(self, measure: Measure) -> None:
+        """A measure while the service runs: exported and logged (`observe`), and taken by
+        the service's clock unless it finds the database's clock moved further than
+        `MAX_CLOCK_OFFSET_S` since, which is logged instead, once while it lasts."""
+        self.observe(measure.offset_s)
+        if self._keeping is None:
+            return
+        off_by_s = self._keeping.off_by_s(measure)
+        taken = self._keeping.anchor(measure, max_step_s=self._max_offset_s)
+        if not taken and not self._refusing_a_step:
+            log.error(
+                "the database server's clock moved %.1f s against %s's since its last "
+                "measure, more than MAX_CLOCK_OFFSET_S (%g s): not followed, the service "
+                "keeps counting from its last measure (a step of the database host's clock; "
+                "restarting the service takes the database's time again)",
+                off_by_s,
+                self._service,
+                self._max_offset_s,
+            )
+        elif taken and self._refusing_a_step:
+            log.info("%s's clock follows the database server's again", self._service)
+        self._refusing_a_step = not taken
 
     def start(self) -> None:
         if self._task is None:
@@ -222,7 +313,7 @@ class ClockWatch:
     async def _keep_measuring(self) -> None:
         while True:
             try:
-                self.observe(await clock_offset_s(self._client))
+                self.measured(await measure_clock(self._client, ticks=self.ticks))
             except (PyMongoError, ClockNotTold) as error:  # the database's own trouble
                 self.offset.set(math.nan)
                 log.debug("%s: its clock not measured: %r", self._service, error)
@@ -247,8 +338,6 @@ class ClockWatch:
         while it stays past the maximum again every `OFFSET_RELOG_S` (an offset held at its
         level by the hysteresis, within the maximum now, is not called past it)."""
         self.offset.set(offset_s)
-        if self._keeping is not None:
-            self._keeping.anchor(offset_s)
         if self._max_offset_s <= 0:
             return
         level = self._level_of(offset_s)

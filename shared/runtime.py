@@ -277,7 +277,11 @@ async def prepare_service_database(
     measure handed to the service's `clock_watch`, which it starts once up."""
     await prepare_database(action, deadline_s=settings.startup_timeout_s)
     max_offset_s = settings.max_clock_offset_s
-    clock_watch.checked(await check_clock(mongo, max_offset_s=max_offset_s, service=service))
+    clock_watch.checked(
+        await check_clock(
+            mongo, max_offset_s=max_offset_s, service=service, ticks=clock_watch.ticks
+        )
+    )
 
 
 def clock_watch_of(

@@ -22,7 +22,7 @@ from services.scorer.decisions import Finish
 from services.scorer.scoring import score_text
 from services.scorer.settings import ScorerSettings
 from shared import clock_offset
-from shared.clock_offset import DatabaseClock, clock_offset_s
+from shared.clock_offset import DatabaseClock, measure_clock
 from shared.contracts import ScoreText, new_id, utcnow
 from shared.runtime import make_broker
 from shared.topology import SCORE_REQUESTS, WAIT_TIERS, declare_topology, wait_queue
@@ -74,7 +74,7 @@ async def _database_clock_then_a_step(
     """A clock as a service keeps it, measured against the database, then this machine's
     wall clock stepped ahead by `STEP` (as the clock reads it)."""
     clock = DatabaseClock()
-    clock.anchor(await clock_offset_s(client))
+    clock.anchor(await measure_clock(client, ticks=clock.ticks))
     monkeypatch.setattr(clock_offset, "wall_clock", lambda: utcnow() + STEP)
     return clock
 

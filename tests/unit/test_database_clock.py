@@ -4,6 +4,7 @@ another replica's live claim (a re-read)."""
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
@@ -11,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from shared import clock_offset
-from shared.clock_offset import ANCHOR_TOLERANCE_S, ClockWatch, DatabaseClock
+from shared.clock_offset import ANCHOR_TOLERANCE_S, ClockWatch, DatabaseClock, Measure
 
 T0 = datetime(2026, 12, 7, 12, 0, tzinfo=UTC)
 
@@ -27,6 +28,14 @@ class Machine:
         self.wall += timedelta(seconds=seconds)
         self.ticks += seconds
 
+    def clock(self) -> DatabaseClock:
+        return DatabaseClock(ticks=lambda: self.ticks)
+
+    def measure(self, offset_s: float, *, round_trip_s: float = 0.002) -> Measure:
+        """The database's clock found `offset_s` ahead of the wall clock now."""
+        server = self.wall + timedelta(seconds=offset_s)
+        return Measure(server, self.wall, self.ticks, round_trip_s)
+
 
 @pytest.fixture
 def machine(monkeypatch: pytest.MonkeyPatch) -> Machine:
@@ -36,37 +45,54 @@ def machine(monkeypatch: pytest.MonkeyPatch) -> Machine:
 
 
 def test_unmeasured_it_reads_the_wall_clock(machine: Machine) -> None:
-    clock = DatabaseClock(ticks=lambda: machine.ticks)
+    clock = machine.clock()
     assert clock() == T0
     machine.run(3)
     assert clock() == T0 + timedelta(seconds=3)
 
 
 def test_measured_it_reads_the_databases_time_and_runs_on(machine: Machine) -> None:
-    clock = DatabaseClock(ticks=lambda: machine.ticks)
-    clock.anchor(offset_s=2.0)  # the database's clock 2 s ahead of this machine's
+    clock = machine.clock()
+    clock.anchor(machine.measure(2.0))  # the database's clock 2 s ahead of this machine's
     assert clock() == T0 + timedelta(seconds=2)
     machine.run(30)
     assert clock() == T0 + timedelta(seconds=32)
 
 
 def test_a_step_of_the_wall_clock_moves_nothing(machine: Machine) -> None:
-    clock = DatabaseClock(ticks=lambda: machine.ticks)
-    clock.anchor(offset_s=0.0)
+    clock = machine.clock()
+    clock.anchor(machine.measure(0.0))
     machine.wall += timedelta(seconds=5)  # NTP stepped it, a VM resumed
     machine.run(1)
     assert clock() == T0 + timedelta(seconds=1)
-    clock.anchor(offset_s=-5.0)  # the next measure finds the step: the same time
+    clock.anchor(machine.measure(-5.0))  # the next measure finds the step: the same time
     assert clock() == T0 + timedelta(seconds=1)
 
 
 def test_a_measure_within_its_error_keeps_the_clock_as_it_runs(machine: Machine) -> None:
-    clock = DatabaseClock(ticks=lambda: machine.ticks)
-    clock.anchor(offset_s=0.0)
-    clock.anchor(offset_s=ANCHOR_TOLERANCE_S / 2)  # a measure's own error: no jitter
+    """Half a round trip is a measure's error, a busy event loop's time included: taken
+    for the database's, a 0.4 s lag moved the clock by 0.2 s, and the next measure moved it
+    back (a re-read)."""
+    clock = machine.clock()
+    clock.anchor(machine.measure(0.0))
+    clock.anchor(machine.measure(ANCHOR_TOLERANCE_S / 2))
+    clock.anchor(machine.measure(0.2, round_trip_s=0.4))
     assert clock() == T0
-    clock.anchor(offset_s=1.0)  # the database's clock moved: followed
+    clock.anchor(machine.measure(1.0))  # the database's clock moved: followed
     assert clock() == T0 + timedelta(seconds=1)
+
+
+def test_a_step_of_the_databases_clock_past_the_maximum_is_not_followed(
+    machine: Machine,
+) -> None:
+    """Followed, every replica jumped with the database host's clock, each at its next
+    measure, a minute apart (a re-read)."""
+    clock = machine.clock()
+    clock.anchor(machine.measure(0.0))
+    assert not clock.anchor(machine.measure(3600.0), max_step_s=5.0)
+    assert clock() == T0
+    assert clock.anchor(machine.measure(3.0), max_step_s=5.0)
+    assert clock() == T0 + timedelta(seconds=3)
 
 
 @pytest.mark.parametrize(("max_offset_s", "kept"), [(5.0, T0), (0.0, T0 + timedelta(hours=1))])
@@ -75,14 +101,35 @@ def test_a_watch_anchors_its_services_clock_unless_the_check_is_off(
 ) -> None:
     """`MAX_CLOCK_OFFSET_S` 0 is how an operator says the database host's clock alone is off:
     followed, every time a client reads or sends (`not_before`) would be off with it."""
-    clock = DatabaseClock(ticks=lambda: machine.ticks)
-    watch = ClockWatch(
+    clock = machine.clock()
+    watch = _watch(clock, max_offset_s=max_offset_s)
+    machine.wall += timedelta(hours=1)
+    watch.measured(machine.measure(-3600.0))
+    assert clock() == kept
+
+
+def test_a_watch_refusing_a_step_says_so_once(
+    machine: Machine, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = machine.clock()
+    watch = _watch(clock, max_offset_s=5.0)
+    watch.checked(machine.measure(0.0))
+    with caplog.at_level(logging.INFO, logger="scorebox.clock"):
+        for _ in range(3):
+            watch.measured(machine.measure(60.0))
+        watch.measured(machine.measure(0.0))
+    refusals = [r.getMessage() for r in caplog.records if "not followed" in r.getMessage()]
+    assert len(refusals) == 1
+    assert "moved 60.0 s against test's" in refusals[0]
+    assert any("follows the database server's again" in r.getMessage() for r in caplog.records)
+    assert clock() == T0
+
+
+def _watch(clock: DatabaseClock, *, max_offset_s: float) -> ClockWatch:
+    return ClockWatch(
         cast(Any, None),  # measures are handed in here, not taken
         max_offset_s=max_offset_s,
         service="test",
         registry=CollectorRegistry(),
         keeping=clock,
     )
-    machine.wall += timedelta(hours=1)
-    watch.observe(-3600.0)
-    assert clock() == kept

@@ -65,9 +65,10 @@ MEASURE_SAMPLES = 3
 
 
 def ticks_s() -> float:
-    """Seconds on a clock that no step of the wall clock moves; counting the time a suspended
-    machine slept where the platform tells it (Linux's `CLOCK_BOOTTIME`), so that a resumed
-    VM does not read the time it went to sleep."""
+    """Seconds on a clock that no step of the wall clock moves; counting the time a machine
+    that suspended itself slept where the platform tells it (Linux's `CLOCK_BOOTTIME`). A VM
+    its host paused counts nothing meanwhile: the next measure sets it right
+    (`DatabaseClock.anchor`)."""
     if hasattr(time, "CLOCK_BOOTTIME"):
         return time.clock_gettime(time.CLOCK_BOOTTIME)
     return time.monotonic()
@@ -111,18 +112,22 @@ class DatabaseClock:
 
     def anchor(self, measure: Measure, *, max_step_s: float | None = None) -> bool:
         """Take `measure` (its `ticks` read on this clock's `ticks`): the first always; a
-        later one only when it finds this clock further off than its own error and
-        `ANCHOR_TOLERANCE_S`, and not further than `max_step_s`. False when it refused one
-        for that: a step of the database host's clock, which the replicas would otherwise
-        follow each at its next measure, a minute apart (scorers taking each other's live
-        claims over meanwhile, the scheduler's firings an hour early after an hour's step)."""
+        later one when it finds this clock further off than its own error and
+        `ANCHOR_TOLERANCE_S`. With `max_step_s`, one that finds the database's clock further
+        than that from both this clock and this machine's wall clock is refused (False): a
+        step of the database host's clock, which every replica would otherwise follow, each
+        at its next measure, a minute apart (scorers taking each other's live claims over
+        meanwhile, the scheduler's firings an hour early after an hour's step). One that
+        agrees with the wall clock is followed: these ticks were what moved (a VM paused by
+        its host counts no ticks), or this clock's last anchor was off (a slow first
+        measure), and refusing it left the service behind for good (a re-read)."""
         if self._anchor is None:
             self._anchor = (measure.server, measure.ticks)
             return True
-        drift_s = abs((measure.server - self._at(measure.ticks)).total_seconds())
+        drift_s = abs(self.off_by_s(measure))
         if drift_s <= ANCHOR_TOLERANCE_S + measure.round_trip_s / 2:
             return True
-        if max_step_s is not None and drift_s > max_step_s:
+        if max_step_s is not None and drift_s > max_step_s and abs(measure.offset_s) > max_step_s:
             return False
         self._anchor = (measure.server, measure.ticks)
         return True
@@ -252,7 +257,7 @@ class ClockWatch:
         self._monotonic = monotonic
         self._level = 0  # 0 within the warning bound, 1 past it, 2 past the maximum
         self._last_error_at: float | None = None
-        self._refusing_a_step = False
+        self._refused_at: float | None = None  # when a step was last refused and logged
         self._task: asyncio.Task[None] | None = None
         self.offset = Gauge(
             "scorebox_clock_offset_seconds",
@@ -277,26 +282,33 @@ class ClockWatch:
 
     def measured(self, measure: Measure) -> None:
         """A measure while the service runs: exported and logged (`observe`), and taken by
-        the service's clock unless it finds the database's clock moved further than
-        `MAX_CLOCK_OFFSET_S` since, which is logged instead, once while it lasts."""
+        the service's clock unless the database's clock stepped away from both it and this
+        machine's (`DatabaseClock.anchor`), which is logged instead, again every
+        `OFFSET_RELOG_S` while it lasts."""
         self.observe(measure.offset_s)
         if self._keeping is None:
             return
         off_by_s = self._keeping.off_by_s(measure)
-        taken = self._keeping.anchor(measure, max_step_s=self._max_offset_s)
-        if not taken and not self._refusing_a_step:
+        if self._keeping.anchor(measure, max_step_s=self._max_offset_s):
+            if self._refused_at is not None:
+                log.info("%s's clock follows the database server's again", self._service)
+            self._refused_at = None
+            return
+        now = self._monotonic()
+        if self._refused_at is None or now - self._refused_at >= OFFSET_RELOG_S:
+            self._refused_at = now
             log.error(
-                "the database server's clock moved %.1f s against %s's since its last "
-                "measure, more than MAX_CLOCK_OFFSET_S (%g s): not followed, the service "
-                "keeps counting from its last measure (a step of the database host's clock; "
-                "restarting the service takes the database's time again)",
+                "the database server's clock is %.1f s from %s's clock and %.1f s from its "
+                "machine's, more than MAX_CLOCK_OFFSET_S (%g s): not followed, the service "
+                "counts on from its last measure. A step of the database host's clock: if "
+                "its new time is wrong, fix that host's clock, and the services follow it "
+                "again on their own; if it is right, every other clock is off too: "
+                "synchronise them (NTP), and each service follows once its machine agrees",
                 off_by_s,
                 self._service,
+                measure.offset_s,
                 self._max_offset_s,
             )
-        elif taken and self._refusing_a_step:
-            log.info("%s's clock follows the database server's again", self._service)
-        self._refusing_a_step = not taken
 
     def start(self) -> None:
         if self._task is None:
@@ -351,8 +363,8 @@ class ClockWatch:
             self._last_error_at = now
             log.error(
                 "%s's clock is %s the database server's, more than MAX_CLOCK_OFFSET_S (%g s), "
-                "while it runs: it keeps time by the database's clock, but its log lines "
-                "are stamped by its own; synchronise the machines' clocks (NTP)",
+                "while it runs: synchronise the clocks (NTP), whichever is off (every service "
+                "reporting the same offset points at the database host's)",
                 self._service,
                 _words(offset_s),
                 self._max_offset_s,

@@ -206,6 +206,7 @@ def create_app(
     provider = provider_of(model_settings)
 
     pauses = PauseAnnouncer(
+        clock=clock,
         publish=partial(publish_ops_event, broker, timeout=settings.broker_timeout_s),
         replica=replica,
         provider=provider,

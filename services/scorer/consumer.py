@@ -228,15 +228,17 @@ class BrokerActions:
         await self._event(failed)
 
 
-def _given_up(command: ScoreText, reason: str, spent: Spent | None) -> Finish:
+def _given_up(command: ScoreText, reason: str, spent: Spent | None, *, now: datetime) -> Finish:
     """The decision a give-up records: the task failed, its message dead-lettered; metered
     with what the generation's earlier attempts were billed (`spent`): their retries
     published nothing metered, this is its outcome."""
     error = TaskError(code="internal_error", message=reason, retryable=False)
-    return Finish(_failure(command, error, spent=spent), dead_letter_error=reason)
+    return Finish(_failure(command, error, spent=spent, now=now), dead_letter_error=reason)
 
 
-def _failure(command: ScoreText, error: TaskError, *, spent: Spent | None) -> TaskFailed:
+def _failure(
+    command: ScoreText, error: TaskError, *, spent: Spent | None, now: datetime
+) -> TaskFailed:
     billed: dict[str, Any] = {}
     if spent is not None:
         billed = {"usage": spent.usage, "model": spent.model}
@@ -254,6 +256,7 @@ def _failure(command: ScoreText, error: TaskError, *, spent: Spent | None) -> Ta
         dead_lettered=True,
         has_callback=command.callback_url is not None,
         callback_url=command.callback_url,
+        occurred_at=now,  # the scorer's clock: the task's end as the status dates it
         **billed,
     )
 
@@ -689,7 +692,7 @@ async def _unrecorded_give_up(command: ScoreText, deps: ScorerDeps, reason: str)
     if spent is not None and not await deps.attempts.note_spent_published(command):
         log.warning("%s: its earlier attempts' tokens left to a replay", command.task_id)
         spent = None
-    return _given_up(command, reason, spent)
+    return _given_up(command, reason, spent, now=deps.clock())
 
 
 async def _claimed_and_given_up(command: ScoreText, deps: ScorerDeps, reason: str) -> Finish | None:
@@ -745,9 +748,9 @@ async def _given_up_unless_cancelled(
         if transient_database_error(error):
             raise
         log.exception("%s: what its earlier attempts were billed is lost", command.task_id)
-        return _given_up(command, reason, None)
+        return _given_up(command, reason, None, now=deps.clock())
     if before.cancel_requested_at is None:
-        return _given_up(command, reason, before.spent)
+        return _given_up(command, reason, before.spent, now=deps.clock())
     return cancelled_as_noted(
         command, before.cancel_requested_at, spent=before.spent, now=deps.clock()
     )

@@ -61,8 +61,18 @@ def provider_of(settings: ModelSettings) -> str:
 class PauseAnnouncer:
     """Tells the other replicas of each pause this one begins (`ModelThrottle`'s `on_pause`)."""
 
-    def __init__(self, *, publish: Publish, replica: str, provider: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        publish: Publish,
+        replica: str,
+        provider: str,
+        timeout_s: float,
+        clock: Callable[[], datetime],
+    ) -> None:
         self._publish = publish
+        # What the pause is dated by: the clock its peers read its age on (the database's).
+        self._clock = clock
         self._replica = replica
         self._provider = provider
         self._timeout_s = timeout_s
@@ -79,6 +89,7 @@ class PauseAnnouncer:
             pause_s=min(pause_s, MAX_PAUSE_S),
             replica=self._replica,
             outage=outage,
+            occurred_at=self._clock(),
         )
         sending = asyncio.get_running_loop().create_task(self._send(event))
         self._sending.add(sending)

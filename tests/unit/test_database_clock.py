@@ -95,6 +95,26 @@ def test_a_step_of_the_databases_clock_past_the_maximum_is_not_followed(
     assert clock() == T0 + timedelta(seconds=3)
 
 
+def test_a_step_the_wall_clock_agrees_with_is_followed(machine: Machine) -> None:
+    """A VM its host paused counts no ticks meanwhile: its clock fell a minute behind, and
+    refused as the database's step, it stayed there for good, this scorer's leases short in
+    every other's eyes (a re-read)."""
+    clock = machine.clock()
+    clock.anchor(machine.measure(0.0))
+    machine.wall += timedelta(seconds=60)  # paused a minute; the wall clock set right after
+    assert clock.anchor(machine.measure(0.0), max_step_s=5.0)
+    assert clock() == T0 + timedelta(seconds=60)
+
+
+def test_a_first_measure_off_by_more_than_the_maximum_is_set_right(machine: Machine) -> None:
+    """Its first measure slow (a cold start under load), the clock was anchored 1.4 s off,
+    and every later, better measure was refused as a step past a 1 s maximum (a re-read)."""
+    clock = machine.clock()
+    clock.anchor(machine.measure(1.4, round_trip_s=3.0))
+    assert clock.anchor(machine.measure(0.0), max_step_s=1.0)
+    assert clock() == T0
+
+
 @pytest.mark.parametrize(("max_offset_s", "kept"), [(5.0, T0), (0.0, T0 + timedelta(hours=1))])
 def test_a_watch_anchors_its_services_clock_unless_the_check_is_off(
     machine: Machine, max_offset_s: float, kept: datetime
@@ -120,7 +140,7 @@ def test_a_watch_refusing_a_step_says_so_once(
         watch.measured(machine.measure(0.0))
     refusals = [r.getMessage() for r in caplog.records if "not followed" in r.getMessage()]
     assert len(refusals) == 1
-    assert "moved 60.0 s against test's" in refusals[0]
+    assert "is 60.0 s from test's clock and 60.0 s from its machine's" in refusals[0]
     assert any("follows the database server's again" in r.getMessage() for r in caplog.records)
     assert clock() == T0
 

@@ -105,13 +105,18 @@ async def test_each_pause_begun_is_published_with_its_provider_and_replica() -> 
     async def publish(event: ModelCallsPaused) -> None:
         published.append(event)
 
-    announcer = PauseAnnouncer(publish=publish, replica="a", provider=PROVIDER, timeout_s=5)
+    # Dated by the scorer's clock (the database's), which its peers read its age on: dated
+    # by the wall clock, a pause from a replica whose clock was behind read as over (a re-read).
+    kept = utcnow() - timedelta(minutes=5)
+    announcer = PauseAnnouncer(
+        clock=lambda: kept, publish=publish, replica="a", provider=PROVIDER, timeout_s=5
+    )
     announcer.announce(12.5)
     announcer.announce(0)  # nothing to tell
     await eventually(lambda: _true(bool(published)), what="the announcement")
     await announcer.close()
     assert [(e.replica, e.provider, e.pause_s) for e in published] == [("a", PROVIDER, 12.5)]
-    assert published[0].occurred_at <= utcnow()
+    assert published[0].occurred_at == kept
 
 
 async def test_an_announcement_that_fails_or_hangs_raises_nothing_and_stops_with_the_scorer(
@@ -125,11 +130,15 @@ async def test_an_announcement_that_fails_or_hangs_raises_nothing_and_stops_with
     async def hangs(_: ModelCallsPaused) -> None:
         await hanging.wait()
 
-    failing = PauseAnnouncer(publish=refused, replica="a", provider=PROVIDER, timeout_s=5)
+    failing = PauseAnnouncer(
+        clock=utcnow, publish=refused, replica="a", provider=PROVIDER, timeout_s=5
+    )
     failing.announce(3)
     await eventually(lambda: _true("were not told" in caplog.text), what="the failure logged")
 
-    stuck = PauseAnnouncer(publish=hangs, replica="a", provider=PROVIDER, timeout_s=60)
+    stuck = PauseAnnouncer(
+        clock=utcnow, publish=hangs, replica="a", provider=PROVIDER, timeout_s=60
+    )
     stuck.announce(3)
     await asyncio.wait_for(stuck.close(), timeout=10)  # cancelled, not awaited to its end
 
@@ -140,7 +149,9 @@ async def test_an_announcement_the_broker_does_not_confirm_in_time_is_given_up(
     async def never(_: ModelCallsPaused) -> None:
         await asyncio.Event().wait()
 
-    announcer = PauseAnnouncer(publish=never, replica="a", provider=PROVIDER, timeout_s=0.05)
+    announcer = PauseAnnouncer(
+        clock=utcnow, publish=never, replica="a", provider=PROVIDER, timeout_s=0.05
+    )
     announcer.announce(3)
     await eventually(lambda: _true("TimeoutError" in caplog.text), what="the timeout logged")
 
@@ -155,7 +166,9 @@ async def test_no_announcement_is_made_once_the_scorer_stops() -> None:
     async def publish(event: ModelCallsPaused) -> None:
         published.append(event)
 
-    announcer = PauseAnnouncer(publish=publish, replica="a", provider=PROVIDER, timeout_s=5)
+    announcer = PauseAnnouncer(
+        clock=utcnow, publish=publish, replica="a", provider=PROVIDER, timeout_s=5
+    )
     await announcer.close()
     announcer.announce(10)  # a call still finishing in its slot met a 429
     await loop_turns()  # an announcement made would be published by now

@@ -48,8 +48,9 @@ log = logging.getLogger("scorebox.clock")
 wall_clock: Callable[[], datetime] = utcnow
 
 WARN_CLOCK_OFFSET_S = 1.0
-# How often a running service measures the offset again.
-CLOCK_RECHECK_S = 60.0
+# How often a running service measures the offset again: also how long replicas may keep
+# time apart after a step of the database's clock, each following it at its next measure.
+CLOCK_RECHECK_S = 5.0
 # While the offset stays past the maximum, how often its error line is repeated.
 OFFSET_RELOG_S = 600.0
 # A level of the offset is left downwards only below this share of its bound.
@@ -110,27 +111,20 @@ class DatabaseClock:
         anchored_at, ticked = self._anchor
         return anchored_at + timedelta(seconds=ticks - ticked)
 
-    def anchor(self, measure: Measure, *, max_step_s: float | None = None) -> bool:
+    def anchor(self, measure: Measure) -> None:
         """Take `measure` (its `ticks` read on this clock's `ticks`): the first always; a
         later one when it finds this clock further off than its own error and
-        `ANCHOR_TOLERANCE_S`. With `max_step_s`, one that finds the database's clock further
-        than that from both this clock and this machine's wall clock is refused (False): a
-        step of the database host's clock, which every replica would otherwise follow, each
-        at its next measure, a minute apart (scorers taking each other's live claims over
-        meanwhile, the scheduler's firings an hour early after an hour's step). One that
-        agrees with the wall clock is followed: these ticks were what moved (a VM paused by
-        its host counts no ticks), or this clock's last anchor was off (a slow first
-        measure), and refusing it left the service behind for good (a re-read)."""
-        if self._anchor is None:
-            self._anchor = (measure.server, measure.ticks)
-            return True
-        drift_s = abs(self.off_by_s(measure))
-        if drift_s <= ANCHOR_TOLERANCE_S + measure.round_trip_s / 2:
-            return True
-        if max_step_s is not None and drift_s > max_step_s and abs(measure.offset_s) > max_step_s:
-            return False
+        `ANCHOR_TOLERANCE_S`, whatever the distance. Refusing a step of the database's clock
+        past `MAX_CLOCK_OFFSET_S`, as once built, split the fleet for good wherever one
+        machine's wall clock agreed with the step and another's did not, and left a VM its
+        host paused (no ticks counted meanwhile) behind for good (its re-read, simulated):
+        followed, replicas differ by a step only until each has measured again, within
+        `CLOCK_RECHECK_S` of each other."""
+        if self._anchor is not None:
+            drift_s = abs(self.off_by_s(measure))
+            if drift_s <= ANCHOR_TOLERANCE_S + measure.round_trip_s / 2:
+                return
         self._anchor = (measure.server, measure.ticks)
-        return True
 
     def off_by_s(self, measure: Measure) -> float:
         """How far `measure` finds this clock behind the database's (0 before a first)."""
@@ -257,12 +251,11 @@ class ClockWatch:
         self._monotonic = monotonic
         self._level = 0  # 0 within the warning bound, 1 past it, 2 past the maximum
         self._last_error_at: float | None = None
-        self._refused_at: float | None = None  # when a step was last refused and logged
         self._task: asyncio.Task[None] | None = None
         self.offset = Gauge(
             "scorebox_clock_offset_seconds",
             "The database server's clock minus this process's wall clock, as last measured "
-            "(positive: this clock is behind); measured every minute, NaN while it cannot be.",
+            "(positive: this clock is behind); measured every 5 s, NaN while it cannot be.",
             registry=registry,
         )
         self.offset.set(math.nan)
@@ -282,33 +275,10 @@ class ClockWatch:
 
     def measured(self, measure: Measure) -> None:
         """A measure while the service runs: exported and logged (`observe`), and taken by
-        the service's clock unless the database's clock stepped away from both it and this
-        machine's (`DatabaseClock.anchor`), which is logged instead, again every
-        `OFFSET_RELOG_S` while it lasts."""
+        the service's clock."""
         self.observe(measure.offset_s)
-        if self._keeping is None:
-            return
-        off_by_s = self._keeping.off_by_s(measure)
-        if self._keeping.anchor(measure, max_step_s=self._max_offset_s):
-            if self._refused_at is not None:
-                log.info("%s's clock follows the database server's again", self._service)
-            self._refused_at = None
-            return
-        now = self._monotonic()
-        if self._refused_at is None or now - self._refused_at >= OFFSET_RELOG_S:
-            self._refused_at = now
-            log.error(
-                "the database server's clock is %.1f s from %s's clock and %.1f s from its "
-                "machine's, more than MAX_CLOCK_OFFSET_S (%g s): not followed, the service "
-                "counts on from its last measure. A step of the database host's clock: if "
-                "its new time is wrong, fix that host's clock, and the services follow it "
-                "again on their own; if it is right, every other clock is off too: "
-                "synchronise them (NTP), and each service follows once its machine agrees",
-                off_by_s,
-                self._service,
-                measure.offset_s,
-                self._max_offset_s,
-            )
+        if self._keeping is not None:
+            self._keeping.anchor(measure)
 
     def start(self) -> None:
         if self._task is None:

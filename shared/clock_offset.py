@@ -188,9 +188,10 @@ def check_clock_offset(offset_s: float, *, max_offset_s: float, service: str) ->
     if abs(offset_s) > max_offset_s:
         raise ClockOffsetTooLarge(
             f"{service}'s clock is {_words(offset_s)} the database server's, more than "
-            f"MAX_CLOCK_OFFSET_S ({max_offset_s:g} s): replicas judge each other's records by "
-            "their clocks (the outbox sweep, claims' leases, rate windows), so it does not "
-            "start; synchronise the machines' clocks (NTP)"
+            f"MAX_CLOCK_OFFSET_S ({max_offset_s:g} s), so it does not start: one of the two "
+            "machines is misconfigured. Synchronise their clocks (NTP); should the database "
+            "host's clock alone be off, MAX_CLOCK_OFFSET_S=0 on every replica at once has "
+            "each service keep its own clock"
         )
     if abs(offset_s) > WARN_CLOCK_OFFSET_S:
         _warn_of(offset_s, max_offset_s=max_offset_s, service=service)

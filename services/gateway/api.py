@@ -365,6 +365,7 @@ def score_routes(
                         wait_s=wait,
                         known_status=status,
                         settle_s=deps.settings.live_settle_s,
+                        clock=deps.clock,
                     ),
                 )
             except WaiterLimitReached as error:

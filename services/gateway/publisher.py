@@ -228,15 +228,18 @@ class TaskPublisher:
     async def withdraw(self, commands: Sequence[ScoreText]) -> None:
         """Tell the projection to forget refused commands, all confirms in flight together;
         best effort: a withdrawal lost leaves the task `queued` there, as before."""
+        now = self._clock()
         published = await _together(
             publish_delayed(
                 self._broker,
-                ScoreWithdrawn(task_id=command.task_id, tenant_id=command.tenant_id),
+                ScoreWithdrawn(
+                    task_id=command.task_id, tenant_id=command.tenant_id, occurred_at=now
+                ),
                 exchange=TASKS,
                 routing_key=ScoreWithdrawn.routing_key,
                 not_before=None,
                 timeout=self._timeout_s,
-                now=self._clock(),
+                now=now,
             )
             for command in commands
         )

@@ -37,7 +37,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Protocol
 
 from pydantic import ValidationError
@@ -515,10 +515,12 @@ async def read_when_changed(
     wait_s: float,
     known_status: TaskStatus | None,
     settle_s: float,
+    clock: Callable[[], datetime],
 ) -> TaskView | None:
     """Long-poll: the view at once when it is terminal (or differs from `known_status`), else
     after the task's next state change, else after `wait_s` seconds (the view as it is). A
-    scheduled task's coming due is a change too, though no event tells it (`ComingDue`).
+    scheduled task's coming due is a change too, though no event tells it (`ComingDue`, at
+    its `not_before` on `clock`, the service's, which the status service judges it by).
 
     The first read's `Unavailable` is the caller's to answer; any later one answers the
     view held (`_next_news`).
@@ -542,7 +544,7 @@ async def read_when_changed(
         view = await _first_read(read, live, wait_s, answers_at_once)
         if view is None or answers_at_once(view):
             return view
-        waiting = _Waiting(read, waiter, view, deadline, settle_s)
+        waiting = _Waiting(read, waiter, view, deadline, settle_s, clock)
         bound = asyncio.timeout_at(deadline + LONG_POLL_MARGIN_S)
         try:
             async with bound:
@@ -600,6 +602,7 @@ class _Waiting:
     view: TaskView
     deadline: float
     settle_s: float
+    clock: Callable[[], datetime]
 
 
 async def _next_news(waiting: _Waiting) -> TaskView | None:
@@ -619,7 +622,7 @@ async def _next_news(waiting: _Waiting) -> TaskView | None:
             return waiting.view
 
     unrecorded = Unrecorded(waiting.settle_s)
-    coming_due = ComingDue(waiting.view, loop.time())
+    coming_due = ComingDue(waiting.view, loop.time(), today=waiting.clock())
     while True:
         event = await waiter.next(
             min(deadline, unrecorded.recheck_at, coming_due.recheck_at) - loop.time()
@@ -658,11 +661,11 @@ class ComingDue:
     status turns `queued` with no event to say so (the status service derives it as it reads),
     then, should the read still show it scheduled (clocks apart), after growing pauses."""
 
-    def __init__(self, view: TaskView, now: float) -> None:
+    def __init__(self, view: TaskView, now: float, *, today: datetime) -> None:
         self.recheck_at = math.inf
         self._pause = SETTLE_MAX_PAUSE_S
         if view.status is TaskStatus.SCHEDULED and view.not_before is not None:
-            ahead = (view.not_before - datetime.now(UTC)).total_seconds()
+            ahead = (view.not_before - today).total_seconds()
             self.recheck_at = now + max(ahead, 0.0)
 
     def not_yet(self, now: float) -> None:

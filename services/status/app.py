@@ -78,7 +78,7 @@ def create_app(
     broker = broker or make_broker(settings, prefetch=settings.projection_prefetch, name="status")
     mongo = mongo or make_mongo(settings)
     tasks = tasks_collection(mongo, settings.database_name("status"))
-    subscribe_projection(broker, GroupWriter(tasks), settings)
+    subscribe_projection(broker, GroupWriter(tasks), settings, clock=clock)
 
     clock_watch = clock_watch_of(mongo, settings, broker.metrics, service="status", clock=clock)
 
@@ -88,7 +88,7 @@ def create_app(
         await prepare_service_database(
             mongo,
             settings,
-            lambda: ensure_indexes(tasks),
+            lambda: ensure_indexes(tasks, now=clock()),
             service="status",
             clock_watch=clock_watch,
         )
@@ -127,11 +127,13 @@ def subscribe_projection(
     writes: GroupWriter,
     settings: StatusSettings,
     *,
+    clock: Clock,
     letter_deadline_s: float = LETTER_DEADLINE_S,
 ) -> Handler:
     """Consume the projection's events, returning the handler registered. A copy to the DLQ
     is tried for `letter_deadline_s` at most, then the delivery is returned as failed
-    (`keep_dead_lettering`)."""
+    (`keep_dead_lettering`). A finished task's expiry counts from `clock` when its outcome
+    arrives late (`_fields_of`): the clock its reads and the TTL monitor judge by."""
     finished_ttl = timedelta(seconds=settings.finished_task_ttl_s)
 
     async def dead_letter(message: Delivery, error: str) -> None:
@@ -172,6 +174,7 @@ def subscribe_projection(
                     writes=writes,
                     finished_ttl=finished_ttl,
                     history_limit=settings.history_limit,
+                    now=clock(),
                 ),
                 what=f"applying {routing_key} of {event.task_id}",
             )

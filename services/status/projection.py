@@ -58,7 +58,6 @@ from shared.contracts import (
     accepted_event,
     event_sequence,
     parse_task_event,
-    utcnow,
 )
 from shared.group_writes import GroupWriter
 from shared.indexes import drop_retired_indexes, string_key
@@ -85,11 +84,11 @@ def tasks_collection(client: AsyncMongoClient[Document], database: str) -> Tasks
     return client[database]["tasks"]
 
 
-async def ensure_indexes(tasks: Tasks, *, now: datetime | None = None) -> None:
+async def ensure_indexes(tasks: Tasks, *, now: datetime) -> None:
     # Every task carries `expires_at` (finished: FINISHED_TASK_TTL_S after its end; otherwise
     # UNFINISHED_RETENTION after its last event); MongoDB's TTL monitor removes it after that.
     await tasks.create_index([("expires_at", ASCENDING)], expireAfterSeconds=0)
-    await expire_unfinished_of_earlier_builds(tasks, now=now or utcnow())
+    await expire_unfinished_of_earlier_builds(tasks, now=now)
     await tasks.create_index(
         [("tenant_id", ASCENDING), ("batch_id", ASCENDING), ("batch_index", ASCENDING)],
         partialFilterExpression={"batch_id": {"$type": "string"}},
@@ -187,11 +186,11 @@ async def apply_task_event(
     writes: GroupWriter,
     finished_ttl: timedelta,
     history_limit: int = DEFAULT_HISTORY_LIMIT,
-    now: datetime | None = None,
+    now: datetime,
 ) -> bool:
     """Apply `event` if it is newer than what the projection holds; True when applied."""
     change = StateChange.of_event(event)
-    applied_at = now or utcnow()
+    applied_at = now
     fields = _fields_of(event, change, finished_ttl=finished_ttl, applied_at=applied_at)
     push = _history_push(change, history_limit)
     applied = await _apply_newer(
@@ -334,7 +333,7 @@ async def apply_projected(
     writes: GroupWriter,
     finished_ttl: timedelta,
     history_limit: int = DEFAULT_HISTORY_LIMIT,
-    now: datetime | None = None,
+    now: datetime,
 ) -> bool:
     """Apply a task event or a withdrawal; True when it changed the task."""
     if isinstance(message, ScoreWithdrawn):

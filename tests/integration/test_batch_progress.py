@@ -52,7 +52,7 @@ async def _batch_of(tasks: AsyncCollection[Document], *, size: int, completed: i
             task_id=new_id(), tenant_id="acme", text="t", batch_id=batch_id, batch_index=index
         )
         await apply_projected(
-            accepted_event(command), writes=writes, finished_ttl=TTL, history_limit=50
+            accepted_event(command), writes=writes, finished_ttl=TTL, history_limit=50, now=utcnow()
         )
         if index < completed:
             done = TaskCompleted(
@@ -62,7 +62,9 @@ async def _batch_of(tasks: AsyncCollection[Document], *, size: int, completed: i
                 submitted_at=command.submitted_at,
                 result=ScoreResult(score=5, comment="ok", model="m"),
             )
-            await apply_projected(done, writes=writes, finished_ttl=TTL, history_limit=50)
+            await apply_projected(
+                done, writes=writes, finished_ttl=TTL, history_limit=50, now=utcnow()
+            )
     return batch_id
 
 

@@ -98,7 +98,7 @@ def _completion(task_id: str, tenant_id: str = "acme") -> HandedDelivery:
 async def _projected(collection: RefusingCollection, delivery: HandedDelivery) -> None:
     broker = HandlerOnly()
     writes = GroupWriter(cast("AsyncCollection[Json]", collection))
-    subscribe_projection(cast(ScoreboxBroker, broker), writes, StatusSettings())
+    subscribe_projection(cast(ScoreboxBroker, broker), writes, StatusSettings(), clock=utcnow)
     async with asyncio.timeout(HANDLER_DEADLINE_S):
         await broker.handler(delivery)
 

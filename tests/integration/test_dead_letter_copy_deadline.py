@@ -62,7 +62,11 @@ async def test_unreadable_events_the_dlq_cannot_take_do_not_stop_the_projection(
         name="copy-deadline-test",
     )
     subscribe_projection(
-        broker, GroupWriter(tasks), StatusSettings(), letter_deadline_s=LETTER_DEADLINE_S
+        broker,
+        GroupWriter(tasks),
+        StatusSettings(),
+        letter_deadline_s=LETTER_DEADLINE_S,
+        clock=utcnow,
     )
     await broker.connect()
     try:
@@ -131,7 +135,11 @@ async def test_a_delivery_whose_copy_is_refused_is_returned_as_failed_not_acked(
     broker = make_broker(ServiceSettings.model_validate({"RABBITMQ_URL": amqp_url}))
     # Called here as the consumer would: the broker is connected, never started.
     handler = subscribe_projection(
-        broker, GroupWriter(tasks), StatusSettings(), letter_deadline_s=LETTER_DEADLINE_S
+        broker,
+        GroupWriter(tasks),
+        StatusSettings(),
+        letter_deadline_s=LETTER_DEADLINE_S,
+        clock=utcnow,
     )
     delivery = HandedDelivery(body, routing_key=routing_key, message_id=new_id())
     caplog.set_level(logging.WARNING, logger="scorebox")

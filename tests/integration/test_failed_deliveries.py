@@ -73,7 +73,7 @@ async def database(mongo: Any, db_prefix: str) -> AsyncIterator[Any]:
 
 
 def _projection(broker: ScoreboxBroker, refusing: AsyncCollection[Json]) -> None:
-    subscribe_projection(broker, GroupWriter(refusing), StatusSettings())
+    subscribe_projection(broker, GroupWriter(refusing), StatusSettings(), clock=utcnow)
 
 
 def _gateway_outcomes(broker: ScoreboxBroker, refusing: AsyncCollection[Json]) -> None:

@@ -71,8 +71,8 @@ async def test_the_projection_drops_its_unused_creation_time_index(
     tasks = database["tasks"]
     await tasks.create_index([("tenant_id", ASCENDING), ("created_at", ASCENDING)])
 
-    await ensure_projection_indexes(tasks)
-    await ensure_projection_indexes(tasks)  # start-up runs it every time
+    await ensure_projection_indexes(tasks, now=utcnow())
+    await ensure_projection_indexes(tasks, now=utcnow())  # start-up runs it every time
 
     assert await _names(database, "tasks") == {"_id_", "expires_at_1", "batch_items"}
 
@@ -112,7 +112,7 @@ async def test_batch_and_key_lookups_use_their_partial_indexes(
     if mongo.is_standin:
         pytest.skip("the stand-in (mongoeco) does not plan queries; needs MONGO_URL=MongoDB")
     tasks = database["tasks"]
-    await ensure_projection_indexes(tasks)
+    await ensure_projection_indexes(tasks, now=utcnow())
     await tasks.insert_one({"_id": "t1", "tenant_id": "a", "batch_id": "b1", "batch_index": 0})
     query = {"tenant_id": "a", "batch_id": string_key("b1")}
     plan = await tasks.find(query).sort("batch_index", ASCENDING).explain()

@@ -78,7 +78,7 @@ def _projection(
     collection: MendableCollection | AsyncCollection[Json],
 ) -> Callable[[ScoreboxBroker], object]:
     writes = GroupWriter(cast("AsyncCollection[Json]", collection))
-    return lambda broker: subscribe_projection(broker, writes, StatusSettings())
+    return lambda broker: subscribe_projection(broker, writes, StatusSettings(), clock=utcnow)
 
 
 async def move_back(

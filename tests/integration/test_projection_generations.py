@@ -66,7 +66,9 @@ async def _completed_at_generation_0(tasks: AsyncCollection[Document]) -> ScoreT
         accepted_event(command),
         TaskCompleted(**_fields(command, 0, Phase.TERMINAL), result=result),
     ):
-        assert await apply_projected(event, writes=GroupWriter(tasks), finished_ttl=TTL)
+        assert await apply_projected(
+            event, writes=GroupWriter(tasks), finished_ttl=TTL, now=utcnow()
+        )
     return command
 
 
@@ -104,7 +106,9 @@ async def test_the_next_generation_without_its_acceptance_shows_no_earlier_resul
     command = await _completed_at_generation_0(tasks)
     assert (await _view(tasks, command)).result is not None
 
-    assert await apply_projected(event_of(command), writes=GroupWriter(tasks), finished_ttl=TTL)
+    assert await apply_projected(
+        event_of(command), writes=GroupWriter(tasks), finished_ttl=TTL, now=utcnow()
+    )
 
     view = await _view(tasks, command)
     assert (view.status, view.result) == (status, None)
@@ -116,7 +120,9 @@ TRANSIENT = TaskError(code="model_rate_limited", message="Rate limited.", retrya
 
 async def _apply(tasks: AsyncCollection[Document], *events: TaskEvent) -> None:
     for event in events:
-        assert await apply_projected(event, writes=GroupWriter(tasks), finished_ttl=TTL)
+        assert await apply_projected(
+            event, writes=GroupWriter(tasks), finished_ttl=TTL, now=utcnow()
+        )
 
 
 async def _dead_lettered_at_generation_0(tasks: AsyncCollection[Document]) -> ScoreText:
@@ -220,7 +226,9 @@ async def test_a_late_retry_of_the_attempt_before_replaces_an_older_attempts_err
         **_fields(command, 0, Phase.RETRYING, attempt=2), error=second, next_attempt_at=due
     )
 
-    assert not await apply_projected(late, writes=GroupWriter(tasks), finished_ttl=TTL)
+    assert not await apply_projected(
+        late, writes=GroupWriter(tasks), finished_ttl=TTL, now=utcnow()
+    )
 
     view = await _view(tasks, command)
     assert (view.status, view.attempts) == (TaskStatus.PROCESSING, 3)
@@ -243,7 +251,7 @@ async def _apply_late_retry(
         error=TRANSIENT,
         next_attempt_at=due,
     )
-    return await apply_projected(retry, writes=GroupWriter(tasks), finished_ttl=TTL)
+    return await apply_projected(retry, writes=GroupWriter(tasks), finished_ttl=TTL, now=utcnow())
 
 
 async def test_an_earlier_generations_late_acceptance_keeps_the_newer_ones_description(
@@ -270,7 +278,7 @@ async def test_an_earlier_generations_late_acceptance_keeps_the_newer_ones_descr
     await _apply(tasks, completed, accepted_event(rescore))
 
     stale = await apply_projected(
-        accepted_event(original), writes=GroupWriter(tasks), finished_ttl=TTL
+        accepted_event(original), writes=GroupWriter(tasks), finished_ttl=TTL, now=utcnow()
     )
 
     assert not stale
@@ -299,7 +307,7 @@ async def test_a_late_acceptance_of_the_tasks_own_generation_still_describes_it(
     await _apply(tasks, TaskStarted(**_fields(command, 0, Phase.STARTED)))
 
     stale = await apply_projected(
-        accepted_event(command), writes=GroupWriter(tasks), finished_ttl=TTL
+        accepted_event(command), writes=GroupWriter(tasks), finished_ttl=TTL, now=utcnow()
     )
 
     assert not stale

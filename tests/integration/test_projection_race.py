@@ -79,10 +79,10 @@ async def _apply_racing(
     tasks: AsyncCollection[Document], message: Projected, rival: Projected
 ) -> bool:
     async def rival_replica() -> None:
-        await apply_projected(rival, writes=GroupWriter(tasks), finished_ttl=TTL)
+        await apply_projected(rival, writes=GroupWriter(tasks), finished_ttl=TTL, now=utcnow())
 
     writes = LosesTheFirstInsert(tasks, rival_replica)
-    return await apply_projected(message, writes=writes, finished_ttl=TTL)
+    return await apply_projected(message, writes=writes, finished_ttl=TTL, now=utcnow())
 
 
 async def _status(tasks: AsyncCollection[Document], command: ScoreText) -> TaskStatus | None:

@@ -73,7 +73,7 @@ def _told_again(retrying: TaskRetrying, due: datetime) -> TaskRetrying:
 
 async def _apply(tasks: Tasks, *events: TaskEvent) -> None:
     for event in events:
-        await apply_projected(event, writes=GroupWriter(tasks), finished_ttl=TTL)
+        await apply_projected(event, writes=GroupWriter(tasks), finished_ttl=TTL, now=utcnow())
 
 
 async def _view(tasks: Tasks, command: ScoreText) -> TaskView:

@@ -52,7 +52,7 @@ async def _accepted(
         not_before=None if start_in is None else now + start_in,
     )
     assert await apply_projected(
-        accepted_event(command), writes=GroupWriter(tasks), finished_ttl=TTL
+        accepted_event(command), writes=GroupWriter(tasks), finished_ttl=TTL, now=utcnow()
     )
     return command
 
@@ -74,6 +74,7 @@ async def test_a_scheduled_task_reads_queued_once_its_start_has_come(
         ),
         writes=GroupWriter(tasks),
         finished_ttl=TTL,
+        now=utcnow(),
     )
 
     async def read(now_in: timedelta) -> Document:

@@ -7,13 +7,15 @@ projection's own write path."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from faststream.rabbit import RabbitBroker
 from pymongo.asynchronous.collection import AsyncCollection
 
 from devtools.infra import Endpoint
+from services.gateway.publisher import TaskPublisher
 from services.status.projection import (
     UNFINISHED_RETENTION,
     apply_projected,
@@ -33,10 +35,12 @@ from shared.contracts import (
     utcnow,
 )
 from shared.group_writes import GroupWriter
-from tests.support import CommandCounter, scratch_collection
+from shared.topology import STATUS_PROJECTION
+from tests.support import CommandCounter, drain, scratch_collection
 
 Document = dict[str, Any]
 TTL = timedelta(hours=1)
+BROKER_TIMEOUT_S = 10.0
 
 
 @pytest.fixture
@@ -50,7 +54,7 @@ async def _apply(
 ) -> None:
     message = projected_event(routing_key, body)
     assert message is not None
-    await apply_projected(message, writes=GroupWriter(tasks), finished_ttl=TTL, now=now)
+    await apply_projected(message, writes=GroupWriter(tasks), finished_ttl=TTL, now=now or utcnow())
 
 
 async def _command(tasks: AsyncCollection[Document], command: ScoreText) -> None:
@@ -199,3 +203,19 @@ async def test_an_unfinished_task_of_an_earlier_build_expires_after_the_upgrade(
         assert abs(expiries[task_id] - expiry) < timedelta(milliseconds=1), task_id
     later = now + UNFINISHED_RETENTION + timedelta(seconds=1)
     assert await find_task("legacy", tenant_id="acme", tasks=tasks, now=later) is None
+
+
+async def test_a_withdrawal_is_dated_by_the_gateways_clock(
+    task_broker: RabbitBroker, amqp_url: str
+) -> None:
+    # Its date plus `WITHDRAWN_RETENTION` is the tombstone's expiry, which the projection's
+    # reads and MongoDB's TTL monitor judge by the database's clock, the gateway's too.
+    gateways_clock = datetime(2030, 1, 1, tzinfo=UTC)
+    command = ScoreText(task_id=new_id(), tenant_id="acme", text="Refused by the broker.")
+    publisher = TaskPublisher(task_broker, clock=lambda: gateways_clock, timeout_s=BROKER_TIMEOUT_S)
+
+    await publisher.withdraw([command])
+
+    copies = await drain(amqp_url, STATUS_PROJECTION.name)
+    withdrawals = [ScoreWithdrawn.model_validate_json(copy.body) for copy in copies]
+    assert [(w.task_id, w.occurred_at) for w in withdrawals] == [(command.task_id, gateways_clock)]

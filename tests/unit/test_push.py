@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any, cast
@@ -242,6 +242,7 @@ async def test_a_finished_task_is_answered_at_once() -> None:
         wait_s=60,
         known_status=None,
         settle_s=0,
+        clock=utcnow,
     )
     assert view is not None
     assert view.status is TaskStatus.COMPLETED
@@ -258,6 +259,7 @@ async def test_a_status_other_than_the_clients_is_answered_at_once() -> None:
         wait_s=60,
         known_status=TaskStatus.QUEUED,
         settle_s=0,
+        clock=utcnow,
     )
     assert view is not None
     assert view.status is TaskStatus.PROCESSING
@@ -271,6 +273,7 @@ async def _long_poll_waiting(
     known_status: TaskStatus,
     settle_s: float,
     wait_s: float = 60,
+    clock: Callable[[], datetime] = utcnow,
 ) -> asyncio.Task[TaskView | None]:
     """A long-poll of task t1 (60 s by default), once it waits for the task's next change."""
     waiting = asyncio.create_task(
@@ -282,6 +285,7 @@ async def _long_poll_waiting(
             wait_s=wait_s,
             known_status=known_status,
             settle_s=settle_s,
+            clock=clock,
         )
     )
 
@@ -344,6 +348,7 @@ async def test_a_status_service_away_at_the_first_read_is_the_callers_to_answer(
             wait_s=1,
             known_status=None,
             settle_s=0,
+            clock=utcnow,
         )
 
 
@@ -359,6 +364,7 @@ async def test_a_long_poll_ignores_events_its_view_already_reflects() -> None:
         wait_s=0.05,
         known_status=None,
         settle_s=0,
+        clock=utcnow,
     )
     assert view is not None
     assert view.status is TaskStatus.PROCESSING
@@ -440,6 +446,27 @@ async def test_a_scheduled_task_coming_due_answers_a_long_poll_without_an_event(
     assert len(live) == 0
 
 
+async def test_a_scheduled_task_comes_due_by_the_services_clock() -> None:
+    """The gateway's clock (the database's, as the status service's, which turns the task
+    `queued`) reads an hour ahead of this machine's, where the task is not due for another
+    hour yet: the long-poll reads again at once, not in an hour."""
+    live = LiveUpdates()
+    ahead = timedelta(hours=1)
+    due = utcnow() + ahead
+    views = Views(_scheduled(due), _scheduled(due), _view(TaskStatus.QUEUED, 0))
+    waiting = await _long_poll_waiting(
+        views,
+        live,
+        known_status=TaskStatus.SCHEDULED,
+        settle_s=0,
+        clock=lambda: utcnow() + ahead,
+    )
+    view = await asyncio.wait_for(waiting, 30)  # a hang guard: the long-poll waits 60 s
+    assert view is not None
+    assert view.status is TaskStatus.QUEUED
+    assert views.reads == 3
+
+
 class Stalling:
     """A status reader that gives its views, then never answers again (a status service that
     hangs)."""
@@ -476,6 +503,7 @@ async def test_a_long_poll_ends_with_the_view_it_holds_when_a_read_outlasts_its_
             wait_s=0.05,
             known_status=TaskStatus.QUEUED,
             settle_s=5,
+            clock=utcnow,
         )
     assert view == _view(TaskStatus.QUEUED, 0)
     assert views.reads == 2
@@ -588,6 +616,7 @@ async def test_long_polls_arriving_together_share_one_bind_and_keep_their_deadli
             wait_s=0.05,
             known_status=None,
             settle_s=0,
+            clock=utcnow,
         )
 
     async with asyncio.timeout(30):  # a hang guard only: the bind never ends on its own
@@ -1219,6 +1248,7 @@ async def test_a_stopping_replica_answers_its_long_polls_and_any_that_arrive() -
             wait_s=60,
             known_status=TaskStatus.QUEUED,
             settle_s=5,
+            clock=utcnow,
         )
     assert view is not None
     assert late is not None
@@ -1255,6 +1285,7 @@ def _an_hours_long_poll(views: Views, live: LiveUpdates) -> Coroutine[Any, Any, 
         wait_s=3600,
         known_status=TaskStatus.QUEUED,
         settle_s=0,
+        clock=utcnow,
     )
 
 

@@ -64,12 +64,11 @@ def create_app(
     clock = clock or DatabaseClock()  # the time its records are judged by
     # At stop, a delivery in hand may be resolving its host, posting, then recording and
     # publishing what it decided: cut short, its redelivery would post again.
-    graceful_s = settings.dns_timeout_s + settings.timeout_s + 2 * settings.broker_timeout_s
     broker = broker or make_broker(
         settings,
         prefetch=settings.deliveries_in_hand,  # the reserve for idle tenants included
         name="notifier",
-        graceful_timeout_s=graceful_s,
+        graceful_timeout_s=settings.stop_grace_s,
     )
     mongo = mongo or make_mongo(settings)
     database = settings.database_name("notifier")

@@ -89,6 +89,7 @@ from services.notifier.sender import ReceiverAnswer
 from services.notifier.signing import signed_headers
 from services.notifier.ssrf import Destination, WebhookGuard
 from shared.backoff import capped_exponential_s, jittered_s
+from shared.clock_offset import wall_clock
 from shared.contracts import DeliverWebhook, WebhookPurpose, new_id
 from shared.http import parse_retry_after
 from shared.in_hand import InHand
@@ -190,6 +191,10 @@ class DeliveryDeps:
     rng: random.Random
     owner: str  # this process, as its claims name it (unique per process)
     lease: timedelta
+    # What `webhook-timestamp` is read from: a receiver judges it by real time (its own
+    # clock, within five minutes in the usual libraries), which this host's clock tracks and
+    # the database's, which `clock` follows, need not.
+    signing_clock: Clock = wall_clock
     # The (delivery id, attempt) pairs deliveries of this process are claiming or sending.
     in_hand: InHand[tuple[str, int]] = field(default_factory=InHand)
     # The POSTs of this process in flight per destination and per tenant, each bounded;
@@ -501,7 +506,7 @@ async def _send(
         # Signed as sent, not as claimed: the claim, the keyring's read and the DNS check
         # come between, up to minutes with slow ones, and a receiver refuses (for good, a
         # 4xx) a timestamp older than its tolerance, five minutes in the usual libraries.
-        sent_at = int(deps.clock().timestamp())
+        sent_at = int(deps.signing_clock().timestamp())
         headers = signed_headers(
             secrets, webhook_id=delivery.delivery_id, timestamp=sent_at, body=body
         )

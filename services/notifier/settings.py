@@ -200,6 +200,16 @@ class NotifierSettings(AdminApiSettings):
         return self.dns_timeout_s + self.timeout_s
 
     @property
+    def stop_grace_s(self) -> float:
+        """How long the deliveries in hand get to finish at stop: the POST, the claim
+        holder's database calls (as the lease counts them) and two broker timeouts for
+        publishing what it decided, each at its bound (50 s by default). Without the
+        database calls, a slow database during a deploy cut an answered POST off from its
+        record, and the redelivery POSTed it again once the lease ran out (the notifier's
+        re-read, session 59)."""
+        return self.post_s + CLAIM_DATABASE_CALLS * self.mongo_timeout_s + 2 * self.broker_timeout_s
+
+    @property
     def lease_s(self) -> float:
         """How long a claimed delivery is ours before another consumer may take it over.
 

@@ -322,13 +322,35 @@ async def test_a_webhook_is_signed_with_the_time_it_is_sent_not_claimed(
     guard = WebhookGuard(
         SlowDns(clock, timedelta(minutes=6)), allowed_test_hosts=frozenset({"127.0.0.1"})
     )
-    deps = replace(make_deps("proc-a"), clock=clock, guard=guard, lease=timedelta(hours=1))
+    deps = replace(
+        make_deps("proc-a"), clock=clock, signing_clock=clock, guard=guard, lease=timedelta(hours=1)
+    )
 
     assert await deliver_webhook(delivery, deps=deps) == Done("delivered (200)")
 
     [received] = endpoint.requests(delivery.url)
     sent_at = int(received.headers["webhook-timestamp"])
     assert sent_at == int((claimed_at + timedelta(minutes=6)).timestamp())
+
+
+async def test_a_webhook_is_signed_with_this_hosts_time_not_the_databases(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    """The service's clock follows the database server's; a receiver checks the timestamp
+    against real time: with the database's clock six minutes ahead, every webhook was refused
+    for good (a 4xx) as too new (the notifier's re-read)."""
+    endpoint = receiver[0]
+    delivery = _delivery(endpoint)
+    databases_clock = SteppedClock(utcnow() + timedelta(minutes=6))
+    await ledger.register(delivery, now=databases_clock())
+    deps = replace(make_deps("proc-a"), clock=databases_clock, lease=timedelta(hours=1))
+
+    before = int(utcnow().timestamp())
+    assert await deliver_webhook(delivery, deps=deps) == Done("delivered (200)")
+    after = int(utcnow().timestamp())
+
+    [received] = endpoint.requests(delivery.url)
+    assert before <= int(received.headers["webhook-timestamp"]) <= after
 
 
 class RotatingDns(TableResolver):

@@ -1,0 +1,77 @@
+"""The notifier's stop gives a delivery in hand the whole of its path.
+
+The grace period was `WEBHOOK_DNS_TIMEOUT_S` + `WEBHOOK_TIMEOUT_S` + 2 x `BROKER_TIMEOUT_S`:
+the claim holder's database calls were not counted, so with a slow database during a deploy
+a POST answered was cut off from its record, and its redelivery POSTed it again once the
+lease ran out (the notifier's re-read). Read from the settings, without a broker.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import services.notifier.app as notifier_app
+from services.notifier.settings import NotifierSettings
+from shared import runtime
+from shared.runtime import HTTP_DRAIN_S
+
+COMPOSE_FILE = Path(__file__).resolve().parents[2] / "compose.yaml"
+TIMEOUTS = {
+    "WEBHOOK_DNS_TIMEOUT_S": "4",
+    "WEBHOOK_TIMEOUT_S": "20",
+    "MONGO_TIMEOUT_S": "7",
+    "BROKER_TIMEOUT_S": "3",
+}
+
+
+def _delivery_path_s(settings: NotifierSettings) -> float:
+    """Each bounded step of a delivery in hand, from its claim to its last confirm."""
+    mongo_s, broker_s = settings.mongo_timeout_s, settings.broker_timeout_s
+    steps = {
+        "claim": mongo_s,
+        "keyring read": mongo_s,
+        "DNS check": settings.dns_timeout_s,
+        "POST": settings.timeout_s,
+        "outcome recorded": mongo_s,
+        "what it decided, published and confirmed": 2 * broker_s,
+    }
+    return sum(steps.values())
+
+
+def _graceful_timeout_of_create_app(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> float:
+    """The graceful timeout `create_app` gives the broker it makes (nothing is started)."""
+    given: dict[str, Any] = {}
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        given.update(kwargs)
+        return runtime.make_broker(*args, **kwargs)
+
+    monkeypatch.setattr(notifier_app, "make_broker", recording)
+    notifier_app.create_app(NotifierSettings.model_validate(env))
+    return float(given["graceful_timeout_s"])
+
+
+@pytest.mark.parametrize("env", [{}, TIMEOUTS], ids=["defaults", "other timeouts"])
+def test_the_stop_grace_covers_a_deliverys_whole_path(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str]
+) -> None:
+    expected = _delivery_path_s(NotifierSettings.model_validate(env))
+
+    assert _graceful_timeout_of_create_app(monkeypatch, env) >= expected
+
+
+def test_compose_waits_for_the_drain_the_grace_and_the_stops_own_steps() -> None:
+    """The orchestrator's SIGKILL must not cut the grace short: compose's period covers the
+    HTTP drain, the grace, and the consumers' cancel, the acks and the closes (one broker
+    timeout each) after it."""
+    settings = NotifierSettings()
+    notifier = COMPOSE_FILE.read_text().split("\n  notifier:\n", 1)[1]
+    found = re.search(r"^\s+stop_grace_period: (\d+)s$", notifier, re.MULTILINE)
+    assert found is not None, "the notifier has no stop_grace_period in seconds"
+    stop_steps_s = 3 * settings.broker_timeout_s
+
+    assert int(found[1]) >= HTTP_DRAIN_S + _delivery_path_s(settings) + stop_steps_s

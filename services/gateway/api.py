@@ -37,6 +37,7 @@ from services.gateway.refusals import Refusals
 from services.gateway.schemas import (
     ALLOWED_MODELS_CONTEXT,
     EXPIRED,
+    NOW_CONTEXT,
     ScoreSubmission,
     SubmissionAccepted,
 )
@@ -119,6 +120,7 @@ def status_url(task_id: str) -> str:
 async def parse_submission(
     request: Request,
     settings: GatewaySettings,
+    clock: Callable[[], datetime],
     *,
     arrived: Callable[[], Awaitable[None]] | None = None,
 ) -> ScoreSubmission:
@@ -135,7 +137,8 @@ async def parse_submission(
         )
     try:
         return ScoreSubmission.model_validate(
-            payload, context={ALLOWED_MODELS_CONTEXT: settings.allowed_models}
+            payload,
+            context={ALLOWED_MODELS_CONTEXT: settings.allowed_models, NOW_CONTEXT: clock()},
         )
     except ValidationError as error:
         raise invalid_fields(error) from error
@@ -273,7 +276,9 @@ def score_routes(
         idempotency_key: str | None = Header(default=None, alias="Idempotency-Key"),
         caller: Caller = callers.identified,
     ) -> JSONResponse:
-        submission = await callers.read_counted(caller, parse_submission, request, deps.settings)
+        submission = await callers.read_counted(
+            caller, parse_submission, request, deps.settings, deps.clock
+        )
         try:
             submitted = await submit_score(
                 submission,

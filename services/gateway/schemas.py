@@ -43,6 +43,9 @@ EXPIRED = "expired"
 # The validation context's models a submission may name (`LLM_ALLOWED_MODELS` and `LLM_MODEL`;
 # absent: any).
 ALLOWED_MODELS_CONTEXT = "allowed_models"
+# The validation context's time a `not_before` is judged by: the gateway's clock, the one
+# it makes the task due by (absent: this host's).
+NOW_CONTEXT = "now"
 
 
 def _offered(model: str, info: ValidationInfo) -> str:
@@ -184,14 +187,15 @@ class ScoreSubmission(BaseModel):
 
     @field_validator("not_before")
     @classmethod
-    def _not_before_in_range(cls, when: datetime | None) -> datetime | None:
+    def _not_before_in_range(cls, when: datetime | None, info: ValidationInfo) -> datetime | None:
         if when is None:
             return None
         try:
             in_utc = when.astimezone(UTC)
         except OverflowError:
             raise ValueError("not_before is outside the range of dates (in UTC)") from None
-        if in_utc > datetime.now(UTC) + timedelta(seconds=MAX_DELAY_S):
+        now = (info.context or {}).get(NOW_CONTEXT) or datetime.now(UTC)
+        if in_utc > now + timedelta(seconds=MAX_DELAY_S):
             raise ValueError(f"not_before may lie at most {MAX_DELAY_S} seconds (7 days) ahead")
         return in_utc
 

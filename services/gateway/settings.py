@@ -169,12 +169,15 @@ class GatewaySettings(AdminApiSettings):
     @property
     def longest_refusal_s(self) -> float:
         """The longest a submission takes, from its record's `created_at`, to be refused and
-        its record deleted: the result-cache lookup, the insert and the in-flight slot
-        (`MONGO_TIMEOUT_S` each), the publish the broker refuses and the withdrawal from the
-        projection (`BROKER_TIMEOUT_S` each), then the slot's release and the record's delete
-        (`MONGO_TIMEOUT_S` each). It was 3 x `MONGO_TIMEOUT_S` + `BROKER_TIMEOUT_S`, which
-        left out the lookup, the withdrawal and the release (found in review)."""
-        return 5 * self.mongo_timeout_s + 2 * self.broker_timeout_s
+        its record deleted: the result-cache lookup, the in-flight count and the
+        Idempotency-Key lookup of a tenant refused lately (`submit.refuse_before_recording`),
+        the insert and the in-flight slot (`MONGO_TIMEOUT_S` each), the publish the broker
+        refuses and the withdrawal from the projection (`BROKER_TIMEOUT_S` each), then the
+        slot's release and the record's delete (`MONGO_TIMEOUT_S` each). It was 3 x
+        `MONGO_TIMEOUT_S` + `BROKER_TIMEOUT_S`, which left out the lookup, the withdrawal and
+        the release (found in review), then 5 x + 2 x, which left out the two reads before
+        the insert (the gateway's re-read, session 59)."""
+        return 7 * self.mongo_timeout_s + 2 * self.broker_timeout_s
 
     def outbox_grace_warning(self) -> str | None:
         """Why `OUTBOX_GRACE_S` is too short, if it is. Another replica's outbox sweep takes a
@@ -187,7 +190,7 @@ class GatewaySettings(AdminApiSettings):
         if self.outbox_grace_s > longest:
             return None
         return (
-            f"OUTBOX_GRACE_S ({self.outbox_grace_s:g}) should exceed 5 x MONGO_TIMEOUT_S "
+            f"OUTBOX_GRACE_S ({self.outbox_grace_s:g}) should exceed 7 x MONGO_TIMEOUT_S "
             f"({self.mongo_timeout_s:g}) plus 2 x BROKER_TIMEOUT_S ({self.broker_timeout_s:g}), "
             f"{longest:g} s, the longest a submission takes to be refused: another "
             "replica's outbox sweep may send a submission its request is still refusing"

@@ -368,6 +368,30 @@ async def test_a_chunked_body_within_the_limit_is_accepted(stack: Stack) -> None
     assert response.status_code == 202, response.text
 
 
+# --------------------------------------------------------------------------- dates
+
+
+async def test_a_not_before_is_bounded_by_the_gateways_clock(stack: Stack) -> None:
+    """At most 7 days ahead of the clock the gateway makes it due by (here a day ahead of
+    this machine's): judged by this machine's, a date the gateway takes for 6 days 23 hours
+    ahead was refused (the gateway's re-read)."""
+    key = await stack.auth()
+    within = stack.clock() + timedelta(days=7) - timedelta(hours=1)
+    beyond = stack.clock() + timedelta(days=7) + timedelta(hours=1)
+
+    taken = await stack.api.post(
+        "/v1/scores", json={"text": "Next week.", "not_before": within.isoformat()}, headers=key
+    )
+    assert taken.status_code == 202, taken.text
+    before = await stack.stored()
+    refused = await stack.api.post(
+        "/v1/scores", json={"text": "Too late.", "not_before": beyond.isoformat()}, headers=key
+    )
+    body = _assert_problem(refused, 422)
+    assert "7 days" in body["detail"]
+    assert await stack.stored() == before
+
+
 async def test_a_replica_minutes_behind_counts_in_the_window_the_others_filled(
     mongo: Endpoint,
 ) -> None:

@@ -13,18 +13,21 @@ from services.gateway.settings import GatewaySettings
 @pytest.mark.parametrize(
     "given",
     [
-        {"MONGO_TIMEOUT_S": "8"},  # 5 x 8 + 2 x 10 = 60, the grace left at its default 60
-        {"BROKER_TIMEOUT_S": "17.5"},  # 5 x 5 + 2 x 17.5 = 60: not above it
-        {"OUTBOX_GRACE_S": "45"},  # 5 x 5 + 2 x 10 = 45
-        # Above the old bound (3 x 1 + 2 = 5) and below the true one: 5 x 1 + 2 x 2 = 9 (a
-        # refusal within every timeout was sent by another replica's sweep; found in review).
+        {"MONGO_TIMEOUT_S": "6"},  # 7 x 6 + 2 x 10 = 62, the grace left at its default 60
+        {"BROKER_TIMEOUT_S": "12.5"},  # 7 x 5 + 2 x 12.5 = 60: not above it
+        {"OUTBOX_GRACE_S": "55"},  # 7 x 5 + 2 x 10 = 55
+        # Above the first bound (3 x 1 + 2 = 5) and the second (5 x 1 + 2 x 2 = 9), below the
+        # true one: 7 x 1 + 2 x 2 = 11 (a refusal within every timeout was sent by another
+        # replica's sweep; found in review, the two reads before the insert in a later one).
         {"MONGO_TIMEOUT_S": "1", "BROKER_TIMEOUT_S": "2", "OUTBOX_GRACE_S": "5.5"},
+        {"MONGO_TIMEOUT_S": "1", "BROKER_TIMEOUT_S": "2", "OUTBOX_GRACE_S": "10"},
     ],
 )
 def test_an_outbox_grace_a_submission_may_outlast_is_warned_of(given: dict[str, str]) -> None:
-    """The README says to keep `OUTBOX_GRACE_S` above 5 x `MONGO_TIMEOUT_S` + 2 x
+    """The README says to keep `OUTBOX_GRACE_S` above 7 x `MONGO_TIMEOUT_S` + 2 x
     `BROKER_TIMEOUT_S`, the longest a submission takes to be refused (the cache lookup, the
-    insert, the slot, the refused publish, the withdrawal, the slot's release, the delete);
+    in-flight count and the key's lookup of a tenant refused lately, the insert, the slot,
+    the refused publish, the withdrawal, the slot's release, the delete);
     below it another replica's sweep may send a submission still being refused (its client
     answered 503, its task scored)."""
     warning = GatewaySettings.model_validate(given).outbox_grace_warning()
@@ -33,10 +36,10 @@ def test_an_outbox_grace_a_submission_may_outlast_is_warned_of(given: dict[str, 
         assert name in warning
 
     # Above it, nothing to say; nor of the defaults.
-    assert GatewaySettings.model_validate({"OUTBOX_GRACE_S": "45.5"}).outbox_grace_warning() is None
+    assert GatewaySettings.model_validate({"OUTBOX_GRACE_S": "55.5"}).outbox_grace_warning() is None
     defaults = GatewaySettings.model_validate({})
     assert defaults.outbox_grace_warning() is None
-    longest_refusal = 5 * defaults.mongo_timeout_s + 2 * defaults.broker_timeout_s
+    longest_refusal = 7 * defaults.mongo_timeout_s + 2 * defaults.broker_timeout_s
     assert defaults.outbox_grace_s > longest_refusal
 
 

@@ -238,19 +238,26 @@ class Attempts:
         except DuplicateKeyError:
             held = await self.find(command.task_id)
             if held is not None and held["generation"] < command.generation:
-                return await self._replace_generation(command, claimed, token)
+                return await self._replace_generation(command, claimed, token, now=now)
             return _standing(held, command)
         return Claimed(token, made_the_record=inserted)
 
     async def _replace_generation(
-        self, command: ScoreText, claimed: Document, token: str
+        self, command: ScoreText, claimed: Document, token: str, *, now: datetime
     ) -> ClaimResult:
         """Claim the command's attempt over an older generation, taking over its `spent` when
-        it published no outcome (`_spent_taken_over`).
+        it published no outcome (`_spent_taken_over`); an older claim still running under its
+        lease is waited for (`Busy`), as one of the same generation is: replaced, its model
+        call went on, billed and never metered, its decision refused (the scheduler's
+        re-read, session 59).
 
         A write of its own, an update pipeline: as one, every claim (each new task's) cost
         twice as much on the stand-in."""
-        older = {"_id": command.task_id, "generation": {"$lt": command.generation}}
+        older = {
+            "_id": command.task_id,
+            "generation": {"$lt": command.generation},
+            "$or": [{"state": {"$ne": "running"}}, {"lease_until": {"$lt": now}}],
+        }
         # `$literal`: in a pipeline, a string starting with `$` reads as a field.
         replaced: list[Document] = [
             {

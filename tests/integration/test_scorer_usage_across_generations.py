@@ -11,19 +11,32 @@ here on the real database and calls the fake model server over HTTP.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from datetime import timedelta
+
 import pytest
 from pymongo.errors import OperationFailure
 
-from services.scorer.attempts import Attempts
+from devtools.fake_llm import FakeLLM
+from services.scorer.attempts import Attempts, Claimed
 from services.scorer.consumer import UNSTARTED_RESETS, UNSTARTED_RESETS_HEADER, _at_delivery_limit
-from services.scorer.decisions import Drop, Finish, Retry
+from services.scorer.decisions import Defer, Drop, Finish, Retry
 from services.scorer.scoring import ScorerDeps, score_text
 from services.scorer.settings import ScorerSettings
-from shared.contracts import ScoreText, TaskCompleted, TaskFailed, new_id, utcnow
+from shared.contracts import (
+    Phase,
+    ScoreResult,
+    ScoreText,
+    TaskCompleted,
+    TaskFailed,
+    event_sequence,
+    new_id,
+    utcnow,
+)
 from shared.runtime import make_broker
 from shared.topology import SCORE_REQUESTS, declare_topology
 from tests.integration import test_scorer_own_claims as own_claims
-from tests.integration.test_scorer_own_claims import LEASE, Deps
+from tests.integration.test_scorer_own_claims import LEASE, Deps, _calls
 from tests.integration.test_scorer_usage_across_retries import (
     PublishingFailures,
     _add,
@@ -56,15 +69,18 @@ def _next_generation(command: ScoreText) -> ScoreText:
     return command.model_copy(update=update)
 
 
-@pytest.mark.parametrize("next_attempt_running", [False, True], ids=["retry-decided", "running"])
+@pytest.mark.parametrize(
+    "next_attempt_abandoned", [False, True], ids=["retry-decided", "running-lease-lapsed"]
+)
 async def test_a_generation_replacing_a_retrying_one_meters_its_tokens(
-    make_deps: Deps, attempts: Attempts, next_attempt_running: bool
+    make_deps: Deps, attempts: Attempts, next_attempt_abandoned: bool
 ) -> None:
     command, _ = _task(RETRIED)
     deps = make_deps("scorer-a")
     retry = await _retried(command, deps)
-    if next_attempt_running:  # on another scorer, its model call under way
-        await attempts.claim(retry.next_command, now=utcnow(), lease=LEASE, owner="scorer-b")
+    if next_attempt_abandoned:  # claimed by a scorer that died: its lease ran out
+        lapsed = utcnow() - LEASE - timedelta(seconds=1)
+        await attempts.claim(retry.next_command, now=lapsed, lease=LEASE, owner="scorer-b")
 
     rescored = await score_text(_next_generation(command), deps=deps)
 
@@ -74,6 +90,58 @@ async def test_a_generation_replacing_a_retrying_one_meters_its_tokens(
     assert rescored.event.result.usage == _add(_billed(command.text, unusable=True), answered)
     # Generation 0's next attempt publishes nothing: its tokens had no other way out.
     assert isinstance(await score_text(_due(retry.next_command), deps=deps), Drop)
+
+
+async def test_a_generation_waits_for_an_older_ones_claim_under_way(
+    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
+) -> None:
+    """Generation 0's next attempt is claimed by another scorer, its model call under way:
+    generation 1 waits for it as a copy of the same generation would, and calls the model
+    once it has decided. Replaced at once, that call went on, billed, its decision refused
+    and its tokens never metered (the scheduler's re-read: a re-score the gateway took for
+    orphaned, or a DLQ replay, while the attempt ran)."""
+    command, marker = _task(RETRIED)
+    deps = make_deps("scorer-a")
+    retry = await _retried(command, deps)
+    under_way = await attempts.claim(
+        retry.next_command, now=utcnow(), lease=LEASE, owner="scorer-b"
+    )
+    assert isinstance(under_way, Claimed)
+    calls = _calls(fake_llm, marker)
+
+    waited = await score_text(_next_generation(command), deps=deps)
+
+    assert isinstance(waited, Defer)
+    assert waited.command.generation == 1
+    assert _calls(fake_llm, marker) == calls  # no second call while the first one runs
+    completed = _completed_as(retry.next_command)
+    assert await attempts.decide(
+        retry.next_command,
+        completed,
+        now=utcnow(),
+        raw_output=None,
+        owner="scorer-b",
+        claim=under_way,
+    )
+    rescored = await score_text(_due(waited.command), deps=deps)
+    assert isinstance(rescored, Finish)
+    assert isinstance(rescored.event, TaskCompleted)
+    assert rescored.event.generation == 1
+
+
+def _completed_as(command: ScoreText) -> Finish:
+    return Finish(
+        TaskCompleted(
+            task_id=command.task_id,
+            generation=command.generation,
+            attempt=command.attempt,
+            sequence=event_sequence(
+                generation=command.generation, attempt=command.attempt, phase=Phase.TERMINAL
+            ),
+            submitted_at=command.submitted_at,
+            result=ScoreResult(score=5, comment="ok", model="m"),
+        )
+    )
 
 
 async def test_a_generation_replacing_a_finished_one_starts_from_nothing(
@@ -151,7 +219,9 @@ async def test_a_give_up_the_database_would_not_record_bills_earlier_tokens_once
     monkeypatch.undo()
     assert failed.usage == _billed(command.text, unusable=True)
 
-    replayed = await score_text(_next_generation(command), deps=deps)
+    # The give-up's claim, never decided, holds until its lease ends; the replay comes later.
+    later = replace(deps, clock=lambda: utcnow() + LEASE + timedelta(seconds=1))
+    replayed = await score_text(_next_generation(command), deps=later)
 
     assert isinstance(replayed, Finish)
     assert isinstance(replayed.event, TaskCompleted)

@@ -293,6 +293,33 @@ async def test_a_generation_whose_outcome_the_gateway_applied_is_refused_without
     assert [cancel.generation for cancel in await _sent_cancels(stack.amqp_url)] == [1]
 
 
+@pytest.mark.parametrize("kind", [TaskCompleted, TaskFailed], ids=["completed", "failed"])
+async def test_a_generation_the_status_shows_finished_is_refused_before_the_gateway_notes_it(
+    stack: Stack, kind: type[TaskEvent]
+) -> None:
+    """The status service shows the outcome; the gateway's record does not yet (its outcome
+    consumer behind): the status answers alone. A check taking only a later generation's end
+    for the end of this one (a mutant that survived the suite) let a failed task's cancel
+    through, 202 and a cancel sent for nothing."""
+    task_id = await _submitted(stack)
+    outcome = await _outcome(stack, task_id, kind)
+    await _published(stack, outcome)
+    await _finished_generation_noted(stack, task_id, 0)
+    status = "completed" if kind is TaskCompleted else "failed"
+
+    async def shown() -> bool:
+        return bool((await stack.api.get(f"/v1/scores/{task_id}")).json()["status"] == status)
+
+    await eventually(shown, what=f"the status service showing {task_id} {status}")
+    await stack.submissions.update_one({"_id": task_id}, {"$unset": {"finished_generation": ""}})
+    await _sent_cancels(stack.amqp_url)
+
+    response = await stack.api.post(f"/v1/scores/{task_id}/cancel")
+
+    _assert_problem(response, 409)
+    assert await _sent_cancels(stack.amqp_url) == []
+
+
 async def test_a_task_answered_from_the_result_cache_is_refused_with_409(stack: Stack) -> None:
     text = f"A text scored once, then answered from the cache ({uuid.uuid4().hex})."
     scored = await _submitted(stack, text)

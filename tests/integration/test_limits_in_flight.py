@@ -408,6 +408,30 @@ class Repositories:
         )
 
 
+async def test_a_later_generations_outcome_with_its_submission_gone_frees_no_slot(
+    stack: Stack,
+) -> None:
+    """A submission that expired before its outcome releases its slot on its first run's
+    outcome; a re-score's or a replay's (a later generation, which took no slot) released one
+    all the same (a mutant that survived the suite): another task's, and the tenant went
+    past its limit."""
+    repositories = Repositories(stack)
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    await repositories.accept(tenant, 2)
+    replayed_and_gone = _failed(new_id(), tenant).model_copy(
+        update={
+            "generation": 1,
+            "sequence": event_sequence(generation=1, attempt=1, phase=Phase.TERMINAL),
+        }
+    )
+
+    await repositories.settle(replayed_and_gone)
+
+    assert await stack.in_flight(tenant) == 2
+    await repositories.settle(_failed(new_id(), tenant))  # a first run's: it releases
+    assert await stack.in_flight(tenant) == 1
+
+
 async def test_an_outcome_releases_once_even_when_repeated_midway(stack: Stack) -> None:
     """The release protocol on the real database: an outcome whose handling died between
     the counter and the mark, or two deliveries of one outcome at once, take the slot back

@@ -281,15 +281,7 @@ async def test_the_sweep_announces_an_unmarked_cache_hit_again_and_never_scores_
     await _record(gateway.submissions, plain)
     publisher = Recorded(gateway.broker)
 
-    swept = await sweep_outbox(
-        submissions=gateway.submissions,
-        publisher=publisher,
-        clock=lambda: NOW + timedelta(minutes=1),
-        grace=timedelta(seconds=30),
-        refusals=Refusals(),
-        retention=SWEEP_RETENTION,
-        batches=gateway.batches,
-    )
+    swept = await _swept(gateway, publisher, at=NOW + timedelta(minutes=1))
 
     assert swept == 2
     assert (publisher.sent, publisher.announced) == ([plain.task_id], [hit.task_id])
@@ -613,3 +605,69 @@ async def test_a_refused_submission_a_replay_left_to_the_sweep_releases_no_slot_
     assert kept["state"] == "unconfirmed"
     assert "in_flight" not in kept  # its outcome releases nothing
     assert await in_flight.count("a") == 1
+
+
+class RefusedWhileSending(Recorded):
+    """A sweep's publisher on `broker`: while it sends the first command, this replica notes
+    a refusal of `refused` (its request refusing it meanwhile)."""
+
+    def __init__(self, broker: RabbitBroker, refusals: Refusals, refused: ScoreText) -> None:
+        super().__init__(broker)
+        self.refusals, self.refused = refusals, refused
+
+    async def send(self, command: ScoreText) -> bool:
+        if not self.sent:
+            self.refusals.note(Refusal(self.refused.tenant_id, (self.refused.task_id,)))
+        return await super().send(command)
+
+
+async def test_a_submission_refused_while_its_chunk_is_being_sent_is_not_sent(
+    gateway: Gateway,
+) -> None:
+    """The pass reads a chunk again before sending it; a refusal noted after that read,
+    while an earlier record of the chunk was being sent, is checked before each send.
+    Without that check (a mutant that survived the suite) the refused one was sent and
+    scored, though its client was told nothing was kept."""
+    first, refused = _command(NOW - timedelta(minutes=2)), _command(NOW - timedelta(minutes=1))
+    await _record(gateway.submissions, first)
+    await _record(gateway.submissions, refused)
+    refusals = Refusals()
+    publisher = RefusedWhileSending(gateway.broker, refusals, refused)
+
+    await _swept(gateway, publisher, at=NOW + timedelta(minutes=1), refusals=refusals)
+
+    assert publisher.sent == [first.task_id]
+
+
+async def test_a_submission_younger_than_the_grace_is_left_to_its_request(
+    gateway: Gateway,
+) -> None:
+    """Its request may still run on another replica, and may yet refuse it: the sweep sends
+    only what has waited past `OUTBOX_GRACE_S`. A sweep that ignored the age (a mutant that
+    survived the suite) sent it at once."""
+    young = _command(NOW)
+    await _record(gateway.submissions, young)
+    publisher = Recorded(gateway.broker)
+
+    swept = await _swept(gateway, publisher, at=NOW + timedelta(seconds=1))
+
+    assert (swept, publisher.sent) == (0, [])
+    assert [
+        command.task_id
+        for command in await gateway.submissions.interrupted(older_than=NOW + timedelta(days=2))
+    ] == [young.task_id]
+
+
+async def _swept(
+    gateway: Gateway, publisher: Recorded, *, at: datetime, refusals: Refusals | None = None
+) -> int:
+    """One pass of the outbox sweep at `at`, with a grace of 30 s."""
+    return await sweep_outbox(
+        submissions=gateway.submissions,
+        publisher=publisher,
+        clock=lambda: at,
+        grace=timedelta(seconds=30),
+        refusals=Refusals() if refusals is None else refusals,
+        retention=SWEEP_RETENTION,
+        batches=gateway.batches,
+    )

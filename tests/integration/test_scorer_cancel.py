@@ -178,6 +178,32 @@ async def test_a_cancel_repeated_finds_its_own_cancellation_and_publishes_it_aga
     assert again == Cancelled(first.decision, recorded_now=False)
 
 
+async def test_a_replay_cancelled_after_a_give_up_that_billed_its_tokens_bills_nothing_again(
+    make_deps: Deps, attempts: Attempts
+) -> None:
+    """Generation 0 retried (billed); its next attempt was given up and the database would
+    not record the give-up, whose `task.failed` carried those tokens (`spent` marked
+    published). The DLQ replay (generation 1), cancelled before any scorer claimed it, bills
+    nothing: a cancellation that ignored the mark (a mutant that survived the suite) billed
+    them a second time."""
+    command, _ = _task(RETRIED)
+    retry = await score_text(command, deps=make_deps("scorer-a"))
+    assert isinstance(retry, Retry)
+    given_up = retry.next_command
+    assert isinstance(
+        await attempts.claim(given_up, now=utcnow(), lease=LEASE, owner="scorer-a"), Claimed
+    )
+    assert await attempts.note_spent_published(given_up)
+
+    cancelled = _cancellation(
+        await attempts.cancel(_cancel_of(command, generation=1), now=utcnow()),
+        generation=1,
+        attempt=1,
+    )
+
+    assert cancelled.usage.total_tokens == 0
+
+
 async def test_a_retrying_task_is_cancelled_at_its_next_attempt_with_what_it_was_billed(
     make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
 ) -> None:

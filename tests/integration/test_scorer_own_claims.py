@@ -163,6 +163,24 @@ async def test_a_claim_of_ours_whose_answer_was_lost_is_taken_over_at_once(
     assert _calls(fake_llm, marker) == 1
 
 
+async def test_a_redelivered_attempt_whose_retry_is_recorded_replays_it(
+    make_deps: Deps, fake_llm: FakeLLM
+) -> None:
+    """Attempt 1 decided a retry and its ack was lost: its redelivery (here on another
+    scorer) carries the recorded retry out again. A claim filter taking a decided retry's own
+    attempt for claimable (`$lte`, a mutant that survived the suite) called the model a
+    second time and sent a second attempt 2."""
+    command, marker = _command("An essay whose first answer is a 503. [[fake:503x1]]")
+    retried = await score_text(command, deps=make_deps("scorer-a"))
+    assert isinstance(retried, Retry)
+
+    again = await score_text(command, deps=make_deps("scorer-b"), redelivered=True)
+
+    assert isinstance(again, Retry)
+    assert again.next_command.message_id == retried.next_command.message_id
+    assert _calls(fake_llm, marker) == 1
+
+
 async def test_another_processs_claim_still_holds_until_its_lease_ends(
     make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM
 ) -> None:

@@ -1113,7 +1113,8 @@ def start_and_supervise(
 
 def run_stop_grace_s(env: Mapping[str, str]) -> float:
     """How long `make run` lets its services finish on Ctrl-C before it SIGKILLs them: the
-    scorer's stop, the longest, under the timeouts it runs with (130 s by default).
+    longer of the scorer's stop and the notifier's (`notifier_stop_s`), under the timeouts
+    they run with (the scorer's, 130 s, by default).
 
     That is uvicorn's wait for open requests, then the deliveries' grace period (the whole
     path of one that just took a model slot, `services.scorer.app.stop_grace_s`), then the
@@ -1137,7 +1138,25 @@ def run_stop_grace_s(env: Mapping[str, str]) -> float:
             ModelSettings.model_validate({}),
         )
     stop_steps_s = STOP_BROKER_STEPS * settings.broker_timeout_s
-    return HTTP_DRAIN_S + stop_grace_s(settings, model_settings) + stop_steps_s
+    scorer_s = HTTP_DRAIN_S + stop_grace_s(settings, model_settings) + stop_steps_s
+    return max(scorer_s, notifier_stop_s(env))
+
+
+def notifier_stop_s(env: Mapping[str, str]) -> float:
+    """The notifier's whole stop: uvicorn's wait for open requests, its deliveries' grace
+    (the consumers' cancel within it), then the acks and the closes, a broker timeout each.
+    A raised `WEBHOOK_TIMEOUT_S` makes it the longer: killed mid-POST, the redelivery POSTs
+    again once the lease runs out (the re-read of session 59)."""
+    from pydantic import ValidationError  # noqa: PLC0415 - the services' imports, only here
+
+    from services.notifier.settings import NotifierSettings  # noqa: PLC0415
+    from shared.runtime import HTTP_DRAIN_S  # noqa: PLC0415
+
+    try:
+        settings = NotifierSettings.model_validate(env)
+    except ValidationError:
+        settings = NotifierSettings.model_validate({})
+    return HTTP_DRAIN_S + settings.stop_grace_s + 2 * settings.broker_timeout_s
 
 
 INFRA_URL_ENV = {"RabbitMQ": "RABBITMQ_URL", "MongoDB": "MONGO_URL"}

@@ -76,7 +76,7 @@ class GatewaySettings(AdminApiSettings):
     )
     # A submission still `accepting` (interrupted) or `unconfirmed` after this long is sent by
     # the outbox sweep.
-    # Above `longest_refusal_s` (45 s with the default timeouts): see `outbox_grace_warning`.
+    # Above `longest_refusal_s` (55 s with the default timeouts): see `outbox_grace_warning`.
     outbox_grace_s: float = Field(
         default=60.0, gt=0, le=MAX_DURATION_S, validation_alias="OUTBOX_GRACE_S"
     )

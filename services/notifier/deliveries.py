@@ -191,10 +191,11 @@ class DeliveryDeps:
     rng: random.Random
     owner: str  # this process, as its claims name it (unique per process)
     lease: timedelta
-    # What `webhook-timestamp` is read from: a receiver judges it by real time (its own
-    # clock, within five minutes in the usual libraries), which this host's clock tracks and
-    # the database's, which `clock` follows, need not.
-    signing_clock: Clock = wall_clock
+    # What the times a receiver reads or sends are taken against: `webhook-timestamp`, which
+    # it judges by real time (its own clock, within five minutes in the usual libraries),
+    # and the date of its `Retry-After`. This host's clock tracks real time; the database's,
+    # which `clock` follows, need not.
+    host_clock: Clock = wall_clock
     # The (delivery id, attempt) pairs deliveries of this process are claiming or sending.
     in_hand: InHand[tuple[str, int]] = field(default_factory=InHand)
     # The POSTs of this process in flight per destination and per tenant, each bounded;
@@ -506,13 +507,13 @@ async def _send(
         # Signed as sent, not as claimed: the claim, the keyring's read and the DNS check
         # come between, up to minutes with slow ones, and a receiver refuses (for good, a
         # 4xx) a timestamp older than its tolerance, five minutes in the usual libraries.
-        sent_at = int(deps.signing_clock().timestamp())
+        sent_at = int(deps.host_clock().timestamp())
         headers = signed_headers(
             secrets, webhook_id=delivery.delivery_id, timestamp=sent_at, body=body
         )
         answer = await deps.sender.post(destination, body=body, headers=headers)
         status = answer.status
-        judge_answer(answer, now=deps.clock())
+        judge_answer(answer, now=deps.host_clock())
     except PermanentDeliveryError as error:
         deps.metrics.count_attempt(delivery.purpose, "rejected", time.perf_counter() - started)
         return await _give_up(

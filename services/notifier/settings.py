@@ -12,6 +12,9 @@ from shared.webhook_urls import IPAddress, UnsafeWebhookUrl, check_host_name, pa
 
 # The database calls a claim's holder makes under its lease (`NotifierSettings.lease_s`).
 CLAIM_DATABASE_CALLS = 3
+# The broker steps within the stop's grace: the consumers' cancel, then the two confirms of
+# what a delivery decided.
+STOP_BROKER_STEPS_IN_GRACE = 3
 # The longest one step of a webhook POST may take (as LLM_TIMEOUT_S): the delivery is held
 # unacknowledged meanwhile, and RabbitMQ closes the channel of one held 30 minutes.
 MAX_WEBHOOK_TIMEOUT_S = 600.0
@@ -201,13 +204,15 @@ class NotifierSettings(AdminApiSettings):
 
     @property
     def stop_grace_s(self) -> float:
-        """How long the deliveries in hand get to finish at stop: the POST, the claim
-        holder's database calls (as the lease counts them) and two broker timeouts for
-        publishing what it decided, each at its bound (50 s by default). Without the
-        database calls, a slow database during a deploy cut an answered POST off from its
-        record, and the redelivery POSTed it again once the lease ran out (the notifier's
-        re-read, session 59)."""
-        return self.post_s + CLAIM_DATABASE_CALLS * self.mongo_timeout_s + 2 * self.broker_timeout_s
+        """How long the deliveries in hand get to finish at stop: the consumers' cancel,
+        which shares the grace (`ScoreboxBroker.stop`), then the POST, the claim holder's
+        database calls (as the lease counts them) and two broker timeouts for publishing
+        what it decided, each at its bound (60 s by default). Without the database calls, a
+        slow database during a deploy cut an answered POST off from its record, and the
+        redelivery POSTed it again once the lease ran out (the notifier's re-read, session
+        59)."""
+        database_s = CLAIM_DATABASE_CALLS * self.mongo_timeout_s
+        return self.post_s + database_s + STOP_BROKER_STEPS_IN_GRACE * self.broker_timeout_s
 
     @property
     def lease_s(self) -> float:

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
+from email.utils import format_datetime
 from typing import Any
 
 import pytest
@@ -323,7 +324,7 @@ async def test_a_webhook_is_signed_with_the_time_it_is_sent_not_claimed(
         SlowDns(clock, timedelta(minutes=6)), allowed_test_hosts=frozenset({"127.0.0.1"})
     )
     deps = replace(
-        make_deps("proc-a"), clock=clock, signing_clock=clock, guard=guard, lease=timedelta(hours=1)
+        make_deps("proc-a"), clock=clock, host_clock=clock, guard=guard, lease=timedelta(hours=1)
     )
 
     assert await deliver_webhook(delivery, deps=deps) == Done("delivered (200)")
@@ -351,6 +352,33 @@ async def test_a_webhook_is_signed_with_this_hosts_time_not_the_databases(
 
     [received] = endpoint.requests(delivery.url)
     assert before <= int(received.headers["webhook-timestamp"]) <= after
+
+
+async def test_a_receivers_retry_after_date_is_read_against_this_hosts_time(
+    make_deps: Deps, ledger: Ledger, receiver: tuple[Receiver, Any]
+) -> None:
+    """A receiver's `Retry-After` date is real time, as its clock tells it: read against the
+    database's clock twenty minutes ahead, a date ten minutes on was already past, and the
+    next attempt came after the back-off, not when the receiver asked."""
+    endpoint = receiver[0]
+    retry_at = utcnow() + timedelta(minutes=10)
+    url = endpoint.endpoint((503, {"Retry-After": format_datetime(retry_at, usegmt=True)}))
+    delivery = _delivery(endpoint).model_copy(update={"url": url})
+    databases_clock = SteppedClock(utcnow() + timedelta(minutes=20))
+    await ledger.register(delivery, now=databases_clock())
+    deps = replace(
+        make_deps("proc-a"),
+        clock=databases_clock,
+        lease=timedelta(hours=1),
+        policy=RetryPolicy(base_s=0.01, cap_s=3600),
+    )
+
+    decided = await deliver_webhook(delivery, deps=deps)
+
+    assert isinstance(decided, Send)
+    assert decided.command.not_before is not None
+    waits = decided.command.not_before - databases_clock()
+    assert waits >= timedelta(minutes=9), waits
 
 
 class RotatingDns(TableResolver):

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import services.notifier.app as notifier_app
+from devtools.stack import run_stop_grace_s
 from services.notifier.settings import NotifierSettings
 from shared import runtime
 from shared.runtime import HTTP_DRAIN_S
@@ -32,6 +33,7 @@ def _delivery_path_s(settings: NotifierSettings) -> float:
     """Each bounded step of a delivery in hand, from its claim to its last confirm."""
     mongo_s, broker_s = settings.mongo_timeout_s, settings.broker_timeout_s
     steps = {
+        "the consumers' cancel, within the grace (`ScoreboxBroker.stop`)": broker_s,
         "claim": mongo_s,
         "keyring read": mongo_s,
         "DNS check": settings.dns_timeout_s,
@@ -64,14 +66,25 @@ def test_the_stop_grace_covers_a_deliverys_whole_path(
     assert _graceful_timeout_of_create_app(monkeypatch, env) >= expected
 
 
+def _whole_stop_s(settings: NotifierSettings) -> float:
+    """The HTTP drain, a delivery's whole path, then the acks and the closes (one broker
+    timeout each)."""
+    return HTTP_DRAIN_S + _delivery_path_s(settings) + 2 * settings.broker_timeout_s
+
+
 def test_compose_waits_for_the_drain_the_grace_and_the_stops_own_steps() -> None:
-    """The orchestrator's SIGKILL must not cut the grace short: compose's period covers the
-    HTTP drain, the grace, and the consumers' cancel, the acks and the closes (one broker
-    timeout each) after it."""
-    settings = NotifierSettings()
+    """The orchestrator's SIGKILL must not cut the grace short."""
     notifier = COMPOSE_FILE.read_text().split("\n  notifier:\n", 1)[1]
     found = re.search(r"^\s+stop_grace_period: (\d+)s$", notifier, re.MULTILINE)
     assert found is not None, "the notifier has no stop_grace_period in seconds"
-    stop_steps_s = 3 * settings.broker_timeout_s
 
-    assert int(found[1]) >= HTTP_DRAIN_S + _delivery_path_s(settings) + stop_steps_s
+    assert int(found[1]) >= _whole_stop_s(NotifierSettings())
+
+
+@pytest.mark.parametrize(
+    "env", [{}, TIMEOUTS, {"WEBHOOK_TIMEOUT_S": "120"}], ids=["defaults", "other", "long POST"]
+)
+def test_make_run_waits_for_the_notifiers_whole_stop(env: dict[str, str]) -> None:
+    """`make run` waited for the scorer's stop alone: with a long `WEBHOOK_TIMEOUT_S` the
+    notifier's is longer, and a POST killed mid-way is POSTed again by its redelivery."""
+    assert run_stop_grace_s(env) >= _whole_stop_s(NotifierSettings.model_validate(env))

@@ -17,10 +17,7 @@ task with `cancelled`, written over what stands when nothing has started the gen
 model call, so that the generation's next command collides with it and carries it out
 instead of calling the model. A newer generation is cancelled over an older one's retry or
 failure (a DLQ replay runs a failure again), not over its completion: a re-score of a
-completed task is not cancelled, and the completion stands. While a model call runs under
-a live lease, its own generation's or an older one's (which the newer generation's command
-waits for), the cancellation is noted on the attempt instead (`cancel_requested`), and the
-cancelled generation's next claim meets it before its call.
+completed task is not cancelled, and the completion stands.
 
 A claim is an atomic conditional upsert. It succeeds for a task never seen, the attempt
 after a decided retry, a running attempt whose lease expired (its worker died), or, when
@@ -148,13 +145,11 @@ class BeforeTheCall:
 
 @dataclass(frozen=True)
 class _CallUnderWay:
-    """`_cancellable`: the cancel's generation, or an older one its command waits for (a
-    newer generation does not replace a live claim), is calling the model under a live
-    lease; the cancellation is noted on the attempt while that state holds (`condition`)."""
+    """`_cancellable`: the cancel's generation is calling the model under a live lease; the
+    cancellation is noted on the attempt while that state holds (`condition`)."""
 
     condition: Document
     attempt: int
-    generation: int
 
 
 class CancelContended(Exception):
@@ -171,15 +166,7 @@ class Attempts:
         # What earlier attempts were billed, and a cancellation noted meanwhile; re-scores of a
         # fan-out read it many at once.
         self._spent_reads = GroupReader(
-            self._collection,
-            projection={
-                "spent": True,
-                CANCEL_REQUESTED: True,
-                "generation": True,
-                "state": True,
-                "decision.kind": True,
-                OVER_COMPLETION: True,
-            },
+            self._collection, projection={"spent": True, CANCEL_REQUESTED: True}
         )
         # A batch's cancellations come many at once, each reading its task first.
         self._cancel_reads = GroupReader(self._collection)
@@ -398,7 +385,10 @@ class Attempts:
             if isinstance(cancellable, _CallUnderWay):
                 if not await self._note_cancel_requested(cancellable, cancel):
                     continue  # decided meanwhile: read again
-                return TooLate(_noted_reason(cancellable, cancel))
+                return TooLate(
+                    f"attempt {cancellable.attempt} is running (its model call under way); "
+                    "should it end in a retry, the next attempt is cancelled"
+                )
             if not isinstance(cancellable, tuple):
                 return cancellable
             condition, attempt = cancellable
@@ -482,14 +472,14 @@ def _cancellable(
     generation, attempt = held["generation"], held["attempt"]
     state: Document = {"generation": generation, "attempt": attempt, "state": held["state"]}
     if held["state"] == "running":
+        if generation == cancel.generation and held["lease_until"] > now:
+            live = state | {"owner": held.get("owner"), "lease_until": held["lease_until"]}
+            return _CallUnderWay(live, attempt)
+        # An expired lease (a dead worker, as a claim takes over), or an older generation's
+        # claim, live or not: its late decision is fenced out. Over a live one, its call's
+        # tokens go unmetered; a cancellation noted on it instead (as on its own generation's
+        # call) was lost when the older generation went on to a retry (a re-read, session 59).
         condition = state | {"owner": held.get("owner"), "lease_until": held["lease_until"]}
-        if held["lease_until"] > now:
-            # Its own generation's call, or an older one's its command waits for: written
-            # over, that call went on, billed, its decision refused and its tokens never
-            # metered (a re-read, session 59). The cancel's generation meets the note.
-            return _CallUnderWay(condition, attempt, generation)
-        # An expired lease (a dead worker, as a claim takes over): its late decision is
-        # fenced out.
         return condition, attempt if generation == cancel.generation else 1
     condition = state | {"decision.kind": held["decision"]["kind"]}
     decision = decisions.load(held["decision"])
@@ -499,23 +489,9 @@ def _cancellable(
 
 
 def _cancel_noted(held: Document, generation: int) -> datetime | None:
-    """When a cancellation of `generation` was noted on the task (None: none, or one noted
-    while an older generation ran that then completed: the re-score's completion stands)."""
     requested = held.get(CANCEL_REQUESTED) or {}
-    if requested.get("generation") != generation or _completion_still_latest(held, generation):
-        return None
-    at: datetime | None = requested.get("at")
+    at: datetime | None = requested.get("at") if requested.get("generation") == generation else None
     return at
-
-
-def _noted_reason(under_way: _CallUnderWay, cancel: CancelTask) -> str:
-    running = f"attempt {under_way.attempt} is running (its model call under way)"
-    if under_way.generation == cancel.generation:
-        return f"{running}; should it end in a retry, the next attempt is cancelled"
-    return (
-        f"generation {under_way.generation}'s {running}; generation {cancel.generation} is "
-        "cancelled when it starts, unless that one completes (the completion stands)"
-    )
 
 
 def _out_of_reach(held: Document, cancel: CancelTask) -> TooLate | None:

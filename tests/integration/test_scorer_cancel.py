@@ -51,9 +51,7 @@ from shared.contracts import (
     ScoreResult,
     ScoreText,
     TaskCompleted,
-    TaskError,
     TaskFailed,
-    TaskRetrying,
     event_sequence,
     new_id,
     utcnow,
@@ -206,60 +204,6 @@ async def test_a_replay_cancelled_after_a_give_up_that_billed_its_tokens_bills_n
     )
 
     assert cancelled.usage.total_tokens == 0
-
-
-@pytest.mark.parametrize("older_ends", ["retry", "completion"])
-async def test_a_newer_generation_cancelled_while_an_older_ones_call_runs_is_cancelled_later(
-    make_deps: Deps, attempts: Attempts, fake_llm: FakeLLM, older_ends: str
-) -> None:
-    """Generation 0's attempt calls the model under a live lease; generation 1 (a replay, a
-    re-score the gateway took for orphaned) waits for it, and its cancellation is noted
-    rather than written over that claim: written over, the call went on, billed, its
-    decision refused and its tokens never metered (a re-read). Generation 1 is then
-    cancelled at its claim, its model never called; unless generation 0 completed, whose
-    completion stands over a re-score."""
-    command, marker = _task()
-    under_way = await attempts.claim(command, now=utcnow(), lease=LEASE, owner="scorer-b")
-    assert isinstance(under_way, Claimed)
-    replay = command.model_copy(update={"generation": 1, "message_id": new_id()})
-
-    noted = await attempts.cancel(_cancel_of(replay), now=utcnow())
-
-    assert isinstance(noted, TooLate)
-    assert "generation 1 is cancelled when it starts" in noted.reason
-    ended = _retried_as(command) if older_ends == "retry" else own_claims._completed(command)
-    assert await attempts.decide(
-        command, ended, now=utcnow(), raw_output=None, owner="scorer-b", claim=under_way
-    )
-    decision = await score_text(replay, deps=make_deps("scorer-a"))
-    if older_ends == "retry":
-        assert isinstance(decision, Finish)
-        assert isinstance(decision.event, TaskFailed)
-        assert (decision.event.error.code, decision.event.generation) == (CANCELLED_CODE, 1)
-        assert _calls(fake_llm, marker) == 0
-    else:
-        assert isinstance(decision, Finish)
-        assert isinstance(decision.event, TaskCompleted)
-        assert _calls(fake_llm, marker) == 1
-
-
-def _retried_as(command: ScoreText) -> Retry:
-    next_command = command.model_copy(
-        update={"attempt": command.attempt + 1, "message_id": new_id()}
-    )
-    event = TaskRetrying(
-        task_id=command.task_id,
-        tenant_id=command.tenant_id,
-        attempt=command.attempt,
-        generation=command.generation,
-        sequence=event_sequence(
-            generation=command.generation, attempt=command.attempt, phase=Phase.RETRYING
-        ),
-        submitted_at=command.submitted_at,
-        next_attempt_at=utcnow(),
-        error=TaskError(code="model_unavailable", message="503", retryable=True),
-    )
-    return Retry(event=event, next_command=next_command)
 
 
 async def test_a_retrying_task_is_cancelled_at_its_next_attempt_with_what_it_was_billed(

@@ -10,10 +10,12 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
+from types import ModuleType
 from typing import Any, override
 
 import aio_pika
 import httpx
+import pytest
 from aiohttp import web
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
@@ -27,6 +29,7 @@ from shared.batched_publish import EventBatcher
 from shared.consumers import Delivery, ScoreboxBroker
 from shared.contracts import RescoreTask, ScoreText, TaskEvent, new_id
 from shared.event_batches import BATCH_HEADER, split_batch
+from shared.runtime import make_broker
 from shared.topology import EVENTS, SCORE_REQUESTS, counted_headers
 
 POLL_INTERVAL_S = 0.05
@@ -478,3 +481,19 @@ def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
     none until it is first counted)."""
     value = registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
+
+
+def graceful_timeout_given(
+    monkeypatch: pytest.MonkeyPatch, app_module: ModuleType, build: Callable[[], object]
+) -> float:
+    """The graceful timeout `build()` (a service's `create_app`, nothing started) gives the
+    broker it makes through `app_module.make_broker`."""
+    given: dict[str, Any] = {}
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        given.update(kwargs)
+        return make_broker(*args, **kwargs)
+
+    monkeypatch.setattr(app_module, "make_broker", recording)
+    build()
+    return float(given["graceful_timeout_s"])

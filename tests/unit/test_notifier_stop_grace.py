@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 import services.notifier.app as notifier_app
 from devtools.stack import run_stop_grace_s
 from services.notifier.settings import NotifierSettings
-from shared import runtime
 from shared.runtime import HTTP_DRAIN_S
+from tests.support import graceful_timeout_given
 
 COMPOSE_FILE = Path(__file__).resolve().parents[2] / "compose.yaml"
 TIMEOUTS = {
@@ -46,15 +45,11 @@ def _delivery_path_s(settings: NotifierSettings) -> float:
 
 def _graceful_timeout_of_create_app(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> float:
     """The graceful timeout `create_app` gives the broker it makes (nothing is started)."""
-    given: dict[str, Any] = {}
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        given.update(kwargs)
-        return runtime.make_broker(*args, **kwargs)
-
-    monkeypatch.setattr(notifier_app, "make_broker", recording)
-    notifier_app.create_app(NotifierSettings.model_validate(env))
-    return float(given["graceful_timeout_s"])
+    return graceful_timeout_given(
+        monkeypatch,
+        notifier_app,
+        lambda: notifier_app.create_app(NotifierSettings.model_validate(env)),
+    )
 
 
 @pytest.mark.parametrize("env", [{}, TIMEOUTS], ids=["defaults", "other timeouts"])

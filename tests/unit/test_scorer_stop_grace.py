@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -18,8 +17,8 @@ import services.scorer.app as scorer_app
 from devtools.stack import run_stop_grace_s
 from services.scorer.model.settings import ModelSettings
 from services.scorer.settings import ScorerSettings
-from shared import runtime
 from shared.runtime import HTTP_DRAIN_S
+from tests.support import graceful_timeout_given
 
 COMPOSE_FILE = Path(__file__).resolve().parents[2] / "compose.yaml"
 TIMEOUTS = {"LLM_TIMEOUT_S": "40", "MONGO_TIMEOUT_S": "7", "BROKER_TIMEOUT_S": "3"}
@@ -42,15 +41,13 @@ def _slot_path_s(settings: ScorerSettings, model_settings: ModelSettings) -> flo
 
 def _graceful_timeout_of_create_app(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> float:
     """The graceful timeout `create_app` gives the broker it makes (nothing is started)."""
-    given: dict[str, Any] = {}
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        given.update(kwargs)
-        return runtime.make_broker(*args, **kwargs)
-
-    monkeypatch.setattr(scorer_app, "make_broker", recording)
-    scorer_app.create_app(ScorerSettings.model_validate(env), ModelSettings.model_validate(env))
-    return float(given["graceful_timeout_s"])
+    return graceful_timeout_given(
+        monkeypatch,
+        scorer_app,
+        lambda: scorer_app.create_app(
+            ScorerSettings.model_validate(env), ModelSettings.model_validate(env)
+        ),
+    )
 
 
 @pytest.mark.parametrize("env", [{}, TIMEOUTS], ids=["defaults", "other timeouts"])
